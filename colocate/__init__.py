@@ -1,0 +1,4 @@
+"""Pure co-location policy: job shapes, shadow prices, interference model, guard, planner.
+
+Imports nothing of the rest of the project.
+"""

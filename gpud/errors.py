@@ -1,0 +1,156 @@
+"""The one exception tree of gpud, and how each error surfaces to users.
+
+::
+
+    GpudError                      (exit 1, gRPC INTERNAL)
+    ├── ConfigError                bad config file or flag: names the file and key (exit 2)
+    ├── InvalidArgument            a request field is wrong: names the field (exit 2)
+    ├── NotFound                   a GPU, MIG device, job, ... does not exist (exit 4)
+    ├── AlreadyExists              (exit 5)
+    ├── FailedPrecondition         refused in the current state, e.g. busy instance (exit 6)
+    │   └── Busy                   processes still run on what would be destroyed
+    ├── ResourceExhausted          over-subscription: carries the numbers (exit 7)
+    ├── Unavailable                the daemon or a peer cannot be reached (exit 3)
+    ├── PermissionDenied           (exit 77)
+    └── BackendError               the GPU driver said no; carries the gpu index/uuid
+        ├── NotSupported           the field or call is not supported on this device
+        ├── GpuLost                the GPU fell off the bus
+        ├── DriverTimeout          a driver call did not return in time
+        ├── DriverNotLoaded        NVML cannot be initialised
+        └── InsufficientResources  MIG: no room for the instance
+
+Adapters translate native errors into this tree at the edge (``raise ... from err``).
+``ERROR_TABLE`` maps each class to a gRPC status code name and a CLI exit code; the
+gRPC server and gpuctl both read it.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+
+class GpudError(Exception):
+    """Base of every error gpud raises on purpose."""
+
+
+class ConfigError(GpudError):
+    """A config file or flag is wrong. ``path`` and ``key`` name where."""
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None):
+        where = ":".join(p for p in (path, key) if p)
+        super().__init__(f"{where}: {message}" if where else message)
+        self.path = path
+        self.key = key
+
+
+class InvalidArgument(GpudError):
+    """A request field is wrong. ``field`` names it."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+class NotFound(GpudError):
+    """Something named in a request does not exist."""
+
+
+class AlreadyExists(GpudError):
+    """Something to be created exists already."""
+
+
+class FailedPrecondition(GpudError):
+    """Refused in the current state."""
+
+
+class Busy(FailedPrecondition):
+    """Processes still run where something would be destroyed.
+
+    ``pids`` and ``jobs`` name them.
+    """
+
+    def __init__(self, message: str, *, pids: tuple[int, ...] = (), jobs: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.pids = pids
+        self.jobs = jobs
+
+
+class ResourceExhausted(GpudError):
+    """A request over-subscribes a resource; the message carries the numbers."""
+
+
+class Unavailable(GpudError):
+    """The daemon or a peer cannot be reached."""
+
+
+class PermissionDenied(GpudError):
+    """The caller may not do this."""
+
+
+class BackendError(GpudError):
+    """The GPU driver refused or failed a call.
+
+    ``gpu`` is the GPU index (or None when not about one GPU), ``uuid`` its UUID when known,
+    ``call`` the driver function, ``code`` the driver's numeric error code.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        gpu: int | None = None,
+        uuid: str | None = None,
+        call: str | None = None,
+        code: int | None = None,
+    ):
+        super().__init__(message)
+        self.gpu = gpu
+        self.uuid = uuid
+        self.call = call
+        self.code = code
+
+
+class NotSupported(BackendError):
+    """The device or driver does not support this field or call."""
+
+
+class GpuLost(BackendError):
+    """The GPU is lost (fell off the bus, needs a reset)."""
+
+
+class DriverTimeout(BackendError):
+    """A driver call did not complete in time."""
+
+
+class DriverNotLoaded(BackendError):
+    """NVML cannot be initialised: no driver, or no library."""
+
+
+class InsufficientResources(BackendError):
+    """MIG: no room for the requested instance."""
+
+
+# class -> (gRPC status code name, CLI exit code). Most specific class wins (MRO order).
+ERROR_TABLE: Final[dict[type[GpudError], tuple[str, int]]] = {
+    GpudError: ("INTERNAL", 1),
+    ConfigError: ("INVALID_ARGUMENT", 2),
+    InvalidArgument: ("INVALID_ARGUMENT", 2),
+    Unavailable: ("UNAVAILABLE", 3),
+    NotFound: ("NOT_FOUND", 4),
+    AlreadyExists: ("ALREADY_EXISTS", 5),
+    FailedPrecondition: ("FAILED_PRECONDITION", 6),
+    ResourceExhausted: ("RESOURCE_EXHAUSTED", 7),
+    PermissionDenied: ("PERMISSION_DENIED", 77),
+    BackendError: ("INTERNAL", 8),
+    NotSupported: ("UNIMPLEMENTED", 9),
+    InsufficientResources: ("RESOURCE_EXHAUSTED", 7),
+    GpuLost: ("UNAVAILABLE", 10),
+}
+
+
+def classify(err: GpudError) -> tuple[str, int]:
+    """The gRPC status code name and CLI exit code for ``err``."""
+    for cls in type(err).__mro__:
+        if cls in ERROR_TABLE:
+            return ERROR_TABLE[cls]
+    return ERROR_TABLE[GpudError]

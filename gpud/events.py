@@ -1,0 +1,90 @@
+"""The structured event log: decisions the daemon took, for people and for scripts.
+
+Each event is one JSON line in ``<state_dir>/events.jsonl`` (rotated at ``max_bytes``) and is
+kept in a short in-memory ring that ``gpuctl`` and the metrics read. Events also go to the
+``gpud.events`` logger, so journald has them too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("gpud.events")
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One decision: ``kind`` is a dotted name (``mig.apply``, ``gpu.unhealthy``, ...)."""
+
+    time: float
+    kind: str
+    message: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"time": self.time, "kind": self.kind, "message": self.message, **self.fields},
+            sort_keys=True,
+            default=str,
+        )
+
+
+class EventLog:
+    """Append-only event log with an in-memory ring of the latest ``keep`` events."""
+
+    def __init__(
+        self,
+        path: Path | None,
+        *,
+        keep: int = 1000,
+        max_bytes: int = 16 * 1024 * 1024,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._path = path
+        self._max_bytes = max_bytes
+        self._clock = clock
+        self._ring: deque[Event] = deque(maxlen=keep)
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(self, kind: str, message: str, **fields: Any) -> Event:
+        event = Event(self._clock(), kind, message, fields)
+        line = event.to_json()
+        with self._lock:
+            self._ring.append(event)
+            self._counts[kind] = self._counts.get(kind, 0) + 1
+            if self._path is not None:
+                self._rotate_if_needed()
+                with self._path.open("a", encoding="utf-8") as fh:
+                    fh.write(line + "\n")
+        log.info("%s: %s", kind, message, extra={"event": line})
+        return event
+
+    def recent(self, limit: int = 100, kind_prefix: str = "") -> list[Event]:
+        with self._lock:
+            events = [e for e in self._ring if e.kind.startswith(kind_prefix)]
+        return events[-limit:]
+
+    def counts(self) -> dict[str, int]:
+        """Events emitted since start, by kind (for ``gpud_events_total``)."""
+        with self._lock:
+            return dict(self._counts)
+
+    def _rotate_if_needed(self) -> None:
+        assert self._path is not None
+        try:
+            if self._path.stat().st_size < self._max_bytes:
+                return
+        except FileNotFoundError:
+            return
+        self._path.replace(self._path.with_suffix(".jsonl.1"))

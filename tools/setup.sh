@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Set up this checkout on a fresh Debian machine (as root): Debian packages and a virtual
+# environment in .venv with gpud installed in editable mode.
+#   tools/setup.sh          runtime only
+#   tools/setup.sh --dev    plus what the tests need (pytest, ruff, mypy, iperf3, promtool, etcd, ...)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dev=0
+[[ "${1:-}" == "--dev" ]] && dev=1
+
+apt_pkgs=(python3-venv iproute2)
+if (( dev )); then
+    apt_pkgs+=(iperf3 prometheus etcd-server etcd-client systemd procps)
+fi
+missing=()
+for p in "${apt_pkgs[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if (( ${#missing[@]} )); then
+    if [[ $(id -u) -ne 0 ]]; then
+        echo "setup: need root to install Debian packages: ${missing[*]}" >&2
+        exit 1
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    # etcd and prometheus start services on install; tests start their own instances.
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    rm -f /usr/sbin/policy-rc.d
+fi
+
+python=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+    "$python" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+if (( dev )); then
+    .venv/bin/python -m pip install -q -e . --group dev
+else
+    .venv/bin/python -m pip install -q -e .
+fi
