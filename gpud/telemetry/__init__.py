@@ -1,0 +1,1 @@
+"""Live GPU telemetry: the sampler and the immutable snapshots it produces."""

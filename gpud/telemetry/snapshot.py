@@ -1,0 +1,76 @@
+"""Immutable telemetry snapshots: what every consumer (metrics, API, policies) reads.
+
+A :class:`Snapshot` is one sampling tick over every GPU and MIG device. A reading the device
+does not support is ``None``; a GPU whose reads failed is ``healthy=False`` with ``reason``
+and keeps its last good readings' identity so that it stays visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpud.backend.port import (
+    Clocks,
+    EccCounts,
+    GpuIdentity,
+    MemoryInfo,
+    MigDeviceIdentity,
+    MigMode,
+    PcieThroughput,
+    ProcessInfo,
+    Utilization,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MigSample:
+    identity: MigDeviceIdentity
+    memory: MemoryInfo | None
+    processes: tuple[ProcessInfo, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSample:
+    """One GPU at one tick. ``sampled_at`` is the monotonic time its reads completed."""
+
+    identity: GpuIdentity
+    healthy: bool
+    reason: str  # empty when healthy; else why (e.g. "GPU lost", "driver call timed out")
+    sampled_at: float
+    memory: MemoryInfo | None = None
+    utilization: Utilization | None = None
+    power_watts: float | None = None
+    temperature_celsius: float | None = None
+    clocks: Clocks | None = None
+    ecc: EccCounts | None = None
+    pcie: PcieThroughput | None = None
+    processes: tuple[ProcessInfo, ...] = ()
+    mig_mode: MigMode | None = None
+    mig_devices: tuple[MigSample, ...] = ()
+    xid_events_total: int = 0
+    last_xid: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Every GPU at one tick. ``wall_time`` is Unix time; ``monotonic`` orders snapshots."""
+
+    wall_time: float
+    monotonic: float
+    gpus: tuple[GpuSample, ...]
+    tick_seconds: float  # how long the tick took
+
+    def gpu(self, index: int) -> GpuSample | None:
+        for g in self.gpus:
+            if g.identity.index == index:
+                return g
+        return None
+
+    def by_uuid(self, uuid: str) -> GpuSample | MigSample | None:
+        for g in self.gpus:
+            if g.identity.uuid == uuid:
+                return g
+            for m in g.mig_devices:
+                if m.identity.uuid == uuid:
+                    return m
+        return None
