@@ -1,0 +1,209 @@
+"""gpud's configuration: ``/etc/gpud/gpud.toml``, defaults for everything, flags on top.
+
+Every section and key is declared by the dataclasses below; the file may set any subset.
+An unknown section or key, or a value of the wrong type or out of range, stops start-up (or
+a reload) with a :class:`~gpud.errors.ConfigError` naming the file and the dotted key. See
+``docs/configuration.md`` for the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from gpud.errors import ConfigError
+
+DEFAULT_PATH = Path("/etc/gpud/gpud.toml")
+DEFAULT_SIMULATE = "H100-SXM5-80GB:8"
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    state_dir: Path = Path("/var/lib/gpud")
+    run_dir: Path = Path("/run/gpud")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    tick_s: float = 1.0  # reconcile loop period
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    kind: Literal["nvml", "sim"] = "nvml"
+    simulate: str = DEFAULT_SIMULATE  # PRODUCT:COUNT,... when kind = "sim"
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    interval_s: float = 1.0
+    history: int = 60
+    call_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = True
+    address: str = "127.0.0.1:9400"
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    socket: Path | None = None  # default: <run_dir>/gpud.sock
+    socket_group: str = ""  # group allowed to use the socket; "" keeps the daemon's group
+    tcp_address: str = ""  # "HOST:PORT" to also serve gRPC on TCP; "" disables
+
+
+@dataclass(frozen=True)
+class MigConfig:
+    on_start: Literal["reconcile", "report"] = "reconcile"
+    drain_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class MpsConfig:
+    enabled: bool = False
+    control_binary: str = "nvidia-cuda-mps-control"
+
+
+@dataclass(frozen=True)
+class Config:
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    mig: MigConfig = field(default_factory=MigConfig)
+    mps: MpsConfig = field(default_factory=MpsConfig)
+
+    @property
+    def socket_path(self) -> Path:
+        return self.api.socket or self.daemon.run_dir / "gpud.sock"
+
+    def with_overrides(self, overrides: dict[str, Any], *, source: str = "flags") -> Config:
+        """A copy with dotted keys (``"daemon.state_dir"``) replaced, each value checked."""
+        config = self
+        for dotted, raw in overrides.items():
+            section_name, _, key = dotted.partition(".")
+            section = getattr(config, section_name)
+            hints = get_type_hints(type(section))
+            value = _coerce(raw, hints[key], path=source, key=dotted)
+            config = dataclasses.replace(
+                config, **{section_name: dataclasses.replace(section, **{key: value})}
+            )
+        return validate(config, path=source)
+
+
+def load(path: Path, *, required: bool = False) -> Config:
+    """Read and check a TOML file; a missing file gives the defaults unless ``required``."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        if required:
+            raise ConfigError("file not found", path=str(path)) from None
+        return Config()
+    except OSError as err:
+        raise ConfigError(f"cannot read: {err.strerror}", path=str(path)) from err
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"not valid TOML: {err}", path=str(path)) from err
+    return from_dict(data, path=str(path))
+
+
+def from_dict(data: dict[str, Any], *, path: str = "<config>") -> Config:
+    sections: dict[str, Any] = {}
+    hints = get_type_hints(Config)
+    for name, value in data.items():
+        if name not in hints:
+            known = ", ".join(sorted(hints))
+            raise ConfigError(f"unknown section (known: {known})", path=path, key=name)
+        if not isinstance(value, dict):
+            raise ConfigError("must be a table ([section])", path=path, key=name)
+        sections[name] = _section(hints[name], value, path=path, prefix=name)
+    return validate(Config(**sections), path=path)
+
+
+def _section(cls: type[Any], values: dict[str, Any], *, path: str, prefix: str) -> Any:
+    hints = get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, raw in values.items():
+        dotted = f"{prefix}.{key}"
+        if key not in hints:
+            known = ", ".join(sorted(hints))
+            raise ConfigError(f"unknown key (known in [{prefix}]: {known})", path=path, key=dotted)
+        kwargs[key] = _coerce(raw, hints[key], path=path, key=dotted)
+    return cls(**kwargs)
+
+
+def _coerce(raw: Any, hint: Any, *, path: str, key: str) -> Any:
+    origin = get_origin(hint)
+    if origin is Literal:
+        choices = get_args(hint)
+        if raw not in choices:
+            allowed = ", ".join(repr(c) for c in choices)
+            raise ConfigError(f"{raw!r} is not one of {allowed}", path=path, key=key)
+        return raw
+    if origin in (types.UnionType,):  # "X | None"
+        if raw is None:
+            return None
+        inner = next(a for a in get_args(hint) if a is not type(None))
+        return _coerce(raw, inner, path=path, key=key)
+    if hint is Path:
+        if not isinstance(raw, str | Path) or not str(raw):
+            raise ConfigError("must be a non-empty path string", path=path, key=key)
+        return Path(raw)
+    if hint is bool:
+        if not isinstance(raw, bool):
+            raise ConfigError(f"must be true or false, not {raw!r}", path=path, key=key)
+        return raw
+    if hint is float:
+        if isinstance(raw, bool) or not isinstance(raw, int | float):
+            raise ConfigError(f"must be a number, not {raw!r}", path=path, key=key)
+        return float(raw)
+    if hint is int:
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise ConfigError(f"must be an integer, not {raw!r}", path=path, key=key)
+        return raw
+    if hint is str:
+        if not isinstance(raw, str):
+            raise ConfigError(f"must be a string, not {raw!r}", path=path, key=key)
+        return raw
+    raise ConfigError(f"unsupported type {hint!r}", path=path, key=key)  # pragma: no cover
+
+
+def parse_address(value: str, *, path: str, key: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:9400`` for IPv6) into a pair, or a ConfigError naming the key."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{value!r} is not HOST:PORT", path=path, key=key)
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def validate(config: Config, *, path: str) -> Config:
+    """Range checks that types alone do not express."""
+    positive = {
+        "daemon.tick_s": config.daemon.tick_s,
+        "telemetry.interval_s": config.telemetry.interval_s,
+        "telemetry.call_timeout_s": config.telemetry.call_timeout_s,
+    }
+    for key, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"must be > 0, not {value}", path=path, key=key)
+    if config.telemetry.history < 1:
+        raise ConfigError("must be >= 1", path=path, key="telemetry.history")
+    if config.mig.drain_timeout_s < 0:
+        raise ConfigError("must be >= 0", path=path, key="mig.drain_timeout_s")
+    parse_address(config.metrics.address, path=path, key="metrics.address")
+    if config.api.tcp_address:
+        parse_address(config.api.tcp_address, path=path, key="api.tcp_address")
+    if config.backend.kind == "sim":
+        # Imported here: the product table is only needed when simulating.
+        from gpud.backend.sim import parse_simulate_spec
+
+        try:
+            parse_simulate_spec(config.backend.simulate)
+        except ConfigError as err:
+            raise ConfigError(str(err), path=path, key="backend.simulate") from err
+    return config
