@@ -49,6 +49,7 @@ class GpuSample:
     mig_devices: tuple[MigSample, ...] = ()
     xid_events_total: int = 0
     last_xid: int | None = None
+    nvlink_bytes: tuple[int, int] | None = None  # (tx, rx) counters summed over links
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,7 @@ class Snapshot:
     monotonic: float
     gpus: tuple[GpuSample, ...]
     tick_seconds: float  # how long the tick took
+    driver_version: str | None = None  # nvidia-smi's "Driver Version"; None until read
 
     def gpu(self, index: int) -> GpuSample | None:
         for g in self.gpus:

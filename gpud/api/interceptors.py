@@ -1,0 +1,116 @@
+"""Server interceptors: every gRPC method of every service gets the same error handling.
+
+:class:`ErrorMappingInterceptor` wraps each handler so that
+
+- a :class:`gpud.errors.GpudError` ends the call with the status ``classify()`` gives, its
+  message as details, and trailing metadata ``gpud-error`` (the class name) and
+  ``gpud-exit-code`` (what gpuctl exits with), so a client can tell a daemon-side
+  ``UNAVAILABLE`` (a lost GPU) from a daemon it cannot reach;
+- any other exception is logged with its traceback and ends the call with ``INTERNAL``;
+  the daemon keeps serving.
+
+Services registered on :class:`gpud.api.server.ApiServer` get this for free: they raise
+``InvalidArgument(..., field=...)``, ``NotFound``, ... and never call ``context.abort``
+themselves.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from gpud.errors import GpudError, classify
+
+log = logging.getLogger(__name__)
+
+ERROR_KEY = "gpud-error"
+EXIT_CODE_KEY = "gpud-exit-code"
+_MAX_DETAIL = 2000  # keep status details (and the HTTP/2 trailer) small
+
+Behavior = Callable[[Any, Any], Any]
+
+
+async def _abort_for(err: BaseException, method: str, context: Any) -> None:
+    """End the call with the status that ``err`` maps to. Always raises (``AbortError``)."""
+    metadata: tuple[tuple[str, str], ...]
+    if isinstance(err, GpudError):
+        code_name, exit_code = classify(err)
+        log.info("%s: %s: %s", method, type(err).__name__, err)
+        details = str(err) or type(err).__name__
+        metadata = ((ERROR_KEY, type(err).__name__), (EXIT_CODE_KEY, str(exit_code)))
+    else:
+        code_name = "INTERNAL"
+        log.error("%s: unexpected error", method, exc_info=err)
+        details = f"internal error in {method}: {type(err).__name__}: {err}"
+        metadata = ((ERROR_KEY, type(err).__name__),)
+    await context.abort(grpc.StatusCode[code_name], details[:_MAX_DETAIL], metadata)
+
+
+def _wrap_unary_response(behavior: Behavior, method: str) -> Behavior:
+    async def handler(request: Any, context: Any) -> Any:
+        try:
+            result = behavior(request, context)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
+        except grpc.aio.AbortError:
+            raise  # the servicer ended the call itself
+        except Exception as err:
+            await _abort_for(err, method, context)
+            raise  # not reached: abort raises
+
+    return handler
+
+
+def _wrap_stream_response(behavior: Behavior, method: str) -> Behavior:
+    async def handler(request: Any, context: Any) -> AsyncIterator[Any]:
+        try:
+            result = behavior(request, context)
+            if inspect.isasyncgen(result):
+                async for item in result:
+                    yield item
+            elif inspect.isawaitable(result):
+                # a coroutine that writes with context.write (grpc_health's Watch does)
+                await result
+            else:
+                for item in result or ():
+                    yield item
+        except grpc.aio.AbortError:
+            raise
+        except Exception as err:
+            await _abort_for(err, method, context)
+
+    return handler
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Maps exceptions raised by any servicer to gRPC statuses (see the module docstring)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[Any], Awaitable[Any]],
+        handler_call_details: Any,
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None  # unknown method: gRPC answers UNIMPLEMENTED
+        method: str = handler_call_details.method
+        kinds = (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler, _wrap_unary_response),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler, _wrap_unary_response),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler, _wrap_stream_response),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler, _wrap_stream_response),
+        )
+        for attr, make, wrap in kinds:
+            behavior = getattr(handler, attr)
+            if behavior is not None:
+                return make(
+                    wrap(behavior, method),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
+        return handler

@@ -1,0 +1,172 @@
+"""``gpud.v1.Node``: node status, GPUs with their latest sample, events, fault injection.
+
+Reads only what it is given (see :mod:`gpud.api.ports`): the latest snapshot, static node
+info, the event log and, on a simulated node, its fault injector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import grpc
+
+from gpud.api import convert, validate
+from gpud.api.ports import EventSource, FaultPort, NodeInfoSource, SnapshotSource
+from gpud.errors import FailedPrecondition, InvalidArgument, Unavailable
+from gpud.telemetry.snapshot import Snapshot
+from gpud.v1 import node_pb2 as pb
+from gpud.v1 import node_pb2_grpc as pb_grpc
+
+DEFAULT_EVENT_LIMIT = 100
+MAX_EVENT_LIMIT = 10_000
+
+_FAULT_NAMES = {
+    pb.FAULT_KIND_LOST: "lost",
+    pb.FAULT_KIND_NOT_SUPPORTED: "not_supported",
+    pb.FAULT_KIND_SLOW: "slow",
+    pb.FAULT_KIND_XID: "xid",
+    pb.FAULT_KIND_CLEAR: "clear",
+}
+
+
+def describe_faults(active: object) -> list[str]:
+    """The fault injector's ``active()`` as lines: a mapping or a collection of faults."""
+    if active is None:
+        return []
+    if isinstance(active, Mapping):
+        return [f"{k}: {v}" for k, v in active.items()]
+    if isinstance(active, str | bytes):
+        return [str(active)]
+    try:
+        return [str(f) for f in active]  # type: ignore[attr-defined]
+    except TypeError:
+        return [str(active)]
+
+
+class NodeServicer(pb_grpc.NodeServicer):
+    """Serves ``gpud.v1.Node``. Register it with :meth:`register` on an ``ApiServer``::
+
+    ApiServer(path, servicers=[NodeServicer(snapshots=..., node_info=...).register])
+    """
+
+    def __init__(
+        self,
+        *,
+        snapshots: SnapshotSource,
+        node_info: NodeInfoSource,
+        events: EventSource | None = None,
+        faults: FaultPort | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._snapshots = snapshots
+        self._node_info = node_info
+        self._events = events
+        self._faults = faults
+        self._clock = clock
+
+    def register(self, server: Any) -> None:
+        """Add this service to a ``grpc.aio.Server`` (an ``ApiServer`` registrar)."""
+        pb_grpc.add_NodeServicer_to_server(self, server)
+
+    def _latest(self) -> Snapshot:
+        snap = self._snapshots()
+        if snap is None:
+            raise Unavailable("no telemetry sample yet: the daemon is starting, retry shortly")
+        return snap
+
+    async def GetStatus(  # noqa: N802 (gRPC method names come from the proto)
+        self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetStatusResponse:
+        info = self._node_info()
+        now = self._clock()
+        snap = self._snapshots()
+        resp = pb.GetStatusResponse(
+            version=info.version,
+            hostname=info.hostname,
+            backend=info.backend,
+            driver_version=info.driver_version,
+            uptime_seconds=max(0.0, now - info.started_monotonic),
+            gpu_count=info.gpu_count,
+            simulated=info.simulated,
+        )
+        if snap is not None:
+            resp.healthy_gpu_count = sum(1 for g in snap.gpus if g.healthy)
+            resp.last_sample_age_seconds = max(0.0, now - snap.monotonic)
+            resp.last_tick_seconds = snap.tick_seconds
+        return resp
+
+    async def ListGpus(  # noqa: N802 (gRPC method names come from the proto)
+        self, request: pb.ListGpusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListGpusResponse:
+        only: int | None = None
+        if request.HasField("gpu"):
+            only = validate.gpu_index(request.gpu, self._node_info().gpu_count)
+        snap = self._latest()
+        now = self._clock()
+        samples = [g for g in snap.gpus if only is None or g.identity.index == only]
+        return pb.ListGpusResponse(
+            gpus=[convert.gpu(g, now_monotonic=now) for g in samples],
+            sampled_at_unix_seconds=snap.wall_time,
+            sample_age_seconds=max(0.0, now - snap.monotonic),
+        )
+
+    async def ListEvents(  # noqa: N802 (gRPC method names come from the proto)
+        self, request: pb.ListEventsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListEventsResponse:
+        limit = validate.int_range(request.limit, 0, MAX_EVENT_LIMIT, field="limit")
+        prefix = request.kind_prefix
+        if len(prefix) > 256:
+            raise InvalidArgument("longer than 256 characters", field="kind_prefix")
+        if self._events is None:
+            return pb.ListEventsResponse()
+        events = self._events.recent(limit or DEFAULT_EVENT_LIMIT, prefix)
+        return pb.ListEventsResponse(events=[convert.event(e) for e in events])
+
+    async def InjectFault(  # noqa: N802 (gRPC method names come from the proto)
+        self, request: pb.InjectFaultRequest, context: grpc.aio.ServicerContext
+    ) -> pb.InjectFaultResponse:
+        faults = self._faults
+        if faults is None:
+            raise FailedPrecondition(
+                "node is not simulated: faults can only be injected into gpud --simulate"
+            )
+        gpu = validate.gpu_index(request.gpu, self._node_info().gpu_count)
+        kind = _FAULT_NAMES.get(request.kind)
+        if kind is None:
+            known = ", ".join(pb.FaultKind.Name(k) for k in _FAULT_NAMES)
+            raise InvalidArgument(
+                f"unknown fault kind {request.kind} (one of {known})", field="kind"
+            )
+
+        apply: Callable[[], object]
+        detail: dict[str, Any] = {}
+        if kind == "lost":
+            apply = lambda: faults.lose(gpu)  # noqa: E731
+        elif kind == "clear":
+            apply = lambda: faults.clear(gpu)  # noqa: E731
+        elif kind == "not_supported":
+            field = validate.non_empty(request.field, field="field")
+            detail["field"] = field
+            apply = lambda: faults.not_supported(gpu, field)  # noqa: E731
+        elif kind == "slow":
+            seconds = validate.non_negative_seconds(request.seconds, field="seconds")
+            detail["seconds"] = seconds
+            apply = lambda: faults.slow(gpu, seconds)  # noqa: E731
+        else:
+            if request.xid <= 0:
+                raise InvalidArgument(f"must be an XID code > 0, got {request.xid}", field="xid")
+            code = request.xid
+            detail["xid"] = code
+            apply = lambda: faults.xid(gpu, code)  # noqa: E731
+
+        # The simulated driver may hold its lock through a slow call: stay off the event loop.
+        await asyncio.to_thread(apply)
+        if self._events is not None:
+            self._events.emit(
+                f"sim.fault.{kind}", f"injected fault {kind} on GPU {gpu}", gpu=gpu, **detail
+            )
+        active = await asyncio.to_thread(faults.active)
+        return pb.InjectFaultResponse(active_faults=describe_faults(active))

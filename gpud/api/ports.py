@@ -1,0 +1,82 @@
+"""What the API needs from the rest of the daemon, as small Protocols and plain values.
+
+The servicers depend on these, never on the daemon's concrete classes, so the composition
+root wires them (``Sampler.latest``, ``EventLog``, the simulated node's fault injector) and
+tests pass hand-built values.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gpud import __version__
+from gpud.events import Event
+from gpud.telemetry.snapshot import Snapshot
+
+SnapshotSource = Callable[[], Snapshot | None]
+"""The latest telemetry snapshot, or None before the first sampling tick (``Sampler.latest``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What does not change while the daemon runs: known at start by the composition root.
+
+    ``started_monotonic`` is on the same clock the servicer is given (``time.monotonic`` by
+    default), so uptime is ``clock() - started_monotonic``.
+    """
+
+    backend: str  # "sim" or "nvml"
+    driver_version: str
+    gpu_count: int
+    simulated: bool
+    started_monotonic: float
+    hostname: str = field(default_factory=socket.gethostname)
+    version: str = __version__
+
+
+NodeInfoSource = Callable[[], NodeInfo]
+
+
+class EventSource(Protocol):
+    """The structured event log as the API reads and writes it (:class:`gpud.events.EventLog`)."""
+
+    def recent(self, limit: int = 100, kind_prefix: str = "") -> list[Event]: ...
+
+    def emit(self, kind: str, message: str, **fields: Any) -> Event: ...
+
+
+class FaultPort(Protocol):
+    """Fault injection into the simulated node (the sim's ``FaultInjector``).
+
+    Only a simulated daemon has one; a daemon on real NVML passes ``None`` and the API refuses
+    injections with FAILED_PRECONDITION. Calls may take the simulated driver's lock, so the
+    API makes them off the event loop. Return values of the mutators are ignored.
+    """
+
+    def lose(self, gpu: int) -> object:
+        """The GPU falls off the bus: every call on it raises ``GpuLost``."""
+        ...
+
+    def not_supported(self, gpu: int, field: str) -> object:
+        """Reads of ``field`` (e.g. "power") on the GPU raise ``NotSupported``."""
+        ...
+
+    def slow(self, gpu: int, seconds: float) -> object:
+        """Every driver call on the GPU takes ``seconds`` longer (a hung driver)."""
+        ...
+
+    def xid(self, gpu: int, code: int) -> object:
+        """Raise an XID event with ``code`` on the GPU."""
+        ...
+
+    def clear(self, gpu: int) -> object:
+        """Remove every fault on the GPU."""
+        ...
+
+    def active(self) -> object:
+        """The faults in force now: a mapping (shown as ``key: value``) or a collection of
+        faults (each shown with ``str()``)."""
+        ...

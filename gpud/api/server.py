@@ -1,0 +1,206 @@
+"""The daemon's gRPC server: grpc.aio on a unix socket (and optionally TCP).
+
+::
+
+    server = ApiServer(run_dir / "gpud.sock", socket_group="gpud",
+                       servicers=[NodeServicer(...).register])
+    await server.start()      # socket ready: 0660, group "gpud"; health SERVING
+    ...
+    await server.stop(grace=5) # health NOT_SERVING, calls drain, socket removed
+
+Access control is the socket's file mode: ``srw-rw---- root:gpud``, so members of the group
+may use ``gpuctl`` without root (``ss -xlp | grep gpud.sock`` shows the listener). Every
+service gets the standard health service (``grpc.health.v1.Health``) and the error mapping
+of :mod:`gpud.api.interceptors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import logging
+import os
+import socket
+import stat
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from gpud.api.interceptors import ErrorMappingInterceptor
+from gpud.errors import ConfigError, FailedPrecondition, GpudError
+
+log = logging.getLogger(__name__)
+
+Registrar = Callable[[Any], None]
+"""Adds one service to a ``grpc.aio.Server`` (e.g. ``NodeServicer.register``)."""
+
+SOCKET_MODE = 0o660
+# sun_path is 108 bytes on Linux, including the terminating NUL.
+_MAX_UNIX_PATH = 107
+# Responses are small; a bounded message size keeps a garbage client from costing memory.
+_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class ApiServer:
+    """gRPC server on ``socket_path`` (mode 0660, group ``socket_group``) and ``tcp_address``.
+
+    ``servicers`` are registrars, each called once with the ``grpc.aio.Server`` at
+    :meth:`start`. ``tcp_address`` (``"host:port"``, port 0 picks one: see
+    :attr:`tcp_port`) is served with ``tcp_credentials``, or without TLS when None.
+    """
+
+    def __init__(
+        self,
+        socket_path: Path,
+        *,
+        socket_group: str | None = None,
+        tcp_address: str | None = None,
+        tcp_credentials: Any = None,
+        servicers: Sequence[Registrar] = (),
+    ) -> None:
+        self.socket_path = socket_path
+        self.socket_group = socket_group
+        self.tcp_address = tcp_address
+        self._tcp_credentials = tcp_credentials
+        self._registrars = list(servicers)
+        self._server: Any = None
+        self._health: Any = None
+        self._socket_inode: int | None = None
+        self.tcp_port: int | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    def _group_id(self) -> int | None:
+        if self.socket_group is None:
+            return None
+        try:
+            return grp.getgrnam(self.socket_group).gr_gid
+        except KeyError:
+            raise ConfigError(
+                f"group {self.socket_group!r} does not exist: create it "
+                f"(groupadd --system {self.socket_group}) or set another",
+                key="socket_group",
+            ) from None
+
+    def _clear_stale_socket(self) -> None:
+        """Remove a socket file left by a daemon that died; refuse if one still listens."""
+        path = self.socket_path
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise FailedPrecondition(f"{path} exists and is not a socket: refusing to replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(str(path))
+        except OSError:
+            log.info("removing stale socket %s", path)
+            path.unlink(missing_ok=True)
+            return
+        finally:
+            probe.close()
+        raise FailedPrecondition(f"another process is serving on {path}: is gpud already running?")
+
+    async def start(self) -> None:
+        """Bind, register every service, start serving; health becomes SERVING."""
+        if self._server is not None:
+            raise RuntimeError("ApiServer already started")
+        path = self.socket_path
+        if len(os.fsencode(path)) > _MAX_UNIX_PATH:
+            raise ConfigError(
+                f"unix socket path is longer than {_MAX_UNIX_PATH} bytes: {path}", key="socket"
+            )
+        gid = self._group_id()  # before binding: a bad group leaves nothing behind
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._clear_stale_socket()
+
+        server = grpc.aio.server(
+            interceptors=[ErrorMappingInterceptor()],
+            options=[
+                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            ],
+        )
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        for register in self._registrars:
+            register(server)
+        try:
+            if server.add_insecure_port(f"unix:{path}") == 0:
+                raise RuntimeError("port 0")
+            if self.tcp_address is not None:
+                if self._tcp_credentials is not None:
+                    port = server.add_secure_port(self.tcp_address, self._tcp_credentials)
+                else:
+                    port = server.add_insecure_port(self.tcp_address)
+                if port == 0:
+                    raise RuntimeError(f"cannot bind {self.tcp_address}")
+                self.tcp_port = port
+        except RuntimeError as err:
+            await server.stop(None)
+            path.unlink(missing_ok=True)
+            raise GpudError(
+                f"gRPC server cannot listen on {path} / {self.tcp_address}: {err}"
+            ) from err
+        await server.start()
+        # gRPC creates the socket with the process umask (0022 under systemd, so group
+        # members could not connect yet); the mode and group are set right after the bind.
+        try:
+            os.chmod(path, SOCKET_MODE)
+            if gid is not None:
+                os.chown(path, -1, gid)
+            self._socket_inode = path.stat().st_ino
+        except OSError as err:
+            await server.stop(None)
+            path.unlink(missing_ok=True)
+            raise GpudError(f"cannot set mode/group of {path}: {err}") from err
+        self._server = server
+        await self.set_serving(True)
+        log.info(
+            "gRPC API on %s (mode %o, group %s)%s",
+            path,
+            SOCKET_MODE,
+            self.socket_group or "unchanged",
+            f" and {self.tcp_address}" if self.tcp_address else "",
+        )
+
+    async def set_serving(self, serving: bool, service: str = "") -> None:
+        """Set the health status of ``service`` ("" is the whole daemon)."""
+        if self._health is None:
+            raise RuntimeError("ApiServer not started")
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await self._health.set(service, status)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Stop accepting calls, let running ones finish for ``grace`` seconds, remove the socket.
+
+        Safe to call twice, or without :meth:`start`.
+        """
+        server, self._server = self._server, None
+        if server is None:
+            return
+        if self._health is not None:
+            # every service reports NOT_SERVING to health watchers before the listeners close
+            await self._health.enter_graceful_shutdown()
+        await server.stop(grace)
+        with contextlib.suppress(FileNotFoundError):
+            # only our own socket: a newer daemon may have replaced it already
+            if self.socket_path.stat().st_ino == self._socket_inode:
+                self.socket_path.unlink()
+        log.info("gRPC API stopped")
+
+    async def wait_for_termination(self) -> None:
+        """Until the server stops (for a daemon that has nothing else to wait on)."""
+        if self._server is not None:
+            await self._server.wait_for_termination()

@@ -1,0 +1,151 @@
+"""What every gpuctl command gets: the connection to the daemon, output, and error mapping.
+
+A command calls the daemon with :meth:`Context.call`; failures become :class:`CliError` with
+a message for people and an exit code that means something:
+
+==== =====================================================================
+ 3   the daemon is not running / not reachable (``systemctl start gpud``)
+ 77  permission denied on the socket (join the socket's group)
+ 2   invalid argument (argparse, or the daemon's INVALID_ARGUMENT)
+ N   any other daemon error: the exit code of ``gpud.errors.ERROR_TABLE``
+==== =====================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import grp
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeAlias, TypeVar
+
+import grpc
+
+from gpud.api.interceptors import EXIT_CODE_KEY
+from gpud.cli.output import Output
+from gpud.errors import ERROR_TABLE, Unavailable
+
+T = TypeVar("T")
+
+# what a command group's register() receives (argparse's type for add_subparsers())
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+DEFAULT_SOCKET = Path("/run/gpud/gpud.sock")
+EXIT_NOT_RUNNING = ERROR_TABLE[Unavailable][1]  # 3
+EXIT_PERMISSION = 77
+EXIT_USAGE = 2
+
+# gRPC status code name -> exit code: the first (least specific) class of ERROR_TABLE wins,
+# e.g. UNAVAILABLE -> 3 (Unavailable), not 10 (GpuLost). The daemon sends the exact code in
+# trailing metadata; this table serves errors without it.
+_EXIT_BY_STATUS: dict[str, int] = {}
+for _code_name, _exit in ERROR_TABLE.values():
+    _EXIT_BY_STATUS.setdefault(_code_name, _exit)
+
+
+class CliError(Exception):
+    """A failure to report in one line and exit with ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _group_name(path: Path) -> str:
+    try:
+        return grp.getgrgid(path.stat().st_gid).gr_name
+    except (OSError, KeyError):
+        return "gpud"
+
+
+def _not_running(path: Path, why: str) -> CliError:
+    return CliError(
+        f"gpud is not running: {why} {path}. Start it with `systemctl start gpud` "
+        "(or point --socket / GPUD_SOCKET at its socket).",
+        EXIT_NOT_RUNNING,
+    )
+
+
+def _denied(path: Path) -> CliError:
+    group = _group_name(path)
+    return CliError(
+        f"permission denied on {path}: run as root or as a member of group {group!r} "
+        f"(`usermod -aG {group} $USER`, then log in again).",
+        EXIT_PERMISSION,
+    )
+
+
+def probe_socket(path: Path, timeout: float) -> None:
+    """Connect once with a plain socket, so that "not running" and "permission denied" get
+    their own messages and exit codes (gRPC reports both as an opaque UNAVAILABLE)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(os.fsencode(path))
+    except PermissionError:
+        raise _denied(path) from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise _not_running(path, "no socket at") from None
+    except ConnectionRefusedError:
+        raise _not_running(path, "nothing listens on") from None
+    except OSError as err:
+        if err.errno == errno.EACCES:
+            raise _denied(path) from None
+        raise _not_running(path, f"cannot connect ({err.strerror}) to") from None
+    finally:
+        sock.close()
+
+
+class Context:
+    """One gpuctl invocation: socket, timeout, output; the channel is opened on first use."""
+
+    def __init__(self, *, socket_path: Path, timeout: float, output: Output) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+        self.out = output
+        self._channel: Any = None
+
+    def channel(self) -> Any:
+        """The ``grpc.Channel`` to the daemon (probes the socket first)."""
+        if self._channel is None:
+            probe_socket(self.socket_path, self.timeout)
+            self._channel = grpc.insecure_channel(f"unix:{self.socket_path.absolute()}")
+        return self._channel
+
+    def stub(self, stub_class: Callable[[Any], T]) -> T:
+        """A generated stub on the channel, e.g. ``ctx.stub(node_pb2_grpc.NodeStub)``."""
+        return stub_class(self.channel())
+
+    def call(self, method: Callable[..., T], request: object) -> T:
+        """Call a unary method with the timeout; gRPC errors become :class:`CliError`."""
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise self.translate(err) from None
+
+    def translate(self, err: Any) -> CliError:
+        """A gRPC error as a message and exit code."""
+        code = err.code()
+        details = err.details() or code.name
+        metadata = dict(err.trailing_metadata() or ())
+        exit_text = metadata.get(EXIT_CODE_KEY)
+        if exit_text is not None and str(exit_text).isdigit():
+            return CliError(details, int(exit_text))
+        # no gpud metadata: the error came from gRPC itself, not from the daemon's code
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return _not_running(self.socket_path, f"cannot reach it ({details}) on")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return CliError(
+                f"gpud did not answer within {self.timeout:g} s on {self.socket_path} "
+                "(raise --timeout, or check `systemctl status gpud`)",
+                EXIT_NOT_RUNNING,
+            )
+        return CliError(f"{code.name}: {details}", _EXIT_BY_STATUS.get(code.name, 1))
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None

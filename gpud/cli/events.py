@@ -1,0 +1,42 @@
+"""``gpuctl events``: the daemon's recent decisions from its structured event log."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from gpud.cli.context import Context, Subparsers
+from gpud.cli.output import message_to_dict
+from gpud.v1 import node_pb2 as pb
+from gpud.v1 import node_pb2_grpc as pb_grpc
+
+
+def register(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser("events", help="recent structured events, oldest first")
+    parser.add_argument(
+        "--kind", default="", metavar="PREFIX", help='only kinds starting with PREFIX (e.g. "gpu.")'
+    )
+    parser.add_argument(
+        "--limit", type=int, default=0, metavar="N", help="the newest N (default 100)"
+    )
+    parser.set_defaults(run=run)
+
+
+def _when(unix: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
+
+
+def run(ctx: Context, args: argparse.Namespace) -> int:
+    request = pb.ListEventsRequest(kind_prefix=args.kind, limit=args.limit)
+    resp: pb.ListEventsResponse = ctx.call(ctx.stub(pb_grpc.NodeStub).ListEvents, request)
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+        return 0
+    rows = []
+    for event in resp.events:
+        fields = message_to_dict(event.fields) if event.HasField("fields") else {}
+        detail = " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(fields.items()))
+        rows.append((_when(event.time_unix_seconds), event.kind, event.message, detail))
+    ctx.out.print_table(("TIME", "KIND", "MESSAGE", "FIELDS"), rows)
+    return 0

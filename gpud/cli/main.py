@@ -1,0 +1,124 @@
+"""gpuctl: talk to the local gpud over its unix socket.
+
+::
+
+    gpuctl [--socket PATH] [--json] [--timeout S] COMMAND ...
+
+Each command group is a module with ``register(subparsers)``, which adds its sub-command(s)
+and sets ``run=function(ctx, args) -> exit code`` as the parser default; add the module to
+:data:`COMMAND_GROUPS`. The global options are accepted before or after the command
+(``gpuctl --json gpus`` and ``gpuctl gpus --json`` are the same).
+
+Exit codes: 0 ok, 2 usage or invalid argument, 3 daemon not running, 77 permission denied,
+others from ``gpud.errors.ERROR_TABLE`` (see :mod:`gpud.cli.context`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+
+from gpud import __version__
+from gpud.cli import events, gpus, sim, status, version
+from gpud.cli.context import DEFAULT_SOCKET, EXIT_USAGE, CliError, Context
+from gpud.cli.output import Output
+
+# Command groups, in help order. Each module exposes register(subparsers).
+COMMAND_GROUPS: list[ModuleType] = [status, gpus, version, events, sim]
+
+SOCKET_ENV = "GPUD_SOCKET"
+DEFAULT_TIMEOUT = 10.0
+
+
+def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    # On sub-commands the defaults are SUPPRESS, so an option given before the command is not
+    # reset by the sub-command's parser.
+    def default(value: object) -> object:
+        return value if defaults else argparse.SUPPRESS
+
+    parser.add_argument(
+        "--socket",
+        type=Path,
+        metavar="PATH",
+        default=default(None),
+        help=f"gpud's unix socket (default: ${SOCKET_ENV} or {DEFAULT_SOCKET})",
+    )
+    parser.add_argument(
+        "--json", action="store_true", default=default(False), help="JSON output for scripts"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        default=default(DEFAULT_TIMEOUT),
+        help=f"per-call timeout (default {DEFAULT_TIMEOUT:g})",
+    )
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """Every parser below ``parser``, at any depth (argparse has no public walk)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield child
+                yield from _subparsers(child)
+
+
+def build_parser(groups: Sequence[ModuleType] = COMMAND_GROUPS) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpuctl", description="Query and control the local gpud daemon."
+    )
+    parser.add_argument("--version", action="version", version=f"gpuctl {__version__}")
+    _add_global_options(parser, defaults=True)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for group in groups:
+        group.register(commands)
+    for child in _subparsers(parser):
+        _add_global_options(child, defaults=False)
+    return parser
+
+
+def _socket_path(args: argparse.Namespace, env: Mapping[str, str]) -> Path:
+    if args.socket is not None:
+        return Path(args.socket)
+    from_env = env.get(SOCKET_ENV)
+    return Path(from_env) if from_env else DEFAULT_SOCKET
+
+
+def main(argv: Sequence[str] | None = None, *, env: Mapping[str, str] | None = None) -> int:
+    """Run gpuctl; returns the exit code (the console script exits with it)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, --version, usage errors
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    run = getattr(args, "run", None)
+    if run is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    if args.timeout <= 0:
+        print("gpuctl: --timeout must be > 0", file=sys.stderr)
+        return EXIT_USAGE
+    ctx = Context(
+        socket_path=_socket_path(args, os.environ if env is None else env),
+        timeout=args.timeout,
+        output=Output(json_output=args.json),
+    )
+    try:
+        code: int = run(ctx, args)
+        return code
+    except CliError as err:
+        print(f"gpuctl: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        ctx.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""gpuctl's output: aligned tables for people, JSON for scripts.
+
+Display strings ("-" for a reading the device does not report, "12.3 GiB") exist only here.
+``--json`` prints protobuf messages as plain JSON values with the proto field names: numbers
+stay numbers (also 64-bit ones, which protobuf's own JSON mapping turns into strings) and an
+absent optional reading is ``null``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor  # its C twin has no stub: fields are Any
+from google.protobuf.message import Message
+
+NA = "-"  # a reading that is not supported or not read
+GIB = 1024**3
+_WELL_KNOWN_JSON = {
+    "google.protobuf.Struct",
+    "google.protobuf.Value",
+    "google.protobuf.ListValue",
+    "google.protobuf.Timestamp",
+    "google.protobuf.Duration",
+}
+
+
+def _scalar(fd: Any, value: Any) -> Any:
+    if fd.type == FieldDescriptor.TYPE_ENUM and fd.enum_type is not None:
+        known = fd.enum_type.values_by_number.get(value)
+        return known.name if known is not None else value
+    if fd.type == FieldDescriptor.TYPE_BYTES:
+        return value.hex()
+    return value
+
+
+def _value(fd: Any, value: Any) -> Any:
+    if fd.message_type is not None:
+        return message_to_dict(value)
+    return _scalar(fd, value)
+
+
+def message_to_dict(msg: Message) -> Any:
+    """``msg`` as JSON values; unset sub-messages and optional scalars are ``None``."""
+    if msg.DESCRIPTOR.full_name in _WELL_KNOWN_JSON:
+        return json_format.MessageToDict(msg)
+    out: dict[str, Any] = {}
+    for fd in msg.DESCRIPTOR.fields:
+        value = getattr(msg, fd.name)
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            value_fd = fd.message_type.fields_by_name["value"]
+            out[fd.name] = {str(k): _value(value_fd, v) for k, v in value.items()}
+        elif fd.is_repeated:
+            out[fd.name] = [_value(fd, v) for v in value]
+        elif fd.has_presence and not msg.HasField(fd.name):
+            out[fd.name] = None
+        else:
+            out[fd.name] = _value(fd, value)
+    return out
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns two spaces apart; the last column is not padded."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    lines = []
+    for row in (headers, *rows):
+        cells = [cell.ljust(widths[i]) for i, cell in enumerate(row)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def gib(value_bytes: int) -> str:
+    return f"{value_bytes / GIB:.1f}"
+
+
+def percent(ratio: float) -> str:
+    return f"{ratio * 100:.0f}%"
+
+
+def seconds(value: float) -> str:
+    """A duration for people: "850 ms", "4.2 s", "3h 05m"."""
+    if value < 1:
+        return f"{value * 1000:.0f} ms"
+    if value < 60:
+        return f"{value:.1f} s"
+    minutes, sec = divmod(int(value), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d {hours}h {minutes:02d}m"
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    return f"{minutes}m {sec:02d}s"
+
+
+class Output:
+    """Where a command prints: one table or text for people, or one JSON document."""
+
+    def __init__(self, *, json_output: bool, stream: TextIO | None = None) -> None:
+        self.json = json_output
+        self._stream = stream
+
+    @property
+    def stream(self) -> TextIO:
+        # resolved at print time, so a redirected sys.stdout (tests, pagers) is honoured
+        return self._stream if self._stream is not None else sys.stdout
+
+    def print(self, text: str = "") -> None:
+        self.stream.write(text + "\n")
+
+    def print_json(self, value: Any) -> None:
+        if isinstance(value, Message):
+            value = message_to_dict(value)
+        self.stream.write(json.dumps(value, indent=2) + "\n")
+
+    def print_table(self, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+        self.print(format_table(headers, rows))

@@ -1,0 +1,310 @@
+"""The running daemon: one reconcile loop of isolated steps, plus the servers.
+
+Life of a daemon (``Daemon.run``)::
+
+    open state (SQLite) and event log
+    start: sampler (own threads) -> /metrics (own thread) -> gRPC (event loop)
+    start-up reconcile (MIG layouts, MPS daemons)
+    READY=1
+    every tick_s: each step runs isolated (a failing step logs, rate-limited, and the loop
+        continues); WATCHDOG=1 after each pass; SIGHUP -> reload config
+    SIGTERM/SIGINT: STOPPING=1, stop gRPC, MPS, metrics, sampler; exit 0
+
+Backends are chosen once, here (:func:`open_backend`): the real NVML adapter, or the same
+adapter over the simulated node's ``pynvml`` module with its device state under
+``<run_dir>/sim/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gpud import __version__
+from gpud.api.node import NodeServicer
+from gpud.api.ports import NodeInfo
+from gpud.api.server import ApiServer
+from gpud.backend.port import GpuBackend
+from gpud.config import Config, parse_address
+from gpud.errors import GpudError
+from gpud.events import EventLog
+from gpud.metrics import Collector, build_registry, start_metrics_server, stop_metrics_server
+from gpud.notify import Notifier
+from gpud.store import StateStore
+from gpud.telemetry.sampler import Sampler
+
+if TYPE_CHECKING:
+    from gpud.backend.sim import SimNode
+
+log = logging.getLogger(__name__)
+
+# Changing these needs a restart; a reload that changes them says so and keeps the old value.
+RESTART_KEYS = (
+    "daemon.state_dir",
+    "daemon.run_dir",
+    "backend.kind",
+    "backend.simulate",
+    "metrics.enabled",
+    "metrics.address",
+    "api.socket",
+    "api.socket_group",
+    "api.tcp_address",
+    "mps.enabled",
+    "mps.control_binary",
+)
+
+
+def open_backend(config: Config) -> tuple[GpuBackend, SimNode | None]:
+    """The GPU backend the config asks for: real NVML, or the simulated node."""
+    if config.backend.kind == "sim":
+        from gpud.backend.nvml import NvmlBackend
+        from gpud.backend.sim import SimNode, parse_simulate_spec
+
+        sim_dir = config.daemon.run_dir / "sim"
+        sim_dir.mkdir(parents=True, exist_ok=True)
+        node = SimNode(
+            parse_simulate_spec(config.backend.simulate), state_file=sim_dir / "node.json"
+        )
+        return NvmlBackend(node.nvml), node
+    from gpud.backend.nvml import open_real_backend
+
+    return open_real_backend(), None
+
+
+@dataclass
+class Step:
+    """One isolated part of a loop pass."""
+
+    name: str
+    run: Callable[[], Awaitable[None]]
+    failures: int = 0
+    last_warning: float = float("-inf")
+
+
+class Daemon:
+    """Everything gpud runs, wired from one config. See the module docstring."""
+
+    WARNING_INTERVAL_S = 60.0
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        backend: GpuBackend,
+        sim: SimNode | None,
+        notifier: Notifier,
+        reload_config: Callable[[], Config] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.sim = sim
+        self._notifier = notifier
+        self._reload_config = reload_config
+        self._clock = clock
+        self._started = clock()
+        self._stop = asyncio.Event()
+        self._reload = asyncio.Event()
+        state_dir = config.daemon.state_dir
+        state_dir.mkdir(parents=True, exist_ok=True)
+        config.daemon.run_dir.mkdir(parents=True, exist_ok=True)
+        self.events = EventLog(state_dir / "events.jsonl", clock=time.time)
+        self.store = StateStore(state_dir)
+        self.sampler = Sampler(
+            backend,
+            interval_s=config.telemetry.interval_s,
+            history=config.telemetry.history,
+            call_timeout_s=config.telemetry.call_timeout_s,
+            events=self.events,
+            clock=clock,
+        )
+        self.collector = Collector(self.sampler.latest, events=self.events, clock=clock)
+        self._driver_version = self._read_driver_version()
+        self.node_servicer = NodeServicer(
+            snapshots=self.sampler.latest,
+            node_info=self.node_info,
+            events=self.events,
+            faults=sim.faults if sim is not None else None,
+            clock=clock,
+        )
+        self.api = ApiServer(
+            config.socket_path,
+            socket_group=config.api.socket_group or None,
+            tcp_address=config.api.tcp_address or None,
+            servicers=[self.node_servicer.register],
+        )
+        self.steps: list[Step] = []
+        self._shutdown: list[Callable[[], Awaitable[None] | None]] = []
+
+    def _read_driver_version(self) -> str:
+        try:
+            return self.backend.driver_version()
+        except GpudError as err:
+            log.warning("cannot read the driver version: %s", err)
+            return ""
+
+    def node_info(self) -> NodeInfo:
+        return NodeInfo(
+            backend="sim" if self.sim is not None else "nvml",
+            driver_version=self._driver_version,
+            gpu_count=self._gpu_count(),
+            simulated=self.sim is not None,
+            started_monotonic=self._started,
+            version=__version__,
+        )
+
+    def _gpu_count(self) -> int:
+        snap = self.sampler.latest()
+        if snap is not None:
+            return len(snap.gpus)
+        try:
+            return self.backend.gpu_count()
+        except GpudError:
+            return 0
+
+    def add_step(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        self.steps.append(Step(name, run))
+
+    # -- life ---------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def request_reload(self) -> None:
+        self._reload.set()
+
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (or :meth:`request_stop`); 0 on a clean stop."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
+        metrics_server = None
+        sampler_task = asyncio.create_task(self.sampler.run(self._stop), name="sampler")
+        try:
+            # One sample before serving, so the first `gpuctl gpus` has values.
+            await asyncio.to_thread(self.sampler.tick)
+            if self.config.metrics.enabled:
+                host, port = parse_address(
+                    self.config.metrics.address, path="config", key="metrics.address"
+                )
+                registry = build_registry(self.collector)
+                metrics_server = start_metrics_server(registry, host, port)
+                log.info("serving /metrics on %s:%d", host, port)
+            await self.api.start()
+            log.info("serving gRPC on %s", self.config.socket_path)
+            self.events.emit(
+                "daemon.start",
+                f"gpud {__version__} started",
+                backend=self.node_info().backend,
+                gpus=self._gpu_count(),
+            )
+            self._notifier.ready(f"serving {self._gpu_count()} GPUs")
+            await self._loop()
+        finally:
+            self._notifier.stopping()
+            log.info("stopping")
+            self._stop.set()
+            with contextlib.suppress(Exception):
+                await self.api.stop(grace=2.0)
+            for stop in reversed(self._shutdown):
+                try:
+                    result = stop()
+                    if result is not None:
+                        await result
+                except Exception:
+                    log.exception("error during shutdown")
+            if metrics_server is not None:
+                stop_metrics_server(*metrics_server)
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(sampler_task, timeout=5.0)
+            self.events.emit("daemon.stop", "gpud stopped")
+            self.store.close()
+            self.backend.close()
+        return 0
+
+    def on_shutdown(self, stop: Callable[[], Awaitable[None] | None]) -> None:
+        self._shutdown.append(stop)
+
+    async def _loop(self) -> None:
+        interval = self.config.daemon.tick_s
+        if self._notifier.watchdog_interval_s:
+            interval = min(interval, self._notifier.watchdog_interval_s)
+        while not self._stop.is_set():
+            if self._reload.is_set():
+                self._reload.clear()
+                self.reload()
+            await self.run_steps()
+            self._notifier.watchdog()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wait_for_stop_or_reload(), timeout=interval)
+
+    async def _wait_for_stop_or_reload(self) -> None:
+        stop = asyncio.ensure_future(self._stop.wait())
+        reload = asyncio.ensure_future(self._reload.wait())
+        try:
+            await asyncio.wait({stop, reload}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            reload.cancel()
+
+    async def run_steps(self) -> None:
+        """Run every step once; a failing step is logged (rate-limited) and skipped."""
+        for step in self.steps:
+            try:
+                await step.run()
+            except Exception as err:
+                step.failures += 1
+                now = self._clock()
+                if now - step.last_warning >= self.WARNING_INTERVAL_S:
+                    step.last_warning = now
+                    log.warning(
+                        "step %s failed (%d failures so far): %s",
+                        step.name,
+                        step.failures,
+                        err,
+                        exc_info=not isinstance(err, GpudError),
+                    )
+
+    def reload(self) -> None:
+        """Re-read the config (SIGHUP). A bad file keeps the running config and says why."""
+        if self._reload_config is None:
+            return
+        self._notifier.reloading()
+        try:
+            new = self._reload_config()
+        except GpudError as err:
+            log.error("config reload failed, keeping the running config: %s", err)
+            self.events.emit("config.reload_failed", str(err))
+            self._notifier.ready("config reload failed; running config kept")
+            return
+        kept = []
+        for dotted in RESTART_KEYS:
+            section, key = dotted.split(".")
+            if getattr(getattr(new, section), key) != getattr(getattr(self.config, section), key):
+                kept.append(dotted)
+                new = dataclasses.replace(
+                    new,
+                    **{
+                        section: dataclasses.replace(
+                            getattr(new, section),
+                            **{key: getattr(getattr(self.config, section), key)},
+                        )
+                    },
+                )
+        self.config = new
+        logging.getLogger().setLevel(new.daemon.log_level.upper())
+        self.sampler.interval_s = new.telemetry.interval_s
+        message = "config reloaded"
+        if kept:
+            message += f"; needs a restart to change: {', '.join(kept)}"
+            log.warning(message)
+        self.events.emit("config.reload", message, restart_needed=kept)
+        self._notifier.ready(message)

@@ -1,0 +1,112 @@
+"""``gpud``: the composition root. Parses flags, loads the config, picks the backend once
+(real NVML, or the simulated node) and runs the daemon until SIGTERM.
+
+Nothing below this module reads the environment or probes the platform.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from gpud import __version__, config, logsetup
+from gpud.errors import ConfigError, GpudError
+from gpud.notify import Notifier
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpud",
+        description="GPU sharing and traffic daemon: MIG/MPS partitions, co-location, "
+        "training traffic priorities, telemetry.",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"config file (default {config.DEFAULT_PATH}; missing default file = defaults)",
+    )
+    p.add_argument(
+        "--simulate",
+        nargs="?",
+        const=config.DEFAULT_SIMULATE,
+        metavar="PRODUCT:COUNT,...",
+        help="run a simulated node instead of real NVML "
+        f"(default {config.DEFAULT_SIMULATE}; products as NVML names them)",
+    )
+    p.add_argument("--socket", type=Path, help="gRPC unix socket (default <run-dir>/gpud.sock)")
+    p.add_argument("--metrics-address", metavar="HOST:PORT", help="Prometheus /metrics address")
+    p.add_argument("--state-dir", type=Path, help="persistent state (default /var/lib/gpud)")
+    p.add_argument("--run-dir", type=Path, help="runtime files and sockets (default /run/gpud)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--check-config", action="store_true", help="load and check the config, then exit"
+    )
+    p.add_argument("--version", action="version", version=f"gpud {__version__}")
+    return p
+
+
+def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Dotted config keys set by flags; flags win over the file."""
+    overrides: dict[str, Any] = {}
+    if args.simulate is not None:
+        overrides["backend.kind"] = "sim"
+        overrides["backend.simulate"] = args.simulate
+    if args.socket is not None:
+        overrides["api.socket"] = args.socket
+    if args.metrics_address is not None:
+        overrides["metrics.address"] = args.metrics_address
+    if args.state_dir is not None:
+        overrides["daemon.state_dir"] = args.state_dir
+    if args.run_dir is not None:
+        overrides["daemon.run_dir"] = args.run_dir
+    if args.log_level is not None:
+        overrides["daemon.log_level"] = args.log_level
+    return overrides
+
+
+def load_config(args: argparse.Namespace) -> config.Config:
+    path = args.config or config.DEFAULT_PATH
+    loaded = config.load(path, required=args.config is not None)
+    return loaded.with_overrides(flag_overrides(args), source="command line")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args)
+    except ConfigError as err:
+        print(f"gpud: config error: {err}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        print("config OK")
+        return 0
+    logsetup.configure(cfg.daemon.log_level, journald="JOURNAL_STREAM" in os.environ)
+
+    from gpud.daemon import Daemon, open_backend
+
+    try:
+        backend, sim = open_backend(cfg)
+    except GpudError as err:
+        print(f"gpud: cannot open the GPU backend: {err}", file=sys.stderr)
+        return 1
+    daemon = Daemon(
+        cfg,
+        backend=backend,
+        sim=sim,
+        notifier=Notifier.from_environ(os.environ),
+        reload_config=lambda: load_config(args),
+    )
+    try:
+        return asyncio.run(daemon.run())
+    except GpudError as err:
+        print(f"gpud: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

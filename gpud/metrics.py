@@ -1,0 +1,363 @@
+"""Prometheus exposition: one scrape-time collector over the latest telemetry snapshot.
+
+Nothing is kept in prometheus_client's own metric objects: at each scrape :class:`Collector`
+turns the sampler's latest :class:`Snapshot`, the event log's counts and any extra
+*metric sources* into metric families. So a scrape always shows one consistent tick, and a
+reading that is ``None`` (not supported, or the GPU is unhealthy) is simply absent.
+
+What Prometheus sees (``curl -s localhost:9400/metrics | grep ^gpud_``):
+
+- per GPU, labels ``gpu`` (NVML index), ``uuid``, ``model`` (NVML's name):
+  ``gpud_gpu_info`` (+ ``product``, ``pci_bus_id``), ``gpud_gpu_healthy``,
+  ``gpud_gpu_unhealthy_info`` (+ ``reason``; only while unhealthy),
+  ``gpud_gpu_sample_age_seconds``, ``gpud_gpu_memory_{total,used,free}_bytes``,
+  ``gpud_gpu_utilization_ratio``, ``gpud_gpu_memory_utilization_ratio``,
+  ``gpud_gpu_power_watts``, ``gpud_gpu_temperature_celsius``,
+  ``gpud_gpu_{sm,memory}_clock_hertz``, ``gpud_gpu_ecc_errors_total{type}``,
+  ``gpud_gpu_pcie_throughput_bytes_per_second{direction}``,
+  ``gpud_gpu_nvlink_bytes_total{direction}``, ``gpud_gpu_processes``,
+  ``gpud_gpu_mig_mode_enabled``, ``gpud_gpu_mig_mode_pending``,
+  ``gpud_gpu_xid_errors_total``, ``gpud_gpu_last_xid``;
+- per MIG device, labels ``gpu``, ``gpu_uuid``, ``mig_uuid``, ``profile``,
+  ``gpu_instance_id``, ``compute_instance_id`` (as in ``nvidia-smi mig -lgi`` / ``-lci``):
+  ``gpud_mig_device_memory_{total,used,free}_bytes``, ``gpud_mig_device_processes``;
+- the node: ``gpud_sample_age_seconds``, ``gpud_sample_duration_seconds``, ``gpud_gpus``,
+  ``gpud_driver_info{version}``, ``gpud_events_total{kind}``, ``gpud_build_info{version}``,
+  ``gpud_metric_source_errors_total{source}``;
+- the daemon's own process: ``process_*`` and ``python_*`` (prometheus_client's collectors).
+
+Typical wiring (the daemon's composition root)::
+
+    registry = build_registry(Collector(sampler.latest, events=event_log))
+    server, thread = start_metrics_server(registry, "0.0.0.0", 9400)
+    ...
+    stop_metrics_server(server, thread)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector as _CollectorBase
+
+import gpud
+from gpud.events import EventLog
+from gpud.telemetry.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+
+MetricSource = Callable[[], Iterable[Metric]]
+"""A feature's own metrics (MIG layouts, MPS, jobs, network), called at every scrape."""
+
+_GPU_LABELS = ("gpu", "uuid", "model")
+_MIG_LABELS = (
+    "gpu",
+    "gpu_uuid",
+    "mig_uuid",
+    "profile",
+    "gpu_instance_id",
+    "compute_instance_id",
+)
+_MHZ = 1_000_000.0
+
+
+class Collector(_CollectorBase):
+    """Scrape-time collector over ``snapshot()`` (e.g. ``Sampler.latest``).
+
+    ``clock`` is the monotonic clock the snapshots were stamped with (for the age metrics).
+    A metric source that raises is logged and counted in
+    ``gpud_metric_source_errors_total{source}``; the rest of the scrape still succeeds.
+    """
+
+    def __init__(
+        self,
+        snapshot: Callable[[], Snapshot | None],
+        *,
+        events: EventLog | None = None,
+        sources: Sequence[MetricSource] = (),
+        clock: Callable[[], float] = time.monotonic,
+        version: str = gpud.__version__,
+    ) -> None:
+        self._snapshot = snapshot
+        self._events = events
+        self._sources: list[MetricSource] = list(sources)
+        self._clock = clock
+        self._version = version
+        self._source_errors: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add_source(self, source: MetricSource) -> None:
+        """Add a feature's metric source; it is called at every scrape from then on."""
+        with self._lock:
+            self._sources.append(source)
+
+    def describe(self) -> Iterable[Metric]:
+        # Nothing to check at registration: names are fixed here and in the sources.
+        return ()
+
+    def collect(self) -> Iterator[Metric]:
+        build = InfoMetricFamily("gpud_build", "gpud build information.")
+        build.add_metric([], {"version": self._version})
+        yield build
+        snap = self._snapshot()
+        if snap is not None:
+            yield from self._snapshot_metrics(snap)
+        if self._events is not None:
+            events = CounterMetricFamily(
+                "gpud_events", "Events written to the event log, by kind.", labels=("kind",)
+            )
+            for kind, count in sorted(self._events.counts().items()):
+                events.add_metric((kind,), count)
+            yield events
+        with self._lock:
+            sources = tuple(self._sources)
+        for source in sources:
+            try:
+                yield from list(source())
+            except Exception:
+                name = getattr(source, "__qualname__", None) or type(source).__name__
+                log.exception("metric source %s failed", name)
+                with self._lock:
+                    self._source_errors[name] = self._source_errors.get(name, 0) + 1
+        errors = CounterMetricFamily(
+            "gpud_metric_source_errors",
+            "Scrapes in which a metric source raised, by source.",
+            labels=("source",),
+        )
+        with self._lock:
+            for name, count in sorted(self._source_errors.items()):
+                errors.add_metric((name,), count)
+        yield errors
+
+    def _snapshot_metrics(self, snap: Snapshot) -> Iterator[Metric]:
+        now = self._clock()
+        g = GaugeMetricFamily
+        info = InfoMetricFamily("gpud_gpu", "GPU identity as NVML reports it.", labels=_GPU_LABELS)
+        healthy = g(
+            "gpud_gpu_healthy",
+            "1 if the last sample of the GPU succeeded, 0 if a driver call failed or hung.",
+            labels=_GPU_LABELS,
+        )
+        unhealthy = InfoMetricFamily(
+            "gpud_gpu_unhealthy",
+            "Why a GPU is unhealthy; present only while it is.",
+            labels=_GPU_LABELS,
+        )
+        age = g(
+            "gpud_gpu_sample_age_seconds",
+            "Seconds since the GPU's last successful sample.",
+            labels=_GPU_LABELS,
+        )
+        mem_total = g(
+            "gpud_gpu_memory_total_bytes", "Total framebuffer memory.", labels=_GPU_LABELS
+        )
+        mem_used = g("gpud_gpu_memory_used_bytes", "Used framebuffer memory.", labels=_GPU_LABELS)
+        mem_free = g("gpud_gpu_memory_free_bytes", "Free framebuffer memory.", labels=_GPU_LABELS)
+        util = g(
+            "gpud_gpu_utilization_ratio",
+            "Fraction of the last sample period a kernel was running (not on MIG GPUs).",
+            labels=_GPU_LABELS,
+        )
+        mem_util = g(
+            "gpud_gpu_memory_utilization_ratio",
+            "Fraction of the last sample period device memory was read or written.",
+            labels=_GPU_LABELS,
+        )
+        power = g("gpud_gpu_power_watts", "Power draw.", labels=_GPU_LABELS)
+        temp = g("gpud_gpu_temperature_celsius", "GPU core temperature.", labels=_GPU_LABELS)
+        sm_clock = g("gpud_gpu_sm_clock_hertz", "Current SM clock.", labels=_GPU_LABELS)
+        mem_clock = g("gpud_gpu_memory_clock_hertz", "Current memory clock.", labels=_GPU_LABELS)
+        ecc = CounterMetricFamily(
+            "gpud_gpu_ecc_errors",
+            "Volatile ECC errors since the driver loaded, by type.",
+            labels=(*_GPU_LABELS, "type"),
+        )
+        pcie = g(
+            "gpud_gpu_pcie_throughput_bytes_per_second",
+            "PCIe throughput over the driver's last 20 ms window, by direction.",
+            labels=(*_GPU_LABELS, "direction"),
+        )
+        nvlink = CounterMetricFamily(
+            "gpud_gpu_nvlink_bytes",
+            "Bytes sent and received over all NVLinks, by direction.",
+            labels=(*_GPU_LABELS, "direction"),
+        )
+        procs = g("gpud_gpu_processes", "Compute processes on the GPU.", labels=_GPU_LABELS)
+        mig_enabled = g(
+            "gpud_gpu_mig_mode_enabled", "1 if MIG mode is currently on.", labels=_GPU_LABELS
+        )
+        mig_pending = g(
+            "gpud_gpu_mig_mode_pending",
+            "1 if a MIG mode change waits for a GPU reset.",
+            labels=_GPU_LABELS,
+        )
+        xid = CounterMetricFamily(
+            "gpud_gpu_xid_errors", "XID errors seen since gpud started.", labels=_GPU_LABELS
+        )
+        last_xid = g("gpud_gpu_last_xid", "Code of the last XID error seen.", labels=_GPU_LABELS)
+        mig_total = g(
+            "gpud_mig_device_memory_total_bytes", "MIG device memory.", labels=_MIG_LABELS
+        )
+        mig_used = g(
+            "gpud_mig_device_memory_used_bytes", "Used MIG device memory.", labels=_MIG_LABELS
+        )
+        mig_free = g(
+            "gpud_mig_device_memory_free_bytes", "Free MIG device memory.", labels=_MIG_LABELS
+        )
+        mig_procs = g(
+            "gpud_mig_device_processes", "Compute processes on the MIG device.", labels=_MIG_LABELS
+        )
+
+        for s in snap.gpus:
+            ident = s.identity
+            index = str(ident.index)
+            labels = (index, ident.uuid, ident.name)
+            info.add_metric(labels, {"product": ident.product, "pci_bus_id": ident.pci_bus_id})
+            healthy.add_metric(labels, 1.0 if s.healthy else 0.0)
+            if not s.healthy:
+                unhealthy.add_metric(labels, {"reason": s.reason})
+            age.add_metric(labels, max(0.0, now - s.sampled_at))
+            xid.add_metric(labels, s.xid_events_total)
+            if s.last_xid is not None:
+                last_xid.add_metric(labels, s.last_xid)
+            if s.memory is not None:
+                mem_total.add_metric(labels, s.memory.total_bytes)
+                mem_used.add_metric(labels, s.memory.used_bytes)
+                mem_free.add_metric(labels, s.memory.free_bytes)
+            if s.utilization is not None:
+                util.add_metric(labels, s.utilization.gpu_ratio)
+                mem_util.add_metric(labels, s.utilization.memory_ratio)
+            if s.power_watts is not None:
+                power.add_metric(labels, s.power_watts)
+            if s.temperature_celsius is not None:
+                temp.add_metric(labels, s.temperature_celsius)
+            if s.clocks is not None:
+                sm_clock.add_metric(labels, s.clocks.sm_mhz * _MHZ)
+                mem_clock.add_metric(labels, s.clocks.memory_mhz * _MHZ)
+            if s.ecc is not None:
+                ecc.add_metric((*labels, "corrected"), s.ecc.corrected)
+                ecc.add_metric((*labels, "uncorrected"), s.ecc.uncorrected)
+            if s.pcie is not None:
+                pcie.add_metric((*labels, "tx"), s.pcie.tx_bytes_per_second)
+                pcie.add_metric((*labels, "rx"), s.pcie.rx_bytes_per_second)
+            if s.nvlink_bytes is not None:
+                nvlink.add_metric((*labels, "tx"), s.nvlink_bytes[0])
+                nvlink.add_metric((*labels, "rx"), s.nvlink_bytes[1])
+            if s.healthy or s.processes:
+                procs.add_metric(labels, len(s.processes))
+            if s.mig_mode is not None:
+                mig_enabled.add_metric(labels, 1.0 if s.mig_mode.current else 0.0)
+                mig_pending.add_metric(labels, 1.0 if s.mig_mode.reset_pending else 0.0)
+            for m in s.mig_devices:
+                mi = m.identity
+                mlabels = (
+                    index,
+                    ident.uuid,
+                    mi.uuid,
+                    mi.profile_name,
+                    str(mi.gpu_instance_id),
+                    str(mi.compute_instance_id),
+                )
+                mig_total.add_metric(mlabels, mi.memory_total_bytes)
+                if m.memory is not None:
+                    mig_used.add_metric(mlabels, m.memory.used_bytes)
+                    mig_free.add_metric(mlabels, m.memory.free_bytes)
+                    mig_procs.add_metric(mlabels, len(m.processes))
+
+        node_age = g(
+            "gpud_sample_age_seconds", "Seconds since the start of the latest sampling tick."
+        )
+        node_age.add_metric([], max(0.0, now - snap.monotonic))
+        duration = g("gpud_sample_duration_seconds", "Wall time the latest sampling tick took.")
+        duration.add_metric([], snap.tick_seconds)
+        gpus = g("gpud_gpus", "GPUs on the node, healthy or not.")
+        gpus.add_metric([], len(snap.gpus))
+        yield from (node_age, duration, gpus)
+        if snap.driver_version is not None:
+            driver = InfoMetricFamily("gpud_driver", "NVIDIA driver version.")
+            driver.add_metric([], {"version": snap.driver_version})
+            yield driver
+        yield from (
+            info,
+            healthy,
+            unhealthy,
+            age,
+            mem_total,
+            mem_used,
+            mem_free,
+            util,
+            mem_util,
+            power,
+            temp,
+            sm_clock,
+            mem_clock,
+            ecc,
+            pcie,
+            nvlink,
+            procs,
+            mig_enabled,
+            mig_pending,
+            xid,
+            last_xid,
+            mig_total,
+            mig_used,
+            mig_free,
+            mig_procs,
+        )
+
+
+def build_registry(
+    collector: Collector,
+    *,
+    process: bool = True,
+    proc_root: str = "/proc",
+) -> CollectorRegistry:
+    """A fresh registry with ``collector`` and the daemon's own process and Python metrics.
+
+    ``proc_root`` is where ``ProcessCollector`` reads ``/proc/self`` (tests may pass a tree).
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    if process:
+        ProcessCollector(registry=registry, proc=proc_root)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
+    return registry
+
+
+def start_metrics_server(
+    registry: CollectorRegistry, host: str, port: int
+) -> tuple[WSGIServer, threading.Thread]:
+    """Serve ``registry`` as Prometheus text on ``http://host:port/metrics`` from a thread.
+
+    ``port=0`` picks a free port (``server.server_port`` says which). Stop it with
+    :func:`stop_metrics_server`.
+    """
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return server, thread
+
+
+def stop_metrics_server(
+    server: WSGIServer, thread: threading.Thread, timeout_s: float = 5.0
+) -> None:
+    """Stop serving, close the listening socket, and wait for the serving thread."""
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout_s)

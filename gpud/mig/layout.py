@@ -1,0 +1,302 @@
+"""MIG layouts in ``nvidia-mig-parted``'s config format, read as it is and written back.
+
+The format (``version: v1``)::
+
+    mig-configs:
+      all-balanced:
+        - device-filter: ["0x233010DE", "0x20B210DE"]   # optional: PCI device ids
+          devices: all                                  # or a list of GPU indexes
+          mig-enabled: true
+          mig-devices:
+            "1g.10gb": 2        # one GPU instance per device, full-size compute instance
+            "2g.20gb": 1
+            "1c.3g.40gb": 1     # a 3g.40gb GPU instance holding a 1-slice compute instance
+
+A device filter is the combined PCI id NVML reports (``device << 16 | vendor``, as
+``nvidia-smi -q`` shows under "PCI Device/Vendor ID"); a GPU that no entry of the chosen
+config matches is left alone, as mig-parted does. Matching one GPU with two entries is an
+error here, since which one wins would be a guess.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from gpud.backend.port import GpuIdentity
+from gpud.errors import ConfigError, InvalidArgument
+
+# [<C>c.]<G>g.<GB>gb[+attr|-attr...]: "1g.10gb", "1g.10gb+me", "1c.3g.40gb", "1g.24gb-me"
+_PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb((?:[+-][a-z][a-z.]*)*)$")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class MigProfile:
+    """One ``mig-devices`` key: a GPU instance profile and the compute instance inside it."""
+
+    gi_slices: int
+    memory_gb: int
+    attrs: str  # "", "+me", "-me", "+me.all", "+gfx"
+    ci_slices: int | None  # None: one compute instance over the whole GPU instance
+
+    @classmethod
+    def parse(cls, text: str) -> MigProfile:
+        m = _PROFILE_RE.match(text.strip())
+        if m is None:
+            raise InvalidArgument(
+                f"{text!r} is not a MIG profile (expected e.g. '1g.10gb' or '1c.3g.40gb')",
+                field="mig-devices",
+            )
+        ci, gi, mem, attrs = m.groups()
+        ci_slices = int(ci) if ci is not None else None
+        if ci_slices is not None and (ci_slices < 1 or ci_slices > int(gi)):
+            raise InvalidArgument(
+                f"{text!r}: a compute instance cannot have more slices than its GPU instance",
+                field="mig-devices",
+            )
+        if ci_slices == int(gi):
+            ci_slices = None  # "3c.3g.40gb" is the full-size compute instance
+        return cls(int(gi), int(mem), attrs, ci_slices)
+
+    @property
+    def gi_name(self) -> str:
+        """The GPU instance profile name as ``nvidia-smi mig -lgip`` prints it."""
+        return f"{self.gi_slices}g.{self.memory_gb}gb{self.attrs}"
+
+    def __str__(self) -> str:
+        if self.ci_slices is None:
+            return self.gi_name
+        return f"{self.ci_slices}c.{self.gi_name}"
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceLayout:
+    """What one GPU should look like: MIG mode and how many of each MIG device."""
+
+    mig_enabled: bool
+    devices: tuple[tuple[MigProfile, int], ...] = ()  # sorted, counts > 0
+
+    @classmethod
+    def of(
+        cls, mig_enabled: bool, devices: Mapping[str, int] | Mapping[MigProfile, int]
+    ) -> DeviceLayout:
+        counts: dict[MigProfile, int] = {}
+        for key, count in devices.items():
+            profile = key if isinstance(key, MigProfile) else MigProfile.parse(key)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise InvalidArgument(
+                    f"count for {key} must be a non-negative integer, not {count!r}",
+                    field="mig-devices",
+                )
+            if count:
+                counts[profile] = counts.get(profile, 0) + count
+        if counts and not mig_enabled:
+            raise InvalidArgument("mig-devices given with mig-enabled: false", field="mig-devices")
+        return cls(mig_enabled, tuple(sorted(counts.items(), key=_display_order)))
+
+    def profiles(self) -> list[MigProfile]:
+        """One entry per MIG device, larger ones first."""
+        return [p for p, n in self.devices for _ in range(n)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """mig-parted's per-entry form, without ``devices``."""
+        out: dict[str, Any] = {"mig-enabled": self.mig_enabled}
+        if self.mig_enabled:
+            out["mig-devices"] = {str(p): n for p, n in self.devices}
+        return out
+
+    def describe(self) -> str:
+        if not self.mig_enabled:
+            return "MIG disabled"
+        if not self.devices:
+            return "MIG enabled, no instances"
+        return ", ".join(f"{n}x {p}" for p, n in self.devices)
+
+
+def _display_order(item: tuple[MigProfile, int]) -> tuple[int, int, str, int]:
+    p = item[0]
+    return (-p.gi_slices, -p.memory_gb, p.attrs, -(p.ci_slices or p.gi_slices))
+
+
+Devices = Literal["all"] | tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigEntry:
+    """One list item of a named config."""
+
+    devices: Devices
+    device_filter: tuple[int, ...]  # empty: any device
+    layout: DeviceLayout
+
+    def matches(self, gpu: GpuIdentity) -> bool:
+        if self.devices != "all" and gpu.index not in self.devices:
+            return False
+        if not self.device_filter:
+            return True
+        # A filter may be the full "0x233010DE" or only the device half "0x2330".
+        return any(
+            f == gpu.pci_device_id or (f <= 0xFFFF and f == gpu.pci_device_id >> 16)
+            for f in self.device_filter
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MigConfigFile:
+    """A parsed mig-parted file: named configs, each a list of entries."""
+
+    version: str
+    configs: dict[str, tuple[ConfigEntry, ...]]
+
+    def config(self, name: str) -> tuple[ConfigEntry, ...]:
+        try:
+            return self.configs[name]
+        except KeyError:
+            known = ", ".join(sorted(self.configs)) or "none"
+            raise InvalidArgument(
+                f"no config named {name!r} (the file has: {known})", field="mig-configs"
+            ) from None
+
+
+def parse_config(text: str, *, path: str | None = None) -> MigConfigFile:
+    """Parse mig-parted YAML (JSON is YAML too). Raises :class:`ConfigError` naming the key."""
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"not valid YAML: {err}", path=path) from err
+    if not isinstance(doc, dict):
+        raise ConfigError("expected a mapping with 'version' and 'mig-configs'", path=path)
+    version = doc.get("version")
+    if version != "v1":
+        raise ConfigError(
+            f"unsupported version {version!r} (expected 'v1')", path=path, key="version"
+        )
+    raw_configs = doc.get("mig-configs")
+    if not isinstance(raw_configs, dict):
+        raise ConfigError("expected a mapping of config names", path=path, key="mig-configs")
+    configs: dict[str, tuple[ConfigEntry, ...]] = {}
+    for name, raw_entries in raw_configs.items():
+        key = f"mig-configs.{name}"
+        if not isinstance(raw_entries, list):
+            raise ConfigError("expected a list of entries", path=path, key=key)
+        entries = []
+        for i, raw in enumerate(raw_entries):
+            try:
+                entries.append(_parse_entry(raw))
+            except InvalidArgument as err:
+                raise ConfigError(str(err), path=path, key=f"{key}[{i}]") from err
+        configs[str(name)] = tuple(entries)
+    return MigConfigFile(str(version), configs)
+
+
+def load_config(path: Path) -> MigConfigFile:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"cannot read: {err.strerror}", path=str(path)) from err
+    return parse_config(text, path=str(path))
+
+
+def _parse_entry(raw: object) -> ConfigEntry:
+    if not isinstance(raw, dict):
+        raise InvalidArgument("expected a mapping")
+    unknown = set(raw) - {"devices", "device-filter", "mig-enabled", "mig-devices"}
+    if unknown:
+        raise InvalidArgument(f"unknown keys: {', '.join(sorted(map(str, unknown)))}")
+    devices = _parse_devices(raw.get("devices"))
+    device_filter = _parse_filter(raw.get("device-filter"))
+    enabled = raw.get("mig-enabled")
+    if not isinstance(enabled, bool):
+        raise InvalidArgument("must be true or false", field="mig-enabled")
+    mig_devices = raw.get("mig-devices") or {}
+    if not isinstance(mig_devices, dict):
+        raise InvalidArgument("expected a mapping of profile to count", field="mig-devices")
+    layout = DeviceLayout.of(enabled, {str(k): v for k, v in mig_devices.items()})
+    return ConfigEntry(devices, device_filter, layout)
+
+
+def _parse_devices(raw: object) -> Devices:
+    if raw == "all":
+        return "all"
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raw = [raw]
+    if (
+        isinstance(raw, list)
+        and raw
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw)
+    ):
+        return tuple(sorted(set(raw)))
+    raise InvalidArgument("expected 'all' or a list of GPU indexes", field="devices")
+
+
+def _parse_filter(raw: object) -> tuple[int, ...]:
+    if raw is None:
+        return ()
+    items = raw if isinstance(raw, list) else [raw]
+    out = []
+    for item in items:
+        try:
+            out.append(int(str(item), 16))
+        except ValueError:
+            raise InvalidArgument(
+                f"{item!r} is not a PCI device id like '0x233010DE'", field="device-filter"
+            ) from None
+    return tuple(out)
+
+
+def resolve(entries: Sequence[ConfigEntry], gpus: Sequence[GpuIdentity]) -> dict[int, DeviceLayout]:
+    """The layout each GPU gets from one named config; GPUs no entry matches are absent."""
+    out: dict[int, DeviceLayout] = {}
+    for gpu in gpus:
+        matched = [e for e in entries if e.matches(gpu)]
+        if len(matched) > 1 and any(m.layout != matched[0].layout for m in matched):
+            raise InvalidArgument(
+                f"GPU {gpu.index} ({gpu.product}) matches {len(matched)} entries with different layouts",
+                field="devices",
+            )
+        if matched:
+            out[gpu.index] = matched[0].layout
+    for entry in entries:
+        if entry.devices != "all":
+            missing = [d for d in entry.devices if d not in {g.index for g in gpus}]
+            if missing:
+                raise InvalidArgument(
+                    f"no GPU with index {', '.join(map(str, missing))} on this node "
+                    f"({len(gpus)} GPUs)",
+                    field="devices",
+                )
+    return out
+
+
+def export_config(name: str, layouts: Mapping[int, DeviceLayout], *, gpu_count: int) -> str:
+    """mig-parted YAML for ``layouts``, one entry per distinct layout (``devices: all`` when
+    every GPU has the same one), so that ``nvidia-mig-parted apply`` reads it unchanged."""
+    return yaml.safe_dump(export_dict(name, layouts, gpu_count=gpu_count), sort_keys=False)
+
+
+def export_dict(
+    name: str, layouts: Mapping[int, DeviceLayout], *, gpu_count: int
+) -> dict[str, Any]:
+    groups: dict[DeviceLayout, list[int]] = {}
+    for index in sorted(layouts):
+        groups.setdefault(layouts[index], []).append(index)
+    entries: list[dict[str, Any]] = []
+    for layout, indexes in groups.items():
+        devices: Any = "all" if len(groups) == 1 and len(indexes) == gpu_count else indexes
+        entries.append({"devices": devices, **layout.to_dict()})
+    return {"version": "v1", "mig-configs": {name: entries}}
+
+
+def layout_to_json(layout: DeviceLayout) -> str:
+    return json.dumps(layout.to_dict(), sort_keys=True)
+
+
+def layout_from_json(text: str) -> DeviceLayout:
+    raw = json.loads(text)
+    return DeviceLayout.of(bool(raw["mig-enabled"]), raw.get("mig-devices") or {})

@@ -1,0 +1,210 @@
+"""One MPS control daemon process: started, queried, stopped.
+
+What runs, for the GPU or MIG device ``<uuid>``::
+
+    CUDA_VISIBLE_DEVICES=<uuid> \\
+    CUDA_MPS_PIPE_DIRECTORY=<run_dir>/mps/<uuid>/pipe \\
+    CUDA_MPS_LOG_DIRECTORY=<run_dir>/mps/<uuid>/log \\
+        nvidia-cuda-mps-control -d
+
+and every query is ``echo <command> | nvidia-cuda-mps-control`` with the same environment.
+The daemon writes its PID to ``<pipe>/nvidia-cuda-mps-control.pid``; that file, and the
+process behind it, are how a restarted gpud finds (and adopts) a daemon it started earlier.
+
+Calls block (they run the client program): call them off the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from gpud.errors import BackendError, DriverTimeout
+from gpud.mps import protocol
+from gpud.mps.procs import alive
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BASE_ENV: Mapping[str, str] = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin"}
+
+
+def device_dir(run_dir: Path, uuid: str) -> Path:
+    """``<run_dir>/mps/<uuid>``: the pipe and log directories of one device's daemon."""
+    return run_dir / "mps" / uuid
+
+
+class ControlDaemon:
+    """The control daemon of one GPU or MIG device.
+
+    ``control_command`` is the program (and any leading arguments), e.g.
+    ``["nvidia-cuda-mps-control"]`` or ``[sys.executable, FAKE_MPS_CONTROL]``.
+    """
+
+    def __init__(
+        self,
+        uuid: str,
+        run_dir: Path,
+        control_command: Sequence[str],
+        *,
+        base_env: Mapping[str, str] = DEFAULT_BASE_ENV,
+        timeout_s: float = 10.0,
+        proc_root: Path = Path("/proc"),
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.uuid = uuid
+        self.directory = device_dir(run_dir, uuid)
+        self.pipe_dir = self.directory / "pipe"
+        self.log_dir = self.directory / "log"
+        self._command = list(control_command)
+        self._base_env = dict(base_env)
+        self._timeout_s = timeout_s
+        self._proc_root = proc_root
+        self._sleep = sleep
+        self._clock = clock
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment the daemon and its client run with."""
+        return {
+            **self._base_env,
+            "CUDA_VISIBLE_DEVICES": self.uuid,
+            "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir),
+            "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir),
+        }
+
+    # -- process ---------------------------------------------------------------------------
+    def pid(self) -> int | None:
+        """The running daemon's PID (from its PID file), or None when none runs."""
+        try:
+            pid = int((self.pipe_dir / protocol.PID_FILE).read_text().strip())
+        except (OSError, ValueError):
+            return None
+        return pid if alive(pid, self._proc_root) else None
+
+    def running(self) -> bool:
+        return self.pid() is not None
+
+    def start(self) -> int:
+        """Start the daemon (``-d``) and wait until it answers; return its PID.
+
+        A PID file left by a dead daemon, and its control socket, are removed first: the
+        daemon refuses to start over them.
+        """
+        existing = self.pid()
+        if existing is not None:
+            return existing
+        self.pipe_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        # Clients of other users connect through the pipe dir: it must be traversable.
+        self.directory.chmod(0o755)
+        self.pipe_dir.chmod(0o755)
+        for stale in (protocol.PID_FILE, protocol.CONTROL_SOCKET):
+            with contextlib.suppress(FileNotFoundError):
+                (self.pipe_dir / stale).unlink()
+        result = self._run(["-d"], None)
+        if result.returncode != 0:
+            raise BackendError(
+                f"{self._command[0]} -d exited {result.returncode}: "
+                f"{(result.stderr or result.stdout).strip()}",
+                uuid=self.uuid,
+                call="nvidia-cuda-mps-control -d",
+                code=result.returncode,
+            )
+        deadline = self._clock() + self._timeout_s
+        while True:
+            pid = self.pid()
+            if pid is not None:
+                try:
+                    self.query(protocol.get_server_list())
+                    return pid
+                except BackendError:
+                    pass
+            if self._clock() >= deadline:
+                raise DriverTimeout(
+                    f"MPS control daemon did not come up within {self._timeout_s:g}s",
+                    uuid=self.uuid,
+                    call="nvidia-cuda-mps-control -d",
+                )
+            self._sleep(0.05)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """``echo quit | nvidia-cuda-mps-control``; SIGTERM, then SIGKILL, if it lingers."""
+        pid = self.pid()
+        if pid is None:
+            return
+        with contextlib.suppress(BackendError):
+            self.query(protocol.quit_())
+        if self._wait_exit(pid, timeout_s):
+            return
+        log.warning("MPS control daemon %s (pid %d) ignored quit; terminating", self.uuid, pid)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+            if self._wait_exit(pid, 2.0):
+                return
+
+    def kill(self) -> None:
+        """SIGKILL a daemon that stopped answering (it is restarted afterwards)."""
+        pid = self.pid()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            self._wait_exit(pid, 2.0)
+
+    def _wait_exit(self, pid: int, timeout_s: float) -> bool:
+        deadline = self._clock() + timeout_s
+        while alive(pid, self._proc_root):
+            if self._clock() >= deadline:
+                return False
+            self._sleep(0.05)
+        return True
+
+    # -- commands --------------------------------------------------------------------------
+    def query(self, command: str) -> str:
+        """Send one command on the client's stdin; return what it printed.
+
+        Raises :class:`BackendError` when the client cannot reach the daemon,
+        :class:`DriverTimeout` when it does not answer in time.
+        """
+        result = self._run([], command + "\n")
+        if result.returncode != 0:
+            raise BackendError(
+                f"MPS control client exited {result.returncode}: "
+                f"{(result.stderr or result.stdout).strip()}",
+                uuid=self.uuid,
+                call=command,
+                code=result.returncode,
+            )
+        return result.stdout
+
+    def _run(self, args: list[str], stdin: str | None) -> subprocess.CompletedProcess[str]:
+        try:
+            return subprocess.run(
+                [*self._command, *args],
+                input=stdin,
+                stdin=None if stdin is not None else subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                env=self.env,
+                timeout=self._timeout_s,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as err:
+            raise DriverTimeout(
+                f"MPS control did not answer within {self._timeout_s:g}s",
+                uuid=self.uuid,
+                call=" ".join(args) or (stdin or "").strip(),
+            ) from err
+        except OSError as err:
+            raise BackendError(
+                f"cannot run {self._command[0]}: {err.strerror}",
+                uuid=self.uuid,
+                call="exec",
+            ) from err

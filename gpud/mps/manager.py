@@ -1,0 +1,579 @@
+"""MPS control daemons for every GPU (or MIG device when MIG is on), their desired limits and
+their health.
+
+Desired state is one row per device in the ``mps_limits`` table (threads percent, pinned
+memory limit, enabled), written by ``gpuctl mps set``. Each :meth:`MpsManager.reconcile`
+(one per daemon tick, off the event loop) makes the processes match it:
+
+- a device without a running daemon gets one (``nvidia-cuda-mps-control -d``) and the limits
+  are written (``set_default_active_thread_percentage``, ``set_default_device_pinned_mem_limit``)
+  and read back; a daemon that died is restarted the same way, with a backoff after failures;
+- every ``health_interval_s`` the daemon is queried; a daemon that does not answer
+  ``max_failures`` times in a row is killed and restarted; limits that drifted are re-applied;
+- a device that disappeared (a MIG instance destroyed) or was disabled loses its daemon
+  (``quit``).
+
+Defaults reach only MPS servers started later, so a change is also sent to every running
+server (``set_active_thread_percentage <PID>``, ``set_device_pinned_mem_limit <PID> 0``),
+which affects that server's new clients.
+
+A daemon found running at start (gpud restarted) is adopted, not started twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from gpud.errors import (
+    BackendError,
+    FailedPrecondition,
+    GpudError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from gpud.events import EventLog
+from gpud.mps import protocol
+from gpud.mps.daemon import DEFAULT_BASE_ENV, ControlDaemon
+from gpud.mps.units import format_size
+from gpud.store import StateStore
+from gpud.telemetry.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS mps_limits (
+        uuid TEXT PRIMARY KEY,
+        gpu_index INTEGER NOT NULL,
+        enabled INTEGER NOT NULL DEFAULT 1,
+        active_thread_percentage INTEGER,
+        pinned_mem_limit_bytes INTEGER,
+        updated_at REAL NOT NULL
+    )""",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MpsTarget:
+    """A device that gets its own control daemon: a whole GPU, or one MIG device."""
+
+    uuid: str
+    gpu: int
+    mig: int | None  # MIG device index on the GPU, None for the whole GPU
+    profile: str  # MIG profile ("3g.40gb"), or the GPU's product for a whole GPU
+    memory_total_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class MpsLimits:
+    """Desired defaults of one device's daemon. ``None``: the driver's own default (100 %
+    threads; no memory limit)."""
+
+    threads_percent: int | None = None
+    memory_bytes: int | None = None
+    enabled: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class MpsDeviceStatus:
+    target: MpsTarget
+    desired: MpsLimits
+    running: bool  # mps is enabled on the node and this device
+    up: bool  # the daemon answered its last health check
+    pid: int | None
+    pipe_dir: Path
+    observed_threads_percent: float | None
+    observed_memory_bytes: int | None
+    servers: tuple[int, ...]
+    restarts: int
+    last_error: str
+
+
+@dataclass(slots=True)
+class _Device:
+    daemon: ControlDaemon
+    started: bool = False  # started or adopted by this process at least once
+    up: bool = False
+    restarts: int = 0
+    failures: int = 0  # consecutive failed health checks or starts
+    next_start_at: float = 0.0
+    next_check_at: float = 0.0
+    last_error: str = ""
+    observed_threads: float | None = None
+    observed_memory: int | None = None
+    servers: tuple[int, ...] = field(default_factory=tuple)
+
+
+def targets_from_snapshot(snapshot: Snapshot) -> list[MpsTarget]:
+    """One target per GPU, or per MIG device of a GPU whose MIG mode is on."""
+    targets: list[MpsTarget] = []
+    for gpu in snapshot.gpus:
+        ident = gpu.identity
+        if gpu.mig_mode is not None and gpu.mig_mode.current:
+            for mig in gpu.mig_devices:
+                m = mig.identity
+                targets.append(
+                    MpsTarget(m.uuid, m.gpu, m.mig, m.profile_name, m.memory_total_bytes)
+                )
+        else:
+            targets.append(
+                MpsTarget(ident.uuid, ident.index, None, ident.product, ident.memory_total_bytes)
+            )
+    return targets
+
+
+class MpsManager:
+    """Every device's control daemon. See the module docstring.
+
+    ``enabled=False`` (``mps.enabled = false``) keeps limits settable and persisted but runs
+    no daemon. ``control_command`` is the control program and any leading arguments.
+    """
+
+    def __init__(
+        self,
+        store: StateStore,
+        events: EventLog,
+        run_dir: Path,
+        control_command: Sequence[str] = ("nvidia-cuda-mps-control",),
+        *,
+        enabled: bool = True,
+        base_env: Mapping[str, str] = DEFAULT_BASE_ENV,
+        timeout_s: float = 10.0,
+        health_interval_s: float = 10.0,
+        max_failures: int = 3,
+        backoff_max_s: float = 60.0,
+        proc_root: Path = Path("/proc"),
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._store = store
+        self._events = events
+        self._run_dir = run_dir
+        self._command = list(control_command)
+        self.enabled = enabled
+        self._base_env = dict(base_env)
+        self._timeout_s = timeout_s
+        self._health_interval_s = health_interval_s
+        self._max_failures = max_failures
+        self._backoff_max_s = backoff_max_s
+        self._proc_root = proc_root
+        self._clock = clock
+        self._sleep = sleep
+        self._lock = threading.RLock()
+        self._targets: dict[str, MpsTarget] = {}
+        self._devices: dict[str, _Device] = {}
+        store.ensure_schema(SCHEMA)
+
+    # -- desired state ---------------------------------------------------------------------
+    def limits(self, uuid: str) -> MpsLimits:
+        with self._store.transaction() as conn:
+            row = conn.execute(
+                "SELECT enabled, active_thread_percentage, pinned_mem_limit_bytes"
+                " FROM mps_limits WHERE uuid = ?",
+                (uuid,),
+            ).fetchone()
+        if row is None:
+            return MpsLimits()
+        return MpsLimits(row[1], row[2], bool(row[0]))
+
+    def all_limits(self) -> dict[str, MpsLimits]:
+        with self._store.transaction() as conn:
+            rows = conn.execute(
+                "SELECT uuid, enabled, active_thread_percentage, pinned_mem_limit_bytes"
+                " FROM mps_limits"
+            ).fetchall()
+        return {r[0]: MpsLimits(r[2], r[3], bool(r[1])) for r in rows}
+
+    def set_limits(
+        self,
+        device: str,
+        *,
+        threads_percent: int | None = None,
+        memory_bytes: int | None = None,
+        clear_threads: bool = False,
+        clear_memory: bool = False,
+        enabled: bool | None = None,
+        reserved_memory_bytes: int = 0,
+    ) -> MpsDeviceStatus:
+        """Persist new defaults for ``device`` (UUID, GPU index, or ``GPU:MIG``) and apply
+        them to its daemon now. Fields left ``None`` keep their value; ``clear_*`` go back to
+        the driver's default.
+
+        ``reserved_memory_bytes`` is what jobs already hold on the device: the default memory
+        limit plus that may not exceed the device's memory (:class:`ResourceExhausted`).
+        """
+        with self._lock:
+            target = self.resolve(device)
+            old = self.limits(target.uuid)
+            new = old
+            if clear_threads:
+                new = replace(new, threads_percent=None)
+            elif threads_percent is not None:
+                new = replace(new, threads_percent=protocol.check_percent(threads_percent))
+            if clear_memory:
+                new = replace(new, memory_bytes=None)
+            elif memory_bytes is not None:
+                self._check_memory(target, memory_bytes, reserved_memory_bytes)
+                new = replace(new, memory_bytes=memory_bytes)
+            if enabled is not None:
+                new = replace(new, enabled=enabled)
+            with self._store.transaction() as conn:
+                conn.execute(
+                    "INSERT INTO mps_limits (uuid, gpu_index, enabled, active_thread_percentage,"
+                    " pinned_mem_limit_bytes, updated_at) VALUES (?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT(uuid) DO UPDATE SET gpu_index = excluded.gpu_index,"
+                    " enabled = excluded.enabled,"
+                    " active_thread_percentage = excluded.active_thread_percentage,"
+                    " pinned_mem_limit_bytes = excluded.pinned_mem_limit_bytes,"
+                    " updated_at = excluded.updated_at",
+                    (
+                        target.uuid,
+                        target.gpu,
+                        int(new.enabled),
+                        new.threads_percent,
+                        new.memory_bytes,
+                        time.time(),
+                    ),
+                )
+            self._events.emit(
+                "mps.limits",
+                f"MPS limits of {target.uuid}: threads {_pct(new.threads_percent)},"
+                f" memory {_mem(new.memory_bytes)}",
+                uuid=target.uuid,
+                gpu=target.gpu,
+                threads_percent=new.threads_percent,
+                memory_bytes=new.memory_bytes,
+                enabled=new.enabled,
+            )
+            if self.enabled:
+                self._reconcile_device(target, force_check=True, old=old)
+            return self._status(target)
+
+    def _check_memory(self, target: MpsTarget, memory_bytes: int, reserved: int) -> None:
+        protocol.format_memory(memory_bytes)  # MPS's own minimum
+        total = target.memory_total_bytes
+        if memory_bytes > total:
+            raise ResourceExhausted(
+                f"{target.uuid}: a pinned memory limit of {format_size(memory_bytes)} exceeds"
+                f" the device's {format_size(total)}"
+            )
+        if reserved and memory_bytes + reserved > total:
+            raise ResourceExhausted(
+                f"{target.uuid}: default limit {format_size(memory_bytes)} + reserved by jobs"
+                f" {format_size(reserved)} = {format_size(memory_bytes + reserved)} exceeds"
+                f" the device's {format_size(total)}"
+            )
+
+    # -- devices ---------------------------------------------------------------------------
+    def targets(self) -> list[MpsTarget]:
+        with self._lock:
+            return sorted(
+                self._targets.values(), key=lambda t: (t.gpu, t.mig if t.mig is not None else -1)
+            )
+
+    def target(self, uuid: str) -> MpsTarget | None:
+        with self._lock:
+            return self._targets.get(uuid)
+
+    def resolve(self, device: str) -> MpsTarget:
+        """A target from a UUID (``GPU-...``/``MIG-...``), a GPU index (``0``) or ``GPU:MIG``
+        (``0:1``, MIG device 1 of GPU 0)."""
+        with self._lock:
+            if device in self._targets:
+                return self._targets[device]
+            gpu_text, sep, mig_text = device.partition(":")
+            if gpu_text.isdigit() and (not sep or mig_text.isdigit()):
+                gpu = int(gpu_text)
+                mig = int(mig_text) if sep else None
+                found = [t for t in self._targets.values() if t.gpu == gpu]
+                if mig is None and len(found) > 1:
+                    names = ", ".join(f"{gpu}:{t.mig} ({t.uuid})" for t in found)
+                    raise InvalidArgument(
+                        f"GPU {gpu} is in MIG mode; name one of its MIG devices: {names}",
+                        field="gpu",
+                    )
+                for t in found:
+                    if t.mig == mig or (mig is None and len(found) == 1):
+                        return t
+            known = ", ".join(sorted(self._targets)) or "none yet"
+            raise NotFound(f"no GPU or MIG device {device!r} (known: {known})")
+
+    def pipe_dir(self, uuid: str) -> Path | None:
+        """Where clients of ``uuid`` reach its daemon, or None when MPS is off for it."""
+        with self._lock:
+            dev = self._devices.get(uuid)
+            if not self.enabled or dev is None or not self.limits(uuid).enabled:
+                return None
+            return dev.daemon.pipe_dir
+
+    def status(self) -> list[MpsDeviceStatus]:
+        with self._lock:
+            return [self._status(t) for t in self.targets()]
+
+    def _status(self, target: MpsTarget) -> MpsDeviceStatus:
+        dev = self._device(target.uuid)
+        desired = self.limits(target.uuid)
+        pid = dev.daemon.pid()
+        return MpsDeviceStatus(
+            target=target,
+            desired=desired,
+            running=self.enabled and desired.enabled,
+            up=dev.up and pid is not None,
+            pid=pid,
+            pipe_dir=dev.daemon.pipe_dir,
+            observed_threads_percent=dev.observed_threads,
+            observed_memory_bytes=dev.observed_memory,
+            servers=dev.servers,
+            restarts=dev.restarts,
+            last_error=dev.last_error,
+        )
+
+    def _device(self, uuid: str) -> _Device:
+        dev = self._devices.get(uuid)
+        if dev is None:
+            daemon = ControlDaemon(
+                uuid,
+                self._run_dir,
+                self._command,
+                base_env=self._base_env,
+                timeout_s=self._timeout_s,
+                proc_root=self._proc_root,
+                sleep=self._sleep,
+                clock=self._clock,
+            )
+            dev = self._devices[uuid] = _Device(daemon)
+        return dev
+
+    # -- the loop --------------------------------------------------------------------------
+    def observe(self, targets: Iterable[MpsTarget]) -> None:
+        """Replace the known devices (from the latest snapshot)."""
+        with self._lock:
+            self._targets = {t.uuid: t for t in targets}
+
+    def reconcile(self, snapshot: Snapshot | None = None) -> None:
+        """One pass: start, check, restart or stop each device's daemon. Each device is
+        isolated: a failure is logged and recorded in its status, and the pass goes on."""
+        with self._lock:
+            if snapshot is not None:
+                self.observe(targets_from_snapshot(snapshot))
+            for target in self.targets():
+                try:
+                    self._reconcile_device(target)
+                except GpudError as err:
+                    log.warning("MPS on %s: %s", target.uuid, err)
+            for uuid in [u for u in self._devices if u not in self._targets]:
+                self._stop_device(uuid, reason="device gone")
+
+    def _reconcile_device(
+        self, target: MpsTarget, *, force_check: bool = False, old: MpsLimits | None = None
+    ) -> None:
+        dev = self._device(target.uuid)
+        desired = self.limits(target.uuid)
+        if not self.enabled or not desired.enabled:
+            if dev.daemon.pid() is not None:
+                self._stop_device(target.uuid, reason="disabled")
+            return
+        now = self._clock()
+        if dev.daemon.pid() is None:
+            if now < dev.next_start_at:
+                return
+            self._start(target, dev, desired)
+            return
+        if not dev.started:
+            dev.started = True
+            self._events.emit(
+                "mps.adopt",
+                f"adopted the running MPS control daemon of {target.uuid}",
+                uuid=target.uuid,
+                pid=dev.daemon.pid(),
+            )
+            force_check = True
+        if old is not None and old.memory_bytes is not None and desired.memory_bytes is None:
+            # MPS has no command that removes a memory limit: only a new daemon forgets it.
+            self._clear_memory_limit(target, dev)
+            return
+        if force_check or now >= dev.next_check_at:
+            self._check(target, dev, desired)
+
+    def _start(self, target: MpsTarget, dev: _Device, desired: MpsLimits) -> None:
+        restart = dev.started
+        try:
+            pid = dev.daemon.start()
+            self._apply(target, dev, desired, servers=())
+        except GpudError as err:
+            dev.up = False
+            dev.failures += 1
+            dev.last_error = str(err)
+            delay = min(self._backoff_max_s, 2.0 ** min(dev.failures - 1, 16))
+            dev.next_start_at = self._clock() + delay
+            if dev.failures == 1:
+                self._events.emit(
+                    "mps.start_failed",
+                    f"MPS control daemon of {target.uuid} did not start: {err}",
+                    uuid=target.uuid,
+                    retry_in_s=delay,
+                )
+            dev.daemon.kill()
+            return
+        dev.started = True
+        dev.up = True
+        dev.failures = 0
+        dev.last_error = ""
+        dev.next_check_at = self._clock() + self._health_interval_s
+        if restart:
+            dev.restarts += 1
+        self._events.emit(
+            "mps.restart" if restart else "mps.start",
+            f"{'restarted' if restart else 'started'} the MPS control daemon of {target.uuid}"
+            f" (pid {pid}) with threads {_pct(desired.threads_percent)},"
+            f" memory {_mem(desired.memory_bytes)}",
+            uuid=target.uuid,
+            gpu=target.gpu,
+            pid=pid,
+            restarts=dev.restarts,
+        )
+
+    def _check(self, target: MpsTarget, dev: _Device, desired: MpsLimits) -> None:
+        """Query the daemon; re-apply limits that differ from the desired ones."""
+        dev.next_check_at = self._clock() + self._health_interval_s
+        try:
+            threads, memory, servers = self._read(dev)
+            if not _matches(desired, threads, memory):
+                self._events.emit(
+                    "mps.drift",
+                    f"MPS limits of {target.uuid} differ from the desired ones"
+                    f" (threads {threads:g} %, memory {_mem(memory)}); re-applying",
+                    uuid=target.uuid,
+                )
+                self._apply(target, dev, desired, servers=servers)
+            else:
+                dev.servers = tuple(servers)
+        except GpudError as err:
+            dev.failures += 1
+            dev.last_error = str(err)
+            dev.up = False
+            log.warning("MPS health check of %s failed (%d): %s", target.uuid, dev.failures, err)
+            if dev.failures >= self._max_failures:
+                self._events.emit(
+                    "mps.unresponsive",
+                    f"MPS control daemon of {target.uuid} failed {dev.failures} health checks;"
+                    " killing it to restart",
+                    uuid=target.uuid,
+                )
+                dev.daemon.kill()
+                dev.failures = 0
+            return
+        dev.failures = 0
+        dev.up = True
+        dev.last_error = ""
+
+    def _read(self, dev: _Device) -> tuple[float, int | None, list[int]]:
+        q = dev.daemon.query
+        cmd = protocol.get_default_active_thread_percentage()
+        threads = protocol.parse_percent(cmd, q(cmd))
+        cmd = protocol.get_default_device_pinned_mem_limit(0)
+        memory = protocol.parse_memory(cmd, q(cmd))
+        cmd = protocol.get_server_list()
+        servers = protocol.parse_server_list(cmd, q(cmd))
+        dev.observed_threads, dev.observed_memory, dev.servers = threads, memory, tuple(servers)
+        return threads, memory, servers
+
+    def _apply(
+        self, target: MpsTarget, dev: _Device, desired: MpsLimits, *, servers: Sequence[int]
+    ) -> None:
+        """Write the defaults, push them to running servers, and read them back."""
+        q = dev.daemon.query
+        commands: list[str] = [
+            protocol.set_default_active_thread_percentage(desired.threads_percent or 100)
+        ]
+        if desired.memory_bytes is not None:
+            commands.append(protocol.set_default_device_pinned_mem_limit(0, desired.memory_bytes))
+        for pid in servers:
+            commands.append(
+                protocol.set_active_thread_percentage(pid, desired.threads_percent or 100)
+            )
+            if desired.memory_bytes is not None:
+                commands.append(protocol.set_device_pinned_mem_limit(pid, 0, desired.memory_bytes))
+        for cmd in commands:
+            protocol.parse_empty(cmd, q(cmd))
+        threads, memory, _ = self._read(dev)
+        if not _matches(desired, threads, memory):
+            raise BackendError(
+                f"MPS control daemon holds threads {threads:g} %, memory {_mem(memory)} after"
+                f" setting threads {_pct(desired.threads_percent)}, memory"
+                f" {_mem(desired.memory_bytes)}",
+                uuid=target.uuid,
+            )
+
+    def _clear_memory_limit(self, target: MpsTarget, dev: _Device) -> None:
+        cmd = protocol.get_server_list()
+        servers = protocol.parse_server_list(cmd, dev.daemon.query(cmd))
+        if servers:
+            raise FailedPrecondition(
+                f"{target.uuid}: removing the memory limit restarts its MPS control daemon,"
+                f" and MPS servers {', '.join(map(str, servers))} still serve clients"
+            )
+        dev.daemon.stop()
+        self._start(target, dev, self.limits(target.uuid))
+
+    def _stop_device(self, uuid: str, *, reason: str) -> None:
+        dev = self._devices.get(uuid)
+        if dev is None:
+            return
+        pid = dev.daemon.pid()
+        if pid is not None:
+            dev.daemon.stop()
+            self._events.emit(
+                "mps.stop",
+                f"stopped the MPS control daemon of {uuid} ({reason})",
+                uuid=uuid,
+                pid=pid,
+            )
+        dev.up = False
+        dev.started = False
+        if uuid not in self._targets:
+            del self._devices[uuid]
+
+    def start_server(self, device: str, uid: int) -> list[int]:
+        """``start_server -uid UID`` (MPS servers otherwise start with their first client);
+        returns the server list."""
+        with self._lock:
+            target = self.resolve(device)
+            dev = self._device(target.uuid)
+            cmd = protocol.start_server(uid)
+            protocol.parse_empty(cmd, dev.daemon.query(cmd))
+            cmd = protocol.get_server_list()
+            servers = protocol.parse_server_list(cmd, dev.daemon.query(cmd))
+            dev.servers = tuple(servers)
+            return servers
+
+    def stop(self) -> None:
+        """At shutdown: ``quit`` every daemon this manager runs."""
+        with self._lock:
+            for uuid in list(self._devices):
+                try:
+                    self._stop_device(uuid, reason="gpud stopping")
+                except GpudError as err:
+                    log.warning("stopping MPS on %s: %s", uuid, err)
+
+
+def _matches(desired: MpsLimits, threads: float, memory: int | None) -> bool:
+    if abs(threads - (desired.threads_percent or 100)) > 0.05:
+        return False
+    if desired.memory_bytes is None:
+        return memory is None
+    shown = protocol.displayed_memory(desired.memory_bytes)
+    return memory == protocol.parse_memory("", shown)
+
+
+def _pct(value: int | None) -> str:
+    return "100 % (default)" if value is None else f"{value} %"
+
+
+def _mem(value: int | None) -> str:
+    return "unlimited" if value is None else format_size(value)

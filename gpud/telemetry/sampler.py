@@ -1,0 +1,365 @@
+"""The telemetry sampler: every GPU and MIG device, once per interval, into a :class:`Snapshot`.
+
+Each GPU is read on its own worker thread (:mod:`gpud.telemetry.worker`); a tick hands every
+idle GPU its read and waits at most ``call_timeout_s`` for all of them. So:
+
+- a GPU whose calls raise (lost, driver error) is ``healthy=False`` with the reason, and every
+  other GPU is read as usual (:mod:`gpud.telemetry.reader` has the per-call policy);
+- a GPU whose call hangs is ``healthy=False`` ("driver call timed out after X s") and gets no
+  new call until the hung one returns, while the others keep fresh samples;
+- health transitions go to the event log as ``gpu.unhealthy`` / ``gpu.recovered``.
+
+XID and ECC events arrive on a separate thread blocked in ``nvmlEventSetWait``
+(:class:`XidWatcher`); counts show in each :class:`GpuSample` and each event goes to the
+event log as ``gpu.xid``.
+
+Use from asyncio (the daemon)::
+
+    sampler = Sampler(backend, interval_s=1.0, events=event_log)
+    await sampler.run(stop_event)      # starts the XID watcher; closes everything on return
+
+or synchronously (tests, benchmarks): ``sampler.start()`` (optional, for XIDs), ``tick()``,
+``latest()``, ``close()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import replace
+
+from gpud.backend.port import EventKind, GpuBackend, GpuEvent
+from gpud.errors import BackendError, NotSupported
+from gpud.events import EventLog
+from gpud.telemetry.reader import GpuReader, placeholder_identity
+from gpud.telemetry.snapshot import GpuSample, Snapshot
+from gpud.telemetry.worker import Worker
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[Snapshot], None]
+
+
+class _Slot:
+    """One GPU: its reader, its worker, the read in flight and the health last reported."""
+
+    __slots__ = ("healthy", "pending", "reader", "reason", "worker", "xid_last", "xid_total")
+
+    def __init__(self, reader: GpuReader, worker: Worker) -> None:
+        self.reader = reader
+        self.worker = worker
+        self.pending: Future[GpuSample] | None = None
+        self.healthy = True
+        self.reason = ""
+        self.xid_total = 0
+        self.xid_last: int | None = None
+
+
+class Sampler:
+    """Samples a :class:`GpuBackend` into immutable snapshots; keeps the last ``history``."""
+
+    def __init__(
+        self,
+        backend: GpuBackend,
+        *,
+        interval_s: float = 1.0,
+        history: int = 60,
+        call_timeout_s: float = 3.0,
+        unsupported_retry_s: float = 300.0,
+        identity_refresh_s: float = 30.0,
+        event_wait_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        events: EventLog | None = None,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError("interval_s must be > 0")
+        if call_timeout_s <= 0:
+            raise ValueError("call_timeout_s must be > 0")
+        self.interval_s = interval_s
+        self.call_timeout_s = call_timeout_s
+        self._backend = backend
+        self._unsupported_retry_s = unsupported_retry_s
+        self._identity_refresh_s = identity_refresh_s
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._events = events
+        self._timeout_reason = f"driver call timed out after {call_timeout_s:g} s"
+        self._history: deque[Snapshot] = deque(maxlen=max(1, history))
+        self._latest: Snapshot | None = None
+        self._lock = threading.Lock()  # guards _history, _slots' xid counts, _listeners
+        self._tick_lock = threading.Lock()  # one tick at a time
+        self._slots: list[_Slot] | None = None
+        self._driver_version: str | None = None
+        self._listeners: list[Listener] = []
+        self._xid = XidWatcher(backend, self._on_gpu_event, wait_s=event_wait_s)
+        self._closed = False
+
+    # -- reading ------------------------------------------------------------------------
+
+    def latest(self) -> Snapshot | None:
+        """The last snapshot, or None before the first tick. Safe from any thread."""
+        return self._latest
+
+    def history(self) -> list[Snapshot]:
+        """The kept snapshots, oldest first."""
+        with self._lock:
+            return list(self._history)
+
+    def subscribe(self, listener: Listener) -> None:
+        """Call ``listener(snapshot)`` after every tick, on the sampling thread; keep it short."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def refresh_identity(self, gpu: int | None = None) -> None:
+        """Re-read identity and MIG devices of ``gpu`` (all when None) on the next tick.
+
+        Call after changing the MIG layout, so that new MIG devices show at once.
+        """
+        for slot in self._slots or ():
+            if gpu is None or slot.reader.index == gpu:
+                slot.reader.refresh_identity()
+
+    # -- sampling -----------------------------------------------------------------------
+
+    def tick(self) -> Snapshot:
+        """Read every GPU once (at most ``call_timeout_s``); store and return the snapshot."""
+        with self._tick_lock:
+            start = self._clock()
+            wall = self._wall_clock()
+            slots = self._slots if self._slots is not None else self._discover()
+            for slot in slots:
+                pending = slot.pending
+                if pending is not None and pending.done():
+                    # A hung read that returned since the last tick: its values are stale.
+                    slot.pending = pending = None
+                if pending is None:
+                    slot.pending = slot.worker.submit(slot.reader.read)
+            futures = [s.pending for s in slots if s.pending is not None]
+            wait_futures(futures, timeout=self.call_timeout_s)
+            samples = tuple(self._collect(slot) for slot in slots)
+            snapshot = Snapshot(
+                wall_time=wall,
+                monotonic=start,
+                gpus=samples,
+                tick_seconds=self._clock() - start,
+                driver_version=self._driver_version,
+            )
+            with self._lock:
+                self._history.append(snapshot)
+                self._latest = snapshot
+                listeners = tuple(self._listeners)
+            for listener in listeners:
+                try:
+                    listener(snapshot)
+                except Exception:
+                    log.exception("snapshot listener %r failed", listener)
+            return snapshot
+
+    def _discover(self) -> list[_Slot]:
+        """Count GPUs once (a GPU that comes or goes needs a driver reload and a restart)."""
+        try:
+            count = self._backend.gpu_count()
+        except BackendError as err:
+            log.warning("cannot count GPUs, retrying next tick: %s", err)
+            return []
+        try:
+            self._driver_version = self._backend.driver_version()
+        except BackendError as err:
+            log.warning("cannot read the driver version: %s", err)
+        slots = [
+            _Slot(
+                GpuReader(
+                    self._backend,
+                    index,
+                    clock=self._clock,
+                    unsupported_retry_s=self._unsupported_retry_s,
+                    identity_refresh_s=self._identity_refresh_s,
+                ),
+                Worker(f"gpud-gpu{index}"),
+            )
+            for index in range(count)
+        ]
+        self._slots = slots
+        return slots
+
+    def _collect(self, slot: _Slot) -> GpuSample:
+        pending = slot.pending
+        reader = slot.reader
+        if pending is not None and pending.done():
+            slot.pending = None
+            err = pending.exception()
+            if err is None:
+                sample = pending.result()
+            else:
+                # Not a driver error (those are handled in the reader): a bug; keep going.
+                log.error("reading GPU %d failed", reader.index, exc_info=err)
+                sample = GpuSample(
+                    identity=reader.identity or placeholder_identity(reader.index),
+                    healthy=False,
+                    reason=f"internal error: {type(err).__name__}: {err}",
+                    sampled_at=reader.last_good_at,
+                )
+        else:
+            sample = GpuSample(
+                identity=reader.identity or placeholder_identity(reader.index),
+                healthy=False,
+                reason=self._timeout_reason,
+                sampled_at=reader.last_good_at,
+            )
+        if slot.xid_total:
+            with self._lock:
+                sample = replace(sample, xid_events_total=slot.xid_total, last_xid=slot.xid_last)
+        if sample.healthy != slot.healthy or sample.reason != slot.reason:
+            self._transition(slot, sample)
+        return sample
+
+    def _transition(self, slot: _Slot, sample: GpuSample) -> None:
+        slot.healthy = sample.healthy
+        slot.reason = sample.reason
+        ident = sample.identity
+        gpu = ident.index
+        if sample.healthy:
+            log.info("GPU %d recovered", gpu)
+            self._emit("gpu.recovered", f"GPU {gpu} recovered", gpu=gpu, uuid=ident.uuid)
+        else:
+            # Also on a change of reason, e.g. a timed-out GPU that then reports "lost".
+            log.warning("GPU %d unhealthy: %s", gpu, sample.reason)
+            self._emit(
+                "gpu.unhealthy",
+                f"GPU {gpu} unhealthy: {sample.reason}",
+                gpu=gpu,
+                uuid=ident.uuid,
+                reason=sample.reason,
+            )
+
+    # -- events -------------------------------------------------------------------------
+
+    def _on_gpu_event(self, event: GpuEvent) -> None:
+        slots = self._slots or []
+        slot = next((s for s in slots if s.reader.index == event.gpu), None)
+        uuid = slot.reader.identity.uuid if slot and slot.reader.identity else ""
+        fields: dict[str, object] = {"gpu": event.gpu, "uuid": uuid}
+        if event.gpu_instance_id is not None:
+            fields["gpu_instance_id"] = event.gpu_instance_id
+        if event.compute_instance_id is not None:
+            fields["compute_instance_id"] = event.compute_instance_id
+        if event.kind is EventKind.XID:
+            if slot is not None:
+                with self._lock:
+                    slot.xid_total += 1
+                    slot.xid_last = event.xid
+            log.warning("GPU %d reported Xid %s", event.gpu, event.xid)
+            self._emit(
+                "gpu.xid", f"GPU {event.gpu} reported Xid {event.xid}", xid=event.xid, **fields
+            )
+        elif event.kind in (EventKind.ECC_DOUBLE_BIT, EventKind.ECC_SINGLE_BIT):
+            self._emit("gpu.ecc", f"GPU {event.gpu}: {event.kind.value} ECC error", **fields)
+
+    def _emit(self, kind: str, message: str, **fields: object) -> None:
+        if self._events is not None:
+            self._events.emit(kind, message, **fields)
+
+    # -- life ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start watching XID/ECC events (``tick`` works without it)."""
+        self._xid.start()
+
+    def close(self) -> None:
+        """Stop the event watcher and the GPU workers. A worker stuck in the driver is left
+        behind (it is a daemon thread); nothing else waits on it."""
+        if self._closed:
+            return
+        self._closed = True
+        self._xid.stop()
+        for slot in self._slots or ():
+            slot.worker.close()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Tick every ``interval_s`` until ``stop`` is set, off the event loop; then close.
+
+        Ticks are scheduled at a fixed rate on the loop's clock; a tick that overruns skips
+        the missed slots rather than bursting to catch up.
+        """
+        loop = asyncio.get_running_loop()
+        self.start()
+        try:
+            next_at = loop.time()
+            while not stop.is_set():
+                try:
+                    await asyncio.to_thread(self.tick)
+                except Exception:
+                    log.exception("sampler tick failed")
+                next_at += self.interval_s
+                now = loop.time()
+                next_at = max(next_at, now)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=next_at - now)
+        finally:
+            self.close()
+
+
+class XidWatcher:
+    """A thread blocked in ``backend.wait_events`` that hands each event to ``on_event``.
+
+    Stops for good when the driver does not support events; retries after ``retry_s`` on
+    other driver errors.
+    """
+
+    def __init__(
+        self,
+        backend: GpuBackend,
+        on_event: Callable[[GpuEvent], None],
+        *,
+        wait_s: float = 1.0,
+        retry_s: float = 5.0,
+    ) -> None:
+        self._backend = backend
+        self._on_event = on_event
+        self._wait_s = wait_s
+        self._retry_s = retry_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gpud-xid", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self._wait_s + 1.0)
+
+    def _run(self) -> None:
+        warned = False
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                events = self._backend.wait_events(self._wait_s)
+            except NotSupported as err:
+                log.info("GPU events not supported, XIDs will not be counted: %s", err)
+                return
+            except Exception as err:
+                if not warned:  # once per outage, not once per retry
+                    log.warning("waiting for GPU events failed, retrying: %s", err)
+                    warned = True
+                self._stop.wait(self._retry_s)
+                continue
+            warned = False
+            for event in events:
+                try:
+                    self._on_event(event)
+                except Exception:
+                    log.exception("handling GPU event %r failed", event)
+            if not events and time.monotonic() - started < self._wait_s / 10:
+                # A backend that returns at once instead of blocking must not spin a core.
+                self._stop.wait(self._wait_s)

@@ -1,0 +1,245 @@
+"""LEVELLER: the slowest jobs get the highest network priority, lazily, over K levels.
+
+Input: each job's normalized progress rate (``netshaper.progress``), ``None`` where not
+known yet. Output: a :class:`LevelAssignment` -- job -> level (0 is the highest priority)
+and level -> minimum share of every link -- that the enforcement layer turns into HTB
+classes (TCP) and a DSCP -> priority map (RDMA).
+
+Ranking is greedy: sort by rate (ties by job id, so the result is deterministic), then cut
+the order into ``min(K, n)`` contiguous buckets of near-equal size; the slowest bucket gets
+level 0. With more jobs than levels, neighbours in rate share a level and, inside it, the
+link's max-min sharing.
+
+Updates are lazy, because every change is a netlink or NIC-map write and, worse, a change
+of who is preempted:
+
+* re-rank only when a job's rate moved more than ``threshold`` (relative) from the rate it
+  had at the last re-rank, when jobs come or go, when overrides change, or when
+  ``max_age_s`` has passed;
+* on a re-rank, a job keeps its previous level while its rate stays within the fresh
+  bucket's rate range widened by ``hysteresis`` (relative), so a job near a bucket edge
+  does not flap.
+
+Guarantees (tested as properties): whenever job ``a`` sits at a strictly lower priority
+than job ``b``, ``r_a >= r_b * (1-h) / (1+h)`` right after a re-rank and
+``r_a >= r_b * (1-h)(1-t) / ((1+h)(1+t))`` at any time in between (``h`` hysteresis, ``t``
+threshold); the output depends only on the inputs.
+
+No starvation: each level keeps ``min_share`` of every link (HTB's guaranteed ``rate``),
+whatever the order; only the rest is handed out by strict priority.
+
+Operator overrides: :meth:`Leveller.pin` fixes a job's level; :meth:`Leveller.exclude`
+leaves a job out of the assignment (the enforcement layer keeps it in the default class).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+MAX_LEVELS = 8  # what commodity NICs and switches offer (802.1p / PFC priorities)
+MIN_LEVELS = 2
+
+
+@dataclass(frozen=True)
+class LevellerConfig:
+    """Knobs of the policy; see the module docstring for what each one buys.
+
+    ``min_share`` is either one fraction for every level or one per level (length
+    ``levels``); the fractions must sum to at most 1. ``unknown_rate`` is the rate assumed
+    for a job with no estimate yet: 0 puts newcomers at the top until they have one, which
+    also lets a job that learns its contention-free time learn it under good conditions.
+    """
+
+    levels: int = MAX_LEVELS
+    threshold: float = 0.1
+    max_age_s: float = 10.0
+    hysteresis: float = 0.05
+    min_share: float | tuple[float, ...] = 0.02
+    unknown_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not MIN_LEVELS <= self.levels <= MAX_LEVELS:
+            raise ValueError(f"levels must be in [{MIN_LEVELS}, {MAX_LEVELS}], got {self.levels}")
+        if not self.threshold >= 0:
+            raise ValueError(f"threshold must be >= 0, got {self.threshold}")
+        if not self.max_age_s > 0:
+            raise ValueError(f"max_age_s must be > 0, got {self.max_age_s}")
+        if not 0 <= self.hysteresis < 1:
+            raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
+        if not 0 <= self.unknown_rate <= 1:
+            raise ValueError(f"unknown_rate must be in [0, 1], got {self.unknown_rate}")
+        shares = self.shares()
+        if any(s < 0 for s in shares) or sum(shares) > 1 + 1e-9:
+            raise ValueError(f"min_share must be >= 0 and sum to <= 1, got {shares}")
+
+    def shares(self) -> tuple[float, ...]:
+        """Minimum share of each link per level, index = level."""
+        if isinstance(self.min_share, tuple):
+            if len(self.min_share) != self.levels:
+                raise ValueError(
+                    f"min_share has {len(self.min_share)} entries for {self.levels} levels"
+                )
+            return self.min_share
+        return (float(self.min_share),) * self.levels
+
+
+@dataclass(frozen=True)
+class LevelAssignment:
+    """One decision of the policy.
+
+    ``levels``: job -> level, 0 = highest priority (excluded jobs are absent).
+    ``shares``: level -> minimum fraction of every link that level keeps.
+    ``rates``: the rates the decision used (unknown ones replaced by ``unknown_rate``).
+    ``changes``: jobs that were already assigned and now have a different level.
+    ``reranked``: whether this update re-ranked or kept the previous order.
+    """
+
+    at: float
+    levels: Mapping[str, int]
+    shares: tuple[float, ...]
+    rates: Mapping[str, float]
+    changes: int
+    reranked: bool
+    excluded: frozenset[str] = field(default_factory=frozenset)
+
+
+class Leveller:
+    """The stateful, deterministic policy. Call :meth:`update` once per tick."""
+
+    def __init__(self, config: LevellerConfig | None = None) -> None:
+        self._config = config or LevellerConfig()
+        self._shares = self._config.shares()
+        self._pins: dict[str, int] = {}
+        self._excluded: set[str] = set()
+        self._overrides_changed = False
+        self._levels: dict[str, int] = {}
+        self._ref_rates: dict[str, float] = {}
+        self._last_rerank: float | None = None
+        self._total_changes = 0
+        self._last: LevelAssignment | None = None
+
+    @property
+    def config(self) -> LevellerConfig:
+        return self._config
+
+    @property
+    def total_changes(self) -> int:
+        """Level changes over the lifetime of this policy object."""
+        return self._total_changes
+
+    @property
+    def last(self) -> LevelAssignment | None:
+        return self._last
+
+    def pin(self, job_id: str, level: int) -> None:
+        """Keep ``job_id`` at ``level`` whatever its rate, until :meth:`unpin`."""
+        if not 0 <= level < self._config.levels:
+            raise ValueError(f"{job_id}: level must be in [0, {self._config.levels}), got {level}")
+        if self._pins.get(job_id) != level:
+            self._pins[job_id] = level
+            self._overrides_changed = True
+
+    def unpin(self, job_id: str) -> None:
+        if self._pins.pop(job_id, None) is not None:
+            self._overrides_changed = True
+
+    def exclude(self, job_id: str) -> None:
+        """Leave ``job_id`` out of every assignment, until :meth:`include`."""
+        if job_id not in self._excluded:
+            self._excluded.add(job_id)
+            self._overrides_changed = True
+
+    def include(self, job_id: str) -> None:
+        if job_id in self._excluded:
+            self._excluded.discard(job_id)
+            self._overrides_changed = True
+
+    def pins(self) -> dict[str, int]:
+        return dict(sorted(self._pins.items()))
+
+    def excluded(self) -> frozenset[str]:
+        return frozenset(self._excluded)
+
+    def update(self, now: float, rates: Mapping[str, float | None]) -> LevelAssignment:
+        """Decide levels for the jobs in ``rates`` (the jobs present now) at ``now``."""
+        cfg = self._config
+        excluded = frozenset(j for j in rates if j in self._excluded)
+        eff = {
+            j: _clamp(cfg.unknown_rate if r is None else r)
+            for j, r in sorted(rates.items())
+            if j not in excluded
+        }
+        if self._needs_rerank(now, eff):
+            new_levels = self._rerank(eff)
+            self._ref_rates = dict(eff)
+            self._last_rerank = now
+            self._overrides_changed = False
+            reranked = True
+        else:
+            new_levels = {j: self._levels[j] for j in eff}
+            reranked = False
+        changes = sum(
+            1 for j, lv in new_levels.items() if j in self._levels and self._levels[j] != lv
+        )
+        self._total_changes += changes
+        self._levels = new_levels
+        self._last = LevelAssignment(
+            at=now,
+            levels=dict(new_levels),
+            shares=self._shares,
+            rates=eff,
+            changes=changes,
+            reranked=reranked,
+            excluded=excluded,
+        )
+        return self._last
+
+    def _needs_rerank(self, now: float, eff: Mapping[str, float]) -> bool:
+        if self._last_rerank is None or self._overrides_changed:
+            return True
+        if set(eff) != set(self._levels):
+            return True
+        if now - self._last_rerank >= self._config.max_age_s:
+            return True
+        t = self._config.threshold
+        for j, r in eff.items():
+            ref = self._ref_rates[j]
+            if abs(r - ref) > t * ref:
+                return True
+        return False
+
+    def _rerank(self, eff: Mapping[str, float]) -> dict[str, int]:
+        levels: dict[str, int] = {j: lv for j, lv in self._pins.items() if j in eff}
+        free = sorted((r, j) for j, r in eff.items() if j not in levels)
+        fresh = rank_levels([j for _, j in free], self._config.levels)
+        lo: dict[int, float] = {}
+        hi: dict[int, float] = {}
+        for r, j in free:
+            lv = fresh[j]
+            lo.setdefault(lv, r)
+            hi[lv] = r
+        h = self._config.hysteresis
+        for r, j in free:
+            prev = self._levels.get(j)
+            if prev is not None and prev in lo and lo[prev] * (1 - h) <= r <= hi[prev] * (1 + h):
+                levels[j] = prev
+            else:
+                levels[j] = fresh[j]
+        return dict(sorted(levels.items()))
+
+
+def rank_levels(ordered: Sequence[str], levels: int) -> dict[str, int]:
+    """Compress an order (highest priority first) into ``levels`` contiguous buckets.
+
+    With ``n <= levels`` jobs each gets its own level 0..n-1; otherwise bucket ``k`` holds
+    ranks ``[k*n/levels, (k+1)*n/levels)``, so bucket sizes differ by at most one. The
+    baselines in the simulator compress their orders the same way.
+    """
+    n = len(ordered)
+    used = min(levels, n)
+    return {j: (rank * used) // n for rank, j in enumerate(ordered)}
+
+
+def _clamp(rate: float) -> float:
+    return min(1.0, max(0.0, rate))

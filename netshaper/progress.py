@@ -1,0 +1,185 @@
+"""Normalized progress rates of training jobs from their iteration reports.
+
+A job reports ``(iteration, at)``: the number of iterations it has completed and when the
+last one completed (any monotonic clock, in seconds). Reports may arrive every iteration or
+only now and then; the estimate uses counts, so a missing report costs precision, not
+correctness.
+
+The progress rate is ``r = T* / T`` in (0, 1]:
+
+* ``T`` is the observed iteration time over a sliding window of progress points (the
+  reports where the counter advanced): ``(t_last - t_first) / (n_last - n_first)``. A
+  window average is robust to per-iteration jitter and to batched reports.
+* ``T*`` is the contention-free iteration time. A job may declare it (profiled alone);
+  otherwise it is learned as the best per-report sample seen (the fastest stretch between
+  two reports), so it never exceeds what was observed.
+* A job that stops reporting is slower than its last estimate says: the time since its
+  last progress point lower-bounds the current iteration time, so ``r`` decays as
+  ``T* / (now - t_last)`` once that exceeds ``T`` (never a division by zero).
+* A restart (the counter goes back) drops the window but keeps ``T*`` and the last ``T``
+  as a prior, so the job does not jump to the front or the back on its next tick.
+
+Nothing here does I/O or reads a clock: callers pass ``now``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+# Iteration times below this are treated as this, so a burst of reports stamped with the
+# same instant can never produce an infinite rate.
+_MIN_PERIOD_S = 1e-9
+
+
+@dataclass(frozen=True)
+class ProgressConfig:
+    """How progress is estimated.
+
+    ``window_s``: span of the sliding window of progress points (at least two points are
+    always kept, so slow jobs still have an estimate).
+    """
+
+    window_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        if not self.window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {self.window_s}")
+
+
+@dataclass
+class _JobState:
+    declared_ideal_s: float | None
+    first_seen: float
+    points: deque[tuple[int, float]] = field(default_factory=deque)
+    learned_ideal_s: float | None = None
+    prior_period_s: float | None = None
+    last_count: int | None = None
+    last_progress_at: float | None = None
+    restarts: int = 0
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """One job's estimate at a point in time (``None`` where not known yet)."""
+
+    job_id: str
+    rate: float | None
+    period_s: float | None
+    ideal_s: float | None
+    iterations: int | None
+    restarts: int
+
+
+class ProgressTracker:
+    """Per-job iteration reports in, normalized progress rates out.
+
+    The daemon calls :meth:`register` when a job appears (with the contention-free
+    iteration time if the job declared one), :meth:`report` whenever a progress report
+    arrives, :meth:`forget` when the job leaves, and :meth:`rates` once per tick to feed
+    :class:`netshaper.leveller.Leveller`.
+    """
+
+    def __init__(self, config: ProgressConfig | None = None) -> None:
+        self._config = config or ProgressConfig()
+        self._jobs: dict[str, _JobState] = {}
+
+    @property
+    def config(self) -> ProgressConfig:
+        return self._config
+
+    def register(self, job_id: str, *, now: float, ideal_s: float | None = None) -> None:
+        """Start tracking ``job_id`` (idempotent; a new ``ideal_s`` replaces the old)."""
+        if ideal_s is not None and not ideal_s > 0:
+            raise ValueError(f"{job_id}: ideal_s must be > 0, got {ideal_s}")
+        state = self._jobs.get(job_id)
+        if state is None:
+            self._jobs[job_id] = _JobState(declared_ideal_s=ideal_s, first_seen=now)
+        elif ideal_s is not None:
+            state.declared_ideal_s = ideal_s
+
+    def forget(self, job_id: str) -> None:
+        """Stop tracking ``job_id`` (unknown ids are ignored)."""
+        self._jobs.pop(job_id, None)
+
+    def jobs(self) -> list[str]:
+        return sorted(self._jobs)
+
+    def report(self, job_id: str, iteration: int, at: float) -> None:
+        """Record that ``job_id`` had completed ``iteration`` iterations at time ``at``.
+
+        Unknown jobs are registered on the fly (with no declared ideal). Reports older
+        than the newest progress point are ignored; a lower count means a restart.
+        """
+        if iteration < 0:
+            raise ValueError(f"{job_id}: iteration must be >= 0, got {iteration}")
+        state = self._jobs.get(job_id)
+        if state is None:
+            state = _JobState(declared_ideal_s=None, first_seen=at)
+            self._jobs[job_id] = state
+        if state.last_count is not None and iteration < state.last_count:
+            # Restart: keep what we learned about the job's speed, drop the window.
+            state.prior_period_s = self._window_period(state) or state.prior_period_s
+            state.points.clear()
+            state.restarts += 1
+        elif state.points and at < state.points[-1][1]:
+            return  # late, out-of-order report
+        elif state.last_count is not None and iteration == state.last_count:
+            return  # no progress since the last point: nothing new to learn
+        if state.points:
+            n0, t0 = state.points[-1]
+            if iteration > n0 and at > t0:
+                sample = (at - t0) / (iteration - n0)
+                if state.learned_ideal_s is None or sample < state.learned_ideal_s:
+                    state.learned_ideal_s = sample
+        state.points.append((iteration, at))
+        state.last_count = iteration
+        state.last_progress_at = at
+        window = self._config.window_s
+        while len(state.points) > 2 and at - state.points[1][1] >= window:
+            state.points.popleft()
+
+    def progress(self, job_id: str, now: float) -> JobProgress:
+        """The estimate for one job at ``now``; raises ``KeyError`` for unknown ids."""
+        state = self._jobs[job_id]
+        ideal = self._ideal(state)
+        period = self._window_period(state) or state.prior_period_s
+        since = state.last_progress_at if state.last_progress_at is not None else state.first_seen
+        stalled_for = max(0.0, now - since)
+        rate: float | None = None
+        if ideal is not None:
+            effective = max(period or 0.0, stalled_for)
+            # With no estimate yet, the job is only known to be slow once it has gone a
+            # whole ideal iteration without progress.
+            if period is not None or stalled_for > ideal:
+                rate = min(1.0, ideal / max(effective, _MIN_PERIOD_S))
+        return JobProgress(
+            job_id=job_id,
+            rate=rate,
+            period_s=period,
+            ideal_s=ideal,
+            iterations=state.last_count,
+            restarts=state.restarts,
+        )
+
+    def rates(self, now: float, jobs: Iterable[str] | None = None) -> dict[str, float | None]:
+        """Progress rate of every tracked job (or of ``jobs``) at ``now``."""
+        ids = sorted(self._jobs) if jobs is None else list(jobs)
+        return {j: self.progress(j, now).rate for j in ids}
+
+    @staticmethod
+    def _ideal(state: _JobState) -> float | None:
+        if state.declared_ideal_s is not None:
+            return state.declared_ideal_s
+        return state.learned_ideal_s
+
+    @staticmethod
+    def _window_period(state: _JobState) -> float | None:
+        if len(state.points) < 2:
+            return None
+        n0, t0 = state.points[0]
+        n1, t1 = state.points[-1]
+        if n1 <= n0:
+            return None
+        return max((t1 - t0) / (n1 - n0), _MIN_PERIOD_S)

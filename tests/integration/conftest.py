@@ -1,0 +1,131 @@
+"""Fixtures for tests that run real programs: a gpud daemon on a simulated node."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RunningDaemon:
+    proc: subprocess.Popen[bytes]
+    root: Path
+    socket: Path
+    metrics_port: int
+    notify: socket.socket | None = None
+    log: Path = field(default_factory=Path)
+
+    def gpuctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [str(BIN / "gpuctl"), "--socket", str(self.socket), *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(
+                f"gpuctl {' '.join(args)} exited {result.returncode}: {result.stderr}"
+            )
+        return result
+
+    def metrics(self) -> str:
+        import urllib.request
+
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return str(resp.read().decode())
+
+    def notifications(self, timeout: float = 0.0) -> list[str]:
+        assert self.notify is not None
+        out: list[str] = []
+        self.notify.settimeout(timeout or 0.01)
+        while True:
+            try:
+                out.append(self.notify.recv(4096).decode())
+            except (TimeoutError, BlockingIOError):
+                return out
+            self.notify.settimeout(0.01)
+
+
+def start_daemon(
+    root: Path, *extra: str, config_text: str = "", env: dict[str, str] | None = None
+) -> RunningDaemon:
+    root.mkdir(parents=True, exist_ok=True)
+    config = root / "gpud.toml"
+    config.write_text(config_text)
+    sock = root / "run" / "gpud.sock"
+    port = free_port()
+    notify_path = root / "notify.sock"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(notify_path))
+    log = root / "gpud.log"
+    proc = subprocess.Popen(
+        [
+            str(BIN / "gpud"),
+            "--config",
+            str(config),
+            "--run-dir",
+            str(root / "run"),
+            "--state-dir",
+            str(root / "state"),
+            "--socket",
+            str(sock),
+            "--metrics-address",
+            f"127.0.0.1:{port}",
+            *extra,
+        ],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "NOTIFY_SOCKET": str(notify_path), **(env or {})},
+    )
+    daemon = RunningDaemon(proc, root, sock, port, notify, log)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"gpud exited {proc.returncode}:\n{log.read_text()}")
+        if daemon.gpuctl("status", check=False).returncode == 0:
+            return daemon
+        time.sleep(0.2)
+    stop_daemon(daemon)
+    raise AssertionError(f"gpud did not start:\n{log.read_text()}")
+
+
+def stop_daemon(daemon: RunningDaemon) -> int:
+    if daemon.proc.poll() is None:
+        daemon.proc.send_signal(signal.SIGTERM)
+        try:
+            daemon.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            daemon.proc.kill()
+            daemon.proc.wait()
+    if daemon.notify is not None:
+        daemon.notify.close()
+    return daemon.proc.returncode
+
+
+@pytest.fixture
+def gpud_sim(tmp_path: Path) -> Iterator[RunningDaemon]:
+    """A gpud on the default simulated node (8 x H100-SXM5-80GB), stopped at the end."""
+    daemon = start_daemon(tmp_path / "gpud", "--simulate")
+    try:
+        yield daemon
+    finally:
+        stop_daemon(daemon)

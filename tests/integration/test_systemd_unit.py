@@ -1,0 +1,42 @@
+"""The shipped unit file passes ``systemd-analyze verify``."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_unit_verifies(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    assert analyze, "systemd-analyze is required (Debian package systemd)"
+    gpud = Path(sys.executable).with_name("gpud")
+    assert gpud.exists(), f"{gpud} missing: install the project (tools/setup.sh)"
+    # verify also checks that ExecStart exists: point it at this checkout's gpud.
+    text = (ROOT / "systemd" / "gpud.service").read_text()
+    assert "ExecStart=/usr/local/bin/gpud " in text
+    unit = tmp_path / "gpud.service"
+    unit.write_text(text.replace("/usr/local/bin/gpud", str(gpud)))
+    result = subprocess.run(
+        [analyze, "verify", str(unit)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "gpud.service" not in result.stderr, result.stderr
+
+
+def test_unit_has_what_operators_rely_on() -> None:
+    text = (ROOT / "systemd" / "gpud.service").read_text()
+    for line in (
+        "Type=notify",
+        "WatchdogSec=",
+        "Restart=on-failure",
+        "StateDirectory=gpud",
+        "RuntimeDirectory=gpud",
+        "ExecReload=/bin/kill -HUP $MAINPID",
+    ):
+        assert line in text

@@ -1,0 +1,254 @@
+"""The scrape-time collector on hand-built snapshots, read back with get_sample_value."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterable
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from gpud.backend.port import (
+    Clocks,
+    EccCounts,
+    GpuIdentity,
+    MemoryInfo,
+    MigDeviceIdentity,
+    MigMode,
+    PcieThroughput,
+    ProcessInfo,
+    Utilization,
+)
+from gpud.events import EventLog
+from gpud.metrics import Collector, build_registry, start_metrics_server, stop_metrics_server
+from gpud.telemetry.snapshot import GpuSample, MigSample, Snapshot
+
+GIB = 1 << 30
+NAME = "NVIDIA H100 80GB HBM3"
+
+
+def ident(i: int) -> GpuIdentity:
+    return GpuIdentity(
+        index=i,
+        uuid=f"GPU-{i}",
+        name=NAME,
+        product="H100-SXM5-80GB",
+        pci_bus_id=f"00000000:{i + 0x18:02X}:00.0",
+        pci_device_id=0x233010DE,
+        memory_total_bytes=80 * GIB,
+        mig_capable=True,
+    )
+
+
+def mig(gpu: int, i: int) -> MigSample:
+    return MigSample(
+        identity=MigDeviceIdentity(
+            gpu=gpu,
+            mig=i,
+            uuid=f"MIG-{gpu}-{i}",
+            gpu_instance_id=7 + i,
+            compute_instance_id=0,
+            gpu_instance_profile_id=19,
+            profile_name="1g.10gb",
+            memory_total_bytes=10 * GIB,
+            multiprocessor_count=16,
+        ),
+        memory=MemoryInfo(10 * GIB, 2 * GIB, 8 * GIB),
+        processes=(ProcessInfo(42, 2 * GIB, 7 + i, 0),),
+    )
+
+
+def snapshot() -> Snapshot:
+    full = GpuSample(
+        identity=ident(0),
+        healthy=True,
+        reason="",
+        sampled_at=99.5,
+        memory=MemoryInfo(80 * GIB, 4 * GIB, 76 * GIB),
+        utilization=Utilization(0.75, 0.5),
+        power_watts=350.5,
+        temperature_celsius=41.0,
+        clocks=Clocks(1980, 2619),
+        ecc=EccCounts(3, 1),
+        pcie=PcieThroughput(1.5e9, 2.5e9),
+        processes=(ProcessInfo(1, GIB), ProcessInfo(2, GIB)),
+        mig_mode=MigMode(False, False),
+        xid_events_total=2,
+        last_xid=79,
+        nvlink_bytes=(100, 200),
+    )
+    mig_gpu = GpuSample(
+        identity=ident(1),
+        healthy=True,
+        reason="",
+        sampled_at=99.5,
+        memory=MemoryInfo(80 * GIB, 4 * GIB, 76 * GIB),
+        power_watts=None,  # NotSupported
+        mig_mode=MigMode(True, True),
+        mig_devices=(mig(1, 0), mig(1, 1)),
+    )
+    lost = GpuSample(
+        identity=ident(2), healthy=False, reason="GPU lost (memory): fell off", sampled_at=90.0
+    )
+    return Snapshot(
+        wall_time=1.7e9,
+        monotonic=99.0,
+        gpus=(full, mig_gpu, lost),
+        tick_seconds=0.004,
+        driver_version="550.54.15",
+    )
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    events = EventLog(None)
+    events.emit("gpu.unhealthy", "GPU 2 unhealthy")
+    events.emit("gpu.xid", "x")
+    events.emit("gpu.xid", "x")
+    return build_registry(Collector(snapshot, events=events, clock=lambda: 100.0))
+
+
+def gpu_labels(i: int, **extra: str) -> dict[str, str]:
+    return {"gpu": str(i), "uuid": f"GPU-{i}", "model": NAME, **extra}
+
+
+def test_gpu_readings(registry: CollectorRegistry) -> None:
+    v = registry.get_sample_value
+    g0 = gpu_labels(0)
+    assert v("gpud_gpu_memory_used_bytes", g0) == 4 * GIB
+    assert v("gpud_gpu_memory_total_bytes", g0) == 80 * GIB
+    assert v("gpud_gpu_utilization_ratio", g0) == 0.75
+    assert v("gpud_gpu_memory_utilization_ratio", g0) == 0.5
+    assert v("gpud_gpu_power_watts", g0) == 350.5
+    assert v("gpud_gpu_temperature_celsius", g0) == 41.0
+    assert v("gpud_gpu_sm_clock_hertz", g0) == 1.98e9
+    assert v("gpud_gpu_memory_clock_hertz", g0) == 2.619e9
+    assert v("gpud_gpu_ecc_errors_total", gpu_labels(0, type="uncorrected")) == 1
+    assert v("gpud_gpu_ecc_errors_total", gpu_labels(0, type="corrected")) == 3
+    assert v("gpud_gpu_pcie_throughput_bytes_per_second", gpu_labels(0, direction="rx")) == 2.5e9
+    assert v("gpud_gpu_nvlink_bytes_total", gpu_labels(0, direction="tx")) == 100
+    assert v("gpud_gpu_processes", g0) == 2
+    assert v("gpud_gpu_xid_errors_total", g0) == 2
+    assert v("gpud_gpu_last_xid", g0) == 79
+    assert v("gpud_gpu_mig_mode_enabled", g0) == 0
+    assert v("gpud_gpu_healthy", g0) == 1
+    assert v("gpud_gpu_sample_age_seconds", g0) == 0.5
+    info = gpu_labels(0, product="H100-SXM5-80GB", pci_bus_id="00000000:18:00.0")
+    assert v("gpud_gpu_info", info) == 1
+
+
+def test_missing_values_are_not_exported(registry: CollectorRegistry) -> None:
+    v = registry.get_sample_value
+    assert v("gpud_gpu_power_watts", gpu_labels(1)) is None
+    assert v("gpud_gpu_utilization_ratio", gpu_labels(1)) is None
+    assert v("gpud_gpu_last_xid", gpu_labels(1)) is None
+    assert v("gpud_gpu_mig_mode_enabled", gpu_labels(1)) == 1
+    assert v("gpud_gpu_mig_mode_pending", gpu_labels(1)) == 0
+
+
+def test_unhealthy_gpu_shows_reason_and_no_readings(registry: CollectorRegistry) -> None:
+    v = registry.get_sample_value
+    g2 = gpu_labels(2)
+    assert v("gpud_gpu_healthy", g2) == 0
+    assert v("gpud_gpu_unhealthy_info", gpu_labels(2, reason="GPU lost (memory): fell off")) == 1
+    assert v("gpud_gpu_unhealthy_info", gpu_labels(0, reason="")) is None
+    assert v("gpud_gpu_memory_used_bytes", g2) is None
+    assert v("gpud_gpu_processes", g2) is None
+    assert v("gpud_gpu_sample_age_seconds", g2) == 10.0
+    assert v("gpud_gpu_xid_errors_total", g2) == 0
+
+
+def test_mig_devices(registry: CollectorRegistry) -> None:
+    labels = {
+        "gpu": "1",
+        "gpu_uuid": "GPU-1",
+        "mig_uuid": "MIG-1-1",
+        "profile": "1g.10gb",
+        "gpu_instance_id": "8",
+        "compute_instance_id": "0",
+    }
+    v = registry.get_sample_value
+    assert v("gpud_mig_device_memory_used_bytes", labels) == 2 * GIB
+    assert v("gpud_mig_device_memory_total_bytes", labels) == 10 * GIB
+    assert v("gpud_mig_device_memory_free_bytes", labels) == 8 * GIB
+    assert v("gpud_mig_device_processes", labels) == 1
+
+
+def test_node_metrics_events_and_process(registry: CollectorRegistry) -> None:
+    v = registry.get_sample_value
+    assert v("gpud_sample_age_seconds") == 1.0
+    assert v("gpud_sample_duration_seconds") == 0.004
+    assert v("gpud_gpus") == 3
+    assert v("gpud_driver_info", {"version": "550.54.15"}) == 1
+    assert v("gpud_events_total", {"kind": "gpu.xid"}) == 2
+    assert v("gpud_events_total", {"kind": "gpu.unhealthy"}) == 1
+    import gpud
+
+    assert v("gpud_build_info", {"version": gpud.__version__}) == 1
+    resident = v("process_resident_memory_bytes")
+    assert resident is not None and resident > 0
+    assert v("python_info", {**_python_info_labels()}) == 1
+
+
+def _python_info_labels() -> dict[str, str]:
+    import platform
+
+    major, minor, patch = platform.python_version_tuple()
+    return {
+        "implementation": platform.python_implementation(),
+        "major": major,
+        "minor": minor,
+        "patchlevel": patch,
+        "version": platform.python_version(),
+    }
+
+
+def test_before_first_tick_only_node_metrics() -> None:
+    registry = build_registry(Collector(lambda: None), process=False)
+    text = generate_latest(registry).decode()
+    assert "gpud_build_info" in text
+    assert "gpud_gpu_" not in text
+    assert registry.get_sample_value("gpud_sample_age_seconds") is None
+
+
+def test_extra_sources_and_a_failing_one() -> None:
+    def mps() -> Iterable[Metric]:
+        fam = GaugeMetricFamily("gpud_mps_clients", "MPS clients.", labels=("gpu",))
+        fam.add_metric(("0",), 3)
+        return [fam]
+
+    def broken() -> Iterable[Metric]:
+        raise RuntimeError("boom")
+
+    collector = Collector(lambda: None, sources=[broken])
+    collector.add_source(mps)
+    registry = build_registry(collector, process=False)
+    assert registry.get_sample_value("gpud_mps_clients", {"gpu": "0"}) == 3  # scrape 1
+    errors = registry.get_sample_value(  # scrape 2 counts its own failure too
+        "gpud_metric_source_errors_total",
+        {"source": "test_extra_sources_and_a_failing_one.<locals>.broken"},
+    )
+    assert errors == 2
+
+
+def test_each_registry_is_separate() -> None:
+    a = build_registry(Collector(snapshot, clock=lambda: 100.0), process=False)
+    b = build_registry(Collector(lambda: None), process=False)
+    assert a.get_sample_value("gpud_gpus") == 3
+    assert b.get_sample_value("gpud_gpus") is None
+
+
+def test_http_server_serves_and_stops() -> None:
+    registry = build_registry(Collector(snapshot, clock=lambda: 100.0), process=False)
+    server, thread = start_metrics_server(registry, "127.0.0.1", 0)
+    port = server.server_port
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            body = resp.read().decode()
+        assert 'gpud_gpu_healthy{gpu="2",model="NVIDIA H100 80GB HBM3",uuid="GPU-2"} 0.0' in body
+    finally:
+        stop_metrics_server(server, thread)
+    assert not thread.is_alive()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1)

@@ -1,0 +1,418 @@
+"""Sampler behaviour against a small in-test GpuBackend: readings, faults, events, the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import FrozenInstanceError
+
+import pytest
+
+from gpud.backend.port import (
+    Clocks,
+    EccCounts,
+    EventKind,
+    GpuEvent,
+    GpuIdentity,
+    MemoryInfo,
+    MigDeviceIdentity,
+    MigMode,
+    PcieThroughput,
+    ProcessInfo,
+    Utilization,
+)
+from gpud.errors import BackendError, GpuLost, NotSupported
+from gpud.events import EventLog
+from gpud.telemetry.sampler import Sampler
+
+GIB = 1 << 30
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeBackend:
+    """Just the reading half of GpuBackend, with per-GPU faults and call counts."""
+
+    def __init__(self, gpus: int = 4, mig_gpus: dict[int, int] | None = None) -> None:
+        self.count = gpus
+        self.mig = dict(mig_gpus or {})  # gpu -> number of MIG devices
+        self.calls: Counter[tuple[int, str]] = Counter()
+        self.lost: set[int] = set()
+        self.unsupported: set[tuple[int, str]] = set()
+        self.failing: set[tuple[int, str]] = set()
+        self.hang: dict[int, threading.Event] = {}
+        self.events: list[GpuEvent] = []
+        self._lock = threading.Lock()
+
+    def _call(self, gpu: int, name: str) -> None:
+        with self._lock:
+            self.calls[(gpu, name)] += 1
+        gate = self.hang.get(gpu)
+        if gate is not None:
+            gate.wait(10)
+        if gpu in self.lost:
+            raise GpuLost("GPU has fallen off the bus", gpu=gpu, call=name)
+        if (gpu, name) in self.unsupported:
+            raise NotSupported(f"{name} not supported", gpu=gpu, call=name)
+        if (gpu, name) in self.failing:
+            raise BackendError(f"{name}: unknown error", gpu=gpu, call=name)
+
+    def driver_version(self) -> str:
+        return "550.54.15"
+
+    def gpu_count(self) -> int:
+        return self.count
+
+    def identity(self, gpu: int) -> GpuIdentity:
+        self._call(gpu, "identity")
+        return GpuIdentity(
+            index=gpu,
+            uuid=f"GPU-{gpu:08x}",
+            name="NVIDIA H100 80GB HBM3",
+            product="H100-SXM5-80GB",
+            pci_bus_id=f"00000000:{gpu + 0x18:02X}:00.0",
+            pci_device_id=0x233010DE,
+            memory_total_bytes=80 * GIB,
+            mig_capable=True,
+        )
+
+    def memory(self, gpu: int, mig: int | None = None) -> MemoryInfo:
+        self._call(gpu, "memory" if mig is None else "mig_memory")
+        total = 80 * GIB if mig is None else 10 * GIB
+        return MemoryInfo(total, GIB, total - GIB)
+
+    def processes(self, gpu: int, mig: int | None = None) -> list[ProcessInfo]:
+        self._call(gpu, "processes" if mig is None else "mig_processes")
+        return [ProcessInfo(pid=100 + gpu, used_memory_bytes=GIB)]
+
+    def utilization(self, gpu: int) -> Utilization:
+        self._call(gpu, "utilization")
+        if self.mig.get(gpu):
+            raise NotSupported("utilization in MIG mode", gpu=gpu)
+        return Utilization(0.5, 0.25)
+
+    def power_watts(self, gpu: int) -> float:
+        self._call(gpu, "power_watts")
+        return 300.0
+
+    def temperature_celsius(self, gpu: int) -> float:
+        self._call(gpu, "temperature_celsius")
+        return 40.0 + gpu
+
+    def clocks(self, gpu: int) -> Clocks:
+        self._call(gpu, "clocks")
+        return Clocks(1980, 2619)
+
+    def ecc_errors(self, gpu: int) -> EccCounts:
+        self._call(gpu, "ecc_errors")
+        return EccCounts(1, 0)
+
+    def pcie_throughput(self, gpu: int) -> PcieThroughput:
+        self._call(gpu, "pcie_throughput")
+        return PcieThroughput(1e6, 2e6)
+
+    def nvlink_throughput_bytes(self, gpu: int) -> tuple[int, int]:
+        self._call(gpu, "nvlink_throughput_bytes")
+        return (10, 20)
+
+    def mig_mode(self, gpu: int) -> MigMode:
+        self._call(gpu, "mig_mode")
+        on = bool(self.mig.get(gpu))
+        return MigMode(on, on)
+
+    def mig_devices(self, gpu: int) -> list[MigDeviceIdentity]:
+        self._call(gpu, "mig_devices")
+        return [
+            MigDeviceIdentity(
+                gpu=gpu,
+                mig=i,
+                uuid=f"MIG-{gpu:04x}{i:04x}",
+                gpu_instance_id=7 + i,
+                compute_instance_id=0,
+                gpu_instance_profile_id=19,
+                profile_name="1g.10gb",
+                memory_total_bytes=10 * GIB,
+                multiprocessor_count=16,
+            )
+            for i in range(self.mig.get(gpu, 0))
+        ]
+
+    def wait_events(self, timeout_s: float) -> list[GpuEvent]:
+        with self._lock:
+            events, self.events = self.events, []
+        if not events:
+            time.sleep(min(timeout_s, 0.02))
+        return events
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def events() -> EventLog:
+    return EventLog(None)
+
+
+@pytest.fixture
+def backend() -> FakeBackend:
+    return FakeBackend(gpus=4, mig_gpus={1: 7})
+
+
+@pytest.fixture
+def sampler(backend: FakeBackend, clock: FakeClock, events: EventLog) -> Iterator[Sampler]:
+    s = Sampler(
+        backend,  # type: ignore[arg-type]  # only the reading half is implemented
+        history=3,
+        call_timeout_s=0.3,
+        clock=clock,
+        wall_clock=lambda: 1.7e9,
+        events=events,
+        event_wait_s=0.05,
+    )
+    yield s
+    for gate in backend.hang.values():
+        gate.set()
+    s.close()
+
+
+def test_tick_reads_every_gpu_and_mig_device(sampler: Sampler) -> None:
+    snap = sampler.tick()
+    assert [g.identity.index for g in snap.gpus] == [0, 1, 2, 3]
+    assert snap.wall_time == 1.7e9
+    assert snap.driver_version == "550.54.15"
+    g0 = snap.gpus[0]
+    assert g0.healthy and g0.reason == ""
+    assert g0.memory == MemoryInfo(80 * GIB, GIB, 79 * GIB)
+    assert g0.utilization == Utilization(0.5, 0.25)
+    assert g0.clocks == Clocks(1980, 2619)
+    assert g0.nvlink_bytes == (10, 20)
+    assert g0.processes == (ProcessInfo(100, GIB),)
+    assert g0.mig_mode == MigMode(False, False)
+    assert g0.mig_devices == ()
+    g1 = snap.gpus[1]
+    assert g1.healthy
+    assert g1.utilization is None  # NotSupported in MIG mode: just absent
+    assert len(g1.mig_devices) == 7
+    assert g1.mig_devices[3].identity.uuid == "MIG-00010003"
+    assert g1.mig_devices[3].memory == MemoryInfo(10 * GIB, GIB, 9 * GIB)
+    assert snap.by_uuid("MIG-00010003") is g1.mig_devices[3]
+    with pytest.raises(FrozenInstanceError):
+        snap.gpus[0].healthy = False  # type: ignore[misc]
+
+
+def test_history_is_bounded_and_latest_is_last(sampler: Sampler, clock: FakeClock) -> None:
+    assert sampler.latest() is None
+    for _ in range(5):
+        clock.now += 1
+        sampler.tick()
+    hist = sampler.history()
+    assert len(hist) == 3
+    assert [s.monotonic for s in hist] == [1003.0, 1004.0, 1005.0]
+    assert sampler.latest() is hist[-1]
+
+
+def test_identity_is_read_once_and_mig_list_refreshed_on_request(
+    sampler: Sampler, backend: FakeBackend
+) -> None:
+    for _ in range(3):
+        sampler.tick()
+    assert backend.calls[(0, "identity")] == 1
+    assert backend.calls[(1, "mig_devices")] == 1
+    backend.mig[1] = 3
+    sampler.refresh_identity(1)
+    snap = sampler.tick()
+    assert backend.calls[(1, "identity")] == 2
+    assert backend.calls[(0, "identity")] == 1
+    assert len(snap.gpus[1].mig_devices) == 3
+
+
+def test_mig_list_refreshed_when_mig_mode_changes(sampler: Sampler, backend: FakeBackend) -> None:
+    sampler.tick()
+    backend.mig[2] = 2
+    snap = sampler.tick()
+    assert len(snap.gpus[2].mig_devices) == 2
+    assert snap.gpus[2].utilization is None
+    backend.mig[2] = 0
+    snap = sampler.tick()
+    assert snap.gpus[2].mig_devices == ()
+    assert snap.gpus[2].utilization == Utilization(0.5, 0.25)  # asked again after leaving MIG
+
+
+def test_not_supported_field_is_none_and_retried_only_occasionally(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock
+) -> None:
+    backend.unsupported.add((0, "power_watts"))
+    for _ in range(10):
+        clock.now += 1
+        snap = sampler.tick()
+    g0 = snap.gpus[0]
+    assert g0.healthy  # unsupported is not a fault
+    assert g0.power_watts is None
+    assert g0.temperature_celsius == 40.0
+    assert backend.calls[(0, "power_watts")] == 1
+    assert backend.calls[(1, "utilization")] == 1  # MIG GPU: asked once
+    clock.now += 301
+    sampler.tick()
+    assert backend.calls[(0, "power_watts")] == 2
+
+
+def test_lost_gpu_is_unhealthy_others_keep_reporting(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock, events: EventLog
+) -> None:
+    first = sampler.tick()
+    clock.now += 1
+    backend.lost.add(2)
+    snap = sampler.tick()
+    g2 = snap.gpus[2]
+    assert not g2.healthy
+    assert "GPU lost" in g2.reason
+    assert g2.identity.uuid == "GPU-00000002"  # stays visible
+    assert g2.memory is None
+    assert g2.sampled_at == first.gpus[2].sampled_at  # age keeps growing
+    assert all(g.healthy and g.sampled_at == clock.now for g in snap.gpus if g.identity.index != 2)
+    assert [e.kind for e in events.recent()] == ["gpu.unhealthy"]
+    assert events.recent()[0].fields["gpu"] == 2
+    clock.now += 1
+    sampler.tick()
+    assert events.counts() == {"gpu.unhealthy": 1}  # transitions only
+    backend.lost.clear()
+    snap = sampler.tick()
+    assert snap.gpus[2].healthy
+    assert events.counts() == {"gpu.unhealthy": 1, "gpu.recovered": 1}
+
+
+def test_lost_at_start_shows_placeholder_identity(clock: FakeClock) -> None:
+    backend = FakeBackend(gpus=2)
+    backend.lost.add(0)
+    s = Sampler(backend, clock=clock, call_timeout_s=1)  # type: ignore[arg-type]
+    try:
+        snap = s.tick()
+        assert not snap.gpus[0].healthy
+        assert snap.gpus[0].identity.index == 0 and snap.gpus[0].identity.uuid == ""
+        assert snap.gpus[1].healthy
+        backend.lost.clear()
+        assert s.tick().gpus[0].identity.uuid == "GPU-00000000"
+    finally:
+        s.close()
+
+
+def test_failing_field_marks_gpu_unhealthy_but_keeps_other_fields(
+    sampler: Sampler, backend: FakeBackend
+) -> None:
+    backend.failing.add((3, "clocks"))
+    g3 = sampler.tick().gpus[3]
+    assert not g3.healthy
+    assert g3.reason.startswith("clocks failed")
+    assert g3.clocks is None
+    assert g3.power_watts == 300.0
+
+
+def test_hung_call_times_out_others_stay_fresh(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock, events: EventLog
+) -> None:
+    sampler.tick()
+    gate = threading.Event()
+    backend.hang[0] = gate
+    clock.now += 1
+    t0 = time.monotonic()
+    snap = sampler.tick()
+    assert time.monotonic() - t0 < 2.0
+    g0 = snap.gpus[0]
+    assert not g0.healthy
+    assert g0.reason == "driver call timed out after 0.3 s"
+    assert all(g.healthy and g.sampled_at == clock.now for g in snap.gpus[1:])
+    calls_while_hung = backend.calls[(0, "memory")]
+    for _ in range(2):
+        clock.now += 1
+        snap = sampler.tick()
+        assert not snap.gpus[0].healthy
+        assert all(g.healthy and g.sampled_at == clock.now for g in snap.gpus[1:])
+    assert backend.calls[(0, "memory")] == calls_while_hung  # no new call while hung
+    assert events.counts() == {"gpu.unhealthy": 1}
+    del backend.hang[0]
+    gate.set()
+    time.sleep(0.05)
+    clock.now += 1
+    snap = sampler.tick()
+    assert snap.gpus[0].healthy
+    assert snap.gpus[0].sampled_at == clock.now
+    assert events.counts()["gpu.recovered"] == 1
+
+
+def test_xid_events_are_counted_and_logged(
+    sampler: Sampler, backend: FakeBackend, events: EventLog
+) -> None:
+    sampler.tick()
+    sampler.start()
+    backend.events += [
+        GpuEvent(gpu=1, kind=EventKind.XID, xid=31, gpu_instance_id=7),
+        GpuEvent(gpu=1, kind=EventKind.XID, xid=43),
+        GpuEvent(gpu=3, kind=EventKind.ECC_DOUBLE_BIT),
+    ]
+    deadline = time.monotonic() + 5
+    while events.counts().get("gpu.ecc") != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    snap = sampler.tick()
+    assert snap.gpus[1].xid_events_total == 2
+    assert snap.gpus[1].last_xid == 43
+    assert snap.gpus[0].xid_events_total == 0
+    xids = events.recent(kind_prefix="gpu.xid")
+    assert [e.fields["xid"] for e in xids] == [31, 43]
+    assert xids[0].fields["uuid"] == "GPU-00000001"
+    assert xids[0].fields["gpu_instance_id"] == 7
+
+
+def test_listener_errors_do_not_break_the_tick(sampler: Sampler) -> None:
+    seen: list[float] = []
+
+    def bad(_snap: object) -> None:
+        raise RuntimeError("boom")
+
+    sampler.subscribe(bad)
+    sampler.subscribe(lambda snap: seen.append(snap.monotonic))
+    sampler.tick()
+    assert seen == [1000.0]
+
+
+async def test_run_ticks_without_blocking_the_event_loop(backend: FakeBackend) -> None:
+    gate = threading.Event()
+    backend.hang[3] = gate  # a hung GPU from the start
+    s = Sampler(backend, interval_s=0.05, call_timeout_s=0.2)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    task = asyncio.create_task(s.run(stop))
+    beats = 0
+    try:
+        # The loop keeps turning while ticks wait on the hung GPU.
+        for _ in range(40):
+            await asyncio.sleep(0.01)
+            beats += 1
+        snap = s.latest()
+        assert snap is not None
+        assert [g.healthy for g in snap.gpus] == [True, True, True, False]
+    finally:
+        gate.set()
+        stop.set()
+        await asyncio.wait_for(task, 5)
+    assert beats == 40
+    assert len(s.history()) >= 2
+
+
+def test_rejects_bad_settings(backend: FakeBackend) -> None:
+    with pytest.raises(ValueError, match="interval_s"):
+        Sampler(backend, interval_s=0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="call_timeout_s"):
+        Sampler(backend, call_timeout_s=0)  # type: ignore[arg-type]
