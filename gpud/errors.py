@@ -17,7 +17,9 @@
         ├── GpuLost                the GPU fell off the bus
         ├── DriverTimeout          a driver call did not return in time
         ├── DriverNotLoaded        NVML cannot be initialised
-        └── InsufficientResources  MIG: no room for the instance
+        ├── InsufficientResources  MIG: no room for the instance
+        ├── DeviceNotFound         the driver has no such device or instance
+        └── InUse                  the driver refused: the device or instance is in use
 
 Adapters translate native errors into this tree at the edge (``raise ... from err``).
 ``ERROR_TABLE`` maps each class to a gRPC status code name and a CLI exit code; the
@@ -130,6 +132,14 @@ class InsufficientResources(BackendError):
     """MIG: no room for the requested instance."""
 
 
+class DeviceNotFound(BackendError):
+    """The driver has no such device, MIG device or instance (NVML_ERROR_NOT_FOUND)."""
+
+
+class InUse(BackendError):
+    """The driver refused because something still uses the device or instance (NVML_ERROR_IN_USE)."""
+
+
 # class -> (gRPC status code name, CLI exit code). Most specific class wins (MRO order).
 ERROR_TABLE: Final[dict[type[GpudError], tuple[str, int]]] = {
     GpudError: ("INTERNAL", 1),
@@ -145,6 +155,8 @@ ERROR_TABLE: Final[dict[type[GpudError], tuple[str, int]]] = {
     NotSupported: ("UNIMPLEMENTED", 9),
     InsufficientResources: ("RESOURCE_EXHAUSTED", 7),
     GpuLost: ("UNAVAILABLE", 10),
+    DeviceNotFound: ("NOT_FOUND", 4),
+    InUse: ("FAILED_PRECONDITION", 6),
 }
 
 

@@ -6,6 +6,7 @@
   message as details, and trailing metadata ``gpud-error`` (the class name) and
   ``gpud-exit-code`` (what gpuctl exits with), so a client can tell a daemon-side
   ``UNAVAILABLE`` (a lost GPU) from a daemon it cannot reach;
+- a request whose bytes do not decode ends with ``INVALID_ARGUMENT`` (field ``request``);
 - any other exception is logged with its traceback and ends the call with ``INTERNAL``;
   the daemon keeps serving.
 
@@ -23,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from gpud.errors import GpudError, classify
+from gpud.errors import GpudError, InvalidArgument, classify
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,32 @@ EXIT_CODE_KEY = "gpud-exit-code"
 _MAX_DETAIL = 2000  # keep status details (and the HTTP/2 trailer) small
 
 Behavior = Callable[[Any, Any], Any]
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes are not a valid message, so the call ends with
+    INVALID_ARGUMENT instead of gRPC's own UNKNOWN and an error log per garbage request."""
+
+    def __init__(self, err: Exception) -> None:
+        self.err = err
+
+
+def _safe_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as err:
+            return _Undecodable(err)
+
+    return decode
+
+
+def _check_decoded(request: Any) -> None:
+    if isinstance(request, _Undecodable):
+        raise InvalidArgument(f"cannot decode the request: {request.err}", field="request")
 
 
 async def _abort_for(err: BaseException, method: str, context: Any) -> None:
@@ -53,6 +80,7 @@ async def _abort_for(err: BaseException, method: str, context: Any) -> None:
 def _wrap_unary_response(behavior: Behavior, method: str) -> Behavior:
     async def handler(request: Any, context: Any) -> Any:
         try:
+            _check_decoded(request)
             result = behavior(request, context)
             if inspect.isawaitable(result):
                 result = await result
@@ -69,6 +97,7 @@ def _wrap_unary_response(behavior: Behavior, method: str) -> Behavior:
 def _wrap_stream_response(behavior: Behavior, method: str) -> Behavior:
     async def handler(request: Any, context: Any) -> AsyncIterator[Any]:
         try:
+            _check_decoded(request)
             result = behavior(request, context)
             if inspect.isasyncgen(result):
                 async for item in result:
@@ -110,7 +139,13 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if behavior is not None:
                 return make(
                     wrap(behavior, method),
-                    request_deserializer=handler.request_deserializer,
+                    # unary requests only: a streaming request iterator decodes lazily, and
+                    # gRPC's own handling (UNKNOWN) stands for a corrupt message there
+                    request_deserializer=(
+                        _safe_deserializer(handler.request_deserializer)
+                        if attr.startswith("unary")
+                        else handler.request_deserializer
+                    ),
                     response_serializer=handler.response_serializer,
                 )
         return handler

@@ -37,7 +37,16 @@ def describe_faults(active: object) -> list[str]:
     if active is None:
         return []
     if isinstance(active, Mapping):
-        return [f"{k}: {v}" for k, v in active.items()]
+        lines = []
+        for key, value in active.items():
+            where = f"GPU {key}" if isinstance(key, int) else str(key)
+            what = (
+                ", ".join(f"{k}={v}" for k, v in value.items())
+                if isinstance(value, Mapping)
+                else str(value)
+            )
+            lines.append(f"{where}: {what}")
+        return lines
     if isinstance(active, str | bytes):
         return [str(active)]
     try:
@@ -143,27 +152,32 @@ class NodeServicer(pb_grpc.NodeServicer):
 
         apply: Callable[[], object]
         detail: dict[str, Any] = {}
+        blame = "gpu"  # the request field a ValueError from the injector is about
         if kind == "lost":
             apply = lambda: faults.lose(gpu)  # noqa: E731
         elif kind == "clear":
             apply = lambda: faults.clear(gpu)  # noqa: E731
         elif kind == "not_supported":
             field = validate.non_empty(request.field, field="field")
-            detail["field"] = field
+            detail["field"], blame = field, "field"
             apply = lambda: faults.not_supported(gpu, field)  # noqa: E731
         elif kind == "slow":
             seconds = validate.non_negative_seconds(request.seconds, field="seconds")
-            detail["seconds"] = seconds
+            detail["seconds"], blame = seconds, "seconds"
             apply = lambda: faults.slow(gpu, seconds)  # noqa: E731
         else:
             if request.xid <= 0:
                 raise InvalidArgument(f"must be an XID code > 0, got {request.xid}", field="xid")
             code = request.xid
-            detail["xid"] = code
+            detail["xid"], blame = code, "xid"
             apply = lambda: faults.xid(gpu, code)  # noqa: E731
 
-        # The simulated driver may hold its lock through a slow call: stay off the event loop.
-        await asyncio.to_thread(apply)
+        try:
+            # The simulated driver may hold its lock through a slow call: stay off the loop.
+            await asyncio.to_thread(apply)
+        except ValueError as err:
+            # the injector refuses what it cannot simulate, e.g. an unknown field name
+            raise InvalidArgument(str(err), field=blame) from err
         if self._events is not None:
             self._events.emit(
                 f"sim.fault.{kind}", f"injected fault {kind} on GPU {gpu}", gpu=gpu, **detail

@@ -39,7 +39,7 @@ def memory(m: pb.Memory, present: bool) -> str:
 
 
 def gpu_row(gpu: pb.Gpu) -> tuple[str, ...]:
-    health = "ok" if gpu.healthy else f"UNHEALTHY: {gpu.reason or 'unknown'}"
+    health = "ok" if gpu.healthy else "UNHEALTHY"
     return (
         str(gpu.index),
         gpu.product or gpu.name,
@@ -80,4 +80,8 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
         rows.append(gpu_row(gpu))
         rows.extend(mig_row(dev) for dev in gpu.mig_devices)
     ctx.out.print_table(HEADERS, rows)
+    # reasons are long driver messages: below the table, so the columns stay readable
+    for gpu in resp.gpus:
+        if not gpu.healthy:
+            ctx.out.print(f"GPU {gpu.index} unhealthy: {gpu.reason or 'unknown reason'}")
     return 0

@@ -6,8 +6,24 @@
 
 Each command group is a module with ``register(subparsers)``, which adds its sub-command(s)
 and sets ``run=function(ctx, args) -> exit code`` as the parser default; add the module to
-:data:`COMMAND_GROUPS`. The global options are accepted before or after the command
-(``gpuctl --json gpus`` and ``gpuctl gpus --json`` are the same).
+:data:`COMMAND_GROUPS`. A command group looks like::
+
+    def register(subparsers: Subparsers) -> None:
+        show = subparsers.add_parser("mig", help="...").add_subparsers(...).add_parser("show")
+        show.set_defaults(run=run_show)
+
+    def run_show(ctx: Context, args: argparse.Namespace) -> int:
+        resp: mig_pb2.ShowResponse = ctx.call(ctx.stub(MigStub).Show, mig_pb2.ShowRequest())
+        if ctx.out.json:
+            ctx.out.print_json(resp)   # numbers stay numbers, absent readings are null
+        else:
+            ctx.out.print_table(HEADERS, rows)
+        return 0
+
+``ctx.call`` applies ``--timeout`` and turns every gRPC error into the right message and
+exit code; a command raises :class:`gpud.cli.context.CliError` for its own failures.
+The global options are accepted before or after the command (``gpuctl --json gpus`` and
+``gpuctl gpus --json`` are the same): they are added to every sub-parser automatically.
 
 Exit codes: 0 ok, 2 usage or invalid argument, 3 daemon not running, 77 permission denied,
 others from ``gpud.errors.ERROR_TABLE`` (see :mod:`gpud.cli.context`).

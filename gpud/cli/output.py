@@ -19,13 +19,22 @@ from google.protobuf.message import Message
 
 NA = "-"  # a reading that is not supported or not read
 GIB = 1024**3
+_STRUCT_TYPES = {"google.protobuf.Struct", "google.protobuf.Value", "google.protobuf.ListValue"}
 _WELL_KNOWN_JSON = {
-    "google.protobuf.Struct",
-    "google.protobuf.Value",
-    "google.protobuf.ListValue",
     "google.protobuf.Timestamp",
     "google.protobuf.Duration",
 }
+
+
+def _whole_numbers(value: Any) -> Any:
+    """Struct numbers are doubles on the wire: show 2.0 as 2 (JSON numbers have no type)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _whole_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers(v) for v in value]
+    return value
 
 
 def _scalar(fd: Any, value: Any) -> Any:
@@ -45,6 +54,8 @@ def _value(fd: Any, value: Any) -> Any:
 
 def message_to_dict(msg: Message) -> Any:
     """``msg`` as JSON values; unset sub-messages and optional scalars are ``None``."""
+    if msg.DESCRIPTOR.full_name in _STRUCT_TYPES:
+        return _whole_numbers(json_format.MessageToDict(msg))
     if msg.DESCRIPTOR.full_name in _WELL_KNOWN_JSON:
         return json_format.MessageToDict(msg)
     out: dict[str, Any] = {}

@@ -35,7 +35,7 @@ from gpud.backend.port import (
     MigMode,
     ProcessInfo,
 )
-from gpud.errors import BackendError, Busy, GpudError, InvalidArgument, NotFound, NotSupported
+from gpud.errors import Busy, GpudError, InvalidArgument, NotFound, NotSupported
 from gpud.events import EventLog
 from gpud.mig.layout import DeviceLayout, MigConfigFile, export_config, resolve
 from gpud.mig.plan import (
@@ -52,7 +52,7 @@ from gpud.mig.plan import (
     plan_gpu,
 )
 from gpud.mig.store import ApplyOptions, DesiredRecord, MigStore
-from gpud.mig.validate import ProfileTable, load_table
+from gpud.mig.validate import ProfileTable, load_table, reference_table
 from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -171,6 +171,7 @@ class MigManager:
         self._drain_poll_s = drain_poll_s
         self._lock = threading.RLock()
         self._last_report: dict[str, str] = {}
+        self._tables: dict[str, ProfileTable] = {}
         self.stats = ApplyStats()
 
     # ---------------------------------------------------------------- reading the driver
@@ -187,14 +188,20 @@ class MigManager:
         return GpuActual(gpu.index, mode, instances)
 
     def _table(self, gpu: GpuIdentity) -> ProfileTable | None:
+        """The GPU's own MIG tables (read once, they do not change while it is present), or
+        the product's published table while MIG mode is off and the driver lists none."""
         if not gpu.mig_capable:
             return None
+        cached = self._tables.get(gpu.uuid)
+        if cached is not None:
+            return cached
         try:
-            return load_table(self._backend, gpu.index)
+            table = load_table(self._backend, gpu.index)
         except NotSupported:
-            # Some drivers list profiles only while MIG mode is on; the layout is then
-            # validated by the first reconcile after the mode change.
-            return None
+            return reference_table(gpu)
+        if table.from_device:
+            self._tables[gpu.uuid] = table
+        return table
 
     def _plan(
         self, gpu: GpuIdentity, layout: DeviceLayout, table: ProfileTable | None
@@ -420,7 +427,7 @@ class MigManager:
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "busy", str(refusal))
             try:
                 pending = self._run(gpu, plan, done)
-            except BackendError as err:
+            except GpudError as err:
                 log.warning("MIG step failed on GPU %d: %s", gpu.index, err)
                 return GpuOutcome(
                     gpu.index,

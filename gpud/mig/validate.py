@@ -24,7 +24,7 @@ from gpud.backend.port import (
     GpuInstanceProfile,
     Placement,
 )
-from gpud.errors import InvalidArgument
+from gpud.errors import DeviceNotFound, InvalidArgument, NotFound
 from gpud.mig.layout import DeviceLayout, MigProfile
 
 GIB = 1 << 30
@@ -38,6 +38,7 @@ class ProfileTable:
     gi_profiles: tuple[GpuInstanceProfile, ...]
     placements: dict[int, tuple[Placement, ...]]  # GI profile id -> placements
     ci_profiles: dict[int, tuple[ComputeInstanceProfile, ...]]  # GI profile id -> CI profiles
+    from_device: bool = False  # every part read from the driver (worth caching)
 
     @property
     def memory_slices(self) -> int:
@@ -70,11 +71,93 @@ class ProfileTable:
 
 
 def load_table(backend: GpuBackend, gpu: int) -> ProfileTable:
-    """Read ``-lgip``, ``-lgipp`` and ``-lcip`` for one GPU."""
+    """Read ``-lgip``, ``-lgipp`` and ``-lcip`` for one GPU.
+
+    The driver answers these only while MIG mode is on (NotSupported otherwise), and lists
+    compute instance profiles only from an existing GPU instance of that profile; for the
+    others the published table (or NVML's fixed profile constants) stands in.
+    """
     identity = backend.identity(gpu)
     gis = tuple(backend.gpu_instance_profiles(gpu))
     placements = {p.id: tuple(backend.gpu_instance_placements(gpu, p.id)) for p in gis}
-    cis = {p.id: tuple(backend.compute_instance_profiles(gpu, p.id)) for p in gis}
+    ref = reference_table(identity)
+    cis: dict[int, tuple[ComputeInstanceProfile, ...]] = {}
+    complete = True
+    for p in gis:
+        try:
+            cis[p.id] = tuple(backend.compute_instance_profiles(gpu, p.id))
+        except (DeviceNotFound, NotFound):
+            complete = False
+            cis[p.id] = _fallback_ci_profiles(p, ref)
+    return ProfileTable(identity, gis, placements, cis, complete)
+
+
+# NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE constants, which NVML also returns as the ids.
+_CI_CONSTANTS = {1: 0x0, 2: 0x1, 3: 0x2, 4: 0x3, 7: 0x4, 8: 0x5, 6: 0x6}
+
+
+def _fallback_ci_profiles(
+    gi: GpuInstanceProfile, ref: ProfileTable | None
+) -> tuple[ComputeInstanceProfile, ...]:
+    if ref is not None:
+        same = ref.gi_profile_named(gi.name)
+        if same is not None:
+            return ref.ci_profiles.get(same.id, ())
+    out = []
+    for c, constant in sorted(_CI_CONSTANTS.items()):
+        if c < gi.slice_count and c in (1, 2, 3, 4):
+            out.append(
+                ComputeInstanceProfile(
+                    constant, constant, f"{c}c.{gi.name}", c, gi.slice_count // c, 0
+                )
+            )
+    full = _CI_CONSTANTS.get(gi.slice_count)
+    if full is not None:
+        out.append(
+            ComputeInstanceProfile(full, full, gi.name, gi.slice_count, 1, gi.multiprocessor_count)
+        )
+    return tuple(out)
+
+
+def reference_table(identity: GpuIdentity) -> ProfileTable | None:
+    """The published MIG table of ``identity``'s product, for validating a layout while the
+    GPU's MIG mode is still off and the driver will not list profiles. None when unknown.
+
+    The data is the product catalogue the simulated node also models (NVIDIA's MIG user
+    guide); once MIG is on, the driver's own table replaces it before anything is created.
+    """
+    from gpud.backend.sim.products import PRODUCTS
+
+    spec = PRODUCTS.get(identity.product)
+    if spec is None or not spec.mig_profiles:
+        return None
+    mib = 1 << 20
+    gis = tuple(
+        GpuInstanceProfile(
+            id=p.id,
+            profile=p.constant,
+            name=p.name,
+            slice_count=p.slices,
+            memory_bytes=p.memory_mib * mib,
+            memory_slices=p.memory_slices,
+            instance_count=p.instance_count,
+            multiprocessor_count=p.sm,
+            copy_engine_count=p.copy_engines,
+            decoder_count=p.decoders,
+            encoder_count=p.encoders,
+            jpeg_count=p.jpegs,
+            ofa_count=p.ofas,
+        )
+        for p in spec.mig_profiles
+    )
+    placements = {p.id: tuple(Placement(s, n) for s, n in p.placements) for p in spec.mig_profiles}
+    cis = {
+        p.id: tuple(
+            ComputeInstanceProfile(c.constant, c.constant, c.name, c.slices, c.instance_count, c.sm)
+            for c in spec.ci_profiles(p)
+        )
+        for p in spec.mig_profiles
+    }
     return ProfileTable(identity, gis, placements, cis)
 
 
@@ -95,7 +178,7 @@ def resolve_profiles(table: ProfileTable, layout: DeviceLayout) -> list[Wanted]:
     """Map each ``mig-devices`` key to this product's profiles and check counts and sizes.
 
     Raises :class:`InvalidArgument` for an unknown profile, too many instances of one
-    profile, or more compute slices, memory slices or memory than the GPU has.
+    profile, or more compute slices or memory than the GPU has.
     """
     where = table.where()
     if layout.mig_enabled and not table.identity.mig_capable:
@@ -132,20 +215,8 @@ def resolve_profiles(table: ProfileTable, layout: DeviceLayout) -> list[Wanted]:
             f"the GPU has {table.compute_slices}",
             field="mig-devices",
         )
-    mem_slices = sum(w.gi.memory_slices for w in wanted)
-    if mem_slices > table.memory_slices:
-        raise InvalidArgument(
-            f"{where}: too much memory: {mem_slices} memory slices requested, "
-            f"the GPU has {table.memory_slices}",
-            field="mig-devices",
-        )
-    memory = sum(w.gi.memory_bytes for w in wanted)
-    if memory > table.identity.memory_total_bytes:
-        raise InvalidArgument(
-            f"{where}: too much memory: {memory / GIB:.1f} GiB requested, "
-            f"the GPU has {table.identity.memory_total_bytes / GIB:.1f} GiB",
-            field="mig-devices",
-        )
+    # Memory slices are not summed here: whether they suffice depends on where each profile
+    # may start, and the placement search names the slices that collide.
     wanted.sort(key=lambda w: (-w.gi.memory_slices, -w.gi.slice_count, w.gi.id, w.ci.id))
     return wanted
 
@@ -193,7 +264,19 @@ def solve(
     _dfs(s, 0, [], 0, {}, set())
     if s.best is None:
         raise InvalidArgument(_explain(s), field="mig-devices")
+    _check_memory(table, wanted)
     return s.best
+
+
+def _check_memory(table: ProfileTable, wanted: Sequence[Wanted]) -> None:
+    where = table.where()
+    memory = sum(w.gi.memory_bytes for w in wanted)
+    if memory > table.identity.memory_total_bytes:
+        raise InvalidArgument(
+            f"{where}: too much memory: {memory / GIB:.1f} GiB requested, "
+            f"the GPU has {table.identity.memory_total_bytes / GIB:.1f} GiB",
+            field="mig-devices",
+        )
 
 
 def _options(s: _Search, w: Wanted) -> list[tuple[Placement, GpuInstanceInfo | None]]:

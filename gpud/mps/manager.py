@@ -167,6 +167,7 @@ class MpsManager:
         self._lock = threading.RLock()
         self._targets: dict[str, MpsTarget] = {}
         self._devices: dict[str, _Device] = {}
+        self._last_status: tuple[MpsDeviceStatus, ...] = ()
         store.ensure_schema(SCHEMA)
 
     # -- desired state ---------------------------------------------------------------------
@@ -216,6 +217,8 @@ class MpsManager:
             elif threads_percent is not None:
                 new = replace(new, threads_percent=protocol.check_percent(threads_percent))
             if clear_memory:
+                if old.memory_bytes is not None:
+                    self._refuse_clear_while_serving(target)
                 new = replace(new, memory_bytes=None)
             elif memory_bytes is not None:
                 self._check_memory(target, memory_bytes, reserved_memory_bytes)
@@ -251,7 +254,8 @@ class MpsManager:
                 enabled=new.enabled,
             )
             if self.enabled:
-                self._reconcile_device(target, force_check=True, old=old)
+                self._reconcile_device(target, force_check=True)
+            self.status()
             return self._status(target)
 
     def _check_memory(self, target: MpsTarget, memory_bytes: int, reserved: int) -> None:
@@ -313,7 +317,14 @@ class MpsManager:
 
     def status(self) -> list[MpsDeviceStatus]:
         with self._lock:
-            return [self._status(t) for t in self.targets()]
+            status = [self._status(t) for t in self.targets()]
+            self._last_status = tuple(status)
+            return status
+
+    def last_status(self) -> tuple[MpsDeviceStatus, ...]:
+        """The status as of the end of the last reconcile or change, without waiting for a
+        pass in progress (for scrapes)."""
+        return self._last_status
 
     def _status(self, target: MpsTarget) -> MpsDeviceStatus:
         dev = self._device(target.uuid)
@@ -368,10 +379,9 @@ class MpsManager:
                     log.warning("MPS on %s: %s", target.uuid, err)
             for uuid in [u for u in self._devices if u not in self._targets]:
                 self._stop_device(uuid, reason="device gone")
+            self.status()
 
-    def _reconcile_device(
-        self, target: MpsTarget, *, force_check: bool = False, old: MpsLimits | None = None
-    ) -> None:
+    def _reconcile_device(self, target: MpsTarget, *, force_check: bool = False) -> None:
         dev = self._device(target.uuid)
         desired = self.limits(target.uuid)
         if not self.enabled or not desired.enabled:
@@ -393,10 +403,6 @@ class MpsManager:
                 pid=dev.daemon.pid(),
             )
             force_check = True
-        if old is not None and old.memory_bytes is not None and desired.memory_bytes is None:
-            # MPS has no command that removes a memory limit: only a new daemon forgets it.
-            self._clear_memory_limit(target, dev)
-            return
         if force_check or now >= dev.next_check_at:
             self._check(target, dev, desired)
 
@@ -443,6 +449,23 @@ class MpsManager:
         dev.next_check_at = self._clock() + self._health_interval_s
         try:
             threads, memory, servers = self._read(dev)
+            if desired.memory_bytes is None and memory is not None:
+                # MPS has no command that removes a memory limit: only a new daemon forgets
+                # it, and only once no server (and so no client) depends on this one.
+                if servers:
+                    dev.last_error = "memory limit removal waits for MPS servers to exit"
+                    dev.up = True
+                    return
+                self._events.emit(
+                    "mps.restart_to_clear",
+                    f"restarting the idle MPS control daemon of {target.uuid} to remove its"
+                    " memory limit",
+                    uuid=target.uuid,
+                )
+                dev.daemon.stop()
+                dev.started = False  # not a failure restart
+                self._start(target, dev, desired)
+                return
             if not _matches(desired, threads, memory):
                 self._events.emit(
                     "mps.drift",
@@ -510,7 +533,10 @@ class MpsManager:
                 uuid=target.uuid,
             )
 
-    def _clear_memory_limit(self, target: MpsTarget, dev: _Device) -> None:
+    def _refuse_clear_while_serving(self, target: MpsTarget) -> None:
+        dev = self._device(target.uuid)
+        if not self.enabled or dev.daemon.pid() is None:
+            return
         cmd = protocol.get_server_list()
         servers = protocol.parse_server_list(cmd, dev.daemon.query(cmd))
         if servers:
@@ -518,8 +544,6 @@ class MpsManager:
                 f"{target.uuid}: removing the memory limit restarts its MPS control daemon,"
                 f" and MPS servers {', '.join(map(str, servers))} still serve clients"
             )
-        dev.daemon.stop()
-        self._start(target, dev, self.limits(target.uuid))
 
     def _stop_device(self, uuid: str, *, reason: str) -> None:
         dev = self._devices.get(uuid)

@@ -87,9 +87,7 @@ def fluid_bound(scenario: Scenario, infos: Mapping[str, JobInfo] | None = None) 
     t = 0.0
     while t < end:
         active = sorted(j for j in infos if start[j] <= t < stop[j] and left_iters[j] > 0)
-        boundaries: Sequence[float] = [
-            x for x in [*start.values(), *stop.values(), end] if x > t
-        ]
+        boundaries: Sequence[float] = [x for x in [*start.values(), *stop.values(), end] if x > t]
         t_next = min(boundaries)
         rates = progressive_fill({j: demand[j] for j in active}, capacity)
         for j in active:

@@ -165,7 +165,9 @@ def _groups(
     return tuple((links, count, size) for (links, size), count in merged.items())
 
 
-def _alone_comm_s(groups: tuple[tuple[tuple[int, ...], int, float], ...], caps: list[float]) -> float:
+def _alone_comm_s(
+    groups: tuple[tuple[tuple[int, ...], int, float], ...], caps: list[float]
+) -> float:
     """How long a job's flows take with the network to themselves."""
     paths = [g[0] for g in groups]
     weights = [float(g[1]) for g in groups]
@@ -240,7 +242,7 @@ class Simulation:
             self._push(job.info.spec.start_s, _START, job)
             if job.info.spec.stop_s is not None:
                 self._push(job.info.spec.stop_s, _STOP, job)
-        ticks = int(math.floor(sc.duration_s / sc.update_interval_s + 1e-9))
+        ticks = math.floor(sc.duration_s / sc.update_interval_s + 1e-9)
         self._tick_k = 0
         self._ticks = ticks
         self._push(0.0, _TICK, None)

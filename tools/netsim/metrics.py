@@ -114,9 +114,7 @@ def geomean(values: Iterable[float]) -> float:
     return math.exp(sum(math.log(v) for v in vals) / len(vals))
 
 
-def windowed_rates(
-    run: JobRun, times: Sequence[float], window_s: float
-) -> list[float | None]:
+def windowed_rates(run: JobRun, times: Sequence[float], window_s: float) -> list[float | None]:
     """Progress rate over the trailing ``window_s`` at each of ``times`` (for plots)."""
     out: list[float | None] = []
     comps = run.completions

@@ -10,9 +10,12 @@
 * ``leveller``: :mod:`netshaper` itself, fed iteration reports at every tick, exactly as
   the daemon feeds it.
 
-The baselines are strict priority with no minimum shares, as their designs are; LEVELLER
-runs with the per-level minimum shares it asks for. Every policy compresses an order into
-levels with :func:`netshaper.rank_levels` (contiguous, near-equal buckets).
+All multi-level policies run on the same enforcement: strict priority between levels, with
+the per-level minimum shares of :class:`netshaper.LevellerConfig`'s defaults (HTB
+guaranteed rates), so the comparison is between orders, not between enforcement models.
+``sincronia-strict`` and ``crux-strict`` run the baselines as designed, with no minimum
+shares (a starved job then makes no progress at all). Every policy compresses its order
+into levels with :func:`netshaper.rank_levels` (contiguous, near-equal buckets).
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ from netshaper.progress import ProgressConfig
 from tools.netsim.engine import Decision, Policy, View
 
 POLICY_NAMES = ("fair", "sincronia", "crux", "leveller")
+EXTRA_POLICY_NAMES = ("sincronia-strict", "crux-strict")
+
+
+def _shares(view: View, strict: bool) -> tuple[float, ...]:
+    return () if strict else LevellerConfig(levels=view.levels).shares()
 
 
 class FairPolicy:
@@ -38,7 +46,9 @@ class FairPolicy:
 class CruxPolicy:
     """Highest GPU intensity first (ties by job id)."""
 
-    name = "crux"
+    def __init__(self, *, strict: bool = False) -> None:
+        self.name = "crux-strict" if strict else "crux"
+        self._strict = strict
 
     def decide(self, now: float, view: View) -> Decision:
         def key(job_id: str) -> tuple[float, str]:
@@ -49,18 +59,22 @@ class CruxPolicy:
             return (-intensity, job_id)
 
         order = sorted(view.active_jobs(), key=key)
-        return Decision(levels=rank_levels(order, view.levels))
+        return Decision(levels=rank_levels(order, view.levels), shares=_shares(view, self._strict))
 
 
 class SincroniaPolicy:
     """BSSI ordering of the jobs' remaining bytes, re-ordered every tick."""
 
-    name = "sincronia"
+    def __init__(self, *, strict: bool = False) -> None:
+        self.name = "sincronia-strict" if strict else "sincronia"
+        self._strict = strict
 
     def decide(self, now: float, view: View) -> Decision:
         jobs = view.active_jobs()
         demand = {j: view.remaining_link_seconds(j) for j in jobs}
-        return Decision(levels=rank_levels(bssi_order(demand), view.levels))
+        return Decision(
+            levels=rank_levels(bssi_order(demand), view.levels), shares=_shares(view, self._strict)
+        )
 
 
 def bssi_order(demand: dict[str, dict[str, float]]) -> list[str]:
@@ -102,7 +116,9 @@ class LevellerPolicy:
 
     name = "leveller"
 
-    def __init__(self, config: LevellerConfig | None = None, progress: ProgressConfig | None = None) -> None:
+    def __init__(
+        self, config: LevellerConfig | None = None, progress: ProgressConfig | None = None
+    ) -> None:
         self._config = config
         self._progress = progress
         self._tracker: ProgressTracker | None = None
@@ -136,8 +152,11 @@ def make_policy(name: str) -> Policy:
         "sincronia": SincroniaPolicy,
         "crux": CruxPolicy,
         "leveller": LevellerPolicy,
+        "sincronia-strict": lambda: SincroniaPolicy(strict=True),
+        "crux-strict": lambda: CruxPolicy(strict=True),
     }
     try:
         return factories[name]()
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}") from None
+        names = ", ".join(POLICY_NAMES + EXTRA_POLICY_NAMES)
+        raise ValueError(f"unknown policy {name!r}; choose from {names}") from None

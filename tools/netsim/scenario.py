@@ -85,7 +85,11 @@ class Scenario:
             if not j.declare_ideal:
                 d["declare_ideal"] = False
             d["flows"] = [
-                {"bytes": f.bytes, "path": list(f.path), **({"count": f.count} if f.count != 1 else {})}
+                {
+                    "bytes": f.bytes,
+                    "path": list(f.path),
+                    **({"count": f.count} if f.count != 1 else {}),
+                }
                 for f in j.flows
             ]
             jobs.append(d)

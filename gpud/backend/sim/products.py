@@ -139,12 +139,18 @@ class ProductSpec:
                 continue
             count = sum(1 for s in CI_STARTS[c] if s + c <= gi.slices)
             out.append(
-                CiProfileSpec(constant, f"{c}c.{gi.name}", c, count, sm_by_slices.get(c, c * gi.sm // gi.slices))
+                CiProfileSpec(
+                    constant,
+                    f"{c}c.{gi.name}",
+                    c,
+                    count,
+                    sm_by_slices.get(c, c * gi.sm // gi.slices),
+                )
             )
         return tuple(out)
 
 
-def _gi(
+def _gi(  # noqa: PLR0917 - one positional row per `nvidia-smi mig -lgip` line
     constant: int,
     pid: int,
     name: str,
@@ -160,7 +166,20 @@ def _gi(
     starts: tuple[int, ...],
 ) -> GiProfileSpec:
     return GiProfileSpec(
-        constant, pid, name, slices, memory_mib, memory_slices, instances, sm, ce, dec, 0, jpeg, ofa, starts
+        constant,
+        pid,
+        name,
+        slices,
+        memory_mib,
+        memory_slices,
+        instances,
+        sm,
+        ce,
+        dec,
+        0,
+        jpeg,
+        ofa,
+        starts,
     )
 
 
@@ -286,6 +305,7 @@ _ALIASES: dict[str, str] = {
     **{_norm(p.nvml_name): p.key for p in PRODUCTS.values()},
     _norm("H100-80GB"): "H100-SXM5-80GB",
     _norm("H200-141GB"): "H200-SXM-141GB",
+    _norm("H200"): "H200-SXM-141GB",
     _norm("H200-SXM5-141GB"): "H200-SXM-141GB",
 }
 

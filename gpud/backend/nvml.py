@@ -1,0 +1,730 @@
+"""The NVML adapter: the one module of gpud that talks to ``pynvml``.
+
+``NvmlBackend`` implements :class:`gpud.backend.port.GpuBackend` over a module that looks
+like ``pynvml``: the real one (:func:`open_real_backend`) or the simulated node's
+:class:`gpud.backend.sim.FakeNvml`, so the code that talks to a real driver is the code the
+tests run. Every ``NVMLError`` becomes the project's own tree (:mod:`gpud.errors`) at this
+edge, chosen by the error's numeric ``.value`` so it works for both modules::
+
+    NVML_ERROR_NOT_SUPPORTED            -> NotSupported
+    NVML_ERROR_GPU_IS_LOST              -> GpuLost
+    NVML_ERROR_TIMEOUT                  -> DriverTimeout
+    NVML_ERROR_INSUFFICIENT_RESOURCES   -> InsufficientResources
+    NVML_ERROR_NOT_FOUND                -> DeviceNotFound
+    NVML_ERROR_IN_USE                   -> InUse
+    NVML_ERROR_UNINITIALIZED, DRIVER_NOT_LOADED, LIBRARY_NOT_FOUND,
+    LIB_RM_VERSION_MISMATCH             -> DriverNotLoaded
+    anything else                       -> BackendError (``code`` keeps the NVML value)
+
+MIG queries go the way NVML requires: a profile *constant*
+(``NVML_GPU_INSTANCE_PROFILE_*``) gives ``nvmlDeviceGetGpuInstanceProfileInfo``, whose ``.id``
+is the profile id every later call takes (``nvidia-smi mig -lgip`` prints that id). NVML
+answers those only while MIG mode is on; compute-instance profiles are read from an existing
+GPU instance (``nvidia-smi mig -gi N -lcip``). Compute-instance profile ids equal the
+``NVML_COMPUTE_INSTANCE_PROFILE_*`` constants.
+
+Handles, identities and profile tables are cached (they do not change while the GPU is
+present); per-reading calls go straight to NVML so a sampling tick costs little more than
+the bare calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import re
+from collections.abc import Callable
+from typing import Any, Final
+
+from gpud.backend.port import (
+    Clocks,
+    ComputeInstanceInfo,
+    ComputeInstanceProfile,
+    EccCounts,
+    EventKind,
+    GpuEvent,
+    GpuIdentity,
+    GpuInstanceInfo,
+    GpuInstanceProfile,
+    MemoryInfo,
+    MigDeviceIdentity,
+    MigMode,
+    PcieThroughput,
+    Placement,
+    ProcessInfo,
+    Utilization,
+)
+from gpud.backend.sim.products import product_key_for
+from gpud.errors import (
+    BackendError,
+    DeviceNotFound,
+    DriverNotLoaded,
+    DriverTimeout,
+    GpuLost,
+    InsufficientResources,
+    InUse,
+    NotSupported,
+)
+
+MiB: Final = 1024 * 1024
+_NOT_AVAILABLE_UINT: Final = 0xFFFFFFFF
+
+# NVML return codes (nvml.h), fixed by the C API.
+_ERROR_CLASSES: Final[dict[int, type[BackendError]]] = {
+    1: DriverNotLoaded,  # UNINITIALIZED
+    3: NotSupported,
+    6: DeviceNotFound,
+    9: DriverNotLoaded,  # DRIVER_NOT_LOADED
+    10: DriverTimeout,
+    12: DriverNotLoaded,  # LIBRARY_NOT_FOUND
+    15: GpuLost,
+    18: DriverNotLoaded,  # LIB_RM_VERSION_MISMATCH
+    19: InUse,
+    23: InsufficientResources,
+}
+_SKIP_PROFILE: Final = (NotSupported, DeviceNotFound)  # "not on this product"
+_INVALID_ARGUMENT: Final = 2
+
+# Field ids for NVLink data throughput counters (KiB), nvml.h.
+_FI_NVLINK_TX: Final = 138
+_FI_NVLINK_RX: Final = 139
+
+_EVENT_KINDS: Final[dict[int, EventKind]] = {
+    0x8: EventKind.XID,
+    0x2: EventKind.ECC_DOUBLE_BIT,
+    0x1: EventKind.ECC_SINGLE_BIT,
+    0x4: EventKind.PSTATE,
+    0x10: EventKind.CLOCK,
+}
+_WANTED_EVENTS: Final = 0x8 | 0x2 | 0x1
+
+
+def _text(value: object) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _opt_uint(value: int) -> int | None:
+    return None if value == _NOT_AVAILABLE_UINT else int(value)
+
+
+def product_key(name: str, memory_total_bytes: int) -> str:
+    """gpud's product key for a GPU NVML calls ``name`` ("H100-SXM5-80GB").
+
+    Known products get their key from the product table; others a sanitized name with the
+    memory size ("NVIDIA L40S", 46068 MiB -> "L40S-45GB").
+    """
+    key = product_key_for(name, memory_total_bytes)
+    if key is not None:
+        return key
+    base = re.sub(r"^NVIDIA\s+", "", name.strip(), flags=re.IGNORECASE)
+    base = re.sub(r"[^A-Za-z0-9]+", "-", base).strip("-").upper() or "GPU"
+    if not re.search(r"\d+GB", base):
+        base += f"-{round(memory_total_bytes / (1024**3))}GB"
+    return base
+
+
+class NvmlBackend:
+    """:class:`gpud.backend.port.GpuBackend` over a ``pynvml``-shaped module.
+
+    ``nvml`` is ``pynvml`` or a ``FakeNvml``; the constructor calls ``nvmlInit`` and
+    ``close()`` calls ``nvmlShutdown``. Safe to call from several threads: NVML is, and the
+    caches only ever fill in values that do not change.
+    """
+
+    def __init__(self, nvml: Any) -> None:
+        self._nv = nvml
+        self._error: type[BaseException] = nvml.NVMLError
+        self._call(None, nvml.nvmlInit)
+        self._count = int(self._call(None, nvml.nvmlDeviceGetCount))
+        self._driver = _text(self._call(None, nvml.nvmlSystemGetDriverVersion))
+        self._handles: list[Any] = [None] * self._count
+        self._uuids: dict[int, str] = {}
+        self._identities: dict[int, GpuIdentity] = {}
+        self._gi_tables: dict[int, dict[int, tuple[GpuInstanceProfile, list[Placement]]]] = {}
+        self._ci_tables: dict[tuple[str, int], list[ComputeInstanceProfile]] = {}
+        self._mig_ids: dict[tuple[int, int, str], MigDeviceIdentity] = {}
+        self._event_set: Any = None
+        self._closed = False
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _translate(
+        self, err: BaseException, gpu: int | None, fn: Callable[..., Any] | str
+    ) -> BackendError:
+        code = getattr(err, "value", None)
+        cls = _ERROR_CLASSES.get(code, BackendError) if isinstance(code, int) else BackendError
+        call = fn if isinstance(fn, str) else getattr(fn, "__name__", repr(fn))
+        where = f" on GPU {gpu}" if gpu is not None else ""
+        return cls(
+            f"{call} failed{where}: {err}",
+            gpu=gpu,
+            uuid=self._uuids.get(gpu) if gpu is not None else None,
+            call=call,
+            code=code if isinstance(code, int) else None,
+        )
+
+    def _call(self, gpu: int | None, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except self._error as err:
+            raise self._translate(err, gpu, fn) from err
+
+    def _handle(self, gpu: int) -> Any:
+        if not 0 <= gpu < self._count:
+            raise DeviceNotFound(f"no GPU {gpu}: NVML sees {self._count}", gpu=gpu)
+        h = self._handles[gpu]
+        if h is None:
+            h = self._call(gpu, self._nv.nvmlDeviceGetHandleByIndex, gpu)
+            self._handles[gpu] = h
+        return h
+
+    def _mig_handle(self, gpu: int, mig: int) -> Any:
+        return self._call(gpu, self._nv.nvmlDeviceGetMigDeviceHandleByIndex, self._handle(gpu), mig)
+
+    def _device(self, gpu: int, mig: int | None) -> Any:
+        return self._handle(gpu) if mig is None else self._mig_handle(gpu, mig)
+
+    # -- system and identity -----------------------------------------------------------------
+
+    def driver_version(self) -> str:
+        """``nvidia-smi --query-gpu=driver_version``."""
+        return self._driver
+
+    def gpu_count(self) -> int:
+        return self._count
+
+    def identity(self, gpu: int) -> GpuIdentity:
+        """``nvidia-smi -L`` plus PCI ids and memory size; cached."""
+        ident = self._identities.get(gpu)
+        if ident is not None:
+            return ident
+        nv = self._nv
+        h = self._handle(gpu)
+        uuid = _text(self._call(gpu, nv.nvmlDeviceGetUUID, h))
+        self._uuids[gpu] = uuid
+        name = _text(self._call(gpu, nv.nvmlDeviceGetName, h))
+        pci = self._call(gpu, nv.nvmlDeviceGetPciInfo, h)
+        total = int(self._call(gpu, nv.nvmlDeviceGetMemoryInfo, h).total)
+        try:
+            self._call(gpu, nv.nvmlDeviceGetMigMode, h)
+            mig_capable = True
+        except NotSupported:
+            mig_capable = False
+        ident = GpuIdentity(
+            index=gpu,
+            uuid=uuid,
+            name=name,
+            product=product_key(name, total),
+            pci_bus_id=_text(pci.busId),
+            pci_device_id=int(pci.pciDeviceId),
+            memory_total_bytes=total,
+            mig_capable=mig_capable,
+        )
+        self._identities[gpu] = ident
+        return ident
+
+    # -- readings ----------------------------------------------------------------------------
+
+    def memory(self, gpu: int, mig: int | None = None) -> MemoryInfo:
+        """``nvidia-smi --query-gpu=memory.total,memory.used,memory.free`` (or the MIG device's)."""
+        m = self._call(gpu, self._nv.nvmlDeviceGetMemoryInfo, self._device(gpu, mig))
+        return MemoryInfo(total_bytes=int(m.total), used_bytes=int(m.used), free_bytes=int(m.free))
+
+    def processes(self, gpu: int, mig: int | None = None) -> list[ProcessInfo]:
+        """``nvidia-smi --query-compute-apps=pid,used_memory`` for the GPU or MIG device."""
+        procs = self._call(
+            gpu, self._nv.nvmlDeviceGetComputeRunningProcesses, self._device(gpu, mig)
+        )
+        return [
+            ProcessInfo(
+                pid=int(p.pid),
+                used_memory_bytes=None if p.usedGpuMemory is None else int(p.usedGpuMemory),
+                gpu_instance_id=_opt_uint(p.gpuInstanceId),
+                compute_instance_id=_opt_uint(p.computeInstanceId),
+            )
+            for p in procs
+        ]
+
+    def utilization(self, gpu: int) -> Utilization:
+        """``utilization.gpu`` / ``utilization.memory``; NotSupported on MIG-enabled GPUs."""
+        u = self._call(gpu, self._nv.nvmlDeviceGetUtilizationRates, self._handle(gpu))
+        return Utilization(gpu_ratio=u.gpu / 100.0, memory_ratio=u.memory / 100.0)
+
+    def power_watts(self, gpu: int) -> float:
+        """``power.draw`` (NVML reports milliwatts)."""
+        return int(self._call(gpu, self._nv.nvmlDeviceGetPowerUsage, self._handle(gpu))) / 1000.0
+
+    def temperature_celsius(self, gpu: int) -> float:
+        """``temperature.gpu``."""
+        nv = self._nv
+        return float(
+            self._call(gpu, nv.nvmlDeviceGetTemperature, self._handle(gpu), nv.NVML_TEMPERATURE_GPU)
+        )
+
+    def clocks(self, gpu: int) -> Clocks:
+        """``clocks.sm`` and ``clocks.mem`` in MHz."""
+        nv = self._nv
+        h = self._handle(gpu)
+        sm = self._call(gpu, nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
+        mem = self._call(gpu, nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM)
+        return Clocks(sm_mhz=int(sm), memory_mhz=int(mem))
+
+    def ecc_errors(self, gpu: int) -> EccCounts:
+        """``ecc.errors.corrected.volatile.total`` and the uncorrected count."""
+        nv = self._nv
+        h = self._handle(gpu)
+        fn = nv.nvmlDeviceGetTotalEccErrors
+        corrected = self._call(
+            gpu, fn, h, nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC
+        )
+        uncorrected = self._call(
+            gpu, fn, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC
+        )
+        return EccCounts(corrected=int(corrected), uncorrected=int(uncorrected))
+
+    def pcie_throughput(self, gpu: int) -> PcieThroughput:
+        """``nvidia-smi dmon -s t``: PCIe TX/RX over the last 20 ms (NVML says KB/s, 1 KB = 1024 B)."""
+        nv = self._nv
+        h = self._handle(gpu)
+        tx = self._call(gpu, nv.nvmlDeviceGetPcieThroughput, h, nv.NVML_PCIE_UTIL_TX_BYTES)
+        rx = self._call(gpu, nv.nvmlDeviceGetPcieThroughput, h, nv.NVML_PCIE_UTIL_RX_BYTES)
+        return PcieThroughput(tx_bytes_per_second=tx * 1024.0, rx_bytes_per_second=rx * 1024.0)
+
+    def nvlink_throughput_bytes(self, gpu: int) -> tuple[int, int]:
+        """NVLink data counters (tx, rx) in bytes, all links: ``nvidia-smi nvlink -gt d``.
+
+        Read with ``nvmlDeviceGetFieldValues(NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX)``;
+        NotSupported where the GPU has no NVLink.
+        """
+        values = self._call(
+            gpu,
+            self._nv.nvmlDeviceGetFieldValues,
+            self._handle(gpu),
+            [_FI_NVLINK_TX, _FI_NVLINK_RX],
+        )
+        out = []
+        for v in values:
+            if v.nvmlReturn != 0:
+                err = self._nv.NVMLError(v.nvmlReturn)
+                raise self._translate(err, gpu, "nvmlDeviceGetFieldValues") from err
+            out.append(int(v.value.ullVal) * 1024)
+        return out[0], out[1]
+
+    # -- MIG mode ----------------------------------------------------------------------------
+
+    def mig_mode(self, gpu: int) -> MigMode:
+        """``nvidia-smi --query-gpu=mig.mode.current,mig.mode.pending``."""
+        current, pending = self._call(gpu, self._nv.nvmlDeviceGetMigMode, self._handle(gpu))
+        return MigMode(current=bool(current), pending=bool(pending))
+
+    def set_mig_mode(self, gpu: int, enabled: bool) -> MigMode:
+        """``nvidia-smi -i N -mig 1|0``. The change may stay pending until a GPU reset."""
+        nv = self._nv
+        mode = nv.NVML_DEVICE_MIG_ENABLE if enabled else nv.NVML_DEVICE_MIG_DISABLE
+        self._call(gpu, nv.nvmlDeviceSetMigMode, self._handle(gpu), mode)
+        self._gi_tables.pop(gpu, None)
+        return self.mig_mode(gpu)
+
+    # -- MIG profiles ------------------------------------------------------------------------
+
+    def _gi_table(self, gpu: int) -> dict[int, tuple[GpuInstanceProfile, list[Placement]]]:
+        table = self._gi_tables.get(gpu)
+        if table is not None:
+            return table
+        nv = self._nv
+        h = self._handle(gpu)
+        table = {}
+        count = int(getattr(nv, "NVML_GPU_INSTANCE_PROFILE_COUNT", 0x12))
+        refused: NotSupported | None = None
+        for constant in range(count):
+            try:
+                info = self._call(gpu, nv.nvmlDeviceGetGpuInstanceProfileInfo, h, constant)
+            except _SKIP_PROFILE as err:
+                refused = err if isinstance(err, NotSupported) else refused
+                continue
+            except BackendError as err:
+                if err.code == _INVALID_ARGUMENT:  # a constant this driver does not know
+                    continue
+                raise
+            placements = self._placements(gpu, h, int(info.id))
+            name = _text(getattr(info, "name", b"")).removeprefix("MIG ").strip()
+            profile = GpuInstanceProfile(
+                id=int(info.id),
+                profile=constant,
+                name=name or f"{info.sliceCount}g.{round(info.memorySizeMB / 1024)}gb",
+                slice_count=int(info.sliceCount),
+                memory_bytes=int(info.memorySizeMB) * MiB,
+                memory_slices=placements[0].size if placements else 0,
+                instance_count=int(info.instanceCount),
+                multiprocessor_count=int(info.multiprocessorCount),
+                copy_engine_count=int(info.copyEngineCount),
+                decoder_count=int(info.decoderCount),
+                encoder_count=int(info.encoderCount),
+                jpeg_count=int(info.jpegCount),
+                ofa_count=int(info.ofaCount),
+            )
+            table[profile.id] = (profile, placements)
+        if not table:
+            # NVML refuses every profile while MIG mode is off (or on a GPU without MIG).
+            raise NotSupported(
+                f"GPU {gpu} offers no MIG profiles (MIG mode off or not MIG-capable)",
+                gpu=gpu,
+                uuid=self._uuids.get(gpu),
+                call="nvmlDeviceGetGpuInstanceProfileInfo",
+                code=refused.code if refused else None,
+            )
+        self._gi_tables[gpu] = table
+        return table
+
+    def _placements(self, gpu: int, h: Any, profile_id: int) -> list[Placement]:
+        nv = self._nv
+        fn = nv.nvmlDeviceGetGpuInstancePossiblePlacements
+        count = ctypes.c_uint(0)
+        self._call(gpu, fn, h, profile_id, None, ctypes.byref(count))
+        if not count.value:
+            return []
+        arr = (nv.c_nvmlGpuInstancePlacement_t * count.value)()
+        self._call(gpu, fn, h, profile_id, arr, ctypes.byref(count))
+        return [
+            Placement(start=int(arr[i].start), size=int(arr[i].size)) for i in range(count.value)
+        ]
+
+    def _gi_profile(self, gpu: int, profile_id: int) -> GpuInstanceProfile:
+        entry = self._gi_table(gpu).get(profile_id)
+        if entry is None:
+            raise NotSupported(
+                f"GPU instance profile id {profile_id} is not offered by GPU {gpu}",
+                gpu=gpu,
+                uuid=self._uuids.get(gpu),
+                call="nvmlDeviceGetGpuInstanceProfileInfo",
+            )
+        return entry[0]
+
+    def gpu_instance_profiles(self, gpu: int) -> list[GpuInstanceProfile]:
+        """``nvidia-smi mig -i N -lgip`` (needs MIG mode on, as NVML does)."""
+        return [p for p, _ in self._gi_table(gpu).values()]
+
+    def gpu_instance_placements(self, gpu: int, gpu_instance_profile_id: int) -> list[Placement]:
+        """``nvidia-smi mig -i N -lgipp``: where a profile may be placed, in memory slices."""
+        self._gi_profile(gpu, gpu_instance_profile_id)
+        return list(self._gi_table(gpu)[gpu_instance_profile_id][1])
+
+    def _gi_handles(self, gpu: int, profile: GpuInstanceProfile) -> list[Any]:
+        nv = self._nv
+        count = ctypes.c_uint(0)
+        arr = (nv.c_nvmlGpuInstance_t * max(1, profile.instance_count))()
+        self._call(
+            gpu,
+            nv.nvmlDeviceGetGpuInstances,
+            self._handle(gpu),
+            profile.id,
+            arr,
+            ctypes.byref(count),
+        )
+        return [arr[i] for i in range(count.value)]
+
+    def _ci_table(
+        self, gpu: int, gi_profile: GpuInstanceProfile, gi_handle: Any
+    ) -> list[ComputeInstanceProfile]:
+        key = (self.identity(gpu).product, gi_profile.id)
+        cached = self._ci_tables.get(key)
+        if cached is not None:
+            return cached
+        nv = self._nv
+        out = []
+        count = int(getattr(nv, "NVML_COMPUTE_INSTANCE_PROFILE_COUNT", 0x9))
+        shared = nv.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+        for constant in range(count):
+            try:
+                info = self._call(
+                    gpu,
+                    nv.nvmlGpuInstanceGetComputeInstanceProfileInfo,
+                    gi_handle,
+                    constant,
+                    shared,
+                )
+            except _SKIP_PROFILE:
+                continue
+            except BackendError as err:
+                if err.code == _INVALID_ARGUMENT:
+                    continue
+                raise
+            name = _text(getattr(info, "name", b"")).removeprefix("MIG ").strip()
+            slices = int(info.sliceCount)
+            out.append(
+                ComputeInstanceProfile(
+                    id=int(info.id),
+                    profile=constant,
+                    name=name
+                    or (
+                        gi_profile.name
+                        if slices == gi_profile.slice_count
+                        else f"{slices}c.{gi_profile.name}"
+                    ),
+                    slice_count=slices,
+                    instance_count=int(info.instanceCount),
+                    multiprocessor_count=int(info.multiprocessorCount),
+                )
+            )
+        self._ci_tables[key] = out
+        return out
+
+    def compute_instance_profiles(
+        self, gpu: int, gpu_instance_profile_id: int
+    ) -> list[ComputeInstanceProfile]:
+        """``nvidia-smi mig -i N -gi G -lcip`` for a GPU instance profile.
+
+        NVML reads these from a GPU instance, so one of that profile must exist on some GPU
+        of the same product (the answer is cached per product); otherwise DeviceNotFound.
+        """
+        profile = self._gi_profile(gpu, gpu_instance_profile_id)
+        cached = self._ci_tables.get((self.identity(gpu).product, profile.id))
+        if cached is not None:
+            return list(cached)
+        handles = self._gi_handles(gpu, profile)
+        if not handles:
+            raise DeviceNotFound(
+                f"GPU {gpu} has no {profile.name} GPU instance to read compute instance profiles from",
+                gpu=gpu,
+                uuid=self._uuids.get(gpu),
+                call="nvmlGpuInstanceGetComputeInstanceProfileInfo",
+            )
+        return list(self._ci_table(gpu, profile, handles[0]))
+
+    # -- MIG instances -----------------------------------------------------------------------
+
+    def _gi_info(self, gpu: int, gi_handle: Any, profile: GpuInstanceProfile) -> GpuInstanceInfo:
+        nv = self._nv
+        info = self._call(gpu, nv.nvmlGpuInstanceGetInfo, gi_handle)
+        cis: list[ComputeInstanceInfo] = []
+        for ci_profile in self._ci_table(gpu, profile, gi_handle):
+            count = ctypes.c_uint(0)
+            arr = (nv.c_nvmlComputeInstance_t * max(1, ci_profile.instance_count))()
+            self._call(
+                gpu,
+                nv.nvmlGpuInstanceGetComputeInstances,
+                gi_handle,
+                ci_profile.id,
+                arr,
+                ctypes.byref(count),
+            )
+            for i in range(count.value):
+                cis.append(self._ci_info(gpu, arr[i]))
+        return GpuInstanceInfo(
+            id=int(info.id),
+            profile_id=int(info.profileId),
+            placement=Placement(start=int(info.placement.start), size=int(info.placement.size)),
+            compute_instances=tuple(sorted(cis, key=lambda c: c.id)),
+        )
+
+    def _ci_info(self, gpu: int, ci_handle: Any) -> ComputeInstanceInfo:
+        info = self._call(gpu, self._nv.nvmlComputeInstanceGetInfo, ci_handle)
+        return ComputeInstanceInfo(
+            id=int(info.id),
+            profile_id=int(info.profileId),
+            placement=Placement(start=int(info.placement.start), size=int(info.placement.size)),
+        )
+
+    def gpu_instances(self, gpu: int) -> list[GpuInstanceInfo]:
+        """``nvidia-smi mig -i N -lgi`` with each instance's ``-lci``."""
+        out = []
+        for profile, _ in self._gi_table(gpu).values():
+            for h in self._gi_handles(gpu, profile):
+                out.append(self._gi_info(gpu, h, profile))
+        return sorted(out, key=lambda g: g.id)
+
+    def create_gpu_instance(
+        self, gpu: int, gpu_instance_profile_id: int, placement: Placement
+    ) -> GpuInstanceInfo:
+        """``nvidia-smi mig -i N -cgi <id>`` at an explicit placement (start:size)."""
+        nv = self._nv
+        profile = self._gi_profile(gpu, gpu_instance_profile_id)
+        p = nv.c_nvmlGpuInstancePlacement_t()
+        p.start = placement.start
+        p.size = placement.size
+        h = self._call(
+            gpu,
+            nv.nvmlDeviceCreateGpuInstanceWithPlacement,
+            self._handle(gpu),
+            profile.id,
+            ctypes.byref(p),
+        )
+        return self._gi_info(gpu, h, profile)
+
+    def _gi_by_id(self, gpu: int, gpu_instance_id: int) -> Any:
+        return self._call(
+            gpu, self._nv.nvmlDeviceGetGpuInstanceById, self._handle(gpu), gpu_instance_id
+        )
+
+    def destroy_gpu_instance(self, gpu: int, gpu_instance_id: int) -> None:
+        """``nvidia-smi mig -i N -dgi -gi G`` (InUse while compute instances remain)."""
+        self._call(gpu, self._nv.nvmlGpuInstanceDestroy, self._gi_by_id(gpu, gpu_instance_id))
+
+    def create_compute_instance(
+        self, gpu: int, gpu_instance_id: int, compute_instance_profile_id: int
+    ) -> ComputeInstanceInfo:
+        """``nvidia-smi mig -i N -gi G -cci <id>``."""
+        gi = self._gi_by_id(gpu, gpu_instance_id)
+        ci = self._call(
+            gpu, self._nv.nvmlGpuInstanceCreateComputeInstance, gi, compute_instance_profile_id
+        )
+        return self._ci_info(gpu, ci)
+
+    def destroy_compute_instance(
+        self, gpu: int, gpu_instance_id: int, compute_instance_id: int
+    ) -> None:
+        """``nvidia-smi mig -i N -gi G -dci -ci C`` (InUse while processes run on it)."""
+        nv = self._nv
+        gi = self._gi_by_id(gpu, gpu_instance_id)
+        ci = self._call(gpu, nv.nvmlGpuInstanceGetComputeInstanceById, gi, compute_instance_id)
+        self._call(gpu, nv.nvmlComputeInstanceDestroy, ci)
+
+    # -- MIG devices -------------------------------------------------------------------------
+
+    def mig_devices(self, gpu: int) -> list[MigDeviceIdentity]:
+        """The MIG lines of ``nvidia-smi -L`` for one GPU, in MIG device index order."""
+        nv = self._nv
+        h = self._handle(gpu)
+        try:
+            current, _ = self._call(gpu, nv.nvmlDeviceGetMigMode, h)
+        except NotSupported:
+            return []
+        if not current:
+            return []
+        out = []
+        for index in range(int(self._call(gpu, nv.nvmlDeviceGetMaxMigDeviceCount, h))):
+            try:
+                mh = self._call(gpu, nv.nvmlDeviceGetMigDeviceHandleByIndex, h, index)
+            except DeviceNotFound:
+                continue  # an empty slot
+            uuid = _text(self._call(gpu, nv.nvmlDeviceGetUUID, mh))
+            ident = self._mig_ids.get((gpu, index, uuid))
+            if ident is None:
+                ident = self._mig_identity(gpu, index, uuid, h, mh)
+                self._mig_ids[(gpu, index, uuid)] = ident
+            out.append(ident)
+        return out
+
+    def _mig_identity(self, gpu: int, index: int, uuid: str, h: Any, mh: Any) -> MigDeviceIdentity:
+        nv = self._nv
+        gi_id = int(self._call(gpu, nv.nvmlDeviceGetGpuInstanceId, mh))
+        ci_id = int(self._call(gpu, nv.nvmlDeviceGetComputeInstanceId, mh))
+        attrs = self._call(gpu, nv.nvmlDeviceGetAttributes, mh)
+        gi_slices = int(attrs.gpuInstanceSliceCount)
+        ci_slices = int(attrs.computeInstanceSliceCount)
+        memory_mib = int(attrs.memorySizeMB)
+        table = self._gi_table(gpu)
+        profile: GpuInstanceProfile | None = None
+        try:
+            info = self._call(
+                gpu,
+                nv.nvmlGpuInstanceGetInfo,
+                self._call(gpu, nv.nvmlDeviceGetGpuInstanceById, h, gi_id),
+            )
+            entry = table.get(int(info.profileId))
+            profile = entry[0] if entry else None
+        except BackendError:
+            # Reading GPU instances may need privileges; fall back to matching the table.
+            pass
+        if profile is None:
+            candidates = [p for p, _ in table.values() if p.slice_count == gi_slices]
+            candidates.sort(key=lambda p: (abs(p.memory_bytes // MiB - memory_mib), p.jpeg_count))
+            profile = candidates[0] if candidates else None
+        gi_name = profile.name if profile else f"{gi_slices}g.{round(memory_mib / 1024)}gb"
+        return MigDeviceIdentity(
+            gpu=gpu,
+            mig=index,
+            uuid=uuid,
+            gpu_instance_id=gi_id,
+            compute_instance_id=ci_id,
+            gpu_instance_profile_id=profile.id if profile else -1,
+            profile_name=gi_name if ci_slices >= gi_slices else f"{ci_slices}c.{gi_name}",
+            memory_total_bytes=memory_mib * MiB,
+            multiprocessor_count=int(attrs.multiprocessorCount),
+        )
+
+    # -- events ------------------------------------------------------------------------------
+
+    def _events(self) -> Any:
+        if self._event_set is not None:
+            return self._event_set
+        nv = self._nv
+        es = self._call(None, nv.nvmlEventSetCreate)
+        for gpu in range(self._count):
+            try:
+                h = self._handle(gpu)
+                supported = int(self._call(gpu, nv.nvmlDeviceGetSupportedEventTypes, h))
+                if supported & _WANTED_EVENTS:
+                    self._call(gpu, nv.nvmlDeviceRegisterEvents, h, supported & _WANTED_EVENTS, es)
+            except BackendError:
+                continue  # a GPU without events (or lost) must not silence the others
+        self._event_set = es
+        return es
+
+    def _gpu_of(self, device: Any) -> int:
+        for i, h in enumerate(self._handles):
+            if h is not None and (h is device or h == device):
+                return i
+        try:
+            uuid = _text(self._nv.nvmlDeviceGetUUID(device))
+        except self._error:
+            return -1
+        for i in range(self._count):
+            if self._uuids.get(i) is None:
+                try:
+                    self.identity(i)
+                except BackendError:
+                    continue
+            if self._uuids.get(i) == uuid:
+                return i
+        return -1
+
+    def wait_events(self, timeout_s: float) -> list[GpuEvent]:
+        """XID and ECC events (``nvmlEventSetWait``), waiting up to ``timeout_s`` for the first."""
+        nv = self._nv
+        es = self._events()
+        out: list[GpuEvent] = []
+        timeout_ms = max(0, int(timeout_s * 1000))
+        while True:
+            try:
+                data = self._call(None, nv.nvmlEventSetWait, es, timeout_ms)
+            except DriverTimeout:
+                break
+            kind = _EVENT_KINDS.get(int(data.eventType))
+            if kind is not None:
+                out.append(
+                    GpuEvent(
+                        gpu=self._gpu_of(data.device),
+                        kind=kind,
+                        xid=int(data.eventData) if kind is EventKind.XID else None,
+                        gpu_instance_id=_opt_uint(data.gpuInstanceId),
+                        compute_instance_id=_opt_uint(data.computeInstanceId),
+                    )
+                )
+            timeout_ms = 0  # drain what is queued, without waiting again
+        return out
+
+    def close(self) -> None:
+        """Free the event set and ``nvmlShutdown``; errors on the way out are ignored."""
+        if self._closed:
+            return
+        self._closed = True
+        nv = self._nv
+        if self._event_set is not None:
+            with contextlib.suppress(self._error):
+                nv.nvmlEventSetFree(self._event_set)
+            self._event_set = None
+        with contextlib.suppress(self._error):
+            nv.nvmlShutdown()
+
+
+def open_real_backend() -> NvmlBackend:
+    """The backend over the installed driver (``libnvidia-ml.so.1`` via ``pynvml``).
+
+    Raises DriverNotLoaded when pynvml is missing or NVML cannot be initialised.
+    """
+    try:
+        import pynvml
+    except ImportError as err:
+        raise DriverNotLoaded(f"pynvml (nvidia-ml-py) is not installed: {err}") from err
+    return NvmlBackend(pynvml)

@@ -1,0 +1,106 @@
+"""A simulated GPU node: a fake ``pynvml`` module plus the controls a test or operator needs.
+
+``SimNode`` is what ``gpud --simulate H100-SXM5-80GB:8`` runs on. Its ``.nvml`` behaves like
+``pynvml`` for the products in :mod:`gpud.backend.sim.products`, so the real adapter
+(:class:`gpud.backend.nvml.NvmlBackend`) runs on it unchanged. ``.faults`` injects failures,
+``.workloads`` runs simulated processes, ``reboot()`` stands for a node reboot or driver
+reload. With ``state_file`` the driver's MIG state outlives the daemon process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+from gpud.backend.sim import products
+from gpud.backend.sim.fakenvml import FakeNvml, SimulatedCrash
+from gpud.backend.sim.faults import FaultInjector
+from gpud.backend.sim.workloads import Workload, Workloads
+from gpud.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_SPEC",
+    "FakeNvml",
+    "FaultInjector",
+    "SimNode",
+    "SimulatedCrash",
+    "Workload",
+    "Workloads",
+    "parse_simulate_spec",
+    "products",
+]
+
+DEFAULT_SPEC: Final = "H100-SXM5-80GB:8"
+MAX_GPUS: Final = 64
+
+
+def parse_simulate_spec(spec: str | None) -> list[tuple[str, int]]:
+    """``"H100-SXM5-80GB:8,A100-SXM4-40GB:2"`` -> ``[("H100-SXM5-80GB", 8), ...]``.
+
+    Product names are gpud keys or NVML names, in any case ("nvidia h100 80gb hbm3:2");
+    the count defaults to 1. An empty spec means ``H100-SXM5-80GB:8``.
+    """
+    text = (spec or "").strip() or DEFAULT_SPEC
+    out: list[tuple[str, int]] = []
+    total = 0
+    for part in text.split(","):
+        item = part.strip()
+        if not item:
+            continue
+        name, sep, count_text = item.rpartition(":")
+        if not sep:
+            name, count_text = item, "1"
+        product = products.lookup(name.strip())
+        if product is None:
+            known = ", ".join(products.PRODUCTS)
+            raise ConfigError(f"unknown simulated GPU product {name.strip()!r}; known: {known}")
+        try:
+            count = int(count_text)
+        except ValueError:
+            raise ConfigError(
+                f"GPU count {count_text!r} for {product.key} is not a number"
+            ) from None
+        if count < 1:
+            raise ConfigError(f"GPU count for {product.key} must be at least 1, not {count}")
+        total += count
+        out.append((product.key, count))
+    if not out:
+        raise ConfigError("no simulated GPUs given")
+    if total > MAX_GPUS:
+        raise ConfigError(f"{total} simulated GPUs is more than a node holds (at most {MAX_GPUS})")
+    return out
+
+
+class SimNode:
+    """A node of simulated GPUs, listed in the order of ``spec``."""
+
+    def __init__(
+        self,
+        spec: list[tuple[str, int]],
+        *,
+        state_file: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int = 0,
+    ) -> None:
+        gpus: list[products.ProductSpec] = []
+        for name, count in spec:
+            product = products.lookup(name)
+            if product is None:
+                raise ConfigError(
+                    f"unknown simulated GPU product {name!r}; known: {', '.join(products.PRODUCTS)}"
+                )
+            gpus.extend([product] * count)
+        self.spec = [(p, n) for p, n in spec]
+        self.nvml = FakeNvml(gpus, state_file=state_file, clock=clock, seed=seed)
+        self.faults = FaultInjector(self.nvml)
+        self.workloads = Workloads(self.nvml)
+
+    @property
+    def gpu_count(self) -> int:
+        return self.nvml.sim_gpu_count
+
+    def reboot(self) -> None:
+        """Reboot / driver reload: MIG instances and processes go, pending MIG mode applies."""
+        self.nvml.sim_reboot()

@@ -1,0 +1,119 @@
+"""Faults injected into the simulated driver, as operators rehearse them.
+
+Each fault shows up where a real one would: a lost GPU makes every NVML call on it (and on
+its MIG devices) raise ``NVMLError_GpuIsLost`` and posts XID 79 ("GPU has fallen off the
+bus"); a NotSupported field makes that one query raise ``NVMLError_NotSupported``; a slow GPU
+makes each call on it block, like a driver call stuck in the kernel; an XID is delivered to
+``nvmlEventSetWait``. ``crash_after_mutations`` kills the caller (``SimulatedCrash``) right
+after the n-th driver mutation has taken effect and been persisted.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from gpud.backend.sim.fakenvml import (
+    FakeNvml,
+    SimulatedCrash,
+    nvmlEventTypeDoubleBitEccError,
+    nvmlEventTypeXidCriticalError,
+)
+
+__all__ = ["FIELDS", "FaultInjector", "SimulatedCrash"]
+
+# Field name -> the NVML calls it makes NotSupported.
+FIELDS: Final[dict[str, str]] = {
+    "power": "nvmlDeviceGetPowerUsage",
+    "temperature": "nvmlDeviceGetTemperature",
+    "clocks": "nvmlDeviceGetClockInfo",
+    "ecc": "nvmlDeviceGetTotalEccErrors",
+    "pcie": "nvmlDeviceGetPcieThroughput",
+    "nvlink": "nvmlDeviceGetFieldValues",
+    "utilization": "nvmlDeviceGetUtilizationRates",
+    "memory": "nvmlDeviceGetMemoryInfo",
+    "processes": "nvmlDeviceGetComputeRunningProcesses",
+    "mig": "nvmlDeviceGetMigMode and the MIG instance calls",
+    "events": "nvmlDeviceRegisterEvents",
+}
+
+XID_FALLEN_OFF_BUS: Final = 79
+XID_DBE: Final = 48  # double-bit ECC error
+
+
+class FaultInjector:
+    """Inject and clear faults on a simulated node's GPUs. Thread-safe."""
+
+    def __init__(self, nvml: FakeNvml) -> None:
+        self._nvml = nvml
+
+    def _check_gpu(self, gpu: int) -> None:
+        if not 0 <= gpu < self._nvml.sim_gpu_count:
+            raise ValueError(f"no GPU {gpu} (the node has {self._nvml.sim_gpu_count})")
+
+    def lose(self, gpu: int) -> None:
+        """The GPU falls off the bus: every call on it raises ``NVMLError_GpuIsLost``."""
+        self._check_gpu(gpu)
+        self._nvml.sim_faults(gpu).lost = True
+        self._nvml.sim_event(gpu, nvmlEventTypeXidCriticalError, XID_FALLEN_OFF_BUS)
+
+    def not_supported(self, gpu: int, field: str) -> None:
+        """One field's query raises ``NVMLError_NotSupported`` (see ``FIELDS``)."""
+        self._check_gpu(gpu)
+        if field not in FIELDS:
+            raise ValueError(f"unknown field {field!r}; known: {', '.join(sorted(FIELDS))}")
+        self._nvml.sim_faults(gpu).not_supported.add(field)
+
+    def slow(self, gpu: int, seconds: float) -> None:
+        """Every call on the GPU blocks ``seconds`` first (a hung driver call)."""
+        self._check_gpu(gpu)
+        if seconds < 0:
+            raise ValueError("seconds must be >= 0")
+        self._nvml.sim_faults(gpu).slow_s = float(seconds)
+
+    def xid(
+        self,
+        gpu: int,
+        code: int,
+        *,
+        gpu_instance: int | None = None,
+        compute_instance: int | None = None,
+    ) -> None:
+        """Post an XID event, as the driver logs ``NVRM: Xid (PCI:...): <code>``."""
+        self._check_gpu(gpu)
+        self._nvml.sim_event(
+            gpu, nvmlEventTypeXidCriticalError, int(code), gpu_instance, compute_instance
+        )
+
+    def ecc_double_bit(self, gpu: int) -> None:
+        """An uncorrectable ECC error: the volatile count rises and an event is posted."""
+        self._check_gpu(gpu)
+        self._nvml.sim_event(gpu, nvmlEventTypeDoubleBitEccError, 0)
+
+    def clear(self, gpu: int | None = None) -> None:
+        """Clear the faults of ``gpu`` (all GPUs when None); the crash trigger too for all."""
+        if gpu is None:
+            self._nvml.sim_crash_after(None)
+        else:
+            self._check_gpu(gpu)
+        self._nvml.sim_clear_faults(gpu)
+
+    def crash_after_mutations(self, n: int) -> None:
+        """Raise ``SimulatedCrash`` once the n-th mutation from now has taken effect."""
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        self._nvml.sim_crash_after(n)
+
+    def active(self) -> dict[int, dict[str, object]]:
+        """The current faults per GPU, for display: ``{0: {"lost": True}, ...}``."""
+        out: dict[int, dict[str, object]] = {}
+        for gpu, f in sorted(self._nvml.sim_fault_table().items()):
+            entry: dict[str, object] = {}
+            if f.lost:
+                entry["lost"] = True
+            if f.not_supported:
+                entry["not_supported"] = sorted(f.not_supported)
+            if f.slow_s:
+                entry["slow_seconds"] = f.slow_s
+            if entry:
+                out[gpu] = entry
+        return out

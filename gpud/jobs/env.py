@@ -1,0 +1,66 @@
+"""The environment a job's processes start with.
+
+What the CUDA driver and gpud's client read::
+
+    CUDA_VISIBLE_DEVICES=MIG-5c6e...              the reserved GPU / MIG UUIDs, in order
+    CUDA_MPS_PIPE_DIRECTORY=/run/gpud/mps/MIG-5c6e.../pipe   that device's control daemon
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40          cap on the client's SMs (percent)
+    CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20G        per device ordinal, as CUDA numbers them
+    CUDA_MPS_CLIENT_PRIORITY=1                    0 normal, 1 below normal
+    GPUD_JOB=train-a                              how gpud attributes the processes
+    GPUD_SOCKET=/run/gpud/gpud.sock               where gpud.client reports progress
+    GPUD_RESERVATION=3f9c2a1b7e04
+
+A CUDA client connects to one MPS control daemon, and gpud runs one per device, so the MPS
+variables are set only for a job on a single device whose daemon runs. A job spread over
+several GPUs runs as an ordinary (non-MPS) CUDA client there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from gpud.jobs.placement import Reservation
+from gpud.mps import protocol
+
+JOB_VAR = "GPUD_JOB"
+SOCKET_VAR = "GPUD_SOCKET"
+RESERVATION_VAR = "GPUD_RESERVATION"
+
+
+def build_env(
+    reservation: Reservation,
+    *,
+    socket_path: Path,
+    pipe_dirs: Mapping[str, Path | None],
+) -> dict[str, str]:
+    """The variables for ``reservation``; ``pipe_dirs`` maps a device UUID to its running
+    MPS daemon's pipe directory (None or absent: no MPS there)."""
+    env = {
+        "CUDA_VISIBLE_DEVICES": ",".join(reservation.devices),
+        JOB_VAR: reservation.job,
+        SOCKET_VAR: str(socket_path),
+        RESERVATION_VAR: reservation.id,
+    }
+    if len(reservation.devices) == 1:
+        pipe = pipe_dirs.get(reservation.devices[0])
+        if pipe is not None:
+            env["CUDA_MPS_PIPE_DIRECTORY"] = str(pipe)
+            if reservation.threads_percent is not None:
+                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(reservation.threads_percent)
+            if reservation.memory_bytes is not None:
+                env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = protocol.client_memory_limit_env(
+                    {0: reservation.memory_bytes}
+                )
+            env["CUDA_MPS_CLIENT_PRIORITY"] = str(reservation.client_priority)
+    return env
+
+
+def shell_exports(env: Mapping[str, str]) -> str:
+    """``export NAME='value'`` lines, quoted for POSIX shells, sorted by name."""
+    lines = []
+    for name in sorted(env):
+        value = env[name].replace("'", "'\\''")
+        lines.append(f"export {name}='{value}'")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,262 @@
+"""Reservations: which GPUs or MIG devices a running job holds, and with what limits.
+
+A reservation is made when a job starts (``gpuctl run``, or ``gpuctl env --reserve``) and
+released when it ends. It names its holder process (PID and start time): a holder that
+disappears without releasing (killed launcher) is noticed by :meth:`Reservations.reap` on the
+next tick, so nothing stays reserved by a dead process.
+
+Placement is pure (:func:`choose_devices`): given the devices, what is reserved on each and
+the request, pick the devices or refuse with the numbers. Memory is the accounted resource:
+the MPS pinned memory limits of the reservations on a device never add up to more than the
+device has.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpud.errors import NotFound, ResourceExhausted
+from gpud.jobs.registry import JobSpec
+from gpud.mps.manager import MpsTarget
+from gpud.mps.procs import alive, start_time
+from gpud.mps.units import format_size
+from gpud.store import StateStore
+
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS job_reservations (
+        id TEXT PRIMARY KEY,
+        job TEXT NOT NULL,
+        devices TEXT NOT NULL,
+        threads_percent INTEGER,
+        memory_bytes INTEGER,
+        client_priority INTEGER NOT NULL,
+        holder_pid INTEGER,
+        holder_start INTEGER,
+        created_at REAL NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS job_reservations_job ON job_reservations (job)",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    id: str
+    job: str
+    devices: tuple[str, ...]  # GPU / MIG UUIDs, in CUDA_VISIBLE_DEVICES order
+    threads_percent: int | None
+    memory_bytes: int | None  # per device
+    client_priority: int
+    holder_pid: int | None  # None: held until released explicitly
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceLoad:
+    """What reservations hold on one device."""
+
+    memory_bytes: int
+    jobs: tuple[str, ...]
+
+
+def choose_devices(
+    spec: JobSpec,
+    devices: Sequence[MpsTarget],
+    loads: Mapping[str, DeviceLoad],
+    *,
+    memory_bytes: int | None,
+) -> tuple[MpsTarget, ...]:
+    """Where ``spec`` goes: its pinned devices, else one MIG device of ``spec.mig_profile``,
+    else ``spec.gpu_count`` whole GPUs (default 1). The least loaded fitting devices win.
+
+    Raises :class:`NotFound` for devices the node does not have and
+    :class:`ResourceExhausted`, with the numbers, when none has room for ``memory_bytes``.
+    """
+    by_uuid = {d.uuid: d for d in devices}
+    empty = DeviceLoad(0, ())
+
+    def free(d: MpsTarget) -> int:
+        return d.memory_total_bytes - loads.get(d.uuid, empty).memory_bytes
+
+    def fits(d: MpsTarget) -> bool:
+        return memory_bytes is None or free(d) >= memory_bytes
+
+    def refusal(d: MpsTarget) -> ResourceExhausted:
+        load = loads.get(d.uuid, empty)
+        holders = f" by {', '.join(load.jobs)}" if load.jobs else ""
+        return ResourceExhausted(
+            f"job {spec.name!r} asks {format_size(memory_bytes or 0)} on {d.uuid} ({d.profile}):"
+            f" {format_size(load.memory_bytes)} reserved{holders} of"
+            f" {format_size(d.memory_total_bytes)}, {format_size(max(free(d), 0))} free"
+        )
+
+    if spec.devices:
+        chosen = []
+        for uuid in spec.devices:
+            if uuid not in by_uuid:
+                raise NotFound(f"job {spec.name!r}: no GPU or MIG device {uuid} on this node")
+            if not fits(by_uuid[uuid]):
+                raise refusal(by_uuid[uuid])
+            chosen.append(by_uuid[uuid])
+        return tuple(chosen)
+
+    def order(d: MpsTarget) -> tuple[int, int, int, int]:
+        return (len(loads.get(d.uuid, empty).jobs), -free(d), d.gpu, d.mig or 0)
+
+    if spec.mig_profile is not None:
+        pool = [d for d in devices if d.mig is not None and d.profile == spec.mig_profile]
+        if not pool:
+            have = sorted({d.profile for d in devices if d.mig is not None})
+            raise NotFound(
+                f"job {spec.name!r}: no MIG device of profile {spec.mig_profile} on this node"
+                f" (MIG profiles here: {', '.join(have) or 'none'})"
+            )
+        want = 1
+    else:
+        pool = [d for d in devices if d.mig is None]
+        want = spec.gpu_count or 1
+        if len(pool) < want:
+            raise ResourceExhausted(
+                f"job {spec.name!r} asks {want} whole GPUs; this node has {len(pool)}"
+                " not in MIG mode"
+            )
+    pool.sort(key=order)
+    fitting = [d for d in pool if fits(d)]
+    if len(fitting) < want:
+        raise refusal(max((d for d in pool if not fits(d)), key=free))
+    return tuple(fitting[:want])
+
+
+class Reservations:
+    """The ``job_reservations`` table."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        *,
+        proc_root: Path = Path("/proc"),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._proc_root = proc_root
+        self._clock = clock
+        store.ensure_schema(SCHEMA)
+
+    def loads(
+        self, default_memory: Callable[[str], int | None] = lambda _: None
+    ) -> dict[str, DeviceLoad]:
+        """Reserved memory and jobs per device. A reservation without a memory limit counts
+        the device's MPS default limit (``default_memory(uuid)``), or nothing."""
+        memory: dict[str, int] = {}
+        jobs: dict[str, list[str]] = {}
+        for r in self.held():
+            for uuid in r.devices:
+                limit = r.memory_bytes if r.memory_bytes is not None else default_memory(uuid)
+                memory[uuid] = memory.get(uuid, 0) + (limit or 0)
+                jobs.setdefault(uuid, []).append(r.job)
+        return {u: DeviceLoad(memory.get(u, 0), tuple(sorted(set(j)))) for u, j in jobs.items()}
+
+    def add(
+        self,
+        job: str,
+        devices: Sequence[str],
+        *,
+        threads_percent: int | None,
+        memory_bytes: int | None,
+        client_priority: int,
+        holder_pid: int | None,
+    ) -> Reservation:
+        rid = secrets.token_hex(6)
+        holder_start = start_time(holder_pid, self._proc_root) if holder_pid else None
+        created = self._clock()
+        with self._store.transaction() as conn:
+            conn.execute(
+                "INSERT INTO job_reservations (id, job, devices, threads_percent, memory_bytes,"
+                " client_priority, holder_pid, holder_start, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    rid,
+                    job,
+                    json.dumps(list(devices)),
+                    threads_percent,
+                    memory_bytes,
+                    client_priority,
+                    holder_pid,
+                    holder_start,
+                    created,
+                ),
+            )
+        return Reservation(
+            rid,
+            job,
+            tuple(devices),
+            threads_percent,
+            memory_bytes,
+            client_priority,
+            holder_pid,
+            created,
+        )
+
+    def get(self, rid: str) -> Reservation:
+        with self._store.transaction() as conn:
+            row = conn.execute("SELECT * FROM job_reservations WHERE id = ?", (rid,)).fetchone()
+        if row is None:
+            raise NotFound(f"no reservation {rid!r}")
+        return _reservation(row)
+
+    def held(self, job: str | None = None) -> list[Reservation]:
+        with self._store.transaction() as conn:
+            if job is None:
+                rows = conn.execute("SELECT * FROM job_reservations ORDER BY created_at").fetchall()
+            else:
+                rows = conn.execute(
+                    "SELECT * FROM job_reservations WHERE job = ? ORDER BY created_at", (job,)
+                ).fetchall()
+        return [_reservation(r) for r in rows]
+
+    def release(self, rid: str) -> Reservation:
+        with self._store.transaction() as conn:
+            reservation = self.get(rid)
+            conn.execute("DELETE FROM job_reservations WHERE id = ?", (rid,))
+        return reservation
+
+    def release_job(self, job: str) -> list[Reservation]:
+        with self._store.transaction() as conn:
+            held = self.held(job)
+            conn.execute("DELETE FROM job_reservations WHERE job = ?", (job,))
+        return held
+
+    def reap(self) -> list[Reservation]:
+        """Release reservations whose holder process is gone (or its PID was reused)."""
+        gone: list[Reservation] = []
+        with self._store.transaction() as conn:
+            rows = conn.execute(
+                "SELECT * FROM job_reservations WHERE holder_pid IS NOT NULL"
+            ).fetchall()
+            for row in rows:
+                pid, started = row["holder_pid"], row["holder_start"]
+                if alive(pid, self._proc_root) and (
+                    started is None or start_time(pid, self._proc_root) == started
+                ):
+                    continue
+                conn.execute("DELETE FROM job_reservations WHERE id = ?", (row["id"],))
+                gone.append(_reservation(row))
+        return gone
+
+
+def _reservation(row: sqlite3.Row) -> Reservation:
+    return Reservation(
+        id=row["id"],
+        job=row["job"],
+        devices=tuple(json.loads(row["devices"])),
+        threads_percent=row["threads_percent"],
+        memory_bytes=row["memory_bytes"],
+        client_priority=row["client_priority"],
+        holder_pid=row["holder_pid"],
+        created_at=row["created_at"],
+    )

@@ -1,0 +1,219 @@
+"""Jobs as the API and the daemon's tick use them: registry, reservations, environment,
+attribution, over one :class:`~gpud.mps.manager.MpsManager` (which knows the devices, their
+memory and their MPS daemons).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from gpud.errors import FailedPrecondition, InvalidArgument, Unavailable
+from gpud.events import EventLog
+from gpud.jobs.attribution import Attributor, ProcessUse, memory_by_job
+from gpud.jobs.env import build_env
+from gpud.jobs.placement import DeviceLoad, Reservation, Reservations, choose_devices
+from gpud.jobs.registry import JobKind, JobRegistry, JobSpec, validate_spec
+from gpud.mps.manager import MpsManager
+from gpud.store import StateStore
+from gpud.telemetry.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RunRequest:
+    """What ``gpuctl run`` asks for; ``None`` fields take the registered job's values."""
+
+    job: str
+    kind: JobKind | None = None
+    owner: str = ""
+    mig_profile: str | None = None
+    gpu_count: int | None = None
+    devices: tuple[str, ...] = ()
+    threads_percent: int | None = None
+    memory_bytes: int | None = None
+    client_priority: int | None = None
+    holder_pid: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    job: JobSpec
+    reservation: Reservation
+    env: dict[str, str]
+    created_job: bool
+
+
+class JobService:
+    def __init__(
+        self,
+        store: StateStore,
+        events: EventLog,
+        mps: MpsManager,
+        *,
+        socket_path: Path,
+        proc_root: Path = Path("/proc"),
+        cgroup_pattern: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.registry = JobRegistry(store, clock=clock)
+        self.reservations = Reservations(store, proc_root=proc_root, clock=clock)
+        self._events = events
+        self._mps = mps
+        self._socket_path = socket_path
+        self._attributor = (
+            Attributor(proc_root=proc_root, cgroup_pattern=cgroup_pattern)
+            if cgroup_pattern
+            else Attributor(proc_root=proc_root)
+        )
+        self._lock = threading.RLock()  # placement is check-then-insert
+        self._uses: list[ProcessUse] = []
+
+    # -- registry --------------------------------------------------------------------------
+    def add(self, spec: JobSpec) -> JobSpec:
+        job = self.registry.add(spec)
+        self._events.emit("job.add", f"job {job.name} ({job.kind}) registered", job=job.name)
+        return job
+
+    def remove(self, name: str, *, force: bool = False) -> JobSpec:
+        with self._lock:
+            held = self.reservations.held(name)
+            if held and not force:
+                raise FailedPrecondition(
+                    f"job {name!r} holds {len(held)} reservation(s)"
+                    f" ({', '.join(r.id for r in held)}); release them or force"
+                )
+            job = self.registry.remove(name)
+            self.reservations.release_job(name)
+        self._events.emit("job.remove", f"job {name} removed", job=name)
+        return job
+
+    def loads(self) -> dict[str, DeviceLoad]:
+        return self.reservations.loads(lambda uuid: self._mps.limits(uuid).memory_bytes)
+
+    # -- reservations ----------------------------------------------------------------------
+    def reserve(self, request: RunRequest, *, preview: bool = False) -> Launch:
+        """Register the job if new, place it, record the reservation (unless ``preview``),
+        and return the environment to launch it with."""
+        with self._lock:
+            job = self.registry.find(request.job)
+            created = job is None
+            if job is None:
+                job = JobSpec(
+                    name=request.job,
+                    kind=request.kind or JobKind.TRAINING,
+                    owner=request.owner,
+                    devices=request.devices,
+                    mig_profile=request.mig_profile,
+                    gpu_count=request.gpu_count,
+                    threads_percent=request.threads_percent,
+                    memory_bytes=request.memory_bytes,
+                    client_priority=request.client_priority,
+                )
+                validate_spec(job)
+                if not preview:
+                    job = self.add(job)
+            elif request.kind is not None and request.kind is not job.kind:
+                raise InvalidArgument(
+                    f"job {job.name!r} is registered as {job.kind}, not {request.kind}",
+                    field="kind",
+                )
+            effective = _override(job, request)
+            devices = self._mps.targets()
+            if not devices:
+                raise Unavailable("no GPU seen yet: the daemon is starting, retry shortly")
+            chosen = choose_devices(
+                effective,
+                devices,
+                self.loads(),
+                memory_bytes=effective.memory_bytes if effective.memory_bytes is not None else None,
+            )
+            uuids = tuple(d.uuid for d in chosen)
+            if preview:
+                reservation = Reservation(
+                    "", job.name, uuids, effective.threads_percent, effective.memory_bytes,
+                    effective.effective_priority, None, 0.0,
+                )  # fmt: skip
+            else:
+                reservation = self.reservations.add(
+                    job.name,
+                    uuids,
+                    threads_percent=effective.threads_percent,
+                    memory_bytes=effective.memory_bytes,
+                    client_priority=effective.effective_priority,
+                    holder_pid=request.holder_pid,
+                )
+                self._events.emit(
+                    "job.reserve",
+                    f"job {job.name} reserved {', '.join(uuids)}",
+                    job=job.name,
+                    reservation=reservation.id,
+                    devices=list(uuids),
+                    holder_pid=request.holder_pid,
+                )
+        return Launch(job, reservation, self.env_for(reservation), created)
+
+    def env_for(self, reservation: Reservation) -> dict[str, str]:
+        pipes = {uuid: self._mps.pipe_dir(uuid) for uuid in reservation.devices}
+        return build_env(reservation, socket_path=self._socket_path, pipe_dirs=pipes)
+
+    def env(self, name: str) -> dict[str, str]:
+        """``gpuctl env --job NAME``: the environment of the job's latest reservation, or of
+        where it would be placed now (nothing is reserved)."""
+        self.registry.get(name)
+        held = self.reservations.held(name)
+        if held:
+            return self.env_for(held[-1])
+        return self.reserve(RunRequest(job=name), preview=True).env
+
+    def release(self, reservation_id: str) -> Reservation:
+        reservation = self.reservations.release(reservation_id)
+        self._events.emit(
+            "job.release",
+            f"job {reservation.job} released {', '.join(reservation.devices)}",
+            job=reservation.job,
+            reservation=reservation.id,
+        )
+        return reservation
+
+    # -- the tick --------------------------------------------------------------------------
+    def tick(self, snapshot: Snapshot | None) -> None:
+        """Release reservations of dead holders; attribute the snapshot's processes."""
+        for r in self.reservations.reap():
+            self._events.emit(
+                "job.release",
+                f"job {r.job} released {', '.join(r.devices)}: holder pid {r.holder_pid} is gone",
+                job=r.job,
+                reservation=r.id,
+            )
+        if snapshot is not None:
+            uses = self._attributor.attribute(snapshot)
+            with self._lock:
+                self._uses = uses
+
+    def process_uses(self) -> list[ProcessUse]:
+        """The latest tick's GPU processes with their jobs."""
+        with self._lock:
+            return list(self._uses)
+
+    def memory_by_job(self) -> dict[tuple[str, str], int]:
+        return memory_by_job(self.process_uses())
+
+
+def _override(job: JobSpec, request: RunRequest) -> JobSpec:
+    """The job with this run's placement and limits, where the request gives them."""
+    changes: dict[str, object] = {}
+    if request.devices or request.mig_profile or request.gpu_count:
+        changes.update(
+            devices=request.devices, mig_profile=request.mig_profile, gpu_count=request.gpu_count
+        )
+    for name in ("threads_percent", "memory_bytes", "client_priority"):
+        value = getattr(request, name)
+        if value is not None:
+            changes[name] = value
+    return validate_spec(replace(job, **changes)) if changes else job  # type: ignore[arg-type]

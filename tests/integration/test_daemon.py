@@ -1,0 +1,150 @@
+"""gpud as operators run it: a real process on a simulated node, driven by gpuctl,
+scraped over HTTP, checked by promtool, signalled like systemd does."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import RunningDaemon, start_daemon, stop_daemon
+
+pytestmark = pytest.mark.integration
+
+
+def gpus(daemon: RunningDaemon) -> list[dict[str, object]]:
+    data = json.loads(daemon.gpuctl("gpus", "--json").stdout)
+    result: list[dict[str, object]] = data["gpus"]
+    return result
+
+
+def wait_for(predicate: object, timeout: float = 20.0) -> None:
+    assert callable(predicate)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError("condition not reached in time")
+
+
+def test_serves_eight_simulated_gpus(gpud_sim: RunningDaemon) -> None:
+    listed = gpus(gpud_sim)
+    assert len(listed) == 8
+    for gpu in listed:
+        assert gpu["product"] == "H100-SXM5-80GB"
+        assert gpu["healthy"] is True
+        assert isinstance(gpu["memory"], dict)
+        assert gpu["memory"]["total_bytes"] > 80 * 10**9
+        assert gpu["power_watts"] is not None
+    status = gpud_sim.gpuctl("status")
+    assert "8" in status.stdout
+    table = gpud_sim.gpuctl("gpus").stdout
+    assert "H100-SXM5-80GB" in table
+
+
+def test_ready_and_watchdog_are_sent(gpud_sim: RunningDaemon) -> None:
+    messages = gpud_sim.notifications(timeout=3.0)
+    assert any("READY=1" in m for m in messages), messages
+    time.sleep(1.5)
+    assert any("WATCHDOG=1" in m for m in messages + gpud_sim.notifications(timeout=2.0))
+
+
+def test_metrics_pass_promtool(gpud_sim: RunningDaemon, tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is required (Debian package prometheus)"
+    text = gpud_sim.metrics()
+    assert "gpud_gpu_memory_used_bytes{" in text
+    assert "process_resident_memory_bytes" in text
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_faults_leave_the_daemon_serving(gpud_sim: RunningDaemon) -> None:
+    gpud_sim.gpuctl("sim", "fault", "--gpu", "0", "lost")
+    gpud_sim.gpuctl("sim", "fault", "--gpu", "1", "not-supported", "power")
+    gpud_sim.gpuctl("sim", "fault", "--gpu", "2", "slow", "30")
+
+    def faults_visible() -> bool:
+        listed = {g["index"]: g for g in gpus(gpud_sim)}
+        return (
+            listed[0]["healthy"] is False
+            and listed[1]["power_watts"] is None
+            and listed[2]["healthy"] is False
+        )
+
+    wait_for(faults_visible, timeout=30)
+    listed = {g["index"]: g for g in gpus(gpud_sim)}
+    assert "lost" in str(listed[0]["reason"]).lower()
+    assert "timed out" in str(listed[2]["reason"])
+    assert listed[1]["healthy"] is True
+    for index in range(3, 8):
+        assert listed[index]["healthy"] is True
+        assert float(listed[index]["sample_age_seconds"]) < 5.0  # type: ignore[arg-type]
+    text = gpud_sim.metrics()
+    assert "gpud_gpu_healthy{" in text
+    healthy_lines = [ln for ln in text.splitlines() if ln.startswith("gpud_gpu_healthy{")]
+    assert any('gpu="0"' in ln and ln.endswith(" 0.0") for ln in healthy_lines), healthy_lines
+    gpud_sim.gpuctl("sim", "fault", "--gpu", "0", "clear")
+    gpud_sim.gpuctl("sim", "fault", "--gpu", "1", "clear")
+
+
+def test_sigterm_stops_cleanly(tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path / "g", "--simulate", "A100-SXM4-40GB:2")
+    assert len(gpus(daemon)) == 2
+    daemon.notifications(timeout=1.0)
+    code = stop_daemon(daemon)
+    assert code == 0, daemon.log.read_text()
+    assert not daemon.socket.exists()
+
+
+def test_sighup_reload_keeps_good_config_on_bad_file(tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path / "g", "--simulate", "A100-SXM4-40GB:1")
+    try:
+        config = daemon.root / "gpud.toml"
+        config.write_text("[telemetry]\ninterval = 5\n")
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "config.reload_failed" in daemon.gpuctl("events").stdout)
+        assert "telemetry.interval" in daemon.gpuctl("events").stdout
+        assert daemon.proc.poll() is None
+        config.write_text("[telemetry]\ninterval_s = 0.5\n")
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "config reloaded" in daemon.gpuctl("events").stdout)
+        assert len(gpus(daemon)) == 1
+    finally:
+        stop_daemon(daemon)
+
+
+def test_bad_config_stops_start_naming_key_and_file(tmp_path: Path) -> None:
+    config = tmp_path / "gpud.toml"
+    config.write_text("[metrics]\nport = 1\n")
+    gpud = Path(__import__("sys").executable).with_name("gpud")
+    result = subprocess.run(
+        [str(gpud), "--config", str(config), "--simulate"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert f"{config}:metrics.port" in result.stderr
+
+
+def test_gpuctl_without_daemon_says_so(tmp_path: Path) -> None:
+    gpuctl = Path(__import__("sys").executable).with_name("gpuctl")
+    result = subprocess.run(
+        [str(gpuctl), "--socket", str(tmp_path / "none.sock"), "status"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 3
+    assert "not running" in result.stderr

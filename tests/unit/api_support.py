@@ -1,0 +1,201 @@
+"""Shared pieces for the API and gpuctl tests: a hand-built snapshot, fakes for the API's
+ports, and an ApiServer running on its own event loop in a thread (so that synchronous
+clients such as gpuctl can call it from the test's thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpud.api import ApiServer, NodeInfo, NodeServicer
+from gpud.backend.port import (
+    Clocks,
+    EccCounts,
+    GpuIdentity,
+    MemoryInfo,
+    MigDeviceIdentity,
+    MigMode,
+    PcieThroughput,
+    ProcessInfo,
+    Utilization,
+)
+from gpud.events import EventLog
+from gpud.telemetry.snapshot import GpuSample, MigSample, Snapshot
+
+GIB = 1024**3
+NOW = 1000.0  # the fake monotonic clock
+
+
+def identity(index: int, *, mig_capable: bool = True) -> GpuIdentity:
+    return GpuIdentity(
+        index=index,
+        uuid=f"GPU-{index:08x}-1111-2222-3333-444455556666",
+        name="NVIDIA H100 80GB HBM3",
+        product="H100-SXM5-80GB",
+        pci_bus_id=f"00000000:{0x18 + index:02X}:00.0",
+        pci_device_id=0x233010DE,
+        memory_total_bytes=80 * GIB,
+        mig_capable=mig_capable,
+    )
+
+
+def mig(gpu: int, index: int) -> MigSample:
+    return MigSample(
+        identity=MigDeviceIdentity(
+            gpu=gpu,
+            mig=index,
+            uuid=f"MIG-{gpu}{index}aaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee",
+            gpu_instance_id=7 + index,
+            compute_instance_id=0,
+            gpu_instance_profile_id=19,
+            profile_name="1g.10gb",
+            memory_total_bytes=10 * GIB,
+            multiprocessor_count=16,
+        ),
+        memory=MemoryInfo(10 * GIB, 2 * GIB, 8 * GIB) if index == 0 else None,
+        processes=(ProcessInfo(pid=4242, used_memory_bytes=GIB, gpu_instance_id=7),),
+    )
+
+
+def make_snapshot() -> Snapshot:
+    """GPU 0: every reading. GPU 1: MIG on with two devices, power not supported.
+    GPU 2: lost, identity only."""
+    full = GpuSample(
+        identity=identity(0),
+        healthy=True,
+        reason="",
+        sampled_at=NOW - 0.25,
+        memory=MemoryInfo(80 * GIB, 20 * GIB, 60 * GIB),
+        utilization=Utilization(0.5, 0.25),
+        power_watts=312.5,
+        temperature_celsius=54.0,
+        clocks=Clocks(1980, 2619),
+        ecc=EccCounts(1, 0),
+        pcie=PcieThroughput(1e9, 2e9),
+        processes=(ProcessInfo(pid=100, used_memory_bytes=None),),
+        mig_mode=MigMode(current=False, pending=False),
+        xid_events_total=2,
+        last_xid=79,
+    )
+    with_mig = GpuSample(
+        identity=identity(1),
+        healthy=True,
+        reason="",
+        sampled_at=NOW - 0.25,
+        memory=MemoryInfo(80 * GIB, 4 * GIB, 76 * GIB),
+        temperature_celsius=40.0,
+        mig_mode=MigMode(current=True, pending=True),
+        mig_devices=(mig(1, 0), mig(1, 1)),
+    )
+    lost = GpuSample(identity=identity(2), healthy=False, reason="GPU lost", sampled_at=NOW - 30.0)
+    return Snapshot(
+        wall_time=1_700_000_000.0,
+        monotonic=NOW - 0.5,
+        gpus=(full, with_mig, lost),
+        tick_seconds=0.012,
+    )
+
+
+def node_info(*, simulated: bool = True) -> NodeInfo:
+    return NodeInfo(
+        backend="sim" if simulated else "nvml",
+        driver_version="550.54.15",
+        gpu_count=3,
+        simulated=simulated,
+        started_monotonic=NOW - 3725.0,
+        hostname="node-a",
+    )
+
+
+@dataclass
+class FakeFaults:
+    """Records injections; ``fail`` makes the next call raise it."""
+
+    calls: list[tuple[Any, ...]] = field(default_factory=list)
+    fail: BaseException | None = None
+
+    def _record(self, *call: Any) -> None:
+        if self.fail is not None:
+            raise self.fail
+        self.calls.append(call)
+
+    def lose(self, gpu: int) -> None:
+        self._record("lose", gpu)
+
+    def not_supported(self, gpu: int, field: str) -> None:
+        self._record("not_supported", gpu, field)
+
+    def slow(self, gpu: int, seconds: float) -> None:
+        self._record("slow", gpu, seconds)
+
+    def xid(self, gpu: int, code: int) -> None:
+        self._record("xid", gpu, code)
+
+    def clear(self, gpu: int) -> None:
+        self._record("clear", gpu)
+
+    def active(self) -> list[str]:
+        return [f"{c[0]} on GPU {c[1]}" for c in self.calls if c[0] != "clear"]
+
+
+def make_events() -> EventLog:
+    clock = iter(range(1_700_000_000, 1_800_000_000)).__next__
+    log = EventLog(None, clock=lambda: float(clock()))
+    log.emit("gpu.unhealthy", "GPU 2 lost", gpu=2, uuid="GPU-2", path=Path("/x"))
+    log.emit("mig.apply", "applied all-1g.10gb on GPU 1", gpu=1, devices=7)
+    log.emit("gpu.healthy", "GPU 2 back", gpu=2)
+    return log
+
+
+@contextmanager
+def short_dir() -> Iterator[Path]:
+    """A short directory: unix socket paths must fit in 107 bytes."""
+    with tempfile.TemporaryDirectory(prefix="gpud-api-") as d:
+        yield Path(d)
+
+
+def make_servicer(
+    *,
+    snapshot: Callable[[], Snapshot | None] | None = None,
+    faults: FakeFaults | None = None,
+    events: EventLog | None = None,
+) -> NodeServicer:
+    snap = make_snapshot()
+    return NodeServicer(
+        snapshots=snapshot or (lambda: snap),
+        node_info=lambda: node_info(simulated=faults is not None),
+        events=events if events is not None else make_events(),
+        faults=faults,
+        clock=lambda: NOW,
+    )
+
+
+class ServerThread:
+    """Runs ``server`` on an event loop in a background thread."""
+
+    def __init__(self, server: ApiServer) -> None:
+        self.server = server
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def run(self, coro: Any, timeout: float = 10.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        self.run(self.server.start())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.run(self.server.stop(0))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            self.loop.close()

@@ -1,0 +1,115 @@
+"""Shared pieces for the MPS and jobs tests: hand-built snapshots (unequal GPUs, MIG), a
+manager running the fake control daemon, and clean-up of every daemon a test started."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from gpud.backend.port import GpuIdentity, MigDeviceIdentity, MigMode, ProcessInfo
+from gpud.events import EventLog
+from gpud.mps.manager import MpsManager
+from gpud.mps.procs import alive
+from gpud.sim_tools import FAKE_MPS_CONTROL
+from gpud.store import StateStore
+from gpud.telemetry.snapshot import GpuSample, MigSample, Snapshot
+
+GIB = 1024**3
+FAKE_CONTROL = (sys.executable, str(FAKE_MPS_CONTROL))
+
+
+def gpu_uuid(index: int) -> str:
+    return f"GPU-{index:08x}-1111-2222-3333-444455556666"
+
+
+def mig_uuid(gpu: int, index: int) -> str:
+    return f"MIG-{gpu:04x}{index:04x}-aaaa-bbbb-cccc-ddddeeeeffff"
+
+
+def gpu_sample(
+    index: int,
+    *,
+    memory_gib: int = 80,
+    migs: tuple[tuple[str, int], ...] = (),
+    processes: tuple[ProcessInfo, ...] = (),
+    mig_processes: dict[int, tuple[ProcessInfo, ...]] | None = None,
+) -> GpuSample:
+    """A GPU; with ``migs`` ((profile, memory GiB), ...) it is in MIG mode with those devices."""
+    ident = GpuIdentity(
+        index=index,
+        uuid=gpu_uuid(index),
+        name="NVIDIA H100 80GB HBM3",
+        product="H100-SXM5-80GB" if memory_gib == 80 else f"TEST-{memory_gib}GB",
+        pci_bus_id=f"00000000:{0x18 + index:02X}:00.0",
+        pci_device_id=0x233010DE,
+        memory_total_bytes=memory_gib * GIB,
+        mig_capable=True,
+    )
+    samples = tuple(
+        MigSample(
+            identity=MigDeviceIdentity(
+                gpu=index,
+                mig=i,
+                uuid=mig_uuid(index, i),
+                gpu_instance_id=1 + i,
+                compute_instance_id=0,
+                gpu_instance_profile_id=9,
+                profile_name=profile,
+                memory_total_bytes=mem * GIB,
+                multiprocessor_count=60,
+            ),
+            memory=None,
+            processes=(mig_processes or {}).get(i, ()),
+        )
+        for i, (profile, mem) in enumerate(migs)
+    )
+    return GpuSample(
+        identity=ident,
+        healthy=True,
+        reason="",
+        sampled_at=0.0,
+        processes=processes,
+        mig_mode=MigMode(bool(migs), bool(migs)),
+        mig_devices=samples,
+    )
+
+
+def snapshot(*gpus: GpuSample) -> Snapshot:
+    return Snapshot(wall_time=0.0, monotonic=0.0, gpus=tuple(gpus), tick_seconds=0.0)
+
+
+@contextlib.contextmanager
+def short_dir() -> Iterator[Path]:
+    """A directory with a short path: a unix socket path is at most 107 bytes, and the
+    control socket lives at ``<dir>/run/mps/<40-char uuid>/pipe/control``."""
+    path = Path(tempfile.mkdtemp(prefix="gm", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        kill_daemons(path)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def kill_daemons(root: Path) -> None:
+    """SIGKILL every control daemon under ``root`` (its servers exit with it)."""
+    for pid_file in root.rglob("nvidia-cuda-mps-control.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(pid_file.read_text())
+            if alive(pid):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+
+
+def make_manager(root: Path, **kwargs: object) -> tuple[MpsManager, StateStore, EventLog]:
+    store = StateStore(root / "state")
+    events = EventLog(None)
+    options: dict[str, object] = {"timeout_s": 5.0, "health_interval_s": 0.0}
+    options.update(kwargs)
+    manager = MpsManager(store, events, root / "run", FAKE_CONTROL, **options)  # type: ignore[arg-type]
+    return manager, store, events

@@ -1,0 +1,440 @@
+"""The gRPC API in-process: a real grpc.aio server on a temporary unix socket, real clients."""
+
+from __future__ import annotations
+
+import grp
+import math
+import os
+import random
+import socket
+import stat
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gpud.api import ApiServer, FaultPort, NodeServicer
+from gpud.api.interceptors import ERROR_KEY, EXIT_CODE_KEY
+from gpud.errors import ConfigError, FailedPrecondition, GpuLost
+from gpud.events import EventLog
+from gpud.v1 import node_pb2 as pb
+from gpud.v1 import node_pb2_grpc as pb_grpc
+from tests.unit.api_support import FakeFaults, make_events, make_servicer, node_info, short_dir
+
+
+@pytest.fixture
+def sock_dir() -> Any:
+    with short_dir() as d:
+        yield d
+
+
+async def _serve(path: Path, servicer: NodeServicer, **kw: Any) -> ApiServer:
+    server = ApiServer(path, servicers=[servicer.register], **kw)
+    await server.start()
+    return server
+
+
+@pytest.fixture
+async def channel(sock_dir: Path) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to a simulated node's API (fake fault port)."""
+    faults = FakeFaults()
+    server = await _serve(sock_dir / "gpud.sock", make_servicer(faults=faults))
+    async with grpc.aio.insecure_channel(f"unix:{sock_dir / 'gpud.sock'}") as ch:
+        ch.faults = faults  # type: ignore[attr-defined]
+        yield ch
+    await server.stop(0)
+
+
+def _md(err: grpc.aio.AioRpcError) -> dict[str, str]:
+    return dict(err.trailing_metadata() or ())
+
+
+# --- the socket and the server's life ---
+
+
+async def test_socket_mode_group_and_removal(sock_dir: Path) -> None:
+    path = sock_dir / "run" / "gpud.sock"  # the parent is created
+    group = grp.getgrgid(os.getgid()).gr_name
+    server = await _serve(path, make_servicer(), socket_group=group)
+    st = path.stat()
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o660
+    assert st.st_gid == os.getgid()
+    await server.stop(0)
+    assert not path.exists()
+    await server.stop(0)  # twice is fine
+
+
+async def test_missing_group_is_a_clear_error_and_binds_nothing(sock_dir: Path) -> None:
+    path = sock_dir / "gpud.sock"
+    server = ApiServer(
+        path, socket_group="no-such-group-gpud", servicers=[make_servicer().register]
+    )
+    with pytest.raises(ConfigError, match=r"no-such-group-gpud.*does not exist"):
+        await server.start()
+    assert not path.exists()
+
+
+async def test_stale_socket_is_replaced(sock_dir: Path) -> None:
+    path = sock_dir / "gpud.sock"
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(path))
+    dead.close()  # the file stays, nobody listens: a daemon that died
+    server = await _serve(path, make_servicer())
+    async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+        resp = await pb_grpc.NodeStub(ch).GetStatus(pb.GetStatusRequest())
+    assert resp.hostname == "node-a"
+    await server.stop(0)
+
+
+async def test_refuses_to_steal_a_live_socket(sock_dir: Path) -> None:
+    path = sock_dir / "gpud.sock"
+    first = await _serve(path, make_servicer())
+    second = ApiServer(path, servicers=[make_servicer().register])
+    with pytest.raises(FailedPrecondition, match="already running"):
+        await second.start()
+    assert path.exists()  # the first one's socket is untouched
+    await first.stop(0)
+
+
+async def test_refuses_to_replace_a_regular_file(sock_dir: Path) -> None:
+    path = sock_dir / "gpud.sock"
+    path.write_text("not a socket")
+    with pytest.raises(FailedPrecondition, match="not a socket"):
+        await ApiServer(path).start()
+    assert path.read_text() == "not a socket"
+
+
+async def test_health_serving_and_not_serving(sock_dir: Path) -> None:
+    path = sock_dir / "gpud.sock"
+    server = await _serve(path, make_servicer())
+    async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+        check = health_pb2_grpc.HealthStub(ch).Check
+        resp = await check(health_pb2.HealthCheckRequest(service=""))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        await server.set_serving(False)
+        resp = await check(health_pb2.HealthCheckRequest(service=""))
+        assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    await server.stop(0)
+
+
+async def test_tcp_listener(sock_dir: Path) -> None:
+    server = await _serve(sock_dir / "gpud.sock", make_servicer(), tcp_address="127.0.0.1:0")
+    assert server.tcp_port
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.tcp_port}") as ch:
+        resp = await pb_grpc.NodeStub(ch).GetStatus(pb.GetStatusRequest())
+    assert resp.gpu_count == 3
+    await server.stop(0)
+
+
+# --- Node service ---
+
+
+async def test_status(channel: grpc.aio.Channel) -> None:
+    resp = await pb_grpc.NodeStub(channel).GetStatus(pb.GetStatusRequest())
+    assert resp.version
+    assert (resp.hostname, resp.backend, resp.driver_version) == ("node-a", "sim", "550.54.15")
+    assert resp.simulated
+    assert resp.uptime_seconds == 3725.0
+    assert (resp.gpu_count, resp.healthy_gpu_count) == (3, 2)
+    assert resp.last_sample_age_seconds == 0.5
+    assert resp.last_tick_seconds == pytest.approx(0.012)
+
+
+async def test_status_before_first_sample(sock_dir: Path) -> None:
+    path = sock_dir / "gpud.sock"
+    server = await _serve(path, make_servicer(snapshot=lambda: None))
+    async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+        stub = pb_grpc.NodeStub(ch)
+        resp = await stub.GetStatus(pb.GetStatusRequest())
+        assert not resp.HasField("last_sample_age_seconds")
+        assert resp.healthy_gpu_count == 0
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ListGpus(pb.ListGpusRequest())
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no telemetry sample yet" in (err.value.details() or "")
+    assert _md(err.value)[EXIT_CODE_KEY] == "3"
+    await server.stop(0)
+
+
+async def test_list_gpus(channel: grpc.aio.Channel) -> None:
+    resp = await pb_grpc.NodeStub(channel).ListGpus(pb.ListGpusRequest())
+    assert [g.index for g in resp.gpus] == [0, 1, 2]
+    assert resp.sample_age_seconds == 0.5
+    full, with_mig, lost = resp.gpus
+    assert full.uuid.startswith("GPU-00000000")
+    assert full.memory.used_bytes == 20 * 1024**3
+    assert full.utilization.gpu_ratio == 0.5
+    assert full.power_watts == 312.5
+    assert (full.clocks.sm_mhz, full.ecc.corrected, full.pcie.rx_bytes_per_second) == (1980, 1, 2e9)
+    assert full.last_xid == 79
+    assert full.sample_age_seconds == 0.25
+    assert not full.processes[0].HasField("used_memory_bytes")  # the driver did not say
+    # not supported is absent, not 0
+    assert not with_mig.HasField("power_watts")
+    assert not with_mig.HasField("utilization")
+    assert with_mig.HasField("temperature_celsius")
+    assert with_mig.mig_mode.current and with_mig.mig_mode.pending
+    assert [(d.gpu, d.mig, d.profile_name) for d in with_mig.mig_devices] == [
+        (1, 0, "1g.10gb"),
+        (1, 1, "1g.10gb"),
+    ]
+    assert with_mig.mig_devices[0].memory.used_bytes == 2 * 1024**3
+    assert not with_mig.mig_devices[1].HasField("memory")
+    assert with_mig.mig_devices[0].processes[0].gpu_instance_id == 7
+    assert not lost.healthy and lost.reason == "GPU lost"
+    assert not lost.HasField("memory") and not lost.HasField("last_xid")
+    assert lost.sample_age_seconds == 30.0
+
+
+async def test_list_one_gpu_and_bad_indexes(channel: grpc.aio.Channel) -> None:
+    stub = pb_grpc.NodeStub(channel)
+    resp = await stub.ListGpus(pb.ListGpusRequest(gpu=1))
+    assert [g.index for g in resp.gpus] == [1]
+    for bad, words in ((-1, ">= 0"), (3, "no GPU 3"), (2**31 - 1, "no GPU")):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ListGpus(pb.ListGpusRequest(gpu=bad))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = err.value.details() or ""
+        assert details.startswith("gpu: ") and words in details
+        assert _md(err.value) == {ERROR_KEY: "InvalidArgument", EXIT_CODE_KEY: "2"}
+
+
+async def test_list_events(channel: grpc.aio.Channel) -> None:
+    stub = pb_grpc.NodeStub(channel)
+    resp = await stub.ListEvents(pb.ListEventsRequest())
+    assert [e.kind for e in resp.events] == ["gpu.unhealthy", "mig.apply", "gpu.healthy"]
+    first = resp.events[0]
+    assert first.time_unix_seconds == 1_700_000_000
+    assert first.fields["gpu"] == 2 and first.fields["path"] == "/x"  # non-JSON -> str
+    resp = await stub.ListEvents(pb.ListEventsRequest(kind_prefix="gpu.", limit=1))
+    assert [e.message for e in resp.events] == ["GPU 2 back"]
+    for bad in (-1, 10_001):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ListEvents(pb.ListEventsRequest(limit=bad))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.value.details() or "").startswith("limit: ")
+
+
+async def test_inject_fault_refused_when_not_simulated(sock_dir: Path) -> None:
+    path = sock_dir / "gpud.sock"
+    server = await _serve(path, make_servicer(faults=None))
+    async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pb_grpc.NodeStub(ch).InjectFault(
+                pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_LOST)
+            )
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "node is not simulated" in (err.value.details() or "")
+    await server.stop(0)
+
+
+async def test_inject_faults(sock_dir: Path) -> None:
+    path = sock_dir / "gpud.sock"
+    faults, events = FakeFaults(), EventLog(None)
+    server = await _serve(path, make_servicer(faults=faults, events=events))
+    async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+        inject = pb_grpc.NodeStub(ch).InjectFault
+        await inject(pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_LOST))
+        await inject(pb.InjectFaultRequest(gpu=1, kind=pb.FAULT_KIND_NOT_SUPPORTED, field="power"))
+        await inject(pb.InjectFaultRequest(gpu=1, kind=pb.FAULT_KIND_SLOW, seconds=2.5))
+        await inject(pb.InjectFaultRequest(gpu=2, kind=pb.FAULT_KIND_XID, xid=79))
+        resp = await inject(pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_CLEAR))
+    assert faults.calls == [
+        ("lose", 0),
+        ("not_supported", 1, "power"),
+        ("slow", 1, 2.5),
+        ("xid", 2, 79),
+        ("clear", 0),
+    ]
+    assert list(resp.active_faults) == [
+        "lose on GPU 0",
+        "not_supported on GPU 1",
+        "slow on GPU 1",
+        "xid on GPU 2",
+    ]
+    kinds = [e.kind for e in events.recent()]
+    assert kinds == [
+        "sim.fault.lost",
+        "sim.fault.not_supported",
+        "sim.fault.slow",
+        "sim.fault.xid",
+        "sim.fault.clear",
+    ]
+    assert events.recent()[3].fields == {"gpu": 2, "xid": 79}
+    await server.stop(0)
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (pb.InjectFaultRequest(gpu=-1, kind=pb.FAULT_KIND_LOST), "gpu"),
+        (pb.InjectFaultRequest(gpu=7, kind=pb.FAULT_KIND_LOST), "gpu"),
+        (pb.InjectFaultRequest(gpu=0), "kind"),
+        (pb.InjectFaultRequest(gpu=0, kind=42), "kind"),  # type: ignore[arg-type]
+        (pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_XID), "xid"),
+        (pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_SLOW, seconds=-1), "seconds"),
+        (pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_SLOW, seconds=math.nan), "seconds"),
+        (pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_SLOW, seconds=math.inf), "seconds"),
+        (pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_NOT_SUPPORTED), "field"),
+        (pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_NOT_SUPPORTED, field="x" * 300), "field"),
+    ],
+)
+async def test_inject_fault_invalid_arguments_name_the_field(
+    channel: grpc.aio.Channel, request_: pb.InjectFaultRequest, field: str
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await pb_grpc.NodeStub(channel).InjectFault(request_)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith(f"{field}: ")
+    assert channel.faults.calls == []  # type: ignore[attr-defined]
+
+
+# --- nothing a client sends can crash the daemon ---
+
+
+async def test_driver_error_from_fault_port_maps_to_its_status(sock_dir: Path) -> None:
+    path = sock_dir / "gpud.sock"
+    faults = FakeFaults(fail=GpuLost("GPU 0 fell off the bus", gpu=0))
+    server = await _serve(path, make_servicer(faults=faults))
+    async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pb_grpc.NodeStub(ch).InjectFault(pb.InjectFaultRequest(gpu=0, kind=1))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert _md(err.value) == {ERROR_KEY: "GpuLost", EXIT_CODE_KEY: "10"}
+    await server.stop(0)
+
+
+async def test_unexpected_errors_are_internal_and_the_server_keeps_serving(
+    sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = sock_dir / "gpud.sock"
+    calls = 0
+
+    def flaky() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("sampler exploded")
+        return None
+
+    server = await _serve(path, make_servicer(snapshot=flaky))
+    async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+        stub = pb_grpc.NodeStub(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.GetStatus(pb.GetStatusRequest())
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "RuntimeError: sampler exploded" in (err.value.details() or "")
+        assert EXIT_CODE_KEY not in _md(err.value)
+        assert (await stub.GetStatus(pb.GetStatusRequest())).gpu_count == 3
+    assert "unexpected error" in caplog.text
+    await server.stop(0)
+
+
+async def test_garbage_bytes_never_crash_the_server(channel: grpc.aio.Channel) -> None:
+    rng = random.Random(20240601)
+    methods = ["GetStatus", "ListGpus", "ListEvents", "InjectFault", "NoSuchMethod"]
+    codes: set[grpc.StatusCode] = set()
+    for name in methods:
+        raw = channel.unary_unary(f"/gpud.v1.Node/{name}")  # bytes in, bytes out
+        for _ in range(60):
+            payload = rng.randbytes(rng.randrange(0, 64))
+            try:
+                await raw(payload, timeout=5)
+                codes.add(grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as err:
+                codes.add(err.code())
+    # every answer is a status, never a hang or a dead server; undecodable bytes are the
+    # client's fault (INVALID_ARGUMENT), not the daemon's (INTERNAL)
+    assert codes <= {
+        grpc.StatusCode.OK,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.UNAVAILABLE,
+    }
+    assert grpc.StatusCode.INVALID_ARGUMENT in codes
+    resp = await pb_grpc.NodeStub(channel).GetStatus(pb.GetStatusRequest())
+    assert resp.gpu_count == 3
+
+
+async def test_undecodable_request_names_the_request(channel: grpc.aio.Channel) -> None:
+    raw = channel.unary_unary("/gpud.v1.Node/ListGpus")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await raw(b"\xff\xff\xff")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith("request: cannot decode")
+
+
+async def test_extreme_values_are_refused_not_crashed(channel: grpc.aio.Channel) -> None:
+    stub = pb_grpc.NodeStub(channel)
+    for request in (
+        pb.InjectFaultRequest(gpu=-(2**31), kind=pb.FAULT_KIND_LOST),
+        pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_SLOW, seconds=-math.inf),
+        pb.InjectFaultRequest(gpu=0, kind=-5),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.InjectFault(request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    resp = await stub.ListEvents(pb.ListEventsRequest(kind_prefix="\x00\uffff" * 100))
+    assert list(resp.events) == []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.ListEvents(pb.ListEventsRequest(kind_prefix="k" * 100_000))
+    assert (err.value.details() or "").startswith("kind_prefix: ")
+
+
+async def test_servicer_without_event_log(sock_dir: Path) -> None:
+    path = sock_dir / "gpud.sock"
+    servicer = NodeServicer(
+        snapshots=lambda: None,
+        node_info=node_info,
+    )
+    server = await _serve(path, servicer)
+    async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+        resp = await pb_grpc.NodeStub(ch).ListEvents(pb.ListEventsRequest())
+    assert list(resp.events) == []
+    await server.stop(0)
+
+
+def test_make_events_fixture_is_ordered() -> None:
+    assert [e.time for e in make_events().recent()] == sorted(
+        e.time for e in make_events().recent()
+    )
+
+
+# --- with the simulated node's own fault injector ---
+
+
+async def test_faults_reach_the_simulated_node(sock_dir: Path) -> None:
+    sim = pytest.importorskip("gpud.backend.sim")
+    node = sim.SimNode([("H100-SXM5-80GB", 3)])
+    port: FaultPort = node.faults  # the sim's injector is a FaultPort
+    servicer = NodeServicer(
+        snapshots=lambda: None,
+        node_info=lambda: node_info(simulated=True),
+        faults=port,
+    )
+    path = sock_dir / "gpud.sock"
+    server = await _serve(path, servicer)
+    async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+        inject = pb_grpc.NodeStub(ch).InjectFault
+        await inject(pb.InjectFaultRequest(gpu=1, kind=pb.FAULT_KIND_LOST))
+        resp = await inject(
+            pb.InjectFaultRequest(gpu=2, kind=pb.FAULT_KIND_NOT_SUPPORTED, field="power")
+        )
+        assert list(resp.active_faults) == [
+            "GPU 1: lost=True",
+            "GPU 2: not_supported=['power']",
+        ]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await inject(
+                pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_NOT_SUPPORTED, field="colour")
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.value.details() or "").startswith("field: unknown field 'colour'")
+        resp = await inject(pb.InjectFaultRequest(gpu=1, kind=pb.FAULT_KIND_CLEAR))
+        assert list(resp.active_faults) == ["GPU 2: not_supported=['power']"]
+    await server.stop(0)

@@ -1,0 +1,345 @@
+"""gpuctl end to end: ``main([...])`` against an in-process ApiServer on a temporary socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gpud.api import ApiServer
+from gpud.cli.context import Context
+from gpud.cli.main import main
+from gpud.cli.output import Output, format_table, seconds
+from gpud.errors import GpuLost
+from tests.unit.api_support import FakeFaults, ServerThread, make_servicer, short_dir
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    with short_dir() as d:
+        yield d
+
+
+def _serve(path: Path, faults: FakeFaults | None = None) -> ServerThread:
+    return ServerThread(ApiServer(path, servicers=[make_servicer(faults=faults).register]))
+
+
+@pytest.fixture
+def faults() -> FakeFaults:
+    return FakeFaults()
+
+
+@pytest.fixture
+def sim_socket(sock_dir: Path, faults: FakeFaults) -> Iterator[str]:
+    """The socket of a daemon on a simulated node (fake fault port)."""
+    path = sock_dir / "gpud.sock"
+    with _serve(path, faults):
+        yield str(path)
+
+
+@pytest.fixture
+def real_socket(sock_dir: Path) -> Iterator[str]:
+    """The socket of a daemon on real NVML (no fault port)."""
+    path = sock_dir / "gpud.sock"
+    with _serve(path):
+        yield str(path)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv), env={})
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_status(capsys: pytest.CaptureFixture[str], sim_socket: str) -> None:
+    code, out, _ = run(capsys, "--socket", sim_socket, "status")
+    assert code == 0
+    assert "node-a (simulated node)" in out
+    assert "sim, driver 550.54.15" in out
+    assert "3 (2 healthy)" in out
+    assert "1h 02m" in out  # uptime 3725 s
+    assert "500 ms ago" in out
+
+
+def test_status_json(capsys: pytest.CaptureFixture[str], sim_socket: str) -> None:
+    code, out, _ = run(capsys, "status", "--socket", sim_socket, "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["gpu_count"] == 3 and doc["healthy_gpu_count"] == 2
+    assert doc["simulated"] is True and doc["backend"] == "sim"
+    assert doc["last_sample_age_seconds"] == 0.5
+
+
+def test_gpus_table(capsys: pytest.CaptureFixture[str], sim_socket: str) -> None:
+    code, out, _ = run(capsys, "--socket", sim_socket, "gpus")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == [
+        "GPU",
+        "MODEL",
+        "UUID",
+        "HEALTH",
+        "MEM",
+        "GiB",
+        "UTIL",
+        "POWER",
+        "TEMP",
+        "MIG",
+    ]
+    gpu0 = lines[1].split()
+    assert gpu0[:4] == ["0", "H100-SXM5-80GB", "GPU-00000000", "ok"]
+    assert "20.0 / 80.0" in lines[1] and "50%" in lines[1] and "312 W" in lines[1]
+    assert "54 C" in lines[1] and lines[1].rstrip().endswith("off")
+    gpu1 = lines[2]
+    assert gpu1.split()[0] == "1" and "-" in gpu1.split()  # utilization and power: not supported
+    assert gpu1.rstrip().endswith("on")
+    assert lines[3].startswith("  1:0") and "1g.10gb" in lines[3] and "2.0 / 10.0" in lines[3]
+    assert lines[4].startswith("  1:1") and "gi 8 ci 0" in lines[4]
+    assert lines[5].split()[:4] == ["2", "H100-SXM5-80GB", "GPU-00000002", "UNHEALTHY"]
+    assert lines[6] == "GPU 2 unhealthy: GPU lost"
+    assert len(lines) == 7
+
+
+def test_gpus_json_has_numbers_and_nulls(
+    capsys: pytest.CaptureFixture[str], sim_socket: str
+) -> None:
+    code, out, _ = run(capsys, "--json", "--socket", sim_socket, "gpus")
+    assert code == 0
+    gpus = json.loads(out)["gpus"]
+    assert [g["index"] for g in gpus] == [0, 1, 2]
+    assert gpus[0]["memory"]["used_bytes"] == 20 * 1024**3  # a number, not "20 GiB" or "2147..."
+    assert gpus[0]["power_watts"] == 312.5
+    assert gpus[0]["processes"] == [
+        {
+            "pid": 100,
+            "used_memory_bytes": None,
+            "gpu_instance_id": None,
+            "compute_instance_id": None,
+        }
+    ]
+    assert gpus[1]["power_watts"] is None and gpus[1]["utilization"] is None
+    assert gpus[1]["mig_mode"] == {"current": True, "pending": True}
+    assert [d["uuid"][:6] for d in gpus[1]["mig_devices"]] == ["MIG-10", "MIG-11"]
+    assert gpus[1]["mig_devices"][1]["memory"] is None
+    assert gpus[2]["healthy"] is False and gpus[2]["reason"] == "GPU lost"
+
+
+def test_gpus_one_gpu_and_invalid_index(
+    capsys: pytest.CaptureFixture[str], sim_socket: str
+) -> None:
+    code, out, _ = run(capsys, "--socket", sim_socket, "--json", "gpus", "--gpu", "1")
+    assert code == 0 and [g["index"] for g in json.loads(out)["gpus"]] == [1]
+    code, out, err = run(capsys, "--socket", sim_socket, "gpus", "--gpu", "9")
+    assert code == 2
+    assert out == "" and "gpu: no GPU 9" in err
+
+
+def test_events(capsys: pytest.CaptureFixture[str], sim_socket: str) -> None:
+    code, out, _ = run(capsys, "--socket", sim_socket, "events")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["TIME", "KIND", "MESSAGE", "FIELDS"]
+    assert "gpu.unhealthy" in lines[1] and 'gpu=2 path="/x" uuid="GPU-2"' in lines[1]
+    code, out, _ = run(
+        capsys, "--socket", sim_socket, "events", "--kind", "gpu.", "--limit", "1", "--json"
+    )
+    assert code == 0
+    events = json.loads(out)["events"]
+    assert [e["message"] for e in events] == ["GPU 2 back"]
+    assert events[0]["fields"] == {"gpu": 2}
+
+
+def test_events_invalid_limit(capsys: pytest.CaptureFixture[str], sim_socket: str) -> None:
+    code, _, err = run(capsys, "--socket", sim_socket, "events", "--limit", "-3")
+    assert code == 2 and "limit: must be in [0, 10000]" in err
+
+
+def test_sim_fault(capsys: pytest.CaptureFixture[str], sim_socket: str, faults: FakeFaults) -> None:
+    assert run(capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "0", "lost")[0] == 0
+    assert run(capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "1", "xid", "79")[0] == 0
+    assert run(capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "1", "slow", "2.5")[0] == 0
+    code, out, _ = run(
+        capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "2", "not-supported", "power"
+    )
+    assert code == 0
+    assert out.splitlines()[0] == "injected not-supported on GPU 2"
+    assert "  not_supported on GPU 2" in out
+    code, out, _ = run(
+        capsys, "--socket", sim_socket, "--json", "sim", "fault", "--gpu", "0", "clear"
+    )
+    assert code == 0 and "lose on GPU 0" in json.loads(out)["active_faults"]
+    assert faults.calls == [
+        ("lose", 0),
+        ("xid", 1, 79),
+        ("slow", 1, 2.5),
+        ("not_supported", 2, "power"),
+        ("clear", 0),
+    ]
+
+
+def test_sim_fault_invalid_arguments(
+    capsys: pytest.CaptureFixture[str], sim_socket: str, faults: FakeFaults
+) -> None:
+    code, _, err = run(capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "5", "lost")
+    assert code == 2 and "gpu: no GPU 5" in err
+    code, _, err = run(capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "0", "slow", "-1")
+    assert code == 2 and "seconds: " in err
+    code, _, err = run(capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "0", "xid", "-4")
+    assert code == 2 and "xid: " in err
+    code, _, err = run(capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "0", "melt")
+    assert code == 2 and "invalid choice" in err  # argparse
+    assert faults.calls == []
+
+
+def test_sim_fault_refused_when_not_simulated(
+    capsys: pytest.CaptureFixture[str], real_socket: str
+) -> None:
+    code, _, err = run(capsys, "--socket", real_socket, "sim", "fault", "--gpu", "0", "lost")
+    assert code == 6  # FailedPrecondition
+    assert "node is not simulated" in err
+
+
+def test_daemon_error_exit_code_comes_from_the_error_class(
+    capsys: pytest.CaptureFixture[str], sim_socket: str, faults: FakeFaults
+) -> None:
+    faults.fail = GpuLost("GPU 0 fell off the bus", gpu=0)
+    code, _, err = run(capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "0", "lost")
+    assert code == 10  # GpuLost, not 3 (daemon not running) although both are UNAVAILABLE
+    assert "GPU 0 fell off the bus" in err
+
+
+def test_not_running(capsys: pytest.CaptureFixture[str], sock_dir: Path) -> None:
+    missing = sock_dir / "gpud.sock"
+    code, out, err = run(capsys, "--socket", str(missing), "status")
+    assert code == 3 and out == ""
+    assert str(missing) in err and "systemctl start gpud" in err
+    # a stale socket file: it exists, nobody listens
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(missing))
+    dead.close()
+    code, _, err = run(capsys, "--socket", str(missing), "gpus", "--json")
+    assert code == 3 and "nothing listens on" in err
+
+
+def test_socket_from_environment(capsys: pytest.CaptureFixture[str], sim_socket: str) -> None:
+    assert main(["status"], env={"GPUD_SOCKET": sim_socket}) == 0
+    assert "node-a" in capsys.readouterr().out
+    # --socket wins over the environment
+    assert main(["--socket", sim_socket, "status"], env={"GPUD_SOCKET": "/nonexistent"}) == 0
+
+
+def test_version(capsys: pytest.CaptureFixture[str], sim_socket: str, sock_dir: Path) -> None:
+    code, out, _ = run(capsys, "--socket", sim_socket, "version")
+    assert code == 0 and out.splitlines()[0].startswith("gpuctl ") and "gpud   0." in out
+    code, out, _ = run(capsys, "--socket", str(sock_dir / "nope.sock"), "--json", "version")
+    doc = json.loads(out)
+    assert code == 0 and doc["daemon"] is None and "not running" in doc["daemon_error"]
+
+
+def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        run(
+            capsys,
+        )[0]
+        == 2
+    )  # no command: help on stderr
+    assert run(capsys, "frobnicate")[0] == 2
+    assert run(capsys, "--timeout", "0", "status")[0] == 2
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "status" in out and "sim" in out
+
+
+def _connect_as_nobody(socket_path: Path) -> int:
+    """Run gpuctl in a forked child that dropped root, and return its exit code."""
+    with warnings.catch_warnings():
+        # Python 3.12+ warns about fork() in a process with threads (the server's); the
+        # child only drops privileges, connects and exits.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # child: no pytest machinery past this point, only os._exit
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
+            code = main(["--socket", str(socket_path), "status"], env={})
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_permission_denied(capsys: pytest.CaptureFixture[str], sock_dir: Path) -> None:
+    private = sock_dir / "private"
+    private.mkdir()
+    path = private / "gpud.sock"
+    with _serve(path):
+        if os.geteuid() == 0:
+            # root bypasses file modes: ask as an unprivileged user instead
+            private.chmod(0o700)
+            assert _connect_as_nobody(path) == 77
+        else:
+            private.chmod(0o000)
+            try:
+                code, _, err = run(capsys, "--socket", str(path), "status")
+            finally:
+                private.chmod(0o700)
+            assert code == 77 and "permission denied" in err and "group" in err
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(
+        self, code: grpc.StatusCode, details: str, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        self._code, self._details, self._metadata = code, details, metadata
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+
+@pytest.mark.parametrize(
+    ("error", "exit_code", "words"),
+    [
+        (_RpcError(grpc.StatusCode.UNAVAILABLE, "GOAWAY received"), 3, "systemctl start gpud"),
+        (_RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), 3, "within 2 s"),
+        (_RpcError(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"), 9, "UNIMPLEMENTED"),
+        (_RpcError(grpc.StatusCode.PERMISSION_DENIED, "no"), 77, "no"),
+        (
+            _RpcError(grpc.StatusCode.UNAVAILABLE, "GPU 3 lost", (("gpud-exit-code", "10"),)),
+            10,
+            "GPU 3 lost",
+        ),
+        (_RpcError(grpc.StatusCode.DATA_LOSS, "?"), 1, "DATA_LOSS"),
+    ],
+)
+def test_grpc_errors_become_exit_codes(error: _RpcError, exit_code: int, words: str) -> None:
+    ctx = Context(
+        socket_path=Path("/run/gpud/gpud.sock"), timeout=2.0, output=Output(json_output=False)
+    )
+    err = ctx.translate(error)
+    assert err.exit_code == exit_code and words in str(err)
+
+
+def test_display_helpers() -> None:
+    assert [seconds(v) for v in (0.0123, 4.25, 125, 3725, 90061)] == [
+        "12 ms",
+        "4.2 s",
+        "2m 05s",
+        "1h 02m",
+        "1d 1h 01m",
+    ]
+    assert format_table(("A", "BB"), [("xyz", "1"), ("", "22")]) == "A    BB\nxyz  1\n     22"

@@ -1,0 +1,160 @@
+"""mig-parted config files: parse as they are, resolve per GPU, export and read back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpud.errors import ConfigError, InvalidArgument
+from gpud.mig.layout import (
+    DeviceLayout,
+    MigProfile,
+    export_config,
+    layout_from_json,
+    layout_to_json,
+    load_config,
+    parse_config,
+    resolve,
+)
+from tests.unit.mig_tables import identity_for
+
+DATA = Path(__file__).parent.parent / "data" / "mig-parted"
+
+
+def test_profile_names_parse_like_mig_parted() -> None:
+    assert str(MigProfile.parse("1g.10gb")) == "1g.10gb"
+    me = MigProfile.parse("1g.10gb+me")
+    assert (me.gi_slices, me.memory_gb, me.attrs, me.ci_slices) == (1, 10, "+me", None)
+    ci = MigProfile.parse("1c.3g.40gb")
+    assert ci.gi_name == "3g.40gb" and ci.ci_slices == 1 and str(ci) == "1c.3g.40gb"
+    assert MigProfile.parse("3c.3g.40gb") == MigProfile.parse("3g.40gb")
+    assert MigProfile.parse("1g.24gb-me").attrs == "-me"
+    for bad in ("1g", "10gb", "4c.3g.40gb", "g.10gb", "1g.10gb+"):
+        with pytest.raises(InvalidArgument):
+            MigProfile.parse(bad)
+
+
+def test_example_file_parses() -> None:
+    cfg = load_config(DATA / "config.yaml")
+    assert cfg.version == "v1"
+    assert {"all-disabled", "all-enabled", "all-1g.10gb", "all-balanced", "custom-config"} <= set(
+        cfg.configs
+    )
+    (enabled,) = cfg.config("all-enabled")
+    assert enabled.devices == "all" and enabled.layout == DeviceLayout(True, ())
+    balanced = cfg.config("all-balanced")
+    assert [e.device_filter for e in balanced] == [
+        (0x233510DE,),
+        (0x233010DE, 0x20B210DE),
+        (0x20B010DE,),
+    ]
+    custom = cfg.config("custom-config")
+    assert custom[0].devices == (0, 1, 2, 3) and not custom[0].layout.mig_enabled
+    assert custom[4].layout.describe() == "1x 3g.20gb, 1x 2g.10gb, 2x 1g.5gb"
+
+
+def test_device_filters_choose_the_entry_per_product() -> None:
+    cfg = load_config(DATA / "config.yaml")
+    gpus = [
+        identity_for("H100-SXM5-80GB", 0),
+        identity_for("A100-SXM4-40GB", 1),
+        identity_for("H200-SXM-141GB", 2),
+    ]
+    layouts = resolve(cfg.config("all-balanced"), gpus)
+    assert layouts[0].describe() == "1x 3g.40gb, 1x 2g.20gb, 2x 1g.10gb"
+    assert layouts[1].describe() == "1x 3g.20gb, 1x 2g.10gb, 2x 1g.5gb"
+    assert layouts[2].describe() == "1x 3g.71gb, 1x 2g.35gb, 2x 1g.18gb"
+    # a GPU no entry matches is left alone, as mig-parted does
+    h100_only = parse_config(
+        'version: v1\nmig-configs:\n  x:\n    - device-filter: "0x2330"\n      devices: all\n'
+        "      mig-enabled: false\n"
+    )
+    assert set(resolve(h100_only.config("x"), gpus)) == {0}
+
+
+def test_device_indexes_and_bad_entries() -> None:
+    gpus = [identity_for("A100-SXM4-40GB", i) for i in range(8)]
+    cfg = load_config(DATA / "config.yaml")
+    layouts = resolve(cfg.config("custom-config"), gpus)
+    assert [layouts[i].mig_enabled for i in range(8)] == [False] * 4 + [True] * 4
+    with pytest.raises(InvalidArgument, match="no GPU with index 4"):
+        resolve(cfg.config("custom-config"), gpus[:4])
+    with pytest.raises(InvalidArgument, match="no config named 'nope'"):
+        cfg.config("nope")
+    clash = parse_config(
+        "version: v1\nmig-configs:\n  x:\n    - {devices: all, mig-enabled: false}\n"
+        "    - {devices: [0], mig-enabled: true}\n"
+    )
+    with pytest.raises(InvalidArgument, match="matches 2 entries"):
+        resolve(clash.config("x"), gpus)
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("version: v2\nmig-configs: {}\n", "version"),
+        ("version: v1\n", "mig-configs"),
+        ("version: v1\nmig-configs:\n  x: {devices: all}\n", "mig-configs.x"),
+        ("version: v1\nmig-configs:\n  x:\n    - {devices: all}\n", "mig-configs.x[0]"),
+        (
+            "version: v1\nmig-configs:\n  x:\n    - {devices: all, mig-enabled: false, mig-devices: {1g.10gb: 1}}\n",
+            "mig-configs.x[0]",
+        ),
+        (
+            "version: v1\nmig-configs:\n  x:\n    - {devices: [a], mig-enabled: true}\n",
+            "mig-configs.x[0]",
+        ),
+        (
+            "version: v1\nmig-configs:\n  x:\n    - {devices: all, mig-enabled: true, mig-devices: {1g.10gb: -1}}\n",
+            "mig-configs.x[0]",
+        ),
+        (
+            "version: v1\nmig-configs:\n  x:\n    - {devices: all, mig-enabled: true, device-filter: zz}\n",
+            "mig-configs.x[0]",
+        ),
+        (
+            "version: v1\nmig-configs:\n  x:\n    - {devices: all, mig-enabled: true, extra: 1}\n",
+            "mig-configs.x[0]",
+        ),
+        ("version: v1\nmig-configs: [\n", None),
+    ],
+)
+def test_bad_files_name_the_key(text: str, key: str | None) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, path="f.yaml")
+    assert err.value.path == "f.yaml"
+    assert err.value.key == key
+
+
+def test_json_is_accepted() -> None:
+    cfg = parse_config(
+        '{"version": "v1", "mig-configs": {"a": [{"devices": [0], "mig-enabled": true, "mig-devices": {"7g.80gb": 1}}]}}'
+    )
+    assert cfg.config("a")[0].layout.describe() == "1x 7g.80gb"
+
+
+def test_export_round_trips() -> None:
+    balanced = DeviceLayout.of(True, {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1})
+    off = DeviceLayout(False)
+    text = export_config("current", {0: balanced, 1: balanced}, gpu_count=2)
+    doc = yaml.safe_load(text)
+    assert doc == {
+        "version": "v1",
+        "mig-configs": {
+            "current": [
+                {
+                    "devices": "all",
+                    "mig-enabled": True,
+                    "mig-devices": {"3g.40gb": 1, "2g.20gb": 1, "1g.10gb": 2},
+                }
+            ]
+        },
+    }
+    mixed = export_config("now", {0: balanced, 1: off, 2: balanced}, gpu_count=3)
+    back = parse_config(mixed).config("now")
+    gpus = [identity_for("H100-SXM5-80GB", i) for i in range(3)]
+    assert resolve(back, gpus) == {0: balanced, 1: off, 2: balanced}
+    assert layout_from_json(layout_to_json(balanced)) == balanced
+    assert layout_from_json(layout_to_json(off)) == off

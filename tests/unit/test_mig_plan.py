@@ -1,0 +1,255 @@
+"""Validation against the products' MIG tables and the pure planner (no device needed)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from gpud.backend.port import ComputeInstanceInfo, GpuInstanceInfo, MigMode, Placement
+from gpud.errors import InvalidArgument
+from gpud.mig.layout import DeviceLayout, load_config, resolve
+from gpud.mig.plan import (
+    CreateComputeInstance,
+    CreateGpuInstance,
+    DestroyComputeInstance,
+    DestroyGpuInstance,
+    GpuActual,
+    SetMigMode,
+    Step,
+    actual_layout,
+    plan_gpu,
+    step_from_dict,
+    step_to_dict,
+)
+from gpud.mig.validate import ProfileTable, validate_layout
+from tests.unit.mig_tables import table_for
+
+DATA = Path(__file__).parent.parent / "data" / "mig-parted"
+H100 = "H100-SXM5-80GB"
+PRODUCTS = ("A100-SXM4-40GB", "A100-SXM4-80GB", H100, "H200-SXM-141GB")
+ON = MigMode(True, True)
+
+
+def run(actual: GpuActual, steps: tuple[Step, ...], table: ProfileTable) -> GpuActual:
+    """A model driver: applies steps with the driver's rules (no overlap, CIs first...)."""
+    gis = {gi.id: gi for gi in actual.instances}
+    mode = actual.mode
+    next_id = max(gis, default=0) + 1
+    for step in steps:
+        if isinstance(step, DestroyComputeInstance):
+            gi = gis[step.gpu_instance_id]
+            left = tuple(c for c in gi.compute_instances if c.id != step.compute_instance_id)
+            assert len(left) == len(gi.compute_instances) - 1
+            gis[gi.id] = replace(gi, compute_instances=left)
+        elif isinstance(step, DestroyGpuInstance):
+            assert not gis[step.gpu_instance_id].compute_instances, "destroy CIs first"
+            del gis[step.gpu_instance_id]
+        elif isinstance(step, SetMigMode):
+            assert not gis, "MIG mode changes with instances present"
+            mode = MigMode(step.enabled, step.enabled)
+        elif isinstance(step, CreateGpuInstance):
+            assert mode.current
+            assert step.placement in table.placements[step.profile_id]
+            for gi in gis.values():
+                a, b = gi.placement, step.placement
+                assert a.start + a.size <= b.start or b.start + b.size <= a.start, "overlap"
+            gis[next_id] = GpuInstanceInfo(next_id, step.profile_id, step.placement)
+            next_id += 1
+        elif isinstance(step, CreateComputeInstance):
+            (gi,) = [
+                g
+                for g in gis.values()
+                if g.placement == step.gpu_instance_placement
+                and g.profile_id == step.gpu_instance_profile_id
+            ]
+            ci = ComputeInstanceInfo(len(gi.compute_instances), step.profile_id, Placement(0, 1))
+            gis[gi.id] = replace(gi, compute_instances=(*gi.compute_instances, ci))
+    return GpuActual(actual.gpu, mode, tuple(gis.values()))
+
+
+def layout(**counts: int) -> DeviceLayout:
+    return DeviceLayout.of(
+        True, {k.replace("_", ".").replace("p", "+"): v for k, v in counts.items()}
+    )
+
+
+def apply_from(actual: GpuActual, desired: DeviceLayout, table: ProfileTable) -> GpuActual:
+    plan = plan_gpu(actual, desired, table)
+    return run(actual, plan.steps, table)
+
+
+EMPTY = GpuActual(0, ON, ())
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_published_configs_validate_and_apply(product: str) -> None:
+    cfg = load_config(DATA / "config.yaml")
+    table = table_for(product)
+    names = {p.name for p in table.gi_profiles}
+    applied = 0
+    for name in cfg.configs:
+        if name == "custom-config":
+            continue  # an eight-GPU node
+        layouts = resolve(cfg.config(name), [table.identity])
+        if 0 not in layouts:
+            continue
+        wanted = layouts[0]
+        if any(p.gi_name not in names for p, _ in wanted.devices):
+            continue  # another product's profile names
+        validate_layout(table, wanted)
+        after = apply_from(EMPTY, wanted, table)
+        assert actual_layout(after, table) == wanted, name
+        assert plan_gpu(after, wanted, table).empty, f"{name}: applying twice is a no-op"
+        applied += 1
+    assert applied >= 4
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("too-many-slices", "too many slices: 8 compute slices requested, the GPU has 7"),
+        ("too-many-instances", "too many 1g.10gb instances: 8 requested, at most 7 fit"),
+        (
+            "placements-collide",
+            "no placement fits 1g.20gb after placing 4g.40gb at 0-3, 1g.20gb at 4-5, 1g.20gb at 6-7",
+        ),
+        ("unknown-profile", "unknown MIG profile '1g.5gb' for this product"),
+    ],
+)
+def test_impossible_layouts_are_refused_with_the_reason(config: str, message: str) -> None:
+    cfg = load_config(DATA / "impossible.yaml")
+    table = table_for(H100, index=3)
+    wanted = resolve(cfg.config(config), [table.identity])[3]
+    with pytest.raises(InvalidArgument) as err:
+        validate_layout(table, wanted)
+    text = str(err.value)
+    assert text.startswith("mig-devices: GPU 3 (H100-SXM5-80GB): ")
+    assert message in text
+
+
+def test_collision_names_the_slices() -> None:
+    table = table_for(H100)
+    with pytest.raises(InvalidArgument) as err:
+        validate_layout(table, layout(**{"4g_40gb": 1, "1g_20gb": 3}))
+    assert "slices 0-1 collide with 4g.40gb at 0-3" in str(err.value)
+    assert "slices 6-7 collide with 1g.20gb at 6-7" in str(err.value)
+
+
+def test_larger_profiles_get_their_specific_starts() -> None:
+    table = table_for(H100)
+    placed = validate_layout(table, layout(**{"3g_40gb": 1, "2g_20gb": 1, "1g_10gb": 2}))
+    by_name = sorted((a.wanted.gi.name, a.placement.start) for a in placed)
+    # 3g.40gb must take 4-7 so that 2g.20gb (0, 2 or 4) and the two 1g fit below it
+    assert by_name == [("1g.10gb", 2), ("1g.10gb", 3), ("2g.20gb", 0), ("3g.40gb", 4)]
+
+
+def test_ci_profiles_smaller_than_their_gpu_instance() -> None:
+    table = table_for(H100)
+    wanted = DeviceLayout.of(True, {"1c.3g.40gb": 2, "1g.10gb": 0})
+    after = apply_from(EMPTY, wanted, table)
+    assert actual_layout(after, table) == wanted
+    assert [c.profile_id for gi in after.instances for c in gi.compute_instances] == [0, 0]
+    with pytest.raises(InvalidArgument, match=r"no 5-slice compute instance profile in 7g\.80gb"):
+        validate_layout(table, DeviceLayout.of(True, {"5c.7g.80gb": 1}))
+
+
+def test_mig_mode_steps_and_pending_reset() -> None:
+    table = table_for(H100)
+    off = GpuActual(0, MigMode(False, False), ())
+    plan = plan_gpu(off, layout(**{"7g_80gb": 1}), table)
+    assert isinstance(plan.steps[0], SetMigMode) and plan.steps[0].enabled
+    assert plan.reset_pending
+    # already pending: no second mode change, still pending
+    pending = GpuActual(0, MigMode(False, True), ())
+    plan = plan_gpu(pending, layout(**{"7g_80gb": 1}), table)
+    assert not any(isinstance(s, SetMigMode) for s in plan.steps) and plan.reset_pending
+    # disabling: destroy everything, then the mode
+    full = apply_from(EMPTY, layout(**{"1g_10gb": 7}), table)
+    plan = plan_gpu(full, DeviceLayout(False), table)
+    kinds = [type(s).__name__ for s in plan.steps]
+    assert kinds == ["DestroyComputeInstance"] * 7 + ["DestroyGpuInstance"] * 7 + ["SetMigMode"]
+    assert plan.reset_pending
+    assert plan_gpu(GpuActual(0, MigMode(False, False), ()), DeviceLayout(False), None).empty
+
+
+def test_matching_instances_are_kept() -> None:
+    table = table_for(H100)
+    all_1g = apply_from(EMPTY, layout(**{"1g_10gb": 7}), table)
+    plan = plan_gpu(all_1g, layout(**{"1g_10gb": 2, "2g_20gb": 1, "3g_40gb": 1}), table)
+    destroyed = [s for s in plan.steps if isinstance(s, DestroyGpuInstance)]
+    assert len(destroyed) == 5, "two 1g.10gb stay"
+    # a GPU instance that lost its compute instance is kept and refilled
+    gi = all_1g.instances[0]
+    half = replace(all_1g, instances=(replace(gi, compute_instances=()), *all_1g.instances[1:]))
+    plan = plan_gpu(half, layout(**{"1g_10gb": 7}), table)
+    assert [type(s).__name__ for s in plan.steps] == ["CreateComputeInstance"]
+
+
+def test_steps_round_trip_through_json() -> None:
+    table = table_for(H100)
+    all_1g = apply_from(EMPTY, layout(**{"1g_10gb": 7}), table)
+    plan = plan_gpu(all_1g, layout(**{"3g_40gb": 2}), table)
+    assert tuple(step_from_dict(step_to_dict(s)) for s in plan.steps) == plan.steps
+    assert all(s.describe().startswith("GPU 0: ") for s in plan.steps)
+
+
+def _valid_layouts(product: str) -> st.SearchStrategy[DeviceLayout]:
+    table = table_for(product)
+    names = [p.name for p in table.gi_profiles]
+    ci_names = [
+        f"{c.slice_count}c.{p.name}"
+        for p in table.gi_profiles
+        for c in table.ci_profiles[p.id]
+        if c.slice_count < p.slice_count
+    ]
+    return st.lists(st.sampled_from(names + ci_names), max_size=8).map(
+        lambda picks: DeviceLayout.of(
+            True, {k: len(list(g)) for k, g in itertools.groupby(sorted(picks))}
+        )
+    )
+
+
+def _fits(table: ProfileTable, desired: DeviceLayout) -> bool:
+    try:
+        validate_layout(table, desired)
+    except InvalidArgument:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("product", [H100, "A100-SXM4-40GB"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(data=st.data())
+def test_any_valid_layout_to_any_other(product: str, data: st.DataObject) -> None:
+    table = table_for(product)
+    first = data.draw(_valid_layouts(product))
+    assume(_fits(table, first))
+    second = data.draw(_valid_layouts(product))
+    assume(_fits(table, second))
+    start = apply_from(EMPTY, first, table)
+    assert actual_layout(start, table) == first
+    # a crash may have left some compute instances gone: the plan still converges
+    ids = [gi.id for gi in start.instances]
+    drop = data.draw(st.sets(st.sampled_from(ids), max_size=2)) if ids else set()
+    start = replace(
+        start,
+        instances=tuple(
+            replace(gi, compute_instances=()) if gi.id in drop else gi for gi in start.instances
+        ),
+    )
+    plan = plan_gpu(start, second, table)
+    after = run(start, plan.steps, table)
+    assert actual_layout(after, table) == second
+    assert all(len(gi.compute_instances) == 1 for gi in after.instances), "no orphans"
+    assert plan_gpu(after, second, table).empty
+    # instances that already match are never destroyed and recreated
+    kept_ids = {gi.id for gi in after.instances}
+    destroyed = {s.gpu_instance_id for s in plan.steps if isinstance(s, DestroyGpuInstance)}
+    assert destroyed.isdisjoint(kept_ids)
+    if first == second and not drop:
+        assert not plan.steps

@@ -1,0 +1,296 @@
+"""MpsManager over the fake control daemon: the real process management runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.registry import Collector
+
+from gpud.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from gpud.mps.manager import MpsLimits, MpsManager, targets_from_snapshot
+from gpud.mps.metrics import MpsMetrics
+from gpud.mps.procs import alive
+from gpud.mps.units import GIB, MIB
+from tests.unit.mps_support import gpu_sample, gpu_uuid, make_manager, mig_uuid, short_dir, snapshot
+
+NODE = snapshot(gpu_sample(0, memory_gib=80), gpu_sample(1, memory_gib=40))
+MIG_NODE = snapshot(
+    gpu_sample(0, migs=(("3g.40gb", 40), ("2g.20gb", 20), ("1g.10gb", 10))), gpu_sample(1)
+)
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    with short_dir() as path:
+        yield path
+
+
+@pytest.fixture
+def manager(root: Path) -> Iterator[MpsManager]:
+    mgr, store, _ = make_manager(root)
+    try:
+        yield mgr
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def held(mgr: MpsManager, uuid: str) -> dict[str, object]:
+    """What the control daemon holds (the fake writes it after every command)."""
+    status = {s.target.uuid: s for s in mgr.status()}[uuid]
+    data: dict[str, object] = json.loads((status.pipe_dir / "fake-mps-state.json").read_text())
+    return data
+
+
+def wait_dead(pid: int) -> None:
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not alive(pid)
+
+
+def test_targets_are_gpus_or_their_mig_devices() -> None:
+    targets = targets_from_snapshot(MIG_NODE)
+    assert [(t.uuid, t.gpu, t.mig, t.profile, t.memory_total_bytes) for t in targets] == [
+        (mig_uuid(0, 0), 0, 0, "3g.40gb", 40 * GIB),
+        (mig_uuid(0, 1), 0, 1, "2g.20gb", 20 * GIB),
+        (mig_uuid(0, 2), 0, 2, "1g.10gb", 10 * GIB),
+        (gpu_uuid(1), 1, None, "H100-SXM5-80GB", 80 * GIB),
+    ]
+
+
+def test_one_daemon_per_gpu_with_unequal_limits(manager: MpsManager, root: Path) -> None:
+    manager.reconcile(NODE)
+    manager.set_limits("0", threads_percent=40, memory_bytes=20 * GIB)
+    manager.set_limits(gpu_uuid(1), threads_percent=70, memory_bytes=1536 * MIB)
+
+    first, second = held(manager, gpu_uuid(0)), held(manager, gpu_uuid(1))
+    assert first["visible_devices"] == [gpu_uuid(0)]
+    assert first["default_active_thread_percentage"] == 40.0
+    assert first["default_device_pinned_mem_limit"] == {"0": 20 * GIB}
+    assert second["visible_devices"] == [gpu_uuid(1)]
+    assert second["default_active_thread_percentage"] == 70.0
+    assert second["default_device_pinned_mem_limit"] == {"0": 1536 * MIB}
+    assert first["pid"] != second["pid"]
+
+    status = {s.target.uuid: s for s in manager.status()}
+    assert status[gpu_uuid(0)].pipe_dir == root / "run" / "mps" / gpu_uuid(0) / "pipe"
+    assert status[gpu_uuid(0)].up and status[gpu_uuid(1)].up
+    assert status[gpu_uuid(0)].observed_threads_percent == 40.0
+    assert status[gpu_uuid(1)].observed_memory_bytes == 1 * GIB  # shown in whole GiB
+    assert (root / "run" / "mps" / gpu_uuid(0) / "log" / "control.log").exists()
+
+
+def test_memory_over_the_device_is_refused_with_the_numbers(manager: MpsManager) -> None:
+    manager.reconcile(NODE)
+    manager.set_limits("1", memory_bytes=10 * GIB)
+    with pytest.raises(ResourceExhausted, match=r"50GiB exceeds the device's 40GiB"):
+        manager.set_limits("1", memory_bytes=50 * GIB)
+    with pytest.raises(ResourceExhausted, match=r"30GiB \+ reserved by jobs 20GiB = 50GiB"):
+        manager.set_limits("1", memory_bytes=30 * GIB, reserved_memory_bytes=20 * GIB)
+    assert manager.limits(gpu_uuid(1)).memory_bytes == 10 * GIB
+    assert held(manager, gpu_uuid(1))["default_device_pinned_mem_limit"] == {"0": 10 * GIB}
+
+
+def test_devices_are_named_by_uuid_index_or_gpu_colon_mig(manager: MpsManager) -> None:
+    manager.observe(targets_from_snapshot(MIG_NODE))
+    assert manager.resolve("1").uuid == gpu_uuid(1)
+    assert manager.resolve("0:2").uuid == mig_uuid(0, 2)
+    assert manager.resolve(mig_uuid(0, 1)).profile == "2g.20gb"
+    with pytest.raises(InvalidArgument, match="MIG mode"):
+        manager.resolve("0")
+    with pytest.raises(NotFound):
+        manager.resolve("7")
+    with pytest.raises(NotFound):
+        manager.resolve("GPU-nope")
+
+
+def test_mps_on_mig_devices_one_daemon_each(manager: MpsManager) -> None:
+    manager.reconcile(MIG_NODE)
+    manager.set_limits("0:0", threads_percent=50, memory_bytes=30 * GIB)
+    manager.set_limits("0:2", threads_percent=100, memory_bytes=5 * GIB)
+    assert held(manager, mig_uuid(0, 0))["visible_devices"] == [mig_uuid(0, 0)]
+    assert held(manager, mig_uuid(0, 0))["default_device_pinned_mem_limit"] == {"0": 30 * GIB}
+    assert held(manager, mig_uuid(0, 2))["default_device_pinned_mem_limit"] == {"0": 5 * GIB}
+    with pytest.raises(ResourceExhausted, match="10GiB"):
+        manager.set_limits("0:2", memory_bytes=11 * GIB)
+    assert len({s.pid for s in manager.status()}) == 4
+
+
+def test_a_killed_daemon_is_restarted_with_the_same_limits(root: Path) -> None:
+    mgr, store, events = make_manager(root)
+    try:
+        mgr.reconcile(NODE)
+        mgr.set_limits("0", threads_percent=30, memory_bytes=12 * GIB)
+        old_pid = mgr.status()[0].pid
+        assert old_pid is not None
+        os.kill(old_pid, signal.SIGKILL)
+        wait_dead(old_pid)
+
+        mgr.reconcile(NODE)
+        status = mgr.status()[0]
+        assert status.pid is not None and status.pid != old_pid
+        assert status.up and status.restarts == 1
+        daemon = held(mgr, gpu_uuid(0))
+        assert daemon["pid"] == status.pid
+        assert daemon["default_active_thread_percentage"] == 30.0
+        assert daemon["default_device_pinned_mem_limit"] == {"0": 12 * GIB}
+        assert [e.kind for e in events.recent(kind_prefix="mps.restart")] == ["mps.restart"]
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_hung_daemon_is_killed_and_restarted(root: Path) -> None:
+    mgr, store, events = make_manager(root, timeout_s=0.5, max_failures=2)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        mgr.set_limits("0", threads_percent=60)
+        pid = mgr.status()[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        mgr.reconcile()  # first failed check
+        assert not mgr.status()[0].up
+        assert "did not answer" in mgr.status()[0].last_error
+        mgr.reconcile()  # second: killed
+        wait_dead(pid)
+        mgr.reconcile()  # restarted
+        status = mgr.status()[0]
+        assert status.up and status.pid != pid and status.restarts == 1
+        assert held(mgr, gpu_uuid(0))["default_active_thread_percentage"] == 60.0
+        assert events.recent(kind_prefix="mps.unresponsive")
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_limits_persist_and_a_running_daemon_is_adopted(root: Path) -> None:
+    first, store, _ = make_manager(root)
+    first.reconcile(NODE)
+    first.set_limits("1", threads_percent=25, memory_bytes=4 * GIB)
+    pids = {s.target.uuid: s.pid for s in first.status()}
+    store.close()  # gpud dies without stopping its daemons
+
+    second, store, events = make_manager(root)
+    try:
+        assert second.limits(gpu_uuid(1)) == MpsLimits(25, 4 * GIB, True)
+        assert second.limits(gpu_uuid(0)) == MpsLimits()
+        second.reconcile(NODE)
+        assert {s.target.uuid: s.pid for s in second.status()} == pids
+        assert {e.kind for e in events.recent()} == {"mps.adopt"}
+        assert held(second, gpu_uuid(1))["default_active_thread_percentage"] == 25.0
+    finally:
+        second.stop()
+        store.close()
+    for pid in pids.values():
+        assert pid is not None
+        wait_dead(pid)
+
+
+def test_changes_reach_running_servers(manager: MpsManager) -> None:
+    manager.reconcile(snapshot(gpu_sample(0)))
+    (server,) = manager.start_server("0", os.getuid())
+    manager.set_limits("0", threads_percent=35, memory_bytes=8 * GIB)
+    servers = held(manager, gpu_uuid(0))["servers"]
+    assert servers == {
+        str(server): {
+            "uid": os.getuid(),
+            "active_thread_percentage": 35.0,
+            "device_pinned_mem_limit": {"0": 8 * GIB},
+        }
+    }
+
+
+def test_clearing_the_memory_limit_restarts_an_idle_daemon(manager: MpsManager) -> None:
+    manager.reconcile(snapshot(gpu_sample(0)))
+    manager.set_limits("0", memory_bytes=8 * GIB)
+    manager.start_server("0", os.getuid())
+    with pytest.raises(FailedPrecondition, match="still serve clients"):
+        manager.set_limits("0", clear_memory=True)
+    assert manager.limits(gpu_uuid(0)).memory_bytes == 8 * GIB  # nothing changed
+    daemon = held(manager, gpu_uuid(0))
+    for server in daemon["servers"]:  # type: ignore[attr-defined]
+        os.kill(int(server), signal.SIGKILL)
+        wait_dead(int(server))
+    manager.set_limits("0", clear_memory=True)
+    assert held(manager, gpu_uuid(0))["default_device_pinned_mem_limit"] == {}
+    status = manager.status()[0]
+    assert status.observed_memory_bytes is None and status.up and status.restarts == 0
+
+
+def test_disabled_devices_and_vanished_mig_devices_lose_their_daemon(manager: MpsManager) -> None:
+    manager.reconcile(MIG_NODE)
+    pids = {s.target.uuid: s.pid for s in manager.status()}
+    manager.set_limits("1", enabled=False)
+    gone = pids[gpu_uuid(1)]
+    assert gone is not None
+    wait_dead(gone)
+    assert not manager.status()[-1].running
+    # MIG device 0:2 destroyed: its daemon quits.
+    smaller = snapshot(gpu_sample(0, migs=(("3g.40gb", 40), ("2g.20gb", 20))), gpu_sample(1))
+    manager.reconcile(smaller)
+    removed = pids[mig_uuid(0, 2)]
+    assert removed is not None
+    wait_dead(removed)
+    assert {s.target.uuid for s in manager.status()} == {
+        mig_uuid(0, 0),
+        mig_uuid(0, 1),
+        gpu_uuid(1),
+    }
+
+
+def test_mps_off_runs_nothing_but_keeps_limits(root: Path) -> None:
+    mgr, store, _ = make_manager(root, enabled=False)
+    try:
+        mgr.reconcile(NODE)
+        mgr.set_limits("0", threads_percent=10)
+        assert all(s.pid is None and not s.running for s in mgr.status())
+        assert mgr.pipe_dir(gpu_uuid(0)) is None
+        assert mgr.limits(gpu_uuid(0)).threads_percent == 10
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_daemon_that_cannot_start_backs_off(root: Path) -> None:
+    now = [100.0]
+    mgr, store, events = make_manager(root, clock=lambda: now[0], sleep=lambda s: None)
+    mgr._command = ["/nonexistent/nvidia-cuda-mps-control"]
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        mgr.reconcile()
+        status = mgr.status()[0]
+        assert not status.up and "cannot run" in status.last_error
+        assert len(events.recent(kind_prefix="mps.start_failed")) == 1
+    finally:
+        store.close()
+
+
+def test_metrics(manager: MpsManager) -> None:
+    manager.reconcile(NODE)
+    manager.set_limits("0", threads_percent=40, memory_bytes=20 * GIB)
+    registry = CollectorRegistry()
+    source = MpsMetrics(manager)
+
+    class _Source(Collector):
+        def collect(self):  # type: ignore[no-untyped-def]
+            return source()
+
+    registry.register(_Source())
+    labels = {"gpu": "0", "uuid": gpu_uuid(0), "profile": "H100-SXM5-80GB"}
+    assert registry.get_sample_value("gpud_mps_daemon_up", labels) == 1.0
+    assert registry.get_sample_value("gpud_mps_default_active_thread_ratio", labels) == 0.4
+    assert (
+        registry.get_sample_value("gpud_mps_default_pinned_memory_limit_bytes", labels) == 20 * GIB
+    )
+    assert registry.get_sample_value("gpud_mps_daemon_restarts_total", labels) == 0.0
+    other = {"gpu": "1", "uuid": gpu_uuid(1), "profile": "TEST-40GB"}
+    assert registry.get_sample_value("gpud_mps_default_active_thread_ratio", other) == 1.0
+    assert registry.get_sample_value("gpud_mps_default_pinned_memory_limit_bytes", other) is None

@@ -1,0 +1,177 @@
+"""Leveller: greedy levels, lazy updates, hysteresis, shares, overrides (unit + property)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from netshaper import Leveller, LevellerConfig, rank_levels
+
+
+def test_slowest_job_gets_the_highest_priority() -> None:
+    lv = Leveller(LevellerConfig(levels=4))
+    a = lv.update(0.0, {"a": 0.9, "b": 0.2, "c": 0.5})
+    assert a.levels == {"a": 2, "b": 0, "c": 1}
+    assert a.reranked and a.changes == 0
+
+
+def test_more_jobs_than_levels_share_buckets() -> None:
+    rates: dict[str, float | None] = {f"j{i}": i / 10 for i in range(1, 10)}
+    a = Leveller(LevellerConfig(levels=3)).update(0.0, rates)
+    assert [a.levels[f"j{i}"] for i in range(1, 10)] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_ties_are_broken_by_job_id() -> None:
+    a = Leveller(LevellerConfig(levels=8)).update(0.0, {"b": 0.5, "a": 0.5, "c": 0.5})
+    assert a.levels == {"a": 0, "b": 1, "c": 2}
+
+
+def test_unknown_rate_goes_to_the_top_by_default() -> None:
+    a = Leveller(LevellerConfig(levels=2)).update(0.0, {"new": None, "old": 0.3})
+    assert a.levels == {"new": 0, "old": 1}
+    b = Leveller(LevellerConfig(levels=2, unknown_rate=1.0)).update(0.0, {"new": None, "old": 0.3})
+    assert b.levels == {"new": 1, "old": 0}
+
+
+def test_small_moves_do_not_rerank_but_big_ones_do() -> None:
+    lv = Leveller(LevellerConfig(levels=8, threshold=0.2, max_age_s=100))
+    lv.update(0.0, {"a": 0.5, "b": 0.6})
+    same = lv.update(1.0, {"a": 0.58, "b": 0.52})  # crossed, but within 20%
+    assert not same.reranked and same.levels == {"a": 0, "b": 1}
+    moved = lv.update(2.0, {"a": 0.9, "b": 0.52})
+    assert moved.reranked and moved.levels == {"a": 1, "b": 0}
+    assert moved.changes == 2 and lv.total_changes == 2
+
+
+def test_max_age_forces_a_rerank() -> None:
+    lv = Leveller(LevellerConfig(levels=8, threshold=0.5, max_age_s=5, hysteresis=0.0))
+    lv.update(0.0, {"a": 0.5, "b": 0.6})
+    assert not lv.update(4.9, {"a": 0.62, "b": 0.6}).reranked
+    late = lv.update(5.0, {"a": 0.62, "b": 0.6})
+    assert late.reranked and late.levels == {"a": 1, "b": 0}
+
+
+def test_jobs_arriving_or_leaving_force_a_rerank() -> None:
+    lv = Leveller(LevellerConfig(levels=8, max_age_s=100))
+    lv.update(0.0, {"a": 0.5})
+    assert lv.update(1.0, {"a": 0.5, "b": 0.1}).reranked
+    gone = lv.update(2.0, {"b": 0.1})
+    assert gone.reranked and gone.levels == {"b": 0}
+
+
+def test_hysteresis_keeps_a_job_near_the_edge() -> None:
+    lv = Leveller(LevellerConfig(levels=2, threshold=0.0, hysteresis=0.1))
+    lv.update(0.0, {"a": 0.50, "b": 0.52, "c": 0.9, "d": 0.95})
+    # a and b swap by 4%: inside the 10% band, nobody moves.
+    kept = lv.update(1.0, {"a": 0.53, "b": 0.51, "c": 0.9, "d": 0.95})
+    assert kept.reranked and kept.changes == 0
+    # c falls far below b: it must move up and b down.
+    moved = lv.update(2.0, {"a": 0.53, "b": 0.51, "c": 0.2, "d": 0.95})
+    assert moved.levels["c"] == 0
+
+
+def test_pins_and_exclusions() -> None:
+    lv = Leveller(LevellerConfig(levels=4))
+    lv.pin("fast", 0)
+    lv.exclude("bulk")
+    a = lv.update(0.0, {"fast": 1.0, "slow": 0.1, "bulk": 0.05})
+    assert a.levels == {"fast": 0, "slow": 0}
+    assert a.excluded == frozenset({"bulk"})
+    lv.unpin("fast")
+    lv.include("bulk")
+    b = lv.update(1.0, {"fast": 1.0, "slow": 0.1, "bulk": 0.05})
+    assert b.reranked and b.levels == {"bulk": 0, "fast": 2, "slow": 1}
+    assert lv.pins() == {} and lv.excluded() == frozenset()
+    with pytest.raises(ValueError):
+        lv.pin("x", 4)
+
+
+def test_shares_per_level() -> None:
+    a = Leveller(LevellerConfig(levels=2, min_share=(0.1, 0.3))).update(0.0, {"a": 0.1})
+    assert a.shares == (0.1, 0.3)
+    assert Leveller(LevellerConfig(levels=4, min_share=0.05)).update(0, {}).shares == (0.05,) * 4
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"levels": 1},
+        {"levels": 9},
+        {"threshold": -0.1},
+        {"max_age_s": 0},
+        {"hysteresis": 1.0},
+        {"min_share": 0.2},  # 8 x 0.2 > 1
+        {"levels": 2, "min_share": (0.1,)},
+        {"unknown_rate": 2.0},
+    ],
+)
+def test_bad_config_is_rejected(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        LevellerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_rank_levels_compresses_contiguously() -> None:
+    assert rank_levels(["a", "b"], 8) == {"a": 0, "b": 1}
+    assert list(rank_levels([str(i) for i in range(10)], 4).values()) == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
+
+
+# -- properties ----------------------------------------------------------------------------
+
+JOBS = [f"j{i}" for i in range(12)]
+rate_maps = st.dictionaries(
+    st.sampled_from(JOBS), st.floats(0.001, 1.0), min_size=1, max_size=len(JOBS)
+)
+configs = st.builds(
+    LevellerConfig,
+    levels=st.integers(2, 8),
+    threshold=st.sampled_from([0.0, 0.05, 0.1, 0.3]),
+    max_age_s=st.sampled_from([1.0, 3.0, 10.0]),
+    hysteresis=st.sampled_from([0.0, 0.05, 0.2]),
+    min_share=st.just(0.0),
+)
+
+
+def inversions(levels: dict[str, int], rates: dict[str, float], factor: float) -> list[tuple[str, str]]:
+    """Pairs where a sits strictly below b although r_a < factor * r_b."""
+    return [
+        (a, b)
+        for a in levels
+        for b in levels
+        if levels[a] > levels[b] and rates[a] < factor * rates[b] - 1e-12
+    ]
+
+
+@settings(max_examples=80, deadline=None)
+@given(cfg=configs, seq=st.lists(st.tuples(st.floats(0.0, 4.0), rate_maps), min_size=1, max_size=12))
+def test_levels_are_monotone_up_to_hysteresis_and_threshold(
+    cfg: LevellerConfig, seq: list[tuple[float, dict[str, float]]]
+) -> None:
+    lv = Leveller(cfg)
+    h, t = cfg.hysteresis, cfg.threshold
+    rerank_factor = (1 - h) / (1 + h)
+    lazy_factor = rerank_factor * (1 - t) / (1 + t)
+    now = 0.0
+    last_rerank = 0.0
+    for dt, rates in seq:
+        now += dt
+        out = lv.update(now, dict(rates))
+        levels = dict(out.levels)
+        if out.reranked:
+            last_rerank = now
+            assert not inversions(levels, rates, rerank_factor)
+        # Between re-ranks an inversion is bounded by the threshold, and never outlives
+        # the maximum age.
+        assert not inversions(levels, rates, lazy_factor)
+        assert now - last_rerank < cfg.max_age_s
+
+
+@settings(max_examples=40, deadline=None)
+@given(cfg=configs, seq=st.lists(st.tuples(st.floats(0.0, 4.0), rate_maps), min_size=1, max_size=8))
+def test_output_is_deterministic(cfg: LevellerConfig, seq: list[tuple[float, dict[str, float]]]) -> None:
+    a, b = Leveller(cfg), Leveller(cfg)
+    now = 0.0
+    for dt, rates in seq:
+        now += dt
+        reordered = dict(reversed(list(rates.items())))
+        assert a.update(now, dict(rates)) == b.update(now, reordered)

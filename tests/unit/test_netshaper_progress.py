@@ -1,0 +1,151 @@
+"""ProgressTracker: rates from iteration reports, stalls, restarts, learned ideals."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from netshaper import ProgressConfig, ProgressTracker
+
+
+def steady(tracker: ProgressTracker, job: str, period: float, n: int, t0: float = 0.0) -> float:
+    for i in range(n + 1):
+        tracker.report(job, i, t0 + i * period)
+    return t0 + n * period
+
+
+def test_no_estimate_until_two_progress_points() -> None:
+    tr = ProgressTracker()
+    tr.register("a", now=0.0, ideal_s=1.0)
+    tr.report("a", 0, 0.0)
+    assert tr.rates(0.5) == {"a": None}
+
+
+def test_steady_rate_is_ideal_over_period() -> None:
+    tr = ProgressTracker()
+    tr.register("a", now=0.0, ideal_s=1.0)
+    t = steady(tr, "a", 2.0, 10)
+    assert tr.progress("a", t).rate == pytest.approx(0.5)
+    assert tr.progress("a", t).period_s == pytest.approx(2.0)
+
+
+def test_declared_ideal_above_observed_is_capped_at_one() -> None:
+    tr = ProgressTracker()
+    tr.register("a", now=0.0, ideal_s=3.0)
+    t = steady(tr, "a", 2.0, 5)
+    assert tr.progress("a", t).rate == 1.0
+
+
+def test_learned_ideal_is_best_sample_and_never_above_observed() -> None:
+    tr = ProgressTracker()
+    times = [0.0, 1.0, 3.0, 6.0, 8.0]  # samples 1, 2, 3, 2
+    for i, t in enumerate(times):
+        tr.report("a", i, t)
+    p = tr.progress("a", 8.0)
+    assert p.ideal_s == pytest.approx(1.0)
+    assert p.rate == pytest.approx(1.0 / 2.0)
+
+
+def test_stall_decays_rate_without_division_by_zero() -> None:
+    tr = ProgressTracker()
+    tr.register("a", now=0.0, ideal_s=1.0)
+    t = steady(tr, "a", 1.0, 5)
+    assert tr.progress("a", t).rate == pytest.approx(1.0)
+    assert tr.progress("a", t + 10.0).rate == pytest.approx(0.1)
+    assert tr.progress("a", t + 100.0).rate == pytest.approx(0.01)
+
+
+def test_job_that_never_progresses_gets_a_falling_rate() -> None:
+    tr = ProgressTracker()
+    tr.register("a", now=0.0, ideal_s=2.0)
+    tr.report("a", 0, 0.0)
+    assert tr.progress("a", 1.0).rate is None  # not known to be slow yet
+    assert tr.progress("a", 8.0).rate == pytest.approx(0.25)
+
+
+def test_restart_resets_window_but_keeps_prior() -> None:
+    tr = ProgressTracker()
+    tr.register("a", now=0.0, ideal_s=1.0)
+    t = steady(tr, "a", 2.0, 10)
+    tr.report("a", 0, t + 1.0)  # the job restarted from scratch
+    p = tr.progress("a", t + 1.5)
+    assert p.restarts == 1
+    assert p.rate == pytest.approx(0.5)  # prior period, not a jump
+    tr.report("a", 1, t + 2.0)
+    tr.report("a", 2, t + 3.0)
+    assert tr.progress("a", t + 3.0).rate == pytest.approx(1.0)
+
+
+def test_batched_reports_give_the_same_estimate() -> None:
+    every = ProgressTracker()
+    batched = ProgressTracker()
+    for tr in (every, batched):
+        tr.register("a", now=0.0, ideal_s=0.5)
+    steady(every, "a", 1.0, 12)
+    for i in range(0, 13, 4):
+        batched.report("a", i, float(i))
+    assert every.progress("a", 12.0).rate == pytest.approx(batched.progress("a", 12.0).rate or 0)
+
+
+def test_window_follows_a_slowdown() -> None:
+    tr = ProgressTracker(ProgressConfig(window_s=10.0))
+    tr.register("a", now=0.0, ideal_s=1.0)
+    t = steady(tr, "a", 1.0, 50)
+    for i in range(51, 61):
+        t += 4.0
+        tr.report("a", i, t)
+    assert tr.progress("a", t).rate == pytest.approx(0.25)
+    assert tr.progress("a", t).restarts == 0
+
+
+def test_out_of_order_and_duplicate_reports_are_ignored() -> None:
+    tr = ProgressTracker()
+    tr.register("a", now=0.0, ideal_s=1.0)
+    steady(tr, "a", 2.0, 4)
+    tr.report("a", 9, 1.0)
+    tr.report("a", 4, 8.0)
+    assert tr.progress("a", 8.0).rate == pytest.approx(0.5)
+
+
+def test_unknown_jobs_are_registered_and_forgotten() -> None:
+    tr = ProgressTracker()
+    tr.report("x", 0, 0.0)
+    assert tr.jobs() == ["x"]
+    tr.forget("x")
+    tr.forget("x")
+    assert tr.jobs() == []
+
+
+def test_bad_inputs_are_rejected() -> None:
+    with pytest.raises(ValueError):
+        ProgressConfig(window_s=0)
+    tr = ProgressTracker()
+    with pytest.raises(ValueError):
+        tr.register("a", now=0.0, ideal_s=0.0)
+    with pytest.raises(ValueError):
+        tr.report("a", -1, 0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.integers(-3, 5), st.floats(0.0, 5.0)),
+        min_size=1,
+        max_size=40,
+    ),
+    ideal=st.none() | st.floats(0.01, 5.0),
+    probe=st.floats(0.0, 50.0),
+)
+def test_rate_is_none_or_in_unit_interval(
+    steps: list[tuple[int, float]], ideal: float | None, probe: float
+) -> None:
+    tr = ProgressTracker()
+    tr.register("a", now=0.0, ideal_s=ideal)
+    count, t = 0, 0.0
+    for dn, dt in steps:
+        count = max(0, count + dn)
+        t += dt
+        tr.report("a", count, t)
+        rate = tr.progress("a", t + probe).rate
+        assert rate is None or 0.0 < rate <= 1.0

@@ -1,0 +1,355 @@
+"""NvmlBackend runs against the simulated pynvml module: the code path a real driver sees."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import pytest
+
+from gpud.backend import port
+from gpud.backend.nvml import NvmlBackend, product_key
+from gpud.backend.sim import SimNode, SimulatedCrash, products
+from gpud.errors import (
+    BackendError,
+    DeviceNotFound,
+    DriverTimeout,
+    GpuLost,
+    InsufficientResources,
+    InUse,
+    NotSupported,
+)
+
+GiB = 2**30
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _backend(spec: list[tuple[str, int]], tmp_path: Path | None = None) -> tuple[SimNode, NvmlBackend]:
+    node = SimNode(spec, state_file=tmp_path / "dev.json" if tmp_path else None, clock=FakeClock())
+    return node, NvmlBackend(node.nvml)
+
+
+def _mig_backend(product: str = "H100-SXM5-80GB", tmp_path: Path | None = None) -> tuple[SimNode, NvmlBackend]:
+    node, be = _backend([(product, 1)], tmp_path)
+    assert be.set_mig_mode(0, True) == port.MigMode(current=False, pending=True)
+    node.reboot()
+    assert be.mig_mode(0) == port.MigMode(current=True, pending=True)
+    return node, be
+
+
+@pytest.mark.parametrize("key", list(products.PRODUCTS))
+def test_identity_and_readings(key: str) -> None:
+    _, be = _backend([(key, 2)])
+    spec = products.PRODUCTS[key]
+    ident = be.identity(1)
+    assert ident.product == key
+    assert ident.name == spec.nvml_name
+    assert ident.pci_device_id == spec.pci_device_id
+    assert ident.uuid.startswith("GPU-") and ident.uuid != be.identity(0).uuid
+    assert ident.pci_bus_id.startswith("00000000:")
+    assert ident.memory_total_bytes == spec.memory_mib * 2**20
+    assert ident.mig_capable
+    assert be.memory(1).total_bytes == ident.memory_total_bytes
+    assert be.utilization(1) == port.Utilization(0.0, 0.0)
+    assert spec.power_idle_w - 2 < be.power_watts(1) < spec.power_idle_w + 2
+    assert be.clocks(1) == port.Clocks(spec.sm_clock_idle_mhz, spec.mem_clock_mhz)
+    assert be.ecc_errors(1) == port.EccCounts(0, 0)
+    assert be.processes(1) == []
+    assert be.driver_version() and be.gpu_count() == 2
+
+
+def test_product_key_of_unknown_gpu() -> None:
+    assert product_key("NVIDIA L40S", 46068 * 2**20) == "L40S-45GB"
+    assert product_key("NVIDIA H100 80GB HBM3", 81559 * 2**20) == "H100-SXM5-80GB"
+
+
+def test_workloads_move_readings() -> None:
+    node, be = _backend([("H100-SXM5-80GB", 2)])
+    clock = node.nvml._clock  # the FakeClock
+    idle_power, idle_temp = be.power_watts(0), be.temperature_celsius(0)
+    tx0, _ = be.nvlink_throughput_bytes(0)
+    node.workloads.start(0, 4000, 20 * GiB, 0.9)
+    assert isinstance(clock, FakeClock)
+    clock.now += 10
+    assert be.memory(0).used_bytes >= 20 * GiB
+    assert be.utilization(0).gpu_ratio > 0.8
+    assert be.power_watts(0) > idle_power + 300
+    assert be.temperature_celsius(0) > idle_temp + 20
+    assert be.pcie_throughput(0).tx_bytes_per_second > 1e9
+    assert be.nvlink_throughput_bytes(0)[0] > tx0
+    assert be.processes(0) == [port.ProcessInfo(4000, 20 * GiB, None, None)]
+    assert be.utilization(1).gpu_ratio == 0.0  # the other GPU stays idle
+    node.workloads.stop(4000)
+    assert be.processes(0) == [] and be.memory(0).used_bytes < GiB
+
+
+def test_mig_tables_h100() -> None:
+    _, be = _mig_backend()
+    profiles = {p.name: p for p in be.gpu_instance_profiles(0)}
+    assert profiles["1g.10gb"].id == 19 and profiles["1g.10gb"].instance_count == 7
+    assert profiles["1g.20gb"].id == 15 and profiles["1g.20gb"].memory_slices == 2
+    assert profiles["7g.80gb"].memory_slices == 8 and profiles["7g.80gb"].multiprocessor_count == 132
+    assert profiles["3g.40gb"].memory_bytes == 40448 * 2**20
+    assert [p.start for p in be.gpu_instance_placements(0, 15)] == [0, 2, 4, 6]
+    assert be.gpu_instance_placements(0, 9) == [port.Placement(0, 4), port.Placement(4, 4)]
+    assert be.gpu_instance_placements(0, 5) == [port.Placement(0, 4)]
+    with pytest.raises(NotSupported):
+        be.gpu_instance_placements(0, 77)
+
+
+def test_mig_tables_a100_40gb() -> None:
+    _, be = _mig_backend("A100-SXM4-40GB")
+    profiles = {p.name: p for p in be.gpu_instance_profiles(0)}
+    assert {n: p.id for n, p in profiles.items()} == {
+        "1g.5gb": 19,
+        "1g.5gb+me": 20,
+        "1g.10gb": 15,
+        "2g.10gb": 14,
+        "3g.20gb": 9,
+        "4g.20gb": 5,
+        "7g.40gb": 0,
+    }
+    assert profiles["1g.5gb+me"].profile == 7  # NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1
+    assert [p.start for p in be.gpu_instance_placements(0, 19)] == list(range(7))
+    assert [p.start for p in be.gpu_instance_placements(0, 14)] == [0, 2, 4]
+
+
+def test_profiles_need_mig_mode() -> None:
+    _, be = _backend([("H100-SXM5-80GB", 1)])
+    with pytest.raises(NotSupported):
+        be.gpu_instance_profiles(0)
+    assert be.mig_devices(0) == []
+
+
+def test_create_destroy_instances() -> None:
+    node, be = _mig_backend()
+    gi = be.create_gpu_instance(0, 9, port.Placement(4, 4))
+    assert (gi.id, gi.profile_id, gi.placement, gi.compute_instances) == (2, 9, port.Placement(4, 4), ())
+    cips = {c.name: c for c in be.compute_instance_profiles(0, 9)}
+    assert set(cips) == {"1c.3g.40gb", "2c.3g.40gb", "3g.40gb"}
+    ci = be.create_compute_instance(0, gi.id, cips["1c.3g.40gb"].id)
+    ci2 = be.create_compute_instance(0, gi.id, cips["2c.3g.40gb"].id)
+    assert (ci.id, ci2.id) == (0, 1)
+    with pytest.raises(InsufficientResources):
+        be.create_compute_instance(0, gi.id, cips["2c.3g.40gb"].id)
+    with pytest.raises(InsufficientResources):  # overlaps the 3g at 4..7
+        be.create_gpu_instance(0, 19, port.Placement(5, 1))
+    (listed,) = be.gpu_instances(0)
+    assert [c.id for c in listed.compute_instances] == [0, 1]
+    migs = be.mig_devices(0)
+    assert [(m.mig, m.gpu_instance_id, m.compute_instance_id, m.profile_name) for m in migs] == [
+        (0, 2, 0, "1c.3g.40gb"),
+        (1, 2, 1, "2c.3g.40gb"),
+    ]
+    assert migs[0].memory_total_bytes == 40448 * 2**20 and migs[1].multiprocessor_count == 32
+    assert be.memory(0, 1).total_bytes == 40448 * 2**20
+
+    node.workloads.start(0, 77, GiB, 0.5, mig=1)
+    assert be.processes(0, 1) == [port.ProcessInfo(77, GiB, 2, 1)]
+    assert be.processes(0, 0) == []
+    with pytest.raises(InUse):
+        be.destroy_compute_instance(0, gi.id, 1)
+    with pytest.raises(InUse):  # compute instances first
+        be.destroy_gpu_instance(0, gi.id)
+    with pytest.raises(NotSupported):
+        be.utilization(0)
+    node.workloads.stop(77)
+    be.destroy_compute_instance(0, gi.id, 1)
+    be.destroy_compute_instance(0, gi.id, 0)
+    be.destroy_gpu_instance(0, gi.id)
+    assert be.gpu_instances(0) == [] and be.mig_devices(0) == []
+    with pytest.raises(DeviceNotFound):
+        be.destroy_gpu_instance(0, gi.id)
+    with pytest.raises(DeviceNotFound):
+        be.memory(0, 0)
+
+
+def test_persisted_instances_adopted_and_reboot_clears(tmp_path: Path) -> None:
+    node, be = _mig_backend(tmp_path=tmp_path)
+    for start in (0, 2, 4):
+        gi = be.create_gpu_instance(0, 14, port.Placement(start, 2))
+        be.create_compute_instance(0, gi.id, 1)
+    uuids = [m.uuid for m in be.mig_devices(0)]
+    be.close()
+
+    restarted = NvmlBackend(SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json").nvml)
+    assert [g.id for g in restarted.gpu_instances(0)] == [3, 4, 5]
+    assert [m.uuid for m in restarted.mig_devices(0)] == uuids
+    with pytest.raises(InUse):  # instances first, then MIG mode off
+        restarted.set_mig_mode(0, False)
+    node2 = SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json")
+    node2.reboot()
+    fresh = NvmlBackend(node2.nvml)
+    assert fresh.gpu_instances(0) == []
+
+
+def test_pending_disable_applied_by_reboot(tmp_path: Path) -> None:
+    node, be = _mig_backend(tmp_path=tmp_path)
+    assert be.set_mig_mode(0, False) == port.MigMode(current=True, pending=False)
+    node.reboot()
+    assert be.mig_mode(0) == port.MigMode(current=False, pending=False)
+
+
+def test_lost_gpu_and_not_supported_field() -> None:
+    node, be = _backend([("A100-SXM4-80GB", 2)])
+    be.identity(1)
+    node.faults.lose(1)
+    with pytest.raises(GpuLost) as info:
+        be.memory(1)
+    assert info.value.gpu == 1 and info.value.uuid == be.identity(1).uuid
+    assert info.value.call == "nvmlDeviceGetMemoryInfo" and info.value.code == 15
+    assert be.memory(0).total_bytes > 0
+    node.faults.not_supported(0, "ecc")
+    with pytest.raises(NotSupported):
+        be.ecc_errors(0)
+    assert be.power_watts(0) > 0
+    node.faults.clear(0)
+    assert be.ecc_errors(0) == port.EccCounts(0, 0)
+
+
+def test_slow_gpu_blocks_its_calls() -> None:
+    node, be = _backend([("H100-SXM5-80GB", 2)])
+    node.faults.slow(0, 0.05)
+    t0 = time.perf_counter()
+    be.power_watts(0)
+    assert time.perf_counter() - t0 >= 0.05
+    t0 = time.perf_counter()
+    be.power_watts(1)
+    assert time.perf_counter() - t0 < 0.05
+
+
+def test_xid_events() -> None:
+    node, be = _backend([("H100-SXM5-80GB", 2)])
+    assert be.wait_events(0.01) == []
+    node.faults.xid(1, 63)
+    node.faults.ecc_double_bit(0)
+    events = be.wait_events(0.5)
+    assert [(e.gpu, e.kind, e.xid) for e in events] == [
+        (1, port.EventKind.XID, 63),
+        (0, port.EventKind.ECC_DOUBLE_BIT, None),
+    ]
+    assert be.ecc_errors(0).uncorrected == 1
+    node.faults.lose(0)
+    (lost,) = be.wait_events(0.5)
+    assert (lost.gpu, lost.xid) == (0, 79)
+    be.close()
+
+
+def test_crash_after_mutations_reaches_the_caller(tmp_path: Path) -> None:
+    node, be = _mig_backend(tmp_path=tmp_path)
+    node.faults.crash_after_mutations(1)
+    with pytest.raises(SimulatedCrash):
+        be.create_gpu_instance(0, 19, port.Placement(0, 1))
+    again = NvmlBackend(SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json").nvml)
+    assert [g.id for g in again.gpu_instances(0)] == [7]
+
+
+def test_errors_translate_by_value() -> None:
+    node, be = _backend([("H100-SXM5-80GB", 1)])
+    nv = node.nvml
+    assert isinstance(be._translate(nv.NVMLError(10), 0, "x"), DriverTimeout)
+    assert type(be._translate(nv.NVMLError(4), 0, "x")) is BackendError
+    with pytest.raises(DeviceNotFound):
+        be.memory(5)
+
+
+# -- contract: every GpuBackend method returns the port's types -------------------------------
+
+
+def _check_type(value: Any, hint: Any) -> None:
+    origin = getattr(hint, "__origin__", None)
+    if origin is list:
+        assert isinstance(value, list)
+        for item in value:
+            _check_type(item, hint.__args__[0])
+    elif origin is tuple and hint.__args__[-1] is Ellipsis:
+        assert isinstance(value, tuple)
+        for item in value:
+            _check_type(item, hint.__args__[0])
+    elif origin is tuple:
+        assert isinstance(value, tuple) and len(value) == len(hint.__args__)
+        for item, h in zip(value, hint.__args__, strict=True):
+            _check_type(item, h)
+    elif origin is dict:
+        assert isinstance(value, dict)
+    elif hint is float:
+        assert isinstance(value, (int, float))
+    elif hint is type(None):
+        assert value is None
+    else:
+        assert isinstance(value, hint), (value, hint)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        hints = get_type_hints(type(value), vars(port))
+        for f in dataclasses.fields(value):
+            v = getattr(value, f.name)
+            h = hints[f.name]
+            args = getattr(h, "__args__", ())
+            if type(None) in args and v is None:
+                continue
+            if args and type(None) in args:
+                h = next(a for a in args if a is not type(None))
+            _check_type(v, h)
+
+
+def contract_calls(be: Any) -> dict[str, Any]:
+    """Every GpuBackend method, called on GPU 0 of a MIG-enabled node with one instance."""
+    gi = be.gpu_instances(0)[0]
+    return {
+        "driver_version": be.driver_version(),
+        "gpu_count": be.gpu_count(),
+        "identity": be.identity(0),
+        "memory": be.memory(0),
+        "processes": be.processes(0),
+        "utilization": be.utilization(1),
+        "power_watts": be.power_watts(0),
+        "temperature_celsius": be.temperature_celsius(0),
+        "clocks": be.clocks(0),
+        "ecc_errors": be.ecc_errors(0),
+        "pcie_throughput": be.pcie_throughput(0),
+        "nvlink_throughput_bytes": be.nvlink_throughput_bytes(0),
+        "mig_mode": be.mig_mode(0),
+        "set_mig_mode": be.set_mig_mode(1, False),
+        "mig_devices": be.mig_devices(0),
+        "gpu_instance_profiles": be.gpu_instance_profiles(0),
+        "compute_instance_profiles": be.compute_instance_profiles(0, gi.profile_id),
+        "gpu_instance_placements": be.gpu_instance_placements(0, gi.profile_id),
+        "gpu_instances": be.gpu_instances(0),
+        "create_gpu_instance": be.create_gpu_instance(0, 19, port.Placement(0, 1)),
+        "create_compute_instance": be.create_compute_instance(0, 7, 0),
+        "destroy_compute_instance": be.destroy_compute_instance(0, 7, 0),
+        "destroy_gpu_instance": be.destroy_gpu_instance(0, 7),
+        "wait_events": be.wait_events(0.0),
+        "close": be.close(),
+    }
+
+
+def test_contract_every_method_returns_port_types() -> None:
+    node = SimNode([("H100-SXM5-80GB", 2)])
+    be = NvmlBackend(node.nvml)
+    be.set_mig_mode(0, True)
+    node.reboot()
+    gi = be.create_gpu_instance(0, 9, port.Placement(4, 4))
+    be.create_compute_instance(0, gi.id, 2)
+    results = contract_calls(be)
+    protocol_methods = {
+        name
+        for name, _ in inspect.getmembers(port.GpuBackend, inspect.isfunction)
+        if not name.startswith("_")
+    }
+    assert protocol_methods == set(results)
+    hints_ns = {**vars(port)}
+    for name, value in results.items():
+        hint = get_type_hints(getattr(port.GpuBackend, name), hints_ns)["return"]
+        _check_type(value, hint)
+    backend: port.GpuBackend = be  # structural check for mypy readers
+    assert backend is be

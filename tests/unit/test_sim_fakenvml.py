@@ -1,0 +1,186 @@
+"""The simulated driver behaves like pynvml: errors, MIG rules, persisted state, faults."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import pytest
+
+from gpud.backend.sim import SimNode, SimulatedCrash
+from gpud.errors import ConfigError
+
+
+def _mig_node(tmp_path: Path | None = None, spec: str = "H100-SXM5-80GB") -> SimNode:
+    node = SimNode([(spec, 1)], state_file=tmp_path / "dev.json" if tmp_path else None)
+    nv = node.nvml
+    nv.nvmlInit()
+    nv.nvmlDeviceSetMigMode(nv.nvmlDeviceGetHandleByIndex(0), nv.NVML_DEVICE_MIG_ENABLE)
+    node.reboot()
+    return node
+
+
+def _place(nv: object, start: int, size: int) -> object:
+    return ctypes.byref(nv.c_nvmlGpuInstancePlacement_t(start, size))  # type: ignore[attr-defined]
+
+
+def test_error_classes_like_pynvml() -> None:
+    nv = SimNode([("A100-SXM4-40GB", 1)]).nvml
+    assert type(nv.NVMLError(15)) is nv.NVMLError_GpuIsLost
+    assert nv.NVMLError_InsufficientResources().value == 23
+    assert nv.NVMLError_InUse().value == 19
+    assert isinstance(nv.NVMLError_Timeout(), nv.NVMLError)
+    with pytest.raises(nv.NVMLError_Uninitialized):
+        nv.nvmlDeviceGetCount()
+
+
+def test_mig_mode_pending_until_reboot() -> None:
+    node = SimNode([("H100-SXM5-80GB", 1)])
+    nv = node.nvml
+    nv.nvmlInit()
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    assert nv.nvmlDeviceSetMigMode(h, 1) == nv.NVML_ERROR_RESET_REQUIRED
+    assert nv.nvmlDeviceGetMigMode(h) == [0, 1]
+    with pytest.raises(nv.NVMLError_NotSupported):  # MIG calls need MIG mode current
+        nv.nvmlDeviceGetGpuInstanceProfileInfo(h, nv.NVML_GPU_INSTANCE_PROFILE_1_SLICE)
+    node.reboot()
+    assert nv.nvmlDeviceGetMigMode(h) == [1, 1]
+    with pytest.raises(nv.NVMLError_NotSupported):
+        nv.nvmlDeviceGetUtilizationRates(h)
+
+
+def test_overlap_and_capacity() -> None:
+    nv = _mig_node().nvml
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    assert nv.nvmlDeviceGetGpuInstanceRemainingCapacity(h, 9) == 2
+    nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 9, _place(nv, 0, 4))  # 3g at 0..3
+    assert nv.nvmlDeviceGetGpuInstanceRemainingCapacity(h, 19) == 3  # 1g at 4, 5, 6
+    assert nv.nvmlDeviceGetGpuInstanceRemainingCapacity(h, 5) == 0
+    with pytest.raises(nv.NVMLError_InsufficientResources):
+        nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, _place(nv, 2, 1))
+    with pytest.raises(nv.NVMLError_InvalidArgument):  # not a placement of 2g
+        nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 14, _place(nv, 5, 2))
+    with pytest.raises(nv.NVMLError_InvalidArgument):  # no such profile id on H100
+        nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 77, _place(nv, 4, 1))
+    gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 9, _place(nv, 4, 4))
+    assert nv.nvmlGpuInstanceGetInfo(gi).id == 2  # the driver numbers halves 1 and 2
+
+
+def test_gi_ids_follow_placement() -> None:
+    nv = _mig_node().nvml
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    ids = [nv.nvmlGpuInstanceGetInfo(nv.nvmlDeviceCreateGpuInstance(h, 19)).id for _ in range(7)]
+    assert sorted(ids) == list(range(7, 14))
+    with pytest.raises(nv.NVMLError_InsufficientResources):
+        nv.nvmlDeviceCreateGpuInstance(h, 19)
+
+
+def test_state_survives_restart_and_reboot_clears(tmp_path: Path) -> None:
+    node = _mig_node(tmp_path)
+    nv = node.nvml
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 14, _place(nv, 2, 2))
+    nv.nvmlGpuInstanceCreateComputeInstance(gi, nv.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE)
+    uuid = nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetMigDeviceHandleByIndex(h, 0))
+
+    again = SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json")
+    nv2 = again.nvml
+    nv2.nvmlInit()
+    h2 = nv2.nvmlDeviceGetHandleByIndex(0)
+    assert nv2.nvmlDeviceGetMigMode(h2) == [1, 1]
+    mig = nv2.nvmlDeviceGetMigDeviceHandleByIndex(h2, 0)
+    assert nv2.nvmlDeviceGetUUID(mig) == uuid  # same instance, same MIG UUID
+    assert (nv2.nvmlDeviceGetGpuInstanceId(mig), nv2.nvmlDeviceGetComputeInstanceId(mig)) == (4, 0)
+
+    again.reboot()
+    with pytest.raises(nv2.NVMLError_NotFound):
+        nv2.nvmlDeviceGetMigDeviceHandleByIndex(h2, 0)
+    third = SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json")
+    third.nvml.nvmlInit()
+    with pytest.raises(third.nvml.NVMLError_NotFound):
+        third.nvml.nvmlDeviceGetMigDeviceHandleByIndex(third.nvml.nvmlDeviceGetHandleByIndex(0), 0)
+
+
+def test_state_file_for_other_products_is_refused(tmp_path: Path) -> None:
+    _mig_node(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        SimNode([("A100-SXM4-40GB", 1)], state_file=tmp_path / "dev.json")
+    assert "dev.json" in str(info.value)
+
+
+def test_crash_after_mutations_is_persisted_first(tmp_path: Path) -> None:
+    node = _mig_node(tmp_path)
+    nv = node.nvml
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    node.faults.crash_after_mutations(2)
+    nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, _place(nv, 0, 1))
+    with pytest.raises(SimulatedCrash):
+        nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, _place(nv, 1, 1))
+    assert not isinstance(SimulatedCrash(), Exception)
+    restarted = SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json").nvml
+    restarted.nvmlInit()
+    c = ctypes.c_uint()
+    arr = (restarted.c_nvmlGpuInstance_t * 7)()
+    restarted.nvmlDeviceGetGpuInstances(restarted.nvmlDeviceGetHandleByIndex(0), 19, arr, ctypes.byref(c))
+    assert c.value == 2
+    # the trigger fires once
+    nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, _place(nv, 2, 1))
+
+
+def test_faults_are_per_gpu_and_thread_safe() -> None:
+    node = SimNode([("A100-SXM4-80GB", 2)])
+    nv = node.nvml
+    nv.nvmlInit()
+    h0, h1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
+    node.faults.not_supported(0, "power")
+    node.faults.lose(1)
+    with pytest.raises(nv.NVMLError_NotSupported):
+        nv.nvmlDeviceGetPowerUsage(h0)
+    assert nv.nvmlDeviceGetTemperature(h0, nv.NVML_TEMPERATURE_GPU) > 0
+    with pytest.raises(nv.NVMLError_GpuIsLost):
+        nv.nvmlDeviceGetTemperature(h1, nv.NVML_TEMPERATURE_GPU)
+    assert node.faults.active() == {0: {"not_supported": ["power"]}, 1: {"lost": True}}
+    errors: list[BaseException] = []
+
+    def hammer() -> None:
+        try:
+            for _ in range(200):
+                nv.nvmlDeviceGetMemoryInfo(h0)
+        except BaseException as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for pid in range(100, 150):
+        node.workloads.start(0, pid, 2**20, 0.01)
+    for t in threads:
+        t.join()
+    assert not errors
+    node.faults.clear()
+    assert node.faults.active() == {}
+    with pytest.raises(ValueError, match="unknown field"):
+        node.faults.not_supported(0, "fan")
+
+
+def test_processes_block_destroy() -> None:
+    node = _mig_node()
+    nv = node.nvml
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, _place(nv, 0, 1))
+    ci = nv.nvmlGpuInstanceCreateComputeInstance(gi, 0)
+    mig_uuid = nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetMigDeviceHandleByIndex(h, 0))
+    assert mig_uuid.startswith("MIG-")
+    node.workloads.start(0, 4242, 3 * 2**30, 0.8, mig=mig_uuid)
+    with pytest.raises(nv.NVMLError_InUse):
+        nv.nvmlComputeInstanceDestroy(ci)
+    with pytest.raises(nv.NVMLError_InUse):
+        nv.nvmlGpuInstanceDestroy(gi)
+    with pytest.raises(ValueError, match="MIG"):
+        node.workloads.start(0, 4243, 1, 0.1)  # a MIG-enabled GPU needs a MIG device
+    node.workloads.stop(4242)
+    nv.nvmlComputeInstanceDestroy(ci)
+    nv.nvmlGpuInstanceDestroy(gi)
+    with pytest.raises(nv.NVMLError_InvalidArgument):
+        nv.nvmlGpuInstanceGetInfo(gi)
