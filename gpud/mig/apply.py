@@ -426,7 +426,7 @@ class MigManager:
                 refusal = self._busy_error({gpu.index: busy}, {gpu.index: gpu}, None)
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "busy", str(refusal))
             try:
-                pending = self._run(gpu, plan, done)
+                pending = self._run(gpu, plan, done, actual.mode.current)
             except GpudError as err:
                 log.warning("MIG step failed on GPU %d: %s", gpu.index, err)
                 return GpuOutcome(
@@ -450,9 +450,11 @@ class MigManager:
             gpu.index, gpu.uuid, tuple(done), False, "failed", f"GPU {gpu.index}: did not converge"
         )
 
-    def _run(self, gpu: GpuIdentity, plan: GpuPlan, done: list[str]) -> bool:
+    def _run(self, gpu: GpuIdentity, plan: GpuPlan, done: list[str], mig_on: bool) -> bool:
         """Run steps until the plan ends or a MIG mode change waits for a reset (returns True)."""
         for step in plan.steps:
+            if isinstance(step, CreateGpuInstance | CreateComputeInstance) and not mig_on:
+                return True  # instances wait for the MIG mode change to take effect
             if isinstance(step, SetMigMode):
                 mode = self._backend.set_mig_mode(step.gpu, step.enabled)
                 done.append(step.describe())

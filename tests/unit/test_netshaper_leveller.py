@@ -113,7 +113,18 @@ def test_bad_config_is_rejected(kwargs: dict[str, object]) -> None:
 
 def test_rank_levels_compresses_contiguously() -> None:
     assert rank_levels(["a", "b"], 8) == {"a": 0, "b": 1}
-    assert list(rank_levels([str(i) for i in range(10)], 4).values()) == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
+    assert list(rank_levels([str(i) for i in range(10)], 4).values()) == [
+        0,
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+        2,
+        3,
+        3,
+    ]
 
 
 # -- properties ----------------------------------------------------------------------------
@@ -132,7 +143,9 @@ configs = st.builds(
 )
 
 
-def inversions(levels: dict[str, int], rates: dict[str, float], factor: float) -> list[tuple[str, str]]:
+def inversions(
+    levels: dict[str, int], rates: dict[str, float], factor: float
+) -> list[tuple[str, str]]:
     """Pairs where a sits strictly below b although r_a < factor * r_b."""
     return [
         (a, b)
@@ -143,7 +156,9 @@ def inversions(levels: dict[str, int], rates: dict[str, float], factor: float) -
 
 
 @settings(max_examples=80, deadline=None)
-@given(cfg=configs, seq=st.lists(st.tuples(st.floats(0.0, 4.0), rate_maps), min_size=1, max_size=12))
+@given(
+    cfg=configs, seq=st.lists(st.tuples(st.floats(0.0, 4.0), rate_maps), min_size=1, max_size=12)
+)
 def test_levels_are_monotone_up_to_hysteresis_and_threshold(
     cfg: LevellerConfig, seq: list[tuple[float, dict[str, float]]]
 ) -> None:
@@ -168,7 +183,9 @@ def test_levels_are_monotone_up_to_hysteresis_and_threshold(
 
 @settings(max_examples=40, deadline=None)
 @given(cfg=configs, seq=st.lists(st.tuples(st.floats(0.0, 4.0), rate_maps), min_size=1, max_size=8))
-def test_output_is_deterministic(cfg: LevellerConfig, seq: list[tuple[float, dict[str, float]]]) -> None:
+def test_output_is_deterministic(
+    cfg: LevellerConfig, seq: list[tuple[float, dict[str, float]]]
+) -> None:
     a, b = Leveller(cfg), Leveller(cfg)
     now = 0.0
     for dt, rates in seq:

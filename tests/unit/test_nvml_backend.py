@@ -34,12 +34,16 @@ class FakeClock:
         return self.now
 
 
-def _backend(spec: list[tuple[str, int]], tmp_path: Path | None = None) -> tuple[SimNode, NvmlBackend]:
+def _backend(
+    spec: list[tuple[str, int]], tmp_path: Path | None = None
+) -> tuple[SimNode, NvmlBackend]:
     node = SimNode(spec, state_file=tmp_path / "dev.json" if tmp_path else None, clock=FakeClock())
     return node, NvmlBackend(node.nvml)
 
 
-def _mig_backend(product: str = "H100-SXM5-80GB", tmp_path: Path | None = None) -> tuple[SimNode, NvmlBackend]:
+def _mig_backend(
+    product: str = "H100-SXM5-80GB", tmp_path: Path | None = None
+) -> tuple[SimNode, NvmlBackend]:
     node, be = _backend([(product, 1)], tmp_path)
     assert be.set_mig_mode(0, True) == port.MigMode(current=False, pending=True)
     node.reboot()
@@ -98,7 +102,9 @@ def test_mig_tables_h100() -> None:
     profiles = {p.name: p for p in be.gpu_instance_profiles(0)}
     assert profiles["1g.10gb"].id == 19 and profiles["1g.10gb"].instance_count == 7
     assert profiles["1g.20gb"].id == 15 and profiles["1g.20gb"].memory_slices == 2
-    assert profiles["7g.80gb"].memory_slices == 8 and profiles["7g.80gb"].multiprocessor_count == 132
+    assert (
+        profiles["7g.80gb"].memory_slices == 8 and profiles["7g.80gb"].multiprocessor_count == 132
+    )
     assert profiles["3g.40gb"].memory_bytes == 40448 * 2**20
     assert [p.start for p in be.gpu_instance_placements(0, 15)] == [0, 2, 4, 6]
     assert be.gpu_instance_placements(0, 9) == [port.Placement(0, 4), port.Placement(4, 4)]
@@ -134,7 +140,12 @@ def test_profiles_need_mig_mode() -> None:
 def test_create_destroy_instances() -> None:
     node, be = _mig_backend()
     gi = be.create_gpu_instance(0, 9, port.Placement(4, 4))
-    assert (gi.id, gi.profile_id, gi.placement, gi.compute_instances) == (2, 9, port.Placement(4, 4), ())
+    assert (gi.id, gi.profile_id, gi.placement, gi.compute_instances) == (
+        2,
+        9,
+        port.Placement(4, 4),
+        (),
+    )
     cips = {c.name: c for c in be.compute_instance_profiles(0, 9)}
     assert set(cips) == {"1c.3g.40gb", "2c.3g.40gb", "3g.40gb"}
     ci = be.create_compute_instance(0, gi.id, cips["1c.3g.40gb"].id)
@@ -175,7 +186,7 @@ def test_create_destroy_instances() -> None:
 
 
 def test_persisted_instances_adopted_and_reboot_clears(tmp_path: Path) -> None:
-    node, be = _mig_backend(tmp_path=tmp_path)
+    _node, be = _mig_backend(tmp_path=tmp_path)
     for start in (0, 2, 4):
         gi = be.create_gpu_instance(0, 14, port.Placement(start, 2))
         be.create_compute_instance(0, gi.id, 1)

@@ -122,7 +122,9 @@ def test_crash_after_mutations_is_persisted_first(tmp_path: Path) -> None:
     restarted.nvmlInit()
     c = ctypes.c_uint()
     arr = (restarted.c_nvmlGpuInstance_t * 7)()
-    restarted.nvmlDeviceGetGpuInstances(restarted.nvmlDeviceGetHandleByIndex(0), 19, arr, ctypes.byref(c))
+    restarted.nvmlDeviceGetGpuInstances(
+        restarted.nvmlDeviceGetHandleByIndex(0), 19, arr, ctypes.byref(c)
+    )
     assert c.value == 2
     # the trigger fires once
     nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 19, _place(nv, 2, 1))

@@ -68,7 +68,13 @@ def test_compute_instance_profiles_of_a_3g() -> None:
         ("3g.40gb", 2, 1, 60),
     ]
     seven = spec.ci_profiles(_profiles("H100-SXM5-80GB")["7g.80gb"])
-    assert [c.name for c in seven] == ["1c.7g.80gb", "2c.7g.80gb", "3c.7g.80gb", "4c.7g.80gb", "7g.80gb"]
+    assert [c.name for c in seven] == [
+        "1c.7g.80gb",
+        "2c.7g.80gb",
+        "3c.7g.80gb",
+        "4c.7g.80gb",
+        "7g.80gb",
+    ]
 
 
 def test_product_key_from_nvml_name() -> None:
@@ -83,10 +89,15 @@ def test_parse_simulate_spec() -> None:
         ("H100-SXM5-80GB", 8),
         ("A100-SXM4-40GB", 2),
     ]
-    assert parse_simulate_spec("nvidia h100 80gb hbm3:2, h200") == [("H100-SXM5-80GB", 2), ("H200-SXM-141GB", 1)]
+    assert parse_simulate_spec("nvidia h100 80gb hbm3:2, h200") == [
+        ("H100-SXM5-80GB", 2),
+        ("H200-SXM-141GB", 1),
+    ]
 
 
-@pytest.mark.parametrize("bad", ["Z80:1", "H100-SXM5-80GB:x", "H100-SXM5-80GB:0", "H100-SXM5-80GB:500"])
+@pytest.mark.parametrize(
+    "bad", ["Z80:1", "H100-SXM5-80GB:x", "H100-SXM5-80GB:0", "H100-SXM5-80GB:500"]
+)
 def test_parse_simulate_spec_rejects(bad: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_simulate_spec(bad)

@@ -404,12 +404,13 @@ class _Gpu:
 class _MigDevice:
     """A MIG device handle: one compute instance seen as a device."""
 
-    __slots__ = ("ci", "gi", "gpu", "uuid")
+    __slots__ = ("ci", "gi", "gpu", "serial", "uuid")
 
-    def __init__(self, gpu: _Gpu, gi: int, ci: int, uuid: str) -> None:
+    def __init__(self, gpu: _Gpu, gi: int, ci: int, serial: int, uuid: str) -> None:
         self.gpu = gpu
         self.gi = gi
         self.ci = ci
+        self.serial = serial
         self.uuid = uuid
 
     def __repr__(self) -> str:
@@ -623,7 +624,8 @@ class FakeNvml:
             gpu = handle.gpu
             self._check(gpu, what)
             gi = gpu.gis.get(handle.gi)
-            if gi is None or handle.ci not in gi.cis or not gpu.mig_current:
+            ci = gi.cis.get(handle.ci) if gi is not None else None
+            if ci is None or ci.serial != handle.serial or not gpu.mig_current:
                 raise NVMLError_InvalidArgument()  # the instance behind it is gone
             return gpu, handle
         raise NVMLError_InvalidArgument()
@@ -685,7 +687,9 @@ class FakeNvml:
             self._check(gpu, "handle")
             return gpu
         for g in self._gpus:
-            for mig in self._mig_list(g):
+            with self._lock:
+                migs = self._mig_list(g)
+            for mig in migs:
                 if mig.uuid == text:
                     self._check(g, "handle")
                     return mig
@@ -1189,7 +1193,9 @@ class FakeNvml:
                 key = (gi_id, ci_id, ci.serial)
                 h = gpu.mig_handles.get(key)
                 if h is None:
-                    h = _MigDevice(gpu, gi_id, ci_id, "MIG-" + _stable_uuid("mig", gpu.uuid, *key))
+                    h = _MigDevice(
+                        gpu, gi_id, ci_id, ci.serial, "MIG-" + _stable_uuid("mig", gpu.uuid, *key)
+                    )
                     gpu.mig_handles[key] = h
                 out.append(h)
         return out

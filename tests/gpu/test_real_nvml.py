@@ -1,0 +1,81 @@
+"""NvmlBackend over the real driver returns the port's types (read-only queries)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from gpud.backend import port
+from gpud.backend.nvml import NvmlBackend
+from gpud.errors import DeviceNotFound, NotSupported
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def backend(real_nvml: Any) -> Iterator[NvmlBackend]:
+    be = NvmlBackend(real_nvml)
+    yield be
+    be.close()
+
+
+def test_identity(backend: NvmlBackend) -> None:
+    assert backend.gpu_count() >= 1
+    assert backend.driver_version()
+    for gpu in range(backend.gpu_count()):
+        ident = backend.identity(gpu)
+        assert isinstance(ident, port.GpuIdentity)
+        assert ident.uuid.startswith("GPU-")
+        assert ident.memory_total_bytes > 0
+        assert ident.pci_device_id & 0xFFFF == 0x10DE  # NVIDIA's vendor id
+        assert ident.product
+
+
+def test_readings(backend: NvmlBackend) -> None:
+    mem = backend.memory(0)
+    assert isinstance(mem, port.MemoryInfo) and mem.total_bytes >= mem.used_bytes
+    for p in backend.processes(0):
+        assert isinstance(p, port.ProcessInfo) and p.pid > 0
+    for read in (backend.power_watts, backend.temperature_celsius):
+        with contextlib.suppress(NotSupported):
+            assert read(0) >= 0
+    try:
+        assert isinstance(backend.clocks(0), port.Clocks)
+        assert isinstance(backend.ecc_errors(0), port.EccCounts)
+        assert isinstance(backend.pcie_throughput(0), port.PcieThroughput)
+    except NotSupported:
+        pass
+    try:
+        tx, rx = backend.nvlink_throughput_bytes(0)
+        assert tx >= 0 and rx >= 0
+    except NotSupported:
+        pass
+
+
+def test_mig_read_only(backend: NvmlBackend) -> None:
+    ident = backend.identity(0)
+    if not ident.mig_capable:
+        pytest.skip(f"{ident.name} is not MIG-capable")
+    mode = backend.mig_mode(0)
+    assert isinstance(mode, port.MigMode)
+    if not mode.current:
+        assert backend.mig_devices(0) == []
+        pytest.skip("MIG mode is off (and these tests never turn it on)")
+    profiles = backend.gpu_instance_profiles(0)
+    assert profiles and all(isinstance(p, port.GpuInstanceProfile) for p in profiles)
+    for p in profiles:
+        placements = backend.gpu_instance_placements(0, p.id)
+        assert all(pl.start + pl.size <= 8 for pl in placements)
+    for gi in backend.gpu_instances(0):
+        assert isinstance(gi, port.GpuInstanceInfo)
+        try:
+            cis = backend.compute_instance_profiles(0, gi.profile_id)
+            assert all(isinstance(c, port.ComputeInstanceProfile) for c in cis)
+        except DeviceNotFound:
+            pass
+    for m in backend.mig_devices(0):
+        assert m.uuid.startswith("MIG-") and m.memory_total_bytes > 0
+        assert isinstance(backend.memory(0, m.mig), port.MemoryInfo)

@@ -1,0 +1,255 @@
+"""Job registry, placement, environment and attribution (no daemon processes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpud.backend.port import ProcessInfo
+from gpud.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from gpud.events import EventLog
+from gpud.jobs.attribution import Attributor, memory_by_job
+from gpud.jobs.env import build_env, shell_exports
+from gpud.jobs.placement import DeviceLoad, Reservation, Reservations, choose_devices
+from gpud.jobs.registry import JobKind, JobRegistry, JobSpec
+from gpud.jobs.service import JobService, RunRequest
+from gpud.mps.manager import MpsManager, targets_from_snapshot
+from gpud.mps.units import GIB
+from gpud.store import StateStore
+from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, gpu_uuid, mig_uuid, snapshot
+
+NODE = snapshot(
+    gpu_sample(0, migs=(("3g.40gb", 40), ("3g.40gb", 40))),
+    gpu_sample(1, memory_gib=80),
+    gpu_sample(2, memory_gib=40),
+)
+DEVICES = targets_from_snapshot(NODE)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[StateStore]:
+    s = StateStore(tmp_path / "state")
+    yield s
+    s.close()
+
+
+def test_registry_persists_jobs(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    reg = JobRegistry(store, clock=lambda: 42.0)
+    reg.add(JobSpec("infer-a", JobKind.INFERENCE, owner="ana", mig_profile="3g.40gb",
+                    threads_percent=40, memory_bytes=20 * GIB, slo_p99_ms=25.0))  # fmt: skip
+    reg.add(JobSpec("train-b", devices=(gpu_uuid(1),)))
+    with pytest.raises(AlreadyExists):
+        reg.add(JobSpec("train-b"))
+    store.close()
+
+    store = StateStore(tmp_path)
+    reg = JobRegistry(store)
+    assert [j.name for j in reg.all()] == ["infer-a", "train-b"]
+    infer = reg.get("infer-a")
+    assert (infer.kind, infer.owner, infer.mig_profile, infer.slo_p99_ms) == (
+        JobKind.INFERENCE, "ana", "3g.40gb", 25.0,
+    )  # fmt: skip
+    assert infer.created_at == 42.0
+    assert infer.effective_priority == 0
+    assert reg.get("train-b").devices == (gpu_uuid(1),)
+    assert reg.get("train-b").effective_priority == 1
+    reg.remove("train-b")
+    with pytest.raises(NotFound):
+        reg.get("train-b")
+    store.close()
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (JobSpec("bad name"), "name"),
+        (JobSpec("x", mig_profile="huge"), "mig"),
+        (JobSpec("x", gpu_count=0), "gpus"),
+        (JobSpec("x", gpu_count=2, mig_profile="1g.10gb"), "gpus"),
+        (JobSpec("x", threads_percent=0), "threads"),
+        (JobSpec("x", memory_bytes=5), "memory"),
+        (JobSpec("x", slo_p99_ms=10.0), "slo_p99_ms"),
+        (JobSpec("x", JobKind.INFERENCE, slo_p99_ms=-1.0), "slo_p99_ms"),
+        (JobSpec("x", client_priority=3), "priority"),
+    ],
+)
+def test_invalid_jobs_name_the_field(store: StateStore, spec: JobSpec, field: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        JobRegistry(store).add(spec)
+    assert info.value.field == field
+
+
+def test_placement_picks_the_least_loaded_fitting_devices() -> None:
+    loads = {
+        mig_uuid(0, 0): DeviceLoad(30 * GIB, ("a",)),
+        gpu_uuid(1): DeviceLoad(10 * GIB, ("b",)),
+    }
+    mig = choose_devices(JobSpec("j", mig_profile="3g.40gb"), DEVICES, loads, memory_bytes=5 * GIB)
+    assert [d.uuid for d in mig] == [mig_uuid(0, 1)]
+    one = choose_devices(JobSpec("j"), DEVICES, loads, memory_bytes=None)
+    assert [d.uuid for d in one] == [gpu_uuid(2)]
+    two = choose_devices(JobSpec("j", gpu_count=2), DEVICES, loads, memory_bytes=35 * GIB)
+    assert [d.uuid for d in two] == [gpu_uuid(2), gpu_uuid(1)]
+    pinned = choose_devices(
+        JobSpec("j", devices=(mig_uuid(0, 0),)), DEVICES, loads, memory_bytes=None
+    )
+    assert [d.uuid for d in pinned] == [mig_uuid(0, 0)]
+
+
+def test_placement_refusals_carry_the_numbers() -> None:
+    loads = {
+        mig_uuid(0, 0): DeviceLoad(30 * GIB, ("a",)),
+        mig_uuid(0, 1): DeviceLoad(35 * GIB, ("b", "c")),
+    }
+    with pytest.raises(ResourceExhausted) as info:
+        choose_devices(JobSpec("j", mig_profile="3g.40gb"), DEVICES, loads, memory_bytes=20 * GIB)
+    assert str(info.value) == (
+        f"job 'j' asks 20GiB on {mig_uuid(0, 0)} (3g.40gb): 30GiB reserved by a of 40GiB, 10GiB free"
+    )
+    with pytest.raises(ResourceExhausted, match="asks 3 whole GPUs; this node has 2"):
+        choose_devices(JobSpec("j", gpu_count=3), DEVICES, {}, memory_bytes=None)
+    with pytest.raises(NotFound, match=r"no MIG device of profile 1g\.10gb .*here: 3g\.40gb"):
+        choose_devices(JobSpec("j", mig_profile="1g.10gb"), DEVICES, {}, memory_bytes=None)
+    with pytest.raises(NotFound, match="GPU-nope"):
+        choose_devices(JobSpec("j", devices=("GPU-nope",)), DEVICES, {}, memory_bytes=None)
+
+
+def test_environment_of_a_reservation() -> None:
+    r = Reservation("r1", "infer-a", (mig_uuid(0, 1),), 40, 20 * GIB, 0, None, 0.0)
+    pipe = Path("/run/gpud/mps") / mig_uuid(0, 1) / "pipe"
+    env = build_env(r, socket_path=Path("/run/gpud/gpud.sock"), pipe_dirs={mig_uuid(0, 1): pipe})
+    assert env == {
+        "CUDA_VISIBLE_DEVICES": mig_uuid(0, 1),
+        "CUDA_MPS_PIPE_DIRECTORY": str(pipe),
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=20G",
+        "CUDA_MPS_CLIENT_PRIORITY": "0",
+        "GPUD_JOB": "infer-a",
+        "GPUD_SOCKET": "/run/gpud/gpud.sock",
+        "GPUD_RESERVATION": "r1",
+    }
+    wide = Reservation("r2", "train", (gpu_uuid(1), gpu_uuid(2)), None, None, 1, None, 0.0)
+    env = build_env(wide, socket_path=Path("/s"), pipe_dirs={gpu_uuid(1): Path("/p")})
+    assert env["CUDA_VISIBLE_DEVICES"] == f"{gpu_uuid(1)},{gpu_uuid(2)}"
+    assert not [k for k in env if k.startswith("CUDA_MPS")]
+    assert shell_exports({"B": "it's", "A": "1"}) == "export A='1'\nexport B='it'\\''s'\n"
+
+
+def fake_proc(
+    root: Path, pid: int, *, environ: dict[str, str] | None, cgroup: str = "0::/"
+) -> None:
+    d = root / str(pid)
+    d.mkdir(parents=True)
+    (d / "stat").write_text(
+        f"{pid} (python3) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {1000 + pid} 0 0\n"
+    )
+    if environ is not None:
+        (d / "environ").write_bytes(
+            b"\0".join(f"{k}={v}".encode() for k, v in environ.items()) + b"\0"
+        )
+    (d / "cgroup").write_text(cgroup + "\n")
+
+
+def test_processes_are_attributed_by_environ_then_cgroup(tmp_path: Path) -> None:
+    fake_proc(tmp_path, 101, environ={"PATH": "/bin", "GPUD_JOB": "infer-a"})
+    fake_proc(tmp_path, 102, environ=None, cgroup="0::/system.slice/gpud-job-train-b.scope")
+    fake_proc(tmp_path, 103, environ={"PATH": "/bin"}, cgroup="0::/user.slice")
+    snap = snapshot(
+        gpu_sample(0, migs=(("3g.40gb", 40),),
+                   processes=(ProcessInfo(101, 5 * GIB, 1, 0),),
+                   mig_processes={0: (ProcessInfo(101, 5 * GIB, 1, 0),)}),
+        gpu_sample(1, processes=(ProcessInfo(102, 7 * GIB), ProcessInfo(103, GIB), ProcessInfo(104, None))),
+    )  # fmt: skip
+    uses = Attributor(proc_root=tmp_path).attribute(snap)
+    assert [(u.pid, u.device, u.job, u.source) for u in uses] == [
+        (101, mig_uuid(0, 0), "infer-a", "environ"),
+        (102, gpu_uuid(1), "train-b", "cgroup"),
+        (103, gpu_uuid(1), None, ""),
+        (104, gpu_uuid(1), None, ""),
+    ]
+    assert memory_by_job(uses) == {
+        ("infer-a", mig_uuid(0, 0)): 5 * GIB,
+        ("train-b", gpu_uuid(1)): 7 * GIB,
+    }
+
+
+def test_reservations_of_dead_holders_are_reaped(tmp_path: Path, store: StateStore) -> None:
+    proc = tmp_path / "proc"
+    fake_proc(proc, 4242, environ={})
+    res = Reservations(store, proc_root=proc)
+    kept = res.add(
+        "a",
+        [gpu_uuid(1)],
+        threads_percent=None,
+        memory_bytes=None,
+        client_priority=1,
+        holder_pid=4242,
+    )
+    res.add(
+        "b",
+        [gpu_uuid(1)],
+        threads_percent=None,
+        memory_bytes=GIB,
+        client_priority=1,
+        holder_pid=999_999_999,
+    )
+    pinned = res.add(
+        "c",
+        [gpu_uuid(2)],
+        threads_percent=None,
+        memory_bytes=None,
+        client_priority=1,
+        holder_pid=None,
+    )
+    # 4242 may not run on this machine; what is checked is the dead PID being released.
+    gone = {r.job for r in res.reap()}
+    assert "b" in gone and "c" not in gone
+    assert pinned in res.held()
+    assert kept.holder_pid == 4242
+
+
+@pytest.fixture
+def service(tmp_path: Path, store: StateStore) -> Iterator[JobService]:
+    mps = MpsManager(store, EventLog(None), tmp_path / "run", FAKE_CONTROL, enabled=False)
+    mps.observe(DEVICES)
+    yield JobService(store, EventLog(None), mps, socket_path=Path("/run/gpud/gpud.sock"))
+
+
+def test_run_registers_reserves_and_refuses_oversubscription(service: JobService) -> None:
+    launch = service.reserve(
+        RunRequest("infer-a", JobKind.INFERENCE, mig_profile="3g.40gb", memory_bytes=30 * GIB)
+    )
+    assert launch.created_job and launch.job.kind is JobKind.INFERENCE
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == mig_uuid(0, 0)
+    assert launch.env["GPUD_JOB"] == "infer-a"
+    second = service.reserve(RunRequest("infer-a"))  # reused, same limits: the other 3g.40gb
+    assert not second.created_job
+    assert second.env["CUDA_VISIBLE_DEVICES"] == mig_uuid(0, 1)
+    with pytest.raises(ResourceExhausted, match="asks 30GiB"):
+        service.reserve(RunRequest("infer-a"))
+    with pytest.raises(InvalidArgument, match="registered as inference"):
+        service.reserve(RunRequest("infer-a", JobKind.TRAINING))
+    with pytest.raises(FailedPrecondition, match="holds 2 reservation"):
+        service.remove("infer-a")
+    service.release(second.reservation.id)
+    assert service.loads()[mig_uuid(0, 0)] == DeviceLoad(30 * GIB, ("infer-a",))
+    assert service.env("infer-a")["GPUD_RESERVATION"] == launch.reservation.id
+    service.remove("infer-a", force=True)
+    assert service.reservations.held() == []
+
+
+def test_env_without_a_reservation_previews_the_placement(service: JobService) -> None:
+    service.add(JobSpec("train-b", gpu_count=2))
+    env = service.env("train-b")
+    assert env["CUDA_VISIBLE_DEVICES"] == f"{gpu_uuid(1)},{gpu_uuid(2)}"
+    assert env["GPUD_RESERVATION"] == ""
+    assert service.reservations.held() == []

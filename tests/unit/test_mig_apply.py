@@ -1,0 +1,362 @@
+"""MIG apply, safety, crash safety and reconcile on the simulated node through the real
+NVML adapter."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpud.backend.nvml import NvmlBackend
+from gpud.backend.sim import SimNode, SimulatedCrash
+from gpud.errors import Busy, InvalidArgument
+from gpud.events import EventLog
+from gpud.mig.apply import MigManager
+from gpud.mig.layout import MigConfigFile, load_config, parse_config
+from gpud.mig.store import ApplyOptions
+from gpud.store import StateStore
+
+DATA = Path(__file__).parent.parent / "data" / "mig-parted"
+H100 = "H100-SXM5-80GB"
+A100 = "A100-SXM4-40GB"
+GIB = 1 << 30
+
+
+@dataclass
+class Daemon:
+    """One daemon life: a node view on the shared device state file, and a manager."""
+
+    node: SimNode
+    backend: NvmlBackend
+    store: StateStore
+    events: EventLog
+    mig: MigManager
+    sleeps: list[float]
+
+
+class Host:
+    """The machine: device state and gpud's state directory outlive each daemon."""
+
+    def __init__(self, tmp: Path, spec: list[tuple[str, int]]) -> None:
+        self.tmp = tmp
+        self.spec = spec
+        self.jobs: dict[int, str] = {}
+        self.daemons: list[Daemon] = []
+
+    def start(self) -> Daemon:
+        node = SimNode(self.spec, state_file=self.tmp / "driver.json")
+        backend = NvmlBackend(node.nvml)
+        store = StateStore(self.tmp / "state")
+        events = EventLog(None)
+        sleeps: list[float] = []
+        clock = [0.0]
+
+        def sleep(s: float) -> None:
+            sleeps.append(s)
+            clock[0] += s
+
+        mig = MigManager(
+            backend,
+            store,
+            events,
+            job_resolver=self.jobs.get,
+            monotonic=lambda: clock[0],
+            sleep=sleep,
+        )
+        d = Daemon(node, backend, store, events, mig, sleeps)
+        self.daemons.append(d)
+        return d
+
+    def close(self) -> None:
+        for d in self.daemons:
+            d.store.close()
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[Host]:
+    h = Host(tmp_path, [(H100, 2)])
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def config() -> MigConfigFile:
+    return load_config(DATA / "config.yaml")
+
+
+def instances(d: Daemon) -> list[list[tuple[int, int, int, int]]]:
+    """Per GPU: (GI profile id, placement start, CI count, CI profile id) sorted."""
+    out = []
+    for gpu in range(d.backend.gpu_count()):
+        if not d.backend.mig_mode(gpu).current:
+            out.append([])
+            continue
+        out.append(
+            sorted(
+                (
+                    gi.profile_id,
+                    gi.placement.start,
+                    len(gi.compute_instances),
+                    *(c.profile_id for c in gi.compute_instances[:1]),
+                )
+                for gi in d.backend.gpu_instances(gpu)
+            )
+        )
+    return out
+
+
+def enable(host: Host, config: MigConfigFile, name: str) -> Daemon:
+    """Apply ``name`` from MIG off: pending until the reboot, created by reconcile after it."""
+    d = host.start()
+    result = d.mig.apply(config, name)
+    assert result.result == "reset_pending"
+    d.node.reboot()
+    outcomes = d.mig.reconcile()
+    assert {o.status for o in outcomes} <= {"changed", "ok"}
+    assert d.mig.assert_config(config, name) == []
+    return d
+
+
+def test_mode_change_is_reported_pending_then_reconciled_after_reboot(
+    host: Host, config: MigConfigFile
+) -> None:
+    d = host.start()
+    result = d.mig.apply(config, "all-balanced")
+    assert result.result == "reset_pending"
+    assert all(o.reset_pending and o.status == "reset_pending" for o in result.gpus)
+    assert "pending a GPU reset" in result.gpus[0].detail
+    assert d.backend.mig_mode(0).pending and not d.backend.mig_mode(0).current
+    diff = d.mig.assert_config(config, "all-balanced")
+    assert len(diff) == 2 and "MIG mode enabled pending a GPU reset" in diff[0]
+    # reconciling while the reset is pending changes nothing and says so
+    assert {o.status for o in d.mig.reconcile()} == {"reset_pending"}
+    d.node.reboot()
+    assert {o.status for o in d.mig.reconcile()} == {"changed"}
+    assert d.mig.assert_config(config, "all-balanced") == []
+    assert d.mig.apply(config, "all-balanced").result == "noop", "applying twice is a no-op"
+    assert any(e.kind == "mig.apply" for e in d.events.recent())
+
+
+def test_published_configs_apply_assert_and_export_round_trip(
+    tmp_path: Path, config: MigConfigFile
+) -> None:
+    host = Host(tmp_path, [(H100, 1), (A100, 1)])
+    try:
+        d = enable(host, config, "all-enabled")
+        for name in ("all-1g.10gb", "all-balanced", "all-disabled"):
+            if name == "all-disabled":
+                result = d.mig.apply(config, name)
+                assert result.result == "reset_pending"
+                d.node.reboot()
+            else:
+                result = d.mig.apply(config, name)
+                assert result.result == "success", (name, result)
+            assert d.mig.assert_config(config, name) == []
+            exported = parse_config(d.mig.export("now"))
+            assert d.mig.assert_config(exported, "now") == []
+            assert d.mig.apply(exported, "now").result == "noop"
+        balanced_a100 = [
+            e for e in config.config("all-balanced") if e.device_filter == (0x20B010DE,)
+        ]
+        assert balanced_a100
+    finally:
+        host.close()
+
+
+def test_mixed_config_with_compute_instance_profiles(tmp_path: Path) -> None:
+    host = Host(tmp_path, [(H100, 2), (A100, 1)])
+    try:
+        mixed = load_config(DATA / "mixed.yaml")
+        d = host.start()
+        d.mig.apply(mixed, "mixed-train-infer")
+        d.node.reboot()
+        d.mig.reconcile()
+        assert d.mig.assert_config(mixed, "mixed-train-infer") == []
+        layouts = d.mig.layouts()
+        assert layouts[0].describe() == "1x 4g.40gb, 1x 3g.40gb"
+        assert layouts[1].describe() == "1x 3g.40gb, 4x 1g.10gb"
+        assert layouts[2].describe() == "1x 3g.20gb, 1x 2g.10gb, 2x 1g.5gb"
+        # only the H100s match this one; the A100 is left alone
+        result = d.mig.apply(mixed, "h100-shared-3g")
+        assert [o.gpu for o in result.gpus] == [0, 1]
+        assert d.mig.layouts()[0].describe() == "2x 1c.3g.40gb, 1x 1g.10gb"
+        assert d.mig.layouts()[2].describe() == "1x 3g.20gb, 1x 2g.10gb, 2x 1g.5gb"
+        exported = parse_config(d.mig.export("now"))
+        assert d.mig.assert_config(exported, "now") == []
+    finally:
+        host.close()
+
+
+@pytest.mark.parametrize(
+    "name", ["too-many-slices", "too-many-instances", "placements-collide", "unknown-profile"]
+)
+def test_impossible_layouts_change_nothing(host: Host, config: MigConfigFile, name: str) -> None:
+    d = enable(host, config, "all-1g.10gb")
+    before = instances(d)
+    d.node.faults.crash_after_mutations(1)  # any driver mutation would crash the test
+    with pytest.raises(InvalidArgument) as err:
+        d.mig.apply(load_config(DATA / "impossible.yaml"), name)
+    assert "GPU 0 (H100-SXM5-80GB)" in str(err.value)
+    d.node.faults.clear()
+    assert instances(d) == before
+    assert d.mig.stats.snapshot()[0]["invalid"] == 1
+
+
+def test_unknown_config_name(host: Host, config: MigConfigFile) -> None:
+    d = host.start()
+    with pytest.raises(InvalidArgument, match="no config named"):
+        d.mig.apply(config, "all-9g")
+
+
+def _busy_setup(host: Host, config: MigConfigFile) -> tuple[Daemon, int]:
+    d = enable(host, config, "all-1g.10gb")
+    devices = d.backend.mig_devices(0)
+    # GPU instance at slice 0 goes in the move to all-3g.40gb
+    victim = next(
+        m for m in devices if m.gpu_instance_id == min(x.gpu_instance_id for x in devices)
+    )
+    d.node.workloads.start(0, 4242, 2 * GIB, 0.5, mig=victim.mig)
+    host.jobs[4242] = "train-a"
+    return d, 4242
+
+
+def test_busy_instances_are_not_destroyed(host: Host, config: MigConfigFile) -> None:
+    d, pid = _busy_setup(host, config)
+    before = instances(d)
+    with pytest.raises(Busy) as err:
+        d.mig.apply(config, "all-3g.40gb")
+    assert err.value.pids == (pid,) and err.value.jobs == ("train-a",)
+    assert "pid 4242 (job train-a)" in str(err.value) and "GPU 0 (H100-SXM5-80GB)" in str(err.value)
+    assert instances(d) == before
+    assert d.mig.stats.snapshot()[0]["busy"] == 1
+    # show names the process and its job on the instance
+    view = d.mig.show()[0]
+    busy = [i for i in view.instances if i.processes]
+    assert [(p.pid, p.job) for p in busy[0].processes] == [(pid, "train-a")]
+    assert busy[0].uuid is not None and busy[0].uuid.startswith("MIG-")
+
+
+def test_drain_waits_for_processes_to_leave(host: Host, config: MigConfigFile) -> None:
+    d, pid = _busy_setup(host, config)
+    original = d.mig._sleep
+
+    def leave_after_two(s: float) -> None:
+        original(s)
+        if len(d.sleeps) == 2:
+            d.node.workloads.stop(pid)
+
+    d.mig._sleep = leave_after_two
+    result = d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(drain=True, timeout_s=30))
+    assert result.result == "success"
+    assert len(d.sleeps) == 2
+    assert d.mig.assert_config(config, "all-3g.40gb") == []
+
+
+def test_drain_times_out(host: Host, config: MigConfigFile) -> None:
+    d, _pid = _busy_setup(host, config)
+    before = instances(d)
+    with pytest.raises(Busy, match="after draining for 5s"):
+        d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(drain=True, timeout_s=5))
+    assert sum(d.sleeps) == pytest.approx(5)
+    assert instances(d) == before
+
+
+def test_force_skips_the_check_but_the_driver_still_refuses(
+    host: Host, config: MigConfigFile
+) -> None:
+    d, pid = _busy_setup(host, config)
+    result = d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(force=True))
+    # nvidia-smi mig -dci answers "In use by another client" while a CUDA context lives
+    assert result.result == "failed" and "GPU 0" in result.gpus[0].detail
+    assert d.mig.desired()  # the layout is kept; reconcile finishes once the process ends
+    assert {o.status for o in d.mig.reconcile()} >= {"failed"}
+    d.node.workloads.stop(pid)
+    d.mig.reconcile()
+    assert d.mig.assert_config(config, "all-3g.40gb") == []
+
+
+def test_restart_adopts_what_exists(host: Host, config: MigConfigFile) -> None:
+    first = enable(host, config, "all-balanced")
+    before = instances(first)
+    second = host.start()
+    second.node.faults.crash_after_mutations(1)  # adopting must not touch the driver
+    outcomes = second.mig.reconcile()
+    second.node.faults.clear()
+    assert {o.status for o in outcomes} == {"ok"}
+    assert instances(second) == before
+
+
+def test_reboot_recreates_the_desired_layout(host: Host, config: MigConfigFile) -> None:
+    first = enable(host, config, "all-balanced")
+    before = instances(first)
+    first.node.reboot()
+    second = host.start()
+    assert instances(second) == [[], []] or all(not x for x in instances(second))
+    report = second.mig.reconcile("report")
+    assert {o.status for o in report} == {"differs"}
+    assert any(e.kind == "mig.drift" for e in second.events.recent())
+    assert {o.status for o in second.mig.reconcile()} == {"changed"}
+    assert instances(second) == before
+
+
+def _mutations(
+    host_dir: Path, spec: list[tuple[str, int]], config: MigConfigFile, start: str | None
+) -> int:
+    """How many driver mutations the apply to all-balanced makes (a dry full run)."""
+    host = Host(host_dir, spec)
+    try:
+        d = enable(host, config, start) if start else enable(host, config, "all-enabled")
+        result = d.mig.apply(config, "all-balanced")
+        return sum(len(o.steps) for o in result.gpus)
+    finally:
+        host.close()
+
+
+@pytest.mark.parametrize("start", ["all-1g.10gb", "all-enabled"])
+def test_crash_at_every_step_converges(tmp_path: Path, config: MigConfigFile, start: str) -> None:
+    spec = [(H100, 2)]
+    total = _mutations(tmp_path / "count", spec, config, start)
+    assert total > 10
+    expected: list[list[tuple[int, ...]]] | None = None
+    for n in range(1, total + 1):
+        host = Host(tmp_path / f"crash{n}", spec)
+        try:
+            d = enable(host, config, start)
+            d.node.faults.crash_after_mutations(n)
+            with pytest.raises(SimulatedCrash):
+                d.mig.apply(config, "all-balanced")
+            # the daemon died; the driver kept what was done. Next start:
+            again = host.start()
+            again.mig.reconcile()
+            assert again.mig.assert_config(config, "all-balanced") == [], f"crash after {n}"
+            got = instances(again)
+            for gpu in got:
+                assert all(ci_count == 1 for _, _, ci_count, *_ in gpu), f"orphan after {n}"
+                assert len(gpu) == 4, f"duplicates after {n}"
+            expected = expected or got
+            assert got == expected
+            assert again.mig._store.inflight() is None
+            assert any(e.kind == "mig.resume" for e in again.events.recent())
+        finally:
+            host.close()
+
+
+def test_crash_during_mode_change_then_reboot(tmp_path: Path, config: MigConfigFile) -> None:
+    host = Host(tmp_path, [(H100, 2)])
+    try:
+        d = host.start()
+        d.node.faults.crash_after_mutations(1)
+        with pytest.raises(SimulatedCrash):
+            d.mig.apply(config, "all-balanced")
+        again = host.start()
+        outcomes = again.mig.reconcile()
+        # GPU 0's mode change took effect before the crash; GPU 1's is made now
+        assert {o.status for o in outcomes} == {"reset_pending"}
+        again.node.reboot()
+        third = host.start()
+        third.mig.reconcile()
+        assert third.mig.assert_config(config, "all-balanced") == []
+    finally:
+        host.close()

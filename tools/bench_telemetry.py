@@ -1,0 +1,290 @@
+"""Telemetry cost on a simulated 8 x H100-SXM5-80GB node, every GPU in MIG 1g.10gb x 7.
+
+Measures, side by side in one run (median of ``--reps`` interleaved repetitions):
+
+- ``tick``: CPU time (``time.process_time``: every thread, user + system) of one
+  ``Sampler.tick()`` over 8 GPUs and 56 MIG devices;
+- ``bare``: the very same NVML calls, made in a bare loop directly on the simulated
+  ``pynvml`` module with no gpud code around them. The call list is recorded from a
+  steady-state tick (function, arguments), so both sides make identical driver calls;
+- ``scrape``: one ``/metrics`` scrape, ``collect`` + ``generate_latest`` on the daemon's
+  registry (gpud collector, process and Python collectors), CPU and wall time;
+- ``rss``: the resident set of a running ``gpud --simulate`` daemon (started as a
+  subprocess with temporary directories), or of this process when the daemon cannot start.
+
+Targets: tick <= 1.5 x bare, scrape <= 20 ms, RSS <= 80 MB.
+
+    .venv/bin/python -m tools.bench_telemetry [--json] [--reps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+from prometheus_client import generate_latest
+
+from gpud.backend.nvml import NvmlBackend
+from gpud.backend.sim import SimNode, parse_simulate_spec
+from gpud.metrics import Collector, build_registry
+from gpud.telemetry.sampler import Sampler
+
+SPEC = "H100-SXM5-80GB:8"
+PROFILE = "1g.10gb"
+TICK_RATIO_TARGET = 1.5
+SCRAPE_TARGET_S = 0.020
+RSS_TARGET_BYTES = 80 * 1000 * 1000
+
+Call = tuple[Callable[..., Any], tuple[Any, ...]]
+
+
+class RecordingNvml:
+    """Passes every attribute of a pynvml-shaped module through; records ``nvml*`` calls."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+        self.calls: list[Call] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._module, name)
+        if not name.startswith("nvml") or not callable(attr) or isinstance(attr, type):
+            return attr
+
+        def call(*args: Any) -> Any:
+            if self.calls is not None:
+                self.calls.append((attr, args))
+            return attr(*args)
+
+        return call
+
+
+def build_node(backend: NvmlBackend, node: SimNode) -> None:
+    """``nvidia-smi -mig 1``, reset, then ``nvidia-smi mig -cgi 1g.10gb x7 -C`` on every GPU."""
+    count = backend.gpu_count()
+    for gpu in range(count):
+        backend.set_mig_mode(gpu, True)
+    node.reboot()  # the pending MIG mode applies at the reset
+    for gpu in range(count):
+        profile = next(p for p in backend.gpu_instance_profiles(gpu) if p.name == PROFILE)
+        for placement in backend.gpu_instance_placements(gpu, profile.id):
+            gi = backend.create_gpu_instance(gpu, profile.id, placement)
+            # CI profiles are read from an existing GI (nvidia-smi mig -lcip -gi N).
+            ci_profile = next(
+                c
+                for c in backend.compute_instance_profiles(gpu, profile.id)
+                if c.slice_count == profile.slice_count
+            )
+            backend.create_compute_instance(gpu, gi.id, ci_profile.id)
+    # A process on every other MIG device, so process lists are not all empty.
+    pid = 10_000
+    for gpu in range(count):
+        for mig in range(0, 7, 2):
+            node.workloads.start(gpu, pid, 2 << 30, 0.5, mig=mig)
+            pid += 1
+
+
+def bare_loop(calls: list[Call]) -> None:
+    for fn, args in calls:
+        try:
+            fn(*args)
+        except Exception:  # NotSupported answers are part of the cost too
+            pass
+
+
+def cpu_seconds(fn: Callable[[], object]) -> float:
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
+
+
+def measure_rss_daemon(workdir: Path) -> tuple[int | None, str]:
+    """Start ``gpud --simulate`` in ``workdir``; its RSS after a few ticks, or None and why."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpud.main",
+        "--simulate",
+        SPEC,
+        "--state-dir",
+        str(workdir / "state"),
+        "--run-dir",
+        str(workdir / "run"),
+        "--socket",
+        str(workdir / "run" / "gpud.sock"),
+        "--metrics-address",
+        "127.0.0.1:0",
+        "--config",
+        str(workdir / "gpud.toml"),
+    ]
+    (workdir / "gpud.toml").write_text("")
+    log = (workdir / "gpud.log").open("wb")
+    try:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError as err:
+        return None, f"cannot start gpud: {err}"
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = (workdir / "gpud.log").read_text(errors="replace")[-300:]
+                return None, f"gpud exited with {proc.returncode}: {tail.strip()}"
+            if (workdir / "run" / "gpud.sock").exists():
+                break
+            time.sleep(0.2)
+        else:
+            return None, "gpud did not open its socket within 20 s"
+        time.sleep(5)  # a few sampling ticks and scrapes' worth of allocations
+        _scrape_daemon(proc.pid)
+        time.sleep(1)
+        return psutil.Process(proc.pid).memory_info().rss, "gpud --simulate subprocess"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        log.close()
+
+
+def _scrape_daemon(pid: int) -> None:
+    """Scrape the daemon's /metrics once if it listens on a TCP port (best effort)."""
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.Error:
+        return
+    for conn in conns:
+        if conn.status == psutil.CONN_LISTEN and conn.laddr:
+            try:
+                url = f"http://127.0.0.1:{conn.laddr.port}/metrics"
+                with urllib.request.urlopen(url, timeout=5) as resp:
+                    resp.read()
+            except OSError:
+                continue
+
+
+def run(reps: int, with_daemon: bool) -> dict[str, Any]:
+    node = SimNode(parse_simulate_spec(SPEC), seed=0)
+    recorder = RecordingNvml(node.nvml)
+    backend = NvmlBackend(recorder)
+    build_node(backend, node)
+    sampler = Sampler(backend, call_timeout_s=10.0)
+    registry = build_registry(Collector(sampler.latest))
+    try:
+        for _ in range(5):  # warm: identities, MIG lists, NotSupported answers cached
+            sampler.tick()
+        recorder.calls = []
+        sampler.tick()
+        calls, recorder.calls = recorder.calls, None
+        snap = sampler.latest()
+        assert snap is not None
+        mig_devices = sum(len(g.mig_devices) for g in snap.gpus)
+        assert all(g.healthy for g in snap.gpus), [g.reason for g in snap.gpus]
+
+        ticks: list[float] = []
+        bares: list[float] = []
+        scrapes: list[float] = []
+        scrape_walls: list[float] = []
+        for _ in range(reps):
+            bares.append(cpu_seconds(lambda: bare_loop(calls)))
+            ticks.append(cpu_seconds(sampler.tick))
+            wall = time.perf_counter()
+            scrapes.append(cpu_seconds(lambda: generate_latest(registry)))
+            scrape_walls.append(time.perf_counter() - wall)
+        body = generate_latest(registry)
+    finally:
+        sampler.close()
+        backend.close()
+
+    rss: int | None = None
+    rss_source = "not measured"
+    if with_daemon:
+        with tempfile.TemporaryDirectory(prefix="gpud-bench-") as tmp:
+            rss, rss_source = measure_rss_daemon(Path(tmp))
+    if rss is None:
+        why = rss_source
+        rss = psutil.Process(os.getpid()).memory_info().rss
+        rss_source = f"this process, in-process sampler + collector ({why})"
+
+    tick = statistics.median(ticks)
+    bare = statistics.median(bares)
+    scrape = statistics.median(scrapes)
+    return {
+        "node": f"{SPEC}, MIG {PROFILE} x 7 per GPU",
+        "gpus": len(snap.gpus),
+        "mig_devices": mig_devices,
+        "nvml_calls_per_tick": len(calls),
+        "reps": reps,
+        "tick_cpu_s": tick,
+        "bare_cpu_s": bare,
+        "tick_over_bare": tick / bare,
+        "tick_over_bare_target": TICK_RATIO_TARGET,
+        "scrape_cpu_s": scrape,
+        "scrape_wall_s": statistics.median(scrape_walls),
+        "scrape_target_s": SCRAPE_TARGET_S,
+        "scrape_bytes": len(body),
+        "scrape_samples": sum(
+            1 for line in body.decode().splitlines() if line and not line.startswith("#")
+        ),
+        "rss_bytes": rss,
+        "rss_source": rss_source,
+        "rss_target_bytes": RSS_TARGET_BYTES,
+        "ok": tick / bare <= TICK_RATIO_TARGET
+        and scrape <= SCRAPE_TARGET_S
+        and rss <= RSS_TARGET_BYTES,
+    }
+
+
+def _ok(good: bool) -> str:
+    return "ok" if good else "OVER TARGET"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench_telemetry", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--reps", type=int, default=50, help="repetitions (median is reported)")
+    p.add_argument(
+        "--no-daemon", action="store_true", help="measure in-process RSS, do not start gpud"
+    )
+    args = p.parse_args(argv)
+    r = run(max(1, args.reps), with_daemon=not args.no_daemon)
+    if args.json:
+        print(json.dumps(r, indent=2, sort_keys=True))
+        return 0 if r["ok"] else 1
+    ms = 1000.0
+    print(f"node: {r['node']}: {r['gpus']} GPUs, {r['mig_devices']} MIG devices")
+    print(f"NVML calls per tick: {r['nvml_calls_per_tick']}; median of {r['reps']} repetitions")
+    print(f"bare NVML loop      {r['bare_cpu_s'] * ms:8.3f} ms CPU")
+    print(
+        f"sampler tick        {r['tick_cpu_s'] * ms:8.3f} ms CPU   "
+        f"{r['tick_over_bare']:.2f} x bare (target <= {TICK_RATIO_TARGET} x)  "
+        f"{_ok(r['tick_over_bare'] <= TICK_RATIO_TARGET)}"
+    )
+    print(
+        f"/metrics scrape     {r['scrape_cpu_s'] * ms:8.3f} ms CPU, "
+        f"{r['scrape_wall_s'] * ms:.3f} ms wall, {r['scrape_samples']} samples, "
+        f"{r['scrape_bytes']} bytes (target <= {SCRAPE_TARGET_S * ms:.0f} ms)  "
+        f"{_ok(r['scrape_cpu_s'] <= SCRAPE_TARGET_S)}"
+    )
+    print(
+        f"RSS                 {r['rss_bytes'] / 1e6:8.1f} MB      ({r['rss_source']}; "
+        f"target <= {RSS_TARGET_BYTES / 1e6:.0f} MB)  {_ok(r['rss_bytes'] <= RSS_TARGET_BYTES)}"
+    )
+    return 0 if r["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
