@@ -40,11 +40,23 @@ from types import ModuleType
 
 from gpud import __version__
 from gpud.cli import events, gpus, sim, status, version
+from gpud.cli import jobs as jobs_cli
+from gpud.cli import mps as mps_cli
+from gpud.cli import run as run_cli
 from gpud.cli.context import DEFAULT_SOCKET, EXIT_USAGE, CliError, Context
 from gpud.cli.output import Output
 
 # Command groups, in help order. Each module exposes register(subparsers).
-COMMAND_GROUPS: list[ModuleType] = [status, gpus, version, events, sim]
+COMMAND_GROUPS: list[ModuleType] = [
+    status,
+    gpus,
+    mps_cli,
+    jobs_cli,
+    run_cli,
+    version,
+    events,
+    sim,
+]
 
 SOCKET_ENV = "GPUD_SOCKET"
 DEFAULT_TIMEOUT = 10.0

@@ -172,6 +172,8 @@ class MigManager:
         self._lock = threading.RLock()
         self._last_report: dict[str, str] = {}
         self._tables: dict[str, ProfileTable] = {}
+        self._view: list[GpuView] | None = None
+        self._outcomes: list[GpuOutcome] = []
         self.stats = ApplyStats()
 
     # ---------------------------------------------------------------- reading the driver
@@ -558,11 +560,25 @@ class MigManager:
                 self._last_report.pop("inflight", None)
                 self._events.emit(
                     "mig.apply",
-                    f"apply {inflight.config_name}: finished after restart",
+                    f"apply {inflight.config_name}: finished after a restart",
                     config=inflight.config_name,
                     result="resumed",
                 )
+            self._outcomes = outcomes
+            try:
+                self._view = self.show()
+            except GpudError as err:
+                log.warning("cannot read MIG instances: %s", err)
             return outcomes
+
+    def latest_view(self) -> list[GpuView]:
+        """What the last reconcile saw (read now if there was none): for metrics."""
+        view = self._view
+        return view if view is not None else self.show()
+
+    def last_outcomes(self) -> list[GpuOutcome]:
+        """The managed GPUs' statuses from the last reconcile."""
+        return list(self._outcomes)
 
     def _reconcile_gpu(
         self, gpu: GpuIdentity, record: DesiredRecord, mode: ReconcileMode, force: bool

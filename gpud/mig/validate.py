@@ -348,7 +348,9 @@ def _explain(s: _Search) -> str:
     for p in s.table.placements.get(stuck.gi.id, ()):
         hits = [a for a in placed if _overlaps(p, a.placement)]
         who = ", ".join(f"{a.wanted.gi.name} at {_span(a.placement)}" for a in hits)
-        parts.append(f"slices {_span(p)} collide with {who}")
+        parts.append(
+            f"{'slices' if p.size > 1 else 'slice'} {_span(p)} collide{'' if p.size > 1 else 's'} with {who}"
+        )
     placed_txt = (
         ", ".join(f"{a.wanted.gi.name} at {_span(a.placement)}" for a in placed) or "nothing"
     )

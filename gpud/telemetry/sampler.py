@@ -1,7 +1,8 @@
 """The telemetry sampler: every GPU and MIG device, once per interval, into a :class:`Snapshot`.
 
-Each GPU is read on its own worker thread (:mod:`gpud.telemetry.worker`); a tick hands every
-idle GPU its read and waits at most ``call_timeout_s`` for all of them. So:
+GPU reads run off the calling thread (:mod:`gpud.telemetry.dispatch`): one worker reads the
+GPUs in turn, and a GPU whose call runs past ``call_timeout_s`` is left behind while the rest
+are read on threads of their own. So:
 
 - a GPU whose calls raise (lost, driver error) is ``healthy=False`` with the reason, and every
   other GPU is read as usual (:mod:`gpud.telemetry.reader` has the per-call policy);
@@ -31,16 +32,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
 from dataclasses import replace
 
 from gpud.backend.port import EventKind, GpuBackend, GpuEvent
 from gpud.errors import BackendError, NotSupported
 from gpud.events import EventLog
+from gpud.telemetry.dispatch import Dispatcher, Target
 from gpud.telemetry.reader import GpuReader, placeholder_identity
 from gpud.telemetry.snapshot import GpuSample, Snapshot
-from gpud.telemetry.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +47,13 @@ Listener = Callable[[Snapshot], None]
 
 
 class _Slot:
-    """One GPU: its reader, its worker, the read in flight and the health last reported."""
+    """One GPU: its reader, its dispatch target and the health last reported."""
 
-    __slots__ = ("healthy", "pending", "reader", "reason", "worker", "xid_last", "xid_total")
+    __slots__ = ("healthy", "reader", "reason", "target", "xid_last", "xid_total")
 
-    def __init__(self, reader: GpuReader, worker: Worker) -> None:
+    def __init__(self, reader: GpuReader) -> None:
         self.reader = reader
-        self.worker = worker
-        self.pending: Future[GpuSample] | None = None
+        self.target = Target(reader.index, reader.read)
         self.healthy = True
         self.reason = ""
         self.xid_total = 0
@@ -99,6 +97,7 @@ class Sampler:
         self._slots: list[_Slot] | None = None
         self._driver_version: str | None = None
         self._listeners: list[Listener] = []
+        self._dispatcher = Dispatcher(call_timeout_s)
         self._xid = XidWatcher(backend, self._on_gpu_event, wait_s=event_wait_s)
         self._closed = False
 
@@ -135,16 +134,8 @@ class Sampler:
             start = self._clock()
             wall = self._wall_clock()
             slots = self._slots if self._slots is not None else self._discover()
-            for slot in slots:
-                pending = slot.pending
-                if pending is not None and pending.done():
-                    # A hung read that returned since the last tick: its values are stale.
-                    slot.pending = pending = None
-                if pending is None:
-                    slot.pending = slot.worker.submit(slot.reader.read)
-            futures = [s.pending for s in slots if s.pending is not None]
-            wait_futures(futures, timeout=self.call_timeout_s)
-            samples = tuple(self._collect(slot) for slot in slots)
+            results = self._dispatcher.read([slot.target for slot in slots])
+            samples = tuple(self._collect(slot, results.get(slot.reader.index)) for slot in slots)
             snapshot = Snapshot(
                 wall_time=wall,
                 monotonic=start,
@@ -182,32 +173,27 @@ class Sampler:
                     clock=self._clock,
                     unsupported_retry_s=self._unsupported_retry_s,
                     identity_refresh_s=self._identity_refresh_s,
-                ),
-                Worker(f"gpud-gpu{index}"),
+                )
             )
             for index in range(count)
         ]
         self._slots = slots
         return slots
 
-    def _collect(self, slot: _Slot) -> GpuSample:
-        pending = slot.pending
+    def _collect(self, slot: _Slot, result: GpuSample | BaseException | None) -> GpuSample:
         reader = slot.reader
-        if pending is not None and pending.done():
-            slot.pending = None
-            err = pending.exception()
-            if err is None:
-                sample = pending.result()
-            else:
-                # Not a driver error (those are handled in the reader): a bug; keep going.
-                log.error("reading GPU %d failed", reader.index, exc_info=err)
-                sample = GpuSample(
-                    identity=reader.identity or placeholder_identity(reader.index),
-                    healthy=False,
-                    reason=f"internal error: {type(err).__name__}: {err}",
-                    sampled_at=reader.last_good_at,
-                )
-        else:
+        if isinstance(result, GpuSample):
+            sample = result
+        elif result is not None:
+            # Not a driver error (the reader handles those): a bug. Report it and go on.
+            log.error("reading GPU %d failed", reader.index, exc_info=result)
+            sample = GpuSample(
+                identity=reader.identity or placeholder_identity(reader.index),
+                healthy=False,
+                reason=f"internal error: {type(result).__name__}: {result}",
+                sampled_at=reader.last_good_at,
+            )
+        else:  # hung: stuck since an earlier tick, or timed out in this one
             sample = GpuSample(
                 identity=reader.identity or placeholder_identity(reader.index),
                 healthy=False,
@@ -280,8 +266,7 @@ class Sampler:
             return
         self._closed = True
         self._xid.stop()
-        for slot in self._slots or ():
-            slot.worker.close()
+        self._dispatcher.close()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick every ``interval_s`` until ``stop`` is set, off the event loop; then close.

@@ -77,25 +77,27 @@ def start_daemon(
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(notify_path))
     log = root / "gpud.log"
-    proc = subprocess.Popen(
-        [
-            str(BIN / "gpud"),
-            "--config",
-            str(config),
-            "--run-dir",
-            str(root / "run"),
-            "--state-dir",
-            str(root / "state"),
-            "--socket",
-            str(sock),
-            "--metrics-address",
-            f"127.0.0.1:{port}",
-            *extra,
-        ],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "NOTIFY_SOCKET": str(notify_path), **(env or {})},
-    )
+    command = [
+        str(BIN / "gpud"),
+        "--config",
+        str(config),
+        "--run-dir",
+        str(root / "run"),
+        "--state-dir",
+        str(root / "state"),
+        "--socket",
+        str(sock),
+        "--metrics-address",
+        f"127.0.0.1:{port}",
+        *extra,
+    ]
+    with log.open("wb") as log_file:
+        proc = subprocess.Popen(
+            command,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "NOTIFY_SOCKET": str(notify_path), **(env or {})},
+        )
     daemon = RunningDaemon(proc, root, sock, port, notify, log)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

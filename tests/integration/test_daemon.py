@@ -81,13 +81,16 @@ def test_faults_leave_the_daemon_serving(gpud_sim: RunningDaemon) -> None:
         )
 
     wait_for(faults_visible, timeout=30)
+    # The tick that first met the hung call waited call_timeout_s for it; later ticks skip
+    # the hung GPU, so the others are fresh again one interval later.
+    time.sleep(2.0)
     listed = {g["index"]: g for g in gpus(gpud_sim)}
     assert "lost" in str(listed[0]["reason"]).lower()
     assert "timed out" in str(listed[2]["reason"])
     assert listed[1]["healthy"] is True
     for index in range(3, 8):
         assert listed[index]["healthy"] is True
-        assert float(listed[index]["sample_age_seconds"]) < 5.0  # type: ignore[arg-type]
+        assert float(listed[index]["sample_age_seconds"]) < 3.0  # type: ignore[arg-type]
     text = gpud_sim.metrics()
     assert "gpud_gpu_healthy{" in text
     healthy_lines = [ln for ln in text.splitlines() if ln.startswith("gpud_gpu_healthy{")]

@@ -20,7 +20,7 @@ def test_missing_default_file_gives_defaults(tmp_path: Path) -> None:
 
 
 def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="absent.toml: file not found"):
+    with pytest.raises(ConfigError, match=r"absent\.toml: file not found"):
         config.load(tmp_path / "absent.toml", required=True)
 
 
@@ -86,5 +86,5 @@ def test_flags_override_file(tmp_path: Path) -> None:
 
 def test_bad_flag_value_names_the_key() -> None:
     args = build_parser().parse_args(["--metrics-address", "x"])
-    with pytest.raises(ConfigError, match="metrics.address"):
+    with pytest.raises(ConfigError, match=r"metrics\.address"):
         config.Config().with_overrides({"metrics.address": args.metrics_address})

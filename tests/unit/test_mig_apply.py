@@ -181,7 +181,7 @@ def test_mixed_config_with_compute_instance_profiles(tmp_path: Path) -> None:
         # only the H100s match this one; the A100 is left alone
         result = d.mig.apply(mixed, "h100-shared-3g")
         assert [o.gpu for o in result.gpus] == [0, 1]
-        assert d.mig.layouts()[0].describe() == "2x 1c.3g.40gb, 1x 1g.10gb"
+        assert d.mig.layouts()[0].describe() == "1x 1c.3g.40gb, 2x 2g.20gb"
         assert d.mig.layouts()[2].describe() == "1x 3g.20gb, 1x 2g.10gb, 2x 1g.5gb"
         exported = parse_config(d.mig.export("now"))
         assert d.mig.assert_config(exported, "now") == []

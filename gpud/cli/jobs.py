@@ -1,0 +1,140 @@
+"""``gpuctl jobs add/rm/ls``: the job registry.
+
+::
+
+    gpuctl jobs add infer-a --kind inference --mig 3g.40gb --threads 40 --memory 20GiB --slo-p99-ms 25
+    gpuctl jobs ls
+    gpuctl jobs rm infer-a [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from gpud.cli.context import Context, Subparsers
+from gpud.cli.mps import size_arg
+from gpud.mps.units import format_size
+from gpud.v1 import jobs_pb2 as pb
+from gpud.v1 import jobs_pb2_grpc as pb_grpc
+
+HEADERS = (
+    "JOB",
+    "KIND",
+    "OWNER",
+    "PLACEMENT",
+    "THREADS",
+    "MEMORY",
+    "SLO P99",
+    "RESERVED ON",
+    "GPU MEM USED",
+)
+KINDS = {"training": pb.JOB_KIND_TRAINING, "inference": pb.JOB_KIND_INFERENCE}
+KIND_NAMES = {v: k for k, v in KINDS.items()}
+
+
+def add_placement_options(parser: argparse.ArgumentParser) -> None:
+    """``--kind``, ``--mig | --gpus | --devices``, ``--threads``, ``--memory``, ``--priority``."""
+    parser.add_argument("--kind", choices=sorted(KINDS), help="training (default) or inference")
+    parser.add_argument("--owner", default="", help="who runs it")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--mig", metavar="PROFILE", help="one MIG device of this profile, e.g. 3g.40gb"
+    )
+    where.add_argument("--gpus", type=int, metavar="N", help="N whole GPUs")
+    where.add_argument("--devices", metavar="UUID,...", help="these GPU / MIG devices")
+    parser.add_argument(
+        "--threads", type=int, metavar="PERCENT", help="MPS active thread percentage"
+    )
+    parser.add_argument(
+        "--memory", metavar="SIZE", help="MPS pinned memory limit per device, e.g. 20GiB"
+    )
+    parser.add_argument(
+        "--priority", type=int, choices=(0, 1), help="MPS client priority: 0 normal, 1 below normal"
+    )
+
+
+def register(subparsers: Subparsers) -> None:
+    jobs = subparsers.add_parser("jobs", help="the job registry")
+    commands = jobs.add_subparsers(dest="jobs_command", metavar="COMMAND", required=True)
+    add = commands.add_parser("add", help="register a job")
+    add.add_argument("name")
+    add_placement_options(add)
+    add.add_argument("--slo-p99-ms", type=float, metavar="MS", help="inference latency SLO")
+    add.set_defaults(run=run_add)
+    rm = commands.add_parser("rm", help="remove a job")
+    rm.add_argument("name")
+    rm.add_argument("--force", action="store_true", help="also release its reservations")
+    rm.set_defaults(run=run_rm)
+    ls = commands.add_parser("ls", help="list jobs, their reservations and GPU memory use")
+    ls.add_argument("name", nargs="?")
+    ls.set_defaults(run=run_ls)
+
+
+def placement(job: pb.Job) -> str:
+    if job.devices:
+        return ",".join(job.devices)
+    if job.HasField("mig_profile"):
+        return f"mig {job.mig_profile}"
+    return f"{job.gpu_count if job.HasField('gpu_count') else 1} GPU"
+
+
+def job_row(job: pb.Job) -> tuple[str, ...]:
+    reserved = sorted({d for r in job.reservations for d in r.devices})
+    used = sum(p.used_memory_bytes for p in job.processes if p.HasField("used_memory_bytes"))
+    return (
+        job.name,
+        KIND_NAMES.get(job.kind, "?"),
+        job.owner or "-",
+        placement(job),
+        f"{job.threads_percent}%" if job.HasField("threads_percent") else "-",
+        format_size(job.memory_limit_bytes) if job.HasField("memory_limit_bytes") else "-",
+        f"{job.slo_p99_ms:g} ms" if job.HasField("slo_p99_ms") else "-",
+        ",".join(reserved) or "-",
+        format_size(used) if job.processes else "-",
+    )
+
+
+def run_add(ctx: Context, args: argparse.Namespace) -> int:
+    job = pb.Job(name=args.name, kind=KINDS.get(args.kind or "training", pb.JOB_KIND_UNSPECIFIED), owner=args.owner)
+    if args.mig:
+        job.mig_profile = args.mig
+    if args.gpus is not None:
+        job.gpu_count = args.gpus
+    if args.devices:
+        job.devices.extend(d for d in args.devices.split(",") if d)
+    if args.threads is not None:
+        job.threads_percent = args.threads
+    if args.memory is not None:
+        job.memory_limit_bytes = size_arg(args.memory)
+    if args.priority is not None:
+        job.client_priority = args.priority
+    if args.slo_p99_ms is not None:
+        job.slo_p99_ms = args.slo_p99_ms
+    resp: pb.AddJobResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).AddJob, pb.AddJobRequest(job=job))
+    if ctx.out.json:
+        ctx.out.print_json(resp.job)
+    else:
+        ctx.out.print_table(HEADERS, [job_row(resp.job)])
+    return 0
+
+
+def run_rm(ctx: Context, args: argparse.Namespace) -> int:
+    request = pb.RemoveJobRequest(name=args.name, force=args.force)
+    resp: pb.RemoveJobResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).RemoveJob, request)
+    if ctx.out.json:
+        ctx.out.print_json(resp.job)
+    else:
+        ctx.out.print(f"removed job {resp.job.name}")
+    return 0
+
+
+def run_ls(ctx: Context, args: argparse.Namespace) -> int:
+    request = pb.ListJobsRequest()
+    if args.name:
+        request.name = args.name
+    resp: pb.ListJobsResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).ListJobs, request)
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+    else:
+        ctx.out.print_table(HEADERS, [job_row(j) for j in resp.jobs])
+    return 0

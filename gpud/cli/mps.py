@@ -1,0 +1,122 @@
+"""``gpuctl mps show`` / ``gpuctl mps set``: MPS control daemons and their limits.
+
+::
+
+    gpuctl mps show
+    gpuctl mps set --gpu 0 --threads 40 --memory 20GiB
+    gpuctl mps set --gpu MIG-5c6e... --clear-memory
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
+from gpud.cli.output import NA
+from gpud.errors import InvalidArgument
+from gpud.mps.units import format_size, parse_size
+from gpud.v1 import mps_pb2 as pb
+from gpud.v1 import mps_pb2_grpc as pb_grpc
+
+HEADERS = (
+    "DEVICE",
+    "PROFILE",
+    "UUID",
+    "DAEMON",
+    "PID",
+    "THREADS",
+    "MEMORY LIMIT",
+    "RESERVED",
+    "JOBS",
+    "RESTARTS",
+)
+
+
+def register(subparsers: Subparsers) -> None:
+    mps = subparsers.add_parser("mps", help="MPS control daemons and their limits")
+    commands = mps.add_subparsers(dest="mps_command", metavar="COMMAND", required=True)
+    show = commands.add_parser("show", help="every device's daemon and limits")
+    show.add_argument("--gpu", metavar="UUID|INDEX|GPU:MIG", help="only this device")
+    show.set_defaults(run=run_show)
+    set_ = commands.add_parser("set", help="set a device's default limits")
+    set_.add_argument("--gpu", required=True, metavar="UUID|INDEX|GPU:MIG", help="the device")
+    threads = set_.add_mutually_exclusive_group()
+    threads.add_argument(
+        "--threads", type=int, metavar="PERCENT", help="active thread percentage, 1..100"
+    )
+    threads.add_argument("--clear-threads", action="store_true", help="back to 100%%")
+    memory = set_.add_mutually_exclusive_group()
+    memory.add_argument("--memory", metavar="SIZE", help="pinned device memory limit, e.g. 20GiB")
+    memory.add_argument("--clear-memory", action="store_true", help="no memory limit")
+    enable = set_.add_mutually_exclusive_group()
+    enable.add_argument(
+        "--enable", dest="enabled", action="store_const", const=True, help="run a daemon"
+    )
+    enable.add_argument(
+        "--disable", dest="enabled", action="store_const", const=False, help="stop its daemon"
+    )
+    set_.set_defaults(run=run_set)
+
+
+def size_arg(text: str, field: str = "memory") -> int:
+    try:
+        return parse_size(text, field=field)
+    except InvalidArgument as err:
+        raise CliError(str(err), EXIT_USAGE) from None
+
+
+def device_row(d: pb.MpsDevice) -> tuple[str, ...]:
+    if not d.enabled:
+        daemon = "off"
+    elif d.up:
+        daemon = "up"
+    else:
+        daemon = f"DOWN{': ' + d.last_error if d.last_error else ''}"
+    threads = f"{d.threads_percent}%" if d.HasField("threads_percent") else "100% (default)"
+    memory = format_size(d.memory_limit_bytes) if d.HasField("memory_limit_bytes") else "none"
+    return (
+        f"{d.gpu}:{d.mig}" if d.HasField("mig") else str(d.gpu),
+        d.profile,
+        d.uuid,
+        daemon,
+        str(d.pid) if d.HasField("pid") else NA,
+        threads,
+        f"{memory} of {format_size(d.memory_total_bytes)}",
+        format_size(d.reserved_memory_bytes) if d.reserved_memory_bytes else "-",
+        ",".join(d.jobs) or "-",
+        str(d.restarts),
+    )
+
+
+def run_show(ctx: Context, args: argparse.Namespace) -> int:
+    request = pb.ShowMpsRequest()
+    if args.gpu is not None:
+        request.device = args.gpu
+    resp: pb.ShowMpsResponse = ctx.call(ctx.stub(pb_grpc.MpsStub).ShowMps, request)
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+        return 0
+    if not resp.mps_enabled:
+        ctx.out.print(
+            "MPS is off on this node (mps.enabled = false): limits are kept, no daemon runs."
+        )
+    ctx.out.print_table(HEADERS, [device_row(d) for d in resp.devices])
+    return 0
+
+
+def run_set(ctx: Context, args: argparse.Namespace) -> int:
+    request = pb.SetMpsLimitsRequest(
+        device=args.gpu, clear_threads=args.clear_threads, clear_memory=args.clear_memory
+    )
+    if args.threads is not None:
+        request.threads_percent = args.threads
+    if args.memory is not None:
+        request.memory_limit_bytes = size_arg(args.memory)
+    if args.enabled is not None:
+        request.enabled = args.enabled
+    resp: pb.SetMpsLimitsResponse = ctx.call(ctx.stub(pb_grpc.MpsStub).SetMpsLimits, request)
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+    else:
+        ctx.out.print_table(HEADERS, [device_row(resp.device)])
+    return 0

@@ -1,0 +1,183 @@
+"""``gpud.v1.Jobs``: the registry and reservations over the API.
+
+Register on the daemon's ``ApiServer``::
+
+    ApiServer(path, servicers=[JobsServicer(job_service).register])
+
+Calls touch SQLite and /proc: they run in a worker thread, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from gpud.errors import InvalidArgument
+from gpud.jobs.attribution import ProcessUse
+from gpud.jobs.placement import Reservation
+from gpud.jobs.registry import JobKind, JobSpec, check_name
+from gpud.jobs.service import JobService, RunRequest
+from gpud.v1 import jobs_pb2 as pb
+from gpud.v1 import jobs_pb2_grpc as pb_grpc
+
+_KIND_TO_PB = {JobKind.TRAINING: pb.JOB_KIND_TRAINING, JobKind.INFERENCE: pb.JOB_KIND_INFERENCE}
+_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
+
+
+def kind_from_pb(value: int) -> JobKind | None:
+    if value == pb.JOB_KIND_UNSPECIFIED:
+        return None
+    if value not in _KIND_FROM_PB:
+        raise InvalidArgument(f"unknown job kind {value}", field="kind")
+    return _KIND_FROM_PB[value]  # type: ignore[index]
+
+
+def reservation_message(r: Reservation) -> pb.JobReservation:
+    msg = pb.JobReservation(
+        id=r.id,
+        job=r.job,
+        devices=list(r.devices),
+        client_priority=r.client_priority,
+        created_unix_seconds=r.created_at,
+    )
+    if r.threads_percent is not None:
+        msg.threads_percent = r.threads_percent
+    if r.memory_bytes is not None:
+        msg.memory_limit_bytes = r.memory_bytes
+    if r.holder_pid is not None:
+        msg.holder_pid = r.holder_pid
+    return msg
+
+
+def job_message(
+    job: JobSpec,
+    reservations: Sequence[Reservation] = (),
+    uses: Sequence[ProcessUse] = (),
+) -> pb.Job:
+    msg = pb.Job(
+        name=job.name,
+        kind=_KIND_TO_PB[job.kind],
+        owner=job.owner,
+        devices=list(job.devices),
+        created_unix_seconds=job.created_at,
+        reservations=[reservation_message(r) for r in reservations],
+    )
+    for u in uses:
+        p = msg.processes.add(pid=u.pid, gpu=u.gpu, device=u.device, source=u.source)
+        if u.used_memory_bytes is not None:
+            p.used_memory_bytes = u.used_memory_bytes
+    if job.mig_profile is not None:
+        msg.mig_profile = job.mig_profile
+    if job.gpu_count is not None:
+        msg.gpu_count = job.gpu_count
+    if job.threads_percent is not None:
+        msg.threads_percent = job.threads_percent
+    if job.memory_bytes is not None:
+        msg.memory_limit_bytes = job.memory_bytes
+    if job.client_priority is not None:
+        msg.client_priority = job.client_priority
+    if job.slo_p99_ms is not None:
+        msg.slo_p99_ms = job.slo_p99_ms
+    return msg
+
+
+def spec_from_pb(job: pb.Job) -> JobSpec:
+    return JobSpec(
+        name=job.name,
+        kind=kind_from_pb(job.kind) or JobKind.TRAINING,
+        owner=job.owner,
+        devices=tuple(job.devices),
+        mig_profile=job.mig_profile if job.HasField("mig_profile") else None,
+        gpu_count=job.gpu_count if job.HasField("gpu_count") else None,
+        threads_percent=job.threads_percent if job.HasField("threads_percent") else None,
+        memory_bytes=job.memory_limit_bytes if job.HasField("memory_limit_bytes") else None,
+        client_priority=job.client_priority if job.HasField("client_priority") else None,
+        slo_p99_ms=job.slo_p99_ms if job.HasField("slo_p99_ms") else None,
+    )
+
+
+class JobsServicer(pb_grpc.JobsServicer):
+    def __init__(self, service: JobService) -> None:
+        self._service = service
+
+    def register(self, server: Any) -> None:
+        """Add this service to a ``grpc.aio.Server`` (an ``ApiServer`` registrar)."""
+        pb_grpc.add_JobsServicer_to_server(self, server)
+
+    def _message(self, job: JobSpec) -> pb.Job:
+        uses = [u for u in self._service.process_uses() if u.job == job.name]
+        return job_message(job, self._service.reservations.held(job.name), uses)
+
+    async def AddJob(self, request: pb.AddJobRequest, context: Any) -> pb.AddJobResponse:  # noqa: N802
+        def add() -> pb.AddJobResponse:
+            return pb.AddJobResponse(
+                job=self._message(self._service.add(spec_from_pb(request.job)))
+            )
+
+        return await asyncio.to_thread(add)
+
+    async def RemoveJob(self, request: pb.RemoveJobRequest, context: Any) -> pb.RemoveJobResponse:  # noqa: N802
+        def remove() -> pb.RemoveJobResponse:
+            return pb.RemoveJobResponse(
+                job=job_message(self._service.remove(check_name(request.name), force=request.force))
+            )
+
+        return await asyncio.to_thread(remove)
+
+    async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:  # noqa: N802
+        def list_jobs() -> pb.ListJobsResponse:
+            if request.HasField("name"):
+                jobs = [self._service.registry.get(request.name)]
+            else:
+                jobs = self._service.registry.all()
+            return pb.ListJobsResponse(jobs=[self._message(j) for j in jobs])
+
+        return await asyncio.to_thread(list_jobs)
+
+    async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:  # noqa: N802
+        def reserve() -> pb.ReserveResponse:
+            launch = self._service.reserve(
+                RunRequest(
+                    job=check_name(request.job),
+                    kind=kind_from_pb(request.kind),
+                    owner=request.owner,
+                    mig_profile=request.mig_profile if request.HasField("mig_profile") else None,
+                    gpu_count=request.gpu_count if request.HasField("gpu_count") else None,
+                    devices=tuple(request.devices),
+                    threads_percent=request.threads_percent
+                    if request.HasField("threads_percent")
+                    else None,
+                    memory_bytes=request.memory_limit_bytes
+                    if request.HasField("memory_limit_bytes")
+                    else None,
+                    client_priority=request.client_priority
+                    if request.HasField("client_priority")
+                    else None,
+                    holder_pid=request.holder_pid if request.HasField("holder_pid") else None,
+                )
+            )
+            return pb.ReserveResponse(
+                job=job_message(launch.job),
+                reservation=reservation_message(launch.reservation),
+                env=launch.env,
+                created_job=launch.created_job,
+            )
+
+        return await asyncio.to_thread(reserve)
+
+    async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:  # noqa: N802
+        def release() -> pb.ReleaseResponse:
+            if not request.reservation_id:
+                raise InvalidArgument("missing", field="reservation_id")
+            return pb.ReleaseResponse(
+                reservation=reservation_message(self._service.release(request.reservation_id))
+            )
+
+        return await asyncio.to_thread(release)
+
+    async def GetJobEnv(self, request: pb.GetJobEnvRequest, context: Any) -> pb.GetJobEnvResponse:  # noqa: N802
+        def env() -> pb.GetJobEnvResponse:
+            return pb.GetJobEnvResponse(env=self._service.env(check_name(request.job)))
+
+        return await asyncio.to_thread(env)

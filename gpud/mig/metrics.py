@@ -1,0 +1,130 @@
+"""MIG metrics, a metric source for :class:`gpud.metrics.Collector`::
+
+    gpud_mig_instance_info{gpu,gpu_uuid,mig_uuid,profile,gpu_instance_id,
+                           compute_instance_id,placement,job}   1 per compute instance
+    gpud_mig_instance_memory_limit_bytes{gpu,mig_uuid,profile}   the instance's memory
+    gpud_mig_instance_memory_used_bytes{gpu,mig_uuid,profile}
+    gpud_mig_instance_processes{gpu,mig_uuid,profile}
+    gpud_mig_reset_pending{gpu,gpu_uuid}                      1 while a MIG mode change waits
+    gpud_mig_layout_matches{gpu,gpu_uuid}                     managed GPUs: 1 when the last
+                                                              reconcile found it as desired
+    gpud_mig_apply_total{result}                              success, noop, reset_pending,
+                                                              invalid, busy, failed
+    gpud_mig_apply_duration_seconds                           histogram
+
+Instance data comes from the view the manager refreshes on each reconcile tick (the
+driver is not called at scrape time once the daemon ticks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from gpud.mig.apply import DURATION_BUCKETS, RESULTS, MigManager
+
+_INSTANCE = ("gpu", "mig_uuid", "profile")
+
+
+class MigMetrics:
+    """``collector.add_source(MigMetrics(manager))``."""
+
+    def __init__(self, manager: MigManager) -> None:
+        self._manager = manager
+
+    def __call__(self) -> Iterator[Metric]:
+        m = self._manager
+        info = GaugeMetricFamily(
+            "gpud_mig_instance_info",
+            "A MIG compute instance, its profile, placement and the jobs on it.",
+            labels=(
+                "gpu",
+                "gpu_uuid",
+                "mig_uuid",
+                "profile",
+                "gpu_instance_id",
+                "compute_instance_id",
+                "placement",
+                "job",
+            ),
+        )
+        limit = GaugeMetricFamily(
+            "gpud_mig_instance_memory_limit_bytes", "Memory of the MIG instance.", labels=_INSTANCE
+        )
+        used = GaugeMetricFamily(
+            "gpud_mig_instance_memory_used_bytes",
+            "Memory used on the MIG instance.",
+            labels=_INSTANCE,
+        )
+        procs = GaugeMetricFamily(
+            "gpud_mig_instance_processes",
+            "Compute processes on the MIG instance.",
+            labels=_INSTANCE,
+        )
+        pending = GaugeMetricFamily(
+            "gpud_mig_reset_pending",
+            "1 while a MIG mode change waits for a GPU reset.",
+            labels=("gpu", "gpu_uuid"),
+        )
+        matches = GaugeMetricFamily(
+            "gpud_mig_layout_matches",
+            "Managed GPUs: 1 when the last reconcile found the desired layout.",
+            labels=("gpu", "gpu_uuid"),
+        )
+        for gpu in m.latest_view():
+            g = str(gpu.identity.index)
+            if gpu.mode is not None:
+                pending.add_metric((g, gpu.identity.uuid), float(gpu.mode.reset_pending))
+            for inst in gpu.instances:
+                if inst.uuid is None:
+                    continue
+                jobs = sorted({p.job for p in inst.processes if p.job})
+                info.add_metric(
+                    (
+                        g,
+                        gpu.identity.uuid,
+                        inst.uuid,
+                        inst.compute_profile or inst.profile,
+                        str(inst.gpu_instance_id),
+                        str(inst.compute_instance_id),
+                        f"{inst.placement_start}:{inst.placement_size}",
+                        ",".join(jobs),
+                    ),
+                    1.0,
+                )
+                key = (g, inst.uuid, inst.compute_profile or inst.profile)
+                if inst.memory_total_bytes is not None:
+                    limit.add_metric(key, float(inst.memory_total_bytes))
+                if inst.memory_used_bytes is not None:
+                    used.add_metric(key, float(inst.memory_used_bytes))
+                procs.add_metric(key, float(len(inst.processes)))
+        for o in m.last_outcomes():
+            matches.add_metric((str(o.gpu), o.uuid), float(o.status in ("ok", "changed")))
+        yield from (info, limit, used, procs, pending, matches)
+
+        totals, buckets, total_s = m.stats.snapshot()
+        applies = CounterMetricFamily(
+            "gpud_mig_apply", "MIG layout applies, by result.", labels=("result",)
+        )
+        for result in RESULTS:
+            applies.add_metric((result,), float(totals.get(result, 0)))
+        yield applies
+        cumulative = []
+        running = 0
+        for bound, count in zip((*DURATION_BUCKETS, float("inf")), buckets, strict=True):
+            running += count
+            cumulative.append(
+                ("+Inf" if bound == float("inf") else repr(float(bound)), float(running))
+            )
+        yield HistogramMetricFamily(
+            "gpud_mig_apply_duration_seconds",
+            "Time a MIG layout apply took, checks included.",
+            buckets=cumulative,
+            sum_value=total_s,
+        )

@@ -1,0 +1,142 @@
+"""``gpud.v1.Mig``: show, apply, assert and export MIG layouts over gRPC.
+
+Manager calls block on the driver (and an apply with ``drain`` waits for processes), so they
+run in a worker thread, off the server's event loop. Errors propagate as gpud errors; the
+server's interceptor maps them to gRPC codes and gpuctl exit codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from gpud.errors import InvalidArgument
+from gpud.mig.apply import ApplyResult, GpuView, MigManager
+from gpud.mig.layout import MigConfigFile, parse_config
+from gpud.mig.store import ApplyOptions
+from gpud.v1 import mig_pb2 as pb
+from gpud.v1 import mig_pb2_grpc as pb_grpc
+
+MAX_CONFIG_BYTES = 1 << 20
+MAX_DRAIN_SECONDS = 24 * 3600.0
+
+
+def _config(source: pb.MigConfigSource) -> tuple[MigConfigFile, str]:
+    if not source.name:
+        raise InvalidArgument("a config name is required", field="config.name")
+    if len(source.text.encode()) > MAX_CONFIG_BYTES:
+        raise InvalidArgument(f"larger than {MAX_CONFIG_BYTES} bytes", field="config.text")
+    return parse_config(source.text, path=source.path or None), source.name
+
+
+def gpu_message(view: GpuView) -> pb.MigGpu:
+    ident = view.identity
+    msg = pb.MigGpu(
+        index=ident.index,
+        uuid=ident.uuid,
+        product=ident.product,
+        mig_capable=ident.mig_capable,
+        mig_current=bool(view.mode and view.mode.current),
+        mig_pending=bool(view.mode and view.mode.pending),
+        layout=view.layout.describe(),
+    )
+    if view.desired is not None:
+        msg.desired_config = view.desired.config_name
+        msg.desired_layout = view.desired.layout.describe()
+    for inst in view.instances:
+        m = msg.instances.add(
+            gpu_instance_id=inst.gpu_instance_id,
+            profile=inst.profile,
+            placement_start=inst.placement_start,
+            placement_size=inst.placement_size,
+            compute_profile=inst.compute_profile or "",
+            uuid=inst.uuid or "",
+        )
+        if inst.compute_instance_id is not None:
+            m.compute_instance_id = inst.compute_instance_id
+        if inst.mig is not None:
+            m.mig = inst.mig
+        if inst.memory_total_bytes is not None:
+            m.memory_total_bytes = inst.memory_total_bytes
+        if inst.memory_used_bytes is not None:
+            m.memory_used_bytes = inst.memory_used_bytes
+        for p in inst.processes:
+            proc = m.processes.add(pid=p.pid, job=p.job or "")
+            if p.used_memory_bytes is not None:
+                proc.used_memory_bytes = p.used_memory_bytes
+    for name, free, placements in view.profiles:
+        msg.profiles.add(
+            name=name,
+            free=free,
+            placement_starts=[s for s, _ in placements],
+            placement_size=placements[0][1] if placements else 0,
+        )
+    return msg
+
+
+def apply_message(result: ApplyResult) -> pb.ApplyMigResponse:
+    return pb.ApplyMigResponse(
+        config_name=result.config_name,
+        result=result.result,
+        duration_seconds=result.duration_s,
+        dry_run=result.dry_run,
+        gpus=[
+            pb.MigGpuOutcome(
+                gpu=o.gpu,
+                uuid=o.uuid,
+                steps=list(o.steps),
+                reset_pending=o.reset_pending,
+                status=o.status,
+                detail=o.detail,
+            )
+            for o in result.gpus
+        ],
+    )
+
+
+class MigServicer(pb_grpc.MigServicer):
+    """Serves ``gpud.v1.Mig``: ``ApiServer(path, servicers=[MigServicer(manager).register])``."""
+
+    def __init__(self, manager: MigManager) -> None:
+        self._manager = manager
+
+    def register(self, server: Any) -> None:
+        pb_grpc.add_MigServicer_to_server(self, server)
+
+    async def ShowMig(  # noqa: N802 (gRPC method names come from the proto)
+        self, request: pb.ShowMigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ShowMigResponse:
+        views = await asyncio.to_thread(self._manager.show)
+        return pb.ShowMigResponse(gpus=[gpu_message(v) for v in views])
+
+    async def ApplyMig(  # noqa: N802
+        self, request: pb.ApplyMigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ApplyMigResponse:
+        config, name = _config(request.config)
+        if request.drain and request.force:
+            raise InvalidArgument("drain and force exclude each other", field="force")
+        timeout = request.timeout_seconds
+        if not 0 <= timeout <= MAX_DRAIN_SECONDS:
+            raise InvalidArgument(
+                f"must be within 0..{MAX_DRAIN_SECONDS:g}", field="timeout_seconds"
+            )
+        options = ApplyOptions(drain=request.drain, force=request.force, timeout_s=timeout)
+        result = await asyncio.to_thread(
+            self._manager.apply, config, name, options=options, dry_run=request.dry_run
+        )
+        return apply_message(result)
+
+    async def AssertMig(  # noqa: N802
+        self, request: pb.AssertMigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AssertMigResponse:
+        config, name = _config(request.config)
+        diff = await asyncio.to_thread(self._manager.assert_config, config, name)
+        return pb.AssertMigResponse(matches=not diff, differences=diff)
+
+    async def ExportMig(  # noqa: N802
+        self, request: pb.ExportMigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ExportMigResponse:
+        text = await asyncio.to_thread(self._manager.export, request.name or "current")
+        return pb.ExportMigResponse(yaml=text)

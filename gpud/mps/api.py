@@ -1,0 +1,106 @@
+"""``gpud.v1.Mps``: ``gpuctl mps show`` / ``gpuctl mps set``.
+
+Register on the daemon's ``ApiServer``::
+
+    ApiServer(path, servicers=[MpsServicer(mps_manager, loads=job_service.loads).register])
+
+Manager calls run the control client program (and may wait for a daemon to start): they run
+in a worker thread, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gpud.errors import InvalidArgument
+from gpud.jobs.placement import DeviceLoad
+from gpud.mps.manager import MpsDeviceStatus, MpsManager
+from gpud.v1 import mps_pb2 as pb
+from gpud.v1 import mps_pb2_grpc as pb_grpc
+
+LoadSource = Callable[[], Mapping[str, DeviceLoad]]
+
+
+def device_message(s: MpsDeviceStatus, load: DeviceLoad | None) -> pb.MpsDevice:
+    msg = pb.MpsDevice(
+        uuid=s.target.uuid,
+        gpu=s.target.gpu,
+        profile=s.target.profile,
+        memory_total_bytes=s.target.memory_total_bytes,
+        enabled=s.running,
+        up=s.up,
+        pipe_directory=str(s.pipe_dir),
+        server_pids=list(s.servers),
+        restarts=s.restarts,
+        last_error=s.last_error,
+        reserved_memory_bytes=load.memory_bytes if load else 0,
+        jobs=list(load.jobs) if load else [],
+    )
+    if s.target.mig is not None:
+        msg.mig = s.target.mig
+    if s.pid is not None:
+        msg.pid = s.pid
+    if s.desired.threads_percent is not None:
+        msg.threads_percent = s.desired.threads_percent
+    if s.desired.memory_bytes is not None:
+        msg.memory_limit_bytes = s.desired.memory_bytes
+    if s.observed_threads_percent is not None:
+        msg.observed_threads_percent = s.observed_threads_percent
+    if s.observed_memory_bytes is not None:
+        msg.observed_memory_limit_bytes = s.observed_memory_bytes
+    return msg
+
+
+class MpsServicer(pb_grpc.MpsServicer):
+    def __init__(self, manager: MpsManager, *, loads: LoadSource = dict) -> None:
+        self._manager = manager
+        self._loads = loads
+
+    def register(self, server: Any) -> None:
+        """Add this service to a ``grpc.aio.Server`` (an ``ApiServer`` registrar)."""
+        pb_grpc.add_MpsServicer_to_server(self, server)
+
+    async def ShowMps(self, request: pb.ShowMpsRequest, context: Any) -> pb.ShowMpsResponse:  # noqa: N802
+        return await asyncio.to_thread(self._show, request)
+
+    def _show(self, request: pb.ShowMpsRequest) -> pb.ShowMpsResponse:
+        statuses = self._manager.status()
+        if request.HasField("device"):
+            uuid = self._manager.resolve(request.device).uuid
+            statuses = [s for s in statuses if s.target.uuid == uuid]
+        loads = self._loads()
+        return pb.ShowMpsResponse(
+            mps_enabled=self._manager.enabled,
+            devices=[device_message(s, loads.get(s.target.uuid)) for s in statuses],
+        )
+
+    async def SetMpsLimits(  # noqa: N802
+        self, request: pb.SetMpsLimitsRequest, context: Any
+    ) -> pb.SetMpsLimitsResponse:
+        return await asyncio.to_thread(self._set, request)
+
+    def _set(self, request: pb.SetMpsLimitsRequest) -> pb.SetMpsLimitsResponse:
+        if not request.device:
+            raise InvalidArgument("name a GPU or MIG device (UUID, index or GPU:MIG)", field="gpu")
+        if request.clear_threads and request.HasField("threads_percent"):
+            raise InvalidArgument("set or clear, not both", field="threads")
+        if request.clear_memory and request.HasField("memory_limit_bytes"):
+            raise InvalidArgument("set or clear, not both", field="memory")
+        target = self._manager.resolve(request.device)
+        load = self._loads().get(target.uuid)
+        status = self._manager.set_limits(
+            request.device,
+            threads_percent=request.threads_percent
+            if request.HasField("threads_percent")
+            else None,
+            memory_bytes=request.memory_limit_bytes
+            if request.HasField("memory_limit_bytes")
+            else None,
+            clear_threads=request.clear_threads,
+            clear_memory=request.clear_memory,
+            enabled=request.enabled if request.HasField("enabled") else None,
+            reserved_memory_bytes=load.memory_bytes if load else 0,
+        )
+        return pb.SetMpsLimitsResponse(device=device_message(status, load))
