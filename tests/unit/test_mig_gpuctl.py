@@ -1,0 +1,175 @@
+"""gpuctl mig end to end: gpuctl -> gRPC (Mig service) -> MigManager -> the simulated node;
+and the MIG metric source."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from gpud.api import ApiServer
+from gpud.backend.nvml import NvmlBackend
+from gpud.backend.sim import SimNode
+from gpud.cli.main import main
+from gpud.events import EventLog
+from gpud.metrics import Collector
+from gpud.mig.apply import MigManager
+from gpud.mig.layout import load_config
+from gpud.mig.metrics import MigMetrics
+from gpud.mig.service import MigServicer
+from gpud.store import StateStore
+from tests.unit.api_support import ServerThread, short_dir
+
+DATA = Path(__file__).parent.parent / "data" / "mig-parted"
+CONFIG = str(DATA / "config.yaml")
+GIB = 1 << 30
+
+
+@dataclass
+class Node:
+    sim: SimNode
+    mig: MigManager
+    socket: str
+    jobs: dict[int, str]
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    sim = SimNode([("H100-SXM5-80GB", 2)], state_file=tmp_path / "driver.json")
+    store = StateStore(tmp_path / "state")
+    jobs: dict[int, str] = {}
+    mig = MigManager(NvmlBackend(sim.nvml), store, EventLog(None), job_resolver=jobs.get)
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        with ServerThread(ApiServer(path, servicers=[MigServicer(mig).register])):
+            yield Node(sim, mig, str(path), jobs)
+    store.close()
+
+
+def gpuctl(capsys: pytest.CaptureFixture[str], node: Node, *argv: str) -> tuple[int, str, str]:
+    code = main(["--socket", node.socket, *argv], env={})
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_apply_assert_show_export(capsys: pytest.CaptureFixture[str], node: Node) -> None:
+    code, out, err = gpuctl(capsys, node, "mig", "assert", "-f", CONFIG, "-c", "all-balanced")
+    assert code == 1 and "GPU 0: has MIG disabled; wants 1x 3g.40gb" in out
+    code, out, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "all-balanced")
+    assert code == 0, err
+    assert "all-balanced: reset_pending" in out and "pending a GPU reset" in err
+    node.sim.reboot()
+    node.mig.reconcile()
+    code, out, _ = gpuctl(capsys, node, "mig", "assert", "-f", CONFIG, "-c", "all-balanced")
+    assert code == 0 and "match" in out
+    code, out, _ = gpuctl(
+        capsys, node, "mig", "apply", "-f", CONFIG, "-c", "all-1g.10gb", "--dry-run"
+    )
+    assert code == 0 and "steps would run" in out and "destroy GPU instance" in out
+    code, out, _ = gpuctl(capsys, node, "--json", "mig", "apply", "-f", CONFIG, "-c", "all-1g.10gb")
+    doc = json.loads(out)
+    assert code == 0 and doc["result"] == "success" and len(doc["gpus"]) == 2
+
+    mig_uuid = node.mig.show()[0].instances[0].uuid
+    node.sim.workloads.start(0, 777, 3 * GIB, 0.4, mig=mig_uuid)
+    node.jobs[777] = "infer-b"
+    code, out, _ = gpuctl(capsys, node, "mig", "show", "--profiles")
+    assert code == 0
+    assert (
+        "GPU 0 H100-SXM5-80GB" in out
+        and "MIG on; 7x 1g.10gb; desired: 7x 1g.10gb (all-1g.10gb)" in out
+    )
+    assert mig_uuid is not None and mig_uuid in out and "777 (infer-b)" in out
+    assert "1g.20gb" in out  # the profile table
+    code, out, _ = gpuctl(capsys, node, "--json", "mig", "show")
+    doc = json.loads(out)
+    procs = [p for g in doc["gpus"] for i in g["instances"] for p in i["processes"]]
+    assert procs == [{"pid": 777, "used_memory_bytes": 3 * GIB, "job": "infer-b"}]
+
+    # busy: refused with the pid and job, exit code of FailedPrecondition
+    code, _, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "all-7g.80gb")
+    assert code == 6 and "pid 777 (job infer-b)" in err
+    code, _, err = gpuctl(
+        capsys,
+        node,
+        "--timeout",
+        "0.5",
+        "mig",
+        "apply",
+        "-f",
+        CONFIG,
+        "-c",
+        "all-7g.80gb",
+        "--drain",
+    )
+    assert code == 6 and "after draining" in err
+
+    code, out, _ = gpuctl(capsys, node, "mig", "export", "-c", "mine")
+    assert code == 0
+    exported = yaml.safe_load(out)
+    assert exported["mig-configs"]["mine"] == [
+        {"devices": "all", "mig-enabled": True, "mig-devices": {"1g.10gb": 7}}
+    ]
+    path = Path(node.socket).parent / "exported.yaml"
+    path.write_text(out)
+    code, _, _ = gpuctl(capsys, node, "mig", "assert", "-f", str(path), "-c", "mine")
+    assert code == 0
+
+
+def test_bad_requests(capsys: pytest.CaptureFixture[str], node: Node) -> None:
+    code, _, err = gpuctl(
+        capsys, node, "mig", "apply", "-f", str(DATA / "impossible.yaml"), "-c", "too-many-slices"
+    )
+    assert code == 2 and "GPU 0 (H100-SXM5-80GB): too many slices" in err
+    code, _, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "nope")
+    assert code == 2 and "no config named 'nope'" in err
+    code, _, err = gpuctl(capsys, node, "mig", "assert", "-f", "/nonexistent.yaml", "-c", "x")
+    assert code == 2 and "cannot read" in err
+    code, _, _ = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "x", "--drain", "--force")
+    assert code == 2
+
+
+def test_metric_source(node: Node) -> None:
+    cfg = load_config(DATA / "config.yaml")
+    node.mig.apply(cfg, "all-balanced")
+    node.sim.reboot()
+    node.mig.reconcile()
+    uuid = next(i.uuid for i in node.mig.show()[0].instances if i.profile == "3g.40gb")
+    node.sim.workloads.start(0, 55, 5 * GIB, 0.5, mig=uuid)
+    node.jobs[55] = "train-x"
+    node.mig.reconcile()
+    node.mig.apply(cfg, "all-balanced")
+    registry = CollectorRegistry()
+    registry.register(Collector(lambda: None, sources=[MigMetrics(node.mig)]))
+    assert registry.get_sample_value("gpud_mig_apply_total", {"result": "reset_pending"}) == 1
+    assert registry.get_sample_value("gpud_mig_apply_total", {"result": "noop"}) == 1
+    assert registry.get_sample_value("gpud_mig_apply_total", {"result": "busy"}) == 0
+    assert registry.get_sample_value("gpud_mig_apply_duration_seconds_count") == 2
+    labels = {"gpu": "0", "mig_uuid": uuid, "profile": "3g.40gb"}
+    assert registry.get_sample_value("gpud_mig_instance_memory_limit_bytes", labels) > 40 * 10**9
+    assert registry.get_sample_value("gpud_mig_instance_processes", labels) == 1
+    samples = [
+        s
+        for m in registry.collect()
+        if m.name == "gpud_mig_instance_info"
+        for s in m.samples
+        if s.labels["mig_uuid"] == uuid
+    ]
+    assert samples[0].labels["job"] == "train-x" and samples[0].labels["placement"] == "4:4"
+    assert (
+        registry.get_sample_value(
+            "gpud_mig_layout_matches", {"gpu": "1", "gpu_uuid": node.mig.show()[1].identity.uuid}
+        )
+        == 1
+    )
+    assert (
+        registry.get_sample_value(
+            "gpud_mig_reset_pending", {"gpu": "0", "gpu_uuid": node.mig.show()[0].identity.uuid}
+        )
+        == 0
+    )
