@@ -95,7 +95,11 @@ def job_row(job: pb.Job) -> tuple[str, ...]:
 
 
 def run_add(ctx: Context, args: argparse.Namespace) -> int:
-    job = pb.Job(name=args.name, kind=KINDS.get(args.kind or "training", pb.JOB_KIND_UNSPECIFIED), owner=args.owner)
+    job = pb.Job(
+        name=args.name,
+        kind=KINDS.get(args.kind or "training", pb.JOB_KIND_UNSPECIFIED),
+        owner=args.owner,
+    )
     if args.mig:
         job.mig_profile = args.mig
     if args.gpus is not None:

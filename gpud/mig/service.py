@@ -99,8 +99,9 @@ def apply_message(result: ApplyResult) -> pb.ApplyMigResponse:
 class MigServicer(pb_grpc.MigServicer):
     """Serves ``gpud.v1.Mig``: ``ApiServer(path, servicers=[MigServicer(manager).register])``."""
 
-    def __init__(self, manager: MigManager) -> None:
+    def __init__(self, manager: MigManager, *, default_drain_timeout_s: float = 300.0) -> None:
         self._manager = manager
+        self._default_drain_s = default_drain_timeout_s  # for a drain without a timeout
 
     def register(self, server: Any) -> None:
         pb_grpc.add_MigServicer_to_server(self, server)
@@ -118,6 +119,8 @@ class MigServicer(pb_grpc.MigServicer):
         if request.drain and request.force:
             raise InvalidArgument("drain and force exclude each other", field="force")
         timeout = request.timeout_seconds
+        if request.drain and timeout == 0:
+            timeout = self._default_drain_s
         if not 0 <= timeout <= MAX_DRAIN_SECONDS:
             raise InvalidArgument(
                 f"must be within 0..{MAX_DRAIN_SECONDS:g}", field="timeout_seconds"

@@ -1,0 +1,164 @@
+"""Sampler + metrics on the real adapter over the simulated node, with injected faults."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gpud.backend.nvml import NvmlBackend
+from gpud.backend.sim import SimNode, parse_simulate_spec
+from gpud.events import EventLog
+from gpud.metrics import Collector, build_registry
+from gpud.telemetry.sampler import Sampler
+
+GIB = 1 << 30
+
+
+class Node:
+    def __init__(self) -> None:
+        self.sim = SimNode(parse_simulate_spec("H100-SXM5-80GB:4"), seed=1)
+        self.backend = NvmlBackend(self.sim.nvml)
+        self.events = EventLog(None)
+        self.sampler = Sampler(
+            self.backend, call_timeout_s=0.25, events=self.events, event_wait_s=0.05
+        )
+        self.registry: CollectorRegistry = build_registry(
+            Collector(self.sampler.latest, events=self.events), process=False
+        )
+
+    def value(self, name: str, gpu: int, **labels: str) -> float | None:
+        snap = self.sampler.latest()
+        assert snap is not None
+        ident = snap.gpus[gpu].identity
+        base = {"gpu": str(gpu), "uuid": ident.uuid, "model": ident.name}
+        return self.registry.get_sample_value(name, {**base, **labels})
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    n = Node()
+    yield n
+    n.sim.faults.clear()
+    n.sampler.close()
+    n.backend.close()
+
+
+def enable_mig(node: Node, gpu: int, count: int) -> None:
+    backend = node.backend
+    backend.set_mig_mode(gpu, True)
+    node.sim.reboot()
+    profile = next(p for p in backend.gpu_instance_profiles(gpu) if p.name == "1g.10gb")
+    for placement in backend.gpu_instance_placements(gpu, profile.id)[:count]:
+        gi = backend.create_gpu_instance(gpu, profile.id, placement)
+        ci = next(
+            c
+            for c in backend.compute_instance_profiles(gpu, profile.id)
+            if c.slice_count == profile.slice_count
+        )
+        backend.create_compute_instance(gpu, gi.id, ci.id)
+
+
+def test_reads_gpus_processes_and_mig_devices(node: Node) -> None:
+    enable_mig(node, 1, 3)
+    node.sampler.refresh_identity()
+    node.sim.workloads.start(0, 4242, 8 * GIB, 0.9)
+    node.sim.workloads.start(1, 4343, 2 * GIB, 0.5, mig=0)
+    snap = node.sampler.tick()
+    assert all(g.healthy for g in snap.gpus)
+    g0 = snap.gpus[0]
+    assert g0.identity.product == "H100-SXM5-80GB"
+    assert [p.pid for p in g0.processes] == [4242]
+    assert g0.memory is not None and g0.memory.used_bytes >= 8 * GIB
+    assert g0.utilization is not None
+    g1 = snap.gpus[1]
+    assert g1.mig_mode is not None and g1.mig_mode.current
+    assert [m.identity.profile_name for m in g1.mig_devices] == ["1g.10gb"] * 3
+    assert [p.pid for p in g1.mig_devices[0].processes] == [4343]
+    mig = g1.mig_devices[0].identity
+    used = node.registry.get_sample_value(
+        "gpud_mig_device_memory_used_bytes",
+        {
+            "gpu": "1",
+            "gpu_uuid": g1.identity.uuid,
+            "mig_uuid": mig.uuid,
+            "profile": "1g.10gb",
+            "gpu_instance_id": str(mig.gpu_instance_id),
+            "compute_instance_id": str(mig.compute_instance_id),
+        },
+    )
+    assert used is not None and used >= 2 * GIB
+    assert node.value("gpud_gpu_processes", 0) == 1
+    assert node.value("gpud_gpu_mig_mode_enabled", 1) == 1
+
+
+def test_gpu_lost_mid_run(node: Node) -> None:
+    node.sampler.tick()
+    node.sim.faults.lose(2)
+    snap = node.sampler.tick()
+    assert not snap.gpus[2].healthy
+    assert "GPU lost" in snap.gpus[2].reason
+    assert all(snap.gpus[i].healthy for i in (0, 1, 3))
+    assert node.value("gpud_gpu_healthy", 2) == 0
+    assert node.value("gpud_gpu_healthy", 0) == 1
+    assert node.value("gpud_gpu_memory_used_bytes", 2) is None
+    assert node.value("gpud_gpu_memory_used_bytes", 3) is not None
+    assert node.registry.get_sample_value("gpud_events_total", {"kind": "gpu.unhealthy"}) == 1
+    node.sim.faults.clear(2)
+    assert node.sampler.tick().gpus[2].healthy
+    assert node.registry.get_sample_value("gpud_events_total", {"kind": "gpu.recovered"}) == 1
+
+
+def test_not_supported_field(node: Node) -> None:
+    node.sim.faults.not_supported(1, "power")
+    snap = node.sampler.tick()
+    assert snap.gpus[1].healthy
+    assert snap.gpus[1].power_watts is None
+    assert snap.gpus[0].power_watts is not None
+    assert node.value("gpud_gpu_power_watts", 1) is None
+    assert node.value("gpud_gpu_power_watts", 0) is not None
+    assert node.value("gpud_gpu_healthy", 1) == 1
+
+
+def test_hung_call_others_stay_fresh(node: Node) -> None:
+    node.sampler.tick()
+    node.sim.faults.slow(3, 1.0)
+    start = time.monotonic()
+    snap = node.sampler.tick()
+    assert time.monotonic() - start < 1.0  # did not wait for the hung GPU
+    g3 = snap.gpus[3]
+    assert not g3.healthy
+    assert g3.reason == "driver call timed out after 0.25 s"
+    assert all(g.healthy and g.sampled_at >= snap.monotonic for g in snap.gpus[:3])
+    snap = node.sampler.tick()  # still stuck: not called again, others fresh
+    assert not snap.gpus[3].healthy
+    assert all(g.healthy and g.sampled_at >= snap.monotonic for g in snap.gpus[:3])
+    age = node.value("gpud_gpu_sample_age_seconds", 3)
+    assert age is not None and age > 0.2
+    assert node.value("gpud_gpu_healthy", 3) == 0
+    reason = {"reason": "driver call timed out after 0.25 s"}
+    assert node.value("gpud_gpu_unhealthy_info", 3, **reason) == 1
+    node.sim.faults.clear(3)
+    deadline = time.monotonic() + 5
+    while not node.sampler.tick().gpus[3].healthy:
+        assert time.monotonic() < deadline, "GPU 3 did not recover"
+        time.sleep(0.1)
+
+
+def test_xid_events(node: Node) -> None:
+    node.sampler.tick()
+    node.sampler.start()
+    node.sim.faults.xid(0, 31)
+    node.sim.faults.xid(0, 43)
+    deadline = time.monotonic() + 5
+    while node.events.counts().get("gpu.xid", 0) < 2:
+        assert time.monotonic() < deadline, "XIDs not seen"
+        time.sleep(0.02)
+    snap = node.sampler.tick()
+    assert snap.gpus[0].xid_events_total == 2
+    assert snap.gpus[0].last_xid == 43
+    assert node.value("gpud_gpu_xid_errors_total", 0) == 2
+    assert node.value("gpud_gpu_last_xid", 0) == 43
+    assert node.value("gpud_gpu_xid_errors_total", 1) == 0
