@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -35,7 +36,16 @@ from gpud.backend.port import GpuBackend
 from gpud.config import Config, parse_address
 from gpud.errors import GpudError
 from gpud.events import EventLog
+from gpud.jobs.api import JobsServicer
+from gpud.jobs.metrics import JobMetrics
+from gpud.jobs.service import JobService
 from gpud.metrics import Collector, build_registry, start_metrics_server, stop_metrics_server
+from gpud.mig.apply import MigManager
+from gpud.mig.metrics import MigMetrics
+from gpud.mig.service import MigServicer
+from gpud.mps.api import MpsServicer
+from gpud.mps.manager import MpsManager
+from gpud.mps.metrics import MpsMetrics
 from gpud.notify import Notifier
 from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler
@@ -76,6 +86,16 @@ def open_backend(config: Config) -> tuple[GpuBackend, SimNode | None]:
     from gpud.backend.nvml import open_real_backend
 
     return open_real_backend(), None
+
+
+def mps_control_command(config: Config) -> list[str]:
+    """The MPS control daemon to run: a simulated node gets the bundled fake
+    ``nvidia-cuda-mps-control`` unless the config names another binary."""
+    if config.backend.kind == "sim" and config.mps.control_binary == "nvidia-cuda-mps-control":
+        from gpud.sim_tools import FAKE_MPS_CONTROL
+
+        return [sys.executable, str(FAKE_MPS_CONTROL)]
+    return [config.mps.control_binary]
 
 
 @dataclass
@@ -134,14 +154,50 @@ class Daemon:
             faults=sim.faults if sim is not None else None,
             clock=clock,
         )
+        self.mps = MpsManager(
+            self.store,
+            self.events,
+            config.daemon.run_dir,
+            control_command=mps_control_command(config),
+            enabled=config.mps.enabled,
+        )
+        self.jobs = JobService(self.store, self.events, self.mps, socket_path=config.socket_path)
+        self.mig = MigManager(
+            backend,
+            self.store,
+            self.events,
+            job_resolver=self.jobs.job_of,
+            on_change=self.sampler.refresh_identity,
+        )
+        for source in (MigMetrics(self.mig), MpsMetrics(self.mps), JobMetrics(self.jobs)):
+            self.collector.add_source(source)
         self.api = ApiServer(
             config.socket_path,
             socket_group=config.api.socket_group or None,
             tcp_address=config.api.tcp_address or None,
-            servicers=[self.node_servicer.register],
+            servicers=[
+                self.node_servicer.register,
+                MigServicer(self.mig, default_drain_timeout_s=config.mig.drain_timeout_s).register,
+                MpsServicer(self.mps, loads=self.jobs.loads).register,
+                JobsServicer(self.jobs).register,
+            ],
         )
         self.steps: list[Step] = []
         self._shutdown: list[Callable[[], Awaitable[None] | None]] = []
+        # Order matters: MIG first (it changes the devices), then MPS per device, then jobs.
+        self.add_step("mig", self._mig_step)
+        self.add_step("mps", self._mps_step)
+        self.add_step("jobs", self._jobs_step)
+        self.on_shutdown(self.mps.stop)
+
+    async def _mig_step(self) -> None:
+        await asyncio.to_thread(self.mig.reconcile, self.config.mig.on_start)
+
+    async def _mps_step(self) -> None:
+        await asyncio.to_thread(self.mps.reconcile, self.sampler.latest())
+
+    async def _jobs_step(self) -> None:
+        await asyncio.to_thread(self.jobs.tick, self.sampler.latest())
 
     def _read_driver_version(self) -> str:
         try:
@@ -189,7 +245,9 @@ class Daemon:
         metrics_server = None
         sampler_task = asyncio.create_task(self.sampler.run(self._stop), name="sampler")
         try:
-            # One sample before serving, so the first `gpuctl gpus` has values.
+            # Converge MIG layouts before anything uses the devices (or only report, as
+            # configured), then take one sample, so the first `gpuctl gpus` has values.
+            await asyncio.to_thread(self.mig.reconcile, self.config.mig.on_start)
             await asyncio.to_thread(self.sampler.tick)
             if self.config.metrics.enabled:
                 host, port = parse_address(

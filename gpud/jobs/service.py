@@ -74,6 +74,10 @@ class JobService:
         self._lock = threading.RLock()  # placement is check-then-insert
         self._uses: list[ProcessUse] = []
 
+    def job_of(self, pid: int) -> str | None:
+        """The job ``pid`` belongs to (by its ``GPUD_JOB`` or cgroup), or None."""
+        return self._attributor.job_of(pid)[0]
+
     # -- registry --------------------------------------------------------------------------
     def add(self, spec: JobSpec) -> JobSpec:
         job = self.registry.add(spec)

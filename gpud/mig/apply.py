@@ -160,8 +160,12 @@ class MigManager:
         wall: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
         drain_poll_s: float = 1.0,
+        on_change: Callable[[int], None] | None = None,
     ) -> None:
+        """``on_change(gpu)`` is called after each driver change on a GPU (the sampler then
+        re-reads its MIG devices at once)."""
         self._backend = backend
+        self._on_change = on_change
         self._store = MigStore(store)
         self._events = events
         self._jobs = job_resolver
@@ -461,12 +465,18 @@ class MigManager:
                 mode = self._backend.set_mig_mode(step.gpu, step.enabled)
                 done.append(step.describe())
                 self._mark(len(done))
+                self._changed(gpu.index)
                 # Pending until a reset, or taken effect: then re-plan from what the driver has.
                 return mode.current != step.enabled
             self._do(step)
             done.append(step.describe())
             self._mark(len(done))
+            self._changed(gpu.index)
         return False
+
+    def _changed(self, gpu: int) -> None:
+        if self._on_change is not None:
+            self._on_change(gpu)
 
     def _mark(self, count: int) -> None:
         if self._store.inflight() is not None:
