@@ -152,6 +152,7 @@ class Daemon:
             node_info=self.node_info,
             events=self.events,
             faults=sim.faults if sim is not None else None,
+            reboot=self._reboot_sim if sim is not None else None,
             clock=clock,
         )
         self.mps = MpsManager(
@@ -198,6 +199,14 @@ class Daemon:
 
     async def _jobs_step(self) -> None:
         await asyncio.to_thread(self.jobs.tick, self.sampler.latest())
+
+    def _reboot_sim(self) -> None:
+        """A simulated reboot under a running daemon: instances go, as on a real node; the
+        next reconcile recreates the desired MIG layouts."""
+        assert self.sim is not None
+        self.sim.reboot()
+        self.sampler.refresh_identity()
+        self.events.emit("sim.reboot", "simulated node rebooted: MIG instances cleared")
 
     def _read_driver_version(self) -> str:
         try:

@@ -56,6 +56,7 @@ class EventLog:
         self._counts: dict[str, int] = {}
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
+            self._ring.extend(_read_tail(path, keep))
 
     def emit(self, kind: str, message: str, **fields: Any) -> Event:
         event = Event(self._clock(), kind, message, fields)
@@ -88,3 +89,25 @@ class EventLog:
         except FileNotFoundError:
             return
         self._path.replace(self._path.with_suffix(".jsonl.1"))
+
+
+def _read_tail(path: Path, keep: int) -> list[Event]:
+    """The last ``keep`` events of an earlier run, so ``gpuctl events`` spans restarts.
+    Lines that do not parse (a torn last write) are skipped."""
+    try:
+        with path.open(encoding="utf-8") as fh:
+            lines = deque(fh, maxlen=keep)
+    except OSError:
+        return []
+    events = []
+    for line in lines:
+        try:
+            data = json.loads(line)
+            events.append(
+                Event(
+                    float(data.pop("time")), str(data.pop("kind")), str(data.pop("message")), data
+                )
+            )
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return events

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -73,7 +74,7 @@ class RecordingNvml:
         return call
 
 
-def build_node(backend: NvmlBackend, node: SimNode) -> None:
+def build_node(backend: NvmlBackend, node: SimNode, *, workloads: bool = True) -> None:
     """``nvidia-smi -mig 1``, reset, then ``nvidia-smi mig -cgi 1g.10gb x7 -C`` on every GPU."""
     count = backend.gpu_count()
     for gpu in range(count):
@@ -90,6 +91,8 @@ def build_node(backend: NvmlBackend, node: SimNode) -> None:
                 if c.slice_count == profile.slice_count
             )
             backend.create_compute_instance(gpu, gi.id, ci_profile.id)
+    if not workloads:
+        return
     # A process on every other MIG device, so process lists are not all empty.
     pid = 10_000
     for gpu in range(count):
@@ -142,71 +145,80 @@ def cpu_seconds(fn: Callable[[], object]) -> float:
     return time.process_time() - start
 
 
-def measure_rss_daemon(workdir: Path) -> tuple[int | None, str]:
-    """Start ``gpud --simulate`` in ``workdir``; its RSS after a few ticks, or None and why."""
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def measure_rss_daemon(workdir: Path) -> tuple[int | None, str, int]:
+    """RSS of ``gpud --simulate`` on the benchmark's MIG layout, after a few ticks/scrapes.
+
+    The layout is written beforehand into the simulated driver's state file
+    (``<run-dir>/sim/node.json``), which the daemon's simulated node reads at start, as
+    a real node keeps its MIG instances across a daemon restart. Returns (RSS or None,
+    what was measured or why not, MIG devices the daemon's /metrics shows).
+    """
+    run_dir = workdir / "run"
+    state = SimNode(parse_simulate_spec(SPEC), state_file=run_dir / "sim" / "node.json")
+    backend = NvmlBackend(state.nvml)
+    try:
+        build_node(backend, state, workloads=False)
+    finally:
+        backend.close()
+    port = _free_port()
+    sock = run_dir / "gpud.sock"
+    (workdir / "gpud.toml").write_text("")
     cmd = [
         sys.executable,
         "-m",
         "gpud.main",
         "--simulate",
         SPEC,
+        "--config",
+        str(workdir / "gpud.toml"),
         "--state-dir",
         str(workdir / "state"),
         "--run-dir",
-        str(workdir / "run"),
+        str(run_dir),
         "--socket",
-        str(workdir / "run" / "gpud.sock"),
+        str(sock),
         "--metrics-address",
-        "127.0.0.1:0",
-        "--config",
-        str(workdir / "gpud.toml"),
+        f"127.0.0.1:{port}",
     ]
-    (workdir / "gpud.toml").write_text("")
-    log = (workdir / "gpud.log").open("wb")
+    log_path = workdir / "gpud.log"
+    with log_path.open("wb") as log:
+        try:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        except OSError as err:
+            return None, f"cannot start gpud: {err}", 0
     try:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    except OSError as err:
-        return None, f"cannot start gpud: {err}"
-    try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
             if proc.poll() is not None:
-                tail = (workdir / "gpud.log").read_text(errors="replace")[-300:]
-                return None, f"gpud exited with {proc.returncode}: {tail.strip()}"
-            if (workdir / "run" / "gpud.sock").exists():
-                break
+                tail = log_path.read_text(errors="replace")[-300:].strip()
+                return None, f"gpud exited with {proc.returncode}: {tail}", 0
+            if time.monotonic() > deadline:
+                return None, "gpud did not open its socket within 30 s", 0
             time.sleep(0.2)
-        else:
-            return None, "gpud did not open its socket within 20 s"
-        time.sleep(5)  # a few sampling ticks and scrapes' worth of allocations
-        _scrape_daemon(proc.pid)
-        time.sleep(1)
-        return psutil.Process(proc.pid).memory_info().rss, "gpud --simulate subprocess"
+        mig_devices = 0
+        for _ in range(5):  # a few sampling ticks and scrapes' worth of allocations
+            time.sleep(1)
+            url = f"http://127.0.0.1:{port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                body = resp.read().decode()
+            mig_devices = sum(
+                1 for line in body.splitlines() if line.startswith("gpud_mig_device_memory_total")
+            )
+        return psutil.Process(proc.pid).memory_info().rss, "gpud --simulate subprocess", mig_devices
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(10)
+                proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
-        log.close()
-
-
-def _scrape_daemon(pid: int) -> None:
-    """Scrape the daemon's /metrics once if it listens on a TCP port (best effort)."""
-    try:
-        conns = psutil.Process(pid).net_connections(kind="tcp")
-    except psutil.Error:
-        return
-    for conn in conns:
-        if conn.status == psutil.CONN_LISTEN and conn.laddr:
-            try:
-                url = f"http://127.0.0.1:{conn.laddr.port}/metrics"
-                with urllib.request.urlopen(url, timeout=5) as resp:
-                    resp.read()
-            except OSError:
-                continue
 
 
 def record_tick_calls(node: SimNode) -> list[Call]:
@@ -263,9 +275,10 @@ def run(reps: int, with_daemon: bool) -> dict[str, Any]:
 
     rss: int | None = None
     rss_source = "not measured"
+    daemon_mig_devices = 0
     if with_daemon:
         with tempfile.TemporaryDirectory(prefix="gpud-bench-") as tmp:
-            rss, rss_source = measure_rss_daemon(Path(tmp))
+            rss, rss_source, daemon_mig_devices = measure_rss_daemon(Path(tmp))
     if rss is None:
         why = rss_source
         rss = psutil.Process(os.getpid()).memory_info().rss
@@ -294,6 +307,7 @@ def run(reps: int, with_daemon: bool) -> dict[str, Any]:
         ),
         "rss_bytes": rss,
         "rss_source": rss_source,
+        "rss_daemon_mig_devices": daemon_mig_devices,
         "rss_target_bytes": RSS_TARGET_BYTES,
         "ok": tick / bare <= TICK_RATIO_TARGET
         and scrape <= SCRAPE_TARGET_S
@@ -337,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{_ok(r['scrape_cpu_s'] <= SCRAPE_TARGET_S)}"
     )
     print(
-        f"RSS                 {r['rss_bytes'] / 1e6:8.1f} MB      ({r['rss_source']}; "
+        f"RSS                 {r['rss_bytes'] / 1e6:8.1f} MB      ({r['rss_source']}, "
+        f"{r['rss_daemon_mig_devices']} MIG devices; "
         f"target <= {RSS_TARGET_BYTES / 1e6:.0f} MB)  {_ok(r['rss_bytes'] <= RSS_TARGET_BYTES)}"
     )
     return 0 if r["ok"] else 1

@@ -33,9 +33,19 @@ python=${PYTHON:-python3}
 if [[ ! -x .venv/bin/python ]]; then
     "$python" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
+# pip's output goes to a log, shown only when it fails.
+log=$(mktemp /tmp/gpud-setup.XXXXXX)
+trap 'rm -f "$log"' EXIT
+pip_install() {
+    if ! .venv/bin/python -m pip install -q "$@" >"$log" 2>&1; then
+        cat "$log" >&2
+        echo "setup: pip install $* failed" >&2
+        exit 1
+    fi
+}
+pip_install --upgrade pip
 if (( dev )); then
-    .venv/bin/python -m pip install -q -e . --group dev
+    pip_install -e . --group dev
 else
-    .venv/bin/python -m pip install -q -e .
+    pip_install -e .
 fi

@@ -68,12 +68,14 @@ class NodeServicer(pb_grpc.NodeServicer):
         node_info: NodeInfoSource,
         events: EventSource | None = None,
         faults: FaultPort | None = None,
+        reboot: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._snapshots = snapshots
         self._node_info = node_info
         self._events = events
         self._faults = faults
+        self._reboot = reboot
         self._clock = clock
 
     def register(self, server: Any) -> None:
@@ -184,3 +186,11 @@ class NodeServicer(pb_grpc.NodeServicer):
             )
         active = await asyncio.to_thread(faults.active)
         return pb.InjectFaultResponse(active_faults=describe_faults(active))
+
+    async def RebootSim(  # noqa: N802 (gRPC method names come from the proto)
+        self, request: pb.RebootSimRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RebootSimResponse:
+        if self._reboot is None:
+            raise FailedPrecondition("node is not simulated: only gpud --simulate can reboot")
+        await asyncio.to_thread(self._reboot)
+        return pb.RebootSimResponse()

@@ -7,6 +7,7 @@
     gpuctl sim fault --gpu 2 slow 5             # every driver call takes 5 s longer
     gpuctl sim fault --gpu 3 xid 79
     gpuctl sim fault --gpu 0 clear
+    gpuctl sim reboot                           # as a reboot: MIG instances are gone
 
 A daemon on real GPUs refuses with FAILED_PRECONDITION (exit 6).
 """
@@ -40,6 +41,21 @@ def register(subparsers: Subparsers) -> None:
     ns.add_argument("field", help='a reading, e.g. "power", "temperature", "ecc"')
     ns.set_defaults(kind=pb.FAULT_KIND_NOT_SUPPORTED)
     fault.set_defaults(run=run_fault)
+    reboot = actions.add_parser(
+        "reboot", help="reboot the simulated node: MIG instances go, pending MIG modes apply"
+    )
+    reboot.set_defaults(run=run_reboot)
+
+
+def run_reboot(ctx: Context, args: argparse.Namespace) -> int:
+    resp: pb.RebootSimResponse = ctx.call(
+        ctx.stub(pb_grpc.NodeStub).RebootSim, pb.RebootSimRequest()
+    )
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+    else:
+        ctx.out.print("simulated node rebooted")
+    return 0
 
 
 def run_fault(ctx: Context, args: argparse.Namespace) -> int:

@@ -643,6 +643,36 @@ class InjectFaultRequest(_message.Message):
 Global___InjectFaultRequest: _TypeAlias = InjectFaultRequest  # noqa: Y015
 
 @_typing.final
+class RebootSimRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RebootSimRequest: _TypeAlias = RebootSimRequest  # noqa: Y015
+
+@_typing.final
+class RebootSimResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RebootSimResponse: _TypeAlias = RebootSimResponse  # noqa: Y015
+
+@_typing.final
 class InjectFaultResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -54,6 +54,11 @@ class NodeStub:
                 request_serializer=gpud_dot_v1_dot_node__pb2.InjectFaultRequest.SerializeToString,
                 response_deserializer=gpud_dot_v1_dot_node__pb2.InjectFaultResponse.FromString,
                 _registered_method=True)
+        self.RebootSim = channel.unary_unary(
+                '/gpud.v1.Node/RebootSim',
+                request_serializer=gpud_dot_v1_dot_node__pb2.RebootSimRequest.SerializeToString,
+                response_deserializer=gpud_dot_v1_dot_node__pb2.RebootSimResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -88,6 +93,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RebootSim(self, request, context):
+        """Reboot the simulated node (`gpuctl sim reboot`): as a real reboot or driver reload, MIG
+        instances are gone and pending MIG modes take effect. FAILED_PRECONDITION unless simulated.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +123,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.InjectFault,
                     request_deserializer=gpud_dot_v1_dot_node__pb2.InjectFaultRequest.FromString,
                     response_serializer=gpud_dot_v1_dot_node__pb2.InjectFaultResponse.SerializeToString,
+            ),
+            'RebootSim': grpc.unary_unary_rpc_method_handler(
+                    servicer.RebootSim,
+                    request_deserializer=gpud_dot_v1_dot_node__pb2.RebootSimRequest.FromString,
+                    response_serializer=gpud_dot_v1_dot_node__pb2.RebootSimResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +238,33 @@ class Node:
             '/gpud.v1.Node/InjectFault',
             gpud_dot_v1_dot_node__pb2.InjectFaultRequest.SerializeToString,
             gpud_dot_v1_dot_node__pb2.InjectFaultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RebootSim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpud.v1.Node/RebootSim',
+            gpud_dot_v1_dot_node__pb2.RebootSimRequest.SerializeToString,
+            gpud_dot_v1_dot_node__pb2.RebootSimResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,10 @@ class NodeStub:
     """Inject a fault into the simulated node (`gpuctl sim fault`). FAILED_PRECONDITION unless
     the daemon runs a simulated node.
     """
+    RebootSim: _grpc.UnaryUnaryMultiCallable[_node_pb2.RebootSimRequest, _node_pb2.RebootSimResponse]
+    """Reboot the simulated node (`gpuctl sim reboot`): as a real reboot or driver reload, MIG
+    instances are gone and pending MIG modes take effect. FAILED_PRECONDITION unless simulated.
+    """
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -64,6 +68,10 @@ class NodeAsyncStub(NodeStub):
     InjectFault: _aio.UnaryUnaryMultiCallable[_node_pb2.InjectFaultRequest, _node_pb2.InjectFaultResponse]  # type: ignore[assignment]
     """Inject a fault into the simulated node (`gpuctl sim fault`). FAILED_PRECONDITION unless
     the daemon runs a simulated node.
+    """
+    RebootSim: _aio.UnaryUnaryMultiCallable[_node_pb2.RebootSimRequest, _node_pb2.RebootSimResponse]  # type: ignore[assignment]
+    """Reboot the simulated node (`gpuctl sim reboot`): as a real reboot or driver reload, MIG
+    instances are gone and pending MIG modes take effect. FAILED_PRECONDITION unless simulated.
     """
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
@@ -99,6 +107,16 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_node_pb2.InjectFaultResponse, _abc.Awaitable[_node_pb2.InjectFaultResponse]]:
         """Inject a fault into the simulated node (`gpuctl sim fault`). FAILED_PRECONDITION unless
         the daemon runs a simulated node.
+        """
+
+    @_abc_1.abstractmethod
+    def RebootSim(
+        self,
+        request: _node_pb2.RebootSimRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_node_pb2.RebootSimResponse, _abc.Awaitable[_node_pb2.RebootSimResponse]]:
+        """Reboot the simulated node (`gpuctl sim reboot`): as a real reboot or driver reload, MIG
+        instances are gone and pending MIG modes take effect. FAILED_PRECONDITION unless simulated.
         """
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

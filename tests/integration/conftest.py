@@ -74,6 +74,7 @@ def start_daemon(
     sock = root / "run" / "gpud.sock"
     port = free_port()
     notify_path = root / "notify.sock"
+    notify_path.unlink(missing_ok=True)  # left by an earlier daemon in the same root
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(notify_path))
     log = root / "gpud.log"

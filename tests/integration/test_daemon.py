@@ -151,3 +151,37 @@ def test_gpuctl_without_daemon_says_so(tmp_path: Path) -> None:
     )
     assert result.returncode == 3
     assert "not running" in result.stderr
+
+
+MIG_CONFIGS = Path(__file__).resolve().parents[1] / "data" / "mig-parted" / "config.yaml"
+
+
+def test_mig_layout_survives_restart_and_is_recreated_after_reboot(tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path / "g", "--simulate", "H100-SXM5-80GB:2")
+    mig = ("-f", str(MIG_CONFIGS), "-c", "all-balanced")
+    try:
+        daemon.gpuctl("mig", "apply", *mig)  # MIG mode: pending a reset
+        assert daemon.gpuctl("mig", "assert", *mig, check=False).returncode == 1
+        daemon.gpuctl("sim", "reboot")  # the reset: the daemon then creates the instances
+        wait_for(lambda: daemon.gpuctl("mig", "assert", *mig, check=False).returncode == 0)
+        wait_for(lambda: all(g["mig_devices"] for g in gpus(daemon)))
+        # A crash of the daemon: the driver keeps the instances and the new daemon adopts them.
+        daemon.proc.kill()
+        daemon.proc.wait()
+    finally:
+        stop_daemon(daemon)
+    again = start_daemon(tmp_path / "g", "--simulate", "H100-SXM5-80GB:2")
+    try:
+        assert again.gpuctl("mig", "assert", *mig, check=False).returncode == 0
+        uuids = [d["uuid"] for g in gpus(again) for d in g["mig_devices"]]  # type: ignore[attr-defined]
+        events = json.loads(again.gpuctl("events", "--json").stdout)["events"]
+        kinds = [e["kind"] for e in events]
+        since_restart = kinds[len(kinds) - 1 - kinds[::-1].index("daemon.start") :]
+        assert not [k for k in since_restart if k.startswith("mig.apply")], since_restart
+        again.gpuctl("sim", "reboot")
+        wait_for(lambda: again.gpuctl("mig", "assert", *mig, check=False).returncode == 0)
+        wait_for(lambda: len([d for g in gpus(again) for d in g["mig_devices"]]) == len(uuids))  # type: ignore[attr-defined]
+        recreated = [d["uuid"] for g in gpus(again) for d in g["mig_devices"]]  # type: ignore[attr-defined]
+        assert set(recreated).isdisjoint(uuids)  # new instances, new UUIDs
+    finally:
+        stop_daemon(again)

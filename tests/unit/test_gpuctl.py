@@ -203,6 +203,9 @@ def test_sim_fault_refused_when_not_simulated(
     code, _, err = run(capsys, "--socket", real_socket, "sim", "fault", "--gpu", "0", "lost")
     assert code == 6  # FailedPrecondition
     assert "node is not simulated" in err
+    code, _, err = run(capsys, "--socket", real_socket, "sim", "reboot")
+    assert code == 6
+    assert "node is not simulated" in err
 
 
 def test_daemon_error_exit_code_comes_from_the_error_class(

@@ -416,3 +416,27 @@ def test_rejects_bad_settings(backend: FakeBackend) -> None:
         Sampler(backend, interval_s=0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="call_timeout_s"):
         Sampler(backend, call_timeout_s=0)  # type: ignore[arg-type]
+
+
+def test_several_hung_gpus_cost_two_timeouts_not_one_each(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock
+) -> None:
+    sampler.tick()
+    gate = threading.Event()
+    for gpu in (0, 1, 2):
+        backend.hang[gpu] = gate
+    clock.now += 1
+    t0 = time.monotonic()
+    snap = sampler.tick()
+    elapsed = time.monotonic() - t0
+    assert elapsed < 2 * 0.3 + 0.4, elapsed  # first stall, then the rest in parallel
+    assert [g.healthy for g in snap.gpus] == [False, False, False, True]
+    assert snap.gpus[3].sampled_at == clock.now
+    t0 = time.monotonic()
+    snap = sampler.tick()  # all three still stuck: skipped at once
+    assert time.monotonic() - t0 < 0.2
+    assert [g.healthy for g in snap.gpus] == [False, False, False, True]
+    backend.hang.clear()
+    gate.set()
+    time.sleep(0.05)
+    assert all(g.healthy for g in sampler.tick().gpus)

@@ -1,0 +1,32 @@
+import json
+from pathlib import Path
+
+from gpud.events import EventLog
+
+
+def test_events_are_logged_and_survive_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path, clock=lambda: 100.0)
+    log.emit("mig.apply", "applied all-1g.10gb", gpu=0)
+    log.emit("gpu.unhealthy", "GPU 1 unhealthy: GPU lost", gpu=1)
+    line = json.loads(path.read_text().splitlines()[0])
+    assert line == {"time": 100.0, "kind": "mig.apply", "message": "applied all-1g.10gb", "gpu": 0}
+    assert [e.kind for e in log.recent(kind_prefix="gpu.")] == ["gpu.unhealthy"]
+    assert log.counts() == {"mig.apply": 1, "gpu.unhealthy": 1}
+    with path.open("a") as fh:
+        fh.write('{"torn": ')  # a crash mid-write
+    again = EventLog(path)
+    assert [e.message for e in again.recent()] == [
+        "applied all-1g.10gb",
+        "GPU 1 unhealthy: GPU lost",
+    ]
+    assert again.recent()[0].fields == {"gpu": 0}
+
+
+def test_log_rotates(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path, max_bytes=200)
+    for i in range(20):
+        log.emit("x", f"event {i}")
+    assert path.with_suffix(".jsonl.1").exists()
+    assert path.stat().st_size < 400
