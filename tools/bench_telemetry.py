@@ -111,7 +111,7 @@ def bare_loop(calls: list[Call]) -> None:
 
 def adapter_loop(backend: NvmlBackend, snap: Snapshot) -> Callable[[], None]:
     """The sampler's backend calls in a plain loop: the adapter's share of the tick."""
-    plan: list[tuple[Callable[..., Any], tuple[int, ...]]] = []
+    plan: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
     for g in snap.gpus:
         i = g.identity.index
         for fn in (
@@ -128,9 +128,8 @@ def adapter_loop(backend: NvmlBackend, snap: Snapshot) -> Callable[[], None]:
             plan.append((fn, (i,)))
         if g.utilization is not None:
             plan.append((backend.utilization, (i,)))
-        for m in g.mig_devices:
-            plan.append((backend.memory, (i, m.identity.mig)))
-            plan.append((backend.processes, (i, m.identity.mig)))
+        if g.mig_devices:
+            plan.append((backend.mig_readings, (i, [m.identity.mig for m in g.mig_devices])))
 
     def loop() -> None:
         for fn, args in plan:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from gpud.backend.port import (
@@ -49,6 +49,7 @@ from gpud.backend.port import (
     MemoryInfo,
     MigDeviceIdentity,
     MigMode,
+    MigReading,
     PcieThroughput,
     Placement,
     ProcessInfo,
@@ -244,6 +245,46 @@ class NvmlBackend:
             )
             for p in procs
         ]
+
+    def mig_readings(self, gpu: int, migs: Sequence[int]) -> list[MigReading | BackendError]:
+        """``nvidia-smi -q -d MEMORY,PIDS`` over MIG devices ``migs``: one handle lookup,
+        one memory and one process query per device, with no per-field indirection (this is
+        the sampler's hot path: 7 devices per GPU on a fully split H100)."""
+        nv = self._nv
+        parent = self._handle(gpu)
+        get_handle = nv.nvmlDeviceGetMigDeviceHandleByIndex
+        get_memory = nv.nvmlDeviceGetMemoryInfo
+        get_procs = nv.nvmlDeviceGetComputeRunningProcesses
+        out: list[MigReading | BackendError] = []
+        for mig in migs:
+            fn: Callable[..., Any] = get_handle
+            try:
+                h = get_handle(parent, mig)
+                fn = get_memory
+                m = get_memory(h)
+                fn = get_procs
+                procs = get_procs(h)
+            except self._error as err:
+                translated = self._translate(err, gpu, fn)
+                if isinstance(translated, GpuLost):
+                    raise translated from err
+                out.append(translated)
+                continue
+            out.append(
+                MigReading(
+                    MemoryInfo(int(m.total), int(m.used), int(m.free)),
+                    tuple(
+                        ProcessInfo(
+                            int(p.pid),
+                            None if p.usedGpuMemory is None else int(p.usedGpuMemory),
+                            _opt_uint(p.gpuInstanceId),
+                            _opt_uint(p.computeInstanceId),
+                        )
+                        for p in procs
+                    ),
+                )
+            )
+        return out
 
     def utilization(self, gpu: int) -> Utilization:
         """``utilization.gpu`` / ``utilization.memory``; NotSupported on MIG-enabled GPUs."""

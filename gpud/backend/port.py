@@ -15,9 +15,12 @@ Conventions:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
+
+from gpud.errors import BackendError
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +167,14 @@ class MigDeviceIdentity:
     multiprocessor_count: int
 
 
+@dataclass(frozen=True, slots=True)
+class MigReading:
+    """One MIG device's memory and compute processes, read together."""
+
+    memory: MemoryInfo
+    processes: tuple[ProcessInfo, ...]
+
+
 class EventKind(Enum):
     XID = "xid"
     ECC_DOUBLE_BIT = "ecc_double_bit"
@@ -197,6 +208,12 @@ class GpuBackend(Protocol):
     def memory(self, gpu: int, mig: int | None = None) -> MemoryInfo: ...
 
     def processes(self, gpu: int, mig: int | None = None) -> list[ProcessInfo]: ...
+
+    def mig_readings(self, gpu: int, migs: Sequence[int]) -> list[MigReading | BackendError]:
+        """Memory and processes of MIG devices ``migs`` of ``gpu``, each device's handle
+        resolved once. A device whose reads fail gets its error in its place; a lost GPU
+        raises :class:`gpud.errors.GpuLost`."""
+        ...
 
     def utilization(self, gpu: int) -> Utilization: ...  # NotSupported on MIG-enabled GPUs
 

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from gpud.backend.port import GpuBackend, GpuIdentity, MigDeviceIdentity, MigMode
+from gpud.backend.port import GpuBackend, GpuIdentity, MigDeviceIdentity, MigMode, MigReading
 from gpud.errors import BackendError, GpuLost, NotSupported
 from gpud.telemetry.snapshot import GpuSample, MigSample
 
@@ -116,8 +116,6 @@ class GpuReader:
             *plain,
             (backend.mig_mode, *_MIG_FIELD),
         )
-        self._mig_memory = backend.memory
-        self._mig_processes = backend.processes
         # Read from the sampler thread too (for timed-out samples): plain reference swaps.
         self.identity: GpuIdentity | None = None
         self._mig: tuple[MigDeviceIdentity, ...] | None = None
@@ -200,16 +198,12 @@ class GpuReader:
             devices = tuple(backend.mig_devices(gpu))
             self._mig = devices
             self._mig_read_at = now
-        memory = self._mig_memory
-        processes = self._mig_processes
+        readings = backend.mig_readings(gpu, [dev.mig for dev in devices])
         samples: list[MigSample] = []
-        for dev in devices:
-            mig = dev.mig
-            try:
-                samples.append(MigSample(dev, memory(gpu, mig), tuple(processes(gpu, mig))))
-            except GpuLost:
-                raise
-            except BackendError:
+        for dev, reading in zip(devices, readings, strict=True):
+            if isinstance(reading, MigReading):
+                samples.append(MigSample(dev, reading.memory, reading.processes))
+            else:
                 # Most likely destroyed since the list was read: list again next tick.
                 self._mig = None
                 samples.append(MigSample(dev, None, ()))

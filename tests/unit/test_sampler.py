@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import FrozenInstanceError
 
 import pytest
@@ -20,6 +20,7 @@ from gpud.backend.port import (
     MemoryInfo,
     MigDeviceIdentity,
     MigMode,
+    MigReading,
     PcieThroughput,
     ProcessInfo,
     Utilization,
@@ -93,6 +94,17 @@ class FakeBackend:
     def processes(self, gpu: int, mig: int | None = None) -> list[ProcessInfo]:
         self._call(gpu, "processes" if mig is None else "mig_processes")
         return [ProcessInfo(pid=100 + gpu, used_memory_bytes=GIB)]
+
+    def mig_readings(self, gpu: int, migs: Sequence[int]) -> list[MigReading | BackendError]:
+        out: list[MigReading | BackendError] = []
+        for mig in migs:
+            try:
+                out.append(MigReading(self.memory(gpu, mig), tuple(self.processes(gpu, mig))))
+            except GpuLost:
+                raise
+            except BackendError as err:
+                out.append(err)
+        return out
 
     def utilization(self, gpu: int) -> Utilization:
         self._call(gpu, "utilization")
