@@ -3,12 +3,13 @@
 ::
 
     gpuctl mig show [--profiles]                  instances, MIG UUIDs, processes and jobs
-    gpuctl mig apply -f FILE -c NAME [--drain [--timeout S] | --force] [--dry-run]
+    gpuctl mig apply -f FILE -c NAME [--drain [--drain-timeout S] | --force] [--dry-run]
     gpuctl mig assert -f FILE -c NAME             exit 0: the GPUs match; 1: they differ
     gpuctl mig export [-c NAME]                   the current layout as a mig-parted file
 
-With ``--drain``, ``--timeout`` is how long to wait for processes to leave the instances
-that would be destroyed (the call itself waits that long plus a margin).
+With ``--drain``, ``--drain-timeout`` is how long to wait for processes to leave the
+instances that would be destroyed (default: the daemon's ``mig.drain_timeout_s``); the call
+itself waits that long plus a margin.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
 from gpud.cli.output import NA, gib
+from gpud.mig import MAX_DRAIN_SECONDS
 from gpud.v1 import mig_pb2 as pb
 from gpud.v1 import mig_pb2_grpc as pb_grpc
 
@@ -54,7 +56,13 @@ def register(subparsers: Subparsers) -> None:
     mode.add_argument(
         "--drain",
         action="store_true",
-        help="wait (up to --timeout seconds) for processes to leave instances to be destroyed",
+        help="wait for processes to leave instances to be destroyed (see --drain-timeout)",
+    )
+    apply.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="with --drain: how long to wait (default: the daemon's mig.drain_timeout_s)",
     )
     mode.add_argument(
         "--force", action="store_true", help="do not check for processes (the driver may refuse)"
@@ -154,9 +162,18 @@ def run_apply(ctx: Context, args: argparse.Namespace) -> int:
     request = pb.ApplyMigRequest(
         config=_source(args), drain=args.drain, force=args.force, dry_run=args.dry_run
     )
+    if args.drain_timeout is not None and not args.drain:
+        raise CliError("--drain-timeout goes with --drain", EXIT_USAGE)
     if args.drain:
-        request.timeout_seconds = args.timeout
-        ctx.timeout = args.timeout + _CALL_MARGIN_S
+        if args.drain_timeout is not None:
+            if not 0 < args.drain_timeout <= MAX_DRAIN_SECONDS:
+                raise CliError(
+                    f"--drain-timeout: must be within 0..{MAX_DRAIN_SECONDS:g} s", EXIT_USAGE
+                )
+            request.timeout_seconds = args.drain_timeout
+        # The daemon waits up to the drain timeout (its default when not given).
+        wait = args.drain_timeout if args.drain_timeout is not None else MAX_DRAIN_SECONDS
+        ctx.timeout = max(ctx.timeout, wait + _CALL_MARGIN_S)
     resp: pb.ApplyMigResponse = ctx.call(ctx.stub(pb_grpc.MigStub).ApplyMig, request)
     if ctx.out.json:
         ctx.out.print_json(resp)

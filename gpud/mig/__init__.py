@@ -9,3 +9,7 @@
 - :mod:`gpud.mig.store`: desired layouts and the in-flight plan in the state database.
 - :mod:`gpud.mig.metrics`: the scrape-time metric source.
 """
+
+# The longest drain a request may ask for: one day. The daemon refuses more; gpuctl says so
+# before asking.
+MAX_DRAIN_SECONDS = 24 * 3600.0

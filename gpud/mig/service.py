@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from gpud.errors import InvalidArgument
+from gpud.mig import MAX_DRAIN_SECONDS
 from gpud.mig.apply import ApplyResult, GpuView, MigManager
 from gpud.mig.layout import MigConfigFile, parse_config
 from gpud.mig.store import ApplyOptions
@@ -20,7 +21,6 @@ from gpud.v1 import mig_pb2 as pb
 from gpud.v1 import mig_pb2_grpc as pb_grpc
 
 MAX_CONFIG_BYTES = 1 << 20
-MAX_DRAIN_SECONDS = 24 * 3600.0
 
 
 def _config(source: pb.MigConfigSource) -> tuple[MigConfigFile, str]:

@@ -97,8 +97,6 @@ def test_apply_assert_show_export(capsys: pytest.CaptureFixture[str], node: Node
     code, _, err = gpuctl(
         capsys,
         node,
-        "--timeout",
-        "0.5",
         "mig",
         "apply",
         "-f",
@@ -106,6 +104,8 @@ def test_apply_assert_show_export(capsys: pytest.CaptureFixture[str], node: Node
         "-c",
         "all-7g.80gb",
         "--drain",
+        "--drain-timeout",
+        "0.5",
     )
     assert code == 6 and "after draining" in err
 
@@ -132,6 +132,11 @@ def test_bad_requests(capsys: pytest.CaptureFixture[str], node: Node) -> None:
     assert code == 2 and "cannot read" in err
     code, _, _ = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "x", "--drain", "--force")
     assert code == 2
+    apply = ("mig", "apply", "-f", CONFIG, "-c", "all-balanced")
+    code, _, err = gpuctl(capsys, node, *apply, "--drain-timeout", "5")
+    assert code == 2 and "--drain-timeout goes with --drain" in err
+    code, _, err = gpuctl(capsys, node, *apply, "--drain", "--drain-timeout", "-1")
+    assert code == 2 and "--drain-timeout: must be within" in err
 
 
 def test_metric_source(node: Node) -> None:
