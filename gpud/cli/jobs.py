@@ -94,24 +94,29 @@ def job_row(job: pb.Job) -> tuple[str, ...]:
     )
 
 
+def fill_placement(msg: pb.Job | pb.ReserveRequest, args: argparse.Namespace) -> None:
+    """Copy the options of :func:`add_placement_options` into a Job or a ReserveRequest."""
+    if args.mig:
+        msg.mig_profile = args.mig
+    if args.gpus is not None:
+        msg.gpu_count = args.gpus
+    if args.devices:
+        msg.devices.extend(d for d in args.devices.split(",") if d)
+    if args.threads is not None:
+        msg.threads_percent = args.threads
+    if args.memory is not None:
+        msg.memory_limit_bytes = size_arg(args.memory)
+    if args.priority is not None:
+        msg.client_priority = args.priority
+
+
 def run_add(ctx: Context, args: argparse.Namespace) -> int:
     job = pb.Job(
         name=args.name,
         kind=KINDS.get(args.kind or "training", pb.JOB_KIND_UNSPECIFIED),
         owner=args.owner,
     )
-    if args.mig:
-        job.mig_profile = args.mig
-    if args.gpus is not None:
-        job.gpu_count = args.gpus
-    if args.devices:
-        job.devices.extend(d for d in args.devices.split(",") if d)
-    if args.threads is not None:
-        job.threads_percent = args.threads
-    if args.memory is not None:
-        job.memory_limit_bytes = size_arg(args.memory)
-    if args.priority is not None:
-        job.client_priority = args.priority
+    fill_placement(job, args)
     if args.slo_p99_ms is not None:
         job.slo_p99_ms = args.slo_p99_ms
     resp: pb.AddJobResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).AddJob, pb.AddJobRequest(job=job))

@@ -26,8 +26,7 @@ import threading
 from types import FrameType
 
 from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
-from gpud.cli.jobs import KINDS, add_placement_options
-from gpud.cli.mps import size_arg
+from gpud.cli.jobs import KINDS, add_placement_options, fill_placement
 from gpud.jobs.env import shell_exports
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
@@ -67,18 +66,7 @@ def reserve_request(args: argparse.Namespace) -> pb.ReserveRequest:
         owner=args.owner,
         holder_pid=os.getpid(),
     )
-    if args.mig:
-        request.mig_profile = args.mig
-    if args.gpus is not None:
-        request.gpu_count = args.gpus
-    if args.devices:
-        request.devices.extend(d for d in args.devices.split(",") if d)
-    if args.threads is not None:
-        request.threads_percent = args.threads
-    if args.memory is not None:
-        request.memory_limit_bytes = size_arg(args.memory)
-    if args.priority is not None:
-        request.client_priority = args.priority
+    fill_placement(request, args)
     return request
 
 
