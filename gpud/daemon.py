@@ -191,8 +191,15 @@ class Daemon:
         self.add_step("jobs", self._jobs_step)
         self.on_shutdown(self.mps.stop)
 
+    def _unhealthy_uuids(self) -> set[str]:
+        snap = self.sampler.latest()
+        return {g.identity.uuid for g in snap.gpus if not g.healthy} if snap else set()
+
     async def _mig_step(self) -> None:
-        await asyncio.to_thread(self.mig.reconcile, self.config.mig.on_start)
+        # A lost or hung GPU is left alone: a driver call on it could block the step.
+        await asyncio.to_thread(
+            self.mig.reconcile, self.config.mig.on_start, skip=self._unhealthy_uuids()
+        )
 
     async def _mps_step(self) -> None:
         await asyncio.to_thread(self.mps.reconcile, self.sampler.latest())

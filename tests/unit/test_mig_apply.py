@@ -301,6 +301,22 @@ def test_reboot_recreates_the_desired_layout(host: Host, config: MigConfigFile) 
     assert instances(second) == before
 
 
+def test_unhealthy_gpus_are_skipped_until_they_answer(host: Host, config: MigConfigFile) -> None:
+    first = enable(host, config, "all-balanced")
+    before = instances(first)
+    first.node.reboot()
+    second = host.start()
+    sick = second.backend.identity(1).uuid
+    second.node.faults.lose(1)  # any driver call on GPU 1 would fail (or hang, if slow)
+    outcomes = {o.gpu: o for o in second.mig.reconcile(skip={sick})}
+    assert outcomes[0].status == "changed"
+    assert outcomes[1].status == "failed" and "unhealthy" in outcomes[1].detail
+    assert outcomes[1].steps == ()
+    second.node.faults.clear(1)
+    assert {o.status for o in second.mig.reconcile()} == {"ok", "changed"}
+    assert instances(second) == before
+
+
 def _mutations(
     host_dir: Path, spec: list[tuple[str, int]], config: MigConfigFile, start: str | None
 ) -> int:

@@ -147,6 +147,7 @@ def test_metric_source(node: Node) -> None:
     uuid = next(i.uuid for i in node.mig.show()[0].instances if i.profile == "3g.40gb")
     node.sim.workloads.start(0, 55, 5 * GIB, 0.5, mig=uuid)
     node.jobs[55] = "train-x"
+    node.mig.refresh_view()  # reconcile re-reads instances only every VIEW_REFRESH_S
     node.mig.reconcile()
     node.mig.apply(cfg, "all-balanced")
     registry = CollectorRegistry()
