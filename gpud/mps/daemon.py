@@ -25,9 +25,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from gpud.errors import BackendError, DriverTimeout
+from gpud.errors import BackendError, ConfigError, DriverTimeout
 from gpud.mps import protocol
 from gpud.mps.procs import alive
+
+# sun_path holds 108 bytes on Linux, the terminating NUL included.
+_MAX_UNIX_PATH = 107
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,14 @@ class ControlDaemon:
         existing = self.pid()
         if existing is not None:
             return existing
+        control = self.pipe_dir / protocol.CONTROL_SOCKET
+        if len(os.fsencode(control)) > _MAX_UNIX_PATH:
+            raise ConfigError(
+                f"the MPS control socket {control} is {len(os.fsencode(control))} bytes long, "
+                f"over the {_MAX_UNIX_PATH} a unix socket path may have: use a shorter "
+                "daemon.run_dir",
+                key="daemon.run_dir",
+            )
         self.pipe_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # Clients of other users connect through the pipe dir: it must be traversable.
@@ -111,7 +122,7 @@ class ControlDaemon:
         result = self._run(["-d"], None)
         if result.returncode != 0:
             raise BackendError(
-                f"{self._command[0]} -d exited {result.returncode}: "
+                f"{' '.join(self._command)} -d exited {result.returncode}: "
                 f"{(result.stderr or result.stdout).strip()}",
                 uuid=self.uuid,
                 call="nvidia-cuda-mps-control -d",

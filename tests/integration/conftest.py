@@ -66,12 +66,19 @@ class RunningDaemon:
 
 
 def start_daemon(
-    root: Path, *extra: str, config_text: str = "", env: dict[str, str] | None = None
+    root: Path,
+    *extra: str,
+    config_text: str = "",
+    env: dict[str, str] | None = None,
+    run_dir: Path | None = None,
 ) -> RunningDaemon:
+    """``run_dir`` defaults to ``root/run``; pass a short one where unix socket paths under
+    it must fit in 107 bytes (MPS pipe directories)."""
     root.mkdir(parents=True, exist_ok=True)
     config = root / "gpud.toml"
     config.write_text(config_text)
-    sock = root / "run" / "gpud.sock"
+    run = run_dir or root / "run"
+    sock = run / "gpud.sock"
     port = free_port()
     notify_path = root / "notify.sock"
     notify_path.unlink(missing_ok=True)  # left by an earlier daemon in the same root
@@ -83,7 +90,7 @@ def start_daemon(
         "--config",
         str(config),
         "--run-dir",
-        str(root / "run"),
+        str(run),
         "--state-dir",
         str(root / "state"),
         "--socket",

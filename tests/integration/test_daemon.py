@@ -9,12 +9,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import RunningDaemon, start_daemon, stop_daemon
+from tests.integration.conftest import BIN, RunningDaemon, start_daemon, stop_daemon
 
 pytestmark = pytest.mark.integration
 
@@ -190,8 +191,14 @@ def test_mig_layout_survives_restart_and_is_recreated_after_reboot(tmp_path: Pat
 
 
 def test_mps_limits_held_restarted_and_handed_to_jobs(tmp_path: Path) -> None:
+    # MPS control sockets live under the run dir: keep it short (unix socket path limit).
+    short = Path(tempfile.mkdtemp(prefix="gpud-", dir="/tmp"))
     daemon = start_daemon(
-        tmp_path / "g", "--simulate", "H100-SXM5-80GB:2", config_text="[mps]\nenabled = true\n"
+        tmp_path / "g",
+        "--simulate",
+        "H100-SXM5-80GB:2",
+        config_text="[mps]\nenabled = true\n",
+        run_dir=short,
     )
 
     def devices() -> dict[int, dict[str, object]]:
@@ -237,21 +244,33 @@ def test_mps_limits_held_restarted_and_handed_to_jobs(tmp_path: Path) -> None:
         assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10G"
         assert env["CUDA_MPS_PIPE_DIRECTORY"].endswith(f"{env['CUDA_VISIBLE_DEVICES']}/pipe")
         # Over-subscription is refused with the numbers, and the command does not run.
-        refused = daemon.gpuctl(
-            "run",
-            "--job",
-            "big",
-            "--devices",
-            env["CUDA_VISIBLE_DEVICES"],
-            "--memory",
-            "70GiB",
-            "--",
-            "true",
-            check=False,
+        device = env["CUDA_VISIBLE_DEVICES"]
+        hold = ("--devices", device, "--memory")
+        gpuctl = (str(BIN / "gpuctl"), "--socket", str(daemon.socket))
+        holder = subprocess.Popen(
+            [*gpuctl, "run", "--job", "hold", *hold, "50GiB", "--", "sleep", "60"]
         )
-        assert refused.returncode == 7, refused.stderr
-        assert "GiB" in refused.stderr
+        try:
+            wait_for(lambda: "hold" in daemon.gpuctl("mps", "show").stdout)
+            refused = daemon.gpuctl(
+                "run",
+                "--job",
+                "big",
+                *hold,
+                "40GiB",
+                "--",
+                "touch",
+                str(tmp_path / "ran"),
+                check=False,
+            )
+            assert refused.returncode == 7, refused.stderr
+            assert "50GiB reserved by hold" in refused.stderr, refused.stderr
+            assert not (tmp_path / "ran").exists()
+        finally:
+            holder.terminate()
+            holder.wait(timeout=30)
     finally:
         stop_daemon(daemon)
-    # gpud stops its control daemons with `quit`.
-    assert not list((tmp_path / "g" / "run" / "mps").glob("*/pipe/control.pid")) or True
+        pids = list(short.glob("mps/*/pipe/nvidia-cuda-mps-control.pid"))
+        shutil.rmtree(short, ignore_errors=True)
+    assert not pids, "gpud stops its control daemons with `quit`"
