@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Final
 
 from gpud.backend.port import (
@@ -46,10 +46,12 @@ from gpud.backend.port import (
     GpuIdentity,
     GpuInstanceInfo,
     GpuInstanceProfile,
+    GpuReadings,
     MemoryInfo,
     MigDeviceIdentity,
     MigMode,
     MigReading,
+    MigReadings,
     PcieThroughput,
     Placement,
     ProcessInfo,
@@ -89,6 +91,7 @@ _INVALID_ARGUMENT: Final = 2
 # Field ids for NVLink data throughput counters (KiB), nvml.h.
 _FI_NVLINK_TX: Final = 138
 _FI_NVLINK_RX: Final = 139
+_NVLINK_FIELDS: Final = (_FI_NVLINK_TX, _FI_NVLINK_RX)
 
 _EVENT_KINDS: Final[dict[int, EventKind]] = {
     0x8: EventKind.XID,
@@ -106,6 +109,82 @@ def _text(value: object) -> str:
 
 def _opt_uint(value: int) -> int | None:
     return None if value == _NOT_AVAILABLE_UINT else int(value)
+
+
+# Builds a NamedTuple from a tuple of all its fields without a call of its Python-level
+# ``__new__`` (namedtuple's own ``_make`` does the same): half the cost, which the readings
+# built for every GPU and MIG device on every tick add up to. Only for the per-tick readings,
+# each with every field given in order; ``test_gpu_readings_*`` compare them with readings
+# built the usual way.
+_new: Final = tuple.__new__
+
+
+def _processes(procs: Any) -> tuple[ProcessInfo, ...]:
+    """pynvml's process structs (``usedGpuMemory`` already None where NVML does not say)."""
+    out = []
+    for p in procs:
+        gi = p.gpuInstanceId
+        ci = p.computeInstanceId
+        out.append(
+            _new(
+                ProcessInfo,
+                (
+                    p.pid,
+                    p.usedGpuMemory,
+                    None if gi == _NOT_AVAILABLE_UINT else gi,
+                    None if ci == _NOT_AVAILABLE_UINT else ci,
+                ),
+            )
+        )
+    return tuple(out)
+
+
+class _Fast:
+    """The NVML functions and constants of the per-tick readings, looked up once: fetched
+    from the module on every call they would cost a good part of a cheap NVML call."""
+
+    __slots__ = (
+        "CLOCK_MEM",
+        "CLOCK_SM",
+        "ECC_CORRECTED",
+        "ECC_UNCORRECTED",
+        "ECC_VOLATILE",
+        "PCIE_RX",
+        "PCIE_TX",
+        "TEMPERATURE_GPU",
+        "clock",
+        "ecc",
+        "field_values",
+        "memory",
+        "mig_handle",
+        "mig_mode",
+        "pcie",
+        "power",
+        "processes",
+        "temperature",
+        "utilization",
+    )
+
+    def __init__(self, nv: Any) -> None:
+        self.memory = nv.nvmlDeviceGetMemoryInfo
+        self.utilization = nv.nvmlDeviceGetUtilizationRates
+        self.power = nv.nvmlDeviceGetPowerUsage
+        self.temperature = nv.nvmlDeviceGetTemperature
+        self.clock = nv.nvmlDeviceGetClockInfo
+        self.ecc = nv.nvmlDeviceGetTotalEccErrors
+        self.pcie = nv.nvmlDeviceGetPcieThroughput
+        self.field_values = nv.nvmlDeviceGetFieldValues
+        self.processes = nv.nvmlDeviceGetComputeRunningProcesses
+        self.mig_mode = nv.nvmlDeviceGetMigMode
+        self.mig_handle = nv.nvmlDeviceGetMigDeviceHandleByIndex
+        self.TEMPERATURE_GPU = nv.NVML_TEMPERATURE_GPU
+        self.CLOCK_SM = nv.NVML_CLOCK_SM
+        self.CLOCK_MEM = nv.NVML_CLOCK_MEM
+        self.ECC_CORRECTED = nv.NVML_MEMORY_ERROR_TYPE_CORRECTED
+        self.ECC_UNCORRECTED = nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+        self.ECC_VOLATILE = nv.NVML_VOLATILE_ECC
+        self.PCIE_TX = nv.NVML_PCIE_UTIL_TX_BYTES
+        self.PCIE_RX = nv.NVML_PCIE_UTIL_RX_BYTES
 
 
 def product_key(name: str, memory_total_bytes: int) -> str:
@@ -138,6 +217,7 @@ class NvmlBackend:
         self._call(None, nvml.nvmlInit)
         self._count = int(self._call(None, nvml.nvmlDeviceGetCount))
         self._driver = _text(self._call(None, nvml.nvmlSystemGetDriverVersion))
+        self._fast = _Fast(nvml)
         self._handles: list[Any] = [None] * self._count
         self._uuids: dict[int, str] = {}
         self._identities: dict[int, GpuIdentity] = {}
@@ -225,66 +305,173 @@ class NvmlBackend:
         return ident
 
     # -- readings ----------------------------------------------------------------------------
+    #
+    # The sampler's hot path: ``gpu_readings`` and ``mig_readings`` run for every GPU on every
+    # tick, so they call the NVML functions bound once in ``__init__`` directly, each in its
+    # own ``try``, with no per-reading indirection. pynvml already returns Python ints for
+    # every value read here (ctypes integer fields convert on access), so they are stored as
+    # they come.
 
     def memory(self, gpu: int, mig: int | None = None) -> MemoryInfo:
         """``nvidia-smi --query-gpu=memory.total,memory.used,memory.free`` (or the MIG device's)."""
         m = self._call(gpu, self._nv.nvmlDeviceGetMemoryInfo, self._device(gpu, mig))
-        return MemoryInfo(total_bytes=int(m.total), used_bytes=int(m.used), free_bytes=int(m.free))
+        return MemoryInfo(m.total, m.used, m.free)
 
     def processes(self, gpu: int, mig: int | None = None) -> list[ProcessInfo]:
         """``nvidia-smi --query-compute-apps=pid,used_memory`` for the GPU or MIG device."""
         procs = self._call(
             gpu, self._nv.nvmlDeviceGetComputeRunningProcesses, self._device(gpu, mig)
         )
-        return [
-            ProcessInfo(
-                pid=int(p.pid),
-                used_memory_bytes=None if p.usedGpuMemory is None else int(p.usedGpuMemory),
-                gpu_instance_id=_opt_uint(p.gpuInstanceId),
-                compute_instance_id=_opt_uint(p.computeInstanceId),
-            )
-            for p in procs
-        ]
+        return list(_processes(procs))
 
-    def mig_readings(self, gpu: int, migs: Sequence[int]) -> list[MigReading | BackendError]:
-        """``nvidia-smi -q -d MEMORY,PIDS`` over MIG devices ``migs``: one handle lookup,
-        one memory and one process query per device, with no per-field indirection (this is
-        the sampler's hot path: 7 devices per GPU on a fully split H100)."""
-        nv = self._nv
+    def gpu_readings(self, gpu: int, skip: Collection[str] = frozenset()) -> GpuReadings:
+        """``nvidia-smi -q -i N`` minus what does not change: every reading of
+        :class:`GpuReadings` not in ``skip``, with one handle lookup."""
+        h = self._handle(gpu)
+        f = self._fast
+        error = self._error
+        errors: list[tuple[str, BackendError]] = []
+        memory = utilization = power = temperature = clocks = ecc = pcie = nvlink = None
+        mig_mode = None
+        processes: tuple[ProcessInfo, ...] = ()
+        try:
+            if "memory" not in skip:
+                try:
+                    m = f.memory(h)
+                    memory = _new(MemoryInfo, (m.total, m.used, m.free))
+                except error as err:
+                    self._read_failed(errors, gpu, "memory", f.memory, err)
+            if "utilization" not in skip:
+                try:
+                    u = f.utilization(h)
+                    utilization = _new(Utilization, (u.gpu / 100.0, u.memory / 100.0))
+                except error as err:
+                    self._read_failed(errors, gpu, "utilization", f.utilization, err)
+            if "power_watts" not in skip:
+                try:
+                    power = f.power(h) / 1000.0  # mW
+                except error as err:
+                    self._read_failed(errors, gpu, "power_watts", f.power, err)
+            if "temperature_celsius" not in skip:
+                try:
+                    temperature = float(f.temperature(h, f.TEMPERATURE_GPU))
+                except error as err:
+                    self._read_failed(errors, gpu, "temperature_celsius", f.temperature, err)
+            if "clocks" not in skip:
+                try:
+                    clocks = _new(Clocks, (f.clock(h, f.CLOCK_SM), f.clock(h, f.CLOCK_MEM)))
+                except error as err:
+                    self._read_failed(errors, gpu, "clocks", f.clock, err)
+            if "ecc" not in skip:
+                try:
+                    ecc = _new(
+                        EccCounts,
+                        (
+                            f.ecc(h, f.ECC_CORRECTED, f.ECC_VOLATILE),
+                            f.ecc(h, f.ECC_UNCORRECTED, f.ECC_VOLATILE),
+                        ),
+                    )
+                except error as err:
+                    self._read_failed(errors, gpu, "ecc", f.ecc, err)
+            if "pcie" not in skip:
+                try:
+                    pcie = _new(
+                        PcieThroughput,
+                        (f.pcie(h, f.PCIE_TX) * 1024.0, f.pcie(h, f.PCIE_RX) * 1024.0),
+                    )
+                except error as err:
+                    self._read_failed(errors, gpu, "pcie", f.pcie, err)
+            if "nvlink_bytes" not in skip:
+                try:
+                    tx, rx = f.field_values(h, _NVLINK_FIELDS)
+                    if tx.nvmlReturn or rx.nvmlReturn:
+                        raise self._nv.NVMLError(tx.nvmlReturn or rx.nvmlReturn)
+                    nvlink = (tx.value.ullVal * 1024, rx.value.ullVal * 1024)
+                except error as err:
+                    self._read_failed(errors, gpu, "nvlink_bytes", f.field_values, err)
+            if "processes" not in skip:
+                try:
+                    procs = f.processes(h)
+                    if procs:
+                        processes = _processes(procs)
+                except error as err:
+                    self._read_failed(errors, gpu, "processes", f.processes, err)
+            if "mig_mode" not in skip:
+                try:
+                    current, pending = f.mig_mode(h)
+                    mig_mode = _new(MigMode, (bool(current), bool(pending)))
+                except error as err:
+                    self._read_failed(errors, gpu, "mig_mode", f.mig_mode, err)
+        except GpuLost:
+            return GpuReadings(errors=tuple(errors))
+        return _new(
+            GpuReadings,
+            (
+                memory,
+                utilization,
+                power,
+                temperature,
+                clocks,
+                ecc,
+                pcie,
+                nvlink,
+                processes,
+                mig_mode,
+                tuple(errors) if errors else (),
+            ),
+        )
+
+    def _read_failed(
+        self,
+        errors: list[tuple[str, BackendError]],
+        gpu: int,
+        reading: str,
+        fn: Callable[..., Any],
+        err: BaseException,
+    ) -> None:
+        """Note a failed reading; a lost GPU ends :meth:`gpu_readings` (raises GpuLost)."""
+        translated = self._translate(err, gpu, fn)
+        errors.append((reading, translated))
+        if isinstance(translated, GpuLost):
+            raise translated from err
+
+    def mig_readings(self, gpu: int, devices: Sequence[MigDeviceIdentity]) -> MigReadings:
+        """``nvidia-smi -q -i N:M -d MEMORY,PIDS`` over ``devices``: one handle lookup, one
+        memory and one process query per device."""
         parent = self._handle(gpu)
-        get_handle = nv.nvmlDeviceGetMigDeviceHandleByIndex
-        get_memory = nv.nvmlDeviceGetMemoryInfo
-        get_procs = nv.nvmlDeviceGetComputeRunningProcesses
-        out: list[MigReading | BackendError] = []
-        for mig in migs:
+        f = self._fast
+        get_handle = f.mig_handle
+        get_memory = f.memory
+        get_procs = f.processes
+        error = self._error
+        out: list[MigReading] = []
+        errors: list[tuple[int, BackendError]] = []
+        for dev in devices:
             fn: Callable[..., Any] = get_handle
             try:
-                h = get_handle(parent, mig)
+                h = get_handle(parent, dev.mig)
                 fn = get_memory
                 m = get_memory(h)
                 fn = get_procs
                 procs = get_procs(h)
-            except self._error as err:
+            except error as err:
                 translated = self._translate(err, gpu, fn)
                 if isinstance(translated, GpuLost):
                     raise translated from err
-                out.append(translated)
+                out.append(MigReading(dev, None, ()))
+                errors.append((dev.mig, translated))
                 continue
             out.append(
-                MigReading(
-                    MemoryInfo(int(m.total), int(m.used), int(m.free)),
-                    tuple(
-                        ProcessInfo(
-                            int(p.pid),
-                            None if p.usedGpuMemory is None else int(p.usedGpuMemory),
-                            _opt_uint(p.gpuInstanceId),
-                            _opt_uint(p.computeInstanceId),
-                        )
-                        for p in procs
+                _new(
+                    MigReading,
+                    (
+                        dev,
+                        _new(MemoryInfo, (m.total, m.used, m.free)),
+                        _processes(procs) if procs else (),
                     ),
                 )
             )
-        return out
+        return MigReadings(tuple(out), tuple(errors) if errors else ())
 
     def utilization(self, gpu: int) -> Utilization:
         """``utilization.gpu`` / ``utilization.memory``; NotSupported on MIG-enabled GPUs."""
@@ -337,19 +524,19 @@ class NvmlBackend:
         Read with ``nvmlDeviceGetFieldValues(NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX)``;
         NotSupported where the GPU has no NVLink.
         """
-        values = self._call(
-            gpu,
-            self._nv.nvmlDeviceGetFieldValues,
-            self._handle(gpu),
-            [_FI_NVLINK_TX, _FI_NVLINK_RX],
-        )
-        out = []
-        for v in values:
-            if v.nvmlReturn != 0:
-                err = self._nv.NVMLError(v.nvmlReturn)
-                raise self._translate(err, gpu, "nvmlDeviceGetFieldValues") from err
-            out.append(int(v.value.ullVal) * 1024)
-        return out[0], out[1]
+        fn = self._nv.nvmlDeviceGetFieldValues
+        values = self._call(gpu, fn, self._handle(gpu), _NVLINK_FIELDS)
+        try:
+            return self._nvlink(values)
+        except self._error as err:
+            raise self._translate(err, gpu, fn) from err
+
+    def _nvlink(self, values: Any) -> tuple[int, int]:
+        """(tx, rx) bytes from the two field values; a field's own error raises NVMLError."""
+        tx, rx = values
+        if tx.nvmlReturn or rx.nvmlReturn:
+            raise self._nv.NVMLError(tx.nvmlReturn or rx.nvmlReturn)
+        return tx.value.ullVal * 1024, rx.value.ullVal * 1024
 
     # -- MIG mode ----------------------------------------------------------------------------
 

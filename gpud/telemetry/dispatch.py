@@ -39,43 +39,68 @@ class Target:
 
 
 class _Pass:
-    """Reads several targets one after the other on one thread."""
+    """Reads several targets one after the other on one thread.
 
-    __slots__ = ("abandoned", "current", "done", "lock", "results", "started", "targets")
+    ``finished`` is held from creation until the pass ends, so the caller waits for it with
+    one ``acquire(timeout=...)``: the cheapest wait there is (a tick waits for one pass).
+    """
+
+    __slots__ = (
+        "abandoned",
+        "complete",
+        "current",
+        "finished",
+        "lock",
+        "results",
+        "started",
+        "targets",
+    )
 
     def __init__(self, targets: Sequence[Target]) -> None:
         self.targets = targets
         self.results: dict[int, Result] = {}
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards the fields below and the targets' ``busy``
         self.current: Target | None = None
         self.started = 0.0
         self.abandoned = False
-        self.done = threading.Event()
+        self.complete = False
+        self.finished = threading.Lock()
+        self.finished.acquire()
 
     def run(self) -> None:
-        for target in self.targets:
-            with self.lock:
-                if self.abandoned:
-                    return
-                self.current = target
-                self.started = time.monotonic()
-                target.busy = True
-            try:
-                result: Result = target.read()
-            except BaseException as err:  # reported as that GPU's result
-                result = err
-            with self.lock:
-                target.busy = False
-                if self.abandoned:
-                    return  # the caller gave up on this read: its values are stale
-                self.results[target.index] = result
-                self.current = None
-        self.done.set()
+        lock = self.lock
+        results = self.results
+        try:
+            for target in self.targets:
+                with lock:
+                    if self.abandoned:
+                        return
+                    self.current = target
+                    self.started = time.monotonic()
+                    target.busy = True
+                try:
+                    result: Result = target.read()
+                except BaseException as err:  # reported as that GPU's result
+                    result = err
+                with lock:
+                    target.busy = False
+                    if self.abandoned:
+                        return  # the caller gave up on this read: its values are stale
+                    results[target.index] = result
+                    self.current = None
+            with lock:
+                self.complete = True
+        finally:
+            self.finished.release()  # last: the waiting caller finds this thread idle
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the pass ended within ``timeout_s``."""
+        return self.finished.acquire(timeout=max(0.0, timeout_s))
 
     def abandon_if_overdue(self, timeout_s: float) -> Target | None:
         """Give up on the target being read if it started ``timeout_s`` ago; return it."""
         with self.lock:
-            if self.done.is_set() or self.current is None:
+            if self.complete or self.current is None:
                 return None
             if time.monotonic() - self.started < timeout_s:
                 return None
@@ -107,7 +132,7 @@ class Dispatcher:
         self._worker.submit(p.run)
         timeout = self.call_timeout_s
         wait_s = timeout
-        while not p.done.wait(max(0.0, wait_s)):
+        while not p.wait(wait_s):
             hung = p.abandon_if_overdue(timeout)
             if hung is None:
                 wait_s = p.next_deadline(timeout) - time.monotonic()
@@ -133,7 +158,7 @@ class Dispatcher:
         deadline = time.monotonic() + self.call_timeout_s
         results: dict[int, Result] = {}
         for p in passes:
-            if not p.done.wait(max(0.0, deadline - time.monotonic())):
+            if not p.wait(deadline - time.monotonic()):
                 # Only abandon a read that is still running; one that finished meanwhile counts.
                 with p.lock:
                     if not p.results:

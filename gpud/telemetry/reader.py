@@ -2,46 +2,32 @@
 
 Per tick this makes, for a GPU (``nvidia-smi -q -i N`` territory): memory, utilization, power,
 temperature, clocks, volatile ECC counts, PCIe throughput, NVLink counters, compute processes
-and MIG mode; and for each MIG device (``nvidia-smi -q -i N:M``): memory and processes.
+and MIG mode, in one :meth:`GpuBackend.gpu_readings` call; and for each MIG device
+(``nvidia-smi -q -i N:M``): memory and processes, in one :meth:`GpuBackend.mig_readings` call.
 Identity (``nvidia-smi -L``) is read once, and the MIG device list again only when it may have
 changed (see :class:`GpuReader`), because listing MIG devices costs several driver calls each.
 
-Error policy, per call:
+Error policy, per reading:
 
 - ``NotSupported``: the field is ``None`` and is not asked again for ``unsupported_retry_s``
   (a GPU in MIG mode answers NotSupported for utilization on every tick otherwise).
 - ``GpuLost``: stop reading this GPU for this tick; the sample is unhealthy.
 - any other ``BackendError``: that field is ``None``, the rest is still read, the sample is
-  unhealthy with the first failing call as the reason.
+  unhealthy with the first failing reading as the reason.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
-from gpud.backend.port import GpuBackend, GpuIdentity, MigDeviceIdentity, MigMode, MigReading
+from gpud.backend.port import GpuBackend, GpuIdentity, MigDeviceIdentity
 from gpud.errors import BackendError, GpuLost, NotSupported
 from gpud.telemetry.snapshot import GpuSample, MigSample
 
 log = logging.getLogger(__name__)
 
-# GpuBackend method -> GpuSample field, in the order they are read.
-_GPU_FIELDS: tuple[tuple[str, str], ...] = (
-    ("memory", "memory"),
-    ("utilization", "utilization"),
-    ("power_watts", "power_watts"),
-    ("temperature_celsius", "temperature_celsius"),
-    ("clocks", "clocks"),
-    ("ecc_errors", "ecc"),
-    ("pcie_throughput", "pcie"),
-    ("nvlink_throughput_bytes", "nvlink_bytes"),
-    ("processes", "processes"),
-)
-_MIG_FIELD = ("mig_mode", "mig_mode")  # only on MIG-capable GPUs
-
-_Call = tuple[Callable[[int], Any], str, str]  # bound method, method name, sample field
+_NOT_MIG_CAPABLE = frozenset({"mig_mode"})  # readings never asked of a GPU without MIG
 
 
 def placeholder_identity(index: int) -> GpuIdentity:
@@ -59,32 +45,39 @@ def placeholder_identity(index: int) -> GpuIdentity:
 
 
 class _Unsupported:
-    """Fields the device answered NotSupported for, and when to ask again."""
+    """Readings the device answered NotSupported for, and when to ask again.
 
-    __slots__ = ("_clock", "_retry_s", "_until")
+    ``skip`` is the set to pass to ``gpu_readings``; it is rebuilt only when a reading is
+    marked or one's retry time comes, so a tick pays one comparison for it.
+    """
 
-    def __init__(self, clock: Callable[[], float], retry_s: float) -> None:
-        self._clock = clock
+    __slots__ = ("_always", "_next_retry", "_retry_s", "_until", "skip")
+
+    def __init__(self, retry_s: float, always: frozenset[str] = frozenset()) -> None:
         self._retry_s = retry_s
+        self._always = always
         self._until: dict[str, float] = {}
+        self._next_retry = float("inf")
+        self.skip = always
 
-    def skip(self, key: str) -> bool:
-        until = self._until.get(key)
-        if until is None:
-            return False
-        if self._clock() >= until:
-            del self._until[key]
-            return False
-        return True
+    def expire(self, now: float) -> None:
+        """Ask again, from ``now`` on, for the readings whose retry time has come."""
+        if now < self._next_retry:
+            return
+        self._until = {k: t for k, t in self._until.items() if now < t}
+        self._rebuild()
 
-    def mark(self, key: str) -> None:
-        self._until[key] = self._clock() + self._retry_s
+    def mark(self, key: str, now: float) -> None:
+        self._until[key] = now + self._retry_s
+        self._rebuild()
 
     def clear(self) -> None:
         self._until.clear()
+        self._rebuild()
 
-    def __bool__(self) -> bool:
-        return bool(self._until)
+    def _rebuild(self) -> None:
+        self.skip = self._always.union(self._until)
+        self._next_retry = min(self._until.values(), default=float("inf"))
 
 
 class GpuReader:
@@ -108,14 +101,8 @@ class GpuReader:
         self._backend = backend
         self._clock = clock
         self._identity_refresh_s = identity_refresh_s
-        self._unsupported = _Unsupported(clock, unsupported_retry_s)
-        # Bound once: the per-tick loop is what the sampler's overhead is made of.
-        plain = tuple((getattr(backend, m), m, f) for m, f in _GPU_FIELDS)
-        self._calls: tuple[_Call, ...] = plain
-        self._calls_mig: tuple[_Call, ...] = (
-            *plain,
-            (backend.mig_mode, *_MIG_FIELD),
-        )
+        self._unsupported_retry_s = unsupported_retry_s
+        self._unsupported = _Unsupported(unsupported_retry_s)
         # Read from the sampler thread too (for timed-out samples): plain reference swaps.
         self.identity: GpuIdentity | None = None
         self._mig: tuple[MigDeviceIdentity, ...] | None = None
@@ -136,7 +123,6 @@ class GpuReader:
             self._refresh_requested = False
             self.identity = None
             self._mig = None
-            self._unsupported.clear()
         identity = self.identity
         if identity is None:
             try:
@@ -144,70 +130,77 @@ class GpuReader:
             except BackendError as err:
                 return self._failed(placeholder_identity(gpu), _reason("identity", err))
             self.identity = identity
+            # New identity, fresh view of what the GPU supports.
+            self._unsupported = _Unsupported(
+                self._unsupported_retry_s,
+                frozenset() if identity.mig_capable else _NOT_MIG_CAPABLE,
+            )
 
-        values: dict[str, Any] = {}
-        reason = ""
+        now = self._clock()
         unsupported = self._unsupported
-        for fn, method, name in self._calls_mig if identity.mig_capable else self._calls:
-            if unsupported and unsupported.skip(method):
-                continue
-            try:
-                values[name] = fn(gpu)
-            except NotSupported:
-                unsupported.mark(method)
-            except GpuLost as err:
-                return self._failed(identity, _reason(method, err))
-            except BackendError as err:
-                reason = reason or _reason(method, err)
-        processes = values.get("processes")
-        values["processes"] = tuple(processes) if processes else ()
+        unsupported.expire(now)
+        try:
+            r = backend.gpu_readings(gpu, unsupported.skip)
+        except BackendError as err:
+            return self._failed(identity, _reason("readings", err))
+        reason = ""
+        if r.errors:
+            for name, error in r.errors:
+                if isinstance(error, NotSupported):
+                    unsupported.mark(name, now)
+                elif isinstance(error, GpuLost):
+                    return self._failed(identity, _reason(name, error))
+                else:
+                    reason = reason or _reason(name, error)
 
-        mig_mode: MigMode | None = values.get("mig_mode")
+        mig_mode = r.mig_mode
         mig_samples: tuple[MigSample, ...] = ()
         if mig_mode is not None:
             if mig_mode.current != self._mig_current:
                 # Entering or leaving MIG mode changes what the GPU supports (utilization).
                 if self._mig_current is not None:
-                    self._unsupported.clear()
+                    unsupported.clear()
                 self._mig_current = mig_mode.current
                 self._mig = None
             if mig_mode.current:
                 try:
-                    mig_samples = self._read_mig(gpu)
+                    mig_samples = self._read_mig(gpu, now)
                 except GpuLost as err:
                     return self._failed(identity, _reason("mig_devices", err))
                 except BackendError as err:
                     reason = reason or _reason("mig_devices", err)
 
-        now = self._clock()
-        self._last_good_at = now
+        done = self._clock()
+        self._last_good_at = done
         return GpuSample(
             identity=identity,
             healthy=not reason,
             reason=reason,
-            sampled_at=now,
+            sampled_at=done,
+            memory=r.memory,
+            utilization=r.utilization,
+            power_watts=r.power_watts,
+            temperature_celsius=r.temperature_celsius,
+            clocks=r.clocks,
+            ecc=r.ecc,
+            pcie=r.pcie,
+            processes=r.processes,
+            mig_mode=mig_mode,
             mig_devices=mig_samples,
-            **values,
+            nvlink_bytes=r.nvlink_bytes,
         )
 
-    def _read_mig(self, gpu: int) -> tuple[MigSample, ...]:
-        backend = self._backend
-        now = self._clock()
+    def _read_mig(self, gpu: int, now: float) -> tuple[MigSample, ...]:
         devices = self._mig
         if devices is None or now - self._mig_read_at >= self._identity_refresh_s:
-            devices = tuple(backend.mig_devices(gpu))
+            devices = tuple(self._backend.mig_devices(gpu))
             self._mig = devices
             self._mig_read_at = now
-        readings = backend.mig_readings(gpu, [dev.mig for dev in devices])
-        samples: list[MigSample] = []
-        for dev, reading in zip(devices, readings, strict=True):
-            if isinstance(reading, MigReading):
-                samples.append(MigSample(dev, reading.memory, reading.processes))
-            else:
-                # Most likely destroyed since the list was read: list again next tick.
-                self._mig = None
-                samples.append(MigSample(dev, None, ()))
-        return tuple(samples)
+        readings = self._backend.mig_readings(gpu, devices)
+        if readings.errors:
+            # Most likely destroyed since the list was read: list again next tick.
+            self._mig = None
+        return readings.devices
 
     def _failed(self, identity: GpuIdentity, reason: str) -> GpuSample:
         # Re-read the MIG list once the GPU answers again: it may have been reset.

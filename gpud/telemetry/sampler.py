@@ -32,7 +32,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
 
 from gpud.backend.port import EventKind, GpuBackend, GpuEvent
 from gpud.errors import BackendError, NotSupported
@@ -202,7 +201,7 @@ class Sampler:
             )
         if slot.xid_total:
             with self._lock:
-                sample = replace(sample, xid_events_total=slot.xid_total, last_xid=slot.xid_last)
+                sample = sample._replace(xid_events_total=slot.xid_total, last_xid=slot.xid_last)
         if sample.healthy != slot.healthy or sample.reason != slot.reason:
             self._transition(slot, sample)
         return sample

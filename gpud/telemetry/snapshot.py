@@ -3,34 +3,35 @@
 A :class:`Snapshot` is one sampling tick over every GPU and MIG device. A reading the device
 does not support is ``None``; a GPU whose reads failed is ``healthy=False`` with ``reason``
 and keeps its last good readings' identity so that it stays visible.
+
+The samples, built for every GPU and MIG device on every tick, are ``NamedTuple``s like the
+readings in them (:mod:`gpud.backend.port`): immutable, and cheap to build. A MIG device's
+sample is the backend's :class:`MigReading` itself (identity, memory, processes), not a copy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from gpud.backend.port import (
     Clocks,
     EccCounts,
     GpuIdentity,
     MemoryInfo,
-    MigDeviceIdentity,
     MigMode,
+    MigReading,
     PcieThroughput,
     ProcessInfo,
     Utilization,
 )
 
-
-@dataclass(frozen=True, slots=True)
-class MigSample:
-    identity: MigDeviceIdentity
-    memory: MemoryInfo | None
-    processes: tuple[ProcessInfo, ...]
+MigSample = MigReading
+"""One MIG device at one tick: its identity, memory and processes, as the backend read them
+(``memory`` is None and ``processes`` empty when the device could not be read)."""
 
 
-@dataclass(frozen=True, slots=True)
-class GpuSample:
+class GpuSample(NamedTuple):
     """One GPU at one tick. ``sampled_at`` is the monotonic time its reads completed."""
 
     identity: GpuIdentity

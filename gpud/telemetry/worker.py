@@ -1,35 +1,34 @@
-"""A one-thread worker per GPU, so that a driver call that hangs on one GPU starves no other.
+"""A one-thread worker, so that a driver call that hangs on one GPU starves no other.
 
 A hung NVML call cannot be cancelled: the thread stays inside the driver until it returns.
 The thread is a daemon thread so that a GPU hung in the driver cannot keep the process from
 exiting (``concurrent.futures.ThreadPoolExecutor`` joins its threads at interpreter exit).
+
+Jobs return nothing: a job reports its result itself (:class:`gpud.telemetry.dispatch._Pass`
+stores results and releases a lock), which spares the sampler a ``Future`` per tick.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any, TypeVar
 
-T = TypeVar("T")
-
-_Job = tuple[Callable[[], Any], "Future[Any]"]
+log = logging.getLogger(__name__)
 
 
 class Worker:
     """Runs submitted callables one at a time on its own daemon thread."""
 
     def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        future: Future[T] = Future()
-        self._jobs.put((fn, future))
-        return future
+    def submit(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` after the jobs before it; what it raises is logged, not returned."""
+        self._jobs.put(fn)
 
     def close(self, timeout_s: float = 0.0) -> None:
         """Stop after the current job; wait at most ``timeout_s`` (a hung call may never end)."""
@@ -38,16 +37,12 @@ class Worker:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        get = self._jobs.get
         while True:
-            job = self._jobs.get()
-            if job is None:
+            fn = get()
+            if fn is None:
                 return
-            fn, future = job
-            if not future.set_running_or_notify_cancel():
-                continue
             try:
-                result = fn()
-            except BaseException as err:  # handed to the caller through the future
-                future.set_exception(err)
-            else:
-                future.set_result(result)
+                fn()
+            except BaseException:  # a job must report its own errors; keep the thread alive
+                log.exception("job %r on %s failed", fn, self._thread.name)

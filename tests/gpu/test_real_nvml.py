@@ -55,6 +55,22 @@ def test_readings(backend: NvmlBackend) -> None:
         pass
 
 
+def test_gpu_readings_in_one_call(backend: NvmlBackend) -> None:
+    r = backend.gpu_readings(0)
+    assert isinstance(r, port.GpuReadings)
+    assert all(isinstance(err, NotSupported) for _, err in r.errors), r.errors
+    assert isinstance(r.memory, port.MemoryInfo)
+    assert r.memory.total_bytes == backend.memory(0).total_bytes
+    assert all(type(v) is int for v in r.memory)  # stored as pynvml returns them
+    for p in r.processes:
+        assert type(p.pid) is int and (p.used_memory_bytes is None or p.used_memory_bytes >= 0)
+    for value in (r.clocks, r.ecc, r.nvlink_bytes):
+        assert value is None or all(type(v) is int for v in value)
+    assert r.power_watts is None or r.power_watts >= 0
+    skipped = backend.gpu_readings(0, skip=port.READINGS)
+    assert skipped == port.GpuReadings()
+
+
 def test_mig_read_only(backend: NvmlBackend) -> None:
     ident = backend.identity(0)
     if not ident.mig_capable:
@@ -76,6 +92,12 @@ def test_mig_read_only(backend: NvmlBackend) -> None:
             assert all(isinstance(c, port.ComputeInstanceProfile) for c in cis)
         except DeviceNotFound:
             pass
-    for m in backend.mig_devices(0):
+    devices = backend.mig_devices(0)
+    for m in devices:
         assert m.uuid.startswith("MIG-") and m.memory_total_bytes > 0
         assert isinstance(backend.memory(0, m.mig), port.MemoryInfo)
+    readings = backend.mig_readings(0, devices)
+    assert readings.errors == ()
+    for m, reading in zip(devices, readings.devices, strict=True):
+        assert reading.identity is m and isinstance(reading.memory, port.MemoryInfo)
+        assert reading.memory.total_bytes == backend.memory(0, m.mig).total_bytes

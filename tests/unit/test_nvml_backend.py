@@ -274,6 +274,69 @@ def test_errors_translate_by_value() -> None:
         be.memory(5)
 
 
+def test_gpu_readings_are_the_single_readings_in_one_call() -> None:
+    node, be = _backend([("H100-SXM5-80GB", 2)])  # a FakeClock: readings hold still
+    node.workloads.start(0, 4000, 20 * GiB, 0.9)
+    r = be.gpu_readings(0)
+    assert r == port.GpuReadings(
+        memory=be.memory(0),
+        utilization=be.utilization(0),
+        power_watts=be.power_watts(0),
+        temperature_celsius=be.temperature_celsius(0),
+        clocks=be.clocks(0),
+        ecc=be.ecc_errors(0),
+        pcie=be.pcie_throughput(0),
+        nvlink_bytes=be.nvlink_throughput_bytes(0),
+        processes=tuple(be.processes(0)),
+        mig_mode=be.mig_mode(0),
+    )
+    assert r.processes == (port.ProcessInfo(4000, 20 * GiB, None, None),)
+    assert tuple(f for f in r._fields if f != "errors") == port.READINGS
+
+
+def test_gpu_readings_skip_unsupported_and_lost() -> None:
+    node, be = _backend([("A100-SXM4-80GB", 2)])
+    node.faults.not_supported(0, "ecc")
+    r = be.gpu_readings(0, skip={"power_watts", "mig_mode"})
+    assert r.power_watts is None and r.mig_mode is None  # not asked
+    assert r.ecc is None and r.temperature_celsius is not None and r.clocks is not None
+    assert [(name, type(err)) for name, err in r.errors] == [("ecc", NotSupported)]
+    assert r.errors[0][1].call == "nvmlDeviceGetTotalEccErrors" and r.errors[0][1].gpu == 0
+    node.faults.lose(0)
+    r = be.gpu_readings(0)
+    ((name, err),) = r.errors  # the first call finds the GPU lost: no more calls
+    assert name == "memory" and isinstance(err, GpuLost) and err.code == 15
+    assert r == port.GpuReadings(errors=r.errors)
+    assert be.gpu_readings(1).errors == ()
+    with pytest.raises(DeviceNotFound):
+        be.gpu_readings(5)
+
+
+def test_mig_readings_leave_a_destroyed_device_empty() -> None:
+    node, be = _mig_backend()
+    for start in (0, 1):
+        gi = be.create_gpu_instance(0, 19, port.Placement(start, 1))
+        be.create_compute_instance(0, gi.id, 0)
+    node.workloads.start(0, 77, GiB, 0.5, mig=1)
+    devices = be.mig_devices(0)
+    readings = be.mig_readings(0, devices)
+    assert readings.errors == ()
+    first, second = readings.devices
+    assert first.identity == devices[0] and first.processes == ()
+    assert second.memory == be.memory(0, 1)
+    assert second.processes == tuple(be.processes(0, 1)) != ()
+    node.workloads.stop(77)
+    be.destroy_compute_instance(0, devices[1].gpu_instance_id, devices[1].compute_instance_id)
+    readings = be.mig_readings(0, devices)
+    assert readings.devices[0].memory is not None
+    assert readings.devices[1] == port.MigReading(devices[1], None, ())
+    ((mig, err),) = readings.errors
+    assert mig == 1 and isinstance(err, BackendError) and err.gpu == 0
+    node.faults.lose(0)
+    with pytest.raises(GpuLost):
+        be.mig_readings(0, devices)
+
+
 # -- contract: every GpuBackend method returns the port's types -------------------------------
 
 
@@ -299,11 +362,16 @@ def _check_type(value: Any, hint: Any) -> None:
         assert value is None
     else:
         assert isinstance(value, hint), (value, hint)
+    names: tuple[str, ...] = ()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = tuple(f.name for f in dataclasses.fields(value))
+    elif isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple
+        names = value._fields
+    if names:
         hints = get_type_hints(type(value), vars(port))
-        for f in dataclasses.fields(value):
-            v = getattr(value, f.name)
-            h = hints[f.name]
+        for name in names:
+            v = getattr(value, name)
+            h = hints[name]
             args = getattr(h, "__args__", ())
             if type(None) in args and v is None:
                 continue
@@ -321,6 +389,8 @@ def contract_calls(be: Any) -> dict[str, Any]:
         "identity": be.identity(0),
         "memory": be.memory(0),
         "processes": be.processes(0),
+        "gpu_readings": be.gpu_readings(1),
+        "mig_readings": be.mig_readings(0, be.mig_devices(0)),
         "utilization": be.utilization(1),
         "power_watts": be.power_watts(0),
         "temperature_celsius": be.temperature_celsius(0),
@@ -351,7 +421,13 @@ def test_contract_every_method_returns_port_types() -> None:
     node.reboot()
     gi = be.create_gpu_instance(0, 9, port.Placement(4, 4))
     be.create_compute_instance(0, gi.id, 2)
+    node.workloads.start(0, 4000, GiB, 0.5, mig=0)
+    node.workloads.start(1, 4001, GiB, 0.5)
     results = contract_calls(be)
+    assert results["gpu_readings"].errors == ()
+    assert results["gpu_readings"].processes
+    assert results["mig_readings"].errors == ()
+    assert results["mig_readings"].devices[0].processes
     protocol_methods = {
         name
         for name, _ in inspect.getmembers(port.GpuBackend, inspect.isfunction)
