@@ -29,12 +29,13 @@ would miss a varying part of the sampler's worker thread and bill it to the next
 The sampler reads the GPUs on a worker thread (hang isolation), which the scheduler wakes on
 an idle CPU when there is one: the bare loop runs on the busy, warm CPU of the measuring
 thread, the tick's reads on a CPU woken for them, where on a small VM the very same code can
-take up to twice as long. ``--cpu N`` runs everything on CPU N, which compares the two sides'
-CPU cost without that difference (the figures say which way they were taken).
+take up to twice as long. So by default everything runs on one CPU (``--cpu N`` picks it),
+which compares the two sides' CPU cost under the same cache conditions; ``--cpu all`` shows
+the unpinned figures too (the output says which way they were taken).
 
 Targets: tick <= 1.5 x bare, scrape <= 20 ms, RSS <= 80 MB.
 
-    .venv/bin/python -m tools.bench_telemetry [--json] [--reps N] [--no-daemon] [--cpu N]
+    .venv/bin/python -m tools.bench_telemetry [--json] [--reps N] [--no-daemon] [--cpu N|all]
 """
 
 from __future__ import annotations
@@ -378,15 +379,24 @@ def _ok(good: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_telemetry", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--reps", type=int, default=50, help="repetitions (medians are reported)")
+    p.add_argument("--reps", type=int, default=200, help="repetitions (medians are reported)")
     p.add_argument(
         "--no-daemon", action="store_true", help="measure in-process RSS, do not start gpud"
     )
     p.add_argument(
-        "--cpu", type=int, default=None, help="run on this CPU only (see the module docstring)"
+        "--cpu",
+        default=str(min(os.sched_getaffinity(0))),
+        help="run on this CPU only (default: the first this process may use), or 'all' "
+        "to let the scheduler place the threads (see the module docstring)",
     )
     args = p.parse_args(argv)
-    if args.cpu is not None:
+    if args.cpu == "all":
+        args.cpu = None
+    else:
+        try:
+            args.cpu = int(args.cpu)
+        except ValueError:
+            p.error(f"--cpu: a CPU number or 'all', not {args.cpu!r}")
         os.sched_setaffinity(0, {args.cpu})  # before any thread starts: they inherit it
     r = run(max(1, args.reps), with_daemon=not args.no_daemon)
     r["cpu"] = args.cpu
