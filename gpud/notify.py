@@ -44,7 +44,9 @@ class Notifier:
         payload = "\n".join(assignments).encode()
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-                sock.sendto(payload, self._address)
+                # Never block the daemon's loop: a receiver that does not read (a full queue)
+                # costs a lost notification, not a hung daemon.
+                sock.sendto(payload, socket.MSG_DONTWAIT, self._address)
         except OSError as err:
             log.warning("sd_notify to %s failed: %s", self._address, err)
             return False
@@ -57,6 +59,9 @@ class Notifier:
         return self.send("RELOADING=1")
 
     def watchdog(self) -> bool:
+        """``WATCHDOG=1``, only when systemd asked for it (``WatchdogSec=``)."""
+        if self.watchdog_interval_s is None:
+            return False
         return self.send("WATCHDOG=1")
 
     def stopping(self) -> bool:

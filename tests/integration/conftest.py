@@ -104,7 +104,12 @@ def start_daemon(
             command,
             stdout=log_file,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "NOTIFY_SOCKET": str(notify_path), **(env or {})},
+            env={
+                **os.environ,
+                "NOTIFY_SOCKET": str(notify_path),
+                "WATCHDOG_USEC": "2000000",  # as WatchdogSec=2s would set it
+                **(env or {}),
+            },
         )
     daemon = RunningDaemon(proc, root, sock, port, notify, log)
     deadline = time.monotonic() + 60

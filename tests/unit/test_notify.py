@@ -30,6 +30,22 @@ def test_sends_ready_watchdog_stopping(listener: tuple[socket.socket, str]) -> N
     assert sock.recv(256) == b"STOPPING=1"
 
 
+def test_no_watchdog_unless_systemd_asks(listener: tuple[socket.socket, str]) -> None:
+    sock, path = listener
+    n = Notifier.from_environ({"NOTIFY_SOCKET": path})
+    assert not n.watchdog()
+    assert n.ready()
+    assert sock.recv(256) == b"READY=1"
+
+
+def test_a_receiver_that_does_not_read_never_blocks(listener: tuple[socket.socket, str]) -> None:
+    _, path = listener
+    n = Notifier.from_environ({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000000"})
+    results = [n.watchdog() for _ in range(5000)]  # far more than the socket queue holds
+    assert results[0]
+    assert not results[-1]  # dropped, not blocked
+
+
 def test_without_systemd_is_a_no_op() -> None:
     n = Notifier.from_environ({})
     assert not n.enabled
