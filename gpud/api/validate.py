@@ -8,6 +8,7 @@ keeps unknown enum numbers as plain ints, so every servicer validates what it re
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from gpud.errors import InvalidArgument
 
@@ -45,3 +46,8 @@ def non_empty(value: str, *, field: str, max_len: int = 256) -> str:
     if len(value) > max_len:
         raise InvalidArgument(f"longer than {max_len} characters", field=field)
     return value
+
+
+def optional(message: Any, field: str) -> Any:
+    """A proto3 ``optional`` field's value, or None when the request does not set it."""
+    return getattr(message, field) if message.HasField(field) else None

@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from gpud.api.validate import optional
 from gpud.errors import InvalidArgument
 from gpud.jobs.attribution import ProcessUse
 from gpud.jobs.placement import Reservation
@@ -88,12 +89,12 @@ def spec_from_pb(job: pb.Job) -> JobSpec:
         kind=kind_from_pb(job.kind) or JobKind.TRAINING,
         owner=job.owner,
         devices=tuple(job.devices),
-        mig_profile=job.mig_profile if job.HasField("mig_profile") else None,
-        gpu_count=job.gpu_count if job.HasField("gpu_count") else None,
-        threads_percent=job.threads_percent if job.HasField("threads_percent") else None,
-        memory_bytes=job.memory_limit_bytes if job.HasField("memory_limit_bytes") else None,
-        client_priority=job.client_priority if job.HasField("client_priority") else None,
-        slo_p99_ms=job.slo_p99_ms if job.HasField("slo_p99_ms") else None,
+        mig_profile=optional(job, "mig_profile"),
+        gpu_count=optional(job, "gpu_count"),
+        threads_percent=optional(job, "threads_percent"),
+        memory_bytes=optional(job, "memory_limit_bytes"),
+        client_priority=optional(job, "client_priority"),
+        slo_p99_ms=optional(job, "slo_p99_ms"),
     )
 
 
@@ -142,19 +143,13 @@ class JobsServicer(pb_grpc.JobsServicer):
                     job=check_name(request.job),
                     kind=kind_from_pb(request.kind),
                     owner=request.owner,
-                    mig_profile=request.mig_profile if request.HasField("mig_profile") else None,
-                    gpu_count=request.gpu_count if request.HasField("gpu_count") else None,
+                    mig_profile=optional(request, "mig_profile"),
+                    gpu_count=optional(request, "gpu_count"),
                     devices=tuple(request.devices),
-                    threads_percent=request.threads_percent
-                    if request.HasField("threads_percent")
-                    else None,
-                    memory_bytes=request.memory_limit_bytes
-                    if request.HasField("memory_limit_bytes")
-                    else None,
-                    client_priority=request.client_priority
-                    if request.HasField("client_priority")
-                    else None,
-                    holder_pid=request.holder_pid if request.HasField("holder_pid") else None,
+                    threads_percent=optional(request, "threads_percent"),
+                    memory_bytes=optional(request, "memory_limit_bytes"),
+                    client_priority=optional(request, "client_priority"),
+                    holder_pid=optional(request, "holder_pid"),
                 )
             )
             return pb.ReserveResponse(

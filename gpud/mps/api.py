@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gpud.api.validate import optional
 from gpud.errors import InvalidArgument
 from gpud.jobs.placement import DeviceLoad
 from gpud.mps.manager import MpsDeviceStatus, MpsManager
@@ -92,15 +93,11 @@ class MpsServicer(pb_grpc.MpsServicer):
         load = self._loads().get(target.uuid)
         status = self._manager.set_limits(
             request.device,
-            threads_percent=request.threads_percent
-            if request.HasField("threads_percent")
-            else None,
-            memory_bytes=request.memory_limit_bytes
-            if request.HasField("memory_limit_bytes")
-            else None,
+            threads_percent=optional(request, "threads_percent"),
+            memory_bytes=optional(request, "memory_limit_bytes"),
             clear_threads=request.clear_threads,
             clear_memory=request.clear_memory,
-            enabled=request.enabled if request.HasField("enabled") else None,
+            enabled=optional(request, "enabled"),
             reserved_memory_bytes=load.memory_bytes if load else 0,
         )
         return pb.SetMpsLimitsResponse(device=device_message(status, load))
