@@ -153,6 +153,7 @@ class Daemon:
             events=self.events,
             faults=sim.faults if sim is not None else None,
             reboot=self._reboot_sim if sim is not None else None,
+            workloads=sim.workloads if sim is not None else None,
             clock=clock,
         )
         self.mps = MpsManager(

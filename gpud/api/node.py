@@ -14,8 +14,14 @@ from typing import Any
 import grpc
 
 from gpud.api import convert, validate
-from gpud.api.ports import EventSource, FaultPort, NodeInfoSource, SnapshotSource
-from gpud.errors import FailedPrecondition, InvalidArgument, Unavailable
+from gpud.api.ports import (
+    EventSource,
+    FaultPort,
+    NodeInfoSource,
+    SnapshotSource,
+    WorkloadPort,
+)
+from gpud.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from gpud.telemetry.snapshot import Snapshot
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
@@ -69,6 +75,7 @@ class NodeServicer(pb_grpc.NodeServicer):
         events: EventSource | None = None,
         faults: FaultPort | None = None,
         reboot: Callable[[], None] | None = None,
+        workloads: WorkloadPort | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._snapshots = snapshots
@@ -76,6 +83,7 @@ class NodeServicer(pb_grpc.NodeServicer):
         self._events = events
         self._faults = faults
         self._reboot = reboot
+        self._workloads = workloads
         self._clock = clock
 
     def register(self, server: Any) -> None:
@@ -194,3 +202,44 @@ class NodeServicer(pb_grpc.NodeServicer):
             raise FailedPrecondition("node is not simulated: only gpud --simulate can reboot")
         await asyncio.to_thread(self._reboot)
         return pb.RebootSimResponse()
+
+    async def SimWorkload(  # noqa: N802 (gRPC method names come from the proto)
+        self, request: pb.SimWorkloadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SimWorkloadResponse:
+        workloads = self._workloads
+        if workloads is None:
+            raise FailedPrecondition(
+                "node is not simulated: workloads can only be started on gpud --simulate"
+            )
+        if request.pid <= 0:
+            raise InvalidArgument(f"must be a PID > 0, got {request.pid}", field="pid")
+        pid = request.pid
+        if request.stop:
+            if not await asyncio.to_thread(workloads.stop, pid):
+                raise NotFound(f"no simulated process {pid}")
+        else:
+            gpu = validate.gpu_index(request.gpu, self._node_info().gpu_count)
+            if not 0.0 <= request.sm_ratio <= 1.0:
+                raise InvalidArgument(
+                    f"must be within 0..1, got {request.sm_ratio:g}", field="sm_ratio"
+                )
+            mig: int | str | None = None
+            if request.mig:
+                mig = int(request.mig) if request.mig.isdigit() else request.mig
+            try:
+                await asyncio.to_thread(
+                    workloads.start, gpu, pid, request.memory_bytes, request.sm_ratio, mig
+                )
+            except ValueError as err:
+                # what the simulated driver refuses: a busy PID, an unknown MIG device, ...
+                raise InvalidArgument(str(err), field="mig" if request.mig else "pid") from err
+            if self._events is not None:
+                self._events.emit(
+                    "sim.workload",
+                    f"simulated process {pid} started on GPU {gpu}"
+                    + (f" MIG {request.mig}" if request.mig else ""),
+                    pid=pid,
+                    gpu=gpu,
+                )
+        running = await asyncio.to_thread(workloads.list)
+        return pb.SimWorkloadResponse(workloads=[str(w) for w in running])

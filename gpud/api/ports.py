@@ -8,7 +8,7 @@ tests pass hand-built values.
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -79,4 +79,22 @@ class FaultPort(Protocol):
     def active(self) -> object:
         """The faults in force now: a mapping (shown as ``key: value``) or a collection of
         faults (each shown with ``str()``)."""
+        ...
+
+
+class WorkloadPort(Protocol):
+    """Simulated compute processes (the sim's ``Workloads``); None on real NVML."""
+
+    def start(
+        self, gpu: int, pid: int, used_memory_bytes: int, sm_ratio: float, mig: int | str | None
+    ) -> None:
+        """``pid`` runs on the GPU (or its MIG device), using that memory and SM share."""
+        ...
+
+    def stop(self, pid: int) -> bool:
+        """Stop ``pid``; False when it was not running."""
+        ...
+
+    def list(self) -> Sequence[object]:
+        """The simulated processes now running (each shown with ``str()``)."""
         ...

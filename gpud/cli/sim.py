@@ -8,6 +8,8 @@
     gpuctl sim fault --gpu 3 xid 79
     gpuctl sim fault --gpu 0 clear
     gpuctl sim reboot                           # as a reboot: MIG instances are gone
+    gpuctl sim workload start --gpu 0 --mig 1 --pid 4242 --memory 8GiB --sm 0.6
+    gpuctl sim workload stop --pid 4242
 
 A daemon on real GPUs refuses with FAILED_PRECONDITION (exit 6).
 """
@@ -17,12 +19,13 @@ from __future__ import annotations
 import argparse
 
 from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
+from gpud.cli.mps import size_arg
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
 
 def register(subparsers: Subparsers) -> None:
-    sim = subparsers.add_parser("sim", help="simulated node: inject faults")
+    sim = subparsers.add_parser("sim", help="simulated node: faults, reboot, workloads")
     actions = sim.add_subparsers(dest="sim_command", metavar="COMMAND", required=True)
     fault = actions.add_parser("fault", help="inject a fault into one simulated GPU")
     fault.add_argument("--gpu", type=int, required=True, metavar="INDEX")
@@ -45,6 +48,41 @@ def register(subparsers: Subparsers) -> None:
         "reboot", help="reboot the simulated node: MIG instances go, pending MIG modes apply"
     )
     reboot.set_defaults(run=run_reboot)
+    workload = actions.add_parser(
+        "workload", help="start or stop a simulated compute process on a GPU or MIG device"
+    )
+    wl = workload.add_subparsers(dest="workload_command", metavar="ACTION", required=True)
+    start = wl.add_parser("start", help="a process that uses memory and SMs")
+    start.add_argument("--gpu", type=int, required=True, metavar="INDEX")
+    start.add_argument("--mig", default="", help="a MIG device index or MIG UUID on that GPU")
+    start.add_argument(
+        "--pid", type=int, required=True, help="its PID (a real one is attributed to its job)"
+    )
+    start.add_argument("--memory", default="1GiB", help="device memory it uses (default 1GiB)")
+    start.add_argument("--sm", type=float, default=0.5, help="share of SMs it keeps busy, 0..1")
+    start.set_defaults(run=run_workload, stop=False)
+    stop = wl.add_parser("stop", help="the process ends")
+    stop.add_argument("--pid", type=int, required=True)
+    stop.set_defaults(run=run_workload, stop=True)
+
+
+def run_workload(ctx: Context, args: argparse.Namespace) -> int:
+    if args.pid <= 0:
+        raise CliError(f"--pid: must be > 0, got {args.pid}", EXIT_USAGE)
+    request = pb.SimWorkloadRequest(pid=args.pid, stop=args.stop)
+    if not args.stop:
+        request.gpu = args.gpu
+        request.mig = args.mig
+        request.memory_bytes = size_arg(args.memory)
+        request.sm_ratio = args.sm
+    resp: pb.SimWorkloadResponse = ctx.call(ctx.stub(pb_grpc.NodeStub).SimWorkload, request)
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+        return 0
+    ctx.out.print(f"{'stopped' if args.stop else 'started'} simulated process {args.pid}")
+    for line in resp.workloads:
+        ctx.out.print(f"  {line}")
+    return 0
 
 
 def run_reboot(ctx: Context, args: argparse.Namespace) -> int:

@@ -643,6 +643,67 @@ class InjectFaultRequest(_message.Message):
 Global___InjectFaultRequest: _TypeAlias = InjectFaultRequest  # noqa: Y015
 
 @_typing.final
+class SimWorkloadRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    GPU_FIELD_NUMBER: _builtins.int
+    MIG_FIELD_NUMBER: _builtins.int
+    MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    SM_RATIO_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    """> 0; a real process's PID lets gpud attribute it to its job"""
+    stop: _builtins.bool
+    """stop it; the fields below are ignored"""
+    gpu: _builtins.int
+    mig: _builtins.str
+    """empty: the whole GPU; else a MIG device index or MIG UUID"""
+    memory_bytes: _builtins.int
+    """device memory it uses"""
+    sm_ratio: _builtins.float
+    """share of the device's SMs it keeps busy, 0..1"""
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        stop: _builtins.bool = ...,
+        gpu: _builtins.int = ...,
+        mig: _builtins.str = ...,
+        memory_bytes: _builtins.int = ...,
+        sm_ratio: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu", b"gpu", "memory_bytes", b"memory_bytes", "mig", b"mig", "pid", b"pid", "sm_ratio", b"sm_ratio", "stop", b"stop"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SimWorkloadRequest: _TypeAlias = SimWorkloadRequest  # noqa: Y015
+
+@_typing.final
+class SimWorkloadResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKLOADS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def workloads(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """every simulated process now running"""
+
+    def __init__(
+        self,
+        *,
+        workloads: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["workloads", b"workloads"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SimWorkloadResponse: _TypeAlias = SimWorkloadResponse  # noqa: Y015
+
+@_typing.final
 class RebootSimRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

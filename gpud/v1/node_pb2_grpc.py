@@ -59,6 +59,11 @@ class NodeStub:
                 request_serializer=gpud_dot_v1_dot_node__pb2.RebootSimRequest.SerializeToString,
                 response_deserializer=gpud_dot_v1_dot_node__pb2.RebootSimResponse.FromString,
                 _registered_method=True)
+        self.SimWorkload = channel.unary_unary(
+                '/gpud.v1.Node/SimWorkload',
+                request_serializer=gpud_dot_v1_dot_node__pb2.SimWorkloadRequest.SerializeToString,
+                response_deserializer=gpud_dot_v1_dot_node__pb2.SimWorkloadResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -101,6 +106,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SimWorkload(self, request, context):
+        """Start or stop a simulated compute process (`gpuctl sim workload`): it shows in NVML's
+        process lists, memory and utilization. FAILED_PRECONDITION unless simulated.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +141,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.RebootSim,
                     request_deserializer=gpud_dot_v1_dot_node__pb2.RebootSimRequest.FromString,
                     response_serializer=gpud_dot_v1_dot_node__pb2.RebootSimResponse.SerializeToString,
+            ),
+            'SimWorkload': grpc.unary_unary_rpc_method_handler(
+                    servicer.SimWorkload,
+                    request_deserializer=gpud_dot_v1_dot_node__pb2.SimWorkloadRequest.FromString,
+                    response_serializer=gpud_dot_v1_dot_node__pb2.SimWorkloadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +283,33 @@ class Node:
             '/gpud.v1.Node/RebootSim',
             gpud_dot_v1_dot_node__pb2.RebootSimRequest.SerializeToString,
             gpud_dot_v1_dot_node__pb2.RebootSimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SimWorkload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpud.v1.Node/SimWorkload',
+            gpud_dot_v1_dot_node__pb2.SimWorkloadRequest.SerializeToString,
+            gpud_dot_v1_dot_node__pb2.SimWorkloadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,6 +55,10 @@ class NodeStub:
     """Reboot the simulated node (`gpuctl sim reboot`): as a real reboot or driver reload, MIG
     instances are gone and pending MIG modes take effect. FAILED_PRECONDITION unless simulated.
     """
+    SimWorkload: _grpc.UnaryUnaryMultiCallable[_node_pb2.SimWorkloadRequest, _node_pb2.SimWorkloadResponse]
+    """Start or stop a simulated compute process (`gpuctl sim workload`): it shows in NVML's
+    process lists, memory and utilization. FAILED_PRECONDITION unless simulated.
+    """
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -72,6 +76,10 @@ class NodeAsyncStub(NodeStub):
     RebootSim: _aio.UnaryUnaryMultiCallable[_node_pb2.RebootSimRequest, _node_pb2.RebootSimResponse]  # type: ignore[assignment]
     """Reboot the simulated node (`gpuctl sim reboot`): as a real reboot or driver reload, MIG
     instances are gone and pending MIG modes take effect. FAILED_PRECONDITION unless simulated.
+    """
+    SimWorkload: _aio.UnaryUnaryMultiCallable[_node_pb2.SimWorkloadRequest, _node_pb2.SimWorkloadResponse]  # type: ignore[assignment]
+    """Start or stop a simulated compute process (`gpuctl sim workload`): it shows in NVML's
+    process lists, memory and utilization. FAILED_PRECONDITION unless simulated.
     """
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
@@ -117,6 +125,16 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_node_pb2.RebootSimResponse, _abc.Awaitable[_node_pb2.RebootSimResponse]]:
         """Reboot the simulated node (`gpuctl sim reboot`): as a real reboot or driver reload, MIG
         instances are gone and pending MIG modes take effect. FAILED_PRECONDITION unless simulated.
+        """
+
+    @_abc_1.abstractmethod
+    def SimWorkload(
+        self,
+        request: _node_pb2.SimWorkloadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_node_pb2.SimWorkloadResponse, _abc.Awaitable[_node_pb2.SimWorkloadResponse]]:
+        """Start or stop a simulated compute process (`gpuctl sim workload`): it shows in NVML's
+        process lists, memory and utilization. FAILED_PRECONDITION unless simulated.
         """
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -274,3 +274,39 @@ def test_mps_limits_held_restarted_and_handed_to_jobs(tmp_path: Path) -> None:
         pids = list(short.glob("mps/*/pipe/nvidia-cuda-mps-control.pid"))
         shutil.rmtree(short, ignore_errors=True)
     assert not pids, "gpud stops its control daemons with `quit`"
+
+
+def test_processes_on_gpus_are_attributed_to_their_jobs(tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path / "g", "--simulate", "H100-SXM5-80GB:2")
+    gpuctl = (str(BIN / "gpuctl"), "--socket", str(daemon.socket))
+    job = subprocess.Popen([*gpuctl, "run", "--job", "train-a", "--gpus", "1", "--", "sleep", "60"])
+    try:
+
+        def child() -> int | None:
+            for line in subprocess.run(
+                ["pgrep", "-P", str(job.pid)], capture_output=True, text=True, check=False
+            ).stdout.split():
+                return int(line)
+            return None
+
+        wait_for(lambda: child() is not None)
+        pid = child()
+        assert pid is not None
+        # The launched command becomes a (simulated) CUDA process on GPU 0.
+        daemon.gpuctl(
+            "sim", "workload", "start", "--gpu", "0", "--pid", str(pid), "--memory", "12GiB"
+        )
+
+        def used() -> object:
+            jobs = json.loads(daemon.gpuctl("jobs", "ls", "--json").stdout)["jobs"]
+            return next(j for j in jobs if j["name"] == "train-a")["processes"]
+
+        wait_for(lambda: bool(used()))
+        (proc,) = used()  # type: ignore[misc]
+        assert proc["pid"] == pid and proc["used_memory_bytes"] == 12 << 30
+        assert proc["gpu"] == 0 and proc["device"].startswith("GPU-")
+        assert proc["source"] == "environ"  # found by the GPUD_JOB gpuctl run gave it
+    finally:
+        job.terminate()
+        job.wait(timeout=30)
+        stop_daemon(daemon)

@@ -206,6 +206,11 @@ def test_sim_fault_refused_when_not_simulated(
     code, _, err = run(capsys, "--socket", real_socket, "sim", "reboot")
     assert code == 6
     assert "node is not simulated" in err
+    code, _, err = run(
+        capsys, "--socket", real_socket, "sim", "workload", "start", "--gpu", "0", "--pid", "7"
+    )
+    assert code == 6
+    assert "node is not simulated" in err
 
 
 def test_daemon_error_exit_code_comes_from_the_error_class(
