@@ -9,6 +9,7 @@ a reload) with a :class:`~gpud.errors.ConfigError` naming the file and the dotte
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 from dataclasses import dataclass, field
@@ -161,6 +162,8 @@ def _coerce(raw: Any, hint: Any, *, path: str, key: str) -> Any:
     if hint is float:
         if isinstance(raw, bool) or not isinstance(raw, int | float):
             raise ConfigError(f"must be a number, not {raw!r}", path=path, key=key)
+        if not math.isfinite(raw):
+            raise ConfigError(f"must be a finite number, not {raw!r}", path=path, key=key)
         return float(raw)
     if hint is int:
         if isinstance(raw, bool) or not isinstance(raw, int):

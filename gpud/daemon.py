@@ -34,7 +34,7 @@ from gpud.api.ports import NodeInfo
 from gpud.api.server import ApiServer
 from gpud.backend.port import GpuBackend
 from gpud.config import Config, parse_address
-from gpud.errors import GpudError
+from gpud.errors import ConfigError, GpudError
 from gpud.events import EventLog
 from gpud.jobs.api import JobsServicer
 from gpud.jobs.metrics import JobMetrics
@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 RESTART_KEYS = (
     "daemon.state_dir",
     "daemon.run_dir",
+    "telemetry.history",
+    "telemetry.call_timeout_s",
     "backend.kind",
     "backend.simulate",
     "metrics.enabled",
@@ -66,6 +68,7 @@ RESTART_KEYS = (
     "api.socket",
     "api.socket_group",
     "api.tcp_address",
+    "mig.drain_timeout_s",
     "mps.enabled",
     "mps.control_binary",
 )
@@ -271,7 +274,13 @@ class Daemon:
                     self.config.metrics.address, path="config", key="metrics.address"
                 )
                 registry = build_registry(self.collector)
-                metrics_server = start_metrics_server(registry, host, port)
+                try:
+                    metrics_server = start_metrics_server(registry, host, port)
+                except OSError as err:
+                    raise ConfigError(
+                        f"cannot serve /metrics on {host}:{port}: {err.strerror or err}",
+                        key="metrics.address",
+                    ) from err
                 log.info("serving /metrics on %s:%d", host, port)
             await self.api.start()
             log.info("serving gRPC on %s", self.config.socket_path)
@@ -308,10 +317,15 @@ class Daemon:
     def on_shutdown(self, stop: Callable[[], Awaitable[None] | None]) -> None:
         self._shutdown.append(stop)
 
-    async def _loop(self) -> None:
+    def loop_interval_s(self) -> float:
+        """Seconds between loop passes: ``daemon.tick_s`` (as reloaded), and often enough to
+        feed the systemd watchdog."""
         interval = self.config.daemon.tick_s
         if self._notifier.watchdog_interval_s:
             interval = min(interval, self._notifier.watchdog_interval_s)
+        return interval
+
+    async def _loop(self) -> None:
         while not self._stop.is_set():
             if self._reload.is_set():
                 self._reload.clear()
@@ -319,7 +333,9 @@ class Daemon:
             await self.run_steps()
             self._notifier.watchdog()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wait_for_stop_or_reload(), timeout=interval)
+                await asyncio.wait_for(
+                    self._wait_for_stop_or_reload(), timeout=self.loop_interval_s()
+                )
 
     async def _wait_for_stop_or_reload(self) -> None:
         stop = asyncio.ensure_future(self._stop.wait())

@@ -54,6 +54,7 @@ class EventLog:
         self._ring: deque[Event] = deque(maxlen=keep)
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
+        self._write_failing = False
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._ring.extend(_read_tail(path, keep))
@@ -65,9 +66,7 @@ class EventLog:
             self._ring.append(event)
             self._counts[kind] = self._counts.get(kind, 0) + 1
             if self._path is not None:
-                self._rotate_if_needed()
-                with self._path.open("a", encoding="utf-8") as fh:
-                    fh.write(line + "\n")
+                self._write(line)
         log.info("%s: %s", kind, message, extra={"event": line})
         return event
 
@@ -80,6 +79,21 @@ class EventLog:
         """Events emitted since start, by kind (for ``gpud_events_total``)."""
         with self._lock:
             return dict(self._counts)
+
+    def _write(self, line: str) -> None:
+        """Append ``line`` to the file. A failed write (disk full, read-only) keeps the event
+        in the ring and the journal; it warns once per outage, not once per event."""
+        assert self._path is not None
+        try:
+            self._rotate_if_needed()
+            with self._path.open("a", encoding="utf-8") as fh:
+                fh.write(line + "\n")
+        except OSError as err:
+            if not self._write_failing:
+                log.warning("cannot write the event log %s: %s", self._path, err)
+            self._write_failing = True
+            return
+        self._write_failing = False
 
     def _rotate_if_needed(self) -> None:
         assert self._path is not None

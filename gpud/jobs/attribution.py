@@ -16,6 +16,7 @@ Results are cached per (PID, start time), so a reused PID is looked at afresh.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,13 +50,19 @@ class Attributor:
         self._proc_root = proc_root
         self._cgroup = re.compile(cgroup_pattern)
         self._cache: dict[tuple[int, int | None], tuple[str | None, str]] = {}
+        # job_of runs on API threads (``gpuctl mig show``) while the tick prunes the cache.
+        self._cache_lock = threading.Lock()
 
     def job_of(self, pid: int) -> tuple[str | None, str]:
         """``(job, source)`` for ``pid``; ``(None, "")`` when it is no job of gpud's."""
         key = (pid, start_time(pid, self._proc_root))
-        if key not in self._cache:
-            self._cache[key] = self._lookup(pid)
-        return self._cache[key]
+        with self._cache_lock:
+            found = self._cache.get(key)
+        if found is None:
+            found = self._lookup(pid)
+            with self._cache_lock:
+                self._cache[key] = found
+        return found
 
     def _lookup(self, pid: int) -> tuple[str | None, str]:
         base = self._proc_root / str(pid)
@@ -97,7 +104,8 @@ class Attributor:
                 )
         for u in uses:
             seen.add((u.pid, start_time(u.pid, self._proc_root)))
-        self._cache = {k: v for k, v in self._cache.items() if k in seen}
+        with self._cache_lock:
+            self._cache = {k: v for k, v in self._cache.items() if k in seen}
         return uses
 
     def _use(self, pid: int, gpu: int, device: str, used: int | None) -> ProcessUse:

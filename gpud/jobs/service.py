@@ -212,7 +212,7 @@ class JobService:
 def _override(job: JobSpec, request: RunRequest) -> JobSpec:
     """The job with this run's placement and limits, where the request gives them."""
     changes: dict[str, object] = {}
-    if request.devices or request.mig_profile or request.gpu_count:
+    if request.devices or request.mig_profile is not None or request.gpu_count is not None:
         changes.update(
             devices=request.devices, mig_profile=request.mig_profile, gpu_count=request.gpu_count
         )

@@ -27,10 +27,13 @@ from pathlib import Path
 
 from gpud.errors import BackendError, ConfigError, DriverTimeout
 from gpud.mps import protocol
-from gpud.mps.procs import alive
+from gpud.mps.procs import alive, started_at
 
 # sun_path holds 108 bytes on Linux, the terminating NUL included.
 _MAX_UNIX_PATH = 107
+# How much later than its PID file a process may have started and still be the daemon that
+# wrote it (the wall clock may be stepped between the two readings).
+_PID_REUSE_SLACK_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +88,20 @@ class ControlDaemon:
     # -- process ---------------------------------------------------------------------------
     def pid(self) -> int | None:
         """The running daemon's PID (from its PID file), or None when none runs."""
+        pid_file = self.pipe_dir / protocol.PID_FILE
         try:
-            pid = int((self.pipe_dir / protocol.PID_FILE).read_text().strip())
+            pid = int(pid_file.read_text().strip())
+            written = pid_file.stat().st_mtime
         except (OSError, ValueError):
             return None
-        return pid if alive(pid, self._proc_root) else None
+        if not alive(pid, self._proc_root):
+            return None
+        # A daemon that died left its PID file; a process started well after the file was
+        # written only reuses the PID, and must be neither adopted nor signalled.
+        started = started_at(pid, self._proc_root)
+        if started is not None and started > written + _PID_REUSE_SLACK_S:
+            return None
+        return pid
 
     def running(self) -> bool:
         return self.pid() is not None
@@ -111,14 +123,21 @@ class ControlDaemon:
                 "daemon.run_dir",
                 key="daemon.run_dir",
             )
-        self.pipe_dir.mkdir(parents=True, exist_ok=True)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        # Clients of other users connect through the pipe dir: it must be traversable.
-        self.directory.chmod(0o755)
-        self.pipe_dir.chmod(0o755)
-        for stale in (protocol.PID_FILE, protocol.CONTROL_SOCKET):
-            with contextlib.suppress(FileNotFoundError):
-                (self.pipe_dir / stale).unlink()
+        try:
+            self.pipe_dir.mkdir(parents=True, exist_ok=True)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            # Clients of other users connect through the pipe dir: it must be traversable.
+            self.directory.chmod(0o755)
+            self.pipe_dir.chmod(0o755)
+            for stale in (protocol.PID_FILE, protocol.CONTROL_SOCKET):
+                with contextlib.suppress(FileNotFoundError):
+                    (self.pipe_dir / stale).unlink()
+        except OSError as err:
+            raise BackendError(
+                f"cannot prepare {err.filename or self.directory}: {err.strerror}",
+                uuid=self.uuid,
+                call="nvidia-cuda-mps-control -d",
+            ) from err
         result = self._run(["-d"], None)
         if result.returncode != 0:
             raise BackendError(

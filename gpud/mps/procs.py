@@ -39,3 +39,20 @@ def start_time(pid: int, proc_root: Path = Path("/proc")) -> int | None:
     with contextlib.suppress(IndexError, ValueError):
         return int(fields[19])
     return None
+
+
+def started_at(pid: int, proc_root: Path = Path("/proc")) -> float | None:
+    """When ``pid`` started, in wall-clock seconds (boot time from ``/proc/stat`` plus field
+    22 of ``/proc/<pid>/stat``); None when procfs does not say."""
+    ticks = start_time(pid, proc_root)
+    if ticks is None:
+        return None
+    try:
+        stat = (proc_root / "stat").read_text()
+    except OSError:
+        return None
+    for line in stat.splitlines():
+        name, _, value = line.partition(" ")
+        if name == "btime" and value.strip().isdigit():
+            return int(value) + ticks / os.sysconf("SC_CLK_TCK")
+    return None

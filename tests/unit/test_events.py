@@ -30,3 +30,12 @@ def test_log_rotates(tmp_path: Path) -> None:
         log.emit("x", f"event {i}")
     assert path.with_suffix(".jsonl.1").exists()
     assert path.stat().st_size < 400
+
+
+def test_a_log_file_that_cannot_be_written_does_not_fail_emit(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    path.mkdir()  # any write now fails, as on a full or read-only disk
+    event = log.emit("gpu.unhealthy", "GPU 0 unhealthy")
+    assert log.recent(1) == [event]
+    assert log.counts() == {"gpu.unhealthy": 1}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -292,3 +295,37 @@ def test_tick_attributes_and_metrics_show_memory_per_job(tmp_path: Path, store: 
         registry.get_sample_value("gpud_device_reserved_memory_bytes", {"uuid": reserved})
         == 10 * GIB
     )
+
+
+def test_a_run_asking_zero_gpus_is_refused_for_a_registered_job(service: JobService) -> None:
+    service.add(JobSpec("train-z", gpu_count=1))
+    with pytest.raises(InvalidArgument) as err:
+        service.reserve(RunRequest(job="train-z", gpu_count=0))
+    assert err.value.field == "gpus"
+    assert service.reservations.held("train-z") == []
+
+
+def test_attribution_from_api_threads_does_not_break_the_tick(tmp_path: Path) -> None:
+    # gpuctl mig show asks job_of on an API thread while the tick prunes the cache.
+    attributor = Attributor(proc_root=tmp_path)
+    node = snapshot(gpu_sample(0))
+    stop = threading.Event()
+
+    def ask() -> None:
+        pid = 100_000
+        while not stop.is_set():
+            attributor.job_of(pid)
+            pid += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=ask)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            attributor.attribute(node)  # raised "dictionary changed size during iteration"
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -294,3 +295,38 @@ def test_metrics(manager: MpsManager) -> None:
     other = {"gpu": "1", "uuid": gpu_uuid(1), "profile": "TEST-40GB"}
     assert registry.get_sample_value("gpud_mps_default_active_thread_ratio", other) == 1.0
     assert registry.get_sample_value("gpud_mps_default_pinned_memory_limit_bytes", other) is None
+
+
+def test_an_unwritable_run_dir_is_a_device_error_not_a_crash(root: Path) -> None:
+    (root / "run").mkdir(parents=True)
+    (root / "run" / "mps").write_text("not a directory")
+    mgr, store, _ = make_manager(root, sleep=lambda s: None)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))  # must not raise
+        statuses = mgr.status()
+        assert [s.up for s in statuses] == [False, False]
+        assert all("mps" in s.last_error for s in statuses)
+    finally:
+        store.close()
+
+
+def test_a_reused_pid_in_a_stale_pid_file_is_never_signalled(root: Path) -> None:
+    from gpud.mps.daemon import ControlDaemon
+
+    daemon = ControlDaemon(gpu_uuid(0), root / "run", ["/bin/false"], sleep=lambda s: None)
+    daemon.pipe_dir.mkdir(parents=True)
+    other = subprocess.Popen(["sleep", "30"])  # an unrelated process that got the PID
+    try:
+        pid_file = daemon.pipe_dir / "nvidia-cuda-mps-control.pid"
+        pid_file.write_text(f"{other.pid}\n")
+        an_hour_ago = time.time() - 3600
+        os.utime(pid_file, (an_hour_ago, an_hour_ago))  # left by a daemon that died
+        assert daemon.pid() is None
+        daemon.kill()
+        daemon.stop(timeout_s=0.1)
+        assert other.poll() is None
+        os.utime(pid_file)  # written now: the process may be the daemon
+        assert daemon.pid() == other.pid
+    finally:
+        other.kill()
+        other.wait()

@@ -1,0 +1,84 @@
+"""The daemon's life on a simulated node, driven in-process: start-up errors and reloads."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import pytest
+
+from gpud.config import Config
+from gpud.daemon import Daemon, open_backend
+from gpud.errors import ConfigError
+from gpud.notify import Notifier
+
+
+def make_config(root: Path, **overrides: object) -> Config:
+    base = {
+        "daemon.state_dir": root / "state",
+        "daemon.run_dir": root / "run",
+        "backend.kind": "sim",
+        "backend.simulate": "A100-SXM4-40GB:1",
+        "metrics.address": "127.0.0.1:0",
+        "mig.on_start": "report",
+    }
+    base.update(overrides)
+    return Config().with_overrides(base, source="test")
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+def build(config: Config, reload_to: list[Config] | None = None) -> Daemon:
+    backend, sim = open_backend(config)
+    pending = reload_to if reload_to is not None else []
+    return Daemon(
+        config,
+        backend=backend,
+        sim=sim,
+        notifier=Notifier(None),
+        reload_config=lambda: pending.pop(0),
+    )
+
+
+def test_metrics_address_in_use_names_the_key(root: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        d = build(make_config(root, **{"metrics.address": f"127.0.0.1:{port}"}))
+        with pytest.raises(ConfigError, match=r"metrics\.address"):
+            asyncio.run(asyncio.wait_for(d.run(), timeout=20))
+    assert not d.config.socket_path.exists()
+
+
+def test_reload_says_which_changes_need_a_restart(root: Path) -> None:
+    changed = make_config(
+        root,
+        **{
+            "telemetry.history": 5,
+            "telemetry.call_timeout_s": 1.0,
+            "mig.drain_timeout_s": 10.0,
+            "daemon.tick_s": 0.25,
+            "telemetry.interval_s": 0.5,
+        },
+    )
+    d = build(make_config(root), reload_to=[changed])
+    try:
+        d.reload()
+        event = d.events.recent(1, "config.reload")[0]
+        assert set(event.fields["restart_needed"]) == {
+            "telemetry.history",
+            "telemetry.call_timeout_s",
+            "mig.drain_timeout_s",
+        }
+        assert d.config.telemetry.history == 60
+        assert d.sampler.interval_s == 0.5
+        assert d.loop_interval_s() == 0.25
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
