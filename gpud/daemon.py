@@ -265,10 +265,13 @@ class Daemon:
         metrics_server = None
         sampler_task = asyncio.create_task(self.sampler.run(self._stop), name="sampler")
         try:
-            # Converge MIG layouts before anything uses the devices (or only report, as
-            # configured), then take one sample, so the first `gpuctl gpus` has values.
-            await asyncio.to_thread(self.mig.reconcile, self.config.mig.on_start)
+            # One sample first: it finds GPUs that are lost or hang (bounded by
+            # call_timeout_s), which the start-up MIG reconcile then leaves alone. MIG layouts
+            # converge (or are only reported, as configured) before the API serves.
             await asyncio.to_thread(self.sampler.tick)
+            await asyncio.to_thread(
+                self.mig.reconcile, self.config.mig.on_start, skip=self._unhealthy_uuids()
+            )
             if self.config.metrics.enabled:
                 host, port = parse_address(
                     self.config.metrics.address, path="config", key="metrics.address"

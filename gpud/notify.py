@@ -29,9 +29,14 @@ class Notifier:
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | os._Environ[str]) -> Notifier:
-        usec = environ.get("WATCHDOG_USEC")
-        pid = environ.get("WATCHDOG_PID")
-        watchdog = int(usec) if usec and (not pid or int(pid) == os.getpid()) else None
+        usec = environ.get("WATCHDOG_USEC", "")
+        pid = environ.get("WATCHDOG_PID", "")
+        watchdog: int | None = None
+        if usec:
+            if not usec.isdigit() or (pid and not pid.isdigit()):
+                log.warning("ignoring WATCHDOG_USEC=%r WATCHDOG_PID=%r: not numbers", usec, pid)
+            elif not pid or int(pid) == os.getpid():
+                watchdog = int(usec)
         return cls(environ.get("NOTIFY_SOCKET"), watchdog)
 
     @property

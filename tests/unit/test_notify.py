@@ -53,6 +53,14 @@ def test_without_systemd_is_a_no_op() -> None:
     assert not n.ready()
 
 
+def test_garbage_watchdog_settings_are_ignored() -> None:
+    assert Notifier.from_environ({"WATCHDOG_USEC": "soon"}).watchdog_interval_s is None
+    assert (
+        Notifier.from_environ({"WATCHDOG_USEC": "1", "WATCHDOG_PID": "x"}).watchdog_interval_s
+        is None
+    )
+
+
 def test_watchdog_for_another_pid_is_ignored() -> None:
     n = Notifier.from_environ({"WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "1"})
     assert n.watchdog_interval_s is None
