@@ -24,9 +24,13 @@ if (( ${#missing[@]} )); then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     # etcd and prometheus start services on install; tests start their own instances.
-    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    made_policy=0
+    if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+        printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+        made_policy=1
+    fi
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-    rm -f /usr/sbin/policy-rc.d
+    if (( made_policy )); then rm -f /usr/sbin/policy-rc.d; fi
 fi
 
 python=${PYTHON:-python3}
