@@ -94,7 +94,8 @@ def probe_socket(path: Path, timeout: float) -> None:
     except OSError as err:
         if err.errno == errno.EACCES:
             raise _denied(path) from None
-        raise _not_running(path, f"cannot connect ({err.strerror}) to") from None
+        # e.g. "AF_UNIX path too long" carries no errno
+        raise _not_running(path, f"cannot connect ({err.strerror or err}) to") from None
     finally:
         sock.close()
 

@@ -41,8 +41,9 @@ def build_env(
         "CUDA_VISIBLE_DEVICES": ",".join(reservation.devices),
         JOB_VAR: reservation.job,
         SOCKET_VAR: str(socket_path),
-        RESERVATION_VAR: reservation.id,
     }
+    if reservation.id:  # a preview (`gpuctl env` for a job holding nothing) has none yet
+        env[RESERVATION_VAR] = reservation.id
     if len(reservation.devices) == 1:
         pipe = pipe_dirs.get(reservation.devices[0])
         if pipe is not None:

@@ -38,7 +38,8 @@ SCHEMA = (
 
 # Names go into environment variables, cgroup names and Prometheus labels.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-_MIG_PROFILE = re.compile(r"^\d+g\.\d+gb(\+[a-z]+)?$")
+# "1g.10gb", "1g.10gb+me", "1g.10gb+me.all", "1g.10gb-me", "1c.3g.40gb" (a compute instance)
+_MIG_PROFILE = re.compile(r"^(\d+c\.)?\d+g\.\d+gb([+-][a-z]+(\.[a-z]+)?)?$")
 
 # CUDA_MPS_CLIENT_PRIORITY: 0 is NORMAL, 1 is BELOW_NORMAL.
 PRIORITY_NORMAL = 0

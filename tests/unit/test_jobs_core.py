@@ -22,7 +22,7 @@ from gpud.events import EventLog
 from gpud.jobs.attribution import Attributor, memory_by_job
 from gpud.jobs.env import build_env, shell_exports
 from gpud.jobs.placement import DeviceLoad, Reservation, Reservations, choose_devices
-from gpud.jobs.registry import JobKind, JobRegistry, JobSpec
+from gpud.jobs.registry import JobKind, JobRegistry, JobSpec, validate_spec
 from gpud.jobs.service import JobService, RunRequest
 from gpud.mps.manager import MpsManager, targets_from_snapshot
 from gpud.mps.units import GIB
@@ -254,7 +254,7 @@ def test_env_without_a_reservation_previews_the_placement(service: JobService) -
     service.add(JobSpec("train-b", gpu_count=2))
     env = service.env("train-b")
     assert env["CUDA_VISIBLE_DEVICES"] == f"{gpu_uuid(1)},{gpu_uuid(2)}"
-    assert env["GPUD_RESERVATION"] == ""
+    assert "GPUD_RESERVATION" not in env  # nothing reserved yet
     assert service.reservations.held() == []
 
 
@@ -329,3 +329,10 @@ def test_attribution_from_api_threads_does_not_break_the_tick(tmp_path: Path) ->
         stop.set()
         thread.join()
         sys.setswitchinterval(interval)
+
+
+@pytest.mark.parametrize(
+    "profile", ["1g.10gb", "1g.10gb+me", "1g.18gb+me.all", "1g.10gb-me", "1c.3g.40gb"]
+)
+def test_every_mig_profile_name_nvidia_uses_is_accepted(profile: str) -> None:
+    assert validate_spec(JobSpec("x", mig_profile=profile)).mig_profile == profile
