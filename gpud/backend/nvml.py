@@ -57,7 +57,7 @@ from gpud.backend.port import (
     ProcessInfo,
     Utilization,
 )
-from gpud.backend.sim.products import product_key_for
+from gpud.backend.products import product_key_for
 from gpud.errors import (
     BackendError,
     DeviceNotFound,
@@ -383,10 +383,7 @@ class NvmlBackend:
                     self._read_failed(errors, gpu, "pcie", f.pcie, err)
             if "nvlink_bytes" not in skip:
                 try:
-                    tx, rx = f.field_values(h, _NVLINK_FIELDS)
-                    if tx.nvmlReturn or rx.nvmlReturn:
-                        raise self._nv.NVMLError(tx.nvmlReturn or rx.nvmlReturn)
-                    nvlink = (tx.value.ullVal * 1024, rx.value.ullVal * 1024)
+                    nvlink = self._nvlink(f.field_values(h, _NVLINK_FIELDS))
                 except error as err:
                     self._read_failed(errors, gpu, "nvlink_bytes", f.field_values, err)
             if "processes" not in skip:

@@ -24,6 +24,7 @@ from gpud.backend.port import (
     GpuInstanceProfile,
     Placement,
 )
+from gpud.backend.products import PRODUCTS
 from gpud.errors import DeviceNotFound, InvalidArgument, NotFound
 from gpud.mig.layout import DeviceLayout, MigProfile
 
@@ -123,11 +124,9 @@ def reference_table(identity: GpuIdentity) -> ProfileTable | None:
     """The published MIG table of ``identity``'s product, for validating a layout while the
     GPU's MIG mode is still off and the driver will not list profiles. None when unknown.
 
-    The data is the product catalogue the simulated node also models (NVIDIA's MIG user
-    guide); once MIG is on, the driver's own table replaces it before anything is created.
+    The data is the product catalogue (NVIDIA's MIG user guide); once MIG is on, the
+    driver's own table replaces it before anything is created.
     """
-    from gpud.backend.sim.products import PRODUCTS
-
     spec = PRODUCTS.get(identity.product)
     if spec is None or not spec.mig_profiles:
         return None

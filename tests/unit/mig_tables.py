@@ -4,7 +4,7 @@ pure planner and validation tests (no simulated node needed)."""
 from __future__ import annotations
 
 from gpud.backend.port import GpuIdentity
-from gpud.backend.sim.products import PRODUCTS
+from gpud.backend.products import PRODUCTS
 from gpud.mig.validate import ProfileTable, reference_table
 
 MIB = 1 << 20

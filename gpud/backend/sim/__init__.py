@@ -1,7 +1,7 @@
 """A simulated GPU node: a fake ``pynvml`` module plus the controls a test or operator needs.
 
 ``SimNode`` is what ``gpud --simulate H100-SXM5-80GB:8`` runs on. Its ``.nvml`` behaves like
-``pynvml`` for the products in :mod:`gpud.backend.sim.products`, so the real adapter
+``pynvml`` for the products in :mod:`gpud.backend.products`, so the real adapter
 (:class:`gpud.backend.nvml.NvmlBackend`) runs on it unchanged. ``.faults`` injects failures,
 ``.workloads`` runs simulated processes, ``reboot()`` stands for a node reboot or driver
 reload. With ``state_file`` the driver's MIG state outlives the daemon process.
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from gpud.backend.sim import products
+from gpud.backend import products
 from gpud.backend.sim.fakenvml import FakeNvml, SimulatedCrash
 from gpud.backend.sim.faults import FaultInjector
 from gpud.backend.sim.workloads import Workload, Workloads

@@ -39,7 +39,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
-from gpud.backend.sim import products
+from gpud.backend import products
 from gpud.errors import ConfigError
 
 MiB = 1024 * 1024

@@ -1,4 +1,7 @@
-"""The GPU products the simulated node models, with their real MIG tables.
+"""The GPU products gpud knows by name, with their published MIG tables.
+
+The simulated node models these boards; the NVML adapter derives its product keys from
+them, and MIG validation uses their tables while a GPU's MIG mode is still off.
 
 Each product is what ``nvidia-smi -q`` and ``nvidia-smi mig -lgip / -lgipp / -lcip`` show on
 that board: the NVML name and PCI device id, memory, SM count, clocks and power limit, and
