@@ -10,9 +10,8 @@ Life of a daemon (``Daemon.run``)::
         continues); WATCHDOG=1 after each pass; SIGHUP -> reload config
     SIGTERM/SIGINT: STOPPING=1, stop gRPC, MPS, metrics, sampler; exit 0
 
-Backends are chosen once, here (:func:`open_backend`): the real NVML adapter, or the same
-adapter over the simulated node's ``pynvml`` module with its device state under
-``<run_dir>/sim/``.
+The backend (the real NVML adapter, or the same adapter over the simulated node) and the
+MPS control binary are chosen by the composition root, :mod:`gpud.main`, and handed in.
 """
 
 from __future__ import annotations
@@ -22,9 +21,8 @@ import contextlib
 import dataclasses
 import logging
 import signal
-import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,9 +38,9 @@ from gpud.jobs.api import JobsServicer
 from gpud.jobs.metrics import JobMetrics
 from gpud.jobs.service import JobService
 from gpud.metrics import Collector, build_registry, start_metrics_server, stop_metrics_server
-from gpud.mig.apply import MigManager
+from gpud.mig.api import MigServicer
+from gpud.mig.manager import MigManager
 from gpud.mig.metrics import MigMetrics
-from gpud.mig.service import MigServicer
 from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
 from gpud.mps.metrics import MpsMetrics
@@ -74,33 +72,6 @@ RESTART_KEYS = (
 )
 
 
-def open_backend(config: Config) -> tuple[GpuBackend, SimNode | None]:
-    """The GPU backend the config asks for: real NVML, or the simulated node."""
-    if config.backend.kind == "sim":
-        from gpud.backend.nvml import NvmlBackend
-        from gpud.backend.sim import SimNode, parse_simulate_spec
-
-        sim_dir = config.daemon.run_dir / "sim"
-        sim_dir.mkdir(parents=True, exist_ok=True)
-        node = SimNode(
-            parse_simulate_spec(config.backend.simulate), state_file=sim_dir / "node.json"
-        )
-        return NvmlBackend(node.nvml), node
-    from gpud.backend.nvml import open_real_backend
-
-    return open_real_backend(), None
-
-
-def mps_control_command(config: Config) -> list[str]:
-    """The MPS control daemon to run: a simulated node gets the bundled fake
-    ``nvidia-cuda-mps-control`` unless the config names another binary."""
-    if config.backend.kind == "sim" and config.mps.control_binary == "nvidia-cuda-mps-control":
-        from gpud.sim_tools import FAKE_MPS_CONTROL
-
-        return [sys.executable, str(FAKE_MPS_CONTROL)]
-    return [config.mps.control_binary]
-
-
 @dataclass
 class Step:
     """One isolated part of a loop pass."""
@@ -123,9 +94,12 @@ class Daemon:
         backend: GpuBackend,
         sim: SimNode | None,
         notifier: Notifier,
+        mps_control_command: Sequence[str] | None = None,
         reload_config: Callable[[], Config] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``mps_control_command``: the MPS control daemon to run (default
+        ``mps.control_binary``)."""
         self.config = config
         self.backend = backend
         self.sim = sim
@@ -163,7 +137,7 @@ class Daemon:
             self.store,
             self.events,
             config.daemon.run_dir,
-            control_command=mps_control_command(config),
+            control_command=list(mps_control_command or [config.mps.control_binary]),
             enabled=config.mps.enabled,
         )
         self.jobs = JobService(self.store, self.events, self.mps, socket_path=config.socket_path)

@@ -11,11 +11,40 @@ import asyncio
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpud import __version__, config, logsetup
 from gpud.errors import ConfigError, GpudError
 from gpud.notify import Notifier
+
+if TYPE_CHECKING:
+    from gpud.backend.port import GpuBackend
+    from gpud.backend.sim import SimNode
+
+
+def open_backend(cfg: config.Config) -> tuple[GpuBackend, SimNode | None]:
+    """The GPU backend the config asks for: real NVML, or the simulated node."""
+    if cfg.backend.kind == "sim":
+        from gpud.backend.nvml import NvmlBackend
+        from gpud.backend.sim import SimNode, parse_simulate_spec
+
+        sim_dir = cfg.daemon.run_dir / "sim"
+        sim_dir.mkdir(parents=True, exist_ok=True)
+        node = SimNode(parse_simulate_spec(cfg.backend.simulate), state_file=sim_dir / "node.json")
+        return NvmlBackend(node.nvml), node
+    from gpud.backend.nvml import open_real_backend
+
+    return open_real_backend(), None
+
+
+def mps_control_command(cfg: config.Config) -> list[str]:
+    """The MPS control daemon to run: a simulated node gets the bundled fake
+    ``nvidia-cuda-mps-control`` unless the config names another binary."""
+    if cfg.backend.kind == "sim" and cfg.mps.control_binary == "nvidia-cuda-mps-control":
+        from gpud.sim_tools import FAKE_MPS_CONTROL
+
+        return [sys.executable, str(FAKE_MPS_CONTROL)]
+    return [cfg.mps.control_binary]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logsetup.configure(cfg.daemon.log_level, journald="JOURNAL_STREAM" in os.environ)
 
-    from gpud.daemon import Daemon, open_backend
+    from gpud.daemon import Daemon
 
     try:
         backend, sim = open_backend(cfg)
@@ -98,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg,
         backend=backend,
         sim=sim,
+        mps_control_command=mps_control_command(cfg),
         notifier=Notifier.from_environ(os.environ),
         reload_config=lambda: load_config(args),
     )

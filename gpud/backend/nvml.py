@@ -470,6 +470,10 @@ class NvmlBackend:
             )
         return MigReadings(tuple(out), tuple(errors) if errors else ())
 
+    # Single readings, not part of the port (the sampler reads them all in one
+    # `gpu_readings` call): for the real-GPU tier and for checking `gpu_readings` against
+    # an independent read of each field.
+
     def utilization(self, gpu: int) -> Utilization:
         """``utilization.gpu`` / ``utilization.memory``; NotSupported on MIG-enabled GPUs."""
         u = self._call(gpu, self._nv.nvmlDeviceGetUtilizationRates, self._handle(gpu))

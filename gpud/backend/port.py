@@ -19,12 +19,12 @@ Conventions:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple, Protocol
 
-from gpud.errors import BackendError, GpuLost
+from gpud.errors import BackendError
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,20 +252,6 @@ class GpuBackend(Protocol):
         error in ``errors``; a lost GPU raises :class:`gpud.errors.GpuLost`."""
         ...
 
-    def utilization(self, gpu: int) -> Utilization: ...  # NotSupported on MIG-enabled GPUs
-
-    def power_watts(self, gpu: int) -> float: ...
-
-    def temperature_celsius(self, gpu: int) -> float: ...
-
-    def clocks(self, gpu: int) -> Clocks: ...
-
-    def ecc_errors(self, gpu: int) -> EccCounts: ...
-
-    def pcie_throughput(self, gpu: int) -> PcieThroughput: ...
-
-    def nvlink_throughput_bytes(self, gpu: int) -> tuple[int, int]: ...  # (tx, rx) counters
-
     # MIG
     def mig_mode(self, gpu: int) -> MigMode: ...
 
@@ -303,54 +289,3 @@ class GpuBackend(Protocol):
     def wait_events(self, timeout_s: float) -> list[GpuEvent]: ...
 
     def close(self) -> None: ...
-
-
-def gpu_readings_one_by_one(
-    backend: GpuBackend, gpu: int, skip: Collection[str] = frozenset()
-) -> GpuReadings:
-    """:meth:`GpuBackend.gpu_readings` made of the single-reading methods: for backends
-    (fakes, mostly) where one call per reading costs nothing worth batching."""
-    calls: dict[str, Callable[[int], object]] = {
-        "memory": backend.memory,
-        "utilization": backend.utilization,
-        "power_watts": backend.power_watts,
-        "temperature_celsius": backend.temperature_celsius,
-        "clocks": backend.clocks,
-        "ecc": backend.ecc_errors,
-        "pcie": backend.pcie_throughput,
-        "nvlink_bytes": backend.nvlink_throughput_bytes,
-        "processes": lambda gpu: tuple(backend.processes(gpu)),
-        "mig_mode": backend.mig_mode,
-    }
-    values: dict[str, object] = {}
-    errors: list[tuple[str, BackendError]] = []
-    for name in READINGS:
-        if name in skip:
-            continue
-        try:
-            values[name] = calls[name](gpu)
-        except BackendError as err:
-            errors.append((name, err))
-            if isinstance(err, GpuLost):
-                return GpuReadings(errors=tuple(errors))
-    return GpuReadings(**values, errors=tuple(errors))  # type: ignore[arg-type]
-
-
-def mig_readings_one_by_one(
-    backend: GpuBackend, gpu: int, devices: Sequence[MigDeviceIdentity]
-) -> MigReadings:
-    """:meth:`GpuBackend.mig_readings` made of ``memory`` and ``processes`` (see above)."""
-    out: list[MigReading] = []
-    errors: list[tuple[int, BackendError]] = []
-    for dev in devices:
-        try:
-            memory = backend.memory(gpu, dev.mig)
-            processes = tuple(backend.processes(gpu, dev.mig))
-        except GpuLost:
-            raise
-        except BackendError as err:
-            out.append(MigReading(dev, None, ()))
-            errors.append((dev.mig, err))
-            continue
-        out.append(MigReading(dev, memory, processes))
-    return MigReadings(tuple(out), tuple(errors))

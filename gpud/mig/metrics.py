@@ -28,7 +28,8 @@ from prometheus_client.core import (
     Metric,
 )
 
-from gpud.mig.apply import DURATION_BUCKETS, RESULTS, MigManager
+from gpud.mig.manager import MigManager
+from gpud.mig.results import DURATION_BUCKETS, RESULTS
 
 _INSTANCE = ("gpu", "mig_uuid", "profile")
 

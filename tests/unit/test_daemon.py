@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from gpud.config import Config
-from gpud.daemon import Daemon, open_backend
+from gpud.daemon import Daemon
 from gpud.errors import ConfigError
+from gpud.main import mps_control_command, open_backend
 from gpud.notify import Notifier
 
 
@@ -39,6 +40,7 @@ def build(config: Config, reload_to: list[Config] | None = None) -> Daemon:
         config,
         backend=backend,
         sim=sim,
+        mps_control_command=mps_control_command(config),
         notifier=Notifier(None),
         reload_config=lambda: pending.pop(0),
     )

@@ -13,8 +13,8 @@ from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, SimulatedCrash
 from gpud.errors import Busy, InvalidArgument
 from gpud.events import EventLog
-from gpud.mig.apply import MigManager
 from gpud.mig.layout import MigConfigFile, load_config, parse_config
+from gpud.mig.manager import MigManager
 from gpud.mig.store import ApplyOptions
 from gpud.store import StateStore
 

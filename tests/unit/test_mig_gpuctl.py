@@ -18,10 +18,10 @@ from gpud.backend.sim import SimNode
 from gpud.cli.main import main
 from gpud.events import EventLog
 from gpud.metrics import Collector
-from gpud.mig.apply import MigManager
+from gpud.mig.api import MigServicer
 from gpud.mig.layout import load_config
+from gpud.mig.manager import MigManager
 from gpud.mig.metrics import MigMetrics
-from gpud.mig.service import MigServicer
 from gpud.store import StateStore
 from tests.unit.api_support import ServerThread, short_dir
 

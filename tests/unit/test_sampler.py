@@ -6,11 +6,12 @@ import asyncio
 import threading
 import time
 from collections import Counter
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import pytest
 
 from gpud.backend.port import (
+    READINGS,
     Clocks,
     EccCounts,
     EventKind,
@@ -20,12 +21,11 @@ from gpud.backend.port import (
     MemoryInfo,
     MigDeviceIdentity,
     MigMode,
+    MigReading,
     MigReadings,
     PcieThroughput,
     ProcessInfo,
     Utilization,
-    gpu_readings_one_by_one,
-    mig_readings_one_by_one,
 )
 from gpud.errors import BackendError, GpuLost, NotSupported
 from gpud.events import EventLog
@@ -98,10 +98,47 @@ class FakeBackend:
         return [ProcessInfo(pid=100 + gpu, used_memory_bytes=GIB)]
 
     def gpu_readings(self, gpu: int, skip: Collection[str] = frozenset()) -> GpuReadings:
-        return gpu_readings_one_by_one(self, gpu, skip)  # type: ignore[arg-type]
+        # One call per reading, each failing on its own, as the port describes.
+        calls: dict[str, Callable[[int], object]] = {
+            "memory": self.memory,
+            "utilization": self.utilization,
+            "power_watts": self.power_watts,
+            "temperature_celsius": self.temperature_celsius,
+            "clocks": self.clocks,
+            "ecc": self.ecc_errors,
+            "pcie": self.pcie_throughput,
+            "nvlink_bytes": self.nvlink_throughput_bytes,
+            "processes": lambda gpu: tuple(self.processes(gpu)),
+            "mig_mode": self.mig_mode,
+        }
+        values: dict[str, object] = {}
+        errors: list[tuple[str, BackendError]] = []
+        for name in READINGS:
+            if name in skip:
+                continue
+            try:
+                values[name] = calls[name](gpu)
+            except BackendError as err:
+                errors.append((name, err))
+                if isinstance(err, GpuLost):
+                    return GpuReadings(errors=tuple(errors))
+        return GpuReadings(**values, errors=tuple(errors))  # type: ignore[arg-type]
 
     def mig_readings(self, gpu: int, devices: Sequence[MigDeviceIdentity]) -> MigReadings:
-        return mig_readings_one_by_one(self, gpu, devices)  # type: ignore[arg-type]
+        out: list[MigReading] = []
+        errors: list[tuple[int, BackendError]] = []
+        for dev in devices:
+            try:
+                memory = self.memory(gpu, dev.mig)
+                processes = tuple(self.processes(gpu, dev.mig))
+            except GpuLost:
+                raise
+            except BackendError as err:
+                out.append(MigReading(dev, None, ()))
+                errors.append((dev.mig, err))
+                continue
+            out.append(MigReading(dev, memory, processes))
+        return MigReadings(tuple(out), tuple(errors))
 
     def utilization(self, gpu: int) -> Utilization:
         self._call(gpu, "utilization")

@@ -23,18 +23,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from bisect import bisect_left
-from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
 from typing import Literal
 
-from gpud.backend.port import (
-    GpuBackend,
-    GpuIdentity,
-    GpuInstanceInfo,
-    MigMode,
-    ProcessInfo,
-)
+from gpud.backend.port import GpuBackend, GpuIdentity, GpuInstanceInfo, ProcessInfo
 from gpud.errors import Busy, GpudError, InvalidArgument, NotFound, NotSupported
 from gpud.events import EventLog
 from gpud.mig.layout import DeviceLayout, MigConfigFile, export_config, resolve
@@ -51,95 +43,15 @@ from gpud.mig.plan import (
     describe_difference,
     plan_gpu,
 )
+from gpud.mig.results import ApplyResult, ApplyStats, GpuOutcome
 from gpud.mig.store import ApplyOptions, DesiredRecord, MigStore
 from gpud.mig.validate import ProfileTable, load_table, reference_table
+from gpud.mig.view import GpuView, JobResolver, gpu_view, read_actual
 from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
 
-JobResolver = Callable[[int], str | None]
-"""pid -> job name, when a job registry knows the process."""
-
 ReconcileMode = Literal["reconcile", "report"]
-
-# Apply outcomes, the ``result`` label of ``gpud_mig_apply_total``.
-RESULTS = ("success", "noop", "reset_pending", "invalid", "busy", "failed")
-DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessView:
-    pid: int
-    used_memory_bytes: int | None
-    job: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceView:
-    """One GPU instance and (when it has one) its compute instance, as ``gpuctl mig show``
-    prints it. ``mig`` and ``uuid`` are those of the MIG device (``nvidia-smi -L``)."""
-
-    gpu: int
-    gpu_instance_id: int
-    profile: str  # GPU instance profile, "3g.40gb"
-    placement_start: int
-    placement_size: int
-    compute_instance_id: int | None
-    compute_profile: str | None
-    mig: int | None
-    uuid: str | None
-    memory_total_bytes: int | None
-    memory_used_bytes: int | None
-    processes: tuple[ProcessView, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class GpuView:
-    identity: GpuIdentity
-    mode: MigMode | None  # None: not MIG capable
-    instances: tuple[InstanceView, ...]
-    layout: DeviceLayout
-    desired: DesiredRecord | None
-    profiles: tuple[tuple[str, int, tuple[tuple[int, int], ...]], ...]  # (name, free, placements)
-
-
-@dataclass(frozen=True, slots=True)
-class GpuOutcome:
-    gpu: int
-    uuid: str
-    steps: tuple[str, ...]  # what was done (or would be done, for a dry run)
-    reset_pending: bool
-    status: str  # "ok", "changed", "reset_pending", "busy", "differs", "failed", "missing"
-    detail: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ApplyResult:
-    config_name: str
-    result: str  # one of RESULTS
-    gpus: tuple[GpuOutcome, ...]
-    duration_s: float
-    dry_run: bool = False
-
-
-@dataclass
-class ApplyStats:
-    """Counters behind ``gpud_mig_apply_total`` and ``gpud_mig_apply_duration_seconds``."""
-
-    totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
-    bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(DURATION_BUCKETS) + 1))
-    duration_sum: float = 0.0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def record(self, result: str, duration_s: float) -> None:
-        with self.lock:
-            self.totals[result] = self.totals.get(result, 0) + 1
-            self.bucket_counts[bisect_left(DURATION_BUCKETS, duration_s)] += 1
-            self.duration_sum += duration_s
-
-    def snapshot(self) -> tuple[dict[str, int], list[int], float]:
-        with self.lock:
-            return dict(self.totals), list(self.bucket_counts), self.duration_sum
 
 
 class MigManager:
@@ -187,12 +99,7 @@ class MigManager:
         return [self._backend.identity(i) for i in range(self._backend.gpu_count())]
 
     def _actual(self, gpu: GpuIdentity) -> GpuActual:
-        """``nvidia-smi -q`` MIG mode plus ``nvidia-smi mig -lgi`` / ``-lci``."""
-        if not gpu.mig_capable:
-            return GpuActual(gpu.index, MigMode(False, False), ())
-        mode = self._backend.mig_mode(gpu.index)
-        instances = tuple(self._backend.gpu_instances(gpu.index)) if mode.current else ()
-        return GpuActual(gpu.index, mode, instances)
+        return read_actual(self._backend, gpu)
 
     def _table(self, gpu: GpuIdentity) -> ProfileTable | None:
         """The GPU's own MIG tables (read once, they do not change while it is present), or
@@ -682,98 +589,8 @@ class MigManager:
         """Every GPU (but those whose UUID is in ``skip``): MIG mode, instances with MIG UUIDs
         and processes, profiles and placements."""
         desired = self._store.desired()
-        out = []
-        for gpu in self._identities():
-            if gpu.uuid in skip:
-                continue
-            actual = self._actual(gpu)
-            table = self._table(gpu)
-            instances = self._instance_views(gpu, actual, table) if actual.mode.current else ()
-            profiles: tuple[tuple[str, int, tuple[tuple[int, int], ...]], ...] = ()
-            if table is not None:
-                profiles = tuple(
-                    (
-                        p.name,
-                        self._free_count(gpu, p.id, actual),
-                        tuple((pl.start, pl.size) for pl in table.placements.get(p.id, ())),
-                    )
-                    for p in table.gi_profiles
-                )
-            out.append(
-                GpuView(
-                    gpu,
-                    actual.mode if gpu.mig_capable else None,
-                    tuple(instances),
-                    actual_layout(actual, table),
-                    desired.get(gpu.uuid),
-                    profiles,
-                )
-            )
-        return out
-
-    def _free_count(self, gpu: GpuIdentity, profile_id: int, actual: GpuActual) -> int:
-        """How many more of this profile fit (``nvidia-smi mig -lgip`` "Free" column)."""
-        if not actual.mode.current:
-            return 0
-        taken = [gi.placement for gi in actual.instances]
-        free = 0
-        chosen: list[tuple[int, int]] = []
-        for pl in self._backend.gpu_instance_placements(gpu.index, profile_id):
-            spans = [(t.start, t.size) for t in taken] + chosen
-            if all(pl.start + pl.size <= s or s + n <= pl.start for s, n in spans):
-                free += 1
-                chosen.append((pl.start, pl.size))
-        return free
-
-    def _instance_views(
-        self, gpu: GpuIdentity, actual: GpuActual, table: ProfileTable | None
-    ) -> Iterable[InstanceView]:
-        devices = {
-            (m.gpu_instance_id, m.compute_instance_id): m
-            for m in self._backend.mig_devices(gpu.index)
-        }
-        for gi in sorted(actual.instances, key=lambda g: g.placement.start):
-            gi_name = _name(table, gi.profile_id, None)
-            cis: Sequence[tuple[int | None, int | None]] = [
-                (ci.id, ci.profile_id) for ci in gi.compute_instances
-            ] or [(None, None)]
-            for ci_id, ci_profile in cis:
-                md = devices.get((gi.id, ci_id)) if ci_id is not None else None
-                used = None
-                procs: tuple[ProcessView, ...] = ()
-                if md is not None:
-                    try:
-                        used = self._backend.memory(gpu.index, md.mig).used_bytes
-                    except NotSupported:
-                        used = None
-                    procs = tuple(
-                        ProcessView(
-                            p.pid, p.used_memory_bytes, self._jobs(p.pid) if self._jobs else None
-                        )
-                        for p in self._backend.processes(gpu.index, md.mig)
-                    )
-                yield InstanceView(
-                    gpu.index,
-                    gi.id,
-                    gi_name,
-                    gi.placement.start,
-                    gi.placement.size,
-                    ci_id,
-                    _name(table, gi.profile_id, ci_profile) if ci_profile is not None else None,
-                    md.mig if md else None,
-                    md.uuid if md else None,
-                    md.memory_total_bytes if md else None,
-                    used,
-                    procs,
-                )
-
-
-def _name(table: ProfileTable | None, gi_profile_id: int, ci_profile_id: int | None) -> str:
-    if table is None:
-        return f"profile {gi_profile_id}"
-    try:
-        if ci_profile_id is None:
-            return table.gi_profile(gi_profile_id).name
-        return table.ci_profile(gi_profile_id, ci_profile_id).name
-    except KeyError:
-        return f"profile {ci_profile_id if ci_profile_id is not None else gi_profile_id}"
+        return [
+            gpu_view(self._backend, gpu, self._table(gpu), desired.get(gpu.uuid), self._jobs)
+            for gpu in self._identities()
+            if gpu.uuid not in skip
+        ]

@@ -14,9 +14,11 @@ import grpc
 
 from gpud.errors import InvalidArgument
 from gpud.mig import MAX_DRAIN_SECONDS
-from gpud.mig.apply import ApplyResult, GpuView, MigManager
 from gpud.mig.layout import MigConfigFile, parse_config
+from gpud.mig.manager import MigManager
+from gpud.mig.results import ApplyResult
 from gpud.mig.store import ApplyOptions
+from gpud.mig.view import GpuView
 from gpud.v1 import mig_pb2 as pb
 from gpud.v1 import mig_pb2_grpc as pb_grpc
 

@@ -1,0 +1,53 @@
+"""What a MIG apply or reconcile reports, per GPU and in all, and the counters behind
+``gpud_mig_apply_total`` and ``gpud_mig_apply_duration_seconds``."""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+# Apply outcomes, the ``result`` label of ``gpud_mig_apply_total``. ``partial``: the healthy
+# GPUs were applied, a faulty one (lost, not answering) was left alone.
+RESULTS = ("success", "noop", "reset_pending", "partial", "invalid", "busy", "failed")
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuOutcome:
+    gpu: int
+    uuid: str
+    steps: tuple[str, ...]  # what was done (or would be done, for a dry run)
+    reset_pending: bool
+    # "ok", "changed", "reset_pending", "busy", "differs", "failed", "missing", "faulty"
+    status: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    config_name: str
+    result: str  # one of RESULTS
+    gpus: tuple[GpuOutcome, ...]
+    duration_s: float
+    dry_run: bool = False
+
+
+@dataclass
+class ApplyStats:
+    """Counters behind ``gpud_mig_apply_total`` and ``gpud_mig_apply_duration_seconds``."""
+
+    totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
+    bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(DURATION_BUCKETS) + 1))
+    duration_sum: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record(self, result: str, duration_s: float) -> None:
+        with self.lock:
+            self.totals[result] = self.totals.get(result, 0) + 1
+            self.bucket_counts[bisect_left(DURATION_BUCKETS, duration_s)] += 1
+            self.duration_sum += duration_s
+
+    def snapshot(self) -> tuple[dict[str, int], list[int], float]:
+        with self.lock:
+            return dict(self.totals), list(self.bucket_counts), self.duration_sum
