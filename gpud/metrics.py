@@ -15,7 +15,8 @@ What Prometheus sees (``curl -s localhost:9400/metrics | grep ^gpud_``):
   ``gpud_gpu_power_watts``, ``gpud_gpu_temperature_celsius``,
   ``gpud_gpu_{sm,memory}_clock_hertz``, ``gpud_gpu_ecc_errors_total{type}``,
   ``gpud_gpu_pcie_throughput_bytes_per_second{direction}``,
-  ``gpud_gpu_nvlink_bytes_total{direction}``, ``gpud_gpu_processes``,
+  ``gpud_gpu_nvlink_bytes_total{direction}`` (the sum over every NVLink link of the GPU:
+  NVML keeps one counter per link, ``scopeId`` = link index), ``gpud_gpu_processes``,
   ``gpud_gpu_mig_mode_enabled``, ``gpud_gpu_mig_mode_pending``,
   ``gpud_gpu_xid_errors_total``, ``gpud_gpu_last_xid``;
 - per MIG device, labels ``gpu``, ``gpu_uuid``, ``mig_uuid``, ``profile``,
@@ -196,7 +197,7 @@ class Collector(_CollectorBase):
         )
         nvlink = CounterMetricFamily(
             "gpud_gpu_nvlink_bytes",
-            "Bytes sent and received over all NVLinks, by direction.",
+            "Bytes sent and received over NVLink, summed over every link of the GPU, by direction.",
             labels=(*_GPU_LABELS, "direction"),
         )
         procs = g("gpud_gpu_processes", "Compute processes on the GPU.", labels=_GPU_LABELS)

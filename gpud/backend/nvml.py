@@ -88,10 +88,12 @@ _ERROR_CLASSES: Final[dict[int, type[BackendError]]] = {
 _SKIP_PROFILE: Final = (NotSupported, DeviceNotFound)  # "not on this product"
 _INVALID_ARGUMENT: Final = 2
 
-# Field ids for NVLink data throughput counters (KiB), nvml.h.
+# Field ids for NVLink data throughput counters (KiB), nvml.h. Each is per link: the field
+# value's ``scopeId`` is the link index, so a GPU's traffic is the sum over its links.
+_FI_NVLINK_LINK_COUNT: Final = 91
 _FI_NVLINK_TX: Final = 138
 _FI_NVLINK_RX: Final = 139
-_NVLINK_FIELDS: Final = (_FI_NVLINK_TX, _FI_NVLINK_RX)
+_NVLINK_MAX_LINKS: Final = 18  # NVML_NVLINK_MAX_LINKS of the drivers for A100/H100/H200
 
 _EVENT_KINDS: Final[dict[int, EventKind]] = {
     0x8: EventKind.XID,
@@ -224,6 +226,7 @@ class NvmlBackend:
         self._gi_tables: dict[int, dict[int, tuple[GpuInstanceProfile, list[Placement]]]] = {}
         self._ci_tables: dict[tuple[str, int], list[ComputeInstanceProfile]] = {}
         self._mig_ids: dict[tuple[int, int, str], MigDeviceIdentity] = {}
+        self._nvlink_fields_cache: dict[int, tuple[tuple[int, int], ...]] = {}
         self._event_set: Any = None
         self._closed = False
 
@@ -383,7 +386,7 @@ class NvmlBackend:
                     self._read_failed(errors, gpu, "pcie", f.pcie, err)
             if "nvlink_bytes" not in skip:
                 try:
-                    nvlink = self._nvlink(f.field_values(h, _NVLINK_FIELDS))
+                    nvlink = self._nvlink(f.field_values(h, self._nvlink_fields(gpu, h)))
                 except error as err:
                     self._read_failed(errors, gpu, "nvlink_bytes", f.field_values, err)
             if "processes" not in skip:
@@ -520,24 +523,60 @@ class NvmlBackend:
         return PcieThroughput(tx_bytes_per_second=tx * 1024.0, rx_bytes_per_second=rx * 1024.0)
 
     def nvlink_throughput_bytes(self, gpu: int) -> tuple[int, int]:
-        """NVLink data counters (tx, rx) in bytes, all links: ``nvidia-smi nvlink -gt d``.
+        """NVLink data counters (tx, rx) in bytes, summed over all links: the totals of
+        ``nvidia-smi nvlink -gt d``.
 
-        Read with ``nvmlDeviceGetFieldValues(NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX)``;
-        NotSupported where the GPU has no NVLink.
+        Read with ``nvmlDeviceGetFieldValues(NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX)``, one
+        value per link (``scopeId`` = link index); NotSupported where the GPU has no NVLink.
         """
         fn = self._nv.nvmlDeviceGetFieldValues
-        values = self._call(gpu, fn, self._handle(gpu), _NVLINK_FIELDS)
+        h = self._handle(gpu)
+        values = self._call(gpu, fn, h, self._nvlink_fields(gpu, h))
         try:
             return self._nvlink(values)
         except self._error as err:
             raise self._translate(err, gpu, fn) from err
 
+    def _nvlink_fields(self, gpu: int, h: Any) -> tuple[tuple[int, int], ...]:
+        """``(field id, link)`` for the TX and RX counters of every link of the GPU: the
+        link count (``NVML_FI_DEV_NVLINK_LINK_COUNT``) read once, the driver's maximum when
+        it cannot say (links it does not have then answer with an error and are skipped)."""
+        fields = self._nvlink_fields_cache.get(gpu)
+        if fields is not None:
+            return fields
+        links = _NVLINK_MAX_LINKS
+        try:
+            (count,) = self._fast.field_values(h, (_FI_NVLINK_LINK_COUNT,))
+        except self._error:  # a lost GPU, say: try again next time
+            read = False
+        else:
+            read = True
+            if not count.nvmlReturn and 0 < count.value.uiVal <= 64:
+                links = int(count.value.uiVal)
+        fields = tuple(
+            (fid, link) for link in range(links) for fid in (_FI_NVLINK_TX, _FI_NVLINK_RX)
+        )
+        if read:
+            self._nvlink_fields_cache[gpu] = fields
+        return fields
+
     def _nvlink(self, values: Any) -> tuple[int, int]:
-        """(tx, rx) bytes from the two field values; a field's own error raises NVMLError."""
-        tx, rx = values
-        if tx.nvmlReturn or rx.nvmlReturn:
-            raise self._nv.NVMLError(tx.nvmlReturn or rx.nvmlReturn)
-        return tx.value.ullVal * 1024, rx.value.ullVal * 1024
+        """(tx, rx) bytes summed over the links that answered (pairs of TX, RX values, one
+        pair per link); when no link answers, the first field's error raises NVMLError."""
+        tx = rx = 0
+        answered = False
+        first_error = 0
+        for i in range(0, len(values), 2):
+            t, r = values[i], values[i + 1]
+            if t.nvmlReturn or r.nvmlReturn:
+                first_error = first_error or t.nvmlReturn or r.nvmlReturn
+                continue
+            answered = True
+            tx += t.value.ullVal
+            rx += r.value.ullVal
+        if not answered:
+            raise self._nv.NVMLError(first_error or _INVALID_ARGUMENT)
+        return tx * 1024, rx * 1024
 
     # -- MIG mode ----------------------------------------------------------------------------
 

@@ -109,6 +109,7 @@ class ProductSpec:
     power_limit_w: int  # TDP
     power_idle_w: int
     nvlink_gbps: int  # per direction, whole GPU
+    nvlink_links: int  # NVLink links (12 on A100, 18 on H100/H200)
     mig_profiles: tuple[GiProfileSpec, ...]
 
     @property
@@ -237,6 +238,7 @@ PRODUCTS: dict[str, ProductSpec] = {
             power_limit_w=400,
             power_idle_w=55,
             nvlink_gbps=300,
+            nvlink_links=12,
             mig_profiles=_a100(
                 (4864, 9856, 19968, 19968, 40192),
                 ("1g.5gb", "1g.5gb+me", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"),
@@ -254,6 +256,7 @@ PRODUCTS: dict[str, ProductSpec] = {
             power_limit_w=400,
             power_idle_w=60,
             nvlink_gbps=300,
+            nvlink_links=12,
             mig_profiles=_a100(
                 (9984, 19968, 40192, 40192, 80384),
                 ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
@@ -271,6 +274,7 @@ PRODUCTS: dict[str, ProductSpec] = {
             power_limit_w=700,
             power_idle_w=70,
             nvlink_gbps=450,
+            nvlink_links=18,
             mig_profiles=_hopper(
                 (9984, 20096, 40448, 81152),
                 ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
@@ -288,6 +292,7 @@ PRODUCTS: dict[str, ProductSpec] = {
             power_limit_w=700,
             power_idle_w=75,
             nvlink_gbps=450,
+            nvlink_links=18,
             mig_profiles=_hopper(
                 (16384, 33280, 67072, 143360),
                 ("1g.18gb", "1g.18gb+me", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"),

@@ -97,6 +97,35 @@ def test_workloads_move_readings() -> None:
     assert be.processes(0) == [] and be.memory(0).used_bytes < GiB
 
 
+@pytest.mark.parametrize(("key", "links"), [("A100-SXM4-40GB", 12), ("H100-SXM5-80GB", 18)])
+def test_nvlink_throughput_sums_every_link(key: str, links: int) -> None:
+    node, be = _backend([(key, 1)])
+    clock = node.nvml._clock
+    assert isinstance(clock, FakeClock)
+    be.nvlink_throughput_bytes(0)
+    node.workloads.start(0, 4000, GiB, 1.0)
+    clock.now += 10
+    tx, rx = be.nvlink_throughput_bytes(0)
+    # What the driver has, link by link (scopeId = link index), read straight from it.
+    nv = node.nvml
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    (count,) = nv.nvmlDeviceGetFieldValues(h, [nv.NVML_FI_DEV_NVLINK_LINK_COUNT])
+    assert count.value.uiVal == links
+    fid_tx, fid_rx = (
+        nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+        nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+    )
+    per_link = nv.nvmlDeviceGetFieldValues(
+        h, [(f, link) for link in range(links) for f in (fid_tx, fid_rx)]
+    )
+    assert all(v.scopeId == i // 2 for i, v in enumerate(per_link))
+    assert tx == sum(v.value.ullVal for v in per_link[0::2]) * 1024
+    assert rx == sum(v.value.ullVal for v in per_link[1::2]) * 1024
+    assert tx > per_link[0].value.ullVal * 1024 * (links - 1), "more than link 0"
+    readings = be.gpu_readings(0)
+    assert readings.nvlink_bytes is not None and readings.nvlink_bytes[0] == tx
+
+
 def test_mig_tables_h100() -> None:
     _, be = _mig_backend()
     profiles = {p.name: p for p in be.gpu_instance_profiles(0)}

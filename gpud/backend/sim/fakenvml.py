@@ -14,9 +14,12 @@ instances, and running processes. With a ``state_file`` the MIG state is written
 atomically after every mutation and read back at start, so a daemon restart finds the
 instances as it left them (``nvidia-smi mig -lgi`` after ``systemctl restart gpud``).
 
-Deliberately not modelled: graphics processes, vGPU, clocks events, NVLink per-link
-counters (``nvmlDeviceGetFieldValues`` answers the throughput fields
-``NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX`` and NotSupported for the rest).
+NVLink counters are per link, as the driver keeps them: ``nvmlDeviceGetFieldValues``
+answers ``NVML_FI_DEV_NVLINK_LINK_COUNT`` and the throughput fields
+``NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX`` for each link (``scopeId`` = link index; the
+GPU's traffic is split over its links), an error for a link the GPU does not have, and
+NotSupported for other fields. Deliberately not modelled: graphics processes, vGPU, clocks
+events.
 
 The ``sim_*`` methods are the simulation's own controls (faults, workloads, reboot), used
 by :mod:`gpud.backend.sim`; no NVML function starts with ``sim_``.
@@ -90,7 +93,9 @@ NVML_VOLATILE_ECC = 0
 NVML_AGGREGATE_ECC = 1
 NVML_PCIE_UTIL_TX_BYTES = 0
 NVML_PCIE_UTIL_RX_BYTES = 1
+NVML_VALUE_TYPE_UNSIGNED_INT = 1
 NVML_VALUE_TYPE_UNSIGNED_LONG_LONG = 3
+NVML_FI_DEV_NVLINK_LINK_COUNT = 91
 NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX = 138
 NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX = 139
 NVML_VALUE_NOT_AVAILABLE_uint = 0xFFFFFFFF
@@ -816,21 +821,35 @@ class FakeNvml:
                 gpu.nvlink_rx_kib += rate * 0.9 * (now - gpu.nvlink_last)
             gpu.nvlink_last = now
             tx, rx = int(gpu.nvlink_tx_kib), int(gpu.nvlink_rx_kib)
+        links = gpu.spec.nvlink_links
         out = []
-        for fid in fieldIds:
-            value = {
-                NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: tx,
-                NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: rx,
-            }.get(fid)
+        for item in fieldIds:
+            fid, scope = item if isinstance(item, tuple) else (item, 0)
+            value: int | None = None
+            ret = NVML_ERROR_NOT_SUPPORTED
+            vtype = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+            if fid == NVML_FI_DEV_NVLINK_LINK_COUNT:
+                value, ret, vtype = links, NVML_SUCCESS, NVML_VALUE_TYPE_UNSIGNED_INT
+            elif fid in (
+                NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+                NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+            ):
+                if 0 <= scope < links:
+                    total = tx if fid == NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX else rx
+                    # An even split, the remainder on link 0: the links sum to the total.
+                    value = total // links + (total % links if scope == 0 else 0)
+                    ret = NVML_SUCCESS
+                else:
+                    ret = NVML_ERROR_INVALID_ARGUMENT
             out.append(
                 SimpleNamespace(
                     fieldId=fid,
-                    scopeId=0,
+                    scopeId=scope,
                     timestamp=int(now * 1e6),
                     latencyUsec=0,
-                    valueType=NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
-                    nvmlReturn=NVML_SUCCESS if value is not None else NVML_ERROR_NOT_SUPPORTED,
-                    value=SimpleNamespace(ullVal=value or 0),
+                    valueType=vtype,
+                    nvmlReturn=ret,
+                    value=SimpleNamespace(ullVal=value or 0, uiVal=value or 0),
                 )
             )
         return out
