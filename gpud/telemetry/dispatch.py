@@ -5,11 +5,13 @@ after the other (a *pass*) while the caller waits. Handing each GPU to its own t
 tick would cost two hand-offs per GPU and make the readers contend for the GIL, which with
 cheap driver calls costs more CPU than the calls themselves.
 
-When a GPU's read runs past ``call_timeout_s`` the pass is abandoned on that GPU (a call
-inside the driver cannot be cancelled; its daemon thread returns when the driver does),
-the GPU is reported hung, and the GPUs not read yet are each read on a fresh thread of
-their own within one more ``call_timeout_s``, so a driver-wide hang costs two timeouts per
-tick, not one per GPU. A hung GPU gets no new call until its stuck one has returned.
+When a GPU's read runs past ``wait_s`` (the sampler makes it at most half its interval) the
+pass is abandoned on that GPU (a call inside the driver cannot be cancelled; its daemon
+thread returns when the driver does), the GPU is reported as not answering, and the GPUs
+not read yet are each read on a fresh thread of their own within one more ``wait_s``, so
+even a driver-wide hang costs a tick two waits, not one per GPU, and the GPUs that answer
+keep samples no older than the interval allows. A hung GPU gets no new call until its
+stuck one has returned.
 
 Timeouts use the real monotonic clock: they bound real waits, not simulated time.
 """
@@ -115,10 +117,11 @@ class _Pass:
 
 
 class Dispatcher:
-    """Reads targets with at most ``call_timeout_s`` per stuck GPU (see the module doc)."""
+    """Reads targets, waiting at most ``wait_s`` for a GPU that does not answer (see the
+    module doc). ``wait_s`` may be changed between reads."""
 
-    def __init__(self, call_timeout_s: float, name: str = "gpud-sampler") -> None:
-        self.call_timeout_s = call_timeout_s
+    def __init__(self, wait_s: float, name: str = "gpud-sampler") -> None:
+        self.wait_s = wait_s
         self._name = name
         self._worker = Worker(name)
         self._spare = 0
@@ -130,7 +133,7 @@ class Dispatcher:
             return {}
         p = _Pass(todo)
         self._worker.submit(p.run)
-        timeout = self.call_timeout_s
+        timeout = self.wait_s
         wait_s = timeout
         while not p.wait(wait_s):
             hung = p.abandon_if_overdue(timeout)
@@ -142,11 +145,11 @@ class Dispatcher:
             self._worker = Worker(self._name)
             results = dict(p.results)
             rest = todo[todo.index(hung) + 1 :]
-            results.update(self._fan_out(rest))
+            results.update(self._fan_out(rest, timeout))
             return results
         return p.results
 
-    def _fan_out(self, targets: Sequence[Target]) -> dict[int, Result]:
+    def _fan_out(self, targets: Sequence[Target], timeout: float) -> dict[int, Result]:
         passes: list[_Pass] = []
         for target in targets:
             p = _Pass((target,))
@@ -155,7 +158,7 @@ class Dispatcher:
             worker.submit(p.run)
             worker.close()  # the thread ends after this one read
             passes.append(p)
-        deadline = time.monotonic() + self.call_timeout_s
+        deadline = time.monotonic() + timeout
         results: dict[int, Result] = {}
         for p in passes:
             if not p.wait(deadline - time.monotonic()):

@@ -1,14 +1,17 @@
 """The telemetry sampler: every GPU and MIG device, once per interval, into a :class:`Snapshot`.
 
 GPU reads run off the calling thread (:mod:`gpud.telemetry.dispatch`): one worker reads the
-GPUs in turn, and a GPU whose call runs past ``call_timeout_s`` is left behind while the rest
-are read on threads of their own. So:
+GPUs in turn, and a GPU whose call runs past half the interval (or ``call_timeout_s``, if
+shorter) is left behind while the rest are read on threads of their own. So:
 
 - a GPU whose calls raise (lost, driver error) is ``healthy=False`` with the reason, and every
   other GPU is read as usual (:mod:`gpud.telemetry.reader` has the per-call policy);
-- a GPU whose call hangs is ``healthy=False`` ("driver call timed out after X s") and gets no
-  new call until the hung one returns, while the others keep fresh samples;
-- health transitions go to the event log as ``gpu.unhealthy`` / ``gpu.recovered``.
+- a GPU whose call hangs is ``healthy=False`` from the first tick its call is outstanding
+  (:data:`NOT_ANSWERING`), then ("driver call timed out after X s") once the call has been
+  outstanding ``call_timeout_s``; it gets no new call until the hung one returns, while the
+  others keep samples no older than twice the interval;
+- health transitions, and changes of the reason a GPU is unhealthy, are logged and go to
+  the event log as ``gpu.unhealthy`` / ``gpu.recovered``.
 
 XID and ECC events arrive on a separate thread blocked in ``nvmlEventSetWait``
 (:class:`XidWatcher`); counts show in each :class:`GpuSample` and each event goes to the
@@ -44,17 +47,29 @@ log = logging.getLogger(__name__)
 
 Listener = Callable[[Snapshot], None]
 
+NOT_ANSWERING = "not answering: a driver call is outstanding"
+"""The reason of a GPU whose call has not returned yet, before ``call_timeout_s``."""
+
 
 class _Slot:
     """One GPU: its reader, its dispatch target and the health last reported."""
 
-    __slots__ = ("healthy", "reader", "reason", "target", "xid_last", "xid_total")
+    __slots__ = (
+        "healthy",
+        "reader",
+        "reason",
+        "stuck_since",
+        "target",
+        "xid_last",
+        "xid_total",
+    )
 
     def __init__(self, reader: GpuReader) -> None:
         self.reader = reader
         self.target = Target(reader.index, reader.read)
         self.healthy = True
         self.reason = ""
+        self.stuck_since: float | None = None  # tick start when its call was first outstanding
         self.xid_total = 0
         self.xid_last: int | None = None
 
@@ -96,9 +111,14 @@ class Sampler:
         self._slots: list[_Slot] | None = None
         self._driver_version: str | None = None
         self._listeners: list[Listener] = []
-        self._dispatcher = Dispatcher(call_timeout_s)
+        self._dispatcher = Dispatcher(self._wait_s())
         self._xid = XidWatcher(backend, self._on_gpu_event, wait_s=event_wait_s)
         self._closed = False
+
+    def _wait_s(self) -> float:
+        """How long a tick waits for a GPU that does not answer: short enough that the GPUs
+        that do answer keep samples at most two intervals old (a tick waits at most twice)."""
+        return min(self.call_timeout_s, self.interval_s / 2)
 
     # -- reading ------------------------------------------------------------------------
 
@@ -133,8 +153,11 @@ class Sampler:
             start = self._clock()
             wall = self._wall_clock()
             slots = self._slots if self._slots is not None else self._discover()
+            self._dispatcher.wait_s = self._wait_s()  # the interval may have been reloaded
             results = self._dispatcher.read([slot.target for slot in slots])
-            samples = tuple(self._collect(slot, results.get(slot.reader.index)) for slot in slots)
+            samples = tuple(
+                self._collect(slot, results.get(slot.reader.index), start) for slot in slots
+            )
             snapshot = Snapshot(
                 wall_time=wall,
                 monotonic=start,
@@ -179,8 +202,12 @@ class Sampler:
         self._slots = slots
         return slots
 
-    def _collect(self, slot: _Slot, result: GpuSample | BaseException | None) -> GpuSample:
+    def _collect(
+        self, slot: _Slot, result: GpuSample | BaseException | None, start: float
+    ) -> GpuSample:
         reader = slot.reader
+        if result is not None:
+            slot.stuck_since = None
         if isinstance(result, GpuSample):
             sample = result
         elif result is not None:
@@ -192,11 +219,17 @@ class Sampler:
                 reason=f"internal error: {type(result).__name__}: {result}",
                 sampled_at=reader.last_good_at,
             )
-        else:  # hung: stuck since an earlier tick, or timed out in this one
+        else:  # hung: stuck since an earlier tick, or given up on in this one
+            if slot.stuck_since is None:
+                slot.stuck_since = start
+            # Outstanding at least as long as the tick that gave up on it waited.
+            outstanding = max(self._clock() - slot.stuck_since, self._dispatcher.wait_s)
             sample = GpuSample(
                 identity=reader.identity or placeholder_identity(reader.index),
                 healthy=False,
-                reason=self._timeout_reason,
+                reason=(
+                    self._timeout_reason if outstanding >= self.call_timeout_s else NOT_ANSWERING
+                ),
                 sampled_at=reader.last_good_at,
             )
         if slot.xid_total:

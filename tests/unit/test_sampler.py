@@ -488,3 +488,73 @@ def test_several_hung_gpus_cost_two_timeouts_not_one_each(
     gate.set()
     time.sleep(0.05)
     assert all(g.healthy for g in sampler.tick().gpus)
+
+
+def test_hung_gpu_is_not_answering_at_once_and_unhealthy_at_the_timeout(
+    backend: FakeBackend, clock: FakeClock, events: EventLog
+) -> None:
+    # A call timeout far longer than the interval: the tick must not wait for it.
+    s = Sampler(
+        backend,  # type: ignore[arg-type]
+        interval_s=0.2,
+        call_timeout_s=60.0,
+        clock=clock,
+        events=events,
+    )
+    gate = threading.Event()
+    try:
+        s.tick()
+        backend.hang[2] = gate
+        clock.now += 0.2
+        snap = s.tick()
+        assert snap.gpus[2].healthy is False
+        assert snap.gpus[2].reason == "not answering: a driver call is outstanding"
+        # The others are read in the same tick: their samples are as fresh as the tick.
+        assert all(
+            g.healthy and g.sampled_at == clock.now for g in snap.gpus if g is not snap.gpus[2]
+        )
+        clock.now += 30
+        snap = s.tick()
+        assert snap.gpus[2].reason == "not answering: a driver call is outstanding"
+        assert all(g.sampled_at == clock.now for g in snap.gpus if g is not snap.gpus[2])
+        clock.now += 30  # 60 s outstanding: the call timeout
+        snap = s.tick()
+        assert snap.gpus[2].healthy is False
+        assert snap.gpus[2].reason == "driver call timed out after 60 s"
+        reasons = [e.fields["reason"] for e in events.recent(kind_prefix="gpu.unhealthy")]
+        assert reasons == [
+            "not answering: a driver call is outstanding",
+            "driver call timed out after 60 s",
+        ]
+        del backend.hang[2]
+        gate.set()
+        deadline = time.monotonic() + 5
+        while not s.tick().gpus[2].healthy:
+            assert time.monotonic() < deadline, "GPU 2 did not recover"
+            time.sleep(0.01)
+    finally:
+        gate.set()
+        s.close()
+
+
+def test_a_change_of_unhealthy_reason_is_logged(
+    sampler: Sampler,
+    backend: FakeBackend,
+    clock: FakeClock,
+    events: EventLog,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("WARNING", logger="gpud.telemetry.sampler")
+    backend.failing.add((1, "clocks"))
+    sampler.tick()
+    clock.now += 1
+    sampler.tick()  # same reason: not logged again
+    backend.lost.add(1)
+    clock.now += 1
+    sampler.tick()
+    logged = [r.getMessage() for r in caplog.records if r.name == "gpud.telemetry.sampler"]
+    assert len(logged) == 2, logged
+    assert logged[0].startswith("GPU 1 unhealthy: clocks failed")
+    assert logged[1].startswith("GPU 1 unhealthy: GPU lost")
+    reasons = [e.fields["reason"] for e in events.recent(kind_prefix="gpu.unhealthy")]
+    assert [r.split(":")[0] for r in reasons] == ["clocks failed", "GPU lost (memory)"]
