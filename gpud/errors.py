@@ -140,6 +140,10 @@ class InUse(BackendError):
     """The driver refused because something still uses the device or instance (NVML_ERROR_IN_USE)."""
 
 
+# Trailing metadata of a failed gRPC call: the error class, and the exit code gpuctl uses.
+ERROR_KEY: Final = "gpud-error"
+EXIT_CODE_KEY: Final = "gpud-exit-code"
+
 # class -> (gRPC status code name, CLI exit code). Most specific class wins (MRO order).
 ERROR_TABLE: Final[dict[type[GpudError], tuple[str, int]]] = {
     GpudError: ("INTERNAL", 1),

@@ -6,7 +6,9 @@
   message as details, and trailing metadata ``gpud-error`` (the class name) and
   ``gpud-exit-code`` (what gpuctl exits with), so a client can tell a daemon-side
   ``UNAVAILABLE`` (a lost GPU) from a daemon it cannot reach;
-- a request whose bytes do not decode ends with ``INVALID_ARGUMENT`` (field ``request``);
+- a request whose bytes do not decode ends with ``INVALID_ARGUMENT`` (field ``request``),
+  and so does one with a string or repeated field over its bound
+  (:func:`gpud.api.validate.request_bounds`), before the servicer runs;
 - any other exception is logged with its traceback and ends the call with ``INTERNAL``;
   the daemon keeps serving.
 
@@ -24,12 +26,11 @@ from typing import Any
 
 import grpc
 
-from gpud.errors import GpudError, InvalidArgument, classify
+from gpud.api import validate
+from gpud.errors import ERROR_KEY, EXIT_CODE_KEY, GpudError, InvalidArgument, classify
 
 log = logging.getLogger(__name__)
 
-ERROR_KEY = "gpud-error"
-EXIT_CODE_KEY = "gpud-exit-code"
 _MAX_DETAIL = 2000  # keep status details (and the HTTP/2 trailer) small
 
 Behavior = Callable[[Any, Any], Any]
@@ -59,6 +60,7 @@ def _safe_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[
 def _check_decoded(request: Any) -> None:
     if isinstance(request, _Undecodable):
         raise InvalidArgument(f"cannot decode the request: {request.err}", field="request")
+    validate.request_bounds(request)
 
 
 async def _abort_for(err: BaseException, method: str, context: Any) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from gpud.api import validate
 from gpud.api.interceptors import ErrorMappingInterceptor
 from gpud.errors import ConfigError, FailedPrecondition, GpudError
 
@@ -40,8 +41,9 @@ Registrar = Callable[[Any], None]
 SOCKET_MODE = 0o660
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 _MAX_UNIX_PATH = 107
-# Responses are small; a bounded message size keeps a garbage client from costing memory.
-_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# A bounded request size keeps a garbage client from costing memory: gRPC refuses a larger
+# message (RESOURCE_EXHAUSTED) before decoding it. Responses (every GPU's MIG table) are larger.
+_MAX_SEND_BYTES = 16 * 1024 * 1024
 
 
 class ApiServer:
@@ -124,8 +126,8 @@ class ApiServer:
         server = grpc.aio.server(
             interceptors=[ErrorMappingInterceptor()],
             options=[
-                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", validate.MAX_REQUEST_BYTES),
+                ("grpc.max_send_message_length", _MAX_SEND_BYTES),
             ],
         )
         self._health = health.aio.HealthServicer()

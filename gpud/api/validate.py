@@ -3,6 +3,13 @@ the field, which the error interceptor turns into ``INVALID_ARGUMENT``.
 
 Protobuf cannot say "non-negative", "finite" or "one of these" for every field, and proto3
 keeps unknown enum numbers as plain ints, so every servicer validates what it reads.
+
+Sizes are bounded before any servicer sees a request: gRPC refuses a message over
+:data:`MAX_REQUEST_BYTES` (``RESOURCE_EXHAUSTED``) without decoding it, and
+:func:`request_bounds`, run by the error interceptor on every decoded request of every
+service, refuses a string longer than :data:`MAX_STRING_CHARS` or a repeated field with more
+than :data:`MAX_REPEATED` entries, unless :data:`FIELD_LIMITS` names a wider bound for that
+field. A new field is bounded without anyone having to remember it.
 """
 
 from __future__ import annotations
@@ -10,18 +17,77 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gpud.errors import InvalidArgument
+from gpud.errors import InvalidArgument, NotFound
+
+# The largest request gRPC accepts: a mig-parted config file for a whole cluster is some KiB.
+MAX_REQUEST_BYTES = 256 * 1024
+# Names, UUIDs, profiles, paths: every string field of every request, unless listed below.
+MAX_STRING_CHARS = 4096
+# Devices of a job, ...: every repeated (and map) field of every request.
+MAX_REPEATED = 256
+# Other bounds by full field name: characters for a string field, entries for a repeated one.
+FIELD_LIMITS: dict[str, int] = {
+    "gpud.v1.MigConfigSource.text": 128 * 1024,  # the file's content
+}
+
+_TYPE_STRING = 9  # FieldDescriptor.TYPE_STRING
+_TYPE_BYTES = 12  # FieldDescriptor.TYPE_BYTES
+_TYPE_MESSAGE = 11  # FieldDescriptor.TYPE_MESSAGE
+
+
+def request_bounds(message: Any, prefix: str = "") -> None:
+    """Every string and bytes field of ``message`` (at any depth) within its length bound,
+    every repeated and map field within its count bound; ``InvalidArgument`` names the
+    field's path (``job.devices[3]``) otherwise."""
+    for fd, value in message.ListFields():
+        path = f"{prefix}{fd.name}"
+        limit = FIELD_LIMITS.get(fd.full_name)
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            _count(len(value), limit, path)
+            value_fd = fd.message_type.fields_by_name["value"]
+            for key, item in value.items():
+                _scalar(fd.message_type.fields_by_name["key"], key, None, f"{path}[{key!r}]")
+                _item(value_fd, item, None, f"{path}[{key!r}]")
+        elif fd.is_repeated:
+            _count(len(value), limit, path)
+            for i, item in enumerate(value):
+                _item(fd, item, limit, f"{path}[{i}]")
+        else:
+            _item(fd, value, limit, path)
+
+
+def _count(n: int, limit: int | None, path: str) -> None:
+    most = MAX_REPEATED if limit is None else limit
+    if n > most:
+        raise InvalidArgument(f"has {n} entries, more than {most}", field=path)
+
+
+def _item(fd: Any, value: Any, limit: int | None, path: str) -> None:
+    if fd.type == _TYPE_MESSAGE:
+        request_bounds(value, f"{path}.")
+    else:
+        _scalar(fd, value, limit, path)
+
+
+def _scalar(fd: Any, value: Any, limit: int | None, path: str) -> None:
+    if fd.type in (_TYPE_STRING, _TYPE_BYTES):
+        most = MAX_STRING_CHARS if limit is None else limit
+        if len(value) > most:
+            unit = "characters" if fd.type == _TYPE_STRING else "bytes"
+            raise InvalidArgument(f"is {len(value)} {unit} long, more than {most}", field=path)
 
 
 def gpu_index(value: int, gpu_count: int, *, field: str = "gpu") -> int:
-    """``value`` is an existing GPU index on a node with ``gpu_count`` GPUs."""
+    """``value`` is an existing GPU index on a node with ``gpu_count`` GPUs.
+
+    A negative index is malformed (``InvalidArgument``); one the node does not have is an
+    unknown GPU, ``NotFound`` (exit 4) as in every command that names a GPU.
+    """
     if value < 0:
         raise InvalidArgument(f"must be a GPU index >= 0, got {value}", field=field)
     if value >= gpu_count:
         have = f"0..{gpu_count - 1}" if gpu_count else "none"
-        raise InvalidArgument(
-            f"no GPU {value} on this node (it has {gpu_count}: {have})", field=field
-        )
+        raise NotFound(f"{field}: no GPU {value} on this node (it has {gpu_count}: {have})")
     return value
 
 

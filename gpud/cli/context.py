@@ -5,7 +5,7 @@ a message for people and an exit code that means something:
 
 ==== =====================================================================
  3   the daemon is not running / not reachable (``systemctl start gpud``)
- 77  permission denied on the socket (join the socket's group)
+ 77  permission denied on the socket (join its group: gpud's ``api.socket_group``)
  2   invalid argument (argparse, or the daemon's INVALID_ARGUMENT)
  N   any other daemon error: the exit code of ``gpud.errors.ERROR_TABLE``
 ==== =====================================================================
@@ -22,11 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
 
-import grpc
-
-from gpud.api.interceptors import EXIT_CODE_KEY
 from gpud.cli.output import Output
-from gpud.errors import ERROR_TABLE, Unavailable
+from gpud.errors import ERROR_TABLE, EXIT_CODE_KEY, Unavailable
 
 T = TypeVar("T")
 
@@ -54,11 +51,12 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
-def _group_name(path: Path) -> str:
+def _group_name(path: Path) -> str | None:
+    """The socket's group, or None where it cannot be read."""
     try:
         return grp.getgrgid(path.stat().st_gid).gr_name
     except (OSError, KeyError):
-        return "gpud"
+        return None
 
 
 def _not_running(path: Path, why: str) -> CliError:
@@ -71,11 +69,19 @@ def _not_running(path: Path, why: str) -> CliError:
 
 def _denied(path: Path) -> CliError:
     group = _group_name(path)
-    return CliError(
-        f"permission denied on {path}: run as root or as a member of group {group!r} "
-        f"(`usermod -aG {group} $USER`, then log in again).",
-        EXIT_PERMISSION,
-    )
+    if group is None or group == "root":
+        # joining root's group is no fix to suggest: the socket needs a group of its own
+        how = (
+            'an administrator sets `socket_group = "gpud"` in the [api] section of '
+            "/etc/gpud/gpud.toml (`groupadd --system gpud` first), restarts gpud, and adds you "
+            "(`usermod -aG gpud $USER`, then log in again)"
+        )
+    else:
+        how = (
+            f"join group {group!r} (`usermod -aG {group} $USER`, then log in again); the "
+            "group is gpud's `api.socket_group` setting"
+        )
+    return CliError(f"permission denied on {path}: run as root, or {how}.", EXIT_PERMISSION)
 
 
 def probe_socket(path: Path, timeout: float) -> None:
@@ -112,6 +118,8 @@ class Context:
     def channel(self) -> Any:
         """The ``grpc.Channel`` to the daemon (probes the socket first)."""
         if self._channel is None:
+            import grpc  # here, not at the top: `gpuctl --help` must not pay for it
+
             probe_socket(self.socket_path, self.timeout)
             self._channel = grpc.insecure_channel(f"unix:{self.socket_path.absolute()}")
         return self._channel
@@ -122,6 +130,8 @@ class Context:
 
     def call(self, method: Callable[..., T], request: object) -> T:
         """Call a unary method with the timeout; gRPC errors become :class:`CliError`."""
+        import grpc
+
         try:
             return method(request, timeout=self.timeout)
         except grpc.RpcError as err:
@@ -129,6 +139,8 @@ class Context:
 
     def translate(self, err: Any) -> CliError:
         """A gRPC error as a message and exit code."""
+        import grpc
+
         code = err.code()
         details = err.details() or code.name
         metadata = dict(err.trailing_metadata() or ())

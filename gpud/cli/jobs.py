@@ -10,12 +10,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from gpud.cli.context import Context, Subparsers
+from gpud.cli.context import CliError, Context, Subparsers
 from gpud.cli.mps import size_arg
-from gpud.mps.units import format_size
+from gpud.shared import format_size
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
+from gpud.v1 import mps_pb2, mps_pb2_grpc
 
 HEADERS = (
     "JOB",
@@ -28,13 +30,24 @@ HEADERS = (
     "RESERVED ON",
     "GPU MEM USED",
 )
-KINDS = {"training": pb.JOB_KIND_TRAINING, "inference": pb.JOB_KIND_INFERENCE}
-KIND_NAMES = {v: k for k, v in KINDS.items()}
+KINDS = ("training", "inference")
+
+
+def kind_value(name: str | None) -> pb.JobKind.ValueType:
+    """``training`` -> ``JOB_KIND_TRAINING``; None -> unspecified (the daemon's default)."""
+    return pb.JobKind.Value(f"JOB_KIND_{name.upper()}") if name else pb.JOB_KIND_UNSPECIFIED
+
+
+def kind_name(value: int) -> str:
+    for name in KINDS:
+        if kind_value(name) == value:
+            return name
+    return "?"
 
 
 def add_placement_options(parser: argparse.ArgumentParser) -> None:
     """``--kind``, ``--mig | --gpus | --devices``, ``--threads``, ``--memory``, ``--priority``."""
-    parser.add_argument("--kind", choices=sorted(KINDS), help="training (default) or inference")
+    parser.add_argument("--kind", choices=KINDS, help="training (default) or inference")
     parser.add_argument("--owner", default="", help="who runs it")
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
@@ -83,7 +96,7 @@ def job_row(job: pb.Job) -> tuple[str, ...]:
     used = sum(p.used_memory_bytes for p in job.processes if p.HasField("used_memory_bytes"))
     return (
         job.name,
-        KIND_NAMES.get(job.kind, "?"),
+        kind_name(job.kind),
         job.owner or "-",
         placement(job),
         f"{job.threads_percent}%" if job.HasField("threads_percent") else "-",
@@ -110,16 +123,46 @@ def fill_placement(msg: pb.Job | pb.ReserveRequest, args: argparse.Namespace) ->
         msg.client_priority = args.priority
 
 
+def mps_options(args: argparse.Namespace) -> list[str]:
+    """The MPS options given: they act only where an MPS control daemon serves the job."""
+    given = {"--threads": args.threads, "--memory": args.memory, "--priority": args.priority}
+    return [name for name, value in given.items() if value is not None]
+
+
+def warn_no_effect(options: list[str], why: str) -> None:
+    print(f"gpuctl: warning: {'/'.join(options)} will have no effect: {why}", file=sys.stderr)
+
+
+def warn_if_mps_off(ctx: Context, args: argparse.Namespace) -> None:
+    """Warn when MPS options are given on a node whose gpud runs no MPS daemons."""
+    options = mps_options(args)
+    if not options:
+        return
+    try:
+        resp: mps_pb2.ShowMpsResponse = ctx.call(
+            ctx.stub(mps_pb2_grpc.MpsStub).ShowMps, mps_pb2.ShowMpsRequest()
+        )
+    except CliError:
+        return  # the warning is a courtesy; the command itself goes on
+    if not resp.mps_enabled:
+        warn_no_effect(
+            options,
+            "MPS is off on this node (gpud's mps.enabled = false); the job's processes run as "
+            "ordinary CUDA clients",
+        )
+
+
 def run_add(ctx: Context, args: argparse.Namespace) -> int:
     job = pb.Job(
         name=args.name,
-        kind=KINDS.get(args.kind or "training", pb.JOB_KIND_UNSPECIFIED),
+        kind=kind_value(args.kind or "training"),
         owner=args.owner,
     )
     fill_placement(job, args)
     if args.slo_p99_ms is not None:
         job.slo_p99_ms = args.slo_p99_ms
     resp: pb.AddJobResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).AddJob, pb.AddJobRequest(job=job))
+    warn_if_mps_off(ctx, args)
     if ctx.out.json:
         ctx.out.print_json(resp.job)
     else:

@@ -25,8 +25,14 @@ exit code; a command raises :class:`gpud.cli.context.CliError` for its own failu
 The global options are accepted before or after the command (``gpuctl --json gpus`` and
 ``gpuctl gpus --json`` are the same): they are added to every sub-parser automatically.
 
-Exit codes: 0 ok, 2 usage or invalid argument, 3 daemon not running, 77 permission denied,
-others from ``gpud.errors.ERROR_TABLE`` (see :mod:`gpud.cli.context`).
+Exit codes: 0 ok, 2 usage or invalid argument, 3 daemon not running, 4 not found (an unknown
+GPU, MIG device or job, in every command), 77 permission denied, 141 output pipe closed
+early; others from ``gpud.errors.ERROR_TABLE`` (see :mod:`gpud.cli.context`).
+
+Start-up time matters (people type gpuctl many times a day): the command modules import
+nothing heavy at the top. Generated gRPC code loads on first use (:mod:`gpud.cli.lazy`),
+``grpc`` and protobuf inside the functions that call the daemon, and gpuctl imports no daemon
+package: what it shares with the daemon is :mod:`gpud.shared` (tests/unit/test_gpuctl_imports.py).
 """
 
 from __future__ import annotations
@@ -119,8 +125,29 @@ def _socket_path(args: argparse.Namespace, env: Mapping[str, str]) -> Path:
     return Path(from_env) if from_env else DEFAULT_SOCKET
 
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what `yes | head` reports for `yes`
+
+
 def main(argv: Sequence[str] | None = None, *, env: Mapping[str, str] | None = None) -> int:
-    """Run gpuctl; returns the exit code (the console script exits with it)."""
+    """Run gpuctl; returns the exit code (the console script exits with it).
+
+    Output piped into a reader that stops early (``gpuctl mig show | head -3``) ends gpuctl
+    quietly with exit 141, as a process killed by SIGPIPE would, in every command.
+    """
+    try:
+        code = _main(argv, env)
+        sys.stdout.flush()  # inside the try: a pipe closed early shows here for buffered output
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that flush has
+        # nowhere to fail and prints no "Exception ignored" traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+    return code
+
+
+def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
 from gpud.cli.output import NA, gib
-from gpud.mig import MAX_DRAIN_SECONDS
+from gpud.shared import MAX_DRAIN_SECONDS
 from gpud.v1 import mig_pb2 as pb
 from gpud.v1 import mig_pb2_grpc as pb_grpc
 

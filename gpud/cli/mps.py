@@ -14,7 +14,7 @@ import argparse
 from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
 from gpud.cli.output import NA
 from gpud.errors import InvalidArgument
-from gpud.mps.units import format_size, parse_size
+from gpud.shared import format_size, parse_size
 from gpud.v1 import mps_pb2 as pb
 from gpud.v1 import mps_pb2_grpc as pb_grpc
 

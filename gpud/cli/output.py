@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from google.protobuf import json_format
-from google.protobuf.descriptor import FieldDescriptor  # its C twin has no stub: fields are Any
-from google.protobuf.message import Message
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
 
 NA = "-"  # a reading that is not supported or not read
 GIB = 1024**3
@@ -38,6 +37,9 @@ def _whole_numbers(value: Any) -> Any:
 
 
 def _scalar(fd: Any, value: Any) -> Any:
+    # protobuf is imported where it is used: `gpuctl --help` needs none of it
+    from google.protobuf.descriptor import FieldDescriptor  # C twin has no stub: fields are Any
+
     if fd.type == FieldDescriptor.TYPE_ENUM and fd.enum_type is not None:
         known = fd.enum_type.values_by_number.get(value)
         return known.name if known is not None else value
@@ -54,6 +56,8 @@ def _value(fd: Any, value: Any) -> Any:
 
 def message_to_dict(msg: Message) -> Any:
     """``msg`` as JSON values; unset sub-messages and optional scalars are ``None``."""
+    from google.protobuf import json_format
+
     if msg.DESCRIPTOR.full_name in _STRUCT_TYPES:
         return _whole_numbers(json_format.MessageToDict(msg))
     if msg.DESCRIPTOR.full_name in _WELL_KNOWN_JSON:
@@ -126,7 +130,7 @@ class Output:
         self.stream.write(text + "\n")
 
     def print_json(self, value: Any) -> None:
-        if isinstance(value, Message):
+        if hasattr(value, "DESCRIPTOR"):  # a protobuf message
             value = message_to_dict(value)
         self.stream.write(json.dumps(value, indent=2) + "\n")
 

@@ -26,8 +26,14 @@ import threading
 from types import FrameType
 
 from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
-from gpud.cli.jobs import KINDS, add_placement_options, fill_placement
-from gpud.jobs.env import shell_exports
+from gpud.cli.jobs import (
+    add_placement_options,
+    fill_placement,
+    kind_value,
+    mps_options,
+    warn_no_effect,
+)
+from gpud.shared import shell_exports
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
 
@@ -62,7 +68,7 @@ def run_env(ctx: Context, args: argparse.Namespace) -> int:
 def reserve_request(args: argparse.Namespace) -> pb.ReserveRequest:
     request = pb.ReserveRequest(
         job=args.job,
-        kind=KINDS.get(args.kind or "", pb.JOB_KIND_UNSPECIFIED),
+        kind=kind_value(args.kind),
         owner=args.owner,
         holder_pid=os.getpid(),
     )
@@ -81,6 +87,14 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
     stub = ctx.stub(pb_grpc.JobsStub)
     resp: pb.ReserveResponse = ctx.call(stub.Reserve, reserve_request(args))
     reservation = resp.reservation.id
+    options = mps_options(args)
+    if options and "CUDA_MPS_PIPE_DIRECTORY" not in resp.env:
+        devices = ", ".join(resp.reservation.devices)
+        warn_no_effect(
+            options,
+            f"no MPS control daemon serves {devices} (gpud's mps.enabled is off, MPS is "
+            "disabled for the device, or the job spans several devices)",
+        )
     env = {**os.environ, **resp.env}
     try:
         return _launch(command, env)

@@ -30,19 +30,19 @@ def register(subparsers: Subparsers) -> None:
     fault = actions.add_parser("fault", help="inject a fault into one simulated GPU")
     fault.add_argument("--gpu", type=int, required=True, metavar="INDEX")
     kinds = fault.add_subparsers(dest="fault_kind", metavar="KIND", required=True)
-    kinds.add_parser("lost", help="the GPU falls off the bus").set_defaults(kind=pb.FAULT_KIND_LOST)
+    kinds.add_parser("lost", help="the GPU falls off the bus").set_defaults(kind="FAULT_KIND_LOST")
     kinds.add_parser("clear", help="remove every fault on the GPU").set_defaults(
-        kind=pb.FAULT_KIND_CLEAR
+        kind="FAULT_KIND_CLEAR"
     )
     xid = kinds.add_parser("xid", help="raise an XID event")
     xid.add_argument("code", type=int, help="XID code, e.g. 79 (fallen off the bus)")
-    xid.set_defaults(kind=pb.FAULT_KIND_XID)
+    xid.set_defaults(kind="FAULT_KIND_XID")
     slow = kinds.add_parser("slow", help="make every driver call on the GPU slower")
     slow.add_argument("seconds", type=float)
-    slow.set_defaults(kind=pb.FAULT_KIND_SLOW)
+    slow.set_defaults(kind="FAULT_KIND_SLOW")
     ns = kinds.add_parser("not-supported", help="make reads of FIELD raise NotSupported")
     ns.add_argument("field", help='a reading, e.g. "power", "temperature", "ecc"')
-    ns.set_defaults(kind=pb.FAULT_KIND_NOT_SUPPORTED)
+    ns.set_defaults(kind="FAULT_KIND_NOT_SUPPORTED")
     fault.set_defaults(run=run_fault)
     reboot = actions.add_parser(
         "reboot", help="reboot the simulated node: MIG instances go, pending MIG modes apply"
@@ -97,16 +97,18 @@ def run_reboot(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def run_fault(ctx: Context, args: argparse.Namespace) -> int:
-    request = pb.InjectFaultRequest(gpu=args.gpu, kind=args.kind)
-    if args.kind == pb.FAULT_KIND_XID:
+    # the kind's name, resolved here: building the parser loads no generated code
+    kind = pb.FaultKind.Value(args.kind)
+    request = pb.InjectFaultRequest(gpu=args.gpu, kind=kind)
+    if kind == pb.FAULT_KIND_XID:
         if args.code <= 0:
             # uint32 on the wire: a negative code cannot even be sent, so say it here, in the
             # daemon's words
             raise CliError(f"xid: must be an XID code > 0, got {args.code}", EXIT_USAGE)
         request.xid = args.code
-    elif args.kind == pb.FAULT_KIND_SLOW:
+    elif kind == pb.FAULT_KIND_SLOW:
         request.seconds = args.seconds
-    elif args.kind == pb.FAULT_KIND_NOT_SUPPORTED:
+    elif kind == pb.FAULT_KIND_NOT_SUPPORTED:
         request.field = args.field
     resp: pb.InjectFaultResponse = ctx.call(ctx.stub(pb_grpc.NodeStub).InjectFault, request)
     if ctx.out.json:

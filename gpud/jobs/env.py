@@ -56,12 +56,3 @@ def build_env(
                 )
             env["CUDA_MPS_CLIENT_PRIORITY"] = str(reservation.client_priority)
     return env
-
-
-def shell_exports(env: Mapping[str, str]) -> str:
-    """``export NAME='value'`` lines, quoted for POSIX shells, sorted by name."""
-    lines = []
-    for name in sorted(env):
-        value = env[name].replace("'", "'\\''")
-        lines.append(f"export {name}='{value}'")
-    return "\n".join(lines) + "\n"

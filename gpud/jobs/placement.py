@@ -25,7 +25,7 @@ from gpud.errors import NotFound, ResourceExhausted
 from gpud.jobs.registry import JobSpec
 from gpud.mps.manager import MpsTarget
 from gpud.mps.procs import alive, start_time
-from gpud.mps.units import format_size
+from gpud.shared import format_size
 from gpud.store import StateStore
 
 SCHEMA = (

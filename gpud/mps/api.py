@@ -12,14 +12,26 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from gpud.api.validate import optional
 from gpud.errors import InvalidArgument
-from gpud.jobs.placement import DeviceLoad
 from gpud.mps.manager import MpsDeviceStatus, MpsManager
 from gpud.v1 import mps_pb2 as pb
 from gpud.v1 import mps_pb2_grpc as pb_grpc
+
+
+class DeviceLoad(Protocol):
+    """What job reservations hold on one device (``gpud.jobs.placement.DeviceLoad``).
+
+    A protocol, so that ``mps`` does not import ``jobs`` (``jobs`` builds on ``mps``)."""
+
+    @property
+    def memory_bytes(self) -> int: ...
+
+    @property
+    def jobs(self) -> tuple[str, ...]: ...
+
 
 LoadSource = Callable[[], Mapping[str, DeviceLoad]]
 

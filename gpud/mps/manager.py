@@ -40,7 +40,7 @@ from gpud.errors import (
 from gpud.events import EventLog
 from gpud.mps import protocol
 from gpud.mps.daemon import DEFAULT_BASE_ENV, ControlDaemon
-from gpud.mps.units import format_size
+from gpud.shared import format_size
 from gpud.store import StateStore
 from gpud.telemetry.snapshot import Snapshot
 
@@ -125,6 +125,28 @@ def targets_from_snapshot(snapshot: Snapshot) -> list[MpsTarget]:
                 MpsTarget(ident.uuid, ident.index, None, ident.product, ident.memory_total_bytes)
             )
     return targets
+
+
+def device_names(targets: Iterable[MpsTarget]) -> str:
+    """The index forms people type, not UUIDs: ``0, 1, 2:0..6`` (GPU 2's MIG devices 0 to
+    6), ``3:0,2`` where they are not consecutive."""
+    by_gpu: dict[int, list[int]] = {}
+    whole: set[int] = set()
+    for t in targets:
+        if t.mig is None:
+            whole.add(t.gpu)
+        else:
+            by_gpu.setdefault(t.gpu, []).append(t.mig)
+    names = []
+    for gpu in sorted(whole | by_gpu.keys()):
+        if gpu in whole:
+            names.append(str(gpu))
+        migs = sorted(by_gpu.get(gpu, ()))
+        if len(migs) > 2 and migs == list(range(migs[0], migs[-1] + 1)):
+            names.append(f"{gpu}:{migs[0]}..{migs[-1]}")
+        elif migs:
+            names.append(f"{gpu}:" + ",".join(str(m) for m in migs))
+    return ", ".join(names)
 
 
 class MpsManager:
@@ -296,7 +318,7 @@ class MpsManager:
                 mig = int(mig_text) if sep else None
                 found = [t for t in self._targets.values() if t.gpu == gpu]
                 if mig is None and len(found) > 1:
-                    names = ", ".join(f"{gpu}:{t.mig} ({t.uuid})" for t in found)
+                    names = device_names(found)
                     raise InvalidArgument(
                         f"GPU {gpu} is in MIG mode; name one of its MIG devices: {names}",
                         field="gpu",
@@ -304,8 +326,8 @@ class MpsManager:
                 for t in found:
                     if t.mig == mig or (mig is None and len(found) == 1):
                         return t
-            known = ", ".join(sorted(self._targets)) or "none yet"
-            raise NotFound(f"no GPU or MIG device {device!r} (known: {known})")
+            known = device_names(self._targets.values()) or "none yet"
+            raise NotFound(f"no GPU or MIG device {device!r} (known: {known}; or a GPU-/MIG- UUID)")
 
     def pipe_dir(self, uuid: str) -> Path | None:
         """Where clients of ``uuid`` reach its daemon, or None when MPS is off for it."""

@@ -32,7 +32,7 @@ import re
 from collections.abc import Mapping
 
 from gpud.errors import BackendError, InvalidArgument
-from gpud.mps.units import GIB, MIB
+from gpud.shared import GIB, MIB
 
 PID_FILE = "nvidia-cuda-mps-control.pid"  # written by the control daemon in its pipe dir
 CONTROL_SOCKET = "control"  # the unix socket clients reach in the pipe dir

@@ -17,8 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpud.api import ApiServer, FaultPort, NodeServicer
-from gpud.api.interceptors import ERROR_KEY, EXIT_CODE_KEY
-from gpud.errors import ConfigError, FailedPrecondition, GpuLost
+from gpud.errors import ERROR_KEY, EXIT_CODE_KEY, ConfigError, FailedPrecondition, GpuLost
 from gpud.events import EventLog
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
@@ -194,13 +193,18 @@ async def test_list_one_gpu_and_bad_indexes(channel: grpc.aio.Channel) -> None:
     stub = pb_grpc.NodeStub(channel)
     resp = await stub.ListGpus(pb.ListGpusRequest(gpu=1))
     assert [g.index for g in resp.gpus] == [1]
-    for bad, words in ((-1, ">= 0"), (3, "no GPU 3"), (2**31 - 1, "no GPU")):
+    cases = (
+        (-1, ">= 0", "INVALID_ARGUMENT", "InvalidArgument", "2"),
+        (3, "no GPU 3", "NOT_FOUND", "NotFound", "4"),
+        (2**31 - 1, "no GPU", "NOT_FOUND", "NotFound", "4"),
+    )
+    for bad, words, code, error, exit_code in cases:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.ListGpus(pb.ListGpusRequest(gpu=bad))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.code() == grpc.StatusCode[code]
         details = err.value.details() or ""
         assert details.startswith("gpu: ") and words in details
-        assert _md(err.value) == {ERROR_KEY: "InvalidArgument", EXIT_CODE_KEY: "2"}
+        assert _md(err.value) == {ERROR_KEY: error, EXIT_CODE_KEY: exit_code}
 
 
 async def test_list_events(channel: grpc.aio.Channel) -> None:
@@ -272,7 +276,6 @@ async def test_inject_faults(sock_dir: Path) -> None:
     ("request_", "field"),
     [
         (pb.InjectFaultRequest(gpu=-1, kind=pb.FAULT_KIND_LOST), "gpu"),
-        (pb.InjectFaultRequest(gpu=7, kind=pb.FAULT_KIND_LOST), "gpu"),
         (pb.InjectFaultRequest(gpu=0), "kind"),
         (pb.InjectFaultRequest(gpu=0, kind=42), "kind"),  # type: ignore[arg-type]
         (pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_XID), "xid"),
@@ -290,6 +293,16 @@ async def test_inject_fault_invalid_arguments_name_the_field(
         await pb_grpc.NodeStub(channel).InjectFault(request_)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (err.value.details() or "").startswith(f"{field}: ")
+    assert channel.faults.calls == []  # type: ignore[attr-defined]
+
+
+async def test_inject_fault_unknown_gpu_is_not_found(channel: grpc.aio.Channel) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await pb_grpc.NodeStub(channel).InjectFault(
+            pb.InjectFaultRequest(gpu=7, kind=pb.FAULT_KIND_LOST)
+        )
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert (err.value.details() or "").startswith("gpu: no GPU 7")
     assert channel.faults.calls == []  # type: ignore[attr-defined]
 
 

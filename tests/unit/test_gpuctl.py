@@ -136,7 +136,7 @@ def test_gpus_one_gpu_and_invalid_index(
     code, out, _ = run(capsys, "--socket", sim_socket, "--json", "gpus", "--gpu", "1")
     assert code == 0 and [g["index"] for g in json.loads(out)["gpus"]] == [1]
     code, out, err = run(capsys, "--socket", sim_socket, "gpus", "--gpu", "9")
-    assert code == 2
+    assert code == 4  # an unknown GPU is NotFound, in every command
     assert out == "" and "gpu: no GPU 9" in err
 
 
@@ -187,7 +187,7 @@ def test_sim_fault_invalid_arguments(
     capsys: pytest.CaptureFixture[str], sim_socket: str, faults: FakeFaults
 ) -> None:
     code, _, err = run(capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "5", "lost")
-    assert code == 2 and "gpu: no GPU 5" in err
+    assert code == 4 and "gpu: no GPU 5" in err
     code, _, err = run(capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "0", "slow", "-1")
     assert code == 2 and "seconds: " in err
     code, _, err = run(capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "0", "xid", "-4")

@@ -17,7 +17,7 @@ from gpud.jobs.api import JobsServicer
 from gpud.jobs.service import JobService
 from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
-from gpud.mps.units import GIB
+from gpud.shared import GIB
 from tests.unit.api_support import ServerThread
 from tests.unit.mps_support import gpu_sample, gpu_uuid, make_manager, mig_uuid, short_dir, snapshot
 
@@ -47,10 +47,10 @@ class Node:
         return gpuctl(["--socket", str(self.socket), *argv], env={})
 
 
-@pytest.fixture
-def node() -> Iterator[Node]:
+@pytest.fixture(params=[True], ids=["mps-on"])
+def node(request: pytest.FixtureRequest) -> Iterator[Node]:
     with short_dir() as root:
-        mps, store, events = make_manager(root)
+        mps, store, events = make_manager(root, enabled=request.param)
         socket = root / "gpud.sock"
         jobs = JobService(store, events, mps, socket_path=socket)
         try:
@@ -182,3 +182,37 @@ def test_gpuctl_jobs_add_ls_rm(node: Node, capsys: pytest.CaptureFixture[str]) -
     )
     assert node.ctl("jobs", "rm", "infer-b") == 0
     assert node.ctl("jobs", "rm", "infer-b") == 4
+
+
+@pytest.mark.parametrize("node", [False], ids=["mps-off"], indirect=True)
+def test_mps_options_on_a_node_without_mps_warn(
+    node: Node, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        node.ctl("jobs", "add", "a", "--mig", "3g.40gb", "--threads", "30", "--memory", "8GiB") == 0
+    )
+    err = capsys.readouterr().err
+    assert "warning: --threads/--memory will have no effect: MPS is off on this node" in err
+    assert node.ctl("jobs", "add", "b", "--mig", "3g.40gb") == 0
+    assert capsys.readouterr().err == ""  # no MPS option, no warning
+    out = tmp_path / "child.json"
+    code = node.ctl(
+        "run", "--job", "c", "--mig", "3g.40gb", "--threads", "40",
+        "--", sys.executable, "-c", CHILD, str(out), "0",
+    )  # fmt: skip
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "warning: --threads will have no effect: no MPS control daemon serves MIG-" in err
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in json.loads(out.read_text())["env"]
+
+
+def test_mps_options_where_mps_runs_do_not_warn(
+    node: Node, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert node.ctl("jobs", "add", "a", "--mig", "3g.40gb", "--threads", "30") == 0
+    out = tmp_path / "child.json"
+    code = node.ctl(
+        "run", "--job", "a", "--threads", "30", "--", sys.executable, "-c", CHILD, str(out), "0",
+    )  # fmt: skip
+    assert code == 0 and "warning" not in capsys.readouterr().err
+    assert json.loads(out.read_text())["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"

@@ -20,12 +20,12 @@ from gpud.errors import (
 )
 from gpud.events import EventLog
 from gpud.jobs.attribution import Attributor, memory_by_job
-from gpud.jobs.env import build_env, shell_exports
+from gpud.jobs.env import build_env
 from gpud.jobs.placement import DeviceLoad, Reservation, Reservations, choose_devices
 from gpud.jobs.registry import JobKind, JobRegistry, JobSpec, validate_spec
 from gpud.jobs.service import JobService, RunRequest
 from gpud.mps.manager import MpsManager, targets_from_snapshot
-from gpud.mps.units import GIB
+from gpud.shared import GIB, shell_exports
 from gpud.store import StateStore
 from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, gpu_uuid, mig_uuid, snapshot
 

@@ -18,7 +18,7 @@ from gpud.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceE
 from gpud.mps.manager import MpsLimits, MpsManager, targets_from_snapshot
 from gpud.mps.metrics import MpsMetrics
 from gpud.mps.procs import alive
-from gpud.mps.units import GIB, MIB
+from gpud.shared import GIB, MIB
 from tests.unit.mps_support import gpu_sample, gpu_uuid, make_manager, mig_uuid, short_dir, snapshot
 
 NODE = snapshot(gpu_sample(0, memory_gib=80), gpu_sample(1, memory_gib=40))
@@ -105,10 +105,11 @@ def test_devices_are_named_by_uuid_index_or_gpu_colon_mig(manager: MpsManager) -
     assert manager.resolve("1").uuid == gpu_uuid(1)
     assert manager.resolve("0:2").uuid == mig_uuid(0, 2)
     assert manager.resolve(mig_uuid(0, 1)).profile == "2g.20gb"
-    with pytest.raises(InvalidArgument, match="MIG mode"):
+    with pytest.raises(InvalidArgument, match=r"MIG mode; name one of its MIG devices: 0:\d"):
         manager.resolve("0")
-    with pytest.raises(NotFound):
+    with pytest.raises(NotFound, match=r"no GPU or MIG device '7' \(known: 0:") as err:
         manager.resolve("7")
+    assert str(err.value).endswith("(known: 0:0..2, 1; or a GPU-/MIG- UUID)")
     with pytest.raises(NotFound):
         manager.resolve("GPU-nope")
 
@@ -330,3 +331,15 @@ def test_a_reused_pid_in_a_stale_pid_file_is_never_signalled(root: Path) -> None
     finally:
         other.kill()
         other.wait()
+
+
+def test_device_lists_name_index_forms_not_uuids() -> None:
+    from gpud.mps.manager import MpsTarget, device_names
+
+    def t(gpu: int, mig: int | None) -> MpsTarget:
+        return MpsTarget(f"X-{gpu}-{mig}", gpu, mig, "p", 1)
+
+    targets = [t(1, None), t(0, None), *(t(2, m) for m in range(7)), t(3, 0), t(3, 2), t(4, 1)]
+    assert device_names(targets) == "0, 1, 2:0..6, 3:0,2, 4:1"
+    assert device_names([t(5, 0), t(5, 1)]) == "5:0,1"
+    assert device_names([]) == ""

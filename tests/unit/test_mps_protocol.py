@@ -7,7 +7,7 @@ import pytest
 from gpud.errors import InvalidArgument
 from gpud.mps import protocol
 from gpud.mps.protocol import MpsReplyError
-from gpud.mps.units import GIB, MIB, format_size, parse_size
+from gpud.shared import GIB, MIB, format_size, parse_size
 
 
 def test_commands_are_what_the_control_daemon_reads() -> None:

@@ -1,8 +1,19 @@
-"""Memory sizes as people write them (``20GiB``, ``512M``) and as MPS writes them (``20G``)."""
+"""What gpuctl and the daemon agree on, in one small module both import.
+
+gpuctl imports no daemon package (start-up time, and a CLI that does not depend on the
+daemon's internals), so the few things both sides must read the same way live here:
+
+- memory sizes as people write them (``20GiB``, ``512M``) and as MPS writes them (``20G``);
+- the longest drain a MIG apply may ask for;
+- a job's environment rendered as shell ``export`` lines.
+
+Pure and cheap to import: the standard library and :mod:`gpud.errors` only.
+"""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from gpud.errors import InvalidArgument
 
@@ -10,6 +21,10 @@ KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
 TIB = 1024 * GIB
+
+# The longest drain a request may ask for: one day. The daemon refuses more; gpuctl says so
+# before asking, and ``mig.drain_timeout_s`` may not exceed it.
+MAX_DRAIN_SECONDS = 24 * 3600.0
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _FACTORS = {"": 1, "k": KIB, "m": MIB, "g": GIB, "t": TIB}
@@ -40,3 +55,12 @@ def format_size(num_bytes: int) -> str:
     if num_bytes >= MIB:
         return f"{num_bytes / MIB:.1f}MiB"
     return f"{num_bytes}B"
+
+
+def shell_exports(env: Mapping[str, str]) -> str:
+    """``export NAME='value'`` lines, quoted for POSIX shells, sorted by name."""
+    lines = []
+    for name in sorted(env):
+        value = env[name].replace("'", "'\\''")
+        lines.append(f"export {name}='{value}'")
+    return "\n".join(lines) + "\n"

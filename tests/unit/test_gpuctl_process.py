@@ -1,0 +1,121 @@
+"""gpuctl as a process: what it imports, a closed output pipe, permission-denied advice."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpud.api import ApiServer
+from gpud.cli import context
+from tests.unit.api_support import ServerThread, make_servicer, short_dir
+
+# What gpuctl may import of the project: its own modules, generated code, the error table and
+# the module it shares with the daemon. Daemon packages (gpud.api, gpud.mig, gpud.mps,
+# gpud.jobs, gpud.telemetry, gpud.backend, gpud.config, ...) are off limits.
+ALLOWED = ("gpud.cli", "gpud.v1", "gpud.errors", "gpud.shared")
+
+PROBE = """
+import json, sys
+from gpud.cli.main import build_parser, main
+build_parser()
+help_modules = sorted(sys.modules)
+code = main(sys.argv[1:], env={})
+print(json.dumps({"help": help_modules, "after": sorted(sys.modules), "code": code}))
+"""
+
+
+@pytest.fixture
+def socket_path() -> Iterator[Path]:
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        with ServerThread(ApiServer(path, servicers=[make_servicer().register])):
+            yield path
+
+
+def _probe(*argv: str) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, check=True
+    ).stdout
+    result: dict[str, object] = json.loads(out.splitlines()[-1])
+    return result
+
+
+def _project(modules: object) -> set[str]:
+    assert isinstance(modules, list)
+    return {m for m in modules if m == "gpud" or m.startswith("gpud.")}
+
+
+def test_gpuctl_imports_no_daemon_package(socket_path: Path) -> None:
+    for argv in (["--socket", str(socket_path), "status"], ["--socket", str(socket_path), "gpus"]):
+        seen = _probe(*argv)
+        assert seen["code"] == 0
+        outside = {m for m in _project(seen["after"]) if m != "gpud" and not m.startswith(ALLOWED)}
+        assert outside == set(), f"gpuctl {argv[-1]} imported daemon modules: {outside}"
+
+
+def test_help_loads_neither_grpc_nor_protobuf() -> None:
+    seen = _probe("--version")
+    heavy = [
+        m
+        for m in seen["help"]  # type: ignore[attr-defined]
+        if m.split(".")[0] == "grpc" or m.startswith("google.protobuf")
+    ]
+    assert heavy == []
+
+
+def _with_closed_stdout(*argv: str) -> subprocess.CompletedProcess[str]:
+    """Run gpuctl with stdout a pipe whose reader is gone (`gpuctl ... | head` after head
+    has exited)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "gpud.cli.main", *argv],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+        )
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["status"], ["--json", "gpus"], ["events"], ["sim", "fault", "--help"]],
+    ids=["help", "status", "gpus-json", "events", "sub-help"],
+)
+def test_a_closed_pipe_ends_quietly(socket_path: Path, argv: list[str]) -> None:
+    done = _with_closed_stdout("--socket", str(socket_path), *argv)
+    assert done.stderr == ""  # no traceback, no "Exception ignored"
+    # 141 as for a process killed by SIGPIPE; argparse's help printer ignores write errors
+    assert done.returncode == (0 if "--help" in argv else 141)
+
+
+def test_permission_advice_never_suggests_group_root(tmp_path: Path) -> None:
+    path = tmp_path / "gpud.sock"
+    path.touch()
+    os.chown(path, -1, 0)
+    message = str(context._denied(path))
+    assert "socket_group" in message and "[api]" in message
+    assert "-aG root" not in message and "group 'root'" not in message
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another group needs root")
+def test_permission_advice_names_the_sockets_own_group(tmp_path: Path) -> None:
+    import grp
+
+    group = grp.getgrall()[-1]
+    if group.gr_gid == 0:
+        pytest.skip("no group other than root")
+    path = tmp_path / "gpud.sock"
+    path.touch()
+    os.chown(path, -1, group.gr_gid)
+    message = str(context._denied(path))
+    assert f"usermod -aG {group.gr_name} $USER" in message and "api.socket_group" in message
