@@ -4,6 +4,9 @@ Every section and key is declared by the dataclasses below; the file may set any
 An unknown section or key, or a value of the wrong type or out of range, stops start-up (or
 a reload) with a :class:`~gpud.errors.ConfigError` naming the file and the dotted key. See
 ``docs/configuration.md`` for the reference.
+
+Every numeric key declares its allowed range where it is declared (:func:`ranged`), and
+:func:`validate` checks them all; a numeric key without a range is refused by the tests.
 """
 
 from __future__ import annotations
@@ -14,12 +17,25 @@ import tomllib
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 from gpud.errors import ConfigError
+from gpud.shared import MAX_DRAIN_SECONDS
 
 DEFAULT_PATH = Path("/etc/gpud/gpud.toml")
 DEFAULT_SIMULATE = "H100-SXM5-80GB:8"
+
+N = TypeVar("N", int, float)
+RANGE = "range"  # field metadata key: (low, high), both allowed
+
+
+def ranged(default: N, low: N, high: N) -> N:
+    """A numeric key's default and its allowed range ``low <= value <= high``.
+
+    Bounds keep values the daemon can act on: a timeout of 1e10 s overflows the event loop's
+    timers, a history of 1e11 samples the memory.
+    """
+    return field(default=default, metadata={RANGE: (low, high)})
 
 
 @dataclass(frozen=True)
@@ -27,7 +43,7 @@ class DaemonConfig:
     state_dir: Path = Path("/var/lib/gpud")
     run_dir: Path = Path("/run/gpud")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    tick_s: float = 1.0  # reconcile loop period
+    tick_s: float = ranged(1.0, 0.01, 3600.0)  # reconcile loop period
 
 
 @dataclass(frozen=True)
@@ -38,9 +54,9 @@ class BackendConfig:
 
 @dataclass(frozen=True)
 class TelemetryConfig:
-    interval_s: float = 1.0
-    history: int = 60
-    call_timeout_s: float = 5.0
+    interval_s: float = ranged(1.0, 0.01, 3600.0)
+    history: int = ranged(60, 1, 86_400)  # samples kept per GPU
+    call_timeout_s: float = ranged(5.0, 0.01, 600.0)
 
 
 @dataclass(frozen=True)
@@ -59,7 +75,7 @@ class ApiConfig:
 @dataclass(frozen=True)
 class MigConfig:
     on_start: Literal["reconcile", "report"] = "reconcile"
-    drain_timeout_s: float = 300.0
+    drain_timeout_s: float = ranged(300.0, 0.0, MAX_DRAIN_SECONDS)
 
 
 @dataclass(frozen=True)
@@ -184,20 +200,27 @@ def parse_address(value: str, *, path: str, key: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def numeric_ranges(config: Config) -> dict[str, tuple[float, float, float]]:
+    """Every numeric key with a declared range: dotted key -> (value, low, high)."""
+    ranges = {}
+    for section in dataclasses.fields(config):
+        values = getattr(config, section.name)
+        for key in dataclasses.fields(values):
+            if RANGE in key.metadata:
+                low, high = key.metadata[RANGE]
+                ranges[f"{section.name}.{key.name}"] = (getattr(values, key.name), low, high)
+    return ranges
+
+
 def validate(config: Config, *, path: str) -> Config:
     """Range checks that types alone do not express."""
-    positive = {
-        "daemon.tick_s": config.daemon.tick_s,
-        "telemetry.interval_s": config.telemetry.interval_s,
-        "telemetry.call_timeout_s": config.telemetry.call_timeout_s,
-    }
-    for key, value in positive.items():
-        if not value > 0:
-            raise ConfigError(f"must be > 0, not {value}", path=path, key=key)
-    if config.telemetry.history < 1:
-        raise ConfigError("must be >= 1", path=path, key="telemetry.history")
-    if config.mig.drain_timeout_s < 0:
-        raise ConfigError("must be >= 0", path=path, key="mig.drain_timeout_s")
+    for key, (value, low, high) in numeric_ranges(config).items():
+        if not low <= value <= high:
+            raise ConfigError(
+                f"{value!r} is out of range: must be within [{low:g}, {high:g}]",
+                path=path,
+                key=key,
+            )
     parse_address(config.metrics.address, path=path, key="metrics.address")
     if config.api.tcp_address:
         parse_address(config.api.tcp_address, path=path, key="api.tcp_address")

@@ -1,4 +1,8 @@
+import dataclasses
+import math
+import re
 from pathlib import Path
+from typing import get_type_hints
 
 import pytest
 
@@ -41,7 +45,7 @@ def test_values_are_read_and_typed(tmp_path: Path) -> None:
         ("[telemetry]\ninterval = 1\n", "telemetry.interval", "unknown key"),
         ("[nope]\nx = 1\n", "nope", "unknown section"),
         ('[telemetry]\ninterval_s = "fast"\n', "telemetry.interval_s", "must be a number"),
-        ("[telemetry]\ninterval_s = 0\n", "telemetry.interval_s", "must be > 0"),
+        ("[telemetry]\ninterval_s = 0\n", "telemetry.interval_s", "out of range"),
         ("[telemetry]\ninterval_s = inf\n", "telemetry.interval_s", "finite"),
         ("[daemon]\ntick_s = nan\n", "daemon.tick_s", "finite"),
         ("[mig]\ndrain_timeout_s = inf\n", "mig.drain_timeout_s", "finite"),
@@ -91,3 +95,107 @@ def test_bad_flag_value_names_the_key() -> None:
     args = build_parser().parse_args(["--metrics-address", "x"])
     with pytest.raises(ConfigError, match=r"metrics\.address"):
         config.Config().with_overrides({"metrics.address": args.metrics_address})
+
+
+# --- every numeric key has a range, checked at start and on reload ---
+
+
+def _numeric_keys() -> list[tuple[str, dataclasses.Field[object]]]:
+    keys = []
+    for section in dataclasses.fields(config.Config):
+        cls = get_type_hints(config.Config)[section.name]
+        hints = get_type_hints(cls)
+        for key in dataclasses.fields(cls):
+            if hints[key.name] in (int, float):
+                keys.append((f"{section.name}.{key.name}", key))
+    return keys
+
+
+def test_every_numeric_key_declares_a_range() -> None:
+    keys = _numeric_keys()
+    assert len(keys) >= 5
+    missing = [dotted for dotted, key in keys if config.RANGE not in key.metadata]
+    assert missing == [], f"numeric keys without a range (declare one with ranged()): {missing}"
+    for dotted, key in keys:
+        low, high = key.metadata[config.RANGE]
+        assert low <= key.default <= high, dotted  # the default is inside its own range
+
+
+def _toml(dotted: str, value: object) -> str:
+    section, key = dotted.split(".")
+    return f"[{section}]\n{key} = {value!r}\n"
+
+
+@pytest.mark.parametrize("dotted", [d for d, _ in _numeric_keys()])
+def test_range_edges_are_in_and_one_step_beyond_is_out(tmp_path: Path, dotted: str) -> None:
+    key = dict(_numeric_keys())[dotted]
+    low, high = key.metadata[config.RANGE]
+    is_int = isinstance(key.default, int)
+    section, name = dotted.split(".")
+    for edge in (low, high):
+        value = getattr(getattr(config.load(write(tmp_path, _toml(dotted, edge))), section), name)
+        assert value == edge
+    step_below = low - 1 if is_int else math.nextafter(low, -math.inf)
+    step_above = high + 1 if is_int else math.nextafter(high, math.inf)
+    for bad in (step_below, step_above):
+        path = write(tmp_path, _toml(dotted, bad))
+        with pytest.raises(ConfigError) as info:
+            config.load(path)
+        assert info.value.key == dotted and info.value.path == str(path)
+        assert f"{bad!r} is out of range: must be within [{low:g}, {high:g}]" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("dotted", "value"),
+    [
+        ("telemetry.call_timeout_s", 1e10),  # the event loop's timers overflow
+        ("telemetry.interval_s", 1e308),
+        ("telemetry.history", 100_000_000_000),
+        ("daemon.tick_s", 1e-9),
+        ("mig.drain_timeout_s", 1e6),
+    ],
+)
+def test_absurd_values_are_refused_naming_key_value_and_range(
+    tmp_path: Path, dotted: str, value: object
+) -> None:
+    path = write(tmp_path, _toml(dotted, value))
+    expected = f"{path}:{dotted}: {value!r} is out of range: must be within ["
+    with pytest.raises(ConfigError, match=f"^{re.escape(expected)}"):
+        config.load(path)
+
+
+def test_flags_are_range_checked_too() -> None:
+    with pytest.raises(ConfigError, match=r"^flags:telemetry\.interval_s: 0\.0 is out of range"):
+        config.Config().with_overrides({"telemetry.interval_s": 0})
+
+
+def test_reload_refuses_an_out_of_range_value_and_keeps_the_running_config(
+    tmp_path: Path,
+) -> None:
+    from gpud.daemon import Daemon
+    from gpud.main import mps_control_command, open_backend
+    from gpud.notify import Notifier
+    from tests.unit.test_daemon import make_config
+
+    path = write(tmp_path, "[telemetry]\ninterval_s = 1e308\n")
+    running = make_config(tmp_path)
+    backend, sim = open_backend(running)
+    daemon = Daemon(
+        running,
+        backend=backend,
+        sim=sim,
+        mps_control_command=mps_control_command(running),
+        notifier=Notifier(None),
+        reload_config=lambda: config.load(path),
+    )
+    try:
+        daemon.reload()
+        (event,) = daemon.events.recent(1, "config.reload_failed")
+        assert "telemetry.interval_s: 1e+308 is out of range: must be within [0.01, 3600]" in (
+            event.message
+        )
+        assert daemon.config.telemetry.interval_s == 1.0
+    finally:
+        daemon.sampler.close()
+        daemon.store.close()
+        daemon.backend.close()
