@@ -52,11 +52,18 @@ class BackendConfig:
     simulate: str = DEFAULT_SIMULATE  # PRODUCT:COUNT,... when kind = "sim"
 
 
+# XIDs an application causes (the Kubernetes device plugin's list): they leave the GPU
+# healthy. Every other XID marks it unhealthy until a reset or `gpuctl xid clear`.
+DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
+
+
 @dataclass(frozen=True)
 class TelemetryConfig:
     interval_s: float = ranged(1.0, 0.01, 3600.0)
     history: int = ranged(60, 1, 86_400)  # samples kept per GPU
     call_timeout_s: float = ranged(5.0, 0.01, 600.0)
+    # each item within the range
+    ignored_xids: tuple[int, ...] = field(default=DEFAULT_IGNORED_XIDS, metadata={RANGE: (1, 999)})
 
 
 @dataclass(frozen=True)
@@ -156,6 +163,11 @@ def _section(cls: type[Any], values: dict[str, Any], *, path: str, prefix: str) 
 
 def _coerce(raw: Any, hint: Any, *, path: str, key: str) -> Any:
     origin = get_origin(hint)
+    if origin is tuple:  # tuple[int, ...]: a TOML array
+        if not isinstance(raw, list | tuple):
+            raise ConfigError(f"must be a list, not {raw!r}", path=path, key=key)
+        item = get_args(hint)[0]
+        return tuple(_coerce(x, item, path=path, key=key) for x in raw)
     if origin is Literal:
         choices = get_args(hint)
         if raw not in choices:
@@ -200,8 +212,9 @@ def parse_address(value: str, *, path: str, key: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def numeric_ranges(config: Config) -> dict[str, tuple[float, float, float]]:
-    """Every numeric key with a declared range: dotted key -> (value, low, high)."""
+def numeric_ranges(config: Config) -> dict[str, tuple[Any, float, float]]:
+    """Every numeric key with a declared range: dotted key -> (value, low, high); the
+    value of a list key is a tuple, each item within the range."""
     ranges = {}
     for section in dataclasses.fields(config):
         values = getattr(config, section.name)
@@ -215,12 +228,13 @@ def numeric_ranges(config: Config) -> dict[str, tuple[float, float, float]]:
 def validate(config: Config, *, path: str) -> Config:
     """Range checks that types alone do not express."""
     for key, (value, low, high) in numeric_ranges(config).items():
-        if not low <= value <= high:
-            raise ConfigError(
-                f"{value!r} is out of range: must be within [{low:g}, {high:g}]",
-                path=path,
-                key=key,
-            )
+        for item in value if isinstance(value, tuple) else (value,):
+            if not low <= item <= high:
+                raise ConfigError(
+                    f"{item!r} is out of range: must be within [{low:g}, {high:g}]",
+                    path=path,
+                    key=key,
+                )
     parse_address(config.metrics.address, path=path, key="metrics.address")
     if config.api.tcp_address:
         parse_address(config.api.tcp_address, path=path, key="api.tcp_address")

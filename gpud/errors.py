@@ -12,6 +12,7 @@
     ├── ResourceExhausted          over-subscription: carries the numbers (exit 7)
     ├── Unavailable                the daemon or a peer cannot be reached (exit 3)
     ├── PermissionDenied           (exit 77)
+    ├── Partial                    done for the GPUs that answer; faulty ones left alone (exit 11)
     └── BackendError               the GPU driver said no; carries the gpu index/uuid
         ├── NotSupported           the field or call is not supported on this device
         ├── GpuLost                the GPU fell off the bus
@@ -89,6 +90,11 @@ class PermissionDenied(GpudError):
     """The caller may not do this."""
 
 
+class Partial(GpudError):
+    """A node-wide command was done for the GPUs that answer while faulty ones (lost, not
+    answering) were left alone: gpuctl prints the result and exits with this code."""
+
+
 class BackendError(GpudError):
     """The GPU driver refused or failed a call.
 
@@ -155,6 +161,7 @@ ERROR_TABLE: Final[dict[type[GpudError], tuple[str, int]]] = {
     FailedPrecondition: ("FAILED_PRECONDITION", 6),
     ResourceExhausted: ("RESOURCE_EXHAUSTED", 7),
     PermissionDenied: ("PERMISSION_DENIED", 77),
+    Partial: ("UNAVAILABLE", 11),
     BackendError: ("INTERNAL", 8),
     NotSupported: ("UNIMPLEMENTED", 9),
     InsufficientResources: ("RESOURCE_EXHAUSTED", 7),

@@ -199,3 +199,23 @@ def test_reload_refuses_an_out_of_range_value_and_keeps_the_running_config(
         daemon.sampler.close()
         daemon.store.close()
         daemon.backend.close()
+
+
+def test_ignored_xids_are_a_list_of_xids_each_range_checked(tmp_path: Path) -> None:
+    assert config.Config().telemetry.ignored_xids == (13, 31, 43, 45, 68, 109)
+    loaded = config.load(write(tmp_path, "[telemetry]\nignored_xids = [13, 43]\n"))
+    assert loaded.telemetry.ignored_xids == (13, 43)
+    assert (
+        config.load(write(tmp_path, "[telemetry]\nignored_xids = []\n")).telemetry.ignored_xids
+        == ()
+    )
+    for bad, why in (
+        ("[13, 0]", "0 is out of range: must be within [1, 999]"),
+        ("[1000]", "1000 is out of range: must be within [1, 999]"),
+        ("13", "must be a list"),
+        ('["13"]', "must be an integer"),
+    ):
+        path = write(tmp_path, f"[telemetry]\nignored_xids = {bad}\n")
+        with pytest.raises(ConfigError) as info:
+            config.load(path)
+        assert info.value.key == "telemetry.ignored_xids" and why in str(info.value), bad
