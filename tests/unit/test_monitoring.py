@@ -1,0 +1,73 @@
+"""The alerting rules and the Grafana dashboard name only metrics that gpud exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+MONITORING = ROOT / "docs" / "monitoring"
+_METRIC = re.compile(r"\b(gpud_[a-z0-9_]+)")
+# what prometheus_client appends to a family's name in the exposition
+_SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_info")
+
+
+def _declared_families() -> set[str]:
+    """Every metric family name that appears as a string in gpud's code."""
+    names = set()
+    for path in (ROOT / "gpud").rglob("*.py"):
+        names.update(re.findall(r"[\"'](gpud_[a-z0-9_]+)[\"']", path.read_text()))
+    return names
+
+
+def _family(name: str) -> str:
+    for suffix in _SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def _check_names(text: str, where: str) -> set[str]:
+    declared = _declared_families()
+    used = set(_METRIC.findall(text))
+    unknown = {n for n in used if n not in declared and _family(n) not in declared}
+    assert unknown == set(), f"{where} names metrics gpud does not export: {sorted(unknown)}"
+    return used
+
+
+def test_alert_rules_use_exported_metrics_and_say_what_to_do() -> None:
+    text = (MONITORING / "gpud-alerts.yml").read_text()
+    rules = yaml.safe_load(text)["groups"][0]["rules"]
+    names = {r["alert"] for r in rules}
+    assert names == {
+        "GpudDown",
+        "GpuLost",
+        "GpuUnhealthy",
+        "GpuCriticalXid",
+        "GpudSamplesStale",
+        "GpuSamplesStale",
+        "MigApplyFailed",
+        "MigLayoutDiffers",
+        "MpsDaemonDown",
+    }
+    for rule in rules:
+        assert rule["labels"]["severity"] in ("critical", "warning"), rule["alert"]
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+    used = _check_names(text, "gpud-alerts.yml")
+    assert len(used) >= 10
+
+
+def test_dashboard_uses_exported_metrics() -> None:
+    text = (MONITORING / "gpud-dashboard.json").read_text()
+    dashboard = json.loads(text)
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)) >= 20
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+    used = _check_names(text, "gpud-dashboard.json")
+    assert len(used) >= 25
