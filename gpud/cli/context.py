@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import errno
-import grp
 import os
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
@@ -53,6 +51,8 @@ class CliError(Exception):
 
 def _group_name(path: Path) -> str | None:
     """The socket's group, or None where it cannot be read."""
+    import grp
+
     try:
         return grp.getgrgid(path.stat().st_gid).gr_name
     except (OSError, KeyError):
@@ -87,6 +87,8 @@ def _denied(path: Path) -> CliError:
 def probe_socket(path: Path, timeout: float) -> None:
     """Connect once with a plain socket, so that "not running" and "permission denied" get
     their own messages and exit codes (gRPC reports both as an opaque UNAVAILABLE)."""
+    import socket  # not at the top: `gpuctl --help` needs no socket
+
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:

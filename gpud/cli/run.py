@@ -17,13 +17,13 @@ cannot be started).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
-import subprocess
 import sys
-import threading
-from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
 from gpud.cli.jobs import (
@@ -107,6 +107,11 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def _launch(command: list[str], env: dict[str, str]) -> int:
+    # imported here: only `gpuctl run` pays for them
+    import contextlib
+    import subprocess
+    import threading
+
     try:
         child = subprocess.Popen(command, env=env)
     except OSError as err:

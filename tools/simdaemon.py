@@ -1,0 +1,84 @@
+"""A ``gpud --simulate`` daemon in temporary directories, for the benchmarks and the fuzzer.
+
+::
+
+    with simulated_gpud("A100-SXM4-40GB:2") as daemon:
+        daemon.socket        # its gRPC unix socket
+        daemon.pid           # for its RSS
+        daemon.metrics_url   # http://127.0.0.1:PORT/metrics
+
+Runs ``python -m gpud.main`` with this interpreter, a config file of its own, and its own state
+and run directories under a fresh temporary directory (removed afterwards, with the daemon
+stopped by SIGTERM, or killed if it does not stop).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SimDaemon:
+    pid: int
+    socket: Path
+    metrics_url: str
+    log: Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def simulated_gpud(
+    spec: str, *, config_text: str = "", start_timeout_s: float = 60.0
+) -> Iterator[SimDaemon]:
+    """A running ``gpud --simulate SPEC`` with ``config_text`` as its gpud.toml; raises
+    RuntimeError (with its log) if it does not start."""
+    with tempfile.TemporaryDirectory(prefix="gpud-sim-") as tmp:
+        work = Path(tmp)
+        sock = work / "run" / "gpud.sock"
+        port = free_port()
+        (work / "gpud.toml").write_text(config_text)
+        cmd = [
+            sys.executable, "-m", "gpud.main",
+            "--simulate", spec,
+            "--config", str(work / "gpud.toml"),
+            "--state-dir", str(work / "state"),
+            "--run-dir", str(work / "run"),
+            "--socket", str(sock),
+            "--metrics-address", f"127.0.0.1:{port}",
+            "--log-level", "warning",
+        ]  # fmt: skip
+        log_path = work / "gpud.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + start_timeout_s
+            while not sock.exists():
+                if proc.poll() is not None:
+                    tail = log_path.read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"gpud exited with {proc.returncode}:\n{tail}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"gpud did not open {sock} within {start_timeout_s:g} s")
+                time.sleep(0.1)
+            yield SimDaemon(proc.pid, sock, f"http://127.0.0.1:{port}/metrics", log_path)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
