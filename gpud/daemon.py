@@ -121,6 +121,9 @@ class Daemon:
             call_timeout_s=config.telemetry.call_timeout_s,
             events=self.events,
             clock=clock,
+            ignored_xids=config.telemetry.ignored_xids,
+            # Under the run directory: a reboot (a reset of every GPU) empties it.
+            xid_state=config.daemon.run_dir / "xid-faults.json",
         )
         self.collector = Collector(self.sampler.latest, events=self.events, clock=clock)
         self._driver_version = self._read_driver_version()
@@ -131,6 +134,7 @@ class Daemon:
             faults=sim.faults if sim is not None else None,
             reboot=self._reboot_sim if sim is not None else None,
             workloads=sim.workloads if sim is not None else None,
+            clear_xid=self.sampler.clear_xid,
             clock=clock,
         )
         self.mps = MpsManager(
@@ -147,6 +151,9 @@ class Daemon:
             self.events,
             job_resolver=self.jobs.job_of,
             on_change=self.sampler.refresh_identity,
+            faults=self._faulty_gpus,
+            quiesce=self.sampler.paused,
+            on_reset=self.sampler.gpu_reset,
         )
         for source in (MigMetrics(self.mig), MpsMetrics(self.mps), JobMetrics(self.jobs)):
             self.collector.add_source(source)
@@ -169,15 +176,14 @@ class Daemon:
         self.add_step("jobs", self._jobs_step)
         self.on_shutdown(self.mps.stop)
 
-    def _unhealthy_uuids(self) -> set[str]:
+    def _faulty_gpus(self) -> dict[int, str]:
+        """GPU index -> reason, for the GPUs the last sample found unhealthy (lost, not
+        answering, ...): MIG calls leave them alone, as a driver call on them could block."""
         snap = self.sampler.latest()
-        return {g.identity.uuid for g in snap.gpus if not g.healthy} if snap else set()
+        return {g.identity.index: g.reason for g in snap.gpus if not g.healthy} if snap else {}
 
     async def _mig_step(self) -> None:
-        # A lost or hung GPU is left alone: a driver call on it could block the step.
-        await asyncio.to_thread(
-            self.mig.reconcile, self.config.mig.on_start, skip=self._unhealthy_uuids()
-        )
+        await asyncio.to_thread(self.mig.reconcile, self.config.mig.on_start)
 
     async def _mps_step(self) -> None:
         await asyncio.to_thread(self.mps.reconcile, self.sampler.latest())
@@ -190,7 +196,7 @@ class Daemon:
         next reconcile recreates the desired MIG layouts."""
         assert self.sim is not None
         self.sim.reboot()
-        self.sampler.refresh_identity()
+        self.sampler.gpu_reset()
         self.events.emit("sim.reboot", "simulated node rebooted: MIG instances cleared")
 
     def _read_driver_version(self) -> str:
@@ -243,9 +249,7 @@ class Daemon:
             # call_timeout_s), which the start-up MIG reconcile then leaves alone. MIG layouts
             # converge (or are only reported, as configured) before the API serves.
             await asyncio.to_thread(self.sampler.tick)
-            await asyncio.to_thread(
-                self.mig.reconcile, self.config.mig.on_start, skip=self._unhealthy_uuids()
-            )
+            await asyncio.to_thread(self.mig.reconcile, self.config.mig.on_start)
             if self.config.metrics.enabled:
                 host, port = parse_address(
                     self.config.metrics.address, path="config", key="metrics.address"
@@ -370,6 +374,7 @@ class Daemon:
         self.config = new
         logging.getLogger().setLevel(new.daemon.log_level.upper())
         self.sampler.interval_s = new.telemetry.interval_s
+        self.sampler.ignored_xids = frozenset(new.telemetry.ignored_xids)
         message = "config reloaded"
         if kept:
             message += f"; needs a restart to change: {', '.join(kept)}"

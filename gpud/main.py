@@ -31,10 +31,11 @@ def open_backend(cfg: config.Config) -> tuple[GpuBackend, SimNode | None]:
         sim_dir = cfg.daemon.run_dir / "sim"
         sim_dir.mkdir(parents=True, exist_ok=True)
         node = SimNode(parse_simulate_spec(cfg.backend.simulate), state_file=sim_dir / "node.json")
-        return NvmlBackend(node.nvml), node
+        return NvmlBackend(node.nvml, reset=node.reset), node
+    from gpud.backend.gpureset import nvidia_smi_reset
     from gpud.backend.nvml import open_real_backend
 
-    return open_real_backend(), None
+    return open_real_backend(reset=nvidia_smi_reset()), None
 
 
 def mps_control_command(cfg: config.Config) -> list[str]:

@@ -76,6 +76,7 @@ class NodeServicer(pb_grpc.NodeServicer):
         faults: FaultPort | None = None,
         reboot: Callable[[], None] | None = None,
         workloads: WorkloadPort | None = None,
+        clear_xid: Callable[[int], int | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._snapshots = snapshots
@@ -84,6 +85,7 @@ class NodeServicer(pb_grpc.NodeServicer):
         self._faults = faults
         self._reboot = reboot
         self._workloads = workloads
+        self._clear_xid = clear_xid
         self._clock = clock
 
     def register(self, server: Any) -> None:
@@ -243,3 +245,18 @@ class NodeServicer(pb_grpc.NodeServicer):
                 )
         running = await asyncio.to_thread(workloads.list)
         return pb.SimWorkloadResponse(workloads=[str(w) for w in running])
+
+    async def ClearXid(  # noqa: N802 (gRPC method names come from the proto)
+        self, request: pb.ClearXidRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ClearXidResponse:
+        if self._clear_xid is None:
+            raise FailedPrecondition("this daemon does not track critical XIDs")
+        gpu = validate.gpu_index(request.gpu, self._node_info().gpu_count)
+        try:
+            xid = self._clear_xid(gpu)
+        except IndexError as err:  # not sampled yet
+            raise Unavailable(f"GPU {gpu} has not been sampled yet: retry shortly") from err
+        resp = pb.ClearXidResponse()
+        if xid is not None:
+            resp.cleared_xid = xid
+        return resp

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import re
+import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Final
 
@@ -213,8 +214,12 @@ class NvmlBackend:
     caches only ever fill in values that do not change.
     """
 
-    def __init__(self, nvml: Any) -> None:
+    def __init__(self, nvml: Any, *, reset: Callable[[int], None] | None = None) -> None:
+        """``reset(gpu)`` resets a GPU (``nvidia-smi --gpu-reset -i N``; NVML has no call
+        for it); without it :meth:`reset_gpu` is NotSupported."""
         self._nv = nvml
+        self._reset = reset
+        self._events_lock = threading.Lock()
         self._error: type[BaseException] = nvml.NVMLError
         self._call(None, nvml.nvmlInit)
         self._count = int(self._call(None, nvml.nvmlDeviceGetCount))
@@ -949,6 +954,10 @@ class NvmlBackend:
 
     def wait_events(self, timeout_s: float) -> list[GpuEvent]:
         """XID and ECC events (``nvmlEventSetWait``), waiting up to ``timeout_s`` for the first."""
+        with self._events_lock:
+            return self._wait_events(timeout_s)
+
+    def _wait_events(self, timeout_s: float) -> list[GpuEvent]:
         nv = self._nv
         es = self._events()
         out: list[GpuEvent] = []
@@ -972,6 +981,31 @@ class NvmlBackend:
             timeout_ms = 0  # drain what is queued, without waiting again
         return out
 
+    # -- reset -------------------------------------------------------------------------------
+
+    def reset_gpu(self, gpu: int) -> None:
+        """``nvidia-smi --gpu-reset -i N`` through the injected runner. The driver refuses a
+        reset while any client holds the GPU open, NVML clients included, so this backend
+        lets go of NVML for it (event set freed, ``nvmlShutdown``) and initialises it again
+        after, with fresh handles. The caller keeps other calls off meanwhile."""
+        if self._reset is None:
+            raise NotSupported("GPU reset is not available on this backend", gpu=gpu)
+        self._handle(gpu)  # no such GPU: DeviceNotFound before anything is let go
+        nv = self._nv
+        with self._events_lock:
+            if self._event_set is not None:
+                with contextlib.suppress(self._error):
+                    nv.nvmlEventSetFree(self._event_set)
+                self._event_set = None
+            with contextlib.suppress(self._error):
+                nv.nvmlShutdown()
+            try:
+                self._reset(gpu)
+            finally:
+                self._call(None, nv.nvmlInit)
+                self._handles = [None] * self._count
+                self._mig_ids = {k: v for k, v in self._mig_ids.items() if k[0] != gpu}
+
     def close(self) -> None:
         """Free the event set and ``nvmlShutdown``; errors on the way out are ignored."""
         if self._closed:
@@ -986,8 +1020,9 @@ class NvmlBackend:
             nv.nvmlShutdown()
 
 
-def open_real_backend() -> NvmlBackend:
-    """The backend over the installed driver (``libnvidia-ml.so.1`` via ``pynvml``).
+def open_real_backend(reset: Callable[[int], None] | None = None) -> NvmlBackend:
+    """The backend over the installed driver (``libnvidia-ml.so.1`` via ``pynvml``);
+    ``reset`` as for :class:`NvmlBackend`.
 
     Raises DriverNotLoaded when pynvml is missing or NVML cannot be initialised.
     """
@@ -995,4 +1030,4 @@ def open_real_backend() -> NvmlBackend:
         import pynvml
     except ImportError as err:
         raise DriverNotLoaded(f"pynvml (nvidia-ml-py) is not installed: {err}") from err
-    return NvmlBackend(pynvml)
+    return NvmlBackend(pynvml, reset=reset)

@@ -41,6 +41,20 @@ class GpuIdentity:
     mig_capable: bool
 
 
+def unknown_identity(index: int) -> GpuIdentity:
+    """What a GPU is known as before its identity could ever be read (lost at start-up)."""
+    return GpuIdentity(
+        index=index,
+        uuid="",
+        name="",
+        product="",
+        pci_bus_id="",
+        pci_device_id=0,
+        memory_total_bytes=0,
+        mig_capable=False,
+    )
+
+
 class MemoryInfo(NamedTuple):
     total_bytes: int
     used_bytes: int
@@ -284,6 +298,14 @@ class GpuBackend(Protocol):
     def destroy_compute_instance(
         self, gpu: int, gpu_instance_id: int, compute_instance_id: int
     ) -> None: ...
+
+    def reset_gpu(self, gpu: int) -> None:
+        """``nvidia-smi --gpu-reset -i N``: a pending MIG mode becomes current, MIG instances
+        are gone, volatile ECC counts are cleared, a lost GPU may come back. The driver
+        refuses (:class:`gpud.errors.InUse`) while a process runs on the GPU; NotSupported
+        where the backend cannot reset. Other calls must not run meanwhile (the backend lets
+        go of its own driver handles for the reset)."""
+        ...
 
     # events
     def wait_events(self, timeout_s: float) -> list[GpuEvent]: ...

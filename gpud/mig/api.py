@@ -3,12 +3,20 @@
 Manager calls block on the driver (and an apply with ``drain`` waits for processes), so they
 run in a worker thread, off the server's event loop. Errors propagate as gpud errors; the
 server's interceptor maps them to gRPC codes and gpuctl exit codes.
+
+A driver call that hangs never holds an answer past the request's deadline: ``ShowMig``
+reads each GPU on its own thread and shows one that does not answer in time as faulty; an
+apply whose client has gone (cancelled, or past its deadline) is not started if it had not
+started, and otherwise finishes and is logged as finished after its client had gone.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -23,6 +31,18 @@ from gpud.v1 import mig_pb2 as pb
 from gpud.v1 import mig_pb2_grpc as pb_grpc
 
 MAX_CONFIG_BYTES = 1 << 20
+# What a read leaves of the request's deadline for the answer to travel back.
+_ANSWER_MARGIN_S = 0.5
+_DEFAULT_READ_S = 10.0  # a request without a deadline
+
+T = TypeVar("T")
+
+
+def _read_budget(context: grpc.aio.ServicerContext) -> float:
+    remaining: float | None = context.time_remaining()
+    if remaining is None:
+        return _DEFAULT_READ_S
+    return max(0.1, min(_DEFAULT_READ_S, remaining - _ANSWER_MARGIN_S))
 
 
 def _config(source: pb.MigConfigSource) -> tuple[MigConfigFile, str]:
@@ -42,7 +62,8 @@ def gpu_message(view: GpuView) -> pb.MigGpu:
         mig_capable=ident.mig_capable,
         mig_current=bool(view.mode and view.mode.current),
         mig_pending=bool(view.mode and view.mode.pending),
-        layout=view.layout.describe(),
+        layout="" if view.fault else view.layout.describe(),
+        fault=view.fault,
     )
     if view.desired is not None:
         msg.desired_config = view.desired.config_name
@@ -111,7 +132,7 @@ class MigServicer(pb_grpc.MigServicer):
     async def ShowMig(  # noqa: N802 (gRPC method names come from the proto)
         self, request: pb.ShowMigRequest, context: grpc.aio.ServicerContext
     ) -> pb.ShowMigResponse:
-        views = await asyncio.to_thread(self._manager.show)
+        views = await asyncio.to_thread(self._manager.show, timeout_s=_read_budget(context))
         return pb.ShowMigResponse(gpus=[gpu_message(v) for v in views])
 
     async def ApplyMig(  # noqa: N802
@@ -127,9 +148,24 @@ class MigServicer(pb_grpc.MigServicer):
             raise InvalidArgument(
                 f"must be within 0..{MAX_DRAIN_SECONDS:g}", field="timeout_seconds"
             )
-        options = ApplyOptions(drain=request.drain, force=request.force, timeout_s=timeout)
-        result = await asyncio.to_thread(
-            self._manager.apply, config, name, options=options, dry_run=request.dry_run
+        options = ApplyOptions(
+            drain=request.drain,
+            force=request.force,
+            timeout_s=timeout,
+            skip_reset=request.skip_reset,
+        )
+        gone = threading.Event()
+        remaining: float | None = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+
+        def still_wanted() -> bool:
+            return not gone.is_set() and (deadline is None or time.monotonic() < deadline)
+
+        result = await _run_while_wanted(
+            gone,
+            lambda: self._manager.apply(
+                config, name, options=options, dry_run=request.dry_run, still_wanted=still_wanted
+            ),
         )
         return apply_message(result)
 
@@ -137,11 +173,26 @@ class MigServicer(pb_grpc.MigServicer):
         self, request: pb.AssertMigRequest, context: grpc.aio.ServicerContext
     ) -> pb.AssertMigResponse:
         config, name = _config(request.config)
-        diff = await asyncio.to_thread(self._manager.assert_config, config, name)
-        return pb.AssertMigResponse(matches=not diff, differences=diff)
+        diff, faulty = await asyncio.to_thread(self._manager.check, config, name)
+        return pb.AssertMigResponse(
+            matches=not diff,
+            differences=diff,
+            faulty=[f"GPU {gpu}: {reason}" for gpu, reason in faulty.items()],
+        )
 
     async def ExportMig(  # noqa: N802
         self, request: pb.ExportMigRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExportMigResponse:
         text = await asyncio.to_thread(self._manager.export, request.name or "current")
         return pb.ExportMigResponse(yaml=text)
+
+
+async def _run_while_wanted(gone: threading.Event, call: Callable[[], T]) -> T:
+    """``call()`` on a worker thread; ``gone`` is set when the RPC is cancelled (the client
+    went away or its deadline passed) before the call returned. The thread is not stopped:
+    the call decides what a gone client means."""
+    try:
+        return await asyncio.to_thread(call)
+    except asyncio.CancelledError:
+        gone.set()
+        raise

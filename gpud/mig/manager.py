@@ -14,20 +14,48 @@ by a lock, in this order for an apply:
    :meth:`MigManager.reconcile` at the next start without orphaned or duplicated instances.
 
 A MIG mode change the driver can only make at the next GPU reset (``nvidia-smi -mig 1``
-answering "pending") is reported as ``reset_pending``; the instances are created by the first
-reconcile after the reset.
+answering "pending", as on A100) is finished by resetting the GPU (``nvidia-smi --gpu-reset
+-i N``, :meth:`GpuBackend.reset_gpu`) once the busy checks above allow it, and the instances
+are created in the same apply, as ``nvidia-mig-parted apply`` does. With ``skip_reset`` (or a
+backend that cannot reset) the change is reported as ``reset_pending`` and the instances are
+created by the first reconcile after a reset or reboot. Hopper makes the change at once.
+
+Faults stay with the GPU that has them: a GPU the last telemetry sample found unhealthy
+(lost, not answering) is not called at all, and one that fails while being read or changed
+is reported ``faulty`` with the reason, while every other GPU is shown, applied and
+reconciled as usual; an apply that left a faulty GPU alone is a ``partial`` result.
+
+An apply whose caller has gone (``still_wanted`` answers False) is not started if it had not
+started; one that had started is finished and logged as finished after its caller had gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import Literal
 
-from gpud.backend.port import GpuBackend, GpuIdentity, GpuInstanceInfo, ProcessInfo
-from gpud.errors import Busy, GpudError, InvalidArgument, NotFound, NotSupported
+from gpud.backend.port import (
+    GpuBackend,
+    GpuIdentity,
+    GpuInstanceInfo,
+    ProcessInfo,
+    unknown_identity,
+)
+from gpud.errors import (
+    BackendError,
+    Busy,
+    DriverTimeout,
+    GpudError,
+    GpuLost,
+    InvalidArgument,
+    NotFound,
+    NotSupported,
+)
 from gpud.events import EventLog
 from gpud.mig.layout import DeviceLayout, MigConfigFile, export_config, resolve
 from gpud.mig.plan import (
@@ -46,12 +74,24 @@ from gpud.mig.plan import (
 from gpud.mig.results import ApplyResult, ApplyStats, GpuOutcome
 from gpud.mig.store import ApplyOptions, DesiredRecord, MigStore
 from gpud.mig.validate import ProfileTable, load_table, reference_table
-from gpud.mig.view import GpuView, JobResolver, gpu_view, read_actual
+from gpud.mig.view import GpuView, JobResolver, faulty_view, gpu_view, read_actual
 from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
 
 ReconcileMode = Literal["reconcile", "report"]
+
+Faults = Callable[[], Mapping[int, str]]
+"""GPU index -> why it is faulty: the GPUs the last telemetry sample found unhealthy."""
+
+FAULTS: tuple[type[BackendError], ...] = (GpuLost, DriverTimeout)
+"""Driver errors that make a GPU faulty (as opposed to a refused or failed step)."""
+
+NOT_ANSWERING = "not answering: an earlier driver call on it is still outstanding"
+
+
+def _fault_reason(err: BackendError) -> str:
+    return f"GPU lost: {err}" if isinstance(err, GpuLost) else str(err)
 
 
 class MigManager:
@@ -73,11 +113,23 @@ class MigManager:
         sleep: Callable[[float], None] = time.sleep,
         drain_poll_s: float = 1.0,
         on_change: Callable[[int], None] | None = None,
+        faults: Faults | None = None,
+        quiesce: Callable[[], AbstractContextManager[object]] | None = None,
+        on_reset: Callable[[int], None] | None = None,
     ) -> None:
         """``on_change(gpu)`` is called after each driver change on a GPU (the sampler then
-        re-reads its MIG devices at once)."""
+        re-reads its MIG devices at once); ``faults()`` names the GPUs not to call (see
+        :data:`Faults`); a GPU reset runs inside ``quiesce()`` (no other driver calls
+        meanwhile: the backend lets go of the driver for it) and is followed by
+        ``on_reset(gpu)``."""
         self._backend = backend
         self._on_change = on_change
+        self._faults = faults
+        self._quiesce = quiesce
+        self._on_reset = on_reset
+        self._known: dict[int, GpuIdentity] = {}
+        self._stuck: set[int] = set()  # GPUs with a `show` read still in the driver
+        self._stuck_lock = threading.Lock()
         self._store = MigStore(store)
         self._events = events
         self._jobs = job_resolver
@@ -95,8 +147,29 @@ class MigManager:
 
     # ---------------------------------------------------------------- reading the driver
 
+    def _gpus(self) -> tuple[list[GpuIdentity], dict[int, str]]:
+        """Every GPU, by index, and why the faulty ones are faulty. A GPU telemetry found
+        unhealthy, or with a read still stuck in the driver, is not called; one whose
+        identity cannot be read is faulty. Identities are remembered (they do not change
+        while the GPU is present), so a faulty GPU keeps the UUID and product it had."""
+        faults = dict(self._faults()) if self._faults is not None else {}
+        with self._stuck_lock:
+            for i in self._stuck:
+                faults.setdefault(i, NOT_ANSWERING)
+        out = []
+        for i in range(self._backend.gpu_count()):
+            if i not in faults:
+                try:
+                    self._known[i] = self._backend.identity(i)
+                except BackendError as err:
+                    faults[i] = f"identity: {_fault_reason(err)}"
+            out.append(self._known.get(i) or unknown_identity(i))
+        return out, faults
+
     def _identities(self) -> list[GpuIdentity]:
-        return [self._backend.identity(i) for i in range(self._backend.gpu_count())]
+        """The GPUs that are not faulty."""
+        ids, faults = self._gpus()
+        return [g for g in ids if g.index not in faults]
 
     def _actual(self, gpu: GpuIdentity) -> GpuActual:
         return read_actual(self._backend, gpu)
@@ -133,13 +206,14 @@ class MigManager:
     # ---------------------------------------------------------------- busy checks
 
     def _busy(
-        self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan
+        self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool = False
     ) -> list[tuple[str, ProcessInfo]]:
         """Processes on what ``plan`` destroys (``nvidia-smi`` "Processes" per MIG device),
-        each with what it runs on. A MIG mode change disturbs every process on the GPU."""
+        each with what it runs on. A MIG mode change, and a GPU reset (``reset``: the plan
+        waits for one and gpud may do it), disturb every process on the GPU."""
         gis = plan.destroyed_gpu_instances()
         cis = plan.destroyed_compute_instances()
-        mode_change = any(
+        mode_change = (reset and plan.reset_pending) or any(
             isinstance(s, SetMigMode) and s.enabled != actual.mode.current for s in plan.steps
         )
         found: dict[int, tuple[str, ProcessInfo]] = {}
@@ -183,15 +257,6 @@ class MigManager:
 
     # ---------------------------------------------------------------- apply
 
-    def validate(self, config: MigConfigFile, name: str) -> dict[int, DeviceLayout]:
-        """The layout per GPU index, checked against each GPU's tables; raises
-        :class:`InvalidArgument` with GPU, product and reason. Touches nothing."""
-        ids = self._identities()
-        layouts = resolve(config.config(name), ids)
-        for index, layout in layouts.items():
-            self._plan(ids[index], layout, self._table(ids[index]))
-        return layouts
-
     def apply(
         self,
         config: MigConfigFile,
@@ -199,13 +264,16 @@ class MigManager:
         *,
         options: ApplyOptions | None = None,
         dry_run: bool = False,
+        still_wanted: Callable[[], bool] | None = None,
     ) -> ApplyResult:
-        """Apply config ``name`` of ``config`` to this node's GPUs. See the module docstring."""
+        """Apply config ``name`` of ``config`` to this node's GPUs. See the module docstring;
+        ``still_wanted()`` says whether the caller still waits for the result."""
         opts = options or ApplyOptions()
         start = self._monotonic()
+        wanted = still_wanted or (lambda: True)
         with self._lock:
             try:
-                result = self._apply(config, name, opts, dry_run, start)
+                result = self._apply(config, name, opts, dry_run, start=start, wanted=wanted)
             except InvalidArgument as err:
                 self._finish(name, "invalid", start, str(err))
                 raise
@@ -231,15 +299,39 @@ class MigManager:
         return duration
 
     def _apply(
-        self, config: MigConfigFile, name: str, opts: ApplyOptions, dry_run: bool, start: float
+        self,
+        config: MigConfigFile,
+        name: str,
+        opts: ApplyOptions,
+        dry_run: bool,
+        *,
+        start: float,
+        wanted: Callable[[], bool],
     ) -> ApplyResult:
-        ids = self._identities()
+        ids, faults = self._gpus()
         by_index = {g.index: g for g in ids}
         layouts = resolve(config.config(name), ids)
-        tables = {i: self._table(by_index[i]) for i in layouts}
-        plans: dict[int, tuple[GpuActual, GpuPlan]] = {
-            i: self._plan(by_index[i], layout, tables[i]) for i, layout in layouts.items()
-        }
+        faulty = {i: faults[i] for i in layouts if i in faults}
+        plans: dict[int, tuple[GpuActual, GpuPlan]] = {}
+        for i, layout in sorted(layouts.items()):
+            if i in faulty:
+                continue
+            gpu = by_index[i]
+            try:
+                plans[i] = self._plan(gpu, layout, self._table(gpu))
+            except FAULTS as err:
+                faulty[i] = _fault_reason(err)
+        left_alone = tuple(
+            GpuOutcome(
+                i,
+                by_index[i].uuid,
+                (),
+                False,
+                "faulty",
+                f"GPU {i}{_product(by_index[i])} is faulty, left alone: {reason}",
+            )
+            for i, reason in sorted(faulty.items())
+        )
         if dry_run:
             preview = tuple(
                 GpuOutcome(
@@ -251,35 +343,39 @@ class MigManager:
                 )
                 for i, (_, p) in sorted(plans.items())
             )
+            if left_alone:
+                result = "partial"
+            elif all(o.status == "ok" for o in preview):
+                result = "noop"
+            else:
+                result = "success"
             return ApplyResult(
-                name,
-                "noop" if all(o.status == "ok" for o in preview) else "success",
-                preview,
-                0.0,
-                dry_run=True,
+                name, result, tuple(sorted(preview + left_alone, key=lambda o: o.gpu)), 0.0, True
             )
 
-        if not opts.force:
-            self._wait_idle(plans, by_index, opts)
+        reset = not opts.skip_reset
+        if not wanted() or (not opts.force and not self._wait_idle(plans, by_index, opts, wanted)):
+            return self._not_started(name, start)
 
         all_steps = [s for _, (_, p) in sorted(plans.items()) for s in p.steps]
         self._store.begin_apply(
             name,
-            {by_index[i].uuid: (i, layout) for i, layout in layouts.items()},
+            {by_index[i].uuid: (i, layouts[i]) for i in plans},
             all_steps,
             opts,
             self._wall(),
         )
-        outcomes: list[GpuOutcome] = []
-        failed = False
-        for i in sorted(layouts):
-            outcome = self._converge(by_index[i], layouts[i], force=True)
-            failed |= outcome.status == "failed"
-            outcomes.append(outcome)
+        outcomes: list[GpuOutcome] = list(left_alone)
+        for i in sorted(plans):
+            outcomes.append(self._converge(by_index[i], layouts[i], force=True, reset=reset))
+        outcomes.sort(key=lambda o: o.gpu)
+        failed = any(o.status == "failed" for o in outcomes)
         if not failed:
             self._store.finish_apply()
         if failed:
             result = "failed"
+        elif any(o.status == "faulty" for o in outcomes):
+            result = "partial"
         elif any(o.reset_pending for o in outcomes):
             result = "reset_pending"
         elif any(o.steps for o in outcomes):
@@ -287,6 +383,13 @@ class MigManager:
         else:
             result = "noop"
         detail = "; ".join(o.detail for o in outcomes if o.detail)
+        gone = not wanted()
+        if gone:
+            detail = (
+                f"{detail}; finished after the client had gone"
+                if detail
+                else ("finished after the client had gone")
+            )
         duration = self._finish(
             name,
             result,
@@ -294,62 +397,87 @@ class MigManager:
             detail,
             gpus={o.gpu: o.status for o in outcomes},
             steps=sum(len(o.steps) for o in outcomes),
+            client_gone=gone,
         )
         return ApplyResult(name, result, tuple(outcomes), duration)
+
+    def _not_started(self, name: str, start: float) -> ApplyResult:
+        duration = self._finish(
+            name, "not_started", start, "the client had gone before it started", client_gone=True
+        )
+        return ApplyResult(name, "not_started", (), duration)
 
     def _wait_idle(
         self,
         plans: dict[int, tuple[GpuActual, GpuPlan]],
         by_index: dict[int, GpuIdentity],
         opts: ApplyOptions,
-    ) -> None:
+        wanted: Callable[[], bool],
+    ) -> bool:
+        """Wait (``drain``) until nothing the plans disturb runs processes, or refuse with
+        :class:`Busy`; False when the caller went away while waiting."""
         deadline = self._monotonic() + opts.timeout_s
         started = self._monotonic()
+        reset = not opts.skip_reset
         while True:
             busy = {
                 i: b
                 for i, (actual, plan) in plans.items()
-                if (b := self._busy(by_index[i], actual, plan))
+                if (b := self._busy(by_index[i], actual, plan, reset=reset))
             }
             if not busy:
-                return
+                return True
             if not opts.drain:
                 raise self._busy_error(busy, by_index, None)
             if self._monotonic() >= deadline:
                 raise self._busy_error(busy, by_index, self._monotonic() - started)
+            if not wanted():
+                return False
             log.info("draining MIG instances on GPUs %s", sorted(busy))
             self._sleep(min(self._drain_poll_s, max(0.0, deadline - self._monotonic())))
 
-    def _converge(self, gpu: GpuIdentity, layout: DeviceLayout, *, force: bool) -> GpuOutcome:
-        """Run the plan for one GPU, re-planning after a MIG mode change took effect.
+    def _converge(
+        self, gpu: GpuIdentity, layout: DeviceLayout, *, force: bool, reset: bool
+    ) -> GpuOutcome:
+        """Run the plan for one GPU, re-planning after a MIG mode change took effect; with
+        ``reset``, a mode change pending a GPU reset is finished by resetting the GPU.
 
         Each round reads the driver first, so a step that already took effect (before a
         crash, say) is never repeated.
         """
         done: list[str] = []
-        for _ in range(3):
+        where = f"GPU {gpu.index}{_product(gpu)}"
+        for _ in range(4):
             table = self._table(gpu)
             try:
                 actual, plan = self._plan(gpu, layout, table)
             except InvalidArgument as err:
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "failed", str(err))
-            if not plan.steps:
-                status = "reset_pending" if plan.reset_pending else ("changed" if done else "ok")
-                return GpuOutcome(gpu.index, gpu.uuid, tuple(done), plan.reset_pending, status)
-            if not force and (busy := self._busy(gpu, actual, plan)):
+            if not plan.steps and not plan.reset_pending:
+                return GpuOutcome(
+                    gpu.index, gpu.uuid, tuple(done), False, "changed" if done else "ok"
+                )
+            if not force and (busy := self._busy(gpu, actual, plan, reset=reset)):
                 refusal = self._busy_error({gpu.index: busy}, {gpu.index: gpu}, None)
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "busy", str(refusal))
             try:
-                pending = self._run(gpu, plan, done, actual.mode.current)
-            except GpudError as err:
+                pending = self._run(gpu, plan, done, actual.mode.current) if plan.steps else True
+                if pending and reset:
+                    pending = not self._reset(gpu, done)
+            except FAULTS as err:
                 log.warning("MIG step failed on GPU %d: %s", gpu.index, err)
                 return GpuOutcome(
                     gpu.index,
                     gpu.uuid,
                     tuple(done),
                     False,
-                    "failed",
-                    f"GPU {gpu.index} ({gpu.product}): {err}",
+                    "faulty",
+                    f"{where} is faulty: {_fault_reason(err)}",
+                )
+            except GpudError as err:
+                log.warning("MIG step failed on GPU %d: %s", gpu.index, err)
+                return GpuOutcome(
+                    gpu.index, gpu.uuid, tuple(done), False, "failed", f"{where}: {err}"
                 )
             if pending:
                 return GpuOutcome(
@@ -358,11 +486,33 @@ class MigManager:
                     tuple(done),
                     True,
                     "reset_pending",
-                    f"GPU {gpu.index} ({gpu.product}): MIG mode change pending a GPU reset",
+                    f"{where}: MIG mode change pending a GPU reset",
                 )
         return GpuOutcome(
             gpu.index, gpu.uuid, tuple(done), False, "failed", f"GPU {gpu.index}: did not converge"
         )
+
+    def _reset(self, gpu: GpuIdentity, done: list[str]) -> bool:
+        """Reset the GPU so that its pending MIG mode becomes current; False when the
+        backend cannot reset. The driver refuses while processes run on the GPU."""
+        quiet = self._quiesce() if self._quiesce is not None else contextlib.nullcontext()
+        try:
+            with quiet:
+                self._backend.reset_gpu(gpu.index)
+        except NotSupported as err:
+            log.info("GPU %d: cannot reset (%s); MIG mode change left pending", gpu.index, err)
+            return False
+        done.append(f"GPU {gpu.index}: reset the GPU (nvidia-smi --gpu-reset -i {gpu.index})")
+        self._events.emit(
+            "mig.reset",
+            f"GPU {gpu.index}: reset to make its pending MIG mode current",
+            gpu=gpu.index,
+            uuid=gpu.uuid,
+        )
+        if self._on_reset is not None:
+            self._on_reset(gpu.index)
+        self._changed(gpu.index)
+        return True
 
     def _run(self, gpu: GpuIdentity, plan: GpuPlan, done: list[str], mig_on: bool) -> bool:
         """Run steps until the plan ends or a MIG mode change waits for a reset (returns True)."""
@@ -419,10 +569,24 @@ class MigManager:
     # ---------------------------------------------------------------- assert / reconcile
 
     def assert_config(self, config: MigConfigFile, name: str) -> list[str]:
-        """Differences between the GPUs and config ``name`` (empty: they match)."""
-        ids = self._identities()
+        """Differences between the healthy GPUs and config ``name`` (empty: they match)."""
+        return self.check(config, name)[0]
+
+    def check(self, config: MigConfigFile, name: str) -> tuple[list[str], dict[int, str]]:
+        """Differences between the GPUs and config ``name``, and the GPUs the config names
+        that could not be checked (faulty: index -> reason)."""
+        ids, faults = self._gpus()
         layouts = resolve(config.config(name), ids)
-        return self._differences({ids[i]: layout for i, layout in layouts.items()})
+        faulty = {i: faults[i] for i in layouts if i in faults}
+        diff: list[str] = []
+        for i, layout in sorted(layouts.items()):
+            if i in faulty:
+                continue
+            try:
+                diff += self._differences({ids[i]: layout})
+            except FAULTS as err:
+                faulty[i] = _fault_reason(err)
+        return diff, dict(sorted(faulty.items()))
 
     def _differences(self, layouts: dict[GpuIdentity, DeviceLayout]) -> list[str]:
         out = []
@@ -442,14 +606,14 @@ class MigManager:
         """Have the next :meth:`reconcile` re-read every GPU's instances for the view."""
         self._view_at = float("-inf")
 
-    def reconcile(
-        self, mode: ReconcileMode = "reconcile", *, skip: Collection[str] = ()
-    ) -> list[GpuOutcome]:
+    def reconcile(self, mode: ReconcileMode = "reconcile") -> list[GpuOutcome]:
         """Bring every managed GPU to its desired layout (``"reconcile"``), or only report how
         it differs (``"report"``). Call at start and on every tick; cheap when nothing differs.
 
-        GPUs whose UUID is in ``skip`` (unhealthy in the last telemetry sample: lost, or
-        hung in the driver) are not touched; they are reported ``failed`` until they answer.
+        Faulty GPUs (unhealthy in the last telemetry sample: lost, or hung in the driver; or
+        failing now) are not touched; they are reported ``faulty`` until they answer. A MIG
+        mode change pending a reset is finished by a reset only when an interrupted apply
+        asked for it.
 
         Instances with running processes are not destroyed, unless an interrupted apply was
         started with ``force``; such a GPU is reported ``busy`` and retried next time.
@@ -457,8 +621,10 @@ class MigManager:
         with self._lock:
             inflight = self._store.inflight()
             desired = self._store.desired()
-            ids = {g.uuid: g for g in self._identities()}
+            all_ids, faults = self._gpus()
+            ids = {g.uuid: g for g in all_ids if g.uuid}
             force = inflight is not None and inflight.options.force
+            reset = inflight is not None and not inflight.options.skip_reset
             if inflight is not None and mode == "reconcile" and "inflight" not in self._last_report:
                 self._events.emit(
                     "mig.resume",
@@ -470,6 +636,22 @@ class MigManager:
             outcomes: list[GpuOutcome] = []
             for uuid, record in sorted(desired.items(), key=lambda kv: kv[1].gpu_index):
                 gpu = ids.get(uuid)
+                unread = record.gpu_index < len(all_ids) and not all_ids[record.gpu_index].uuid
+                if gpu is None and unread and record.gpu_index in faults:
+                    # Lost before its identity was ever read: most likely the GPU it was.
+                    reason = faults[record.gpu_index]
+                    outcomes.append(
+                        GpuOutcome(
+                            record.gpu_index,
+                            uuid,
+                            (),
+                            False,
+                            "faulty",
+                            f"GPU {record.gpu_index} is faulty: {reason}: not reconciled"
+                            " until it answers again",
+                        )
+                    )
+                    continue
                 if gpu is None:
                     outcomes.append(
                         GpuOutcome(
@@ -482,20 +664,20 @@ class MigManager:
                         )
                     )
                     continue
-                if uuid in skip:
+                if gpu.index in faults:
                     outcomes.append(
                         GpuOutcome(
                             gpu.index,
                             uuid,
                             (),
                             False,
-                            "failed",
-                            f"GPU {gpu.index} ({gpu.product}) is unhealthy: not reconciled"
-                            " until it answers again",
+                            "faulty",
+                            f"GPU {gpu.index}{_product(gpu)} is faulty: {faults[gpu.index]}:"
+                            " not reconciled until it answers again",
                         )
                     )
                     continue
-                outcomes.append(self._reconcile_gpu(gpu, record, mode, force))
+                outcomes.append(self._reconcile_gpu(gpu, record, mode, force, reset))
             for o in outcomes:
                 self._report(o)
             converged = all(
@@ -514,7 +696,7 @@ class MigManager:
             now = self._monotonic()
             if self._view is None or now - self._view_at >= self.VIEW_REFRESH_S:
                 try:
-                    self._view = self.show(skip=skip)
+                    self._view = self.show()
                     self._view_at = now
                 except GpudError as err:
                     log.warning("cannot read MIG instances: %s", err)
@@ -531,7 +713,12 @@ class MigManager:
         return list(self._outcomes)
 
     def _reconcile_gpu(
-        self, gpu: GpuIdentity, record: DesiredRecord, mode: ReconcileMode, force: bool
+        self,
+        gpu: GpuIdentity,
+        record: DesiredRecord,
+        mode: ReconcileMode,
+        force: bool,
+        reset: bool,
     ) -> GpuOutcome:
         try:
             if mode == "report":
@@ -539,7 +726,16 @@ class MigManager:
                 if diff:
                     return GpuOutcome(gpu.index, gpu.uuid, (), False, "differs", diff[0])
                 return GpuOutcome(gpu.index, gpu.uuid, (), False, "ok")
-            return self._converge(gpu, record.layout, force=force)
+            return self._converge(gpu, record.layout, force=force, reset=reset)
+        except FAULTS as err:
+            return GpuOutcome(
+                gpu.index,
+                gpu.uuid,
+                (),
+                False,
+                "faulty",
+                f"GPU {gpu.index}{_product(gpu)} is faulty: {_fault_reason(err)}",
+            )
         except GpudError as err:
             return GpuOutcome(
                 gpu.index, gpu.uuid, (), False, "failed", f"GPU {gpu.index} ({gpu.product}): {err}"
@@ -572,7 +768,7 @@ class MigManager:
         return self._store.desired()
 
     def layouts(self) -> dict[int, DeviceLayout]:
-        """The current layout of every GPU, in mig-parted's terms."""
+        """The current layout of every GPU that answers, in mig-parted's terms."""
         out = {}
         for gpu in self._identities():
             out[gpu.index] = actual_layout(
@@ -585,12 +781,85 @@ class MigManager:
         layouts = self.layouts()
         return export_config(name, layouts, gpu_count=len(layouts))
 
-    def show(self, *, skip: Collection[str] = ()) -> list[GpuView]:
-        """Every GPU (but those whose UUID is in ``skip``): MIG mode, instances with MIG UUIDs
-        and processes, profiles and placements."""
+    def show(self, *, timeout_s: float | None = None) -> list[GpuView]:
+        """Every GPU: MIG mode, instances with MIG UUIDs and processes, profiles and
+        placements; a faulty GPU with its reason instead (:attr:`GpuView.fault`).
+
+        With ``timeout_s`` each GPU is read on a thread of its own and a GPU that has not
+        answered within ``timeout_s`` is shown as not answering: a driver call that hangs
+        delays the answer by no more than that, and that GPU gets no new call until the
+        stuck one returns."""
+        ids, faults = self._gpus()
         desired = self._store.desired()
-        return [
-            gpu_view(self._backend, gpu, self._table(gpu), desired.get(gpu.uuid), self._jobs)
-            for gpu in self._identities()
-            if gpu.uuid not in skip
-        ]
+
+        def read(gpu: GpuIdentity) -> GpuView:
+            try:
+                return gpu_view(
+                    self._backend, gpu, self._table(gpu), desired.get(gpu.uuid), self._jobs
+                )
+            except BackendError as err:
+                return faulty_view(gpu, desired.get(gpu.uuid), _fault_reason(err))
+
+        healthy = [g for g in ids if g.index not in faults]
+        views = {
+            i: faulty_view(ids[i], desired.get(ids[i].uuid), reason) for i, reason in faults.items()
+        }
+        if timeout_s is None:
+            views.update((g.index, read(g)) for g in healthy)
+        else:
+            views.update(self._read_bounded(healthy, read, timeout_s, desired))
+        return [views[i] for i in sorted(views)]
+
+    def _read_bounded(
+        self,
+        gpus: list[GpuIdentity],
+        read: Callable[[GpuIdentity], GpuView],
+        timeout_s: float,
+        desired: Mapping[str, DesiredRecord],
+    ) -> Iterator[tuple[int, GpuView]]:
+        results: dict[int, GpuView] = {}
+        finished: set[int] = set()  # guarded by _stuck_lock
+        done = threading.Condition()
+
+        def run(gpu: GpuIdentity) -> None:
+            try:
+                view = read(gpu)
+            except Exception as err:  # a bug: shown on that GPU, logged
+                log.exception("reading GPU %d for mig show failed", gpu.index)
+                view = faulty_view(gpu, desired.get(gpu.uuid), f"internal error: {err}")
+            with done:
+                results[gpu.index] = view
+                done.notify_all()
+            with self._stuck_lock:
+                finished.add(gpu.index)
+                self._stuck.discard(gpu.index)
+
+        for gpu in gpus:
+            # Daemon threads: one stuck in the driver must not keep the daemon from exiting.
+            threading.Thread(
+                target=run, args=(gpu,), name=f"gpud-mig-show-{gpu.index}", daemon=True
+            ).start()
+        deadline = time.monotonic() + timeout_s
+        with done:
+            while len(results) < len(gpus):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                done.wait(left)
+            answered = dict(results)
+        with self._stuck_lock:
+            # Until their reads return, later calls leave the GPUs that did not answer alone.
+            self._stuck.update(g.index for g in gpus if g.index not in finished)
+        for gpu in gpus:
+            view = answered.get(gpu.index)
+            if view is None:
+                view = faulty_view(
+                    gpu,
+                    desired.get(gpu.uuid),
+                    f"not answering: no answer from the driver within {timeout_s:.1f} s",
+                )
+            yield gpu.index, view
+
+
+def _product(gpu: GpuIdentity) -> str:
+    return f" ({gpu.product})" if gpu.product else ""

@@ -51,20 +51,36 @@ class DesiredRecord:
 
 @dataclass(frozen=True, slots=True)
 class ApplyOptions:
-    """How an apply may treat busy instances; kept with the in-flight plan so a resumed
-    apply honours what the operator asked for."""
+    """How an apply may treat busy instances and a MIG mode change pending a GPU reset; kept
+    with the in-flight plan so a resumed apply honours what the operator asked for.
+    ``skip_reset``: leave a pending MIG mode change for the next reset or reboot
+    (``nvidia-mig-parted apply --skip-reset``) instead of resetting the GPU."""
 
     drain: bool = False
     force: bool = False
     timeout_s: float = 0.0
+    skip_reset: bool = False
 
     def to_json(self) -> str:
-        return json.dumps({"drain": self.drain, "force": self.force, "timeout_s": self.timeout_s})
+        return json.dumps(
+            {
+                "drain": self.drain,
+                "force": self.force,
+                "timeout_s": self.timeout_s,
+                "skip_reset": self.skip_reset,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> ApplyOptions:
         raw: dict[str, Any] = json.loads(text)
-        return cls(bool(raw.get("drain")), bool(raw.get("force")), float(raw.get("timeout_s", 0)))
+        return cls(
+            bool(raw.get("drain")),
+            bool(raw.get("force")),
+            float(raw.get("timeout_s", 0)),
+            # Plans persisted before resets existed never reset: they were made without.
+            bool(raw.get("skip_reset", True)),
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from gpud.backend.port import GpuBackend, GpuIdentity, MigDeviceIdentity
+from gpud.backend.port import GpuBackend, GpuIdentity, MigDeviceIdentity, unknown_identity
 from gpud.errors import BackendError, GpuLost, NotSupported
 from gpud.telemetry.snapshot import GpuSample, MigSample
 
@@ -30,18 +30,8 @@ log = logging.getLogger(__name__)
 _NOT_MIG_CAPABLE = frozenset({"mig_mode"})  # readings never asked of a GPU without MIG
 
 
-def placeholder_identity(index: int) -> GpuIdentity:
-    """What a GPU is shown as before its identity could ever be read (lost at start-up)."""
-    return GpuIdentity(
-        index=index,
-        uuid="",
-        name="",
-        product="",
-        pci_bus_id="",
-        pci_device_id=0,
-        memory_total_bytes=0,
-        mig_capable=False,
-    )
+placeholder_identity = unknown_identity
+"""What a GPU is shown as before its identity could ever be read (lost at start-up)."""
 
 
 class _Unsupported:

@@ -15,7 +15,11 @@ shorter) is left behind while the rest are read on threads of their own. So:
 
 XID and ECC events arrive on a separate thread blocked in ``nvmlEventSetWait``
 (:class:`XidWatcher`); counts show in each :class:`GpuSample` and each event goes to the
-event log as ``gpu.xid``.
+event log as ``gpu.xid``. A critical XID (any but ``ignored_xids``, the application-caused
+ones: 13, 31, 43, 45, 68, 109 by default, as the Kubernetes device plugin has it) marks the GPU
+unhealthy with the XID in the reason until the GPU is reset (:meth:`Sampler.gpu_reset`) or
+the fault is cleared by hand (:meth:`Sampler.clear_xid`); with ``xid_state`` (a file under the
+run directory, which a reboot empties) that outlives a daemon restart.
 
 Use from asyncio (the daemon)::
 
@@ -30,11 +34,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
+from pathlib import Path
 
 from gpud.backend.port import EventKind, GpuBackend, GpuEvent
 from gpud.errors import BackendError, NotSupported
@@ -50,11 +57,19 @@ Listener = Callable[[Snapshot], None]
 NOT_ANSWERING = "not answering: a driver call is outstanding"
 """The reason of a GPU whose call has not returned yet, before ``call_timeout_s``."""
 
+DEFAULT_IGNORED_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+"""XIDs an application causes (illegal address, page fault, ...): they leave the GPU healthy."""
+
+
+def critical_xid_reason(xid: int) -> str:
+    return f"critical Xid {xid}: reset the GPU or clear it with `gpuctl xid clear`"
+
 
 class _Slot:
     """One GPU: its reader, its dispatch target and the health last reported."""
 
     __slots__ = (
+        "critical_xid",
         "healthy",
         "reader",
         "reason",
@@ -70,6 +85,7 @@ class _Slot:
         self.healthy = True
         self.reason = ""
         self.stuck_since: float | None = None  # tick start when its call was first outstanding
+        self.critical_xid: int | None = None  # until a reset or a clear
         self.xid_total = 0
         self.xid_last: int | None = None
 
@@ -90,6 +106,8 @@ class Sampler:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         events: EventLog | None = None,
+        ignored_xids: Collection[int] = DEFAULT_IGNORED_XIDS,
+        xid_state: Path | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be > 0")
@@ -114,6 +132,9 @@ class Sampler:
         self._dispatcher = Dispatcher(self._wait_s())
         self._xid = XidWatcher(backend, self._on_gpu_event, wait_s=event_wait_s)
         self._closed = False
+        self.ignored_xids = frozenset(ignored_xids)
+        self._xid_state = xid_state
+        self._saved_xids: dict[int, int] = self._load_xids()  # gpu -> critical XID
 
     def _wait_s(self) -> float:
         """How long a tick waits for a GPU that does not answer: short enough that the GPUs
@@ -199,6 +220,8 @@ class Sampler:
             )
             for index in range(count)
         ]
+        for slot in slots:
+            slot.critical_xid = self._saved_xids.get(slot.reader.index)
         self._slots = slots
         return slots
 
@@ -232,9 +255,15 @@ class Sampler:
                 ),
                 sampled_at=reader.last_good_at,
             )
-        if slot.xid_total:
+        if slot.xid_total or slot.critical_xid is not None:
             with self._lock:
                 sample = sample._replace(xid_events_total=slot.xid_total, last_xid=slot.xid_last)
+                xid = slot.critical_xid
+            if xid is not None:
+                why = critical_xid_reason(xid)
+                sample = sample._replace(
+                    healthy=False, reason=f"{sample.reason}; {why}" if sample.reason else why
+                )
         if sample.healthy != slot.healthy or sample.reason != slot.reason:
             self._transition(slot, sample)
         return sample
@@ -270,16 +299,98 @@ class Sampler:
         if event.compute_instance_id is not None:
             fields["compute_instance_id"] = event.compute_instance_id
         if event.kind is EventKind.XID:
+            critical = event.xid is not None and event.xid not in self.ignored_xids
             if slot is not None:
                 with self._lock:
                     slot.xid_total += 1
                     slot.xid_last = event.xid
-            log.warning("GPU %d reported Xid %s", event.gpu, event.xid)
+                    if critical and slot.critical_xid is None:
+                        slot.critical_xid = event.xid
+                if critical:
+                    self._save_xids()
+            log.warning(
+                "GPU %d reported %sXid %s", event.gpu, "critical " if critical else "", event.xid
+            )
             self._emit(
-                "gpu.xid", f"GPU {event.gpu} reported Xid {event.xid}", xid=event.xid, **fields
+                "gpu.xid",
+                f"GPU {event.gpu} reported {'critical ' if critical else ''}Xid {event.xid}",
+                xid=event.xid,
+                critical=critical,
+                **fields,
             )
         elif event.kind in (EventKind.ECC_DOUBLE_BIT, EventKind.ECC_SINGLE_BIT):
             self._emit("gpu.ecc", f"GPU {event.gpu}: {event.kind.value} ECC error", **fields)
+
+    def clear_xid(self, gpu: int) -> int | None:
+        """Forget ``gpu``'s critical XID (the operator dealt with it); the XID it had, if any.
+        The next tick reports the GPU by its readings alone."""
+        slot = self._slot(gpu)
+        with self._lock:
+            xid, slot.critical_xid = slot.critical_xid, None
+        if xid is not None:
+            self._save_xids()
+            self._emit(
+                "gpu.xid_cleared", f"GPU {gpu}: critical Xid {xid} cleared", gpu=gpu, xid=xid
+            )
+        return xid
+
+    def gpu_reset(self, gpu: int | None = None) -> None:
+        """``gpu`` (every GPU when None: a reboot) was reset: its critical XID is gone and
+        its identity and MIG devices are read again."""
+        for slot in self._slots or ():
+            if gpu is None or slot.reader.index == gpu:
+                with self._lock:
+                    slot.critical_xid = None
+                slot.reader.refresh_identity()
+        if gpu is None:
+            self._saved_xids = {}
+        else:
+            self._saved_xids.pop(gpu, None)
+        self._save_xids()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No tick runs inside (a GPU reset needs the driver to itself); waits for the tick
+        in progress, which takes at most two waits for a GPU that does not answer."""
+        with self._tick_lock:
+            yield
+
+    def _slot(self, gpu: int) -> _Slot:
+        for slot in self._slots or ():
+            if slot.reader.index == gpu:
+                return slot
+        raise IndexError(f"no GPU {gpu}")
+
+    def _load_xids(self) -> dict[int, int]:
+        path = self._xid_state
+        if path is None:
+            return {}
+        try:
+            raw = json.loads(path.read_text())
+            return {int(gpu): int(xid) for gpu, xid in raw.items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, TypeError, AttributeError) as err:
+            log.warning("ignoring unreadable critical-XID state %s: %s", path, err)
+            return {}
+
+    def _save_xids(self) -> None:
+        path = self._xid_state
+        if path is None:
+            return
+        with self._lock:
+            xids = {s.reader.index: s.critical_xid for s in self._slots or ()}
+        saved = {**self._saved_xids, **{g: x for g, x in xids.items() if x is not None}}
+        for gpu, xid in xids.items():
+            if xid is None:
+                saved.pop(gpu, None)
+        self._saved_xids = saved
+        try:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps({str(g): x for g, x in sorted(saved.items())}))
+            os.replace(tmp, path)
+        except OSError as err:
+            log.warning("cannot save critical-XID state to %s: %s", path, err)
 
     def _emit(self, kind: str, message: str, **fields: object) -> None:
         if self._events is not None:

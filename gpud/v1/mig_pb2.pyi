@@ -198,6 +198,7 @@ class MigGpu(_message.Message):
     DESIRED_CONFIG_FIELD_NUMBER: _builtins.int
     DESIRED_LAYOUT_FIELD_NUMBER: _builtins.int
     PROFILES_FIELD_NUMBER: _builtins.int
+    FAULT_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     uuid: _builtins.str
     product: _builtins.str
@@ -210,6 +211,10 @@ class MigGpu(_message.Message):
     desired_config: _builtins.str
     """the config that set its desired layout; empty: unmanaged"""
     desired_layout: _builtins.str
+    fault: _builtins.str
+    """Why the GPU could not be read (lost, not answering, a driver error); empty when it was.
+    A faulty GPU carries what is known without the driver: index, UUID, product, desired.
+    """
     @_builtins.property
     def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___MigInstance]: ...
     @_builtins.property
@@ -228,10 +233,11 @@ class MigGpu(_message.Message):
         desired_config: _builtins.str = ...,
         desired_layout: _builtins.str = ...,
         profiles: _abc.Iterable[Global___MigProfileRow] | None = ...,
+        fault: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["desired_config", b"desired_config", "desired_layout", b"desired_layout", "index", b"index", "instances", b"instances", "layout", b"layout", "mig_capable", b"mig_capable", "mig_current", b"mig_current", "mig_pending", b"mig_pending", "product", b"product", "profiles", b"profiles", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["desired_config", b"desired_config", "desired_layout", b"desired_layout", "fault", b"fault", "index", b"index", "instances", b"instances", "layout", b"layout", "mig_capable", b"mig_capable", "mig_current", b"mig_current", "mig_pending", b"mig_pending", "product", b"product", "profiles", b"profiles", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -281,6 +287,7 @@ class ApplyMigRequest(_message.Message):
     TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
     FORCE_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
+    SKIP_RESET_FIELD_NUMBER: _builtins.int
     drain: _builtins.bool
     """wait for processes to leave, up to timeout_seconds"""
     timeout_seconds: _builtins.float
@@ -288,6 +295,10 @@ class ApplyMigRequest(_message.Message):
     """skip gpud's busy check (the driver may still refuse)"""
     dry_run: _builtins.bool
     """plan only"""
+    skip_reset: _builtins.bool
+    """Leave a MIG mode change pending a GPU reset (A100) for the next reset or reboot instead
+    of resetting the GPU (nvidia-smi --gpu-reset) and creating the instances.
+    """
     @_builtins.property
     def config(self) -> Global___MigConfigSource: ...
     def __init__(
@@ -298,10 +309,11 @@ class ApplyMigRequest(_message.Message):
         timeout_seconds: _builtins.float = ...,
         force: _builtins.bool = ...,
         dry_run: _builtins.bool = ...,
+        skip_reset: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "drain", b"drain", "dry_run", b"dry_run", "force", b"force", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "drain", b"drain", "dry_run", b"dry_run", "force", b"force", "skip_reset", b"skip_reset", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -321,7 +333,7 @@ class MigGpuOutcome(_message.Message):
     uuid: _builtins.str
     reset_pending: _builtins.bool
     status: _builtins.str
-    """ok, changed, reset_pending, busy, differs, failed"""
+    """ok, changed, reset_pending, busy, differs, failed, faulty"""
     detail: _builtins.str
     @_builtins.property
     def steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -356,7 +368,9 @@ class ApplyMigResponse(_message.Message):
     DRY_RUN_FIELD_NUMBER: _builtins.int
     config_name: _builtins.str
     result: _builtins.str
-    """success, noop, reset_pending, failed"""
+    """success, noop, reset_pending, failed; partial: faulty GPUs (lost, not answering) were left
+    alone and the others applied
+    """
     duration_seconds: _builtins.float
     dry_run: _builtins.bool
     @_builtins.property
@@ -404,18 +418,25 @@ class AssertMigResponse(_message.Message):
 
     MATCHES_FIELD_NUMBER: _builtins.int
     DIFFERENCES_FIELD_NUMBER: _builtins.int
+    FAULTY_FIELD_NUMBER: _builtins.int
     matches: _builtins.bool
+    """the GPUs that answered match"""
     @_builtins.property
     def differences(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def faulty(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """GPUs the config names that could not be checked, why"""
+
     def __init__(
         self,
         *,
         matches: _builtins.bool = ...,
         differences: _abc.Iterable[_builtins.str] | None = ...,
+        faulty: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["differences", b"differences", "matches", b"matches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["differences", b"differences", "faulty", b"faulty", "matches", b"matches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -60,7 +60,9 @@ class MigServicer:
     """Missing associated documentation comment in .proto file."""
 
     def ShowMig(self, request, context):
-        """Every GPU: MIG mode, instances with MIG UUIDs and processes, profiles and placements.
+        """Every GPU: MIG mode, instances with MIG UUIDs and processes, profiles and placements;
+        a faulty GPU with its reason (MigGpu.fault) and the others as usual. Never waits on a
+        hung driver call past the request's deadline.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

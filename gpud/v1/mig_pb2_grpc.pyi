@@ -39,7 +39,10 @@ class MigStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> MigAsyncStub: ...
     ShowMig: _grpc.UnaryUnaryMultiCallable[_mig_pb2.ShowMigRequest, _mig_pb2.ShowMigResponse]
-    """Every GPU: MIG mode, instances with MIG UUIDs and processes, profiles and placements."""
+    """Every GPU: MIG mode, instances with MIG UUIDs and processes, profiles and placements;
+    a faulty GPU with its reason (MigGpu.fault) and the others as usual. Never waits on a
+    hung driver call past the request's deadline.
+    """
     ApplyMig: _grpc.UnaryUnaryMultiCallable[_mig_pb2.ApplyMigRequest, _mig_pb2.ApplyMigResponse]
     """Validate, plan and apply one named config; persisted as the GPUs' desired layout."""
     AssertMig: _grpc.UnaryUnaryMultiCallable[_mig_pb2.AssertMigRequest, _mig_pb2.AssertMigResponse]
@@ -51,7 +54,10 @@ class MigStub:
 class MigAsyncStub(MigStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     ShowMig: _aio.UnaryUnaryMultiCallable[_mig_pb2.ShowMigRequest, _mig_pb2.ShowMigResponse]  # type: ignore[assignment]
-    """Every GPU: MIG mode, instances with MIG UUIDs and processes, profiles and placements."""
+    """Every GPU: MIG mode, instances with MIG UUIDs and processes, profiles and placements;
+    a faulty GPU with its reason (MigGpu.fault) and the others as usual. Never waits on a
+    hung driver call past the request's deadline.
+    """
     ApplyMig: _aio.UnaryUnaryMultiCallable[_mig_pb2.ApplyMigRequest, _mig_pb2.ApplyMigResponse]  # type: ignore[assignment]
     """Validate, plan and apply one named config; persisted as the GPUs' desired layout."""
     AssertMig: _aio.UnaryUnaryMultiCallable[_mig_pb2.AssertMigRequest, _mig_pb2.AssertMigResponse]  # type: ignore[assignment]
@@ -66,7 +72,10 @@ class MigServicer(metaclass=_abc_1.ABCMeta):
         request: _mig_pb2.ShowMigRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_mig_pb2.ShowMigResponse, _abc.Awaitable[_mig_pb2.ShowMigResponse]]:
-        """Every GPU: MIG mode, instances with MIG UUIDs and processes, profiles and placements."""
+        """Every GPU: MIG mode, instances with MIG UUIDs and processes, profiles and placements;
+        a faulty GPU with its reason (MigGpu.fault) and the others as usual. Never waits on a
+        hung driver call past the request's deadline.
+        """
 
     @_abc_1.abstractmethod
     def ApplyMig(

@@ -754,3 +754,44 @@ class InjectFaultResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InjectFaultResponse: _TypeAlias = InjectFaultResponse  # noqa: Y015
+
+@_typing.final
+class ClearXidRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GPU_FIELD_NUMBER: _builtins.int
+    gpu: _builtins.int
+    def __init__(
+        self,
+        *,
+        gpu: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu", b"gpu"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClearXidRequest: _TypeAlias = ClearXidRequest  # noqa: Y015
+
+@_typing.final
+class ClearXidResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLEARED_XID_FIELD_NUMBER: _builtins.int
+    cleared_xid: _builtins.int
+    """the critical XID it had; absent: it had none"""
+    def __init__(
+        self,
+        *,
+        cleared_xid: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cleared_xid", b"_cleared_xid", "cleared_xid", b"cleared_xid"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cleared_xid", b"_cleared_xid", "cleared_xid", b"cleared_xid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cleared_xid: _TypeAlias = _typing.Literal["cleared_xid"]  # noqa: Y015
+    _WhichOneofArgType__cleared_xid: _TypeAlias = _typing.Literal["_cleared_xid", b"_cleared_xid"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cleared_xid) -> _WhichOneofReturnType__cleared_xid | None: ...
+
+Global___ClearXidResponse: _TypeAlias = ClearXidResponse  # noqa: Y015

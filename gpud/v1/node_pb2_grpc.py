@@ -64,6 +64,11 @@ class NodeStub:
                 request_serializer=gpud_dot_v1_dot_node__pb2.SimWorkloadRequest.SerializeToString,
                 response_deserializer=gpud_dot_v1_dot_node__pb2.SimWorkloadResponse.FromString,
                 _registered_method=True)
+        self.ClearXid = channel.unary_unary(
+                '/gpud.v1.Node/ClearXid',
+                request_serializer=gpud_dot_v1_dot_node__pb2.ClearXidRequest.SerializeToString,
+                response_deserializer=gpud_dot_v1_dot_node__pb2.ClearXidResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -114,6 +119,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClearXid(self, request, context):
+        """Clear a GPU's critical XID (`gpuctl xid clear`): the operator dealt with it without a
+        reset. The GPU is then healthy again unless its readings say otherwise.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +159,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.SimWorkload,
                     request_deserializer=gpud_dot_v1_dot_node__pb2.SimWorkloadRequest.FromString,
                     response_serializer=gpud_dot_v1_dot_node__pb2.SimWorkloadResponse.SerializeToString,
+            ),
+            'ClearXid': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearXid,
+                    request_deserializer=gpud_dot_v1_dot_node__pb2.ClearXidRequest.FromString,
+                    response_serializer=gpud_dot_v1_dot_node__pb2.ClearXidResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +328,33 @@ class Node:
             '/gpud.v1.Node/SimWorkload',
             gpud_dot_v1_dot_node__pb2.SimWorkloadRequest.SerializeToString,
             gpud_dot_v1_dot_node__pb2.SimWorkloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearXid(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpud.v1.Node/ClearXid',
+            gpud_dot_v1_dot_node__pb2.ClearXidRequest.SerializeToString,
+            gpud_dot_v1_dot_node__pb2.ClearXidResponse.FromString,
             options,
             channel_credentials,
             insecure,

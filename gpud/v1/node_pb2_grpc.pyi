@@ -59,6 +59,10 @@ class NodeStub:
     """Start or stop a simulated compute process (`gpuctl sim workload`): it shows in NVML's
     process lists, memory and utilization. FAILED_PRECONDITION unless simulated.
     """
+    ClearXid: _grpc.UnaryUnaryMultiCallable[_node_pb2.ClearXidRequest, _node_pb2.ClearXidResponse]
+    """Clear a GPU's critical XID (`gpuctl xid clear`): the operator dealt with it without a
+    reset. The GPU is then healthy again unless its readings say otherwise.
+    """
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -80,6 +84,10 @@ class NodeAsyncStub(NodeStub):
     SimWorkload: _aio.UnaryUnaryMultiCallable[_node_pb2.SimWorkloadRequest, _node_pb2.SimWorkloadResponse]  # type: ignore[assignment]
     """Start or stop a simulated compute process (`gpuctl sim workload`): it shows in NVML's
     process lists, memory and utilization. FAILED_PRECONDITION unless simulated.
+    """
+    ClearXid: _aio.UnaryUnaryMultiCallable[_node_pb2.ClearXidRequest, _node_pb2.ClearXidResponse]  # type: ignore[assignment]
+    """Clear a GPU's critical XID (`gpuctl xid clear`): the operator dealt with it without a
+    reset. The GPU is then healthy again unless its readings say otherwise.
     """
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
@@ -135,6 +143,16 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_node_pb2.SimWorkloadResponse, _abc.Awaitable[_node_pb2.SimWorkloadResponse]]:
         """Start or stop a simulated compute process (`gpuctl sim workload`): it shows in NVML's
         process lists, memory and utilization. FAILED_PRECONDITION unless simulated.
+        """
+
+    @_abc_1.abstractmethod
+    def ClearXid(
+        self,
+        request: _node_pb2.ClearXidRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_node_pb2.ClearXidResponse, _abc.Awaitable[_node_pb2.ClearXidResponse]]:
+        """Clear a GPU's critical XID (`gpuctl xid clear`): the operator dealt with it without a
+        reset. The GPU is then healthy again unless its readings say otherwise.
         """
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

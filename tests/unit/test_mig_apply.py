@@ -11,7 +11,7 @@ import pytest
 
 from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, SimulatedCrash
-from gpud.errors import Busy, InvalidArgument
+from gpud.errors import Busy, GpuLost, InvalidArgument
 from gpud.events import EventLog
 from gpud.mig.layout import MigConfigFile, load_config, parse_config
 from gpud.mig.manager import MigManager
@@ -43,11 +43,13 @@ class Host:
         self.tmp = tmp
         self.spec = spec
         self.jobs: dict[int, str] = {}
+        self.faults: dict[int, str] = {}  # what telemetry found unhealthy
         self.daemons: list[Daemon] = []
 
-    def start(self) -> Daemon:
+    def start(self, *, resets: bool = False) -> Daemon:
+        """A daemon life; with ``resets`` its backend can reset GPUs (nvidia-smi)."""
         node = SimNode(self.spec, state_file=self.tmp / "driver.json")
-        backend = NvmlBackend(node.nvml)
+        backend = NvmlBackend(node.nvml, reset=node.reset if resets else None)
         store = StateStore(self.tmp / "state")
         events = EventLog(None)
         sleeps: list[float] = []
@@ -64,6 +66,7 @@ class Host:
             job_resolver=self.jobs.get,
             monotonic=lambda: clock[0],
             sleep=sleep,
+            faults=lambda: self.faults,
         )
         d = Daemon(node, backend, store, events, mig, sleeps)
         self.daemons.append(d)
@@ -306,13 +309,14 @@ def test_unhealthy_gpus_are_skipped_until_they_answer(host: Host, config: MigCon
     before = instances(first)
     first.node.reboot()
     second = host.start()
-    sick = second.backend.identity(1).uuid
-    second.node.faults.lose(1)  # any driver call on GPU 1 would fail (or hang, if slow)
-    outcomes = {o.gpu: o for o in second.mig.reconcile(skip={sick})}
+    second.node.faults.slow(1, 30.0)  # any driver call on GPU 1 would hang
+    host.faults[1] = "not answering: a driver call is outstanding"
+    outcomes = {o.gpu: o for o in second.mig.reconcile()}
     assert outcomes[0].status == "changed"
-    assert outcomes[1].status == "failed" and "unhealthy" in outcomes[1].detail
+    assert outcomes[1].status == "faulty" and "not answering" in outcomes[1].detail
     assert outcomes[1].steps == ()
     second.node.faults.clear(1)
+    host.faults.clear()
     assert {o.status for o in second.mig.reconcile()} == {"ok", "changed"}
     assert instances(second) == before
 
@@ -376,3 +380,177 @@ def test_crash_during_mode_change_then_reboot(tmp_path: Path, config: MigConfigF
         assert third.mig.assert_config(config, "all-balanced") == []
     finally:
         host.close()
+
+
+# --- a pending MIG mode change finished by a GPU reset ---------------------------------
+
+# Not among the published configs the other tests use: a balanced A100-40GB layout.
+HELD_OUT = parse_config(
+    """
+version: v1
+mig-configs:
+  custom-balanced:
+    - devices: all
+      mig-enabled: true
+      mig-devices:
+        "3g.20gb": 1
+        "2g.10gb": 1
+        "1g.5gb": 2
+"""
+)
+
+
+@pytest.fixture
+def a100(tmp_path: Path) -> Iterator[Host]:
+    h = Host(tmp_path, [(A100, 2)])
+    yield h
+    h.close()
+
+
+def test_apply_resets_the_gpu_and_creates_the_instances_in_the_same_apply(a100: Host) -> None:
+    d = a100.start(resets=True)
+    result = d.mig.apply(HELD_OUT, "custom-balanced")
+    assert result.result == "success", result
+    for o in result.gpus:
+        assert o.status == "changed" and not o.reset_pending
+        assert f"GPU {o.gpu}: reset the GPU (nvidia-smi --gpu-reset -i {o.gpu})" in o.steps
+        # the reset comes after the mode change and before the first instance
+        steps = [s.split(": ", 1)[1] for s in o.steps]
+        assert steps.index(f"reset the GPU (nvidia-smi --gpu-reset -i {o.gpu})") == 1
+    assert d.mig.assert_config(HELD_OUT, "custom-balanced") == []
+    assert d.mig.layouts()[0].describe() == "1x 3g.20gb, 1x 2g.10gb, 2x 1g.5gb"
+    assert [e.fields["gpu"] for e in d.events.recent(kind_prefix="mig.reset")] == [0, 1]
+    # and back: MIG off takes a reset too, done the same way
+    assert d.mig.apply(HELD_OUT, "custom-balanced").result == "noop"
+    off = parse_config(
+        "version: v1\nmig-configs:\n  mig-off:\n    - devices: all\n      mig-enabled: false\n"
+    )
+    assert d.mig.apply(off, "mig-off").result == "success"
+    assert not any(d.backend.mig_mode(g).current or d.backend.mig_mode(g).pending for g in (0, 1))
+
+
+def test_skip_reset_leaves_the_mode_change_pending(a100: Host) -> None:
+    d = a100.start(resets=True)
+    result = d.mig.apply(HELD_OUT, "custom-balanced", options=ApplyOptions(skip_reset=True))
+    assert result.result == "reset_pending"
+    assert d.backend.mig_mode(0) == (False, True)
+    assert not d.events.recent(kind_prefix="mig.reset")
+    # reconcile (no apply asked for a reset) leaves it pending too
+    assert {o.status for o in d.mig.reconcile()} == {"reset_pending"}
+
+
+def test_a_backend_that_cannot_reset_reports_reset_pending(a100: Host) -> None:
+    d = a100.start(resets=False)
+    assert d.mig.apply(HELD_OUT, "custom-balanced").result == "reset_pending"
+
+
+def test_reset_follows_the_busy_rules(a100: Host) -> None:
+    d = a100.start(resets=True)
+    d.node.workloads.start(1, 4242, GIB, 0.5)  # a process on the whole GPU 1
+    a100.jobs[4242] = "train-7"
+    with pytest.raises(Busy, match=r"GPU 1 .*the whole GPU: pid 4242 \(job train-7\)"):
+        d.mig.apply(HELD_OUT, "custom-balanced")
+    assert d.backend.mig_mode(0) == (False, False), "nothing touched"
+    # force skips gpud's check; the driver still refuses to reset a GPU in use
+    result = d.mig.apply(HELD_OUT, "custom-balanced", options=ApplyOptions(force=True))
+    assert result.result == "failed"
+    by_gpu = {o.gpu: o for o in result.gpus}
+    assert by_gpu[0].status == "changed"
+    assert by_gpu[1].status == "failed" and "in use" in by_gpu[1].detail
+    d.node.workloads.stop(4242)
+    # the interrupted apply (force, resets allowed) is finished by the next reconcile
+    assert {o.status for o in d.mig.reconcile()} == {"ok", "changed"}
+    assert d.mig.assert_config(HELD_OUT, "custom-balanced") == []
+
+
+def test_drain_waits_for_the_process_then_resets(a100: Host) -> None:
+    d = a100.start(resets=True)
+    d.node.workloads.start(0, 4242, GIB, 0.5)
+    stopped = []
+
+    def sleep(s: float) -> None:  # the process leaves while gpud drains
+        stopped.append(d.node.workloads.stop(4242))
+
+    d.mig._sleep = sleep
+    opts = ApplyOptions(drain=True, timeout_s=30)
+    assert d.mig.apply(HELD_OUT, "custom-balanced", options=opts).result == "success"
+    assert stopped == [True]
+    assert d.mig.assert_config(HELD_OUT, "custom-balanced") == []
+
+
+# --- faults stay with the GPU that has them ----------------------------------------------
+
+
+def test_a_gpu_lost_before_start_leaves_the_others_managed(a100: Host) -> None:
+    first = a100.start(resets=True)
+    assert first.mig.apply(HELD_OUT, "custom-balanced").result == "success"
+    first.node.faults.lose(1)  # device state: still lost when the next daemon starts
+    d = a100.start(resets=True)
+    with pytest.raises(GpuLost):
+        d.backend.identity(1)  # nvmlDeviceGetUUID: GPU is lost
+    outcomes = {o.gpu: o for o in d.mig.reconcile()}
+    assert outcomes[0].status == "ok"
+    assert outcomes[1].status == "faulty" and "GPU lost" in outcomes[1].detail
+    views = d.mig.show()
+    assert views[0].fault == "" and len(views[0].instances) == 4
+    assert views[1].fault.startswith("identity: GPU lost") and views[1].instances == ()
+    diff, faulty = d.mig.check(HELD_OUT, "custom-balanced")
+    assert diff == [] and list(faulty) == [1]
+    result = d.mig.apply(HELD_OUT, "custom-balanced")
+    assert result.result == "partial"
+    assert [o.status for o in result.gpus] == ["ok", "faulty"]
+    assert "GPU 1 is faulty, left alone" in result.gpus[1].detail
+    assert d.mig.export("now")  # the GPUs that answer
+
+
+def test_telemetry_faults_are_not_called(a100: Host) -> None:
+    d = a100.start(resets=True)
+    uuid = d.mig.show()[1].identity.uuid
+    d.node.faults.slow(1, 30.0)  # a call on GPU 1 would hang for 30 s
+    a100.faults[1] = "not answering: a driver call is outstanding"
+    result = d.mig.apply(HELD_OUT, "custom-balanced")
+    assert result.result == "partial"
+    assert [o.status for o in result.gpus] == ["changed", "faulty"]
+    views = d.mig.show()
+    assert views[1].fault == "not answering: a driver call is outstanding"
+    assert views[1].identity.uuid == uuid  # known from before
+    d.node.faults.clear(1)
+
+
+def test_show_never_waits_on_a_hung_gpu_past_its_deadline(a100: Host) -> None:
+    d = a100.start()
+    d.mig.show()  # identities and tables known
+    d.node.faults.slow(1, 3.0)  # telemetry has not noticed yet
+    views = d.mig.show(timeout_s=0.3)
+    assert views[0].fault == "" and views[0].mode is not None
+    assert views[1].fault.startswith("not answering")
+    # until the stuck read returns, GPU 1 gets no new call and is shown faulty at once
+    again = d.mig.show(timeout_s=30.0)
+    assert again[1].fault == "not answering: an earlier driver call on it is still outstanding"
+    d.node.faults.clear(1)
+
+
+def test_an_apply_whose_client_has_gone_is_not_started(a100: Host) -> None:
+    d = a100.start(resets=True)
+    result = d.mig.apply(HELD_OUT, "custom-balanced", still_wanted=lambda: False)
+    assert result.result == "not_started"
+    assert d.backend.mig_mode(0) == (False, False)
+    assert d.mig.desired() == {}
+    event = d.events.recent(kind_prefix="mig.apply")[-1]
+    assert event.fields["result"] == "not_started" and event.fields["client_gone"] is True
+
+
+def test_an_apply_whose_client_goes_while_it_runs_is_finished_and_logged(a100: Host) -> None:
+    d = a100.start(resets=True)
+    calls = []
+
+    def wanted() -> bool:  # the client goes once the apply has started
+        calls.append(1)
+        return len(calls) == 1
+
+    result = d.mig.apply(HELD_OUT, "custom-balanced", still_wanted=wanted)
+    assert result.result == "success"
+    assert d.mig.assert_config(HELD_OUT, "custom-balanced") == []
+    event = d.events.recent(kind_prefix="mig.apply")[-1]
+    assert event.fields["client_gone"] is True
+    assert "finished after the client had gone" in event.message

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -409,8 +410,9 @@ def _check_type(value: Any, hint: Any) -> None:
             _check_type(v, h)
 
 
-def contract_calls(be: Any) -> dict[str, Any]:
-    """Every GpuBackend method, called on GPU 0 of a MIG-enabled node with one instance."""
+def contract_calls(be: Any, idle: Callable[[], object]) -> dict[str, Any]:
+    """Every GpuBackend method, called on GPU 0 of a MIG-enabled node with one instance;
+    ``idle()`` stops the processes on GPU 1 before it is reset."""
     gi = be.gpu_instances(0)[0]
     return {
         "driver_version": be.driver_version(),
@@ -432,20 +434,23 @@ def contract_calls(be: Any) -> dict[str, Any]:
         "destroy_compute_instance": be.destroy_compute_instance(0, 7, 0),
         "destroy_gpu_instance": be.destroy_gpu_instance(0, 7),
         "wait_events": be.wait_events(0.0),
+        "idle": idle(),
+        "reset_gpu": be.reset_gpu(1),
         "close": be.close(),
     }
 
 
 def test_contract_every_method_returns_port_types() -> None:
     node = SimNode([("H100-SXM5-80GB", 2)])
-    be = NvmlBackend(node.nvml)
+    be = NvmlBackend(node.nvml, reset=node.reset)
     be.set_mig_mode(0, True)
     node.reboot()
     gi = be.create_gpu_instance(0, 9, port.Placement(4, 4))
     be.create_compute_instance(0, gi.id, 2)
     node.workloads.start(0, 4000, GiB, 0.5, mig=0)
     node.workloads.start(1, 4001, GiB, 0.5)
-    results = contract_calls(be)
+    results = contract_calls(be, lambda: node.workloads.stop(4001))
+    del results["idle"]
     assert results["gpu_readings"].errors == ()
     assert results["gpu_readings"].processes
     assert results["mig_readings"].errors == ()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpud.backend.sim import SimNode, SimulatedCrash
-from gpud.errors import ConfigError
+from gpud.errors import ConfigError, DeviceNotFound, InUse
 
 
 def _mig_node(tmp_path: Path | None = None, spec: str = "H100-SXM5-80GB") -> SimNode:
@@ -186,3 +186,54 @@ def test_processes_block_destroy() -> None:
     nv.nvmlGpuInstanceDestroy(gi)
     with pytest.raises(nv.NVMLError_InvalidArgument):
         nv.nvmlGpuInstanceGetInfo(gi)
+
+
+def test_gpu_reset_makes_the_pending_mode_current_and_needs_an_idle_gpu() -> None:
+    node = SimNode([("A100-SXM4-40GB", 2)])
+    nv = node.nvml
+    nv.nvmlInit()
+    h0, h1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
+    for h in (h0, h1):
+        assert nv.nvmlDeviceSetMigMode(h, 1) == nv.NVML_ERROR_RESET_REQUIRED
+    node.workloads.start(1, 4242, 1 << 30, 0.5)
+    with pytest.raises(InUse, match="in use"):
+        node.reset(1)  # nvidia-smi: "In use by another client"
+    assert nv.nvmlDeviceGetMigMode(h1) == [0, 1]
+    node.reset(0)
+    assert nv.nvmlDeviceGetMigMode(h0) == [1, 1]
+    assert nv.nvmlDeviceGetMigMode(h1) == [0, 1], "only the GPU reset"
+    # instances are gone after a reset; so is a lost GPU's fault
+    prof = nv.nvmlDeviceGetGpuInstanceProfileInfo(h0, nv.NVML_GPU_INSTANCE_PROFILE_1_SLICE)
+    nv.nvmlDeviceCreateGpuInstanceWithPlacement(h0, prof.id, _place(nv, 0, 1))
+    node.faults.lose(0)
+    node.reset(0)
+    assert nv.nvmlDeviceGetGpuInstances(h0, prof.id, None, ctypes.byref(ctypes.c_uint())) == 0
+    assert node.faults.active() == {}
+    with pytest.raises(DeviceNotFound):
+        node.reset(2)
+
+
+def test_faults_are_device_state_that_outlives_the_daemon(tmp_path: Path) -> None:
+    state = tmp_path / "dev.json"
+    node = SimNode([("A100-SXM4-40GB", 3)], state_file=state)
+    node.nvml.nvmlInit()
+    node.faults.lose(1)
+    node.faults.not_supported(2, "power")
+    node.faults.slow(0, 0.01)
+    # gpud restarts: a new process reads the same device state
+    again = SimNode([("A100-SXM4-40GB", 3)], state_file=state)
+    nv = again.nvml
+    nv.nvmlInit()
+    assert again.faults.active() == {
+        0: {"slow_seconds": 0.01},
+        1: {"lost": True},
+        2: {"not_supported": ["power"]},
+    }
+    with pytest.raises(nv.NVMLError_GpuIsLost):
+        nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(1))  # lost before gpud started
+    again.faults.clear(0)
+    assert set(SimNode([("A100-SXM4-40GB", 3)], state_file=state).faults.active()) == {1, 2}
+    again.reset(1)
+    assert set(SimNode([("A100-SXM4-40GB", 3)], state_file=state).faults.active()) == {2}
+    again.reboot()
+    assert SimNode([("A100-SXM4-40GB", 3)], state_file=state).faults.active() == {}

@@ -3,8 +3,9 @@
 ``SimNode`` is what ``gpud --simulate H100-SXM5-80GB:8`` runs on. Its ``.nvml`` behaves like
 ``pynvml`` for the products in :mod:`gpud.backend.products`, so the real adapter
 (:class:`gpud.backend.nvml.NvmlBackend`) runs on it unchanged. ``.faults`` injects failures,
-``.workloads`` runs simulated processes, ``reboot()`` stands for a node reboot or driver
-reload. With ``state_file`` the driver's MIG state outlives the daemon process.
+``.workloads`` runs simulated processes, ``reset(gpu)`` is ``nvidia-smi --gpu-reset -i N``,
+``reboot()`` stands for a node reboot or driver reload. With ``state_file`` the driver's MIG
+state and the injected faults outlive the daemon process.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from pathlib import Path
 from typing import Final
 
 from gpud.backend import products
-from gpud.backend.sim.fakenvml import FakeNvml, SimulatedCrash
+from gpud.backend.sim.fakenvml import FakeNvml, NVMLError_InUse, SimulatedCrash
 from gpud.backend.sim.faults import FaultInjector
 from gpud.backend.sim.workloads import Workload, Workloads
-from gpud.errors import ConfigError
+from gpud.errors import ConfigError, DeviceNotFound, InUse
 
 __all__ = [
     "DEFAULT_SPEC",
@@ -102,5 +103,21 @@ class SimNode:
         return self.nvml.sim_gpu_count
 
     def reboot(self) -> None:
-        """Reboot / driver reload: MIG instances and processes go, pending MIG mode applies."""
+        """Reboot / driver reload: MIG instances, processes and faults go, pending MIG mode
+        applies."""
         self.nvml.sim_reboot()
+
+    def reset(self, gpu: int) -> None:
+        """``nvidia-smi --gpu-reset -i N``, as the NVML adapter's reset runner: see
+        :meth:`FakeNvml.sim_reset`. Raises :class:`gpud.errors.InUse` while a process runs
+        on the GPU, :class:`gpud.errors.DeviceNotFound` for no such GPU."""
+        if not 0 <= gpu < self.nvml.sim_gpu_count:
+            raise DeviceNotFound(f"no GPU {gpu} (the node has {self.gpu_count})", gpu=gpu)
+        try:
+            self.nvml.sim_reset(gpu)
+        except NVMLError_InUse as err:
+            raise InUse(
+                f"GPU {gpu} cannot be reset: in use by another client (processes run on it)",
+                gpu=gpu,
+                call="nvidia-smi --gpu-reset",
+            ) from err

@@ -9,10 +9,13 @@ arguments as pynvml: a ctypes array made from the module's own ``c_nvml*`` types
 to ask for the count) and ``ctypes.byref(c_uint())`` for the count.
 
 What the driver would keep lives here: MIG mode (current and pending: a change becomes
-current only at :meth:`FakeNvml.sim_reboot`, as A100/H100 need a GPU reset), GPU and compute
-instances, and running processes. With a ``state_file`` the MIG state is written there
-atomically after every mutation and read back at start, so a daemon restart finds the
-instances as it left them (``nvidia-smi mig -lgi`` after ``systemctl restart gpud``).
+current only at a GPU reset, :meth:`FakeNvml.sim_reset`, or a reboot,
+:meth:`FakeNvml.sim_reboot`, as on A100; the simulation asks the same of H100/H200), GPU and
+compute instances, running processes, and injected faults (a lost or slow GPU is a state of
+the device, not of the process watching it). With a ``state_file`` the MIG state and the
+faults are written there atomically after every change and read back at start, so a daemon
+restart finds the instances and the faults as it left them (``nvidia-smi mig -lgi`` after
+``systemctl restart gpud``).
 
 NVLink counters are per link, as the driver keeps them: ``nvmlDeviceGetFieldValues``
 answers ``NVML_FI_DEV_NVLINK_LINK_COUNT`` and the throughput fields
@@ -534,7 +537,13 @@ class FakeNvml:
                             int(ci_d["id"]), ci_prof, int(ci_d["start"]), int(ci_d["serial"])
                         )
                     gpu.gis[gi.id] = gi
-        except (ValueError, KeyError, TypeError) as err:
+            for key, f_d in data.get("faults", {}).items():
+                f = _GpuFaults()
+                f.lost = bool(f_d.get("lost", False))
+                f.not_supported = {str(x) for x in f_d.get("not_supported", ())}
+                f.slow_s = float(f_d.get("slow_s", 0.0))
+                self._faults[int(key)] = f
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ConfigError(
                 f"simulated device state is invalid: {err!r}", path=str(path)
             ) from err
@@ -572,6 +581,15 @@ class FakeNvml:
                 }
                 for g in self._gpus
             ],
+            "faults": {
+                str(i): {
+                    "lost": f.lost,
+                    "not_supported": sorted(f.not_supported),
+                    "slow_s": f.slow_s,
+                }
+                for i, f in sorted(self._faults.items())
+                if f.lost or f.not_supported or f.slow_s
+            },
         }
         # Write-then-rename so a crash leaves either the old or the new state, never half.
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -882,8 +900,10 @@ class FakeNvml:
     def nvmlDeviceSetMigMode(self, device: object, mode: int) -> int:
         """Sets the *pending* mode; returns the activation status, as pynvml does.
 
-        On A100/H100 the change needs a GPU reset (or reboot) to become current, so the
-        activation status is ``NVML_ERROR_RESET_REQUIRED`` until :meth:`sim_reboot`.
+        On A100 the change needs a GPU reset (or reboot) to become current, so the activation
+        status is ``NVML_ERROR_RESET_REQUIRED`` until :meth:`sim_reset` or :meth:`sim_reboot`.
+        The simulation treats H100/H200 the same way (the stricter case: gpud must cope with
+        a change left pending on any product).
         """
         gpu = self._gpu(device, "mig")
         if not gpu.spec.mig_capable:
@@ -1363,6 +1383,12 @@ class FakeNvml:
                 self._faults.clear()
             else:
                 self._faults.pop(gpu, None)
+            self._persist()
+
+    def sim_faults_changed(self) -> None:
+        """Persist the faults after a change made through :meth:`sim_faults`."""
+        with self._lock:
+            self._persist()
 
     def sim_fault_table(self) -> dict[int, _GpuFaults]:
         with self._lock:
@@ -1461,23 +1487,37 @@ class FakeNvml:
         else:
             g.load = min(1.0, sum(p.sm_ratio for p in g.procs))
 
-    def sim_reboot(self) -> None:
-        """A node reboot or driver reload: instances and processes go, pending MIG mode applies.
+    def _reset_gpu(self, g: _Gpu) -> None:
+        g.gis.clear()
+        g.mig_handles.clear()
+        g.mig_current = g.mig_pending
+        g.ecc_corrected = g.ecc_uncorrected = 0
+        self._faults.pop(g.index, None)  # a reset brings a lost or hung GPU back
 
-        Lost GPUs come back (a reset recovers them); other injected faults stay until cleared.
-        """
+    def sim_reset(self, gpu: int) -> None:
+        """``nvidia-smi --gpu-reset -i N``: the pending MIG mode becomes current, instances
+        are gone, volatile ECC counts and faults are cleared. Refused with
+        ``NVMLError_InUse`` while a process runs on the GPU (nvidia-smi: "In use by another
+        client"); a lost GPU can be reset. Like ``nvidia-smi``, it needs no NVML handle of
+        the caller's."""
+        g = self._gpus[gpu]
+        with self._lock:
+            if g.procs:
+                raise NVMLError_InUse()
+            self._reset_gpu(g)
+            self._recompute(g)
+            self._mutated()
+
+    def sim_reboot(self) -> None:
+        """A node reboot or driver reload: instances and processes go, pending MIG mode
+        applies, injected faults are gone (as is the device state they stood for)."""
         with self._lock:
             self._procs.clear()
             for g in self._gpus:
-                g.gis.clear()
-                g.mig_handles.clear()
                 g.procs = []
-                g.mig_current = g.mig_pending
-                g.ecc_corrected = g.ecc_uncorrected = 0
+                self._reset_gpu(g)
                 self._recompute(g)
-                f = self._faults.get(g.index)
-                if f is not None:
-                    f.lost = False
+            self._faults.clear()
             for es in self._event_sets:
                 with es.cond:
                     es.queue.clear()

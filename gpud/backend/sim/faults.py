@@ -6,6 +6,10 @@ bus"); a NotSupported field makes that one query raise ``NVMLError_NotSupported`
 makes each call on it block, like a driver call stuck in the kernel; an XID is delivered to
 ``nvmlEventSetWait``. ``crash_after_mutations`` kills the caller (``SimulatedCrash``) right
 after the n-th driver mutation has taken effect and been persisted.
+
+Faults are device state: with the node's state file they outlive a gpud restart (a GPU lost
+before gpud starts stays lost), until :meth:`FaultInjector.clear`, a GPU reset (``nvidia-smi
+--gpu-reset``, :meth:`FakeNvml.sim_reset`) or a reboot.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class FaultInjector:
         """The GPU falls off the bus: every call on it raises ``NVMLError_GpuIsLost``."""
         self._check_gpu(gpu)
         self._nvml.sim_faults(gpu).lost = True
+        self._nvml.sim_faults_changed()
         self._nvml.sim_event(gpu, nvmlEventTypeXidCriticalError, XID_FALLEN_OFF_BUS)
 
     def not_supported(self, gpu: int, field: str) -> None:
@@ -62,6 +67,7 @@ class FaultInjector:
         if field not in FIELDS:
             raise ValueError(f"unknown field {field!r}; known: {', '.join(sorted(FIELDS))}")
         self._nvml.sim_faults(gpu).not_supported.add(field)
+        self._nvml.sim_faults_changed()
 
     def slow(self, gpu: int, seconds: float) -> None:
         """Every call on the GPU blocks ``seconds`` first (a hung driver call)."""
@@ -69,6 +75,7 @@ class FaultInjector:
         if seconds < 0:
             raise ValueError("seconds must be >= 0")
         self._nvml.sim_faults(gpu).slow_s = float(seconds)
+        self._nvml.sim_faults_changed()
 
     def xid(
         self,
