@@ -45,7 +45,7 @@ from pathlib import Path
 from types import ModuleType
 
 from gpud import __version__
-from gpud.cli import events, gpus, sim, status, version
+from gpud.cli import events, gpus, sim, status, version, xid
 from gpud.cli import jobs as jobs_cli
 from gpud.cli import mig as mig_cli
 from gpud.cli import mps as mps_cli
@@ -63,6 +63,7 @@ COMMAND_GROUPS: list[ModuleType] = [
     run_cli,
     version,
     events,
+    xid,
     sim,
 ]
 

@@ -4,12 +4,20 @@
 
     gpuctl mig show [--profiles]                  instances, MIG UUIDs, processes and jobs
     gpuctl mig apply -f FILE -c NAME [--drain [--drain-timeout S] | --force] [--dry-run]
+                     [--skip-reset]
     gpuctl mig assert -f FILE -c NAME             exit 0: the GPUs match; 1: they differ
     gpuctl mig export [-c NAME]                   the current layout as a mig-parted file
 
 With ``--drain``, ``--drain-timeout`` is how long to wait for processes to leave the
 instances that would be destroyed (default: the daemon's ``mig.drain_timeout_s``); the call
 itself waits that long plus a margin.
+
+A MIG mode change that waits for a GPU reset (A100) is finished by resetting the GPU when
+nothing runs on it (the busy, ``--drain`` and ``--force`` rules apply), and the instances are
+created in the same apply; ``--skip-reset`` leaves it pending for the next reset or reboot.
+
+A faulty GPU (lost, not answering) is shown with its reason and left alone while the others
+are shown, applied or checked: the command then exits 11 (partial).
 """
 
 from __future__ import annotations
@@ -20,12 +28,14 @@ from pathlib import Path
 
 from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
 from gpud.cli.output import NA, gib
+from gpud.errors import ERROR_TABLE, Partial
 from gpud.shared import MAX_DRAIN_SECONDS
 from gpud.v1 import mig_pb2 as pb
 from gpud.v1 import mig_pb2_grpc as pb_grpc
 
 EXIT_DIFFERS = 1
 EXIT_FAILED = 1
+EXIT_PARTIAL = ERROR_TABLE[Partial][1]  # 11: done for the GPUs that answer
 _CALL_MARGIN_S = 60.0
 
 INSTANCE_HEADERS = (
@@ -68,6 +78,11 @@ def register(subparsers: Subparsers) -> None:
         "--force", action="store_true", help="do not check for processes (the driver may refuse)"
     )
     apply.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    apply.add_argument(
+        "--skip-reset",
+        action="store_true",
+        help="leave a MIG mode change pending a GPU reset instead of resetting the GPU",
+    )
     apply.set_defaults(run=run_apply)
 
     check = commands.add_parser("assert", help="exit 0 when the GPUs match a config, 1 if not")
@@ -106,10 +121,15 @@ def _processes(inst: pb.MigInstance) -> str:
 
 def run_show(ctx: Context, args: argparse.Namespace) -> int:
     resp: pb.ShowMigResponse = ctx.call(ctx.stub(pb_grpc.MigStub).ShowMig, pb.ShowMigRequest())
+    partial = EXIT_PARTIAL if any(gpu.fault for gpu in resp.gpus) else 0
     if ctx.out.json:
         ctx.out.print_json(resp)
-        return 0
+        return partial
     for gpu in resp.gpus:
+        if gpu.fault:
+            name = " ".join(x for x in (gpu.product, gpu.uuid) if x)
+            ctx.out.print(f"GPU {gpu.index}{' ' + name if name else ''}: faulty: {gpu.fault}")
+            continue
         mode = "not MIG capable"
         if gpu.mig_capable:
             mode = "MIG " + ("on" if gpu.mig_current else "off")
@@ -155,12 +175,16 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         ]
         ctx.out.print()
         ctx.out.print_table(PROFILE_HEADERS, prow)
-    return 0
+    return partial
 
 
 def run_apply(ctx: Context, args: argparse.Namespace) -> int:
     request = pb.ApplyMigRequest(
-        config=_source(args), drain=args.drain, force=args.force, dry_run=args.dry_run
+        config=_source(args),
+        drain=args.drain,
+        force=args.force,
+        dry_run=args.dry_run,
+        skip_reset=args.skip_reset,
     )
     if args.drain_timeout is not None and not args.drain:
         raise CliError("--drain-timeout goes with --drain", EXIT_USAGE)
@@ -195,6 +219,14 @@ def run_apply(ctx: Context, args: argparse.Namespace) -> int:
             "gpud creates the instances after it",
             file=sys.stderr,
         )
+    if resp.result == "partial":
+        faulty = [str(o.gpu) for o in resp.gpus if o.status == "faulty"]
+        print(
+            f"gpuctl: faulty GPUs left alone: {', '.join(faulty)}; the others were "
+            + ("planned" if resp.dry_run else "applied"),
+            file=sys.stderr,
+        )
+        return EXIT_PARTIAL
     return EXIT_FAILED if resp.result == "failed" else 0
 
 
@@ -203,12 +235,17 @@ def run_assert(ctx: Context, args: argparse.Namespace) -> int:
     resp: pb.AssertMigResponse = ctx.call(ctx.stub(pb_grpc.MigStub).AssertMig, request)
     if ctx.out.json:
         ctx.out.print_json(resp)
-    elif resp.matches:
-        ctx.out.print(f"{args.config}: the GPUs match")
     else:
+        if resp.matches:
+            which = "the GPUs that answer match" if resp.faulty else "the GPUs match"
+            ctx.out.print(f"{args.config}: {which}")
         for line in resp.differences:
             ctx.out.print(line)
-    return 0 if resp.matches else EXIT_DIFFERS
+        for line in resp.faulty:
+            ctx.out.print(f"{line} (not checked)")
+    if not resp.matches:
+        return EXIT_DIFFERS
+    return EXIT_PARTIAL if resp.faulty else 0
 
 
 def run_export(ctx: Context, args: argparse.Namespace) -> int:

@@ -1,0 +1,218 @@
+"""The daemon on a simulated node, driven with gpuctl: faults stay with the GPU that has them,
+MIG mode changes finish on their own, critical XIDs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from gpud.backend.sim import SimNode, parse_simulate_spec
+from gpud.cli.main import main
+from gpud.config import Config
+from gpud.daemon import Daemon
+from gpud.main import mps_control_command, open_backend
+from gpud.notify import Notifier
+from tests.unit.api_support import short_dir
+
+T = TypeVar("T")
+
+# A balanced A100-40GB layout that no other test uses.
+HELD_OUT = """\
+version: v1
+mig-configs:
+  custom-balanced:
+    - devices: all
+      mig-enabled: true
+      mig-devices:
+        "3g.20gb": 1
+        "2g.10gb": 1
+        "1g.5gb": 2
+"""
+SPEC = "A100-SXM4-40GB:2"
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    with short_dir() as d:  # the socket path must be short
+        yield d
+
+
+def make_config(root: Path) -> Config:
+    return Config().with_overrides(
+        {
+            "daemon.state_dir": root / "state",
+            "daemon.run_dir": root / "run",
+            "backend.kind": "sim",
+            "backend.simulate": SPEC,
+            "metrics.enabled": False,
+            "telemetry.interval_s": 0.1,
+            "telemetry.call_timeout_s": 2.0,
+            "daemon.tick_s": 0.1,
+        },
+        source="test",
+    )
+
+
+def run_daemon(config: Config, body: Callable[[], T]) -> T:
+    """Serve ``config`` while ``body()`` runs on a thread (it calls gpuctl); then stop."""
+    backend, sim = open_backend(config)
+    d = Daemon(
+        config,
+        backend=backend,
+        sim=sim,
+        mps_control_command=mps_control_command(config),
+        notifier=Notifier(None),
+    )
+
+    async def serve() -> T:
+        task = asyncio.create_task(d.run())
+        deadline = time.monotonic() + 30
+        while not config.socket_path.exists():
+            assert not task.done(), task.result()
+            assert time.monotonic() < deadline, "the daemon did not serve"
+            await asyncio.sleep(0.05)
+        try:
+            return await asyncio.to_thread(body)
+        finally:
+            d.request_stop()
+            assert await asyncio.wait_for(task, 30) == 0
+
+    return asyncio.run(serve())
+
+
+class Gpuctl:
+    def __init__(self, config: Config, capsys: pytest.CaptureFixture[str]) -> None:
+        self._socket = str(config.socket_path)
+        self._capsys = capsys
+
+    def __call__(self, *argv: str) -> tuple[int, str, str]:
+        code = main(["--socket", self._socket, *argv], env={})
+        out, err = self._capsys.readouterr()
+        return code, out, err
+
+    def gpus(self) -> list[dict[str, object]]:
+        code, out, err = self("--json", "gpus")
+        assert code == 0, err
+        gpus: list[dict[str, object]] = json.loads(out)["gpus"]
+        return gpus
+
+    def wait(self, predicate: Callable[[list[dict[str, object]]], bool]) -> None:
+        deadline = time.monotonic() + 20
+        while not predicate(self.gpus()):
+            assert time.monotonic() < deadline, self.gpus()
+            time.sleep(0.05)
+
+
+def test_held_out_balanced_layout_on_an_a100_applies_without_a_reboot(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = make_config(root)
+    layout = root / "held-out.yaml"
+    layout.write_text(HELD_OUT)
+    gpuctl = Gpuctl(config, capsys)
+
+    def body() -> None:
+        code, out, err = gpuctl("mig", "assert", "-f", str(layout), "-c", "custom-balanced")
+        assert code == 1, out
+        code, out, err = gpuctl("mig", "apply", "-f", str(layout), "-c", "custom-balanced")
+        assert code == 0, err
+        assert "custom-balanced: success" in out
+        assert "reset the GPU (nvidia-smi --gpu-reset -i 0)" in out
+        code, out, err = gpuctl("mig", "assert", "-f", str(layout), "-c", "custom-balanced")
+        assert code == 0, out + err
+        code, out, _ = gpuctl("--json", "mig", "show")
+        gpus = json.loads(out)["gpus"]
+        assert [len(g["instances"]) for g in gpus] == [4, 4]
+        assert all(g["mig_current"] and g["mig_pending"] for g in gpus)
+
+    run_daemon(config, body)
+
+
+def test_skip_reset_leaves_the_change_pending(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = make_config(root)
+    layout = root / "held-out.yaml"
+    layout.write_text(HELD_OUT)
+    gpuctl = Gpuctl(config, capsys)
+
+    def body() -> None:
+        code, out, err = gpuctl(
+            "mig", "apply", "-f", str(layout), "-c", "custom-balanced", "--skip-reset"
+        )
+        assert code == 0 and "custom-balanced: reset_pending" in out and "pending" in err
+        code, out, _ = gpuctl("mig", "assert", "-f", str(layout), "-c", "custom-balanced")
+        assert code == 1
+
+    run_daemon(config, body)
+
+
+def test_a_gpu_lost_before_start_does_not_stop_the_daemon(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = make_config(root)
+    layout = root / "held-out.yaml"
+    layout.write_text(HELD_OUT)
+    # GPU 1 fell off the bus while gpud was down: nvmlDeviceGetUUID answers GPU_IS_LOST
+    state = config.daemon.run_dir / "sim" / "node.json"
+    state.parent.mkdir(parents=True)
+    SimNode(parse_simulate_spec(SPEC), state_file=state).faults.lose(1)
+    gpuctl = Gpuctl(config, capsys)
+
+    def body() -> None:
+        gpus = gpuctl.gpus()
+        assert gpus[0]["healthy"] is True
+        assert gpus[1]["healthy"] is False and "GPU lost" in str(gpus[1]["reason"])
+        code, out, _ = gpuctl("mig", "show")
+        assert code == 11, out
+        assert "GPU 0 A100-SXM4-40GB" in out and "GPU 1: faulty: GPU lost" in out
+        code, out, err = gpuctl("mig", "apply", "-f", str(layout), "-c", "custom-balanced")
+        assert code == 11, out + err
+        assert "GPU 0: changed" in out and "GPU 1: faulty" in out
+        assert "custom-balanced: partial" in out and "faulty GPUs left alone: 1" in err
+        code, out, _ = gpuctl("mig", "assert", "-f", str(layout), "-c", "custom-balanced")
+        assert code == 11 and "the GPUs that answer match" in out and "GPU 1:" in out
+        # the fault is cleared: GPU 1 answers again and is managed like the others
+        code, _, err = gpuctl("sim", "fault", "--gpu", "1", "clear")
+        assert code == 0, err
+        gpuctl.wait(lambda gpus: all(g["healthy"] for g in gpus))
+        code, out, err = gpuctl("mig", "apply", "-f", str(layout), "-c", "custom-balanced")
+        assert code == 0, out + err
+        code, out, _ = gpuctl("mig", "assert", "-f", str(layout), "-c", "custom-balanced")
+        assert code == 0, out
+
+    run_daemon(config, body)
+
+
+def test_critical_xid_until_cleared_and_a_hung_gpu_in_mig_show(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = make_config(root)
+    gpuctl = Gpuctl(config, capsys)
+
+    def body() -> None:
+        assert gpuctl("sim", "fault", "--gpu", "0", "xid", "43")[0] == 0  # application's
+        assert gpuctl("sim", "fault", "--gpu", "1", "xid", "48")[0] == 0  # double-bit ECC
+        gpuctl.wait(lambda gpus: not gpus[1]["healthy"])
+        gpus = gpuctl.gpus()
+        assert gpus[0]["healthy"] is True
+        assert "critical Xid 48" in str(gpus[1]["reason"])
+        code, out, _ = gpuctl("xid", "clear", "1")
+        assert code == 0 and "GPU 1: critical Xid 48 cleared" in out
+        gpuctl.wait(lambda gpus: all(g["healthy"] for g in gpus))
+        assert "no critical Xid" in gpuctl("xid", "clear", "1")[1]
+        # a GPU whose driver calls hang: not answering, and mig show answers for the other
+        assert gpuctl("sim", "fault", "--gpu", "1", "slow", "5")[0] == 0
+        gpuctl.wait(lambda gpus: str(gpus[1]["reason"]).startswith("not answering"))
+        code, out, _ = gpuctl("mig", "show")
+        assert code == 11 and "GPU 1" in out and "faulty: not answering" in out
+        assert "GPU 0 A100-SXM4-40GB" in out
+        assert gpuctl("sim", "fault", "--gpu", "1", "clear")[0] == 0
+
+    run_daemon(config, body)
