@@ -306,29 +306,55 @@ def test_a_run_asking_zero_gpus_is_refused_for_a_registered_job(service: JobServ
 
 
 def test_attribution_from_api_threads_does_not_break_the_tick(tmp_path: Path) -> None:
-    # gpuctl mig show asks job_of on an API thread while the tick prunes the cache.
+    """gpuctl mig show asks job_of on an API thread while the tick prunes the cache (which
+    raised "dictionary changed size during iteration" before the lock): both sides keep
+    answering, and answering right."""
+    fake_proc(tmp_path, 101, environ={"GPUD_JOB": "infer-a"})
+    fake_proc(tmp_path, 102, environ={"PATH": "/bin"}, cgroup="0::/gpud-job-train-b.scope")
     attributor = Attributor(proc_root=tmp_path)
-    node = snapshot(gpu_sample(0))
+    node = snapshot(gpu_sample(0, processes=(ProcessInfo(101, GIB), ProcessInfo(102, GIB))))
+    expected = [(101, "infer-a", "environ"), (102, "train-b", "cgroup")]
     stop = threading.Event()
+    api_answers: list[tuple[int, tuple[str | None, str]]] = []
+    api_errors: list[BaseException] = []
 
     def ask() -> None:
+        # many PIDs the tick does not know (cached, then pruned) and one it does
         pid = 100_000
-        while not stop.is_set():
-            attributor.job_of(pid)
-            pid += 1
+        try:
+            while not stop.is_set():
+                api_answers.append((pid, attributor.job_of(pid)))
+                api_answers.append((101, attributor.job_of(101)))
+                pid += 1
+        except BaseException as err:
+            api_errors.append(err)
 
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     thread = threading.Thread(target=ask)
     thread.start()
+    ticks = []
     try:
-        deadline = time.monotonic() + 0.5
-        while time.monotonic() < deadline:
-            attributor.attribute(node)  # raised "dictionary changed size during iteration"
+        while len(ticks) < 20 and thread.is_alive():
+            # let the API thread fill the cache, then prune it while it goes on adding
+            target = len(api_answers) + 200
+            while len(api_answers) < target and thread.is_alive():
+                time.sleep(0)
+            ticks.append([(u.pid, u.job, u.source) for u in attributor.attribute(node)])
     finally:
         stop.set()
         thread.join()
         sys.setswitchinterval(interval)
+    assert api_errors == []
+    assert len(ticks) == 20 and len(api_answers) >= 20 * 200  # both sides ran, interleaved
+    assert all(tick == expected for tick in ticks)
+    assert all(
+        answer == (("infer-a", "environ") if pid == 101 else (None, ""))
+        for pid, answer in api_answers
+    )
+    # what the API thread cached is pruned by the next tick: only the node's processes stay
+    attributor.attribute(node)
+    assert len(attributor._cache) == 2
 
 
 @pytest.mark.parametrize(

@@ -222,6 +222,47 @@ def _fits(table: ProfileTable, desired: DeviceLayout) -> bool:
     return True
 
 
+def _shape(gi: GpuInstanceInfo) -> tuple[object, ...]:
+    """What makes two GPU instances interchangeable: profile, placement, compute instances."""
+    cis = sorted((ci.profile_id, ci.placement) for ci in gi.compute_instances)
+    return (gi.profile_id, gi.placement, tuple(cis))
+
+
+def matching_destroyed(start: GpuActual, steps: tuple[Step, ...], after: GpuActual) -> list[str]:
+    """Intact instances of ``start`` that the end has too (same profile, placement and compute
+    instances) but that ``steps`` destroyed or replaced (the end holds another id there)."""
+    destroyed = {s.gpu_instance_id for s in steps if isinstance(s, DestroyGpuInstance)}
+    after_ids = {gi.id for gi in after.instances}
+    wanted = {_shape(gi) for gi in after.instances}
+    return [
+        f"GPU instance {gi.id} ({gi.placement}) matched the target and was recreated"
+        for gi in start.instances
+        if gi.compute_instances
+        and _shape(gi) in wanted
+        and (gi.id in destroyed or gi.id not in after_ids)
+    ]
+
+
+def test_a_destroy_and_recreate_of_a_matching_instance_is_caught() -> None:
+    """The check above can fail: a plan that destroys an instance the target keeps, and
+    creates the same one again, converges to the same layout under a new id."""
+    table = table_for(H100)
+    start = apply_from(EMPTY, layout(**{"3g_40gb": 1, "1g_10gb": 1}), table)
+    gi = next(g for g in start.instances if g.placement.size == 4)
+    ci = gi.compute_instances[0]
+    name = table.gi_profile(gi.profile_id).name
+    wasteful: tuple[Step, ...] = (
+        DestroyComputeInstance(0, gi.id, ci.id, name),
+        DestroyGpuInstance(0, gi.id, name, gi.placement),
+        CreateGpuInstance(0, gi.profile_id, name, gi.placement),
+        CreateComputeInstance(0, gi.profile_id, gi.placement, ci.profile_id, name),
+    )
+    after = run(start, wasteful, table)
+    assert actual_layout(after, table) == actual_layout(start, table)  # looks the same
+    assert matching_destroyed(start, wasteful, after) != []
+    assert matching_destroyed(start, (), start) == []
+
+
 @pytest.mark.parametrize("product", [H100, "A100-SXM4-40GB"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(data=st.data())
@@ -247,9 +288,9 @@ def test_any_valid_layout_to_any_other(product: str, data: st.DataObject) -> Non
     assert actual_layout(after, table) == second
     assert all(len(gi.compute_instances) == 1 for gi in after.instances), "no orphans"
     assert plan_gpu(after, second, table).empty
-    # instances that already match are never destroyed and recreated
-    kept_ids = {gi.id for gi in after.instances}
-    destroyed = {s.gpu_instance_id for s in plan.steps if isinstance(s, DestroyGpuInstance)}
-    assert destroyed.isdisjoint(kept_ids)
+    # instances that already match are never destroyed and recreated: an intact instance of
+    # the start whose profile, placement and compute instances the end has too is the very
+    # same instance (same id) at the end, and no step destroyed it
+    assert matching_destroyed(start, plan.steps, after) == []
     if first == second and not drop:
         assert not plan.steps

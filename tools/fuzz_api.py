@@ -1,0 +1,230 @@
+"""Fuzz every RPC of a running ``gpud --simulate`` and watch its memory.
+
+::
+
+    .venv/bin/python -m tools.fuzz_api [--requests 3000] [--big 300] [--seed 1]
+
+Starts a simulated node (MPS on), then sends ``--requests`` requests to random methods of
+every service: messages filled field by field from the descriptors with random values (odd
+unicode, empty and long strings, extreme and negative integers, NaN and infinite doubles,
+long repeated fields, unknown enum numbers), ``--big`` of them carrying a 1 MB string in a
+random string field, and one in twenty raw bytes that are no valid message at all.
+
+Prints the outcome codes and the daemon's resident set: after start, after a warm-up that
+calls every method three times with an empty request, and after the fuzzing. Exits 1 if the daemon died, answered INTERNAL or
+UNKNOWN, or grew more than ``--max-growth-mb`` (default 20) from the warm state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import sys
+from collections import Counter
+from typing import Any
+
+import grpc
+import psutil
+
+from gpud.v1 import jobs_pb2, mig_pb2, mps_pb2, node_pb2
+from tools.simdaemon import simulated_gpud
+
+MB = 1_000_000
+SPEC = "A100-SXM4-40GB:2,H100-SXM5-80GB:2"
+MODULES = (node_pb2, mig_pb2, mps_pb2, jobs_pb2)
+_ODD = "\x00\u202e\ud7ff\U0001f600é\n\t'\"%s{}$(;|)../"
+_INTS = (0, 1, -1, 2, 7, 100, 101, 2**31 - 1, -(2**31), 2**32 - 1, 2**63 - 1)
+_FLOATS = (0.0, -0.0, 1e-300, -1.0, 1e308, float("nan"), float("inf"), float("-inf"), 0.5)
+_INT_RANGE = {
+    "TYPE_INT32": (-(2**31), 2**31 - 1),
+    "TYPE_SINT32": (-(2**31), 2**31 - 1),
+    "TYPE_SFIXED32": (-(2**31), 2**31 - 1),
+    "TYPE_UINT32": (0, 2**32 - 1),
+    "TYPE_FIXED32": (0, 2**32 - 1),
+    "TYPE_INT64": (-(2**63), 2**63 - 1),
+    "TYPE_SINT64": (-(2**63), 2**63 - 1),
+    "TYPE_SFIXED64": (-(2**63), 2**63 - 1),
+    "TYPE_UINT64": (0, 2**64 - 1),
+    "TYPE_FIXED64": (0, 2**64 - 1),
+}
+
+
+def _type_name(fd: Any) -> str:
+    from google.protobuf.descriptor import FieldDescriptor
+
+    for name in dir(FieldDescriptor):
+        if name.startswith("TYPE_") and getattr(FieldDescriptor, name) == fd.type:
+            return name
+    raise ValueError(fd.type)
+
+
+class Fuzzer:
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def string(self) -> str:
+        r = self.rng
+        pick = r.random()
+        if pick < 0.15:
+            return ""
+        if pick < 0.3:
+            return r.choice(["0", "1", "0:1", "3g.40gb", "all", "GPU-0", "train", "-1", "1e9"])
+        if pick < 0.4:
+            return r.choice("ab") * r.randint(200, 5000)
+        return "".join(r.choice(_ODD + "abcxyz0123456789") for _ in range(r.randint(1, 40)))
+
+    def scalar(self, fd: Any) -> Any:
+        r = self.rng
+        kind = _type_name(fd)
+        if kind == "TYPE_STRING":
+            return self.string()
+        if kind == "TYPE_BYTES":
+            return r.randbytes(r.randint(0, 64))
+        if kind == "TYPE_BOOL":
+            return r.random() < 0.5
+        if kind in ("TYPE_DOUBLE", "TYPE_FLOAT"):
+            return r.choice(_FLOATS) if r.random() < 0.6 else r.uniform(-1e6, 1e6)
+        if kind == "TYPE_ENUM":
+            numbers = [v.number for v in fd.enum_type.values]
+            return r.choice([*numbers, 99, -5]) if fd.enum_type else 0
+        low, high = _INT_RANGE[kind]
+        value = r.choice(_INTS) if r.random() < 0.6 else r.randint(-1000, 1000)
+        return min(max(value, low), high)
+
+    def fill(self, message: Any, depth: int = 0) -> Any:
+        r = self.rng
+        for fd in message.DESCRIPTOR.fields:
+            if r.random() < 0.3:
+                continue  # leave unset
+            is_map = fd.message_type is not None and fd.message_type.GetOptions().map_entry
+            if is_map:
+                container = getattr(message, fd.name)
+                for _ in range(r.randint(0, 3)):
+                    container[self.string()] = self.string()
+            elif fd.is_repeated:
+                n = r.choice([0, 1, 2, 5, 300]) if depth < 2 else r.randint(0, 2)
+                container = getattr(message, fd.name)
+                for _ in range(n):
+                    if fd.message_type is not None:
+                        self.fill(container.add(), depth + 1)
+                    else:
+                        container.append(self.scalar(fd))
+            elif fd.message_type is not None:
+                if depth < 3:
+                    self.fill(getattr(message, fd.name), depth + 1)
+            else:
+                setattr(message, fd.name, self.scalar(fd))
+        return message
+
+    def plant_big(self, message: Any) -> bool:
+        """Set one string field, at any depth, to 1 MB; False if the message has none."""
+        fields = [fd for fd in message.DESCRIPTOR.fields if _type_name(fd) == "TYPE_STRING"]
+        nested = [
+            fd
+            for fd in message.DESCRIPTOR.fields
+            if fd.message_type is not None and not fd.is_repeated
+        ]
+        if fields and (not nested or self.rng.random() < 0.6):
+            fd = self.rng.choice(fields)
+            big = self.rng.choice("xyz") * MB
+            if fd.is_repeated:
+                getattr(message, fd.name).append(big)
+            else:
+                setattr(message, fd.name, big)
+            return True
+        for fd in self.rng.sample(nested, len(nested)):
+            if self.plant_big(getattr(message, fd.name)):
+                return True
+        return False
+
+
+def methods() -> list[tuple[str, Any, Any]]:
+    """(path, request class, response class) of every RPC."""
+    found = []
+    for module in MODULES:
+        for service in module.DESCRIPTOR.services_by_name.values():
+            for m in service.methods:
+                request = getattr(module, m.input_type.name)
+                response = getattr(module, m.output_type.name)
+                found.append((f"/{service.full_name}/{m.name}", request, response))
+    return found
+
+
+def rss_mb(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--big", type=int, default=300, help="requests with a 1 MB string")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--max-growth-mb", type=float, default=20.0)
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    fuzz = Fuzzer(rng)
+    rpcs = methods()
+    big_at = set(rng.sample(range(args.requests), args.big))
+    outcomes: Counter[str] = Counter()
+    failures: list[str] = []
+    with simulated_gpud(SPEC, config_text="[mps]\nenabled = true\n") as daemon:
+        channel = grpc.insecure_channel(
+            f"unix:{daemon.socket}", options=[("grpc.max_send_message_length", 8 * MB)]
+        )
+        calls = {
+            path: channel.unary_unary(
+                path,
+                request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
+                response_deserializer=response.FromString,
+            )
+            for path, _, response in rpcs
+        }
+        rss_start = rss_mb(daemon.pid)
+        for path, request, _ in rpcs * 3:  # warm-up: every method, empty and valid-shaped
+            with contextlib.suppress(grpc.RpcError):
+                calls[path](request(), timeout=30)
+        rss_warm = rss_mb(daemon.pid)
+        for i in range(args.requests):
+            path, request_cls, _ = rng.choice(rpcs)
+            if i in big_at:
+                request: Any = fuzz.fill(request_cls())
+                if not fuzz.plant_big(request):
+                    request = fuzz.string().encode() + b"x" * MB  # no string field: raw bytes
+            elif rng.random() < 0.05:
+                request = rng.randbytes(rng.randint(1, 300))
+            else:
+                request = fuzz.fill(request_cls())
+            try:
+                calls[path](request, timeout=30)
+                outcomes["OK"] += 1
+            except grpc.RpcError as err:
+                code = err.code()  # type: ignore[attr-defined]
+                outcomes[code.name] += 1
+                if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                    failures.append(f"{path}: {code.name}: {err.details()}")  # type: ignore[attr-defined]
+        alive = True
+        try:
+            calls["/gpud.v1.Node/GetStatus"](node_pb2.GetStatusRequest(), timeout=30)
+        except grpc.RpcError:
+            alive = False
+        rss_end = rss_mb(daemon.pid)
+        channel.close()
+    growth = rss_end - rss_warm
+    print(f"{args.requests} fuzzed requests ({args.big} with a 1 MB string) to {len(rpcs)} "
+          f"methods of gpud --simulate {SPEC}, seed {args.seed}")  # fmt: skip
+    print("outcomes: " + ", ".join(f"{k} {v}" for k, v in outcomes.most_common()))
+    print(f"RSS: {rss_start:.1f} MiB at start, {rss_warm:.1f} MiB after the warm-up, "
+          f"{rss_end:.1f} MiB after fuzzing: {growth:+.1f} MiB "
+          f"(target within {args.max_growth_mb:g} MiB)")  # fmt: skip
+    for line in failures[:10]:
+        print("  " + line[:300])
+    ok = alive and not failures and growth <= args.max_growth_mb
+    print(
+        "daemon " + ("still serving" if alive else "NOT SERVING") + ("; ok" if ok else "; FAILED")
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
