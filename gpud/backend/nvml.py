@@ -888,6 +888,7 @@ class NvmlBackend:
         memory_mib = int(attrs.memorySizeMB)
         table = self._gi_table(gpu)
         profile: GpuInstanceProfile | None = None
+        placement: Placement | None = None
         try:
             info = self._call(
                 gpu,
@@ -896,6 +897,7 @@ class NvmlBackend:
             )
             entry = table.get(int(info.profileId))
             profile = entry[0] if entry else None
+            placement = Placement(int(info.placement.start), int(info.placement.size))
         except BackendError:
             # Reading GPU instances may need privileges; fall back to matching the table.
             pass
@@ -914,6 +916,7 @@ class NvmlBackend:
             profile_name=gi_name if ci_slices >= gi_slices else f"{ci_slices}c.{gi_name}",
             memory_total_bytes=memory_mib * MiB,
             multiprocessor_count=int(attrs.multiprocessorCount),
+            gpu_instance_placement=placement,
         )
 
     # -- events ------------------------------------------------------------------------------

@@ -176,6 +176,9 @@ class MigDeviceIdentity:
     profile_name: str  # "1g.10gb"
     memory_total_bytes: int
     multiprocessor_count: int
+    # Where its GPU instance sits (``nvidia-smi mig -lgi``); with the GPU and the profile it
+    # names the device across re-creations, which give it a new UUID. None where unknown.
+    gpu_instance_placement: Placement | None = None
 
 
 class MigReading(NamedTuple):

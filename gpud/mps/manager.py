@@ -18,6 +18,12 @@ server (``set_active_thread_percentage <PID>``, ``set_device_pinned_mem_limit <P
 which affects that server's new clients.
 
 A daemon found running at start (gpud restarted) is adopted, not started twice.
+
+Limits set on a MIG device are also kept by where the device is, in ``mps_mig_limits``: the
+GPU's UUID, the GPU instance's placement and the profile. A GPU reset or a reboot re-creates
+the instances with new MIG UUIDs; when a device with no limits of its own shows up where a
+device with limits was, those limits become its own (``mps.limits_restored``) and its daemon
+gets them, as for any device.
 """
 
 from __future__ import annotations
@@ -55,6 +61,15 @@ SCHEMA = (
         pinned_mem_limit_bytes INTEGER,
         updated_at REAL NOT NULL
     )""",
+    # The last limits set on a MIG device, by where it is: they outlive its MIG UUID.
+    """CREATE TABLE IF NOT EXISTS mps_mig_limits (
+        gpu_uuid TEXT NOT NULL,
+        placement_start INTEGER NOT NULL,
+        placement_size INTEGER NOT NULL,
+        profile TEXT NOT NULL,
+        mig_uuid TEXT NOT NULL,
+        PRIMARY KEY (gpu_uuid, placement_start, placement_size, profile)
+    )""",
 )
 
 
@@ -67,6 +82,15 @@ class MpsTarget:
     mig: int | None  # MIG device index on the GPU, None for the whole GPU
     profile: str  # MIG profile ("3g.40gb"), or the GPU's product for a whole GPU
     memory_total_bytes: int
+    gpu_uuid: str = ""  # the GPU of a MIG device
+    placement: tuple[int, int] | None = None  # its GPU instance's (start, size), when known
+
+    @property
+    def slot(self) -> tuple[str, int, int, str] | None:
+        """Where a MIG device is (GPU UUID, placement, profile): what survives re-creation."""
+        if self.mig is None or self.placement is None or not self.gpu_uuid:
+            return None
+        return (self.gpu_uuid, self.placement[0], self.placement[1], self.profile)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +141,17 @@ def targets_from_snapshot(snapshot: Snapshot) -> list[MpsTarget]:
         if gpu.mig_mode is not None and gpu.mig_mode.current:
             for mig in gpu.mig_devices:
                 m = mig.identity
+                pl = m.gpu_instance_placement
                 targets.append(
-                    MpsTarget(m.uuid, m.gpu, m.mig, m.profile_name, m.memory_total_bytes)
+                    MpsTarget(
+                        m.uuid,
+                        m.gpu,
+                        m.mig,
+                        m.profile_name,
+                        m.memory_total_bytes,
+                        gpu_uuid=ident.uuid,
+                        placement=(pl.start, pl.size) if pl is not None else None,
+                    )
                 )
         else:
             targets.append(
@@ -188,6 +221,7 @@ class MpsManager:
         self._sleep = sleep
         self._lock = threading.RLock()
         self._targets: dict[str, MpsTarget] = {}
+        self._seen: set[str] = set()  # device UUIDs of the last observe
         self._devices: dict[str, _Device] = {}
         self._last_status: tuple[MpsDeviceStatus, ...] = ()
         store.ensure_schema(SCHEMA)
@@ -265,6 +299,12 @@ class MpsManager:
                         time.time(),
                     ),
                 )
+                if target.slot is not None:
+                    conn.execute(
+                        "INSERT OR REPLACE INTO mps_mig_limits (gpu_uuid, placement_start,"
+                        " placement_size, profile, mig_uuid) VALUES (?, ?, ?, ?, ?)",
+                        (*target.slot, target.uuid),
+                    )
             self._events.emit(
                 "mps.limits",
                 f"MPS limits of {target.uuid}: threads {_pct(new.threads_percent)},"
@@ -384,9 +424,60 @@ class MpsManager:
 
     # -- the loop --------------------------------------------------------------------------
     def observe(self, targets: Iterable[MpsTarget]) -> None:
-        """Replace the known devices (from the latest snapshot)."""
+        """Replace the known devices (from the latest snapshot); a re-created MIG device gets
+        the limits its place had (see the module docstring)."""
         with self._lock:
             self._targets = {t.uuid: t for t in targets}
+            new = [
+                t for t in self._targets.values() if t.slot is not None and t.uuid not in self._seen
+            ]
+            if new:
+                self._restore_mig_limits(new)
+            self._seen = set(self._targets)
+
+    def _restore_mig_limits(self, targets: list[MpsTarget]) -> None:
+        with self._store.transaction() as conn:
+            for t in targets:
+                assert t.slot is not None
+                row = conn.execute(
+                    "SELECT mig_uuid FROM mps_mig_limits WHERE gpu_uuid = ? AND"
+                    " placement_start = ? AND placement_size = ? AND profile = ?",
+                    t.slot,
+                ).fetchone()
+                if row is None or row[0] == t.uuid:
+                    continue
+                old_uuid = row[0]
+                if old_uuid in self._targets:
+                    continue  # the old device is still there (a second device, same place)
+                if conn.execute("SELECT 1 FROM mps_limits WHERE uuid = ?", (t.uuid,)).fetchone():
+                    continue  # it has limits of its own
+                moved = conn.execute(
+                    "UPDATE mps_limits SET uuid = ?, gpu_index = ?, updated_at = ? WHERE uuid = ?",
+                    (t.uuid, t.gpu, time.time(), old_uuid),
+                ).rowcount
+                conn.execute(
+                    "UPDATE mps_mig_limits SET mig_uuid = ? WHERE gpu_uuid = ? AND"
+                    " placement_start = ? AND placement_size = ? AND profile = ?",
+                    (t.uuid, *t.slot),
+                )
+                if not moved:
+                    continue
+                limits = self.limits(t.uuid)
+                self._events.emit(
+                    "mps.limits_restored",
+                    f"MPS limits of the {t.profile} MIG device at placement"
+                    f" {t.slot[1]}:{t.slot[2]} of GPU {t.gpu} re-applied after it was"
+                    f" re-created ({old_uuid} -> {t.uuid}): threads"
+                    f" {_pct(limits.threads_percent)}, memory {_mem(limits.memory_bytes)}",
+                    uuid=t.uuid,
+                    previous_uuid=old_uuid,
+                    gpu=t.gpu,
+                    gpu_uuid=t.slot[0],
+                    placement=f"{t.slot[1]}:{t.slot[2]}",
+                    profile=t.profile,
+                    threads_percent=limits.threads_percent,
+                    memory_bytes=limits.memory_bytes,
+                )
 
     def reconcile(self, snapshot: Snapshot | None = None) -> None:
         """One pass: start, check, restart or stop each device's daemon. Each device is

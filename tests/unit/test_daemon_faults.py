@@ -216,3 +216,54 @@ def test_critical_xid_until_cleared_and_a_hung_gpu_in_mig_show(
         assert gpuctl("sim", "fault", "--gpu", "1", "clear")[0] == 0
 
     run_daemon(config, body)
+
+
+def test_mps_limits_on_a_mig_device_survive_its_re_creation(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = make_config(root).with_overrides({"mps.enabled": True}, source="test")
+    layout = root / "held-out.yaml"
+    layout.write_text(HELD_OUT)
+    gpuctl = Gpuctl(config, capsys)
+
+    def mps_devices() -> list[dict[str, object]]:
+        code, out, err = gpuctl("--json", "mps", "show")
+        assert code == 0, err
+        devices: list[dict[str, object]] = json.loads(out)["devices"]
+        return devices
+
+    def body() -> None:
+        code, out, err = gpuctl("mig", "apply", "-f", str(layout), "-c", "custom-balanced")
+        assert code == 0, out + err
+        deadline = time.monotonic() + 20
+        while len(mps_devices()) != 8:  # the sampler lists the new MIG devices
+            assert time.monotonic() < deadline, mps_devices()
+            time.sleep(0.05)
+        code, out, err = gpuctl("mps", "set", "--gpu", "0:1", "--threads", "40")
+        assert code == 0, out + err
+        before = next(d for d in mps_devices() if d["gpu"] == 0 and d.get("mig") == 1)
+        assert before["threads_percent"] == 40
+        # A reboot (or a reset) re-creates the instances with new MIG UUIDs.
+        assert gpuctl("sim", "reboot")[0] == 0
+        deadline = time.monotonic() + 20
+        while True:
+            devices = mps_devices()
+            after = [d for d in devices if d["gpu"] == 0 and d.get("mig") == 1]
+            renewed = after and after[0]["uuid"] != before["uuid"] and after[0].get("up")
+            if renewed and len(devices) == 8:
+                break
+            assert time.monotonic() < deadline, devices
+            time.sleep(0.05)
+        assert after[0]["profile"] == before["profile"]
+        assert after[0]["threads_percent"] == 40
+        assert after[0]["observed_threads_percent"] == 40
+        assert [d.get("threads_percent") for d in devices if d["uuid"] != after[0]["uuid"]] == [
+            None
+        ] * 7
+        code, out, _ = gpuctl("--json", "events", "--kind", "mps.limits_restored")
+        restored = json.loads(out)["events"]
+        assert len(restored) == 1
+        assert restored[0]["fields"]["previous_uuid"] == before["uuid"]
+        assert restored[0]["fields"]["uuid"] == after[0]["uuid"]
+
+    run_daemon(config, body)
