@@ -54,6 +54,7 @@ def copy_tree(dest: Path) -> None:
 def mutmut(work: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
+    env["GPUD_HYPOTHESIS_PROFILE"] = "mutation"  # no shrinking, fixed seed: tests/unit/conftest.py
     return subprocess.run(
         [sys.executable, "-m", "mutmut", *args],
         cwd=work,

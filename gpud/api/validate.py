@@ -25,7 +25,8 @@ MAX_REQUEST_BYTES = 256 * 1024
 MAX_STRING_CHARS = 4096
 # Devices of a job, ...: every repeated (and map) field of every request.
 MAX_REPEATED = 256
-# Other bounds by full field name: characters for a string field, entries for a repeated one.
+# Other bounds by full field name: characters for a string field, entries for a repeated or
+# map one (whose entries keep the default bounds).
 FIELD_LIMITS: dict[str, int] = {
     "gpud.v1.MigConfigSource.text": 128 * 1024,  # the file's content
 }
@@ -50,8 +51,8 @@ def request_bounds(message: Any, prefix: str = "") -> None:
                 _item(value_fd, item, None, f"{path}[{key!r}]")
         elif fd.is_repeated:
             _count(len(value), limit, path)
-            for i, item in enumerate(value):
-                _item(fd, item, limit, f"{path}[{i}]")
+            for i, item in enumerate(value):  # the entries get the default bounds
+                _item(fd, item, None, f"{path}[{i}]")
         else:
             _item(fd, value, limit, path)
 

@@ -128,3 +128,28 @@ def test_a_request_fits_the_size_bound_with_its_largest_field() -> None:
     )
     size = mig_pb2.ApplyMigRequest(config=source, timeout_seconds=1.0).ByteSize()
     assert size <= validate.MAX_REQUEST_BYTES
+
+
+def test_a_field_limit_on_a_repeated_or_map_field_bounds_its_entries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(validate.FIELD_LIMITS, "gpud.v1.ReserveRequest.devices", 2)
+    monkeypatch.setitem(validate.FIELD_LIMITS, "gpud.v1.GetJobEnvResponse.env", 1)
+    validate.request_bounds(jobs_pb2.ReserveRequest(devices=["a", "x" * MAX_S]))
+    with pytest.raises(InvalidArgument, match=r"^devices: has 3 entries, more than 2$"):
+        validate.request_bounds(jobs_pb2.ReserveRequest(devices=["a", "b", "c"]))
+    with pytest.raises(InvalidArgument, match=r"^env: has 2 entries, more than 1$"):
+        validate.request_bounds(jobs_pb2.GetJobEnvResponse(env={"A": "1", "B": "2"}))
+
+
+def test_bytes_fields_are_bounded_in_bytes() -> None:
+    from google.protobuf import wrappers_pb2
+
+    validate.request_bounds(wrappers_pb2.BytesValue(value=b"x" * MAX_S))
+    with pytest.raises(InvalidArgument, match=rf"^value: is {MAX_S + 1} bytes long, more than"):
+        validate.request_bounds(wrappers_pb2.BytesValue(value=b"x" * (MAX_S + 1)))
+
+
+def test_seconds_name_their_field_by_default() -> None:
+    with pytest.raises(InvalidArgument, match=r"^seconds: "):
+        validate.non_negative_seconds(-1.0)

@@ -22,6 +22,7 @@ from gpud.mig.plan import (
     SetMigMode,
     Step,
     actual_layout,
+    describe_difference,
     plan_gpu,
     step_from_dict,
     step_to_dict,
@@ -294,3 +295,36 @@ def test_any_valid_layout_to_any_other(product: str, data: st.DataObject) -> Non
     assert matching_destroyed(start, plan.steps, after) == []
     if first == second and not drop:
         assert not plan.steps
+
+
+def test_describe_difference_says_what_is_there_and_what_is_wanted() -> None:
+    table = table_for(H100)
+    wanted = layout(**{"3g_40gb": 2})
+    start = apply_from(EMPTY, layout(**{"1g_10gb": 2}), table)
+    plan = plan_gpu(start, wanted, table)
+    assert describe_difference(start, wanted, table, plan) == (
+        f"GPU 0: has 2x 1g.10gb; wants 2x 3g.40gb ({len(plan.steps)} steps)"
+    )
+    # a GPU instance left without its compute instance, and a mode change waiting for a reset
+    bare = replace(
+        start,
+        mode=MigMode(True, False),
+        instances=(replace(start.instances[0], compute_instances=()), start.instances[1]),
+    )
+    text = describe_difference(bare, wanted, table, plan_gpu(bare, wanted, table))
+    assert text.startswith(
+        "GPU 0: has 1x 1g.10gb (MIG mode disabled pending a GPU reset); GPU instances without "
+        f"compute instances: {start.instances[0].id}; wants 2x 3g.40gb ("
+    )
+    off = GpuActual(3, MigMode(False, True), ())
+    text = describe_difference(off, wanted, table, plan_gpu(off, wanted, table))
+    assert text.startswith("GPU 3: has MIG disabled (MIG mode enabled pending a GPU reset);")
+
+
+def test_mode_steps_describe_themselves_and_mark_the_plan() -> None:
+    assert SetMigMode(2, True).describe() == "GPU 2: set MIG mode enabled"
+    assert SetMigMode(0, False).describe() == "GPU 0: set MIG mode disabled"
+    table = table_for(H100)
+    off = GpuActual(0, MigMode(False, False), ())
+    assert plan_gpu(off, layout(**{"7g_80gb": 1}), table).changes_mode()
+    assert not plan_gpu(EMPTY, layout(**{"7g_80gb": 1}), table).changes_mode()
