@@ -1,0 +1,110 @@
+"""How a hung GPU affects the others' samples, on a running ``gpud --simulate`` node.
+
+::
+
+    .venv/bin/python -m tools.bench_faults [--interval 1.0] [--call-timeout 5.7] [--hang 5.7]
+
+Two scenarios on eight simulated GPUs, each watched through the API every 0.1 s:
+
+- one GPU's driver calls hang for ``--hang`` seconds: the largest sample age of the other
+  seven GPUs while it hangs (target: at most twice the interval), and how long after the
+  hang began the hung GPU stopped being reported healthy;
+- all eight hang: how long ``GetStatus`` still counted them healthy.
+
+Ages are reported as multiples of the interval (the ratio is what the target is about).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import grpc
+
+from gpud.v1 import node_pb2 as pb
+from gpud.v1 import node_pb2_grpc as pb_grpc
+from tools.simdaemon import simulated_gpud
+
+GPUS = 8
+
+
+def slow(stub: pb_grpc.NodeStub, gpu: int, seconds: float) -> None:
+    kind = pb.FAULT_KIND_SLOW if seconds else pb.FAULT_KIND_CLEAR
+    stub.InjectFault(pb.InjectFaultRequest(gpu=gpu, kind=kind, seconds=seconds), timeout=30)
+
+
+def wait_all_healthy(stub: pb_grpc.NodeStub) -> None:
+    deadline = time.monotonic() + 60
+    while stub.GetStatus(pb.GetStatusRequest(), timeout=10).healthy_gpu_count != GPUS:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the GPUs did not come back healthy")
+        time.sleep(0.1)
+
+
+def one_hung(stub: pb_grpc.NodeStub, hang_s: float) -> tuple[float, float]:
+    """(largest age of the other GPUs' samples, seconds until the hung GPU was unhealthy)."""
+    wait_all_healthy(stub)
+    start = time.monotonic()
+    slow(stub, 3, hang_s)
+    worst = 0.0
+    unhealthy_after: float | None = None
+    while time.monotonic() - start < hang_s:
+        resp = stub.ListGpus(pb.ListGpusRequest(), timeout=10)
+        now = time.monotonic() - start
+        for g in resp.gpus:
+            if g.index == 3:
+                if not g.healthy and unhealthy_after is None:
+                    unhealthy_after = now
+            else:
+                worst = max(worst, g.sample_age_seconds)  # now - when it was read
+        time.sleep(0.1)
+    slow(stub, 3, 0)
+    return worst, float("nan") if unhealthy_after is None else unhealthy_after
+
+
+def all_hung(stub: pb_grpc.NodeStub, hang_s: float) -> float:
+    """Seconds ``GetStatus`` still said every GPU was healthy after all began to hang."""
+    wait_all_healthy(stub)
+    start = time.monotonic()
+    for gpu in range(GPUS):
+        slow(stub, gpu, hang_s)
+    counted = float("nan")
+    while time.monotonic() - start < hang_s:
+        if stub.GetStatus(pb.GetStatusRequest(), timeout=10).healthy_gpu_count < GPUS:
+            counted = time.monotonic() - start
+            break
+        time.sleep(0.1)
+    for gpu in range(GPUS):
+        slow(stub, gpu, 0)
+    return counted
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--call-timeout", type=float, default=5.7)
+    parser.add_argument("--hang", type=float, default=5.7)
+    args = parser.parse_args()
+    config = (
+        f"[telemetry]\ninterval_s = {args.interval}\ncall_timeout_s = {args.call_timeout}\n"
+        "[daemon]\ntick_s = 1.0\n"
+    )
+    with simulated_gpud(f"H100-SXM5-80GB:{GPUS}", config_text=config) as daemon:
+        channel = grpc.insecure_channel(f"unix:{daemon.socket}")
+        stub = pb_grpc.NodeStub(channel)
+        worst, unhealthy_after = one_hung(stub, args.hang)
+        counted = all_hung(stub, args.hang)
+        channel.close()
+    print(
+        f"interval {args.interval:g} s, call timeout {args.call_timeout:g} s, hang {args.hang:g} s"
+    )
+    print(
+        f"one GPU hung: others' largest sample age {worst:.2f} s"
+        f" = {worst / args.interval:.2f} x interval (target <= 2)"
+    )
+    print(f"one GPU hung: reported not healthy {unhealthy_after:.2f} s after the hang began")
+    print(f"all {GPUS} hung: status counted them healthy for {counted:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
