@@ -43,12 +43,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -65,6 +61,7 @@ from gpud.backend.sim import SimNode, parse_simulate_spec
 from gpud.metrics import Collector, build_registry
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.snapshot import Snapshot
+from tools.simdaemon import simulated_gpud
 
 SPEC = "H100-SXM5-80GB:8"
 PROFILE = "1g.10gb"
@@ -178,80 +175,40 @@ def cpu_seconds(fn: Callable[[], object], clock: Callable[[], float] = time.proc
     return clock() - start
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def measure_rss_daemon(workdir: Path) -> tuple[int | None, str, int]:
-    """RSS of ``gpud --simulate`` on the benchmark's MIG layout, after a few ticks/scrapes.
-
-    The layout is written beforehand into the simulated driver's state file
-    (``<run-dir>/sim/node.json``), which the daemon's simulated node reads at start, as
-    a real node keeps its MIG instances across a daemon restart. Returns (RSS or None,
-    what was measured or why not, MIG devices the daemon's /metrics shows).
-    """
-    run_dir = workdir / "run"
+def _prepare_node(run_dir: Path) -> None:
+    """The benchmark's MIG layout, written into the simulated driver's state file, which the
+    daemon's simulated node reads at start (as a real node keeps its MIG instances across a
+    daemon restart)."""
     state = SimNode(parse_simulate_spec(SPEC), state_file=run_dir / "sim" / "node.json")
     backend = NvmlBackend(state.nvml)
     try:
         build_node(backend, state, workloads=False)
     finally:
         backend.close()
-    port = _free_port()
-    sock = run_dir / "gpud.sock"
-    (workdir / "gpud.toml").write_text("")
-    cmd = [
-        sys.executable,
-        "-m",
-        "gpud.main",
-        "--simulate",
-        SPEC,
-        "--config",
-        str(workdir / "gpud.toml"),
-        "--state-dir",
-        str(workdir / "state"),
-        "--run-dir",
-        str(run_dir),
-        "--socket",
-        str(sock),
-        "--metrics-address",
-        f"127.0.0.1:{port}",
-    ]
-    log_path = workdir / "gpud.log"
-    with log_path.open("wb") as log:
-        try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        except OSError as err:
-            return None, f"cannot start gpud: {err}", 0
+
+
+def measure_rss_daemon() -> tuple[int | None, str, int]:
+    """RSS of ``gpud --simulate`` on the benchmark's MIG layout, after a few ticks/scrapes.
+
+    Returns (RSS or None, what was measured or why not, MIG devices the daemon's /metrics
+    shows).
+    """
     try:
-        deadline = time.monotonic() + 30
-        while not sock.exists():
-            if proc.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-300:].strip()
-                return None, f"gpud exited with {proc.returncode}: {tail}", 0
-            if time.monotonic() > deadline:
-                return None, "gpud did not open its socket within 30 s", 0
-            time.sleep(0.2)
-        mig_devices = 0
-        for _ in range(5):  # a few sampling ticks and scrapes' worth of allocations
-            time.sleep(1)
-            url = f"http://127.0.0.1:{port}/metrics"
-            with urllib.request.urlopen(url, timeout=10) as resp:
-                body = resp.read().decode()
-            mig_devices = sum(
-                1 for line in body.splitlines() if line.startswith("gpud_mig_device_memory_total")
-            )
-        return psutil.Process(proc.pid).memory_info().rss, "gpud --simulate subprocess", mig_devices
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        with simulated_gpud(SPEC, prepare=_prepare_node) as daemon:
+            mig_devices = 0
+            for _ in range(5):  # a few sampling ticks and scrapes' worth of allocations
+                time.sleep(1)
+                with urllib.request.urlopen(daemon.metrics_url, timeout=10) as resp:
+                    body = resp.read().decode()
+                mig_devices = sum(
+                    1
+                    for line in body.splitlines()
+                    if line.startswith("gpud_mig_device_memory_total")
+                )
+            rss = psutil.Process(daemon.pid).memory_info().rss
+            return rss, "gpud --simulate subprocess", mig_devices
+    except (OSError, RuntimeError) as err:
+        return None, f"cannot run gpud: {err}", 0
 
 
 def record_tick_calls(node: SimNode) -> list[Call]:
@@ -326,8 +283,7 @@ def run(reps: int, with_daemon: bool) -> dict[str, Any]:
     rss_source = "not measured"
     daemon_mig_devices = 0
     if with_daemon:
-        with tempfile.TemporaryDirectory(prefix="gpud-bench-") as tmp:
-            rss, rss_source, daemon_mig_devices = measure_rss_daemon(Path(tmp))
+        rss, rss_source, daemon_mig_devices = measure_rss_daemon()
     if rss is None:
         why = rss_source
         rss = psutil.Process(os.getpid()).memory_info().rss

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,12 +42,22 @@ def free_port() -> int:
 
 @contextmanager
 def simulated_gpud(
-    spec: str, *, config_text: str = "", start_timeout_s: float = 60.0
+    spec: str,
+    *,
+    config_text: str = "",
+    prepare: Callable[[Path], None] | None = None,
+    start_timeout_s: float = 60.0,
 ) -> Iterator[SimDaemon]:
     """A running ``gpud --simulate SPEC`` with ``config_text`` as its gpud.toml; raises
-    RuntimeError (with its log) if it does not start."""
+    RuntimeError (with its log) if it does not start.
+
+    ``prepare(run_dir)`` runs before the daemon starts, e.g. to write the simulated
+    driver's state (``<run_dir>/sim/node.json``) as a node that already has MIG instances.
+    """
     with tempfile.TemporaryDirectory(prefix="gpud-sim-") as tmp:
         work = Path(tmp)
+        if prepare is not None:
+            prepare(work / "run")
         sock = work / "run" / "gpud.sock"
         port = free_port()
         (work / "gpud.toml").write_text(config_text)
