@@ -601,6 +601,9 @@ class MigManager:
     # nothing changed: a full `show` is dozens of driver calls per GPU, too many for every
     # tick. Live per-device memory is in the telemetry metrics (gpud_mig_device_*).
     VIEW_REFRESH_S = 10.0
+    # Bounds the view's driver reads, so that a GPU that hangs before telemetry notices it
+    # cannot hold the reconcile step (and the watchdog behind it) for long.
+    VIEW_TIMEOUT_S = 2.0
 
     def refresh_view(self) -> None:
         """Have the next :meth:`reconcile` re-read every GPU's instances for the view."""
@@ -696,7 +699,7 @@ class MigManager:
             now = self._monotonic()
             if self._view is None or now - self._view_at >= self.VIEW_REFRESH_S:
                 try:
-                    self._view = self.show()
+                    self._view = self.show(timeout_s=self.VIEW_TIMEOUT_S)
                     self._view_at = now
                 except GpudError as err:
                     log.warning("cannot read MIG instances: %s", err)
