@@ -3,17 +3,19 @@
 ``gpuctl --help`` builds every command group's parser, and each group module names its
 generated messages at the top (``from gpud.v1 import mig_pb2 as pb``). Importing them all
 would load protobuf and every service's descriptors for a command that needs none of them
-(and ``gpuctl status`` needs only ``node``'s). :func:`defer` registers such modules with the
-standard library's :class:`importlib.util.LazyLoader`: the ``from ... import`` binds a
-module object at once, and the module body runs when an attribute is first read.
-
-The package imports stay ordinary and type-checked; only when they execute changes.
+(and ``gpuctl status`` needs only ``node``'s). :func:`defer` puts a stand-in module in
+their place: the ``from ... import`` binds it at once, and the real module is imported the
+first time one of its attributes is read (under a lock, so two threads never import it
+twice). The package imports stay ordinary and type-checked; only when they run changes.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import _thread
+import importlib
 import sys
+from types import ModuleType
+from typing import Any
 
 # Generated code under gpud.v1 (tools/protogen), one pair per service.
 GENERATED = tuple(
@@ -23,23 +25,39 @@ GENERATED = tuple(
 )
 
 
-def defer(*names: str) -> None:
-    """Make each module in ``names`` load on first attribute access (already loaded: kept).
+class _Deferred(ModuleType):
+    """Stands in for a module until one of its attributes is read."""
 
-    The module is also set as its parent package's attribute, so that
-    ``from package import module`` finds it without running it.
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.__dict__["_deferred_lock"] = _thread.allocate_lock()
+        self.__dict__["_deferred_real"] = None
+
+    def _real(self) -> ModuleType:
+        with self.__dict__["_deferred_lock"]:
+            real: ModuleType | None = self.__dict__["_deferred_real"]
+            if real is None:
+                if sys.modules.get(self.__name__) is self:
+                    del sys.modules[self.__name__]
+                real = importlib.import_module(self.__name__)  # sets the parent's attribute
+                self.__dict__["_deferred_real"] = real
+            return real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real(), name)
+
+
+def defer(*names: str) -> None:
+    """Stand-ins for the modules in ``names`` not imported yet.
+
+    Each is also set as its parent package's attribute, so that ``from package import
+    module`` binds it without importing the module.
     """
     for name in names:
         if name in sys.modules:
             continue
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"no module named {name!r}", name=name)
-        loader = importlib.util.LazyLoader(spec.loader)
-        spec.loader = loader
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        loader.exec_module(module)
         parent, _, child = name.rpartition(".")
+        stand_in = _Deferred(name)
+        sys.modules[name] = stand_in
         if parent:
-            setattr(sys.modules[parent], child, module)
+            setattr(importlib.import_module(parent), child, stand_in)
