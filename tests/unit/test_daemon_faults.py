@@ -92,7 +92,8 @@ class Gpuctl:
         self._capsys = capsys
 
     def __call__(self, *argv: str) -> tuple[int, str, str]:
-        code = main(["--socket", self._socket, *argv], env={})
+        # A generous deadline: MPS daemons start under load on a shared test machine.
+        code = main(["--socket", self._socket, "--timeout", "60", *argv], env={})
         out, err = self._capsys.readouterr()
         return code, out, err
 
