@@ -4,6 +4,7 @@ and the MIG metric source."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ class Node:
     mig: MigManager
     socket: str
     jobs: dict[int, str]
+    events: EventLog
 
 
 @pytest.fixture
@@ -43,11 +45,12 @@ def node(tmp_path: Path) -> Iterator[Node]:
     sim = SimNode([("H100-SXM5-80GB", 2)], state_file=tmp_path / "driver.json")
     store = StateStore(tmp_path / "state")
     jobs: dict[int, str] = {}
-    mig = MigManager(NvmlBackend(sim.nvml), store, EventLog(None), job_resolver=jobs.get)
+    events = EventLog(None)
+    mig = MigManager(NvmlBackend(sim.nvml), store, events, job_resolver=jobs.get)
     with short_dir() as d:
         path = d / "gpud.sock"
         with ServerThread(ApiServer(path, servicers=[MigServicer(mig).register])):
-            yield Node(sim, mig, str(path), jobs)
+            yield Node(sim, mig, str(path), jobs, events)
     store.close()
 
 
@@ -179,3 +182,29 @@ def test_metric_source(node: Node) -> None:
         )
         == 0
     )
+
+
+def test_applies_whose_client_gave_up(capsys: pytest.CaptureFixture[str], node: Node) -> None:
+    """The client's deadline passes while the driver is slow: an apply is either not started
+    or finished and logged as finished after its client had gone (which one depends on how
+    far it got; tests/unit/test_mig_apply.py has each case exactly)."""
+    node.sim.faults.slow(1, 0.2)  # every driver call on GPU 1 takes 0.2 s
+    apply = ("mig", "apply", "-f", CONFIG, "-c", "all-balanced")
+    code, _, err = gpuctl(capsys, node, "--timeout", "1", *apply)
+    assert code == 3 and "did not answer within 1 s" in err
+    code, _, err = gpuctl(capsys, node, "--timeout", "1", *apply)
+    assert code == 3
+    node.sim.faults.clear(1)
+
+    def results() -> list[tuple[object, object]]:
+        return [(e.fields["result"], e.fields.get("client_gone")) for e in node.events.recent()]
+
+    deadline = time.monotonic() + 60
+    while len(results()) < 2:
+        assert time.monotonic() < deadline, results()
+        time.sleep(0.05)
+    for event in node.events.recent():
+        assert event.fields["client_gone"] is True
+        if event.fields["result"] != "not_started":
+            assert event.fields["result"] == "reset_pending"
+            assert "finished after the client had gone" in event.message
