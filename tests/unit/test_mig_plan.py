@@ -23,6 +23,7 @@ from gpud.mig.plan import (
     Step,
     actual_layout,
     describe_difference,
+    plan_all,
     plan_gpu,
     step_from_dict,
     step_to_dict,
@@ -328,3 +329,55 @@ def test_mode_steps_describe_themselves_and_mark_the_plan() -> None:
     off = GpuActual(0, MigMode(False, False), ())
     assert plan_gpu(off, layout(**{"7g_80gb": 1}), table).changes_mode()
     assert not plan_gpu(EMPTY, layout(**{"7g_80gb": 1}), table).changes_mode()
+
+
+def test_the_steps_name_gpu_instances_and_profiles() -> None:
+    table = table_for(H100)
+    start = replace(apply_from(EMPTY, layout(**{"1g_10gb": 1, "1c_3g_40gb": 1}), table), gpu=3)
+    one = next(gi for gi in start.instances if gi.placement.size == 1)
+    three = next(gi for gi in start.instances if gi.placement.size == 4)
+    plan = plan_gpu(start, layout(**{"3g_40gb": 1}), table)
+    assert plan.gpu == 3 and not plan.reset_pending
+    # the 1g instance goes; the 3g one keeps its GPU instance and gets a full compute instance
+    assert plan.steps == (
+        DestroyComputeInstance(3, one.id, one.compute_instances[0].id, "1g.10gb"),
+        DestroyComputeInstance(3, three.id, three.compute_instances[0].id, "1c.3g.40gb"),
+        DestroyGpuInstance(3, one.id, "1g.10gb", one.placement),
+        CreateComputeInstance(3, three.profile_id, three.placement, 2, "3g.40gb"),
+    )
+    create = plan_gpu(replace(EMPTY, gpu=3), layout(**{"7g_80gb": 1}), table)
+    assert create.steps == (
+        CreateGpuInstance(3, 0, "7g.80gb", Placement(0, 8)),
+        CreateComputeInstance(3, 0, Placement(0, 8), 4, "7g.80gb"),
+    )
+
+
+def test_turning_mig_off_needs_no_table_and_names_what_it_does_not_know() -> None:
+    table = table_for(H100)
+    start = replace(apply_from(EMPTY, layout(**{"7g_80gb": 1}), table), gpu=2)
+    gi = start.instances[0]
+    plan = plan_gpu(start, DeviceLayout(False), None)
+    assert plan.gpu == 2 and plan.reset_pending
+    assert plan.steps == (
+        DestroyComputeInstance(2, gi.id, gi.compute_instances[0].id, "profile 4 in profile 0"),
+        DestroyGpuInstance(2, gi.id, "profile 0", gi.placement),
+        SetMigMode(2, False),
+    )
+    with_table = plan_gpu(start, DeviceLayout(False), table)
+    assert [s.describe() for s in with_table.steps][1] == (
+        f"GPU 2: destroy GPU instance {gi.id} (7g.80gb at 0:8)"
+    )
+    with pytest.raises(ValueError, match=r"^a MIG-enabled layout needs the GPU's profile table$"):
+        plan_gpu(start, layout(**{"7g_80gb": 1}), None)
+
+
+def test_plan_all_plans_the_gpus_with_a_desired_layout() -> None:
+    table = table_for(H100)
+    gpus = [replace(EMPTY, gpu=i) for i in range(3)]
+    plans = plan_all(gpus, {0: layout(**{"7g_80gb": 1}), 2: DeviceLayout(False)}, {0: table})
+    assert [p.gpu for p in plans] == [0, 2]
+    assert [type(s).__name__ for s in plans[0].steps] == [
+        "CreateGpuInstance",
+        "CreateComputeInstance",
+    ]
+    assert plans[1].steps == (SetMigMode(2, False),) and plans[1].reset_pending

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import pytest
+
 from gpud.backend.port import ComputeInstanceProfile, GpuIdentity, GpuInstanceProfile, Placement
 from gpud.errors import DeviceNotFound, NotFound
 from gpud.mig.validate import load_table, reference_table
@@ -21,17 +23,22 @@ class FakeDriver:
     profiles: tuple[GpuInstanceProfile, ...]
     cis: dict[int, tuple[ComputeInstanceProfile, ...]] = field(default_factory=dict)
     missing: type[Exception] = NotFound  # what the driver raises without a GPU instance
+    asked: set[object] = field(default_factory=set)  # the GPUs the calls named
 
     def identity(self, gpu: int) -> GpuIdentity:
+        self.asked.add(gpu)
         return self.ident
 
     def gpu_instance_profiles(self, gpu: int) -> list[GpuInstanceProfile]:
+        self.asked.add(gpu)
         return list(self.profiles)
 
     def gpu_instance_placements(self, gpu: int, profile_id: int) -> list[Placement]:
+        self.asked.add(gpu)
         return [Placement(profile_id % 7, 1)]
 
     def compute_instance_profiles(self, gpu: int, profile_id: int) -> list[ComputeInstanceProfile]:
+        self.asked.add(gpu)
         if profile_id not in self.cis:
             raise self.missing("no GPU instance of that profile")
         return list(self.cis[profile_id])
@@ -47,7 +54,8 @@ def test_what_the_driver_lists_is_used_and_marks_the_table_complete() -> None:
     assert three is not None
     own = (ComputeInstanceProfile(2, 2, "3g.40gb", 3, 1, 60),)
     driver = FakeDriver(identity_for(H100), (three,), {three.id: own})
-    table = load_table(driver, 0)  # type: ignore[arg-type]
+    table = load_table(driver, 5)  # type: ignore[arg-type]
+    assert driver.asked == {5}
     assert table.from_device is True
     assert table.gi_profiles == (three,)
     assert table.placements == {three.id: (Placement(three.id % 7, 1),)}
@@ -98,3 +106,14 @@ def test_a_known_product_with_a_profile_the_table_lacks_falls_back_to_constants(
         (0, "1c.2g.odd", 2),
         (1, "2g.odd", 1),
     ]
+
+
+def test_unknown_profile_ids_raise_key_errors_naming_them() -> None:
+    table = table_for(H100)
+    with pytest.raises(KeyError) as err:
+        table.gi_profile(77)
+    assert err.value.args == (77,)
+    with pytest.raises(KeyError) as err:
+        table.ci_profile(77, 3)  # no such GPU instance profile
+    assert err.value.args == (3,)
+    assert table.ci_profile(9, 2).name == "3g.40gb"

@@ -220,3 +220,49 @@ def test_tag_errors_say_why() -> None:
 def test_the_whole_dscp_range_is_in_the_pool() -> None:
     pool = TagAllocator(reserved=()).pool
     assert pool[0] == 0 and pool[-1] == DSCP_MAX and len(pool) == 64
+
+
+def test_progress_at_the_edges_of_a_stall() -> None:
+    tr = ProgressTracker()
+    tr.register("a", now=0.0, ideal_s=0.25)
+    assert tr.progress("a", 0.25).rate is None  # exactly one ideal iteration: not slow yet
+    assert tr.progress("a", 0.5).rate == 0.5  # stalled twice the ideal, no period yet
+    tr.report("a", 0, 1.0)
+    tr.report("a", 2, 2.0)  # 0.5 s per iteration
+    p = tr.progress("a", 2.0)
+    assert (p.job_id, p.rate, p.period_s) == ("a", 0.5, 0.5)
+
+
+def test_rates_of_some_jobs() -> None:
+    tr = ProgressTracker()
+    tr.register("a", now=0.0, ideal_s=1.0)
+    tr.register("b", now=0.0, ideal_s=1.0)
+    assert tr.rates(4.0, ["b"]) == {"b": 0.25}
+    assert tr.rates(4.0) == {"a": 0.25, "b": 0.25}
+
+
+def test_restored_tags_are_checked_and_probing_goes_forward() -> None:
+    with pytest.raises(ValueError, match=r"^a: DSCP 8 is reserved or out of range$"):
+        TagAllocator(existing={"a": 8})
+    with pytest.raises(ValueError, match=r"^b: DSCP 10 is already held by a$"):
+        TagAllocator(existing={"a": 10, "b": 10})
+    alloc = TagAllocator()
+    pool = alloc.pool
+    # two jobs whose hashes pick the same slot: the second takes the next one up
+    import zlib
+
+    by_slot: dict[int, str] = {}
+    for i in range(10_000):
+        job = f"job-{i}"
+        slot = zlib.crc32(job.encode()) % len(pool)
+        if slot in by_slot and slot + 1 < len(pool):
+            first, second = by_slot[slot], job
+            break
+        by_slot.setdefault(slot, job)
+    assert alloc.tag(first) == pool[slot]
+    assert alloc.tag(second) == pool[slot + 1]
+    one_left = TagAllocator(reserved=[d for d in range(DSCP_MAX + 1) if d != 5])
+    assert one_left.tag("x") == 5
+    with pytest.raises(TagsExhausted) as err:
+        one_left.tag("y")
+    assert err.value.pool_size == 1
