@@ -698,7 +698,11 @@ class FakeNvml:
         if not 0 <= index < len(self._gpus):
             raise NVMLError_InvalidArgument()
         gpu = self._gpus[index]
-        self._check(gpu, "handle")
+        f = self._faults.get(index)
+        if f is not None and f.slow_s:
+            time.sleep(f.slow_s)
+        # A lost GPU still has a handle: the first query on it answers GPU_IS_LOST, as the
+        # real driver does (``nvmlDeviceGetUUID failed on GPU 2: GPU is lost``).
         return gpu
 
     def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> _Gpu | _MigDevice:
