@@ -32,7 +32,7 @@ early; others from ``gpud.errors.ERROR_TABLE`` (see :mod:`gpud.cli.context`).
 Start-up time matters (people type gpuctl many times a day): the command modules import
 nothing heavy at the top. Generated gRPC code loads on first use (:mod:`gpud.cli.lazy`),
 ``grpc`` and protobuf inside the functions that call the daemon, and gpuctl imports no daemon
-package: what it shares with the daemon is :mod:`gpud.shared` (tests/unit/test_gpuctl_imports.py).
+package: what it shares with the daemon is :mod:`gpud.shared` (tests/unit/test_gpuctl_process.py).
 """
 
 from __future__ import annotations
