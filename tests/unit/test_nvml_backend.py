@@ -467,3 +467,30 @@ def test_contract_every_method_returns_port_types() -> None:
         _check_type(value, hint)
     backend: port.GpuBackend = be  # structural check for mypy readers
     assert backend is be
+
+
+def test_reset_lets_go_of_nvml_for_the_runner_and_comes_back() -> None:
+    node = SimNode([("A100-SXM4-40GB", 2)])
+    seen: list[int] = []
+
+    def runner(gpu: int) -> None:
+        # nvidia-smi refuses while another client holds the GPU open: gpud must not.
+        seen.append(node.nvml._initialized)
+        node.reset(gpu)
+
+    be = NvmlBackend(node.nvml, reset=runner)
+    be.wait_events(0.0)  # an event set exists, and is freed for the reset
+    be.set_mig_mode(0, True)
+    assert be.mig_mode(0) == port.MigMode(False, True)
+    be.reset_gpu(0)
+    assert seen == [0]
+    assert be.mig_mode(0) == port.MigMode(True, True)
+    assert be.identity(0).uuid == be.identity(0).uuid and be.gpu_readings(1).errors == ()
+    assert be.wait_events(0.0) == []  # the watcher's next wait registers the GPUs again
+    node.faults.xid(1, 48)
+    assert [e.xid for e in be.wait_events(0.5)] == [48]
+    with pytest.raises(DeviceNotFound):
+        be.reset_gpu(5)
+    with pytest.raises(NotSupported, match="reset is not available"):
+        NvmlBackend(node.nvml).reset_gpu(0)
+    be.close()
