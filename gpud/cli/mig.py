@@ -15,6 +15,7 @@ itself waits that long plus a margin.
 A MIG mode change that waits for a GPU reset (A100) is finished by resetting the GPU when
 nothing runs on it (the busy, ``--drain`` and ``--force`` rules apply), and the instances are
 created in the same apply; ``--skip-reset`` leaves it pending for the next reset or reboot.
+An apply that may reset GPUs is waited for up to 10 minutes (resets take a while).
 
 A faulty GPU (lost, not answering) is shown with its reason and left alone while the others
 are shown, applied or checked: the command then exits 11 (partial).
@@ -36,6 +37,9 @@ from gpud.v1 import mig_pb2_grpc as pb_grpc
 EXIT_DIFFERS = 1
 EXIT_FAILED = 1
 EXIT_PARTIAL = ERROR_TABLE[Partial][1]  # 11: done for the GPUs that answer
+# How long an apply that may reset GPUs is waited for: a reset takes seconds to tens of
+# seconds per GPU (nvidia-mig-parted apply blocks as long).
+_RESET_WAIT_S = 600.0
 _CALL_MARGIN_S = 60.0
 
 INSTANCE_HEADERS = (
@@ -198,6 +202,8 @@ def run_apply(ctx: Context, args: argparse.Namespace) -> int:
         # The daemon waits up to the drain timeout (its default when not given).
         wait = args.drain_timeout if args.drain_timeout is not None else MAX_DRAIN_SECONDS
         ctx.timeout = max(ctx.timeout, wait + _CALL_MARGIN_S)
+    if not args.dry_run and not args.skip_reset:
+        ctx.timeout = max(ctx.timeout, _RESET_WAIT_S)
     resp: pb.ApplyMigResponse = ctx.call(ctx.stub(pb_grpc.MigStub).ApplyMig, request)
     if ctx.out.json:
         ctx.out.print_json(resp)

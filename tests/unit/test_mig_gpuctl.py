@@ -135,7 +135,8 @@ def test_bad_requests(capsys: pytest.CaptureFixture[str], node: Node) -> None:
     assert code == 2 and "cannot read" in err
     code, _, _ = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "x", "--drain", "--force")
     assert code == 2
-    apply = ("mig", "apply", "-f", CONFIG, "-c", "all-balanced")
+    # --skip-reset: an apply that may reset GPUs is waited for far longer than --timeout
+    apply = ("mig", "apply", "-f", CONFIG, "-c", "all-balanced", "--skip-reset")
     code, _, err = gpuctl(capsys, node, *apply, "--drain-timeout", "5")
     assert code == 2 and "--drain-timeout goes with --drain" in err
     code, _, err = gpuctl(capsys, node, *apply, "--drain", "--drain-timeout", "-1")
@@ -189,7 +190,8 @@ def test_applies_whose_client_gave_up(capsys: pytest.CaptureFixture[str], node: 
     or finished and logged as finished after its client had gone (which one depends on how
     far it got; tests/unit/test_mig_apply.py has each case exactly)."""
     node.sim.faults.slow(1, 0.2)  # every driver call on GPU 1 takes 0.2 s
-    apply = ("mig", "apply", "-f", CONFIG, "-c", "all-balanced")
+    # --skip-reset: an apply that may reset GPUs is waited for far longer than --timeout
+    apply = ("mig", "apply", "-f", CONFIG, "-c", "all-balanced", "--skip-reset")
     code, _, err = gpuctl(capsys, node, "--timeout", "1", *apply)
     assert code == 3 and "did not answer within 1 s" in err
     code, _, err = gpuctl(capsys, node, "--timeout", "1", *apply)
