@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
 from gpud.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from gpud.mps.manager import MpsLimits, MpsManager, targets_from_snapshot
+from gpud.mps.manager import MpsLimits, MpsManager, MpsTarget, targets_from_snapshot
 from gpud.mps.metrics import MpsMetrics
 from gpud.mps.procs import alive
 from gpud.shared import GIB, MIB
@@ -343,3 +343,33 @@ def test_device_lists_name_index_forms_not_uuids() -> None:
     assert device_names(targets) == "0, 1, 2:0..6, 3:0,2, 4:1"
     assert device_names([t(5, 0), t(5, 1)]) == "5:0,1"
     assert device_names([]) == ""
+
+
+def test_limits_follow_a_mig_device_to_its_new_uuid_by_place_and_profile(root: Path) -> None:
+    mgr, store, events = make_manager(root, enabled=False)
+    try:
+
+        def mig(uuid: str, start: int, profile: str = "3g.40gb") -> MpsTarget:
+            return MpsTarget(uuid, 0, start // 4, profile, 40 * GIB, gpu_uuid(0), (start, 4))
+
+        mgr.observe([mig("MIG-a", 0), mig("MIG-b", 4)])
+        mgr.set_limits("MIG-a", threads_percent=40, memory_bytes=2 * GIB)
+        mgr.set_limits("MIG-b", threads_percent=70)
+        # A reset re-created them: new UUIDs; the second place now holds another profile.
+        mgr.observe([mig("MIG-c", 0), mig("MIG-d", 4, "4g.40gb")])
+        assert mgr.limits("MIG-c") == MpsLimits(40, 2 * GIB)
+        assert mgr.limits("MIG-d") == MpsLimits()
+        assert mgr.limits("MIG-a") == MpsLimits()  # the old UUID's row moved, not copied
+        restored = events.recent(kind_prefix="mps.limits_restored")
+        assert [(e.fields["previous_uuid"], e.fields["uuid"]) for e in restored] == [
+            ("MIG-a", "MIG-c")
+        ]
+        assert restored[0].fields["placement"] == "0:4"
+        # Seen before: observing again changes nothing; limits set on the new UUID stay.
+        mgr.set_limits("MIG-c", threads_percent=55)
+        mgr.observe([mig("MIG-c", 0), mig("MIG-d", 4, "4g.40gb")])
+        assert mgr.limits("MIG-c").threads_percent == 55
+        assert len(events.recent(kind_prefix="mps.limits_restored")) == 1
+    finally:
+        mgr.stop()
+        store.close()
