@@ -69,6 +69,16 @@ class MpsConfig:
 
 
 @dataclass(frozen=True)
+class AdmissionConfig:
+    enabled: bool = True  # queue jobs that cannot start now; false: run fails as before
+    backfill: bool = True  # start later jobs that cannot delay the head of the queue
+    max_queue: int = 1000  # queued jobs at most
+    history_window_s: float = 7 * 86400.0  # job history the quotes are estimated from
+    history_keep: int = 100_000  # job history rows kept
+    mig_config: Path | None = None  # mig-parted file whose configs are offered as remedies
+
+
+@dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
@@ -77,6 +87,7 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     mig: MigConfig = field(default_factory=MigConfig)
     mps: MpsConfig = field(default_factory=MpsConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     @property
     def socket_path(self) -> Path:
@@ -184,6 +195,22 @@ def parse_address(value: str, *, path: str, key: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+ADMISSION_RANGES: dict[str, tuple[float, float]] = {
+    "max_queue": (1, 100_000),
+    "history_window_s": (60.0, 366 * 86400.0),
+    "history_keep": (100, 10_000_000),
+}
+
+
+def _check_admission(admission: AdmissionConfig, *, path: str) -> None:
+    for key, (low, high) in ADMISSION_RANGES.items():
+        value = getattr(admission, key)
+        if not low <= value <= high:
+            raise ConfigError(
+                f"{value} is out of range [{low:g}, {high:g}]", path=path, key=f"admission.{key}"
+            )
+
+
 def validate(config: Config, *, path: str) -> Config:
     """Range checks that types alone do not express."""
     positive = {
@@ -198,6 +225,7 @@ def validate(config: Config, *, path: str) -> Config:
         raise ConfigError("must be >= 1", path=path, key="telemetry.history")
     if config.mig.drain_timeout_s < 0:
         raise ConfigError("must be >= 0", path=path, key="mig.drain_timeout_s")
+    _check_admission(config.admission, path=path)
     parse_address(config.metrics.address, path=path, key="metrics.address")
     if config.api.tcp_address:
         parse_address(config.api.tcp_address, path=path, key="api.tcp_address")
