@@ -106,6 +106,7 @@ def admission_pass(
         if head_demand is not None:
             allowed = _harmless_devices(demand.per_device, head_demand, loads, capacity)
             if len(allowed) < demand.count:
+                stuck.add(job.request)
                 continue
         devices = fit.place(job.request, loads.total, allowed=allowed)
         if devices is None:

@@ -82,3 +82,11 @@ def test_bad_traces_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     short.write_text("a,b,c\n")
     with pytest.raises(TraceError, match=r"short.csv:1: 3 fields"):
         load(short, gpu_memory_bytes=GIB)
+
+
+def test_plot_draws_both_distributions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")  # the "plot" extra
+    out = tmp_path / "waits.png"
+    assert main([str(PAI), "--gpus", "16", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "WWS" in capsys.readouterr().out

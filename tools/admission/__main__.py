@@ -1,4 +1,4 @@
-"""``python -m tools.admission bench [--json] [--detail] [--jobs N] [--seed S]``."""
+"""``python -m tools.admission bench [--json] [--detail] [--jobs N] [--seed S] [--mix M]``."""
 
 from __future__ import annotations
 
@@ -17,8 +17,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--detail", action="store_true", help="add per-class quotes and waits")
     b.add_argument("--jobs", type=int, default=30000, help="jobs per utilisation")
     b.add_argument("--seed", type=int, default=1)
+    b.add_argument(
+        "--mix",
+        choices=("pools", "shared"),
+        default="pools",
+        help="request sizes in separate pools (default) or sharing whole GPUs",
+    )
     args = parser.parse_args(argv)
-    result = bench.run(jobs=args.jobs, seed=args.seed, detail=args.detail)
+    result = bench.run(jobs=args.jobs, seed=args.seed, detail=args.detail, mix=args.mix)
     if args.json:
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -28,20 +28,23 @@ from gpud.admission.model import Holding
 from gpud.admission.placement_fit import PlacementFit
 from gpud.admission.queue import Queued, admission_pass
 from tools.admission.sim import simulate
-from tools.admission.workload import CLASSES, bench_node, generate
+from tools.admission.workload import CLASSES, MIXES, bench_node, generate, shared_node
 
 UTILIZATIONS = (0.5, 0.7, 0.8, 0.9, 0.95)
 WARMUP_FRACTION = 0.1
 
 
-def run(jobs: int = 30000, seed: int = 1, detail: bool = False) -> dict[str, Any]:
-    devices = bench_node()
+def run(
+    jobs: int = 30000, seed: int = 1, detail: bool = False, mix: str = "pools"
+) -> dict[str, Any]:
+    classes = MIXES[mix]
+    devices = bench_node() if mix == "pools" else shared_node()
     fit = PlacementFit(devices)
-    requests = {c.name: c.request for c in CLASSES}
+    requests = {c.name: c.request for c in classes}
     out: dict[str, Any] = {"utilizations": {}}
     mean_waits = []
     for rho in UTILIZATIONS:
-        trace = generate(devices, rho, jobs, seed)
+        trace = generate(devices, rho, jobs, seed, classes)
         bf = simulate(trace, fit, backfill=True)
         fifo = simulate(trace, fit, backfill=False)
         views = class_views(fit, requests, bf.records, now=bf.end)
@@ -82,7 +85,7 @@ def run(jobs: int = 30000, seed: int = 1, detail: bool = False) -> dict[str, Any
     xs = [math.log(1.0 / (1.0 - rho)) for rho in UTILIZATIONS]
     ys = [math.log(w) for w in mean_waits]
     out["wait_slope"] = _slope(xs, ys)
-    out["pass_ms"] = pass_ms(fit)
+    out["pass_ms"] = pass_ms(PlacementFit(bench_node()))
     return out
 
 

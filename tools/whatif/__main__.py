@@ -96,12 +96,14 @@ def plot(before: Replay, after: Replay, out: Path) -> None:
     from tools.netsim.plot import _pyplot
 
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharex=True, sharey=True)
     for ax, (name, run) in zip(axes, (("as is", before), ("modified", after)), strict=True):
         waits = sorted(run.waits)
         n = len(waits)
         ax.step(waits, [(i + 1) / n for i in range(n)], where="post")
-        ax.set_title(f"{name}: {run.unfeasible} unfeasible of {run.jobs}")
+        mean = sum(waits) / n if n else 0.0
+        ax.axvline(mean, linestyle="--", linewidth=0.8, color="gray")
+        ax.set_title(f"{name}: mean {mean:.0f} s; {run.unfeasible} of {run.jobs} unfeasible")
         ax.set_xlabel("wait (s)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of jobs")
