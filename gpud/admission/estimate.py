@@ -2,7 +2,9 @@
 
 A history record is one job run: when it asked (``queued_at``; the same as ``started_at``
 for a job that started at once), when it started and, once it ended, when. Rates count
-arrivals over the window; service moments use the runs that ended in it.
+arrivals over the window; service moments use the runs that ended in it. A class none of
+whose runs has ended yet uses how long its runs have been running (a lower bound), so that
+a long first run still weighs on the quotes of the jobs waiting for its devices.
 """
 
 from __future__ import annotations
@@ -55,11 +57,16 @@ def estimate(
     by_class: dict[str, list[Record]] = {}
     for r in chosen:
         by_class.setdefault(r.request_class, []).append(r)
-    return {key: _stats(rs, span) for key, rs in sorted(by_class.items())}
+    return {key: _stats(rs, span, now) for key, rs in sorted(by_class.items())}
 
 
-def _stats(records: Sequence[Record], span: float) -> ClassStats:
+def _stats(records: Sequence[Record], span: float, now: float) -> ClassStats:
     services = [s for r in records if (s := r.service_s) is not None]
+    completions = len(services)
+    if not services:
+        services = [
+            now - r.started_at for r in records if r.started_at is not None and now > r.started_at
+        ]
     waits = [w for r in records if (w := r.wait_s) is not None]
     mean = sum(services) / len(services) if services else None
     scv = 1.0
@@ -69,7 +76,7 @@ def _stats(records: Sequence[Record], span: float) -> ClassStats:
     return ClassStats(
         arrivals=len(records),
         arrival_rate=len(records) / span,
-        completions=len(services),
+        completions=completions,
         mean_service_s=mean,
         scv_service=scv,
         mean_wait_s=sum(waits) / len(waits) if waits else None,

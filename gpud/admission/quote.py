@@ -16,13 +16,17 @@ variability factor is not allowed below 1: for service times less variable than
 exponential the M/M/k wait (plain Erlang C) is kept, an upper bound there, where
 Allen-Cunneen's own factor under-estimates at few servers. ``rho_c >= 1``: the queue grows
 without bound and the quote is infinite.
+
+Classes whose devices overlap wait in one FIFO order (backfill lets a job by only where it
+cannot delay the head, which is rare when sizes share devices), so a class is quoted no less
+than any class it shares devices with: a small job queued behind a large one waits for it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +91,16 @@ def class_quotes(classes: Sequence[ClassModel]) -> dict[str, ClassQuote]:
         scv = max(second / mean**2 - 1.0, 0.0) if mean > 0 else 0.0
         wait = mgk_wait(c.k_eff, rho * c.k_eff, mean, scv)
         out[c.key] = ClassQuote(c.key, wait, rho, c.k_eff, mean, scv)
-    return out
+    by_key = {c.key: c for c in classes}
+    return {
+        key: replace(
+            q,
+            wait_s=max(
+                other.wait_s for other in out.values() if by_key[other.key].pool & by_key[key].pool
+            ),
+        )
+        for key, q in out.items()
+    }
 
 
 def job_quote(quote: ClassQuote, *, ahead: int, waited_s: float) -> float:

@@ -121,3 +121,21 @@ def test_class_views_and_job_quotes() -> None:
     assert q.wait_s == pytest.approx(mgk_wait(1, 0.5, 50.0, 0.0))
     assert job_quote(q, ahead=3, waited_s=0.0) == pytest.approx(max(q.wait_s, 200.0))
     assert job_quote(ClassQuote("x", math.inf, 1.0, 1, 1.0, 1.0), ahead=0, waited_s=0.0) == math.inf
+
+
+def test_classes_sharing_devices_are_quoted_no_less_than_each_other() -> None:
+    from gpud.admission.quote import ClassModel, class_quotes
+
+    pool = frozenset({"GPU-0", "GPU-1"})
+    small = ClassModel("small", 0.001, 100.0, 1.0, 4, pool)
+    large = ClassModel("large", 0.0005, 1000.0, 1.0, 1, pool)
+    alone = ClassModel("alone", 0.001, 100.0, 1.0, 4, frozenset({"MIG-0"}))
+    quotes = class_quotes([small, large, alone])
+    assert quotes["small"].wait_s == quotes["large"].wait_s > 0
+    assert quotes["alone"].wait_s < quotes["small"].wait_s
+    assert quotes["small"].servers == 4 and quotes["large"].servers == 1
+
+
+def test_a_class_with_no_ended_run_counts_its_running_time() -> None:
+    stats = estimate([Record("a", "big", 0.0, 0.0, None)], now=300.0)["big"]
+    assert stats.completions == 0 and stats.mean_service_s == pytest.approx(300.0)
