@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -84,6 +85,19 @@ def test_second_job_waits_with_a_quote_and_survives_a_restart(tmp_path: Path) ->
         assert "quote_seconds" in runs[0]
         waited = (tmp_path / "b.err").read_text()
         assert "position 1" in waited and "expected wait" in waited, waited
+        # The metrics after a queued run: wait histogram, quote error, Little's law.
+        daemon.gpuctl("status")  # one more tick after b started
+        time.sleep(1.5)
+        text = daemon.metrics()
+        assert 'gpud_admission_queue_length{feasibility="quotable"} 0.0' in text
+        assert "gpud_admission_wait_seconds_count 5.0" in text  # 3 warm-ups, a and b
+        assert "gpud_admission_quote_error_runs 1.0" in text
+        promtool = shutil.which("promtool")
+        assert promtool, "promtool is required (Debian package prometheus)"
+        lint = subprocess.run(
+            [promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False
+        )
+        assert lint.returncode == 0, lint.stdout + lint.stderr
     finally:
         go.touch()
         for proc in (first, second):
