@@ -112,6 +112,7 @@ def class_message(v: ClassView) -> pb.ClassModel:
         msg.mean_service_seconds = v.quote.mean_service_s
         msg.scv_service = v.quote.scv_service
         msg.utilization = v.quote.rho
+        msg.packing_efficiency = v.quote.efficiency
         if math.isinf(v.quote.wait_s):
             msg.unbounded = True
         else:

@@ -17,6 +17,13 @@ exponential the M/M/k wait (plain Erlang C) is kept, an upper bound there, where
 Allen-Cunneen's own factor under-estimates at few servers. ``rho_c >= 1``: the queue grows
 without bound and the quote is infinite.
 
+Servers that free up in pieces. When requests of different sizes share devices, FIFO leaves
+capacity idle while a large job waits for enough of it: the pool does less work than ``k``
+servers would. The *packing efficiency* ``eta`` (:func:`packing_efficiency`) is the share of
+the pool's capacity busy while jobs wait for it, from the history (1 for a pool of one size:
+whenever someone waits, every server is busy). The quote uses ``rho / eta``: the load against
+the capacity the pool really puts to work.
+
 Classes whose devices overlap wait in one FIFO order (backfill lets a job by only where it
 cannot delay the head, which is rare when sizes share devices), so a class is quoted no less
 than any class it shares devices with: a small job queued behind a large one waits for it.
@@ -37,16 +44,53 @@ class ClassModel:
     scv_service: float
     k_eff: int
     pool: frozenset[str]
+    efficiency: float = 1.0  # packing efficiency of the pool, (0, 1]
 
 
 @dataclass(frozen=True, slots=True)
 class ClassQuote:
     key: str
     wait_s: float  # mean wait; inf when the class's pool is overloaded
-    rho: float
+    rho: float  # offered utilisation of its pool
     servers: int
     mean_service_s: float  # of the mixture that frees this class's servers
     scv_service: float
+    efficiency: float = 1.0
+
+
+MIN_EFFICIENCY = 0.05
+
+
+def packing_efficiency(
+    jobs: Sequence[tuple[float, float | None, float | None, float]], *, now: float
+) -> float:
+    """Share of a pool's capacity in use while some job waits for it.
+
+    ``jobs``: ``(queued_at, started_at, ended_at, share)`` of each job of the classes on the
+    pool, ``share`` its fraction of the pool's capacity; ``None``: not yet (counted to
+    ``now``). 1 when nobody waited."""
+    events: list[tuple[float, float, int]] = []  # (time, capacity change, waiting change)
+    for queued, started, ended, share in jobs:
+        begin = now if started is None else started
+        if begin > queued:
+            events.append((queued, 0.0, 1))
+            events.append((begin, 0.0, -1))
+        if started is not None:
+            events.append((started, share, 0))
+            events.append((now if ended is None else ended, -share, 0))
+    events.sort(key=lambda e: e[0])
+    busy = waiting = 0.0
+    used = 0.0
+    waiters = 0
+    last = events[0][0] if events else 0.0
+    for t, d_use, d_wait in events:
+        if waiters > 0 and t > last:
+            busy += used * (t - last)
+            waiting += t - last
+        last = t
+        used += d_use
+        waiters += d_wait
+    return min(busy / waiting, 1.0) if waiting > 0 else 1.0
 
 
 def erlang_c(k: int, a: float) -> float:
@@ -89,8 +133,9 @@ def class_quotes(classes: Sequence[ClassModel]) -> dict[str, ClassQuote]:
         mean = sum(w * j.mean_service_s for w, j in weights) / total
         second = sum(w * j.mean_service_s**2 * (1 + j.scv_service) for w, j in weights) / total
         scv = max(second / mean**2 - 1.0, 0.0) if mean > 0 else 0.0
-        wait = mgk_wait(c.k_eff, rho * c.k_eff, mean, scv)
-        out[c.key] = ClassQuote(c.key, wait, rho, c.k_eff, mean, scv)
+        eta = min(max(c.efficiency, MIN_EFFICIENCY), 1.0)
+        wait = mgk_wait(c.k_eff, rho / eta * c.k_eff, mean, scv)
+        out[c.key] = ClassQuote(c.key, wait, rho, c.k_eff, mean, scv, eta)
     by_key = {c.key: c for c in classes}
     return {
         key: replace(

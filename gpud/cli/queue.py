@@ -4,7 +4,8 @@
 
     gpuctl queue                 position, job, request, time waited, quote; unfeasible last
     gpuctl queue --explain       and per request class: k_eff per resource, the binding one,
-                                 arrival rate, service time, utilisation, mean wait
+                                 arrival rate, service time, utilisation, packing
+                                 efficiency, mean wait
     gpuctl queue --leave ID      take a queued entry out
     gpuctl queue --json
 """
@@ -29,6 +30,7 @@ CLASS_HEADERS = (
     "MEAN SERVICE",
     "CV2",
     "RHO",
+    "PACKING",
     "MEAN WAIT",
 )
 
@@ -67,7 +69,7 @@ def entry_row(e: pb.QueueEntry) -> tuple[str, ...]:
 
 def class_row(c: pb.ClassModel) -> tuple[str, ...]:
     if c.unfeasible_reason:
-        return (c.request, "0", "-", "-", str(c.history_runs), "-", "-", "-", "-", "never")
+        return (c.request, "0", "-", "-", str(c.history_runs), "-", "-", "-", "-", "-", "never")
     wait = "unbounded" if c.unbounded else "-"
     if c.HasField("quote_seconds"):
         wait = seconds(c.quote_seconds)
@@ -81,6 +83,7 @@ def class_row(c: pb.ClassModel) -> tuple[str, ...]:
         seconds(c.mean_service_seconds) if c.mean_service_seconds else "-",
         f"{c.scv_service:.2f}",
         f"{c.utilization:.2f}",
+        f"{c.packing_efficiency:.0%}" if c.packing_efficiency else "-",
         wait,
     )
 

@@ -139,3 +139,13 @@ def test_classes_sharing_devices_are_quoted_no_less_than_each_other() -> None:
 def test_a_class_with_no_ended_run_counts_its_running_time() -> None:
     stats = estimate([Record("a", "big", 0.0, 0.0, None)], now=300.0)["big"]
     assert stats.completions == 0 and stats.mean_service_s == pytest.approx(300.0)
+
+
+def test_packing_efficiency_is_the_busy_share_while_jobs_wait() -> None:
+    from gpud.admission.quote import packing_efficiency
+
+    # Two GPUs; a one-GPU job runs [0, 10); a two-GPU job waits over [0, 10) with one GPU
+    # idle (share 1/2 busy), then runs [10, 20).
+    jobs = [(0.0, 0.0, 10.0, 0.5), (0.0, 10.0, 20.0, 1.0)]
+    assert packing_efficiency(jobs, now=20.0) == pytest.approx(0.5)
+    assert packing_efficiency([(0.0, 0.0, 5.0, 1.0)], now=5.0) == 1.0  # nobody waited
