@@ -186,6 +186,7 @@ class AdmissionService:
         self._starting: Entry | None = None
         self._fit: tuple[tuple[Device, ...], FitCheck] | None = None
         self._demands: dict[Request, Demand | Unfeasible] = {}
+        self._views_cache: tuple[object, dict[str, ClassView]] | None = None
         # Little's law on the daemon's own measurements: the integral of the queue length.
         self._area = 0.0
         self._area_since: float | None = None
@@ -386,7 +387,29 @@ class AdmissionService:
         return list(self._views(fit, self.entries()).values())
 
     def _views(self, fit: FitCheck, queued: Sequence[Entry]) -> dict[str, ClassView]:
+        """The class models; recomputed when the history, the queue's classes, the devices
+        or the second change (every waiting ``gpuctl`` polls, every scrape asks)."""
         now = self._clock()
+        with self._store.transaction() as conn:
+            row = conn.execute(
+                "SELECT COUNT(*), MAX(id), COUNT(ended_at) FROM job_history"
+            ).fetchone()
+        key = (
+            tuple(row),
+            tuple(sorted({e.placement.describe() for e in queued})),
+            id(fit),
+            int(now),
+            self.config.history_window_s,
+        )
+        if self._views_cache is not None and self._views_cache[0] == key:
+            return self._views_cache[1]
+        views = self._compute_views(fit, queued, now)
+        self._views_cache = (key, views)
+        return views
+
+    def _compute_views(
+        self, fit: FitCheck, queued: Sequence[Entry], now: float
+    ) -> dict[str, ClassView]:
         history = self.history(since=now - self.config.history_window_s)
         requests = {h.request_class: request_of(h.request) for h in history}
         for e in queued:

@@ -45,6 +45,7 @@ EXIT_CANNOT_EXEC = 127
 EXIT_INTERRUPTED = 130
 EXIT_TAKEN = ERROR_TABLE[ResourceExhausted][1]
 POLL_S = 1.0
+QUEUE_OFF = "admission queue is off"  # gpud's message when admission.enabled = false
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -104,8 +105,8 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
         try:
             entry = wait_in_queue(ctx, reserve_request(args))
         except CliError as queue_err:
-            if str(queue_err).startswith("UNIMPLEMENTED"):
-                raise err from None  # a gpud without an admission queue
+            if str(queue_err).startswith("UNIMPLEMENTED") or QUEUE_OFF in str(queue_err):
+                raise err from None  # a gpud without an admission queue, or with it off
             raise
         if entry is None:
             return EXIT_INTERRUPTED

@@ -136,3 +136,12 @@ def test_admission_config_is_range_checked() -> None:
     with pytest.raises(ConfigError, match=r"admission\.max_queue"):
         from_dict({"admission": {"max_queue": 0}})
     assert from_dict({"admission": {"backfill": False}}).admission.backfill is False
+
+
+def test_with_admission_off_reservations_work_as_before(node: Node) -> None:
+    node.admission.config = AdmissionConfig(enabled=False)
+    node.jobs.reserve(whole("a", 2))
+    with pytest.raises(FailedPrecondition, match="admission queue is off"):
+        node.admission.enqueue(whole("b"))
+    with pytest.raises(ResourceExhausted, match="reserved by a"):
+        node.jobs.reserve(whole("c"))  # the reservation's own refusal, with the numbers
