@@ -42,7 +42,13 @@ def class_views(
         if p.k_eff and s is not None and s.mean_service_s is not None and isinstance(d, Demand):
             models.append(
                 ClassModel(
-                    key, s.arrival_rate, s.mean_service_s, s.scv_service, p.k_eff, frozenset(d.pool)
+                    key,
+                    s.arrival_rate,
+                    s.mean_service_s,
+                    s.scv_service,
+                    p.k_eff,
+                    frozenset(d.pool),
+                    runs=s.completions,
                 )
             )
     models = _with_efficiency(models, records, now=now, window_s=window_s)

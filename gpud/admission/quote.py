@@ -24,6 +24,13 @@ the pool's capacity busy while jobs wait for it, from the history (1 for a pool 
 whenever someone waits, every server is busy). The quote uses ``rho / eta``: the load against
 the capacity the pool really puts to work.
 
+Estimated, not known. The load comes from ``n`` ended runs of the classes on the pool; its
+relative standard error is about ``sqrt((1 + cs2) / n)`` (arrival count and service times
+both vary), and waits are steep in the load (``d ln W / d ln rho`` grows like
+``1 / (1 - rho)``). The quote is taken at the load's upper confidence bound,
+``rho (1 + 2 sqrt((1 + cs2) / n))``: a short history gives a cautious quote, a long one a
+tight one.
+
 Classes whose devices overlap wait in one FIFO order (backfill lets a job by only where it
 cannot delay the head, which is rare when sizes share devices), so a class is quoted no less
 than any class it shares devices with: a small job queued behind a large one waits for it.
@@ -45,6 +52,7 @@ class ClassModel:
     k_eff: int
     pool: frozenset[str]
     efficiency: float = 1.0  # packing efficiency of the pool, (0, 1]
+    runs: int = 0  # ended runs the service moments come from
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +67,7 @@ class ClassQuote:
 
 
 MIN_EFFICIENCY = 0.05
+CONFIDENCE_Z = 2.0  # the load's upper confidence bound, in standard errors
 
 
 def packing_efficiency(
@@ -119,6 +128,7 @@ def class_quotes(classes: Sequence[ClassModel]) -> dict[str, ClassQuote]:
     for c in classes:
         weights: list[tuple[float, ClassModel]] = []
         rho = 0.0
+        runs = 0
         for j in classes:
             overlap = len(j.pool & c.pool)
             if not overlap or j.k_eff <= 0:
@@ -126,6 +136,7 @@ def class_quotes(classes: Sequence[ClassModel]) -> dict[str, ClassQuote]:
             share = overlap / (j.k_eff * len(c.pool))
             rho += j.arrival_rate * j.mean_service_s * share
             weights.append((j.arrival_rate * share, j))
+            runs += j.runs
         total = sum(w for w, _ in weights)
         if total <= 0:
             out[c.key] = ClassQuote(c.key, 0.0, 0.0, c.k_eff, c.mean_service_s, c.scv_service)
@@ -134,7 +145,10 @@ def class_quotes(classes: Sequence[ClassModel]) -> dict[str, ClassQuote]:
         second = sum(w * j.mean_service_s**2 * (1 + j.scv_service) for w, j in weights) / total
         scv = max(second / mean**2 - 1.0, 0.0) if mean > 0 else 0.0
         eta = min(max(c.efficiency, MIN_EFFICIENCY), 1.0)
-        wait = mgk_wait(c.k_eff, rho / eta * c.k_eff, mean, scv)
+        # The load is an estimate from ``runs`` runs: quote at its upper confidence bound.
+        spread = min(math.sqrt((1.0 + scv) / max(runs, 1)), 1.0)
+        load = rho / eta * (1.0 + CONFIDENCE_Z * spread)
+        wait = mgk_wait(c.k_eff, load * c.k_eff, mean, scv)
         out[c.key] = ClassQuote(c.key, wait, rho, c.k_eff, mean, scv, eta)
     by_key = {c.key: c for c in classes}
     return {

@@ -1,4 +1,5 @@
-"""``python -m tools.admission bench [--json] [--detail] [--jobs N] [--seed S] [--mix M]``."""
+"""``python -m tools.admission bench [--json] [--detail] [--jobs N] [--seed S]
+[--replications R] [--mix pools|shared]``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", action="store_true", help="print JSON (the default is a table)")
     b.add_argument("--detail", action="store_true", help="add per-class quotes and waits")
     b.add_argument("--jobs", type=int, default=30000, help="jobs per utilisation")
-    b.add_argument("--seed", type=int, default=1)
+    b.add_argument("--seed", type=int, default=1, help="seed of the first replication")
+    b.add_argument("--replications", type=int, default=3, help="arrival sequences per utilisation")
     b.add_argument(
         "--mix",
         choices=("pools", "shared"),
@@ -24,7 +26,13 @@ def main(argv: list[str] | None = None) -> int:
         help="request sizes in separate pools (default) or sharing whole GPUs",
     )
     args = parser.parse_args(argv)
-    result = bench.run(jobs=args.jobs, seed=args.seed, detail=args.detail, mix=args.mix)
+    result = bench.run(
+        jobs=args.jobs,
+        seed=args.seed,
+        detail=args.detail,
+        mix=args.mix,
+        replications=args.replications,
+    )
     if args.json:
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")

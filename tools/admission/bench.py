@@ -1,12 +1,14 @@
 """``python -m tools.admission bench --json``: the admission queue against queueing theory.
 
-For each utilisation, one arrival sequence (:mod:`tools.admission.workload`) runs through
-the discrete-event simulation twice, with backfill and in strict FIFO order. Reported:
+For each utilisation, three independent arrival sequences (:mod:`tools.admission.workload`)
+each run through the discrete-event simulation twice, with backfill and in strict FIFO
+order; waits are pooled over the three (one run's mean wait at low load is noisy: waits come
+in rare bursts). Reported:
 
-- ``littles_residual``: ``|L - lambda W| / L`` on the backfill run, ``L`` integrated from
+- ``littles_residual``: ``|L - lambda W| / L`` on the backfill runs (the largest), ``L`` integrated from
   the queue's own length and ``lambda W`` from the per-job waits;
 - ``quote_over_observed``: the smallest, over classes, of the class's quote (from the
-  simulated history, as the daemon computes it) over its observed mean wait: >= 1 means
+  simulated histories, as the daemon computes it) over its observed mean wait: >= 1 means
   every class's quote was conservative (``--detail`` prints each class);
 - ``backfill_over_fifo_wait``: mean wait with backfill over mean wait in strict FIFO;
 - ``wait_slope``: the slope of log(mean wait) against log(1 / (1 - rho)) (1: wait grows
@@ -35,8 +37,14 @@ WARMUP_FRACTION = 0.1
 
 
 def run(
-    jobs: int = 30000, seed: int = 1, detail: bool = False, mix: str = "pools"
+    jobs: int = 30000,
+    seed: int = 1,
+    detail: bool = False,
+    mix: str = "pools",
+    replications: int = 3,
 ) -> dict[str, Any]:
+    """``replications`` independent arrival sequences (seeds ``seed``, ``seed + 1``, ...) per
+    utilisation: observed waits are pooled over them, quotes averaged."""
     classes = MIXES[mix]
     devices = bench_node() if mix == "pools" else shared_node()
     fit = PlacementFit(devices)
@@ -44,40 +52,50 @@ def run(
     out: dict[str, Any] = {"utilizations": {}}
     mean_waits = []
     for rho in UTILIZATIONS:
-        trace = generate(devices, rho, jobs, seed, classes)
-        bf = simulate(trace, fit, backfill=True)
-        fifo = simulate(trace, fit, backfill=False)
-        views = class_views(fit, requests, bf.records, now=bf.end)
-        # Observed waits after a warm-up, as a steady-state quote describes.
-        warm = bf.records[int(len(bf.records) * WARMUP_FRACTION) :]
         observed: dict[str, list[float]] = {}
-        for r in warm:
-            if r.wait_s is not None:
-                observed.setdefault(r.request_class, []).append(r.wait_s)
+        quoted: dict[str, list[float]] = {}
+        k_eff: dict[str, int | None] = {}
+        residual = 0.0
+        bf_waits: list[float] = []
+        fifo_waits: list[float] = []
+        for replication in range(replications):
+            trace = generate(devices, rho, jobs, seed + replication, classes)
+            bf = simulate(trace, fit, backfill=True)
+            fifo = simulate(trace, fit, backfill=False)
+            views = class_views(fit, requests, bf.records, now=bf.end)
+            # Observed waits after a warm-up, as a steady-state quote describes.
+            for r in bf.records[int(len(bf.records) * WARMUP_FRACTION) :]:
+                if r.wait_s is not None:
+                    observed.setdefault(r.request_class, []).append(r.wait_s)
+            for key, view in views.items():
+                if view.quote is not None:
+                    quoted.setdefault(key, []).append(view.quote.wait_s)
+                k_eff[key] = view.packing.k_eff if view.packing else None
+            residual = max(
+                residual, littles_residual(bf.records, bf.queue_area, start=bf.start, end=bf.end)
+            )
+            bf_waits.extend(r.wait_s or 0.0 for r in bf.records)
+            fifo_waits.extend(
+                r.wait_s if r.wait_s is not None else fifo.end - r.queued_at for r in fifo.records
+            )
         ratios = {}
         for key, waits in observed.items():
-            quote = views[key].quote
             mean = statistics.fmean(waits)
-            ratios[key] = quote.wait_s / mean if quote is not None and mean > 0 else math.inf
-        bf_wait = statistics.fmean(r.wait_s or 0.0 for r in bf.records)
-        fifo_wait = statistics.fmean(
-            (r.wait_s if r.wait_s is not None else fifo.end - r.queued_at) for r in fifo.records
-        )
+            quote = statistics.fmean(quoted[key]) if key in quoted else math.inf
+            ratios[key] = quote / mean if mean > 0 else math.inf
         mean_waits.append(statistics.fmean(w for ws in observed.values() for w in ws))
         row: dict[str, Any] = {
-            "littles_residual": littles_residual(
-                bf.records, bf.queue_area, start=bf.start, end=bf.end
-            ),
+            "littles_residual": residual,
             "quote_over_observed": min(ratios.values()),
-            "backfill_over_fifo_wait": bf_wait / fifo_wait,
+            "backfill_over_fifo_wait": statistics.fmean(bf_waits) / statistics.fmean(fifo_waits),
         }
         if detail:
             row["classes"] = {
                 key: {
-                    "quote_s": views[key].quote.wait_s if views[key].quote else None,  # type: ignore[union-attr]
+                    "quote_s": statistics.fmean(quoted[key]) if key in quoted else None,
                     "observed_s": statistics.fmean(observed[key]),
                     "quote_over_observed": ratios[key],
-                    "k_eff": views[key].packing.k_eff if views[key].packing else None,  # type: ignore[union-attr]
+                    "k_eff": k_eff.get(key),
                 }
                 for key in sorted(observed)
             }
