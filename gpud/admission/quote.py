@@ -27,8 +27,8 @@ the capacity the pool really puts to work.
 Estimated, not known. The load comes from ``n`` ended runs of the classes on the pool; its
 relative standard error is about ``sqrt((1 + cs2) / n)`` (arrival count and service times
 both vary), and waits are steep in the load (``d ln W / d ln rho`` grows like
-``1 / (1 - rho)``). The quote is taken at the load's upper confidence bound,
-``rho (1 + 2 sqrt((1 + cs2) / n))``: a short history gives a cautious quote, a long one a
+``1 / (1 - rho)``). The quote is taken one standard error up,
+``rho (1 + sqrt((1 + cs2) / n))``: a short history gives a cautious quote, a long one a
 tight one.
 
 Classes whose devices overlap wait in one FIFO order (backfill lets a job by only where it
@@ -67,7 +67,7 @@ class ClassQuote:
 
 
 MIN_EFFICIENCY = 0.05
-CONFIDENCE_Z = 2.0  # the load's upper confidence bound, in standard errors
+CONFIDENCE_Z = 1.0  # the load's upper confidence bound, in standard errors
 
 
 def packing_efficiency(
@@ -145,7 +145,7 @@ def class_quotes(classes: Sequence[ClassModel]) -> dict[str, ClassQuote]:
         second = sum(w * j.mean_service_s**2 * (1 + j.scv_service) for w, j in weights) / total
         scv = max(second / mean**2 - 1.0, 0.0) if mean > 0 else 0.0
         eta = min(max(c.efficiency, MIN_EFFICIENCY), 1.0)
-        # The load is an estimate from ``runs`` runs: quote at its upper confidence bound.
+        # The load is an estimate from ``runs`` runs: quote it one standard error up.
         spread = min(math.sqrt((1.0 + scv) / max(runs, 1)), 1.0)
         load = rho / eta * (1.0 + CONFIDENCE_Z * spread)
         wait = mgk_wait(c.k_eff, load * c.k_eff, mean, scv)

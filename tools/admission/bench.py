@@ -2,8 +2,8 @@
 
 For each utilisation, three independent arrival sequences (:mod:`tools.admission.workload`)
 each run through the discrete-event simulation twice, with backfill and in strict FIFO
-order; waits are pooled over the three (one run's mean wait at low load is noisy: waits come
-in rare bursts). Reported:
+order; waits are pooled over the three (one run's mean wait is noisy: waits come in bursts),
+and the quotes come from the three histories laid end to end, as one node's. Reported:
 
 - ``littles_residual``: ``|L - lambda W| / L`` on the backfill runs (the largest), ``L`` integrated from
   the queue's own length and ``lambda W`` from the per-job waits;
@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from gpud.admission.classes import class_views
-from gpud.admission.estimate import littles_residual
+from gpud.admission.estimate import Record, littles_residual
 from gpud.admission.model import Holding
 from gpud.admission.placement_fit import PlacementFit
 from gpud.admission.queue import Queued, admission_pass
@@ -44,7 +44,8 @@ def run(
     replications: int = 3,
 ) -> dict[str, Any]:
     """``replications`` independent arrival sequences (seeds ``seed``, ``seed + 1``, ...) per
-    utilisation: observed waits are pooled over them, quotes averaged."""
+    utilisation: observed waits are pooled over them; the quotes come from their histories
+    laid end to end."""
     classes = MIXES[mix]
     devices = bench_node() if mix == "pools" else shared_node()
     fit = PlacementFit(devices)
@@ -53,8 +54,8 @@ def run(
     mean_waits = []
     for rho in UTILIZATIONS:
         observed: dict[str, list[float]] = {}
-        quoted: dict[str, list[float]] = {}
-        k_eff: dict[str, int | None] = {}
+        history: list[Record] = []
+        offset = 0.0
         residual = 0.0
         bf_waits: list[float] = []
         fifo_waits: list[float] = []
@@ -62,15 +63,13 @@ def run(
             trace = generate(devices, rho, jobs, seed + replication, classes)
             bf = simulate(trace, fit, backfill=True)
             fifo = simulate(trace, fit, backfill=False)
-            views = class_views(fit, requests, bf.records, now=bf.end)
             # Observed waits after a warm-up, as a steady-state quote describes.
             for r in bf.records[int(len(bf.records) * WARMUP_FRACTION) :]:
                 if r.wait_s is not None:
                     observed.setdefault(r.request_class, []).append(r.wait_s)
-            for key, view in views.items():
-                if view.quote is not None:
-                    quoted.setdefault(key, []).append(view.quote.wait_s)
-                k_eff[key] = view.packing.k_eff if view.packing else None
+            # One node's history: the replications one after the other.
+            history.extend(_shifted(r, offset - bf.start, replication) for r in bf.records)
+            offset += bf.end - bf.start
             residual = max(
                 residual, littles_residual(bf.records, bf.queue_area, start=bf.start, end=bf.end)
             )
@@ -78,11 +77,14 @@ def run(
             fifo_waits.extend(
                 r.wait_s if r.wait_s is not None else fifo.end - r.queued_at for r in fifo.records
             )
+        views = class_views(fit, requests, history, now=offset)
         ratios = {}
+        quoted: dict[str, float] = {}
         for key, waits in observed.items():
             mean = statistics.fmean(waits)
-            quote = statistics.fmean(quoted[key]) if key in quoted else math.inf
-            ratios[key] = quote / mean if mean > 0 else math.inf
+            view = views[key].quote
+            quoted[key] = view.wait_s if view is not None else math.inf
+            ratios[key] = quoted[key] / mean if mean > 0 else math.inf
         mean_waits.append(statistics.fmean(w for ws in observed.values() for w in ws))
         row: dict[str, Any] = {
             "littles_residual": residual,
@@ -92,10 +94,10 @@ def run(
         if detail:
             row["classes"] = {
                 key: {
-                    "quote_s": statistics.fmean(quoted[key]) if key in quoted else None,
+                    "quote_s": quoted[key],
                     "observed_s": statistics.fmean(observed[key]),
                     "quote_over_observed": ratios[key],
-                    "k_eff": k_eff.get(key),
+                    "k_eff": views[key].packing.k_eff if views[key].packing else None,  # type: ignore[union-attr]
                 }
                 for key in sorted(observed)
             }
@@ -105,6 +107,19 @@ def run(
     out["wait_slope"] = _slope(xs, ys)
     out["pass_ms"] = pass_ms(PlacementFit(bench_node()))
     return out
+
+
+def _shifted(r: Record, by: float, replication: int) -> Record:
+    def move(t: float | None) -> float | None:
+        return None if t is None else t + by
+
+    return Record(
+        f"{replication}/{r.job}",
+        r.request_class,
+        r.queued_at + by,
+        move(r.started_at),
+        move(r.ended_at),
+    )
 
 
 def _slope(xs: list[float], ys: list[float]) -> float:
