@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from typing import Any
 
 from tools.admission import bench
 
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         replications=args.replications,
     )
     if args.json:
-        json.dump(result, sys.stdout, indent=2)
+        json.dump(_finite(result), sys.stdout, indent=2, allow_nan=False)
         sys.stdout.write("\n")
         return 0
     print(f"{'rho':>5} {'littles_residual':>17} {'quote/observed':>15} {'backfill/fifo':>14}")
@@ -45,6 +47,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"wait slope vs 1/(1-rho): {result['wait_slope']:.2f}; pass: {result['pass_ms']:.2f} ms")
     return 0
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no infinity: an unbounded quote (and its ratio) prints as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return value
 
 
 if __name__ == "__main__":
