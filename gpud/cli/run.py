@@ -30,7 +30,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from types import FrameType
 
 from gpud.cli.context import EXIT_NOT_RUNNING, EXIT_USAGE, CliError, Context, Subparsers
@@ -125,18 +124,29 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
 
 def wait_in_queue(ctx: Context, request: pb.ReserveRequest) -> queue_pb2.QueueEntry | None:
     """Queue ``request`` and poll until it starts (its entry, with reservation and env);
-    None when Ctrl-C took it out of the queue."""
+    None when Ctrl-C (or SIGTERM, SIGHUP) took it out of the queue.
+
+    The signals only set a flag while waiting: raised inside a gRPC call, KeyboardInterrupt
+    could leave the channel unusable for the Leave call that follows."""
     queue = ctx.stub(queue_pb2_grpc.QueueStub)
     entry: queue_pb2.QueueEntry = ctx.call(queue.Enqueue, queue_pb2.EnqueueRequest(request=request))
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, on_signal) for sig in _FORWARDED} if main else {}
     shown = ""
     away = False
     try:
-        while entry.state == queue_pb2.ENTRY_STATE_QUEUED:
+        while entry.state == queue_pb2.ENTRY_STATE_QUEUED and not stop.is_set():
             line = queued_line(entry)
             if line != shown:
                 print(f"gpuctl: {line}", file=sys.stderr, flush=True)
                 shown = line
-            time.sleep(POLL_S)
+            if stop.wait(POLL_S):
+                break
             try:
                 entry = ctx.call(
                     ctx.stub(queue_pb2_grpc.QueueStub).GetEntry,
@@ -151,17 +161,34 @@ def wait_in_queue(ctx: Context, request: pb.ReserveRequest) -> queue_pb2.QueueEn
                     away = True
                 ctx.close()  # a fresh channel once gpud is back
     except KeyboardInterrupt:
-        try:
-            ctx.call(ctx.stub(queue_pb2_grpc.QueueStub).Leave, queue_pb2.LeaveRequest(id=entry.id))
-            print(f"gpuctl: job {entry.job} left the queue", file=sys.stderr)
-        except CliError as err:
-            # gpud drops the entry by itself once this process is gone.
-            print(f"gpuctl: could not leave the queue: {err}", file=sys.stderr)
+        stop.set()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if stop.is_set():
+        _leave(ctx, entry)
         return None
     if entry.state != queue_pb2.ENTRY_STATE_STARTED:
         raise CliError(f"job {entry.job} left the queue ({entry.id})", 1)
     print(f"gpuctl: {queued_line(entry)}", file=sys.stderr, flush=True)
     return entry
+
+
+def _leave(ctx: Context, entry: queue_pb2.QueueEntry) -> None:
+    """Out of the queue; a job that started meanwhile gives its reservation back."""
+    try:
+        left: queue_pb2.QueueEntry = ctx.call(
+            ctx.stub(queue_pb2_grpc.QueueStub).Leave, queue_pb2.LeaveRequest(id=entry.id)
+        )
+        if left.state == queue_pb2.ENTRY_STATE_STARTED and left.reservation.id:
+            ctx.call(
+                ctx.stub(pb_grpc.JobsStub).Release,
+                pb.ReleaseRequest(reservation_id=left.reservation.id),
+            )
+        print(f"gpuctl: job {entry.job} left the queue", file=sys.stderr)
+    except CliError as err:
+        # gpud drops the entry (and reaps the reservation) once this process is gone.
+        print(f"gpuctl: could not leave the queue: {err}", file=sys.stderr)
 
 
 def _launch(command: list[str], env: dict[str, str]) -> int:
