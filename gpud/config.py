@@ -92,6 +92,17 @@ class MpsConfig:
 
 
 @dataclass(frozen=True)
+class AdmissionConfig:
+    enabled: bool = True  # queue jobs that cannot start now; false: run fails as before
+    backfill: bool = True  # start later jobs that cannot delay the head of the queue
+    max_queue: int = ranged(1000, 1, 100_000)  # queued jobs at most
+    # job history the quotes are estimated from
+    history_window_s: float = ranged(7 * 86400.0, 60.0, 366 * 86400.0)
+    history_keep: int = ranged(100_000, 100, 10_000_000)  # job history rows kept
+    mig_config: Path | None = None  # mig-parted file whose configs are offered as remedies
+
+
+@dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
@@ -100,6 +111,7 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     mig: MigConfig = field(default_factory=MigConfig)
     mps: MpsConfig = field(default_factory=MpsConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     @property
     def socket_path(self) -> Path:

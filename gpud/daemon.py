@@ -27,10 +27,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpud import __version__
+from gpud.admission.api import QueueServicer
+from gpud.admission.metrics import AdmissionMetrics
+from gpud.admission.service import AdmissionService, mig_file_layouts
 from gpud.api.node import NodeServicer
 from gpud.api.ports import NodeInfo
 from gpud.api.server import ApiServer
-from gpud.backend.port import GpuBackend
+from gpud.backend.port import GpuBackend, GpuIdentity
 from gpud.config import Config, parse_address
 from gpud.errors import ConfigError, GpudError
 from gpud.events import EventLog
@@ -145,6 +148,13 @@ class Daemon:
             enabled=config.mps.enabled,
         )
         self.jobs = JobService(self.store, self.events, self.mps, socket_path=config.socket_path)
+        self.admission = AdmissionService(
+            self.store, self.jobs, self.mps, self.events, config.admission, products=self._products
+        )
+        if config.admission.mig_config is not None:
+            self.admission.set_mig_file_layouts(
+                mig_file_layouts(config.admission.mig_config, self._identities)
+            )
         self.mig = MigManager(
             backend,
             self.store,
@@ -155,7 +165,12 @@ class Daemon:
             quiesce=self.sampler.paused,
             on_reset=self.sampler.gpu_reset,
         )
-        for source in (MigMetrics(self.mig), MpsMetrics(self.mps), JobMetrics(self.jobs)):
+        for source in (
+            MigMetrics(self.mig),
+            MpsMetrics(self.mps),
+            JobMetrics(self.jobs),
+            AdmissionMetrics(self.admission),
+        ):
             self.collector.add_source(source)
         self.api = ApiServer(
             config.socket_path,
@@ -166,6 +181,7 @@ class Daemon:
                 MigServicer(self.mig, default_drain_timeout_s=config.mig.drain_timeout_s).register,
                 MpsServicer(self.mps, loads=self.jobs.loads).register,
                 JobsServicer(self.jobs).register,
+                QueueServicer(self.admission).register,
             ],
         )
         self.steps: list[Step] = []
@@ -174,6 +190,7 @@ class Daemon:
         self.add_step("mig", self._mig_step)
         self.add_step("mps", self._mps_step)
         self.add_step("jobs", self._jobs_step)
+        self.add_step("admission", self._admission_step)
         self.on_shutdown(self.mps.stop)
 
     def _faulty_gpus(self) -> dict[int, str]:
@@ -190,6 +207,16 @@ class Daemon:
 
     async def _jobs_step(self) -> None:
         await asyncio.to_thread(self.jobs.tick, self.sampler.latest())
+
+    async def _admission_step(self) -> None:
+        await asyncio.to_thread(self.admission.tick)
+
+    def _identities(self) -> list[GpuIdentity]:
+        snap = self.sampler.latest()
+        return [g.identity for g in snap.gpus] if snap else []
+
+    def _products(self) -> dict[int, str]:
+        return {i.index: i.product for i in self._identities()}
 
     def _reboot_sim(self) -> None:
         """A simulated reboot under a running daemon: instances go, as on a real node; the
@@ -372,6 +399,7 @@ class Daemon:
                     },
                 )
         self.config = new
+        self.admission.config = new.admission
         logging.getLogger().setLevel(new.daemon.log_level.upper())
         self.sampler.interval_s = new.telemetry.interval_s
         self.sampler.ignored_xids = frozenset(new.telemetry.ignored_xids)

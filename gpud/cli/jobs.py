@@ -5,19 +5,23 @@
     gpuctl jobs add infer-a --kind inference --mig 3g.40gb --threads 40 --memory 20GiB --slo-p99-ms 25
     gpuctl jobs ls
     gpuctl jobs rm infer-a [--force]
+    gpuctl jobs add train-b --gpus 2 --memory 70GiB --queue   # start it when it fits
+    gpuctl jobs history [--limit N] [--json]                  # runs: asked, started, ended
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 
 from gpud.cli.context import CliError, Context, Subparsers
 from gpud.cli.mps import size_arg
+from gpud.cli.output import seconds
 from gpud.shared import format_size
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
-from gpud.v1 import mps_pb2, mps_pb2_grpc
+from gpud.v1 import mps_pb2, mps_pb2_grpc, queue_pb2, queue_pb2_grpc
 
 HEADERS = (
     "JOB",
@@ -73,6 +77,11 @@ def register(subparsers: Subparsers) -> None:
     add.add_argument("name")
     add_placement_options(add)
     add.add_argument("--slo-p99-ms", type=float, metavar="MS", help="inference latency SLO")
+    add.add_argument(
+        "--queue",
+        action="store_true",
+        help="also queue it: reserve its devices when they free (release with jobs rm --force)",
+    )
     add.set_defaults(run=run_add)
     rm = commands.add_parser("rm", help="remove a job")
     rm.add_argument("name")
@@ -81,6 +90,9 @@ def register(subparsers: Subparsers) -> None:
     ls = commands.add_parser("ls", help="list jobs, their reservations and GPU memory use")
     ls.add_argument("name", nargs="?")
     ls.set_defaults(run=run_ls)
+    history = commands.add_parser("history", help="job runs: when asked, started, ended")
+    history.add_argument("--limit", type=int, metavar="N", help="the newest N runs")
+    history.set_defaults(run=run_history)
 
 
 def placement(job: pb.Job) -> str:
@@ -163,10 +175,67 @@ def run_add(ctx: Context, args: argparse.Namespace) -> int:
         job.slo_p99_ms = args.slo_p99_ms
     resp: pb.AddJobResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).AddJob, pb.AddJobRequest(job=job))
     warn_if_mps_off(ctx, args)
+    if args.queue:
+        entry: queue_pb2.QueueEntry = ctx.call(
+            ctx.stub(queue_pb2_grpc.QueueStub).Enqueue,
+            queue_pb2.EnqueueRequest(
+                request=pb.ReserveRequest(job=args.name), keep_unfeasible=True
+            ),
+        )
+        if ctx.out.json:
+            ctx.out.print_json({"job": resp.job, "entry": entry})
+        else:
+            ctx.out.print_table(HEADERS, [job_row(resp.job)])
+            ctx.out.print(queued_line(entry))
+        return 0
     if ctx.out.json:
         ctx.out.print_json(resp.job)
     else:
         ctx.out.print_table(HEADERS, [job_row(resp.job)])
+    return 0
+
+
+def queued_line(entry: queue_pb2.QueueEntry) -> str:
+    """One line on a queue entry, as ``gpuctl run`` and ``jobs add --queue`` print it."""
+    if entry.state == queue_pb2.ENTRY_STATE_STARTED:
+        return f"job {entry.job} started (reservation {entry.reservation.id})"
+    if entry.unfeasible_reason:
+        remedy = f"; {entry.remedy}" if entry.remedy else ""
+        return f"job {entry.job} queued ({entry.id}) but cannot start here: {entry.unfeasible_reason}{remedy}"
+    if entry.unbounded:
+        quote = "no bound on the wait (its devices are overloaded)"
+    elif entry.HasField("quote_seconds"):
+        quote = f"expected wait {seconds(entry.quote_seconds)}"
+    else:
+        quote = "no history to quote a wait from yet"
+    return f"job {entry.job} queued ({entry.id}): position {entry.position}, {quote}"
+
+
+HISTORY_HEADERS = ("JOB", "REQUEST", "QUEUED", "WAITED", "QUOTED", "RAN")
+
+
+def run_history(ctx: Context, args: argparse.Namespace) -> int:
+    request = queue_pb2.HistoryRequest()
+    if args.limit is not None:
+        request.limit = args.limit
+    resp: queue_pb2.HistoryResponse = ctx.call(ctx.stub(queue_pb2_grpc.QueueStub).History, request)
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+        return 0
+    rows = []
+    for r in resp.records:
+        queued = datetime.datetime.fromtimestamp(r.queued_unix_seconds).strftime(
+            "%Y-%m-%d %H:%M:%S"
+        )
+        ran = (
+            seconds(r.ended_unix_seconds - r.started_unix_seconds)
+            if r.HasField("ended_unix_seconds")
+            else "running"
+        )
+        quoted = seconds(r.quote_seconds) if r.HasField("quote_seconds") else "-"
+        waited = seconds(r.started_unix_seconds - r.queued_unix_seconds)
+        rows.append((r.job, r.request, queued, waited, quoted, ran))
+    ctx.out.print_table(HISTORY_HEADERS, rows)
     return 0
 
 

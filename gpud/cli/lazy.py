@@ -17,11 +17,19 @@ import sys
 from types import ModuleType
 from typing import Any
 
-# Generated code under gpud.v1 (tools/protogen), one pair per service.
+# The proto files under proto/gpud/v1 and the ones each imports (a test keeps this true):
+# a generated module needs its imports' descriptors loaded before its own.
+PROTO_IMPORTS: dict[str, tuple[str, ...]] = {
+    "node": (),
+    "mig": (),
+    "mps": (),
+    "jobs": (),
+    "queue": ("jobs",),
+}
+
+# Generated code under gpud.v1 (tools/protogen), one pair per proto file.
 GENERATED = tuple(
-    f"gpud.v1.{service}_{suffix}"
-    for service in ("node", "mig", "mps", "jobs")
-    for suffix in ("pb2", "pb2_grpc")
+    f"gpud.v1.{service}_{suffix}" for service in PROTO_IMPORTS for suffix in ("pb2", "pb2_grpc")
 )
 
 
@@ -37,6 +45,7 @@ class _Deferred(ModuleType):
         with self.__dict__["_deferred_lock"]:
             real: ModuleType | None = self.__dict__["_deferred_real"]
             if real is None:
+                _load_imports(self.__name__)
                 if sys.modules.get(self.__name__) is self:
                     del sys.modules[self.__name__]
                 real = importlib.import_module(self.__name__)  # sets the parent's attribute
@@ -45,6 +54,16 @@ class _Deferred(ModuleType):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real(), name)
+
+
+def _load_imports(name: str) -> None:
+    """Load the real modules of the proto files that ``name``'s proto file imports: the
+    generated code's ``from gpud.v1 import jobs_pb2`` would bind only a stand-in."""
+    service = name.rpartition(".")[2].removesuffix("_grpc").removesuffix("_pb2")
+    for dependency in PROTO_IMPORTS.get(service, ()):
+        module = sys.modules.get(f"gpud.v1.{dependency}_pb2")
+        if isinstance(module, _Deferred):
+            module._real()
 
 
 def defer(*names: str) -> None:

@@ -3,6 +3,7 @@
 ::
 
     gpuctl run --job infer-a --kind inference --mig 3g.40gb --threads 40 --memory 20GiB -- python serve.py
+    gpuctl run --job train-b --gpus 2 --memory 70GiB --no-wait -- ./train   # fail if taken
     gpuctl env --job infer-a            # export lines, for a Slurm prolog or a container hook
     gpuctl env --job infer-a --json
 
@@ -12,6 +13,12 @@ gpuctl process, so gpud releases it even if gpuctl is killed), starts the comman
 current environment, forwards SIGINT/SIGTERM/SIGHUP to it, releases the reservation when it
 ends and exits with its exit status (128 + N when killed by signal N; 127 when the command
 cannot be started).
+
+When the devices it asks for are taken, ``run`` queues the job (unless ``--no-wait``) and
+waits, printing its position and expected wait whenever they change, until gpud starts it;
+then it runs as above. Ctrl-C while waiting leaves the queue. If gpud restarts meanwhile,
+``run`` keeps waiting and finds its entry again. A request the node can never host fails at
+once, saying why and which MIG layout would host it.
 """
 
 from __future__ import annotations
@@ -25,19 +32,26 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from types import FrameType
 
-from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
+from gpud.cli.context import EXIT_NOT_RUNNING, EXIT_USAGE, CliError, Context, Subparsers
 from gpud.cli.jobs import (
     add_placement_options,
     fill_placement,
     kind_value,
     mps_options,
+    queued_line,
     warn_no_effect,
 )
+from gpud.errors import ERROR_TABLE, ResourceExhausted
 from gpud.shared import shell_exports
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
+from gpud.v1 import queue_pb2, queue_pb2_grpc
 
 EXIT_CANNOT_EXEC = 127
+EXIT_INTERRUPTED = 130
+EXIT_TAKEN = ERROR_TABLE[ResourceExhausted][1]
+POLL_S = 1.0
+QUEUE_OFF = "admission queue is off"  # gpud's message when admission.enabled = false
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -47,6 +61,9 @@ def register(subparsers: Subparsers) -> None:
     )
     run.add_argument("--job", required=True, metavar="NAME")
     add_placement_options(run)
+    run.add_argument(
+        "--no-wait", action="store_true", help="fail if its devices are taken instead of queueing"
+    )
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
     run.set_defaults(run=run_run)
     env = subparsers.add_parser("env", help="print the environment of a job (export lines)")
@@ -85,17 +102,38 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
             "run: give the command after --, e.g. gpuctl run --job a -- ./train", EXIT_USAGE
         )
     stub = ctx.stub(pb_grpc.JobsStub)
-    resp: pb.ReserveResponse = ctx.call(stub.Reserve, reserve_request(args))
-    reservation = resp.reservation.id
+    try:
+        resp: pb.ReserveResponse = ctx.call(stub.Reserve, reserve_request(args))
+        reservation, devices, granted = (
+            resp.reservation.id,
+            list(resp.reservation.devices),
+            dict(resp.env),
+        )
+    except CliError as err:
+        if err.exit_code != EXIT_TAKEN or args.no_wait:
+            raise
+        try:
+            entry = wait_in_queue(ctx, reserve_request(args))
+        except CliError as queue_err:
+            if str(queue_err).startswith("UNIMPLEMENTED") or QUEUE_OFF in str(queue_err):
+                raise err from None  # a gpud without an admission queue, or with it off
+            raise
+        if entry is None:
+            return EXIT_INTERRUPTED
+        reservation, devices, granted = (
+            entry.reservation.id,
+            list(entry.reservation.devices),
+            dict(entry.env),
+        )
+    stub = ctx.stub(pb_grpc.JobsStub)
     options = mps_options(args)
-    if options and "CUDA_MPS_PIPE_DIRECTORY" not in resp.env:
-        devices = ", ".join(resp.reservation.devices)
+    if options and "CUDA_MPS_PIPE_DIRECTORY" not in granted:
         warn_no_effect(
             options,
-            f"no MPS control daemon serves {devices} (gpud's mps.enabled is off, MPS is "
-            "disabled for the device, or the job spans several devices)",
+            f"no MPS control daemon serves {', '.join(devices)} (gpud's mps.enabled is off, "
+            "MPS is disabled for the device, or the job spans several devices)",
         )
-    env = {**os.environ, **resp.env}
+    env = {**os.environ, **granted}
     try:
         return _launch(command, env)
     finally:
@@ -104,6 +142,77 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
         except CliError as err:
             # gpud releases it by itself once this process is gone.
             print(f"gpuctl: could not release reservation {reservation}: {err}", file=sys.stderr)
+
+
+def wait_in_queue(ctx: Context, request: pb.ReserveRequest) -> queue_pb2.QueueEntry | None:
+    """Queue ``request`` and poll until it starts (its entry, with reservation and env);
+    None when Ctrl-C (or SIGTERM, SIGHUP) took it out of the queue.
+
+    The signals only set a flag while waiting: raised inside a gRPC call, KeyboardInterrupt
+    could leave the channel unusable for the Leave call that follows."""
+    import threading  # imported here: only a queued `gpuctl run` pays for it
+
+    queue = ctx.stub(queue_pb2_grpc.QueueStub)
+    entry: queue_pb2.QueueEntry = ctx.call(queue.Enqueue, queue_pb2.EnqueueRequest(request=request))
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, on_signal) for sig in _FORWARDED} if main else {}
+    shown = ""
+    away = False
+    try:
+        while entry.state == queue_pb2.ENTRY_STATE_QUEUED and not stop.is_set():
+            line = queued_line(entry)
+            if line != shown:
+                print(f"gpuctl: {line}", file=sys.stderr, flush=True)
+                shown = line
+            if stop.wait(POLL_S):
+                break
+            try:
+                entry = ctx.call(
+                    ctx.stub(queue_pb2_grpc.QueueStub).GetEntry,
+                    queue_pb2.GetEntryRequest(id=entry.id),
+                )
+                away = False
+            except CliError as err:
+                if err.exit_code != EXIT_NOT_RUNNING:
+                    raise
+                if not away:
+                    print(f"gpuctl: {err}; still queued, waiting", file=sys.stderr, flush=True)
+                    away = True
+                ctx.close()  # a fresh channel once gpud is back
+    except KeyboardInterrupt:
+        stop.set()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if stop.is_set():
+        _leave(ctx, entry)
+        return None
+    if entry.state != queue_pb2.ENTRY_STATE_STARTED:
+        raise CliError(f"job {entry.job} left the queue ({entry.id})", 1)
+    print(f"gpuctl: {queued_line(entry)}", file=sys.stderr, flush=True)
+    return entry
+
+
+def _leave(ctx: Context, entry: queue_pb2.QueueEntry) -> None:
+    """Out of the queue; a job that started meanwhile gives its reservation back."""
+    try:
+        left: queue_pb2.QueueEntry = ctx.call(
+            ctx.stub(queue_pb2_grpc.QueueStub).Leave, queue_pb2.LeaveRequest(id=entry.id)
+        )
+        if left.state == queue_pb2.ENTRY_STATE_STARTED and left.reservation.id:
+            ctx.call(
+                ctx.stub(pb_grpc.JobsStub).Release,
+                pb.ReleaseRequest(reservation_id=left.reservation.id),
+            )
+        print(f"gpuctl: job {entry.job} left the queue", file=sys.stderr)
+    except CliError as err:
+        # gpud drops the entry (and reaps the reservation) once this process is gone.
+        print(f"gpuctl: could not leave the queue: {err}", file=sys.stderr)
 
 
 def _launch(command: list[str], env: dict[str, str]) -> int:

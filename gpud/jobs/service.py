@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -41,6 +42,14 @@ class RunRequest:
     holder_pid: int | None = None
 
 
+# Called inside the transaction that adds ("reserve") or removes ("release") a reservation,
+# with the job as placed (its request, before the placement override).
+ReservationObserver = Callable[[str, Reservation, JobSpec], None]
+# Where a job may start now, given its effective spec: its devices; raise ResourceExhausted
+# (the admission queue's own check, so that no job jumps the queue); None: no opinion.
+Gate = Callable[[JobSpec], tuple[str, ...] | None]
+
+
 @dataclass(frozen=True, slots=True)
 class Launch:
     job: JobSpec
@@ -61,6 +70,7 @@ class JobService:
         cgroup_pattern: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        self._store = store
         self.registry = JobRegistry(store, clock=clock)
         self.reservations = Reservations(store, proc_root=proc_root, clock=clock)
         self._events = events
@@ -73,6 +83,22 @@ class JobService:
         )
         self._lock = threading.RLock()  # placement is check-then-insert
         self._uses: list[ProcessUse] = []
+        self._observers: list[ReservationObserver] = []
+        self.gate: Gate | None = None
+
+    def add_observer(self, observer: ReservationObserver) -> None:
+        self._observers.append(observer)
+
+    def _notify(self, what: str, reservation: Reservation) -> None:
+        job = self.registry.find(reservation.job)
+        for observer in self._observers:
+            observer(what, reservation, job if job is not None else JobSpec(reservation.job))
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold placement still (no reservation is added meanwhile)."""
+        with self._lock:
+            yield
 
     def job_of(self, pid: int) -> str | None:
         """The job ``pid`` belongs to (by its ``GPUD_JOB`` or cgroup), or None."""
@@ -93,7 +119,9 @@ class JobService:
                     f" ({', '.join(r.id for r in held)}); release them or force"
                 )
             job = self.registry.remove(name)
-            self.reservations.release_job(name)
+            with self._store.transaction():
+                for r in self.reservations.release_job(name):
+                    self._notify("release", r)
         self._events.emit("job.remove", f"job {name} removed", job=name)
         return job
 
@@ -101,9 +129,9 @@ class JobService:
         return self.reservations.loads(lambda uuid: self._mps.limits(uuid).memory_bytes)
 
     # -- reservations ----------------------------------------------------------------------
-    def reserve(self, request: RunRequest, *, preview: bool = False) -> Launch:
-        """Register the job if new, place it, record the reservation (unless ``preview``),
-        and return the environment to launch it with."""
+    def job_for(self, request: RunRequest, *, preview: bool = False) -> tuple[JobSpec, bool]:
+        """The registered job ``request`` names, registering it first if new (unless
+        ``preview``); True when it was new."""
         with self._lock:
             job = self.registry.find(request.job)
             created = job is None
@@ -127,7 +155,22 @@ class JobService:
                     f"job {job.name!r} is registered as {job.kind}, not {request.kind}",
                     field="kind",
                 )
+            return job, created
+
+    def reserve(
+        self, request: RunRequest, *, preview: bool = False, admitted: bool = False
+    ) -> Launch:
+        """Register the job if new, place it, record the reservation (unless ``preview``),
+        and return the environment to launch it with. Unless ``admitted`` (started by the
+        admission queue itself), the :attr:`gate` decides where it may start."""
+        with self._lock:
+            job, created = self.job_for(request, preview=preview)
             effective = _override(job, request)
+            placed = effective
+            if self.gate is not None and not preview and not admitted:
+                where = self.gate(effective)
+                if where is not None:
+                    effective = replace(effective, devices=where, mig_profile=None, gpu_count=None)
             devices = self._mps.targets()
             if not devices:
                 raise Unavailable("no GPU seen yet: the daemon is starting, retry shortly")
@@ -144,14 +187,17 @@ class JobService:
                     effective.effective_priority, None, 0.0,
                 )  # fmt: skip
             else:
-                reservation = self.reservations.add(
-                    job.name,
-                    uuids,
-                    threads_percent=effective.threads_percent,
-                    memory_bytes=effective.memory_bytes,
-                    client_priority=effective.effective_priority,
-                    holder_pid=request.holder_pid,
-                )
+                with self._store.transaction():
+                    reservation = self.reservations.add(
+                        job.name,
+                        uuids,
+                        threads_percent=effective.threads_percent,
+                        memory_bytes=effective.memory_bytes,
+                        client_priority=effective.effective_priority,
+                        holder_pid=request.holder_pid,
+                    )
+                    for observer in self._observers:
+                        observer("reserve", reservation, placed)
                 self._events.emit(
                     "job.reserve",
                     f"job {job.name} reserved {', '.join(uuids)}",
@@ -176,7 +222,9 @@ class JobService:
         return self.reserve(RunRequest(job=name), preview=True).env
 
     def release(self, reservation_id: str) -> Reservation:
-        reservation = self.reservations.release(reservation_id)
+        with self._store.transaction():
+            reservation = self.reservations.release(reservation_id)
+            self._notify("release", reservation)
         self._events.emit(
             "job.release",
             f"job {reservation.job} released {', '.join(reservation.devices)}",
@@ -188,7 +236,11 @@ class JobService:
     # -- the tick --------------------------------------------------------------------------
     def tick(self, snapshot: Snapshot | None) -> None:
         """Release reservations of dead holders; attribute the snapshot's processes."""
-        for r in self.reservations.reap():
+        with self._store.transaction():
+            reaped = self.reservations.reap()
+            for r in reaped:
+                self._notify("release", r)
+        for r in reaped:
             self._events.emit(
                 "job.release",
                 f"job {r.job} released {', '.join(r.devices)}: holder pid {r.holder_pid} is gone",

@@ -258,6 +258,7 @@ def test_mps_limits_held_restarted_and_handed_to_jobs(tmp_path: Path) -> None:
                 "big",
                 *hold,
                 "40GiB",
+                "--no-wait",
                 "--",
                 "touch",
                 str(tmp_path / "ran"),

@@ -1,0 +1,189 @@
+"""``gpud.v1.Queue``: the admission queue over the API (``gpuctl run`` when a job must
+wait, ``gpuctl jobs add --queue``, ``gpuctl queue``, ``gpuctl jobs history``).
+
+Calls touch SQLite and /proc: they run in a worker thread, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+from gpud.admission.classes import ClassView
+from gpud.admission.model import Demand, Unfeasible
+from gpud.admission.service import QUEUED, STARTED, AdmissionService, EntryView, HistoryRow
+from gpud.api.validate import int_range, non_empty, optional
+from gpud.errors import InvalidArgument
+from gpud.jobs.api import kind_from_pb, reservation_message
+from gpud.jobs.registry import check_name
+from gpud.jobs.service import RunRequest
+from gpud.v1 import jobs_pb2
+from gpud.v1 import queue_pb2 as pb
+from gpud.v1 import queue_pb2_grpc as pb_grpc
+
+MAX_DEVICES = 64
+MAX_OWNER = 128
+_STATE = {QUEUED: pb.ENTRY_STATE_QUEUED, STARTED: pb.ENTRY_STATE_STARTED}
+
+
+def run_request(request: jobs_pb2.ReserveRequest) -> RunRequest:
+    int_range(len(request.devices), 0, MAX_DEVICES, field="devices")
+    for d in request.devices:
+        non_empty(d, field="devices", max_len=96)
+    if len(request.owner) > MAX_OWNER:
+        raise InvalidArgument(f"longer than {MAX_OWNER} characters", field="owner")
+    return RunRequest(
+        job=check_name(request.job),
+        kind=kind_from_pb(request.kind),
+        owner=request.owner,
+        mig_profile=optional(request, "mig_profile"),
+        gpu_count=optional(request, "gpu_count"),
+        devices=tuple(request.devices),
+        threads_percent=optional(request, "threads_percent"),
+        memory_bytes=optional(request, "memory_limit_bytes"),
+        client_priority=optional(request, "client_priority"),
+        holder_pid=optional(request, "holder_pid"),
+    )
+
+
+def reserve_request(r: RunRequest) -> jobs_pb2.ReserveRequest:
+    msg = jobs_pb2.ReserveRequest(job=r.job, owner=r.owner, devices=list(r.devices))
+    if r.kind is not None:
+        msg.kind = (
+            jobs_pb2.JOB_KIND_INFERENCE
+            if r.kind.value == "inference"
+            else jobs_pb2.JOB_KIND_TRAINING
+        )
+    for field, value in (
+        ("mig_profile", r.mig_profile),
+        ("gpu_count", r.gpu_count),
+        ("threads_percent", r.threads_percent),
+        ("memory_limit_bytes", r.memory_bytes),
+        ("client_priority", r.client_priority),
+    ):
+        if value is not None:
+            setattr(msg, field, value)
+    return msg
+
+
+def entry_message(v: EntryView) -> pb.QueueEntry:
+    e = v.entry
+    msg = pb.QueueEntry(
+        id=e.id,
+        job=e.job,
+        request=e.placement.describe(),
+        state=_STATE.get(e.state, pb.ENTRY_STATE_LEFT),
+        position=v.position,
+        enqueued_unix_seconds=e.enqueued_at,
+        waited_seconds=v.waited_s,
+        env=v.env,
+    )
+    if v.quote_s is not None:
+        if math.isinf(v.quote_s):
+            msg.unbounded = True
+        else:
+            msg.quote_seconds = v.quote_s
+    if v.unfeasible is not None:
+        msg.unfeasible_reason = v.unfeasible.reason
+        msg.remedy = v.unfeasible.remedy
+    if v.reservation is not None:
+        msg.reservation.CopyFrom(reservation_message(v.reservation))
+    if e.request.holder_pid is not None:
+        msg.holder_pid = e.request.holder_pid
+    return msg
+
+
+def class_message(v: ClassView) -> pb.ClassModel:
+    msg = pb.ClassModel(request=v.key)
+    if isinstance(v.demand, Unfeasible):
+        msg.unfeasible_reason = v.demand.reason
+    if v.packing is not None:
+        if v.packing.k_eff is not None:
+            msg.k_eff = v.packing.k_eff
+        msg.binding = v.packing.binding or ""
+        msg.pool_devices = v.packing.pool_size
+        for name, k in v.packing.vector.items():
+            msg.dimensions.add(name=name, k=k)
+    if v.stats is not None:
+        msg.arrival_rate_per_second = v.stats.arrival_rate
+        msg.history_runs = v.stats.arrivals
+    if v.quote is not None:
+        msg.mean_service_seconds = v.quote.mean_service_s
+        msg.scv_service = v.quote.scv_service
+        msg.utilization = v.quote.rho
+        msg.packing_efficiency = v.quote.efficiency
+        if math.isinf(v.quote.wait_s):
+            msg.unbounded = True
+        else:
+            msg.quote_seconds = v.quote.wait_s
+    elif isinstance(v.demand, Demand) and v.stats is not None and v.stats.mean_service_s:
+        msg.mean_service_seconds = v.stats.mean_service_s
+        msg.scv_service = v.stats.scv_service
+    return msg
+
+
+def history_message(h: HistoryRow) -> pb.HistoryRecord:
+    msg = pb.HistoryRecord(
+        job=h.job,
+        request=h.request_class,
+        reservation=h.reservation,
+        queued_unix_seconds=h.queued_at,
+        started_unix_seconds=h.started_at,
+        placement=reserve_request(h.request),
+    )
+    if h.ended_at is not None:
+        msg.ended_unix_seconds = h.ended_at
+    if h.quote_s is not None:
+        msg.quote_seconds = h.quote_s
+    return msg
+
+
+class QueueServicer(pb_grpc.QueueServicer):
+    def __init__(self, service: AdmissionService) -> None:
+        self._service = service
+
+    def register(self, server: Any) -> None:
+        """Add this service to a ``grpc.aio.Server`` (an ``ApiServer`` registrar)."""
+        pb_grpc.add_QueueServicer_to_server(self, server)
+
+    async def Enqueue(self, request: pb.EnqueueRequest, context: Any) -> pb.QueueEntry:  # noqa: N802
+        def enqueue() -> pb.QueueEntry:
+            return entry_message(
+                self._service.enqueue(
+                    run_request(request.request), keep_unfeasible=request.keep_unfeasible
+                )
+            )
+
+        return await asyncio.to_thread(enqueue)
+
+    async def GetEntry(self, request: pb.GetEntryRequest, context: Any) -> pb.QueueEntry:  # noqa: N802
+        def get() -> pb.QueueEntry:
+            return entry_message(self._service.view(non_empty(request.id, field="id", max_len=64)))
+
+        return await asyncio.to_thread(get)
+
+    async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.QueueEntry:  # noqa: N802
+        def leave() -> pb.QueueEntry:
+            return entry_message(self._service.leave(non_empty(request.id, field="id", max_len=64)))
+
+        return await asyncio.to_thread(leave)
+
+    async def ListQueue(self, request: pb.ListQueueRequest, context: Any) -> pb.ListQueueResponse:  # noqa: N802
+        def list_queue() -> pb.ListQueueResponse:
+            resp = pb.ListQueueResponse(
+                entries=[entry_message(v) for v in self._service.queue_views()]
+            )
+            if request.explain:
+                resp.classes.extend(class_message(v) for v in self._service.explain())
+            return resp
+
+        return await asyncio.to_thread(list_queue)
+
+    async def History(self, request: pb.HistoryRequest, context: Any) -> pb.HistoryResponse:  # noqa: N802
+        def history() -> pb.HistoryResponse:
+            limit = optional(request, "limit")
+            rows = self._service.history(limit=limit)
+            return pb.HistoryResponse(records=[history_message(h) for h in reversed(rows)])
+
+        return await asyncio.to_thread(history)

@@ -1,0 +1,103 @@
+"""Arrival rate and service-time moments per request class, from the node's job history.
+
+A history record is one job run: when it asked (``queued_at``; the same as ``started_at``
+for a job that started at once), when it started and, once it ended, when. Rates count
+arrivals over the window; service moments use the runs that ended in it. A class none of
+whose runs has ended yet uses how long its runs have been running (a lower bound), so that
+a long first run still weighs on the quotes of the jobs waiting for its devices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    job: str
+    request_class: str
+    queued_at: float
+    started_at: float | None
+    ended_at: float | None
+    quote_s: float | None = None
+
+    @property
+    def wait_s(self) -> float | None:
+        return None if self.started_at is None else self.started_at - self.queued_at
+
+    @property
+    def service_s(self) -> float | None:
+        if self.started_at is None or self.ended_at is None:
+            return None
+        return self.ended_at - self.started_at
+
+
+@dataclass(frozen=True, slots=True)
+class ClassStats:
+    arrivals: int
+    arrival_rate: float  # per second
+    completions: int
+    mean_service_s: float | None
+    scv_service: float  # squared coefficient of variation; 1 until two runs have ended
+    mean_wait_s: float | None
+
+
+def estimate(
+    records: Iterable[Record], *, now: float, window_s: float | None = None
+) -> dict[str, ClassStats]:
+    """Per-class statistics over ``[now - window_s, now]`` (all history when None)."""
+    since = -math.inf if window_s is None else now - window_s
+    chosen = [r for r in records if r.queued_at >= since and r.queued_at <= now]
+    if not chosen:
+        return {}
+    start = max(min(r.queued_at for r in chosen), since)
+    span = max(now - start, 1e-9)
+    by_class: dict[str, list[Record]] = {}
+    for r in chosen:
+        by_class.setdefault(r.request_class, []).append(r)
+    return {key: _stats(rs, span, now) for key, rs in sorted(by_class.items())}
+
+
+def _stats(records: Sequence[Record], span: float, now: float) -> ClassStats:
+    services = [s for r in records if (s := r.service_s) is not None]
+    completions = len(services)
+    if not services:
+        services = [
+            now - r.started_at for r in records if r.started_at is not None and now > r.started_at
+        ]
+    waits = [w for r in records if (w := r.wait_s) is not None]
+    mean = sum(services) / len(services) if services else None
+    scv = 1.0
+    if mean and len(services) >= 2:
+        var = sum((s - mean) ** 2 for s in services) / (len(services) - 1)
+        scv = var / mean**2
+    return ClassStats(
+        arrivals=len(records),
+        arrival_rate=len(records) / span,
+        completions=completions,
+        mean_service_s=mean,
+        scv_service=scv,
+        mean_wait_s=sum(waits) / len(waits) if waits else None,
+    )
+
+
+def littles_residual(
+    records: Sequence[Record], queue_area: float, *, start: float, end: float
+) -> float:
+    """``|L - lambda W| / L`` over ``[start, end]``: ``queue_area`` is the integral of the
+    queue length measured by the queue itself; ``lambda W`` comes from the records' waits
+    (a job still waiting at ``end`` counts its wait so far)."""
+    total = 0.0
+    for r in records:
+        began = r.started_at if r.started_at is not None and r.started_at <= end else end
+        lo, hi = max(r.queued_at, start), min(began, end)
+        if hi > lo:
+            total += hi - lo
+    span = end - start
+    if queue_area <= 0 or span <= 0:
+        return 0.0
+    lam_w = total / span
+    ell = queue_area / span
+    return abs(ell - lam_w) / ell

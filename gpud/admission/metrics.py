@@ -1,0 +1,73 @@
+"""Admission metrics, a metric source for :class:`gpud.metrics.Collector`::
+
+    gpud_admission_queue_length{feasibility}          queued jobs: quotable / unfeasible
+    gpud_admission_wait_seconds                       histogram of waits in the history window
+    gpud_admission_quote_error_seconds                mean of (observed - quoted) wait over
+                                                      the window's queued runs
+    gpud_admission_quote_error_runs                   queued runs that mean is over
+    gpud_admission_littles_law_residual_ratio         |L - lambda W| / L since gpud started
+
+A positive quote error means waits ran longer than quoted (the quotes are meant to err the
+other way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from gpud.admission.service import AdmissionService
+
+BUCKETS = (1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
+
+
+class AdmissionMetrics:
+    """``collector.add_source(AdmissionMetrics(service))``."""
+
+    def __init__(self, service: AdmissionService) -> None:
+        self._service = service
+
+    def __call__(self) -> Iterator[Metric]:
+        length = GaugeMetricFamily(
+            "gpud_admission_queue_length", "Jobs in the admission queue.", labels=("feasibility",)
+        )
+        views = self._service.queue_views()
+        unfeasible = sum(1 for v in views if v.unfeasible is not None)
+        length.add_metric(["quotable"], float(len(views) - unfeasible))
+        length.add_metric(["unfeasible"], float(unfeasible))
+        yield length
+        now = self._service.now()
+        history = self._service.history(since=now - self._service.config.history_window_s)
+        waits = [h.started_at - h.queued_at for h in history]
+        counts = [0] * len(BUCKETS)
+        for w in waits:
+            for i, bound in enumerate(BUCKETS):
+                if w <= bound:
+                    counts[i] += 1
+        buckets = [(f"{b:g}", float(c)) for b, c in zip(BUCKETS, counts, strict=True)]
+        buckets.append(("+Inf", float(len(waits))))
+        wait = HistogramMetricFamily(
+            "gpud_admission_wait_seconds", "Time from asking to starting, per job run."
+        )
+        wait.add_metric([], buckets, sum_value=float(sum(waits)))
+        yield wait
+        errors = [h.started_at - h.queued_at - h.quote_s for h in history if h.quote_s is not None]
+        error = GaugeMetricFamily(
+            "gpud_admission_quote_error_seconds",
+            "Mean observed minus quoted wait of queued runs in the history window.",
+        )
+        error.add_metric([], sum(errors) / len(errors) if errors else 0.0)
+        runs = GaugeMetricFamily(
+            "gpud_admission_quote_error_runs", "Queued runs with a quote in the history window."
+        )
+        runs.add_metric([], float(len(errors)))
+        yield from (error, runs)
+        residual = self._service.littles_residual()
+        if residual is not None:
+            little = GaugeMetricFamily(
+                "gpud_admission_littles_law_residual_ratio",
+                "Relative gap between the mean queue length and arrival rate times mean wait.",
+            )
+            little.add_metric([], residual)
+            yield little

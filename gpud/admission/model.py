@@ -1,0 +1,160 @@
+"""What admission reasons about: requests, holdings, per-device demand vectors, devices.
+
+Every device (a whole GPU or one MIG device, as ``nvidia-smi -L`` lists them) has a
+capacity vector ``(memory bytes, MPS active thread percent)``: the device's framebuffer and
+100 %. A request asks, on each of ``count`` distinct devices of its *pool* (its pinned
+devices, the MIG devices of its profile, or the GPUs not in MIG mode), for a demand vector:
+its MPS pinned memory limit (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``) and its active thread
+percentage (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``), 0 where it sets none. A request that
+sets neither shares its devices with anything, as MPS clients do, and never waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+THREADS_CAPACITY = 100  # percent of a device's SMs an MPS client may use
+DIMENSIONS = ("memory", "threads")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Vec:
+    """A per-device resource vector: MPS pinned memory (bytes) and active threads (%)."""
+
+    memory: int = 0
+    threads: int = 0
+
+    def __add__(self, other: Vec) -> Vec:
+        return Vec(self.memory + other.memory, self.threads + other.threads)
+
+    def __sub__(self, other: Vec) -> Vec:
+        return Vec(self.memory - other.memory, self.threads - other.threads)
+
+    def fits_in(self, capacity: Vec) -> bool:
+        return self.memory <= capacity.memory and self.threads <= capacity.threads
+
+    def is_zero(self) -> bool:
+        return self.memory == 0 and self.threads == 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"memory": self.memory, "threads": self.threads}
+
+
+ZERO = Vec()
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A job's placement request, as ``gpuctl run`` gives it (see ``JobSpec``)."""
+
+    devices: tuple[str, ...] = ()  # pinned GPU / MIG UUIDs
+    mig_profile: str | None = None  # one MIG device of this profile
+    gpu_count: int | None = None  # this many whole GPUs (default 1)
+    memory_bytes: int | None = None  # per device
+    threads_percent: int | None = None
+
+    @property
+    def per_device(self) -> Vec:
+        return Vec(self.memory_bytes or 0, self.threads_percent or 0)
+
+    def describe(self) -> str:
+        if self.devices:
+            where = ",".join(self.devices)
+        elif self.mig_profile is not None:
+            where = f"mig {self.mig_profile}"
+        else:
+            where = f"{self.gpu_count or 1} GPU"
+        parts = [where]
+        if self.memory_bytes is not None:
+            parts.append(f"{self.memory_bytes / 2**30:g}GiB")
+        if self.threads_percent is not None:
+            parts.append(f"{self.threads_percent}%")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One GPU or MIG device admission may place on."""
+
+    uuid: str
+    gpu: int
+    mig: int | None  # MIG device index; None for a whole GPU
+    profile: str  # MIG profile ("1g.10gb") or the GPU's product
+    capacity: Vec
+
+    @property
+    def is_mig(self) -> bool:
+        return self.mig is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """What one running job holds: the same demand vector on each of its devices."""
+
+    job: str
+    devices: tuple[str, ...]
+    per_device: Vec
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """A request reduced to vectors: ``count`` distinct devices of ``pool``, each with
+    ``per_device`` free."""
+
+    pool: tuple[str, ...]
+    per_device: Vec
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unfeasible:
+    """Why a request can never start on this node as it is, and what would change that."""
+
+    reason: str
+    remedy: str = ""
+
+
+@dataclass(slots=True)
+class Loads:
+    """Per-device sums of holdings, and the holdings on each device."""
+
+    total: dict[str, Vec] = field(default_factory=dict)
+    on: dict[str, list[Vec]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, holdings: Sequence[Holding]) -> Loads:
+        loads = cls()
+        for h in holdings:
+            loads.add(h)
+        return loads
+
+    def add(self, holding: Holding) -> None:
+        for uuid in holding.devices:
+            self.total[uuid] = self.total.get(uuid, ZERO) + holding.per_device
+            self.on.setdefault(uuid, []).append(holding.per_device)
+
+    def get(self, uuid: str) -> Vec:
+        return self.total.get(uuid, ZERO)
+
+
+class FitCheck(Protocol):
+    """What fits: the node's devices, a request's demand, and where it goes now.
+
+    :class:`gpud.admission.placement_fit.PlacementFit` answers with the reservation code's
+    own placement; any answer must be *monotone*: a request that fits some loads also fits
+    any smaller loads (the backfill guarantee in :mod:`gpud.admission.queue` rests on it).
+    """
+
+    def devices(self) -> Sequence[Device]: ...
+
+    def demand(self, request: Request) -> Demand | Unfeasible:
+        """The request's demand, or why no state of the node can ever host it."""
+        ...
+
+    def place(
+        self, request: Request, loads: Mapping[str, Vec], *, allowed: Collection[str] | None
+    ) -> tuple[str, ...] | None:
+        """Devices for ``request`` now (only among ``allowed``, when given), or None."""
+        ...

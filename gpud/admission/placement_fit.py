@@ -1,0 +1,114 @@
+"""Admission's "what fits", answered by the reservation code's own placement.
+
+:func:`gpud.jobs.placement.choose_devices` accounts MPS pinned memory per device; this adds
+the MPS active thread share (the percentages of the clients on a device add up to at most
+100 %), so that a request that sets ``--threads`` queues instead of over-subscribing SMs.
+Both checks are monotone in the loads, as :class:`~gpud.admission.model.FitCheck` asks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping, Sequence
+
+from gpud.admission.model import (
+    THREADS_CAPACITY,
+    ZERO,
+    Demand,
+    Device,
+    Request,
+    Unfeasible,
+    Vec,
+)
+from gpud.errors import NotFound, ResourceExhausted
+from gpud.jobs.placement import DeviceLoad, choose_devices
+from gpud.jobs.registry import JobSpec
+from gpud.mps.manager import MpsTarget
+from gpud.shared import format_size
+
+_SLICES = re.compile(r"^(?:\d+c\.)?(\d+)g\.")
+
+
+def mig_slices(profile: str) -> int | None:
+    """Compute slices of a MIG profile name ("3g.40gb" -> 3), None for a whole GPU."""
+    m = _SLICES.match(profile)
+    return int(m.group(1)) if m else None
+
+
+class PlacementFit:
+    """:class:`~gpud.admission.model.FitCheck` over a fixed list of devices."""
+
+    def __init__(self, devices: Sequence[Device]) -> None:
+        self._devices = tuple(devices)
+        self._by_uuid = {d.uuid: d for d in self._devices}
+        self._targets = {
+            d.uuid: MpsTarget(d.uuid, d.gpu, d.mig, d.profile, d.capacity.memory)
+            for d in self._devices
+        }
+
+    def devices(self) -> Sequence[Device]:
+        return self._devices
+
+    def demand(self, request: Request) -> Demand | Unfeasible:
+        need = request.per_device
+        if need.threads > THREADS_CAPACITY:
+            return Unfeasible(f"asks {need.threads}% of a device's threads; 100% is all")
+        if request.devices:
+            missing = [u for u in request.devices if u not in self._by_uuid]
+            if missing:
+                return Unfeasible(f"no GPU or MIG device {', '.join(missing)} on this node")
+            pool = tuple(request.devices)
+            count = len(pool)
+        elif request.mig_profile is not None:
+            pool = tuple(
+                d.uuid for d in self._devices if d.is_mig and d.profile == request.mig_profile
+            )
+            count = 1
+            if not pool:
+                have = sorted({d.profile for d in self._devices if d.is_mig})
+                return Unfeasible(
+                    f"no MIG device of profile {request.mig_profile} on this node"
+                    f" (MIG profiles here: {', '.join(have) or 'none'})"
+                )
+        else:
+            pool = tuple(d.uuid for d in self._devices if not d.is_mig)
+            count = request.gpu_count or 1
+            if len(pool) < count:
+                return Unfeasible(
+                    f"asks {count} whole GPUs; this node has {len(pool)} not in MIG mode"
+                )
+        roomy = [u for u in pool if need.fits_in(self._by_uuid[u].capacity)]
+        if len(roomy) < count:
+            largest = max(self._by_uuid[u].capacity.memory for u in pool)
+            return Unfeasible(
+                f"asks {format_size(need.memory)} on each of {count} device(s);"
+                f" {len(roomy)} of them have that much (largest: {format_size(largest)})"
+            )
+        return Demand(pool, need, count)
+
+    def place(
+        self, request: Request, loads: Mapping[str, Vec], *, allowed: Collection[str] | None
+    ) -> tuple[str, ...] | None:
+        need = request.per_device
+        candidates = [
+            self._targets[d.uuid]
+            for d in self._devices
+            if (allowed is None or d.uuid in allowed)
+            and loads.get(d.uuid, ZERO).threads + need.threads <= THREADS_CAPACITY
+        ]
+        device_loads = {
+            uuid: DeviceLoad(load.memory, ()) for uuid, load in loads.items() if load.memory
+        }
+        spec = JobSpec(
+            name="queued",
+            devices=request.devices,
+            mig_profile=request.mig_profile,
+            gpu_count=request.gpu_count,
+        )
+        try:
+            chosen = choose_devices(
+                spec, candidates, device_loads, memory_bytes=request.memory_bytes
+            )
+        except (NotFound, ResourceExhausted):
+            return None
+        return tuple(d.uuid for d in chosen)

@@ -1,0 +1,172 @@
+"""Wait-time quotes: each request class is an M/G/k queue (arXiv 2607.28223).
+
+A class's servers are its ``k_eff`` (:mod:`gpud.admission.packing`). The classes that share
+devices with it load those servers too: a job of class ``j`` occupies ``1/k_j`` of its own
+pool, so it takes ``|pool_j & pool_c| / (k_j |pool_c|)`` of class ``c``'s pool, and the
+utilisation ``c`` sees is ``rho_c = sum_j lambda_j E[S_j] |pool_j & pool_c| / (k_j |pool_c|)``.
+Seen in units of class-``c`` servers, the offered load is ``a = rho_c k_c`` and the service
+time that frees a server is the capacity-weighted mixture of the sharing classes' service
+times (mean ``S``, squared coefficient of variation ``cs2``). The quote is the Allen-Cunneen
+approximation of the M/G/k mean wait,
+
+    W_c = C(k_c, a) * S / (k_c - a) * max(1, (1 + cs2) / 2)
+
+with ``C`` the Erlang-C probability of waiting (Poisson arrivals: ``ca2 = 1``). The
+variability factor is not allowed below 1: for service times less variable than
+exponential the M/M/k wait (plain Erlang C) is kept, an upper bound there, where
+Allen-Cunneen's own factor under-estimates at few servers. ``rho_c >= 1``: the queue grows
+without bound and the quote is infinite.
+
+Servers that free up in pieces. When requests of different sizes share devices, FIFO leaves
+capacity idle while a large job waits for enough of it: the pool does less work than ``k``
+servers would. The *packing efficiency* ``eta`` (:func:`packing_efficiency`) is the share of
+the pool's capacity busy while jobs wait for it, from the history (1 for a pool of one size:
+whenever someone waits, every server is busy). The quote uses ``rho / eta``: the load against
+the capacity the pool really puts to work.
+
+Estimated, not known. The load comes from ``n`` ended runs of the classes on the pool; its
+relative standard error is about ``sqrt((1 + cs2) / n)`` (arrival count and service times
+both vary), and waits are steep in the load (``d ln W / d ln rho`` grows like
+``1 / (1 - rho)``). The quote is taken one standard error up,
+``rho (1 + sqrt((1 + cs2) / n))``: a short history gives a cautious quote, a long one a
+tight one.
+
+Classes whose devices overlap wait in one FIFO order (backfill lets a job by only where it
+cannot delay the head, which is rare when sizes share devices), so a class is quoted no less
+than any class it shares devices with: a small job queued behind a large one waits for it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True, slots=True)
+class ClassModel:
+    key: str
+    arrival_rate: float
+    mean_service_s: float
+    scv_service: float
+    k_eff: int
+    pool: frozenset[str]
+    efficiency: float = 1.0  # packing efficiency of the pool, (0, 1]
+    runs: int = 0  # ended runs the service moments come from
+
+
+@dataclass(frozen=True, slots=True)
+class ClassQuote:
+    key: str
+    wait_s: float  # mean wait; inf when the class's pool is overloaded
+    rho: float  # offered utilisation of its pool
+    servers: int
+    mean_service_s: float  # of the mixture that frees this class's servers
+    scv_service: float
+    efficiency: float = 1.0
+
+
+MIN_EFFICIENCY = 0.05
+CONFIDENCE_Z = 1.0  # the load's upper confidence bound, in standard errors
+
+
+def packing_efficiency(
+    jobs: Sequence[tuple[float, float | None, float | None, float]], *, now: float
+) -> float:
+    """Share of a pool's capacity in use while some job waits for it.
+
+    ``jobs``: ``(queued_at, started_at, ended_at, share)`` of each job of the classes on the
+    pool, ``share`` its fraction of the pool's capacity; ``None``: not yet (counted to
+    ``now``). 1 when nobody waited."""
+    events: list[tuple[float, float, int]] = []  # (time, capacity change, waiting change)
+    for queued, started, ended, share in jobs:
+        begin = now if started is None else started
+        if begin > queued:
+            events.append((queued, 0.0, 1))
+            events.append((begin, 0.0, -1))
+        if started is not None:
+            events.append((started, share, 0))
+            events.append((now if ended is None else ended, -share, 0))
+    events.sort(key=lambda e: e[0])
+    busy = waiting = 0.0
+    used = 0.0
+    waiters = 0
+    last = events[0][0] if events else 0.0
+    for t, d_use, d_wait in events:
+        if waiters > 0 and t > last:
+            busy += used * (t - last)
+            waiting += t - last
+        last = t
+        used += d_use
+        waiters += d_wait
+    return min(busy / waiting, 1.0) if waiting > 0 else 1.0
+
+
+def erlang_c(k: int, a: float) -> float:
+    """Probability that an arrival waits in M/M/k with offered load ``a`` (< k) Erlangs."""
+    if k <= 0:
+        return 1.0
+    if a <= 0:
+        return 0.0
+    if a >= k:
+        return 1.0
+    b = 1.0  # Erlang B by its stable recursion
+    for i in range(1, k + 1):
+        b = a * b / (i + a * b)
+    return k * b / (k - a * (1.0 - b))
+
+
+def mgk_wait(k: int, a: float, mean_s: float, scv: float) -> float:
+    """Allen-Cunneen mean wait of M/G/k (Poisson arrivals), never below M/M/k's."""
+    if a >= k:
+        return math.inf
+    return erlang_c(k, a) * mean_s / (k - a) * max(1.0, (1.0 + scv) / 2.0)
+
+
+def class_quotes(classes: Sequence[ClassModel]) -> dict[str, ClassQuote]:
+    out: dict[str, ClassQuote] = {}
+    for c in classes:
+        weights: list[tuple[float, ClassModel]] = []
+        rho = 0.0
+        runs = 0
+        for j in classes:
+            overlap = len(j.pool & c.pool)
+            if not overlap or j.k_eff <= 0:
+                continue
+            share = overlap / (j.k_eff * len(c.pool))
+            rho += j.arrival_rate * j.mean_service_s * share
+            weights.append((j.arrival_rate * share, j))
+            runs += j.runs
+        total = sum(w for w, _ in weights)
+        if total <= 0:
+            out[c.key] = ClassQuote(c.key, 0.0, 0.0, c.k_eff, c.mean_service_s, c.scv_service)
+            continue
+        mean = sum(w * j.mean_service_s for w, j in weights) / total
+        second = sum(w * j.mean_service_s**2 * (1 + j.scv_service) for w, j in weights) / total
+        scv = max(second / mean**2 - 1.0, 0.0) if mean > 0 else 0.0
+        eta = min(max(c.efficiency, MIN_EFFICIENCY), 1.0)
+        # The load is an estimate from ``runs`` runs: quote it one standard error up.
+        spread = min(math.sqrt((1.0 + scv) / max(runs, 1)), 1.0)
+        load = rho / eta * (1.0 + CONFIDENCE_Z * spread)
+        wait = mgk_wait(c.k_eff, load * c.k_eff, mean, scv)
+        out[c.key] = ClassQuote(c.key, wait, rho, c.k_eff, mean, scv, eta)
+    by_key = {c.key: c for c in classes}
+    return {
+        key: replace(
+            q,
+            wait_s=max(
+                other.wait_s for other in out.values() if by_key[other.key].pool & by_key[key].pool
+            ),
+        )
+        for key, q in out.items()
+    }
+
+
+def job_quote(quote: ClassQuote, *, ahead: int, waited_s: float) -> float:
+    """What a queued job is told: its class's mean wait less what it has waited, and never
+    less than the time for ``ahead + 1`` server releases (``ahead`` jobs before it in
+    pools it shares)."""
+    if math.isinf(quote.wait_s):
+        return math.inf
+    by_position = (ahead + 1) * quote.mean_service_s / max(quote.servers, 1)
+    return max(quote.wait_s - waited_s, by_position)

@@ -1,0 +1,709 @@
+"""The admission queue in the daemon: persisted with the jobs, run on every tick.
+
+Tables (in the daemon's ``state.db``, beside ``jobs`` and ``job_reservations``):
+
+- ``admission_queue``: one row per queued request, in ``seq`` order. A row becomes
+  ``started`` in the same SQLite transaction that adds its reservation, so a restart of gpud
+  (or a crash at any point) neither loses a queued job nor starts one twice; a waiting
+  ``gpuctl run`` finds its entry again after the restart. A row whose holder process is
+  gone (the waiting ``gpuctl`` was killed) is marked ``left`` on the next tick.
+- ``job_history``: one row per reservation: when it was asked for, started, ended, and the
+  quote it was given. The quotes are estimated from it; ``gpuctl jobs history --json``
+  exports it.
+
+Every reservation, queued or not, passes :meth:`AdmissionService.gate`: a job that fits now
+still waits if starting it could delay the head of the queue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+import sqlite3
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from gpud.admission.classes import ClassView, class_views
+from gpud.admission.estimate import Record, littles_residual
+from gpud.admission.feasibility import classify, resolve_configs
+from gpud.admission.model import Demand, Device, FitCheck, Holding, Request, Unfeasible, Vec
+from gpud.admission.node import from_targets
+from gpud.admission.placement_fit import PlacementFit
+from gpud.admission.queue import Queued, admission_pass
+from gpud.admission.quote import job_quote
+from gpud.config import AdmissionConfig
+from gpud.errors import FailedPrecondition, GpudError, NotFound, ResourceExhausted, Unavailable
+from gpud.events import EventLog
+from gpud.jobs.placement import Reservation, choose_devices
+from gpud.jobs.registry import JobKind, JobSpec
+from gpud.jobs.service import JobService, RunRequest
+from gpud.mig.layout import DeviceLayout, load_config
+from gpud.mps.manager import MpsManager
+from gpud.mps.procs import alive, start_time
+from gpud.store import StateStore
+
+log = logging.getLogger(__name__)
+
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS admission_queue (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        id TEXT NOT NULL UNIQUE,
+        job TEXT NOT NULL,
+        request TEXT NOT NULL,
+        holder_pid INTEGER,
+        holder_start INTEGER,
+        enqueued_at REAL NOT NULL,
+        quote_s REAL,
+        state TEXT NOT NULL,
+        reservation TEXT,
+        changed_at REAL NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS admission_queue_state ON admission_queue (state, seq)",
+    """CREATE TABLE IF NOT EXISTS job_history (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        job TEXT NOT NULL,
+        reservation TEXT NOT NULL UNIQUE,
+        request_class TEXT NOT NULL,
+        request TEXT NOT NULL,
+        queued_at REAL NOT NULL,
+        started_at REAL NOT NULL,
+        ended_at REAL,
+        quote_s REAL
+    )""",
+    "CREATE INDEX IF NOT EXISTS job_history_queued ON job_history (queued_at)",
+)
+
+QUEUED, STARTED, LEFT = "queued", "started", "left"
+# Started and left rows are kept this long for a waiting gpuctl to read, then dropped.
+DONE_KEEP_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    id: str
+    seq: int
+    job: str
+    request: RunRequest
+    enqueued_at: float
+    quote_s: float | None
+    state: str
+    reservation: str | None
+    changed_at: float
+
+    @property
+    def placement(self) -> Request:
+        return request_of(self.request)
+
+
+@dataclass(frozen=True, slots=True)
+class EntryView:
+    """An entry as ``gpuctl`` shows it."""
+
+    entry: Entry
+    position: int  # 1 = head; 0 when not queued
+    waited_s: float
+    quote_s: float | None  # remaining; inf: unbounded; None: no history yet
+    unfeasible: Unfeasible | None
+    reservation: Reservation | None
+    env: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryRow:
+    job: str
+    request_class: str
+    request: RunRequest
+    reservation: str
+    queued_at: float
+    started_at: float
+    ended_at: float | None
+    quote_s: float | None
+
+    def record(self) -> Record:
+        return Record(
+            self.job,
+            self.request_class,
+            self.queued_at,
+            self.started_at,
+            self.ended_at,
+            self.quote_s,
+        )
+
+
+def request_of(r: RunRequest | JobSpec) -> Request:
+    return Request(
+        devices=tuple(r.devices),
+        mig_profile=r.mig_profile,
+        gpu_count=r.gpu_count,
+        memory_bytes=r.memory_bytes,
+        threads_percent=r.threads_percent,
+    )
+
+
+def run_request_to_json(r: RunRequest) -> str:
+    data = asdict(r)
+    data["kind"] = r.kind.value if r.kind is not None else None
+    data["devices"] = list(r.devices)
+    return json.dumps(data, sort_keys=True)
+
+
+def run_request_from_json(text: str) -> RunRequest:
+    data = json.loads(text)
+    data["kind"] = JobKind(data["kind"]) if data.get("kind") else None
+    data["devices"] = tuple(data.get("devices", ()))
+    return RunRequest(**data)
+
+
+class AdmissionService:
+    def __init__(
+        self,
+        store: StateStore,
+        jobs: JobService,
+        mps: MpsManager,
+        events: EventLog,
+        config: AdmissionConfig,
+        *,
+        products: Callable[[], Mapping[int, str]] = dict,
+        mig_layouts: Callable[[], Mapping[str, Mapping[int, DeviceLayout]]] | None = None,
+        fit_for: Callable[[Sequence[Device]], FitCheck] = PlacementFit,
+        proc_root: Path = Path("/proc"),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._jobs = jobs
+        self._mps = mps
+        self._events = events
+        self.config = config
+        self._products = products
+        self._mig_layouts = mig_layouts or self._layouts_from_file
+        self._fit_for = fit_for
+        self._proc_root = proc_root
+        self._clock = clock
+        self._starting: Entry | None = None
+        self._fit: tuple[tuple[Device, ...], FitCheck] | None = None
+        self._demands: dict[Request, Demand | Unfeasible] = {}
+        self._views_cache: tuple[object, dict[str, ClassView]] | None = None
+        # Little's law on the daemon's own measurements: the integral of the queue length.
+        self._area = 0.0
+        self._area_since: float | None = None
+        self._last_length = 0
+        self._last_tick: float | None = None
+        store.ensure_schema(SCHEMA)
+        jobs.add_observer(self._observe)
+        jobs.gate = self.gate
+
+    # -- devices and fit ------------------------------------------------------------------
+    def fit(self) -> FitCheck | None:
+        """What fits, over the devices the daemon sees now (None before the first sample)."""
+        devices = tuple(from_targets(self._mps.targets()))
+        if not devices:
+            return None
+        if self._fit is None or self._fit[0] != devices:
+            self._fit = (devices, self._fit_for(devices))
+            self._demands = {}
+        return self._fit[1]
+
+    def _layouts_from_file(self) -> Mapping[str, Mapping[int, DeviceLayout]]:
+        return {}
+
+    def set_mig_file_layouts(
+        self, layouts: Callable[[], Mapping[str, Mapping[int, DeviceLayout]]]
+    ) -> None:
+        self._mig_layouts = layouts
+
+    def classify(self, request: Request, fit: FitCheck) -> Demand | Unfeasible:
+        cached = self._demands.get(request)
+        if isinstance(cached, Demand):
+            return cached
+        verdict = classify(
+            request,
+            fit,
+            configs=self._mig_layouts(),
+            products=self._products(),
+            fit_for=self._fit_for,
+            config_file=str(self.config.mig_config or ""),
+        )
+        self._demands[request] = verdict
+        return verdict
+
+    def holdings(self) -> list[Holding]:
+        out = []
+        for r in self._jobs.reservations.held():
+            memory = r.memory_bytes
+            if memory is None and r.devices:
+                memory = self._mps.limits(r.devices[0]).memory_bytes
+            out.append(Holding(r.id, r.devices, Vec(memory or 0, r.threads_percent or 0)))
+        return out
+
+    # -- queue rows -----------------------------------------------------------------------
+    def entries(self, state: str | None = QUEUED) -> list[Entry]:
+        with self._store.transaction() as conn:
+            if state is None:
+                rows = conn.execute("SELECT * FROM admission_queue ORDER BY seq").fetchall()
+            else:
+                rows = conn.execute(
+                    "SELECT * FROM admission_queue WHERE state = ? ORDER BY seq", (state,)
+                ).fetchall()
+        return [_entry(r) for r in rows]
+
+    def entry(self, entry_id: str) -> Entry:
+        with self._store.transaction() as conn:
+            row = conn.execute("SELECT * FROM admission_queue WHERE id = ?", (entry_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"no queue entry {entry_id!r}")
+        return _entry(row)
+
+    def _set_state(self, entry_id: str, state: str, reservation: str | None = None) -> None:
+        with self._store.transaction() as conn:
+            conn.execute(
+                "UPDATE admission_queue SET state = ?, reservation = ?, changed_at = ? WHERE id = ?",
+                (state, reservation, self._clock(), entry_id),
+            )
+
+    # -- API ------------------------------------------------------------------------------
+    def enqueue(self, request: RunRequest, *, keep_unfeasible: bool = False) -> EntryView:
+        if not self.config.enabled:
+            raise FailedPrecondition("the admission queue is off (admission.enabled = false)")
+        job, _ = self._jobs.job_for(request)
+        with self._jobs.locked():
+            fit = self.fit()
+            if fit is None:
+                raise Unavailable("no GPU seen yet: the daemon is starting, retry shortly")
+            spec = _effective(job, request)
+            verdict = self.classify(request_of(spec), fit)
+            if isinstance(verdict, Unfeasible) and not keep_unfeasible:
+                remedy = f"; {verdict.remedy}" if verdict.remedy else ""
+                raise FailedPrecondition(
+                    f"job {job.name!r} can never start on this node as it is: {verdict.reason}{remedy}"
+                )
+            queued = self.entries()
+            if len(queued) >= self.config.max_queue:
+                raise ResourceExhausted(
+                    f"the admission queue is full ({len(queued)} jobs, admission.max_queue)"
+                )
+            stored = replace(
+                request,
+                devices=spec.devices,
+                mig_profile=spec.mig_profile,
+                gpu_count=spec.gpu_count,
+                threads_percent=spec.threads_percent,
+                memory_bytes=spec.memory_bytes,
+                client_priority=spec.client_priority,
+            )
+            entry_id = secrets.token_hex(6)
+            now = self._clock()
+            holder_start = (
+                start_time(request.holder_pid, self._proc_root) if request.holder_pid else None
+            )
+            views = self._views(fit, [*queued, _draft(entry_id, job.name, stored, now)])
+            quote = self._quote(views, request_of(spec), queued, waited_s=0.0)
+            with self._store.transaction() as conn:
+                conn.execute(
+                    "INSERT INTO admission_queue (id, job, request, holder_pid, holder_start,"
+                    " enqueued_at, quote_s, state, changed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        entry_id,
+                        job.name,
+                        run_request_to_json(stored),
+                        request.holder_pid,
+                        holder_start,
+                        now,
+                        quote if quote is not None and math.isfinite(quote) else None,
+                        QUEUED,
+                        now,
+                    ),
+                )
+        self._events.emit(
+            "admission.queue",
+            f"job {job.name} queued ({request_of(spec).describe()})",
+            job=job.name,
+            entry=entry_id,
+            quote_s=quote if quote is not None and math.isfinite(quote) else None,
+        )
+        self.tick()
+        return self.view(entry_id)
+
+    def leave(self, entry_id: str) -> EntryView:
+        with self._jobs.locked():
+            entry = self.entry(entry_id)
+            if entry.state == QUEUED:
+                self._set_state(entry_id, LEFT)
+                self._events.emit(
+                    "admission.leave",
+                    f"job {entry.job} left the queue",
+                    job=entry.job,
+                    entry=entry_id,
+                )
+        return self.view(entry_id)
+
+    def view(self, entry_id: str) -> EntryView:
+        entry = self.entry(entry_id)
+        if entry.state != QUEUED:
+            reservation = None
+            env: dict[str, str] = {}
+            if entry.reservation:
+                try:
+                    reservation = self._jobs.reservations.get(entry.reservation)
+                    env = self._jobs.env_for(reservation)
+                except NotFound:
+                    reservation = None
+            return EntryView(
+                entry, 0, entry.changed_at - entry.enqueued_at, None, None, reservation, env
+            )
+        return next(v for v in self.queue_views() if v.entry.id == entry_id)
+
+    def queue_views(self) -> list[EntryView]:
+        """Queued entries in order, quotable first, with positions and remaining quotes."""
+        queued = self.entries()
+        fit = self.fit()
+        now = self._clock()
+        if fit is None:
+            return [
+                EntryView(e, i + 1, now - e.enqueued_at, None, None, None, {})
+                for i, e in enumerate(queued)
+            ]
+        views = self._views(fit, queued)
+        out: list[EntryView] = []
+        unfeasible: list[EntryView] = []
+        ahead: list[Entry] = []
+        for e in queued:
+            verdict = self.classify(e.placement, fit)
+            if isinstance(verdict, Unfeasible):
+                unfeasible.append(EntryView(e, 0, now - e.enqueued_at, None, verdict, None, {}))
+                continue
+            quote = self._quote(views, e.placement, ahead, waited_s=now - e.enqueued_at)
+            out.append(EntryView(e, len(out) + 1, now - e.enqueued_at, quote, None, None, {}))
+            ahead.append(e)
+        return out + unfeasible
+
+    def explain(self) -> list[ClassView]:
+        fit = self.fit()
+        if fit is None:
+            return []
+        return list(self._views(fit, self.entries()).values())
+
+    def _views(self, fit: FitCheck, queued: Sequence[Entry]) -> dict[str, ClassView]:
+        """The class models; recomputed when the history, the queue's classes, the devices
+        or the second change (every waiting ``gpuctl`` polls, every scrape asks)."""
+        now = self._clock()
+        with self._store.transaction() as conn:
+            row = conn.execute(
+                "SELECT COUNT(*), MAX(id), COUNT(ended_at) FROM job_history"
+            ).fetchone()
+        key = (
+            tuple(row),
+            tuple(sorted({e.placement.describe() for e in queued})),
+            id(fit),
+            int(now),
+            self.config.history_window_s,
+        )
+        if self._views_cache is not None and self._views_cache[0] == key:
+            return self._views_cache[1]
+        views = self._compute_views(fit, queued, now)
+        self._views_cache = (key, views)
+        return views
+
+    def _compute_views(
+        self, fit: FitCheck, queued: Sequence[Entry], now: float
+    ) -> dict[str, ClassView]:
+        history = self.history(since=now - self.config.history_window_s)
+        requests = {h.request_class: request_of(h.request) for h in history}
+        for e in queued:
+            requests[e.placement.describe()] = e.placement
+        return class_views(
+            fit,
+            requests,
+            [h.record() for h in history],
+            now=now,
+            window_s=self.config.history_window_s,
+        )
+
+    def _quote(
+        self,
+        views: Mapping[str, ClassView],
+        request: Request,
+        ahead: Sequence[Entry],
+        *,
+        waited_s: float,
+    ) -> float | None:
+        view = views.get(request.describe())
+        if view is None or view.quote is None:
+            return None
+        if not isinstance(view.demand, Demand):
+            return None
+        pool = set(view.demand.pool)
+        overlapping = 0
+        for e in ahead:
+            other = views.get(e.placement.describe())
+            if (
+                other is not None
+                and isinstance(other.demand, Demand)
+                and pool & set(other.demand.pool)
+            ):
+                overlapping += 1
+        return job_quote(view.quote, ahead=overlapping, waited_s=waited_s)
+
+    # -- the gate and the tick ------------------------------------------------------------
+    def gate(self, spec: JobSpec) -> tuple[str, ...] | None:
+        """Where a job asking to start now may go: as if it joined the queue's tail."""
+        fit = self.fit()
+        if fit is None or not self.config.enabled:
+            return None
+        request = request_of(spec)
+        if isinstance(self.classify(request, fit), Unfeasible):
+            return None  # the reservation's own placement says why
+        queued = self.entries()
+        candidate = Queued("\0new", request, 1 << 62, self._clock())
+        result = admission_pass(
+            [_queued(e) for e in queued] + [candidate],
+            fit,
+            self.holdings(),
+            backfill=self.config.backfill,
+            demands=self._demands,
+        )
+        for s in result.starts:
+            if s.id == candidate.id:
+                return s.devices
+        waiting = len([e for e in queued if e.id not in result.unfeasible])
+        if waiting:
+            raise ResourceExhausted(
+                f"job {spec.name!r} ({request.describe()}) cannot start now: {waiting} queued"
+                " job(s) ahead of it need its devices"
+            )
+        # Nothing queued: the reservation's own placement names the numbers, if it refuses.
+        choose_devices(
+            spec, self._mps.targets(), self._jobs.loads(), memory_bytes=spec.memory_bytes
+        )
+        raise ResourceExhausted(
+            f"job {spec.name!r} asks {request.per_device.threads}% of its devices' threads:"
+            " the MPS thread shares on them would add up to over 100%"
+        )
+
+    def tick(self) -> None:
+        """Drop entries whose holder is gone; start what fits, in order, with backfill."""
+        now = self._clock()
+        with self._jobs.locked():
+            queued = self.entries()
+            self._account(now, len(queued))
+            for e in queued:
+                pid = e.request.holder_pid
+                if pid and not self._holder_alive(e):
+                    self._set_state(e.id, LEFT)
+                    self._events.emit(
+                        "admission.leave",
+                        f"job {e.job} left the queue: holder pid {pid} is gone",
+                        job=e.job,
+                        entry=e.id,
+                    )
+            queued = self.entries()
+            fit = self.fit()
+            if fit is None or not queued:
+                self._prune(now)
+                return
+            result = admission_pass(
+                [_queued(e) for e in queued],
+                fit,
+                self.holdings(),
+                backfill=self.config.backfill,
+                demands=self._demands,
+            )
+            by_id = {e.id: e for e in queued}
+            for s in result.starts:
+                self._start(by_id[s.id], s.devices, backfilled=s.backfilled)
+            self._account(now, len(queued) - len(result.starts))
+            self._prune(now)
+
+    def _holder_alive(self, e: Entry) -> bool:
+        pid = e.request.holder_pid
+        if pid is None:
+            return True
+        with self._store.transaction() as conn:
+            row = conn.execute(
+                "SELECT holder_start FROM admission_queue WHERE id = ?", (e.id,)
+            ).fetchone()
+        started = row["holder_start"] if row is not None else None
+        return alive(pid, self._proc_root) and (
+            started is None or start_time(pid, self._proc_root) == started
+        )
+
+    def _start(self, entry: Entry, devices: tuple[str, ...], *, backfilled: bool) -> None:
+        self._starting = entry
+        try:
+            with self._store.transaction():
+                launch = self._jobs.reserve(
+                    replace(entry.request, devices=devices, mig_profile=None, gpu_count=None),
+                    admitted=True,
+                )
+                self._set_state(entry.id, STARTED, launch.reservation.id)
+        except GpudError as err:
+            log.warning("queued job %s could not start on %s: %s", entry.job, devices, err)
+            return
+        finally:
+            self._starting = None
+        self._events.emit(
+            "admission.start",
+            f"job {entry.job} started from the queue after"
+            f" {self._clock() - entry.enqueued_at:.1f} s{' (backfilled)' if backfilled else ''}",
+            job=entry.job,
+            entry=entry.id,
+            reservation=launch.reservation.id,
+            devices=list(devices),
+        )
+
+    def _observe(self, what: str, reservation: Reservation, spec: JobSpec) -> None:
+        """Inside the reservation's transaction: the job history follows every reservation."""
+        now = self._clock()
+        with self._store.transaction() as conn:
+            if what == "release":
+                conn.execute(
+                    "UPDATE job_history SET ended_at = ? WHERE reservation = ? AND ended_at IS NULL",
+                    (now, reservation.id),
+                )
+                return
+            entry = self._starting
+            placed = entry.request if entry is not None else _run_request(spec)
+            request = request_of(placed)
+            conn.execute(
+                "INSERT OR IGNORE INTO job_history (job, reservation, request_class, request,"
+                " queued_at, started_at, quote_s) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    reservation.job,
+                    reservation.id,
+                    request.describe(),
+                    run_request_to_json(placed),
+                    entry.enqueued_at if entry is not None else reservation.created_at,
+                    reservation.created_at,
+                    entry.quote_s if entry is not None else None,
+                ),
+            )
+
+    def _account(self, now: float, length: int) -> None:
+        if self._last_tick is not None:
+            self._area += self._last_length * (now - self._last_tick)
+        else:
+            self._area_since = now
+        self._last_tick = now
+        self._last_length = length
+
+    def _prune(self, now: float) -> None:
+        with self._store.transaction() as conn:
+            conn.execute(
+                "DELETE FROM admission_queue WHERE state != ? AND changed_at < ?",
+                (QUEUED, now - DONE_KEEP_S),
+            )
+            conn.execute(
+                "DELETE FROM job_history WHERE id <= (SELECT MAX(id) FROM job_history) - ?",
+                (self.config.history_keep,),
+            )
+
+    # -- history and metrics --------------------------------------------------------------
+    def now(self) -> float:
+        return self._clock()
+
+    def history(self, *, since: float | None = None, limit: int | None = None) -> list[HistoryRow]:
+        """Oldest first (the newest ``limit`` when given)."""
+        query = "SELECT * FROM job_history"
+        args: list[object] = []
+        if since is not None:
+            query += " WHERE queued_at >= ?"
+            args.append(since)
+        query += " ORDER BY id DESC"
+        if limit is not None:
+            query += " LIMIT ?"
+            args.append(limit)
+        with self._store.transaction() as conn:
+            rows = conn.execute(query, args).fetchall()
+        return [_history(r) for r in reversed(rows)]
+
+    def littles_residual(self) -> float | None:
+        """``|L - lambda W| / L`` since the daemon started: ``L`` from the queue length it
+        saw on its ticks, ``lambda W`` from the history's waits (None until a queue formed)."""
+        if self._area_since is None or self._last_tick is None or self._area <= 0:
+            return None
+        records = [h.record() for h in self.history(since=self._area_since)]
+        return littles_residual(records, self._area, start=self._area_since, end=self._last_tick)
+
+
+def _effective(job: JobSpec, request: RunRequest) -> JobSpec:
+    if request.devices or request.mig_profile is not None or request.gpu_count is not None:
+        job = replace(
+            job,
+            devices=request.devices,
+            mig_profile=request.mig_profile,
+            gpu_count=request.gpu_count,
+        )
+    for name in ("threads_percent", "memory_bytes", "client_priority"):
+        value = getattr(request, name)
+        if value is not None:
+            job = replace(job, **{name: value})
+    return job
+
+
+def _run_request(spec: JobSpec) -> RunRequest:
+    return RunRequest(
+        job=spec.name,
+        kind=spec.kind,
+        owner=spec.owner,
+        mig_profile=spec.mig_profile,
+        gpu_count=spec.gpu_count,
+        devices=spec.devices,
+        threads_percent=spec.threads_percent,
+        memory_bytes=spec.memory_bytes,
+        client_priority=spec.client_priority,
+    )
+
+
+def _queued(e: Entry) -> Queued:
+    return Queued(e.id, e.placement, e.seq, e.enqueued_at)
+
+
+def _draft(entry_id: str, job: str, request: RunRequest, now: float) -> Entry:
+    return Entry(entry_id, 1 << 62, job, request, now, None, QUEUED, None, now)
+
+
+def _entry(row: sqlite3.Row) -> Entry:
+    return Entry(
+        id=row["id"],
+        seq=row["seq"],
+        job=row["job"],
+        request=run_request_from_json(row["request"]),
+        enqueued_at=row["enqueued_at"],
+        quote_s=row["quote_s"],
+        state=row["state"],
+        reservation=row["reservation"],
+        changed_at=row["changed_at"],
+    )
+
+
+def _history(row: sqlite3.Row) -> HistoryRow:
+    return HistoryRow(
+        job=row["job"],
+        request_class=row["request_class"],
+        request=run_request_from_json(row["request"]),
+        reservation=row["reservation"],
+        queued_at=row["queued_at"],
+        started_at=row["started_at"],
+        ended_at=row["ended_at"],
+        quote_s=row["quote_s"],
+    )
+
+
+def mig_file_layouts(
+    path: Path, gpus: Callable[[], Sequence[object]]
+) -> Callable[[], Mapping[str, Mapping[int, DeviceLayout]]]:
+    """Layouts of every config of a mig-parted file on the node's GPUs (read on each call:
+    the operator may edit it). An unreadable file offers no remedy and logs why."""
+
+    def layouts() -> Mapping[str, Mapping[int, DeviceLayout]]:
+        try:
+            file = load_config(path)
+        except GpudError as err:
+            log.warning("admission.mig_config: %s", err)
+            return {}
+        return resolve_configs(file, gpus())  # type: ignore[arg-type]
+
+    return layouts

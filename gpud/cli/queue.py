@@ -1,0 +1,108 @@
+"""``gpuctl queue``: the node's admission queue.
+
+::
+
+    gpuctl queue                 position, job, request, time waited, quote; unfeasible last
+    gpuctl queue --explain       and per request class: k_eff per resource, the binding one,
+                                 arrival rate, service time, utilisation, packing
+                                 efficiency, mean wait
+    gpuctl queue --leave ID      take a queued entry out
+    gpuctl queue --json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from gpud.cli.context import Context, Subparsers
+from gpud.cli.output import seconds
+from gpud.v1 import queue_pb2 as pb
+from gpud.v1 import queue_pb2_grpc as pb_grpc
+
+HEADERS = ("POS", "ID", "JOB", "REQUEST", "WAITED", "QUOTE", "WHY NOT")
+CLASS_HEADERS = (
+    "REQUEST",
+    "K_EFF",
+    "K PER RESOURCE",
+    "BINDING",
+    "RUNS",
+    "ARRIVALS/H",
+    "MEAN SERVICE",
+    "CV2",
+    "RHO",
+    "PACKING",
+    "MEAN WAIT",
+)
+
+
+def register(subparsers: Subparsers) -> None:
+    queue = subparsers.add_parser("queue", help="the admission queue: positions and quotes")
+    queue.add_argument(
+        "--explain", action="store_true", help="the queueing model of each request class"
+    )
+    queue.add_argument("--leave", metavar="ID", help="take this entry out of the queue")
+    queue.set_defaults(run=run_queue)
+
+
+def quote_text(entry: pb.QueueEntry) -> str:
+    if entry.unfeasible_reason:
+        return "never"
+    if entry.unbounded:
+        return "unbounded"
+    if entry.HasField("quote_seconds"):
+        return seconds(entry.quote_seconds)
+    return "no history"
+
+
+def entry_row(e: pb.QueueEntry) -> tuple[str, ...]:
+    why = e.unfeasible_reason + (f" ({e.remedy})" if e.remedy else "")
+    return (
+        str(e.position) if e.position else "-",
+        e.id,
+        e.job,
+        e.request,
+        seconds(e.waited_seconds),
+        quote_text(e),
+        why or "-",
+    )
+
+
+def class_row(c: pb.ClassModel) -> tuple[str, ...]:
+    if c.unfeasible_reason:
+        return (c.request, "0", "-", "-", str(c.history_runs), "-", "-", "-", "-", "-", "never")
+    wait = "unbounded" if c.unbounded else "-"
+    if c.HasField("quote_seconds"):
+        wait = seconds(c.quote_seconds)
+    return (
+        c.request,
+        str(c.k_eff) if c.HasField("k_eff") else "any",
+        " ".join(f"{d.name}={d.k}" for d in c.dimensions) or "-",
+        c.binding or "-",
+        str(c.history_runs),
+        f"{c.arrival_rate_per_second * 3600:.2f}",
+        seconds(c.mean_service_seconds) if c.mean_service_seconds else "-",
+        f"{c.scv_service:.2f}",
+        f"{c.utilization:.2f}",
+        f"{c.packing_efficiency:.0%}" if c.packing_efficiency else "-",
+        wait,
+    )
+
+
+def run_queue(ctx: Context, args: argparse.Namespace) -> int:
+    stub = ctx.stub(pb_grpc.QueueStub)
+    if args.leave:
+        left: pb.QueueEntry = ctx.call(stub.Leave, pb.LeaveRequest(id=args.leave))
+        if ctx.out.json:
+            ctx.out.print_json(left)
+        else:
+            ctx.out.print(f"job {left.job} ({left.id}) left the queue")
+        return 0
+    resp: pb.ListQueueResponse = ctx.call(stub.ListQueue, pb.ListQueueRequest(explain=args.explain))
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+        return 0
+    ctx.out.print_table(HEADERS, [entry_row(e) for e in resp.entries])
+    if args.explain:
+        ctx.out.print()
+        ctx.out.print_table(CLASS_HEADERS, [class_row(c) for c in resp.classes])
+    return 0

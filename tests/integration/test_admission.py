@@ -1,0 +1,132 @@
+"""The admission queue end to end: a real gpud on a simulated node, real ``gpuctl run``s."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import BIN, RunningDaemon, start_daemon, stop_daemon
+
+pytestmark = pytest.mark.integration
+
+WHOLE = ("--gpus", "1", "--memory", "60GiB")
+
+
+def wait_for(check: Callable[[], object], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError("condition not met in time")
+
+
+def queue(daemon: RunningDaemon) -> list[dict[str, object]]:
+    entries: list[dict[str, object]] = json.loads(daemon.gpuctl("queue", "--json").stdout).get(
+        "entries", []
+    )
+    return entries
+
+
+def test_second_job_waits_with_a_quote_and_survives_a_restart(tmp_path: Path) -> None:
+    root = tmp_path / "g"
+    daemon = start_daemon(root, "--simulate", "H100-SXM5-80GB:1")
+    gpuctl = (str(BIN / "gpuctl"), "--socket", str(daemon.socket))
+    go = tmp_path / "go"
+    ran = tmp_path / "b-ran"
+    first = second = None
+    try:
+        # A little history, so that the queue can quote a wait.
+        for i in range(3):
+            daemon.gpuctl("run", "--job", f"warm{i}", *WHOLE, "--", "sleep", "0.3")
+        wait_cmd = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.1)"
+        first = subprocess.Popen(
+            [*gpuctl, "run", "--job", "a", *WHOLE, "--", sys.executable, "-c", wait_cmd]
+        )
+        wait_for(lambda: "GPU-" in daemon.gpuctl("jobs", "ls", "a", check=False).stdout)
+        refused = daemon.gpuctl("run", "--job", "c", *WHOLE, "--no-wait", "--", "true", check=False)
+        assert refused.returncode == 7, refused.stderr
+        with (tmp_path / "b.err").open("w") as second_log:
+            second = subprocess.Popen(
+                [*gpuctl, "run", "--job", "b", *WHOLE, "--", "touch", str(ran)], stderr=second_log
+            )
+        wait_for(lambda: [e["job"] for e in queue(daemon)] == ["b"])
+        (entry,) = queue(daemon)
+        assert entry["position"] == 1
+        assert entry["quote_seconds"] > 0  # type: ignore[operator]
+        explained = json.loads(daemon.gpuctl("queue", "--explain", "--json").stdout)
+        (model,) = [c for c in explained["classes"] if c["request"] == "1 GPU 60GiB"]
+        assert model["k_eff"] == 1 and model["binding"] in ("memory", "gpus")
+        assert "gpud_admission_queue_length" in daemon.metrics()
+
+        # gpud restarts while b waits: the queue and a's reservation survive it.
+        stop_daemon(daemon)
+        daemon = start_daemon(root, "--simulate", "H100-SXM5-80GB:1")
+        assert [(e["id"], e["job"]) for e in queue(daemon)] == [(entry["id"], "b")]
+        assert not ran.exists()
+        assert second.poll() is None
+
+        go.touch()  # a ends and releases its GPU: b starts
+        assert first.wait(timeout=30) == 0
+        assert second.wait(timeout=30) == 0
+        assert ran.exists()
+        assert queue(daemon) == []
+        history = json.loads(daemon.gpuctl("jobs", "history", "--json").stdout)["records"]
+        runs = [r for r in history if r["job"] == "b"]
+        assert len(runs) == 1  # started once, across the restart
+        assert runs[0]["started_unix_seconds"] > runs[0]["queued_unix_seconds"]
+        assert "quote_seconds" in runs[0]
+        waited = (tmp_path / "b.err").read_text()
+        assert "position 1" in waited and "expected wait" in waited, waited
+        # The metrics after a queued run: wait histogram, quote error, Little's law.
+        daemon.gpuctl("status")  # one more tick after b started
+        time.sleep(1.5)
+        text = daemon.metrics()
+        assert 'gpud_admission_queue_length{feasibility="quotable"} 0.0' in text
+        assert "gpud_admission_wait_seconds_count 5.0" in text  # 3 warm-ups, a and b
+        assert "gpud_admission_quote_error_runs 1.0" in text
+        promtool = shutil.which("promtool")
+        assert promtool, "promtool is required (Debian package prometheus)"
+        lint = subprocess.run(
+            [promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False
+        )
+        assert lint.returncode == 0, lint.stdout + lint.stderr
+    finally:
+        go.touch()
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+        stop_daemon(daemon)
+
+
+def test_ctrl_c_leaves_the_queue(tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path / "g", "--simulate", "H100-SXM5-80GB:1")
+    gpuctl = (str(BIN / "gpuctl"), "--socket", str(daemon.socket))
+    holder = subprocess.Popen([*gpuctl, "run", "--job", "a", *WHOLE, "--", "sleep", "60"])
+    waiter = None
+    try:
+        wait_for(lambda: "GPU-" in daemon.gpuctl("jobs", "ls", "a", check=False).stdout)
+        waiter = subprocess.Popen([*gpuctl, "run", "--job", "b", *WHOLE, "--", "true"])
+        wait_for(lambda: len(queue(daemon)) == 1)
+        waiter.send_signal(2)  # SIGINT, as Ctrl-C sends
+        assert waiter.wait(timeout=30) == 130
+        assert queue(daemon) == []
+        unfeasible = daemon.gpuctl(
+            "run", "--job", "m", "--mig", "3g.40gb", "--", "true", check=False
+        )
+        assert unfeasible.returncode != 0
+        assert "3g.40gb" in unfeasible.stderr
+    finally:
+        for proc in (holder, waiter):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+        stop_daemon(daemon)

@@ -1,0 +1,35 @@
+"""The admission benchmark and its simulator, on a small run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpud.admission.model import Request
+from gpud.admission.node import synthetic
+from gpud.admission.placement_fit import PlacementFit
+from tools.admission.__main__ import main
+from tools.admission.sim import SimJob, simulate
+
+GIB = 1 << 30
+
+
+def test_two_jobs_for_one_gpu_run_one_after_the_other() -> None:
+    fit = PlacementFit(synthetic("H100-SXM5-80GB", 1))
+    whole = Request(gpu_count=1, memory_bytes=60 * GIB)
+    out = simulate([SimJob("a", "w", whole, 0.0, 10.0), SimJob("b", "w", whole, 1.0, 5.0)], fit)
+    by = {r.job: r for r in out.records}
+    assert (by["a"].started_at, by["a"].ended_at) == (0.0, 10.0)
+    assert (by["b"].started_at, by["b"].ended_at) == (10.0, 15.0)
+    assert out.queue_area == pytest.approx(9.0)
+
+
+def test_bench_prints_the_documented_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--json", "--jobs", "400"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) == {"utilizations", "wait_slope", "pass_ms"}
+    assert set(result["utilizations"]) == {"0.5", "0.7", "0.8", "0.9", "0.95"}
+    for row in result["utilizations"].values():
+        assert set(row) == {"littles_residual", "quote_over_observed", "backfill_over_fifo_wait"}
+        assert row["littles_residual"] < 0.01

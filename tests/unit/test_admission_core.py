@@ -1,0 +1,152 @@
+"""Admission policy: Erlang C, packing, feasibility and remedies, estimates, quotes."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from gpud.admission.classes import class_views
+from gpud.admission.estimate import Record, estimate, littles_residual
+from gpud.admission.feasibility import classify, resolve_configs
+from gpud.admission.model import Demand, Device, Request, Unfeasible, Vec
+from gpud.admission.node import synthetic
+from gpud.admission.packing import pack
+from gpud.admission.placement_fit import PlacementFit
+from gpud.admission.quote import ClassQuote, erlang_c, job_quote, mgk_wait
+from gpud.backend.port import GpuIdentity
+from gpud.mig.layout import DeviceLayout, load_config
+
+GIB = 1 << 30
+MIB = 1 << 20
+DATA = Path(__file__).parent.parent / "data" / "mig-parted"
+
+
+def test_erlang_c_matches_known_values() -> None:
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: P(wait) = rho
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert erlang_c(4, 0.0) == 0.0
+    assert erlang_c(3, 3.0) == 1.0
+    # M/M/1 wait: rho / (1 - rho) * S
+    assert mgk_wait(1, 0.8, 10.0, 1.0) == pytest.approx(40.0)
+    # Allen-Cunneen: CV 2 multiplies by (1 + 4) / 2; CV below 1 keeps M/M/k
+    assert mgk_wait(1, 0.8, 10.0, 4.0) == pytest.approx(100.0)
+    assert mgk_wait(1, 0.8, 10.0, 0.25) == pytest.approx(40.0)
+    assert math.isinf(mgk_wait(2, 2.0, 1.0, 1.0))
+
+
+def test_packing_names_the_binding_dimension() -> None:
+    devices = synthetic("H100-SXM5-80GB", 2, {1: DeviceLayout.of(True, {"1g.10gb": 7})})
+    fit = PlacementFit(devices)
+    by = {d.uuid: d for d in devices}
+    share = fit.demand(Request(gpu_count=1, memory_bytes=10 * GIB, threads_percent=25))
+    assert isinstance(share, Demand)
+    p = pack(share, by)
+    assert p.k_eff == 4 and p.binding == "threads" and p.vector == {"memory": 7, "threads": 4}
+    whole = fit.demand(Request(gpu_count=1, memory_bytes=70 * GIB))
+    assert isinstance(whole, Demand)
+    assert pack(whole, by).k_eff == 1
+    assert pack(whole, by).binding == "memory"
+    mig = fit.demand(Request(mig_profile="1g.10gb", memory_bytes=9 * GIB))
+    assert isinstance(mig, Demand)
+    assert pack(mig, by).vector == {"memory": 7, "mig_slices": 7}
+    free = fit.demand(Request(gpu_count=1))
+    assert isinstance(free, Demand)
+    assert pack(free, by).k_eff is None  # no limits: shares, never waits
+
+
+H100_ID = 0x233010DE
+
+
+def identity(i: int) -> GpuIdentity:
+    return GpuIdentity(
+        i, f"GPU-{i}", "NVIDIA H100 80GB HBM3", "H100-SXM5-80GB", "", H100_ID, 80 * GIB, True
+    )
+
+
+def test_unfeasible_request_gets_a_mig_config_remedy() -> None:
+    devices = synthetic("H100-SXM5-80GB", 2)
+    fit = PlacementFit(devices)
+    configs = resolve_configs(load_config(DATA / "config.yaml"), [identity(0), identity(1)])
+    request = Request(mig_profile="3g.40gb")
+    verdict = classify(
+        request,
+        fit,
+        configs=configs,
+        products={0: "H100-SXM5-80GB", 1: "H100-SXM5-80GB"},
+        fit_for=PlacementFit,
+        config_file="/etc/gpud/mig.yaml",
+    )
+    assert isinstance(verdict, Unfeasible)
+    assert "no MIG device of profile 3g.40gb" in verdict.reason
+    assert "'all-3g.40gb'" in verdict.remedy and "'all-balanced'" in verdict.remedy
+    assert "gpuctl mig apply -f /etc/gpud/mig.yaml -c" in verdict.remedy
+
+
+def test_unfeasible_reasons_name_the_numbers() -> None:
+    fit = PlacementFit(synthetic("H100-SXM5-80GB", 2))
+    too_big = fit.demand(Request(gpu_count=1, memory_bytes=100 * GIB))
+    assert isinstance(too_big, Unfeasible) and "largest" in too_big.reason
+    too_many = fit.demand(Request(gpu_count=3))
+    assert isinstance(too_many, Unfeasible) and "3 whole GPUs" in too_many.reason
+    missing = fit.demand(Request(devices=("GPU-9",)))
+    assert isinstance(missing, Unfeasible) and "GPU-9" in missing.reason
+
+
+def test_estimates_and_littles_law() -> None:
+    records = [
+        Record("a", "c", 0.0, 0.0, 10.0),
+        Record("b", "c", 5.0, 10.0, 30.0),
+        Record("d", "c", 20.0, 30.0, None),
+    ]
+    stats = estimate(records, now=40.0)["c"]
+    assert stats.arrivals == 3 and stats.arrival_rate == pytest.approx(3 / 40)
+    assert stats.mean_service_s == pytest.approx(15.0)
+    assert stats.mean_wait_s == pytest.approx(5.0)
+    # Queue length: 1 over [5, 10] and [20, 30]: area 15 = sum of waits.
+    assert littles_residual(records, 15.0, start=0.0, end=40.0) == pytest.approx(0.0)
+    assert littles_residual(records, 30.0, start=0.0, end=40.0) == pytest.approx(0.5)
+
+
+def test_class_views_and_job_quotes() -> None:
+    devices = [Device("GPU-0", 0, None, "H100", Vec(80 * GIB, 100))]
+    fit = PlacementFit(devices)
+    whole = Request(gpu_count=1, memory_bytes=80 * GIB)
+    records = [Record(f"j{i}", "whole", i * 100.0, i * 100.0, i * 100.0 + 50.0) for i in range(10)]
+    views = class_views(fit, {"whole": whole}, records, now=1000.0)
+    q = views["whole"].quote
+    assert q is not None and q.servers == 1
+    assert q.rho == pytest.approx(0.5)
+    # Ten ended runs: the load is quoted one standard error up.
+    assert q.wait_s == pytest.approx(mgk_wait(1, 0.5 * (1 + math.sqrt(1 / 10)), 50.0, 0.0))
+    assert job_quote(q, ahead=3, waited_s=0.0) == pytest.approx(max(q.wait_s, 200.0))
+    assert job_quote(ClassQuote("x", math.inf, 1.0, 1, 1.0, 1.0), ahead=0, waited_s=0.0) == math.inf
+
+
+def test_classes_sharing_devices_are_quoted_no_less_than_each_other() -> None:
+    from gpud.admission.quote import ClassModel, class_quotes
+
+    pool = frozenset({"GPU-0", "GPU-1"})
+    small = ClassModel("small", 0.001, 100.0, 1.0, 4, pool)
+    large = ClassModel("large", 0.0005, 1000.0, 1.0, 1, pool)
+    alone = ClassModel("alone", 0.001, 100.0, 1.0, 4, frozenset({"MIG-0"}))
+    quotes = class_quotes([small, large, alone])
+    assert quotes["small"].wait_s == quotes["large"].wait_s > 0
+    assert quotes["alone"].wait_s < quotes["small"].wait_s
+    assert quotes["small"].servers == 4 and quotes["large"].servers == 1
+
+
+def test_a_class_with_no_ended_run_counts_its_running_time() -> None:
+    stats = estimate([Record("a", "big", 0.0, 0.0, None)], now=300.0)["big"]
+    assert stats.completions == 0 and stats.mean_service_s == pytest.approx(300.0)
+
+
+def test_packing_efficiency_is_the_busy_share_while_jobs_wait() -> None:
+    from gpud.admission.quote import packing_efficiency
+
+    # Two GPUs; a one-GPU job runs [0, 10); a two-GPU job waits over [0, 10) with one GPU
+    # idle (share 1/2 busy), then runs [10, 20).
+    jobs = [(0.0, 0.0, 10.0, 0.5), (0.0, 10.0, 20.0, 1.0)]
+    assert packing_efficiency(jobs, now=20.0) == pytest.approx(0.5)
+    assert packing_efficiency([(0.0, 0.0, 5.0, 1.0)], now=5.0) == 1.0  # nobody waited

@@ -1,0 +1,162 @@
+"""FIFO with backfill: the head of the queue is never delayed (hypothesis), and FIFO order."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpud.admission.model import THREADS_CAPACITY, Device, Holding, Loads, Request, Vec
+from gpud.admission.placement_fit import PlacementFit
+from gpud.admission.queue import Queued, admission_pass, harmless
+
+GIB = 1 << 30
+
+requests = st.one_of(
+    st.builds(
+        Request,
+        gpu_count=st.integers(1, 3),
+        memory_bytes=st.sampled_from([None, 10 * GIB, 20 * GIB, 40 * GIB, 80 * GIB]),
+        threads_percent=st.sampled_from([None, 25, 50, 100]),
+    ),
+    st.builds(
+        Request,
+        mig_profile=st.just("1g.10gb"),
+        memory_bytes=st.sampled_from([5 * GIB, 10 * GIB]),
+        threads_percent=st.sampled_from([None, 50]),
+    ),
+    st.builds(
+        Request,
+        devices=st.sampled_from([("GPU-0",), ("GPU-1",), ("GPU-0", "GPU-1")]),
+        memory_bytes=st.sampled_from([20 * GIB, 60 * GIB]),
+    ),
+)
+
+
+@st.composite
+def nodes(draw: st.DrawFn) -> list[Device]:
+    gpus = draw(st.integers(2, 4))
+    devices = [
+        Device(f"GPU-{i}", i, None, "H100", Vec(draw(st.sampled_from([40, 80])) * GIB, 100))
+        for i in range(gpus)
+    ]
+    for j in range(draw(st.integers(0, 3))):
+        devices.append(Device(f"MIG-{gpus}-{j}", gpus, j, "1g.10gb", Vec(10 * GIB, 100)))
+    return devices
+
+
+def running(fit: PlacementFit, wanted: list[Request]) -> list[Holding]:
+    loads = Loads()
+    out = []
+    for i, r in enumerate(wanted):
+        devices = fit.place(r, loads.total, allowed=None)
+        if devices is not None:
+            h = Holding(f"r{i}", devices, r.per_device)
+            loads.add(h)
+            out.append(h)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    node=nodes(),
+    wanted=st.lists(requests, max_size=10),
+    queued=st.lists(requests, min_size=1, max_size=10),
+    order=st.randoms(use_true_random=False),
+)
+def test_backfill_never_delays_the_head(node, wanted, queued, order) -> None:
+    fit = PlacementFit(node)
+    holdings = running(fit, wanted)
+    queue = [Queued(f"q{i}", r, i, 0.0) for i, r in enumerate(queued)]
+    first = admission_pass(queue, fit, holdings, backfill=True)
+    if first.head is None:
+        return
+    head = next(q for q in queue if q.id == first.head)
+    fifo = admission_pass(queue, fit, holdings, backfill=False)
+    assert fifo.head == first.head
+    assert [s.id for s in fifo.starts] == [s.id for s in first.starts if not s.backfilled]
+    # The FIFO world holds only what started ahead of the head; the backfill world also holds
+    # the backfilled jobs, never releases them, and backfills again after every release.
+    started = {s.id for s in first.starts}
+    fifo_held = holdings + [
+        Holding(s.id, s.devices, next(q for q in queue if q.id == s.id).request.per_device)
+        for s in fifo.starts
+    ]
+    bf_held = holdings + [
+        Holding(s.id, s.devices, next(q for q in queue if q.id == s.id).request.per_device)
+        for s in first.starts
+    ]
+    waiting = [q for q in queue if q.id not in started]
+    releases = list(holdings)
+    order.shuffle(releases)
+    for gone in releases:
+        fifo_held = [h for h in fifo_held if h.job != gone.job]
+        bf_held = [h for h in bf_held if h.job != gone.job]
+        fifo_fits = fit.place(head.request, Loads.of(fifo_held).total, allowed=None) is not None
+        step = admission_pass(waiting, fit, bf_held, backfill=True)
+        bf_started = {s.id for s in step.starts}
+        if fifo_fits:
+            assert head.id in bf_started, "backfill delayed the head"
+            return
+        assert head.id not in bf_started or fifo_fits is False
+        for s in step.starts:
+            req = next(q for q in waiting if q.id == s.id).request
+            bf_held.append(Holding(s.id, s.devices, req.per_device))
+        waiting = [q for q in waiting if q.id not in bf_started]
+        if head.id in bf_started:
+            return
+
+
+def test_fifo_starts_in_order_and_stops_at_the_head() -> None:
+    node = [Device(f"GPU-{i}", i, None, "H100", Vec(80 * GIB, 100)) for i in range(2)]
+    fit = PlacementFit(node)
+    whole = Request(gpu_count=1, memory_bytes=80 * GIB)
+    pair = Request(gpu_count=2, memory_bytes=80 * GIB)
+    queue = [
+        Queued("a", whole, 0, 0.0),
+        Queued("b", pair, 1, 0.0),
+        Queued("c", whole, 2, 0.0),
+    ]
+    result = admission_pass(queue, fit, [], backfill=True)
+    assert [s.id for s in result.starts] == ["a"]
+    assert result.head == "b"  # "c" would take the GPU "b" waits for: not harmless
+
+
+def test_backfill_uses_what_the_head_cannot() -> None:
+    node = [
+        Device("GPU-0", 0, None, "H100", Vec(80 * GIB, 100)),
+        Device("MIG-1-0", 1, 0, "1g.10gb", Vec(10 * GIB, 100)),
+    ]
+    fit = PlacementFit(node)
+    held = [Holding("x", ("GPU-0",), Vec(80 * GIB, 0))]
+    queue = [
+        Queued("big", Request(gpu_count=1, memory_bytes=80 * GIB), 0, 0.0),
+        Queued("small", Request(mig_profile="1g.10gb", memory_bytes=10 * GIB), 1, 0.0),
+    ]
+    result = admission_pass(queue, fit, held, backfill=True)
+    assert result.head == "big"
+    assert [(s.id, s.backfilled) for s in result.starts] == [("small", True)]
+    assert admission_pass(queue, fit, held, backfill=False).starts == []
+
+
+def test_unfeasible_jobs_never_block() -> None:
+    node = [Device("GPU-0", 0, None, "H100", Vec(80 * GIB, 100))]
+    fit = PlacementFit(node)
+    queue = [
+        Queued("huge", Request(gpu_count=1, memory_bytes=100 * GIB), 0, 0.0),
+        Queued("ok", Request(gpu_count=1, memory_bytes=40 * GIB), 1, 0.0),
+    ]
+    result = admission_pass(queue, fit, [], backfill=False)
+    assert [s.id for s in result.starts] == ["ok"]
+    assert (
+        "100.0GiB" in result.unfeasible["huge"].reason or "GiB" in result.unfeasible["huge"].reason
+    )
+
+
+def test_harmless_checks_every_subset() -> None:
+    cap = Vec(80, THREADS_CAPACITY)
+    head = Vec(40, 0)
+    # Jobs 30 + 30 on the device: alone, either leaves room for the head (30 + 40 <= 80);
+    # adding 20 to a lone 30 would not (30 + 20 + 40 > 80).
+    assert not harmless(Vec(20, 0), head, [Vec(30, 0), Vec(30, 0)], cap)
+    assert harmless(Vec(10, 0), head, [Vec(30, 0), Vec(30, 0)], cap)
+    assert harmless(Vec(50, 0), Vec(90, 0), [], cap)  # the head can never use it

@@ -1,0 +1,147 @@
+"""The admission queue in the daemon: persisted, ordered, gated, over the real job service."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpud.admission.service import LEFT, QUEUED, STARTED, AdmissionService
+from gpud.config import AdmissionConfig, from_dict
+from gpud.errors import ConfigError, FailedPrecondition, ResourceExhausted
+from gpud.events import EventLog
+from gpud.jobs.service import JobService, RunRequest
+from gpud.mps.manager import MpsManager
+from gpud.store import StateStore
+from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, snapshot
+
+GIB = 1 << 30
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Node:
+    root: Path
+    store: StateStore
+    mps: MpsManager
+    jobs: JobService
+    admission: AdmissionService
+    clock: Clock
+
+    def restart(self) -> Node:
+        """A new daemon on the same state directory."""
+        self.store.close()
+        return make_node(self.root, self.clock)
+
+
+def make_node(root: Path, clock: Clock) -> Node:
+    store = StateStore(root / "state")
+    events = EventLog(None)
+    mps = MpsManager(store, events, root / "run", FAKE_CONTROL, enabled=False)
+    mps.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
+    jobs = JobService(store, events, mps, socket_path=root / "gpud.sock", clock=clock)
+    admission = AdmissionService(store, jobs, mps, events, AdmissionConfig(), clock=clock)
+    return Node(root, store, mps, jobs, admission, clock)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    n = make_node(tmp_path, Clock())
+    yield n
+    n.store.close()
+
+
+def whole(job: str, gpus: int = 1, *, holder: int | None = None) -> RunRequest:
+    return RunRequest(job=job, gpu_count=gpus, memory_bytes=60 * GIB, holder_pid=holder)
+
+
+def test_queued_job_survives_a_restart_and_starts_once(node: Node) -> None:
+    a = node.jobs.reserve(whole("a", 2)).reservation
+    entry = node.admission.enqueue(whole("b"))
+    assert entry.position == 1 and entry.entry.state == QUEUED
+    node = node.restart()
+    (again,) = node.admission.entries()
+    assert again.id == entry.entry.id
+    node.clock.now += 30.0
+    node.jobs.release(a.id)
+    node.admission.tick()
+    node.admission.tick()
+    started = node.admission.view(again.id)
+    assert started.entry.state == STARTED and started.reservation is not None
+    assert started.env["GPUD_JOB"] == "b"
+    assert [r.job for r in node.jobs.reservations.held()] == ["b"]
+    history = {h.job: h for h in node.admission.history()}
+    assert history["a"].ended_at == 1030.0
+    assert history["b"].started_at - history["b"].queued_at == 30.0
+    assert history["b"].request_class == "1 GPU 60GiB"
+
+
+def test_a_job_that_fits_does_not_jump_the_queue(node: Node) -> None:
+    node.jobs.reserve(whole("a"))
+    node.admission.enqueue(whole("pair", 2))  # the head: needs both GPUs
+    with pytest.raises(ResourceExhausted, match="1 queued job"):
+        node.jobs.reserve(whole("c"))  # would fit on GPU 1, which the head waits for
+    # A request that sets no limits shares and never waits.
+    assert node.jobs.reserve(RunRequest(job="d", gpu_count=1)).reservation.devices
+
+
+def test_thread_shares_are_admitted_up_to_100_percent(node: Node) -> None:
+    share = RunRequest(
+        job="s", devices=("GPU-00000000-1111-2222-3333-444455556666",), threads_percent=60
+    )
+    node.jobs.reserve(share)
+    with pytest.raises(ResourceExhausted, match="threads"):
+        node.jobs.reserve(RunRequest(job="t", devices=share.devices, threads_percent=50))
+
+
+def test_a_waiter_that_dies_leaves_the_queue(node: Node) -> None:
+    node.jobs.reserve(whole("a", 2))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    entry = node.admission.enqueue(whole("b", holder=gone.pid))
+    node.admission.tick()
+    assert node.admission.view(entry.entry.id).entry.state == LEFT
+    assert node.admission.entries() == []
+
+
+def test_unfeasible_requests_say_why(node: Node) -> None:
+    with pytest.raises(FailedPrecondition, match="3 whole GPUs"):
+        node.admission.enqueue(whole("big", 3))
+    kept = node.admission.enqueue(whole("big", 3), keep_unfeasible=True)
+    assert kept.unfeasible is not None and "3 whole GPUs" in kept.unfeasible.reason
+    assert node.admission.queue_views()[-1].unfeasible is not None
+    assert node.jobs.reserve(whole("ok")).reservation.devices  # it blocks nothing
+
+
+def test_leave_takes_an_entry_out(node: Node) -> None:
+    node.jobs.reserve(whole("a", 2))
+    entry = node.admission.enqueue(whole("b"))
+    assert node.admission.leave(entry.entry.id).entry.state == LEFT
+    assert node.admission.queue_views() == []
+
+
+def test_admission_config_is_range_checked() -> None:
+    with pytest.raises(ConfigError, match=r"admission.history_window_s: 1.0 is out of range"):
+        from_dict({"admission": {"history_window_s": 1}})
+    with pytest.raises(ConfigError, match=r"admission\.max_queue"):
+        from_dict({"admission": {"max_queue": 0}})
+    assert from_dict({"admission": {"backfill": False}}).admission.backfill is False
+
+
+def test_with_admission_off_reservations_work_as_before(node: Node) -> None:
+    node.admission.config = AdmissionConfig(enabled=False)
+    node.jobs.reserve(whole("a", 2))
+    with pytest.raises(FailedPrecondition, match="admission queue is off"):
+        node.admission.enqueue(whole("b"))
+    with pytest.raises(ResourceExhausted, match="reserved by a"):
+        node.jobs.reserve(whole("c"))  # the reservation's own refusal, with the numbers
