@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from colocate.interference import InterferencePredictor, JobFeatures
 from colocate.prices import Option, ShadowPrices
-from colocate.shapes import DEFAULT_SHARES, JobKind, MigOption, Shape
+from colocate.shapes import DEFAULT_SHARES, P99_FACTOR, JobKind, MigOption, Shape
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,13 @@ class _Gpu:
     def limit(self) -> int:
         return self.view.memory_total
 
-    def inference_share(self) -> float:
-        return sum(s for j, s, _ in self.residents if j.kind is JobKind.INFERENCE)
+    def inference_share(self, margin: float) -> float:
+        """SMs the inference services here need at their peak (their MPS caps stay at 100%)."""
+        return sum(
+            j.shape.share_for_load(j.peak_load * (1.0 + margin))
+            for j, _, mig in self.residents
+            if j.kind is JobKind.INFERENCE and mig is None
+        )
 
 
 class Planner:
@@ -202,12 +207,20 @@ class Planner:
                 0.0,
                 f"memory: needs {need >> 20} MiB, {max(0, limit - gpu.reserved) >> 20} MiB free under the limit",
             )
+        if (
+            job.kind is JobKind.INFERENCE
+            and mig is None
+            and any(j.kind is JobKind.INFERENCE and m is None for j, _, m in gpu.residents)
+        ):
+            # Two latency-critical services cannot throttle each other: never on one GPU
+            # without MIG isolation.
+            return _Eval(False, 0.0, 0.0, "another inference service is already here")
         if len(gpu.residents) >= p.max_jobs_per_gpu:
             return _Eval(False, 0.0, 0.0, f"already {len(gpu.residents)} jobs")
         if (
             job.kind is JobKind.TRAINING
             and mig is None
-            and share > 1.0 - gpu.inference_share() + 1e-9
+            and share > 1.0 - gpu.inference_share(p.slo_margin) + 1e-9
         ):
             return _Eval(False, 0.0, 0.0, "share would cut into an inference service's share")
         before = self._speeds(gpu.residents)
@@ -216,7 +229,15 @@ class Planner:
         floor = 1.0 / p.max_slowdown
         for (j, s, _), sp in zip(members, after, strict=True):
             if j.kind is JobKind.INFERENCE:
-                capacity = max(0.0, j.shape.perf(s) * sp / max(j.shape.curve.relative(s), 1e-9))
+                if len(members) == 1 or mig is not None or s_mig(j, members):
+                    continue  # alone or isolated: as good as this GPU gets
+                # Interference only (the share is the service's own choice), made pessimistic
+                # by the predictor's running error; the SLO's queueing term is not scaled.
+                factor = sp / max(j.shape.curve.relative(s), 1e-9)
+                factor = max(0.0, factor - self.predictor.stats().mean_abs_error)
+                capacity = j.shape.service_rate(s) * factor
+                if j.shape.slo_s:
+                    capacity -= P99_FACTOR / j.shape.slo_s
                 if capacity < j.peak_load * (1.0 + p.slo_margin):
                     return _Eval(
                         False, 0.0, 0.0, f"{j.job_id} would not hold its peak load within its SLO"
@@ -398,7 +419,6 @@ class Planner:
     # -- helpers --------------------------------------------------------------------------
     def _candidates(self, job: JobView, g: _Gpu) -> list[tuple[float, str | None]]:
         if job.kind is JobKind.INFERENCE:
-            need = job.shape.share_for_load(job.peak_load * (1.0 + self.params.slo_margin))
             svc = 1.0 / max(job.shape.service_rate(1.0), 1e-9)
             tight = job.shape.slo_s is not None and job.shape.slo_s < (
                 self.params.tight_slo_service_times * svc
@@ -412,7 +432,7 @@ class Planner:
                 ]
                 if migs:
                     return [(migs[0].sm_fraction, migs[0].profile)]
-            return [(need, None)]
+            return [(1.0, None)]
         if not g.residents:
             return [(1.0, None)]
         return [(s, None) for s in self.params.shares]
@@ -444,6 +464,11 @@ class Planner:
             f"shares GPU {g.view.index} with {names} at {share:.0%} SMs: predicted speed "
             f"{ev.speed:.2f}, net gain {ev.gain:.2f}"
         )
+
+
+def s_mig(job: JobView, members: Sequence[tuple[JobView, float, str | None]]) -> bool:
+    """Whether ``job`` sits in a MIG instance among ``members``."""
+    return any(m is job and mig is not None for m, _, mig in members)
 
 
 def _convergence(iterations: int, residual: float, converged: bool) -> Convergence:
