@@ -69,6 +69,36 @@ class MpsConfig:
 
 
 @dataclass(frozen=True)
+class ColocateConfig:
+    """The co-location loop (colocate library): planner, shadow prices and SLO guard."""
+
+    enabled: bool = True
+    tick_s: float = 5.0  # co-location loop period
+    memory_headroom: float = 0.05  # fraction of each GPU's memory never planned
+    max_slowdown: float = 2.0  # no job predicted slower than 1/max_slowdown of alone
+    max_jobs_per_gpu: int = 3
+    slo_margin: float = 0.2  # guard throttles when p99 is within this fraction of the SLO
+    guard_decrease: float = 0.5  # duty multiplied by this on SLO pressure
+    guard_increase: float = 0.1  # duty added back per calm tick
+    min_duty: float = 0.05  # the guard's floor before it evicts training
+    latency_window_s: float = 10.0  # p99 over this many seconds of reports
+
+
+# (key, low, high, low inclusive, high inclusive) for every numeric [colocate] key.
+COLOCATE_RANGES: tuple[tuple[str, float, float, bool, bool], ...] = (
+    ("tick_s", 0.1, 3600.0, True, True),
+    ("memory_headroom", 0.0, 0.5, True, False),
+    ("max_slowdown", 1.0, 10.0, True, True),
+    ("max_jobs_per_gpu", 1, 16, True, True),
+    ("slo_margin", 0.0, 0.5, False, False),
+    ("guard_decrease", 0.0, 1.0, False, False),
+    ("guard_increase", 0.0, 1.0, False, True),
+    ("min_duty", 0.0, 1.0, False, True),
+    ("latency_window_s", 1.0, 3600.0, True, True),
+)
+
+
+@dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
@@ -77,6 +107,7 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     mig: MigConfig = field(default_factory=MigConfig)
     mps: MpsConfig = field(default_factory=MpsConfig)
+    colocate: ColocateConfig = field(default_factory=ColocateConfig)
 
     @property
     def socket_path(self) -> Path:
@@ -198,6 +229,12 @@ def validate(config: Config, *, path: str) -> Config:
         raise ConfigError("must be >= 1", path=path, key="telemetry.history")
     if config.mig.drain_timeout_s < 0:
         raise ConfigError("must be >= 0", path=path, key="mig.drain_timeout_s")
+    for name, lo, hi, lo_in, hi_in in COLOCATE_RANGES:
+        value = getattr(config.colocate, name)
+        ok = (lo <= value if lo_in else lo < value) and (value <= hi if hi_in else value < hi)
+        if not ok:
+            span = f"{'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
+            raise ConfigError(f"{value} is outside {span}", path=path, key=f"colocate.{name}")
     parse_address(config.metrics.address, path=path, key="metrics.address")
     if config.api.tcp_address:
         parse_address(config.api.tcp_address, path=path, key="api.tcp_address")

@@ -33,6 +33,9 @@ from gpud.api.node import NodeServicer
 from gpud.api.ports import NodeInfo
 from gpud.api.server import ApiServer
 from gpud.backend.port import GpuBackend
+from gpud.colo.api import ColoServicer
+from gpud.colo.metrics import ColoMetrics
+from gpud.colo.service import ColoService, RunningJob
 from gpud.config import Config, parse_address
 from gpud.errors import ConfigError, GpudError
 from gpud.events import EventLog
@@ -174,7 +177,16 @@ class Daemon:
             job_resolver=self.jobs.job_of,
             on_change=self.sampler.refresh_identity,
         )
-        for source in (MigMetrics(self.mig), MpsMetrics(self.mps), JobMetrics(self.jobs)):
+        self.colo = ColoService(
+            config.colocate, self.events, running=self._colo_running, clock=clock
+        )
+        self._colo_last = float("-inf")
+        for source in (
+            MigMetrics(self.mig),
+            MpsMetrics(self.mps),
+            JobMetrics(self.jobs),
+            ColoMetrics(self.colo),
+        ):
             self.collector.add_source(source)
         self.api = ApiServer(
             config.socket_path,
@@ -185,6 +197,7 @@ class Daemon:
                 MigServicer(self.mig, default_drain_timeout_s=config.mig.drain_timeout_s).register,
                 MpsServicer(self.mps, loads=self.jobs.loads).register,
                 JobsServicer(self.jobs).register,
+                ColoServicer(self.colo, snapshots=self.sampler.latest).register,
             ],
         )
         self.steps: list[Step] = []
@@ -193,6 +206,7 @@ class Daemon:
         self.add_step("mig", self._mig_step)
         self.add_step("mps", self._mps_step)
         self.add_step("jobs", self._jobs_step)
+        self.add_step("colo", self._colo_step)
         self.on_shutdown(self.mps.stop)
 
     def _unhealthy_uuids(self) -> set[str]:
@@ -210,6 +224,43 @@ class Daemon:
 
     async def _jobs_step(self) -> None:
         await asyncio.to_thread(self.jobs.tick, self.sampler.latest())
+
+    async def _colo_step(self) -> None:
+        # Runs every [colocate] tick_s, not every loop pass.
+        now = self._clock()
+        if now - self._colo_last < self.config.colocate.tick_s:
+            return
+        self._colo_last = now
+        await asyncio.to_thread(self.colo.tick, self.sampler.latest())
+
+    def _colo_running(self) -> list[RunningJob]:
+        """Jobs holding reservations, placed on GPU indices, with their attributed memory."""
+        snap = self.sampler.latest()
+        index: dict[str, int] = {}
+        if snap is not None:
+            for g in snap.gpus:
+                index[g.identity.uuid] = g.identity.index
+                for m in g.mig_devices:
+                    index[m.identity.uuid] = g.identity.index
+        used = self.jobs.memory_by_job()
+        out = []
+        for r in self.jobs.reservations.held():
+            spec = self.jobs.registry.find(r.job)
+            for device in r.devices:
+                if device not in index:
+                    continue
+                out.append(
+                    RunningJob(
+                        name=r.job,
+                        kind=spec.kind.value if spec else "training",
+                        gpu=index[device],
+                        threads_percent=r.threads_percent,
+                        memory_bytes=r.memory_bytes,
+                        slo_p99_ms=spec.slo_p99_ms if spec else None,
+                        memory_used=used.get((r.job, device), 0),
+                    )
+                )
+        return out
 
     def _reboot_sim(self) -> None:
         """A simulated reboot under a running daemon: instances go, as on a real node; the
@@ -396,6 +447,7 @@ class Daemon:
         self.config = new
         logging.getLogger().setLevel(new.daemon.log_level.upper())
         self.sampler.interval_s = new.telemetry.interval_s
+        self.colo.configure(new.colocate)
         message = "config reloaded"
         if kept:
             message += f"; needs a restart to change: {', '.join(kept)}"

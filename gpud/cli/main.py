@@ -39,6 +39,7 @@ from pathlib import Path
 from types import ModuleType
 
 from gpud import __version__
+from gpud.cli import colo as colo_cli
 from gpud.cli import events, gpus, sim, status, version
 from gpud.cli import jobs as jobs_cli
 from gpud.cli import mig as mig_cli
@@ -55,6 +56,7 @@ COMMAND_GROUPS: list[ModuleType] = [
     mps_cli,
     jobs_cli,
     run_cli,
+    colo_cli,
     version,
     events,
     sim,
