@@ -108,6 +108,8 @@ class ColoServicer(pb_grpc.ColocationServicer):
         )
         if mig is not None:
             out.mig_profile = mig
+        if snap is not None and gpu >= 0 and (sample := snap.gpu(gpu)) is not None:
+            out.device = sample.identity.uuid
         return out
 
     async def ReportLatency(  # noqa: N802

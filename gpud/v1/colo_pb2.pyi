@@ -270,6 +270,7 @@ class AdviseResponse(_message.Message):
     MIG_PROFILE_FIELD_NUMBER: _builtins.int
     PREDICTED_SPEED_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
     gpu: _builtins.int
     """-1: wait"""
     threads_percent: _builtins.int
@@ -277,6 +278,8 @@ class AdviseResponse(_message.Message):
     mig_profile: _builtins.str
     predicted_speed: _builtins.float
     reason: _builtins.str
+    device: _builtins.str
+    """the GPU's UUID ("" when waiting)"""
     def __init__(
         self,
         *,
@@ -286,10 +289,11 @@ class AdviseResponse(_message.Message):
         mig_profile: _builtins.str | None = ...,
         predicted_speed: _builtins.float = ...,
         reason: _builtins.str = ...,
+        device: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile", "mig_profile", b"mig_profile"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile", "gpu", b"gpu", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "predicted_speed", b"predicted_speed", "reason", b"reason", "threads_percent", b"threads_percent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile", "device", b"device", "gpu", b"gpu", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "predicted_speed", b"predicted_speed", "reason", b"reason", "threads_percent", b"threads_percent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__mig_profile: _TypeAlias = _typing.Literal["mig_profile"]  # noqa: Y015
     _WhichOneofArgType__mig_profile: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile"]  # noqa: Y015
