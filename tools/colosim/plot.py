@@ -4,29 +4,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 from tools.colosim.engine import simulate
 from tools.colosim.policies import POLICY_NAMES, make
 from tools.colosim.scenario import Scenario
 from tools.colosim.workloads import SERVICE_TYPES
+from tools.netsim.plot import MissingMatplotlib, _pyplot
 
-
-class MissingMatplotlib(RuntimeError):
-    """matplotlib is not installed."""
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise MissingMatplotlib(
-            "plotting needs matplotlib: pip install 'gpud[plot]' (or .venv/bin/pip install matplotlib)"
-        ) from err
-    return plt
+__all__ = ["MissingMatplotlib", "plot_scenario"]
 
 
 def _smooth(values: list[float], n: int) -> list[float]:
