@@ -184,3 +184,36 @@ def test_latency_batches() -> None:
     clock.t += 1.5
     lat.observe(0.03)
     assert sent == [("chat", [0.01, 0.02, 0.03])]
+
+
+def test_gpuctl_colo_show_and_advise_over_grpc(
+    service: tuple[ColoService, Clock, list[RunningJob]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from gpud.api import ApiServer
+    from gpud.cli.main import main
+    from gpud.colo.api import ColoServicer
+    from tests.unit.api_support import ServerThread, short_dir
+
+    svc, _, _ = service
+    snap = snapshot()
+    svc.report_latency("chat", [0.095] * 100)
+    svc.tick(snap)
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        servicer = ColoServicer(svc, snapshots=lambda: snap)
+        with ServerThread(ApiServer(path, servicers=[servicer.register])):
+            assert main(["--socket", str(path), "colo", "show"], env={}) == 0
+            text = capsys.readouterr().out
+            assert "train" in text and "throttle" in text and "SLO guard" in text
+            assert main(["--socket", str(path), "--json", "colo", "show"], env={}) == 0
+            shown = json.loads(capsys.readouterr().out)
+            assert {p["job"] for p in shown["placements"]} == {"chat", "train"}
+            assert shown["guards"][0]["action"] == "throttle"
+            assert (
+                main(["--socket", str(path), "colo", "advise", "new", "--memory", "8GiB"], env={})
+                == 0
+            )
+            assert "GPU 1" in capsys.readouterr().out
+            assert main(["--socket", str(path), "colo", "advise", "x" * 200], env={}) != 0
