@@ -99,13 +99,23 @@ _default: dict[str, Throttle] = {}
 _default_lock = threading.Lock()
 
 
+def _throttle() -> Throttle:
+    with _default_lock:
+        if "process" not in _default:
+            _default["process"] = Throttle()
+        return _default["process"]
+
+
 def throttle_point() -> float:
     """Once per training iteration: report progress, sleep the duty cycle gpud asks for."""
-    with _default_lock:
-        throttle = (
-            _default.setdefault("process", Throttle()) if not _default else _default["process"]
-        )
-    return throttle.point()
+    return _throttle().point()
+
+
+def directive() -> tuple[float, bool, str]:
+    """The latest directive (duty, evict, reason). When ``evict`` is set, gpud needs this
+    GPU back (an SLO or memory could not be held otherwise): checkpoint and exit."""
+    t = _throttle()
+    return t.duty, t.evict, t.reason
 
 
 class Latency:

@@ -217,3 +217,15 @@ def test_gpuctl_colo_show_and_advise_over_grpc(
             )
             assert "GPU 1" in capsys.readouterr().out
             assert main(["--socket", str(path), "colo", "advise", "x" * 200], env={}) != 0
+
+
+def test_process_wide_directive_without_a_daemon(tmp_path: Path) -> None:
+    from gpud.client import colo
+
+    colo._default.clear()
+    colo._default["process"] = Throttle(
+        "train", socket=str(tmp_path / "none.sock"), call=lambda j, i: (0.5, True, "memory")
+    )
+    colo.throttle_point()
+    assert colo.directive() == (0.5, True, "memory")
+    colo._default.clear()
