@@ -242,7 +242,8 @@ class Planner:
                     return _Eval(
                         False, 0.0, 0.0, f"{j.job_id} would not hold its peak load within its SLO"
                     )
-            elif sp < floor:
+            elif sp - self.predictor.stats().mean_abs_error < floor:
+                # Pessimistic by the predictor's running error: the cap is on what happens.
                 return _Eval(False, 0.0, 0.0, f"{j.job_id} would slow below 1/{p.max_slowdown:g}")
         lost = sum(b - a for b, a in zip(before, after[:-1], strict=True))
         gain = after[-1] - lost
