@@ -2,3 +2,44 @@
 
 Imports nothing of the rest of the project.
 """
+
+from colocate.guard import GuardAction, GuardDecision, GuardParams, ServiceGuard
+from colocate.interference import InterferencePredictor, JobFeatures, PredictorStats
+from colocate.planner import (
+    Convergence,
+    Directive,
+    GpuView,
+    JobView,
+    Placement,
+    Plan,
+    Planner,
+    PlannerParams,
+)
+from colocate.prices import Option, PriceResult, ShadowPrices
+from colocate.shapes import Config, Curve, JobKind, MigOption, Shape
+
+__all__ = [
+    "Config",
+    "Convergence",
+    "Curve",
+    "Directive",
+    "GpuView",
+    "GuardAction",
+    "GuardDecision",
+    "GuardParams",
+    "InterferencePredictor",
+    "JobFeatures",
+    "JobKind",
+    "JobView",
+    "MigOption",
+    "Option",
+    "Placement",
+    "Plan",
+    "Planner",
+    "PlannerParams",
+    "PredictorStats",
+    "PriceResult",
+    "ServiceGuard",
+    "ShadowPrices",
+    "Shape",
+]

@@ -103,6 +103,24 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True)
+class ColocateConfig:
+    """The co-location loop (colocate library): planner, shadow prices and SLO guard."""
+
+    enabled: bool = True
+    tick_s: float = ranged(5.0, 0.1, 3600.0)  # co-location loop period
+    memory_headroom: float = ranged(0.05, 0.0, 0.5)  # fraction of each GPU's memory never planned
+    # no job predicted slower than 1/max_slowdown of alone
+    max_slowdown: float = ranged(2.0, 1.0, 10.0)
+    max_jobs_per_gpu: int = ranged(3, 1, 16)
+    # guard throttles when p99 is within this fraction of the SLO
+    slo_margin: float = ranged(0.2, 0.01, 0.5)
+    guard_decrease: float = ranged(0.5, 0.01, 0.99)  # duty multiplied by this on SLO pressure
+    guard_increase: float = ranged(0.1, 0.001, 1.0)  # duty added back per calm tick
+    min_duty: float = ranged(0.05, 0.001, 1.0)  # the guard's floor before it evicts training
+    latency_window_s: float = ranged(10.0, 1.0, 3600.0)  # p99 over this many seconds of reports
+
+
+@dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
@@ -112,6 +130,7 @@ class Config:
     mig: MigConfig = field(default_factory=MigConfig)
     mps: MpsConfig = field(default_factory=MpsConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    colocate: ColocateConfig = field(default_factory=ColocateConfig)
 
     @property
     def socket_path(self) -> Path:

@@ -34,6 +34,9 @@ from gpud.api.node import NodeServicer
 from gpud.api.ports import NodeInfo
 from gpud.api.server import ApiServer
 from gpud.backend.port import GpuBackend, GpuIdentity
+from gpud.colo.api import ColoServicer
+from gpud.colo.metrics import ColoMetrics
+from gpud.colo.service import ColoService, RunningJob
 from gpud.config import Config, parse_address
 from gpud.errors import ConfigError, GpudError
 from gpud.events import EventLog
@@ -165,11 +168,16 @@ class Daemon:
             quiesce=self.sampler.paused,
             on_reset=self.sampler.gpu_reset,
         )
+        self.colo = ColoService(
+            config.colocate, self.events, running=self._colo_running, clock=clock
+        )
+        self._colo_last = float("-inf")
         for source in (
             MigMetrics(self.mig),
             MpsMetrics(self.mps),
             JobMetrics(self.jobs),
             AdmissionMetrics(self.admission),
+            ColoMetrics(self.colo),
         ):
             self.collector.add_source(source)
         self.api = ApiServer(
@@ -182,6 +190,7 @@ class Daemon:
                 MpsServicer(self.mps, loads=self.jobs.loads).register,
                 JobsServicer(self.jobs).register,
                 QueueServicer(self.admission).register,
+                ColoServicer(self.colo, snapshots=self.sampler.latest).register,
             ],
         )
         self.steps: list[Step] = []
@@ -191,6 +200,7 @@ class Daemon:
         self.add_step("mps", self._mps_step)
         self.add_step("jobs", self._jobs_step)
         self.add_step("admission", self._admission_step)
+        self.add_step("colo", self._colo_step)
         self.on_shutdown(self.mps.stop)
 
     def _faulty_gpus(self) -> dict[int, str]:
@@ -217,6 +227,43 @@ class Daemon:
 
     def _products(self) -> dict[int, str]:
         return {i.index: i.product for i in self._identities()}
+
+    async def _colo_step(self) -> None:
+        # Runs every [colocate] tick_s, not every loop pass.
+        now = self._clock()
+        if now - self._colo_last < self.config.colocate.tick_s:
+            return
+        self._colo_last = now
+        await asyncio.to_thread(self.colo.tick, self.sampler.latest())
+
+    def _colo_running(self) -> list[RunningJob]:
+        """Jobs holding reservations, placed on GPU indices, with their attributed memory."""
+        snap = self.sampler.latest()
+        index: dict[str, int] = {}
+        if snap is not None:
+            for g in snap.gpus:
+                index[g.identity.uuid] = g.identity.index
+                for m in g.mig_devices:
+                    index[m.identity.uuid] = g.identity.index
+        used = self.jobs.memory_by_job()
+        out = []
+        for r in self.jobs.reservations.held():
+            spec = self.jobs.registry.find(r.job)
+            for device in r.devices:
+                if device not in index:
+                    continue
+                out.append(
+                    RunningJob(
+                        name=r.job,
+                        kind=spec.kind.value if spec else "training",
+                        gpu=index[device],
+                        threads_percent=r.threads_percent,
+                        memory_bytes=r.memory_bytes,
+                        slo_p99_ms=spec.slo_p99_ms if spec else None,
+                        memory_used=used.get((r.job, device), 0),
+                    )
+                )
+        return out
 
     def _reboot_sim(self) -> None:
         """A simulated reboot under a running daemon: instances go, as on a real node; the
@@ -403,6 +450,7 @@ class Daemon:
         logging.getLogger().setLevel(new.daemon.log_level.upper())
         self.sampler.interval_s = new.telemetry.interval_s
         self.sampler.ignored_xids = frozenset(new.telemetry.ignored_xids)
+        self.colo.configure(new.colocate)
         message = "config reloaded"
         if kept:
             message += f"; needs a restart to change: {', '.join(kept)}"

@@ -25,6 +25,7 @@ PROTO_IMPORTS: dict[str, tuple[str, ...]] = {
     "mps": (),
     "jobs": (),
     "queue": ("jobs",),
+    "colo": (),
 }
 
 # Generated code under gpud.v1 (tools/protogen), one pair per proto file.

@@ -45,6 +45,7 @@ from pathlib import Path
 from types import ModuleType
 
 from gpud import __version__
+from gpud.cli import colo as colo_cli
 from gpud.cli import events, gpus, sim, status, version, xid
 from gpud.cli import jobs as jobs_cli
 from gpud.cli import mig as mig_cli
@@ -63,6 +64,7 @@ COMMAND_GROUPS: list[ModuleType] = [
     jobs_cli,
     run_cli,
     queue_cli,
+    colo_cli,
     version,
     events,
     xid,

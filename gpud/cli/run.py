@@ -7,7 +7,8 @@
     gpuctl env --job infer-a            # export lines, for a Slurm prolog or a container hook
     gpuctl env --job infer-a --json
 
-``run`` registers the job if it is new, reserves its place (the reservation names this
+``run`` asks the co-location loop where a job that names no place should go (a GPU, its
+MPS thread share), registers the job if it is new, reserves its place (the reservation names this
 gpuctl process, so gpud releases it even if gpuctl is killed), starts the command with
 ``CUDA_VISIBLE_DEVICES``, the MPS variables, ``GPUD_JOB`` and ``GPUD_SOCKET`` added to the
 current environment, forwards SIGINT/SIGTERM/SIGHUP to it, releases the reservation when it
@@ -43,9 +44,9 @@ from gpud.cli.jobs import (
 )
 from gpud.errors import ERROR_TABLE, ResourceExhausted
 from gpud.shared import shell_exports
+from gpud.v1 import colo_pb2, colo_pb2_grpc, queue_pb2, queue_pb2_grpc
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
-from gpud.v1 import queue_pb2, queue_pb2_grpc
 
 EXIT_CANNOT_EXEC = 127
 EXIT_INTERRUPTED = 130
@@ -93,6 +94,29 @@ def reserve_request(args: argparse.Namespace) -> pb.ReserveRequest:
     return request
 
 
+def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -> None:
+    """Where the co-location loop would put a job that names no place: its GPU and MPS
+    thread share go into the request. Without advice (loop off, no room now), the jobs
+    service places the job as it always does."""
+    if args.mig or args.gpus is not None or args.devices:
+        return
+    ask = colo_pb2.AdviseRequest(job=args.job, kind=args.kind or "training")
+    if request.HasField("memory_limit_bytes"):
+        ask.memory_bytes = request.memory_limit_bytes
+    try:
+        resp: colo_pb2.AdviseResponse = ctx.call(ctx.stub(colo_pb2_grpc.ColocationStub).Advise, ask)
+    except CliError as err:
+        print(f"gpuctl: no co-location advice ({err}); default placement", file=sys.stderr)
+        return
+    if resp.gpu < 0 or not resp.device:
+        print(f"gpuctl: co-location says wait ({resp.reason}); default placement", file=sys.stderr)
+        return
+    request.devices.append(resp.device)
+    if not request.HasField("threads_percent") and resp.threads_percent < 100:
+        request.threads_percent = resp.threads_percent
+    print(f"gpuctl: {args.job} on GPU {resp.gpu}: {resp.reason}", file=sys.stderr)
+
+
 def run_run(ctx: Context, args: argparse.Namespace) -> int:
     command = list(args.command)
     if command[:1] == ["--"]:
@@ -102,8 +126,10 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
             "run: give the command after --, e.g. gpuctl run --job a -- ./train", EXIT_USAGE
         )
     stub = ctx.stub(pb_grpc.JobsStub)
+    request = reserve_request(args)
+    advise(ctx, args, request)
     try:
-        resp: pb.ReserveResponse = ctx.call(stub.Reserve, reserve_request(args))
+        resp: pb.ReserveResponse = ctx.call(stub.Reserve, request)
         reservation, devices, granted = (
             resp.reservation.id,
             list(resp.reservation.devices),

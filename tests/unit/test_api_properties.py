@@ -19,11 +19,13 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gpud.errors import ERROR_KEY
 from gpud.v1 import (
+    colo_pb2,
+    colo_pb2_grpc,
     jobs_pb2,
     jobs_pb2_grpc,
     mig_pb2,
@@ -32,6 +34,8 @@ from gpud.v1 import (
     mps_pb2_grpc,
     node_pb2,
     node_pb2_grpc,
+    queue_pb2,
+    queue_pb2_grpc,
 )
 from tools.simdaemon import simulated_gpud
 
@@ -46,6 +50,7 @@ ALL_PROFILES = sorted({p for ps in PROFILES.values() for p in ps})
 GIB = 1 << 30
 JOBS = ("train-a", "infer-b", "c")
 LAST_RESERVATION = "<last reservation>"  # replaced at call time by the last one made
+LAST_ENTRY = "<last queue entry>"  # likewise, the last queue entry
 
 gpus = st.integers(0, 1) | st.just(2)  # mostly on the node; 2 is an unknown GPU
 devices = st.sampled_from(["0", "1", "0:0", "0:1", "1:0", "1:3", "2", "GPU-nope"])
@@ -197,6 +202,50 @@ REQUESTS: dict[str, st.SearchStrategy[Any]] = {
         reservation_id=st.sampled_from([LAST_RESERVATION, "000000000000"]),
     ),
     "/gpud.v1.Jobs/GetJobEnv": st.builds(jobs_pb2.GetJobEnvRequest, job=names),
+    "/gpud.v1.Queue/Enqueue": st.builds(
+        lambda job, kind, keep, **p: queue_pb2.EnqueueRequest(
+            request=_set(jobs_pb2.ReserveRequest(job=job, kind=kind, owner="prop"), **p),
+            keep_unfeasible=keep,
+        ),
+        names,
+        st.sampled_from([0, 1, 2]),
+        st.booleans(),
+        **placement,
+    ),
+    "/gpud.v1.Queue/GetEntry": st.builds(
+        queue_pb2.GetEntryRequest, id=st.sampled_from([LAST_ENTRY, "000000000000", ""])
+    ),
+    "/gpud.v1.Queue/Leave": st.builds(
+        queue_pb2.LeaveRequest, id=st.sampled_from([LAST_ENTRY, "000000000000"])
+    ),
+    "/gpud.v1.Queue/ListQueue": st.builds(queue_pb2.ListQueueRequest, explain=st.booleans()),
+    "/gpud.v1.Queue/History": st.builds(
+        lambda n: _set(queue_pb2.HistoryRequest(), limit=n), _opt(st.integers(0, 1000))
+    ),
+    "/gpud.v1.Colocation/ShowColo": st.just(colo_pb2.ShowColoRequest()),
+    "/gpud.v1.Colocation/Advise": st.builds(
+        lambda job, kind, mem, slo, sm, peak: _set(
+            colo_pb2.AdviseRequest(job=job, kind=kind),
+            memory_bytes=mem,
+            slo_p99_ms=slo,
+            sm_activity=sm,
+            peak_load=peak,
+        ),
+        names,
+        st.sampled_from(["training", "inference", ""]),
+        _opt(st.integers(1, 40).map(lambda g: g * GIB)),
+        _opt(st.floats(1, 1000)),
+        _opt(st.floats(0, 1)),
+        _opt(st.floats(0, 1000)),
+    ),
+    "/gpud.v1.Colocation/ReportLatency": st.builds(
+        lambda job, seconds: colo_pb2.ReportLatencyRequest(job=job, seconds=seconds),
+        names,
+        st.lists(st.floats(0, 10), max_size=20),
+    ),
+    "/gpud.v1.Colocation/ThrottlePoint": st.builds(
+        colo_pb2.ThrottlePointRequest, job=names, iterations=st.integers(0, 10**6)
+    ),
 }
 
 SERVICES = {
@@ -204,6 +253,8 @@ SERVICES = {
     "gpud.v1.Mig": (mig_pb2, mig_pb2_grpc.MigStub),
     "gpud.v1.Mps": (mps_pb2, mps_pb2_grpc.MpsStub),
     "gpud.v1.Jobs": (jobs_pb2, jobs_pb2_grpc.JobsStub),
+    "gpud.v1.Queue": (queue_pb2, queue_pb2_grpc.QueueStub),
+    "gpud.v1.Colocation": (colo_pb2, colo_pb2_grpc.ColocationStub),
 }
 
 
@@ -224,6 +275,7 @@ class Client:
     def __init__(self, channel: grpc.Channel) -> None:
         self._stubs = {full: stub(channel) for full, (_, stub) in SERVICES.items()}
         self.reservations: list[str] = []
+        self.entries: list[str] = []
         self.outcomes: dict[str, dict[str, int]] = {}
 
     def call(self, method: str, request: Any) -> None:
@@ -234,6 +286,11 @@ class Client:
             request = jobs_pb2.ReleaseRequest(
                 reservation_id=self.reservations[-1] if self.reservations else "none"
             )
+        if (
+            isinstance(request, queue_pb2.GetEntryRequest | queue_pb2.LeaveRequest)
+            and request.id == LAST_ENTRY
+        ):
+            request = type(request)(id=self.entries[-1] if self.entries else "none")
         rpc: Callable[..., Any] = getattr(self._stubs[service], name)
         try:
             resp = rpc(request, timeout=60)
@@ -249,6 +306,8 @@ class Client:
             outcome = "OK"
             if isinstance(resp, jobs_pb2.ReserveResponse):
                 self.reservations.append(resp.reservation.id)
+            if isinstance(resp, queue_pb2.QueueEntry):
+                self.entries.append(resp.id)
         counts = self.outcomes.setdefault(method, {})
         counts[outcome] = counts.get(outcome, 0) + 1
 
@@ -266,6 +325,30 @@ def client() -> Iterator[Client]:
         assert status.gpu_count == 2
 
 
+_KEEP_GPU1 = yaml.safe_dump(
+    {"version": "v1", "mig-configs": {"gen": [{"devices": [1], "mig-enabled": False}]}}
+)
+DEEP: list[tuple[str, Any]] = [
+    (
+        "/gpud.v1.Mig/ApplyMig",
+        mig_pb2.ApplyMigRequest(
+            config=mig_pb2.MigConfigSource(text=_KEEP_GPU1, path="deep.yaml", name="gen")
+        ),
+    ),
+    (
+        "/gpud.v1.Mig/AssertMig",
+        mig_pb2.AssertMigRequest(
+            config=mig_pb2.MigConfigSource(text=_KEEP_GPU1, path="deep.yaml", name="gen")
+        ),
+    ),
+    ("/gpud.v1.Jobs/AddJob", jobs_pb2.AddJobRequest(job=jobs_pb2.Job(name="deep", owner="prop"))),
+    (
+        "/gpud.v1.Jobs/Reserve",
+        jobs_pb2.ReserveRequest(job="deep", owner="prop", gpu_count=1, holder_pid=os.getpid()),
+    ),
+    ("/gpud.v1.Mps/SetMpsLimits", mps_pb2.SetMpsLimitsRequest(device="1", threads_percent=50)),
+]
+
 calls = st.lists(
     st.sampled_from(sorted(REQUESTS)).flatmap(lambda m: st.tuples(st.just(m), REQUESTS[m])),
     min_size=1,
@@ -282,6 +365,9 @@ calls = st.lists(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(sequence=calls)
+# One sequence that goes past validation in every RPC test_the_deeper_paths_were_reached
+# checks, whatever the generated ones happen to reach on a loaded machine.
+@example(sequence=DEEP)
 def test_valid_shaped_requests_never_end_in_an_internal_error(
     client: Client, sequence: list[tuple[str, Any]]
 ) -> None:

@@ -1,0 +1,158 @@
+"""Interference predictor: how much a job slows down next to others on one GPU.
+
+Features are what NVML and psutil show for each job when it runs alone (or the best
+estimate so far): SM activity (``nvmlDeviceGetUtilizationRates().gpu`` or the per-process
+SM utilization), memory-controller utilization (the ``.memory`` field), PCIe and NVLink
+throughput as a fraction of the link, memory footprint as a fraction of the device, and on
+the host the CPU use of the job's process tree (in cores, over the host's cores) and its
+RSS. Co-runners are folded into one aggregate neighbour (their activities add up), so the
+same pairwise model serves a GPU with three jobs.
+
+The target is ``-ln(speed_shared / speed_alone)``, a non-negative log-slowdown, modelled
+as a linear function of contention features: SM over-subscription ``ln(max(1, a_i+a_j))``,
+bandwidth over-subscription, the neighbour's bandwidth (cache and DRAM thrash), link and
+host-CPU over-subscription. The weights start from a physical prior (proportional sharing
+of over-subscribed SMs) and are refined online by recursive least squares with
+forgetting, from slowdowns gpud observes. The running mean absolute error of the predicted
+speed factor is exposed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class JobFeatures:
+    """One job's footprint alone on a GPU, each in [0, 1] unless stated.
+
+    ``sm``: SM activity. ``mem_bw``: memory-controller utilization. ``pcie``/``nvlink``:
+    link throughput over link capacity. ``mem_frac``: device memory used over total.
+    ``host_cpu``: CPU use of the process tree over the host's cores. ``rss_frac``: RSS over
+    host memory.
+    """
+
+    sm: float
+    mem_bw: float
+    pcie: float = 0.0
+    nvlink: float = 0.0
+    mem_frac: float = 0.0
+    host_cpu: float = 0.0
+    rss_frac: float = 0.0
+
+    def scaled(self, factor: float) -> JobFeatures:
+        """The footprint of the job running at ``factor`` of its speed (a cap or a duty cycle)."""
+        f = max(0.0, min(1.0, factor))
+        return JobFeatures(
+            sm=self.sm * f,
+            mem_bw=self.mem_bw * f,
+            pcie=self.pcie * f,
+            nvlink=self.nvlink * f,
+            mem_frac=self.mem_frac,
+            host_cpu=self.host_cpu * f,
+            rss_frac=self.rss_frac,
+        )
+
+
+def aggregate(features: Iterable[JobFeatures]) -> JobFeatures:
+    """Co-runners as one neighbour: activities and throughputs add up."""
+    fs = list(features)
+    return JobFeatures(
+        sm=sum(f.sm for f in fs),
+        mem_bw=sum(f.mem_bw for f in fs),
+        pcie=sum(f.pcie for f in fs),
+        nvlink=sum(f.nvlink for f in fs),
+        mem_frac=sum(f.mem_frac for f in fs),
+        host_cpu=sum(f.host_cpu for f in fs),
+        rss_frac=sum(f.rss_frac for f in fs),
+    )
+
+
+def _over(x: float) -> float:
+    return math.log(max(1.0, x))
+
+
+def pair_features(me: JobFeatures, other: JobFeatures) -> tuple[float, ...]:
+    return (
+        1.0,
+        _over(me.sm + other.sm),
+        _over(me.mem_bw + other.mem_bw),
+        other.mem_bw * me.mem_bw,
+        other.sm * me.sm,
+        _over(me.pcie + other.pcie) + _over(me.nvlink + other.nvlink),
+        _over(me.host_cpu + other.host_cpu),
+        _over(me.rss_frac + other.rss_frac),
+    )
+
+
+# Prior: over-subscribed SMs are shared in proportion (weight 1 on ln of the demand), the
+# same for bandwidth, a little thrash from a heavy neighbour, a small constant cost.
+PRIOR_WEIGHTS: tuple[float, ...] = (0.03, 1.0, 0.8, 0.3, 0.05, 0.6, 0.6, 1.0)
+
+
+@dataclass
+class PredictorStats:
+    samples: int
+    mean_abs_error: float
+    mean_error: float
+
+
+class InterferencePredictor:
+    """Online linear model of log-slowdown; see the module docstring."""
+
+    def __init__(
+        self,
+        prior: Sequence[float] = PRIOR_WEIGHTS,
+        *,
+        prior_strength: float = 20.0,
+        forgetting: float = 0.995,
+        error_decay: float = 0.05,
+    ) -> None:
+        n = len(prior)
+        self.weights = list(prior)
+        # Inverse of the prior's confidence: a small P keeps the prior until data outweighs it.
+        self._p = [[(1.0 / prior_strength if i == j else 0.0) for j in range(n)] for i in range(n)]
+        self._lambda = forgetting
+        self._p_cap = 1.0 / prior_strength
+        self._decay = error_decay
+        self._samples = 0
+        self._mae = 0.0
+        self._me = 0.0
+
+    def log_slowdown(self, me: JobFeatures, others: Sequence[JobFeatures]) -> float:
+        if not others:
+            return 0.0
+        x = pair_features(me, aggregate(others))
+        return max(0.0, sum(w * v for w, v in zip(self.weights, x, strict=True)))
+
+    def speed(self, me: JobFeatures, others: Sequence[JobFeatures]) -> float:
+        """Predicted speed next to ``others`` over speed alone, in (0, 1]."""
+        return math.exp(-self.log_slowdown(me, others))
+
+    def observe(self, me: JobFeatures, others: Sequence[JobFeatures], speed: float) -> None:
+        """Learn from one observed speed factor (shared throughput over alone throughput)."""
+        if not others or not (0.0 < speed <= 1.5):
+            return
+        predicted = self.speed(me, others)
+        err = predicted - speed
+        self._samples += 1
+        d = self._decay if self._samples > 1 else 1.0
+        self._mae = (1 - d) * self._mae + d * abs(err)
+        self._me = (1 - d) * self._me + d * err
+        x = pair_features(me, aggregate(others))
+        y = -math.log(min(1.0, speed))
+        n = len(x)
+        # Forgetting inflates P where the data carry no information; stop at the prior's
+        # confidence so that an idle feature cannot make the model jumpy.
+        lam = self._lambda if max(self._p[i][i] for i in range(n)) < self._p_cap else 1.0
+        px = [sum(self._p[i][j] * x[j] for j in range(n)) for i in range(n)]
+        denom = lam + sum(x[i] * px[i] for i in range(n))
+        gain = [v / denom for v in px]
+        resid = y - sum(w * v for w, v in zip(self.weights, x, strict=True))
+        self.weights = [w + g * resid for w, g in zip(self.weights, gain, strict=True)]
+        self._p = [[(self._p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
+
+    def stats(self) -> PredictorStats:
+        return PredictorStats(self._samples, self._mae, self._me)

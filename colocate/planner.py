@@ -1,0 +1,476 @@
+"""Planner: telemetry, jobs and shapes in; placements, limits and directives out.
+
+One pass:
+
+1. Memory first. Each GPU holds ``total * (1 - headroom)`` at most. A GPU whose observed
+   use already crosses that line loses its newest training job (evicted, with the reason)
+   before anything else is decided.
+2. Options. For every pending job and every GPU: the configurations its shape allows, each
+   scored by the predicted gain in normalized progress -- its own predicted speed (shape x
+   interference predictor against the residents) minus the speed the residents would lose.
+   An option is dropped when it would push any job under ``1 / max_slowdown`` of its speed
+   alone, an inference service under its peak load (plus margin) within its SLO, or the
+   GPU's memory over its limit. A free GPU is always the best option for a job (sharing is
+   for work that would otherwise wait).
+3. Prices. :class:`colocate.prices.ShadowPrices` turns the options into per-job choices
+   under per-GPU prices on SMs, memory and bandwidth.
+4. Commit. In arrival order, each job takes its priced choice if it still holds against
+   what was committed before it (hard memory check, slowdown caps), else its next best
+   valid option, else it waits, with the reason.
+5. Directives. Running training jobs get the duty cycle the SLO guards allow on their GPU;
+   evictions carry the guard's or the memory check's reason.
+
+An inference service whose SLO is tight (shorter than ``tight_slo_service_times`` service
+times at full speed) is given a MIG instance when the GPU offers one that covers its peak:
+hard isolation rather than an MPS share that a neighbour's bursts can still hurt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from colocate.interference import InterferencePredictor, JobFeatures
+from colocate.prices import Option, ShadowPrices
+from colocate.shapes import DEFAULT_SHARES, P99_FACTOR, JobKind, MigOption, Shape
+
+
+@dataclass(frozen=True)
+class PlannerParams:
+    memory_headroom: float = 0.05
+    max_slowdown: float = 2.0
+    min_gain: float = 0.15
+    max_jobs_per_gpu: int = 3
+    slo_margin: float = 0.2
+    sm_oversubscription: float = 0.3
+    tight_slo_service_times: float = 8.0
+    shares: tuple[float, ...] = DEFAULT_SHARES
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.memory_headroom < 0.5:
+            raise ValueError(f"memory_headroom {self.memory_headroom} outside [0, 0.5)")
+        if self.max_slowdown < 1.0:
+            raise ValueError(f"max_slowdown {self.max_slowdown} below 1")
+        if self.max_jobs_per_gpu < 1:
+            raise ValueError(f"max_jobs_per_gpu {self.max_jobs_per_gpu} below 1")
+
+
+@dataclass(frozen=True)
+class GpuView:
+    """A GPU as the planner sees it: memory from NVML, the MIG instances it could offer."""
+
+    index: int
+    memory_total: int
+    memory_used: int = 0
+    mig_options: tuple[MigOption, ...] = ()
+
+
+@dataclass
+class JobView:
+    """A job as the planner sees it. ``gpu`` None: pending.
+
+    ``features``: its footprint alone (telemetry, or the prior). ``load``/``peak_load``:
+    an inference service's request rate now and the peak it must absorb.
+    """
+
+    job_id: str
+    shape: Shape
+    features: JobFeatures
+    gpu: int | None = None
+    sm_share: float = 1.0
+    mig_profile: str | None = None
+    duty: float = 1.0
+    memory_used: int = 0
+    load: float = 0.0
+    peak_load: float = 0.0
+    order: float = 0.0  # arrival order (smaller first)
+
+    @property
+    def kind(self) -> JobKind:
+        return self.shape.kind
+
+    def footprint(self, share: float | None = None, duty: float | None = None) -> JobFeatures:
+        """Features at a cap and duty cycle; inference scales with its utilization."""
+        s = self.sm_share if share is None else share
+        d = self.duty if duty is None else duty
+        if self.kind is JobKind.INFERENCE:
+            mu = self.shape.service_rate(s)
+            rho = min(1.0, self.load / mu) if mu > 0 else 1.0
+            return self.features.scaled(rho * self.shape.curve.relative(s))
+        return self.features.scaled(self.shape.curve.relative(s) * d)
+
+
+@dataclass(frozen=True)
+class Placement:
+    job_id: str
+    gpu: int
+    sm_share: float
+    memory_limit_bytes: int
+    predicted_speed: float
+    reason: str
+    mig_profile: str | None = None
+
+    @property
+    def thread_percentage(self) -> int:
+        """``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` for the job's client."""
+        return max(1, min(100, round(self.sm_share * 100)))
+
+
+@dataclass(frozen=True)
+class Directive:
+    job_id: str
+    duty: float
+    evict: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Convergence:
+    iterations: int
+    residual: float
+    converged: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    placements: tuple[Placement, ...]
+    waiting: Mapping[str, str]
+    directives: tuple[Directive, ...]
+    prices: Mapping[tuple[int, str], float]
+    convergence: Convergence
+    predicted_speed: Mapping[str, float]
+    memory_reserved: Mapping[int, int]
+
+
+@dataclass(frozen=True)
+class _Eval:
+    ok: bool
+    gain: float
+    speed: float
+    reason: str
+
+
+@dataclass
+class _Gpu:
+    view: GpuView
+    residents: list[tuple[JobView, float, str | None]] = field(default_factory=list)
+    reserved: int = 0
+
+    @property
+    def limit(self) -> int:
+        return self.view.memory_total
+
+    def inference_share(self, margin: float) -> float:
+        """SMs the inference services here need at their peak (their MPS caps stay at 100%)."""
+        return sum(
+            j.shape.share_for_load(j.peak_load * (1.0 + margin))
+            for j, _, mig in self.residents
+            if j.kind is JobKind.INFERENCE and mig is None
+        )
+
+
+class Planner:
+    """Stateful across passes only through its prices and the predictor it is given."""
+
+    def __init__(
+        self,
+        predictor: InterferencePredictor,
+        params: PlannerParams | None = None,
+        prices: ShadowPrices | None = None,
+    ) -> None:
+        self.predictor = predictor
+        self.params = params or PlannerParams()
+        self.prices = prices or ShadowPrices()
+
+    # -- evaluation -----------------------------------------------------------------------
+    def _speeds(self, members: Sequence[tuple[JobView, float, str | None]]) -> list[float]:
+        """Predicted speed (over alone, full GPU) of each member of a GPU's set."""
+        feats = [j.footprint(s, None) for j, s, _ in members]
+        out = []
+        for i, (j, s, mig) in enumerate(members):
+            rel = j.shape.curve.relative(s)
+            if mig is not None:  # a MIG instance is isolated from its neighbours
+                out.append(rel)
+                continue
+            others = [f for k, f in enumerate(feats) if k != i and members[k][2] is None]
+            out.append(rel * self.predictor.speed(feats[i], others))
+        return out
+
+    def _evaluate(self, gpu: _Gpu, job: JobView, share: float, mig: str | None) -> _Eval:
+        p = self.params
+        limit = int(gpu.view.memory_total * (1.0 - p.memory_headroom))
+        need = job.shape.reserve_bytes()
+        if gpu.reserved + need > limit:
+            return _Eval(
+                False,
+                0.0,
+                0.0,
+                f"memory: needs {need >> 20} MiB, {max(0, limit - gpu.reserved) >> 20} MiB free under the limit",
+            )
+        if (
+            job.kind is JobKind.INFERENCE
+            and mig is None
+            and any(j.kind is JobKind.INFERENCE and m is None for j, _, m in gpu.residents)
+        ):
+            # Two latency-critical services cannot throttle each other: never on one GPU
+            # without MIG isolation.
+            return _Eval(False, 0.0, 0.0, "another inference service is already here")
+        if len(gpu.residents) >= p.max_jobs_per_gpu:
+            return _Eval(False, 0.0, 0.0, f"already {len(gpu.residents)} jobs")
+        if (
+            job.kind is JobKind.TRAINING
+            and mig is None
+            and share > 1.0 - gpu.inference_share(p.slo_margin) + 1e-9
+        ):
+            return _Eval(False, 0.0, 0.0, "share would cut into an inference service's share")
+        before = self._speeds(gpu.residents)
+        members = [*gpu.residents, (job, share, mig)]
+        after = self._speeds(members)
+        floor = 1.0 / p.max_slowdown
+        for (j, s, _), sp in zip(members, after, strict=True):
+            if j.kind is JobKind.INFERENCE:
+                if len(members) == 1 or mig is not None or s_mig(j, members):
+                    continue  # alone or isolated: as good as this GPU gets
+                # Interference only (the share is the service's own choice), made pessimistic
+                # by the predictor's running error; the SLO's queueing term is not scaled.
+                factor = sp / max(j.shape.curve.relative(s), 1e-9)
+                factor = max(0.0, factor - self.predictor.stats().mean_abs_error)
+                capacity = j.shape.service_rate(s) * factor
+                if j.shape.slo_s:
+                    capacity -= P99_FACTOR / j.shape.slo_s
+                if capacity < j.peak_load * (1.0 + p.slo_margin):
+                    return _Eval(
+                        False, 0.0, 0.0, f"{j.job_id} would not hold its peak load within its SLO"
+                    )
+            elif sp - self.predictor.stats().mean_abs_error < floor:
+                # Pessimistic by the predictor's running error: the cap is on what happens.
+                return _Eval(False, 0.0, 0.0, f"{j.job_id} would slow below 1/{p.max_slowdown:g}")
+        lost = sum(b - a for b, a in zip(before, after[:-1], strict=True))
+        gain = after[-1] - lost
+        return _Eval(True, gain, after[-1], "")
+
+    # -- one pass -------------------------------------------------------------------------
+    def plan(
+        self,
+        gpus: Sequence[GpuView],
+        jobs: Sequence[JobView],
+        guard_duty: Mapping[int, float] | None = None,
+        guard_evict: Mapping[int, str] | None = None,
+    ) -> Plan:
+        """Place pending jobs and direct running ones; see the module docstring."""
+        p = self.params
+        state = {g.index: _Gpu(g) for g in gpus}
+        running = [j for j in jobs if j.gpu is not None and j.gpu in state]
+        pending = sorted((j for j in jobs if j.gpu is None), key=lambda j: (j.order, j.job_id))
+        for j in running:
+            assert j.gpu is not None
+            g = state[j.gpu]
+            g.residents.append((j, j.sm_share, j.mig_profile))
+            g.reserved += j.shape.reserve_bytes()
+
+        directives: list[Directive] = []
+        evicted: set[str] = set()
+        # 1. memory: the observed use over the limit costs the newest training job its place.
+        for g in state.values():
+            limit = int(g.view.memory_total * (1.0 - p.memory_headroom))
+            used = max(g.view.memory_used, sum(j.memory_used for j, _, _ in g.residents))
+            trainees = sorted(
+                (j for j, _, _ in g.residents if j.kind is JobKind.TRAINING),
+                key=lambda j: (-j.order, j.job_id),
+            )
+            while used > limit and trainees:
+                victim = trainees.pop(0)
+                used -= victim.memory_used
+                self._drop(g, victim)
+                evicted.add(victim.job_id)
+                directives.append(
+                    Directive(
+                        victim.job_id,
+                        0.0,
+                        True,
+                        f"GPU {g.view.index} memory {used + victim.memory_used >> 20} MiB over "
+                        f"its limit {limit >> 20} MiB: evict the newest training job",
+                    )
+                )
+            if guard_evict and g.view.index in guard_evict:
+                for j, _, _ in list(g.residents):
+                    if j.kind is JobKind.TRAINING and j.job_id not in evicted:
+                        self._drop(g, j)
+                        evicted.add(j.job_id)
+                        directives.append(Directive(j.job_id, 0.0, True, guard_evict[g.view.index]))
+
+        # 2. options per pending job.
+        options: dict[str, list[Option]] = {}
+        for job in pending:
+            opts: list[Option] = []
+            for g in state.values():
+                for share, mig in self._candidates(job, g):
+                    ev = self._evaluate(g, job, share, mig)
+                    if not ev.ok:
+                        continue
+                    if g.residents and ev.gain < p.min_gain:
+                        continue
+                    opts.append(
+                        Option(
+                            gpu=g.view.index,
+                            utility=ev.gain,
+                            demand={
+                                "sm": job.footprint(share, 1.0).sm,
+                                "mem": job.shape.reserve_bytes() / g.view.memory_total,
+                                "bw": job.footprint(share, 1.0).mem_bw,
+                            },
+                            tag=(share, mig),
+                        )
+                    )
+            options[job.job_id] = opts
+
+        # 3. prices over what is left on each GPU.
+        capacity: dict[tuple[int, str], float] = {}
+        for g in state.values():
+            feats = [j.footprint(s, None) for j, s, _ in g.residents]
+            capacity[(g.view.index, "sm")] = max(
+                0.0, 1.0 + p.sm_oversubscription - sum(f.sm for f in feats)
+            )
+            capacity[(g.view.index, "bw")] = max(
+                0.0, 1.0 + p.sm_oversubscription - sum(f.mem_bw for f in feats)
+            )
+            capacity[(g.view.index, "mem")] = max(
+                0.0, (1.0 - p.memory_headroom) - g.reserved / g.view.memory_total
+            )
+        result = self.prices.solve(options, capacity)
+
+        # 4. commit in arrival order, re-checking against what is already committed.
+        placements: list[Placement] = []
+        waiting: dict[str, str] = {}
+        for job in pending:
+            opts = options[job.job_id]
+            if not opts:
+                waiting[job.job_id] = self._why_not(job, state)
+                continue
+            first = result.choices.get(job.job_id)
+            ranked = sorted(
+                range(len(opts)),
+                key=lambda i: (
+                    -(
+                        opts[i].utility
+                        - sum(
+                            result.prices.get((opts[i].gpu, r), 0.0) * d
+                            for r, d in opts[i].demand.items()
+                        )
+                    )
+                ),
+            )
+            if first is not None:
+                ranked.remove(first)
+                ranked.insert(0, first)
+            placed = False
+            for i in ranked:
+                o = opts[i]
+                share, mig = o.tag if isinstance(o.tag, tuple) else (1.0, None)
+                g = state[o.gpu]
+                ev = self._evaluate(g, job, share, mig)
+                if not ev.ok or (g.residents and ev.gain < p.min_gain):
+                    continue
+                reason = self._reason(job, g, share, mig, ev)
+                g.residents.append((job, share, mig))
+                g.reserved += job.shape.reserve_bytes()
+                placements.append(
+                    Placement(
+                        job_id=job.job_id,
+                        gpu=o.gpu,
+                        sm_share=share,
+                        memory_limit_bytes=job.shape.reserve_bytes(),
+                        predicted_speed=ev.speed,
+                        reason=reason,
+                        mig_profile=mig,
+                    )
+                )
+                placed = True
+                break
+            if not placed:
+                waiting[job.job_id] = "every option was taken by earlier jobs this pass"
+
+        # 5. directives for running training jobs.
+        duty = guard_duty or {}
+        for g in state.values():
+            d = duty.get(g.view.index, 1.0)
+            for j, _, _ in g.residents:
+                if j.kind is JobKind.TRAINING and j.gpu is not None:
+                    why = (
+                        f"SLO guard on GPU {g.view.index} holds training at duty {d:.2f}"
+                        if d < 1.0
+                        else "no SLO pressure"
+                    )
+                    directives.append(Directive(j.job_id, d, False, why))
+
+        predicted: dict[str, float] = {}
+        for g in state.values():
+            for (j, _, _), sp in zip(g.residents, self._speeds(g.residents), strict=True):
+                predicted[j.job_id] = sp
+        return Plan(
+            placements=tuple(placements),
+            waiting=waiting,
+            directives=tuple(directives),
+            prices=result.prices,
+            convergence=_convergence(result.iterations, result.residual, result.converged),
+            predicted_speed=predicted,
+            memory_reserved={i: g.reserved for i, g in state.items()},
+        )
+
+    # -- helpers --------------------------------------------------------------------------
+    def _candidates(self, job: JobView, g: _Gpu) -> list[tuple[float, str | None]]:
+        if job.kind is JobKind.INFERENCE:
+            svc = 1.0 / max(job.shape.service_rate(1.0), 1e-9)
+            tight = job.shape.slo_s is not None and job.shape.slo_s < (
+                self.params.tight_slo_service_times * svc
+            )
+            if tight and not g.residents:
+                migs = [
+                    m
+                    for m in sorted(g.view.mig_options, key=lambda m: m.sm_fraction)
+                    if job.shape.perf(m.sm_fraction) >= job.peak_load * (1 + self.params.slo_margin)
+                    and m.memory_bytes >= job.shape.reserve_bytes()
+                ]
+                if migs:
+                    return [(migs[0].sm_fraction, migs[0].profile)]
+            return [(1.0, None)]
+        if not g.residents:
+            return [(1.0, None)]
+        return [(s, None) for s in self.params.shares]
+
+    def _drop(self, g: _Gpu, job: JobView) -> None:
+        g.residents = [r for r in g.residents if r[0].job_id != job.job_id]
+        g.reserved -= job.shape.reserve_bytes()
+
+    def _why_not(self, job: JobView, state: Mapping[int, _Gpu]) -> str:
+        reasons = []
+        for g in state.values():
+            share, mig = self._candidates(job, g)[0]
+            ev = self._evaluate(g, job, share, mig)
+            reasons.append(
+                f"GPU {g.view.index}: {ev.reason or f'gain {ev.gain:.2f} under {self.params.min_gain:g}'}"
+            )
+        return "; ".join(reasons[:4]) + ("; ..." if len(reasons) > 4 else "")
+
+    def _reason(self, job: JobView, g: _Gpu, share: float, mig: str | None, ev: _Eval) -> str:
+        if mig is not None:
+            return (
+                f"tight SLO ({job.shape.slo_s:g} s): MIG instance {mig} on GPU {g.view.index} "
+                "for hard isolation"
+            )
+        if not g.residents:
+            return f"GPU {g.view.index} is free: exclusive"
+        names = ", ".join(j.job_id for j, _, _ in g.residents)
+        return (
+            f"shares GPU {g.view.index} with {names} at {share:.0%} SMs: predicted speed "
+            f"{ev.speed:.2f}, net gain {ev.gain:.2f}"
+        )
+
+
+def s_mig(job: JobView, members: Sequence[tuple[JobView, float, str | None]]) -> bool:
+    """Whether ``job`` sits in a MIG instance among ``members``."""
+    return any(m is job and mig is not None for m, _, mig in members)
+
+
+def _convergence(iterations: int, residual: float, converged: bool) -> Convergence:
+    return Convergence(iterations=iterations, residual=residual, converged=converged)

@@ -1,0 +1,125 @@
+"""``gpuctl colo show`` / ``gpuctl colo advise``: the co-location loop, explained.
+
+::
+
+    gpuctl colo show [--json]
+    gpuctl colo advise JOB [--kind inference --slo-ms 50 --memory 20GiB --sm 0.4] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
+from gpud.cli.output import NA
+from gpud.errors import InvalidArgument
+from gpud.shared import format_size, parse_size
+from gpud.v1 import colo_pb2 as pb
+from gpud.v1 import colo_pb2_grpc as pb_grpc
+
+PLACEMENT_HEADERS = ("JOB", "KIND", "GPU", "SM SHARE", "DUTY", "PREDICTED", "OBSERVED", "WHY")
+GUARD_HEADERS = ("SERVICE", "GPU", "SLO", "P99", "TRAINING DUTY", "ACTION", "ATTAINED", "WHY")
+
+
+def register(subparsers: Subparsers) -> None:
+    colo = subparsers.add_parser("colo", help="co-location: placements, prices, SLO guards")
+    commands = colo.add_subparsers(dest="colo_command", metavar="COMMAND", required=True)
+    show = commands.add_parser("show", help="placements, prices, slowdowns and guard states")
+    show.set_defaults(run=run_show)
+    advise = commands.add_parser("advise", help="where a new job would go now, and its limits")
+    advise.add_argument("job")
+    advise.add_argument("--kind", choices=("training", "inference"), default="training")
+    advise.add_argument("--memory", metavar="SIZE", help="device memory it needs, e.g. 20GiB")
+    advise.add_argument("--slo-ms", type=float, help="inference p99 SLO in milliseconds")
+    advise.add_argument("--sm", type=float, metavar="0..1", help="its SM activity alone")
+    advise.add_argument("--peak-load", type=float, metavar="REQ/S", help="inference peak load")
+    advise.set_defaults(run=run_advise)
+
+
+def _pct(x: float) -> str:
+    return f"{x:.0%}"
+
+
+def run_show(ctx: Context, args: argparse.Namespace) -> int:
+    resp: pb.ShowColoResponse = ctx.call(
+        ctx.stub(pb_grpc.ColocationStub).ShowColo, pb.ShowColoRequest()
+    )
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+        return 0
+    if not resp.enabled:
+        ctx.out.print("co-location is off ([colocate] enabled = false)")
+    ctx.out.print_table(
+        PLACEMENT_HEADERS,
+        [
+            (
+                p.job,
+                p.kind,
+                str(p.gpu) if p.gpu >= 0 else "waiting",
+                p.mig_profile if p.HasField("mig_profile") else _pct(p.sm_share),
+                _pct(p.duty),
+                f"{p.predicted_speed:.2f}",
+                f"{p.observed_speed:.2f}" if p.HasField("observed_speed") else NA,
+                p.reason,
+            )
+            for p in resp.placements
+        ],
+    )
+    ctx.out.print()
+    ctx.out.print_table(
+        GUARD_HEADERS,
+        [
+            (
+                g.job,
+                str(g.gpu) if g.gpu >= 0 else "-",
+                f"{g.slo_ms:g} ms",
+                f"{g.p99_ms:.1f} ms" if g.HasField("p99_ms") else NA,
+                _pct(g.duty),
+                g.action,
+                f"{g.attainment:.3f}",
+                g.reason,
+            )
+            for g in resp.guards
+        ],
+    )
+    ctx.out.print()
+    busy = [p for p in resp.prices if p.price > 1e-6]
+    prices = ", ".join(f"GPU {p.gpu} {p.resource} {p.price:.2f}" for p in busy) or "all zero"
+    ctx.out.print(
+        f"prices: {prices} ({resp.price_iterations} iterations, residual "
+        f"{resp.price_residual:.3f}{', converged' if resp.prices_converged else ''})"
+    )
+    ctx.out.print(
+        f"interference predictor: {resp.predictor_samples} samples, mean abs error "
+        f"{resp.predictor_mean_abs_error:.3f}; plan {resp.plan_age_seconds:.1f} s old"
+    )
+    return 0
+
+
+def run_advise(ctx: Context, args: argparse.Namespace) -> int:
+    request = pb.AdviseRequest(job=args.job, kind=args.kind)
+    if args.memory is not None:
+        try:
+            request.memory_bytes = parse_size(args.memory, field="memory")
+        except InvalidArgument as err:
+            raise CliError(str(err), EXIT_USAGE) from None
+    if args.slo_ms is not None:
+        request.slo_p99_ms = args.slo_ms
+    if args.sm is not None:
+        request.sm_activity = args.sm
+    if args.peak_load is not None:
+        request.peak_load = args.peak_load
+    resp: pb.AdviseResponse = ctx.call(ctx.stub(pb_grpc.ColocationStub).Advise, request)
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+        return 0
+    if resp.gpu < 0:
+        ctx.out.print(f"{args.job}: wait ({resp.reason})")
+        return 0
+    where = f"GPU {resp.gpu}" + (f" MIG {resp.mig_profile}" if resp.HasField("mig_profile") else "")
+    ctx.out.print(
+        f"{args.job}: {where}, {resp.threads_percent}% threads, memory limit "
+        f"{format_size(resp.memory_limit_bytes)}, predicted speed {resp.predicted_speed:.2f} "
+        f"({resp.reason})"
+    )
+    return 0

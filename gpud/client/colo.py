@@ -1,0 +1,165 @@
+"""Co-location directives for jobs: ``throttle_point()`` and ``Latency``.
+
+Training calls :func:`throttle_point` once per iteration. It reports the iteration to the
+node's gpud (at most every ``report_every_s``) and sleeps so that the job runs at the duty
+cycle gpud tells it: after an iteration that took ``t`` seconds at duty ``d`` it sleeps
+``t * (1 - d) / d``. MPS thread limits are fixed when the CUDA context is created; sleeping
+is the lever that acts at once (GPUColo does the same). Inference reports latencies with
+``Latency().observe(seconds)``; they are sent in batches.
+
+The job and the daemon's socket come from the environment ``gpuctl run`` sets
+(``GPUD_JOB``, ``GPUD_SOCKET``). Without a daemon the calls do nothing: a job must never
+fail because its node's gpud is away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+DEFAULT_SOCKET = "/run/gpud/gpud.sock"
+
+
+class _Channel:
+    def __init__(self, socket: str | None = None) -> None:
+        self._socket = socket or os.environ.get("GPUD_SOCKET", DEFAULT_SOCKET)
+        self._stub: Any = None
+
+    def stub(self) -> Any:
+        if self._stub is None:
+            import grpc
+
+            from gpud.v1 import colo_pb2_grpc
+
+            self._stub = colo_pb2_grpc.ColocationStub(
+                grpc.insecure_channel(f"unix://{self._socket}")
+            )
+        return self._stub
+
+
+class Throttle:
+    """The state behind :func:`throttle_point`; one per process (or per test)."""
+
+    def __init__(
+        self,
+        job: str | None = None,
+        *,
+        socket: str | None = None,
+        report_every_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        call: Callable[[str, int], tuple[float, bool, str]] | None = None,
+    ) -> None:
+        self.job = job or os.environ.get("GPUD_JOB", "")
+        self._channel = _Channel(socket)
+        self._every = report_every_s
+        self._clock = clock
+        self._sleep = sleep
+        self._call = call or self._grpc_call
+        self._last: float | None = None
+        self._last_report = float("-inf")
+        self._pending = 0
+        self.duty = 1.0
+        self.evict = False
+        self.reason = ""
+
+    def _grpc_call(self, job: str, iterations: int) -> tuple[float, bool, str]:
+        from gpud.v1 import colo_pb2
+
+        r = self._channel.stub().ThrottlePoint(
+            colo_pb2.ThrottlePointRequest(job=job, iterations=iterations), timeout=1.0
+        )
+        return r.duty, r.evict, r.reason
+
+    def point(self) -> float:
+        """Call once per iteration; returns the seconds slept."""
+        now = self._clock()
+        self._pending += 1
+        if self.job and now - self._last_report >= self._every:
+            try:
+                self.duty, self.evict, self.reason = self._call(self.job, self._pending)
+                self.duty = min(1.0, max(0.01, self.duty))
+                self._pending = 0
+            except Exception:  # the daemon may be away: keep the last directive
+                pass
+            self._last_report = now
+        slept = 0.0
+        if self._last is not None and self.duty < 1.0:
+            slept = (now - self._last) * (1.0 - self.duty) / self.duty
+            self._sleep(slept)
+        self._last = self._clock()
+        return slept
+
+
+_default: dict[str, Throttle] = {}
+_default_lock = threading.Lock()
+
+
+def _throttle() -> Throttle:
+    with _default_lock:
+        if "process" not in _default:
+            _default["process"] = Throttle()
+        return _default["process"]
+
+
+def throttle_point() -> float:
+    """Once per training iteration: report progress, sleep the duty cycle gpud asks for."""
+    return _throttle().point()
+
+
+def directive() -> tuple[float, bool, str]:
+    """The latest directive (duty, evict, reason). When ``evict`` is set, gpud needs this
+    GPU back (an SLO or memory could not be held otherwise): checkpoint and exit."""
+    t = _throttle()
+    return t.duty, t.evict, t.reason
+
+
+class Latency:
+    """Inference latency reports: ``lat = Latency(); lat.observe(0.012)`` per request."""
+
+    def __init__(
+        self,
+        job: str | None = None,
+        *,
+        socket: str | None = None,
+        flush_every_s: float = 1.0,
+        max_batch: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+        send: Callable[[str, list[float]], None] | None = None,
+    ) -> None:
+        self.job = job or os.environ.get("GPUD_JOB", "")
+        self._channel = _Channel(socket)
+        self._every = flush_every_s
+        self._max = max_batch
+        self._clock = clock
+        self._send = send or self._grpc_send
+        self._batch: list[float] = []
+        self._last = clock()
+        self._lock = threading.Lock()
+
+    def _grpc_send(self, job: str, seconds: list[float]) -> None:
+        from gpud.v1 import colo_pb2
+
+        self._channel.stub().ReportLatency(
+            colo_pb2.ReportLatencyRequest(job=job, seconds=seconds), timeout=1.0
+        )
+
+    def observe(self, seconds: float) -> None:
+        with self._lock:
+            self._batch.append(float(seconds))
+            due = len(self._batch) >= self._max or self._clock() - self._last >= self._every
+        if due:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            batch, self._batch = self._batch, []
+            self._last = self._clock()
+        if batch and self.job:
+            # The daemon may be away: drop the batch, never fail the job.
+            with contextlib.suppress(Exception):
+                self._send(self.job, batch)

@@ -1,0 +1,1 @@
+"""The co-location loop: the colocate library on live snapshots, its API and metrics."""

@@ -1,0 +1,125 @@
+"""``gpud.v1.Colocation``: ``gpuctl colo show``, placement advice, and job directives.
+
+Register on the daemon's ``ApiServer``::
+
+    ApiServer(path, servicers=[ColoServicer(colo_service, snapshots=sampler.latest).register])
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from gpud.api.validate import optional
+from gpud.colo.service import ColoService
+from gpud.errors import InvalidArgument
+from gpud.telemetry.snapshot import Snapshot
+from gpud.v1 import colo_pb2 as pb
+from gpud.v1 import colo_pb2_grpc as pb_grpc
+
+MAX_NAME = 128
+
+
+def _job(name: str) -> str:
+    if not name or len(name) > MAX_NAME:
+        raise InvalidArgument(f"job name must be 1..{MAX_NAME} characters")
+    return name
+
+
+class ColoServicer(pb_grpc.ColocationServicer):
+    def __init__(self, service: ColoService, *, snapshots: Callable[[], Snapshot | None]) -> None:
+        self._service = service
+        self._snapshots = snapshots
+
+    def register(self, server: Any) -> None:
+        """Add this service to a ``grpc.aio.Server`` (an ``ApiServer`` registrar)."""
+        pb_grpc.add_ColocationServicer_to_server(self, server)
+
+    async def ShowColo(self, request: pb.ShowColoRequest, context: Any) -> pb.ShowColoResponse:  # noqa: N802
+        return await asyncio.to_thread(self._show)
+
+    def _show(self) -> pb.ShowColoResponse:
+        v = self._service.show()
+        out = pb.ShowColoResponse(
+            enabled=v.enabled,
+            plan_age_seconds=v.plan_age_s,
+            predictor_samples=v.predictor_samples,
+            predictor_mean_abs_error=v.predictor_mae,
+        )
+        plan = v.plan
+        predicted = plan.predicted_speed if plan else {}
+        for r in v.running:
+            p = out.placements.add(
+                job=r.name,
+                kind=r.kind,
+                gpu=r.gpu,
+                sm_share=(r.threads_percent or 100) / 100.0,
+                duty=v.duty.get(r.name, 1.0),
+                predicted_speed=predicted.get(r.name, 1.0),
+                reason="running",
+            )
+            if r.name in v.observed_speed:
+                p.observed_speed = v.observed_speed[r.name]
+        if plan is not None:
+            for d in plan.directives:
+                for p in out.placements:
+                    if p.job == d.job_id:
+                        p.reason = d.reason
+            for (gpu, resource), price in sorted(plan.prices.items()):
+                out.prices.add(gpu=gpu, resource=resource, price=price)
+            out.price_iterations = plan.convergence.iterations
+            out.price_residual = plan.convergence.residual
+            out.prices_converged = plan.convergence.converged
+        for g in v.guards:
+            m = out.guards.add(
+                job=g.job,
+                gpu=g.gpu,
+                slo_ms=g.slo_ms,
+                duty=g.duty,
+                action=g.action,
+                reason=g.reason,
+                attainment=g.attainment,
+            )
+            if g.p99_ms is not None:
+                m.p99_ms = g.p99_ms
+        return out
+
+    async def Advise(self, request: pb.AdviseRequest, context: Any) -> pb.AdviseResponse:  # noqa: N802
+        job = _job(request.job)
+        kind = request.kind or "training"
+        snap = self._snapshots()
+        gpu, share, limit, mig, speed, reason = await asyncio.to_thread(
+            self._service.advise,
+            job,
+            kind=kind,
+            memory_bytes=optional(request, "memory_bytes"),
+            slo_p99_ms=optional(request, "slo_p99_ms"),
+            sm_activity=optional(request, "sm_activity"),
+            peak_load=optional(request, "peak_load") or 0.0,
+            snapshot=snap,
+        )
+        out = pb.AdviseResponse(
+            gpu=gpu,
+            threads_percent=max(1, min(100, round(share * 100))) if gpu >= 0 else 0,
+            memory_limit_bytes=limit,
+            predicted_speed=speed,
+            reason=reason,
+        )
+        if mig is not None:
+            out.mig_profile = mig
+        if snap is not None and gpu >= 0 and (sample := snap.gpu(gpu)) is not None:
+            out.device = sample.identity.uuid
+        return out
+
+    async def ReportLatency(  # noqa: N802
+        self, request: pb.ReportLatencyRequest, context: Any
+    ) -> pb.ReportLatencyResponse:
+        self._service.report_latency(_job(request.job), list(request.seconds))
+        return pb.ReportLatencyResponse()
+
+    async def ThrottlePoint(  # noqa: N802
+        self, request: pb.ThrottlePointRequest, context: Any
+    ) -> pb.ThrottlePointResponse:
+        d = self._service.throttle_point(_job(request.job), request.iterations)
+        return pb.ThrottlePointResponse(duty=d.duty, evict=d.evict, reason=d.reason)

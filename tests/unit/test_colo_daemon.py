@@ -1,0 +1,231 @@
+"""gpud.colo (the loop on snapshots, metrics) and gpud.client.colo (directives)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gpud.backend.port import MemoryInfo, Utilization
+from gpud.client.colo import Latency, Throttle
+from gpud.colo.metrics import ColoMetrics
+from gpud.colo.service import ColoService, RunningJob
+from gpud.config import ColocateConfig
+from gpud.errors import InvalidArgument
+from gpud.events import EventLog
+from gpud.telemetry.snapshot import GpuSample, Snapshot
+from tests.unit.api_support import GIB, identity
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def snapshot(n: int = 2, used_gib: float = 30) -> Snapshot:
+    return Snapshot(
+        wall_time=0.0,
+        monotonic=0.0,
+        tick_seconds=0.01,
+        gpus=tuple(
+            GpuSample(
+                identity=identity(i),
+                healthy=True,
+                reason="",
+                sampled_at=0.0,
+                memory=MemoryInfo(80 * GIB, int(used_gib * GIB), int((80 - used_gib) * GIB)),
+                utilization=Utilization(0.3, 0.2),
+            )
+            for i in range(n)
+        ),
+    )
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> tuple[ColoService, Clock, list[RunningJob]]:
+    clock = Clock()
+    jobs = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
+        RunningJob("train", "training", 0, threads_percent=50, memory_bytes=10 * GIB),
+    ]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
+    )
+    return svc, clock, jobs
+
+
+def test_guard_throttles_training_within_one_tick_and_the_job_is_told(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    svc, clock, _ = service
+    svc.tick(snapshot())
+    assert svc.throttle_point("train", 10).duty == 1.0
+    svc.report_latency("chat", [0.05] * 98 + [0.095] * 2)  # p99 95 ms: within 20% of 100
+    svc.tick(snapshot())
+    d = svc.throttle_point("train", 10)
+    assert d.duty == 0.5 and not d.evict and "SLO guard" in d.reason
+    view = svc.show()
+    (g,) = view.guards
+    assert g.action == "throttle" and g.p99_ms == pytest.approx(95.0)
+    # Calm latencies: additive recovery.
+    clock.t += 60
+    svc.report_latency("chat", [0.01] * 100)
+    svc.tick(snapshot())
+    assert svc.throttle_point("train", 1).duty == pytest.approx(0.6)
+
+
+def test_guard_evicts_training_when_the_slo_cannot_be_held(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    svc, clock, _ = service
+    for _ in range(12):
+        clock.t += 1
+        svc.report_latency("chat", [0.5] * 10)
+        svc.tick(snapshot())
+        if svc.throttle_point("train", 1).evict:
+            break
+    d = svc.throttle_point("train", 1)
+    assert d.evict and "evict" in d.reason
+
+
+def test_memory_over_the_limit_evicts_training(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    svc, _, jobs = service
+    jobs[1] = RunningJob("train", "training", 0, memory_bytes=10 * GIB, memory_used=70 * GIB)
+    svc.tick(snapshot(used_gib=79))
+    assert svc.throttle_point("train", 1).evict
+
+
+def test_advise_places_on_a_free_gpu_and_checks_input(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    svc, _, _ = service
+    gpu, share, limit, mig, speed, reason = svc.advise(
+        "new", memory_bytes=8 * GIB, snapshot=snapshot()
+    )
+    assert gpu == 1 and share == 1.0 and mig is None and "free" in reason
+    assert limit >= 8 * GIB and speed == 1.0
+    with pytest.raises(InvalidArgument):
+        svc.advise("new", kind="batch", snapshot=snapshot())
+    with pytest.raises(InvalidArgument):
+        svc.report_latency("chat", [float("nan")])
+
+
+def test_metrics(service: tuple[ColoService, Clock, list[RunningJob]]) -> None:
+    svc, _, _ = service
+    svc.report_latency("chat", [0.02] * 50)
+    svc.tick(snapshot())
+    reg = CollectorRegistry()
+
+    class Source:
+        def collect(self) -> object:
+            return ColoMetrics(svc)()
+
+    reg.register(Source())  # type: ignore[arg-type]
+    assert reg.get_sample_value("gpud_colo_sm_share_ratio", {"job": "train"}) == 0.5
+    assert reg.get_sample_value("gpud_colo_duty_ratio", {"job": "train"}) == 1.0
+    assert reg.get_sample_value("gpud_colo_guard_p99_latency_seconds", {"job": "chat"}) == 0.02
+    assert reg.get_sample_value("gpud_colo_slo_attainment_ratio", {"job": "chat"}) == 1.0
+    assert reg.get_sample_value("gpud_colo_predictor_samples") == 0.0
+
+
+def test_config_ranges_name_the_key() -> None:
+    import dataclasses
+
+    from gpud.config import Config, validate
+    from gpud.errors import ConfigError
+
+    bad = dataclasses.replace(Config(), colocate=ColocateConfig(min_duty=0.0))
+    with pytest.raises(ConfigError, match=r"colocate\.min_duty"):
+        validate(bad, path="gpud.toml")
+
+
+def test_throttle_point_sleeps_the_duty_cycle() -> None:
+    clock = Clock()
+    slept: list[float] = []
+    calls: list[tuple[str, int]] = []
+
+    def call(job: str, iterations: int) -> tuple[float, bool, str]:
+        calls.append((job, iterations))
+        return 0.25, False, "guard"
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        clock.t += s
+
+    t = Throttle("train", clock=clock, sleep=sleep, call=call, report_every_s=0.0)
+    t.point()  # first iteration: nothing to measure yet
+    clock.t += 1.0  # an iteration of 1 s
+    t.point()
+    assert slept == [pytest.approx(3.0)]  # 1 s of work per 4 s: duty 0.25
+    assert calls[0] == ("train", 1)
+
+
+def test_throttle_point_keeps_going_without_a_daemon() -> None:
+    def down(job: str, iterations: int) -> tuple[float, bool, str]:
+        raise OSError("no socket")
+
+    t = Throttle("train", call=down, sleep=lambda s: None)
+    assert t.point() == 0.0 and t.duty == 1.0
+
+
+def test_latency_batches() -> None:
+    clock = Clock()
+    sent: list[tuple[str, list[float]]] = []
+    lat = Latency("chat", clock=clock, send=lambda j, s: sent.append((j, s)), flush_every_s=1.0)
+    lat.observe(0.01)
+    lat.observe(0.02)
+    assert not sent
+    clock.t += 1.5
+    lat.observe(0.03)
+    assert sent == [("chat", [0.01, 0.02, 0.03])]
+
+
+def test_gpuctl_colo_show_and_advise_over_grpc(
+    service: tuple[ColoService, Clock, list[RunningJob]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from gpud.api import ApiServer
+    from gpud.cli.main import main
+    from gpud.colo.api import ColoServicer
+    from tests.unit.api_support import ServerThread, short_dir
+
+    svc, _, _ = service
+    snap = snapshot()
+    svc.report_latency("chat", [0.095] * 100)
+    svc.tick(snap)
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        servicer = ColoServicer(svc, snapshots=lambda: snap)
+        with ServerThread(ApiServer(path, servicers=[servicer.register])):
+            assert main(["--socket", str(path), "colo", "show"], env={}) == 0
+            text = capsys.readouterr().out
+            assert "train" in text and "throttle" in text and "SLO guard" in text
+            assert main(["--socket", str(path), "--json", "colo", "show"], env={}) == 0
+            shown = json.loads(capsys.readouterr().out)
+            assert {p["job"] for p in shown["placements"]} == {"chat", "train"}
+            assert shown["guards"][0]["action"] == "throttle"
+            assert (
+                main(["--socket", str(path), "colo", "advise", "new", "--memory", "8GiB"], env={})
+                == 0
+            )
+            assert "GPU 1" in capsys.readouterr().out
+            assert main(["--socket", str(path), "colo", "advise", "x" * 200], env={}) != 0
+
+
+def test_process_wide_directive_without_a_daemon(tmp_path: Path) -> None:
+    from gpud.client import colo
+
+    colo._default.clear()
+    colo._default["process"] = Throttle(
+        "train", socket=str(tmp_path / "none.sock"), call=lambda j, i: (0.5, True, "memory")
+    )
+    colo.throttle_point()
+    assert colo.directive() == (0.5, True, "memory")
+    colo._default.clear()

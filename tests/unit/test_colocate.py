@@ -1,0 +1,306 @@
+"""colocate: shapes, prices, predictor, guard and planner, without I/O."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from colocate import (
+    GpuView,
+    GuardAction,
+    GuardParams,
+    InterferencePredictor,
+    JobFeatures,
+    JobKind,
+    JobView,
+    MigOption,
+    Option,
+    Planner,
+    PlannerParams,
+    ServiceGuard,
+    ShadowPrices,
+    Shape,
+)
+from colocate.shapes import Curve
+
+GIB = 1 << 30
+
+
+def training(
+    job_id: str,
+    *,
+    sm: float = 0.3,
+    bw: float = 0.2,
+    mem_gib: float = 10,
+    gpu: int | None = None,
+    order: float = 0,
+    used_gib: float = 0,
+) -> JobView:
+    shape = Shape.prior(
+        job_id, JobKind.TRAINING, memory_bytes=int(mem_gib * GIB), knee=sm, bw_intensity=bw
+    )
+    return JobView(
+        job_id=job_id,
+        shape=shape,
+        features=JobFeatures(sm=sm, mem_bw=bw),
+        gpu=gpu,
+        order=order,
+        memory_used=int(used_gib * GIB),
+    )
+
+
+def inference(job_id: str, *, slo_s: float, peak: float, gpu: int | None = None) -> JobView:
+    shape = Shape.prior(
+        job_id,
+        JobKind.INFERENCE,
+        memory_bytes=20 * GIB,
+        peak=400.0,
+        knee=0.6,
+        bw_intensity=0.4,
+        slo_s=slo_s,
+    )
+    return JobView(
+        job_id=job_id,
+        shape=shape,
+        features=JobFeatures(sm=0.6, mem_bw=0.4),
+        gpu=gpu,
+        load=peak / 2,
+        peak_load=peak,
+        sm_share=1.0,
+    )
+
+
+def gpus(n: int, mem_gib: int = 80) -> list[GpuView]:
+    return [GpuView(index=i, memory_total=mem_gib * GIB) for i in range(n)]
+
+
+# -- shapes ---------------------------------------------------------------------------------
+def test_curve_saturates_at_knee() -> None:
+    c = Curve(peak=10.0, knee=0.5)
+    assert c.perf(0.5) == 10.0 == c.perf(1.0)
+    assert 0 < c.perf(0.25) < 10.0
+    assert c.perf(0.0) == 0.0
+
+
+def test_prior_is_conservative_and_refinement_finds_the_knee() -> None:
+    s = Shape.prior("j", JobKind.TRAINING, memory_bytes=GIB)
+    assert s.curve.knee == 1.0  # unknown: needs the whole GPU
+    truth = Curve(peak=5.0, knee=0.4)
+    for _ in range(10):
+        for share in (0.25, 0.5, 0.75, 1.0):
+            s.observe(share, truth.perf(share))
+    assert abs(s.curve.knee - 0.4) < 0.051
+    assert abs(s.curve.peak - 5.0) < 0.5
+
+
+def test_inference_perf_is_load_within_slo() -> None:
+    s = Shape.prior("i", JobKind.INFERENCE, memory_bytes=GIB, peak=100.0, knee=1.0, slo_s=0.1)
+    # mu = 100/s, p99 = ln(100)/(mu - lambda) <= 0.1 s  ->  lambda <= 100 - 46.05
+    assert math.isclose(s.perf(1.0), 100.0 - math.log(100) / 0.1)
+    assert s.share_for_load(10.0) < 1.0
+
+
+def test_memory_reservation_tracks_observed_peak() -> None:
+    s = Shape.prior("j", JobKind.TRAINING, memory_bytes=10 * GIB)
+    assert s.reserve_bytes() == int(10 * GIB * 1.15)
+    s.observe_memory(20 * GIB)
+    assert s.reserve_bytes() == int(20 * GIB * 1.15)
+
+
+def test_configs_include_mig_profiles_that_hold_the_job() -> None:
+    s = Shape.prior("i", JobKind.INFERENCE, memory_bytes=8 * GIB, peak=100.0, slo_s=0.5)
+    migs = (MigOption("1g.10gb", 1 / 7, 10 * GIB), MigOption("1g.5gb", 1 / 7, 5 * GIB))
+    cs = s.configs(mig=migs)
+    assert [c.mig_profile for c in cs if c.mig_profile] == ["1g.10gb"]
+
+
+# -- interference ---------------------------------------------------------------------------
+def test_predictor_orders_pairs_and_learns() -> None:
+    p = InterferencePredictor()
+    light = JobFeatures(sm=0.2, mem_bw=0.1)
+    heavy = JobFeatures(sm=0.9, mem_bw=0.8)
+    assert p.speed(light, []) == 1.0
+    assert p.speed(light, [light]) > p.speed(heavy, [heavy])
+    # The truth is harsher than the prior for heavy pairs: the error falls as it learns.
+    truth = 0.35
+    first = abs(p.speed(heavy, [heavy]) - truth)
+    for _ in range(200):
+        p.observe(heavy, [heavy], truth)
+        p.observe(light, [light], 0.95)
+    assert abs(p.speed(heavy, [heavy]) - truth) < first / 3
+    assert p.stats().samples == 400
+    assert p.stats().mean_abs_error < first
+
+
+# -- prices ---------------------------------------------------------------------------------
+def _market() -> tuple[dict[str, list[Option]], dict[tuple[int, str], float]]:
+    options = {
+        f"j{k}": [
+            Option(gpu=g, utility=1.0 - 0.1 * g + 0.01 * k, demand={"sm": 0.5, "mem": 0.3})
+            for g in range(2)
+        ]
+        for k in range(6)
+    }
+    capacity = {(g, r): 1.0 for g in range(2) for r in ("sm", "mem", "bw")}
+    return options, capacity
+
+
+def test_prices_rise_on_overuse_and_settle_on_stationary_input() -> None:
+    options, capacity = _market()
+    sp = ShadowPrices(max_iterations=200)
+    first = sp.solve(options, capacity)
+    assert first.prices[(0, "sm")] > 0.0
+    again = sp.solve(options, capacity)
+    for key, value in again.prices.items():
+        assert abs(value - first.prices[key]) < 0.05
+    assert again.iterations <= first.iterations
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    utilities=st.lists(st.floats(0.1, 2.0), min_size=1, max_size=10),
+    demand=st.floats(0.1, 0.9),
+)
+def test_prices_settle_property(utilities: list[float], demand: float) -> None:
+    options = {
+        f"j{i}": [Option(gpu=0, utility=u, demand={"sm": demand})] for i, u in enumerate(utilities)
+    }
+    capacity = {(0, "sm"): 1.0}
+    sp = ShadowPrices(max_iterations=60)
+    history = [sp.solve(options, capacity).prices[(0, "sm")] for _ in range(30)]
+    tail = history[-5:]
+    assert max(tail) - min(tail) < 0.1 * max(1.0, *tail)
+    assert all(p >= 0.0 for p in history)
+
+
+# -- guard ----------------------------------------------------------------------------------
+def test_guard_reacts_within_one_tick_and_recovers_additively() -> None:
+    g = ServiceGuard("svc", slo_s=0.1)
+    d = g.tick(0.09)  # within 20% of the SLO
+    assert d.action is GuardAction.THROTTLE and d.duty == 0.5
+    assert g.tick(0.09).duty == 0.25
+    r = g.tick(0.01)
+    assert r.action is GuardAction.RECOVER and math.isclose(r.duty, 0.35)
+    assert g.tick(0.07).action is GuardAction.HOLD
+
+
+def test_guard_evicts_when_the_slo_cannot_be_held() -> None:
+    g = ServiceGuard("svc", slo_s=0.1, params=GuardParams(min_duty=0.1, evict_after=2))
+    actions = [g.tick(0.5).action for _ in range(6)]
+    assert GuardAction.EVICT in actions
+    evict = next(d for d in [g.last] if d is not None)
+    assert evict is not None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    history=st.lists(st.floats(0.0, 0.3), max_size=20),
+    breach=st.floats(0.0801, 1.0),
+)
+def test_guard_reacts_within_one_tick_property(history: list[float], breach: float) -> None:
+    g = ServiceGuard("svc", slo_s=0.1)
+    for p99 in history:
+        g.tick(p99)
+    before = g.duty
+    d = g.tick(breach)
+    assert d.action in (GuardAction.THROTTLE, GuardAction.EVICT)
+    assert d.duty < before or d.action is GuardAction.EVICT or before <= g.params.min_duty
+
+
+# -- planner --------------------------------------------------------------------------------
+def test_free_gpu_is_taken_exclusively() -> None:
+    planner = Planner(InterferencePredictor())
+    jobs = [training("a", gpu=0), training("b", order=1)]
+    plan = planner.plan(gpus(2), jobs)
+    (p,) = plan.placements
+    assert p.gpu == 1 and p.sm_share == 1.0 and "free" in p.reason
+
+
+def test_light_jobs_share_and_heavy_ones_wait() -> None:
+    planner = Planner(InterferencePredictor())
+    light = planner.plan(gpus(1), [training("a", gpu=0), training("b", order=1)])
+    assert [p.job_id for p in light.placements] == ["b"]
+    assert "shares GPU 0" in light.placements[0].reason
+    heavy = planner.plan(
+        gpus(1),
+        [training("a", sm=0.95, bw=0.9, gpu=0), training("b", sm=0.95, bw=0.9, order=1)],
+    )
+    assert not heavy.placements and "b" in heavy.waiting
+
+
+def test_memory_over_limit_evicts_newest_training() -> None:
+    planner = Planner(InterferencePredictor())
+    jobs = [
+        training("old", gpu=0, order=0, used_gib=40),
+        training("new", gpu=0, order=5, used_gib=40),
+    ]
+    plan = planner.plan(gpus(1), jobs)
+    (ev,) = [d for d in plan.directives if d.evict]
+    assert ev.job_id == "new" and "memory" in ev.reason
+
+
+def test_tight_slo_inference_gets_a_mig_instance() -> None:
+    planner = Planner(InterferencePredictor())
+    migs = (MigOption("3g.40gb", 3 / 7, 40 * GIB), MigOption("7g.80gb", 1.0, 80 * GIB))
+    view = [GpuView(index=0, memory_total=80 * GIB, mig_options=migs)]
+    tight = planner.plan(view, [inference("svc", slo_s=0.019, peak=40.0)])
+    (p,) = tight.placements
+    assert p.mig_profile == "3g.40gb" and "MIG" in p.reason
+    loose = planner.plan(view, [inference("svc2", slo_s=0.5, peak=50.0)])
+    assert loose.placements[0].mig_profile is None
+
+
+def test_training_next_to_inference_keeps_the_slo_capacity() -> None:
+    planner = Planner(InterferencePredictor())
+    svc = inference("svc", slo_s=0.1, peak=300.0, gpu=0)
+    svc.sm_share = svc.shape.share_for_load(300.0 * 1.2)
+    plan = planner.plan(gpus(1), [svc, training("t", sm=0.9, bw=0.8, order=1)])
+    assert not plan.placements  # would break the service's peak
+
+
+def test_guard_duty_becomes_directives_and_eviction() -> None:
+    planner = Planner(InterferencePredictor())
+    jobs = [inference("svc", slo_s=0.2, peak=50.0, gpu=0), training("t", gpu=0)]
+    plan = planner.plan(gpus(1), jobs, guard_duty={0: 0.25})
+    (d,) = plan.directives
+    assert d.duty == 0.25 and not d.evict
+    plan = planner.plan(gpus(1), jobs, guard_evict={0: "SLO cannot be held"})
+    (d,) = plan.directives
+    assert d.evict and d.reason == "SLO cannot be held"
+
+
+job_strategy = st.tuples(
+    st.floats(0.05, 1.0),  # sm
+    st.floats(0.0, 1.0),  # bw
+    st.floats(1.0, 70.0),  # memory GiB
+    st.one_of(st.none(), st.integers(0, 3)),  # gpu
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(specs=st.lists(job_strategy, min_size=1, max_size=16), headroom=st.floats(0.0, 0.2))
+def test_plan_never_overcommits_memory(
+    specs: list[tuple[float, float, float, int | None]], headroom: float
+) -> None:
+    views = gpus(4)
+    jobs: list[JobView] = []
+    reserved = dict.fromkeys(range(4), 0)
+    for i, (sm, bw, mem, gpu) in enumerate(specs):
+        j = training(f"j{i}", sm=sm, bw=bw, mem_gib=mem, order=i)
+        limit = int(80 * GIB * (1 - headroom))
+        if gpu is not None and reserved[gpu] + j.shape.reserve_bytes() <= limit:
+            j.gpu = gpu
+            reserved[gpu] += j.shape.reserve_bytes()
+        jobs.append(j)
+    planner = Planner(InterferencePredictor(), PlannerParams(memory_headroom=headroom))
+    plan = planner.plan(views, jobs)
+    by_id = {j.job_id: j for j in jobs}
+    total = dict(reserved)
+    for p in plan.placements:
+        total[p.gpu] += by_id[p.job_id].shape.reserve_bytes()
+    for g in range(4):
+        assert total[g] <= int(80 * GIB * (1 - headroom))
+        assert plan.memory_reserved[g] == total[g]
+    assert {p.job_id for p in plan.placements}.isdisjoint(plan.waiting)

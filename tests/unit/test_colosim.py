@@ -1,0 +1,118 @@
+"""tools.colosim: calibration, determinism, scenario validation, the report's shape."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from tools.colosim.cli import main
+from tools.colosim.engine import simulate
+from tools.colosim.policies import POLICY_NAMES, make
+from tools.colosim.report import METRICS, run_scenario
+from tools.colosim.scenario import Scenario, ScenarioError, ServiceSpec, parse
+from tools.colosim.truth import (
+    GAVEL_V100_BELOW_ONE,
+    GAVEL_V100_MEDIAN,
+    Member,
+    TrueInterference,
+    calibration,
+)
+
+
+def small(load: float = 2.0, **kw: object) -> Scenario:
+    base: dict[str, object] = {
+        "name": "small",
+        "gpu_count": 3,
+        "duration_s": 1800.0,
+        "load": load,
+        "mean_work_s": 300.0,
+        "services": (ServiceSpec("chat", "llm-chat", mean_load=0.3),),
+    }
+    base.update(kw)
+    return Scenario(**base)  # type: ignore[arg-type]
+
+
+def test_interference_is_calibrated_on_gavel() -> None:
+    med, below = calibration()
+    assert abs(med - GAVEL_V100_MEDIAN) < 0.08
+    assert abs(below - GAVEL_V100_BELOW_ONE) < 0.06
+
+
+def test_true_model_basics() -> None:
+    m = TrueInterference()
+    (alone,) = m.speeds([Member("a", 0.4, 0.3, 0.1)])
+    assert alone == pytest.approx(1.0)
+    light = m.speeds([Member("a", 0.2, 0.1, 0.0), Member("b", 0.2, 0.1, 0.0)])
+    heavy = m.speeds([Member("c", 0.9, 0.8, 0.0), Member("d", 0.9, 0.8, 0.0)])
+    assert sum(light) > 1.5
+    assert sum(heavy) < 1.2
+    throttled = m.speeds([Member("a", 0.9, 0.8, 0.0), Member("c", 0.9, 0.8, 0.0, duty=0.2)])
+    assert throttled[0] > heavy[0]
+
+
+def test_same_trace_same_result() -> None:
+    sc = small()
+    a = simulate(sc, sc.trace(1), make("colocate"))
+    b = simulate(sc, sc.trace(1), make("colocate"))
+    assert a.jct == b.jct and a.gpu_util == b.gpu_util and a.slo == b.slo
+
+
+def test_run_object_has_the_documented_shape() -> None:
+    run = run_scenario(small(), seeds=1)
+    assert run["scenario"] == "small" and run["regime"] == "backlog" and run["load"] == 2.0
+    assert set(run["policies"]) == set(POLICY_NAMES)
+    for m in run["policies"].values():
+        assert set(m) == set(METRICS)
+        assert isinstance(m["oom_events"], int)
+
+
+def test_memory_growth_is_counted_by_the_simulator_not_the_policy() -> None:
+    sc = small(load=3.0, under_declare=1.0, mix={"bert-finetune": 1.0, "recommendation": 1.0})
+    trace = sc.trace(0)
+    assert simulate(sc, trace, make("static-mps")).oom_events > 0
+    assert simulate(sc, trace, make("colocate")).oom_events == 0
+
+
+def test_colocate_policy_never_sees_the_true_model() -> None:
+    src = Path("tools/colosim/policies.py").read_text()
+    imported = {
+        n.module
+        for n in ast.walk(ast.parse(src))
+        if isinstance(n, ast.ImportFrom) and n.module is not None
+    }
+    assert "tools.colosim.truth" not in imported
+    assert "TrueInterference" not in src
+
+
+def test_parse_names_the_bad_field() -> None:
+    with pytest.raises(ScenarioError, match=r"services\[0\]"):
+        parse({"name": "x", "services": [{"type": "nope"}]})
+    with pytest.raises(ScenarioError, match="load"):
+        parse({"name": "x", "load": -1})
+    with pytest.raises(ScenarioError, match="mix"):
+        parse({"name": "x", "mix": {"nope": 1}})
+    sc = parse({"name": "x", "gpus": {"count": 4}, "load": 0.5, "services": []})
+    assert sc.gpu_count == 4 and sc.regime == "stable"
+
+
+def test_cli_run_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "s.json"
+    f.write_text(
+        json.dumps(
+            {
+                "name": "tiny",
+                "gpus": {"count": 2},
+                "duration_s": 600,
+                "load": 0.5,
+                "mean_work_s": 200,
+                "services": [],
+            }
+        )
+    )
+    assert main(["run", str(f), "--seeds", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["scenario"] == "tiny" and set(out["policies"]) == set(POLICY_NAMES)
+    assert main(["run", str(tmp_path / "missing.json")]) == 2

@@ -1,0 +1,1 @@
+"""Co-location simulator: GPUs, training jobs and inference services under four policies."""

@@ -1,0 +1,7 @@
+"""Entry point: ``python -m tools.colosim``."""
+
+import sys
+
+from tools.colosim.cli import main
+
+sys.exit(main())
