@@ -1,0 +1,16 @@
+"""gpud's client library for jobs: standard library and grpc only, imported inside jobs.
+
+Everything a job uses is re-exported here::
+
+    import gpud.client
+    progress = gpud.client.Progress()
+"""
+
+from gpud.client.progress import Progress
+from gpud.client.tos import job_dscp, set_socket_tos
+
+__all__ = [
+    "Progress",
+    "job_dscp",
+    "set_socket_tos",
+]
