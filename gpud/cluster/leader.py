@@ -1,0 +1,202 @@
+"""The leader's soft state and the global order (pure: no I/O, injected time).
+
+The leader keeps the latest :class:`NodeReport` of every node. Each round
+(:meth:`Aggregator.compute`) it folds them per job -- a job's progress is that of its
+slowest worker, its faults are the union of its nodes' faults -- runs LEVELLER over every
+job in the cluster, and answers each node with the levels, tags and attributes of its jobs.
+
+Tags are cluster-wide: one DSCP codepoint per job on every node, from one
+:class:`~netshaper.tags.TagAllocator` seeded from the :class:`TagStore` (etcd), so a new
+leader hands out the same tags. A job no node has reported for ``release_after_s`` gives
+its tag back. Everything else is rebuilt from the nodes' next reports after a failover.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gpud.cluster.model import JobAttributes, NodeReport, Order
+from gpud.cluster.ports import TagStore
+from netshaper.leveller import Leveller
+from netshaper.tags import DEFAULT_RESERVED, TagAllocator
+
+
+class _Fold:
+    """One job's reports folded over its nodes."""
+
+    __slots__ = (
+        "drops",
+        "ips",
+        "links_down",
+        "nodes",
+        "rate",
+        "slowest",
+        "tx",
+        "unhealthy",
+        "xids",
+    )
+
+    def __init__(self) -> None:
+        self.rate: float | None = None
+        self.ips: float | None = None
+        self.slowest = ""
+        self.nodes: list[str] = []
+        self.unhealthy: list[str] = []
+        self.xids: list[str] = []
+        self.links_down: list[str] = []
+        self.drops = 0
+        self.tx = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSeen:
+    node: str
+    age_s: float
+    jobs: int
+    applied_epoch: int
+
+
+class Aggregator:
+    """Node reports in, one global :class:`Order` out. See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        leader: str,
+        leveller: Leveller,
+        tags: TagStore,
+        node_timeout_s: float,
+        release_after_s: float | None = None,
+        reserved: Iterable[int] = DEFAULT_RESERVED,
+    ) -> None:
+        self.leader = leader
+        self._leveller = leveller
+        self._tag_store = tags
+        self._reserved = frozenset(reserved)
+        self._allocator: TagAllocator | None = None
+        self.node_timeout_s = node_timeout_s
+        self.release_after_s = (
+            release_after_s if release_after_s is not None else 3 * node_timeout_s
+        )
+        self._reports: dict[str, tuple[float, NodeReport]] = {}
+        self._job_seen: dict[str, float] = {}
+        self._epoch = 0
+        self._seq = 0
+        self.order: Order | None = None
+
+    def receive(self, report: NodeReport, now: float) -> None:
+        """Keep ``report`` as the node's latest."""
+        self._reports[report.node] = (now, report)
+
+    def nodes(self, now: float) -> list[NodeSeen]:
+        """Nodes heard from within the node timeout, by name."""
+        return [
+            NodeSeen(name, now - t, len(r.jobs), r.applied_epoch)
+            for name, (t, r) in sorted(self._reports.items())
+            if now - t <= self.node_timeout_s
+        ]
+
+    def _tags(self) -> TagAllocator:
+        if self._allocator is None:
+            self._allocator = TagAllocator(reserved=self._reserved, existing=self._tag_store.load())
+        return self._allocator
+
+    def compute(self, epoch: int, now: float) -> Order:
+        """The global order of this round, computed in ``epoch``.
+
+        Raises whatever the tag store raises: an order whose tags are not persisted is
+        never handed out (the previous one stays :attr:`order`).
+        """
+        folds: dict[str, _Fold] = {}
+        for name in list(self._reports):
+            seen, report = self._reports[name]
+            if now - seen > self.node_timeout_s:
+                del self._reports[name]  # soft state: it comes back with its next report
+                continue
+            for jr in report.jobs:
+                f = folds.get(jr.job)
+                if f is None:
+                    f = folds[jr.job] = _Fold()
+                f.nodes.append(name)
+                rate = jr.progress_rate
+                if rate is not None and (f.rate is None or rate < f.rate):
+                    f.rate = rate
+                    f.slowest = name
+                ips = jr.iterations_per_s
+                if ips is not None and (f.ips is None or ips < f.ips):
+                    f.ips = ips
+                if jr.unhealthy_gpus:
+                    f.unhealthy.extend(f"{name}/{u}" for u in jr.unhealthy_gpus)
+                if jr.xids:
+                    f.xids.extend(f"{name}:{x}" for x in jr.xids)
+                if jr.link_up is False:
+                    f.links_down.append(name)
+                f.drops += jr.drops
+                f.tx += jr.tx_bytes
+
+        allocator = self._tags()
+        before = allocator.allocations()
+        for job in folds:
+            self._job_seen[job] = now
+            allocator.tag(job)
+        released = [
+            job
+            for job, t in self._job_seen.items()
+            if job not in folds and now - t > self.release_after_s
+        ]
+        for job in released:
+            del self._job_seen[job]
+            allocator.release(job)
+        after = allocator.allocations()
+        allocated = {j: d for j, d in after.items() if before.get(j) != d}
+        if allocated or released:
+            try:
+                self._tag_store.save(allocated, released)
+            except Exception:
+                self._allocator = None  # re-read what the store holds next round
+                raise
+
+        assignment = self._leveller.update(now, {j: f.rate for j, f in folds.items()})
+        levels = assignment.levels
+        if epoch != self._epoch:
+            self._epoch, self._seq = epoch, 0
+        self._seq += 1
+        attributes = {
+            job: JobAttributes(
+                job=job,
+                epoch=epoch,
+                level=levels.get(job),
+                dscp=after.get(job),
+                progress_rate=f.rate,
+                iterations_per_s=f.ips,
+                slowest_node=f.slowest,
+                nodes=tuple(f.nodes),
+                unhealthy_gpus=tuple(f.unhealthy),
+                xids=tuple(f.xids),
+                links_down=tuple(f.links_down),
+                drops=f.drops,
+                tx_bytes=f.tx,
+                computed_at=now,
+            )
+            for job, f in folds.items()
+        }
+        self.order = Order(
+            epoch=epoch,
+            seq=self._seq,
+            leader=self.leader,
+            levels=dict(levels),
+            tags={j: after[j] for j in folds},
+            shares=assignment.shares,
+            attributes=attributes,
+            computed_at=now,
+        )
+        return self.order
+
+    def answer(self, node: str) -> Order | None:
+        """The latest order, cut to the jobs ``node`` reported."""
+        if self.order is None:
+            return None
+        entry = self._reports.get(node)
+        jobs = [jr.job for jr in entry[1].jobs] if entry is not None else []
+        return self.order.for_jobs(jobs)
