@@ -11,16 +11,16 @@ The tree on one interface (handles in tc's hex notation, major ``6764`` = "gd"):
     └── class 6764:1     rate = ceil = link                    (lets levels borrow)
         ├── class 6764:2   prio 7, rate = default_share x link  (untagged, default class)
         ├── class 6764:10  prio 0, rate = share[0] x link, ceil = link   (level 0)
-        │   ├── class 6764:11a  prio 0, job with DSCP 26 (0x100 + tag)
-        │   └── class 6764:122  prio 0, job with DSCP 34
+        │   ├── class 6764:101a  prio 0, the job with DSCP 26 (0x1a)
+        │   └── class 6764:1022  prio 0, the job with DSCP 34 (0x22)
         ├── class 6764:11  prio 1, rate = share[1] x link, ceil = link   (level 1)
-        │   └── ...
+        │   └── class 6764:1128  prio 1, the job with DSCP 40 ...
         └── class 6764:17  (level 7)
 
     filter parent 6764: protocol all pref 1 u32: two per job
         IPv4: match 0x40000000|DSCP<<18 / 0xf0fc0000 at 0  (version 4, TOS DSCP bits)
         IPv6: match 0x60000000|DSCP<<22 / 0xffc00000 at 0  (version 6, traffic class DSCP)
-        -> flowid 6764:1TT (the job's leaf)
+        -> flowid 6764:LLTT (the job's leaf: level class LL, tag TT)
 
 Why this shape: each level's ``rate`` is its guaranteed minimum share (no starvation);
 bandwidth above the guarantees is lent by ``6764:1`` in strict ``prio`` order. HTB serves
@@ -28,15 +28,14 @@ borrowing by the *leaf's* prio, so a job leaf carries its level as prio too. Lea
 small fixed rate (``leaf_share``), never one that depends on how many jobs share a level,
 so a job arriving, leaving or moving touches no other job's class.
 
-Class ids depend on the tag only (``0x100 + DSCP``) and filters point at that id, so
-re-prioritizing a job is two operations -- delete the leaf under the old level, add it
-under the new one -- and its filters stay: the kernel unbinds a deleted class's filters and
-binds them again to a new class with the same id. A job's leaf counters restart when it
-moves; the daemon accumulates them.
-
-Filter node ids are also derived from the tag (``2*DSCP + 1`` for IPv4, ``2*DSCP + 2`` for
-IPv6) so a filter is deleted by its exact handle -- never by parent alone, which deletes
-every filter on the qdisc.
+A leaf's id is its level class's minor followed by the tag byte (``6764:101a`` = level 0,
+DSCP 26), and filter handles are derived from the tag alone (node ``2*DSCP + 1`` for IPv4,
+``2*DSCP + 2`` for IPv6). Re-prioritizing a job is four operations and never leaves its
+traffic unclassified: add the leaf under the new level, re-point its two filters (a u32
+*change* of the same handle), delete the old leaf. (HTB refuses to delete a class that a
+filter still points to, and a class cannot change parent, so this is the minimum.) A
+filter is deleted only by its exact handle -- never by parent alone, which deletes every
+filter on the qdisc. A job's leaf counters restart when it moves; the daemon accumulates.
 
 Rates are bit/s in the plan; the adapter converts to the kernel's bytes/s. ``burst`` and
 ``cburst`` are explicit (``burst_s`` of the rate, at least ``min_burst_bytes``) so fast
@@ -53,7 +52,6 @@ from enum import Enum
 
 ROOT_MAJOR = 0x6764
 LEVEL_MINOR_BASE = 0x10
-LEAF_MINOR_BASE = 0x100
 TOP_MINOR = 0x1
 DEFAULT_MINOR = 0x2
 FILTER_PRIO = 1
@@ -78,16 +76,17 @@ def level_classid(level: int, major: int = ROOT_MAJOR) -> int:
     return handle(major, LEVEL_MINOR_BASE + level)
 
 
-def leaf_classid(dscp: int, major: int = ROOT_MAJOR) -> int:
-    """The leaf class of the job whose packets carry ``dscp``."""
-    return handle(major, LEAF_MINOR_BASE + dscp)
+def leaf_classid(level: int, dscp: int, major: int = ROOT_MAJOR) -> int:
+    """The leaf class of the job whose packets carry ``dscp``, at ``level``."""
+    return handle(major, ((LEVEL_MINOR_BASE + level) << 8) | dscp)
 
 
-def dscp_of_leaf(classid: int) -> int | None:
-    """The DSCP whose leaf ``classid`` is, or None for another class."""
+def parse_leaf(classid: int) -> tuple[int, int] | None:
+    """(level, DSCP) of a job leaf ``classid``, or None for another class."""
     minor = classid & 0xFFFF
-    if LEAF_MINOR_BASE <= minor <= LEAF_MINOR_BASE + DSCP_MAX:
-        return minor - LEAF_MINOR_BASE
+    level, dscp = (minor >> 8) - LEVEL_MINOR_BASE, minor & 0xFF
+    if 0 <= level < MAX_LEVELS and dscp <= DSCP_MAX:
+        return level, dscp
     return None
 
 
@@ -342,7 +341,7 @@ def plan(
         leaf_rate = round(link * opts.leaf_share)
         filters: list[DscpFilter] = []
         for dscp, job, lvl in placed:
-            leaf = leaf_classid(dscp, major)
+            leaf = leaf_classid(lvl, dscp, major)
             classes.append(
                 _cls(
                     leaf,
@@ -369,7 +368,7 @@ def plan(
         )
     return TcPlan(
         interfaces=tuple(ifaces),
-        job_classes={job: leaf_classid(dscp, major) for dscp, job, _ in placed},
+        job_classes={job: leaf_classid(lvl, dscp, major) for dscp, job, lvl in placed},
     )
 
 
@@ -410,6 +409,7 @@ class OpKind(Enum):
     CHANGE_CLASS = "change-class"
     DELETE_CLASS = "delete-class"
     ADD_FILTER = "add-filter"
+    CHANGE_FILTER = "change-filter"  # same handle, new flowid
     DELETE_FILTER = "delete-filter"  # by exact (prio, protocol, handle)
     DELETE_ROOT = "delete-root"  # back to the kernel's default root qdisc
 
@@ -483,7 +483,7 @@ class TcOp:
         value, mask = self.flt.key
         return [
             "filter",
-            "add",
+            "add" if self.kind is OpKind.ADD_FILTER else "change",
             *dev,
             "parent",
             format_handle(self.root),
@@ -527,19 +527,27 @@ def class_matches(have: HtbClass, want: HtbClass) -> bool:
 def diff(state: InterfaceState, want: InterfacePlan) -> tuple[TcOp, ...]:
     """The fewest operations taking ``state`` to ``want``, in an order the kernel accepts.
 
-    A missing or foreign root (or an HTB root with another default) means the whole tree
-    is rebuilt: replacing the root drops every class and filter under it. Otherwise:
-    filters of gone jobs are deleted first, then leaves that are gone or moved (a moved
-    leaf's filters stay and are re-bound when the leaf comes back), then classes are
-    changed or added parents first, then missing filters are added.
+    A missing or foreign root (or an HTB root with another default, or a wanted class
+    under the wrong parent) means the whole tree is rebuilt: replacing the root drops
+    every class and filter under it. Otherwise, in this order: foreign filters under our
+    root are deleted; missing classes are added and differing ones changed, parents
+    first; missing filters are added and mis-pointed ones changed in place; filters of
+    gone jobs are deleted; classes no longer wanted are deleted, leaves first. So a moved
+    job's traffic always has a class, and no class is deleted while a filter points to it.
     """
     iface = want.iface
     root = state.root
+    have_classes = {c.classid: c for c in state.classes}
     ours = (
         root is not None
         and root.kind == "htb"
         and root.handle == want.root
         and root.default_classid == want.default_classid
+        and all(
+            have_classes[c.classid].parent == c.parent
+            for c in want.classes
+            if c.classid in have_classes
+        )
     )
     if not ours:
         ops = [
@@ -549,49 +557,45 @@ def diff(state: InterfaceState, want: InterfacePlan) -> tuple[TcOp, ...]:
         ops += [TcOp(OpKind.ADD_FILTER, iface, flt=f, root=want.root) for f in want.filters]
         return tuple(ops)
 
-    ops = []
-    want_filters = {(f.family, f.dscp): f for f in want.filters}
-    for prio, proto, h in state.foreign_filters:
-        ops.append(
-            TcOp(
-                OpKind.DELETE_FILTER,
-                iface,
-                root=want.root,
-                filter_handle=h,
-                filter_protocol=proto,
-                filter_prio=prio,
-            )
+    ops = [
+        TcOp(
+            OpKind.DELETE_FILTER,
+            iface,
+            root=want.root,
+            filter_handle=h,
+            filter_protocol=proto,
+            filter_prio=prio,
         )
-    keep_filters: set[tuple[Family, int]] = set()
-    for h, f in state.filters:
-        w = want_filters.get((f.family, f.dscp))
-        if w is not None and w.flowid == f.flowid and (f.family, f.dscp) not in keep_filters:
-            keep_filters.add((f.family, f.dscp))
-            continue
-        ops.append(TcOp(OpKind.DELETE_FILTER, iface, root=want.root, filter_handle=h))
-
-    have_classes = {c.classid: c for c in state.classes}
-    want_ids = {c.classid for c in want.classes}
-    # Leaves first (deepest), so a parent is never deleted while it has children.
-    want_by_id = {c.classid: c for c in want.classes}
-    doomed = [
-        c
-        for c in state.classes
-        if c.classid not in want_ids or c.parent != want_by_id[c.classid].parent
+        for prio, proto, h in state.foreign_filters
     ]
-    depth = {c.classid: _depth(c, have_classes) for c in doomed}
-    for c in sorted(doomed, key=lambda c: (-depth[c.classid], c.classid)):
-        ops.append(TcOp(OpKind.DELETE_CLASS, iface, cls=c))
-    gone = {c.classid for c in doomed}
     for c in want.classes:  # parents first
         have = have_classes.get(c.classid)
-        if have is None or c.classid in gone:
+        if have is None:
             ops.append(TcOp(OpKind.ADD_CLASS, iface, cls=c))
         elif not class_matches(have, c):
             ops.append(TcOp(OpKind.CHANGE_CLASS, iface, cls=c))
+    have_filters: dict[tuple[Family, int], tuple[int, DscpFilter]] = {}
+    stray: list[int] = []
+    for h, f in state.filters:
+        if (f.family, f.dscp) in have_filters:
+            stray.append(h)  # a duplicate someone added by hand
+        else:
+            have_filters[(f.family, f.dscp)] = (h, f)
     for f in want.filters:
-        if (f.family, f.dscp) not in keep_filters:
+        found = have_filters.pop((f.family, f.dscp), None)
+        if found is None:
             ops.append(TcOp(OpKind.ADD_FILTER, iface, flt=f, root=want.root))
+        elif found[1].flowid != f.flowid:
+            ops.append(TcOp(OpKind.CHANGE_FILTER, iface, flt=f, root=want.root))
+    stray += [h for h, _ in have_filters.values()]
+    ops += [
+        TcOp(OpKind.DELETE_FILTER, iface, root=want.root, filter_handle=h) for h in sorted(stray)
+    ]
+    want_ids = {c.classid for c in want.classes}
+    doomed = [c for c in state.classes if c.classid not in want_ids]
+    depth = {c.classid: _depth(c, have_classes) for c in doomed}
+    for c in sorted(doomed, key=lambda c: (-depth[c.classid], c.classid)):
+        ops.append(TcOp(OpKind.DELETE_CLASS, iface, cls=c))
     return tuple(ops)
 
 
