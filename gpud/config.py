@@ -69,6 +69,33 @@ class MpsConfig:
 
 
 @dataclass(frozen=True)
+class TrafficConfig:
+    """Traffic enforcement (``[traffic]``); see docs/configuration.md."""
+
+    enabled: bool = False
+    interfaces: tuple[str, ...] = ()  # enforce here, never on any other interface
+    link_rates: tuple[str, ...] = ()  # "IF=RATE" ("eth0=100gbit"); default: sysfs speed
+    dscp_pool: str = ""  # "10-30,34"; "" = every DSCP not reserved below
+    reserved_dscp: tuple[int, ...] = (0, 8, 16, 24, 32, 40, 46, 48, 56)
+    cnp_dscp: int = 48  # the congestion-notification DSCP (RoCE CNPs): never a job's tag
+    levels: int = 4
+    min_share: float = 0.02
+    default_share: float = 0.02
+    threshold: float = 0.1
+    hysteresis: float = 0.05
+    max_age_s: float = 10.0
+    progress_window_s: float = 20.0
+    idle_after_s: float = 60.0  # a job without a reservation or report for this long is idle
+    future_tolerance_s: float = 5.0
+    shutdown: Literal["fail-static", "restore"] = "fail-static"
+    marking: bool = True  # nftables: set the DSCP of `gpuctl run` jobs by cgroup
+    cgroup_parent: str = "gpud"  # under the cgroup2 mount
+    rdma_backend: Literal["none", "dcb", "dry-run"] = "none"
+    rdma_interfaces: tuple[str, ...] = ()  # netdevs whose DSCP -> priority map gpud owns
+    level_priorities: tuple[int, ...] = ()  # level -> NIC priority; default 7 - level
+
+
+@dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
@@ -77,6 +104,7 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     mig: MigConfig = field(default_factory=MigConfig)
     mps: MpsConfig = field(default_factory=MpsConfig)
+    traffic: TrafficConfig = field(default_factory=TrafficConfig)
 
     @property
     def socket_path(self) -> Path:
@@ -151,6 +179,11 @@ def _coerce(raw: Any, hint: Any, *, path: str, key: str) -> Any:
             return None
         inner = next(a for a in get_args(hint) if a is not type(None))
         return _coerce(raw, inner, path=path, key=key)
+    if origin is tuple:  # "tuple[str, ...]": a TOML array
+        if not isinstance(raw, list | tuple):
+            raise ConfigError(f"must be an array, not {raw!r}", path=path, key=key)
+        inner = get_args(hint)[0]
+        return tuple(_coerce(v, inner, path=path, key=key) for v in raw)
     if hint is Path:
         if not isinstance(raw, str | Path) or not str(raw):
             raise ConfigError("must be a non-empty path string", path=path, key=key)
@@ -201,6 +234,7 @@ def validate(config: Config, *, path: str) -> Config:
     parse_address(config.metrics.address, path=path, key="metrics.address")
     if config.api.tcp_address:
         parse_address(config.api.tcp_address, path=path, key="api.tcp_address")
+    _validate_traffic(config.traffic, path=path)
     if config.backend.kind == "sim":
         # Imported here: the product table is only needed when simulating.
         from gpud.backend.sim import parse_simulate_spec
@@ -210,3 +244,95 @@ def validate(config: Config, *, path: str) -> Config:
         except ConfigError as err:
             raise ConfigError(str(err), path=path, key="backend.simulate") from err
     return config
+
+
+def _validate_traffic(t: TrafficConfig, *, path: str) -> None:
+    ranges: dict[str, tuple[float, float, float]] = {
+        "traffic.levels": (t.levels, 2, 8),
+        "traffic.min_share": (t.min_share, 0.0, 0.5),
+        "traffic.default_share": (t.default_share, 0.001, 0.5),
+        "traffic.threshold": (t.threshold, 0.0, 10.0),
+        "traffic.hysteresis": (t.hysteresis, 0.0, 0.99),
+        "traffic.max_age_s": (t.max_age_s, 0.1, 86400.0),
+        "traffic.progress_window_s": (t.progress_window_s, 0.1, 86400.0),
+        "traffic.idle_after_s": (t.idle_after_s, 1.0, 86400.0),
+        "traffic.future_tolerance_s": (t.future_tolerance_s, 0.0, 3600.0),
+        "traffic.cnp_dscp": (t.cnp_dscp, 0, 63),
+    }
+    for key, (value, low, high) in ranges.items():
+        if not low <= value <= high:
+            raise ConfigError(f"{value} is not in [{low:g}, {high:g}]", path=path, key=key)
+    if t.min_share * t.levels + t.default_share > 1:
+        raise ConfigError(
+            f"{t.levels} levels x {t.min_share} + default_share {t.default_share} exceed 1",
+            path=path,
+            key="traffic.min_share",
+        )
+    for d in t.reserved_dscp:
+        if not 0 <= d <= 63:
+            raise ConfigError(
+                f"{d} is not a DSCP in [0, 63]", path=path, key="traffic.reserved_dscp"
+            )
+    for name in (*t.interfaces, *t.rdma_interfaces):
+        if not name or len(name) > 15 or "/" in name or name.strip() != name:
+            raise ConfigError(
+                f"{name!r} is not an interface name", path=path, key="traffic.interfaces"
+            )
+    if len(set(t.interfaces)) != len(t.interfaces):
+        raise ConfigError("an interface is listed twice", path=path, key="traffic.interfaces")
+    for entry in t.link_rates:
+        name, sep, rate = entry.partition("=")
+        if not sep or name not in t.interfaces:
+            raise ConfigError(
+                f"{entry!r}: need IF=RATE for an interface in traffic.interfaces",
+                path=path,
+                key="traffic.link_rates",
+            )
+        try:
+            parse_rate(rate)
+        except ValueError as err:
+            raise ConfigError(f"{entry!r}: {err}", path=path, key="traffic.link_rates") from err
+    if t.level_priorities and len(t.level_priorities) != t.levels:
+        raise ConfigError(
+            f"{len(t.level_priorities)} priorities for {t.levels} levels",
+            path=path,
+            key="traffic.level_priorities",
+        )
+    for p in t.level_priorities:
+        if not 0 <= p <= 7:
+            raise ConfigError(
+                f"{p} is not a priority in [0, 7]", path=path, key="traffic.level_priorities"
+            )
+    if not t.cgroup_parent or t.cgroup_parent.startswith("/") or ".." in t.cgroup_parent:
+        raise ConfigError(
+            f"{t.cgroup_parent!r}: a relative directory under the cgroup2 mount",
+            path=path,
+            key="traffic.cgroup_parent",
+        )
+    from gpud.net.tagstore import parse_pool
+
+    try:
+        parse_pool(t.dscp_pool, {*t.reserved_dscp, t.cnp_dscp})
+    except ValueError as err:
+        raise ConfigError(str(err), path=path, key="traffic.dscp_pool") from err
+
+
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+def parse_rate(text: str) -> int:
+    """tc's rate notation ("400mbit", "100gbit", "25000000") in bit/s."""
+    raw = text.strip().lower()
+    for unit in sorted(_RATE_UNITS, key=len, reverse=True):
+        if raw.endswith(unit):
+            number, scale = raw[: -len(unit)], _RATE_UNITS[unit]
+            break
+    else:
+        number, scale = raw, 1
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a rate like 400mbit or 100gbit") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{text!r}: a rate must be positive")
+    return int(value * scale)

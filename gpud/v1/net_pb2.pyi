@@ -439,3 +439,45 @@ class PinLevelResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PinLevelResponse: _TypeAlias = PinLevelResponse  # noqa: Y015
+
+@_typing.final
+class PlaceProcessRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    pid: _builtins.int
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        pid: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "pid", b"pid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlaceProcessRequest: _TypeAlias = PlaceProcessRequest  # noqa: Y015
+
+@_typing.final
+class PlaceProcessResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CGROUP_FIELD_NUMBER: _builtins.int
+    cgroup: _builtins.str
+    """the cgroup v2 directory the process is in now"""
+    def __init__(
+        self,
+        *,
+        cgroup: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cgroup", b"cgroup"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlaceProcessResponse: _TypeAlias = PlaceProcessResponse  # noqa: Y015

@@ -54,6 +54,11 @@ class NetStub:
                 request_serializer=gpud_dot_v1_dot_net__pb2.PinLevelRequest.SerializeToString,
                 response_deserializer=gpud_dot_v1_dot_net__pb2.PinLevelResponse.FromString,
                 _registered_method=True)
+        self.PlaceProcess = channel.unary_unary(
+                '/gpud.v1.Net/PlaceProcess',
+                request_serializer=gpud_dot_v1_dot_net__pb2.PlaceProcessRequest.SerializeToString,
+                response_deserializer=gpud_dot_v1_dot_net__pb2.PlaceProcessResponse.FromString,
+                _registered_method=True)
 
 
 class NetServicer:
@@ -90,6 +95,16 @@ class NetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PlaceProcess(self, request, context):
+        """Move a process of the job into the job's cgroup, so gpud marks its packets with the
+        job's DSCP (`gpuctl run` does this before the command runs). The process must carry
+        GPUD_JOB=<job> in its environment (PERMISSION_DENIED otherwise). An empty cgroup in
+        the response: traffic marking is off in the daemon's config.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NetServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +127,11 @@ def add_NetServicer_to_server(servicer, server):
                     servicer.PinLevel,
                     request_deserializer=gpud_dot_v1_dot_net__pb2.PinLevelRequest.FromString,
                     response_serializer=gpud_dot_v1_dot_net__pb2.PinLevelResponse.SerializeToString,
+            ),
+            'PlaceProcess': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlaceProcess,
+                    request_deserializer=gpud_dot_v1_dot_net__pb2.PlaceProcessRequest.FromString,
+                    response_serializer=gpud_dot_v1_dot_net__pb2.PlaceProcessResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +242,33 @@ class Net:
             '/gpud.v1.Net/PinLevel',
             gpud_dot_v1_dot_net__pb2.PinLevelRequest.SerializeToString,
             gpud_dot_v1_dot_net__pb2.PinLevelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlaceProcess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpud.v1.Net/PlaceProcess',
+            gpud_dot_v1_dot_net__pb2.PlaceProcessRequest.SerializeToString,
+            gpud_dot_v1_dot_net__pb2.PlaceProcessResponse.FromString,
             options,
             channel_credentials,
             insecure,

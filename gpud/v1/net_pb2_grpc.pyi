@@ -51,6 +51,12 @@ class NetStub:
     """Jobs, levels, interfaces and counters: `gpuctl net show`."""
     PinLevel: _grpc.UnaryUnaryMultiCallable[_net_pb2.PinLevelRequest, _net_pb2.PinLevelResponse]
     """Fix a job's level (operator override), or give it back to the policy."""
+    PlaceProcess: _grpc.UnaryUnaryMultiCallable[_net_pb2.PlaceProcessRequest, _net_pb2.PlaceProcessResponse]
+    """Move a process of the job into the job's cgroup, so gpud marks its packets with the
+    job's DSCP (`gpuctl run` does this before the command runs). The process must carry
+    GPUD_JOB=<job> in its environment (PERMISSION_DENIED otherwise). An empty cgroup in
+    the response: traffic marking is off in the daemon's config.
+    """
 
 @_typing.type_check_only
 class NetAsyncStub(NetStub):
@@ -68,6 +74,12 @@ class NetAsyncStub(NetStub):
     """Jobs, levels, interfaces and counters: `gpuctl net show`."""
     PinLevel: _aio.UnaryUnaryMultiCallable[_net_pb2.PinLevelRequest, _net_pb2.PinLevelResponse]  # type: ignore[assignment]
     """Fix a job's level (operator override), or give it back to the policy."""
+    PlaceProcess: _aio.UnaryUnaryMultiCallable[_net_pb2.PlaceProcessRequest, _net_pb2.PlaceProcessResponse]  # type: ignore[assignment]
+    """Move a process of the job into the job's cgroup, so gpud marks its packets with the
+    job's DSCP (`gpuctl run` does this before the command runs). The process must carry
+    GPUD_JOB=<job> in its environment (PERMISSION_DENIED otherwise). An empty cgroup in
+    the response: traffic marking is off in the daemon's config.
+    """
 
 class NetServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -106,5 +118,17 @@ class NetServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_net_pb2.PinLevelResponse, _abc.Awaitable[_net_pb2.PinLevelResponse]]:
         """Fix a job's level (operator override), or give it back to the policy."""
+
+    @_abc_1.abstractmethod
+    def PlaceProcess(
+        self,
+        request: _net_pb2.PlaceProcessRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_net_pb2.PlaceProcessResponse, _abc.Awaitable[_net_pb2.PlaceProcessResponse]]:
+        """Move a process of the job into the job's cgroup, so gpud marks its packets with the
+        job's DSCP (`gpuctl run` does this before the command runs). The process must carry
+        GPUD_JOB=<job> in its environment (PERMISSION_DENIED otherwise). An empty cgroup in
+        the response: traffic marking is off in the daemon's config.
+        """
 
 def add_NetServicer_to_server(servicer: NetServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
