@@ -83,6 +83,7 @@ class Aggregator:
         self._job_seen: dict[str, float] = {}
         self._epoch = 0
         self._seq = 0
+        self._included: set[str] = set()  # nodes whose reports the last order folded in
         self.order: Order | None = None
 
     def receive(self, report: NodeReport, now: float) -> None:
@@ -102,10 +103,11 @@ class Aggregator:
             self._allocator = TagAllocator(reserved=self._reserved, existing=self._tag_store.load())
         return self._allocator
 
-    def compute(self, epoch: int, now: float) -> Order:
+    def compute(self, epoch: int, now: float, *, wall: float | None = None) -> Order:
         """The global order of this round, computed in ``epoch``.
 
-        Raises whatever the tag store raises: an order whose tags are not persisted is
+        ``wall`` (Unix time) stamps the attributes; ``now`` (any clock that does not jump)
+        ages the reports. Raises whatever the tag store raises: an order whose tags are not persisted is
         never handed out (the previous one stays :attr:`order`).
         """
         folds: dict[str, _Fold] = {}
@@ -158,6 +160,8 @@ class Aggregator:
                 raise
 
         assignment = self._leveller.update(now, {j: f.rate for j, f in folds.items()})
+        stamp = now if wall is None else wall
+        self._included = set(self._reports)
         levels = assignment.levels
         if epoch != self._epoch:
             self._epoch, self._seq = epoch, 0
@@ -177,7 +181,7 @@ class Aggregator:
                 links_down=tuple(f.links_down),
                 drops=f.drops,
                 tx_bytes=f.tx,
-                computed_at=now,
+                computed_at=stamp,
             )
             for job, f in folds.items()
         }
@@ -189,13 +193,14 @@ class Aggregator:
             tags={j: after[j] for j in folds},
             shares=assignment.shares,
             attributes=attributes,
-            computed_at=now,
+            computed_at=stamp,
         )
         return self.order
 
     def answer(self, node: str) -> Order | None:
-        """The latest order, cut to the jobs ``node`` reported."""
-        if self.order is None:
+        """The latest order, cut to the jobs ``node`` reported; None until an order has
+        folded in a report of ``node`` (a new leader's first answers)."""
+        if self.order is None or node not in self._included:
             return None
         entry = self._reports.get(node)
         jobs = [jr.job for jr in entry[1].jobs] if entry is not None else []

@@ -91,6 +91,7 @@ class Order:
 
     def for_jobs(self, jobs: Iterable[str]) -> Order:
         """The part of this order that concerns ``jobs``."""
+        jobs = tuple(jobs)
         return Order(
             epoch=self.epoch,
             seq=self.seq,
