@@ -756,32 +756,39 @@ class TcNetlink:
     def restore(self, iface: str, original: RootQdisc | None = None) -> None:
         """Put back the interface's root qdisc from before gpud (shutdown mode "restore").
 
-        Deletes our HTB root, so the kernel installs its default root (``mq`` or
-        ``net.core.default_qdisc``); when ``original`` names another kind, that kind is
-        installed with its default parameters. Raises TcError on failure.
+        Deletes our HTB root, so the kernel installs its default root (``mq``,
+        ``net.core.default_qdisc``, or ``noqueue`` on virtual devices); when ``original``
+        names another kind than that, the original kind is installed with its default
+        parameters (``tc qdisc replace dev IF root KIND``). Raises TcError on failure.
         """
         idx = self.ifindex(iface)
+        self._cache.pop(iface, None)
         state = self.read(iface)
-        msgs: list[tuple[int, int, bytes]] = []
         if (
             state.root is not None
             and state.root.kind == "htb"
             and state.root.handle >> 16 == ROOT_MAJOR
         ):
-            msgs.append(self._enc.root(idx, TcOp(OpKind.DELETE_ROOT, iface)))
-        if original is not None and original.kind not in _KERNEL_DEFAULTS:
-            body = _TCMSG.pack(0, idx, original.handle, TC_H_ROOT, 0) + _kind(original.kind)
-            msgs.append((RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, body))
-        self._cache.pop(iface, None)
-        for (mtype, _flags, _body), ack in zip(msgs, self._nl.request(msgs), strict=True):
+            (ack,) = self._nl.request([self._enc.root(idx, TcOp(OpKind.DELETE_ROOT, iface))])
             if ack.errno:
-                what = "delete the HTB root" if mtype == RTM_DELQDISC else f"install {original}"
                 raise TcError(
                     iface,
-                    f"cannot {what}: {_errname(ack.errno)}",
+                    f"cannot delete the HTB root: {_errname(ack.errno)}",
+                    op=f"qdisc del dev {iface} root",
                     errno=ack.errno,
                     detail=ack.detail,
                 )
-
-
-_KERNEL_DEFAULTS = frozenset({"mq", "noqueue", "pfifo_fast", "fq_codel", "noop"})
+            state = self.read(iface)
+        now = state.root.kind if state.root is not None else "noqueue"
+        if original is None or original.kind in (now, "noqueue"):
+            return
+        body = _TCMSG.pack(0, idx, original.handle, TC_H_ROOT, 0) + _kind(original.kind)
+        (ack,) = self._nl.request([(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, body)])
+        if ack.errno:
+            raise TcError(
+                iface,
+                f"cannot re-install the original {original.kind} root: {_errname(ack.errno)}",
+                op=f"qdisc replace dev {iface} root {original.kind}",
+                errno=ack.errno,
+                detail=ack.detail,
+            )
