@@ -33,7 +33,7 @@ from gpud.api.node import NodeServicer
 from gpud.api.ports import NodeInfo
 from gpud.api.server import ApiServer
 from gpud.backend.port import GpuBackend
-from gpud.config import Config, parse_address
+from gpud.config import Config, TrafficConfig, parse_address
 from gpud.errors import ConfigError, GpudError
 from gpud.events import EventLog
 from gpud.jobs.api import JobsServicer
@@ -46,6 +46,9 @@ from gpud.mig.service import MigServicer
 from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
 from gpud.mps.metrics import MpsMetrics
+from gpud.net.api import NetServicer
+from gpud.net.metrics import TrafficMetrics
+from gpud.net.wiring import open_traffic
 from gpud.notify import Notifier
 from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler
@@ -71,6 +74,8 @@ RESTART_KEYS = (
     "mig.drain_timeout_s",
     "mps.enabled",
     "mps.control_binary",
+    # the traffic service is built once, with its backends and interfaces
+    *(f"traffic.{f.name}" for f in dataclasses.fields(TrafficConfig)),
 )
 
 
@@ -174,8 +179,13 @@ class Daemon:
             job_resolver=self.jobs.job_of,
             on_change=self.sampler.refresh_identity,
         )
+        # Opened before the gRPC server: a netlink socket may fork.
+        self.traffic = open_traffic(config, self.store, self.events, self.jobs)
+        if config.traffic.enabled:
+            self.jobs.set_tagger(self.traffic.tags.tag)
         for source in (MigMetrics(self.mig), MpsMetrics(self.mps), JobMetrics(self.jobs)):
             self.collector.add_source(source)
+        self.collector.add_source(TrafficMetrics(self.traffic))
         self.api = ApiServer(
             config.socket_path,
             socket_group=config.api.socket_group or None,
@@ -185,6 +195,7 @@ class Daemon:
                 MigServicer(self.mig, default_drain_timeout_s=config.mig.drain_timeout_s).register,
                 MpsServicer(self.mps, loads=self.jobs.loads).register,
                 JobsServicer(self.jobs).register,
+                NetServicer(self.traffic).register,
             ],
         )
         self.steps: list[Step] = []
@@ -193,7 +204,10 @@ class Daemon:
         self.add_step("mig", self._mig_step)
         self.add_step("mps", self._mps_step)
         self.add_step("jobs", self._jobs_step)
+        self.add_step("traffic", self._traffic_step)
         self.on_shutdown(self.mps.stop)
+        self.on_shutdown(self.traffic.shutdown)
+        self.traffic.start()
 
     def _unhealthy_uuids(self) -> set[str]:
         snap = self.sampler.latest()
@@ -210,6 +224,9 @@ class Daemon:
 
     async def _jobs_step(self) -> None:
         await asyncio.to_thread(self.jobs.tick, self.sampler.latest())
+
+    async def _traffic_step(self) -> None:
+        await asyncio.to_thread(self.traffic.tick)
 
     def _reboot_sim(self) -> None:
         """A simulated reboot under a running daemon: instances go, as on a real node; the

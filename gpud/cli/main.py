@@ -43,6 +43,7 @@ from gpud.cli import events, gpus, sim, status, version
 from gpud.cli import jobs as jobs_cli
 from gpud.cli import mig as mig_cli
 from gpud.cli import mps as mps_cli
+from gpud.cli import net as net_cli
 from gpud.cli import run as run_cli
 from gpud.cli.context import DEFAULT_SOCKET, EXIT_USAGE, CliError, Context
 from gpud.cli.output import Output
@@ -55,6 +56,7 @@ COMMAND_GROUPS: list[ModuleType] = [
     mps_cli,
     jobs_cli,
     run_cli,
+    net_cli,
     version,
     events,
     sim,

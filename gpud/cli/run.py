@@ -12,6 +12,13 @@ gpuctl process, so gpud releases it even if gpuctl is killed), starts the comman
 current environment, forwards SIGINT/SIGTERM/SIGHUP to it, releases the reservation when it
 ends and exits with its exit status (128 + N when killed by signal N; 127 when the command
 cannot be started).
+
+With traffic enforcement on, the environment also carries the job's ``GPUD_DSCP`` and
+``NCCL_IB_TC``, and the command starts in the job's own cgroup v2 (``gpud-job-<name>``),
+whose packets gpud marks with the job's DSCP: the command is held at a gate (a pipe) until
+gpud has moved it into the cgroup, so not one of its sockets is opened outside. If gpud
+cannot place it, gpuctl says why and runs it unmarked; if gpuctl dies first, the command
+never runs (exit 125).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
@@ -30,8 +38,24 @@ from gpud.cli.jobs import KINDS, add_placement_options, fill_placement
 from gpud.jobs.env import shell_exports
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
+from gpud.v1 import net_pb2, net_pb2_grpc
 
 EXIT_CANNOT_EXEC = 127
+EXIT_GATE_CLOSED = 125
+# Waits for one byte on fd argv[1], then becomes the command (the pid stays the same, so
+# the cgroup gpud put it in is the command's).
+_GATE = (
+    "import os,sys\n"
+    "fd=int(sys.argv[1])\n"
+    "ok=os.read(fd,1)\n"
+    "os.close(fd)\n"
+    "ok or sys.exit(125)\n"
+    "try:\n"
+    " os.execvp(sys.argv[2],sys.argv[2:])\n"
+    "except OSError as e:\n"
+    " sys.stderr.write(f'gpuctl: cannot run {sys.argv[2]}: {e.strerror}\\n')\n"
+    " sys.exit(127)\n"
+)
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -82,8 +106,18 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
     resp: pb.ReserveResponse = ctx.call(stub.Reserve, reserve_request(args))
     reservation = resp.reservation.id
     env = {**os.environ, **resp.env}
+    place = None
+    if "GPUD_DSCP" in resp.env:
+        net = ctx.stub(net_pb2_grpc.NetStub)
+
+        def place(pid: int) -> None:
+            placed: net_pb2.PlaceProcessResponse = ctx.call(
+                net.PlaceProcess, net_pb2.PlaceProcessRequest(job=args.job, pid=pid)
+            )
+            del placed  # "" when the daemon marks nothing by cgroup
+
     try:
-        return _launch(command, env)
+        return _launch(command, env, place)
     finally:
         try:
             ctx.call(stub.Release, pb.ReleaseRequest(reservation_id=reservation))
@@ -92,12 +126,32 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
             print(f"gpuctl: could not release reservation {reservation}: {err}", file=sys.stderr)
 
 
-def _launch(command: list[str], env: dict[str, str]) -> int:
+def _launch(
+    command: list[str], env: dict[str, str], place: Callable[[int], None] | None = None
+) -> int:
+    """Run ``command``; with ``place``, start it behind a gate, call ``place(pid)``, then
+    let it run (it runs even when placing fails, with a warning)."""
+    gate_r = gate_w = -1
+    argv = command
+    if place is not None:
+        gate_r, gate_w = os.pipe()
+        argv = [sys.executable, "-I", "-S", "-c", _GATE, str(gate_r), *command]
     try:
-        child = subprocess.Popen(command, env=env)
+        child = subprocess.Popen(argv, env=env, pass_fds=(gate_r,) if place else ())
     except OSError as err:
         print(f"gpuctl: cannot run {command[0]}: {err.strerror}", file=sys.stderr)
         return EXIT_CANNOT_EXEC
+    finally:
+        if gate_r >= 0:
+            os.close(gate_r)
+    if place is not None:
+        try:
+            place(child.pid)
+        except CliError as err:
+            print(f"gpuctl: the job's traffic is not marked by cgroup: {err}", file=sys.stderr)
+        finally:
+            os.write(gate_w, b"g")
+            os.close(gate_w)
 
     def forward(signum: int, frame: FrameType | None) -> None:
         with contextlib.suppress(ProcessLookupError):

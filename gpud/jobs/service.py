@@ -73,6 +73,12 @@ class JobService:
         )
         self._lock = threading.RLock()  # placement is check-then-insert
         self._uses: list[ProcessUse] = []
+        self._tag_of: Callable[[str], int | None] | None = None
+
+    def set_tagger(self, tag_of: Callable[[str], int | None]) -> None:
+        """Where launch environments get the job's DSCP tag (the traffic service, which is
+        built after this service); without one they carry no tag."""
+        self._tag_of = tag_of
 
     def job_of(self, pid: int) -> str | None:
         """The job ``pid`` belongs to (by its ``GPUD_JOB`` or cgroup), or None."""
@@ -164,7 +170,8 @@ class JobService:
 
     def env_for(self, reservation: Reservation) -> dict[str, str]:
         pipes = {uuid: self._mps.pipe_dir(uuid) for uuid in reservation.devices}
-        return build_env(reservation, socket_path=self._socket_path, pipe_dirs=pipes)
+        dscp = self._tag_of(reservation.job) if self._tag_of is not None else None
+        return build_env(reservation, socket_path=self._socket_path, pipe_dirs=pipes, dscp=dscp)
 
     def env(self, name: str) -> dict[str, str]:
         """``gpuctl env --job NAME``: the environment of the job's latest reservation, or of

@@ -1,0 +1,97 @@
+"""Builds the traffic service with its real backends (called once, by the daemon).
+
+* tc: :class:`netshaper.tc_netlink.TcNetlink` in the daemon's own network namespace,
+  opened before the gRPC server starts (opening a netlink socket may fork).
+* marking: :class:`netshaper.nftables.NftablesMarker` and the jobs' cgroups under the
+  cgroup2 mount found in ``/proc/self/mountinfo``. Without cgroup v2 or ``nft`` the service
+  runs without marking and says why (``gpuctl net show``); tagged traffic is still shaped.
+* RDMA: the configured ``traffic.rdma_backend`` (none, dcb, dry-run).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from gpud.config import Config
+from gpud.events import EventLog
+from gpud.jobs.service import JobService
+from gpud.net.cgroups import JobCgroups, find_cgroup2
+from gpud.net.enforce import MarkPort, RdmaPort, TcPort
+from gpud.net.service import TrafficService, job_pool
+from gpud.net.tagstore import TagStore
+from gpud.store import StateStore
+
+log = logging.getLogger(__name__)
+
+
+def open_traffic(
+    config: Config,
+    store: StateStore,
+    events: EventLog,
+    jobs: JobService,
+    *,
+    mountinfo: Path = Path("/proc/self/mountinfo"),
+) -> TrafficService:
+    t = config.traffic
+    tags = TagStore(store, pool=job_pool(t))
+    tc: TcPort | None = None
+    marker: MarkPort | None = None
+    cgroups: JobCgroups | None = None
+    rdma: RdmaPort | None = None
+    marking_error = ""
+    if t.enabled:
+        from netshaper.tc_netlink import TcNetlink
+
+        tc = TcNetlink()
+        if t.marking:
+            mount = find_cgroup2(mountinfo)
+            nft = shutil.which("nft")
+            if mount is None:
+                marking_error = (
+                    "cgroup v2 is not mounted here (under `ip netns exec` it is hidden:"
+                    " use nsenter --net=)"
+                )
+            elif nft is None:
+                marking_error = "nft not found (install the nftables package)"
+            else:
+                from netshaper.nftables import NftablesMarker, subprocess_runner
+
+                cgroups = JobCgroups(mount, parent=t.cgroup_parent)
+                marker = NftablesMarker(runner=subprocess_runner(nft))
+        else:
+            marking_error = "off (traffic.marking = false)"
+        rdma = open_rdma(config)
+    if marking_error and t.enabled and t.marking:
+        log.warning("traffic marking by cgroup unavailable: %s", marking_error)
+
+    def registered() -> list[str]:
+        return [j.name for j in jobs.registry.all()]
+
+    def active() -> set[str]:
+        return {r.job for r in jobs.reservations.held()}
+
+    return TrafficService(
+        t,
+        tags=tags,
+        events=events,
+        jobs=registered,
+        active=active,
+        tc=tc,
+        marker=marker,
+        cgroups=cgroups,
+        rdma=rdma,
+        marking_error=marking_error,
+    )
+
+
+def open_rdma(config: Config) -> RdmaPort | None:
+    """The NIC DSCP -> priority backend ``traffic.rdma_backend`` names (None: none)."""
+    if config.traffic.rdma_backend == "none":
+        return None
+    log.warning(
+        "traffic.rdma_backend = %r: no DSCP -> priority backend is wired yet",
+        config.traffic.rdma_backend,
+    )
+    return None
