@@ -96,6 +96,31 @@ class TrafficConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """One leader across nodes (``[cluster]``); see docs/configuration.md."""
+
+    election: Literal["single", "etcd"] = "single"
+    node: str = ""  # this node's name in the cluster; "" = the host name
+    listen: str = ""  # HOST:PORT of the peer API (mutual TLS); needed with etcd
+    advertise: str = ""  # HOST:PORT peers dial; "" = listen (with the port bound)
+    ca_file: Path | None = None  # the cluster CA (PEM)
+    cert_file: Path | None = None  # this node's certificate, signed by the CA
+    key_file: Path | None = None
+    etcd_endpoints: str = "http://127.0.0.1:2379"  # comma-separated http(s)://HOST:PORT
+    etcd_prefix: str = "/gpud/cluster"
+    etcd_ca_file: Path | None = None
+    etcd_cert_file: Path | None = None
+    etcd_key_file: Path | None = None
+    etcd_username: str = ""
+    etcd_password_file: Path | None = None
+    etcd_timeout_s: float = 1.0
+    lease_ttl_s: int = 5
+    grace_s: float = 30.0  # no leader for this long: back to the local policy
+    node_timeout_s: float = 5.0  # the leader forgets a node silent for this long
+    report_timeout_s: float = 1.0
+
+
+@dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
@@ -105,6 +130,7 @@ class Config:
     mig: MigConfig = field(default_factory=MigConfig)
     mps: MpsConfig = field(default_factory=MpsConfig)
     traffic: TrafficConfig = field(default_factory=TrafficConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     @property
     def socket_path(self) -> Path:
@@ -235,6 +261,7 @@ def validate(config: Config, *, path: str) -> Config:
     if config.api.tcp_address:
         parse_address(config.api.tcp_address, path=path, key="api.tcp_address")
     _validate_traffic(config.traffic, path=path)
+    _validate_cluster(config.cluster, path=path)
     if config.backend.kind == "sim":
         # Imported here: the product table is only needed when simulating.
         from gpud.backend.sim import parse_simulate_spec
@@ -244,6 +271,56 @@ def validate(config: Config, *, path: str) -> Config:
         except ConfigError as err:
             raise ConfigError(str(err), path=path, key="backend.simulate") from err
     return config
+
+
+def _validate_cluster(c: ClusterConfig, *, path: str) -> None:
+    ranges: dict[str, tuple[float, float, float]] = {
+        "cluster.lease_ttl_s": (c.lease_ttl_s, 2, 300),
+        "cluster.grace_s": (c.grace_s, 0.0, 86400.0),
+        "cluster.node_timeout_s": (c.node_timeout_s, 0.1, 3600.0),
+        "cluster.report_timeout_s": (c.report_timeout_s, 0.01, 60.0),
+        "cluster.etcd_timeout_s": (c.etcd_timeout_s, 0.01, 60.0),
+    }
+    for key, (value, low, high) in ranges.items():
+        if not low <= value <= high:
+            raise ConfigError(f"{value} is not in [{low:g}, {high:g}]", path=path, key=key)
+    if len(c.node) > 253 or c.node.strip() != c.node:
+        raise ConfigError(f"{c.node!r} is not a node name", path=path, key="cluster.node")
+    if c.listen:
+        parse_address(c.listen, path=path, key="cluster.listen")
+    if c.advertise:
+        parse_address(c.advertise, path=path, key="cluster.advertise")
+    if not c.etcd_prefix.startswith("/"):
+        raise ConfigError(
+            f"{c.etcd_prefix!r} must start with /", path=path, key="cluster.etcd_prefix"
+        )
+    if c.election == "etcd":
+        if not c.listen:
+            raise ConfigError(
+                "needed with election = etcd (the peer API other nodes report to)",
+                path=path,
+                key="cluster.listen",
+            )
+        for key in ("ca_file", "cert_file", "key_file"):
+            if getattr(c, key) is None:
+                raise ConfigError(
+                    "needed with election = etcd (mutual TLS between nodes; "
+                    "tools/certs.py makes a CA and node certificates)",
+                    path=path,
+                    key=f"cluster.{key}",
+                )
+        endpoints = [e.strip() for e in c.etcd_endpoints.split(",") if e.strip()]
+        if not endpoints:
+            raise ConfigError("no endpoint", path=path, key="cluster.etcd_endpoints")
+        for endpoint in endpoints:
+            scheme, sep, rest = endpoint.partition("://")
+            if scheme not in ("http", "https") or not sep:
+                raise ConfigError(
+                    f"{endpoint!r} is not http(s)://HOST:PORT",
+                    path=path,
+                    key="cluster.etcd_endpoints",
+                )
+            parse_address(rest.rstrip("/"), path=path, key="cluster.etcd_endpoints")
 
 
 def _validate_traffic(t: TrafficConfig, *, path: str) -> None:

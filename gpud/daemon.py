@@ -33,7 +33,10 @@ from gpud.api.node import NodeServicer
 from gpud.api.ports import NodeInfo
 from gpud.api.server import ApiServer
 from gpud.backend.port import GpuBackend
-from gpud.config import Config, TrafficConfig, parse_address
+from gpud.cluster.metrics import ClusterMetrics
+from gpud.cluster.nodeview import DaemonNodeView
+from gpud.cluster.runtime import ClusterRuntime, leveller_config
+from gpud.config import ClusterConfig, Config, TrafficConfig, parse_address
 from gpud.errors import ConfigError, GpudError
 from gpud.events import EventLog
 from gpud.jobs.api import JobsServicer
@@ -76,6 +79,8 @@ RESTART_KEYS = (
     "mps.control_binary",
     # the traffic service is built once, with its backends and interfaces
     *(f"traffic.{f.name}" for f in dataclasses.fields(TrafficConfig)),
+    # so is the cluster: election, peer API, etcd client
+    *(f"cluster.{f.name}" for f in dataclasses.fields(ClusterConfig)),
 )
 
 
@@ -186,6 +191,16 @@ class Daemon:
         for source in (MigMetrics(self.mig), MpsMetrics(self.mps), JobMetrics(self.jobs)):
             self.collector.add_source(source)
         self.collector.add_source(TrafficMetrics(self.traffic))
+        self.cluster = ClusterRuntime(
+            config.cluster,
+            traffic=self.traffic,
+            view=DaemonNodeView(self.jobs.reservations.held, self.sampler.latest),
+            leveller=leveller_config(config.traffic),
+            reserved_tags=set(range(64)) - set(self.traffic.tags.pool),
+            tick_s=config.daemon.tick_s,
+            events=self.events,
+        )
+        self.collector.add_source(ClusterMetrics(self.cluster.agent))
         self.api = ApiServer(
             config.socket_path,
             socket_group=config.api.socket_group or None,
@@ -196,6 +211,7 @@ class Daemon:
                 MpsServicer(self.mps, loads=self.jobs.loads).register,
                 JobsServicer(self.jobs).register,
                 NetServicer(self.traffic).register,
+                self.cluster.servicer.register,
             ],
         )
         self.steps: list[Step] = []
@@ -204,9 +220,12 @@ class Daemon:
         self.add_step("mig", self._mig_step)
         self.add_step("mps", self._mps_step)
         self.add_step("jobs", self._jobs_step)
+        # the cluster's order first: the traffic step enforces it in the same pass
+        self.add_step("cluster", self.cluster.tick)
         self.add_step("traffic", self._traffic_step)
         self.on_shutdown(self.mps.stop)
         self.on_shutdown(self.traffic.shutdown)
+        self.on_shutdown(self.cluster.stop)
         self.traffic.start()
 
     def _unhealthy_uuids(self) -> set[str]:
@@ -303,6 +322,7 @@ class Daemon:
                     ) from err
                 log.info("serving /metrics on %s:%d", host, port)
             await self.api.start()
+            await self.cluster.start()
             log.info("serving gRPC on %s", self.config.socket_path)
             self.events.emit(
                 "daemon.start",

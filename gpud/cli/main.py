@@ -39,6 +39,7 @@ from pathlib import Path
 from types import ModuleType
 
 from gpud import __version__
+from gpud.cli import cluster as cluster_cli
 from gpud.cli import events, gpus, sim, status, version
 from gpud.cli import jobs as jobs_cli
 from gpud.cli import mig as mig_cli
@@ -57,6 +58,7 @@ COMMAND_GROUPS: list[ModuleType] = [
     jobs_cli,
     run_cli,
     net_cli,
+    cluster_cli,
     version,
     events,
     sim,

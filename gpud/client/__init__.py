@@ -6,11 +6,15 @@ Everything a job uses is re-exported here::
     progress = gpud.client.Progress()
 """
 
+from gpud.client.attributes import Attributes, attributes, watch_attributes
 from gpud.client.progress import Progress
 from gpud.client.tos import job_dscp, set_socket_tos
 
 __all__ = [
+    "Attributes",
     "Progress",
+    "attributes",
     "job_dscp",
     "set_socket_tos",
+    "watch_attributes",
 ]

@@ -27,6 +27,7 @@ class _Fold:
 
     __slots__ = (
         "drops",
+        "dscp",
         "ips",
         "links_down",
         "nodes",
@@ -39,6 +40,7 @@ class _Fold:
 
     def __init__(self) -> None:
         self.rate: float | None = None
+        self.dscp: int | None = None  # the tag a node already marks it with
         self.ips: float | None = None
         self.slowest = ""
         self.nodes: list[str] = []
@@ -120,6 +122,8 @@ class Aggregator:
                 f = folds.get(jr.job)
                 if f is None:
                     f = folds[jr.job] = _Fold()
+                if jr.dscp is not None and f.dscp is None:
+                    f.dscp = jr.dscp
                 f.nodes.append(name)
                 rate = jr.progress_rate
                 if rate is not None and (f.rate is None or rate < f.rate):
@@ -139,9 +143,11 @@ class Aggregator:
 
         allocator = self._tags()
         before = allocator.allocations()
-        for job in folds:
+        for job, f in folds.items():
             self._job_seen[job] = now
-            allocator.tag(job)
+            # keep the tag nodes already mark with, where it is free: no retagging
+            if f.dscp is None or not allocator.claim(job, f.dscp):
+                allocator.tag(job)
         released = [
             job
             for job, t in self._job_seen.items()

@@ -134,3 +134,10 @@ def test_fail_static_holds_the_last_order_for_the_grace_period() -> None:
     assert fs.mode(40, leading=False) is Mode.HOLDING
     assert fs.mode(40.5, leading=False) is Mode.LOCAL
     assert fs.mode(40.5, leading=True) is Mode.LEADER
+
+
+def test_a_tag_nodes_already_use_is_kept_when_free() -> None:
+    agg = make()
+    agg.receive(NodeReport("n1", (JobReport("a", dscp=21), JobReport("b", dscp=21))), 0)
+    tags = agg.compute(1, 0).tags
+    assert tags["a"] == 21 and tags["b"] != 21
