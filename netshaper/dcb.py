@@ -205,3 +205,47 @@ class DryRunBackend:
             shown = self._shown.setdefault(netdev, {})
             shown.update({d: (p,) for d, p in changes.items()})
         return MapResult(netdev, changes)
+
+
+class NicMap:
+    """The same DSCP -> priority map on every RoCE netdev: what the daemon drives.
+
+    ``netdevs``: the netdevs whose map gpud owns (configuration, or
+    ``rdma.roce_v2_targets`` of the discovered devices). Each netdev is tried; when some
+    fail, the others are still written and one :class:`DcbError` names every failure.
+    """
+
+    def __init__(self, backend: DscpMapBackend, netdevs: Sequence[str]) -> None:
+        if not netdevs:
+            raise ValueError("NicMap needs at least one netdev")
+        self._backend = backend
+        self._netdevs = tuple(netdevs)
+
+    @property
+    def netdevs(self) -> tuple[str, ...]:
+        return self._netdevs
+
+    def apply(self, dscp_priorities: Mapping[int, int]) -> list[str]:
+        """Write the map; returns one line per changed entry (``eth2: DSCP 26 -> prio 7``)."""
+        for d, p in dscp_priorities.items():
+            if not (0 <= d <= DSCP_MAX and 0 <= p <= PRIO_MAX):
+                raise ValueError(f"DSCP {d} -> priority {p} is out of range")
+        lines: list[str] = []
+        failures: list[DcbError] = []
+        for netdev in self._netdevs:
+            try:
+                result = self._backend.apply(netdev, dscp_priorities)
+            except DcbError as err:
+                failures.append(err)
+                continue
+            lines += [f"{netdev}: DSCP {d} -> prio {p}" for d, p in result.changed.items()]
+        if failures:
+            first = failures[0]
+            names = ", ".join(f.netdev for f in failures)
+            raise DcbError(
+                names,
+                f"{len(failures)} of {len(self._netdevs)} netdev(s) not written",
+                command=first.command,
+                detail=str(first),
+            )
+        return lines

@@ -96,3 +96,20 @@ def test_dry_run_prints_changes_only() -> None:
         "dcb app replace dev eth2 dscp-prio 26:7 34:6",
         "dcb app replace dev eth2 dscp-prio 26:5",
     ]
+
+
+def test_nic_map_writes_every_netdev_and_reports_failures(fake: Path) -> None:
+    nic = dcb.NicMap(dcb.DcbAppBackend(FAKE_DCB), ["eth2", "eth3"])
+    assert nic.apply({26: 7, 48: 6}) == [
+        "eth2: DSCP 26 -> prio 7",
+        "eth3: DSCP 26 -> prio 7",
+        "eth3: DSCP 48 -> prio 6",
+    ]
+    assert nic.apply({26: 7, 48: 6}) == []
+    broken = dcb.NicMap(dcb.DcbAppBackend(FAKE_DCB), ["eth9", "eth3"])
+    with pytest.raises(dcb.DcbError, match="eth9: 1 of 2 netdev") as err:
+        broken.apply({26: 5})
+    assert 'Cannot find device "eth9"' in str(err.value)
+    assert table(fake, "eth3") == [[26, 5], [48, 6]]  # the healthy netdev was still written
+    with pytest.raises(ValueError, match="DSCP 64"):
+        nic.apply({64: 1})
