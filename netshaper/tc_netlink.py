@@ -58,6 +58,7 @@ import socket
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from pyroute2.netns import create_socket
 
@@ -392,10 +393,27 @@ def _decode_tcmsg(body: memoryview) -> _TcMsg:
 
 
 @dataclass(frozen=True)
-class _Ack:
+class Ack:
+    """The kernel's answer to one request: ``errno`` 0 for success, else the positive
+    error number; ``detail`` the extended-ack message (``Error: ...`` in tc's output)."""
+
     seq: int
     errno: int
     detail: str | None
+
+
+class NetlinkTransport(Protocol):
+    """What :class:`TcNetlink` needs from an rtnetlink socket (a test double implements it)."""
+
+    def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[Ack]:
+        """Send (type, flags, body) messages with NLM_F_ACK; one Ack per message, in order."""
+        ...
+
+    def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        """A dump: the reply bodies, and the error Ack if the kernel refused."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class _Netlink:
@@ -424,9 +442,9 @@ class _Netlink:
         self._seq = (self._seq + 1) & 0x7FFFFFFF or 1
         return self._seq
 
-    def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[_Ack]:
+    def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[Ack]:
         """Send every message (type, flags, body) with NLM_F_ACK; one ack per message."""
-        acks: list[_Ack] = []
+        acks: list[Ack] = []
         chunk = bytearray()
         pending: set[int] = set()
         seqs: list[int] = []
@@ -444,7 +462,7 @@ class _Netlink:
         by_seq = {a.seq: a for a in acks}
         return [by_seq[s] for s in seqs]
 
-    def _send_and_collect(self, data: bytes, pending: set[int], acks: list[_Ack]) -> None:
+    def _send_and_collect(self, data: bytes, pending: set[int], acks: list[Ack]) -> None:
         self._sock.send(data)
         while pending:
             buf = self._sock.recv(1 << 20)
@@ -459,9 +477,9 @@ class _Netlink:
                     if NLMSGERR_ATTR_MSG in tlvs:
                         detail = _cstr(tlvs[NLMSGERR_ATTR_MSG])
                 pending.discard(seq)
-                acks.append(_Ack(seq, -err, detail))
+                acks.append(Ack(seq, -err, detail))
 
-    def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], _Ack | None]:
+    def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
         """A dump request; returns (message bodies, error ack or None)."""
         seq = self._next_seq()
         hdr = _NLMSGHDR.pack(16 + len(body), mtype, NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
@@ -481,7 +499,7 @@ class _Netlink:
                         tlvs = _attrs(payload, 4 + 16, len(payload))
                         if NLMSGERR_ATTR_MSG in tlvs:
                             detail = _cstr(tlvs[NLMSGERR_ATTR_MSG])
-                    return out, _Ack(rseq, -err, detail)
+                    return out, Ack(rseq, -err, detail)
                 out.append(payload)
 
 
@@ -527,9 +545,19 @@ def _describe(op: TcOp) -> str:
 class TcNetlink:
     """Applies ``TcPlan``\\s over one rtnetlink socket; see the module docstring."""
 
-    def __init__(self, netns: str | None = None, *, proc_root: str = "/proc") -> None:
-        """Open the socket (in ``/run/netns/<netns>`` when given; that forks once)."""
-        self._nl = _Netlink(netns)
+    def __init__(
+        self,
+        netns: str | None = None,
+        *,
+        proc_root: str = "/proc",
+        transport: NetlinkTransport | None = None,
+    ) -> None:
+        """Open the socket (in ``/run/netns/<netns>`` when given; that forks once).
+
+        ``transport`` replaces the socket (tests); ``proc_root`` is where
+        ``net/psched`` is read.
+        """
+        self._nl: NetlinkTransport = transport if transport is not None else _Netlink(netns)
         self._ps = _Psched(proc_root)
         self._enc = _Encoder(self._ps)
         self._ifindex: dict[str, int] = {}
@@ -741,7 +769,7 @@ class TcNetlink:
         return SyncResult(results)
 
     @staticmethod
-    def _op_error(iface: str, op: TcOp, ack: _Ack) -> TcError:
+    def _op_error(iface: str, op: TcOp, ack: Ack) -> TcError:
         args = " ".join(op.tc_args())
         if op.kind is OpKind.REPLACE_ROOT and ack.errno == errno_mod.ENOENT:
             message = "the kernel has no HTB qdisc (sch_htb)"

@@ -289,3 +289,13 @@ def test_a_restart_adopts_the_tree_and_restore_brings_back_the_original(net: Net
         assert net.tc("qdisc", "show", "dev", "a0").startswith("qdisc pfifo_fast ")
     finally:
         second.close()
+
+
+def test_rates_above_32_bits_of_bytes_per_second(net: Net, adapter: TcNetlink) -> None:
+    # 400 Gbit/s = 5e10 bytes/s: needs the kernel's 64-bit rate attributes
+    want = tp.plan({"a0": 400 * GBIT}, TAGS, {"alpha": 0}, SHARES)
+    assert adapter.sync(want).ok
+    shown = net.tc("class", "show", "dev", "a0")
+    assert re.search(r"class htb 6764:1 root rate 400Gbit ceil 400Gbit", shown), shown
+    assert re.search(r"class htb 6764:10 parent 6764:1 rate 20Gbit ceil 400Gbit", shown), shown
+    assert adapter.drift(want).op_count == 0  # read back as planned
