@@ -274,30 +274,32 @@ class ClusterAgent:
 
     # -- reads ---------------------------------------------------------------------------
 
-    def attributes(self, jobs: Iterable[str] = ()) -> tuple[int, list[JobAttributes]]:
-        """(epoch, attributes) of this node's jobs as of the last applied order."""
+    def attributes(self, jobs: Iterable[str] = ()) -> tuple[int, int, list[JobAttributes]]:
+        """(epoch, seq, attributes) of this node's jobs as of the last applied order."""
         order = self.order
         if order is None:
-            return 0, []
+            return 0, 0, []
         wanted = set(jobs)
-        return order.epoch, [
-            a for j, a in sorted(order.attributes.items()) if not wanted or j in wanted
-        ]
+        return (
+            order.epoch,
+            order.seq,
+            [a for j, a in sorted(order.attributes.items()) if not wanted or j in wanted],
+        )
 
     async def watch(
         self, jobs: Iterable[str] = ()
-    ) -> AsyncIterator[tuple[int, list[JobAttributes]]]:
+    ) -> AsyncIterator[tuple[int, int, list[JobAttributes]]]:
         """The attributes now, then again each time an applied order changes them."""
         wanted = list(jobs)
-        last: tuple[int, list[JobAttributes]] | None = None
+        last: tuple[int, int, list[JobAttributes]] | None = None
         while True:
             changed = self._changed
             current = self.attributes(wanted)
             if (
                 last is None
                 or current[0] != last[0]
-                or any(not _same(a, b) for a, b in zip(current[1], last[1], strict=False))
-                or len(current[1]) != len(last[1])
+                or any(not _same(a, b) for a, b in zip(current[2], last[2], strict=False))
+                or len(current[2]) != len(last[2])
             ):
                 last = current
                 yield current

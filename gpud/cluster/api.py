@@ -118,17 +118,17 @@ class ClusterServicer(pb_grpc.ClusterServicer):
     async def GetAttributes(  # noqa: N802 (gRPC method names come from the proto)
         self, request: pb.GetAttributesRequest, context: Any
     ) -> pb.GetAttributesResponse:
-        epoch, attributes = self._agent.attributes(_jobs(request.jobs))
+        epoch, seq, attributes = self._agent.attributes(_jobs(request.jobs))
         return pb.GetAttributesResponse(
-            epoch=epoch, attributes=[attributes_to_pb(a) for a in attributes]
+            epoch=epoch, seq=seq, attributes=[attributes_to_pb(a) for a in attributes]
         )
 
     async def WatchAttributes(  # noqa: N802 (gRPC method names come from the proto)
         self, request: pb.GetAttributesRequest, context: Any
     ) -> AsyncIterator[pb.GetAttributesResponse]:
-        async for epoch, attributes in self._agent.watch(_jobs(request.jobs)):
+        async for epoch, seq, attributes in self._agent.watch(_jobs(request.jobs)):
             yield pb.GetAttributesResponse(
-                epoch=epoch, attributes=[attributes_to_pb(a) for a in attributes]
+                epoch=epoch, seq=seq, attributes=[attributes_to_pb(a) for a in attributes]
             )
 
 

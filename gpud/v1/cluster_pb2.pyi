@@ -549,7 +549,10 @@ class GetAttributesResponse(_message.Message):
 
     EPOCH_FIELD_NUMBER: _builtins.int
     ATTRIBUTES_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
+    seq: _builtins.int
+    """the leader's round within the epoch"""
     @_builtins.property
     def attributes(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobAttributes]: ...
     def __init__(
@@ -557,10 +560,11 @@ class GetAttributesResponse(_message.Message):
         *,
         epoch: _builtins.int = ...,
         attributes: _abc.Iterable[Global___JobAttributes] | None = ...,
+        seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "epoch", b"epoch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "epoch", b"epoch", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

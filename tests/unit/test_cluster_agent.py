@@ -114,7 +114,7 @@ async def test_one_order_everywhere_with_a_jobs_slowest_node() -> None:
     assert t1.epoch == 7 and t0.epoch == 7
     assert t0.order is not None and t1.order == {"a": t0.order["a"]}
     assert t0.tags["a"] == t1.tags["a"]
-    epoch, attrs = follower.attributes()
+    epoch, _, attrs = follower.attributes()
     assert epoch == 7
     (a,) = attrs
     assert a.progress_rate == 0.2 and a.slowest_node == "n1"
@@ -180,7 +180,7 @@ async def test_watch_yields_again_only_when_attributes_change() -> None:
     leader = agent("n0", LeaderInfo("n0", "a0", 2, True), FakeTraffic(), peers, clock, view=view)
     await leader.tick()
     stream = leader.watch(["a"])
-    epoch, (a,) = await anext(stream)
+    epoch, _, (a,) = await anext(stream)
     assert epoch == 2 and a.unhealthy_gpus == ()
     nxt = asyncio.ensure_future(anext(stream))
     await leader.tick()  # same attributes: nothing sent
@@ -188,5 +188,5 @@ async def test_watch_yields_again_only_when_attributes_change() -> None:
     assert not nxt.done()
     view.unhealthy["G1"] = "GPU lost"
     await leader.tick()
-    epoch, (a,) = await asyncio.wait_for(nxt, 5)
+    epoch, _, (a,) = await asyncio.wait_for(nxt, 5)
     assert a.unhealthy_gpus == ("n0/G1",)
