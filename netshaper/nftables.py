@@ -3,7 +3,7 @@
 What the kernel holds (``nft -a list table inet gpud``)::
 
     table inet gpud {
-        chain mark {
+        chain jobs {
             type filter hook output priority mangle; policy accept;
             socket cgroupv2 level 2 "unified/gpud/gpud-job-a" meta nfproto ipv4 ip dscp set 10 counter comment "gpud job=a dscp=10 cgid=4711 ip"
             socket cgroupv2 level 2 "unified/gpud/gpud-job-a" meta nfproto ipv6 ip6 dscp set 10 counter comment "gpud job=a dscp=10 cgid=4711 ip6"
@@ -36,7 +36,7 @@ from typing import Any
 
 FAMILY = "inet"
 DEFAULT_TABLE = "gpud"
-DEFAULT_CHAIN = "mark"
+DEFAULT_CHAIN = "jobs"
 _PRIORITY = "mangle"  # -150: before anything that filters on DSCP
 _COMMENT = re.compile(r"^gpud job=(\S+) dscp=(\d+) cgid=(\d+) (ip6?)$")
 _SAFE = re.compile(r'^[^"\\\n\r]+$')
