@@ -16,7 +16,6 @@ Peers' reports arrive through :meth:`receive` (the peer servicer) between ticks.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -61,8 +60,8 @@ class ClusterStatus:
 
 def _same(a: JobAttributes, b: JobAttributes | None) -> bool:
     """Equal but for when it was computed (a new round that changed nothing)."""
-    return b is not None and dataclasses.replace(a, computed_at=0, epoch=0) == dataclasses.replace(
-        b, computed_at=0, epoch=0
+    return b is not None and a._replace(computed_at=0, epoch=0) == b._replace(
+        computed_at=0, epoch=0
     )
 
 
@@ -245,6 +244,13 @@ class ClusterAgent:
         )
         self.order = order
         self.fail_static.contact(self._clock())
+        if (previous is None or previous.epoch != order.epoch) and self._events is not None:
+            self._events.emit(
+                "cluster.epoch",
+                f"applying the orders of {order.leader}, epoch {order.epoch}",
+                epoch=order.epoch,
+                leader=order.leader,
+            )
         if changed:  # wake the attribute watchers
             self._changed.set()
             self._changed = asyncio.Event()

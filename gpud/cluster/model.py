@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,15 +46,15 @@ class NodeReport:
     applied_epoch: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class JobAttributes:
+class JobAttributes(NamedTuple):
     """What the cluster knows of one job, as the leader computed it in ``epoch``.
 
     ``level`` is its global network level (0 = highest priority; None: excluded or not
     ranked yet), ``progress_rate`` the slowest of its nodes' rates and ``slowest_node``
     that node; ``unhealthy_gpus`` are ``node/uuid`` pairs and ``xids`` ``node:code`` pairs
     over every node that runs it; ``links_down`` the nodes whose interfaces for it are
-    down; ``drops`` / ``tx_bytes`` its tag's counters summed over its nodes.
+    down; ``drops`` / ``tx_bytes`` its tag's counters summed over its nodes. (A NamedTuple:
+    the leader builds one per job per round, and tuples are the cheapest to build.)
     """
 
     job: str

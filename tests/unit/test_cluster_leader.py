@@ -141,3 +141,12 @@ def test_a_tag_nodes_already_use_is_kept_when_free() -> None:
     agg.receive(NodeReport("n1", (JobReport("a", dscp=21), JobReport("b", dscp=21))), 0)
     tags = agg.compute(1, 0).tags
     assert tags["a"] == 21 and tags["b"] != 21
+
+
+def test_more_jobs_than_codepoints_still_get_levels() -> None:
+    agg = make()
+    agg.receive(NodeReport("n1", tuple(JobReport(f"j{i:03}", 0.5) for i in range(100))), 0)
+    order = agg.compute(1, 0)
+    assert len(order.levels) == 100
+    assert len(order.tags) == len(set(order.tags.values())) == 100 - len(agg.untagged)
+    assert agg.untagged and all(order.attributes[j].dscp is None for j in agg.untagged)
