@@ -77,6 +77,7 @@ from netshaper.tcplan import (
     filter_from_key,
     format_handle,
     state_after,
+    u32_htid,
 )
 
 # --- rtnetlink constants (linux/rtnetlink.h, pkt_sched.h, pkt_cls.h) -------------------
@@ -125,7 +126,6 @@ TC_LINKLAYER_ETHERNET = 1
 TC_U32_TERMINAL = 1
 HTB_VERSION = 3
 HTB_R2Q = 10
-U32_ROOT_HTID = 0x80000000
 NLA_F_MASK = 0x3FFF
 
 _NLMSGHDR = struct.Struct("=IHHII")
@@ -139,6 +139,7 @@ _U32_KEY = struct.Struct(">IIii")
 _NLA = struct.Struct("=HH")
 _SEND_CHUNK = 64 * 1024
 _RCVBUF = 4 * 1024 * 1024
+_TIMEOUT_S = 10.0
 
 
 class TcError(Exception):
@@ -323,7 +324,8 @@ class _Encoder:
         sel = _U32_SEL.pack(TC_U32_TERMINAL, 0, 1, 0, 0, 0, 0, 0) + _U32_KEY.pack(mask, value, 0, 0)
         opts = _nla(TCA_U32_CLASSID, struct.pack("=I", f.flowid)) + _nla(TCA_U32_SEL, sel)
         info = (FILTER_PRIO << 16) | socket.htons(ETH_P_ALL)
-        body = _TCMSG.pack(0, ifindex, U32_ROOT_HTID | f.node, op.root, info)
+        # add: node only (the kernel puts it in the prio's root hash table); change: as read
+        body = _TCMSG.pack(0, ifindex, op.filter_handle or f.node, op.root, info)
         body += _kind("u32") + _nla(TCA_OPTIONS, opts)
         flags = NLM_F_CREATE | NLM_F_EXCL if op.kind is OpKind.ADD_FILTER else 0
         return RTM_NEWTFILTER, flags, body
@@ -429,6 +431,7 @@ class _Netlink:
             sock.setsockopt(SOL_NETLINK, NETLINK_EXT_ACK, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RCVBUF)
             sock.bind((0, 0))
+            sock.settimeout(_TIMEOUT_S)  # a lost answer fails the pass, never hangs the daemon
         except OSError:
             sock.close()
             raise
@@ -465,19 +468,10 @@ class _Netlink:
     def _send_and_collect(self, data: bytes, pending: set[int], acks: list[Ack]) -> None:
         self._sock.send(data)
         while pending:
-            buf = self._sock.recv(1 << 20)
-            for mtype, flags, seq, payload in _messages(buf):
-                if mtype != NLMSG_ERROR or seq not in pending:
-                    continue
-                (err,) = struct.unpack_from("=i", payload, 0)
-                detail = None
-                if flags & NLM_F_ACK_TLVS:
-                    # NETLINK_CAP_ACK: the echoed request is only its 16-byte header.
-                    tlvs = _attrs(payload, 4 + 16, len(payload))
-                    if NLMSGERR_ATTR_MSG in tlvs:
-                        detail = _cstr(tlvs[NLMSGERR_ATTR_MSG])
-                pending.discard(seq)
-                acks.append(Ack(seq, -err, detail))
+            for mtype, flags, seq, payload in _messages(self._sock.recv(1 << 20)):
+                if mtype == NLMSG_ERROR and seq in pending:
+                    pending.discard(seq)
+                    acks.append(_ack(seq, flags, payload))
 
     def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
         """A dump request; returns (message bodies, error ack or None)."""
@@ -486,21 +480,25 @@ class _Netlink:
         self._sock.send(hdr + body)
         out: list[memoryview] = []
         while True:
-            buf = self._sock.recv(1 << 20)
-            for rtype, flags, rseq, payload in _messages(buf):
+            for rtype, flags, rseq, payload in _messages(self._sock.recv(1 << 20)):
                 if rseq != seq:
-                    continue
-                if rtype == NLMSG_DONE:
-                    return out, None
-                if rtype == NLMSG_ERROR:
-                    (err,) = struct.unpack_from("=i", payload, 0)
-                    detail = None
-                    if flags & NLM_F_ACK_TLVS:
-                        tlvs = _attrs(payload, 4 + 16, len(payload))
-                        if NLMSGERR_ATTR_MSG in tlvs:
-                            detail = _cstr(tlvs[NLMSGERR_ATTR_MSG])
-                    return out, Ack(rseq, -err, detail)
+                    continue  # a late answer to an earlier request
+                if rtype in (NLMSG_DONE, NLMSG_ERROR):
+                    ack = _ack(rseq, flags, payload) if len(payload) >= 4 else None
+                    return out, ack if ack is not None and ack.errno else None
                 out.append(payload)
+
+
+def _ack(seq: int, flags: int, payload: memoryview) -> Ack:
+    """An NLMSG_ERROR (or NLMSG_DONE) payload: the error, and the extended-ack message."""
+    (err,) = struct.unpack_from("=i", payload, 0)
+    detail = None
+    if flags & NLM_F_ACK_TLVS:
+        # NETLINK_CAP_ACK: the echoed request is only its 16-byte header.
+        tlvs = _attrs(payload, 4 + 16, len(payload))
+        if NLMSGERR_ATTR_MSG in tlvs:
+            detail = _cstr(tlvs[NLMSGERR_ATTR_MSG])
+    return Ack(seq, -err, detail)
 
 
 def _messages(buf: bytes) -> Iterator[tuple[int, int, int, memoryview]]:
@@ -591,7 +589,10 @@ class TcNetlink:
         """The interface's index in this adapter's namespace; TcError if there is none."""
         idx = self._ifindex.get(iface)
         if idx is None:
-            self._ifindex = self._links()
+            try:
+                self._ifindex = self._links()
+            except OSError as err:
+                raise TcError(iface, f"cannot list interfaces: {err}", errno=err.errno) from err
             idx = self._ifindex.get(iface)
         if idx is None:
             raise TcError(iface, "no such network interface", errno=errno_mod.ENODEV)
@@ -599,7 +600,10 @@ class TcNetlink:
 
     def _dump_tc(self, iface: str, mtype: int, parent: int = 0) -> list[_TcMsg]:
         idx = self.ifindex(iface)
-        msgs, err = self._nl.dump(mtype, _TCMSG.pack(0, idx, 0, parent, 0))
+        try:
+            msgs, err = self._nl.dump(mtype, _TCMSG.pack(0, idx, 0, parent, 0))
+        except OSError as oserr:
+            raise TcError(iface, f"cannot read tc state: {oserr}", errno=oserr.errno) from oserr
         if err is not None:
             if err.errno == errno_mod.ENODEV:
                 self._ifindex.pop(iface, None)
@@ -676,7 +680,7 @@ class TcNetlink:
         if sel is None or classid is None:
             return None
         _flags, _offshift, nkeys, *_ = _U32_SEL.unpack_from(sel, 0)
-        if nkeys != 1 or f.handle >> 20 != U32_ROOT_HTID >> 20:
+        if nkeys != 1 or (f.handle >> 12) & 0xFF:
             return None
         mask, value, off, _offmask = _U32_KEY.unpack_from(sel, _U32_SEL.size)
         if off != 0:
@@ -732,7 +736,7 @@ class TcNetlink:
     def _apply(self, plan: TcPlan, *, reread: bool) -> SyncResult:
         results: dict[str, InterfaceResult] = {}
         batch: list[tuple[str, TcOp, tuple[int, int, bytes]]] = []
-        planned: dict[str, tuple[InterfacePlan, tuple[TcOp, ...]]] = {}
+        planned: dict[str, tuple[InterfacePlan, InterfaceState, tuple[TcOp, ...]]] = {}
         for want in plan.interfaces:
             iface = want.iface
             try:
@@ -745,17 +749,25 @@ class TcNetlink:
                 self._cache.pop(iface, None)
                 results[iface] = InterfaceResult(iface, error=err)
                 continue
-            planned[iface] = (want, ops)
+            planned[iface] = (want, state, ops)
             batch.extend((iface, op, self._enc.encode(idx, op)) for op in ops)
-        acks = self._nl.request([m for _, _, m in batch]) if batch else []
         failed: dict[str, TcError] = {}
+        try:
+            acks = self._nl.request([m for _, _, m in batch]) if batch else []
+        except OSError as err:  # the socket itself failed (timeout, ENOBUFS): all unknown
+            acks = []
+            for iface, _op, _msg in batch:
+                failed.setdefault(iface, TcError(iface, f"netlink request failed: {err}"))
         for (iface, op, _), ack in zip(batch, acks, strict=True):
             if ack.errno and iface not in failed:
                 failed[iface] = self._op_error(iface, op, ack)
-        for iface, (want, ops) in planned.items():
+        for iface, (want, state, ops) in planned.items():
             failure = failed.get(iface)
-            if failure is None:
-                self._cache[iface] = state_after(want)
+            htid = u32_htid(state, ops)
+            if failure is None and (htid is not None or not want.filters):
+                self._cache[iface] = state_after(want, htid or 0x800)
+            elif failure is None:
+                self._cache.pop(iface, None)  # filter handles unknown: read them next time
             else:
                 self._cache.pop(iface, None)
                 if failure.errno == errno_mod.ENODEV:

@@ -161,7 +161,7 @@ class HtbClass:
 class DscpFilter:
     """One u32 filter: packets of one family carrying ``dscp`` go to ``flowid``.
 
-    ``node`` is the u32 node id (the ``800::N`` part of the handle), derived from the DSCP
+    ``node`` is the u32 node id (the ``N`` of handle ``800::N``), derived from the DSCP
     and family, so the filter can be deleted by its exact handle.
     """
 
@@ -424,7 +424,7 @@ class TcOp:
     flt: DscpFilter | None = None
     root: int = 0
     default_classid: int = 0
-    filter_handle: int = 0  # DELETE_FILTER: the kernel's full handle (or node only)
+    filter_handle: int = 0  # DELETE/CHANGE_FILTER: the kernel's full handle (ADD: node only)
     filter_protocol: int = 0x0003  # ETH_P_ALL
     filter_prio: int = FILTER_PRIO
 
@@ -464,7 +464,6 @@ class TcOp:
                 str(c.prio),
             ]
         if self.kind is OpKind.DELETE_FILTER:
-            h = self.filter_handle
             return [
                 "filter",
                 "del",
@@ -476,7 +475,7 @@ class TcOp:
                 "prio",
                 str(self.filter_prio),
                 "handle",
-                f"{h >> 20:x}:{(h >> 12) & 0xFF:x}:{h & 0xFFF:x}",
+                _u32_handle(self.filter_handle),
                 "u32",
             ]
         assert self.flt is not None
@@ -492,7 +491,7 @@ class TcOp:
             "prio",
             str(FILTER_PRIO),
             "handle",
-            f"800::{self.flt.node:x}",
+            _u32_handle(self.filter_handle or self.flt.node),
             "u32",
             "match",
             "u32",
@@ -503,6 +502,13 @@ class TcOp:
             "flowid",
             format_handle(self.flt.flowid),
         ]
+
+
+def _u32_handle(h: int) -> str:
+    """tc's ``htid:hash:node`` notation; a node alone (``::35``) lets the kernel use the
+    root hash table of the filter's prio, whatever number it has (``800:``, ``801:``)."""
+    htid, bucket, node = h >> 20, (h >> 12) & 0xFF, h & 0xFFF
+    return f"{htid:x}:{bucket:x}:{node:x}" if htid else f"::{node:x}"
 
 
 def _burst_close(have: int, want: int) -> bool:
@@ -586,7 +592,9 @@ def diff(state: InterfaceState, want: InterfacePlan) -> tuple[TcOp, ...]:
         if found is None:
             ops.append(TcOp(OpKind.ADD_FILTER, iface, flt=f, root=want.root))
         elif found[1].flowid != f.flowid:
-            ops.append(TcOp(OpKind.CHANGE_FILTER, iface, flt=f, root=want.root))
+            ops.append(
+                TcOp(OpKind.CHANGE_FILTER, iface, flt=f, root=want.root, filter_handle=found[0])
+            )
     stray += [h for h, _ in have_filters.values()]
     ops += [
         TcOp(OpKind.DELETE_FILTER, iface, root=want.root, filter_handle=h) for h in sorted(stray)
@@ -609,13 +617,22 @@ def _depth(c: HtbClass, by_id: Mapping[int, HtbClass]) -> int:
     return d
 
 
-def state_after(want: InterfacePlan) -> InterfaceState:
+def u32_htid(state: InterfaceState, ops: Sequence[TcOp]) -> int | None:
+    """The hash table our filters live in once ``ops`` ran on ``state`` (``0x800`` after a
+    rebuild, else the one our filters already use), or None when it cannot be known
+    without reading the kernel (our first filters added next to someone else's)."""
+    if any(op.kind is OpKind.REPLACE_ROOT for op in ops):
+        return 0x800
+    if state.filters:
+        return state.filters[0][0] >> 20
+    return None
+
+
+def state_after(want: InterfacePlan, htid: int = 0x800) -> InterfaceState:
     """What the interface holds once every op of a sync succeeded (the adapter's cache)."""
     return InterfaceState(
         iface=want.iface,
         root=RootQdisc("htb", want.root, want.default_classid),
         classes=want.classes,
-        filters=tuple(
-            (0x80000000 | f.node, f) for f in want.filters
-        ),  # 800::N; the adapter re-reads real handles on drift
+        filters=tuple(((htid << 20) | f.node, f) for f in want.filters),
     )

@@ -27,6 +27,10 @@ pytestmark = pytest.mark.integration
 GBIT = 10**9
 SHARES = [0.05] * 4
 TAGS = {"alpha": 26, "beta": 34, "gamma": 10}
+FOREIGN_U32 = (
+    *("filter", "add", "dev", "a0", "parent", "6764:", "protocol", "ip", "prio", "9"),
+    *("u32", "match", "u32", "0", "0", "flowid", "6764:2"),
+)
 
 
 def _run(*args: str, check: bool = True) -> str:
@@ -231,9 +235,7 @@ def test_drift_restores_a_deleted_root_and_tampered_parts(net: Net, adapter: TcN
         "class", "change", "dev", "a0", "classid", "6764:11", "htb", "rate", "3mbit", "prio", "1"
     )
     net.tc("filter", "del", "dev", "a0", "parent", "6764:", "prio", "1", "handle", "800::36", "u32")
-    net.tc("filter", "add", "dev", "a0", "parent", "6764:", "protocol", "ip", "prio", "9", "u32")
-    net.tc("filter", "add", "dev", "a0", "parent", "6764:", "protocol", "ip", "prio", "9")
-    net.tc("filter", "add", "dev", "a0", "parent", "6764:", "protocol", "ip", "prio", "9", "u32")
+    net.tc(*FOREIGN_U32)
     result = adapter.drift(want)
     assert result.ok, result.errors
     restored = result.restored["a0"]
@@ -299,3 +301,22 @@ def test_rates_above_32_bits_of_bytes_per_second(net: Net, adapter: TcNetlink) -
     assert re.search(r"class htb 6764:1 root rate 400Gbit ceil 400Gbit", shown), shown
     assert re.search(r"class htb 6764:10 parent 6764:1 rate 20Gbit ceil 400Gbit", shown), shown
     assert adapter.drift(want).op_count == 0  # read back as planned
+
+
+def test_filters_work_in_whatever_hash_table_the_kernel_gives_them(
+    net: Net, adapter: TcNetlink
+) -> None:
+    assert adapter.sync(plan({})).ok  # the tree, no job yet
+    # someone's u32 filter comes first: it takes hash table 800, so ours will be 801
+    net.tc(*FOREIGN_U32)
+    first = adapter.sync(plan({"alpha": 0}))  # the adapter has not seen it yet
+    assert first.ok, first.errors
+    assert set(net.filters("a0")) == {"800::800", "801::35", "801::36"}
+    # the next pass reads the handles back, removes the stranger, re-points 801::35/36
+    moved = adapter.sync(plan({"alpha": 2}))
+    assert moved.ok and moved.op_count == 5, moved.interfaces["a0"].ops
+    assert net.filters("a0") == {
+        "801::35": ("6764:121a", "40680000/f0fc0000"),
+        "801::36": ("6764:121a", "66800000/ffc00000"),
+    }
+    assert adapter.drift(plan({"alpha": 2})).op_count == 0

@@ -87,7 +87,7 @@ def test_tc_args_read_as_tc_commands() -> None:
         "1000000000bit burst 131072b cburst 131072b quantum 60000 prio 1"
     ) in text
     assert text[-2] == (
-        "filter add dev eth0 parent 6764:0 protocol all prio 1 handle 800::35 u32 match u32 "
+        "filter add dev eth0 parent 6764:0 protocol all prio 1 handle ::35 u32 match u32 "
         "0x40680000 0xf0fc0000 at 0 flowid 6764:111a"
     )
 
