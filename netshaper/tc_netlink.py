@@ -18,20 +18,26 @@ API (one instance per daemon, not thread-safe; call it from the daemon's traffic
     tc.restore("eth0", found["eth0"].original)   # shutdown mode "restore"
     tc.close()
 
-What the kernel shows after ``sync`` on ``eth0`` (``tc -s class show dev eth0``)::
+What the kernel shows after ``sync`` on ``eth0`` (``tc -s class show dev eth0``; tc prints
+``prio`` for leaf classes only; the classes come in hash order)::
 
-    class htb 6764:1 root rate 10Gbit ceil 10Gbit burst 1250Kb cburst 1250Kb
-    class htb 6764:2 parent 6764:1 prio 7 rate 200Mbit ceil 10Gbit ...      (untagged)
-    class htb 6764:10 parent 6764:1 prio 0 rate 200Mbit ceil 10Gbit ...     (level 0)
-    class htb 6764:101a parent 6764:10 prio 0 rate 10Mbit ceil 10Gbit ...
-     Sent 123456 bytes 89 pkt (dropped 0, overlimits 0 requeues 0)         (DSCP 26's job)
+    class htb 6764:1 root rate 10Gbit ceil 10Gbit burst 1250000b cburst 1250000b
+    class htb 6764:2 parent 6764:1 prio 7 rate 200Mbit ceil 10Gbit ...   (untagged traffic)
+    class htb 6764:10 parent 6764:1 rate 200Mbit ceil 10Gbit ...         (level 0, has jobs)
+    class htb 6764:11 parent 6764:1 prio 1 rate 200Mbit ceil 10Gbit ...  (level 1, empty)
+    class htb 6764:101a parent 6764:10 prio 0 rate 10Mbit ceil 10Gbit ... (DSCP 26's job)
+     Sent 58792532 bytes 38834 pkt (dropped 0, overlimits 6 requeues 0)
+     backlog 0b 0p requeues 0
+     lended: 8 borrowed: 1045 giants: 0
 
-and ``tc filter show dev eth0``::
+and ``tc filter show dev eth0`` (the ``*`` is tc's, for every u32 filter with a flowid)::
 
+    filter parent 6764: protocol all pref 1 u32 chain 0 fh 800: ht divisor 1
     filter parent 6764: protocol all pref 1 u32 chain 0 fh 800::35 order 53 key ht 800
-      bkt 0 flowid 6764:101a not_in_hw
+      bkt 0 *flowid 6764:101a not_in_hw
       match 40680000/f0fc0000 at 0                     (IPv4, DSCP 26)
-    filter parent 6764: protocol all pref 1 u32 chain 0 fh 800::36 ... flowid 6764:101a
+    filter parent 6764: protocol all pref 1 u32 chain 0 fh 800::36 order 54 key ht 800
+      bkt 0 *flowid 6764:101a not_in_hw
       match 66800000/ffc00000 at 0                     (IPv6, DSCP 26)
 
 Behaviour:
