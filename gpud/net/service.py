@@ -151,6 +151,7 @@ class TrafficService:
         cgroups: JobCgroups | None = None,
         rdma: RdmaPort | None = None,
         marking_error: str = "",
+        rdma_error: str = "",
         sysfs_root: Path = Path("/sys"),
         proc_root: Path = Path("/proc"),
         clock: Callable[[], float] = time.time,
@@ -190,7 +191,7 @@ class TrafficService:
         self._counters: dict[tuple[str, str], _Counter] = {}  # (iface, job)
         self._marking_error = marking_error
         self._marking_ok = False
-        self._rdma_error = ""
+        self._rdma_error = rdma_error
         self._rdma_map: dict[int, int] = {}
         self._known_jobs: set[str] = set()
         self.accepted_reports = 0

@@ -40,6 +40,7 @@ def open_traffic(
     marker: MarkPort | None = None
     cgroups: JobCgroups | None = None
     rdma: RdmaPort | None = None
+    rdma_error = ""
     marking_error = ""
     if t.enabled:
         from netshaper.tc_netlink import TcNetlink
@@ -62,7 +63,7 @@ def open_traffic(
                 marker = NftablesMarker(runner=subprocess_runner(nft))
         else:
             marking_error = "off (traffic.marking = false)"
-        rdma = open_rdma(config)
+        rdma, rdma_error = open_rdma(config)
     if marking_error and t.enabled and t.marking:
         log.warning("traffic marking by cgroup unavailable: %s", marking_error)
 
@@ -83,15 +84,29 @@ def open_traffic(
         cgroups=cgroups,
         rdma=rdma,
         marking_error=marking_error,
+        rdma_error=rdma_error,
     )
 
 
-def open_rdma(config: Config) -> RdmaPort | None:
-    """The NIC DSCP -> priority backend ``traffic.rdma_backend`` names (None: none)."""
-    if config.traffic.rdma_backend == "none":
-        return None
-    log.warning(
-        "traffic.rdma_backend = %r: no DSCP -> priority backend is wired yet",
-        config.traffic.rdma_backend,
-    )
-    return None
+def open_rdma(config: Config, *, sysfs_root: str = "/sys") -> tuple[RdmaPort | None, str]:
+    """The NIC DSCP -> priority map ``traffic.rdma_backend`` names, on
+    ``traffic.rdma_interfaces`` or, when that is empty, on every netdev behind a RoCE v2
+    GID (pyverbs discovery, or ``/sys/class/infiniband``). Returns the port (None: no map
+    to keep) and, when one was asked for but cannot be kept, why."""
+    t = config.traffic
+    if t.rdma_backend == "none":
+        return None, ""
+    from netshaper.dcb import DcbAppBackend, DryRunBackend, NicMap
+    from netshaper.rdma import roce_v2_targets
+    from netshaper.rdma_verbs import open_discovery
+
+    netdevs = list(t.rdma_interfaces)
+    if not netdevs:
+        netdevs = [x.netdev for x in roce_v2_targets(open_discovery(sysfs_root).devices())]
+    if not netdevs:
+        why = "no RoCE v2 netdev found: set traffic.rdma_interfaces"
+        log.warning("traffic.rdma_backend = %r: %s", t.rdma_backend, why)
+        return None, why
+    backend = DcbAppBackend() if t.rdma_backend == "dcb" else DryRunBackend()
+    log.info("RDMA DSCP -> priority map (%s) on %s", t.rdma_backend, ", ".join(netdevs))
+    return NicMap(backend, netdevs), ""

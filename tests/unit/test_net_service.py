@@ -302,3 +302,59 @@ def test_find_cgroup2(tmp_path: Path) -> None:
     assert find_cgroup2(info) == Path("/sys/fs/cgroup/unified")
     info.write_text("25 18 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n")
     assert find_cgroup2(info) is None
+
+
+def test_rdma_map_follows_levels(tmp_path: Path, sysfs: Path) -> None:
+    from netshaper.dcb import DryRunBackend, NicMap
+
+    lines: list[str] = []
+    rig = Rig(tmp_path, sysfs)
+    service = TrafficService(
+        rig.config,
+        tags=TagStore(rig.store, pool=job_pool(rig.config)),
+        events=rig.events,
+        jobs=lambda: ["a", "b"],
+        active=lambda: {"a", "b"},
+        tc=rig.tc,
+        rdma=NicMap(DryRunBackend(lines.append), ["eth2", "eth3"]),
+        sysfs_root=sysfs,
+        clock=rig.clock,
+    )
+    service.tick()
+    tags = service.tags.allocations()
+    levels = {j.job: j.level for j in service.local_report().jobs}
+    assert levels == {"a": 0, "b": 1}
+    assert lines == [
+        f"dcb app replace dev {dev} dscp-prio "
+        + " ".join(f"{d}:{p}" for d, p in sorted({tags["a"]: 7, tags["b"]: 6}.items()))
+        for dev in ("eth2", "eth3")
+    ]
+    lines.clear()
+    service.tick()
+    assert lines == []  # nothing changed, nothing written
+    service.pin("b", 0)
+    service.pin("a", 3)
+    service.tick()
+    assert lines == [
+        f"dcb app replace dev {dev} dscp-prio "
+        + " ".join(f"{d}:{p}" for d, p in sorted({tags["a"]: 4, tags["b"]: 7}.items()))
+        for dev in ("eth2", "eth3")
+    ]
+    assert "net.rdma" in rig.kinds()
+
+
+def test_open_rdma_discovers_roce_netdevs() -> None:
+    from gpud.config import Config
+    from gpud.net.wiring import open_rdma
+
+    root = Path(__file__).resolve().parents[1] / "data" / "sysfs-rdma"
+    port, why = open_rdma(
+        Config(traffic=TrafficConfig(rdma_backend="dry-run")), sysfs_root=str(root)
+    )
+    assert port is not None and why == ""
+    assert port.netdevs  # type: ignore[attr-defined]
+    none, why = open_rdma(
+        Config(traffic=TrafficConfig(rdma_backend="dcb")), sysfs_root=str(root / "nothing")
+    )
+    assert none is None and "traffic.rdma_interfaces" in why
+    assert open_rdma(Config()) == (None, "")
