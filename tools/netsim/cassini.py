@@ -17,7 +17,8 @@ shift. This is the same idea on the simulator's jobs:
   job's contention-free rate; shifts are chosen greedily (heaviest communicator first,
   then one pass of re-placing each job) to minimize the demand above capacity summed over
   links and bins (normalized by capacity);
-* the plan is kept only if it cuts that overflow by at least 10% against no shifts.
+* the plan is kept only if it leaves at most 10% of the overflow that no shifts leave: the
+  jobs must fit taking turns. Pacing jobs that cannot fit would only add waits.
 
 The simulator enforces a plan through :attr:`tools.netsim.engine.Decision.pace`.
 """
@@ -32,7 +33,7 @@ from tools.netsim.engine import JobInfo
 BINS = 240
 MAX_CANDIDATES = 60
 MAX_STRETCH = 1.1
-MIN_GAIN = 0.9
+MAX_LEFT = 0.1
 
 
 def components(infos: Mapping[str, JobInfo]) -> list[list[str]]:
@@ -152,7 +153,7 @@ def plan_shifts(
                         best_s, best_d = s, d
                 shift[j] = best_s
                 circle.add(_arcs(infos[j], best_s, reps[j], perimeter), rates[j])
-        if circle.overflow() > MIN_GAIN * before:
+        if circle.overflow() > MAX_LEFT * before:
             continue
         for j in group:
             pace[j] = (now + shift[j] / BINS * perimeter, perimeter / reps[j])

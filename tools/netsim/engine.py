@@ -32,6 +32,9 @@ _DONE_FRACTION = 1e-9
 
 _START, _COMM, _COMPUTE, _STOP, _TICK, _BEGIN = range(6)
 
+# A paced job up to this fraction of its period late starts at once (see Decision.pace).
+PACE_SLACK = 0.05
+
 
 @dataclass(frozen=True)
 class JobInfo:
@@ -59,10 +62,9 @@ class Decision:
     pace: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     """Optional pacing (CASSINI's time shifts): job -> (first slot, period).
 
-    A paced job starts an iteration only on its grid ``first + m * period``: after a new
-    pace, it waits for the first slot not before the end of its current iteration; from
-    then on it waits only when early, and a job more than a period late is moved to the
-    slot just behind it (it keeps its phase, it does not idle). Jobs absent are unpaced.
+    A paced job starts an iteration only on its grid ``first + m * period``: at once if a
+    slot passed less than ``PACE_SLACK`` of a period ago, otherwise at the next slot (so
+    a job knocked off its phase waits once and is back on it). Jobs absent are unpaced.
     """
 
 
@@ -127,7 +129,6 @@ class _Job:
     comm_started: bool = False
     comm_started_at: float = 0.0
     pace: tuple[float, float] | None = None
-    pace_slot: int | None = None  # grid index of the current iteration; None: fresh pace
     flows: list[_Flow] = field(default_factory=list)
     completions: list[float] = field(default_factory=list)
     end_s: float | None = None
@@ -418,13 +419,7 @@ class Simulation:
             return
         first, period = job.pace
         now = self._now
-        if job.pace_slot is None:
-            m = max(0, math.ceil((now - first) / period - 1e-9))
-        else:
-            m = job.pace_slot + 1
-            if now > first + (m + 1) * period:
-                m = math.floor((now - first) / period)
-        job.pace_slot = m
+        m = max(0, math.ceil((now - first) / period - PACE_SLACK))
         slot = first + m * period
         if slot > now + 1e-9:
             job.comm_started = False
@@ -459,9 +454,7 @@ class Simulation:
         self._levels = new_levels
         for job in self._jobs:
             pace = decision.pace.get(job.info.spec.id)
-            if pace != job.pace:
-                job.pace = pace
-                job.pace_slot = None
+            job.pace = pace
         if decision.shares != self._shares:
             self._shares = decision.shares
             self._dirty = True
