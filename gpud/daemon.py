@@ -194,7 +194,11 @@ class Daemon:
         self.cluster = ClusterRuntime(
             config.cluster,
             traffic=self.traffic,
-            view=DaemonNodeView(self.jobs.reservations.held, self.sampler.latest),
+            view=DaemonNodeView(
+                self.jobs.reservations.held,
+                self.sampler.latest,
+                interfaces=config.traffic.interfaces if config.traffic.enabled else (),
+            ),
             leveller=leveller_config(config.traffic),
             reserved_tags=set(range(64)) - set(self.traffic.tags.pool),
             tick_s=config.daemon.tick_s,

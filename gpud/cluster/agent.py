@@ -118,6 +118,7 @@ class ClusterAgent:
         gpus = self._view.job_gpus()
         unhealthy = self._view.unhealthy_gpus()
         xids = self._view.last_xids()
+        link_up = self._view.links_up()
         jobs: dict[str, JobReport] = {}
         for jt in traffic.jobs:
             held = gpus.get(jt.job, ())
@@ -129,6 +130,7 @@ class ClusterAgent:
                 gpus=held,
                 unhealthy_gpus=tuple(u for u in held if u in unhealthy),
                 xids=tuple(xids[u] for u in held if u in xids),
+                link_up=link_up,
                 tx_bytes=jt.counters.bytes,
                 drops=jt.counters.drops,
             )

@@ -2,12 +2,15 @@
 
 Reads the job registry's reservations (which GPU / MIG UUIDs each job holds) and the
 sampler's latest snapshot (GPUs found lost or hung, last XID per GPU). A MIG device is
-unhealthy when its GPU is.
+unhealthy when its GPU is. Link state is the kernel's ``operstate`` of the interfaces the
+traffic service enforces (``cat /sys/class/net/IF/operstate``): a job's traffic leaves
+through them, so one that is down is down for every job on the node.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 
 from gpud.jobs.placement import Reservation
 from gpud.telemetry.snapshot import Snapshot
@@ -18,9 +21,28 @@ class DaemonNodeView:
         self,
         reservations: Callable[[], Iterable[Reservation]],
         snapshot: Callable[[], Snapshot | None],
+        *,
+        interfaces: Iterable[str] = (),
+        sysfs_root: Path = Path("/sys"),
     ) -> None:
         self._reservations = reservations
         self._snapshot = snapshot
+        self._interfaces = tuple(interfaces)
+        self._sysfs = sysfs_root
+
+    def links_up(self) -> bool | None:
+        """False if an enforced interface is not up, None without any (or unreadable)."""
+        if not self._interfaces:
+            return None
+        for name in self._interfaces:
+            try:
+                state = (self._sysfs / "class" / "net" / name / "operstate").read_text().strip()
+            except OSError:
+                return False  # gone
+            # "unknown": drivers (veth peers in some kernels, tun) that do not report it
+            if state not in ("up", "unknown"):
+                return False
+        return True
 
     def job_gpus(self) -> Mapping[str, tuple[str, ...]]:
         held: dict[str, list[str]] = {}

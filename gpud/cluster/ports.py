@@ -31,6 +31,10 @@ class NodeView(Protocol):
         """UUID -> the last XID code seen on it (GPUs without XIDs are absent)."""
         ...
 
+    def links_up(self) -> bool | None:
+        """Whether the node's enforced interfaces are up (None: none, or not known)."""
+        ...
+
 
 class TagStore(Protocol):
     def load(self) -> dict[str, int]:
@@ -49,6 +53,7 @@ class StaticNodeView:
     gpus: dict[str, tuple[str, ...]] = field(default_factory=dict)
     unhealthy: dict[str, str] = field(default_factory=dict)
     xids: dict[str, int] = field(default_factory=dict)
+    links: bool | None = None
 
     def job_gpus(self) -> Mapping[str, tuple[str, ...]]:
         return self.gpus
@@ -58,6 +63,9 @@ class StaticNodeView:
 
     def last_xids(self) -> Mapping[str, int]:
         return self.xids
+
+    def links_up(self) -> bool | None:
+        return self.links
 
 
 @dataclass
