@@ -16,6 +16,7 @@ Peers' reports arrive through :meth:`receive` (the peer servicer) between ticks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -40,6 +41,10 @@ class PeerTransport(Protocol):
     async def report(self, address: str, leader: str, report: NodeReport) -> Order | None:
         """Send ``report`` to the leader at ``address``; its order (None: none yet).
         Raises :class:`~gpud.errors.Unavailable` when it cannot be reached."""
+        ...
+
+    async def nodes(self, address: str, leader: str) -> list[NodeSeen]:
+        """The nodes the leader has heard from."""
         ...
 
 
@@ -205,6 +210,27 @@ class ClusterAgent:
                 raise FailedPrecondition(f"{self.node} does not lead{leader}")
             agg.receive(report, self._clock())
             return agg.answer(report.node)
+
+    def seen_nodes(self) -> list[NodeSeen]:
+        """Nodes heard from (peer servicer; the leader only)."""
+        info = self.election.state()
+        with self._lock:
+            agg = self._aggregator
+            if not info.leading or agg is None:
+                raise FailedPrecondition(f"{self.node} does not lead")
+            return agg.nodes(self._clock())
+
+    async def status_with_nodes(self) -> ClusterStatus:
+        """:meth:`status`; on a follower, with the node list asked of the leader."""
+        status = self.status()
+        info = status.info
+        if info.leading or not (info.leader and info.address and self._peers):
+            return status
+        try:
+            nodes = await self._peers.nodes(info.address, info.leader)
+        except GpudError:
+            return status  # the leader is unreachable: the mode and detail say so
+        return dataclasses.replace(status, nodes=tuple(nodes))
 
     def read_order(self, node: str, jobs: Iterable[str]) -> Order | None:
         info = self.election.state()

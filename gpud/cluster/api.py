@@ -27,6 +27,7 @@ from gpud.cluster.convert import (
     report_from_pb,
     report_to_pb,
 )
+from gpud.cluster.leader import NodeSeen
 from gpud.cluster.model import NodeReport, Order
 from gpud.cluster.tls import PeerTls
 from gpud.errors import GpudError, InvalidArgument, Unavailable
@@ -59,6 +60,11 @@ class ClusterPeerServicer(pb_grpc.ClusterPeerServicer):
             return pb.ReportResponse()
         return pb.ReportResponse(order=order_to_pb(order))
 
+    async def GetNodes(  # noqa: N802 (gRPC method names come from the proto)
+        self, request: pb.GetNodesRequest, context: Any
+    ) -> pb.GetNodesResponse:
+        return pb.GetNodesResponse(nodes=[_node_to_pb(n) for n in self._agent.seen_nodes()])
+
     async def GetOrder(  # noqa: N802 (gRPC method names come from the proto)
         self, request: pb.GetOrderRequest, context: Any
     ) -> pb.GetOrderResponse:
@@ -66,6 +72,16 @@ class ClusterPeerServicer(pb_grpc.ClusterPeerServicer):
         if order is None:
             return pb.GetOrderResponse()
         return pb.GetOrderResponse(order=order_to_pb(order))
+
+
+def _node_to_pb(n: NodeSeen) -> pb.ClusterNode:
+    return pb.ClusterNode(
+        node=n.node, report_age_seconds=n.age_s, jobs=n.jobs, applied_epoch=n.applied_epoch
+    )
+
+
+def _node_from_pb(m: pb.ClusterNode) -> NodeSeen:
+    return NodeSeen(m.node, m.report_age_seconds, m.jobs, m.applied_epoch)
 
 
 def status_to_pb(s: ClusterStatus) -> pb.GetClusterStatusResponse:
@@ -83,12 +99,7 @@ def status_to_pb(s: ClusterStatus) -> pb.GetClusterStatusResponse:
         applied_seq=s.applied_seq,
         grace_seconds=s.grace_s,
         rejected_orders=s.rejected_orders,
-        nodes=[
-            pb.ClusterNode(
-                node=n.node, report_age_seconds=n.age_s, jobs=n.jobs, applied_epoch=n.applied_epoch
-            )
-            for n in s.nodes
-        ],
+        nodes=[_node_to_pb(n) for n in s.nodes],
     )
     if s.last_order_age_s is not None:
         msg.last_order_age_seconds = s.last_order_age_s
@@ -113,7 +124,7 @@ class ClusterServicer(pb_grpc.ClusterServicer):
     async def GetClusterStatus(  # noqa: N802 (gRPC method names come from the proto)
         self, request: pb.GetClusterStatusRequest, context: Any
     ) -> pb.GetClusterStatusResponse:
-        return status_to_pb(self._agent.status())
+        return status_to_pb(await self._agent.status_with_nodes())
 
     async def GetAttributes(  # noqa: N802 (gRPC method names come from the proto)
         self, request: pb.GetAttributesRequest, context: Any
@@ -206,6 +217,17 @@ class PeerClient:
                 f"leader {leader} at {address}: {err.code().name} {err.details() or ''}".rstrip()
             ) from err
         return order_from_pb(response.order) if response.HasField("order") else None
+
+    async def nodes(self, address: str, leader: str) -> list[NodeSeen]:
+        try:
+            response = await self._stub(address, leader).GetNodes(
+                pb.GetNodesRequest(), timeout=self._timeout_s
+            )
+        except grpc.aio.AioRpcError as err:
+            raise Unavailable(
+                f"leader {leader} at {address}: {err.code().name} {err.details() or ''}".rstrip()
+            ) from err
+        return [_node_from_pb(n) for n in response.nodes]
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

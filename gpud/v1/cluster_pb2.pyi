@@ -356,6 +356,41 @@ class GetOrderResponse(_message.Message):
 Global___GetOrderResponse: _TypeAlias = GetOrderResponse  # noqa: Y015
 
 @_typing.final
+class GetNodesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetNodesRequest: _TypeAlias = GetNodesRequest  # noqa: Y015
+
+@_typing.final
+class GetNodesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterNode]: ...
+    def __init__(
+        self,
+        *,
+        nodes: _abc.Iterable[Global___ClusterNode] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nodes", b"nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetNodesResponse: _TypeAlias = GetNodesResponse  # noqa: Y015
+
+@_typing.final
 class GetClusterStatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -485,7 +520,7 @@ class GetClusterStatusResponse(_message.Message):
     rejected_orders: _builtins.int
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterNode]:
-        """on the leader: every node heard from"""
+        """every node the leader heard from (asked of the leader)"""
 
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterJob]:

@@ -44,6 +44,11 @@ class ClusterPeerStub:
                 request_serializer=gpud_dot_v1_dot_cluster__pb2.GetOrderRequest.SerializeToString,
                 response_deserializer=gpud_dot_v1_dot_cluster__pb2.GetOrderResponse.FromString,
                 _registered_method=True)
+        self.GetNodes = channel.unary_unary(
+                '/gpud.v1.ClusterPeer/GetNodes',
+                request_serializer=gpud_dot_v1_dot_cluster__pb2.GetNodesRequest.SerializeToString,
+                response_deserializer=gpud_dot_v1_dot_cluster__pb2.GetNodesResponse.FromString,
+                _registered_method=True)
 
 
 class ClusterPeerServicer:
@@ -64,6 +69,13 @@ class ClusterPeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetNodes(self, request, context):
+        """The nodes the leader has heard from (`gpuctl cluster status` on any node).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterPeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +88,11 @@ def add_ClusterPeerServicer_to_server(servicer, server):
                     servicer.GetOrder,
                     request_deserializer=gpud_dot_v1_dot_cluster__pb2.GetOrderRequest.FromString,
                     response_serializer=gpud_dot_v1_dot_cluster__pb2.GetOrderResponse.SerializeToString,
+            ),
+            'GetNodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetNodes,
+                    request_deserializer=gpud_dot_v1_dot_cluster__pb2.GetNodesRequest.FromString,
+                    response_serializer=gpud_dot_v1_dot_cluster__pb2.GetNodesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +149,33 @@ class ClusterPeer:
             '/gpud.v1.ClusterPeer/GetOrder',
             gpud_dot_v1_dot_cluster__pb2.GetOrderRequest.SerializeToString,
             gpud_dot_v1_dot_cluster__pb2.GetOrderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetNodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpud.v1.ClusterPeer/GetNodes',
+            gpud_dot_v1_dot_cluster__pb2.GetNodesRequest.SerializeToString,
+            gpud_dot_v1_dot_cluster__pb2.GetNodesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,8 @@ class ClusterPeerStub:
     """
     GetOrder: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.GetOrderRequest, _cluster_pb2.GetOrderResponse]
     """The leader's latest order for the named jobs, without reporting."""
+    GetNodes: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.GetNodesRequest, _cluster_pb2.GetNodesResponse]
+    """The nodes the leader has heard from (`gpuctl cluster status` on any node)."""
 
 @_typing.type_check_only
 class ClusterPeerAsyncStub(ClusterPeerStub):
@@ -53,6 +55,8 @@ class ClusterPeerAsyncStub(ClusterPeerStub):
     """
     GetOrder: _aio.UnaryUnaryMultiCallable[_cluster_pb2.GetOrderRequest, _cluster_pb2.GetOrderResponse]  # type: ignore[assignment]
     """The leader's latest order for the named jobs, without reporting."""
+    GetNodes: _aio.UnaryUnaryMultiCallable[_cluster_pb2.GetNodesRequest, _cluster_pb2.GetNodesResponse]  # type: ignore[assignment]
+    """The nodes the leader has heard from (`gpuctl cluster status` on any node)."""
 
 class ClusterPeerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -72,6 +76,14 @@ class ClusterPeerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_cluster_pb2.GetOrderResponse, _abc.Awaitable[_cluster_pb2.GetOrderResponse]]:
         """The leader's latest order for the named jobs, without reporting."""
+
+    @_abc_1.abstractmethod
+    def GetNodes(
+        self,
+        request: _cluster_pb2.GetNodesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cluster_pb2.GetNodesResponse, _abc.Awaitable[_cluster_pb2.GetNodesResponse]]:
+        """The nodes the leader has heard from (`gpuctl cluster status` on any node)."""
 
 def add_ClusterPeerServicer_to_server(servicer: ClusterPeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -56,6 +56,10 @@ def test_one_leader_then_failover_keeps_the_last_order_during_the_gap(cluster: C
     kept = {n.name: levels(n.status()) for n in cluster.nodes}
     assert len({str(v) for v in kept.values()}) == 1  # the same order on every node
     assert all(n.status()["leader"] == leader.name for n in cluster.nodes)
+    # every node shows every node's last report, asked of the leader
+    assert all(
+        sorted(m["node"] for m in n.status()["nodes"]) == ["n0", "n1", "n2"] for n in cluster.nodes
+    )
 
     os.kill(leader.daemon.proc.pid, signal.SIGKILL)
     leader.daemon.proc.wait()

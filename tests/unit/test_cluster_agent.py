@@ -9,6 +9,7 @@ import pytest
 from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.election import LeaderInfo
 from gpud.cluster.fencing import Mode
+from gpud.cluster.leader import NodeSeen
 from gpud.cluster.model import NodeReport, Order
 from gpud.cluster.ports import MemoryTagStore, StaticNodeView
 from gpud.errors import FailedPrecondition, Unavailable
@@ -51,6 +52,11 @@ class LoopbackPeers:
         if self.leader is None:
             raise Unavailable(f"leader {leader} at {address}: UNAVAILABLE")
         return self.leader.receive(report)
+
+    async def nodes(self, address: str, leader: str) -> list[NodeSeen]:
+        if self.leader is None:
+            raise Unavailable(f"leader {leader} at {address}: UNAVAILABLE")
+        return self.leader.seen_nodes()
 
 
 def job(name: str, rate: float | None) -> JobTraffic:
@@ -123,6 +129,7 @@ async def test_one_order_everywhere_with_a_jobs_slowest_node() -> None:
     assert t0.order is not None and t0.order["a"] < t0.order["b"]
     status = leader.status()
     assert [n.node for n in status.nodes] == ["n0", "n1"]
+    assert [n.node for n in (await follower.status_with_nodes()).nodes] == ["n0", "n1"]
     assert {j.job for j in status.jobs} == {"a", "b"}
 
 
