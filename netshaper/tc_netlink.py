@@ -181,15 +181,25 @@ class TcError(Exception):
 class InterfaceResult:
     """What one sync or drift pass did on one interface.
 
-    ``ops``: the operations sent, as ``tc`` arguments; ``restored``: for drift, what had
-    been changed or removed behind our back and was put back (empty for a plain sync);
-    ``error``: the first failure (the interface is then re-read on the next pass).
+    ``tc_ops``: the operations sent; ``ops``: the same as ``tc`` command lines (formatted
+    when asked for: a busy tick does not pay for strings nobody reads); ``restored``: for
+    drift, what had been changed or removed behind our back and was put back, one line
+    each (empty for a plain sync); ``error``: the first failure (the interface is then
+    re-read on the next pass).
     """
 
     iface: str
-    ops: tuple[str, ...] = ()
-    restored: tuple[str, ...] = ()
+    tc_ops: tuple[TcOp, ...] = ()
+    drift: bool = False
     error: TcError | None = None
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return tuple(" ".join(op.tc_args()) for op in self.tc_ops)
+
+    @property
+    def restored(self) -> tuple[str, ...]:
+        return tuple(_describe(op) for op in self.tc_ops) if self.drift else ()
 
 
 @dataclass(frozen=True)
@@ -206,7 +216,7 @@ class SyncResult:
 
     @property
     def op_count(self) -> int:
-        return sum(len(r.ops) for r in self.interfaces.values())
+        return sum(len(r.tc_ops) for r in self.interfaces.values())
 
     @property
     def restored(self) -> dict[str, tuple[str, ...]]:
@@ -778,12 +788,7 @@ class TcNetlink:
                 self._cache.pop(iface, None)
                 if failure.errno == errno_mod.ENODEV:
                     self._ifindex.pop(iface, None)
-            results[iface] = InterfaceResult(
-                iface,
-                ops=tuple(" ".join(op.tc_args()) for op in ops),
-                restored=tuple(_describe(op) for op in ops) if reread else (),
-                error=failure,
-            )
+            results[iface] = InterfaceResult(iface, ops, drift=reread, error=failure)
         return SyncResult(results)
 
     @staticmethod

@@ -22,7 +22,10 @@ minimums (ms) and the medians of per-repetition ratios to ``tc_batch``.
 
 Target: ours <= 2.5 x tc -batch.
 
-    sudo .venv/bin/python -m tools.bench_reprio [--reps N] [--jobs 63] [--json]
+    sudo .venv/bin/python -m tools.bench_reprio [--reps N] [--jobs 63] [--ifaces 1] [--json]
+
+``--ifaces N`` puts every job on N interfaces (a node with N NICs): N times the operations,
+still one netlink batch for gpud and one ``tc -batch`` file.
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ from netshaper.tc_netlink import TcNetlink
 
 LEVELS = 8
 LINK_BPS = 10_000_000_000
-IFACE = "gpb0"
 
 
 def _sh(*args: str) -> None:
@@ -58,19 +60,23 @@ def _tags(n: int) -> dict[str, int]:
     return {f"job-{i:02d}": pool[i] for i in range(n)}
 
 
-def _plan(tags: dict[str, int], shift: int) -> tcplan.TcPlan:
+def _ifaces(n: int) -> list[str]:
+    return [f"gpb{i}" for i in range(n)]
+
+
+def _plan(tags: dict[str, int], shift: int, ifaces: list[str]) -> tcplan.TcPlan:
     levels = {job: (i + shift) % LEVELS for i, job in enumerate(sorted(tags))}
-    return tcplan.plan({IFACE: LINK_BPS}, tags, levels, [0.02] * LEVELS)
+    return tcplan.plan(dict.fromkeys(ifaces, LINK_BPS), tags, levels, [0.02] * LEVELS)
 
 
 def _check(tc: TcNetlink, want: tcplan.TcPlan) -> None:
-    state = tc.read(IFACE)
-    ops = tcplan.diff(state, want.interface(IFACE))
-    if ops:
-        raise SystemExit(f"kernel state differs from the plan after a step: {ops[0].tc_args()}")
+    for iface in want.ifaces:
+        ops = tcplan.diff(tc.read(iface), want.interface(iface))
+        if ops:
+            raise SystemExit(f"{iface} differs from the plan after a step: {ops[0].tc_args()}")
 
 
-def run(reps: int, jobs: int) -> dict[str, Any]:
+def run(reps: int, jobs: int, n_ifaces: int = 1) -> dict[str, Any]:
     if os.geteuid() != 0:
         raise SystemExit("bench_reprio needs root (it creates a network namespace)")
     tc_bin = shutil.which("tc")
@@ -80,12 +86,14 @@ def run(reps: int, jobs: int) -> dict[str, Any]:
     _sh("ip", "netns", "add", ns)
     tmp = tempfile.mkdtemp(prefix="bench_reprio-")
     try:
-        _sh("ip", "-n", ns, "link", "add", IFACE, "type", "veth", "peer", "name", "gpb1")
-        _sh("ip", "-n", ns, "link", "set", IFACE, "up")
+        ifaces = _ifaces(n_ifaces)
+        for i, iface in enumerate(ifaces):
+            _sh("ip", "-n", ns, "link", "add", iface, "type", "veth", "peer", "name", f"gpp{i}")
+            _sh("ip", "-n", ns, "link", "set", iface, "up")
         tags = _tags(jobs)
         tc = TcNetlink(netns=ns)
         shift = 0
-        current = _plan(tags, shift)
+        current = _plan(tags, shift, ifaces)
         first = tc.sync(current)
         if not first.ok:
             raise SystemExit(f"initial sync failed: {first.errors}")
@@ -116,7 +124,7 @@ def run(reps: int, jobs: int) -> dict[str, Any]:
             return go
 
         def ops_for(want: tcplan.TcPlan) -> list[list[str]]:
-            ops = tcplan.diff(tc.read(IFACE), want.interface(IFACE))
+            ops = [op for i in ifaces for op in tcplan.diff(tc.read(i), want.interface(i))]
             op_counts.add(len(ops))
             return [op.tc_args() for op in ops]
 
@@ -144,7 +152,7 @@ def run(reps: int, jobs: int) -> dict[str, Any]:
             order = names[rep % len(names) :] + names[: rep % len(names)]
             for name in order:
                 shift += 1 + rep % (LEVELS - 1)
-                want = _plan(tags, shift)
+                want = _plan(tags, shift, ifaces)
                 go = methods[name](want)
                 t0 = time.perf_counter()
                 go()
@@ -163,6 +171,7 @@ def run(reps: int, jobs: int) -> dict[str, Any]:
 
     return {
         "jobs": jobs,
+        "interfaces": n_ifaces,
         "ops_per_step": sorted(op_counts),
         "reps": reps,
         "ms": {
@@ -181,15 +190,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_reprio", description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=20, help="repetitions (default 20)")
     p.add_argument("--jobs", type=int, default=63, help="job tags that move (default 63)")
+    p.add_argument("--ifaces", type=int, default=1, help="interfaces, each with every job (1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if not 1 <= args.reps <= 1000:
         p.error(f"--reps must be in [1, 1000], got {args.reps}")
-    r = run(args.reps, args.jobs)
+    if not 1 <= args.ifaces <= 16:
+        p.error(f"--ifaces must be in [1, 16], got {args.ifaces}")
+    r = run(args.reps, args.jobs, args.ifaces)
     if args.json:
         print(json.dumps(r, indent=2, sort_keys=True))
         return 0
-    print(f"move {r['jobs']} job tags to new levels ({r['ops_per_step']} tc ops), {r['reps']} reps")
+    print(
+        f"move {r['jobs']} job tags to new levels on {r['interfaces']} interface(s)"
+        f" ({r['ops_per_step']} tc ops), {r['reps']} reps"
+    )
     for name, v in r["ms"].items():
         print(
             f"  {name:10s} median {v['median']:8.2f} ms  min {v['min']:8.2f} ms"
