@@ -424,7 +424,7 @@ class NetlinkTransport(Protocol):
     """What :class:`TcNetlink` needs from an rtnetlink socket (a test double implements it)."""
 
     def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[Ack]:
-        """Send (type, flags, body) messages with NLM_F_ACK; one Ack per message, in order."""
+        """Send (type, flags, body) messages; one Ack per message, in order (errno 0: done)."""
         ...
 
     def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
@@ -462,32 +462,42 @@ class _Netlink:
         return self._seq
 
     def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[Ack]:
-        """Send every message (type, flags, body) with NLM_F_ACK; one ack per message."""
-        acks: list[Ack] = []
-        chunk = bytearray()
-        pending: set[int] = set()
-        seqs: list[int] = []
-        for mtype, flags, body in msgs:
-            seq = self._next_seq()
-            seqs.append(seq)
-            msg = _NLMSGHDR.pack(16 + len(body), mtype, flags | NLM_F_REQUEST | NLM_F_ACK, seq, 0)
-            if chunk and len(chunk) + len(msg) + len(body) > _SEND_CHUNK:
-                self._send_and_collect(bytes(chunk), pending, acks)
-                chunk.clear()
-            chunk += msg + body
-            pending.add(seq)
-        if chunk:
-            self._send_and_collect(bytes(chunk), pending, acks)
-        by_seq = {a.seq: a for a in acks}
-        return [by_seq[s] for s in seqs]
+        """Send every message (type, flags, body); one Ack per message, in order.
 
-    def _send_and_collect(self, data: bytes, pending: set[int], acks: list[Ack]) -> None:
+        The kernel handles the messages of one ``sendmsg`` in order, before it returns, and
+        answers a message without NLM_F_ACK only when it fails. So only the last message of
+        each chunk asks for an ack: once that ack is read, every error of the chunk has
+        been read too, and one ``recv`` serves a chunk instead of one per message.
+        """
+        seqs = [self._next_seq() for _ in msgs]
+        mine = frozenset(seqs)
+        errors: dict[int, Ack] = {}
+        chunk = bytearray()
+        for i, ((mtype, flags, body), seq) in enumerate(zip(msgs, seqs, strict=True)):
+            last = i == len(msgs) - 1
+            if not last:
+                nxt = msgs[i + 1][2]
+                last = len(chunk) + 32 + len(body) + len(nxt) > _SEND_CHUNK
+            nl_flags = flags | NLM_F_REQUEST | (NLM_F_ACK if last else 0)
+            chunk += _NLMSGHDR.pack(16 + len(body), mtype, nl_flags, seq, 0) + body
+            if last:
+                self._send_and_collect(bytes(chunk), mine, seq, errors)
+                chunk.clear()
+        return [errors.get(s) or Ack(s, 0, None) for s in seqs]
+
+    def _send_and_collect(
+        self, data: bytes, mine: frozenset[int], last: int, errors: dict[int, Ack]
+    ) -> None:
         self._sock.send(data)
-        while pending:
+        while True:
             for mtype, flags, seq, payload in _messages(self._sock.recv(1 << 20)):
-                if mtype == NLMSG_ERROR and seq in pending:
-                    pending.discard(seq)
-                    acks.append(_ack(seq, flags, payload))
+                if mtype != NLMSG_ERROR or seq not in mine:
+                    continue  # a late answer to an earlier request
+                ack = _ack(seq, flags, payload)
+                if ack.errno:
+                    errors[seq] = ack
+                if seq == last:
+                    return
 
     def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
         """A dump request; returns (message bodies, error ack or None)."""
