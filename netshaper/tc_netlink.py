@@ -45,7 +45,9 @@ Behaviour:
 * ``sync`` diffs the plan against what this adapter last saw the kernel hold (read from
   the kernel on first use of an interface, after any error, and on every ``drift``), and
   sends every operation of every interface in one batch on one socket (several
-  ``sendmsg`` calls of up to 64 KiB); acks are matched to operations by sequence number.
+  ``sendmsg`` calls of up to 64 KiB). Only the last message of each call asks for an
+  ack; the kernel answers the others only when they fail, and errors are matched to
+  operations by sequence number.
 * Errors stay with their interface: an unknown interface, a kernel without HTB or u32, or
   any netlink error is reported as a :class:`TcError` for that interface (with the op and
   the kernel's extended-ack message), and every other interface is still enforced.
