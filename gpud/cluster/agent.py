@@ -107,7 +107,7 @@ class ClusterAgent:
         self._wall = wall
         self.fence = Fence()
         self.fail_static = FailStatic(grace_s, fresh_s=fresh_s)
-        self._lock = threading.Lock()  # the aggregator: peers' reports vs. the leader's round
+        self._lock = threading.Lock()  # swapping the aggregator (a new epoch, stepping down)
         self._aggregator: Aggregator | None = None
         self._agg_epoch = 0
         self.mode = Mode.LOCAL
@@ -196,8 +196,10 @@ class ClusterAgent:
                 )
                 self._agg_epoch = epoch
             agg = self._aggregator
-            agg.receive(report, now)
-            return agg.compute(epoch, now, wall=self._wall())
+        # Outside the lock: peers' reports keep arriving (on the event loop) while the
+        # round computes; a report is one dict assignment, and a round reads a copy.
+        agg.receive(report, now)
+        return agg.compute(epoch, now, wall=self._wall())
 
     def receive(self, report: NodeReport) -> Order | None:
         """A peer's report (peer servicer): kept for the next round; the answer is the
@@ -205,11 +207,11 @@ class ClusterAgent:
         info = self.election.state()
         with self._lock:
             agg = self._aggregator
-            if not info.leading or agg is None:
-                leader = f"; the leader is {info.leader} at {info.address}" if info.leader else ""
-                raise FailedPrecondition(f"{self.node} does not lead{leader}")
-            agg.receive(report, self._clock())
-            return agg.answer(report.node)
+        if not info.leading or agg is None:
+            leader = f"; the leader is {info.leader} at {info.address}" if info.leader else ""
+            raise FailedPrecondition(f"{self.node} does not lead{leader}")
+        agg.receive(report, self._clock())
+        return agg.answer(report.node)
 
     def seen_nodes(self) -> list[NodeSeen]:
         """Nodes heard from (peer servicer; the leader only)."""

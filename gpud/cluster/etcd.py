@@ -73,7 +73,13 @@ class EtcdClient:
     """A small, synchronous etcd v3 client (call it from a worker thread)."""
 
     def __init__(self, settings: EtcdSettings) -> None:
-        import etcd3gw  # the optional extra: imported only when etcd is configured
+        try:
+            import etcd3gw  # the optional extra: imported only when etcd is configured
+        except ImportError as err:
+            raise ConfigError(
+                "election = etcd needs the etcd client: pip install 'gpud[etcd]'",
+                key="cluster.election",
+            ) from err
 
         if not settings.endpoints:
             raise ConfigError("at least one endpoint is needed", key="cluster.etcd_endpoints")

@@ -84,6 +84,8 @@ class Aggregator:
         self.release_after_s = (
             release_after_s if release_after_s is not None else 3 * node_timeout_s
         )
+        # node -> (received at, report): written by receive() from any thread, read by a
+        # round from a copy (each write is one dict assignment)
         self._reports: dict[str, tuple[float, NodeReport]] = {}
         self._job_seen: dict[str, float] = {}
         self._epoch = 0
@@ -130,11 +132,16 @@ class Aggregator:
     def _compute(self, epoch: int, now: float, wall: float | None) -> Order:
         folds: dict[str, _Fold] = {}
         get = folds.get
-        for name in list(self._reports):
-            seen, report = self._reports[name]
+        # a copy: reports may arrive (another thread) while the round runs
+        reports = list(self._reports.items())
+        included: set[str] = set()
+        for name, (seen, report) in reports:
             if now - seen > self.node_timeout_s:
-                del self._reports[name]  # soft state: it comes back with its next report
+                # soft state: it comes back with its next report
+                if self._reports.get(name, (None,))[0] == seen:
+                    self._reports.pop(name, None)
                 continue
+            included.add(name)
             for jr in report.jobs:
                 f = get(jr.job)
                 if f is None:
@@ -196,7 +203,7 @@ class Aggregator:
 
         assignment = self._leveller.update(now, {j: f.rate for j, f in folds.items()})
         stamp = now if wall is None else wall
-        self._included = set(self._reports)
+        self._included = included
         levels = assignment.levels
         if epoch != self._epoch:
             self._epoch, self._seq = epoch, 0
@@ -237,8 +244,9 @@ class Aggregator:
     def answer(self, node: str) -> Order | None:
         """The latest order, cut to the jobs ``node`` reported; None until an order has
         folded in a report of ``node`` (a new leader's first answers)."""
-        if self.order is None or node not in self._included:
+        order, included = self.order, self._included
+        if order is None or node not in included:
             return None
         entry = self._reports.get(node)
         jobs = [jr.job for jr in entry[1].jobs] if entry is not None else []
-        return self.order.for_jobs(jobs)
+        return order.for_jobs(jobs)
