@@ -320,3 +320,17 @@ def test_filters_work_in_whatever_hash_table_the_kernel_gives_them(
         "801::36": ("6764:121a", "66800000/ffc00000"),
     }
     assert adapter.drift(plan({"alpha": 2})).op_count == 0
+
+
+def test_a_failure_early_in_the_batch_does_not_stop_the_rest(net: Net, adapter: TcNetlink) -> None:
+    # a0's operations come first in the batch and all fail; a1's follow and must all apply
+    net.tc("qdisc", "add", "dev", "a0", "root", "handle", "1:", "htb")
+    net.tc("class", "add", "dev", "a0", "parent", "1:", "classid", "1:1", "htb", "rate", "1gbit")
+    net.tc("qdisc", "add", "dev", "a0", "parent", "1:1", "handle", "6764:", "pfifo")
+    want = tp.plan({"a0": GBIT, "a1": GBIT}, TAGS, {"alpha": 0, "beta": 1}, SHARES)
+    result = adapter.sync(want)
+    assert set(result.errors) == {"a0"}
+    assert result.errors["a0"].op is not None and "qdisc replace dev a0" in result.errors["a0"].op
+    assert len(net.filters("a1")) == 4
+    assert net.classes("a1")["6764:1122"]["parent"] == "6764:11"
+    assert adapter.drift(tp.plan({"a1": GBIT}, TAGS, {"alpha": 0, "beta": 1}, SHARES)).op_count == 0
