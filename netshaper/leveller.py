@@ -18,7 +18,8 @@ of who is preempted:
   ``max_age_s`` has passed;
 * on a re-rank, a job keeps its previous level while its rate stays within the fresh
   bucket's rate range widened by ``hysteresis`` (relative), so a job near a bucket edge
-  does not flap.
+  does not flap; it keeps it by swapping with a job that fits the level it leaves, so
+  levels keep their fresh sizes (never two jobs on one level while levels are free).
 
 Guarantees (tested as properties): whenever job ``a`` sits at a strictly lower priority
 than job ``b``, ``r_a >= r_b * (1-h) / (1+h)`` right after a re-rank and
