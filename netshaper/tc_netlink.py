@@ -71,6 +71,7 @@ from typing import Protocol
 from pyroute2.netns import create_socket
 
 from netshaper.tcplan import (
+    ETH_P_ALL,
     FILTER_PRIO,
     ROOT_MAJOR,
     DscpFilter,
@@ -129,7 +130,6 @@ TCA_HTB_CEIL64 = 7
 TCA_U32_CLASSID = 1
 TCA_U32_SEL = 5
 TC_H_ROOT = 0xFFFFFFFF
-ETH_P_ALL = 0x0003
 TC_LINKLAYER_ETHERNET = 1
 TC_U32_TERMINAL = 1
 HTB_VERSION = 3
@@ -334,7 +334,9 @@ class _Encoder:
     def flt(self, ifindex: int, op: TcOp) -> tuple[int, int, bytes]:
         if op.kind is OpKind.DELETE_FILTER:
             info = (op.filter_prio << 16) | socket.htons(op.filter_protocol)
-            body = _TCMSG.pack(0, ifindex, op.filter_handle, op.root, info) + _kind("u32")
+            body = _TCMSG.pack(0, ifindex, op.filter_handle, op.root, info)
+            if op.filter_handle:  # one u32 filter; handle 0: the whole prio, any classifier
+                body += _kind("u32")
             return RTM_DELTFILTER, 0, body
         f = op.flt
         assert f is not None

@@ -55,6 +55,7 @@ LEVEL_MINOR_BASE = 0x10
 TOP_MINOR = 0x1
 DEFAULT_MINOR = 0x2
 FILTER_PRIO = 1
+ETH_P_ALL = 0x0003  # our filters' protocol: "all"
 MAX_LEVELS = 8  # HTB has 8 priorities (TC_HTB_NUMPRIO)
 DEFAULT_PRIO = MAX_LEVELS - 1
 DSCP_MAX = 63
@@ -392,8 +393,9 @@ class InterfaceState:
     """What one interface holds, read from the kernel (or remembered after a sync).
 
     ``classes`` and ``filters`` are the ones under our root only; filters the planner does
-    not recognise are kept in ``foreign_filters`` as (prio, protocol, handle) so they can
-    be removed by exact handle.
+    not recognise are kept in ``foreign_filters`` as (prio, protocol, handle): the diff
+    removes those at our own prio by exact handle, and any other prio as a whole (handle
+    0), whatever classifier it is.
     """
 
     iface: str
@@ -425,7 +427,7 @@ class TcOp:
     root: int = 0
     default_classid: int = 0
     filter_handle: int = 0  # DELETE/CHANGE_FILTER: the kernel's full handle (ADD: node only)
-    filter_protocol: int = 0x0003  # ETH_P_ALL
+    filter_protocol: int = ETH_P_ALL
     filter_prio: int = FILTER_PRIO
 
     def tc_args(self) -> list[str]:
@@ -471,12 +473,10 @@ class TcOp:
                 "parent",
                 format_handle(self.root),
                 "protocol",
-                "all" if self.filter_protocol == 0x0003 else f"{self.filter_protocol:#06x}",
+                "all" if self.filter_protocol == ETH_P_ALL else f"{self.filter_protocol:#06x}",
                 "prio",
                 str(self.filter_prio),
-                "handle",
-                _u32_handle(self.filter_handle),
-                "u32",
+                *(["handle", _u32_handle(self.filter_handle), "u32"] if self.filter_handle else []),
             ]
         assert self.flt is not None
         value, mask = self.flt.key
@@ -563,6 +563,12 @@ def diff(state: InterfaceState, want: InterfacePlan) -> tuple[TcOp, ...]:
         ops += [TcOp(OpKind.ADD_FILTER, iface, flt=f, root=want.root) for f in want.filters]
         return tuple(ops)
 
+    foreign = sorted(
+        {
+            (p, proto, h if (p, proto) == (FILTER_PRIO, ETH_P_ALL) else 0)
+            for p, proto, h in state.foreign_filters
+        }
+    )
     ops = [
         TcOp(
             OpKind.DELETE_FILTER,
@@ -572,7 +578,7 @@ def diff(state: InterfaceState, want: InterfacePlan) -> tuple[TcOp, ...]:
             filter_protocol=proto,
             filter_prio=prio,
         )
-        for prio, proto, h in state.foreign_filters
+        for prio, proto, h in foreign
     ]
     for c in want.classes:  # parents first
         have = have_classes.get(c.classid)

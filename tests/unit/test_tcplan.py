@@ -189,7 +189,7 @@ def test_drift_is_repaired_with_targeted_ops() -> None:
         tp.OpKind.CHANGE_CLASS,
         tp.OpKind.ADD_FILTER,
     ]
-    assert ops[0].tc_args()[-5:] == ["prio", "5", "handle", "801:0:801", "u32"]
+    assert ops[0].tc_args()[-3:] == ["0x0800", "prio", "5"]  # the whole foreign prio
 
 
 def test_burst_read_back_rounding_is_not_drift() -> None:
@@ -279,3 +279,16 @@ def test_every_diff_applies_cleanly_and_moves_few(
     added = len(set(second) - set(first))
     removed = len(set(first) - set(second))
     assert len(ops) == 4 * moved + 3 * added + 3 * removed
+
+
+def test_foreign_filters_go_by_handle_in_our_prio_and_by_prio_elsewhere() -> None:
+    ip = one(tp.plan({"eth0": GBIT}, {"a": 26}, {"a": 0}, SHARES))
+    state = replace(
+        tp.state_after(ip),
+        foreign_filters=((5, 0x0800, 0x80100801), (5, 0x0800, 0x80100802), (1, 0x0003, 0x80000FFF)),
+    )
+    ops = tp.diff(state, ip)
+    assert [op.tc_args()[-6:] for op in ops] == [
+        ["all", "prio", "1", "handle", "800:0:fff", "u32"],
+        ["parent", "6764:0", "protocol", "0x0800", "prio", "5"],
+    ]
