@@ -183,6 +183,8 @@ def run_mix(
             bed.gpuctl("jobs", "add", job.name)
         times, start = run_jobs(bed, jobs, seconds, cc, f"{tag}-gpud", gpud_ideal=ideal)
         shown = json.loads(bed.gpuctl("net", "show", "--json").stdout)
+        for job in jobs:  # releases their tags; the next mix starts from a clean registry
+            bed.gpuctl("jobs", "rm", job.name, "--force")
     finally:
         bed.stop_gpud()
     result["gpud"] = summarize(jobs, times, ideal, goodput, t0=start + warmup, t1=start + seconds)
@@ -264,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown mix {unknown[0]!r} (have {', '.join(MIXES)})")
         mixes = {m: parse_jobs(MIXES[m]) for m in args.mixes.split(",")}
+    specs: dict[str, JobSpec] = {}
+    for jobs in mixes.values():
+        for job in jobs:
+            if specs.setdefault(job.name, job) != job:
+                parser.error(f"job {job.name!r} is defined twice, differently")
     if args.warmup >= args.seconds:
         parser.error("--warmup must be shorter than --seconds")
     rate = parse_rate(args.rate)
