@@ -111,10 +111,8 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
         net = ctx.stub(net_pb2_grpc.NetStub)
 
         def place(pid: int) -> None:
-            placed: net_pb2.PlaceProcessResponse = ctx.call(
-                net.PlaceProcess, net_pb2.PlaceProcessRequest(job=args.job, pid=pid)
-            )
-            del placed  # "" when the daemon marks nothing by cgroup
+            # the response names the cgroup ("" when the daemon marks nothing by cgroup)
+            ctx.call(net.PlaceProcess, net_pb2.PlaceProcessRequest(job=args.job, pid=pid))
 
     try:
         return _launch(command, env, place)

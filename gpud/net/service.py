@@ -200,6 +200,14 @@ class TrafficService:
     # -- progress reports ------------------------------------------------------------------
     def report(self, r: Report) -> None:
         """Check and record one report; raises (and changes nothing) when it is bad."""
+        try:
+            self._report(r)
+        except GpudError:
+            with self._lock:
+                self.rejected_reports += 1
+            raise
+
+    def _report(self, r: Report) -> None:
         now = self._clock()
         if not r.job:
             raise InvalidArgument("must not be empty", field="job")
@@ -252,8 +260,6 @@ class TrafficService:
                 self.report(r)
             except GpudError as err:
                 rejected.append(Rejected(i, r.job, err))
-        with self._lock:
-            self.rejected_reports += len(rejected)
         return len(reports) - len(rejected), rejected
 
     # -- the cluster's port ----------------------------------------------------------------

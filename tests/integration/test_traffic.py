@@ -55,16 +55,19 @@ class Bed:
     run_dir: Path
     cgroup_parent: str
     daemon: RunningDaemon | None = None
+    interfaces: tuple[str, ...] = ("a0",)
 
     @property
     def enter(self) -> tuple[str, ...]:
         return ("nsenter", f"--net=/run/netns/{self.snd}")
 
     def config(self) -> str:
+        names = ", ".join(f'"{i}"' for i in self.interfaces)
+        rates = ", ".join(f'"{i}=100mbit"' for i in self.interfaces)
         return (
             "[daemon]\ntick_s = 0.5\n"
-            '[traffic]\nenabled = true\ninterfaces = ["a0"]\n'
-            'link_rates = ["a0=100mbit"]\nlevels = 4\n'
+            f"[traffic]\nenabled = true\ninterfaces = [{names}]\n"
+            f"link_rates = [{rates}]\nlevels = 4\n"
             f'cgroup_parent = "{self.cgroup_parent}"\n'
         )
 
@@ -290,6 +293,7 @@ def test_a_changed_level_takes_effect_on_live_traffic(bed: Bed) -> None:
 
 
 def test_a_deleted_qdisc_is_restored_within_one_tick(bed: Bed) -> None:
+    bed.interfaces = ("a0", "nope0")  # a bad name is that interface's error only
     bed.start()
     bed.gpuctl("jobs", "add", "keep")
     bed.gpuctl("net", "pin", "--job", "keep", "--level", "1")
@@ -301,6 +305,8 @@ def test_a_deleted_qdisc_is_restored_within_one_tick(bed: Bed) -> None:
     interfaces = bed.show()["interfaces"]
     assert isinstance(interfaces, list)
     assert int(interfaces[0]["repairs"]) == 1
+    assert interfaces[1]["name"] == "nope0" and not interfaces[1].get("enforced")
+    assert "nope0" in interfaces[1]["error"]
     assert bed.daemon is not None
     assert "net.drift" in bed.gpuctl("events", "--json")
 

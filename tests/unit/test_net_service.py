@@ -112,6 +112,7 @@ def test_reports_are_checked_and_bad_ones_change_nothing(rig: Rig) -> None:
         [Report("a", 2, rig.clock.t, session="y"), Report("nope", 1, rig.clock.t)]
     )
     assert accepted == 1 and [r.index for r in rejected] == [1]
+    assert s.rejected_reports == 5 and s.accepted_reports == 3
 
 
 def test_tags_persist_and_are_released(rig: Rig) -> None:
