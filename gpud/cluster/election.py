@@ -8,7 +8,8 @@
   renews the lease every ``ttl/4`` and counts its leadership as valid only until
   ``last renewal sent + TTL - margin``: a leader cut off from etcd stops leading before
   etcd can expire its lease and let another node in, so two leaders never overlap.
-  Followers read the key every ``ttl/4`` and campaign as soon as it is gone.
+  Between steps (every ``ttl/4``) both watch the key (``etcdctl watch``): a follower
+  campaigns as soon as it is gone, a leader notices at once that it lost it.
 
 ``state()`` is cheap and thread-safe; the etcd work runs on the election's own thread
 (:meth:`EtcdElection.start`) or, in tests, one :meth:`EtcdElection.step` at a time.
@@ -102,6 +103,7 @@ class EtcdElection:
         self._store_ok = False
         self._detail = "not started"
         self._abandoned: int | None = None  # a lease we stepped down from, to revoke
+        self._watch_revision = 0  # the leader key's last mod revision seen (0: none)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -146,7 +148,7 @@ class EtcdElection:
         """Stop campaigning; a leader revokes its lease so that another takes over at once."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=self._client_timeout() + 1)
+            self._thread.join(timeout=2 * self._client_timeout() + 2)
         with self._lock:
             lease, self._lease = self._lease, None
         if lease is not None:
@@ -166,7 +168,28 @@ class EtcdElection:
                 self.step()
             except Exception:  # the thread must survive anything; the next step retries
                 log.exception("election step failed")
-            self._stop.wait(max(0.0, self.interval_s - (self._clock() - started)))
+            self._wait(max(0.0, self.interval_s - (self._clock() - started)))
+
+    def _wait(self, timeout_s: float) -> None:
+        """Until the next step: a watch on the leader key, so that a follower campaigns as
+        soon as the key is gone and a leader notices at once that it lost it; a plain
+        sleep when etcd cannot be watched."""
+        deadline = self._clock() + timeout_s
+        while not self._stop.is_set():
+            left = deadline - self._clock()
+            revision = self._watch_revision
+            if left <= 0:
+                return
+            if not revision:
+                self._stop.wait(left)
+                return
+            try:
+                # in slices of a second at most, so that stop() never waits long
+                if self._client.wait_for_change(self.key, revision, min(left, 1.0)):
+                    return
+            except GpudError:
+                self._stop.wait(left)
+                return
 
     def step(self) -> None:
         """One pass: renew (leader) or watch and campaign (follower)."""
@@ -195,6 +218,7 @@ class EtcdElection:
         if kv is None or kv.lease != lease:
             self._step_down("leader key is gone")
             return
+        self._watch_revision = kv.mod_revision
         with self._lock:
             self._granted_ttl = float(ttl)
             self._valid_until = sent + ttl
@@ -218,8 +242,10 @@ class EtcdElection:
                 self._abandoned = None
             kv = self._client.get(self.key)
             if kv is None:
+                self._watch_revision = 0
                 self._campaign()
                 return
+            self._watch_revision = kv.mod_revision
         except GpudError as err:
             with self._lock:
                 self._store_ok = False
@@ -251,6 +277,7 @@ class EtcdElection:
         if epoch is None:  # someone else was faster
             self._client.revoke(lease)
             return
+        self._watch_revision = epoch
         with self._lock:
             self._lease = lease
             self._granted_ttl = float(granted)

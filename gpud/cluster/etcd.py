@@ -221,6 +221,44 @@ class EtcdClient:
             return None
         return int(result["header"]["revision"])
 
+    def wait_for_change(self, key: str, after_revision: int, timeout_s: float) -> bool:
+        """Watch ``key`` for up to ``timeout_s``: True as soon as it changes after
+        ``after_revision`` (put or delete; none is missed in between), False on timeout.
+
+        One watch stream per call (``etcdctl watch KEY --rev R``), on the current endpoint.
+        """
+        import requests  # etcd3gw's transport
+
+        with self._lock:
+            client = self._clients[self._current]
+        body = {"create_request": {"key": _b64(key), "start_revision": after_revision + 1}}
+        try:
+            with client.session.post(
+                client.get_url("/watch"),
+                data=json.dumps(body),
+                stream=True,
+                timeout=(self._settings.timeout_s, timeout_s),
+            ) as resp:
+                if resp.status_code != 200:
+                    raise Unavailable(f"etcd watch of {key}: HTTP {resp.status_code}")
+                for line in resp.iter_lines():
+                    if not line.strip():
+                        continue
+                    result = json.loads(line).get("result", {})
+                    if result.get("events") or result.get("compact_revision"):
+                        return True
+                    if result.get("canceled"):
+                        return True  # compacted past our revision: re-read the key
+        except requests.exceptions.ConnectionError as err:
+            if "timed out" in str(err).lower():
+                return False
+            raise Unavailable(f"etcd watch of {key}: {err}") from err
+        except requests.exceptions.RequestException as err:
+            if isinstance(err, requests.exceptions.Timeout):
+                return False
+            raise Unavailable(f"etcd watch of {key}: {err}") from err
+        return False
+
     def put(self, key: str, value: str) -> None:
         self._post("/kv/put", {"key": _b64(key), "value": _b64(value)})
 
