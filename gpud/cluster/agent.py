@@ -126,6 +126,8 @@ class ClusterAgent:
         link_up = self._view.links_up()
         jobs: dict[str, JobReport] = {}
         for jt in traffic.jobs:
+            if jt.level is None and jt.rate is None and jt.job not in gpus:
+                continue  # idle here (no reports, no GPUs): not ranked, as locally
             held = gpus.get(jt.job, ())
             jobs[jt.job] = JobReport(
                 job=jt.job,
@@ -138,6 +140,7 @@ class ClusterAgent:
                 link_up=link_up,
                 tx_bytes=jt.counters.bytes,
                 drops=jt.counters.drops,
+                pinned_level=jt.pinned_level,
             )
         for job, held in gpus.items():
             if job not in jobs:  # holds GPUs here but sends no traffic (yet)

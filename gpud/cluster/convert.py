@@ -42,6 +42,8 @@ def job_report_to_pb(r: JobReport) -> pb.JobReport:
         msg.dscp = r.dscp
     if r.link_up is not None:
         msg.link_up = r.link_up
+    if r.pinned_level is not None:
+        msg.pinned_level = r.pinned_level
     return msg
 
 
@@ -82,6 +84,7 @@ def report_from_pb(msg: pb.ReportRequest) -> NodeReport:
                 link_up=optional(j, "link_up"),
                 tx_bytes=j.tx_bytes,
                 drops=j.drops,
+                pinned_level=optional(j, "pinned_level"),
             )
         )
     return NodeReport(node=node, jobs=tuple(jobs), applied_epoch=msg.applied_epoch)

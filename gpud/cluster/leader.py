@@ -34,6 +34,7 @@ class _Fold:
         "ips",
         "links_down",
         "nodes",
+        "pin",
         "rate",
         "slowest",
         "tx",
@@ -44,6 +45,7 @@ class _Fold:
     def __init__(self) -> None:
         self.rate: float | None = None
         self.dscp: int | None = None  # the tag a node already marks it with
+        self.pin: int | None = None  # an operator's pin on one of its nodes
         self.ips: float | None = None
         self.slowest = ""
         self.nodes: list[str] = []
@@ -163,6 +165,8 @@ class Aggregator:
                     f.xids.extend(f"{name}:{x}" for x in jr.xids)
                 if jr.link_up is False:
                     f.links_down.append(name)
+                if jr.pinned_level is not None:
+                    f.pin = jr.pinned_level
                 if jr.drops:
                     f.drops += jr.drops
                 if jr.tx_bytes:
@@ -201,6 +205,7 @@ class Aggregator:
                 self._allocator = None  # re-read what the store holds next round
                 raise
 
+        self._sync_pins(folds)
         assignment = self._leveller.update(now, {j: f.rate for j, f in folds.items()})
         stamp = now if wall is None else wall
         self._included = included
@@ -240,6 +245,17 @@ class Aggregator:
             computed_at=stamp,
         )
         return self.order
+
+    def _sync_pins(self, folds: dict[str, _Fold]) -> None:
+        """An operator's pin on any node holds for the job everywhere."""
+        leveller = self._leveller
+        levels = leveller.config.levels
+        pins = {j: f.pin for j, f in folds.items() if f.pin is not None and 0 <= f.pin < levels}
+        for job in leveller.pins():
+            if job not in pins:
+                leveller.unpin(job)
+        for job, level in pins.items():
+            leveller.pin(job, level)
 
     def answer(self, node: str) -> Order | None:
         """The latest order, cut to the jobs ``node`` reported; None until an order has

@@ -22,7 +22,8 @@ class JobReport:
     marks the job's packets with; ``gpus`` the GPU / MIG UUIDs the job holds here and
     ``unhealthy_gpus`` those of them the last telemetry tick found lost or hung; ``xids``
     the last XID codes seen on them; ``link_up`` whether the job's interfaces are up (None:
-    not known); ``tx_bytes`` / ``drops`` the counters of the job's class on this node.
+    not known); ``tx_bytes`` / ``drops`` the counters of the job's class on this node;
+    ``pinned_level`` a level an operator pinned the job to on this node.
     """
 
     job: str
@@ -35,6 +36,7 @@ class JobReport:
     link_up: bool | None = None
     tx_bytes: int = 0
     drops: int = 0
+    pinned_level: int | None = None  # an operator's pin on this node (gpuctl net pin)
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ class JobReport(_message.Message):
     LINK_UP_FIELD_NUMBER: _builtins.int
     TX_BYTES_FIELD_NUMBER: _builtins.int
     DROPS_FIELD_NUMBER: _builtins.int
+    PINNED_LEVEL_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     progress_rate: _builtins.float
     """contention-free / observed iteration time"""
@@ -46,6 +47,8 @@ class JobReport(_message.Message):
     link_up: _builtins.bool
     tx_bytes: _builtins.int
     drops: _builtins.int
+    pinned_level: _builtins.int
+    """an operator's pin on the node: the leader keeps it"""
     @_builtins.property
     def gpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """GPU / MIG UUIDs the job holds on the node"""
@@ -71,10 +74,11 @@ class JobReport(_message.Message):
         link_up: _builtins.bool | None = ...,
         tx_bytes: _builtins.int = ...,
         drops: _builtins.int = ...,
+        pinned_level: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_progress_rate", b"_progress_rate", "dscp", b"dscp", "iterations_per_s", b"iterations_per_s", "link_up", b"link_up", "progress_rate", b"progress_rate"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "dscp", b"dscp", "iterations_per_s", b"iterations_per_s", "link_up", b"link_up", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_progress_rate", b"_progress_rate", "drops", b"drops", "dscp", b"dscp", "gpus", b"gpus", "iterations_per_s", b"iterations_per_s", "job", b"job", "link_up", b"link_up", "progress_rate", b"progress_rate", "tx_bytes", b"tx_bytes", "unhealthy_gpus", b"unhealthy_gpus", "xids", b"xids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "drops", b"drops", "dscp", b"dscp", "gpus", b"gpus", "iterations_per_s", b"iterations_per_s", "job", b"job", "link_up", b"link_up", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate", "tx_bytes", b"tx_bytes", "unhealthy_gpus", b"unhealthy_gpus", "xids", b"xids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__dscp: _TypeAlias = _typing.Literal["dscp"]  # noqa: Y015
     _WhichOneofArgType__dscp: _TypeAlias = _typing.Literal["_dscp", b"_dscp"]  # noqa: Y015
@@ -82,6 +86,8 @@ class JobReport(_message.Message):
     _WhichOneofArgType__iterations_per_s: _TypeAlias = _typing.Literal["_iterations_per_s", b"_iterations_per_s"]  # noqa: Y015
     _WhichOneofReturnType__link_up: _TypeAlias = _typing.Literal["link_up"]  # noqa: Y015
     _WhichOneofArgType__link_up: _TypeAlias = _typing.Literal["_link_up", b"_link_up"]  # noqa: Y015
+    _WhichOneofReturnType__pinned_level: _TypeAlias = _typing.Literal["pinned_level"]  # noqa: Y015
+    _WhichOneofArgType__pinned_level: _TypeAlias = _typing.Literal["_pinned_level", b"_pinned_level"]  # noqa: Y015
     _WhichOneofReturnType__progress_rate: _TypeAlias = _typing.Literal["progress_rate"]  # noqa: Y015
     _WhichOneofArgType__progress_rate: _TypeAlias = _typing.Literal["_progress_rate", b"_progress_rate"]  # noqa: Y015
     @_typing.overload
@@ -90,6 +96,8 @@ class JobReport(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__iterations_per_s) -> _WhichOneofReturnType__iterations_per_s | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__link_up) -> _WhichOneofReturnType__link_up | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__pinned_level) -> _WhichOneofReturnType__pinned_level | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__progress_rate) -> _WhichOneofReturnType__progress_rate | None: ...
 

@@ -150,3 +150,13 @@ def test_more_jobs_than_codepoints_still_get_levels() -> None:
     assert len(order.levels) == 100
     assert len(order.tags) == len(set(order.tags.values())) == 100 - len(agg.untagged)
     assert agg.untagged and all(order.attributes[j].dscp is None for j in agg.untagged)
+
+
+def test_a_pin_on_any_node_holds_everywhere() -> None:
+    agg = make()
+    agg.receive(NodeReport("n1", (JobReport("a", 0.1), JobReport("b", 0.9, pinned_level=0))), 0)
+    agg.receive(NodeReport("n2", (JobReport("b", 0.9),)), 0)
+    assert agg.compute(1, 0).levels["b"] == 0
+    agg.receive(NodeReport("n1", (JobReport("a", 0.1), JobReport("b", 0.9))), 1)
+    levels = agg.compute(1, 1).levels  # unpinned: b (0.9) below a (0.1) again
+    assert levels["b"] > levels["a"]
