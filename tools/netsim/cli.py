@@ -6,6 +6,7 @@
     python -m tools.netsim suite [--json] [--only NAME,...]
     python -m tools.netsim plot SCENARIO --out docs/img/netsim-NAME.png
     python -m tools.netsim bench [SCENARIO]
+    python -m tools.netsim testbed [--results TESTBED.json] [--json]
     python -m tools.netsim list
     python -m tools.netsim export DIR
 
@@ -240,6 +241,52 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_testbed(args: argparse.Namespace) -> int:
+    from tools.netsim.testbed import compare
+
+    results = None
+    if args.results:
+        try:
+            results = json.loads(Path(args.results).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ScenarioError(f"not a testbed result file: {err}", where=args.results) from err
+        if not isinstance(results, dict) or "setup" not in results:
+            raise ScenarioError("no 'setup' (write it with testbed run --json)", where=args.results)
+    rows = compare(results, workers=_workers(args.workers))
+    if args.json:
+        json.dump(rows, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    out = sys.stdout
+    out.write(
+        "per mix: ceiling (kernel: G / sum of demands; fluid: the bound), then min_progress /"
+        " jain / efficiency\nunder the kernel's default qdisc (fluid: per-flow fair) and"
+        " under gpud (fluid: leveller)\n"
+    )
+    out.write(f"{'mix':<10}{'':<8}{'ceiling':>8}{'baseline':>22}{'gpud':>22}\n")
+    for mix, row in rows.items():
+        for side in ("kernel", "fluid"):
+            r = row.get(side)
+            if r is None:
+                continue
+            cells = ""
+            for part in ("baseline", "gpud"):
+                f = r[part]
+                cells += "   " + " ".join(
+                    _fmt(f.get(k)) for k in ("min_progress", "jain", "efficiency")
+                )
+            out.write(
+                f"{mix if side == 'kernel' or 'kernel' not in row else '':<10}{side:<8}"
+                f"{_fmt(r['ceiling']):>8}{cells}\n"
+            )
+    if results is None:
+        out.write(
+            "\n(kernel figures: sudo .venv/bin/python -m tools.testbed run --json > tb.json,"
+            " then --results tb.json)\n"
+        )
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     for name, make in BUILTIN.items():
         sc = make()
@@ -295,6 +342,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("scenario", nargs="?", default="cluster-32")
     p.add_argument("--policies", help=policies_help + f"; default {','.join(BENCH_POLICIES)}")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "testbed", help="the testbed's mixes in the fluid model, beside the kernel's"
+    )
+    p.add_argument("--results", help="a `python -m tools.testbed run --json` result file")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--workers", type=int, help=workers_help)
+    p.set_defaults(func=_cmd_testbed)
 
     p = sub.add_parser("list", help="list the built-in scenarios")
     p.set_defaults(func=_cmd_list)

@@ -94,6 +94,10 @@ class View(Protocol):
         """The link's capacity in bytes/s."""
         ...
 
+    def leveller_knobs(self) -> Mapping[str, float]:
+        """The scenario's traffic knobs for LEVELLER (empty: netshaper's defaults)."""
+        ...
+
 
 class Policy(Protocol):
     """A scheduling policy. ``reorder_on_coflows``: also ask it when a job's
@@ -263,6 +267,9 @@ class Simulation:
 
     def link_capacity(self, link: str) -> float:
         return self._sc.link_bytes_per_s(link)
+
+    def leveller_knobs(self) -> Mapping[str, float]:
+        return self._sc.leveller
 
     def coflow_since(self, job_id: str) -> float | None:
         job = self._by_id[job_id]

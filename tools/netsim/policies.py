@@ -322,8 +322,12 @@ class LevellerPolicy:
 
     def decide(self, now: float, view: View) -> Decision:
         if self._leveller is None or self._tracker is None:
-            self._leveller = Leveller(self._config or LevellerConfig(levels=view.levels))
-            self._tracker = ProgressTracker(self._progress)
+            knobs = dict(view.leveller_knobs())
+            window = knobs.pop("progress_window_s", None)
+            config = self._config or LevellerConfig(levels=view.levels, **knobs)
+            progress = self._progress or (ProgressConfig(window_s=window) if window else None)
+            self._leveller = Leveller(config)
+            self._tracker = ProgressTracker(progress)
         tracker = self._tracker
         active = view.active_jobs()
         for gone in self._known - set(active):
