@@ -86,3 +86,10 @@ def test_unknown_leveller_knob_is_refused() -> None:
     with pytest.raises(ScenarioError) as info:
         from_dict(raw)
     assert info.value.where == "leveller"
+
+
+def test_testbed_mixes_run_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["list"]) == 0
+    assert "testbed-unfair" in capsys.readouterr().out
+    assert main(["run", "testbed-equal", "--policies", "fair,leveller", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["scenario"] == "testbed-equal"

@@ -38,6 +38,12 @@ def resolve(name_or_path: str) -> Scenario:
     """A scenario file, or the name of a built-in one."""
     if name_or_path in BUILTIN:
         return builtin(name_or_path)
+    if name_or_path.startswith("testbed-"):
+        from tools.netsim.testbed import scenarios
+
+        for sc in scenarios():
+            if sc.name == name_or_path:
+                return sc
     path = Path(name_or_path)
     if not path.exists():
         raise ScenarioError(
@@ -288,10 +294,11 @@ def _cmd_testbed(args: argparse.Namespace) -> int:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    for name, make in BUILTIN.items():
-        sc = make()
+    from tools.netsim.testbed import scenarios
+
+    for sc in [*(make() for make in BUILTIN.values()), *scenarios()]:
         sys.stdout.write(
-            f"{name:<18}{len(sc.jobs):>3} jobs {len(sc.links)} links  {sc.description}\n"
+            f"{sc.name:<18}{len(sc.jobs):>3} jobs {len(sc.links)} links  {sc.description}\n"
         )
     return 0
 
