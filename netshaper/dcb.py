@@ -29,7 +29,9 @@ import logging
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
+
+from netshaper.rdma import RdmaDiscovery, roce_v2_targets
 
 log = logging.getLogger(__name__)
 
@@ -249,3 +251,32 @@ class NicMap:
                 detail=str(first),
             )
         return lines
+
+
+def open_nic_map(
+    backend: Literal["dcb", "dry-run"],
+    netdevs: Sequence[str] = (),
+    *,
+    discovery: RdmaDiscovery | None = None,
+    dcb: str = "dcb",
+    write: Callable[[str], None] | None = None,
+) -> NicMap:
+    """The :class:`NicMap` for configuration ``backend`` (the composition root calls this).
+
+    ``netdevs`` empty: the netdevs behind the RoCE v2 GIDs that ``discovery`` finds
+    (``rdma_verbs.open_discovery()``). Raises ValueError when there is none, saying how
+    to name them.
+    """
+    chosen = tuple(netdevs)
+    if not chosen and discovery is not None:
+        chosen = tuple(t.netdev for t in roce_v2_targets(discovery.devices()))
+    if not chosen:
+        raise ValueError(
+            "no RoCE v2 netdev found (no RDMA device with a RoCE v2 GID);"
+            " name them in traffic.rdma_interfaces"
+        )
+    if backend == "dcb":
+        return NicMap(DcbAppBackend(dcb), chosen)
+    if backend == "dry-run":
+        return NicMap(DryRunBackend(write, dcb=dcb), chosen)
+    raise ValueError(f"unknown DSCP map backend {backend!r} (dcb, dry-run)")
