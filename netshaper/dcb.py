@@ -19,7 +19,9 @@ Backends (chosen once, from configuration):
   rollout or a NIC managed by other tools; it remembers what it printed so it prints only
   changes.
 
-What the switch must do is in the README ("RDMA: the switch side").
+:class:`NicMap` writes one map on every RoCE netdev (the daemon's RDMA port);
+:func:`open_nic_map` builds it from configuration. What the switches must do is in the
+README ("RDMA: the NIC's DSCP map and the switch side").
 """
 
 from __future__ import annotations
