@@ -19,8 +19,8 @@ Backends (chosen once, from configuration):
   rollout or a NIC managed by other tools; it remembers what it printed so it prints only
   changes.
 
-:class:`NicMap` writes one map on every RoCE netdev (the daemon's RDMA port);
-:func:`open_nic_map` builds it from configuration. What the switches must do is in the
+:class:`NicMap` writes one map on every RoCE netdev (the daemon's RDMA port). What the
+switches must do is in the
 README ("RDMA: the NIC's DSCP map and the switch side").
 """
 
@@ -31,9 +31,7 @@ import logging
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
-
-from netshaper.rdma import RdmaDiscovery, roce_v2_targets
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -253,32 +251,3 @@ class NicMap:
                 detail=str(first),
             )
         return lines
-
-
-def open_nic_map(
-    backend: Literal["dcb", "dry-run"],
-    netdevs: Sequence[str] = (),
-    *,
-    discovery: RdmaDiscovery | None = None,
-    dcb: str = "dcb",
-    write: Callable[[str], None] | None = None,
-) -> NicMap:
-    """The :class:`NicMap` for configuration ``backend`` (the composition root calls this).
-
-    ``netdevs`` empty: the netdevs behind the RoCE v2 GIDs that ``discovery`` finds
-    (``rdma_verbs.open_discovery()``). Raises ValueError when there is none, saying how
-    to name them.
-    """
-    chosen = tuple(netdevs)
-    if not chosen and discovery is not None:
-        chosen = tuple(t.netdev for t in roce_v2_targets(discovery.devices()))
-    if not chosen:
-        raise ValueError(
-            "no RoCE v2 netdev found (no RDMA device with a RoCE v2 GID);"
-            " name them in traffic.rdma_interfaces"
-        )
-    if backend == "dcb":
-        return NicMap(DcbAppBackend(dcb), chosen)
-    if backend == "dry-run":
-        return NicMap(DryRunBackend(write, dcb=dcb), chosen)
-    raise ValueError(f"unknown DSCP map backend {backend!r} (dcb, dry-run)")

@@ -113,20 +113,3 @@ def test_nic_map_writes_every_netdev_and_reports_failures(fake: Path) -> None:
     assert table(fake, "eth3") == [[26, 5], [48, 6]]  # the healthy netdev was still written
     with pytest.raises(ValueError, match="DSCP 64"):
         nic.apply({64: 1})
-
-
-def test_open_nic_map_finds_the_roce_netdevs() -> None:
-    from netshaper.rdma import SysfsDiscovery
-
-    sysfs = SysfsDiscovery(str(Path(__file__).parents[1] / "data" / "sysfs-rdma"))
-    lines: list[str] = []
-    nic = dcb.open_nic_map("dry-run", discovery=sysfs, write=lines.append)
-    assert nic.netdevs == ("eth2", "eth3")
-    nic.apply({26: 7})
-    assert lines == [
-        "dcb app replace dev eth2 dscp-prio 26:7",
-        "dcb app replace dev eth3 dscp-prio 26:7",
-    ]
-    assert dcb.open_nic_map("dcb", ["eth9"]).netdevs == ("eth9",)  # configured names win
-    with pytest.raises(ValueError, match=r"name them in traffic\.rdma_interfaces"):
-        dcb.open_nic_map("dcb", discovery=SysfsDiscovery("/nonexistent"))
