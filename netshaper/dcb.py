@@ -20,8 +20,7 @@ Backends (chosen once, from configuration):
   changes.
 
 :class:`NicMap` writes one map on every RoCE netdev (the daemon's RDMA port). What the
-switches must do is in the
-README ("RDMA: the NIC's DSCP map and the switch side").
+switches must do is in the README ("RDMA: the NIC's DSCP map and the switch side").
 """
 
 from __future__ import annotations
