@@ -33,9 +33,10 @@ DSCP 26), and filter handles are derived from the tag alone (node ``2*DSCP + 1``
 ``2*DSCP + 2`` for IPv6). Re-prioritizing a job is four operations and never leaves its
 traffic unclassified: add the leaf under the new level, re-point its two filters (a u32
 *change* of the same handle), delete the old leaf. (HTB refuses to delete a class that a
-filter still points to, and a class cannot change parent, so this is the minimum.) A
-filter is deleted only by its exact handle -- never by parent alone, which deletes every
-filter on the qdisc. A job's leaf counters restart when it moves; the daemon accumulates.
+filter still points to, and a class cannot change parent, so this is the minimum.) Our
+filters are deleted only by exact handle -- never by parent alone, which deletes every
+filter on the qdisc; filters someone else put under our root in another prio go as that
+whole prio. A job's leaf counters restart when it moves; the daemon accumulates.
 
 Rates are bit/s in the plan; the adapter converts to the kernel's bytes/s. ``burst`` and
 ``cburst`` are explicit (``burst_s`` of the rate, at least ``min_burst_bytes``) so fast
