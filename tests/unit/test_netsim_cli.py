@@ -91,4 +91,5 @@ def test_family_names_expand_to_their_readings(capsys: pytest.CaptureFixture[str
         "sincronia-top",
         "sincronia-top-strict",
         "cassini",
+        "cassini-loose",
     }

@@ -34,6 +34,8 @@ BINS = 240
 MAX_CANDIDATES = 60
 MAX_STRETCH = 1.1
 MAX_LEFT = 0.1
+LOOSE_STRETCH = 1.3
+LOOSE_LEFT = 1.0
 
 
 def components(infos: Mapping[str, JobInfo]) -> list[list[str]]:
@@ -112,16 +114,24 @@ def _arcs(info: JobInfo, shift_bins: int, reps: int, perimeter: float) -> list[i
 
 
 def plan_shifts(
-    now: float, infos: Mapping[str, JobInfo], capacity: Mapping[str, float]
+    now: float,
+    infos: Mapping[str, JobInfo],
+    capacity: Mapping[str, float],
+    *,
+    max_stretch: float = MAX_STRETCH,
+    max_left: float = MAX_LEFT,
 ) -> dict[str, tuple[float, float]]:
-    """Pacing per job, ``(first slot, period)``, for the jobs worth shifting."""
+    """Pacing per job, ``(first slot, period)``, for the jobs worth shifting.
+
+    ``max_stretch`` and ``max_left`` loosen or tighten the two rules above (the ``loose``
+    reading paces any group whose overflow the shifts reduce at all)."""
     pace: dict[str, tuple[float, float]] = {}
     for group in components(infos):
         if len(group) < 2:
             continue
         periods = {j: infos[j].ideal_s for j in group}
         perimeter, reps = unified_circle(periods)
-        if any(perimeter / reps[j] > MAX_STRETCH * periods[j] for j in group):
+        if any(perimeter / reps[j] > max_stretch * periods[j] for j in group):
             continue
         rates = {
             j: {
@@ -153,7 +163,7 @@ def plan_shifts(
                         best_s, best_d = s, d
                 shift[j] = best_s
                 circle.add(_arcs(infos[j], best_s, reps[j], perimeter), rates[j])
-        if circle.overflow() > MAX_LEFT * before:
+        if circle.overflow() > max_left * before - 1e-12:
             continue
         for j in group:
             pace[j] = (now + shift[j] / BINS * perimeter, perimeter / reps[j])

@@ -14,7 +14,9 @@
   0.05. Jobs with no traffic come last. Besides the generic compressions it has its own,
   ``aware`` (:func:`contention_aware_levels`).
 * ``cassini``: fair sharing, with CASSINI-style time shifts that interleave the
-  communication phases of jobs sharing links (:mod:`tools.netsim.cassini`).
+  communication phases of jobs sharing links (:mod:`tools.netsim.cassini`); two readings:
+  ``cassini`` paces only groups that fit taking turns, ``cassini-loose`` any group the
+  shifts help at all.
 * ``leveller``: :mod:`netshaper` itself, fed iteration reports at every tick, exactly as
   the daemon feeds it.
 
@@ -35,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from netshaper import Leveller, LevellerConfig, ProgressTracker, rank_levels
 from netshaper.progress import ProgressConfig
-from tools.netsim.cassini import plan_shifts
+from tools.netsim.cassini import LOOSE_LEFT, LOOSE_STRETCH, plan_shifts
 from tools.netsim.engine import Decision, Policy, View
 
 COMPRESSIONS: dict[str, tuple[str, ...]] = {
@@ -54,7 +56,7 @@ def readings(family: str) -> tuple[str, ...]:
 BASELINES: dict[str, tuple[str, ...]] = {
     "sincronia": readings("sincronia"),
     "crux": readings("crux"),
-    "cassini": ("cassini",),
+    "cassini": ("cassini", "cassini-loose"),
 }
 POLICY_NAMES = ("fair", "sincronia", "crux", "cassini", "leveller")
 READING_NAMES = tuple(r for family in BASELINES.values() for r in family)
@@ -285,12 +287,14 @@ def bssi_order(
 
 
 class CassiniPolicy:
-    """One level; time shifts re-planned whenever jobs come or go."""
+    """One level; time shifts re-planned whenever jobs come or go. ``loose``: pace any
+    group the shifts help at all, stretching periods up to 30%."""
 
-    name = "cassini"
     reorder_on_coflows = False
 
-    def __init__(self) -> None:
+    def __init__(self, *, loose: bool = False) -> None:
+        self.name = "cassini-loose" if loose else "cassini"
+        self._loose = loose
         self._members: tuple[str, ...] | None = None
         self._pace: dict[str, tuple[float, float]] = {}
 
@@ -301,7 +305,12 @@ class CassiniPolicy:
             infos = {j: view.info(j) for j in jobs}
             links = {link for info in infos.values() for link in info.link_bytes}
             capacity = {link: view.link_capacity(link) for link in links}
-            self._pace = plan_shifts(now, infos, capacity)
+            if self._loose:
+                self._pace = plan_shifts(
+                    now, infos, capacity, max_stretch=LOOSE_STRETCH, max_left=LOOSE_LEFT
+                )
+            else:
+                self._pace = plan_shifts(now, infos, capacity)
         return Decision(levels=dict.fromkeys(jobs, 0), pace=self._pace)
 
 
@@ -360,6 +369,7 @@ def make_policy(name: str) -> Policy:
     factories: dict[str, Callable[[], Policy]] = {
         "fair": FairPolicy,
         "cassini": CassiniPolicy,
+        "cassini-loose": lambda: CassiniPolicy(loose=True),
         "leveller": LevellerPolicy,
     }
     factory = factories.get(name) or _reading_factory(name)
