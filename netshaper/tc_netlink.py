@@ -743,11 +743,7 @@ class TcNetlink:
             except TcError as err:
                 found[iface] = err
                 continue
-            ours = (
-                state.root is not None
-                and state.root.kind == "htb"
-                and state.root.handle >> 16 == ROOT_MAJOR
-            )
+            ours = _is_ours(state.root)
             self._cache[iface] = state
             found[iface] = AdoptedState(iface, ours, None if ours else state.root, state)
         return found
@@ -829,31 +825,36 @@ class TcNetlink:
         idx = self.ifindex(iface)
         self._cache.pop(iface, None)
         state = self.read(iface)
-        if (
-            state.root is not None
-            and state.root.kind == "htb"
-            and state.root.handle >> 16 == ROOT_MAJOR
-        ):
-            (ack,) = self._nl.request([self._enc.root(idx, TcOp(OpKind.DELETE_ROOT, iface))])
-            if ack.errno:
-                raise TcError(
-                    iface,
-                    f"cannot delete the HTB root: {_errname(ack.errno)}",
-                    op=f"qdisc del dev {iface} root",
-                    errno=ack.errno,
-                    detail=ack.detail,
-                )
+        if _is_ours(state.root):
+            delete = self._enc.root(idx, TcOp(OpKind.DELETE_ROOT, iface))
+            self._request_one(iface, delete, f"qdisc del dev {iface} root", "delete the HTB root")
             state = self.read(iface)
         now = state.root.kind if state.root is not None else "noqueue"
         if original is None or original.kind in (now, "noqueue"):
             return
         body = _TCMSG.pack(0, idx, original.handle, TC_H_ROOT, 0) + _kind(original.kind)
-        (ack,) = self._nl.request([(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, body)])
+        self._request_one(
+            iface,
+            (RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, body),
+            f"qdisc replace dev {iface} root {original.kind}",
+            f"re-install the original {original.kind} root",
+        )
+
+    def _request_one(self, iface: str, msg: tuple[int, int, bytes], op: str, what: str) -> None:
+        try:
+            (ack,) = self._nl.request([msg])
+        except OSError as err:
+            raise TcError(iface, f"cannot {what}: {err}", op=op, errno=err.errno) from err
         if ack.errno:
             raise TcError(
                 iface,
-                f"cannot re-install the original {original.kind} root: {_errname(ack.errno)}",
-                op=f"qdisc replace dev {iface} root {original.kind}",
+                f"cannot {what}: {_errname(ack.errno)}",
+                op=op,
                 errno=ack.errno,
                 detail=ack.detail,
             )
+
+
+def _is_ours(root: RootQdisc | None) -> bool:
+    """An HTB root with gpud's major handle (``6764:``)."""
+    return root is not None and root.kind == "htb" and root.handle >> 16 == ROOT_MAJOR
