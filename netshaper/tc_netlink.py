@@ -749,8 +749,22 @@ class TcNetlink:
         return found
 
     def sync(self, plan: TcPlan) -> SyncResult:
-        """Apply only what differs between the plan and the kernel, in one batch."""
-        return self._apply(plan, reread=False)
+        """Apply only what differs between the plan and the kernel, in one batch.
+
+        The difference is taken from what this adapter last saw; an interface whose
+        operations fail (someone changed it since) is read again and repaired at once,
+        its result then listing what was ``restored``.
+        """
+        first = self._apply(plan, reread=False)
+        stale = [
+            p
+            for p in plan.interfaces
+            if (err := first.interfaces[p.iface].error) is not None and err.op is not None
+        ]
+        if not stale:
+            return first
+        retry = self._apply(TcPlan(tuple(stale), plan.job_classes), reread=True)
+        return SyncResult({**first.interfaces, **retry.interfaces})
 
     def drift(self, plan: TcPlan) -> SyncResult:
         """Re-read every interface, restore whatever differs from the plan.

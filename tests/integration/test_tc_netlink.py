@@ -334,3 +334,15 @@ def test_a_failure_early_in_the_batch_does_not_stop_the_rest(net: Net, adapter: 
     assert len(net.filters("a1")) == 4
     assert net.classes("a1")["6764:1122"]["parent"] == "6764:11"
     assert adapter.drift(tp.plan({"a1": GBIT}, TAGS, {"alpha": 0, "beta": 1}, SHARES)).op_count == 0
+
+
+def test_a_sync_repairs_what_changed_behind_its_back(net: Net, adapter: TcNetlink) -> None:
+    assert adapter.sync(plan({"alpha": 0, "beta": 1})).ok
+    net.tc("qdisc", "del", "dev", "a0", "root")
+    # the plan changes in the same tick: the cached view is stale, the ops fail, the
+    # interface is read again and rebuilt in the same call
+    result = adapter.sync(plan({"alpha": 2, "beta": 1}))
+    assert result.ok, result.errors
+    assert result.restored["a0"][0] == "re-installed HTB root 6764:0"
+    assert net.classes("a0")["6764:121a"]["parent"] == "6764:12"
+    assert net.filters("a0")["800::35"][0] == "6764:121a"
