@@ -50,7 +50,9 @@ Behaviour:
   operations by sequence number.
 * Errors stay with their interface: an unknown interface, a kernel without HTB or u32, or
   any netlink error is reported as a :class:`TcError` for that interface (with the op and
-  the kernel's extended-ack message), and every other interface is still enforced.
+  the kernel's extended-ack message), and every other interface is still enforced. When
+  ``sync``'s operations fail on an interface because it changed behind our back, the
+  interface is read again and repaired in the same call.
 * ``adopt`` never tears anything down: after ``kill -9`` the next start finds its HTB root
   (handle ``6764:``) and keeps it -- the last priorities stay in force (fail-static) until
   the first ``sync`` changes only what differs. For a foreign root it reports the
