@@ -114,6 +114,7 @@ class ClusterAgent:
         self.order: Order | None = None  # the newest applied order (this node's share)
         self.last_error = ""
         self._changed = asyncio.Event()
+        self._tick_lock = asyncio.Lock()
 
     # -- the tick ------------------------------------------------------------------------
 
@@ -157,6 +158,11 @@ class ClusterAgent:
         )
 
     async def tick(self) -> None:
+        """One round: the daemon's step, and at once when the leader changes."""
+        async with self._tick_lock:
+            await self._tick()
+
+    async def _tick(self) -> None:
         info = self.election.state()
         report = await asyncio.to_thread(self.local_report)
         if info.leading:

@@ -106,6 +106,8 @@ class EtcdElection:
         self._watch_revision = 0  # the leader key's last mod revision seen (0: none)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # called on the election's thread when the leader or the epoch changes
+        self.on_change: Callable[[], None] = lambda: None
 
     @property
     def interval_s(self) -> float:
@@ -232,6 +234,7 @@ class EtcdElection:
             self._detail = why
         log.warning("stepping down as cluster leader (epoch %d): %s", self._epoch, why)
         self._notify("cluster.step_down", f"stepped down: {why}", {"epoch": self._epoch})
+        self.on_change()
 
     def _follow(self) -> None:
         try:
@@ -263,6 +266,7 @@ class EtcdElection:
             self._store_ok = True
             self._detail = "" if leader else f"unreadable leader key {self.key}"
         if changed:
+            self.on_change()
             log.info("cluster leader is %s (epoch %d)", leader or "?", kv.create_revision)
 
     def _campaign(self) -> None:
@@ -287,4 +291,5 @@ class EtcdElection:
             self._store_ok = True
             self._detail = ""
         log.info("elected cluster leader (epoch %d, lease TTL %d s)", epoch, granted)
+        self.on_change()
         self._notify("cluster.elected", f"elected leader in epoch {epoch}", {"epoch": epoch})
