@@ -36,6 +36,8 @@ def result_file(tmp_path: Path) -> Path:
             }
         },
     }
+    mix = doc["mixes"]["pair"]
+    doc["runs"] = [{"cc": cc, "mixes": {"pair": mix}} for cc in ("default (bbr)", "cubic")]
     path = tmp_path / "tb.json"
     path.write_text(json.dumps(doc))
     return path
@@ -60,6 +62,8 @@ def test_fluid_figures_sit_beside_the_kernel_ones(tmp_path: Path) -> None:
     rows = compare(json.loads(result_file(tmp_path).read_text()))
     row = rows["pair"]
     assert row["kernel"]["gpud"]["min_progress"] == 0.45
+    assert set(row["kernel_by_cc"]) == {"default (bbr)", "cubic"}
+    assert row["kernel_by_cc"]["cubic"]["runs"] == 1
     fluid = row["fluid"]
     # Per-flow sharing gives the one-connection job 1/17 of the link while both send.
     assert fluid["baseline"]["min_progress"] < 0.8 * fluid["gpud"]["min_progress"]
@@ -70,7 +74,7 @@ def test_fluid_figures_sit_beside_the_kernel_ones(tmp_path: Path) -> None:
 def test_testbed_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["testbed", "--results", str(result_file(tmp_path)), "--workers", "1"]) == 0
     out = capsys.readouterr().out
-    assert "kernel" in out and "fluid" in out
+    assert "kernel (2)" in out and "cubic (1)" in out and "fluid" in out
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert main(["testbed", "--results", str(bad)]) == 2

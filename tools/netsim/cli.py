@@ -269,22 +269,22 @@ def _cmd_testbed(args: argparse.Namespace) -> int:
         " jain / efficiency\nunder the kernel's default qdisc (fluid: per-flow fair) and"
         " under gpud (fluid: leveller)\n"
     )
-    out.write(f"{'mix':<10}{'':<8}{'ceiling':>8}{'baseline':>22}{'gpud':>22}\n")
+    out.write(f"{'mix':<10}{'(runs)':<22}{'ceiling':>8}{'baseline':>22}{'gpud':>22}\n")
     for mix, row in rows.items():
-        for side in ("kernel", "fluid"):
-            r = row.get(side)
-            if r is None:
-                continue
+        lines = []
+        if "kernel" in row:
+            lines.append((f"kernel ({row['kernel']['runs']})", row["kernel"]))
+        for cc, figures in row.get("kernel_by_cc", {}).items():
+            lines.append((f"  {cc} ({figures['runs']})", figures))
+        lines.append(("fluid", row["fluid"]))
+        for i, (label, r) in enumerate(lines):
             cells = ""
             for part in ("baseline", "gpud"):
                 f = r[part]
                 cells += "   " + " ".join(
                     _fmt(f.get(k)) for k in ("min_progress", "jain", "efficiency")
                 )
-            out.write(
-                f"{mix if side == 'kernel' or 'kernel' not in row else '':<10}{side:<8}"
-                f"{_fmt(r['ceiling']):>8}{cells}\n"
-            )
+            out.write(f"{mix if i == 0 else '':<10}{label:<22}{_fmt(r['ceiling']):>8}{cells}\n")
     if results is None:
         out.write(
             "\n(kernel figures: sudo .venv/bin/python -m tools.testbed run --json > tb.json,"

@@ -123,11 +123,30 @@ def compare(
         row: dict[str, Any] = {"fluid": fluid}
         kernel = (results or {}).get("mixes", {}).get(mix)
         if kernel is not None:
-            row["kernel"] = {
-                "ceiling": kernel.get("ceiling"),
-                **{
-                    side: {k: kernel[side].get(k) for k in FIGURES} for side in ("baseline", "gpud")
-                },
-            }
+            row["kernel"] = _figures([kernel])
+            row["kernel"]["runs"] = len((results or {}).get("runs", [])) or 1
+            by_cc: dict[str, list[Mapping[str, Any]]] = {}
+            for run in (results or {}).get("runs", []):
+                if mix in run.get("mixes", {}):
+                    by_cc.setdefault(str(run.get("cc", "?")), []).append(run["mixes"][mix])
+            if len(by_cc) > 1:
+                row["kernel_by_cc"] = {cc: _figures(runs) for cc, runs in by_cc.items()}
         out[mix] = row
     return out
+
+
+def _figures(runs: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Ceiling and both sides' figures, averaged over ``runs`` (testbed mix entries)."""
+
+    def mean(values: list[Any]) -> float | None:
+        nums = [float(v) for v in values if v is not None]
+        return sum(nums) / len(nums) if nums else None
+
+    return {
+        "ceiling": mean([r.get("ceiling") for r in runs]),
+        "runs": len(runs),
+        **{
+            side: {k: mean([r[side].get(k) for r in runs]) for k in FIGURES}
+            for side in ("baseline", "gpud")
+        },
+    }
