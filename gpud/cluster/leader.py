@@ -188,11 +188,13 @@ class Aggregator:
             if f.dscp is None or not allocator.claim(job, f.dscp):
                 allocator.tag(job)
             free -= 1
-        released = [
-            job
-            for job, t in self._job_seen.items()
-            if job not in folds and now - t > self.release_after_s
-        ]
+        released = []
+        if len(seen_at) > len(folds):  # some job was not reported this round
+            released = [
+                job
+                for job, t in seen_at.items()
+                if now - t > self.release_after_s and job not in folds
+            ]
         for job in released:
             del self._job_seen[job]
             allocator.release(job)
@@ -224,9 +226,9 @@ class Aggregator:
                 f.ips,
                 f.slowest,
                 tuple(f.nodes),
-                tuple(f.unhealthy),
-                tuple(f.xids),
-                tuple(f.links_down),
+                tuple(f.unhealthy) if f.unhealthy else (),
+                tuple(f.xids) if f.xids else (),
+                tuple(f.links_down) if f.links_down else (),
                 f.drops,
                 f.tx,
                 stamp,
@@ -238,7 +240,7 @@ class Aggregator:
             epoch=epoch,
             seq=self._seq,
             leader=self.leader,
-            levels=dict(levels),
+            levels=levels,  # LEVELLER's own copy
             tags={j: after[j] for j in folds if j in after},
             shares=assignment.shares,
             attributes=attributes,
