@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 import gpud.client
+from gpud.cluster.etcd import EtcdClient, EtcdSettings
 from gpud.v1 import cluster_pb2 as pb
 from gpud.v1 import cluster_pb2_grpc as pb_grpc
 from tests.integration.cluster_support import TTL_S, Cluster, Node, start_cluster
@@ -86,6 +87,12 @@ def test_one_leader_then_failover_keeps_the_last_order_during_the_gap(cluster: C
         what="the new leader's order applied everywhere",
     )
     assert {str(levels(n.status())) for n in survivors} == {str(kept[survivors[0].name])}
+    # the tag lives in etcd, where the new leader found it
+    etcd = EtcdClient(EtcdSettings(endpoints=(cluster.etcd.endpoint,)))
+    stored = etcd.get_prefix(f"{cluster.prefix}/tags/")
+    assert {k.rsplit("/", 1)[1]: int(v) for k, v in stored.items()} == {
+        JOB: kept[survivors[0].name][JOB][1]
+    }
 
 
 def test_a_leader_cut_off_from_etcd_steps_down_before_a_successor_is_elected(
