@@ -42,18 +42,21 @@ from gpud.v1 import net_pb2, net_pb2_grpc
 
 EXIT_CANNOT_EXEC = 127
 EXIT_GATE_CLOSED = 125
-# Waits for one byte on fd argv[1], then becomes the command (the pid stays the same, so
-# the cgroup gpud put it in is the command's).
+# Says it is running (one byte on fd argv[2]: only then does /proc/PID/environ show the
+# job's environment, which gpud checks), waits for one byte on fd argv[1], then becomes the
+# command (the PID stays the same, so the cgroup gpud put it in is the command's).
 _GATE = (
     "import os,sys\n"
-    "fd=int(sys.argv[1])\n"
+    "fd,ready=int(sys.argv[1]),int(sys.argv[2])\n"
+    "os.write(ready,b'r')\n"
+    "os.close(ready)\n"
     "ok=os.read(fd,1)\n"
     "os.close(fd)\n"
     "ok or sys.exit(125)\n"
     "try:\n"
-    " os.execvp(sys.argv[2],sys.argv[2:])\n"
+    " os.execvp(sys.argv[3],sys.argv[3:])\n"
     "except OSError as e:\n"
-    " sys.stderr.write(f'gpuctl: cannot run {sys.argv[2]}: {e.strerror}\\n')\n"
+    " sys.stderr.write(f'gpuctl: cannot run {sys.argv[3]}: {e.strerror}\\n')\n"
     " sys.exit(127)\n"
 )
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -129,21 +132,30 @@ def _launch(
 ) -> int:
     """Run ``command``; with ``place``, start it behind a gate, call ``place(pid)``, then
     let it run (it runs even when placing fails, with a warning)."""
-    gate_r = gate_w = -1
+    gate_r = gate_w = ready_r = ready_w = -1
     argv = command
     if place is not None:
         gate_r, gate_w = os.pipe()
-        argv = [sys.executable, "-I", "-S", "-c", _GATE, str(gate_r), *command]
+        ready_r, ready_w = os.pipe()
+        argv = [sys.executable, "-I", "-S", "-c", _GATE, str(gate_r), str(ready_w), *command]
     try:
-        child = subprocess.Popen(argv, env=env, pass_fds=(gate_r,) if place else ())
+        child = subprocess.Popen(
+            argv, env=env, pass_fds=(gate_r, ready_w) if place is not None else ()
+        )
     except OSError as err:
         print(f"gpuctl: cannot run {command[0]}: {err.strerror}", file=sys.stderr)
+        for fd in (gate_w, ready_r):
+            if fd >= 0:
+                os.close(fd)
         return EXIT_CANNOT_EXEC
     finally:
-        if gate_r >= 0:
-            os.close(gate_r)
+        for fd in (gate_r, ready_w):
+            if fd >= 0:
+                os.close(fd)
     if place is not None:
         try:
+            os.read(ready_r, 1)  # empty when the gate died: placing then fails, harmlessly
+            os.close(ready_r)
             place(child.pid)
         except CliError as err:
             print(f"gpuctl: the job's traffic is not marked by cgroup: {err}", file=sys.stderr)

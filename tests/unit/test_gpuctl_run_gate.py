@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -17,18 +16,13 @@ def test_the_command_runs_only_after_it_was_placed(tmp_path: Path) -> None:
     seen: list[tuple[int, bytes]] = []
 
     def place(pid: int) -> None:
-        # still the gate: the command has not started yet (cmdline is empty for a moment
-        # while the kernel finishes the exec)
-        cmdline = b""
-        for _ in range(500):
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if cmdline:
-                break
-            time.sleep(0.01)
-        seen.append((pid, cmdline))
+        # still the gate, and already showing its environment (what gpud checks)
+        seen.append((pid, Path(f"/proc/{pid}/cmdline").read_bytes()))
+        assert b"GPUD_TEST_JOB=x" in Path(f"/proc/{pid}/environ").read_bytes()
         assert not out.exists()
 
-    code = _launch(["sh", "-c", f"echo $$ > {out}"], dict(os.environ), place)
+    env = {**os.environ, "GPUD_TEST_JOB": "x"}
+    code = _launch(["sh", "-c", f"echo $$ > {out}"], env, place)
     assert code == 0
     ((pid, cmdline),) = seen
     assert b"-c" in cmdline and b"execvp" in cmdline

@@ -121,9 +121,11 @@ def run_jobs(
         except Exception:
             break
     for proc, job in zip(senders, jobs, strict=True):
+        out = (bed.tmp / f"{tag}-{job.name}.out").read_text()
         if proc.returncode not in (0, None):
-            out = (bed.tmp / f"{tag}-{job.name}.out").read_text()[-1500:]
-            raise RuntimeError(f"job {job.name} ({tag}) exited {proc.returncode}:\n{out}")
+            raise RuntimeError(f"job {job.name} ({tag}) exited {proc.returncode}:\n{out[-1500:]}")
+        if "not marked by cgroup" in out:  # its figures would measure the default class
+            raise RuntimeError(f"job {job.name} ({tag}) ran unmarked:\n{out[-1500:]}")
     bed.stop_all()
     del receivers
     times = {
