@@ -138,6 +138,12 @@ def print_suite(reports: Sequence[ScenarioReport], out: TextIO) -> None:
         out.write(
             "  best overall: " + ", ".join(f"{k} {v}" for k, v in winners(reports).items()) + "\n"
         )
+        zeros = {
+            name: sum(1 for r in reports if r.policies[name].min_progress <= 0)
+            for name in reports[0].policies
+        }
+        starved = ", ".join(f"{k} {v}" for k, v in zeros.items() if v) or "none"
+        out.write(f"  scenarios where a reading leaves a job at 0 progress: {starved}\n")
     s = summary(reports)
     for gname, g in s["groups"].items():
         out.write(f"\n[{gname}] {len(g['scenarios'])} scenarios: geometric means")
