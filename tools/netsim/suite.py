@@ -5,6 +5,9 @@ compute/communication ratios and flow counts, 1 to 4 shared links, 2 to 32 jobs,
 arrivals and departures, a job joining a saturated link, jobs that do not declare their
 contention-free time, few priority levels -- not from how any policy fares on them. The
 larger clusters are drawn from a seeded generator, so they are the same on every run.
+Two later groups: ``phase-*``, identical jobs started in step, written for CASSINI's time
+shifts to win (per-flow sharing keeps them in step); ``gpus-*``, jobs of 4 to 128 GPUs, for
+Crux's GPU-intensity ranking.
 ``python -m tools.netsim export DIR`` writes them as scenario files.
 
 Units: links in Gbit/s (100 Gbit/s = 12.5 GB/s), flow sizes in bytes.
