@@ -753,9 +753,11 @@ class TcNetlink:
     def sync(self, plan: TcPlan) -> SyncResult:
         """Apply only what differs between the plan and the kernel, in one batch.
 
-        The difference is taken from what this adapter last saw; an interface whose
-        operations fail (someone changed it since) is read again and repaired at once,
-        its result then listing what was ``restored``.
+        Where the plan changed, the difference is taken from what this adapter last saw
+        (no read: a re-prioritization costs one batch); an interface whose operations fail
+        (someone changed it since) is read again and repaired at once. Where the plan did
+        not change, the interface is read and checked, as ``drift`` does. Either repair
+        lists what was put back in the interface's ``restored``.
         """
         first = self._apply(plan, reread=False)
         stale = [
@@ -778,20 +780,25 @@ class TcNetlink:
     def _apply(self, plan: TcPlan, *, reread: bool) -> SyncResult:
         results: dict[str, InterfaceResult] = {}
         batch: list[tuple[str, TcOp, tuple[int, int, bytes]]] = []
-        planned: dict[str, tuple[InterfacePlan, InterfaceState, tuple[TcOp, ...]]] = {}
+        planned: dict[str, tuple[InterfacePlan, InterfaceState, tuple[TcOp, ...], bool]] = {}
         for want in plan.interfaces:
             iface = want.iface
             try:
                 state = self._cache.get(iface) if not reread else None
+                checked = state is None
                 if state is None:
                     state = self.read(iface)
                 ops = diff(state, want)
+                if not ops and not checked:
+                    # Nothing new for this interface: check what the kernel really holds.
+                    state, checked = self.read(iface), True
+                    ops = diff(state, want)
                 idx = self.ifindex(iface)
             except TcError as err:
                 self._cache.pop(iface, None)
                 results[iface] = InterfaceResult(iface, error=err)
                 continue
-            planned[iface] = (want, state, ops)
+            planned[iface] = (want, state, ops, reread or (checked and bool(ops)))
             batch.extend((iface, op, self._enc.encode(idx, op)) for op in ops)
         failed: dict[str, TcError] = {}
         try:
@@ -803,7 +810,7 @@ class TcNetlink:
         for (iface, op, _), ack in zip(batch, acks, strict=True):
             if ack.errno and iface not in failed:
                 failed[iface] = self._op_error(iface, op, ack)
-        for iface, (want, state, ops) in planned.items():
+        for iface, (want, state, ops, repair) in planned.items():
             failure = failed.get(iface)
             htid = u32_htid(state, ops)
             if failure is None and (htid is not None or not want.filters):
@@ -814,7 +821,7 @@ class TcNetlink:
                 self._cache.pop(iface, None)
                 if failure.errno == errno_mod.ENODEV:
                     self._ifindex.pop(iface, None)
-            results[iface] = InterfaceResult(iface, ops, drift=reread, error=failure)
+            results[iface] = InterfaceResult(iface, ops, drift=repair, error=failure)
         return SyncResult(results)
 
     @staticmethod

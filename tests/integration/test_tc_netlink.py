@@ -346,3 +346,13 @@ def test_a_sync_repairs_what_changed_behind_its_back(net: Net, adapter: TcNetlin
     assert result.restored["a0"][0] == "re-installed HTB root 6764:0"
     assert net.classes("a0")["6764:121a"]["parent"] == "6764:12"
     assert net.filters("a0")["800::35"][0] == "6764:121a"
+
+
+def test_a_sync_of_an_unchanged_plan_checks_the_kernel(net: Net, adapter: TcNetlink) -> None:
+    want = tp.plan({"a0": GBIT, "nosuch0": GBIT}, TAGS, {"alpha": 0}, SHARES)
+    assert set(adapter.sync(want).errors) == {"nosuch0"}
+    net.tc("qdisc", "del", "dev", "a0", "root")
+    result = adapter.sync(want)  # same plan: a0 is read and repaired, as drift would
+    assert set(result.errors) == {"nosuch0"}
+    assert result.restored["a0"][0] == "re-installed HTB root 6764:0"
+    assert net.classes("a0")["6764:101a"]["parent"] == "6764:10"

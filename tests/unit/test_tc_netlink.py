@@ -75,11 +75,20 @@ def test_missing_htb_is_a_clear_error_for_that_interface_only() -> None:
     assert str(result.errors["eth7"]) == "eth7: no such network interface"
     assert result.interfaces["eth0"].error is None and len(result.interfaces["eth0"].ops) == 10
 
-    # next tick: eth0 is known (no re-read, nothing to send); eth1 is read and tried again
+    # next tick, a changed plan: eth0's goes out from what the adapter knows (no read
+    # first); eth1 is read and tried again
     nl.dumps.clear()
     nl.sent.clear()
-    again = tc.sync(plan)
-    assert again.interfaces["eth0"].ops == ()
+    moved = tp.plan({"eth0": 10**9, "eth1": 10**9}, {"a": 26}, {"a": 2}, [0.1] * 4)
+    assert tc.sync(moved).interfaces["eth0"].ops == (
+        "class add dev eth0 parent 6764:12 classid 6764:121a htb rate 1000000bit ceil "
+        "1000000000bit burst 131072b cburst 131072b quantum 60000 prio 2",
+        "filter change dev eth0 parent 6764:0 protocol all prio 1 handle 800:0:35 u32 match u32 "
+        "0x40680000 0xf0fc0000 at 0 flowid 6764:121a",
+        "filter change dev eth0 parent 6764:0 protocol all prio 1 handle 800:0:36 u32 match u32 "
+        "0x66800000 0xffc00000 at 0 flowid 6764:121a",
+        "class del dev eth0 classid 6764:101a",
+    )
     assert {i for _, i in nl.dumps} == {2}
-    assert {i for _, i in nl.sent} == {2}
+    assert {i for _, i in nl.sent} == {1, 2}
     tc.close()
