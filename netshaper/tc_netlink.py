@@ -43,8 +43,10 @@ and ``tc filter show dev eth0`` (the ``*`` is tc's, for every u32 filter with a 
 Behaviour:
 
 * ``sync`` diffs the plan against what this adapter last saw the kernel hold (read from
-  the kernel on first use of an interface, after any error, and on every ``drift``), and
-  sends every operation of every interface in one batch on one socket (several
+  the kernel on first use of an interface, after any error, and on every ``drift``); an
+  interface where that leaves nothing to do is read and checked instead (so calling
+  ``sync`` every tick also repairs drift). It sends every operation of every interface
+  in one batch on one socket (several
   ``sendmsg`` calls of up to 64 KiB). Only the last message of each call asks for an
   ack; the kernel answers the others only when they fail, and errors are matched to
   operations by sequence number.
