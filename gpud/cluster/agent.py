@@ -36,6 +36,8 @@ from netshaper.leveller import Leveller, LevellerConfig
 
 log = logging.getLogger(__name__)
 
+RETRY_S = 0.2  # a follower's next report when the leader had no order for it yet
+
 
 class PeerTransport(Protocol):
     async def report(self, address: str, leader: str, report: NodeReport) -> Order | None:
@@ -115,6 +117,8 @@ class ClusterAgent:
         self.last_error = ""
         self._changed = asyncio.Event()
         self._tick_lock = asyncio.Lock()
+        # an extra round after DELAY seconds (the runtime schedules it; a no-op by default)
+        self.request_round: Callable[[float], None] = lambda delay: None
 
     # -- the tick ------------------------------------------------------------------------
 
@@ -185,6 +189,8 @@ class ClusterAgent:
                     self.last_error = ""
                     if order is not None:
                         self._apply(order)
+                    else:  # a new leader has not folded our report in yet: ask again soon
+                        self.request_round(RETRY_S)
         self._update_mode(info.leading)
 
     def _note_error(self, message: str) -> None:
@@ -220,7 +226,11 @@ class ClusterAgent:
             leader = f"; the leader is {info.leader} at {info.address}" if info.leader else ""
             raise FailedPrecondition(f"{self.node} does not lead{leader}")
         agg.receive(report, self._clock())
-        return agg.answer(report.node)
+        answer = agg.answer(report.node)
+        if answer is None:
+            # a node new to this leader (a failover): fold it in now, not at the next tick
+            self.request_round(0.0)
+        return answer
 
     def seen_nodes(self) -> list[NodeSeen]:
         """Nodes heard from (peer servicer; the leader only)."""

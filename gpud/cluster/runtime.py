@@ -140,14 +140,21 @@ class ClusterRuntime:
         def on_change() -> None:
             loop.call_soon_threadsafe(kick.set)
 
+        def request_round(delay: float) -> None:  # on the loop (servicer, tick)
+            if delay <= 0:
+                kick.set()
+            else:
+                loop.call_later(delay, kick.set)
+
         self._election.on_change = on_change
+        self.agent.request_round = request_round
         self._kicker = asyncio.create_task(self._tick_on_change(), name="cluster-kick")
         self._election.start()
         log.info("cluster: node %s campaigning on etcd, peer address %s", self.node, address)
 
     async def _tick_on_change(self) -> None:
-        """A new leader or epoch: report (or lead) now rather than at the next tick, so a
-        failover reaches every node a tick sooner."""
+        """A new leader or epoch, or a node new to this leader: a round now rather than at
+        the next tick, so a failover reaches every node within a fraction of a tick."""
         while True:
             await self._kick.wait()
             self._kick.clear()
