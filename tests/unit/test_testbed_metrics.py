@@ -36,3 +36,12 @@ def test_summarize_and_series() -> None:
     points = series(times["a"], 0.25, 0.0, 3.0)
     assert [p[0] for p in points] == [1.0, 2.0, 3.0]
     assert all(p[1] == pytest.approx(0.5) for p in points)
+
+
+def test_iterations_straddling_the_window_count_by_fraction() -> None:
+    from tools.testbed.metrics import completed
+
+    times = [1.0, 2.0, 3.0, 4.0]
+    assert completed(times, 2.5) == 2.5 and completed(times, 0.5) == 0.0
+    assert completed(times, 9.0) == 4.0
+    assert progress(times, 1.0, 1.5, 3.5) == pytest.approx(1.0)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -55,10 +56,21 @@ def ceiling(jobs: Sequence[JobSpec], ideal_s: Mapping[str, float], goodput_bps: 
     return min(1.0, goodput_bps / demand)
 
 
+def completed(times: Sequence[float], t: float) -> float:
+    """Iterations completed by ``t``, counting the one in progress by the fraction of its
+    duration elapsed (completion times are sorted; none after the last one is counted)."""
+    i = bisect.bisect_right(times, t)
+    if i == 0 or i == len(times):
+        return float(i)
+    before, after = times[i - 1], times[i]
+    return i + (t - before) / (after - before)
+
+
 def progress(times: Sequence[float], ideal_s: float, t0: float, t1: float) -> float:
-    """Iterations completed in (t0, t1] per second, times ``ideal_s``."""
-    done = sum(1 for t in times if t0 < t <= t1)
-    return done / (t1 - t0) * ideal_s
+    """Iterations per second over (t0, t1], times ``ideal_s``: the share of its speed alone
+    the job kept. Iterations straddling the window's edges count by fraction, so a window
+    holding a few dozen iterations is not quantised to whole ones."""
+    return (completed(times, t1) - completed(times, t0)) / (t1 - t0) * ideal_s
 
 
 def jain(values: Sequence[float]) -> float:

@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=5.0, help="left out of the figures")
     p.add_argument("--cc", default="default", help="congestion controls: default,cubic,...")
     p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--levels", type=int, default=GPUD_TRAFFIC["levels"], help="gpud's levels")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", type=Path, metavar="FILE.png")
     args = parser.parse_args(argv)
@@ -276,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup >= args.seconds:
         parser.error("--warmup must be shorter than --seconds")
     rate = parse_rate(args.rate)
+    GPUD_TRAFFIC["levels"] = args.levels
     ccs = [c.strip() for c in args.cc.split(",") if c.strip()]
     signal.signal(signal.SIGTERM, _on_term)
     runs: list[dict[str, Any]] = []
