@@ -77,6 +77,10 @@ class TcPort(Protocol):
         """Give ``iface`` back its original root qdisc (delete gpud's HTB root)."""
         ...
 
+    def close(self) -> None:
+        """Close the netlink socket (what the kernel holds stays)."""
+        ...
+
 
 class MarkPort(Protocol):
     def sync(self, marks: Iterable[CgroupMark]) -> MarkSync: ...
@@ -171,6 +175,9 @@ class FakeTc:
         self._state(iface)
         self.states.pop(iface, None)
         self.restored_ifaces.append(iface)
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass

@@ -659,9 +659,16 @@ class TrafficService:
             self._events.emit("net.rdma", f"NIC DSCP -> priority map: {len(changed)} change(s)")
 
     def shutdown(self) -> None:
-        """``traffic.shutdown``: leave everything (fail-static) or restore the interfaces."""
-        if not self.config.enabled or self.config.shutdown != "restore":
-            return
+        """``traffic.shutdown``: leave everything (fail-static) or restore the interfaces;
+        then close the netlink socket."""
+        try:
+            if self.config.enabled and self.config.shutdown == "restore":
+                self._restore()
+        finally:
+            if self._tc is not None:
+                self._tc.close()
+
+    def _restore(self) -> None:
         for iface in self.config.interfaces:
             if self._tc is not None:
                 try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from gpud.config import Config
@@ -33,6 +34,7 @@ def open_traffic(
     jobs: JobService,
     *,
     mountinfo: Path = Path("/proc/self/mountinfo"),
+    which: Callable[[str], str | None] = shutil.which,
 ) -> TrafficService:
     t = config.traffic
     tags = TagStore(store, pool=job_pool(t))
@@ -48,7 +50,7 @@ def open_traffic(
         tc = TcNetlink()
         if t.marking:
             mount = find_cgroup2(mountinfo)
-            nft = shutil.which("nft")
+            nft = which("nft")
             if mount is None:
                 marking_error = (
                     "cgroup v2 is not mounted here (under `ip netns exec` it is hidden:"

@@ -359,3 +359,30 @@ def test_open_rdma_discovers_roce_netdevs() -> None:
     )
     assert none is None and "traffic.rdma_interfaces" in why
     assert open_rdma(Config()) == (None, "")
+
+
+def test_wiring_says_why_marking_is_off(tmp_path: Path) -> None:
+    from gpud.config import Config
+    from gpud.jobs.service import JobService
+    from gpud.mps.manager import MpsManager
+    from gpud.net.wiring import open_traffic
+
+    store = StateStore(tmp_path / "state")
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", control_command=["true"], enabled=False)
+    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
+    config = Config(traffic=TrafficConfig(enabled=True, interfaces=("lo",)))
+    no_cgroup2 = tmp_path / "mountinfo"
+    no_cgroup2.write_text("25 18 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n")
+    service = open_traffic(config, store, events, jobs, mountinfo=no_cgroup2)
+    assert "cgroup v2 is not mounted" in service.view().marking_error
+    service.shutdown()
+    with_cgroup2 = tmp_path / "mountinfo2"
+    with_cgroup2.write_text("34 25 0:30 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n")
+    service = open_traffic(
+        config, store, events, jobs, mountinfo=with_cgroup2, which=lambda _: None
+    )
+    assert "nft not found (install the nftables package)" in service.view().marking_error
+    service.shutdown()
+    off = open_traffic(Config(), store, events, jobs)
+    assert not off.view().enabled
