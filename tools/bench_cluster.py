@@ -148,9 +148,7 @@ async def _round(nodes: int, jobs_per_node: int, reps: int) -> dict[str, Any]:
         pki = Path(tmp)
         make_ca(pki)
         make_node(pki, "leader", pki)
-        make_node(pki, "node", pki)
         server_tls = PeerTls.load(pki / "ca.pem", pki / "leader.pem", pki / "leader-key.pem")
-        client_tls = PeerTls.load(pki / "ca.pem", pki / "node.pem", pki / "node-key.pem")
         agent = ClusterAgent(
             node="leader",
             election_kind="etcd",
@@ -169,7 +167,10 @@ async def _round(nodes: int, jobs_per_node: int, reps: int) -> dict[str, Any]:
         await server.start()
         address = f"127.0.0.1:{server.port}"
         reports = _reports(nodes * jobs_per_node // 8, nodes, 8, seed=2)
-        clients = [PeerClient(client_tls, timeout_s=10) for _ in reports]
+        clients = []
+        for r in reports:  # each node its own certificate: a node reports only as itself
+            cert, key = make_node(pki, r.node, pki)
+            clients.append(PeerClient(PeerTls.load(pki / "ca.pem", cert, key), timeout_s=10))
         try:
             await agent.tick()
             await asyncio.gather(

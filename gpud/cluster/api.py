@@ -30,7 +30,7 @@ from gpud.cluster.convert import (
 from gpud.cluster.leader import NodeSeen
 from gpud.cluster.model import NodeReport, Order
 from gpud.cluster.tls import PeerTls
-from gpud.errors import GpudError, InvalidArgument, Unavailable
+from gpud.errors import GpudError, InvalidArgument, PermissionDenied, Unavailable
 from gpud.v1 import cluster_pb2 as pb
 from gpud.v1 import cluster_pb2_grpc as pb_grpc
 
@@ -45,6 +45,27 @@ def _jobs(values: Any, *, field: str = "jobs") -> list[str]:
     return [str(v) for v in values]
 
 
+def peer_names(context: Any) -> set[str]:
+    """The names in the client certificate (subjectAltName DNS entries, else its CN)."""
+    auth = context.auth_context() or {}
+    names = {
+        bytes(v).decode(errors="replace") for v in auth.get("x509_subject_alternative_name", [])
+    }
+    if not names:
+        names = {bytes(v).decode(errors="replace") for v in auth.get("x509_common_name", [])}
+    return names
+
+
+def _check_identity(context: Any, node: str) -> None:
+    """A node reports only as itself: the name in its report must be in its certificate."""
+    names = peer_names(context)
+    if node not in names:
+        raise PermissionDenied(
+            f"a peer whose certificate names {', '.join(sorted(names)) or 'nothing'} "
+            f"cannot report as {node!r}"
+        )
+
+
 class ClusterPeerServicer(pb_grpc.ClusterPeerServicer):
     def __init__(self, agent: ClusterAgent) -> None:
         self._agent = agent
@@ -55,7 +76,9 @@ class ClusterPeerServicer(pb_grpc.ClusterPeerServicer):
     async def Report(  # noqa: N802 (gRPC method names come from the proto)
         self, request: pb.ReportRequest, context: Any
     ) -> pb.ReportResponse:
-        order = self._agent.receive(report_from_pb(request))
+        report = report_from_pb(request)
+        _check_identity(context, report.node)
+        order = self._agent.receive(report)
         if order is None:
             return pb.ReportResponse()
         return pb.ReportResponse(order=order_to_pb(order))

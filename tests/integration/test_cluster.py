@@ -147,12 +147,14 @@ def _peer_address(cluster: Cluster) -> tuple[str, str]:
     return str(status["leader_address"]), leader.name
 
 
-def _report(target: str, name: str, creds: grpc.ChannelCredentials) -> pb.ReportResponse:
+def _report(
+    target: str, name: str, creds: grpc.ChannelCredentials, node: str = "intruder"
+) -> pb.ReportResponse:
     with grpc.secure_channel(
         target, creds, options=[("grpc.ssl_target_name_override", name)]
     ) as channel:
         response: pb.ReportResponse = pb_grpc.ClusterPeerStub(channel).Report(
-            pb.ReportRequest(node="intruder", jobs=[pb.JobReport(job="x")]), timeout=5
+            pb.ReportRequest(node=node, jobs=[pb.JobReport(job="x")]), timeout=5
         )
         return response
 
@@ -194,7 +196,11 @@ def test_peers_without_a_certificate_of_the_cluster_ca_are_refused(
         private_key=(tmp_path / "n9-key.pem").read_bytes(),
         certificate_chain=(tmp_path / "n9.pem").read_bytes(),
     )
-    _report(target, name, ok)
+    _report(target, name, ok, node="n9")
+    # ... and reports only as the node its certificate names
+    with pytest.raises(grpc.RpcError) as err:
+        _report(target, name, ok, node="n1")
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
 def _first_seen_with_fault(node: Node, victim: str, seen: dict[str, tuple[int, int]]) -> None:

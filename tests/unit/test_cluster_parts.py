@@ -154,6 +154,8 @@ async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path
         assert order is not None and order.epoch == 3 and set(order.levels) == {"a"}
         with pytest.raises(Unavailable):
             await stranger.report(address, "leader", report)
+        with pytest.raises(Unavailable, match=r"PERMISSION_DENIED.*cannot report as 'n2'"):
+            await member.report(address, "leader", NodeReport("n2", (JobReport("a", 0.5),)))
         with pytest.raises(Unavailable):  # the leader's certificate does not name "n9"
             await member.report(address, "n9", report)
         async with grpc.aio.insecure_channel(address) as channel:
