@@ -187,6 +187,7 @@ class TrafficService:
         self._adopted: dict[str, int] = {}  # levels found in the kernel at start
         self._originals: dict[str, tcplan.RootQdisc | None] = {}
         self._last_plan: tcplan.TcPlan | None = None
+        self._applied: dict[str, tcplan.InterfacePlan] = {}  # last plan in force, per iface
         self._ifaces = {name: InterfaceStatus(name) for name in config.interfaces}
         self._counters: dict[tuple[str, str], _Counter] = {}  # (iface, job)
         self._marking_error = marking_error
@@ -573,16 +574,21 @@ class TrafficService:
             return
         # A new plan is sent as a difference from what was last seen; an unchanged plan is
         # checked against a fresh read of the kernel, and what differs is drift.
-        drift = plan == self._last_plan
-        result = self._tc.drift(plan) if drift else self._tc.sync(plan)
+        # Per interface, operations sent while its plan had not changed are drift repairs
+        # (sync also re-reads an interface whose plan is unchanged).
+        result = self._tc.drift(plan) if plan == self._last_plan else self._tc.sync(plan)
         self._last_plan = plan if all(r.error is None for r in result.interfaces.values()) else None
         by_class = {cid: job for job, cid in plan.job_classes.items()}
         for iface, res in result.interfaces.items():
             status = self._ifaces[iface]
+            want = plan.interface(iface)
+            unchanged = self._applied.get(iface) == want
             if res.error is not None:
+                self._applied.pop(iface, None)
                 self._fail(status, _describe(iface, res.error))
                 continue
-            if drift and res.ops:
+            self._applied[iface] = want
+            if unchanged and res.ops:
                 status.repairs += 1
                 self._events.emit(
                     "net.drift",

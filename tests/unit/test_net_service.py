@@ -386,3 +386,17 @@ def test_wiring_says_why_marking_is_off(tmp_path: Path) -> None:
     service.shutdown()
     off = open_traffic(Config(), store, events, jobs)
     assert not off.view().enabled
+
+
+def test_drift_is_counted_while_another_interface_fails(tmp_path: Path, sysfs: Path) -> None:
+    rig = Rig(tmp_path, sysfs, link_rates=("nope0=1gbit",))
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0", "nope0"))
+    rig.tc.missing.add("nope0")
+    rig.service = rig.make()
+    rig.active = {"a"}
+    rig.service.tick()
+    rig.service.tick()
+    del rig.tc.states["eth0"]
+    rig.service.tick()
+    eth0, nope0 = rig.service.view().interfaces
+    assert eth0.repairs == 1 and eth0.enforced and not nope0.enforced
