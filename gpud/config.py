@@ -121,6 +121,67 @@ class ColocateConfig:
 
 
 @dataclass(frozen=True)
+class TrafficConfig:
+    """Traffic enforcement (``[traffic]``); see docs/configuration.md."""
+
+    enabled: bool = False
+    interfaces: tuple[str, ...] = ()  # enforce here, never on any other interface
+    link_rates: tuple[str, ...] = ()  # "IF=RATE" ("eth0=100gbit"); default: sysfs speed
+    dscp_pool: str = ""  # "10-30,34"; "" = every DSCP not reserved below
+    reserved_dscp: tuple[int, ...] = field(
+        default=(0, 8, 16, 24, 32, 40, 46, 48, 56), metadata={RANGE: (0, 63)}
+    )
+    cnp_dscp: int = ranged(
+        48, 0, 63
+    )  # the congestion-notification DSCP (RoCE CNPs): never a job's tag
+    levels: int = ranged(4, 2, 8)
+    min_share: float = ranged(0.02, 0.0, 0.24)
+    default_share: float = ranged(0.02, 0.001, 0.5)
+    threshold: float = ranged(0.1, 0.0, 10.0)
+    hysteresis: float = ranged(0.05, 0.0, 0.99)
+    max_age_s: float = ranged(10.0, 0.1, 86400.0)
+    progress_window_s: float = ranged(20.0, 0.1, 86400.0)
+    idle_after_s: float = ranged(
+        60.0, 1.0, 86400.0
+    )  # a job without a reservation or report for this long is idle
+    future_tolerance_s: float = ranged(5.0, 0.0, 3600.0)
+    shutdown: Literal["fail-static", "restore"] = "fail-static"
+    marking: bool = True  # nftables: set the DSCP of `gpuctl run` jobs by cgroup
+    cgroup_parent: str = "gpud"  # under the cgroup2 mount
+    rdma_backend: Literal["none", "dcb", "dry-run"] = "none"
+    rdma_interfaces: tuple[str, ...] = ()  # netdevs whose DSCP -> priority map gpud owns
+    # level -> NIC priority; default 7 - level
+    level_priorities: tuple[int, ...] = field(default=(), metadata={RANGE: (0, 7)})
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """One leader across nodes (``[cluster]``); see docs/configuration.md."""
+
+    election: Literal["single", "etcd"] = "single"
+    node: str = ""  # this node's name in the cluster; "" = the host name
+    listen: str = ""  # HOST:PORT of the peer API (mutual TLS); needed with etcd
+    advertise: str = ""  # HOST:PORT peers dial; "" = listen (with the port bound)
+    ca_file: Path | None = None  # the cluster CA (PEM)
+    cert_file: Path | None = None  # this node's certificate, signed by the CA
+    key_file: Path | None = None
+    etcd_endpoints: str = "http://127.0.0.1:2379"  # comma-separated http(s)://HOST:PORT
+    etcd_prefix: str = "/gpud/cluster"
+    etcd_ca_file: Path | None = None
+    etcd_cert_file: Path | None = None
+    etcd_key_file: Path | None = None
+    etcd_username: str = ""
+    etcd_password_file: Path | None = None
+    etcd_timeout_s: float = ranged(1.0, 0.01, 60.0)
+    lease_ttl_s: int = ranged(5, 2, 300)
+    grace_s: float = ranged(30.0, 0.0, 86400.0)  # no leader for this long: back to the local policy
+    node_timeout_s: float = ranged(
+        5.0, 0.1, 3600.0
+    )  # the leader forgets a node silent for this long
+    report_timeout_s: float = ranged(1.0, 0.01, 60.0)
+
+
+@dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
@@ -131,6 +192,8 @@ class Config:
     mps: MpsConfig = field(default_factory=MpsConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     colocate: ColocateConfig = field(default_factory=ColocateConfig)
+    traffic: TrafficConfig = field(default_factory=TrafficConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     @property
     def socket_path(self) -> Path:
@@ -210,6 +273,11 @@ def _coerce(raw: Any, hint: Any, *, path: str, key: str) -> Any:
             return None
         inner = next(a for a in get_args(hint) if a is not type(None))
         return _coerce(raw, inner, path=path, key=key)
+    if origin is tuple:  # "tuple[str, ...]": a TOML array
+        if not isinstance(raw, list | tuple):
+            raise ConfigError(f"must be an array, not {raw!r}", path=path, key=key)
+        inner = get_args(hint)[0]
+        return tuple(_coerce(v, inner, path=path, key=key) for v in raw)
     if hint is Path:
         if not isinstance(raw, str | Path) or not str(raw):
             raise ConfigError("must be a non-empty path string", path=path, key=key)
@@ -269,6 +337,8 @@ def validate(config: Config, *, path: str) -> Config:
     parse_address(config.metrics.address, path=path, key="metrics.address")
     if config.api.tcp_address:
         parse_address(config.api.tcp_address, path=path, key="api.tcp_address")
+    _validate_traffic(config.traffic, path=path)
+    _validate_cluster(config.cluster, path=path)
     if config.backend.kind == "sim":
         # Imported here: the product table is only needed when simulating.
         from gpud.backend.sim import parse_simulate_spec
@@ -278,3 +348,110 @@ def validate(config: Config, *, path: str) -> Config:
         except ConfigError as err:
             raise ConfigError(str(err), path=path, key="backend.simulate") from err
     return config
+
+
+def _validate_cluster(c: ClusterConfig, *, path: str) -> None:
+    if len(c.node) > 253 or c.node.strip() != c.node:
+        raise ConfigError(f"{c.node!r} is not a node name", path=path, key="cluster.node")
+    if c.listen:
+        parse_address(c.listen, path=path, key="cluster.listen")
+    if c.advertise:
+        parse_address(c.advertise, path=path, key="cluster.advertise")
+    if not c.etcd_prefix.startswith("/"):
+        raise ConfigError(
+            f"{c.etcd_prefix!r} must start with /", path=path, key="cluster.etcd_prefix"
+        )
+    if c.election == "etcd":
+        if not c.listen:
+            raise ConfigError(
+                "needed with election = etcd (the peer API other nodes report to)",
+                path=path,
+                key="cluster.listen",
+            )
+        for key in ("ca_file", "cert_file", "key_file"):
+            if getattr(c, key) is None:
+                raise ConfigError(
+                    "needed with election = etcd (mutual TLS between nodes; "
+                    "tools/certs.py makes a CA and node certificates)",
+                    path=path,
+                    key=f"cluster.{key}",
+                )
+        endpoints = [e.strip() for e in c.etcd_endpoints.split(",") if e.strip()]
+        if not endpoints:
+            raise ConfigError("no endpoint", path=path, key="cluster.etcd_endpoints")
+        for endpoint in endpoints:
+            scheme, sep, rest = endpoint.partition("://")
+            if scheme not in ("http", "https") or not sep:
+                raise ConfigError(
+                    f"{endpoint!r} is not http(s)://HOST:PORT",
+                    path=path,
+                    key="cluster.etcd_endpoints",
+                )
+            parse_address(rest.rstrip("/"), path=path, key="cluster.etcd_endpoints")
+
+
+def _validate_traffic(t: TrafficConfig, *, path: str) -> None:
+    if t.min_share * t.levels + t.default_share > 1:
+        raise ConfigError(
+            f"{t.levels} levels x {t.min_share} + default_share {t.default_share} exceed 1",
+            path=path,
+            key="traffic.min_share",
+        )
+    for name in (*t.interfaces, *t.rdma_interfaces):
+        if not name or len(name) > 15 or "/" in name or name.strip() != name:
+            raise ConfigError(
+                f"{name!r} is not an interface name", path=path, key="traffic.interfaces"
+            )
+    if len(set(t.interfaces)) != len(t.interfaces):
+        raise ConfigError("an interface is listed twice", path=path, key="traffic.interfaces")
+    for entry in t.link_rates:
+        name, sep, rate = entry.partition("=")
+        if not sep or name not in t.interfaces:
+            raise ConfigError(
+                f"{entry!r}: need IF=RATE for an interface in traffic.interfaces",
+                path=path,
+                key="traffic.link_rates",
+            )
+        try:
+            parse_rate(rate)
+        except ValueError as err:
+            raise ConfigError(f"{entry!r}: {err}", path=path, key="traffic.link_rates") from err
+    if t.level_priorities and len(t.level_priorities) != t.levels:
+        raise ConfigError(
+            f"{len(t.level_priorities)} priorities for {t.levels} levels",
+            path=path,
+            key="traffic.level_priorities",
+        )
+    if not t.cgroup_parent or t.cgroup_parent.startswith("/") or ".." in t.cgroup_parent:
+        raise ConfigError(
+            f"{t.cgroup_parent!r}: a relative directory under the cgroup2 mount",
+            path=path,
+            key="traffic.cgroup_parent",
+        )
+    from gpud.net.tagstore import parse_pool
+
+    try:
+        parse_pool(t.dscp_pool, {*t.reserved_dscp, t.cnp_dscp})
+    except ValueError as err:
+        raise ConfigError(str(err), path=path, key="traffic.dscp_pool") from err
+
+
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+def parse_rate(text: str) -> int:
+    """tc's rate notation ("400mbit", "100gbit", "25000000") in bit/s."""
+    raw = text.strip().lower()
+    for unit in sorted(_RATE_UNITS, key=len, reverse=True):
+        if raw.endswith(unit):
+            number, scale = raw[: -len(unit)], _RATE_UNITS[unit]
+            break
+    else:
+        number, scale = raw, 1
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a rate like 400mbit or 100gbit") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{text!r}: a rate must be positive")
+    return int(value * scale)

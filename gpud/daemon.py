@@ -34,10 +34,13 @@ from gpud.api.node import NodeServicer
 from gpud.api.ports import NodeInfo
 from gpud.api.server import ApiServer
 from gpud.backend.port import GpuBackend, GpuIdentity
+from gpud.cluster.metrics import ClusterMetrics
+from gpud.cluster.nodeview import DaemonNodeView
+from gpud.cluster.runtime import ClusterRuntime, leveller_config
 from gpud.colo.api import ColoServicer
 from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import ColoService, RunningJob
-from gpud.config import Config, parse_address
+from gpud.config import ClusterConfig, Config, TrafficConfig, parse_address
 from gpud.errors import ConfigError, GpudError
 from gpud.events import EventLog
 from gpud.jobs.api import JobsServicer
@@ -50,6 +53,9 @@ from gpud.mig.metrics import MigMetrics
 from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
 from gpud.mps.metrics import MpsMetrics
+from gpud.net.api import NetServicer
+from gpud.net.metrics import TrafficMetrics
+from gpud.net.wiring import open_traffic
 from gpud.notify import Notifier
 from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler
@@ -75,6 +81,10 @@ RESTART_KEYS = (
     "mig.drain_timeout_s",
     "mps.enabled",
     "mps.control_binary",
+    # the traffic service is built once, with its backends and interfaces
+    *(f"traffic.{f.name}" for f in dataclasses.fields(TrafficConfig)),
+    # so is the cluster: election, peer API, etcd client
+    *(f"cluster.{f.name}" for f in dataclasses.fields(ClusterConfig)),
 )
 
 
@@ -180,6 +190,25 @@ class Daemon:
             ColoMetrics(self.colo),
         ):
             self.collector.add_source(source)
+        # Opened before the gRPC server: a netlink socket may fork.
+        self.traffic = open_traffic(config, self.store, self.events, self.jobs)
+        if config.traffic.enabled:
+            self.jobs.set_tagger(self.traffic.tags.tag)
+        self.collector.add_source(TrafficMetrics(self.traffic))
+        self.cluster = ClusterRuntime(
+            config.cluster,
+            traffic=self.traffic,
+            view=DaemonNodeView(
+                self.jobs.reservations.held,
+                self.sampler.latest,
+                interfaces=config.traffic.interfaces if config.traffic.enabled else (),
+            ),
+            leveller=leveller_config(config.traffic),
+            reserved_tags=set(range(64)) - set(self.traffic.tags.pool),
+            tick_s=config.daemon.tick_s,
+            events=self.events,
+        )
+        self.collector.add_source(ClusterMetrics(self.cluster.agent))
         self.api = ApiServer(
             config.socket_path,
             socket_group=config.api.socket_group or None,
@@ -191,6 +220,8 @@ class Daemon:
                 JobsServicer(self.jobs).register,
                 QueueServicer(self.admission).register,
                 ColoServicer(self.colo, snapshots=self.sampler.latest).register,
+                NetServicer(self.traffic).register,
+                self.cluster.servicer.register,
             ],
         )
         self.steps: list[Step] = []
@@ -201,7 +232,13 @@ class Daemon:
         self.add_step("jobs", self._jobs_step)
         self.add_step("admission", self._admission_step)
         self.add_step("colo", self._colo_step)
+        # the cluster's order first: the traffic step enforces it in the same pass
+        self.add_step("cluster", self.cluster.tick)
+        self.add_step("traffic", self._traffic_step)
         self.on_shutdown(self.mps.stop)
+        self.on_shutdown(self.traffic.shutdown)
+        self.on_shutdown(self.cluster.stop)
+        self.traffic.start()
 
     def _faulty_gpus(self) -> dict[int, str]:
         """GPU index -> reason, for the GPUs the last sample found unhealthy (lost, not
@@ -264,6 +301,9 @@ class Daemon:
                     )
                 )
         return out
+
+    async def _traffic_step(self) -> None:
+        await asyncio.to_thread(self.traffic.tick)
 
     def _reboot_sim(self) -> None:
         """A simulated reboot under a running daemon: instances go, as on a real node; the
@@ -338,6 +378,7 @@ class Daemon:
                     ) from err
                 log.info("serving /metrics on %s:%d", host, port)
             await self.api.start()
+            await self.cluster.start()
             log.info("serving gRPC on %s", self.config.socket_path)
             self.events.emit(
                 "daemon.start",

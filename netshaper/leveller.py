@@ -18,7 +18,8 @@ of who is preempted:
   ``max_age_s`` has passed;
 * on a re-rank, a job keeps its previous level while its rate stays within the fresh
   bucket's rate range widened by ``hysteresis`` (relative), so a job near a bucket edge
-  does not flap.
+  does not flap; it keeps it by swapping with a job that fits the level it leaves, so
+  levels keep their fresh sizes (never two jobs on one level while levels are free).
 
 Guarantees (tested as properties): whenever job ``a`` sits at a strictly lower priority
 than job ``b``, ``r_a >= r_b * (1-h) / (1+h)`` right after a re-rank and
@@ -220,12 +221,41 @@ class Leveller:
             lo.setdefault(lv, r)
             hi[lv] = r
         h = self._config.hysteresis
-        for r, j in free:
-            prev = self._levels.get(j)
-            if prev is not None and prev in lo and lo[prev] * (1 - h) <= r <= hi[prev] * (1 + h):
-                levels[j] = prev
-            else:
-                levels[j] = fresh[j]
+        rate = {j: r for r, j in free}
+        place = dict(fresh)
+
+        def fits(r: float, lv: int) -> bool:
+            return lv in lo and lo[lv] * (1 - h) <= r <= hi[lv] * (1 + h)
+
+        # A job keeps its previous level while its rate fits that level's fresh range
+        # (widened by h). Levels keep their fresh sizes: a job that keeps a level it was not
+        # freshly given swaps with a job there that fits the level it leaves, so no level
+        # doubles up (with n <= K, two jobs never share a level). Every job ends within h
+        # of its level's range, which is what bounds inversions.
+        settled = {j for j in rate if self._levels.get(j) == fresh[j]}
+        movers = sorted(
+            (abs(prev - fresh[j]), rate[j], j, prev)
+            for j in rate
+            if (prev := self._levels.get(j)) is not None
+            and prev != fresh[j]
+            and fits(rate[j], prev)
+        )
+        for _, r, j, prev in movers:
+            if j in settled:
+                continue
+            here = place[j]
+            partners = [
+                x
+                for x, lv in place.items()
+                if lv == prev and x not in settled and fits(rate[x], here)
+            ]
+            if partners:
+                x = min(partners, key=lambda x: (abs(rate[x] - r), x))
+                place[j], place[x] = prev, here
+                settled.add(j)
+                if self._levels.get(x) == here:
+                    settled.add(x)
+        levels.update(place)
         return dict(sorted(levels.items()))
 
 

@@ -101,6 +101,15 @@ class TagAllocator:
                 return candidate
         raise TagsExhausted(job_id, n)
 
+    def claim(self, job_id: str, dscp: int) -> bool:
+        """Give ``job_id`` the tag ``dscp`` if it has none and ``dscp`` is free and in the
+        pool (a tag a node already marks with, adopted by the cluster); else False."""
+        if job_id in self._by_job or dscp not in self._pool or dscp in self._by_tag:
+            return False
+        self._by_job[job_id] = dscp
+        self._by_tag[dscp] = job_id
+        return True
+
     def release(self, job_id: str) -> None:
         """Free the job's tag (unknown ids are ignored)."""
         dscp = self._by_job.pop(job_id, None)

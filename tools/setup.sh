@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 dev=0
 [[ "${1:-}" == "--dev" ]] && dev=1
 
-apt_pkgs=(python3-venv iproute2)
+apt_pkgs=(python3-venv iproute2 nftables)
 if (( dev )); then
     apt_pkgs+=(iperf3 prometheus etcd-server etcd-client systemd procps)
 fi

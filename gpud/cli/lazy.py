@@ -26,6 +26,8 @@ PROTO_IMPORTS: dict[str, tuple[str, ...]] = {
     "jobs": (),
     "queue": ("jobs",),
     "colo": (),
+    "net": (),
+    "cluster": (),
 }
 
 # Generated code under gpud.v1 (tools/protogen), one pair per proto file.

@@ -45,11 +45,13 @@ from pathlib import Path
 from types import ModuleType
 
 from gpud import __version__
+from gpud.cli import cluster as cluster_cli
 from gpud.cli import colo as colo_cli
 from gpud.cli import events, gpus, sim, status, version, xid
 from gpud.cli import jobs as jobs_cli
 from gpud.cli import mig as mig_cli
 from gpud.cli import mps as mps_cli
+from gpud.cli import net as net_cli
 from gpud.cli import queue as queue_cli
 from gpud.cli import run as run_cli
 from gpud.cli.context import DEFAULT_SOCKET, EXIT_USAGE, CliError, Context
@@ -65,6 +67,8 @@ COMMAND_GROUPS: list[ModuleType] = [
     run_cli,
     queue_cli,
     colo_cli,
+    net_cli,
+    cluster_cli,
     version,
     events,
     xid,

@@ -20,6 +20,13 @@ waits, printing its position and expected wait whenever they change, until gpud 
 then it runs as above. Ctrl-C while waiting leaves the queue. If gpud restarts meanwhile,
 ``run`` keeps waiting and finds its entry again. A request the node can never host fails at
 once, saying why and which MIG layout would host it.
+
+With traffic enforcement on, the environment also carries the job's ``GPUD_DSCP`` and
+``NCCL_IB_TC``, and the command starts in the job's own cgroup v2 (``gpud-job-<name>``),
+whose packets gpud marks with the job's DSCP: the command is held at a gate (a pipe) until
+gpud has moved it into the cgroup, so not one of its sockets is opened outside. If gpud
+cannot place it, gpuctl says why and runs it unmarked; if gpuctl dies first, the command
+never runs (exit 125).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -44,7 +52,7 @@ from gpud.cli.jobs import (
 )
 from gpud.errors import ERROR_TABLE, ResourceExhausted
 from gpud.shared import shell_exports
-from gpud.v1 import colo_pb2, colo_pb2_grpc, queue_pb2, queue_pb2_grpc
+from gpud.v1 import colo_pb2, colo_pb2_grpc, net_pb2, net_pb2_grpc, queue_pb2, queue_pb2_grpc
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
 
@@ -53,6 +61,24 @@ EXIT_INTERRUPTED = 130
 EXIT_TAKEN = ERROR_TABLE[ResourceExhausted][1]
 POLL_S = 1.0
 QUEUE_OFF = "admission queue is off"  # gpud's message when admission.enabled = false
+EXIT_GATE_CLOSED = 125
+# Says it is running (one byte on fd argv[2]: only then does /proc/PID/environ show the
+# job's environment, which gpud checks), waits for one byte on fd argv[1], then becomes the
+# command (the PID stays the same, so the cgroup gpud put it in is the command's).
+_GATE = (
+    "import os,sys\n"
+    "fd,ready=int(sys.argv[1]),int(sys.argv[2])\n"
+    "os.write(ready,b'r')\n"
+    "os.close(ready)\n"
+    "ok=os.read(fd,1)\n"
+    "os.close(fd)\n"
+    "ok or sys.exit(125)\n"
+    "try:\n"
+    " os.execvp(sys.argv[3],sys.argv[3:])\n"
+    "except OSError as e:\n"
+    " sys.stderr.write(f'gpuctl: cannot run {sys.argv[3]}: {e.strerror}\\n')\n"
+    " sys.exit(127)\n"
+)
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -160,8 +186,16 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
             "MPS is disabled for the device, or the job spans several devices)",
         )
     env = {**os.environ, **granted}
+    place = None
+    if "GPUD_DSCP" in granted:
+        net = ctx.stub(net_pb2_grpc.NetStub)
+
+        def place(pid: int) -> None:
+            # the response names the cgroup ("" when the daemon marks nothing by cgroup)
+            ctx.call(net.PlaceProcess, net_pb2.PlaceProcessRequest(job=args.job, pid=pid))
+
     try:
-        return _launch(command, env)
+        return _launch(command, env, place)
     finally:
         try:
             ctx.call(stub.Release, pb.ReleaseRequest(reservation_id=reservation))
@@ -241,17 +275,46 @@ def _leave(ctx: Context, entry: queue_pb2.QueueEntry) -> None:
         print(f"gpuctl: could not leave the queue: {err}", file=sys.stderr)
 
 
-def _launch(command: list[str], env: dict[str, str]) -> int:
+def _launch(
+    command: list[str], env: dict[str, str], place: Callable[[int], None] | None = None
+) -> int:
+    """Run ``command``; with ``place``, start it behind a gate, call ``place(pid)``, then
+    let it run (it runs even when placing fails, with a warning)."""
     # imported here: only `gpuctl run` pays for them
     import contextlib
     import subprocess
     import threading
 
+    gate_r = gate_w = ready_r = ready_w = -1
+    argv = command
+    if place is not None:
+        gate_r, gate_w = os.pipe()
+        ready_r, ready_w = os.pipe()
+        argv = [sys.executable, "-I", "-S", "-c", _GATE, str(gate_r), str(ready_w), *command]
     try:
-        child = subprocess.Popen(command, env=env)
+        child = subprocess.Popen(
+            argv, env=env, pass_fds=(gate_r, ready_w) if place is not None else ()
+        )
     except OSError as err:
         print(f"gpuctl: cannot run {command[0]}: {err.strerror}", file=sys.stderr)
+        for fd in (gate_w, ready_r):
+            if fd >= 0:
+                os.close(fd)
         return EXIT_CANNOT_EXEC
+    finally:
+        for fd in (gate_r, ready_w):
+            if fd >= 0:
+                os.close(fd)
+    if place is not None:
+        try:
+            os.read(ready_r, 1)  # empty when the gate died: placing then fails, harmlessly
+            os.close(ready_r)
+            place(child.pid)
+        except CliError as err:
+            print(f"gpuctl: the job's traffic is not marked by cgroup: {err}", file=sys.stderr)
+        finally:
+            os.write(gate_w, b"g")
+            os.close(gate_w)
 
     def forward(signum: int, frame: FrameType | None) -> None:
         with contextlib.suppress(ProcessLookupError):

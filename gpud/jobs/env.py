@@ -10,6 +10,8 @@ What the CUDA driver and gpud's client read::
     GPUD_JOB=train-a                              how gpud attributes the processes
     GPUD_SOCKET=/run/gpud/gpud.sock               where gpud.client reports progress
     GPUD_RESERVATION=3f9c2a1b7e04
+    GPUD_DSCP=26                                  the job's DSCP tag (traffic enforcement on)
+    NCCL_IB_TC=104                                RoCE traffic class: DSCP x 4
 
 A CUDA client connects to one MPS control daemon, and gpud runs one per device, so the MPS
 variables are set only for a job on a single device whose daemon runs. A job spread over
@@ -27,6 +29,7 @@ from gpud.mps import protocol
 JOB_VAR = "GPUD_JOB"
 SOCKET_VAR = "GPUD_SOCKET"
 RESERVATION_VAR = "GPUD_RESERVATION"
+DSCP_VAR = "GPUD_DSCP"
 
 
 def build_env(
@@ -34,14 +37,19 @@ def build_env(
     *,
     socket_path: Path,
     pipe_dirs: Mapping[str, Path | None],
+    dscp: int | None = None,
 ) -> dict[str, str]:
     """The variables for ``reservation``; ``pipe_dirs`` maps a device UUID to its running
-    MPS daemon's pipe directory (None or absent: no MPS there)."""
+    MPS daemon's pipe directory (None or absent: no MPS there); ``dscp`` is the job's tag
+    (None: traffic enforcement is off)."""
     env = {
         "CUDA_VISIBLE_DEVICES": ",".join(reservation.devices),
         JOB_VAR: reservation.job,
         SOCKET_VAR: str(socket_path),
     }
+    if dscp is not None:
+        env[DSCP_VAR] = str(dscp)
+        env["NCCL_IB_TC"] = str(dscp << 2)
     if reservation.id:  # a preview (`gpuctl env` for a job holding nothing) has none yet
         env[RESERVATION_VAR] = reservation.id
     if len(reservation.devices) == 1:

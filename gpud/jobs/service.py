@@ -85,6 +85,7 @@ class JobService:
         self._uses: list[ProcessUse] = []
         self._observers: list[ReservationObserver] = []
         self.gate: Gate | None = None
+        self._tag_of: Callable[[str], int | None] | None = None
 
     def add_observer(self, observer: ReservationObserver) -> None:
         self._observers.append(observer)
@@ -99,6 +100,11 @@ class JobService:
         """Hold placement still (no reservation is added meanwhile)."""
         with self._lock:
             yield
+
+    def set_tagger(self, tag_of: Callable[[str], int | None]) -> None:
+        """Where launch environments get the job's DSCP tag (the traffic service, which is
+        built after this service); without one they carry no tag."""
+        self._tag_of = tag_of
 
     def job_of(self, pid: int) -> str | None:
         """The job ``pid`` belongs to (by its ``GPUD_JOB`` or cgroup), or None."""
@@ -210,7 +216,8 @@ class JobService:
 
     def env_for(self, reservation: Reservation) -> dict[str, str]:
         pipes = {uuid: self._mps.pipe_dir(uuid) for uuid in reservation.devices}
-        return build_env(reservation, socket_path=self._socket_path, pipe_dirs=pipes)
+        dscp = self._tag_of(reservation.job) if self._tag_of is not None else None
+        return build_env(reservation, socket_path=self._socket_path, pipe_dirs=pipes, dscp=dscp)
 
     def env(self, name: str) -> dict[str, str]:
         """``gpuctl env --job NAME``: the environment of the job's latest reservation, or of

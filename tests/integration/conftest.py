@@ -71,9 +71,11 @@ def start_daemon(
     config_text: str = "",
     env: dict[str, str] | None = None,
     run_dir: Path | None = None,
+    prefix: tuple[str, ...] = (),
 ) -> RunningDaemon:
     """``run_dir`` defaults to ``root/run``; pass a short one where unix socket paths under
-    it must fit in 107 bytes (MPS pipe directories)."""
+    it must fit in 107 bytes (MPS pipe directories). ``prefix`` runs gpud under another
+    program (``nsenter --net=/run/netns/NAME``)."""
     root.mkdir(parents=True, exist_ok=True)
     config = root / "gpud.toml"
     config.write_text(config_text)
@@ -86,6 +88,7 @@ def start_daemon(
     notify.bind(str(notify_path))
     log = root / "gpud.log"
     command = [
+        *prefix,
         str(BIN / "gpud"),
         "--config",
         str(config),

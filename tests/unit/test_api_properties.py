@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 
 from gpud.errors import ERROR_KEY
 from gpud.v1 import (
+    cluster_pb2,
+    cluster_pb2_grpc,
     colo_pb2,
     colo_pb2_grpc,
     jobs_pb2,
@@ -32,6 +34,8 @@ from gpud.v1 import (
     mig_pb2_grpc,
     mps_pb2,
     mps_pb2_grpc,
+    net_pb2,
+    net_pb2_grpc,
     node_pb2,
     node_pb2_grpc,
     queue_pb2,
@@ -111,6 +115,20 @@ placement = {
     "memory_limit_bytes": _opt(st.integers(1, 40).map(lambda g: g * GIB)),
     "client_priority": _opt(st.integers(0, 1)),
 }
+
+progress_report = st.builds(
+    lambda job, it, ts, free, session: _set(
+        net_pb2.ReportProgressRequest(
+            job=job, iterations=it, timestamp_unix_seconds=ts, session=session
+        ),
+        contention_free_iteration_s=free,
+    ),
+    names,
+    st.integers(0, 10**6),
+    st.floats(1.0e9, 2.5e9),
+    _opt(st.floats(0.001, 100)),
+    st.sampled_from(["", "s1", "s2"]),
+)
 
 # full method name -> strategy of (stub method name, request)
 REQUESTS: dict[str, st.SearchStrategy[Any]] = {
@@ -243,6 +261,29 @@ REQUESTS: dict[str, st.SearchStrategy[Any]] = {
         names,
         st.lists(st.floats(0, 10), max_size=20),
     ),
+    "/gpud.v1.Net/ReportProgress": st.builds(lambda r: r, st.deferred(lambda: progress_report)),
+    "/gpud.v1.Net/ReportProgressBatch": st.builds(
+        lambda rs: net_pb2.ReportProgressBatchRequest(reports=rs),
+        st.lists(st.deferred(lambda: progress_report), max_size=8),
+    ),
+    "/gpud.v1.Net/ShowNet": st.just(net_pb2.ShowNetRequest()),
+    "/gpud.v1.Net/PinLevel": st.builds(
+        lambda job, level: _set(net_pb2.PinLevelRequest(job=job), level=level),
+        names,
+        _opt(st.integers(0, 8)),
+    ),
+    "/gpud.v1.Net/PlaceProcess": st.builds(
+        net_pb2.PlaceProcessRequest, job=names, pid=st.integers(1, 4_000_000)
+    ),
+    "/gpud.v1.Cluster/GetClusterStatus": st.just(cluster_pb2.GetClusterStatusRequest()),
+    "/gpud.v1.Cluster/GetAttributes": st.builds(
+        lambda jobs: cluster_pb2.GetAttributesRequest(jobs=jobs),
+        st.lists(names, max_size=3),
+    ),
+    "/gpud.v1.Cluster/WatchAttributes": st.builds(
+        lambda jobs: cluster_pb2.GetAttributesRequest(jobs=jobs),
+        st.lists(names, max_size=3),
+    ),
     "/gpud.v1.Colocation/ThrottlePoint": st.builds(
         colo_pb2.ThrottlePointRequest, job=names, iterations=st.integers(0, 10**6)
     ),
@@ -255,7 +296,10 @@ SERVICES = {
     "gpud.v1.Jobs": (jobs_pb2, jobs_pb2_grpc.JobsStub),
     "gpud.v1.Queue": (queue_pb2, queue_pb2_grpc.QueueStub),
     "gpud.v1.Colocation": (colo_pb2, colo_pb2_grpc.ColocationStub),
+    "gpud.v1.Net": (net_pb2, net_pb2_grpc.NetStub),
+    "gpud.v1.Cluster": (cluster_pb2, cluster_pb2_grpc.ClusterStub),
 }
+STREAMS = {"/gpud.v1.Cluster/WatchAttributes"}  # the first message is read, then cancelled
 
 
 def _methods() -> list[str]:
@@ -293,7 +337,12 @@ class Client:
             request = type(request)(id=self.entries[-1] if self.entries else "none")
         rpc: Callable[..., Any] = getattr(self._stubs[service], name)
         try:
-            resp = rpc(request, timeout=60)
+            if method in STREAMS:
+                stream = rpc(request, timeout=60)
+                resp = next(stream)
+                stream.cancel()
+            else:
+                resp = rpc(request, timeout=60)
         except grpc.RpcError as err:
             code = err.code()  # type: ignore[attr-defined]
             metadata = dict(err.trailing_metadata() or ())  # type: ignore[attr-defined]

@@ -114,14 +114,15 @@ def _two_updates(first: dict[str, float], second: dict[str, float]) -> dict[str,
 
 
 def test_a_job_at_the_lower_edge_of_its_band_keeps_its_level() -> None:
-    first = {"a": 0.2, "b": 0.4, "c": 0.6, "d": 0.8}  # {a, b} at level 0, {c, d} at 1
-    # c drops to 0.2: a fresh ranking puts {a, c} at 0 and {b, d} at 1, whose lowest rate
-    # is 0.4; c, at exactly 0.4 * (1 - 0.5), is inside the band of its old level 1 and stays
-    assert _two_updates(first, {"a": 0.2, "b": 0.4, "c": 0.2, "d": 0.8}) == {
-        "a": 0, "b": 1, "c": 1, "d": 1,
+    first = {"a": 0.25, "b": 0.5, "c": 0.75, "d": 1.0}  # {a, b} at level 0, {c, d} at 1
+    # c drops to 0.25: a fresh ranking puts {c, a} at 0 and {b, d} at 1, whose lowest rate
+    # is 0.5; c, at exactly 0.5 * (1 - 0.5), is inside the band of its old level 1 and
+    # keeps it by swapping with b, which fits level 0's band (0.5 <= 0.375 * 1.5)
+    assert _two_updates(first, {"a": 0.375, "b": 0.5, "c": 0.25, "d": 1.0}) == {
+        "a": 0, "b": 0, "c": 1, "d": 1,
     }  # fmt: skip
     # just below the band, it moves
-    assert _two_updates(first, {"a": 0.2, "b": 0.4, "c": 0.19, "d": 0.8}) == {
+    assert _two_updates(first, {"a": 0.375, "b": 0.5, "c": 0.2421875, "d": 1.0}) == {
         "a": 0, "b": 1, "c": 0, "d": 1,
     }  # fmt: skip
 

@@ -220,3 +220,29 @@ def test_output_is_deterministic(
         now += dt
         reordered = dict(reversed(list(rates.items())))
         assert a.update(now, dict(rates)) == b.update(now, reordered)
+
+
+def test_hysteresis_never_doubles_up_a_level_while_levels_are_free() -> None:
+    # Twins that trade places keep their levels by swapping, not by sharing one level.
+    lv = Leveller(LevellerConfig(levels=8, threshold=0.0, hysteresis=0.05))
+    lv.update(0.0, {"a": 0.0, "b": 0.0, "c": 0.0, "d": 0.0})
+    out = lv.update(1.0, {"a": 0.991, "b": 0.8, "c": 0.99, "d": 0.8})
+    assert sorted(out.levels.values()) == [0, 1, 2, 3]
+    assert out.levels["b"] == 1  # kept: 0.8 fits level 1's fresh range; d took b's place
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    cfg=configs(), seq=st.lists(st.tuples(st.floats(0.0, 4.0), rate_maps), min_size=1, max_size=12)
+)
+def test_levels_keep_their_fresh_sizes(
+    cfg: LevellerConfig, seq: list[tuple[float, dict[str, float]]]
+) -> None:
+    lv = Leveller(cfg)
+    now = 0.0
+    for dt, rates in seq:
+        now += dt
+        out = lv.update(now, dict(rates))
+        if out.reranked:
+            fresh = rank_levels(sorted(rates, key=lambda j: (rates[j], j)), cfg.levels)
+            assert sorted(out.levels.values()) == sorted(fresh.values())

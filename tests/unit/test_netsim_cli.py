@@ -72,3 +72,24 @@ def test_list_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "cluster-32" in capsys.readouterr().out
     assert main(["export", str(tmp_path)]) == 0
     assert (tmp_path / "cluster-32.json").exists()
+
+
+def test_suite_table_quotes_best_readings_per_group(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["suite", "--only", "phase-pair", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "best reading per scenario" in out and "[n<=K]" in out
+    assert "bound over best reading" in out
+    assert main(["suite", "--only", "phase-pair", "--workers", "0"]) == 2
+
+
+def test_family_names_expand_to_their_readings(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "phase-pair", "--json", "--policies", "sincronia,cassini"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc["policies"]) == {
+        "sincronia-even",
+        "sincronia-even-strict",
+        "sincronia-top",
+        "sincronia-top-strict",
+        "cassini",
+        "cassini-loose",
+    }

@@ -6,6 +6,7 @@
     python -m tools.netsim suite [--json] [--only NAME,...]
     python -m tools.netsim plot SCENARIO --out docs/img/netsim-NAME.png
     python -m tools.netsim bench [SCENARIO]
+    python -m tools.netsim testbed [--results TESTBED.json] [--json]
     python -m tools.netsim list
     python -m tools.netsim export DIR
 
@@ -16,34 +17,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-from tools.netsim.metrics import ScenarioReport, geomean, run_scenario
-from tools.netsim.policies import EXTRA_POLICY_NAMES, POLICY_NAMES
+from tools.netsim.compare import best_reading, columns, summary, value, winners
+from tools.netsim.metrics import ScenarioReport, run_scenario, run_scenarios
+from tools.netsim.policies import BASELINES, POLICY_NAMES, READING_NAMES
 from tools.netsim.scenario import Scenario, ScenarioError, load
 from tools.netsim.suite import BUILTIN, all_builtin, builtin
 
 EXIT_USAGE = 2
 EXIT_MISSING = 3
 
-# The issue's targets, checked in the suite's summary: (label, leveller metric, against,
-# factor). "baseline" is the better of crux and sincronia on that metric.
-TARGETS: tuple[tuple[str, str, str, float], ...] = (
-    ("min_progress >= 1.57 x best baseline", "min_progress", "baseline", 1.57),
-    ("jain >= 1.17 x best baseline", "jain", "baseline", 1.17),
-    ("efficiency >= 0.95 x fair", "efficiency", "fair", 0.95),
-    ("min_progress >= 0.85 x bound", "min_progress", "bound", 0.85),
-)
-
 
 def resolve(name_or_path: str) -> Scenario:
     """A scenario file, or the name of a built-in one."""
     if name_or_path in BUILTIN:
         return builtin(name_or_path)
+    if name_or_path.startswith("testbed-"):
+        from tools.netsim.testbed import scenarios
+
+        for sc in scenarios():
+            if sc.name == name_or_path:
+                return sc
     path = Path(name_or_path)
     if not path.exists():
         raise ScenarioError(
@@ -53,122 +53,149 @@ def resolve(name_or_path: str) -> Scenario:
     return load(path)
 
 
+KNOWN_POLICIES = ("fair", "leveller", *BASELINES, *READING_NAMES)
+# One reading per baseline: what one policy costs to simulate.
+BENCH_POLICIES = ("fair", "sincronia-even", "crux-even", "cassini", "leveller")
+
+
 def _policies(arg: str | None) -> list[str]:
     if not arg:
         return list(POLICY_NAMES)
     names = [p.strip() for p in arg.split(",") if p.strip()]
     for n in names:
-        if n not in POLICY_NAMES + EXTRA_POLICY_NAMES:
-            raise ScenarioError(f"unknown policy {n!r}", where="--policies")
+        if n not in KNOWN_POLICIES:
+            raise ScenarioError(
+                f"unknown policy {n!r}; choose from {', '.join(KNOWN_POLICIES)}",
+                where="--policies",
+            )
     return names
+
+
+def _workers(arg: int | None) -> int:
+    if arg is not None:
+        if arg < 1:
+            raise ScenarioError("must be >= 1", where="--workers")
+        return arg
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+def panels(report: ScenarioReport) -> list[str]:
+    """The runs worth showing: fair, each baseline's best reading, leveller."""
+    out: list[str] = []
+    for col in columns([report]):
+        if col in BASELINES:
+            found = best_reading(report, col, "min_progress")
+            if found:
+                out.append(found[0])
+        elif col != "best":
+            out.append(col)
+    return out
 
 
 def print_report(report: ScenarioReport, out: TextIO) -> None:
     out.write(f"scenario {report.scenario}\n")
-    out.write(f"{'policy':<18}{'min':>8}{'mean':>8}{'jain':>8}{'effic':>8}{'changes':>9}\n")
+    out.write(f"{'policy':<22}{'min':>8}{'mean':>8}{'jain':>8}{'effic':>8}{'changes':>9}\n")
     for name, m in report.policies.items():
         out.write(
-            f"{name:<18}{m.min_progress:>8.3f}{m.mean_progress:>8.3f}{m.jain:>8.3f}"
+            f"{name:<22}{m.min_progress:>8.3f}{m.mean_progress:>8.3f}{m.jain:>8.3f}"
             f"{m.efficiency:>8.2f}{m.level_changes:>9d}\n"
         )
-    out.write(f"{'bound':<18}{report.bound.min_progress:>8.3f}\n")
+    out.write(f"{'bound':<22}{report.bound.min_progress:>8.3f}\n")
     jobs = sorted(report.bound.jobs)
-    out.write("\nper-job progress rate\n")
-    out.write(
-        f"{'job':<16}" + "".join(f"{n[:10]:>11}" for n in report.policies) + f"{'bound':>11}\n"
-    )
+    shown = panels(report)
+    out.write("\nper-job progress rate (each baseline's best reading)\n")
+    out.write(f"{'job':<16}" + "".join(f"{n:>22}" for n in shown) + f"{'bound':>9}\n")
     for j in jobs:
-        row = "".join(
-            f"{report.policies[n].jobs.get(j, float('nan')):>11.3f}" for n in report.policies
-        )
-        out.write(f"{j:<16}{row}{report.bound.jobs[j]:>11.3f}\n")
+        row = "".join(f"{report.policies[n].jobs.get(j, float('nan')):>22.3f}" for n in shown)
+        out.write(f"{j:<16}{row}{report.bound.jobs[j]:>9.3f}\n")
 
 
-def _best_baseline(report: ScenarioReport, metric: str) -> float | None:
-    vals = [
-        getattr(report.policies[p], metric) for p in ("crux", "sincronia") if p in report.policies
-    ]
-    return max(vals) if vals else None
-
-
-def summary(reports: Sequence[ScenarioReport]) -> dict[str, Any]:
-    """Geometric means per policy and the targets' ratios (leveller vs the reference)."""
-    policies = list(reports[0].policies) if reports else []
-    means: dict[str, dict[str, float]] = {}
-    for p in policies:
-        means[p] = {
-            metric: geomean(getattr(r.policies[p], metric) for r in reports)
-            for metric in ("min_progress", "jain", "efficiency")
-        }
-    means["bound"] = {"min_progress": geomean(r.bound.min_progress for r in reports)}
-    targets: list[dict[str, Any]] = []
-    if "leveller" in policies:
-        for label, metric, against, factor in TARGETS:
-            refs: list[float] = []
-            for r in reports:
-                if against == "baseline":
-                    ref = _best_baseline(r, metric)
-                elif against == "bound":
-                    ref = r.bound.min_progress
-                else:
-                    ref = getattr(r.policies[against], metric) if against in r.policies else None
-                if ref is None:
-                    break
-                refs.append(ref)
-            else:
-                ours = geomean(getattr(r.policies["leveller"], metric) for r in reports)
-                ratio = ours / geomean(refs)
-                targets.append(
-                    {"target": label, "ratio": ratio, "factor": factor, "met": ratio >= factor}
-                )
-        if "fair" in policies:
-            worse = [
-                r.scenario
-                for r in reports
-                if r.policies["leveller"].min_progress < r.policies["fair"].min_progress
-            ]
-            targets.append(
-                {
-                    "target": "min_progress >= fair on every scenario",
-                    "scenarios_below": worse,
-                    "met": not worse,
-                }
-            )
-    return {"geomean": means, "targets": targets}
+def _fmt(v: float | None, digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
 
 
 def print_suite(reports: Sequence[ScenarioReport], out: TextIO) -> None:
-    policies = list(reports[0].policies) if reports else []
-    out.write("min_progress (jain) per scenario; efficiency = sum of progress rates\n")
-    head = f"{'scenario':<18}" + "".join(f"{p[:16]:>17}" for p in policies) + f"{'bound':>8}\n"
+    cols = columns(reports)
+    out.write(
+        "min_progress per scenario; a baseline's column is its best reading there "
+        "(which one: below)\n"
+    )
+    head = f"{'scenario':<20}{'n/K':>6}" + "".join(f"{c:>11}" for c in cols) + f"{'bound':>9}\n"
     out.write(head)
     for r in reports:
-        cells = "".join(
-            f"{r.policies[p].min_progress:>9.3f} ({r.policies[p].jain:.2f})" for p in policies
-        )
-        out.write(f"{r.scenario:<18}{cells}{r.bound.min_progress:>8.3f}\n")
-    s = summary(reports)
-    out.write("\ngeometric means\n")
-    out.write(f"{'policy':<18}{'min':>8}{'jain':>8}{'effic':>8}\n")
-    for p, m in s["geomean"].items():
+        cells = "".join(f"{_fmt(value(r, c, 'min_progress')):>11}" for c in cols)
+        out.write(f"{r.scenario:<20}{r.jobs:>3}/{r.levels:<2}{cells}{r.bound.min_progress:>9.3f}\n")
+    fams = [c for c in cols if c in BASELINES]
+    if fams:
+        out.write("\nbest reading per scenario (min_progress)\n")
+        for r in reports:
+            picks = []
+            for f in fams:
+                found = best_reading(r, f, "min_progress")
+                if found:
+                    picks.append(found[0])
+            out.write(f"  {r.scenario:<20}{'  '.join(picks)}\n")
         out.write(
-            f"{p:<18}{m['min_progress']:>8.3f}"
-            + (f"{m['jain']:>8.3f}{m['efficiency']:>8.2f}" if "jain" in m else "")
-            + "\n"
+            "  best overall: " + ", ".join(f"{k} {v}" for k, v in winners(reports).items()) + "\n"
         )
+        zeros = {
+            name: sum(1 for r in reports if r.policies[name].min_progress <= 0)
+            for name in reports[0].policies
+        }
+        starved = ", ".join(f"{k} {v}" for k, v in zeros.items() if v) or "none"
+        out.write(f"  scenarios where a reading leaves a job at 0 progress: {starved}\n")
+    s = summary(reports)
+    for gname, g in s["groups"].items():
+        out.write(f"\n[{gname}] {len(g['scenarios'])} scenarios: geometric means")
+        out.write(" (zeros: scenarios at 0, excluded from 'pos')\n")
+        out.write(f"{'':<11}" + "".join(f"{c:>11}" for c in [*cols, "bound"]) + "\n")
+        for metric in ("min_progress", "jain", "efficiency"):
+            row = ""
+            for c in [*cols, "bound"]:
+                m = g["geomean"].get(c, {}).get(metric)
+                row += f"{_fmt(m['geomean'] if m else None):>11}"
+            out.write(f"{metric[:10]:<11}{row}\n")
+            zeros = [
+                f"{c} {g['geomean'][c][metric]['zeros']} (pos {g['geomean'][c][metric]['positive']:.3f})"
+                for c in cols
+                if metric in g["geomean"].get(c, {}) and g["geomean"][c][metric]["zeros"]
+            ]
+            if zeros:
+                out.write(f"{'':<11}zeros: {', '.join(zeros)}\n")
+        ratios = g["leveller_min_progress_over"]
+        if ratios:
+            parts = []
+            for c, res in ratios.items():
+                text = f"{c} {_fmt(res['ratio'], 2)}x"
+                if res["reference_zero"]:
+                    text += f" (+{len(res['reference_zero'])} where {c} is 0)"
+                if res["leveller_zero"]:
+                    text += f" ({len(res['leveller_zero'])} where leveller is 0)"
+                parts.append(text)
+            out.write(f"leveller min_progress over: {', '.join(parts)}\n")
+        if g["bound_over_best"]:
+            out.write(
+                f"bound over best reading: {g['bound_over_best']:.2f}x "
+                "(no policy's ratio can exceed it)\n"
+            )
     if s["targets"]:
-        out.write("\ntargets (leveller)\n")
+        out.write("\ntargets (leveller, all scenarios)\n")
         for t in s["targets"]:
             mark = "met " if t["met"] else "MISS"
             if "ratio" in t:
-                out.write(f"  [{mark}] {t['target']}: {t['ratio']:.2f}x\n")
+                out.write(
+                    f"  [{mark}] {t['target']}: {_fmt(t['ratio'], 2)}x"
+                    f" (worst scenario {_fmt(t['worst'], 2)}x)\n"
+                )
             else:
                 below = ", ".join(t["scenarios_below"]) or "none below"
                 out.write(f"  [{mark}] {t['target']}: {below}\n")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    report = run_scenario(resolve(args.scenario), _policies(args.policies))
+    report = run_scenario(
+        resolve(args.scenario), _policies(args.policies), workers=_workers(args.workers)
+    )
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -180,12 +207,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_suite(args: argparse.Namespace) -> int:
     only = [n.strip() for n in args.only.split(",")] if args.only else None
     scenarios = [builtin(n) for n in only] if only else all_builtin()
-    policies = _policies(args.policies)
-    reports = []
-    for sc in scenarios:
-        reports.append(run_scenario(sc, policies))
-        if not args.json:
-            sys.stderr.write(f"  {sc.name} done\n")
+    t0 = time.perf_counter()
+    reports = run_scenarios(scenarios, _policies(args.policies), workers=_workers(args.workers))
+    if not args.json:
+        sys.stderr.write(f"  {len(reports)} scenarios in {time.perf_counter() - t0:.1f} s\n")
     if args.json:
         doc = {"scenarios": {r.scenario: r.to_dict() for r in reports}, "summary": summary(reports)}
         json.dump(doc, sys.stdout, indent=1)
@@ -199,9 +224,9 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     from tools.netsim.plot import MissingMatplotlib, plot_progress
 
     scenario = resolve(args.scenario)
-    report = run_scenario(scenario, _policies(args.policies))
+    report = run_scenario(scenario, _policies(args.policies), workers=_workers(args.workers))
     try:
-        plot_progress(scenario, report, Path(args.out), window_s=args.window)
+        plot_progress(scenario, report, Path(args.out), window_s=args.window, panels=panels(report))
     except MissingMatplotlib as err:
         sys.stderr.write(f"netsim: {err}\n")
         return EXIT_MISSING
@@ -211,11 +236,12 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from tools.netsim.engine import Simulation
-    from tools.netsim.policies import make_policy
+    from tools.netsim.policies import expand, make_policy
 
     scenario = resolve(args.scenario)
     total = 0.0
-    for name in _policies(args.policies):
+    names = expand(_policies(args.policies)) if args.policies else list(BENCH_POLICIES)
+    for name in names:
         t0 = time.perf_counter()
         result = Simulation(scenario, make_policy(name)).run()
         dt = time.perf_counter() - t0
@@ -227,11 +253,58 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_testbed(args: argparse.Namespace) -> int:
+    from tools.netsim.testbed import compare
+
+    results = None
+    if args.results:
+        try:
+            results = json.loads(Path(args.results).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ScenarioError(f"not a testbed result file: {err}", where=args.results) from err
+        if not isinstance(results, dict) or "setup" not in results:
+            raise ScenarioError("no 'setup' (write it with testbed run --json)", where=args.results)
+    rows = compare(results, workers=_workers(args.workers))
+    if args.json:
+        json.dump(rows, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    out = sys.stdout
+    out.write(
+        "per mix: ceiling (kernel: G / sum of demands; fluid: the bound), then min_progress /"
+        " jain / efficiency\nunder the kernel's default qdisc (fluid: per-flow fair) and"
+        " under gpud (fluid: leveller)\n"
+    )
+    out.write(f"{'mix':<10}{'(runs)':<22}{'ceiling':>8}{'baseline':>22}{'gpud':>22}\n")
+    for mix, row in rows.items():
+        lines = []
+        if "kernel" in row:
+            lines.append((f"kernel ({row['kernel']['runs']})", row["kernel"]))
+        for cc, figures in row.get("kernel_by_cc", {}).items():
+            lines.append((f"  {cc} ({figures['runs']})", figures))
+        lines.append(("fluid", row["fluid"]))
+        for i, (label, r) in enumerate(lines):
+            cells = ""
+            for part in ("baseline", "gpud"):
+                f = r[part]
+                cells += "   " + " ".join(
+                    _fmt(f.get(k)) for k in ("min_progress", "jain", "efficiency")
+                )
+            out.write(f"{mix if i == 0 else '':<10}{label:<22}{_fmt(r['ceiling']):>8}{cells}\n")
+    if results is None:
+        out.write(
+            "\n(kernel figures: sudo .venv/bin/python -m tools.testbed run --json > tb.json,"
+            " then --results tb.json)\n"
+        )
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
-    for name, make in BUILTIN.items():
-        sc = make()
+    from tools.netsim.testbed import scenarios
+
+    for sc in [*(make() for make in BUILTIN.values()), *scenarios()]:
         sys.stdout.write(
-            f"{name:<18}{len(sc.jobs):>3} jobs {len(sc.links)} links  {sc.description}\n"
+            f"{sc.name:<18}{len(sc.jobs):>3} jobs {len(sc.links)} links  {sc.description}\n"
         )
     return 0
 
@@ -250,18 +323,24 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m tools.netsim", description=__doc__.split("\n")[0]
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
-    policies_help = f"comma-separated, from {', '.join(POLICY_NAMES + EXTRA_POLICY_NAMES)}"
+    policies_help = (
+        f"comma-separated, from {', '.join(KNOWN_POLICIES)} "
+        "(a baseline's family name means all its readings)"
+    )
+    workers_help = "processes to run simulations in (default: 2, or 1 on one CPU)"
 
     p = sub.add_parser("run", help="simulate one scenario under each policy")
     p.add_argument("scenario", help="scenario JSON file or built-in name")
     p.add_argument("--policies", help=policies_help)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--workers", type=int, help=workers_help)
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("suite", help="run the built-in scenarios")
     p.add_argument("--json", action="store_true")
     p.add_argument("--only", help="comma-separated built-in names")
     p.add_argument("--policies", help=policies_help)
+    p.add_argument("--workers", type=int, help=workers_help)
     p.set_defaults(func=_cmd_suite)
 
     p = sub.add_parser("plot", help="PNG of progress rates over time (needs matplotlib)")
@@ -269,12 +348,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--policies", help=policies_help)
     p.add_argument("--window", type=float, default=20.0, help="trailing window in seconds")
+    p.add_argument("--workers", type=int, help=workers_help)
     p.set_defaults(func=_cmd_plot)
 
     p = sub.add_parser("bench", help="time the simulator itself")
     p.add_argument("scenario", nargs="?", default="cluster-32")
-    p.add_argument("--policies", help=policies_help)
+    p.add_argument("--policies", help=policies_help + f"; default {','.join(BENCH_POLICIES)}")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "testbed", help="the testbed's mixes in the fluid model, beside the kernel's"
+    )
+    p.add_argument("--results", help="a `python -m tools.testbed run --json` result file")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--workers", type=int, help=workers_help)
+    p.set_defaults(func=_cmd_testbed)
 
     p = sub.add_parser("list", help="list the built-in scenarios")
     p.set_defaults(func=_cmd_list)

@@ -30,7 +30,10 @@ from tools.netsim.scenario import JobSpec, Scenario
 # its computed completion time must not leave it running for a sliver of a byte.
 _DONE_FRACTION = 1e-9
 
-_START, _COMM, _COMPUTE, _STOP, _TICK = range(5)
+_START, _COMM, _COMPUTE, _STOP, _TICK, _BEGIN = range(6)
+
+# A paced job up to this fraction of its period late starts at once (see Decision.pace).
+PACE_SLACK = 0.05
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,13 @@ class Decision:
 
     levels: Mapping[str, int]
     shares: tuple[float, ...] = ()
+    pace: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    """Optional pacing (CASSINI's time shifts): job -> (first slot, period).
+
+    A paced job starts an iteration only on its grid ``first + m * period``: at once if a
+    slot passed less than ``PACE_SLACK`` of a period ago, otherwise at the next slot (so
+    a job knocked off its phase waits once and is back on it). Jobs absent are unpaced.
+    """
 
 
 class View(Protocol):
@@ -76,9 +86,25 @@ class View(Protocol):
         """Per link, seconds at full capacity for what is left of this iteration's bytes."""
         ...
 
+    def coflow_since(self, job_id: str) -> float | None:
+        """When the job's current communication phase began; ``None`` while it has none."""
+        ...
+
+    def link_capacity(self, link: str) -> float:
+        """The link's capacity in bytes/s."""
+        ...
+
+    def leveller_knobs(self) -> Mapping[str, float]:
+        """The scenario's traffic knobs for LEVELLER (empty: netshaper's defaults)."""
+        ...
+
 
 class Policy(Protocol):
+    """A scheduling policy. ``reorder_on_coflows``: also ask it when a job's
+    communication phase (a coflow) starts or ends, not only on ticks and arrivals."""
+
     name: str
+    reorder_on_coflows: bool
 
     def decide(self, now: float, view: View) -> Decision: ...
 
@@ -105,6 +131,8 @@ class _Job:
     last_report_at: float = 0.0
     compute_done: bool = False
     comm_started: bool = False
+    comm_started_at: float = 0.0
+    pace: tuple[float, float] | None = None
     flows: list[_Flow] = field(default_factory=list)
     completions: list[float] = field(default_factory=list)
     end_s: float | None = None
@@ -207,6 +235,8 @@ class Simulation:
         self._shares: tuple[float, ...] = ()
         self._level_changes = 0
         self._events = 0
+        self._on_coflows = bool(getattr(policy, "reorder_on_coflows", False))
+        self._coflow_event = False
 
     # -- View ---------------------------------------------------------------------------
     @property
@@ -235,6 +265,18 @@ class Simulation:
                 out[name] = out.get(name, 0.0) + f.remaining * f.weight / self._caps[link]
         return out
 
+    def link_capacity(self, link: str) -> float:
+        return self._sc.link_bytes_per_s(link)
+
+    def leveller_knobs(self) -> Mapping[str, float]:
+        return self._sc.leveller
+
+    def coflow_since(self, job_id: str) -> float | None:
+        job = self._by_id[job_id]
+        if not job.comm_started or not job.flows:
+            return None
+        return job.comm_started_at
+
     # -- running ------------------------------------------------------------------------
     def run(self) -> RunResult:
         sc = self._sc
@@ -262,6 +304,9 @@ class Simulation:
             while self._heap and self._heap[0][0] <= self._now:
                 _, _, kind, idx, epoch = heapq.heappop(self._heap)
                 self._on_timer(kind, idx, epoch)
+            if self._coflow_event:
+                self._coflow_event = False
+                self._decide()
             if self._dirty:
                 self._reallocate()
         runs: dict[str, JobRun] = {}
@@ -306,6 +351,7 @@ class Simulation:
             job = self._jobs[f.job]
             job.flows.remove(f)
             if not job.flows:
+                self._coflow_event = self._on_coflows
                 self._maybe_complete(job)
 
     def _on_timer(self, kind: int, idx: int, epoch: int) -> None:
@@ -316,7 +362,7 @@ class Simulation:
                 self._push(self._tick_k * self._sc.update_interval_s, _TICK, None)
             return
         job = self._jobs[idx]
-        if job.done or (kind in (_COMM, _COMPUTE) and epoch != job.epoch):
+        if job.done or (kind in (_COMM, _COMPUTE, _BEGIN) and epoch != job.epoch):
             return  # a timer of an iteration the job no longer runs
         if kind == _START:
             job.running = True
@@ -328,6 +374,8 @@ class Simulation:
             self._decide()
         elif kind == _COMM:
             self._start_comm(job)
+        elif kind == _BEGIN:
+            self._start_iteration(job)
         elif kind == _COMPUTE:
             job.compute_done = True
             self._maybe_complete(job)
@@ -345,6 +393,8 @@ class Simulation:
 
     def _start_comm(self, job: _Job) -> None:
         job.comm_started = True
+        job.comm_started_at = self._now
+        self._coflow_event = self._coflow_event or self._on_coflows
         job.flows = [
             _Flow(job=job.idx, links=links, weight=w, size=size, remaining=size)
             for links, w, size in job.groups
@@ -367,7 +417,23 @@ class Simulation:
             self._decide()
             return
         job.epoch += 1
-        self._start_iteration(job)
+        self._next_iteration(job)
+
+    def _next_iteration(self, job: _Job) -> None:
+        """Start the next iteration now, or at the job's next pacing slot."""
+        if job.pace is None:
+            self._start_iteration(job)
+            return
+        first, period = job.pace
+        now = self._now
+        m = max(0, math.ceil((now - first) / period - PACE_SLACK))
+        slot = first + m * period
+        if slot > now + 1e-9:
+            job.comm_started = False
+            job.flows = []
+            self._push(slot, _BEGIN, job)
+        else:
+            self._start_iteration(job)
 
     def _stop(self, job: _Job) -> None:
         job.done = True
@@ -393,6 +459,9 @@ class Simulation:
             elif old is None:
                 self._dirty = True
         self._levels = new_levels
+        for job in self._jobs:
+            pace = decision.pace.get(job.info.spec.id)
+            job.pace = pace
         if decision.shares != self._shares:
             self._shares = decision.shares
             self._dirty = True

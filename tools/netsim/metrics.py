@@ -16,7 +16,7 @@ from typing import Any
 
 from tools.netsim.bound import Bound, fluid_bound
 from tools.netsim.engine import JobRun, RunResult, Simulation, job_infos
-from tools.netsim.policies import POLICY_NAMES, make_policy
+from tools.netsim.policies import POLICY_NAMES, expand, make_policy
 from tools.netsim.scenario import Scenario
 
 
@@ -46,10 +46,14 @@ class ScenarioReport:
     policies: Mapping[str, PolicyMetrics]
     bound: Bound
     runs: Mapping[str, RunResult]
+    jobs: int = 0  # the most jobs present at once
+    levels: int = 8
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "scenario": self.scenario,
+            "jobs": self.jobs,
+            "levels": self.levels,
             "policies": {name: m.to_dict() for name, m in self.policies.items()},
             "bound": {"min_progress": self.bound.min_progress, "jobs": dict(self.bound.jobs)},
         }
@@ -92,26 +96,74 @@ def summarize(result: RunResult, scenario: Scenario) -> PolicyMetrics:
     )
 
 
-def run_scenario(scenario: Scenario, policies: Iterable[str] = POLICY_NAMES) -> ScenarioReport:
-    """Simulate ``scenario`` under each policy and compute the bound."""
-    infos = job_infos(scenario)
-    runs: dict[str, RunResult] = {}
-    metrics: dict[str, PolicyMetrics] = {}
-    for name in policies:
-        result = Simulation(scenario, make_policy(name)).run()
-        runs[name] = result
-        metrics[name] = summarize(result, scenario)
-    return ScenarioReport(
-        scenario=scenario.name, policies=metrics, bound=fluid_bound(scenario, infos), runs=runs
+def simulate(scenario: Scenario, policy: str) -> RunResult:
+    """One run of ``scenario`` under the policy (reading) named ``policy``."""
+    return Simulation(scenario, make_policy(policy)).run()
+
+
+def run_scenario(
+    scenario: Scenario, policies: Iterable[str] = POLICY_NAMES, workers: int = 1
+) -> ScenarioReport:
+    """Simulate ``scenario`` under each policy (families expand to all their readings)."""
+    return run_scenarios([scenario], policies, workers)[0]
+
+
+def run_scenarios(
+    scenarios: Sequence[Scenario], policies: Iterable[str] = POLICY_NAMES, workers: int = 1
+) -> list[ScenarioReport]:
+    """Every (scenario, policy) run, in ``workers`` processes; results do not depend on it."""
+    names = expand(list(policies))
+    tasks = [(sc, name) for sc in scenarios for name in names]
+    if workers > 1 and len(tasks) > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(simulate, *zip(*tasks, strict=True), chunksize=1))
+    else:
+        results = [simulate(sc, name) for sc, name in tasks]
+    reports = []
+    for i, sc in enumerate(scenarios):
+        runs = dict(zip(names, results[i * len(names) : (i + 1) * len(names)], strict=True))
+        reports.append(
+            ScenarioReport(
+                scenario=sc.name,
+                policies={n: summarize(r, sc) for n, r in runs.items()},
+                bound=fluid_bound(sc, job_infos(sc)),
+                runs=runs,
+                jobs=peak_jobs(sc),
+                levels=sc.levels,
+            )
+        )
+    return reports
+
+
+def peak_jobs(scenario: Scenario) -> int:
+    """The most jobs present at once (by their start and stop times)."""
+    edges = sorted(
+        [(j.start_s, 1) for j in scenario.jobs]
+        + [(j.stop_s, -1) for j in scenario.jobs if j.stop_s is not None],
+        key=lambda e: (e[0], e[1]),
     )
+    peak = now = 0
+    for _, step in edges:
+        now += step
+        peak = max(peak, now)
+    return peak
 
 
 def geomean(values: Iterable[float]) -> float:
-    """Geometric mean; zeros are floored at 1e-6 so one starved job does not erase a row."""
-    vals = [max(v, 1e-6) for v in values]
-    if not vals:
+    """Geometric mean, exactly: 0 when any value is 0 (see :func:`positive_geomean`)."""
+    vals = list(values)
+    if not vals or min(vals) <= 0:
         return 0.0
     return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+
+def positive_geomean(values: Iterable[float]) -> tuple[float, int]:
+    """(geometric mean of the values above 0, how many are 0) -- zeros reported, not floored."""
+    vals = list(values)
+    pos = [v for v in vals if v > 0]
+    return geomean(pos), len(vals) - len(pos)
 
 
 def windowed_rates(run: JobRun, times: Sequence[float], window_s: float) -> list[float | None]:

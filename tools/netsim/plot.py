@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,15 @@ def _pyplot() -> Any:
 
 
 def plot_progress(
-    scenario: Scenario, report: ScenarioReport, out: Path, window_s: float = 20.0
+    scenario: Scenario,
+    report: ScenarioReport,
+    out: Path,
+    window_s: float = 20.0,
+    panels: Sequence[str] | None = None,
 ) -> None:
     """Each job's trailing-window progress rate, the minimum in bold, the bound dashed."""
     plt = _pyplot()
-    policies = list(report.runs)
+    policies = list(panels) if panels is not None else list(report.runs)
     step = max(scenario.update_interval_s, scenario.duration_s / 300)
     times = [step * k for k in range(1, int(scenario.duration_s / step) + 1)]
     fig, axes = plt.subplots(

@@ -9,6 +9,9 @@ A scenario is JSON::
                "flows": [{"bytes": 4e9, "path": ["tor1", "spine"]},
                          {"bytes": 4e9, "path": ["tor1"]}]}]}
 
+Optional ``leveller``: the daemon's traffic knobs for this scenario (``threshold``,
+``hysteresis``, ``max_age_s``, ``min_share``, ``progress_window_s``; defaults: netshaper's).
+
 Per job, optional: ``overlap`` (0..1, the fraction of the contention-free communication
 hidden under compute), ``stop_s``, ``iterations`` (stop after that many), ``gpus`` (scales
 the compute work Crux ranks by; default 1), ``declare_ideal`` (default true: the job tells
@@ -22,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +68,7 @@ class Scenario:
     duration_s: float = 600.0
     warmup_s: float = 60.0
     description: str = ""
+    leveller: Mapping[str, float] = field(default_factory=dict)
 
     def link_bytes_per_s(self, link: str) -> float:
         return self.links[link] * 1e9 / 8
@@ -102,8 +106,10 @@ class Scenario:
             duration_s=self.duration_s,
             warmup_s=self.warmup_s,
             links={name: {"gbps": gbps} for name, gbps in self.links.items()},
-            jobs=jobs,
         )
+        if self.leveller:
+            out["leveller"] = dict(self.leveller)
+        out["jobs"] = jobs
         return out
 
 
@@ -150,6 +156,7 @@ def from_dict(raw: Any) -> Scenario:
         duration_s=_pos(raw, "duration_s", "", default=600.0),
         warmup_s=_num(raw, "warmup_s", "", default=60.0),
         description=str(raw.get("description", "")),
+        leveller=_knobs(raw.get("leveller", {})),
     )
     if not 2 <= scenario.levels <= 8:
         raise ScenarioError("must be in [2, 8]", where="levels")
@@ -220,6 +227,25 @@ def _job(raw: Any, where: str, links: Mapping[str, float]) -> JobSpec:
         gpus=gpus,
         declare_ideal=declare,
     )
+
+
+LEVELLER_KNOBS = ("threshold", "hysteresis", "max_age_s", "min_share", "progress_window_s")
+
+
+def _knobs(raw: Any) -> dict[str, float]:
+    if not isinstance(raw, dict):
+        raise ScenarioError("an object of traffic knobs", where="leveller")
+    out: dict[str, float] = {}
+    for key in raw:
+        if key not in LEVELLER_KNOBS:
+            raise ScenarioError(
+                f"unknown knob {key!r}; known: {', '.join(LEVELLER_KNOBS)}", where="leveller"
+            )
+        value = _num(raw, key, "leveller")
+        if value < 0:
+            raise ScenarioError("must be >= 0", where=f"leveller.{key}")
+        out[key] = value
+    return out
 
 
 def _str(raw: Mapping[str, Any], key: str, where: str) -> str:

@@ -5,6 +5,9 @@ compute/communication ratios and flow counts, 1 to 4 shared links, 2 to 32 jobs,
 arrivals and departures, a job joining a saturated link, jobs that do not declare their
 contention-free time, few priority levels -- not from how any policy fares on them. The
 larger clusters are drawn from a seeded generator, so they are the same on every run.
+Two later groups: ``phase-*``, identical jobs started in step, written for CASSINI's time
+shifts to win (per-flow sharing keeps them in step); ``gpus-*``, jobs of 4 to 128 GPUs, for
+Crux's GPU-intensity ranking.
 ``python -m tools.netsim export DIR`` writes them as scenario files.
 
 Units: links in Gbit/s (100 Gbit/s = 12.5 GB/s), flow sizes in bytes.
@@ -234,8 +237,77 @@ def learned_ideal() -> Scenario:
     )
 
 
+def phase_pair() -> Scenario:
+    # Identical jobs started together: with 1 s iterations, half of it communication, they
+    # fit on the link only if their communication phases take turns.
+    return _scenario(
+        "phase-pair",
+        "two identical jobs started together, communication half of each 1 s iteration",
+        {"link": 100},
+        [_job(name, 0.5, [(6.25 * GB, ["link"], 1)]) for name in ("twin-a", "twin-b")],
+    )
+
+
+def phase_harmonic() -> Scenario:
+    # Periods 1 s and 2 s (harmonic), 75% of the link on average; pairs start in step.
+    return _scenario(
+        "phase-harmonic-4",
+        "two pairs of identical jobs with 1 s and 2 s iterations, 75% of one link on average",
+        {"link": 100},
+        [
+            _job(name, compute, [(3.125 * GB / 2, ["link"], 2)])
+            for name, compute in [
+                ("fast-a", 0.75),
+                ("fast-b", 0.75),
+                ("slow-a", 1.75),
+                ("slow-b", 1.75),
+            ]
+        ],
+    )
+
+
+def phase_racks() -> Scenario:
+    # Two racks; each rack's identical pair fits its ToR only taking turns; all four cross
+    # the spine, which has room for two at once.
+    return _scenario(
+        "phase-racks",
+        "two identical pairs on two ToRs and a spine, 0.8 s iterations, in step",
+        {"tor1": 100, "tor2": 100, "spine": 200},
+        [
+            _job(name, compute, [(size * GB, [tor, "spine"], 1)])
+            for name, compute, size, tor in [
+                ("r1-a", 0.45, 4.375, "tor1"),
+                ("r1-b", 0.45, 4.375, "tor1"),
+                ("r2-a", 0.4, 5.0, "tor2"),
+                ("r2-b", 0.4, 5.0, "tor2"),
+            ]
+        ],
+    )
+
+
+def gpus_mix() -> Scenario:
+    # Crux ranks by GPUs x compute per byte on the bottleneck: the big jobs win.
+    specs = [(64, 0.8, 3.0, 8), (32, 0.6, 2.0, 4), (16, 0.3, 2.0, 2), (8, 0.2, 1.5, 1)]
+    specs += [(8, 0.5, 1.0, 1), (4, 0.1, 2.5, 2)]
+    return _scenario(
+        "gpus-mix-6",
+        "six jobs of 4 to 64 GPUs on one link",
+        {"link": 100},
+        [
+            _job(f"g{g}-{i}", c, [(b * GB / n, ["link"], n)], gpus=g)
+            for i, (g, c, b, n) in enumerate(specs)
+        ],
+    )
+
+
 def cluster(
-    name: str, n_jobs: int, seed: int, levels: int = 8, churn_jobs: bool = False
+    name: str,
+    n_jobs: int,
+    seed: int,
+    *,
+    levels: int = 8,
+    churn_jobs: bool = False,
+    gpus: bool = False,
 ) -> Scenario:
     """A leaf-spine cluster: three ToR links and a spine, jobs drawn from a seeded RNG."""
     rng = random.Random(seed)
@@ -261,11 +333,14 @@ def cluster(
             extra["start_s"] = start
             if rng.random() < 0.5:
                 extra["stop_s"] = round(start + rng.uniform(150, 300), 1)
+        if gpus:
+            extra["gpus"] = rng.choice([8, 8, 16, 32, 64, 128])
         jobs.append(_job(f"j{i:02d}", compute, flows, **extra))
     return _scenario(
         name,
         f"{n_jobs} jobs on a 3-ToR leaf-spine (4 links), seeded draw {seed}"
         + (", with arrivals and departures" if churn_jobs else "")
+        + (", 8 to 128 GPUs per job" if gpus else "")
         + (f", {levels} levels" if levels != 8 else ""),
         links,
         jobs,
@@ -290,6 +365,11 @@ BUILTIN: dict[str, Callable[[], Scenario]] = {
     "cluster-16-k4": lambda: cluster("cluster-16-k4", 16, seed=17, levels=4),
     "cluster-24-churn": lambda: cluster("cluster-24-churn", 24, seed=24, churn_jobs=True),
     "cluster-32": lambda: cluster("cluster-32", 32, seed=32),
+    "phase-pair": phase_pair,
+    "phase-harmonic-4": phase_harmonic,
+    "phase-racks": phase_racks,
+    "gpus-mix-6": gpus_mix,
+    "gpus-cluster-12": lambda: cluster("gpus-cluster-12", 12, seed=12, gpus=True),
 }
 
 

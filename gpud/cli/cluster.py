@@ -1,0 +1,148 @@
+"""``gpuctl cluster``: the leader, the epoch, this node's mode, nodes and jobs' global levels.
+
+::
+
+    gpuctl cluster status [--json]           leader, epoch, mode; nodes (on the leader); jobs
+    gpuctl cluster attributes [--job J ...]  runtime attributes of this node's jobs
+                              [--watch]      ... and again whenever they change
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from gpud.cli.context import Context, Subparsers
+from gpud.cli.output import seconds
+from gpud.v1 import cluster_pb2 as pb
+from gpud.v1 import cluster_pb2_grpc as pb_grpc
+
+_MODES = {
+    "leader": "leader (this node leads)",
+    "follower": "follower (applying the leader's orders)",
+    "holding": "holding (no leader reachable: the last order stays in force)",
+    "local": "local (no leader order: this node's own policy)",
+}
+
+
+def register(subparsers: Subparsers) -> None:
+    group = subparsers.add_parser("cluster", help="the cluster leader and the global order")
+    sub = group.add_subparsers(dest="cluster_command", required=True)
+    status = sub.add_parser("status", help="leader, epoch, mode, nodes and jobs")
+    status.set_defaults(run=run_status)
+    attrs = sub.add_parser("attributes", help="runtime attributes of this node's jobs")
+    attrs.add_argument("--job", action="append", default=[], help="only this job (repeatable)")
+    attrs.add_argument("--watch", action="store_true", help="print again on every change")
+    attrs.set_defaults(run=run_attributes)
+
+
+def _opt(msg: object, field: str, fmt: str = "{}") -> str:
+    return fmt.format(getattr(msg, field)) if msg.HasField(field) else "-"  # type: ignore[attr-defined]
+
+
+def run_status(ctx: Context, args: argparse.Namespace) -> int:
+    resp: pb.GetClusterStatusResponse = ctx.call(
+        ctx.stub(pb_grpc.ClusterStub).GetClusterStatus, pb.GetClusterStatusRequest()
+    )
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+        return 0
+    age = (
+        f"{seconds(resp.last_order_age_seconds)} ago"
+        if resp.HasField("last_order_age_seconds")
+        else "never"
+    )
+    leader = resp.leader or "none known"
+    if resp.leader_address:
+        leader += f" at {resp.leader_address}"
+    lines = [
+        f"node:        {resp.node} (election: {resp.election})",
+        f"leader:      {leader}, epoch {resp.epoch}",
+        f"mode:        {_MODES.get(resp.mode, resp.mode)}",
+        f"last order:  epoch {resp.applied_epoch}.{resp.applied_seq}, {age}"
+        f" (local policy after {seconds(resp.grace_seconds)} without one)",
+    ]
+    if resp.election == "etcd":
+        lines.append(f"etcd:        {'reachable' if resp.store_ok else 'UNREACHABLE'}")
+    if resp.detail:
+        lines.append(f"detail:      {resp.detail}")
+    if resp.rejected_orders:
+        lines.append(f"rejected:    {resp.rejected_orders} stale orders")
+    ctx.out.print("\n".join(lines))
+    if resp.nodes:
+        ctx.out.print()
+        ctx.out.print_table(
+            ("NODE", "LAST REPORT", "JOBS", "APPLIED EPOCH"),
+            [
+                (n.node, f"{seconds(n.report_age_seconds)} ago", str(n.jobs), str(n.applied_epoch))
+                for n in resp.nodes
+            ],
+        )
+    if resp.jobs:
+        ctx.out.print()
+        ctx.out.print_table(
+            ("JOB", "LEVEL", "DSCP", "PROGRESS", "SLOWEST NODE", "NODES"),
+            [
+                (
+                    j.job,
+                    _opt(j, "level"),
+                    _opt(j, "dscp"),
+                    _opt(j, "progress_rate", "{:.3f}"),
+                    j.slowest_node or "-",
+                    ",".join(j.nodes),
+                )
+                for j in resp.jobs
+            ],
+        )
+    return 0
+
+
+def _print_attributes(ctx: Context, resp: pb.GetAttributesResponse) -> None:
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+        return
+    ctx.out.print(f"epoch {resp.epoch}")
+    ctx.out.print_table(
+        (
+            "JOB",
+            "LEVEL",
+            "DSCP",
+            "PROGRESS",
+            "SLOWEST",
+            "UNHEALTHY GPUS",
+            "XIDS",
+            "LINKS DOWN",
+            "DROPS",
+        ),
+        [
+            (
+                a.job,
+                _opt(a, "level"),
+                _opt(a, "dscp"),
+                _opt(a, "progress_rate", "{:.3f}"),
+                a.slowest_node or "-",
+                ",".join(a.unhealthy_gpus) or "-",
+                ",".join(a.xids) or "-",
+                ",".join(a.links_down) or "-",
+                str(a.drops),
+            )
+            for a in resp.attributes
+        ],
+    )
+
+
+def run_attributes(ctx: Context, args: argparse.Namespace) -> int:
+    import grpc
+
+    request = pb.GetAttributesRequest(jobs=args.job)
+    stub = ctx.stub(pb_grpc.ClusterStub)
+    if not args.watch:
+        _print_attributes(ctx, ctx.call(stub.GetAttributes, request))
+        return 0
+    try:
+        for resp in stub.WatchAttributes(request):
+            _print_attributes(ctx, resp)
+    except KeyboardInterrupt:
+        return 130
+    except grpc.RpcError as err:
+        raise ctx.translate(err) from None
+    return 0

@@ -1,0 +1,174 @@
+"""``gpuctl net``: jobs' network priorities, tags and counters; progress reports.
+
+::
+
+    gpuctl net show                       # jobs, levels, interfaces (table)
+    gpuctl net show --json
+    gpuctl net report --job train-a --iterations 1200 [--timestamp UNIX] [--ideal 0.35]
+    gpuctl net pin --job train-a --level 0
+    gpuctl net unpin --job train-a
+
+``report`` is for shell-driven jobs and tests (Python jobs use ``gpud.client.Progress``);
+its timestamp defaults to now. A bad report (unknown job, iterations going backwards, a
+timestamp in the future) exits non-zero with the reason and changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
+from gpud.cli.output import NA, seconds
+from gpud.v1 import net_pb2 as pb
+from gpud.v1 import net_pb2_grpc as pb_grpc
+
+JOB_HEADERS = (
+    "JOB",
+    "DSCP",
+    "LEVEL",
+    "PROGRESS",
+    "ITER",
+    "ITER TIME",
+    "REPORT AGE",
+    "SENT",
+    "PKTS",
+    "DROPS",
+)
+LEVEL_HEADERS = ("LEVEL", "MIN SHARE", "JOBS", "SENT", "PKTS", "DROPS")
+IFACE_HEADERS = ("INTERFACE", "RATE", "ENFORCED", "REPAIRS", "ERROR")
+
+
+def register(subparsers: Subparsers) -> None:
+    net = subparsers.add_parser("net", help="network priorities, DSCP tags, progress reports")
+    commands = net.add_subparsers(dest="net_command", metavar="COMMAND", required=True)
+    show = commands.add_parser("show", help="jobs, levels, interfaces and counters")
+    show.set_defaults(run=run_show)
+    report = commands.add_parser("report", help="report a job's completed iterations")
+    report.add_argument("--job", required=True, metavar="NAME")
+    report.add_argument("--iterations", required=True, type=int, metavar="N")
+    report.add_argument("--timestamp", type=float, metavar="UNIX", help="default: now")
+    report.add_argument(
+        "--ideal", type=float, metavar="SECONDS", help="contention-free iteration time"
+    )
+    report.add_argument("--session", default="", help="a restarted job's new session id")
+    report.set_defaults(run=run_report)
+    pin = commands.add_parser("pin", help="fix a job's level (0 = highest priority)")
+    pin.add_argument("--job", required=True, metavar="NAME")
+    pin.add_argument("--level", required=True, type=int)
+    pin.set_defaults(run=run_pin)
+    unpin = commands.add_parser("unpin", help="give a job's level back to the policy")
+    unpin.add_argument("--job", required=True, metavar="NAME")
+    unpin.set_defaults(run=run_pin, level=None)
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _rate(bps: float) -> str:
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g} {unit}"
+    return f"{bps:g} bit/s" if bps else NA
+
+
+def run_show(ctx: Context, args: argparse.Namespace) -> int:
+    resp: pb.ShowNetResponse = ctx.call(ctx.stub(pb_grpc.NetStub).ShowNet, pb.ShowNetRequest())
+    if ctx.out.json:
+        ctx.out.print_json(resp)
+        return 0
+    if not resp.enabled:
+        ctx.out.print("traffic enforcement is off (set [traffic] enabled = true in gpud.toml)")
+        return 0
+    rows = []
+    for j in resp.jobs:
+        level = str(j.level) if j.HasField("level") else "default"
+        if j.HasField("pinned_level"):
+            level += " (pinned)"
+        rows.append(
+            (
+                j.job,
+                str(j.dscp),
+                level,
+                f"{j.progress_rate:.2f}" if j.HasField("progress_rate") else NA,
+                str(j.iterations) if j.HasField("iterations") else NA,
+                seconds(j.iteration_s) if j.HasField("iteration_s") else NA,
+                seconds(j.last_report_age_seconds) if j.HasField("last_report_age_seconds") else NA,
+                _bytes(j.counters.bytes),
+                str(j.counters.packets),
+                str(j.counters.drops),
+            )
+        )
+    ctx.out.print_table(JOB_HEADERS, rows)
+    ctx.out.print()
+    ctx.out.print_table(
+        LEVEL_HEADERS,
+        [
+            (
+                str(lv.level),
+                f"{lv.min_share:.0%}",
+                ",".join(lv.jobs) or NA,
+                _bytes(lv.counters.bytes),
+                str(lv.counters.packets),
+                str(lv.counters.drops),
+            )
+            for lv in resp.levels
+        ],
+    )
+    ctx.out.print()
+    ctx.out.print_table(
+        IFACE_HEADERS,
+        [
+            (
+                i.name,
+                _rate(i.rate_bits_per_second),
+                "yes" if i.enforced else "no",
+                str(i.repairs),
+                i.error or NA,
+            )
+            for i in resp.interfaces
+        ],
+    )
+    ctx.out.print()
+    order = resp.order_source + (f" (epoch {resp.epoch})" if resp.epoch else "")
+    ctx.out.print(f"order: {order}; level changes: {resp.level_changes_total}")
+    ctx.out.print(f"marking by cgroup (nftables): {resp.marking_error or 'ok'}")
+    if resp.rdma_backend != "none":
+        ctx.out.print(f"RDMA DSCP map ({resp.rdma_backend}): {resp.rdma_error or 'ok'}")
+    return 0
+
+
+def run_report(ctx: Context, args: argparse.Namespace) -> int:
+    if args.iterations < 0:
+        raise CliError(f"--iterations: must be >= 0, got {args.iterations}", EXIT_USAGE)
+    request = pb.ReportProgressRequest(
+        job=args.job,
+        iterations=args.iterations,
+        timestamp_unix_seconds=args.timestamp if args.timestamp is not None else time.time(),
+        session=args.session,
+    )
+    if args.ideal is not None:
+        request.contention_free_iteration_s = args.ideal
+    ctx.call(ctx.stub(pb_grpc.NetStub).ReportProgress, request)
+    if ctx.out.json:
+        ctx.out.print_json({"job": args.job, "iterations": args.iterations, "accepted": True})
+    return 0
+
+
+def run_pin(ctx: Context, args: argparse.Namespace) -> int:
+    request = pb.PinLevelRequest(job=args.job)
+    if args.level is not None:
+        if args.level < 0:
+            raise CliError(f"--level: must be >= 0, got {args.level}", EXIT_USAGE)
+        request.level = args.level
+    resp: pb.PinLevelResponse = ctx.call(ctx.stub(pb_grpc.NetStub).PinLevel, request)
+    if ctx.out.json:
+        ctx.out.print_json(resp.job)
+    else:
+        what = f"pinned to level {args.level}" if args.level is not None else "unpinned"
+        ctx.out.print(f"job {resp.job.job} (DSCP {resp.job.dscp}) {what}")
+    return 0

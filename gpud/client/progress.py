@@ -1,0 +1,219 @@
+"""Training progress reports to the local gpud, from inside the training loop.
+
+::
+
+    from gpud.client import Progress
+
+    progress = Progress()            # job and socket from GPUD_JOB / GPUD_SOCKET (gpuctl run)
+    for batch in loader:
+        train_step(batch)
+        progress.step()              # ~0.2 us: a counter, a clock read and a deque append
+    progress.close()                 # optional: flushes what is left (also done at exit)
+
+:meth:`Progress.step` never blocks and never raises: it records ``(iterations, time)`` in a
+bounded buffer, and a background thread sends the buffer to gpud
+(``gpud.v1.Net/ReportProgressBatch``) every ``flush_interval_s``. When the daemon is down or
+restarting the buffer keeps the newest ``max_buffer`` reports and drops the oldest
+(:attr:`Progress.dropped` counts them); the thread retries with a back-off and the reports
+arrive once gpud is back. Reports that gpud rejects (e.g. a job it does not know) are
+dropped and counted in :attr:`Progress.rejected`, with the first reason in
+:attr:`Progress.last_error`.
+
+Each ``Progress`` is one *session*: a job restarted from a checkpoint may report a lower
+iteration count than its previous process did (pass ``start=`` to continue counting).
+
+Only the standard library and ``grpc`` (with the generated ``gpud.v1`` messages) are used.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+JOB_VAR = "GPUD_JOB"
+SOCKET_VAR = "GPUD_SOCKET"
+DEFAULT_SOCKET = Path("/run/gpud/gpud.sock")
+MAX_BATCH = 4096  # the daemon's limit per call
+_MAX_BACKOFF_S = 5.0
+
+
+class Progress:
+    """Reports a job's completed iterations to gpud; see the module docstring.
+
+    ``job`` defaults to ``$GPUD_JOB``, ``socket`` to ``$GPUD_SOCKET`` or
+    ``/run/gpud/gpud.sock``; ``target`` (a gRPC target such as ``"unix:/run/gpud/gpud.sock"``
+    or ``"127.0.0.1:50051"``) overrides the socket. ``contention_free_iteration_s`` is the
+    iteration time the job has alone on the network, when profiled (gpud learns it
+    otherwise).
+    """
+
+    def __init__(
+        self,
+        job: str | None = None,
+        *,
+        socket: Path | str | None = None,
+        target: str | None = None,
+        contention_free_iteration_s: float | None = None,
+        start: int = 0,
+        flush_interval_s: float = 0.2,
+        max_buffer: int = 10_000,
+        call_timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        name = job or os.environ.get(JOB_VAR, "")
+        if not name:
+            raise ValueError(f"no job name: pass job= or run under gpuctl run (${JOB_VAR})")
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        if max_buffer < 1:
+            raise ValueError(f"max_buffer must be >= 1, got {max_buffer}")
+        if contention_free_iteration_s is not None and not contention_free_iteration_s > 0:
+            raise ValueError("contention_free_iteration_s must be > 0")
+        self.job = name
+        if target is None:
+            path = Path(socket or os.environ.get(SOCKET_VAR) or DEFAULT_SOCKET)
+            target = f"unix:{path.absolute()}"
+        self.target = target
+        self.session = os.urandom(8).hex()
+        self.dropped = 0
+        self.rejected = 0
+        self.sent = 0
+        self.last_error = ""
+        self._ideal = contention_free_iteration_s
+        self._count = start
+        self._clock = clock
+        self._interval = flush_interval_s
+        self._timeout = call_timeout_s
+        self._max_buffer = max_buffer
+        # step() appends here (a deque append is atomic); the sender thread drains it.
+        self._queue: deque[tuple[int, float]] = deque(maxlen=max_buffer)
+        self._appended = 0  # reports step() made, to count what maxlen dropped
+        self._drained = 0
+        self._pending: deque[tuple[int, float]] = deque()  # drained, not yet accepted
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._flushed = threading.Condition()
+        self._channel: Any = None
+        self._thread = threading.Thread(target=self._run, name=f"gpud-progress-{name}", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    @property
+    def iterations(self) -> int:
+        return self._count
+
+    def step(self, n: int = 1) -> None:
+        """``n`` more iterations completed now. Never blocks, never raises."""
+        self._count += n
+        self._queue.append((self._count, self._clock()))
+        self._appended += 1
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Send what is buffered now; True once everything so far was sent (or rejected)."""
+        target = self._appended
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._flushed:
+            self._wake.set()
+            while self._drained < target or self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._flushed.wait(left if left is not None else 0.5)
+                self._wake.set()
+        return True
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Flush (up to ``timeout`` seconds) and stop the sender thread. Idempotent."""
+        if self._stop.is_set():
+            return
+        self.flush(timeout)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+        atexit.unregister(self.close)
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the sender thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = self._interval
+        while not self._stop.is_set():
+            self._wake.wait(backoff)
+            self._wake.clear()
+            self._drain()
+            if not self._pending:
+                backoff = self._interval
+                self._notify()
+                continue
+            try:
+                self._send()
+                backoff = self._interval
+            except Exception as err:  # any transport failure: keep the reports, retry later
+                self.last_error = str(err)
+                backoff = min(_MAX_BACKOFF_S, max(backoff * 2, 0.05))
+            self._notify()
+
+    def _notify(self) -> None:
+        with self._flushed:
+            self._flushed.notify_all()
+
+    def _drain(self) -> None:
+        upto = self._appended  # everything counted here is in the queue or popped below
+        while True:
+            try:
+                item = self._queue.popleft()
+            except IndexError:
+                break
+            self._pending.append(item)
+        self._drained = upto
+        over = len(self._pending) - self._max_buffer
+        for _ in range(max(0, over)):
+            self._pending.popleft()
+        self.dropped = max(0, upto - self.sent - self.rejected - len(self._pending))
+
+    def _send(self) -> None:
+        from gpud.v1 import net_pb2, net_pb2_grpc
+
+        if self._channel is None:
+            import grpc
+
+            self._channel = grpc.insecure_channel(self.target)
+        stub = net_pb2_grpc.NetStub(self._channel)
+        while self._pending:
+            batch = [self._pending[i] for i in range(min(MAX_BATCH, len(self._pending)))]
+            reports = []
+            for count, at in batch:
+                r = net_pb2.ReportProgressRequest(
+                    job=self.job, iterations=count, timestamp_unix_seconds=at, session=self.session
+                )
+                if self._ideal is not None:
+                    r.contention_free_iteration_s = self._ideal
+                reports.append(r)
+            resp = stub.ReportProgressBatch(
+                net_pb2.ReportProgressBatchRequest(reports=reports), timeout=self._timeout
+            )
+            for _ in batch:
+                self._pending.popleft()
+            self.sent += resp.accepted
+            if resp.rejected:
+                self.rejected += len(resp.rejected)
+                first = resp.rejected[0]
+                if first.message != self.last_error:
+                    log.warning("gpud rejected progress reports of %s: %s", self.job, first.message)
+                self.last_error = first.message

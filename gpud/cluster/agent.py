@@ -1,0 +1,388 @@
+"""The node's cluster agent: one step of the daemon's loop, plus what the servicers ask.
+
+Each tick (:meth:`ClusterAgent.tick`)::
+
+    report = this node's jobs (traffic service) + their GPUs and faults (node view)
+    leading?  fold the reports received since the last round with ours -> global order
+              (tags persisted first), answer peers with it from now on, apply our share
+    else      send the report to the leader the election names (mTLS) -> its order
+    Fence: apply only an order whose epoch is >= the newest applied
+    no order for longer than fresh_s: "holding" (the last order stays); for longer than
+    grace_s: "local" (TrafficPort.clear_order: the node's own leveller decides again)
+
+Peers' reports arrive through :meth:`receive` (the peer servicer) between ticks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpud.cluster.election import Election, LeaderInfo
+from gpud.cluster.fencing import FailStatic, Fence, Mode
+from gpud.cluster.leader import Aggregator, NodeSeen
+from gpud.cluster.model import JobAttributes, JobReport, NodeReport, Order
+from gpud.cluster.ports import NodeView, TagStore
+from gpud.errors import FailedPrecondition, GpudError
+from gpud.events import EventLog
+from gpud.net.port import TrafficPort
+from netshaper.leveller import Leveller, LevellerConfig
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 0.2  # a follower's next report when the leader had no order for it yet
+
+
+class PeerTransport(Protocol):
+    async def report(self, address: str, leader: str, report: NodeReport) -> Order | None:
+        """Send ``report`` to the leader at ``address``; its order (None: none yet).
+        Raises :class:`~gpud.errors.Unavailable` when it cannot be reached."""
+        ...
+
+    async def nodes(self, address: str, leader: str) -> list[NodeSeen]:
+        """The nodes the leader has heard from."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterStatus:
+    election: str
+    node: str
+    info: LeaderInfo
+    mode: Mode
+    applied_epoch: int
+    applied_seq: int
+    last_order_age_s: float | None
+    grace_s: float
+    rejected_orders: int
+    nodes: tuple[NodeSeen, ...]
+    jobs: tuple[JobAttributes, ...]
+
+
+def _same(a: JobAttributes, b: JobAttributes | None) -> bool:
+    """Equal but for when it was computed (a new round that changed nothing)."""
+    return b is not None and a._replace(computed_at=0, epoch=0) == b._replace(
+        computed_at=0, epoch=0
+    )
+
+
+class ClusterAgent:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        election_kind: str,
+        election: Election,
+        traffic: TrafficPort,
+        view: NodeView,
+        tag_store: Callable[[int], TagStore],
+        leveller: LevellerConfig,
+        reserved_tags: Iterable[int],
+        peers: PeerTransport | None,
+        grace_s: float,
+        fresh_s: float,
+        node_timeout_s: float,
+        events: EventLog | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.node = node
+        self.election_kind = election_kind
+        self.election = election
+        self._traffic = traffic
+        self._view = view
+        self._tag_store = tag_store
+        self._leveller = leveller
+        self._reserved = tuple(reserved_tags)
+        self._peers = peers
+        self._node_timeout_s = node_timeout_s
+        self._events = events
+        self._clock = clock
+        self._wall = wall
+        self.fence = Fence()
+        self.fail_static = FailStatic(grace_s, fresh_s=fresh_s)
+        self._lock = threading.Lock()  # swapping the aggregator (a new epoch, stepping down)
+        self._aggregator: Aggregator | None = None
+        self._agg_epoch = 0
+        self.mode = Mode.LOCAL
+        self.order: Order | None = None  # the newest applied order (this node's share)
+        self.last_error = ""
+        self._changed = asyncio.Event()
+        self._tick_lock = asyncio.Lock()
+        # an extra round after DELAY seconds (the runtime schedules it; a no-op by default)
+        self.request_round: Callable[[float], None] = lambda delay: None
+
+    # -- the tick ------------------------------------------------------------------------
+
+    def local_report(self) -> NodeReport:
+        """This node's jobs: traffic (progress, tag, counters) joined with GPUs and faults."""
+        traffic = self._traffic.local_report()
+        gpus = self._view.job_gpus()
+        unhealthy = self._view.unhealthy_gpus()
+        xids = self._view.last_xids()
+        link_up = self._view.links_up()
+        jobs: dict[str, JobReport] = {}
+        for jt in traffic.jobs:
+            if jt.level is None and jt.rate is None and jt.job not in gpus:
+                continue  # idle here (no reports, no GPUs): not ranked, as locally
+            held = gpus.get(jt.job, ())
+            jobs[jt.job] = JobReport(
+                job=jt.job,
+                progress_rate=jt.rate,
+                iterations_per_s=1.0 / jt.iteration_s if jt.iteration_s else None,
+                dscp=jt.dscp,
+                gpus=held,
+                unhealthy_gpus=tuple(u for u in held if u in unhealthy),
+                xids=tuple(xids[u] for u in held if u in xids),
+                link_up=link_up,
+                tx_bytes=jt.counters.bytes,
+                drops=jt.counters.drops,
+                pinned_level=jt.pinned_level,
+            )
+        for job, held in gpus.items():
+            if job not in jobs:  # holds GPUs here but sends no traffic (yet)
+                jobs[job] = JobReport(
+                    job=job,
+                    gpus=held,
+                    unhealthy_gpus=tuple(u for u in held if u in unhealthy),
+                    xids=tuple(xids[u] for u in held if u in xids),
+                )
+        return NodeReport(
+            node=self.node,
+            jobs=tuple(jobs[j] for j in sorted(jobs)),
+            applied_epoch=self.fence.epoch,
+        )
+
+    async def tick(self) -> None:
+        """One round: the daemon's step, and at once when the leader changes."""
+        async with self._tick_lock:
+            await self._tick()
+
+    async def _tick(self) -> None:
+        info = self.election.state()
+        report = await asyncio.to_thread(self.local_report)
+        if info.leading:
+            try:
+                order = await asyncio.to_thread(self._lead, info.epoch, report)
+            except GpudError as err:
+                self._note_error(f"leader round failed: {err}")
+                order = None
+            if order is not None and self.election.state().leading:
+                self._apply(order.for_jobs(j.job for j in report.jobs))
+        else:
+            with self._lock:
+                self._aggregator = None  # soft state: a later leadership starts afresh
+            if info.leader and info.leader != self.node and info.address and self._peers:
+                try:
+                    order = await self._peers.report(info.address, info.leader, report)
+                except GpudError as err:
+                    self._note_error(str(err))
+                else:
+                    self.last_error = ""
+                    if order is not None:
+                        self._apply(order)
+                    else:  # a new leader has not folded our report in yet: ask again soon
+                        self.request_round(RETRY_S)
+        self._update_mode(info.leading)
+
+    def _note_error(self, message: str) -> None:
+        if message != self.last_error:
+            log.warning("cluster: %s", message)
+        self.last_error = message
+
+    def _lead(self, epoch: int, report: NodeReport) -> Order:
+        now = self._clock()
+        with self._lock:
+            if self._aggregator is None or self._agg_epoch != epoch:
+                self._aggregator = Aggregator(
+                    leader=self.node,
+                    leveller=Leveller(self._leveller),
+                    tags=self._tag_store(epoch),
+                    node_timeout_s=self._node_timeout_s,
+                    reserved=self._reserved,
+                )
+                self._agg_epoch = epoch
+            agg = self._aggregator
+        # Outside the lock: peers' reports keep arriving (on the event loop) while the
+        # round computes; a report is one dict assignment, and a round reads a copy.
+        agg.receive(report, now)
+        return agg.compute(epoch, now, wall=self._wall())
+
+    def receive(self, report: NodeReport) -> Order | None:
+        """A peer's report (peer servicer): kept for the next round; the answer is the
+        latest order for its jobs, None until a round has included it."""
+        info = self.election.state()
+        with self._lock:
+            agg = self._aggregator
+        if not info.leading or agg is None:
+            leader = f"; the leader is {info.leader} at {info.address}" if info.leader else ""
+            raise FailedPrecondition(f"{self.node} does not lead{leader}")
+        agg.receive(report, self._clock())
+        answer = agg.answer(report.node)
+        if answer is None:
+            # a node new to this leader (a failover): fold it in now, not at the next tick
+            self.request_round(0.0)
+        return answer
+
+    def seen_nodes(self) -> list[NodeSeen]:
+        """Nodes heard from (peer servicer; the leader only)."""
+        info = self.election.state()
+        with self._lock:
+            agg = self._aggregator
+            if not info.leading or agg is None:
+                raise FailedPrecondition(f"{self.node} does not lead")
+            return agg.nodes(self._clock())
+
+    async def status_with_nodes(self) -> ClusterStatus:
+        """:meth:`status`; on a follower, with the node list asked of the leader."""
+        status = self.status()
+        info = status.info
+        if info.leading or not (info.leader and info.address and self._peers):
+            return status
+        try:
+            nodes = await self._peers.nodes(info.address, info.leader)
+        except GpudError:
+            return status  # the leader is unreachable: the mode and detail say so
+        return dataclasses.replace(status, nodes=tuple(nodes))
+
+    def read_order(self, node: str, jobs: Iterable[str]) -> Order | None:
+        info = self.election.state()
+        with self._lock:
+            agg = self._aggregator
+            if not info.leading or agg is None:
+                raise FailedPrecondition(f"{self.node} does not lead")
+            order = agg.order
+        return order.for_jobs(jobs) if order is not None else None
+
+    def _apply(self, order: Order) -> None:
+        if not self.fence.admit(order):
+            log.warning(
+                "cluster: rejected an order of epoch %d from %s: newest applied is epoch %d",
+                order.epoch,
+                order.leader or "?",
+                self.fence.epoch,
+            )
+            if self._events is not None:
+                self._events.emit(
+                    "cluster.stale_order",
+                    f"rejected an order of epoch {order.epoch} from {order.leader}: "
+                    f"epoch {self.fence.epoch} is in force",
+                    epoch=order.epoch,
+                    leader=order.leader,
+                )
+            return
+        result = self._traffic.apply_order(order.epoch, order.levels, order.tags)
+        if not result.applied:
+            self._note_error(
+                f"traffic service refused the order of epoch {order.epoch}: {result.reason}"
+            )
+        previous = self.order
+        changed = (
+            previous is None
+            or previous.epoch != order.epoch
+            or set(previous.attributes) != set(order.attributes)
+            or any(not _same(a, previous.attributes.get(j)) for j, a in order.attributes.items())
+        )
+        self.order = order
+        self.fail_static.contact(self._clock())
+        if (previous is None or previous.epoch != order.epoch) and self._events is not None:
+            self._events.emit(
+                "cluster.epoch",
+                f"applying the orders of {order.leader}, epoch {order.epoch}",
+                epoch=order.epoch,
+                leader=order.leader,
+            )
+        if changed:  # wake the attribute watchers
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    def _update_mode(self, leading: bool) -> None:
+        mode = self.fail_static.mode(self._clock(), leading=leading)
+        if mode == self.mode:
+            return
+        previous, self.mode = self.mode, mode
+        if mode is Mode.LOCAL and self.order is not None:
+            self._traffic.clear_order()
+        message = {
+            Mode.LEADER: "leading the cluster",
+            Mode.FOLLOWER: "following the cluster leader",
+            Mode.HOLDING: "no leader reachable: keeping the last order",
+            Mode.LOCAL: "no leader within the grace period: local policy",
+        }[mode]
+        log.info("cluster: %s (was %s)", message, previous.value)
+        if self._events is not None:
+            self._events.emit(
+                "cluster.mode",
+                message,
+                mode=mode.value,
+                previous=previous.value,
+                epoch=self.fence.epoch,
+            )
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def attributes(self, jobs: Iterable[str] = ()) -> tuple[int, int, list[JobAttributes]]:
+        """(epoch, seq, attributes) of this node's jobs as of the last applied order."""
+        order = self.order
+        if order is None:
+            return 0, 0, []
+        wanted = set(jobs)
+        return (
+            order.epoch,
+            order.seq,
+            [a for j, a in sorted(order.attributes.items()) if not wanted or j in wanted],
+        )
+
+    async def watch(
+        self, jobs: Iterable[str] = ()
+    ) -> AsyncIterator[tuple[int, int, list[JobAttributes]]]:
+        """The attributes now, then again each time an applied order changes them."""
+        wanted = list(jobs)
+        last: tuple[int, int, list[JobAttributes]] | None = None
+        while True:
+            changed = self._changed
+            current = self.attributes(wanted)
+            if (
+                last is None
+                or current[0] != last[0]
+                or any(not _same(a, b) for a, b in zip(current[2], last[2], strict=False))
+                or len(current[2]) != len(last[2])
+            ):
+                last = current
+                yield current
+            await changed.wait()
+
+    def status(self) -> ClusterStatus:
+        info = self.election.state()
+        now = self._clock()
+        last = self.fail_static.last_contact
+        with self._lock:
+            agg = self._aggregator if info.leading else None
+            nodes = tuple(agg.nodes(now)) if agg is not None else ()
+            everything = agg.order if agg is not None else None
+        source = everything if everything is not None else self.order
+        jobs = tuple(sorted(source.attributes.values(), key=lambda a: a.job)) if source else ()
+        return ClusterStatus(
+            election=self.election_kind,
+            node=self.node,
+            info=info,
+            mode=self.mode,
+            applied_epoch=self.fence.epoch,
+            applied_seq=self.fence.seq,
+            last_order_age_s=None if last is None else now - last,
+            grace_s=self.fail_static.grace_s,
+            rejected_orders=self.fence.rejected,
+            nodes=nodes,
+            jobs=jobs,
+        )
+
+    def levels(self) -> Mapping[str, int]:
+        return dict(self.order.levels) if self.order is not None else {}

@@ -1,0 +1,258 @@
+"""The cluster's gRPC services and the peer transport.
+
+* :class:`ClusterPeerServicer` (``gpud.v1.ClusterPeer``) on :class:`PeerServer`: TCP on
+  ``cluster.listen`` with mutual TLS (``ss -tlnp | grep gpud`` shows it); a client without
+  a certificate from the cluster CA fails the handshake and never reaches a method.
+* :class:`ClusterServicer` (``gpud.v1.Cluster``) on the local unix socket, in the daemon's
+  ``servicers=[...]``: status, attributes and their watch stream.
+* :class:`PeerClient`: how a node reaches the leader (one channel per leader address,
+  the leader's node name checked against its certificate).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from gpud.api.interceptors import ErrorMappingInterceptor
+from gpud.cluster.agent import ClusterAgent, ClusterStatus
+from gpud.cluster.convert import (
+    MAX_JOBS,
+    attributes_to_pb,
+    order_from_pb,
+    order_to_pb,
+    report_from_pb,
+    report_to_pb,
+)
+from gpud.cluster.leader import NodeSeen
+from gpud.cluster.model import NodeReport, Order
+from gpud.cluster.tls import PeerTls
+from gpud.errors import GpudError, InvalidArgument, PermissionDenied, Unavailable
+from gpud.v1 import cluster_pb2 as pb
+from gpud.v1 import cluster_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def _jobs(values: Any, *, field: str = "jobs") -> list[str]:
+    if len(values) > MAX_JOBS:
+        raise InvalidArgument(f"at most {MAX_JOBS} entries, got {len(values)}", field=field)
+    return [str(v) for v in values]
+
+
+def peer_names(context: Any) -> set[str]:
+    """The names in the client certificate (subjectAltName DNS entries, else its CN)."""
+    auth = context.auth_context() or {}
+    names = {
+        bytes(v).decode(errors="replace") for v in auth.get("x509_subject_alternative_name", [])
+    }
+    if not names:
+        names = {bytes(v).decode(errors="replace") for v in auth.get("x509_common_name", [])}
+    return names
+
+
+def _check_identity(context: Any, node: str) -> None:
+    """A node reports only as itself: the name in its report must be in its certificate."""
+    names = peer_names(context)
+    if node not in names:
+        raise PermissionDenied(
+            f"a peer whose certificate names {', '.join(sorted(names)) or 'nothing'} "
+            f"cannot report as {node!r}"
+        )
+
+
+class ClusterPeerServicer(pb_grpc.ClusterPeerServicer):
+    def __init__(self, agent: ClusterAgent) -> None:
+        self._agent = agent
+
+    def register(self, server: Any) -> None:
+        pb_grpc.add_ClusterPeerServicer_to_server(self, server)
+
+    async def Report(  # noqa: N802 (gRPC method names come from the proto)
+        self, request: pb.ReportRequest, context: Any
+    ) -> pb.ReportResponse:
+        report = report_from_pb(request)
+        _check_identity(context, report.node)
+        order = self._agent.receive(report)
+        if order is None:
+            return pb.ReportResponse()
+        return pb.ReportResponse(order=order_to_pb(order))
+
+    async def GetNodes(  # noqa: N802 (gRPC method names come from the proto)
+        self, request: pb.GetNodesRequest, context: Any
+    ) -> pb.GetNodesResponse:
+        return pb.GetNodesResponse(nodes=[_node_to_pb(n) for n in self._agent.seen_nodes()])
+
+    async def GetOrder(  # noqa: N802 (gRPC method names come from the proto)
+        self, request: pb.GetOrderRequest, context: Any
+    ) -> pb.GetOrderResponse:
+        order = self._agent.read_order(request.node, _jobs(request.jobs))
+        if order is None:
+            return pb.GetOrderResponse()
+        return pb.GetOrderResponse(order=order_to_pb(order))
+
+
+def _node_to_pb(n: NodeSeen) -> pb.ClusterNode:
+    return pb.ClusterNode(
+        node=n.node, report_age_seconds=n.age_s, jobs=n.jobs, applied_epoch=n.applied_epoch
+    )
+
+
+def _node_from_pb(m: pb.ClusterNode) -> NodeSeen:
+    return NodeSeen(m.node, m.report_age_seconds, m.jobs, m.applied_epoch)
+
+
+def status_to_pb(s: ClusterStatus) -> pb.GetClusterStatusResponse:
+    msg = pb.GetClusterStatusResponse(
+        election=s.election,
+        node=s.node,
+        leader=s.info.leader,
+        leader_address=s.info.address,
+        epoch=s.info.epoch,
+        leading=s.info.leading,
+        mode=s.mode.value,
+        store_ok=s.info.store_ok,
+        detail=s.info.detail,
+        applied_epoch=s.applied_epoch,
+        applied_seq=s.applied_seq,
+        grace_seconds=s.grace_s,
+        rejected_orders=s.rejected_orders,
+        nodes=[_node_to_pb(n) for n in s.nodes],
+    )
+    if s.last_order_age_s is not None:
+        msg.last_order_age_seconds = s.last_order_age_s
+    for a in s.jobs:
+        job = msg.jobs.add(job=a.job, slowest_node=a.slowest_node, nodes=a.nodes)
+        if a.level is not None:
+            job.level = a.level
+        if a.dscp is not None:
+            job.dscp = a.dscp
+        if a.progress_rate is not None:
+            job.progress_rate = a.progress_rate
+    return msg
+
+
+class ClusterServicer(pb_grpc.ClusterServicer):
+    def __init__(self, agent: ClusterAgent) -> None:
+        self._agent = agent
+
+    def register(self, server: Any) -> None:
+        pb_grpc.add_ClusterServicer_to_server(self, server)
+
+    async def GetClusterStatus(  # noqa: N802 (gRPC method names come from the proto)
+        self, request: pb.GetClusterStatusRequest, context: Any
+    ) -> pb.GetClusterStatusResponse:
+        return status_to_pb(await self._agent.status_with_nodes())
+
+    async def GetAttributes(  # noqa: N802 (gRPC method names come from the proto)
+        self, request: pb.GetAttributesRequest, context: Any
+    ) -> pb.GetAttributesResponse:
+        epoch, seq, attributes = self._agent.attributes(_jobs(request.jobs))
+        return pb.GetAttributesResponse(
+            epoch=epoch, seq=seq, attributes=[attributes_to_pb(a) for a in attributes]
+        )
+
+    async def WatchAttributes(  # noqa: N802 (gRPC method names come from the proto)
+        self, request: pb.GetAttributesRequest, context: Any
+    ) -> AsyncIterator[pb.GetAttributesResponse]:
+        async for epoch, seq, attributes in self._agent.watch(_jobs(request.jobs)):
+            yield pb.GetAttributesResponse(
+                epoch=epoch, seq=seq, attributes=[attributes_to_pb(a) for a in attributes]
+            )
+
+
+class PeerServer:
+    """gRPC on TCP with mutual TLS, for :class:`ClusterPeerServicer` only."""
+
+    def __init__(self, address: str, tls: PeerTls, agent: ClusterAgent) -> None:
+        self.address = address
+        self._tls = tls
+        self._agent = agent
+        self._server: Any = None
+        self.port: int | None = None
+
+    async def start(self) -> None:
+        server = grpc.aio.server(
+            interceptors=[ErrorMappingInterceptor()],
+            options=[
+                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            ],
+        )
+        ClusterPeerServicer(self._agent).register(server)
+        try:
+            port = server.add_secure_port(self.address, self._tls.server_credentials())
+        except RuntimeError as err:
+            port = 0
+            log.debug("bind failed: %s", err)
+        if port == 0:
+            await server.stop(None)
+            raise GpudError(f"the cluster peer API cannot listen on {self.address}")
+        await server.start()
+        self._server, self.port = server, port
+        log.info("cluster peer API (mutual TLS) on %s", self.address.rsplit(":", 1)[0] + f":{port}")
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(grace)
+
+
+class PeerClient:
+    """Reports to the leader over mutual TLS; see the module docstring."""
+
+    def __init__(self, tls: PeerTls, *, timeout_s: float) -> None:
+        self._credentials = tls.channel_credentials()
+        self._timeout_s = timeout_s
+        self._channels: dict[tuple[str, str], Any] = {}
+
+    def _stub(self, address: str, leader: str) -> Any:
+        key = (address, leader)
+        channel = self._channels.get(key)
+        if channel is None:
+            for old in list(self._channels):  # a new leader: drop the old channels
+                self._channels.pop(old)
+            channel = grpc.aio.secure_channel(
+                address,
+                self._credentials,
+                options=[
+                    ("grpc.ssl_target_name_override", leader),
+                    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                    ("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 1000),
+                ],
+            )
+            self._channels[key] = channel
+        return pb_grpc.ClusterPeerStub(channel)
+
+    async def report(self, address: str, leader: str, report: NodeReport) -> Order | None:
+        try:
+            response = await self._stub(address, leader).Report(
+                report_to_pb(report), timeout=self._timeout_s
+            )
+        except grpc.aio.AioRpcError as err:
+            raise Unavailable(
+                f"leader {leader} at {address}: {err.code().name} {err.details() or ''}".rstrip()
+            ) from err
+        return order_from_pb(response.order) if response.HasField("order") else None
+
+    async def nodes(self, address: str, leader: str) -> list[NodeSeen]:
+        try:
+            response = await self._stub(address, leader).GetNodes(
+                pb.GetNodesRequest(), timeout=self._timeout_s
+            )
+        except grpc.aio.AioRpcError as err:
+            raise Unavailable(
+                f"leader {leader} at {address}: {err.code().name} {err.details() or ''}".rstrip()
+            ) from err
+        return [_node_from_pb(n) for n in response.nodes]
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()

@@ -1,0 +1,160 @@
+"""Cluster values <-> ``gpud.v1.cluster`` messages, with the bounds every request is held to."""
+
+from __future__ import annotations
+
+import math
+
+from gpud.api.validate import non_empty, optional
+from gpud.cluster.model import JobAttributes, JobReport, NodeReport, Order
+from gpud.errors import InvalidArgument
+from gpud.v1 import cluster_pb2 as pb
+
+MAX_JOBS = 4096  # per node report or request
+MAX_GPUS = 64  # per job and node
+MAX_NAME = 256
+
+
+def _bounded(values: object, limit: int, *, field: str) -> None:
+    if len(values) > limit:  # type: ignore[arg-type]
+        raise InvalidArgument(f"at most {limit} entries, got {len(values)}", field=field)  # type: ignore[arg-type]
+
+
+def _rate(value: float | None, *, field: str) -> float | None:
+    if value is not None and (not math.isfinite(value) or value < 0):
+        raise InvalidArgument(f"must be a finite number >= 0, got {value}", field=field)
+    return value
+
+
+def job_report_to_pb(r: JobReport) -> pb.JobReport:
+    msg = pb.JobReport(
+        job=r.job,
+        gpus=r.gpus,
+        unhealthy_gpus=r.unhealthy_gpus,
+        xids=r.xids,
+        tx_bytes=r.tx_bytes,
+        drops=r.drops,
+    )
+    if r.progress_rate is not None:
+        msg.progress_rate = r.progress_rate
+    if r.iterations_per_s is not None:
+        msg.iterations_per_s = r.iterations_per_s
+    if r.dscp is not None:
+        msg.dscp = r.dscp
+    if r.link_up is not None:
+        msg.link_up = r.link_up
+    if r.pinned_level is not None:
+        msg.pinned_level = r.pinned_level
+    return msg
+
+
+def report_to_pb(report: NodeReport) -> pb.ReportRequest:
+    return pb.ReportRequest(
+        node=report.node,
+        jobs=[job_report_to_pb(j) for j in report.jobs],
+        applied_epoch=report.applied_epoch,
+    )
+
+
+def report_from_pb(msg: pb.ReportRequest) -> NodeReport:
+    """A checked report: names bounded, rates finite, at most ``MAX_JOBS`` jobs."""
+    node = non_empty(msg.node, field="node", max_len=MAX_NAME)
+    _bounded(msg.jobs, MAX_JOBS, field="jobs")
+    jobs = []
+    for i, j in enumerate(msg.jobs):
+        where = f"jobs[{i}]"
+        non_empty(j.job, field=f"{where}.job", max_len=MAX_NAME)
+        for name in ("gpus", "unhealthy_gpus", "xids"):
+            _bounded(getattr(j, name), MAX_GPUS, field=f"{where}.{name}")
+        for uuid in (*j.gpus, *j.unhealthy_gpus):
+            non_empty(uuid, field=f"{where}.gpus", max_len=MAX_NAME)
+        dscp = optional(j, "dscp")
+        if dscp is not None and dscp > 63:
+            raise InvalidArgument(f"DSCP must be in [0, 63], got {dscp}", field=f"{where}.dscp")
+        jobs.append(
+            JobReport(
+                job=j.job,
+                progress_rate=_rate(optional(j, "progress_rate"), field=f"{where}.progress_rate"),
+                iterations_per_s=_rate(
+                    optional(j, "iterations_per_s"), field=f"{where}.iterations_per_s"
+                ),
+                dscp=dscp,
+                gpus=tuple(j.gpus),
+                unhealthy_gpus=tuple(j.unhealthy_gpus),
+                xids=tuple(j.xids),
+                link_up=optional(j, "link_up"),
+                tx_bytes=j.tx_bytes,
+                drops=j.drops,
+                pinned_level=optional(j, "pinned_level"),
+            )
+        )
+    return NodeReport(node=node, jobs=tuple(jobs), applied_epoch=msg.applied_epoch)
+
+
+def attributes_to_pb(a: JobAttributes) -> pb.JobAttributes:
+    msg = pb.JobAttributes(
+        job=a.job,
+        epoch=a.epoch,
+        slowest_node=a.slowest_node,
+        nodes=a.nodes,
+        unhealthy_gpus=a.unhealthy_gpus,
+        xids=a.xids,
+        links_down=a.links_down,
+        drops=a.drops,
+        tx_bytes=a.tx_bytes,
+        computed_unix_seconds=a.computed_at,
+    )
+    if a.level is not None:
+        msg.level = a.level
+    if a.dscp is not None:
+        msg.dscp = a.dscp
+    if a.progress_rate is not None:
+        msg.progress_rate = a.progress_rate
+    if a.iterations_per_s is not None:
+        msg.iterations_per_s = a.iterations_per_s
+    return msg
+
+
+def attributes_from_pb(m: pb.JobAttributes) -> JobAttributes:
+    return JobAttributes(
+        job=m.job,
+        epoch=m.epoch,
+        level=optional(m, "level"),
+        dscp=optional(m, "dscp"),
+        progress_rate=optional(m, "progress_rate"),
+        iterations_per_s=optional(m, "iterations_per_s"),
+        slowest_node=m.slowest_node,
+        nodes=tuple(m.nodes),
+        unhealthy_gpus=tuple(m.unhealthy_gpus),
+        xids=tuple(m.xids),
+        links_down=tuple(m.links_down),
+        drops=m.drops,
+        tx_bytes=m.tx_bytes,
+        computed_at=m.computed_unix_seconds,
+    )
+
+
+def order_to_pb(order: Order) -> pb.Order:
+    return pb.Order(
+        epoch=order.epoch,
+        seq=order.seq,
+        leader=order.leader,
+        levels=dict(order.levels),
+        tags=dict(order.tags),
+        shares=order.shares,
+        attributes=[attributes_to_pb(a) for a in order.attributes.values()],
+        computed_unix_seconds=order.computed_at,
+    )
+
+
+def order_from_pb(m: pb.Order) -> Order:
+    """An order as a leader sent it; levels and tags are checked where they are applied."""
+    return Order(
+        epoch=m.epoch,
+        seq=m.seq,
+        leader=m.leader,
+        levels=dict(m.levels),
+        tags=dict(m.tags),
+        shares=tuple(m.shares),
+        attributes={a.job: attributes_from_pb(a) for a in m.attributes},
+        computed_at=m.computed_unix_seconds,
+    )

@@ -1,0 +1,295 @@
+"""Who leads, and in which epoch.
+
+* :class:`SingleElection` (``cluster.election = "single"``, the default): the node leads
+  itself in epoch 1; nothing to configure.
+* :class:`EtcdElection`: campaign by creating ``<prefix>/leader`` attached to a lease of
+  ``lease_ttl_s`` (``etcdctl lease timetolive``), if absent; the key's create revision is the
+  epoch (etcd revisions only grow, so every new leader's epoch is higher). The leader
+  renews the lease every ``ttl/4`` and counts its leadership as valid only until
+  ``last renewal sent + TTL - margin``: a leader cut off from etcd stops leading before
+  etcd can expire its lease and let another node in, so two leaders never overlap.
+  Between steps (every ``ttl/4``) both watch the key (``etcdctl watch``): a follower
+  campaigns as soon as it is gone, a leader notices at once that it lost it.
+
+``state()`` is cheap and thread-safe; the etcd work runs on the election's own thread
+(:meth:`EtcdElection.start`) or, in tests, one :meth:`EtcdElection.step` at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpud.cluster.etcd import EtcdClient
+from gpud.errors import GpudError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderInfo:
+    """``leader`` / ``address``: the leader's node name and peer address ("" if none known);
+    ``leading``: whether this node leads now; ``store_ok``: the last etcd call succeeded."""
+
+    leader: str
+    address: str
+    epoch: int
+    leading: bool
+    store_ok: bool = True
+    detail: str = ""
+
+
+class Election(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def state(self) -> LeaderInfo: ...
+
+
+class SingleElection:
+    """A lone node leads itself."""
+
+    def __init__(self, node: str, address: str = "") -> None:
+        self._info = LeaderInfo(node, address, epoch=1, leading=True)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def state(self) -> LeaderInfo:
+        return self._info
+
+
+Notify = Callable[[str, str, dict[str, object]], None]
+"""(event kind, message, fields): elections report ``cluster.elected`` / ``cluster.step_down``."""
+
+
+class EtcdElection:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        *,
+        node: str,
+        address: str,
+        prefix: str,
+        ttl_s: int,
+        notify: Notify | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = client
+        self.node = node
+        self.address = address
+        self.key = prefix.rstrip("/") + "/leader"
+        self.ttl_s = ttl_s
+        self._notify = notify or (lambda kind, message, fields: None)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._lease: int | None = None
+        self._granted_ttl = float(ttl_s)
+        self._valid_until = 0.0
+        self._epoch = 0
+        self._leader = ""
+        self._leader_address = ""
+        self._store_ok = False
+        self._detail = "not started"
+        self._abandoned: int | None = None  # a lease we stepped down from, to revoke
+        self._watch_revision = 0  # the leader key's last mod revision seen (0: none)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # called on the election's thread when the leader or the epoch changes
+        self.on_change: Callable[[], None] = lambda: None
+
+    @property
+    def interval_s(self) -> float:
+        return max(0.05, self.ttl_s / 4)
+
+    @property
+    def margin_s(self) -> float:
+        """How long before the lease could expire the leader stops leading."""
+        return max(0.2, self._granted_ttl / 4)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def _leading_now(self) -> bool:
+        return self._lease is not None and self._clock() < self._valid_until - self.margin_s
+
+    def state(self) -> LeaderInfo:
+        with self._lock:
+            leading = self._leading_now()
+            if leading:
+                return LeaderInfo(self.node, self.address, self._epoch, True, self._store_ok)
+            if self._lease is not None:
+                # past the deadline but the thread has not noticed yet: not leading
+                return LeaderInfo("", "", self._epoch, False, False, "lease renewal overdue")
+            return LeaderInfo(
+                self._leader,
+                self._leader_address,
+                self._epoch,
+                False,
+                self._store_ok,
+                self._detail,
+            )
+
+    # -- life ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="cluster-election", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop campaigning; a leader revokes its lease so that another takes over at once."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self._client_timeout() + 2)
+        with self._lock:
+            lease, self._lease = self._lease, None
+        if lease is not None:
+            try:
+                self._client.revoke(lease)
+                self._notify("cluster.step_down", "stopped: lease revoked", {"epoch": self._epoch})
+            except GpudError as err:
+                log.warning("cannot revoke the leader lease: %s", err)
+
+    def _client_timeout(self) -> float:
+        return self._client.timeout_s
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = self._clock()
+            try:
+                self.step()
+            except Exception:  # the thread must survive anything; the next step retries
+                log.exception("election step failed")
+            self._wait(max(0.0, self.interval_s - (self._clock() - started)))
+
+    def _wait(self, timeout_s: float) -> None:
+        """Until the next step: a watch on the leader key, so that a follower campaigns as
+        soon as the key is gone and a leader notices at once that it lost it; a plain
+        sleep when etcd cannot be watched."""
+        deadline = self._clock() + timeout_s
+        while not self._stop.is_set():
+            left = deadline - self._clock()
+            revision = self._watch_revision
+            if left <= 0:
+                return
+            if not revision:
+                self._stop.wait(left)
+                return
+            try:
+                # in slices of a second at most, so that stop() never waits long
+                if self._client.wait_for_change(self.key, revision, min(left, 1.0)):
+                    return
+            except GpudError:
+                self._stop.wait(left)
+                return
+
+    def step(self) -> None:
+        """One pass: renew (leader) or watch and campaign (follower)."""
+        if self._lease is not None:
+            self._renew()
+        else:
+            self._follow()
+
+    def _renew(self) -> None:
+        lease = self._lease
+        assert lease is not None
+        sent = self._clock()
+        try:
+            ttl = self._client.keepalive(lease)
+            kv = self._client.get(self.key) if ttl > 0 else None
+        except GpudError as err:
+            with self._lock:
+                self._store_ok = False
+                overdue = self._clock() >= self._valid_until - self.margin_s
+            if overdue:
+                self._step_down(f"cannot reach etcd before the lease could expire: {err}")
+            return
+        if ttl <= 0:
+            self._step_down("lease expired")
+            return
+        if kv is None or kv.lease != lease:
+            self._step_down("leader key is gone")
+            return
+        self._watch_revision = kv.mod_revision
+        with self._lock:
+            self._granted_ttl = float(ttl)
+            self._valid_until = sent + ttl
+            self._store_ok = True
+
+    def _step_down(self, why: str) -> None:
+        with self._lock:
+            lease, self._lease = self._lease, None
+            self._abandoned = lease
+            self._leader = self._leader_address = ""
+            self._detail = why
+        log.warning("stepping down as cluster leader (epoch %d): %s", self._epoch, why)
+        self._notify("cluster.step_down", f"stepped down: {why}", {"epoch": self._epoch})
+        self.on_change()
+
+    def _follow(self) -> None:
+        try:
+            if self._abandoned is not None:
+                # our old lease may outlive etcd's restart (leases are renewed on recovery):
+                # drop it so that the cluster need not wait for its TTL
+                self._client.revoke(self._abandoned)
+                self._abandoned = None
+            kv = self._client.get(self.key)
+            if kv is None:
+                self._watch_revision = 0
+                self._campaign()
+                return
+            self._watch_revision = kv.mod_revision
+        except GpudError as err:
+            with self._lock:
+                self._store_ok = False
+                self._detail = str(err)
+            return
+        try:
+            holder = json.loads(kv.value)
+            leader, address = str(holder["node"]), str(holder["address"])
+        except (ValueError, KeyError, TypeError):
+            leader, address = "", ""
+        with self._lock:
+            changed = (self._epoch, self._leader) != (kv.create_revision, leader)
+            self._leader, self._leader_address = leader, address
+            self._epoch = kv.create_revision
+            self._store_ok = True
+            self._detail = "" if leader else f"unreadable leader key {self.key}"
+        if changed:
+            self.on_change()
+            log.info("cluster leader is %s (epoch %d)", leader or "?", kv.create_revision)
+
+    def _campaign(self) -> None:
+        sent = self._clock()
+        lease, granted = self._client.grant(self.ttl_s)
+        value = json.dumps({"node": self.node, "address": self.address})
+        try:
+            epoch = self._client.create(self.key, value, lease)
+        except GpudError:
+            self._client.revoke(lease)
+            raise
+        if epoch is None:  # someone else was faster
+            self._client.revoke(lease)
+            return
+        self._watch_revision = epoch
+        with self._lock:
+            self._lease = lease
+            self._granted_ttl = float(granted)
+            self._valid_until = sent + granted
+            self._epoch = epoch
+            self._leader, self._leader_address = self.node, self.address
+            self._store_ok = True
+            self._detail = ""
+        log.info("elected cluster leader (epoch %d, lease TTL %d s)", epoch, granted)
+        self.on_change()
+        self._notify("cluster.elected", f"elected leader in epoch {epoch}", {"epoch": epoch})

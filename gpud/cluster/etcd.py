@@ -1,0 +1,293 @@
+"""The only module that talks to etcd: its v3 JSON gateway, through ``etcd3gw``.
+
+Why ``etcd3gw`` (OpenStack's client, the ``etcd`` extra): it speaks the gRPC gateway that
+etcd 3.4 and 3.5 (and 3.6) serve on the client port, over HTTP(S) with ``requests``, and
+discovers the API path from ``/version``; it carries no generated protobuf code, so it
+cannot clash with the protobuf runtime gpud's own API needs. The gRPC clients
+(``etcd3``: unmaintained since 2020, protobuf 3 gencode; ``aetcd``: its own gencode) tie
+us to the protobuf they were generated with.
+
+What etcd sees (``etcdctl get --prefix /gpud/cluster``)::
+
+    <prefix>/leader        {"node": ..., "address": ...}   attached to the leader's lease
+    <prefix>/tags/<job>    "<dscp>"                         written by the leader only, in a
+                                                            transaction that checks the
+                                                            leader key is still its own
+
+Several endpoints are tried in turn; TLS (CA, client certificate) and user/password
+authentication are supported. Every failure to reach etcd is :class:`~gpud.errors.Unavailable`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from gpud.errors import ConfigError, GpudError, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdSettings:
+    """How to reach etcd: ``endpoints`` are ``http(s)://HOST:PORT``."""
+
+    endpoints: tuple[str, ...] = ("http://127.0.0.1:2379",)
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    username: str = ""
+    password: str = ""
+    timeout_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+def _b64(data: str | bytes) -> str:
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode()
+
+
+def _unb64(data: str) -> bytes:
+    return base64.b64decode(data)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The range end that covers every key starting with ``prefix``."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+class EtcdClient:
+    """A small, synchronous etcd v3 client (call it from a worker thread)."""
+
+    def __init__(self, settings: EtcdSettings) -> None:
+        try:
+            import etcd3gw  # the optional extra: imported only when etcd is configured
+        except ImportError as err:
+            raise ConfigError(
+                "election = etcd needs the etcd client: pip install 'gpud[etcd]'",
+                key="cluster.election",
+            ) from err
+
+        if not settings.endpoints:
+            raise ConfigError("at least one endpoint is needed", key="cluster.etcd_endpoints")
+        self._settings = settings
+        exc = etcd3gw.exceptions
+        self._unreachable: tuple[type[BaseException], ...] = (
+            exc.ConnectionFailedError,
+            exc.ConnectionTimeoutError,
+            exc.InternalServerError,
+            OSError,
+        )
+        self._refused: tuple[type[BaseException], ...] = (exc.Etcd3Exception,)
+        self._clients: list[Any] = []
+        for endpoint in settings.endpoints:
+            url = urlsplit(endpoint)
+            if url.scheme not in ("http", "https") or not url.hostname or not url.port:
+                raise ConfigError(
+                    f"{endpoint!r} is not http(s)://HOST:PORT", key="cluster.etcd_endpoints"
+                )
+            self._clients.append(
+                etcd3gw.Etcd3Client(
+                    host=url.hostname,
+                    port=url.port,
+                    protocol=url.scheme,
+                    ca_cert=settings.ca_file or None,
+                    cert_cert=settings.cert_file or None,
+                    cert_key=settings.key_file or None,
+                    timeout=settings.timeout_s,
+                )
+            )
+        self._current = 0
+        self._lock = threading.Lock()
+        self._authenticated: set[int] = set()
+
+    @property
+    def timeout_s(self) -> float:
+        return self._settings.timeout_s
+
+    # -- transport -----------------------------------------------------------------------
+
+    def _post(self, path: str, body: Mapping[str, Any]) -> Any:
+        """POST to the current endpoint, moving on to the next on failure."""
+        last: BaseException | None = None
+        with self._lock:
+            start = self._current
+        for i in range(len(self._clients)):
+            index = (start + i) % len(self._clients)
+            client = self._clients[index]
+            try:
+                self._authenticate(index, client)
+                result = client.post(client.get_url(path), data=json.dumps(body))
+            except self._unreachable as err:
+                last = err
+                continue
+            except self._refused as err:
+                if "invalid auth token" in str(err) and self._settings.username:
+                    self._authenticated.discard(index)  # expired: log in again next call
+                    last = err
+                    continue
+                raise GpudError(f"etcd refused {path}: {err}") from err
+            with self._lock:
+                self._current = index
+            return result
+        raise Unavailable(
+            f"etcd unreachable at {', '.join(self._settings.endpoints)}: "
+            f"{type(last).__name__} {last}".rstrip()
+        ) from last
+
+    def _authenticate(self, index: int, client: Any) -> None:
+        if not self._settings.username or index in self._authenticated:
+            return
+        result = client.post(
+            client.get_url("/auth/authenticate"),
+            data=json.dumps({"name": self._settings.username, "password": self._settings.password}),
+        )
+        client.session.headers["Authorization"] = result["token"]
+        self._authenticated.add(index)
+
+    # -- leases --------------------------------------------------------------------------
+
+    def grant(self, ttl_s: int) -> tuple[int, int]:
+        """A new lease: (id, the TTL etcd granted, which may be longer than asked)."""
+        result = self._post("/lease/grant", {"TTL": ttl_s, "ID": 0})
+        return int(result["ID"]), int(result["TTL"])
+
+    def keepalive(self, lease: int) -> int:
+        """Renew ``lease``; its new TTL, or -1 if it had expired."""
+        result = self._post("/lease/keepalive", {"ID": lease})
+        return int(result.get("result", {}).get("TTL", -1))
+
+    def revoke(self, lease: int) -> None:
+        """Drop ``lease`` and every key attached to it (a lease that is gone is fine)."""
+        try:
+            self._post("/lease/revoke", {"ID": lease})
+        except Unavailable:
+            raise
+        except GpudError as err:
+            if "not found" not in str(err).lower():
+                raise
+
+    # -- keys ----------------------------------------------------------------------------
+
+    def get(self, key: str) -> KeyValue | None:
+        result = self._post("/kv/range", {"key": _b64(key)})
+        kvs = result.get("kvs") or []
+        if not kvs:
+            return None
+        kv = kvs[0]
+        return KeyValue(
+            value=_unb64(kv.get("value", "")),
+            create_revision=int(kv.get("create_revision", 0)),
+            mod_revision=int(kv.get("mod_revision", 0)),
+            lease=int(kv.get("lease", 0)),
+        )
+
+    def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        raw = prefix.encode()
+        result = self._post("/kv/range", {"key": _b64(raw), "range_end": _b64(_prefix_end(raw))})
+        return {
+            _unb64(kv["key"]).decode(): _unb64(kv.get("value", ""))
+            for kv in result.get("kvs") or []
+        }
+
+    def create(self, key: str, value: str, lease: int) -> int | None:
+        """Put ``key`` only if it does not exist; its create revision, or None if it did."""
+        result = self._post(
+            "/kv/txn",
+            {
+                "compare": [
+                    {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+                ],
+                "success": [
+                    {"request_put": {"key": _b64(key), "value": _b64(value), "lease": lease}}
+                ],
+                "failure": [],
+            },
+        )
+        if not result.get("succeeded"):
+            return None
+        return int(result["header"]["revision"])
+
+    def wait_for_change(self, key: str, after_revision: int, timeout_s: float) -> bool:
+        """Watch ``key`` for up to ``timeout_s``: True as soon as it changes after
+        ``after_revision`` (put or delete; none is missed in between), False on timeout.
+
+        One watch stream per call (``etcdctl watch KEY --rev R``), on the current endpoint.
+        """
+        import requests  # etcd3gw's transport
+
+        with self._lock:
+            client = self._clients[self._current]
+        body = {"create_request": {"key": _b64(key), "start_revision": after_revision + 1}}
+        try:
+            with client.session.post(
+                client.get_url("/watch"),
+                data=json.dumps(body),
+                stream=True,
+                timeout=(self._settings.timeout_s, timeout_s),
+            ) as resp:
+                if resp.status_code != 200:
+                    raise Unavailable(f"etcd watch of {key}: HTTP {resp.status_code}")
+                for line in resp.iter_lines():
+                    if not line.strip():
+                        continue
+                    result = json.loads(line).get("result", {})
+                    if result.get("events") or result.get("compact_revision"):
+                        return True
+                    if result.get("canceled"):
+                        return True  # compacted past our revision: re-read the key
+        except requests.exceptions.ConnectionError as err:
+            if "timed out" in str(err).lower():
+                return False
+            raise Unavailable(f"etcd watch of {key}: {err}") from err
+        except requests.exceptions.RequestException as err:
+            if isinstance(err, requests.exceptions.Timeout):
+                return False
+            raise Unavailable(f"etcd watch of {key}: {err}") from err
+        return False
+
+    def put(self, key: str, value: str) -> None:
+        self._post("/kv/put", {"key": _b64(key), "value": _b64(value)})
+
+    def guarded_update(
+        self,
+        guard_key: str,
+        guard_create_revision: int,
+        puts: Mapping[str, str],
+        deletes: list[str],
+    ) -> bool:
+        """Apply ``puts`` and ``deletes`` in one transaction, only while ``guard_key`` is the
+        one created at ``guard_create_revision`` (a deposed leader writes nothing)."""
+        ops: list[dict[str, Any]] = [
+            {"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in puts.items()
+        ]
+        ops += [{"request_delete_range": {"key": _b64(k)}} for k in deletes]
+        result = self._post(
+            "/kv/txn",
+            {
+                "compare": [
+                    {
+                        "key": _b64(guard_key),
+                        "result": "EQUAL",
+                        "target": "CREATE",
+                        "create_revision": guard_create_revision,
+                    }
+                ],
+                "success": ops,
+                "failure": [],
+            },
+        )
+        return bool(result.get("succeeded"))

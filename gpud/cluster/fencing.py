@@ -1,0 +1,68 @@
+"""Fencing and fail-static: which orders a node applies, and what it does without a leader.
+
+* Epochs come from the election (an etcd revision: every new leader's is higher). A node
+  applies an order only if its epoch is >= the newest it has applied, and within one epoch
+  only a newer ``seq``; an order from a deposed leader that is still talking is rejected.
+* With no leader reachable a node keeps enforcing its last order (``holding``) and goes
+  back to its local leveller only after ``grace_s`` without contact (``local``), so a
+  leader failover or an etcd restart changes nothing on the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from gpud.cluster.model import Order
+
+
+class Mode(StrEnum):
+    LEADER = "leader"  # this node leads and applies its own orders
+    FOLLOWER = "follower"  # applying a leader's orders
+    HOLDING = "holding"  # no leader reachable: the last order stays in force
+    LOCAL = "local"  # no leader for longer than the grace period: local policy
+
+
+@dataclass
+class Fence:
+    """The newest (epoch, seq) applied; see the module docstring."""
+
+    epoch: int = 0
+    seq: int = 0
+    rejected: int = 0
+
+    def admit(self, order: Order) -> bool:
+        """True (and remembered) if ``order`` may be applied; False counts a rejection."""
+        if order.epoch < self.epoch or (order.epoch == self.epoch and order.seq < self.seq):
+            self.rejected += 1
+            return False
+        self.epoch, self.seq = order.epoch, order.seq
+        return True
+
+
+class FailStatic:
+    """Tracks the last order received (or computed, when leading) and says which
+    :class:`Mode` the node is in.
+
+    ``fresh_s``: an order younger than this means the node is following a live leader.
+    """
+
+    def __init__(self, grace_s: float, *, fresh_s: float) -> None:
+        self.grace_s = grace_s
+        self.fresh_s = fresh_s
+        self.last_contact: float | None = None
+
+    def contact(self, now: float) -> None:
+        self.last_contact = now
+
+    def mode(self, now: float, *, leading: bool) -> Mode:
+        if leading:
+            return Mode.LEADER
+        if self.last_contact is None:
+            return Mode.LOCAL  # never had an order: the node's own policy
+        age = now - self.last_contact
+        if age <= self.fresh_s:
+            return Mode.FOLLOWER
+        if age <= self.grace_s:
+            return Mode.HOLDING
+        return Mode.LOCAL

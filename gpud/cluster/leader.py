@@ -1,0 +1,270 @@
+"""The leader's soft state and the global order (pure: no I/O, injected time).
+
+The leader keeps the latest :class:`NodeReport` of every node. Each round
+(:meth:`Aggregator.compute`) it folds them per job -- a job's progress is that of its
+slowest worker, its faults are the union of its nodes' faults -- runs LEVELLER over every
+job in the cluster, and answers each node with the levels, tags and attributes of its jobs.
+
+Tags are cluster-wide: one DSCP codepoint per job on every node, from one
+:class:`~netshaper.tags.TagAllocator` seeded from the :class:`TagStore` (etcd), so a new
+leader hands out the same tags. A job no node has reported for ``release_after_s`` gives
+its tag back. DSCP has 64 codepoints: once the pool is used up, further jobs get no
+cluster tag (:attr:`Aggregator.untagged`) and keep the tag their nodes gave them; their
+levels are still global. Everything else is rebuilt from the nodes' next reports after a failover.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gpud.cluster.model import JobAttributes, NodeReport, Order
+from gpud.cluster.ports import TagStore
+from netshaper.leveller import Leveller
+from netshaper.tags import DEFAULT_RESERVED, TagAllocator
+
+
+class _Fold:
+    """One job's reports folded over its nodes."""
+
+    __slots__ = (
+        "drops",
+        "dscp",
+        "ips",
+        "links_down",
+        "nodes",
+        "pin",
+        "rate",
+        "slowest",
+        "tx",
+        "unhealthy",
+        "xids",
+    )
+
+    def __init__(self) -> None:
+        self.rate: float | None = None
+        self.dscp: int | None = None  # the tag a node already marks it with
+        self.pin: int | None = None  # an operator's pin on one of its nodes
+        self.ips: float | None = None
+        self.slowest = ""
+        self.nodes: list[str] = []
+        self.unhealthy: list[str] = []
+        self.xids: list[str] = []
+        self.links_down: list[str] = []
+        self.drops = 0
+        self.tx = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSeen:
+    node: str
+    age_s: float
+    jobs: int
+    applied_epoch: int
+
+
+class Aggregator:
+    """Node reports in, one global :class:`Order` out. See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        leader: str,
+        leveller: Leveller,
+        tags: TagStore,
+        node_timeout_s: float,
+        release_after_s: float | None = None,
+        reserved: Iterable[int] = DEFAULT_RESERVED,
+    ) -> None:
+        self.leader = leader
+        self._leveller = leveller
+        self._tag_store = tags
+        self._reserved = frozenset(reserved)
+        self._allocator: TagAllocator | None = None
+        self.node_timeout_s = node_timeout_s
+        self.release_after_s = (
+            release_after_s if release_after_s is not None else 3 * node_timeout_s
+        )
+        # node -> (received at, report): written by receive() from any thread, read by a
+        # round from a copy (each write is one dict assignment)
+        self._reports: dict[str, tuple[float, NodeReport]] = {}
+        self._job_seen: dict[str, float] = {}
+        self._epoch = 0
+        self._seq = 0
+        self._included: set[str] = set()  # nodes whose reports the last order folded in
+        self.untagged: tuple[str, ...] = ()  # jobs of the last round left without a tag
+        self.order: Order | None = None
+
+    def receive(self, report: NodeReport, now: float) -> None:
+        """Keep ``report`` as the node's latest."""
+        self._reports[report.node] = (now, report)
+
+    def nodes(self, now: float) -> list[NodeSeen]:
+        """Nodes heard from within the node timeout, by name."""
+        return [
+            NodeSeen(name, now - t, len(r.jobs), r.applied_epoch)
+            for name, (t, r) in sorted(self._reports.items())
+            if now - t <= self.node_timeout_s
+        ]
+
+    def _tags(self) -> TagAllocator:
+        if self._allocator is None:
+            self._allocator = TagAllocator(reserved=self._reserved, existing=self._tag_store.load())
+        return self._allocator
+
+    def compute(self, epoch: int, now: float, *, wall: float | None = None) -> Order:
+        """The global order of this round, computed in ``epoch``.
+
+        ``wall`` (Unix time) stamps the attributes; ``now`` (any clock that does not jump)
+        ages the reports. Raises whatever the tag store raises: an order whose tags are not
+        persisted is never handed out (the previous one stays :attr:`order`).
+        """
+        # A round allocates a few objects per job and frees none of them in cycles; with
+        # 10^5 live reports, the collections those allocations trigger would cost more
+        # than the round itself (measured: 2x), so the cyclic collector waits until the end.
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            return self._compute(epoch, now, wall)
+        finally:
+            if paused:
+                gc.enable()
+
+    def _compute(self, epoch: int, now: float, wall: float | None) -> Order:
+        folds: dict[str, _Fold] = {}
+        get = folds.get
+        # a copy: reports may arrive (another thread) while the round runs
+        reports = list(self._reports.items())
+        included: set[str] = set()
+        for name, (seen, report) in reports:
+            if now - seen > self.node_timeout_s:
+                # soft state: it comes back with its next report
+                if self._reports.get(name, (None,))[0] == seen:
+                    self._reports.pop(name, None)
+                continue
+            included.add(name)
+            for jr in report.jobs:
+                f = get(jr.job)
+                if f is None:
+                    f = folds[jr.job] = _Fold()
+                    f.dscp = jr.dscp
+                elif f.dscp is None:
+                    f.dscp = jr.dscp
+                f.nodes.append(name)
+                rate = jr.progress_rate
+                if rate is not None and (f.rate is None or rate < f.rate):
+                    f.rate = rate
+                    f.slowest = name
+                ips = jr.iterations_per_s
+                if ips is not None and (f.ips is None or ips < f.ips):
+                    f.ips = ips
+                if jr.unhealthy_gpus:
+                    f.unhealthy.extend(f"{name}/{u}" for u in jr.unhealthy_gpus)
+                if jr.xids:
+                    f.xids.extend(f"{name}:{x}" for x in jr.xids)
+                if jr.link_up is False:
+                    f.links_down.append(name)
+                if jr.pinned_level is not None:
+                    f.pin = jr.pinned_level
+                if jr.drops:
+                    f.drops += jr.drops
+                if jr.tx_bytes:
+                    f.tx += jr.tx_bytes
+
+        allocator = self._tags()
+        before = allocator.allocations()
+        free = len(allocator.pool) - len(before)
+        untagged: list[str] = []
+        seen_at = self._job_seen
+        for job, f in folds.items():
+            seen_at[job] = now
+            if job in before:
+                continue
+            if free <= 0:
+                untagged.append(job)  # no codepoint left: it keeps its node-local tag
+                continue
+            # keep the tag nodes already mark with, where it is free: no retagging
+            if f.dscp is None or not allocator.claim(job, f.dscp):
+                allocator.tag(job)
+            free -= 1
+        released = []
+        if len(seen_at) > len(folds):  # some job was not reported this round
+            released = [
+                job
+                for job, t in seen_at.items()
+                if now - t > self.release_after_s and job not in folds
+            ]
+        for job in released:
+            del self._job_seen[job]
+            allocator.release(job)
+        after = allocator.allocations()
+        allocated = {j: d for j, d in after.items() if before.get(j) != d}
+        if allocated or released:
+            try:
+                self._tag_store.save(allocated, released)
+            except Exception:
+                self._allocator = None  # re-read what the store holds next round
+                raise
+
+        self._sync_pins(folds)
+        assignment = self._leveller.update(now, {j: f.rate for j, f in folds.items()})
+        stamp = now if wall is None else wall
+        self._included = included
+        levels = assignment.levels
+        if epoch != self._epoch:
+            self._epoch, self._seq = epoch, 0
+        self._seq += 1
+        get_level, get_tag = levels.get, after.get
+        attributes = {
+            job: JobAttributes(
+                job,
+                epoch,
+                get_level(job),
+                get_tag(job),
+                f.rate,
+                f.ips,
+                f.slowest,
+                tuple(f.nodes),
+                tuple(f.unhealthy) if f.unhealthy else (),
+                tuple(f.xids) if f.xids else (),
+                tuple(f.links_down) if f.links_down else (),
+                f.drops,
+                f.tx,
+                stamp,
+            )
+            for job, f in folds.items()
+        }
+        self.untagged = tuple(untagged)
+        self.order = Order(
+            epoch=epoch,
+            seq=self._seq,
+            leader=self.leader,
+            levels=levels,  # LEVELLER's own copy
+            tags={j: after[j] for j in folds if j in after},
+            shares=assignment.shares,
+            attributes=attributes,
+            computed_at=stamp,
+        )
+        return self.order
+
+    def _sync_pins(self, folds: dict[str, _Fold]) -> None:
+        """An operator's pin on any node holds for the job everywhere."""
+        leveller = self._leveller
+        levels = leveller.config.levels
+        pins = {j: f.pin for j, f in folds.items() if f.pin is not None and 0 <= f.pin < levels}
+        for job in leveller.pins():
+            if job not in pins:
+                leveller.unpin(job)
+        for job, level in pins.items():
+            leveller.pin(job, level)
+
+    def answer(self, node: str) -> Order | None:
+        """The latest order, cut to the jobs ``node`` reported; None until an order has
+        folded in a report of ``node`` (a new leader's first answers)."""
+        order, included = self.order, self._included
+        if order is None or node not in included:
+            return None
+        entry = self._reports.get(node)
+        jobs = [jr.job for jr in entry[1].jobs] if entry is not None else []
+        return order.for_jobs(jobs)

@@ -1,0 +1,107 @@
+"""Values that travel between a node and the leader (plain, immutable, no I/O).
+
+A node's :class:`NodeReport` carries what it sees of each of its jobs (:class:`JobReport`);
+the leader answers with an :class:`Order`: the epoch it was computed in, each reported
+job's global level and cluster-wide DSCP tag, and the job's :class:`JobAttributes`
+aggregated over every node that runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+@dataclass(frozen=True, slots=True)
+class JobReport:
+    """One job as one node sees it.
+
+    ``progress_rate`` is the normalized rate (contention-free iteration time / observed
+    iteration time, 1.0 = uncontended), ``None`` until known; ``dscp`` the tag this node
+    marks the job's packets with; ``gpus`` the GPU / MIG UUIDs the job holds here and
+    ``unhealthy_gpus`` those of them the last telemetry tick found lost or hung; ``xids``
+    the last XID codes seen on them; ``link_up`` whether the job's interfaces are up (None:
+    not known); ``tx_bytes`` / ``drops`` the counters of the job's class on this node;
+    ``pinned_level`` a level an operator pinned the job to on this node.
+    """
+
+    job: str
+    progress_rate: float | None = None
+    iterations_per_s: float | None = None
+    dscp: int | None = None
+    gpus: tuple[str, ...] = ()
+    unhealthy_gpus: tuple[str, ...] = ()
+    xids: tuple[int, ...] = ()
+    link_up: bool | None = None
+    tx_bytes: int = 0
+    drops: int = 0
+    pinned_level: int | None = None  # an operator's pin on this node (gpuctl net pin)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeReport:
+    """Everything one node tells the leader on one tick."""
+
+    node: str
+    jobs: tuple[JobReport, ...] = ()
+    applied_epoch: int = 0
+
+
+class JobAttributes(NamedTuple):
+    """What the cluster knows of one job, as the leader computed it in ``epoch``.
+
+    ``level`` is its global network level (0 = highest priority; None: excluded or not
+    ranked yet), ``progress_rate`` the slowest of its nodes' rates and ``slowest_node``
+    that node; ``unhealthy_gpus`` are ``node/uuid`` pairs and ``xids`` ``node:code`` pairs
+    over every node that runs it; ``links_down`` the nodes whose interfaces for it are
+    down; ``drops`` / ``tx_bytes`` its tag's counters summed over its nodes. (A NamedTuple:
+    the leader builds one per job per round, and tuples are the cheapest to build.)
+    """
+
+    job: str
+    epoch: int
+    level: int | None
+    dscp: int | None
+    progress_rate: float | None
+    iterations_per_s: float | None
+    slowest_node: str
+    nodes: tuple[str, ...]
+    unhealthy_gpus: tuple[str, ...]
+    xids: tuple[str, ...]
+    links_down: tuple[str, ...]
+    drops: int
+    tx_bytes: int
+    computed_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Order:
+    """The leader's answer: levels and tags for jobs, with the epoch that fences it.
+
+    ``seq`` counts orders within an epoch (a node keeps the newest). ``levels`` and
+    ``tags`` may cover only the jobs of the node it is addressed to.
+    """
+
+    epoch: int
+    seq: int
+    leader: str
+    levels: Mapping[str, int]
+    tags: Mapping[str, int]
+    shares: tuple[float, ...] = ()
+    attributes: Mapping[str, JobAttributes] = field(default_factory=dict)
+    computed_at: float = 0.0
+
+    def for_jobs(self, jobs: Iterable[str]) -> Order:
+        """The part of this order that concerns ``jobs``."""
+        jobs = tuple(jobs)
+        return Order(
+            epoch=self.epoch,
+            seq=self.seq,
+            leader=self.leader,
+            levels={j: self.levels[j] for j in jobs if j in self.levels},
+            tags={j: self.tags[j] for j in jobs if j in self.tags},
+            shares=self.shares,
+            attributes={j: self.attributes[j] for j in jobs if j in self.attributes},
+            computed_at=self.computed_at,
+        )

@@ -1,0 +1,188 @@
+"""The cluster, built from ``[cluster]`` and started with the daemon.
+
+``single`` (the default): the node leads itself; no peer API, no etcd, tags in memory
+(the traffic service persists its own). ``etcd``: the peer API on ``cluster.listen`` with
+mutual TLS, an :class:`~gpud.cluster.election.EtcdElection` whose leader key carries the
+advertised peer address, and tags in etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Iterable
+
+from gpud.cluster.agent import ClusterAgent
+from gpud.cluster.api import ClusterServicer, PeerClient, PeerServer
+from gpud.cluster.election import Election, EtcdElection, SingleElection
+from gpud.cluster.etcd import EtcdClient, EtcdSettings
+from gpud.cluster.ports import MemoryTagStore, NodeView, TagStore
+from gpud.cluster.tagstore import EtcdTagStore
+from gpud.cluster.tls import PeerTls
+from gpud.config import ClusterConfig, TrafficConfig, parse_address
+from gpud.errors import ConfigError
+from gpud.events import EventLog
+from gpud.net.port import TrafficPort
+from netshaper.leveller import LevellerConfig
+
+log = logging.getLogger(__name__)
+
+
+def etcd_settings(c: ClusterConfig) -> EtcdSettings:
+    password = ""
+    if c.etcd_password_file is not None:
+        try:
+            password = c.etcd_password_file.read_text().strip()
+        except OSError as err:
+            raise ConfigError(
+                f"cannot read {c.etcd_password_file}: {err.strerror}",
+                key="cluster.etcd_password_file",
+            ) from err
+    return EtcdSettings(
+        endpoints=tuple(e.strip().rstrip("/") for e in c.etcd_endpoints.split(",") if e.strip()),
+        ca_file=str(c.etcd_ca_file or ""),
+        cert_file=str(c.etcd_cert_file or ""),
+        key_file=str(c.etcd_key_file or ""),
+        username=c.etcd_username,
+        password=password,
+        timeout_s=c.etcd_timeout_s,
+    )
+
+
+class ClusterRuntime:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        *,
+        traffic: TrafficPort,
+        view: NodeView,
+        leveller: LevellerConfig,
+        reserved_tags: Iterable[int],
+        tick_s: float,
+        events: EventLog,
+    ) -> None:
+        self.config = config
+        self.node = config.node or socket.gethostname()
+        self._events = events
+        self._peer_server: PeerServer | None = None
+        self._kicker: asyncio.Task[None] | None = None
+        self._peer_client: PeerClient | None = None
+        self._etcd: EtcdClient | None = None
+        election: Election
+        if config.election == "etcd":
+            tls = PeerTls.load(config.ca_file, config.cert_file, config.key_file)
+            self._etcd = EtcdClient(etcd_settings(config))
+            self._peer_client = PeerClient(tls, timeout_s=config.report_timeout_s)
+            self._election: EtcdElection | None = EtcdElection(
+                self._etcd,
+                node=self.node,
+                address="",  # set once the peer API is bound
+                prefix=config.etcd_prefix,
+                ttl_s=config.lease_ttl_s,
+                notify=self._emit,
+            )
+            election = self._election
+            self._tls: PeerTls | None = tls
+        else:
+            self._election = None
+            self._tls = None
+            election = SingleElection(self.node)
+        memory = MemoryTagStore()
+
+        def tag_store(epoch: int) -> TagStore:
+            if self._etcd is None:
+                return memory
+            return EtcdTagStore(self._etcd, prefix=config.etcd_prefix, epoch=epoch)
+
+        self.agent = ClusterAgent(
+            node=self.node,
+            election_kind=config.election,
+            election=election,
+            traffic=traffic,
+            view=view,
+            tag_store=tag_store,
+            leveller=leveller,
+            reserved_tags=reserved_tags,
+            peers=self._peer_client,
+            grace_s=config.grace_s,
+            fresh_s=3 * tick_s + config.report_timeout_s,
+            node_timeout_s=config.node_timeout_s,
+            events=events,
+        )
+        self.servicer = ClusterServicer(self.agent)
+
+    def _emit(self, kind: str, message: str, fields: dict[str, object]) -> None:
+        self._events.emit(kind, message, **fields)
+
+    @property
+    def peer_port(self) -> int | None:
+        return self._peer_server.port if self._peer_server is not None else None
+
+    async def start(self) -> None:
+        """Bind the peer API, then campaign with its address."""
+        if self._election is None or self._tls is None:
+            return
+        self._peer_server = PeerServer(self.config.listen, self._tls, self.agent)
+        await self._peer_server.start()
+        if self.config.advertise:
+            address = self.config.advertise
+        else:
+            host, _ = parse_address(self.config.listen, path="config", key="cluster.listen")
+            if host in ("0.0.0.0", "::"):
+                host = socket.getfqdn()
+            address = f"[{host}]:{self.peer_port}" if ":" in host else f"{host}:{self.peer_port}"
+        self._election.address = address
+        loop = asyncio.get_running_loop()
+        self._kick = asyncio.Event()
+        kick = self._kick
+
+        def on_change() -> None:
+            loop.call_soon_threadsafe(kick.set)
+
+        def request_round(delay: float) -> None:  # on the loop (servicer, tick)
+            if delay <= 0:
+                kick.set()
+            else:
+                loop.call_later(delay, kick.set)
+
+        self._election.on_change = on_change
+        self.agent.request_round = request_round
+        self._kicker = asyncio.create_task(self._tick_on_change(), name="cluster-kick")
+        self._election.start()
+        log.info("cluster: node %s campaigning on etcd, peer address %s", self.node, address)
+
+    async def _tick_on_change(self) -> None:
+        """A new leader or epoch, or a node new to this leader: a round now rather than at
+        the next tick, so a failover reaches every node within a fraction of a tick."""
+        while True:
+            await self._kick.wait()
+            self._kick.clear()
+            try:
+                await self.agent.tick()
+            except Exception:
+                log.exception("cluster round after a leader change failed")
+
+    async def stop(self) -> None:
+        if self._kicker is not None:
+            self._kicker.cancel()
+        if self._election is not None:
+            await asyncio.to_thread(self._election.stop)
+        if self._peer_server is not None:
+            await self._peer_server.stop()
+        if self._peer_client is not None:
+            await self._peer_client.close()
+
+    async def tick(self) -> None:
+        await self.agent.tick()
+
+
+def leveller_config(t: TrafficConfig) -> LevellerConfig:
+    """The leader's policy: the same levels and knobs as every node's traffic service."""
+    return LevellerConfig(
+        levels=t.levels,
+        threshold=t.threshold,
+        max_age_s=t.max_age_s,
+        hysteresis=t.hysteresis,
+        min_share=t.min_share,
+    )

@@ -1,0 +1,202 @@
+"""The ports the traffic service enforces through, and their public fakes.
+
+``TcPort`` is the kernel's traffic control on one interface (the real one is
+``netshaper.tc_netlink``, over netlink); ``MarkPort`` is gpud's nftables table
+(``netshaper.nftables.NftablesMarker``); ``RdmaPort`` writes the NIC's DSCP -> priority map.
+The service computes what each should hold and asks only for the difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from netshaper import tcplan
+from netshaper.nftables import CgroupMark, MarkSync
+
+
+class CountersLike(Protocol):
+    """One class's counters (``tc -s class show``): sent bytes and packets, drops."""
+
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def packets(self) -> int: ...
+    @property
+    def drops(self) -> int: ...
+
+
+class InterfaceResultLike(Protocol):
+    """What one pass did on one interface: ``ops`` sent (as tc arguments), what drift
+    ``restored``, and the interface's ``error`` (None when enforced)."""
+
+    @property
+    def ops(self) -> tuple[str, ...]: ...
+    @property
+    def restored(self) -> tuple[str, ...]: ...
+    @property
+    def error(self) -> Exception | None: ...
+
+
+class SyncResultLike(Protocol):
+    @property
+    def interfaces(self) -> Mapping[str, InterfaceResultLike]: ...
+
+
+class AdoptedLike(Protocol):
+    """What the kernel held at start: the tree (``state``) and the root qdisc that was
+    there before gpud's (``original``; None when gpud's own root was found)."""
+
+    @property
+    def state(self) -> tcplan.InterfaceState: ...
+    @property
+    def original(self) -> tcplan.RootQdisc | None: ...
+
+
+class TcPort(Protocol):
+    """Traffic control on the configured interfaces (``netshaper.tc_netlink.TcNetlink``)."""
+
+    def adopt(self, ifaces: Iterable[str]) -> Mapping[str, AdoptedLike | Exception]:
+        """Read each interface at start, change nothing."""
+        ...
+
+    def sync(self, plan: tcplan.TcPlan) -> SyncResultLike:
+        """Send only what differs from the last state seen, in one batch."""
+        ...
+
+    def drift(self, plan: tcplan.TcPlan) -> SyncResultLike:
+        """Re-read the kernel and restore whatever differs from ``plan``."""
+        ...
+
+    def counters(self, iface: str) -> Mapping[int, CountersLike]:
+        """classid -> counters of every class on ``iface``."""
+        ...
+
+    def restore(self, iface: str, original: tcplan.RootQdisc | None = None) -> None:
+        """Give ``iface`` back its original root qdisc (delete gpud's HTB root)."""
+        ...
+
+    def close(self) -> None:
+        """Close the netlink socket (what the kernel holds stays)."""
+        ...
+
+
+class MarkPort(Protocol):
+    def sync(self, marks: Iterable[CgroupMark]) -> MarkSync: ...
+
+    def delete(self) -> bool: ...
+
+
+class RdmaPort(Protocol):
+    def apply(self, dscp_priorities: Mapping[int, int]) -> Sequence[str]:
+        """Make the NIC map each DSCP to its priority; returns what changed, for the log."""
+        ...
+
+
+@dataclass(frozen=True)
+class FakeCounters:
+    bytes: int = 0
+    packets: int = 0
+    drops: int = 0
+
+
+@dataclass(frozen=True)
+class FakeResult:
+    iface: str
+    ops: tuple[str, ...] = ()
+    restored: tuple[str, ...] = ()
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class FakeSync:
+    interfaces: Mapping[str, FakeResult]
+
+
+@dataclass(frozen=True)
+class FakeAdopted:
+    state: tcplan.InterfaceState
+    original: tcplan.RootQdisc | None
+
+
+@dataclass
+class FakeTc:
+    """An in-memory :class:`TcPort` over :func:`netshaper.tcplan.diff`: ``states`` is what
+    the "kernel" holds per interface (tests edit it to simulate drift); ``missing``
+    interfaces fail like a missing netdev; ``sent`` sets a class's counters."""
+
+    states: dict[str, tcplan.InterfaceState] = field(default_factory=dict)
+    missing: set[str] = field(default_factory=set)
+    sent: dict[tuple[str, int], FakeCounters] = field(default_factory=dict)
+    restored_ifaces: list[str] = field(default_factory=list)
+
+    def _state(self, iface: str) -> tcplan.InterfaceState:
+        if iface in self.missing:
+            raise OSError(19, f"{iface}: no such interface")
+        return self.states.get(iface, tcplan.InterfaceState(iface, None))
+
+    def adopt(self, ifaces: Iterable[str]) -> Mapping[str, FakeAdopted | Exception]:
+        found: dict[str, FakeAdopted | Exception] = {}
+        for iface in ifaces:
+            try:
+                state = self._state(iface)
+            except OSError as err:
+                found[iface] = err
+                continue
+            ours = state.root is not None and state.root.handle >> 16 == tcplan.ROOT_MAJOR
+            found[iface] = FakeAdopted(state, None if ours else state.root)
+        return found
+
+    def _apply(self, plan: tcplan.TcPlan, *, drift: bool) -> FakeSync:
+        out: dict[str, FakeResult] = {}
+        for want in plan.interfaces:
+            try:
+                state = self._state(want.iface)
+            except OSError as err:
+                out[want.iface] = FakeResult(want.iface, error=err)
+                continue
+            ops = tuple(" ".join(op.tc_args()) for op in tcplan.diff(state, want))
+            self.states[want.iface] = tcplan.state_after(want)
+            out[want.iface] = FakeResult(want.iface, ops, ops if drift else ())
+        return FakeSync(out)
+
+    def sync(self, plan: tcplan.TcPlan) -> FakeSync:
+        return self._apply(plan, drift=False)
+
+    def drift(self, plan: tcplan.TcPlan) -> FakeSync:
+        return self._apply(plan, drift=True)
+
+    def counters(self, iface: str) -> Mapping[int, FakeCounters]:
+        state = self._state(iface)
+        return {c.classid: self.sent.get((iface, c.classid), FakeCounters()) for c in state.classes}
+
+    def restore(self, iface: str, original: tcplan.RootQdisc | None = None) -> None:
+        self._state(iface)
+        self.states.pop(iface, None)
+        self.restored_ifaces.append(iface)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class FakeMarker:
+    """An in-memory :class:`MarkPort`."""
+
+    marks: set[CgroupMark] = field(default_factory=set)
+    fail: str = ""
+
+    def sync(self, marks: Iterable[CgroupMark]) -> MarkSync:
+        if self.fail:
+            raise RuntimeError(self.fail)
+        want = set(marks)
+        added = tuple(sorted(m.job for m in want - self.marks))
+        removed = tuple(sorted(m.job for m in self.marks - want))
+        self.marks = want
+        return MarkSync(False, added, removed)
+
+    def delete(self) -> bool:
+        had = bool(self.marks)
+        self.marks = set()
+        return had

@@ -1,0 +1,695 @@
+"""The node's traffic service: progress reports in, priorities on the wire out.
+
+Each tick (:meth:`TrafficService.tick`, the daemon's ``traffic`` step)::
+
+    registered jobs ──> tags (persisted; released when a job is removed) ──> cgroups
+    reports ──> ProgressTracker.rates ──> Leveller (or the cluster's order) ──> job -> level
+    (links, tags, levels, shares) ──> tcplan.plan ──> per interface: diff with the kernel
+        ──> the fewest tc operations, one batch      (drift: repaired and logged as events)
+    job cgroups + tags ──> gpud's nftables table    (packets of `gpuctl run` jobs marked)
+    level -> NIC priority ──> the RDMA NIC's DSCP -> priority map (dcb app, or dry-run)
+    class counters ──> per-job and per-level bytes, packets, drops
+
+Each interface is enforced on its own: a missing interface, a kernel without HTB or a
+netlink error is that interface's error (shown by ``gpuctl net show`` and in metrics), and
+the others stay enforced. A missing ``nft`` is the marking's error, nothing else's.
+
+Restarts: the kernel keeps the last tree and the nftables table (``kill -9`` included).
+The next start reads them back and adopts them: levels found in the kernel hold for jobs
+whose progress is not known again yet, so nothing is rebuilt or reshuffled. On a clean
+stop, ``traffic.shutdown = "fail-static"`` (the default) leaves everything in force;
+``"restore"`` deletes gpud's root qdisc and table.
+
+Thread-safety: reports and API calls come from gRPC worker threads, the tick from the loop's
+worker thread; one lock guards the state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpud.config import TrafficConfig, parse_rate
+from gpud.errors import (
+    FailedPrecondition,
+    GpudError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
+from gpud.events import EventLog
+from gpud.net.cgroups import JobCgroups
+from gpud.net.enforce import MarkPort, RdmaPort, TcPort
+from gpud.net.port import JobTraffic, LocalReport, OrderResult, TrafficCounters
+from gpud.net.tagstore import TagStore
+from netshaper import tcplan
+from netshaper.leveller import Leveller, LevellerConfig
+from netshaper.progress import ProgressConfig, ProgressTracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """One progress report, as the API receives it."""
+
+    job: str
+    iterations: int
+    timestamp: float  # unix seconds
+    ideal_s: float | None = None
+    session: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    index: int
+    job: str
+    error: GpudError
+
+
+@dataclass
+class InterfaceStatus:
+    name: str
+    rate_bps: int = 0
+    enforced: bool = False
+    error: str = ""
+    repairs: int = 0
+
+
+@dataclass
+class _JobReports:
+    iterations: int
+    session: str
+    last_report_at: float
+    ideal_s: float | None = None
+
+
+@dataclass
+class _Counter:
+    """Accumulates a class counter across the class being recreated (a moved leaf)."""
+
+    last: TrafficCounters = field(default_factory=TrafficCounters)
+    total: TrafficCounters = field(default_factory=TrafficCounters)
+
+    def add(self, nbytes: int, packets: int, drops: int) -> None:
+        base = self.last if nbytes >= self.last.bytes else TrafficCounters()
+        self.total = TrafficCounters(
+            self.total.bytes + nbytes - base.bytes,
+            self.total.packets + max(0, packets - base.packets),
+            self.total.drops + max(0, drops - base.drops),
+        )
+        self.last = TrafficCounters(nbytes, packets, drops)
+
+
+@dataclass(frozen=True)
+class NetView:
+    """Everything ``gpuctl net show`` prints."""
+
+    enabled: bool
+    jobs: tuple[JobTraffic, ...]
+    shares: tuple[float, ...]
+    level_counters: Mapping[int, TrafficCounters]
+    interfaces: tuple[InterfaceStatus, ...]
+    level_changes_total: int
+    order_source: str
+    epoch: int
+    marking_error: str
+    rdma_backend: str
+    rdma_error: str
+
+
+JobSource = Callable[[], Sequence[str]]
+"""The registered jobs' names."""
+ActiveSource = Callable[[], set[str]]
+"""Jobs that hold a reservation now."""
+
+
+def job_pool(config: TrafficConfig) -> frozenset[int]:
+    from gpud.net.tagstore import parse_pool
+
+    return parse_pool(config.dscp_pool, {*config.reserved_dscp, config.cnp_dscp})
+
+
+class TrafficService:
+    """See the module docstring. Implements :class:`gpud.net.port.TrafficPort`."""
+
+    def __init__(
+        self,
+        config: TrafficConfig,
+        *,
+        tags: TagStore,
+        events: EventLog,
+        jobs: JobSource,
+        active: ActiveSource = set,
+        tc: TcPort | None = None,
+        marker: MarkPort | None = None,
+        cgroups: JobCgroups | None = None,
+        rdma: RdmaPort | None = None,
+        marking_error: str = "",
+        rdma_error: str = "",
+        sysfs_root: Path = Path("/sys"),
+        proc_root: Path = Path("/proc"),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.tags = tags
+        self._events = events
+        self._jobs = jobs
+        self._active = active
+        self._tc = tc
+        self._marker = marker
+        self._cgroups = cgroups
+        self._rdma = rdma
+        self._sysfs = sysfs_root
+        self._proc = proc_root
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._leveller = Leveller(
+            LevellerConfig(
+                levels=config.levels,
+                threshold=config.threshold,
+                max_age_s=config.max_age_s,
+                hysteresis=config.hysteresis,
+                min_share=config.min_share,
+            )
+        )
+        self._tracker = ProgressTracker(ProgressConfig(window_s=config.progress_window_s))
+        self._reports: dict[str, _JobReports] = {}
+        self._levels: dict[str, int] = {}
+        self._level_changes = 0
+        self._order: dict[str, int] | None = None
+        self._epoch = 0
+        self._adopted: dict[str, int] = {}  # levels found in the kernel at start
+        self._originals: dict[str, tcplan.RootQdisc | None] = {}
+        self._last_plan: tcplan.TcPlan | None = None
+        self._applied: dict[str, tcplan.InterfacePlan] = {}  # last plan in force, per iface
+        self._ifaces = {name: InterfaceStatus(name) for name in config.interfaces}
+        self._counters: dict[tuple[str, str], _Counter] = {}  # (iface, job)
+        self._marking_error = marking_error
+        self._marking_ok = False
+        self._rdma_error = rdma_error
+        self._rdma_map: dict[int, int] = {}
+        self._known_jobs: set[str] = set()
+        self.accepted_reports = 0
+        self.rejected_reports = 0
+
+    # -- progress reports ------------------------------------------------------------------
+    def report(self, r: Report) -> None:
+        """Check and record one report; raises (and changes nothing) when it is bad."""
+        try:
+            self._report(r)
+        except GpudError:
+            with self._lock:
+                self.rejected_reports += 1
+            raise
+
+    def _report(self, r: Report) -> None:
+        now = self._clock()
+        if not r.job:
+            raise InvalidArgument("must not be empty", field="job")
+        if not math.isfinite(r.timestamp) or r.timestamp <= 0:
+            raise InvalidArgument(
+                f"must be unix seconds, got {r.timestamp}", field="timestamp_unix_seconds"
+            )
+        if r.timestamp > now + self.config.future_tolerance_s:
+            raise InvalidArgument(
+                f"{r.timestamp - now:.3f} s in the future (clock skew? allowed:"
+                f" {self.config.future_tolerance_s:g} s)",
+                field="timestamp_unix_seconds",
+            )
+        if r.ideal_s is not None and (not math.isfinite(r.ideal_s) or r.ideal_s <= 0):
+            raise InvalidArgument(
+                f"must be > 0 seconds, got {r.ideal_s}", field="contention_free_iteration_s"
+            )
+        if len(r.session) > 64:
+            raise InvalidArgument("longer than 64 characters", field="session")
+        with self._lock:
+            if r.job not in self._known_jobs and r.job not in set(self._jobs()):
+                raise NotFound(f"no job {r.job!r} on this node (gpuctl jobs ls)")
+            self._known_jobs.add(r.job)
+            prev = self._reports.get(r.job)
+            if (
+                prev is not None
+                and r.iterations < prev.iterations
+                and (not r.session or r.session == prev.session)
+            ):
+                raise InvalidArgument(
+                    f"job {r.job!r}: {r.iterations} iterations after {prev.iterations}"
+                    " (going backwards; a restarted job reports from a new session)",
+                    field="iterations",
+                )
+            if r.ideal_s is not None and (prev is None or prev.ideal_s != r.ideal_s):
+                self._tracker.register(r.job, now=now, ideal_s=r.ideal_s)
+            self._tracker.report(r.job, r.iterations, r.timestamp)
+            self._reports[r.job] = _JobReports(
+                r.iterations,
+                r.session,
+                max(r.timestamp, prev.last_report_at if prev else r.timestamp),
+                r.ideal_s if r.ideal_s is not None else (prev.ideal_s if prev else None),
+            )
+            self.accepted_reports += 1
+
+    def report_batch(self, reports: Sequence[Report]) -> tuple[int, list[Rejected]]:
+        rejected = []
+        for i, r in enumerate(reports):
+            try:
+                self.report(r)
+            except GpudError as err:
+                rejected.append(Rejected(i, r.job, err))
+        return len(reports) - len(rejected), rejected
+
+    # -- the cluster's port ----------------------------------------------------------------
+    def apply_order(
+        self, epoch: int, levels: Mapping[str, int], tags: Mapping[str, int] | None = None
+    ) -> OrderResult:
+        with self._lock:
+            if epoch < self._epoch:
+                return OrderResult(False, self._epoch, f"stale epoch {epoch} < {self._epoch}")
+            for job, level in levels.items():
+                if not 0 <= level < self.config.levels:
+                    return OrderResult(
+                        False,
+                        self._epoch,
+                        f"job {job!r}: level {level} not in [0, {self.config.levels})",
+                    )
+            retagged: list[str] = []
+            if tags:
+                known = set(self._jobs())
+                try:
+                    retagged = self.tags.set_tags({j: d for j, d in tags.items() if j in known})
+                except GpudError as err:
+                    return OrderResult(False, self._epoch, str(err))
+                for job in retagged:
+                    self._events.emit(
+                        "net.retag",
+                        f"job {job} tagged DSCP {self.tags.get(job)} by the cluster",
+                        job=job,
+                    )
+            self._order = dict(levels)
+            self._epoch = epoch
+            return OrderResult(True, epoch, retagged=tuple(retagged))
+
+    def clear_order(self) -> None:
+        with self._lock:
+            if self._order is not None:
+                self._events.emit("net.order", "cluster order cleared: local policy decides")
+            self._order = None
+
+    def local_report(self) -> LocalReport:
+        now = self._clock()
+        with self._lock:
+            return LocalReport(
+                at=now,
+                jobs=self._job_views(now),
+                epoch=self._epoch if self._order is not None else 0,
+                levels=self.config.levels,
+            )
+
+    # -- operator API ----------------------------------------------------------------------
+    def pin(self, job: str, level: int | None) -> JobTraffic:
+        if level is not None and not 0 <= level < self.config.levels:
+            raise InvalidArgument(f"must be in [0, {self.config.levels - 1}]", field="level")
+        if job not in set(self._jobs()):
+            raise NotFound(f"no job {job!r}")
+        with self._lock:
+            self.tags.tag(job)
+            self.tags.pin(job, level)
+            self._events.emit(
+                "net.pin",
+                f"job {job} pinned to level {level}"
+                if level is not None
+                else f"job {job} unpinned",
+                job=job,
+                level=level,
+            )
+            return self._job_view(job, self._clock())
+
+    def now(self) -> float:
+        return self._clock()
+
+    def place(self, job: str, pid: int) -> str:
+        """Move ``pid`` into the job's cgroup (``gpuctl run``); "" when marking is off.
+
+        Only a process started for the job may be moved: its environment must carry
+        ``GPUD_JOB=<job>`` (what ``gpuctl run`` sets), so the socket's users cannot move
+        other people's processes.
+        """
+        if pid <= 1:
+            raise InvalidArgument(f"{pid} is not a job's process", field="pid")
+        if job not in set(self._jobs()):
+            raise NotFound(f"no job {job!r}")
+        if not self.config.enabled or not self.config.marking:
+            return ""
+        try:
+            environ = (self._proc / str(pid) / "environ").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            raise NotFound(f"no process {pid}") from None
+        except OSError as err:
+            raise PermissionDenied(f"cannot read process {pid}: {err.strerror}") from err
+        if f"GPUD_JOB={job}".encode() not in environ:
+            raise PermissionDenied(f"process {pid} was not started for job {job!r} (GPUD_JOB)")
+        if self._cgroups is None:
+            raise FailedPrecondition(f"cannot mark job traffic by cgroup: {self._marking_error}")
+        self.tags.tag(job)
+        path = self._cgroups.place(job, pid)
+        with self._lock:
+            self._sync_marks()
+        return str(path)
+
+    def view(self) -> NetView:
+        now = self._clock()
+        with self._lock:
+            jobs = self._job_views(now)
+            per_level: dict[int, TrafficCounters] = {}
+            for j in jobs:
+                if j.level is not None:
+                    c = per_level.get(j.level, TrafficCounters())
+                    per_level[j.level] = TrafficCounters(
+                        c.bytes + j.counters.bytes,
+                        c.packets + j.counters.packets,
+                        c.drops + j.counters.drops,
+                    )
+            return NetView(
+                enabled=self.config.enabled,
+                jobs=jobs,
+                shares=self._leveller.config.shares(),
+                level_counters=per_level,
+                interfaces=tuple(
+                    InterfaceStatus(i.name, i.rate_bps, i.enforced, i.error, i.repairs)
+                    for i in self._ifaces.values()
+                ),
+                level_changes_total=self._level_changes,
+                order_source="cluster" if self._order is not None else "local",
+                epoch=self._epoch if self._order is not None else 0,
+                marking_error=self._marking_error,
+                rdma_backend=self.config.rdma_backend,
+                rdma_error=self._rdma_error,
+            )
+
+    def _job_views(self, now: float) -> tuple[JobTraffic, ...]:
+        return tuple(self._job_view(j, now) for j in sorted(self.tags.allocations()))
+
+    def _job_view(self, job: str, now: float) -> JobTraffic:
+        reports = self._reports.get(job)
+        prog = self._tracker.progress(job, now) if job in self._tracker.jobs() else None
+        total = TrafficCounters()
+        for (_, j), c in self._counters.items():
+            if j == job:
+                total = TrafficCounters(
+                    total.bytes + c.total.bytes,
+                    total.packets + c.total.packets,
+                    total.drops + c.total.drops,
+                )
+        cgroup = ""
+        if self._cgroups is not None and self._cgroups.dir(job).is_dir():
+            cgroup = str(self._cgroups.dir(job))
+        return JobTraffic(
+            job=job,
+            dscp=self.tags.allocations().get(job, 0),
+            level=self._levels.get(job),
+            rate=prog.rate if prog else None,
+            iterations=prog.iterations if prog else None,
+            iteration_s=prog.period_s if prog else None,
+            contention_free_iteration_s=prog.ideal_s if prog else None,
+            last_report_unix_s=reports.last_report_at if reports else None,
+            pinned_level=self.tags.pins().get(job),
+            cgroup=cgroup,
+            counters=total,
+        )
+
+    # -- the tick --------------------------------------------------------------------------
+    def tick(self) -> None:
+        """One pass; see the module docstring. Never raises for one interface's trouble."""
+        if not self.config.enabled:
+            return
+        now = self._clock()
+        registered = list(self._jobs())
+        with self._lock:
+            self._known_jobs = set(registered)
+            self._sync_tags(registered)
+            levels = self._decide(now, registered)
+            self._record_changes(levels)
+            tags = self.tags.allocations()
+            self._enforce_tc(tags, levels)
+            self._sync_marks()
+            self._enforce_rdma(tags, levels)
+
+    def _sync_tags(self, registered: list[str]) -> None:
+        present = set(registered)
+        for job in sorted(set(self.tags.allocations()) - present):
+            self.tags.release(job)
+            self._tracker.forget(job)
+            self._reports.pop(job, None)
+            self._levels.pop(job, None)
+            for key in [k for k in self._counters if k[1] == job]:
+                del self._counters[key]
+            self._events.emit("net.release", f"job {job} removed: DSCP tag released", job=job)
+        for job in registered:
+            if self.tags.get(job) is None:
+                dscp = self.tags.tag(job)
+                self._events.emit("net.tag", f"job {job} tagged DSCP {dscp}", job=job, dscp=dscp)
+        if self._cgroups is not None:
+            for job in self._cgroups.jobs():
+                if job not in present:
+                    self._cgroups.remove(job)  # retried every tick while processes remain
+
+    def _decide(self, now: float, registered: list[str]) -> dict[str, int]:
+        active_res = self._active()
+        idle = self.config.idle_after_s
+        active = []
+        for job in registered:
+            reports = self._reports.get(job)
+            recent = reports is not None and now - reports.last_report_at <= idle
+            if job in active_res or recent or job in self.tags.pins():
+                active.append(job)
+        pins = self.tags.pins()
+        for job, level in pins.items():
+            self._leveller.pin(job, level)
+        for job in self._leveller.pins():
+            if job not in pins:
+                self._leveller.unpin(job)
+        rates = {
+            j: (self._tracker.progress(j, now).rate if j in self._tracker.jobs() else None)
+            for j in active
+        }
+        assignment = self._leveller.update(now, rates)
+        levels = dict(assignment.levels)
+        if self._adopted:
+            for job in levels:
+                if rates.get(job) is None and job in self._adopted and job not in pins:
+                    levels[job] = self._adopted[job]
+        if self._order is not None:
+            for job in levels:
+                if job in self._order and job not in pins:
+                    levels[job] = self._order[job]
+        return levels
+
+    def _record_changes(self, levels: dict[str, int]) -> None:
+        moved = {
+            j: (self._levels[j], lv)
+            for j, lv in levels.items()
+            if j in self._levels and self._levels[j] != lv
+        }
+        if moved:
+            self._level_changes += len(moved)
+            summary = ", ".join(f"{j} {a}->{b}" for j, (a, b) in sorted(moved.items()))
+            self._events.emit("net.levels", f"levels changed: {summary}", changes=len(moved))
+        self._levels = levels
+
+    # -- enforcement -----------------------------------------------------------------------
+    def link_rate(self, iface: str) -> int:
+        """Bit/s of ``iface``: ``traffic.link_rates``, else sysfs ``speed`` (Mb/s)."""
+        for entry in self.config.link_rates:
+            name, _, rate = entry.partition("=")
+            if name == iface:
+                return parse_rate(rate)
+        speed = self._sysfs / "class" / "net" / iface / "speed"
+        try:
+            mbit = int(speed.read_text().strip())
+        except (OSError, ValueError):
+            mbit = -1
+        if mbit <= 0:
+            raise FailedPrecondition(
+                f"{iface}: link rate unknown ({speed} gives none): set traffic.link_rates"
+            )
+        return mbit * 1_000_000
+
+    def start(self) -> None:
+        """Adopt what the kernel holds from before (call once, before the first tick):
+        nothing is torn down, and the levels found hold until progress is known again."""
+        if not self.config.enabled or self._tc is None:
+            return
+        adopted: dict[str, int] = {}
+        with self._lock:
+            tags = self.tags.allocations()
+            for iface, found in self._tc.adopt(self.config.interfaces).items():
+                if isinstance(found, Exception):
+                    self._fail(self._ifaces[iface], _describe(iface, found))
+                    continue
+                self._originals[iface] = found.original
+                adopted.update(self._levels_in(found.state, tags))
+            self._adopted = adopted
+            if adopted:
+                self._events.emit(
+                    "net.adopt", f"adopted the levels of {len(adopted)} job(s) from the kernel"
+                )
+
+    def _levels_in(self, state: tcplan.InterfaceState, tags: Mapping[str, int]) -> dict[str, int]:
+        """Job -> level of the job leaves ``state`` holds."""
+        by_tag = {d: j for j, d in tags.items()}
+        out: dict[str, int] = {}
+        for c in state.classes:
+            leaf = tcplan.parse_leaf(c.classid)
+            if leaf is not None and leaf[1] in by_tag and 0 <= leaf[0] < self.config.levels:
+                out[by_tag[leaf[1]]] = leaf[0]
+        return out
+
+    def _enforce_tc(self, tags: Mapping[str, int], levels: Mapping[str, int]) -> None:
+        if self._tc is None:
+            return
+        links: dict[str, int] = {}
+        for iface, status in self._ifaces.items():
+            try:
+                links[iface] = status.rate_bps = self.link_rate(iface)
+            except GpudError as err:
+                self._fail(status, str(err))
+        if not links:
+            return
+        try:
+            plan = tcplan.plan(
+                links,
+                tags,
+                {j: lv for j, lv in levels.items() if j in tags},
+                self._leveller.config.shares(),
+                tcplan.TcOptions(default_share=self.config.default_share),
+            )
+        except ValueError as err:
+            for iface in links:
+                self._fail(self._ifaces[iface], f"{iface}: cannot plan: {err}")
+            return
+        # A new plan is sent as a difference from what was last seen; an unchanged plan is
+        # checked against a fresh read of the kernel, and what differs is drift.
+        # Per interface, operations sent while its plan had not changed are drift repairs
+        # (sync also re-reads an interface whose plan is unchanged).
+        result = self._tc.drift(plan) if plan == self._last_plan else self._tc.sync(plan)
+        self._last_plan = plan if all(r.error is None for r in result.interfaces.values()) else None
+        by_class = {cid: job for job, cid in plan.job_classes.items()}
+        for iface, res in result.interfaces.items():
+            status = self._ifaces[iface]
+            want = plan.interface(iface)
+            unchanged = self._applied.get(iface) == want
+            if res.error is not None:
+                self._applied.pop(iface, None)
+                self._fail(status, _describe(iface, res.error))
+                continue
+            self._applied[iface] = want
+            if unchanged and res.ops:
+                status.repairs += 1
+                self._events.emit(
+                    "net.drift",
+                    f"{iface}: restored {len(res.ops)} tc object(s) changed outside gpud: "
+                    + "; ".join(res.restored or res.ops)[:500],
+                    interface=iface,
+                    operations=len(res.ops),
+                )
+            try:
+                counters = self._tc.counters(iface)
+            except Exception as err:
+                self._fail(status, _describe(iface, err))
+                continue
+            if status.error:
+                self._events.emit("net.interface", f"{iface}: enforced again", interface=iface)
+            status.enforced, status.error = True, ""
+            for cid, raw in counters.items():
+                job = by_class.get(cid)
+                if job is not None:
+                    self._counters.setdefault((iface, job), _Counter()).add(
+                        raw.bytes, raw.packets, raw.drops
+                    )
+
+    def _fail(self, status: InterfaceStatus, message: str) -> None:
+        if status.error != message:
+            log.warning("traffic: %s", message)
+            self._events.emit("net.interface_error", message, interface=status.name)
+        status.enforced, status.error = False, message
+
+    def _sync_marks(self) -> None:
+        if self._marker is None or self._cgroups is None or not self.config.marking:
+            return
+        marks = []
+        for job, dscp in self.tags.allocations().items():
+            mark = self._cgroups.mark(job, dscp)
+            if mark is not None:
+                marks.append(mark)
+        try:
+            result = self._marker.sync(marks)
+        except Exception as err:
+            message = f"nftables: {err}"
+            if message != self._marking_error:
+                log.warning("traffic: %s", message)
+                self._events.emit("net.marking_error", message)
+            self._marking_error = message
+            self._marking_ok = False
+            return
+        if result.changed and self._marking_ok:
+            self._events.emit(
+                "net.marking",
+                f"nftables table updated: +{len(result.added)} -{len(result.removed)} rule(s)"
+                + (" (table recreated)" if result.created else ""),
+            )
+        self._marking_error = ""
+        self._marking_ok = True
+
+    def _enforce_rdma(self, tags: Mapping[str, int], levels: Mapping[str, int]) -> None:
+        if self._rdma is None:
+            return
+        prios = self.config.level_priorities or tuple(7 - lv for lv in range(self.config.levels))
+        want = {tags[j]: prios[lv] for j, lv in levels.items() if j in tags}
+        if want == self._rdma_map and not self._rdma_error:
+            return
+        try:
+            changed = self._rdma.apply(want)
+        except Exception as err:
+            message = f"rdma: {err}"
+            if message != self._rdma_error:
+                self._events.emit("net.rdma_error", message)
+            self._rdma_error = message
+            return
+        self._rdma_map, self._rdma_error = want, ""
+        if changed:
+            self._events.emit("net.rdma", f"NIC DSCP -> priority map: {len(changed)} change(s)")
+
+    def shutdown(self) -> None:
+        """``traffic.shutdown``: leave everything (fail-static) or restore the interfaces;
+        then close the netlink socket."""
+        try:
+            if self.config.enabled and self.config.shutdown == "restore":
+                self._restore()
+        finally:
+            if self._tc is not None:
+                self._tc.close()
+
+    def _restore(self) -> None:
+        for iface in self.config.interfaces:
+            if self._tc is not None:
+                try:
+                    self._tc.restore(iface, self._originals.get(iface))
+                except Exception as err:
+                    log.warning("traffic: cannot restore %s: %s", iface, err)
+        if self._marker is not None:
+            try:
+                self._marker.delete()
+            except Exception as err:
+                log.warning("traffic: cannot delete the nftables table: %s", err)
+
+
+def _describe(iface: str, err: Exception) -> str:
+    if isinstance(err, OSError) and err.errno == 19:
+        return f"{iface}: no such interface"
+    text = str(err) or type(err).__name__
+    return text if text.startswith(iface) else f"{iface}: {text}"

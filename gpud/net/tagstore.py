@@ -1,0 +1,150 @@
+"""Jobs' DSCP tags and level pins, persisted with the jobs in ``state.db`` (table ``net_tags``).
+
+A registered job gets its tag the first time anyone asks (``gpuctl run``, ``gpuctl env``, or
+the daemon's traffic step) and keeps it until the job is removed from the registry; a
+restart of gpud hands out the same tags (:class:`netshaper.tags.TagAllocator` is seeded
+with the stored ones). A tag set by the cluster leader replaces the local one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+
+from gpud.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from gpud.store import StateStore
+from netshaper.tags import DSCP_MAX, TagAllocator, TagsExhausted
+
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS net_tags (
+        job TEXT PRIMARY KEY,
+        dscp INTEGER NOT NULL UNIQUE,
+        pinned_level INTEGER
+    )""",
+)
+
+
+def parse_pool(spec: str, reserved: Iterable[int]) -> frozenset[int]:
+    """The codepoints ``spec`` names ("10-30,34"; "" = all 64), less ``reserved``."""
+    chosen: set[int] = set()
+    if not spec.strip():
+        chosen = set(range(DSCP_MAX + 1))
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"{part!r} is not a DSCP or a range like 10-30") from None
+        if not 0 <= first <= last <= DSCP_MAX:
+            raise ValueError(f"{part!r}: DSCP values are 0..{DSCP_MAX}, low to high")
+        chosen.update(range(first, last + 1))
+    pool = frozenset(chosen - set(reserved))
+    if not pool:
+        raise ValueError(f"{spec!r} leaves no DSCP tag to hand out")
+    return pool
+
+
+class TagStore:
+    """Thread-safe: the API threads (``gpuctl run``) and the tick share it."""
+
+    def __init__(self, store: StateStore, *, pool: frozenset[int]) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        store.ensure_schema(SCHEMA)
+        with store.transaction() as conn:
+            rows = conn.execute("SELECT job, dscp, pinned_level FROM net_tags").fetchall()
+        existing = {r["job"]: r["dscp"] for r in rows if r["dscp"] in pool}
+        # A tag outside a narrowed pool is re-issued from the new pool on next use.
+        stale = [r["job"] for r in rows if r["dscp"] not in pool]
+        self._pins: dict[str, int] = {
+            r["job"]: r["pinned_level"] for r in rows if r["pinned_level"] is not None
+        }
+        reserved = [d for d in range(DSCP_MAX + 1) if d not in pool]
+        self._alloc = TagAllocator(reserved=reserved, existing=existing)
+        if stale:
+            with store.transaction() as conn:
+                conn.executemany("DELETE FROM net_tags WHERE job = ?", [(j,) for j in stale])
+
+    @property
+    def pool(self) -> tuple[int, ...]:
+        return self._alloc.pool
+
+    def tag(self, job: str) -> int:
+        """The job's tag, allocated and persisted on first use."""
+        with self._lock:
+            known = self._alloc.allocations().get(job)
+            if known is not None:
+                return known
+            try:
+                dscp = self._alloc.tag(job)
+            except TagsExhausted as err:
+                raise ResourceExhausted(
+                    f"job {job!r}: all {err.pool_size} DSCP tags of traffic.dscp_pool are in use"
+                ) from err
+            with self._store.transaction() as conn:
+                conn.execute(
+                    "INSERT OR REPLACE INTO net_tags (job, dscp, pinned_level) VALUES (?, ?, ?)",
+                    (job, dscp, self._pins.get(job)),
+                )
+            return dscp
+
+    def get(self, job: str) -> int | None:
+        with self._lock:
+            return self._alloc.allocations().get(job)
+
+    def set_tags(self, tags: Mapping[str, int]) -> list[str]:
+        """Adopt tags decided elsewhere (the cluster leader); returns the jobs whose tag
+        changed. All or nothing: a tag outside the pool or held twice changes nothing."""
+        with self._lock:
+            current = self._alloc.allocations()
+            merged = {**current, **tags}
+            pool = set(self._alloc.pool)
+            owners: dict[int, str] = {}
+            for job, dscp in merged.items():
+                if dscp not in pool:
+                    raise InvalidArgument(f"job {job!r}: DSCP {dscp} is not in the tag pool")
+                if dscp in owners:
+                    raise FailedPrecondition(
+                        f"DSCP {dscp} would be held by both {owners[dscp]!r} and {job!r}"
+                    )
+                owners[dscp] = job
+            changed = sorted(j for j, d in tags.items() if current.get(j) != d)
+            if not changed:
+                return []
+            reserved = [d for d in range(DSCP_MAX + 1) if d not in pool]
+            self._alloc = TagAllocator(reserved=reserved, existing=merged)
+            with self._store.transaction() as conn:
+                conn.executemany("DELETE FROM net_tags WHERE job = ?", [(j,) for j in changed])
+                conn.executemany(
+                    "INSERT INTO net_tags (job, dscp, pinned_level) VALUES (?, ?, ?)",
+                    [(j, merged[j], self._pins.get(j)) for j in changed],
+                )
+            return changed
+
+    def release(self, job: str) -> None:
+        """Free the job's tag and pin (the job was removed)."""
+        with self._lock:
+            self._alloc.release(job)
+            self._pins.pop(job, None)
+            with self._store.transaction() as conn:
+                conn.execute("DELETE FROM net_tags WHERE job = ?", (job,))
+
+    def allocations(self) -> dict[str, int]:
+        with self._lock:
+            return self._alloc.allocations()
+
+    def pins(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._pins)
+
+    def pin(self, job: str, level: int | None) -> None:
+        """Persist an operator's level pin (None: unpin). The job must hold a tag."""
+        with self._lock:
+            if job not in self._alloc.allocations():
+                raise FailedPrecondition(f"job {job!r} has no tag yet")
+            if level is None:
+                self._pins.pop(job, None)
+            else:
+                self._pins[job] = level
+            with self._store.transaction() as conn:
+                conn.execute("UPDATE net_tags SET pinned_level = ? WHERE job = ?", (level, job))

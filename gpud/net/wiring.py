@@ -1,0 +1,114 @@
+"""Builds the traffic service with its real backends (called once, by the daemon).
+
+* tc: :class:`netshaper.tc_netlink.TcNetlink` in the daemon's own network namespace,
+  opened before the gRPC server starts (opening a netlink socket may fork).
+* marking: :class:`netshaper.nftables.NftablesMarker` and the jobs' cgroups under the
+  cgroup2 mount found in ``/proc/self/mountinfo``. Without cgroup v2 or ``nft`` the service
+  runs without marking and says why (``gpuctl net show``); tagged traffic is still shaped.
+* RDMA: the configured ``traffic.rdma_backend`` (none, dcb, dry-run).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from gpud.config import Config
+from gpud.events import EventLog
+from gpud.jobs.service import JobService
+from gpud.net.cgroups import JobCgroups, find_cgroup2
+from gpud.net.enforce import MarkPort, RdmaPort, TcPort
+from gpud.net.service import TrafficService, job_pool
+from gpud.net.tagstore import TagStore
+from gpud.store import StateStore
+
+log = logging.getLogger(__name__)
+
+
+def open_traffic(
+    config: Config,
+    store: StateStore,
+    events: EventLog,
+    jobs: JobService,
+    *,
+    mountinfo: Path = Path("/proc/self/mountinfo"),
+    which: Callable[[str], str | None] = shutil.which,
+) -> TrafficService:
+    t = config.traffic
+    tags = TagStore(store, pool=job_pool(t))
+    tc: TcPort | None = None
+    marker: MarkPort | None = None
+    cgroups: JobCgroups | None = None
+    rdma: RdmaPort | None = None
+    rdma_error = ""
+    marking_error = ""
+    if t.enabled:
+        from netshaper.tc_netlink import TcNetlink
+
+        tc = TcNetlink()
+        if t.marking:
+            mount = find_cgroup2(mountinfo)
+            nft = which("nft")
+            if mount is None:
+                marking_error = (
+                    "cgroup v2 is not mounted here (under `ip netns exec` it is hidden:"
+                    " use nsenter --net=)"
+                )
+            elif nft is None:
+                marking_error = "nft not found (install the nftables package)"
+            else:
+                from netshaper.nftables import NftablesMarker, subprocess_runner
+
+                cgroups = JobCgroups(mount, parent=t.cgroup_parent)
+                marker = NftablesMarker(runner=subprocess_runner(nft))
+        else:
+            marking_error = "off (traffic.marking = false)"
+        rdma, rdma_error = open_rdma(config)
+    if marking_error and t.enabled and t.marking:
+        log.warning("traffic marking by cgroup unavailable: %s", marking_error)
+
+    def registered() -> list[str]:
+        return [j.name for j in jobs.registry.all()]
+
+    def active() -> set[str]:
+        return {r.job for r in jobs.reservations.held()}
+
+    return TrafficService(
+        t,
+        tags=tags,
+        events=events,
+        jobs=registered,
+        active=active,
+        tc=tc,
+        marker=marker,
+        cgroups=cgroups,
+        rdma=rdma,
+        marking_error=marking_error,
+        rdma_error=rdma_error,
+    )
+
+
+def open_rdma(config: Config, *, sysfs_root: str = "/sys") -> tuple[RdmaPort | None, str]:
+    """The NIC DSCP -> priority map ``traffic.rdma_backend`` names, on
+    ``traffic.rdma_interfaces`` or, when that is empty, on every netdev behind a RoCE v2
+    GID (pyverbs discovery, or ``/sys/class/infiniband``). Returns the port (None: no map
+    to keep) and, when one was asked for but cannot be kept, why."""
+    t = config.traffic
+    if t.rdma_backend == "none":
+        return None, ""
+    from netshaper.dcb import DcbAppBackend, DryRunBackend, NicMap
+    from netshaper.rdma import roce_v2_targets
+    from netshaper.rdma_verbs import open_discovery
+
+    netdevs = list(t.rdma_interfaces)
+    if not netdevs:
+        netdevs = [x.netdev for x in roce_v2_targets(open_discovery(sysfs_root).devices())]
+    if not netdevs:
+        why = "no RoCE v2 netdev found: set traffic.rdma_interfaces"
+        log.warning("traffic.rdma_backend = %r: %s", t.rdma_backend, why)
+        return None, why
+    backend = DcbAppBackend() if t.rdma_backend == "dcb" else DryRunBackend()
+    log.info("RDMA DSCP -> priority map (%s) on %s", t.rdma_backend, ", ".join(netdevs))
+    return NicMap(backend, netdevs), ""

@@ -1,0 +1,252 @@
+"""The NIC's DSCP -> priority map, for RDMA (RoCE v2) traffic.
+
+An RDMA job's queue pairs carry its tag as traffic class (``NCCL_IB_TC = DSCP * 4``); the
+NIC picks the egress priority (traffic class queue, ETS/strict scheduling, PFC) from the
+packet's DSCP through its APP table. Re-prioritizing a job therefore rewrites one entry
+of that table -- never the job.
+
+Pure part: :func:`dscp_prio_map` (tags, levels, level -> NIC priority) and
+:func:`map_changes` (current table vs wanted: only the entries that differ).
+
+Backends (chosen once, from configuration):
+
+* :class:`DcbAppBackend` runs iproute2's ``dcb``. It reads the table with
+  ``dcb -j app show dev X dscp-prio`` (``{"dscp_prio": [[26, 3], ...]}``) and writes only
+  entries that differ, in one ``dcb app replace dev X dscp-prio 26:3 34:5`` (``replace``
+  drops any other priority the DSCP had). Entries for DSCPs gpud does not manage -- the
+  congestion-notification DSCP, an operator's own -- are never touched.
+* :class:`DryRunBackend` prints the same commands without running them, for a first
+  rollout or a NIC managed by other tools; it remembers what it printed so it prints only
+  changes.
+
+:class:`NicMap` writes one map on every RoCE netdev (the daemon's RDMA port). What the
+switches must do is in the README ("RDMA: the NIC's DSCP map and the switch side").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+DSCP_MAX = 63
+PRIO_MAX = 7
+DEFAULT_LEVEL_PRIOS = (7, 6, 5, 4, 3, 2, 1, 0)  # level 0 (highest) -> NIC priority 7
+
+
+class DcbError(Exception):
+    """Reading or writing one netdev's APP table failed. ``netdev``, ``command`` (the
+    argv, as a string) and ``detail`` (what dcb said) name it."""
+
+    def __init__(self, netdev: str, message: str, *, command: str = "", detail: str = "") -> None:
+        text = f"{netdev}: {message}"
+        if detail:
+            text += f": {detail}"
+        super().__init__(text)
+        self.netdev = netdev
+        self.command = command
+        self.detail = detail
+
+
+def dscp_prio_map(
+    tags: Mapping[str, int], levels: Mapping[str, int], level_prios: Sequence[int]
+) -> dict[int, int]:
+    """DSCP -> NIC priority for every job with a tag and a level.
+
+    ``level_prios[level]`` is the NIC priority of a level (configuration). Raises
+    ValueError naming the job or level that does not fit.
+    """
+    for lvl, prio in enumerate(level_prios):
+        if not 0 <= prio <= PRIO_MAX:
+            raise ValueError(f"level_prios[{lvl}] must be in [0, {PRIO_MAX}], got {prio}")
+    out: dict[int, int] = {}
+    for job, lvl in sorted(levels.items()):
+        dscp = tags.get(job)
+        if dscp is None:
+            raise ValueError(f"{job}: has level {lvl} but no DSCP tag")
+        if not 0 <= dscp <= DSCP_MAX:
+            raise ValueError(f"{job}: DSCP must be in [0, {DSCP_MAX}], got {dscp}")
+        if not 0 <= lvl < len(level_prios):
+            raise ValueError(
+                f"{job}: level {lvl} has no NIC priority (level_prios has {len(level_prios)})"
+            )
+        out[dscp] = level_prios[lvl]
+    return out
+
+
+def map_changes(current: Mapping[int, Sequence[int]], want: Mapping[int, int]) -> dict[int, int]:
+    """The entries of ``want`` the table does not hold exactly (a DSCP mapped to another
+    priority, to several, or to none). DSCPs not in ``want`` are left alone."""
+    return {d: p for d, p in sorted(want.items()) if tuple(current.get(d, ())) != (p,)}
+
+
+def replace_args(netdev: str, changes: Mapping[int, int]) -> list[str]:
+    """``dcb`` arguments writing ``changes`` in one command."""
+    return [
+        "app",
+        "replace",
+        "dev",
+        netdev,
+        "dscp-prio",
+        *(f"{d}:{p}" for d, p in sorted(changes.items())),
+    ]
+
+
+@dataclass(frozen=True)
+class MapResult:
+    """What one apply did on one netdev: the entries written (DSCP -> priority)."""
+
+    netdev: str
+    changed: Mapping[int, int]
+
+
+class DscpMapBackend(Protocol):
+    def current(self, netdev: str) -> dict[int, tuple[int, ...]]: ...
+
+    def apply(self, netdev: str, want: Mapping[int, int]) -> MapResult: ...
+
+
+Runner = Callable[[list[str]], "subprocess.CompletedProcess[str]"]
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+
+
+def parse_app_json(text: str) -> dict[int, tuple[int, ...]]:
+    """DSCP -> priorities from ``dcb -j app show`` output.
+
+    iproute2 prints ``{"dscp_prio": [[DSCP, PRIO], ...]}``; objects with ``dscp`` and
+    ``prio`` keys are accepted too.
+    """
+    data = json.loads(text or "{}")
+    out: dict[int, list[int]] = {}
+    for entry in data.get("dscp_prio", []) if isinstance(data, dict) else []:
+        if isinstance(entry, list) and len(entry) == 2:
+            dscp, prio = int(entry[0]), int(entry[1])
+        elif isinstance(entry, dict):
+            dscp, prio = int(entry["dscp"]), int(entry["prio"])
+        else:
+            raise ValueError(f"unexpected dscp_prio entry {entry!r}")
+        out.setdefault(dscp, []).append(prio)
+    return {d: tuple(sorted(p)) for d, p in sorted(out.items())}
+
+
+def _verb(args: list[str]) -> str:
+    words = [a for a in args if not a.startswith("-")]
+    return " ".join(words[:2])  # "app show", "app replace"
+
+
+class DcbAppBackend:
+    """Writes the map with iproute2's ``dcb app`` (needs CAP_NET_ADMIN).
+
+    ``dcb``: the program; ``netns``: run as ``dcb -n NETNS``; ``runner``: runs an argv
+    (injectable for tests that do not fork).
+    """
+
+    def __init__(
+        self, dcb: str = "dcb", *, netns: str | None = None, runner: Runner = _run
+    ) -> None:
+        self._argv0 = [dcb, *(["-n", netns] if netns else [])]
+        self._run = runner
+
+    def _call(self, netdev: str, args: list[str]) -> str:
+        argv = [*self._argv0, *args]
+        try:
+            r = self._run(argv)
+        except (OSError, subprocess.SubprocessError) as err:
+            raise DcbError(
+                netdev, f"cannot run {argv[0]}", command=" ".join(argv), detail=str(err)
+            ) from err
+        if r.returncode != 0:
+            raise DcbError(
+                netdev,
+                f"{_verb(args)} failed (exit {r.returncode})",
+                command=" ".join(argv),
+                detail=(r.stderr or r.stdout).strip(),
+            )
+        return r.stdout
+
+    def current(self, netdev: str) -> dict[int, tuple[int, ...]]:
+        """The netdev's DSCP entries (``dcb -j app show dev NETDEV dscp-prio``)."""
+        out = self._call(netdev, ["-j", "app", "show", "dev", netdev, "dscp-prio"])
+        try:
+            return parse_app_json(out)
+        except (ValueError, KeyError, TypeError) as err:
+            raise DcbError(netdev, "cannot parse dcb's JSON", detail=str(err)) from err
+
+    def apply(self, netdev: str, want: Mapping[int, int]) -> MapResult:
+        """Replace only the entries that differ; one ``dcb`` run, none when all match."""
+        changes = map_changes(self.current(netdev), want)
+        if changes:
+            self._call(netdev, replace_args(netdev, changes))
+        return MapResult(netdev, changes)
+
+
+class DryRunBackend:
+    """Prints the ``dcb`` commands instead of running them (``write`` gets each line)."""
+
+    def __init__(self, write: Callable[[str], None] | None = None, *, dcb: str = "dcb") -> None:
+        self._write = write or (lambda line: log.info("dry-run: %s", line))
+        self._dcb = dcb
+        self._shown: dict[str, dict[int, tuple[int, ...]]] = {}
+
+    def current(self, netdev: str) -> dict[int, tuple[int, ...]]:
+        return dict(self._shown.get(netdev, {}))
+
+    def apply(self, netdev: str, want: Mapping[int, int]) -> MapResult:
+        changes = map_changes(self.current(netdev), want)
+        if changes:
+            self._write(" ".join([self._dcb, *replace_args(netdev, changes)]))
+            shown = self._shown.setdefault(netdev, {})
+            shown.update({d: (p,) for d, p in changes.items()})
+        return MapResult(netdev, changes)
+
+
+class NicMap:
+    """The same DSCP -> priority map on every RoCE netdev: what the daemon drives.
+
+    ``netdevs``: the netdevs whose map gpud owns (configuration, or
+    ``rdma.roce_v2_targets`` of the discovered devices). Each netdev is tried; when some
+    fail, the others are still written and one :class:`DcbError` names every failure.
+    """
+
+    def __init__(self, backend: DscpMapBackend, netdevs: Sequence[str]) -> None:
+        if not netdevs:
+            raise ValueError("NicMap needs at least one netdev")
+        self._backend = backend
+        self._netdevs = tuple(netdevs)
+
+    @property
+    def netdevs(self) -> tuple[str, ...]:
+        return self._netdevs
+
+    def apply(self, dscp_priorities: Mapping[int, int]) -> list[str]:
+        """Write the map; returns one line per changed entry (``eth2: DSCP 26 -> prio 7``)."""
+        for d, p in dscp_priorities.items():
+            if not (0 <= d <= DSCP_MAX and 0 <= p <= PRIO_MAX):
+                raise ValueError(f"DSCP {d} -> priority {p} is out of range")
+        lines: list[str] = []
+        failures: list[DcbError] = []
+        for netdev in self._netdevs:
+            try:
+                result = self._backend.apply(netdev, dscp_priorities)
+            except DcbError as err:
+                failures.append(err)
+                continue
+            lines += [f"{netdev}: DSCP {d} -> prio {p}" for d, p in result.changed.items()]
+        if failures:
+            first = failures[0]
+            names = ", ".join(f.netdev for f in failures)
+            raise DcbError(
+                names,
+                f"{len(failures)} of {len(self._netdevs)} netdev(s) not written",
+                command=first.command,
+                detail=str(first),
+            )
+        return lines

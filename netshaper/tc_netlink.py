@@ -1,0 +1,885 @@
+"""The tc adapter: applies a :class:`netshaper.tcplan.TcPlan` to the kernel over rtnetlink.
+
+The only module that imports pyroute2. pyroute2 opens the netlink socket (inside a network
+namespace if asked: that forks a short-lived child, so open the adapter *before* starting
+gRPC servers or threads); the tc messages themselves are encoded and decoded here with
+``struct``, because pyroute2's request compiler costs about 0.4 ms per HTB class and a
+re-prioritization tick sends up to a few hundred messages.
+
+API (one instance per daemon, not thread-safe; call it from the daemon's traffic step)::
+
+    tc = TcNetlink(netns=None)              # or netns="name" (/run/netns/name)
+    found = tc.adopt(["eth0", "eth1"])      # at start: {iface: AdoptedState}
+    result = tc.sync(plan)                  # every tick the plan changed: only the diff
+    result = tc.drift(plan)                 # every tick: re-read the kernel, restore
+    result.ok, result.errors                # {iface: TcError} -- other ifaces enforced
+    result.interfaces["eth0"].restored      # what drift put back, as readable lines
+    tc.counters("eth0")                     # {classid: ClassCounters} (bytes/packets/drops)
+    tc.restore("eth0", found["eth0"].original)   # shutdown mode "restore"
+    tc.close()
+
+What the kernel shows after ``sync`` on ``eth0`` (``tc -s class show dev eth0``; tc prints
+``prio`` for leaf classes only; the classes come in hash order)::
+
+    class htb 6764:1 root rate 10Gbit ceil 10Gbit burst 1250000b cburst 1250000b
+    class htb 6764:2 parent 6764:1 prio 7 rate 200Mbit ceil 10Gbit ...   (untagged traffic)
+    class htb 6764:10 parent 6764:1 rate 200Mbit ceil 10Gbit ...         (level 0, has jobs)
+    class htb 6764:11 parent 6764:1 prio 1 rate 200Mbit ceil 10Gbit ...  (level 1, empty)
+    class htb 6764:101a parent 6764:10 prio 0 rate 10Mbit ceil 10Gbit ... (DSCP 26's job)
+     Sent 58792532 bytes 38834 pkt (dropped 0, overlimits 6 requeues 0)
+     backlog 0b 0p requeues 0
+     lended: 8 borrowed: 1045 giants: 0
+
+and ``tc filter show dev eth0`` (the ``*`` is tc's, for every u32 filter with a flowid)::
+
+    filter parent 6764: protocol all pref 1 u32 chain 0 fh 800: ht divisor 1
+    filter parent 6764: protocol all pref 1 u32 chain 0 fh 800::35 order 53 key ht 800
+      bkt 0 *flowid 6764:101a not_in_hw
+      match 40680000/f0fc0000 at 0                     (IPv4, DSCP 26)
+    filter parent 6764: protocol all pref 1 u32 chain 0 fh 800::36 order 54 key ht 800
+      bkt 0 *flowid 6764:101a not_in_hw
+      match 66800000/ffc00000 at 0                     (IPv6, DSCP 26)
+
+Behaviour:
+
+* ``sync`` diffs the plan against what this adapter last saw the kernel hold (read from
+  the kernel on first use of an interface, after any error, and on every ``drift``); an
+  interface where that leaves nothing to do is read and checked instead (so calling
+  ``sync`` every tick also repairs drift). It sends every operation of every interface
+  in one batch on one socket (several
+  ``sendmsg`` calls of up to 64 KiB). Only the last message of each call asks for an
+  ack; the kernel answers the others only when they fail, and errors are matched to
+  operations by sequence number.
+* Errors stay with their interface: an unknown interface, a kernel without HTB or u32, or
+  any netlink error is reported as a :class:`TcError` for that interface (with the op and
+  the kernel's extended-ack message), and every other interface is still enforced. When
+  ``sync``'s operations fail on an interface because it changed behind our back, the
+  interface is read again and repaired in the same call.
+* ``adopt`` never tears anything down: after ``kill -9`` the next start finds its HTB root
+  (handle ``6764:``) and keeps it -- the last priorities stay in force (fail-static) until
+  the first ``sync`` changes only what differs. For a foreign root it reports the
+  original kind, which ``restore`` can bring back.
+* Interfaces not in the plan are never touched.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import os
+import socket
+import struct
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from pyroute2.netns import create_socket
+
+from netshaper.tcplan import (
+    ETH_P_ALL,
+    FILTER_PRIO,
+    ROOT_MAJOR,
+    DscpFilter,
+    HtbClass,
+    InterfacePlan,
+    InterfaceState,
+    OpKind,
+    RootQdisc,
+    TcOp,
+    TcPlan,
+    diff,
+    filter_from_key,
+    format_handle,
+    state_after,
+    u32_htid,
+)
+
+# --- rtnetlink constants (linux/rtnetlink.h, pkt_sched.h, pkt_cls.h) -------------------
+NETLINK_ROUTE = 0
+SOL_NETLINK = 270
+NETLINK_CAP_ACK = 10
+NETLINK_EXT_ACK = 11
+NLMSG_ERROR = 2
+NLMSG_DONE = 3
+NLM_F_REQUEST = 0x1
+NLM_F_MULTI = 0x2
+NLM_F_ACK = 0x4
+NLM_F_DUMP = 0x300
+NLM_F_REPLACE = 0x100
+NLM_F_EXCL = 0x200
+NLM_F_CREATE = 0x400
+NLM_F_ACK_TLVS = 0x200
+NLMSGERR_ATTR_MSG = 1
+RTM_NEWLINK = 16
+RTM_GETLINK = 18
+RTM_NEWQDISC = 36
+RTM_DELQDISC = 37
+RTM_GETQDISC = 38
+RTM_NEWTCLASS = 40
+RTM_DELTCLASS = 41
+RTM_GETTCLASS = 42
+RTM_NEWTFILTER = 44
+RTM_DELTFILTER = 45
+RTM_GETTFILTER = 46
+IFLA_IFNAME = 3
+TCA_KIND = 1
+TCA_OPTIONS = 2
+TCA_STATS2 = 7
+TCA_STATS_BASIC = 1
+TCA_STATS_QUEUE = 3
+TCA_STATS_PKT64 = 8
+TCA_HTB_PARMS = 1
+TCA_HTB_INIT = 2
+TCA_HTB_RATE64 = 6
+TCA_HTB_CEIL64 = 7
+TCA_U32_CLASSID = 1
+TCA_U32_SEL = 5
+TC_H_ROOT = 0xFFFFFFFF
+TC_LINKLAYER_ETHERNET = 1
+TC_U32_TERMINAL = 1
+HTB_VERSION = 3
+HTB_R2Q = 10
+NLA_F_MASK = 0x3FFF
+
+_NLMSGHDR = struct.Struct("=IHHII")
+_TCMSG = struct.Struct("=BxxxiIII")
+_IFINFOMSG = struct.Struct("=BxHiII")
+_RATESPEC = "BBHhHI"
+_HTB_OPT = struct.Struct("=" + _RATESPEC + _RATESPEC + "IIIII")
+_HTB_GLOB = struct.Struct("=IIIII")
+_U32_SEL = struct.Struct("=BBBxHHhhI")
+_U32_KEY = struct.Struct(">IIii")
+_NLA = struct.Struct("=HH")
+_SEND_CHUNK = 64 * 1024
+_RCVBUF = 4 * 1024 * 1024
+_TIMEOUT_S = 10.0
+
+
+class TcError(Exception):
+    """tc enforcement failed on one interface.
+
+    ``iface`` names it, ``op`` is the tc command that failed (as ``tc`` would read it, or
+    None when the interface could not be read at all), ``errno`` the kernel's error number
+    and ``detail`` the kernel's extended-ack message, when it gave one.
+    """
+
+    def __init__(
+        self,
+        iface: str,
+        message: str,
+        *,
+        op: str | None = None,
+        errno: int | None = None,
+        detail: str | None = None,
+    ) -> None:
+        text = f"{iface}: {message}"
+        if op:
+            text += f" (tc {op})"
+        if detail:
+            text += f": {detail}"
+        super().__init__(text)
+        self.iface = iface
+        self.op = op
+        self.errno = errno
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class InterfaceResult:
+    """What one sync or drift pass did on one interface.
+
+    ``tc_ops``: the operations sent; ``ops``: the same as ``tc`` command lines (formatted
+    when asked for: a busy tick does not pay for strings nobody reads); ``restored``: for
+    drift, what had been changed or removed behind our back and was put back, one line
+    each (empty for a plain sync); ``error``: the first failure (the interface is then
+    re-read on the next pass).
+    """
+
+    iface: str
+    tc_ops: tuple[TcOp, ...] = ()
+    drift: bool = False
+    error: TcError | None = None
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return tuple(" ".join(op.tc_args()) for op in self.tc_ops)
+
+    @property
+    def restored(self) -> tuple[str, ...]:
+        return tuple(_describe(op) for op in self.tc_ops) if self.drift else ()
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    interfaces: Mapping[str, InterfaceResult] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.error is None for r in self.interfaces.values())
+
+    @property
+    def errors(self) -> dict[str, TcError]:
+        return {i: r.error for i, r in self.interfaces.items() if r.error is not None}
+
+    @property
+    def op_count(self) -> int:
+        return sum(len(r.tc_ops) for r in self.interfaces.values())
+
+    @property
+    def restored(self) -> dict[str, tuple[str, ...]]:
+        return {i: r.restored for i, r in self.interfaces.items() if r.restored}
+
+
+@dataclass(frozen=True)
+class ClassCounters:
+    """One class's counters, as ``tc -s class show`` prints them (``Sent B bytes P pkt
+    (dropped D, overlimits O ...)``, ``backlog``)."""
+
+    classid: int
+    bytes: int
+    packets: int
+    drops: int
+    overlimits: int
+    backlog_bytes: int
+
+    @property
+    def name(self) -> str:
+        return format_handle(self.classid)
+
+
+@dataclass(frozen=True)
+class AdoptedState:
+    """What ``adopt`` found on one interface.
+
+    ``ours``: our HTB root was there (left as it is); ``original``: the root qdisc that
+    was there before gpud's (None when ours was found: it was replaced earlier, and the
+    kernel's default comes back on restore); ``state``: everything read.
+    """
+
+    iface: str
+    ours: bool
+    original: RootQdisc | None
+    state: InterfaceState
+
+
+# --- encoding ---------------------------------------------------------------------------
+
+
+def _nla(kind: int, payload: bytes) -> bytes:
+    length = 4 + len(payload)
+    return _NLA.pack(length, kind) + payload + b"\0" * (-length % 4)
+
+
+def _kind(name: str) -> bytes:
+    return _nla(TCA_KIND, name.encode() + b"\0")
+
+
+class _Psched:
+    """The kernel's tick arithmetic (``/proc/net/psched``), as tc uses it for ``buffer``."""
+
+    def __init__(self, proc_root: str = "/proc") -> None:
+        try:
+            with open(os.path.join(proc_root, "net/psched")) as f:
+                t2us, us2t, clock_res, _ = (int(x, 16) for x in f.read().split())
+            self.tick_in_usec = t2us / us2t * (clock_res / 1_000_000)
+        except (OSError, ValueError):
+            self.tick_in_usec = 15.625  # t2us=1000, us2t=64: every kernel since 2.6.x
+
+    def xmittime(self, rate_bytes: int, size: int) -> int:
+        ticks = int(1_000_000 * size / rate_bytes * self.tick_in_usec)
+        return min(ticks, 0xFFFFFFFF)
+
+    def xmitsize(self, rate_bytes: int, ticks: int) -> int:
+        return round(rate_bytes * ticks / self.tick_in_usec / 1_000_000)
+
+
+def _ratespec(rate_bytes: int) -> tuple[int, ...]:
+    # cell_log, linklayer, overhead, cell_align, mpu, rate; linklayer "ethernet" tells the
+    # kernel not to expect a rate table.
+    return (0, TC_LINKLAYER_ETHERNET, 0, -1, 0, min(rate_bytes, 0xFFFFFFFF))
+
+
+class _Encoder:
+    def __init__(self, psched: _Psched) -> None:
+        self._ps = psched
+
+    def root(self, ifindex: int, op: TcOp) -> tuple[int, int, bytes]:
+        if op.kind is OpKind.DELETE_ROOT:
+            return RTM_DELQDISC, 0, _TCMSG.pack(0, ifindex, 0, TC_H_ROOT, 0)
+        glob = _HTB_GLOB.pack(HTB_VERSION, HTB_R2Q, op.default_classid & 0xFFFF, 0, 0)
+        body = _TCMSG.pack(0, ifindex, op.root, TC_H_ROOT, 0)
+        body += _kind("htb") + _nla(TCA_OPTIONS, _nla(TCA_HTB_INIT, glob))
+        return RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, body
+
+    def cls(self, ifindex: int, op: TcOp) -> tuple[int, int, bytes]:
+        c = op.cls
+        assert c is not None
+        if op.kind is OpKind.DELETE_CLASS:
+            return RTM_DELTCLASS, 0, _TCMSG.pack(0, ifindex, c.classid, c.parent, 0)
+        rate, ceil = c.rate_bps // 8, c.ceil_bps // 8
+        parms = _HTB_OPT.pack(
+            *_ratespec(rate),
+            *_ratespec(ceil),
+            self._ps.xmittime(rate, c.burst),
+            self._ps.xmittime(ceil, c.cburst),
+            c.quantum,
+            0,
+            c.prio,
+        )
+        opts = _nla(TCA_HTB_PARMS, parms)
+        if rate > 0xFFFFFFFF:
+            opts += _nla(TCA_HTB_RATE64, struct.pack("=Q", rate))
+        if ceil > 0xFFFFFFFF:
+            opts += _nla(TCA_HTB_CEIL64, struct.pack("=Q", ceil))
+        body = _TCMSG.pack(0, ifindex, c.classid, c.parent, 0)
+        body += _kind("htb") + _nla(TCA_OPTIONS, opts)
+        flags = NLM_F_CREATE | NLM_F_EXCL if op.kind is OpKind.ADD_CLASS else 0
+        return RTM_NEWTCLASS, flags, body
+
+    def flt(self, ifindex: int, op: TcOp) -> tuple[int, int, bytes]:
+        if op.kind is OpKind.DELETE_FILTER:
+            info = (op.filter_prio << 16) | socket.htons(op.filter_protocol)
+            body = _TCMSG.pack(0, ifindex, op.filter_handle, op.root, info)
+            if op.filter_handle:  # one u32 filter; handle 0: the whole prio, any classifier
+                body += _kind("u32")
+            return RTM_DELTFILTER, 0, body
+        f = op.flt
+        assert f is not None
+        value, mask = f.key
+        sel = _U32_SEL.pack(TC_U32_TERMINAL, 0, 1, 0, 0, 0, 0, 0) + _U32_KEY.pack(mask, value, 0, 0)
+        opts = _nla(TCA_U32_CLASSID, struct.pack("=I", f.flowid)) + _nla(TCA_U32_SEL, sel)
+        info = (FILTER_PRIO << 16) | socket.htons(ETH_P_ALL)
+        # add: node only (the kernel puts it in the prio's root hash table); change: as read
+        body = _TCMSG.pack(0, ifindex, op.filter_handle or f.node, op.root, info)
+        body += _kind("u32") + _nla(TCA_OPTIONS, opts)
+        flags = NLM_F_CREATE | NLM_F_EXCL if op.kind is OpKind.ADD_FILTER else 0
+        return RTM_NEWTFILTER, flags, body
+
+    def encode(self, ifindex: int, op: TcOp) -> tuple[int, int, bytes]:
+        if op.kind in (OpKind.REPLACE_ROOT, OpKind.DELETE_ROOT):
+            return self.root(ifindex, op)
+        if op.kind in (OpKind.ADD_CLASS, OpKind.CHANGE_CLASS, OpKind.DELETE_CLASS):
+            return self.cls(ifindex, op)
+        return self.flt(ifindex, op)
+
+
+# --- decoding ---------------------------------------------------------------------------
+
+
+def _attrs(data: bytes | memoryview, start: int, end: int) -> dict[int, memoryview]:
+    out: dict[int, memoryview] = {}
+    view = memoryview(data)
+    pos = start
+    while pos + 4 <= end:
+        length, kind = _NLA.unpack_from(view, pos)
+        if length < 4:
+            break
+        out[kind & NLA_F_MASK] = view[pos + 4 : pos + length]
+        pos += (length + 3) & ~3
+    return out
+
+
+def _cstr(v: memoryview) -> str:
+    return bytes(v).split(b"\0", 1)[0].decode()
+
+
+@dataclass
+class _TcMsg:
+    ifindex: int
+    handle: int
+    parent: int
+    info: int
+    kind: str
+    attrs: dict[int, memoryview]
+
+    def options(self) -> dict[int, memoryview]:
+        opt = self.attrs.get(TCA_OPTIONS)
+        return _attrs(opt, 0, len(opt)) if opt is not None else {}
+
+    def stats(self) -> tuple[int, int, int, int, int]:
+        """(bytes, packets, drops, overlimits, backlog bytes)."""
+        s2 = self.attrs.get(TCA_STATS2)
+        if s2 is None:
+            return 0, 0, 0, 0, 0
+        st = _attrs(s2, 0, len(s2))
+        nbytes = packets = drops = overlimits = backlog = 0
+        if (basic := st.get(TCA_STATS_BASIC)) is not None:
+            nbytes, packets = struct.unpack_from("=QI", basic)
+        if (pkt64 := st.get(TCA_STATS_PKT64)) is not None:
+            (packets,) = struct.unpack_from("=Q", pkt64)
+        if (queue := st.get(TCA_STATS_QUEUE)) is not None:
+            _qlen, backlog, drops, _requeues, overlimits = struct.unpack_from("=IIIII", queue)
+        return nbytes, packets, drops, overlimits, backlog
+
+
+def _decode_tcmsg(body: memoryview) -> _TcMsg:
+    _family, ifindex, h, parent, info = _TCMSG.unpack_from(body, 0)
+    attrs = _attrs(body, _TCMSG.size, len(body))
+    kind = _cstr(attrs[TCA_KIND]) if TCA_KIND in attrs else ""
+    return _TcMsg(ifindex, h, parent, info, kind, attrs)
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The kernel's answer to one request: ``errno`` 0 for success, else the positive
+    error number; ``detail`` the extended-ack message (``Error: ...`` in tc's output)."""
+
+    seq: int
+    errno: int
+    detail: str | None
+
+
+class NetlinkTransport(Protocol):
+    """What :class:`TcNetlink` needs from an rtnetlink socket (a test double implements it)."""
+
+    def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[Ack]:
+        """Send (type, flags, body) messages; one Ack per message, in order (errno 0: done)."""
+        ...
+
+    def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        """A dump: the reply bodies, and the error Ack if the kernel refused."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class _Netlink:
+    """One rtnetlink socket: batched requests with per-message acks, and dumps."""
+
+    def __init__(self, netns: str | None) -> None:
+        if netns is None:
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
+        else:
+            sock = create_socket(netns, socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
+        try:
+            sock.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)
+            sock.setsockopt(SOL_NETLINK, NETLINK_EXT_ACK, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RCVBUF)
+            sock.bind((0, 0))
+            sock.settimeout(_TIMEOUT_S)  # a lost answer fails the pass, never hangs the daemon
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        self._seq = 1
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _next_seq(self) -> int:
+        self._seq = (self._seq + 1) & 0x7FFFFFFF or 1
+        return self._seq
+
+    def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[Ack]:
+        """Send every message (type, flags, body); one Ack per message, in order.
+
+        The kernel handles the messages of one ``sendmsg`` in order, before it returns, and
+        answers a message without NLM_F_ACK only when it fails. So only the last message of
+        each chunk asks for an ack: once that ack is read, every error of the chunk has
+        been read too, and one ``recv`` serves a chunk instead of one per message.
+        """
+        seqs = [self._next_seq() for _ in msgs]
+        mine = frozenset(seqs)
+        errors: dict[int, Ack] = {}
+        chunk = bytearray()
+        for i, ((mtype, flags, body), seq) in enumerate(zip(msgs, seqs, strict=True)):
+            last = i == len(msgs) - 1
+            if not last:
+                nxt = msgs[i + 1][2]
+                last = len(chunk) + 32 + len(body) + len(nxt) > _SEND_CHUNK
+            nl_flags = flags | NLM_F_REQUEST | (NLM_F_ACK if last else 0)
+            chunk += _NLMSGHDR.pack(16 + len(body), mtype, nl_flags, seq, 0) + body
+            if last:
+                self._send_and_collect(bytes(chunk), mine, seq, errors)
+                chunk.clear()
+        return [errors.get(s) or Ack(s, 0, None) for s in seqs]
+
+    def _send_and_collect(
+        self, data: bytes, mine: frozenset[int], last: int, errors: dict[int, Ack]
+    ) -> None:
+        self._sock.send(data)
+        while True:
+            for mtype, flags, seq, payload in _messages(self._sock.recv(1 << 20)):
+                if mtype != NLMSG_ERROR or seq not in mine:
+                    continue  # a late answer to an earlier request
+                ack = _ack(seq, flags, payload)
+                if ack.errno:
+                    errors[seq] = ack
+                if seq == last:
+                    return
+
+    def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        """A dump request; returns (message bodies, error ack or None)."""
+        seq = self._next_seq()
+        hdr = _NLMSGHDR.pack(16 + len(body), mtype, NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
+        self._sock.send(hdr + body)
+        out: list[memoryview] = []
+        while True:
+            for rtype, flags, rseq, payload in _messages(self._sock.recv(1 << 20)):
+                if rseq != seq:
+                    continue  # a late answer to an earlier request
+                if rtype in (NLMSG_DONE, NLMSG_ERROR):
+                    ack = _ack(rseq, flags, payload) if len(payload) >= 4 else None
+                    return out, ack if ack is not None and ack.errno else None
+                out.append(payload)
+
+
+def _ack(seq: int, flags: int, payload: memoryview) -> Ack:
+    """An NLMSG_ERROR (or NLMSG_DONE) payload: the error, and the extended-ack message."""
+    (err,) = struct.unpack_from("=i", payload, 0)
+    detail = None
+    if flags & NLM_F_ACK_TLVS:
+        # NETLINK_CAP_ACK: the echoed request is only its 16-byte header.
+        tlvs = _attrs(payload, 4 + 16, len(payload))
+        if NLMSGERR_ATTR_MSG in tlvs:
+            detail = _cstr(tlvs[NLMSGERR_ATTR_MSG])
+    return Ack(seq, -err, detail)
+
+
+def _messages(buf: bytes) -> Iterator[tuple[int, int, int, memoryview]]:
+    view = memoryview(buf)
+    pos = 0
+    while pos + 16 <= len(buf):
+        length, mtype, flags, seq, _pid = _NLMSGHDR.unpack_from(view, pos)
+        if length < 16:
+            return
+        yield mtype, flags, seq, view[pos + 16 : pos + length]
+        pos += (length + 3) & ~3
+
+
+def _errname(err: int) -> str:
+    return errno_mod.errorcode.get(err, str(err))
+
+
+def _describe(op: TcOp) -> str:
+    """A line for the event log: what a drift repair put back."""
+    if op.cls is not None:
+        what = f"class {op.cls.name}"
+        if op.cls.job is not None:
+            what += f" (job {op.cls.job}, level {op.cls.level})"
+        elif op.cls.level is not None:
+            what += f" (level {op.cls.level})"
+        verb = {
+            OpKind.ADD_CLASS: "re-added",
+            OpKind.CHANGE_CLASS: "reset",
+            OpKind.DELETE_CLASS: "removed",
+        }[op.kind]
+        return f"{verb} {what}"
+    if op.flt is not None:
+        f = op.flt
+        return f"re-added {f.family.value} filter DSCP {f.dscp} -> {format_handle(f.flowid)}"
+    if op.kind is OpKind.DELETE_FILTER:
+        return f"removed filter {op.filter_handle:#x} (prio {op.filter_prio})"
+    if op.kind is OpKind.REPLACE_ROOT:
+        return f"re-installed HTB root {format_handle(op.root)}"
+    return " ".join(op.tc_args())
+
+
+class TcNetlink:
+    """Applies ``TcPlan``\\s over one rtnetlink socket; see the module docstring."""
+
+    def __init__(
+        self,
+        netns: str | None = None,
+        *,
+        proc_root: str = "/proc",
+        transport: NetlinkTransport | None = None,
+    ) -> None:
+        """Open the socket (in ``/run/netns/<netns>`` when given; that forks once).
+
+        ``transport`` replaces the socket (tests); ``proc_root`` is where
+        ``net/psched`` is read.
+        """
+        self._nl: NetlinkTransport = transport if transport is not None else _Netlink(netns)
+        self._ps = _Psched(proc_root)
+        self._enc = _Encoder(self._ps)
+        self._ifindex: dict[str, int] = {}
+        self._cache: dict[str, InterfaceState] = {}
+
+    def close(self) -> None:
+        self._nl.close()
+
+    def __enter__(self) -> TcNetlink:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    # -- reading ------------------------------------------------------------------------
+
+    def _links(self) -> dict[str, int]:
+        body = _IFINFOMSG.pack(0, 0, 0, 0, 0)
+        msgs, err = self._nl.dump(RTM_GETLINK, body)
+        if err is not None:
+            raise OSError(err.errno, err.detail or os.strerror(err.errno))
+        links: dict[str, int] = {}
+        for m in msgs:
+            _fam, _type, index, _flags, _change = _IFINFOMSG.unpack_from(m, 0)
+            attrs = _attrs(m, _IFINFOMSG.size, len(m))
+            if IFLA_IFNAME in attrs:
+                links[_cstr(attrs[IFLA_IFNAME])] = index
+        return links
+
+    def ifindex(self, iface: str) -> int:
+        """The interface's index in this adapter's namespace; TcError if there is none."""
+        idx = self._ifindex.get(iface)
+        if idx is None:
+            try:
+                self._ifindex = self._links()
+            except OSError as err:
+                raise TcError(iface, f"cannot list interfaces: {err}", errno=err.errno) from err
+            idx = self._ifindex.get(iface)
+        if idx is None:
+            raise TcError(iface, "no such network interface", errno=errno_mod.ENODEV)
+        return idx
+
+    def _dump_tc(self, iface: str, mtype: int, parent: int = 0) -> list[_TcMsg]:
+        idx = self.ifindex(iface)
+        try:
+            msgs, err = self._nl.dump(mtype, _TCMSG.pack(0, idx, 0, parent, 0))
+        except OSError as oserr:
+            raise TcError(iface, f"cannot read tc state: {oserr}", errno=oserr.errno) from oserr
+        if err is not None:
+            if err.errno == errno_mod.ENODEV:
+                self._ifindex.pop(iface, None)
+            raise TcError(
+                iface,
+                f"cannot read tc state: {_errname(err.errno)}",
+                errno=err.errno,
+                detail=err.detail,
+            )
+        return [m for m in map(_decode_tcmsg, msgs) if m.ifindex == idx]
+
+    def read(self, iface: str) -> InterfaceState:
+        """What the kernel holds on ``iface`` now (``tc qdisc/class/filter show``)."""
+        root: RootQdisc | None = None
+        for q in self._dump_tc(iface, RTM_GETQDISC):
+            if q.parent == TC_H_ROOT:
+                default = None
+                if q.kind == "htb" and (init := q.options().get(TCA_HTB_INIT)) is not None:
+                    _v, _r2q, defcls, _d, _p = _HTB_GLOB.unpack_from(init, 0)
+                    default = (q.handle & 0xFFFF0000) | defcls
+                root = RootQdisc(q.kind, q.handle, default)
+        if root is None or root.kind != "htb":
+            return InterfaceState(iface, root)
+        classes: list[HtbClass] = []
+        for c in self._dump_tc(iface, RTM_GETTCLASS):
+            if c.kind != "htb" or c.handle >> 16 != root.handle >> 16:
+                continue
+            cls = self._htb_class(c)
+            if cls.parent == TC_H_ROOT:  # the top class: tc shows "root"
+                cls = replace(cls, parent=root.handle)
+            classes.append(cls)
+        filters: list[tuple[int, DscpFilter]] = []
+        foreign: list[tuple[int, int, int]] = []
+        for f in self._dump_tc(iface, RTM_GETTFILTER, parent=root.handle):
+            prio, proto = f.info >> 16, socket.ntohs(f.info & 0xFFFF)
+            if f.handle == 0 or (f.kind == "u32" and f.handle & 0xFFF == 0):
+                continue  # the chain/prio head or a u32 hash table, not a filter
+            known = self._our_filter(f) if (prio, proto) == (FILTER_PRIO, ETH_P_ALL) else None
+            if known is None:
+                foreign.append((prio, proto, f.handle))
+            else:
+                filters.append((f.handle, known))
+        return InterfaceState(iface, root, tuple(classes), tuple(filters), tuple(foreign))
+
+    def _htb_class(self, c: _TcMsg) -> HtbClass:
+        opts = c.options()
+        parms = opts.get(TCA_HTB_PARMS)
+        if parms is None:
+            return HtbClass(c.handle, c.parent, -1, 0, 0, 0, 0, 0)
+        v = _HTB_OPT.unpack_from(parms, 0)
+        rate, ceil = v[5], v[11]
+        buffer, cbuffer, quantum, _level, prio = v[12:17]
+        if (r64 := opts.get(TCA_HTB_RATE64)) is not None:
+            (rate,) = struct.unpack_from("=Q", r64)
+        if (c64 := opts.get(TCA_HTB_CEIL64)) is not None:
+            (ceil,) = struct.unpack_from("=Q", c64)
+        return HtbClass(
+            classid=c.handle,
+            parent=c.parent,
+            prio=prio,
+            rate_bps=rate * 8,
+            ceil_bps=ceil * 8,
+            burst=self._ps.xmitsize(rate, buffer),
+            cburst=self._ps.xmitsize(ceil, cbuffer),
+            quantum=quantum,
+        )
+
+    @staticmethod
+    def _our_filter(f: _TcMsg) -> DscpFilter | None:
+        if f.kind != "u32":
+            return None
+        opts = f.options()
+        sel, classid = opts.get(TCA_U32_SEL), opts.get(TCA_U32_CLASSID)
+        if sel is None or classid is None:
+            return None
+        _flags, _offshift, nkeys, *_ = _U32_SEL.unpack_from(sel, 0)
+        if nkeys != 1 or (f.handle >> 12) & 0xFF:
+            return None
+        mask, value, off, _offmask = _U32_KEY.unpack_from(sel, _U32_SEL.size)
+        if off != 0:
+            return None
+        (flowid,) = struct.unpack_from("=I", classid, 0)
+        return filter_from_key(f.handle & 0xFFF, value, mask, flowid)
+
+    def counters(self, iface: str) -> dict[int, ClassCounters]:
+        """Per-class counters on ``iface`` (``tc -s class show dev IFACE``), by classid.
+
+        Raises TcError when the interface cannot be read.
+        """
+        out: dict[int, ClassCounters] = {}
+        for c in self._dump_tc(iface, RTM_GETTCLASS):
+            nbytes, packets, drops, overlimits, backlog = c.stats()
+            out[c.handle] = ClassCounters(c.handle, nbytes, packets, drops, overlimits, backlog)
+        return out
+
+    # -- adopting, syncing, repairing ---------------------------------------------------
+
+    def adopt(self, ifaces: Iterable[str]) -> dict[str, AdoptedState | TcError]:
+        """Read each interface at start; keep an HTB root of ours as it is.
+
+        Nothing is changed. An interface that cannot be read maps to its TcError.
+        """
+        found: dict[str, AdoptedState | TcError] = {}
+        for iface in ifaces:
+            try:
+                state = self.read(iface)
+            except TcError as err:
+                found[iface] = err
+                continue
+            ours = _is_ours(state.root)
+            self._cache[iface] = state
+            found[iface] = AdoptedState(iface, ours, None if ours else state.root, state)
+        return found
+
+    def sync(self, plan: TcPlan) -> SyncResult:
+        """Apply only what differs between the plan and the kernel, in one batch.
+
+        Where the plan changed, the difference is taken from what this adapter last saw
+        (no read: a re-prioritization costs one batch); an interface whose operations fail
+        (someone changed it since) is read again and repaired at once. Where the plan did
+        not change, the interface is read and checked, as ``drift`` does. Either repair
+        lists what was put back in the interface's ``restored``.
+        """
+        first = self._apply(plan, reread=False)
+        stale = [
+            p
+            for p in plan.interfaces
+            if (err := first.interfaces[p.iface].error) is not None and err.op is not None
+        ]
+        if not stale:
+            return first
+        retry = self._apply(TcPlan(tuple(stale), plan.job_classes), reread=True)
+        return SyncResult({**first.interfaces, **retry.interfaces})
+
+    def drift(self, plan: TcPlan) -> SyncResult:
+        """Re-read every interface, restore whatever differs from the plan.
+
+        Each interface's ``restored`` lists what was put back, for the event log.
+        """
+        return self._apply(plan, reread=True)
+
+    def _apply(self, plan: TcPlan, *, reread: bool) -> SyncResult:
+        results: dict[str, InterfaceResult] = {}
+        batch: list[tuple[str, TcOp, tuple[int, int, bytes]]] = []
+        planned: dict[str, tuple[InterfacePlan, InterfaceState, tuple[TcOp, ...], bool]] = {}
+        for want in plan.interfaces:
+            iface = want.iface
+            try:
+                state = self._cache.get(iface) if not reread else None
+                checked = state is None
+                if state is None:
+                    state = self.read(iface)
+                ops = diff(state, want)
+                if not ops and not checked:
+                    # Nothing new for this interface: check what the kernel really holds.
+                    state, checked = self.read(iface), True
+                    ops = diff(state, want)
+                idx = self.ifindex(iface)
+            except TcError as err:
+                self._cache.pop(iface, None)
+                results[iface] = InterfaceResult(iface, error=err)
+                continue
+            planned[iface] = (want, state, ops, reread or (checked and bool(ops)))
+            batch.extend((iface, op, self._enc.encode(idx, op)) for op in ops)
+        failed: dict[str, TcError] = {}
+        try:
+            acks = self._nl.request([m for _, _, m in batch]) if batch else []
+        except OSError as err:  # the socket itself failed (timeout, ENOBUFS): all unknown
+            acks = []
+            for iface, _op, _msg in batch:
+                failed.setdefault(iface, TcError(iface, f"netlink request failed: {err}"))
+        for (iface, op, _), ack in zip(batch, acks, strict=True):
+            if ack.errno and iface not in failed:
+                failed[iface] = self._op_error(iface, op, ack)
+        for iface, (want, state, ops, repair) in planned.items():
+            failure = failed.get(iface)
+            htid = u32_htid(state, ops)
+            if failure is None and (htid is not None or not want.filters):
+                self._cache[iface] = state_after(want, htid or 0x800)
+            elif failure is None:
+                self._cache.pop(iface, None)  # filter handles unknown: read them next time
+            else:
+                self._cache.pop(iface, None)
+                if failure.errno == errno_mod.ENODEV:
+                    self._ifindex.pop(iface, None)
+            results[iface] = InterfaceResult(iface, ops, drift=repair, error=failure)
+        return SyncResult(results)
+
+    @staticmethod
+    def _op_error(iface: str, op: TcOp, ack: Ack) -> TcError:
+        args = " ".join(op.tc_args())
+        if op.kind is OpKind.REPLACE_ROOT and ack.errno == errno_mod.ENOENT:
+            message = "the kernel has no HTB qdisc (sch_htb)"
+        elif op.kind is OpKind.ADD_FILTER and ack.errno == errno_mod.ENOENT:
+            message = "the kernel has no u32 classifier (cls_u32)"
+        elif ack.errno == errno_mod.ENODEV:
+            message = "the interface disappeared"
+        else:
+            message = f"netlink error {_errname(ack.errno)} ({os.strerror(ack.errno)})"
+        return TcError(iface, message, op=args, errno=ack.errno, detail=ack.detail)
+
+    def restore(self, iface: str, original: RootQdisc | None = None) -> None:
+        """Put back the interface's root qdisc from before gpud (shutdown mode "restore").
+
+        Deletes our HTB root, so the kernel installs its default root (``mq``,
+        ``net.core.default_qdisc``, or ``noqueue`` on virtual devices); when ``original``
+        names another kind than that, the original kind is installed with its default
+        parameters (``tc qdisc replace dev IF root KIND``). Raises TcError on failure.
+        """
+        idx = self.ifindex(iface)
+        self._cache.pop(iface, None)
+        state = self.read(iface)
+        if _is_ours(state.root):
+            delete = self._enc.root(idx, TcOp(OpKind.DELETE_ROOT, iface))
+            self._request_one(iface, delete, f"qdisc del dev {iface} root", "delete the HTB root")
+            state = self.read(iface)
+        now = state.root.kind if state.root is not None else "noqueue"
+        if original is None or original.kind in (now, "noqueue"):
+            return
+        body = _TCMSG.pack(0, idx, original.handle, TC_H_ROOT, 0) + _kind(original.kind)
+        self._request_one(
+            iface,
+            (RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, body),
+            f"qdisc replace dev {iface} root {original.kind}",
+            f"re-install the original {original.kind} root",
+        )
+
+    def _request_one(self, iface: str, msg: tuple[int, int, bytes], op: str, what: str) -> None:
+        try:
+            (ack,) = self._nl.request([msg])
+        except OSError as err:
+            raise TcError(iface, f"cannot {what}: {err}", op=op, errno=err.errno) from err
+        if ack.errno:
+            raise TcError(
+                iface,
+                f"cannot {what}: {_errname(ack.errno)}",
+                op=op,
+                errno=ack.errno,
+                detail=ack.detail,
+            )
+
+
+def _is_ours(root: RootQdisc | None) -> bool:
+    """An HTB root with gpud's major handle (``6764:``)."""
+    return root is not None and root.kind == "htb" and root.handle >> 16 == ROOT_MAJOR

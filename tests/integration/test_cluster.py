@@ -1,0 +1,244 @@
+"""Three gpud processes on loopback, one real etcd: election, failover, fencing,
+fail-static, mutual TLS and runtime attributes, end to end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+import gpud.client
+from gpud.cluster.etcd import EtcdClient, EtcdSettings
+from gpud.v1 import cluster_pb2 as pb
+from gpud.v1 import cluster_pb2_grpc as pb_grpc
+from tests.integration.cluster_support import TTL_S, Cluster, Node, start_cluster
+from tools.certs import make_ca, make_node
+from tools.etcd_local import LocalEtcd, etcd_binary
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.skipif(etcd_binary() is None, reason="etcd is not installed"),
+]
+
+JOB = "train-a"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with LocalEtcd() as etcd:
+        c = start_cluster(tmp_path, etcd)
+        try:
+            for node in c.nodes:  # one job spanning the three nodes
+                c.run_job(node, JOB)
+            c.wait(c.settled, what="one leader, its order applied everywhere")
+            c.wait(
+                lambda: all([j["job"] for j in n.status()["jobs"]] == [JOB] for n in c.nodes),
+                what="the job in every node's order",
+            )
+            yield c
+        finally:
+            c.close()
+
+
+def levels(status: dict[str, Any]) -> dict[str, Any]:
+    return {j["job"]: (j.get("level"), j.get("dscp")) for j in status["jobs"]}
+
+
+def test_one_leader_then_failover_keeps_the_last_order_during_the_gap(cluster: Cluster) -> None:
+    ((leader, before),) = cluster.leaders()
+    kept = {n.name: levels(n.status()) for n in cluster.nodes}
+    assert len({str(v) for v in kept.values()}) == 1  # the same order on every node
+    assert all(n.status()["leader"] == leader.name for n in cluster.nodes)
+    # every node shows every node's last report, asked of the leader
+    assert all(
+        sorted(m["node"] for m in n.status()["nodes"]) == ["n0", "n1", "n2"] for n in cluster.nodes
+    )
+
+    os.kill(leader.daemon.proc.pid, signal.SIGKILL)
+    leader.daemon.proc.wait()
+    killed = time.monotonic()
+    survivors = cluster.live()
+    new_leader: Node | None = None
+    while new_leader is None:
+        assert time.monotonic() - killed < 30, "no new leader"
+        for n in survivors:
+            s = n.status()
+            if s.get("leading") and s["epoch"] > before["epoch"]:
+                new_leader = n
+                break
+            # the gap: the last order stays in force, from the old epoch
+            assert s["applied_epoch"] in (before["epoch"], s["epoch"])
+            if s["applied_epoch"] == before["epoch"]:
+                assert levels(s) == kept[n.name], f"{n.name} changed its order during the gap"
+                assert s["mode"] in ("follower", "holding")
+    failover = time.monotonic() - killed
+    assert failover <= 2 * TTL_S, f"failover took {failover:.2f} s"
+    epoch = new_leader.status()["epoch"]
+    cluster.wait(
+        lambda: all(n.status()["applied_epoch"] == epoch for n in survivors),
+        what="the new leader's order applied everywhere",
+    )
+    assert {str(levels(n.status())) for n in survivors} == {str(kept[survivors[0].name])}
+    # the tag lives in etcd, where the new leader found it
+    etcd = EtcdClient(EtcdSettings(endpoints=(cluster.etcd.endpoint,)))
+    stored = etcd.get_prefix(f"{cluster.prefix}/tags/")
+    assert {k.rsplit("/", 1)[1]: int(v) for k, v in stored.items()} == {
+        JOB: kept[survivors[0].name][JOB][1]
+    }
+
+
+def test_a_leader_cut_off_from_etcd_steps_down_before_a_successor_is_elected(
+    cluster: Cluster,
+) -> None:
+    ((leader, before),) = cluster.leaders()
+    leader.proxy.cut()
+    cluster.wait(
+        lambda: any(
+            s.get("leading") and s["epoch"] > before["epoch"]
+            for n in cluster.nodes
+            if n is not leader
+            for s in [n.status()]
+        ),
+        what="a new leader",
+    )
+    successor = next(n for n in cluster.nodes if n is not leader and n.status().get("leading"))
+    (stepped,) = [e for e in leader.events("cluster.step_down")][-1:]
+    (elected,) = [e for e in successor.events("cluster.elected")][-1:]
+    assert stepped["time_unix_seconds"] < elected["time_unix_seconds"]
+    status = leader.status()
+    assert not status["leading"] and not status["store_ok"]
+    # the old leader keeps the order of its own last epoch, or follows the new one
+    assert status["applied_epoch"] >= before["epoch"]
+    leader.proxy.heal()
+    epoch = successor.status()["epoch"]
+    cluster.wait(
+        lambda: all(n.status()["applied_epoch"] == epoch for n in cluster.nodes),
+        what="the deposed leader follows the new epoch",
+    )
+    assert all(n.status()["rejected_orders"] == 0 for n in cluster.nodes)
+
+
+def test_etcd_restart_is_ridden_out_fail_static(cluster: Cluster) -> None:
+    ((_, before),) = cluster.leaders()
+    kept = {n.name: levels(n.status()) for n in cluster.nodes}
+    cluster.etcd.stop()
+    time.sleep(TTL_S * 2)  # the leader steps down; nobody can be elected
+    for n in cluster.nodes:
+        s = n.status()
+        assert s["applied_epoch"] == before["epoch"]
+        assert levels(s) == kept[n.name]
+        assert s["mode"] in ("holding", "follower", "leader")
+    cluster.etcd.start()
+    cluster.wait(cluster.settled, what="a leader again after etcd came back")
+    assert all(n.alive() for n in cluster.nodes)
+    assert {str(levels(n.status())) for n in cluster.nodes} == {str(kept["n0"])}
+
+
+def _peer_address(cluster: Cluster) -> tuple[str, str]:
+    ((leader, status),) = cluster.leaders()
+    return str(status["leader_address"]), leader.name
+
+
+def _report(
+    target: str, name: str, creds: grpc.ChannelCredentials, node: str = "intruder"
+) -> pb.ReportResponse:
+    with grpc.secure_channel(
+        target, creds, options=[("grpc.ssl_target_name_override", name)]
+    ) as channel:
+        response: pb.ReportResponse = pb_grpc.ClusterPeerStub(channel).Report(
+            pb.ReportRequest(node=node, jobs=[pb.JobReport(job="x")]), timeout=5
+        )
+        return response
+
+
+def test_peers_without_a_certificate_of_the_cluster_ca_are_refused(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    target, name = _peer_address(cluster)
+    pki = cluster.root / "pki"
+    ca = (pki / "ca.pem").read_bytes()
+    other = tmp_path / "other"
+    make_ca(other)
+    make_node(other, "intruder", other)
+    refused = [
+        grpc.ssl_channel_credentials(root_certificates=ca),  # no client certificate
+        grpc.ssl_channel_credentials(
+            root_certificates=ca,
+            private_key=(other / "intruder-key.pem").read_bytes(),
+            certificate_chain=(other / "intruder.pem").read_bytes(),
+        ),
+    ]
+    for creds in refused:
+        with pytest.raises(grpc.RpcError) as err:
+            _report(target, name, creds)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        with (
+            pytest.raises(grpc.RpcError),
+            grpc.secure_channel(
+                target, creds, options=[("grpc.ssl_target_name_override", name)]
+            ) as channel,
+        ):
+            pb_grpc.ClusterPeerStub(channel).GetOrder(pb.GetOrderRequest(node="x"), timeout=5)
+    with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError):
+        pb_grpc.ClusterPeerStub(channel).GetOrder(pb.GetOrderRequest(node="x"), timeout=5)
+    # a certificate of the cluster CA gets in
+    make_node(pki, "n9", tmp_path)
+    ok = grpc.ssl_channel_credentials(
+        root_certificates=ca,
+        private_key=(tmp_path / "n9-key.pem").read_bytes(),
+        certificate_chain=(tmp_path / "n9.pem").read_bytes(),
+    )
+    _report(target, name, ok, node="n9")
+    # ... and reports only as the node its certificate names
+    with pytest.raises(grpc.RpcError) as err:
+        _report(target, name, ok, node="n1")
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def _first_seen_with_fault(node: Node, victim: str, seen: dict[str, tuple[int, int]]) -> None:
+    """Watch ``node``'s attributes until the job shows a lost GPU on ``victim``."""
+    with grpc.insecure_channel(f"unix:{node.daemon.socket}") as channel:
+        stream = pb_grpc.ClusterStub(channel).WatchAttributes(
+            pb.GetAttributesRequest(jobs=[JOB]), timeout=60
+        )
+        for resp in stream:
+            if any(u.startswith(f"{victim}/") for a in resp.attributes for u in a.unhealthy_gpus):
+                seen[node.name] = (resp.epoch, resp.seq)
+                stream.cancel()
+                return
+
+
+def test_a_lost_gpu_shows_in_the_jobs_attributes_on_every_node(cluster: Cluster) -> None:
+    victim = cluster.nodes[1]
+    before = gpud.client.attributes(JOB, socket=victim.daemon.socket)
+    assert before is not None and before.unhealthy_gpus == ()
+    seen: dict[str, tuple[int, int]] = {}
+    watchers = [
+        threading.Thread(target=_first_seen_with_fault, args=(n, victim.name, seen))
+        for n in cluster.nodes
+    ]
+    for w in watchers:
+        w.start()
+    time.sleep(1)  # the watches are open
+    victim.daemon.gpuctl("sim", "fault", "--gpu", "0", "lost")
+    for w in watchers:
+        w.join(timeout=60)
+    assert set(seen) == {n.name for n in cluster.nodes}, seen
+    # every node applies the leader's first order that carries the fault, or the one after
+    # it: one round (each node's next report) after the leader folded in the victim's
+    (epoch,) = {epoch for epoch, _ in seen.values()}
+    first = min(seq for _, seq in seen.values())
+    assert all(seq - first <= 1 for _, seq in seen.values()), seen
+    for n in cluster.nodes:
+        after = gpud.client.attributes(JOB, socket=n.daemon.socket)
+        assert after is not None and after.epoch == epoch
+        assert any(u.startswith(f"{victim.name}/") for u in after.unhealthy_gpus)
+        assert sorted(after.nodes) == ["n0", "n1", "n2"]

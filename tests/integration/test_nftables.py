@@ -1,0 +1,112 @@
+"""NftablesMarker against the real nft in a network namespace (created and deleted here)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpud.net.cgroups import JobCgroups, find_cgroup2
+from netshaper.nftables import NftablesMarker, NftError
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
+    pytest.mark.skipif(shutil.which("nft") is None, reason="needs nft"),
+    pytest.mark.skipif(find_cgroup2() is None, reason="needs cgroup v2"),
+]
+
+
+def _runner(ns: str):  # type: ignore[no-untyped-def]
+    def run(args: list[str], stdin: str | None) -> tuple[int, str, str]:
+        r = subprocess.run(
+            ["nsenter", f"--net=/run/netns/{ns}", "nft", *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        return r.returncode, r.stdout, r.stderr
+
+    return run
+
+
+@pytest.fixture
+def ns() -> Iterator[str]:
+    name = f"gtn{os.getpid()}{uuid.uuid4().hex[:4]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@pytest.fixture
+def cgroups() -> Iterator[JobCgroups]:
+    mount = find_cgroup2()
+    assert mount is not None
+    cg = JobCgroups(mount, parent=f"gpudtest-{os.getpid()}{uuid.uuid4().hex[:4]}")
+    try:
+        yield cg
+    finally:
+        for job in cg.jobs():
+            cg.remove(job)
+        with contextlib.suppress(OSError):
+            cg.base.rmdir()
+
+
+def nft(ns: str, *args: str) -> str:
+    return subprocess.run(
+        ["nsenter", f"--net=/run/netns/{ns}", "nft", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+
+
+def test_sync_is_idempotent_and_repairs(ns: str, cgroups: JobCgroups) -> None:
+    marker = NftablesMarker(runner=_runner(ns))
+    assert not marker.read().present
+    cgroups.ensure("a")
+    cgroups.ensure("b")
+    marks = [m for m in (cgroups.mark("a", 10), cgroups.mark("b", 12)) if m is not None]
+    first = marker.sync(marks)
+    assert first.created and len(first.added) == 4
+    text = nft(ns, "list", "table", "inet", "gpud")
+    assert "type filter hook output priority mangle" in text
+    rel = Path(cgroups.dir("a")).relative_to("/sys/fs/cgroup")
+    assert f'socket cgroupv2 level 2 "{rel}" ip dscp set' in text
+    assert not marker.sync(marks).changed  # nothing to do
+    # a job's tag changes: only its two rules are replaced
+    marks2 = [m for m in (cgroups.mark("a", 10), cgroups.mark("b", 14)) if m is not None]
+    again = marker.sync(marks2)
+    assert not again.created and len(again.added) == 2 and len(again.removed) == 2
+    # someone deletes a rule, then the whole table
+    handle = next(r.handle for r in marker.read().rules if r.job == "a")
+    nft(ns, "delete", "rule", "inet", "gpud", "jobs", "handle", str(handle))
+    assert len(marker.sync(marks2).added) == 1
+    nft(ns, "delete", "table", "inet", "gpud")
+    assert marker.sync(marks2).created
+    # a cgroup made again has a new id: its rule must follow
+    cgroups.remove("a")
+    cgroups.ensure("a")
+    fresh = cgroups.mark("a", 10)
+    assert fresh is not None
+    assert marker.sync([fresh, marks2[1]]).added
+    assert marker.delete() and not marker.read().present
+
+
+def test_a_missing_cgroup_is_a_clear_error(ns: str) -> None:
+    from netshaper.nftables import CgroupMark
+
+    marker = NftablesMarker(runner=_runner(ns))
+    with pytest.raises(NftError, match="cgroupv2 path fails"):
+        marker.sync([CgroupMark("x", 10, "unified/nope-gpud-test", 1, 1)])

@@ -1,0 +1,358 @@
+"""TcNetlink against the real kernel, in network namespaces created (and deleted) here.
+
+Two namespaces: ``snd`` holds the interfaces gpud shapes (``a0``, ``a1``; their peers
+``b0``, ``b1`` live in ``rcv``). What the kernel holds is read back with ``tc`` itself
+(``tc -s class show``, ``tc filter show``), not only through the adapter's decoder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from netshaper import tcplan as tp
+from netshaper.tc_netlink import TcError, TcNetlink
+
+pytestmark = pytest.mark.integration
+
+GBIT = 10**9
+SHARES = [0.05] * 4
+TAGS = {"alpha": 26, "beta": 34, "gamma": 10}
+FOREIGN_U32 = (
+    *("filter", "add", "dev", "a0", "parent", "6764:", "protocol", "ip", "prio", "9"),
+    *("u32", "match", "u32", "0", "0", "flowid", "6764:2"),
+)
+
+
+def _run(*args: str, check: bool = True) -> str:
+    r = subprocess.run(args, capture_output=True, text=True, check=False, timeout=60)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} exited {r.returncode}: {r.stderr}")
+    return r.stdout
+
+
+@dataclass
+class Net:
+    snd: str
+    rcv: str
+
+    def tc(self, *args: str, check: bool = True) -> str:
+        return _run("tc", "-n", self.snd, *args, check=check)
+
+    def classes(self, dev: str) -> dict[str, dict[str, str]]:
+        """``tc -s class show``: classid -> {parent, prio, sent_bytes, sent_pkts}."""
+        out: dict[str, dict[str, str]] = {}
+        current: dict[str, str] = {}
+        for line in self.tc("-s", "class", "show", "dev", dev).splitlines():
+            if m := re.match(r"class htb (\S+) (root|parent (\S+))", line):
+                current = {"parent": m.group(3) or "root"}
+                if p := re.search(r" prio (\d+)", line):
+                    current["prio"] = p.group(1)
+                out[m.group(1)] = current
+            elif m := re.match(r"\s*Sent (\d+) bytes (\d+) pkt", line):
+                current["bytes"], current["pkts"] = m.group(1), m.group(2)
+        return out
+
+    def filters(self, dev: str) -> dict[str, tuple[str, str]]:
+        """``tc filter show``: u32 handle -> (flowid, match)."""
+        out: dict[str, tuple[str, str]] = {}
+        handle = flowid = ""
+        for line in self.tc("filter", "show", "dev", dev).splitlines():
+            if m := re.search(r"fh (\S+) .*flowid (\S+)", line):
+                handle, flowid = m.group(1), m.group(2)
+            elif (m := re.match(r"\s*match (\S+) at 0", line)) and handle:
+                out[handle] = (flowid, m.group(1))
+        return out
+
+    def send_udp(self, tos: int, count: int = 20, *, ipv6: bool = False) -> None:
+        """UDP datagrams from ``snd`` to ``rcv`` over a0 with the given TOS/traffic class."""
+        dst = "fd00:6764::2" if ipv6 else "10.67.64.2"
+        code = (
+            "import socket,sys\n"
+            f"fam = socket.AF_INET6 if {ipv6} else socket.AF_INET\n"
+            "s = socket.socket(fam, socket.SOCK_DGRAM)\n"
+            f"s.setsockopt(socket.IPPROTO_IPV6 if {ipv6} else socket.IPPROTO_IP,"
+            f" socket.IPV6_TCLASS if {ipv6} else socket.IP_TOS, {tos})\n"
+            f"for _ in range({count}): s.sendto(b'x' * 1000, ('{dst}', 9))\n"
+        )
+        _run("ip", "netns", "exec", self.snd, sys.executable, "-c", code)
+
+
+@pytest.fixture
+def net() -> Iterator[Net]:
+    if os.geteuid() != 0 or shutil.which("tc") is None:
+        pytest.skip("needs root and iproute2")
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    n = Net(f"gpud-tc-s-{tag}", f"gpud-tc-r-{tag}")
+    _run("ip", "netns", "add", n.snd)
+    try:
+        _run("ip", "netns", "add", n.rcv)
+        for i in (0, 1):
+            _run(
+                "ip",
+                "-n",
+                n.snd,
+                "link",
+                "add",
+                f"a{i}",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"b{i}",
+                "netns",
+                n.rcv,
+            )
+            _run("ip", "-n", n.snd, "link", "set", f"a{i}", "up")
+            _run("ip", "-n", n.rcv, "link", "set", f"b{i}", "up")
+        _run("ip", "-n", n.snd, "addr", "add", "10.67.64.1/24", "dev", "a0")
+        _run("ip", "-n", n.rcv, "addr", "add", "10.67.64.2/24", "dev", "b0")
+        _run("ip", "-n", n.snd, "addr", "add", "fd00:6764::1/64", "dev", "a0", "nodad")
+        _run("ip", "-n", n.rcv, "addr", "add", "fd00:6764::2/64", "dev", "b0", "nodad")
+        _run("ip", "-n", n.snd, "link", "set", "lo", "up")
+        _run("ip", "-n", n.rcv, "link", "set", "lo", "up")
+        yield n
+    finally:
+        _run("ip", "netns", "del", n.snd, check=False)
+        _run("ip", "netns", "del", n.rcv, check=False)
+
+
+@pytest.fixture
+def adapter(net: Net) -> Iterator[TcNetlink]:
+    tc = TcNetlink(netns=net.snd)
+    try:
+        yield tc
+    finally:
+        tc.close()
+
+
+def plan(levels: dict[str, int], ifaces: tuple[str, ...] = ("a0",)) -> tp.TcPlan:
+    return tp.plan(dict.fromkeys(ifaces, GBIT), TAGS, levels, SHARES)
+
+
+def test_sync_installs_the_tree_as_tc_shows_it(net: Net, adapter: TcNetlink) -> None:
+    result = adapter.sync(plan({"alpha": 0, "beta": 2}))
+    assert result.ok, result.errors
+    assert "htb 6764: root" in net.tc("qdisc", "show", "dev", "a0") and "default 0x2" in net.tc(
+        "qdisc", "show", "dev", "a0"
+    )
+    classes = net.classes("a0")
+    assert classes["6764:1"]["parent"] == "root"
+    assert classes["6764:2"] == classes["6764:2"] | {"parent": "6764:1", "prio": "7"}
+    assert classes["6764:101a"]["parent"] == "6764:10"
+    assert classes["6764:1222"]["parent"] == "6764:12" and classes["6764:1222"]["prio"] == "2"
+    assert "6764:100a" not in classes  # gamma has no level: default class
+    assert net.filters("a0") == {
+        "800::35": ("6764:101a", "40680000/f0fc0000"),
+        "800::36": ("6764:101a", "66800000/ffc00000"),
+        "800::45": ("6764:1222", "40880000/f0fc0000"),
+        "800::46": ("6764:1222", "68800000/ffc00000"),
+    }
+    # what tc shows is what the adapter reads: nothing left to do
+    assert adapter.drift(plan({"alpha": 0, "beta": 2})).op_count == 0
+    assert "a1" not in net.tc("qdisc", "show", "dev", "a1") or "htb" not in net.tc(
+        "qdisc", "show", "dev", "a1"
+    )  # never an interface outside the plan
+
+
+def test_tagged_packets_land_in_the_job_class_and_move_with_its_level(
+    net: Net, adapter: TcNetlink
+) -> None:
+    assert adapter.sync(plan({"alpha": 0, "beta": 1})).ok
+    net.send_udp(26 << 2, 20)
+    net.send_udp(26 << 2 | 1, 5, ipv6=True)  # ECN bits set: still the job's class
+    net.send_udp(0, 7)  # untagged
+    classes = net.classes("a0")
+    assert int(classes["6764:101a"]["pkts"]) >= 25
+    assert classes["6764:1122"]["pkts"] == "0"
+    assert int(classes["6764:2"]["pkts"]) >= 7
+    counters = adapter.counters("a0")
+    assert counters[0x6764101A].packets == int(classes["6764:101a"]["pkts"])
+    assert counters[0x6764101A].bytes == int(classes["6764:101a"]["bytes"])
+
+    # alpha drops to level 3: one leaf moves, its filters follow, nothing else changes
+    result = adapter.sync(plan({"alpha": 3, "beta": 1}))
+    assert result.ok and result.op_count == 4, result.interfaces["a0"].ops
+    classes = net.classes("a0")
+    assert "6764:101a" not in classes
+    assert classes["6764:131a"]["parent"] == "6764:13" and classes["6764:131a"]["prio"] == "3"
+    assert net.filters("a0")["800::35"][0] == "6764:131a"
+    net.send_udp(26 << 2, 9)
+    assert int(net.classes("a0")["6764:131a"]["pkts"]) >= 9
+
+
+def test_live_tcp_traffic_follows_a_level_change(net: Net, adapter: TcNetlink) -> None:
+    if shutil.which("iperf3") is None:
+        pytest.skip("needs iperf3")
+    assert adapter.sync(plan({"alpha": 1, "beta": 0})).ok
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", net.rcv, "iperf3", "-s", "-B", "10.67.64.2", "-p", "5201"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(0.3)
+        client = subprocess.Popen(
+            [
+                *("ip", "netns", "exec", net.snd, "iperf3", "-c", "10.67.64.2", "-p", "5201"),
+                *("--tos", str(26 << 2), "-t", "4", "-b", "50M"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        time.sleep(1.5)
+        before = int(net.classes("a0")["6764:111a"]["bytes"])
+        assert before > 0
+        assert adapter.sync(plan({"alpha": 0, "beta": 1})).ok  # mid-flow
+        out, _ = client.communicate(timeout=30)
+        assert client.returncode == 0, out
+        assert int(net.classes("a0")["6764:101a"]["bytes"]) > 1_000_000
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_drift_restores_a_deleted_root_and_tampered_parts(net: Net, adapter: TcNetlink) -> None:
+    want = plan({"alpha": 0, "beta": 1})
+    assert adapter.sync(want).ok
+    net.tc("qdisc", "del", "dev", "a0", "root")
+    result = adapter.drift(want)
+    assert result.ok
+    assert result.restored["a0"][0] == "re-installed HTB root 6764:0"
+    assert net.classes("a0")["6764:101a"]["parent"] == "6764:10"
+    assert len(net.filters("a0")) == 4
+
+    net.tc(
+        "class", "change", "dev", "a0", "classid", "6764:11", "htb", "rate", "3mbit", "prio", "1"
+    )
+    net.tc("filter", "del", "dev", "a0", "parent", "6764:", "prio", "1", "handle", "800::36", "u32")
+    net.tc(*FOREIGN_U32)
+    result = adapter.drift(want)
+    assert result.ok, result.errors
+    restored = result.restored["a0"]
+    assert "reset class 6764:11 (level 1)" in restored
+    assert "re-added ipv6 filter DSCP 26 -> 6764:101a" in restored
+    assert adapter.drift(want).op_count == 0
+
+
+def test_errors_stay_with_their_interface(net: Net, adapter: TcNetlink) -> None:
+    # a1 holds a qdisc whose handle collides with ours: the kernel refuses our root there
+    net.tc("qdisc", "add", "dev", "a1", "root", "handle", "1:", "htb")
+    net.tc("class", "add", "dev", "a1", "parent", "1:", "classid", "1:1", "htb", "rate", "1gbit")
+    net.tc("qdisc", "add", "dev", "a1", "parent", "1:1", "handle", "6764:", "pfifo")
+    want = tp.plan({"a0": GBIT, "a1": GBIT, "nosuch0": GBIT}, TAGS, {"alpha": 0}, SHARES)
+    result = adapter.sync(want)
+    assert set(result.errors) == {"a1", "nosuch0"}
+    assert str(result.errors["nosuch0"]) == "nosuch0: no such network interface"
+    a1 = result.errors["a1"]
+    assert isinstance(a1, TcError) and a1.iface == "a1" and a1.errno
+    assert a1.op is not None and a1.op.startswith("qdisc replace dev a1 root handle 6764:0 htb")
+    assert str(a1).startswith("a1: netlink error")
+    # a0 is enforced all the same, and stays so on the next tick
+    assert net.classes("a0")["6764:101a"]["parent"] == "6764:10"
+    again = adapter.sync(want)
+    assert set(again.errors) == {"a1", "nosuch0"} and again.interfaces["a0"].ops == ()
+    # once the conflict is gone, a1 is enforced on the next tick
+    net.tc("qdisc", "del", "dev", "a1", "root")
+    assert set(adapter.sync(want).errors) == {"nosuch0"}
+    assert net.classes("a1")["6764:101a"]["parent"] == "6764:10"
+
+
+def test_a_restart_adopts_the_tree_and_restore_brings_back_the_original(net: Net) -> None:
+    net.tc("qdisc", "replace", "dev", "a0", "root", "pfifo_fast")  # a veth's default: noqueue
+    want = plan({"alpha": 0, "beta": 1})
+    first = TcNetlink(netns=net.snd)
+    found = first.adopt(["a0"])["a0"]
+    assert not isinstance(found, TcError)
+    assert not found.ours and found.original is not None and found.original.kind == "pfifo_fast"
+    assert first.sync(want).ok
+    first.close()  # as if killed: nothing torn down
+    shown = net.tc("-s", "class", "show", "dev", "a0")
+
+    second = TcNetlink(netns=net.snd)
+    try:
+        adopted = second.adopt(["a0"])["a0"]
+        assert not isinstance(adopted, TcError) and adopted.ours
+        assert second.sync(want).op_count == 0
+        assert net.tc("-s", "class", "show", "dev", "a0").count("class htb") == shown.count(
+            "class htb"
+        )
+        second.restore("a0", found.original)
+        assert "htb" not in net.tc("qdisc", "show", "dev", "a0")
+        assert net.tc("qdisc", "show", "dev", "a0").startswith("qdisc pfifo_fast ")
+    finally:
+        second.close()
+
+
+def test_rates_above_32_bits_of_bytes_per_second(net: Net, adapter: TcNetlink) -> None:
+    # 400 Gbit/s = 5e10 bytes/s: needs the kernel's 64-bit rate attributes
+    want = tp.plan({"a0": 400 * GBIT}, TAGS, {"alpha": 0}, SHARES)
+    assert adapter.sync(want).ok
+    shown = net.tc("class", "show", "dev", "a0")
+    assert re.search(r"class htb 6764:1 root rate 400Gbit ceil 400Gbit", shown), shown
+    assert re.search(r"class htb 6764:10 parent 6764:1 rate 20Gbit ceil 400Gbit", shown), shown
+    assert adapter.drift(want).op_count == 0  # read back as planned
+
+
+def test_filters_work_in_whatever_hash_table_the_kernel_gives_them(
+    net: Net, adapter: TcNetlink
+) -> None:
+    assert adapter.sync(plan({})).ok  # the tree, no job yet
+    # someone's u32 filter comes first: it takes hash table 800, so ours will be 801
+    net.tc(*FOREIGN_U32)
+    first = adapter.sync(plan({"alpha": 0}))  # the adapter has not seen it yet
+    assert first.ok, first.errors
+    assert set(net.filters("a0")) == {"800::800", "801::35", "801::36"}
+    # the next pass reads the handles back, removes the stranger, re-points 801::35/36
+    moved = adapter.sync(plan({"alpha": 2}))
+    assert moved.ok and moved.op_count == 5, moved.interfaces["a0"].ops
+    assert net.filters("a0") == {
+        "801::35": ("6764:121a", "40680000/f0fc0000"),
+        "801::36": ("6764:121a", "66800000/ffc00000"),
+    }
+    assert adapter.drift(plan({"alpha": 2})).op_count == 0
+
+
+def test_a_failure_early_in_the_batch_does_not_stop_the_rest(net: Net, adapter: TcNetlink) -> None:
+    # a0's operations come first in the batch and all fail; a1's follow and must all apply
+    net.tc("qdisc", "add", "dev", "a0", "root", "handle", "1:", "htb")
+    net.tc("class", "add", "dev", "a0", "parent", "1:", "classid", "1:1", "htb", "rate", "1gbit")
+    net.tc("qdisc", "add", "dev", "a0", "parent", "1:1", "handle", "6764:", "pfifo")
+    want = tp.plan({"a0": GBIT, "a1": GBIT}, TAGS, {"alpha": 0, "beta": 1}, SHARES)
+    result = adapter.sync(want)
+    assert set(result.errors) == {"a0"}
+    assert result.errors["a0"].op is not None and "qdisc replace dev a0" in result.errors["a0"].op
+    assert len(net.filters("a1")) == 4
+    assert net.classes("a1")["6764:1122"]["parent"] == "6764:11"
+    assert adapter.drift(tp.plan({"a1": GBIT}, TAGS, {"alpha": 0, "beta": 1}, SHARES)).op_count == 0
+
+
+def test_a_sync_repairs_what_changed_behind_its_back(net: Net, adapter: TcNetlink) -> None:
+    assert adapter.sync(plan({"alpha": 0, "beta": 1})).ok
+    net.tc("qdisc", "del", "dev", "a0", "root")
+    # the plan changes in the same tick: the cached view is stale, the ops fail, the
+    # interface is read again and rebuilt in the same call
+    result = adapter.sync(plan({"alpha": 2, "beta": 1}))
+    assert result.ok, result.errors
+    assert result.restored["a0"][0] == "re-installed HTB root 6764:0"
+    assert net.classes("a0")["6764:121a"]["parent"] == "6764:12"
+    assert net.filters("a0")["800::35"][0] == "6764:121a"
+
+
+def test_a_sync_of_an_unchanged_plan_checks_the_kernel(net: Net, adapter: TcNetlink) -> None:
+    want = tp.plan({"a0": GBIT, "nosuch0": GBIT}, TAGS, {"alpha": 0}, SHARES)
+    assert set(adapter.sync(want).errors) == {"nosuch0"}
+    net.tc("qdisc", "del", "dev", "a0", "root")
+    result = adapter.sync(want)  # same plan: a0 is read and repaired, as drift would
+    assert set(result.errors) == {"nosuch0"}
+    assert result.restored["a0"][0] == "re-installed HTB root 6764:0"
+    assert net.classes("a0")["6764:101a"]["parent"] == "6764:10"

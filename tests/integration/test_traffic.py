@@ -1,0 +1,340 @@
+"""gpud enforcing priorities on a real kernel: netns, veth, HTB, nftables, iperf3.
+
+Two namespaces joined by a veth pair (``a0`` in ``snd``, ``b0`` in ``rcv``); gpud runs in
+``snd`` (``nsenter --net=``, so the cgroup2 mount stays visible) and enforces on ``a0``,
+shaped to 100 Mbit/s. What the kernel holds is read back with ``tc -s class show`` and
+``nft``, not through gpud. Everything created here is removed at the end, pass or fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpud.net.cgroups import find_cgroup2
+from netshaper import tcplan
+from tests.integration.conftest import BIN, RunningDaemon, start_daemon, stop_daemon
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, tc, nft)"),
+    pytest.mark.skipif(
+        not all(shutil.which(p) for p in ("iperf3", "nft", "tc", "nsenter")),
+        reason="needs iperf3, nft, tc and nsenter",
+    ),
+]
+
+RCV_IP = "10.67.65.2"
+
+
+def run(*args: str, check: bool = True, timeout: float = 60) -> str:
+    r = subprocess.run(args, capture_output=True, text=True, check=False, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} exited {r.returncode}: {r.stderr}{r.stdout}")
+    return r.stdout
+
+
+@dataclass
+class Bed:
+    snd: str
+    rcv: str
+    root: Path
+    run_dir: Path
+    cgroup_parent: str
+    daemon: RunningDaemon | None = None
+    interfaces: tuple[str, ...] = ("a0",)
+
+    @property
+    def enter(self) -> tuple[str, ...]:
+        return ("nsenter", f"--net=/run/netns/{self.snd}")
+
+    def config(self) -> str:
+        names = ", ".join(f'"{i}"' for i in self.interfaces)
+        rates = ", ".join(f'"{i}=100mbit"' for i in self.interfaces)
+        return (
+            "[daemon]\ntick_s = 0.5\n"
+            f"[traffic]\nenabled = true\ninterfaces = [{names}]\n"
+            f"link_rates = [{rates}]\nlevels = 4\n"
+            f'cgroup_parent = "{self.cgroup_parent}"\n'
+        )
+
+    def start(self) -> RunningDaemon:
+        self.daemon = start_daemon(
+            self.root,
+            "--simulate",
+            config_text=self.config(),
+            run_dir=self.run_dir,
+            prefix=self.enter,
+        )
+        return self.daemon
+
+    def gpuctl(self, *args: str) -> str:
+        assert self.daemon is not None
+        return self.daemon.gpuctl(*args).stdout
+
+    def show(self) -> dict[str, object]:
+        return json.loads(self.gpuctl("net", "show", "--json"))  # type: ignore[no-any-return]
+
+    def job(self, name: str) -> dict[str, object]:
+        jobs = self.show().get("jobs", [])
+        assert isinstance(jobs, list)
+        return next(j for j in jobs if j["job"] == name)
+
+    def classes(self) -> dict[str, dict[str, int | str]]:
+        """``tc -s class show dev a0``: classid -> parent, prio, bytes, packets."""
+        out: dict[str, dict[str, int | str]] = {}
+        current: dict[str, int | str] = {}
+        text = run("tc", "-n", self.snd, "-s", "class", "show", "dev", "a0")
+        for line in text.splitlines():
+            if m := re.match(r"class htb (\S+) (root|parent (\S+))", line):
+                current = {"parent": m.group(3) or "root"}
+                if p := re.search(r" prio (\d+)", line):
+                    current["prio"] = int(p.group(1))
+                out[m.group(1)] = current
+            elif m := re.match(r"\s*Sent (\d+) bytes (\d+) pkt", line):
+                current["bytes"], current["packets"] = int(m.group(1)), int(m.group(2))
+        return out
+
+    def leaf(self, name: str) -> str:
+        """The job's leaf class as tc prints it, from its tag and level."""
+        j = self.job(name)
+        return tcplan.format_handle(tcplan.leaf_classid(int(j["level"]), int(j["dscp"])))  # type: ignore[call-overload]
+
+    def leaf_bytes(self, name: str) -> int:
+        return int(self.classes().get(self.leaf(name), {}).get("bytes", 0))
+
+    def wait(self, what: str, predicate: object, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():  # type: ignore[operator]
+                return
+            time.sleep(0.2)
+        log = self.daemon.log.read_text()[-3000:] if self.daemon else ""
+        raise AssertionError(f"timed out waiting for {what}\n{log}")
+
+    def iperf_server(self, port: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.rcv, "iperf3", "-s", "-1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def iperf_client(self, port: int, seconds: float, tos: int | None = None) -> list[str]:
+        cmd = ["iperf3", "-c", RCV_IP, "-p", str(port), "-t", str(seconds), "-J"]
+        if tos is not None:
+            cmd += ["--tos", str(tos)]
+        return cmd
+
+
+@pytest.fixture
+def bed() -> Iterator[Bed]:
+    suffix = f"{os.getpid()}{uuid.uuid4().hex[:4]}"
+    snd, rcv = f"gts{suffix}", f"gtr{suffix}"
+    run_dir = Path(tempfile.mkdtemp(prefix="gt", dir="/tmp"))
+    root = Path(tempfile.mkdtemp(prefix="gpud-traffic-"))
+    b = Bed(snd, rcv, root, run_dir, f"gpudtest-{suffix}")
+    try:
+        run("ip", "netns", "add", snd)
+        run("ip", "netns", "add", rcv)
+        run(
+            "ip", "-n", snd, "link", "add", "a0", "type", "veth", "peer", "name", "b0", "netns", rcv
+        )
+        run("ip", "-n", snd, "addr", "add", "10.67.65.1/24", "dev", "a0")
+        run("ip", "-n", rcv, "addr", "add", f"{RCV_IP}/24", "dev", "b0")
+        for ns, dev in ((snd, "a0"), (rcv, "b0"), (snd, "lo"), (rcv, "lo")):
+            run("ip", "-n", ns, "link", "set", dev, "up")
+        yield b
+    finally:
+        if b.daemon is not None:
+            stop_daemon(b.daemon)
+        for ns in (snd, rcv):
+            for pid in run("ip", "netns", "pids", ns, check=False).split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            run("ip", "netns", "del", ns, check=False)
+        mount = find_cgroup2()
+        if mount is not None:
+            parent = mount / b.cgroup_parent
+            for child in sorted(parent.glob("gpud-job-*")):
+                with contextlib.suppress(OSError):
+                    child.rmdir()
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _enforced(b: Bed) -> bool:
+    interfaces = b.show().get("interfaces", [])
+    assert isinstance(interfaces, list)
+    return bool(interfaces) and bool(interfaces[0].get("enforced"))
+
+
+def test_tagged_and_cgroup_flows_land_in_their_classes(bed: Bed) -> None:
+    bed.start()
+    for name in ("tagged", "runjob"):
+        bed.gpuctl("jobs", "add", name)
+    bed.gpuctl("net", "pin", "--job", "tagged", "--level", "1")
+    bed.gpuctl("net", "pin", "--job", "runjob", "--level", "2")
+    bed.wait("levels in force", lambda: bed.job("tagged").get("level") == 1 and _enforced(bed))
+    bed.wait("runjob's level", lambda: bed.job("runjob").get("level") == 2)
+    tagged, runjob = bed.leaf("tagged"), bed.leaf("runjob")
+    classes = bed.classes()
+    assert classes[tagged]["parent"] == tcplan.format_handle(tcplan.level_classid(1))
+    assert classes[tagged]["prio"] == 1 and classes[runjob]["prio"] == 2
+
+    # a flow that sets its own TOS (iperf3 --tos), and one of a `gpuctl run` job that sets none
+    port = _free_port()
+    server = bed.iperf_server(port)
+    time.sleep(0.3)
+    dscp = int(bed.job("tagged")["dscp"])  # type: ignore[call-overload]
+    run("ip", "netns", "exec", bed.snd, *bed.iperf_client(port, 1, tos=dscp << 2))
+    server.wait(timeout=30)
+    port = _free_port()
+    server = bed.iperf_server(port)
+    time.sleep(0.3)
+    assert bed.daemon is not None
+    env_out = run(
+        *bed.enter,
+        str(BIN / "gpuctl"),
+        "--socket",
+        str(bed.daemon.socket),
+        "run",
+        "--job",
+        "runjob",
+        "--gpus",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        f"echo GPUD_DSCP=$GPUD_DSCP NCCL_IB_TC=$NCCL_IB_TC; cat /proc/self/cgroup;"
+        f" {' '.join(bed.iperf_client(port, 1))} > /dev/null",
+    )
+    server.wait(timeout=30)
+    run_dscp = int(bed.job("runjob")["dscp"])  # type: ignore[call-overload]
+    assert f"GPUD_DSCP={run_dscp} NCCL_IB_TC={run_dscp * 4}" in env_out
+    assert f"{bed.cgroup_parent}/gpud-job-runjob" in env_out
+
+    classes = bed.classes()
+    assert int(classes[tagged]["bytes"]) > 1_000_000, classes
+    table = run(*bed.enter, "nft", "list", "table", "inet", "gpud", check=False)
+    assert int(classes[runjob]["bytes"]) > 1_000_000, (classes, table, bed.show())
+    # the nftables rule of the job's cgroup counted its packets
+    table = run(*bed.enter, "nft", "list", "table", "inet", "gpud")
+    m = re.search(r'gpud-job-runjob" ip dscp set \S+ counter packets (\d+)', table)
+    assert m is not None and int(m.group(1)) > 0, table
+
+
+def test_a_changed_level_takes_effect_on_live_traffic(bed: Bed) -> None:
+    bed.start()
+    for name in ("one", "two"):
+        bed.gpuctl("jobs", "add", name)
+    bed.gpuctl("net", "pin", "--job", "one", "--level", "0")
+    bed.gpuctl("net", "pin", "--job", "two", "--level", "3")
+    bed.wait("levels", lambda: bed.job("two").get("level") == 3 and _enforced(bed))
+    ports = [_free_port(), _free_port()]
+    servers = [bed.iperf_server(p) for p in ports]
+    time.sleep(0.3)
+    tos = {n: int(bed.job(n)["dscp"]) << 2 for n in ("one", "two")}  # type: ignore[call-overload]
+    clients = [
+        subprocess.Popen(
+            ["ip", "netns", "exec", bed.snd, *bed.iperf_client(p, 20, tos=tos[n])],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for p, n in zip(ports, ("one", "two"), strict=True)
+    ]
+    try:
+
+        def window(seconds: float = 1.5) -> tuple[int, int]:
+            a0, b0 = bed.leaf_bytes("one"), bed.leaf_bytes("two")
+            time.sleep(seconds)
+            return bed.leaf_bytes("one") - a0, bed.leaf_bytes("two") - b0
+
+        bed.wait("traffic flowing", lambda: bed.leaf_bytes("one") > 1_000_000)
+        one, two = window()
+        assert one > 3 * two, (one, two)  # level 0 before level 3
+        bed.gpuctl("net", "pin", "--job", "one", "--level", "3")
+        bed.gpuctl("net", "pin", "--job", "two", "--level", "0")
+        bed.wait("swapped levels", lambda: bed.job("two").get("level") == 0)
+        # the starved flow may sit in TCP's retransmission back-off for a while
+        bed.wait("the promoted flow sending", lambda: bed.leaf_bytes("two") > 1_000_000)
+        one, two = window()
+        assert two > 3 * one, (one, two)
+        assert int(bed.show()["level_changes_total"]) >= 2  # type: ignore[call-overload]
+    finally:
+        for c in clients:
+            c.kill()
+            c.wait()
+        for s in servers:
+            s.kill()
+            s.wait()
+
+
+def test_a_deleted_qdisc_is_restored_within_one_tick(bed: Bed) -> None:
+    bed.interfaces = ("a0", "nope0")  # a bad name is that interface's error only
+    bed.start()
+    bed.gpuctl("jobs", "add", "keep")
+    bed.gpuctl("net", "pin", "--job", "keep", "--level", "1")
+    bed.wait("enforced", lambda: _enforced(bed) and bed.job("keep").get("level") == 1)
+    leaf = bed.leaf("keep")
+    run("tc", "-n", bed.snd, "qdisc", "del", "dev", "a0", "root")
+    assert leaf not in bed.classes()
+    bed.wait("the tree back", lambda: leaf in bed.classes(), timeout=10)
+    interfaces = bed.show()["interfaces"]
+    assert isinstance(interfaces, list)
+    assert int(interfaces[0]["repairs"]) == 1
+    assert interfaces[1]["name"] == "nope0" and not interfaces[1].get("enforced")
+    assert "nope0" in interfaces[1]["error"]
+    assert bed.daemon is not None
+    assert "net.drift" in bed.gpuctl("events", "--json")
+
+
+def test_priorities_stay_in_force_across_kill_9_and_are_adopted(bed: Bed) -> None:
+    daemon = bed.start()
+    bed.gpuctl("jobs", "add", "steady")
+    bed.gpuctl("net", "pin", "--job", "steady", "--level", "2")
+    bed.wait("enforced", lambda: _enforced(bed) and bed.job("steady").get("level") == 2)
+    leaf = bed.leaf("steady")
+    tos = int(bed.job("steady")["dscp"]) << 2  # type: ignore[call-overload]
+    daemon.proc.send_signal(signal.SIGKILL)
+    stop_daemon(daemon)  # reaps it and closes its notify socket
+    bed.daemon = None
+    # no gpud: the tree, its filters and the nftables table are all still there
+    port = _free_port()
+    server = bed.iperf_server(port)
+    time.sleep(0.3)
+    run("ip", "netns", "exec", bed.snd, *bed.iperf_client(port, 1, tos=tos))
+    server.wait(timeout=30)
+    sent = int(bed.classes()[leaf]["bytes"])
+    assert sent > 1_000_000
+    assert "table inet gpud" in run(*bed.enter, "nft", "list", "tables")
+    # a new gpud adopts the tree instead of rebuilding it: the leaf's counters keep counting
+    bed.start()
+    bed.wait("enforced again", lambda: _enforced(bed))
+    time.sleep(1.5)
+    assert bed.job("steady").get("level") == 2
+    assert int(bed.classes()[leaf]["bytes"]) >= sent
+    interfaces = bed.show()["interfaces"]
+    assert isinstance(interfaces, list) and int(interfaces[0].get("repairs", 0)) == 0

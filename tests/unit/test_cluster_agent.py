@@ -1,0 +1,199 @@
+"""The node agent with fakes: leader rounds, following, fencing, fail-static, attributes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gpud.cluster.agent import ClusterAgent
+from gpud.cluster.election import LeaderInfo
+from gpud.cluster.fencing import Mode
+from gpud.cluster.leader import NodeSeen
+from gpud.cluster.model import NodeReport, Order
+from gpud.cluster.ports import MemoryTagStore, StaticNodeView
+from gpud.errors import FailedPrecondition, Unavailable
+from gpud.net.port import FakeTraffic, JobTraffic
+from netshaper.leveller import LevellerConfig
+
+
+class FixedElection:
+    def __init__(self, info: LeaderInfo) -> None:
+        self.info = info
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def state(self) -> LeaderInfo:
+        return self.info
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class LoopbackPeers:
+    """Delivers reports straight to the leader agent, or fails like an unreachable one."""
+
+    def __init__(self) -> None:
+        self.leader: ClusterAgent | None = None
+        self.forced: Order | None = None
+
+    async def report(self, address: str, leader: str, report: NodeReport) -> Order | None:
+        if self.forced is not None:
+            return self.forced
+        if self.leader is None:
+            raise Unavailable(f"leader {leader} at {address}: UNAVAILABLE")
+        return self.leader.receive(report)
+
+    async def nodes(self, address: str, leader: str) -> list[NodeSeen]:
+        if self.leader is None:
+            raise Unavailable(f"leader {leader} at {address}: UNAVAILABLE")
+        return self.leader.seen_nodes()
+
+
+def job(name: str, rate: float | None) -> JobTraffic:
+    return JobTraffic(
+        job=name,
+        dscp=10,
+        level=None,
+        rate=rate,
+        iterations=None,
+        iteration_s=0.5,
+        contention_free_iteration_s=None,
+        last_report_unix_s=None,
+    )
+
+
+def agent(
+    name: str,
+    info: LeaderInfo,
+    traffic: FakeTraffic,
+    peers: LoopbackPeers,
+    clock: Clock,
+    *,
+    view: StaticNodeView | None = None,
+    store: MemoryTagStore | None = None,
+) -> ClusterAgent:
+    tags = store or MemoryTagStore()
+    return ClusterAgent(
+        node=name,
+        election_kind="etcd",
+        election=FixedElection(info),
+        traffic=traffic,
+        view=view or StaticNodeView(),
+        tag_store=lambda epoch: tags,
+        leveller=LevellerConfig(levels=4),
+        reserved_tags=(0, 46, 48, 56),
+        peers=peers,
+        grace_s=30,
+        fresh_s=3,
+        node_timeout_s=5,
+        clock=clock,
+        wall=lambda: 1.7e9,
+    )
+
+
+async def test_one_order_everywhere_with_a_jobs_slowest_node() -> None:
+    clock, peers = Clock(), LoopbackPeers()
+    lead_info = LeaderInfo("n0", "a0", epoch=7, leading=True)
+    follow_info = LeaderInfo("n0", "a0", epoch=7, leading=False)
+    t0 = FakeTraffic((job("a", 0.9), job("b", 0.5)))
+    t1 = FakeTraffic((job("a", 0.2),))
+    view1 = StaticNodeView(gpus={"a": ("G1", "G2")}, unhealthy={"G2": "GPU lost"}, xids={"G2": 79})
+    leader = agent("n0", lead_info, t0, peers, clock)
+    follower = agent("n1", follow_info, t1, peers, clock, view=view1)
+    peers.leader = leader
+    await leader.tick()
+    await follower.tick()  # first report: the leader has not folded it in yet
+    assert follower.order is None and follower.mode is Mode.LOCAL
+    await leader.tick()
+    await follower.tick()
+    assert follower.mode is Mode.FOLLOWER and leader.mode is Mode.LEADER
+    assert t1.epoch == 7 and t0.epoch == 7
+    assert t0.order is not None and t1.order == {"a": t0.order["a"]}
+    assert t0.tags["a"] == t1.tags["a"]
+    epoch, _, attrs = follower.attributes()
+    assert epoch == 7
+    (a,) = attrs
+    assert a.progress_rate == 0.2 and a.slowest_node == "n1"
+    assert a.unhealthy_gpus == ("n1/G2",) and a.xids == ("n1:79",)
+    # a (0.2 on n1) is the slowest job: the highest priority on every node
+    assert t0.order is not None and t0.order["a"] < t0.order["b"]
+    status = leader.status()
+    assert [n.node for n in status.nodes] == ["n0", "n1"]
+    assert [n.node for n in (await follower.status_with_nodes()).nodes] == ["n0", "n1"]
+    assert {j.job for j in status.jobs} == {"a", "b"}
+
+
+async def test_a_follower_refuses_reports() -> None:
+    clock, peers = Clock(), LoopbackPeers()
+    f = agent("n1", LeaderInfo("n0", "a0", 3, False), FakeTraffic(), peers, clock)
+    with pytest.raises(FailedPrecondition, match="the leader is n0"):
+        f.receive(NodeReport("n2"))
+
+
+async def test_stale_epoch_is_rejected_and_the_last_order_stays() -> None:
+    clock, peers = Clock(), LoopbackPeers()
+    traffic = FakeTraffic((job("a", 0.5),))
+    f = agent("n1", LeaderInfo("n0", "a0", 9, False), traffic, peers, clock)
+    peers.forced = Order(epoch=9, seq=1, leader="n0", levels={"a": 1}, tags={"a": 12})
+    await f.tick()
+    peers.forced = Order(epoch=8, seq=5, leader="old", levels={"a": 3}, tags={"a": 12})
+    await f.tick()
+    assert traffic.order == {"a": 1} and f.fence.rejected == 1
+    assert f.status().applied_epoch == 9
+
+
+async def test_without_a_leader_the_last_order_holds_until_the_grace_period_ends() -> None:
+    clock, peers = Clock(), LoopbackPeers()
+    traffic = FakeTraffic((job("a", 0.5),))
+    f = agent("n1", LeaderInfo("n0", "a0", 9, False), traffic, peers, clock)
+    peers.forced = Order(epoch=9, seq=1, leader="n0", levels={"a": 1}, tags={"a": 12})
+    await f.tick()
+    peers.forced = None  # the leader dies
+    clock.now += 10
+    await f.tick()
+    assert f.mode is Mode.HOLDING and traffic.order == {"a": 1}
+    assert "UNAVAILABLE" in f.last_error
+    clock.now += 25
+    await f.tick()
+    assert f.mode is Mode.LOCAL and traffic.order is None  # clear_order: local policy
+
+
+async def test_tags_survive_a_change_of_leader() -> None:
+    clock, peers, store = Clock(), LoopbackPeers(), MemoryTagStore()
+    traffic = FakeTraffic(tuple(job(f"j{i}", 0.5) for i in range(20)))
+    first = agent("n0", LeaderInfo("n0", "a", 5, True), traffic, peers, clock, store=store)
+    await first.tick()
+    tags = dict(traffic.tags)
+    second = agent(
+        "n1", LeaderInfo("n1", "b", 11, True), FakeTraffic(traffic.jobs), peers, clock, store=store
+    )
+    await second.tick()
+    assert second.order is not None and dict(second.order.tags) == tags
+
+
+async def test_watch_yields_again_only_when_attributes_change() -> None:
+    clock, peers = Clock(), LoopbackPeers()
+    view = StaticNodeView(gpus={"a": ("G1",)})
+    leader = agent("n0", LeaderInfo("n0", "a0", 2, True), FakeTraffic(), peers, clock, view=view)
+    await leader.tick()
+    stream = leader.watch(["a"])
+    epoch, _, (a,) = await anext(stream)
+    assert epoch == 2 and a.unhealthy_gpus == ()
+    nxt = asyncio.ensure_future(anext(stream))
+    await leader.tick()  # same attributes: nothing sent
+    await asyncio.sleep(0)
+    assert not nxt.done()
+    view.unhealthy["G1"] = "GPU lost"
+    await leader.tick()
+    epoch, _, (a,) = await asyncio.wait_for(nxt, 5)
+    assert a.unhealthy_gpus == ("n0/G1",)

@@ -1,0 +1,88 @@
+"""gpuctl cluster and gpud.client.attributes against an in-process Cluster service."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+import gpud.client
+from gpud.api import ApiServer
+from gpud.cli.main import main
+from gpud.cluster.agent import ClusterAgent
+from gpud.cluster.api import ClusterServicer
+from gpud.cluster.election import LeaderInfo
+from gpud.cluster.ports import MemoryTagStore, StaticNodeView
+from gpud.net.port import FakeTraffic
+from netshaper.leveller import LevellerConfig
+from tests.unit.api_support import ServerThread, short_dir
+
+
+class Leading:
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def state(self) -> LeaderInfo:
+        return LeaderInfo("gpu-01", "10.0.0.1:7443", 12, True)
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[str, ClusterAgent, ServerThread]]:
+    view = StaticNodeView(gpus={"train-a": ("GPU-1", "GPU-2")}, unhealthy={"GPU-2": "GPU lost"})
+    agent = ClusterAgent(
+        node="gpu-01",
+        election_kind="etcd",
+        election=Leading(),
+        traffic=FakeTraffic(),
+        view=view,
+        tag_store=lambda epoch: MemoryTagStore(),
+        leveller=LevellerConfig(levels=4),
+        reserved_tags=(0, 46, 48, 56),
+        peers=None,
+        grace_s=30,
+        fresh_s=3,
+        node_timeout_s=5,
+    )
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        with ServerThread(ApiServer(path, servicers=[ClusterServicer(agent).register])) as server:
+            server.run(agent.tick())
+            yield str(path), agent, server
+
+
+def test_status_table_and_json(
+    capsys: pytest.CaptureFixture[str], served: tuple[str, ClusterAgent, ServerThread]
+) -> None:
+    sock, _, _ = served
+    assert main(["cluster", "status", "--socket", sock], env={}) == 0
+    out = capsys.readouterr().out
+    assert "gpu-01 at 10.0.0.1:7443, epoch 12" in out
+    assert "leader (this node leads)" in out
+    assert "train-a" in out and "LAST REPORT" in out
+    assert main(["cluster", "status", "--socket", sock, "--json"], env={}) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["epoch"] == 12 and data["mode"] == "leader"
+    assert [n["node"] for n in data["nodes"]] == ["gpu-01"]
+    assert data["jobs"][0]["job"] == "train-a" and data["jobs"][0]["level"] == 0
+
+
+def test_attributes_from_gpuctl_and_the_client(
+    capsys: pytest.CaptureFixture[str], served: tuple[str, ClusterAgent, ServerThread]
+) -> None:
+    sock, _, _ = served
+    assert main(["cluster", "attributes", "--socket", sock, "--job", "train-a"], env={}) == 0
+    out = capsys.readouterr().out
+    assert "epoch 12" in out and "gpu-01/GPU-2" in out
+    a = gpud.client.attributes("train-a", socket=sock)
+    assert a is not None
+    assert a.epoch == 12 and a.unhealthy_gpus == ("gpu-01/GPU-2",) and a.level == 0
+    assert a.nodes == ("gpu-01",)
+    assert gpud.client.attributes("unknown", socket=sock) is None
+    watch = gpud.client.watch_attributes("train-a", socket=sock)
+    first = next(watch)
+    assert first == a
+    watch.close()

@@ -1,0 +1,162 @@
+"""Leader aggregation, cluster-wide tags and fencing (pure, no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpud.cluster.fencing import FailStatic, Fence, Mode
+from gpud.cluster.leader import Aggregator
+from gpud.cluster.model import JobReport, NodeReport, Order
+from gpud.cluster.ports import MemoryTagStore
+from netshaper.leveller import Leveller, LevellerConfig
+
+
+def make(store: MemoryTagStore | None = None, timeout: float = 5.0) -> Aggregator:
+    return Aggregator(
+        leader="n0",
+        leveller=Leveller(LevellerConfig(levels=4)),
+        tags=store if store is not None else MemoryTagStore(),
+        node_timeout_s=timeout,
+    )
+
+
+def test_a_jobs_progress_is_its_slowest_node() -> None:
+    agg = make()
+    agg.receive(NodeReport("n1", (JobReport("a", progress_rate=0.9), JobReport("b", 0.5))), 0)
+    agg.receive(NodeReport("n2", (JobReport("a", progress_rate=0.3),)), 0)
+    order = agg.compute(epoch=7, now=1.0)
+    a = order.attributes["a"]
+    assert a.progress_rate == 0.3
+    assert a.slowest_node == "n2"
+    assert a.nodes == ("n1", "n2")
+    assert a.epoch == 7
+    # a (0.3) is slower than b (0.5): it gets the higher priority
+    assert order.levels["a"] < order.levels["b"]
+
+
+def test_faults_of_any_node_reach_the_jobs_attributes() -> None:
+    agg = make()
+    agg.receive(NodeReport("n1", (JobReport("a", gpus=("G1",)),)), 0)
+    agg.receive(
+        NodeReport(
+            "n2",
+            (JobReport("a", unhealthy_gpus=("G2",), xids=(79,), link_up=False, drops=5),),
+        ),
+        0,
+    )
+    a = agg.compute(1, 0.5).attributes["a"]
+    assert a.unhealthy_gpus == ("n2/G2",)
+    assert a.xids == ("n2:79",)
+    assert a.links_down == ("n2",)
+    assert a.drops == 5
+
+
+def test_answers_carry_only_the_nodes_jobs() -> None:
+    agg = make()
+    agg.receive(NodeReport("n1", (JobReport("a"),)), 0)
+    agg.receive(NodeReport("n2", (JobReport("b"),)), 0)
+    agg.compute(3, 0)
+    answer = agg.answer("n1")
+    assert answer is not None
+    assert set(answer.levels) == {"a"} and set(answer.tags) == {"a"}
+    assert answer.epoch == 3
+
+
+def test_tags_are_unique_persisted_and_kept_by_a_new_leader() -> None:
+    store = MemoryTagStore()
+    agg = make(store)
+    jobs = tuple(JobReport(f"j{i}") for i in range(40))
+    agg.receive(NodeReport("n1", jobs), 0)
+    first = agg.compute(1, 0).tags
+    assert len(set(first.values())) == 40
+    assert store.tags == first
+    successor = make(store)
+    successor.receive(NodeReport("n1", jobs), 10)
+    assert successor.compute(2, 10).tags == first
+
+
+def test_stale_nodes_drop_out_and_idle_tags_are_released() -> None:
+    store = MemoryTagStore()
+    agg = make(store, timeout=5)
+    agg.receive(NodeReport("n1", (JobReport("a"),)), 0)
+    agg.receive(NodeReport("n2", (JobReport("b"),)), 0)
+    agg.compute(1, 0)
+    agg.receive(NodeReport("n1", (JobReport("a"),)), 10)
+    order = agg.compute(1, 10)
+    assert set(order.levels) == {"a"}
+    assert [n.node for n in agg.nodes(10)] == ["n1"]
+    assert "b" in store.tags  # not yet: released after 3 x node timeout
+    agg.receive(NodeReport("n1", (JobReport("a"),)), 16)
+    agg.compute(1, 16)
+    assert set(store.tags) == {"a"}
+
+
+def test_a_failing_tag_store_publishes_nothing_new() -> None:
+    class Broken(MemoryTagStore):
+        def save(self, allocated: object, released: object) -> None:
+            raise OSError("etcd down")
+
+    agg = make(Broken())
+    agg.receive(NodeReport("n1", (JobReport("a"),)), 0)
+    with pytest.raises(OSError):
+        agg.compute(1, 0)
+    assert agg.order is None
+
+
+def test_seq_restarts_with_each_epoch() -> None:
+    agg = make()
+    agg.receive(NodeReport("n1", (JobReport("a"),)), 0)
+    assert (agg.compute(5, 0).seq, agg.compute(5, 1).seq) == (1, 2)
+    assert agg.compute(9, 2).seq == 1
+
+
+def order(epoch: int, seq: int) -> Order:
+    return Order(epoch=epoch, seq=seq, leader="x", levels={}, tags={})
+
+
+def test_fence_rejects_stale_epochs_and_old_answers() -> None:
+    fence = Fence()
+    assert fence.admit(order(5, 1))
+    assert fence.admit(order(5, 2))
+    assert not fence.admit(order(4, 9))  # a deposed leader
+    assert not fence.admit(order(5, 1))  # an older answer of the same leader
+    assert fence.admit(order(6, 1))
+    assert fence.rejected == 2
+    assert (fence.epoch, fence.seq) == (6, 1)
+
+
+def test_fail_static_holds_the_last_order_for_the_grace_period() -> None:
+    fs = FailStatic(grace_s=30, fresh_s=3)
+    assert fs.mode(0, leading=False) is Mode.LOCAL
+    fs.contact(10)
+    assert fs.mode(11, leading=False) is Mode.FOLLOWER
+    assert fs.mode(20, leading=False) is Mode.HOLDING
+    assert fs.mode(40, leading=False) is Mode.HOLDING
+    assert fs.mode(40.5, leading=False) is Mode.LOCAL
+    assert fs.mode(40.5, leading=True) is Mode.LEADER
+
+
+def test_a_tag_nodes_already_use_is_kept_when_free() -> None:
+    agg = make()
+    agg.receive(NodeReport("n1", (JobReport("a", dscp=21), JobReport("b", dscp=21))), 0)
+    tags = agg.compute(1, 0).tags
+    assert tags["a"] == 21 and tags["b"] != 21
+
+
+def test_more_jobs_than_codepoints_still_get_levels() -> None:
+    agg = make()
+    agg.receive(NodeReport("n1", tuple(JobReport(f"j{i:03}", 0.5) for i in range(100))), 0)
+    order = agg.compute(1, 0)
+    assert len(order.levels) == 100
+    assert len(order.tags) == len(set(order.tags.values())) == 100 - len(agg.untagged)
+    assert agg.untagged and all(order.attributes[j].dscp is None for j in agg.untagged)
+
+
+def test_a_pin_on_any_node_holds_everywhere() -> None:
+    agg = make()
+    agg.receive(NodeReport("n1", (JobReport("a", 0.1), JobReport("b", 0.9, pinned_level=0))), 0)
+    agg.receive(NodeReport("n2", (JobReport("b", 0.9),)), 0)
+    assert agg.compute(1, 0).levels["b"] == 0
+    agg.receive(NodeReport("n1", (JobReport("a", 0.1), JobReport("b", 0.9))), 1)
+    levels = agg.compute(1, 1).levels  # unpinned: b (0.9) below a (0.1) again
+    assert levels["b"] > levels["a"]

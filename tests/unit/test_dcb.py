@@ -1,0 +1,115 @@
+"""The NIC DSCP -> priority map: the pure parts, and the dcb backend against a fake dcb."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from netshaper import dcb
+
+FAKE_DCB = str(Path(__file__).parents[1] / "fakes" / "dcb")
+
+
+@pytest.fixture
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "state.json").write_text(json.dumps({"eth2": [[26, 1], [48, 6]], "eth3": []}))
+    monkeypatch.setenv("FAKE_DCB_DIR", str(tmp_path))
+    return tmp_path
+
+
+def calls(root: Path) -> list[list[str]]:
+    path = root / "calls.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def table(root: Path, dev: str) -> list[list[int]]:
+    return list(json.loads((root / "state.json").read_text())[dev])
+
+
+def test_map_from_tags_and_levels() -> None:
+    m = dcb.dscp_prio_map({"a": 26, "b": 34, "c": 10}, {"a": 0, "b": 2}, dcb.DEFAULT_LEVEL_PRIOS)
+    assert m == {26: 7, 34: 5}
+    with pytest.raises(ValueError, match="x: has level 1 but no DSCP tag"):
+        dcb.dscp_prio_map({}, {"x": 1}, dcb.DEFAULT_LEVEL_PRIOS)
+    with pytest.raises(ValueError, match="a: level 3 has no NIC priority"):
+        dcb.dscp_prio_map({"a": 26}, {"a": 3}, (3, 3, 3))
+    with pytest.raises(ValueError, match=r"level_prios\[1\] must be in \[0, 7\]"):
+        dcb.dscp_prio_map({}, {}, (3, 9))
+
+
+def test_only_differing_entries_change() -> None:
+    current = {26: (1,), 34: (5,), 40: (2, 3), 48: (6,)}
+    assert dcb.map_changes(current, {26: 1, 34: 6, 40: 2, 10: 0}) == {10: 0, 34: 6, 40: 2}
+    assert dcb.map_changes(current, {26: 1}) == {}
+
+
+def test_parse_dcb_json() -> None:
+    assert dcb.parse_app_json('{"dscp_prio":[[26,3],[26,4],[48,6]]}') == {26: (3, 4), 48: (6,)}
+    assert dcb.parse_app_json('{"dscp_prio":[{"dscp":1,"prio":2}]}') == {1: (2,)}
+    assert dcb.parse_app_json("{}") == {}
+    with pytest.raises(ValueError):
+        dcb.parse_app_json('{"dscp_prio":[7]}')
+
+
+def test_dcb_backend_writes_only_what_differs(fake: Path) -> None:
+    backend = dcb.DcbAppBackend(FAKE_DCB)
+    assert backend.current("eth2") == {26: (1,), 48: (6,)}
+    result = backend.apply("eth2", {26: 7, 34: 6})
+    assert result.changed == {26: 7, 34: 6}
+    assert calls(fake)[-1] == ["app", "replace", "dev", "eth2", "dscp-prio", "26:7", "34:6"]
+    assert table(fake, "eth2") == [[26, 7], [34, 6], [48, 6]]  # the CNP entry stays
+
+    before = len(calls(fake))
+    assert backend.apply("eth2", {26: 7, 34: 6}).changed == {}
+    assert calls(fake)[before:] == [["-j", "app", "show", "dev", "eth2", "dscp-prio"]]  # read only
+
+    assert backend.apply("eth2", {26: 7, 34: 2}).changed == {34: 2}
+    assert calls(fake)[-1] == ["app", "replace", "dev", "eth2", "dscp-prio", "34:2"]
+    assert table(fake, "eth2") == [[26, 7], [34, 2], [48, 6]]
+
+
+def test_dcb_backend_in_a_netns_passes_n(fake: Path) -> None:
+    dcb.DcbAppBackend(FAKE_DCB, netns="rdma0").apply("eth3", {10: 3})
+    assert calls(fake)[-1] == ["-n", "rdma0", "app", "replace", "dev", "eth3", "dscp-prio", "10:3"]
+
+
+def test_dcb_errors_name_the_netdev(fake: Path) -> None:
+    backend = dcb.DcbAppBackend(FAKE_DCB)
+    with pytest.raises(
+        dcb.DcbError, match='eth9: app show failed \\(exit 1\\): Cannot find device "eth9"'
+    ) as err:
+        backend.apply("eth9", {26: 7})
+    assert err.value.netdev == "eth9" and "-j app show dev eth9" in err.value.command
+    with pytest.raises(dcb.DcbError, match="eth2: cannot run"):
+        dcb.DcbAppBackend(str(fake / "no-such-dcb")).current("eth2")
+
+
+def test_dry_run_prints_changes_only() -> None:
+    lines: list[str] = []
+    backend = dcb.DryRunBackend(lines.append)
+    backend.apply("eth2", {26: 7, 34: 6})
+    backend.apply("eth2", {26: 7, 34: 6})
+    backend.apply("eth2", {26: 5, 34: 6})
+    assert lines == [
+        "dcb app replace dev eth2 dscp-prio 26:7 34:6",
+        "dcb app replace dev eth2 dscp-prio 26:5",
+    ]
+
+
+def test_nic_map_writes_every_netdev_and_reports_failures(fake: Path) -> None:
+    nic = dcb.NicMap(dcb.DcbAppBackend(FAKE_DCB), ["eth2", "eth3"])
+    assert nic.apply({26: 7, 48: 6}) == [
+        "eth2: DSCP 26 -> prio 7",
+        "eth3: DSCP 26 -> prio 7",
+        "eth3: DSCP 48 -> prio 6",
+    ]
+    assert nic.apply({26: 7, 48: 6}) == []
+    broken = dcb.NicMap(dcb.DcbAppBackend(FAKE_DCB), ["eth9", "eth3"])
+    with pytest.raises(dcb.DcbError, match="eth9: 1 of 2 netdev") as err:
+        broken.apply({26: 5})
+    assert 'Cannot find device "eth9"' in str(err.value)
+    assert table(fake, "eth3") == [[26, 5], [48, 6]]  # the healthy netdev was still written
+    with pytest.raises(ValueError, match="DSCP 64"):
+        nic.apply({64: 1})

@@ -1,0 +1,43 @@
+"""gpuctl run's gate: the command waits until gpud has placed it, then runs as the same PID."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gpud.cli.context import CliError
+from gpud.cli.run import _launch
+
+
+def test_the_command_runs_only_after_it_was_placed(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    seen: list[tuple[int, bytes]] = []
+
+    def place(pid: int) -> None:
+        # still the gate, and already showing its environment (what gpud checks)
+        seen.append((pid, Path(f"/proc/{pid}/cmdline").read_bytes()))
+        assert b"GPUD_TEST_JOB=x" in Path(f"/proc/{pid}/environ").read_bytes()
+        assert not out.exists()
+
+    env = {**os.environ, "GPUD_TEST_JOB": "x"}
+    code = _launch(["sh", "-c", f"echo $$ > {out}"], env, place)
+    assert code == 0
+    ((pid, cmdline),) = seen
+    assert b"-c" in cmdline and b"execvp" in cmdline
+    assert int(out.read_text()) == pid  # exec keeps the PID that was placed
+
+
+def test_a_failed_placement_warns_and_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def place(pid: int) -> None:
+        raise CliError("cannot mark job traffic by cgroup: nft not found", 6)
+
+    assert _launch(["sh", "-c", "exit 3"], dict(os.environ), place) == 3
+    assert "not marked by cgroup: cannot mark" in capsys.readouterr().err
+
+
+def test_a_missing_command_behind_the_gate() -> None:
+    assert _launch(["/nonexistent/cmd"], dict(os.environ), lambda pid: None) == 127

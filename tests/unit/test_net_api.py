@@ -1,0 +1,183 @@
+"""The Net API end to end over a unix socket: gpud.client.Progress, gpuctl net, metrics."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gpud.api import ApiServer
+from gpud.cli.main import main
+from gpud.client import Progress, job_dscp, set_socket_tos
+from gpud.config import TrafficConfig
+from gpud.events import EventLog
+from gpud.metrics import Collector
+from gpud.net.api import NetServicer
+from gpud.net.enforce import FakeMarker, FakeTc
+from gpud.net.metrics import TrafficMetrics
+from gpud.net.service import TrafficService, job_pool
+from gpud.net.tagstore import TagStore
+from gpud.store import StateStore
+from tests.unit.api_support import ServerThread, short_dir
+
+
+class Node:
+    def __init__(self, state: Path) -> None:
+        self.jobs = ["train-a", "train-b"]
+        self.config = TrafficConfig(
+            enabled=True, interfaces=("eth0",), link_rates=("eth0=10gbit",), levels=4
+        )
+        self.tc = FakeTc()
+        self.service = TrafficService(
+            self.config,
+            tags=TagStore(StateStore(state), pool=job_pool(self.config)),
+            events=EventLog(None),
+            jobs=lambda: list(self.jobs),
+            tc=self.tc,
+            marker=FakeMarker(),
+        )
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Node:
+    return Node(tmp_path / "state")
+
+
+@pytest.fixture
+def sock(node: Node) -> Iterator[Path]:
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        with ServerThread(ApiServer(path, servicers=[NetServicer(node.service).register])):
+            yield path
+
+
+def gpuctl(capsys: pytest.CaptureFixture[str], sock: Path, *argv: str) -> tuple[int, str, str]:
+    code = main(["--socket", str(sock), *argv], env={})
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_progress_batches_reports_to_the_daemon(node: Node, sock: Path) -> None:
+    p = Progress("train-a", socket=sock, flush_interval_s=0.05, contention_free_iteration_s=0.1)
+    try:
+        for _ in range(50):
+            p.step()
+        assert p.flush(timeout=10)
+    finally:
+        p.close()
+    assert p.sent == 50 and p.dropped == 0 and p.rejected == 0
+    assert node.service.accepted_reports == 50
+    node.service.tick()
+    (a,) = [j for j in node.service.local_report().jobs if j.job == "train-a"]
+    assert a.iterations == 50 and a.contention_free_iteration_s == 0.1
+
+
+def test_progress_keeps_the_newest_reports_while_the_daemon_is_down(node: Node) -> None:
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        p = Progress("train-a", socket=path, flush_interval_s=0.02, max_buffer=10)
+        try:
+            for _ in range(25):
+                p.step()  # nobody listens: never blocks, never raises
+            time.sleep(0.1)
+            with ServerThread(ApiServer(path, servicers=[NetServicer(node.service).register])):
+                assert p.flush(timeout=15)
+        finally:
+            p.close()
+    assert p.sent == 10 and p.dropped == 15
+    node.service.tick()
+    (a,) = [j for j in node.service.local_report().jobs if j.job == "train-a"]
+    assert a.iterations == 25  # the newest survived
+
+
+def test_progress_counts_rejected_reports(sock: Path) -> None:
+    p = Progress("nobody", socket=sock, flush_interval_s=0.02)
+    try:
+        p.step()
+        assert p.flush(timeout=10)
+    finally:
+        p.close()
+    assert p.rejected == 1 and "no job 'nobody'" in p.last_error
+
+
+def test_progress_needs_a_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GPUD_JOB", raising=False)
+    with pytest.raises(ValueError, match="no job name"):
+        Progress()
+
+
+def test_socket_tos_helper(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUD_DSCP", "26")
+    assert job_dscp() == 26
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        assert set_socket_tos(s) == 104
+        assert s.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 104
+    with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+        set_socket_tos(s, 10)
+        assert s.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_TCLASS) == 40
+    monkeypatch.setenv("GPUD_DSCP", "99")
+    with pytest.raises(ValueError, match="GPUD_DSCP"):
+        job_dscp()
+
+
+def test_gpuctl_net_report_and_show(
+    capsys: pytest.CaptureFixture[str], node: Node, sock: Path
+) -> None:
+    now = time.time()
+    for i in (1, 2, 3):
+        code, _, err = gpuctl(
+            capsys, sock, "net", "report", "--job", "train-a", "--iterations", str(i),
+            "--timestamp", str(now - 3 + i), "--ideal", "0.5",
+        )  # fmt: skip
+        assert code == 0, err
+    code, _, err = gpuctl(capsys, sock, "net", "report", "--job", "train-a", "--iterations", "1")
+    assert code == 2 and "going backwards" in err
+    code, _, err = gpuctl(capsys, sock, "net", "report", "--job", "zz", "--iterations", "1")
+    assert code == 4 and "no job 'zz'" in err
+    code, _, err = gpuctl(
+        capsys, sock, "net", "report", "--job", "train-a", "--iterations", "9",
+        "--timestamp", str(now + 3600),
+    )  # fmt: skip
+    assert code == 2 and "in the future" in err
+    node.service.tick()
+    code, out, _ = gpuctl(capsys, sock, "net", "show")
+    assert code == 0
+    assert "train-a" in out and "0.50" in out  # 1 s per iteration, 0.5 s alone
+    assert "eth0" in out and "10 Gbit/s" in out
+    code, out, _ = gpuctl(capsys, sock, "net", "show", "--json")
+    doc = json.loads(out)
+    (a,) = [j for j in doc["jobs"] if j["job"] == "train-a"]
+    assert a["iterations"] == 3 and a["progress_rate"] == pytest.approx(0.5)
+    assert a["level"] == 0 and doc["interfaces"][0]["enforced"] is True
+    assert [lv["level"] for lv in doc["levels"]] == [0, 1, 2, 3]
+
+
+def test_gpuctl_net_pin(capsys: pytest.CaptureFixture[str], node: Node, sock: Path) -> None:
+    node.service.tick()
+    code, out, _ = gpuctl(capsys, sock, "net", "pin", "--job", "train-b", "--level", "3")
+    assert code == 0 and "pinned to level 3" in out
+    code, _, err = gpuctl(capsys, sock, "net", "pin", "--job", "train-b", "--level", "9")
+    assert code == 2 and "level" in err
+    node.service.tick()
+    assert {j.job: j.level for j in node.service.local_report().jobs}["train-b"] == 3
+    code, out, _ = gpuctl(capsys, sock, "net", "unpin", "--job", "train-b")
+    assert code == 0 and "unpinned" in out
+
+
+def test_metrics(node: Node) -> None:
+    node.service.tick()
+    collector = Collector(lambda: None, events=EventLog(None), clock=lambda: 0.0)
+    collector.add_source(TrafficMetrics(node.service))
+    registry = CollectorRegistry()
+    registry.register(collector)
+    tag = node.service.tags.allocations()["train-a"]
+    assert registry.get_sample_value("gpud_net_job_dscp", {"job": "train-a"}) == tag
+    assert registry.get_sample_value("gpud_net_interface_enforced", {"interface": "eth0"}) == 1
+    assert registry.get_sample_value("gpud_net_level_changes_total") == 0
+    assert registry.get_sample_value("gpud_net_job_sent_bytes_total", {"job": "train-a"}) == 0
+    assert registry.get_sample_value("gpud_net_level_min_share_ratio", {"level": "0"}) == 0.02

@@ -1,0 +1,402 @@
+"""The traffic service over fake tc, nftables and cgroups: reports, tags, levels, drift."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from gpud.config import TrafficConfig
+from gpud.errors import InvalidArgument, NotFound, PermissionDenied
+from gpud.events import EventLog
+from gpud.net.cgroups import JobCgroups, find_cgroup2
+from gpud.net.enforce import FakeCounters, FakeMarker, FakeTc
+from gpud.net.service import Report, TrafficService, job_pool
+from gpud.net.tagstore import TagStore, parse_pool
+from gpud.store import StateStore
+from netshaper import tcplan
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def sysfs(tmp_path: Path) -> Path:
+    for name, speed in (("eth0", "1000"), ("veth0", "-1")):
+        d = tmp_path / "sys" / "class" / "net" / name
+        d.mkdir(parents=True)
+        (d / "speed").write_text(speed + "\n")
+    return tmp_path / "sys"
+
+
+class Rig:
+    def __init__(self, tmp_path: Path, sysfs: Path, **config: object) -> None:
+        self.tmp = tmp_path
+        self.sysfs = sysfs
+        self.store = StateStore(tmp_path / "state")
+        self.events = EventLog(None)
+        self.jobs = ["a", "b", "c"]
+        self.active: set[str] = set()
+        self.clock = Clock()
+        self.tc = FakeTc()
+        self.marker = FakeMarker()
+        self.cg_root = tmp_path / "cg"
+        self.cgroups = JobCgroups(self.cg_root / "unified", nft_root=self.cg_root)
+        self.config = TrafficConfig(enabled=True, interfaces=("eth0",), **config)  # type: ignore[arg-type]
+        self.service = self.make()
+
+    def make(self) -> TrafficService:
+        return TrafficService(
+            self.config,
+            tags=TagStore(self.store, pool=job_pool(self.config)),
+            events=self.events,
+            jobs=lambda: list(self.jobs),
+            active=lambda: set(self.active),
+            tc=self.tc,
+            marker=self.marker,
+            cgroups=self.cgroups,
+            sysfs_root=self.sysfs,
+            proc_root=self.tmp / "proc",
+            clock=self.clock,
+        )
+
+    def kinds(self) -> list[str]:
+        return [e.kind for e in self.events.recent(1000)]
+
+
+@pytest.fixture
+def rig(tmp_path: Path, sysfs: Path) -> Rig:
+    return Rig(tmp_path, sysfs)
+
+
+def feed(rig: Rig, job: str, period: float, n: int, ideal: float | None = None) -> None:
+    """``n`` iterations of ``period`` seconds ending now."""
+    start = rig.clock.t - n * period
+    for i in range(1, n + 1):
+        rig.service.report(Report(job, i, start + i * period, ideal, session="s"))
+
+
+def test_default_pool_avoids_reserved_and_cnp() -> None:
+    pool = job_pool(TrafficConfig())
+    assert not pool & {0, 8, 16, 24, 32, 40, 46, 48, 56}
+    assert len(pool) == 64 - 9
+    assert parse_pool("10-12,20", {11}) == {10, 12, 20}
+    with pytest.raises(ValueError, match="no DSCP"):
+        parse_pool("48", {48})
+
+
+def test_reports_are_checked_and_bad_ones_change_nothing(rig: Rig) -> None:
+    s = rig.service
+    with pytest.raises(NotFound, match="no job 'zz'"):
+        s.report(Report("zz", 1, rig.clock.t))
+    with pytest.raises(InvalidArgument, match=r"timestamp_unix_seconds: .*in the future"):
+        s.report(Report("a", 1, rig.clock.t + 60))
+    s.report(Report("a", 10, rig.clock.t - 1, session="x"))
+    with pytest.raises(InvalidArgument, match=r"iterations: .*5 iterations after 10"):
+        s.report(Report("a", 5, rig.clock.t, session="x"))
+    with pytest.raises(InvalidArgument, match="contention_free_iteration_s"):
+        s.report(Report("a", 11, rig.clock.t, ideal_s=-1.0, session="x"))
+    assert s.local_report().jobs == ()  # no tags yet: the tick hands them out
+    s.tick()
+    (a,) = [j for j in s.local_report().jobs if j.job == "a"]
+    assert a.iterations == 10
+    # a new session (a restarted job) may count again from the start
+    s.report(Report("a", 1, rig.clock.t, session="y"))
+    accepted, rejected = s.report_batch(
+        [Report("a", 2, rig.clock.t, session="y"), Report("nope", 1, rig.clock.t)]
+    )
+    assert accepted == 1 and [r.index for r in rejected] == [1]
+    assert s.rejected_reports == 5 and s.accepted_reports == 3
+
+
+def test_tags_persist_and_are_released(rig: Rig) -> None:
+    rig.service.tick()
+    tags = rig.service.tags.allocations()
+    assert set(tags) == {"a", "b", "c"}
+    again = rig.make()  # a restart reads them back
+    assert again.tags.allocations() == tags
+    rig.jobs.remove("b")
+    rig.service.tick()
+    assert "b" not in rig.service.tags.allocations()
+    assert "net.release" in rig.kinds()
+    assert "b" not in rig.make().tags.allocations()
+
+
+def test_slowest_job_gets_the_highest_level_on_the_wire(rig: Rig) -> None:
+    feed(rig, "a", 1.0, 10, ideal=0.5)  # rate 0.5: slowest
+    feed(rig, "b", 0.6, 10, ideal=0.5)
+    feed(rig, "c", 0.5, 10, ideal=0.5)
+    rig.service.tick()
+    levels = {j.job: j.level for j in rig.service.local_report().jobs}
+    assert levels == {"a": 0, "b": 1, "c": 2}
+    state = rig.tc.states["eth0"]
+    assert state.root is not None and state.root.handle >> 16 == tcplan.ROOT_MAJOR
+    leaves = {tcplan.parse_leaf(c.classid) for c in state.classes} - {None}
+    tags = rig.service.tags.allocations()
+    assert leaves == {(0, tags["a"]), (1, tags["b"]), (2, tags["c"])}
+    view = rig.service.view()
+    assert view.interfaces[0].enforced and view.interfaces[0].rate_bps == 1_000_000_000
+
+
+def test_changed_level_only_moves_the_mapping_and_is_counted(rig: Rig) -> None:
+    for j in "abc":
+        feed(rig, j, 1.0, 5, ideal=0.5)
+    rig.service.tick()
+    tags = dict(rig.service.tags.allocations())
+    before = {j.job: j.level for j in rig.service.local_report().jobs}
+    rig.service.pin("c", 3)
+    rig.service.tick()
+    after = {j.job: j.level for j in rig.service.local_report().jobs}
+    assert after["c"] == 3 and before["c"] != 3
+    assert rig.service.tags.allocations() == tags  # the tag never changes
+    assert rig.service.view().level_changes_total >= 1
+    assert "net.levels" in rig.kinds()
+
+
+def test_drift_is_repaired_within_one_tick_and_logged(rig: Rig) -> None:
+    rig.active = {"a", "b"}
+    rig.service.tick()
+    rig.service.tick()
+    assert rig.service.view().interfaces[0].repairs == 0
+    del rig.tc.states["eth0"]  # someone ran `tc qdisc del dev eth0 root`
+    rig.service.tick()
+    assert rig.tc.states["eth0"].root is not None
+    assert rig.service.view().interfaces[0].repairs == 1
+    assert "net.drift" in rig.kinds()
+
+
+def test_a_bad_interface_is_its_own_error(tmp_path: Path, sysfs: Path) -> None:
+    rig = Rig(tmp_path, sysfs, link_rates=("veth0=400mbit",))
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0", "veth0", "nope0"))
+    rig.tc.missing.add("nope0")
+    rig.service = rig.make()
+    rig.service.tick()
+    by_name = {i.name: i for i in rig.service.view().interfaces}
+    assert by_name["eth0"].enforced and by_name["veth0"].enforced
+    assert by_name["veth0"].rate_bps == 400_000_000
+    assert not by_name["nope0"].enforced
+    assert "nope0" in by_name["nope0"].error and "link rate unknown" in by_name["nope0"].error
+
+
+def test_sysfs_without_a_speed_asks_for_link_rates(tmp_path: Path, sysfs: Path) -> None:
+    rig = Rig(tmp_path, sysfs)
+    rig.config = dataclasses.replace(rig.config, interfaces=("veth0",))
+    rig.service = rig.make()
+    rig.service.tick()
+    (iface,) = rig.service.view().interfaces
+    assert "set traffic.link_rates" in iface.error
+
+
+def test_restart_adopts_the_kernels_levels(rig: Rig) -> None:
+    feed(rig, "a", 1.0, 10, ideal=0.5)
+    feed(rig, "b", 0.5, 10, ideal=0.5)
+    rig.service.tick()
+    before = {j.job: j.level for j in rig.service.local_report().jobs}
+    rig.service = rig.make()  # kill -9 and start again: no progress known yet
+    rig.active = {"a", "b"}
+    rig.service.start()
+    rig.service.tick()
+    after = {j.job: j.level for j in rig.service.local_report().jobs}
+    assert after["a"] == before["a"] and after["b"] == before["b"]
+    assert "net.adopt" in rig.kinds()
+
+
+def test_counters_survive_a_leaf_moving(rig: Rig) -> None:
+    rig.active = {"a"}
+    rig.service.tick()
+    tags = rig.service.tags.allocations()
+    leaf = next(
+        c.classid
+        for c in rig.tc.states["eth0"].classes
+        if (p := tcplan.parse_leaf(c.classid)) and p[1] == tags["a"]
+    )
+    rig.tc.sent[("eth0", leaf)] = FakeCounters(1000, 10, 1)
+    rig.service.tick()
+    rig.service.pin("a", 2)  # the leaf is recreated under level 2: its counters restart
+    rig.service.tick()
+    moved = next(
+        c.classid
+        for c in rig.tc.states["eth0"].classes
+        if (p := tcplan.parse_leaf(c.classid)) and p[1] == tags["a"]
+    )
+    rig.tc.sent[("eth0", moved)] = FakeCounters(500, 5, 0)
+    rig.service.tick()
+    (a,) = [j for j in rig.service.local_report().jobs if j.job == "a"]
+    assert (a.counters.bytes, a.counters.packets, a.counters.drops) == (1500, 15, 1)
+    view = rig.service.view()
+    assert view.level_counters[2].bytes == 1500
+
+
+def test_cluster_order_is_fenced_by_epoch(rig: Rig) -> None:
+    rig.active = {"a", "b"}
+    rig.service.tick()
+    assert rig.service.apply_order(5, {"a": 3, "b": 0}).applied
+    rig.service.tick()
+    assert {j.job: j.level for j in rig.service.local_report().jobs if j.level is not None} == {
+        "a": 3,
+        "b": 0,
+    }
+    assert rig.service.local_report().epoch == 5
+    stale = rig.service.apply_order(4, {"a": 0})
+    assert not stale.applied and "stale epoch" in stale.reason
+    assert not rig.service.apply_order(6, {"a": 99}).applied
+    tags = rig.service.tags.allocations()
+    free = next(d for d in rig.service.tags.pool if d not in tags.values())
+    result = rig.service.apply_order(6, {"a": 1}, tags={"a": free})
+    assert result.applied and result.retagged == ("a",)
+    rig.service.clear_order()
+    rig.service.tick()
+    assert rig.service.local_report().epoch == 0
+
+
+def test_marks_follow_job_cgroups(rig: Rig) -> None:
+    (rig.tmp / "proc" / "4242").mkdir(parents=True)
+    (rig.tmp / "proc" / "4242" / "environ").write_bytes(b"A=1\0GPUD_JOB=a\0")
+    (rig.tmp / "proc" / "4343").mkdir(parents=True)
+    (rig.tmp / "proc" / "4343" / "environ").write_bytes(b"GPUD_JOB=b\0")
+    # a fake cgroup tree: writing cgroup.procs is a plain file write here
+    path = rig.service.place("a", 4242)
+    assert path.endswith("unified/gpud/gpud-job-a")
+    with pytest.raises(PermissionDenied, match="not started for job 'a'"):
+        rig.service.place("a", 4343)
+    (mark,) = rig.marker.marks
+    assert mark.job == "a" and mark.path == "unified/gpud/gpud-job-a" and mark.level == 2
+    assert mark.dscp == rig.service.tags.allocations()["a"]
+    rig.jobs.remove("a")
+    (rig.cgroups.dir("a") / "cgroup.procs").unlink()  # an empty cgroup can be removed
+    rig.service.tick()
+    assert not rig.marker.marks and not rig.cgroups.dir("a").exists()
+
+
+def test_marking_failure_is_reported_not_fatal(rig: Rig) -> None:
+    rig.marker.fail = "nft not found (install the nftables package)"
+    rig.cgroups.ensure("a")
+    rig.service.tick()
+    view = rig.service.view()
+    assert "nft not found" in view.marking_error
+    assert view.interfaces[0].enforced
+
+
+def test_shutdown_modes(rig: Rig, tmp_path: Path) -> None:
+    rig.service.tick()
+    rig.service.shutdown()  # fail-static: nothing is touched
+    assert "eth0" in rig.tc.states
+    rig.config = dataclasses.replace(rig.config, shutdown="restore")
+    rig.service = rig.make()
+    rig.service.start()
+    rig.service.shutdown()
+    assert rig.tc.restored_ifaces == ["eth0"]
+
+
+def test_find_cgroup2(tmp_path: Path) -> None:
+    info = tmp_path / "mountinfo"
+    info.write_text(
+        "25 18 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n"
+        "34 25 0:30 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw\n"
+    )
+    assert find_cgroup2(info) == Path("/sys/fs/cgroup/unified")
+    info.write_text("25 18 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n")
+    assert find_cgroup2(info) is None
+
+
+def test_rdma_map_follows_levels(tmp_path: Path, sysfs: Path) -> None:
+    from netshaper.dcb import DryRunBackend, NicMap
+
+    lines: list[str] = []
+    rig = Rig(tmp_path, sysfs)
+    service = TrafficService(
+        rig.config,
+        tags=TagStore(rig.store, pool=job_pool(rig.config)),
+        events=rig.events,
+        jobs=lambda: ["a", "b"],
+        active=lambda: {"a", "b"},
+        tc=rig.tc,
+        rdma=NicMap(DryRunBackend(lines.append), ["eth2", "eth3"]),
+        sysfs_root=sysfs,
+        clock=rig.clock,
+    )
+    service.tick()
+    tags = service.tags.allocations()
+    levels = {j.job: j.level for j in service.local_report().jobs}
+    assert levels == {"a": 0, "b": 1}
+    assert lines == [
+        f"dcb app replace dev {dev} dscp-prio "
+        + " ".join(f"{d}:{p}" for d, p in sorted({tags["a"]: 7, tags["b"]: 6}.items()))
+        for dev in ("eth2", "eth3")
+    ]
+    lines.clear()
+    service.tick()
+    assert lines == []  # nothing changed, nothing written
+    service.pin("b", 0)
+    service.pin("a", 3)
+    service.tick()
+    assert lines == [
+        f"dcb app replace dev {dev} dscp-prio "
+        + " ".join(f"{d}:{p}" for d, p in sorted({tags["a"]: 4, tags["b"]: 7}.items()))
+        for dev in ("eth2", "eth3")
+    ]
+    assert "net.rdma" in rig.kinds()
+
+
+def test_open_rdma_discovers_roce_netdevs() -> None:
+    from gpud.config import Config
+    from gpud.net.wiring import open_rdma
+
+    root = Path(__file__).resolve().parents[1] / "data" / "sysfs-rdma"
+    port, why = open_rdma(
+        Config(traffic=TrafficConfig(rdma_backend="dry-run")), sysfs_root=str(root)
+    )
+    assert port is not None and why == ""
+    assert port.netdevs  # type: ignore[attr-defined]
+    none, why = open_rdma(
+        Config(traffic=TrafficConfig(rdma_backend="dcb")), sysfs_root=str(root / "nothing")
+    )
+    assert none is None and "traffic.rdma_interfaces" in why
+    assert open_rdma(Config()) == (None, "")
+
+
+def test_wiring_says_why_marking_is_off(tmp_path: Path) -> None:
+    from gpud.config import Config
+    from gpud.jobs.service import JobService
+    from gpud.mps.manager import MpsManager
+    from gpud.net.wiring import open_traffic
+
+    store = StateStore(tmp_path / "state")
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", control_command=["true"], enabled=False)
+    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
+    config = Config(traffic=TrafficConfig(enabled=True, interfaces=("lo",)))
+    no_cgroup2 = tmp_path / "mountinfo"
+    no_cgroup2.write_text("25 18 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n")
+    service = open_traffic(config, store, events, jobs, mountinfo=no_cgroup2)
+    assert "cgroup v2 is not mounted" in service.view().marking_error
+    service.shutdown()
+    with_cgroup2 = tmp_path / "mountinfo2"
+    with_cgroup2.write_text("34 25 0:30 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n")
+    service = open_traffic(
+        config, store, events, jobs, mountinfo=with_cgroup2, which=lambda _: None
+    )
+    assert "nft not found (install the nftables package)" in service.view().marking_error
+    service.shutdown()
+    off = open_traffic(Config(), store, events, jobs)
+    assert not off.view().enabled
+
+
+def test_drift_is_counted_while_another_interface_fails(tmp_path: Path, sysfs: Path) -> None:
+    rig = Rig(tmp_path, sysfs, link_rates=("nope0=1gbit",))
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0", "nope0"))
+    rig.tc.missing.add("nope0")
+    rig.service = rig.make()
+    rig.active = {"a"}
+    rig.service.tick()
+    rig.service.tick()
+    del rig.tc.states["eth0"]
+    rig.service.tick()
+    eth0, nope0 = rig.service.view().interfaces
+    assert eth0.repairs == 1 and eth0.enforced and not nope0.enforced

@@ -1,0 +1,94 @@
+"""TcNetlink's error handling and caching, over a double of the netlink socket.
+
+The real kernel is exercised in tests/integration/test_tc_netlink.py; here the double
+plays a kernel without HTB on one interface, which no test machine can be made into.
+"""
+
+from __future__ import annotations
+
+import errno
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from netshaper import tcplan as tp
+from netshaper.tc_netlink import (
+    RTM_GETLINK,
+    RTM_NEWQDISC,
+    Ack,
+    TcNetlink,
+)
+
+LINKS = {"eth0": 1, "eth1": 2}
+
+
+def _ifinfo(index: int, name: str) -> memoryview:
+    attr_payload = name.encode() + b"\0"
+    attr = struct.pack("=HH", 4 + len(attr_payload), 3) + attr_payload
+    attr += b"\0" * (-len(attr) % 4)
+    return memoryview(struct.pack("=BxHiII", 0, 0, index, 0, 0) + attr)
+
+
+@dataclass
+class NoHtbOnEth1:
+    """eth1's kernel has no HTB: the root qdisc request fails, and so does what follows."""
+
+    dumps: list[tuple[int, int]] = field(default_factory=list)  # (type, ifindex)
+    sent: list[tuple[int, int]] = field(default_factory=list)
+
+    def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[Ack]:
+        acks = []
+        for i, (mtype, _flags, body) in enumerate(msgs):
+            (ifindex,) = struct.unpack_from("=i", body, 4)
+            self.sent.append((mtype, ifindex))
+            if ifindex == 2 and mtype == RTM_NEWQDISC:
+                acks.append(Ack(i, errno.ENOENT, "Specified qdisc kind is unknown."))
+            elif ifindex == 2:
+                acks.append(Ack(i, errno.EINVAL, "Specified class not found."))
+            else:
+                acks.append(Ack(i, 0, None))
+        return acks
+
+    def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        if mtype == RTM_GETLINK:
+            return [_ifinfo(i, n) for n, i in LINKS.items()], None
+        (ifindex,) = struct.unpack_from("=i", body, 4)
+        self.dumps.append((mtype, ifindex))
+        return [], None  # no root qdisc yet
+
+    def close(self) -> None:
+        pass
+
+
+def test_missing_htb_is_a_clear_error_for_that_interface_only() -> None:
+    nl = NoHtbOnEth1()
+    tc = TcNetlink(transport=nl)
+    plan = tp.plan({"eth0": 10**9, "eth1": 10**9, "eth7": 10**9}, {"a": 26}, {"a": 0}, [0.1] * 4)
+    result = tc.sync(plan)
+    assert set(result.errors) == {"eth1", "eth7"}
+    err = result.errors["eth1"]
+    assert str(err) == (
+        "eth1: the kernel has no HTB qdisc (sch_htb) (tc qdisc replace dev eth1 root handle "
+        "6764:0 htb default 2): Specified qdisc kind is unknown."
+    )
+    assert (err.iface, err.errno) == ("eth1", errno.ENOENT)
+    assert str(result.errors["eth7"]) == "eth7: no such network interface"
+    assert result.interfaces["eth0"].error is None and len(result.interfaces["eth0"].ops) == 10
+
+    # next tick, a changed plan: eth0's goes out from what the adapter knows (no read
+    # first); eth1 is read and tried again
+    nl.dumps.clear()
+    nl.sent.clear()
+    moved = tp.plan({"eth0": 10**9, "eth1": 10**9}, {"a": 26}, {"a": 2}, [0.1] * 4)
+    assert tc.sync(moved).interfaces["eth0"].ops == (
+        "class add dev eth0 parent 6764:12 classid 6764:121a htb rate 1000000bit ceil "
+        "1000000000bit burst 131072b cburst 131072b quantum 60000 prio 2",
+        "filter change dev eth0 parent 6764:0 protocol all prio 1 handle 800:0:35 u32 match u32 "
+        "0x40680000 0xf0fc0000 at 0 flowid 6764:121a",
+        "filter change dev eth0 parent 6764:0 protocol all prio 1 handle 800:0:36 u32 match u32 "
+        "0x66800000 0xffc00000 at 0 flowid 6764:121a",
+        "class del dev eth0 classid 6764:101a",
+    )
+    assert {i for _, i in nl.dumps} == {2}
+    assert {i for _, i in nl.sent} == {1, 2}
+    tc.close()

@@ -1,0 +1,152 @@
+"""Cost of ``gpud.client.Progress.step()`` inside a training loop.
+
+Measures, side by side in one run, the wall time per call of:
+
+- ``step (daemon up)``: ``p.step()`` while a Net API server (the daemon's servicer over a
+  fake node, on a unix socket in this process) receives the batches;
+- ``step (daemon down)``: the same with nobody listening on the socket (the sender thread
+  retries with back-off; the buffer drops the oldest reports);
+- ``time.time()``: one clock read, the floor of any timestamped report;
+- ``deque.append``: an append of a tuple to a bounded deque, the other half of the floor.
+
+Each of ``--reps`` repetitions times ``--calls`` calls of each, in alternating order; the
+figures are medians over the repetitions, and ``step / (clock + append)`` is the median of
+the per-repetition ratios. The sender thread competes for the GIL with the loop, so the
+daemon-up figure includes what batching costs the training thread.
+
+Target: step <= 2 us.
+
+    .venv/bin/python -m tools.bench_progress [--json] [--reps N] [--calls N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from gpud.api import ApiServer
+from gpud.client import Progress
+from gpud.config import TrafficConfig
+from gpud.events import EventLog
+from gpud.net.api import NetServicer
+from gpud.net.service import TrafficService, job_pool
+from gpud.net.tagstore import TagStore
+from gpud.store import StateStore
+
+TARGET_US = 2.0
+
+
+def _per_call_us(fn: Callable[[], None], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _server(path: Path, state: Path) -> tuple[ApiServer, TrafficService]:
+    config = TrafficConfig(enabled=True)
+    service = TrafficService(
+        config,
+        tags=TagStore(StateStore(state), pool=job_pool(config)),
+        events=EventLog(None),
+        jobs=lambda: ["bench"],
+    )
+    return ApiServer(path, servicers=[NetServicer(service).register]), service
+
+
+@contextlib.contextmanager
+def _serving(server: ApiServer) -> Iterator[None]:
+    """``server`` on an event loop in a background thread (the daemon's side)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
+    try:
+        yield
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=200_000)
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="gpud-bp-") as d:
+        up_sock, down_sock = Path(d) / "up.sock", Path(d) / "down.sock"
+        server, service = _server(up_sock, Path(d) / "state")
+        with _serving(server):
+            up = Progress("bench", socket=up_sock, flush_interval_s=0.05, max_buffer=100_000)
+            down = Progress("bench", socket=down_sock, flush_interval_s=0.05, max_buffer=10_000)
+            q: deque[tuple[int, float]] = deque(maxlen=10_000)
+            clock = time.time
+
+            def append() -> None:
+                q.append((1, 0.5))
+
+            def read_clock() -> None:
+                clock()
+
+            results: dict[str, list[float]] = {
+                "step_up": [],
+                "step_down": [],
+                "clock": [],
+                "append": [],
+            }
+            ratios = []
+            for rep in range(args.reps):
+                order = [
+                    ("step_up", up.step),
+                    ("step_down", down.step),
+                    ("clock", read_clock),
+                    ("append", append),
+                ]
+                if rep % 2:
+                    order.reverse()
+                got = {name: _per_call_us(fn, args.calls) for name, fn in order}
+                for name, us in got.items():
+                    results[name].append(us)
+                ratios.append(got["step_up"] / (got["clock"] + got["append"]))
+            up.flush(timeout=30)
+            sent, dropped = up.sent, up.dropped
+            up.close()
+            down.close(timeout=0.1)
+    med = {k: statistics.median(v) for k, v in results.items()}
+    report = {
+        "calls_per_rep": args.calls,
+        "reps": args.reps,
+        "step_daemon_up_us": round(med["step_up"], 3),
+        "step_daemon_down_us": round(med["step_down"], 3),
+        "time_time_us": round(med["clock"], 3),
+        "deque_append_us": round(med["append"], 3),
+        "step_over_clock_plus_append": round(statistics.median(ratios), 2),
+        "reports_delivered": sent,
+        "reports_dropped": dropped,
+        "accepted_by_daemon": service.accepted_reports,
+        "target_us": TARGET_US,
+        "meets_target": max(med["step_up"], med["step_down"]) <= TARGET_US,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for key, value in report.items():
+            print(f"{key:32} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
