@@ -11,7 +11,7 @@ import pytest
 
 from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, SimulatedCrash
-from gpud.errors import Busy, GpuLost, InvalidArgument
+from gpud.errors import Busy, GpuLost, InvalidArgument, NotFound
 from gpud.events import EventLog
 from gpud.mig.layout import MigConfigFile, load_config, parse_config
 from gpud.mig.manager import MigManager
@@ -211,6 +211,25 @@ def test_unknown_config_name(host: Host, config: MigConfigFile) -> None:
     d = host.start()
     with pytest.raises(InvalidArgument, match="no config named"):
         d.mig.apply(config, "all-9g")
+
+
+def test_unknown_gpu_index_is_an_invalid_request(host: Host, config: MigConfigFile) -> None:
+    """A config naming GPU 4 on a two-GPU node: NotFound naming the index and the file,
+    nothing changed, counted as ``invalid`` (a typo must not raise a failed-apply alert)."""
+    d = host.start()
+    d.node.faults.crash_after_mutations(1)  # any driver mutation would crash the test
+    with pytest.raises(NotFound) as err:
+        d.mig.apply(config, "custom-config")
+    assert "no GPU with indexes 2, 3, 4, 5, 6, 7 on this node (2 GPUs, indexes 0, 1)" in str(
+        err.value
+    )
+    assert f"mig-configs.custom-config in {DATA / 'config.yaml'}" in str(err.value)
+    with pytest.raises(NotFound, match="no GPU with indexes 2, 3"):
+        d.mig.assert_config(config, "custom-config")
+    d.node.faults.clear()
+    totals = d.mig.stats.snapshot()[0]
+    assert totals["invalid"] == 1 and totals["failed"] == 0
+    assert [e.fields["result"] for e in d.events.recent() if e.kind == "mig.apply"] == ["invalid"]
 
 
 def _busy_setup(host: Host, config: MigConfigFile) -> tuple[Daemon, int]:

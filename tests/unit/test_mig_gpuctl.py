@@ -131,6 +131,11 @@ def test_bad_requests(capsys: pytest.CaptureFixture[str], node: Node) -> None:
     assert code == 2 and "GPU 0 (H100-SXM5-80GB): too many slices" in err
     code, _, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "nope")
     assert code == 2 and "no config named 'nope'" in err
+    # a GPU index the node lacks: an unknown GPU, exit 4 as in every command
+    for cmd in ("apply", "assert"):
+        code, _, err = gpuctl(capsys, node, "mig", cmd, "-f", CONFIG, "-c", "custom-config")
+        assert code == 4, err
+        assert "no GPU with indexes 2, 3, 4, 5, 6, 7" in err and CONFIG in err
     code, _, err = gpuctl(capsys, node, "mig", "assert", "-f", "/nonexistent.yaml", "-c", "x")
     assert code == 2 and "cannot read" in err
     code, _, _ = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "x", "--drain", "--force")
