@@ -97,7 +97,7 @@ def build_node(backend: NvmlBackend, node: SimNode, *, workloads: bool = True) -
     count = backend.gpu_count()
     for gpu in range(count):
         backend.set_mig_mode(gpu, True)
-    node.reboot()  # the pending MIG mode applies at the reset
+    node.reboot()  # the pending MIG mode applies at the reset (A100; Hopper needs none)
     for gpu in range(count):
         profile = next(p for p in backend.gpu_instance_profiles(gpu) if p.name == PROFILE)
         for placement in backend.gpu_instance_placements(gpu, profile.id):

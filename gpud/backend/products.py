@@ -111,6 +111,9 @@ class ProductSpec:
     nvlink_gbps: int  # per direction, whole GPU
     nvlink_links: int  # NVLink links (12 on A100, 18 on H100/H200)
     mig_profiles: tuple[GiProfileSpec, ...]
+    # A MIG mode change waits for a GPU reset (A100); Hopper and later switch at once when
+    # no process holds the GPU (NVML then reports the new current mode).
+    mig_mode_needs_reset: bool
 
     @property
     def mig_capable(self) -> bool:
@@ -243,6 +246,7 @@ PRODUCTS: dict[str, ProductSpec] = {
                 (4864, 9856, 19968, 19968, 40192),
                 ("1g.5gb", "1g.5gb+me", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"),
             ),
+            mig_mode_needs_reset=True,
         ),
         ProductSpec(
             key="A100-SXM4-80GB",
@@ -261,6 +265,7 @@ PRODUCTS: dict[str, ProductSpec] = {
                 (9984, 19968, 40192, 40192, 80384),
                 ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
             ),
+            mig_mode_needs_reset=True,
         ),
         ProductSpec(
             key="H100-SXM5-80GB",
@@ -279,6 +284,7 @@ PRODUCTS: dict[str, ProductSpec] = {
                 (9984, 20096, 40448, 81152),
                 ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
             ),
+            mig_mode_needs_reset=False,
         ),
         ProductSpec(
             key="H200-SXM-141GB",
@@ -297,6 +303,7 @@ PRODUCTS: dict[str, ProductSpec] = {
                 (16384, 33280, 67072, 143360),
                 ("1g.18gb", "1g.18gb+me", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"),
             ),
+            mig_mode_needs_reset=False,
         ),
     )
 }

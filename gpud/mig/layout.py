@@ -30,7 +30,7 @@ from typing import Any, Literal
 import yaml
 
 from gpud.backend.port import GpuIdentity
-from gpud.errors import ConfigError, InvalidArgument
+from gpud.errors import ConfigError, InvalidArgument, NotFound
 
 # [<C>c.]<G>g.<GB>gb[+attr|-attr...]: "1g.10gb", "1g.10gb+me", "1c.3g.40gb", "1g.24gb-me"
 _PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb((?:[+-][a-z][a-z.]*)*)$")
@@ -153,6 +153,12 @@ class MigConfigFile:
 
     version: str
     configs: dict[str, tuple[ConfigEntry, ...]]
+    path: str | None = None  # the file it was read from, for messages
+
+    def layouts(self, name: str, gpus: Sequence[GpuIdentity]) -> dict[int, DeviceLayout]:
+        """:func:`resolve` config ``name`` on ``gpus``, naming this file and config in errors."""
+        where = f"mig-configs.{name}" + (f" in {self.path}" if self.path else "")
+        return resolve(self.config(name), gpus, where=where)
 
     def config(self, name: str) -> tuple[ConfigEntry, ...]:
         try:
@@ -192,7 +198,7 @@ def parse_config(text: str, *, path: str | None = None) -> MigConfigFile:
             except InvalidArgument as err:
                 raise ConfigError(str(err), path=path, key=f"{key}[{i}]") from err
         configs[str(name)] = tuple(entries)
-    return MigConfigFile(str(version), configs)
+    return MigConfigFile(str(version), configs, path)
 
 
 def load_config(path: Path) -> MigConfigFile:
@@ -250,8 +256,24 @@ def _parse_filter(raw: object) -> tuple[int, ...]:
     return tuple(out)
 
 
-def resolve(entries: Sequence[ConfigEntry], gpus: Sequence[GpuIdentity]) -> dict[int, DeviceLayout]:
-    """The layout each GPU gets from one named config; GPUs no entry matches are absent."""
+def resolve(
+    entries: Sequence[ConfigEntry], gpus: Sequence[GpuIdentity], *, where: str = ""
+) -> dict[int, DeviceLayout]:
+    """The layout each GPU gets from one named config; GPUs no entry matches are absent.
+
+    A GPU index the node lacks is :class:`NotFound` (as an unknown GPU is in every gpud
+    command); ``where`` (e.g. ``"mig-configs.x in /etc/mig.yaml"``) says who named it.
+    """
+    present = {g.index for g in gpus}
+    named = {d for e in entries if e.devices != "all" for d in e.devices}
+    missing = sorted(named - present)
+    if missing:
+        plural = "es" if len(missing) > 1 else ""
+        raise NotFound(
+            f"no GPU with index{plural} {', '.join(map(str, missing))} on this node "
+            f"({len(gpus)} GPUs, indexes {_index_forms(sorted(present))})"
+            + (f", named in devices of {where}" if where else "")
+        )
     out: dict[int, DeviceLayout] = {}
     for gpu in gpus:
         matched = [e for e in entries if e.matches(gpu)]
@@ -262,16 +284,15 @@ def resolve(entries: Sequence[ConfigEntry], gpus: Sequence[GpuIdentity]) -> dict
             )
         if matched:
             out[gpu.index] = matched[0].layout
-    for entry in entries:
-        if entry.devices != "all":
-            missing = [d for d in entry.devices if d not in {g.index for g in gpus}]
-            if missing:
-                raise InvalidArgument(
-                    f"no GPU with index {', '.join(map(str, missing))} on this node "
-                    f"({len(gpus)} GPUs)",
-                    field="devices",
-                )
     return out
+
+
+def _index_forms(indexes: Sequence[int]) -> str:
+    if not indexes:
+        return "none"
+    if list(indexes) == list(range(indexes[0], indexes[-1] + 1)) and len(indexes) > 2:
+        return f"{indexes[0]}-{indexes[-1]}"
+    return ", ".join(map(str, indexes))
 
 
 def export_config(name: str, layouts: Mapping[int, DeviceLayout], *, gpu_count: int) -> str:

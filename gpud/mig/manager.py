@@ -57,7 +57,7 @@ from gpud.errors import (
     NotSupported,
 )
 from gpud.events import EventLog
-from gpud.mig.layout import DeviceLayout, MigConfigFile, export_config, resolve
+from gpud.mig.layout import DeviceLayout, MigConfigFile, export_config
 from gpud.mig.plan import (
     CreateComputeInstance,
     CreateGpuInstance,
@@ -274,7 +274,8 @@ class MigManager:
         with self._lock:
             try:
                 result = self._apply(config, name, opts, dry_run, start=start, wanted=wanted)
-            except InvalidArgument as err:
+            except (InvalidArgument, NotFound) as err:
+                # A GPU index the node lacks is a bad request, not a failed apply.
                 self._finish(name, "invalid", start, str(err))
                 raise
             except Busy as err:
@@ -310,7 +311,7 @@ class MigManager:
     ) -> ApplyResult:
         ids, faults = self._gpus()
         by_index = {g.index: g for g in ids}
-        layouts = resolve(config.config(name), ids)
+        layouts = config.layouts(name, ids)
         faulty = {i: faults[i] for i in layouts if i in faults}
         plans: dict[int, tuple[GpuActual, GpuPlan]] = {}
         for i, layout in sorted(layouts.items()):
@@ -576,7 +577,7 @@ class MigManager:
         """Differences between the GPUs and config ``name``, and the GPUs the config names
         that could not be checked (faulty: index -> reason)."""
         ids, faults = self._gpus()
-        layouts = resolve(config.config(name), ids)
+        layouts = config.layouts(name, ids)
         faulty = {i: faults[i] for i in layouts if i in faults}
         diff: list[str] = []
         for i, layout in sorted(layouts.items()):

@@ -160,10 +160,10 @@ MIG_CONFIGS = Path(__file__).resolve().parents[1] / "data" / "mig-parted" / "con
 
 
 def test_mig_layout_survives_restart_and_is_recreated_after_reboot(tmp_path: Path) -> None:
-    daemon = start_daemon(tmp_path / "g", "--simulate", "H100-SXM5-80GB:2")
+    daemon = start_daemon(tmp_path / "g", "--simulate", "A100-SXM4-40GB:2")
     mig = ("-f", str(MIG_CONFIGS), "-c", "all-balanced")
     try:
-        daemon.gpuctl("mig", "apply", *mig, "--skip-reset")  # MIG mode: pending a reset
+        daemon.gpuctl("mig", "apply", *mig, "--skip-reset")  # A100: MIG mode pending a reset
         assert daemon.gpuctl("mig", "assert", *mig, check=False).returncode == 1
         daemon.gpuctl("sim", "reboot")  # the reset: the daemon then creates the instances
         wait_for(lambda: daemon.gpuctl("mig", "assert", *mig, check=False).returncode == 0)
@@ -173,7 +173,7 @@ def test_mig_layout_survives_restart_and_is_recreated_after_reboot(tmp_path: Pat
         daemon.proc.wait()
     finally:
         stop_daemon(daemon)
-    again = start_daemon(tmp_path / "g", "--simulate", "H100-SXM5-80GB:2")
+    again = start_daemon(tmp_path / "g", "--simulate", "A100-SXM4-40GB:2")
     try:
         assert again.gpuctl("mig", "assert", *mig, check=False).returncode == 0
         uuids = [d["uuid"] for g in gpus(again) for d in g["mig_devices"]]  # type: ignore[attr-defined]

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from gpud.backend import products
 from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, SimulatedCrash
-from gpud.errors import Busy, GpuLost, InvalidArgument
+from gpud.errors import Busy, GpuLost, InvalidArgument, NotFound
 from gpud.events import EventLog
 from gpud.mig.layout import MigConfigFile, load_config, parse_config
 from gpud.mig.manager import MigManager
@@ -85,6 +86,13 @@ def host(tmp_path: Path) -> Iterator[Host]:
 
 
 @pytest.fixture
+def a100(tmp_path: Path) -> Iterator[Host]:
+    h = Host(tmp_path, [(A100, 2)])
+    yield h
+    h.close()
+
+
+@pytest.fixture
 def config() -> MigConfigFile:
     return load_config(DATA / "config.yaml")
 
@@ -111,21 +119,25 @@ def instances(d: Daemon) -> list[list[tuple[int, int, int, int]]]:
 
 
 def enable(host: Host, config: MigConfigFile, name: str) -> Daemon:
-    """Apply ``name`` from MIG off: pending until the reboot, created by reconcile after it."""
+    """Apply ``name`` from MIG off. Hopper switches MIG mode at once and the instances are
+    created in the apply; on an A100 the change is pending until the reboot, and reconcile
+    creates the instances after it."""
     d = host.start()
     result = d.mig.apply(config, name)
-    assert result.result == "reset_pending"
-    d.node.reboot()
-    outcomes = d.mig.reconcile()
-    assert {o.status for o in outcomes} <= {"changed", "ok"}
+    needs_reset = any(products.PRODUCTS[p].mig_mode_needs_reset for p, _ in host.spec)
+    assert result.result == ("reset_pending" if needs_reset else "success"), result
+    if needs_reset:
+        d.node.reboot()
+        outcomes = d.mig.reconcile()
+        assert {o.status for o in outcomes} <= {"changed", "ok"}
     assert d.mig.assert_config(config, name) == []
     return d
 
 
 def test_mode_change_is_reported_pending_then_reconciled_after_reboot(
-    host: Host, config: MigConfigFile
+    a100: Host, config: MigConfigFile
 ) -> None:
-    d = host.start()
+    d = a100.start()
     result = d.mig.apply(config, "all-balanced")
     assert result.result == "reset_pending"
     assert all(o.reset_pending and o.status == "reset_pending" for o in result.gpus)
@@ -211,6 +223,25 @@ def test_unknown_config_name(host: Host, config: MigConfigFile) -> None:
     d = host.start()
     with pytest.raises(InvalidArgument, match="no config named"):
         d.mig.apply(config, "all-9g")
+
+
+def test_unknown_gpu_index_is_an_invalid_request(host: Host, config: MigConfigFile) -> None:
+    """A config naming GPU 4 on a two-GPU node: NotFound naming the index and the file,
+    nothing changed, counted as ``invalid`` (a typo must not raise a failed-apply alert)."""
+    d = host.start()
+    d.node.faults.crash_after_mutations(1)  # any driver mutation would crash the test
+    with pytest.raises(NotFound) as err:
+        d.mig.apply(config, "custom-config")
+    assert "no GPU with indexes 2, 3, 4, 5, 6, 7 on this node (2 GPUs, indexes 0, 1)" in str(
+        err.value
+    )
+    assert f"mig-configs.custom-config in {DATA / 'config.yaml'}" in str(err.value)
+    with pytest.raises(NotFound, match="no GPU with indexes 2, 3"):
+        d.mig.assert_config(config, "custom-config")
+    d.node.faults.clear()
+    totals = d.mig.stats.snapshot()[0]
+    assert totals["invalid"] == 1 and totals["failed"] == 0
+    assert [e.fields["result"] for e in d.events.recent() if e.kind == "mig.apply"] == ["invalid"]
 
 
 def _busy_setup(host: Host, config: MigConfigFile) -> tuple[Daemon, int]:
@@ -364,7 +395,7 @@ def test_crash_at_every_step_converges(tmp_path: Path, config: MigConfigFile, st
 
 
 def test_crash_during_mode_change_then_reboot(tmp_path: Path, config: MigConfigFile) -> None:
-    host = Host(tmp_path, [(H100, 2)])
+    host = Host(tmp_path, [(A100, 2)])  # the mode change waits for a reset
     try:
         d = host.start()
         d.node.faults.crash_after_mutations(1)
@@ -400,13 +431,6 @@ mig-configs:
 )
 
 
-@pytest.fixture
-def a100(tmp_path: Path) -> Iterator[Host]:
-    h = Host(tmp_path, [(A100, 2)])
-    yield h
-    h.close()
-
-
 def test_apply_resets_the_gpu_and_creates_the_instances_in_the_same_apply(a100: Host) -> None:
     d = a100.start(resets=True)
     result = d.mig.apply(HELD_OUT, "custom-balanced")
@@ -427,6 +451,35 @@ def test_apply_resets_the_gpu_and_creates_the_instances_in_the_same_apply(a100: 
     )
     assert d.mig.apply(off, "mig-off").result == "success"
     assert not any(d.backend.mig_mode(g).current or d.backend.mig_mode(g).pending for g in (0, 1))
+
+
+def test_hopper_switches_mig_mode_without_a_reset(tmp_path: Path, config: MigConfigFile) -> None:
+    """H100/H200 take a MIG mode change at once when no process holds the GPU: the apply
+    creates the instances with no reset (though it may reset), and back off the same way;
+    the A100 beside them is still reset."""
+    host = Host(tmp_path, [(H100, 1), ("H200-SXM-141GB", 1), (A100, 1)])
+    try:
+        d = host.start(resets=True)
+        result = d.mig.apply(config, "all-balanced")
+        assert result.result == "success", result
+        assert all(o.status == "changed" and not o.reset_pending for o in result.gpus)
+        for o in result.gpus[:2]:
+            assert not any("reset" in s for s in o.steps), o.steps
+            assert o.steps[0] == f"GPU {o.gpu}: set MIG mode enabled", o.steps
+        assert any("nvidia-smi --gpu-reset -i 2" in s for s in result.gpus[2].steps)
+        assert [e.fields["gpu"] for e in d.events.recent(kind_prefix="mig.reset")] == [2]
+        assert d.mig.assert_config(config, "all-balanced") == []
+        assert d.mig.layouts()[0].describe() == "1x 3g.40gb, 1x 2g.20gb, 2x 1g.10gb"
+        assert d.mig.layouts()[1].describe() == "1x 3g.71gb, 1x 2g.35gb, 2x 1g.18gb"
+        off = d.mig.apply(config, "all-disabled")
+        assert off.result == "success" and len(d.events.recent(kind_prefix="mig.reset")) == 2
+        assert all(d.backend.mig_mode(g) == (False, False) for g in range(3))
+        # without a reset at hand, only the A100 is left pending
+        plain = host.start()
+        partly = plain.mig.apply(config, "all-balanced")
+        assert [o.status for o in partly.gpus] == ["changed", "changed", "reset_pending"]
+    finally:
+        host.close()
 
 
 def test_skip_reset_leaves_the_mode_change_pending(a100: Host) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,18 +41,26 @@ class Node:
     events: EventLog
 
 
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    sim = SimNode([("H100-SXM5-80GB", 2)], state_file=tmp_path / "driver.json")
+@contextmanager
+def serve(tmp_path: Path, spec: list[tuple[str, int]]) -> Iterator[Node]:
+    sim = SimNode(spec, state_file=tmp_path / "driver.json")
     store = StateStore(tmp_path / "state")
     jobs: dict[int, str] = {}
     events = EventLog(None)
     mig = MigManager(NvmlBackend(sim.nvml), store, events, job_resolver=jobs.get)
-    with short_dir() as d:
-        path = d / "gpud.sock"
-        with ServerThread(ApiServer(path, servicers=[MigServicer(mig).register])):
-            yield Node(sim, mig, str(path), jobs, events)
-    store.close()
+    try:
+        with short_dir() as d:
+            path = d / "gpud.sock"
+            with ServerThread(ApiServer(path, servicers=[MigServicer(mig).register])):
+                yield Node(sim, mig, str(path), jobs, events)
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    with serve(tmp_path, [("H100-SXM5-80GB", 2)]) as n:
+        yield n
 
 
 def gpuctl(capsys: pytest.CaptureFixture[str], node: Node, *argv: str) -> tuple[int, str, str]:
@@ -63,11 +72,10 @@ def gpuctl(capsys: pytest.CaptureFixture[str], node: Node, *argv: str) -> tuple[
 def test_apply_assert_show_export(capsys: pytest.CaptureFixture[str], node: Node) -> None:
     code, out, err = gpuctl(capsys, node, "mig", "assert", "-f", CONFIG, "-c", "all-balanced")
     assert code == 1 and "GPU 0: has MIG disabled; wants 1x 3g.40gb" in out
+    # H100 switches MIG mode without a reset: the instances are created in the apply
     code, out, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "all-balanced")
     assert code == 0, err
-    assert "all-balanced: reset_pending" in out and "pending a GPU reset" in err
-    node.sim.reboot()
-    node.mig.reconcile()
+    assert "all-balanced: success" in out and "pending" not in err
     code, out, _ = gpuctl(capsys, node, "mig", "assert", "-f", CONFIG, "-c", "all-balanced")
     assert code == 0 and "match" in out
     code, out, _ = gpuctl(
@@ -124,6 +132,21 @@ def test_apply_assert_show_export(capsys: pytest.CaptureFixture[str], node: Node
     assert code == 0
 
 
+def test_a_mode_change_pending_a_reset(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """An A100 leaves the MIG mode change pending a reset (this daemon has no reset at hand):
+    gpuctl says so, and the instances come with the next reboot and reconcile."""
+    with serve(tmp_path, [("A100-SXM4-40GB", 2)]) as a100:
+        code, out, err = gpuctl(capsys, a100, "mig", "apply", "-f", CONFIG, "-c", "all-balanced")
+        assert code == 0, err
+        assert "all-balanced: reset_pending" in out and "pending a GPU reset" in err
+        code, out, _ = gpuctl(capsys, a100, "mig", "assert", "-f", CONFIG, "-c", "all-balanced")
+        assert code == 1 and "pending a GPU reset" in out
+        a100.sim.reboot()
+        a100.mig.reconcile()
+        code, out, _ = gpuctl(capsys, a100, "mig", "assert", "-f", CONFIG, "-c", "all-balanced")
+        assert code == 0 and "match" in out
+
+
 def test_bad_requests(capsys: pytest.CaptureFixture[str], node: Node) -> None:
     code, _, err = gpuctl(
         capsys, node, "mig", "apply", "-f", str(DATA / "impossible.yaml"), "-c", "too-many-slices"
@@ -131,6 +154,11 @@ def test_bad_requests(capsys: pytest.CaptureFixture[str], node: Node) -> None:
     assert code == 2 and "GPU 0 (H100-SXM5-80GB): too many slices" in err
     code, _, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "nope")
     assert code == 2 and "no config named 'nope'" in err
+    # a GPU index the node lacks: an unknown GPU, exit 4 as in every command
+    for cmd in ("apply", "assert"):
+        code, _, err = gpuctl(capsys, node, "mig", cmd, "-f", CONFIG, "-c", "custom-config")
+        assert code == 4, err
+        assert "no GPU with indexes 2, 3, 4, 5, 6, 7" in err and CONFIG in err
     code, _, err = gpuctl(capsys, node, "mig", "assert", "-f", "/nonexistent.yaml", "-c", "x")
     assert code == 2 and "cannot read" in err
     code, _, _ = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "x", "--drain", "--force")
@@ -145,9 +173,7 @@ def test_bad_requests(capsys: pytest.CaptureFixture[str], node: Node) -> None:
 
 def test_metric_source(node: Node) -> None:
     cfg = load_config(DATA / "config.yaml")
-    node.mig.apply(cfg, "all-balanced")
-    node.sim.reboot()
-    node.mig.reconcile()
+    assert node.mig.apply(cfg, "all-balanced").result == "success"  # H100: no reset needed
     uuid = next(i.uuid for i in node.mig.show()[0].instances if i.profile == "3g.40gb")
     node.sim.workloads.start(0, 55, 5 * GIB, 0.5, mig=uuid)
     node.jobs[55] = "train-x"
@@ -156,7 +182,8 @@ def test_metric_source(node: Node) -> None:
     node.mig.apply(cfg, "all-balanced")
     registry = CollectorRegistry()
     registry.register(Collector(lambda: None, sources=[MigMetrics(node.mig)]))
-    assert registry.get_sample_value("gpud_mig_apply_total", {"result": "reset_pending"}) == 1
+    assert registry.get_sample_value("gpud_mig_apply_total", {"result": "success"}) == 1
+    assert registry.get_sample_value("gpud_mig_apply_total", {"result": "reset_pending"}) == 0
     assert registry.get_sample_value("gpud_mig_apply_total", {"result": "noop"}) == 1
     assert registry.get_sample_value("gpud_mig_apply_total", {"result": "busy"}) == 0
     assert registry.get_sample_value("gpud_mig_apply_duration_seconds_count") == 2
@@ -208,5 +235,5 @@ def test_applies_whose_client_gave_up(capsys: pytest.CaptureFixture[str], node: 
     for event in node.events.recent():
         assert event.fields["client_gone"] is True
         if event.fields["result"] != "not_started":
-            assert event.fields["result"] == "reset_pending"
+            assert event.fields["result"] == "success"  # H100: no reset to wait for
             assert "finished after the client had gone" in event.message

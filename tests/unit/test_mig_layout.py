@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpud.errors import ConfigError, InvalidArgument
+from gpud.errors import ConfigError, InvalidArgument, NotFound
 from gpud.mig.layout import (
     DeviceLayout,
     MigProfile,
@@ -79,8 +79,16 @@ def test_device_indexes_and_bad_entries() -> None:
     cfg = load_config(DATA / "config.yaml")
     layouts = resolve(cfg.config("custom-config"), gpus)
     assert [layouts[i].mig_enabled for i in range(8)] == [False] * 4 + [True] * 4
-    with pytest.raises(InvalidArgument, match="no GPU with index 4"):
+    # an index the node lacks is an unknown GPU, as in every command: NotFound, not a bad field
+    with pytest.raises(
+        NotFound, match=r"no GPU with indexes 4, 5, 6, 7 on this node \(4 GPUs, indexes 0-3\)"
+    ):
         resolve(cfg.config("custom-config"), gpus[:4])
+    with pytest.raises(NotFound) as unknown:
+        cfg.layouts("custom-config", gpus[:4])
+    assert str(unknown.value).endswith(
+        f"named in devices of mig-configs.custom-config in {DATA / 'config.yaml'}"
+    )
     with pytest.raises(InvalidArgument, match="no config named 'nope'"):
         cfg.config("nope")
     clash = parse_config(

@@ -45,9 +45,13 @@ def _backend(
 def _mig_backend(
     product: str = "H100-SXM5-80GB", tmp_path: Path | None = None
 ) -> tuple[SimNode, NvmlBackend]:
+    """One GPU of ``product`` in MIG mode: at once on Hopper, after a reboot on an A100."""
     node, be = _backend([(product, 1)], tmp_path)
-    assert be.set_mig_mode(0, True) == port.MigMode(current=False, pending=True)
-    node.reboot()
+    if products.PRODUCTS[product].mig_mode_needs_reset:
+        assert be.set_mig_mode(0, True) == port.MigMode(current=False, pending=True)
+        node.reboot()
+    else:
+        assert be.set_mig_mode(0, True) == port.MigMode(current=True, pending=True)
     assert be.mig_mode(0) == port.MigMode(current=True, pending=True)
     return node, be
 
@@ -235,10 +239,13 @@ def test_persisted_instances_adopted_and_reboot_clears(tmp_path: Path) -> None:
 
 
 def test_pending_disable_applied_by_reboot(tmp_path: Path) -> None:
-    node, be = _mig_backend(tmp_path=tmp_path)
+    node, be = _mig_backend("A100-SXM4-40GB", tmp_path=tmp_path)
     assert be.set_mig_mode(0, False) == port.MigMode(current=True, pending=False)
     node.reboot()
     assert be.mig_mode(0) == port.MigMode(current=False, pending=False)
+    # Hopper takes it at once
+    _, hopper = _mig_backend()
+    assert hopper.set_mig_mode(0, False) == port.MigMode(current=False, pending=False)
 
 
 def test_lost_gpu_and_not_supported_field() -> None:

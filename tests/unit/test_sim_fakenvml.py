@@ -36,7 +36,7 @@ def test_error_classes_like_pynvml() -> None:
 
 
 def test_mig_mode_pending_until_reboot() -> None:
-    node = SimNode([("H100-SXM5-80GB", 1)])
+    node = SimNode([("A100-SXM4-40GB", 1)])  # A100: a MIG mode change waits for a reset
     nv = node.nvml
     nv.nvmlInit()
     h = nv.nvmlDeviceGetHandleByIndex(0)
@@ -48,6 +48,26 @@ def test_mig_mode_pending_until_reboot() -> None:
     assert nv.nvmlDeviceGetMigMode(h) == [1, 1]
     with pytest.raises(nv.NVMLError_NotSupported):
         nv.nvmlDeviceGetUtilizationRates(h)
+
+
+@pytest.mark.parametrize("product", ["H100-SXM5-80GB", "H200-SXM-141GB"])
+def test_hopper_switches_mig_mode_at_once_unless_a_process_holds_the_gpu(product: str) -> None:
+    node = SimNode([(product, 1)])
+    nv = node.nvml
+    nv.nvmlInit()
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    assert nv.nvmlDeviceSetMigMode(h, 1) == nv.NVML_SUCCESS
+    assert nv.nvmlDeviceGetMigMode(h) == [1, 1]
+    nv.nvmlDeviceGetGpuInstanceProfileInfo(h, nv.NVML_GPU_INSTANCE_PROFILE_1_SLICE)
+    assert nv.nvmlDeviceSetMigMode(h, 0) == nv.NVML_SUCCESS
+    assert nv.nvmlDeviceGetMigMode(h) == [0, 0]
+    # a process on the GPU: the change waits for a reset, as on A100
+    node.workloads.start(0, 4000, 1 << 30, 0.5)
+    assert nv.nvmlDeviceSetMigMode(h, 1) == nv.NVML_ERROR_RESET_REQUIRED
+    assert nv.nvmlDeviceGetMigMode(h) == [0, 1]
+    node.workloads.stop(4000)
+    node.reset(0)
+    assert nv.nvmlDeviceGetMigMode(h) == [1, 1]
 
 
 def test_overlap_and_capacity() -> None:

@@ -8,10 +8,10 @@ that fill caller-allocated arrays (``nvmlDeviceGetGpuInstancePossiblePlacements`
 arguments as pynvml: a ctypes array made from the module's own ``c_nvml*`` types (or None
 to ask for the count) and ``ctypes.byref(c_uint())`` for the count.
 
-What the driver would keep lives here: MIG mode (current and pending: a change becomes
-current only at a GPU reset, :meth:`FakeNvml.sim_reset`, or a reboot,
-:meth:`FakeNvml.sim_reboot`, as on A100; the simulation asks the same of H100/H200), GPU and
-compute instances, running processes, and injected faults (a lost or slow GPU is a state of
+What the driver would keep lives here: MIG mode (current and pending: on A100 a change
+becomes current only at a GPU reset, :meth:`FakeNvml.sim_reset`, or a reboot,
+:meth:`FakeNvml.sim_reboot`; on H100/H200 at once when no process holds the GPU, as the
+product's ``mig_mode_needs_reset`` says), GPU and compute instances, running processes, and injected faults (a lost or slow GPU is a state of
 the device, not of the process watching it). With a ``state_file`` the MIG state and the
 faults are written there atomically after every change and read back at start, so a daemon
 restart finds the instances and the faults as it left them (``nvidia-smi mig -lgi`` after
@@ -904,10 +904,10 @@ class FakeNvml:
     def nvmlDeviceSetMigMode(self, device: object, mode: int) -> int:
         """Sets the *pending* mode; returns the activation status, as pynvml does.
 
-        On A100 the change needs a GPU reset (or reboot) to become current, so the activation
-        status is ``NVML_ERROR_RESET_REQUIRED`` until :meth:`sim_reset` or :meth:`sim_reboot`.
-        The simulation treats H100/H200 the same way (the stricter case: gpud must cope with
-        a change left pending on any product).
+        On A100 (``mig_mode_needs_reset``) the change needs a GPU reset (or reboot) to become
+        current, so the activation status is ``NVML_ERROR_RESET_REQUIRED`` until
+        :meth:`sim_reset` or :meth:`sim_reboot`. Hopper and later switch at once when no
+        process holds the GPU; with one running the change stays pending, as on A100.
         """
         gpu = self._gpu(device, "mig")
         if not gpu.spec.mig_capable:
@@ -918,6 +918,8 @@ class FakeNvml:
             if mode == NVML_DEVICE_MIG_DISABLE and gpu.gis:
                 raise NVMLError_InUse()  # instances still exist: destroy them first
             gpu.mig_pending = mode == NVML_DEVICE_MIG_ENABLE
+            if not gpu.spec.mig_mode_needs_reset and not gpu.procs:
+                gpu.mig_current = gpu.mig_pending
             status = (
                 NVML_SUCCESS if gpu.mig_pending == gpu.mig_current else NVML_ERROR_RESET_REQUIRED
             )
