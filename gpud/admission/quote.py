@@ -9,13 +9,26 @@ time that frees a server is the capacity-weighted mixture of the sharing classes
 times (mean ``S``, squared coefficient of variation ``cs2``). The quote is the Allen-Cunneen
 approximation of the M/G/k mean wait,
 
-    W_c = C(k_c, a) * S / (k_c - a) * max(1, (1 + cs2) / 2)
+    W_c = C(k_c, a) * S / (k_c - a) * f(k_c, rho, cs2)
 
-with ``C`` the Erlang-C probability of waiting (Poisson arrivals: ``ca2 = 1``). The
-variability factor is not allowed below 1: for service times less variable than
-exponential the M/M/k wait (plain Erlang C) is kept, an upper bound there, where
-Allen-Cunneen's own factor under-estimates at few servers. ``rho_c >= 1``: the queue grows
-without bound and the quote is infinite.
+with ``C`` the Erlang-C probability of waiting (Poisson arrivals: ``ca2 = 1``), so
+``C * S / (k - a)`` is the M/M/k wait, and ``f`` the service-variability factor
+(:func:`variability_factor`). For ``cs2 >= 1`` it is Allen-Cunneen's ``(1 + cs2) / 2``:
+exact for one server (Pollaczek-Khinchine) and in heavy traffic, above the M/G/k wait in
+light traffic. For ``cs2 < 1`` Allen-Cunneen under-estimates with few servers at moderate
+load, and plain Erlang C (``f = 1``) quotes such pools up to twice their wait; the factor
+there interpolates linearly in ``rho`` (Burman and Smith's light/heavy-traffic
+interpolation) between the two limits the theory gives:
+
+- heavy traffic (``rho -> 1``): ``(1 + cs2) / 2``;
+- light traffic (``rho -> 0``): a rare arrival that waits finds ``k`` busy servers and waits
+  for the first to free, the least of ``k`` residual service times: ``S / (k + 1)`` for
+  deterministic service against ``S / k`` for exponential, so ``k / (k + 1)``, and
+  ``1 - (1 - cs2) / (k + 1)`` interpolating linearly in ``cs2`` (above the exact value for
+  gamma service times, so conservative).
+
+Both limits are ``(1 + cs2) / 2`` for one server: M/G/1 stays exact.
+``rho_c >= 1``: the queue grows without bound and the quote is infinite.
 
 Servers that free up in pieces. When requests of different sizes share devices, FIFO leaves
 capacity idle while a large job waits for enough of it: the pool does less work than ``k``
@@ -25,11 +38,14 @@ whenever someone waits, every server is busy). The quote uses ``rho / eta``: the
 the capacity the pool really puts to work.
 
 Estimated, not known. The load comes from ``n`` ended runs of the classes on the pool; its
-relative standard error is about ``sqrt((1 + cs2) / n)`` (arrival count and service times
-both vary), and waits are steep in the load (``d ln W / d ln rho`` grows like
-``1 / (1 - rho)``). The quote is taken one standard error up,
-``rho (1 + sqrt((1 + cs2) / n))``: a short history gives a cautious quote, a long one a
-tight one.
+relative standard error is about ``sigma = sqrt((1 + cs2) / n)`` (arrival count and service
+times both vary). By the delta method the wait's log then has standard error
+``e * sigma``, ``e = d ln W / d ln rho`` the wait's elasticity in the load, which depends on
+the servers and the load (``1 / (1 - rho)`` for one server; Erlang C's own rise adds to it
+with more). The quote is the one-sided 95 % upper confidence bound,
+``W (1 + 1.645 e sigma)``: a short history gives a cautious quote, a long one a tight one.
+(Taking the load itself ``z`` standard errors up instead compounds the curvature of
+``1 / (1 - rho)``: with two servers at 0.9 one standard error already added 26 %.)
 
 Classes whose devices overlap wait in one FIFO order (backfill lets a job by only where it
 cannot delay the head, which is rare when sizes share devices), so a class is quoted no less
@@ -67,7 +83,7 @@ class ClassQuote:
 
 
 MIN_EFFICIENCY = 0.05
-CONFIDENCE_Z = 1.0  # the load's upper confidence bound, in standard errors
+CONFIDENCE_Z = 1.645  # one-sided 95 % upper confidence bound, in standard errors
 
 
 def packing_efficiency(
@@ -116,11 +132,40 @@ def erlang_c(k: int, a: float) -> float:
     return k * b / (k - a * (1.0 - b))
 
 
+def variability_factor(k: int, rho: float, scv: float) -> float:
+    """M/G/k mean wait over M/M/k's, for service times of squared CV ``scv`` at per-server
+    utilisation ``rho``: Allen-Cunneen's ``(1 + scv) / 2`` from ``scv = 1`` up; below it,
+    linear in ``rho`` from the light-traffic limit ``1 - (1 - scv) / (k + 1)`` to that."""
+    heavy = (1.0 + scv) / 2.0
+    if scv >= 1.0:
+        return heavy
+    rho = min(max(rho, 0.0), 1.0)
+    light = 1.0 - (1.0 - scv) / (max(k, 1) + 1)
+    return rho * heavy + (1.0 - rho) * light
+
+
 def mgk_wait(k: int, a: float, mean_s: float, scv: float) -> float:
-    """Allen-Cunneen mean wait of M/G/k (Poisson arrivals), never below M/M/k's."""
+    """Mean wait of M/G/k (Poisson arrivals) with offered load ``a`` Erlangs: the M/M/k wait
+    times :func:`variability_factor`."""
     if a >= k:
         return math.inf
-    return erlang_c(k, a) * mean_s / (k - a) * max(1.0, (1.0 + scv) / 2.0)
+    return erlang_c(k, a) * mean_s / (k - a) * variability_factor(k, a / k, max(scv, 0.0))
+
+
+def upper_wait(k: int, rho: float, mean_s: float, scv: float, spread: float) -> float:
+    """The M/G/k mean wait at per-server load ``rho``, raised to its one-sided upper
+    confidence bound when ``rho`` is known only to a relative standard error ``spread``:
+    by the delta method, ``ln W`` has standard error ``e * spread``, ``e = d ln W / d ln rho``
+    (taken numerically: it depends on ``k``, ``rho`` and, through Erlang C, grows like
+    ``1 / (1 - rho)``)."""
+    wait = mgk_wait(k, rho * k, mean_s, scv)
+    if math.isinf(wait) or wait <= 0 or spread <= 0:
+        return wait
+    step = min(1e-4, (1.0 - rho) / 2)
+    up = mgk_wait(k, rho * (1 + step) * k, mean_s, scv)
+    down = mgk_wait(k, rho * (1 - step) * k, mean_s, scv)
+    elasticity = (math.log(up) - math.log(down)) / (2 * step) if down > 0 else 0.0
+    return wait * (1.0 + CONFIDENCE_Z * elasticity * spread)
 
 
 def class_quotes(classes: Sequence[ClassModel]) -> dict[str, ClassQuote]:
@@ -145,10 +190,8 @@ def class_quotes(classes: Sequence[ClassModel]) -> dict[str, ClassQuote]:
         second = sum(w * j.mean_service_s**2 * (1 + j.scv_service) for w, j in weights) / total
         scv = max(second / mean**2 - 1.0, 0.0) if mean > 0 else 0.0
         eta = min(max(c.efficiency, MIN_EFFICIENCY), 1.0)
-        # The load is an estimate from ``runs`` runs: quote it one standard error up.
         spread = min(math.sqrt((1.0 + scv) / max(runs, 1)), 1.0)
-        load = rho / eta * (1.0 + CONFIDENCE_Z * spread)
-        wait = mgk_wait(c.k_eff, load * c.k_eff, mean, scv)
+        wait = upper_wait(c.k_eff, rho / eta, mean, scv, spread)
         out[c.key] = ClassQuote(c.key, wait, rho, c.k_eff, mean, scv, eta)
     by_key = {c.key: c for c in classes}
     return {

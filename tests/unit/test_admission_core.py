@@ -14,7 +14,15 @@ from gpud.admission.model import Demand, Device, Request, Unfeasible, Vec
 from gpud.admission.node import synthetic
 from gpud.admission.packing import pack
 from gpud.admission.placement_fit import PlacementFit
-from gpud.admission.quote import ClassQuote, erlang_c, job_quote, mgk_wait
+from gpud.admission.quote import (
+    CONFIDENCE_Z,
+    ClassQuote,
+    erlang_c,
+    job_quote,
+    mgk_wait,
+    upper_wait,
+    variability_factor,
+)
 from gpud.backend.port import GpuIdentity
 from gpud.mig.layout import DeviceLayout, load_config
 
@@ -30,10 +38,36 @@ def test_erlang_c_matches_known_values() -> None:
     assert erlang_c(3, 3.0) == 1.0
     # M/M/1 wait: rho / (1 - rho) * S
     assert mgk_wait(1, 0.8, 10.0, 1.0) == pytest.approx(40.0)
-    # Allen-Cunneen: CV 2 multiplies by (1 + 4) / 2; CV below 1 keeps M/M/k
+    # One server: Pollaczek-Khinchine, (1 + cs2) / 2 times M/M/1, whatever the load
     assert mgk_wait(1, 0.8, 10.0, 4.0) == pytest.approx(100.0)
-    assert mgk_wait(1, 0.8, 10.0, 0.25) == pytest.approx(40.0)
+    assert mgk_wait(1, 0.8, 10.0, 0.25) == pytest.approx(25.0)
+    assert mgk_wait(1, 0.2, 10.0, 0.0) == pytest.approx(0.5 * 2.5)
     assert math.isinf(mgk_wait(2, 2.0, 1.0, 1.0))
+
+
+def test_variability_factor_meets_its_light_and_heavy_traffic_limits() -> None:
+    # Deterministic service: the first of k busy servers frees after S / (k + 1), not S / k.
+    assert variability_factor(2, 0.0, 0.0) == pytest.approx(2 / 3)
+    assert variability_factor(7, 0.0, 0.0) == pytest.approx(7 / 8)
+    assert variability_factor(2, 1.0, 0.0) == pytest.approx(0.5)
+    assert variability_factor(3, 0.5, 1.0) == pytest.approx(1.0)  # exponential: M/M/k
+    assert variability_factor(3, 0.5, 4.0) == pytest.approx(2.5)  # Allen-Cunneen above 1
+    # Less variable service, or more load, never waits longer than M/M/k.
+    for k in (1, 2, 5):
+        for rho in (0.1, 0.5, 0.9):
+            f = [variability_factor(k, rho, scv) for scv in (0.0, 0.25, 0.5, 1.0)]
+            assert f == sorted(f) and f[-1] == pytest.approx(1.0)
+            assert variability_factor(k, rho, 0.25) >= variability_factor(k, 0.95, 0.25)
+
+
+def test_upper_wait_is_the_delta_method_bound() -> None:
+    assert upper_wait(2, 0.9, 100.0, 1.0, 0.0) == pytest.approx(mgk_wait(2, 1.8, 100.0, 1.0))
+    # M/M/1: W = rho / (1 - rho) S, so d ln W / d ln rho = 1 / (1 - rho) = 5 at 0.8.
+    bound = upper_wait(1, 0.8, 10.0, 1.0, 0.01)
+    assert bound == pytest.approx(40.0 * (1 + CONFIDENCE_Z * 5 * 0.01), rel=1e-6)
+    # The bound tightens as the history grows.
+    assert upper_wait(2, 0.9, 100.0, 0.25, 0.01) < upper_wait(2, 0.9, 100.0, 0.25, 0.05)
+    assert math.isinf(upper_wait(2, 1.0, 100.0, 1.0, 0.01))
 
 
 def test_packing_names_the_binding_dimension() -> None:
@@ -118,8 +152,9 @@ def test_class_views_and_job_quotes() -> None:
     q = views["whole"].quote
     assert q is not None and q.servers == 1
     assert q.rho == pytest.approx(0.5)
-    # Ten ended runs: the load is quoted one standard error up.
-    assert q.wait_s == pytest.approx(mgk_wait(1, 0.5 * (1 + math.sqrt(1 / 10)), 50.0, 0.0))
+    # Ten ended runs of fixed length: the wait's upper confidence bound, spread sqrt(1 / 10).
+    assert q.wait_s == pytest.approx(upper_wait(1, 0.5, 50.0, 0.0, math.sqrt(1 / 10)))
+    assert q.wait_s > mgk_wait(1, 0.5, 50.0, 0.0)
     assert job_quote(q, ahead=3, waited_s=0.0) == pytest.approx(max(q.wait_s, 200.0))
     assert job_quote(ClassQuote("x", math.inf, 1.0, 1, 1.0, 1.0), ahead=0, waited_s=0.0) == math.inf
 

@@ -13,7 +13,7 @@ and the quotes come from the three histories laid end to end, as one node's. Rep
 - ``backfill_over_fifo_wait``: mean wait with backfill over mean wait in strict FIFO;
 - ``wait_slope``: the slope of log(mean wait) against log(1 / (1 - rho)) (1: wait grows
   like 1 / (1 - rho));
-- an unbounded quote (the pool's load, after the packing efficiency and the margin, is at or
+- an unbounded quote (the pool's load, after the packing efficiency, is at or
   over its capacity) and its ratio print as ``null``;
 - ``pass_ms``: one admission pass over 1,000 queued jobs on the full 8-GPU node (median of
   repeated passes).
