@@ -268,6 +268,7 @@ class AdmissionService:
     def enqueue(self, request: RunRequest, *, keep_unfeasible: bool = False) -> EntryView:
         if not self.config.enabled:
             raise FailedPrecondition("the admission queue is off (admission.enabled = false)")
+        request = self._jobs.resolved(request)
         job, _ = self._jobs.job_for(request)
         with self._jobs.locked():
             fit = self.fit()

@@ -58,7 +58,11 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
         "--mig", metavar="PROFILE", help="one MIG device of this profile, e.g. 3g.40gb"
     )
     where.add_argument("--gpus", type=int, metavar="N", help="N whole GPUs")
-    where.add_argument("--devices", metavar="UUID,...", help="these GPU / MIG devices")
+    where.add_argument(
+        "--devices",
+        metavar="DEVICE,...",
+        help="these GPU / MIG devices: indexes (0, 0:1) or UUIDs",
+    )
     parser.add_argument(
         "--threads", type=int, metavar="PERCENT", help="MPS active thread percentage"
     )

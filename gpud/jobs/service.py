@@ -106,12 +106,27 @@ class JobService:
         built after this service); without one they carry no tag."""
         self._tag_of = tag_of
 
+    def device_uuids(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """Devices as people name them (``0``, ``0:1``, as ``gpuctl mps`` takes them) or by
+        UUID, as UUIDs; a UUID is kept as given (placement says if the node lacks it)."""
+        return tuple(
+            n if n.startswith(("GPU-", "MIG-")) else self._mps.resolve(n).uuid for n in names
+        )
+
+    def resolved(self, request: RunRequest) -> RunRequest:
+        """``request`` with its devices as UUIDs (:meth:`device_uuids`)."""
+        if not request.devices:
+            return request
+        return replace(request, devices=self.device_uuids(request.devices))
+
     def job_of(self, pid: int) -> str | None:
         """The job ``pid`` belongs to (by its ``GPUD_JOB`` or cgroup), or None."""
         return self._attributor.job_of(pid)[0]
 
     # -- registry --------------------------------------------------------------------------
     def add(self, spec: JobSpec) -> JobSpec:
+        if spec.devices:
+            spec = replace(spec, devices=self.device_uuids(spec.devices))
         job = self.registry.add(spec)
         self._events.emit("job.add", f"job {job.name} ({job.kind}) registered", job=job.name)
         return job
@@ -169,6 +184,7 @@ class JobService:
         """Register the job if new, place it, record the reservation (unless ``preview``),
         and return the environment to launch it with. Unless ``admitted`` (started by the
         admission queue itself), the :attr:`gate` decides where it may start."""
+        request = self.resolved(request)
         with self._lock:
             job, created = self.job_for(request, preview=preview)
             effective = _override(job, request)

@@ -362,3 +362,13 @@ def test_attribution_from_api_threads_does_not_break_the_tick(tmp_path: Path) ->
 )
 def test_every_mig_profile_name_nvidia_uses_is_accepted(profile: str) -> None:
     assert validate_spec(JobSpec("x", mig_profile=profile)).mig_profile == profile
+
+
+def test_devices_are_named_by_index_as_gpuctl_mps_takes_them(service: JobService) -> None:
+    launch = service.reserve(RunRequest("by-index", devices=("1",)))
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)
+    mig = service.reserve(RunRequest("by-mig", devices=("0:1",)))
+    assert mig.env["CUDA_VISIBLE_DEVICES"] == mig_uuid(0, 1)
+    assert service.add(JobSpec("pinned", devices=("2",))).devices == (gpu_uuid(2),)
+    with pytest.raises(NotFound, match=r"no GPU or MIG device '9' \(known: 0:0"):
+        service.reserve(RunRequest("nowhere", devices=("9",)))
