@@ -166,11 +166,14 @@ class Leveller:
         """Decide levels for the jobs in ``rates`` (the jobs present now) at ``now``."""
         cfg = self._config
         excluded = frozenset(j for j in rates if j in self._excluded)
-        eff = {
-            j: _clamp(cfg.unknown_rate if r is None else r)
-            for j, r in sorted(rates.items())
-            if j not in excluded
-        }
+        unknown = _clamp(cfg.unknown_rate)
+        eff: dict[str, float] = {}  # by job id, which _rerank relies on
+        for j in sorted(rates):
+            if j in excluded:
+                continue
+            r = rates[j]
+            # a rate already inside (0, 1) is its own clamp: skip the two calls
+            eff[j] = unknown if r is None else r if 0.0 < r < 1.0 else _clamp(r)
         if self._needs_rerank(now, eff):
             new_levels = self._rerank(eff)
             self._ref_rates = dict(eff)
@@ -180,9 +183,8 @@ class Leveller:
         else:
             new_levels = {j: self._levels[j] for j in eff}
             reranked = False
-        changes = sum(
-            1 for j, lv in new_levels.items() if j in self._levels and self._levels[j] != lv
-        )
+        old = self._levels
+        changes = sum(1 for j, lv in new_levels.items() if lv != old.get(j, lv))
         self._total_changes += changes
         self._levels = new_levels
         self._last = LevelAssignment(
@@ -199,7 +201,7 @@ class Leveller:
     def _needs_rerank(self, now: float, eff: Mapping[str, float]) -> bool:
         if self._last_rerank is None or self._overrides_changed:
             return True
-        if set(eff) != set(self._levels):
+        if eff.keys() != self._levels.keys():
             return True
         if now - self._last_rerank >= self._config.max_age_s:
             return True
@@ -211,9 +213,13 @@ class Leveller:
         return False
 
     def _rerank(self, eff: Mapping[str, float]) -> dict[str, int]:
+        """Levels by job id; ``eff`` must come by job id (as :meth:`update` builds it)."""
         levels: dict[str, int] = {j: lv for j, lv in self._pins.items() if j in eff}
-        free = sorted((r, j) for j, r in eff.items() if j not in levels)
-        fresh = rank_levels([j for _, j in free], self._config.levels)
+        # by (rate, job id): a stable sort by rate alone of jobs that come by job id
+        # (comparing floats only is several times cheaper than comparing tuples)
+        order = sorted((j for j in eff if j not in levels), key=eff.__getitem__)
+        free = [(eff[j], j) for j in order]
+        fresh = rank_levels(order, self._config.levels)
         lo: dict[int, float] = {}
         hi: dict[int, float] = {}
         for r, j in free:
@@ -256,7 +262,7 @@ class Leveller:
                 if self._levels.get(x) == here:
                     settled.add(x)
         levels.update(place)
-        return dict(sorted(levels.items()))
+        return {j: levels[j] for j in eff}  # every job of eff has a level, by job id
 
 
 def rank_levels(ordered: Sequence[str], levels: int) -> dict[str, int]:
