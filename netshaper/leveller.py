@@ -218,16 +218,18 @@ class Leveller:
         # by (rate, job id): a stable sort by rate alone of jobs that come by job id
         # (comparing floats only is several times cheaper than comparing tuples)
         order = sorted((j for j in eff if j not in levels), key=eff.__getitem__)
-        free = [(eff[j], j) for j in order]
         fresh = rank_levels(order, self._config.levels)
+        # each fresh level is a contiguous run of ``order`` (see rank_levels): its rates
+        # span its first job's to its last job's
+        n = len(order)
+        used = min(self._config.levels, n)
         lo: dict[int, float] = {}
         hi: dict[int, float] = {}
-        for r, j in free:
-            lv = fresh[j]
-            lo.setdefault(lv, r)
-            hi[lv] = r
+        for lv in range(used):
+            lo[lv] = eff[order[-(-lv * n // used)]]
+            hi[lv] = eff[order[-(-(lv + 1) * n // used) - 1]]
         h = self._config.hysteresis
-        rate = {j: r for r, j in free}
+        rate = eff  # of the jobs in ``order`` (pinned ones never move)
         place = dict(fresh)
 
         def fits(r: float, lv: int) -> bool:
@@ -238,14 +240,17 @@ class Leveller:
         # freshly given swaps with a job there that fits the level it leaves, so no level
         # doubles up (with n <= K, two jobs never share a level). Every job ends within h
         # of its level's range, which is what bounds inversions.
-        settled = {j for j in rate if self._levels.get(j) == fresh[j]}
-        movers = sorted(
-            (abs(prev - fresh[j]), rate[j], j, prev)
-            for j in rate
-            if (prev := self._levels.get(j)) is not None
-            and prev != fresh[j]
-            and fits(rate[j], prev)
-        )
+        previous = self._levels
+        settled: set[str] = set()
+        movers: list[tuple[int, float, str, int]] = []
+        for j in order:
+            prev = previous.get(j)
+            lv = fresh[j]
+            if prev == lv:
+                settled.add(j)
+            elif prev is not None and fits(rate[j], prev):
+                movers.append((abs(prev - lv), rate[j], j, prev))
+        movers.sort()
         for _, r, j, prev in movers:
             if j in settled:
                 continue
