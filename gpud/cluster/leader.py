@@ -31,6 +31,7 @@ _RATE, _IPS, _SLOWEST, _NODES, _DSCP, _PIN, _UNHEALTHY, _XIDS, _LINKS_DOWN, _DRO
 # _DSCP: the tag a node already marks the job with; _PIN: an operator's pin on one of its
 # nodes; _UNHEALTHY, _XIDS, _LINKS_DOWN: lists, None while empty (the usual case)
 _Fold = list[Any]
+_new_tuple = tuple.__new__
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,22 +211,26 @@ class Aggregator:
             self._epoch, self._seq = epoch, 0
         self._seq += 1
         get_level, get_tag = levels.get, after.get
+        # tuple.__new__ builds the NamedTuple without a call of its Python-level __new__
         attributes = {
-            job: JobAttributes(
-                job,
-                epoch,
-                get_level(job),
-                get_tag(job),
-                f[_RATE],
-                f[_IPS],
-                f[_SLOWEST],
-                tuple(f[_NODES]),
-                () if f[_UNHEALTHY] is None else tuple(f[_UNHEALTHY]),
-                () if f[_XIDS] is None else tuple(f[_XIDS]),
-                () if f[_LINKS_DOWN] is None else tuple(f[_LINKS_DOWN]),
-                f[_DROPS],
-                f[_TX],
-                stamp,
+            job: _new_tuple(
+                JobAttributes,
+                (
+                    job,
+                    epoch,
+                    get_level(job),
+                    get_tag(job),
+                    f[_RATE],
+                    f[_IPS],
+                    f[_SLOWEST],
+                    tuple(f[_NODES]),
+                    () if f[_UNHEALTHY] is None else tuple(f[_UNHEALTHY]),
+                    () if f[_XIDS] is None else tuple(f[_XIDS]),
+                    () if f[_LINKS_DOWN] is None else tuple(f[_LINKS_DOWN]),
+                    f[_DROPS],
+                    f[_TX],
+                    stamp,
+                ),
             )
             for job, f in folds.items()
         }
