@@ -217,7 +217,8 @@ class Leveller:
         levels: dict[str, int] = {j: lv for j, lv in self._pins.items() if j in eff}
         # by (rate, job id): a stable sort by rate alone of jobs that come by job id
         # (comparing floats only is several times cheaper than comparing tuples)
-        order = sorted((j for j in eff if j not in levels), key=eff.__getitem__)
+        free = eff if not levels else [j for j in eff if j not in levels]
+        order = sorted(free, key=eff.__getitem__)
         fresh = rank_levels(order, self._config.levels)
         # each fresh level is a contiguous run of ``order`` (see rank_levels): its rates
         # span its first job's to its last job's
