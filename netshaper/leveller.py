@@ -166,11 +166,14 @@ class Leveller:
         """Decide levels for the jobs in ``rates`` (the jobs present now) at ``now``."""
         cfg = self._config
         excluded = frozenset(j for j in rates if j in self._excluded)
-        eff = {
-            j: _clamp(cfg.unknown_rate if r is None else r)
-            for j, r in sorted(rates.items())
-            if j not in excluded
-        }
+        unknown = _clamp(cfg.unknown_rate)
+        eff: dict[str, float] = {}  # by job id, which _rerank relies on
+        for j in sorted(rates):
+            if j in excluded:
+                continue
+            r = rates[j]
+            # a rate already inside (0, 1) is its own clamp: skip the two calls
+            eff[j] = unknown if r is None else r if 0.0 < r < 1.0 else _clamp(r)
         if self._needs_rerank(now, eff):
             new_levels = self._rerank(eff)
             self._ref_rates = dict(eff)
@@ -180,9 +183,8 @@ class Leveller:
         else:
             new_levels = {j: self._levels[j] for j in eff}
             reranked = False
-        changes = sum(
-            1 for j, lv in new_levels.items() if j in self._levels and self._levels[j] != lv
-        )
+        old = self._levels
+        changes = sum(1 for j, lv in new_levels.items() if lv != old.get(j, lv))
         self._total_changes += changes
         self._levels = new_levels
         self._last = LevelAssignment(
@@ -199,7 +201,7 @@ class Leveller:
     def _needs_rerank(self, now: float, eff: Mapping[str, float]) -> bool:
         if self._last_rerank is None or self._overrides_changed:
             return True
-        if set(eff) != set(self._levels):
+        if eff.keys() != self._levels.keys():
             return True
         if now - self._last_rerank >= self._config.max_age_s:
             return True
@@ -211,17 +213,24 @@ class Leveller:
         return False
 
     def _rerank(self, eff: Mapping[str, float]) -> dict[str, int]:
+        """Levels by job id; ``eff`` must come by job id (as :meth:`update` builds it)."""
         levels: dict[str, int] = {j: lv for j, lv in self._pins.items() if j in eff}
-        free = sorted((r, j) for j, r in eff.items() if j not in levels)
-        fresh = rank_levels([j for _, j in free], self._config.levels)
+        # by (rate, job id): a stable sort by rate alone of jobs that come by job id
+        # (comparing floats only is several times cheaper than comparing tuples)
+        free = eff if not levels else [j for j in eff if j not in levels]
+        order = sorted(free, key=eff.__getitem__)
+        fresh = rank_levels(order, self._config.levels)
+        # each fresh level is a contiguous run of ``order`` (see rank_levels): its rates
+        # span its first job's to its last job's
+        n = len(order)
+        used = min(self._config.levels, n)
         lo: dict[int, float] = {}
         hi: dict[int, float] = {}
-        for r, j in free:
-            lv = fresh[j]
-            lo.setdefault(lv, r)
-            hi[lv] = r
+        for lv in range(used):
+            lo[lv] = eff[order[-(-lv * n // used)]]
+            hi[lv] = eff[order[-(-(lv + 1) * n // used) - 1]]
         h = self._config.hysteresis
-        rate = {j: r for r, j in free}
+        rate = eff  # of the jobs in ``order`` (pinned ones never move)
         place = dict(fresh)
 
         def fits(r: float, lv: int) -> bool:
@@ -232,14 +241,17 @@ class Leveller:
         # freshly given swaps with a job there that fits the level it leaves, so no level
         # doubles up (with n <= K, two jobs never share a level). Every job ends within h
         # of its level's range, which is what bounds inversions.
-        settled = {j for j in rate if self._levels.get(j) == fresh[j]}
-        movers = sorted(
-            (abs(prev - fresh[j]), rate[j], j, prev)
-            for j in rate
-            if (prev := self._levels.get(j)) is not None
-            and prev != fresh[j]
-            and fits(rate[j], prev)
-        )
+        previous = self._levels
+        settled: set[str] = set()
+        movers: list[tuple[int, float, str, int]] = []
+        for j in order:
+            prev = previous.get(j)
+            lv = fresh[j]
+            if prev == lv:
+                settled.add(j)
+            elif prev is not None and fits(rate[j], prev):
+                movers.append((abs(prev - lv), rate[j], j, prev))
+        movers.sort()
         for _, r, j, prev in movers:
             if j in settled:
                 continue
@@ -256,7 +268,7 @@ class Leveller:
                 if self._levels.get(x) == here:
                     settled.add(x)
         levels.update(place)
-        return dict(sorted(levels.items()))
+        return {j: levels[j] for j in eff}  # every job of eff has a level, by job id
 
 
 def rank_levels(ordered: Sequence[str], levels: int) -> dict[str, int]:

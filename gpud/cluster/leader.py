@@ -18,42 +18,20 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from gpud.cluster.model import JobAttributes, NodeReport, Order
 from gpud.cluster.ports import TagStore
 from netshaper.leveller import Leveller
 from netshaper.tags import DEFAULT_RESERVED, TagAllocator
 
-
-class _Fold:
-    """One job's reports folded over its nodes."""
-
-    __slots__ = (
-        "drops",
-        "dscp",
-        "ips",
-        "links_down",
-        "nodes",
-        "pin",
-        "rate",
-        "slowest",
-        "tx",
-        "unhealthy",
-        "xids",
-    )
-
-    def __init__(self) -> None:
-        self.rate: float | None = None
-        self.dscp: int | None = None  # the tag a node already marks it with
-        self.pin: int | None = None  # an operator's pin on one of its nodes
-        self.ips: float | None = None
-        self.slowest = ""
-        self.nodes: list[str] = []
-        self.unhealthy: list[str] = []
-        self.xids: list[str] = []
-        self.links_down: list[str] = []
-        self.drops = 0
-        self.tx = 0
+# One job's reports folded over its nodes: a list indexed by these (a list literal per
+# job is several times cheaper to build and to update than an object with attributes).
+_RATE, _IPS, _SLOWEST, _NODES, _DSCP, _PIN, _UNHEALTHY, _XIDS, _LINKS_DOWN, _DROPS, _TX = range(11)
+# _DSCP: the tag a node already marks the job with; _PIN: an operator's pin on one of its
+# nodes; _UNHEALTHY, _XIDS, _LINKS_DOWN: lists, None while empty (the usual case)
+_Fold = list[Any]
+_new_tuple = tuple.__new__
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +112,7 @@ class Aggregator:
     def _compute(self, epoch: int, now: float, wall: float | None) -> Order:
         folds: dict[str, _Fold] = {}
         get = folds.get
+        pinned: list[str] = []  # jobs some node reported a pin for
         # a copy: reports may arrive (another thread) while the round runs
         reports = list(self._reports.items())
         included: set[str] = set()
@@ -145,32 +124,48 @@ class Aggregator:
                 continue
             included.add(name)
             for jr in report.jobs:
-                f = get(jr.job)
-                if f is None:
-                    f = folds[jr.job] = _Fold()
-                    f.dscp = jr.dscp
-                elif f.dscp is None:
-                    f.dscp = jr.dscp
-                f.nodes.append(name)
+                job = jr.job
                 rate = jr.progress_rate
-                if rate is not None and (f.rate is None or rate < f.rate):
-                    f.rate = rate
-                    f.slowest = name
                 ips = jr.iterations_per_s
-                if ips is not None and (f.ips is None or ips < f.ips):
-                    f.ips = ips
-                if jr.unhealthy_gpus:
-                    f.unhealthy.extend(f"{name}/{u}" for u in jr.unhealthy_gpus)
-                if jr.xids:
-                    f.xids.extend(f"{name}:{x}" for x in jr.xids)
-                if jr.link_up is False:
-                    f.links_down.append(name)
-                if jr.pinned_level is not None:
-                    f.pin = jr.pinned_level
+                f = get(job)
+                if f is None:
+                    slowest = "" if rate is None else name
+                    f = [rate, ips, slowest, [name], jr.dscp, None, None, None, None, 0, 0]
+                    folds[job] = f
+                else:
+                    f[_NODES].append(name)
+                    if f[_DSCP] is None:
+                        f[_DSCP] = jr.dscp
+                    if rate is not None:
+                        low = f[_RATE]
+                        if low is None or rate < low:
+                            f[_RATE] = rate
+                            f[_SLOWEST] = name
+                    if ips is not None:
+                        low = f[_IPS]
+                        if low is None or ips < low:
+                            f[_IPS] = ips
+                tx = jr.tx_bytes
+                if tx:
+                    f[_TX] += tx
                 if jr.drops:
-                    f.drops += jr.drops
-                if jr.tx_bytes:
-                    f.tx += jr.tx_bytes
+                    f[_DROPS] += jr.drops
+                if jr.unhealthy_gpus:
+                    if f[_UNHEALTHY] is None:
+                        f[_UNHEALTHY] = []
+                    f[_UNHEALTHY].extend(f"{name}/{u}" for u in jr.unhealthy_gpus)
+                if jr.xids:
+                    if f[_XIDS] is None:
+                        f[_XIDS] = []
+                    f[_XIDS].extend(f"{name}:{x}" for x in jr.xids)
+                if jr.link_up is False:
+                    if f[_LINKS_DOWN] is None:
+                        f[_LINKS_DOWN] = []
+                    f[_LINKS_DOWN].append(name)
+                if jr.pinned_level is not None:
+                    if f[_PIN] is None:
+                        pinned.append(job)
+                    f[_PIN] = jr.pinned_level
 
         allocator = self._tags()
         before = allocator.allocations()
@@ -185,7 +180,7 @@ class Aggregator:
                 untagged.append(job)  # no codepoint left: it keeps its node-local tag
                 continue
             # keep the tag nodes already mark with, where it is free: no retagging
-            if f.dscp is None or not allocator.claim(job, f.dscp):
+            if f[_DSCP] is None or not allocator.claim(job, f[_DSCP]):
                 allocator.tag(job)
             free -= 1
         released = []
@@ -207,8 +202,8 @@ class Aggregator:
                 self._allocator = None  # re-read what the store holds next round
                 raise
 
-        self._sync_pins(folds)
-        assignment = self._leveller.update(now, {j: f.rate for j, f in folds.items()})
+        self._sync_pins({j: folds[j][_PIN] for j in pinned})
+        assignment = self._leveller.update(now, {j: f[_RATE] for j, f in folds.items()})
         stamp = now if wall is None else wall
         self._included = included
         levels = assignment.levels
@@ -216,22 +211,26 @@ class Aggregator:
             self._epoch, self._seq = epoch, 0
         self._seq += 1
         get_level, get_tag = levels.get, after.get
+        # tuple.__new__ builds the NamedTuple without a call of its Python-level __new__
         attributes = {
-            job: JobAttributes(
-                job,
-                epoch,
-                get_level(job),
-                get_tag(job),
-                f.rate,
-                f.ips,
-                f.slowest,
-                tuple(f.nodes),
-                tuple(f.unhealthy) if f.unhealthy else (),
-                tuple(f.xids) if f.xids else (),
-                tuple(f.links_down) if f.links_down else (),
-                f.drops,
-                f.tx,
-                stamp,
+            job: _new_tuple(
+                JobAttributes,
+                (
+                    job,
+                    epoch,
+                    get_level(job),
+                    get_tag(job),
+                    f[_RATE],
+                    f[_IPS],
+                    f[_SLOWEST],
+                    tuple(f[_NODES]),
+                    () if f[_UNHEALTHY] is None else tuple(f[_UNHEALTHY]),
+                    () if f[_XIDS] is None else tuple(f[_XIDS]),
+                    () if f[_LINKS_DOWN] is None else tuple(f[_LINKS_DOWN]),
+                    f[_DROPS],
+                    f[_TX],
+                    stamp,
+                ),
             )
             for job, f in folds.items()
         }
@@ -248,11 +247,11 @@ class Aggregator:
         )
         return self.order
 
-    def _sync_pins(self, folds: dict[str, _Fold]) -> None:
+    def _sync_pins(self, reported: dict[str, int]) -> None:
         """An operator's pin on any node holds for the job everywhere."""
         leveller = self._leveller
         levels = leveller.config.levels
-        pins = {j: f.pin for j, f in folds.items() if f.pin is not None and 0 <= f.pin < levels}
+        pins = {j: lv for j, lv in reported.items() if 0 <= lv < levels}
         for job in leveller.pins():
             if job not in pins:
                 leveller.unpin(job)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpud.cluster.fencing import FailStatic, Fence, Mode
 from gpud.cluster.leader import Aggregator
@@ -160,3 +162,52 @@ def test_a_pin_on_any_node_holds_everywhere() -> None:
     agg.receive(NodeReport("n1", (JobReport("a", 0.1), JobReport("b", 0.9))), 1)
     levels = agg.compute(1, 1).levels  # unpinned: b (0.9) below a (0.1) again
     assert levels["b"] > levels["a"]
+
+
+_job_reports = st.builds(
+    JobReport,
+    job=st.sampled_from(["a", "b", "c", "d"]),
+    progress_rate=st.none() | st.floats(0, 1),
+    iterations_per_s=st.none() | st.floats(0, 10),
+    dscp=st.none() | st.integers(1, 40),
+    unhealthy_gpus=st.lists(st.sampled_from(["G1", "G2"]), max_size=2).map(tuple),
+    xids=st.lists(st.integers(1, 99), max_size=2).map(tuple),
+    link_up=st.none() | st.booleans(),
+    tx_bytes=st.integers(0, 1 << 20),
+    drops=st.integers(0, 9),
+    pinned_level=st.none() | st.integers(-1, 4),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.lists(_job_reports, max_size=4, unique_by=lambda r: r.job), min_size=1, max_size=4)
+)
+def test_the_fold_is_the_plain_fold_over_the_nodes_in_order(
+    per_node: list[list[JobReport]],
+) -> None:
+    agg = make()
+    reports = [NodeReport(f"n{i}", tuple(jobs)) for i, jobs in enumerate(per_node)]
+    for r in reports:
+        agg.receive(r, 0)
+    order = agg.compute(epoch=1, now=0.0)
+    jobs = {jr.job for r in reports for jr in r.jobs}
+    assert set(order.attributes) == jobs
+    for job in jobs:
+        seen = [(r.node, jr) for r in reports for jr in r.jobs if jr.job == job]
+        rated = [(jr.progress_rate, n) for n, jr in seen if jr.progress_rate is not None]
+        slowest = min(rated, key=lambda p: p[0]) if rated else (None, "")
+        ips = [jr.iterations_per_s for _, jr in seen if jr.iterations_per_s is not None]
+        pins = [jr.pinned_level for _, jr in seen if jr.pinned_level is not None]
+        a = order.attributes[job]
+        assert (a.progress_rate, a.slowest_node) == slowest
+        assert a.iterations_per_s == (min(ips) if ips else None)
+        assert a.nodes == tuple(n for n, _ in seen)
+        assert a.unhealthy_gpus == tuple(f"{n}/{u}" for n, jr in seen for u in jr.unhealthy_gpus)
+        assert a.xids == tuple(f"{n}:{x}" for n, jr in seen for x in jr.xids)
+        assert a.links_down == tuple(n for n, jr in seen if jr.link_up is False)
+        assert a.drops == sum(jr.drops for _, jr in seen)
+        assert a.tx_bytes == sum(jr.tx_bytes for _, jr in seen)
+        # the last pin reported wins, where it names a level
+        if pins and 0 <= pins[-1] < 4:
+            assert order.levels[job] == pins[-1]
