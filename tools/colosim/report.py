@@ -55,7 +55,7 @@ def summarize(r: RunResult) -> dict[str, float]:
 def run_scenario(
     scenario: Scenario, seeds: int = 3, policies: Sequence[str] = POLICY_NAMES
 ) -> dict[str, Any]:
-    """The issue's run object: medians over ``seeds`` seeded traces."""
+    """The run object ``colosim run --json`` prints: medians over ``seeds`` seeded traces."""
     per: dict[str, list[dict[str, float]]] = {p: [] for p in policies}
     for seed in range(seeds):
         trace = scenario.trace(seed)
