@@ -57,3 +57,12 @@ def test_half_width_is_the_student_t_interval_over_replication_means() -> None:
     # Two means 2 apart: sd = sqrt(2), t(1) = 12.706.
     assert _half_width([1.0, 3.0]) == pytest.approx(12.706 * 2**0.5 / 2**0.5)
     assert _half_width([5.0] * 40) == 0.0
+
+
+def test_utilizations_are_chosen_and_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "--json", "--jobs", "200", "--replications", "2", "--workers", "1"]
+    assert main([*argv, "--utilizations", "0.6,0.85"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["utilizations"]) == {"0.6", "0.85"}
+    with pytest.raises(SystemExit):
+        main([*argv, "--utilizations", "0.5,1.2"])
+    assert "--utilizations" in capsys.readouterr().err

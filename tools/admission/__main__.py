@@ -1,5 +1,5 @@
 """``python -m tools.admission bench [--json] [--detail] [--jobs N] [--seed S]
-[--replications R] [--workers W] [--fifo-replications F] [--mix pools|shared]``."""
+[--replications R] [--utilizations U,U...] [--workers W] [--fifo-replications F] [--mix pools|shared]``."""
 
 from __future__ import annotations
 
@@ -40,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         help="replications also run in strict FIFO for backfill/fifo (default 3)",
     )
     b.add_argument(
+        "--utilizations",
+        type=_utilizations,
+        default=bench.UTILIZATIONS,
+        help="comma-separated utilisations, each in (0, 1) (default 0.5,0.7,0.8,0.9,0.95)",
+    )
+    b.add_argument(
         "--mix",
         choices=("pools", "shared"),
         default="pools",
@@ -54,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         replications=args.replications,
         workers=args.workers,
         fifo_replications=max(1, min(args.fifo_replications, args.replications)),
+        utilizations=args.utilizations,
     )
     if args.json:
         json.dump(_finite(result), sys.stdout, indent=2, allow_nan=False)
@@ -82,6 +89,15 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _utilizations(text: str) -> tuple[float, ...]:
+    values = tuple(float(v) for v in text.split(","))
+    if len(values) < 2 or not all(0.0 < v < 1.0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"needs two or more utilisations in (0, 1) (the wait slope's fit), got {text!r}"
+        )
+    return values
 
 
 def _finite(value: Any) -> Any:

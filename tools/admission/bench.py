@@ -53,6 +53,7 @@ def run(
     replications: int = 3,
     workers: int = 1,
     fifo_replications: int = 3,
+    utilizations: tuple[float, ...] = UTILIZATIONS,
 ) -> dict[str, Any]:
     """``replications`` independent arrival sequences (seeds ``seed``, ``seed + 1``, ...) per
     utilisation, run on ``workers`` processes: each class's observed mean wait is the mean of
@@ -66,7 +67,7 @@ def run(
     mean_waits = []
     tasks = [
         (rho, seed + r, jobs, mix, r < fifo_replications)
-        for rho in UTILIZATIONS
+        for rho in utilizations
         for r in range(replications)
     ]
     if workers > 1:
@@ -74,7 +75,7 @@ def run(
             runs = list(pool.map(_replicate, *zip(*tasks, strict=True)))
     else:
         runs = [_replicate(*t) for t in tasks]
-    for i, rho in enumerate(UTILIZATIONS):
+    for i, rho in enumerate(utilizations):
         reps = runs[i * replications : (i + 1) * replications]
         rep_means: dict[str, list[float]] = {}
         history: list[Record] = []
@@ -130,7 +131,7 @@ def run(
                 for key in sorted(rep_means)
             }
         out["utilizations"][f"{rho:g}"] = row
-    xs = [math.log(1.0 / (1.0 - rho)) for rho in UTILIZATIONS]
+    xs = [math.log(1.0 / (1.0 - rho)) for rho in utilizations]
     ys = [math.log(w) for w in mean_waits]
     out["wait_slope"] = _slope(xs, ys)
     out["pass_ms"] = pass_ms(PlacementFit(bench_node()))
