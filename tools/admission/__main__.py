@@ -1,11 +1,12 @@
 """``python -m tools.admission bench [--json] [--detail] [--jobs N] [--seed S]
-[--replications R] [--mix pools|shared]``."""
+[--replications R] [--utilizations U,U...] [--workers W] [--fifo-replications F] [--mix pools|shared]``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
 from typing import Any
 
@@ -20,7 +21,30 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--detail", action="store_true", help="add per-class quotes and waits")
     b.add_argument("--jobs", type=int, default=30000, help="jobs per utilisation")
     b.add_argument("--seed", type=int, default=1, help="seed of the first replication")
-    b.add_argument("--replications", type=int, default=3, help="arrival sequences per utilisation")
+    b.add_argument(
+        "--replications",
+        type=_positive,
+        default=10,
+        help="independent arrival sequences per utilisation (the confidence interval's samples)",
+    )
+    b.add_argument(
+        "--workers",
+        type=_positive,
+        default=os.cpu_count() or 1,
+        help="processes running replications (default: one per CPU)",
+    )
+    b.add_argument(
+        "--fifo-replications",
+        type=int,
+        default=3,
+        help="replications also run in strict FIFO for backfill/fifo (default 3)",
+    )
+    b.add_argument(
+        "--utilizations",
+        type=_utilizations,
+        default=bench.UTILIZATIONS,
+        help="comma-separated utilisations, each in (0, 1) (default 0.5,0.7,0.8,0.9,0.95)",
+    )
     b.add_argument(
         "--mix",
         choices=("pools", "shared"),
@@ -34,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         detail=args.detail,
         mix=args.mix,
         replications=args.replications,
+        workers=args.workers,
+        fifo_replications=max(1, min(args.fifo_replications, args.replications)),
+        utilizations=args.utilizations,
     )
     if args.json:
         json.dump(_finite(result), sys.stdout, indent=2, allow_nan=False)
@@ -45,8 +72,32 @@ def main(argv: list[str] | None = None) -> int:
             f"{rho:>5} {row['littles_residual']:>17.2e} {row['quote_over_observed']:>15.2f}"
             f" {row['backfill_over_fifo_wait']:>14.3f}"
         )
+        for key, c in row.get("classes", {}).items():
+            lo, hi = c["observed_ci95_s"]
+            print(
+                f"      {key:>10} quote {c['quote_s']:>9.0f} s  observed {c['observed_s']:>8.0f} s"
+                f" (95 % CI {lo:.0f}-{hi:.0f}, +-{c['half_width_ratio']:.1%})"
+                f"  quote/observed {c['quote_over_observed']:.2f}"
+                f"  quote/upper {c['quote_over_observed_upper']:.2f}"
+            )
     print(f"wait slope vs 1/(1-rho): {result['wait_slope']:.2f}; pass: {result['pass_ms']:.2f} ms")
     return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _utilizations(text: str) -> tuple[float, ...]:
+    values = tuple(float(v) for v in text.split(","))
+    if len(values) < 2 or not all(0.0 < v < 1.0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"needs two or more utilisations in (0, 1) (the wait slope's fit), got {text!r}"
+        )
+    return values
 
 
 def _finite(value: Any) -> Any:
