@@ -36,7 +36,7 @@ from gpud.api.server import ApiServer
 from gpud.backend.port import GpuBackend, GpuIdentity
 from gpud.cluster.metrics import ClusterMetrics
 from gpud.cluster.nodeview import DaemonNodeView
-from gpud.cluster.runtime import ClusterRuntime, leveller_config
+from gpud.cluster.runtime import ClusterRuntime
 from gpud.colo.api import ColoServicer
 from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import ColoService, RunningJob
@@ -55,6 +55,7 @@ from gpud.mps.manager import MpsManager
 from gpud.mps.metrics import MpsMetrics
 from gpud.net.api import NetServicer
 from gpud.net.metrics import TrafficMetrics
+from gpud.net.service import leveller_config
 from gpud.net.wiring import open_traffic
 from gpud.notify import Notifier
 from gpud.store import StateStore

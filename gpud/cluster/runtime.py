@@ -20,7 +20,7 @@ from gpud.cluster.etcd import EtcdClient, EtcdSettings
 from gpud.cluster.ports import MemoryTagStore, NodeView, TagStore
 from gpud.cluster.tagstore import EtcdTagStore
 from gpud.cluster.tls import PeerTls
-from gpud.config import ClusterConfig, TrafficConfig, parse_address
+from gpud.config import ClusterConfig, parse_address
 from gpud.errors import ConfigError
 from gpud.events import EventLog
 from gpud.net.port import TrafficPort
@@ -175,14 +175,3 @@ class ClusterRuntime:
 
     async def tick(self) -> None:
         await self.agent.tick()
-
-
-def leveller_config(t: TrafficConfig) -> LevellerConfig:
-    """The leader's policy: the same levels and knobs as every node's traffic service."""
-    return LevellerConfig(
-        levels=t.levels,
-        threshold=t.threshold,
-        max_age_s=t.max_age_s,
-        hysteresis=t.hysteresis,
-        min_share=t.min_share,
-    )

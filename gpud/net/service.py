@@ -54,6 +54,18 @@ from netshaper.progress import ProgressConfig, ProgressTracker
 log = logging.getLogger(__name__)
 
 
+def leveller_config(t: TrafficConfig) -> LevellerConfig:
+    """The policy ``[traffic]`` sets: each node's local leveller and the cluster leader's
+    use the same levels and knobs."""
+    return LevellerConfig(
+        levels=t.levels,
+        threshold=t.threshold,
+        max_age_s=t.max_age_s,
+        hysteresis=t.hysteresis,
+        min_share=t.min_share,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Report:
     """One progress report, as the API receives it."""
@@ -169,15 +181,7 @@ class TrafficService:
         self._proc = proc_root
         self._clock = clock
         self._lock = threading.RLock()
-        self._leveller = Leveller(
-            LevellerConfig(
-                levels=config.levels,
-                threshold=config.threshold,
-                max_age_s=config.max_age_s,
-                hysteresis=config.hysteresis,
-                min_share=config.min_share,
-            )
-        )
+        self._leveller = Leveller(leveller_config(config))
         self._tracker = ProgressTracker(ProgressConfig(window_s=config.progress_window_s))
         self._reports: dict[str, _JobReports] = {}
         self._levels: dict[str, int] = {}
