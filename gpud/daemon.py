@@ -233,6 +233,8 @@ class Daemon:
         self.add_step("jobs", self._jobs_step)
         self.add_step("admission", self._admission_step)
         self.add_step("colo", self._colo_step)
+        if sim is not None:
+            self.add_step("sim-jobs", self._sim_jobs_step)
         # the cluster's order first: the traffic step enforces it in the same pass
         self.add_step("cluster", self.cluster.tick)
         self.add_step("traffic", self._traffic_step)
@@ -278,11 +280,13 @@ class Daemon:
         """Jobs holding reservations, placed on GPU indices, with their attributed memory."""
         snap = self.sampler.latest()
         index: dict[str, int] = {}
+        profiles: dict[str, str] = {}  # MIG device UUID -> its profile
         if snap is not None:
             for g in snap.gpus:
                 index[g.identity.uuid] = g.identity.index
                 for m in g.mig_devices:
                     index[m.identity.uuid] = g.identity.index
+                    profiles[m.identity.uuid] = m.identity.profile_name
         used = self.jobs.memory_by_job()
         out = []
         for r in self.jobs.reservations.held():
@@ -299,9 +303,41 @@ class Daemon:
                         memory_bytes=r.memory_bytes,
                         slo_p99_ms=spec.slo_p99_ms if spec else None,
                         memory_used=used.get((r.job, device), 0),
+                        device=device,
+                        mig_profile=profiles.get(device),
                     )
                 )
         return out
+
+    async def _sim_jobs_step(self) -> None:
+        """On a simulated node: workload models behind the jobs' host processes."""
+        await asyncio.to_thread(self._sim_jobs)
+
+    def _sim_jobs(self) -> None:
+        from gpud.backend.sim.jobmodels import JobDevice  # a simulated node's only
+
+        assert self.sim is not None
+        snap = self.sampler.latest()
+        totals: dict[str, int] = {}
+        for g in snap.gpus if snap is not None else ():
+            totals[g.identity.uuid] = g.identity.memory_total_bytes
+            for m in g.mig_devices:
+                totals[m.identity.uuid] = m.identity.memory_total_bytes
+        self.sim.jobs.sync(
+            [
+                JobDevice(
+                    job=r.name,
+                    kind=r.kind,
+                    gpu=r.gpu,
+                    mig=r.device if r.mig_profile is not None else None,
+                    memory_bytes=r.memory_bytes,
+                    memory_total=totals.get(r.device, 0),
+                    threads_percent=r.threads_percent,
+                    duty=self.colo.duty(r.name),
+                )
+                for r in self._colo_running()
+            ]
+        )
 
     async def _traffic_step(self) -> None:
         await asyncio.to_thread(self.traffic.tick)

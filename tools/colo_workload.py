@@ -1,17 +1,28 @@
-"""Workload models behind simulated processes, for ``gpud --simulate`` demos.
+"""Workload models for ``gpud --simulate`` demos: a training job and an inference service.
 
 ::
 
-    python -m tools.colo_workload training [--iteration-s 0.05]
-    python -m tools.colo_workload inference [--rate 100] [--mu 400]
+    python -m tools.colo_workload training [--iteration-s 0.05] [--slowdown 0.8]
+    python -m tools.colo_workload inference [--rate 100] [--mu 400] [--slowdown 1.5]
 
-``training`` iterates (a sleep stands for the GPU work) and calls
-``gpud.client.throttle_point()`` after each iteration, so the duty cycle gpud tells it is
-what it runs at. ``inference`` serves ``--rate`` requests/s and reports each request's
-latency with ``gpud.client.Latency``: latencies are drawn from an M/M/1 queue whose service
-rate ``--mu`` is cut by the training that shares its GPU, in proportion to that training's
-duty cycle (read from gpud, ``gpuctl colo show``) -- the simulated node has no real SMs to
-contend for, so the interference is modelled here. Both run until killed (or ``--seconds``).
+Run them with ``gpuctl run``. The simulated node shows each as a GPU process of its job with
+the memory it declared and the SM activity of its kind and duty cycle
+(:mod:`gpud.backend.sim.jobmodels`); these programs supply the rest of what a real job
+does on a shared GPU:
+
+- ``training`` iterates (a sleep of ``--iteration-s`` stands for the GPU work) and calls
+  ``gpud.client.throttle_point()`` after each iteration, so it runs at the duty cycle gpud
+  tells it;
+- ``inference`` serves ``--rate`` requests/s and reports each request's latency with
+  ``gpud.client.Latency``: latencies are drawn from an M/M/1 queue with service rate
+  ``--mu``.
+
+The simulated node has no SMs to contend for, so interference is modelled here, and gpud
+never sees this model: each second a program reads from gpud (``gpuctl colo show``) which
+jobs share its device and at which duty cycle, sums their SM activity ``a`` (the same
+activity the simulated node shows for them), and slows down by ``1 + slowdown * a``
+(training: longer iterations; inference: a lower service rate). Jobs on separate MIG
+instances do not interfere. Both run until killed (or ``--seconds``).
 """
 
 from __future__ import annotations
@@ -23,61 +34,84 @@ import random
 import time
 
 from gpud import client
+from gpud.backend.sim.jobmodels import sm_activity
+
+SOCKET = os.environ.get("GPUD_SOCKET", "/run/gpud/gpud.sock")
+JOB = os.environ.get("GPUD_JOB", "")
 
 
-def training(iteration_s: float, seconds: float) -> None:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        time.sleep(iteration_s)
-        client.throttle_point()
-
-
-def _neighbour_duty(socket: str, job: str) -> float:
-    """Sum of the duty cycles of training jobs on this job's GPU, from gpud."""
+def neighbour_activity(socket: str, job: str) -> float:
+    """The SM activity of the other jobs on this job's device, as gpud places them."""
     import grpc
 
     from gpud.v1 import colo_pb2, colo_pb2_grpc
 
     with grpc.insecure_channel(f"unix://{socket}") as ch:
         resp = colo_pb2_grpc.ColocationStub(ch).ShowColo(colo_pb2.ShowColoRequest(), timeout=1.0)
-    mine = [p.gpu for p in resp.placements if p.job == job]
+    mine = next((p for p in resp.placements if p.job == job), None)
+    if mine is None or mine.HasField("mig_profile"):
+        return 0.0  # not placed yet, or on a MIG instance of its own
     return sum(
-        p.duty for p in resp.placements if p.kind == "training" and mine and p.gpu == mine[0]
+        sm_activity(p.kind, p.duty, round(p.sm_share * 100))
+        for p in resp.placements
+        if p.job != job and p.gpu == mine.gpu and not p.HasField("mig_profile")
     )
 
 
+class Neighbours:
+    """:func:`neighbour_activity`, read at most once a second; the last reading while gpud
+    is away."""
+
+    def __init__(self) -> None:
+        self.activity = 0.0
+        self._at = float("-inf")
+
+    def read(self) -> float:
+        now = time.monotonic()
+        if now - self._at >= 1.0:
+            self._at = now
+            with contextlib.suppress(Exception):
+                self.activity = neighbour_activity(SOCKET, JOB)
+        return self.activity
+
+
+def training(iteration_s: float, slowdown: float, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    neighbours = Neighbours()
+    while time.monotonic() < end:
+        time.sleep(iteration_s * (1.0 + slowdown * neighbours.read()))
+        client.throttle_point()
+
+
 def inference(rate: float, mu: float, slowdown: float, seconds: float) -> None:
-    job = os.environ.get("GPUD_JOB", "")
-    socket = os.environ.get("GPUD_SOCKET", "/run/gpud/gpud.sock")
     lat = client.Latency()
     rng = random.Random(1)
     end = time.monotonic() + seconds
-    duty = 0.0
+    neighbours = Neighbours()
     while time.monotonic() < end:
-        with contextlib.suppress(Exception):  # gpud away: keep the last reading
-            duty = _neighbour_duty(socket, job)
-        mu_eff = mu / (1.0 + slowdown * duty)
+        mu_eff = mu / (1.0 + slowdown * neighbours.read())
+        spare = max(mu_eff - rate, 1.0)
         for _ in range(int(rate)):
-            spare = max(mu_eff - rate, 1.0)
             lat.observe(rng.expovariate(spare))
         lat.flush()
         time.sleep(1.0)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     sub = ap.add_subparsers(dest="kind", required=True)
     t = sub.add_parser("training")
     t.add_argument("--iteration-s", type=float, default=0.05)
+    t.add_argument("--slowdown", type=float, default=0.8, help="time added per unit of activity")
     t.add_argument("--seconds", type=float, default=3600.0)
     i = sub.add_parser("inference")
     i.add_argument("--rate", type=float, default=100.0, help="requests/s")
     i.add_argument("--mu", type=float, default=400.0, help="service rate alone, requests/s")
-    i.add_argument("--slowdown", type=float, default=1.5, help="rate loss per unit of duty")
+    i.add_argument("--slowdown", type=float, default=1.5, help="rate loss per unit of activity")
     i.add_argument("--seconds", type=float, default=3600.0)
     args = ap.parse_args()
     if args.kind == "training":
-        training(args.iteration_s, args.seconds)
+        training(args.iteration_s, args.slowdown, args.seconds)
     else:
         inference(args.rate, args.mu, args.slowdown, args.seconds)
     return 0

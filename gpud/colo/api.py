@@ -59,6 +59,8 @@ class ColoServicer(pb_grpc.ColocationServicer):
                 predicted_speed=predicted.get(r.name, 1.0),
                 reason="running",
             )
+            if r.mig_profile is not None:
+                p.mig_profile = r.mig_profile
             if r.name in v.observed_speed:
                 p.observed_speed = v.observed_speed[r.name]
         if plan is not None:
@@ -89,7 +91,7 @@ class ColoServicer(pb_grpc.ColocationServicer):
         job = _job(request.job)
         kind = request.kind or "training"
         snap = self._snapshots()
-        gpu, share, limit, mig, speed, reason = await asyncio.to_thread(
+        a = await asyncio.to_thread(
             self._service.advise,
             job,
             kind=kind,
@@ -100,16 +102,15 @@ class ColoServicer(pb_grpc.ColocationServicer):
             snapshot=snap,
         )
         out = pb.AdviseResponse(
-            gpu=gpu,
-            threads_percent=max(1, min(100, round(share * 100))) if gpu >= 0 else 0,
-            memory_limit_bytes=limit,
-            predicted_speed=speed,
-            reason=reason,
+            gpu=a.gpu,
+            threads_percent=max(1, min(100, round(a.sm_share * 100))) if a.gpu >= 0 else 0,
+            memory_limit_bytes=a.memory_limit_bytes,
+            predicted_speed=a.predicted_speed,
+            reason=a.reason,
+            device=a.device,
         )
-        if mig is not None:
-            out.mig_profile = mig
-        if snap is not None and gpu >= 0 and (sample := snap.gpu(gpu)) is not None:
-            out.device = sample.identity.uuid
+        if a.mig_profile is not None:
+            out.mig_profile = a.mig_profile
         return out
 
     async def ReportLatency(  # noqa: N802

@@ -13,6 +13,7 @@ goes; ``gpuctl colo show`` reads :meth:`show`.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -28,6 +29,8 @@ from colocate import (
     JobFeatures,
     JobKind,
     JobView,
+    MigOption,
+    Placement,
     Plan,
     Planner,
     PlannerParams,
@@ -40,6 +43,12 @@ from gpud.events import EventLog
 from gpud.telemetry.snapshot import Snapshot
 
 MAX_LATENCY_SAMPLES = 4096  # per report, and per job kept in the window
+MIG_COMPUTE_SLICES = 7  # A100, H100, H200: a MIG profile's SMs are slices of seven
+RATE_WINDOW_S = 10.0
+# A new duty reaches training at its next throttle point (gpud.client reports every second);
+# latencies reported before then, and fewer than this many, say nothing about it yet.
+DIRECTIVE_DELAY_S = 1.0
+MIN_FRESH_SAMPLES = 20  # a training job's rate is measured over at most this much recent time
 GIB = 1 << 30
 
 
@@ -55,6 +64,8 @@ class RunningJob:
     slo_p99_ms: float | None = None
     memory_used: int = 0  # NVML, attributed to the job's processes
     peak_load: float = 0.0
+    device: str = ""  # the GPU or MIG device UUID it runs on
+    mig_profile: str | None = None  # when that device is a MIG instance: its profile
 
 
 @dataclass(frozen=True)
@@ -69,11 +80,28 @@ class _JobState:
     latency: deque[tuple[float, float]] = field(
         default_factory=lambda: deque(maxlen=MAX_LATENCY_SAMPLES)
     )
-    progress: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=64))
-    alone_rate: float | None = None
+    # (time, iterations so far, duty told at that report: what it ran at until the next)
+    progress: deque[tuple[float, int, float]] = field(default_factory=lambda: deque(maxlen=64))
+    alone_rate: float | None = None  # iterations per busy second (duty taken out), alone
+    neighbours: frozenset[str] | None = None  # who shared its GPU at the last tick
+    guard_since: float = float("-inf")  # inference: latencies from here on see the new duty
+    since: float = float("-inf")  # when that company last changed
     features: JobFeatures | None = None
     windows: int = 0
     windows_ok: int = 0
+
+
+@dataclass(frozen=True)
+class Advice:
+    """Where a new job should go: ``gpu`` -1 means wait (``reason`` says why)."""
+
+    gpu: int
+    sm_share: float
+    memory_limit_bytes: int
+    mig_profile: str | None  # a MIG instance of this profile rather than an MPS share
+    device: str  # the GPU or MIG device UUID to reserve ("" when waiting)
+    predicted_speed: float
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -104,6 +132,26 @@ class ColoView:
 
 
 PRIOR = JobFeatures(sm=0.8, mem_bw=0.6)
+
+
+def _mig_sm_fraction(profile: str) -> float | None:
+    """The SM fraction of a MIG profile: ``3g.40gb`` -> 3/7, ``1c.3g.40gb`` -> 1/7 (the
+    compute instance's slices); None for a name that is no MIG profile."""
+    head = profile.partition(".")[0]
+    if not head.endswith(("c", "g")):
+        return None
+    slices = head[:-1]
+    if not slices.isdigit() or not 0 < int(slices) <= MIG_COMPUTE_SLICES:
+        return None
+    return int(slices) / MIG_COMPUTE_SLICES
+
+
+def _shares_device(a: RunningJob, b: RunningJob) -> bool:
+    """Whether two jobs on one GPU contend: on the whole GPU, or in the same MIG instance
+    (separate MIG instances are isolated)."""
+    if a.mig_profile is None and b.mig_profile is None:
+        return True
+    return bool(a.device) and a.device == b.device
 
 
 class ColoService:
@@ -170,26 +218,54 @@ class ColoService:
         with self._lock:
             st = self._jobs.setdefault(job, _JobState())
             total = (st.progress[-1][1] if st.progress else 0) + max(0, iterations)
-            st.progress.append((now, total))
-            return self._directives.get(job, Directive(1.0, False, "no directive"))
+            d = self._directives.get(job, Directive(1.0, False, "no directive"))
+            st.progress.append((now, total, d.duty))
+            return d
 
-    def p99(self, job: str) -> float | None:
+    def duty(self, job: str) -> float:
+        """The duty cycle the job is told to run at now (1.0: unthrottled)."""
+        with self._lock:
+            d = self._directives.get(job)
+            return d.duty if d is not None else 1.0
+
+    def p99(self, job: str, *, since: float = float("-inf"), min_samples: int = 1) -> float | None:
+        """The job's p99 latency over the window (reports after ``since`` only); None with
+        fewer than ``min_samples`` reports."""
         now = self._clock()
         with self._lock:
             st = self._jobs.get(job)
             if st is None:
                 return None
-            window = [s for t, s in st.latency if now - t <= self.config.latency_window_s]
-        if not window:
+            window = [
+                s for t, s in st.latency if now - t <= self.config.latency_window_s and t > since
+            ]
+        if not window or len(window) < min_samples:
             return None
         window.sort()
         return window[min(len(window) - 1, math.ceil(0.99 * len(window)) - 1)]
 
-    def _rate(self, st: _JobState) -> float | None:
-        if len(st.progress) < 2:
+    def _rate(self, st: _JobState, now: float) -> float | None:
+        """Iterations per second of running time, the throttle's sleeps taken out, since
+        the job's company on its GPU last changed (at most ``RATE_WINDOW_S`` back)."""
+        points = [p for p in st.progress if p[0] >= max(st.since, now - RATE_WINDOW_S)]
+        if len(points) < 2:
             return None
-        (t0, i0), (t1, i1) = st.progress[0], st.progress[-1]
-        return (i1 - i0) / (t1 - t0) if t1 > t0 else None
+        busy = sum((b[0] - a[0]) * a[2] for a, b in itertools.pairwise(points))
+        done = points[-1][1] - points[0][1]
+        return done / busy if busy > 0 else None
+
+    def load(self, job: str) -> float:
+        """An inference job's request rate: latency reports per second over the window."""
+        now = self._clock()
+        window = self.config.latency_window_s
+        with self._lock:
+            st = self._jobs.get(job)
+            if st is None or not st.latency:
+                return 0.0
+            times = [t for t, _ in st.latency if now - t <= window]
+        if not times:
+            return 0.0
+        return len(times) / max(1.0, min(window, now - times[0] + 1.0))
 
     # -- the loop -----------------------------------------------------------------------------
     def tick(self, snapshot: Snapshot | None) -> Plan | None:
@@ -197,15 +273,7 @@ class ColoService:
             return None
         running = tuple(self._running())
         with self._lock:
-            gpus = [
-                GpuView(
-                    index=g.identity.index,
-                    memory_total=g.memory.total_bytes if g.memory else 0,
-                    memory_used=g.memory.used_bytes if g.memory else 0,
-                )
-                for g in snapshot.gpus
-                if g.healthy and g.memory is not None
-            ]
+            gpus, _ = self._gpu_views(snapshot, running)
             per_gpu: dict[int, list[RunningJob]] = {}
             for r in running:
                 per_gpu.setdefault(r.gpu, []).append(r)
@@ -218,25 +286,39 @@ class ColoService:
             return plan
 
     def _learn(self, snapshot: Snapshot, per_gpu: dict[int, list[RunningJob]]) -> None:
+        """Alone: the device's activity is the job's footprint, and a training job's rate its
+        alone rate. Together: a training job's rate over its alone rate (both per second of
+        running time, so the guard's throttling is not taken for interference) is a sample
+        of slowdown for the predictor."""
+        now = self._clock()
         self._observed = {}
         for gpu, members in per_gpu.items():
             sample = snapshot.gpu(gpu)
             for r in members:
                 st = self._jobs.setdefault(r.name, _JobState())
-                rate = self._rate(st)
-                if len(members) == 1 and sample is not None and sample.utilization is not None:
-                    # Alone: the device's activity is the job's footprint.
-                    u = sample.utilization
-                    st.features = JobFeatures(sm=u.gpu_ratio, mem_bw=u.memory_ratio)
-                    if rate is not None and r.kind == "training":
+                company = [o for o in members if o.name != r.name and _shares_device(o, r)]
+                names = frozenset(o.name for o in company)
+                if names != st.neighbours:
+                    st.neighbours, st.since = names, now  # a new company: measure afresh
+                    continue
+                rate = self._rate(st, now) if r.kind == "training" else None
+                if not company:
+                    u = sample.utilization if sample is not None else None
+                    if u is not None and r.mig_profile is None and len(members) == 1:
+                        duty = self.duty(r.name) if r.kind == "training" else 1.0
+                        st.features = JobFeatures(
+                            sm=min(1.0, u.gpu_ratio / max(duty, 0.01)),
+                            mem_bw=min(1.0, u.memory_ratio / max(duty, 0.01)),
+                        )
+                    if rate is not None:
                         st.alone_rate = rate
                     continue
-                if r.kind != "training" or rate is None or not st.alone_rate:
+                if rate is None or not st.alone_rate:
                     continue
                 speed = min(1.0, rate / st.alone_rate)
                 self._observed[r.name] = speed
-                others = [self._features(o) for o in members if o.name != r.name]
-                self.predictor.observe(self._features(r), others, speed)
+                others = [self._view(o).footprint() for o in company]
+                self.predictor.observe(self._view(r).footprint(), others, speed)
 
     def _features(self, r: RunningJob) -> JobFeatures:
         st = self._jobs.get(r.name)
@@ -260,11 +342,23 @@ class ColoService:
             if p99 is not None:
                 st.windows += 1
                 st.windows_ok += int(p99 <= g.slo_s)
-            if not any(o.kind == "training" for o in per_gpu.get(r.gpu, [])):
+            if not any(
+                o.kind == "training" and _shares_device(o, r) for o in per_gpu.get(r.gpu, [])
+            ):
                 g.reset()
+                st.guard_since = float("-inf")
+                continue
+            # Act on latencies measured at the duty last set, not on the ones the window
+            # still holds from before it: else each tick would cut again for the same spike.
+            fresh = self.p99(r.name, since=st.guard_since, min_samples=MIN_FRESH_SAMPLES)
+            if fresh is None and p99 is not None:
+                # still measuring at the new duty: the last decision holds
+                duty[r.gpu] = min(duty.get(r.gpu, 1.0), g.duty)
                 continue
             before = g.duty
-            d = g.tick(p99)
+            d = g.tick(fresh)
+            if g.duty != before:
+                st.guard_since = self._clock() + DIRECTIVE_DELAY_S
             if d.action is GuardAction.EVICT:
                 evict[r.gpu] = d.reason
                 self._events.emit("colo.evict", d.reason, job=r.name, gpu=r.gpu)
@@ -285,16 +379,59 @@ class ColoService:
             knee=self._features(r).sm if self._jobs.get(r.name, _JobState()).features else None,
         )
         shape.observe_memory(r.memory_used)
+        load = self.load(r.name) if kind is JobKind.INFERENCE else 0.0
         return JobView(
             job_id=r.name,
             shape=shape,
             features=self._features(r),
             gpu=r.gpu,
             sm_share=(r.threads_percent or 100) / 100.0,
+            mig_profile=r.mig_profile,
             memory_used=r.memory_used,
-            peak_load=r.peak_load,
+            load=load,
+            peak_load=max(r.peak_load, load),
             duty=self._directives.get(r.name, Directive(1.0, False, "")).duty,
         )
+
+    def _gpu_views(
+        self, snapshot: Snapshot, running: Sequence[RunningJob], *, whole_only: bool = False
+    ) -> tuple[list[GpuView], dict[tuple[int, str], str]]:
+        """The healthy GPUs, each with the free MIG instances it could give a job (one per
+        profile), and where each such option is: (GPU, profile) -> MIG device UUID.
+
+        ``whole_only``: a job that needs a whole GPU (MPS share) cannot go to a GPU in MIG
+        mode; such GPUs are shown full."""
+        taken = {r.device for r in running}
+        views: list[GpuView] = []
+        where: dict[tuple[int, str], str] = {}
+        for g in snapshot.gpus:
+            if not g.healthy or g.memory is None:
+                continue
+            index = g.identity.index
+            mig_mode = g.mig_mode is not None and g.mig_mode.current
+            options: dict[str, MigOption] = {}
+            for m in g.mig_devices:
+                ident = m.identity
+                if ident.uuid in taken or ident.profile_name in options:
+                    continue
+                fraction = _mig_sm_fraction(ident.profile_name)
+                if fraction is None:
+                    continue
+                options[ident.profile_name] = MigOption(
+                    ident.profile_name, fraction, ident.memory_total_bytes
+                )
+                where[(index, ident.profile_name)] = ident.uuid
+            total = g.memory.total_bytes
+            full = whole_only and mig_mode
+            views.append(
+                GpuView(
+                    index=index,
+                    memory_total=total,
+                    memory_used=total if full else g.memory.used_bytes,
+                    mig_options=() if full else tuple(options.values()),
+                )
+            )
+        return views, where
 
     def _apply(self, plan: Plan) -> None:
         new = {d.job_id: Directive(d.duty, d.evict, d.reason) for d in plan.directives}
@@ -321,23 +458,17 @@ class ColoService:
         sm_activity: float | None = None,
         peak_load: float = 0.0,
         snapshot: Snapshot | None = None,
-    ) -> tuple[int, float, int, str | None, float, str]:
-        """(gpu or -1, SM share, memory limit, MIG profile, predicted speed, reason)."""
+    ) -> Advice:
+        """Where a new job should go now: a whole GPU's MPS share, or (an inference job with
+        a tight SLO) a free MIG instance; nothing is reserved."""
         if kind not in ("training", "inference"):
             raise InvalidArgument(f"job {job}: kind must be training or inference, not {kind!r}")
         if sm_activity is not None and not 0.0 < sm_activity <= 1.0:
             raise InvalidArgument(f"job {job}: sm_activity {sm_activity} outside (0, 1]")
         running = tuple(self._running())
         with self._lock:
-            gpus = (
-                [
-                    GpuView(g.identity.index, g.memory.total_bytes, g.memory.used_bytes)
-                    for g in snapshot.gpus
-                    if g.healthy and g.memory is not None
-                ]
-                if snapshot is not None
-                else []
-            )
+            if snapshot is None:
+                return Advice(-1, 0.0, 0, None, "", 0.0, "no telemetry yet")
             jk = JobKind.INFERENCE if kind == "inference" else JobKind.TRAINING
             features = (
                 JobFeatures(sm=sm_activity, mem_bw=min(1.0, sm_activity)) if sm_activity else PRIOR
@@ -350,19 +481,49 @@ class ColoService:
                 slo_s=slo_p99_ms / 1e3 if slo_p99_ms else None,
             )
             new = JobView(job, shape, features, order=float("inf"), peak_load=peak_load)
-            planner = Planner(self.predictor, self._planner.params)
-            plan = planner.plan(gpus, [*(self._view(r) for r in running), new])
-            for p in plan.placements:
-                if p.job_id == job:
-                    return (
-                        p.gpu,
-                        p.sm_share,
-                        p.memory_limit_bytes,
-                        p.mig_profile,
-                        p.predicted_speed,
-                        p.reason,
-                    )
-            return (-1, 0.0, 0, None, 0.0, plan.waiting.get(job, "no GPU in the snapshot"))
+            views = [self._view(r) for r in running]
+            mig_mode = {
+                g.identity.index
+                for g in snapshot.gpus
+                if g.mig_mode is not None and g.mig_mode.current
+            }
+            gpus, where = self._gpu_views(snapshot, running)
+            placement, waiting = self._place(gpus, views, new)
+            if (
+                placement is not None
+                and placement.mig_profile is None
+                and placement.gpu in mig_mode
+            ):
+                # A GPU in MIG mode has no whole-GPU share to give: ask again without them.
+                gpus, where = self._gpu_views(snapshot, running, whole_only=True)
+                placement, waiting = self._place(gpus, views, new)
+                if placement is not None and placement.gpu in mig_mode:
+                    placement = None
+            if placement is None:
+                return Advice(-1, 0.0, 0, None, "", 0.0, waiting or "no GPU has room")
+            device = ""
+            if placement.mig_profile is not None:
+                device = where.get((placement.gpu, placement.mig_profile), "")
+            elif (sample := snapshot.gpu(placement.gpu)) is not None:
+                device = sample.identity.uuid
+            return Advice(
+                placement.gpu,
+                placement.sm_share,
+                placement.memory_limit_bytes,
+                placement.mig_profile,
+                device,
+                placement.predicted_speed,
+                placement.reason,
+            )
+
+    def _place(
+        self, gpus: list[GpuView], running: list[JobView], new: JobView
+    ) -> tuple[Placement | None, str]:
+        plan = Planner(self.predictor, self._planner.params).plan(gpus, [*running, new])
+        for p in plan.placements:
+            if p.job_id == new.job_id:
+                return p, ""
+        return None, plan.waiting.get(new.job_id, "no GPU in the snapshot")
 
     def show(self) -> ColoView:
         with self._lock:

@@ -82,7 +82,7 @@ def test_guard_evicts_training_when_the_slo_cannot_be_held(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
     svc, clock, _ = service
-    for _ in range(12):
+    for _ in range(60):  # each cut is measured (MIN_FRESH_SAMPLES) before the next
         clock.t += 1
         svc.report_latency("chat", [0.5] * 10)
         svc.tick(snapshot())
@@ -105,11 +105,10 @@ def test_advise_places_on_a_free_gpu_and_checks_input(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
     svc, _, _ = service
-    gpu, share, limit, mig, speed, reason = svc.advise(
-        "new", memory_bytes=8 * GIB, snapshot=snapshot()
-    )
-    assert gpu == 1 and share == 1.0 and mig is None and "free" in reason
-    assert limit >= 8 * GIB and speed == 1.0
+    a = svc.advise("new", memory_bytes=8 * GIB, snapshot=snapshot())
+    assert a.gpu == 1 and a.sm_share == 1.0 and a.mig_profile is None and "free" in a.reason
+    assert a.memory_limit_bytes >= 8 * GIB and a.predicted_speed == 1.0
+    assert a.device == identity(1).uuid
     with pytest.raises(InvalidArgument):
         svc.advise("new", kind="batch", snapshot=snapshot())
     with pytest.raises(InvalidArgument):

@@ -3,7 +3,8 @@
 ``SimNode`` is what ``gpud --simulate H100-SXM5-80GB:8`` runs on. Its ``.nvml`` behaves like
 ``pynvml`` for the products in :mod:`gpud.backend.products`, so the real adapter
 (:class:`gpud.backend.nvml.NvmlBackend`) runs on it unchanged. ``.faults`` injects failures,
-``.workloads`` runs simulated processes, ``reset(gpu)`` is ``nvidia-smi --gpu-reset -i N``,
+``.workloads`` runs simulated processes, ``.jobs`` runs workload models behind the jobs' host
+processes (:mod:`gpud.backend.sim.jobmodels`), ``reset(gpu)`` is ``nvidia-smi --gpu-reset -i N``,
 ``reboot()`` stands for a node reboot or driver reload. With ``state_file`` the driver's MIG
 state and the injected faults outlive the daemon process.
 """
@@ -18,6 +19,7 @@ from typing import Final
 from gpud.backend import products
 from gpud.backend.sim.fakenvml import FakeNvml, NVMLError_InUse, SimulatedCrash
 from gpud.backend.sim.faults import FaultInjector
+from gpud.backend.sim.jobmodels import JobDevice, JobWorkloads
 from gpud.backend.sim.workloads import Workload, Workloads
 from gpud.errors import ConfigError, DeviceNotFound, InUse
 
@@ -25,6 +27,8 @@ __all__ = [
     "DEFAULT_SPEC",
     "FakeNvml",
     "FaultInjector",
+    "JobDevice",
+    "JobWorkloads",
     "SimNode",
     "SimulatedCrash",
     "Workload",
@@ -84,6 +88,7 @@ class SimNode:
         state_file: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
         seed: int = 0,
+        proc_root: Path = Path("/proc"),
     ) -> None:
         gpus: list[products.ProductSpec] = []
         for name, count in spec:
@@ -97,6 +102,7 @@ class SimNode:
         self.nvml = FakeNvml(gpus, state_file=state_file, clock=clock, seed=seed)
         self.faults = FaultInjector(self.nvml)
         self.workloads = Workloads(self.nvml)
+        self.jobs = JobWorkloads(self.workloads, proc_root=proc_root)
 
     @property
     def gpu_count(self) -> int:

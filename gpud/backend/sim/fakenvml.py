@@ -1473,6 +1473,20 @@ class FakeNvml:
             self._recompute(g)
             return True
 
+    def sim_update_process(self, pid: int, used_bytes: int, sm_ratio: float) -> bool:
+        """Change what a running process uses, in place (no moment without it); False if
+        ``pid`` does not run."""
+        with self._lock:
+            old = self._procs.get(pid)
+            if old is None:
+                return False
+            proc = _Proc(pid, old.gpu, old.gi, old.ci, int(used_bytes), float(sm_ratio))
+            self._procs[pid] = proc
+            g = self._gpus[proc.gpu]
+            g.procs = [proc if p.pid == pid else p for p in g.procs]
+            self._recompute(g)
+            return True
+
     def sim_processes(self) -> list[_Proc]:
         with self._lock:
             return list(self._procs.values())

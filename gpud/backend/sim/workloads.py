@@ -50,6 +50,16 @@ class Workloads:
         """Stop ``pid``; False if it was not running."""
         return self._nvml.sim_stop_process(pid)
 
+    def update(self, pid: int, used_memory_bytes: int, sm_ratio: float) -> bool:
+        """Change the memory and SM activity of running ``pid``; False if it does not run."""
+        if used_memory_bytes < 0 or not 0.0 <= sm_ratio <= 1.0:
+            raise ValueError("used_memory_bytes must be >= 0 and sm_ratio within 0..1")
+        return self._nvml.sim_update_process(pid, used_memory_bytes, sm_ratio)
+
+    def lost_gpus(self) -> set[int]:
+        """The GPUs injected as lost (fallen off the bus)."""
+        return {gpu for gpu, f in self._nvml.sim_fault_table().items() if f.lost}
+
     def list(self) -> list[Workload]:
         return [
             Workload(p.pid, p.gpu, p.gi, p.ci, p.used_bytes, p.sm_ratio)

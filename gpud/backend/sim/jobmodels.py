@@ -1,0 +1,205 @@
+"""Workload models behind the jobs' processes on a simulated node (``gpud --simulate``).
+
+On a real node the driver lists a process under ``nvidia-smi``'s "Processes" once it opens
+a CUDA context, and the SMs it keeps busy show in the device's utilization. A simulated node
+has no CUDA, so :class:`JobWorkloads` stands in for the driver: every daemon tick it finds
+the host processes gpud launched for jobs (``GPUD_JOB`` in ``/proc/<pid>/environ``, as
+``gpuctl run`` and ``gpuctl env`` set it; the top process of each job's tree) and runs a
+simulated compute process for each one on the job's device, through
+:class:`~gpud.backend.sim.workloads.Workloads`:
+
+- memory: what the job declared (its MPS pinned-memory limit), else a per-kind default,
+  never more than the device holds;
+- SM activity: :func:`sm_activity` of the job's kind, MPS thread share and the duty cycle
+  the co-location loop currently tells it (a throttled training job keeps the SMs busy
+  only for its duty);
+- it appears in ``nvmlDeviceGetComputeRunningProcesses`` with the host PID, so attribution,
+  ``gpuctl jobs`` and the co-location loop see it as on a real node, and it is gone at the
+  next tick after the host process exits or the job's reservation is released.
+
+Everything stays behind the NVML port: a lost GPU answers nothing (its processes included),
+a reset is refused while processes run, and nothing is started on a GPU that is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from gpud.backend.sim.workloads import Workloads
+
+log = logging.getLogger(__name__)
+
+GIB: Final = 1 << 30
+JOB_VAR: Final = b"GPUD_JOB="
+
+# SM activity of a job alone on a whole GPU at full duty: a training step keeps the SMs
+# nearly saturated; an online inference service at moderate load leaves most of them idle
+# between batches (what nvidia-smi shows for each in practice).
+ALONE_SM: Final = {"training": 0.9, "inference": 0.35}
+# Device memory a job uses when it declares none: weights, optimizer state and activations
+# of a mid-size training job; weights and KV cache of a mid-size served model.
+DEFAULT_MEMORY: Final = {"training": 16 * GIB, "inference": 8 * GIB}
+DEVICE_MEMORY_CAP: Final = 0.9  # of the device: the CUDA context and allocator keep the rest
+
+
+def sm_activity(kind: str, duty: float = 1.0, threads_percent: int | None = None) -> float:
+    """The fraction of a device's SMs a job keeps busy: its kind's activity alone, capped by
+    its MPS active-thread share, times the duty cycle it runs at (training only: the guard
+    throttles training, and inference serves what it is sent)."""
+    base = ALONE_SM.get(kind, ALONE_SM["training"])
+    if threads_percent is not None:
+        base = min(base, max(0, threads_percent) / 100.0)
+    if kind == "training":
+        base *= min(1.0, max(0.0, duty))
+    return round(base, 4)
+
+
+@dataclass(frozen=True, slots=True)
+class JobDevice:
+    """A job's place on one device, as the daemon knows it from the reservation."""
+
+    job: str
+    kind: str  # "training" | "inference"
+    gpu: int
+    mig: str | None = None  # MIG device UUID, or None for the whole GPU
+    memory_bytes: int | None = None  # declared; None: the kind's default
+    memory_total: int = 0  # the device's memory (GPU or MIG instance); 0: unknown
+    threads_percent: int | None = None
+    duty: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Modelled:
+    """One simulated process: the host PID, where it runs, what it uses."""
+
+    pid: int
+    job: str
+    gpu: int
+    mig: str | None
+    used_memory_bytes: int
+    sm_ratio: float
+
+
+class JobWorkloads:
+    """Keeps the simulated node's processes in step with the jobs' host processes."""
+
+    def __init__(self, workloads: Workloads, *, proc_root: Path = Path("/proc")) -> None:
+        self._workloads = workloads
+        self._proc = proc_root
+        self._lock = threading.Lock()
+        self._running: dict[int, Modelled] = {}
+        # (pid, start time) -> job name or None: environ is read once per process
+        self._jobs_of: dict[tuple[int, str], str | None] = {}
+
+    def running(self) -> list[Modelled]:
+        with self._lock:
+            return sorted(self._running.values(), key=lambda m: m.pid)
+
+    def sync(self, devices: Sequence[JobDevice]) -> list[Modelled]:
+        """Start, update or stop simulated processes so that each live job process runs the
+        model of its job's first device in ``devices``; returns what runs now."""
+        by_job: dict[str, JobDevice] = {}
+        for d in devices:
+            by_job.setdefault(d.job, d)
+        procs = self._job_processes(set(by_job)) if by_job else {}
+        lost = self._workloads.lost_gpus()
+        want: dict[int, Modelled] = {}
+        for pid, job in procs.items():
+            d = by_job[job]
+            if d.gpu in lost:
+                continue  # no CUDA context can be created on a GPU that fell off the bus
+            memory = d.memory_bytes if d.memory_bytes is not None else DEFAULT_MEMORY[d.kind]
+            if d.memory_total:
+                memory = min(memory, int(d.memory_total * DEVICE_MEMORY_CAP))
+            want[pid] = Modelled(
+                pid, job, d.gpu, d.mig, memory, sm_activity(d.kind, d.duty, d.threads_percent)
+            )
+        with self._lock:
+            on_devices = {w.pid for w in self._workloads.list()}
+            for pid in set(self._running) - on_devices:
+                del self._running[pid]  # gone with a reboot: started again below
+            for pid, m in list(self._running.items()):
+                new = want.get(pid)
+                if new is None or (new.gpu, new.mig) != (m.gpu, m.mig):
+                    self._stop(m)
+                elif new != m:
+                    # a new duty cycle or limit: the same process, using more or less
+                    self._workloads.update(pid, new.used_memory_bytes, new.sm_ratio)
+                    self._running[pid] = new
+            for pid, m in want.items():
+                if pid not in self._running:
+                    self._start(m)
+            return sorted(self._running.values(), key=lambda m: m.pid)
+
+    def stop_all(self) -> None:
+        with self._lock:
+            for m in list(self._running.values()):
+                self._stop(m)
+
+    def _start(self, m: Modelled) -> None:
+        try:
+            self._workloads.start(m.gpu, m.pid, m.used_memory_bytes, m.sm_ratio, m.mig)
+        except ValueError as err:
+            # The device changed under the job (a MIG instance went, MIG mode changed):
+            # as on a real node, the process cannot run there; try again next tick.
+            log.debug("simulated process %d of job %s not started: %s", m.pid, m.job, err)
+            return
+        self._running[m.pid] = m
+
+    def _stop(self, m: Modelled) -> None:
+        self._workloads.stop(m.pid)
+        del self._running[m.pid]
+
+    # -- the host side ---------------------------------------------------------------------
+    def _job_processes(self, jobs: set[str]) -> dict[int, str]:
+        """PID -> job for the top process of each job tree (parent not in the same job)."""
+        stats: dict[int, tuple[int, str]] = {}  # pid -> (ppid, start time)
+        try:
+            names = os.listdir(self._proc)
+        except OSError:
+            return {}
+        for name in names:
+            if name.isdigit() and (st := _stat(self._proc / name)) is not None:
+                stats[int(name)] = st
+        job_of: dict[int, str | None] = {}
+        cache: dict[tuple[int, str], str | None] = {}
+        for pid, (_, start) in stats.items():
+            key = (pid, start)
+            job = self._jobs_of[key] if key in self._jobs_of else self._read_job(pid)
+            cache[key] = job
+            job_of[pid] = job
+        self._jobs_of = cache  # forget the processes that are gone
+        return {
+            pid: job
+            for pid, job in job_of.items()
+            if job in jobs and job_of.get(stats[pid][0]) != job
+        }
+
+    def _read_job(self, pid: int) -> str | None:
+        try:
+            environ = (self._proc / str(pid) / "environ").read_bytes()
+        except OSError:
+            return None  # gone, or a kernel thread
+        for entry in environ.split(b"\0"):
+            if entry.startswith(JOB_VAR):
+                return entry[len(JOB_VAR) :].decode(errors="replace")
+        return None
+
+
+def _stat(path: Path) -> tuple[int, str] | None:
+    """(parent PID, start time) from ``/proc/<pid>/stat``, or None if it is gone."""
+    try:
+        text = (path / "stat").read_text()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+    fields = text[text.rfind(")") + 2 :].split()
+    if len(fields) < 20:
+        return None
+    return int(fields[1]), fields[19]
