@@ -220,7 +220,9 @@ class Daemon:
                 MpsServicer(self.mps, loads=self.jobs.loads).register,
                 JobsServicer(self.jobs).register,
                 QueueServicer(self.admission).register,
-                ColoServicer(self.colo, snapshots=self.sampler.latest).register,
+                ColoServicer(
+                    self.colo, snapshots=self.sampler.latest, registered=self._registered_job
+                ).register,
                 NetServicer(self.traffic).register,
                 self.cluster.servicer.register,
             ],
@@ -308,6 +310,10 @@ class Daemon:
                     )
                 )
         return out
+
+    def _registered_job(self, job: str) -> tuple[str, float | None] | None:
+        spec = self.jobs.registry.find(job)
+        return (spec.kind.value, spec.slo_p99_ms) if spec is not None else None
 
     async def _sim_jobs_step(self) -> None:
         """On a simulated node: workload models behind the jobs' host processes."""

@@ -22,15 +22,16 @@ never sees this model: each second a program reads from gpud (``gpuctl colo show
 jobs share its device and at which duty cycle, sums their SM activity ``a`` (the same
 activity the simulated node shows for them), and slows down by ``1 + slowdown * a``
 (training: longer iterations; inference: a lower service rate). Jobs on separate MIG
-instances do not interfere. Both run until killed (or ``--seconds``).
+instances do not interfere. Both run until killed (or ``--seconds``); like a CUDA program
+they fail (exit 1) once gpud reports their GPU lost.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
+import sys
 import time
 
 from gpud import client
@@ -40,17 +41,28 @@ SOCKET = os.environ.get("GPUD_SOCKET", "/run/gpud/gpud.sock")
 JOB = os.environ.get("GPUD_JOB", "")
 
 
+class GpuLost(Exception):
+    """What CUDA reports once the device fell off the bus (Xid 79): the job cannot go on."""
+
+
 def neighbour_activity(socket: str, job: str) -> float:
-    """The SM activity of the other jobs on this job's device, as gpud places them."""
+    """The SM activity of the other jobs on this job's device, as gpud places them; raises
+    :class:`GpuLost` when gpud reports its GPU lost."""
     import grpc
 
-    from gpud.v1 import colo_pb2, colo_pb2_grpc
+    from gpud.v1 import colo_pb2, colo_pb2_grpc, node_pb2, node_pb2_grpc
 
     with grpc.insecure_channel(f"unix://{socket}") as ch:
         resp = colo_pb2_grpc.ColocationStub(ch).ShowColo(colo_pb2.ShowColoRequest(), timeout=1.0)
-    mine = next((p for p in resp.placements if p.job == job), None)
-    if mine is None or mine.HasField("mig_profile"):
-        return 0.0  # not placed yet, or on a MIG instance of its own
+        mine = next((p for p in resp.placements if p.job == job), None)
+        if mine is None:
+            return 0.0  # not placed yet
+        gpus = node_pb2_grpc.NodeStub(ch).ListGpus(node_pb2.ListGpusRequest(), timeout=1.0)
+    for g in gpus.gpus:
+        if g.index == mine.gpu and not g.healthy and "lost" in g.reason.lower():
+            raise GpuLost(f"GPU {g.index}: {g.reason}")
+    if mine.HasField("mig_profile"):
+        return 0.0  # a MIG instance of its own
     return sum(
         sm_activity(p.kind, p.duty, round(p.sm_share * 100))
         for p in resp.placements
@@ -70,8 +82,12 @@ class Neighbours:
         now = time.monotonic()
         if now - self._at >= 1.0:
             self._at = now
-            with contextlib.suppress(Exception):
+            try:
                 self.activity = neighbour_activity(SOCKET, JOB)
+            except GpuLost:
+                raise
+            except Exception:  # gpud away: keep the last reading
+                pass
         return self.activity
 
 
@@ -110,10 +126,14 @@ def main() -> int:
     i.add_argument("--slowdown", type=float, default=1.5, help="rate loss per unit of activity")
     i.add_argument("--seconds", type=float, default=3600.0)
     args = ap.parse_args()
-    if args.kind == "training":
-        training(args.iteration_s, args.slowdown, args.seconds)
-    else:
-        inference(args.rate, args.mu, args.slowdown, args.seconds)
+    try:
+        if args.kind == "training":
+            training(args.iteration_s, args.slowdown, args.seconds)
+        else:
+            inference(args.rate, args.mu, args.slowdown, args.seconds)
+    except GpuLost as err:
+        print(f"colo_workload: CUDA error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -3,7 +3,7 @@
 ::
 
     gpuctl jobs add infer-a --kind inference --mig 3g.40gb --threads 40 --memory 20GiB --slo-p99-ms 25
-    gpuctl jobs ls
+    gpuctl jobs ls                # also `gpuctl jobs`: with each job's co-location state
     gpuctl jobs rm infer-a [--force]
     gpuctl jobs add train-b --gpus 2 --memory 70GiB --queue   # start it when it fits
     gpuctl jobs history [--limit N] [--json]                  # runs: asked, started, ended
@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+from typing import Any
 
 from gpud.cli.context import CliError, Context, Subparsers
 from gpud.cli.mps import size_arg
-from gpud.cli.output import seconds
+from gpud.cli.output import NA, message_to_dict, seconds
 from gpud.shared import format_size
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
@@ -34,6 +35,8 @@ HEADERS = (
     "RESERVED ON",
     "GPU MEM USED",
 )
+# Co-location state per job (``gpuctl colo show`` explains the node as a whole).
+COLO_HEADERS = ("COLO ON", "SHARE", "DUTY", "GUARD")
 KINDS = ("training", "inference")
 
 
@@ -75,8 +78,11 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: Subparsers) -> None:
-    jobs = subparsers.add_parser("jobs", help="the job registry")
-    commands = jobs.add_subparsers(dest="jobs_command", metavar="COMMAND", required=True)
+    jobs = subparsers.add_parser(
+        "jobs", help="the job registry, and where co-location put each job (default: ls)"
+    )
+    jobs.set_defaults(run=run_ls, name=None)
+    commands = jobs.add_subparsers(dest="jobs_command", metavar="COMMAND")
     add = commands.add_parser("add", help="register a job")
     add.add_argument("name")
     add_placement_options(add)
@@ -258,8 +264,68 @@ def run_ls(ctx: Context, args: argparse.Namespace) -> int:
     if args.name:
         request.name = args.name
     resp: pb.ListJobsResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).ListJobs, request)
+    colo = colo_state(ctx)
     if ctx.out.json:
-        ctx.out.print_json(resp)
+        out = message_to_dict(resp)
+        for job in out["jobs"]:
+            job["colo"] = colo.get(job["name"])
+        ctx.out.print_json(out)
     else:
-        ctx.out.print_table(HEADERS, [job_row(j) for j in resp.jobs])
+        ctx.out.print_table(
+            HEADERS + COLO_HEADERS, [job_row(j) + colo_row(colo.get(j.name)) for j in resp.jobs]
+        )
     return 0
+
+
+def colo_state(ctx: Context) -> dict[str, dict[str, Any]]:
+    """Job -> its co-location state (placement, share, duty, guard) from ``gpuctl colo
+    show``; empty when the daemon's co-location loop cannot be asked (it is off or older)."""
+    from gpud.v1 import colo_pb2, colo_pb2_grpc
+
+    try:
+        resp: colo_pb2.ShowColoResponse = ctx.call(
+            ctx.stub(colo_pb2_grpc.ColocationStub).ShowColo, colo_pb2.ShowColoRequest()
+        )
+    except CliError:
+        return {}
+    if not resp.enabled:
+        return {}
+    state: dict[str, dict[str, Any]] = {}
+    for p in resp.placements:
+        entry = message_to_dict(p)
+        del entry["job"]
+        entry["guard"] = None
+        state.setdefault(p.job, entry)
+    for g in resp.guards:
+        guard = message_to_dict(g)
+        del guard["job"]
+        if g.job in state:
+            state[g.job]["guard"] = guard
+    # a training job is guarded by the inference jobs it shares a GPU with
+    for job, entry in state.items():
+        if entry["kind"] == "training" and entry["duty"] < 1.0:
+            entry["throttled_by"] = sorted(
+                j
+                for j, other in state.items()
+                if other["guard"] is not None and other["gpu"] == entry["gpu"] and j != job
+            )
+    return state
+
+
+def colo_row(entry: dict[str, Any] | None) -> tuple[str, ...]:
+    if entry is None:
+        return (NA, NA, NA, NA)
+    where = f"GPU {entry['gpu']}" if entry["gpu"] >= 0 else "waiting"
+    if entry["mig_profile"]:
+        where += f" mig {entry['mig_profile']}"
+    share = "instance" if entry["mig_profile"] else f"{entry['sm_share']:.0%}"
+    duty = f"{entry['duty']:.0%}" if entry["kind"] == "training" else NA
+    guard = entry["guard"]
+    if guard is not None:
+        p99 = f"{guard['p99_ms']:.1f}" if guard["p99_ms"] is not None else NA
+        state = f"{guard['action']} p99 {p99}/{guard['slo_ms']:g} ms"
+    elif entry.get("throttled_by"):
+        state = f"throttled for {','.join(entry['throttled_by'])}"
+    else:
+        state = NA
+    return (where, share, duty, state)

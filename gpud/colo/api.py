@@ -28,9 +28,19 @@ def _job(name: str) -> str:
 
 
 class ColoServicer(pb_grpc.ColocationServicer):
-    def __init__(self, service: ColoService, *, snapshots: Callable[[], Snapshot | None]) -> None:
+    def __init__(
+        self,
+        service: ColoService,
+        *,
+        snapshots: Callable[[], Snapshot | None],
+        registered: Callable[[str], tuple[str, float | None] | None] = lambda job: None,
+    ) -> None:
+        """``registered``: a registered job's kind and p99 SLO (ms): advice for a job that
+        is registered (``gpuctl jobs add chat --kind inference --slo-p99-ms 50``, then
+        ``gpuctl run --job chat``) follows what it was registered as."""
         self._service = service
         self._snapshots = snapshots
+        self._registered = registered
 
     def register(self, server: Any) -> None:
         """Add this service to a ``grpc.aio.Server`` (an ``ApiServer`` registrar)."""
@@ -73,6 +83,9 @@ class ColoServicer(pb_grpc.ColocationServicer):
             out.price_iterations = plan.convergence.iterations
             out.price_residual = plan.convergence.residual
             out.prices_converged = plan.convergence.converged
+        for p in out.placements:
+            if p.gpu in v.faulty:
+                p.reason = f"GPU {p.gpu} {v.faulty[p.gpu]}: left alone until it answers"
         for g in v.guards:
             m = out.guards.add(
                 job=g.job,
@@ -90,20 +103,32 @@ class ColoServicer(pb_grpc.ColocationServicer):
     async def Advise(self, request: pb.AdviseRequest, context: Any) -> pb.AdviseResponse:  # noqa: N802
         job = _job(request.job)
         kind = request.kind or "training"
+        slo = optional(request, "slo_p99_ms")
+        known = self._registered(job)
+        if known is not None:
+            kind = known[0]
+            slo = slo if slo is not None else known[1]
         snap = self._snapshots()
         a = await asyncio.to_thread(
             self._service.advise,
             job,
             kind=kind,
             memory_bytes=optional(request, "memory_bytes"),
-            slo_p99_ms=optional(request, "slo_p99_ms"),
+            slo_p99_ms=slo,
             sm_activity=optional(request, "sm_activity"),
             peak_load=optional(request, "peak_load") or 0.0,
             snapshot=snap,
         )
         out = pb.AdviseResponse(
             gpu=a.gpu,
-            threads_percent=max(1, min(100, round(a.sm_share * 100))) if a.gpu >= 0 else 0,
+            # a MIG instance is the job's alone: no MPS share within it
+            threads_percent=(
+                0
+                if a.gpu < 0
+                else 100
+                if a.mig_profile is not None
+                else max(1, min(100, round(a.sm_share * 100)))
+            ),
             memory_limit_bytes=a.memory_limit_bytes,
             predicted_speed=a.predicted_speed,
             reason=a.reason,

@@ -129,6 +129,7 @@ class ColoView:
     guards: tuple[GuardView, ...]
     predictor_samples: int
     predictor_mae: float
+    faulty: dict[int, str] = field(default_factory=dict)  # GPU -> why it is left alone
 
 
 PRIOR = JobFeatures(sm=0.8, mem_bw=0.6)
@@ -175,6 +176,7 @@ class ColoService:
         self._plan_at = 0.0
         self._last_running: tuple[RunningJob, ...] = ()
         self._observed: dict[str, float] = {}
+        self._faulty: dict[int, str] = {}  # GPU -> why, at the last tick
         self.configure(config)
 
     def configure(self, config: ColocateConfig) -> None:
@@ -273,15 +275,25 @@ class ColoService:
             return None
         running = tuple(self._running())
         with self._lock:
-            gpus, _ = self._gpu_views(snapshot, running)
+            # A GPU that is lost or does not answer runs nothing anyone can measure: its
+            # jobs keep their directives and guards as they were, out of the plan, until it
+            # answers again (or their processes end and gpud releases them).
+            self._faulty = {
+                g.identity.index: g.reason.partition(":")[0] or "unhealthy"
+                for g in snapshot.gpus
+                if not g.healthy
+            }
+            live = tuple(r for r in running if r.gpu not in self._faulty)
+            gpus, _ = self._gpu_views(snapshot, live)
             per_gpu: dict[int, list[RunningJob]] = {}
-            for r in running:
+            for r in live:
                 per_gpu.setdefault(r.gpu, []).append(r)
             self._learn(snapshot, per_gpu)
-            duty_by_gpu, evict_by_gpu = self._guard_step(running, per_gpu)
-            views = [self._view(r) for r in running]
+            duty_by_gpu, evict_by_gpu = self._guard_step(live, per_gpu)
+            views = [self._view(r) for r in live]
             plan = self._planner.plan(gpus, views, duty_by_gpu, evict_by_gpu)
-            self._apply(plan)
+            held = {r.name for r in running if r.gpu in self._faulty}
+            self._apply(plan, keep=held)
             self._plan, self._plan_at, self._last_running = plan, self._clock(), running
             return plan
 
@@ -433,8 +445,11 @@ class ColoService:
             )
         return views, where
 
-    def _apply(self, plan: Plan) -> None:
+    def _apply(self, plan: Plan, *, keep: set[str]) -> None:
         new = {d.job_id: Directive(d.duty, d.evict, d.reason) for d in plan.directives}
+        for job in keep:
+            if job in self._directives:
+                new[job] = self._directives[job]
         for job, d in new.items():
             old = self._directives.get(job)
             if d.evict and (old is None or not old.evict):
@@ -530,8 +545,14 @@ class ColoService:
             guards = []
             for name, g in sorted(self._guards.items()):
                 r = next((x for x in self._last_running if x.name == name), None)
+                if r is None:
+                    continue  # its reservation is gone
                 st = self._jobs.get(name, _JobState())
                 p99 = self.p99(name)
+                action = g.last.action.value if g.last else "hold"
+                reason = g.last.reason if g.last else "no training on its GPU"
+                if r.gpu in self._faulty:
+                    action, reason = "hold", f"paused: GPU {r.gpu} {self._faulty[r.gpu]}"
                 guards.append(
                     GuardView(
                         job=name,
@@ -539,8 +560,8 @@ class ColoService:
                         slo_ms=g.slo_s * 1e3,
                         p99_ms=p99 * 1e3 if p99 is not None else None,
                         duty=g.duty,
-                        action=g.last.action.value if g.last else "hold",
-                        reason=g.last.reason if g.last else "no training on its GPU",
+                        action=action,
+                        reason=reason,
                         attainment=st.windows_ok / st.windows if st.windows else 1.0,
                     )
                 )
@@ -555,4 +576,5 @@ class ColoService:
                 guards=tuple(guards),
                 predictor_samples=stats.samples,
                 predictor_mae=stats.mean_abs_error,
+                faulty=dict(self._faulty),
             )
