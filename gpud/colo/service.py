@@ -411,8 +411,8 @@ class ColoService:
         """The healthy GPUs, each with the free MIG instances it could give a job (one per
         profile), and where each such option is: (GPU, profile) -> MIG device UUID.
 
-        ``whole_only``: a job that needs a whole GPU (MPS share) cannot go to a GPU in MIG
-        mode; such GPUs are shown full."""
+        ``whole_only``: leave out the GPUs in MIG mode (a job that needs a whole GPU's MPS
+        share cannot go there)."""
         taken = {r.device for r in running}
         views: list[GpuView] = []
         where: dict[tuple[int, str], str] = {}
@@ -433,15 +433,10 @@ class ColoService:
                     ident.profile_name, fraction, ident.memory_total_bytes
                 )
                 where[(index, ident.profile_name)] = ident.uuid
-            total = g.memory.total_bytes
-            full = whole_only and mig_mode
+            if whole_only and mig_mode:
+                continue
             views.append(
-                GpuView(
-                    index=index,
-                    memory_total=total,
-                    memory_used=total if full else g.memory.used_bytes,
-                    mig_options=() if full else tuple(options.values()),
-                )
+                GpuView(index, g.memory.total_bytes, g.memory.used_bytes, tuple(options.values()))
             )
         return views, where
 
@@ -510,10 +505,10 @@ class ColoService:
                 and placement.gpu in mig_mode
             ):
                 # A GPU in MIG mode has no whole-GPU share to give: ask again without them.
+                # (their jobs are isolated from the other GPUs' and leave the plan too)
                 gpus, where = self._gpu_views(snapshot, running, whole_only=True)
+                views = [v for v in views if v.gpu not in mig_mode]
                 placement, waiting = self._place(gpus, views, new)
-                if placement is not None and placement.gpu in mig_mode:
-                    placement = None
             if placement is None:
                 return Advice(-1, 0.0, 0, None, "", 0.0, waiting or "no GPU has room")
             device = ""

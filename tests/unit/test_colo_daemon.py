@@ -228,3 +228,111 @@ def test_process_wide_directive_without_a_daemon(tmp_path: Path) -> None:
     colo.throttle_point()
     assert colo.directive() == (0.5, True, "memory")
     colo._default.clear()
+
+
+def two_jobs_on_gpu0(tmp_path: Path) -> tuple[ColoService, Clock, list[RunningJob]]:
+    clock = Clock()
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
+    )
+    return svc, clock, jobs
+
+
+def test_observed_speed_takes_the_throttle_out_and_teaches_the_predictor(
+    tmp_path: Path,
+) -> None:
+    svc, clock, jobs = two_jobs_on_gpu0(tmp_path)
+    # Alone: 10 iterations per second at full duty.
+    for _ in range(5):
+        svc.throttle_point("train", 10)
+        svc.tick(snapshot())
+        clock.t += 1
+    assert svc.show().observed_speed == {}
+    # An inference service joins; the guard holds the training at duty 0.5 and it makes 4
+    # iterations a second: 8 per second of running time, so interference cost 20%.
+    jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB))
+    svc.report_latency("chat", [0.09] * 100)  # p99 within the margin: throttle
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+    for _ in range(4):
+        clock.t += 1
+        svc.throttle_point("train", 4)
+        svc.tick(snapshot())
+    view = svc.show()
+    assert view.observed_speed["train"] == pytest.approx(0.8)
+    assert view.predictor_samples >= 1
+
+
+def test_the_guard_waits_for_latencies_at_the_duty_it_set(tmp_path: Path) -> None:
+    svc, clock, jobs = two_jobs_on_gpu0(tmp_path)
+    jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB))
+    svc.report_latency("chat", [0.095] * 100)
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5  # at once, within the tick
+    # The spike is still in the window, but nothing was measured at duty 0.5 yet: hold.
+    clock.t += 0.5
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+    # Latencies at the new duty are fine: recovery, not another cut.
+    clock.t += 1.0
+    svc.report_latency("chat", [0.01] * 100)
+    clock.t += 0.1
+    svc.tick(snapshot())
+    assert svc.duty("train") == pytest.approx(0.6)
+
+
+def test_a_faulty_gpu_is_left_out_and_its_jobs_keep_their_directives(tmp_path: Path) -> None:
+    svc, clock, jobs = two_jobs_on_gpu0(tmp_path)
+    jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB))
+    svc.report_latency("chat", [0.095] * 100)
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+    lost = snapshot()
+    gpu0 = lost.gpus[0]._replace(healthy=False, reason="GPU lost (memory): call failed")
+    lost = Snapshot(lost.wall_time, lost.monotonic, (gpu0, lost.gpus[1]), lost.tick_seconds)
+    for _ in range(5):
+        clock.t += 2
+        svc.report_latency("chat", [0.5] * 100)  # what it reports means nothing now
+        svc.tick(lost)
+    assert svc.duty("train") == 0.5
+    view = svc.show()
+    assert view.faulty == {0: "GPU lost (memory)"}
+    (g,) = view.guards
+    assert g.action == "hold" and "paused: GPU 0 GPU lost" in g.reason
+    # No advice puts a new job on it.
+    assert svc.advise("new", memory_bytes=GIB, snapshot=lost).gpu == 1
+
+
+def mig_gpu(index: int) -> GpuSample:
+    from gpud.backend.port import MigMode
+    from tests.unit.api_support import mig
+
+    return GpuSample(
+        identity=identity(index),
+        healthy=True,
+        reason="",
+        sampled_at=0.0,
+        memory=MemoryInfo(80 * GIB, 0, 80 * GIB),
+        mig_mode=MigMode(current=True, pending=True),
+        mig_devices=(mig(index, 0), mig(index, 1)),
+    )
+
+
+def test_a_tight_slo_gets_a_free_mig_instance_and_training_never_a_mig_gpu(
+    tmp_path: Path,
+) -> None:
+    from tests.unit.api_support import mig
+
+    running: list[RunningJob] = [RunningJob("busy", "training", 0, memory_bytes=60 * GIB)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: running, clock=Clock()
+    )
+    base = snapshot(1, used_gib=60)
+    snap = Snapshot(0.0, 0.0, (base.gpus[0], mig_gpu(1)), 0.01)
+    a = svc.advise("chat", kind="inference", slo_p99_ms=20, memory_bytes=4 * GIB, snapshot=snap)
+    assert a.gpu == 1 and a.mig_profile == "1g.10gb"
+    assert a.device == mig(1, 0).identity.uuid and "MIG" in a.reason
+    # A training job needs a whole GPU: never one in MIG mode.
+    t = svc.advise("train2", memory_bytes=10 * GIB, snapshot=snap)
+    assert t.gpu == -1 and t.reason.startswith("GPU 0: memory")  # GPU 0 is full

@@ -113,7 +113,11 @@ class JobWorkloads:
         for pid, job in procs.items():
             d = by_job[job]
             if d.gpu in lost:
-                continue  # no CUDA context can be created on a GPU that fell off the bus
+                # what ran there stays as it was (the device's state); nothing new starts:
+                # no CUDA context can be created on a GPU that fell off the bus
+                if (old := self._running.get(pid)) is not None:
+                    want[pid] = old
+                continue
             memory = d.memory_bytes if d.memory_bytes is not None else DEFAULT_MEMORY[d.kind]
             if d.memory_total:
                 memory = min(memory, int(d.memory_total * DEVICE_MEMORY_CAP))

@@ -1,0 +1,169 @@
+"""Workload models behind the jobs' host processes on the simulated node."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+
+from gpud.backend.sim import JobDevice, JobWorkloads, SimNode
+from gpud.backend.sim.jobmodels import ALONE_SM, DEFAULT_MEMORY, sm_activity
+
+GIB = 1 << 30
+
+
+class Procs:
+    """A fake ``/proc``: stat (parent, start time) and environ per PID."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def add(self, pid: int, ppid: int, env: dict[str, str], *, comm: str = "python") -> None:
+        d = self.root / str(pid)
+        d.mkdir()
+        rest = ["S", str(ppid)] + ["0"] * 17 + [str(1000 + pid)] + ["0"] * 10
+        (d / "stat").write_text(f"{pid} ({comm}) {' '.join(rest)}\n")
+        (d / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
+
+    def remove(self, pid: int) -> None:
+        d = self.root / str(pid)
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+
+
+@pytest.fixture
+def sim(tmp_path: Path) -> tuple[SimNode, Procs]:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    node = SimNode([("H100-SXM5-80GB", 2)], proc_root=proc)
+    node.nvml.nvmlInit()
+    procs = Procs(proc)
+    procs.add(1, 0, {"PATH": "/bin"}, comm="init")
+    return node, procs
+
+
+def listed(node: SimNode, gpu: int) -> dict[int, int]:
+    nv = node.nvml
+    handle = nv.nvmlDeviceGetHandleByIndex(gpu)
+    return {p.pid: p.usedGpuMemory for p in nv.nvmlDeviceGetComputeRunningProcesses(handle)}
+
+
+def util(node: SimNode, gpu: int) -> int:
+    nv = node.nvml
+    return int(nv.nvmlDeviceGetUtilizationRates(nv.nvmlDeviceGetHandleByIndex(gpu)).gpu)
+
+
+def test_sm_activity_follows_kind_share_and_duty() -> None:
+    assert sm_activity("training") == ALONE_SM["training"]
+    assert sm_activity("training", 0.5) == pytest.approx(ALONE_SM["training"] / 2)
+    assert sm_activity("training", 1.0, threads_percent=30) == pytest.approx(0.3)
+    assert sm_activity("inference", 0.1) == ALONE_SM["inference"]  # the guard throttles training
+
+
+def test_job_processes_run_their_models_and_go_when_they_exit(
+    sim: tuple[SimNode, Procs],
+) -> None:
+    node, procs = sim
+    jobs: JobWorkloads = node.jobs
+    procs.add(100, 1, {"HOME": "/root"}, comm="gpuctl")  # gpuctl run itself: no GPUD_JOB
+    procs.add(101, 100, {"GPUD_JOB": "train", "CUDA_VISIBLE_DEVICES": "GPU-x"})
+    procs.add(102, 101, {"GPUD_JOB": "train"})  # a data loader worker: the same tree
+    procs.add(200, 1, {"GPUD_JOB": "chat"}, comm="serve (v2) x")
+    procs.add(300, 1, {"GPUD_JOB": "unreserved"})
+    devices = [
+        JobDevice("train", "training", 0, memory_bytes=20 * GIB),
+        JobDevice("chat", "inference", 0),
+    ]
+    running = jobs.sync(devices)
+    assert [(m.pid, m.job) for m in running] == [(101, "train"), (200, "chat")]
+    assert listed(node, 0) == {101: 20 * GIB, 200: DEFAULT_MEMORY["inference"]}
+    assert listed(node, 1) == {}
+    busy = ALONE_SM["training"] + ALONE_SM["inference"]
+    assert (
+        abs(util(node, 0) - 100 * min(1.0, busy)) <= 5
+    )  # the simulated reading wobbles by up to 4 points
+
+    # The guard throttles the training: the same process keeps fewer SMs busy.
+    devices[0] = JobDevice("train", "training", 0, memory_bytes=20 * GIB, duty=0.25)
+    jobs.sync(devices)
+    assert listed(node, 0)[101] == 20 * GIB
+    expected = 100 * (ALONE_SM["training"] * 0.25 + ALONE_SM["inference"])
+    assert abs(util(node, 0) - expected) <= 5  # the simulated reading wobbles by up to 4 points
+
+    procs.remove(102)
+    procs.remove(101)  # the training exits
+    jobs.sync(devices)
+    assert listed(node, 0) == {200: DEFAULT_MEMORY["inference"]}
+    jobs.sync([])  # no reservation left
+    assert listed(node, 0) == {} and util(node, 0) == 0
+
+
+def test_a_reused_pid_is_looked_at_afresh(sim: tuple[SimNode, Procs]) -> None:
+    node, procs = sim
+    procs.add(50, 1, {"GPUD_JOB": "a"})
+    node.jobs.sync([JobDevice("a", "training", 1)])
+    assert 50 in listed(node, 1)
+    procs.remove(50)
+    procs.add(50, 1, {"OTHER": "1"})  # the PID again, another program (its own start time)
+    (procs.root / "50" / "stat").write_text(
+        (procs.root / "50" / "stat").read_text().replace("1050", "9999")
+    )
+    node.jobs.sync([JobDevice("a", "training", 1)])
+    assert listed(node, 1) == {}
+
+
+def test_memory_is_capped_by_the_device_and_mig_instances_are_used(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    node = SimNode([("H100-SXM5-80GB", 1)], proc_root=proc)
+    nv = node.nvml
+    nv.nvmlInit()
+    gpu = nv.nvmlDeviceGetHandleByIndex(0)
+    nv.nvmlDeviceSetMigMode(gpu, nv.NVML_DEVICE_MIG_ENABLE)
+    node.reboot()
+    info = nv.nvmlDeviceGetGpuInstanceProfileInfo(gpu, nv.NVML_GPU_INSTANCE_PROFILE_1_SLICE)
+    placement = ctypes.byref(nv.c_nvmlGpuInstancePlacement_t(0, 1))
+    gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, info.id, placement)
+    ci_info = nv.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        gi, nv.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE, nv.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+    )
+    nv.nvmlGpuInstanceCreateComputeInstance(gi, ci_info.id)
+    mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 0)
+    uuid = nv.nvmlDeviceGetUUID(mig)
+    total = nv.nvmlDeviceGetMemoryInfo(mig).total
+    Procs(proc).add(7, 1, {"GPUD_JOB": "chat"})
+    node.jobs.sync(
+        [JobDevice("chat", "inference", 0, mig=uuid, memory_bytes=40 * GIB, memory_total=total)]
+    )
+    (p,) = nv.nvmlDeviceGetComputeRunningProcesses(mig)
+    assert p.pid == 7 and p.usedGpuMemory == int(total * 0.9)
+
+
+def test_a_lost_gpu_shows_nothing_and_gets_no_new_process(sim: tuple[SimNode, Procs]) -> None:
+    node, procs = sim
+    procs.add(10, 1, {"GPUD_JOB": "a"})
+    procs.add(20, 1, {"GPUD_JOB": "b"})
+    node.jobs.sync([JobDevice("a", "training", 0)])
+    node.faults.lose(0)
+    node.jobs.sync([JobDevice("a", "training", 0), JobDevice("b", "training", 0)])
+    nv = node.nvml
+    with pytest.raises(nv.NVMLError_GpuIsLost):
+        listed(node, 0)
+    assert [m.pid for m in node.jobs.running()] == [10]  # b could not start on it
+    node.faults.clear(0)
+    node.jobs.sync([JobDevice("a", "training", 0), JobDevice("b", "training", 0)])
+    assert set(listed(node, 0)) == {10, 20}
+
+
+def test_a_reboot_clears_processes_and_the_next_sync_restarts_them(
+    sim: tuple[SimNode, Procs],
+) -> None:
+    node, procs = sim
+    procs.add(10, 1, {"GPUD_JOB": "a"})
+    node.jobs.sync([JobDevice("a", "training", 1)])
+    node.reboot()
+    assert listed(node, 1) == {}
+    node.jobs.sync([JobDevice("a", "training", 1)])
+    assert set(listed(node, 1)) == {10}
