@@ -336,3 +336,55 @@ def test_a_tight_slo_gets_a_free_mig_instance_and_training_never_a_mig_gpu(
     # A training job needs a whole GPU: never one in MIG mode.
     t = svc.advise("train2", memory_bytes=10 * GIB, snapshot=snap)
     assert t.gpu == -1 and t.reason.startswith("GPU 0: memory")  # GPU 0 is full
+
+
+def test_gpuctl_jobs_explains_each_jobs_co_location(
+    service: tuple[ColoService, Clock, list[RunningJob]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+    from typing import Any
+
+    from gpud.api import ApiServer
+    from gpud.cli.main import main
+    from gpud.colo.api import ColoServicer
+    from gpud.v1 import jobs_pb2, jobs_pb2_grpc
+    from tests.unit.api_support import ServerThread, short_dir
+
+    class Jobs(jobs_pb2_grpc.JobsServicer):
+        async def ListJobs(
+            self, request: jobs_pb2.ListJobsRequest, context: Any
+        ) -> jobs_pb2.ListJobsResponse:
+            return jobs_pb2.ListJobsResponse(
+                jobs=[
+                    jobs_pb2.Job(name="chat", kind=jobs_pb2.JOB_KIND_INFERENCE, slo_p99_ms=100),
+                    jobs_pb2.Job(name="idle", kind=jobs_pb2.JOB_KIND_TRAINING),
+                    jobs_pb2.Job(name="train", kind=jobs_pb2.JOB_KIND_TRAINING),
+                ]
+            )
+
+    svc, _, _ = service
+    snap = snapshot()
+    svc.report_latency("chat", [0.095] * 100)
+    svc.tick(snap)
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        servicers = [
+            ColoServicer(svc, snapshots=lambda: snap).register,
+            lambda server: jobs_pb2_grpc.add_JobsServicer_to_server(Jobs(), server),
+        ]
+        with ServerThread(ApiServer(path, servicers=servicers)):
+            assert main(["--socket", str(path), "jobs"], env={}) == 0
+            lines = capsys.readouterr().out.splitlines()
+            assert lines[0].split()[-4:] == ["ON", "SHARE", "DUTY", "GUARD"]
+            rows = {line.split()[0]: line for line in lines[1:]}
+            assert "GPU 0" in rows["train"] and "50%" in rows["train"]
+            assert "throttled for chat" in rows["train"]
+            assert "throttle p99 95.0/100 ms" in rows["chat"]
+            assert rows["idle"].rstrip().endswith("-")
+            assert main(["--socket", str(path), "--json", "jobs", "ls"], env={}) == 0
+            shown = {j["name"]: j for j in json.loads(capsys.readouterr().out)["jobs"]}
+            assert shown["idle"]["colo"] is None
+            train = shown["train"]["colo"]
+            assert train["gpu"] == 0 and train["duty"] == 0.5 and train["sm_share"] == 0.5
+            assert train["throttled_by"] == ["chat"]
+            assert shown["chat"]["colo"]["guard"]["action"] == "throttle"
