@@ -1,0 +1,175 @@
+"""Co-location end to end, as an operator sees it: a real gpud on a simulated node, a
+training job and an inference service started with ``gpuctl run`` (the workload models of
+tools/colo_workload.py), the simulated node showing their processes, the SLO guard and the
+interference predictor at work, metrics through promtool, a lost GPU and a daemon killed
+with SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import BIN, RunningDaemon, start_daemon, stop_daemon
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+GIB = 1 << 30
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise AssertionError("condition not reached in time")
+
+
+def show(daemon: RunningDaemon) -> dict[str, object]:
+    data: dict[str, object] = json.loads(daemon.gpuctl("--json", "colo", "show").stdout)
+    return data
+
+
+def placement(daemon: RunningDaemon, job: str) -> dict[str, object] | None:
+    found = [p for p in show(daemon)["placements"] if p["job"] == job]  # type: ignore[attr-defined]
+    return found[0] if found else None
+
+
+class Jobs:
+    """``gpuctl run`` processes started by the test, ended by it whatever happens."""
+
+    def __init__(self, daemon: RunningDaemon, logs: Path) -> None:
+        self.daemon = daemon
+        self.logs = logs
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def run(self, job: str, *args: str) -> subprocess.Popen[bytes]:
+        with (self.logs / f"{job}.log").open("wb") as log:
+            proc = subprocess.Popen(
+                [BIN / "gpuctl", "--socket", self.daemon.socket, "run", "--job", job, *args],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # gpuctl forwards it to the workload
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[tuple[RunningDaemon, Jobs]]:
+    daemon = start_daemon(
+        tmp_path / "g", "--simulate", "H100-SXM5-80GB:2", config_text="[colocate]\ntick_s = 1.0\n"
+    )
+    jobs = Jobs(daemon, tmp_path)
+    try:
+        yield daemon, jobs
+    finally:
+        jobs.stop()
+        stop_daemon(daemon)
+
+
+def test_colocation_end_to_end_on_a_simulated_node(
+    node: tuple[RunningDaemon, Jobs], tmp_path: Path
+) -> None:
+    daemon, jobs = node
+    gpus = json.loads(daemon.gpuctl("gpus", "--json").stdout)["gpus"]
+    gpu0 = gpus[0]["uuid"]
+    workload = [sys.executable, "-m", "tools.colo_workload"]
+    train = jobs.run("train-a", "--devices", gpu0, "--", *workload, "training", "--seconds", "300")
+
+    # The simulated node shows the training's process: its memory, its SMs busy.
+    def training_on_gpu0() -> bool:
+        g = json.loads(daemon.gpuctl("gpus", "--json").stdout)["gpus"][0]
+        return bool(g["memory"]["used_bytes"] >= 16 * GIB and g["utilization"]["gpu_ratio"] > 0.8)
+
+    wait_for(training_on_gpu0)
+    listed = json.loads(daemon.gpuctl("--json", "jobs", "ls", "train-a").stdout)["jobs"][0]
+    assert [p["used_memory_bytes"] for p in listed["processes"]] == [16 * GIB]
+    time.sleep(6)  # a few of its reports alone: its rate alone is what slowdown is taken over
+
+    daemon.gpuctl("jobs", "add", "chat", "--kind", "inference", "--slo-p99-ms", "50")
+    chat = jobs.run("chat", "--devices", gpu0, "--", *workload, "inference", "--seconds", "300")
+
+    def observed() -> bool:
+        p = placement(daemon, "train-a")
+        return p is not None and p["observed_speed"] is not None
+
+    wait_for(observed, timeout=90)
+    shown = show(daemon)
+    train_view = placement(daemon, "train-a")
+    assert train_view is not None
+    speed = float(train_view["observed_speed"])  # type: ignore[arg-type]
+    # the workload model slows training by 1 / (1 + 0.8 * 0.35) = 0.78 next to the service
+    assert 0.6 < speed < 0.95, shown
+    assert int(shown["predictor_samples"]) > 0  # type: ignore[call-overload]
+    (guard,) = shown["guards"]  # type: ignore[misc]
+    assert guard["job"] == "chat" and guard["gpu"] == 0 and guard["p99_ms"] is not None
+
+    # gpuctl jobs explains the same, per job; and the tables pipe into head.
+    listed = {j["name"]: j for j in json.loads(daemon.gpuctl("--json", "jobs").stdout)["jobs"]}
+    assert listed["train-a"]["colo"]["gpu"] == 0
+    assert listed["chat"]["colo"]["guard"]["slo_ms"] == 50
+    for command in ("colo show", "jobs"):
+        piped = subprocess.run(
+            f"'{BIN / 'gpuctl'}' --socket '{daemon.socket}' {command} | head -1",
+            shell=True,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert piped.returncode == 0 and piped.stderr == "" and piped.stdout.startswith("JOB")
+
+    text = daemon.metrics()
+    assert 'gpud_colo_observed_speed_ratio{job="train-a"}' in text
+    assert 'gpud_colo_guard_p99_latency_seconds{job="chat"}' in text
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is required (Debian package prometheus)"
+    check = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    # GPU 0 falls off the bus: its jobs fail as CUDA programs would, gpuctl releases them,
+    # and co-location has nothing left there; GPU 1 is untouched.
+    daemon.gpuctl("sim", "fault", "--gpu", "0", "lost")
+    assert train.wait(timeout=60) == 1 and chat.wait(timeout=60) == 1
+    wait_for(lambda: not show(daemon)["placements"])
+    advice = json.loads(daemon.gpuctl("--json", "colo", "advise", "next").stdout)
+    assert advice["gpu"] == 1
+
+    # SIGKILL and restart: the fault stays with GPU 0.
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait(timeout=10)
+    if daemon.notify is not None:
+        daemon.notify.close()
+    again = start_daemon(
+        daemon.root, "--simulate", "H100-SXM5-80GB:2", config_text="[colocate]\ntick_s = 1.0\n"
+    )
+    jobs.daemon = again
+    try:
+        gpus = json.loads(again.gpuctl("gpus", "--json").stdout)["gpus"]
+        assert gpus[0]["healthy"] is False and "lost" in gpus[0]["reason"].lower()
+        assert gpus[1]["healthy"] is True
+    finally:
+        stop_daemon(again)
