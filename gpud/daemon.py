@@ -290,6 +290,10 @@ class Daemon:
                     index[m.identity.uuid] = g.identity.index
                     profiles[m.identity.uuid] = m.identity.profile_name
         used = self.jobs.memory_by_job()
+        pids: dict[tuple[str, str], list[int]] = {}
+        for u in self.jobs.process_uses():
+            if u.job is not None:
+                pids.setdefault((u.job, u.device), []).append(u.pid)
         out = []
         for r in self.jobs.reservations.held():
             spec = self.jobs.registry.find(r.job)
@@ -307,6 +311,7 @@ class Daemon:
                         memory_used=used.get((r.job, device), 0),
                         device=device,
                         mig_profile=profiles.get(device),
+                        pids=tuple(pids.get((r.job, device), ())),
                     )
                 )
         return out

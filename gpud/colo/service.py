@@ -13,6 +13,7 @@ goes; ``gpuctl colo show`` reads :meth:`show`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import threading
@@ -37,6 +38,7 @@ from colocate import (
     ServiceGuard,
     Shape,
 )
+from gpud.colo.host import HostUsage
 from gpud.config import ColocateConfig
 from gpud.errors import InvalidArgument
 from gpud.events import EventLog
@@ -66,6 +68,7 @@ class RunningJob:
     peak_load: float = 0.0
     device: str = ""  # the GPU or MIG device UUID it runs on
     mig_profile: str | None = None  # when that device is a MIG instance: its profile
+    pids: tuple[int, ...] = ()  # its processes NVML lists on that device
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class _JobState:
     alone_rate: float | None = None  # iterations per busy second (duty taken out), alone
     neighbours: frozenset[str] | None = None  # who shared its GPU at the last tick
     guard_since: float = float("-inf")  # inference: latencies from here on see the new duty
+    side: JobFeatures | None = None  # memory share and host use at the last tick (sm unused)
     since: float = float("-inf")  # when that company last changed
     features: JobFeatures | None = None
     windows: int = 0
@@ -163,9 +167,13 @@ class ColoService:
         *,
         running: Callable[[], Sequence[RunningJob]],
         clock: Callable[[], float] = time.monotonic,
+        host: HostUsage | None = None,
     ) -> None:
+        """``host``: reads the CPU and memory use of the jobs' process trees (default: the
+        host's ``/proc``)."""
         self._events = events
         self._running = running
+        self._host = host if host is not None else HostUsage(clock=clock)
         self._clock = clock
         self._lock = threading.RLock()
         self.predictor = InterferencePredictor()
@@ -304,10 +312,22 @@ class ColoService:
         of slowdown for the predictor."""
         now = self._clock()
         self._observed = {}
+        host = self._host.sample(
+            {r.name: r.pids for members in per_gpu.values() for r in members if r.pids}
+        )
         for gpu, members in per_gpu.items():
             sample = snapshot.gpu(gpu)
+            total = sample.memory.total_bytes if sample is not None and sample.memory else 0
             for r in members:
                 st = self._jobs.setdefault(r.name, _JobState())
+                use = host.get(r.name)
+                st.side = JobFeatures(
+                    sm=0.0,
+                    mem_bw=0.0,
+                    mem_frac=min(1.0, r.memory_used / total) if total else 0.0,
+                    host_cpu=use.cpu if use is not None else 0.0,
+                    rss_frac=use.rss if use is not None else 0.0,
+                )
                 company = [o for o in members if o.name != r.name and _shares_device(o, r)]
                 names = frozenset(o.name for o in company)
                 if names != st.neighbours:
@@ -333,8 +353,17 @@ class ColoService:
                 self.predictor.observe(self._view(r).footprint(), others, speed)
 
     def _features(self, r: RunningJob) -> JobFeatures:
+        """Its device footprint alone (or the prior), with its memory and host use now."""
         st = self._jobs.get(r.name)
-        return st.features if st is not None and st.features is not None else PRIOR
+        if st is None:
+            return PRIOR
+        base = st.features if st.features is not None else PRIOR
+        side = st.side
+        if side is None:
+            return base
+        return dataclasses.replace(
+            base, mem_frac=side.mem_frac, host_cpu=side.host_cpu, rss_frac=side.rss_frac
+        )
 
     def _guard_step(
         self, running: Sequence[RunningJob], per_gpu: dict[int, list[RunningJob]]
