@@ -180,7 +180,11 @@ class Daemon:
             on_reset=self.sampler.gpu_reset,
         )
         self.colo = ColoService(
-            config.colocate, self.events, running=self._colo_running, clock=clock
+            config.colocate,
+            self.events,
+            running=self._colo_running,
+            clock=clock,
+            state_file=state_dir / "colo.json",
         )
         self._colo_last = float("-inf")
         for source in (

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import logging
 import math
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from colocate import (
     GpuView,
@@ -43,6 +48,8 @@ from gpud.config import ColocateConfig
 from gpud.errors import InvalidArgument
 from gpud.events import EventLog
 from gpud.telemetry.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
 
 MAX_LATENCY_SAMPLES = 4096  # per report, and per job kept in the window
 MIG_COMPUTE_SLICES = 7  # A100, H100, H200: a MIG profile's SMs are slices of seven
@@ -168,9 +175,13 @@ class ColoService:
         running: Callable[[], Sequence[RunningJob]],
         clock: Callable[[], float] = time.monotonic,
         host: HostUsage | None = None,
+        state_file: Path | None = None,
     ) -> None:
         """``host``: reads the CPU and memory use of the jobs' process trees (default: the
-        host's ``/proc``)."""
+        host's ``/proc``). ``state_file``: where what the loop learned about running jobs
+        (alone rates and footprints, guard and training duties) outlives the daemon, so that
+        a restart neither forgets a shared job's alone rate nor lets throttled training run
+        at full duty until the guard cuts it again."""
         self._events = events
         self._running = running
         self._host = host if host is not None else HostUsage(clock=clock)
@@ -185,7 +196,11 @@ class ColoService:
         self._last_running: tuple[RunningJob, ...] = ()
         self._observed: dict[str, float] = {}
         self._faulty: dict[int, str] = {}  # GPU -> why, at the last tick
+        self._state_file = state_file
+        self._saved: dict[str, Any] | None = None
         self.configure(config)
+        if state_file is not None:
+            self._load(state_file)
 
     def configure(self, config: ColocateConfig) -> None:
         """(Re)apply the [colocate] settings; learned state is kept."""
@@ -303,7 +318,58 @@ class ColoService:
             held = {r.name for r in running if r.gpu in self._faulty}
             self._apply(plan, keep=held)
             self._plan, self._plan_at, self._last_running = plan, self._clock(), running
+            self._save(running)
             return plan
+
+    # -- what outlives a restart ----------------------------------------------------------------
+    def _load(self, path: Path) -> None:
+        try:
+            data = json.loads(path.read_text())
+            jobs = data["jobs"]
+            for name, saved in jobs.items():
+                st = self._jobs.setdefault(str(name), _JobState())
+                if saved.get("alone_rate") is not None:
+                    st.alone_rate = float(saved["alone_rate"])
+                if saved.get("sm") is not None:
+                    st.features = JobFeatures(sm=float(saved["sm"]), mem_bw=float(saved["mem_bw"]))
+                if saved.get("duty") is not None:
+                    duty = min(1.0, max(0.0, float(saved["duty"])))
+                    self._directives[str(name)] = Directive(duty, False, "as before the restart")
+                if saved.get("guard_duty") is not None and saved.get("slo_s"):
+                    g = ServiceGuard(str(name), float(saved["slo_s"]), self._guard_params)
+                    g.duty = min(1.0, max(0.0, float(saved["guard_duty"])))
+                    self._guards[str(name)] = g
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            log.warning("co-location state %s not read (%s): starting afresh", path, err)
+
+    def _save(self, running: Sequence[RunningJob]) -> None:
+        if self._state_file is None:
+            return
+        jobs: dict[str, dict[str, float | None]] = {}
+        for r in running:
+            st = self._jobs.get(r.name)
+            g = self._guards.get(r.name)
+            d = self._directives.get(r.name)
+            jobs[r.name] = {
+                "alone_rate": st.alone_rate if st else None,
+                "sm": st.features.sm if st and st.features else None,
+                "mem_bw": st.features.mem_bw if st and st.features else None,
+                "duty": d.duty if d is not None and not d.evict else None,
+                "guard_duty": g.duty if g is not None else None,
+                "slo_s": g.slo_s if g is not None else None,
+            }
+        data = {"jobs": jobs}
+        if data == self._saved:
+            return
+        tmp = self._state_file.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, self._state_file)
+            self._saved = data
+        except OSError as err:
+            log.warning("co-location state %s not written: %s", self._state_file, err)
 
     def _learn(self, snapshot: Snapshot, per_gpu: dict[int, list[RunningJob]]) -> None:
         """Alone: the device's activity is the job's footprint, and a training job's rate its

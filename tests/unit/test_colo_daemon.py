@@ -388,3 +388,47 @@ def test_gpuctl_jobs_explains_each_jobs_co_location(
             assert train["gpu"] == 0 and train["duty"] == 0.5 and train["sm_share"] == 0.5
             assert train["throttled_by"] == ["chat"]
             assert shown["chat"]["colo"]["guard"]["action"] == "throttle"
+
+
+def test_what_the_loop_learned_outlives_a_restart(tmp_path: Path) -> None:
+    state = tmp_path / "colo.json"
+    clock = Clock()
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+
+    def start() -> ColoService:
+        return ColoService(
+            ColocateConfig(),
+            EventLog(tmp_path / "events.jsonl"),
+            running=lambda: jobs,
+            clock=clock,
+            state_file=state,
+        )
+
+    svc = start()
+    for _ in range(5):  # alone: 10 iterations a second
+        svc.throttle_point("train", 10)
+        svc.tick(snapshot())
+        clock.t += 1
+    jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB))
+    svc.report_latency("chat", [0.095] * 100)
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+
+    again = start()  # the daemon was killed and restarted; the jobs ran on
+    assert again.duty("train") == 0.5  # not full duty until the guard cuts again
+    again.tick(snapshot())
+    assert again.duty("train") == 0.5
+    for _ in range(4):
+        clock.t += 1
+        again.throttle_point("train", 4)
+        again.tick(snapshot())
+    assert again.show().observed_speed["train"] == pytest.approx(0.8)  # alone rate kept
+
+
+def test_an_unreadable_state_file_starts_afresh(tmp_path: Path) -> None:
+    state = tmp_path / "colo.json"
+    state.write_text("{not json")
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=list, state_file=state
+    )
+    assert svc.duty("train") == 1.0
