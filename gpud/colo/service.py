@@ -586,6 +586,8 @@ class ColoService:
                 slo_s=slo_p99_ms / 1e3 if slo_p99_ms else None,
             )
             new = JobView(job, shape, features, order=float("inf"), peak_load=peak_load)
+            healthy = {g.identity.index for g in snapshot.gpus if g.healthy}
+            running = tuple(r for r in running if r.gpu in healthy)  # the rest stay put
             views = [self._view(r) for r in running]
             mig_mode = {
                 g.identity.index
