@@ -93,6 +93,10 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         f"interference predictor: {resp.predictor_samples} samples, mean abs error "
         f"{resp.predictor_mean_abs_error:.3f}; plan {resp.plan_age_seconds:.1f} s old"
     )
+    ctx.out.print(
+        "speed: throughput shared over alone (1.00: no slowdown), observed for training "
+        "jobs that ran alone first, per second of running time (duty taken out)"
+    )
     return 0
 
 
