@@ -173,3 +173,52 @@ def test_colocation_end_to_end_on_a_simulated_node(
         assert gpus[1]["healthy"] is True
     finally:
         stop_daemon(again)
+
+
+MIG_LAYOUT = """version: v1
+mig-configs:
+  split:
+    - devices: [1]
+      mig-enabled: true
+      mig-devices:
+        "1g.10gb": 2
+        "3g.40gb": 1
+    - devices: [0]
+      mig-enabled: false
+"""
+
+
+def test_a_tight_slo_service_gets_a_mig_instance_from_gpuctl_run(
+    node: tuple[RunningDaemon, Jobs], tmp_path: Path
+) -> None:
+    daemon, jobs = node
+    layout = tmp_path / "mig.yaml"
+    layout.write_text(MIG_LAYOUT)
+    daemon.gpuctl("mig", "apply", "-f", str(layout), "-c", "split")
+    workload = [sys.executable, "-m", "tools.colo_workload"]
+    jobs.run("train-a", "--", *workload, "training", "--seconds", "300")
+    wait_for(lambda: placement(daemon, "train-a") is not None)
+    train_view = placement(daemon, "train-a")
+    assert train_view is not None and train_view["gpu"] == 0  # a whole GPU, not the MIG one
+
+    daemon.gpuctl(
+        "jobs", "add", "chat", "--kind", "inference", "--slo-p99-ms", "20", "--memory", "6GiB"
+    )
+    chat = jobs.run("chat", "--", *workload, "inference", "--seconds", "300")
+    wait_for(lambda: placement(daemon, "chat") is not None)
+    chat_view = placement(daemon, "chat")
+    assert chat_view is not None
+    assert chat_view["gpu"] == 1 and chat_view["mig_profile"] == "1g.10gb", chat_view
+    log = (tmp_path / "chat.log").read_text()
+    assert "tight SLO" in log and "MIG instance 1g.10gb on GPU 1" in log, log
+
+    # The simulated node runs the service's process in that instance, with its 6 GiB.
+    def on_the_instance() -> bool:
+        shown = daemon.gpuctl("mig", "show").stdout
+        return "(chat)" in shown and "6.0 / 9.8" in shown
+
+    wait_for(on_the_instance)
+    listed = json.loads(daemon.gpuctl("--json", "jobs", "ls", "chat").stdout)["jobs"][0]
+    assert listed["colo"]["guard"]["reason"] == "no training on its GPU"
+    assert listed["reservations"][0]["devices"][0].startswith("MIG-")
+    assert chat.poll() is None
