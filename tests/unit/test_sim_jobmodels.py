@@ -167,3 +167,18 @@ def test_a_reboot_clears_processes_and_the_next_sync_restarts_them(
     assert listed(node, 1) == {}
     node.jobs.sync([JobDevice("a", "training", 1)])
     assert set(listed(node, 1)) == {10}
+
+
+def test_what_the_operator_declares_wins_over_the_model(sim: tuple[SimNode, Procs]) -> None:
+    node, procs = sim
+    procs.add(10, 1, {"GPUD_JOB": "a"})
+    devices = [JobDevice("a", "training", 0)]
+    node.jobs.sync(devices)
+    assert listed(node, 0) == {10: DEFAULT_MEMORY["training"]}
+    node.workloads.start(0, 10, 12 * GIB, 0.5)  # gpuctl sim workload start --pid 10 ...
+    assert listed(node, 0) == {10: 12 * GIB}
+    node.jobs.sync([JobDevice("a", "training", 0, duty=0.5)])
+    assert listed(node, 0) == {10: 12 * GIB} and node.jobs.running() == []
+    node.workloads.stop(10)  # the operator lets go: the model runs it again
+    node.jobs.sync(devices)
+    assert listed(node, 0) == {10: DEFAULT_MEMORY["training"]}

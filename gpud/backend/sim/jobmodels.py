@@ -17,6 +17,9 @@ simulated compute process for each one on the job's device, through
   ``gpuctl jobs`` and the co-location loop see it as on a real node, and it is gone at the
   next tick after the host process exits or the job's reservation is released.
 
+A process the operator declared with ``gpuctl sim workload start`` is theirs: the models
+leave it alone while it is declared.
+
 Everything stays behind the NVML port: a lost GPU answers nothing (its processes included),
 a reset is refused while processes run, and nothing is started on a GPU that is lost.
 """
@@ -125,9 +128,10 @@ class JobWorkloads:
                 pid, job, d.gpu, d.mig, memory, sm_activity(d.kind, d.duty, d.threads_percent)
             )
         with self._lock:
-            on_devices = {w.pid for w in self._workloads.list()}
-            for pid in set(self._running) - on_devices:
-                del self._running[pid]  # gone with a reboot: started again below
+            ours = self._workloads.modelled()
+            for pid in set(self._running) - ours:
+                # gone with a reboot (started again below), or the operator declared it
+                del self._running[pid]
             for pid, m in list(self._running.items()):
                 new = want.get(pid)
                 if new is None or (new.gpu, new.mig) != (m.gpu, m.mig):
@@ -148,16 +152,19 @@ class JobWorkloads:
 
     def _start(self, m: Modelled) -> None:
         try:
-            self._workloads.start(m.gpu, m.pid, m.used_memory_bytes, m.sm_ratio, m.mig)
+            started = self._workloads.start_modelled(
+                m.gpu, m.pid, m.used_memory_bytes, m.sm_ratio, m.mig
+            )
         except ValueError as err:
             # The device changed under the job (a MIG instance went, MIG mode changed):
             # as on a real node, the process cannot run there; try again next tick.
             log.debug("simulated process %d of job %s not started: %s", m.pid, m.job, err)
             return
-        self._running[m.pid] = m
+        if started:  # else the operator runs it (gpuctl sim workload start): theirs
+            self._running[m.pid] = m
 
     def _stop(self, m: Modelled) -> None:
-        self._workloads.stop(m.pid)
+        self._workloads.stop_modelled(m.pid)
         del self._running[m.pid]
 
     # -- the host side ---------------------------------------------------------------------

@@ -7,6 +7,7 @@ power, temperature, clocks and PCIe/NVLink throughput until it is stopped.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from gpud.backend.sim.fakenvml import FakeNvml
@@ -23,10 +24,18 @@ class Workload:
 
 
 class Workloads:
-    """Start and stop simulated processes. Thread-safe."""
+    """Start and stop simulated processes. Thread-safe.
+
+    Two kinds of callers: the operator (``gpuctl sim workload``: :meth:`start`, :meth:`stop`)
+    and the workload models behind the jobs' processes (:meth:`start_modelled`,
+    :meth:`update`, :meth:`stop_modelled`). What the operator declares wins: starting a PID
+    the models run replaces their process, and the models leave it alone from then on (until
+    the operator stops it)."""
 
     def __init__(self, nvml: FakeNvml) -> None:
         self._nvml = nvml
+        self._lock = threading.Lock()
+        self._modelled: set[int] = set()
 
     def start(
         self,
@@ -40,21 +49,55 @@ class Workloads:
 
         ``sm_ratio`` is the share of the device's SMs it keeps busy (0..1).
         """
-        if not 0 <= gpu < self._nvml.sim_gpu_count:
-            raise ValueError(f"no GPU {gpu} (the node has {self._nvml.sim_gpu_count})")
-        if used_memory_bytes < 0 or not 0.0 <= sm_ratio <= 1.0:
-            raise ValueError("used_memory_bytes must be >= 0 and sm_ratio within 0..1")
-        self._nvml.sim_start_process(gpu, pid, used_memory_bytes, sm_ratio, mig)
+        _check(self._nvml, gpu, used_memory_bytes, sm_ratio)
+        with self._lock:
+            if pid in self._modelled:
+                self._modelled.discard(pid)
+                self._nvml.sim_stop_process(pid)
+            self._nvml.sim_start_process(gpu, pid, used_memory_bytes, sm_ratio, mig)
 
     def stop(self, pid: int) -> bool:
         """Stop ``pid``; False if it was not running."""
-        return self._nvml.sim_stop_process(pid)
+        with self._lock:
+            self._modelled.discard(pid)
+            return self._nvml.sim_stop_process(pid)
+
+    def start_modelled(
+        self, gpu: int, pid: int, used_memory_bytes: int, sm_ratio: float, mig: str | None
+    ) -> bool:
+        """:meth:`start` for the workload models; False (nothing done) when ``pid`` already
+        runs (the operator declared it)."""
+        _check(self._nvml, gpu, used_memory_bytes, sm_ratio)
+        with self._lock:
+            if any(p.pid == pid for p in self._nvml.sim_processes()):
+                return False
+            self._nvml.sim_start_process(gpu, pid, used_memory_bytes, sm_ratio, mig)
+            self._modelled.add(pid)
+            return True
+
+    def stop_modelled(self, pid: int) -> None:
+        """Stop a process the models started (not one the operator took over)."""
+        with self._lock:
+            if pid in self._modelled:
+                self._modelled.discard(pid)
+                self._nvml.sim_stop_process(pid)
+
+    def modelled(self) -> set[int]:
+        """The PIDs the models run now (a reboot ends them all)."""
+        with self._lock:
+            running = {p.pid for p in self._nvml.sim_processes()}
+            self._modelled &= running
+            return set(self._modelled)
 
     def update(self, pid: int, used_memory_bytes: int, sm_ratio: float) -> bool:
-        """Change the memory and SM activity of running ``pid``; False if it does not run."""
+        """Change the memory and SM activity of a modelled ``pid``; False if the models do
+        not run it."""
         if used_memory_bytes < 0 or not 0.0 <= sm_ratio <= 1.0:
             raise ValueError("used_memory_bytes must be >= 0 and sm_ratio within 0..1")
-        return self._nvml.sim_update_process(pid, used_memory_bytes, sm_ratio)
+        with self._lock:
+            if pid not in self._modelled:
+                return False
+            return self._nvml.sim_update_process(pid, used_memory_bytes, sm_ratio)
 
     def lost_gpus(self) -> set[int]:
         """The GPUs injected as lost (fallen off the bus)."""
@@ -65,3 +108,10 @@ class Workloads:
             Workload(p.pid, p.gpu, p.gi, p.ci, p.used_bytes, p.sm_ratio)
             for p in sorted(self._nvml.sim_processes(), key=lambda p: p.pid)
         ]
+
+
+def _check(nvml: FakeNvml, gpu: int, used_memory_bytes: int, sm_ratio: float) -> None:
+    if not 0 <= gpu < nvml.sim_gpu_count:
+        raise ValueError(f"no GPU {gpu} (the node has {nvml.sim_gpu_count})")
+    if used_memory_bytes < 0 or not 0.0 <= sm_ratio <= 1.0:
+        raise ValueError("used_memory_bytes must be >= 0 and sm_ratio within 0..1")
