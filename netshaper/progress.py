@@ -130,7 +130,7 @@ class ProgressTracker:
         if state.points:
             n0, t0 = state.points[-1]
             if iteration > n0 and at > t0:
-                sample = (at - t0) / (iteration - n0)
+                sample = max((at - t0) / (iteration - n0), _MIN_PERIOD_S)
                 if state.learned_ideal_s is None or sample < state.learned_ideal_s:
                     state.learned_ideal_s = sample
         state.points.append((iteration, at))

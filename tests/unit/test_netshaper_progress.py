@@ -149,3 +149,13 @@ def test_rate_is_none_or_in_unit_interval(
         tr.report("a", count, t)
         rate = tr.progress("a", t + probe).rate
         assert rate is None or 0.0 < rate <= 1.0
+
+
+def test_an_interval_below_float_resolution_learns_the_floor_not_zero() -> None:
+    # Two iterations 5e-324 s apart: the per-iteration time underflows to 0.0.
+    tr = ProgressTracker()
+    tr.register("a", now=0.0)
+    tr.report("a", 0, 0.0)
+    tr.report("a", 2, 5e-324)
+    rate = tr.progress("a", 1.0).rate
+    assert rate is not None and 0.0 < rate <= 1.0
