@@ -6,11 +6,12 @@ import json
 
 import pytest
 
+from gpud.admission.estimate import Record, estimate
 from gpud.admission.model import Request
 from gpud.admission.node import synthetic
 from gpud.admission.placement_fit import PlacementFit
 from tools.admission.__main__ import main
-from tools.admission.bench import _half_width
+from tools.admission.bench import _controlled_mean, _half_width, _history, _Replication
 from tools.admission.sim import SimJob, simulate
 
 GIB = 1 << 30
@@ -66,3 +67,39 @@ def test_utilizations_are_chosen_and_checked(capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit):
         main([*argv, "--utilizations", "0.5,1.2"])
     assert "--utilizations" in capsys.readouterr().err
+
+
+def test_control_variate_reads_the_regression_at_the_target_load() -> None:
+    # Waits exactly linear in the drawn load: the intercept, with no residual.
+    xs = [-0.02, 0.01, 0.03, -0.01]
+    ys = [100.0 + 5000.0 * x for x in xs]
+    mean, half = _controlled_mean(ys, xs)
+    assert mean == pytest.approx(100.0)
+    assert half == pytest.approx(0.0, abs=1e-9)
+    # Their plain mean is pulled up by the sequences that drew more than the target's load.
+    assert sum(ys) / len(ys) == pytest.approx(112.5)
+    # Too few points, or a control that never moved: the plain mean and its interval.
+    assert _controlled_mean([1.0, 3.0], [0.1, -0.1]) == (2.0, _half_width([1.0, 3.0]))
+    assert _controlled_mean([1.0, 2.0, 3.0], [0.0, 0.0, 0.0]) == (2.0, _half_width([1.0, 2.0, 3.0]))
+    # Noise around the line: the interval is the intercept's (n - 2 degrees of freedom).
+    mean, half = _controlled_mean([1.0, 2.5, 2.9, 4.2], [-1.0, 0.0, 0.5, 1.0])
+    # slope 3.325 / 2.1875 = 1.52; residuals 0.06, 0.04, -0.32, 0.22; t(2) = 4.303.
+    assert mean == pytest.approx(2.65 - 1.52 * 0.125)
+    se = (0.156 / 2 * (1 / 4 + 0.125**2 / 2.1875)) ** 0.5
+    assert half == pytest.approx(4.303 * se)
+
+
+def _rep(arrivals: list[float], service: float) -> _Replication:
+    records = [Record(f"j{i}", "w", t, t, t + service) for i, t in enumerate(arrivals)]
+    end = arrivals[-1] + 10 * service  # a long drain after the last arrival
+    return _Replication({}, {}, 0.0, records, arrivals[0], end, 0.0, [], [])
+
+
+def test_histories_are_laid_end_to_end_on_the_arrival_clock() -> None:
+    reps = [_rep([0.0, 1.0, 2.0, 3.0, 4.0], 50.0), _rep([100.0, 102.0, 104.0], 50.0)]
+    history, now = _history(reps)
+    # Each sequence starts one mean inter-arrival time after the last arrival of the one
+    # before; its drain overlaps what follows instead of adding time with no arrivals.
+    assert [r.queued_at for r in history] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 7.0, 9.0]
+    assert now == pytest.approx(11.0)
+    assert estimate(history, now=now)["w"].arrival_rate == pytest.approx(8 / 11)
