@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -12,6 +13,7 @@ from gpud.admission.node import synthetic
 from gpud.admission.placement_fit import PlacementFit
 from tools.admission.__main__ import main
 from tools.admission.bench import _controlled_mean, _half_width, _history, _Replication
+from tools.admission.reference import mgk_fifo_mean_wait
 from tools.admission.sim import SimJob, simulate
 
 GIB = 1 << 30
@@ -103,3 +105,23 @@ def test_histories_are_laid_end_to_end_on_the_arrival_clock() -> None:
     assert [r.queued_at for r in history] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 7.0, 9.0]
     assert now == pytest.approx(11.0)
     assert estimate(history, now=now)["w"].arrival_rate == pytest.approx(8 / 11)
+
+
+def test_reference_simulation_meets_the_exact_single_server_waits() -> None:
+    # M/M/1 at 0.5: W = rho / (1 - rho) S = S; M/G/1 with cs2 4 (Pollaczek-Khinchine): 2.5 S.
+    mm1 = mgk_fifo_mean_wait(1, 0.5, 1.0, 1.0, jobs=200_000, rng=random.Random(3))
+    assert mm1 == pytest.approx(1.0, rel=0.1)
+    mg1 = mgk_fifo_mean_wait(1, 0.5, 1.0, 2.0, jobs=200_000, rng=random.Random(4))
+    assert mg1 == pytest.approx(2.5, rel=0.15)
+
+
+def test_reference_prints_formula_over_exact_per_class(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["reference", "--json", "--jobs", "500", "--replications", "2"]
+    assert main([*argv, "--utilizations", "0.5,0.7"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["classes"]) == {"1gpu", "3g.40gb", "1g.10gb", "2g.20gb/2"}
+    assert result["classes"]["1gpu"]["k_eff"] == 5
+    for c in result["classes"].values():
+        row = c["utilizations"]["0.7"]
+        assert row["formula_over_reference"] == pytest.approx(row["formula_s"] / row["reference_s"])
+    assert set(result["utilizations"]) == {"0.5", "0.7"}
