@@ -73,22 +73,30 @@ def test_utilizations_are_chosen_and_checked(capsys: pytest.CaptureFixture[str])
 
 def test_control_variate_reads_the_regression_at_the_target_load() -> None:
     # Waits exactly linear in the drawn load: the intercept, with no residual.
-    xs = [-0.02, 0.01, 0.03, -0.01]
+    xs = [-0.02, 0.01, 0.03, -0.01, 0.02]
     ys = [100.0 + 5000.0 * x for x in xs]
     mean, half = _controlled_mean(ys, xs)
     assert mean == pytest.approx(100.0)
     assert half == pytest.approx(0.0, abs=1e-9)
     # Their plain mean is pulled up by the sequences that drew more than the target's load.
-    assert sum(ys) / len(ys) == pytest.approx(112.5)
-    # Too few points, or a control that never moved: the plain mean and its interval.
-    assert _controlled_mean([1.0, 3.0], [0.1, -0.1]) == (2.0, _half_width([1.0, 3.0]))
-    assert _controlled_mean([1.0, 2.0, 3.0], [0.0, 0.0, 0.0]) == (2.0, _half_width([1.0, 2.0, 3.0]))
+    assert sum(ys) / len(ys) == pytest.approx(130.0)
+    # Too few points for the slope to pay for itself, or a control that never moved: the
+    # plain mean and its interval.
+    assert _controlled_mean(ys[:4], xs[:4]) == (112.5, _half_width(ys[:4]))
+    assert _controlled_mean([1.0, 2.0, 3.0] * 2, [0.0] * 6) == (
+        2.0,
+        _half_width([1.0, 2.0, 3.0] * 2),
+    )
     # Noise around the line: the interval is the intercept's (n - 2 degrees of freedom).
-    mean, half = _controlled_mean([1.0, 2.5, 2.9, 4.2], [-1.0, 0.0, 0.5, 1.0])
-    # slope 3.325 / 2.1875 = 1.52; residuals 0.06, 0.04, -0.32, 0.22; t(2) = 4.303.
-    assert mean == pytest.approx(2.65 - 1.52 * 0.125)
-    se = (0.156 / 2 * (1 / 4 + 0.125**2 / 2.1875)) ** 0.5
-    assert half == pytest.approx(4.303 * se)
+    xs = [-1.0, 0.0, 0.5, 1.0, 0.0]
+    ys = [1.0, 2.5, 2.9, 4.2, 2.4]
+    mean, half = _controlled_mean(ys, xs)
+    mx, my = 0.1, 2.6
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    assert mean == pytest.approx(my - slope * mx)
+    sse = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys, strict=True))
+    assert half == pytest.approx(3.182 * (sse / 3 * (1 / 5 + mx**2 / sxx)) ** 0.5)
 
 
 def _rep(arrivals: list[float], service: float) -> _Replication:

@@ -14,7 +14,8 @@ The simulation knows the load it drew, so each class's observed mean wait is the
 variate* estimate over the replications (Lavenberg and Welch): the per-replication mean
 waits regressed on the work that arrived for the class's pool, relative to the target, and
 read at the target (relative error 0): ``mean(Y) - b mean(X)``, with its 95 % Student-t
-interval (``n - 2`` degrees of freedom, the regression intercept's standard error). This is
+interval (``n - 2`` degrees of freedom, the regression intercept's standard error); with
+fewer than five replications the plain mean (see :func:`_controlled_mean`). This is
 the mean wait at the target load, which is what a quote from a long history claims; it
 narrows the interval two- to threefold where waits follow the load closely (the whole-GPU
 pool) and never widens it by more than the lost degree of freedom.
@@ -69,6 +70,7 @@ from tools.admission.workload import (
 
 UTILIZATIONS = (0.5, 0.7, 0.8, 0.9, 0.95)
 WARMUP_FRACTION = 0.3
+MIN_CONTROLLED = 5  # replications for the control variate (loss factor at most 1.5)
 
 
 def run(
@@ -285,13 +287,15 @@ def _pool_weights(views: dict[str, ClassView], key: str) -> dict[str, float]:
 def _controlled_mean(ys: list[float], xs: list[float]) -> tuple[float, float]:
     """The mean of ``ys`` at ``x = 0`` by the control-variate regression of ``ys`` on ``xs``
     (whose true mean is 0), and the half-width of its 95 % interval: the intercept of the
-    least-squares line and its Student-t interval with ``n - 2`` degrees of freedom. With
-    fewer than three points, or a control that does not vary, the plain mean and its
-    interval."""
+    least-squares line and its Student-t interval with ``n - 2`` degrees of freedom. The
+    estimated slope costs variance, the more the fewer the points (Lavenberg, Moeller and
+    Welch's loss factor ``(n - 2) / (n - 3)``: 2 at four points, infinite at three), so
+    with fewer than ``MIN_CONTROLLED`` points, or a control that does not vary, this is the
+    plain mean and its interval."""
     n = len(ys)
     mx = statistics.fmean(xs) if xs else 0.0
     sxx = sum((x - mx) ** 2 for x in xs)
-    if n < 3 or sxx <= 0:
+    if n < MIN_CONTROLLED or sxx <= 0:
         return statistics.fmean(ys), _half_width(ys)
     my = statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
