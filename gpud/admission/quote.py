@@ -56,9 +56,10 @@ Why the quote is not short. Three things could make it so, and each is dealt wit
   heavy-traffic limit, exact as ``rho -> 1`` for any ``k``, and lies above the wait in
   light traffic (for ``cs2 < 1`` the interpolation above sees to it). Long simulations of
   M/G/k FIFO queues with gamma service (``python -m tools.admission reference``: 2 to 7
-  servers, ``cs2`` 0.25 to 4) put the formula above the exact mean wait at every load, most
-  in light traffic and within a few per cent near saturation, where it meets the limit it
-  is exact in. The model error shrinks as the load grows, so a margin that grew with the
+  servers, ``cs2`` 0.25 to 4) put the formula at or above the exact mean wait at every load
+  (at it, within the simulation's precision, where Erlang C is exact), most above it in
+  light traffic and within a few per cent near saturation, where it meets the limit it is
+  exact in. The model error shrinks as the load grows, so a margin that grew with the
   load (its elasticity) would add a constant nobody derived.
 - *The estimate.* The load comes from a finite history: the confidence bound above.
 - *The history.* The rate is arrivals over the span they came in. Near saturation the wait
