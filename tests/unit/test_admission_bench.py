@@ -133,3 +133,6 @@ def test_reference_prints_formula_over_exact_per_class(capsys: pytest.CaptureFix
         row = c["utilizations"]["0.7"]
         assert row["formula_over_reference"] == pytest.approx(row["formula_s"] / row["reference_s"])
     assert set(result["utilizations"]) == {"0.5", "0.7"}
+    with pytest.raises(SystemExit):
+        main([*argv, "--warmup", "1.0"])
+    assert "--warmup" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """``python -m tools.admission bench [--json] [--detail] [--jobs N] [--seed S]
 [--replications R] [--utilizations U,U...] [--workers W] [--fifo-replications F] [--mix pools|shared]``;
 ``python -m tools.admission reference [--json] [--jobs N] [--seed S] [--replications R]
-[--utilizations U,U...]``."""
+[--utilizations U,U...] [--warmup F]``."""
 
 from __future__ import annotations
 
@@ -61,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--seed", type=int, default=1, help="seed of the first sequence")
     r.add_argument("--replications", type=_positive, default=10, help="sequences per load")
     r.add_argument(
+        "--warmup",
+        type=_fraction,
+        default=reference.WARMUP_FRACTION,
+        help="fraction of each sequence's jobs not observed (default 0.2)",
+    )
+    r.add_argument(
         "--utilizations",
         type=_utilizations,
         default=bench.UTILIZATIONS,
@@ -103,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _reference(args: argparse.Namespace) -> int:
     result = reference.run(
-        args.jobs, seed=args.seed, replications=args.replications, utilizations=args.utilizations
+        args.jobs,
+        seed=args.seed,
+        replications=args.replications,
+        utilizations=args.utilizations,
+        warmup=args.warmup,
     )
     if args.json:
         json.dump(result, sys.stdout, indent=2)
@@ -125,6 +135,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
     return value
 
 
