@@ -47,6 +47,34 @@ with more). The quote is the one-sided 95 % upper confidence bound,
 (Taking the load itself ``z`` standard errors up instead compounds the curvature of
 ``1 / (1 - rho)``: with two servers at 0.9 one standard error already added 26 %.)
 
+Why the quote is not short. Three things could make it so, and each is dealt with apart:
+
+- *The model.* It is exact for one server (Pollaczek-Khinchine) and for exponential service
+  (Erlang C). Otherwise no formula in two moments is exact for M/G/k (the mean wait over
+  service distributions with the same two moments spans a range: Gupta, Harchol-Balter,
+  Dai and Zwart, "On the inapproximability of M/G/K", 2010), but ``(1 + cs2) / 2`` is the
+  heavy-traffic limit, exact as ``rho -> 1`` for any ``k``, and lies above the wait in
+  light traffic (for ``cs2 < 1`` the interpolation above sees to it). Long simulations of
+  M/G/k FIFO queues with gamma service (``python -m tools.admission reference``: 2 to 7
+  servers, ``cs2`` 0.25 to 4) put the formula at or above the exact mean wait at every load
+  (at it, within the simulation's precision, where Erlang C is exact), most above it in
+  light traffic and within a few per cent near saturation, where it meets the limit it is
+  exact in. The model error shrinks as the load grows, so a margin that grew with the
+  load (its elasticity) would add a constant nobody derived.
+- *The estimate.* The load comes from a finite history: the confidence bound above.
+- *The history.* The rate is arrivals over the span they came in. Near saturation the wait
+  is so steep in the load that a small error there is a large one in the quote: at 0.95 a
+  history whose span also counted its queue draining after the last arrival (1.5 % more
+  time) made the quotes 30 % short.
+
+Considered and not used: proven upper bounds for multi-server queues (Kingman's and
+Brumelle's for GI/G/k, or the GI/M/1 queue that bounds GI/M/k stochastically) hold for any
+service distribution but are of the order of one fast server's wait, several times the
+M/M/k wait at moderate load (M/M/1 with five times the service rate waits 3.8 times as long
+as M/M/5 at 0.5): they break the "within 2x" a useful quote needs, and blending one in by
+load takes a weight no theory gives. Whitt's and Kimura's system interpolations bring the
+estimate closer to the exact wait, from above or below, with no sign guarantee.
+
 Classes whose devices overlap wait in one FIFO order (backfill lets a job by only where it
 cannot delay the head, which is rare when sizes share devices), so a class is quoted no less
 than any class it shares devices with: a small job queued behind a large one waits for it.

@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpud.admission.classes import class_views
 from gpud.admission.estimate import Record, estimate, littles_residual
@@ -185,3 +187,34 @@ def test_packing_efficiency_is_the_busy_share_while_jobs_wait() -> None:
     jobs = [(0.0, 0.0, 10.0, 0.5), (0.0, 10.0, 20.0, 1.0)]
     assert packing_efficiency(jobs, now=20.0) == pytest.approx(0.5)
     assert packing_efficiency([(0.0, 0.0, 5.0, 1.0)], now=5.0) == 1.0  # nobody waited
+
+
+def test_one_server_is_exact_and_many_servers_are_erlang_c_for_exponential_service() -> None:
+    # M/M/1 and M/G/1 (Pollaczek-Khinchine: W = rho S (1 + cs2) / (2 (1 - rho))) at any load.
+    for rho in (0.1, 0.5, 0.9, 0.95, 0.99):
+        for scv in (0.0, 0.25, 1.0, 2.25, 4.0):
+            exact = rho * 100.0 * (1 + scv) / (2 * (1 - rho))
+            assert mgk_wait(1, rho, 100.0, scv) == pytest.approx(exact)
+    # M/M/k: C(k, a) S / (k - a), with Erlang C from its closed form for two servers.
+    a = 1.8
+    c2 = (a**2 / 2 * 2 / (2 - a)) / (1 + a + a**2 / 2 * 2 / (2 - a))
+    assert erlang_c(2, a) == pytest.approx(c2)
+    assert mgk_wait(2, a, 100.0, 1.0) == pytest.approx(c2 * 100.0 / (2 - a))
+
+
+@given(
+    k=st.integers(1, 16),
+    rho=st.floats(0.01, 0.98),
+    step=st.floats(0.001, 0.5),
+    scv=st.floats(0.0, 6.0),
+    more=st.floats(0.001, 2.0),
+)
+def test_quoted_wait_grows_with_load_and_with_service_variability(
+    k: int, rho: float, step: float, scv: float, more: float
+) -> None:
+    higher = min(rho + step * (1 - rho), 0.99)
+    assert mgk_wait(k, k * higher, 100.0, scv) >= mgk_wait(k, k * rho, 100.0, scv)
+    assert mgk_wait(k, k * rho, 100.0, scv + more) >= mgk_wait(k, k * rho, 100.0, scv)
+    # The confidence bound is never below the estimate, and widens with the load's spread.
+    assert upper_wait(k, rho, 100.0, scv, 0.01) >= mgk_wait(k, k * rho, 100.0, scv)
+    assert upper_wait(k, rho, 100.0, scv, 0.02) >= upper_wait(k, rho, 100.0, scv, 0.01)

@@ -1,5 +1,7 @@
 """``python -m tools.admission bench [--json] [--detail] [--jobs N] [--seed S]
-[--replications R] [--utilizations U,U...] [--workers W] [--fifo-replications F] [--mix pools|shared]``."""
+[--replications R] [--utilizations U,U...] [--workers W] [--fifo-replications F] [--mix pools|shared]``;
+``python -m tools.admission reference [--json] [--jobs N] [--seed S] [--replications R]
+[--utilizations U,U...] [--warmup F]``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from tools.admission import bench
+from tools.admission import bench, reference
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +53,28 @@ def main(argv: list[str] | None = None) -> int:
         default="pools",
         help="request sizes in separate pools (default) or sharing whole GPUs",
     )
+    r = commands.add_parser(
+        "reference", help="the quote's M/G/k formula against long simulations of each pool alone"
+    )
+    r.add_argument("--json", action="store_true", help="print JSON (the default is a table)")
+    r.add_argument("--jobs", type=_positive, default=300_000, help="jobs per sequence")
+    r.add_argument("--seed", type=int, default=1, help="seed of the first sequence")
+    r.add_argument("--replications", type=_positive, default=10, help="sequences per load")
+    r.add_argument(
+        "--warmup",
+        type=_fraction,
+        default=reference.WARMUP_FRACTION,
+        help="fraction of each sequence's jobs not observed (default 0.2)",
+    )
+    r.add_argument(
+        "--utilizations",
+        type=_utilizations,
+        default=bench.UTILIZATIONS,
+        help="comma-separated utilisations, each in (0, 1) (default 0.5,0.7,0.8,0.9,0.95)",
+    )
     args = parser.parse_args(argv)
+    if args.command == "reference":
+        return _reference(args)
     result = bench.run(
         jobs=args.jobs,
         seed=args.seed,
@@ -84,10 +107,41 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _reference(args: argparse.Namespace) -> int:
+    result = reference.run(
+        args.jobs,
+        seed=args.seed,
+        replications=args.replications,
+        utilizations=args.utilizations,
+        warmup=args.warmup,
+    )
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    for key, c in result["classes"].items():
+        print(f"{key} (k_eff {c['k_eff']}, service cs2 {c['scv']:g})")
+        for rho, row in c["utilizations"].items():
+            lo, hi = row["reference_ci95_s"]
+            print(
+                f"  {rho:>5} exact {row['reference_s']:>8.1f} s (95 % CI {lo:.1f}-{hi:.1f})"
+                f"  formula {row['formula_s']:>8.1f} s  formula/exact"
+                f" {row['formula_over_reference']:.3f}"
+            )
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
     return value
 
 

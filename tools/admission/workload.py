@@ -6,9 +6,9 @@ shares of a 2g.20gb device (10 GB, 50 % of its threads). Each class's arrival ra
 every pool at the target utilisation; arrivals are Poisson, service times gamma-distributed.
 
 ``shared``: 8 whole GPUs shared by requests of different sizes (one GPU, two GPUs, an MPS
-half of a GPU), 50/30/20 % of the load. Here servers free up in pieces, a large head of
-the queue idles the GPUs it waits for, and the M/G/k quote under-estimates the waits
-(README: "Validation").
+half of a GPU), 50/30/20 % of the load. Here servers free up in pieces and a large head of
+the queue idles the GPUs it waits for: the quote's packing efficiency, measured from the
+history, accounts for it (README: "Admission queue").
 """
 
 from __future__ import annotations
