@@ -198,6 +198,16 @@ class InterferencePredictor:
             )
         return self._quantiles[key]
 
+    def margins(self, quantile: float = 0.9) -> dict[str, float]:
+        """The margin at ``quantile`` for each standing of a prediction's pairs, by the
+        fewest observations of any of its pairs ("0", "1+", "30+", "300+")."""
+        out = {}
+        for b, lo in enumerate(PAIR_BUCKETS):
+            r = sorted(self._resid[b])
+            if r:
+                out[f"{lo}+" if lo else "0"] = max(0.0, r[min(len(r) - 1, int(quantile * len(r)))])
+        return out
+
     def speed_bound(
         self, me: JobFeatures, others: Sequence[JobFeatures], quantile: float = 0.9
     ) -> float:

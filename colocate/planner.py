@@ -145,6 +145,9 @@ class Plan:
     convergence: Convergence
     predicted_speed: Mapping[str, float]
     memory_reserved: Mapping[int, int]
+    # Options refused this pass, by the jobs already on the GPU and the check that refused
+    # them (one of REFUSALS).
+    refused: Mapping[tuple[int, str], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,20 @@ class _Eval:
     gain: float
     speed: float
     reason: str
+    # Which check refused it: one of REFUSALS.
+    check: str = ""
+
+
+# What can refuse an option, as counted in Plan.refused.
+REFUSALS: tuple[str, ...] = (
+    "memory",
+    "two services",
+    "jobs per GPU",
+    "service share",
+    "service SLO",
+    "slowdown cap",
+    "gain",
+)
 
 
 @dataclass
@@ -218,6 +235,7 @@ class Planner:
                 0.0,
                 0.0,
                 f"memory: needs {need >> 20} MiB, {max(0, limit - gpu.reserved) >> 20} MiB free under the limit",
+                "memory",
             )
         if (
             job.kind is JobKind.INFERENCE
@@ -226,15 +244,23 @@ class Planner:
         ):
             # Two latency-critical services cannot throttle each other: never on one GPU
             # without MIG isolation.
-            return _Eval(False, 0.0, 0.0, "another inference service is already here")
+            return _Eval(
+                False, 0.0, 0.0, "another inference service is already here", "two services"
+            )
         if len(gpu.residents) >= p.max_jobs_per_gpu:
-            return _Eval(False, 0.0, 0.0, f"already {len(gpu.residents)} jobs")
+            return _Eval(False, 0.0, 0.0, f"already {len(gpu.residents)} jobs", "jobs per GPU")
         if (
             job.kind is JobKind.TRAINING
             and mig is None
             and share > 1.0 - gpu.inference_share() + 1e-9
         ):
-            return _Eval(False, 0.0, 0.0, "share would cut into an inference service's share")
+            return _Eval(
+                False,
+                0.0,
+                0.0,
+                "share would cut into an inference service's share",
+                "service share",
+            )
         before = self._speeds(gpu.residents)
         members = [*gpu.residents, (job, share, mig)]
         after = self._speeds(members)
@@ -255,11 +281,21 @@ class Planner:
                 now = j.shape.service_rate(s) * sp / rel - queueing
                 if peak < j.peak_load or now < j.load * (1.0 + p.slo_margin):
                     return _Eval(
-                        False, 0.0, 0.0, f"{j.job_id} would not hold its peak load within its SLO"
+                        False,
+                        0.0,
+                        0.0,
+                        f"{j.job_id} would not hold its peak load within its SLO",
+                        "service SLO",
                     )
             elif sp < floor:
                 # The cap is on what happens: checked at the speed's lower bound.
-                return _Eval(False, 0.0, 0.0, f"{j.job_id} would slow below 1/{p.max_slowdown:g}")
+                return _Eval(
+                    False,
+                    0.0,
+                    0.0,
+                    f"{j.job_id} would slow below 1/{p.max_slowdown:g}",
+                    "slowdown cap",
+                )
         # The gain too is counted pessimistically: the newcomer at its lower bound, the
         # residents' losses down to theirs. A third job rarely adds more than the error.
         lost = sum(b - a for b, a in zip(before, low[:-1], strict=True))
@@ -318,14 +354,19 @@ class Planner:
 
         # 2. options per pending job.
         options: dict[str, list[Option]] = {}
+        refused: dict[tuple[int, str], int] = {}
         for job in pending:
             opts: list[Option] = []
             for g in state.values():
                 for share, mig in self._candidates(job, g):
                     ev = self._evaluate(g, job, share, mig)
                     if not ev.ok:
+                        key = (len(g.residents), ev.check)
+                        refused[key] = refused.get(key, 0) + 1
                         continue
                     if g.residents and ev.gain < p.min_gain:
+                        key = (len(g.residents), "gain")
+                        refused[key] = refused.get(key, 0) + 1
                         continue
                     opts.append(
                         Option(
@@ -432,6 +473,7 @@ class Planner:
             convergence=_convergence(result.iterations, result.residual, result.converged),
             predicted_speed=predicted,
             memory_reserved={i: g.reserved for i, g in state.items()},
+            refused=refused,
         )
 
     # -- helpers --------------------------------------------------------------------------

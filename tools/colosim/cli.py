@@ -5,6 +5,7 @@
     python -m tools.colosim run SCENARIO.json|BUILTIN [--seeds 3] [--json]
     python -m tools.colosim suite [--json] [--seeds 3] [--only NAME,...] [--jobs N]
     python -m tools.colosim plot SCENARIO.json|BUILTIN --out FILE.png [--seed 0]
+    python -m tools.colosim diagnose SCENARIO.json|BUILTIN [--seed 0] [--json]
     python -m tools.colosim list
     python -m tools.colosim calibrate
 
@@ -102,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_plot.add_argument("scenario")
     p_plot.add_argument("--out", required=True)
     p_plot.add_argument("--seed", type=int, default=0)
+    p_diag = sub.add_parser("diagnose", help="what limits colocate's packing, one seed")
+    p_diag.add_argument("scenario")
+    p_diag.add_argument("--seed", type=int, default=0)
+    p_diag.add_argument("--json", action="store_true")
     sub.add_parser("list", help="the built-in scenarios")
     sub.add_parser("calibrate", help="the interference model against Gavel's measurements")
     args = ap.parse_args(argv)
@@ -133,6 +138,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"colosim: {err}", file=sys.stderr)
                 return EXIT_MISSING
             print(args.out)
+            return 0
+        if args.cmd == "diagnose":
+            from tools.colosim.diagnose import diagnose, print_diagnosis
+
+            report = diagnose(resolve(args.scenario), args.seed)
+            if args.json:
+                json.dump(report, sys.stdout, indent=2)
+                sys.stdout.write("\n")
+            else:
+                print_diagnosis(report, sys.stdout)
             return 0
         if args.cmd == "list":
             for name, s in BUILTIN.items():
