@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from colocate.planner import REFUSALS
+from tools.colosim.ceiling import ceiling
 from tools.colosim.cli import main
 from tools.colosim.diagnose import diagnose
 from tools.colosim.engine import simulate
@@ -132,3 +133,11 @@ def test_diagnose_counts_occupancy_refusals_and_prices() -> None:
     # Watching changes nothing: the same run as the plain policy.
     plain = simulate(small(load=3.0), small(load=3.0).trace(0), make("colocate"))
     assert d["colocate"]["gpu_util"] == pytest.approx(plain.gpu_util)
+
+
+def test_ceiling_bounds_random_packing_and_consumes_the_mix() -> None:
+    c = ceiling("production", max_jobs=2, floor=0.5)
+    o = c["oracle"]
+    assert o["util"] >= c["random"]["2"]["util"] > c["alone_util"]
+    # Every class is run roughly in the proportion it arrives.
+    assert o["worst_class_vs_mix"] > 0.7
