@@ -386,13 +386,24 @@ job_strategy = st.tuples(
 
 
 @settings(max_examples=80, deadline=None)
-@given(specs=st.lists(job_strategy, min_size=1, max_size=16), headroom=st.floats(0.0, 0.2))
+@given(
+    specs=st.lists(job_strategy, min_size=1, max_size=16),
+    headroom=st.floats(0.0, 0.2),
+    service_peak=st.one_of(st.none(), st.floats(10.0, 300.0)),
+)
 def test_plan_never_overcommits_memory(
-    specs: list[tuple[float, float, float, int | None]], headroom: float
+    specs: list[tuple[float, float, float, int | None]],
+    headroom: float,
+    service_peak: float | None,
 ) -> None:
     views = gpus(4)
     jobs: list[JobView] = []
     reserved = dict.fromkeys(range(4), 0)
+    if service_peak is not None:
+        # A service on GPU 0: training may now share its GPU, within the same memory.
+        svc = inference("svc", slo_s=0.5, peak=service_peak, gpu=0)
+        jobs.append(svc)
+        reserved[0] += svc.shape.reserve_bytes()
     for i, (sm, bw, mem, gpu) in enumerate(specs):
         j = training(f"j{i}", sm=sm, bw=bw, mem_gib=mem, order=i)
         limit = int(80 * GIB * (1 - headroom))
