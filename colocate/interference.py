@@ -102,7 +102,7 @@ PRIOR_WEIGHTS: tuple[float, ...] = (0.15, 1.0, 0.8, 0.3, 0.05, 0.6, 0.6, 1.0)
 # How well a pair of job classes is known: the fewest observations of any (job, neighbour)
 # pair in a prediction. Residuals are kept per bucket, so the margin a prediction carries
 # is the error of predictions like it.
-PAIR_BUCKETS: tuple[int, ...] = (0, 1, 30, 300)
+PAIR_BUCKETS: tuple[int, ...] = (0, 1, 30)
 
 
 @dataclass
@@ -200,7 +200,7 @@ class InterferencePredictor:
 
     def margins(self, quantile: float = 0.9) -> dict[str, float]:
         """The margin at ``quantile`` for each standing of a prediction's pairs, by the
-        fewest observations of any of its pairs ("0", "1+", "30+", "300+")."""
+        fewest observations of any of its pairs ("0", "1+", "30+")."""
         out = {}
         for b, lo in enumerate(PAIR_BUCKETS):
             r = sorted(self._resid[b])

@@ -98,11 +98,20 @@ class ShadowPrices:
                         key = (o.gpu, r)
                         if key in usage:
                             usage[key] += w * d
-            residual = 0.0
+            residual = max(
+                (
+                    usage[key] - cap
+                    if usage[key] > cap
+                    else min(prices[key], 1.0) * (cap - usage[key])
+                    for key, cap in capacity.items()
+                ),
+                default=0.0,
+            )
+            if residual <= self.tolerance:
+                break  # settled: a warm start on the same market leaves the prices alone
             for key, cap in capacity.items():
                 g = usage[key] - cap
                 p = prices[key]
-                residual = max(residual, g if g > 0 else min(p, 1.0) * -g)
                 if g < 0 and p <= 0.0:
                     continue  # idle and free: nothing to correct
                 # Each price keeps its own step: longer while the sign of its excess demand
@@ -113,8 +122,6 @@ class ShadowPrices:
                     steps[key] *= 1.0 + self.damping / 2
                 last[key] = g
                 prices[key] = max(0.0, p + steps[key] * min(1.0, max(-1.0, g)))
-            if residual <= self.tolerance:
-                break
         self.prices.update(prices)
         return PriceResult(
             choices={job: self._choose(opts, prices) for job, opts in options.items()},
