@@ -20,6 +20,7 @@ speed factor is exposed.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ class JobFeatures:
     mem_frac: float = 0.0
     host_cpu: float = 0.0
     rss_frac: float = 0.0
+    presence: float = 1.0
+    key: str = ""
 
     def scaled(self, factor: float) -> JobFeatures:
         """The footprint of the job running at ``factor`` of its speed (a cap or a duty cycle)."""
@@ -53,6 +56,8 @@ class JobFeatures:
             mem_frac=self.mem_frac,
             host_cpu=self.host_cpu * f,
             rss_frac=self.rss_frac,
+            presence=self.presence * f,
+            key=self.key,
         )
 
 
@@ -67,6 +72,7 @@ def aggregate(features: Iterable[JobFeatures]) -> JobFeatures:
         mem_frac=sum(f.mem_frac for f in fs),
         host_cpu=sum(f.host_cpu for f in fs),
         rss_frac=sum(f.rss_frac for f in fs),
+        presence=sum(f.presence for f in fs),
     )
 
 
@@ -76,7 +82,7 @@ def _over(x: float) -> float:
 
 def pair_features(me: JobFeatures, other: JobFeatures) -> tuple[float, ...]:
     return (
-        1.0,
+        other.presence,
         _over(me.sm + other.sm),
         _over(me.mem_bw + other.mem_bw),
         other.mem_bw * me.mem_bw,
@@ -88,8 +94,15 @@ def pair_features(me: JobFeatures, other: JobFeatures) -> tuple[float, ...]:
 
 
 # Prior: over-subscribed SMs are shared in proportion (weight 1 on ln of the demand), the
-# same for bandwidth, a little thrash from a heavy neighbour, a small constant cost.
-PRIOR_WEIGHTS: tuple[float, ...] = (0.03, 1.0, 0.8, 0.3, 0.05, 0.6, 0.6, 1.0)
+# same for bandwidth, a little thrash from a heavy neighbour, a cost per co-runner (context
+# switches, cache and TLB refills: Gavel's pairs lose about a third of their speed when
+# nothing is over-subscribed, more than the demand terms explain).
+PRIOR_WEIGHTS: tuple[float, ...] = (0.15, 1.0, 0.8, 0.3, 0.05, 0.6, 0.6, 1.0)
+
+# How well a pair of job classes is known: the fewest observations of any (job, neighbour)
+# pair in a prediction. Residuals are kept per bucket, so the margin a prediction carries
+# is the error of predictions like it.
+PAIR_BUCKETS: tuple[int, ...] = (0, 1, 30)
 
 
 @dataclass
@@ -97,6 +110,12 @@ class PredictorStats:
     samples: int
     mean_abs_error: float
     mean_error: float
+
+
+@dataclass
+class _Pair:
+    bias: float = 0.0  # learned log-slowdown the features do not explain
+    n: int = 0
 
 
 class InterferencePredictor:
@@ -109,6 +128,9 @@ class InterferencePredictor:
         prior_strength: float = 20.0,
         forgetting: float = 0.995,
         error_decay: float = 0.05,
+        pair_shrink: float = 5.0,
+        pair_memory: int = 200,
+        error_window: int = 400,
     ) -> None:
         n = len(prior)
         self.weights = list(prior)
@@ -120,17 +142,81 @@ class InterferencePredictor:
         self._samples = 0
         self._mae = 0.0
         self._me = 0.0
+        self._pairs: dict[tuple[str, str], _Pair] = {}
+        self._shrink = pair_shrink
+        self._pair_memory = pair_memory
+        self._resid: list[deque[float]] = [deque(maxlen=error_window) for _ in PAIR_BUCKETS]
+        self._quantiles: dict[tuple[int, float], float] = {}
+        self._fresh = [0 for _ in PAIR_BUCKETS]
+
+    # -- prediction -----------------------------------------------------------------------
+    def _keys(self, me: JobFeatures, others: Sequence[JobFeatures]) -> list[tuple[str, str]] | None:
+        if not me.key or any(not o.key for o in others):
+            return None
+        return [(me.key, o.key) for o in others]
+
+    def _bucket(self, keys: list[tuple[str, str]] | None) -> int:
+        if not keys:
+            return 0
+        n = min(self._pairs[k].n if k in self._pairs else 0 for k in keys)
+        return max(i for i, lo in enumerate(PAIR_BUCKETS) if n >= lo)
+
+    def _raw(self, me: JobFeatures, others: Sequence[JobFeatures]) -> float:
+        x = pair_features(me, aggregate(others))
+        ls = sum(w * v for w, v in zip(self.weights, x, strict=True))
+        for k, o in zip(self._keys(me, others) or (), others, strict=False):
+            pair = self._pairs.get(k)
+            if pair is not None:
+                ls += pair.bias * min(1.0, o.presence)
+        return ls
 
     def log_slowdown(self, me: JobFeatures, others: Sequence[JobFeatures]) -> float:
         if not others:
             return 0.0
-        x = pair_features(me, aggregate(others))
-        return max(0.0, sum(w * v for w, v in zip(self.weights, x, strict=True)))
+        return max(0.0, self._raw(me, others))
 
     def speed(self, me: JobFeatures, others: Sequence[JobFeatures]) -> float:
         """Predicted speed next to ``others`` over speed alone, in (0, 1]."""
         return math.exp(-self.log_slowdown(me, others))
 
+    def margin(self, me: JobFeatures, others: Sequence[JobFeatures], quantile: float) -> float:
+        """How much slower than predicted (in log-speed) the job runs in ``quantile`` of
+        recent predictions like this one: same standing of its pairs (never seen, seen a
+        little, well known). 0 when predictions like it were never worse than observed."""
+        if not others:
+            return 0.0
+        b = self._bucket(self._keys(me, others))
+        # A bucket with too few residuals borrows the next less-known one's: never a smaller
+        # margin for less evidence.
+        while b > 0 and len(self._resid[b]) < 30:
+            b -= 1
+        key = (b, quantile)
+        if key not in self._quantiles:
+            r = sorted(self._resid[b])
+            self._quantiles[key] = (
+                max(0.0, r[min(len(r) - 1, int(quantile * len(r)))]) if r else 0.0
+            )
+        return self._quantiles[key]
+
+    def margins(self, quantile: float = 0.9) -> dict[str, float]:
+        """The margin at ``quantile`` for each standing of a prediction's pairs, by the
+        fewest observations of any of its pairs ("0", "1+", "30+")."""
+        out = {}
+        for b, lo in enumerate(PAIR_BUCKETS):
+            r = sorted(self._resid[b])
+            if r:
+                out[f"{lo}+" if lo else "0"] = max(0.0, r[min(len(r) - 1, int(quantile * len(r)))])
+        return out
+
+    def speed_bound(
+        self, me: JobFeatures, others: Sequence[JobFeatures], quantile: float = 0.9
+    ) -> float:
+        """A speed the job reaches or beats in ``quantile`` of predictions like this one."""
+        if not others:
+            return 1.0
+        return math.exp(-self.log_slowdown(me, others) - self.margin(me, others, quantile))
+
+    # -- learning -------------------------------------------------------------------------
     def observe(self, me: JobFeatures, others: Sequence[JobFeatures], speed: float) -> None:
         """Learn from one observed speed factor (shared throughput over alone throughput)."""
         if not others or not (0.0 < speed <= 1.5):
@@ -141,8 +227,30 @@ class InterferencePredictor:
         d = self._decay if self._samples > 1 else 1.0
         self._mae = (1 - d) * self._mae + d * abs(err)
         self._me = (1 - d) * self._me + d * err
-        x = pair_features(me, aggregate(others))
         y = -math.log(min(1.0, speed))
+        keys = self._keys(me, others)
+        # The error of this prediction, before learning from it, for the margins.
+        b = self._bucket(keys)
+        self._resid[b].append(y - self.log_slowdown(me, others))
+        self._fresh[b] += 1
+        if self._fresh[b] >= 20 or len(self._resid[b]) <= 30:
+            self._fresh[b] = 0
+            self._quantiles = {k: v for k, v in self._quantiles.items() if k[0] != b}
+        pair_part = self._raw(me, others) - sum(
+            w * v for w, v in zip(self.weights, pair_features(me, aggregate(others)), strict=True)
+        )
+        self._fit(pair_features(me, aggregate(others)), y - pair_part)
+        if keys:
+            resid = y - self._raw(me, others)
+            weights = [1.0 / (self._pairs.get(k, _Pair()).n + self._shrink) for k in keys]
+            total = 1.0 + sum(weights)
+            for k, w, o in zip(keys, weights, others, strict=True):
+                pair = self._pairs.setdefault(k, _Pair())
+                pair.bias += resid * w / total * min(1.0, o.presence)
+                pair.n = min(pair.n + 1, self._pair_memory)
+
+    def _fit(self, x: tuple[float, ...], y: float) -> None:
+        """One recursive-least-squares step of the shared weights towards target ``y``."""
         n = len(x)
         # Forgetting inflates P where the data carry no information; stop at the prior's
         # confidence so that an idle feature cannot make the model jumpy.

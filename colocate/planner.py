@@ -45,12 +45,17 @@ class PlannerParams:
     sm_oversubscription: float = 0.3
     tight_slo_service_times: float = 8.0
     shares: tuple[float, ...] = DEFAULT_SHARES
+    # Caps are checked against the speed each job reaches in this fraction of predictions
+    # like it (the predictor's recent errors on pairs as well known as these).
+    error_quantile: float = 0.9
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.memory_headroom < 0.5:
             raise ValueError(f"memory_headroom {self.memory_headroom} outside [0, 0.5)")
         if self.max_slowdown < 1.0:
             raise ValueError(f"max_slowdown {self.max_slowdown} below 1")
+        if not 0.5 <= self.error_quantile < 1.0:
+            raise ValueError(f"error_quantile {self.error_quantile} outside [0.5, 1)")
         if self.max_jobs_per_gpu < 1:
             raise ValueError(f"max_jobs_per_gpu {self.max_jobs_per_gpu} below 1")
 
@@ -140,6 +145,9 @@ class Plan:
     convergence: Convergence
     predicted_speed: Mapping[str, float]
     memory_reserved: Mapping[int, int]
+    # Options refused this pass, by the jobs already on the GPU and the check that refused
+    # them (one of REFUSALS).
+    refused: Mapping[tuple[int, str], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -148,6 +156,20 @@ class _Eval:
     gain: float
     speed: float
     reason: str
+    # Which check refused it: one of REFUSALS.
+    check: str = ""
+
+
+# What can refuse an option, as counted in Plan.refused.
+REFUSALS: tuple[str, ...] = (
+    "memory",
+    "two services",
+    "jobs per GPU",
+    "service share",
+    "service SLO",
+    "slowdown cap",
+    "gain",
+)
 
 
 @dataclass
@@ -160,10 +182,10 @@ class _Gpu:
     def limit(self) -> int:
         return self.view.memory_total
 
-    def inference_share(self, margin: float) -> float:
+    def inference_share(self) -> float:
         """SMs the inference services here need at their peak (their MPS caps stay at 100%)."""
         return sum(
-            j.shape.share_for_load(j.peak_load * (1.0 + margin))
+            j.shape.share_for_load(j.peak_load)
             for j, _, mig in self.residents
             if j.kind is JobKind.INFERENCE and mig is None
         )
@@ -183,8 +205,11 @@ class Planner:
         self.prices = prices or ShadowPrices()
 
     # -- evaluation -----------------------------------------------------------------------
-    def _speeds(self, members: Sequence[tuple[JobView, float, str | None]]) -> list[float]:
-        """Predicted speed (over alone, full GPU) of each member of a GPU's set."""
+    def _speeds(
+        self, members: Sequence[tuple[JobView, float, str | None]], *, bound: bool = False
+    ) -> list[float]:
+        """Predicted speed (over alone, full GPU) of each member of a GPU's set; with
+        ``bound``, the speed it reaches in ``error_quantile`` of predictions like it."""
         feats = [j.footprint(s, None) for j, s, _ in members]
         out = []
         for i, (j, s, mig) in enumerate(members):
@@ -193,7 +218,11 @@ class Planner:
                 out.append(rel)
                 continue
             others = [f for k, f in enumerate(feats) if k != i and members[k][2] is None]
-            out.append(rel * self.predictor.speed(feats[i], others))
+            if bound:
+                sp = self.predictor.speed_bound(feats[i], others, self.params.error_quantile)
+            else:
+                sp = self.predictor.speed(feats[i], others)
+            out.append(rel * sp)
         return out
 
     def _evaluate(self, gpu: _Gpu, job: JobView, share: float, mig: str | None) -> _Eval:
@@ -206,6 +235,7 @@ class Planner:
                 0.0,
                 0.0,
                 f"memory: needs {need >> 20} MiB, {max(0, limit - gpu.reserved) >> 20} MiB free under the limit",
+                "memory",
             )
         if (
             job.kind is JobKind.INFERENCE
@@ -214,39 +244,62 @@ class Planner:
         ):
             # Two latency-critical services cannot throttle each other: never on one GPU
             # without MIG isolation.
-            return _Eval(False, 0.0, 0.0, "another inference service is already here")
+            return _Eval(
+                False, 0.0, 0.0, "another inference service is already here", "two services"
+            )
         if len(gpu.residents) >= p.max_jobs_per_gpu:
-            return _Eval(False, 0.0, 0.0, f"already {len(gpu.residents)} jobs")
+            return _Eval(False, 0.0, 0.0, f"already {len(gpu.residents)} jobs", "jobs per GPU")
         if (
             job.kind is JobKind.TRAINING
             and mig is None
-            and share > 1.0 - gpu.inference_share(p.slo_margin) + 1e-9
+            and share > 1.0 - gpu.inference_share() + 1e-9
         ):
-            return _Eval(False, 0.0, 0.0, "share would cut into an inference service's share")
+            return _Eval(
+                False,
+                0.0,
+                0.0,
+                "share would cut into an inference service's share",
+                "service share",
+            )
         before = self._speeds(gpu.residents)
         members = [*gpu.residents, (job, share, mig)]
         after = self._speeds(members)
+        low = self._speeds(members, bound=True)
         floor = 1.0 / p.max_slowdown
-        for (j, s, _), sp in zip(members, after, strict=True):
+        for (j, s, _), sp, mid in zip(members, low, after, strict=True):
             if j.kind is JobKind.INFERENCE:
                 if len(members) == 1 or mig is not None or s_mig(j, members):
                     continue  # alone or isolated: as good as this GPU gets
-                # Interference only (the share is the service's own choice), made pessimistic
-                # by the predictor's running error; the SLO's queueing term is not scaled.
-                factor = sp / max(j.shape.curve.relative(s), 1e-9)
-                factor = max(0.0, factor - self.predictor.stats().mean_abs_error)
-                capacity = j.shape.service_rate(s) * factor
-                if j.shape.slo_s:
-                    capacity -= P99_FACTOR / j.shape.slo_s
-                if capacity < j.peak_load * (1.0 + p.slo_margin):
+                # Interference only (the share is the service's own choice); the SLO's
+                # queueing term is not scaled. The declared peak (diurnal peak times a burst)
+                # must hold at the predicted speed; the load of now, with the SLO margin, at
+                # the speed reached in error_quantile of predictions like this one. Between
+                # the two the guard keeps the SLO by throttling the training next to it.
+                rel = max(j.shape.curve.relative(s), 1e-9)
+                queueing = P99_FACTOR / j.shape.slo_s if j.shape.slo_s else 0.0
+                peak = j.shape.service_rate(s) * mid / rel - queueing
+                now = j.shape.service_rate(s) * sp / rel - queueing
+                if peak < j.peak_load or now < j.load * (1.0 + p.slo_margin):
                     return _Eval(
-                        False, 0.0, 0.0, f"{j.job_id} would not hold its peak load within its SLO"
+                        False,
+                        0.0,
+                        0.0,
+                        f"{j.job_id} would not hold its peak load within its SLO",
+                        "service SLO",
                     )
-            elif sp - self.predictor.stats().mean_abs_error < floor:
-                # Pessimistic by the predictor's running error: the cap is on what happens.
-                return _Eval(False, 0.0, 0.0, f"{j.job_id} would slow below 1/{p.max_slowdown:g}")
-        lost = sum(b - a for b, a in zip(before, after[:-1], strict=True))
-        gain = after[-1] - lost
+            elif sp < floor:
+                # The cap is on what happens: checked at the speed's lower bound.
+                return _Eval(
+                    False,
+                    0.0,
+                    0.0,
+                    f"{j.job_id} would slow below 1/{p.max_slowdown:g}",
+                    "slowdown cap",
+                )
+        # The gain too is counted pessimistically: the newcomer at its lower bound, the
+        # residents' losses down to theirs. A third job rarely adds more than the error.
+        lost = sum(b - a for b, a in zip(before, low[:-1], strict=True))
+        gain = low[-1] - lost
         return _Eval(True, gain, after[-1], "")
 
     # -- one pass -------------------------------------------------------------------------
@@ -301,14 +354,19 @@ class Planner:
 
         # 2. options per pending job.
         options: dict[str, list[Option]] = {}
+        refused: dict[tuple[int, str], int] = {}
         for job in pending:
             opts: list[Option] = []
             for g in state.values():
                 for share, mig in self._candidates(job, g):
                     ev = self._evaluate(g, job, share, mig)
                     if not ev.ok:
+                        key = (len(g.residents), ev.check)
+                        refused[key] = refused.get(key, 0) + 1
                         continue
                     if g.residents and ev.gain < p.min_gain:
+                        key = (len(g.residents), "gain")
+                        refused[key] = refused.get(key, 0) + 1
                         continue
                     opts.append(
                         Option(
@@ -415,6 +473,7 @@ class Planner:
             convergence=_convergence(result.iterations, result.residual, result.converged),
             predicted_speed=predicted,
             memory_reserved={i: g.reserved for i, g in state.items()},
+            refused=refused,
         )
 
     # -- helpers --------------------------------------------------------------------------

@@ -2,12 +2,17 @@
 
 Every (GPU, resource) pair has a price. Each job picks the option (a GPU and a
 configuration) that maximizes its utility minus the priced resources it would use, or
-none when every option costs more than it is worth. Prices then move by a damped projected
-subgradient on the dual: up where the chosen options over-use a resource, down (never
-below zero) where it is left idle with a positive price. The step shrinks as
-``step / sqrt(k)`` and each new price is blended with the old one (``damping``), so on a
-stationary input the prices settle; the result reports the iterations and the residual
-(the largest relative over-use or complementary-slackness gap).
+none when every option costs more than it is worth.
+
+A job's choice is indivisible, so usage jumps as prices cross a job's indifference point
+and a plain subgradient on it oscillates for ever. Prices therefore move on each job's
+*smoothed* demand: a logit over its options and waiting (``temperature`` in utility
+units), which is the gradient of the entropy-regularized dual -- smooth, so a damped
+projected step settles: ``p <- max(0, p + step * (use - cap))``, blended with the old price
+by ``damping``. The reported choice is still each job's best option at the final prices.
+The residual is the largest over-use of a resource by the smoothed demand, or
+complementary-slackness gap (a positive price on a resource left idle, price times the
+idle capacity), in capacity units; converged when it is within ``tolerance``.
 
 The prices only guide: the planner enforces hard constraints (memory) afterwards.
 """
@@ -46,65 +51,80 @@ class PriceResult:
 class ShadowPrices:
     """Prices kept between planning passes (a warm start settles in a few iterations)."""
 
-    step: float = 0.6
+    step: float = 0.05
     damping: float = 0.5
-    max_iterations: int = 40
+    temperature: float = 0.05
+    max_iterations: int = 60
     tolerance: float = 0.02
     prices: dict[Key, float] = field(default_factory=dict)
-    # The step keeps shrinking across passes while the same jobs compete, so that indivisible
-    # choices (a job either fits or not) cannot make the prices oscillate for ever.
-    _rounds: int = 0
-    _market: frozenset[str] = frozenset()
+
+    def _values(self, options: Sequence[Option], prices: Mapping[Key, float]) -> list[float]:
+        return [
+            o.utility - sum(prices.get((o.gpu, r), 0.0) * d for r, d in o.demand.items())
+            for o in options
+        ]
 
     def _choose(self, options: Sequence[Option], prices: Mapping[Key, float]) -> int | None:
         best, best_value = None, 0.0
-        for i, o in enumerate(options):
-            cost = sum(prices.get((o.gpu, r), 0.0) * d for r, d in o.demand.items())
-            value = o.utility - cost
+        for i, value in enumerate(self._values(options, prices)):
             if value > best_value + 1e-12:
                 best, best_value = i, value
         return best
+
+    def _demand(self, options: Sequence[Option], prices: Mapping[Key, float]) -> list[float]:
+        """Logit weights of each option (waiting has value 0 and takes the rest)."""
+        values = self._values(options, prices)
+        top = max(0.0, *values) if values else 0.0
+        t = max(self.temperature, 1e-9)
+        e = [math.exp((v - top) / t) for v in values]
+        z = math.exp(-top / t) + sum(e)
+        return [x / z for x in e]
 
     def solve(
         self, options: Mapping[str, Sequence[Option]], capacity: Mapping[Key, float]
     ) -> PriceResult:
         """Settle prices for ``options`` against ``capacity`` (free capacity per key)."""
         prices = {k: self.prices.get(k, 0.0) for k in capacity}
-        market = frozenset(options)
-        if market != self._market:
-            self._market, self._rounds = market, 0
-        choices: dict[str, int | None] = {}
+        steps = dict.fromkeys(capacity, self.step)
+        last = dict.fromkeys(capacity, 0.0)
         residual = math.inf
         iterations = 0
         for k in range(1, self.max_iterations + 1):
             iterations = k
-            choices = {job: self._choose(opts, prices) for job, opts in options.items()}
             usage = dict.fromkeys(capacity, 0.0)
-            for job, idx in choices.items():
-                if idx is None:
-                    continue
-                o = options[job][idx]
-                for r, d in o.demand.items():
-                    key = (o.gpu, r)
-                    if key in usage:
-                        usage[key] += d
-            residual = 0.0
-            moved = 0.0
-            self._rounds += 1
-            step = self.step / math.sqrt(self._rounds)
+            for opts in options.values():
+                for o, w in zip(opts, self._demand(opts, prices), strict=True):
+                    for r, d in o.demand.items():
+                        key = (o.gpu, r)
+                        if key in usage:
+                            usage[key] += w * d
+            residual = max(
+                (
+                    usage[key] - cap
+                    if usage[key] > cap
+                    else min(prices[key], 1.0) * (cap - usage[key])
+                    for key, cap in capacity.items()
+                ),
+                default=0.0,
+            )
+            if residual <= self.tolerance:
+                break  # settled: a warm start on the same market leaves the prices alone
             for key, cap in capacity.items():
-                g = (usage[key] - cap) / max(cap, 1e-6) if cap > 0 else usage[key]
+                g = usage[key] - cap
                 p = prices[key]
-                residual = max(residual, g if g > 0 else (p * -g if p > 0 else 0.0))
-                target = max(0.0, p + step * g)
-                new = (1.0 - self.damping) * p + self.damping * target
-                moved = max(moved, abs(new - p))
-                prices[key] = new
-            if residual <= self.tolerance and moved <= self.tolerance:
-                break
+                if g < 0 and p <= 0.0:
+                    continue  # idle and free: nothing to correct
+                # Each price keeps its own step: longer while the sign of its excess demand
+                # holds, halved when it flips (the price overshot the clearing point).
+                if g * last[key] < 0:
+                    steps[key] *= self.damping
+                elif g * last[key] > 0:
+                    steps[key] *= 1.0 + self.damping / 2
+                last[key] = g
+                prices[key] = max(0.0, p + steps[key] * min(1.0, max(-1.0, g)))
         self.prices.update(prices)
         return PriceResult(
-            choices=choices,
+            choices={job: self._choose(opts, prices) for job, opts in options.items()},
             prices=dict(prices),
             iterations=iterations,
             residual=residual,

@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from colocate.planner import REFUSALS
+from tools.colosim.ceiling import ceiling
 from tools.colosim.cli import main
+from tools.colosim.diagnose import diagnose
 from tools.colosim.engine import simulate
 from tools.colosim.policies import POLICY_NAMES, make
 from tools.colosim.report import METRICS, run_scenario
@@ -116,3 +119,25 @@ def test_cli_run_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     out = json.loads(capsys.readouterr().out)
     assert out["scenario"] == "tiny" and set(out["policies"]) == set(POLICY_NAMES)
     assert main(["run", str(tmp_path / "missing.json")]) == 2
+
+
+def test_diagnose_counts_occupancy_refusals_and_prices() -> None:
+    d = diagnose(small(load=3.0), seed=0)
+    for dist in d["training_jobs_per_gpu"].values():
+        assert sum(dist.values()) == pytest.approx(1.0, abs=0.01)
+    assert set(d["training_jobs_per_gpu"]) <= {"training GPUs", "service GPUs"}
+    checks = {c for per in d["refused_by_jobs_already_there"].values() for c in per}
+    assert checks <= set(REFUSALS)
+    assert d["prices"]["passes"] > 0
+    assert d["prices"]["unsettled"] <= d["prices"]["passes"]
+    # Watching changes nothing: the same run as the plain policy.
+    plain = simulate(small(load=3.0), small(load=3.0).trace(0), make("colocate"))
+    assert d["colocate"]["gpu_util"] == pytest.approx(plain.gpu_util)
+
+
+def test_ceiling_bounds_random_packing_and_consumes_the_mix() -> None:
+    c = ceiling("production", max_jobs=2, floor=0.5)
+    o = c["oracle"]
+    assert o["util"] >= c["random"]["2"]["util"] > c["alone_util"]
+    # Every class is run roughly in the proportion it arrives.
+    assert o["worst_class_vs_mix"] > 0.7

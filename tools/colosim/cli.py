@@ -5,6 +5,8 @@
     python -m tools.colosim run SCENARIO.json|BUILTIN [--seeds 3] [--json]
     python -m tools.colosim suite [--json] [--seeds 3] [--only NAME,...] [--jobs N]
     python -m tools.colosim plot SCENARIO.json|BUILTIN --out FILE.png [--seed 0]
+    python -m tools.colosim diagnose SCENARIO.json|BUILTIN [--seed 0] [--json]
+    python -m tools.colosim ceiling [--mix production] [--max-jobs 4] [--floor 0.5]
     python -m tools.colosim list
     python -m tools.colosim calibrate
 
@@ -102,6 +104,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_plot.add_argument("scenario")
     p_plot.add_argument("--out", required=True)
     p_plot.add_argument("--seed", type=int, default=0)
+    p_diag = sub.add_parser("diagnose", help="what limits colocate's packing, one seed")
+    p_diag.add_argument("scenario")
+    p_diag.add_argument("--seed", type=int, default=0)
+    p_diag.add_argument("--json", action="store_true")
+    p_ceil = sub.add_parser("ceiling", help="an oracle's packing under the hidden model")
+    p_ceil.add_argument("--mix", default="production")
+    p_ceil.add_argument("--max-jobs", type=int, default=4)
+    p_ceil.add_argument("--floor", type=float, default=0.5)
     sub.add_parser("list", help="the built-in scenarios")
     sub.add_parser("calibrate", help="the interference model against Gavel's measurements")
     args = ap.parse_args(argv)
@@ -133,6 +143,41 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"colosim: {err}", file=sys.stderr)
                 return EXIT_MISSING
             print(args.out)
+            return 0
+        if args.cmd == "diagnose":
+            from tools.colosim.diagnose import diagnose, print_diagnosis
+
+            report = diagnose(resolve(args.scenario), args.seed)
+            if args.json:
+                json.dump(report, sys.stdout, indent=2)
+                sys.stdout.write("\n")
+            else:
+                print_diagnosis(report, sys.stdout)
+            return 0
+        if args.cmd == "ceiling":
+            from tools.colosim.ceiling import ceiling
+            from tools.colosim.workloads import MIXES
+
+            if args.mix not in MIXES:
+                raise ScenarioError(f"unknown mix (known: {', '.join(MIXES)})", where="--mix")
+            if not 1 <= args.max_jobs <= 5:
+                raise ScenarioError("must be in [1, 5]", where="--max-jobs")
+            if not 0.0 <= args.floor < 1.0:
+                raise ScenarioError("must be in [0, 1)", where="--floor")
+            c = ceiling(args.mix, args.max_jobs, args.floor)
+            print(f"mix {c['mix']}: one job alone, utilization {c['alone_util']:.3f}")
+            for k, r in c["random"].items():
+                print(
+                    f"{k} random jobs per GPU: utilization {r['util']:.3f} "
+                    f"({r['util_x_alone']:.2f} x alone), throughput {r['throughput']:.2f}"
+                )
+            o = c["oracle"]
+            print(
+                f"oracle, up to {o['max_jobs']} jobs, none under {o['floor']:g} of its speed, "
+                f"classes consumed as they arrive: utilization {o['util']:.3f} "
+                f"({o['util_x_alone']:.2f} x alone), throughput {o['throughput']:.2f} "
+                f"(least-served class at {o['worst_class_vs_mix']:.2f} of its share)"
+            )
             return 0
         if args.cmd == "list":
             for name, s in BUILTIN.items():

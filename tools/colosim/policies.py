@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from colocate import (
     GpuView,
@@ -130,7 +130,7 @@ class Colocate:
 
     name: str = "colocate"
     sharing: str = "mps"
-    lookahead: int = 8
+    lookahead: int = 16
     replan_every: int = 6
     params: PlannerParams = field(default_factory=PlannerParams)
     predictor: InterferencePredictor = field(default_factory=InterferencePredictor)
@@ -139,6 +139,7 @@ class Colocate:
     guards: dict[str, ServiceGuard] = field(default_factory=dict)
     service_features: dict[str, JobFeatures] = field(default_factory=dict)
     _ticks: int = 0
+    _members: dict[int, frozenset[str]] = field(default_factory=dict)
     _last_sig: tuple[int, int] = (0, 0)
     planner: Planner | None = None
 
@@ -151,7 +152,18 @@ class Colocate:
         for r in obs.running:
             if r.gpu is not None:
                 by_gpu.setdefault(r.gpu, []).append(r)
-        for members in by_gpu.values():
+        previous, self._members = (
+            self._members,
+            {g: frozenset(r.id for r in ms) for g, ms in by_gpu.items()},
+        )
+        for g, members in by_gpu.items():
+            # Rates are over the last interval: learn only from a GPU whose set of jobs was
+            # the same then, and whose jobs all make progress (a job starting up shows no
+            # iterations yet, and its neighbours do not feel it).
+            if previous.get(g) != self._members[g] or any(
+                r.kind == "training" and r.rate <= 0 for r in members
+            ):
+                continue
             self._learn_service(members)
             trainees = [r for r in members if r.kind == "training" and r.rate > 0]
             for r in trainees:
@@ -178,7 +190,7 @@ class Colocate:
                     continue
                 speed = r.rate / prof.peak_rate
                 rel = shape.curve.relative(r.share) * max(r.duty, 1e-3)
-                me = self._features(r).scaled(rel)
+                me = self._keyed(r).scaled(rel)
                 others = [self._footprint(o) for o in members if o.id != r.id]
                 self.predictor.observe(me, others, min(1.0, speed / max(rel, 1e-3)))
 
@@ -198,7 +210,7 @@ class Colocate:
             if not others or r.p99_s is None or not 0 < r.p99_s < 1e9:
                 continue
             speed = (r.load + P99 / r.p99_s) / mu
-            me = self.service_features[r.id].scaled(min(1.0, r.load / mu))
+            me = replace(self.service_features[r.id], key=r.type).scaled(min(1.0, r.load / mu))
             self.predictor.observe(me, others, min(1.0, speed))
 
     def _features(self, r: JobObs) -> JobFeatures:
@@ -211,10 +223,17 @@ class Colocate:
             return JobFeatures(sm=r.declared_sm, mem_bw=r.declared_bw or 0.5, host_cpu=0.1)
         return PRIOR_FEATURES
 
+    def _keyed(self, r: JobObs) -> JobFeatures:
+        """Features with the job's class, under which the predictor learns its pairs."""
+        return replace(self._features(r), key=r.type)
+
     def _footprint(self, r: JobObs) -> JobFeatures:
         if r.kind == "inference":
-            return JobFeatures(sm=r.sm_util, mem_bw=r.bw_util, host_cpu=r.host_cpu)
-        f = self._features(r)
+            busy = min(1.0, r.rate / _service_mu(r))
+            return JobFeatures(
+                sm=r.sm_util, mem_bw=r.bw_util, host_cpu=r.host_cpu, presence=busy, key=r.type
+            )
+        f = self._keyed(r)
         return f.scaled(min(1.0, r.share / max(f.sm, 1e-3)) * r.duty)
 
     def _shape(self, r: JobObs) -> Shape:
@@ -267,13 +286,9 @@ class Colocate:
                 else:
                     acts.duty[r.id] = duty_by_gpu.get(r.gpu, 1.0)
 
-        # The head of the queue, plus the lightest of the jobs behind it: heavy jobs at the
-        # head wait for a GPU of their own without blocking light ones that can share now.
-        head = list(obs.pending[: self.lookahead])
-        behind = sorted(
-            obs.pending[self.lookahead : self.lookahead * 8], key=lambda r: self._features(r).sm
-        )
-        pending = head + list(behind[: self.lookahead])
+        # The head of the queue in arrival order: the planner places each job where it fits
+        # best; a job that fits nowhere waits without blocking those behind it.
+        pending = list(obs.pending[: self.lookahead])
         sig = (len(obs.running), len(obs.pending))
         mem_pressure = any(
             u > obs.gpu_memory * (1 - self.params.memory_headroom) for u in obs.gpu_mem_used
@@ -295,7 +310,7 @@ class Colocate:
                 JobView(
                     job_id=r.id,
                     shape=shape,
-                    features=self._features(r),
+                    features=self._keyed(r),
                     gpu=r.gpu,
                     sm_share=r.share,
                     duty=acts.duty.get(r.id, r.duty),
