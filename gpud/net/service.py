@@ -63,6 +63,7 @@ def leveller_config(t: TrafficConfig) -> LevellerConfig:
         max_age_s=t.max_age_s,
         hysteresis=t.hysteresis,
         min_share=t.min_share,
+        group_tolerance=t.group_tolerance,
     )
 
 
