@@ -41,14 +41,16 @@ whole prio. A job's leaf counters restart when it moves; the daemon accumulates.
 Rates are bit/s in the plan; the adapter converts to the kernel's bytes/s. ``burst`` and
 ``cburst`` are explicit (``burst_s`` of the rate, at least ``min_burst_bytes``) so fast
 links are shaped correctly, and every class has an explicit ``quantum`` so all jobs in a
-level share its excess equally.
+level share its excess equally -- or, with ``weights``, in proportion to them (a job's
+leaf quantum scaled by its weight: the daemon weighs jobs by their demand, so the jobs of
+one level progress alike). A changed weight is a class *change* in place: no packet moves.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 ROOT_MAJOR = 0x6764
@@ -61,6 +63,7 @@ MAX_LEVELS = 8  # HTB has 8 priorities (TC_HTB_NUMPRIO)
 DEFAULT_PRIO = MAX_LEVELS - 1
 DSCP_MAX = 63
 U32_NODE_MAX = 0xFFF
+MIN_QUANTUM = 1514  # one full Ethernet frame: DRR below that needs rounds to send one
 
 
 def handle(major: int, minor: int) -> int:
@@ -278,13 +281,17 @@ def plan(
     levels: Mapping[str, int],
     shares: Sequence[float],
     options: TcOptions | None = None,
+    *,
+    weights: Mapping[str, float] | None = None,
 ) -> TcPlan:
     """The HTB tree and filters for every interface in ``links``.
 
     ``links``: interface -> link rate in bit/s. ``tags``: job -> DSCP. ``levels``: job ->
     level (jobs without a level -- excluded, or not ranked yet -- get no leaf: their
     traffic falls into the default class). ``shares``: level -> minimum fraction of the
-    link; ``len(shares)`` is the number of levels (at most 8).
+    link; ``len(shares)`` is the number of levels (at most 8). ``weights``: job -> its
+    share of a level's excess relative to the other jobs there, in (0, 1] (the leaf's DRR
+    quantum is ``quantum_bytes`` times it, at least ``MIN_QUANTUM``); absent jobs weigh 1.
 
     Raises ValueError naming the job, level, interface or tag that is wrong.
     """
@@ -313,6 +320,11 @@ def plan(
             raise ValueError(f"{job}: level {lvl} is outside [0, {len(shares) - 1}]")
         placed.append((tags[job], job, lvl))
     placed.sort()
+    quanta: dict[str, int] = {}
+    for job, w in (weights or {}).items():
+        if not 0 < w <= 1:
+            raise ValueError(f"{job}: weight must be in (0, 1], got {w}")
+        quanta[job] = max(MIN_QUANTUM, round(opts.quantum_bytes * w))
 
     major = opts.major
     root = handle(major, 0)
@@ -344,18 +356,19 @@ def plan(
         filters: list[DscpFilter] = []
         for dscp, job, lvl in placed:
             leaf = leaf_classid(lvl, dscp, major)
-            classes.append(
-                _cls(
-                    leaf,
-                    level_classid(lvl, major),
-                    lvl,
-                    leaf_rate,
-                    link,
-                    opts=opts,
-                    level=lvl,
-                    job=job,
-                )
+            leaf_cls = _cls(
+                leaf,
+                level_classid(lvl, major),
+                lvl,
+                leaf_rate,
+                link,
+                opts=opts,
+                level=lvl,
+                job=job,
             )
+            if job in quanta:
+                leaf_cls = replace(leaf_cls, quantum=min(leaf_cls.quantum, quanta[job]))
+            classes.append(leaf_cls)
             filters.append(DscpFilter(Family.IPV4, dscp, leaf, job))
             filters.append(DscpFilter(Family.IPV6, dscp, leaf, job))
         ifaces.append(

@@ -50,8 +50,12 @@ from gpud.net.tagstore import TagStore
 from netshaper import tcplan
 from netshaper.leveller import Leveller, LevellerConfig
 from netshaper.progress import ProgressConfig, ProgressTracker
+from netshaper.weights import demand_weights
 
 log = logging.getLogger(__name__)
+
+# a job's demand is known once this many iterations were counted against its bytes
+_DEMAND_MIN_ITERATIONS = 3
 
 
 def leveller_config(t: TrafficConfig) -> LevellerConfig:
@@ -195,6 +199,7 @@ class TrafficService:
         self._applied: dict[str, tcplan.InterfacePlan] = {}  # last plan in force, per iface
         self._ifaces = {name: InterfaceStatus(name) for name in config.interfaces}
         self._counters: dict[tuple[str, str], _Counter] = {}  # (iface, job)
+        self._demand_base: dict[str, tuple[int, int]] = {}  # job -> (bytes, iterations)
         self._marking_error = marking_error
         self._marking_ok = False
         self._rdma_error = rdma_error
@@ -440,7 +445,7 @@ class TrafficService:
             levels = self._decide(now, registered)
             self._record_changes(levels)
             tags = self.tags.allocations()
-            self._enforce_tc(tags, levels)
+            self._enforce_tc(tags, levels, self._weights(now, tags))
             self._sync_marks()
             self._enforce_rdma(tags, levels)
 
@@ -451,6 +456,7 @@ class TrafficService:
             self._tracker.forget(job)
             self._reports.pop(job, None)
             self._levels.pop(job, None)
+            self._demand_base.pop(job, None)
             for key in [k for k in self._counters if k[1] == job]:
                 del self._counters[key]
             self._events.emit("net.release", f"job {job} removed: DSCP tag released", job=job)
@@ -493,6 +499,31 @@ class TrafficService:
                 if job in self._order and job not in pins:
                     levels[job] = self._order[job]
         return levels
+
+    def _weights(self, now: float, tags: Mapping[str, int]) -> dict[str, float]:
+        """Each job's weight inside its level, by its demand: the bytes its leaves carried
+        per iteration since it was first seen with both, over its contention-free time."""
+        if not self.config.weigh_by_demand:
+            return {}
+        sent: dict[str, int] = {}
+        for (_, job), c in self._counters.items():
+            sent[job] = sent.get(job, 0) + c.total.bytes
+        tracked = set(self._tracker.jobs())
+        demand: dict[str, float] = {}
+        for job in tags:
+            if job not in tracked:
+                continue
+            prog = self._tracker.progress(job, now)
+            if prog.iterations is None or prog.ideal_s is None:
+                continue
+            nbytes, iters = sent.get(job, 0), prog.iterations
+            base = self._demand_base.get(job)
+            if base is None or iters < base[1] or nbytes < base[0]:  # new, or restarted
+                self._demand_base[job] = (nbytes, iters)
+                continue
+            if iters - base[1] >= _DEMAND_MIN_ITERATIONS and nbytes > base[0]:
+                demand[job] = (nbytes - base[0]) / (iters - base[1]) / prog.ideal_s
+        return demand_weights(demand)
 
     def _record_changes(self, levels: dict[str, int]) -> None:
         moved = {
@@ -554,7 +585,12 @@ class TrafficService:
                 out[by_tag[leaf[1]]] = leaf[0]
         return out
 
-    def _enforce_tc(self, tags: Mapping[str, int], levels: Mapping[str, int]) -> None:
+    def _enforce_tc(
+        self,
+        tags: Mapping[str, int],
+        levels: Mapping[str, int],
+        weights: Mapping[str, float] | None = None,
+    ) -> None:
         if self._tc is None:
             return
         links: dict[str, int] = {}
@@ -572,6 +608,7 @@ class TrafficService:
                 {j: lv for j, lv in levels.items() if j in tags},
                 self._leveller.config.shares(),
                 tcplan.TcOptions(default_share=self.config.default_share),
+                weights={j: w for j, w in (weights or {}).items() if j in levels},
             )
         except ValueError as err:
             for iface in links:
