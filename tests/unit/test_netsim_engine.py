@@ -186,3 +186,34 @@ def test_builtin_suite_round_trips_and_covers_the_brief(tmp_path: Path) -> None:
         path = tmp_path / f"{sc.name}.json"
         path.write_text(json.dumps(sc.to_dict()))
         assert load(path) == sc
+
+
+@pytest.mark.parametrize("per_job", [False, True])
+def test_a_level_is_shared_per_flow_or_per_job(per_job: bool) -> None:
+    from tools.netsim.engine import Decision, View
+
+    class OneLevel:
+        name = "one-level"
+        reorder_on_coflows = False
+
+        def decide(self, now: float, view: View) -> Decision:
+            return Decision(levels=dict.fromkeys(view.active_jobs(), 0), per_job=per_job)
+
+    # no compute: both jobs always send; one flow against eight on one link
+    sc = scenario(
+        [
+            {"id": "one", "compute_s": 0.0, "flows": [{"bytes": GB, "path": ["l"]}]},
+            {
+                "id": "wide",
+                "compute_s": 0.0,
+                "flows": [{"bytes": GB / 8, "path": ["l"], "count": 8}],
+            },
+        ],
+        duration_s=20.0,
+    )
+    run = Simulation(sc, OneLevel()).run()
+    one, wide = (len(run.jobs[j].completions) for j in ("one", "wide"))
+    if per_job:  # gpud's tree: a leaf per job, equal quanta
+        assert one == pytest.approx(wide, abs=1)
+    else:  # the kernel's default qdisc: per flow
+        assert wide == pytest.approx(8 * one, rel=0.15)
