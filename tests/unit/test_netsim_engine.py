@@ -217,3 +217,35 @@ def test_a_level_is_shared_per_flow_or_per_job(per_job: bool) -> None:
         assert one == pytest.approx(wide, abs=1)
     else:  # the kernel's default qdisc: per flow
         assert wide == pytest.approx(8 * one, rel=0.15)
+
+
+def test_the_upper_bound_holds_with_churn_where_the_piecewise_one_does_not() -> None:
+    # a is alone for half the window, then b joins: the piecewise max-min gives b 0.5, but a
+    # schedule giving b 2/3 while they compete leaves a at (1 + 1/3) / 2 = 2/3 as well
+    sc = scenario(
+        [
+            {"id": "a", "compute_s": 0.0, "flows": [{"bytes": 10 * GB, "path": ["l"]}]},
+            {
+                "id": "b",
+                "compute_s": 0.0,
+                "start_s": 50.0,
+                "flows": [{"bytes": 10 * GB, "path": ["l"]}],
+            },
+        ],
+        duration_s=100.0,
+    )
+    b = fluid_bound(sc)
+    assert b.min_progress == pytest.approx(0.5)
+    assert b.upper == pytest.approx(2 / 3)
+    # constant membership: the two agree
+    steady = scenario(
+        [
+            {"id": "a", "compute_s": 0.0, "flows": [{"bytes": 10 * GB, "path": ["l"]}]},
+            {"id": "b", "compute_s": 1.0, "flows": [{"bytes": 10 * GB, "path": ["l"]}]},
+        ]
+    )
+    s = fluid_bound(steady)
+    assert s.upper == pytest.approx(s.min_progress)
+    for sc in all_builtin():
+        bound = fluid_bound(sc)
+        assert bound.upper <= 1.0
