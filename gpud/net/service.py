@@ -194,6 +194,9 @@ class TrafficService:
         self._order: dict[str, int] | None = None
         self._epoch = 0
         self._adopted: dict[str, int] = {}  # levels found in the kernel at start
+        # job -> the level class its leaf sits under: a level change only changes the
+        # leaf's prio, in place (see netshaper.tcplan)
+        self._homes: dict[str, int] = {}
         self._originals: dict[str, tcplan.RootQdisc | None] = {}
         self._last_plan: tcplan.TcPlan | None = None
         self._applied: dict[str, tcplan.InterfacePlan] = {}  # last plan in force, per iface
@@ -457,6 +460,7 @@ class TrafficService:
             self._reports.pop(job, None)
             self._levels.pop(job, None)
             self._demand_base.pop(job, None)
+            self._homes.pop(job, None)
             for key in [k for k in self._counters if k[1] == job]:
                 del self._counters[key]
             self._events.emit("net.release", f"job {job} removed: DSCP tag released", job=job)
@@ -569,20 +573,27 @@ class TrafficService:
                     continue
                 self._originals[iface] = found.original
                 adopted.update(self._levels_in(found.state, tags))
+                self._homes.update(self._levels_in(found.state, tags, homes=True))
             self._adopted = adopted
             if adopted:
                 self._events.emit(
                     "net.adopt", f"adopted the levels of {len(adopted)} job(s) from the kernel"
                 )
 
-    def _levels_in(self, state: tcplan.InterfaceState, tags: Mapping[str, int]) -> dict[str, int]:
-        """Job -> level of the job leaves ``state`` holds."""
+    def _levels_in(
+        self, state: tcplan.InterfaceState, tags: Mapping[str, int], *, homes: bool = False
+    ) -> dict[str, int]:
+        """Job -> level (the leaf's prio) of the job leaves ``state`` holds, or with
+        ``homes`` the level class each leaf sits under."""
         by_tag = {d: j for j, d in tags.items()}
         out: dict[str, int] = {}
         for c in state.classes:
             leaf = tcplan.parse_leaf(c.classid)
-            if leaf is not None and leaf[1] in by_tag and 0 <= leaf[0] < self.config.levels:
-                out[by_tag[leaf[1]]] = leaf[0]
+            if leaf is None or leaf[1] not in by_tag or not 0 <= leaf[0] < self.config.levels:
+                continue
+            level = leaf[0] if homes else c.prio
+            if 0 <= level < self.config.levels:
+                out[by_tag[leaf[1]]] = level
         return out
 
     def _enforce_tc(
@@ -609,6 +620,7 @@ class TrafficService:
                 self._leveller.config.shares(),
                 tcplan.TcOptions(default_share=self.config.default_share),
                 weights={j: w for j, w in (weights or {}).items() if j in levels},
+                homes={j: self._homes.setdefault(j, lv) for j, lv in levels.items() if j in tags},
             )
         except ValueError as err:
             for iface in links:

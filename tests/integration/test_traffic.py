@@ -109,9 +109,15 @@ class Bed:
         return out
 
     def leaf(self, name: str) -> str:
-        """The job's leaf class as tc prints it, from its tag and level."""
-        j = self.job(name)
-        return tcplan.format_handle(tcplan.leaf_classid(int(j["level"]), int(j["dscp"])))  # type: ignore[call-overload]
+        """The job's leaf class as tc prints it: the class for its tag, under whichever
+        level class it was first placed (a level change only changes its prio)."""
+        dscp = int(self.job(name)["dscp"])  # type: ignore[call-overload]
+        for cid in self.classes():
+            major, _, minor = cid.partition(":")
+            found = tcplan.parse_leaf(tcplan.handle(int(major, 16), int(minor or "0", 16)))
+            if found is not None and found[1] == dscp:
+                return cid
+        return ""
 
     def leaf_bytes(self, name: str) -> int:
         return int(self.classes().get(self.leaf(name), {}).get("bytes", 0))
@@ -201,7 +207,8 @@ def test_tagged_and_cgroup_flows_land_in_their_classes(bed: Bed) -> None:
     bed.wait("runjob's level", lambda: bed.job("runjob").get("level") == 2)
     tagged, runjob = bed.leaf("tagged"), bed.leaf("runjob")
     classes = bed.classes()
-    assert classes[tagged]["parent"] == tcplan.format_handle(tcplan.level_classid(1))
+    levels = {tcplan.format_handle(tcplan.level_classid(lv)) for lv in range(4)}
+    assert classes[tagged]["parent"] in levels and classes[runjob]["parent"] in levels
     assert classes[tagged]["prio"] == 1 and classes[runjob]["prio"] == 2
 
     # a flow that sets its own TOS (iperf3 --tos), and one of a `gpuctl run` job that sets none

@@ -309,3 +309,17 @@ def test_weights_scale_leaf_quanta_and_a_new_weight_is_one_change_in_place() -> 
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="b: weight"):
             tp.plan({"eth0": GBIT}, tags, levels, SHARES, weights={"b": bad})
+
+
+def test_a_move_at_home_is_one_change_in_place() -> None:
+    tags, homes = {"a": 26, "b": 34}, {"a": 0, "b": 3}
+    before = one(tp.plan({"eth0": GBIT}, tags, {"a": 0, "b": 3}, SHARES, homes=homes))
+    after = one(tp.plan({"eth0": GBIT}, tags, {"a": 2, "b": 3}, SHARES, homes=homes))
+    ops = tp.diff(tp.state_after(before), after)
+    assert [(o.kind, o.cls.name if o.cls else None) for o in ops] == [
+        (tp.OpKind.CHANGE_CLASS, "6764:101a")
+    ]
+    (leaf,) = [c for c in after.classes if c.job == "a"]
+    assert (leaf.parent, leaf.prio) == (tp.level_classid(0), 2)
+    with pytest.raises(ValueError, match="a: home level 9"):
+        tp.plan({"eth0": GBIT}, tags, {"a": 0}, SHARES, homes={"a": 9})
