@@ -140,7 +140,7 @@ class TrafficConfig:
     threshold: float = ranged(0.1, 0.0, 10.0)
     hysteresis: float = ranged(0.05, 0.0, 0.99)
     # jobs whose progress rates are this close (relative) share a level; 0 = never
-    group_tolerance: float = ranged(0.05, 0.0, 1.0)
+    group_tolerance: float = ranged(0.0, 0.0, 1.0)
     # inside a level, HTB shares by demand (bytes per iteration / T*) rather than equally
     weigh_by_demand: bool = True
     max_age_s: float = ranged(10.0, 0.1, 86400.0)

@@ -414,6 +414,8 @@ def _leaf(rig: Rig, job: str) -> tcplan.HtbClass:
 
 def test_jobs_weigh_by_their_demand_inside_a_level(rig: Rig) -> None:
     # two jobs progressing alike (one group, one level), one moving 4x the bytes per iteration
+    rig.config = dataclasses.replace(rig.config, group_tolerance=0.1)
+    rig.service = rig.make()
     rig.active = {"a", "b"}
     feed(rig, "a", 0.5, 4, ideal=0.25)
     feed(rig, "b", 0.5, 4, ideal=0.25)
