@@ -24,7 +24,7 @@ def test_weights_are_in_range_and_monotone(demand: dict[str, float]) -> None:
     w = demand_weights(demand)
     assert set(w) == set(demand) and max(w.values()) == 1.0
     assert all(1 / 32 <= x <= 1 for x in w.values())
-    for a in demand:
-        for b in demand:
-            if demand[a] <= demand[b]:
+    for a, da in demand.items():
+        for b, db in demand.items():
+            if da <= db:
                 assert w[a] <= w[b]
