@@ -44,16 +44,14 @@ MIXES: dict[str, str] = {
 }
 
 # gpud's knobs for a testbed whose phases last tens of seconds: rates over a short window
-# and frequent re-ranks, so the order follows who is behind now. Rates over 2 s jitter by
-# 10-30 % (a few iterations per window): jobs within 10 % of each other share a level (and
-# stay together within 21 %) rather than trade strict priorities on noise.
+# and frequent re-ranks, so the order follows who is behind now.
 GPUD_TRAFFIC = {
     "levels": 4,
     "progress_window_s": 2.0,
     "max_age_s": 1.0,
     "threshold": 0.05,
-    "hysteresis": 0.1,
-    "group_tolerance": 0.1,
+    "hysteresis": 0.02,
+    "group_tolerance": 0.0,
 }
 
 
