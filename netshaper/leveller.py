@@ -15,9 +15,10 @@ slowest, a job joins the group of the job before it while its rate is within the
 tolerance (relative) of that group's slowest rate, or equals the previous job's rate; each
 group takes one level, slowest group on level 0 (with more groups than levels, neighbouring
 groups merge, cut where the job-count buckets would cut). Inside a level every job keeps
-its own HTB leaf with equal quanta, so the kernel round-robins the group *per job* --
-rotating strict priorities among jobs that are equally behind only costs the ones held
-back (a starved TCP flow loses its window). Groups have hysteresis too: jobs that shared
+its own HTB leaf (quanta by demand, ``netshaper.weights``), so the kernel shares the group
+*per job* instead of rotating strict priorities among jobs that are equally behind. It is
+off by default: jobs of equal demand sharing a level tend to stay in step, where strict
+levels stagger their communication phases. Groups have hysteresis too: jobs that shared
 a level stay together while within ``(1 + group_tolerance)(1 + hysteresis)`` of the
 group's slowest, so a group does not split and merge as rates jitter. That is the only
 hysteresis with grouping on: two jobs that cross in rate meet inside the tolerance, where
