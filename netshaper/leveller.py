@@ -136,6 +136,7 @@ class Leveller:
         self._excluded: set[str] = set()
         self._overrides_changed = False
         self._levels: dict[str, int] = {}
+        self._group_of: dict[str, str] = {}  # job -> first job of its group, last re-rank
         self._ref_rates: dict[str, float] = {}
         self._last_rerank: float | None = None
         self._total_changes = 0
@@ -153,6 +154,10 @@ class Leveller:
     @property
     def last(self) -> LevelAssignment | None:
         return self._last
+
+    def groups(self) -> dict[str, str]:
+        """job -> the first (slowest) job of its group at the last re-rank (grouping on)."""
+        return dict(self._group_of)
 
     def pin(self, job_id: str, level: int) -> None:
         """Keep ``job_id`` at ``level`` whatever its rate, until :meth:`unpin`."""
@@ -244,16 +249,15 @@ class Leveller:
         if cfg.group_tolerance > 0:
             # groups carry their own hysteresis, and jobs that cross in rate meet inside
             # the tolerance (where they share a level) before they trade places: no swaps
-            levels.update(
-                group_levels(
-                    order,
-                    eff,
-                    cfg.levels,
-                    cfg.group_tolerance,
-                    hysteresis=cfg.hysteresis,
-                    previous=self._levels,
-                )
+            groups = near_groups(
+                order,
+                eff,
+                cfg.group_tolerance,
+                hysteresis=cfg.hysteresis,
+                previous=self._group_of,
             )
+            self._group_of = {j: g[0] for g in groups for j in g}
+            levels.update(levels_of_groups(groups, cfg.levels))
             return {j: levels[j] for j in eff}
         fresh = rank_levels(order, cfg.levels)
         # each fresh level is a contiguous run of ``order``: its rates span its first job's
@@ -326,17 +330,35 @@ def group_levels(
     tolerance: float,
     *,
     hysteresis: float = 0.0,
-    previous: Mapping[str, int] | None = None,
+    previous: Mapping[str, str] | None = None,
 ) -> dict[str, int]:
     """Near-equal neighbours of an order (slowest first) on one level each group.
 
+    Groups are :func:`near_groups`'. Group ``i`` gets level ``i`` while groups fit in
+    ``levels``; with more groups, a group starts a new level where :func:`rank_levels`
+    would start one at its first job, or where the levels left are just enough for the
+    groups left, so ``min(levels, groups)`` levels are used and every level is a
+    contiguous run.
+    """
+    return levels_of_groups(
+        near_groups(ordered, rates, tolerance, hysteresis=hysteresis, previous=previous), levels
+    )
+
+
+def near_groups(
+    ordered: Sequence[str],
+    rates: Mapping[str, float],
+    tolerance: float,
+    *,
+    hysteresis: float = 0.0,
+    previous: Mapping[str, str] | None = None,
+) -> list[list[str]]:
+    """Cut an order (slowest first) into groups of near-equal rates.
+
     A job joins the group before it when its rate equals the previous job's, is at most
-    ``(1 + tolerance)`` times the group's first (slowest) rate, or -- when it shared a
-    level with that first job in ``previous`` -- at most ``(1 + tolerance)(1 +
-    hysteresis)`` times it. Group ``i`` gets level ``i`` while groups fit in ``levels``;
-    with more groups, a group starts a new level where :func:`rank_levels` would start one
-    at its first job, or where the levels left are just enough for the groups left, so
-    ``min(levels, groups)`` levels are used and every level is a contiguous run.
+    ``(1 + tolerance)`` times the group's first (slowest) rate, or -- when ``previous``
+    (job -> the first job of its group at the last cut) puts it in one group with that
+    first job -- at most ``(1 + tolerance)(1 + hysteresis)`` times it.
     """
     prev = previous or {}
     groups: list[list[str]] = []
@@ -355,7 +377,12 @@ def group_levels(
                 continue
         groups.append([j])
         anchor = last = r
-    n, g = len(ordered), len(groups)
+    return groups
+
+
+def levels_of_groups(groups: Sequence[Sequence[str]], levels: int) -> dict[str, int]:
+    """Levels for groups in order (see :func:`group_levels`)."""
+    n, g = sum(len(x) for x in groups), len(groups)
     used = min(levels, n)
     out: dict[str, int] = {}
     level = 0

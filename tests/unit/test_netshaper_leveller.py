@@ -246,7 +246,7 @@ def test_levels_keep_their_fresh_sizes(
     now = 0.0
     for dt, rates in seq:
         now += dt
-        before = dict(lv.last.levels) if lv.last else {}
+        before = lv.groups()
         out = lv.update(now, dict(rates))
         if out.reranked:
             order = sorted(rates, key=lambda j: (rates[j], j))
@@ -376,3 +376,19 @@ def test_no_flapping_on_stationary_input(
         jittered = {j: 0.5 * (1 + spread * (x + 1) / 2) for j, x in zip(twins, row, strict=False)}
         out = lv.update(float(i) * 2, jittered)
         assert out.levels == base and out.changes == 0
+
+
+def test_jobs_merged_only_by_too_few_levels_get_no_group_hysteresis() -> None:
+    # four groups on three levels: j3's group and j4's share level 1 without being one group,
+    # so j4 must not pull j5's neighbour along on the next re-rank (stationary input)
+    cfg = LevellerConfig(
+        levels=3, threshold=0.0, max_age_s=1.0, hysteresis=0.2, group_tolerance=0.05
+    )
+    rates: dict[str, float | None] = {
+        "j0": 0.0, "j1": 0.0, "j2": 1.0, "j3": 0.5, "j4": 0.625, "j5": 0.65625,
+    }  # fmt: skip
+    lv = Leveller(cfg)
+    first = lv.update(0.0, rates)
+    for i in range(1, 5):
+        out = lv.update(2.0 * i, rates)
+        assert out.changes == 0 and out.levels == first.levels
