@@ -18,8 +18,8 @@ groups merge, cut where the job-count buckets would cut). Inside a level every j
 its own HTB leaf (quanta by demand, ``netshaper.weights``), so the kernel shares the group
 *per job* instead of rotating strict priorities among jobs that are equally behind. It is
 off by default: jobs of equal demand sharing a level tend to stay in step, where strict
-levels stagger their communication phases. Groups have hysteresis too: jobs that shared
-a level stay together while within ``(1 + group_tolerance)(1 + hysteresis)`` of the
+levels stagger their communication phases. Groups have hysteresis too: jobs that were
+one group stay together while within ``(1 + group_tolerance)(1 + hysteresis)`` of the
 group's slowest, so a group does not split and merge as rates jitter. That is the only
 hysteresis with grouping on: two jobs that cross in rate meet inside the tolerance, where
 they share a level, before they trade places, so the swaps below are not needed (and

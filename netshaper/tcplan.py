@@ -30,7 +30,10 @@ stays under the level class it was first placed at and only its ``prio`` changes
 class *change* in place. Moving the leaf instead (a new class under the new level, the
 filters re-pointed, the old class deleted) drops the packets queued in the old class and
 lets the job's new packets overtake its old ones: on a real kernel that cost every move a
-burst of TCP retransmissions and timeouts. Leaves get a
+burst of TCP retransmissions and timeouts. HTB takes up a leaf's new prio when the leaf's
+queue next empties (its next activation): a training job's queue empties every iteration,
+between its communication phases; a flow that never lets its queue drain keeps its old
+priority until it does. Leaves get a
 small fixed rate (``leaf_share``), never one that depends on how many jobs share a level,
 so a job arriving, leaving or moving touches no other job's class.
 
