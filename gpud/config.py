@@ -139,6 +139,10 @@ class TrafficConfig:
     default_share: float = ranged(0.02, 0.001, 0.5)
     threshold: float = ranged(0.1, 0.0, 10.0)
     hysteresis: float = ranged(0.05, 0.0, 0.99)
+    # jobs whose progress rates are this close (relative) share a level; 0 = never
+    group_tolerance: float = ranged(0.0, 0.0, 1.0)
+    # inside a level, HTB shares by demand (bytes per iteration / T*) rather than equally
+    weigh_by_demand: bool = True
     max_age_s: float = ranged(10.0, 0.1, 86400.0)
     progress_window_s: float = ranged(20.0, 0.1, 86400.0)
     idle_after_s: float = ranged(

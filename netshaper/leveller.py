@@ -10,21 +10,39 @@ the order into ``min(K, n)`` contiguous buckets of near-equal size; the slowest 
 level 0. With more jobs than levels, neighbours in rate share a level and, inside it, the
 link's max-min sharing.
 
+Near-equal jobs share a level (``group_tolerance`` > 0): walking the order from the
+slowest, a job joins the group of the job before it while its rate is within the
+tolerance (relative) of that group's slowest rate, or equals the previous job's rate; each
+group takes one level, slowest group on level 0 (with more groups than levels, neighbouring
+groups merge, cut where the job-count buckets would cut). Inside a level every job keeps
+its own HTB leaf (quanta by demand, ``netshaper.weights``), so the kernel shares the group
+*per job* instead of rotating strict priorities among jobs that are equally behind. It is
+off by default: jobs of equal demand sharing a level tend to stay in step, where strict
+levels stagger their communication phases. Groups have hysteresis too: jobs that were
+one group stay together while within ``(1 + group_tolerance)(1 + hysteresis)`` of the
+group's slowest, so a group does not split and merge as rates jitter. That is the only
+hysteresis with grouping on: two jobs that cross in rate meet inside the tolerance, where
+they share a level, before they trade places, so the swaps below are not needed (and
+would split equal jobs).
+
 Updates are lazy, because every change is a netlink or NIC-map write and, worse, a change
 of who is preempted:
 
 * re-rank only when a job's rate moved more than ``threshold`` (relative) from the rate it
   had at the last re-rank, when jobs come or go, when overrides change, or when
   ``max_age_s`` has passed;
-* on a re-rank, a job keeps its previous level while its rate stays within the fresh
-  bucket's rate range widened by ``hysteresis`` (relative), so a job near a bucket edge
-  does not flap; it keeps it by swapping with a job that fits the level it leaves, so
-  levels keep their fresh sizes (never two jobs on one level while levels are free).
+* on a re-rank (without grouping), a job keeps its previous level while its rate stays
+  within the fresh bucket's rate range widened by ``hysteresis`` (relative), so a job near
+  a bucket edge does not flap; it keeps it by swapping with a job that fits the level it
+  leaves, so levels keep their fresh sizes (never two jobs on one level while levels are
+  free).
 
 Guarantees (tested as properties): whenever job ``a`` sits at a strictly lower priority
 than job ``b``, ``r_a >= r_b * (1-h) / (1+h)`` right after a re-rank and
 ``r_a >= r_b * (1-h)(1-t) / ((1+h)(1+t))`` at any time in between (``h`` hysteresis, ``t``
-threshold); the output depends only on the inputs.
+threshold); the output depends only on the inputs. With grouping on, right after a
+re-rank the slowest group (every job within the tolerance of the slowest) is on level 0,
+jobs with equal rates share a level, and stationary rates change no level.
 
 No starvation: each level keeps ``min_share`` of every link (HTB's guaranteed ``rate``),
 whatever the order; only the rest is handed out by strict priority.
@@ -58,6 +76,7 @@ class LevellerConfig:
     hysteresis: float = 0.05
     min_share: float | tuple[float, ...] = 0.02
     unknown_rate: float = 0.0
+    group_tolerance: float = 0.0
 
     def __post_init__(self) -> None:
         if not MIN_LEVELS <= self.levels <= MAX_LEVELS:
@@ -68,6 +87,8 @@ class LevellerConfig:
             raise ValueError(f"max_age_s must be > 0, got {self.max_age_s}")
         if not 0 <= self.hysteresis < 1:
             raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
+        if not 0 <= self.group_tolerance <= 1:
+            raise ValueError(f"group_tolerance must be in [0, 1], got {self.group_tolerance}")
         if not 0 <= self.unknown_rate <= 1:
             raise ValueError(f"unknown_rate must be in [0, 1], got {self.unknown_rate}")
         shares = self.shares()
@@ -115,6 +136,7 @@ class Leveller:
         self._excluded: set[str] = set()
         self._overrides_changed = False
         self._levels: dict[str, int] = {}
+        self._group_of: dict[str, str] = {}  # job -> first job of its group, last re-rank
         self._ref_rates: dict[str, float] = {}
         self._last_rerank: float | None = None
         self._total_changes = 0
@@ -132,6 +154,10 @@ class Leveller:
     @property
     def last(self) -> LevelAssignment | None:
         return self._last
+
+    def groups(self) -> dict[str, str]:
+        """job -> the first (slowest) job of its group at the last re-rank (grouping on)."""
+        return dict(self._group_of)
 
     def pin(self, job_id: str, level: int) -> None:
         """Keep ``job_id`` at ``level`` whatever its rate, until :meth:`unpin`."""
@@ -219,11 +245,25 @@ class Leveller:
         # (comparing floats only is several times cheaper than comparing tuples)
         free = eff if not levels else [j for j in eff if j not in levels]
         order = sorted(free, key=eff.__getitem__)
-        fresh = rank_levels(order, self._config.levels)
-        # each fresh level is a contiguous run of ``order`` (see rank_levels): its rates
-        # span its first job's to its last job's
+        cfg = self._config
+        if cfg.group_tolerance > 0:
+            # groups carry their own hysteresis, and jobs that cross in rate meet inside
+            # the tolerance (where they share a level) before they trade places: no swaps
+            groups = near_groups(
+                order,
+                eff,
+                cfg.group_tolerance,
+                hysteresis=cfg.hysteresis,
+                previous=self._group_of,
+            )
+            self._group_of = {j: g[0] for g in groups for j in g}
+            levels.update(levels_of_groups(groups, cfg.levels))
+            return {j: levels[j] for j in eff}
+        fresh = rank_levels(order, cfg.levels)
+        # each fresh level is a contiguous run of ``order``: its rates span its first job's
+        # to its last job's
         n = len(order)
-        used = min(self._config.levels, n)
+        used = min(cfg.levels, n)
         lo: dict[int, float] = {}
         hi: dict[int, float] = {}
         for lv in range(used):
@@ -281,6 +321,81 @@ def rank_levels(ordered: Sequence[str], levels: int) -> dict[str, int]:
     n = len(ordered)
     used = min(levels, n)
     return {j: (rank * used) // n for rank, j in enumerate(ordered)}
+
+
+def group_levels(
+    ordered: Sequence[str],
+    rates: Mapping[str, float],
+    levels: int,
+    tolerance: float,
+    *,
+    hysteresis: float = 0.0,
+    previous: Mapping[str, str] | None = None,
+) -> dict[str, int]:
+    """Near-equal neighbours of an order (slowest first) on one level each group.
+
+    Groups are :func:`near_groups`'. Group ``i`` gets level ``i`` while groups fit in
+    ``levels``; with more groups, a group starts a new level where :func:`rank_levels`
+    would start one at its first job, or where the levels left are just enough for the
+    groups left, so ``min(levels, groups)`` levels are used and every level is a
+    contiguous run.
+    """
+    return levels_of_groups(
+        near_groups(ordered, rates, tolerance, hysteresis=hysteresis, previous=previous), levels
+    )
+
+
+def near_groups(
+    ordered: Sequence[str],
+    rates: Mapping[str, float],
+    tolerance: float,
+    *,
+    hysteresis: float = 0.0,
+    previous: Mapping[str, str] | None = None,
+) -> list[list[str]]:
+    """Cut an order (slowest first) into groups of near-equal rates.
+
+    A job joins the group before it when its rate equals the previous job's, is at most
+    ``(1 + tolerance)`` times the group's first (slowest) rate, or -- when ``previous``
+    (job -> the first job of its group at the last cut) puts it in one group with that
+    first job -- at most ``(1 + tolerance)(1 + hysteresis)`` times it.
+    """
+    prev = previous or {}
+    groups: list[list[str]] = []
+    anchor = last = 0.0
+    for j in ordered:
+        r = rates[j]
+        if groups:
+            first = groups[-1][0]
+            limit = anchor * (1 + tolerance)
+            p = prev.get(j)
+            if p is not None and p == prev.get(first):
+                limit *= 1 + hysteresis
+            if r == last or r <= limit:
+                groups[-1].append(j)
+                last = r
+                continue
+        groups.append([j])
+        anchor = last = r
+    return groups
+
+
+def levels_of_groups(groups: Sequence[Sequence[str]], levels: int) -> dict[str, int]:
+    """Levels for groups in order (see :func:`group_levels`)."""
+    n, g = sum(len(x) for x in groups), len(groups)
+    used = min(levels, n)
+    out: dict[str, int] = {}
+    level = 0
+    rank = 0
+    for i, group in enumerate(groups):
+        if i:
+            by_rank = (rank * used) // n
+            if by_rank > level or g - i <= levels - 1 - level:
+                level += 1
+        for j in group:
+            out[j] = level
+        rank += len(group)
+    return out
 
 
 def _clamp(rate: float) -> float:

@@ -24,15 +24,25 @@ The tree on one interface (handles in tc's hex notation, major ``6764`` = "gd"):
 
 Why this shape: each level's ``rate`` is its guaranteed minimum share (no starvation);
 bandwidth above the guarantees is lent by ``6764:1`` in strict ``prio`` order. HTB serves
-borrowing by the *leaf's* prio, so a job leaf carries its level as prio too. Leaves get a
+borrowing by the *leaf's* prio, so a job leaf carries its level as prio too -- and that is
+all a level change needs to touch: with ``homes`` (what the daemon passes) a job's leaf
+stays under the level class it was first placed at and only its ``prio`` changes, one
+class *change* in place. Moving the leaf instead (a new class under the new level, the
+filters re-pointed, the old class deleted) drops the packets queued in the old class and
+lets the job's new packets overtake its old ones: on a real kernel that cost every move a
+burst of TCP retransmissions and timeouts. HTB takes up a leaf's new prio when the leaf's
+queue next empties (its next activation): a training job's queue empties every iteration,
+between its communication phases; a flow that never lets its queue drain keeps its old
+priority until it does. Leaves get a
 small fixed rate (``leaf_share``), never one that depends on how many jobs share a level,
 so a job arriving, leaving or moving touches no other job's class.
 
 A leaf's id is its level class's minor followed by the tag byte (``6764:101a`` = level 0,
 DSCP 26), and filter handles are derived from the tag alone (node ``2*DSCP + 1`` for IPv4,
-``2*DSCP + 2`` for IPv6). Re-prioritizing a job is four operations and never leaves its
-traffic unclassified: add the leaf under the new level, re-point its two filters (a u32
-*change* of the same handle), delete the old leaf. (HTB refuses to delete a class that a
+``2*DSCP + 2`` for IPv6). Re-prioritizing a job at home is one class change; without
+``homes`` it is four operations and never leaves its traffic unclassified: add the leaf
+under the new level, re-point its two filters (a u32 *change* of the same handle), delete
+the old leaf. (HTB refuses to delete a class that a
 filter still points to, and a class cannot change parent, so this is the minimum.) Our
 filters are deleted only by exact handle -- never by parent alone, which deletes every
 filter on the qdisc; filters someone else put under our root in another prio go as that
@@ -41,14 +51,16 @@ whole prio. A job's leaf counters restart when it moves; the daemon accumulates.
 Rates are bit/s in the plan; the adapter converts to the kernel's bytes/s. ``burst`` and
 ``cburst`` are explicit (``burst_s`` of the rate, at least ``min_burst_bytes``) so fast
 links are shaped correctly, and every class has an explicit ``quantum`` so all jobs in a
-level share its excess equally.
+level share its excess equally -- or, with ``weights``, in proportion to them (a job's
+leaf quantum scaled by its weight: the daemon weighs jobs by their demand, so the jobs of
+one level progress alike). A changed weight is a class *change* in place: no packet moves.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 ROOT_MAJOR = 0x6764
@@ -61,6 +73,7 @@ MAX_LEVELS = 8  # HTB has 8 priorities (TC_HTB_NUMPRIO)
 DEFAULT_PRIO = MAX_LEVELS - 1
 DSCP_MAX = 63
 U32_NODE_MAX = 0xFFF
+MIN_QUANTUM = 1514  # one full Ethernet frame: DRR below that needs rounds to send one
 
 
 def handle(major: int, minor: int) -> int:
@@ -278,13 +291,20 @@ def plan(
     levels: Mapping[str, int],
     shares: Sequence[float],
     options: TcOptions | None = None,
+    *,
+    weights: Mapping[str, float] | None = None,
+    homes: Mapping[str, int] | None = None,
 ) -> TcPlan:
     """The HTB tree and filters for every interface in ``links``.
 
     ``links``: interface -> link rate in bit/s. ``tags``: job -> DSCP. ``levels``: job ->
     level (jobs without a level -- excluded, or not ranked yet -- get no leaf: their
     traffic falls into the default class). ``shares``: level -> minimum fraction of the
-    link; ``len(shares)`` is the number of levels (at most 8).
+    link; ``len(shares)`` is the number of levels (at most 8). ``weights``: job -> its
+    share of a level's excess relative to the other jobs there, in (0, 1] (the leaf's DRR
+    quantum is ``quantum_bytes`` times it, at least ``MIN_QUANTUM``); absent jobs weigh 1.
+    ``homes``: job -> the level class its leaf sits under (default: its level); the leaf's
+    ``prio`` is always the job's level, so a job moves between levels in place.
 
     Raises ValueError naming the job, level, interface or tag that is wrong.
     """
@@ -305,14 +325,22 @@ def plan(
         if dscp in by_tag:
             raise ValueError(f"{job}: DSCP {dscp} is already the tag of {by_tag[dscp]}")
         by_tag[dscp] = job
-    placed: list[tuple[int, str, int]] = []  # (dscp, job, level)
+    placed: list[tuple[int, str, int, int]] = []  # (dscp, job, level, home)
     for job, lvl in sorted(levels.items()):
         if job not in tags:
             raise ValueError(f"{job}: has level {lvl} but no DSCP tag")
         if not 0 <= lvl < len(shares):
             raise ValueError(f"{job}: level {lvl} is outside [0, {len(shares) - 1}]")
-        placed.append((tags[job], job, lvl))
+        home = (homes or {}).get(job, lvl)
+        if not 0 <= home < len(shares):
+            raise ValueError(f"{job}: home level {home} is outside [0, {len(shares) - 1}]")
+        placed.append((tags[job], job, lvl, home))
     placed.sort()
+    quanta: dict[str, int] = {}
+    for job, w in (weights or {}).items():
+        if not 0 < w <= 1:
+            raise ValueError(f"{job}: weight must be in (0, 1], got {w}")
+        quanta[job] = max(MIN_QUANTUM, round(opts.quantum_bytes * w))
 
     major = opts.major
     root = handle(major, 0)
@@ -342,20 +370,21 @@ def plan(
             )
         leaf_rate = round(link * opts.leaf_share)
         filters: list[DscpFilter] = []
-        for dscp, job, lvl in placed:
-            leaf = leaf_classid(lvl, dscp, major)
-            classes.append(
-                _cls(
-                    leaf,
-                    level_classid(lvl, major),
-                    lvl,
-                    leaf_rate,
-                    link,
-                    opts=opts,
-                    level=lvl,
-                    job=job,
-                )
+        for dscp, job, lvl, home in placed:
+            leaf = leaf_classid(home, dscp, major)
+            leaf_cls = _cls(
+                leaf,
+                level_classid(home, major),
+                lvl,
+                leaf_rate,
+                link,
+                opts=opts,
+                level=lvl,
+                job=job,
             )
+            if job in quanta:
+                leaf_cls = replace(leaf_cls, quantum=min(leaf_cls.quantum, quanta[job]))
+            classes.append(leaf_cls)
             filters.append(DscpFilter(Family.IPV4, dscp, leaf, job))
             filters.append(DscpFilter(Family.IPV6, dscp, leaf, job))
         ifaces.append(
@@ -370,7 +399,7 @@ def plan(
         )
     return TcPlan(
         interfaces=tuple(ifaces),
-        job_classes={job: leaf_classid(lvl, dscp, major) for dscp, job, lvl in placed},
+        job_classes={job: leaf_classid(home, dscp, major) for dscp, job, _, home in placed},
     )
 
 

@@ -50,8 +50,12 @@ from gpud.net.tagstore import TagStore
 from netshaper import tcplan
 from netshaper.leveller import Leveller, LevellerConfig
 from netshaper.progress import ProgressConfig, ProgressTracker
+from netshaper.weights import demand_weights
 
 log = logging.getLogger(__name__)
+
+# a job's demand is known once this many iterations were counted against its bytes
+_DEMAND_MIN_ITERATIONS = 3
 
 
 def leveller_config(t: TrafficConfig) -> LevellerConfig:
@@ -63,6 +67,7 @@ def leveller_config(t: TrafficConfig) -> LevellerConfig:
         max_age_s=t.max_age_s,
         hysteresis=t.hysteresis,
         min_share=t.min_share,
+        group_tolerance=t.group_tolerance,
     )
 
 
@@ -189,11 +194,15 @@ class TrafficService:
         self._order: dict[str, int] | None = None
         self._epoch = 0
         self._adopted: dict[str, int] = {}  # levels found in the kernel at start
+        # job -> the level class its leaf sits under: a level change only changes the
+        # leaf's prio, in place (see netshaper.tcplan)
+        self._homes: dict[str, int] = {}
         self._originals: dict[str, tcplan.RootQdisc | None] = {}
         self._last_plan: tcplan.TcPlan | None = None
         self._applied: dict[str, tcplan.InterfacePlan] = {}  # last plan in force, per iface
         self._ifaces = {name: InterfaceStatus(name) for name in config.interfaces}
         self._counters: dict[tuple[str, str], _Counter] = {}  # (iface, job)
+        self._demand_base: dict[str, tuple[int, int]] = {}  # job -> (bytes, iterations)
         self._marking_error = marking_error
         self._marking_ok = False
         self._rdma_error = rdma_error
@@ -439,7 +448,7 @@ class TrafficService:
             levels = self._decide(now, registered)
             self._record_changes(levels)
             tags = self.tags.allocations()
-            self._enforce_tc(tags, levels)
+            self._enforce_tc(tags, levels, self._weights(now, tags))
             self._sync_marks()
             self._enforce_rdma(tags, levels)
 
@@ -450,6 +459,8 @@ class TrafficService:
             self._tracker.forget(job)
             self._reports.pop(job, None)
             self._levels.pop(job, None)
+            self._demand_base.pop(job, None)
+            self._homes.pop(job, None)
             for key in [k for k in self._counters if k[1] == job]:
                 del self._counters[key]
             self._events.emit("net.release", f"job {job} removed: DSCP tag released", job=job)
@@ -492,6 +503,31 @@ class TrafficService:
                 if job in self._order and job not in pins:
                     levels[job] = self._order[job]
         return levels
+
+    def _weights(self, now: float, tags: Mapping[str, int]) -> dict[str, float]:
+        """Each job's weight inside its level, by its demand: the bytes its leaves carried
+        per iteration since it was first seen with both, over its contention-free time."""
+        if not self.config.weigh_by_demand:
+            return {}
+        sent: dict[str, int] = {}
+        for (_, job), c in self._counters.items():
+            sent[job] = sent.get(job, 0) + c.total.bytes
+        tracked = set(self._tracker.jobs())
+        demand: dict[str, float] = {}
+        for job in tags:
+            if job not in tracked:
+                continue
+            prog = self._tracker.progress(job, now)
+            if prog.iterations is None or prog.ideal_s is None:
+                continue
+            nbytes, iters = sent.get(job, 0), prog.iterations
+            base = self._demand_base.get(job)
+            if base is None or iters < base[1] or nbytes < base[0]:  # new, or restarted
+                self._demand_base[job] = (nbytes, iters)
+                continue
+            if iters - base[1] >= _DEMAND_MIN_ITERATIONS and nbytes > base[0]:
+                demand[job] = (nbytes - base[0]) / (iters - base[1]) / prog.ideal_s
+        return demand_weights(demand)
 
     def _record_changes(self, levels: dict[str, int]) -> None:
         moved = {
@@ -537,23 +573,35 @@ class TrafficService:
                     continue
                 self._originals[iface] = found.original
                 adopted.update(self._levels_in(found.state, tags))
+                self._homes.update(self._levels_in(found.state, tags, homes=True))
             self._adopted = adopted
             if adopted:
                 self._events.emit(
                     "net.adopt", f"adopted the levels of {len(adopted)} job(s) from the kernel"
                 )
 
-    def _levels_in(self, state: tcplan.InterfaceState, tags: Mapping[str, int]) -> dict[str, int]:
-        """Job -> level of the job leaves ``state`` holds."""
+    def _levels_in(
+        self, state: tcplan.InterfaceState, tags: Mapping[str, int], *, homes: bool = False
+    ) -> dict[str, int]:
+        """Job -> level (the leaf's prio) of the job leaves ``state`` holds, or with
+        ``homes`` the level class each leaf sits under."""
         by_tag = {d: j for j, d in tags.items()}
         out: dict[str, int] = {}
         for c in state.classes:
             leaf = tcplan.parse_leaf(c.classid)
-            if leaf is not None and leaf[1] in by_tag and 0 <= leaf[0] < self.config.levels:
-                out[by_tag[leaf[1]]] = leaf[0]
+            if leaf is None or leaf[1] not in by_tag or not 0 <= leaf[0] < self.config.levels:
+                continue
+            level = leaf[0] if homes else c.prio
+            if 0 <= level < self.config.levels:
+                out[by_tag[leaf[1]]] = level
         return out
 
-    def _enforce_tc(self, tags: Mapping[str, int], levels: Mapping[str, int]) -> None:
+    def _enforce_tc(
+        self,
+        tags: Mapping[str, int],
+        levels: Mapping[str, int],
+        weights: Mapping[str, float] | None = None,
+    ) -> None:
         if self._tc is None:
             return
         links: dict[str, int] = {}
@@ -571,6 +619,8 @@ class TrafficService:
                 {j: lv for j, lv in levels.items() if j in tags},
                 self._leveller.config.shares(),
                 tcplan.TcOptions(default_share=self.config.default_share),
+                weights={j: w for j, w in (weights or {}).items() if j in levels},
+                homes={j: self._homes.setdefault(j, lv) for j, lv in levels.items() if j in tags},
             )
         except ValueError as err:
             for iface in links:

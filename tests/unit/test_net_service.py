@@ -309,7 +309,8 @@ def test_rdma_map_follows_levels(tmp_path: Path, sysfs: Path) -> None:
     from netshaper.dcb import DryRunBackend, NicMap
 
     lines: list[str] = []
-    rig = Rig(tmp_path, sysfs)
+    # two newcomers tie at rate 0: without grouping each gets its own level
+    rig = Rig(tmp_path, sysfs, group_tolerance=0.0)
     service = TrafficService(
         rig.config,
         tags=TagStore(rig.store, pool=job_pool(rig.config)),
@@ -400,3 +401,37 @@ def test_drift_is_counted_while_another_interface_fails(tmp_path: Path, sysfs: P
     rig.service.tick()
     eth0, nope0 = rig.service.view().interfaces
     assert eth0.repairs == 1 and eth0.enforced and not nope0.enforced
+
+
+def _leaf(rig: Rig, job: str) -> tcplan.HtbClass:
+    tag = rig.service.tags.allocations()[job]
+    return next(
+        c
+        for c in rig.tc.states["eth0"].classes
+        if (p := tcplan.parse_leaf(c.classid)) and p[1] == tag
+    )
+
+
+def test_jobs_weigh_by_their_demand_inside_a_level(rig: Rig) -> None:
+    # two jobs progressing alike (one group, one level), one moving 4x the bytes per iteration
+    rig.config = dataclasses.replace(rig.config, group_tolerance=0.1)
+    rig.service = rig.make()
+    rig.active = {"a", "b"}
+    feed(rig, "a", 0.5, 4, ideal=0.25)
+    feed(rig, "b", 0.5, 4, ideal=0.25)
+    rig.service.tick()  # leaves exist; demand is counted from here
+    assert _leaf(rig, "a").level == _leaf(rig, "b").level
+    for n in range(5, 10):
+        rig.clock.t += 0.5
+        for job, per_iter in (("a", 4_000_000), ("b", 1_000_000)):
+            rig.tc.sent[("eth0", _leaf(rig, job).classid)] = FakeCounters(per_iter * (n - 4), n, 0)
+            rig.service.report(Report(job, n, rig.clock.t, 0.25, session="s"))
+        rig.service.tick()
+    base = tcplan.TcOptions().quantum_bytes
+    assert _leaf(rig, "a").quantum == base
+    assert _leaf(rig, "b").quantum == base * 8 // 32  # a quarter of a's demand
+    # off: equal quanta
+    rig.config = dataclasses.replace(rig.config, weigh_by_demand=False)
+    rig.service = rig.make()
+    rig.service.tick()
+    assert _leaf(rig, "a").quantum == _leaf(rig, "b").quantum == base

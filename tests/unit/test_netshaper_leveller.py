@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from netshaper import Leveller, LevellerConfig, rank_levels
+from netshaper.leveller import group_levels
 
 
 def test_slowest_job_gets_the_highest_priority() -> None:
@@ -104,6 +105,8 @@ def test_shares_per_level() -> None:
         {"min_share": 0.2},  # 8 x 0.2 > 1
         {"levels": 2, "min_share": (0.1,)},
         {"unknown_rate": 2.0},
+        {"group_tolerance": -0.1},
+        {"group_tolerance": 1.5},
     ],
 )
 def test_bad_config_is_rejected(kwargs: dict[str, object]) -> None:
@@ -162,6 +165,7 @@ def configs(draw: st.DrawFn) -> LevellerConfig:
         max_age_s=draw(st.sampled_from([1.0, 3.0, 10.0])),
         hysteresis=draw(st.sampled_from([0.0, 0.05, 0.2]) | st.floats(0.0, 0.6)),
         min_share=share,
+        group_tolerance=draw(st.sampled_from([0.0, 0.02, 0.05, 0.2]) | st.floats(0.0, 1.0)),
     )
 
 
@@ -242,7 +246,149 @@ def test_levels_keep_their_fresh_sizes(
     now = 0.0
     for dt, rates in seq:
         now += dt
+        before = lv.groups()
         out = lv.update(now, dict(rates))
         if out.reranked:
-            fresh = rank_levels(sorted(rates, key=lambda j: (rates[j], j)), cfg.levels)
+            order = sorted(rates, key=lambda j: (rates[j], j))
+            fresh = (
+                group_levels(
+                    order,
+                    rates,
+                    cfg.levels,
+                    cfg.group_tolerance,
+                    hysteresis=cfg.hysteresis,
+                    previous=before,
+                )
+                if cfg.group_tolerance > 0
+                else rank_levels(order, cfg.levels)
+            )
             assert sorted(out.levels.values()) == sorted(fresh.values())
+
+
+# -- near-equal jobs share a level ---------------------------------------------------------
+
+
+def _grouped(**kw: float) -> LevellerConfig:
+    knobs: dict[str, float] = {"threshold": 0.0, "hysteresis": 0.05, "group_tolerance": 0.05}
+    knobs.update(kw)
+    return LevellerConfig(levels=4, **knobs)
+
+
+def test_near_equal_jobs_share_a_level_and_the_slow_one_leads() -> None:
+    a = Leveller(_grouped()).update(0.0, {"e1": 0.45, "e2": 0.46, "e3": 0.47, "solo": 0.2})
+    assert a.levels == {"solo": 0, "e1": 1, "e2": 1, "e3": 1}
+
+
+def test_a_group_holds_together_inside_its_hysteresis_and_splits_beyond() -> None:
+    lv = Leveller(_grouped())
+    lv.update(0.0, {"a": 0.50, "b": 0.52, "c": 0.9})
+    assert lv.last is not None and lv.last.levels == {"a": 0, "b": 0, "c": 1}
+    # b drifts to 7% above a: past the 5% tolerance, inside (1.05)(1.05) = 10.25%
+    kept = lv.update(1.0, {"a": 0.50, "b": 0.535, "c": 0.9})
+    assert kept.levels == {"a": 0, "b": 0, "c": 1} and kept.changes == 0
+    split = lv.update(2.0, {"a": 0.50, "b": 0.56, "c": 0.9})
+    assert split.levels == {"a": 0, "b": 1, "c": 2}
+    # apart, b must come back within the tolerance itself to rejoin
+    assert lv.update(3.0, {"a": 0.50, "b": 0.535, "c": 0.9}).levels["b"] == 1
+    assert lv.update(4.0, {"a": 0.50, "b": 0.52, "c": 0.9}).levels["b"] == 0
+
+
+def test_groups_merge_when_there_are_more_groups_than_levels() -> None:
+    rates: dict[str, float | None] = {f"j{i}": 0.1 * 1.5**i for i in range(6)}
+    a = Leveller(_grouped()).update(0.0, rates)
+    assert [a.levels[f"j{i}"] for i in range(6)] == [0, 0, 1, 2, 2, 3]
+    # distinct rates: the plain buckets
+    order, far = ["a", "b", "c"], {"a": 0.1, "b": 0.5, "c": 0.9}
+    assert group_levels(order, far, 2, 0.05) == rank_levels(order, 2)
+
+
+def test_grouping_off_is_the_plain_bucket_order() -> None:
+    a = Leveller(_grouped(group_tolerance=0.0)).update(0.0, {"a": 0.5, "b": 0.5, "c": 0.51})
+    assert a.levels == {"a": 0, "b": 1, "c": 2}
+
+
+_near_rate_maps = st.dictionaries(
+    st.sampled_from(JOBS), st.floats(0.0, 1.0) | _anchored, min_size=1, max_size=len(JOBS)
+)
+
+
+@st.composite
+def grouped_configs(draw: st.DrawFn) -> LevellerConfig:
+    return LevellerConfig(
+        levels=draw(st.integers(2, 8)),
+        threshold=draw(st.sampled_from([0.0, 0.05, 0.1])),
+        max_age_s=1.0,
+        hysteresis=draw(st.sampled_from([0.0, 0.02, 0.05, 0.2])),
+        group_tolerance=draw(st.sampled_from([0.01, 0.05, 0.1, 0.3])),
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(cfg=grouped_configs(), seq=st.lists(_near_rate_maps, min_size=1, max_size=8))
+def test_the_slowest_group_is_always_on_level_zero(
+    cfg: LevellerConfig, seq: list[dict[str, float]]
+) -> None:
+    lv = Leveller(cfg)
+    for i, rates in enumerate(seq):
+        out = lv.update(float(i) * 2, dict(rates))  # past max_age_s: every update re-ranks
+        assert out.reranked
+        slowest = min(rates.values())
+        for job, r in rates.items():
+            if r <= slowest * (1 + cfg.group_tolerance):
+                assert out.levels[job] == 0, (job, r, slowest)
+        assert min(out.levels.values()) == 0
+
+
+@settings(max_examples=400, deadline=None)
+@given(cfg=grouped_configs(), seq=st.lists(_near_rate_maps, min_size=1, max_size=8))
+def test_equal_rates_always_share_a_level(cfg: LevellerConfig, seq: list[dict[str, float]]) -> None:
+    lv = Leveller(cfg)
+    for i, rates in enumerate(seq):
+        out = lv.update(float(i) * 2, dict(rates))
+        by_rate: dict[float, set[int]] = {}
+        for job, r in rates.items():
+            by_rate.setdefault(r, set()).add(out.levels[job])
+        assert all(len(levels) == 1 for levels in by_rate.values()), by_rate
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    cfg=grouped_configs(),
+    rates=_near_rate_maps,
+    noise=st.lists(st.lists(st.floats(-1.0, 1.0), min_size=12, max_size=12), max_size=20),
+)
+def test_no_flapping_on_stationary_input(
+    cfg: LevellerConfig, rates: dict[str, float], noise: list[list[float]]
+) -> None:
+    lv = Leveller(cfg)
+    first = lv.update(0.0, dict(rates))
+    for i in range(1, 20):
+        out = lv.update(float(i) * 2, dict(rates))  # re-ranks every time, same input
+        assert out.reranked and out.changes == 0 and out.levels == first.levels
+    # jitter a job's rate by less than the hysteresis allows: no group splits or merges
+    # that was not already at its edge, and equal jobs never rotate
+    twins = {j: 0.5 for j in rates}
+    lv = Leveller(cfg)
+    base = lv.update(0.0, dict(twins)).levels
+    assert set(base.values()) == {0}
+    spread = cfg.group_tolerance * 0.999
+    for i, row in enumerate(noise, start=1):
+        jittered = {j: 0.5 * (1 + spread * (x + 1) / 2) for j, x in zip(twins, row, strict=False)}
+        out = lv.update(float(i) * 2, jittered)
+        assert out.levels == base and out.changes == 0
+
+
+def test_jobs_merged_only_by_too_few_levels_get_no_group_hysteresis() -> None:
+    # four groups on three levels: j3's group and j4's share level 1 without being one group,
+    # so j4 must not pull j5's neighbour along on the next re-rank (stationary input)
+    cfg = LevellerConfig(
+        levels=3, threshold=0.0, max_age_s=1.0, hysteresis=0.2, group_tolerance=0.05
+    )
+    rates: dict[str, float | None] = {
+        "j0": 0.0, "j1": 0.0, "j2": 1.0, "j3": 0.5, "j4": 0.625, "j5": 0.65625,
+    }  # fmt: skip
+    lv = Leveller(cfg)
+    first = lv.update(0.0, rates)
+    for i in range(1, 5):
+        out = lv.update(2.0 * i, rates)
+        assert out.changes == 0 and out.levels == first.levels

@@ -40,7 +40,7 @@ def test_run_json_has_the_documented_shape(
             "jobs",
         }
         assert set(m["jobs"]) == {"a", "b"}
-    assert set(doc["bound"]) == {"min_progress", "jobs"}
+    assert set(doc["bound"]) == {"min_progress", "upper", "jobs"}
 
 
 def test_run_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -186,3 +186,66 @@ def test_builtin_suite_round_trips_and_covers_the_brief(tmp_path: Path) -> None:
         path = tmp_path / f"{sc.name}.json"
         path.write_text(json.dumps(sc.to_dict()))
         assert load(path) == sc
+
+
+@pytest.mark.parametrize("per_job", [False, True])
+def test_a_level_is_shared_per_flow_or_per_job(per_job: bool) -> None:
+    from tools.netsim.engine import Decision, View
+
+    class OneLevel:
+        name = "one-level"
+        reorder_on_coflows = False
+
+        def decide(self, now: float, view: View) -> Decision:
+            return Decision(levels=dict.fromkeys(view.active_jobs(), 0), per_job=per_job)
+
+    # no compute: both jobs always send; one flow against eight on one link
+    sc = scenario(
+        [
+            {"id": "one", "compute_s": 0.0, "flows": [{"bytes": GB, "path": ["l"]}]},
+            {
+                "id": "wide",
+                "compute_s": 0.0,
+                "flows": [{"bytes": GB / 8, "path": ["l"], "count": 8}],
+            },
+        ],
+        duration_s=20.0,
+    )
+    run = Simulation(sc, OneLevel()).run()
+    one, wide = (len(run.jobs[j].completions) for j in ("one", "wide"))
+    if per_job:  # gpud's tree: a leaf per job, equal quanta
+        assert one == pytest.approx(wide, abs=1)
+    else:  # the kernel's default qdisc: per flow
+        assert wide == pytest.approx(8 * one, rel=0.15)
+
+
+def test_the_upper_bound_holds_with_churn_where_the_piecewise_one_does_not() -> None:
+    # a is alone for half the window, then b joins: the piecewise max-min gives b 0.5, but a
+    # schedule giving b 2/3 while they compete leaves a at (1 + 1/3) / 2 = 2/3 as well
+    sc = scenario(
+        [
+            {"id": "a", "compute_s": 0.0, "flows": [{"bytes": 10 * GB, "path": ["l"]}]},
+            {
+                "id": "b",
+                "compute_s": 0.0,
+                "start_s": 50.0,
+                "flows": [{"bytes": 10 * GB, "path": ["l"]}],
+            },
+        ],
+        duration_s=100.0,
+    )
+    b = fluid_bound(sc)
+    assert b.min_progress == pytest.approx(0.5)
+    assert b.upper == pytest.approx(2 / 3)
+    # constant membership: the two agree
+    steady = scenario(
+        [
+            {"id": "a", "compute_s": 0.0, "flows": [{"bytes": 10 * GB, "path": ["l"]}]},
+            {"id": "b", "compute_s": 1.0, "flows": [{"bytes": 10 * GB, "path": ["l"]}]},
+        ]
+    )
+    s = fluid_bound(steady)
+    assert s.upper == pytest.approx(s.min_progress)
+    for sc in all_builtin():
+        bound = fluid_bound(sc)
+        assert bound.upper <= 1.0

@@ -292,3 +292,34 @@ def test_foreign_filters_go_by_handle_in_our_prio_and_by_prio_elsewhere() -> Non
         ["all", "prio", "1", "handle", "800:0:fff", "u32"],
         ["parent", "6764:0", "protocol", "0x0800", "prio", "5"],
     ]
+
+
+def test_weights_scale_leaf_quanta_and_a_new_weight_is_one_change_in_place() -> None:
+    tags, levels = {"a": 26, "b": 34}, {"a": 1, "b": 1}
+    even = one(tp.plan({"eth0": GBIT}, tags, levels, SHARES))
+    weighted = one(tp.plan({"eth0": GBIT}, tags, levels, SHARES, weights={"b": 0.25}))
+    quantum = {c.job: c.quantum for c in weighted.classes if c.job}
+    assert quantum == {"a": 60_000, "b": 15_000}
+    tiny = one(tp.plan({"eth0": GBIT}, tags, levels, SHARES, weights={"b": 1e-6}))
+    assert min(c.quantum for c in tiny.classes) == tp.MIN_QUANTUM
+    ops = tp.diff(tp.state_after(even), weighted)
+    assert [(o.kind, o.cls.name if o.cls else None) for o in ops] == [
+        (tp.OpKind.CHANGE_CLASS, "6764:1122")
+    ]
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="b: weight"):
+            tp.plan({"eth0": GBIT}, tags, levels, SHARES, weights={"b": bad})
+
+
+def test_a_move_at_home_is_one_change_in_place() -> None:
+    tags, homes = {"a": 26, "b": 34}, {"a": 0, "b": 3}
+    before = one(tp.plan({"eth0": GBIT}, tags, {"a": 0, "b": 3}, SHARES, homes=homes))
+    after = one(tp.plan({"eth0": GBIT}, tags, {"a": 2, "b": 3}, SHARES, homes=homes))
+    ops = tp.diff(tp.state_after(before), after)
+    assert [(o.kind, o.cls.name if o.cls else None) for o in ops] == [
+        (tp.OpKind.CHANGE_CLASS, "6764:101a")
+    ]
+    (leaf,) = [c for c in after.classes if c.job == "a"]
+    assert (leaf.parent, leaf.prio) == (tp.level_classid(0), 2)
+    with pytest.raises(ValueError, match="a: home level 9"):
+        tp.plan({"eth0": GBIT}, tags, {"a": 0}, SHARES, homes={"a": 9})

@@ -10,7 +10,24 @@ When jobs arrive and leave, the set of competitors changes; the bound is then co
 each stretch of constant membership and each job's bound is its time-average over its
 active part of the measurement window. (Jobs limited by ``iterations`` leave when the
 fluid rates would finish them.) Only the constant-membership form is a strict upper
-bound; with churn it is the natural piecewise extension and is reported as such.
+bound; with churn it is the natural piecewise extension and is reported as such: a
+schedule can give a job less while it competes and more once its rivals left, and beat
+it (staggered-8 does).
+
+``upper`` is an upper bound for every scenario, churn included. Let job ``j`` be active
+for ``A_j`` seconds of the window and keep average rate ``r_j``: it completes ``r_j A_j /
+T*_j`` iterations and sends ``B_lj`` bytes over link ``l`` for each. For any interval
+``I`` of the window, the jobs active only inside ``I`` send all of that inside ``I``, so
+``min_j r_j * sum_{j inside I} B_lj A_j / T*_j <= C_l |I|``; with ``r_j <= 1``,
+
+    upper = min(1, min over links l and intervals I of C_l |I| / sum_{j inside I} B_lj A_j / T*_j)
+
+over the intervals between membership changes (jobs limited by ``iterations``, whose
+active time depends on the schedule, are left out of the sums: that only loosens it).
+With constant membership it is the first water level of the progressive filling, so it
+equals ``min_progress`` there. What no fluid bound counts: at most one iteration per job
+straddles each edge of the window (a relative error of about ``T*/window``, under 0.5% on
+the built-in suite).
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ from tools.netsim.scenario import Scenario
 class Bound:
     min_progress: float
     jobs: Mapping[str, float]
+    upper: float = 1.0  # an upper bound on any schedule's min_progress (module docstring)
 
 
 def progressive_fill(
@@ -105,4 +123,38 @@ def fluid_bound(scenario: Scenario, infos: Mapping[str, JobInfo] | None = None) 
             active_time[j] += overlap
         t = t_next
     jobs = {j: integral[j] / active_time[j] for j in sorted(infos) if active_time[j] > 0}
-    return Bound(min_progress=min(jobs.values(), default=0.0), jobs=jobs)
+    return Bound(
+        min_progress=min(jobs.values(), default=0.0),
+        jobs=jobs,
+        upper=interval_bound(scenario, infos),
+    )
+
+
+def interval_bound(scenario: Scenario, infos: Mapping[str, JobInfo]) -> float:
+    """``upper`` of the module docstring: a bound no schedule's min_progress exceeds."""
+    w0, end = scenario.warmup_s, scenario.duration_s
+    span: dict[str, tuple[float, float]] = {}
+    for spec in scenario.jobs:
+        if spec.iterations is not None:
+            continue
+        a = max(spec.start_s, w0)
+        b = min(spec.stop_s if spec.stop_s is not None else end, end)
+        if b > a:
+            span[spec.id] = (a, b)
+    edges = sorted({w0, end, *(x for ab in span.values() for x in ab)})
+    best = 1.0
+    for i, lo in enumerate(edges):
+        for hi in edges[i + 1 :]:
+            inside = [j for j, (a, b) in span.items() if lo <= a and b <= hi]
+            if not inside:
+                continue
+            for link in scenario.links:
+                load = sum(
+                    infos[j].link_bytes.get(link, 0.0)
+                    * (span[j][1] - span[j][0])
+                    / infos[j].ideal_s
+                    for j in inside
+                )
+                if load > 0:
+                    best = min(best, scenario.link_bytes_per_s(link) * (hi - lo) / load)
+    return best

@@ -120,11 +120,14 @@ def print_suite(reports: Sequence[ScenarioReport], out: TextIO) -> None:
         "min_progress per scenario; a baseline's column is its best reading there "
         "(which one: below)\n"
     )
-    head = f"{'scenario':<20}{'n/K':>6}" + "".join(f"{c:>11}" for c in cols) + f"{'bound':>9}\n"
-    out.write(head)
+    head = f"{'scenario':<20}{'n/K':>6}" + "".join(f"{c:>11}" for c in cols)
+    out.write(head + f"{'bound':>9}{'upper':>9}\n")
     for r in reports:
         cells = "".join(f"{_fmt(value(r, c, 'min_progress')):>11}" for c in cols)
-        out.write(f"{r.scenario:<20}{r.jobs:>3}/{r.levels:<2}{cells}{r.bound.min_progress:>9.3f}\n")
+        out.write(
+            f"{r.scenario:<20}{r.jobs:>3}/{r.levels:<2}{cells}"
+            f"{r.bound.min_progress:>9.3f}{r.bound.upper:>9.3f}\n"
+        )
     fams = [c for c in cols if c in BASELINES]
     if fams:
         out.write("\nbest reading per scenario (min_progress)\n")
@@ -175,8 +178,9 @@ def print_suite(reports: Sequence[ScenarioReport], out: TextIO) -> None:
             out.write(f"leveller min_progress over: {', '.join(parts)}\n")
         if g["bound_over_best"]:
             out.write(
-                f"bound over best reading: {g['bound_over_best']:.2f}x "
-                "(no policy's ratio can exceed it)\n"
+                f"bound over best reading: {g['bound_over_best']:.2f}x (piecewise with churn:"
+                f" not a bound there); upper bound {g['upper_geomean']:.3f}, over best"
+                f" reading {g['upper_over_best']:.2f}x (no policy's ratio can exceed it)\n"
             )
     if s["targets"]:
         out.write("\ntargets (leveller, all scenarios)\n")

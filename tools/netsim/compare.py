@@ -135,11 +135,15 @@ def summary(reports: Sequence[ScenarioReport]) -> dict[str, Any]:
             for r in members
             if (v := value(r, "best", "min_progress")) and (b := r.bound.min_progress) > 0
         ]
+        upper = [r.bound.upper / v for r in members if (v := value(r, "best", "min_progress"))]
         out["groups"][gname] = {
             "scenarios": [r.scenario for r in members],
             "geomean": means,
             "leveller_min_progress_over": ratios,
             "bound_over_best": geomean(headroom) if headroom else None,
+            # the valid upper bound over the best reading: no policy's ratio can exceed it
+            "upper_over_best": geomean(upper) if upper else None,
+            "upper_geomean": geomean([r.bound.upper for r in members]),
         }
     if "leveller" in cols:
         for label, metric, against, factor in TARGETS:

@@ -59,6 +59,16 @@ class Decision:
 
     levels: Mapping[str, int]
     shares: tuple[float, ...] = ()
+    per_job: bool = False
+    """How a level's bandwidth is split: per flow (False: the kernel's default qdisc and
+    TCP's per-flow fairness) or per job (True: gpud's HTB tree, where each job has its own
+    leaf class under its level with equal quanta, so jobs on one level share per job and
+    a job's flows share its part). Per job is modelled at each flow's first link (the
+    sending host's interface, where the tree sits): a job's flows that start on one link
+    weigh one job together."""
+    weights: Mapping[str, float] = field(default_factory=dict)
+    """With ``per_job``: job -> its weight against the other jobs of its level (gpud's
+    demand weights, :mod:`netshaper.weights`); absent jobs weigh 1."""
     pace: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     """Optional pacing (CASSINI's time shifts): job -> (first slot, period).
 
@@ -233,6 +243,8 @@ class Simulation:
         self._dirty = False
         self._levels: dict[str, int] = {}
         self._shares: tuple[float, ...] = ()
+        self._per_job = False
+        self._weights: dict[str, float] = {}
         self._level_changes = 0
         self._events = 0
         self._on_coflows = bool(getattr(policy, "reorder_on_coflows", False))
@@ -465,21 +477,34 @@ class Simulation:
         if decision.shares != self._shares:
             self._shares = decision.shares
             self._dirty = True
+        if decision.per_job != self._per_job or decision.weights != self._weights:
+            self._per_job = decision.per_job
+            self._weights = dict(decision.weights)
+            self._dirty = True
 
     def _reallocate(self) -> None:
         self._dirty = False
         if not self._active:
             return
         names = [j.info.spec.id for j in self._jobs]
-        keys: dict[tuple[tuple[int, ...], int], int] = {}
         paths: list[tuple[int, ...]] = []
         weights: list[float] = []
         levels: list[int] = []
         member: list[int] = []
         lowest = self._sc.levels - 1
+        # per job: a class per (job, path, level), its flows weighing their share of the
+        # job's flows on their first link; per flow: flows of a path and level are alike
+        per_job = self._per_job
+        width: dict[tuple[int, int], float] = {}
+        if per_job:
+            for f in self._active:
+                k = (f.job, f.links[0])
+                width[k] = width.get(k, 0.0) + f.weight
+        keys: dict[tuple[tuple[int, ...], int, int], int] = {}
+        scale: list[float] = []
         for f in self._active:
             level = self._levels.get(names[f.job], lowest)
-            key = (f.links, level)
+            key = (f.links, level, f.job if per_job else -1)
             ci = keys.get(key)
             if ci is None:
                 ci = len(paths)
@@ -487,8 +512,13 @@ class Simulation:
                 paths.append(f.links)
                 weights.append(0.0)
                 levels.append(level)
-            weights[ci] += f.weight
+                scale.append(
+                    self._weights.get(names[f.job], 1.0) / width[(f.job, f.links[0])]
+                    if per_job
+                    else 1.0
+                )
+            weights[ci] += f.weight * scale[ci]
             member.append(ci)
         rates = allocate(paths, weights, levels, self._caps, self._shares)
         for f, ci in zip(self._active, member, strict=True):
-            f.rate = rates[ci]
+            f.rate = rates[ci] * scale[ci]

@@ -55,7 +55,11 @@ class ScenarioReport:
             "jobs": self.jobs,
             "levels": self.levels,
             "policies": {name: m.to_dict() for name, m in self.policies.items()},
-            "bound": {"min_progress": self.bound.min_progress, "jobs": dict(self.bound.jobs)},
+            "bound": {
+                "min_progress": self.bound.min_progress,
+                "upper": self.bound.upper,
+                "jobs": dict(self.bound.jobs),
+            },
         }
 
 

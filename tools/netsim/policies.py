@@ -18,7 +18,14 @@
   ``cassini`` paces only groups that fit taking turns, ``cassini-loose`` any group the
   shifts help at all.
 * ``leveller``: :mod:`netshaper` itself, fed iteration reports at every tick, exactly as
-  the daemon feeds it.
+  the daemon feeds it, with gpud's defaults (near-equal jobs share a level:
+  ``traffic.group_tolerance``) unless the scenario sets its knobs.
+
+Every policy that sets levels runs on gpud's HTB tree, where each job has its own leaf under
+its level: a level's bandwidth is shared per job (``Decision.per_job``), equally for the
+baselines, by demand for ``leveller`` (gpud's ``traffic.weigh_by_demand``: the bytes a job
+sends per iteration over its ``T*``, which the daemon measures and the simulator knows).
+``fair`` and ``cassini`` use no tree: the kernel's default qdisc, per-flow sharing.
 
 A baseline's order becomes levels in more than one way, and the result depends on it. So
 each order-based baseline runs under every *reading*: compression ``even`` (contiguous
@@ -35,8 +42,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
+from gpud.config import TrafficConfig
 from netshaper import Leveller, LevellerConfig, ProgressTracker, rank_levels
 from netshaper.progress import ProgressConfig
+from netshaper.weights import demand_weights
 from tools.netsim.cassini import LOOSE_LEFT, LOOSE_STRETCH, plan_shifts
 from tools.netsim.engine import Decision, Policy, View
 
@@ -208,7 +217,7 @@ class CruxPolicy:
                 self._levels = contention_aware_levels(order, links, prio, view.levels)
             else:
                 self._levels = _compress(order, view.levels, self._compression)
-        return Decision(levels=self._levels, shares=_shares(view, self._strict))
+        return Decision(levels=self._levels, shares=_shares(view, self._strict), per_job=True)
 
 
 class SincroniaPolicy:
@@ -232,7 +241,7 @@ class SincroniaPolicy:
         lowest = view.levels - 1
         for j in jobs:
             levels.setdefault(j, lowest)
-        return Decision(levels=levels, shares=_shares(view, self._strict))
+        return Decision(levels=levels, shares=_shares(view, self._strict), per_job=True)
 
 
 def bssi_order(
@@ -332,6 +341,7 @@ class LevellerPolicy:
     def decide(self, now: float, view: View) -> Decision:
         if self._leveller is None or self._tracker is None:
             knobs = dict(view.leveller_knobs())
+            knobs.setdefault("group_tolerance", TrafficConfig().group_tolerance)
             window = knobs.pop("progress_window_s", None)
             config = self._config or LevellerConfig(levels=view.levels, **knobs)
             progress = self._progress or (ProgressConfig(window_s=window) if window else None)
@@ -350,7 +360,19 @@ class LevellerPolicy:
             tracker.report(job_id, count, at)
         self._known = set(active)
         assignment = self._leveller.update(now, tracker.rates(now, active))
-        return Decision(levels=assignment.levels, shares=assignment.shares)
+        weights: dict[str, float] = {}
+        if TrafficConfig().weigh_by_demand:
+            # what the daemon measures: the bytes a job sends per iteration, over T*
+            weights = demand_weights(
+                {
+                    j: sum(f.bytes * f.count for f in view.info(j).spec.flows)
+                    / view.info(j).ideal_s
+                    for j in active
+                }
+            )
+        return Decision(
+            levels=assignment.levels, shares=assignment.shares, per_job=True, weights=weights
+        )
 
 
 def _reading_factory(name: str) -> Callable[[], Policy] | None:

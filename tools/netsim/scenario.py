@@ -10,7 +10,8 @@ A scenario is JSON::
                          {"bytes": 4e9, "path": ["tor1"]}]}]}
 
 Optional ``leveller``: the daemon's traffic knobs for this scenario (``threshold``,
-``hysteresis``, ``max_age_s``, ``min_share``, ``progress_window_s``; defaults: netshaper's).
+``hysteresis``, ``max_age_s``, ``min_share``, ``progress_window_s``, ``group_tolerance``;
+defaults: gpud's ``[traffic]`` defaults).
 
 Per job, optional: ``overlap`` (0..1, the fraction of the contention-free communication
 hidden under compute), ``stop_s``, ``iterations`` (stop after that many), ``gpus`` (scales
@@ -229,7 +230,14 @@ def _job(raw: Any, where: str, links: Mapping[str, float]) -> JobSpec:
     )
 
 
-LEVELLER_KNOBS = ("threshold", "hysteresis", "max_age_s", "min_share", "progress_window_s")
+LEVELLER_KNOBS = (
+    "threshold",
+    "hysteresis",
+    "max_age_s",
+    "min_share",
+    "progress_window_s",
+    "group_tolerance",
+)
 
 
 def _knobs(raw: Any) -> dict[str, float]:

@@ -162,8 +162,8 @@ class Bed:
         self.tc("qdisc", "del", "dev", "a0", "root", check=False)
 
     # -- gpud ------------------------------------------------------------------------------
-    def start_gpud(self, traffic: dict[str, object]) -> None:
-        lines = ["[daemon]", "tick_s = 0.2", "[metrics]", "enabled = false", "[traffic]"]
+    def start_gpud(self, traffic: dict[str, object], *, tick_s: float = 0.2) -> None:
+        lines = ["[daemon]", f"tick_s = {tick_s}", "[metrics]", "enabled = false", "[traffic]"]
         settings: dict[str, object] = {
             "enabled": True,
             "interfaces": ["a0"],
@@ -208,6 +208,16 @@ class Bed:
         if check and r.returncode != 0:
             raise RuntimeError(f"gpuctl {' '.join(args)}: {r.stderr.strip()}")
         return r
+
+    def gpud_cpu_s(self) -> float:
+        """CPU seconds gpud has used so far (user + system), 0 when it is not running."""
+        if self.gpud is None:
+            return 0.0
+        try:
+            fields = Path(f"/proc/{self.gpud.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop_gpud(self) -> None:
         if self.gpud is None:

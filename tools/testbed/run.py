@@ -51,6 +51,7 @@ GPUD_TRAFFIC = {
     "max_age_s": 1.0,
     "threshold": 0.05,
     "hysteresis": 0.02,
+    "group_tolerance": 0.0,
 }
 
 
