@@ -6,7 +6,9 @@ also on failure or Ctrl-C). The interface holds the full tree for 63 jobs over 8
 interface can tell apart; the default tag pool hands out 55);
 each step moves every job to another level (``level -> (level + 1 + rep) % 8``), which is
 4 tc operations per job (add the leaf under the new level, re-point the IPv4 and IPv6
-filters, delete the old leaf), 252 in all. Measured side by side, in rotating order
+filters, delete the old leaf), 252 in all; with ``--in-place`` (what the daemon does: a
+leaf stays under the level class it was first placed at) one class change per job, 63 in
+all. Measured side by side, in rotating order
 within every repetition:
 
 - ``ours``: ``TcNetlink.sync(plan)``: diff against the adapter's view of the kernel, one
@@ -64,9 +66,14 @@ def _ifaces(n: int) -> list[str]:
     return [f"gpb{i}" for i in range(n)]
 
 
-def _plan(tags: dict[str, int], shift: int, ifaces: list[str]) -> tcplan.TcPlan:
+def _plan(
+    tags: dict[str, int], shift: int, ifaces: list[str], in_place: bool = False
+) -> tcplan.TcPlan:
     levels = {job: (i + shift) % LEVELS for i, job in enumerate(sorted(tags))}
-    return tcplan.plan(dict.fromkeys(ifaces, LINK_BPS), tags, levels, [0.02] * LEVELS)
+    # The daemon keeps each leaf under the level class it was first placed at (its home)
+    # and changes only its prio; without homes every move re-places the leaf.
+    homes = {job: i % LEVELS for i, job in enumerate(sorted(tags))} if in_place else None
+    return tcplan.plan(dict.fromkeys(ifaces, LINK_BPS), tags, levels, [0.02] * LEVELS, homes=homes)
 
 
 def _check(tc: TcNetlink, want: tcplan.TcPlan) -> None:
@@ -76,7 +83,7 @@ def _check(tc: TcNetlink, want: tcplan.TcPlan) -> None:
             raise SystemExit(f"{iface} differs from the plan after a step: {ops[0].tc_args()}")
 
 
-def run(reps: int, jobs: int, n_ifaces: int = 1) -> dict[str, Any]:
+def run(reps: int, jobs: int, n_ifaces: int = 1, in_place: bool = False) -> dict[str, Any]:
     if os.geteuid() != 0:
         raise SystemExit("bench_reprio needs root (it creates a network namespace)")
     tc_bin = shutil.which("tc")
@@ -93,7 +100,7 @@ def run(reps: int, jobs: int, n_ifaces: int = 1) -> dict[str, Any]:
         tags = _tags(jobs)
         tc = TcNetlink(netns=ns)
         shift = 0
-        current = _plan(tags, shift, ifaces)
+        current = _plan(tags, shift, ifaces, in_place)
         first = tc.sync(current)
         if not first.ok:
             raise SystemExit(f"initial sync failed: {first.errors}")
@@ -152,7 +159,7 @@ def run(reps: int, jobs: int, n_ifaces: int = 1) -> dict[str, Any]:
             order = names[rep % len(names) :] + names[: rep % len(names)]
             for name in order:
                 shift += 1 + rep % (LEVELS - 1)
-                want = _plan(tags, shift, ifaces)
+                want = _plan(tags, shift, ifaces, in_place)
                 go = methods[name](want)
                 t0 = time.perf_counter()
                 go()
@@ -191,13 +198,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=20, help="repetitions (default 20)")
     p.add_argument("--jobs", type=int, default=63, help="job tags that move (default 63)")
     p.add_argument("--ifaces", type=int, default=1, help="interfaces, each with every job (1)")
+    p.add_argument(
+        "--in-place",
+        action="store_true",
+        help="leaves stay under their home level and only their prio changes, as in gpud",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if not 1 <= args.reps <= 1000:
         p.error(f"--reps must be in [1, 1000], got {args.reps}")
     if not 1 <= args.ifaces <= 16:
         p.error(f"--ifaces must be in [1, 16], got {args.ifaces}")
-    r = run(args.reps, args.jobs, args.ifaces)
+    r = run(args.reps, args.jobs, args.ifaces, args.in_place)
     if args.json:
         print(json.dumps(r, indent=2, sort_keys=True))
         return 0
