@@ -478,15 +478,18 @@ class ColoService:
     def _view(self, r: RunningJob) -> JobView:
         kind = JobKind.INFERENCE if r.kind == "inference" else JobKind.TRAINING
         memory = r.memory_bytes or r.memory_used or 0
+        load = self.load(r.name) if kind is JobKind.INFERENCE else 0.0
         shape = Shape.prior(
             r.name,
             kind,
             memory_bytes=memory,
             slo_s=r.slo_p99_ms / 1e3 if r.slo_p99_ms else None,
             knee=self._features(r).sm if self._jobs.get(r.name, _JobState()).features else None,
+            # what it declared, or serves now if more: it holds that alone (the guard
+            # watches that it does)
+            peak_load=max(r.peak_load, load),
         )
         shape.observe_memory(r.memory_used)
-        load = self.load(r.name) if kind is JobKind.INFERENCE else 0.0
         return JobView(
             job_id=r.name,
             shape=shape,
@@ -584,6 +587,7 @@ class ColoService:
                 memory_bytes=memory_bytes or 8 * GIB,
                 knee=sm_activity,
                 slo_s=slo_p99_ms / 1e3 if slo_p99_ms else None,
+                peak_load=peak_load,
             )
             new = JobView(job, shape, features, order=float("inf"), peak_load=peak_load)
             healthy = {g.identity.index for g in snapshot.gpus if g.healthy}

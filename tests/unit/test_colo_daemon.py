@@ -338,6 +338,47 @@ def test_a_tight_slo_gets_a_free_mig_instance_and_training_never_a_mig_gpu(
     assert t.gpu == -1 and t.reason.startswith("GPU 0: memory")  # GPU 0 is full
 
 
+def test_a_second_tight_service_gets_the_other_free_mig_instance(tmp_path: Path) -> None:
+    from tests.unit.api_support import mig
+
+    first = mig(1, 0).identity
+    running = [
+        RunningJob(
+            "chat",
+            "inference",
+            1,
+            slo_p99_ms=20,
+            memory_bytes=4 * GIB,
+            device=first.uuid,
+            mig_profile=first.profile_name,
+        )
+    ]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: running, clock=Clock()
+    )
+    snap = Snapshot(0.0, 0.0, (mig_gpu(1),), 0.01)
+    a = svc.advise("search", kind="inference", slo_p99_ms=20, memory_bytes=4 * GIB, snapshot=snap)
+    assert a.gpu == 1 and a.mig_profile == "1g.10gb" and a.device == mig(1, 1).identity.uuid
+
+
+def test_a_service_without_a_declared_shape_shares_with_training(tmp_path: Path) -> None:
+    running = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: running, clock=Clock()
+    )
+    snap = snapshot(1, used_gib=10)
+    a = svc.advise("chat", kind="inference", slo_p99_ms=100, memory_bytes=8 * GIB, snapshot=snap)
+    assert a.gpu == 0 and "shares GPU 0 with train" in a.reason, a.reason
+    # And training may join a running service that declared only its SLO and peak.
+    running[:] = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=100, memory_bytes=8 * GIB, peak_load=5)
+    ]
+    t = svc.advise("train", memory_bytes=10 * GIB, sm_activity=0.2, snapshot=snap)
+    assert t.gpu == 0 and "shares GPU 0 with chat" in t.reason, t.reason
+    # The prior holds the SMs its peak needs: training gets what is left of them.
+    assert t.sm_share <= 0.5
+
+
 def test_gpuctl_jobs_explains_each_jobs_co_location(
     service: tuple[ColoService, Clock, list[RunningJob]], capsys: pytest.CaptureFixture[str]
 ) -> None:
