@@ -152,9 +152,7 @@ class Shape:
         and its declared ``peak_load`` (requests/s).
         """
         if peak is None or peak <= 0:
-            peak = (
-                prior_service_rate(slo_s, peak_load) if kind is JobKind.INFERENCE else 1.0
-            )
+            peak = prior_service_rate(slo_s, peak_load) if kind is JobKind.INFERENCE else 1.0
         return cls(
             job_id=job_id,
             kind=kind,

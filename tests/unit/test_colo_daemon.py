@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from colocate import JobFeatures
 from gpud.backend.port import MemoryInfo, Utilization
 from gpud.client.colo import Latency, Throttle
 from gpud.colo.metrics import ColoMetrics
@@ -216,6 +217,23 @@ def test_gpuctl_colo_show_and_advise_over_grpc(
             )
             assert "GPU 1" in capsys.readouterr().out
             assert main(["--socket", str(path), "colo", "advise", "x" * 200], env={}) != 0
+            # What the predictor's margins are, and what the last advice refused.
+            me, other = JobFeatures(sm=0.5, mem_bw=0.3), JobFeatures(sm=0.6, mem_bw=0.4)
+            for _ in range(5):
+                svc.predictor.observe(me, [other], 0.7)
+            svc.advise("big", memory_bytes=70 * GIB, snapshot=snap)
+            assert main(["--socket", str(path), "colo", "show"], env={}) == 0
+            text = capsys.readouterr().out
+            assert "predictor p90 margins (log-speed): pairs seen 0 times" in text
+            assert (
+                "options refused when advising big: 1 by memory on GPUs with 0 jobs, 4 by memory"
+                in text
+            ), text
+            assert main(["--socket", str(path), "--json", "colo", "show"], env={}) == 0
+            shown = json.loads(capsys.readouterr().out)
+            assert set(shown["predictor_margins"]) <= {"0", "1+", "30+"}
+            assert shown["predictor_margins"] and shown["refused_job"] == "big"
+            assert {"residents": 2, "check": "memory", "count": 4} in shown["refused"]
 
 
 def test_process_wide_directive_without_a_daemon(tmp_path: Path) -> None:
