@@ -21,8 +21,10 @@ One pass:
    evictions carry the guard's or the memory check's reason.
 
 An inference service whose SLO is tight (shorter than ``tight_slo_service_times`` service
-times at full speed) is given a MIG instance when the GPU offers one that covers its peak:
-hard isolation rather than an MPS share that a neighbour's bursts can still hurt.
+times at full speed) is given a MIG instance when a GPU has a free one that covers its peak,
+whatever runs in that GPU's other instances: hard isolation rather than an MPS share that a
+neighbour's bursts can still hurt. Jobs in MIG instances do not count towards
+``max_jobs_per_gpu``, which caps the jobs sharing SMs.
 """
 
 from __future__ import annotations
@@ -177,10 +179,27 @@ class _Gpu:
     view: GpuView
     residents: list[tuple[JobView, float, str | None]] = field(default_factory=list)
     reserved: int = 0
+    # MIG instances given to jobs placed this pass (the view lists the free ones).
+    taken_migs: list[str] = field(default_factory=list)
 
     @property
     def limit(self) -> int:
         return self.view.memory_total
+
+    def free_migs(self) -> list[MigOption]:
+        """The MIG instances still free: the view's, less those placed this pass."""
+        taken = list(self.taken_migs)
+        out = []
+        for m in self.view.mig_options:
+            if m.profile in taken:
+                taken.remove(m.profile)
+            else:
+                out.append(m)
+        return out
+
+    def shared(self) -> int:
+        """Jobs that share the GPU's SMs (those in MIG instances are isolated)."""
+        return sum(1 for _, _, mig in self.residents if mig is None)
 
     def inference_share(self) -> float:
         """SMs the inference services here need at their peak (their MPS caps stay at 100%)."""
@@ -247,8 +266,9 @@ class Planner:
             return _Eval(
                 False, 0.0, 0.0, "another inference service is already here", "two services"
             )
-        if len(gpu.residents) >= p.max_jobs_per_gpu:
-            return _Eval(False, 0.0, 0.0, f"already {len(gpu.residents)} jobs", "jobs per GPU")
+        if mig is None and gpu.shared() >= p.max_jobs_per_gpu:
+            # The cap is on jobs sharing SMs: an isolated MIG instance adds none.
+            return _Eval(False, 0.0, 0.0, f"already {gpu.shared()} jobs", "jobs per GPU")
         if (
             job.kind is JobKind.TRAINING
             and mig is None
@@ -364,7 +384,7 @@ class Planner:
                         key = (len(g.residents), ev.check)
                         refused[key] = refused.get(key, 0) + 1
                         continue
-                    if g.residents and ev.gain < p.min_gain:
+                    if mig is None and g.residents and ev.gain < p.min_gain:
                         key = (len(g.residents), "gain")
                         refused[key] = refused.get(key, 0) + 1
                         continue
@@ -380,6 +400,15 @@ class Planner:
                             tag=(share, mig),
                         )
                     )
+            if any(isinstance(o.tag, tuple) and o.tag[1] is not None for o in opts):
+                # A tight service that a MIG instance holds: isolation (an instance, or a
+                # GPU of its own) rather than an MPS share next to jobs whose bursts it
+                # would feel.
+                opts = [
+                    o
+                    for o in opts
+                    if not state[o.gpu].residents or (isinstance(o.tag, tuple) and o.tag[1])
+                ]
             options[job.job_id] = opts
 
         # 3. prices over what is left on each GPU.
@@ -427,11 +456,13 @@ class Planner:
                 share, mig = o.tag if isinstance(o.tag, tuple) else (1.0, None)
                 g = state[o.gpu]
                 ev = self._evaluate(g, job, share, mig)
-                if not ev.ok or (g.residents and ev.gain < p.min_gain):
+                if not ev.ok or (mig is None and g.residents and ev.gain < p.min_gain):
                     continue
                 reason = self._reason(job, g, share, mig, ev)
                 g.residents.append((job, share, mig))
                 g.reserved += job.shape.reserve_bytes()
+                if mig is not None:
+                    g.taken_migs.append(mig)
                 placements.append(
                     Placement(
                         job_id=job.job_id,
@@ -479,14 +510,11 @@ class Planner:
     # -- helpers --------------------------------------------------------------------------
     def _candidates(self, job: JobView, g: _Gpu) -> list[tuple[float, str | None]]:
         if job.kind is JobKind.INFERENCE:
-            svc = 1.0 / max(job.shape.service_rate(1.0), 1e-9)
-            tight = job.shape.slo_s is not None and job.shape.slo_s < (
-                self.params.tight_slo_service_times * svc
-            )
-            if tight and not g.residents:
+            if self._tight(job):
+                # A free MIG instance is isolated hardware, whoever else is on the GPU.
                 migs = [
                     m
-                    for m in sorted(g.view.mig_options, key=lambda m: m.sm_fraction)
+                    for m in sorted(g.free_migs(), key=lambda m: m.sm_fraction)
                     if job.shape.perf(m.sm_fraction) >= job.peak_load * (1 + self.params.slo_margin)
                     and m.memory_bytes >= job.shape.reserve_bytes()
                 ]
@@ -496,6 +524,13 @@ class Planner:
         if not g.residents:
             return [(1.0, None)]
         return [(s, None) for s in self.params.shares]
+
+    def _tight(self, job: JobView) -> bool:
+        """An inference SLO shorter than ``tight_slo_service_times`` service times."""
+        if job.kind is not JobKind.INFERENCE or job.shape.slo_s is None:
+            return False
+        svc = 1.0 / max(job.shape.service_rate(1.0), 1e-9)
+        return job.shape.slo_s < self.params.tight_slo_service_times * svc
 
     def _drop(self, g: _Gpu, job: JobView) -> None:
         g.residents = [r for r in g.residents if r[0].job_id != job.job_id]

@@ -13,8 +13,9 @@ response time is ``ln(100) / (mu - lambda)``, so the sustainable load is
 ``mu - ln(100) / slo``.
 
 Shapes start from what the job declares, or from conservative priors (the whole GPU is
-needed, memory is declared plus a margin), and are refined online from the throughput
-gpud measures against the share the job had.
+needed, memory is declared plus a margin; an inference service holds its SLO at its peak
+alone with some headroom, see :func:`prior_service_rate`), and are refined online from the
+throughput gpud measures against the share the job had.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ P99_FACTOR = math.log(100.0)
 
 # MPS thread shares a planner considers; 1.0 means uncapped.
 DEFAULT_SHARES: tuple[float, ...] = (1.0, 0.75, 0.5, 0.25)
+
+# An inference service that does not declare its speed: one request takes this long on a
+# whole GPU (a batched forward pass of a mid-size model on a data-centre GPU) ...
+PRIOR_SERVICE_TIME_S = 0.02
+# ... unless its SLO says it must be faster: a service deployed with an SLO holds it at its
+# declared peak on a whole GPU, and is assumed to with this much to spare (the service
+# rate, net of the SLO's queueing term, this many times what the SLO and peak need).
+PRIOR_SERVICE_HEADROOM = 1.5
 
 
 class JobKind(StrEnum):
@@ -79,6 +88,21 @@ class Curve:
         return self.perf(share) / self.peak if self.peak > 0 else 0.0
 
 
+def prior_service_rate(slo_s: float | None, peak_load: float = 0.0) -> float:
+    """Requests/s an inference service of unknown speed is assumed to serve on a whole GPU.
+
+    ``1 / PRIOR_SERVICE_TIME_S``, or more where its SLO and peak load need more: a service
+    holds its declared SLO at its declared peak alone on a GPU (else it could not be
+    deployed), with ``PRIOR_SERVICE_HEADROOM``. So it is placeable alone, its tightness
+    follows its SLO (a 50 ms SLO is a few service times, a 2 s one hundreds) and its load,
+    and it shares SMs only where the predicted slowdown stays within that headroom.
+    """
+    base = 1.0 / PRIOR_SERVICE_TIME_S
+    if not slo_s or slo_s <= 0:
+        return max(base, PRIOR_SERVICE_HEADROOM * max(0.0, peak_load))
+    return max(base, PRIOR_SERVICE_HEADROOM * (P99_FACTOR / slo_s + max(0.0, peak_load)))
+
+
 @dataclass(frozen=True)
 class Observation:
     share: float
@@ -118,16 +142,21 @@ class Shape:
         knee: float | None = None,
         bw_intensity: float | None = None,
         slo_s: float | None = None,
+        peak_load: float = 0.0,
     ) -> Shape:
         """A shape from declarations; what is not declared is assumed conservatively.
 
-        Unknown knee: the job needs the whole GPU (1.0). Unknown peak: 1.0 (relative).
-        Unknown bandwidth intensity: 0.5, so that it is not paired with heavy jobs blindly.
+        Unknown knee: the job needs the whole GPU (1.0). Unknown bandwidth intensity: 0.5,
+        so that it is not paired with heavy jobs blindly. Unknown peak: training 1.0
+        (relative); inference, the service rate of :func:`prior_service_rate`, from its SLO
+        and its declared ``peak_load`` (requests/s).
         """
+        if peak is None or peak <= 0:
+            peak = prior_service_rate(slo_s, peak_load) if kind is JobKind.INFERENCE else 1.0
         return cls(
             job_id=job_id,
             kind=kind,
-            curve=Curve(peak=peak if peak and peak > 0 else 1.0, knee=knee or 1.0),
+            curve=Curve(peak=peak, knee=knee or 1.0),
             memory_bytes=memory_bytes,
             bw_intensity=0.5 if bw_intensity is None else bw_intensity,
             slo_s=slo_s,

@@ -93,11 +93,26 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         f"interference predictor: {resp.predictor_samples} samples, mean abs error "
         f"{resp.predictor_mean_abs_error:.3f}; plan {resp.plan_age_seconds:.1f} s old"
     )
+    if resp.predictor_margins:
+        standings = sorted(resp.predictor_margins.items(), key=lambda kv: _standing(kv[0]))
+        margins = ", ".join(f"pairs seen {k} times {v:.3f}" for k, v in standings)
+        ctx.out.print(f"predictor p90 margins (log-speed): {margins}")
+    if resp.refused:
+        refused = ", ".join(
+            f"{r.count} by {r.check} on GPUs with {r.residents} jobs" for r in resp.refused
+        )
+        ctx.out.print(f"options refused when advising {resp.refused_job}: {refused}")
     ctx.out.print(
         "speed: throughput shared over alone (1.00: no slowdown), observed for training "
         "jobs that ran alone first, per second of running time (duty taken out)"
     )
     return 0
+
+
+def _standing(key: str) -> int:
+    """ "0", "1+", "30+" -> 0, 1, 30: the fewest observations of a prediction's pairs."""
+    head = key.rstrip("+")
+    return int(head) if head.isdigit() else 0
 
 
 def run_advise(ctx: Context, args: argparse.Namespace) -> int:

@@ -83,6 +83,10 @@ class ColoServicer(pb_grpc.ColocationServicer):
             out.price_iterations = plan.convergence.iterations
             out.price_residual = plan.convergence.residual
             out.prices_converged = plan.convergence.converged
+        out.predictor_margins.update(v.predictor_margins)
+        out.refused_job = v.refused_job
+        for (residents, check), count in sorted(v.refused.items()):
+            out.refused.add(residents=residents, check=check, count=count)
         for p in out.placements:
             if p.gpu in v.faulty:
                 p.reason = f"GPU {p.gpu} {v.faulty[p.gpu]}: left alone until it answers"

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,6 +141,11 @@ class ColoView:
     predictor_samples: int
     predictor_mae: float
     faulty: dict[int, str] = field(default_factory=dict)  # GPU -> why it is left alone
+    # the p90 margin (log-speed) per standing of a prediction's pairs ("0", "1+", "30+")
+    predictor_margins: dict[str, float] = field(default_factory=dict)
+    # the last advice: the job, and its options refused by (jobs on the GPU, check)
+    refused_job: str = ""
+    refused: dict[tuple[int, str], int] = field(default_factory=dict)
 
 
 PRIOR = JobFeatures(sm=0.8, mem_bw=0.6)
@@ -196,6 +201,9 @@ class ColoService:
         self._last_running: tuple[RunningJob, ...] = ()
         self._observed: dict[str, float] = {}
         self._faulty: dict[int, str] = {}  # GPU -> why, at the last tick
+        # the last advice: its job and the options its plan refused (only advice has
+        # pending jobs: the loop's own plans direct running ones)
+        self._refused: tuple[str, Mapping[tuple[int, str], int]] = ("", {})
         self._state_file = state_file
         self._saved: dict[str, Any] | None = None
         self.configure(config)
@@ -478,15 +486,18 @@ class ColoService:
     def _view(self, r: RunningJob) -> JobView:
         kind = JobKind.INFERENCE if r.kind == "inference" else JobKind.TRAINING
         memory = r.memory_bytes or r.memory_used or 0
+        load = self.load(r.name) if kind is JobKind.INFERENCE else 0.0
         shape = Shape.prior(
             r.name,
             kind,
             memory_bytes=memory,
             slo_s=r.slo_p99_ms / 1e3 if r.slo_p99_ms else None,
             knee=self._features(r).sm if self._jobs.get(r.name, _JobState()).features else None,
+            # what it declared, or serves now if more: it holds that alone (the guard
+            # watches that it does)
+            peak_load=max(r.peak_load, load),
         )
         shape.observe_memory(r.memory_used)
-        load = self.load(r.name) if kind is JobKind.INFERENCE else 0.0
         return JobView(
             job_id=r.name,
             shape=shape,
@@ -584,6 +595,7 @@ class ColoService:
                 memory_bytes=memory_bytes or 8 * GIB,
                 knee=sm_activity,
                 slo_s=slo_p99_ms / 1e3 if slo_p99_ms else None,
+                peak_load=peak_load,
             )
             new = JobView(job, shape, features, order=float("inf"), peak_load=peak_load)
             healthy = {g.identity.index for g in snapshot.gpus if g.healthy}
@@ -627,6 +639,7 @@ class ColoService:
         self, gpus: list[GpuView], running: list[JobView], new: JobView
     ) -> tuple[Placement | None, str]:
         plan = Planner(self.predictor, self._planner.params).plan(gpus, [*running, new])
+        self._refused = (new.job_id, plan.refused)
         for p in plan.placements:
             if p.job_id == new.job_id:
                 return p, ""
@@ -669,4 +682,7 @@ class ColoService:
                 predictor_samples=stats.samples,
                 predictor_mae=stats.mean_abs_error,
                 faulty=dict(self._faulty),
+                predictor_margins=self.predictor.margins(self._planner.params.error_quantile),
+                refused_job=self._refused[0],
+                refused=dict(self._refused[1]),
             )

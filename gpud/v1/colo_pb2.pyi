@@ -145,6 +145,36 @@ class ColoGuard(_message.Message):
 Global___ColoGuard: _TypeAlias = ColoGuard  # noqa: Y015
 
 @_typing.final
+class ColoRefusal(_message.Message):
+    """Options a plan refused: on GPUs holding `residents` jobs, by `check` (one of
+    "memory", "two services", "jobs per GPU", "service share", "service SLO", "slowdown
+    cap", "gain").
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESIDENTS_FIELD_NUMBER: _builtins.int
+    CHECK_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    residents: _builtins.int
+    check: _builtins.str
+    count: _builtins.int
+    def __init__(
+        self,
+        *,
+        residents: _builtins.int = ...,
+        check: _builtins.str = ...,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["check", b"check", "count", b"count", "residents", b"residents"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ColoRefusal: _TypeAlias = ColoRefusal  # noqa: Y015
+
+@_typing.final
 class ShowColoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -163,6 +193,26 @@ Global___ShowColoRequest: _TypeAlias = ShowColoRequest  # noqa: Y015
 class ShowColoResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class PredictorMarginsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     PLACEMENTS_FIELD_NUMBER: _builtins.int
     PRICES_FIELD_NUMBER: _builtins.int
     PRICE_ITERATIONS_FIELD_NUMBER: _builtins.int
@@ -173,6 +223,9 @@ class ShowColoResponse(_message.Message):
     PREDICTOR_MEAN_ABS_ERROR_FIELD_NUMBER: _builtins.int
     PLAN_AGE_SECONDS_FIELD_NUMBER: _builtins.int
     ENABLED_FIELD_NUMBER: _builtins.int
+    PREDICTOR_MARGINS_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
+    REFUSED_JOB_FIELD_NUMBER: _builtins.int
     price_iterations: _builtins.int
     price_residual: _builtins.float
     prices_converged: _builtins.bool
@@ -180,12 +233,23 @@ class ShowColoResponse(_message.Message):
     predictor_mean_abs_error: _builtins.float
     plan_age_seconds: _builtins.float
     enabled: _builtins.bool
+    refused_job: _builtins.str
     @_builtins.property
     def placements(self) -> _containers.RepeatedCompositeFieldContainer[Global___ColoPlacement]: ...
     @_builtins.property
     def prices(self) -> _containers.RepeatedCompositeFieldContainer[Global___ColoPrice]: ...
     @_builtins.property
     def guards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ColoGuard]: ...
+    @_builtins.property
+    def predictor_margins(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """The predictor's p90 margin in log-speed for each standing of a prediction's pairs
+        ("0": never seen, "1+", "30+" observations).
+        """
+
+    @_builtins.property
+    def refused(self) -> _containers.RepeatedCompositeFieldContainer[Global___ColoRefusal]:
+        """What the last placement advice refused, and for which job ("" before any advice)."""
+
     def __init__(
         self,
         *,
@@ -199,10 +263,13 @@ class ShowColoResponse(_message.Message):
         predictor_mean_abs_error: _builtins.float = ...,
         plan_age_seconds: _builtins.float = ...,
         enabled: _builtins.bool = ...,
+        predictor_margins: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        refused: _abc.Iterable[Global___ColoRefusal] | None = ...,
+        refused_job: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "guards", b"guards", "placements", b"placements", "plan_age_seconds", b"plan_age_seconds", "predictor_mean_abs_error", b"predictor_mean_abs_error", "predictor_samples", b"predictor_samples", "price_iterations", b"price_iterations", "price_residual", b"price_residual", "prices", b"prices", "prices_converged", b"prices_converged"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "guards", b"guards", "placements", b"placements", "plan_age_seconds", b"plan_age_seconds", "predictor_margins", b"predictor_margins", "predictor_mean_abs_error", b"predictor_mean_abs_error", "predictor_samples", b"predictor_samples", "price_iterations", b"price_iterations", "price_residual", b"price_residual", "prices", b"prices", "prices_converged", b"prices_converged", "refused", b"refused", "refused_job", b"refused_job"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

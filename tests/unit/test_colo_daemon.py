@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from colocate import JobFeatures
 from gpud.backend.port import MemoryInfo, Utilization
 from gpud.client.colo import Latency, Throttle
 from gpud.colo.metrics import ColoMetrics
@@ -216,6 +217,23 @@ def test_gpuctl_colo_show_and_advise_over_grpc(
             )
             assert "GPU 1" in capsys.readouterr().out
             assert main(["--socket", str(path), "colo", "advise", "x" * 200], env={}) != 0
+            # What the predictor's margins are, and what the last advice refused.
+            me, other = JobFeatures(sm=0.5, mem_bw=0.3), JobFeatures(sm=0.6, mem_bw=0.4)
+            for _ in range(5):
+                svc.predictor.observe(me, [other], 0.7)
+            svc.advise("big", memory_bytes=70 * GIB, snapshot=snap)
+            assert main(["--socket", str(path), "colo", "show"], env={}) == 0
+            text = capsys.readouterr().out
+            assert "predictor p90 margins (log-speed): pairs seen 0 times" in text
+            assert (
+                "options refused when advising big: 1 by memory on GPUs with 0 jobs, 4 by memory"
+                in text
+            ), text
+            assert main(["--socket", str(path), "--json", "colo", "show"], env={}) == 0
+            shown = json.loads(capsys.readouterr().out)
+            assert set(shown["predictor_margins"]) <= {"0", "1+", "30+"}
+            assert shown["predictor_margins"] and shown["refused_job"] == "big"
+            assert {"residents": 2, "check": "memory", "count": 4} in shown["refused"]
 
 
 def test_process_wide_directive_without_a_daemon(tmp_path: Path) -> None:
@@ -336,6 +354,47 @@ def test_a_tight_slo_gets_a_free_mig_instance_and_training_never_a_mig_gpu(
     # A training job needs a whole GPU: never one in MIG mode.
     t = svc.advise("train2", memory_bytes=10 * GIB, snapshot=snap)
     assert t.gpu == -1 and t.reason.startswith("GPU 0: memory")  # GPU 0 is full
+
+
+def test_a_second_tight_service_gets_the_other_free_mig_instance(tmp_path: Path) -> None:
+    from tests.unit.api_support import mig
+
+    first = mig(1, 0).identity
+    running = [
+        RunningJob(
+            "chat",
+            "inference",
+            1,
+            slo_p99_ms=20,
+            memory_bytes=4 * GIB,
+            device=first.uuid,
+            mig_profile=first.profile_name,
+        )
+    ]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: running, clock=Clock()
+    )
+    snap = Snapshot(0.0, 0.0, (mig_gpu(1),), 0.01)
+    a = svc.advise("search", kind="inference", slo_p99_ms=20, memory_bytes=4 * GIB, snapshot=snap)
+    assert a.gpu == 1 and a.mig_profile == "1g.10gb" and a.device == mig(1, 1).identity.uuid
+
+
+def test_a_service_without_a_declared_shape_shares_with_training(tmp_path: Path) -> None:
+    running = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: running, clock=Clock()
+    )
+    snap = snapshot(1, used_gib=10)
+    a = svc.advise("chat", kind="inference", slo_p99_ms=100, memory_bytes=8 * GIB, snapshot=snap)
+    assert a.gpu == 0 and "shares GPU 0 with train" in a.reason, a.reason
+    # And training may join a running service that declared only its SLO and peak.
+    running[:] = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=100, memory_bytes=8 * GIB, peak_load=5)
+    ]
+    t = svc.advise("train", memory_bytes=10 * GIB, sm_activity=0.2, snapshot=snap)
+    assert t.gpu == 0 and "shares GPU 0 with chat" in t.reason, t.reason
+    # The prior holds the SMs its peak needs: training gets what is left of them.
+    assert t.sm_share <= 0.5
 
 
 def test_gpuctl_jobs_explains_each_jobs_co_location(

@@ -23,7 +23,7 @@ from colocate import (
     ShadowPrices,
     Shape,
 )
-from colocate.shapes import Curve
+from colocate.shapes import PRIOR_SERVICE_TIME_S, Curve, prior_service_rate
 
 GIB = 1 << 30
 
@@ -343,6 +343,57 @@ def test_tight_slo_inference_gets_a_mig_instance() -> None:
     assert p.mig_profile == "3g.40gb" and "MIG" in p.reason
     loose = planner.plan(view, [inference("svc2", slo_s=0.5, peak=50.0)])
     assert loose.placements[0].mig_profile is None
+
+
+def test_a_free_mig_instance_is_offered_next_to_a_service_on_another() -> None:
+    planner = Planner(InterferencePredictor())
+    free = (MigOption("3g.40gb", 3 / 7, 40 * GIB), MigOption("3g.40gb", 3 / 7, 40 * GIB))
+    view = [GpuView(index=0, memory_total=80 * GIB, mig_options=free)]
+    first = inference("first", slo_s=0.019, peak=40.0, gpu=0)
+    first.mig_profile, first.sm_share = "3g.40gb", 3 / 7
+    plan = planner.plan(view, [first, inference("second", slo_s=0.019, peak=40.0)])
+    (p,) = plan.placements
+    assert p.gpu == 0 and p.mig_profile == "3g.40gb" and "MIG" in p.reason
+    # Two in one pass take the two free instances; a third has none left to take.
+    many = [inference(n, slo_s=0.019, peak=40.0) for n in ("a", "b", "c")]
+    for i, j in enumerate(many):
+        j.order = i
+    plan = planner.plan(view, [first, *many])
+    assert [p.mig_profile for p in plan.placements][:2] == ["3g.40gb", "3g.40gb"]
+    assert all(p.mig_profile is None for p in plan.placements[2:])
+
+
+def _undeclared(slo_s: float, *, gpu: int | None = None, load: float = 0.0) -> JobView:
+    shape = Shape.prior("svc", JobKind.INFERENCE, memory_bytes=10 * GIB, slo_s=slo_s)
+    return JobView(
+        "svc", shape, JobFeatures(sm=0.8, mem_bw=0.6), gpu=gpu, load=load, peak_load=load
+    )
+
+
+def test_an_undeclared_service_is_placeable_and_its_tightness_follows_its_slo() -> None:
+    planner = Planner(InterferencePredictor())
+    alone = planner.plan(gpus(1), [_undeclared(0.05)])
+    assert alone.placements[0].gpu == 0 and "free" in alone.placements[0].reason
+    # It holds its SLO alone with some load to spare, whatever the SLO.
+    for slo in (0.01, 0.05, 0.2, 2.0):
+        assert Shape.prior("s", JobKind.INFERENCE, memory_bytes=GIB, slo_s=slo).perf(1.0) > 0
+    migs = (MigOption("3g.40gb", 3 / 7, 40 * GIB),)
+    view = [GpuView(index=0, memory_total=80 * GIB, mig_options=migs)]
+    assert planner.plan(view, [_undeclared(0.05)]).placements[0].mig_profile == "3g.40gb"
+    assert planner.plan(view, [_undeclared(2.0)]).placements[0].mig_profile is None
+    # Next to a light training job, either way round, rather than refused.
+    plan = planner.plan(gpus(1), [training("t", gpu=0), _undeclared(0.1, load=5.0)])
+    assert [p.job_id for p in plan.placements] == ["svc"]
+    plan = planner.plan(gpus(1), [_undeclared(0.1, gpu=0, load=5.0), training("t", order=1)])
+    assert [p.job_id for p in plan.placements] == ["t"]
+
+
+def test_a_declared_peak_makes_the_prior_serve_it() -> None:
+    s = Shape.prior("s", JobKind.INFERENCE, memory_bytes=GIB, slo_s=0.1, peak_load=200.0)
+    assert s.perf(1.0) >= 200.0 * 1.5  # the peak with the prior's headroom
+    assert prior_service_rate(None) == 1.0 / PRIOR_SERVICE_TIME_S
+    t = Shape.prior("t", JobKind.TRAINING, memory_bytes=GIB)
+    assert t.curve.peak == 1.0  # training stays relative
 
 
 def test_training_next_to_inference_keeps_the_slo_capacity() -> None:

@@ -4,7 +4,7 @@ Training types are named after the job families Gavel measured (ResNet, Transfor
 LM, Recommendation, CycleGAN, A3C) plus LLM fine-tuning and a data-loader-bound vision job.
 For each: ``sm`` is the SM activity alone on a whole GPU (also the knee of its shape: a
 share at or above it runs at full speed), ``bw`` the memory-controller utilization alone,
-``cpu`` the host CPU it needs (fraction of the host's cores), ``mem_gib`` the device memory
+``cpu`` the host CPU it needs (fraction of the cores pinned to its GPU), ``mem_gib`` the device memory
 it declares, ``gamma`` how steeply it slows below its knee, ``growth`` how far memory grows
 past the declaration at run time (1.0: not at all). The activities follow the published
 pattern that single-GPU training jobs leave much of a modern GPU idle (ElastiCo: 25%
