@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpud.mps.procs import stat_fields
+
 
 @dataclass(frozen=True, slots=True)
 class HostUse:
@@ -89,11 +91,9 @@ class HostUsage:
         for name in names:
             if not name.isdigit():
                 continue
-            try:
-                text = (self._proc / name / "stat").read_text()
-            except OSError:
+            f = stat_fields(int(name), self._proc)
+            if f is None:
                 continue  # gone meanwhile
-            f = text[text.rfind(")") + 2 :].split()
             try:
                 out[int(name)] = _Stat(int(f[1]), int(f[11]) + int(f[12]), int(f[19]), int(f[21]))
             except (IndexError, ValueError):

@@ -7,6 +7,17 @@ import os
 from pathlib import Path
 
 
+def stat_fields(pid: int, proc_root: Path = Path("/proc")) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after ``(comm)`` (``[0]`` is the state, field 3 of
+    proc(5)); None when the process is gone. ``comm`` may hold spaces and parentheses, so the
+    split starts after its last ``)``."""
+    try:
+        stat = (proc_root / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2 :].split()
+
+
 def alive(pid: int, proc_root: Path = Path("/proc")) -> bool:
     """``pid`` runs and is not a zombie.
 
@@ -21,21 +32,18 @@ def alive(pid: int, proc_root: Path = Path("/proc")) -> bool:
         return False
     except PermissionError:
         pass
-    try:
-        stat = (proc_root / str(pid) / "stat").read_text()
-    except OSError:
+    fields = stat_fields(pid, proc_root)
+    if not fields:
         return True  # no procfs entry readable: trust kill(0)
-    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
+    return fields[0] not in ("Z", "X")
 
 
 def start_time(pid: int, proc_root: Path = Path("/proc")) -> int | None:
     """Field 22 of ``/proc/<pid>/stat`` (clock ticks since boot): with the PID, it names one
     process even after the PID is reused."""
-    try:
-        stat = (proc_root / str(pid) / "stat").read_text()
-    except OSError:
+    fields = stat_fields(pid, proc_root)
+    if fields is None:
         return None
-    fields = stat[stat.rfind(")") + 2 :].split()
     with contextlib.suppress(IndexError, ValueError):
         return int(fields[19])
     return None
