@@ -56,6 +56,7 @@ from gpud.cli import queue as queue_cli
 from gpud.cli import run as run_cli
 from gpud.cli.context import DEFAULT_SOCKET, EXIT_USAGE, CliError, Context
 from gpud.cli.output import Output
+from gpud.cli.pipes import quiet_on_broken_pipe
 
 # Command groups, in help order. Each module exposes register(subparsers).
 COMMAND_GROUPS: list[ModuleType] = [
@@ -134,26 +135,13 @@ def _socket_path(args: argparse.Namespace, env: Mapping[str, str]) -> Path:
     return Path(from_env) if from_env else DEFAULT_SOCKET
 
 
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what `yes | head` reports for `yes`
-
-
 def main(argv: Sequence[str] | None = None, *, env: Mapping[str, str] | None = None) -> int:
     """Run gpuctl; returns the exit code (the console script exits with it).
 
     Output piped into a reader that stops early (``gpuctl mig show | head -3``) ends gpuctl
     quietly with exit 141, as a process killed by SIGPIPE would, in every command.
     """
-    try:
-        code = _main(argv, env)
-        sys.stdout.flush()  # inside the try: a pipe closed early shows here for buffered output
-    except BrokenPipeError:
-        # Python flushes stdout again at exit: point it at /dev/null so that flush has
-        # nowhere to fail and prints no "Exception ignored" traceback.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        return EXIT_BROKEN_PIPE
-    return code
+    return quiet_on_broken_pipe(lambda: _main(argv, env))
 
 
 def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:

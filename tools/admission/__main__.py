@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any
 
+from gpud.cli.pipes import quiet_on_broken_pipe
 from tools.admission import bench, reference
 
 
@@ -164,4 +165,4 @@ def _finite(value: Any) -> Any:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(quiet_on_broken_pipe(main))

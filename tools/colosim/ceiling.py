@@ -20,7 +20,7 @@ import itertools
 import math
 import random
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,21 +37,21 @@ class _Set:
     rate: Mapping[str, float]  # progress per class
 
 
+def _members(combo: Sequence[str]) -> list[Member]:
+    """One co-runner per job of ``combo`` (class names), as the hidden model sees it."""
+    return [
+        Member(
+            n, TRAIN_TYPES[n].sm, TRAIN_TYPES[n].bw, TRAIN_TYPES[n].cpu, gamma=TRAIN_TYPES[n].gamma
+        )
+        for n in combo
+    ]
+
+
 def _sets(model: TrueInterference, names: list[str], max_jobs: int) -> list[_Set]:
     out = []
     for k in range(1, max_jobs + 1):
         for combo in itertools.combinations_with_replacement(names, k):
-            members = [
-                Member(
-                    n,
-                    TRAIN_TYPES[n].sm,
-                    TRAIN_TYPES[n].bw,
-                    TRAIN_TYPES[n].cpu,
-                    gamma=TRAIN_TYPES[n].gamma,
-                )
-                for n in combo
-            ]
-            speeds = model.speeds(members)
+            speeds = model.speeds(_members(combo))
             rate: dict[str, float] = {}
             for n, v in zip(combo, speeds, strict=True):
                 rate[n] = rate.get(n, 0.0) + v
@@ -83,17 +83,7 @@ def ceiling(
         utils, tputs = [], []
         for _ in range(4000):
             combo = rng.choices(names, [weights[n] for n in names], k=k)
-            members = [
-                Member(
-                    n,
-                    TRAIN_TYPES[n].sm,
-                    TRAIN_TYPES[n].bw,
-                    TRAIN_TYPES[n].cpu,
-                    gamma=TRAIN_TYPES[n].gamma,
-                )
-                for n in combo
-            ]
-            speeds = model.speeds(members)
+            speeds = model.speeds(_members(combo))
             utils.append(sum(TRAIN_TYPES[n].sm * v for n, v in zip(combo, speeds, strict=True)))
             tputs.append(sum(speeds))
         random_k[str(k)] = {

@@ -6,7 +6,7 @@
     python -m tools.colosim suite [--json] [--seeds 3] [--only NAME,...] [--jobs N]
     python -m tools.colosim plot SCENARIO.json|BUILTIN --out FILE.png [--seed 0]
     python -m tools.colosim diagnose SCENARIO.json|BUILTIN [--seed 0] [--json]
-    python -m tools.colosim ceiling [--mix production] [--max-jobs 4] [--floor 0.5]
+    python -m tools.colosim ceiling [--mix production] [--max-jobs 4] [--floor 0.5] [--json]
     python -m tools.colosim list
     python -m tools.colosim calibrate
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
@@ -44,6 +44,32 @@ def resolve(name_or_path: str) -> Scenario:
             where=name_or_path,
         )
     return load(path)
+
+
+def _emit(report: Any, as_json: bool, printer: Callable[[Any, TextIO], None]) -> None:
+    if as_json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        printer(report, sys.stdout)
+
+
+def print_ceiling(c: dict[str, Any], out: TextIO) -> None:
+    print(f"mix {c['mix']}: one job alone, utilization {c['alone_util']:.3f}", file=out)
+    for k, r in c["random"].items():
+        print(
+            f"{k} random jobs per GPU: utilization {r['util']:.3f} "
+            f"({r['util_x_alone']:.2f} x alone), throughput {r['throughput']:.2f}",
+            file=out,
+        )
+    o = c["oracle"]
+    print(
+        f"oracle, up to {o['max_jobs']} jobs, none under {o['floor']:g} of its speed, "
+        f"classes consumed as they arrive: utilization {o['util']:.3f} "
+        f"({o['util_x_alone']:.2f} x alone), throughput {o['throughput']:.2f} "
+        f"(least-served class at {o['worst_class_vs_mix']:.2f} of its share)",
+        file=out,
+    )
 
 
 def print_run(run: dict[str, Any], out: TextIO) -> None:
@@ -112,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_ceil.add_argument("--mix", default="production")
     p_ceil.add_argument("--max-jobs", type=int, default=4)
     p_ceil.add_argument("--floor", type=float, default=0.5)
+    p_ceil.add_argument("--json", action="store_true")
     sub.add_parser("list", help="the built-in scenarios")
     sub.add_parser("calibrate", help="the interference model against Gavel's measurements")
     args = ap.parse_args(argv)
@@ -119,12 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "run":
             if args.seeds < 1:
                 raise ScenarioError("must be at least 1", where="--seeds")
-            run = run_scenario(resolve(args.scenario), args.seeds)
-            if args.json:
-                json.dump(run, sys.stdout, indent=2)
-                sys.stdout.write("\n")
-            else:
-                print_run(run, sys.stdout)
+            _emit(run_scenario(resolve(args.scenario), args.seeds), args.json, print_run)
             return 0
         if args.cmd == "suite":
             names = [n.strip() for n in args.only.split(",") if n.strip()] or list(BUILTIN)
@@ -147,12 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "diagnose":
             from tools.colosim.diagnose import diagnose, print_diagnosis
 
-            report = diagnose(resolve(args.scenario), args.seed)
-            if args.json:
-                json.dump(report, sys.stdout, indent=2)
-                sys.stdout.write("\n")
-            else:
-                print_diagnosis(report, sys.stdout)
+            _emit(diagnose(resolve(args.scenario), args.seed), args.json, print_diagnosis)
             return 0
         if args.cmd == "ceiling":
             from tools.colosim.ceiling import ceiling
@@ -164,20 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ScenarioError("must be in [1, 5]", where="--max-jobs")
             if not 0.0 <= args.floor < 1.0:
                 raise ScenarioError("must be in [0, 1)", where="--floor")
-            c = ceiling(args.mix, args.max_jobs, args.floor)
-            print(f"mix {c['mix']}: one job alone, utilization {c['alone_util']:.3f}")
-            for k, r in c["random"].items():
-                print(
-                    f"{k} random jobs per GPU: utilization {r['util']:.3f} "
-                    f"({r['util_x_alone']:.2f} x alone), throughput {r['throughput']:.2f}"
-                )
-            o = c["oracle"]
-            print(
-                f"oracle, up to {o['max_jobs']} jobs, none under {o['floor']:g} of its speed, "
-                f"classes consumed as they arrive: utilization {o['util']:.3f} "
-                f"({o['util_x_alone']:.2f} x alone), throughput {o['throughput']:.2f} "
-                f"(least-served class at {o['worst_class_vs_mix']:.2f} of its share)"
-            )
+            _emit(ceiling(args.mix, args.max_jobs, args.floor), args.json, print_ceiling)
             return 0
         if args.cmd == "list":
             for name, s in BUILTIN.items():

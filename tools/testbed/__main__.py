@@ -2,6 +2,7 @@
 
 import sys
 
+from gpud.cli.pipes import quiet_on_broken_pipe
 from tools.testbed.run import main
 
-sys.exit(main())
+sys.exit(quiet_on_broken_pipe(main))

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from gpud.admission.node import MIB
 from gpud.backend.products import lookup
+from gpud.cli.pipes import quiet_on_broken_pipe
 from gpud.errors import GpudError
 from tools.whatif.replay import NodeSpec, Replay, compare
 from tools.whatif.traces import TraceError, load
@@ -113,4 +114,4 @@ def plot(before: Replay, after: Replay, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(quiet_on_broken_pipe(main))
