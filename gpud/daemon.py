@@ -349,6 +349,7 @@ class Daemon:
                     memory_total=totals.get(r.device, 0),
                     threads_percent=r.threads_percent,
                     duty=self.colo.duty(r.name),
+                    load=self.colo.load(r.name) if r.kind == "inference" else 0.0,
                 )
                 for r in self._colo_running()
             ]

@@ -299,6 +299,8 @@ class NvmlBackend:
             mig_capable = True
         except NotSupported:
             mig_capable = False
+        link_gen = self._link(gpu, nv.nvmlDeviceGetMaxPcieLinkGeneration, h)
+        link_width = self._link(gpu, nv.nvmlDeviceGetMaxPcieLinkWidth, h)
         ident = GpuIdentity(
             index=gpu,
             uuid=uuid,
@@ -308,9 +310,21 @@ class NvmlBackend:
             pci_device_id=int(pci.pciDeviceId),
             memory_total_bytes=total,
             mig_capable=mig_capable,
+            pcie_link_gen=link_gen,
+            pcie_link_width=link_width,
         )
         self._identities[gpu] = ident
         return ident
+
+    def _link(self, gpu: int, fn: Callable[..., Any], h: Any) -> int | None:
+        """A PCIe link property, None where the driver does not give it (a vGPU, an old
+        driver); a lost or hung GPU raises as for the other identity reads."""
+        try:
+            return int(self._call(gpu, fn, h))
+        except (GpuLost, DriverTimeout):
+            raise
+        except BackendError:
+            return None
 
     # -- readings ----------------------------------------------------------------------------
     #

@@ -39,6 +39,10 @@ class GpuIdentity:
     pci_device_id: int  # NVML's combined id, e.g. 0x233010DE (device << 16 | vendor)
     memory_total_bytes: int
     mig_capable: bool
+    # The PCIe link to the host at its best (``nvidia-smi -q``: "Max" under "GPU Link Info",
+    # what the GPU and its slot allow together); None where NVML does not say.
+    pcie_link_gen: int | None = None
+    pcie_link_width: int | None = None
 
 
 def unknown_identity(index: int) -> GpuIdentity:

@@ -61,6 +61,33 @@ CI_CONSTANT_BY_SLICES: dict[int, int] = {
 }
 
 
+# Usable bytes per second of one PCIe lane in each direction, by generation: the transfer
+# rate times its line code (8b/10b to Gen2, 128b/130b from Gen3; Gen6 runs 64 GT/s in
+# 256-byte FLITs of which 242 carry data), over 8 bits. A Gen5 x16 link: 63 GB/s each way.
+PCIE_LANE_BYTES_PER_SECOND: dict[int, float] = {
+    1: 2.5e9 * 8 / 10 / 8,
+    2: 5e9 * 8 / 10 / 8,
+    3: 8e9 * 128 / 130 / 8,
+    4: 16e9 * 128 / 130 / 8,
+    5: 32e9 * 128 / 130 / 8,
+    6: 64e9 * 242 / 256 / 8,
+}
+PCIE_WIDTHS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 32)
+# The link of a GPU that NVML cannot tell about and gpud does not know by name: Gen4 x16,
+# the slot of most data-centre GPUs in service (A100, A10, L4, L40S).
+DEFAULT_PCIE_GEN = 4
+DEFAULT_PCIE_LANES = 16
+
+
+def pcie_bytes_per_second(gen: int, lanes: int) -> float | None:
+    """A PCIe link's capacity per direction in bytes/s (``nvidia-smi -q``'s "GPU Link Info":
+    generation and width); None for a generation or width no PCIe link has."""
+    per_lane = PCIE_LANE_BYTES_PER_SECOND.get(gen)
+    if per_lane is None or lanes not in PCIE_WIDTHS:
+        return None
+    return per_lane * lanes
+
+
 @dataclass(frozen=True, slots=True)
 class GiProfileSpec:
     """One row of ``nvidia-smi mig -lgip`` plus its ``-lgipp`` placements."""
@@ -110,6 +137,8 @@ class ProductSpec:
     power_idle_w: int
     nvlink_gbps: int  # per direction, whole GPU
     nvlink_links: int  # NVLink links (12 on A100, 18 on H100/H200)
+    pcie_gen: int  # the host link's generation (nvmlDeviceGetMaxPcieLinkGeneration)
+    pcie_lanes: int  # and width (nvmlDeviceGetMaxPcieLinkWidth)
     mig_profiles: tuple[GiProfileSpec, ...]
     # A MIG mode change waits for a GPU reset (A100); Hopper and later switch at once when
     # no process holds the GPU (NVML then reports the new current mode).
@@ -242,6 +271,8 @@ PRODUCTS: dict[str, ProductSpec] = {
             power_idle_w=55,
             nvlink_gbps=300,
             nvlink_links=12,
+            pcie_gen=4,
+            pcie_lanes=16,
             mig_profiles=_a100(
                 (4864, 9856, 19968, 19968, 40192),
                 ("1g.5gb", "1g.5gb+me", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"),
@@ -261,6 +292,8 @@ PRODUCTS: dict[str, ProductSpec] = {
             power_idle_w=60,
             nvlink_gbps=300,
             nvlink_links=12,
+            pcie_gen=4,
+            pcie_lanes=16,
             mig_profiles=_a100(
                 (9984, 19968, 40192, 40192, 80384),
                 ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
@@ -280,6 +313,8 @@ PRODUCTS: dict[str, ProductSpec] = {
             power_idle_w=70,
             nvlink_gbps=450,
             nvlink_links=18,
+            pcie_gen=5,
+            pcie_lanes=16,
             mig_profiles=_hopper(
                 (9984, 20096, 40448, 81152),
                 ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
@@ -299,6 +334,8 @@ PRODUCTS: dict[str, ProductSpec] = {
             power_idle_w=75,
             nvlink_gbps=450,
             nvlink_links=18,
+            pcie_gen=5,
+            pcie_lanes=16,
             mig_profiles=_hopper(
                 (16384, 33280, 67072, 143360),
                 ("1g.18gb", "1g.18gb+me", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"),

@@ -44,10 +44,11 @@ from colocate import (
     Shape,
 )
 from gpud.colo.host import HostUsage
+from gpud.colo.links import NvlinkRates, pcie_capacity, pcie_ratio
 from gpud.config import ColocateConfig
 from gpud.errors import InvalidArgument
 from gpud.events import EventLog
-from gpud.telemetry.snapshot import Snapshot
+from gpud.telemetry.snapshot import GpuSample, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,7 @@ class ColoService:
         self._events = events
         self._running = running
         self._host = host if host is not None else HostUsage(clock=clock)
+        self._nvlink = NvlinkRates()
         self._clock = clock
         self._lock = threading.RLock()
         self.predictor = InterferencePredictor()
@@ -339,7 +341,12 @@ class ColoService:
                 if saved.get("alone_rate") is not None:
                     st.alone_rate = float(saved["alone_rate"])
                 if saved.get("sm") is not None:
-                    st.features = JobFeatures(sm=float(saved["sm"]), mem_bw=float(saved["mem_bw"]))
+                    st.features = JobFeatures(
+                        sm=float(saved["sm"]),
+                        mem_bw=float(saved["mem_bw"]),
+                        pcie=float(saved.get("pcie") or 0.0),
+                        nvlink=float(saved.get("nvlink") or 0.0),
+                    )
                 if saved.get("duty") is not None:
                     duty = min(1.0, max(0.0, float(saved["duty"])))
                     self._directives[str(name)] = Directive(duty, False, "as before the restart")
@@ -364,6 +371,8 @@ class ColoService:
                 "alone_rate": st.alone_rate if st else None,
                 "sm": st.features.sm if st and st.features else None,
                 "mem_bw": st.features.mem_bw if st and st.features else None,
+                "pcie": st.features.pcie if st and st.features else None,
+                "nvlink": st.features.nvlink if st and st.features else None,
                 "duty": d.duty if d is not None and not d.evict else None,
                 "guard_duty": g.duty if g is not None else None,
                 "slo_s": g.slo_s if g is not None else None,
@@ -380,7 +389,8 @@ class ColoService:
             log.warning("co-location state %s not written: %s", self._state_file, err)
 
     def _learn(self, snapshot: Snapshot, per_gpu: dict[int, list[RunningJob]]) -> None:
-        """Alone: the device's activity is the job's footprint, and a training job's rate its
+        """Alone: the device's activity (SMs, memory controller, PCIe and NVLink throughput
+        over the links' capacity) is the job's footprint, and a training job's rate its
         alone rate. Together: a training job's rate over its alone rate (both per second of
         running time, so the guard's throttling is not taken for interference) is a sample
         of slowdown for the predictor."""
@@ -389,6 +399,8 @@ class ColoService:
         host = self._host.sample(
             {r.name: r.pids for members in per_gpu.values() for r in members if r.pids}
         )
+        # every GPU's NVLink counters, each tick: their growth since the last is the rate
+        nvlink = {g.identity.index: self._nvlink.ratio(g) for g in snapshot.gpus if g.healthy}
         for gpu, members in per_gpu.items():
             sample = snapshot.gpu(gpu)
             total = sample.memory.total_bytes if sample is not None and sample.memory else 0
@@ -410,11 +422,19 @@ class ColoService:
                 rate = self._rate(st, now) if r.kind == "training" else None
                 if not company:
                     u = sample.utilization if sample is not None else None
-                    if u is not None and r.mig_profile is None and len(members) == 1:
-                        duty = self.duty(r.name) if r.kind == "training" else 1.0
-                        st.features = JobFeatures(
-                            sm=min(1.0, u.gpu_ratio / max(duty, 0.01)),
-                            mem_bw=min(1.0, u.memory_ratio / max(duty, 0.01)),
+                    if (
+                        sample is not None
+                        and u is not None
+                        and r.mig_profile is None
+                        and len(members) == 1
+                    ):
+                        st.features = self._alone_features(
+                            r,
+                            sample,
+                            sm=u.gpu_ratio,
+                            mem_bw=u.memory_ratio,
+                            nvlink=nvlink.get(gpu),
+                            before=st.features,
                         )
                     if rate is not None:
                         st.alone_rate = rate
@@ -425,6 +445,30 @@ class ColoService:
                 self._observed[r.name] = speed
                 others = [self._view(o).footprint() for o in company]
                 self.predictor.observe(self._view(r).footprint(), others, speed)
+
+    def _alone_features(
+        self,
+        r: RunningJob,
+        sample: GpuSample,
+        *,
+        sm: float,
+        mem_bw: float,
+        nvlink: float | None,
+        before: JobFeatures | None,
+    ) -> JobFeatures:
+        """A job's footprint from its GPU's readings while it runs there alone, at full
+        duty (a throttled training job's readings divided by its duty). NVLink keeps what
+        was measured before until its counters have grown over one interval."""
+        duty = max(0.01, self.duty(r.name) if r.kind == "training" else 1.0)
+        pcie = pcie_ratio(sample.pcie, pcie_capacity(sample.identity))
+        if nvlink is None:
+            nvlink = before.nvlink * duty if before is not None else 0.0
+        return JobFeatures(
+            sm=min(1.0, sm / duty),
+            mem_bw=min(1.0, mem_bw / duty),
+            pcie=min(1.0, pcie / duty),
+            nvlink=min(1.0, nvlink / duty),
+        )
 
     def _features(self, r: RunningJob) -> JobFeatures:
         """Its device footprint alone (or the prior), with its memory and host use now."""

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from colocate import JobFeatures
-from gpud.backend.port import MemoryInfo, Utilization
+from gpud.backend.port import MemoryInfo, PcieThroughput, Utilization
 from gpud.client.colo import Latency, Throttle
 from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import ColoService, RunningJob
@@ -40,6 +40,8 @@ def snapshot(n: int = 2, used_gib: float = 30) -> Snapshot:
                 sampled_at=0.0,
                 memory=MemoryInfo(80 * GIB, int(used_gib * GIB), int((80 - used_gib) * GIB)),
                 utilization=Utilization(0.3, 0.2),
+                # 1.26 GB/s into the GPU: 0.02 of an H100's Gen5 x16 link
+                pcie=PcieThroughput(0.2e9, 1.26e9),
             )
             for i in range(n)
         ),
@@ -267,6 +269,9 @@ def test_observed_speed_takes_the_throttle_out_and_teaches_the_predictor(
         svc.tick(snapshot())
         clock.t += 1
     assert svc.show().observed_speed == {}
+    alone = svc._features(jobs[0])  # what it showed alone: the GPU's readings
+    assert (alone.sm, alone.mem_bw) == (0.3, 0.2)
+    assert alone.pcie == pytest.approx(0.02, rel=1e-3)
     # An inference service joins; the guard holds the training at duty 0.5 and it makes 4
     # iterations a second: 8 per second of running time, so interference cost 20%.
     jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB))
@@ -475,6 +480,7 @@ def test_what_the_loop_learned_outlives_a_restart(tmp_path: Path) -> None:
 
     again = start()  # the daemon was killed and restarted; the jobs ran on
     assert again.duty("train") == 0.5  # not full duty until the guard cuts again
+    assert again._features(jobs[0]).pcie == pytest.approx(0.02, rel=1e-3)  # its footprint
     again.tick(snapshot())
     assert again.duty("train") == 0.5
     for _ in range(4):

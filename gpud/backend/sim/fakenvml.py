@@ -21,8 +21,10 @@ NVLink counters are per link, as the driver keeps them: ``nvmlDeviceGetFieldValu
 answers ``NVML_FI_DEV_NVLINK_LINK_COUNT`` and the throughput fields
 ``NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX`` for each link (``scopeId`` = link index; the
 GPU's traffic is split over its links), an error for a link the GPU does not have, and
-NotSupported for other fields. Deliberately not modelled: graphics processes, vGPU, clocks
-events.
+NotSupported for other fields. PCIe and NVLink carry what the processes on the GPU move
+(:class:`LinkTraffic`; a process declared without it moves traffic in proportion to its SM
+activity), PCIe capped at the product's link (``nvmlDeviceGetMaxPcieLinkGeneration`` /
+``Width``). Deliberately not modelled: graphics processes, vGPU, clocks events.
 
 The ``sim_*`` methods are the simulation's own controls (faults, workloads, reboot), used
 by :mod:`gpud.backend.sim`; no NVML function starts with ``sim_``.
@@ -43,7 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from gpud.backend import products
 from gpud.errors import ConfigError
@@ -344,6 +346,23 @@ class _Gi:
         }
 
 
+class LinkTraffic(NamedTuple):
+    """What a simulated process moves over its GPU's links, in bytes/s: PCIe out of the GPU
+    (NVML's TX) and into it (RX), NVLink sent and received."""
+
+    pcie_tx: float = 0.0
+    pcie_rx: float = 0.0
+    nvlink_tx: float = 0.0
+    nvlink_rx: float = 0.0
+
+
+# A process declared without its traffic moves this much at full SM activity, in
+# proportion to its activity: bulk copies both ways, and the GPU's peers over NVLink.
+PCIE_TX_AT_FULL_LOAD = 9_000_000 * 1024.0
+PCIE_RX_AT_FULL_LOAD = 7_000_000 * 1024.0
+NVLINK_SHARE_AT_FULL_LOAD = 0.4  # of the product's NVLink bandwidth; RX 0.9 of TX
+
+
 @dataclass(slots=True)
 class _Proc:
     pid: int
@@ -352,6 +371,7 @@ class _Proc:
     ci: int | None
     used_bytes: int
     sm_ratio: float
+    traffic: LinkTraffic | None = None  # None: in proportion to its SM activity
 
 
 class _GpuFaults:
@@ -382,6 +402,7 @@ class _Gpu:
         "procs",
         "serial",
         "spec",
+        "traffic",
         "used_bytes",
         "uuid",
     )
@@ -398,6 +419,7 @@ class _Gpu:
         self.procs: list[_Proc] = []
         self.used_bytes = 0
         self.load = 0.0
+        self.traffic = LinkTraffic()  # the sum over its processes
         self.ecc_corrected = 0
         self.ecc_uncorrected = 0
         self.nvlink_tx_kib = 0.0
@@ -824,11 +846,20 @@ class FakeNvml:
 
     def nvmlDeviceGetPcieThroughput(self, device: object, counter: int) -> int:
         gpu = self._gpu(device, "pcie")
-        load = min(1.0, gpu.load)
-        base = 9_000_000 if counter == NVML_PCIE_UTIL_TX_BYTES else 7_000_000  # KB/s at full load
         if counter not in (NVML_PCIE_UTIL_TX_BYTES, NVML_PCIE_UTIL_RX_BYTES):
             raise NVMLError_InvalidArgument()
-        return max(0, int(base * load + 20_000 + 15_000 * self._noise(gpu, 3.0 + counter)))
+        t = gpu.traffic
+        moved = t.pcie_tx if counter == NVML_PCIE_UTIL_TX_BYTES else t.pcie_rx
+        capacity = products.pcie_bytes_per_second(gpu.spec.pcie_gen, gpu.spec.pcie_lanes) or 0.0
+        kb = min(moved, capacity) / 1024  # KB/s, 1 KB = 1024 B, as NVML counts
+        # the driver's own chatter (doorbells, interrupts, telemetry) on an idle link
+        return max(0, int(kb + 20_000 + 15_000 * self._noise(gpu, 3.0 + counter)))
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, device: object) -> int:
+        return self._gpu(device, "pcie").spec.pcie_gen
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, device: object) -> int:
+        return self._gpu(device, "pcie").spec.pcie_lanes
 
     def nvmlDeviceGetFieldValues(
         self, handle: object, fieldIds: Sequence[int]
@@ -837,10 +868,11 @@ class FakeNvml:
         now = self._clock()
         with self._lock:
             if gpu.nvlink_last is not None and now > gpu.nvlink_last:
-                # NVLink traffic follows SM load; the counters integrate it (KiB).
-                rate = gpu.spec.nvlink_gbps * 1e9 / 1024 * 0.4 * min(1.0, gpu.load)
-                gpu.nvlink_tx_kib += rate * (now - gpu.nvlink_last)
-                gpu.nvlink_rx_kib += rate * 0.9 * (now - gpu.nvlink_last)
+                # the counters integrate the processes' traffic (KiB), at most the links'
+                cap = gpu.spec.nvlink_gbps * 1e9
+                dt = now - gpu.nvlink_last
+                gpu.nvlink_tx_kib += min(cap, gpu.traffic.nvlink_tx) / 1024 * dt
+                gpu.nvlink_rx_kib += min(cap, gpu.traffic.nvlink_rx) / 1024 * dt
             gpu.nvlink_last = now
             tx, rx = int(gpu.nvlink_tx_kib), int(gpu.nvlink_rx_kib)
         links = gpu.spec.nvlink_links
@@ -1445,8 +1477,18 @@ class FakeNvml:
         raise ValueError(f"GPU {gpu} has no MIG device {mig}")
 
     def sim_start_process(
-        self, gpu: int, pid: int, used_bytes: int, sm_ratio: float, mig: int | str | None = None
+        self,
+        gpu: int,
+        pid: int,
+        used_bytes: int,
+        sm_ratio: float,
+        mig: int | str | None = None,
+        *,
+        traffic: LinkTraffic | None = None,
     ) -> None:
+        """Run ``pid`` on the GPU (or its MIG device), holding ``used_bytes``, keeping
+        ``sm_ratio`` of the device's SMs busy and moving ``traffic`` (None: in proportion to
+        its SM activity)."""
         g = self._gpus[gpu]
         if pid in self._procs:
             raise ValueError(f"pid {pid} already runs on GPU {self._procs[pid].gpu}")
@@ -1458,7 +1500,7 @@ class FakeNvml:
                 f"GPU {gpu} is in MIG mode: a process runs on a MIG device (pass mig=)"
             )
         with self._lock:
-            proc = _Proc(pid, gpu, gi, ci, int(used_bytes), float(sm_ratio))
+            proc = _Proc(pid, gpu, gi, ci, int(used_bytes), float(sm_ratio), traffic)
             self._procs[pid] = proc
             g.procs = [*g.procs, proc]
             self._recompute(g)
@@ -1473,14 +1515,16 @@ class FakeNvml:
             self._recompute(g)
             return True
 
-    def sim_update_process(self, pid: int, used_bytes: int, sm_ratio: float) -> bool:
+    def sim_update_process(
+        self, pid: int, used_bytes: int, sm_ratio: float, traffic: LinkTraffic | None = None
+    ) -> bool:
         """Change what a running process uses, in place (no moment without it); False if
         ``pid`` does not run."""
         with self._lock:
             old = self._procs.get(pid)
             if old is None:
                 return False
-            proc = _Proc(pid, old.gpu, old.gi, old.ci, int(used_bytes), float(sm_ratio))
+            proc = _Proc(pid, old.gpu, old.gi, old.ci, int(used_bytes), float(sm_ratio), traffic)
             self._procs[pid] = proc
             g = self._gpus[proc.gpu]
             g.procs = [proc if p.pid == pid else p for p in g.procs]
@@ -1492,20 +1536,35 @@ class FakeNvml:
             return list(self._procs.values())
 
     def _recompute(self, g: _Gpu) -> None:
-        # Readers see these two numbers without a lock: the list is replaced, not mutated.
+        # Readers see these numbers without a lock: each is replaced, not mutated.
         g.used_bytes = sum(p.used_bytes for p in g.procs)
-        if g.mig_current:
-            # each process drives its compute instance; the GPU is the slice-weighted sum
-            busy = 0.0
-            for p in g.procs:
-                if p.gi is not None and p.gi in g.gis:
-                    gi = g.gis[p.gi]
-                    ci = gi.cis.get(p.ci) if p.ci is not None else None
-                    slices = ci.profile.slices if ci else gi.profile.slices
-                    busy += min(1.0, p.sm_ratio) * slices / products.COMPUTE_SLICES
-            g.load = min(1.0, busy)
-        else:
-            g.load = min(1.0, sum(p.sm_ratio for p in g.procs))
+        nvlink_full = g.spec.nvlink_gbps * 1e9 * NVLINK_SHARE_AT_FULL_LOAD
+        busy = 0.0
+        traffic = [0.0, 0.0, 0.0, 0.0]
+        for p in g.procs:
+            if g.mig_current:
+                # each process drives its compute instance; the GPU is the slice-weighted sum
+                if p.gi is None or p.gi not in g.gis:
+                    continue
+                gi = g.gis[p.gi]
+                ci = gi.cis.get(p.ci) if p.ci is not None else None
+                slices = ci.profile.slices if ci else gi.profile.slices
+                share = min(1.0, p.sm_ratio) * slices / products.COMPUTE_SLICES
+            else:
+                share = p.sm_ratio
+            busy += share
+            t = p.traffic
+            if t is None:
+                share = min(1.0, share)
+                t = LinkTraffic(
+                    PCIE_TX_AT_FULL_LOAD * share,
+                    PCIE_RX_AT_FULL_LOAD * share,
+                    nvlink_full * share,
+                    nvlink_full * 0.9 * share,
+                )
+            traffic = [a + b for a, b in zip(traffic, t, strict=True)]
+        g.load = min(1.0, busy)
+        g.traffic = LinkTraffic(*traffic)
 
     def _reset_gpu(self, g: _Gpu) -> None:
         g.gis.clear()

@@ -13,6 +13,10 @@ simulated compute process for each one on the job's device, through
 - SM activity: :func:`sm_activity` of the job's kind, MPS thread share and the duty cycle
   the co-location loop currently tells it (a throttled training job keeps the SMs busy
   only for its duty);
+- PCIe and NVLink traffic: :func:`link_traffic` — training streams its input batches from
+  host memory and, when it spans several GPUs, all-reduces its gradients over NVLink, both
+  in step with its SM activity; inference moves each request's inputs in and its outputs
+  out, at the request rate it reports;
 - it appears in ``nvmlDeviceGetComputeRunningProcesses`` with the host PID, so attribution,
   ``gpuctl jobs`` and the co-location loop see it as on a real node, and it is gone at the
   next tick after the host process exits or the job's reservation is released.
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from gpud.backend.sim.fakenvml import LinkTraffic
 from gpud.backend.sim.workloads import Workloads
 
 log = logging.getLogger(__name__)
@@ -49,6 +54,17 @@ ALONE_SM: Final = {"training": 0.9, "inference": 0.35}
 # of a mid-size training job; weights and KV cache of a mid-size served model.
 DEFAULT_MEMORY: Final = {"training": 16 * GIB, "inference": 8 * GIB}
 DEVICE_MEMORY_CAP: Final = 0.9  # of the device: the CUDA context and allocator keep the rest
+# Link traffic, bytes/s (NVML's PCIe RX is into the GPU, TX out of it). Training alone at
+# full duty: decoded input batches from host memory (a ResNet-50 step of 256 images of
+# 224x224x3 in fp16 is 77 MB, at about 25 steps/s), a little back (losses, metrics,
+# checkpoint shards); a job on several GPUs all-reduces its gradients over NVLink, each way
+# (a 1.3B-parameter fp16 model, 2(n-1)/n of its 2.6 GB per step at several steps/s).
+TRAINING_PCIE_RX: Final = 2.0e9
+TRAINING_PCIE_TX: Final = 0.1e9
+TRAINING_NVLINK: Final = 40e9
+# Inference: per request, its inputs in (an image, a prompt's tensors) and its outputs out.
+REQUEST_BYTES: Final = 512 * 1024
+RESPONSE_BYTES: Final = 64 * 1024
 
 
 def sm_activity(kind: str, duty: float = 1.0, threads_percent: int | None = None) -> float:
@@ -63,6 +79,26 @@ def sm_activity(kind: str, duty: float = 1.0, threads_percent: int | None = None
     return round(base, 4)
 
 
+def link_traffic(
+    kind: str,
+    *,
+    duty: float = 1.0,
+    threads_percent: int | None = None,
+    load: float = 0.0,
+    gpus: int = 1,
+) -> LinkTraffic:
+    """What a job moves over PCIe and NVLink (see the constants): training in step with
+    its SM activity (a share cap or a duty cycle slows its steps, and its data loading and
+    all-reduce with them), NVLink only when it spans ``gpus`` > 1; inference ``load``
+    requests/s of :data:`REQUEST_BYTES` in and :data:`RESPONSE_BYTES` out."""
+    if kind == "inference":
+        rate = max(0.0, load)
+        return LinkTraffic(pcie_tx=rate * RESPONSE_BYTES, pcie_rx=rate * REQUEST_BYTES)
+    pace = sm_activity("training", duty, threads_percent) / ALONE_SM["training"]
+    nvlink = TRAINING_NVLINK * pace if gpus > 1 else 0.0
+    return LinkTraffic(TRAINING_PCIE_TX * pace, TRAINING_PCIE_RX * pace, nvlink, nvlink)
+
+
 @dataclass(frozen=True, slots=True)
 class JobDevice:
     """A job's place on one device, as the daemon knows it from the reservation."""
@@ -75,6 +111,7 @@ class JobDevice:
     memory_total: int = 0  # the device's memory (GPU or MIG instance); 0: unknown
     threads_percent: int | None = None
     duty: float = 1.0
+    load: float = 0.0  # an inference service's request rate (its latency reports per second)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +124,7 @@ class Modelled:
     mig: str | None
     used_memory_bytes: int
     sm_ratio: float
+    traffic: LinkTraffic
 
 
 class JobWorkloads:
@@ -108,8 +146,10 @@ class JobWorkloads:
         """Start, update or stop simulated processes so that each live job process runs the
         model of its job's first device in ``devices``; returns what runs now."""
         by_job: dict[str, JobDevice] = {}
+        gpus: dict[str, set[int]] = {}
         for d in devices:
             by_job.setdefault(d.job, d)
+            gpus.setdefault(d.job, set()).add(d.gpu)
         procs = self._job_processes(set(by_job)) if by_job else {}
         lost = self._workloads.lost_gpus()
         want: dict[int, Modelled] = {}
@@ -125,7 +165,19 @@ class JobWorkloads:
             if d.memory_total:
                 memory = min(memory, int(d.memory_total * DEVICE_MEMORY_CAP))
             want[pid] = Modelled(
-                pid, job, d.gpu, d.mig, memory, sm_activity(d.kind, d.duty, d.threads_percent)
+                pid,
+                job,
+                d.gpu,
+                d.mig,
+                memory,
+                sm_activity(d.kind, d.duty, d.threads_percent),
+                link_traffic(
+                    d.kind,
+                    duty=d.duty,
+                    threads_percent=d.threads_percent,
+                    load=d.load,
+                    gpus=len(gpus[job]),
+                ),
             )
         with self._lock:
             ours = self._workloads.modelled()
@@ -138,7 +190,7 @@ class JobWorkloads:
                     self._stop(m)
                 elif new != m:
                     # a new duty cycle or limit: the same process, using more or less
-                    self._workloads.update(pid, new.used_memory_bytes, new.sm_ratio)
+                    self._workloads.update(pid, new.used_memory_bytes, new.sm_ratio, new.traffic)
                     self._running[pid] = new
             for pid, m in want.items():
                 if pid not in self._running:
@@ -153,7 +205,7 @@ class JobWorkloads:
     def _start(self, m: Modelled) -> None:
         try:
             started = self._workloads.start_modelled(
-                m.gpu, m.pid, m.used_memory_bytes, m.sm_ratio, m.mig
+                m.gpu, m.pid, m.used_memory_bytes, m.sm_ratio, m.mig, traffic=m.traffic
             )
         except ValueError as err:
             # The device changed under the job (a MIG instance went, MIG mode changed):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from gpud.backend.sim.fakenvml import FakeNvml
+from gpud.backend.sim.fakenvml import FakeNvml, LinkTraffic
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,15 +63,24 @@ class Workloads:
             return self._nvml.sim_stop_process(pid)
 
     def start_modelled(
-        self, gpu: int, pid: int, used_memory_bytes: int, sm_ratio: float, mig: str | None
+        self,
+        gpu: int,
+        pid: int,
+        used_memory_bytes: int,
+        sm_ratio: float,
+        mig: str | None,
+        *,
+        traffic: LinkTraffic | None = None,
     ) -> bool:
-        """:meth:`start` for the workload models; False (nothing done) when ``pid`` already
-        runs (the operator declared it)."""
+        """:meth:`start` for the workload models, with what the process moves over PCIe and
+        NVLink; False (nothing done) when ``pid`` already runs (the operator declared it)."""
         _check(self._nvml, gpu, used_memory_bytes, sm_ratio)
         with self._lock:
             if any(p.pid == pid for p in self._nvml.sim_processes()):
                 return False
-            self._nvml.sim_start_process(gpu, pid, used_memory_bytes, sm_ratio, mig)
+            self._nvml.sim_start_process(
+                gpu, pid, used_memory_bytes, sm_ratio, mig, traffic=traffic
+            )
             self._modelled.add(pid)
             return True
 
@@ -89,15 +98,21 @@ class Workloads:
             self._modelled &= running
             return set(self._modelled)
 
-    def update(self, pid: int, used_memory_bytes: int, sm_ratio: float) -> bool:
-        """Change the memory and SM activity of a modelled ``pid``; False if the models do
-        not run it."""
+    def update(
+        self,
+        pid: int,
+        used_memory_bytes: int,
+        sm_ratio: float,
+        traffic: LinkTraffic | None = None,
+    ) -> bool:
+        """Change the memory, SM activity and link traffic of a modelled ``pid``; False if
+        the models do not run it."""
         if used_memory_bytes < 0 or not 0.0 <= sm_ratio <= 1.0:
             raise ValueError("used_memory_bytes must be >= 0 and sm_ratio within 0..1")
         with self._lock:
             if pid not in self._modelled:
                 return False
-            return self._nvml.sim_update_process(pid, used_memory_bytes, sm_ratio)
+            return self._nvml.sim_update_process(pid, used_memory_bytes, sm_ratio, traffic)
 
     def lost_gpus(self) -> set[int]:
         """The GPUs injected as lost (fallen off the bus)."""
