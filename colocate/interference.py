@@ -15,14 +15,19 @@ host-CPU over-subscription. The weights start from a physical prior (proportiona
 of over-subscribed SMs) and are refined online by recursive least squares with
 forgetting, from slowdowns gpud observes. The running mean absolute error of the predicted
 speed factor is exposed.
+
+What it learned is a plain, versioned dict (:meth:`InterferencePredictor.to_dict`, JSON-safe)
+that :meth:`InterferencePredictor.from_dict` validates and restores exactly: the same
+predictions and margins after a round trip.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,10 @@ PRIOR_WEIGHTS: tuple[float, ...] = (0.15, 1.0, 0.8, 0.3, 0.05, 0.6, 0.6, 1.0)
 # pair in a prediction. Residuals are kept per bucket, so the margin a prediction carries
 # is the error of predictions like it.
 PAIR_BUCKETS: tuple[int, ...] = (0, 1, 30)
+
+
+STATE_KIND = "colocate.InterferencePredictor"
+STATE_VERSION = 1
 
 
 @dataclass
@@ -264,3 +273,131 @@ class InterferencePredictor:
 
     def stats(self) -> PredictorStats:
         return PredictorStats(self._samples, self._mae, self._me)
+
+    # -- what outlives the process ----------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Everything it learned and how it learns, as JSON-safe values (lists, str, int,
+        finite floats); :meth:`from_dict` restores it exactly."""
+        window = self._resid[0].maxlen
+        return {
+            "kind": STATE_KIND,
+            "version": STATE_VERSION,
+            "params": {
+                "forgetting": self._lambda,
+                "p_cap": self._p_cap,
+                "error_decay": self._decay,
+                "pair_shrink": self._shrink,
+                "pair_memory": self._pair_memory,
+                "error_window": window,
+            },
+            "weights": list(self.weights),
+            "p": [list(row) for row in self._p],
+            "samples": self._samples,
+            "mae": self._mae,
+            "me": self._me,
+            "pairs": [[a, b, p.bias, p.n] for (a, b), p in sorted(self._pairs.items())],
+            "residuals": [list(r) for r in self._resid],
+            "fresh": list(self._fresh),
+            "quantiles": [[b, q, v] for (b, q), v in sorted(self._quantiles.items())],
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> InterferencePredictor:
+        """The predictor :meth:`to_dict` described. Raises ``ValueError`` naming the field
+        for anything else: another kind or version, a missing field, a wrong type or length
+        (a model with another number of features), a number out of range or not finite."""
+        d = _mapping(data, "state")
+        if d.get("kind") != STATE_KIND:
+            raise ValueError(f"kind {d.get('kind')!r} is not {STATE_KIND!r}")
+        if d.get("version") != STATE_VERSION:
+            raise ValueError(f"version {d.get('version')!r}: this one reads {STATE_VERSION}")
+        params = _mapping(d.get("params"), "params")
+        forgetting = _number(params.get("forgetting"), "params.forgetting", 0.0, 1.0)
+        p_cap = _number(params.get("p_cap"), "params.p_cap", 0.0, math.inf)
+        decay = _number(params.get("error_decay"), "params.error_decay", 0.0, 1.0)
+        shrink = _number(params.get("pair_shrink"), "params.pair_shrink", 0.0, math.inf)
+        memory = _count(params.get("pair_memory"), "params.pair_memory", 1)
+        window = _count(params.get("error_window"), "params.error_window", 1)
+        if forgetting == 0.0 or p_cap == 0.0 or decay == 0.0:
+            raise ValueError("params: forgetting, p_cap and error_decay must be above 0")
+        n = len(PRIOR_WEIGHTS)
+        weights = [
+            _number(w, f"weights[{i}]")
+            for i, w in enumerate(_items(d.get("weights"), "weights", n))
+        ]
+        p = [
+            [_number(v, f"p[{i}][{j}]") for j, v in enumerate(_items(row, f"p[{i}]", n))]
+            for i, row in enumerate(_items(d.get("p"), "p", n))
+        ]
+        out = cls(
+            weights,
+            forgetting=forgetting,
+            error_decay=decay,
+            pair_shrink=shrink,
+            pair_memory=memory,
+            error_window=window,
+        )
+        out._p, out._p_cap = p, p_cap
+        out._samples = _count(d.get("samples"), "samples", 0)
+        out._mae = _number(d.get("mae"), "mae", 0.0, math.inf)
+        out._me = _number(d.get("me"), "me")
+        for i, item in enumerate(_items(d.get("pairs"), "pairs")):
+            a, b, bias, count = _items(item, f"pairs[{i}]", 4)
+            if not isinstance(a, str) or not isinstance(b, str) or not a or not b:
+                raise ValueError(f"pairs[{i}]: job classes must be non-empty strings")
+            if (a, b) in out._pairs:
+                raise ValueError(f"pairs[{i}]: ({a!r}, {b!r}) given twice")
+            out._pairs[(a, b)] = _Pair(
+                _number(bias, f"pairs[{i}].bias"), _count(count, f"pairs[{i}].n", 0, memory)
+            )
+        buckets = len(PAIR_BUCKETS)
+        for b, values in enumerate(_items(d.get("residuals"), "residuals", buckets)):
+            kept = _items(values, f"residuals[{b}]")
+            if len(kept) > window:
+                raise ValueError(f"residuals[{b}]: {len(kept)} errors, the window is {window}")
+            out._resid[b].extend(_number(v, f"residuals[{b}][{k}]") for k, v in enumerate(kept))
+        out._fresh = [
+            _count(v, f"fresh[{b}]", 0)
+            for b, v in enumerate(_items(d.get("fresh"), "fresh", buckets))
+        ]
+        for i, item in enumerate(_items(d.get("quantiles"), "quantiles")):
+            b, q, v = _items(item, f"quantiles[{i}]", 3)
+            key = (
+                _count(b, f"quantiles[{i}].bucket", 0, buckets - 1),
+                _number(q, f"quantiles[{i}].q", 0.0, 1.0),
+            )
+            out._quantiles[key] = _number(v, f"quantiles[{i}].margin", 0.0, math.inf)
+        return out
+
+
+def _mapping(value: object, field: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{field}: an object expected, not {type(value).__name__}")
+    return value
+
+
+def _items(value: object, field: str, length: int | None = None) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"{field}: a list expected, not {type(value).__name__}")
+    if length is not None and len(value) != length:
+        raise ValueError(f"{field}: {len(value)} items, {length} expected")
+    return value
+
+
+def _number(value: object, field: str, lo: float = -math.inf, hi: float = math.inf) -> float:
+    # bool is an int to Python, not a number to JSON
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{field}: a number expected, not {type(value).__name__}")
+    x = float(value)
+    if not math.isfinite(x) or not lo <= x <= hi:
+        raise ValueError(f"{field}: {value!r} is not a finite number within [{lo}, {hi}]")
+    return x
+
+
+def _count(value: object, field: str, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field}: an integer expected, not {type(value).__name__}")
+    if value < lo or (hi is not None and value > hi):
+        top = hi if hi is not None else "inf"
+        raise ValueError(f"{field}: {value} outside [{lo}, {top}]")
+    return value

@@ -333,33 +333,64 @@ class ColoService:
 
     # -- what outlives a restart ----------------------------------------------------------------
     def _load(self, path: Path) -> None:
+        """Read back what :meth:`_save` wrote. A file that is not the loop's (unreadable, not
+        JSON, another shape) is logged and the loop starts afresh; a predictor state that
+        does not validate is logged and the predictor starts afresh, the jobs' state kept."""
         try:
             data = json.loads(path.read_text())
-            jobs = data["jobs"]
-            for name, saved in jobs.items():
-                st = self._jobs.setdefault(str(name), _JobState())
-                if saved.get("alone_rate") is not None:
-                    st.alone_rate = float(saved["alone_rate"])
-                if saved.get("sm") is not None:
-                    st.features = JobFeatures(
-                        sm=float(saved["sm"]),
-                        mem_bw=float(saved["mem_bw"]),
-                        pcie=float(saved.get("pcie") or 0.0),
-                        nvlink=float(saved.get("nvlink") or 0.0),
-                    )
-                if saved.get("duty") is not None:
-                    duty = min(1.0, max(0.0, float(saved["duty"])))
-                    self._directives[str(name)] = Directive(duty, False, "as before the restart")
-                if saved.get("guard_duty") is not None and saved.get("slo_s"):
-                    g = ServiceGuard(str(name), float(saved["slo_s"]), self._guard_params)
-                    g.duty = min(1.0, max(0.0, float(saved["guard_duty"])))
-                    self._guards[str(name)] = g
         except FileNotFoundError:
             return
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            log.warning("co-location state %s not read (%s): starting afresh", path, err)
+        except (OSError, ValueError) as err:
+            log.error("co-location state %s not read (%s): starting afresh", path, err)
+            return
+        try:
+            if not isinstance(data, dict) or not isinstance(data.get("jobs"), dict):
+                raise ValueError('not a co-location state: no "jobs" object')
+            for name, saved in data["jobs"].items():
+                self._load_job(str(name), saved)
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            log.error("co-location state %s not read (%s): starting afresh", path, err)
+            self._jobs.clear()
+            self._directives.clear()
+            self._guards.clear()
+            return
+        saved = data.get("predictor")
+        if saved is None:
+            return  # written before the predictor was kept: it starts afresh
+        try:
+            self.predictor = InterferencePredictor.from_dict(saved)
+        except ValueError as err:
+            log.error(
+                "co-location state %s: interference predictor not restored (%s): it starts afresh",
+                path,
+                err,
+            )
+            return
+        self.configure(self.config)  # the planner predicts with the restored one
+
+    def _load_job(self, name: str, saved: dict[str, Any]) -> None:
+        st = self._jobs.setdefault(name, _JobState())
+        if saved.get("alone_rate") is not None:
+            st.alone_rate = float(saved["alone_rate"])
+        if saved.get("sm") is not None:
+            st.features = JobFeatures(
+                sm=float(saved["sm"]),
+                mem_bw=float(saved["mem_bw"]),
+                pcie=float(saved.get("pcie") or 0.0),
+                nvlink=float(saved.get("nvlink") or 0.0),
+            )
+        if saved.get("duty") is not None:
+            duty = min(1.0, max(0.0, float(saved["duty"])))
+            self._directives[name] = Directive(duty, False, "as before the restart")
+        if saved.get("guard_duty") is not None and saved.get("slo_s"):
+            g = ServiceGuard(name, float(saved["slo_s"]), self._guard_params)
+            g.duty = min(1.0, max(0.0, float(saved["guard_duty"])))
+            self._guards[name] = g
 
     def _save(self, running: Sequence[RunningJob]) -> None:
+        """What the loop learned, written when it changed: the running jobs' alone rates,
+        footprints and duties, and the interference predictor (``to_dict``). Written to a
+        temporary file and renamed over the old one: a crash leaves one or the other."""
         if self._state_file is None:
             return
         jobs: dict[str, dict[str, float | None]] = {}
@@ -377,15 +408,15 @@ class ColoService:
                 "guard_duty": g.duty if g is not None else None,
                 "slo_s": g.slo_s if g is not None else None,
             }
-        data = {"jobs": jobs}
+        data = {"jobs": jobs, "predictor": self.predictor.to_dict()}
         if data == self._saved:
             return
         tmp = self._state_file.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps(data))
+            tmp.write_text(json.dumps(data, allow_nan=False))
             os.replace(tmp, self._state_file)
             self._saved = data
-        except OSError as err:
+        except (OSError, ValueError) as err:
             log.warning("co-location state %s not written: %s", self._state_file, err)
 
     def _learn(self, snapshot: Snapshot, per_gpu: dict[int, list[RunningJob]]) -> None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from colocate import JobFeatures
+from colocate import InterferencePredictor, JobFeatures
 from gpud.backend.port import MemoryInfo, PcieThroughput, Utilization
 from gpud.client.colo import Latency, Throttle
 from gpud.colo.metrics import ColoMetrics
@@ -454,29 +455,40 @@ def test_gpuctl_jobs_explains_each_jobs_co_location(
             assert shown["chat"]["colo"]["guard"]["action"] == "throttle"
 
 
-def test_what_the_loop_learned_outlives_a_restart(tmp_path: Path) -> None:
-    state = tmp_path / "colo.json"
-    clock = Clock()
-    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+class Restartable:
+    """A loop with a state file, and the jobs it sees: ``start()`` again is a restart."""
 
-    def start() -> ColoService:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.clock = Clock()
+        self.jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+
+    def start(self) -> ColoService:
         return ColoService(
             ColocateConfig(),
-            EventLog(tmp_path / "events.jsonl"),
-            running=lambda: jobs,
-            clock=clock,
-            state_file=state,
+            EventLog(self.tmp_path / "events.jsonl"),
+            running=lambda: self.jobs,
+            clock=self.clock,
+            state_file=self.tmp_path / "colo.json",
         )
 
-    svc = start()
-    for _ in range(5):  # alone: 10 iterations a second
-        svc.throttle_point("train", 10)
+    def alone_then_throttled(self, svc: ColoService) -> None:
+        """Training alone at 10 iterations a second, then a service joins and its guard
+        halves the training's duty."""
+        for _ in range(5):
+            svc.throttle_point("train", 10)
+            svc.tick(snapshot())
+            self.clock.t += 1
+        self.jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB))
+        svc.report_latency("chat", [0.095] * 100)
         svc.tick(snapshot())
-        clock.t += 1
-    jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB))
-    svc.report_latency("chat", [0.095] * 100)
-    svc.tick(snapshot())
-    assert svc.duty("train") == 0.5
+        assert svc.duty("train") == 0.5
+
+
+def test_what_the_loop_learned_outlives_a_restart(tmp_path: Path) -> None:
+    node = Restartable(tmp_path)
+    start, clock, jobs = node.start, node.clock, node.jobs
+    node.alone_then_throttled(start())
 
     again = start()  # the daemon was killed and restarted; the jobs ran on
     assert again.duty("train") == 0.5  # not full duty until the guard cuts again
@@ -490,10 +502,57 @@ def test_what_the_loop_learned_outlives_a_restart(tmp_path: Path) -> None:
     assert again.show().observed_speed["train"] == pytest.approx(0.8)  # alone rate kept
 
 
-def test_an_unreadable_state_file_starts_afresh(tmp_path: Path) -> None:
+def test_the_predictor_outlives_a_restart_and_predicts_the_same(tmp_path: Path) -> None:
+    node = Restartable(tmp_path)
+    start, clock, jobs = node.start, node.clock, node.jobs
+    node.alone_then_throttled(svc := start())
+    for _ in range(6):
+        clock.t += 1
+        svc.throttle_point("train", 4)
+        svc.tick(snapshot())
+    learned = svc.predictor.stats().samples
+    assert learned >= 5
+
+    again = start()  # killed and restarted: the predictor is what it was
+    assert again.predictor is not svc.predictor
+    assert again.predictor.to_dict() == svc.predictor.to_dict()
+    me = svc._view(jobs[0]).footprint()
+    others = [svc._view(jobs[1]).footprint()]
+    assert again.predictor.speed(me, others) == svc.predictor.speed(me, others)
+    assert again.predictor.speed_bound(me, others) == svc.predictor.speed_bound(me, others)
+    assert again.show().predictor_samples == learned
+    # the planner predicts with the restored predictor, not a fresh one
+    assert again.tick(snapshot()) is not None
+    assert again._planner.predictor is again.predictor
+
+
+def test_an_unreadable_state_file_starts_afresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     state = tmp_path / "colo.json"
-    state.write_text("{not json")
+    for text in ("{not json", "[1, 2]", '{"something": "else"}', '{"jobs": {"a": 5}}'):
+        state.write_text(text)
+        caplog.clear()
+        svc = ColoService(
+            ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=list, state_file=state
+        )
+        assert svc.duty("train") == 1.0 and svc.predictor.stats().samples == 0
+        (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert str(state) in record.getMessage() and "starting afresh" in record.getMessage()
+
+
+def test_an_invalid_predictor_starts_afresh_and_the_jobs_state_is_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = tmp_path / "colo.json"
+    predictor = InterferencePredictor().to_dict()
+    predictor["weights"] = predictor["weights"][:3]  # a model with other features
+    state.write_text(json.dumps({"jobs": {"train": {"duty": 0.5}}, "predictor": predictor}))
     svc = ColoService(
         ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=list, state_file=state
     )
-    assert svc.duty("train") == 1.0
+    assert svc.duty("train") == 0.5
+    assert svc.predictor.to_dict() == InterferencePredictor().to_dict()
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    message = record.getMessage()
+    assert str(state) in message and "weights: 3 items, 8 expected" in message
