@@ -103,8 +103,9 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         )
         ctx.out.print(f"options refused when advising {resp.refused_job}: {refused}")
     ctx.out.print(
-        "speed: throughput shared over alone (1.00: no slowdown), observed for training "
-        "jobs that ran alone first, per second of running time (duty taken out)"
+        "speed: throughput shared over alone (1.00: no slowdown), observed for jobs that "
+        "ran alone first: training per second of running time (duty taken out), inference "
+        "as the M/M/1 service rate from its median latency and load"
     )
     return 0
 

@@ -6,7 +6,9 @@ gpud_colo_price_residual_ratio                   the latest plan's residual
 gpud_colo_sm_share_ratio{job}                    MPS SM share (thread % / 100) per job
 gpud_colo_duty_ratio{job}                        duty cycle a training job is told
 gpud_colo_predicted_speed_ratio{job}             predicted speed over alone
-gpud_colo_observed_speed_ratio{job}              observed speed over alone
+gpud_colo_observed_speed_ratio{job}              observed speed over alone (training:
+                                                 iterations per running second; inference:
+                                                 M/M/1 service rate from latency and load)
 gpud_colo_guard_duty_ratio{job}                  an inference job's guard setting
 gpud_colo_guard_p99_latency_seconds{job}         its latest windowed p99
 gpud_colo_slo_attainment_ratio{job}              windows within the SLO so far

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import threading
 import time
 from collections import deque
@@ -93,7 +94,9 @@ class _JobState:
     )
     # (time, iterations so far, duty told at that report: what it ran at until the next)
     progress: deque[tuple[float, int, float]] = field(default_factory=lambda: deque(maxlen=64))
-    alone_rate: float | None = None  # iterations per busy second (duty taken out), alone
+    # alone: training's iterations per busy second (duty taken out); an inference
+    # service's M/M/1 service rate (requests/s, see ColoService.service_rate)
+    alone_rate: float | None = None
     neighbours: frozenset[str] | None = None  # who shared its GPU at the last tick
     guard_since: float = float("-inf")  # inference: latencies from here on see the new duty
     side: JobFeatures | None = None  # memory share and host use at the last tick (sm unused)
@@ -266,18 +269,21 @@ class ColoService:
     def p99(self, job: str, *, since: float = float("-inf"), min_samples: int = 1) -> float | None:
         """The job's p99 latency over the window (reports after ``since`` only); None with
         fewer than ``min_samples`` reports."""
-        now = self._clock()
-        with self._lock:
-            st = self._jobs.get(job)
-            if st is None:
-                return None
-            window = [
-                s for t, s in st.latency if now - t <= self.config.latency_window_s and t > since
-            ]
+        window = self._latencies(job, since)
         if not window or len(window) < min_samples:
             return None
         window.sort()
         return window[min(len(window) - 1, math.ceil(0.99 * len(window)) - 1)]
+
+    def _latencies(self, job: str, since: float) -> list[float]:
+        """The job's latency reports within the window and after ``since``, in seconds."""
+        now = self._clock()
+        with self._lock:
+            st = self._jobs.get(job)
+            if st is None:
+                return []
+            window = self.config.latency_window_s
+            return [s for t, s in st.latency if now - t <= window and t > since]
 
     def _rate(self, st: _JobState, now: float) -> float | None:
         """Iterations per second of running time, the throttle's sleeps taken out, since
@@ -288,6 +294,22 @@ class ColoService:
         busy = sum((b[0] - a[0]) * a[2] for a, b in itertools.pairwise(points))
         done = points[-1][1] - points[0][1]
         return done / busy if busy > 0 else None
+
+    def service_rate(self, job: str, *, since: float = float("-inf")) -> float | None:
+        """An inference service's speed: its M/M/1 service rate, from the latencies it
+        reported after ``since`` (within the window) and its load. An M/M/1 queue's response
+        time is exponential with rate ``mu - lambda`` (the model of ``colocate.shapes``), so
+        its median is ``ln 2 / (mu - lambda)`` and ``mu = lambda + ln 2 / median``. The
+        median, not the mean or the p99, because one slow request (a long prompt, a GC
+        pause) moves it least; the load corrects for the queueing, so that intervals at
+        different loads compare. None with fewer than ``MIN_FRESH_SAMPLES`` reports."""
+        window = self._latencies(job, since)
+        if len(window) < MIN_FRESH_SAMPLES:
+            return None
+        median = statistics.median(window)
+        if median <= 0.0:
+            return None
+        return self.load(job) + math.log(2) / median
 
     def load(self, job: str) -> float:
         """An inference job's request rate: latency reports per second over the window."""
@@ -421,10 +443,11 @@ class ColoService:
 
     def _learn(self, snapshot: Snapshot, per_gpu: dict[int, list[RunningJob]]) -> None:
         """Alone: the device's activity (SMs, memory controller, PCIe and NVLink throughput
-        over the links' capacity) is the job's footprint, and a training job's rate its
-        alone rate. Together: a training job's rate over its alone rate (both per second of
-        running time, so the guard's throttling is not taken for interference) is a sample
-        of slowdown for the predictor."""
+        over the links' capacity) is the job's footprint, and its rate its alone rate.
+        Together: its rate over its alone rate is a sample of slowdown for the predictor.
+        A training job's rate is per second of running time, so the guard's throttling is
+        not taken for interference; an inference service's is its M/M/1 service rate
+        (:meth:`service_rate`), measured at the duty its neighbours were last set to."""
         now = self._clock()
         self._observed = {}
         host = self._host.sample(
@@ -450,7 +473,10 @@ class ColoService:
                 if names != st.neighbours:
                     st.neighbours, st.since = names, now  # a new company: measure afresh
                     continue
-                rate = self._rate(st, now) if r.kind == "training" else None
+                if r.kind == "training":
+                    rate = self._rate(st, now)
+                else:
+                    rate = self.service_rate(r.name, since=max(st.since, st.guard_since))
                 if not company:
                     u = sample.utilization if sample is not None else None
                     if (

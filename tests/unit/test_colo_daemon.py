@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -556,3 +557,83 @@ def test_an_invalid_predictor_starts_afresh_and_the_jobs_state_is_kept(
     (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
     message = record.getMessage()
     assert str(state) in message and "weights: 3 items, 8 expected" in message
+
+
+def mm1_latencies(mu: float, load: float, n: int = 100) -> list[float]:
+    """``n`` response times of an M/M/1 queue at these rates, as evenly spread quantiles of
+    its exponential distribution (rate ``mu - load``): the median is ln 2 / (mu - load)."""
+    return [-math.log(1.0 - (i + 0.5) / n) / (mu - load) for i in range(n)]
+
+
+def test_an_inference_services_observed_speed_from_latency_and_load(tmp_path: Path) -> None:
+    from gpud.colo.api import ColoServicer
+
+    clock = Clock()
+    jobs = [RunningJob("chat", "inference", 0, slo_p99_ms=500.0, memory_bytes=8 * GIB)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+
+    def second(mu: float) -> None:  # a second of 100 requests/s served at rate mu
+        clock.t += 1
+        svc.report_latency("chat", mm1_latencies(mu, 100.0))
+        svc.tick(snapshot())
+
+    for _ in range(3):  # alone it serves 400 requests/s
+        second(400.0)
+    assert svc.service_rate("chat") == pytest.approx(400.0, rel=1e-3)
+    assert svc.show().observed_speed == {}
+    # Training joins: the service slows to 320 requests/s; its load is unchanged.
+    jobs.append(RunningJob("train", "training", 0, memory_bytes=10 * GIB))
+    samples = svc.predictor.stats().samples
+    for _ in range(3):
+        second(320.0)
+    view = svc.show()
+    assert view.observed_speed["chat"] == pytest.approx(0.8, rel=1e-3)
+    assert view.predictor_samples > samples  # the predictor learned from it
+    assert svc.duty("train") == 1.0  # p99 21 ms, far under the SLO: no throttling
+
+    reg = CollectorRegistry()
+
+    class Source:
+        def collect(self) -> object:
+            return ColoMetrics(svc)()
+
+    reg.register(Source())  # type: ignore[arg-type]
+    observed = reg.get_sample_value("gpud_colo_observed_speed_ratio", {"job": "chat"})
+    assert observed == pytest.approx(0.8, rel=1e-3)
+    predicted = reg.get_sample_value("gpud_colo_predicted_speed_ratio", {"job": "chat"})
+    assert predicted is not None and 0.0 < predicted <= 1.0
+    # what gpuctl colo show (table and --json) prints
+    shown = {p.job: p for p in ColoServicer(svc, snapshots=snapshot)._show().placements}
+    assert shown["chat"].observed_speed == pytest.approx(0.8, rel=1e-3)
+    assert shown["chat"].predicted_speed == pytest.approx(predicted)
+    assert not shown["train"].HasField("observed_speed")  # never ran alone
+
+
+def test_a_service_measures_its_speed_at_the_duty_its_guard_set(tmp_path: Path) -> None:
+    from gpud.colo.service import _JobState
+
+    clock = Clock()
+    jobs = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB),
+        RunningJob("train", "training", 0, memory_bytes=10 * GIB),
+    ]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc._jobs["chat"] = _JobState(alone_rate=400.0)  # as measured alone before
+    svc.tick(snapshot())  # the company is new: measuring starts
+    clock.t += 1
+    svc.report_latency("chat", [0.095] * 100)  # near the SLO, next to training at full duty
+    svc.tick(snapshot())
+    assert svc.show().observed_speed["chat"] == pytest.approx((100 + math.log(2) / 0.095) / 400)
+    assert svc.duty("train") == 0.5  # and the guard halved the training's duty
+    clock.t += 1  # requests until the cut reached the training (1 s): no speed from them
+    svc.report_latency("chat", mm1_latencies(360.0, 100.0))
+    svc.tick(snapshot())
+    assert "chat" not in svc.show().observed_speed
+    clock.t += 1
+    svc.report_latency("chat", mm1_latencies(360.0, 100.0))
+    svc.tick(snapshot())
+    assert svc.show().observed_speed["chat"] == pytest.approx(360.0 / 400.0, rel=1e-3)
