@@ -59,6 +59,10 @@ RATE_WINDOW_S = 10.0
 # A new duty reaches training at its next throttle point (gpud.client reports every second);
 # latencies reported before then, and fewer than this many, say nothing about it yet.
 DIRECTIVE_DELAY_S = 1.0
+# A job's company changed: measuring starts this much later. The newcomer's process is
+# starting up (or the leaver's winding down), and reports made each second still carry work
+# done before the change: taken at once, they count the old company's speed for the new.
+SETTLE_S = 2.0
 MIN_FRESH_SAMPLES = 20  # a training job's rate is measured over at most this much recent time
 GIB = 1 << 30
 
@@ -471,7 +475,8 @@ class ColoService:
                 company = [o for o in members if o.name != r.name and _shares_device(o, r)]
                 names = frozenset(o.name for o in company)
                 if names != st.neighbours:
-                    st.neighbours, st.since = names, now  # a new company: measure afresh
+                    # a new company: measure afresh, once it settled
+                    st.neighbours, st.since = names, now + SETTLE_S
                     continue
                 if r.kind == "training":
                     rate = self._rate(st, now)

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from gpud.backend import port
+from gpud.backend import port, products
 from gpud.backend.nvml import NvmlBackend
+from gpud.colo.links import pcie_capacity
 from gpud.errors import DeviceNotFound, NotSupported
 
 pytestmark = pytest.mark.gpu
@@ -32,6 +33,10 @@ def test_identity(backend: NvmlBackend) -> None:
         assert ident.memory_total_bytes > 0
         assert ident.pci_device_id & 0xFFFF == 0x10DE  # NVIDIA's vendor id
         assert ident.product
+        # the host link, where the driver says (a vGPU may not): a PCIe generation and width
+        if ident.pcie_link_gen is not None and ident.pcie_link_width is not None:
+            assert products.pcie_bytes_per_second(ident.pcie_link_gen, ident.pcie_link_width)
+        assert pcie_capacity(ident) > 0
 
 
 def test_readings(backend: NvmlBackend) -> None:

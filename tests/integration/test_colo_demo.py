@@ -98,10 +98,15 @@ def test_colocation_end_to_end_on_a_simulated_node(
     workload = [sys.executable, "-m", "tools.colo_workload"]
     train = jobs.run("train-a", "--devices", gpu0, "--", *workload, "training", "--seconds", "300")
 
-    # The simulated node shows the training's process: its memory, its SMs busy.
+    # The simulated node shows the training's process: its memory, its SMs busy, its input
+    # batches coming in over PCIe (2 GB/s by the model).
     def training_on_gpu0() -> bool:
         g = json.loads(daemon.gpuctl("gpus", "--json").stdout)["gpus"][0]
-        return bool(g["memory"]["used_bytes"] >= 16 * GIB and g["utilization"]["gpu_ratio"] > 0.8)
+        return bool(
+            g["memory"]["used_bytes"] >= 16 * GIB
+            and g["utilization"]["gpu_ratio"] > 0.8
+            and g["pcie"]["rx_bytes_per_second"] > 1.9e9
+        )
 
     wait_for(training_on_gpu0)
     listed = json.loads(daemon.gpuctl("--json", "jobs", "ls", "train-a").stdout)["jobs"][0]

@@ -512,7 +512,7 @@ def test_the_predictor_outlives_a_restart_and_predicts_the_same(tmp_path: Path) 
         svc.throttle_point("train", 4)
         svc.tick(snapshot())
     learned = svc.predictor.stats().samples
-    assert learned >= 5
+    assert learned >= 3
 
     again = start()  # killed and restarted: the predictor is what it was
     assert again.predictor is not svc.predictor
@@ -579,14 +579,14 @@ def test_an_inference_services_observed_speed_from_latency_and_load(tmp_path: Pa
         svc.report_latency("chat", mm1_latencies(mu, 100.0))
         svc.tick(snapshot())
 
-    for _ in range(3):  # alone it serves 400 requests/s
+    for _ in range(5):  # alone it serves 400 requests/s (measured after 2 s to settle)
         second(400.0)
     assert svc.service_rate("chat") == pytest.approx(400.0, rel=1e-3)
     assert svc.show().observed_speed == {}
     # Training joins: the service slows to 320 requests/s; its load is unchanged.
     jobs.append(RunningJob("train", "training", 0, memory_bytes=10 * GIB))
     samples = svc.predictor.stats().samples
-    for _ in range(3):
+    for _ in range(4):
         second(320.0)
     view = svc.show()
     assert view.observed_speed["chat"] == pytest.approx(0.8, rel=1e-3)
@@ -623,12 +623,12 @@ def test_a_service_measures_its_speed_at_the_duty_its_guard_set(tmp_path: Path) 
         ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
     )
     svc._jobs["chat"] = _JobState(alone_rate=400.0)  # as measured alone before
-    svc.tick(snapshot())  # the company is new: measuring starts
+    svc.tick(snapshot())  # the company is new: measuring starts once it settled (2 s)
     clock.t += 1
     svc.report_latency("chat", [0.095] * 100)  # near the SLO, next to training at full duty
     svc.tick(snapshot())
-    assert svc.show().observed_speed["chat"] == pytest.approx((100 + math.log(2) / 0.095) / 400)
-    assert svc.duty("train") == 0.5  # and the guard halved the training's duty
+    assert svc.duty("train") == 0.5  # the guard halved the training's duty
+    assert "chat" not in svc.show().observed_speed
     clock.t += 1  # requests until the cut reached the training (1 s): no speed from them
     svc.report_latency("chat", mm1_latencies(360.0, 100.0))
     svc.tick(snapshot())
