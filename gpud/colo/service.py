@@ -63,6 +63,10 @@ DIRECTIVE_DELAY_S = 1.0
 # starting up (or the leaver's winding down), and reports made each second still carry work
 # done before the change: taken at once, they count the old company's speed for the new.
 SETTLE_S = 2.0
+# gpud.client.Latency sends what it collected once a second; a service silent for twice as
+# long has served nothing since its last report.
+REPORT_PERIOD_S = 1.0
+REPORT_GAP_S = 2.0 * REPORT_PERIOD_S
 MIN_FRESH_SAMPLES = 20  # a training job's rate is measured over at most this much recent time
 GIB = 1 << 30
 
@@ -316,17 +320,30 @@ class ColoService:
         return self.load(job) + math.log(2) / median
 
     def load(self, job: str) -> float:
-        """An inference job's request rate: latency reports per second over the window."""
+        """An inference job's request rate: latency reports per second over the window.
+
+        Each report holds the requests served since the one before it (``gpud.client``
+        flushes every second), so the rate is the reports after the window's first over the
+        time since it: counting the first too, or dividing by the window, reads up to one
+        report period per window high or low, and the per-job buffer may have cut into the
+        first. The span ends at the last report, or ``REPORT_GAP_S`` before now if that is
+        later: a service that stopped reporting stopped serving. One report alone stands for
+        the report period before it."""
         now = self._clock()
-        window = self.config.latency_window_s
         with self._lock:
             st = self._jobs.get(job)
-            if st is None or not st.latency:
+            if st is None:
                 return 0.0
-            times = [t for t, _ in st.latency if now - t <= window]
+            cut = now - self.config.latency_window_s
+            times = [t for t, _ in st.latency if t > cut]
         if not times:
             return 0.0
-        return len(times) / max(1.0, min(window, now - times[0] + 1.0))
+        first = times[0]
+        later = sum(1 for t in times if t > first)
+        end = max(times[-1], now - REPORT_GAP_S)
+        if later == 0:
+            return len(times) / max(REPORT_PERIOD_S, end - first + REPORT_PERIOD_S)
+        return later / max(end - first, 1e-9)
 
     # -- the loop -----------------------------------------------------------------------------
     def tick(self, snapshot: Snapshot | None) -> Plan | None:

@@ -637,3 +637,37 @@ def test_a_service_measures_its_speed_at_the_duty_its_guard_set(tmp_path: Path) 
     svc.report_latency("chat", mm1_latencies(360.0, 100.0))
     svc.tick(snapshot())
     assert svc.show().observed_speed["chat"] == pytest.approx(360.0 / 400.0, rel=1e-3)
+
+
+@pytest.mark.parametrize("phase", [0.0, 0.5])
+def test_load_is_the_request_rate_whatever_the_window_holds(tmp_path: Path, phase: float) -> None:
+    """Reports come once a second (gpud.client flushes each second); a 10 s window then
+    holds eleven or ten of them depending on the tick's phase, and a busy service's reports
+    fill the per-job buffer (4096) long before the window ends. The load is the rate all
+    the same, from the second report on."""
+    clock = Clock()
+    svc = ColoService(
+        ColocateConfig(latency_window_s=10.0),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: [],
+        clock=clock,
+    )
+    seen: dict[int, list[float]] = {100: [], 1000: []}
+    for second in range(1, 31):
+        clock.t = 100.0 + second
+        svc.report_latency("steady", [0.01] * 100)  # 100 requests/s
+        svc.report_latency("busy", [0.01] * 1000)  # 1000 requests/s: 4 s fill the buffer
+        clock.t += phase
+        if second >= 2:  # started less than a window ago, and long after
+            seen[100].append(svc.load("steady"))
+            seen[1000].append(svc.load("busy"))
+    assert seen[100] == pytest.approx([100.0] * 29)
+    assert seen[1000] == pytest.approx([1000.0] * 29)
+    # one report so far: it stands for the second before it
+    svc.report_latency("new", [0.01] * 50)
+    assert svc.load("new") == pytest.approx(50.0)
+    # reports stopped: the load falls as the silence grows, and is 0 once the window passed
+    clock.t += 5.0
+    assert 0.0 < svc.load("steady") < 100.0
+    clock.t += 10.0
+    assert svc.load("steady") == 0.0
