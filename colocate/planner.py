@@ -76,8 +76,11 @@ class GpuView:
 class JobView:
     """A job as the planner sees it. ``gpu`` None: pending.
 
-    ``features``: its footprint alone (telemetry, or the prior). ``load``/``peak_load``:
-    an inference service's request rate now and the peak it must absorb.
+    ``features``: its footprint alone (telemetry, or the prior) at full speed: a training
+    job's at full duty, an inference service's at full load (busy all the time, utilization
+    1: what it showed alone over the utilization it had then, see :meth:`activity`).
+    ``load``/``peak_load``: an inference service's request rate now and the peak it must
+    absorb.
     """
 
     job_id: str
@@ -96,15 +99,22 @@ class JobView:
     def kind(self) -> JobKind:
         return self.shape.kind
 
-    def footprint(self, share: float | None = None, duty: float | None = None) -> JobFeatures:
-        """Features at a cap and duty cycle; inference scales with its utilization."""
+    def activity(self, share: float | None = None, duty: float | None = None) -> float:
+        """The fraction of :attr:`features` the job shows at a cap and duty cycle: training
+        its relative speed times its duty; an inference service its utilization at its load
+        of now (``rho = load / service rate`` at that share, at most 1) times its relative
+        speed. Dividing what a job showed alone by this gives its features."""
         s = self.sm_share if share is None else share
         d = self.duty if duty is None else duty
         if self.kind is JobKind.INFERENCE:
             mu = self.shape.service_rate(s)
             rho = min(1.0, self.load / mu) if mu > 0 else 1.0
-            return self.features.scaled(rho * self.shape.curve.relative(s))
-        return self.features.scaled(self.shape.curve.relative(s) * d)
+            return rho * self.shape.curve.relative(s)
+        return self.shape.curve.relative(s) * d
+
+    def footprint(self, share: float | None = None, duty: float | None = None) -> JobFeatures:
+        """Features at a cap and duty cycle (an inference service's at its load of now)."""
+        return self.features.scaled(self.activity(share, duty))
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,8 @@ SETTLE_S = 2.0
 REPORT_PERIOD_S = 1.0
 REPORT_GAP_S = 2.0 * REPORT_PERIOD_S
 MIN_FRESH_SAMPLES = 20  # a training job's rate is measured over at most this much recent time
+# An inference service alone whose utilization is under this teaches no features.
+MIN_SERVICE_ACTIVITY = 0.05
 GIB = 1 << 30
 
 
@@ -534,19 +536,29 @@ class ColoService:
         mem_bw: float,
         nvlink: float | None,
         before: JobFeatures | None,
-    ) -> JobFeatures:
+    ) -> JobFeatures | None:
         """A job's footprint from its GPU's readings while it runs there alone, at full
-        duty (a throttled training job's readings divided by its duty). NVLink keeps what
-        was measured before until its counters have grown over one interval."""
-        duty = max(0.01, self.duty(r.name) if r.kind == "training" else 1.0)
+        speed: the readings over :meth:`colocate.JobView.activity` -- a training job's over
+        its duty (the guard's throttle), an inference service's over its utilization at the
+        load it had (it then shows in the plan, scaled to its load of each moment, what it
+        showed at this one). A service serving under ``MIN_SERVICE_ACTIVITY`` of its rate
+        teaches nothing (its readings would be mostly noise): what was measured before
+        stays. NVLink keeps what was measured before until its counters have grown over
+        one interval."""
+        if r.kind == "training":
+            scale = max(0.01, self.duty(r.name))
+        else:
+            scale = self._view(r).activity()
+            if scale < MIN_SERVICE_ACTIVITY:
+                return before
         pcie = pcie_ratio(sample.pcie, pcie_capacity(sample.identity))
         if nvlink is None:
-            nvlink = before.nvlink * duty if before is not None else 0.0
+            nvlink = before.nvlink * scale if before is not None else 0.0
         return JobFeatures(
-            sm=min(1.0, sm / duty),
-            mem_bw=min(1.0, mem_bw / duty),
-            pcie=min(1.0, pcie / duty),
-            nvlink=min(1.0, nvlink / duty),
+            sm=min(1.0, sm / scale),
+            mem_bw=min(1.0, mem_bw / scale),
+            pcie=min(1.0, pcie / scale),
+            nvlink=min(1.0, nvlink / scale),
         )
 
     def _features(self, r: RunningJob) -> JobFeatures:

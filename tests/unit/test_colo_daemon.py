@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -671,3 +672,30 @@ def test_load_is_the_request_rate_whatever_the_window_holds(tmp_path: Path, phas
     assert 0.0 < svc.load("steady") < 100.0
     clock.t += 10.0
     assert svc.load("steady") == 0.0
+
+
+def test_a_service_is_planned_with_the_footprint_it_showed_at_that_load(tmp_path: Path) -> None:
+    """What a service shows alone already reflects the load it had; the planner scales a
+    service's features by its utilization of now, so the loop keeps them at full load: at
+    the load it was measured at it is planned with what it showed, at twice that load with
+    twice as much."""
+    clock = Clock()
+    jobs = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=500.0, memory_bytes=8 * GIB, peak_load=100)
+    ]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    for _ in range(12):  # 80 requests/s: about half the rate it is taken to serve
+        clock.t += 1
+        svc.report_latency("chat", [0.01] * 80)
+        svc.tick(snapshot())  # alone on GPU 0: SMs 0.3, memory controller 0.2 busy
+    view = svc._view(jobs[0])
+    rho = view.activity()
+    assert 0.45 < rho < 0.55
+    assert view.features.sm == pytest.approx(0.3 / rho)  # kept at full load
+    measured = view.footprint()
+    assert (measured.sm, measured.mem_bw) == pytest.approx((0.3, 0.2))
+    assert measured.pcie == pytest.approx(0.02, rel=1e-3)
+    doubled = dataclasses.replace(view, load=2 * view.load).footprint()
+    assert (doubled.sm, doubled.mem_bw) == pytest.approx((0.6, 0.4))

@@ -141,3 +141,38 @@ def test_ceiling_bounds_random_packing_and_consumes_the_mix() -> None:
     assert o["util"] >= c["random"]["2"]["util"] > c["alone_util"]
     # Every class is run roughly in the proportion it arrives.
     assert o["worst_class_vs_mix"] > 0.7
+
+
+def test_colocate_plans_a_service_with_the_footprint_it_showed_at_that_load() -> None:
+    """As in gpud: a service's features are kept at full load, and the planner scales them
+    to its load of now, so a service seen alone at half load is planned at half load with
+    what it showed."""
+    from tools.colosim.engine import JobObs
+    from tools.colosim.policies import Colocate
+    from tools.colosim.workloads import SERVICE_TYPES
+
+    t = SERVICE_TYPES["llm-chat"]
+    half = t.mu / 2
+    seen = JobObs(
+        id="chat",
+        type=t.name,
+        kind="inference",
+        gpu=0,
+        share=1.0,
+        duty=1.0,
+        declared_mem=16 << 30,
+        mem_used=16 << 30,
+        rate=half,
+        sm_util=t.sm / 2,
+        bw_util=t.bw / 2,
+        host_cpu=t.cpu,
+        arrival_s=0.0,
+        load=half,
+        p99_s=0.1,
+        slo_s=t.slo_s,
+        peak_load=half,
+    )
+    policy = Colocate()
+    policy._learn_service([seen])
+    shown = policy._view(seen, 0, 1.0).footprint()
+    assert (shown.sm, shown.mem_bw) == pytest.approx((t.sm / 2, t.bw / 2))

@@ -258,6 +258,29 @@ class Colocate:
                 s.curve.knee = max(0.05, prof.features.sm)
         return s
 
+    def _view(self, r: JobObs, i: int, duty: float) -> JobView:
+        """The job as the planner sees it (``i``: its place in this tick's list). A
+        service's features are kept at full load (:meth:`_learn_service`), and the planner
+        scales them to its load of now, as gpud does."""
+        shape = self._shape(r)
+        if r.kind == "inference":
+            # Inference: a service rate curve from its type's telemetry is what gpud has;
+            # here the service declares its rate and SLO, as a deployment would.
+            shape.curve.peak = _service_mu(r)
+            shape.curve.knee = 0.55
+        return JobView(
+            job_id=r.id,
+            shape=shape,
+            features=self._keyed(r),
+            gpu=r.gpu,
+            sm_share=r.share,
+            duty=duty,
+            memory_used=r.mem_used,
+            load=r.load,
+            peak_load=r.peak_load,
+            order=-1.0 if r.kind == "inference" else r.arrival_s + i * 1e-9,
+        )
+
     # -- one tick -----------------------------------------------------------------------------
     def tick(self, obs: Observation) -> Actions:
         assert self.planner is not None
@@ -298,28 +321,10 @@ class Colocate:
         ):
             return acts
         self._last_sig = sig
-        views: list[JobView] = []
-        for i, r in enumerate([*obs.running, *pending]):
-            shape = self._shape(r)
-            if r.kind == "inference":
-                # Inference: a service rate curve from its type's telemetry is what gpud has;
-                # here the service declares its rate and SLO, as a deployment would.
-                shape.curve.peak = _service_mu(r)
-                shape.curve.knee = 0.55
-            views.append(
-                JobView(
-                    job_id=r.id,
-                    shape=shape,
-                    features=self._keyed(r),
-                    gpu=r.gpu,
-                    sm_share=r.share,
-                    duty=acts.duty.get(r.id, r.duty),
-                    memory_used=r.mem_used,
-                    load=r.load,
-                    peak_load=r.peak_load,
-                    order=-1.0 if r.kind == "inference" else r.arrival_s + i * 1e-9,
-                )
-            )
+        views = [
+            self._view(r, i, acts.duty.get(r.id, r.duty))
+            for i, r in enumerate([*obs.running, *pending])
+        ]
         gpus = [
             GpuView(index=g, memory_total=obs.gpu_memory, memory_used=obs.gpu_mem_used[g])
             for g in range(obs.gpu_count)
