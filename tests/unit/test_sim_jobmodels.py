@@ -182,3 +182,57 @@ def test_what_the_operator_declares_wins_over_the_model(sim: tuple[SimNode, Proc
     node.workloads.stop(10)  # the operator lets go: the model runs it again
     node.jobs.sync(devices)
     assert listed(node, 0) == {10: DEFAULT_MEMORY["training"]}
+
+
+def test_a_job_on_two_gpus_runs_its_model_on_each(sim: tuple[SimNode, Procs]) -> None:
+    """A training job holding GPUs 0 and 1, a service next to it on GPU 0: the training's
+    process is listed on both GPUs, busy on both, all-reducing over NVLink on both; the
+    guard's duty reaches both; it goes from both when it exits."""
+    node, procs = sim
+    procs.add(10, 1, {"GPUD_JOB": "train"})
+    procs.add(20, 1, {"GPUD_JOB": "chat"})
+
+    def devices(duty: float) -> list[JobDevice]:
+        return [
+            JobDevice("train", "training", 0, memory_bytes=20 * GIB, duty=duty),
+            JobDevice("train", "training", 1, memory_bytes=20 * GIB, duty=duty),
+            JobDevice("chat", "inference", 0, load=100.0),
+        ]
+
+    running = node.jobs.sync(devices(1.0))
+    assert [(m.pid, m.gpu) for m in running] == [(10, 0), (10, 1), (20, 0)]
+    assert listed(node, 0) == {10: 20 * GIB, 20: DEFAULT_MEMORY["inference"]}
+    assert listed(node, 1) == {10: 20 * GIB}
+    train = 100 * ALONE_SM["training"]
+    assert abs(util(node, 0) - 100 * min(1.0, ALONE_SM["training"] + ALONE_SM["inference"])) <= 5
+    assert abs(util(node, 1) - train) <= 5  # the simulated reading wobbles by up to 4 points
+    assert all(m.traffic.nvlink_tx > 0 for m in running if m.job == "train")
+
+    node.jobs.sync(devices(0.5))  # the guard on GPU 0 halves the training's duty
+    assert abs(util(node, 1) - train / 2) <= 5
+    assert {(m.gpu, m.sm_ratio) for m in node.jobs.running() if m.job == "train"} == {
+        (0, ALONE_SM["training"] / 2),
+        (1, ALONE_SM["training"] / 2),
+    }
+
+    procs.remove(10)
+    node.jobs.sync(devices(0.5))
+    assert listed(node, 0) == {20: DEFAULT_MEMORY["inference"]}
+    assert listed(node, 1) == {}
+
+
+def test_the_operator_takes_a_multi_gpu_jobs_pid_over_on_every_gpu(
+    sim: tuple[SimNode, Procs],
+) -> None:
+    node, procs = sim
+    procs.add(10, 1, {"GPUD_JOB": "a"})
+    devices = [JobDevice("a", "training", 0), JobDevice("a", "training", 1)]
+    node.jobs.sync(devices)
+    assert set(listed(node, 0)) == set(listed(node, 1)) == {10}
+    node.workloads.start(0, 10, 12 * GIB, 0.5)  # gpuctl sim workload start --pid 10 ...
+    node.jobs.sync(devices)
+    assert listed(node, 0) == {10: 12 * GIB} and listed(node, 1) == {}
+    assert node.jobs.running() == []
+    node.workloads.stop(10)
+    node.jobs.sync(devices)
+    assert set(listed(node, 0)) == set(listed(node, 1)) == {10}

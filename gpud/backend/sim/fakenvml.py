@@ -510,7 +510,8 @@ class FakeNvml:
         self._faults: dict[int, _GpuFaults] = {}
         self._crash_after: int | None = None
         self._event_sets: list[_EventSet] = []
-        self._procs: dict[int, _Proc] = {}
+        # (pid, GPU): a process with contexts on several GPUs is listed on each, as by NVML
+        self._procs: dict[tuple[int, int], _Proc] = {}
         self._gpus: list[_Gpu] = []
         for i, spec in enumerate(gpus):
             bus = _BUS_NUMBERS[i] if i < len(_BUS_NUMBERS) else 0x100 + i
@@ -1488,10 +1489,11 @@ class FakeNvml:
     ) -> None:
         """Run ``pid`` on the GPU (or its MIG device), holding ``used_bytes``, keeping
         ``sm_ratio`` of the device's SMs busy and moving ``traffic`` (None: in proportion to
-        its SM activity)."""
+        its SM activity). A process may run on several GPUs (a context on each, as a job
+        spanning GPUs has), once per GPU."""
         g = self._gpus[gpu]
-        if pid in self._procs:
-            raise ValueError(f"pid {pid} already runs on GPU {self._procs[pid].gpu}")
+        if (pid, gpu) in self._procs:
+            raise ValueError(f"pid {pid} already runs on GPU {gpu}")
         gi = ci = None
         if mig is not None:
             gi, ci = self.sim_resolve_mig(gpu, mig)
@@ -1501,35 +1503,47 @@ class FakeNvml:
             )
         with self._lock:
             proc = _Proc(pid, gpu, gi, ci, int(used_bytes), float(sm_ratio), traffic)
-            self._procs[pid] = proc
+            self._procs[(pid, gpu)] = proc
             g.procs = [*g.procs, proc]
             self._recompute(g)
 
-    def sim_stop_process(self, pid: int) -> bool:
+    def _proc_keys(self, pid: int, gpu: int | None) -> list[tuple[int, int]]:
+        return [k for k in self._procs if k[0] == pid and (gpu is None or k[1] == gpu)]
+
+    def sim_stop_process(self, pid: int, gpu: int | None = None) -> bool:
+        """Stop ``pid`` on ``gpu`` (None: on every GPU it runs on); False if it ran on none."""
         with self._lock:
-            proc = self._procs.pop(pid, None)
-            if proc is None:
-                return False
-            g = self._gpus[proc.gpu]
-            g.procs = [p for p in g.procs if p.pid != pid]
-            self._recompute(g)
-            return True
+            keys = self._proc_keys(pid, gpu)
+            for key in keys:
+                proc = self._procs.pop(key)
+                g = self._gpus[proc.gpu]
+                g.procs = [p for p in g.procs if p.pid != pid]
+                self._recompute(g)
+            return bool(keys)
 
     def sim_update_process(
-        self, pid: int, used_bytes: int, sm_ratio: float, traffic: LinkTraffic | None = None
+        self,
+        pid: int,
+        used_bytes: int,
+        sm_ratio: float,
+        traffic: LinkTraffic | None = None,
+        *,
+        gpu: int | None = None,
     ) -> bool:
-        """Change what a running process uses, in place (no moment without it); False if
-        ``pid`` does not run."""
+        """Change what a running process uses on ``gpu`` (None: on every GPU it runs on),
+        in place (no moment without it); False if ``pid`` does not run there."""
         with self._lock:
-            old = self._procs.get(pid)
-            if old is None:
-                return False
-            proc = _Proc(pid, old.gpu, old.gi, old.ci, int(used_bytes), float(sm_ratio), traffic)
-            self._procs[pid] = proc
-            g = self._gpus[proc.gpu]
-            g.procs = [proc if p.pid == pid else p for p in g.procs]
-            self._recompute(g)
-            return True
+            keys = self._proc_keys(pid, gpu)
+            for key in keys:
+                old = self._procs[key]
+                proc = _Proc(
+                    pid, old.gpu, old.gi, old.ci, int(used_bytes), float(sm_ratio), traffic
+                )
+                self._procs[key] = proc
+                g = self._gpus[proc.gpu]
+                g.procs = [proc if p.pid == pid else p for p in g.procs]
+                self._recompute(g)
+            return bool(keys)
 
     def sim_processes(self) -> list[_Proc]:
         with self._lock:

@@ -5,11 +5,12 @@ a CUDA context, and the SMs it keeps busy show in the device's utilization. A si
 has no CUDA, so :class:`JobWorkloads` stands in for the driver: every daemon tick it finds
 the host processes gpud launched for jobs (``GPUD_JOB`` in ``/proc/<pid>/environ``, as
 ``gpuctl run`` and ``gpuctl env`` set it; the top process of each job's tree) and runs a
-simulated compute process for each one on the job's device, through
+simulated compute process for each one on every device the job holds (a job spanning
+GPUs has a context on each, and the same PID in each one's process list), through
 :class:`~gpud.backend.sim.workloads.Workloads`:
 
-- memory: what the job declared (its MPS pinned-memory limit), else a per-kind default,
-  never more than the device holds;
+- memory: what the job declared per device (its MPS pinned-memory limit), else a per-kind
+  default, never more than the device holds;
 - SM activity: :func:`sm_activity` of the job's kind, MPS thread share and the duty cycle
   the co-location loop currently tells it (a throttled training job keeps the SMs busy
   only for its duty);
@@ -134,68 +135,70 @@ class JobWorkloads:
         self._workloads = workloads
         self._proc = proc_root
         self._lock = threading.Lock()
-        self._running: dict[int, Modelled] = {}
+        self._running: dict[tuple[int, int], Modelled] = {}  # (pid, GPU)
         # (pid, start time) -> job name or None: environ is read once per process
         self._jobs_of: dict[tuple[int, str], str | None] = {}
 
     def running(self) -> list[Modelled]:
         with self._lock:
-            return sorted(self._running.values(), key=lambda m: m.pid)
+            return [self._running[k] for k in sorted(self._running)]
 
     def sync(self, devices: Sequence[JobDevice]) -> list[Modelled]:
         """Start, update or stop simulated processes so that each live job process runs the
-        model of its job's first device in ``devices``; returns what runs now."""
-        by_job: dict[str, JobDevice] = {}
-        gpus: dict[str, set[int]] = {}
+        model of its job on every device in ``devices`` the job holds (one per GPU: of two
+        MIG instances of one GPU, the first); returns what runs now."""
+        by_job: dict[str, dict[int, JobDevice]] = {}
         for d in devices:
-            by_job.setdefault(d.job, d)
-            gpus.setdefault(d.job, set()).add(d.gpu)
+            by_job.setdefault(d.job, {}).setdefault(d.gpu, d)
         procs = self._job_processes(set(by_job)) if by_job else {}
         lost = self._workloads.lost_gpus()
-        want: dict[int, Modelled] = {}
+        want: dict[tuple[int, int], Modelled] = {}
         for pid, job in procs.items():
-            d = by_job[job]
-            if d.gpu in lost:
-                # what ran there stays as it was (the device's state); nothing new starts:
-                # no CUDA context can be created on a GPU that fell off the bus
-                if (old := self._running.get(pid)) is not None:
-                    want[pid] = old
-                continue
-            memory = d.memory_bytes if d.memory_bytes is not None else DEFAULT_MEMORY[d.kind]
-            if d.memory_total:
-                memory = min(memory, int(d.memory_total * DEVICE_MEMORY_CAP))
-            want[pid] = Modelled(
-                pid,
-                job,
-                d.gpu,
-                d.mig,
-                memory,
-                sm_activity(d.kind, d.duty, d.threads_percent),
-                link_traffic(
-                    d.kind,
-                    duty=d.duty,
-                    threads_percent=d.threads_percent,
-                    load=d.load,
-                    gpus=len(gpus[job]),
-                ),
-            )
+            for d in by_job[job].values():
+                key = (pid, d.gpu)
+                if d.gpu in lost:
+                    # what ran there stays as it was (the device's state); nothing new
+                    # starts: no CUDA context can be created on a GPU that fell off the bus
+                    if (old := self._running.get(key)) is not None:
+                        want[key] = old
+                    continue
+                memory = d.memory_bytes if d.memory_bytes is not None else DEFAULT_MEMORY[d.kind]
+                if d.memory_total:
+                    memory = min(memory, int(d.memory_total * DEVICE_MEMORY_CAP))
+                want[key] = Modelled(
+                    pid,
+                    job,
+                    d.gpu,
+                    d.mig,
+                    memory,
+                    sm_activity(d.kind, d.duty, d.threads_percent),
+                    link_traffic(
+                        d.kind,
+                        duty=d.duty,
+                        threads_percent=d.threads_percent,
+                        load=d.load,
+                        gpus=len(by_job[job]),
+                    ),
+                )
         with self._lock:
             ours = self._workloads.modelled()
-            for pid in set(self._running) - ours:
+            for key in set(self._running) - ours:
                 # gone with a reboot (started again below), or the operator declared it
-                del self._running[pid]
-            for pid, m in list(self._running.items()):
-                new = want.get(pid)
-                if new is None or (new.gpu, new.mig) != (m.gpu, m.mig):
+                del self._running[key]
+            for key, m in list(self._running.items()):
+                new = want.get(key)
+                if new is None or new.mig != m.mig:
                     self._stop(m)
                 elif new != m:
                     # a new duty cycle or limit: the same process, using more or less
-                    self._workloads.update(pid, new.used_memory_bytes, new.sm_ratio, new.traffic)
-                    self._running[pid] = new
-            for pid, m in want.items():
-                if pid not in self._running:
+                    self._workloads.update(
+                        m.pid, m.gpu, new.used_memory_bytes, new.sm_ratio, new.traffic
+                    )
+                    self._running[key] = new
+            for key, m in want.items():
+                if key not in self._running:
                     self._start(m)
-            return sorted(self._running.values(), key=lambda m: m.pid)
+            return [self._running[k] for k in sorted(self._running)]
 
     def stop_all(self) -> None:
         with self._lock:
@@ -213,11 +216,11 @@ class JobWorkloads:
             log.debug("simulated process %d of job %s not started: %s", m.pid, m.job, err)
             return
         if started:  # else the operator runs it (gpuctl sim workload start): theirs
-            self._running[m.pid] = m
+            self._running[(m.pid, m.gpu)] = m
 
     def _stop(self, m: Modelled) -> None:
-        self._workloads.stop_modelled(m.pid)
-        del self._running[m.pid]
+        self._workloads.stop_modelled(m.pid, m.gpu)
+        del self._running[(m.pid, m.gpu)]
 
     # -- the host side ---------------------------------------------------------------------
     def _job_processes(self, jobs: set[str]) -> dict[int, str]:

@@ -28,14 +28,15 @@ class Workloads:
 
     Two kinds of callers: the operator (``gpuctl sim workload``: :meth:`start`, :meth:`stop`)
     and the workload models behind the jobs' processes (:meth:`start_modelled`,
-    :meth:`update`, :meth:`stop_modelled`). What the operator declares wins: starting a PID
-    the models run replaces their process, and the models leave it alone from then on (until
-    the operator stops it)."""
+    :meth:`update`, :meth:`stop_modelled`), which run a process on each GPU its job holds.
+    What the operator declares wins: starting a PID the models run replaces their process
+    (on every GPU), and the models leave it alone from then on (until the operator stops
+    it)."""
 
     def __init__(self, nvml: FakeNvml) -> None:
         self._nvml = nvml
         self._lock = threading.Lock()
-        self._modelled: set[int] = set()
+        self._modelled: set[tuple[int, int]] = set()  # (pid, GPU)
 
     def start(
         self,
@@ -51,15 +52,15 @@ class Workloads:
         """
         _check(self._nvml, gpu, used_memory_bytes, sm_ratio)
         with self._lock:
-            if pid in self._modelled:
-                self._modelled.discard(pid)
-                self._nvml.sim_stop_process(pid)
+            for key in [k for k in self._modelled if k[0] == pid]:
+                self._modelled.discard(key)
+                self._nvml.sim_stop_process(pid, key[1])
             self._nvml.sim_start_process(gpu, pid, used_memory_bytes, sm_ratio, mig)
 
     def stop(self, pid: int) -> bool:
-        """Stop ``pid``; False if it was not running."""
+        """Stop ``pid`` (on every GPU); False if it was not running."""
         with self._lock:
-            self._modelled.discard(pid)
+            self._modelled = {k for k in self._modelled if k[0] != pid}
             return self._nvml.sim_stop_process(pid)
 
     def start_modelled(
@@ -73,46 +74,49 @@ class Workloads:
         traffic: LinkTraffic | None = None,
     ) -> bool:
         """:meth:`start` for the workload models, with what the process moves over PCIe and
-        NVLink; False (nothing done) when ``pid`` already runs (the operator declared it)."""
+        NVLink; False (nothing done) when ``pid`` already runs on ``gpu``, or anywhere as
+        the operator declared it."""
         _check(self._nvml, gpu, used_memory_bytes, sm_ratio)
         with self._lock:
-            if any(p.pid == pid for p in self._nvml.sim_processes()):
-                return False
+            for p in self._nvml.sim_processes():
+                if p.pid == pid and (p.gpu == gpu or (pid, p.gpu) not in self._modelled):
+                    return False
             self._nvml.sim_start_process(
                 gpu, pid, used_memory_bytes, sm_ratio, mig, traffic=traffic
             )
-            self._modelled.add(pid)
+            self._modelled.add((pid, gpu))
             return True
 
-    def stop_modelled(self, pid: int) -> None:
-        """Stop a process the models started (not one the operator took over)."""
+    def stop_modelled(self, pid: int, gpu: int) -> None:
+        """Stop a process the models started on ``gpu`` (not one the operator took over)."""
         with self._lock:
-            if pid in self._modelled:
-                self._modelled.discard(pid)
-                self._nvml.sim_stop_process(pid)
+            if (pid, gpu) in self._modelled:
+                self._modelled.discard((pid, gpu))
+                self._nvml.sim_stop_process(pid, gpu)
 
-    def modelled(self) -> set[int]:
-        """The PIDs the models run now (a reboot ends them all)."""
+    def modelled(self) -> set[tuple[int, int]]:
+        """The (PID, GPU) the models run now (a reboot ends them all)."""
         with self._lock:
-            running = {p.pid for p in self._nvml.sim_processes()}
+            running = {(p.pid, p.gpu) for p in self._nvml.sim_processes()}
             self._modelled &= running
             return set(self._modelled)
 
     def update(
         self,
         pid: int,
+        gpu: int,
         used_memory_bytes: int,
         sm_ratio: float,
         traffic: LinkTraffic | None = None,
     ) -> bool:
-        """Change the memory, SM activity and link traffic of a modelled ``pid``; False if
-        the models do not run it."""
+        """Change the memory, SM activity and link traffic of a modelled ``pid`` on ``gpu``;
+        False if the models do not run it there."""
         if used_memory_bytes < 0 or not 0.0 <= sm_ratio <= 1.0:
             raise ValueError("used_memory_bytes must be >= 0 and sm_ratio within 0..1")
         with self._lock:
-            if pid not in self._modelled:
+            if (pid, gpu) not in self._modelled:
                 return False
-            return self._nvml.sim_update_process(pid, used_memory_bytes, sm_ratio, traffic)
+            return self._nvml.sim_update_process(pid, used_memory_bytes, sm_ratio, traffic, gpu=gpu)
 
     def lost_gpus(self) -> set[int]:
         """The GPUs injected as lost (fallen off the bus)."""
