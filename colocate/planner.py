@@ -20,6 +20,11 @@ One pass:
 5. Directives. Running training jobs get the duty cycle the SLO guards allow on their GPU;
    evictions carry the guard's or the memory check's reason.
 
+A running job on several GPUs is one view per GPU (the same ``job_id``, each with its
+footprint on that device). It runs at the pace of its slowest GPU: one directive, at the
+lowest duty the guards allow on any of them; its predicted speed the lowest of its GPUs';
+an eviction on one GPU (memory, a guard) takes it off all of them.
+
 An inference service whose SLO is tight (shorter than ``tight_slo_service_times`` service
 times at full speed) is given a MIG instance when a GPU has a free one that covers its peak,
 whatever runs in that GPU's other instances: hard isolation rather than an MPS share that a
@@ -353,34 +358,40 @@ class Planner:
 
         directives: list[Directive] = []
         evicted: set[str] = set()
+        # Memory an evicted job still holds until it exits, per GPU (NVML still shows it).
+        freed: dict[int, int] = {}
+
+        def evict(job: JobView, reason: str) -> None:
+            # A job on several GPUs leaves them all: it is one process group.
+            for h in state.values():
+                for gone in self._drop(h, job.job_id):
+                    freed[h.view.index] = freed.get(h.view.index, 0) + gone.memory_used
+            evicted.add(job.job_id)
+            directives.append(Directive(job.job_id, 0.0, True, reason))
+
         # 1. memory: the observed use over the limit costs the newest training job its place.
         for g in state.values():
             limit = int(g.view.memory_total * (1.0 - p.memory_headroom))
-            used = max(g.view.memory_used, sum(j.memory_used for j, _, _ in g.residents))
+            used = max(
+                g.view.memory_used - freed.get(g.view.index, 0),
+                sum(j.memory_used for j, _, _ in g.residents),
+            )
             trainees = sorted(
                 (j for j, _, _ in g.residents if j.kind is JobKind.TRAINING),
                 key=lambda j: (-j.order, j.job_id),
             )
             while used > limit and trainees:
                 victim = trainees.pop(0)
-                used -= victim.memory_used
-                self._drop(g, victim)
-                evicted.add(victim.job_id)
-                directives.append(
-                    Directive(
-                        victim.job_id,
-                        0.0,
-                        True,
-                        f"GPU {g.view.index} memory {used + victim.memory_used >> 20} MiB over "
-                        f"its limit {limit >> 20} MiB: evict the newest training job",
-                    )
+                evict(
+                    victim,
+                    f"GPU {g.view.index} memory {used >> 20} MiB over its limit "
+                    f"{limit >> 20} MiB: evict the newest training job",
                 )
+                used -= victim.memory_used
             if guard_evict and g.view.index in guard_evict:
                 for j, _, _ in list(g.residents):
                     if j.kind is JobKind.TRAINING and j.job_id not in evicted:
-                        self._drop(g, j)
-                        evicted.add(j.job_id)
-                        directives.append(Directive(j.job_id, 0.0, True, guard_evict[g.view.index]))
+                        evict(j, guard_evict[g.view.index])
 
         # 2. options per pending job.
         options: dict[str, list[Option]] = {}
@@ -489,23 +500,30 @@ class Planner:
             if not placed:
                 waiting[job.job_id] = "every option was taken by earlier jobs this pass"
 
-        # 5. directives for running training jobs.
+        # 5. directives for running training jobs: one per job, at the lowest duty the
+        # guards allow on any of its GPUs (a job on several GPUs runs at one pace).
         duty = guard_duty or {}
+        told: dict[str, Directive] = {}
         for g in state.values():
             d = duty.get(g.view.index, 1.0)
             for j, _, _ in g.residents:
-                if j.kind is JobKind.TRAINING and j.gpu is not None:
+                if j.kind is not JobKind.TRAINING or j.gpu is None:
+                    continue
+                before = told.get(j.job_id)
+                if before is None or d < before.duty:
                     why = (
                         f"SLO guard on GPU {g.view.index} holds training at duty {d:.2f}"
                         if d < 1.0
                         else "no SLO pressure"
                     )
-                    directives.append(Directive(j.job_id, d, False, why))
+                    told[j.job_id] = Directive(j.job_id, d, False, why)
+        directives.extend(told.values())
 
+        # A job on several GPUs goes at the pace of its slowest.
         predicted: dict[str, float] = {}
         for g in state.values():
             for (j, _, _), sp in zip(g.residents, self._speeds(g.residents), strict=True):
-                predicted[j.job_id] = sp
+                predicted[j.job_id] = min(sp, predicted.get(j.job_id, sp))
         return Plan(
             placements=tuple(placements),
             waiting=waiting,
@@ -542,9 +560,12 @@ class Planner:
         svc = 1.0 / max(job.shape.service_rate(1.0), 1e-9)
         return job.shape.slo_s < self.params.tight_slo_service_times * svc
 
-    def _drop(self, g: _Gpu, job: JobView) -> None:
-        g.residents = [r for r in g.residents if r[0].job_id != job.job_id]
-        g.reserved -= job.shape.reserve_bytes()
+    def _drop(self, g: _Gpu, job_id: str) -> list[JobView]:
+        """Take the job off the GPU; its views that were there."""
+        gone = [j for j, _, _ in g.residents if j.job_id == job_id]
+        g.residents = [r for r in g.residents if r[0].job_id != job_id]
+        g.reserved -= sum(j.shape.reserve_bytes() for j in gone)
+        return gone
 
     def _why_not(self, job: JobView, state: Mapping[int, _Gpu]) -> str:
         reasons = []

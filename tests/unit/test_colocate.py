@@ -471,3 +471,27 @@ def test_plan_never_overcommits_memory(
         assert total[g] <= int(80 * GIB * (1 - headroom))
         assert plan.memory_reserved[g] == total[g]
     assert {p.job_id for p in plan.placements}.isdisjoint(plan.waiting)
+
+
+def test_a_job_on_two_gpus_is_directed_once_at_the_pace_of_its_slower_gpu() -> None:
+    """A training job holding GPUs 0 and 1 is a view on each; a service shares GPU 0. It
+    runs at the pace of its slower GPU, so the guard on GPU 0 sets its duty whatever GPU 1
+    allows, its predicted speed is GPU 0's, and an eviction on either GPU is the job's."""
+    planner = Planner(InterferencePredictor())
+    svc = inference("svc", slo_s=0.2, peak=50.0, gpu=0)
+
+    def jobs(used_gib: float = 0) -> list[JobView]:
+        return [svc, training("t", gpu=0), training("t", gpu=1, used_gib=used_gib)]
+
+    plan = planner.plan(gpus(2), jobs(), guard_duty={0: 0.25})
+    (d,) = plan.directives
+    assert (d.job_id, d.duty, d.evict) == ("t", 0.25, False)
+    assert "GPU 0" in d.reason
+    assert plan.predicted_speed["t"] < 1.0  # GPU 0's, next to the service; GPU 1's is 1.0
+    for evicting in (
+        planner.plan(gpus(2), jobs(), guard_evict={0: "SLO cannot be held"}),
+        planner.plan(gpus(2), jobs(used_gib=79)),  # GPU 1's memory over its limit
+    ):
+        (d,) = evicting.directives
+        assert d.job_id == "t" and d.evict
+        assert "t" not in evicting.predicted_speed
