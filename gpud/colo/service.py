@@ -75,7 +75,8 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class RunningJob:
-    """A job holding a reservation, as the jobs service knows it."""
+    """A job holding a reservation on one device, as the jobs service knows it (a job on
+    several devices is one of these per device)."""
 
     name: str
     kind: str  # "training" | "inference"
@@ -98,22 +99,46 @@ class Directive:
 
 
 @dataclass
+class _DeviceState:
+    """A job on one of its devices (a job on several GPUs has one each)."""
+
+    features: JobFeatures | None = None  # its footprint there, alone, at full speed
+    side: JobFeatures | None = None  # memory share and host use at the last tick (sm unused)
+
+
+@dataclass
 class _JobState:
     latency: deque[tuple[float, float]] = field(
         default_factory=lambda: deque(maxlen=MAX_LATENCY_SAMPLES)
     )
     # (time, iterations so far, duty told at that report: what it ran at until the next)
     progress: deque[tuple[float, int, float]] = field(default_factory=lambda: deque(maxlen=64))
-    # alone: training's iterations per busy second (duty taken out); an inference
-    # service's M/M/1 service rate (requests/s, see ColoService.service_rate)
+    # alone on all its devices: training's iterations per busy second (duty taken out); an
+    # inference service's M/M/1 service rate (requests/s, see ColoService.service_rate)
     alone_rate: float | None = None
-    neighbours: frozenset[str] | None = None  # who shared its GPU at the last tick
+    # its devices and who shared each at the last tick: (device, neighbour or "")
+    company: frozenset[tuple[str, str]] | None = None
     guard_since: float = float("-inf")  # inference: latencies from here on see the new duty
-    side: JobFeatures | None = None  # memory share and host use at the last tick (sm unused)
     since: float = float("-inf")  # when that company last changed
-    features: JobFeatures | None = None
+    devices: dict[str, _DeviceState] = field(default_factory=dict)  # by _place()
     windows: int = 0
     windows_ok: int = 0
+
+    def learned(self, place: str) -> JobFeatures | None:
+        """Its footprint on that device; else what it showed on another of its devices (a
+        job's ranks do alike), or before the loop kept features per device; else None."""
+        here = self.devices.get(place)
+        if here is not None and here.features is not None:
+            return here.features
+        for key in sorted(self.devices):
+            if self.devices[key].features is not None:
+                return self.devices[key].features
+        return None
+
+
+def _place(r: RunningJob) -> str:
+    """The key of a job's device: its UUID (GPU or MIG), else its GPU index."""
+    return r.device or f"GPU {r.gpu}"
 
 
 @dataclass(frozen=True)
@@ -417,12 +442,19 @@ class ColoService:
         st = self._jobs.setdefault(name, _JobState())
         if saved.get("alone_rate") is not None:
             st.alone_rate = float(saved["alone_rate"])
+        # footprints per device; a file from before kept one per job: it serves every
+        # device until the job shows its own there
+        devices = dict(saved.get("devices") or {})
         if saved.get("sm") is not None:
-            st.features = JobFeatures(
-                sm=float(saved["sm"]),
-                mem_bw=float(saved["mem_bw"]),
-                pcie=float(saved.get("pcie") or 0.0),
-                nvlink=float(saved.get("nvlink") or 0.0),
+            devices[""] = saved
+        for place, f in devices.items():
+            st.devices[str(place)] = _DeviceState(
+                features=JobFeatures(
+                    sm=float(f["sm"]),
+                    mem_bw=float(f["mem_bw"]),
+                    pcie=float(f.get("pcie") or 0.0),
+                    nvlink=float(f.get("nvlink") or 0.0),
+                )
             )
         if saved.get("duty") is not None:
             duty = min(1.0, max(0.0, float(saved["duty"])))
@@ -438,21 +470,29 @@ class ColoService:
         temporary file and renamed over the old one: a crash leaves one or the other."""
         if self._state_file is None:
             return
-        jobs: dict[str, dict[str, float | None]] = {}
+        jobs: dict[str, dict[str, Any]] = {}
         for r in running:
             st = self._jobs.get(r.name)
             g = self._guards.get(r.name)
             d = self._directives.get(r.name)
-            jobs[r.name] = {
-                "alone_rate": st.alone_rate if st else None,
-                "sm": st.features.sm if st and st.features else None,
-                "mem_bw": st.features.mem_bw if st and st.features else None,
-                "pcie": st.features.pcie if st and st.features else None,
-                "nvlink": st.features.nvlink if st and st.features else None,
-                "duty": d.duty if d is not None and not d.evict else None,
-                "guard_duty": g.duty if g is not None else None,
-                "slo_s": g.slo_s if g is not None else None,
-            }
+            job = jobs.setdefault(
+                r.name,
+                {
+                    "alone_rate": st.alone_rate if st else None,
+                    "devices": {},
+                    "duty": d.duty if d is not None and not d.evict else None,
+                    "guard_duty": g.duty if g is not None else None,
+                    "slo_s": g.slo_s if g is not None else None,
+                },
+            )
+            for place, ds in sorted(st.devices.items()) if st else ():
+                if (f := ds.features) is not None:
+                    job["devices"][place] = {
+                        "sm": f.sm,
+                        "mem_bw": f.mem_bw,
+                        "pcie": f.pcie,
+                        "nvlink": f.nvlink,
+                    }
         data = {"jobs": jobs, "predictor": self.predictor.to_dict()}
         if data == self._saved:
             return
@@ -470,21 +510,35 @@ class ColoService:
         Together: its rate over its alone rate is a sample of slowdown for the predictor.
         A training job's rate is per second of running time, so the guard's throttling is
         not taken for interference; an inference service's is its M/M/1 service rate
-        (:meth:`service_rate`), measured at the duty its neighbours were last set to."""
+        (:meth:`service_rate`), measured at the duty its neighbours were last set to.
+
+        A job on several devices has a footprint on each, learned while it is alone on all
+        of them (else its pace is another device's). Its rate is one, the pace of its
+        slowest device: it teaches the predictor only while it shares just one of its
+        devices, with its footprint and company there; shared on several, its observed
+        speed shows but which device cost what is not known."""
         now = self._clock()
         self._observed = {}
         host = self._host.sample(
-            {r.name: r.pids for members in per_gpu.values() for r in members if r.pids}
+            {
+                f"{r.name}\0{_place(r)}": r.pids
+                for members in per_gpu.values()
+                for r in members
+                if r.pids
+            }
         )
         # every GPU's NVLink counters, each tick: their growth since the last is the rate
         nvlink = {g.identity.index: self._nvlink.ratio(g) for g in snapshot.gpus if g.healthy}
+        # job -> its devices: (the job there, who shares that device, the GPU's reading,
+        # whether the job is all the GPU runs)
+        placed: dict[str, list[tuple[RunningJob, list[RunningJob], GpuSample | None, bool]]] = {}
         for gpu, members in per_gpu.items():
             sample = snapshot.gpu(gpu)
             total = sample.memory.total_bytes if sample is not None and sample.memory else 0
             for r in members:
                 st = self._jobs.setdefault(r.name, _JobState())
-                use = host.get(r.name)
-                st.side = JobFeatures(
+                use = host.get(f"{r.name}\0{_place(r)}")
+                st.devices.setdefault(_place(r), _DeviceState()).side = JobFeatures(
                     sm=0.0,
                     mem_bw=0.0,
                     mem_frac=min(1.0, r.memory_used / total) if total else 0.0,
@@ -492,40 +546,49 @@ class ColoService:
                     rss_frac=use.rss if use is not None else 0.0,
                 )
                 company = [o for o in members if o.name != r.name and _shares_device(o, r)]
-                names = frozenset(o.name for o in company)
-                if names != st.neighbours:
-                    # a new company: measure afresh, once it settled
-                    st.neighbours, st.since = names, now + SETTLE_S
-                    continue
-                if r.kind == "training":
-                    rate = self._rate(st, now)
-                else:
-                    rate = self.service_rate(r.name, since=max(st.since, st.guard_since))
-                if not company:
+                placed.setdefault(r.name, []).append((r, company, sample, len(members) == 1))
+        for name, where in placed.items():
+            st = self._jobs[name]
+            together = frozenset(
+                (_place(r), o.name) for r, others, _, _ in where for o in others
+            ) | frozenset((_place(r), "") for r, _, _, _ in where)
+            if together != st.company:
+                # a new company (or another set of devices): measure afresh, once it settled
+                st.company, st.since = together, now + SETTLE_S
+                continue
+            kind = where[0][0].kind
+            if kind == "training":
+                rate = self._rate(st, now)
+            else:
+                rate = self.service_rate(name, since=max(st.since, st.guard_since))
+            shared = [(r, others) for r, others, _, _ in where if others]
+            if not shared:
+                for r, _, sample, only in where:
                     u = sample.utilization if sample is not None else None
-                    if (
-                        sample is not None
-                        and u is not None
-                        and r.mig_profile is None
-                        and len(members) == 1
-                    ):
-                        st.features = self._alone_features(
-                            r,
-                            sample,
-                            sm=u.gpu_ratio,
-                            mem_bw=u.memory_ratio,
-                            nvlink=nvlink.get(gpu),
-                            before=st.features,
-                        )
-                    if rate is not None:
-                        st.alone_rate = rate
-                    continue
-                if rate is None or not st.alone_rate:
-                    continue
-                speed = min(1.0, rate / st.alone_rate)
-                self._observed[r.name] = speed
-                others = [self._view(o).footprint() for o in company]
-                self.predictor.observe(self._view(r).footprint(), others, speed)
+                    if sample is None or u is None or r.mig_profile is not None or not only:
+                        continue
+                    ds = st.devices[_place(r)]
+                    ds.features = self._alone_features(
+                        r,
+                        sample,
+                        sm=u.gpu_ratio,
+                        mem_bw=u.memory_ratio,
+                        nvlink=nvlink.get(r.gpu),
+                        before=ds.features,
+                    )
+                    if ds.features is not None:  # measured here: what an older file held goes
+                        st.devices.pop("", None)
+                if rate is not None:
+                    st.alone_rate = rate
+                continue
+            if rate is None or not st.alone_rate:
+                continue
+            speed = min(1.0, rate / st.alone_rate)
+            self._observed[name] = speed
+            if len(shared) == 1:
+                r, others = shared[0]
+                footprints = [self._view(o).footprint() for o in others]
+                self.predictor.observe(self._view(r).footprint(), footprints, speed)
 
     def _alone_features(
         self,
@@ -562,12 +625,14 @@ class ColoService:
         )
 
     def _features(self, r: RunningJob) -> JobFeatures:
-        """Its device footprint alone (or the prior), with its memory and host use now."""
+        """Its footprint alone on that device (or the prior), with its memory and host use
+        there now."""
         st = self._jobs.get(r.name)
         if st is None:
             return PRIOR
-        base = st.features if st.features is not None else PRIOR
-        side = st.side
+        base = st.learned(_place(r)) or PRIOR
+        here = st.devices.get(_place(r))
+        side = here.side if here is not None else None
         if side is None:
             return base
         return dataclasses.replace(
@@ -577,45 +642,59 @@ class ColoService:
     def _guard_step(
         self, running: Sequence[RunningJob], per_gpu: dict[int, list[RunningJob]]
     ) -> tuple[dict[int, float], dict[int, str]]:
+        """Each inference job's guard, once a tick (a service on several devices too),
+        over the GPUs where training shares one of its devices."""
         duty: dict[int, float] = {}
         evict: dict[int, str] = {}
+        services: dict[str, list[RunningJob]] = {}
         for r in running:
-            if r.kind != "inference" or not r.slo_p99_ms:
-                continue
-            g = self._guards.get(r.name)
+            if r.kind == "inference" and r.slo_p99_ms:
+                services.setdefault(r.name, []).append(r)
+        for name, where in services.items():
+            g = self._guards.get(name)
             if g is None:
-                g = self._guards[r.name] = ServiceGuard(
-                    r.name, r.slo_p99_ms / 1e3, self._guard_params
-                )
-            p99 = self.p99(r.name)
-            st = self._jobs.setdefault(r.name, _JobState())
+                slo_s = (where[0].slo_p99_ms or 0.0) / 1e3
+                g = self._guards[name] = ServiceGuard(name, slo_s, self._guard_params)
+            p99 = self.p99(name)
+            st = self._jobs.setdefault(name, _JobState())
             if p99 is not None:
                 st.windows += 1
                 st.windows_ok += int(p99 <= g.slo_s)
-            if not any(
-                o.kind == "training" and _shares_device(o, r) for o in per_gpu.get(r.gpu, [])
-            ):
+            gpus = sorted(
+                {
+                    r.gpu
+                    for r in where
+                    if any(
+                        o.kind == "training" and _shares_device(o, r)
+                        for o in per_gpu.get(r.gpu, [])
+                    )
+                }
+            )
+            if not gpus:
                 g.reset()
                 st.guard_since = float("-inf")
                 continue
             # Act on latencies measured at the duty last set, not on the ones the window
             # still holds from before it: else each tick would cut again for the same spike.
-            fresh = self.p99(r.name, since=st.guard_since, min_samples=MIN_FRESH_SAMPLES)
+            fresh = self.p99(name, since=st.guard_since, min_samples=MIN_FRESH_SAMPLES)
             if fresh is None and p99 is not None:
                 # still measuring at the new duty: the last decision holds
-                duty[r.gpu] = min(duty.get(r.gpu, 1.0), g.duty)
+                for gpu in gpus:
+                    duty[gpu] = min(duty.get(gpu, 1.0), g.duty)
                 continue
             before = g.duty
             d = g.tick(fresh)
             if g.duty != before:
                 st.guard_since = self._clock() + DIRECTIVE_DELAY_S
             if d.action is GuardAction.EVICT:
-                evict[r.gpu] = d.reason
-                self._events.emit("colo.evict", d.reason, job=r.name, gpu=r.gpu)
-            else:
-                duty[r.gpu] = min(duty.get(r.gpu, 1.0), d.duty)
-                if d.action is GuardAction.THROTTLE and before != d.duty:
-                    self._events.emit("colo.throttle", d.reason, job=r.name, gpu=r.gpu)
+                for gpu in gpus:
+                    evict[gpu] = d.reason
+                    self._events.emit("colo.evict", d.reason, job=name, gpu=gpu)
+                continue
+            for gpu in gpus:
+                duty[gpu] = min(duty.get(gpu, 1.0), d.duty)
+            if d.action is GuardAction.THROTTLE and before != d.duty:
+                self._events.emit("colo.throttle", d.reason, job=name, gpu=gpus[0])
         return duty, evict
 
     def _view(self, r: RunningJob) -> JobView:
@@ -627,7 +706,9 @@ class ColoService:
             kind,
             memory_bytes=memory,
             slo_s=r.slo_p99_ms / 1e3 if r.slo_p99_ms else None,
-            knee=self._features(r).sm if self._jobs.get(r.name, _JobState()).features else None,
+            knee=self._features(r).sm
+            if self._jobs.get(r.name, _JobState()).learned(_place(r))
+            else None,
             # what it declared, or serves now if more: it holds that alone (the guard
             # watches that it does)
             peak_load=max(r.peak_load, load),

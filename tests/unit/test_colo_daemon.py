@@ -699,3 +699,100 @@ def test_a_service_is_planned_with_the_footprint_it_showed_at_that_load(tmp_path
     assert measured.pcie == pytest.approx(0.02, rel=1e-3)
     doubled = dataclasses.replace(view, load=2 * view.load).footprint()
     assert (doubled.sm, doubled.mem_bw) == pytest.approx((0.6, 0.4))
+
+
+def busy_snapshot(util: dict[int, tuple[float, float]]) -> Snapshot:
+    """GPUs whose SMs and memory controllers are busy as given, by index."""
+    base = snapshot(len(util))
+    return dataclasses.replace(
+        base,
+        gpus=tuple(g._replace(utilization=Utilization(*util[g.identity.index])) for g in base.gpus),
+    )
+
+
+def test_a_training_job_on_two_gpus_next_to_a_service_on_one(tmp_path: Path) -> None:
+    """A training job holds GPUs 0 and 1 and shows another footprint on each; a service
+    joins it on GPU 0. The planner sees the job on each GPU with that GPU's footprint; the
+    guard on GPU 0 holds the whole job at its duty; the job's one rate, over the rate it had
+    alone on both, is its observed speed, which the predictor learns with its footprint
+    and company on GPU 0; what it shows on GPU 1 meanwhile is not taken for its footprint;
+    and the footprints per GPU outlive a restart."""
+    clock = Clock()
+    jobs = [
+        RunningJob("train", "training", g, memory_bytes=10 * GIB, device=f"GPU-{g}") for g in (0, 1)
+    ]
+
+    def start() -> ColoService:
+        return ColoService(
+            ColocateConfig(),
+            EventLog(tmp_path / "e.jsonl"),
+            running=lambda: jobs,
+            clock=clock,
+            state_file=tmp_path / "colo.json",
+        )
+
+    svc = start()
+    snap = busy_snapshot({0: (0.3, 0.2), 1: (0.5, 0.4)})
+    for _ in range(5):  # alone on both: 10 iterations a second
+        svc.throttle_point("train", 10)
+        svc.tick(snap)
+        clock.t += 1
+    footprints = {r.gpu: svc._view(r).footprint() for r in jobs}
+    assert (footprints[0].sm, footprints[0].mem_bw) == (0.3, 0.2)
+    assert (footprints[1].sm, footprints[1].mem_bw) == (0.5, 0.4)
+    assert svc._jobs["train"].alone_rate == pytest.approx(10.0)
+
+    seen: list[tuple[JobFeatures, list[JobFeatures], float]] = []
+    learn = svc.predictor.observe
+
+    def observe(me: JobFeatures, others: list[JobFeatures], speed: float) -> None:
+        seen.append((me, list(others), speed))
+        learn(me, others, speed)
+
+    svc.predictor.observe = observe  # type: ignore[method-assign]
+    jobs.append(
+        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB, device="GPU-0")
+    )
+    svc.report_latency("chat", [0.09] * 100)  # p99 within the margin: throttle
+    svc.tick(snap)
+    assert svc.duty("train") == 0.5  # the job runs at one pace: GPU 0's guard sets it
+    for _ in range(4):  # 4 iterations a second at duty 0.5: 8 per second of running time
+        clock.t += 1
+        svc.throttle_point("train", 4)
+        svc.tick(snap)
+    assert svc.show().observed_speed["train"] == pytest.approx(0.8)
+    assert seen
+    for me, others, speed in seen:
+        assert (me.sm, me.mem_bw) == pytest.approx((0.15, 0.1))  # GPU 0's, at duty 0.5
+        assert len(others) == 1 and speed == pytest.approx(0.8)
+    assert svc._features(jobs[1]).sm == 0.5  # GPU 1 alone, but at GPU 0's pace: not learned
+    assert svc._jobs["train"].alone_rate == pytest.approx(10.0)
+
+    again = start()  # the daemon restarts: the footprints per GPU are kept
+    assert [again._features(r).sm for r in jobs[:2]] == [0.3, 0.5]
+
+
+def test_a_footprint_kept_per_job_before_serves_each_of_its_gpus(tmp_path: Path) -> None:
+    state = tmp_path / "colo.json"
+    state.write_text(json.dumps({"jobs": {"train": {"sm": 0.4, "mem_bw": 0.3, "pcie": 0.1}}}))
+    jobs = [RunningJob("train", "training", g, device=f"GPU-{g}") for g in (0, 1)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, state_file=state
+    )
+    assert [(svc._features(r).sm, svc._features(r).pcie) for r in jobs] == [(0.4, 0.1)] * 2
+
+
+def test_a_service_on_two_gpus_is_guarded_once_a_tick_on_both(tmp_path: Path) -> None:
+    clock = Clock()
+    jobs = [
+        *(RunningJob("chat", "inference", g, slo_p99_ms=100.0, device=f"GPU-{g}") for g in (0, 1)),
+        RunningJob("a", "training", 0, memory_bytes=10 * GIB, device="GPU-0"),
+        RunningJob("b", "training", 1, memory_bytes=10 * GIB, device="GPU-1"),
+    ]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.report_latency("chat", [0.09] * 100)  # p99 within the margin: one cut
+    svc.tick(snapshot())
+    assert (svc.duty("a"), svc.duty("b")) == (0.5, 0.5)
+    assert svc.show().guards[0].duty == 0.5
