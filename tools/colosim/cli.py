@@ -2,7 +2,7 @@
 
 ::
 
-    python -m tools.colosim run SCENARIO.json|BUILTIN [--seeds 3] [--json]
+    python -m tools.colosim run SCENARIO.json|BUILTIN [--seeds 3] [--policies A,B] [--json]
     python -m tools.colosim suite [--json] [--seeds 3] [--only NAME,...] [--jobs N]
     python -m tools.colosim plot SCENARIO.json|BUILTIN --out FILE.png [--seed 0]
     python -m tools.colosim diagnose SCENARIO.json|BUILTIN [--seed 0] [--json]
@@ -24,6 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
+from tools.colosim.policies import POLICY_NAMES
 from tools.colosim.report import run_scenario
 from tools.colosim.scenario import Scenario, ScenarioError, load
 from tools.colosim.suite import BUILTIN, check_targets
@@ -84,6 +85,11 @@ def print_run(run: dict[str, Any], out: TextIO) -> None:
             f"{m['avg_jct_s']:>9.0f}{m['p95_jct_s']:>9.0f}{m['max_slowdown']:>7.2f}"
             f"{m['slo_attainment']:>8.4f}{m['worst_service_slo']:>8.4f}{m['oom_events']:>5d}\n"
         )
+    for name, r in run.get("vs_exclusive", {}).items():
+        out.write(
+            f"{name} against exclusive, trace by trace (median): util {r['gpu_util']:.2f} x, "
+            f"throughput {r['train_throughput']:.2f} x, avg JCT {r['avg_jct_s']:.2f} x better\n"
+        )
 
 
 def _run_one(args: tuple[str, int]) -> dict[str, Any]:
@@ -121,6 +127,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_run.add_argument("scenario")
     p_run.add_argument("--seeds", type=int, default=3)
     p_run.add_argument("--json", action="store_true")
+    p_run.add_argument(
+        "--policies",
+        default=",".join(POLICY_NAMES),
+        help="comma-separated, from " + ", ".join(POLICY_NAMES),
+    )
     p_suite = sub.add_parser("suite", help="run the built-in scenarios and check the targets")
     p_suite.add_argument("--seeds", type=int, default=3)
     p_suite.add_argument("--json", action="store_true")
@@ -146,7 +157,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "run":
             if args.seeds < 1:
                 raise ScenarioError("must be at least 1", where="--seeds")
-            _emit(run_scenario(resolve(args.scenario), args.seeds), args.json, print_run)
+            policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+            for p in policies:
+                if p not in POLICY_NAMES:
+                    raise ScenarioError(
+                        f"unknown policy {p!r} (known: {', '.join(POLICY_NAMES)})",
+                        where="--policies",
+                    )
+            if not policies:
+                raise ScenarioError("names no policy", where="--policies")
+            _emit(run_scenario(resolve(args.scenario), args.seeds, policies), args.json, print_run)
             return 0
         if args.cmd == "suite":
             names = [n.strip() for n in args.only.split(",") if n.strip()] or list(BUILTIN)

@@ -332,9 +332,9 @@ class Colocate:
         plan = self.planner.plan(gpus, views, duty_by_gpu, evict_by_gpu)
         for p in plan.placements:
             acts.starts.append((p.job_id, p.gpu, p.sm_share, None))
-        for d in plan.directives:
-            if d.evict and d.job_id not in acts.evict:
-                acts.evict.append(d.job_id)
+        for directive in plan.directives:
+            if directive.evict and directive.job_id not in acts.evict:
+                acts.evict.append(directive.job_id)
         return acts
 
 

@@ -6,7 +6,11 @@ first start to its completion over its work alone), ``train_throughput`` (traini
 done in the arrival window, in GPU-seconds alone per second), ``slo_attainment`` (mean over
 services of the fraction of intervals whose p99 met the SLO), ``worst_service_slo`` (the
 worst service), ``oom_events`` (counted by the simulator). The report holds the median of
-each over the seeds; every policy runs on the same seeded traces.
+each over the seeds; every policy runs on the same seeded traces. Beside them,
+``vs_exclusive`` compares each policy with exclusive trace by trace: the median over seeds of
+its utilization and throughput over exclusive's on the same trace, and of exclusive's
+average JCT over its own (a paired comparison, which the ratio of two medians is not: their
+medians may come from different traces).
 """
 
 from __future__ import annotations
@@ -68,9 +72,40 @@ def run_scenario(
             v = statistics.median(r[m] for r in rows)
             med[m] = int(v) if m == "oom_events" else round(v, 4)
         out[p] = med
-    return {
+    report: dict[str, Any] = {
         "scenario": scenario.name,
         "regime": scenario.regime,
         "load": scenario.load,
         "policies": out,
+    }
+    if "exclusive" in per:
+        report["vs_exclusive"] = {
+            p: paired(per["exclusive"], rows) for p, rows in per.items() if p != "exclusive"
+        }
+    return report
+
+
+def paired(
+    exclusive: Sequence[dict[str, float]], policy: Sequence[dict[str, float]]
+) -> dict[str, float]:
+    """Medians over seeds of the policy against exclusive on the same trace: utilization and
+    throughput ratios, and how many times shorter its average JCT is."""
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b else float("inf")
+
+    pairs = list(zip(exclusive, policy, strict=True))
+    return {
+        "gpu_util": round(
+            statistics.median(ratio(c["gpu_util"], e["gpu_util"]) for e, c in pairs), 4
+        ),
+        "train_throughput": round(
+            statistics.median(
+                ratio(c["train_throughput"], e["train_throughput"]) for e, c in pairs
+            ),
+            4,
+        ),
+        "avg_jct_s": round(
+            statistics.median(ratio(e["avg_jct_s"], c["avg_jct_s"]) for e, c in pairs), 4
+        ),
     }

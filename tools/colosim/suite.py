@@ -111,15 +111,34 @@ def check_targets(run: dict[str, Any]) -> list[tuple[str, bool, str]]:
         j = ratio(ex["avg_jct_s"], co["avg_jct_s"])
         production = 0.25 <= ex["gpu_util"] <= 0.35 and run["load"] >= 2.5
         if production:
-            out.append(("util >= 1.6 x exclusive", u >= 1.6, f"{u:.2f} x"))
+            # Met only when it holds both ways: on the ratio of the medians and on the
+            # median of the ratios per trace.
+            pr = run.get("vs_exclusive", {}).get("colocate", {})
+            pu, pt, pj = (
+                pr.get(k, x)
+                for k, x in (("gpu_util", u), ("train_throughput", t), ("avg_jct_s", j))
+            )
+            out.append(
+                (
+                    "util >= 1.6 x exclusive",
+                    min(u, pu) >= 1.6,
+                    f"{u:.2f} x (per trace {pu:.2f} x)",
+                )
+            )
             out.append(
                 (
                     "throughput within 10% of util ratio",
-                    abs(t / u - 1) <= 0.1,
-                    f"{t:.2f} x vs {u:.2f} x",
+                    max(abs(t / u - 1), abs(pt / pu - 1)) <= 0.1,
+                    f"{t:.2f} x vs {u:.2f} x (per trace {pt:.2f} x vs {pu:.2f} x)",
                 )
             )
-            out.append(("avg JCT >= 2 x better", j >= 2.0, f"{j:.2f} x"))
+            out.append(
+                (
+                    "avg JCT >= 2 x better",
+                    min(j, pj) >= 2.0,
+                    f"{j:.2f} x (per trace {pj:.2f} x)",
+                )
+            )
         else:
             out.append(("util >= exclusive", u >= 0.98, f"{u:.2f} x"))
     w_ex, w_co = ex["worst_service_slo"], co["worst_service_slo"]

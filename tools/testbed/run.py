@@ -260,6 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cc", default="default", help="congestion controls: default,cubic,...")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--levels", type=int, default=GPUD_TRAFFIC["levels"], help="gpud's levels")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another of gpud's [traffic] knobs for the run (threshold, hysteresis, "
+        "progress_window_s, max_age_s, group_tolerance)",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", type=Path, metavar="FILE.png")
     args = parser.parse_args(argv)
@@ -279,6 +287,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--warmup must be shorter than --seconds")
     rate = parse_rate(args.rate)
     GPUD_TRAFFIC["levels"] = args.levels
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or key not in GPUD_TRAFFIC or key == "levels":
+            knobs = ", ".join(k for k in GPUD_TRAFFIC if k != "levels")
+            parser.error(f"--set {item!r}: expected KEY=VALUE with KEY one of {knobs}")
+        try:
+            GPUD_TRAFFIC[key] = float(value)
+        except ValueError:
+            parser.error(f"--set {item!r}: {value!r} is not a number")
     ccs = [c.strip() for c in args.cc.split(",") if c.strip()]
     signal.signal(signal.SIGTERM, _on_term)
     runs: list[dict[str, Any]] = []
