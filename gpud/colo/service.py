@@ -346,6 +346,17 @@ class ColoService:
             return None
         return self.load(job) + math.log(2) / median
 
+    def rate_at_share(self, r: RunningJob) -> float:
+        """An inference service's rate (requests/s) at its share on that device: the one it
+        shows (:meth:`service_rate`, over the window), else its shape's at its share (what
+        it declared, or the prior)."""
+        measured = self.service_rate(r.name)
+        if measured is not None:
+            return measured
+        with self._lock:
+            view = self._view(r)
+        return view.shape.service_rate(view.sm_share)
+
     def load(self, job: str) -> float:
         """An inference job's request rate: latency reports per second over the window.
 

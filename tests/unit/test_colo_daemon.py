@@ -612,6 +612,24 @@ def test_an_inference_services_observed_speed_from_latency_and_load(tmp_path: Pa
     assert not shown["train"].HasField("observed_speed")  # never ran alone
 
 
+def test_a_services_rate_at_its_share_is_the_measured_one_else_its_shapes(
+    tmp_path: Path,
+) -> None:
+    from colocate.shapes import prior_service_rate
+
+    clock = Clock()
+    chat = RunningJob("chat", "inference", 0, slo_p99_ms=500.0, memory_bytes=8 * GIB)
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: [chat], clock=clock
+    )
+    # nothing reported yet: the prior of a 500 ms SLO on a whole GPU
+    assert svc.rate_at_share(chat) == pytest.approx(prior_service_rate(0.5))
+    for _ in range(3):
+        clock.t += 1
+        svc.report_latency("chat", mm1_latencies(400.0, 100.0))
+    assert svc.rate_at_share(chat) == pytest.approx(400.0, rel=1e-3)  # what it shows
+
+
 def test_a_service_measures_its_speed_at_the_duty_its_guard_set(tmp_path: Path) -> None:
     from gpud.colo.service import _JobState
 
