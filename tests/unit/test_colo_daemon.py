@@ -150,6 +150,24 @@ def test_config_ranges_name_the_key() -> None:
         validate(bad, path="gpud.toml")
 
 
+@pytest.mark.parametrize("end", [0, 1])
+def test_every_colocate_value_the_config_accepts_starts_the_loop(tmp_path: Path, end: int) -> None:
+    """validate() is the gate: a value it lets through must not stop the daemon at start
+    (the guard and the planner refuse a margin or a headroom of half)."""
+    import dataclasses
+
+    from gpud.config import RANGE, Config, validate
+
+    for f in dataclasses.fields(ColocateConfig):
+        if RANGE not in f.metadata:
+            continue
+        value = f.metadata[RANGE][end]
+        config = ColocateConfig(**{f.name: value})
+        validate(dataclasses.replace(Config(), colocate=config), path="gpud.toml")
+        svc = ColoService(config, EventLog(tmp_path / "e.jsonl"), running=list)
+        assert svc.tick(snapshot()) is not None, (f.name, value)
+
+
 def test_throttle_point_sleeps_the_duty_cycle() -> None:
     clock = Clock()
     slept: list[float] = []
