@@ -136,6 +136,36 @@ class _JobState:
         return None
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, whatever stops the writer (a kill, a
+    power cut): a temporary file, flushed to disk, renamed over it, the rename flushed."""
+    tmp = path.with_name(f".{path.name}.tmp")  # one gpud per state directory
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _saved_number(value: object, key: str, low: float, high: float = math.inf) -> float:
+    """A number of the state file, finite and within [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key}: a number expected, not {value!r}")
+    x = float(value)
+    if not (math.isfinite(x) and low <= x <= high):
+        raise ValueError(f"{key}: {value!r} outside [{low:g}, {high:g}]")
+    return x
+
+
 def _place(r: RunningJob) -> str:
     """The key of a job's device: its UUID (GPU or MIG), else its GPU index."""
     return r.device or f"GPU {r.gpu}"
@@ -246,6 +276,7 @@ class ColoService:
         self._refused: tuple[str, Mapping[tuple[int, str], int]] = ("", {})
         self._state_file = state_file
         self._saved: dict[str, Any] | None = None
+        self._save_error = ""  # why the last write failed ("": it did not)
         self.configure(config)
         if state_file is not None:
             self._load(state_file)
@@ -450,35 +481,40 @@ class ColoService:
         self.configure(self.config)  # the planner predicts with the restored one
 
     def _load_job(self, name: str, saved: dict[str, Any]) -> None:
+        """One job's saved state; a value out of its range (a NaN, a negative rate, a
+        footprint over the whole device) raises ValueError naming it."""
         st = self._jobs.setdefault(name, _JobState())
         if saved.get("alone_rate") is not None:
-            st.alone_rate = float(saved["alone_rate"])
+            st.alone_rate = _saved_number(saved["alone_rate"], f"jobs.{name}.alone_rate", 0.0)
         # footprints per device; a file from before kept one per job: it serves every
         # device until the job shows its own there
         devices = dict(saved.get("devices") or {})
         if saved.get("sm") is not None:
             devices[""] = saved
         for place, f in devices.items():
+            where = f"jobs.{name}.devices.{place}"
             st.devices[str(place)] = _DeviceState(
                 features=JobFeatures(
-                    sm=float(f["sm"]),
-                    mem_bw=float(f["mem_bw"]),
-                    pcie=float(f.get("pcie") or 0.0),
-                    nvlink=float(f.get("nvlink") or 0.0),
+                    sm=_saved_number(f["sm"], f"{where}.sm", 0.0, 1.0),
+                    mem_bw=_saved_number(f["mem_bw"], f"{where}.mem_bw", 0.0, 1.0),
+                    pcie=_saved_number(f.get("pcie") or 0.0, f"{where}.pcie", 0.0, 1.0),
+                    nvlink=_saved_number(f.get("nvlink") or 0.0, f"{where}.nvlink", 0.0, 1.0),
                 )
             )
         if saved.get("duty") is not None:
-            duty = min(1.0, max(0.0, float(saved["duty"])))
+            duty = _saved_number(saved["duty"], f"jobs.{name}.duty", 0.0, 1.0)
             self._directives[name] = Directive(duty, False, "as before the restart")
         if saved.get("guard_duty") is not None and saved.get("slo_s"):
-            g = ServiceGuard(name, float(saved["slo_s"]), self._guard_params)
-            g.duty = min(1.0, max(0.0, float(saved["guard_duty"])))
+            slo_s = _saved_number(saved["slo_s"], f"jobs.{name}.slo_s", 1e-6)
+            g = ServiceGuard(name, slo_s, self._guard_params)
+            g.duty = _saved_number(saved["guard_duty"], f"jobs.{name}.guard_duty", 0.0, 1.0)
             self._guards[name] = g
 
     def _save(self, running: Sequence[RunningJob]) -> None:
         """What the loop learned, written when it changed: the running jobs' alone rates,
         footprints and duties, and the interference predictor (``to_dict``). Written to a
-        temporary file and renamed over the old one: a crash leaves one or the other."""
+        temporary file, flushed and renamed over the old one: a crash of gpud or of the host
+        leaves one or the other."""
         if self._state_file is None:
             return
         jobs: dict[str, dict[str, Any]] = {}
@@ -507,13 +543,15 @@ class ColoService:
         data = {"jobs": jobs, "predictor": self.predictor.to_dict()}
         if data == self._saved:
             return
-        tmp = self._state_file.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps(data, allow_nan=False))
-            os.replace(tmp, self._state_file)
+            _write_atomically(self._state_file, json.dumps(data, allow_nan=False))
             self._saved = data
+            self._save_error = ""
         except (OSError, ValueError) as err:
-            log.warning("co-location state %s not written: %s", self._state_file, err)
+            # tried again each tick: said once, not every few seconds of a full disk
+            if str(err) != self._save_error:
+                log.warning("co-location state %s not written: %s", self._state_file, err)
+            self._save_error = str(err)
 
     def _learn(self, snapshot: Snapshot, per_gpu: dict[int, list[RunningJob]]) -> None:
         """Alone: the device's activity (SMs, memory controller, PCIe and NVLink throughput

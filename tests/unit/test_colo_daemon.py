@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -550,7 +551,29 @@ def test_an_unreadable_state_file_starts_afresh(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     state = tmp_path / "colo.json"
-    for text in ("{not json", "[1, 2]", '{"something": "else"}', '{"jobs": {"a": 5}}'):
+    full = json.dumps({"jobs": {"train": {"duty": 0.5, "alone_rate": 10.0}}})
+    job = '{"jobs": {"train": %s}}'
+    for text in (
+        "{not json",
+        "[1, 2]",
+        '{"something": "else"}',
+        '{"jobs": {"a": 5}}',
+        "",  # created, never written: a host crash before the data reached the disk
+        full[: len(full) // 2],  # truncated
+        "\0" * 64,
+        job % '{"duty": NaN}',
+        job % '{"duty": 0.5, "alone_rate": -3}',
+        job % '{"duty": 0.5, "alone_rate": Infinity}',
+        job % '{"duty": "fast"}',
+        job % '{"duty": true}',
+        job % '{"duty": 7}',
+        job % '{"devices": {"GPU-0": {"sm": 2.0, "mem_bw": 0.1}}}',
+        job % '{"devices": {"GPU-0": {"sm": -0.5, "mem_bw": 0.1}}}',
+        job % '{"devices": {"GPU-0": {"sm": 0.5}}}',
+        job % '{"devices": [1, 2]}',
+        job % '{"guard_duty": 0.5, "slo_s": -1}',
+        job % '{"guard_duty": 1e308, "slo_s": 0.05}',
+    ):
         state.write_text(text)
         caplog.clear()
         svc = ColoService(
@@ -559,6 +582,88 @@ def test_an_unreadable_state_file_starts_afresh(
         assert svc.duty("train") == 1.0 and svc.predictor.stats().samples == 0
         (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
         assert str(state) in record.getMessage() and "starting afresh" in record.getMessage()
+        assert svc.tick(snapshot()) is not None  # and the loop runs
+    # not a file at all
+    state.unlink()
+    state.mkdir()
+    caplog.clear()
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=list, state_file=state
+    )
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert str(state) in record.getMessage() and "starting afresh" in record.getMessage()
+
+
+def test_a_bad_value_in_the_state_file_is_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = tmp_path / "colo.json"
+    state.write_text('{"jobs": {"train": {"devices": {"GPU-0": {"sm": NaN, "mem_bw": 0.1}}}}}')
+    ColoService(ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=list, state_file=state)
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert "jobs.train.devices.GPU-0.sm: nan outside [0, 1]" in record.getMessage()
+
+
+def test_a_state_file_gpud_cannot_write_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+    state = tmp_path / "gone" / "colo.json"  # its directory removed under gpud
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        clock=clock,
+        state_file=state,
+    )
+    for i in range(3):
+        clock.t += 1
+        svc.throttle_point("train", 10 * i)
+        assert svc.tick(snapshot()) is not None
+    warned = [r for r in caplog.records if "not written" in r.getMessage()]
+    assert len(warned) == 1 and str(state) in warned[0].getMessage()
+    assert not any(tmp_path.glob("**/*.tmp"))
+
+
+WRITER = """
+import sys
+from pathlib import Path
+
+from gpud.colo.service import _write_atomically
+
+path = Path(sys.argv[1])
+print("ready", flush=True)
+i = 0
+while True:
+    i += 1
+    _write_atomically(path, '{"n": %d, "pad": "%s"}' % (i, "x" * (1 << 20)))
+"""
+
+
+def test_a_kill_while_writing_leaves_the_old_file_or_the_new(tmp_path: Path) -> None:
+    """gpud killed with SIGKILL mid-write: colo.json is whole, one version or the next."""
+    import random
+    import subprocess
+    import sys
+
+    state = tmp_path / "colo.json"
+    rng = random.Random(7)
+    seen = set()
+    for _ in range(5):
+        with subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(state)], stdout=subprocess.PIPE, text=True
+        ) as writer:
+            try:
+                assert writer.stdout is not None and writer.stdout.readline() == "ready\n"
+                time.sleep(rng.uniform(0.0, 0.3))
+            finally:
+                writer.kill()
+        if state.exists():
+            data = json.loads(state.read_text())  # whole: parses
+            assert len(data["pad"]) == 1 << 20
+            seen.add(data["n"])
+    assert seen  # it wrote, and was killed between or inside writes
 
 
 def test_an_invalid_predictor_starts_afresh_and_the_jobs_state_is_kept(
