@@ -54,6 +54,14 @@ from gpud.telemetry.snapshot import GpuSample, Snapshot
 log = logging.getLogger(__name__)
 
 MAX_LATENCY_SAMPLES = 4096  # per report, and per job kept in the window
+# A latency report over an hour is no request an online service served: a unit mistake or
+# garbage, which would have the guard evict training.
+MAX_LATENCY_S = 3600.0
+MAX_ITERATIONS = 10**9  # per throttle point: iterations since the one before
+# What the loop learned of a job no longer running is kept this long (the job may run
+# again under its name), then forgotten: a daemon up for months holds only recent jobs.
+FORGET_AFTER_S = 3600.0
+MAX_PEAK_LOAD = 1e7  # requests/s a service may declare: more is a mistake (or a unit)
 MIG_COMPUTE_SLICES = 7  # A100, H100, H200: a MIG profile's SMs are slices of seven
 RATE_WINDOW_S = 10.0
 # A new duty reaches training at its next throttle point (gpud.client reports every second);
@@ -123,6 +131,7 @@ class _JobState:
     devices: dict[str, _DeviceState] = field(default_factory=dict)  # by _place()
     windows: int = 0
     windows_ok: int = 0
+    seen: float = float("-inf")  # when it last ran, reported or was read back from the file
 
     def learned(self, place: str) -> JobFeatures | None:
         """Its footprint on that device; else what it showed on another of its devices (a
@@ -307,20 +316,31 @@ class ColoService:
     def report_latency(self, job: str, seconds: Sequence[float]) -> None:
         if len(seconds) > MAX_LATENCY_SAMPLES:
             raise InvalidArgument(
-                f"at most {MAX_LATENCY_SAMPLES} samples per report, got {len(seconds)}"
+                f"job {job}: at most {MAX_LATENCY_SAMPLES} latency samples per report, "
+                f"got {len(seconds)}"
             )
-        if any(not (math.isfinite(s) and s >= 0) for s in seconds):
-            raise InvalidArgument(f"job {job}: latency samples must be finite and >= 0 seconds")
+        bad = next((s for s in seconds if not 0.0 <= s <= MAX_LATENCY_S), None)  # NaN too
+        if bad is not None:
+            raise InvalidArgument(
+                f"job {job}: latency sample {bad} s outside [0, {MAX_LATENCY_S:g}] seconds"
+            )
         now = self._clock()
         with self._lock:
             st = self._jobs.setdefault(job, _JobState())
+            st.seen = now
             st.latency.extend((now, s) for s in seconds)
 
     def throttle_point(self, job: str, iterations: int) -> Directive:
         """Record a training job's progress; return the duty cycle it should run at."""
+        if not 0 <= iterations <= MAX_ITERATIONS:
+            raise InvalidArgument(
+                f"job {job}: {iterations} iterations since the last throttle point, "
+                f"outside [0, {MAX_ITERATIONS}]"
+            )
         now = self._clock()
         with self._lock:
             st = self._jobs.setdefault(job, _JobState())
+            st.seen = now
             total = (st.progress[-1][1] if st.progress else 0) + max(0, iterations)
             d = self._directives.get(job, Directive(1.0, False, "no directive"))
             st.progress.append((now, total, d.duty))
@@ -440,8 +460,23 @@ class ColoService:
             held = {r.name for r in running if r.gpu in self._faulty}
             self._apply(plan, keep=held)
             self._plan, self._plan_at, self._last_running = plan, self._clock(), running
+            self._forget(running)
             self._save(running)
             return plan
+
+    def _forget(self, running: Sequence[RunningJob]) -> None:
+        """Drop what the loop holds of jobs that have not run for ``FORGET_AFTER_S``."""
+        now = self._clock()
+        names = {r.name for r in running}
+        for name in names:
+            self._jobs.setdefault(name, _JobState()).seen = now
+        for name in [n for n, st in self._jobs.items() if now - st.seen > FORGET_AFTER_S]:
+            del self._jobs[name]
+            self._guards.pop(name, None)
+
+    def holds(self, job: str) -> bool:
+        """Whether the job holds a reservation on this node (it runs, or is about to)."""
+        return any(r.name == job for r in self._running())
 
     # -- what outlives a restart ----------------------------------------------------------------
     def _load(self, path: Path) -> None:
@@ -484,6 +519,7 @@ class ColoService:
         """One job's saved state; a value out of its range (a NaN, a negative rate, a
         footprint over the whole device) raises ValueError naming it."""
         st = self._jobs.setdefault(name, _JobState())
+        st.seen = self._clock()  # it ran before the restart: kept as long as a job that ran
         if saved.get("alone_rate") is not None:
             st.alone_rate = _saved_number(saved["alone_rate"], f"jobs.{name}.alone_rate", 0.0)
         # footprints per device; a file from before kept one per job: it serves every
@@ -846,6 +882,14 @@ class ColoService:
             raise InvalidArgument(f"job {job}: kind must be training or inference, not {kind!r}")
         if sm_activity is not None and not 0.0 < sm_activity <= 1.0:
             raise InvalidArgument(f"job {job}: sm_activity {sm_activity} outside (0, 1]")
+        if slo_p99_ms is not None and not 0.0 < slo_p99_ms <= MAX_LATENCY_S * 1e3:
+            raise InvalidArgument(
+                f"job {job}: slo_p99_ms {slo_p99_ms} outside (0, {MAX_LATENCY_S * 1e3:g}]"
+            )
+        if not 0.0 <= peak_load <= MAX_PEAK_LOAD:
+            raise InvalidArgument(
+                f"job {job}: peak_load {peak_load} requests/s outside [0, {MAX_PEAK_LOAD:g}]"
+            )
         running = tuple(self._running())
         with self._lock:
             if snapshot is None:

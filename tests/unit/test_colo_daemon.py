@@ -260,6 +260,164 @@ def test_gpuctl_colo_show_and_advise_over_grpc(
             assert {"residents": 2, "check": "memory", "count": 4} in shown["refused"]
 
 
+def test_absurd_colo_requests_are_refused_and_change_nothing(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """What a buggy or hostile client sends over gRPC: INVALID_ARGUMENT or NOT_FOUND with
+    the job and the value, and the loop's state as it was."""
+    import grpc
+
+    from gpud.api import ApiServer
+    from gpud.colo.api import ColoServicer
+    from gpud.v1 import colo_pb2, colo_pb2_grpc
+    from tests.unit.api_support import ServerThread, short_dir
+
+    svc, _, _ = service
+    snap = snapshot()
+    svc.report_latency("chat", [0.01] * 50)
+    svc.throttle_point("train", 10)
+    svc.tick(snap)
+    before = (svc.p99("chat"), svc.load("chat"), svc.duty("train"), svc.show().guards)
+    nan, inf = float("nan"), float("inf")
+    bad: list[tuple[str, object, grpc.StatusCode, str]] = [
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="chat", seconds=[0.01, nan]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job chat: latency sample nan",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="chat", seconds=[-0.5]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job chat: latency sample -0.5",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="chat", seconds=[inf]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job chat: latency sample inf",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="chat", seconds=[1e300]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "outside [0, 3600] seconds",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="chat", seconds=[0.01] * 5000),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "seconds: has 5000 entries, more than 4096",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="ghost", seconds=[0.01]),
+            grpc.StatusCode.NOT_FOUND,
+            "job ghost holds no reservation",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="x" * 200, seconds=[0.01]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job name must be 1..128",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="", seconds=[0.01]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job name must be 1..128",
+        ),
+        (
+            "ThrottlePoint",
+            colo_pb2.ThrottlePointRequest(job="train", iterations=2**64 - 1),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job train: 18446744073709551615 iterations",
+        ),
+        (
+            "ThrottlePoint",
+            colo_pb2.ThrottlePointRequest(job="ghost", iterations=1),
+            grpc.StatusCode.NOT_FOUND,
+            "job ghost holds no reservation",
+        ),
+        (
+            "Advise",
+            colo_pb2.AdviseRequest(job="n", kind="inference", slo_p99_ms=nan),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job n: slo_p99_ms nan",
+        ),
+        (
+            "Advise",
+            colo_pb2.AdviseRequest(job="n", kind="inference", slo_p99_ms=-5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job n: slo_p99_ms -5",
+        ),
+        (
+            "Advise",
+            colo_pb2.AdviseRequest(job="n", kind="inference", peak_load=inf),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job n: peak_load inf",
+        ),
+        (
+            "Advise",
+            colo_pb2.AdviseRequest(job="n", kind="inference", peak_load=-1),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job n: peak_load -1",
+        ),
+        (
+            "Advise",
+            colo_pb2.AdviseRequest(job="n", sm_activity=nan),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job n: sm_activity nan",
+        ),
+        (
+            "Advise",
+            colo_pb2.AdviseRequest(job="n", kind="x" * 1000),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "kind must be training or inference",
+        ),
+    ]
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        servicer = ColoServicer(svc, snapshots=lambda: snap)
+        with (
+            ServerThread(ApiServer(path, servicers=[servicer.register])),
+            grpc.insecure_channel(f"unix:{path}") as channel,
+        ):
+            stub = colo_pb2_grpc.ColocationStub(channel)
+            for method, request, code, message in bad:
+                with pytest.raises(grpc.RpcError) as err:
+                    getattr(stub, method)(request, timeout=10)
+                assert err.value.code() == code, (method, request)  # type: ignore[attr-defined]
+                assert message in err.value.details(), err.value.details()  # type: ignore[attr-defined]
+            stub.ShowColo(colo_pb2.ShowColoRequest(), timeout=10)
+            after = (svc.p99("chat"), svc.load("chat"), svc.duty("train"), svc.show().guards)
+            # a busy service's second of latencies, as gpud.client.Latency sends it
+            full = colo_pb2.ReportLatencyRequest(job="chat", seconds=[0.02] * 4096)
+            stub.ReportLatency(full, timeout=10)
+    assert after == before
+    assert svc._latencies("chat", float("-inf")) == [0.02] * 4096  # the window keeps 4096
+    assert "ghost" not in svc._jobs and "n" not in svc._jobs
+
+
+def test_what_the_loop_holds_of_a_job_gone_is_forgotten_after_a_while(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    from gpud.colo.service import FORGET_AFTER_S
+
+    svc, clock, jobs = service
+    svc.report_latency("chat", [0.095] * 100)
+    svc.tick(snapshot())
+    assert svc._guards and "chat" in svc._jobs
+    jobs[:] = [j for j in jobs if j.name != "chat"]  # the service ended
+    clock.t += FORGET_AFTER_S / 2
+    svc.tick(snapshot())
+    assert "chat" in svc._jobs  # it may run again under its name
+    clock.t += FORGET_AFTER_S
+    svc.tick(snapshot())
+    assert set(svc._jobs) == {"train"} and not svc._guards
+
+
 def test_process_wide_directive_without_a_daemon(tmp_path: Path) -> None:
     from gpud.client import colo
 
