@@ -458,7 +458,7 @@ class ColoService:
             views = [self._view(r) for r in live]
             plan = self._planner.plan(gpus, views, duty_by_gpu, evict_by_gpu)
             held = {r.name for r in running if r.gpu in self._faulty}
-            self._apply(plan, keep=held)
+            self._apply(plan, keep=held, present={r.name for r in live})
             self._plan, self._plan_at, self._last_running = plan, self._clock(), running
             self._forget(running)
             self._save(running)
@@ -847,11 +847,18 @@ class ColoService:
             )
         return views, where
 
-    def _apply(self, plan: Plan, *, keep: set[str]) -> None:
+    def _apply(self, plan: Plan, *, keep: set[str], present: set[str]) -> None:
+        """The plan's directives become the jobs'; ``keep``'s stay as they were. An
+        eviction stands while the job is ``present``: a job takes a while to checkpoint
+        and leave, and the guard that evicted it starts afresh at once, so the next plan
+        would tell it to run at full speed next to the service it was evicted for."""
         new = {d.job_id: Directive(d.duty, d.evict, d.reason) for d in plan.directives}
         for job in keep:
             if job in self._directives:
                 new[job] = self._directives[job]
+        for job, old in self._directives.items():
+            if old.evict and job in present and not (job in new and new[job].evict):
+                new[job] = old
         for job, d in new.items():
             old = self._directives.get(job)
             if d.evict and (old is None or not old.evict):

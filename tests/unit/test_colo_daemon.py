@@ -88,7 +88,7 @@ def test_guard_throttles_training_within_one_tick_and_the_job_is_told(
 def test_guard_evicts_training_when_the_slo_cannot_be_held(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
-    svc, clock, _ = service
+    svc, clock, jobs = service
     for _ in range(60):  # each cut is measured (MIN_FRESH_SAMPLES) before the next
         clock.t += 1
         svc.report_latency("chat", [0.5] * 10)
@@ -97,6 +97,19 @@ def test_guard_evicts_training_when_the_slo_cannot_be_held(
             break
     d = svc.throttle_point("train", 1)
     assert d.evict and "evict" in d.reason
+    # The training has not left yet (it checkpoints): it stays evicted, whatever the
+    # guard, which started afresh, makes of the next latencies.
+    for latency in (0.5, 0.01):
+        for _ in range(5):
+            clock.t += 1
+            svc.report_latency("chat", [latency] * 30)
+            svc.tick(snapshot())
+            assert svc.throttle_point("train", 1) == d
+    jobs[:] = [j for j in jobs if j.name != "train"]  # it left
+    svc.tick(snapshot())
+    jobs.append(RunningJob("train", "training", 0, threads_percent=50, memory_bytes=10 * GIB))
+    svc.tick(snapshot())  # run again later, it gets what the plan says
+    assert not svc.throttle_point("train", 1).evict
 
 
 def test_memory_over_the_limit_evicts_training(
