@@ -444,7 +444,8 @@ class ColoService:
             # jobs keep their directives and guards as they were, out of the plan, until it
             # answers again (or their processes end and gpud releases them).
             self._faulty = {
-                g.identity.index: g.reason.partition(":")[0] or "unhealthy"
+                # "GPU lost (memory): ..." -> "lost (memory)": said after "GPU N"
+                g.identity.index: g.reason.partition(":")[0].removeprefix("GPU ") or "unhealthy"
                 for g in snapshot.gpus
                 if not g.healthy
             }

@@ -513,9 +513,13 @@ def test_a_faulty_gpu_is_left_out_and_its_jobs_keep_their_directives(tmp_path: P
         svc.tick(lost)
     assert svc.duty("train") == 0.5
     view = svc.show()
-    assert view.faulty == {0: "GPU lost (memory)"}
+    assert view.faulty == {0: "lost (memory)"}
     (g,) = view.guards
-    assert g.action == "hold" and "paused: GPU 0 GPU lost" in g.reason
+    assert g.action == "hold" and "paused: GPU 0 lost" in g.reason
+    from gpud.colo.api import ColoServicer
+
+    shown = {p.job: p for p in ColoServicer(svc, snapshots=lambda: lost)._show().placements}
+    assert shown["train"].reason == "GPU 0 lost (memory): left alone until it answers"
     # No advice puts a new job on it.
     assert svc.advise("new", memory_bytes=GIB, snapshot=lost).gpu == 1
 
