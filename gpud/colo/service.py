@@ -734,7 +734,8 @@ class ColoService:
         evict: dict[int, str] = {}
         services: dict[str, list[RunningJob]] = {}
         for r in running:
-            if r.kind == "inference" and r.slo_p99_ms:
+            # a job registered before SLOs were bounded may hold an infinite one: no guard
+            if r.kind == "inference" and r.slo_p99_ms and math.isfinite(r.slo_p99_ms):
                 services.setdefault(r.name, []).append(r)
         for name, where in services.items():
             g = self._guards.get(name)

@@ -801,6 +801,32 @@ def test_a_state_file_gpud_cannot_write_is_said_once(
     assert not any(tmp_path.glob("**/*.tmp"))
 
 
+def test_a_service_with_an_infinite_slo_does_not_stop_the_state_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Registered before SLOs were bounded: no guard, and colo.json still written."""
+    clock = Clock()
+    state = tmp_path / "colo.json"
+    jobs = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=math.inf, memory_bytes=8 * GIB),
+        RunningJob("train", "training", 0, memory_bytes=10 * GIB),
+    ]
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        clock=clock,
+        state_file=state,
+    )
+    for _ in range(3):
+        clock.t += 1
+        svc.report_latency("chat", [0.5] * 30)
+        assert svc.tick(snapshot()) is not None
+    assert not svc.show().guards
+    assert set(json.loads(state.read_text())["jobs"]) == {"chat", "train"}
+    assert not [r for r in caplog.records if "not written" in r.getMessage()]
+
+
 WRITER = """
 import sys
 from pathlib import Path
