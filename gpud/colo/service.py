@@ -476,7 +476,11 @@ class ColoService:
             self._guards.pop(name, None)
 
     def holds(self, job: str) -> bool:
-        """Whether the job holds a reservation on this node (it runs, or is about to)."""
+        """Whether the job holds a reservation on this node (it runs, or is about to): as
+        of the last tick, else asked afresh (a job that has just started)."""
+        with self._lock:
+            if any(r.name == job for r in self._last_running):
+                return True
         return any(r.name == job for r in self._running())
 
     # -- what outlives a restart ----------------------------------------------------------------

@@ -285,7 +285,7 @@ def test_absurd_colo_requests_are_refused_and_change_nothing(
     from gpud.v1 import colo_pb2, colo_pb2_grpc
     from tests.unit.api_support import ServerThread, short_dir
 
-    svc, _, _ = service
+    svc, _, jobs = service
     snap = snapshot()
     svc.report_latency("chat", [0.01] * 50)
     svc.throttle_point("train", 10)
@@ -408,6 +408,9 @@ def test_absurd_colo_requests_are_refused_and_change_nothing(
             # a busy service's second of latencies, as gpud.client.Latency sends it
             full = colo_pb2.ReportLatencyRequest(job="chat", seconds=[0.02] * 4096)
             stub.ReportLatency(full, timeout=10)
+            # a job that has just started, before the loop's next tick, is heard
+            jobs.append(RunningJob("new", "training", 1))
+            assert stub.ThrottlePoint(colo_pb2.ThrottlePointRequest(job="new"), timeout=10)
     assert after == before
     assert svc._latencies("chat", float("-inf")) == [0.02] * 4096  # the window keeps 4096
     assert "ghost" not in svc._jobs and "n" not in svc._jobs
