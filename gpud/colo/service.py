@@ -862,9 +862,9 @@ class ColoService:
         for job in keep:
             if job in self._directives:
                 new[job] = self._directives[job]
-        for job, old in self._directives.items():
-            if old.evict and job in present and not (job in new and new[job].evict):
-                new[job] = old
+        for job, told in self._directives.items():
+            if told.evict and job in present and not (job in new and new[job].evict):
+                new[job] = told
         for job, d in new.items():
             old = self._directives.get(job)
             if d.evict and (old is None or not old.evict):
