@@ -108,12 +108,14 @@ class ColocateConfig:
 
     enabled: bool = True
     tick_s: float = ranged(5.0, 0.1, 3600.0)  # co-location loop period
-    memory_headroom: float = ranged(0.05, 0.0, 0.5)  # fraction of each GPU's memory never planned
+    # fraction of each GPU's memory never planned (half or more would leave the plan nothing)
+    memory_headroom: float = ranged(0.05, 0.0, 0.49)
     # no job predicted slower than 1/max_slowdown of alone
     max_slowdown: float = ranged(2.0, 1.0, 10.0)
     max_jobs_per_gpu: int = ranged(3, 1, 16)
-    # guard throttles when p99 is within this fraction of the SLO
-    slo_margin: float = ranged(0.2, 0.01, 0.5)
+    # guard throttles when p99 is within this fraction of the SLO, gives duty back under
+    # (1 - 2 * margin) of it: half or more, never
+    slo_margin: float = ranged(0.2, 0.01, 0.49)
     guard_decrease: float = ranged(0.5, 0.01, 0.99)  # duty multiplied by this on SLO pressure
     guard_increase: float = ranged(0.1, 0.001, 1.0)  # duty added back per calm tick
     min_duty: float = ranged(0.05, 0.001, 1.0)  # the guard's floor before it evicts training

@@ -350,6 +350,7 @@ class Daemon:
                     threads_percent=r.threads_percent,
                     duty=self.colo.duty(r.name),
                     load=self.colo.load(r.name) if r.kind == "inference" else 0.0,
+                    service_rate=self.colo.rate_at_share(r) if r.kind == "inference" else None,
                 )
                 for r in self._colo_running()
             ]

@@ -6,7 +6,7 @@
     python -m tools.colo_workload inference [--rate 100] [--mu 400] [--slowdown 1.5]
 
 Run them with ``gpuctl run``. The simulated node shows each as a GPU process of its job with
-the memory it declared and the SM activity of its kind and duty cycle
+the memory it declared and the SM activity of its kind and duty cycle, or load
 (:mod:`gpud.backend.sim.jobmodels`); these programs supply the rest of what a real job
 does on a shared GPU:
 
@@ -20,29 +20,71 @@ does on a shared GPU:
 The simulated node has no SMs to contend for, so interference is modelled here, and gpud
 never sees this model: each second a program reads from gpud (``gpuctl colo show``) which
 jobs share its device and at which duty cycle, sums their SM activity ``a`` (the same
-activity the simulated node shows for them), and slows down by ``1 + slowdown * a``
-(training: longer iterations; inference: a lower service rate). Jobs on separate MIG
-instances do not interfere. Both run until killed (or ``--seconds``); like a CUDA program
+activity the simulated node shows for them: a training job's from its share and duty, an
+inference service's from its utilization, its load over the service rate it has now,
+which it writes each second where its neighbours read it, :func:`activity_file`), and slows
+down by ``1 + slowdown * a`` (training: longer iterations; inference: a lower service
+rate). Jobs on separate MIG instances do not interfere. Both run until killed (or ``--seconds``); like a CUDA program
 they fail (exit 1) once gpud reports their GPU lost.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import os
 import random
+import signal
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from gpud import client
-from gpud.backend.sim.jobmodels import sm_activity
+from gpud.backend.sim.jobmodels import sm_activity, utilization
 
 SOCKET = os.environ.get("GPUD_SOCKET", "/run/gpud/gpud.sock")
 JOB = os.environ.get("GPUD_JOB", "")
+# its MPS share, as gpuctl run sets it: it caps the SMs the job keeps busy
+_THREADS = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "")
+THREADS = int(_THREADS) if _THREADS.isdigit() else None
 
 
 class GpuLost(Exception):
     """What CUDA reports once the device fell off the bus (Xid 79): the job cannot go on."""
+
+
+def activity_file(socket: str, job: str) -> Path:
+    """Where an inference service of the node at ``socket`` keeps its SM activity of now."""
+    digest = hashlib.sha256(socket.encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"colo_workload-{digest}" / f"{job}.activity"
+
+
+def publish_activity(socket: str, job: str, activity: float) -> None:
+    path = activity_file(socket, job)
+    try:
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}")
+        tmp.write_text(f"{activity:.4f}")
+        tmp.replace(path)
+    except OSError:
+        pass  # its neighbours take it as busy all the time
+
+
+def unpublish_activity(socket: str, job: str) -> None:
+    path = activity_file(socket, job)
+    with contextlib.suppress(OSError):
+        path.unlink()
+        path.parent.rmdir()  # the last service of the node
+
+
+def published_activity(socket: str, job: str) -> float:
+    """An inference neighbour's SM activity; its full-load one until it said."""
+    try:
+        return float(activity_file(socket, job).read_text())
+    except (OSError, ValueError):
+        return sm_activity("inference")
 
 
 def neighbour_activity(socket: str, job: str) -> float:
@@ -65,6 +107,8 @@ def neighbour_activity(socket: str, job: str) -> float:
         return 0.0  # a MIG instance of its own
     return sum(
         sm_activity(p.kind, p.duty, round(p.sm_share * 100))
+        if p.kind == "training"
+        else published_activity(socket, p.job)
         for p in resp.placements
         if p.job != job and p.gpu == mine.gpu and not p.HasField("mig_profile")
     )
@@ -104,13 +148,21 @@ def inference(rate: float, mu: float, slowdown: float, seconds: float) -> None:
     rng = random.Random(1)
     end = time.monotonic() + seconds
     neighbours = Neighbours()
-    while time.monotonic() < end:
-        mu_eff = mu / (1.0 + slowdown * neighbours.read())
-        spare = max(mu_eff - rate, 1.0)
-        for _ in range(int(rate)):
-            lat.observe(rng.expovariate(spare))
-        lat.flush()
-        time.sleep(1.0)
+    # gpuctl run forwards SIGTERM: leave as a served process would, its activity file too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while time.monotonic() < end:
+            mu_eff = mu / (1.0 + slowdown * neighbours.read())
+            # what the simulated node shows for it, for its neighbours' model
+            busy = utilization(rate, mu_eff)
+            publish_activity(SOCKET, JOB, sm_activity("inference", 1.0, THREADS, busy))
+            spare = max(mu_eff - rate, 1.0)
+            for _ in range(int(rate)):
+                lat.observe(rng.expovariate(spare))
+            lat.flush()
+            time.sleep(1.0)
+    finally:
+        unpublish_activity(SOCKET, JOB)
 
 
 def main() -> int:

@@ -29,6 +29,8 @@ MAX_REPEATED = 256
 # map one (whose entries keep the default bounds).
 FIELD_LIMITS: dict[str, int] = {
     "gpud.v1.MigConfigSource.text": 128 * 1024,  # the file's content
+    # a second's latencies of a busy service: gpud.client.Latency sends up to 4096 at once
+    "gpud.v1.ReportLatencyRequest.seconds": 4096,
 }
 
 _TYPE_STRING = 9  # FieldDescriptor.TYPE_STRING

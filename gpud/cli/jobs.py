@@ -86,7 +86,9 @@ def register(subparsers: Subparsers) -> None:
     add = commands.add_parser("add", help="register a job")
     add.add_argument("name")
     add_placement_options(add)
-    add.add_argument("--slo-p99-ms", type=float, metavar="MS", help="inference latency SLO")
+    add.add_argument(
+        "--slo-p99-ms", type=float, metavar="MS", help="inference p99 latency SLO, up to an hour"
+    )
     add.add_argument(
         "--queue",
         action="store_true",

@@ -13,7 +13,7 @@ from typing import Any
 
 from gpud.api.validate import optional
 from gpud.colo.service import ColoService
-from gpud.errors import InvalidArgument
+from gpud.errors import InvalidArgument, NotFound
 from gpud.telemetry.snapshot import Snapshot
 from gpud.v1 import colo_pb2 as pb
 from gpud.v1 import colo_pb2_grpc as pb_grpc
@@ -142,14 +142,25 @@ class ColoServicer(pb_grpc.ColocationServicer):
             out.mig_profile = a.mig_profile
         return out
 
+    async def _holding(self, job: str) -> str:
+        """The job, if it holds a reservation on this node: reports from any other name
+        would have the loop keep state for a job that is not there."""
+        if not await asyncio.to_thread(self._service.holds, job):
+            raise NotFound(
+                f"job {job} holds no reservation on this node (start it with gpuctl run)"
+            )
+        return job
+
     async def ReportLatency(  # noqa: N802
         self, request: pb.ReportLatencyRequest, context: Any
     ) -> pb.ReportLatencyResponse:
-        self._service.report_latency(_job(request.job), list(request.seconds))
+        job = await self._holding(_job(request.job))
+        self._service.report_latency(job, list(request.seconds))
         return pb.ReportLatencyResponse()
 
     async def ThrottlePoint(  # noqa: N802
         self, request: pb.ThrottlePointRequest, context: Any
     ) -> pb.ThrottlePointResponse:
-        d = self._service.throttle_point(_job(request.job), request.iterations)
+        job = await self._holding(_job(request.job))
+        d = self._service.throttle_point(job, request.iterations)
         return pb.ThrottlePointResponse(duty=d.duty, evict=d.evict, reason=d.reason)

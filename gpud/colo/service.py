@@ -54,6 +54,14 @@ from gpud.telemetry.snapshot import GpuSample, Snapshot
 log = logging.getLogger(__name__)
 
 MAX_LATENCY_SAMPLES = 4096  # per report, and per job kept in the window
+# A latency report over an hour is no request an online service served: a unit mistake or
+# garbage, which would have the guard evict training.
+MAX_LATENCY_S = 3600.0
+MAX_ITERATIONS = 10**9  # per throttle point: iterations since the one before
+# What the loop learned of a job no longer running is kept this long (the job may run
+# again under its name), then forgotten: a daemon up for months holds only recent jobs.
+FORGET_AFTER_S = 3600.0
+MAX_PEAK_LOAD = 1e7  # requests/s a service may declare: more is a mistake (or a unit)
 MIG_COMPUTE_SLICES = 7  # A100, H100, H200: a MIG profile's SMs are slices of seven
 RATE_WINDOW_S = 10.0
 # A new duty reaches training at its next throttle point (gpud.client reports every second);
@@ -123,6 +131,7 @@ class _JobState:
     devices: dict[str, _DeviceState] = field(default_factory=dict)  # by _place()
     windows: int = 0
     windows_ok: int = 0
+    seen: float = float("-inf")  # when it last ran, reported or was read back from the file
 
     def learned(self, place: str) -> JobFeatures | None:
         """Its footprint on that device; else what it showed on another of its devices (a
@@ -134,6 +143,36 @@ class _JobState:
             if self.devices[key].features is not None:
                 return self.devices[key].features
         return None
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, whatever stops the writer (a kill, a
+    power cut): a temporary file, flushed to disk, renamed over it, the rename flushed."""
+    tmp = path.with_name(f".{path.name}.tmp")  # one gpud per state directory
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _saved_number(value: object, key: str, low: float, high: float = math.inf) -> float:
+    """A number of the state file, finite and within [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key}: a number expected, not {value!r}")
+    x = float(value)
+    if not (math.isfinite(x) and low <= x <= high):
+        raise ValueError(f"{key}: {value!r} outside [{low:g}, {high:g}]")
+    return x
 
 
 def _place(r: RunningJob) -> str:
@@ -246,6 +285,7 @@ class ColoService:
         self._refused: tuple[str, Mapping[tuple[int, str], int]] = ("", {})
         self._state_file = state_file
         self._saved: dict[str, Any] | None = None
+        self._save_error = ""  # why the last write failed ("": it did not)
         self.configure(config)
         if state_file is not None:
             self._load(state_file)
@@ -276,20 +316,31 @@ class ColoService:
     def report_latency(self, job: str, seconds: Sequence[float]) -> None:
         if len(seconds) > MAX_LATENCY_SAMPLES:
             raise InvalidArgument(
-                f"at most {MAX_LATENCY_SAMPLES} samples per report, got {len(seconds)}"
+                f"job {job}: at most {MAX_LATENCY_SAMPLES} latency samples per report, "
+                f"got {len(seconds)}"
             )
-        if any(not (math.isfinite(s) and s >= 0) for s in seconds):
-            raise InvalidArgument(f"job {job}: latency samples must be finite and >= 0 seconds")
+        bad = next((s for s in seconds if not 0.0 <= s <= MAX_LATENCY_S), None)  # NaN too
+        if bad is not None:
+            raise InvalidArgument(
+                f"job {job}: latency sample {bad} s outside [0, {MAX_LATENCY_S:g}] seconds"
+            )
         now = self._clock()
         with self._lock:
             st = self._jobs.setdefault(job, _JobState())
+            st.seen = now
             st.latency.extend((now, s) for s in seconds)
 
     def throttle_point(self, job: str, iterations: int) -> Directive:
         """Record a training job's progress; return the duty cycle it should run at."""
+        if not 0 <= iterations <= MAX_ITERATIONS:
+            raise InvalidArgument(
+                f"job {job}: {iterations} iterations since the last throttle point, "
+                f"outside [0, {MAX_ITERATIONS}]"
+            )
         now = self._clock()
         with self._lock:
             st = self._jobs.setdefault(job, _JobState())
+            st.seen = now
             total = (st.progress[-1][1] if st.progress else 0) + max(0, iterations)
             d = self._directives.get(job, Directive(1.0, False, "no directive"))
             st.progress.append((now, total, d.duty))
@@ -346,6 +397,17 @@ class ColoService:
             return None
         return self.load(job) + math.log(2) / median
 
+    def rate_at_share(self, r: RunningJob) -> float:
+        """An inference service's rate (requests/s) at its share on that device: the one it
+        shows (:meth:`service_rate`, over the window), else its shape's at its share (what
+        it declared, or the prior)."""
+        measured = self.service_rate(r.name)
+        if measured is not None:
+            return measured
+        with self._lock:
+            view = self._view(r)
+        return view.shape.service_rate(view.sm_share)
+
     def load(self, job: str) -> float:
         """An inference job's request rate: latency reports per second over the window.
 
@@ -382,7 +444,8 @@ class ColoService:
             # jobs keep their directives and guards as they were, out of the plan, until it
             # answers again (or their processes end and gpud releases them).
             self._faulty = {
-                g.identity.index: g.reason.partition(":")[0] or "unhealthy"
+                # "GPU lost (memory): ..." -> "lost (memory)": said after "GPU N"
+                g.identity.index: g.reason.partition(":")[0].removeprefix("GPU ") or "unhealthy"
                 for g in snapshot.gpus
                 if not g.healthy
             }
@@ -396,10 +459,29 @@ class ColoService:
             views = [self._view(r) for r in live]
             plan = self._planner.plan(gpus, views, duty_by_gpu, evict_by_gpu)
             held = {r.name for r in running if r.gpu in self._faulty}
-            self._apply(plan, keep=held)
+            self._apply(plan, keep=held, present={r.name for r in live})
             self._plan, self._plan_at, self._last_running = plan, self._clock(), running
+            self._forget(running)
             self._save(running)
             return plan
+
+    def _forget(self, running: Sequence[RunningJob]) -> None:
+        """Drop what the loop holds of jobs that have not run for ``FORGET_AFTER_S``."""
+        now = self._clock()
+        names = {r.name for r in running}
+        for name in names:
+            self._jobs.setdefault(name, _JobState()).seen = now
+        for name in [n for n, st in self._jobs.items() if now - st.seen > FORGET_AFTER_S]:
+            del self._jobs[name]
+            self._guards.pop(name, None)
+
+    def holds(self, job: str) -> bool:
+        """Whether the job holds a reservation on this node (it runs, or is about to): as
+        of the last tick, else asked afresh (a job that has just started)."""
+        with self._lock:
+            if any(r.name == job for r in self._last_running):
+                return True
+        return any(r.name == job for r in self._running())
 
     # -- what outlives a restart ----------------------------------------------------------------
     def _load(self, path: Path) -> None:
@@ -439,35 +521,41 @@ class ColoService:
         self.configure(self.config)  # the planner predicts with the restored one
 
     def _load_job(self, name: str, saved: dict[str, Any]) -> None:
+        """One job's saved state; a value out of its range (a NaN, a negative rate, a
+        footprint over the whole device) raises ValueError naming it."""
         st = self._jobs.setdefault(name, _JobState())
+        st.seen = self._clock()  # it ran before the restart: kept as long as a job that ran
         if saved.get("alone_rate") is not None:
-            st.alone_rate = float(saved["alone_rate"])
+            st.alone_rate = _saved_number(saved["alone_rate"], f"jobs.{name}.alone_rate", 0.0)
         # footprints per device; a file from before kept one per job: it serves every
         # device until the job shows its own there
         devices = dict(saved.get("devices") or {})
         if saved.get("sm") is not None:
             devices[""] = saved
         for place, f in devices.items():
+            where = f"jobs.{name}.devices.{place}"
             st.devices[str(place)] = _DeviceState(
                 features=JobFeatures(
-                    sm=float(f["sm"]),
-                    mem_bw=float(f["mem_bw"]),
-                    pcie=float(f.get("pcie") or 0.0),
-                    nvlink=float(f.get("nvlink") or 0.0),
+                    sm=_saved_number(f["sm"], f"{where}.sm", 0.0, 1.0),
+                    mem_bw=_saved_number(f["mem_bw"], f"{where}.mem_bw", 0.0, 1.0),
+                    pcie=_saved_number(f.get("pcie") or 0.0, f"{where}.pcie", 0.0, 1.0),
+                    nvlink=_saved_number(f.get("nvlink") or 0.0, f"{where}.nvlink", 0.0, 1.0),
                 )
             )
         if saved.get("duty") is not None:
-            duty = min(1.0, max(0.0, float(saved["duty"])))
+            duty = _saved_number(saved["duty"], f"jobs.{name}.duty", 0.0, 1.0)
             self._directives[name] = Directive(duty, False, "as before the restart")
         if saved.get("guard_duty") is not None and saved.get("slo_s"):
-            g = ServiceGuard(name, float(saved["slo_s"]), self._guard_params)
-            g.duty = min(1.0, max(0.0, float(saved["guard_duty"])))
+            slo_s = _saved_number(saved["slo_s"], f"jobs.{name}.slo_s", 1e-6)
+            g = ServiceGuard(name, slo_s, self._guard_params)
+            g.duty = _saved_number(saved["guard_duty"], f"jobs.{name}.guard_duty", 0.0, 1.0)
             self._guards[name] = g
 
     def _save(self, running: Sequence[RunningJob]) -> None:
         """What the loop learned, written when it changed: the running jobs' alone rates,
         footprints and duties, and the interference predictor (``to_dict``). Written to a
-        temporary file and renamed over the old one: a crash leaves one or the other."""
+        temporary file, flushed and renamed over the old one: a crash of gpud or of the host
+        leaves one or the other."""
         if self._state_file is None:
             return
         jobs: dict[str, dict[str, Any]] = {}
@@ -496,13 +584,15 @@ class ColoService:
         data = {"jobs": jobs, "predictor": self.predictor.to_dict()}
         if data == self._saved:
             return
-        tmp = self._state_file.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps(data, allow_nan=False))
-            os.replace(tmp, self._state_file)
+            _write_atomically(self._state_file, json.dumps(data, allow_nan=False))
             self._saved = data
+            self._save_error = ""
         except (OSError, ValueError) as err:
-            log.warning("co-location state %s not written: %s", self._state_file, err)
+            # tried again each tick: said once, not every few seconds of a full disk
+            if str(err) != self._save_error:
+                log.warning("co-location state %s not written: %s", self._state_file, err)
+            self._save_error = str(err)
 
     def _learn(self, snapshot: Snapshot, per_gpu: dict[int, list[RunningJob]]) -> None:
         """Alone: the device's activity (SMs, memory controller, PCIe and NVLink throughput
@@ -648,7 +738,8 @@ class ColoService:
         evict: dict[int, str] = {}
         services: dict[str, list[RunningJob]] = {}
         for r in running:
-            if r.kind == "inference" and r.slo_p99_ms:
+            # a job registered before SLOs were bounded may hold an infinite one: no guard
+            if r.kind == "inference" and r.slo_p99_ms and math.isfinite(r.slo_p99_ms):
                 services.setdefault(r.name, []).append(r)
         for name, where in services.items():
             g = self._guards.get(name)
@@ -762,11 +853,18 @@ class ColoService:
             )
         return views, where
 
-    def _apply(self, plan: Plan, *, keep: set[str]) -> None:
+    def _apply(self, plan: Plan, *, keep: set[str], present: set[str]) -> None:
+        """The plan's directives become the jobs'; ``keep``'s stay as they were. An
+        eviction stands while the job is ``present``: a job takes a while to checkpoint
+        and leave, and the guard that evicted it starts afresh at once, so the next plan
+        would tell it to run at full speed next to the service it was evicted for."""
         new = {d.job_id: Directive(d.duty, d.evict, d.reason) for d in plan.directives}
         for job in keep:
             if job in self._directives:
                 new[job] = self._directives[job]
+        for job, told in self._directives.items():
+            if told.evict and job in present and not (job in new and new[job].evict):
+                new[job] = told
         for job, d in new.items():
             old = self._directives.get(job)
             if d.evict and (old is None or not old.evict):
@@ -797,6 +895,14 @@ class ColoService:
             raise InvalidArgument(f"job {job}: kind must be training or inference, not {kind!r}")
         if sm_activity is not None and not 0.0 < sm_activity <= 1.0:
             raise InvalidArgument(f"job {job}: sm_activity {sm_activity} outside (0, 1]")
+        if slo_p99_ms is not None and not 0.0 < slo_p99_ms <= MAX_LATENCY_S * 1e3:
+            raise InvalidArgument(
+                f"job {job}: slo_p99_ms {slo_p99_ms} outside (0, {MAX_LATENCY_S * 1e3:g}]"
+            )
+        if not 0.0 <= peak_load <= MAX_PEAK_LOAD:
+            raise InvalidArgument(
+                f"job {job}: peak_load {peak_load} requests/s outside [0, {MAX_PEAK_LOAD:g}]"
+            )
         running = tuple(self._running())
         with self._lock:
             if snapshot is None:

@@ -59,6 +59,8 @@ LAST_ENTRY = "<last queue entry>"  # likewise, the last queue entry
 gpus = st.integers(0, 1) | st.just(2)  # mostly on the node; 2 is an unknown GPU
 devices = st.sampled_from(["0", "1", "0:0", "0:1", "1:0", "1:3", "2", "GPU-nope"])
 names = st.sampled_from(JOBS)
+# a job of the node, or one it never heard of, or a name no job can have
+colo_names = names | st.sampled_from(["deep", "ghost", "", "x" * 129, "é" * 5000])
 
 
 def _opt(strategy: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
@@ -249,17 +251,20 @@ REQUESTS: dict[str, st.SearchStrategy[Any]] = {
             sm_activity=sm,
             peak_load=peak,
         ),
-        names,
-        st.sampled_from(["training", "inference", ""]),
-        _opt(st.integers(1, 40).map(lambda g: g * GIB)),
-        _opt(st.floats(1, 1000)),
-        _opt(st.floats(0, 1)),
-        _opt(st.floats(0, 1000)),
+        colo_names,
+        st.sampled_from(["training", "inference", ""]) | st.text(max_size=300),
+        _opt(st.integers(1, 40).map(lambda g: g * GIB) | st.integers(0, 2**64 - 1)),
+        _opt(st.floats(1, 1000) | st.floats()),
+        _opt(st.floats(0, 1) | st.floats()),
+        _opt(st.floats(0, 1000) | st.floats()),
     ),
     "/gpud.v1.Colocation/ReportLatency": st.builds(
         lambda job, seconds: colo_pb2.ReportLatencyRequest(job=job, seconds=seconds),
-        names,
-        st.lists(st.floats(0, 10), max_size=20),
+        colo_names,
+        # mostly sane; NaN, infinities, negatives, 1e308 and over-long batches too
+        st.lists(st.floats(0, 10), max_size=20)
+        | st.lists(st.floats(), max_size=20)
+        | st.integers(4000, 5000).map(lambda n: [0.01] * n),
     ),
     "/gpud.v1.Net/ReportProgress": st.builds(lambda r: r, st.deferred(lambda: progress_report)),
     "/gpud.v1.Net/ReportProgressBatch": st.builds(
@@ -285,7 +290,9 @@ REQUESTS: dict[str, st.SearchStrategy[Any]] = {
         st.lists(names, max_size=3),
     ),
     "/gpud.v1.Colocation/ThrottlePoint": st.builds(
-        colo_pb2.ThrottlePointRequest, job=names, iterations=st.integers(0, 10**6)
+        colo_pb2.ThrottlePointRequest,
+        job=colo_names,
+        iterations=st.integers(0, 10**6) | st.integers(0, 2**64 - 1),
     ),
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -87,7 +88,7 @@ def test_guard_throttles_training_within_one_tick_and_the_job_is_told(
 def test_guard_evicts_training_when_the_slo_cannot_be_held(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
-    svc, clock, _ = service
+    svc, clock, jobs = service
     for _ in range(60):  # each cut is measured (MIN_FRESH_SAMPLES) before the next
         clock.t += 1
         svc.report_latency("chat", [0.5] * 10)
@@ -96,6 +97,19 @@ def test_guard_evicts_training_when_the_slo_cannot_be_held(
             break
     d = svc.throttle_point("train", 1)
     assert d.evict and "evict" in d.reason
+    # The training has not left yet (it checkpoints): it stays evicted, whatever the
+    # guard, which started afresh, makes of the next latencies.
+    for latency in (0.5, 0.01):
+        for _ in range(5):
+            clock.t += 1
+            svc.report_latency("chat", [latency] * 30)
+            svc.tick(snapshot())
+            assert svc.throttle_point("train", 1) == d
+    jobs[:] = [j for j in jobs if j.name != "train"]  # it left
+    svc.tick(snapshot())
+    jobs.append(RunningJob("train", "training", 0, threads_percent=50, memory_bytes=10 * GIB))
+    svc.tick(snapshot())  # run again later, it gets what the plan says
+    assert not svc.throttle_point("train", 1).evict
 
 
 def test_memory_over_the_limit_evicts_training(
@@ -148,6 +162,24 @@ def test_config_ranges_name_the_key() -> None:
     bad = dataclasses.replace(Config(), colocate=ColocateConfig(min_duty=0.0))
     with pytest.raises(ConfigError, match=r"colocate\.min_duty"):
         validate(bad, path="gpud.toml")
+
+
+@pytest.mark.parametrize("end", [0, 1])
+def test_every_colocate_value_the_config_accepts_starts_the_loop(tmp_path: Path, end: int) -> None:
+    """validate() is the gate: a value it lets through must not stop the daemon at start
+    (the guard and the planner refuse a margin or a headroom of half)."""
+    import dataclasses
+
+    from gpud.config import RANGE, Config, validate
+
+    for f in dataclasses.fields(ColocateConfig):
+        if RANGE not in f.metadata:
+            continue
+        value = f.metadata[RANGE][end]
+        config = ColocateConfig(**{f.name: value})
+        validate(dataclasses.replace(Config(), colocate=config), path="gpud.toml")
+        svc = ColoService(config, EventLog(tmp_path / "e.jsonl"), running=list)
+        assert svc.tick(snapshot()) is not None, (f.name, value)
 
 
 def test_throttle_point_sleeps_the_duty_cycle() -> None:
@@ -241,6 +273,167 @@ def test_gpuctl_colo_show_and_advise_over_grpc(
             assert {"residents": 2, "check": "memory", "count": 4} in shown["refused"]
 
 
+def test_absurd_colo_requests_are_refused_and_change_nothing(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """What a buggy or hostile client sends over gRPC: INVALID_ARGUMENT or NOT_FOUND with
+    the job and the value, and the loop's state as it was."""
+    import grpc
+
+    from gpud.api import ApiServer
+    from gpud.colo.api import ColoServicer
+    from gpud.v1 import colo_pb2, colo_pb2_grpc
+    from tests.unit.api_support import ServerThread, short_dir
+
+    svc, _, jobs = service
+    snap = snapshot()
+    svc.report_latency("chat", [0.01] * 50)
+    svc.throttle_point("train", 10)
+    svc.tick(snap)
+    before = (svc.p99("chat"), svc.load("chat"), svc.duty("train"), svc.show().guards)
+    nan, inf = float("nan"), float("inf")
+    bad: list[tuple[str, object, grpc.StatusCode, str]] = [
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="chat", seconds=[0.01, nan]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job chat: latency sample nan",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="chat", seconds=[-0.5]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job chat: latency sample -0.5",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="chat", seconds=[inf]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job chat: latency sample inf",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="chat", seconds=[1e300]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "outside [0, 3600] seconds",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="chat", seconds=[0.01] * 5000),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "seconds: has 5000 entries, more than 4096",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="ghost", seconds=[0.01]),
+            grpc.StatusCode.NOT_FOUND,
+            "job ghost holds no reservation",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="x" * 200, seconds=[0.01]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job name must be 1..128",
+        ),
+        (
+            "ReportLatency",
+            colo_pb2.ReportLatencyRequest(job="", seconds=[0.01]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job name must be 1..128",
+        ),
+        (
+            "ThrottlePoint",
+            colo_pb2.ThrottlePointRequest(job="train", iterations=2**64 - 1),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job train: 18446744073709551615 iterations",
+        ),
+        (
+            "ThrottlePoint",
+            colo_pb2.ThrottlePointRequest(job="ghost", iterations=1),
+            grpc.StatusCode.NOT_FOUND,
+            "job ghost holds no reservation",
+        ),
+        (
+            "Advise",
+            colo_pb2.AdviseRequest(job="n", kind="inference", slo_p99_ms=nan),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job n: slo_p99_ms nan",
+        ),
+        (
+            "Advise",
+            colo_pb2.AdviseRequest(job="n", kind="inference", slo_p99_ms=-5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job n: slo_p99_ms -5",
+        ),
+        (
+            "Advise",
+            colo_pb2.AdviseRequest(job="n", kind="inference", peak_load=inf),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job n: peak_load inf",
+        ),
+        (
+            "Advise",
+            colo_pb2.AdviseRequest(job="n", kind="inference", peak_load=-1),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job n: peak_load -1",
+        ),
+        (
+            "Advise",
+            colo_pb2.AdviseRequest(job="n", sm_activity=nan),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "job n: sm_activity nan",
+        ),
+        (
+            "Advise",
+            colo_pb2.AdviseRequest(job="n", kind="x" * 1000),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "kind must be training or inference",
+        ),
+    ]
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        servicer = ColoServicer(svc, snapshots=lambda: snap)
+        with (
+            ServerThread(ApiServer(path, servicers=[servicer.register])),
+            grpc.insecure_channel(f"unix:{path}") as channel,
+        ):
+            stub = colo_pb2_grpc.ColocationStub(channel)
+            for method, request, code, message in bad:
+                with pytest.raises(grpc.RpcError) as err:
+                    getattr(stub, method)(request, timeout=10)
+                assert err.value.code() == code, (method, request)  # type: ignore[attr-defined]
+                assert message in err.value.details(), err.value.details()  # type: ignore[attr-defined]
+            stub.ShowColo(colo_pb2.ShowColoRequest(), timeout=10)
+            after = (svc.p99("chat"), svc.load("chat"), svc.duty("train"), svc.show().guards)
+            # a busy service's second of latencies, as gpud.client.Latency sends it
+            full = colo_pb2.ReportLatencyRequest(job="chat", seconds=[0.02] * 4096)
+            stub.ReportLatency(full, timeout=10)
+            # a job that has just started, before the loop's next tick, is heard
+            jobs.append(RunningJob("new", "training", 1))
+            assert stub.ThrottlePoint(colo_pb2.ThrottlePointRequest(job="new"), timeout=10)
+    assert after == before
+    assert svc._latencies("chat", float("-inf")) == [0.02] * 4096  # the window keeps 4096
+    assert "ghost" not in svc._jobs and "n" not in svc._jobs
+
+
+def test_what_the_loop_holds_of_a_job_gone_is_forgotten_after_a_while(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    from gpud.colo.service import FORGET_AFTER_S
+
+    svc, clock, jobs = service
+    svc.report_latency("chat", [0.095] * 100)
+    svc.tick(snapshot())
+    assert svc._guards and "chat" in svc._jobs
+    jobs[:] = [j for j in jobs if j.name != "chat"]  # the service ended
+    clock.t += FORGET_AFTER_S / 2
+    svc.tick(snapshot())
+    assert "chat" in svc._jobs  # it may run again under its name
+    clock.t += FORGET_AFTER_S
+    svc.tick(snapshot())
+    assert set(svc._jobs) == {"train"} and not svc._guards
+
+
 def test_process_wide_directive_without_a_daemon(tmp_path: Path) -> None:
     from gpud.client import colo
 
@@ -323,9 +516,13 @@ def test_a_faulty_gpu_is_left_out_and_its_jobs_keep_their_directives(tmp_path: P
         svc.tick(lost)
     assert svc.duty("train") == 0.5
     view = svc.show()
-    assert view.faulty == {0: "GPU lost (memory)"}
+    assert view.faulty == {0: "lost (memory)"}
     (g,) = view.guards
-    assert g.action == "hold" and "paused: GPU 0 GPU lost" in g.reason
+    assert g.action == "hold" and "paused: GPU 0 lost" in g.reason
+    from gpud.colo.api import ColoServicer
+
+    shown = {p.job: p for p in ColoServicer(svc, snapshots=lambda: lost)._show().placements}
+    assert shown["train"].reason == "GPU 0 lost (memory): left alone until it answers"
     # No advice puts a new job on it.
     assert svc.advise("new", memory_bytes=GIB, snapshot=lost).gpu == 1
 
@@ -532,7 +729,29 @@ def test_an_unreadable_state_file_starts_afresh(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     state = tmp_path / "colo.json"
-    for text in ("{not json", "[1, 2]", '{"something": "else"}', '{"jobs": {"a": 5}}'):
+    full = json.dumps({"jobs": {"train": {"duty": 0.5, "alone_rate": 10.0}}})
+    job = '{"jobs": {"train": %s}}'
+    for text in (
+        "{not json",
+        "[1, 2]",
+        '{"something": "else"}',
+        '{"jobs": {"a": 5}}',
+        "",  # created, never written: a host crash before the data reached the disk
+        full[: len(full) // 2],  # truncated
+        "\0" * 64,
+        job % '{"duty": NaN}',
+        job % '{"duty": 0.5, "alone_rate": -3}',
+        job % '{"duty": 0.5, "alone_rate": Infinity}',
+        job % '{"duty": "fast"}',
+        job % '{"duty": true}',
+        job % '{"duty": 7}',
+        job % '{"devices": {"GPU-0": {"sm": 2.0, "mem_bw": 0.1}}}',
+        job % '{"devices": {"GPU-0": {"sm": -0.5, "mem_bw": 0.1}}}',
+        job % '{"devices": {"GPU-0": {"sm": 0.5}}}',
+        job % '{"devices": [1, 2]}',
+        job % '{"guard_duty": 0.5, "slo_s": -1}',
+        job % '{"guard_duty": 1e308, "slo_s": 0.05}',
+    ):
         state.write_text(text)
         caplog.clear()
         svc = ColoService(
@@ -541,6 +760,114 @@ def test_an_unreadable_state_file_starts_afresh(
         assert svc.duty("train") == 1.0 and svc.predictor.stats().samples == 0
         (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
         assert str(state) in record.getMessage() and "starting afresh" in record.getMessage()
+        assert svc.tick(snapshot()) is not None  # and the loop runs
+    # not a file at all
+    state.unlink()
+    state.mkdir()
+    caplog.clear()
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=list, state_file=state
+    )
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert str(state) in record.getMessage() and "starting afresh" in record.getMessage()
+
+
+def test_a_bad_value_in_the_state_file_is_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = tmp_path / "colo.json"
+    state.write_text('{"jobs": {"train": {"devices": {"GPU-0": {"sm": NaN, "mem_bw": 0.1}}}}}')
+    ColoService(ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=list, state_file=state)
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert "jobs.train.devices.GPU-0.sm: nan outside [0, 1]" in record.getMessage()
+
+
+def test_a_state_file_gpud_cannot_write_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+    state = tmp_path / "gone" / "colo.json"  # its directory removed under gpud
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        clock=clock,
+        state_file=state,
+    )
+    for i in range(3):
+        clock.t += 1
+        svc.throttle_point("train", 10 * i)
+        assert svc.tick(snapshot()) is not None
+    warned = [r for r in caplog.records if "not written" in r.getMessage()]
+    assert len(warned) == 1 and str(state) in warned[0].getMessage()
+    assert not any(tmp_path.glob("**/*.tmp"))
+
+
+def test_a_service_with_an_infinite_slo_does_not_stop_the_state_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Registered before SLOs were bounded: no guard, and colo.json still written."""
+    clock = Clock()
+    state = tmp_path / "colo.json"
+    jobs = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=math.inf, memory_bytes=8 * GIB),
+        RunningJob("train", "training", 0, memory_bytes=10 * GIB),
+    ]
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        clock=clock,
+        state_file=state,
+    )
+    for _ in range(3):
+        clock.t += 1
+        svc.report_latency("chat", [0.5] * 30)
+        assert svc.tick(snapshot()) is not None
+    assert not svc.show().guards
+    assert set(json.loads(state.read_text())["jobs"]) == {"chat", "train"}
+    assert not [r for r in caplog.records if "not written" in r.getMessage()]
+
+
+WRITER = """
+import sys
+from pathlib import Path
+
+from gpud.colo.service import _write_atomically
+
+path = Path(sys.argv[1])
+print("ready", flush=True)
+i = 0
+while True:
+    i += 1
+    _write_atomically(path, '{"n": %d, "pad": "%s"}' % (i, "x" * (1 << 20)))
+"""
+
+
+def test_a_kill_while_writing_leaves_the_old_file_or_the_new(tmp_path: Path) -> None:
+    """gpud killed with SIGKILL mid-write: colo.json is whole, one version or the next."""
+    import random
+    import subprocess
+    import sys
+
+    state = tmp_path / "colo.json"
+    rng = random.Random(7)
+    seen = set()
+    for _ in range(5):
+        with subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(state)], stdout=subprocess.PIPE, text=True
+        ) as writer:
+            try:
+                assert writer.stdout is not None and writer.stdout.readline() == "ready\n"
+                time.sleep(rng.uniform(0.0, 0.3))
+            finally:
+                writer.kill()
+        if state.exists():
+            data = json.loads(state.read_text())  # whole: parses
+            assert len(data["pad"]) == 1 << 20
+            seen.add(data["n"])
+    assert seen  # it wrote, and was killed between or inside writes
 
 
 def test_an_invalid_predictor_starts_afresh_and_the_jobs_state_is_kept(
@@ -610,6 +937,24 @@ def test_an_inference_services_observed_speed_from_latency_and_load(tmp_path: Pa
     assert shown["chat"].observed_speed == pytest.approx(0.8, rel=1e-3)
     assert shown["chat"].predicted_speed == pytest.approx(predicted)
     assert not shown["train"].HasField("observed_speed")  # never ran alone
+
+
+def test_a_services_rate_at_its_share_is_the_measured_one_else_its_shapes(
+    tmp_path: Path,
+) -> None:
+    from colocate.shapes import prior_service_rate
+
+    clock = Clock()
+    chat = RunningJob("chat", "inference", 0, slo_p99_ms=500.0, memory_bytes=8 * GIB)
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: [chat], clock=clock
+    )
+    # nothing reported yet: the prior of a 500 ms SLO on a whole GPU
+    assert svc.rate_at_share(chat) == pytest.approx(prior_service_rate(0.5))
+    for _ in range(3):
+        clock.t += 1
+        svc.report_latency("chat", mm1_latencies(400.0, 100.0))
+    assert svc.rate_at_share(chat) == pytest.approx(400.0, rel=1e-3)  # what it shows
 
 
 def test_a_service_measures_its_speed_at_the_duty_its_guard_set(tmp_path: Path) -> None:

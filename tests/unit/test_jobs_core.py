@@ -82,6 +82,9 @@ def test_registry_persists_jobs(tmp_path: Path) -> None:
         (JobSpec("x", memory_bytes=5), "memory"),
         (JobSpec("x", slo_p99_ms=10.0), "slo_p99_ms"),
         (JobSpec("x", JobKind.INFERENCE, slo_p99_ms=-1.0), "slo_p99_ms"),
+        (JobSpec("x", JobKind.INFERENCE, slo_p99_ms=float("nan")), "slo_p99_ms"),
+        (JobSpec("x", JobKind.INFERENCE, slo_p99_ms=float("inf")), "slo_p99_ms"),
+        (JobSpec("x", JobKind.INFERENCE, slo_p99_ms=1e308), "slo_p99_ms"),
         (JobSpec("x", client_priority=3), "priority"),
     ],
 )

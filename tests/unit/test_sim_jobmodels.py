@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpud.backend.sim import JobDevice, JobWorkloads, SimNode
-from gpud.backend.sim.jobmodels import ALONE_SM, DEFAULT_MEMORY, sm_activity
+from gpud.backend.sim.jobmodels import ALONE_SM, DEFAULT_MEMORY, sm_activity, utilization
 
 GIB = 1 << 30
 
@@ -62,6 +62,34 @@ def test_sm_activity_follows_kind_share_and_duty() -> None:
     assert sm_activity("inference", 0.1) == ALONE_SM["inference"]  # the guard throttles training
 
 
+def test_a_services_activity_follows_its_utilization() -> None:
+    full = sm_activity("inference")
+    assert utilization(50.0, 100.0) == 0.5
+    assert sm_activity("inference", busy=utilization(50.0, 100.0)) == pytest.approx(full / 2)
+    assert sm_activity("inference", busy=utilization(500.0, 100.0)) == full  # at most busy
+    assert sm_activity("inference", 1.0, 20, utilization(50.0, 100.0)) == pytest.approx(0.1)
+    assert utilization(0.0, 100.0) == 0.0 and utilization(float("nan"), 100.0) == 0.0
+    assert utilization(50.0, None) == 1.0 and utilization(50.0, 0.0) == 1.0  # rate not known
+    assert sm_activity("training", busy=0.1) == ALONE_SM["training"]  # training: its duty
+
+
+def test_a_service_alone_at_half_load_shows_half_its_full_load_activity(
+    sim: tuple[SimNode, Procs],
+) -> None:
+    node, procs = sim
+    procs.add(200, 1, {"GPUD_JOB": "chat"})
+    (m,) = node.jobs.sync([JobDevice("chat", "inference", 0, load=200.0, service_rate=400.0)])
+    half = util(node, 0)
+    assert m.sm_ratio == pytest.approx(ALONE_SM["inference"] / 2)
+    assert abs(half - 100 * ALONE_SM["inference"] / 2) <= 5  # the reading wobbles by 4 points
+    node.jobs.sync([JobDevice("chat", "inference", 0, load=400.0, service_rate=400.0)])
+    assert abs(util(node, 0) - 100 * ALONE_SM["inference"]) <= 5
+    memory = node.nvml.nvmlDeviceGetUtilizationRates(node.nvml.nvmlDeviceGetHandleByIndex(0))
+    assert memory.memory > 0  # the memory controller follows the SMs
+    node.jobs.sync([JobDevice("chat", "inference", 0, load=0.0, service_rate=400.0)])
+    assert util(node, 0) == 0  # no requests: idle SMs
+
+
 def test_job_processes_run_their_models_and_go_when_they_exit(
     sim: tuple[SimNode, Procs],
 ) -> None:
@@ -74,7 +102,7 @@ def test_job_processes_run_their_models_and_go_when_they_exit(
     procs.add(300, 1, {"GPUD_JOB": "unreserved"})
     devices = [
         JobDevice("train", "training", 0, memory_bytes=20 * GIB),
-        JobDevice("chat", "inference", 0),
+        JobDevice("chat", "inference", 0, load=100.0, service_rate=100.0),
     ]
     running = jobs.sync(devices)
     assert [(m.pid, m.job) for m in running] == [(101, "train"), (200, "chat")]
@@ -196,7 +224,7 @@ def test_a_job_on_two_gpus_runs_its_model_on_each(sim: tuple[SimNode, Procs]) ->
         return [
             JobDevice("train", "training", 0, memory_bytes=20 * GIB, duty=duty),
             JobDevice("train", "training", 1, memory_bytes=20 * GIB, duty=duty),
-            JobDevice("chat", "inference", 0, load=100.0),
+            JobDevice("chat", "inference", 0, load=100.0, service_rate=100.0),
         ]
 
     running = node.jobs.sync(devices(1.0))

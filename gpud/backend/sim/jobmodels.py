@@ -13,7 +13,9 @@ GPUs has a context on each, and the same PID in each one's process list), throug
   default, never more than the device holds;
 - SM activity: :func:`sm_activity` of the job's kind, MPS thread share and the duty cycle
   the co-location loop currently tells it (a throttled training job keeps the SMs busy
-  only for its duty);
+  only for its duty); an inference service's follows its utilization, the load the daemon
+  measures over its service rate at its share (a service at half load keeps the SMs busy
+  half as long as at full load); the memory controller's activity follows the SMs';
 - PCIe and NVLink traffic: :func:`link_traffic` — training streams its input batches from
   host memory and, when it spans several GPUs, all-reduces its gradients over NVLink, both
   in step with its SM activity; inference moves each request's inputs in and its outputs
@@ -47,10 +49,11 @@ log = logging.getLogger(__name__)
 GIB: Final = 1 << 30
 JOB_VAR: Final = b"GPUD_JOB="
 
-# SM activity of a job alone on a whole GPU at full duty: a training step keeps the SMs
-# nearly saturated; an online inference service at moderate load leaves most of them idle
-# between batches (what nvidia-smi shows for each in practice).
-ALONE_SM: Final = {"training": 0.9, "inference": 0.35}
+# SM activity of a job alone on a whole GPU at full duty, or full load: a training step
+# keeps the SMs nearly saturated; an inference service busy all the time runs smaller
+# batches, with gaps for tokenizing and scheduling between them (what nvidia-smi shows for
+# each in practice). A service at a lower load shows this times its utilization.
+ALONE_SM: Final = {"training": 0.9, "inference": 0.7}
 # Device memory a job uses when it declares none: weights, optimizer state and activations
 # of a mid-size training job; weights and KV cache of a mid-size served model.
 DEFAULT_MEMORY: Final = {"training": 16 * GIB, "inference": 8 * GIB}
@@ -68,15 +71,30 @@ REQUEST_BYTES: Final = 512 * 1024
 RESPONSE_BYTES: Final = 64 * 1024
 
 
-def sm_activity(kind: str, duty: float = 1.0, threads_percent: int | None = None) -> float:
+def utilization(load: float, service_rate: float | None) -> float:
+    """An inference service's utilization: its load over its service rate (requests/s),
+    at most 1; 1 (busy all the time) when its rate is not known yet, 0 without load."""
+    if not load > 0.0:  # NaN included
+        return 0.0
+    if service_rate is None or not service_rate > 0.0:
+        return 1.0
+    return min(1.0, load / service_rate)
+
+
+def sm_activity(
+    kind: str, duty: float = 1.0, threads_percent: int | None = None, busy: float = 1.0
+) -> float:
     """The fraction of a device's SMs a job keeps busy: its kind's activity alone, capped by
-    its MPS active-thread share, times the duty cycle it runs at (training only: the guard
-    throttles training, and inference serves what it is sent)."""
+    its MPS active-thread share, times the duty cycle it runs at (training: the guard
+    throttles training) or the fraction of time it is busy (inference: its
+    :func:`utilization`, as it serves what it is sent)."""
     base = ALONE_SM.get(kind, ALONE_SM["training"])
     if threads_percent is not None:
         base = min(base, max(0, threads_percent) / 100.0)
     if kind == "training":
         base *= min(1.0, max(0.0, duty))
+    else:
+        base *= min(1.0, max(0.0, busy))
     return round(base, 4)
 
 
@@ -113,6 +131,9 @@ class JobDevice:
     threads_percent: int | None = None
     duty: float = 1.0
     load: float = 0.0  # an inference service's request rate (its latency reports per second)
+    # an inference service's rate (requests/s) at its share, as the daemon knows it; None:
+    # not known yet (the model takes it as busy all the time)
+    service_rate: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +192,9 @@ class JobWorkloads:
                     d.gpu,
                     d.mig,
                     memory,
-                    sm_activity(d.kind, d.duty, d.threads_percent),
+                    sm_activity(
+                        d.kind, d.duty, d.threads_percent, utilization(d.load, d.service_rate)
+                    ),
                     link_traffic(
                         d.kind,
                         duty=d.duty,
