@@ -45,3 +45,43 @@ def test_iterations_straddling_the_window_count_by_fraction() -> None:
     assert completed(times, 2.5) == 2.5 and completed(times, 0.5) == 0.0
     assert completed(times, 9.0) == 4.0
     assert progress(times, 1.0, 1.5, 3.5) == pytest.approx(1.0)
+
+
+def _phase(progress: dict[str, float]) -> dict[str, object]:
+    return {
+        "min_progress": min(progress.values()),
+        "jain": 1.0,
+        "efficiency": 1.0,
+        "progress": progress,
+    }
+
+
+def test_a_phase_with_a_stalled_job_is_flagged() -> None:
+    from tools.testbed.run import aggregate, stalled
+
+    good = {
+        "ceiling": 0.48,
+        "baseline": _phase({"a": 0.48, "b": 0.49}),
+        "gpud": _phase({"a": 0.48, "b": 0.48}),
+    }
+    bad = {
+        "ceiling": 0.48,
+        "baseline": _phase({"a": 0.05, "b": 0.70}),
+        "gpud": _phase({"a": 0.48, "b": 0.48}),
+    }
+    assert stalled(bad["baseline"], 0.48) == ["a"] and stalled(good["baseline"], 0.48) == []
+    out = aggregate([{"mixes": {"m": good}}, {"mixes": {"m": bad}}])["m"]
+    assert out["baseline"]["stalled_runs"] == [1] and out["gpud"]["stalled_runs"] == []
+
+
+def test_set_names_the_bad_knob(capsys: pytest.CaptureFixture[str]) -> None:
+    from tools.testbed.run import main
+
+    for bad, said in (
+        ("nope=1", "KEY one of"),
+        ("hysteresis=x", "not a number"),
+        ("levels=3", "KEY one of"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["run", "--set", bad])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err

@@ -203,7 +203,20 @@ def _mean(values: list[float]) -> float:
     return round(statistics.fmean(values), 4)
 
 
+# A job under this fraction of the ceiling for a whole phase all but stopped (a sender that
+# could not start or connect, a machine too loaded to run it): the phase measures that, not
+# the scheduler, and is flagged.
+STALL_FRACTION = 0.2
+
+
+def stalled(phase: dict[str, Any], ceiling: float) -> list[str]:
+    """The jobs of one phase that made under STALL_FRACTION of the ceiling."""
+    return sorted(j for j, v in phase["progress"].items() if v < STALL_FRACTION * ceiling)
+
+
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Means over runs per mix and side; ``stalled_runs`` lists the runs (by index) in which
+    a job all but stopped, which the means still include."""
     out: dict[str, Any] = {}
     names = list(runs[0]["mixes"])
     for name in names:
@@ -214,6 +227,9 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 k: _mean([p[side][k] for p in per]) for k in ("min_progress", "jain", "efficiency")
             }
             entry[side]["min_progress_runs"] = [p[side]["min_progress"] for p in per]
+            entry[side]["stalled_runs"] = [
+                i for i, p in enumerate(per) if stalled(p[side], p["ceiling"])
+            ]
         b, g = entry["baseline"], entry["gpud"]
         entry["gpud_over_baseline"] = round(g["min_progress"] / max(b["min_progress"], 1e-9), 3)
         entry["gpud_over_ceiling"] = round(g["min_progress"] / entry["ceiling"], 3)
@@ -323,8 +339,16 @@ def main(argv: list[str] | None = None) -> int:
                             bed, jobs, ideal, goodput, cc=cc, seconds=args.seconds,
                             warmup=args.warmup, tag=f"{cc_name}-{rep}-{name}",
                         )  # fmt: skip
+                        m = run["mixes"][name]
+                        for side in ("baseline", "gpud"):
+                            if slow := stalled(m[side], m["ceiling"]):
+                                print(
+                                    f"testbed: {run['cc']} #{rep} {name} {side}: "
+                                    f"{', '.join(slow)} made under {STALL_FRACTION:g} of the "
+                                    "ceiling; this phase measures a stalled job",
+                                    file=sys.stderr,
+                                )
                         if not args.json:
-                            m = run["mixes"][name]
                             print(
                                 f"{run['cc']} #{rep} {name}: ceiling {m['ceiling']}"
                                 f" baseline {m['baseline']['min_progress']}"
