@@ -18,7 +18,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import statistics
 import threading
 import time
@@ -49,6 +48,7 @@ from gpud.colo.links import NvlinkRates, pcie_capacity, pcie_ratio
 from gpud.config import ColocateConfig
 from gpud.errors import InvalidArgument
 from gpud.events import EventLog
+from gpud.files import write_atomically
 from gpud.telemetry.snapshot import GpuSample, Snapshot
 
 log = logging.getLogger(__name__)
@@ -143,26 +143,6 @@ class _JobState:
             if self.devices[key].features is not None:
                 return self.devices[key].features
         return None
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """``path`` holds ``text`` or what it held before, whatever stops the writer (a kill, a
-    power cut): a temporary file, flushed to disk, renamed over it, the rename flushed."""
-    tmp = path.with_name(f".{path.name}.tmp")  # one gpud per state directory
-    try:
-        with tmp.open("w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _saved_number(value: object, key: str, low: float, high: float = math.inf) -> float:
@@ -462,8 +442,10 @@ class ColoService:
             self._apply(plan, keep=held, present={r.name for r in live})
             self._plan, self._plan_at, self._last_running = plan, self._clock(), running
             self._forget(running)
-            self._save(running)
-            return plan
+            state = self._state(running)
+        # The disk flush waits outside the lock: latency reports and `colo show` do not.
+        self._save(state)
+        return plan
 
     def _forget(self, running: Sequence[RunningJob]) -> None:
         """Drop what the loop holds of jobs that have not run for ``FORGET_AFTER_S``."""
@@ -551,13 +533,12 @@ class ColoService:
             g.duty = _saved_number(saved["guard_duty"], f"jobs.{name}.guard_duty", 0.0, 1.0)
             self._guards[name] = g
 
-    def _save(self, running: Sequence[RunningJob]) -> None:
-        """What the loop learned, written when it changed: the running jobs' alone rates,
-        footprints and duties, and the interference predictor (``to_dict``). Written to a
-        temporary file, flushed and renamed over the old one: a crash of gpud or of the host
-        leaves one or the other."""
+    def _state(self, running: Sequence[RunningJob]) -> dict[str, Any] | None:
+        """What the loop learned, as :meth:`_save` writes it: the running jobs' alone rates,
+        footprints and duties, and the interference predictor (``to_dict``); None without a
+        state file."""
         if self._state_file is None:
-            return
+            return None
         jobs: dict[str, dict[str, Any]] = {}
         for r in running:
             st = self._jobs.get(r.name)
@@ -581,11 +562,15 @@ class ColoService:
                         "pcie": f.pcie,
                         "nvlink": f.nvlink,
                     }
-        data = {"jobs": jobs, "predictor": self.predictor.to_dict()}
-        if data == self._saved:
+        return {"jobs": jobs, "predictor": self.predictor.to_dict()}
+
+    def _save(self, data: dict[str, Any] | None) -> None:
+        """Write :meth:`_state` when it changed, to a temporary file, flushed and renamed
+        over the old one: a crash of gpud or of the host leaves one or the other."""
+        if data is None or self._state_file is None or data == self._saved:
             return
         try:
-            _write_atomically(self._state_file, json.dumps(data, allow_nan=False))
+            write_atomically(self._state_file, json.dumps(data, allow_nan=False))
             self._saved = data
             self._save_error = ""
         except (OSError, ValueError) as err:

@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -46,6 +45,7 @@ from pathlib import Path
 from gpud.backend.port import EventKind, GpuBackend, GpuEvent
 from gpud.errors import BackendError, NotSupported
 from gpud.events import EventLog
+from gpud.files import write_atomically
 from gpud.telemetry.dispatch import Dispatcher, Target
 from gpud.telemetry.reader import GpuReader, placeholder_identity
 from gpud.telemetry.snapshot import GpuSample, Snapshot
@@ -386,9 +386,7 @@ class Sampler:
                 saved.pop(gpu, None)
         self._saved_xids = saved
         try:
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps({str(g): x for g, x in sorted(saved.items())}))
-            os.replace(tmp, path)
+            write_atomically(path, json.dumps({str(g): x for g, x in sorted(saved.items())}))
         except OSError as err:
             log.warning("cannot save critical-XID state to %s: %s", path, err)
 

@@ -834,14 +834,14 @@ WRITER = """
 import sys
 from pathlib import Path
 
-from gpud.colo.service import _write_atomically
+from gpud.files import write_atomically
 
 path = Path(sys.argv[1])
 print("ready", flush=True)
 i = 0
 while True:
     i += 1
-    _write_atomically(path, '{"n": %d, "pad": "%s"}' % (i, "x" * (1 << 20)))
+    write_atomically(path, '{"n": %d, "pad": "%s"}' % (i, "x" * (1 << 20)))
 """
 
 

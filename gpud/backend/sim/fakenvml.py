@@ -36,7 +36,6 @@ import ctypes
 import hashlib
 import json
 import math
-import os
 import threading
 import time
 import uuid as uuidlib
@@ -49,6 +48,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from gpud.backend import products
 from gpud.errors import ConfigError
+from gpud.files import write_atomically
 
 MiB = 1024 * 1024
 
@@ -614,19 +614,8 @@ class FakeNvml:
                 if f.lost or f.not_supported or f.slow_s
             },
         }
-        # Write-then-rename so a crash leaves either the old or the new state, never half.
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomically(path, json.dumps(data, indent=1))
 
     def _mutated(self) -> None:
         """After a mutation took effect: persist, then maybe die as injected."""
