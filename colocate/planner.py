@@ -9,9 +9,11 @@ One pass:
    scored by the predicted gain in normalized progress -- its own predicted speed (shape x
    interference predictor against the residents) minus the speed the residents would lose.
    An option is dropped when it would push any job under ``1 / max_slowdown`` of its speed
-   alone, an inference service under its peak load (plus margin) within its SLO, or the
-   GPU's memory over its limit. A free GPU is always the best option for a job (sharing is
-   for work that would otherwise wait).
+   alone, an inference service under its load of now (plus margin) within its SLO, or
+   under its declared peak with the training beside it throttled to ``peak_duty`` (the
+   duty the SLO guard cuts it to at a burst), or the GPU's memory over its limit. A free
+   GPU is always the best option for a job (sharing is for work that would otherwise
+   wait).
 3. Prices. :class:`colocate.prices.ShadowPrices` turns the options into per-job choices
    under per-GPU prices on SMs, memory and bandwidth.
 4. Commit. In arrival order, each job takes its priced choice if it still holds against
@@ -55,6 +57,10 @@ class PlannerParams:
     # Caps are checked against the speed each job reaches in this fraction of predictions
     # like it (the predictor's recent errors on pairs as well known as these).
     error_quantile: float = 0.9
+    # A service's declared peak must hold with the training beside it at this duty cycle:
+    # the SLO guard throttles training at a burst (two halvings from full duty), so a
+    # service GPU can hold training that its peak could not live beside at full speed.
+    peak_duty: float = 0.25
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.memory_headroom < 0.5:
@@ -63,6 +69,8 @@ class PlannerParams:
             raise ValueError(f"max_slowdown {self.max_slowdown} below 1")
         if not 0.5 <= self.error_quantile < 1.0:
             raise ValueError(f"error_quantile {self.error_quantile} outside [0.5, 1)")
+        if not 0.0 < self.peak_duty <= 1.0:
+            raise ValueError(f"peak_duty {self.peak_duty} outside (0, 1]")
         if self.max_jobs_per_gpu < 1:
             raise ValueError(f"max_jobs_per_gpu {self.max_jobs_per_gpu} below 1")
 
@@ -240,11 +248,21 @@ class Planner:
 
     # -- evaluation -----------------------------------------------------------------------
     def _speeds(
-        self, members: Sequence[tuple[JobView, float, str | None]], *, bound: bool = False
+        self,
+        members: Sequence[tuple[JobView, float, str | None]],
+        *,
+        bound: bool = False,
+        training_duty: float | None = None,
     ) -> list[float]:
         """Predicted speed (over alone, full GPU) of each member of a GPU's set; with
-        ``bound``, the speed it reaches in ``error_quantile`` of predictions like it."""
-        feats = [j.footprint(s, None) for j, s, _ in members]
+        ``bound``, the speed it reaches in ``error_quantile`` of predictions like it; with
+        ``training_duty``, with the training members throttled to at most that duty."""
+        feats = [
+            j.footprint(s, None)
+            if training_duty is None or j.kind is not JobKind.TRAINING
+            else j.footprint(s, min(j.duty, training_duty))
+            for j, s, _ in members
+        ]
         out = []
         for i, (j, s, mig) in enumerate(members):
             rel = j.shape.curve.relative(s)
@@ -287,6 +305,8 @@ class Planner:
         if (
             job.kind is JobKind.TRAINING
             and mig is None
+            # A training job's MPS share is fixed when it starts: it leaves the service the
+            # SMs for its peak, whatever the throttle does to its duty.
             and share > 1.0 - gpu.inference_share() + 1e-9
         ):
             return _Eval(
@@ -300,16 +320,22 @@ class Planner:
         members = [*gpu.residents, (job, share, mig)]
         after = self._speeds(members)
         low = self._speeds(members, bound=True)
+        throttled = (
+            self._speeds(members, training_duty=p.peak_duty)
+            if len(members) > 1 and any(j.kind is JobKind.INFERENCE for j, _, _ in members)
+            else after
+        )
         floor = 1.0 / p.max_slowdown
-        for (j, s, _), sp, mid in zip(members, low, after, strict=True):
+        for (j, s, _), sp, mid in zip(members, low, throttled, strict=True):
             if j.kind is JobKind.INFERENCE:
                 if len(members) == 1 or mig is not None or s_mig(j, members):
                     continue  # alone or isolated: as good as this GPU gets
                 # Interference only (the share is the service's own choice); the SLO's
                 # queueing term is not scaled. The declared peak (diurnal peak times a burst)
-                # must hold at the predicted speed; the load of now, with the SLO margin, at
-                # the speed reached in error_quantile of predictions like this one. Between
-                # the two the guard keeps the SLO by throttling the training next to it.
+                # must hold at the speed predicted with the training throttled to
+                # peak_duty, as the guard throttles it when the peak comes; the load of
+                # now, with the SLO margin, at the speed reached in error_quantile of
+                # predictions like this one, with the training at full speed.
                 rel = max(j.shape.curve.relative(s), 1e-9)
                 queueing = P99_FACTOR / j.shape.slo_s if j.shape.slo_s else 0.0
                 peak = j.shape.service_rate(s) * mid / rel - queueing

@@ -119,6 +119,9 @@ class ColocateConfig:
     guard_decrease: float = ranged(0.5, 0.01, 0.99)  # duty multiplied by this on SLO pressure
     guard_increase: float = ranged(0.1, 0.001, 1.0)  # duty added back per calm tick
     min_duty: float = ranged(0.05, 0.001, 1.0)  # the guard's floor before it evicts training
+    # a service's declared peak must hold with the training beside it at this duty (the
+    # guard's cut at a burst); below min_duty, min_duty counts
+    peak_duty: float = ranged(0.25, 0.001, 1.0)
     latency_window_s: float = ranged(10.0, 1.0, 3600.0)  # p99 over this many seconds of reports
 
 

@@ -281,6 +281,8 @@ class ColoService:
                     max_slowdown=config.max_slowdown,
                     max_jobs_per_gpu=config.max_jobs_per_gpu,
                     slo_margin=config.slo_margin,
+                    # The guard never throttles below its floor: the peak must hold there.
+                    peak_duty=max(config.peak_duty, config.min_duty),
                 ),
             )
             self._guard_params = GuardParams(

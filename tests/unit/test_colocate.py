@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +24,7 @@ from colocate import (
     ShadowPrices,
     Shape,
 )
+from colocate.planner import Plan
 from colocate.shapes import PRIOR_SERVICE_TIME_S, Curve, prior_service_rate
 
 GIB = 1 << 30
@@ -368,6 +370,30 @@ def _undeclared(slo_s: float, *, gpu: int | None = None, load: float = 0.0) -> J
     return JobView(
         "svc", shape, JobFeatures(sm=0.8, mem_bw=0.6), gpu=gpu, load=load, peak_load=load
     )
+
+
+def test_a_service_peak_must_hold_with_the_training_throttled_to_peak_duty() -> None:
+    """The guard throttles training at a burst: beside a service whose peak only holds
+    with the training slowed, the training is placed at peak_duty 0.25 and refused at 1."""
+
+    def plan(peak_duty: float) -> Plan:
+        svc = inference("svc", slo_s=0.5, peak=370.0, gpu=0)
+        svc.load = 50.0
+        planner = Planner(InterferencePredictor(), PlannerParams(peak_duty=peak_duty))
+        return planner.plan(gpus(1), [svc, training("t", sm=0.5, bw=0.4)])
+
+    full = plan(1.0)
+    assert not full.placements and "t" in full.waiting
+    assert full.refused[(1, "service SLO")] >= 1
+    throttled = plan(0.25)
+    assert [p.job_id for p in throttled.placements] == ["t"]
+    assert throttled.placements[0].sm_share < 1.0  # the service's peak share stays its own
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, 1.5])
+def test_peak_duty_is_a_duty(bad: float) -> None:
+    with pytest.raises(ValueError, match="peak_duty"):
+        PlannerParams(peak_duty=bad)
 
 
 def test_an_undeclared_service_is_placeable_and_its_tightness_follows_its_slo() -> None:
