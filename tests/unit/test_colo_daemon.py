@@ -164,6 +164,15 @@ def test_config_ranges_name_the_key() -> None:
         validate(bad, path="gpud.toml")
 
 
+def test_the_peak_is_held_at_the_duty_the_guard_can_reach(tmp_path: Path) -> None:
+    """The guard never throttles below min_duty: a peak_duty under it counts as min_duty."""
+    config = ColocateConfig(peak_duty=0.01, min_duty=0.2)
+    svc = ColoService(config, EventLog(tmp_path / "e.jsonl"), running=list)
+    assert svc._planner.params.peak_duty == 0.2
+    svc.configure(ColocateConfig(peak_duty=0.5))
+    assert svc._planner.params.peak_duty == 0.5
+
+
 @pytest.mark.parametrize("end", [0, 1])
 def test_every_colocate_value_the_config_accepts_starts_the_loop(tmp_path: Path, end: int) -> None:
     """validate() is the gate: a value it lets through must not stop the daemon at start
