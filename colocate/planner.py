@@ -341,13 +341,14 @@ class Planner:
                 peak = j.shape.service_rate(s) * mid / rel - queueing
                 now = j.shape.service_rate(s) * sp / rel - queueing
                 if peak < j.peak_load or now < j.load * (1.0 + p.slo_margin):
-                    return _Eval(
-                        False,
-                        0.0,
-                        0.0,
-                        f"{j.job_id} would not hold its peak load within its SLO",
-                        "service SLO",
+                    why = (
+                        f"{j.job_id} would not hold its peak load {j.peak_load:g}/s within "
+                        f"its SLO with training throttled to duty {p.peak_duty:g}"
+                        if peak < j.peak_load
+                        else f"{j.job_id} would not hold its load of now {j.load:g}/s "
+                        f"+ {p.slo_margin:.0%} within its SLO beside training at full speed"
                     )
+                    return _Eval(False, 0.0, 0.0, why, "service SLO")
             elif sp < floor:
                 # The cap is on what happens: checked at the speed's lower bound.
                 return _Eval(
