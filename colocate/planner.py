@@ -335,7 +335,7 @@ class Planner:
                 # must hold at the speed predicted with the training throttled to
                 # peak_duty, as the guard throttles it when the peak comes; the load of
                 # now, with the SLO margin, at the speed reached in error_quantile of
-                # predictions like this one, with the training at full speed.
+                # predictions like this one, with the training at its present duty.
                 rel = max(j.shape.curve.relative(s), 1e-9)
                 queueing = P99_FACTOR / j.shape.slo_s if j.shape.slo_s else 0.0
                 peak = j.shape.service_rate(s) * mid / rel - queueing
@@ -346,7 +346,7 @@ class Planner:
                         f"its SLO with training throttled to duty {p.peak_duty:g}"
                         if peak < j.peak_load
                         else f"{j.job_id} would not hold its load of now {j.load:g}/s "
-                        f"+ {p.slo_margin:.0%} within its SLO beside training at full speed"
+                        f"+ {p.slo_margin:.0%} within its SLO beside the training"
                     )
                     return _Eval(False, 0.0, 0.0, why, "service SLO")
             elif sp < floor:
