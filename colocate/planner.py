@@ -4,7 +4,9 @@ One pass:
 
 1. Memory first. Each GPU holds ``total * (1 - headroom)`` at most. A GPU whose observed
    use already crosses that line loses its newest training job (evicted, with the reason)
-   before anything else is decided.
+   before anything else is decided, as long as another job is left there to protect (a job
+   alone may fill its GPU). Memory NVML shows in use beyond the jobs' own (processes of no
+   job gpud knows, MPS servers, an evicted job still leaving) is held as it is.
 2. Options. For every pending job and every GPU: the configurations its shape allows, each
    scored by the predicted gain in normalized progress -- its own predicted speed (shape x
    interference predictor against the residents) minus the speed the residents would lose.
@@ -83,6 +85,9 @@ class GpuView:
     memory_total: int
     memory_used: int = 0
     mig_options: tuple[MigOption, ...] = ()
+    # Compute processes of no job gpud knows: their footprint (None: there are none). The
+    # planner predicts every job's speed beside it and never calls the GPU free.
+    foreign: JobFeatures | None = None
 
 
 @dataclass
@@ -253,10 +258,12 @@ class Planner:
         *,
         bound: bool = False,
         training_duty: float | None = None,
+        foreign: JobFeatures | None = None,
     ) -> list[float]:
         """Predicted speed (over alone, full GPU) of each member of a GPU's set; with
         ``bound``, the speed it reaches in ``error_quantile`` of predictions like it; with
-        ``training_duty``, with the training members throttled to at most that duty."""
+        ``training_duty``, with the training members throttled to at most that duty;
+        ``foreign``: the footprint of the GPU's processes of no known job, beside them all."""
         feats = [
             j.footprint(s, None)
             if training_duty is None or j.kind is not JobKind.TRAINING
@@ -270,6 +277,8 @@ class Planner:
                 out.append(rel)
                 continue
             others = [f for k, f in enumerate(feats) if k != i and members[k][2] is None]
+            if foreign is not None:
+                others.append(foreign)
             if bound:
                 sp = self.predictor.speed_bound(feats[i], others, self.params.error_quantile)
             else:
@@ -280,7 +289,7 @@ class Planner:
     def _evaluate(self, gpu: _Gpu, job: JobView, share: float, mig: str | None) -> _Eval:
         p = self.params
         limit = int(gpu.view.memory_total * (1.0 - p.memory_headroom))
-        need = job.shape.reserve_bytes()
+        need = self._memory_need(gpu, job, mig)
         if gpu.reserved + need > limit:
             return _Eval(
                 False,
@@ -316,19 +325,20 @@ class Planner:
                 "share would cut into an inference service's share",
                 "service share",
             )
-        before = self._speeds(gpu.residents)
+        foreign = gpu.view.foreign
+        before = self._speeds(gpu.residents, foreign=foreign)
         members = [*gpu.residents, (job, share, mig)]
-        after = self._speeds(members)
-        low = self._speeds(members, bound=True)
+        after = self._speeds(members, foreign=foreign)
+        low = self._speeds(members, bound=True, foreign=foreign)
         throttled = (
-            self._speeds(members, training_duty=p.peak_duty)
+            self._speeds(members, training_duty=p.peak_duty, foreign=foreign)
             if len(members) > 1 and any(j.kind is JobKind.INFERENCE for j, _, _ in members)
             else after
         )
         floor = 1.0 / p.max_slowdown
         for (j, s, _), sp, mid in zip(members, low, throttled, strict=True):
             if j.kind is JobKind.INFERENCE:
-                if len(members) == 1 or mig is not None or s_mig(j, members):
+                if (len(members) == 1 and foreign is None) or mig is not None or s_mig(j, members):
                     continue  # alone or isolated: as good as this GPU gets
                 # Interference only (the share is the service's own choice); the SLO's
                 # queueing term is not scaled. The declared peak (diurnal peak times a burst)
@@ -382,6 +392,9 @@ class Planner:
             g = state[j.gpu]
             g.residents.append((j, j.sm_share, j.mig_profile))
             g.reserved += j.shape.reserve_bytes()
+        for g in state.values():
+            # What NVML shows beyond the jobs' own use stays taken, whoever holds it.
+            g.reserved += max(0, g.view.memory_used - sum(j.memory_used for j, _, _ in g.residents))
 
         directives: list[Directive] = []
         evicted: set[str] = set()
@@ -393,6 +406,7 @@ class Planner:
             for h in state.values():
                 for gone in self._drop(h, job.job_id):
                     freed[h.view.index] = freed.get(h.view.index, 0) + gone.memory_used
+                    h.reserved += gone.memory_used  # held until the job has left
             evicted.add(job.job_id)
             directives.append(Directive(job.job_id, 0.0, True, reason))
 
@@ -407,7 +421,8 @@ class Planner:
                 (j for j, _, _ in g.residents if j.kind is JobKind.TRAINING),
                 key=lambda j: (-j.order, j.job_id),
             )
-            while used > limit and trainees:
+            # A job alone may fill its GPU: eviction protects the others, not the job.
+            while used > limit and trainees and len(g.residents) > 1:
                 victim = trainees.pop(0)
                 evict(
                     victim,
@@ -442,7 +457,7 @@ class Planner:
                             utility=ev.gain,
                             demand={
                                 "sm": job.footprint(share, 1.0).sm,
-                                "mem": job.shape.reserve_bytes() / g.view.memory_total,
+                                "mem": self._memory_need(g, job, mig) / g.view.memory_total,
                                 "bw": job.footprint(share, 1.0).mem_bw,
                             },
                             tag=(share, mig),
@@ -516,7 +531,10 @@ class Planner:
                         job_id=job.job_id,
                         gpu=o.gpu,
                         sm_share=share,
-                        memory_limit_bytes=job.shape.reserve_bytes(),
+                        memory_limit_bytes=min(
+                            job.shape.reserve_bytes(),
+                            int(g.view.memory_total * (1.0 - p.memory_headroom)),
+                        ),
                         predicted_speed=ev.speed,
                         reason=reason,
                         mig_profile=mig,
@@ -549,7 +567,8 @@ class Planner:
         # A job on several GPUs goes at the pace of its slowest.
         predicted: dict[str, float] = {}
         for g in state.values():
-            for (j, _, _), sp in zip(g.residents, self._speeds(g.residents), strict=True):
+            speeds = self._speeds(g.residents, foreign=g.view.foreign)
+            for (j, _, _), sp in zip(g.residents, speeds, strict=True):
                 predicted[j.job_id] = min(sp, predicted.get(j.job_id, sp))
         return Plan(
             placements=tuple(placements),
@@ -594,7 +613,25 @@ class Planner:
         g.reserved -= sum(j.shape.reserve_bytes() for j in gone)
         return gone
 
+    @staticmethod
+    def _memory_need(gpu: _Gpu, job: JobView, mig: str | None) -> int:
+        """The memory a job must find free: with its growth margin beside others; alone on
+        a GPU, only what it needs, as its growth can reach nobody else."""
+        if not gpu.residents and gpu.view.foreign is None and mig is None:
+            return job.shape.needed_bytes()
+        return job.shape.reserve_bytes()
+
     def _why_not(self, job: JobView, state: Mapping[int, _Gpu]) -> str:
+        need = job.shape.needed_bytes()
+        room = 1.0 - self.params.memory_headroom
+        largest = max((int(g.view.memory_total * room) for g in state.values()), default=0)
+        if need > largest:
+            # Waiting would not help: say so rather than list what is busy now.
+            return (
+                f"never fits on this node: needs {need >> 20} MiB, and no GPU holds more "
+                f"than {largest >> 20} MiB under the {self.params.memory_headroom:.0%} "
+                "memory headroom"
+            )
         reasons = []
         for g in state.values():
             share, mig = self._candidates(job, g)[0]
@@ -610,8 +647,13 @@ class Planner:
                 f"tight SLO ({job.shape.slo_s:g} s): MIG instance {mig} on GPU {g.view.index} "
                 "for hard isolation"
             )
-        if not g.residents:
+        if not g.residents and g.view.foreign is None:
             return f"GPU {g.view.index} is free: exclusive"
+        if not g.residents:
+            return (
+                f"GPU {g.view.index} holds no job but processes gpud does not know: predicted "
+                f"speed {ev.speed:.2f} beside them"
+            )
         names = ", ".join(j.job_id for j, _, _ in g.residents)
         return (
             f"shares GPU {g.view.index} with {names} at {share:.0%} SMs: predicted speed "

@@ -163,10 +163,14 @@ class Shape:
         )
 
     # -- memory -------------------------------------------------------------------------
+    def needed_bytes(self) -> int:
+        """Device memory the job needs: declared or seen, whichever is larger."""
+        return max(self.memory_bytes, self.observed_peak_bytes)
+
     def reserve_bytes(self) -> int:
-        """Device memory to hold for this job: declared or seen, whichever is larger, plus margin."""
-        base = max(self.memory_bytes, self.observed_peak_bytes)
-        return int(base * (1.0 + self.memory_margin))
+        """Device memory to hold for this job beside others: :meth:`needed_bytes` plus the
+        margin that keeps its growth from reaching them."""
+        return int(self.needed_bytes() * (1.0 + self.memory_margin))
 
     def observe_memory(self, used_bytes: int) -> None:
         self.observed_peak_bytes = max(self.observed_peak_bytes, used_bytes)

@@ -183,6 +183,7 @@ class Daemon:
             config.colocate,
             self.events,
             running=self._colo_running,
+            strangers=self._colo_strangers,
             clock=clock,
             state_file=state_dir / "colo.json",
         )
@@ -318,6 +319,15 @@ class Daemon:
                         pids=tuple(pids.get((r.job, device), ())),
                     )
                 )
+        return out
+
+    def _colo_strangers(self) -> dict[int, int]:
+        """Per GPU index: the compute processes of no job gpud knows (MPS servers aside)."""
+        servers = {pid for st in self.mps.last_status() for pid in st.servers}
+        out: dict[int, int] = {}
+        for u in self.jobs.process_uses():
+            if u.job is None and u.pid not in servers:
+                out[u.gpu] = out.get(u.gpu, 0) + 1
         return out
 
     def _registered_job(self, job: str) -> tuple[str, float | None] | None:

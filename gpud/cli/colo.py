@@ -134,7 +134,7 @@ def run_advise(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print_json(resp)
         return 0
     if resp.gpu < 0:
-        ctx.out.print(f"{args.job}: wait ({resp.reason})")
+        ctx.out.print(f"{args.job}: not placed now: {resp.reason}")
         return 0
     where = f"GPU {resp.gpu}" + (f" MIG {resp.mig_profile}" if resp.HasField("mig_profile") else "")
     ctx.out.print(

@@ -236,6 +236,7 @@ class ColoService:
         events: EventLog,
         *,
         running: Callable[[], Sequence[RunningJob]],
+        strangers: Callable[[], Mapping[int, int]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         host: HostUsage | None = None,
         state_file: Path | None = None,
@@ -244,9 +245,12 @@ class ColoService:
         host's ``/proc``). ``state_file``: where what the loop learned about running jobs
         (alone rates and footprints, guard and training duties) outlives the daemon, so that
         a restart neither forgets a shared job's alone rate nor lets throttled training run
-        at full duty until the guard cuts it again."""
+        at full duty until the guard cuts it again. ``strangers``: per GPU index, how many
+        compute processes NVML lists there that belong to no job (nor to an MPS server);
+        the planner predicts every job's speed beside them and never calls that GPU free."""
         self._events = events
         self._running = running
+        self._strangers = strangers if strangers is not None else dict
         self._host = host if host is not None else HostUsage(clock=clock)
         self._nvlink = NvlinkRates()
         self._clock = clock
@@ -814,6 +818,7 @@ class ColoService:
         ``whole_only``: leave out the GPUs in MIG mode (a job that needs a whole GPU's MPS
         share cannot go there)."""
         taken = {r.device for r in running}
+        strangers = self._strangers()
         views: list[GpuView] = []
         where: dict[tuple[int, str], str] = {}
         for g in snapshot.gpus:
@@ -835,8 +840,25 @@ class ColoService:
                 where[(index, ident.profile_name)] = ident.uuid
             if whole_only and mig_mode:
                 continue
+            foreign = None
+            if strangers.get(index, 0):
+                u = g.utilization
+                alone = not any(r.gpu == index for r in running)
+                # Alone there, NVML's utilization is theirs; beside jobs, assume the worst
+                # (as for a job never seen).
+                foreign = (
+                    JobFeatures(sm=u.gpu_ratio, mem_bw=u.memory_ratio)
+                    if alone and u is not None
+                    else PRIOR
+                )
             views.append(
-                GpuView(index, g.memory.total_bytes, g.memory.used_bytes, tuple(options.values()))
+                GpuView(
+                    index,
+                    g.memory.total_bytes,
+                    g.memory.used_bytes,
+                    tuple(options.values()),
+                    foreign=foreign,
+                )
             )
         return views, where
 

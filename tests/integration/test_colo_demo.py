@@ -229,3 +229,33 @@ def test_a_tight_slo_service_gets_a_mig_instance_from_gpuctl_run(
     assert listed["colo"]["guard"]["reason"] == "no training on its GPU"
     assert listed["reservations"][0]["devices"][0].startswith("MIG-")
     assert chat.poll() is None
+
+
+def test_processes_of_no_job_count_in_the_advice(node: tuple[RunningDaemon, Jobs]) -> None:
+    """Another user's process (a simulated workload behind a PID no job claims) holds 40 GiB
+    and half the SMs of each GPU: no GPU is called free, the advice predicts the slowdown
+    beside it, and a job that would not fit beside its memory is not placed."""
+    daemon, _ = node
+    strangers = [subprocess.Popen(["sleep", "300"]) for _ in range(2)]
+    try:
+        for gpu, proc in enumerate(strangers):
+            daemon.gpuctl(
+                "sim", "workload", "start", "--gpu", str(gpu), "--pid", str(proc.pid),
+                "--memory", "40GiB", "--sm", "0.5",
+            )  # fmt: skip
+
+        def advice(memory: str) -> dict[str, object]:
+            out = daemon.gpuctl("--json", "colo", "advise", "x", "--memory", memory).stdout
+            data: dict[str, object] = json.loads(out)
+            return data
+
+        wait_for(lambda: "does not know" in str(advice("30GiB").get("reason")))
+        fits = advice("30GiB")
+        assert float(fits["predicted_speed"]) < 0.9, fits  # type: ignore[arg-type]
+        too_big = advice("50GiB")
+        assert too_big["gpu"] == -1 and "memory" in str(too_big["reason"]), too_big
+    finally:
+        for proc in strangers:
+            daemon.gpuctl("sim", "workload", "stop", "--pid", str(proc.pid), check=False)
+            proc.kill()
+            proc.wait()

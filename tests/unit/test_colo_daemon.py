@@ -1150,3 +1150,40 @@ def test_a_service_on_two_gpus_is_guarded_once_a_tick_on_both(tmp_path: Path) ->
     svc.tick(snapshot())
     assert (svc.duty("a"), svc.duty("b")) == (0.5, 0.5)
     assert svc.show().guards[0].duty == 0.5
+
+
+def test_processes_of_no_job_keep_their_memory_and_their_gpu_is_not_free(
+    tmp_path: Path,
+) -> None:
+    """GPU 0 holds 40 GiB of another user's process, GPU 1 nothing: a new job goes to GPU
+    1; with GPU 1 taken too, it goes beside the stranger (predicted slower), and one that
+    would not fit beside its memory waits."""
+    strangers = {0: 1}
+    running: list[RunningJob] = []
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: running,
+        strangers=lambda: strangers,
+        clock=Clock(),
+    )
+    snap = snapshot(2, used_gib=0)
+    busy = snap.gpus[0]._replace(memory=MemoryInfo(80 * GIB, 40 * GIB, 40 * GIB))
+    snap = Snapshot(0.0, 0.0, (busy, snap.gpus[1]), 0.01)
+    first = svc.advise("a", memory_bytes=20 * GIB, snapshot=snap)
+    assert first.gpu == 1 and "free" in first.reason
+    strangers[1] = 2
+    beside = svc.advise("a", memory_bytes=20 * GIB, snapshot=snap)
+    assert beside.predicted_speed < 1.0 and "does not know" in beside.reason
+    big = svc.advise("b", memory_bytes=60 * GIB, snapshot=snap)
+    assert big.gpu == 1  # GPU 0's stranger holds 40 GiB of its 80
+    strangers[1] = 0
+    running.append(RunningJob("c", "training", 1, memory_bytes=60 * GIB, memory_used=60 * GIB))
+    snap = Snapshot(
+        0.0,
+        0.0,
+        (busy, snap.gpus[1]._replace(memory=MemoryInfo(80 * GIB, 60 * GIB, 20 * GIB))),
+        0.01,
+    )
+    waits = svc.advise("b", memory_bytes=60 * GIB, snapshot=snap)
+    assert waits.gpu == -1 and "GPU 0: memory" in waits.reason

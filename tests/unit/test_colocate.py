@@ -325,6 +325,55 @@ def test_light_jobs_share_and_heavy_ones_wait() -> None:
     assert not heavy.placements and "b" in heavy.waiting
 
 
+def test_a_job_larger_than_every_gpu_is_told_it_never_fits() -> None:
+    plan = Planner(InterferencePredictor()).plan(gpus(2), [training("big", mem_gib=100)])
+    why = plan.waiting["big"]
+    assert why.startswith("never fits on this node")
+    assert f"{100 * 1024} MiB" in why and f"{int(80 * 0.95 * 1024)} MiB" in why
+    busy = Planner(InterferencePredictor()).plan(
+        gpus(1), [training("a", sm=0.95, bw=0.9, gpu=0), training("b", sm=0.95, bw=0.9, order=1)]
+    )
+    assert "never fits" not in busy.waiting["b"]
+
+
+def test_a_job_alone_may_fill_its_gpu() -> None:
+    """The growth margin keeps a job's growth from its neighbours: alone, a job needs only
+    its memory, and using all of it gets it no eviction."""
+    planner = Planner(InterferencePredictor())
+    plan = planner.plan(
+        gpus(2), [training("a", gpu=0, mem_gib=70, used_gib=78), training("b", mem_gib=70)]
+    )
+    assert not any(d.evict for d in plan.directives)
+    (p,) = plan.placements
+    assert p.gpu == 1 and p.memory_limit_bytes == int(80 * GIB * 0.95)
+    crowded = planner.plan(gpus(1), [training("a", gpu=0, mem_gib=10), training("b", mem_gib=70)])
+    assert not crowded.placements and "memory" in crowded.waiting["b"]
+
+
+def test_memory_of_processes_no_job_owns_is_held() -> None:
+    """NVML's use beyond the jobs' own (another user's process, an MPS server) is taken."""
+    planner = Planner(InterferencePredictor())
+    view = [GpuView(index=0, memory_total=80 * GIB, memory_used=70 * GIB)]
+    plan = planner.plan(view, [training("b", mem_gib=10)])
+    assert not plan.placements and "memory" in plan.waiting["b"]
+    jobs = [training("a", gpu=0, used_gib=60), training("b", mem_gib=10, order=1)]
+    shared = planner.plan([GpuView(index=0, memory_total=80 * GIB, memory_used=60 * GIB)], jobs)
+    assert [p.job_id for p in shared.placements] == ["b"]
+
+
+def test_a_gpu_with_processes_of_no_job_is_not_free() -> None:
+    planner = Planner(InterferencePredictor())
+    heavy = JobFeatures(sm=0.8, mem_bw=0.6)
+    view = [GpuView(index=0, memory_total=80 * GIB, foreign=heavy)]
+    (p,) = planner.plan(view, [training("b")]).placements
+    assert "processes gpud does not know" in p.reason and p.predicted_speed < 1.0
+    (free,) = planner.plan(gpus(1), [training("b")]).placements
+    assert "free" in free.reason and free.predicted_speed == pytest.approx(1.0)
+    two = [GpuView(index=0, memory_total=80 * GIB, foreign=heavy), *gpus(2)[1:]]
+    (p,) = planner.plan(two, [training("b")]).placements
+    assert p.gpu == 1  # the free GPU first
+
+
 def test_memory_over_limit_evicts_newest_training() -> None:
     planner = Planner(InterferencePredictor())
     jobs = [
@@ -491,10 +540,16 @@ def test_plan_never_overcommits_memory(
     plan = planner.plan(views, jobs)
     by_id = {j.job_id: j for j in jobs}
     total = dict(reserved)
+    members = {g: [j for j in jobs if j.gpu == g] for g in range(4)}
     for p in plan.placements:
         total[p.gpu] += by_id[p.job_id].shape.reserve_bytes()
+        members[p.gpu].append(by_id[p.job_id])
     for g in range(4):
-        assert total[g] <= int(80 * GIB * (1 - headroom))
+        limit = int(80 * GIB * (1 - headroom))
+        if len(members[g]) == 1:  # alone, a job needs no room for its growth
+            assert members[g][0].shape.needed_bytes() <= limit
+        else:
+            assert total[g] <= limit
         assert plan.memory_reserved[g] == total[g]
     assert {p.job_id for p in plan.placements}.isdisjoint(plan.waiting)
 
@@ -514,10 +569,12 @@ def test_a_job_on_two_gpus_is_directed_once_at_the_pace_of_its_slower_gpu() -> N
     assert (d.job_id, d.duty, d.evict) == ("t", 0.25, False)
     assert "GPU 0" in d.reason
     assert plan.predicted_speed["t"] < 1.0  # GPU 0's, next to the service; GPU 1's is 1.0
+    older = training("u", gpu=1, order=-1, used_gib=10)
     for evicting in (
         planner.plan(gpus(2), jobs(), guard_evict={0: "SLO cannot be held"}),
-        planner.plan(gpus(2), jobs(used_gib=79)),  # GPU 1's memory over its limit
+        # GPU 1's memory over its limit, with an older job there to protect
+        planner.plan(gpus(2), [*jobs(used_gib=70), older]),
     ):
-        (d,) = evicting.directives
-        assert d.job_id == "t" and d.evict
+        (d,) = [d for d in evicting.directives if d.job_id == "t"]
+        assert d.evict
         assert "t" not in evicting.predicted_speed
