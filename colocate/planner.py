@@ -112,6 +112,7 @@ class JobView:
     load: float = 0.0
     peak_load: float = 0.0
     order: float = 0.0  # arrival order (smaller first)
+    device: str = ""  # the GPU or MIG device UUID it runs on ("" when not known)
 
     @property
     def kind(self) -> JobKind:
@@ -431,8 +432,12 @@ class Planner:
                 )
                 used -= victim.memory_used
             if guard_evict and g.view.index in guard_evict:
-                for j, _, _ in list(g.residents):
-                    if j.kind is JobKind.TRAINING and j.job_id not in evicted:
+                for j, _, mig in list(g.residents):
+                    if (
+                        j.kind is JobKind.TRAINING
+                        and j.job_id not in evicted
+                        and _beside_service(g, j, mig)
+                    ):
                         evict(j, guard_evict[g.view.index])
 
         # 2. options per pending job.
@@ -550,10 +555,12 @@ class Planner:
         duty = guard_duty or {}
         told: dict[str, Directive] = {}
         for g in state.values():
-            d = duty.get(g.view.index, 1.0)
-            for j, _, _ in g.residents:
+            for j, _, mig in g.residents:
                 if j.kind is not JobKind.TRAINING or j.gpu is None:
                     continue
+                # A guard acts on the training that shares its service's SMs: not on a job
+                # in another MIG instance, which its service cannot feel.
+                d = duty.get(g.view.index, 1.0) if _beside_service(g, j, mig) else 1.0
                 before = told.get(j.job_id)
                 if before is None or d < before.duty:
                     why = (
@@ -659,6 +666,16 @@ class Planner:
             f"shares GPU {g.view.index} with {names} at {share:.0%} SMs: predicted speed "
             f"{ev.speed:.2f}, net gain {ev.gain:.2f}"
         )
+
+
+def _beside_service(g: _Gpu, job: JobView, mig: str | None) -> bool:
+    """Whether ``job`` shares SMs with an inference service on ``g``: both on the whole
+    GPU's SMs, or in the same MIG device."""
+    return any(
+        o.kind is JobKind.INFERENCE
+        and ((m is None and mig is None) or (bool(job.device) and o.device == job.device))
+        for o, _, m in g.residents
+    )
 
 
 def s_mig(job: JobView, members: Sequence[tuple[JobView, float, str | None]]) -> bool:

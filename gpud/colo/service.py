@@ -807,6 +807,7 @@ class ColoService:
             load=load,
             peak_load=max(r.peak_load, load),
             duty=self._directives.get(r.name, Directive(1.0, False, "")).duty,
+            device=r.device,
         )
 
     def _gpu_views(

@@ -554,6 +554,25 @@ def test_plan_never_overcommits_memory(
     assert {p.job_id for p in plan.placements}.isdisjoint(plan.waiting)
 
 
+def test_a_guard_acts_only_on_training_in_its_services_mig_instance() -> None:
+    """A service and a training job share MIG instance A; another training job runs in
+    instance B of the same GPU, which the service cannot feel: the guard's duty and its
+    eviction reach the first only."""
+    planner = Planner(InterferencePredictor())
+    svc = inference("svc", slo_s=0.2, peak=50.0, gpu=0)
+    svc.mig_profile, svc.device = "3g.40gb", "MIG-a"
+    near = training("near", gpu=0)
+    near.mig_profile, near.device = "3g.40gb", "MIG-a"
+    far = training("far", gpu=0)
+    far.mig_profile, far.device = "3g.40gb", "MIG-b"
+    jobs = [svc, near, far]
+    plan = planner.plan(gpus(1), jobs, guard_duty={0: 0.25})
+    duties = {d.job_id: d.duty for d in plan.directives}
+    assert duties == {"near": 0.25, "far": 1.0}
+    plan = planner.plan(gpus(1), jobs, guard_evict={0: "SLO cannot be held"})
+    assert {d.job_id for d in plan.directives if d.evict} == {"near"}
+
+
 def test_a_job_on_two_gpus_is_directed_once_at_the_pace_of_its_slower_gpu() -> None:
     """A training job holding GPUs 0 and 1 is a view on each; a service shares GPU 0. It
     runs at the pace of its slower GPU, so the guard on GPU 0 sets its duty whatever GPU 1
