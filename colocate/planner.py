@@ -629,6 +629,8 @@ class Planner:
         return job.shape.reserve_bytes()
 
     def _why_not(self, job: JobView, state: Mapping[int, _Gpu]) -> str:
+        if not state:
+            return "no GPU to place it on (none is healthy)"
         need = job.shape.needed_bytes()
         room = 1.0 - self.params.memory_headroom
         largest = max((int(g.view.memory_total * room) for g in state.values()), default=0)

@@ -30,7 +30,16 @@ from pathlib import Path
 from gpud.admission.classes import ClassView, class_views
 from gpud.admission.estimate import Record, littles_residual
 from gpud.admission.feasibility import classify, resolve_configs
-from gpud.admission.model import Demand, Device, FitCheck, Holding, Request, Unfeasible, Vec
+from gpud.admission.model import (
+    THREADS_CAPACITY,
+    Demand,
+    Device,
+    FitCheck,
+    Holding,
+    Request,
+    Unfeasible,
+    Vec,
+)
 from gpud.admission.node import from_targets
 from gpud.admission.placement_fit import PlacementFit
 from gpud.admission.queue import Queued, admission_pass
@@ -231,7 +240,14 @@ class AdmissionService:
         return verdict
 
     def holdings(self) -> list[Holding]:
+        """What the reservations hold, and the whole of every unhealthy GPU's devices: a
+        queued job waits for the GPU to answer again rather than start on it."""
         out = []
+        sick = self._jobs.unhealthy()
+        for t in self._mps.targets():
+            if t.gpu in sick:
+                full = Vec(t.memory_total_bytes, THREADS_CAPACITY)
+                out.append(Holding(f"unhealthy:{t.uuid}", (t.uuid,), full))
         for r in self._jobs.reservations.held():
             memory = r.memory_bytes
             if memory is None and r.devices:
@@ -477,7 +493,7 @@ class AdmissionService:
             )
         # Nothing queued: the reservation's own placement names the numbers, if it refuses.
         choose_devices(
-            spec, self._mps.targets(), self._jobs.loads(), memory_bytes=spec.memory_bytes
+            spec, self._jobs.healthy_targets(), self._jobs.loads(), memory_bytes=spec.memory_bytes
         )
         raise ResourceExhausted(
             f"job {spec.name!r} asks {request.per_device.threads}% of its devices' threads:"

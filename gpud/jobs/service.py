@@ -13,13 +13,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gpud.errors import FailedPrecondition, InvalidArgument, Unavailable
+from gpud.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from gpud.events import EventLog
 from gpud.jobs.attribution import Attributor, ProcessUse, memory_by_job
 from gpud.jobs.env import build_env
 from gpud.jobs.placement import DeviceLoad, Reservation, Reservations, choose_devices
 from gpud.jobs.registry import JobKind, JobRegistry, JobSpec, validate_spec
-from gpud.mps.manager import MpsManager
+from gpud.mps.manager import MpsManager, MpsTarget
 from gpud.store import StateStore
 from gpud.telemetry.snapshot import Snapshot
 
@@ -83,6 +83,7 @@ class JobService:
         )
         self._lock = threading.RLock()  # placement is check-then-insert
         self._uses: list[ProcessUse] = []
+        self._unhealthy: dict[int, str] = {}  # GPU index -> why, as of the last tick
         self._observers: list[ReservationObserver] = []
         self.gate: Gate | None = None
         self._tag_of: Callable[[str], int | None] | None = None
@@ -188,12 +189,13 @@ class JobService:
         with self._lock:
             job, created = self.job_for(request, preview=preview)
             effective = _override(job, request)
+            self._refuse_unhealthy(effective)
             placed = effective
             if self.gate is not None and not preview and not admitted:
                 where = self.gate(effective)
                 if where is not None:
                     effective = replace(effective, devices=where, mig_profile=None, gpu_count=None)
-            devices = self._mps.targets()
+            devices = self.healthy_targets()
             if not devices:
                 raise Unavailable("no GPU seen yet: the daemon is starting, retry shortly")
             chosen = choose_devices(
@@ -229,6 +231,37 @@ class JobService:
                     holder_pid=request.holder_pid,
                 )
         return Launch(job, reservation, self.env_for(reservation), created)
+
+    def unhealthy(self) -> dict[int, str]:
+        """GPU index -> why it is unhealthy (lost, not answering, a critical Xid), as of
+        the last tick: no job is placed there."""
+        with self._lock:
+            return dict(self._unhealthy)
+
+    def healthy_targets(self) -> list[MpsTarget]:
+        """The devices a job may be placed on: every MPS target but those of unhealthy GPUs
+        (all of them while none is known, so that the daemon's first second places jobs)."""
+        targets = self._mps.targets()
+        sick = self.unhealthy()
+        return [t for t in targets if t.gpu not in sick]
+
+    def _refuse_unhealthy(self, spec: JobSpec) -> None:
+        """A job pinned to an unhealthy GPU's device is refused at once; one that names no
+        device waits (``ResourceExhausted``) while no healthy GPU is left."""
+        sick = self.unhealthy()
+        if not sick:
+            return
+        targets = {t.uuid: t for t in self._mps.targets()}
+        for uuid in spec.devices or ():
+            t = targets.get(uuid)
+            if t is not None and t.gpu in sick:
+                raise FailedPrecondition(
+                    f"job {spec.name!r}: {uuid} is on GPU {t.gpu}, which is unhealthy: "
+                    f"{sick[t.gpu]}"
+                )
+        if not spec.devices and targets and all(t.gpu in sick for t in targets.values()):
+            why = "; ".join(f"GPU {i}: {r}" for i, r in sorted(sick.items())[:4])
+            raise ResourceExhausted(f"job {spec.name!r}: no healthy GPU on this node now ({why})")
 
     def env_for(self, reservation: Reservation) -> dict[str, str]:
         pipes = {uuid: self._mps.pipe_dir(uuid) for uuid in reservation.devices}
@@ -274,6 +307,11 @@ class JobService:
             uses = self._attributor.attribute(snapshot)
             with self._lock:
                 self._uses = uses
+                self._unhealthy = {
+                    g.identity.index: g.reason or "unhealthy"
+                    for g in snapshot.gpus
+                    if not g.healthy
+                }
 
     def process_uses(self) -> list[ProcessUse]:
         """The latest tick's GPU processes with their jobs."""

@@ -145,3 +145,21 @@ def test_with_admission_off_reservations_work_as_before(node: Node) -> None:
         node.admission.enqueue(whole("b"))
     with pytest.raises(ResourceExhausted, match="reserved by a"):
         node.jobs.reserve(whole("c"))  # the reservation's own refusal, with the numbers
+
+
+def test_a_queued_job_waits_for_an_unhealthy_gpu_to_answer(node: Node) -> None:
+    """GPU 0 holds a job; GPU 1 is lost: the queued job does not start on it, nor does a
+    new one, and it starts once the GPU answers again."""
+    a = node.jobs.reserve(whole("a")).reservation
+    lost = gpu_sample(1)._replace(healthy=False, reason="GPU lost (memory)")
+    node.jobs.tick(snapshot(gpu_sample(0), lost))
+    with pytest.raises(ResourceExhausted):
+        node.jobs.reserve(whole("b"))
+    entry = node.admission.enqueue(whole("b"))
+    node.admission.tick()
+    assert node.admission.view(entry.entry.id).entry.state == QUEUED
+    node.jobs.tick(snapshot(gpu_sample(0), gpu_sample(1)))
+    node.admission.tick()
+    started = node.admission.view(entry.entry.id)
+    assert started.entry.state == STARTED and started.reservation is not None
+    assert started.reservation.devices != a.devices

@@ -334,6 +334,8 @@ def test_a_job_larger_than_every_gpu_is_told_it_never_fits() -> None:
         gpus(1), [training("a", sm=0.95, bw=0.9, gpu=0), training("b", sm=0.95, bw=0.9, order=1)]
     )
     assert "never fits" not in busy.waiting["b"]
+    nowhere = Planner(InterferencePredictor()).plan([], [training("b")])
+    assert nowhere.waiting["b"] == "no GPU to place it on (none is healthy)"
 
 
 def test_a_job_alone_may_fill_its_gpu() -> None:

@@ -375,3 +375,21 @@ def test_devices_are_named_by_index_as_gpuctl_mps_takes_them(service: JobService
     assert service.add(JobSpec("pinned", devices=("2",))).devices == (gpu_uuid(2),)
     with pytest.raises(NotFound, match=r"no GPU or MIG device '9' \(known: 0:0"):
         service.reserve(RunRequest("nowhere", devices=("9",)))
+
+
+def test_no_job_is_placed_on_an_unhealthy_gpu(service: JobService) -> None:
+    """GPU 1 is lost: a job that names no device goes elsewhere; one pinned there is refused
+    at once, naming the GPU and why; with no healthy GPU left, a job waits."""
+    lost = gpu_sample(1, memory_gib=80)._replace(healthy=False, reason="GPU lost (memory)")
+    service.tick(snapshot(NODE.gpus[0], lost, NODE.gpus[2]))
+    assert service.unhealthy() == {1: "GPU lost (memory)"}
+    launch = service.reserve(RunRequest("a"))
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(2)
+    with pytest.raises(FailedPrecondition, match=r"on GPU 1, which is unhealthy: GPU lost"):
+        service.reserve(RunRequest("b", devices=(gpu_uuid(1),)))
+    sick = [g._replace(healthy=False, reason="driver call timed out") for g in NODE.gpus]
+    service.tick(snapshot(*sick))
+    with pytest.raises(ResourceExhausted, match="no healthy GPU on this node now"):
+        service.reserve(RunRequest("c"))
+    service.tick(NODE)  # they answer again
+    assert service.reserve(RunRequest("c")).env["CUDA_VISIBLE_DEVICES"]
