@@ -981,9 +981,21 @@ class ColoService:
         with self._lock:
             guards = []
             for name, g in sorted(self._guards.items()):
-                r = next((x for x in self._last_running if x.name == name), None)
-                if r is None:
+                views = [x for x in self._last_running if x.name == name]
+                if not views:
                     continue  # its reservation is gone
+                # A service on several GPUs is shown where something bears on its guard: a
+                # faulty GPU (paused), else one with training beside it, else its first.
+                r = min(
+                    views,
+                    key=lambda x: (
+                        x.gpu not in self._faulty,
+                        not any(
+                            o.kind == "training" and o.gpu == x.gpu and _shares_device(o, x)
+                            for o in self._last_running
+                        ),
+                    ),
+                )
                 st = self._jobs.get(name, _JobState())
                 p99 = self.p99(name)
                 action = g.last.action.value if g.last else "hold"

@@ -1187,3 +1187,18 @@ def test_processes_of_no_job_keep_their_memory_and_their_gpu_is_not_free(
     )
     waits = svc.advise("b", memory_bytes=60 * GIB, snapshot=snap)
     assert waits.gpu == -1 and "GPU 0: memory" in waits.reason
+
+
+def test_a_service_on_two_gpus_shows_its_guard_where_the_training_is(tmp_path: Path) -> None:
+    running = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
+        RunningJob("chat", "inference", 1, slo_p99_ms=100.0, memory_bytes=20 * GIB),
+        RunningJob("train", "training", 1, threads_percent=50, memory_bytes=10 * GIB),
+    ]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: running, clock=Clock()
+    )
+    svc.report_latency("chat", [0.05] * 100)
+    svc.tick(snapshot())
+    (guard,) = svc.show().guards
+    assert guard.job == "chat" and guard.gpu == 1
