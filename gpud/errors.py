@@ -46,6 +46,10 @@ class ConfigError(GpudError):
         self.key = key
 
 
+class StateError(GpudError):
+    """The daemon's state database cannot be opened or is damaged; the message names it."""
+
+
 class InvalidArgument(GpudError):
     """A request field is wrong. ``field`` names it."""
 

@@ -124,15 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     except GpudError as err:
         print(f"gpud: cannot open the GPU backend: {err}", file=sys.stderr)
         return 1
-    daemon = Daemon(
-        cfg,
-        backend=backend,
-        sim=sim,
-        mps_control_command=mps_control_command(cfg),
-        notifier=Notifier.from_environ(os.environ),
-        reload_config=lambda: load_config(args),
-    )
     try:
+        daemon = Daemon(
+            cfg,
+            backend=backend,
+            sim=sim,
+            mps_control_command=mps_control_command(cfg),
+            notifier=Notifier.from_environ(os.environ),
+            reload_config=lambda: load_config(args),
+        )
         return asyncio.run(daemon.run())
     except GpudError as err:
         print(f"gpud: {err}", file=sys.stderr)

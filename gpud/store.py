@@ -14,7 +14,17 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from gpud.errors import StateError
+
 DB_NAME = "state.db"
+
+
+def _unreadable(path: Path, why: str) -> str:
+    return (
+        f"state database {path} is unreadable ({why}): restore it from a backup, or move it "
+        "aside to start afresh (the job registry, reservations, admission queue and desired "
+        "MIG layouts and MPS limits in it are then forgotten; what runs on the GPUs stays)"
+    )
 
 
 class StateStore:
@@ -25,16 +35,30 @@ class StateStore:
     """
 
     def __init__(self, state_dir: Path) -> None:
-        state_dir.mkdir(parents=True, exist_ok=True)
+        """Raises :class:`StateError`, naming the file, when it cannot be opened or
+        ``PRAGMA quick_check`` finds it damaged: nothing in it is thrown away unasked."""
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise StateError(f"state directory {state_dir}: {err.strerror or err}") from None
         self.path = state_dir / DB_NAME
         self._lock = threading.RLock()
-        self._conn = sqlite3.connect(
-            self.path, isolation_level=None, check_same_thread=False, timeout=30.0
-        )
-        self._conn.row_factory = sqlite3.Row
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.execute("PRAGMA foreign_keys=ON")
+        try:
+            self._conn = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False, timeout=30.0
+            )
+            self._conn.row_factory = sqlite3.Row
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=FULL")
+            self._conn.execute("PRAGMA foreign_keys=ON")
+            damage = [
+                " ".join(str(row[0]).split()) for row in self._conn.execute("PRAGMA quick_check(5)")
+            ]
+        except sqlite3.Error as err:
+            raise StateError(_unreadable(self.path, str(err))) from None
+        if damage != ["ok"]:
+            self._conn.close()
+            raise StateError(_unreadable(self.path, "; ".join(damage)))
 
     def ensure_schema(self, statements: Sequence[str]) -> None:
         """Run ``CREATE ... IF NOT EXISTS`` statements in one transaction."""

@@ -1,0 +1,59 @@
+"""The state database: a damaged or unreadable file stops the daemon with its name."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gpud.errors import StateError
+from gpud.main import main
+from gpud.store import DB_NAME, StateStore
+from tests.unit.api_support import short_dir
+
+
+def fill(state: Path) -> int:
+    store = StateStore(state)
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
+    with store.transaction() as conn:
+        conn.executemany("INSERT INTO t (v) VALUES (?)", [("x" * 200,) for _ in range(500)])
+    store.close()
+    (state / f"{DB_NAME}-wal").unlink(missing_ok=True)
+    return (state / DB_NAME).stat().st_size
+
+
+def test_a_healthy_database_opens_again(tmp_path: Path) -> None:
+    fill(tmp_path)
+    with StateStore(tmp_path).transaction() as conn:
+        assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 500
+
+
+def test_a_damaged_header_names_the_file(tmp_path: Path) -> None:
+    fill(tmp_path)
+    with (tmp_path / DB_NAME).open("r+b") as f:
+        f.write(b"not a database at all" * 10)
+    with pytest.raises(StateError, match=rf"{tmp_path / DB_NAME} is unreadable .*move it aside"):
+        StateStore(tmp_path)
+
+
+def test_a_damaged_page_is_found_at_start(tmp_path: Path) -> None:
+    size = fill(tmp_path)
+    with (tmp_path / DB_NAME).open("r+b") as f:
+        f.seek(size // 2)
+        f.write(os.urandom(4096))
+    with pytest.raises(StateError, match="is unreadable"):
+        StateStore(tmp_path)
+
+
+def test_the_daemon_stops_with_the_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / DB_NAME).write_bytes(b"garbage" * 1000)
+    with short_dir() as run:
+        args = ["--simulate", "--state-dir", str(state), "--run-dir", str(run)]
+        args += ["--socket", str(run / "gpud.sock"), "--metrics-address", "127.0.0.1:0"]
+        assert main(args) == 1
+    assert f"gpud: state database {state / DB_NAME} is unreadable" in capsys.readouterr().err
