@@ -165,7 +165,7 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
         if err.exit_code != EXIT_TAKEN or args.no_wait:
             raise
         try:
-            entry = wait_in_queue(ctx, reserve_request(args))
+            entry = wait_in_queue(ctx, reserve_request(args), why=str(err))
         except CliError as queue_err:
             if str(queue_err).startswith("UNIMPLEMENTED") or QUEUE_OFF in str(queue_err):
                 raise err from None  # a gpud without an admission queue, or with it off
@@ -204,9 +204,12 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
             print(f"gpuctl: could not release reservation {reservation}: {err}", file=sys.stderr)
 
 
-def wait_in_queue(ctx: Context, request: pb.ReserveRequest) -> queue_pb2.QueueEntry | None:
+def wait_in_queue(
+    ctx: Context, request: pb.ReserveRequest, *, why: str = ""
+) -> queue_pb2.QueueEntry | None:
     """Queue ``request`` and poll until it starts (its entry, with reservation and env);
-    None when Ctrl-C (or SIGTERM, SIGHUP) took it out of the queue.
+    None when Ctrl-C (or SIGTERM, SIGHUP) took it out of the queue. ``why``: why it could
+    not start at once, said once when it joins the queue.
 
     The signals only set a flag while waiting: raised inside a gRPC call, KeyboardInterrupt
     could leave the channel unusable for the Leave call that follows."""
@@ -214,6 +217,8 @@ def wait_in_queue(ctx: Context, request: pb.ReserveRequest) -> queue_pb2.QueueEn
 
     queue = ctx.stub(queue_pb2_grpc.QueueStub)
     entry: queue_pb2.QueueEntry = ctx.call(queue.Enqueue, queue_pb2.EnqueueRequest(request=request))
+    if why and entry.state == queue_pb2.ENTRY_STATE_QUEUED:
+        print(f"gpuctl: cannot start now: {why}", file=sys.stderr, flush=True)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -58,6 +58,8 @@ def test_second_job_waits_with_a_quote_and_survives_a_restart(tmp_path: Path) ->
                 [*gpuctl, "run", "--job", "b", *WHOLE, "--", "touch", str(ran)], stderr=second_log
             )
         wait_for(lambda: [e["job"] for e in queue(daemon)] == ["b"])
+        # it says why it queued: the numbers of the device it waits for
+        wait_for(lambda: "cannot start now: job 'b' asks 60GiB" in (tmp_path / "b.err").read_text())
         (entry,) = queue(daemon)
         assert entry["position"] == 1
         assert entry["quote_seconds"] > 0  # type: ignore[operator]
