@@ -7,6 +7,10 @@
                                                       GPU / MIG device (from NVML + attribution)
     gpud_job_gpu_processes{job,uuid}                  the job's processes per device
     gpud_device_reserved_memory_bytes{uuid}           MPS memory limits reserved on a device
+    gpud_device_unattributed_processes{uuid}          processes of no job per device (another
+                                                      user's, an MPS server): co-location
+                                                      plans around them
+    gpud_device_unattributed_memory_bytes{uuid}       their GPU memory, where NVML reports it
 
 Attribution is computed on the daemon's tick (:meth:`JobService.tick`), not at scrape time.
 """
@@ -53,9 +57,16 @@ class JobMetrics:
             labels=("job", "uuid"),
         )
         per_device: dict[tuple[str, str], int] = {}
+        strangers: dict[str, int] = {}
+        stranger_bytes: dict[str, int] = {}
         for u in self._service.process_uses():
             if u.job is not None:
                 per_device[(u.job, u.device)] = per_device.get((u.job, u.device), 0) + 1
+            else:
+                strangers[u.device] = strangers.get(u.device, 0) + 1
+                stranger_bytes[u.device] = stranger_bytes.get(u.device, 0) + (
+                    u.used_memory_bytes or 0
+                )
         for (job_name, uuid), count in sorted(per_device.items()):
             procs.add_metric([job_name, uuid], float(count))
         for (job_name, uuid), num_bytes in sorted(self._service.memory_by_job().items()):
@@ -67,4 +78,17 @@ class JobMetrics:
         )
         for uuid, load in sorted(self._service.loads().items()):
             reserved.add_metric([uuid], float(load.memory_bytes))
-        yield from (info, slo, held, used, procs, reserved)
+        foreign = GaugeMetricFamily(
+            "gpud_device_unattributed_processes",
+            "Processes NVML lists on a GPU or MIG device that belong to no job.",
+            labels=("uuid",),
+        )
+        foreign_bytes = GaugeMetricFamily(
+            "gpud_device_unattributed_memory_bytes",
+            "GPU memory of the processes on a device that belong to no job.",
+            labels=("uuid",),
+        )
+        for uuid, count in sorted(strangers.items()):
+            foreign.add_metric([uuid], float(count))
+            foreign_bytes.add_metric([uuid], float(stranger_bytes[uuid]))
+        yield from (info, slo, held, used, procs, reserved, foreign, foreign_bytes)

@@ -274,7 +274,9 @@ def test_tick_attributes_and_metrics_show_memory_per_job(tmp_path: Path, store: 
     service = JobService(store, EventLog(None), mps, socket_path=Path("/s"), proc_root=proc)
     service.add(JobSpec("infer-a", JobKind.INFERENCE, owner="ana", slo_p99_ms=20.0))
     service.reserve(RunRequest("infer-a", memory_bytes=10 * GIB))
-    service.tick(snapshot(gpu_sample(1, processes=(ProcessInfo(101, 3 * GIB),))))
+    # 202: a process of no job (no environ, no cgroup under the fake /proc)
+    running = (ProcessInfo(101, 3 * GIB), ProcessInfo(202, 1 * GIB))
+    service.tick(snapshot(gpu_sample(1, processes=running)))
     source = JobMetrics(service)
 
     class _Source(Collector):
@@ -293,6 +295,9 @@ def test_tick_attributes_and_metrics_show_memory_per_job(tmp_path: Path, store: 
     used = {"job": "infer-a", "uuid": gpu_uuid(1)}
     assert registry.get_sample_value("gpud_job_gpu_memory_used_bytes", used) == 3 * GIB
     assert registry.get_sample_value("gpud_job_gpu_processes", used) == 1.0
+    device = {"uuid": gpu_uuid(1)}
+    assert registry.get_sample_value("gpud_device_unattributed_processes", device) == 1.0
+    assert registry.get_sample_value("gpud_device_unattributed_memory_bytes", device) == GIB
     reserved = service.reservations.held()[0].devices[0]
     assert (
         registry.get_sample_value("gpud_device_reserved_memory_bytes", {"uuid": reserved})
