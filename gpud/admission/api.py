@@ -91,6 +91,7 @@ def entry_message(v: EntryView) -> pb.QueueEntry:
         msg.reservation.CopyFrom(reservation_message(v.reservation))
     if e.request.holder_pid is not None:
         msg.holder_pid = e.request.holder_pid
+    msg.waiting_on = v.waiting_on
     return msg
 
 

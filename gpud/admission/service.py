@@ -119,6 +119,7 @@ class EntryView:
     unfeasible: Unfeasible | None
     reservation: Reservation | None
     env: dict[str, str]
+    waiting_on: str = ""  # what it waits for besides other jobs: unhealthy GPUs of its pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,9 +394,35 @@ class AdmissionService:
                 unfeasible.append(EntryView(e, 0, now - e.enqueued_at, None, verdict, None, {}))
                 continue
             quote = self._quote(views, e.placement, ahead, waited_s=now - e.enqueued_at)
-            out.append(EntryView(e, len(out) + 1, now - e.enqueued_at, quote, None, None, {}))
+            out.append(
+                EntryView(
+                    e,
+                    len(out) + 1,
+                    now - e.enqueued_at,
+                    quote,
+                    None,
+                    None,
+                    {},
+                    waiting_on=self._unhealthy_in(verdict),
+                )
+            )
             ahead.append(e)
         return out + unfeasible
+
+    def _unhealthy_in(self, demand: Demand) -> str:
+        """The unhealthy GPUs of ``demand``'s pool, when too few healthy devices are left in
+        it: the job waits for them to answer again, not only for other jobs."""
+        sick = self._jobs.unhealthy()
+        if not sick:
+            return ""
+        gpu_of = {t.uuid: t.gpu for t in self._mps.targets()}
+        down = sorted({gpu_of[u] for u in demand.pool if gpu_of.get(u) in sick})
+        healthy = sum(1 for u in demand.pool if gpu_of.get(u) not in sick)
+        if not down or healthy >= demand.count:
+            return ""
+        return "; ".join(f"GPU {i} unhealthy: {sick[i]}" for i in down[:3]) + (
+            "; ..." if len(down) > 3 else ""
+        )
 
     def explain(self) -> list[ClassView]:
         fit = self.fit()

@@ -110,6 +110,7 @@ class QueueEntry(_message.Message):
     RESERVATION_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
     HOLDER_PID_FIELD_NUMBER: _builtins.int
+    WAITING_ON_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     job: _builtins.str
     request: _builtins.str
@@ -128,6 +129,8 @@ class QueueEntry(_message.Message):
     remedy: _builtins.str
     """what would make it feasible"""
     holder_pid: _builtins.int
+    waiting_on: _builtins.str
+    """set: what it waits for besides other jobs (an unhealthy GPU)"""
     @_builtins.property
     def reservation(self) -> _jobs_pb2.JobReservation:
         """once started"""
@@ -153,10 +156,11 @@ class QueueEntry(_message.Message):
         reservation: _jobs_pb2.JobReservation | None = ...,
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         holder_pid: _builtins.int | None = ...,
+        waiting_on: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_quote_seconds", b"_quote_seconds", "holder_pid", b"holder_pid", "quote_seconds", b"quote_seconds", "reservation", b"reservation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_quote_seconds", b"_quote_seconds", "enqueued_unix_seconds", b"enqueued_unix_seconds", "env", b"env", "holder_pid", b"holder_pid", "id", b"id", "job", b"job", "position", b"position", "quote_seconds", b"quote_seconds", "remedy", b"remedy", "request", b"request", "reservation", b"reservation", "state", b"state", "unbounded", b"unbounded", "unfeasible_reason", b"unfeasible_reason", "waited_seconds", b"waited_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_quote_seconds", b"_quote_seconds", "enqueued_unix_seconds", b"enqueued_unix_seconds", "env", b"env", "holder_pid", b"holder_pid", "id", b"id", "job", b"job", "position", b"position", "quote_seconds", b"quote_seconds", "remedy", b"remedy", "request", b"request", "reservation", b"reservation", "state", b"state", "unbounded", b"unbounded", "unfeasible_reason", b"unfeasible_reason", "waited_seconds", b"waited_seconds", "waiting_on", b"waiting_on"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__holder_pid: _TypeAlias = _typing.Literal["holder_pid"]  # noqa: Y015
     _WhichOneofArgType__holder_pid: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid"]  # noqa: Y015

@@ -157,7 +157,13 @@ def test_a_queued_job_waits_for_an_unhealthy_gpu_to_answer(node: Node) -> None:
         node.jobs.reserve(whole("b"))
     entry = node.admission.enqueue(whole("b"))
     node.admission.tick()
-    assert node.admission.view(entry.entry.id).entry.state == QUEUED
+    waiting = node.admission.view(entry.entry.id)
+    assert waiting.entry.state == QUEUED and waiting.waiting_on == ""  # GPU 0 may free up
+    hung = gpu_sample(0)._replace(healthy=False, reason="driver call timed out")
+    node.jobs.tick(snapshot(hung, lost))
+    both = node.admission.view(entry.entry.id).waiting_on
+    assert both == "GPU 0 unhealthy: driver call timed out; GPU 1 unhealthy: GPU lost (memory)"
+    node.jobs.tick(snapshot(gpu_sample(0), lost))
     node.jobs.tick(snapshot(gpu_sample(0), gpu_sample(1)))
     node.admission.tick()
     started = node.admission.view(entry.entry.id)
