@@ -427,6 +427,8 @@ class Daemon:
             # call_timeout_s), which the start-up MIG reconcile then leaves alone. MIG layouts
             # converge (or are only reported, as configured) before the API serves.
             await asyncio.to_thread(self.sampler.tick)
+            # The jobs service learns the unhealthy GPUs from it before the first request.
+            await asyncio.to_thread(self.jobs.tick, self.sampler.latest())
             await asyncio.to_thread(self.mig.reconcile, self.config.mig.on_start)
             if self.config.metrics.enabled:
                 host, port = parse_address(

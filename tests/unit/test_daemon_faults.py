@@ -167,6 +167,9 @@ def test_a_gpu_lost_before_start_does_not_stop_the_daemon(
     gpuctl = Gpuctl(config, capsys)
 
     def body() -> None:
+        # from the first request on, no job is placed on the lost GPU
+        code, _, err = gpuctl("run", "--job", "early", "--devices", "1", "--", "true")
+        assert code == 6 and "on GPU 1, which is unhealthy: GPU lost" in err, err
         gpus = gpuctl.gpus()
         assert gpus[0]["healthy"] is True
         assert gpus[1]["healthy"] is False
