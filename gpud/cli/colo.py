@@ -102,6 +102,11 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
             f"{r.count} by {r.check} on GPUs with {r.residents} jobs" for r in resp.refused
         )
         ctx.out.print(f"options refused when advising {resp.refused_job}: {refused}")
+    if resp.unattributed_processes:
+        strangers = ", ".join(
+            f"GPU {gpu}: {n}" for gpu, n in sorted(resp.unattributed_processes.items())
+        )
+        ctx.out.print(f"processes of no job (their memory held, their GPU never free): {strangers}")
     ctx.out.print(
         "speed: throughput shared over alone (1.00: no slowdown), observed for jobs that "
         "ran alone first: training per second of running time (duty taken out), inference "

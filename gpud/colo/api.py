@@ -87,6 +87,7 @@ class ColoServicer(pb_grpc.ColocationServicer):
         out.refused_job = v.refused_job
         for (residents, check), count in sorted(v.refused.items()):
             out.refused.add(residents=residents, check=check, count=count)
+        out.unattributed_processes.update(v.strangers)
         for p in out.placements:
             if p.gpu in v.faulty:
                 p.reason = f"GPU {p.gpu} {v.faulty[p.gpu]}: left alone until it answers"

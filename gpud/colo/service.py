@@ -204,6 +204,8 @@ class ColoView:
     # the last advice: the job, and its options refused by (jobs on the GPU, check)
     refused_job: str = ""
     refused: dict[tuple[int, str], int] = field(default_factory=dict)
+    # GPU index -> processes of no job there, as of the last tick
+    strangers: dict[int, int] = field(default_factory=dict)
 
 
 PRIOR = JobFeatures(sm=0.8, mem_bw=0.6)
@@ -251,6 +253,7 @@ class ColoService:
         self._events = events
         self._running = running
         self._strangers = strangers if strangers is not None else dict
+        self._last_strangers: dict[int, int] = {}
         self._host = host if host is not None else HostUsage(clock=clock)
         self._nvlink = NvlinkRates()
         self._clock = clock
@@ -819,7 +822,7 @@ class ColoService:
         ``whole_only``: leave out the GPUs in MIG mode (a job that needs a whole GPU's MPS
         share cannot go there)."""
         taken = {r.device for r in running}
-        strangers = self._strangers()
+        strangers = self._last_strangers = {g: n for g, n in self._strangers().items() if n}
         views: list[GpuView] = []
         where: dict[tuple[int, str], str] = {}
         for g in snapshot.gpus:
@@ -1029,4 +1032,5 @@ class ColoService:
                 predictor_margins=self.predictor.margins(self._planner.params.error_quantile),
                 refused_job=self._refused[0],
                 refused=dict(self._refused[1]),
+                strangers=dict(self._last_strangers),
             )

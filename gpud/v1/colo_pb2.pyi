@@ -213,6 +213,26 @@ class ShowColoResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class UnattributedProcessesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     PLACEMENTS_FIELD_NUMBER: _builtins.int
     PRICES_FIELD_NUMBER: _builtins.int
     PRICE_ITERATIONS_FIELD_NUMBER: _builtins.int
@@ -226,6 +246,7 @@ class ShowColoResponse(_message.Message):
     PREDICTOR_MARGINS_FIELD_NUMBER: _builtins.int
     REFUSED_FIELD_NUMBER: _builtins.int
     REFUSED_JOB_FIELD_NUMBER: _builtins.int
+    UNATTRIBUTED_PROCESSES_FIELD_NUMBER: _builtins.int
     price_iterations: _builtins.int
     price_residual: _builtins.float
     prices_converged: _builtins.bool
@@ -250,6 +271,12 @@ class ShowColoResponse(_message.Message):
     def refused(self) -> _containers.RepeatedCompositeFieldContainer[Global___ColoRefusal]:
         """What the last placement advice refused, and for which job ("" before any advice)."""
 
+    @_builtins.property
+    def unattributed_processes(self) -> _containers.ScalarMap[_builtins.int, _builtins.int]:
+        """GPU index -> compute processes there of no job (MPS servers aside): planned around,
+        their memory held, the GPU never called free.
+        """
+
     def __init__(
         self,
         *,
@@ -266,10 +293,11 @@ class ShowColoResponse(_message.Message):
         predictor_margins: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         refused: _abc.Iterable[Global___ColoRefusal] | None = ...,
         refused_job: _builtins.str = ...,
+        unattributed_processes: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "guards", b"guards", "placements", b"placements", "plan_age_seconds", b"plan_age_seconds", "predictor_margins", b"predictor_margins", "predictor_mean_abs_error", b"predictor_mean_abs_error", "predictor_samples", b"predictor_samples", "price_iterations", b"price_iterations", "price_residual", b"price_residual", "prices", b"prices", "prices_converged", b"prices_converged", "refused", b"refused", "refused_job", b"refused_job"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "guards", b"guards", "placements", b"placements", "plan_age_seconds", b"plan_age_seconds", "predictor_margins", b"predictor_margins", "predictor_mean_abs_error", b"predictor_mean_abs_error", "predictor_samples", b"predictor_samples", "price_iterations", b"price_iterations", "price_residual", b"price_residual", "prices", b"prices", "prices_converged", b"prices_converged", "refused", b"refused", "refused_job", b"refused_job", "unattributed_processes", b"unattributed_processes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -254,6 +254,9 @@ def test_processes_of_no_job_count_in_the_advice(node: tuple[RunningDaemon, Jobs
         assert float(fits["predicted_speed"]) < 0.9, fits  # type: ignore[arg-type]
         too_big = advice("50GiB")
         assert too_big["gpu"] == -1 and "memory" in str(too_big["reason"]), too_big
+        assert show(daemon)["unattributed_processes"] == {"0": 1, "1": 1}
+        shown = daemon.gpuctl("colo", "show").stdout
+        assert "processes of no job (their memory held, their GPU never free): GPU 0: 1" in shown
     finally:
         for proc in strangers:
             daemon.gpuctl("sim", "workload", "stop", "--pid", str(proc.pid), check=False)
