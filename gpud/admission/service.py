@@ -241,13 +241,14 @@ class AdmissionService:
         return verdict
 
     def holdings(self) -> list[Holding]:
-        """What the reservations hold, and the whole of every unhealthy GPU's devices: a
-        queued job waits for the GPU to answer again rather than start on it."""
+        """What the reservations hold, and more than the whole of every unhealthy GPU's
+        devices (over capacity, so that even a request that sets no limits finds no room
+        there): a queued job waits for the GPU to answer again rather than start on it."""
         out = []
         sick = self._jobs.unhealthy()
         for t in self._mps.targets():
             if t.gpu in sick:
-                full = Vec(t.memory_total_bytes, THREADS_CAPACITY)
+                full = Vec(t.memory_total_bytes + 1, THREADS_CAPACITY + 1)
                 out.append(Holding(f"unhealthy:{t.uuid}", (t.uuid,), full))
         for r in self._jobs.reservations.held():
             memory = r.memory_bytes

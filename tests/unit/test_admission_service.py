@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -147,7 +148,9 @@ def test_with_admission_off_reservations_work_as_before(node: Node) -> None:
         node.jobs.reserve(whole("c"))  # the reservation's own refusal, with the numbers
 
 
-def test_a_queued_job_waits_for_an_unhealthy_gpu_to_answer(node: Node) -> None:
+def test_a_queued_job_waits_for_an_unhealthy_gpu_to_answer(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
     """GPU 0 holds a job; GPU 1 is lost: the queued job does not start on it, nor does a
     new one, and it starts once the GPU answers again."""
     a = node.jobs.reserve(whole("a")).reservation
@@ -163,6 +166,13 @@ def test_a_queued_job_waits_for_an_unhealthy_gpu_to_answer(node: Node) -> None:
     node.jobs.tick(snapshot(hung, lost))
     both = node.admission.view(entry.entry.id).waiting_on
     assert both == "GPU 0 unhealthy: driver call timed out; GPU 1 unhealthy: GPU lost (memory)"
+    # a request that sets no limits waits as well, and no start is tried on a sick GPU
+    free = node.admission.enqueue(RunRequest(job="free", gpu_count=1))
+    with caplog.at_level(logging.WARNING):
+        node.admission.tick()
+    assert node.admission.view(free.entry.id).entry.state == QUEUED
+    assert "could not start" not in caplog.text
+    node.admission.leave(free.entry.id)
     node.jobs.tick(snapshot(gpu_sample(0), lost))
     node.jobs.tick(snapshot(gpu_sample(0), gpu_sample(1)))
     node.admission.tick()
