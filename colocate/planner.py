@@ -211,9 +211,9 @@ class _Gpu:
     # MIG instances given to jobs placed this pass (the view lists the free ones).
     taken_migs: list[str] = field(default_factory=list)
 
-    @property
-    def limit(self) -> int:
-        return self.view.memory_total
+    def limit(self, headroom: float) -> int:
+        """The memory the plan may put on this GPU: its total less the headroom."""
+        return int(self.view.memory_total * (1.0 - headroom))
 
     def free_migs(self) -> list[MigOption]:
         """The MIG instances still free: the view's, less those placed this pass."""
@@ -289,7 +289,7 @@ class Planner:
 
     def _evaluate(self, gpu: _Gpu, job: JobView, share: float, mig: str | None) -> _Eval:
         p = self.params
-        limit = int(gpu.view.memory_total * (1.0 - p.memory_headroom))
+        limit = gpu.limit(p.memory_headroom)
         need = self._memory_need(gpu, job, mig)
         if gpu.reserved + need > limit:
             return _Eval(
@@ -413,7 +413,7 @@ class Planner:
 
         # 1. memory: the observed use over the limit costs the newest training job its place.
         for g in state.values():
-            limit = int(g.view.memory_total * (1.0 - p.memory_headroom))
+            limit = g.limit(p.memory_headroom)
             used = max(
                 g.view.memory_used - freed.get(g.view.index, 0),
                 sum(j.memory_used for j, _, _ in g.residents),
@@ -537,8 +537,7 @@ class Planner:
                         gpu=o.gpu,
                         sm_share=share,
                         memory_limit_bytes=min(
-                            job.shape.reserve_bytes(),
-                            int(g.view.memory_total * (1.0 - p.memory_headroom)),
+                            job.shape.reserve_bytes(), g.limit(p.memory_headroom)
                         ),
                         predicted_speed=ev.speed,
                         reason=reason,
@@ -632,8 +631,7 @@ class Planner:
         if not state:
             return "no GPU to place it on (none is healthy)"
         need = job.shape.needed_bytes()
-        room = 1.0 - self.params.memory_headroom
-        largest = max((int(g.view.memory_total * room) for g in state.values()), default=0)
+        largest = max(g.limit(self.params.memory_headroom) for g in state.values())
         if need > largest:
             # Waiting would not help: say so rather than list what is busy now.
             return (

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import signal
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -323,12 +324,7 @@ class Daemon:
 
     def _colo_strangers(self) -> dict[int, int]:
         """Per GPU index: the compute processes of no job gpud knows (MPS servers aside)."""
-        servers = {pid for st in self.mps.last_status() for pid in st.servers}
-        out: dict[int, int] = {}
-        for u in self.jobs.process_uses():
-            if u.job is None and u.pid not in servers:
-                out[u.gpu] = out.get(u.gpu, 0) + 1
-        return out
+        return dict(Counter(u.gpu for u in self.jobs.unattributed_uses()))
 
     def _registered_job(self, job: str) -> tuple[str, float | None] | None:
         spec = self.jobs.registry.find(job)

@@ -386,6 +386,8 @@ class AdmissionService:
                 for i, e in enumerate(queued)
             ]
         views = self._views(fit, queued)
+        sick = self._jobs.unhealthy()
+        gpu_of = {t.uuid: t.gpu for t in self._mps.targets()} if sick else {}
         out: list[EntryView] = []
         unfeasible: list[EntryView] = []
         ahead: list[Entry] = []
@@ -404,26 +406,11 @@ class AdmissionService:
                     None,
                     None,
                     {},
-                    waiting_on=self._unhealthy_in(verdict),
+                    waiting_on=_unhealthy_in(verdict, sick, gpu_of),
                 )
             )
             ahead.append(e)
         return out + unfeasible
-
-    def _unhealthy_in(self, demand: Demand) -> str:
-        """The unhealthy GPUs of ``demand``'s pool, when too few healthy devices are left in
-        it: the job waits for them to answer again, not only for other jobs."""
-        sick = self._jobs.unhealthy()
-        if not sick:
-            return ""
-        gpu_of = {t.uuid: t.gpu for t in self._mps.targets()}
-        down = sorted({gpu_of[u] for u in demand.pool if gpu_of.get(u) in sick})
-        healthy = sum(1 for u in demand.pool if gpu_of.get(u) not in sick)
-        if not down or healthy >= demand.count:
-            return ""
-        return "; ".join(f"GPU {i} unhealthy: {sick[i]}" for i in down[:3]) + (
-            "; ..." if len(down) > 3 else ""
-        )
 
     def explain(self) -> list[ClassView]:
         fit = self.fit()
@@ -752,3 +739,18 @@ def mig_file_layouts(
         return resolve_configs(file, gpus())  # type: ignore[arg-type]
 
     return layouts
+
+
+def _unhealthy_in(demand: Demand, sick: Mapping[int, str], gpu_of: Mapping[str, int]) -> str:
+    """The unhealthy GPUs (``sick``: index -> why) of ``demand``'s pool, when too few healthy
+    devices are left in it: the job waits for them to answer again, not only for other jobs.
+    ``gpu_of``: device UUID -> GPU index."""
+    if not sick:
+        return ""
+    down = sorted({gpu_of[u] for u in demand.pool if gpu_of.get(u) in sick})
+    healthy = sum(1 for u in demand.pool if gpu_of.get(u) not in sick)
+    if not down or healthy >= demand.count:
+        return ""
+    return "; ".join(f"GPU {i} unhealthy: {sick[i]}" for i in down[:3]) + (
+        "; ..." if len(down) > 3 else ""
+    )

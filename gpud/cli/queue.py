@@ -55,7 +55,7 @@ def quote_text(entry: pb.QueueEntry) -> str:
 
 
 def entry_row(e: pb.QueueEntry) -> tuple[str, ...]:
-    why = e.unfeasible_reason + (f" ({e.remedy})" if e.remedy else "") or e.waiting_on
+    why = (e.unfeasible_reason + (f" ({e.remedy})" if e.remedy else "")) or e.waiting_on
     return (
         str(e.position) if e.position else "-",
         e.id,

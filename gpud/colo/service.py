@@ -204,7 +204,7 @@ class ColoView:
     # the last advice: the job, and its options refused by (jobs on the GPU, check)
     refused_job: str = ""
     refused: dict[tuple[int, str], int] = field(default_factory=dict)
-    # GPU index -> processes of no job there, as of the last tick
+    # GPU index -> processes of no job there (MPS servers aside)
     strangers: dict[int, int] = field(default_factory=dict)
 
 
@@ -253,7 +253,6 @@ class ColoService:
         self._events = events
         self._running = running
         self._strangers = strangers if strangers is not None else dict
-        self._last_strangers: dict[int, int] = {}
         self._host = host if host is not None else HostUsage(clock=clock)
         self._nvlink = NvlinkRates()
         self._clock = clock
@@ -822,7 +821,7 @@ class ColoService:
         ``whole_only``: leave out the GPUs in MIG mode (a job that needs a whole GPU's MPS
         share cannot go there)."""
         taken = {r.device for r in running}
-        strangers = self._last_strangers = {g: n for g, n in self._strangers().items() if n}
+        strangers = self._strangers()
         views: list[GpuView] = []
         where: dict[tuple[int, str], str] = {}
         for g in snapshot.gpus:
@@ -981,6 +980,7 @@ class ColoService:
         return None, plan.waiting.get(new.job_id, "no GPU in the snapshot")
 
     def show(self) -> ColoView:
+        strangers = self._strangers()
         with self._lock:
             guards = []
             for name, g in sorted(self._guards.items()):
@@ -1032,5 +1032,5 @@ class ColoService:
                 predictor_margins=self.predictor.margins(self._planner.params.error_quantile),
                 refused_job=self._refused[0],
                 refused=dict(self._refused[1]),
-                strangers=dict(self._last_strangers),
+                strangers={g: n for g, n in strangers.items() if n},
             )

@@ -8,7 +8,7 @@
     gpud_job_gpu_processes{job,uuid}                  the job's processes per device
     gpud_device_reserved_memory_bytes{uuid}           MPS memory limits reserved on a device
     gpud_device_unattributed_processes{uuid}          processes of no job per device (another
-                                                      user's, an MPS server): co-location
+                                                      user's; MPS servers aside): co-location
                                                       plans around them
     gpud_device_unattributed_memory_bytes{uuid}       their GPU memory, where NVML reports it
 
@@ -57,16 +57,14 @@ class JobMetrics:
             labels=("job", "uuid"),
         )
         per_device: dict[tuple[str, str], int] = {}
-        strangers: dict[str, int] = {}
-        stranger_bytes: dict[str, int] = {}
         for u in self._service.process_uses():
             if u.job is not None:
                 per_device[(u.job, u.device)] = per_device.get((u.job, u.device), 0) + 1
-            else:
-                strangers[u.device] = strangers.get(u.device, 0) + 1
-                stranger_bytes[u.device] = stranger_bytes.get(u.device, 0) + (
-                    u.used_memory_bytes or 0
-                )
+        strangers: dict[str, int] = {}
+        stranger_bytes: dict[str, int] = {}
+        for u in self._service.unattributed_uses():
+            strangers[u.device] = strangers.get(u.device, 0) + 1
+            stranger_bytes[u.device] = stranger_bytes.get(u.device, 0) + (u.used_memory_bytes or 0)
         for (job_name, uuid), count in sorted(per_device.items()):
             procs.add_metric([job_name, uuid], float(count))
         for (job_name, uuid), num_bytes in sorted(self._service.memory_by_job().items()):
@@ -80,7 +78,7 @@ class JobMetrics:
             reserved.add_metric([uuid], float(load.memory_bytes))
         foreign = GaugeMetricFamily(
             "gpud_device_unattributed_processes",
-            "Processes NVML lists on a GPU or MIG device that belong to no job.",
+            "Processes NVML lists on a GPU or MIG device that belong to no job (MPS servers aside).",
             labels=("uuid",),
         )
         foreign_bytes = GaugeMetricFamily(

@@ -239,8 +239,7 @@ class JobService:
             return dict(self._unhealthy)
 
     def healthy_targets(self) -> list[MpsTarget]:
-        """The devices a job may be placed on: every MPS target but those of unhealthy GPUs
-        (all of them while none is known, so that the daemon's first second places jobs)."""
+        """The devices a job may be placed on: every MPS target but those of unhealthy GPUs."""
         targets = self._mps.targets()
         sick = self.unhealthy()
         return [t for t in targets if t.gpu not in sick]
@@ -317,6 +316,12 @@ class JobService:
         """The latest tick's GPU processes with their jobs."""
         with self._lock:
             return list(self._uses)
+
+    def unattributed_uses(self) -> list[ProcessUse]:
+        """The latest tick's GPU processes of no job, less the MPS servers gpud runs:
+        another user's process, or one whose job neither its environ nor its cgroup names."""
+        servers = {pid for st in self._mps.last_status() for pid in st.servers}
+        return [u for u in self.process_uses() if u.job is None and u.pid not in servers]
 
     def memory_by_job(self) -> dict[tuple[str, str], int]:
         return memory_by_job(self.process_uses())
