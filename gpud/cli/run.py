@@ -8,7 +8,8 @@
     gpuctl env --job infer-a --json
 
 ``run`` asks the co-location loop where a job that names no place should go (a GPU, its
-MPS thread share), registers the job if it is new, reserves its place (the reservation names this
+MPS thread share); while the loop says wait (no GPU where sharing pays off now), ``run``
+waits and asks again, saying why, unless ``--no-wait``. It registers the job if it is new, reserves its place (the reservation names this
 gpuctl process, so gpud releases it even if gpuctl is killed), starts the command with
 ``CUDA_VISIBLE_DEVICES``, the MPS variables, ``GPUD_JOB`` and ``GPUD_SOCKET`` added to the
 current environment, forwards SIGINT/SIGTERM/SIGHUP to it, releases the reservation when it
@@ -32,13 +33,15 @@ never runs (exit 125).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import threading
     from types import FrameType
 
 from gpud.cli.context import EXIT_NOT_RUNNING, EXIT_USAGE, CliError, Context, Subparsers
@@ -120,27 +123,94 @@ def reserve_request(args: argparse.Namespace) -> pb.ReserveRequest:
     return request
 
 
-def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -> None:
+NEVER_FITS = "never fits"  # the co-location loop's reason when waiting would not help
+
+
+def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -> bool:
     """Where the co-location loop would put a job that names no place: its GPU and MPS
-    thread share go into the request. Without advice (loop off, no room now), the jobs
-    service places the job as it always does."""
+    thread share go into the request. Without advice (loop off, unreachable) or for a job
+    that never fits, the jobs service places the job as it always does. When the loop says
+    wait (no GPU where sharing pays off now), the job waits until it names one, unless
+    ``--no-wait``: placing it anyway would share a GPU the loop just refused. False when
+    Ctrl-C (or SIGTERM, SIGHUP) stopped the wait."""
     if args.mig or args.gpus is not None or args.devices:
-        return
+        return True
     ask = colo_pb2.AdviseRequest(job=args.job, kind=args.kind or "training")
     if request.HasField("memory_limit_bytes"):
         ask.memory_bytes = request.memory_limit_bytes
+    stub = ctx.stub(colo_pb2_grpc.ColocationStub)
     try:
-        resp: colo_pb2.AdviseResponse = ctx.call(ctx.stub(colo_pb2_grpc.ColocationStub).Advise, ask)
+        resp: colo_pb2.AdviseResponse = ctx.call(stub.Advise, ask)
     except CliError as err:
         print(f"gpuctl: no co-location advice ({err}); default placement", file=sys.stderr)
-        return
+        return True
     if resp.gpu < 0 or not resp.device:
-        print(f"gpuctl: co-location says wait ({resp.reason}); default placement", file=sys.stderr)
-        return
+        if resp.reason.startswith(NEVER_FITS):
+            print(f"gpuctl: co-location: {resp.reason}; default placement", file=sys.stderr)
+            return True
+        if args.no_wait:
+            raise CliError(f"cannot start now: co-location: {resp.reason}", EXIT_TAKEN)
+        waited = _wait_for_advice(ctx, ask, resp)
+        if waited is None:
+            return False
+        resp = waited
     request.devices.append(resp.device)
     if not request.HasField("threads_percent") and resp.threads_percent < 100:
         request.threads_percent = resp.threads_percent
     print(f"gpuctl: {args.job} on GPU {resp.gpu}: {resp.reason}", file=sys.stderr)
+    return True
+
+
+def _wait_for_advice(
+    ctx: Context, ask: colo_pb2.AdviseRequest, resp: colo_pb2.AdviseResponse
+) -> colo_pb2.AdviseResponse | None:
+    """Ask again every POLL_S until the loop names a GPU (that advice), saying why it waits
+    whenever the reason changes; None when a signal stopped the wait. Through a gpud
+    restart it keeps asking; advice that stops (the loop turned off) ends the wait with the
+    last answer, which places nothing, and the jobs service places the job."""
+    with _signals_stop() as stop:
+        shown = ""
+        while not (resp.gpu >= 0 and resp.device):
+            line = f"waiting for co-location: {resp.reason}"
+            if line != shown:
+                print(f"gpuctl: {line}", file=sys.stderr, flush=True)
+                shown = line
+            if stop.wait(POLL_S):
+                return None
+            try:
+                resp = ctx.call(ctx.stub(colo_pb2_grpc.ColocationStub).Advise, ask)
+            except CliError as err:
+                if err.exit_code != EXIT_NOT_RUNNING:
+                    print(
+                        f"gpuctl: no co-location advice ({err}); default placement", file=sys.stderr
+                    )
+                    return resp
+                ctx.close()  # a fresh channel once gpud is back
+        return resp
+    return None  # a KeyboardInterrupt, which the wait turned into a stop
+
+
+@contextlib.contextmanager
+def _signals_stop() -> Iterator[threading.Event]:
+    """An event that SIGINT, SIGTERM and SIGHUP set while waiting. Raised inside a gRPC
+    call, KeyboardInterrupt could leave the channel unusable for the calls that follow
+    (leaving the queue, releasing)."""
+    import threading  # imported here: only a waiting `gpuctl run` pays for it
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, on_signal) for sig in _FORWARDED} if main else {}
+    try:
+        yield stop
+    except KeyboardInterrupt:
+        stop.set()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_run(ctx: Context, args: argparse.Namespace) -> int:
@@ -153,7 +223,8 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
         )
     stub = ctx.stub(pb_grpc.JobsStub)
     request = reserve_request(args)
-    advise(ctx, args, request)
+    if not advise(ctx, args, request):
+        return EXIT_INTERRUPTED
     try:
         resp: pb.ReserveResponse = ctx.call(stub.Reserve, request)
         reservation, devices, granted = (
@@ -209,26 +280,14 @@ def wait_in_queue(
 ) -> queue_pb2.QueueEntry | None:
     """Queue ``request`` and poll until it starts (its entry, with reservation and env);
     None when Ctrl-C (or SIGTERM, SIGHUP) took it out of the queue. ``why``: why it could
-    not start at once, said once when it joins the queue.
-
-    The signals only set a flag while waiting: raised inside a gRPC call, KeyboardInterrupt
-    could leave the channel unusable for the Leave call that follows."""
-    import threading  # imported here: only a queued `gpuctl run` pays for it
-
+    not start at once, said once when it joins the queue."""
     queue = ctx.stub(queue_pb2_grpc.QueueStub)
     entry: queue_pb2.QueueEntry = ctx.call(queue.Enqueue, queue_pb2.EnqueueRequest(request=request))
     if why and entry.state == queue_pb2.ENTRY_STATE_QUEUED:
         print(f"gpuctl: cannot start now: {why}", file=sys.stderr, flush=True)
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, on_signal) for sig in _FORWARDED} if main else {}
     shown = ""
     away = False
-    try:
+    with _signals_stop() as stop:
         while entry.state == queue_pb2.ENTRY_STATE_QUEUED and not stop.is_set():
             line = queued_line(entry)
             if line != shown:
@@ -249,11 +308,6 @@ def wait_in_queue(
                     print(f"gpuctl: {err}; still queued, waiting", file=sys.stderr, flush=True)
                     away = True
                 ctx.close()  # a fresh channel once gpud is back
-    except KeyboardInterrupt:
-        stop.set()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     if stop.is_set():
         _leave(ctx, entry)
         return None
@@ -286,7 +340,6 @@ def _launch(
     """Run ``command``; with ``place``, start it behind a gate, call ``place(pid)``, then
     let it run (it runs even when placing fails, with a warning)."""
     # imported here: only `gpuctl run` pays for them
-    import contextlib
     import subprocess
     import threading
 

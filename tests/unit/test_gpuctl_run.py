@@ -3,11 +3,13 @@ MPS control daemon; ``gpuctl run`` launches a child that prints its environment.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +20,7 @@ from gpud.jobs.service import JobService
 from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
 from gpud.shared import GIB
+from gpud.v1 import colo_pb2, colo_pb2_grpc
 from tests.unit.api_support import ServerThread
 from tests.unit.mps_support import gpu_sample, gpu_uuid, make_manager, mig_uuid, short_dir, snapshot
 
@@ -47,10 +50,11 @@ class Node:
         return gpuctl(["--socket", str(self.socket), *argv], env={})
 
 
-@pytest.fixture(params=[True], ids=["mps-on"])
-def node(request: pytest.FixtureRequest) -> Iterator[Node]:
+@contextlib.contextmanager
+def serving(*extra: Callable[[Any], None], mps_on: bool = True) -> Iterator[Node]:
+    """The node's MPS and jobs services on a socket, with ``extra`` registrars."""
     with short_dir() as root:
-        mps, store, events = make_manager(root, enabled=request.param)
+        mps, store, events = make_manager(root, enabled=mps_on)
         socket = root / "gpud.sock"
         jobs = JobService(store, events, mps, socket_path=socket)
         try:
@@ -60,6 +64,7 @@ def node(request: pytest.FixtureRequest) -> Iterator[Node]:
                 servicers=[
                     MpsServicer(mps, loads=jobs.loads).register,
                     JobsServicer(jobs).register,
+                    *extra,
                 ],
             )
             with ServerThread(server):
@@ -67,6 +72,32 @@ def node(request: pytest.FixtureRequest) -> Iterator[Node]:
         finally:
             mps.stop()
             store.close()
+
+
+@pytest.fixture(params=[True], ids=["mps-on"])
+def node(request: pytest.FixtureRequest) -> Iterator[Node]:
+    with serving(mps_on=request.param) as n:
+        yield n
+
+
+class SaysWait(colo_pb2_grpc.ColocationServicer):
+    """A co-location loop that says wait ``waits`` times, then names GPU 1 at 50%."""
+
+    def __init__(self, waits: int, reason: str = "sharing any GPU would slow a job below 1/2"):
+        self.waits, self.reason, self.asked = waits, reason, 0
+
+    async def Advise(
+        self, request: colo_pb2.AdviseRequest, context: Any
+    ) -> colo_pb2.AdviseResponse:
+        self.asked += 1
+        if self.asked <= self.waits:
+            return colo_pb2.AdviseResponse(gpu=-1, reason=self.reason)
+        return colo_pb2.AdviseResponse(
+            gpu=1, device=gpu_uuid(1), threads_percent=50, reason="GPU 1 is free: exclusive"
+        )
+
+    def register(self, server: Any) -> None:
+        colo_pb2_grpc.add_ColocationServicer_to_server(self, server)
 
 
 def daemon_state(node: Node, uuid: str) -> dict[str, object]:
@@ -216,3 +247,43 @@ def test_mps_options_where_mps_runs_do_not_warn(
     )  # fmt: skip
     assert code == 0 and "warning" not in capsys.readouterr().err
     assert json.loads(out.read_text())["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+
+
+def test_gpuctl_run_waits_while_co_location_says_wait(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    loop = SaysWait(waits=2)
+    with serving(loop.register) as n:
+        out = tmp_path / "child.json"
+        assert n.ctl("run", "--job", "t", "--", sys.executable, "-c", CHILD, str(out), "0") == 0
+        env = json.loads(out.read_text())["env"]
+    assert loop.asked == 3
+    assert env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    err = capsys.readouterr().err
+    # Said once, not at every poll.
+    assert err.count("waiting for co-location: sharing any GPU would slow") == 1
+    assert "t on GPU 1" in err
+
+
+def test_gpuctl_run_no_wait_fails_when_co_location_says_wait(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with serving(SaysWait(waits=99).register) as n:
+        marker = tmp_path / "ran"
+        code = n.ctl("run", "--job", "t", "--no-wait", "--", "touch", str(marker))
+        assert n.jobs.reservations.held() == []
+    assert code == 7
+    assert not marker.exists()
+    assert "cannot start now: co-location: sharing any GPU" in capsys.readouterr().err
+
+
+def test_a_job_that_never_fits_is_not_held_waiting_for_co_location(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    loop = SaysWait(waits=99, reason="never fits on this node: needs 200 GiB")
+    with serving(loop.register) as n:
+        code = n.ctl("run", "--job", "t", "--memory", "200GiB", "--no-wait", "--", "true")
+    assert loop.asked == 1
+    assert code == 7  # the jobs service's own refusal, with its numbers
+    assert "never fits on this node" in capsys.readouterr().err
