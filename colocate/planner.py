@@ -98,7 +98,8 @@ class JobView:
     job's at full duty, an inference service's at full load (busy all the time, utilization
     1: what it showed alone over the utilization it had then, see :meth:`activity`).
     ``load``/``peak_load``: an inference service's request rate now and the peak it must
-    absorb.
+    absorb. ``memory_used``: what NVML reports its processes use on the device
+    (``nvmlDeviceGetComputeRunningProcesses``); None where the driver does not say.
     """
 
     job_id: str
@@ -108,7 +109,7 @@ class JobView:
     sm_share: float = 1.0
     mig_profile: str | None = None
     duty: float = 1.0
-    memory_used: int = 0
+    memory_used: int | None = 0
     load: float = 0.0
     peak_load: float = 0.0
     order: float = 0.0  # arrival order (smaller first)
@@ -134,6 +135,12 @@ class JobView:
     def footprint(self, share: float | None = None, duty: float | None = None) -> JobFeatures:
         """Features at a cap and duty cycle (an inference service's at its load of now)."""
         return self.features.scaled(self.activity(share, duty))
+
+    def memory_accounted(self) -> int:
+        """The device memory counted as the job's own: what NVML reports, or, where the
+        driver does not say, its whole reservation (so the GPU's used memory is not
+        counted once as the job's reservation and again as held by someone else)."""
+        return self.shape.reserve_bytes() if self.memory_used is None else self.memory_used
 
 
 @dataclass(frozen=True)
@@ -395,7 +402,9 @@ class Planner:
             g.reserved += j.shape.reserve_bytes()
         for g in state.values():
             # What NVML shows beyond the jobs' own use stays taken, whoever holds it.
-            g.reserved += max(0, g.view.memory_used - sum(j.memory_used for j, _, _ in g.residents))
+            g.reserved += max(
+                0, g.view.memory_used - sum(j.memory_accounted() for j, _, _ in g.residents)
+            )
 
         directives: list[Directive] = []
         evicted: set[str] = set()
@@ -406,8 +415,8 @@ class Planner:
             # A job on several GPUs leaves them all: it is one process group.
             for h in state.values():
                 for gone in self._drop(h, job.job_id):
-                    freed[h.view.index] = freed.get(h.view.index, 0) + gone.memory_used
-                    h.reserved += gone.memory_used  # held until the job has left
+                    freed[h.view.index] = freed.get(h.view.index, 0) + gone.memory_accounted()
+                    h.reserved += gone.memory_accounted()  # held until the job has left
             evicted.add(job.job_id)
             directives.append(Directive(job.job_id, 0.0, True, reason))
 
@@ -416,7 +425,7 @@ class Planner:
             limit = g.limit(p.memory_headroom)
             used = max(
                 g.view.memory_used - freed.get(g.view.index, 0),
-                sum(j.memory_used for j, _, _ in g.residents),
+                sum(j.memory_used or 0 for j, _, _ in g.residents),  # as observed
             )
             trainees = sorted(
                 (j for j, _, _ in g.residents if j.kind is JobKind.TRAINING),
@@ -430,7 +439,7 @@ class Planner:
                     f"GPU {g.view.index} memory {used >> 20} MiB over its limit "
                     f"{limit >> 20} MiB: evict the newest training job",
                 )
-                used -= victim.memory_used
+                used -= victim.memory_accounted()
             if guard_evict and g.view.index in guard_evict:
                 for j, _, mig in list(g.residents):
                     if (

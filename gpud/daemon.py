@@ -297,9 +297,12 @@ class Daemon:
                     profiles[m.identity.uuid] = m.identity.profile_name
         used = self.jobs.memory_by_job()
         pids: dict[tuple[str, str], list[int]] = {}
+        unreported: set[tuple[str, str]] = set()  # a process whose memory NVML does not say
         for u in self.jobs.process_uses():
             if u.job is not None:
                 pids.setdefault((u.job, u.device), []).append(u.pid)
+                if u.used_memory_bytes is None:
+                    unreported.add((u.job, u.device))
         out = []
         for r in self.jobs.reservations.held():
             spec = self.jobs.registry.find(r.job)
@@ -314,7 +317,9 @@ class Daemon:
                         threads_percent=r.threads_percent,
                         memory_bytes=r.memory_bytes,
                         slo_p99_ms=spec.slo_p99_ms if spec else None,
-                        memory_used=used.get((r.job, device), 0),
+                        memory_used=None
+                        if (r.job, device) in unreported
+                        else used.get((r.job, device), 0),
                         device=device,
                         mig_profile=profiles.get(device),
                         pids=tuple(pids.get((r.job, device), ())),

@@ -41,7 +41,7 @@ def register(subparsers: Subparsers) -> None:
     slow.add_argument("seconds", type=float)
     slow.set_defaults(kind="FAULT_KIND_SLOW")
     ns = kinds.add_parser("not-supported", help="make reads of FIELD raise NotSupported")
-    ns.add_argument("field", help='a reading, e.g. "power", "temperature", "ecc"')
+    ns.add_argument("field", help='a reading, e.g. "power", "temperature", "ecc", "process_memory"')
     ns.set_defaults(kind="FAULT_KIND_NOT_SUPPORTED")
     fault.set_defaults(run=run_fault)
     reboot = actions.add_parser(

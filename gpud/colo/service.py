@@ -92,7 +92,9 @@ class RunningJob:
     threads_percent: int | None = None
     memory_bytes: int | None = None  # declared (MPS pinned limit), per device
     slo_p99_ms: float | None = None
-    memory_used: int = 0  # NVML, attributed to the job's processes
+    # NVML, attributed to the job's processes; None where the driver reports no
+    # per-process memory for them
+    memory_used: int | None = 0
     peak_load: float = 0.0
     device: str = ""  # the GPU or MIG device UUID it runs on
     mig_profile: str | None = None  # when that device is a MIG instance: its profile
@@ -621,10 +623,11 @@ class ColoService:
             for r in members:
                 st = self._jobs.setdefault(r.name, _JobState())
                 use = host.get(f"{r.name}\0{_place(r)}")
+                held = r.memory_used if r.memory_used is not None else r.memory_bytes or 0
                 st.devices.setdefault(_place(r), _DeviceState()).side = JobFeatures(
                     sm=0.0,
                     mem_bw=0.0,
-                    mem_frac=min(1.0, r.memory_used / total) if total else 0.0,
+                    mem_frac=min(1.0, held / total) if total else 0.0,
                     host_cpu=use.cpu if use is not None else 0.0,
                     rss_frac=use.rss if use is not None else 0.0,
                 )
@@ -797,7 +800,8 @@ class ColoService:
             # watches that it does)
             peak_load=max(r.peak_load, load),
         )
-        shape.observe_memory(r.memory_used)
+        if r.memory_used is not None:
+            shape.observe_memory(r.memory_used)
         return JobView(
             job_id=r.name,
             shape=shape,

@@ -262,3 +262,37 @@ def test_processes_of_no_job_count_in_the_advice(node: tuple[RunningDaemon, Jobs
             daemon.gpuctl("sim", "workload", "stop", "--pid", str(proc.pid), check=False)
             proc.kill()
             proc.wait()
+
+
+def test_memory_the_driver_does_not_report_per_process_is_counted_once(
+    node: tuple[RunningDaemon, Jobs],
+) -> None:
+    """Where NVML gives no per-process memory (``usedGpuMemory`` not available), a job's
+    use is its reservation, not its reservation and again memory held by someone else: a
+    30 GiB job still fits beside another 30 GiB job on an 80 GiB GPU."""
+    daemon, jobs = node
+    gpus = json.loads(daemon.gpuctl("gpus", "--json").stdout)["gpus"]
+    for g in gpus:
+        daemon.gpuctl("sim", "fault", "--gpu", str(g["index"]), "not-supported", "process_memory")
+    for g in gpus:
+        jobs.run(
+            f"on{g['index']}", "--kind", "inference", "--devices", g["uuid"], "--memory", "30GiB",
+            "--", "sleep", "300",
+        )  # fmt: skip
+
+    def listed() -> bool:
+        out = json.loads(daemon.gpuctl("--json", "jobs", "ls").stdout)["jobs"]
+        procs = [p for j in out for p in j["processes"]]
+        return len(procs) == 2 and all(p["used_memory_bytes"] is None for p in procs)
+
+    wait_for(listed)
+    wait_for(
+        lambda: all(
+            g["memory"]["used_bytes"] >= 30 * GIB
+            for g in json.loads(daemon.gpuctl("gpus", "--json").stdout)["gpus"]
+        )
+    )
+    out = daemon.gpuctl("--json", "colo", "advise", "x", "--memory", "30GiB").stdout
+    advice = json.loads(out)
+    assert advice["gpu"] in (0, 1), advice["reason"]
+    assert show(daemon)["unattributed_processes"] == {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -361,6 +362,27 @@ def test_memory_of_processes_no_job_owns_is_held() -> None:
     jobs = [training("a", gpu=0, used_gib=60), training("b", mem_gib=10, order=1)]
     shared = planner.plan([GpuView(index=0, memory_total=80 * GIB, memory_used=60 * GIB)], jobs)
     assert [p.job_id for p in shared.placements] == ["b"]
+
+
+def test_a_job_whose_memory_nvml_does_not_report_counts_its_reservation_once() -> None:
+    """A driver that reports no per-process memory: the GPU's use is the job's, within its
+    reservation, and not held a second time as someone else's."""
+    planner = Planner(InterferencePredictor())
+    a = replace(training("a", gpu=0, mem_gib=30), memory_used=None)
+    view = [GpuView(index=0, memory_total=80 * GIB, memory_used=30 * GIB)]
+    plan = planner.plan(view, [a, training("b", mem_gib=30, order=1)])
+    assert [p.job_id for p in plan.placements] == ["b"]
+    assert plan.memory_reserved[0] == 2 * training("b", mem_gib=30).shape.reserve_bytes()
+    # Beyond its reservation, the rest is held as anyone else's would be.
+    over = [GpuView(index=0, memory_total=80 * GIB, memory_used=60 * GIB)]
+    crowded = planner.plan(over, [a, training("b", mem_gib=30, order=1)])
+    assert not crowded.placements and "memory" in crowded.waiting["b"]
+    # Over the limit beside another job, the newest training job still goes.
+    full = [GpuView(index=0, memory_total=80 * GIB, memory_used=79 * GIB)]
+    old = replace(training("old", gpu=0, mem_gib=30), memory_used=None)
+    new = replace(training("new", gpu=0, mem_gib=30, order=5), memory_used=None)
+    (ev,) = [d for d in planner.plan(full, [old, new]).directives if d.evict]
+    assert ev.job_id == "new"
 
 
 def test_a_gpu_with_processes_of_no_job_is_not_free() -> None:

@@ -901,10 +901,13 @@ class FakeNvml:
     def nvmlDeviceGetComputeRunningProcesses(self, handle: object) -> list[SimpleNamespace]:
         gpu, mig = self._any(handle, "processes")
         na = NVML_VALUE_NOT_AVAILABLE_uint
+        f = self._faults.get(gpu.index)
+        # pynvml turns NVML_VALUE_NOT_AVAILABLE_ulonglong into None
+        hidden = f is not None and "process_memory" in f.not_supported
         return [
             SimpleNamespace(
                 pid=p.pid,
-                usedGpuMemory=p.used_bytes,
+                usedGpuMemory=None if hidden else p.used_bytes,
                 gpuInstanceId=na if p.gi is None else p.gi,
                 computeInstanceId=na if p.ci is None else p.ci,
             )

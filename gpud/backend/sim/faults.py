@@ -25,7 +25,8 @@ from gpud.backend.sim.fakenvml import (
 
 __all__ = ["FIELDS", "FaultInjector", "SimulatedCrash"]
 
-# Field name -> the NVML calls it makes NotSupported.
+# Field name -> the NVML calls it makes NotSupported (``process_memory``: the value the
+# driver leaves NVML_VALUE_NOT_AVAILABLE, as some drivers and modes do, the call answers).
 FIELDS: Final[dict[str, str]] = {
     "power": "nvmlDeviceGetPowerUsage",
     "temperature": "nvmlDeviceGetTemperature",
@@ -36,6 +37,7 @@ FIELDS: Final[dict[str, str]] = {
     "utilization": "nvmlDeviceGetUtilizationRates",
     "memory": "nvmlDeviceGetMemoryInfo",
     "processes": "nvmlDeviceGetComputeRunningProcesses",
+    "process_memory": "usedGpuMemory of nvmlDeviceGetComputeRunningProcesses",
     "mig": "nvmlDeviceGetMigMode and the MIG instance calls",
     "events": "nvmlDeviceRegisterEvents",
 }
