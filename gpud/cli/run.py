@@ -170,6 +170,7 @@ def _wait_for_advice(
     last answer, which places nothing, and the jobs service places the job."""
     with _signals_stop() as stop:
         shown = ""
+        away = False
         while not (resp.gpu >= 0 and resp.device):
             line = f"waiting for co-location: {resp.reason}"
             if line != shown:
@@ -179,12 +180,16 @@ def _wait_for_advice(
                 return None
             try:
                 resp = ctx.call(ctx.stub(colo_pb2_grpc.ColocationStub).Advise, ask)
+                away = False
             except CliError as err:
                 if err.exit_code != EXIT_NOT_RUNNING:
                     print(
                         f"gpuctl: no co-location advice ({err}); default placement", file=sys.stderr
                     )
                     return resp
+                if not away:
+                    print(f"gpuctl: {err}; still waiting", file=sys.stderr, flush=True)
+                    away = True
                 ctx.close()  # a fresh channel once gpud is back
         return resp
     return None  # a KeyboardInterrupt, which the wait turned into a stop
