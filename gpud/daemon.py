@@ -38,7 +38,7 @@ from gpud.backend.port import GpuBackend, GpuIdentity
 from gpud.cluster.metrics import ClusterMetrics
 from gpud.cluster.nodeview import DaemonNodeView
 from gpud.cluster.runtime import ClusterRuntime
-from gpud.colo.api import ColoServicer
+from gpud.colo.api import ColoServicer, Registered
 from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import ColoService, RunningJob
 from gpud.config import ClusterConfig, Config, TrafficConfig, parse_address
@@ -331,9 +331,11 @@ class Daemon:
         """Per GPU index: the compute processes of no job gpud knows (MPS servers aside)."""
         return dict(Counter(u.gpu for u in self.jobs.unattributed_uses()))
 
-    def _registered_job(self, job: str) -> tuple[str, float | None] | None:
+    def _registered_job(self, job: str) -> Registered | None:
         spec = self.jobs.registry.find(job)
-        return (spec.kind.value, spec.slo_p99_ms) if spec is not None else None
+        if spec is None:
+            return None
+        return Registered(spec.kind.value, spec.slo_p99_ms, spec.memory_bytes)
 
     async def _sim_jobs_step(self) -> None:
         """On a simulated node: workload models behind the jobs' host processes."""

@@ -53,7 +53,7 @@ from gpud.cli.jobs import (
     queued_line,
     warn_no_effect,
 )
-from gpud.errors import ERROR_TABLE, ResourceExhausted
+from gpud.errors import ERROR_TABLE, NotFound, ResourceExhausted
 from gpud.shared import shell_exports
 from gpud.v1 import colo_pb2, colo_pb2_grpc, net_pb2, net_pb2_grpc, queue_pb2, queue_pb2_grpc
 from gpud.v1 import jobs_pb2 as pb
@@ -62,6 +62,7 @@ from gpud.v1 import jobs_pb2_grpc as pb_grpc
 EXIT_CANNOT_EXEC = 127
 EXIT_INTERRUPTED = 130
 EXIT_TAKEN = ERROR_TABLE[ResourceExhausted][1]
+EXIT_NOT_FOUND = ERROR_TABLE[NotFound][1]
 POLL_S = 1.0
 QUEUE_OFF = "admission queue is off"  # gpud's message when admission.enabled = false
 EXIT_GATE_CLOSED = 125
@@ -127,13 +128,13 @@ NEVER_FITS = "never fits"  # the co-location loop's reason when waiting would no
 
 
 def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -> bool:
-    """Where the co-location loop would put a job that names no place: its GPU and MPS
-    thread share go into the request. Without advice (loop off, unreachable) or for a job
+    """Where the co-location loop would put a job that names no place (on the command line
+    or when it was registered): its GPU and MPS thread share go into the request. Without advice (loop off, unreachable) or for a job
     that never fits, the jobs service places the job as it always does. When the loop says
     wait (no GPU where sharing pays off now), the job waits until it names one, unless
     ``--no-wait``: placing it anyway would share a GPU the loop just refused. False when
     Ctrl-C (or SIGTERM, SIGHUP) stopped the wait."""
-    if args.mig or args.gpus is not None or args.devices:
+    if args.mig or args.gpus is not None or args.devices or _registered_place(ctx, args.job):
         return True
     ask = colo_pb2.AdviseRequest(job=args.job, kind=args.kind or "training")
     if request.HasField("memory_limit_bytes"):
@@ -159,6 +160,20 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -
         request.threads_percent = resp.threads_percent
     print(f"gpuctl: {args.job} on GPU {resp.gpu}: {resp.reason}", file=sys.stderr)
     return True
+
+
+def _registered_place(ctx: Context, job: str) -> bool:
+    """Whether ``job`` is registered with a place of its own (``gpuctl jobs add`` with
+    ``--devices``, ``--mig`` or ``--gpus``): it runs there, whatever the loop would say."""
+    try:
+        resp: pb.ListJobsResponse = ctx.call(
+            ctx.stub(pb_grpc.JobsStub).ListJobs, pb.ListJobsRequest(name=job)
+        )
+    except CliError as err:
+        if err.exit_code == EXIT_NOT_FOUND:
+            return False  # registered by this run
+        raise
+    return any(j.devices or j.HasField("mig_profile") or j.HasField("gpu_count") for j in resp.jobs)
 
 
 def _wait_for_advice(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpud.api.validate import optional
 from gpud.colo.service import ColoService
@@ -27,17 +27,26 @@ def _job(name: str) -> str:
     return name
 
 
+class Registered(NamedTuple):
+    """What a registered job declares that advice follows."""
+
+    kind: str  # "training" | "inference"
+    slo_p99_ms: float | None = None
+    memory_bytes: int | None = None  # per device (its MPS pinned limit)
+
+
 class ColoServicer(pb_grpc.ColocationServicer):
     def __init__(
         self,
         service: ColoService,
         *,
         snapshots: Callable[[], Snapshot | None],
-        registered: Callable[[str], tuple[str, float | None] | None] = lambda job: None,
+        registered: Callable[[str], Registered | None] = lambda job: None,
     ) -> None:
-        """``registered``: a registered job's kind and p99 SLO (ms): advice for a job that
-        is registered (``gpuctl jobs add chat --kind inference --slo-p99-ms 50``, then
-        ``gpuctl run --job chat``) follows what it was registered as."""
+        """``registered``: a registered job's kind, p99 SLO and memory: advice for a job
+        that is registered (``gpuctl jobs add chat --kind inference --slo-p99-ms 50
+        --memory 20GiB``, then ``gpuctl run --job chat``) follows what it was registered as,
+        where the request does not say."""
         self._service = service
         self._snapshots = snapshots
         self._registered = registered
@@ -109,16 +118,18 @@ class ColoServicer(pb_grpc.ColocationServicer):
         job = _job(request.job)
         kind = request.kind or "training"
         slo = optional(request, "slo_p99_ms")
+        memory = optional(request, "memory_bytes")
         known = self._registered(job)
         if known is not None:
-            kind = known[0]
-            slo = slo if slo is not None else known[1]
+            kind = known.kind
+            slo = slo if slo is not None else known.slo_p99_ms
+            memory = memory if memory is not None else known.memory_bytes
         snap = self._snapshots()
         a = await asyncio.to_thread(
             self._service.advise,
             job,
             kind=kind,
-            memory_bytes=optional(request, "memory_bytes"),
+            memory_bytes=memory,
             slo_p99_ms=slo,
             sm_activity=optional(request, "sm_activity"),
             peak_load=optional(request, "peak_load") or 0.0,

@@ -282,6 +282,38 @@ def test_gpuctl_colo_show_and_advise_over_grpc(
             assert {"residents": 2, "check": "memory", "count": 4} in shown["refused"]
 
 
+def test_advice_for_a_registered_job_takes_its_declared_memory(
+    service: tuple[ColoService, Clock, list[RunningJob]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``gpuctl jobs add big --memory 70GiB`` then ``gpuctl run --job big``: the advice
+    weighs the 70 GiB it was registered with, unless the request says otherwise."""
+    import json
+
+    from gpud.api import ApiServer
+    from gpud.cli.main import main
+    from gpud.colo.api import ColoServicer, Registered
+    from tests.unit.api_support import ServerThread, short_dir
+
+    svc, _, _ = service
+    snap = snapshot()
+    svc.tick(snap)
+    known = {"big": Registered("training", None, 70 * GIB)}
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        servicer = ColoServicer(svc, snapshots=lambda: snap, registered=known.get)
+        with ServerThread(ApiServer(path, servicers=[servicer.register])):
+
+            def advise(*argv: str) -> dict[str, object]:
+                assert main(["--socket", str(path), "--json", "colo", "advise", *argv], env={}) == 0
+                data: dict[str, object] = json.loads(capsys.readouterr().out)
+                return data
+
+            registered = advise("big")
+            assert registered["gpu"] == -1 and "memory" in str(registered["reason"]), registered
+            assert advise("big", "--memory", "8GiB")["gpu"] == 1
+            assert advise("small")["gpu"] == 1
+
+
 def test_absurd_colo_requests_are_refused_and_change_nothing(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:

@@ -287,3 +287,16 @@ def test_a_job_that_never_fits_is_not_held_waiting_for_co_location(
     assert loop.asked == 1
     assert code == 7  # the jobs service's own refusal, with its numbers
     assert "never fits on this node" in capsys.readouterr().err
+
+
+def test_a_registered_place_is_kept_without_asking_co_location(tmp_path: Path) -> None:
+    """A job registered with its place (here a MIG profile) runs there: the co-location
+    loop's advice is for jobs that name none."""
+    loop = SaysWait(waits=0)
+    with serving(loop.register) as n:
+        assert n.ctl("jobs", "add", "m", "--mig", "3g.40gb") == 0
+        out = tmp_path / "child.json"
+        assert n.ctl("run", "--job", "m", "--", sys.executable, "-c", CHILD, str(out), "0") == 0
+        env = json.loads(out.read_text())["env"]
+    assert env["CUDA_VISIBLE_DEVICES"] in (mig_uuid(0, 0), mig_uuid(0, 1))
+    assert loop.asked == 0
