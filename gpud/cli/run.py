@@ -134,8 +134,13 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -
     wait (no GPU where sharing pays off now), the job waits until it names one, unless
     ``--no-wait``: placing it anyway would share a GPU the loop just refused. False when
     Ctrl-C (or SIGTERM, SIGHUP) stopped the wait."""
-    if args.mig or args.gpus is not None or args.devices or _registered_place(ctx, args.job):
+    if args.mig or args.gpus is not None or args.devices:
         return True
+    known = _registered(ctx, args.job)
+    if known is not None and (
+        known.devices or known.HasField("mig_profile") or known.HasField("gpu_count")
+    ):
+        return True  # it runs where it was registered to, whatever the loop would say
     ask = colo_pb2.AdviseRequest(job=args.job, kind=args.kind or "training")
     if request.HasField("memory_limit_bytes"):
         ask.memory_bytes = request.memory_limit_bytes
@@ -156,24 +161,26 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -
             return False
         resp = waited
     request.devices.append(resp.device)
-    if not request.HasField("threads_percent") and resp.threads_percent < 100:
+    declared = request.HasField("threads_percent") or (
+        known is not None and known.HasField("threads_percent")
+    )
+    if not declared and resp.threads_percent < 100:
         request.threads_percent = resp.threads_percent
     print(f"gpuctl: {args.job} on GPU {resp.gpu}: {resp.reason}", file=sys.stderr)
     return True
 
 
-def _registered_place(ctx: Context, job: str) -> bool:
-    """Whether ``job`` is registered with a place of its own (``gpuctl jobs add`` with
-    ``--devices``, ``--mig`` or ``--gpus``): it runs there, whatever the loop would say."""
+def _registered(ctx: Context, job: str) -> pb.Job | None:
+    """``job`` as registered (``gpuctl jobs add``); None when this run registers it."""
     try:
         resp: pb.ListJobsResponse = ctx.call(
             ctx.stub(pb_grpc.JobsStub).ListJobs, pb.ListJobsRequest(name=job)
         )
     except CliError as err:
         if err.exit_code == EXIT_NOT_FOUND:
-            return False  # registered by this run
+            return None
         raise
-    return any(j.devices or j.HasField("mig_profile") or j.HasField("gpu_count") for j in resp.jobs)
+    return resp.jobs[0] if resp.jobs else None
 
 
 def _wait_for_advice(

@@ -300,3 +300,16 @@ def test_a_registered_place_is_kept_without_asking_co_location(tmp_path: Path) -
         env = json.loads(out.read_text())["env"]
     assert env["CUDA_VISIBLE_DEVICES"] in (mig_uuid(0, 0), mig_uuid(0, 1))
     assert loop.asked == 0
+
+
+def test_a_registered_thread_share_is_kept_where_co_location_places_the_job(
+    tmp_path: Path,
+) -> None:
+    loop = SaysWait(waits=0)
+    with serving(loop.register) as n:
+        assert n.ctl("jobs", "add", "t", "--threads", "30") == 0
+        out = tmp_path / "child.json"
+        assert n.ctl("run", "--job", "t", "--", sys.executable, "-c", CHILD, str(out), "0") == 0
+        env = json.loads(out.read_text())["env"]
+    assert env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)  # where the loop said
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"  # the share it was registered with
