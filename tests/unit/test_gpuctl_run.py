@@ -289,15 +289,22 @@ def test_a_job_that_never_fits_is_not_held_waiting_for_co_location(
     assert "never fits on this node" in capsys.readouterr().err
 
 
+def run_registered(loop: SaysWait, tmp_path: Path, *registered: str) -> dict[str, str]:
+    """Register job "r" with ``registered`` options, ``gpuctl run --job r`` with no place;
+    the child's environment."""
+    with serving(loop.register) as n:
+        assert n.ctl("jobs", "add", "r", *registered) == 0
+        out = tmp_path / "child.json"
+        assert n.ctl("run", "--job", "r", "--", sys.executable, "-c", CHILD, str(out), "0") == 0
+        env: dict[str, str] = json.loads(out.read_text())["env"]
+        return env
+
+
 def test_a_registered_place_is_kept_without_asking_co_location(tmp_path: Path) -> None:
     """A job registered with its place (here a MIG profile) runs there: the co-location
     loop's advice is for jobs that name none."""
     loop = SaysWait(waits=0)
-    with serving(loop.register) as n:
-        assert n.ctl("jobs", "add", "m", "--mig", "3g.40gb") == 0
-        out = tmp_path / "child.json"
-        assert n.ctl("run", "--job", "m", "--", sys.executable, "-c", CHILD, str(out), "0") == 0
-        env = json.loads(out.read_text())["env"]
+    env = run_registered(loop, tmp_path, "--mig", "3g.40gb")
     assert env["CUDA_VISIBLE_DEVICES"] in (mig_uuid(0, 0), mig_uuid(0, 1))
     assert loop.asked == 0
 
@@ -305,11 +312,6 @@ def test_a_registered_place_is_kept_without_asking_co_location(tmp_path: Path) -
 def test_a_registered_thread_share_is_kept_where_co_location_places_the_job(
     tmp_path: Path,
 ) -> None:
-    loop = SaysWait(waits=0)
-    with serving(loop.register) as n:
-        assert n.ctl("jobs", "add", "t", "--threads", "30") == 0
-        out = tmp_path / "child.json"
-        assert n.ctl("run", "--job", "t", "--", sys.executable, "-c", CHILD, str(out), "0") == 0
-        env = json.loads(out.read_text())["env"]
+    env = run_registered(SaysWait(waits=0), tmp_path, "--threads", "30")
     assert env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)  # where the loop said
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"  # the share it was registered with
