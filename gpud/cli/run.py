@@ -93,7 +93,9 @@ def register(subparsers: Subparsers) -> None:
     run.add_argument("--job", required=True, metavar="NAME")
     add_placement_options(run)
     run.add_argument(
-        "--no-wait", action="store_true", help="fail if its devices are taken instead of queueing"
+        "--no-wait",
+        action="store_true",
+        help="fail instead of waiting when its devices are taken or co-location says wait",
     )
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
     run.set_defaults(run=run_run)
