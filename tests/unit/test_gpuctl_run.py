@@ -315,3 +315,25 @@ def test_a_registered_thread_share_is_kept_where_co_location_places_the_job(
     env = run_registered(SaysWait(waits=0), tmp_path, "--threads", "30")
     assert env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)  # where the loop said
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"  # the share it was registered with
+
+
+def test_ctrl_c_while_waiting_for_co_location_runs_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+    import signal
+    import threading
+
+    loop = SaysWait(waits=10**6)
+    with serving(loop.register) as n:
+        marker = tmp_path / "ran"
+        timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            code = n.ctl("run", "--job", "t", "--", "touch", str(marker))
+        finally:
+            timer.cancel()
+        assert n.jobs.reservations.held() == []
+    assert code == 130
+    assert not marker.exists() and loop.asked >= 2
+    assert "waiting for co-location" in capsys.readouterr().err
