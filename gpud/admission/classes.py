@@ -52,7 +52,7 @@ def class_views(
                 )
             )
     models = _with_efficiency(models, records, now=now, window_s=window_s)
-    quotes = class_quotes(models)
+    quotes = class_quotes(models, horizon_s=window_s)
     return {
         key: ClassView(key, r, demands[key], packings.get(key), stats.get(key), quotes.get(key))
         for key, r in sorted(requests.items())

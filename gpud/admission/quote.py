@@ -196,7 +196,13 @@ def upper_wait(k: int, rho: float, mean_s: float, scv: float, spread: float) -> 
     return wait * (1.0 + CONFIDENCE_Z * elasticity * spread)
 
 
-def class_quotes(classes: Sequence[ClassModel]) -> dict[str, ClassQuote]:
+def class_quotes(
+    classes: Sequence[ClassModel], *, horizon_s: float | None = None
+) -> dict[str, ClassQuote]:
+    """Each class's quote. A mean wait longer than ``horizon_s`` (the history the model is
+    fitted from) is no quote but an overload: at a load within rounding of 1 the M/G/k wait
+    is finite only in arithmetic (a pool that is saturated flips between an infinite wait
+    and 10^17 s), and nothing measured supports a wait longer than what was watched."""
     out: dict[str, ClassQuote] = {}
     for c in classes:
         weights: list[tuple[float, ClassModel]] = []
@@ -220,6 +226,8 @@ def class_quotes(classes: Sequence[ClassModel]) -> dict[str, ClassQuote]:
         eta = min(max(c.efficiency, MIN_EFFICIENCY), 1.0)
         spread = min(math.sqrt((1.0 + scv) / max(runs, 1)), 1.0)
         wait = upper_wait(c.k_eff, rho / eta, mean, scv, spread)
+        if horizon_s is not None and wait > horizon_s:
+            wait = math.inf
         out[c.key] = ClassQuote(c.key, wait, rho, c.k_eff, mean, scv, eta)
     by_key = {c.key: c for c in classes}
     return {

@@ -165,6 +165,7 @@ def run_request_from_json(text: str) -> RunRequest:
     data = json.loads(text)
     data["kind"] = JobKind(data["kind"]) if data.get("kind") else None
     data["devices"] = tuple(data.get("devices", ()))
+    data["advised_devices"] = tuple(data.get("advised_devices", ()))
     return RunRequest(**data)
 
 

@@ -131,7 +131,8 @@ NEVER_FITS = "never fits"  # the co-location loop's reason when waiting would no
 
 def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -> bool:
     """Where the co-location loop would put a job that names no place (on the command line
-    or when it was registered): its GPU and MPS thread share go into the request. Without advice (loop off, unreachable) or for a job
+    or when it was registered): its GPU and MPS thread share go into the request as advice
+    for this run. Without advice (loop off, unreachable) or for a job
     that never fits, the jobs service places the job as it always does. When the loop says
     wait (no GPU where sharing pays off now), the job waits until it names one, unless
     ``--no-wait``: placing it anyway would share a GPU the loop just refused. False when
@@ -162,12 +163,12 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -
         if waited is None:
             return False
         resp = waited
-    request.devices.append(resp.device)
-    declared = request.HasField("threads_percent") or (
-        known is not None and known.HasField("threads_percent")
-    )
-    if not declared and resp.threads_percent < 100:
-        request.threads_percent = resp.threads_percent
+    # For this run only: the job is not registered with the GPU it was advised today, and
+    # a thread share it was registered with stays (the jobs service applies the advice
+    # where neither the request nor the registered job says).
+    request.advised_devices.append(resp.device)
+    if resp.threads_percent < 100:
+        request.advised_threads_percent = resp.threads_percent
     print(f"gpuctl: {args.job} on GPU {resp.gpu}: {resp.reason}", file=sys.stderr)
     return True
 

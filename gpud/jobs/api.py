@@ -150,6 +150,8 @@ class JobsServicer(pb_grpc.JobsServicer):
                     memory_bytes=optional(request, "memory_limit_bytes"),
                     client_priority=optional(request, "client_priority"),
                     holder_pid=optional(request, "holder_pid"),
+                    advised_devices=tuple(request.advised_devices),
+                    advised_threads_percent=optional(request, "advised_threads_percent"),
                 )
             )
             return pb.ReserveResponse(

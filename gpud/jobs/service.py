@@ -40,6 +40,10 @@ class RunRequest:
     memory_bytes: int | None = None
     client_priority: int | None = None
     holder_pid: int | None = None
+    # Co-location's advice for this run: where neither the request nor the registered job
+    # names a place or a thread share. Never registered with the job.
+    advised_devices: tuple[str, ...] = ()
+    advised_threads_percent: int | None = None
 
 
 # Called inside the transaction that adds ("reserve") or removes ("release") a reservation,
@@ -188,7 +192,7 @@ class JobService:
         request = self.resolved(request)
         with self._lock:
             job, created = self.job_for(request, preview=preview)
-            effective = _override(job, request)
+            effective = _advised(_override(job, request), request)
             self._refuse_unhealthy(effective)
             placed = effective
             if self.gate is not None and not preview and not admitted:
@@ -338,4 +342,15 @@ def _override(job: JobSpec, request: RunRequest) -> JobSpec:
         value = getattr(request, name)
         if value is not None:
             changes[name] = value
+    return validate_spec(replace(job, **changes)) if changes else job  # type: ignore[arg-type]
+
+
+def _advised(job: JobSpec, request: RunRequest) -> JobSpec:
+    """The job with co-location's advice where it names no place or thread share."""
+    changes: dict[str, object] = {}
+    placed = job.devices or job.mig_profile is not None or job.gpu_count is not None
+    if request.advised_devices and not placed:
+        changes["devices"] = request.advised_devices
+    if request.advised_threads_percent is not None and job.threads_percent is None:
+        changes["threads_percent"] = request.advised_threads_percent
     return validate_spec(replace(job, **changes)) if changes else job  # type: ignore[arg-type]

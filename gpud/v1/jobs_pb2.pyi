@@ -360,6 +360,8 @@ class ReserveRequest(_message.Message):
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _builtins.int
     CLIENT_PRIORITY_FIELD_NUMBER: _builtins.int
     HOLDER_PID_FIELD_NUMBER: _builtins.int
+    ADVISED_DEVICES_FIELD_NUMBER: _builtins.int
+    ADVISED_THREADS_PERCENT_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     kind: Global___JobKind.ValueType
     """for a new job (default training); must match an existing one"""
@@ -371,8 +373,16 @@ class ReserveRequest(_message.Message):
     client_priority: _builtins.int
     holder_pid: _builtins.int
     """released when this process is gone"""
+    advised_threads_percent: _builtins.int
     @_builtins.property
     def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def advised_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Co-location's advice for this run (gpuctl run asks the loop): used where neither the
+        request nor the registered job names a place (devices, MIG profile, GPU count) or a
+        thread share; never registered with the job.
+        """
+
     def __init__(
         self,
         *,
@@ -386,11 +396,15 @@ class ReserveRequest(_message.Message):
         memory_limit_bytes: _builtins.int | None = ...,
         client_priority: _builtins.int | None = ...,
         holder_pid: _builtins.int | None = ...,
+        advised_devices: _abc.Iterable[_builtins.str] | None = ...,
+        advised_threads_percent: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_client_priority", b"_client_priority", "_gpu_count", b"_gpu_count", "_holder_pid", b"_holder_pid", "_memory_limit_bytes", b"_memory_limit_bytes", "_mig_profile", b"_mig_profile", "_threads_percent", b"_threads_percent", "client_priority", b"client_priority", "gpu_count", b"gpu_count", "holder_pid", b"holder_pid", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "threads_percent", b"threads_percent"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_advised_threads_percent", b"_advised_threads_percent", "_client_priority", b"_client_priority", "_gpu_count", b"_gpu_count", "_holder_pid", b"_holder_pid", "_memory_limit_bytes", b"_memory_limit_bytes", "_mig_profile", b"_mig_profile", "_threads_percent", b"_threads_percent", "advised_threads_percent", b"advised_threads_percent", "client_priority", b"client_priority", "gpu_count", b"gpu_count", "holder_pid", b"holder_pid", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "threads_percent", b"threads_percent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_client_priority", b"_client_priority", "_gpu_count", b"_gpu_count", "_holder_pid", b"_holder_pid", "_memory_limit_bytes", b"_memory_limit_bytes", "_mig_profile", b"_mig_profile", "_threads_percent", b"_threads_percent", "client_priority", b"client_priority", "devices", b"devices", "gpu_count", b"gpu_count", "holder_pid", b"holder_pid", "job", b"job", "kind", b"kind", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "owner", b"owner", "threads_percent", b"threads_percent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_advised_threads_percent", b"_advised_threads_percent", "_client_priority", b"_client_priority", "_gpu_count", b"_gpu_count", "_holder_pid", b"_holder_pid", "_memory_limit_bytes", b"_memory_limit_bytes", "_mig_profile", b"_mig_profile", "_threads_percent", b"_threads_percent", "advised_devices", b"advised_devices", "advised_threads_percent", b"advised_threads_percent", "client_priority", b"client_priority", "devices", b"devices", "gpu_count", b"gpu_count", "holder_pid", b"holder_pid", "job", b"job", "kind", b"kind", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "owner", b"owner", "threads_percent", b"threads_percent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__advised_threads_percent: _TypeAlias = _typing.Literal["advised_threads_percent"]  # noqa: Y015
+    _WhichOneofArgType__advised_threads_percent: _TypeAlias = _typing.Literal["_advised_threads_percent", b"_advised_threads_percent"]  # noqa: Y015
     _WhichOneofReturnType__client_priority: _TypeAlias = _typing.Literal["client_priority"]  # noqa: Y015
     _WhichOneofArgType__client_priority: _TypeAlias = _typing.Literal["_client_priority", b"_client_priority"]  # noqa: Y015
     _WhichOneofReturnType__gpu_count: _TypeAlias = _typing.Literal["gpu_count"]  # noqa: Y015
@@ -403,6 +417,8 @@ class ReserveRequest(_message.Message):
     _WhichOneofArgType__mig_profile: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile"]  # noqa: Y015
     _WhichOneofReturnType__threads_percent: _TypeAlias = _typing.Literal["threads_percent"]  # noqa: Y015
     _WhichOneofArgType__threads_percent: _TypeAlias = _typing.Literal["_threads_percent", b"_threads_percent"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__advised_threads_percent) -> _WhichOneofReturnType__advised_threads_percent | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__client_priority) -> _WhichOneofReturnType__client_priority | None: ...
     @_typing.overload

@@ -296,3 +296,23 @@ def test_memory_the_driver_does_not_report_per_process_is_counted_once(
     advice = json.loads(out)
     assert advice["gpu"] in (0, 1), advice["reason"]
     assert show(daemon)["unattributed_processes"] == {}
+
+
+def test_gpuctl_run_waits_for_co_location_and_starts_when_room_comes(
+    node: tuple[RunningDaemon, Jobs], tmp_path: Path
+) -> None:
+    """Both GPUs hold a 60 GiB job: a 30 GiB job fits beside neither, so `gpuctl run` of a
+    job that names no place waits, saying why, and starts once a GPU has room."""
+    daemon, jobs = node
+    big = [jobs.run(f"big{i}", "--memory", "60GiB", "--", "sleep", "300") for i in range(2)]
+    wait_for(lambda: len(show(daemon)["placements"]) == 2)  # type: ignore[arg-type]
+    marker = tmp_path / "ran"
+    small = jobs.run("small", "--memory", "30GiB", "--", "touch", str(marker))
+    log = tmp_path / "small.log"
+    wait_for(lambda: "waiting for co-location: GPU 0: memory" in log.read_text())
+    time.sleep(2)
+    assert small.poll() is None and not marker.exists()
+    big[0].send_signal(signal.SIGTERM)  # gpuctl forwards it; the reservation goes
+    wait_for(lambda: small.poll() is not None)
+    assert small.returncode == 0 and marker.exists()
+    assert "small on GPU" in log.read_text()

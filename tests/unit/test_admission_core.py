@@ -174,6 +174,19 @@ def test_classes_sharing_devices_are_quoted_no_less_than_each_other() -> None:
     assert quotes["small"].servers == 4 and quotes["large"].servers == 1
 
 
+def test_a_wait_longer_than_the_history_is_an_overload_not_a_quote() -> None:
+    """A saturated pool, its load within rounding of 1, is quoted no finite wait: Erlang C
+    alone would say 10^13 s and more, flipping with the last bit of the load."""
+    from gpud.admission.quote import ClassModel, class_quotes
+
+    pool = frozenset({"GPU-0"})
+    saturated = ClassModel("s", (1 - 1e-13) / 100.0, 100.0, 1.0, 1, pool, runs=50)
+    assert 1e12 < class_quotes([saturated])["s"].wait_s < math.inf
+    assert class_quotes([saturated], horizon_s=7 * 86400.0)["s"].wait_s == math.inf
+    calm = ClassModel("c", 0.5 / 100.0, 100.0, 1.0, 1, pool, runs=50)
+    assert class_quotes([calm], horizon_s=7 * 86400.0)["c"].wait_s < 1000.0
+
+
 def test_a_class_with_no_ended_run_counts_its_running_time() -> None:
     stats = estimate([Record("a", "big", 0.0, 0.0, None)], now=300.0)["big"]
     assert stats.completions == 0 and stats.mean_service_s == pytest.approx(300.0)

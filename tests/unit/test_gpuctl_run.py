@@ -257,9 +257,12 @@ def test_gpuctl_run_waits_while_co_location_says_wait(
         out = tmp_path / "child.json"
         assert n.ctl("run", "--job", "t", "--", sys.executable, "-c", CHILD, str(out), "0") == 0
         env = json.loads(out.read_text())["env"]
+        registered = n.jobs.registry.get("t")
     assert loop.asked == 3
     assert env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    # The advice is for this run: the job is not registered to that GPU or share.
+    assert registered.devices == () and registered.threads_percent is None
     err = capsys.readouterr().err
     # Said once, not at every poll.
     assert err.count("waiting for co-location: sharing any GPU would slow") == 1
