@@ -64,6 +64,7 @@ EXIT_INTERRUPTED = 130
 EXIT_TAKEN = ERROR_TABLE[ResourceExhausted][1]
 EXIT_NOT_FOUND = ERROR_TABLE[NotFound][1]
 POLL_S = 1.0
+ADVICE_ROUNDS = 3  # advice asked for at most this many times when its GPU is taken meanwhile
 QUEUE_OFF = "admission queue is off"  # gpud's message when admission.enabled = false
 EXIT_GATE_CLOSED = 125
 # Says it is running (one byte on fd argv[2]: only then does /proc/PID/environ show the
@@ -173,6 +174,30 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -
     return True
 
 
+def _reserve_advised(ctx: Context, args: argparse.Namespace) -> pb.ReserveResponse | None:
+    """Reserve what the request (and the loop's advice) names. A GPU the advice named but
+    another run took in between is asked about again, up to ADVICE_ROUNDS times, so the
+    job still goes where sharing pays off; None when a signal stopped a wait for advice."""
+    stub = ctx.stub(pb_grpc.JobsStub)
+    rounds = 1
+    while True:
+        request = reserve_request(args)
+        if not advise(ctx, args, request):
+            return None
+        try:
+            resp: pb.ReserveResponse = ctx.call(stub.Reserve, request)
+            return resp
+        except CliError as err:
+            if (
+                err.exit_code != EXIT_TAKEN
+                or not request.advised_devices
+                or rounds == ADVICE_ROUNDS
+            ):
+                raise
+            rounds += 1
+            print(f"gpuctl: {err}; asking co-location again", file=sys.stderr, flush=True)
+
+
 def _registered(ctx: Context, job: str) -> pb.Job | None:
     """``job`` as registered (``gpuctl jobs add``); None when this run registers it."""
     try:
@@ -251,12 +276,10 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
         raise CliError(
             "run: give the command after --, e.g. gpuctl run --job a -- ./train", EXIT_USAGE
         )
-    stub = ctx.stub(pb_grpc.JobsStub)
-    request = reserve_request(args)
-    if not advise(ctx, args, request):
-        return EXIT_INTERRUPTED
     try:
-        resp: pb.ReserveResponse = ctx.call(stub.Reserve, request)
+        resp = _reserve_advised(ctx, args)
+        if resp is None:
+            return EXIT_INTERRUPTED
         reservation, devices, granted = (
             resp.reservation.id,
             list(resp.reservation.devices),

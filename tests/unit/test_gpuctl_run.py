@@ -340,3 +340,50 @@ def test_ctrl_c_while_waiting_for_co_location_runs_nothing(
     assert code == 130
     assert not marker.exists() and loop.asked >= 2
     assert "waiting for co-location" in capsys.readouterr().err
+
+
+class Names(colo_pb2_grpc.ColocationServicer):
+    """A co-location loop that names these devices, one per question."""
+
+    def __init__(self, *devices: str) -> None:
+        self.devices = list(devices)
+
+    async def Advise(
+        self, request: colo_pb2.AdviseRequest, context: Any
+    ) -> colo_pb2.AdviseResponse:
+        device = self.devices.pop(0)
+        return colo_pb2.AdviseResponse(gpu=0, device=device, threads_percent=100, reason="here")
+
+    def register(self, server: Any) -> None:
+        colo_pb2_grpc.add_ColocationServicer_to_server(self, server)
+
+
+def test_advice_whose_gpu_was_taken_meanwhile_is_asked_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Between the advice and the reservation another run took the GPU: gpuctl asks again
+    rather than queueing for a GPU it no longer needs."""
+    loop = Names(gpu_uuid(1), mig_uuid(0, 0))
+    with serving(loop.register) as n:
+        n.jobs.reservations.add(
+            "other", [gpu_uuid(1)], threads_percent=None, memory_bytes=70 * GIB,
+            client_priority=1, holder_pid=None,
+        )  # fmt: skip
+        out = tmp_path / "child.json"
+        code = n.ctl(
+            "run",
+            "--job",
+            "t",
+            "--memory",
+            "20GiB",
+            "--",
+            sys.executable,
+            "-c",
+            CHILD,
+            str(out),
+            "0",
+        )
+        assert code == 0
+        env = json.loads(out.read_text())["env"]
+    assert env["CUDA_VISIBLE_DEVICES"] == mig_uuid(0, 0) and loop.devices == []
+    assert "asking co-location again" in capsys.readouterr().err
