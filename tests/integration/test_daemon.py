@@ -182,10 +182,15 @@ def test_mig_layout_survives_restart_and_is_recreated_after_reboot(tmp_path: Pat
         since_restart = kinds[len(kinds) - 1 - kinds[::-1].index("daemon.start") :]
         assert not [k for k in since_restart if k.startswith("mig.apply")], since_restart
         again.gpuctl("sim", "reboot")
+
+        def listed() -> list[str]:
+            return [d["uuid"] for g in gpus(again) for d in g["mig_devices"]]  # type: ignore[attr-defined]
+
+        # The listing is the last sample's: first see the reboot in it, then the instances back.
+        wait_for(lambda: listed() != uuids)
         wait_for(lambda: again.gpuctl("mig", "assert", *mig, check=False).returncode == 0)
-        wait_for(lambda: len([d for g in gpus(again) for d in g["mig_devices"]]) == len(uuids))  # type: ignore[attr-defined]
-        recreated = [d["uuid"] for g in gpus(again) for d in g["mig_devices"]]  # type: ignore[attr-defined]
-        assert set(recreated).isdisjoint(uuids)  # new instances, new UUIDs
+        wait_for(lambda: len(listed()) == len(uuids))
+        assert set(listed()).isdisjoint(uuids)  # new instances, new UUIDs
     finally:
         stop_daemon(again)
 
