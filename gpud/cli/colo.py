@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
-from gpud.cli.output import NA
+from gpud.cli.output import NA, seconds
 from gpud.errors import InvalidArgument
 from gpud.shared import format_size, parse_size
 from gpud.v1 import colo_pb2 as pb
@@ -107,6 +107,10 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
             f"GPU {gpu}: {n}" for gpu, n in sorted(resp.unattributed_processes.items())
         )
         ctx.out.print(f"processes of no job (their memory held, their GPU never free): {strangers}")
+    for w in resp.waiting:
+        ctx.out.print(
+            f"waiting for a GPU (gpuctl run): {w.job} for {seconds(w.waited_seconds)}: {w.reason}"
+        )
     ctx.out.print(
         "speed: throughput shared over alone (1.00: no slowdown), observed for jobs that "
         "ran alone first: training per second of running time (duty taken out), inference "

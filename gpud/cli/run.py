@@ -160,6 +160,7 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -
             return True
         if args.no_wait:
             raise CliError(f"cannot start now: co-location: {resp.reason}", EXIT_TAKEN)
+        ask.waiting = True  # listed by `gpuctl colo show` while it asks
         waited = _wait_for_advice(ctx, ask, resp)
         if waited is None:
             return False

@@ -97,6 +97,8 @@ class ColoServicer(pb_grpc.ColocationServicer):
         for (residents, check), count in sorted(v.refused.items()):
             out.refused.add(residents=residents, check=check, count=count)
         out.unattributed_processes.update(v.strangers)
+        for job, waited, reason in v.waiting:
+            out.waiting.add(job=job, waited_seconds=waited, reason=reason)
         for p in out.placements:
             if p.gpu in v.faulty:
                 p.reason = f"GPU {p.gpu} {v.faulty[p.gpu]}: left alone until it answers"
@@ -134,6 +136,7 @@ class ColoServicer(pb_grpc.ColocationServicer):
             sm_activity=optional(request, "sm_activity"),
             peak_load=optional(request, "peak_load") or 0.0,
             snapshot=snap,
+            waiting=request.waiting,
         )
         out = pb.AdviseResponse(
             gpu=a.gpu,

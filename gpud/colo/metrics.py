@@ -70,6 +70,11 @@ class ColoMetrics:
         samples = GaugeMetricFamily(
             "gpud_colo_predictor_samples", "Slowdowns the predictor learned from."
         )
+        waiting = GaugeMetricFamily(
+            "gpud_colo_waiting_jobs",
+            "gpuctl run invocations waiting for the co-location loop to name a GPU.",
+        )
+        waiting.add_metric([], float(len(v.waiting)))
         if v.plan is not None:
             for (gpu, resource), value in sorted(v.plan.prices.items()):
                 price.add_metric([str(gpu), resource], value)
@@ -90,4 +95,6 @@ class ColoMetrics:
                 p99.add_metric([g.job], g.p99_ms / 1e3)
         mae.add_metric([], v.predictor_mae)
         samples.add_metric([], float(v.predictor_samples))
-        yield from (price, iters, resid, share, duty, pred, obs, gduty, p99, slo, mae, samples)
+        yield from (
+            price, iters, resid, share, duty, pred, obs, gduty, p99, slo, mae, samples, waiting
+        )  # fmt: skip

@@ -208,9 +208,13 @@ class ColoView:
     refused: dict[tuple[int, str], int] = field(default_factory=dict)
     # GPU index -> processes of no job there (MPS servers aside)
     strangers: dict[int, int] = field(default_factory=dict)
+    # (job, seconds, why) of each gpuctl run waiting for advice
+    waiting: tuple[tuple[str, float, str], ...] = ()
 
 
 PRIOR = JobFeatures(sm=0.8, mem_bw=0.6)
+# A waiting gpuctl run asks every second: one silent this long has gone (Ctrl-C, killed).
+WAITER_GONE_S = 10.0
 
 
 def _mig_sm_fraction(profile: str) -> float | None:
@@ -271,6 +275,8 @@ class ColoService:
         # the last advice: its job and the options its plan refused (only advice has
         # pending jobs: the loop's own plans direct running ones)
         self._refused: tuple[str, Mapping[tuple[int, str], int]] = ("", {})
+        # job -> (first told to wait, last asked, why) for askers that wait (gpuctl run)
+        self._waiting: dict[str, tuple[float, float, str]] = {}
         self._state_file = state_file
         self._saved: dict[str, Any] | None = None
         self._save_error = ""  # why the last write failed ("": it did not)
@@ -904,9 +910,49 @@ class ColoService:
         sm_activity: float | None = None,
         peak_load: float = 0.0,
         snapshot: Snapshot | None = None,
+        waiting: bool = False,
     ) -> Advice:
         """Where a new job should go now: a whole GPU's MPS share, or (an inference job with
-        a tight SLO) a free MIG instance; nothing is reserved."""
+        a tight SLO) a free MIG instance; nothing is reserved. ``waiting``: the asker waits
+        for a GPU (``gpuctl run``): a job told to wait is listed by :meth:`show` while it
+        keeps asking."""
+        advice = self._advice(
+            job,
+            kind=kind,
+            memory_bytes=memory_bytes,
+            slo_p99_ms=slo_p99_ms,
+            sm_activity=sm_activity,
+            peak_load=peak_load,
+            snapshot=snapshot,
+        )
+        now = self._clock()
+        with self._lock:
+            if waiting and advice.gpu < 0:
+                since = self._waiting.get(job, (now, now, ""))[0]
+                self._waiting[job] = (since, now, advice.reason)
+            else:
+                self._waiting.pop(job, None)
+        return advice
+
+    def waiting(self) -> list[tuple[str, float, str]]:
+        """(job, seconds waited, why) of each ``gpuctl run`` waiting for advice: those told
+        to wait that asked again within :data:`WAITER_GONE_S`."""
+        now = self._clock()
+        with self._lock:
+            self._waiting = {j: w for j, w in self._waiting.items() if now - w[1] <= WAITER_GONE_S}
+            return [(j, now - w[0], w[2]) for j, w in sorted(self._waiting.items())]
+
+    def _advice(
+        self,
+        job: str,
+        *,
+        kind: str,
+        memory_bytes: int | None,
+        slo_p99_ms: float | None,
+        sm_activity: float | None,
+        peak_load: float,
+        snapshot: Snapshot | None,
+    ) -> Advice:
         if kind not in ("training", "inference"):
             raise InvalidArgument(f"job {job}: kind must be training or inference, not {kind!r}")
         if sm_activity is not None and not 0.0 < sm_activity <= 1.0:
@@ -1037,4 +1083,5 @@ class ColoService:
                 refused_job=self._refused[0],
                 refused=dict(self._refused[1]),
                 strangers={g: n for g, n in strangers.items() if n},
+                waiting=tuple(self.waiting()),
             )

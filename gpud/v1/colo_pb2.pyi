@@ -247,6 +247,7 @@ class ShowColoResponse(_message.Message):
     REFUSED_FIELD_NUMBER: _builtins.int
     REFUSED_JOB_FIELD_NUMBER: _builtins.int
     UNATTRIBUTED_PROCESSES_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
     price_iterations: _builtins.int
     price_residual: _builtins.float
     prices_converged: _builtins.bool
@@ -277,6 +278,10 @@ class ShowColoResponse(_message.Message):
         their memory held, the GPU never called free.
         """
 
+    @_builtins.property
+    def waiting(self) -> _containers.RepeatedCompositeFieldContainer[Global___ColoWaiter]:
+        """Jobs whose `gpuctl run` waits for the loop to name a GPU, and why it does not yet."""
+
     def __init__(
         self,
         *,
@@ -294,14 +299,40 @@ class ShowColoResponse(_message.Message):
         refused: _abc.Iterable[Global___ColoRefusal] | None = ...,
         refused_job: _builtins.str = ...,
         unattributed_processes: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
+        waiting: _abc.Iterable[Global___ColoWaiter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "guards", b"guards", "placements", b"placements", "plan_age_seconds", b"plan_age_seconds", "predictor_margins", b"predictor_margins", "predictor_mean_abs_error", b"predictor_mean_abs_error", "predictor_samples", b"predictor_samples", "price_iterations", b"price_iterations", "price_residual", b"price_residual", "prices", b"prices", "prices_converged", b"prices_converged", "refused", b"refused", "refused_job", b"refused_job", "unattributed_processes", b"unattributed_processes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "guards", b"guards", "placements", b"placements", "plan_age_seconds", b"plan_age_seconds", "predictor_margins", b"predictor_margins", "predictor_mean_abs_error", b"predictor_mean_abs_error", "predictor_samples", b"predictor_samples", "price_iterations", b"price_iterations", "price_residual", b"price_residual", "prices", b"prices", "prices_converged", b"prices_converged", "refused", b"refused", "refused_job", b"refused_job", "unattributed_processes", b"unattributed_processes", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ShowColoResponse: _TypeAlias = ShowColoResponse  # noqa: Y015
+
+@_typing.final
+class ColoWaiter(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    WAITED_SECONDS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    waited_seconds: _builtins.float
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        waited_seconds: _builtins.float = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "reason", b"reason", "waited_seconds", b"waited_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ColoWaiter: _TypeAlias = ColoWaiter  # noqa: Y015
 
 @_typing.final
 class AdviseRequest(_message.Message):
@@ -313,6 +344,7 @@ class AdviseRequest(_message.Message):
     SLO_P99_MS_FIELD_NUMBER: _builtins.int
     SM_ACTIVITY_FIELD_NUMBER: _builtins.int
     PEAK_LOAD_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     kind: _builtins.str
     """"training" (default) or "inference" """
@@ -322,6 +354,8 @@ class AdviseRequest(_message.Message):
     """declared SM activity alone, 0..1"""
     peak_load: _builtins.float
     """inference: requests/s to hold within the SLO"""
+    waiting: _builtins.bool
+    """the asker waits for a GPU (gpuctl run): listed in ShowColo meanwhile"""
     def __init__(
         self,
         *,
@@ -331,10 +365,11 @@ class AdviseRequest(_message.Message):
         slo_p99_ms: _builtins.float | None = ...,
         sm_activity: _builtins.float | None = ...,
         peak_load: _builtins.float | None = ...,
+        waiting: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "job", b"job", "kind", b"kind", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "job", b"job", "kind", b"kind", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__memory_bytes: _TypeAlias = _typing.Literal["memory_bytes"]  # noqa: Y015
     _WhichOneofArgType__memory_bytes: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes"]  # noqa: Y015

@@ -312,6 +312,10 @@ def test_gpuctl_run_waits_for_co_location_and_starts_when_room_comes(
     wait_for(lambda: "waiting for co-location: GPU 0: memory" in log.read_text())
     time.sleep(2)
     assert small.poll() is None and not marker.exists()
+    # Operators see who waits, and why.
+    (waiter,) = show(daemon)["waiting"]  # type: ignore[misc]
+    assert waiter["job"] == "small" and "memory" in waiter["reason"], waiter
+    assert "waiting for a GPU (gpuctl run): small for " in daemon.gpuctl("colo", "show").stdout
     big[0].send_signal(signal.SIGTERM)  # gpuctl forwards it; the reservation goes
     wait_for(lambda: small.poll() is not None)
     assert small.returncode == 0 and marker.exists()

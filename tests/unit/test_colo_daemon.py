@@ -135,6 +135,30 @@ def test_advise_places_on_a_free_gpu_and_checks_input(
         svc.report_latency("chat", [float("nan")])
 
 
+def test_runs_waiting_for_advice_are_listed_while_they_ask(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A gpuctl run told to wait is listed, with how long and why, while it keeps asking;
+    not an operator's question, not once it is placed, not once it stops asking."""
+    svc, clock, _ = service
+    snap = snapshot()
+    svc.tick(snap)
+    big = {"memory_bytes": 70 * GIB, "snapshot": snap}
+    svc.advise("asked", **big)  # type: ignore[arg-type]
+    assert svc.advise("big", waiting=True, **big).gpu == -1  # type: ignore[arg-type]
+    clock.t += 5.0
+    svc.advise("big", waiting=True, **big)  # type: ignore[arg-type]
+    ((job, waited, why),) = svc.show().waiting
+    assert job == "big" and waited == pytest.approx(5.0) and "memory" in why
+    (family,) = [m for m in ColoMetrics(svc)() if m.name == "gpud_colo_waiting_jobs"]
+    assert [s.value for s in family.samples] == [1.0]
+    clock.t += 11.0  # it stopped asking (Ctrl-C, killed)
+    assert svc.show().waiting == ()
+    svc.advise("big", waiting=True, **big)  # type: ignore[arg-type]
+    assert svc.advise("big", waiting=True, memory_bytes=8 * GIB, snapshot=snap).gpu == 1
+    assert svc.show().waiting == ()
+
+
 def test_metrics(service: tuple[ColoService, Clock, list[RunningJob]]) -> None:
     svc, _, _ = service
     svc.report_latency("chat", [0.02] * 50)
