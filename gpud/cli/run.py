@@ -64,6 +64,7 @@ EXIT_INTERRUPTED = 130
 EXIT_TAKEN = ERROR_TABLE[ResourceExhausted][1]
 EXIT_NOT_FOUND = ERROR_TABLE[NotFound][1]
 POLL_S = 1.0
+ADVICE_POLL_MAX_S = 4.0  # a wait for advice asks at least this often (gpud forgets at 10 s)
 ADVICE_ROUNDS = 3  # advice asked for at most this many times when its GPU is taken meanwhile
 QUEUE_OFF = "admission queue is off"  # gpud's message when admission.enabled = false
 EXIT_GATE_CLOSED = 125
@@ -215,19 +216,26 @@ def _registered(ctx: Context, job: str) -> pb.Job | None:
 def _wait_for_advice(
     ctx: Context, ask: colo_pb2.AdviseRequest, resp: colo_pb2.AdviseResponse
 ) -> colo_pb2.AdviseResponse | None:
-    """Ask again every POLL_S until the loop names a GPU (that advice), saying why it waits
-    whenever the reason changes; None when a signal stopped the wait. Through a gpud
+    """Ask again, every POLL_S and less often (up to ADVICE_POLL_MAX_S) while the answer
+    stays the same, until the loop names a GPU (that advice), saying why it waits whenever
+    the reason changes; None when a signal stopped the wait. Through a gpud
     restart it keeps asking; advice that stops (the loop turned off) ends the wait with the
     last answer, which places nothing, and the jobs service places the job."""
     with _signals_stop() as stop:
         shown = ""
         away = False
+        interval = POLL_S
         while not (resp.gpu >= 0 and resp.device):
             line = f"waiting for co-location: {resp.reason}"
             if line != shown:
                 print(f"gpuctl: {line}", file=sys.stderr, flush=True)
                 shown = line
-            if stop.wait(POLL_S):
+                interval = POLL_S
+            else:
+                # Each question is a planning pass in gpud: many runs waiting on an
+                # unchanged answer ask less often.
+                interval = min(ADVICE_POLL_MAX_S, interval * 1.5)
+            if stop.wait(interval):
                 return None
             try:
                 resp = ctx.call(ctx.stub(colo_pb2_grpc.ColocationStub).Advise, ask)
