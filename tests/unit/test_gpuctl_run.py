@@ -330,15 +330,24 @@ def test_ctrl_c_while_waiting_for_co_location_runs_nothing(
     loop = SaysWait(waits=10**6)
     with serving(loop.register) as n:
         marker = tmp_path / "ran"
-        timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
+        done = threading.Event()
+
+        def interrupt() -> None:
+            # Once it asks again, it is in the wait, whose handler takes the signal (before,
+            # the signal would interrupt the test itself).
+            while loop.asked < 2 and not done.wait(0.05):
+                pass
+            if not done.is_set():
+                os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt, daemon=True).start()
         try:
             code = n.ctl("run", "--job", "t", "--", "touch", str(marker))
         finally:
-            timer.cancel()
+            done.set()
         assert n.jobs.reservations.held() == []
     assert code == 130
-    assert not marker.exists() and loop.asked >= 1
+    assert not marker.exists() and loop.asked >= 2
     assert "waiting for co-location" in capsys.readouterr().err
 
 
