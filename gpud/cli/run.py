@@ -134,8 +134,8 @@ NEVER_FITS = "never fits"  # the co-location loop's reason when waiting would no
 def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -> bool:
     """Where the co-location loop would put a job that names no place (on the command line
     or when it was registered): its GPU and MPS thread share go into the request as advice
-    for this run. Without advice (loop off, unreachable) or for a job
-    that never fits, the jobs service places the job as it always does. When the loop says
+    for this run. Without advice (loop off, unreachable) or for a job that never fits, the
+    jobs service places the job as it always does. When the loop says
     wait (no GPU where sharing pays off now), the job waits until it names one, unless
     ``--no-wait``: placing it anyway would share a GPU the loop just refused. False when
     Ctrl-C (or SIGTERM, SIGHUP) stopped the wait."""
@@ -165,6 +165,8 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -
         waited = _wait_for_advice(ctx, ask, resp)
         if waited is None:
             return False
+        if waited.gpu < 0 or not waited.device:
+            return True  # the advice stopped: the jobs service places it
         resp = waited
     # For this run only: the job is not registered with the GPU it was advised today, and
     # a thread share it was registered with stays (the jobs service applies the advice

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from gpud.api import ApiServer
@@ -83,8 +84,13 @@ def node(request: pytest.FixtureRequest) -> Iterator[Node]:
 class SaysWait(colo_pb2_grpc.ColocationServicer):
     """A co-location loop that says wait ``waits`` times, then names GPU 1 at 50%."""
 
-    def __init__(self, waits: int, reason: str = "sharing any GPU would slow a job below 1/2"):
-        self.waits, self.reason, self.asked = waits, reason, 0
+    def __init__(
+        self,
+        waits: int,
+        reason: str = "sharing any GPU would slow a job below 1/2",
+        then_off: bool = False,
+    ):
+        self.waits, self.reason, self.asked, self.then_off = waits, reason, 0, then_off
 
     async def Advise(
         self, request: colo_pb2.AdviseRequest, context: Any
@@ -92,6 +98,8 @@ class SaysWait(colo_pb2_grpc.ColocationServicer):
         self.asked += 1
         if self.asked <= self.waits:
             return colo_pb2.AdviseResponse(gpu=-1, reason=self.reason)
+        if self.then_off:  # the loop turned off meanwhile
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "co-location is off")
         return colo_pb2.AdviseResponse(
             gpu=1, device=gpu_uuid(1), threads_percent=50, reason="GPU 1 is free: exclusive"
         )
@@ -396,3 +404,14 @@ def test_advice_whose_gpu_was_taken_meanwhile_is_asked_again(
         env = json.loads(out.read_text())["env"]
     assert env["CUDA_VISIBLE_DEVICES"] == mig_uuid(0, 0) and loop.devices == []
     assert "asking co-location again" in capsys.readouterr().err
+
+
+def test_a_wait_whose_advice_stops_takes_the_default_placement(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with serving(SaysWait(waits=1, then_off=True).register) as n:
+        out = tmp_path / "child.json"
+        assert n.ctl("run", "--job", "t", "--", sys.executable, "-c", CHILD, str(out), "0") == 0
+        env = json.loads(out.read_text())["env"]
+    assert env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)  # the only whole GPU, by memory fit
+    assert "no co-location advice" in capsys.readouterr().err
