@@ -45,6 +45,7 @@ from gpud.config import ClusterConfig, Config, TrafficConfig, parse_address
 from gpud.errors import ConfigError, GpudError
 from gpud.events import EventLog
 from gpud.jobs.api import JobsServicer
+from gpud.jobs.attribution import memory_by_job
 from gpud.jobs.metrics import JobMetrics
 from gpud.jobs.service import JobService
 from gpud.metrics import Collector, build_registry, start_metrics_server, stop_metrics_server
@@ -295,10 +296,11 @@ class Daemon:
                 for m in g.mig_devices:
                     index[m.identity.uuid] = g.identity.index
                     profiles[m.identity.uuid] = m.identity.profile_name
-        used = self.jobs.memory_by_job()
+        uses = self.jobs.process_uses()  # one tick's reading for memory and PIDs alike
+        used = memory_by_job(uses)
         pids: dict[tuple[str, str], list[int]] = {}
         unreported: set[tuple[str, str]] = set()  # a process whose memory NVML does not say
-        for u in self.jobs.process_uses():
+        for u in uses:
             if u.job is not None:
                 pids.setdefault((u.job, u.device), []).append(u.pid)
                 if u.used_memory_bytes is None:

@@ -213,7 +213,7 @@ class ColoView:
 
 
 PRIOR = JobFeatures(sm=0.8, mem_bw=0.6)
-# A waiting gpuctl run asks every second: one silent this long has gone (Ctrl-C, killed).
+# A waiting gpuctl run asks every 1-4 s: one silent this long has gone (Ctrl-C, killed).
 WAITER_GONE_S = 10.0
 
 
