@@ -9,7 +9,8 @@ One pass:
    job gpud knows, MPS servers, an evicted job still leaving) is held as it is.
 2. Options. For every pending job and every GPU: the configurations its shape allows, each
    scored by the predicted gain in normalized progress -- its own predicted speed (shape x
-   interference predictor against the residents) minus the speed the residents would lose.
+   interference predictor against the residents) minus the speed the residents would lose,
+   each training job's speed weighed by the SMs it keeps busy (``activity_weight``).
    An option is dropped when it would push any job under ``1 / max_slowdown`` of its speed
    alone, an inference service under its load of now (plus margin) within its SLO, or
    under its declared peak with the training beside it throttled to ``peak_duty`` (the
@@ -63,6 +64,12 @@ class PlannerParams:
     # the SLO guard throttles training at a burst (two halvings from full duty), so a
     # service GPU can hold training that its peak could not live beside at full speed.
     peak_duty: float = 0.25
+    # How much a training job's speed counts in proportion to its SM activity alone, in the
+    # gain that ranks and admits sharing: 0 counts normalized progress only, so a pair of
+    # jobs that barely touch the SMs looks as good as a pair that fills them; 1 counts the
+    # SM work done only. Between the two, sharing goes where it puts idle SMs to work and
+    # the jobs' progress still counts.
+    activity_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.memory_headroom < 0.5:
@@ -75,6 +82,8 @@ class PlannerParams:
             raise ValueError(f"peak_duty {self.peak_duty} outside (0, 1]")
         if self.max_jobs_per_gpu < 1:
             raise ValueError(f"max_jobs_per_gpu {self.max_jobs_per_gpu} below 1")
+        if not 0.0 <= self.activity_weight <= 1.0:
+            raise ValueError(f"activity_weight {self.activity_weight} outside [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -186,6 +195,11 @@ class Plan:
     # Options refused this pass, by the jobs already on the GPU and the check that refused
     # them (one of REFUSALS).
     refused: Mapping[tuple[int, str], int] = field(default_factory=dict)
+
+
+# The SM activity alone at which a training job's speed counts 1 in a gain: a typical
+# training job's (docs/colocate.md), so the gain keeps the scale min_gain is set in.
+_ACTIVITY_REF = 0.5
 
 
 @dataclass(frozen=True)
@@ -378,9 +392,21 @@ class Planner:
                 )
         # The gain too is counted pessimistically: the newcomer at its lower bound, the
         # residents' losses down to theirs. A third job rarely adds more than the error.
-        lost = sum(b - a for b, a in zip(before, low[:-1], strict=True))
-        gain = low[-1] - lost
+        worth = [self._worth(j) for j, _, _ in members]
+        lost = sum(w * (b - a) for w, b, a in zip(worth[:-1], before, low[:-1], strict=True))
+        gain = worth[-1] * low[-1] - lost
         return _Eval(True, gain, after[-1], "")
+
+    def _worth(self, job: JobView) -> float:
+        """What one unit of the job's normalized speed counts for in a gain.
+
+        A training job at the reference SM activity counts 1, one that keeps more SMs busy
+        more; an inference service always 1 (its SLO, not its SMs, is what matters).
+        """
+        w = self.params.activity_weight
+        if job.kind is not JobKind.TRAINING:
+            return 1.0
+        return (1.0 - w) + w * min(1.0, job.features.sm) / _ACTIVITY_REF
 
     # -- one pass -------------------------------------------------------------------------
     def plan(

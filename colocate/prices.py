@@ -122,6 +122,11 @@ class ShadowPrices:
                     steps[key] *= 1.0 + self.damping / 2
                 last[key] = g
                 prices[key] = max(0.0, p + steps[key] * min(1.0, max(-1.0, g)))
+                if prices[key] == 0.0:
+                    # Free again: the next excess starts from the first step. Kept, the long
+                    # step that brought the price down threw it far past the clearing
+                    # point, and the price swung between 0 and ever larger values.
+                    steps[key], last[key] = self.step, 0.0
         self.prices.update(prices)
         return PriceResult(
             choices={job: self._choose(opts, prices) for job, opts in options.items()},

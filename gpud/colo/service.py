@@ -297,6 +297,7 @@ class ColoService:
                     slo_margin=config.slo_margin,
                     # The guard never throttles below its floor: the peak must hold there.
                     peak_duty=max(config.peak_duty, config.min_duty),
+                    activity_weight=config.activity_weight,
                 ),
             )
             self._guard_params = GuardParams(

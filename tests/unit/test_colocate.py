@@ -6,7 +6,7 @@ import math
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from colocate import (
@@ -253,6 +253,8 @@ def test_prices_settle_property(utilities: list[float], demand: float) -> None:
     ),
     caps=st.lists(st.floats(0.0, 1.3), min_size=4, max_size=4),
 )
+# A price that fell back to 0 kept the long step that brought it down and swung for ever.
+@example(jobs=[[(0, 1.0, 0.05)], [(0, 1.0, 0.0546875), (2, 1.5, 0.5)]], caps=[0, 0, 0.03125, 0])
 def test_prices_converge_on_stationary_markets(
     jobs: list[list[tuple[int, float, float]]], caps: list[float]
 ) -> None:
@@ -324,6 +326,27 @@ def test_light_jobs_share_and_heavy_ones_wait() -> None:
         [training("a", sm=0.95, bw=0.9, gpu=0), training("b", sm=0.95, bw=0.9, order=1)],
     )
     assert not heavy.placements and "b" in heavy.waiting
+
+
+@pytest.mark.parametrize(("weight", "placed"), [(0.0, True), (0.5, True), (1.0, False)])
+def test_the_gain_weighs_training_speed_by_the_sms_it_keeps_busy(
+    weight: float, placed: bool
+) -> None:
+    # A job that hardly touches the SMs runs almost at full speed beside a busy one: much
+    # progress, little GPU work. Counted by SM work alone, sharing is not worth it.
+    planner = Planner(InterferencePredictor(), PlannerParams(activity_weight=weight))
+    plan = planner.plan(
+        gpus(1), [training("busy", sm=0.6, gpu=0), training("idle", sm=0.03, bw=0.02, order=1)]
+    )
+    assert [p.job_id for p in plan.placements] == (["idle"] if placed else [])
+    if not placed:
+        assert "gain" in plan.waiting["idle"]
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5])
+def test_activity_weight_is_a_fraction(bad: float) -> None:
+    with pytest.raises(ValueError, match="activity_weight"):
+        PlannerParams(activity_weight=bad)
 
 
 def test_a_job_larger_than_every_gpu_is_told_it_never_fits() -> None:
