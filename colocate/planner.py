@@ -69,7 +69,7 @@ class PlannerParams:
     # jobs that barely touch the SMs looks as good as a pair that fills them; 1 counts the
     # SM work done only. Between the two, sharing goes where it puts idle SMs to work and
     # the jobs' progress still counts.
-    activity_weight: float = 0.5
+    activity_weight: float = 0.75
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.memory_headroom < 0.5:

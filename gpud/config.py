@@ -124,7 +124,7 @@ class ColocateConfig:
     peak_duty: float = ranged(0.25, 0.001, 1.0)
     # how much a training job's speed counts by its SM activity in the gain that ranks
     # sharing (0: normalized progress only; 1: SM work only)
-    activity_weight: float = ranged(0.5, 0.0, 1.0)
+    activity_weight: float = ranged(0.75, 0.0, 1.0)
     latency_window_s: float = ranged(10.0, 1.0, 3600.0)  # p99 over this many seconds of reports
 
 

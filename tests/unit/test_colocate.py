@@ -328,7 +328,7 @@ def test_light_jobs_share_and_heavy_ones_wait() -> None:
     assert not heavy.placements and "b" in heavy.waiting
 
 
-@pytest.mark.parametrize(("weight", "placed"), [(0.0, True), (0.5, True), (1.0, False)])
+@pytest.mark.parametrize(("weight", "placed"), [(0.0, True), (0.75, True), (1.0, False)])
 def test_the_gain_weighs_training_speed_by_the_sms_it_keeps_busy(
     weight: float, placed: bool
 ) -> None:
@@ -336,7 +336,7 @@ def test_the_gain_weighs_training_speed_by_the_sms_it_keeps_busy(
     # progress, little GPU work. Counted by SM work alone, sharing is not worth it.
     planner = Planner(InterferencePredictor(), PlannerParams(activity_weight=weight))
     plan = planner.plan(
-        gpus(1), [training("busy", sm=0.6, gpu=0), training("idle", sm=0.03, bw=0.02, order=1)]
+        gpus(1), [training("busy", sm=0.6, gpu=0), training("idle", sm=0.1, bw=0.02, order=1)]
     )
     assert [p.job_id for p in plan.placements] == (["idle"] if placed else [])
     if not placed:
