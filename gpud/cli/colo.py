@@ -99,7 +99,8 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print(f"predictor p90 margins (log-speed): {margins}")
     if resp.refused:
         refused = ", ".join(
-            f"{r.count} by {r.check} on GPUs with {r.residents} jobs" for r in resp.refused
+            f"{r.count} by {r.check} on GPUs with {r.residents} job{'' if r.residents == 1 else 's'}"
+            for r in resp.refused
         )
         ctx.out.print(f"options refused when advising {resp.refused_job}: {refused}")
     if resp.unattributed_processes:

@@ -182,14 +182,15 @@ def _reserve_advised(ctx: Context, args: argparse.Namespace) -> pb.ReserveRespon
     """Reserve what the request (and the loop's advice) names. A GPU the advice named but
     another run took in between is asked about again, up to ADVICE_ROUNDS times, so the
     job still goes where sharing pays off; None when a signal stopped a wait for advice."""
-    stub = ctx.stub(pb_grpc.JobsStub)
     rounds = 1
     while True:
         request = reserve_request(args)
         if not advise(ctx, args, request):
             return None
         try:
-            resp: pb.ReserveResponse = ctx.call(stub.Reserve, request)
+            # The stub is taken after the advice: a wait through a gpud restart has
+            # closed the channel it started on.
+            resp: pb.ReserveResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).Reserve, request)
             return resp
         except CliError as err:
             if (

@@ -89,13 +89,17 @@ class SaysWait(colo_pb2_grpc.ColocationServicer):
         waits: int,
         reason: str = "sharing any GPU would slow a job below 1/2",
         then_off: bool = False,
+        away_at: int = 0,
     ):
         self.waits, self.reason, self.asked, self.then_off = waits, reason, 0, then_off
+        self.away_at = away_at
 
     async def Advise(
         self, request: colo_pb2.AdviseRequest, context: Any
     ) -> colo_pb2.AdviseResponse:
         self.asked += 1
+        if self.asked == self.away_at:  # as gRPC answers while gpud restarts
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "connection refused")
         if self.asked <= self.waits:
             return colo_pb2.AdviseResponse(gpu=-1, reason=self.reason)
         if self.then_off:  # the loop turned off meanwhile
@@ -275,6 +279,23 @@ def test_gpuctl_run_waits_while_co_location_says_wait(
     # Said once, not at every poll.
     assert err.count("waiting for co-location: sharing any GPU would slow") == 1
     assert "t on GPU 1" in err
+
+
+def test_a_wait_through_a_gpud_restart_reserves_on_a_fresh_channel(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # gpud unreachable while the run waits: gpuctl drops its channel and opens another,
+    # and the reservation that follows the wait goes over the new one.
+    loop = SaysWait(waits=2, away_at=2)
+    with serving(loop.register) as n:
+        out = tmp_path / "child.json"
+        assert n.ctl("run", "--job", "t", "--", sys.executable, "-c", CHILD, str(out), "0") == 0
+        env = json.loads(out.read_text())["env"]
+        assert n.jobs.reservations.held() == []
+    assert loop.asked == 3
+    assert env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)
+    err = capsys.readouterr().err
+    assert "still waiting" in err and "t on GPU 1" in err
 
 
 def test_gpuctl_run_no_wait_fails_when_co_location_says_wait(
