@@ -78,6 +78,9 @@ COMMAND_GROUPS: list[ModuleType] = [
 
 SOCKET_ENV = "GPUD_SOCKET"
 DEFAULT_TIMEOUT = 10.0
+# A day: a per-call timeout past it is a typo, and the socket's own timeout overflows
+# somewhere past 1e9 s.
+MAX_TIMEOUT = 86400.0
 
 
 def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
@@ -154,8 +157,11 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
     if run is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    if args.timeout <= 0:
-        print("gpuctl: --timeout must be > 0", file=sys.stderr)
+    if not 0 < args.timeout <= MAX_TIMEOUT:  # NaN too
+        print(
+            f"gpuctl: --timeout must be > 0 and at most {MAX_TIMEOUT:g} s, got {args.timeout:g}",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     ctx = Context(
         socket_path=_socket_path(args, os.environ if env is None else env),

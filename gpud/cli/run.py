@@ -153,6 +153,8 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -
     try:
         resp: colo_pb2.AdviseResponse = ctx.call(stub.Advise, ask)
     except CliError as err:
+        if err.exit_code == EXIT_USAGE:
+            raise  # a bad job name or size: the jobs service would refuse it the same way
         print(f"gpuctl: no co-location advice ({err}); default placement", file=sys.stderr)
         return True
     if resp.gpu < 0 or not resp.device:

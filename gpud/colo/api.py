@@ -13,18 +13,16 @@ from typing import Any, NamedTuple
 
 from gpud.api.validate import optional
 from gpud.colo.service import ColoService
-from gpud.errors import InvalidArgument, NotFound
+from gpud.errors import NotFound
+from gpud.jobs.registry import check_name
 from gpud.telemetry.snapshot import Snapshot
 from gpud.v1 import colo_pb2 as pb
 from gpud.v1 import colo_pb2_grpc as pb_grpc
 
-MAX_NAME = 128
-
 
 def _job(name: str) -> str:
-    if not name or len(name) > MAX_NAME:
-        raise InvalidArgument(f"job name must be 1..{MAX_NAME} characters")
-    return name
+    # Every job gpud places or hears from is a registered job: the registry's names.
+    return check_name(name, field="job")
 
 
 class Registered(NamedTuple):

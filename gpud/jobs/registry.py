@@ -115,11 +115,12 @@ def validate_spec(spec: JobSpec) -> JobSpec:
     return spec
 
 
-def check_name(name: str) -> str:
+def check_name(name: str, *, field: str = "name") -> str:
+    """A job name as the registry takes it; ``field`` names the request field it came in."""
     if not _NAME.match(name):
         raise InvalidArgument(
             f"{name!r}: letters, digits, '_', '.', '-' (up to 63, starting alphanumeric)",
-            field="name",
+            field=field,
         )
     return name
 

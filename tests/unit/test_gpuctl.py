@@ -258,7 +258,9 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
         == 2
     )  # no command: help on stderr
     assert run(capsys, "frobnicate")[0] == 2
-    assert run(capsys, "--timeout", "0", "status")[0] == 2
+    for absurd in ("0", "-1", "nan", "inf", "1e309", "1e12"):
+        code, _, err = run(capsys, "--timeout", absurd, "status")
+        assert code == 2 and "--timeout must be > 0" in err, absurd
     code, out, _ = run(capsys, "--help")
     assert code == 0 and "status" in out and "sim" in out
 

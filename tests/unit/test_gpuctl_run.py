@@ -298,6 +298,28 @@ def test_a_wait_through_a_gpud_restart_reserves_on_a_fresh_channel(
     assert "still waiting" in err and "t on GPU 1" in err
 
 
+def test_a_bad_job_name_is_refused_before_any_advice(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class Strict(SaysWait):
+        async def Advise(
+            self, request: colo_pb2.AdviseRequest, context: Any
+        ) -> colo_pb2.AdviseResponse:
+            self.asked += 1
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"job: {request.job!r}: letters, digits"
+            )
+
+    loop = Strict(waits=0)
+    with serving(loop.register) as n:
+        marker = tmp_path / "ran"
+        code = n.ctl("run", "--job", "a b", "--", "touch", str(marker))
+        assert n.jobs.reservations.held() == []
+    assert code == 2 and not marker.exists()
+    err = capsys.readouterr().err
+    assert "job: 'a b': letters, digits" in err and "on GPU" not in err
+
+
 def test_gpuctl_run_no_wait_fails_when_co_location_says_wait(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
