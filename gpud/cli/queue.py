@@ -2,7 +2,8 @@
 
 ::
 
-    gpuctl queue                 position, job, request, time waited, quote; unfeasible last
+    gpuctl queue                 position, job, request, time waited, quote; unfeasible last;
+                                 then the runs waiting for co-location (outside the queue)
     gpuctl queue --explain       and per request class: k_eff per resource, the binding one,
                                  arrival rate, service time, utilisation, packing
                                  efficiency, mean wait
@@ -14,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 
-from gpud.cli.context import Context, Subparsers
-from gpud.cli.output import seconds
+from gpud.cli.context import CliError, Context, Subparsers
+from gpud.cli.output import message_to_dict, seconds
+from gpud.v1 import colo_pb2, colo_pb2_grpc
 from gpud.v1 import queue_pb2 as pb
 from gpud.v1 import queue_pb2_grpc as pb_grpc
 
@@ -98,11 +100,31 @@ def run_queue(ctx: Context, args: argparse.Namespace) -> int:
             ctx.out.print(f"job {left.job} ({left.id}) left the queue")
         return 0
     resp: pb.ListQueueResponse = ctx.call(stub.ListQueue, pb.ListQueueRequest(explain=args.explain))
+    colo = colo_waiters(ctx)
     if ctx.out.json:
-        ctx.out.print_json(resp)
+        doc = message_to_dict(resp)
+        doc["colo_waiting"] = [message_to_dict(w) for w in colo]
+        ctx.out.print_json(doc)
         return 0
     ctx.out.print_table(HEADERS, [entry_row(e) for e in resp.entries])
+    if colo:
+        ctx.out.print("waiting for co-location, outside this queue (gpuctl colo show):")
+        for w in colo:
+            ctx.out.print(f"  {w.job} for {seconds(w.waited_seconds)}: {w.reason}")
     if args.explain:
         ctx.out.print()
         ctx.out.print_table(CLASS_HEADERS, [class_row(c) for c in resp.classes])
     return 0
+
+
+def colo_waiters(ctx: Context) -> list[colo_pb2.ColoWaiter]:
+    """The `gpuctl run`s waiting for the co-location loop to name a GPU. They wait beside
+    the queue, not in it: they have no position, and the queue's order does not hold them.
+    Empty on a gpud whose loop does not answer."""
+    try:
+        resp: colo_pb2.ShowColoResponse = ctx.call(
+            ctx.stub(colo_pb2_grpc.ColocationStub).ShowColo, colo_pb2.ShowColoRequest()
+        )
+    except CliError:
+        return []
+    return list(resp.waiting)

@@ -316,6 +316,11 @@ def test_gpuctl_run_waits_for_co_location_and_starts_when_room_comes(
     (waiter,) = show(daemon)["waiting"]  # type: ignore[misc]
     assert waiter["job"] == "small" and "memory" in waiter["reason"], waiter
     assert "waiting for a GPU (gpuctl run): small for " in daemon.gpuctl("colo", "show").stdout
+    # ... and `gpuctl queue`, where operators look for whatever waits, says it too.
+    queued = daemon.gpuctl("queue").stdout
+    assert "waiting for co-location, outside this queue" in queued and "  small for " in queued
+    (beside,) = json.loads(daemon.gpuctl("queue", "--json").stdout)["colo_waiting"]
+    assert beside["job"] == "small" and "memory" in beside["reason"], beside
     big[0].send_signal(signal.SIGTERM)  # gpuctl forwards it; the reservation goes
     wait_for(lambda: small.poll() is not None)
     assert small.returncode == 0 and marker.exists()
