@@ -5,7 +5,8 @@
     .venv/bin/python -m tools.fuzz_api [--requests 3000] [--big 300] [--seed 1]
 
 Starts a simulated node (MPS on), then sends ``--requests`` requests to random methods of
-every service: messages filled field by field from the descriptors with random values (odd
+every service on its socket (a server stream is read for its first message, then
+cancelled; ClusterPeer, served only on the peer port, is left out): messages filled field by field from the descriptors with random values (odd
 unicode, empty and long strings, extreme and negative integers, NaN and infinite doubles,
 long repeated fields, unknown enum numbers), ``--big`` of them carrying a 1 MB string in a
 random string field, and one in twenty raw bytes that are no valid message at all.
@@ -27,12 +28,25 @@ from typing import Any
 import grpc
 import psutil
 
-from gpud.v1 import jobs_pb2, mig_pb2, mps_pb2, node_pb2
+from gpud.v1 import (
+    cluster_pb2,
+    colo_pb2,
+    jobs_pb2,
+    mig_pb2,
+    mps_pb2,
+    net_pb2,
+    node_pb2,
+    queue_pb2,
+)
 from tools.simdaemon import simulated_gpud
 
 MB = 1_000_000
 SPEC = "A100-SXM4-40GB:2,H100-SXM5-80GB:2"
-MODULES = (node_pb2, mig_pb2, mps_pb2, jobs_pb2)
+MODULES = (node_pb2, mig_pb2, mps_pb2, jobs_pb2, queue_pb2, colo_pb2, net_pb2, cluster_pb2)
+# Served on the peer port under mutual TLS, not on the local socket.
+PEER_ONLY = ("gpud.v1.ClusterPeer",)
+# Methods that answer with a stream: fuzzed for their first message, then cancelled.
+streaming: set[str] = set()
 _ODD = "\x00\u202e\ud7ff\U0001f600é\n\t'\"%s{}$(;|)../"
 _INTS = (0, 1, -1, 2, 7, 100, 101, 2**31 - 1, -(2**31), 2**32 - 1, 2**63 - 1)
 _FLOATS = (0.0, -0.0, 1e-300, -1.0, 1e308, float("nan"), float("inf"), float("-inf"), 0.5)
@@ -140,14 +154,18 @@ class Fuzzer:
 
 
 def methods() -> list[tuple[str, Any, Any]]:
-    """(path, request class, response class) of every RPC."""
+    """(path, request class, response class) of every RPC served on the local socket."""
     found = []
     for module in MODULES:
         for service in module.DESCRIPTOR.services_by_name.values():
+            if service.full_name in PEER_ONLY:
+                continue
             for m in service.methods:
                 request = getattr(module, m.input_type.name)
                 response = getattr(module, m.output_type.name)
                 found.append((f"/{service.full_name}/{m.name}", request, response))
+                if m.server_streaming:
+                    streaming.add(f"/{service.full_name}/{m.name}")
     return found
 
 
@@ -172,12 +190,31 @@ def main(argv: list[str] | None = None) -> int:
         channel = grpc.insecure_channel(
             f"unix:{daemon.socket}", options=[("grpc.max_send_message_length", 8 * MB)]
         )
-        calls = {
-            path: channel.unary_unary(
-                path,
-                request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
-                response_deserializer=response.FromString,
+
+        def serialize(m: Any) -> bytes:
+            return m if isinstance(m, bytes) else bytes(m.SerializeToString())
+
+        def unary(path: str, response: Any) -> Any:
+            return channel.unary_unary(
+                path, request_serializer=serialize, response_deserializer=response.FromString
             )
+
+        def first_of_stream(path: str, response: Any) -> Any:
+            call = channel.unary_stream(
+                path, request_serializer=serialize, response_deserializer=response.FromString
+            )
+
+            def first(request: Any, timeout: float) -> Any:
+                stream = call(request, timeout=timeout)
+                try:
+                    return next(stream, None)
+                finally:
+                    stream.cancel()
+
+            return first
+
+        calls = {
+            path: (first_of_stream if path in streaming else unary)(path, response)
             for path, _, response in rpcs
         }
         rss_start = rss_mb(daemon.pid)
