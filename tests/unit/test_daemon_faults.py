@@ -212,6 +212,9 @@ def test_critical_xid_until_cleared_and_a_hung_gpu_in_mig_show(
         assert code == 0 and "GPU 1: critical Xid 48 cleared" in out
         gpuctl.wait(lambda gpus: all(g["healthy"] for g in gpus))
         assert "no critical Xid" in gpuctl("xid", "clear", "1")[1]
+        assert "no critical Xid" in gpuctl("xid", "clear", "--gpu", "1")[1]  # as sim fault
+        assert gpuctl("xid", "clear")[0] == 2
+        assert gpuctl("xid", "clear", "1", "--gpu", "0")[0] == 2
         # a GPU whose driver calls hang: not answering, and mig show answers for the other
         assert gpuctl("sim", "fault", "--gpu", "1", "slow", "5")[0] == 0
         gpuctl.wait(lambda gpus: str(gpus[1]["reason"]).startswith("not answering"))
