@@ -317,7 +317,8 @@ def test_a_bad_job_name_is_refused_before_any_advice(
         assert n.jobs.reservations.held() == []
     assert code == 2 and not marker.exists()
     err = capsys.readouterr().err
-    assert "job: 'a b': letters, digits" in err and "on GPU" not in err
+    assert "job: 'a b': letters, digits" in err
+    assert "on GPU" not in err and "no co-location advice" not in err  # not a fallback
 
 
 def test_gpuctl_run_no_wait_fails_when_co_location_says_wait(
