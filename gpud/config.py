@@ -293,7 +293,10 @@ def _coerce(raw: Any, hint: Any, *, path: str, key: str) -> Any:
     if hint is Path:
         if not isinstance(raw, str | Path) or not str(raw):
             raise ConfigError("must be a non-empty path string", path=path, key=key)
-        return Path(raw)
+        # Absolute from the directory gpud starts in: the run directory's paths go to
+        # processes that start elsewhere (MPS control daemons chdir to /, jobs run where
+        # their user is), in CUDA_MPS_PIPE_DIRECTORY and GPUD_SOCKET.
+        return Path(raw).absolute()
     if hint is bool:
         if not isinstance(raw, bool):
             raise ConfigError(f"must be true or false, not {raw!r}", path=path, key=key)

@@ -91,6 +91,21 @@ def test_flags_override_file(tmp_path: Path) -> None:
     assert cfg.socket_path == tmp_path / "run" / "gpud.sock"
 
 
+def test_relative_paths_are_taken_from_where_gpud_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # They reach processes that start elsewhere: MPS control daemons chdir to /, jobs run
+    # in their user's directory (CUDA_MPS_PIPE_DIRECTORY, GPUD_SOCKET).
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, '[daemon]\nstate_dir = "state"\n[api]\nsocket = "s/gpud.sock"\n')
+    args = build_parser().parse_args(["--config", "gpud.toml", "--run-dir", "run"])
+    cfg = load_config(args)
+    assert path == tmp_path / "gpud.toml"
+    assert cfg.daemon.run_dir == tmp_path / "run"
+    assert cfg.daemon.state_dir == tmp_path / "state"
+    assert cfg.socket_path == tmp_path / "s" / "gpud.sock"
+
+
 def test_bad_flag_value_names_the_key() -> None:
     args = build_parser().parse_args(["--metrics-address", "x"])
     with pytest.raises(ConfigError, match=r"metrics\.address"):
