@@ -22,6 +22,19 @@ if TYPE_CHECKING:
     from gpud.backend.sim import SimNode
 
 
+def make_dirs(cfg: config.Config) -> None:
+    """Create the state and run directories; a ConfigError naming the key when one cannot
+    be (a missing parent under /proc, a file in the way, no permission)."""
+    for key, path in (
+        ("daemon.state_dir", cfg.daemon.state_dir),
+        ("daemon.run_dir", cfg.daemon.run_dir),
+    ):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"cannot create {path}: {err.strerror or err}", key=key) from None
+
+
 def open_backend(cfg: config.Config) -> tuple[GpuBackend, SimNode | None]:
     """The GPU backend the config asks for: real NVML, or the simulated node."""
     if cfg.backend.kind == "sim":
@@ -115,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         print("config OK")
         return 0
+    try:
+        make_dirs(cfg)
+    except ConfigError as err:
+        print(f"gpud: {err}", file=sys.stderr)
+        return 1
     logsetup.configure(cfg.daemon.log_level, journald="JOURNAL_STREAM" in os.environ)
 
     from gpud.daemon import Daemon

@@ -8,7 +8,7 @@ import pytest
 
 from gpud import config
 from gpud.errors import ConfigError
-from gpud.main import build_parser, load_config
+from gpud.main import build_parser, load_config, main
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -104,6 +104,26 @@ def test_relative_paths_are_taken_from_where_gpud_starts(
     assert cfg.daemon.run_dir == tmp_path / "run"
     assert cfg.daemon.state_dir == tmp_path / "state"
     assert cfg.socket_path == tmp_path / "s" / "gpud.sock"
+
+
+def test_a_directory_that_cannot_be_made_stops_start_up_naming_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    code = main(
+        [
+            "--config",
+            str(write(tmp_path, "")),
+            "--simulate",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--run-dir",
+            str(tmp_path / "file" / "run"),
+        ]
+    )
+    assert code == 1
+    err = capsys.readouterr().err
+    assert f"gpud: daemon.run_dir: cannot create {tmp_path}/file/run: Not a directory" in err
 
 
 def test_bad_flag_value_names_the_key() -> None:
