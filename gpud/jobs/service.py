@@ -142,7 +142,8 @@ class JobService:
             if held and not force:
                 raise FailedPrecondition(
                     f"job {name!r} holds {len(held)} reservation(s)"
-                    f" ({', '.join(r.id for r in held)}); release them or force"
+                    f" ({', '.join(r.id for r in held)}): they go when its runs end, or "
+                    f"`gpuctl jobs rm --force {name}` releases them as well"
                 )
             job = self.registry.remove(name)
             with self._store.transaction():
