@@ -6,8 +6,8 @@
 
 Starts a simulated node (MPS on), then sends ``--requests`` requests to random methods of
 every service on its socket (a server stream is read for its first message, then
-cancelled; ClusterPeer, served only on the peer port, is left out): messages filled field by field from the descriptors with random values (odd
-unicode, empty and long strings, extreme and negative integers, NaN and infinite doubles,
+cancelled; ClusterPeer, served only on the peer port, is left out): messages filled field
+by field from the descriptors with random values (odd unicode, empty and long strings, extreme and negative integers, NaN and infinite doubles,
 long repeated fields, unknown enum numbers), ``--big`` of them carrying a 1 MB string in a
 random string field, and one in twenty raw bytes that are no valid message at all.
 
@@ -45,8 +45,6 @@ SPEC = "A100-SXM4-40GB:2,H100-SXM5-80GB:2"
 MODULES = (node_pb2, mig_pb2, mps_pb2, jobs_pb2, queue_pb2, colo_pb2, net_pb2, cluster_pb2)
 # Served on the peer port under mutual TLS, not on the local socket.
 PEER_ONLY = ("gpud.v1.ClusterPeer",)
-# Methods that answer with a stream: fuzzed for their first message, then cancelled.
-streaming: set[str] = set()
 _ODD = "\x00\u202e\ud7ff\U0001f600é\n\t'\"%s{}$(;|)../"
 _INTS = (0, 1, -1, 2, 7, 100, 101, 2**31 - 1, -(2**31), 2**32 - 1, 2**63 - 1)
 _FLOATS = (0.0, -0.0, 1e-300, -1.0, 1e308, float("nan"), float("inf"), float("-inf"), 0.5)
@@ -153,8 +151,9 @@ class Fuzzer:
         return False
 
 
-def methods() -> list[tuple[str, Any, Any]]:
-    """(path, request class, response class) of every RPC served on the local socket."""
+def methods() -> list[tuple[str, Any, Any, bool]]:
+    """(path, request class, response class, whether it answers with a stream) of every RPC
+    served on the local socket."""
     found = []
     for module in MODULES:
         for service in module.DESCRIPTOR.services_by_name.values():
@@ -163,9 +162,8 @@ def methods() -> list[tuple[str, Any, Any]]:
             for m in service.methods:
                 request = getattr(module, m.input_type.name)
                 response = getattr(module, m.output_type.name)
-                found.append((f"/{service.full_name}/{m.name}", request, response))
-                if m.server_streaming:
-                    streaming.add(f"/{service.full_name}/{m.name}")
+                path = f"/{service.full_name}/{m.name}"
+                found.append((path, request, response, bool(m.server_streaming)))
     return found
 
 
@@ -214,16 +212,16 @@ def main(argv: list[str] | None = None) -> int:
             return first
 
         calls = {
-            path: (first_of_stream if path in streaming else unary)(path, response)
-            for path, _, response in rpcs
+            path: (first_of_stream if stream else unary)(path, response)
+            for path, _, response, stream in rpcs
         }
         rss_start = rss_mb(daemon.pid)
-        for path, request, _ in rpcs * 3:  # warm-up: every method, empty and valid-shaped
+        for path, request, _, _ in rpcs * 3:  # warm-up: every method, empty and valid-shaped
             with contextlib.suppress(grpc.RpcError):
                 calls[path](request(), timeout=30)
         rss_warm = rss_mb(daemon.pid)
         for i in range(args.requests):
-            path, request_cls, _ = rng.choice(rpcs)
+            path, request_cls, _, _ = rng.choice(rpcs)
             if i in big_at:
                 request: Any = fuzz.fill(request_cls())
                 if not fuzz.plant_big(request):

@@ -32,14 +32,14 @@ def run_clear(ctx: Context, args: argparse.Namespace) -> int:
     given = [g for g in (args.gpu, args.gpu_option) if g is not None]
     if len(given) != 1:
         raise CliError("xid clear: name one GPU, e.g. gpuctl xid clear 1", EXIT_USAGE)
-    args.gpu = given[0]
+    (gpu,) = given
     resp: pb.ClearXidResponse = ctx.call(
-        ctx.stub(pb_grpc.NodeStub).ClearXid, pb.ClearXidRequest(gpu=args.gpu)
+        ctx.stub(pb_grpc.NodeStub).ClearXid, pb.ClearXidRequest(gpu=gpu)
     )
     if ctx.out.json:
         ctx.out.print_json(resp)
     elif resp.HasField("cleared_xid"):
-        ctx.out.print(f"GPU {args.gpu}: critical Xid {resp.cleared_xid} cleared")
+        ctx.out.print(f"GPU {gpu}: critical Xid {resp.cleared_xid} cleared")
     else:
-        ctx.out.print(f"GPU {args.gpu}: no critical Xid to clear")
+        ctx.out.print(f"GPU {gpu}: no critical Xid to clear")
     return 0
