@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Final
 
@@ -70,6 +72,8 @@ from gpud.errors import (
     NotSupported,
 )
 
+log = logging.getLogger(__name__)
+
 MiB: Final = 1024 * 1024
 _NOT_AVAILABLE_UINT: Final = 0xFFFFFFFF
 
@@ -104,6 +108,8 @@ _EVENT_KINDS: Final[dict[int, EventKind]] = {
     0x10: EventKind.CLOCK,
 }
 _WANTED_EVENTS: Final = 0x8 | 0x2 | 0x1
+REGISTER_WAIT_S: Final = 0.5
+"""How long a new event set waits for the GPUs' registrations before its first wait."""
 
 
 def _text(value: object) -> str:
@@ -220,6 +226,8 @@ class NvmlBackend:
         self._nv = nvml
         self._reset = reset
         self._events_lock = threading.Lock()
+        self._registry_lock = threading.Lock()  # the event set and the GPUs registering on it
+        self._registering: set[int] = set()
         self._error: type[BaseException] = nvml.NVMLError
         self._call(None, nvml.nvmlInit)
         self._count = int(self._call(None, nvml.nvmlDeviceGetCount))
@@ -936,20 +944,60 @@ class NvmlBackend:
     # -- events ------------------------------------------------------------------------------
 
     def _events(self) -> Any:
-        if self._event_set is not None:
-            return self._event_set
+        """The event set, made on first use (and after a reset), with each GPU registered
+        on it by a thread of its own: a GPU that does not answer stays out of it until it
+        does, and no other GPU's events wait for it."""
+        with self._registry_lock:
+            es = self._event_set
+            if es is not None:
+                return es
+            es = self._event_set = self._call(None, self._nv.nvmlEventSetCreate)
+            # A GPU still stuck registering on an earlier set moves to this one when it answers.
+            starting = [g for g in range(self._count) if g not in self._registering]
+            self._registering.update(starting)
+        threads = [
+            threading.Thread(
+                target=self._register, args=(gpu, es), name=f"gpud-events-{gpu}", daemon=True
+            )
+            for gpu in starting
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + REGISTER_WAIT_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return es
+
+    def _register(self, gpu: int, es: Any) -> None:
+        """``nvmlDeviceRegisterEvents`` of one GPU on ``es``; again on whichever set replaced
+        it meanwhile (a reset may also have failed the call), until the set it tried is still
+        the current one."""
         nv = self._nv
-        es = self._call(None, nv.nvmlEventSetCreate)
-        for gpu in range(self._count):
+        while True:
             try:
                 h = self._handle(gpu)
                 supported = int(self._call(gpu, nv.nvmlDeviceGetSupportedEventTypes, h))
                 if supported & _WANTED_EVENTS:
                     self._call(gpu, nv.nvmlDeviceRegisterEvents, h, supported & _WANTED_EVENTS, es)
-            except BackendError:
-                continue  # a GPU without events (or lost) must not silence the others
-        self._event_set = es
-        return es
+            except Exception as err:  # a GPU without events (or lost) has none to wait for
+                if not isinstance(err, BackendError):
+                    log.exception("registering GPU %d for events failed", gpu)
+            with self._registry_lock:
+                current = self._event_set
+                if current is None or current is es:
+                    self._registering.discard(gpu)
+                    return
+                es = current
+
+    def _drop_event_set(self) -> None:
+        """``nvmlEventSetFree``, unless a registration still in the driver holds the set:
+        then it is left behind (the next wait makes a new one)."""
+        with self._registry_lock:
+            es, self._event_set = self._event_set, None
+            free = es is not None and not self._registering
+        if free:
+            with contextlib.suppress(self._error):
+                self._nv.nvmlEventSetFree(es)
 
     def _gpu_of(self, device: Any) -> int:
         for i, h in enumerate(self._handles):
@@ -1010,10 +1058,7 @@ class NvmlBackend:
         self._handle(gpu)  # no such GPU: DeviceNotFound before anything is let go
         nv = self._nv
         with self._events_lock:
-            if self._event_set is not None:
-                with contextlib.suppress(self._error):
-                    nv.nvmlEventSetFree(self._event_set)
-                self._event_set = None
+            self._drop_event_set()
             with contextlib.suppress(self._error):
                 nv.nvmlShutdown()
             try:
@@ -1029,10 +1074,7 @@ class NvmlBackend:
             return
         self._closed = True
         nv = self._nv
-        if self._event_set is not None:
-            with contextlib.suppress(self._error):
-                nv.nvmlEventSetFree(self._event_set)
-            self._event_set = None
+        self._drop_event_set()
         with contextlib.suppress(self._error):
             nv.nvmlShutdown()
 

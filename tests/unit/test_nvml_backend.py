@@ -293,6 +293,30 @@ def test_xid_events() -> None:
     be.close()
 
 
+def test_a_gpu_that_does_not_answer_holds_up_no_other_gpus_events() -> None:
+    node = SimNode([("A100-SXM4-40GB", 3)], clock=FakeClock())
+    be = NvmlBackend(node.nvml, reset=node.reset)
+    node.faults.slow(1, 0.4)  # each call on GPU 1 takes 0.4 s: registering it, 1.2 s
+    t0 = time.perf_counter()
+    assert be.wait_events(0.0) == []
+    assert time.perf_counter() - t0 < 1.0
+    node.faults.xid(0, 48)
+    assert [(e.gpu, e.xid) for e in be.wait_events(0.5)] == [(0, 48)]
+    # A reset of another GPU makes a new event set; GPU 1, still registering on the old
+    # one, moves to the new one when it answers.
+    t0 = time.perf_counter()
+    be.reset_gpu(2)
+    assert be.wait_events(0.0) == []
+    assert time.perf_counter() - t0 < 1.0
+    node.faults.xid(2, 31)
+    assert [(e.gpu, e.xid) for e in be.wait_events(0.5)] == [(2, 31)]
+    node.faults.clear(1)
+    time.sleep(1.5)  # the registration's call in progress ends, the rest are quick
+    node.faults.xid(1, 43)
+    assert [(e.gpu, e.xid) for e in be.wait_events(0.5)] == [(1, 43)]
+    be.close()
+
+
 def test_crash_after_mutations_reaches_the_caller(tmp_path: Path) -> None:
     node, be = _mig_backend(tmp_path=tmp_path)
     node.faults.crash_after_mutations(1)
