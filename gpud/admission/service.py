@@ -47,7 +47,7 @@ from gpud.admission.quote import job_quote
 from gpud.config import AdmissionConfig
 from gpud.errors import FailedPrecondition, GpudError, NotFound, ResourceExhausted, Unavailable
 from gpud.events import EventLog
-from gpud.jobs.placement import Reservation, choose_devices
+from gpud.jobs.placement import Reservation
 from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, RunRequest
 from gpud.mig.layout import DeviceLayout, load_config
@@ -508,9 +508,7 @@ class AdmissionService:
                 " job(s) ahead of it need its devices"
             )
         # Nothing queued: the reservation's own placement names the numbers, if it refuses.
-        choose_devices(
-            spec, self._jobs.healthy_targets(), self._jobs.loads(), memory_bytes=spec.memory_bytes
-        )
+        self._jobs.choose(spec)
         raise ResourceExhausted(
             f"job {spec.name!r} asks {request.per_device.threads}% of its devices' threads:"
             " the MPS thread shares on them would add up to over 100%"

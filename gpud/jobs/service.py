@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -200,15 +200,9 @@ class JobService:
                 where = self.gate(effective)
                 if where is not None:
                     effective = replace(effective, devices=where, mig_profile=None, gpu_count=None)
-            devices = self.healthy_targets()
-            if not devices:
+            if not self._mps.targets():
                 raise Unavailable("no GPU seen yet: the daemon is starting, retry shortly")
-            chosen = choose_devices(
-                effective,
-                devices,
-                self.loads(),
-                memory_bytes=effective.memory_bytes if effective.memory_bytes is not None else None,
-            )
+            chosen = self.choose(effective)
             uuids = tuple(d.uuid for d in chosen)
             if preview:
                 reservation = Reservation(
@@ -249,6 +243,19 @@ class JobService:
         sick = self.unhealthy()
         return [t for t in targets if t.gpu not in sick]
 
+    def choose(self, spec: JobSpec) -> tuple[MpsTarget, ...]:
+        """:func:`choose_devices` among the healthy devices, with what is reserved now; a
+        refusal names the unhealthy GPUs it left out, and why."""
+        try:
+            return choose_devices(
+                spec, self.healthy_targets(), self.loads(), memory_bytes=spec.memory_bytes
+            )
+        except ResourceExhausted as err:
+            sick = self.unhealthy()
+            if not sick:
+                raise
+            raise ResourceExhausted(f"{err} ({_unhealthy_text(sick)})") from err
+
     def _refuse_unhealthy(self, spec: JobSpec) -> None:
         """A job pinned to an unhealthy GPU's device is refused at once; one that names no
         device waits (``ResourceExhausted``) while no healthy GPU is left."""
@@ -264,8 +271,9 @@ class JobService:
                     f"{sick[t.gpu]}"
                 )
         if not spec.devices and targets and all(t.gpu in sick for t in targets.values()):
-            why = "; ".join(f"GPU {i}: {r}" for i, r in sorted(sick.items())[:4])
-            raise ResourceExhausted(f"job {spec.name!r}: no healthy GPU on this node now ({why})")
+            raise ResourceExhausted(
+                f"job {spec.name!r}: no healthy GPU on this node now ({_unhealthy_text(sick)})"
+            )
 
     def env_for(self, reservation: Reservation) -> dict[str, str]:
         pipes = {uuid: self._mps.pipe_dir(uuid) for uuid in reservation.devices}
@@ -355,3 +363,9 @@ def _advised(job: JobSpec, request: RunRequest) -> JobSpec:
     if request.advised_threads_percent is not None and job.threads_percent is None:
         changes["threads_percent"] = request.advised_threads_percent
     return validate_spec(replace(job, **changes)) if changes else job  # type: ignore[arg-type]
+
+
+def _unhealthy_text(sick: Mapping[int, str]) -> str:
+    """``GPU 1 unhealthy: why; …`` for the first four of ``sick`` (index -> why)."""
+    more = f"; {len(sick) - 4} more" if len(sick) > 4 else ""
+    return "; ".join(f"GPU {i} unhealthy: {r}" for i, r in sorted(sick.items())[:4]) + more
