@@ -4,6 +4,8 @@
 
     GpudError                      (exit 1, gRPC INTERNAL)
     ├── ConfigError                bad config file or flag: names the file and key (exit 2)
+    ├── StateError                 the state database cannot be opened or is damaged (exit 1)
+    │   └── StateUnwritable        it cannot be written now: disk full, I/O error (exit 3)
     ├── InvalidArgument            a request field is wrong: names the field (exit 2)
     ├── NotFound                   a GPU, MIG device, job, ... does not exist (exit 4)
     ├── AlreadyExists              (exit 5)
@@ -48,6 +50,10 @@ class ConfigError(GpudError):
 
 class StateError(GpudError):
     """The daemon's state database cannot be opened or is damaged; the message names it."""
+
+
+class StateUnwritable(StateError):
+    """The state database cannot be written now (disk full, an I/O error, read only)."""
 
 
 class InvalidArgument(GpudError):
@@ -160,6 +166,7 @@ ERROR_TABLE: Final[dict[type[GpudError], tuple[str, int]]] = {
     ConfigError: ("INVALID_ARGUMENT", 2),
     InvalidArgument: ("INVALID_ARGUMENT", 2),
     Unavailable: ("UNAVAILABLE", 3),
+    StateUnwritable: ("UNAVAILABLE", 3),
     NotFound: ("NOT_FOUND", 4),
     AlreadyExists: ("ALREADY_EXISTS", 5),
     FailedPrecondition: ("FAILED_PRECONDITION", 6),

@@ -14,9 +14,13 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from gpud.errors import StateError
+from gpud.errors import StateError, StateUnwritable
 
 DB_NAME = "state.db"
+
+# SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN (primary result codes): the
+# file or the disk under it, not the SQL, is what failed.
+_UNWRITABLE = frozenset({8, 10, 13, 14})
 
 
 def _unreadable(path: Path, why: str) -> str:
@@ -68,18 +72,32 @@ class StateStore:
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        """``BEGIN IMMEDIATE`` ... ``COMMIT`` (or ``ROLLBACK`` on error); re-entrant per thread."""
+        """``BEGIN IMMEDIATE`` ... ``COMMIT`` (or ``ROLLBACK`` on error); re-entrant per thread.
+
+        A database that cannot be written (disk full, an I/O error, a read-only file) raises
+        :class:`StateUnwritable` naming the file: nothing of the transaction is kept."""
         with self._lock:
             if self._conn.in_transaction:
                 yield self._conn
                 return
-            self._conn.execute("BEGIN IMMEDIATE")
             try:
-                yield self._conn
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._conn
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    # SQLite may already have rolled back (a failed COMMIT on a full disk):
+                    # never leave a transaction open for the next caller to nest in.
+                    if self._conn.in_transaction:
+                        self._conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.OperationalError as err:
+                if err.sqlite_errorcode & 0xFF not in _UNWRITABLE:
+                    raise
+                raise StateUnwritable(
+                    f"state database {self.path} cannot be written ({err}): nothing of this "
+                    "change was kept; free space or fix the file, then retry"
+                ) from err
 
     def close(self) -> None:
         with self._lock:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.errors import StateError
+from gpud.errors import StateError, StateUnwritable, classify
 from gpud.main import main
 from gpud.store import DB_NAME, StateStore
 from tests.unit.api_support import short_dir
@@ -21,6 +21,28 @@ def fill(state: Path) -> int:
     store.close()
     (state / f"{DB_NAME}-wal").unlink(missing_ok=True)
     return (state / DB_NAME).stat().st_size
+
+
+def test_a_full_disk_keeps_nothing_of_the_change_and_says_so(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('kept')")
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count = {pages}")  # no room for one more page
+    with pytest.raises(StateUnwritable) as caught, store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('one')")
+        conn.executemany("INSERT INTO t (v) VALUES (?)", [("x" * 4000,) for _ in range(20)])
+    assert str(caught.value).startswith(
+        f"state database {tmp_path / DB_NAME} cannot be written (database or disk is full)"
+    )
+    assert classify(caught.value) == ("UNAVAILABLE", 3)
+    with store.transaction() as conn:  # a transaction of its own, not nested in the failed one
+        conn.execute("PRAGMA max_page_count = 1000000")
+        conn.execute("INSERT INTO t (v) VALUES ('after')")
+    store.close()
+    with StateStore(tmp_path).transaction() as conn:
+        assert [r[0] for r in conn.execute("SELECT v FROM t ORDER BY k")] == ["kept", "after"]
 
 
 def test_a_healthy_database_opens_again(tmp_path: Path) -> None:
