@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import os
 import sys
 from pathlib import Path
@@ -33,6 +34,39 @@ def make_dirs(cfg: config.Config) -> None:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise ConfigError(f"cannot create {path}: {err.strerror or err}", key=key) from None
+
+
+LOCK_NAME = "gpud.lock"
+
+
+def lock_dirs(cfg: config.Config) -> list[int]:
+    """Hold ``gpud.lock`` in the state and run directories (``flock``, released when the
+    process ends, ``kill -9`` included) so that a second gpud on the same directories stops
+    before it touches the GPUs, the state or the sockets. Returns the descriptors to keep
+    open; a ConfigError naming the key and the holder's pid when another process holds one."""
+    held: list[int] = []
+    dirs = {cfg.daemon.state_dir: "daemon.state_dir"}
+    dirs.setdefault(cfg.daemon.run_dir, "daemon.run_dir")
+    for path, key in dirs.items():
+        lock = path / LOCK_NAME
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise ConfigError(f"cannot open {lock}: {err.strerror or err}", key=key) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            for other in held:
+                os.close(other)
+            raise ConfigError(
+                f"another gpud (pid {holder}) holds {lock}: is gpud already running?", key=key
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        held.append(fd)
+    return held
 
 
 def open_backend(cfg: config.Config) -> tuple[GpuBackend, SimNode | None]:
@@ -130,9 +164,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         make_dirs(cfg)
+        locks = lock_dirs(cfg)  # held until the process ends
     except ConfigError as err:
         print(f"gpud: {err}", file=sys.stderr)
         return 1
+    try:
+        return run(cfg, args)
+    finally:
+        for fd in locks:
+            os.close(fd)
+
+
+def run(cfg: config.Config, args: argparse.Namespace) -> int:
+    """Open the backend and run the daemon until it stops; its exit status."""
     logsetup.configure(cfg.daemon.log_level, journald="JOURNAL_STREAM" in os.environ)
 
     from gpud.daemon import Daemon
@@ -155,7 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     except GpudError as err:
         print(f"gpud: {err}", file=sys.stderr)
         return 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

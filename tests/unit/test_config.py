@@ -1,5 +1,6 @@
 import dataclasses
 import math
+import os
 import re
 from pathlib import Path
 from typing import get_type_hints
@@ -8,7 +9,7 @@ import pytest
 
 from gpud import config
 from gpud.errors import ConfigError
-from gpud.main import build_parser, load_config, main
+from gpud.main import LOCK_NAME, build_parser, load_config, lock_dirs, main
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -124,6 +125,40 @@ def test_a_directory_that_cannot_be_made_stops_start_up_naming_the_key(
     assert code == 1
     err = capsys.readouterr().err
     assert f"gpud: daemon.run_dir: cannot create {tmp_path}/file/run: Not a directory" in err
+
+
+def test_a_second_gpud_on_the_same_directories_stops_before_it_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ["--simulate", "--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path)]
+    cfg = config.Config().with_overrides(
+        {"daemon.state_dir": str(tmp_path / "state"), "daemon.run_dir": str(tmp_path)}
+    )
+    (tmp_path / "state").mkdir()
+    held = lock_dirs(cfg)  # the first gpud
+    try:
+        assert main(["--config", str(write(tmp_path, "")), *flags]) == 1
+        err = capsys.readouterr().err
+        lock = tmp_path / "state" / LOCK_NAME
+        assert (
+            f"gpud: daemon.state_dir: another gpud (pid {os.getpid()}) holds {lock}:"
+            " is gpud already running?" in err
+        )
+        assert not (tmp_path / "gpud.sock").exists()
+        assert not (tmp_path / "state" / "state.db").exists()
+        # Another state directory, the same run directory (its sockets, MPS pipes): stopped.
+        other = ["--simulate", "--state-dir", str(tmp_path / "other"), "--run-dir", str(tmp_path)]
+        assert main(["--config", str(write(tmp_path, "")), *other]) == 1
+        assert (
+            f"gpud: daemon.run_dir: another gpud (pid {os.getpid()}) holds {tmp_path}/{LOCK_NAME}"
+            in capsys.readouterr().err
+        )
+    finally:
+        for fd in held:
+            os.close(fd)
+    again = lock_dirs(cfg)  # released: the next start takes it
+    for fd in again:
+        os.close(fd)
 
 
 def test_bad_flag_value_names_the_key() -> None:
