@@ -200,5 +200,6 @@ def run(cfg: config.Config, args: argparse.Namespace) -> int:
         print(f"gpud: {err}", file=sys.stderr)
         return 1
 
+
 if __name__ == "__main__":
     sys.exit(main())
