@@ -4,7 +4,7 @@ gpuctl imports no daemon package (start-up time, and a CLI that does not depend 
 daemon's internals), so the few things both sides must read the same way live here:
 
 - memory sizes as people write them (``20GiB``, ``512M``) and as MPS writes them (``20G``);
-- the longest drain a MIG apply may ask for;
+- the longest drain a MIG apply may ask for, and the largest mig-parted file it may send;
 - a job's environment rendered as shell ``export`` lines.
 
 Pure and cheap to import: the standard library and :mod:`gpud.errors` only.
@@ -25,6 +25,10 @@ TIB = 1024 * GIB
 # The longest drain a request may ask for: one day. The daemon refuses more; gpuctl says so
 # before asking, and ``mig.drain_timeout_s`` may not exceed it.
 MAX_DRAIN_SECONDS = 24 * 3600.0
+
+# The largest mig-parted file gpuctl sends, the API takes or gpud reads (real ones are a few
+# KiB): it fits in one API request with room to spare.
+MAX_LAYOUT_BYTES = 128 * 1024
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _FACTORS = {"": 1, "k": KIB, "m": MIB, "g": GIB, "t": TIB}

@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 from gpud.errors import InvalidArgument, NotFound
+from gpud.shared import MAX_LAYOUT_BYTES
 
 # The largest request gRPC accepts: a mig-parted config file for a whole cluster is some KiB.
 MAX_REQUEST_BYTES = 256 * 1024
@@ -28,7 +29,7 @@ MAX_REPEATED = 256
 # Other bounds by full field name: characters for a string field, entries for a repeated or
 # map one (whose entries keep the default bounds).
 FIELD_LIMITS: dict[str, int] = {
-    "gpud.v1.MigConfigSource.text": 128 * 1024,  # the file's content
+    "gpud.v1.MigConfigSource.text": MAX_LAYOUT_BYTES,  # the file's content
     # a second's latencies of a busy service: gpud.client.Latency sends up to 4096 at once
     "gpud.v1.ReportLatencyRequest.seconds": 4096,
 }

@@ -30,7 +30,8 @@ from pathlib import Path
 from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
 from gpud.cli.output import NA, gib
 from gpud.errors import ERROR_TABLE, Partial
-from gpud.shared import MAX_DRAIN_SECONDS
+from gpud.files import read_small_text
+from gpud.shared import MAX_DRAIN_SECONDS, MAX_LAYOUT_BYTES
 from gpud.v1 import mig_pb2 as pb
 from gpud.v1 import mig_pb2_grpc as pb_grpc
 
@@ -110,9 +111,11 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
 def _source(args: argparse.Namespace) -> pb.MigConfigSource:
     path: Path = args.file
     try:
-        text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+        text = read_small_text(path, MAX_LAYOUT_BYTES)
     except OSError as err:
         raise CliError(f"cannot read {path}: {err.strerror}", EXIT_USAGE) from None
+    except ValueError as err:
+        raise CliError(f"{path}: {err}", EXIT_USAGE) from None
     return pb.MigConfigSource(text=text, path=str(path), name=args.config)
 
 

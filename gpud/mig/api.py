@@ -27,10 +27,10 @@ from gpud.mig.manager import MigManager
 from gpud.mig.results import ApplyResult
 from gpud.mig.store import ApplyOptions
 from gpud.mig.view import GpuView
+from gpud.shared import MAX_LAYOUT_BYTES
 from gpud.v1 import mig_pb2 as pb
 from gpud.v1 import mig_pb2_grpc as pb_grpc
 
-MAX_CONFIG_BYTES = 1 << 20
 # What a read leaves of the request's deadline for the answer to travel back.
 _ANSWER_MARGIN_S = 0.5
 _DEFAULT_READ_S = 10.0  # a request without a deadline
@@ -48,8 +48,8 @@ def _read_budget(context: grpc.aio.ServicerContext) -> float:
 def _config(source: pb.MigConfigSource) -> tuple[MigConfigFile, str]:
     if not source.name:
         raise InvalidArgument("a config name is required", field="config.name")
-    if len(source.text.encode()) > MAX_CONFIG_BYTES:
-        raise InvalidArgument(f"larger than {MAX_CONFIG_BYTES} bytes", field="config.text")
+    if len(source.text.encode()) > MAX_LAYOUT_BYTES:
+        raise InvalidArgument(f"larger than {MAX_LAYOUT_BYTES} bytes", field="config.text")
     return parse_config(source.text, path=source.path or None), source.name
 
 

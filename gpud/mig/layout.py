@@ -31,6 +31,8 @@ import yaml
 
 from gpud.backend.port import GpuIdentity
 from gpud.errors import ConfigError, InvalidArgument, NotFound
+from gpud.files import read_small_text
+from gpud.shared import MAX_LAYOUT_BYTES
 
 # [<C>c.]<G>g.<GB>gb[+attr|-attr...]: "1g.10gb", "1g.10gb+me", "1c.3g.40gb", "1g.24gb-me"
 _PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb((?:[+-][a-z][a-z.]*)*)$")
@@ -203,9 +205,11 @@ def parse_config(text: str, *, path: str | None = None) -> MigConfigFile:
 
 def load_config(path: Path) -> MigConfigFile:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_small_text(path, MAX_LAYOUT_BYTES)
     except OSError as err:
         raise ConfigError(f"cannot read: {err.strerror}", path=str(path)) from err
+    except ValueError as err:
+        raise ConfigError(str(err), path=str(path)) from None
     return parse_config(text, path=str(path))
 
 

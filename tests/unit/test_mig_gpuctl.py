@@ -147,7 +147,7 @@ def test_a_mode_change_pending_a_reset(capsys: pytest.CaptureFixture[str], tmp_p
         assert code == 0 and "match" in out
 
 
-def test_bad_requests(capsys: pytest.CaptureFixture[str], node: Node) -> None:
+def test_bad_requests(capsys: pytest.CaptureFixture[str], node: Node, tmp_path: Path) -> None:
     code, _, err = gpuctl(
         capsys, node, "mig", "apply", "-f", str(DATA / "impossible.yaml"), "-c", "too-many-slices"
     )
@@ -161,6 +161,14 @@ def test_bad_requests(capsys: pytest.CaptureFixture[str], node: Node) -> None:
         assert "no GPU with indexes 2, 3, 4, 5, 6, 7" in err and CONFIG in err
     code, _, err = gpuctl(capsys, node, "mig", "assert", "-f", "/nonexistent.yaml", "-c", "x")
     assert code == 2 and "cannot read" in err
+    # Whatever the file turns out to be: one line, at once, never a traceback or a hang.
+    binary = tmp_path / "image.bin"
+    binary.write_bytes(b"\xd8\x00" * 64)
+    code, _, err = gpuctl(capsys, node, "mig", "apply", "-f", str(binary), "-c", "x")
+    assert (code, err.strip()) == (2, f"gpuctl: {binary}: not UTF-8 text (byte 0)")
+    code, _, err = gpuctl(capsys, node, "mig", "assert", "-f", "/dev/zero", "-c", "x")
+    assert code == 2
+    assert err.strip() == "gpuctl: /dev/zero: larger than 128 KiB: not a file of this kind"
     code, _, _ = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "x", "--drain", "--force")
     assert code == 2
     # --skip-reset: an apply that may reset GPUs is waited for far longer than --timeout

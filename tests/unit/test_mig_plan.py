@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from gpud.backend.port import ComputeInstanceInfo, GpuInstanceInfo, MigMode, Placement
-from gpud.errors import InvalidArgument
+from gpud.errors import ConfigError, InvalidArgument
 from gpud.mig.layout import DeviceLayout, load_config, resolve
 from gpud.mig.plan import (
     CreateComputeInstance,
@@ -381,3 +381,12 @@ def test_plan_all_plans_the_gpus_with_a_desired_layout() -> None:
         "CreateComputeInstance",
     ]
     assert plans[1].steps == (SetMigMode(2, False),) and plans[1].reset_pending
+
+
+def test_a_file_that_is_no_layout_is_refused_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^/dev/zero: larger than 128 KiB"):
+        load_config(Path("/dev/zero"))
+    binary = tmp_path / "image.bin"
+    binary.write_bytes(b"\xff" * 10)
+    with pytest.raises(ConfigError, match=r"image\.bin: not UTF-8 text \(byte 0\)$"):
+        load_config(binary)
