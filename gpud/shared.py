@@ -4,7 +4,8 @@ gpuctl imports no daemon package (start-up time, and a CLI that does not depend 
 daemon's internals), so the few things both sides must read the same way live here:
 
 - memory sizes as people write them (``20GiB``, ``512M``) and as MPS writes them (``20G``);
-- the longest drain a MIG apply may ask for, and the largest mig-parted file it may send;
+- the longest drain a MIG apply may ask for, and the largest mig-parted file it may send,
+  read so that whatever file an operator names fails at once;
 - a job's environment rendered as shell ``export`` lines.
 
 Pure and cheap to import: the standard library and :mod:`gpud.errors` only.
@@ -13,7 +14,9 @@ Pure and cheap to import: the standard library and :mod:`gpud.errors` only.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 from gpud.errors import InvalidArgument
 
@@ -68,3 +71,21 @@ def shell_exports(env: Mapping[str, str]) -> str:
         value = env[name].replace("'", "'\\''")
         lines.append(f"export {name}='{value}'")
     return "\n".join(lines) + "\n"
+
+
+def read_small_text(path: Path, limit: int) -> str:
+    """The UTF-8 text of ``path`` (``-``: standard input), read no further than ``limit``
+    bytes, so that ``/dev/zero`` or a disk image named by mistake fails at once. Raises
+    ``OSError`` when it cannot be read, ``ValueError`` (with the reason) when it is larger
+    than ``limit`` or not UTF-8 text."""
+    if str(path) == "-":
+        raw = sys.stdin.buffer.read(limit + 1)
+    else:
+        with path.open("rb") as f:
+            raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise ValueError(f"larger than {limit // 1024} KiB: not a file of this kind")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"not UTF-8 text (byte {err.start})") from None

@@ -30,8 +30,7 @@ from pathlib import Path
 from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
 from gpud.cli.output import NA, gib
 from gpud.errors import ERROR_TABLE, Partial
-from gpud.files import read_small_text
-from gpud.shared import MAX_DRAIN_SECONDS, MAX_LAYOUT_BYTES
+from gpud.shared import MAX_DRAIN_SECONDS, MAX_LAYOUT_BYTES, read_small_text
 from gpud.v1 import mig_pb2 as pb
 from gpud.v1 import mig_pb2_grpc as pb_grpc
 

@@ -31,8 +31,7 @@ import yaml
 
 from gpud.backend.port import GpuIdentity
 from gpud.errors import ConfigError, InvalidArgument, NotFound
-from gpud.files import read_small_text
-from gpud.shared import MAX_LAYOUT_BYTES
+from gpud.shared import MAX_LAYOUT_BYTES, read_small_text
 
 # [<C>c.]<G>g.<GB>gb[+attr|-attr...]: "1g.10gb", "1g.10gb+me", "1c.3g.40gb", "1g.24gb-me"
 _PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb((?:[+-][a-z][a-z.]*)*)$")
