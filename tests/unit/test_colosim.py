@@ -69,8 +69,9 @@ def test_run_object_has_the_documented_shape() -> None:
     assert run["scenario"] == "small" and run["regime"] == "backlog" and run["load"] == 2.0
     assert set(run["policies"]) == set(POLICY_NAMES)
     for m in run["policies"].values():
-        assert set(m) == set(METRICS)
+        assert set(m) == {*METRICS, "worst_max_slowdown"}
         assert isinstance(m["oom_events"], int)
+        assert m["worst_max_slowdown"] >= m["max_slowdown"]
 
 
 def test_memory_growth_is_counted_by_the_simulator_not_the_policy() -> None:
