@@ -631,19 +631,23 @@ class MpsManager:
     ) -> None:
         """Write the defaults, push them to running servers, and read them back."""
         q = dev.daemon.query
-        commands: list[str] = [
-            protocol.set_default_active_thread_percentage(desired.threads_percent or 100)
+        percent, num_bytes = desired.threads_percent or 100, desired.memory_bytes
+        # (command, the percentage or bytes it sets: what the daemon may echo back)
+        sets: list[tuple[str, int | None, int | None]] = [
+            (protocol.set_default_active_thread_percentage(percent), percent, None)
         ]
-        if desired.memory_bytes is not None:
-            commands.append(protocol.set_default_device_pinned_mem_limit(0, desired.memory_bytes))
-        for pid in servers:
-            commands.append(
-                protocol.set_active_thread_percentage(pid, desired.threads_percent or 100)
+        if num_bytes is not None:
+            sets.append(
+                (protocol.set_default_device_pinned_mem_limit(0, num_bytes), None, num_bytes)
             )
-            if desired.memory_bytes is not None:
-                commands.append(protocol.set_device_pinned_mem_limit(pid, 0, desired.memory_bytes))
-        for cmd in commands:
-            protocol.parse_empty(cmd, q(cmd))
+        for pid in servers:
+            sets.append((protocol.set_active_thread_percentage(pid, percent), percent, None))
+            if num_bytes is not None:
+                sets.append(
+                    (protocol.set_device_pinned_mem_limit(pid, 0, num_bytes), None, num_bytes)
+                )
+        for cmd, pct, size in sets:
+            protocol.parse_set(cmd, q(cmd), percent=pct, num_bytes=size)
         threads, memory, _ = self._read(dev)
         if not _matches(desired, threads, memory):
             raise BackendError(

@@ -11,7 +11,9 @@ This is what an operator types::
 
 Facts the grammar follows (NVIDIA's MPS documentation, "Tools and Interface Reference"):
 
-- ``set_*`` commands print nothing on success; any text they print is the daemon refusing.
+- ``set_*`` commands print nothing on success, or (the 580-series daemon, after
+  ``set_default_active_thread_percentage 100``) the value just set, as a read-back prints it
+  (``100.0``); any other text is the daemon refusing.
 - Memory values are an integer followed by ``G`` or ``M`` (GiB or MiB). The driver displays a
   limit of at least 1 GiB as whole GiB, rounded down (``1044M`` reads back as ``1G``), so a
   read-back is compared with :func:`displayed_memory`, not with the value written.
@@ -142,6 +144,27 @@ def parse_empty(command: str, reply: str) -> None:
     """A ``set_*``/``start_server``/``quit`` reply: nothing, or the daemon's refusal."""
     if reply.strip():
         raise MpsReplyError("the control daemon refused", command=command, reply=reply.strip())
+
+
+def parse_set(
+    command: str, reply: str, *, percent: int | None = None, num_bytes: int | None = None
+) -> None:
+    """A ``set_*`` reply: nothing, or the value just set (``percent`` or ``num_bytes``) echoed
+    as a read-back prints it; anything else is the daemon's refusal."""
+    lines = _lines(reply)
+    if not lines:
+        return
+    if len(lines) == 1:
+        echoed = lines[0]
+        m = _PERCENT.match(echoed)
+        if percent is not None and m is not None and abs(float(m.group(1)) - percent) <= 0.05:
+            return
+        if num_bytes is not None and echoed in (
+            displayed_memory(num_bytes),
+            format_memory(num_bytes),
+        ):
+            return
+    raise MpsReplyError("the control daemon refused", command=command, reply=reply.strip())
 
 
 def parse_server_list(command: str, reply: str) -> list[int]:

@@ -20,8 +20,10 @@ Commands: ``get_server_list``, ``start_server -uid UID``, ``get_server_status PI
 ``set_active_thread_percentage PID P``, ``get_active_thread_percentage PID``,
 ``set_default_device_pinned_mem_limit DEV VALUE``, ``get_default_device_pinned_mem_limit DEV``,
 ``set_device_pinned_mem_limit PID DEV VALUE``, ``get_device_pinned_mem_limit PID DEV``,
-``quit``. Replies follow the real daemon: ``set_*`` print nothing on success, percentages
-read ``25.0``, memory limits read as whole GiB from 1 GiB up (``1044M`` reads ``1G``).
+``quit``. Replies follow the 580-series daemon: ``set_*active_thread_percentage`` print the
+percentage held afterwards (the new one, or the old one when the value is refused), the
+memory ``set_*`` print nothing, percentages read ``25.0``, a memory limit never set (or set
+to ``0``) reads as nothing, unknown commands get ``Unknown command "NAME"``, memory limits read as whole GiB from 1 GiB up (``1044M`` reads ``1G``).
 
 Servers started with ``start_server`` are real child processes (they exit when the control
 daemon goes away), so their PIDs are real. Like the real daemon, the limits live in the
@@ -168,7 +170,7 @@ class Daemon:
         name, args = words[0], words[1:]
         handler = getattr(self, "cmd_" + name, None)
         if handler is None:
-            return f"Unrecognized command: {name}"
+            return f'Unknown command "{name}"'
         try:
             reply: str = handler(*args)
         except TypeError:
@@ -217,11 +219,14 @@ class Daemon:
         return ""
 
     def cmd_set_default_active_thread_percentage(self, value: str) -> str:
+        # The 580-series daemon prints the percentage it holds afterwards: the new one, or
+        # the old one when it refused (out of (0, 100]; the reason goes to its log only).
         percent = _percent(value)
         if percent is None:
-            return f"Invalid active thread percentage: {value}"
-        self.default_threads = percent
-        return ""
+            self.log("Invalid percentage, expected between (0.0, 100.0]")
+        else:
+            self.default_threads = percent
+        return f"{self.default_threads:.1f}"
 
     def cmd_get_default_active_thread_percentage(self) -> str:
         return f"{self.default_threads:.1f}"
@@ -231,9 +236,10 @@ class Daemon:
         if server is None:
             return f"Server {pid} not found"
         if percent is None:
-            return f"Invalid active thread percentage: {value}"
-        server["threads"] = percent
-        return ""
+            self.log("Invalid percentage, expected between (0.0, 100.0]")
+        else:
+            server["threads"] = percent
+        return f"{server['threads']:.1f}"
 
     def cmd_get_active_thread_percentage(self, pid: str) -> str:
         server = self._server(pid)
@@ -243,6 +249,9 @@ class Daemon:
         device, limit = self._device(dev), _memory(value)
         if device is None:
             return f"Invalid device: {dev}"
+        if value == "0":  # clears the limit
+            self.default_memory.pop(device, None)
+            return ""
         if limit is None:
             return f"Invalid memory limit: {value}"
         self.default_memory[device] = limit
@@ -253,7 +262,7 @@ class Daemon:
         if device is None:
             return f"Invalid device: {dev}"
         limit = self.default_memory.get(device)
-        return "0" if not limit else _displayed(limit)
+        return "" if not limit else _displayed(limit)  # nothing when no limit is set
 
     def cmd_set_device_pinned_mem_limit(self, pid: str, dev: str, value: str) -> str:
         server, device, limit = self._server(pid), self._device(dev), _memory(value)
@@ -261,6 +270,9 @@ class Daemon:
             return f"Server {pid} not found"
         if device is None:
             return f"Invalid device: {dev}"
+        if value == "0":
+            server["memory"].pop(device, None)
+            return ""
         if limit is None:
             return f"Invalid memory limit: {value}"
         server["memory"][device] = limit
@@ -273,7 +285,7 @@ class Daemon:
         if device is None:
             return f"Invalid device: {dev}"
         limit = server["memory"].get(device)
-        return "0" if not limit else _displayed(limit)
+        return "" if not limit else _displayed(limit)
 
     def cmd_quit(self) -> str:
         self.quitting = True

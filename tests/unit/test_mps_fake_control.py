@@ -69,15 +69,23 @@ def test_daemon_keeps_limits_and_servers_and_quits(env: dict[str, str]) -> None:
     )
     result = control(env, stdin=script)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["40.0", "1G"]  # the driver's whole-GiB display
+    # the echo of the default percentage (580-series daemon), then the read-backs: the
+    # driver's whole-GiB display
+    assert result.stdout.split() == ["40.0", "40.0", "1G"]
 
     servers = control(env, stdin="get_server_list\n").stdout.split()
     assert len(servers) == 1
     server = servers[0]
-    assert control(env, stdin=f"set_active_thread_percentage {server} 20\n").stdout == ""
+    assert (
+        control(env, stdin=f"set_active_thread_percentage {server} 20\n").stdout.strip() == "20.0"
+    )
+    # refused: the daemon prints the percentage it still holds
+    assert (
+        control(env, stdin=f"set_active_thread_percentage {server} 150\n").stdout.strip() == "20.0"
+    )
     assert control(env, stdin=f"get_active_thread_percentage {server}\n").stdout.strip() == "20.0"
     assert "not found" in control(env, stdin="set_active_thread_percentage 1 20\n").stdout
-    assert "Unrecognized" in control(env, stdin="bogus\n").stdout
+    assert control(env, stdin="bogus\n").stdout.strip() == 'Unknown command "bogus"'
     assert (
         "Invalid memory"
         in control(env, stdin="set_default_device_pinned_mem_limit 0 1.5G\n").stdout
@@ -97,6 +105,11 @@ def test_daemon_keeps_limits_and_servers_and_quits(env: dict[str, str]) -> None:
             "device_pinned_mem_limit": {"0": 1044 * 2**20},
         }
     }
+    cleared = control(
+        env,
+        stdin="set_default_device_pinned_mem_limit 0 0\nget_default_device_pinned_mem_limit 0\n",
+    )
+    assert cleared.stdout.strip() == ""  # no limit reads as nothing
 
     assert control(env, stdin="quit\n").returncode == 0
     for _ in range(100):

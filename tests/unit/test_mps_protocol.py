@@ -68,6 +68,24 @@ def test_replies_parse() -> None:
     protocol.parse_empty("c", "\n")
 
 
+def test_a_set_reply_may_echo_the_value_it_set() -> None:
+    """The 580-series daemon prints ``100.0`` after ``set_default_active_thread_percentage
+    100``; an echo of another value, or any other text, is a refusal."""
+    protocol.parse_set("c", "", percent=100)
+    protocol.parse_set("c", "100.0\n", percent=100)
+    protocol.parse_set("c", "20G", num_bytes=20 * GIB)
+    protocol.parse_set("c", "1G", num_bytes=1044 * MIB)  # as a read-back displays it
+    for reply, kwargs in [
+        ("40.0", {"percent": 100}),
+        ("100.0", {"num_bytes": 100 * GIB}),
+        ("20G", {"percent": 20}),
+        ("Server 12 not found", {"percent": 12}),
+        ("100.0\n100.0", {"percent": 100}),
+    ]:
+        with pytest.raises(MpsReplyError):
+            protocol.parse_set("c", reply, **kwargs)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("parse", "reply"),
     [
