@@ -18,8 +18,9 @@ edge, chosen by the error's numeric ``.value`` so it works for both modules::
 
 MIG queries go the way NVML requires: a profile *constant*
 (``NVML_GPU_INSTANCE_PROFILE_*``) gives ``nvmlDeviceGetGpuInstanceProfileInfo``, whose ``.id``
-is the profile id every later call takes (``nvidia-smi mig -lgip`` prints that id). NVML
-answers those only while MIG mode is on; compute-instance profiles are read from an existing
+is the profile id every later call takes (``nvidia-smi mig -lgip`` prints that id). The
+580-series driver answers those with MIG mode off too (older drivers only while it is on);
+compute-instance profiles are read from an existing
 GPU instance (``nvidia-smi mig -gi N -lcip``). Compute-instance profile ids equal the
 ``NVML_COMPUTE_INSTANCE_PROFILE_*`` constants.
 
@@ -660,7 +661,7 @@ class NvmlBackend:
             )
             table[profile.id] = (profile, placements)
         if not table:
-            # NVML refuses every profile while MIG mode is off (or on a GPU without MIG).
+            # A GPU without MIG, or a driver that answers only while MIG mode is on.
             raise NotSupported(
                 f"GPU {gpu} offers no MIG profiles (MIG mode off or not MIG-capable)",
                 gpu=gpu,
@@ -696,7 +697,8 @@ class NvmlBackend:
         return entry[0]
 
     def gpu_instance_profiles(self, gpu: int) -> list[GpuInstanceProfile]:
-        """``nvidia-smi mig -i N -lgip`` (needs MIG mode on, as NVML does)."""
+        """``nvidia-smi mig -i N -lgip``. The 580-series driver answers with MIG mode off too;
+        a driver that answers only with MIG mode on raises NotSupported."""
         return [p for p, _ in self._gi_table(gpu).values()]
 
     def gpu_instance_placements(self, gpu: int, gpu_instance_profile_id: int) -> list[Placement]:

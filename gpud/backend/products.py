@@ -15,9 +15,9 @@ slices*: a GPU has 8 memory slices and 7 compute slices, so ``nvidia-smi mig -lg
 ``{0,1,2,3,4,5,6}:1`` for 1g profiles, ``{0,2,4,6}:2`` for the 1g profile with two memory
 slices, ``{0,2,4}:2`` for 2g, ``{0,4}:4`` for 3g, ``{0}:4`` for 4g and ``{0}:8`` for 7g.
 
-H200 figures follow the guide's H200 table; its per-profile MiB values are the ones NVML
-reports on 550-series drivers where observed (1g, 2g, 7g) and scaled from the same ratios
-as H100 for 3g and 4g.
+H200 figures follow the guide's H200 table; its per-profile MiB values, SM and engine counts
+and placements are the ones NVML 580.159.04 reports on an H200 (its profile tables answer
+with MIG mode off too).
 """
 
 from __future__ import annotations
@@ -337,7 +337,7 @@ PRODUCTS: dict[str, ProductSpec] = {
             pcie_gen=5,
             pcie_lanes=16,
             mig_profiles=_hopper(
-                (16384, 33280, 67072, 143360),
+                (16384, 33280, 71424, 143360),
                 ("1g.18gb", "1g.18gb+me", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"),
             ),
             mig_mode_needs_reset=False,

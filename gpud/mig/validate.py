@@ -74,9 +74,10 @@ class ProfileTable:
 def load_table(backend: GpuBackend, gpu: int) -> ProfileTable:
     """Read ``-lgip``, ``-lgipp`` and ``-lcip`` for one GPU.
 
-    The driver answers these only while MIG mode is on (NotSupported otherwise), and lists
-    compute instance profiles only from an existing GPU instance of that profile; for the
-    others the published table (or NVML's fixed profile constants) stands in.
+    The 580-series driver answers ``-lgip``/``-lgipp`` with MIG mode off too (older ones
+    raise NotSupported until it is on), and lists compute instance profiles only from an
+    existing GPU instance of that profile; for the others the published table (or NVML's
+    fixed profile constants) stands in.
     """
     identity = backend.identity(gpu)
     gis = tuple(backend.gpu_instance_profiles(gpu))

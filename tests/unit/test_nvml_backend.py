@@ -164,10 +164,19 @@ def test_mig_tables_a100_40gb() -> None:
     assert [p.start for p in be.gpu_instance_placements(0, 14)] == [0, 2, 4]
 
 
-def test_profiles_need_mig_mode() -> None:
-    _, be = _backend([("H100-SXM5-80GB", 1)])
+def test_profiles_answer_with_mig_mode_off_but_instances_need_it() -> None:
+    """As the 580-series driver does on an H200: ``-lgip``/``-lgipp`` answer with MIG mode
+    off; creating an instance does not."""
+    _, be = _backend([("H100-SXM5-80GB", 1), ("A100-SXM4-40GB", 1)])
+    assert not be.mig_mode(0).current
+    profiles = {p.name: p for p in be.gpu_instance_profiles(0)}
+    assert profiles["3g.40gb"].memory_bytes == 40448 * 2**20
+    assert be.gpu_instance_placements(0, profiles["3g.40gb"].id) == [
+        port.Placement(0, 4),
+        port.Placement(4, 4),
+    ]
     with pytest.raises(NotSupported):
-        be.gpu_instance_profiles(0)
+        be.create_gpu_instance(0, profiles["3g.40gb"].id, port.Placement(0, 4))
     assert be.mig_devices(0) == []
 
 

@@ -42,8 +42,10 @@ def test_mig_mode_pending_until_reboot() -> None:
     h = nv.nvmlDeviceGetHandleByIndex(0)
     assert nv.nvmlDeviceSetMigMode(h, 1) == nv.NVML_ERROR_RESET_REQUIRED
     assert nv.nvmlDeviceGetMigMode(h) == [0, 1]
-    with pytest.raises(nv.NVMLError_NotSupported):  # MIG calls need MIG mode current
-        nv.nvmlDeviceGetGpuInstanceProfileInfo(h, nv.NVML_GPU_INSTANCE_PROFILE_1_SLICE)
+    with pytest.raises(nv.NVMLError_NotSupported):  # instances need MIG mode current
+        nv.nvmlDeviceCreateGpuInstance(h, 19)
+    # the profile table answers all the same (580-series driver)
+    assert nv.nvmlDeviceGetGpuInstanceProfileInfo(h, nv.NVML_GPU_INSTANCE_PROFILE_1_SLICE).id == 19
     node.reboot()
     assert nv.nvmlDeviceGetMigMode(h) == [1, 1]
     with pytest.raises(nv.NVMLError_NotSupported):

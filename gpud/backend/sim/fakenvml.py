@@ -959,6 +959,13 @@ class FakeNvml:
             raise NVMLError_NotSupported()  # NVML: "device doesn't have MIG mode enabled"
         return gpu
 
+    def _mig_capable_gpu(self, device: object) -> _Gpu:
+        """The profile tables: the 580-series driver answers them with MIG mode off too."""
+        gpu = self._gpu(device, "mig")
+        if not gpu.spec.mig_capable:
+            raise NVMLError_NotSupported()
+        return gpu
+
     def _gi_profile(self, gpu: _Gpu, profile_id: int) -> products.GiProfileSpec:
         prof = gpu.spec.gi_profile_by_id(profile_id)
         if prof is None:
@@ -968,7 +975,7 @@ class FakeNvml:
     def nvmlDeviceGetGpuInstanceProfileInfo(
         self, device: object, profile: int, version: int = 2
     ) -> SimpleNamespace:
-        gpu = self._mig_gpu(device)
+        gpu = self._mig_capable_gpu(device)
         if not 0 <= profile < NVML_GPU_INSTANCE_PROFILE_COUNT:
             raise NVMLError_InvalidArgument()
         prof = gpu.spec.gi_profile_by_constant(profile)
@@ -995,7 +1002,7 @@ class FakeNvml:
     def nvmlDeviceGetGpuInstancePossiblePlacements(
         self, device: object, profileId: int, placementsRef: Any, countRef: Any
     ) -> int:
-        gpu = self._mig_gpu(device)
+        gpu = self._mig_capable_gpu(device)
         prof = self._gi_profile(gpu, profileId)
         count = _deref(countRef)
         if placementsRef is not None:
