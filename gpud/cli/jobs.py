@@ -157,23 +157,45 @@ def warn_no_effect(options: list[str], why: str) -> None:
     print(f"gpuctl: warning: {'/'.join(options)} will have no effect: {why}", file=sys.stderr)
 
 
-def warn_if_mps_off(ctx: Context, args: argparse.Namespace) -> None:
-    """Warn when MPS options are given on a node whose gpud runs no MPS daemons."""
-    options = mps_options(args)
-    if not options:
-        return
+def _show_mps(ctx: Context) -> mps_pb2.ShowMpsResponse | None:
+    """The MPS daemons, for a warning: None when gpud cannot say (the warning is a courtesy;
+    the command itself goes on)."""
     try:
         resp: mps_pb2.ShowMpsResponse = ctx.call(
             ctx.stub(mps_pb2_grpc.MpsStub).ShowMps, mps_pb2.ShowMpsRequest()
         )
     except CliError:
-        return  # the warning is a courtesy; the command itself goes on
-    if not resp.mps_enabled:
+        return None
+    return resp
+
+
+def warn_if_mps_off(ctx: Context, args: argparse.Namespace) -> None:
+    """Warn when MPS options are given on a node whose gpud runs no MPS daemons."""
+    options = mps_options(args)
+    if not options:
+        return
+    resp = _show_mps(ctx)
+    if resp is not None and not resp.mps_enabled:
         warn_no_effect(
             options,
             "MPS is off on this node (gpud's mps.enabled = false); the job's processes run as "
             "ordinary CUDA clients",
         )
+
+
+def warn_if_mps_down(ctx: Context, env: dict[str, str]) -> None:
+    """Warn when the MPS control daemon a job is sent to (``CUDA_MPS_PIPE_DIRECTORY``) is down:
+    CUDA then runs the job's processes without MPS, and without the device's MPS limits."""
+    pipe = env.get("CUDA_MPS_PIPE_DIRECTORY")
+    resp = _show_mps(ctx) if pipe else None
+    for dev in resp.devices if resp is not None else ():
+        if dev.pipe_directory == pipe and not dev.up:
+            why = f" ({dev.last_error})" if dev.last_error else ""
+            print(
+                f"gpuctl: warning: the MPS control daemon of {dev.uuid} is down{why}: the job's"
+                " processes run without MPS and without its thread and memory limits",
+                file=sys.stderr,
+            )
 
 
 def run_add(ctx: Context, args: argparse.Namespace) -> int:

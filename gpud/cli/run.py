@@ -51,6 +51,7 @@ from gpud.cli.jobs import (
     kind_value,
     mps_options,
     queued_line,
+    warn_if_mps_down,
     warn_no_effect,
 )
 from gpud.errors import ERROR_TABLE, NotFound, ResourceExhausted
@@ -323,6 +324,7 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
             f"no MPS control daemon serves {', '.join(devices)} (gpud's mps.enabled is off, "
             "MPS is disabled for the device, or the job spans several devices)",
         )
+    warn_if_mps_down(ctx, granted)
     env = {**os.environ, **granted}
     place = None
     if "GPUD_DSCP" in granted:

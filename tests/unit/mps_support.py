@@ -106,10 +106,13 @@ def kill_daemons(root: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-def make_manager(root: Path, **kwargs: object) -> tuple[MpsManager, StateStore, EventLog]:
+def make_manager(
+    root: Path, control: list[str] | None = None, **kwargs: object
+) -> tuple[MpsManager, StateStore, EventLog]:
+    """``control``: the control daemon's command (default: the fake)."""
     store = StateStore(root / "state")
     events = EventLog(None)
     options: dict[str, object] = {"timeout_s": 5.0, "health_interval_s": 0.0}
     options.update(kwargs)
-    manager = MpsManager(store, events, root / "run", FAKE_CONTROL, **options)  # type: ignore[arg-type]
+    manager = MpsManager(store, events, root / "run", control or FAKE_CONTROL, **options)  # type: ignore[arg-type]
     return manager, store, events

@@ -52,10 +52,13 @@ class Node:
 
 
 @contextlib.contextmanager
-def serving(*extra: Callable[[Any], None], mps_on: bool = True) -> Iterator[Node]:
-    """The node's MPS and jobs services on a socket, with ``extra`` registrars."""
+def serving(
+    *extra: Callable[[Any], None], mps_on: bool = True, control: list[str] | None = None
+) -> Iterator[Node]:
+    """The node's MPS and jobs services on a socket, with ``extra`` registrars; ``control``:
+    the MPS control daemon's command (default: the fake)."""
     with short_dir() as root:
-        mps, store, events = make_manager(root, enabled=mps_on)
+        mps, store, events = make_manager(root, control, enabled=mps_on)
         socket = root / "gpud.sock"
         jobs = JobService(store, events, mps, socket_path=socket)
         try:
@@ -259,6 +262,24 @@ def test_mps_options_where_mps_runs_do_not_warn(
     )  # fmt: skip
     assert code == 0 and "warning" not in capsys.readouterr().err
     assert json.loads(out.read_text())["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+
+
+def test_a_job_sent_to_an_mps_daemon_that_is_down_is_warned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """CUDA runs a client whose pipe directory has no daemon without MPS: no limits hold."""
+    refusing = [sys.executable, "-c", "import sys; print('refused'); sys.exit(1)"]
+    with serving(control=refusing) as n:
+        out = tmp_path / "child.json"
+        code = n.ctl(
+            "run", "--job", "a", "--mig", "3g.40gb", "--memory", "8GiB",
+            "--", sys.executable, "-c", CHILD, str(out), "0",
+        )  # fmt: skip
+        assert code == 0
+        err = capsys.readouterr().err
+        env = json.loads(out.read_text())["env"]
+    assert f"the MPS control daemon of {env['CUDA_VISIBLE_DEVICES']} is down (" in err
+    assert "run without MPS and without its thread and memory limits" in err
 
 
 def test_gpuctl_run_waits_while_co_location_says_wait(
