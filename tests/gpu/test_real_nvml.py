@@ -10,6 +10,7 @@ import pytest
 
 from gpud.backend import port, products
 from gpud.backend.nvml import NvmlBackend
+from gpud.backend.sim import SimNode
 from gpud.colo.links import pcie_capacity
 from gpud.errors import DeviceNotFound, NotSupported
 
@@ -106,3 +107,33 @@ def test_mig_read_only(backend: NvmlBackend) -> None:
     for m, reading in zip(devices, readings.devices, strict=True):
         assert reading.identity is m and isinstance(reading.memory, port.MemoryInfo)
         assert reading.memory.total_bytes == backend.memory(0, m.mig).total_bytes
+
+
+def test_the_simulated_board_answers_as_this_one(backend: NvmlBackend) -> None:
+    """For a board gpud simulates, the simulated board's NVML answers are this one's: name,
+    PCI id, memory, and the MIG profile table with its placements (``nvidia-smi mig -lgip``,
+    ``-lgipp``), which the driver answers with MIG mode off too (580 series)."""
+    real = backend.identity(0)
+    if real.product not in products.PRODUCTS:
+        pytest.skip(f"{real.name} is not a board gpud simulates")
+    twin = NvmlBackend(SimNode([(real.product, 1)]).nvml)
+    try:
+        sim = twin.identity(0)
+        assert (sim.name, sim.pci_device_id, sim.memory_total_bytes) == (
+            real.name,
+            real.pci_device_id,
+            real.memory_total_bytes,
+        )
+        if not real.mig_capable:
+            return
+        try:
+            profiles = backend.gpu_instance_profiles(0)
+        except NotSupported:
+            pytest.skip("this driver lists MIG profiles only while MIG mode is on")
+        assert twin.gpu_instance_profiles(0) == profiles
+        for p in profiles:
+            assert twin.gpu_instance_placements(0, p.id) == backend.gpu_instance_placements(
+                0, p.id
+            ), p.name
+    finally:
+        twin.close()
