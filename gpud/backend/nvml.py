@@ -113,6 +113,20 @@ REGISTER_WAIT_S: Final = 0.5
 """How long a new event set waits for the GPUs' registrations before its first wait."""
 
 
+def _same_handle(a: Any, b: Any) -> bool:
+    """Whether two NVML device handles name one device. pynvml's handles are ctypes pointers,
+    and the ``device`` of an ``nvmlEventSetWait`` result is a new pointer object each time,
+    which ``==`` (identity, for ctypes pointers) tells apart from the cached handle."""
+    if a is b:
+        return True
+    try:
+        va = ctypes.cast(a, ctypes.c_void_p).value
+        vb = ctypes.cast(b, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return bool(a == b)
+    return va is not None and va == vb
+
+
 def _text(value: object) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
@@ -1002,19 +1016,17 @@ class NvmlBackend:
                 self._nv.nvmlEventSetFree(es)
 
     def _gpu_of(self, device: Any) -> int:
+        """The index of an event's device handle. It runs under the events lock, so it asks
+        the driver nothing about other GPUs: one that does not answer would hold up every
+        GPU's events."""
         for i, h in enumerate(self._handles):
-            if h is not None and (h is device or h == device):
+            if h is not None and _same_handle(h, device):
                 return i
         try:
             uuid = _text(self._nv.nvmlDeviceGetUUID(device))
         except self._error:
             return -1
         for i in range(self._count):
-            if self._uuids.get(i) is None:
-                try:
-                    self.identity(i)
-                except BackendError:
-                    continue
             if self._uuids.get(i) == uuid:
                 return i
         return -1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import inspect
 import time
@@ -12,7 +13,7 @@ from typing import Any, get_type_hints
 import pytest
 
 from gpud.backend import port
-from gpud.backend.nvml import NvmlBackend, product_key
+from gpud.backend.nvml import NvmlBackend, _same_handle, product_key
 from gpud.backend.sim import SimNode, SimulatedCrash, products
 from gpud.errors import (
     BackendError,
@@ -534,3 +535,26 @@ def test_reset_lets_go_of_nvml_for_the_runner_and_comes_back() -> None:
     with pytest.raises(NotSupported, match="reset is not available"):
         NvmlBackend(node.nvml).reset_gpu(0)
     be.close()
+
+
+def test_a_device_handle_read_back_from_an_event_is_the_cached_one() -> None:
+    """pynvml's handles are ctypes pointers: the ``device`` field of an event is a new pointer
+    object at each read, and ``==`` between ctypes pointers is identity."""
+
+    class Device(ctypes.Structure):
+        _fields_ = [("opaque", ctypes.c_int)]
+
+    handle_t = ctypes.POINTER(Device)
+
+    class EventData(ctypes.Structure):
+        _fields_ = [("device", handle_t)]
+
+    gpu0, gpu1 = Device(), Device()
+    cached = ctypes.pointer(gpu0)
+    event = EventData(cached)
+    assert event.device != cached  # what a plain comparison sees
+    assert _same_handle(cached, event.device)
+    assert not _same_handle(ctypes.pointer(gpu1), event.device)
+    assert not _same_handle(handle_t(), handle_t())  # two NULL handles name no device
+    sim_handle = object()  # the simulated driver's handles are plain objects
+    assert _same_handle(sim_handle, sim_handle) and not _same_handle(sim_handle, object())
