@@ -72,6 +72,8 @@ def device_row(d: pb.MpsDevice) -> tuple[str, ...]:
         daemon = "up"
     else:
         daemon = f"DOWN{': ' + d.last_error if d.last_error else ''}"
+    if d.gpu_unhealthy:
+        daemon += f" (GPU {d.gpu} unhealthy: {d.gpu_unhealthy})"
     threads = f"{d.threads_percent}%" if d.HasField("threads_percent") else "100% (default)"
     memory = format_size(d.memory_limit_bytes) if d.HasField("memory_limit_bytes") else "none"
     return (

@@ -50,6 +50,7 @@ def device_message(s: MpsDeviceStatus, load: DeviceLoad | None) -> pb.MpsDevice:
         last_error=s.last_error,
         reserved_memory_bytes=load.memory_bytes if load else 0,
         jobs=list(load.jobs) if load else [],
+        gpu_unhealthy=s.target.gpu_unhealthy,
     )
     if s.target.mig is not None:
         msg.mig = s.target.mig

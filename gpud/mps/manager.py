@@ -84,6 +84,7 @@ class MpsTarget:
     memory_total_bytes: int
     gpu_uuid: str = ""  # the GPU of a MIG device
     placement: tuple[int, int] | None = None  # its GPU instance's (start, size), when known
+    gpu_unhealthy: str = ""  # why the GPU under it is unhealthy; "" when it is healthy
 
     @property
     def slot(self) -> tuple[str, int, int, str] | None:
@@ -138,6 +139,7 @@ def targets_from_snapshot(snapshot: Snapshot) -> list[MpsTarget]:
     targets: list[MpsTarget] = []
     for gpu in snapshot.gpus:
         ident = gpu.identity
+        unhealthy = "" if gpu.healthy else (gpu.reason or "unhealthy")
         if gpu.mig_mode is not None and gpu.mig_mode.current:
             for mig in gpu.mig_devices:
                 m = mig.identity
@@ -151,11 +153,19 @@ def targets_from_snapshot(snapshot: Snapshot) -> list[MpsTarget]:
                         m.memory_total_bytes,
                         gpu_uuid=ident.uuid,
                         placement=(pl.start, pl.size) if pl is not None else None,
+                        gpu_unhealthy=unhealthy,
                     )
                 )
         else:
             targets.append(
-                MpsTarget(ident.uuid, ident.index, None, ident.product, ident.memory_total_bytes)
+                MpsTarget(
+                    ident.uuid,
+                    ident.index,
+                    None,
+                    ident.product,
+                    ident.memory_total_bytes,
+                    gpu_unhealthy=unhealthy,
+                )
             )
     return targets
 

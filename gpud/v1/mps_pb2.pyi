@@ -45,6 +45,7 @@ class MpsDevice(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     RESERVED_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     JOBS_FIELD_NUMBER: _builtins.int
+    GPU_UNHEALTHY_FIELD_NUMBER: _builtins.int
     uuid: _builtins.str
     """GPU or MIG UUID: the daemon's CUDA_VISIBLE_DEVICES"""
     gpu: _builtins.int
@@ -74,6 +75,8 @@ class MpsDevice(_message.Message):
     last_error: _builtins.str
     reserved_memory_bytes: _builtins.int
     """MPS memory limits reserved by jobs on it"""
+    gpu_unhealthy: _builtins.str
+    """why the GPU under it is unhealthy ("GPU lost", an XID); "" when healthy"""
     @_builtins.property
     def server_pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -101,10 +104,11 @@ class MpsDevice(_message.Message):
         last_error: _builtins.str = ...,
         reserved_memory_bytes: _builtins.int = ...,
         jobs: _abc.Iterable[_builtins.str] | None = ...,
+        gpu_unhealthy: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_threads_percent", b"_threads_percent", "memory_limit_bytes", b"memory_limit_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "threads_percent", b"threads_percent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_threads_percent", b"_threads_percent", "enabled", b"enabled", "gpu", b"gpu", "jobs", b"jobs", "last_error", b"last_error", "memory_limit_bytes", b"memory_limit_bytes", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "pipe_directory", b"pipe_directory", "profile", b"profile", "reserved_memory_bytes", b"reserved_memory_bytes", "restarts", b"restarts", "server_pids", b"server_pids", "threads_percent", b"threads_percent", "up", b"up", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_threads_percent", b"_threads_percent", "enabled", b"enabled", "gpu", b"gpu", "gpu_unhealthy", b"gpu_unhealthy", "jobs", b"jobs", "last_error", b"last_error", "memory_limit_bytes", b"memory_limit_bytes", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "pipe_directory", b"pipe_directory", "profile", b"profile", "reserved_memory_bytes", b"reserved_memory_bytes", "restarts", b"restarts", "server_pids", b"server_pids", "threads_percent", b"threads_percent", "up", b"up", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__memory_limit_bytes: _TypeAlias = _typing.Literal["memory_limit_bytes"]  # noqa: Y015
     _WhichOneofArgType__memory_limit_bytes: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes"]  # noqa: Y015

@@ -14,7 +14,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
+from gpud.cli.mps import device_row
 from gpud.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from gpud.mps.api import device_message
 from gpud.mps.manager import MpsLimits, MpsManager, MpsTarget, targets_from_snapshot
 from gpud.mps.metrics import MpsMetrics
 from gpud.mps.procs import alive
@@ -65,6 +67,18 @@ def test_targets_are_gpus_or_their_mig_devices() -> None:
         (mig_uuid(0, 2), 0, 2, "1g.10gb", 10 * GIB),
         (gpu_uuid(1), 1, None, "H100-SXM5-80GB", 80 * GIB),
     ]
+
+
+def test_a_device_on_an_unhealthy_gpu_says_so(manager: MpsManager) -> None:
+    """``gpuctl mps show``: a daemon can answer while the GPU under it has an XID."""
+    sick = MIG_NODE.gpus[0]._replace(healthy=False, reason="XID 79")
+    targets = targets_from_snapshot(snapshot(sick, MIG_NODE.gpus[1]))
+    assert [t.gpu_unhealthy for t in targets] == ["XID 79", "XID 79", "XID 79", ""]
+    manager.reconcile(snapshot(MIG_NODE.gpus[0], NODE.gpus[1]._replace(healthy=False, reason="")))
+    shown = {s.target.gpu: device_message(s, None) for s in manager.status()}
+    assert shown[1].gpu_unhealthy == "unhealthy" and shown[0].gpu_unhealthy == ""
+    assert device_row(shown[1])[3].endswith("(GPU 1 unhealthy: unhealthy)")
+    assert "unhealthy" not in device_row(shown[0])[3]
 
 
 def test_one_daemon_per_gpu_with_unequal_limits(manager: MpsManager, root: Path) -> None:
