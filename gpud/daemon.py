@@ -62,6 +62,7 @@ from gpud.net.wiring import open_traffic
 from gpud.notify import Notifier
 from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler
+from gpud.telemetry.seen import SeenGpus
 
 if TYPE_CHECKING:
     from gpud.backend.sim import SimNode
@@ -133,6 +134,7 @@ class Daemon:
         config.daemon.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(state_dir / "events.jsonl", clock=time.time)
         self.store = StateStore(state_dir)
+        self.seen = SeenGpus(self.store)
         self.sampler = Sampler(
             backend,
             interval_s=config.telemetry.interval_s,
@@ -143,6 +145,7 @@ class Daemon:
             ignored_xids=config.telemetry.ignored_xids,
             # Under the run directory: a reboot (a reset of every GPU) empties it.
             xid_state=config.daemon.run_dir / "xid-faults.json",
+            last_seen=self.seen.known,
         )
         self.collector = Collector(self.sampler.latest, events=self.events, clock=clock)
         self._driver_version = self._read_driver_version()
@@ -237,6 +240,7 @@ class Daemon:
         self.steps: list[Step] = []
         self._shutdown: list[Callable[[], Awaitable[None] | None]] = []
         # Order matters: MIG first (it changes the devices), then MPS per device, then jobs.
+        self.add_step("seen", self._seen_step)
         self.add_step("mig", self._mig_step)
         self.add_step("mps", self._mps_step)
         self.add_step("jobs", self._jobs_step)
@@ -260,6 +264,11 @@ class Daemon:
 
     async def _mig_step(self) -> None:
         await asyncio.to_thread(self.mig.reconcile, self.config.mig.on_start)
+
+    async def _seen_step(self) -> None:
+        changes = self.seen.changes(self._identities())
+        if changes:
+            await asyncio.to_thread(self.seen.remember, changes, time.time())
 
     async def _mps_step(self) -> None:
         await asyncio.to_thread(self.mps.reconcile, self.sampler.latest())

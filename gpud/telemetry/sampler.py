@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 
 from gpud.backend.port import EventKind, GpuBackend, GpuEvent
@@ -108,13 +108,17 @@ class Sampler:
         events: EventLog | None = None,
         ignored_xids: Collection[int] = DEFAULT_IGNORED_XIDS,
         xid_state: Path | None = None,
+        last_seen: Mapping[int, str] | None = None,
     ) -> None:
+        """``last_seen``: how each GPU index was last seen (:mod:`gpud.telemetry.seen`), named
+        in the reason of a GPU whose identity cannot be read now."""
         if interval_s <= 0:
             raise ValueError("interval_s must be > 0")
         if call_timeout_s <= 0:
             raise ValueError("call_timeout_s must be > 0")
         self.interval_s = interval_s
         self.call_timeout_s = call_timeout_s
+        self._last_seen = dict(last_seen or {})
         self._backend = backend
         self._unsupported_retry_s = unsupported_retry_s
         self._identity_refresh_s = identity_refresh_s
@@ -255,6 +259,9 @@ class Sampler:
                 ),
                 sampled_at=reader.last_good_at,
             )
+        seen = self._last_seen.get(reader.index)
+        if seen and not sample.identity.uuid:  # never read in this run
+            sample = sample._replace(reason=f"{sample.reason}; last seen as {seen}")
         if slot.xid_total or slot.critical_xid is not None:
             with self._lock:
                 sample = sample._replace(xid_events_total=slot.xid_total, last_xid=slot.xid_last)

@@ -30,7 +30,9 @@ from gpud.backend.port import (
 )
 from gpud.errors import BackendError, GpuLost, NotSupported
 from gpud.events import EventLog
+from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler
+from gpud.telemetry.seen import SeenGpus
 
 GIB = 1 << 30
 
@@ -357,6 +359,36 @@ def test_lost_at_start_shows_placeholder_identity(clock: FakeClock) -> None:
         assert s.tick().gpus[0].identity.uuid == "GPU-00000000"
     finally:
         s.close()
+
+
+def test_a_gpu_lost_at_start_is_named_as_last_seen(clock: FakeClock, tmp_path: Path) -> None:
+    """Its identity cannot be read, but an earlier run's is kept in the state database."""
+    store = StateStore(tmp_path)
+    try:
+        backend = FakeBackend(gpus=2)
+        first = Sampler(backend, clock=clock, call_timeout_s=1)  # type: ignore[arg-type]
+        try:
+            seen = SeenGpus(store)
+            changes = seen.changes(g.identity for g in first.tick().gpus)
+            assert set(changes) == {0, 1}
+            seen.remember(changes, now=1.0)
+            assert seen.changes(g.identity for g in first.tick().gpus) == {}  # nothing new
+        finally:
+            first.close()
+        backend.lost.add(0)
+        known = SeenGpus(store).known  # as a restarted gpud reads it
+        again = Sampler(backend, clock=clock, call_timeout_s=1, last_seen=known)  # type: ignore[arg-type]
+        try:
+            gpu0, gpu1 = again.tick().gpus
+            assert not gpu0.healthy and gpu0.identity.uuid == ""
+            assert gpu0.reason.endswith(
+                "; last seen as NVIDIA H100 80GB HBM3 GPU-00000000 at 00000000:18:00.0"
+            )
+            assert "last seen" not in gpu1.reason
+        finally:
+            again.close()
+    finally:
+        store.close()
 
 
 def test_failing_field_marks_gpu_unhealthy_but_keeps_other_fields(
