@@ -134,6 +134,8 @@ class _JobState:
     windows: int = 0
     windows_ok: int = 0
     seen: float = float("-inf")  # when it last ran, reported or was read back from the file
+    # when this loop first saw it run: the newest training job is the one an eviction takes
+    arrived: float | None = None
 
     def learned(self, place: str) -> JobFeatures | None:
         """Its footprint on that device; else what it showed on another of its devices (a
@@ -629,6 +631,8 @@ class ColoService:
             total = sample.memory.total_bytes if sample is not None and sample.memory else 0
             for r in members:
                 st = self._jobs.setdefault(r.name, _JobState())
+                if st.arrived is None:
+                    st.arrived = now
                 use = host.get(f"{r.name}\0{_place(r)}")
                 held = r.memory_used if r.memory_used is not None else r.memory_bytes or 0
                 st.devices.setdefault(_place(r), _DeviceState()).side = JobFeatures(
@@ -821,7 +825,12 @@ class ColoService:
             peak_load=max(r.peak_load, load),
             duty=self._directives.get(r.name, Directive(1.0, False, "")).duty,
             device=r.device,
+            order=self._arrived(r.name),
         )
+
+    def _arrived(self, name: str) -> float:
+        st = self._jobs.get(name)
+        return st.arrived if st is not None and st.arrived is not None else 0.0
 
     def _gpu_views(
         self, snapshot: Snapshot, running: Sequence[RunningJob], *, whole_only: bool = False

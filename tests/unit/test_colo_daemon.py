@@ -121,6 +121,21 @@ def test_memory_over_the_limit_evicts_training(
     assert svc.throttle_point("train", 1).evict
 
 
+def test_memory_over_the_limit_evicts_the_training_job_that_came_last(tmp_path: Path) -> None:
+    """The newest by when the loop first saw it run, not by name."""
+    clock = Clock()
+    jobs = [RunningJob("a-first", "training", 0, memory_bytes=10 * GIB, memory_used=30 * GIB)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(snapshot(used_gib=30))
+    clock.t += 5
+    jobs.append(RunningJob("z-later", "training", 0, memory_bytes=10 * GIB, memory_used=49 * GIB))
+    svc.tick(snapshot(used_gib=79))
+    assert svc.throttle_point("z-later", 1).evict
+    assert not svc.throttle_point("a-first", 1).evict
+
+
 def test_advise_places_on_a_free_gpu_and_checks_input(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
