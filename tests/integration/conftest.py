@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-BIN = Path(sys.executable).parent
+# gpud and gpuctl: beside the test interpreter (its virtual environment), or in GPUD_TEST_BIN
+# (tests/gpu/run.sh --python makes them there for an interpreter without them).
+BIN = Path(os.environ.get("GPUD_TEST_BIN") or Path(sys.executable).parent)
 
 
 def free_port() -> int:
