@@ -11,9 +11,11 @@ This is what an operator types::
 
 Facts the grammar follows (NVIDIA's MPS documentation, "Tools and Interface Reference"):
 
-- ``set_*`` commands print nothing on success, or (the 580-series daemon, after
-  ``set_default_active_thread_percentage 100``) the value just set, as a read-back prints it
-  (``100.0``); any other text is the daemon refusing.
+- ``set_*`` commands print nothing on success, except the thread percentage ones: the
+  580-series daemon prints the percentage it holds afterwards, as a read-back prints it
+  (``100.0``): the new one, or the old one when it refuses the value (out of (0, 100]; the
+  reason goes to its log only). So an echo of the value set is success, any other text a
+  refusal. A memory limit never set (or set to ``0``) reads back as nothing.
 - Memory values are an integer followed by ``G`` or ``M`` (GiB or MiB). The driver displays a
   limit of at least 1 GiB as whole GiB, rounded down (``1044M`` reads back as ``1G``), so a
   read-back is compared with :func:`displayed_memory`, not with the value written.
