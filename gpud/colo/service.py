@@ -134,7 +134,8 @@ class _JobState:
     windows: int = 0
     windows_ok: int = 0
     seen: float = float("-inf")  # when it last ran, reported or was read back from the file
-    # when this loop first saw it run: the newest training job is the one an eviction takes
+    # when this loop first saw it run, since it last stopped: the training job that came
+    # last is the one an eviction takes; None while it does not run
     arrived: float | None = None
 
     def learned(self, place: str) -> JobFeatures | None:
@@ -448,6 +449,7 @@ class ColoService:
                 for g in snapshot.gpus
                 if not g.healthy
             }
+            self._note_arrivals(running)
             live = tuple(r for r in running if r.gpu not in self._faulty)
             gpus, _ = self._gpu_views(snapshot, live)
             per_gpu: dict[int, list[RunningJob]] = {}
@@ -465,6 +467,19 @@ class ColoService:
         # The disk flush waits outside the lock: latency reports and `colo show` do not.
         self._save(state)
         return plan
+
+    def _note_arrivals(self, running: Sequence[RunningJob]) -> None:
+        """When each running job was first seen running: a job that stopped (an eviction, a
+        restart) arrives anew when it runs again."""
+        now = self._clock()
+        names = {r.name for r in running}
+        for name in names:
+            st = self._jobs.setdefault(name, _JobState())
+            if st.arrived is None:
+                st.arrived = now
+        for name, st in self._jobs.items():
+            if name not in names:
+                st.arrived = None
 
     def _forget(self, running: Sequence[RunningJob]) -> None:
         """Drop what the loop holds of jobs that have not run for ``FORGET_AFTER_S``."""
@@ -631,8 +646,6 @@ class ColoService:
             total = sample.memory.total_bytes if sample is not None and sample.memory else 0
             for r in members:
                 st = self._jobs.setdefault(r.name, _JobState())
-                if st.arrived is None:
-                    st.arrived = now
                 use = host.get(f"{r.name}\0{_place(r)}")
                 held = r.memory_used if r.memory_used is not None else r.memory_bytes or 0
                 st.devices.setdefault(_place(r), _DeviceState()).side = JobFeatures(

@@ -22,8 +22,9 @@ Commands: ``get_server_list``, ``start_server -uid UID``, ``get_server_status PI
 ``set_device_pinned_mem_limit PID DEV VALUE``, ``get_device_pinned_mem_limit PID DEV``,
 ``quit``. Replies follow the 580-series daemon: ``set_*active_thread_percentage`` print the
 percentage held afterwards (the new one, or the old one when the value is refused), the
-memory ``set_*`` print nothing, percentages read ``25.0``, a memory limit never set (or set
-to ``0``) reads as nothing, unknown commands get ``Unknown command "NAME"``, memory limits read as whole GiB from 1 GiB up (``1044M`` reads ``1G``).
+memory ``set_*`` print nothing, percentages read ``25.0``, memory limits read as whole GiB
+from 1 GiB up (``1044M`` reads ``1G``), a memory limit never set (or set to ``0``) reads as
+nothing, and unknown commands get ``Unknown command "NAME"``.
 
 Servers started with ``start_server`` are real child processes (they exit when the control
 daemon goes away), so their PIDs are real. Like the real daemon, the limits live in the

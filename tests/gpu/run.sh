@@ -15,11 +15,24 @@ python=""
 wheels=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --python) python="$2"; shift 2 ;;
-        --wheels) wheels="$2"; shift 2 ;;
+        --python | --wheels)
+            if [[ $# -lt 2 ]]; then
+                echo "tests/gpu/run.sh: $1 needs a value" >&2
+                exit 2
+            fi
+            if [[ "$1" == --python ]]; then python="$2"; else wheels="$2"; fi
+            shift 2 ;;
         *) break ;;
     esac
 done
+if [[ -n "$wheels" ]] && ! compgen -G "$wheels/*.whl" > /dev/null; then
+    echo "tests/gpu/run.sh: --wheels $wheels: no .whl files there" >&2
+    exit 2
+fi
+if [[ -n "$python" ]] && ! command -v "$python" > /dev/null; then
+    echo "tests/gpu/run.sh: --python $python: no such program" >&2
+    exit 2
+fi
 nvidia-smi -L || true
 if [[ -z "$python" ]]; then
     if [[ ! -x .venv/bin/python ]]; then

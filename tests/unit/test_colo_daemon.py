@@ -136,6 +136,28 @@ def test_memory_over_the_limit_evicts_the_training_job_that_came_last(tmp_path: 
     assert not svc.throttle_point("a-first", 1).evict
 
 
+def test_a_job_that_stops_and_runs_again_comes_last(tmp_path: Path) -> None:
+    clock = Clock()
+    first = RunningJob("a-first", "training", 0, memory_bytes=10 * GIB, memory_used=30 * GIB)
+    later = RunningJob("z-later", "training", 0, memory_bytes=10 * GIB, memory_used=30 * GIB)
+    jobs = [first]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(snapshot(used_gib=30))
+    clock.t += 5
+    jobs.append(later)
+    svc.tick(snapshot(used_gib=60))
+    jobs[:] = [later]  # a-first stops (it was evicted elsewhere, or restarted)
+    clock.t += 5
+    svc.tick(snapshot(used_gib=30))
+    clock.t += 5
+    jobs[:] = [later, dataclasses.replace(first, memory_used=49 * GIB)]
+    svc.tick(snapshot(used_gib=79))
+    assert svc.throttle_point("a-first", 1).evict
+    assert not svc.throttle_point("z-later", 1).evict
+
+
 def test_advise_places_on_a_free_gpu_and_checks_input(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
