@@ -334,6 +334,7 @@ class Daemon:
                         device=device,
                         mig_profile=profiles.get(device),
                         pids=tuple(pids.get((r.job, device), ())),
+                        reserved_at=r.created_at,
                     )
                 )
         return out

@@ -99,6 +99,9 @@ class RunningJob:
     device: str = ""  # the GPU or MIG device UUID it runs on
     mig_profile: str | None = None  # when that device is a MIG instance: its profile
     pids: tuple[int, ...] = ()  # its processes NVML lists on that device
+    # when its reservation was made (``job_reservations.created_at``): among jobs this loop
+    # first sees run together (all of them, after gpud restarts), the earlier came first
+    reserved_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,8 @@ class _JobState:
     # when this loop first saw it run, since it last stopped: the training job that came
     # last is the one an eviction takes; None while it does not run
     arrived: float | None = None
+    reserved_at: float = float("inf")
+    rank: int = 0  # its place in the arrival order of the jobs running now
 
     def learned(self, place: str) -> JobFeatures | None:
         """Its footprint on that device; else what it showed on another of its devices (a
@@ -470,16 +475,23 @@ class ColoService:
 
     def _note_arrivals(self, running: Sequence[RunningJob]) -> None:
         """When each running job was first seen running: a job that stopped (an eviction, a
-        restart) arrives anew when it runs again."""
+        restart) arrives anew when it runs again. Jobs first seen in the same tick (all of
+        them after gpud restarts) arrived in the order of their reservations."""
         now = self._clock()
         names = {r.name for r in running}
-        for name in names:
-            st = self._jobs.setdefault(name, _JobState())
+        for r in running:
+            st = self._jobs.setdefault(r.name, _JobState())
             if st.arrived is None:
                 st.arrived = now
+                st.reserved_at = float("inf")
+            if r.reserved_at is not None:
+                st.reserved_at = min(st.reserved_at, r.reserved_at)
         for name, st in self._jobs.items():
             if name not in names:
                 st.arrived = None
+        order = sorted(names, key=lambda n: (self._jobs[n].arrived, self._jobs[n].reserved_at, n))
+        for rank, name in enumerate(order):
+            self._jobs[name].rank = rank
 
     def _forget(self, running: Sequence[RunningJob]) -> None:
         """Drop what the loop holds of jobs that have not run for ``FORGET_AFTER_S``."""
@@ -843,7 +855,7 @@ class ColoService:
 
     def _arrived(self, name: str) -> float:
         st = self._jobs.get(name)
-        return st.arrived if st is not None and st.arrived is not None else 0.0
+        return float(st.rank) if st is not None and st.arrived is not None else 0.0
 
     def _gpu_views(
         self, snapshot: Snapshot, running: Sequence[RunningJob], *, whole_only: bool = False

@@ -1295,3 +1295,22 @@ def test_a_service_on_two_gpus_shows_its_guard_where_the_training_is(tmp_path: P
     svc.tick(snapshot())
     (guard,) = svc.show().guards
     assert guard.job == "chat" and guard.gpu == 1
+
+
+def test_after_a_restart_the_job_reserved_last_came_last(tmp_path: Path) -> None:
+    """A new loop sees every running job at once: their reservations give the order."""
+    clock = Clock()
+    jobs = [
+        RunningJob(
+            "a-later", "training", 0, memory_bytes=10 * GIB, memory_used=49 * GIB, reserved_at=200.0
+        ),
+        RunningJob(
+            "z-first", "training", 0, memory_bytes=10 * GIB, memory_used=30 * GIB, reserved_at=100.0
+        ),
+    ]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
+    )
+    svc.tick(snapshot(used_gib=79))
+    assert svc.throttle_point("a-later", 1).evict
+    assert not svc.throttle_point("z-first", 1).evict
