@@ -27,6 +27,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 
@@ -109,6 +110,13 @@ PRIOR_WEIGHTS: tuple[float, ...] = (0.15, 1.0, 0.8, 0.3, 0.05, 0.6, 0.6, 1.0)
 # is the error of predictions like it.
 PAIR_BUCKETS: tuple[int, ...] = (0, 1, 30)
 
+# Errors a margin needs before its quantile stands on its own; a bucket with fewer is scant.
+QUANTILE_ERRORS = 30
+# How long a scant bucket keeps an error (seconds of the predictor's clock): long enough
+# that a bad first pair holds new pairs off for a while, short enough that a node tries
+# again the same day.
+SCANT_MEMORY_S = 1800.0
+
 
 STATE_KIND = "colocate.InterferencePredictor"
 STATE_VERSION = 1
@@ -140,6 +148,7 @@ class InterferencePredictor:
         pair_shrink: float = 5.0,
         pair_memory: int = 200,
         error_window: int = 400,
+        scant_memory_s: float = SCANT_MEMORY_S,
     ) -> None:
         n = len(prior)
         self.weights = list(prior)
@@ -157,6 +166,10 @@ class InterferencePredictor:
         self._resid: list[deque[float]] = [deque(maxlen=error_window) for _ in PAIR_BUCKETS]
         self._quantiles: dict[tuple[int, float], float] = {}
         self._fresh = [0 for _ in PAIR_BUCKETS]
+        # The predictor's own clock (seconds it was advanced), each error's time on it.
+        self._clock_s = 0.0
+        self._stamps: list[deque[float]] = [deque(maxlen=error_window) for _ in PAIR_BUCKETS]
+        self._scant_memory = scant_memory_s
 
     # -- prediction -----------------------------------------------------------------------
     def _keys(self, me: JobFeatures, others: Sequence[JobFeatures]) -> list[tuple[str, str]] | None:
@@ -191,13 +204,15 @@ class InterferencePredictor:
     def margin(self, me: JobFeatures, others: Sequence[JobFeatures], quantile: float) -> float:
         """How much slower than predicted (in log-speed) the job runs in ``quantile`` of
         recent predictions like this one: same standing of its pairs (never seen, seen a
-        little, well known). 0 when predictions like it were never worse than observed."""
+        little, well known). 0 when predictions like it were never worse than observed, or
+        when the few errors of predictions like it are older than ``scant_memory_s``
+        (:meth:`advance`)."""
         if not others:
             return 0.0
         b = self._bucket(self._keys(me, others))
         # A bucket with too few residuals borrows the next less-known one's: never a smaller
         # margin for less evidence.
-        while b > 0 and len(self._resid[b]) < 30:
+        while b > 0 and len(self._resid[b]) < QUANTILE_ERRORS:
             b -= 1
         key = (b, quantile)
         if key not in self._quantiles:
@@ -226,6 +241,26 @@ class InterferencePredictor:
         return math.exp(-self.log_slowdown(me, others) - self.margin(me, others, quantile))
 
     # -- learning -------------------------------------------------------------------------
+    def advance(self, seconds: float) -> None:
+        """Move the predictor's clock on by ``seconds`` (the time between two ticks of the
+        loop that feeds it). A bucket with fewer than ``QUANTILE_ERRORS`` errors forgets
+        those older than ``scant_memory_s`` (0: never): a margin on scant evidence, such as
+        the one error of the first never-seen pair a node tried, would otherwise stand for
+        good, since a margin that keeps new pairs off brings no errors to narrow it."""
+        if not seconds > 0 or not math.isfinite(seconds):
+            return
+        self._clock_s += seconds
+        if not self._scant_memory:
+            return
+        oldest = self._clock_s - self._scant_memory
+        for b, (resid, stamps) in enumerate(zip(self._resid, self._stamps, strict=True)):
+            if len(resid) >= QUANTILE_ERRORS or not stamps or stamps[0] >= oldest:
+                continue
+            while stamps and stamps[0] < oldest:
+                stamps.popleft()
+                resid.popleft()
+            self._quantiles = {k: v for k, v in self._quantiles.items() if k[0] != b}
+
     def observe(self, me: JobFeatures, others: Sequence[JobFeatures], speed: float) -> None:
         """Learn from one observed speed factor (shared throughput over alone throughput)."""
         if not others or not (0.0 < speed <= 1.5):
@@ -241,8 +276,9 @@ class InterferencePredictor:
         # The error of this prediction, before learning from it, for the margins.
         b = self._bucket(keys)
         self._resid[b].append(y - self.log_slowdown(me, others))
+        self._stamps[b].append(self._clock_s)
         self._fresh[b] += 1
-        if self._fresh[b] >= 20 or len(self._resid[b]) <= 30:
+        if self._fresh[b] >= 20 or len(self._resid[b]) <= QUANTILE_ERRORS:
             self._fresh[b] = 0
             self._quantiles = {k: v for k, v in self._quantiles.items() if k[0] != b}
         pair_part = self._raw(me, others) - sum(
@@ -289,6 +325,7 @@ class InterferencePredictor:
                 "pair_shrink": self._shrink,
                 "pair_memory": self._pair_memory,
                 "error_window": window,
+                "scant_memory_s": self._scant_memory,
             },
             "weights": list(self.weights),
             "p": [list(row) for row in self._p],
@@ -297,6 +334,8 @@ class InterferencePredictor:
             "me": self._me,
             "pairs": [[a, b, p.bias, p.n] for (a, b), p in sorted(self._pairs.items())],
             "residuals": [list(r) for r in self._resid],
+            "clock_s": self._clock_s,
+            "stamps": [list(st) for st in self._stamps],
             "fresh": list(self._fresh),
             "quantiles": [[b, q, v] for (b, q), v in sorted(self._quantiles.items())],
         }
@@ -318,6 +357,9 @@ class InterferencePredictor:
         shrink = _number(params.get("pair_shrink"), "params.pair_shrink", 0.0, math.inf)
         memory = _count(params.get("pair_memory"), "params.pair_memory", 1)
         window = _count(params.get("error_window"), "params.error_window", 1)
+        scant = _number(
+            params.get("scant_memory_s", SCANT_MEMORY_S), "params.scant_memory_s", 0.0, 1e9
+        )
         if forgetting == 0.0 or p_cap == 0.0 or decay == 0.0:
             raise ValueError("params: forgetting, p_cap and error_decay must be above 0")
         n = len(PRIOR_WEIGHTS)
@@ -336,6 +378,7 @@ class InterferencePredictor:
             pair_shrink=shrink,
             pair_memory=memory,
             error_window=window,
+            scant_memory_s=scant,
         )
         out._p, out._p_cap = p, p_cap
         out._samples = _count(d.get("samples"), "samples", 0)
@@ -356,6 +399,23 @@ class InterferencePredictor:
             if len(kept) > window:
                 raise ValueError(f"residuals[{b}]: {len(kept)} errors, the window is {window}")
             out._resid[b].extend(_number(v, f"residuals[{b}][{k}]") for k, v in enumerate(kept))
+        out._clock_s = _number(d.get("clock_s", 0.0), "clock_s", 0.0, math.inf)
+        # Absent from files written before errors had times: every kept error is fresh.
+        stamps = d.get("stamps")
+        per_bucket = [None] * buckets if stamps is None else _items(stamps, "stamps", buckets)
+        for b, times in enumerate(per_bucket):
+            field = f"stamps[{b}]"
+            kept_times = (
+                [out._clock_s] * len(out._resid[b])
+                if times is None
+                else [
+                    _number(v, f"{field}[{k}]", 0.0, out._clock_s)
+                    for k, v in enumerate(_items(times, field, len(out._resid[b])))
+                ]
+            )
+            if any(a > c for a, c in pairwise(kept_times)):
+                raise ValueError(f"{field}: the times of the errors go backwards")
+            out._stamps[b].extend(kept_times)
         out._fresh = [
             _count(v, f"fresh[{b}]", 0)
             for b, v in enumerate(_items(d.get("fresh"), "fresh", buckets))

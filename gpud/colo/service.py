@@ -61,6 +61,8 @@ MAX_ITERATIONS = 10**9  # per throttle point: iterations since the one before
 # What the loop learned of a job no longer running is kept this long (the job may run
 # again under its name), then forgotten: a daemon up for months holds only recent jobs.
 FORGET_AFTER_S = 3600.0
+# How far the predictor's clock may run on before colo.json is written for it alone.
+CLOCK_WRITE_S = 60.0
 MAX_PEAK_LOAD = 1e7  # requests/s a service may declare: more is a mistake (or a unit)
 MIG_COMPUTE_SLICES = 7  # A100, H100, H200: a MIG profile's SMs are slices of seven
 RATE_WINDOW_S = 10.0
@@ -277,6 +279,7 @@ class ColoService:
         self._directives: dict[str, Directive] = {}
         self._plan: Plan | None = None
         self._plan_at = 0.0
+        self._last_tick: float | None = None
         self._last_running: tuple[RunningJob, ...] = ()
         self._observed: dict[str, float] = {}
         self._faulty: dict[int, str] = {}  # GPU -> why, at the last tick
@@ -287,6 +290,7 @@ class ColoService:
         self._waiting: dict[str, tuple[float, float, str]] = {}
         self._state_file = state_file
         self._saved: dict[str, Any] | None = None
+        self._saved_clock = 0.0
         self._save_error = ""  # why the last write failed ("": it did not)
         self.configure(config)
         if state_file is not None:
@@ -455,6 +459,11 @@ class ColoService:
                 if not g.healthy
             }
             self._note_arrivals(running)
+            now = self._clock()
+            if self._last_tick is not None:
+                # The time gpud was down does not age what the predictor learned.
+                self.predictor.advance(now - self._last_tick)
+            self._last_tick = now
             live = tuple(r for r in running if r.gpu not in self._faulty)
             gpus, _ = self._gpu_views(snapshot, live)
             per_gpu: dict[int, list[RunningJob]] = {}
@@ -612,12 +621,20 @@ class ColoService:
 
     def _save(self, data: dict[str, Any] | None) -> None:
         """Write :meth:`_state` when it changed, to a temporary file, flushed and renamed
-        over the old one: a crash of gpud or of the host leaves one or the other."""
-        if data is None or self._state_file is None or data == self._saved:
+        over the old one: a crash of gpud or of the host leaves one or the other. The
+        predictor's clock alone moving on is written once every ``CLOCK_WRITE_S`` (an idle
+        node would write every tick): a restart takes it up from the last write, as if
+        gpud had been down since."""
+        if data is None or self._state_file is None:
+            return
+        predictor = dict(data["predictor"])
+        clock = predictor.pop("clock_s", 0.0)
+        unclocked = {**data, "predictor": predictor}
+        if unclocked == self._saved and clock - self._saved_clock < CLOCK_WRITE_S:
             return
         try:
             write_atomically(self._state_file, json.dumps(data, allow_nan=False))
-            self._saved = data
+            self._saved, self._saved_clock = unclocked, clock
             self._save_error = ""
         except (OSError, ValueError) as err:
             # tried again each tick: said once, not every few seconds of a full disk

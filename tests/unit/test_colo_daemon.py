@@ -1314,3 +1314,33 @@ def test_after_a_restart_the_job_reserved_last_came_last(tmp_path: Path) -> None
     svc.tick(snapshot(used_gib=79))
     assert svc.throttle_point("a-later", 1).evict
     assert not svc.throttle_point("z-first", 1).evict
+
+
+def test_the_predictor_ages_with_the_loop_and_not_while_gpud_is_down(tmp_path: Path) -> None:
+    clock = Clock()
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+
+    def loop() -> ColoService:
+        return ColoService(
+            ColocateConfig(),
+            EventLog(tmp_path / "events.jsonl"),
+            running=lambda: jobs,
+            clock=clock,
+            state_file=tmp_path / "colo.json",
+        )
+
+    svc = loop()
+    written = []
+    for _ in range(20):
+        svc.tick(snapshot())
+        written.append(json.loads((tmp_path / "colo.json").read_text())["predictor"]["clock_s"])
+        clock.t += 5
+    assert svc.predictor.to_dict()["clock_s"] == 95.0
+    # The clock alone moving on is written once a minute, not every tick.
+    assert len(set(written)) <= 3 and written[-1] == 65.0
+    clock.t += 3600  # gpud is down for an hour; a new one starts from the file
+    later = loop()
+    later.tick(snapshot())
+    clock.t += 5
+    later.tick(snapshot())
+    assert later.predictor.to_dict()["clock_s"] == 70.0

@@ -176,6 +176,45 @@ def test_margin_is_larger_for_pairs_never_seen() -> None:
     assert p.speed_bound(fresh, [known_b]) < p.speed_bound(known_a, [known_b])
 
 
+def test_a_margin_on_scant_evidence_is_forgotten_so_new_pairs_are_tried_again() -> None:
+    """One bad first pair must not keep every new pair off for good: its error alone makes
+    the never-seen margin, and a margin that keeps new pairs off brings no errors to narrow
+    it."""
+    p = InterferencePredictor(scant_memory_s=1800.0)
+    a3c = JobFeatures(sm=0.3, mem_bw=0.2, key="a3c")
+    p.observe(a3c, [a3c], 0.44)  # half a log unit under the prior's prediction
+    newcomer, other = JobFeatures(sm=0.3, mem_bw=0.2, key="new"), JobFeatures(0.3, 0.2, key="x")
+    assert p.margin(newcomer, [other], 0.9) > 0.3
+    p.advance(1500)
+    assert p.margin(newcomer, [other], 0.9) > 0.3
+    p.advance(301)
+    assert p.margin(newcomer, [other], 0.9) == 0.0
+    # What the pair taught the model stays: only the margin's evidence went.
+    assert p.speed(a3c, [a3c]) < InterferencePredictor().speed(a3c, [a3c])
+    assert p.to_dict()["clock_s"] == 1801.0
+
+
+def test_a_margin_on_enough_errors_does_not_age() -> None:
+    p = InterferencePredictor(scant_memory_s=60.0)
+    for i in range(40):
+        a, b = JobFeatures(0.3, 0.2, key=f"x{i}"), JobFeatures(0.3, 0.2, key=f"y{i}")
+        p.observe(a, [b], 0.5)
+    newcomer = JobFeatures(0.3, 0.2, key="new")
+    before = p.margin(newcomer, [newcomer], 0.9)
+    p.advance(3600)
+    assert p.margin(newcomer, [newcomer], 0.9) == before > 0.0
+
+
+def test_a_scant_memory_of_zero_keeps_every_error() -> None:
+    p = InterferencePredictor(scant_memory_s=0.0)
+    a3c = JobFeatures(sm=0.3, mem_bw=0.2, key="a3c")
+    p.observe(a3c, [a3c], 0.44)
+    before = p.margin(JobFeatures(0.3, 0.2, key="new"), [a3c], 0.9)
+    for bad in (-5.0, math.nan, math.inf, 1e9):
+        p.advance(bad)
+    assert p.margin(JobFeatures(0.3, 0.2, key="new"), [a3c], 0.9) == before > 0.3
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     errors=st.lists(st.floats(-0.3, 0.3), min_size=40, max_size=200),

@@ -70,7 +70,31 @@ def learned() -> dict[str, Any]:
     for i in range(40):
         me = JobFeatures(0.3 + i % 5 * 0.1, 0.2, key="resnet")
         p.observe(me, [JobFeatures(0.5, 0.4, key="bert")], 0.7 + i % 3 * 0.05)
+        p.advance(0.25)
     return p.to_dict()
+
+
+def test_errors_keep_their_times_and_an_older_state_has_every_error_fresh() -> None:
+    p = InterferencePredictor(scant_memory_s=100.0)
+    a, b = JobFeatures(0.3, 0.2, key="a"), JobFeatures(0.3, 0.2, key="b")
+    p.observe(a, [b], 0.5)
+    p.advance(60)
+    kept = p.margins()
+    saved = p.to_dict()
+    q = InterferencePredictor.from_dict(json.loads(json.dumps(saved)))
+    q.advance(41)  # 101 s after the error: forgotten, as by the one that saved it
+    p.advance(41)
+    assert q.to_dict() == p.to_dict() and p.margins() == {}
+    # A file from before errors had times: the clock starts there, every error is fresh.
+    for key in ("clock_s", "stamps"):
+        del saved[key]
+    del saved["params"]["scant_memory_s"]
+    old = InterferencePredictor.from_dict(saved)
+    assert old.margins() == kept
+    old.advance(1799)
+    assert old.margins()["0"] > 0.3
+    old.advance(2)
+    assert old.margins() == {}
 
 
 @pytest.mark.parametrize(
@@ -89,6 +113,11 @@ def learned() -> dict[str, Any]:
         (lambda d: d["residuals"].append([]), "residuals: 4 items, 3 expected"),
         (lambda d: d["residuals"][0].extend([0.0] * 401), "the window is 400"),
         (lambda d: d.pop("quantiles"), "quantiles"),
+        (lambda d: d["params"].update(scant_memory_s=-1), "params.scant_memory_s"),
+        (lambda d: d.update(clock_s=-1.0), "clock_s"),
+        (lambda d: d["stamps"][1].pop(), "stamps[1]: 28 items, 29 expected"),
+        (lambda d: d["stamps"][1].__setitem__(0, 99.0), "stamps[1][0]"),
+        (lambda d: d["stamps"][1].__setitem__(0, 10.0), "stamps[1]: the times of the errors"),
     ],
 )
 def test_a_state_that_does_not_validate_names_the_field(change: Any, message: str) -> None:

@@ -139,6 +139,7 @@ class Colocate:
     guards: dict[str, ServiceGuard] = field(default_factory=dict)
     service_features: dict[str, JobFeatures] = field(default_factory=dict)
     _ticks: int = 0
+    _last_now: float | None = None
     _members: dict[int, frozenset[str]] = field(default_factory=dict)
     _last_sig: tuple[int, int] = (0, 0)
     planner: Planner | None = None
@@ -285,6 +286,9 @@ class Colocate:
     def tick(self, obs: Observation) -> Actions:
         assert self.planner is not None
         self._ticks += 1
+        if self._last_now is not None:
+            self.predictor.advance(obs.now - self._last_now)
+        self._last_now = obs.now
         self._learn(obs)
         acts = Actions()
         duty_by_gpu: dict[int, float] = {}
