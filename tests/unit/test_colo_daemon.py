@@ -52,6 +52,17 @@ def snapshot(n: int = 2, used_gib: float = 30) -> Snapshot:
     )
 
 
+def kept_loop(tmp_path: Path, jobs: list[RunningJob], clock: Clock) -> ColoService:
+    """A loop that keeps its state in ``tmp_path/colo.json``: a new one picks it up."""
+    return ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        clock=clock,
+        state_file=tmp_path / "colo.json",
+    )
+
+
 @pytest.fixture
 def service(tmp_path: Path) -> tuple[ColoService, Clock, list[RunningJob]]:
     clock = Clock()
@@ -1170,13 +1181,7 @@ def test_a_training_job_on_two_gpus_next_to_a_service_on_one(tmp_path: Path) -> 
     ]
 
     def start() -> ColoService:
-        return ColoService(
-            ColocateConfig(),
-            EventLog(tmp_path / "e.jsonl"),
-            running=lambda: jobs,
-            clock=clock,
-            state_file=tmp_path / "colo.json",
-        )
+        return kept_loop(tmp_path, jobs, clock)
 
     svc = start()
     snap = busy_snapshot({0: (0.3, 0.2), 1: (0.5, 0.4)})
@@ -1320,16 +1325,7 @@ def test_the_predictor_ages_with_the_loop_and_not_while_gpud_is_down(tmp_path: P
     clock = Clock()
     jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
 
-    def loop() -> ColoService:
-        return ColoService(
-            ColocateConfig(),
-            EventLog(tmp_path / "events.jsonl"),
-            running=lambda: jobs,
-            clock=clock,
-            state_file=tmp_path / "colo.json",
-        )
-
-    svc = loop()
+    svc = kept_loop(tmp_path, jobs, clock)
     written = []
     for _ in range(20):
         svc.tick(snapshot())
@@ -1339,7 +1335,7 @@ def test_the_predictor_ages_with_the_loop_and_not_while_gpud_is_down(tmp_path: P
     # The clock alone moving on is written once a minute, not every tick.
     assert len(set(written)) <= 3 and written[-1] == 65.0
     clock.t += 3600  # gpud is down for an hour; a new one starts from the file
-    later = loop()
+    later = kept_loop(tmp_path, jobs, clock)
     later.tick(snapshot())
     clock.t += 5
     later.tick(snapshot())
