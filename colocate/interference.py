@@ -112,10 +112,8 @@ PAIR_BUCKETS: tuple[int, ...] = (0, 1, 30)
 
 # Errors a margin needs before its quantile stands on its own; a bucket with fewer is scant.
 QUANTILE_ERRORS = 30
-# How long a scant bucket keeps an error (seconds of the predictor's clock): long enough
-# that a bad first pair holds new pairs off for a while, short enough that a node tries
-# again the same day.
-SCANT_MEMORY_S = 1800.0
+# How long a scant bucket keeps an error (seconds of the predictor's clock); 0: for good.
+SCANT_MEMORY_S = 0.0
 
 
 STATE_KIND = "colocate.InterferencePredictor"
@@ -169,7 +167,7 @@ class InterferencePredictor:
         # The predictor's own clock (seconds it was advanced), each error's time on it.
         self._clock_s = 0.0
         self._stamps: list[deque[float]] = [deque(maxlen=error_window) for _ in PAIR_BUCKETS]
-        self._scant_memory = scant_memory_s
+        self.scant_memory_s = scant_memory_s
 
     # -- prediction -----------------------------------------------------------------------
     def _keys(self, me: JobFeatures, others: Sequence[JobFeatures]) -> list[tuple[str, str]] | None:
@@ -243,16 +241,18 @@ class InterferencePredictor:
     # -- learning -------------------------------------------------------------------------
     def advance(self, seconds: float) -> None:
         """Move the predictor's clock on by ``seconds`` (the time between two ticks of the
-        loop that feeds it). A bucket with fewer than ``QUANTILE_ERRORS`` errors forgets
-        those older than ``scant_memory_s`` (0: never): a margin on scant evidence, such as
-        the one error of the first never-seen pair a node tried, would otherwise stand for
-        good, since a margin that keeps new pairs off brings no errors to narrow it."""
+        loop that feeds it). With ``scant_memory_s`` above 0, a bucket with fewer than
+        ``QUANTILE_ERRORS`` errors forgets those older than that: a margin on scant
+        evidence, such as the one error of the first never-seen pair a node tried, otherwise
+        stands for good, since a margin that keeps new pairs off brings no errors to narrow
+        it. Off by default: the pairs tried again at margin 0 are a risk too (see
+        docs/colocate.md)."""
         if not seconds > 0 or not math.isfinite(seconds):
             return
         self._clock_s += seconds
-        if not self._scant_memory:
+        if not self.scant_memory_s:
             return
-        oldest = self._clock_s - self._scant_memory
+        oldest = self._clock_s - self.scant_memory_s
         for b, (resid, stamps) in enumerate(zip(self._resid, self._stamps, strict=True)):
             if len(resid) >= QUANTILE_ERRORS or not stamps or stamps[0] >= oldest:
                 continue
@@ -325,7 +325,7 @@ class InterferencePredictor:
                 "pair_shrink": self._shrink,
                 "pair_memory": self._pair_memory,
                 "error_window": window,
-                "scant_memory_s": self._scant_memory,
+                "scant_memory_s": self.scant_memory_s,
             },
             "weights": list(self.weights),
             "p": [list(row) for row in self._p],

@@ -126,6 +126,9 @@ class ColocateConfig:
     # sharing (0: normalized progress only; 1: SM work only)
     activity_weight: float = ranged(0.75, 0.0, 1.0)
     latency_window_s: float = ranged(10.0, 1.0, 3600.0)  # p99 over this many seconds of reports
+    # the predictor forgets an error kept on scant evidence (under 30 errors of its kind)
+    # after this many seconds of the loop's ticks; 0: never (see docs/colocate.md)
+    scant_margin_memory_s: float = ranged(0.0, 0.0, 30 * 86400.0)
 
 
 @dataclass(frozen=True)

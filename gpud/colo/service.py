@@ -300,6 +300,7 @@ class ColoService:
         """(Re)apply the [colocate] settings; learned state is kept."""
         with self._lock:
             self.config = config
+            self.predictor.scant_memory_s = config.scant_margin_memory_s
             self._planner = Planner(
                 self.predictor,
                 PlannerParams(

@@ -1340,3 +1340,21 @@ def test_the_predictor_ages_with_the_loop_and_not_while_gpud_is_down(tmp_path: P
     clock.t += 5
     later.tick(snapshot())
     assert later.predictor.to_dict()["clock_s"] == 70.0
+
+
+def test_the_scant_margin_memory_is_the_configured_one_also_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+    svc = kept_loop(tmp_path, jobs, Clock())
+    assert svc.predictor.scant_memory_s == 0.0
+    svc.configure(ColocateConfig(scant_margin_memory_s=600.0))  # a reload
+    assert svc.predictor.scant_memory_s == 600.0
+    svc.tick(snapshot())
+    again = ColoService(
+        ColocateConfig(scant_margin_memory_s=900.0),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        state_file=tmp_path / "colo.json",
+    )
+    assert again.predictor.scant_memory_s == 900.0
