@@ -230,6 +230,15 @@ class InterferencePredictor:
                 out[f"{lo}+" if lo else "0"] = max(0.0, r[min(len(r) - 1, int(quantile * len(r)))])
         return out
 
+    def margin_errors(self) -> dict[str, int]:
+        """How many errors each margin of :meth:`margins` stands on, by the same keys: a
+        margin on a handful is one unlucky pair more than a quantile."""
+        return {
+            f"{lo}+" if lo else "0": len(r)
+            for lo, r in zip(PAIR_BUCKETS, self._resid, strict=True)
+            if r
+        }
+
     def speed_bound(
         self, me: JobFeatures, others: Sequence[JobFeatures], quantile: float = 0.9
     ) -> float:

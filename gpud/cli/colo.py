@@ -95,7 +95,12 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
     )
     if resp.predictor_margins:
         standings = sorted(resp.predictor_margins.items(), key=lambda kv: _standing(kv[0]))
-        margins = ", ".join(f"pairs seen {k} times {v:.3f}" for k, v in standings)
+        errors = resp.predictor_margin_errors
+        margins = ", ".join(
+            f"pairs seen {k} times {v:.3f}"
+            + (f" (on {errors[k]} error{'' if errors[k] == 1 else 's'})" if k in errors else "")
+            for k, v in standings
+        )
         ctx.out.print(f"predictor p90 margins (log-speed): {margins}")
     if resp.refused:
         refused = ", ".join(

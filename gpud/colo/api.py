@@ -91,6 +91,7 @@ class ColoServicer(pb_grpc.ColocationServicer):
             out.price_residual = plan.convergence.residual
             out.prices_converged = plan.convergence.converged
         out.predictor_margins.update(v.predictor_margins)
+        out.predictor_margin_errors.update(v.predictor_margin_errors)
         out.refused_job = v.refused_job
         for (residents, check), count in sorted(v.refused.items()):
             out.refused.add(residents=residents, check=check, count=count)

@@ -213,6 +213,7 @@ class ColoView:
     faulty: dict[int, str] = field(default_factory=dict)  # GPU -> why it is left alone
     # the p90 margin (log-speed) per standing of a prediction's pairs ("0", "1+", "30+")
     predictor_margins: dict[str, float] = field(default_factory=dict)
+    predictor_margin_errors: dict[str, int] = field(default_factory=dict)
     # the last advice: the job, and its options refused by (jobs on the GPU, check)
     refused_job: str = ""
     refused: dict[tuple[int, str], int] = field(default_factory=dict)
@@ -1133,6 +1134,7 @@ class ColoService:
                 predictor_mae=stats.mean_abs_error,
                 faulty=dict(self._faulty),
                 predictor_margins=self.predictor.margins(self._planner.params.error_quantile),
+                predictor_margin_errors=self.predictor.margin_errors(),
                 refused_job=self._refused[0],
                 refused=dict(self._refused[1]),
                 strangers={g: n for g, n in strangers.items() if n},

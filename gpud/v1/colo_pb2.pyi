@@ -233,6 +233,26 @@ class ShowColoResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class PredictorMarginErrorsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     PLACEMENTS_FIELD_NUMBER: _builtins.int
     PRICES_FIELD_NUMBER: _builtins.int
     PRICE_ITERATIONS_FIELD_NUMBER: _builtins.int
@@ -248,6 +268,7 @@ class ShowColoResponse(_message.Message):
     REFUSED_JOB_FIELD_NUMBER: _builtins.int
     UNATTRIBUTED_PROCESSES_FIELD_NUMBER: _builtins.int
     WAITING_FIELD_NUMBER: _builtins.int
+    PREDICTOR_MARGIN_ERRORS_FIELD_NUMBER: _builtins.int
     price_iterations: _builtins.int
     price_residual: _builtins.float
     prices_converged: _builtins.bool
@@ -282,6 +303,10 @@ class ShowColoResponse(_message.Message):
     def waiting(self) -> _containers.RepeatedCompositeFieldContainer[Global___ColoWaiter]:
         """Jobs whose `gpuctl run` waits for the loop to name a GPU, and why it does not yet."""
 
+    @_builtins.property
+    def predictor_margin_errors(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """How many errors each of predictor_margins stands on (same keys)."""
+
     def __init__(
         self,
         *,
@@ -300,10 +325,11 @@ class ShowColoResponse(_message.Message):
         refused_job: _builtins.str = ...,
         unattributed_processes: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
         waiting: _abc.Iterable[Global___ColoWaiter] | None = ...,
+        predictor_margin_errors: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "guards", b"guards", "placements", b"placements", "plan_age_seconds", b"plan_age_seconds", "predictor_margins", b"predictor_margins", "predictor_mean_abs_error", b"predictor_mean_abs_error", "predictor_samples", b"predictor_samples", "price_iterations", b"price_iterations", "price_residual", b"price_residual", "prices", b"prices", "prices_converged", b"prices_converged", "refused", b"refused", "refused_job", b"refused_job", "unattributed_processes", b"unattributed_processes", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "guards", b"guards", "placements", b"placements", "plan_age_seconds", b"plan_age_seconds", "predictor_margin_errors", b"predictor_margin_errors", "predictor_margins", b"predictor_margins", "predictor_mean_abs_error", b"predictor_mean_abs_error", "predictor_samples", b"predictor_samples", "price_iterations", b"price_iterations", "price_residual", b"price_residual", "prices", b"prices", "prices_converged", b"prices_converged", "refused", b"refused", "refused_job", b"refused_job", "unattributed_processes", b"unattributed_processes", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -343,6 +343,7 @@ def test_gpuctl_colo_show_and_advise_over_grpc(
             assert main(["--socket", str(path), "colo", "show"], env={}) == 0
             text = capsys.readouterr().out
             assert "predictor p90 margins (log-speed): pairs seen 0 times" in text
+            assert "(on 5 errors)" in text  # the five observations above, of unnamed jobs
             assert (
                 "options refused when advising big: 1 by memory on GPUs with 0 jobs, 4 by memory"
                 in text
@@ -351,6 +352,7 @@ def test_gpuctl_colo_show_and_advise_over_grpc(
             shown = json.loads(capsys.readouterr().out)
             assert set(shown["predictor_margins"]) <= {"0", "1+", "30+"}
             assert shown["predictor_margins"] and shown["refused_job"] == "big"
+            assert shown["predictor_margin_errors"]["0"] == 5
             assert {"residents": 2, "check": "memory", "count": 4} in shown["refused"]
 
 

@@ -185,10 +185,12 @@ def test_a_margin_on_scant_evidence_is_forgotten_so_new_pairs_are_tried_again() 
     p.observe(a3c, [a3c], 0.44)  # half a log unit under the prior's prediction
     newcomer, other = JobFeatures(sm=0.3, mem_bw=0.2, key="new"), JobFeatures(0.3, 0.2, key="x")
     assert p.margin(newcomer, [other], 0.9) > 0.3
+    assert p.margin_errors() == {"0": 1}  # what `gpuctl colo show` says it stands on
     p.advance(1500)
     assert p.margin(newcomer, [other], 0.9) > 0.3
     p.advance(301)
     assert p.margin(newcomer, [other], 0.9) == 0.0
+    assert p.margin_errors() == {}
     # What the pair taught the model stays: only the margin's evidence went.
     assert p.speed(a3c, [a3c]) < InterferencePredictor().speed(a3c, [a3c])
     assert p.to_dict()["clock_s"] == 1801.0
