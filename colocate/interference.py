@@ -109,6 +109,8 @@ PRIOR_WEIGHTS: tuple[float, ...] = (0.15, 1.0, 0.8, 0.3, 0.05, 0.6, 0.6, 1.0)
 # pair in a prediction. Residuals are kept per bucket, so the margin a prediction carries
 # is the error of predictions like it.
 PAIR_BUCKETS: tuple[int, ...] = (0, 1, 30)
+# How margins() and margin_errors() name each bucket.
+STANDINGS: tuple[str, ...] = tuple(f"{lo}+" if lo else "0" for lo in PAIR_BUCKETS)
 
 # Errors a margin needs before its quantile stands on its own; a bucket with fewer is scant.
 QUANTILE_ERRORS = 30
@@ -224,20 +226,16 @@ class InterferencePredictor:
         """The margin at ``quantile`` for each standing of a prediction's pairs, by the
         fewest observations of any of its pairs ("0", "1+", "30+")."""
         out = {}
-        for b, lo in enumerate(PAIR_BUCKETS):
-            r = sorted(self._resid[b])
+        for standing, resid in zip(STANDINGS, self._resid, strict=True):
+            r = sorted(resid)
             if r:
-                out[f"{lo}+" if lo else "0"] = max(0.0, r[min(len(r) - 1, int(quantile * len(r)))])
+                out[standing] = max(0.0, r[min(len(r) - 1, int(quantile * len(r)))])
         return out
 
     def margin_errors(self) -> dict[str, int]:
         """How many errors each margin of :meth:`margins` stands on, by the same keys: a
         margin on a handful is one unlucky pair more than a quantile."""
-        return {
-            f"{lo}+" if lo else "0": len(r)
-            for lo, r in zip(PAIR_BUCKETS, self._resid, strict=True)
-            if r
-        }
+        return {standing: len(r) for standing, r in zip(STANDINGS, self._resid, strict=True) if r}
 
     def speed_bound(
         self, me: JobFeatures, others: Sequence[JobFeatures], quantile: float = 0.9

@@ -142,7 +142,6 @@ class _JobState:
     # when this loop first saw it run, since it last stopped: the training job that came
     # last is the one an eviction takes; None while it does not run
     arrived: float | None = None
-    reserved_at: float = float("inf")
     rank: int = 0  # its place in the arrival order of the jobs running now
 
     def learned(self, place: str) -> JobFeatures | None:
@@ -460,8 +459,8 @@ class ColoService:
                 for g in snapshot.gpus
                 if not g.healthy
             }
-            self._note_arrivals(running)
             now = self._clock()
+            self._note_arrivals(running, now)
             if self._last_tick is not None:
                 # The time gpud was down does not age what the predictor learned.
                 self.predictor.advance(now - self._last_tick)
@@ -484,23 +483,22 @@ class ColoService:
         self._save(state)
         return plan
 
-    def _note_arrivals(self, running: Sequence[RunningJob]) -> None:
+    def _note_arrivals(self, running: Sequence[RunningJob], now: float) -> None:
         """When each running job was first seen running: a job that stopped (an eviction, a
         restart) arrives anew when it runs again. Jobs first seen in the same tick (all of
         them after gpud restarts) arrived in the order of their reservations."""
-        now = self._clock()
-        names = {r.name for r in running}
+        reserved: dict[str, float] = {}
         for r in running:
             st = self._jobs.setdefault(r.name, _JobState())
             if st.arrived is None:
                 st.arrived = now
-                st.reserved_at = float("inf")
+            reserved.setdefault(r.name, math.inf)
             if r.reserved_at is not None:
-                st.reserved_at = min(st.reserved_at, r.reserved_at)
+                reserved[r.name] = min(reserved[r.name], r.reserved_at)
         for name, st in self._jobs.items():
-            if name not in names:
+            if name not in reserved:
                 st.arrived = None
-        order = sorted(names, key=lambda n: (self._jobs[n].arrived, self._jobs[n].reserved_at, n))
+        order = sorted(reserved, key=lambda n: (self._jobs[n].arrived, reserved[n], n))
         for rank, name in enumerate(order):
             self._jobs[name].rank = rank
 
