@@ -143,6 +143,7 @@ class _JobState:
     # last is the one an eviction takes; None while it does not run
     arrived: float | None = None
     rank: int = 0  # its place in the arrival order of the jobs running now
+    evicted: bool = False  # the loop evicted it, and it has not run again since
 
     def learned(self, place: str) -> JobFeatures | None:
         """Its footprint on that device; else what it showed on another of its devices (a
@@ -227,6 +228,18 @@ PRIOR = JobFeatures(sm=0.8, mem_bw=0.6)
 WAITER_GONE_S = 10.0
 
 
+@dataclass
+class _Waiter:
+    """A ``gpuctl run`` told to wait that keeps asking: since when, its last ask, why it
+    waits, and the job as the planner saw it (planned again ahead of later askers once it
+    has waited the planner's ``head_hold_s``)."""
+
+    since: float
+    last: float
+    reason: str
+    view: JobView
+
+
 def _mig_sm_fraction(profile: str) -> float | None:
     """The SM fraction of a MIG profile: ``3g.40gb`` -> 3/7, ``1c.3g.40gb`` -> 1/7 (the
     compute instance's slices); None for a name that is no MIG profile."""
@@ -286,8 +299,8 @@ class ColoService:
         # the last advice: its job and the options its plan refused (only advice has
         # pending jobs: the loop's own plans direct running ones)
         self._refused: tuple[str, Mapping[tuple[int, str], int]] = ("", {})
-        # job -> (first told to wait, last asked, why) for askers that wait (gpuctl run)
-        self._waiting: dict[str, tuple[float, float, str]] = {}
+        # askers told to wait that keep asking (gpuctl run), by job
+        self._waiting: dict[str, _Waiter] = {}
         self._state_file = state_file
         self._saved: dict[str, Any] | None = None
         self._saved_clock = 0.0
@@ -311,6 +324,7 @@ class ColoService:
                     # The guard never throttles below its floor: the peak must hold there.
                     peak_duty=max(config.peak_duty, config.min_duty),
                     activity_weight=config.activity_weight,
+                    head_hold_s=config.head_hold_s or math.inf,
                 ),
             )
             self._guard_params = GuardParams(
@@ -492,6 +506,7 @@ class ColoService:
             st = self._jobs.setdefault(r.name, _JobState())
             if st.arrived is None:
                 st.arrived = now
+                st.evicted = False
             reserved.setdefault(r.name, math.inf)
             if r.reserved_at is not None:
                 reserved[r.name] = min(reserved[r.name], r.reserved_at)
@@ -943,6 +958,7 @@ class ColoService:
             old = self._directives.get(job)
             if d.evict and (old is None or not old.evict):
                 self._events.emit("colo.evict", d.reason, job=job)
+                self._jobs.setdefault(job, _JobState()).evicted = True
             elif old is not None and abs(old.duty - d.duty) > 1e-9:
                 self._events.emit(
                     "colo.duty",
@@ -968,7 +984,10 @@ class ColoService:
         a tight SLO) a free MIG instance; nothing is reserved. ``waiting``: the asker waits
         for a GPU (``gpuctl run``): a job told to wait is listed by :meth:`show` while it
         keeps asking."""
-        advice = self._advice(
+        now = self._clock()
+        with self._lock:
+            since = self._waiting[job].since if waiting and job in self._waiting else now
+        advice, view = self._advice(
             job,
             kind=kind,
             memory_bytes=memory_bytes,
@@ -976,12 +995,11 @@ class ColoService:
             sm_activity=sm_activity,
             peak_load=peak_load,
             snapshot=snapshot,
+            since=since if waiting else None,
         )
-        now = self._clock()
         with self._lock:
-            if waiting and advice.gpu < 0:
-                since = self._waiting.get(job, (now, now, ""))[0]
-                self._waiting[job] = (since, now, advice.reason)
+            if waiting and advice.gpu < 0 and view is not None:
+                self._waiting[job] = _Waiter(since, now, advice.reason, view)
             else:
                 self._waiting.pop(job, None)
         return advice
@@ -991,8 +1009,10 @@ class ColoService:
         to wait that asked again within :data:`WAITER_GONE_S`."""
         now = self._clock()
         with self._lock:
-            self._waiting = {j: w for j, w in self._waiting.items() if now - w[1] <= WAITER_GONE_S}
-            return [(j, now - w[0], w[2]) for j, w in sorted(self._waiting.items())]
+            self._waiting = {
+                j: w for j, w in self._waiting.items() if now - w.last <= WAITER_GONE_S
+            }
+            return [(j, now - w.since, w.reason) for j, w in sorted(self._waiting.items())]
 
     def _advice(
         self,
@@ -1004,7 +1024,10 @@ class ColoService:
         sm_activity: float | None,
         peak_load: float,
         snapshot: Snapshot | None,
-    ) -> Advice:
+        since: float | None,
+    ) -> tuple[Advice, JobView | None]:
+        """The advice and the job's view (None when there was no telemetry); ``since``:
+        when a waiting asker was first told to wait (None: it does not wait)."""
         if kind not in ("training", "inference"):
             raise InvalidArgument(f"job {job}: kind must be training or inference, not {kind!r}")
         if sm_activity is not None and not 0.0 < sm_activity <= 1.0:
@@ -1020,7 +1043,7 @@ class ColoService:
         running = tuple(self._running())
         with self._lock:
             if snapshot is None:
-                return Advice(-1, 0.0, 0, None, "", 0.0, "no telemetry yet")
+                return Advice(-1, 0.0, 0, None, "", 0.0, "no telemetry yet"), None
             jk = JobKind.INFERENCE if kind == "inference" else JobKind.TRAINING
             features = (
                 JobFeatures(sm=sm_activity, mem_bw=min(1.0, sm_activity)) if sm_activity else PRIOR
@@ -1033,7 +1056,29 @@ class ColoService:
                 slo_s=slo_p99_ms / 1e3 if slo_p99_ms else None,
                 peak_load=peak_load,
             )
-            new = JobView(job, shape, features, order=float("inf"), peak_load=peak_load)
+            now = self._clock()
+            st = self._jobs.get(job)
+            new = JobView(
+                job,
+                shape,
+                features,
+                order=float("inf") if since is None else since,
+                peak_load=peak_load,
+                waited_s=0.0 if since is None else now - since,
+                # a run of a job the loop evicted, which has not run since
+                evicted=st is not None and st.evicted and st.arrived is None,
+            )
+            # Runs of evicted jobs, and runs that have waited long, are planned first, in
+            # the order they came: one that fits nowhere has a GPU held for it, which no
+            # later asker is given.
+            hold = self._planner.params.head_hold_s
+            ahead = [
+                dataclasses.replace(w.view, order=w.since, waited_s=now - w.since)
+                for j, w in self._waiting.items()
+                if j != job
+                and (w.view.evicted or now - w.since >= hold)
+                and now - w.last <= WAITER_GONE_S
+            ]
             healthy = {g.identity.index for g in snapshot.gpus if g.healthy}
             running = tuple(r for r in running if r.gpu in healthy)  # the rest stay put
             views = [self._view(r) for r in running]
@@ -1043,7 +1088,7 @@ class ColoService:
                 if g.mig_mode is not None and g.mig_mode.current
             }
             gpus, where = self._gpu_views(snapshot, running)
-            placement, waiting = self._place(gpus, views, new)
+            placement, waiting = self._place(gpus, [*views, *ahead], new)
             if (
                 placement is not None
                 and placement.mig_profile is None
@@ -1053,15 +1098,15 @@ class ColoService:
                 # (their jobs are isolated from the other GPUs' and leave the plan too)
                 gpus, where = self._gpu_views(snapshot, running, whole_only=True)
                 views = [v for v in views if v.gpu not in mig_mode]
-                placement, waiting = self._place(gpus, views, new)
+                placement, waiting = self._place(gpus, [*views, *ahead], new)
             if placement is None:
-                return Advice(-1, 0.0, 0, None, "", 0.0, waiting or "no GPU has room")
+                return Advice(-1, 0.0, 0, None, "", 0.0, waiting or "no GPU has room"), new
             device = ""
             if placement.mig_profile is not None:
                 device = where.get((placement.gpu, placement.mig_profile), "")
             elif (sample := snapshot.gpu(placement.gpu)) is not None:
                 device = sample.identity.uuid
-            return Advice(
+            advice = Advice(
                 placement.gpu,
                 placement.sm_share,
                 placement.memory_limit_bytes,
@@ -1070,11 +1115,13 @@ class ColoService:
                 placement.predicted_speed,
                 placement.reason,
             )
+            return advice, new
 
     def _place(
-        self, gpus: list[GpuView], running: list[JobView], new: JobView
+        self, gpus: list[GpuView], jobs: list[JobView], new: JobView
     ) -> tuple[Placement | None, str]:
-        plan = Planner(self.predictor, self._planner.params).plan(gpus, [*running, new])
+        """``jobs``: the running ones and the askers planned ahead of ``new``."""
+        plan = Planner(self.predictor, self._planner.params).plan(gpus, [*jobs, new])
         self._refused = (new.job_id, plan.refused)
         for p in plan.placements:
             if p.job_id == new.job_id:

@@ -207,6 +207,76 @@ def test_runs_waiting_for_advice_are_listed_while_they_ask(
     assert svc.show().waiting == ()
 
 
+def test_a_run_that_waited_long_is_advised_first_and_has_a_gpu_held(tmp_path: Path) -> None:
+    """A gpuctl run that needs a GPU alone waits while later runs keep taking the room
+    beside the jobs there; once it has waited ``head_hold_s``, the GPU with the fewest
+    jobs is held for it: later runs are advised elsewhere (or to wait), and it is told
+    which GPU it waits for."""
+    clock = Clock()
+    jobs = [
+        RunningJob("a", "training", 0, memory_bytes=10 * GIB),
+        RunningJob("b", "training", 1, memory_bytes=20 * GIB),
+    ]
+    svc = ColoService(
+        ColocateConfig(head_hold_s=600.0),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        clock=clock,
+    )
+    snap = snapshot(used_gib=10)
+    for _ in range(5):  # each alone: the loop learns they keep 30 % of the SMs busy
+        svc.tick(snap)
+        clock.t += 5.0
+    big = {"memory_bytes": 70 * GIB, "snapshot": snap, "waiting": True}
+    small = {"memory_bytes": 8 * GIB, "sm_activity": 0.1, "snapshot": snap}
+    assert svc.advise("big", **big).gpu == -1  # type: ignore[arg-type]
+    assert svc.advise("small", **small).gpu == 0  # type: ignore[arg-type]
+    for _ in range(120):  # it keeps asking, every 5 s
+        clock.t += 5.0
+        told = svc.advise("big", **big)  # type: ignore[arg-type]
+    assert told.gpu == -1 and told.reason.startswith("GPU 0 held for it (waited 600 s): ")
+    ((_, waited, why),) = svc.show().waiting
+    assert waited == pytest.approx(600.0) and why == told.reason
+    assert svc.advise("small", **small).gpu == 1  # type: ignore[arg-type]
+    a = jobs.pop(0)  # GPU 0 drains
+    drained = snapshot(used_gib=0)
+    assert svc.advise("small", **{**small, "snapshot": drained}).gpu == 1  # type: ignore[arg-type]
+    assert svc.advise("big", **{**big, "snapshot": drained}).gpu == 0  # type: ignore[arg-type]
+    assert svc.show().waiting == ()
+    # a run that stopped asking holds nothing
+    jobs.insert(0, a)
+    svc.advise("big", **big)  # type: ignore[arg-type]
+    clock.t += 11.0
+    assert svc.advise("small", **small).gpu == 0  # type: ignore[arg-type]
+
+
+def test_a_run_of_a_job_the_loop_evicted_has_a_gpu_held_at_once(tmp_path: Path) -> None:
+    """A job evicted to protect others (here: the GPU's memory) is not sent to the back:
+    when it runs again and fits nowhere, a GPU is held for it from its first question."""
+    clock = Clock()
+    a = RunningJob("a", "training", 0, memory_bytes=10 * GIB, memory_used=10 * GIB)
+    b = RunningJob("b", "training", 1, memory_bytes=20 * GIB, memory_used=20 * GIB)
+    jobs = [a, b]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    for _ in range(5):
+        svc.tick(snapshot(used_gib=10))
+        clock.t += 5.0
+    jobs.append(RunningJob("big", "training", 0, memory_bytes=50 * GIB, memory_used=68 * GIB))
+    svc.tick(snapshot(used_gib=78))
+    assert svc.throttle_point("big", 1).evict
+    jobs.pop()  # it checkpoints and leaves
+    clock.t += 5.0
+    snap = snapshot(used_gib=10)
+    svc.tick(snap)
+    again = {"memory_bytes": 70 * GIB, "snapshot": snap, "waiting": True}
+    told = svc.advise("big", **again)  # type: ignore[arg-type]
+    assert told.gpu == -1 and told.reason.startswith("GPU 0 held for it (evicted): "), told
+    small = {"memory_bytes": 8 * GIB, "sm_activity": 0.1, "snapshot": snap}
+    assert svc.advise("small", **small).gpu == 1  # type: ignore[arg-type]
+
+
 def test_metrics(service: tuple[ColoService, Clock, list[RunningJob]]) -> None:
     svc, _, _ = service
     svc.report_latency("chat", [0.02] * 50)

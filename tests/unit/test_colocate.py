@@ -390,6 +390,37 @@ def test_activity_weight_is_a_fraction(bad: float) -> None:
         PlannerParams(activity_weight=bad)
 
 
+def test_a_gpu_is_held_for_a_job_that_waited_long_with_no_option() -> None:
+    """A job that needs a GPU alone waits while later jobs keep every GPU partly taken;
+    once it has waited ``head_hold_s``, the GPU with the fewest jobs takes no one else, so
+    it drains and the job gets it."""
+    planner = Planner(InterferencePredictor(), PlannerParams(head_hold_s=600.0))
+    residents = [training("a", gpu=0), training("b", gpu=0), training("c", gpu=1)]
+    big = training("big", mem_gib=70, order=0)
+    small = training("small", order=1)
+    fresh = planner.plan(gpus(2), [*residents, big, small])
+    assert [(p.job_id, p.gpu) for p in fresh.placements] == [("small", 1)]
+    assert "held" not in fresh.waiting["big"]
+    big.waited_s = 600.0
+    held = planner.plan(gpus(2), [*residents, big, small])
+    assert [(p.job_id, p.gpu) for p in held.placements] == [("small", 0)]
+    assert held.waiting["big"].startswith("GPU 1 held for it (waited 600 s): ")
+    drained = planner.plan(gpus(2), [*residents[:2], big, small])
+    assert [(p.job_id, p.gpu) for p in drained.placements] == [("big", 1), ("small", 0)]
+    never = Planner(InterferencePredictor())  # by default, only for jobs evicted
+    assert never.plan(gpus(2), [*residents, big, small]).placements[0].gpu == 1
+    big.evicted = True
+    evicted = never.plan(gpus(2), [*residents, big, small])
+    assert [(p.job_id, p.gpu) for p in evicted.placements] == [("small", 0)]
+    assert evicted.waiting["big"].startswith("GPU 1 held for it (evicted): ")
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan])
+def test_head_hold_is_a_duration(bad: float) -> None:
+    with pytest.raises(ValueError, match="head_hold_s"):
+        PlannerParams(head_hold_s=bad)
+
+
 def test_a_job_larger_than_every_gpu_is_told_it_never_fits() -> None:
     plan = Planner(InterferencePredictor()).plan(gpus(2), [training("big", mem_gib=100)])
     why = plan.waiting["big"]

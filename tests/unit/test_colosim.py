@@ -229,5 +229,5 @@ def test_colocate_plans_a_service_with_the_footprint_it_showed_at_that_load() ->
     )
     policy = Colocate()
     policy._learn_service([seen])
-    shown = policy._view(seen, 0, 1.0).footprint()
+    shown = policy._view(seen, 0, 1.0, 0.0).footprint()
     assert (shown.sm, shown.mem_bw) == pytest.approx((t.sm / 2, t.bw / 2))

@@ -141,6 +141,7 @@ class Colocate:
     _ticks: int = 0
     _last_now: float | None = None
     _members: dict[int, frozenset[str]] = field(default_factory=dict)
+    _evicted: set[str] = field(default_factory=set)  # evicted, not running again yet
     _last_sig: tuple[int, int] = (0, 0)
     planner: Planner | None = None
 
@@ -259,7 +260,7 @@ class Colocate:
                 s.curve.knee = max(0.05, prof.features.sm)
         return s
 
-    def _view(self, r: JobObs, i: int, duty: float) -> JobView:
+    def _view(self, r: JobObs, i: int, duty: float, now: float) -> JobView:
         """The job as the planner sees it (``i``: its place in this tick's list). A
         service's features are kept at full load (:meth:`_learn_service`), and the planner
         scales them to its load of now, as gpud does."""
@@ -280,6 +281,8 @@ class Colocate:
             load=r.load,
             peak_load=r.peak_load,
             order=-1.0 if r.kind == "inference" else r.arrival_s + i * 1e-9,
+            waited_s=now - r.arrival_s if r.gpu is None else 0.0,
+            evicted=r.gpu is None and r.id in self._evicted,
         )
 
     # -- one tick -----------------------------------------------------------------------------
@@ -289,6 +292,7 @@ class Colocate:
         if self._last_now is not None:
             self.predictor.advance(obs.now - self._last_now)
         self._last_now = obs.now
+        self._evicted.difference_update(r.id for r in obs.running)
         self._learn(obs)
         acts = Actions()
         duty_by_gpu: dict[int, float] = {}
@@ -310,6 +314,7 @@ class Colocate:
             if r.kind == "training" and r.gpu is not None:
                 if r.gpu in evict_by_gpu:
                     acts.evict.append(r.id)
+                    self._evicted.add(r.id)
                 else:
                     acts.duty[r.id] = duty_by_gpu.get(r.gpu, 1.0)
 
@@ -326,7 +331,7 @@ class Colocate:
             return acts
         self._last_sig = sig
         views = [
-            self._view(r, i, acts.duty.get(r.id, r.duty))
+            self._view(r, i, acts.duty.get(r.id, r.duty), obs.now)
             for i, r in enumerate([*obs.running, *pending])
         ]
         gpus = [
@@ -339,6 +344,7 @@ class Colocate:
         for directive in plan.directives:
             if directive.evict and directive.job_id not in acts.evict:
                 acts.evict.append(directive.job_id)
+                self._evicted.add(directive.job_id)
         return acts
 
 
