@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colocate import InterferencePredictor, JobFeatures
-from colocate.interference import PRIOR_WEIGHTS
+from colocate.interference import PRIOR_WEIGHTS, SCANT_MEMORY_S
 
 unit = st.floats(0.0, 1.0)
 features = st.builds(
@@ -90,10 +90,13 @@ def test_errors_keep_their_times_and_an_older_state_has_every_error_fresh() -> N
         del saved[key]
     del saved["params"]["scant_memory_s"]
     old = InterferencePredictor.from_dict(saved)
-    assert old.margins() == kept and old.scant_memory_s == 0.0  # the default: for good
+    assert old.margins() == kept and old.scant_memory_s == SCANT_MEMORY_S  # the default
+    old.advance(SCANT_MEMORY_S - 1)
+    assert old.margins() == kept
+    old.scant_memory_s = 0.0  # as gpud's [colocate] scant_margin_memory_s = 0 sets it
     old.advance(10**6)
     assert old.margins() == kept
-    old.scant_memory_s = 100.0  # as gpud's [colocate] scant_margin_memory_s sets it
+    old.scant_memory_s = 100.0
     old.advance(1)
     assert old.margins() == {}
 
