@@ -231,8 +231,8 @@ WAITER_GONE_S = 10.0
 @dataclass
 class _Waiter:
     """A ``gpuctl run`` told to wait that keeps asking: since when, its last ask, why it
-    waits, and the job as the planner saw it (planned again ahead of later askers once it
-    has waited the planner's ``head_hold_s``)."""
+    waits, and the job as the planner saw it (planned again ahead of later askers when it
+    is a run of a job the loop evicted, or has waited the planner's ``head_hold_s``)."""
 
     since: float
     last: float
@@ -996,6 +996,7 @@ class ColoService:
             peak_load=peak_load,
             snapshot=snapshot,
             since=since if waiting else None,
+            now=now,
         )
         with self._lock:
             if waiting and advice.gpu < 0 and view is not None:
@@ -1025,6 +1026,7 @@ class ColoService:
         peak_load: float,
         snapshot: Snapshot | None,
         since: float | None,
+        now: float,
     ) -> tuple[Advice, JobView | None]:
         """The advice and the job's view (None when there was no telemetry); ``since``:
         when a waiting asker was first told to wait (None: it does not wait)."""
@@ -1056,7 +1058,6 @@ class ColoService:
                 slo_s=slo_p99_ms / 1e3 if slo_p99_ms else None,
                 peak_load=peak_load,
             )
-            now = self._clock()
             st = self._jobs.get(job)
             new = JobView(
                 job,
