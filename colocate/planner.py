@@ -110,6 +110,9 @@ class GpuView:
     # Compute processes of no job gpud knows: their footprint (None: there are none). The
     # planner predicts every job's speed beside it and never calls the GPU free.
     foreign: JobFeatures | None = None
+    # Whether a job may have a share of the whole GPU: not in MIG mode (``nvidia-smi -q``
+    # "MIG Mode: Current Enabled"), where only its instances can be given.
+    whole: bool = True
 
 
 @dataclass
@@ -675,7 +678,9 @@ class Planner:
         fits = [
             g
             for g in state.values()
-            if g.view.foreign is None and need <= g.limit(self.params.memory_headroom)
+            if g.view.whole
+            and g.view.foreign is None
+            and need <= g.limit(self.params.memory_headroom)
         ]
         if not fits:
             return None
@@ -683,6 +688,13 @@ class Planner:
         return head, g.view.index
 
     def _candidates(self, job: JobView, g: _Gpu) -> list[tuple[float, str | None]]:
+        """(SM share, MIG profile or None) the job could have on the GPU, best first."""
+        options = self._shapes_on(job, g)
+        if not g.view.whole:
+            return [o for o in options if o[1] is not None]
+        return options
+
+    def _shapes_on(self, job: JobView, g: _Gpu) -> list[tuple[float, str | None]]:
         if job.kind is JobKind.INFERENCE:
             if self._tight(job):
                 # A free MIG instance is isolated hardware, whoever else is on the GPU.
@@ -735,7 +747,11 @@ class Planner:
             )
         reasons = []
         for g in state.values():
-            share, mig = self._candidates(job, g)[0]
+            candidates = self._candidates(job, g)
+            if not candidates:
+                reasons.append(f"GPU {g.view.index}: in MIG mode, no free instance for it")
+                continue
+            share, mig = candidates[0]
             ev = self._evaluate(g, job, share, mig)
             reasons.append(
                 f"GPU {g.view.index}: {ev.reason or f'gain {ev.gain:.2f} under {self.params.min_gain:g}'}"

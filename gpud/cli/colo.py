@@ -18,7 +18,17 @@ from gpud.v1 import colo_pb2 as pb
 from gpud.v1 import colo_pb2_grpc as pb_grpc
 
 PLACEMENT_HEADERS = ("JOB", "KIND", "GPU", "SM SHARE", "DUTY", "PREDICTED", "OBSERVED", "WHY")
-GUARD_HEADERS = ("SERVICE", "GPU", "SLO", "P99", "TRAINING DUTY", "ACTION", "ATTAINED", "WHY")
+GUARD_HEADERS = (
+    "SERVICE",
+    "GPU",
+    "SLO",
+    "P99",
+    "P99 AT DUTY",
+    "TRAINING DUTY",
+    "ACTION",
+    "ATTAINED",
+    "WHY",
+)
 
 
 def register(subparsers: Subparsers) -> None:
@@ -74,6 +84,7 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
                 str(g.gpu) if g.gpu >= 0 else "-",
                 f"{g.slo_ms:g} ms",
                 f"{g.p99_ms:.1f} ms" if g.HasField("p99_ms") else NA,
+                f"{g.p99_at_duty_ms:.1f} ms" if g.HasField("p99_at_duty_ms") else NA,
                 _pct(g.duty),
                 g.action,
                 f"{g.attainment:.3f}",

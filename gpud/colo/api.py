@@ -113,6 +113,8 @@ class ColoServicer(pb_grpc.ColocationServicer):
             )
             if g.p99_ms is not None:
                 m.p99_ms = g.p99_ms
+            if g.p99_at_duty_ms is not None:
+                m.p99_at_duty_ms = g.p99_at_duty_ms
         return out
 
     async def Advise(self, request: pb.AdviseRequest, context: Any) -> pb.AdviseResponse:  # noqa: N802

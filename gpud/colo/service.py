@@ -190,11 +190,13 @@ class GuardView:
     job: str
     gpu: int
     slo_ms: float
-    p99_ms: float | None
+    p99_ms: float | None  # over the latency window
     duty: float
     action: str
     reason: str
     attainment: float
+    # over the reports since the training's duty last changed: what the guard acts on
+    p99_at_duty_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -461,6 +463,10 @@ class ColoService:
     # -- the loop -----------------------------------------------------------------------------
     def tick(self, snapshot: Snapshot | None) -> Plan | None:
         if snapshot is None or not self.config.enabled:
+            with self._lock:
+                # The loop stands still: the time until it runs again does not age what
+                # the predictor learned, as the time gpud is down does not.
+                self._last_tick = None
             return None
         running = tuple(self._running())
         with self._lock:
@@ -506,7 +512,10 @@ class ColoService:
             st = self._jobs.setdefault(r.name, _JobState())
             if st.arrived is None:
                 st.arrived = now
-                st.evicted = False
+                # an eviction that still stands (the job has not left yet: gpud restarted
+                # while it checkpointed) is not a new run
+                told = self._directives.get(r.name)
+                st.evicted = st.evicted and told is not None and told.evict
             reserved.setdefault(r.name, math.inf)
             if r.reserved_at is not None:
                 reserved[r.name] = min(reserved[r.name], r.reserved_at)
@@ -552,6 +561,12 @@ class ColoService:
                 raise ValueError('not a co-location state: no "jobs" object')
             for name, saved in data["jobs"].items():
                 self._load_job(str(name), saved)
+            evicted = data.get("evicted", [])  # absent from files written before it was kept
+            if not isinstance(evicted, list) or not all(isinstance(n, str) for n in evicted):
+                raise ValueError(f"evicted: a list of job names expected, not {evicted!r}")
+            for name in evicted:
+                st = self._jobs.setdefault(name, _JobState())
+                st.evicted, st.seen = True, self._clock()
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             log.error("co-location state %s not read (%s): starting afresh", path, err)
             self._jobs.clear()
@@ -597,6 +612,10 @@ class ColoService:
         if saved.get("duty") is not None:
             duty = _saved_number(saved["duty"], f"jobs.{name}.duty", 0.0, 1.0)
             self._directives[name] = Directive(duty, False, "as before the restart")
+        if (why := saved.get("evict")) is not None:
+            if not isinstance(why, str):
+                raise ValueError(f"jobs.{name}.evict: the eviction's reason expected, not {why!r}")
+            self._directives[name] = Directive(0.0, True, why)
         if saved.get("guard_duty") is not None and saved.get("slo_s"):
             slo_s = _saved_number(saved["slo_s"], f"jobs.{name}.slo_s", 1e-6)
             g = ServiceGuard(name, slo_s, self._guard_params)
@@ -620,6 +639,8 @@ class ColoService:
                     "alone_rate": st.alone_rate if st else None,
                     "devices": {},
                     "duty": d.duty if d is not None and not d.evict else None,
+                    # an eviction stands until the job has left, across a restart too
+                    "evict": d.reason if d is not None and d.evict else None,
                     "guard_duty": g.duty if g is not None else None,
                     "slo_s": g.slo_s if g is not None else None,
                 },
@@ -632,7 +653,9 @@ class ColoService:
                         "pcie": f.pcie,
                         "nvlink": f.nvlink,
                     }
-        return {"jobs": jobs, "predictor": self.predictor.to_dict()}
+        # jobs it evicted that have not run again since: a run of one has a GPU held for it
+        evicted = sorted(n for n, st in self._jobs.items() if st.evicted)
+        return {"jobs": jobs, "evicted": evicted, "predictor": self.predictor.to_dict()}
 
     def _save(self, data: dict[str, Any] | None) -> None:
         """Write :meth:`_state` when it changed, to a temporary file, flushed and renamed
@@ -890,13 +913,11 @@ class ColoService:
         return float(st.rank) if st is not None and st.arrived is not None else 0.0
 
     def _gpu_views(
-        self, snapshot: Snapshot, running: Sequence[RunningJob], *, whole_only: bool = False
+        self, snapshot: Snapshot, running: Sequence[RunningJob]
     ) -> tuple[list[GpuView], dict[tuple[int, str], str]]:
         """The healthy GPUs, each with the free MIG instances it could give a job (one per
-        profile), and where each such option is: (GPU, profile) -> MIG device UUID.
-
-        ``whole_only``: leave out the GPUs in MIG mode (a job that needs a whole GPU's MPS
-        share cannot go there)."""
+        profile), and where each such option is: (GPU, profile) -> MIG device UUID. A GPU
+        in MIG mode offers its instances alone: no job has a share of the whole GPU."""
         taken = {r.device for r in running}
         strangers = self._strangers()
         views: list[GpuView] = []
@@ -918,8 +939,6 @@ class ColoService:
                     ident.profile_name, fraction, ident.memory_total_bytes
                 )
                 where[(index, ident.profile_name)] = ident.uuid
-            if whole_only and mig_mode:
-                continue
             foreign = None
             if strangers.get(index, 0):
                 u = g.utilization
@@ -938,6 +957,7 @@ class ColoService:
                     g.memory.used_bytes,
                     tuple(options.values()),
                     foreign=foreign,
+                    whole=not mig_mode,
                 )
             )
         return views, where
@@ -1083,23 +1103,8 @@ class ColoService:
             healthy = {g.identity.index for g in snapshot.gpus if g.healthy}
             running = tuple(r for r in running if r.gpu in healthy)  # the rest stay put
             views = [self._view(r) for r in running]
-            mig_mode = {
-                g.identity.index
-                for g in snapshot.gpus
-                if g.mig_mode is not None and g.mig_mode.current
-            }
             gpus, where = self._gpu_views(snapshot, running)
             placement, waiting = self._place(gpus, [*views, *ahead], new)
-            if (
-                placement is not None
-                and placement.mig_profile is None
-                and placement.gpu in mig_mode
-            ):
-                # A GPU in MIG mode has no whole-GPU share to give: ask again without them.
-                # (their jobs are isolated from the other GPUs' and leave the plan too)
-                gpus, where = self._gpu_views(snapshot, running, whole_only=True)
-                views = [v for v in views if v.gpu not in mig_mode]
-                placement, waiting = self._place(gpus, [*views, *ahead], new)
             if placement is None:
                 return Advice(-1, 0.0, 0, None, "", 0.0, waiting or "no GPU has room"), new
             device = ""
@@ -1151,6 +1156,7 @@ class ColoService:
                 )
                 st = self._jobs.get(name, _JobState())
                 p99 = self.p99(name)
+                at_duty = self.p99(name, since=st.guard_since, min_samples=MIN_FRESH_SAMPLES)
                 action = g.last.action.value if g.last else "hold"
                 reason = g.last.reason if g.last else "no training on its GPU"
                 if r.gpu in self._faulty:
@@ -1165,6 +1171,7 @@ class ColoService:
                         action=action,
                         reason=reason,
                         attainment=st.windows_ok / st.windows if st.windows else 1.0,
+                        p99_at_duty_ms=at_duty * 1e3 if at_duty is not None else None,
                     )
                 )
             stats = self.predictor.stats()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12gpud/v1/colo.proto\x12\x07gpud.v1\"\xda\x01\n\rColoPlacement\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0b\n\x03gpu\x18\x03 \x01(\x05\x12\x10\n\x08sm_share\x18\x04 \x01(\x01\x12\x18\n\x0bmig_profile\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04\x64uty\x18\x06 \x01(\x01\x12\x17\n\x0fpredicted_speed\x18\x07 \x01(\x01\x12\x1b\n\x0eobserved_speed\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x0e\n\x06reason\x18\t \x01(\tB\x0e\n\x0c_mig_profileB\x11\n\x0f_observed_speed\"9\n\tColoPrice\x12\x0b\n\x03gpu\x18\x01 \x01(\x05\x12\x10\n\x08resource\x18\x02 \x01(\t\x12\r\n\x05price\x18\x03 \x01(\x01\"\x97\x01\n\tColoGuard\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0b\n\x03gpu\x18\x02 \x01(\x05\x12\x0e\n\x06slo_ms\x18\x03 \x01(\x01\x12\x13\n\x06p99_ms\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04\x64uty\x18\x05 \x01(\x01\x12\x0e\n\x06\x61\x63tion\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x12\n\nattainment\x18\x08 \x01(\x01\x42\t\n\x07_p99_ms\">\n\x0b\x43oloRefusal\x12\x11\n\tresidents\x18\x01 \x01(\r\x12\r\n\x05\x63heck\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"\x11\n\x0fShowColoRequest\"\xca\x06\n\x10ShowColoResponse\x12*\n\nplacements\x18\x01 \x03(\x0b\x32\x16.gpud.v1.ColoPlacement\x12\"\n\x06prices\x18\x02 \x03(\x0b\x32\x12.gpud.v1.ColoPrice\x12\x18\n\x10price_iterations\x18\x03 \x01(\r\x12\x16\n\x0eprice_residual\x18\x04 \x01(\x01\x12\x18\n\x10prices_converged\x18\x05 \x01(\x08\x12\"\n\x06guards\x18\x06 \x03(\x0b\x32\x12.gpud.v1.ColoGuard\x12\x19\n\x11predictor_samples\x18\x07 \x01(\x04\x12 \n\x18predictor_mean_abs_error\x18\x08 \x01(\x01\x12\x18\n\x10plan_age_seconds\x18\t \x01(\x01\x12\x0f\n\x07\x65nabled\x18\n \x01(\x08\x12J\n\x11predictor_margins\x18\x0b \x03(\x0b\x32/.gpud.v1.ShowColoResponse.PredictorMarginsEntry\x12%\n\x07refused\x18\x0c \x03(\x0b\x32\x14.gpud.v1.ColoRefusal\x12\x13\n\x0brefused_job\x18\r \x01(\t\x12T\n\x16unattributed_processes\x18\x0e \x03(\x0b\x32\x34.gpud.v1.ShowColoResponse.UnattributedProcessesEntry\x12$\n\x07waiting\x18\x0f \x03(\x0b\x32\x13.gpud.v1.ColoWaiter\x12U\n\x17predictor_margin_errors\x18\x10 \x03(\x0b\x32\x34.gpud.v1.ShowColoResponse.PredictorMarginErrorsEntry\x1a\x37\n\x15PredictorMarginsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a<\n\x1aUnattributedProcessesEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a<\n\x1aPredictorMarginErrorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"A\n\nColoWaiter\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x16\n\x0ewaited_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xdf\x01\n\rAdviseRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x19\n\x0cmemory_bytes\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x17\n\nslo_p99_ms\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x18\n\x0bsm_activity\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x16\n\tpeak_load\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x0f\n\x07waiting\x18\x07 \x01(\x08\x42\x0f\n\r_memory_bytesB\r\n\x0b_slo_p99_msB\x0e\n\x0c_sm_activityB\x0c\n\n_peak_load\"\xb5\x01\n\x0e\x41\x64viseResponse\x12\x0b\n\x03gpu\x18\x01 \x01(\x05\x12\x17\n\x0fthreads_percent\x18\x02 \x01(\r\x12\x1a\n\x12memory_limit_bytes\x18\x03 \x01(\x04\x12\x18\n\x0bmig_profile\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x17\n\x0fpredicted_speed\x18\x05 \x01(\x01\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\tB\x0e\n\x0c_mig_profile\"4\n\x14ReportLatencyRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x03(\x01\"\x17\n\x15ReportLatencyResponse\"7\n\x14ThrottlePointRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\niterations\x18\x02 \x01(\x04\"D\n\x15ThrottlePointResponse\x12\x0c\n\x04\x64uty\x18\x01 \x01(\x01\x12\r\n\x05\x65vict\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t2\xa8\x02\n\nColocation\x12?\n\x08ShowColo\x12\x18.gpud.v1.ShowColoRequest\x1a\x19.gpud.v1.ShowColoResponse\x12\x39\n\x06\x41\x64vise\x12\x16.gpud.v1.AdviseRequest\x1a\x17.gpud.v1.AdviseResponse\x12N\n\rReportLatency\x12\x1d.gpud.v1.ReportLatencyRequest\x1a\x1e.gpud.v1.ReportLatencyResponse\x12N\n\rThrottlePoint\x12\x1d.gpud.v1.ThrottlePointRequest\x1a\x1e.gpud.v1.ThrottlePointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12gpud/v1/colo.proto\x12\x07gpud.v1\"\xda\x01\n\rColoPlacement\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0b\n\x03gpu\x18\x03 \x01(\x05\x12\x10\n\x08sm_share\x18\x04 \x01(\x01\x12\x18\n\x0bmig_profile\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04\x64uty\x18\x06 \x01(\x01\x12\x17\n\x0fpredicted_speed\x18\x07 \x01(\x01\x12\x1b\n\x0eobserved_speed\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x0e\n\x06reason\x18\t \x01(\tB\x0e\n\x0c_mig_profileB\x11\n\x0f_observed_speed\"9\n\tColoPrice\x12\x0b\n\x03gpu\x18\x01 \x01(\x05\x12\x10\n\x08resource\x18\x02 \x01(\t\x12\r\n\x05price\x18\x03 \x01(\x01\"\xc7\x01\n\tColoGuard\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0b\n\x03gpu\x18\x02 \x01(\x05\x12\x0e\n\x06slo_ms\x18\x03 \x01(\x01\x12\x13\n\x06p99_ms\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04\x64uty\x18\x05 \x01(\x01\x12\x0e\n\x06\x61\x63tion\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x12\n\nattainment\x18\x08 \x01(\x01\x12\x1b\n\x0ep99_at_duty_ms\x18\t \x01(\x01H\x01\x88\x01\x01\x42\t\n\x07_p99_msB\x11\n\x0f_p99_at_duty_ms\">\n\x0b\x43oloRefusal\x12\x11\n\tresidents\x18\x01 \x01(\r\x12\r\n\x05\x63heck\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"\x11\n\x0fShowColoRequest\"\xca\x06\n\x10ShowColoResponse\x12*\n\nplacements\x18\x01 \x03(\x0b\x32\x16.gpud.v1.ColoPlacement\x12\"\n\x06prices\x18\x02 \x03(\x0b\x32\x12.gpud.v1.ColoPrice\x12\x18\n\x10price_iterations\x18\x03 \x01(\r\x12\x16\n\x0eprice_residual\x18\x04 \x01(\x01\x12\x18\n\x10prices_converged\x18\x05 \x01(\x08\x12\"\n\x06guards\x18\x06 \x03(\x0b\x32\x12.gpud.v1.ColoGuard\x12\x19\n\x11predictor_samples\x18\x07 \x01(\x04\x12 \n\x18predictor_mean_abs_error\x18\x08 \x01(\x01\x12\x18\n\x10plan_age_seconds\x18\t \x01(\x01\x12\x0f\n\x07\x65nabled\x18\n \x01(\x08\x12J\n\x11predictor_margins\x18\x0b \x03(\x0b\x32/.gpud.v1.ShowColoResponse.PredictorMarginsEntry\x12%\n\x07refused\x18\x0c \x03(\x0b\x32\x14.gpud.v1.ColoRefusal\x12\x13\n\x0brefused_job\x18\r \x01(\t\x12T\n\x16unattributed_processes\x18\x0e \x03(\x0b\x32\x34.gpud.v1.ShowColoResponse.UnattributedProcessesEntry\x12$\n\x07waiting\x18\x0f \x03(\x0b\x32\x13.gpud.v1.ColoWaiter\x12U\n\x17predictor_margin_errors\x18\x10 \x03(\x0b\x32\x34.gpud.v1.ShowColoResponse.PredictorMarginErrorsEntry\x1a\x37\n\x15PredictorMarginsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a<\n\x1aUnattributedProcessesEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a<\n\x1aPredictorMarginErrorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"A\n\nColoWaiter\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x16\n\x0ewaited_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xdf\x01\n\rAdviseRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x19\n\x0cmemory_bytes\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x17\n\nslo_p99_ms\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x18\n\x0bsm_activity\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x16\n\tpeak_load\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x0f\n\x07waiting\x18\x07 \x01(\x08\x42\x0f\n\r_memory_bytesB\r\n\x0b_slo_p99_msB\x0e\n\x0c_sm_activityB\x0c\n\n_peak_load\"\xb5\x01\n\x0e\x41\x64viseResponse\x12\x0b\n\x03gpu\x18\x01 \x01(\x05\x12\x17\n\x0fthreads_percent\x18\x02 \x01(\r\x12\x1a\n\x12memory_limit_bytes\x18\x03 \x01(\x04\x12\x18\n\x0bmig_profile\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x17\n\x0fpredicted_speed\x18\x05 \x01(\x01\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\tB\x0e\n\x0c_mig_profile\"4\n\x14ReportLatencyRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x03(\x01\"\x17\n\x15ReportLatencyResponse\"7\n\x14ThrottlePointRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\niterations\x18\x02 \x01(\x04\"D\n\x15ThrottlePointResponse\x12\x0c\n\x04\x64uty\x18\x01 \x01(\x01\x12\r\n\x05\x65vict\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t2\xa8\x02\n\nColocation\x12?\n\x08ShowColo\x12\x18.gpud.v1.ShowColoRequest\x1a\x19.gpud.v1.ShowColoResponse\x12\x39\n\x06\x41\x64vise\x12\x16.gpud.v1.AdviseRequest\x1a\x17.gpud.v1.AdviseResponse\x12N\n\rReportLatency\x12\x1d.gpud.v1.ReportLatencyRequest\x1a\x1e.gpud.v1.ReportLatencyResponse\x12N\n\rThrottlePoint\x12\x1d.gpud.v1.ThrottlePointRequest\x1a\x1e.gpud.v1.ThrottlePointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,33 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COLOPRICE']._serialized_start=252
   _globals['_COLOPRICE']._serialized_end=309
   _globals['_COLOGUARD']._serialized_start=312
-  _globals['_COLOGUARD']._serialized_end=463
-  _globals['_COLOREFUSAL']._serialized_start=465
-  _globals['_COLOREFUSAL']._serialized_end=527
-  _globals['_SHOWCOLOREQUEST']._serialized_start=529
-  _globals['_SHOWCOLOREQUEST']._serialized_end=546
-  _globals['_SHOWCOLORESPONSE']._serialized_start=549
-  _globals['_SHOWCOLORESPONSE']._serialized_end=1391
-  _globals['_SHOWCOLORESPONSE_PREDICTORMARGINSENTRY']._serialized_start=1212
-  _globals['_SHOWCOLORESPONSE_PREDICTORMARGINSENTRY']._serialized_end=1267
-  _globals['_SHOWCOLORESPONSE_UNATTRIBUTEDPROCESSESENTRY']._serialized_start=1269
-  _globals['_SHOWCOLORESPONSE_UNATTRIBUTEDPROCESSESENTRY']._serialized_end=1329
-  _globals['_SHOWCOLORESPONSE_PREDICTORMARGINERRORSENTRY']._serialized_start=1331
-  _globals['_SHOWCOLORESPONSE_PREDICTORMARGINERRORSENTRY']._serialized_end=1391
-  _globals['_COLOWAITER']._serialized_start=1393
-  _globals['_COLOWAITER']._serialized_end=1458
-  _globals['_ADVISEREQUEST']._serialized_start=1461
-  _globals['_ADVISEREQUEST']._serialized_end=1684
-  _globals['_ADVISERESPONSE']._serialized_start=1687
-  _globals['_ADVISERESPONSE']._serialized_end=1868
-  _globals['_REPORTLATENCYREQUEST']._serialized_start=1870
-  _globals['_REPORTLATENCYREQUEST']._serialized_end=1922
-  _globals['_REPORTLATENCYRESPONSE']._serialized_start=1924
-  _globals['_REPORTLATENCYRESPONSE']._serialized_end=1947
-  _globals['_THROTTLEPOINTREQUEST']._serialized_start=1949
-  _globals['_THROTTLEPOINTREQUEST']._serialized_end=2004
-  _globals['_THROTTLEPOINTRESPONSE']._serialized_start=2006
-  _globals['_THROTTLEPOINTRESPONSE']._serialized_end=2074
-  _globals['_COLOCATION']._serialized_start=2077
-  _globals['_COLOCATION']._serialized_end=2373
+  _globals['_COLOGUARD']._serialized_end=511
+  _globals['_COLOREFUSAL']._serialized_start=513
+  _globals['_COLOREFUSAL']._serialized_end=575
+  _globals['_SHOWCOLOREQUEST']._serialized_start=577
+  _globals['_SHOWCOLOREQUEST']._serialized_end=594
+  _globals['_SHOWCOLORESPONSE']._serialized_start=597
+  _globals['_SHOWCOLORESPONSE']._serialized_end=1439
+  _globals['_SHOWCOLORESPONSE_PREDICTORMARGINSENTRY']._serialized_start=1260
+  _globals['_SHOWCOLORESPONSE_PREDICTORMARGINSENTRY']._serialized_end=1315
+  _globals['_SHOWCOLORESPONSE_UNATTRIBUTEDPROCESSESENTRY']._serialized_start=1317
+  _globals['_SHOWCOLORESPONSE_UNATTRIBUTEDPROCESSESENTRY']._serialized_end=1377
+  _globals['_SHOWCOLORESPONSE_PREDICTORMARGINERRORSENTRY']._serialized_start=1379
+  _globals['_SHOWCOLORESPONSE_PREDICTORMARGINERRORSENTRY']._serialized_end=1439
+  _globals['_COLOWAITER']._serialized_start=1441
+  _globals['_COLOWAITER']._serialized_end=1506
+  _globals['_ADVISEREQUEST']._serialized_start=1509
+  _globals['_ADVISEREQUEST']._serialized_end=1732
+  _globals['_ADVISERESPONSE']._serialized_start=1735
+  _globals['_ADVISERESPONSE']._serialized_end=1916
+  _globals['_REPORTLATENCYREQUEST']._serialized_start=1918
+  _globals['_REPORTLATENCYREQUEST']._serialized_end=1970
+  _globals['_REPORTLATENCYRESPONSE']._serialized_start=1972
+  _globals['_REPORTLATENCYRESPONSE']._serialized_end=1995
+  _globals['_THROTTLEPOINTREQUEST']._serialized_start=1997
+  _globals['_THROTTLEPOINTREQUEST']._serialized_end=2052
+  _globals['_THROTTLEPOINTRESPONSE']._serialized_start=2054
+  _globals['_THROTTLEPOINTRESPONSE']._serialized_end=2122
+  _globals['_COLOCATION']._serialized_start=2125
+  _globals['_COLOCATION']._serialized_end=2421
 # @@protoc_insertion_point(module_scope)

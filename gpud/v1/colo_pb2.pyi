@@ -112,6 +112,7 @@ class ColoGuard(_message.Message):
     ACTION_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     ATTAINMENT_FIELD_NUMBER: _builtins.int
+    P99_AT_DUTY_MS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     gpu: _builtins.int
     slo_ms: _builtins.float
@@ -122,6 +123,10 @@ class ColoGuard(_message.Message):
     reason: _builtins.str
     attainment: _builtins.float
     """fraction of windows within the SLO so far"""
+    p99_at_duty_ms: _builtins.float
+    """p99_ms is over the latency window; the guard acts on the p99 of the reports since the
+    training's duty last changed (unset while too few have come since)
+    """
     def __init__(
         self,
         *,
@@ -133,13 +138,19 @@ class ColoGuard(_message.Message):
         action: _builtins.str = ...,
         reason: _builtins.str = ...,
         attainment: _builtins.float = ...,
+        p99_at_duty_ms: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_p99_ms", b"_p99_ms", "p99_ms", b"p99_ms"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_p99_at_duty_ms", b"_p99_at_duty_ms", "_p99_ms", b"_p99_ms", "p99_at_duty_ms", b"p99_at_duty_ms", "p99_ms", b"p99_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_p99_ms", b"_p99_ms", "action", b"action", "attainment", b"attainment", "duty", b"duty", "gpu", b"gpu", "job", b"job", "p99_ms", b"p99_ms", "reason", b"reason", "slo_ms", b"slo_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_p99_at_duty_ms", b"_p99_at_duty_ms", "_p99_ms", b"_p99_ms", "action", b"action", "attainment", b"attainment", "duty", b"duty", "gpu", b"gpu", "job", b"job", "p99_at_duty_ms", b"p99_at_duty_ms", "p99_ms", b"p99_ms", "reason", b"reason", "slo_ms", b"slo_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__p99_at_duty_ms: _TypeAlias = _typing.Literal["p99_at_duty_ms"]  # noqa: Y015
+    _WhichOneofArgType__p99_at_duty_ms: _TypeAlias = _typing.Literal["_p99_at_duty_ms", b"_p99_at_duty_ms"]  # noqa: Y015
     _WhichOneofReturnType__p99_ms: _TypeAlias = _typing.Literal["p99_ms"]  # noqa: Y015
     _WhichOneofArgType__p99_ms: _TypeAlias = _typing.Literal["_p99_ms", b"_p99_ms"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__p99_at_duty_ms) -> _WhichOneofReturnType__p99_at_duty_ms | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__p99_ms) -> _WhichOneofReturnType__p99_ms | None: ...
 
 Global___ColoGuard: _TypeAlias = ColoGuard  # noqa: Y015

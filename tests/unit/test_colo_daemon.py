@@ -250,22 +250,33 @@ def test_a_run_that_waited_long_is_advised_first_and_has_a_gpu_held(tmp_path: Pa
     assert svc.advise("small", **small).gpu == 0  # type: ignore[arg-type]
 
 
-def test_a_run_of_a_job_the_loop_evicted_has_a_gpu_held_at_once(tmp_path: Path) -> None:
-    """A job evicted to protect others (here: the GPU's memory) is not sent to the back:
-    when it runs again and fits nowhere, a GPU is held for it from its first question."""
-    clock = Clock()
-    a = RunningJob("a", "training", 0, memory_bytes=10 * GIB, memory_used=10 * GIB)
-    b = RunningJob("b", "training", 1, memory_bytes=20 * GIB, memory_used=20 * GIB)
-    jobs = [a, b]
-    svc = ColoService(
-        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
-    )
+def two_jobs_alone() -> list[RunningJob]:
+    return [
+        RunningJob("a", "training", 0, memory_bytes=10 * GIB, memory_used=10 * GIB),
+        RunningJob("b", "training", 1, memory_bytes=20 * GIB, memory_used=20 * GIB),
+    ]
+
+
+def big_outgrows_gpu_0(svc: ColoService, jobs: list[RunningJob], clock: Clock) -> None:
+    """The loop learns ``two_jobs_alone``, then "big" joins GPU 0 and outgrows its memory:
+    the loop evicts it (the newest training job there)."""
     for _ in range(5):
         svc.tick(snapshot(used_gib=10))
         clock.t += 5.0
     jobs.append(RunningJob("big", "training", 0, memory_bytes=50 * GIB, memory_used=68 * GIB))
     svc.tick(snapshot(used_gib=78))
     assert svc.throttle_point("big", 1).evict
+
+
+def test_a_run_of_a_job_the_loop_evicted_has_a_gpu_held_at_once(tmp_path: Path) -> None:
+    """A job evicted to protect others (here: the GPU's memory) is not sent to the back:
+    when it runs again and fits nowhere, a GPU is held for it from its first question."""
+    clock = Clock()
+    jobs = two_jobs_alone()
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    big_outgrows_gpu_0(svc, jobs, clock)
     jobs.pop()  # it checkpoints and leaves
     clock.t += 5.0
     snap = snapshot(used_gib=10)
@@ -275,6 +286,33 @@ def test_a_run_of_a_job_the_loop_evicted_has_a_gpu_held_at_once(tmp_path: Path) 
     assert told.gpu == -1 and told.reason.startswith("GPU 0 held for it (evicted): "), told
     small = {"memory_bytes": 8 * GIB, "sm_activity": 0.1, "snapshot": snap}
     assert svc.advise("small", **small).gpu == 1  # type: ignore[arg-type]
+
+
+def test_an_eviction_and_the_gpu_held_for_its_next_run_outlive_restarts(tmp_path: Path) -> None:
+    """gpud restarts while an evicted job checkpoints: the eviction stands until it has
+    left; gpud restarts again before the job runs again: its run still has a GPU held."""
+    clock = Clock()
+    jobs = two_jobs_alone()
+    svc = kept_loop(tmp_path, jobs, clock)
+    big_outgrows_gpu_0(svc, jobs, clock)
+    svc = kept_loop(tmp_path, jobs, clock)  # restarted while it checkpoints
+    svc.tick(snapshot(used_gib=78))
+    told = svc.throttle_point("big", 1)
+    assert told.evict and "memory" in told.reason, told
+    jobs.pop()  # it leaves
+    clock.t += 5.0
+    snap = snapshot(used_gib=10)
+    svc.tick(snap)
+    assert json.loads((tmp_path / "colo.json").read_text())["evicted"] == ["big"]
+    svc = kept_loop(tmp_path, jobs, clock)  # restarted before it runs again
+    svc.tick(snap)
+    again = {"memory_bytes": 70 * GIB, "snapshot": snap, "waiting": True}
+    told_run = svc.advise("big", **again)  # type: ignore[arg-type]
+    assert told_run.reason.startswith("GPU 0 held for it (evicted): "), told_run
+    jobs.append(RunningJob("big", "training", 0, memory_bytes=70 * GIB))  # it runs again
+    svc.tick(snap)
+    assert not svc.throttle_point("big", 1).evict
+    assert json.loads((tmp_path / "colo.json").read_text())["evicted"] == []
 
 
 def test_metrics(service: tuple[ColoService, Clock, list[RunningJob]]) -> None:
@@ -384,7 +422,7 @@ def test_gpuctl_colo_show_and_advise_over_grpc(
     from gpud.colo.api import ColoServicer
     from tests.unit.api_support import ServerThread, short_dir
 
-    svc, _, _ = service
+    svc, clock, _ = service
     snap = snapshot()
     svc.report_latency("chat", [0.095] * 100)
     svc.tick(snap)
@@ -399,6 +437,9 @@ def test_gpuctl_colo_show_and_advise_over_grpc(
             shown = json.loads(capsys.readouterr().out)
             assert {p["job"] for p in shown["placements"]} == {"chat", "train"}
             assert shown["guards"][0]["action"] == "throttle"
+            # the p99 it acted on, of the reports before its cut: none since
+            assert shown["guards"][0]["p99_ms"] == pytest.approx(95.0)
+            assert shown["guards"][0]["p99_at_duty_ms"] is None
             assert (
                 main(["--socket", str(path), "colo", "advise", "new", "--memory", "8GiB"], env={})
                 == 0
@@ -424,6 +465,13 @@ def test_gpuctl_colo_show_and_advise_over_grpc(
             assert shown["predictor_margins"] and shown["refused_job"] == "big"
             assert shown["predictor_margin_errors"]["0"] == 5
             assert {"residents": 2, "check": "memory", "count": 4} in shown["refused"]
+            # Once the cut reached the training, fast replies: the p99 the guard acts on
+            # is theirs, while the window's still holds the slow ones.
+            clock.t += 2.0
+            svc.report_latency("chat", [0.03] * 30)
+            assert main(["--socket", str(path), "colo", "show"], env={}) == 0
+            text = capsys.readouterr().out
+            assert "P99 AT DUTY" in text and "95.0 ms  30.0 ms" in text, text
 
 
 def test_advice_for_a_registered_job_takes_its_declared_memory(
@@ -936,6 +984,9 @@ def test_an_unreadable_state_file_starts_afresh(
         job % '{"devices": [1, 2]}',
         job % '{"guard_duty": 0.5, "slo_s": -1}',
         job % '{"guard_duty": 1e308, "slo_s": 0.05}',
+        job % '{"evict": true}',
+        '{"jobs": {}, "evicted": "big"}',
+        '{"jobs": {}, "evicted": [1]}',
     ):
         state.write_text(text)
         caplog.clear()
@@ -1412,6 +1463,16 @@ def test_the_predictor_ages_with_the_loop_and_not_while_gpud_is_down(tmp_path: P
     clock.t += 5
     later.tick(snapshot())
     assert later.predictor.to_dict()["clock_s"] == 70.0
+    # Nor while the loop is disabled (a reload with [colocate] enabled = false).
+    later.configure(ColocateConfig(enabled=False))
+    for _ in range(10):
+        clock.t += 60
+        assert later.tick(snapshot()) is None
+    later.configure(ColocateConfig())
+    later.tick(snapshot())
+    clock.t += 5
+    later.tick(snapshot())
+    assert later.predictor.to_dict()["clock_s"] == 75.0
 
 
 def test_the_scant_margin_memory_is_the_configured_one_also_after_a_restart(

@@ -415,6 +415,23 @@ def test_a_gpu_is_held_for_a_job_that_waited_long_with_no_option() -> None:
     assert evicted.waiting["big"].startswith("GPU 1 held for it (evicted): ")
 
 
+def test_a_gpu_in_mig_mode_gives_no_whole_gpu_share_and_is_never_held() -> None:
+    """A GPU in MIG mode offers its instances alone: training never goes there, even when
+    it is empty, and a GPU held for the queue's head is one it could have whole."""
+    planner = Planner(InterferencePredictor())
+    mig_mode = replace(gpus(1)[0], index=1, whole=False)
+    plan = planner.plan([gpus(1)[0], mig_mode], [training("a", gpu=0), training("b", order=1)])
+    assert [(p.job_id, p.gpu) for p in plan.placements] == [("b", 0)]
+    alone = planner.plan([mig_mode], [training("b")])
+    assert not alone.placements
+    assert alone.waiting["b"] == "GPU 1: in MIG mode, no free instance for it"
+    big = training("big", mem_gib=70, order=0)
+    big.evicted = True
+    residents = [training("a", gpu=0), training("b", gpu=0)]
+    held = planner.plan([gpus(1)[0], mig_mode], [*residents, big, training("small", order=1)])
+    assert held.waiting["big"].startswith("GPU 0 held for it (evicted): ")
+
+
 @pytest.mark.parametrize("bad", [-1.0, math.nan])
 def test_head_hold_is_a_duration(bad: float) -> None:
     with pytest.raises(ValueError, match="head_hold_s"):
