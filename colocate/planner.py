@@ -749,7 +749,9 @@ class Planner:
         for g in state.values():
             candidates = self._candidates(job, g)
             if not candidates:
-                reasons.append(f"GPU {g.view.index}: in MIG mode: no whole-GPU share, and no free instance fits it")
+                reasons.append(
+                    f"GPU {g.view.index}: in MIG mode: no whole-GPU share, and no free instance fits it"
+                )
                 continue
             share, mig = candidates[0]
             ev = self._evaluate(g, job, share, mig)

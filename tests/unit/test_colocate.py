@@ -424,7 +424,9 @@ def test_a_gpu_in_mig_mode_gives_no_whole_gpu_share_and_is_never_held() -> None:
     assert [(p.job_id, p.gpu) for p in plan.placements] == [("b", 0)]
     alone = planner.plan([mig_mode], [training("b")])
     assert not alone.placements
-    assert alone.waiting["b"] == "GPU 1: in MIG mode: no whole-GPU share, and no free instance fits it"
+    assert (
+        alone.waiting["b"] == "GPU 1: in MIG mode: no whole-GPU share, and no free instance fits it"
+    )
     big = training("big", mem_gib=70, order=0)
     big.evicted = True
     residents = [training("a", gpu=0), training("b", gpu=0)]
