@@ -123,6 +123,10 @@ class CiProfileSpec:
     sm: int
 
 
+# 615 MiB of an H200's 143771 with no process running (driver 580.159.04, MIG mode off)
+RESERVED_FRACTION = 615 / 143771
+
+
 @dataclass(frozen=True, slots=True)
 class ProductSpec:
     key: str  # gpud's product key, e.g. "H100-SXM5-80GB"
@@ -143,6 +147,14 @@ class ProductSpec:
     # A MIG mode change waits for a GPU reset (A100); Hopper and later switch at once when
     # no process holds the GPU (NVML then reports the new current mode).
     mig_mode_needs_reset: bool
+
+    @property
+    def reserved_mib(self) -> int:
+        """What the driver and firmware keep of the memory with no process running
+        (``nvmlMemory_v2_t.reserved``, counted in ``used`` by both versions of
+        nvmlDeviceGetMemoryInfo): 615 MiB on an H200 (driver 580.159.04), the same fraction
+        of the others' memory."""
+        return round(self.memory_mib * RESERVED_FRACTION)
 
     @property
     def mig_capable(self) -> bool:

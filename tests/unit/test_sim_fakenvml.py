@@ -35,6 +35,22 @@ def test_error_classes_like_pynvml() -> None:
         nv.nvmlDeviceGetCount()
 
 
+def test_an_idle_board_reports_the_memory_its_driver_keeps_as_used() -> None:
+    """As an H200 with driver 580.159.04 does: 615 MiB used with no process running, which
+    nvmlDeviceGetMemoryInfo_v2 also names ``reserved``; a process's memory adds to it."""
+    node = SimNode([("H200-SXM-141GB", 1)])
+    nv = node.nvml
+    nv.nvmlInit()
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    mib = 1 << 20
+    v1 = nv.nvmlDeviceGetMemoryInfo(h)
+    assert (v1.total, v1.used, v1.free) == (143771 * mib, 615 * mib, (143771 - 615) * mib)
+    v2 = nv.nvmlDeviceGetMemoryInfo_v2(h, version=2)
+    assert v2.reserved == 615 * mib and v2.used == 615 * mib
+    nv.sim_start_process(0, 4242, 1000 * mib, 0.5)
+    assert nv.nvmlDeviceGetMemoryInfo(h).used == 1615 * mib
+
+
 def test_mig_mode_pending_until_reboot() -> None:
     node = SimNode([("A100-SXM4-40GB", 1)])  # A100: a MIG mode change waits for a reset
     nv = node.nvml

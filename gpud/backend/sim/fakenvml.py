@@ -772,16 +772,18 @@ class FakeNvml:
         gpu, mig = self._any(handle, "memory")
         if mig is None:
             total = gpu.spec.memory_mib * MiB
-            reserved = 0 if not gpu.mig_current else len(gpu.gis) * 13 * MiB
-            used = min(total, gpu.used_bytes + reserved + 4 * MiB)
+            reserved = gpu.spec.reserved_mib * MiB
+            if gpu.mig_current:
+                reserved += len(gpu.gis) * 13 * MiB  # each GPU instance's own bookkeeping
+            used = min(total, gpu.used_bytes + reserved)
         else:
             gi = gpu.gis[mig.gi]
             total = gi.profile.memory_mib * MiB
-            used = 13 * MiB + sum(p.used_bytes for p in gpu.procs if p.gi == mig.gi)
-            used = min(total, used)
+            reserved = 13 * MiB
+            used = min(total, reserved + sum(p.used_bytes for p in gpu.procs if p.gi == mig.gi))
         if version:
             return SimpleNamespace(
-                version=version, total=total, reserved=0, free=total - used, used=used
+                version=version, total=total, reserved=reserved, free=total - used, used=used
             )
         return SimpleNamespace(total=total, free=total - used, used=used)
 
