@@ -24,7 +24,9 @@ Commands: ``get_server_list``, ``start_server -uid UID``, ``get_server_status PI
 percentage held afterwards (the new one, or the old one when the value is refused), the
 memory ``set_*`` print nothing, percentages read ``25.0``, memory limits read as whole GiB
 from 1 GiB up (``1044M`` reads ``1G``), a memory limit never set (or set to ``0``) reads as
-nothing, and unknown commands get ``Unknown command "NAME"``.
+nothing, a memory limit for a device index the daemon does not see (past
+``CUDA_VISIBLE_DEVICES``) is taken without a word and read back as set, and unknown
+commands get ``Unknown command "NAME"``.
 
 Servers started with ``start_server`` are real child processes (they exit when the control
 daemon goes away), so their PIDs are real. Like the real daemon, the limits live in the
@@ -182,7 +184,8 @@ class Daemon:
         return self.servers.get(int(pid)) if pid.isdigit() else None
 
     def _device(self, dev: str) -> int | None:
-        return int(dev) if dev.isdigit() and int(dev) < len(self.devices) else None
+        # The 580-series daemon takes any device index, also one past the devices it sees.
+        return int(dev) if dev.isdigit() else None
 
     def cmd_get_server_list(self) -> str:
         return "\n".join(str(pid) for pid in sorted(self.servers))

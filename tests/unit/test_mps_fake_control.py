@@ -90,9 +90,11 @@ def test_daemon_keeps_limits_and_servers_and_quits(env: dict[str, str]) -> None:
         "Invalid memory"
         in control(env, stdin="set_default_device_pinned_mem_limit 0 1.5G\n").stdout
     )
-    assert (
-        "Invalid device" in control(env, stdin="set_default_device_pinned_mem_limit 1 1G\n").stdout
-    )
+    # a device it does not see: taken without a word, as the 580-series daemon does
+    assert control(env, stdin="set_default_device_pinned_mem_limit 1 1G\n").stdout == ""
+    assert control(env, stdin="get_default_device_pinned_mem_limit 1\n").stdout.strip() == "1G"
+    assert "Invalid device" in control(env, stdin="get_default_device_pinned_mem_limit x\n").stdout
+    control(env, stdin="set_default_device_pinned_mem_limit 1 0\n")
 
     held = state(env)
     assert held["visible_devices"] == ["GPU-0"]
