@@ -115,7 +115,7 @@ STANDINGS: tuple[str, ...] = tuple(f"{lo}+" if lo else "0" for lo in PAIR_BUCKET
 # Errors a margin needs before its quantile stands on its own; a bucket with fewer is scant.
 QUANTILE_ERRORS = 30
 # How long a scant bucket keeps an error (seconds of the predictor's clock); 0: for good.
-SCANT_MEMORY_S = 1800.0
+SCANT_MEMORY_S = 900.0
 
 
 STATE_KIND = "colocate.InterferencePredictor"

@@ -128,7 +128,7 @@ class ColocateConfig:
     latency_window_s: float = ranged(10.0, 1.0, 3600.0)  # p99 over this many seconds of reports
     # the predictor forgets an error kept on scant evidence (under 30 errors of its kind)
     # after this many seconds of the loop's ticks; 0: never (see docs/colocate.md)
-    scant_margin_memory_s: float = ranged(1800.0, 0.0, 30 * 86400.0)
+    scant_margin_memory_s: float = ranged(900.0, 0.0, 30 * 86400.0)
     # a gpuctl run that has waited this long is advised before later ones, and one that
     # fits nowhere has a GPU held for it, as a run of a job the loop evicted has at once;
     # 0: only the latter (see docs/colocate.md)

@@ -1480,7 +1480,7 @@ def test_the_scant_margin_memory_is_the_configured_one_also_after_a_restart(
 ) -> None:
     jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
     svc = kept_loop(tmp_path, jobs, Clock())
-    assert svc.predictor.scant_memory_s == 1800.0  # the default
+    assert svc.predictor.scant_memory_s == 900.0  # the default
     svc.configure(ColocateConfig(scant_margin_memory_s=600.0))  # a reload
     assert svc.predictor.scant_memory_s == 600.0
     svc.tick(snapshot())
