@@ -745,6 +745,12 @@ class Planner:
                 f"than {largest >> 20} MiB under the {self.params.memory_headroom:.0%} "
                 "memory headroom"
             )
+        if not self._tight(job) and not any(g.view.whole for g in state.values()):
+            # Only a tight service is given a MIG instance: waiting would not help either.
+            return (
+                "never fits on this node: every GPU is in MIG mode, and the planner gives "
+                "MIG instances only to inference services with a tight SLO"
+            )
         reasons = []
         for g in state.values():
             candidates = self._candidates(job, g)

@@ -422,11 +422,14 @@ def test_a_gpu_in_mig_mode_gives_no_whole_gpu_share_and_is_never_held() -> None:
     mig_mode = replace(gpus(1)[0], index=1, whole=False)
     plan = planner.plan([gpus(1)[0], mig_mode], [training("a", gpu=0), training("b", order=1)])
     assert [(p.job_id, p.gpu) for p in plan.placements] == [("b", 0)]
-    alone = planner.plan([mig_mode], [training("b")])
-    assert not alone.placements
-    assert (
-        alone.waiting["b"] == "GPU 1: in MIG mode: no whole-GPU share, and no free instance fits it"
+    busy = planner.plan([gpus(1)[0], mig_mode], [training("a", mem_gib=70, gpu=0), training("b")])
+    assert not busy.placements
+    assert busy.waiting["b"].endswith(
+        "; GPU 1: in MIG mode: no whole-GPU share, and no free instance fits it"
     )
+    # Every GPU in MIG mode: waiting would not help (gpuctl run leaves it to the jobs service).
+    alone = planner.plan([mig_mode], [training("b")])
+    assert alone.waiting["b"].startswith("never fits on this node: every GPU is in MIG mode")
     big = training("big", mem_gib=70, order=0)
     big.evicted = True
     residents = [training("a", gpu=0), training("b", gpu=0)]
