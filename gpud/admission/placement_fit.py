@@ -75,7 +75,8 @@ class PlacementFit:
             count = request.gpu_count or 1
             if len(pool) < count:
                 return Unfeasible(
-                    f"asks {count} whole GPUs; this node has {len(pool)} not in MIG mode"
+                    f"asks {count} whole GPU{'s' if count > 1 else ''}; this node has "
+                    f"{len(pool)} not in MIG mode (name a MIG profile: gpuctl run --mig)"
                 )
         roomy = [u for u in pool if need.fits_in(self._by_uuid[u].capacity)]
         if len(roomy) < count:

@@ -122,8 +122,8 @@ def choose_devices(
         want = spec.gpu_count or 1
         if len(pool) < want:
             raise ResourceExhausted(
-                f"job {spec.name!r} asks {want} whole GPUs; this node has {len(pool)}"
-                " not in MIG mode"
+                f"job {spec.name!r} asks {want} whole GPU{'s' if want > 1 else ''}; this node "
+                f"has {len(pool)} not in MIG mode"
             )
     pool.sort(key=order)
     fitting = [d for d in pool if fits(d)]
