@@ -79,7 +79,8 @@ class PlannerParams:
     # A training job that has waited this long with no option on any GPU has one held for
     # it, as an evicted job has at once (see the module docstring); inf: only evicted ones.
     # Off by default: in a backlog every head has waited, and a GPU held for one drains
-    # (prod-backlog-4: utilization 1.55 x exclusive at 300 s, 1.61 x without).
+    # (prod-backlog-4, scant errors forgotten after 1800 s: utilization 1.55 x exclusive at
+    # 300 s, 1.61 x without).
     head_hold_s: float = float("inf")
 
     def __post_init__(self) -> None:
@@ -746,10 +747,12 @@ class Planner:
                 "memory headroom"
             )
         if not self._tight(job) and not any(g.view.whole for g in state.values()):
-            # Only a tight service is given a MIG instance: waiting would not help either.
+            # Only a tight service is given a MIG instance: waiting for one would not help.
+            # (``state`` holds the healthy GPUs: one that is lost is the jobs service's to
+            # weigh, which queues a job for it)
             return (
-                "never fits on this node: every GPU is in MIG mode, and the planner gives "
-                "MIG instances only to inference services with a tight SLO"
+                "never fits on this node: every healthy GPU is in MIG mode, and the planner "
+                "gives MIG instances only to inference services with a tight SLO"
             )
         reasons = []
         for g in state.values():

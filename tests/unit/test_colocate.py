@@ -429,7 +429,9 @@ def test_a_gpu_in_mig_mode_gives_no_whole_gpu_share_and_is_never_held() -> None:
     )
     # Every GPU in MIG mode: waiting would not help (gpuctl run leaves it to the jobs service).
     alone = planner.plan([mig_mode], [training("b")])
-    assert alone.waiting["b"].startswith("never fits on this node: every GPU is in MIG mode")
+    assert alone.waiting["b"].startswith(
+        "never fits on this node: every healthy GPU is in MIG mode"
+    )
     big = training("big", mem_gib=70, order=0)
     big.evicted = True
     residents = [training("a", gpu=0), training("b", gpu=0)]
