@@ -39,8 +39,12 @@ an eviction on one GPU (memory, a guard) takes it off all of them.
 An inference service whose SLO is tight (shorter than ``tight_slo_service_times`` service
 times at full speed) is given a MIG instance when a GPU has a free one that covers its peak,
 whatever runs in that GPU's other instances: hard isolation rather than an MPS share that a
-neighbour's bursts can still hurt. Jobs in MIG instances do not count towards
-``max_jobs_per_gpu``, which caps the jobs sharing SMs.
+neighbour's bursts can still hurt. On a GPU in MIG mode every job's only option is a free
+instance: a service the smallest that serves its peak, a training job the smallest where its
+shape predicts its best speed, at least ``1 / max_slowdown`` of its speed on a whole GPU
+(an instance's speed is the shape's at the instance's SM fraction: it shares nothing).
+Jobs in MIG instances do not count towards ``max_jobs_per_gpu``, which caps the jobs
+sharing SMs.
 """
 
 from __future__ import annotations
@@ -114,6 +118,13 @@ class GpuView:
     # Whether a job may have a share of the whole GPU: not in MIG mode (``nvidia-smi -q``
     # "MIG Mode: Current Enabled"), where only its instances can be given.
     whole: bool = True
+    # Every MIG instance the GPU has, free or taken (one per profile is enough): what a
+    # job could have there once the jobs in them end (``nvidia-smi mig -lgi``).
+    mig_layout: tuple[MigOption, ...] = ()
+
+    def layout(self) -> tuple[MigOption, ...]:
+        """The GPU's MIG instances: :attr:`mig_layout` and the free ones."""
+        return (*self.mig_layout, *self.mig_options)
 
 
 @dataclass
@@ -523,7 +534,7 @@ class Planner:
                             tag=(share, mig),
                         )
                     )
-            if any(isinstance(o.tag, tuple) and o.tag[1] is not None for o in opts):
+            if self._tight(job) and any(isinstance(o.tag, tuple) and o.tag[1] for o in opts):
                 # A tight service that a MIG instance holds: isolation (an instance, or a
                 # GPU of its own) rather than an MPS share next to jobs whose bursts it
                 # would feel.
@@ -613,7 +624,9 @@ class Planner:
                 placed = True
                 break
             if not placed:
-                waiting[job.job_id] = "every option was taken by earlier jobs this pass"
+                gpus_of = {o.gpu for o in opts}
+                ahead = sorted({p.job_id for p in placements if p.gpu in gpus_of})
+                waiting[job.job_id] = "its options went to jobs ahead of it: " + ", ".join(ahead)
 
         # 5. directives for running training jobs: one per job, at the lowest duty the
         # guards allow on any of its GPUs (a job on several GPUs runs at one pace).
@@ -690,27 +703,36 @@ class Planner:
 
     def _candidates(self, job: JobView, g: _Gpu) -> list[tuple[float, str | None]]:
         """(SM share, MIG profile or None) the job could have on the GPU, best first."""
-        options = self._shapes_on(job, g)
-        if not g.view.whole:
-            return [o for o in options if o[1] is not None]
-        return options
-
-    def _shapes_on(self, job: JobView, g: _Gpu) -> list[tuple[float, str | None]]:
-        if job.kind is JobKind.INFERENCE:
-            if self._tight(job):
-                # A free MIG instance is isolated hardware, whoever else is on the GPU.
-                migs = [
-                    m
-                    for m in sorted(g.free_migs(), key=lambda m: m.sm_fraction)
-                    if job.shape.perf(m.sm_fraction) >= job.peak_load * (1 + self.params.slo_margin)
-                    and m.memory_bytes >= job.shape.reserve_bytes()
-                ]
-                if migs:
-                    return [(migs[0].sm_fraction, migs[0].profile)]
-            return [(1.0, None)]
-        if not g.residents:
+        if self._tight(job) or not g.view.whole:
+            # A free MIG instance is isolated hardware, whoever else is on the GPU; on a
+            # GPU in MIG mode it is all a job can have.
+            m = self._instance_for(job, g.free_migs())
+            if m is not None:
+                return [(m.sm_fraction, m.profile)]
+            if not g.view.whole:
+                return []
+        if job.kind is JobKind.INFERENCE or not g.residents:
             return [(1.0, None)]
         return [(s, None) for s in self.params.shares]
+
+    def _instance_for(self, job: JobView, instances: Sequence[MigOption]) -> MigOption | None:
+        """The MIG instance the job would take among ``instances``, None when none will do.
+
+        It must hold the job's memory reservation. An inference service takes the smallest
+        that serves its peak with the SLO margin. A training job takes the smallest of those
+        where its shape predicts its best speed, and only where that speed is at least
+        ``1 / max_slowdown`` of its speed on a whole GPU (the cap a shared GPU is held to).
+        """
+        fits = [m for m in instances if m.memory_bytes >= job.shape.reserve_bytes()]
+        if job.kind is JobKind.INFERENCE:
+            need = job.peak_load * (1 + self.params.slo_margin)
+            fits = [m for m in fits if job.shape.perf(m.sm_fraction) >= need]
+        else:
+            speed = job.shape.curve.relative
+            fits = [m for m in fits if speed(m.sm_fraction) >= 1.0 / self.params.max_slowdown]
+            best = max((speed(m.sm_fraction) for m in fits), default=0.0)
+            fits = [m for m in fits if speed(m.sm_fraction) >= best - 1e-9]
+        return min(fits, key=lambda m: (m.sm_fraction, m.memory_bytes), default=None)
 
     def _tight(self, job: JobView) -> bool:
         """An inference SLO shorter than ``tight_slo_service_times`` service times."""
@@ -746,21 +768,28 @@ class Planner:
                 f"than {largest >> 20} MiB under the {self.params.memory_headroom:.0%} "
                 "memory headroom"
             )
-        if not self._tight(job) and not any(g.view.whole for g in state.values()):
-            # Only a tight service is given a MIG instance: waiting for one would not help.
-            # (``state`` holds the healthy GPUs: one that is lost is the jobs service's to
-            # weigh, which queues a job for it)
-            return (
-                "never fits on this node: every healthy GPU is in MIG mode, and the planner "
-                "gives MIG instances only to inference services with a tight SLO"
-            )
+        if not any(g.view.whole for g in state.values()):
+            # Only an instance will do, and when none of the layout's would, waiting for one
+            # to come free would not help. (``state`` holds the healthy GPUs: one that is
+            # lost is the jobs service's to weigh, which queues a job for it.)
+            layout = {m.profile: m for g in state.values() for m in g.view.layout()}
+            if self._instance_for(job, list(layout.values())) is None:
+                return (
+                    "never fits on this node: every healthy GPU is in MIG mode, and no MIG "
+                    f"instance there ({', '.join(sorted(layout)) or 'none'}) "
+                    + self._instance_terms(job)
+                )
         reasons = []
         for g in state.values():
             candidates = self._candidates(job, g)
             if not candidates:
-                reasons.append(
-                    f"GPU {g.view.index}: in MIG mode: no whole-GPU share, and no free instance fits it"
+                free = sorted({m.profile for m in g.free_migs()})
+                why = (
+                    f"no free instance ({', '.join(free)}) {self._instance_terms(job)}"
+                    if free
+                    else "every instance is taken"
                 )
+                reasons.append(f"GPU {g.view.index}: in MIG mode: {why}")
                 continue
             share, mig = candidates[0]
             ev = self._evaluate(g, job, share, mig)
@@ -769,12 +798,32 @@ class Planner:
             )
         return "; ".join(reasons[:4]) + ("; ..." if len(reasons) > 4 else "")
 
+    def _instance_terms(self, job: JobView) -> str:
+        """What an instance must offer the job (see :meth:`_instance_for`)."""
+        mib = job.shape.reserve_bytes() >> 20
+        if job.kind is JobKind.INFERENCE:
+            return (
+                f"holds its {mib} MiB and serves its peak {job.peak_load:g}/s "
+                f"+ {self.params.slo_margin:.0%} within its SLO"
+            )
+        return (
+            f"holds its {mib} MiB and gives it 1/{self.params.max_slowdown:g} of its speed "
+            "on a whole GPU"
+        )
+
     def _reason(self, job: JobView, g: _Gpu, share: float, mig: str | None, ev: _Eval) -> str:
-        if mig is not None:
+        if mig is not None and self._tight(job):
             return (
                 f"tight SLO ({job.shape.slo_s:g} s): MIG instance {mig} on GPU {g.view.index} "
                 "for hard isolation"
             )
+        if mig is not None:
+            what = (
+                f"the smallest free one that serves its peak {job.peak_load:g}/s within its SLO"
+                if job.kind is JobKind.INFERENCE
+                else f"predicted speed {ev.speed:.2f} of its speed on a whole GPU"
+            )
+            return f"GPU {g.view.index} is in MIG mode: MIG instance {mig}, {what}"
         if not g.residents and g.view.foreign is None:
             return f"GPU {g.view.index} is free: exclusive"
         if not g.residents:

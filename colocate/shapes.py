@@ -1,8 +1,8 @@
 """Resource shapes: a job as a family of feasible configurations with predicted performance.
 
 A configuration is what the driver enforces for a job on one GPU: an SM share (the MPS
-``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` of its client, or the slice fraction of a MIG
-profile), the device memory it may pin, and the memory-bandwidth share it is expected to
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` of its client, or a MIG instance's share of the
+GPU's SMs), the device memory it may pin, and the memory-bandwidth share it is expected to
 use. Performance follows a saturating curve: a job that keeps a fraction ``knee`` of the
 SMs busy when alone runs at full speed with any share at or above the knee and slows
 sub-linearly (exponent ``gamma``) below it.
@@ -46,7 +46,8 @@ class JobKind(StrEnum):
 
 @dataclass(frozen=True)
 class MigOption:
-    """A MIG profile the planner may give a job: its name, SM fraction and memory."""
+    """A MIG instance the planner may give a job: its profile, its share of the whole GPU's
+    SMs and its memory."""
 
     profile: str
     sm_fraction: float
@@ -57,7 +58,7 @@ class MigOption:
 class Config:
     """One feasible configuration of a job on a GPU.
 
-    ``sm_share``: MPS active thread fraction (1.0 = uncapped) or the MIG slice fraction.
+    ``sm_share``: MPS active thread fraction (1.0 = uncapped) or the MIG instance's SM share.
     ``mig_profile``: the MIG profile name when the job gets an instance, else None.
     ``memory_bytes``: device memory to reserve. ``bw_share``: expected fraction of the
     device's memory bandwidth. ``perf``: predicted performance alone with this share.

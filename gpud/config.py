@@ -129,9 +129,8 @@ class ColocateConfig:
     # the predictor forgets an error kept on scant evidence (under 30 errors of its kind)
     # after this many seconds of the loop's ticks; 0: never (see docs/colocate.md)
     scant_margin_memory_s: float = ranged(900.0, 0.0, 30 * 86400.0)
-    # a gpuctl run that has waited this long is advised before later ones, and one that
-    # fits nowhere has a GPU held for it, as a run of a job the loop evicted has at once;
-    # 0: only the latter (see docs/colocate.md)
+    # a gpuctl run that has waited this long and fits nowhere has a GPU held for it, as a
+    # run of a job the loop evicted has at once; 0: only the latter (see docs/colocate.md)
     head_hold_s: float = ranged(0.0, 0.0, 30 * 86400.0)
 
 

@@ -43,6 +43,8 @@ from colocate import (
     ServiceGuard,
     Shape,
 )
+from gpud.backend.port import GpuIdentity, MigDeviceIdentity
+from gpud.backend.products import lookup
 from gpud.colo.host import HostUsage
 from gpud.colo.links import NvlinkRates, pcie_capacity, pcie_ratio
 from gpud.config import ColocateConfig
@@ -233,8 +235,8 @@ WAITER_GONE_S = 10.0
 @dataclass
 class _Waiter:
     """A ``gpuctl run`` told to wait that keeps asking: since when, its last ask, why it
-    waits, and the job as the planner saw it (planned again ahead of later askers when it
-    is a run of a job the loop evicted, or has waited the planner's ``head_hold_s``)."""
+    waits, and the job as the planner saw it (planned again with every later ask, ahead
+    of the askers that came after it)."""
 
     since: float
     last: float
@@ -242,10 +244,15 @@ class _Waiter:
     view: JobView
 
 
-def _mig_sm_fraction(profile: str) -> float | None:
-    """The SM fraction of a MIG profile: ``3g.40gb`` -> 3/7, ``1c.3g.40gb`` -> 1/7 (the
-    compute instance's slices); None for a name that is no MIG profile."""
-    head = profile.partition(".")[0]
+def _mig_sm_fraction(instance: MigDeviceIdentity, gpu: GpuIdentity) -> float | None:
+    """The share of the whole GPU's SMs a MIG device has: its SMs over the product's
+    (``nvmlDeviceGetAttributes`` multiprocessorCount; an H100's 3g.40gb has 60 of 132, its
+    4g.40gb 64), else its slices of seven (``3g.40gb`` -> 3/7, ``1c.3g.40gb`` -> 1/7); None
+    for a name that is no MIG profile."""
+    spec = lookup(gpu.product)
+    if spec is not None and instance.multiprocessor_count > 0:
+        return min(1.0, instance.multiprocessor_count / spec.sm_count)
+    head = instance.profile_name.partition(".")[0]
     if not head.endswith(("c", "g")):
         return None
     slices = head[:-1]
@@ -915,9 +922,10 @@ class ColoService:
     def _gpu_views(
         self, snapshot: Snapshot, running: Sequence[RunningJob]
     ) -> tuple[list[GpuView], dict[tuple[int, str], str]]:
-        """The healthy GPUs, each with the free MIG instances it could give a job (one per
-        profile), and where each such option is: (GPU, profile) -> MIG device UUID. A GPU
-        in MIG mode offers its instances alone: no job has a share of the whole GPU."""
+        """The healthy GPUs, each with its MIG instances (one per profile) and the free ones
+        it could give a job (one per profile), and where each such option is: (GPU,
+        profile) -> MIG device UUID. A GPU in MIG mode offers its instances alone: no job
+        has a share of the whole GPU."""
         taken = {r.device for r in running}
         strangers = self._strangers()
         views: list[GpuView] = []
@@ -928,16 +936,20 @@ class ColoService:
             index = g.identity.index
             mig_mode = g.mig_mode is not None and g.mig_mode.current
             options: dict[str, MigOption] = {}
+            layout: dict[str, MigOption] = {}
             for m in g.mig_devices:
                 ident = m.identity
-                if ident.uuid in taken or ident.profile_name in options:
-                    continue
-                fraction = _mig_sm_fraction(ident.profile_name)
+                fraction = _mig_sm_fraction(ident, g.identity)
                 if fraction is None:
                     continue
-                options[ident.profile_name] = MigOption(
-                    ident.profile_name, fraction, ident.memory_total_bytes
-                )
+                instance = MigOption(ident.profile_name, fraction, ident.memory_total_bytes)
+                layout.setdefault(ident.profile_name, instance)
+                # Free: no job of gpud's holds it, and NVML read it and saw no process in it
+                # (a process of no known job holds it as much as a job does).
+                busy = ident.uuid in taken or bool(m.processes) or m.memory is None
+                if busy or ident.profile_name in options:
+                    continue
+                options[ident.profile_name] = instance
                 where[(index, ident.profile_name)] = ident.uuid
             foreign = None
             if strangers.get(index, 0):
@@ -958,6 +970,7 @@ class ColoService:
                     tuple(options.values()),
                     foreign=foreign,
                     whole=not mig_mode,
+                    mig_layout=tuple(layout.values()),
                 )
             )
         return views, where
@@ -1000,8 +1013,9 @@ class ColoService:
         snapshot: Snapshot | None = None,
         waiting: bool = False,
     ) -> Advice:
-        """Where a new job should go now: a whole GPU's MPS share, or (an inference job with
-        a tight SLO) a free MIG instance; nothing is reserved. ``waiting``: the asker waits
+        """Where a new job should go now: a whole GPU's MPS share, or a free MIG instance
+        (for an inference job with a tight SLO, or on a GPU in MIG mode); nothing is
+        reserved. ``waiting``: the asker waits
         for a GPU (``gpuctl run``): a job told to wait is listed by :meth:`show` while it
         keeps asking."""
         now = self._clock()
@@ -1026,14 +1040,16 @@ class ColoService:
         return advice
 
     def waiting(self) -> list[tuple[str, float, str]]:
-        """(job, seconds waited, why) of each ``gpuctl run`` waiting for advice: those told
-        to wait that asked again within :data:`WAITER_GONE_S`."""
+        """(job, seconds waited, why) of each ``gpuctl run`` waiting for advice, in the
+        order they are served (the order they came): those told to wait that asked again
+        within :data:`WAITER_GONE_S`."""
         now = self._clock()
         with self._lock:
             self._waiting = {
                 j: w for j, w in self._waiting.items() if now - w.last <= WAITER_GONE_S
             }
-            return [(j, now - w.since, w.reason) for j, w in sorted(self._waiting.items())]
+            order = sorted(self._waiting.items(), key=lambda jw: (jw[1].since, jw[0]))
+            return [(j, now - w.since, w.reason) for j, w in order]
 
     def _advice(
         self,
@@ -1089,16 +1105,14 @@ class ColoService:
                 # a run of a job the loop evicted, which has not run since
                 evicted=st is not None and st.evicted and st.arrived is None,
             )
-            # Runs of evicted jobs, and runs that have waited long, are planned first, in
-            # the order they came: one that fits nowhere has a GPU held for it, which no
-            # later asker is given.
-            hold = self._planner.params.head_hold_s
+            # Every run that waits is planned with it, in the order they came (a new ask
+            # comes last): what frees goes to the first that fits there, whichever asks
+            # first. A run of an evicted job, or one that waited head_hold_s, that fits
+            # nowhere has a GPU held for it, which no later asker is given.
             ahead = [
                 dataclasses.replace(w.view, order=w.since, waited_s=now - w.since)
                 for j, w in self._waiting.items()
-                if j != job
-                and (w.view.evicted or now - w.since >= hold)
-                and now - w.last <= WAITER_GONE_S
+                if j != job and now - w.last <= WAITER_GONE_S
             ]
             healthy = {g.identity.index for g in snapshot.gpus if g.healthy}
             running = tuple(r for r in running if r.gpu in healthy)  # the rest stay put

@@ -207,6 +207,39 @@ def test_runs_waiting_for_advice_are_listed_while_they_ask(
     assert svc.show().waiting == ()
 
 
+def test_what_frees_goes_to_the_run_that_waited_first_whichever_asks_first(
+    tmp_path: Path,
+) -> None:
+    """Runs waiting for advice are served in the order they came, not in the order their
+    polls happen to land: a later run that asks first is told to wait."""
+    clock = Clock()
+    jobs = [
+        RunningJob("a", "training", 0, memory_bytes=60 * GIB, memory_used=60 * GIB),
+        RunningJob("b", "training", 1, memory_bytes=60 * GIB, memory_used=60 * GIB),
+    ]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    full = snapshot(used_gib=60)
+    ask = {"memory_bytes": 40 * GIB, "waiting": True}
+    assert svc.advise("older", snapshot=full, **ask).gpu == -1  # type: ignore[arg-type]
+    clock.t += 1.0
+    assert svc.advise("newer", snapshot=full, **ask).gpu == -1  # type: ignore[arg-type]
+    clock.t += 1.0
+    jobs.pop(0)  # GPU 0 frees
+    freed = Snapshot(0.0, 0.0, (snapshot(used_gib=0).gpus[0], full.gpus[1]), 0.01)
+    later = svc.advise("newer", snapshot=freed, **ask)  # type: ignore[arg-type]
+    assert later.gpu == -1 and later.reason == "its options went to jobs ahead of it: older"
+    # an operator's question is answered behind the runs that wait too
+    assert svc.advise("asked", memory_bytes=40 * GIB, snapshot=freed).gpu == -1
+    # listed in the order they are served
+    assert [j for j, _, _ in svc.show().waiting] == ["older", "newer"]
+    assert svc.advise("older", snapshot=freed, **ask).gpu == 0  # type: ignore[arg-type]
+    # once it is placed (its reservation is the jobs service's), the next in line is served
+    jobs.insert(0, RunningJob("older", "training", 0, memory_bytes=40 * GIB))
+    assert [j for j, _, _ in svc.show().waiting] == ["newer"]
+
+
 def test_a_run_that_waited_long_is_advised_first_and_has_a_gpu_held(tmp_path: Path) -> None:
     """A gpuctl run that needs a GPU alone waits while later runs keep taking the room
     beside the jobs there; once it has waited ``head_hold_s``, the GPU with the fewest
@@ -760,10 +793,21 @@ def test_a_faulty_gpu_is_left_out_and_its_jobs_keep_their_directives(tmp_path: P
     assert svc.advise("new", memory_bytes=GIB, snapshot=lost).gpu == 1
 
 
-def mig_gpu(index: int) -> GpuSample:
+def mig_gpu(index: int, *profiles: tuple[str, int, int]) -> GpuSample:
+    """An H100 in MIG mode whose instances are free (read, no process): two 1g.10gb, or one
+    per (profile, GiB, SMs) given."""
     from gpud.backend.port import MigMode
     from tests.unit.api_support import mig
 
+    devices = []
+    for n, (profile, gib, sms) in enumerate(profiles or (("1g.10gb", 10, 16),) * 2):
+        m = mig(index, n)
+        ident = dataclasses.replace(
+            m.identity, profile_name=profile, memory_total_bytes=gib * GIB, multiprocessor_count=sms
+        )
+        devices.append(
+            m._replace(identity=ident, memory=MemoryInfo(gib * GIB, 0, gib * GIB), processes=())
+        )
     return GpuSample(
         identity=identity(index),
         healthy=True,
@@ -771,11 +815,11 @@ def mig_gpu(index: int) -> GpuSample:
         sampled_at=0.0,
         memory=MemoryInfo(80 * GIB, 0, 80 * GIB),
         mig_mode=MigMode(current=True, pending=True),
-        mig_devices=(mig(index, 0), mig(index, 1)),
+        mig_devices=tuple(devices),
     )
 
 
-def test_a_tight_slo_gets_a_free_mig_instance_and_training_never_a_mig_gpu(
+def test_a_tight_slo_gets_a_free_mig_instance_and_training_one_that_keeps_its_pace(
     tmp_path: Path,
 ) -> None:
     from tests.unit.api_support import mig
@@ -789,9 +833,63 @@ def test_a_tight_slo_gets_a_free_mig_instance_and_training_never_a_mig_gpu(
     a = svc.advise("chat", kind="inference", slo_p99_ms=20, memory_bytes=4 * GIB, snapshot=snap)
     assert a.gpu == 1 and a.mig_profile == "1g.10gb"
     assert a.device == mig(1, 0).identity.uuid and "MIG" in a.reason
-    # A training job needs a whole GPU: never one in MIG mode.
-    t = svc.advise("train2", memory_bytes=10 * GIB, snapshot=snap)
+    # A 1g.10gb instance would cut a training job to a seventh of its SMs: it waits.
+    t = svc.advise("train2", memory_bytes=8 * GIB, snapshot=snap)
     assert t.gpu == -1 and t.reason.startswith("GPU 0: memory")  # GPU 0 is full
+    assert t.reason.endswith(
+        "GPU 1: in MIG mode: no free instance (1g.10gb) holds its 9420 MiB and gives it 1/2 "
+        "of its speed on a whole GPU"
+    )
+    # A 4g.40gb instance keeps its pace (its prior needs every SM: 64 of 132 give 0.54).
+    big = Snapshot(
+        0.0, 0.0, (base.gpus[0], mig_gpu(1, ("1g.10gb", 10, 16), ("4g.40gb", 40, 64))), 0.01
+    )
+    t = svc.advise("train2", memory_bytes=8 * GIB, snapshot=big)
+    assert (t.gpu, t.mig_profile, t.device) == (1, "4g.40gb", mig(1, 1).identity.uuid)
+    assert t.reason == (
+        "GPU 1 is in MIG mode: MIG instance 4g.40gb, predicted speed 0.54 of its speed on a "
+        "whole GPU"
+    )
+    # One that needs fewer SMs takes the smallest instance that keeps its full pace.
+    light = svc.advise("train3", memory_bytes=8 * GIB, sm_activity=0.1, snapshot=big)
+    assert light.mig_profile == "1g.10gb", light.reason
+    # An instance a process of no known job runs in is not free.
+    m0, m1 = big.gpus[1].mig_devices
+    held = big.gpus[1]._replace(mig_devices=(m0, m1._replace(processes=mig(1, 0).processes)))
+    t = svc.advise(
+        "train2", memory_bytes=8 * GIB, snapshot=dataclasses.replace(big, gpus=(base.gpus[0], held))
+    )
+    assert t.gpu == -1
+
+
+def test_on_a_node_all_in_mig_mode_a_job_no_instance_serves_never_fits(tmp_path: Path) -> None:
+    running: list[RunningJob] = []
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: running, clock=Clock()
+    )
+    snap = Snapshot(0.0, 0.0, (mig_gpu(0),), 0.01)
+    t = svc.advise("train", memory_bytes=8 * GIB, snapshot=snap)
+    assert t.gpu == -1 and t.reason == (
+        "never fits on this node: every healthy GPU is in MIG mode, and no MIG instance there "
+        "(1g.10gb) holds its 9420 MiB and gives it 1/2 of its speed on a whole GPU"
+    )
+    # Taken instances count: one could free up.
+    snap = Snapshot(0.0, 0.0, (mig_gpu(0, ("1g.10gb", 10, 16), ("4g.40gb", 40, 64)),), 0.01)
+    running[:] = [
+        RunningJob(
+            "other",
+            "training",
+            0,
+            memory_bytes=8 * GIB,
+            device=snap.gpus[0].mig_devices[1].identity.uuid,
+            mig_profile="4g.40gb",
+        )
+    ]
+    t = svc.advise("train", memory_bytes=8 * GIB, snapshot=snap)
+    assert t.gpu == -1 and t.reason == (
+        "GPU 0: in MIG mode: no free instance (1g.10gb) holds its 9420 MiB and gives it 1/2 of "
+        "its speed on a whole GPU"
+    )
 
 
 def test_a_second_tight_service_gets_the_other_free_mig_instance(tmp_path: Path) -> None:

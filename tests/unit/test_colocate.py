@@ -424,9 +424,7 @@ def test_a_gpu_in_mig_mode_gives_no_whole_gpu_share_and_is_never_held() -> None:
     assert [(p.job_id, p.gpu) for p in plan.placements] == [("b", 0)]
     busy = planner.plan([gpus(1)[0], mig_mode], [training("a", mem_gib=70, gpu=0), training("b")])
     assert not busy.placements
-    assert busy.waiting["b"].endswith(
-        "; GPU 1: in MIG mode: no whole-GPU share, and no free instance fits it"
-    )
+    assert busy.waiting["b"].endswith("; GPU 1: in MIG mode: every instance is taken")
     # Every GPU in MIG mode: waiting would not help (gpuctl run leaves it to the jobs service).
     alone = planner.plan([mig_mode], [training("b")])
     assert alone.waiting["b"].startswith(
@@ -437,6 +435,45 @@ def test_a_gpu_in_mig_mode_gives_no_whole_gpu_share_and_is_never_held() -> None:
     residents = [training("a", gpu=0), training("b", gpu=0)]
     held = planner.plan([gpus(1)[0], mig_mode], [*residents, big, training("small", order=1)])
     assert held.waiting["big"].startswith("GPU 0 held for it (evicted): ")
+
+
+def test_on_a_gpu_in_mig_mode_a_training_job_takes_an_instance_that_keeps_its_pace() -> None:
+    """The smallest free instance where its shape predicts its best speed, never one that
+    cuts it below 1 / max_slowdown of its speed on a whole GPU; a free whole GPU first."""
+    planner = Planner(InterferencePredictor())
+    free = (
+        MigOption("1g.10gb", 1 / 7, 10 * GIB),
+        MigOption("3g.40gb", 3 / 7, 40 * GIB),
+        MigOption("7g.80gb", 1.0, 80 * GIB),
+    )
+    mig_mode = GpuView(index=1, memory_total=80 * GIB, mig_options=free, whole=False)
+    whole = gpus(1)[0]
+    full = training("x", mem_gib=70, gpu=0)
+
+    def where(*jobs: JobView, views: tuple[GpuView, ...] = (whole, mig_mode)) -> list[object]:
+        plan = planner.plan(list(views), list(jobs))
+        return [(p.job_id, p.gpu, p.mig_profile) for p in plan.placements]
+
+    assert where(training("a", sm=1.0)) == [("a", 0, None)]
+    assert where(full, training("a", sm=1.0)) == [("a", 1, "7g.80gb")]
+    assert where(full, training("a", sm=0.1, mem_gib=8)) == [("a", 1, "1g.10gb")]
+    assert where(full, training("a", sm=0.1, mem_gib=20)) == [("a", 1, "3g.40gb")]
+    small = replace(mig_mode, mig_options=free[:2])
+    (p,) = planner.plan([whole, small], [full, training("a", sm=0.5)]).placements
+    assert p.mig_profile == "3g.40gb" and p.reason == (
+        "GPU 1 is in MIG mode: MIG instance 3g.40gb, predicted speed 0.88 of its speed on a "
+        "whole GPU"
+    )
+    # 3/7 of the SMs give a job that needs them all 0.49 of its speed: under the cap of 2.
+    plan = planner.plan([whole, small], [full, training("a", sm=1.0)])
+    assert not plan.placements
+    assert plan.waiting["a"].endswith(
+        "GPU 1: in MIG mode: no free instance (1g.10gb, 3g.40gb) holds its 11776 MiB and gives "
+        "it 1/2 of its speed on a whole GPU"
+    )
+    lenient = Planner(InterferencePredictor(), PlannerParams(max_slowdown=2.5))
+    (p,) = lenient.plan([whole, small], [full, training("a", sm=1.0)]).placements
+    assert p.mig_profile == "3g.40gb"
 
 
 @pytest.mark.parametrize("bad", [-1.0, math.nan])
