@@ -108,7 +108,10 @@ def run_queue(ctx: Context, args: argparse.Namespace) -> int:
         return 0
     ctx.out.print_table(HEADERS, [entry_row(e) for e in resp.entries])
     if colo:
-        ctx.out.print("waiting for co-location, outside this queue (gpuctl colo show):")
+        ctx.out.print(
+            "waiting for co-location, outside this queue, first come first served "
+            "(gpuctl colo show):"
+        )
         for w in colo:
             ctx.out.print(f"  {w.job} for {seconds(w.waited_seconds)}: {w.reason}")
     if args.explain:
@@ -118,9 +121,10 @@ def run_queue(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def colo_waiters(ctx: Context) -> list[colo_pb2.ColoWaiter]:
-    """The `gpuctl run`s waiting for the co-location loop to name a GPU. They wait beside
-    the queue, not in it: they have no position, and the queue's order does not hold them.
-    Empty on a gpud whose loop does not answer."""
+    """The `gpuctl run`s waiting for the co-location loop to name a GPU, in the order it
+    serves them (the order they came). They wait beside the queue, not in it: they have no
+    position there, and the queue's order does not hold them. Empty on a gpud whose loop
+    does not answer."""
     try:
         resp: colo_pb2.ShowColoResponse = ctx.call(
             ctx.stub(colo_pb2_grpc.ColocationStub).ShowColo, colo_pb2.ShowColoRequest()

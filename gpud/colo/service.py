@@ -133,6 +133,10 @@ class _JobState:
     # alone on all its devices: training's iterations per busy second (duty taken out); an
     # inference service's M/M/1 service rate (requests/s, see ColoService.service_rate)
     alone_rate: float | None = None
+    # what it ran at when alone_rate was measured (:func:`_config`): a rate at another
+    # share or in another instance is no yardstick for its slowdown; None: not known (a
+    # file from before this was kept), taken as the same
+    alone_config: str | None = None
     # its devices and who shared each at the last tick: (device, neighbour or "")
     company: frozenset[tuple[str, str]] | None = None
     guard_since: float = float("-inf")  # inference: latencies from here on see the new duty
@@ -167,6 +171,17 @@ def _saved_number(value: object, key: str, low: float, high: float = math.inf) -
     if not (math.isfinite(x) and low <= x <= high):
         raise ValueError(f"{key}: {value!r} outside [{low:g}, {high:g}]")
     return x
+
+
+def _config(jobs: Sequence[RunningJob]) -> str:
+    """What a job runs at on its devices, as its rate depends on it: its MIG profile or
+    MPS thread percentage on each ("50%", "MIG 3g.40gb")."""
+    return ", ".join(
+        sorted(
+            f"MIG {r.mig_profile}" if r.mig_profile else f"{r.threads_percent or 100}%"
+            for r in jobs
+        )
+    )
 
 
 def _place(r: RunningJob) -> str:
@@ -601,6 +616,12 @@ class ColoService:
         st.seen = self._clock()  # it ran before the restart: kept as long as a job that ran
         if saved.get("alone_rate") is not None:
             st.alone_rate = _saved_number(saved["alone_rate"], f"jobs.{name}.alone_rate", 0.0)
+        if (config := saved.get("alone_config")) is not None:
+            if not isinstance(config, str):
+                raise ValueError(
+                    f"jobs.{name}.alone_config: a text like '50%' expected, not {config!r}"
+                )
+            st.alone_config = config
         # footprints per device; a file from before kept one per job: it serves every
         # device until the job shows its own there
         devices = dict(saved.get("devices") or {})
@@ -644,6 +665,7 @@ class ColoService:
                 r.name,
                 {
                     "alone_rate": st.alone_rate if st else None,
+                    "alone_config": st.alone_config if st else None,
                     "devices": {},
                     "duty": d.duty if d is not None and not d.evict else None,
                     # an eviction stands until the job has left, across a restart too
@@ -763,9 +785,13 @@ class ColoService:
                     if ds.features is not None:  # measured here: what an older file held goes
                         st.devices.pop("", None)
                 if rate is not None:
-                    st.alone_rate = rate
+                    st.alone_rate, st.alone_config = rate, _config([r for r, *_ in where])
                 continue
             if rate is None or not st.alone_rate:
+                continue
+            if st.alone_config not in (None, _config([r for r, *_ in where])):
+                # its rate alone was at another share, or in another instance: its ratio
+                # to today's rate is not the slowdown its company causes
                 continue
             speed = min(1.0, rate / st.alone_rate)
             self._observed[name] = speed

@@ -749,6 +749,34 @@ def test_observed_speed_takes_the_throttle_out_and_teaches_the_predictor(
     assert view.predictor_samples >= 1
 
 
+def test_a_rate_alone_at_another_share_is_no_yardstick_for_slowdown(tmp_path: Path) -> None:
+    """Alone, the job made 10 iterations a second with every SM. Run again with half of
+    them beside another job, its 4 a second are not a slowdown of 0.4 from its company:
+    the share took some of it. Nothing is learned until it was measured alone at that share
+    (and what it ran at is kept across restarts)."""
+    clock = Clock()
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+    svc = kept_loop(tmp_path, jobs, clock)
+    for _ in range(5):
+        svc.throttle_point("train", 10)
+        svc.tick(snapshot())
+        clock.t += 1
+    assert svc._jobs["train"].alone_config == "100%"
+    svc = kept_loop(tmp_path, jobs, clock)  # the daemon restarts
+    assert svc._jobs["train"].alone_config == "100%"
+    jobs[:] = [
+        dataclasses.replace(jobs[0], threads_percent=50),  # its next run
+        RunningJob("other", "training", 0, memory_bytes=10 * GIB),
+    ]
+    for _ in range(6):
+        clock.t += 1
+        svc.throttle_point("train", 4)
+        svc.throttle_point("other", 4)
+        svc.tick(snapshot())
+    assert "train" not in svc.show().observed_speed
+    assert svc.predictor.stats().samples == 0
+
+
 def test_the_guard_waits_for_latencies_at_the_duty_it_set(tmp_path: Path) -> None:
     svc, clock, jobs = two_jobs_on_gpu0(tmp_path)
     jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB))
@@ -1083,6 +1111,7 @@ def test_an_unreadable_state_file_starts_afresh(
         job % '{"guard_duty": 0.5, "slo_s": -1}',
         job % '{"guard_duty": 1e308, "slo_s": 0.05}',
         job % '{"evict": true}',
+        job % '{"alone_rate": 10.0, "alone_config": 100}',
         '{"jobs": {}, "evicted": "big"}',
         '{"jobs": {}, "evicted": [1]}',
     ):
