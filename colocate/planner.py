@@ -6,7 +6,10 @@ One pass:
    use already crosses that line loses its newest training job (evicted, with the reason)
    before anything else is decided, as long as another job is left there to protect (a job
    alone may fill its GPU). Memory NVML shows in use beyond the jobs' own (processes of no
-   job gpud knows, MPS servers, an evicted job still leaving) is held as it is.
+   job gpud knows, MPS servers, an evicted job still leaving) is held as it is. A job in a
+   MIG instance is held to the instance's memory by the hardware: it is neither evicted
+   for the GPU's memory nor refused an instance for what the GPU's other instances hold,
+   and an instance's resources are its own (no price rations them).
 2. Options. For every pending job and every GPU: the configurations its shape allows, each
    scored by the predicted gain in normalized progress -- its own predicted speed (shape x
    interference predictor against the residents) minus the speed the residents would lose,
@@ -245,6 +248,7 @@ class _Eval:
 
 # What can refuse an option, as counted in Plan.refused.
 REFUSALS: tuple[str, ...] = (
+    "instance taken",
     "memory",
     "two services",
     "jobs per GPU",
@@ -341,9 +345,14 @@ class Planner:
 
     def _evaluate(self, gpu: _Gpu, job: JobView, share: float, mig: str | None) -> _Eval:
         p = self.params
+        if mig is not None and all(m.profile != mig for m in gpu.free_migs()):
+            # given to a job ahead of it this pass
+            return _Eval(False, 0.0, 0.0, f"MIG instance {mig} is taken", "instance taken")
         limit = gpu.limit(p.memory_headroom)
         need = self._memory_need(gpu, job, mig)
-        if gpu.reserved + need > limit:
+        # A MIG instance's memory is its own (the job must fit in it, see _instance_for):
+        # what the GPU's other instances hold cannot crowd it.
+        if mig is None and gpu.reserved + need > limit:
             return _Eval(
                 False,
                 0.0,
@@ -485,7 +494,9 @@ class Planner:
                 sum(j.memory_used or 0 for j, _, _ in g.residents),  # as observed
             )
             trainees = sorted(
-                (j for j, _, _ in g.residents if j.kind is JobKind.TRAINING),
+                # A job in a MIG instance is held to the instance's memory by the hardware:
+                # it crowds no one.
+                (j for j, _, mig in g.residents if j.kind is JobKind.TRAINING and mig is None),
                 key=lambda j: (-j.order, j.job_id),
             )
             # A job alone may fill its GPU: eviction protects the others, not the job.
@@ -526,7 +537,11 @@ class Planner:
                         Option(
                             gpu=g.view.index,
                             utility=ev.gain,
-                            demand={
+                            # An instance's SMs, memory and bandwidth are its own: it
+                            # takes nothing the GPU's prices ration.
+                            demand={}
+                            if mig is not None
+                            else {
                                 "sm": job.footprint(share, 1.0).sm,
                                 "mem": self._memory_need(g, job, mig) / g.view.memory_total,
                                 "bw": job.footprint(share, 1.0).mem_bw,

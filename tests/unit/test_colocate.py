@@ -476,6 +476,29 @@ def test_on_a_gpu_in_mig_mode_a_training_job_takes_an_instance_that_keeps_its_pa
     assert p.mig_profile == "3g.40gb"
 
 
+def test_a_mig_instance_holds_its_own_memory_and_goes_to_one_job() -> None:
+    """Jobs that fill their instances crowd no one: none is evicted for the GPU's memory,
+    and a free instance is still given; one free instance goes to the first job only."""
+    planner = Planner(InterferencePredictor())
+    residents = []
+    for name, profile in (("a", "4g.40gb"), ("b", "3g.40gb")):
+        j = training(name, sm=1.0, mem_gib=34, gpu=1, used_gib=39)
+        j.mig_profile = profile
+        residents.append(j)
+    free = (MigOption("1g.10gb", 16 / 132, 10 * GIB),)
+    full = GpuView(
+        index=1, memory_total=80 * GIB, memory_used=78 * GIB, mig_options=free, whole=False
+    )
+    plan = planner.plan([full], [*residents, training("c", sm=0.1, mem_gib=8)])
+    assert not [d for d in plan.directives if d.evict]
+    assert [(p.job_id, p.mig_profile) for p in plan.placements] == [("c", "1g.10gb")]
+    two = planner.plan(
+        [full], [training("c", sm=0.1, mem_gib=8), training("d", sm=0.1, mem_gib=8, order=1)]
+    )
+    assert [p.job_id for p in two.placements] == ["c"]
+    assert two.waiting["d"] == "its options went to jobs ahead of it: c"
+
+
 @pytest.mark.parametrize("bad", [-1.0, math.nan])
 def test_head_hold_is_a_duration(bad: float) -> None:
     with pytest.raises(ValueError, match="head_hold_s"):
