@@ -241,9 +241,16 @@ class InterferencePredictor:
         self, me: JobFeatures, others: Sequence[JobFeatures], quantile: float = 0.9
     ) -> float:
         """A speed the job reaches or beats in ``quantile`` of predictions like this one."""
+        return self.speed_and_bound(me, others, quantile)[1]
+
+    def speed_and_bound(
+        self, me: JobFeatures, others: Sequence[JobFeatures], quantile: float = 0.9
+    ) -> tuple[float, float]:
+        """:meth:`speed` and :meth:`speed_bound`, from one prediction."""
         if not others:
-            return 1.0
-        return math.exp(-self.log_slowdown(me, others) - self.margin(me, others, quantile))
+            return 1.0, 1.0
+        ls = self.log_slowdown(me, others)
+        return math.exp(-ls), math.exp(-ls - self.margin(me, others, quantile))
 
     # -- learning -------------------------------------------------------------------------
     def advance(self, seconds: float) -> None:

@@ -307,41 +307,53 @@ class Planner:
         self.predictor = predictor
         self.params = params or PlannerParams()
         self.prices = prices or ShadowPrices()
+        # The residents' speeds of one GPU as they are, for every option weighed there:
+        # kept for one pass, by who the residents are.
+        self._before: dict[tuple[object, ...], list[float]] = {}
 
     # -- evaluation -----------------------------------------------------------------------
     def _speeds(
         self,
         members: Sequence[tuple[JobView, float, str | None]],
         *,
-        bound: bool = False,
         training_duty: float | None = None,
         foreign: JobFeatures | None = None,
     ) -> list[float]:
         """Predicted speed (over alone, full GPU) of each member of a GPU's set; with
-        ``bound``, the speed it reaches in ``error_quantile`` of predictions like it; with
         ``training_duty``, with the training members throttled to at most that duty;
         ``foreign``: the footprint of the GPU's processes of no known job, beside them all."""
+        return self._predict(members, training_duty=training_duty, foreign=foreign)[0]
+
+    def _predict(
+        self,
+        members: Sequence[tuple[JobView, float, str | None]],
+        *,
+        training_duty: float | None = None,
+        foreign: JobFeatures | None = None,
+    ) -> tuple[list[float], list[float]]:
+        """:meth:`_speeds`, and the speed each member reaches in ``error_quantile`` of
+        predictions like it (one prediction serves both)."""
         feats = [
             j.footprint(s, None)
             if training_duty is None or j.kind is not JobKind.TRAINING
             else j.footprint(s, min(j.duty, training_duty))
             for j, s, _ in members
         ]
-        out = []
+        speeds: list[float] = []
+        bounds: list[float] = []
         for i, (j, s, mig) in enumerate(members):
             rel = j.shape.curve.relative(s)
             if mig is not None:  # a MIG instance is isolated from its neighbours
-                out.append(rel)
+                speeds.append(rel)
+                bounds.append(rel)
                 continue
             others = [f for k, f in enumerate(feats) if k != i and members[k][2] is None]
             if foreign is not None:
                 others.append(foreign)
-            if bound:
-                sp = self.predictor.speed_bound(feats[i], others, self.params.error_quantile)
-            else:
-                sp = self.predictor.speed(feats[i], others)
-            out.append(rel * sp)
-        return out
+            sp, low = self.predictor.speed_and_bound(feats[i], others, self.params.error_quantile)
+            speeds.append(rel * sp)
+            bounds.append(rel * low)
+        return speeds, bounds
 
     def _evaluate(self, gpu: _Gpu, job: JobView, share: float, mig: str | None) -> _Eval:
         p = self.params
@@ -388,10 +400,12 @@ class Planner:
                 "service share",
             )
         foreign = gpu.view.foreign
-        before = self._speeds(gpu.residents, foreign=foreign)
+        key = (gpu.view.index, *((id(j), sh, m) for j, sh, m in gpu.residents))
+        before = self._before.get(key)
+        if before is None:
+            before = self._before[key] = self._speeds(gpu.residents, foreign=foreign)
         members = [*gpu.residents, (job, share, mig)]
-        after = self._speeds(members, foreign=foreign)
-        low = self._speeds(members, bound=True, foreign=foreign)
+        after, low = self._predict(members, foreign=foreign)
         throttled = (
             self._speeds(members, training_duty=p.peak_duty, foreign=foreign)
             if len(members) > 1 and any(j.kind is JobKind.INFERENCE for j, _, _ in members)
@@ -458,6 +472,7 @@ class Planner:
     ) -> Plan:
         """Place pending jobs and direct running ones; see the module docstring."""
         p = self.params
+        self._before = {}
         state = {g.index: _Gpu(g) for g in gpus}
         running = [j for j in jobs if j.gpu is not None and j.gpu in state]
         pending = sorted((j for j in jobs if j.gpu is None), key=lambda j: (j.order, j.job_id))
