@@ -12,7 +12,11 @@ projected step settles: ``p <- max(0, p + step * (use - cap))``, blended with th
 by ``damping``. The reported choice is still each job's best option at the final prices.
 The residual is the largest over-use of a resource by the smoothed demand, or
 complementary-slackness gap (a positive price on a resource left idle, price times the
-idle capacity), in capacity units; converged when it is within ``tolerance``.
+idle capacity), in capacity units; converged when it is within ``tolerance``. Each price's
+step grows while the sign of its excess demand holds and halves when it flips; when the
+residual has not improved for ``RESTART_AFTER`` iterations (two prices' steps can cycle
+around the clearing point, each halving and regrowing in turn), the steps start afresh
+from where the prices are.
 
 The prices only guide: the planner enforces hard constraints (memory) afterwards.
 """
@@ -24,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 RESOURCES: tuple[str, ...] = ("sm", "mem", "bw")
+# Iterations without the residual improving after which the steps start afresh.
+RESTART_AFTER = 30
 
 Key = tuple[int, str]
 
@@ -88,6 +94,7 @@ class ShadowPrices:
         steps = dict.fromkeys(capacity, self.step)
         last = dict.fromkeys(capacity, 0.0)
         residual = math.inf
+        best, since_best = math.inf, 0
         iterations = 0
         for k in range(1, self.max_iterations + 1):
             iterations = k
@@ -109,6 +116,16 @@ class ShadowPrices:
             )
             if residual <= self.tolerance:
                 break  # settled: a warm start on the same market leaves the prices alone
+            if residual < best - self.tolerance / 10:
+                best, since_best = residual, 0
+            else:
+                since_best += 1
+            if since_best >= RESTART_AFTER:
+                # The steps of two prices can settle into a cycle around the clearing
+                # point (each halves and regrows in turn): start them afresh from where
+                # the prices are, as the next pass would.
+                steps, last = dict.fromkeys(capacity, self.step), dict.fromkeys(capacity, 0.0)
+                best, since_best = residual, 0
             for key, cap in capacity.items():
                 g = usage[key] - cap
                 p = prices[key]

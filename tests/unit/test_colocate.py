@@ -296,6 +296,8 @@ def test_prices_settle_property(utilities: list[float], demand: float) -> None:
 )
 # A price that fell back to 0 kept the long step that brought it down and swung for ever.
 @example(jobs=[[(0, 1.0, 0.05)], [(0, 1.0, 0.0546875), (2, 1.5, 0.5)]], caps=[0, 0, 0.03125, 0])
+# Two prices' steps halved and regrew in turn around the clearing point, for ever.
+@example(jobs=[[(0, 1.0, 0.625)], [(0, 1.0, 0.5), (1, 1.0, 0.625)]], caps=[0.625, 0.5, 0, 0])
 def test_prices_converge_on_stationary_markets(
     jobs: list[list[tuple[int, float, float]]], caps: list[float]
 ) -> None:
@@ -755,6 +757,53 @@ def test_plan_never_overcommits_memory(
             assert total[g] <= limit
         assert plan.memory_reserved[g] == total[g]
     assert {p.job_id for p in plan.placements}.isdisjoint(plan.waiting)
+
+
+H100_INSTANCES = (
+    MigOption("1g.10gb", 16 / 132, 10 * GIB),
+    MigOption("2g.20gb", 32 / 132, 20 * GIB),
+    MigOption("3g.40gb", 60 / 132, 40 * GIB),
+    MigOption("4g.40gb", 64 / 132, 40 * GIB),
+    MigOption("7g.80gb", 1.0, 80 * GIB),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    free=st.lists(st.sampled_from(H100_INSTANCES), max_size=7),
+    specs=st.lists(job_strategy, min_size=1, max_size=10),
+    services=st.lists(st.floats(0.005, 0.5), max_size=3),
+)
+def test_a_free_mig_instance_goes_to_one_job_that_fits_it(
+    free: list[MigOption],
+    specs: list[tuple[float, float, float, int | None]],
+    services: list[float],
+) -> None:
+    """On a GPU in MIG mode: each free instance to one job at most, whose memory it holds,
+    and a training job only where it keeps 1 / max_slowdown of its speed on a whole GPU."""
+    view = GpuView(index=0, memory_total=80 * GIB, mig_options=tuple(free), whole=False)
+    jobs = [
+        training(f"t{i}", sm=sm, bw=bw, mem_gib=mem, order=i)
+        for i, (sm, bw, mem, _) in enumerate(specs)
+    ]
+    jobs += [inference(f"s{i}", slo_s=slo, peak=20.0) for i, slo in enumerate(services)]
+    for i, j in enumerate(jobs):
+        j.order = i
+    planner = Planner(InterferencePredictor())
+    plan = planner.plan([view], jobs)
+    by_id = {j.job_id: j for j in jobs}
+    instances = {m.profile: m for m in free}
+    for profile in instances:
+        given_out = sum(1 for p in plan.placements if p.mig_profile == profile)
+        assert given_out <= sum(1 for m in free if m.profile == profile)
+    for p in plan.placements:
+        assert p.mig_profile is not None  # no share of a GPU in MIG mode
+        j, m = by_id[p.job_id], instances[p.mig_profile]
+        assert j.shape.reserve_bytes() <= m.memory_bytes
+        if j.kind is JobKind.TRAINING:
+            assert j.shape.curve.relative(m.sm_fraction) >= 1 / planner.params.max_slowdown
+    assert {p.job_id for p in plan.placements}.isdisjoint(plan.waiting)
+    assert set(plan.waiting) | {p.job_id for p in plan.placements} == set(by_id)
 
 
 def test_a_guard_acts_only_on_training_in_its_services_mig_instance() -> None:
