@@ -228,6 +228,8 @@ class Plan:
     # Options refused this pass, by the jobs already on the GPU and the check that refused
     # them (one of REFUSALS).
     refused: Mapping[tuple[int, str], int] = field(default_factory=dict)
+    # The same, per pending job.
+    refused_for: Mapping[str, Mapping[tuple[int, str], int]] = field(default_factory=dict)
 
 
 # The SM activity alone at which a training job's speed counts 1 in a gain. Lighter jobs
@@ -535,18 +537,24 @@ class Planner:
         # 2. options per pending job.
         options: dict[str, list[Option]] = {}
         refused: dict[tuple[int, str], int] = {}
+        refused_for: dict[str, dict[tuple[int, str], int]] = {}
         for job in pending:
             opts: list[Option] = []
+            mine = refused_for.setdefault(job.job_id, {})
             for g in state.values():
                 for share, mig in self._candidates(job, g):
                     ev = self._evaluate(g, job, share, mig)
-                    if not ev.ok:
-                        key = (len(g.residents), ev.check)
+                    check = (
+                        ev.check
+                        if not ev.ok
+                        else "gain"
+                        if mig is None and g.residents and ev.gain < p.min_gain
+                        else ""
+                    )
+                    if check:
+                        key = (len(g.residents), check)
                         refused[key] = refused.get(key, 0) + 1
-                        continue
-                    if mig is None and g.residents and ev.gain < p.min_gain:
-                        key = (len(g.residents), "gain")
-                        refused[key] = refused.get(key, 0) + 1
+                        mine[key] = mine.get(key, 0) + 1
                         continue
                     opts.append(
                         Option(
@@ -694,6 +702,7 @@ class Planner:
             predicted_speed=predicted,
             memory_reserved={i: g.reserved for i, g in state.items()},
             refused=refused,
+            refused_for=refused_for,
         )
 
     # -- helpers --------------------------------------------------------------------------

@@ -13,10 +13,10 @@ by ``damping``. The reported choice is still each job's best option at the final
 The residual is the largest over-use of a resource by the smoothed demand, or
 complementary-slackness gap (a positive price on a resource left idle, price times the
 idle capacity), in capacity units; converged when it is within ``tolerance``. Each price's
-step grows while the sign of its excess demand holds and halves when it flips; when the
-residual has not improved for ``RESTART_AFTER`` iterations (two prices' steps can cycle
-around the clearing point, each halving and regrowing in turn), the steps start afresh
-from where the prices are.
+step grows while the sign of its excess demand holds and halves when it flips; a step that
+would raise the dual (the prices' steps overshooting together, or two of them cycling round
+the clearing point) is not taken, and all steps halve: every step taken lowers the smooth,
+convex dual, so the prices settle on any stationary market.
 
 The prices only guide: the planner enforces hard constraints (memory) afterwards.
 """
@@ -28,8 +28,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 RESOURCES: tuple[str, ...] = ("sm", "mem", "bw")
-# Iterations without the residual improving after which the steps start afresh.
-RESTART_AFTER = 30
 
 Key = tuple[int, str]
 
@@ -77,14 +75,30 @@ class ShadowPrices:
                 best, best_value = i, value
         return best
 
-    def _demand(self, options: Sequence[Option], prices: Mapping[Key, float]) -> list[float]:
-        """Logit weights of each option (waiting has value 0 and takes the rest)."""
-        values = self._values(options, prices)
-        top = max(0.0, *values) if values else 0.0
+    def _market(
+        self,
+        options: Mapping[str, Sequence[Option]],
+        prices: Mapping[Key, float],
+        capacity: Mapping[Key, float],
+    ) -> tuple[dict[Key, float], float]:
+        """The smoothed usage of each priced resource at ``prices``, and the value there of
+        the dual these prices minimize, ``sum(p * cap) + sum_jobs T * log(1 + sum_o
+        exp(value_o / T))`` (waiting is worth 0): its gradient is ``cap - usage``."""
+        usage = dict.fromkeys(capacity, 0.0)
         t = max(self.temperature, 1e-9)
-        e = [math.exp((v - top) / t) for v in values]
-        z = math.exp(-top / t) + sum(e)
-        return [x / z for x in e]
+        dual = sum(prices[key] * cap for key, cap in capacity.items())
+        for opts in options.values():
+            values = self._values(opts, prices)
+            top = max(0.0, *values) if values else 0.0
+            e = [math.exp((v - top) / t) for v in values]
+            z = math.exp(-top / t) + sum(e)
+            dual += top + t * math.log(z)
+            for o, x in zip(opts, e, strict=True):
+                for r, d in o.demand.items():
+                    key = (o.gpu, r)
+                    if key in usage:
+                        usage[key] += x / z * d
+        return usage, dual
 
     def solve(
         self, options: Mapping[str, Sequence[Option]], capacity: Mapping[Key, float]
@@ -93,18 +107,11 @@ class ShadowPrices:
         prices = {k: self.prices.get(k, 0.0) for k in capacity}
         steps = dict.fromkeys(capacity, self.step)
         last = dict.fromkeys(capacity, 0.0)
+        usage, dual = self._market(options, prices, capacity)
         residual = math.inf
-        best, since_best = math.inf, 0
         iterations = 0
         for k in range(1, self.max_iterations + 1):
             iterations = k
-            usage = dict.fromkeys(capacity, 0.0)
-            for opts in options.values():
-                for o, w in zip(opts, self._demand(opts, prices), strict=True):
-                    for r, d in o.demand.items():
-                        key = (o.gpu, r)
-                        if key in usage:
-                            usage[key] += w * d
             residual = max(
                 (
                     usage[key] - cap
@@ -116,19 +123,10 @@ class ShadowPrices:
             )
             if residual <= self.tolerance:
                 break  # settled: a warm start on the same market leaves the prices alone
-            if residual < best - self.tolerance / 10:
-                best, since_best = residual, 0
-            else:
-                since_best += 1
-            if since_best >= RESTART_AFTER:
-                # The steps of two prices can settle into a cycle around the clearing
-                # point (each halves and regrows in turn): start them afresh from where
-                # the prices are, as the next pass would.
-                steps, last = dict.fromkeys(capacity, self.step), dict.fromkeys(capacity, 0.0)
-                best, since_best = residual, 0
+            trial, kept = dict(prices), (dict(steps), dict(last))
             for key, cap in capacity.items():
                 g = usage[key] - cap
-                p = prices[key]
+                p = trial[key]
                 if g < 0 and p <= 0.0:
                     continue  # idle and free: nothing to correct
                 # Each price keeps its own step: longer while the sign of its excess demand
@@ -138,12 +136,21 @@ class ShadowPrices:
                 elif g * last[key] > 0:
                     steps[key] *= 1.0 + self.damping / 2
                 last[key] = g
-                prices[key] = max(0.0, p + steps[key] * min(1.0, max(-1.0, g)))
-                if prices[key] == 0.0:
+                trial[key] = max(0.0, p + steps[key] * min(1.0, max(-1.0, g)))
+                if trial[key] == 0.0:
                     # Free again: the next excess starts from the first step. Kept, the long
                     # step that brought the price down threw it far past the clearing
                     # point, and the price swung between 0 and ever larger values.
                     steps[key], last[key] = self.step, 0.0
+            trial_usage, trial_dual = self._market(options, trial, capacity)
+            if trial_dual > dual + 1e-12 * max(1.0, abs(dual)):
+                # Uphill: the steps overshot together (each price's own sign can hold
+                # while two of them cycle round the clearing point). Shorter steps from the
+                # same prices; every accepted step lowers the dual, so the prices settle.
+                steps = {key: s * self.damping for key, s in kept[0].items()}
+                last = kept[1]
+                continue
+            prices, usage, dual = trial, trial_usage, trial_dual
         self.prices.update(prices)
         return PriceResult(
             choices={job: self._choose(opts, prices) for job, opts in options.items()},

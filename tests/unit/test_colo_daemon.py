@@ -15,7 +15,7 @@ from colocate import InterferencePredictor, JobFeatures
 from gpud.backend.port import MemoryInfo, PcieThroughput, Utilization
 from gpud.client.colo import Latency, Throttle
 from gpud.colo.metrics import ColoMetrics
-from gpud.colo.service import ColoService, RunningJob
+from gpud.colo.service import ADVICE_REUSE_S, ColoService, RunningJob
 from gpud.config import ColocateConfig
 from gpud.errors import InvalidArgument
 from gpud.events import EventLog
@@ -238,6 +238,31 @@ def test_what_frees_goes_to_the_run_that_waited_first_whichever_asks_first(
     # once it is placed (its reservation is the jobs service's), the next in line is served
     jobs.insert(0, RunningJob("older", "training", 0, memory_bytes=40 * GIB))
     assert [j for j, _, _ in svc.show().waiting] == ["newer"]
+
+
+def test_runs_that_wait_and_ask_together_share_one_planning_pass(tmp_path: Path) -> None:
+    """Each question plans every run that waits: the polls of a round, on the same
+    telemetry within a second, are answered by one pass."""
+    clock = Clock()
+    jobs = [RunningJob("a", "training", 0, memory_bytes=60 * GIB, memory_used=60 * GIB)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    full = snapshot(1, used_gib=60)
+    names = [f"run{i}" for i in range(6)]
+    for name in names:
+        assert svc.advise(name, memory_bytes=40 * GIB, snapshot=full, waiting=True).gpu == -1
+        clock.t += 0.1
+    clock.t += 2.0
+    before = svc.advice_passes
+    told = [svc.advise(n, memory_bytes=40 * GIB, snapshot=full, waiting=True) for n in names]
+    assert svc.advice_passes == before + 1
+    assert {t.reason for t in told} == {
+        "GPU 0: memory: needs 47104 MiB, 7168 MiB free under the limit"
+    }
+    clock.t += ADVICE_REUSE_S  # a second later the next round plans again
+    svc.advise(names[0], memory_bytes=40 * GIB, snapshot=full, waiting=True)
+    assert svc.advice_passes == before + 2
 
 
 def test_a_run_that_waited_long_is_advised_first_and_has_a_gpu_held(tmp_path: Path) -> None:

@@ -298,6 +298,14 @@ def test_prices_settle_property(utilities: list[float], demand: float) -> None:
 @example(jobs=[[(0, 1.0, 0.05)], [(0, 1.0, 0.0546875), (2, 1.5, 0.5)]], caps=[0, 0, 0.03125, 0])
 # Two prices' steps halved and regrew in turn around the clearing point, for ever.
 @example(jobs=[[(0, 1.0, 0.625)], [(0, 1.0, 0.5), (1, 1.0, 0.625)]], caps=[0.625, 0.5, 0, 0])
+@example(
+    jobs=[
+        [(0, 1.0, 0.578125)],
+        [(0, 1.0, 0.5), (2, 1.0, 0.5)],
+        [(0, 1.0, 0.5), (0, 1.0, 0.5), (1, 1.0, 0.5546875)],
+    ],
+    caps=[0.5625, 0.5, 1.0, 0],
+)
 def test_prices_converge_on_stationary_markets(
     jobs: list[list[tuple[int, float, float]]], caps: list[float]
 ) -> None:
