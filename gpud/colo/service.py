@@ -137,6 +137,9 @@ class _JobState:
     # share or in another instance is no yardstick for its slowdown; None: not known (a
     # file from before this was kept), taken as the same
     alone_config: str | None = None
+    # a training job's rate alone at each MPS share it ran at on one GPU (share -> rate):
+    # from two shares on, its shape's knee is what they show (Shape.observe)
+    alone_rates: dict[float, float] = field(default_factory=dict)
     # its devices and who shared each at the last tick: (device, neighbour or "")
     company: frozenset[tuple[str, str]] | None = None
     guard_since: float = float("-inf")  # inference: latencies from here on see the new duty
@@ -648,6 +651,16 @@ class ColoService:
                     f"jobs.{name}.alone_config: a text like '50%' expected, not {config!r}"
                 )
             st.alone_config = config
+        rates = saved.get("alone_rates") or {}
+        if not isinstance(rates, dict):
+            raise ValueError(f"jobs.{name}.alone_rates: share -> rate expected, not {rates!r}")
+        for share, rate in rates.items():
+            where = f"jobs.{name}.alone_rates.{share}"
+            try:
+                x = float(share)
+            except ValueError:
+                raise ValueError(f"{where}: an MPS share expected") from None
+            st.alone_rates[_saved_number(x, where, 0.01, 1.0)] = _saved_number(rate, where, 0.0)
         # footprints per device; a file from before kept one per job: it serves every
         # device until the job shows its own there
         devices = dict(saved.get("devices") or {})
@@ -692,6 +705,7 @@ class ColoService:
                 {
                     "alone_rate": st.alone_rate if st else None,
                     "alone_config": st.alone_config if st else None,
+                    "alone_rates": {str(k): v for k, v in st.alone_rates.items()} if st else {},
                     "devices": {},
                     "duty": d.duty if d is not None and not d.evict else None,
                     # an eviction stands until the job has left, across a restart too
@@ -781,11 +795,14 @@ class ColoService:
                 placed.setdefault(r.name, []).append((r, company, sample, len(members) == 1))
         for name, where in placed.items():
             st = self._jobs[name]
-            together = frozenset(
-                (_place(r), o.name) for r, others, _, _ in where for o in others
-            ) | frozenset((_place(r), "") for r, _, _, _ in where)
+            together = (
+                frozenset((_place(r), o.name) for r, others, _, _ in where for o in others)
+                | frozenset((_place(r), "") for r, _, _, _ in where)
+                | {("", _config([r for r, *_ in where]))}
+            )
             if together != st.company:
-                # a new company (or another set of devices): measure afresh, once it settled
+                # a new company (or another set of devices, or another share): measure
+                # afresh, once it settled
                 st.company, st.since = together, now + SETTLE_S
                 continue
             kind = where[0][0].kind
@@ -812,6 +829,9 @@ class ColoService:
                         st.devices.pop("", None)
                 if rate is not None:
                     st.alone_rate, st.alone_config = rate, _config([r for r, *_ in where])
+                    (r0, *_), *more = where
+                    if kind == "training" and not more and r0.mig_profile is None:
+                        st.alone_rates[(r0.threads_percent or 100) / 100.0] = rate
                 continue
             if rate is None or not st.alone_rate:
                 continue
@@ -952,6 +972,11 @@ class ColoService:
         )
         if r.memory_used is not None:
             shape.observe_memory(r.memory_used)
+        rates = self._jobs[r.name].alone_rates if r.name in self._jobs else {}
+        if kind is JobKind.TRAINING and len(rates) >= 2:
+            # Its rate alone at two shares or more shows how it slows with fewer SMs.
+            for share, rate in sorted(rates.items()):
+                shape.observe(share, rate)
         return JobView(
             job_id=r.name,
             shape=shape,

@@ -802,6 +802,30 @@ def test_a_rate_alone_at_another_share_is_no_yardstick_for_slowdown(tmp_path: Pa
     assert svc.predictor.stats().samples == 0
 
 
+def test_a_jobs_rates_alone_at_two_shares_give_its_knee(tmp_path: Path) -> None:
+    """Alone with every SM it made 10 iterations a second, alone with half of them (a
+    later run) 8: its shape's knee is what the two show (0.8 of its speed at half the SMs:
+    knee 0.65), not the SM activity it showed (0.3); kept across a restart."""
+    clock = Clock()
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+    svc = kept_loop(tmp_path, jobs, clock)
+
+    def alone(rate: int) -> None:
+        for _ in range(6):
+            svc.throttle_point("train", rate)
+            svc.tick(snapshot())
+            clock.t += 1
+
+    alone(10)
+    assert svc._view(jobs[0]).shape.curve.knee == pytest.approx(0.3)  # its SM activity
+    jobs[0] = dataclasses.replace(jobs[0], threads_percent=50)
+    alone(8)
+    assert svc._jobs["train"].alone_rates == {1.0: pytest.approx(10.0), 0.5: pytest.approx(8.0)}
+    assert svc._view(jobs[0]).shape.curve.knee == pytest.approx(0.65)
+    svc = kept_loop(tmp_path, jobs, clock)  # the daemon restarts
+    assert svc._view(jobs[0]).shape.curve.knee == pytest.approx(0.65)
+
+
 def test_the_guard_waits_for_latencies_at_the_duty_it_set(tmp_path: Path) -> None:
     svc, clock, jobs = two_jobs_on_gpu0(tmp_path)
     jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB))
@@ -1137,6 +1161,9 @@ def test_an_unreadable_state_file_starts_afresh(
         job % '{"guard_duty": 1e308, "slo_s": 0.05}',
         job % '{"evict": true}',
         job % '{"alone_rate": 10.0, "alone_config": 100}',
+        job % '{"alone_rates": {"half": 8.0}}',
+        job % '{"alone_rates": {"1.5": 8.0}}',
+        job % '{"alone_rates": [8.0]}',
         '{"jobs": {}, "evicted": "big"}',
         '{"jobs": {}, "evicted": [1]}',
     ):
