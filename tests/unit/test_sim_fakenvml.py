@@ -51,6 +51,23 @@ def test_an_idle_board_reports_the_memory_its_driver_keeps_as_used() -> None:
     assert nv.nvmlDeviceGetMemoryInfo(h).used == 1615 * mib
 
 
+def test_a_process_gets_no_more_memory_than_its_device_has_free() -> None:
+    """As cudaMalloc fails: a second 70 GiB process finds 80 GB short, and the device is
+    as it was (a process list whose sum exceeds the board's memory no NVML shows)."""
+    node = SimNode([("H100-SXM5-80GB", 1)])
+    nv = node.nvml
+    nv.nvmlInit()
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    gib = 1 << 30
+    nv.sim_start_process(0, 10, 70 * gib, 0.5)
+    before = nv.nvmlDeviceGetMemoryInfo(h).used
+    with pytest.raises(ValueError, match=r"out of memory on GPU 0: 71680 MiB asked, \d+ MiB free"):
+        nv.sim_start_process(0, 11, 70 * gib, 0.5)
+    assert nv.nvmlDeviceGetMemoryInfo(h).used == before
+    assert [p.pid for p in nv.nvmlDeviceGetComputeRunningProcesses(h)] == [10]
+    nv.sim_start_process(0, 11, 5 * gib, 0.5)  # what is free still is
+
+
 def test_mig_mode_pending_until_reboot() -> None:
     node = SimNode([("A100-SXM4-40GB", 1)])  # A100: a MIG mode change waits for a reset
     nv = node.nvml

@@ -770,17 +770,7 @@ class FakeNvml:
         self, handle: object, version: int | None = None
     ) -> SimpleNamespace:
         gpu, mig = self._any(handle, "memory")
-        if mig is None:
-            total = gpu.spec.memory_mib * MiB
-            reserved = gpu.spec.reserved_mib * MiB
-            if gpu.mig_current:
-                reserved += len(gpu.gis) * 13 * MiB  # each GPU instance's own bookkeeping
-            used = min(total, gpu.used_bytes + reserved)
-        else:
-            gi = gpu.gis[mig.gi]
-            total = gi.profile.memory_mib * MiB
-            reserved = 13 * MiB
-            used = min(total, reserved + sum(p.used_bytes for p in gpu.procs if p.gi == mig.gi))
+        total, reserved, used = self._memory(gpu, None if mig is None else mig.gi)
         if version:
             return SimpleNamespace(
                 version=version, total=total, reserved=reserved, free=total - used, used=used
@@ -788,6 +778,20 @@ class FakeNvml:
         return SimpleNamespace(total=total, free=total - used, used=used)
 
     nvmlDeviceGetMemoryInfo_v2 = nvmlDeviceGetMemoryInfo
+
+    @staticmethod
+    def _memory(gpu: _Gpu, gi: int | None) -> tuple[int, int, int]:
+        """(total, reserved, used) bytes of the GPU, or of its GPU instance ``gi``."""
+        if gi is None:
+            total = gpu.spec.memory_mib * MiB
+            reserved = gpu.spec.reserved_mib * MiB
+            if gpu.mig_current:
+                reserved += len(gpu.gis) * 13 * MiB  # each GPU instance's own bookkeeping
+            return total, reserved, min(total, gpu.used_bytes + reserved)
+        total = gpu.gis[gi].profile.memory_mib * MiB
+        reserved = 13 * MiB
+        held = sum(p.used_bytes for p in gpu.procs if p.gi == gi)
+        return total, reserved, min(total, reserved + held)
 
     def nvmlDeviceGetUtilizationRates(self, handle: object) -> SimpleNamespace:
         gpu = self._gpu(handle, "utilization")
@@ -1491,7 +1495,8 @@ class FakeNvml:
         """Run ``pid`` on the GPU (or its MIG device), holding ``used_bytes``, keeping
         ``sm_ratio`` of the device's SMs busy and moving ``traffic`` (None: in proportion to
         its SM activity). A process may run on several GPUs (a context on each, as a job
-        spanning GPUs has), once per GPU."""
+        spanning GPUs has), once per GPU. ValueError when the device has not
+        ``used_bytes`` free (as cudaMalloc fails)."""
         g = self._gpus[gpu]
         if (pid, gpu) in self._procs:
             raise ValueError(f"pid {pid} already runs on GPU {gpu}")
@@ -1503,6 +1508,15 @@ class FakeNvml:
                 f"GPU {gpu} is in MIG mode: a process runs on a MIG device (pass mig=)"
             )
         with self._lock:
+            total, _, used = self._memory(g, gi)
+            if int(used_bytes) > total - used:
+                # cudaMalloc fails: the process gets no context there (a real one would
+                # stop on the error; a model retries when memory frees)
+                where = f"GPU {gpu}" + ("" if gi is None else f" GPU instance {gi}")
+                raise ValueError(
+                    f"out of memory on {where}: {int(used_bytes) >> 20} MiB asked, "
+                    f"{(total - used) >> 20} MiB free"
+                )
             proc = _Proc(pid, gpu, gi, ci, int(used_bytes), float(sm_ratio), traffic)
             self._procs[(pid, gpu)] = proc
             g.procs = [*g.procs, proc]
