@@ -47,7 +47,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar, NamedTuple
 
 from gpud.backend import products
-from gpud.errors import ConfigError
+from gpud.errors import ConfigError, ResourceExhausted
 from gpud.files import write_atomically
 
 MiB = 1024 * 1024
@@ -1495,7 +1495,7 @@ class FakeNvml:
         """Run ``pid`` on the GPU (or its MIG device), holding ``used_bytes``, keeping
         ``sm_ratio`` of the device's SMs busy and moving ``traffic`` (None: in proportion to
         its SM activity). A process may run on several GPUs (a context on each, as a job
-        spanning GPUs has), once per GPU. ValueError when the device has not
+        spanning GPUs has), once per GPU. ResourceExhausted when the device has not
         ``used_bytes`` free (as cudaMalloc fails)."""
         g = self._gpus[gpu]
         if (pid, gpu) in self._procs:
@@ -1513,7 +1513,7 @@ class FakeNvml:
                 # cudaMalloc fails: the process gets no context there (a real one would
                 # stop on the error; a model retries when memory frees)
                 where = f"GPU {gpu}" + ("" if gi is None else f" GPU instance {gi}")
-                raise ValueError(
+                raise ResourceExhausted(
                     f"out of memory on {where}: {int(used_bytes) >> 20} MiB asked, "
                     f"{(total - used) >> 20} MiB free"
                 )

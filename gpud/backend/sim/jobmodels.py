@@ -43,6 +43,7 @@ from typing import Final
 
 from gpud.backend.sim.fakenvml import LinkTraffic
 from gpud.backend.sim.workloads import Workloads
+from gpud.errors import ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -233,9 +234,10 @@ class JobWorkloads:
             started = self._workloads.start_modelled(
                 m.gpu, m.pid, m.used_memory_bytes, m.sm_ratio, m.mig, traffic=m.traffic
             )
-        except ValueError as err:
-            # The device changed under the job (a MIG instance went, MIG mode changed):
-            # as on a real node, the process cannot run there; try again next tick.
+        except (ValueError, ResourceExhausted) as err:
+            # The device changed under the job (a MIG instance went, MIG mode changed), or
+            # its memory is taken: as on a real node, the process cannot run there; try
+            # again next tick.
             log.debug("simulated process %d of job %s not started: %s", m.pid, m.job, err)
             return
         if started:  # else the operator runs it (gpuctl sim workload start): theirs
