@@ -52,6 +52,7 @@ sharing SMs.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -225,11 +226,17 @@ class Plan:
     convergence: Convergence
     predicted_speed: Mapping[str, float]
     memory_reserved: Mapping[int, int]
-    # Options refused this pass, by the jobs already on the GPU and the check that refused
-    # them (one of REFUSALS).
-    refused: Mapping[tuple[int, str], int] = field(default_factory=dict)
-    # The same, per pending job.
+    # Options refused this pass, per pending job: by the jobs already on the GPU and the
+    # check that refused them (one of REFUSALS).
     refused_for: Mapping[str, Mapping[tuple[int, str], int]] = field(default_factory=dict)
+
+    @property
+    def refused(self) -> dict[tuple[int, str], int]:
+        """:attr:`refused_for` over every pending job."""
+        total: Counter[tuple[int, str]] = Counter()
+        for counts in self.refused_for.values():
+            total.update(counts)
+        return dict(total)
 
 
 # The SM activity alone at which a training job's speed counts 1 in a gain. Lighter jobs
@@ -536,7 +543,6 @@ class Planner:
 
         # 2. options per pending job.
         options: dict[str, list[Option]] = {}
-        refused: dict[tuple[int, str], int] = {}
         refused_for: dict[str, dict[tuple[int, str], int]] = {}
         for job in pending:
             opts: list[Option] = []
@@ -553,7 +559,6 @@ class Planner:
                     )
                     if check:
                         key = (len(g.residents), check)
-                        refused[key] = refused.get(key, 0) + 1
                         mine[key] = mine.get(key, 0) + 1
                         continue
                     opts.append(
@@ -701,7 +706,6 @@ class Planner:
             convergence=_convergence(result.iterations, result.residual, result.converged),
             predicted_speed=predicted,
             memory_reserved={i: g.reserved for i, g in state.items()},
-            refused=refused,
             refused_for=refused_for,
         )
 
