@@ -425,6 +425,9 @@ def _validate_traffic(t: TrafficConfig, *, path: str) -> None:
             )
     if len(set(t.interfaces)) != len(t.interfaces):
         raise ConfigError("an interface is listed twice", path=path, key="traffic.interfaces")
+    from netshaper.tcplan import LINK_BPS_MAX, LINK_BPS_MIN, link_rate_range
+
+    rated: set[str] = set()
     for entry in t.link_rates:
         name, sep, rate = entry.partition("=")
         if not sep or name not in t.interfaces:
@@ -433,10 +436,19 @@ def _validate_traffic(t: TrafficConfig, *, path: str) -> None:
                 path=path,
                 key="traffic.link_rates",
             )
+        if name in rated:
+            raise ConfigError(
+                f"{entry!r}: {name} has a rate already", path=path, key="traffic.link_rates"
+            )
+        rated.add(name)
         try:
-            parse_rate(rate)
+            bps = parse_rate(rate)
         except ValueError as err:
             raise ConfigError(f"{entry!r}: {err}", path=path, key="traffic.link_rates") from err
+        if not LINK_BPS_MIN <= bps <= LINK_BPS_MAX:
+            raise ConfigError(
+                f"{entry!r}: {link_rate_range(bps)}", path=path, key="traffic.link_rates"
+            )
     if t.level_priorities and len(t.level_priorities) != t.levels:
         raise ConfigError(
             f"{len(t.level_priorities)} priorities for {t.levels} levels",

@@ -204,7 +204,7 @@ class Daemon:
         # Opened before the gRPC server: a netlink socket may fork.
         self.traffic = open_traffic(config, self.store, self.events, self.jobs)
         if config.traffic.enabled:
-            self.jobs.set_tagger(self.traffic.tags.tag)
+            self.jobs.set_tagger(self.traffic.tag, self.traffic.tags.get)
         self.collector.add_source(TrafficMetrics(self.traffic))
         self.cluster = ClusterRuntime(
             config.cluster,

@@ -70,6 +70,9 @@ DEFAULT_MINOR = 0x2
 FILTER_PRIO = 1
 ETH_P_ALL = 0x0003  # our filters' protocol: "all"
 MAX_LEVELS = 8  # HTB has 8 priorities (TC_HTB_NUMPRIO)
+# link rates gpud shapes, in bit/s: 1 kB/s (a rate HTB still meters) to 10 Tbit/s
+LINK_BPS_MIN = 8_000
+LINK_BPS_MAX = 10**13
 DEFAULT_PRIO = MAX_LEVELS - 1
 DSCP_MAX = 63
 U32_NODE_MAX = 0xFFF
@@ -255,6 +258,11 @@ class TcPlan:
         return tuple(p.iface for p in self.interfaces)
 
 
+def link_rate_range(bps: int) -> str:
+    """Why ``bps`` is no link rate gpud shapes (for errors naming where it came from)."""
+    return f"link rate {bps} bit/s is outside 8 kbit/s to 10 Tbit/s"
+
+
 def _burst(rate_bps: int, opts: TcOptions) -> int:
     return max(opts.min_burst_bytes, math.ceil(rate_bps / 8 * opts.burst_s))
 
@@ -350,8 +358,8 @@ def plan(
     for iface, link in sorted(links.items()):
         if not iface or len(iface) > 15 or "/" in iface or iface.strip() != iface:
             raise ValueError(f"interface name {iface!r} is not valid")
-        if not 8_000 <= link <= 10**13:
-            raise ValueError(f"{iface}: link rate must be in [8000, 1e13] bit/s, got {link}")
+        if not LINK_BPS_MIN <= link <= LINK_BPS_MAX:
+            raise ValueError(f"{iface}: {link_rate_range(link)}")
         classes = [
             _cls(top, root, 0, link, link, opts=opts),
             _cls(default, top, DEFAULT_PRIO, round(link * opts.default_share), link, opts=opts),

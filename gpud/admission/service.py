@@ -195,6 +195,7 @@ class AdmissionService:
         self._proc_root = proc_root
         self._clock = clock
         self._starting: Entry | None = None
+        self._start_failures: dict[str, str] = {}  # entry -> why it could not start last
         self._fit: tuple[tuple[Device, ...], FitCheck] | None = None
         self._demands: dict[Request, Demand | Unfeasible] = {}
         self._views_cache: tuple[object, dict[str, ClassView]] | None = None
@@ -543,6 +544,7 @@ class AdmissionService:
                 demands=self._demands,
             )
             by_id = {e.id: e for e in queued}
+            self._start_failures = {i: w for i, w in self._start_failures.items() if i in by_id}
             for s in result.starts:
                 self._start(by_id[s.id], s.devices, backfilled=s.backfilled)
             self._account(now, len(queued) - len(result.starts))
@@ -564,6 +566,7 @@ class AdmissionService:
     def _start(self, entry: Entry, devices: tuple[str, ...], *, backfilled: bool) -> None:
         self._starting = entry
         try:
+            self._jobs.ensure_tag(entry.job)  # before the transaction: see ensure_tag
             with self._store.transaction():
                 launch = self._jobs.reserve(
                     replace(entry.request, devices=devices, mig_profile=None, gpu_count=None),
@@ -571,7 +574,16 @@ class AdmissionService:
                 )
                 self._set_state(entry.id, STARTED, launch.reservation.id)
         except GpudError as err:
-            log.warning("queued job %s could not start on %s: %s", entry.job, devices, err)
+            # tried again every tick: said once per entry and reason
+            said = self._start_failures.get(entry.id) == str(err)
+            self._start_failures[entry.id] = str(err)
+            log.log(
+                logging.DEBUG if said else logging.WARNING,
+                "queued job %s could not start on %s: %s",
+                entry.job,
+                devices,
+                err,
+            )
             return
         finally:
             self._starting = None

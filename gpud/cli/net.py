@@ -85,7 +85,10 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print("traffic enforcement is off (set [traffic] enabled = true in gpud.toml)")
         return 0
     rows = []
+    untagged = [j for j in resp.jobs if j.error]
     for j in resp.jobs:
+        if j.error:
+            continue
         level = str(j.level) if j.HasField("level") else "default"
         if j.HasField("pinned_level"):
             level += " (pinned)"
@@ -104,6 +107,8 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
             )
         )
     ctx.out.print_table(JOB_HEADERS, rows)
+    for j in untagged:
+        ctx.out.print(f"{j.job}: {j.error} (its traffic is in the default class)")
     ctx.out.print()
     ctx.out.print_table(
         LEVEL_HEADERS,

@@ -90,7 +90,8 @@ class JobService:
         self._unhealthy: dict[int, str] = {}  # GPU index -> why, as of the last tick
         self._observers: list[ReservationObserver] = []
         self.gate: Gate | None = None
-        self._tag_of: Callable[[str], int | None] | None = None
+        self._tag_of: Callable[[str], int] | None = None
+        self._tag_held: Callable[[str], int | None] = lambda job: None
 
     def add_observer(self, observer: ReservationObserver) -> None:
         self._observers.append(observer)
@@ -106,10 +107,18 @@ class JobService:
         with self._lock:
             yield
 
-    def set_tagger(self, tag_of: Callable[[str], int | None]) -> None:
-        """Where launch environments get the job's DSCP tag (the traffic service, which is
-        built after this service); without one they carry no tag."""
+    def set_tagger(self, tag_of: Callable[[str], int], held: Callable[[str], int | None]) -> None:
+        """Where jobs get their DSCP tag (the traffic service, which is built after this
+        service): ``tag_of`` hands one out (or raises ResourceExhausted), ``held`` reads the
+        one a job holds. Without a tagger launch environments carry no tag."""
         self._tag_of = tag_of
+        self._tag_held = held
+
+    def ensure_tag(self, job: str) -> None:
+        """Give ``job`` its DSCP tag now (none left: ResourceExhausted). Call it holding no
+        store transaction: the traffic service's lock is taken before the store's."""
+        if self._tag_of is not None:
+            self._tag_of(job)
 
     def device_uuids(self, names: tuple[str, ...]) -> tuple[str, ...]:
         """Devices as people name them (``0``, ``0:1``, as ``gpuctl mps`` takes them) or by
@@ -191,8 +200,13 @@ class JobService:
         and return the environment to launch it with. Unless ``admitted`` (started by the
         admission queue itself), the :attr:`gate` decides where it may start."""
         request = self.resolved(request)
+        created = False
+        if self._tag_of is not None and not admitted:  # the queue tags before it starts one
+            created = self.job_for(request, preview=preview)[1]  # registered, then tagged
+            self.ensure_tag(request.job)  # none left: refused before it holds anything
         with self._lock:
-            job, created = self.job_for(request, preview=preview)
+            job, registered = self.job_for(request, preview=preview)
+            created = created or registered
             effective = _advised(_override(job, request), request)
             self._refuse_unhealthy(effective)
             placed = effective
@@ -277,7 +291,7 @@ class JobService:
 
     def env_for(self, reservation: Reservation) -> dict[str, str]:
         pipes = {uuid: self._mps.pipe_dir(uuid) for uuid in reservation.devices}
-        dscp = self._tag_of(reservation.job) if self._tag_of is not None else None
+        dscp = self._tag_held(reservation.job) if self._tag_of is not None else None
         return build_env(reservation, socket_path=self._socket_path, pipe_dirs=pipes, dscp=dscp)
 
     def env(self, name: str) -> dict[str, str]:

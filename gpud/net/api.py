@@ -55,7 +55,10 @@ def show_message(view: NetView, now: float) -> pb.ShowNetResponse:
             by_level.setdefault(j.level, []).append(j.job)
     return pb.ShowNetResponse(
         enabled=view.enabled,
-        jobs=[job_message(j, now) for j in view.jobs],
+        jobs=[
+            *(job_message(j, now) for j in view.jobs),
+            *(pb.NetJob(job=job, error=why) for job, why in sorted(view.untagged.items())),
+        ],
         levels=[
             pb.NetLevel(
                 level=lv,

@@ -84,6 +84,13 @@ class JobCgroups:
             return []
         return sorted(n[len(PREFIX) :] for n in names if n.startswith(PREFIX))
 
+    def busy(self, job: str) -> bool:
+        """Whether a process is in the job's cgroup (its ``cgroup.procs`` lists one)."""
+        try:
+            return bool((self.dir(job) / "cgroup.procs").read_text().strip())
+        except OSError:
+            return False
+
     def remove(self, job: str) -> bool:
         """Remove the job's cgroup; False while processes remain in it (or it is gone)."""
         try:

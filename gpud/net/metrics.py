@@ -13,6 +13,7 @@
     gpud_net_interface_enforced{interface}          1 when the plan is in the kernel
     gpud_net_interface_rate_bits_per_second{interface}
     gpud_net_interface_repairs_total{interface}     drift restored
+    gpud_net_untagged_jobs                          jobs left without a tag: the DSCP pool is in use
     gpud_net_marking_ok                             gpud's nftables table is in force
     gpud_net_cluster_epoch                          epoch of the cluster order (0: local policy)
     gpud_net_progress_reports_total{result}         accepted / rejected
@@ -92,6 +93,11 @@ class TrafficMetrics:
             enforced.add_metric([i.name], 1.0 if i.enforced else 0.0)
             link.add_metric([i.name], float(i.rate_bps))
             repairs.add_metric([i.name], float(i.repairs))
+        untagged = GaugeMetricFamily(
+            "gpud_net_untagged_jobs",
+            "Registered jobs with no DSCP tag: traffic.dscp_pool is held by jobs in use.",
+        )
+        untagged.add_metric([], float(len(view.untagged)))
         marking = GaugeMetricFamily(
             "gpud_net_marking_ok", "1 when gpud's nftables marking table is in force."
         )
@@ -106,7 +112,7 @@ class TrafficMetrics:
         reports.add_metric(["accepted"], float(self._service.accepted_reports))
         reports.add_metric(["rejected"], float(self._service.rejected_reports))
         yield from (dscp, level, rate, *job_c, jobs_at, share, *level_c, changes)
-        yield from (enforced, link, repairs, marking, epoch, reports)
+        yield from (enforced, link, repairs, untagged, marking, epoch, reports)
 
 
 def _counter_families(prefix: str, label: str) -> tuple[CounterMetricFamily, ...]:

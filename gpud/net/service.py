@@ -41,6 +41,7 @@ from gpud.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
 )
 from gpud.events import EventLog
 from gpud.net.cgroups import JobCgroups
@@ -138,6 +139,8 @@ class NetView:
     marking_error: str
     rdma_backend: str
     rdma_error: str
+    untagged: Mapping[str, str] = field(default_factory=dict)
+    """Registered jobs without a tag (``traffic.dscp_pool`` ran out), and why."""
 
 
 JobSource = Callable[[], Sequence[str]]
@@ -201,6 +204,7 @@ class TrafficService:
         self._last_plan: tcplan.TcPlan | None = None
         self._applied: dict[str, tcplan.InterfacePlan] = {}  # last plan in force, per iface
         self._ifaces = {name: InterfaceStatus(name) for name in config.interfaces}
+        self._ever_enforced: set[str] = set()
         self._counters: dict[tuple[str, str], _Counter] = {}  # (iface, job)
         self._demand_base: dict[str, tuple[int, int]] = {}  # job -> (bytes, iterations)
         self._marking_error = marking_error
@@ -208,6 +212,9 @@ class TrafficService:
         self._rdma_error = rdma_error
         self._rdma_map: dict[int, int] = {}
         self._known_jobs: set[str] = set()
+        self._untagged: dict[str, str] = {}  # job -> why it has no tag (the pool ran out)
+        self._started_at = clock()
+        self._tagged_at: dict[str, float] = {}  # job -> when it last asked for a tag
         self.accepted_reports = 0
         self.rejected_reports = 0
 
@@ -330,7 +337,7 @@ class TrafficService:
         if job not in set(self._jobs()):
             raise NotFound(f"no job {job!r}")
         with self._lock:
-            self.tags.tag(job)
+            self.tag(job)
             self.tags.pin(job, level)
             self._events.emit(
                 "net.pin",
@@ -368,7 +375,7 @@ class TrafficService:
             raise PermissionDenied(f"process {pid} was not started for job {job!r} (GPUD_JOB)")
         if self._cgroups is None:
             raise FailedPrecondition(f"cannot mark job traffic by cgroup: {self._marking_error}")
-        self.tags.tag(job)
+        self.tag(job)
         path = self._cgroups.place(job, pid)
         with self._lock:
             self._sync_marks()
@@ -402,6 +409,7 @@ class TrafficService:
                 marking_error=self._marking_error,
                 rdma_backend=self.config.rdma_backend,
                 rdma_error=self._rdma_error,
+                untagged=dict(self._untagged),
             )
 
     def _job_views(self, now: float) -> tuple[JobTraffic, ...]:
@@ -456,22 +464,119 @@ class TrafficService:
         present = set(registered)
         for job in sorted(set(self.tags.allocations()) - present):
             self.tags.release(job)
-            self._tracker.forget(job)
-            self._reports.pop(job, None)
-            self._levels.pop(job, None)
-            self._demand_base.pop(job, None)
-            self._homes.pop(job, None)
-            for key in [k for k in self._counters if k[1] == job]:
-                del self._counters[key]
+            self._forget(job)
             self._events.emit("net.release", f"job {job} removed: DSCP tag released", job=job)
-        for job in registered:
-            if self.tags.get(job) is None:
-                dscp = self.tags.tag(job)
-                self._events.emit("net.tag", f"job {job} tagged DSCP {dscp}", job=job, dscp=dscp)
+        for job in [j for j in self._untagged if j not in present]:
+            del self._untagged[job]
+        untagged = [job for job in registered if self.tags.get(job) is None]
+        idle = self._idle_jobs() if untagged else {}
+        for job in untagged:
+            try:
+                dscp = self.tags.tag(job) if job in idle else self._tag(job)
+            except ResourceExhausted as err:
+                if job in idle:  # it needs no tag until it runs again
+                    self._untagged.pop(job, None)
+                    continue
+                # the job goes untagged (its traffic in the default class) until a tag
+                # frees; the others stay enforced
+                if job not in self._untagged:
+                    self._events.emit(
+                        "net.untagged",
+                        f"{err}: its traffic is in the default class until a tag frees",
+                        job=job,
+                    )
+                self._untagged[job] = f"no DSCP tag: {err}"
+                continue
+            self._untagged.pop(job, None)
+            self._events.emit("net.tag", f"job {job} tagged DSCP {dscp}", job=job, dscp=dscp)
         if self._cgroups is not None:
             for job in self._cgroups.jobs():
                 if job not in present:
                     self._cgroups.remove(job)  # retried every tick while processes remain
+
+    def _forget(self, job: str) -> None:
+        """Drop what the service learnt of ``job``'s traffic (its tag is gone)."""
+        self._tagged_at.pop(job, None)
+        self._tracker.forget(job)
+        self._reports.pop(job, None)
+        self._levels.pop(job, None)
+        self._demand_base.pop(job, None)
+        self._homes.pop(job, None)
+        for key in [k for k in self._counters if k[1] == job]:
+            del self._counters[key]
+
+    def tag(self, job: str) -> int:
+        """The job's DSCP tag, allocated and persisted on first use (``gpuctl run``,
+        ``gpuctl env``, the tick).
+
+        Tags are held by registered jobs, so a node that has seen many jobs can run out of
+        ``traffic.dscp_pool``. Then the tag of the job idle longest is handed over: a job
+        holding no reservation, not pinned, with no process in its cgroup, and neither a
+        progress report nor a call here for ``traffic.idle_after_s`` (nor since gpud
+        started). It gets a new tag when it runs again. Raises ResourceExhausted when every
+        tag is held by a job in use.
+        """
+        with self._lock:
+            self._tagged_at[job] = self._clock()  # about to run: its tag is not handed over
+            return self._tag(job)
+
+    def _tag(self, job: str) -> int:
+        with self._lock:
+            try:
+                return self.tags.tag(job)
+            except ResourceExhausted as err:
+                idle = self._idle_tag_holder(exclude=job)
+                if idle is None:
+                    raise ResourceExhausted(
+                        f"{err}, each by a job that runs, is pinned or reported progress in"
+                        f" the last {self.config.idle_after_s:g} s: widen traffic.dscp_pool"
+                        " or remove jobs (gpuctl jobs rm)"
+                    ) from err
+                holder, dscp = idle
+                self.tags.release(holder)
+                self._forget(holder)
+                self._events.emit(
+                    "net.reclaim",
+                    f"job {holder} idle: its DSCP tag {dscp} goes to job {job}"
+                    " (traffic.dscp_pool is in use)",
+                    job=holder,
+                    dscp=dscp,
+                )
+                return self.tags.tag(job)
+
+    def _idle_tag_holder(self, *, exclude: str) -> tuple[str, int] | None:
+        """The tagged job idle longest (see :meth:`tag`) and its tag, or None."""
+        held = self.tags.allocations()
+        idle = [(since, job) for job, since in self._idle_jobs().items() if job in held]
+        idle = [(since, job) for since, job in idle if job != exclude]
+        if not idle:
+            return None
+        _, job = min(idle)
+        return job, held[job]
+
+    def _idle_jobs(self) -> dict[str, float]:
+        """Registered or tagged jobs not in use, and since when (unix seconds): no
+        reservation, no pin, no process in their cgroup, no progress report for
+        ``traffic.idle_after_s`` (nor since gpud started)."""
+        now = self._clock()
+        active = self._active()
+        pins = self.tags.pins()
+        out: dict[str, float] = {}
+        for job in {*self.tags.allocations(), *self._known_jobs}:
+            if job in active or job in pins:
+                continue
+            reports = self._reports.get(job)
+            since = max(
+                self._started_at,
+                self._tagged_at.get(job, 0.0),
+                reports.last_report_at if reports else 0.0,
+            )
+            if now - since <= self.config.idle_after_s:
+                continue
+            if self._cgroups is not None and self._cgroups.busy(job):
+                continue
+            out[job] = since
+        return out
 
     def _decide(self, now: float, registered: list[str]) -> dict[str, int]:
         active_res = self._active()
@@ -557,7 +662,13 @@ class TrafficService:
             raise FailedPrecondition(
                 f"{iface}: link rate unknown ({speed} gives none): set traffic.link_rates"
             )
-        return mbit * 1_000_000
+        bps = mbit * 1_000_000
+        if not tcplan.LINK_BPS_MIN <= bps <= tcplan.LINK_BPS_MAX:
+            raise FailedPrecondition(
+                f"{iface}: {tcplan.link_rate_range(bps)} ({speed} says {mbit} Mb/s):"
+                " set traffic.link_rates"
+            )
+        return bps
 
     def start(self) -> None:
         """Adopt what the kernel holds from before (call once, before the first tick):
@@ -657,7 +768,9 @@ class TrafficService:
                 self._fail(status, _describe(iface, err))
                 continue
             if status.error:
-                self._events.emit("net.interface", f"{iface}: enforced again", interface=iface)
+                again = " again" if iface in self._ever_enforced else ""
+                self._events.emit("net.interface", f"{iface}: enforced{again}", interface=iface)
+            self._ever_enforced.add(iface)
             status.enforced, status.error = True, ""
             for cid, raw in counters.items():
                 job = by_class.get(cid)

@@ -71,22 +71,35 @@ class TagStore:
 
     def tag(self, job: str) -> int:
         """The job's tag, allocated and persisted on first use."""
-        with self._lock:
-            known = self._alloc.allocations().get(job)
-            if known is not None:
-                return known
-            try:
-                dscp = self._alloc.tag(job)
-            except TagsExhausted as err:
-                raise ResourceExhausted(
-                    f"job {job!r}: all {err.pool_size} DSCP tags of traffic.dscp_pool are in use"
-                ) from err
-            with self._store.transaction() as conn:
+        known = self.get(job)
+        if known is not None:
+            return known
+        # the store's lock first, as callers inside a transaction (the admission queue's
+        # start) take them
+        allocated = False
+        try:
+            with self._store.transaction() as conn, self._lock:
+                known = self._alloc.allocations().get(job)
+                if known is not None:
+                    return known
+                try:
+                    dscp = self._alloc.tag(job)
+                except TagsExhausted as err:
+                    raise ResourceExhausted(
+                        f"job {job!r}: all {err.pool_size} DSCP tags of traffic.dscp_pool"
+                        " are in use"
+                    ) from err
+                allocated = True
                 conn.execute(
                     "INSERT OR REPLACE INTO net_tags (job, dscp, pinned_level) VALUES (?, ?, ?)",
                     (job, dscp, self._pins.get(job)),
                 )
-            return dscp
+        except BaseException:
+            if allocated:  # not kept (a failed write or commit): nor handed out
+                with self._lock:
+                    self._alloc.release(job)
+            raise
+        return dscp
 
     def get(self, job: str) -> int | None:
         with self._lock:
@@ -95,7 +108,7 @@ class TagStore:
     def set_tags(self, tags: Mapping[str, int]) -> list[str]:
         """Adopt tags decided elsewhere (the cluster leader); returns the jobs whose tag
         changed. All or nothing: a tag outside the pool or held twice changes nothing."""
-        with self._lock:
+        with self._store.transaction() as conn, self._lock:
             current = self._alloc.allocations()
             merged = {**current, **tags}
             pool = set(self._alloc.pool)
@@ -112,22 +125,20 @@ class TagStore:
             if not changed:
                 return []
             reserved = [d for d in range(DSCP_MAX + 1) if d not in pool]
+            conn.executemany("DELETE FROM net_tags WHERE job = ?", [(j,) for j in changed])
+            conn.executemany(
+                "INSERT INTO net_tags (job, dscp, pinned_level) VALUES (?, ?, ?)",
+                [(j, merged[j], self._pins.get(j)) for j in changed],
+            )
             self._alloc = TagAllocator(reserved=reserved, existing=merged)
-            with self._store.transaction() as conn:
-                conn.executemany("DELETE FROM net_tags WHERE job = ?", [(j,) for j in changed])
-                conn.executemany(
-                    "INSERT INTO net_tags (job, dscp, pinned_level) VALUES (?, ?, ?)",
-                    [(j, merged[j], self._pins.get(j)) for j in changed],
-                )
             return changed
 
     def release(self, job: str) -> None:
         """Free the job's tag and pin (the job was removed)."""
-        with self._lock:
+        with self._store.transaction() as conn, self._lock:
+            conn.execute("DELETE FROM net_tags WHERE job = ?", (job,))
             self._alloc.release(job)
             self._pins.pop(job, None)
-            with self._store.transaction() as conn:
-                conn.execute("DELETE FROM net_tags WHERE job = ?", (job,))
 
     def allocations(self) -> dict[str, int]:
         with self._lock:
@@ -139,12 +150,11 @@ class TagStore:
 
     def pin(self, job: str, level: int | None) -> None:
         """Persist an operator's level pin (None: unpin). The job must hold a tag."""
-        with self._lock:
+        with self._store.transaction() as conn, self._lock:
             if job not in self._alloc.allocations():
                 raise FailedPrecondition(f"job {job!r} has no tag yet")
+            conn.execute("UPDATE net_tags SET pinned_level = ? WHERE job = ?", (level, job))
             if level is None:
                 self._pins.pop(job, None)
             else:
                 self._pins[job] = level
-            with self._store.transaction() as conn:
-                conn.execute("UPDATE net_tags SET pinned_level = ? WHERE job = ?", (level, job))

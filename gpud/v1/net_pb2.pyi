@@ -194,6 +194,7 @@ class NetJob(_message.Message):
     PINNED_LEVEL_FIELD_NUMBER: _builtins.int
     CGROUP_FIELD_NUMBER: _builtins.int
     COUNTERS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     dscp: _builtins.int
     """the job's tag (the TOS byte is dscp * 4)"""
@@ -209,6 +210,8 @@ class NetJob(_message.Message):
     pinned_level: _builtins.int
     cgroup: _builtins.str
     """its cgroup v2 directory; "" when none"""
+    error: _builtins.str
+    """why the job has no tag (dscp 0): the pool ran out"""
     @_builtins.property
     def counters(self) -> Global___NetCounters: ...
     def __init__(
@@ -225,10 +228,11 @@ class NetJob(_message.Message):
         pinned_level: _builtins.int | None = ...,
         cgroup: _builtins.str = ...,
         counters: Global___NetCounters | None = ...,
+        error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s", "_iteration_s", b"_iteration_s", "_iterations", b"_iterations", "_last_report_age_seconds", b"_last_report_age_seconds", "_level", b"_level", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "contention_free_iteration_s", b"contention_free_iteration_s", "counters", b"counters", "iteration_s", b"iteration_s", "iterations", b"iterations", "last_report_age_seconds", b"last_report_age_seconds", "level", b"level", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s", "_iteration_s", b"_iteration_s", "_iterations", b"_iterations", "_last_report_age_seconds", b"_last_report_age_seconds", "_level", b"_level", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "cgroup", b"cgroup", "contention_free_iteration_s", b"contention_free_iteration_s", "counters", b"counters", "dscp", b"dscp", "iteration_s", b"iteration_s", "iterations", b"iterations", "job", b"job", "last_report_age_seconds", b"last_report_age_seconds", "level", b"level", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s", "_iteration_s", b"_iteration_s", "_iterations", b"_iterations", "_last_report_age_seconds", b"_last_report_age_seconds", "_level", b"_level", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "cgroup", b"cgroup", "contention_free_iteration_s", b"contention_free_iteration_s", "counters", b"counters", "dscp", b"dscp", "error", b"error", "iteration_s", b"iteration_s", "iterations", b"iterations", "job", b"job", "last_report_age_seconds", b"last_report_age_seconds", "level", b"level", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__contention_free_iteration_s: _TypeAlias = _typing.Literal["contention_free_iteration_s"]  # noqa: Y015
     _WhichOneofArgType__contention_free_iteration_s: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s"]  # noqa: Y015

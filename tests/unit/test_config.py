@@ -40,6 +40,9 @@ def test_values_are_read_and_typed(tmp_path: Path) -> None:
     assert cfg.mig.on_start == "report"
 
 
+_RATES = '[traffic]\nenabled = true\ninterfaces = ["e0"]\nlink_rates = [{}]\n'
+
+
 @pytest.mark.parametrize(
     ("text", "key", "why"),
     [
@@ -55,6 +58,10 @@ def test_values_are_read_and_typed(tmp_path: Path) -> None:
         ("[metrics]\nenabled = 1\n", "metrics.enabled", "true or false"),
         ("telemetry = 3\n", "telemetry", "must be a table"),
         ('[backend]\nkind = "sim"\nsimulate = "Z80:1"\n', "backend.simulate", "Z80"),
+        (_RATES.format('"e0=0.5bit"'), "traffic.link_rates", "outside 8 kbit/s to 10 Tbit/s"),
+        (_RATES.format('"e0=1e30gbit"'), "traffic.link_rates", "outside 8 kbit/s"),
+        (_RATES.format('"e0=1gbit", "e0=2gbit"'), "traffic.link_rates", "has a rate already"),
+        (_RATES.format('"e1=1gbit"'), "traffic.link_rates", "an interface in traffic.interf"),
     ],
 )
 def test_bad_config_names_file_and_key(tmp_path: Path, text: str, key: str, why: str) -> None:

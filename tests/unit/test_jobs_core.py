@@ -253,6 +253,24 @@ def test_run_registers_reserves_and_refuses_oversubscription(service: JobService
     assert service.reservations.held() == []
 
 
+def test_a_job_that_can_get_no_dscp_tag_is_refused_before_it_holds_anything(
+    service: JobService,
+) -> None:
+    tags = {"train-a": 10}
+
+    def tag_of(job: str) -> int:
+        if job not in tags:
+            raise ResourceExhausted(f"job {job!r}: all 1 DSCP tags of traffic.dscp_pool are in use")
+        return tags[job]
+
+    service.set_tagger(tag_of, tags.get)
+    launch = service.reserve(RunRequest("train-a"))
+    assert launch.env["GPUD_DSCP"] == "10" and launch.env["NCCL_IB_TC"] == "40"
+    with pytest.raises(ResourceExhausted, match=r"DSCP tags of traffic\.dscp_pool"):
+        service.reserve(RunRequest("train-b"))
+    assert [r.job for r in service.reservations.held()] == ["train-a"]
+
+
 def test_env_without_a_reservation_previews_the_placement(service: JobService) -> None:
     service.add(JobSpec("train-b", gpu_count=2))
     env = service.env("train-b")

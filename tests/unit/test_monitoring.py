@@ -52,6 +52,8 @@ def test_alert_rules_use_exported_metrics_and_say_what_to_do() -> None:
         "MigApplyFailed",
         "MigLayoutDiffers",
         "MpsDaemonDown",
+        "TrafficNotEnforced",
+        "TrafficJobsUntagged",
     }
     for rule in rules:
         assert rule["labels"]["severity"] in ("critical", "warning"), rule["alert"]

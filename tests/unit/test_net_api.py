@@ -20,17 +20,21 @@ from gpud.metrics import Collector
 from gpud.net.api import NetServicer
 from gpud.net.enforce import FakeMarker, FakeTc
 from gpud.net.metrics import TrafficMetrics
-from gpud.net.service import TrafficService, job_pool
+from gpud.net.service import Report, TrafficService, job_pool
 from gpud.net.tagstore import TagStore
 from gpud.store import StateStore
 from tests.unit.api_support import ServerThread, short_dir
 
 
 class Node:
-    def __init__(self, state: Path) -> None:
+    def __init__(self, state: Path, dscp_pool: str = "") -> None:
         self.jobs = ["train-a", "train-b"]
         self.config = TrafficConfig(
-            enabled=True, interfaces=("eth0",), link_rates=("eth0=10gbit",), levels=4
+            enabled=True,
+            interfaces=("eth0",),
+            link_rates=("eth0=10gbit",),
+            levels=4,
+            dscp_pool=dscp_pool,
         )
         self.tc = FakeTc()
         self.service = TrafficService(
@@ -181,3 +185,28 @@ def test_metrics(node: Node) -> None:
     assert registry.get_sample_value("gpud_net_level_changes_total") == 0
     assert registry.get_sample_value("gpud_net_job_sent_bytes_total", {"job": "train-a"}) == 0
     assert registry.get_sample_value("gpud_net_level_min_share_ratio", {"level": "0"}) == 0.02
+
+
+def test_a_job_left_without_a_tag_is_shown_and_counted(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    node = Node(tmp_path / "state", dscp_pool="10")
+    for job in node.jobs:  # both in use: neither tag can be handed over
+        node.service.report(Report(job, 1, time.time(), session="s"))
+    node.service.tick()
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        with ServerThread(ApiServer(path, servicers=[NetServicer(node.service).register])):
+            code, out, _ = gpuctl(capsys, path, "net", "show")
+            assert code == 0
+            assert "train-b: no DSCP tag: job 'train-b': all 1 DSCP tags" in out
+            assert "(its traffic is in the default class)" in out
+            code, out, _ = gpuctl(capsys, path, "net", "show", "--json")
+    jobs = {j["job"]: j for j in json.loads(out)["jobs"]}
+    assert jobs["train-a"]["dscp"] == 10 and jobs["train-a"]["error"] == ""
+    assert jobs["train-b"]["dscp"] == 0 and "widen traffic.dscp_pool" in jobs["train-b"]["error"]
+    collector = Collector(lambda: None, events=EventLog(None), clock=lambda: 0.0)
+    collector.add_source(TrafficMetrics(node.service))
+    registry = CollectorRegistry()
+    registry.register(collector)
+    assert registry.get_sample_value("gpud_net_untagged_jobs") == 1

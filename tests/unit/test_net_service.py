@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpud.config import TrafficConfig
-from gpud.errors import InvalidArgument, NotFound, PermissionDenied
+from gpud.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from gpud.events import EventLog
 from gpud.net.cgroups import JobCgroups, find_cgroup2
 from gpud.net.enforce import FakeCounters, FakeMarker, FakeTc
@@ -191,6 +191,18 @@ def test_sysfs_without_a_speed_asks_for_link_rates(tmp_path: Path, sysfs: Path) 
     rig.service.tick()
     (iface,) = rig.service.view().interfaces
     assert "set traffic.link_rates" in iface.error
+
+
+def test_an_absurd_speed_in_sysfs_is_that_interfaces_error(tmp_path: Path, sysfs: Path) -> None:
+    (sysfs / "class" / "net" / "veth0" / "speed").write_text("4000000000\n")
+    rig = Rig(tmp_path, sysfs)
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0", "veth0"))
+    rig.service = rig.make()
+    rig.service.tick()
+    eth0, veth0 = rig.service.view().interfaces
+    assert eth0.enforced and not eth0.error
+    assert not veth0.enforced
+    assert "outside 8 kbit/s to 10 Tbit/s" in veth0.error and "4000000000 Mb/s" in veth0.error
 
 
 def test_restart_adopts_the_kernels_levels(rig: Rig) -> None:
@@ -435,3 +447,53 @@ def test_jobs_weigh_by_their_demand_inside_a_level(rig: Rig) -> None:
     rig.service = rig.make()
     rig.service.tick()
     assert _leaf(rig, "a").quantum == _leaf(rig, "b").quantum == base
+
+
+def test_a_full_tag_pool_goes_to_jobs_in_use_and_the_rest_stays_enforced(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-11")  # two tags, three jobs
+    s = rig.service
+    rig.active = {"a", "b", "c"}
+    s.tick()
+    s.tick()  # the job left without a tag is told once, and the tick goes on
+    assert set(s.tags.allocations()) == {"a", "b"}
+    view = s.view()
+    assert view.interfaces[0].enforced
+    assert "all 2 DSCP tags of traffic.dscp_pool are in use" in view.untagged["c"]
+    assert "widen traffic.dscp_pool" in view.untagged["c"]
+    assert rig.kinds().count("net.untagged") == 1
+    assert "c" not in {j.job for j in view.jobs}
+    # b stops: it holds no reservation, and reports nothing for idle_after_s
+    rig.active = {"a", "c"}
+    rig.clock.t += rig.config.idle_after_s + 1
+    s.tick()
+    assert s.tags.allocations()["c"] in (10, 11) and "b" not in s.tags.allocations()
+    assert s.view().untagged == {} and "net.reclaim" in rig.kinds()
+    # an idle job needs no tag: it does not take one back from a job in use
+    s.tick()
+    assert set(s.tags.allocations()) == {"a", "c"} and s.view().untagged == {}
+    # ... until it reports progress again, and a tag is idle
+    rig.active = {"c"}
+    feed(rig, "b", 0.5, 4)
+    s.tick()
+    assert set(s.tags.allocations()) == {"b", "c"}
+
+
+def test_a_tag_is_not_taken_from_a_job_in_use(tmp_path: Path, sysfs: Path) -> None:
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-11")
+    s = rig.service
+    rig.jobs = ["a", "b"]
+    s.tick()
+    rig.clock.t += rig.config.idle_after_s + 1
+    rig.jobs.append("new")
+    (rig.cgroups.ensure("a") / "cgroup.procs").write_text("4242\n")  # a's process runs
+    s.pin("b", 1)
+    with pytest.raises(ResourceExhausted, match="each by a job that runs, is pinned or reported"):
+        s.tag("new")
+    (rig.cgroups.dir("a") / "cgroup.procs").write_text("")
+    assert s.tag("new") == 10 + 11 - s.tags.allocations()["b"]
+    assert "a" not in s.tags.allocations()
+    # "new" is about to run (its reservation comes next): a runs again, and waits for a tag
+    with pytest.raises(ResourceExhausted):
+        s.tag("a")
