@@ -49,6 +49,8 @@ def parse_size(text: str, *, field: str = "memory") -> int:
     value = float(number) * _FACTORS[unit.lower()]
     if value <= 0:
         raise InvalidArgument(f"{text!r} must be more than zero", field=field)
+    if value >= 2**63:
+        raise InvalidArgument(f"{text!r} is more than any device holds", field=field)
     return int(value)
 
 

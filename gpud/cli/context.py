@@ -41,6 +41,27 @@ for _code_name, _exit in ERROR_TABLE.values():
     _EXIT_BY_STATUS.setdefault(_code_name, _exit)
 
 
+def integer(low: int, high: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``[low, high]``, the range of the request field it
+    goes to, so that an absurd value is a usage error naming the flag (exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
+        return value
+
+    return parse
+
+
+INT32 = integer(-(2**31), 2**31 - 1)
+UINT32 = integer(0, 2**32 - 1)
+UINT64 = integer(0, 2**64 - 1)
+
+
 class CliError(Exception):
     """A failure to report in one line and exit with ``exit_code``."""
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import time
 
-from gpud.cli.context import Context, Subparsers
+from gpud.cli.context import INT32, Context, Subparsers
 from gpud.cli.output import message_to_dict
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
@@ -18,7 +18,7 @@ def register(subparsers: Subparsers) -> None:
         "--kind", default="", metavar="PREFIX", help='only kinds starting with PREFIX (e.g. "gpu.")'
     )
     parser.add_argument(
-        "--limit", type=int, default=0, metavar="N", help="the newest N (default 100)"
+        "--limit", type=INT32, default=0, metavar="N", help="the newest N (default 100)"
     )
     parser.set_defaults(run=run)
 

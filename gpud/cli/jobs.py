@@ -16,7 +16,7 @@ import datetime
 import sys
 from typing import Any
 
-from gpud.cli.context import CliError, Context, Subparsers
+from gpud.cli.context import UINT32, CliError, Context, Subparsers
 from gpud.cli.mps import size_arg
 from gpud.cli.output import NA, message_to_dict, seconds
 from gpud.shared import format_size
@@ -60,14 +60,14 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
     where.add_argument(
         "--mig", metavar="PROFILE", help="one MIG device of this profile, e.g. 3g.40gb"
     )
-    where.add_argument("--gpus", type=int, metavar="N", help="N whole GPUs")
+    where.add_argument("--gpus", type=UINT32, metavar="N", help="N whole GPUs")
     where.add_argument(
         "--devices",
         metavar="DEVICE,...",
         help="these GPU / MIG devices: indexes (0, 0:1) or UUIDs",
     )
     parser.add_argument(
-        "--threads", type=int, metavar="PERCENT", help="MPS active thread percentage"
+        "--threads", type=UINT32, metavar="PERCENT", help="MPS active thread percentage"
     )
     parser.add_argument(
         "--memory", metavar="SIZE", help="MPS pinned memory limit per device, e.g. 20GiB"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
+from gpud.cli.context import EXIT_USAGE, UINT32, CliError, Context, Subparsers
 from gpud.cli.output import NA
 from gpud.errors import InvalidArgument
 from gpud.shared import format_size, parse_size
@@ -42,7 +42,7 @@ def register(subparsers: Subparsers) -> None:
     set_.add_argument("--gpu", required=True, metavar="UUID|INDEX|GPU:MIG", help="the device")
     threads = set_.add_mutually_exclusive_group()
     threads.add_argument(
-        "--threads", type=int, metavar="PERCENT", help="active thread percentage, 1..100"
+        "--threads", type=UINT32, metavar="PERCENT", help="active thread percentage, 1..100"
     )
     threads.add_argument("--clear-threads", action="store_true", help="back to 100%%")
     memory = set_.add_mutually_exclusive_group()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
+from gpud.cli.context import EXIT_USAGE, UINT32, UINT64, CliError, Context, Subparsers
 from gpud.cli.output import NA, seconds
 from gpud.v1 import net_pb2 as pb
 from gpud.v1 import net_pb2_grpc as pb_grpc
@@ -46,7 +46,7 @@ def register(subparsers: Subparsers) -> None:
     show.set_defaults(run=run_show)
     report = commands.add_parser("report", help="report a job's completed iterations")
     report.add_argument("--job", required=True, metavar="NAME")
-    report.add_argument("--iterations", required=True, type=int, metavar="N")
+    report.add_argument("--iterations", required=True, type=UINT64, metavar="N")
     report.add_argument("--timestamp", type=float, metavar="UNIX", help="default: now")
     report.add_argument(
         "--ideal", type=float, metavar="SECONDS", help="contention-free iteration time"
@@ -55,7 +55,7 @@ def register(subparsers: Subparsers) -> None:
     report.set_defaults(run=run_report)
     pin = commands.add_parser("pin", help="fix a job's level (0 = highest priority)")
     pin.add_argument("--job", required=True, metavar="NAME")
-    pin.add_argument("--level", required=True, type=int)
+    pin.add_argument("--level", required=True, type=UINT32)
     pin.set_defaults(run=run_pin)
     unpin = commands.add_parser("unpin", help="give a job's level back to the policy")
     unpin.add_argument("--job", required=True, metavar="NAME")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
+from gpud.cli.context import EXIT_USAGE, INT32, UINT32, CliError, Context, Subparsers
 from gpud.cli.mps import size_arg
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
@@ -28,14 +28,14 @@ def register(subparsers: Subparsers) -> None:
     sim = subparsers.add_parser("sim", help="simulated node: faults, reboot, workloads")
     actions = sim.add_subparsers(dest="sim_command", metavar="COMMAND", required=True)
     fault = actions.add_parser("fault", help="inject a fault into one simulated GPU")
-    fault.add_argument("--gpu", type=int, required=True, metavar="INDEX")
+    fault.add_argument("--gpu", type=INT32, required=True, metavar="INDEX")
     kinds = fault.add_subparsers(dest="fault_kind", metavar="KIND", required=True)
     kinds.add_parser("lost", help="the GPU falls off the bus").set_defaults(kind="FAULT_KIND_LOST")
     kinds.add_parser("clear", help="remove every fault on the GPU").set_defaults(
         kind="FAULT_KIND_CLEAR"
     )
     xid = kinds.add_parser("xid", help="raise an XID event")
-    xid.add_argument("code", type=int, help="XID code, e.g. 79 (fallen off the bus)")
+    xid.add_argument("code", type=UINT32, help="XID code, e.g. 79 (fallen off the bus)")
     xid.set_defaults(kind="FAULT_KIND_XID")
     slow = kinds.add_parser("slow", help="make every driver call on the GPU slower")
     slow.add_argument("seconds", type=float)
@@ -53,16 +53,16 @@ def register(subparsers: Subparsers) -> None:
     )
     wl = workload.add_subparsers(dest="workload_command", metavar="ACTION", required=True)
     start = wl.add_parser("start", help="a process that uses memory and SMs")
-    start.add_argument("--gpu", type=int, required=True, metavar="INDEX")
+    start.add_argument("--gpu", type=INT32, required=True, metavar="INDEX")
     start.add_argument("--mig", default="", help="a MIG device index or MIG UUID on that GPU")
     start.add_argument(
-        "--pid", type=int, required=True, help="its PID (a real one is attributed to its job)"
+        "--pid", type=UINT32, required=True, help="its PID (a real one is attributed to its job)"
     )
     start.add_argument("--memory", default="1GiB", help="device memory it uses (default 1GiB)")
     start.add_argument("--sm", type=float, default=0.5, help="share of SMs it keeps busy, 0..1")
     start.set_defaults(run=run_workload, stop=False)
     stop = wl.add_parser("stop", help="the process ends")
-    stop.add_argument("--pid", type=int, required=True)
+    stop.add_argument("--pid", type=UINT32, required=True)
     stop.set_defaults(run=run_workload, stop=True)
 
 

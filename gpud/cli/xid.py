@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
+from gpud.cli.context import EXIT_USAGE, INT32, CliError, Context, Subparsers
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
@@ -23,8 +23,8 @@ def register(subparsers: Subparsers) -> None:
     xid = subparsers.add_parser("xid", help="critical XIDs: clear one after dealing with it")
     actions = xid.add_subparsers(dest="xid_command", metavar="COMMAND", required=True)
     clear = actions.add_parser("clear", help="forget a GPU's critical XID")
-    clear.add_argument("gpu", type=int, nargs="?", metavar="GPU", help="GPU index")
-    clear.add_argument("--gpu", type=int, dest="gpu_option", metavar="INDEX", help="the same")
+    clear.add_argument("gpu", type=INT32, nargs="?", metavar="GPU", help="GPU index")
+    clear.add_argument("--gpu", type=INT32, dest="gpu_option", metavar="INDEX", help="the same")
     clear.set_defaults(run=run_clear)
 
 

@@ -265,6 +265,26 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and "status" in out and "sim" in out
 
 
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (("net", "pin", "--job", "a", "--level", "99999999999"), "--level: 99999999999 is not"),
+        (("net", "report", "--job", "a", "--iterations", str(2**64)), "--iterations: 1844"),
+        (("jobs", "add", "x", "--threads", "5000000000"), "--threads: 5000000000 is not in 0.."),
+        (("jobs", "add", "x", "--gpus", "-1"), "--gpus: -1 is not in 0..4294967295"),
+        (("gpus", "--gpu", "3000000000"), "--gpu: 3000000000 is not in -2147483648.."),
+        (("sim", "workload", "stop", "--pid", "-4"), "--pid: -4 is not in 0.."),
+        (("events", "--limit", "1e3"), "--limit: '1e3' is not an integer"),
+        (("jobs", "add", "x", "--memory", "99999999999TiB"), "more than any device holds"),
+    ],
+)
+def test_a_number_a_request_cannot_carry_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], sim_socket: str, argv: tuple[str, ...], words: str
+) -> None:
+    code, _, err = run(capsys, "--socket", sim_socket, *argv)
+    assert code == 2 and words in err and "Traceback" not in err
+
+
 def _connect_as_nobody(socket_path: Path) -> int:
     """Run gpuctl in a forked child that dropped root, and return its exit code."""
     with warnings.catch_warnings():
