@@ -252,7 +252,10 @@ class Daemon:
         self.add_step("cluster", self.cluster.tick)
         self.add_step("traffic", self._traffic_step)
         self.on_shutdown(self.mps.stop)
-        self.on_shutdown(self.traffic.shutdown)
+        self._traffic_task: asyncio.Future[None] | None = None
+        self._traffic_started = 0.0
+        self._traffic_overrun_said = False
+        self.on_shutdown(self._traffic_stop)
         self.on_shutdown(self.cluster.stop)
         self.traffic.start()
 
@@ -382,7 +385,30 @@ class Daemon:
         )
 
     async def _traffic_step(self) -> None:
-        await asyncio.to_thread(self.traffic.tick)
+        """The traffic tick, waited for one loop interval at most: a hung ``nft`` or ``dcb``
+        (each bounded only by its own 10 s timeout, per netdev) must not hold back the other
+        steps and the systemd watchdog. A tick still running is waited for again on the next
+        pass, and no second one starts meanwhile; its error is the step's when it ends."""
+        if self._traffic_task is None:
+            self._traffic_task = asyncio.ensure_future(asyncio.to_thread(self.traffic.tick))
+            self._traffic_started = self._clock()
+        task = self._traffic_task
+        await asyncio.wait({task}, timeout=self.loop_interval_s())
+        if not task.done():
+            running = self._clock() - self._traffic_started
+            if running >= 10 * self.loop_interval_s() and not self._traffic_overrun_said:
+                self._traffic_overrun_said = True
+                log.warning("traffic step running for %.0f s: the other steps go on", running)
+            return
+        self._traffic_task, self._traffic_overrun_said = None, False
+        task.result()
+
+    async def _traffic_stop(self) -> None:
+        """Let a running traffic tick end before the interfaces are left or restored."""
+        if self._traffic_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._traffic_task), timeout=30.0)
+        self.traffic.shutdown()
 
     def _reboot_sim(self) -> None:
         """A simulated reboot under a running daemon: instances go, as on a real node; the

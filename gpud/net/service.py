@@ -21,7 +21,8 @@ stop, ``traffic.shutdown = "fail-static"`` (the default) leaves everything in fo
 ``"restore"`` deletes gpud's root qdisc and table.
 
 Thread-safety: reports and API calls come from gRPC worker threads, the tick from the loop's
-worker thread; one lock guards the state.
+worker thread; one lock guards the state, another the nftables table and the NIC map, whose
+programs (``nft``, ``dcb``) run outside the first.
 """
 
 from __future__ import annotations
@@ -189,6 +190,7 @@ class TrafficService:
         self._proc = proc_root
         self._clock = clock
         self._lock = threading.RLock()
+        self._io_lock = threading.Lock()  # the nftables table and the NIC map: one writer
         self._leveller = Leveller(leveller_config(config))
         self._tracker = ProgressTracker(ProgressConfig(window_s=config.progress_window_s))
         self._reports: dict[str, _JobReports] = {}
@@ -377,7 +379,7 @@ class TrafficService:
             raise FailedPrecondition(f"cannot mark job traffic by cgroup: {self._marking_error}")
         self.tag(job)
         path = self._cgroups.place(job, pid)
-        with self._lock:
+        with self._io_lock:
             self._sync_marks()
         return str(path)
 
@@ -457,6 +459,9 @@ class TrafficService:
             self._record_changes(levels)
             tags = self.tags.allocations()
             self._enforce_tc(tags, levels, self._weights(now, tags))
+        # nft and dcb are programs that can hang (up to their 10 s timeout each): outside
+        # the state lock, so that reports, gpuctl net show and tagging go on meanwhile
+        with self._io_lock:
             self._sync_marks()
             self._enforce_rdma(tags, levels)
 

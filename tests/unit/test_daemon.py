@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 from pathlib import Path
 
 import pytest
 
 from gpud.config import Config
-from gpud.daemon import Daemon
+from gpud.daemon import Daemon, Step
 from gpud.errors import ConfigError
 from gpud.main import mps_control_command, open_backend
 from gpud.notify import Notifier
@@ -82,5 +83,48 @@ def test_reload_says_which_changes_need_a_restart(root: Path) -> None:
         assert d.loop_interval_s() == 0.25
     finally:
         d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
+class _HungTraffic:
+    """A traffic tick stuck in a hung ``nft`` or ``dcb`` until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.ticks = 0
+
+    def tick(self) -> None:
+        self.ticks += 1
+        self.release.wait(timeout=30)
+        raise RuntimeError("dcb did not finish within 10 s")
+
+
+def test_a_hung_traffic_tick_holds_no_other_step_back(root: Path) -> None:
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+    hung = _HungTraffic()
+    d.traffic = hung  # type: ignore[assignment]
+    passes: list[str] = []
+
+    async def other() -> None:
+        passes.append("other")
+
+    (traffic,) = [s for s in d.steps if s.name == "traffic"]
+    d.steps = [traffic, Step("other", other)]
+
+    async def scenario() -> None:
+        for _ in range(3):
+            await asyncio.wait_for(d.run_steps(), timeout=5)
+        assert passes == ["other"] * 3 and hung.ticks == 1  # no second tick meanwhile
+        hung.release.set()
+        while traffic.failures == 0:
+            await asyncio.wait_for(d.run_steps(), timeout=5)
+        await asyncio.wait_for(d.run_steps(), timeout=5)
+        assert hung.ticks == 2  # the next pass starts a new tick
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        hung.release.set()
         d.store.close()
         d.backend.close()

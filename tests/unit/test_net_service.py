@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from gpud.net.service import Report, TrafficService, job_pool
 from gpud.net.tagstore import TagStore, parse_pool
 from gpud.store import StateStore
 from netshaper import tcplan
+from netshaper.nftables import CgroupMark, MarkSync
 
 
 class Clock:
@@ -497,3 +500,40 @@ def test_a_tag_is_not_taken_from_a_job_in_use(tmp_path: Path, sysfs: Path) -> No
     # "new" is about to run (its reservation comes next): a runs again, and waits for a tag
     with pytest.raises(ResourceExhausted):
         s.tag("a")
+
+
+class _HungMarker(FakeMarker):
+    """``nft`` that hangs until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def sync(self, marks: Iterable[CgroupMark]) -> MarkSync:
+        self.entered.set()
+        self.release.wait(timeout=30)
+        return super().sync(marks)
+
+
+def test_a_hung_nft_holds_back_no_report_view_or_tag(rig: Rig) -> None:
+    rig.marker = hung = _HungMarker()
+    rig.service = s = rig.make()
+    tick = threading.Thread(target=s.tick)
+    tick.start()
+    try:
+        assert hung.entered.wait(timeout=10)
+        done = threading.Event()
+
+        def api_calls() -> None:
+            s.report(Report("a", 1, rig.clock.t, session="s"))
+            s.view()
+            s.tag("a")
+            done.set()
+
+        threading.Thread(target=api_calls, daemon=True).start()
+        assert done.wait(timeout=5), "the API waited for nft"
+        assert s.view().interfaces[0].enforced  # tc went first, under the state lock
+    finally:
+        hung.release.set()
+        tick.join(timeout=30)
