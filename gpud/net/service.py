@@ -7,7 +7,8 @@ Each tick (:meth:`TrafficService.tick`, the daemon's ``traffic`` step)::
     (links, tags, levels, shares) ──> tcplan.plan ──> per interface: diff with the kernel
         ──> the fewest tc operations, one batch      (drift: repaired and logged as events)
     job cgroups + tags ──> gpud's nftables table    (packets of `gpuctl run` jobs marked)
-    level -> NIC priority ──> the RDMA NIC's DSCP -> priority map (dcb app, or dry-run)
+    level -> NIC priority ──> the RDMA NIC's DSCP -> priority map (dcb app, or dry-run;
+        written by a worker thread with the latest map: the tick never waits for the NIC)
     class counters ──> per-job and per-level bytes, packets, drops
 
 Each interface is enforced on its own: a missing interface, a kernel without HTB or a
@@ -21,8 +22,9 @@ stop, ``traffic.shutdown = "fail-static"`` (the default) leaves everything in fo
 ``"restore"`` deletes gpud's root qdisc and table.
 
 Thread-safety: reports and API calls come from gRPC worker threads, the tick from the loop's
-worker thread; one lock guards the state, another the nftables table and the NIC map, whose
-programs (``nft``, ``dcb``) run outside the first.
+worker thread; one lock guards the state, another the nftables table, whose ``nft`` runs
+outside the first. The NIC map is written by a worker thread of its own (``dcb`` talks to
+the NIC's firmware): the tick hands it the latest map and goes on.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from gpud.errors import (
 from gpud.events import EventLog
 from gpud.net.cgroups import JobCgroups
 from gpud.net.enforce import MarkPort, RdmaPort, TcPort
+from gpud.net.latest import LatestWorker
 from gpud.net.port import JobTraffic, LocalReport, OrderResult, TrafficCounters
 from gpud.net.tagstore import TagStore
 from netshaper import tcplan
@@ -58,6 +61,8 @@ log = logging.getLogger(__name__)
 
 # a job's demand is known once this many iterations were counted against its bytes
 _DEMAND_MIN_ITERATIONS = 3
+# seconds between tries of a NIC map write that failed, while the map wanted stays the same
+RDMA_RETRY_S = 10.0
 
 
 def leveller_config(t: TrafficConfig) -> LevellerConfig:
@@ -190,7 +195,7 @@ class TrafficService:
         self._proc = proc_root
         self._clock = clock
         self._lock = threading.RLock()
-        self._io_lock = threading.Lock()  # the nftables table and the NIC map: one writer
+        self._io_lock = threading.Lock()  # the nftables table: one writer
         self._leveller = Leveller(leveller_config(config))
         self._tracker = ProgressTracker(ProgressConfig(window_s=config.progress_window_s))
         self._reports: dict[str, _JobReports] = {}
@@ -212,7 +217,10 @@ class TrafficService:
         self._marking_error = marking_error
         self._marking_ok = False
         self._rdma_error = rdma_error
-        self._rdma_map: dict[int, int] = {}
+        self._rdma_map: dict[int, int] = {}  # as last written
+        self._rdma_posted: dict[int, int] | None = None  # as last handed to the worker
+        self._rdma_tried_at = float("-inf")
+        self._rdma_writer = LatestWorker(self._write_rdma, name="gpud-nic-map")
         self._known_jobs: set[str] = set()
         self._untagged: dict[str, str] = {}  # job -> why it has no tag (the pool ran out)
         self._started_at = clock()
@@ -459,11 +467,11 @@ class TrafficService:
             self._record_changes(levels)
             tags = self.tags.allocations()
             self._enforce_tc(tags, levels, self._weights(now, tags))
-        # nft and dcb are programs that can hang (up to their 10 s timeout each): outside
-        # the state lock, so that reports, gpuctl net show and tagging go on meanwhile
+        # nft can hang (up to its 10 s timeout): outside the state lock, so that reports,
+        # gpuctl net show and tagging go on meanwhile; dcb runs on a worker of its own
         with self._io_lock:
             self._sync_marks()
-            self._enforce_rdma(tags, levels)
+        self._enforce_rdma(tags, levels)
 
     def _sync_tags(self, registered: list[str]) -> None:
         present = set(registered)
@@ -818,12 +826,26 @@ class TrafficService:
         self._marking_ok = True
 
     def _enforce_rdma(self, tags: Mapping[str, int], levels: Mapping[str, int]) -> None:
+        """Hand the map the levels want to the NIC map's worker: the tick never waits for
+        ``dcb``. A failed write is tried again every ``RDMA_RETRY_S`` while nothing changes."""
         if self._rdma is None:
             return
         prios = self.config.level_priorities or tuple(7 - lv for lv in range(self.config.levels))
         want = {tags[j]: prios[lv] for j, lv in levels.items() if j in tags}
-        if want == self._rdma_map and not self._rdma_error:
+        now = self._clock()
+        retry = (
+            bool(self._rdma_error)
+            and self._rdma_writer.idle()
+            and now - self._rdma_tried_at >= RDMA_RETRY_S
+        )
+        if want == self._rdma_posted and not retry:
             return
+        self._rdma_posted, self._rdma_tried_at = want, now
+        self._rdma_writer.submit(want)
+
+    def _write_rdma(self, want: dict[int, int]) -> None:
+        """The NIC map's worker: one write of ``want`` (``dcb app replace`` per netdev)."""
+        assert self._rdma is not None
         try:
             changed = self._rdma.apply(want)
         except Exception as err:
@@ -836,9 +858,17 @@ class TrafficService:
         if changed:
             self._events.emit("net.rdma", f"NIC DSCP -> priority map: {len(changed)} change(s)")
 
+    def settle(self, timeout: float) -> bool:
+        """Wait until the NIC map the last tick wanted is written, or failed; False when
+        ``dcb`` is still at it after ``timeout`` seconds."""
+        return self._rdma_writer.wait_idle(timeout)
+
     def shutdown(self) -> None:
         """``traffic.shutdown``: leave everything (fail-static) or restore the interfaces;
-        then close the netlink socket."""
+        then close the netlink socket. The NIC map the last tick wanted is waited for up
+        to 5 s (fail-static leaves the last priorities, on the NIC too)."""
+        self._rdma_writer.wait_idle(5.0)
+        self._rdma_writer.close()
         try:
             if self.config.enabled and self.config.shutdown == "restore":
                 self._restore()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
@@ -13,8 +13,9 @@ from gpud.config import TrafficConfig
 from gpud.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from gpud.events import EventLog
 from gpud.net.cgroups import JobCgroups, find_cgroup2
-from gpud.net.enforce import FakeCounters, FakeMarker, FakeTc
-from gpud.net.service import Report, TrafficService, job_pool
+from gpud.net.enforce import FakeCounters, FakeMarker, FakeTc, RdmaPort
+from gpud.net.latest import LatestWorker
+from gpud.net.service import RDMA_RETRY_S, Report, TrafficService, job_pool
 from gpud.net.tagstore import TagStore, parse_pool
 from gpud.store import StateStore
 from netshaper import tcplan
@@ -54,7 +55,7 @@ class Rig:
         self.config = TrafficConfig(enabled=True, interfaces=("eth0",), **config)  # type: ignore[arg-type]
         self.service = self.make()
 
-    def make(self) -> TrafficService:
+    def make(self, rdma: RdmaPort | None = None) -> TrafficService:
         return TrafficService(
             self.config,
             tags=TagStore(self.store, pool=job_pool(self.config)),
@@ -64,10 +65,17 @@ class Rig:
             tc=self.tc,
             marker=self.marker,
             cgroups=self.cgroups,
+            rdma=rdma,
             sysfs_root=self.sysfs,
             proc_root=self.tmp / "proc",
             clock=self.clock,
         )
+
+    def with_nic(self, rdma: RdmaPort) -> TrafficService:
+        """A service writing the NIC map through ``rdma``, jobs a and b in use."""
+        self.jobs = ["a", "b"]
+        self.active = {"a", "b"}
+        return self.make(rdma)
 
     def kinds(self) -> list[str]:
         return [e.kind for e in self.events.recent(1000)]
@@ -326,18 +334,9 @@ def test_rdma_map_follows_levels(tmp_path: Path, sysfs: Path) -> None:
     lines: list[str] = []
     # two newcomers tie at rate 0: without grouping each gets its own level
     rig = Rig(tmp_path, sysfs, group_tolerance=0.0)
-    service = TrafficService(
-        rig.config,
-        tags=TagStore(rig.store, pool=job_pool(rig.config)),
-        events=rig.events,
-        jobs=lambda: ["a", "b"],
-        active=lambda: {"a", "b"},
-        tc=rig.tc,
-        rdma=NicMap(DryRunBackend(lines.append), ["eth2", "eth3"]),
-        sysfs_root=sysfs,
-        clock=rig.clock,
-    )
+    service = rig.with_nic(NicMap(DryRunBackend(lines.append), ["eth2", "eth3"]))
     service.tick()
+    assert service.settle(5)
     tags = service.tags.allocations()
     levels = {j.job: j.level for j in service.local_report().jobs}
     assert levels == {"a": 0, "b": 1}
@@ -348,10 +347,12 @@ def test_rdma_map_follows_levels(tmp_path: Path, sysfs: Path) -> None:
     ]
     lines.clear()
     service.tick()
+    assert service.settle(5)
     assert lines == []  # nothing changed, nothing written
     service.pin("b", 0)
     service.pin("a", 3)
     service.tick()
+    assert service.settle(5)
     assert lines == [
         f"dcb app replace dev {dev} dscp-prio "
         + " ".join(f"{d}:{p}" for d, p in sorted({tags["a"]: 4, tags["b"]: 7}.items()))
@@ -537,3 +538,71 @@ def test_a_hung_nft_holds_back_no_report_view_or_tag(rig: Rig) -> None:
     finally:
         hung.release.set()
         tick.join(timeout=30)
+
+
+class _SlowNic:
+    """A NIC map whose ``dcb`` hangs until released, then fails or writes."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.fail = True
+        self.writes: list[dict[int, int]] = []
+
+    def apply(self, dscp_priorities: Mapping[int, int]) -> list[str]:
+        self.release.wait(timeout=30)
+        if self.fail:
+            raise RuntimeError("eth2: cannot run dcb: timed out after 10 seconds")
+        self.writes.append(dict(dscp_priorities))
+        return [f"DSCP {d} -> prio {p}" for d, p in dscp_priorities.items()]
+
+
+def test_a_hung_nic_map_holds_back_no_tick(tmp_path: Path, sysfs: Path) -> None:
+    rig = Rig(tmp_path, sysfs)
+    nic = _SlowNic()
+    s = rig.with_nic(nic)
+    try:
+        for _ in range(3):  # each returns at once: tc is enforced, dcb hangs on its own
+            s.tick()
+        assert s.view().interfaces[0].enforced and not s.settle(0.1)
+        nic.release.set()
+        assert s.settle(10)
+        assert "cannot run dcb" in s.view().rdma_error
+        s.tick()  # failed, and the map is the same: not before RDMA_RETRY_S
+        assert s.settle(10) and nic.writes == []
+        nic.fail = False
+        rig.clock.t += RDMA_RETRY_S
+        s.tick()
+        assert s.settle(10) and s.view().rdma_error == ""
+        (written,) = nic.writes
+        assert sorted(written.values()) == [6, 7]
+    finally:
+        nic.release.set()
+        s.shutdown()
+
+
+def test_the_latest_value_runs_next_and_a_failure_stops_nothing() -> None:
+    seen: list[int] = []
+    gate, started = threading.Event(), threading.Event()
+
+    def run(value: int) -> None:
+        started.set()
+        gate.wait(timeout=30)
+        seen.append(value)
+        if value == 2:
+            raise RuntimeError("boom")
+
+    worker = LatestWorker(run, name="test-latest")
+    worker.submit(1)
+    assert started.wait(10)  # 1 is running
+    for value in (2, 3, 4):  # 2 and 3 are replaced before they run
+        worker.submit(value)
+    gate.set()
+    assert worker.wait_idle(10) and seen == [1, 4]
+    worker.submit(2)  # it raises: logged, and the worker goes on
+    worker.submit(5)
+    assert worker.wait_idle(10)
+    worker.submit(6)
+    assert worker.wait_idle(10) and seen[-1] == 6
+    worker.close()
+    worker.submit(7)
+    assert worker.wait_idle(1) and seen[-1] == 6
