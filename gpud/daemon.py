@@ -92,6 +92,11 @@ RESTART_KEYS = (
 )
 
 
+# seconds a pass waits for the traffic tick it started (it takes milliseconds when the
+# kernel and nft answer); see Daemon._traffic_step
+TRAFFIC_WAIT_S = 2.0
+
+
 @dataclass
 class Step:
     """One isolated part of a loop pass."""
@@ -385,23 +390,29 @@ class Daemon:
         )
 
     async def _traffic_step(self) -> None:
-        """The traffic tick, waited for one loop interval at most: a hung ``nft`` or ``dcb``
-        (each bounded only by its own 10 s timeout, per netdev) must not hold back the other
-        steps and the systemd watchdog. A tick still running is waited for again on the next
-        pass, and no second one starts meanwhile; its error is the step's when it ends."""
-        if self._traffic_task is None:
-            self._traffic_task = asyncio.ensure_future(asyncio.to_thread(self.traffic.tick))
-            self._traffic_started = self._clock()
+        """The traffic tick, waited for ``TRAFFIC_WAIT_S`` at most: a hung ``nft`` (bounded
+        only by its own 10 s timeout) must not hold back the other steps and the systemd
+        watchdog. A tick still running is not waited for again, and none starts meanwhile;
+        the pass that finds it ended starts the next one. Its error is the step's."""
         task = self._traffic_task
-        await asyncio.wait({task}, timeout=self.loop_interval_s())
-        if not task.done():
-            running = self._clock() - self._traffic_started
-            if running >= 10 * self.loop_interval_s() and not self._traffic_overrun_said:
-                self._traffic_overrun_said = True
-                log.warning("traffic step running for %.0f s: the other steps go on", running)
-            return
-        self._traffic_task, self._traffic_overrun_said = None, False
-        task.result()
+        if task is not None:
+            if not task.done():
+                running = self._clock() - self._traffic_started
+                if running >= 10 and not self._traffic_overrun_said:
+                    self._traffic_overrun_said = True
+                    log.warning("traffic step running for %.0f s: the other steps go on", running)
+                return
+            self._traffic_task, self._traffic_overrun_said = None, False
+        ended = task.exception() if task is not None else None
+        task = self._traffic_task = asyncio.ensure_future(asyncio.to_thread(self.traffic.tick))
+        self._traffic_started = self._clock()
+        await asyncio.wait({task}, timeout=max(TRAFFIC_WAIT_S, self.loop_interval_s()))
+        if task.done():
+            self._traffic_task = None
+            error = task.exception()  # retrieved even when an earlier tick's error is raised
+            ended = ended or error
+        if ended is not None:
+            raise ended
 
     async def _traffic_stop(self) -> None:
         """Let a running traffic tick end before the interfaces are left or restored."""
