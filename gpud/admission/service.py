@@ -119,7 +119,9 @@ class EntryView:
     unfeasible: Unfeasible | None
     reservation: Reservation | None
     env: dict[str, str]
-    waiting_on: str = ""  # what it waits for besides other jobs: unhealthy GPUs of its pool
+    # what it waits for besides other jobs: unhealthy GPUs of its pool, or why its last
+    # start failed (no DSCP tag left, ...)
+    waiting_on: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,7 +410,8 @@ class AdmissionService:
                     None,
                     None,
                     {},
-                    waiting_on=_unhealthy_in(verdict, sick, gpu_of),
+                    waiting_on=_unhealthy_in(verdict, sick, gpu_of)
+                    or self._start_failures.get(e.id, ""),
                 )
             )
             ahead.append(e)
@@ -574,9 +577,9 @@ class AdmissionService:
                 )
                 self._set_state(entry.id, STARTED, launch.reservation.id)
         except GpudError as err:
-            # tried again every tick: said once per entry and reason
-            said = self._start_failures.get(entry.id) == str(err)
-            self._start_failures[entry.id] = str(err)
+            # tried again every tick: said once per entry and reason (and by gpuctl queue)
+            said = self._start_failures.get(entry.id) == f"could not start: {err}"
+            self._start_failures[entry.id] = f"could not start: {err}"
             log.log(
                 logging.DEBUG if said else logging.WARNING,
                 "queued job %s could not start on %s: %s",

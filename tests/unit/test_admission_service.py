@@ -179,3 +179,39 @@ def test_a_queued_job_waits_for_an_unhealthy_gpu_to_answer(
     started = node.admission.view(entry.entry.id)
     assert started.entry.state == STARTED and started.reservation is not None
     assert started.reservation.devices != a.devices
+
+
+def test_a_queued_job_that_can_get_no_dscp_tag_says_so_and_starts_when_one_frees(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    tags: dict[str, int] = {}
+    pool = [10]
+
+    def tag_of(job: str) -> int:
+        if job not in tags:
+            if not pool:
+                raise ResourceExhausted(
+                    f"job {job!r}: all 1 DSCP tags of traffic.dscp_pool are in use"
+                )
+            tags[job] = pool.pop()
+        return tags[job]
+
+    caplog.set_level(logging.DEBUG, logger="gpud.admission.service")
+    node.jobs.set_tagger(tag_of, tags.get)
+    a = node.jobs.reserve(whole("a", 2)).reservation
+    entry = node.admission.enqueue(whole("b"))
+    node.jobs.release(a.id)
+    for _ in range(3):
+        node.admission.tick()
+    waiting = node.admission.view(entry.entry.id)
+    assert waiting.entry.state == QUEUED and node.jobs.reservations.held() == []
+    assert (
+        waiting.waiting_on
+        == "could not start: job 'b': all 1 DSCP tags of traffic.dscp_pool are in use"
+    )
+    said = [r.levelname for r in caplog.records if "could not start" in r.getMessage()]
+    assert said == ["WARNING", "DEBUG", "DEBUG"]  # tried every tick, said once
+    pool.append(tags.pop("a"))  # a's tag frees
+    node.admission.tick()
+    started = node.admission.view(entry.entry.id)
+    assert started.entry.state == STARTED and started.env["GPUD_DSCP"] == "10"
