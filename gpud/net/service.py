@@ -63,6 +63,8 @@ log = logging.getLogger(__name__)
 _DEMAND_MIN_ITERATIONS = 3
 # seconds between tries of a NIC map write that failed, while the map wanted stays the same
 RDMA_RETRY_S = 10.0
+# seconds between read-backs of a NIC map that was written (one `dcb app show` per netdev)
+RDMA_RECHECK_S = 30.0
 
 
 def leveller_config(t: TrafficConfig) -> LevellerConfig:
@@ -827,18 +829,17 @@ class TrafficService:
 
     def _enforce_rdma(self, tags: Mapping[str, int], levels: Mapping[str, int]) -> None:
         """Hand the map the levels want to the NIC map's worker: the tick never waits for
-        ``dcb``. A failed write is tried again every ``RDMA_RETRY_S`` while nothing changes."""
+        ``dcb``. While the map stays the same, a failed write is tried again every
+        ``RDMA_RETRY_S``, and one that held is read back every ``RDMA_RECHECK_S`` (what
+        someone else changed is written back: event ``net.rdma_drift``)."""
         if self._rdma is None:
             return
         prios = self.config.level_priorities or tuple(7 - lv for lv in range(self.config.levels))
         want = {tags[j]: prios[lv] for j, lv in levels.items() if j in tags}
         now = self._clock()
-        retry = (
-            bool(self._rdma_error)
-            and self._rdma_writer.idle()
-            and now - self._rdma_tried_at >= RDMA_RETRY_S
-        )
-        if want == self._rdma_posted and not retry:
+        due = RDMA_RETRY_S if self._rdma_error else RDMA_RECHECK_S
+        again = self._rdma_writer.idle() and now - self._rdma_tried_at >= due
+        if want == self._rdma_posted and not again:
             return
         self._rdma_posted, self._rdma_tried_at = want, now
         self._rdma_writer.submit(want)
@@ -854,8 +855,16 @@ class TrafficService:
                 self._events.emit("net.rdma_error", message)
             self._rdma_error = message
             return
+        drift = want == self._rdma_map and not self._rdma_error
         self._rdma_map, self._rdma_error = want, ""
-        if changed:
+        if changed and drift:
+            self._events.emit(
+                "net.rdma_drift",
+                f"NIC DSCP -> priority map changed outside gpud: {len(changed)} entr"
+                + ("y" if len(changed) == 1 else "ies")
+                + " written back",
+            )
+        elif changed:
             self._events.emit("net.rdma", f"NIC DSCP -> priority map: {len(changed)} change(s)")
 
     def settle(self, timeout: float) -> bool:

@@ -15,7 +15,7 @@ from gpud.events import EventLog
 from gpud.net.cgroups import JobCgroups, find_cgroup2
 from gpud.net.enforce import FakeCounters, FakeMarker, FakeTc, RdmaPort
 from gpud.net.latest import LatestWorker
-from gpud.net.service import RDMA_RETRY_S, Report, TrafficService, job_pool
+from gpud.net.service import RDMA_RECHECK_S, RDMA_RETRY_S, Report, TrafficService, job_pool
 from gpud.net.tagstore import TagStore, parse_pool
 from gpud.store import StateStore
 from netshaper import tcplan
@@ -606,3 +606,26 @@ def test_the_latest_value_runs_next_and_a_failure_stops_nothing() -> None:
     worker.close()
     worker.submit(7)
     assert worker.wait_idle(1) and seen[-1] == 6
+
+
+def test_a_nic_map_changed_outside_gpud_is_written_back(tmp_path: Path, sysfs: Path) -> None:
+    from netshaper.dcb import DryRunBackend, NicMap
+
+    lines: list[str] = []
+    backend = DryRunBackend(lines.append)
+    rig = Rig(tmp_path, sysfs)
+    s = rig.with_nic(NicMap(backend, ["eth2"]))
+    s.tick()
+    assert s.settle(5) and len(lines) == 1
+    tag = s.tags.allocations()["a"]
+    backend._shown["eth2"][tag] = (3,)  # someone ran `dcb app replace ... dscp-prio TAG:3`
+    rig.clock.t += RDMA_RECHECK_S - 1
+    s.tick()
+    assert s.settle(5) and len(lines) == 1  # not read back yet
+    rig.clock.t += 1
+    s.tick()
+    assert s.settle(5) and lines[-1].endswith(f"dscp-prio {tag}:7")
+    assert "net.rdma_drift" in rig.kinds()
+    rig.clock.t += RDMA_RECHECK_S
+    s.tick()
+    assert s.settle(5) and len(lines) == 2  # read back, nothing to write
