@@ -484,13 +484,17 @@ class TrafficService:
         for job in [j for j in self._untagged if j not in present]:
             del self._untagged[job]
         untagged = [job for job in registered if self.tags.get(job) is None]
-        idle = self._idle_jobs() if untagged else {}
+        idle = self._idle_since(untagged) if untagged else {}
         for job in untagged:
+            if job in idle:
+                # not in use: it takes a free tag, but none over from another job
+                self._untagged.pop(job, None)
+                if self.tags.full():
+                    continue
             try:
                 dscp = self.tags.tag(job) if job in idle else self._tag(job)
             except ResourceExhausted as err:
-                if job in idle:  # it needs no tag until it runs again
-                    self._untagged.pop(job, None)
+                if job in idle:  # the last free tag went meanwhile
                     continue
                 # the job goes untagged (its traffic in the default class) until a tag
                 # frees; the others stay enforced
@@ -536,48 +540,40 @@ class TrafficService:
             return self._tag(job)
 
     def _tag(self, job: str) -> int:
-        with self._lock:
-            try:
-                return self.tags.tag(job)
-            except ResourceExhausted as err:
-                idle = self._idle_tag_holder(exclude=job)
-                if idle is None:
-                    raise ResourceExhausted(
-                        f"{err}, each by a job that runs, is pinned or reported progress in"
-                        f" the last {self.config.idle_after_s:g} s: widen traffic.dscp_pool"
-                        " or remove jobs (gpuctl jobs rm)"
-                    ) from err
-                holder, dscp = idle
-                self.tags.release(holder)
-                self._forget(holder)
-                self._events.emit(
-                    "net.reclaim",
-                    f"job {holder} idle: its DSCP tag {dscp} goes to job {job}"
-                    " (traffic.dscp_pool is in use)",
-                    job=holder,
-                    dscp=dscp,
-                )
-                return self.tags.tag(job)
+        """:meth:`tag` without marking ``job`` as about to run; call it holding the lock."""
+        try:
+            return self.tags.tag(job)
+        except ResourceExhausted as err:
+            held = self.tags.allocations()
+            idle = self._idle_since([j for j in held if j != job])
+            if not idle:
+                raise ResourceExhausted(
+                    f"{err}, each by a job that runs, is pinned or reported progress in"
+                    f" the last {self.config.idle_after_s:g} s: widen traffic.dscp_pool"
+                    " or remove jobs (gpuctl jobs rm)"
+                ) from err
+            holder = min(idle, key=lambda j: (idle[j], j))  # idle longest
+            dscp = held[holder]
+            self.tags.release(holder)
+            self._forget(holder)
+            self._events.emit(
+                "net.reclaim",
+                f"job {holder} idle: its DSCP tag {dscp} goes to job {job}"
+                " (traffic.dscp_pool is in use)",
+                job=holder,
+                dscp=dscp,
+            )
+            return self.tags.tag(job)
 
-    def _idle_tag_holder(self, *, exclude: str) -> tuple[str, int] | None:
-        """The tagged job idle longest (see :meth:`tag`) and its tag, or None."""
-        held = self.tags.allocations()
-        idle = [(since, job) for job, since in self._idle_jobs().items() if job in held]
-        idle = [(since, job) for since, job in idle if job != exclude]
-        if not idle:
-            return None
-        _, job = min(idle)
-        return job, held[job]
-
-    def _idle_jobs(self) -> dict[str, float]:
-        """Registered or tagged jobs not in use, and since when (unix seconds): no
-        reservation, no pin, no process in their cgroup, no progress report for
+    def _idle_since(self, jobs: Sequence[str]) -> dict[str, float]:
+        """Those of ``jobs`` not in use, and since when (unix seconds): no reservation, no
+        pin, no process in their cgroup, no progress report or tag request for
         ``traffic.idle_after_s`` (nor since gpud started)."""
         now = self._clock()
         active = self._active()
         pins = self.tags.pins()
         out: dict[str, float] = {}
-        for job in {*self.tags.allocations(), *self._known_jobs}:
+        for job in jobs:
             if job in active or job in pins:
                 continue
             reports = self._reports.get(job)

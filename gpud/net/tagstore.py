@@ -144,6 +144,11 @@ class TagStore:
         with self._lock:
             return self._alloc.allocations()
 
+    def full(self) -> bool:
+        """Every tag of the pool is held (a new job gets one only by a hand-over)."""
+        with self._lock:
+            return len(self._alloc.allocations()) >= len(self._alloc.pool)
+
     def pins(self) -> dict[str, int]:
         with self._lock:
             return dict(self._pins)
