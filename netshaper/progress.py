@@ -9,7 +9,11 @@ The progress rate is ``r = T* / T`` in (0, 1]:
 
 * ``T`` is the observed iteration time over a sliding window of progress points (the
   reports where the counter advanced): ``(t_last - t_first) / (n_last - n_first)``. A
-  window average is robust to per-iteration jitter and to batched reports.
+  window average is robust to per-iteration jitter and to batched reports. The window
+  spans at least ``min_iterations`` iterations however long they take: a job whose
+  iterations outlast the window would otherwise be judged on its last iteration alone,
+  which its own level just shaped (a job moved up runs one fast iteration, looks fast and
+  moves down, and so on).
 * ``T*`` is the contention-free iteration time. A job may declare it (profiled alone);
   otherwise it is learned as the best per-report sample seen (the fastest stretch between
   two reports), so it never exceeds what was observed.
@@ -37,15 +41,19 @@ _MIN_PERIOD_S = 1e-9
 class ProgressConfig:
     """How progress is estimated.
 
-    ``window_s``: span of the sliding window of progress points (at least two points are
-    always kept, so slow jobs still have an estimate).
+    ``window_s``: span of the sliding window of progress points. ``min_iterations``: the
+    fewest iterations the window spans, whatever their length (so slow jobs still have an
+    estimate, and one that is not a single iteration's).
     """
 
     window_s: float = 20.0
+    min_iterations: int = 2
 
     def __post_init__(self) -> None:
         if not self.window_s > 0:
             raise ValueError(f"window_s must be > 0, got {self.window_s}")
+        if not self.min_iterations >= 1:
+            raise ValueError(f"min_iterations must be >= 1, got {self.min_iterations}")
 
 
 @dataclass
@@ -137,8 +145,10 @@ class ProgressTracker:
         state.last_count = iteration
         state.last_progress_at = at
         window = self._config.window_s
-        while len(state.points) > 2 and at - state.points[1][1] >= window:
-            state.points.popleft()
+        least = self._config.min_iterations
+        points = state.points
+        while len(points) > 2 and at - points[1][1] >= window and iteration - points[1][0] >= least:
+            points.popleft()
 
     def progress(self, job_id: str, now: float) -> JobProgress:
         """The estimate for one job at ``now``; raises ``KeyError`` for unknown ids."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -99,6 +101,21 @@ def test_window_follows_a_slowdown() -> None:
     assert tr.progress("a", t).restarts == 0
 
 
+def test_the_window_spans_two_iterations_however_long_they_take() -> None:
+    # an iteration longer than the window, after a short one (as a job that went down a
+    # level after a fast iteration runs): the estimate is their mean, not the last alone
+    def tracker(**config: Any) -> ProgressTracker:
+        tr = ProgressTracker(ProgressConfig(window_s=10.0, **config))
+        tr.register("a", now=0.0, ideal_s=2.0)
+        for i, at in enumerate([0.0, 12.0, 16.0, 28.0]):
+            tr.report("a", i, at)
+        return tr
+
+    assert tracker().progress("a", 28.0).period_s == pytest.approx(8.0)
+    assert tracker().progress("a", 28.0).rate == pytest.approx(0.25)
+    assert tracker(min_iterations=1).progress("a", 28.0).period_s == pytest.approx(12.0)
+
+
 def test_out_of_order_and_duplicate_reports_are_ignored() -> None:
     tr = ProgressTracker()
     tr.register("a", now=0.0, ideal_s=1.0)
@@ -120,6 +137,8 @@ def test_unknown_jobs_are_registered_and_forgotten() -> None:
 def test_bad_inputs_are_rejected() -> None:
     with pytest.raises(ValueError):
         ProgressConfig(window_s=0)
+    with pytest.raises(ValueError):
+        ProgressConfig(min_iterations=0)
     tr = ProgressTracker()
     with pytest.raises(ValueError):
         tr.register("a", now=0.0, ideal_s=0.0)
