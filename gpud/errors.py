@@ -92,6 +92,11 @@ class ResourceExhausted(GpudError):
     """A request over-subscribes a resource; the message carries the numbers."""
 
 
+class DscpPoolExhausted(ResourceExhausted):
+    """Every DSCP tag of ``traffic.dscp_pool`` is held by a job in use: no placement of
+    the job changes that, only a tag that frees."""
+
+
 class Unavailable(GpudError):
     """The daemon or a peer cannot be reached."""
 

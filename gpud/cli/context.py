@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
 
 from gpud.cli.output import Output
-from gpud.errors import ERROR_TABLE, EXIT_CODE_KEY, Unavailable
+from gpud.errors import ERROR_KEY, ERROR_TABLE, EXIT_CODE_KEY, Unavailable
 
 T = TypeVar("T")
 
@@ -63,11 +63,13 @@ UINT64 = integer(0, 2**64 - 1)
 
 
 class CliError(Exception):
-    """A failure to report in one line and exit with ``exit_code``."""
+    """A failure to report in one line and exit with ``exit_code``; ``error`` names the
+    daemon's error class (``gpud.errors``) when the daemon raised it."""
 
-    def __init__(self, message: str, exit_code: int) -> None:
+    def __init__(self, message: str, exit_code: int, *, error: str = "") -> None:
         super().__init__(message)
         self.exit_code = exit_code
+        self.error = error
 
 
 def _group_name(path: Path) -> str | None:
@@ -169,7 +171,7 @@ class Context:
         metadata = dict(err.trailing_metadata() or ())
         exit_text = metadata.get(EXIT_CODE_KEY)
         if exit_text is not None and str(exit_text).isdigit():
-            return CliError(details, int(exit_text))
+            return CliError(details, int(exit_text), error=str(metadata.get(ERROR_KEY, "")))
         # no gpud metadata: the error came from gRPC itself, not from the daemon's code
         if code == grpc.StatusCode.UNAVAILABLE:
             return _not_running(self.socket_path, f"cannot reach it ({details}) on")

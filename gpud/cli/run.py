@@ -54,7 +54,7 @@ from gpud.cli.jobs import (
     warn_if_mps_down,
     warn_no_effect,
 )
-from gpud.errors import ERROR_TABLE, NotFound, ResourceExhausted
+from gpud.errors import ERROR_TABLE, DscpPoolExhausted, NotFound, ResourceExhausted
 from gpud.shared import shell_exports
 from gpud.v1 import colo_pb2, colo_pb2_grpc, net_pb2, net_pb2_grpc, queue_pb2, queue_pb2_grpc
 from gpud.v1 import jobs_pb2 as pb
@@ -198,6 +198,7 @@ def _reserve_advised(ctx: Context, args: argparse.Namespace) -> pb.ReserveRespon
         except CliError as err:
             if (
                 err.exit_code != EXIT_TAKEN
+                or err.error == DscpPoolExhausted.__name__  # no other place changes that
                 or not request.advised_devices
                 or rounds == ADVICE_ROUNDS
             ):

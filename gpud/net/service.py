@@ -39,6 +39,7 @@ from pathlib import Path
 
 from gpud.config import TrafficConfig, parse_rate
 from gpud.errors import (
+    DscpPoolExhausted,
     FailedPrecondition,
     GpudError,
     InvalidArgument,
@@ -532,7 +533,7 @@ class TrafficService:
         ``traffic.dscp_pool``. Then the tag of the job idle longest is handed over: a job
         holding no reservation, not pinned, with no process in its cgroup, and neither a
         progress report nor a call here for ``traffic.idle_after_s`` (nor since gpud
-        started). It gets a new tag when it runs again. Raises ResourceExhausted when every
+        started). It gets a new tag when it runs again. Raises DscpPoolExhausted when every
         tag is held by a job in use.
         """
         with self._lock:
@@ -547,7 +548,7 @@ class TrafficService:
             held = self.tags.allocations()
             idle = self._idle_since([j for j in held if j != job])
             if not idle:
-                raise ResourceExhausted(
+                raise DscpPoolExhausted(
                     f"{err}, each by a job that runs, is pinned or reported progress in"
                     f" the last {self.config.idle_after_s:g} s: widen traffic.dscp_pool"
                     " or remove jobs (gpuctl jobs rm)"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Mapping
 
-from gpud.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from gpud.errors import DscpPoolExhausted, FailedPrecondition, InvalidArgument
 from gpud.store import StateStore
 from netshaper.tags import DSCP_MAX, TagAllocator, TagsExhausted
 
@@ -85,7 +85,7 @@ class TagStore:
                 try:
                     dscp = self._alloc.tag(job)
                 except TagsExhausted as err:
-                    raise ResourceExhausted(
+                    raise DscpPoolExhausted(
                         f"job {job!r}: all {err.pool_size} DSCP tags of traffic.dscp_pool"
                         " are in use"
                     ) from err

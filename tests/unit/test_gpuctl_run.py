@@ -16,6 +16,7 @@ import pytest
 
 from gpud.api import ApiServer
 from gpud.cli.main import main as gpuctl
+from gpud.errors import DscpPoolExhausted
 from gpud.jobs.api import JobsServicer
 from gpud.jobs.service import JobService
 from gpud.mps.api import MpsServicer
@@ -469,6 +470,25 @@ def test_advice_whose_gpu_was_taken_meanwhile_is_asked_again(
         env = json.loads(out.read_text())["env"]
     assert env["CUDA_VISIBLE_DEVICES"] == mig_uuid(0, 0) and loop.devices == []
     assert "asking co-location again" in capsys.readouterr().err
+
+
+def test_a_run_that_can_get_no_dscp_tag_does_not_ask_co_location_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The refusal is the tag pool's: another GPU would be refused the same way."""
+
+    def tag_of(job: str) -> int:
+        raise DscpPoolExhausted(f"job {job!r}: all 1 DSCP tags of traffic.dscp_pool are in use")
+
+    loop = Names(gpu_uuid(1))  # a second question would find no answer
+    with serving(loop.register) as n:
+        n.jobs.set_tagger(tag_of, lambda job: None)
+        code = n.ctl("run", "--job", "t", "--no-wait", "--", sys.executable, "-c", "pass")
+        assert n.jobs.reservations.held() == []
+    err = capsys.readouterr().err
+    assert code == 7 and loop.devices == []
+    assert err.count("DSCP tags of traffic.dscp_pool are in use") == 1, err
+    assert "asking co-location again" not in err
 
 
 def test_a_wait_whose_advice_stops_takes_the_default_placement(
