@@ -65,6 +65,8 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
         lines.append(f"etcd:        {'reachable' if resp.store_ok else 'UNREACHABLE'}")
     if resp.detail:
         lines.append(f"detail:      {resp.detail}")
+    if resp.last_error:
+        lines.append(f"error:       {resp.last_error}")
     if resp.rejected_orders:
         lines.append(f"rejected:    {resp.rejected_orders} stale orders")
     ctx.out.print("\n".join(lines))

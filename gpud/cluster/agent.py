@@ -63,6 +63,7 @@ class ClusterStatus:
     rejected_orders: int
     nodes: tuple[NodeSeen, ...]
     jobs: tuple[JobAttributes, ...]
+    last_error: str = ""
 
 
 def _same(a: JobAttributes, b: JobAttributes | None) -> bool:
@@ -175,8 +176,12 @@ class ClusterAgent:
             except GpudError as err:
                 self._note_error(f"leader round failed: {err}")
                 order = None
-            if order is not None and self.election.state().leading:
-                self._apply(order.for_jobs(j.job for j in report.jobs))
+            if (
+                order is not None
+                and self.election.state().leading
+                and self._apply(order.for_jobs(j.job for j in report.jobs))
+            ):
+                self.last_error = ""
         else:
             with self._lock:
                 self._aggregator = None  # soft state: a later leadership starts afresh
@@ -186,11 +191,11 @@ class ClusterAgent:
                 except GpudError as err:
                     self._note_error(str(err))
                 else:
-                    self.last_error = ""
-                    if order is not None:
-                        self._apply(order)
-                    else:  # a new leader has not folded our report in yet: ask again soon
+                    if order is None:  # a new leader has not folded our report in yet
+                        self.last_error = ""
                         self.request_round(RETRY_S)
+                    elif self._apply(order):
+                        self.last_error = ""
         self._update_mode(info.leading)
 
     def _note_error(self, message: str) -> None:
@@ -262,7 +267,8 @@ class ClusterAgent:
             order = agg.order
         return order.for_jobs(jobs) if order is not None else None
 
-    def _apply(self, order: Order) -> None:
+    def _apply(self, order: Order) -> bool:
+        """Apply ``order``; False if it was stale or the traffic service refused it."""
         if not self.fence.admit(order):
             log.warning(
                 "cluster: rejected an order of epoch %d from %s: newest applied is epoch %d",
@@ -278,12 +284,17 @@ class ClusterAgent:
                     epoch=order.epoch,
                     leader=order.leader,
                 )
-            return
+            return False
         result = self._traffic.apply_order(order.epoch, order.levels, order.tags)
         if not result.applied:
+            # The previous order stays in force: not a contact, so the node holds it and
+            # then falls back to its local policy rather than claim to follow an order it
+            # does not enforce (a leader with more levels or another DSCP pool).
             self._note_error(
-                f"traffic service refused the order of epoch {order.epoch}: {result.reason}"
+                f"traffic service refused the order of epoch {order.epoch} from "
+                f"{order.leader or '?'}: {result.reason}"
             )
+            return False
         previous = self.order
         changed = (
             previous is None
@@ -303,6 +314,7 @@ class ClusterAgent:
         if changed:  # wake the attribute watchers
             self._changed.set()
             self._changed = asyncio.Event()
+        return True
 
     def _update_mode(self, leading: bool) -> None:
         mode = self.fail_static.mode(self._clock(), leading=leading)
@@ -382,6 +394,7 @@ class ClusterAgent:
             rejected_orders=self.fence.rejected,
             nodes=nodes,
             jobs=jobs,
+            last_error=self.last_error,
         )
 
     def levels(self) -> Mapping[str, int]:

@@ -123,6 +123,7 @@ def status_to_pb(s: ClusterStatus) -> pb.GetClusterStatusResponse:
         grace_seconds=s.grace_s,
         rejected_orders=s.rejected_orders,
         nodes=[_node_to_pb(n) for n in s.nodes],
+        last_error=s.last_error,
     )
     if s.last_order_age_s is not None:
         msg.last_order_age_seconds = s.last_order_age_s

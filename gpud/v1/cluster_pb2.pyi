@@ -507,6 +507,7 @@ class GetClusterStatusResponse(_message.Message):
     REJECTED_ORDERS_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
     JOBS_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
     election: _builtins.str
     """"single" or "etcd" """
     node: _builtins.str
@@ -526,6 +527,10 @@ class GetClusterStatusResponse(_message.Message):
     last_order_age_seconds: _builtins.float
     grace_seconds: _builtins.float
     rejected_orders: _builtins.int
+    last_error: _builtins.str
+    """why the last round brought no order into force: the leader unreachable or refusing this
+    node's report, the traffic service refusing the order ("" when it was applied)
+    """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterNode]:
         """every node the leader heard from (asked of the leader)"""
@@ -553,10 +558,11 @@ class GetClusterStatusResponse(_message.Message):
         rejected_orders: _builtins.int = ...,
         nodes: _abc.Iterable[Global___ClusterNode] | None = ...,
         jobs: _abc.Iterable[Global___ClusterJob] | None = ...,
+        last_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds", "last_order_age_seconds", b"last_order_age_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds", "applied_epoch", b"applied_epoch", "applied_seq", b"applied_seq", "detail", b"detail", "election", b"election", "epoch", b"epoch", "grace_seconds", b"grace_seconds", "jobs", b"jobs", "last_order_age_seconds", b"last_order_age_seconds", "leader", b"leader", "leader_address", b"leader_address", "leading", b"leading", "mode", b"mode", "node", b"node", "nodes", b"nodes", "rejected_orders", b"rejected_orders", "store_ok", b"store_ok"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds", "applied_epoch", b"applied_epoch", "applied_seq", b"applied_seq", "detail", b"detail", "election", b"election", "epoch", b"epoch", "grace_seconds", b"grace_seconds", "jobs", b"jobs", "last_error", b"last_error", "last_order_age_seconds", b"last_order_age_seconds", "leader", b"leader", "leader_address", b"leader_address", "leading", b"leading", "mode", b"mode", "node", b"node", "nodes", b"nodes", "rejected_orders", b"rejected_orders", "store_ok", b"store_ok"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_order_age_seconds: _TypeAlias = _typing.Literal["last_order_age_seconds"]  # noqa: Y015
     _WhichOneofArgType__last_order_age_seconds: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds"]  # noqa: Y015

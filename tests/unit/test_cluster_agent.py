@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 
 import pytest
 
@@ -13,7 +14,7 @@ from gpud.cluster.leader import NodeSeen
 from gpud.cluster.model import NodeReport, Order
 from gpud.cluster.ports import MemoryTagStore, StaticNodeView
 from gpud.errors import FailedPrecondition, Unavailable
-from gpud.net.port import FakeTraffic, JobTraffic
+from gpud.net.port import FakeTraffic, JobTraffic, OrderResult
 from netshaper.leveller import LevellerConfig
 
 
@@ -150,6 +151,39 @@ async def test_stale_epoch_is_rejected_and_the_last_order_stays() -> None:
     await f.tick()
     assert traffic.order == {"a": 1} and f.fence.rejected == 1
     assert f.status().applied_epoch == 9
+
+
+class RefusingTraffic(FakeTraffic):
+    """A traffic service with fewer levels than the leader's orders use."""
+
+    def apply_order(
+        self, epoch: int, levels: Mapping[str, int], tags: Mapping[str, int] | None = None
+    ) -> OrderResult:
+        for name, level in levels.items():
+            if level >= self.levels:
+                return OrderResult(False, self.epoch, f"job {name!r}: level {level} not in [0, 2)")
+        return super().apply_order(epoch, levels, tags)
+
+
+async def test_an_order_the_traffic_service_refuses_is_not_followed() -> None:
+    clock, peers = Clock(), LoopbackPeers()
+    traffic = RefusingTraffic((job("a", 0.5),), levels=2)
+    f = agent("n1", LeaderInfo("n0", "a0", 9, False), traffic, peers, clock)
+    peers.forced = Order(epoch=9, seq=1, leader="n0", levels={"a": 1}, tags={"a": 12})
+    await f.tick()
+    assert f.mode is Mode.FOLLOWER and f.status().last_error == ""
+    peers.forced = Order(epoch=9, seq=2, leader="n0", levels={"a": 3}, tags={"a": 12})
+    clock.now += 10
+    await f.tick()
+    # the last order it could apply stays in force, and status says why no newer one is
+    assert traffic.order == {"a": 1} and f.levels() == {"a": 1}
+    assert f.mode is Mode.HOLDING
+    assert f.status().last_error == (
+        "traffic service refused the order of epoch 9 from n0: job 'a': level 3 not in [0, 2)"
+    )
+    clock.now += 25
+    await f.tick()
+    assert f.mode is Mode.LOCAL and traffic.order is None
 
 
 async def test_without_a_leader_the_last_order_holds_until_the_grace_period_ends() -> None:

@@ -70,6 +70,19 @@ def test_status_table_and_json(
     assert data["jobs"][0]["job"] == "train-a" and data["jobs"][0]["level"] == 0
 
 
+def test_status_says_why_no_order_is_in_force(
+    capsys: pytest.CaptureFixture[str], served: tuple[str, ClusterAgent, ServerThread]
+) -> None:
+    sock, agent, _ = served
+    agent.last_error = "leader gpu-02 at 10.0.0.2:7443: PERMISSION_DENIED a peer whose ..."
+    assert main(["cluster", "status", "--socket", sock], env={}) == 0
+    assert (
+        "error:       leader gpu-02 at 10.0.0.2:7443: PERMISSION_DENIED" in capsys.readouterr().out
+    )
+    assert main(["cluster", "status", "--socket", sock, "--json"], env={}) == 0
+    assert json.loads(capsys.readouterr().out)["last_error"].startswith("leader gpu-02")
+
+
 def test_attributes_from_gpuctl_and_the_client(
     capsys: pytest.CaptureFixture[str], served: tuple[str, ClusterAgent, ServerThread]
 ) -> None:
