@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -94,8 +95,10 @@ class ClusterAgent:
         events: EventLog | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        instance: str | None = None,
     ) -> None:
         self.node = node
+        self.instance = os.urandom(8).hex() if instance is None else instance
         self.election_kind = election_kind
         self.election = election
         self._traffic = traffic
@@ -116,6 +119,7 @@ class ClusterAgent:
         self.mode = Mode.LOCAL
         self.order: Order | None = None  # the newest applied order (this node's share)
         self.last_error = ""
+        self._duplicates: set[str] = set()  # node names two gpuds were found to share
         self._changed = asyncio.Event()
         self._tick_lock = asyncio.Lock()
         # an extra round after DELAY seconds (the runtime schedules it; a no-op by default)
@@ -160,6 +164,7 @@ class ClusterAgent:
             node=self.node,
             jobs=tuple(jobs[j] for j in sorted(jobs)),
             applied_epoch=self.fence.epoch,
+            instance=self.instance,
         )
 
     async def tick(self) -> None:
@@ -196,6 +201,12 @@ class ClusterAgent:
                         self.request_round(RETRY_S)
                     elif self._apply(order):
                         self.last_error = ""
+            elif info.leader == self.node:
+                self._note_error(
+                    f"the leader key names {self.node} at {info.address or '?'}, but this gpud "
+                    "does not hold it: another gpud under the same cluster.node, or this "
+                    "one's previous run until its lease expires"
+                )
         self._update_mode(info.leading)
 
     def _note_error(self, message: str) -> None:
@@ -221,16 +232,28 @@ class ClusterAgent:
         agg.receive(report, now)
         return agg.compute(epoch, now, wall=self._wall())
 
-    def receive(self, report: NodeReport) -> Order | None:
-        """A peer's report (peer servicer): kept for the next round; the answer is the
-        latest order for its jobs, None until a round has included it."""
+    def receive(self, report: NodeReport, *, peer: str = "") -> Order | None:
+        """A peer's report (peer servicer; ``peer``: its address): kept for the next
+        round; the answer is the latest order for its jobs, None until a round has
+        included it."""
         info = self.election.state()
         with self._lock:
             agg = self._aggregator
         if not info.leading or agg is None:
             leader = f"; the leader is {info.leader} at {info.address}" if info.leader else ""
             raise FailedPrecondition(f"{self.node} does not lead{leader}")
-        agg.receive(report, self._clock())
+        try:
+            if report.node == self.node:
+                raise FailedPrecondition(
+                    f"node {report.node!r} is reported by two gpuds, this one and the leader "
+                    f"at {info.address}: give each its own cluster.node"
+                )
+            agg.receive(report, self._clock(), peer=peer)
+        except FailedPrecondition as err:
+            if report.node not in self._duplicates:  # once: it is refused every tick
+                self._duplicates.add(report.node)
+                log.warning("cluster: refused a report from %s: %s", peer or "?", err)
+            raise
         answer = agg.answer(report.node)
         if answer is None:
             # a node new to this leader (a failover): fold it in now, not at the next tick

@@ -78,7 +78,7 @@ class ClusterPeerServicer(pb_grpc.ClusterPeerServicer):
     ) -> pb.ReportResponse:
         report = report_from_pb(request)
         _check_identity(context, report.node)
-        order = self._agent.receive(report)
+        order = self._agent.receive(report, peer=context.peer())
         if order is None:
             return pb.ReportResponse()
         return pb.ReportResponse(order=order_to_pb(order))

@@ -52,6 +52,7 @@ def report_to_pb(report: NodeReport) -> pb.ReportRequest:
         node=report.node,
         jobs=[job_report_to_pb(j) for j in report.jobs],
         applied_epoch=report.applied_epoch,
+        instance=report.instance,
     )
 
 
@@ -87,7 +88,11 @@ def report_from_pb(msg: pb.ReportRequest) -> NodeReport:
                 pinned_level=optional(j, "pinned_level"),
             )
         )
-    return NodeReport(node=node, jobs=tuple(jobs), applied_epoch=msg.applied_epoch)
+    if len(msg.instance) > MAX_NAME:
+        raise InvalidArgument(f"at most {MAX_NAME} characters", field="instance")
+    return NodeReport(
+        node=node, jobs=tuple(jobs), applied_epoch=msg.applied_epoch, instance=msg.instance
+    )
 
 
 def attributes_to_pb(a: JobAttributes) -> pb.JobAttributes:

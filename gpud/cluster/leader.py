@@ -22,6 +22,7 @@ from typing import Any
 
 from gpud.cluster.model import JobAttributes, NodeReport, Order
 from gpud.cluster.ports import TagStore
+from gpud.errors import FailedPrecondition
 from netshaper.leveller import Leveller
 from netshaper.tags import DEFAULT_RESERVED, TagAllocator
 
@@ -32,6 +33,7 @@ _RATE, _IPS, _SLOWEST, _NODES, _DSCP, _PIN, _UNHEALTHY, _XIDS, _LINKS_DOWN, _DRO
 # nodes; _UNHEALTHY, _XIDS, _LINKS_DOWN: lists, None while empty (the usual case)
 _Fold = list[Any]
 _new_tuple = tuple.__new__
+_FORMER = 8  # replaced instances remembered per node (restarts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,8 @@ class Aggregator:
         # node -> (received at, report): written by receive() from any thread, read by a
         # round from a copy (each write is one dict assignment)
         self._reports: dict[str, tuple[float, NodeReport]] = {}
+        self._peers: dict[str, str] = {}  # node -> the address its latest report came from
+        self._former: dict[str, dict[str, None]] = {}  # node -> instances a newer one replaced
         self._job_seen: dict[str, float] = {}
         self._epoch = 0
         self._seq = 0
@@ -74,9 +78,31 @@ class Aggregator:
         self.untagged: tuple[str, ...] = ()  # jobs of the last round left without a tag
         self.order: Order | None = None
 
-    def receive(self, report: NodeReport, now: float) -> None:
-        """Keep ``report`` as the node's latest."""
-        self._reports[report.node] = (now, report)
+    def receive(self, report: NodeReport, now: float, *, peer: str = "") -> None:
+        """Keep ``report`` as the node's latest (``peer``: where it came from).
+
+        Raises :class:`FailedPrecondition` for a report of an instance that a newer one
+        replaced under the same node name while the newer one still reports: two gpuds
+        share the name, and taking both would make the node's jobs flap between them.
+        """
+        node = report.node
+        previous = self._reports.get(node)
+        if previous is not None and previous[1].instance != report.instance:
+            former = self._former.setdefault(node, {})
+            if report.instance in former and now - previous[0] <= self.node_timeout_s:
+                other = self._peers.get(node) or "another address"
+                raise FailedPrecondition(
+                    f"node {node!r} is reported by two gpuds, this one and the one at "
+                    f"{other}: give each its own cluster.node"
+                )
+            # a restart: the newest instance is the node from now on
+            former.pop(report.instance, None)
+            former[previous[1].instance] = None
+            if len(former) > _FORMER:
+                del former[next(iter(former))]
+        self._reports[node] = (now, report)
+        if peer:
+            self._peers[node] = peer
 
     def nodes(self, now: float) -> list[NodeSeen]:
         """Nodes heard from within the node timeout, by name."""

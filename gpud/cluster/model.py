@@ -41,11 +41,16 @@ class JobReport:
 
 @dataclass(frozen=True, slots=True)
 class NodeReport:
-    """Everything one node tells the leader on one tick."""
+    """Everything one node tells the leader on one tick.
+
+    ``instance`` is random per gpud process: a new one under a known node name is a
+    restart, an old one reporting again means two gpuds share the name.
+    """
 
     node: str
     jobs: tuple[JobReport, ...] = ()
     applied_epoch: int = 0
+    instance: str = ""
 
 
 class JobAttributes(NamedTuple):

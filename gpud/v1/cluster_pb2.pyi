@@ -110,8 +110,11 @@ class ReportRequest(_message.Message):
     NODE_FIELD_NUMBER: _builtins.int
     JOBS_FIELD_NUMBER: _builtins.int
     APPLIED_EPOCH_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     applied_epoch: _builtins.int
+    instance: _builtins.str
+    """random per gpud process: tells a restart from two gpuds reporting under one node name"""
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobReport]: ...
     def __init__(
@@ -120,10 +123,11 @@ class ReportRequest(_message.Message):
         node: _builtins.str = ...,
         jobs: _abc.Iterable[Global___JobReport] | None = ...,
         applied_epoch: _builtins.int = ...,
+        instance: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_epoch", b"applied_epoch", "jobs", b"jobs", "node", b"node"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_epoch", b"applied_epoch", "instance", b"instance", "jobs", b"jobs", "node", b"node"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

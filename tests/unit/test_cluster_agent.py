@@ -141,6 +141,27 @@ async def test_a_follower_refuses_reports() -> None:
         f.receive(NodeReport("n2"))
 
 
+async def test_a_second_gpud_under_a_nodes_name_is_refused_and_told_why() -> None:
+    clock, peers = Clock(), LoopbackPeers()
+    info = LeaderInfo("n0", "a0", 7, False)
+    leader = agent("n0", LeaderInfo("n0", "a0", 7, True), FakeTraffic(), peers, clock)
+    peers.leader = leader
+    n1 = agent("n1", info, FakeTraffic((job("a", 0.5),)), peers, clock)
+    twin = agent("n1", info, FakeTraffic((job("z", 0.5),)), peers, clock)
+    impostor = agent("n0", info, FakeTraffic((job("y", 0.5),)), peers, clock)
+    for _ in range(3):
+        for a in (leader, n1, twin, impostor):
+            await a.tick()
+    assert "'n1' is reported by two gpuds" in n1.last_error
+    assert "the leader key names n0 at a0, but this gpud does not" in impostor.last_error
+    # one that reports under the leader's name all the same is refused
+    with pytest.raises(FailedPrecondition, match="'n0' is reported by two gpuds, this one and"):
+        leader.receive(impostor.local_report())
+    assert twin.last_error == "" and twin.mode is Mode.FOLLOWER
+    assert leader.order is not None and set(leader.order.levels) == set()
+    assert {j.job for j in leader.status().jobs} == {"z"}
+
+
 async def test_stale_epoch_is_rejected_and_the_last_order_stays() -> None:
     clock, peers = Clock(), LoopbackPeers()
     traffic = FakeTraffic((job("a", 0.5),))

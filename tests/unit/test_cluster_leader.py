@@ -10,6 +10,7 @@ from gpud.cluster.fencing import FailStatic, Fence, Mode
 from gpud.cluster.leader import Aggregator
 from gpud.cluster.model import JobReport, NodeReport, Order
 from gpud.cluster.ports import MemoryTagStore
+from gpud.errors import FailedPrecondition
 from netshaper.leveller import Leveller, LevellerConfig
 
 
@@ -51,6 +52,25 @@ def test_faults_of_any_node_reach_the_jobs_attributes() -> None:
     assert a.xids == ("n2:79",)
     assert a.links_down == ("n2",)
     assert a.drops == 5
+
+
+def test_two_gpuds_under_one_node_name_are_told_apart_from_a_restart() -> None:
+    agg = make()
+    first = NodeReport("n1", (JobReport("a"), JobReport("b")), instance="first")
+    second = NodeReport("n1", (JobReport("c"),), instance="second")
+    agg.receive(first, 0, peer="ipv4:10.0.0.1:4000")
+    agg.receive(second, 1, peer="ipv4:10.0.0.9:4000")  # a restart, as far as anyone knows
+    # the replaced one reports again: two gpuds share the name; the newest keeps it
+    with pytest.raises(FailedPrecondition, match=r"'n1' .* the one at ipv4:10\.0\.0\.9:4000"):
+        agg.receive(first, 2, peer="ipv4:10.0.0.1:4000")
+    agg.receive(second, 2)
+    assert set(agg.compute(1, 2).levels) == {"c"}  # no flapping between the two job sets
+    # the second one gone for the node timeout: the first may have the name back
+    agg.receive(first, 8)
+    assert set(agg.compute(1, 8).levels) == {"a", "b"}
+    # a plain restart of it is taken at once
+    agg.receive(NodeReport("n1", (JobReport("a"),), instance="third"), 9)
+    assert set(agg.compute(1, 9).levels) == {"a"}
 
 
 def test_answers_carry_only_the_nodes_jobs() -> None:

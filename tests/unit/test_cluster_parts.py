@@ -56,6 +56,7 @@ def test_reports_are_checked_and_round_trip() -> None:
         "n1",
         (JobReport("a", 0.5, 2.0, 12, ("G1",), ("G1",), (79,), False, 10, 2),),
         applied_epoch=4,
+        instance="5f3a9c0e1b2d4a68",
     )
     assert report_from_pb(report_to_pb(report)) == report
     too_many = pb.ReportRequest(
