@@ -102,6 +102,7 @@ class EtcdElection:
         self._leader_address = ""
         self._store_ok = False
         self._detail = "not started"
+        self._failing = False  # an etcd outage was logged and has not ended
         self._abandoned: int | None = None  # a lease we stepped down from, to revoke
         self._watch_revision = 0  # the leader key's last mod revision seen (0: none)
         self._stop = threading.Event()
@@ -251,9 +252,15 @@ class EtcdElection:
             self._watch_revision = kv.mod_revision
         except GpudError as err:
             with self._lock:
-                self._store_ok = False
+                was_ok, self._store_ok = self._store_ok, False
                 self._detail = str(err)
+            if was_ok or not self._failing:  # once per outage, not every step
+                log.warning("cluster: %s; the last order stays in force", err)
+            self._failing = True
             return
+        if self._failing:
+            log.info("cluster: etcd reachable again")
+            self._failing = False
         try:
             holder = json.loads(kv.value)
             leader, address = str(holder["node"]), str(holder["address"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
@@ -117,6 +118,27 @@ def test_etcd_restart_is_ridden_out(etcd: LocalEtcd) -> None:
     etcd.start()
     leader.step()
     assert leader.state().leading and leader.state().epoch == epoch
+
+
+def test_a_follower_logs_an_etcd_outage_once_naming_the_endpoint_and_its_end(
+    etcd: LocalEtcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    leader, follower = elections(etcd, clock, n=2)
+    leader.step()
+    follower.step()
+    etcd.stop()
+    with caplog.at_level(logging.INFO, logger="gpud.cluster.election"):
+        for _ in range(3):
+            follower.step()
+        etcd.start()
+        follower.step()
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        f"cluster: etcd unreachable at {etcd.endpoint}: ConnectionFailedError; "
+        "the last order stays in force",
+        "cluster: etcd reachable again",
+    ]
 
 
 def test_a_stepped_down_leader_frees_its_old_lease_when_etcd_is_back(etcd: LocalEtcd) -> None:
