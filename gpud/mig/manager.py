@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from typing import Literal
+from typing import Literal, TypeVar
 
 from gpud.backend.port import (
     GpuBackend,
@@ -78,6 +78,8 @@ from gpud.mig.view import GpuView, JobResolver, faulty_view, gpu_view, read_actu
 from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 ReconcileMode = Literal["reconcile", "report"]
 
@@ -638,6 +640,13 @@ class MigManager:
                 )
                 self._last_report["inflight"] = inflight.config_name
             outcomes: list[GpuOutcome] = []
+            checked = self._check_bounded(
+                [
+                    (ids[u], r.layout)
+                    for u, r in desired.items()
+                    if u in ids and ids[u].index not in faults
+                ]
+            )
             for uuid, record in sorted(desired.items(), key=lambda kv: kv[1].gpu_index):
                 gpu = ids.get(uuid)
                 unread = record.gpu_index < len(all_ids) and not all_ids[record.gpu_index].uuid
@@ -681,7 +690,24 @@ class MigManager:
                         )
                     )
                     continue
-                outcomes.append(self._reconcile_gpu(gpu, record, mode, force, reset))
+                plan = checked.get(gpu.index)
+                if plan is None:
+                    outcomes.append(
+                        GpuOutcome(
+                            gpu.index,
+                            uuid,
+                            (),
+                            False,
+                            "faulty",
+                            f"GPU {gpu.index}{_product(gpu)} is faulty: not answering: no answer"
+                            f" from the driver within {self.VIEW_TIMEOUT_S:.1f} s: not reconciled"
+                            " until it answers again",
+                        )
+                    )
+                elif isinstance(plan, GpuPlan) and plan.empty:
+                    outcomes.append(GpuOutcome(gpu.index, uuid, (), False, "ok"))
+                else:  # differs, or the check failed: the same calls again, for the outcome
+                    outcomes.append(self._reconcile_gpu(gpu, record, mode, force, reset))
             for o in outcomes:
                 self._report(o)
             converged = all(
@@ -814,25 +840,41 @@ class MigManager:
             views.update(self._read_bounded(healthy, read, timeout_s, desired))
         return [views[i] for i in sorted(views)]
 
-    def _read_bounded(
+    def _check_bounded(
+        self, layouts: list[tuple[GpuIdentity, DeviceLayout]]
+    ) -> dict[int, GpuPlan | Exception]:
+        """Each GPU's plan toward its layout, read within ``VIEW_TIMEOUT_S``: a GPU that
+        hangs before telemetry notices must not hold the reconcile step, and the daemon's
+        other steps and watchdog behind it. A GPU missing from the answer did not answer."""
+        by_index = {gpu.index: layout for gpu, layout in layouts}
+
+        def plan(gpu: GpuIdentity) -> GpuPlan:
+            return self._plan(gpu, by_index[gpu.index], self._table(gpu))[1]
+
+        return self._bounded([gpu for gpu, _ in layouts], plan, self.VIEW_TIMEOUT_S, "check")
+
+    def _bounded(
         self,
         gpus: list[GpuIdentity],
-        read: Callable[[GpuIdentity], GpuView],
+        call: Callable[[GpuIdentity], T],
         timeout_s: float,
-        desired: Mapping[str, DesiredRecord],
-    ) -> Iterator[tuple[int, GpuView]]:
-        results: dict[int, GpuView] = {}
+        what: str,
+    ) -> dict[int, T | Exception]:
+        """``call(gpu)`` for each GPU on a thread of its own, waited for ``timeout_s`` in all:
+        what each GPU that answered returned or raised. Until their calls return, later
+        calls leave the GPUs that did not answer alone."""
+        results: dict[int, T | Exception] = {}
         finished: set[int] = set()  # guarded by _stuck_lock
         done = threading.Condition()
 
         def run(gpu: GpuIdentity) -> None:
+            result: T | Exception
             try:
-                view = read(gpu)
-            except Exception as err:  # a bug: shown on that GPU, logged
-                log.exception("reading GPU %d for mig show failed", gpu.index)
-                view = faulty_view(gpu, desired.get(gpu.uuid), f"internal error: {err}")
+                result = call(gpu)
+            except Exception as err:
+                result = err
             with done:
-                results[gpu.index] = view
+                results[gpu.index] = result
                 done.notify_all()
             with self._stuck_lock:
                 finished.add(gpu.index)
@@ -841,7 +883,7 @@ class MigManager:
         for gpu in gpus:
             # Daemon threads: one stuck in the driver must not keep the daemon from exiting.
             threading.Thread(
-                target=run, args=(gpu,), name=f"gpud-mig-show-{gpu.index}", daemon=True
+                target=run, args=(gpu,), name=f"gpud-mig-{what}-{gpu.index}", daemon=True
             ).start()
         deadline = time.monotonic() + timeout_s
         with done:
@@ -852,10 +894,22 @@ class MigManager:
                 done.wait(left)
             answered = dict(results)
         with self._stuck_lock:
-            # Until their reads return, later calls leave the GPUs that did not answer alone.
             self._stuck.update(g.index for g in gpus if g.index not in finished)
+        return answered
+
+    def _read_bounded(
+        self,
+        gpus: list[GpuIdentity],
+        read: Callable[[GpuIdentity], GpuView],
+        timeout_s: float,
+        desired: Mapping[str, DesiredRecord],
+    ) -> Iterator[tuple[int, GpuView]]:
+        answered = self._bounded(gpus, read, timeout_s, "show")
         for gpu in gpus:
             view = answered.get(gpu.index)
+            if isinstance(view, Exception):  # a bug: shown on that GPU, logged
+                log.error("reading GPU %d for mig show failed", gpu.index, exc_info=view)
+                view = faulty_view(gpu, desired.get(gpu.uuid), f"internal error: {view}")
             if view is None:
                 view = faulty_view(
                     gpu,

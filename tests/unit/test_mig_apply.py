@@ -3,6 +3,7 @@ NVML adapter."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -580,6 +581,26 @@ def test_show_never_waits_on_a_hung_gpu_past_its_deadline(a100: Host) -> None:
     # until the stuck read returns, GPU 1 gets no new call and is shown faulty at once
     again = d.mig.show(timeout_s=30.0)
     assert again[1].fault == "not answering: an earlier driver call on it is still outstanding"
+    d.node.faults.clear(1)
+
+
+def test_reconcile_never_waits_on_a_hung_gpu_past_its_deadline(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A GPU that hangs between two telemetry ticks: the daemon's MIG step must not wait on
+    it (the other steps and the watchdog wait behind that step)."""
+    d = enable(host, config, "all-balanced")
+    d.mig.reconcile()  # tables and the view read while every GPU answers
+    d.mig.VIEW_TIMEOUT_S = 0.3
+    d.node.faults.slow(1, 3.0)  # telemetry has not noticed yet
+    started = time.monotonic()
+    outcomes = {o.gpu: o for o in d.mig.reconcile()}
+    assert time.monotonic() - started < 2.0
+    assert outcomes[0].status == "ok"
+    assert outcomes[1].status == "faulty" and "not answering" in outcomes[1].detail
+    # until the stuck read returns, GPU 1 gets no new call
+    again = {o.gpu: o for o in d.mig.reconcile()}
+    assert again[1].status == "faulty" and "still outstanding" in again[1].detail
     d.node.faults.clear(1)
 
 
