@@ -134,13 +134,28 @@ class _Device:
     servers: tuple[int, ...] = field(default_factory=tuple)
 
 
-def targets_from_snapshot(snapshot: Snapshot) -> list[MpsTarget]:
-    """One target per GPU, or per MIG device of a GPU whose MIG mode is on."""
+def targets_from_snapshot(
+    snapshot: Snapshot, previous: Iterable[MpsTarget] = ()
+) -> list[MpsTarget]:
+    """One target per GPU, or per MIG device of a GPU whose MIG mode is on. A GPU that
+    could not be read (lost, hung) keeps its ``previous`` targets: its sample says nothing
+    of its MIG mode or devices, and taking it for a GPU without MIG would stop its MIG
+    devices' daemons and start one on the faulty GPU."""
+    before: dict[int, list[MpsTarget]] = {}
+    for t in previous:
+        before.setdefault(t.gpu, []).append(t)
     targets: list[MpsTarget] = []
     for gpu in snapshot.gpus:
         ident = gpu.identity
         unhealthy = "" if gpu.healthy else (gpu.reason or "unhealthy")
-        if gpu.mig_mode is not None and gpu.mig_mode.current:
+        kept = [
+            replace(t, gpu_unhealthy=unhealthy)
+            for t in before.get(ident.index, ())
+            if not ident.uuid or ident.uuid in (t.uuid, t.gpu_uuid)
+        ]
+        if not gpu.healthy and gpu.mig_mode is None and kept:
+            targets += kept
+        elif gpu.mig_mode is not None and gpu.mig_mode.current:
             for mig in gpu.mig_devices:
                 m = mig.identity
                 pl = m.gpu_instance_placement
@@ -494,7 +509,7 @@ class MpsManager:
         isolated: a failure is logged and recorded in its status, and the pass goes on."""
         with self._lock:
             if snapshot is not None:
-                self.observe(targets_from_snapshot(snapshot))
+                self.observe(targets_from_snapshot(snapshot, self._targets.values()))
             for target in self.targets():
                 try:
                     self._reconcile_device(target)
@@ -517,7 +532,8 @@ class MpsManager:
             return
         now = self._clock()
         if dev.daemon.pid() is None:
-            if now < dev.next_start_at:
+            if now < dev.next_start_at or not target.uuid:
+                # no UUID: a GPU lost before it was ever read, nothing to run a daemon for
                 return
             self._start(target, dev, desired)
             return

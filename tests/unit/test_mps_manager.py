@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
+from gpud.backend.port import unknown_identity
 from gpud.cli.mps import device_row
 from gpud.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from gpud.mps.api import device_message
@@ -21,6 +22,7 @@ from gpud.mps.manager import MpsLimits, MpsManager, MpsTarget, targets_from_snap
 from gpud.mps.metrics import MpsMetrics
 from gpud.mps.procs import alive
 from gpud.shared import GIB, MIB
+from gpud.telemetry.snapshot import GpuSample
 from tests.unit.mps_support import gpu_sample, gpu_uuid, make_manager, mig_uuid, short_dir, snapshot
 
 NODE = snapshot(gpu_sample(0, memory_gib=80), gpu_sample(1, memory_gib=40))
@@ -79,6 +81,36 @@ def test_a_device_on_an_unhealthy_gpu_says_so(manager: MpsManager) -> None:
     assert shown[1].gpu_unhealthy == "unhealthy" and shown[0].gpu_unhealthy == ""
     assert device_row(shown[1])[3].endswith("(GPU 1 unhealthy: unhealthy)")
     assert "unhealthy" not in device_row(shown[0])[3]
+
+
+def test_a_gpu_that_cannot_be_read_keeps_its_daemons(manager: MpsManager) -> None:
+    """A lost or hung GPU's sample has no MIG mode and no MIG devices: that is not a GPU
+    that left MIG mode, so its MIG devices' daemons stay and no whole-GPU one starts."""
+    manager.reconcile(MIG_NODE)
+    before = {s.target.uuid: s.pid for s in manager.status()}
+    lost = MIG_NODE.gpus[0]._replace(
+        healthy=False, reason="GPU lost (memory): GPU is lost", mig_mode=None, mig_devices=()
+    )
+    manager.reconcile(snapshot(lost, MIG_NODE.gpus[1]))
+    after = {s.target.uuid: s for s in manager.status()}
+    assert {uuid: s.pid for uuid, s in after.items()} == before
+    assert all(after[mig_uuid(0, i)].up for i in range(3))
+    assert after[mig_uuid(0, 0)].target.gpu_unhealthy == "GPU lost (memory): GPU is lost"
+    manager.reconcile(MIG_NODE)  # it answers again, with the same devices
+    assert {s.target.uuid: s.pid for s in manager.status()} == before
+
+
+def test_no_daemon_for_a_gpu_never_read(manager: MpsManager) -> None:
+    """Lost before gpud started: no UUID, so nothing to start a daemon for; it stays listed,
+    so that a job naming it hears that it is unhealthy."""
+    unread = GpuSample(
+        identity=unknown_identity(0), healthy=False, reason="GPU lost (identity)", sampled_at=0.0
+    )
+    manager.reconcile(snapshot(unread, NODE.gpus[1]))
+    status = {s.target.gpu: s for s in manager.status()}
+    assert status[0].pid is None and not status[0].up
+    assert status[0].target.gpu_unhealthy == "GPU lost (identity)"
+    assert status[1].up and status[1].pid is not None
 
 
 def test_one_daemon_per_gpu_with_unequal_limits(manager: MpsManager, root: Path) -> None:
