@@ -525,13 +525,13 @@ class MigManager:
             if isinstance(step, SetMigMode):
                 mode = self._backend.set_mig_mode(step.gpu, step.enabled)
                 done.append(step.describe())
-                self._mark(len(done))
+                self._mark()
                 self._changed(gpu.index)
                 # Pending until a reset, or taken effect: then re-plan from what the driver has.
                 return mode.current != step.enabled
             self._do(step)
             done.append(step.describe())
-            self._mark(len(done))
+            self._mark()
             self._changed(gpu.index)
         return False
 
@@ -540,9 +540,8 @@ class MigManager:
         if self._on_change is not None:
             self._on_change(gpu)
 
-    def _mark(self, count: int) -> None:
-        if self._store.inflight() is not None:
-            self._store.step_done(count)
+    def _mark(self) -> None:
+        self._store.step_done()
 
     def _do(self, step: Step) -> None:
         b = self._backend

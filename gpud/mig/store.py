@@ -138,9 +138,11 @@ class MigStore:
                 (config_name, json.dumps([step_to_dict(s) for s in steps]), options.to_json(), now),
             )
 
-    def step_done(self, count: int) -> None:
+    def step_done(self) -> None:
+        """One more step of the in-flight apply took effect (on any of its GPUs); nothing
+        when none is in flight."""
         with self._store.transaction() as conn:
-            conn.execute("UPDATE mig_inflight SET steps_done = ? WHERE id = 1", (count,))
+            conn.execute("UPDATE mig_inflight SET steps_done = steps_done + 1 WHERE id = 1")
 
     def inflight(self) -> InflightRecord | None:
         with self._store.transaction() as conn:

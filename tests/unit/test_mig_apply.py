@@ -381,7 +381,11 @@ def test_crash_at_every_step_converges(tmp_path: Path, config: MigConfigFile, st
                 d.mig.apply(config, "all-balanced")
             # the daemon died; the driver kept what was done. Next start:
             again = host.start()
+            interrupted = again.mig._store.inflight()
+            assert interrupted is not None and interrupted.steps_done == n - 1, f"after {n}"
             again.mig.reconcile()
+            resumed = again.events.recent(kind_prefix="mig.resume")[-1].message
+            assert f"({n - 1}/{total} steps were done)" in resumed
             assert again.mig.assert_config(config, "all-balanced") == [], f"crash after {n}"
             got = instances(again)
             for gpu in got:
