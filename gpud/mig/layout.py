@@ -158,8 +158,11 @@ class MigConfigFile:
 
     def layouts(self, name: str, gpus: Sequence[GpuIdentity]) -> dict[int, DeviceLayout]:
         """:func:`resolve` config ``name`` on ``gpus``, naming this file and config in errors."""
-        where = f"mig-configs.{name}" + (f" in {self.path}" if self.path else "")
-        return resolve(self.config(name), gpus, where=where)
+        return resolve(self.config(name), gpus, where=self.where(name))
+
+    def where(self, name: str) -> str:
+        """``mig-configs.NAME in PATH``: where config ``name`` is, for messages."""
+        return f"mig-configs.{name}" + (f" in {self.path}" if self.path else "")
 
     def config(self, name: str) -> tuple[ConfigEntry, ...]:
         try:
@@ -282,7 +285,9 @@ def resolve(
         matched = [e for e in entries if e.matches(gpu)]
         if len(matched) > 1 and any(m.layout != matched[0].layout for m in matched):
             raise InvalidArgument(
-                f"GPU {gpu.index} ({gpu.product}) matches {len(matched)} entries with different layouts",
+                f"GPU {gpu.index} ({gpu.product}) matches {len(matched)} entries"
+                + (f" of {where}" if where else "")
+                + " with different layouts",
                 field="devices",
             )
         if matched:

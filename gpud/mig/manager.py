@@ -324,6 +324,8 @@ class MigManager:
                 plans[i] = self._plan(gpu, layout, self._table(gpu))
             except FAULTS as err:
                 faulty[i] = _fault_reason(err)
+            except InvalidArgument as err:
+                raise InvalidArgument(f"{config.where(name)}: {err}") from err
         left_alone = tuple(
             GpuOutcome(
                 i,
@@ -588,6 +590,8 @@ class MigManager:
                 diff += self._differences({ids[i]: layout})
             except FAULTS as err:
                 faulty[i] = _fault_reason(err)
+            except InvalidArgument as err:
+                raise InvalidArgument(f"{config.where(name)}: {err}") from err
         return diff, dict(sorted(faulty.items()))
 
     def _differences(self, layouts: dict[GpuIdentity, DeviceLayout]) -> list[str]:

@@ -212,12 +212,38 @@ def test_impossible_layouts_change_nothing(host: Host, config: MigConfigFile, na
     d = enable(host, config, "all-1g.10gb")
     before = instances(d)
     d.node.faults.crash_after_mutations(1)  # any driver mutation would crash the test
+    impossible = load_config(DATA / "impossible.yaml")
     with pytest.raises(InvalidArgument) as err:
-        d.mig.apply(load_config(DATA / "impossible.yaml"), name)
+        d.mig.apply(impossible, name)
     assert "GPU 0 (H100-SXM5-80GB)" in str(err.value)
+    # a file holds many configs: the message says which one, and which file
+    assert str(err.value).startswith(f"mig-configs.{name} in {DATA / 'impossible.yaml'}: ")
+    with pytest.raises(InvalidArgument) as err:
+        d.mig.assert_config(impossible, name)
+    assert str(err.value).startswith(f"mig-configs.{name} in {DATA / 'impossible.yaml'}: ")
     d.node.faults.clear()
     assert instances(d) == before
     assert d.mig.stats.snapshot()[0]["invalid"] == 1
+
+
+def test_a_gpu_in_two_entries_with_different_layouts_names_the_config(host: Host) -> None:
+    text = """\
+version: v1
+mig-configs:
+  twice:
+    - devices: [0]
+      mig-enabled: true
+      mig-devices: {"1g.10gb": 7}
+    - devices: all
+      mig-enabled: false
+"""
+    d = host.start()
+    with pytest.raises(InvalidArgument) as err:
+        d.mig.apply(parse_config(text, path="/etc/layouts.yaml"), "twice")
+    assert str(err.value) == (
+        "devices: GPU 0 (H100-SXM5-80GB) matches 2 entries of mig-configs.twice in"
+        " /etc/layouts.yaml with different layouts"
+    )
 
 
 def test_unknown_config_name(host: Host, config: MigConfigFile) -> None:
