@@ -13,7 +13,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gpud.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from gpud.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from gpud.events import EventLog
 from gpud.jobs.attribution import Attributor, ProcessUse, memory_by_job
 from gpud.jobs.env import build_env
@@ -122,10 +128,18 @@ class JobService:
 
     def device_uuids(self, names: tuple[str, ...]) -> tuple[str, ...]:
         """Devices as people name them (``0``, ``0:1``, as ``gpuctl mps`` takes them) or by
-        UUID, as UUIDs; a UUID is kept as given (placement says if the node lacks it)."""
-        return tuple(
-            n if n.startswith(("GPU-", "MIG-")) else self._mps.resolve(n).uuid for n in names
-        )
+        UUID, as UUIDs; a UUID the node lacks is kept as given (placement says so), and a GPU
+        in MIG mode is refused by UUID as by index."""
+
+        def uuid(name: str) -> str:
+            try:
+                return self._mps.resolve(name).uuid
+            except NotFound:
+                if name.startswith(("GPU-", "MIG-")):
+                    return name
+                raise
+
+        return tuple(uuid(n) for n in names)
 
     def resolved(self, request: RunRequest) -> RunRequest:
         """``request`` with its devices as UUIDs (:meth:`device_uuids`)."""

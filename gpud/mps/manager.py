@@ -391,6 +391,13 @@ class MpsManager:
                 for t in found:
                     if t.mig == mig or (mig is None and len(found) == 1):
                         return t
+            migs = [t for t in self._targets.values() if t.gpu_uuid == device]
+            if device.startswith("GPU-") and migs:
+                raise InvalidArgument(
+                    f"GPU {migs[0].gpu} ({device}) is in MIG mode; name one of its MIG"
+                    f" devices: {device_names(migs)}",
+                    field="gpu",
+                )
             known = device_names(self._targets.values()) or "none yet"
             raise NotFound(f"no GPU or MIG device {device!r} (known: {known}; or a GPU-/MIG- UUID)")
 

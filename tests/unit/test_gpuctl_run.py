@@ -472,6 +472,18 @@ def test_advice_whose_gpu_was_taken_meanwhile_is_asked_again(
     assert "asking co-location again" in capsys.readouterr().err
 
 
+def test_a_gpu_in_mig_mode_is_refused_by_uuid_as_by_index(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with serving() as n:
+        for name in ("0", gpu_uuid(0)):
+            argv = ("run", "--job", "t", "--devices", name, "--no-wait", "--", "true")
+            assert n.ctl(*argv) == 2, name
+            assert "is in MIG mode; name one of its MIG devices: 0:0,1" in capsys.readouterr().err
+        assert n.ctl("run", "--job", "t", "--devices", "GPU-0000", "--no-wait", "--", "true") == 4
+        assert "no GPU or MIG device GPU-0000 on this node" in capsys.readouterr().err
+
+
 def test_a_run_that_can_get_no_dscp_tag_does_not_ask_co_location_again(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
