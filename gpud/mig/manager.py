@@ -786,9 +786,11 @@ class MigManager:
                 steps=list(o.steps),
             )
         elif o.status != "ok" and self._last_report.get(o.uuid) != key:
+            # a detail that names the GPU already says it all ("GPU 1 ... is faulty: ...")
+            named = o.detail.startswith((f"GPU {o.gpu} ", f"GPU {o.gpu}:"))
             self._events.emit(
                 "mig.drift",
-                f"GPU {o.gpu}: {o.status}: {o.detail}",
+                o.detail if named else f"GPU {o.gpu}: {o.status}: {o.detail}",
                 gpu=o.gpu,
                 uuid=o.uuid,
                 status=o.status,

@@ -575,6 +575,8 @@ def test_a_gpu_lost_before_start_leaves_the_others_managed(a100: Host) -> None:
     outcomes = {o.gpu: o for o in d.mig.reconcile()}
     assert outcomes[0].status == "ok"
     assert outcomes[1].status == "faulty" and "GPU lost" in outcomes[1].detail
+    (drift,) = [e.message for e in d.events.recent() if e.kind == "mig.drift"]
+    assert drift.startswith("GPU 1 is faulty: identity: GPU lost"), drift
     views = d.mig.show()
     assert views[0].fault == "" and len(views[0].instances) == 4
     assert views[1].fault.startswith("identity: GPU lost") and views[1].instances == ()
