@@ -189,17 +189,19 @@ def test_restarts_are_counted() -> None:
 
 
 @pytest.mark.parametrize(
-    ("window", "reports", "period"),
+    ("window", "least", "reports", "period"),
     [
-        (1.0, [(0, 0.0), (1, 1.0), (2, 2.0), (3, 10.0)], 8.0),  # trimmed to the last two
-        (1.0, [(0, 0.0), (1, 3.0), (2, 4.0)], 1.0),  # exactly one window back: trimmed
-        (10.0, [(0, 0.0), (1, 5.0), (2, 6.0)], 3.0),  # within the window: all kept
+        (1.0, 1, [(0, 0.0), (1, 1.0), (2, 2.0), (3, 10.0)], 8.0),  # trimmed to the last two
+        (1.0, 1, [(0, 0.0), (1, 3.0), (2, 4.0)], 1.0),  # exactly one window back: trimmed
+        (10.0, 1, [(0, 0.0), (1, 5.0), (2, 6.0)], 3.0),  # within the window: all kept
+        (1.0, 2, [(0, 0.0), (1, 1.0), (2, 2.0), (3, 10.0)], 4.5),  # two iterations kept
+        (1.0, 2, [(0, 0.0), (1, 1.0), (3, 3.0)], 1.0),  # one report covers two: trimmed
     ],
 )
 def test_the_window_trims_points_a_whole_window_old(
-    window: float, reports: list[tuple[int, float]], period: float
+    window: float, least: int, reports: list[tuple[int, float]], period: float
 ) -> None:
-    tr = ProgressTracker(ProgressConfig(window_s=window))
+    tr = ProgressTracker(ProgressConfig(window_s=window, min_iterations=least))
     for n, t in reports:
         tr.report("a", n, t)
     assert tr.progress("a", reports[-1][1]).period_s == pytest.approx(period)
