@@ -89,8 +89,12 @@ def make_node(
     *,
     ips: tuple[str, ...] = (),
     dns: tuple[str, ...] = (),
+    not_before: datetime.datetime | None = None,
+    not_after: datetime.datetime | None = None,
 ) -> tuple[Path, Path]:
-    """A node certificate signed by the CA in ``ca_dir``: (NODE.pem, NODE-key.pem)."""
+    """A node certificate signed by the CA in ``ca_dir``: (NODE.pem, NODE-key.pem), valid
+    from ``not_before`` (default: five minutes ago) to ``not_after`` (default: in
+    VALID_DAYS days)."""
     ca_cert = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
     ca_key = serialization.load_pem_private_key((ca_dir / "ca-key.pem").read_bytes(), None)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
@@ -107,8 +111,8 @@ def make_node(
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+        .not_valid_before(not_before or now - datetime.timedelta(minutes=5))
+        .not_valid_after(not_after or now + datetime.timedelta(days=VALID_DAYS))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(

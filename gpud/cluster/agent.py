@@ -96,6 +96,7 @@ class ClusterAgent:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         instance: str | None = None,
+        credential_problem: Callable[[float], str] | None = None,
     ) -> None:
         self.node = node
         self.instance = os.urandom(8).hex() if instance is None else instance
@@ -120,6 +121,9 @@ class ClusterAgent:
         self.order: Order | None = None  # the newest applied order (this node's share)
         self.last_error = ""
         self._duplicates: set[str] = set()  # node names two gpuds were found to share
+        # '' or why peers refuse this node's certificate at a Unix time (expired since start)
+        self._credential_problem = credential_problem or (lambda now: "")
+        self._credential_logged = ""
         self._changed = asyncio.Event()
         self._tick_lock = asyncio.Lock()
         # an extra round after DELAY seconds (the runtime schedules it; a no-op by default)
@@ -175,6 +179,11 @@ class ClusterAgent:
     async def _tick(self) -> None:
         info = self.election.state()
         report = await asyncio.to_thread(self.local_report)
+        problem = self._credential_problem(self._wall())
+        if problem != self._credential_logged:  # once, not every round
+            if problem:
+                log.error("cluster: %s", problem)
+            self._credential_logged = problem
         if info.leading:
             try:
                 order = await asyncio.to_thread(self._lead, info.epoch, report)
@@ -186,7 +195,8 @@ class ClusterAgent:
                 and self.election.state().leading
                 and self._apply(order.for_jobs(j.job for j in report.jobs))
             ):
-                self.last_error = ""
+                # peers cannot connect to a leader whose certificate expired: say why
+                self.last_error = problem
         else:
             with self._lock:
                 self._aggregator = None  # soft state: a later leadership starts afresh
@@ -194,7 +204,9 @@ class ClusterAgent:
                 try:
                     order = await self._peers.report(info.address, info.leader, report)
                 except GpudError as err:
-                    self._note_error(str(err))
+                    # the handshake error says little ("Socket closed"); an expired
+                    # certificate of this node is known here, so the error names it
+                    self._note_error(f"{err}; {problem}" if problem else str(err))
                 else:
                     if order is None:  # a new leader has not folded our report in yet
                         self.last_error = ""

@@ -71,7 +71,7 @@ class ClusterRuntime:
         self._etcd: EtcdClient | None = None
         election: Election
         if config.election == "etcd":
-            tls = PeerTls.load(config.ca_file, config.cert_file, config.key_file)
+            tls = PeerTls.load(config.ca_file, config.cert_file, config.key_file, node=self.node)
             self._etcd = EtcdClient(etcd_settings(config))
             self._peer_client = PeerClient(tls, timeout_s=config.report_timeout_s)
             self._election: EtcdElection | None = EtcdElection(
@@ -109,6 +109,7 @@ class ClusterRuntime:
             fresh_s=3 * tick_s + config.report_timeout_s,
             node_timeout_s=config.node_timeout_s,
             events=events,
+            credential_problem=self._tls.expiry_problem if self._tls is not None else None,
         )
         self.servicer = ClusterServicer(self.agent)
 

@@ -6,10 +6,20 @@ certificate against the same CA *and* against the leader's node name (the name i
 published in etcd must be in its certificate's subjectAltName), so a node cannot pose as
 another. ``tools/certs.py`` makes a CA and node certificates; ``openssl x509 -in node.pem
 -noout -text`` shows what a certificate carries.
+
+:meth:`PeerTls.load` checks the three files before gRPC ever sees them: gRPC only says
+that the port "cannot listen" for a bad key, and nothing at all for a certificate the
+other nodes will refuse (expired, of another CA), which then shows up as closed sockets
+on every node. The check is a TLS handshake of the node with itself in memory
+(:class:`ssl.MemoryBIO`): the certificate and key as server and as client, each side
+trusting only the CA, so it tests what a peer would test.
 """
 
 from __future__ import annotations
 
+import logging
+import ssl
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,17 +28,71 @@ import grpc
 
 from gpud.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
+EXPIRY_WARNING_S = 7 * 86400  # a certificate expiring sooner is warned about at start
+
+# OpenSSL X509_V_ERR_* codes (ssl.SSLCertVerificationError.verify_code) a peer would hit
+_NOT_YET_VALID, _EXPIRED = 9, 10
+_OTHER_CA = {
+    2,  # unable to get issuer certificate
+    7,  # certificate signature failure (a CA of the same name, another key)
+    18,  # self-signed certificate
+    19,  # self-signed certificate in the chain
+    20,  # unable to get local issuer certificate
+    21,  # unable to verify the first certificate
+}
+_INVALID_PURPOSE, _HOSTNAME_MISMATCH = 26, 62
+
+
+class _Encrypted(Exception):
+    """The key file asks for a passphrase (OpenSSL would prompt on the terminal)."""
+
+
+def _no_passphrase() -> str:
+    raise _Encrypted
+
+
+def _when(unix: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix))
+
+
+def _pem_text(data: bytes) -> str:
+    # OpenSSL reads PEM as ASCII; anything else in the file is not PEM anyway
+    return data.decode("ascii", errors="ignore")
+
 
 @dataclass(frozen=True, slots=True)
 class PeerTls:
+    """This node's CA, certificate and key (PEM), as gRPC credentials.
+
+    ``cert_file`` and ``not_after`` (Unix time; None when not known) let a running node
+    say that its certificate has expired since it started (:meth:`expiry_problem`).
+    """
+
     ca: bytes
     cert: bytes
     key: bytes
+    cert_file: str = ""
+    not_after: float | None = None
 
     @classmethod
-    def load(cls, ca_file: Path | None, cert_file: Path | None, key_file: Path | None) -> PeerTls:
-        """Read the three PEM files; a missing or unreadable one is a ConfigError naming it."""
+    def load(
+        cls,
+        ca_file: Path | None,
+        cert_file: Path | None,
+        key_file: Path | None,
+        *,
+        node: str | None = None,
+        now: float | None = None,
+    ) -> PeerTls:
+        """Read and check the three PEM files; each problem is a ConfigError naming the
+        key and the file: unreadable, not PEM, a key that is not the certificate's, a
+        certificate the CA did not sign, one expired or not yet valid, one that does not
+        name ``node`` (when given). One that expires within :data:`EXPIRY_WARNING_S` of
+        ``now`` (default: the time) is logged as a warning."""
         values: dict[str, bytes] = {}
+        paths: dict[str, Path] = {}
         for key, path in (("ca_file", ca_file), ("cert_file", cert_file), ("key_file", key_file)):
             if path is None:
                 raise ConfigError(
@@ -42,7 +106,32 @@ class PeerTls:
                 raise ConfigError(
                     f"cannot read {path}: {err.strerror}", key=f"cluster.{key}"
                 ) from err
-        return cls(values["ca_file"], values["cert_file"], values["key_file"])
+            paths[key] = path
+        not_after = _check(
+            paths["ca_file"],
+            paths["cert_file"],
+            paths["key_file"],
+            values,
+            node=node,
+            now=time.time() if now is None else now,
+        )
+        return cls(
+            values["ca_file"],
+            values["cert_file"],
+            values["key_file"],
+            cert_file=str(paths["cert_file"]),
+            not_after=not_after,
+        )
+
+    def expiry_problem(self, now: float) -> str:
+        """'' or why peers refuse this node's certificate by ``now`` (Unix time): it has
+        expired since gpud started. Cheap enough for every round."""
+        if self.not_after is None or now < self.not_after:
+            return ""
+        return (
+            f"this node's certificate cluster.cert_file {self.cert_file} expired at "
+            f"{_when(self.not_after)}: the other nodes refuse it; renew it and restart gpud"
+        )
 
     def server_credentials(self) -> Any:
         return grpc.ssl_server_credentials(
@@ -53,3 +142,157 @@ class PeerTls:
         return grpc.ssl_channel_credentials(
             root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
         )
+
+
+def _context(purpose: int, ca_text: str, cert: Path, key: Path) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(purpose)
+    ctx.load_verify_locations(cadata=ca_text)  # parsed before
+    try:
+        ctx.load_cert_chain(cert, key, password=_no_passphrase)
+    except _Encrypted:
+        raise ConfigError(
+            f"{key}: the key is encrypted; gRPC needs it unencrypted (mode 0600)",
+            key="cluster.key_file",
+        ) from None
+    except ssl.SSLError as err:
+        if err.reason == "KEY_VALUES_MISMATCH":
+            raise ConfigError(
+                f"{key} is not the key of the certificate {cert}", key="cluster.key_file"
+            ) from err
+        # the certificate parsed (checked before), so it is the key that does not
+        why = f" ({err.reason})" if err.reason and err.reason != "PEM_LIB" else ""
+        raise ConfigError(
+            f"{key}: no PEM private key can be read from it{why}", key="cluster.key_file"
+        ) from err
+    except OSError as err:  # gone since it was read
+        raise ConfigError(f"cannot read {cert} or {key}: {err.strerror}") from err
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def _check(
+    ca: Path,
+    cert: Path,
+    key: Path,
+    values: dict[str, bytes],
+    *,
+    node: str | None,
+    now: float,
+) -> float | None:
+    """See :meth:`PeerTls.load`; the certificate's notAfter (Unix time)."""
+    ca_text = _pem_text(values["ca_file"])
+    for name, path, text in (("ca_file", ca, ca_text), ("cert_file", cert, None)):
+        probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        try:
+            probe.load_verify_locations(cadata=text or _pem_text(values[name]))
+        except ssl.SSLError as err:
+            why = f" ({err.reason})" if err.reason else ""
+            raise ConfigError(
+                f"{path}: no PEM certificate can be read from it{why}", key=f"cluster.{name}"
+            ) from err
+    server = _context(ssl.PROTOCOL_TLS_SERVER, ca_text, cert, key)
+    client = _context(ssl.PROTOCOL_TLS_CLIENT, ca_text, cert, key)
+    client.check_hostname = node is not None
+    authorities = client.get_ca_certs()
+    if not authorities:
+        raise ConfigError(f"{ca}: no CA certificate in it", key="cluster.ca_file")
+    s_in, s_out, c_in, c_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    s = server.wrap_bio(s_in, s_out, server_side=True)
+    c = client.wrap_bio(c_in, c_out, server_hostname=node or None)
+    done = {"client": False, "server": False}
+    for _ in range(8):  # TLS 1.3 takes two round trips; more means something is wrong
+        for side, obj, out, peer in (("client", c, c_out, s_in), ("server", s, s_out, c_in)):
+            if not done[side]:
+                try:
+                    obj.do_handshake()
+                    done[side] = True
+                except ssl.SSLWantReadError:
+                    pass
+                except ssl.SSLCertVerificationError as err:
+                    raise _verify_error(err, side, ca, cert, node, authorities, now) from err
+                except ssl.SSLError as err:
+                    raise ConfigError(
+                        f"{cert} with {key}: a TLS handshake with the CA {ca} fails: "
+                        f"{err.reason or err}",
+                        key="cluster.cert_file",
+                    ) from err
+            data = out.read()
+            if data:
+                peer.write(data)
+        if all(done.values()):
+            break
+    else:
+        raise ConfigError(
+            f"{cert}: a TLS handshake with itself does not finish", key="cluster.cert_file"
+        )
+    # the client verified the certificate, so its fields are there
+    verified = c.getpeercert() or {}
+    not_after = ssl.cert_time_to_seconds(str(verified["notAfter"]))
+    _warn_expiring("cluster.cert_file", cert, not_after, now)
+    for authority in authorities:
+        end = ssl.cert_time_to_seconds(str(authority["notAfter"]))
+        _warn_expiring("cluster.ca_file", ca, end, now)
+    return float(not_after)
+
+
+def _warn_expiring(key: str, path: Path, not_after: float, now: float) -> None:
+    if now <= not_after < now + EXPIRY_WARNING_S:
+        log.warning(
+            "%s %s expires at %s, in %.1f days: the other nodes will refuse it then",
+            key,
+            path,
+            _when(not_after),
+            (not_after - now) / 86400,
+        )
+
+
+def _verify_error(  # noqa: PLR0917 (one call site, the handshake's)
+    err: ssl.SSLCertVerificationError,
+    side: str,
+    ca: Path,
+    cert: Path,
+    node: str | None,
+    authorities: list[Any],
+    now: float,
+) -> ConfigError:
+    code = err.verify_code
+    dates = f"(openssl x509 -noout -dates -in {cert})"
+    if code in (_EXPIRED, _NOT_YET_VALID):
+        # the CA's own dates are known here; the certificate's only once it verifies
+        for authority in authorities:
+            start = ssl.cert_time_to_seconds(authority["notBefore"])
+            end = ssl.cert_time_to_seconds(authority["notAfter"])
+            if now >= end:
+                return ConfigError(
+                    f"{ca}: the CA certificate expired at {_when(end)}", key="cluster.ca_file"
+                )
+            if now < start:
+                return ConfigError(
+                    f"{ca}: the CA certificate is not valid before {_when(start)}",
+                    key="cluster.ca_file",
+                )
+        what = "has expired" if code == _EXPIRED else "is not valid yet"
+        return ConfigError(f"{cert}: the certificate {what} {dates}", key="cluster.cert_file")
+    if code in _OTHER_CA:
+        return ConfigError(
+            f"{cert}: the certificate is not signed by the CA in {ca} "
+            f"(cluster.ca_file): {err.verify_message}",
+            key="cluster.cert_file",
+        )
+    if code == _HOSTNAME_MISMATCH:
+        return ConfigError(
+            f"{cert}: the certificate does not name node {node!r} (cluster.node) in its "
+            "subjectAltName, so the other nodes would refuse it",
+            key="cluster.cert_file",
+        )
+    if code == _INVALID_PURPOSE:
+        role = "server" if side == "client" else "client"
+        return ConfigError(
+            f"{cert}: the certificate is not for TLS {role} authentication "
+            "(extendedKeyUsage); a node's certificate needs both serverAuth and clientAuth",
+            key="cluster.cert_file",
+        )
+    return ConfigError(
+        f"{cert}: a peer would refuse the certificate: {err.verify_message}",
+        key="cluster.cert_file",
+    )

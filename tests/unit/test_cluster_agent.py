@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import pytest
 
@@ -82,6 +82,7 @@ def agent(
     *,
     view: StaticNodeView | None = None,
     store: MemoryTagStore | None = None,
+    credential_problem: Callable[[float], str] | None = None,
 ) -> ClusterAgent:
     tags = store or MemoryTagStore()
     return ClusterAgent(
@@ -99,6 +100,7 @@ def agent(
         node_timeout_s=5,
         clock=clock,
         wall=lambda: 1.7e9,
+        credential_problem=credential_problem,
     )
 
 
@@ -252,3 +254,48 @@ async def test_watch_yields_again_only_when_attributes_change() -> None:
     await leader.tick()
     epoch, _, (a,) = await asyncio.wait_for(nxt, 5)
     assert a.unhealthy_gpus == ("n0/G1",)
+
+
+async def test_a_certificate_expired_since_start_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock, peers = Clock(), LoopbackPeers()
+    problem = "this node's certificate cluster.cert_file /pki/n1.pem expired at ..."
+    expired = {"now": False}
+
+    def check(now: float) -> str:
+        return problem if expired["now"] else ""
+
+    f = agent(
+        "n1",
+        LeaderInfo("n0", "a0", 9, False),
+        FakeTraffic(),
+        peers,
+        clock,
+        credential_problem=check,
+    )
+    lead = agent(
+        "n0",
+        LeaderInfo("n0", "a0", 9, True),
+        FakeTraffic((job("a", 0.5),)),
+        peers,
+        clock,
+        credential_problem=check,
+    )
+    await f.tick()
+    await lead.tick()
+    assert f.last_error.startswith("leader n0 at a0: UNAVAILABLE") and problem not in f.last_error
+    expired["now"] = True
+    with caplog.at_level("WARNING", logger="gpud.cluster.agent"):
+        for _ in range(3):
+            await f.tick()
+            await lead.tick()
+    # a follower's failed report says what peers refuse; the leader's status says it too
+    assert f.last_error.endswith(f"; {problem}") and lead.last_error == problem
+    assert lead.mode is Mode.LEADER
+    # once per gpud, not every round: the problem itself, and the follower's failed report
+    assert [r.levelname for r in caplog.records if problem in r.getMessage()] == [
+        "ERROR",
+        "WARNING",
+        "ERROR",
+    ]

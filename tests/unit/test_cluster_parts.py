@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
+import logging
 from pathlib import Path
 
 import grpc
@@ -96,6 +98,90 @@ def test_missing_certificate_is_a_config_error(tmp_path: Path) -> None:
         PeerTls.load(tmp_path / "missing.pem", tmp_path / "x", tmp_path / "y")
 
 
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pki = tmp_path_factory.mktemp("pki")
+    make_ca(pki)
+    for name in ("n1", "n2", "n3"):
+        make_node(pki, name, pki)
+    now = datetime.datetime.now(datetime.UTC)
+    day = datetime.timedelta(days=1)
+    make_node(pki, "old", pki, not_before=now - 3 * day, not_after=now - day)
+    make_node(pki, "early", pki, not_before=now + day)
+    make_node(pki, "soon", pki, not_after=now + 2 * day)
+    other = pki / "other"
+    make_ca(other, name="another CA")
+    make_node(other, "n1", other)
+    make_ca(pki / "twin")  # same name as the cluster CA, another key
+    make_node(pki / "twin", "n1", pki / "twin")
+    (pki / "garbage.pem").write_text("not a certificate\n")
+    (pki / "binary.pem").write_bytes(bytes(range(256)))
+    return pki
+
+
+@pytest.mark.parametrize(
+    ("ca", "cert", "key", "wrong", "why"),
+    [
+        ("ca.pem", "garbage.pem", "n1-key.pem", "cert_file", "garbage.pem: no PEM certificate"),
+        ("ca.pem", "binary.pem", "n1-key.pem", "cert_file", "binary.pem: no PEM certificate"),
+        ("garbage.pem", "n1.pem", "n1-key.pem", "ca_file", "garbage.pem: no PEM certificate"),
+        ("n1.pem", "n1.pem", "n1-key.pem", "ca_file", "n1.pem: no CA certificate"),
+        ("ca.pem", "n1.pem", "garbage.pem", "key_file", "garbage.pem: no PEM private key"),
+        ("ca.pem", "n3.pem", "n2-key.pem", "key_file", "n2-key.pem is not the key of .*n3.pem"),
+        ("ca.pem", "old.pem", "old-key.pem", "cert_file", "old.pem: the certificate has expired"),
+        ("ca.pem", "early.pem", "early-key.pem", "cert_file", "early.pem: .* is not valid yet"),
+        ("ca.pem", "other/n1.pem", "other/n1-key.pem", "cert_file", "not signed by the CA in"),
+        ("ca.pem", "twin/n1.pem", "twin/n1-key.pem", "cert_file", "not signed by the CA in"),
+    ],
+)
+def test_bad_certificate_files_are_named_at_load(  # noqa: PLR0917 (parametrized)
+    pki: Path, ca: str, cert: str, key: str, wrong: str, why: str
+) -> None:
+    with pytest.raises(ConfigError, match=why) as err:
+        PeerTls.load(pki / ca, pki / cert, pki / key, node=Path(cert).stem)
+    assert err.value.key == f"cluster.{wrong}"
+    named = {"ca_file": ca, "cert_file": cert, "key_file": key}[wrong]
+    assert str(pki / named) in str(err.value)
+
+
+def test_a_certificate_must_name_its_node(pki: Path) -> None:
+    with pytest.raises(ConfigError, match=r"does not name node 'n2'") as err:
+        PeerTls.load(pki / "ca.pem", pki / "n1.pem", pki / "n1-key.pem", node="n2")
+    assert err.value.key == "cluster.cert_file"
+    assert PeerTls.load(pki / "ca.pem", pki / "n1.pem", pki / "n1-key.pem", node="n1")
+
+
+def test_an_encrypted_key_is_named_without_a_prompt(pki: Path, tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key((pki / "n1-key.pem").read_bytes(), None)
+    encrypted = tmp_path / "enc-key.pem"
+    encrypted.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
+    with pytest.raises(ConfigError, match=r"enc-key\.pem: the key is encrypted") as err:
+        PeerTls.load(pki / "ca.pem", pki / "n1.pem", encrypted, node="n1")
+    assert err.value.key == "cluster.key_file"
+
+
+def test_a_certificate_about_to_expire_is_warned_about_and_its_expiry_said_later(
+    pki: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="gpud.cluster.tls"):
+        soon = PeerTls.load(pki / "ca.pem", pki / "soon.pem", pki / "soon-key.pem", node="soon")
+        assert "cluster.cert_file" in caplog.text and "soon.pem expires at" in caplog.text
+        caplog.clear()
+        fine = PeerTls.load(pki / "ca.pem", pki / "n1.pem", pki / "n1-key.pem", node="n1")
+        assert caplog.text == ""
+    assert soon.not_after is not None and fine.not_after is not None
+    assert soon.expiry_problem(soon.not_after - 1) == ""
+    assert "soon.pem expired at" in soon.expiry_problem(soon.not_after + 1)
+
+
 class Leading:
     def start(self) -> None:
         pass
@@ -143,8 +229,8 @@ async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path
     member = PeerClient(
         PeerTls.load(pki / "ca.pem", pki / "n1.pem", pki / "n1-key.pem"), timeout_s=5
     )
-    stranger = PeerClient(
-        PeerTls.load(pki / "ca.pem", other / "n1.pem", other / "n1-key.pem"), timeout_s=5
+    stranger = PeerClient(  # a node of another cluster
+        PeerTls.load(other / "ca.pem", other / "n1.pem", other / "n1-key.pem"), timeout_s=5
     )
     try:
         await agent.tick()
