@@ -4,7 +4,8 @@ Each tick (:meth:`ClusterAgent.tick`)::
 
     report = this node's jobs (traffic service) + their GPUs and faults (node view)
     leading?  fold the reports received since the last round with ours -> global order
-              (tags persisted first), answer peers with it from now on, apply our share
+              (tags persisted first), answer peers with it from now on, apply our share;
+              a new leader only collects reports for its first settle_s (see _lead)
     else      send the report to the leader the election names (mTLS) -> its order
     Fence: apply only an order whose epoch is >= the newest applied
     no order for longer than fresh_s: "holding" (the last order stays); for longer than
@@ -92,6 +93,7 @@ class ClusterAgent:
         grace_s: float,
         fresh_s: float,
         node_timeout_s: float,
+        settle_s: float = 0.0,
         events: EventLog | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
@@ -109,6 +111,7 @@ class ClusterAgent:
         self._reserved = tuple(reserved_tags)
         self._peers = peers
         self._node_timeout_s = node_timeout_s
+        self._settle_s = settle_s
         self._events = events
         self._clock = clock
         self._wall = wall
@@ -117,6 +120,7 @@ class ClusterAgent:
         self._lock = threading.Lock()  # swapping the aggregator (a new epoch, stepping down)
         self._aggregator: Aggregator | None = None
         self._agg_epoch = 0
+        self._settled_at = 0.0  # (clock) when this leadership may hand out its first order
         self.mode = Mode.LOCAL
         self.order: Order | None = None  # the newest applied order (this node's share)
         self.last_error = ""
@@ -185,11 +189,15 @@ class ClusterAgent:
                 log.error("cluster: %s", problem)
             self._credential_logged = problem
         if info.leading:
+            settling = self._agg_epoch != info.epoch
             try:
                 order = await asyncio.to_thread(self._lead, info.epoch, report)
             except GpudError as err:
                 self._note_error(f"leader round failed: {err}")
                 order = None
+            if settling and order is None and self._settle_s > 0:
+                # a new leadership: its first round once it has settled, not a tick later
+                self.request_round(max(0.0, self._settled_at - self._clock()))
             if (
                 order is not None
                 and self.election.state().leading
@@ -226,7 +234,18 @@ class ClusterAgent:
             log.warning("cluster: %s", message)
         self.last_error = message
 
-    def _lead(self, epoch: int, report: NodeReport) -> Order:
+    def _lead(self, epoch: int, report: NodeReport) -> Order | None:
+        """A leader's round: the order of ``epoch``, or None while a new leadership settles.
+
+        A new leader knows only its own report. An order computed from it would rank the
+        jobs of this node alone, and applying or handing it out would change levels on
+        the wire for the moment until the other nodes' reports arrive: so for ``settle_s``
+        (one tick plus the report timeout) after it begins leading, a new leader only
+        collects reports, answers "no order yet", and every node, this one included,
+        keeps its last order. Every live node reports within that time: once per tick,
+        each report within the report timeout. Time alone ends the wait, so a node that
+        never reports (the old leader, killed) cannot keep the cluster without an order.
+        """
         now = self._clock()
         with self._lock:
             if self._aggregator is None or self._agg_epoch != epoch:
@@ -238,10 +257,20 @@ class ClusterAgent:
                     reserved=self._reserved,
                 )
                 self._agg_epoch = epoch
+                self._settled_at = now + self._settle_s
+                if self._settle_s > 0:
+                    log.info(
+                        "cluster: leading epoch %d; the first order in %.1f s, once the "
+                        "nodes have reported (the last order stays in force until then)",
+                        epoch,
+                        self._settle_s,
+                    )
             agg = self._aggregator
         # Outside the lock: peers' reports keep arriving (on the event loop) while the
         # round computes; a report is one dict assignment, and a round reads a copy.
         agg.receive(report, now)
+        if now < self._settled_at:
+            return None
         return agg.compute(epoch, now, wall=self._wall())
 
     def receive(self, report: NodeReport, *, peer: str = "") -> Order | None:
@@ -267,8 +296,9 @@ class ClusterAgent:
                 log.warning("cluster: refused a report from %s: %s", peer or "?", err)
             raise
         answer = agg.answer(report.node)
-        if answer is None:
+        if answer is None and self._clock() >= self._settled_at:
             # a node new to this leader (a failover): fold it in now, not at the next tick
+            # (a leadership still settling has its round scheduled already)
             self.request_round(0.0)
         return answer
 

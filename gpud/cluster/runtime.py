@@ -108,6 +108,9 @@ class ClusterRuntime:
             grace_s=config.grace_s,
             fresh_s=3 * tick_s + config.report_timeout_s,
             node_timeout_s=config.node_timeout_s,
+            # a new leader waits for every node's report before its first order (one
+            # tick, and the report's own time); alone (single), there is nobody to wait for
+            settle_s=tick_s + config.report_timeout_s if config.election == "etcd" else 0.0,
             events=events,
             credential_problem=self._tls.expiry_problem if self._tls is not None else None,
         )

@@ -83,6 +83,7 @@ def agent(
     view: StaticNodeView | None = None,
     store: MemoryTagStore | None = None,
     credential_problem: Callable[[float], str] | None = None,
+    settle_s: float = 0.0,
 ) -> ClusterAgent:
     tags = store or MemoryTagStore()
     return ClusterAgent(
@@ -98,6 +99,7 @@ def agent(
         grace_s=30,
         fresh_s=3,
         node_timeout_s=5,
+        settle_s=settle_s,
         clock=clock,
         wall=lambda: 1.7e9,
         credential_problem=credential_problem,
@@ -299,3 +301,41 @@ async def test_a_certificate_expired_since_start_is_said_once(
         "WARNING",
         "ERROR",
     ]
+
+
+async def test_a_new_leader_changes_no_level_before_the_nodes_have_reported() -> None:
+    clock, peers = Clock(), LoopbackPeers()
+    # epoch 5 (leader n0, now gone): b (0.1 on n2) is the slowest job, a is on level 1
+    t1, t2 = FakeTraffic((job("a", 0.5),)), FakeTraffic((job("b", 0.1),))
+    old = Order(epoch=5, seq=3, leader="n0", levels={"a": 1, "b": 0}, tags={"a": 12, "b": 14})
+    info = LeaderInfo("n1", "a1", 9, False)
+    n1 = agent("n1", LeaderInfo("n1", "a1", 9, True), t1, peers, clock, settle_s=1.5)
+    n2 = agent("n2", info, t2, peers, clock)
+    rounds: list[float] = []
+    n1.request_round = rounds.append
+    peers.leader = n1
+    assert n1._apply(old.for_jobs(["a"])) and n2._apply(old.for_jobs(["b"]))
+    await n1.tick()  # elected: its own report only; no order yet
+    assert rounds == [1.5]
+    assert t1.order == {"a": 1} and t1.epoch == 5 and n1.mode is Mode.LEADER
+    await n2.tick()
+    assert t2.order == {"b": 0} and t2.epoch == 5  # answered "no order yet": it keeps its own
+    clock.now += 1.0
+    await n1.tick()
+    assert t1.order == {"a": 1} and t1.epoch == 5
+    clock.now += 0.5  # settled: the first order folds in every node that reported
+    await n1.tick()
+    await n2.tick()
+    assert t1.epoch == 9 and t1.order == {"a": 1}
+    assert t2.epoch == 9 and t2.order == {"b": 0}
+
+
+async def test_a_new_leader_orders_even_when_a_node_never_reports() -> None:
+    clock, peers = Clock(), LoopbackPeers()
+    traffic = FakeTraffic((job("a", 0.5),))
+    n1 = agent("n1", LeaderInfo("n1", "a1", 9, True), traffic, peers, clock, settle_s=1.5)
+    await n1.tick()
+    assert traffic.order is None
+    clock.now += 1.5
+    await n1.tick()
+    assert traffic.epoch == 9 and traffic.order == {"a": 0} and n1.status().last_error == ""
