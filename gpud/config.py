@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 import types
 from dataclasses import dataclass, field
@@ -359,7 +360,7 @@ def validate(config: Config, *, path: str) -> Config:
     if config.api.tcp_address:
         parse_address(config.api.tcp_address, path=path, key="api.tcp_address")
     _validate_traffic(config.traffic, path=path)
-    _validate_cluster(config.cluster, path=path)
+    _validate_cluster(config.cluster, path=path, tick_s=config.daemon.tick_s)
     if config.backend.kind == "sim":
         # Imported here: the product table is only needed when simulating.
         from gpud.backend.sim import parse_simulate_spec
@@ -371,9 +372,20 @@ def validate(config: Config, *, path: str) -> Config:
     return config
 
 
-def _validate_cluster(c: ClusterConfig, *, path: str) -> None:
-    if len(c.node) > 253 or c.node.strip() != c.node:
-        raise ConfigError(f"{c.node!r} is not a node name", path=path, key="cluster.node")
+# One DNS label: the node name is matched against a certificate's subjectAltName
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _validate_cluster(c: ClusterConfig, *, path: str, tick_s: float) -> None:
+    if c.node and (
+        len(c.node) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in c.node.split("."))
+    ):
+        raise ConfigError(
+            f"{c.node!r} is not a DNS name (letters, digits, hyphens, dot-separated labels "
+            "of at most 63): the other nodes match it against its certificate",
+            path=path,
+            key="cluster.node",
+        )
     if c.listen:
         parse_address(c.listen, path=path, key="cluster.listen")
     if c.advertise:
@@ -383,6 +395,28 @@ def _validate_cluster(c: ClusterConfig, *, path: str) -> None:
             f"{c.etcd_prefix!r} must start with /", path=path, key="cluster.etcd_prefix"
         )
     if c.election == "etcd":
+        # A leader renews its lease with a keepalive and a read every lease_ttl_s/4 and
+        # leads until its last renewal was sent + 3/4 TTL: a renewal whose two requests
+        # may each block etcd_timeout_s must fit in the half of the TTL left for it.
+        if c.etcd_timeout_s > c.lease_ttl_s / 4:
+            raise ConfigError(
+                f"{c.etcd_timeout_s:g} s exceeds a quarter of cluster.lease_ttl_s "
+                f"({c.lease_ttl_s} s): a lease renewal could block until the leader must "
+                "step down",
+                path=path,
+                key="cluster.etcd_timeout_s",
+            )
+        # Nodes report once a tick, each report within report_timeout_s; the leader must
+        # keep a node through one late or missed tick, not drop it between two reports.
+        least = 2 * tick_s + c.report_timeout_s
+        if c.node_timeout_s < least:
+            raise ConfigError(
+                f"{c.node_timeout_s:g} s is less than 2 x daemon.tick_s ({tick_s:g} s) + "
+                f"cluster.report_timeout_s ({c.report_timeout_s:g} s) = {least:g} s: the "
+                "leader would forget nodes between their reports",
+                path=path,
+                key="cluster.node_timeout_s",
+            )
         if not c.listen:
             raise ConfigError(
                 "needed with election = etcd (the peer API other nodes report to)",

@@ -41,6 +41,10 @@ def test_values_are_read_and_typed(tmp_path: Path) -> None:
 
 
 _RATES = '[traffic]\nenabled = true\ninterfaces = ["e0"]\nlink_rates = [{}]\n'
+_ETCD = (
+    '[cluster]\nelection = "etcd"\nlisten = "127.0.0.1:0"\nca_file = "ca.pem"\n'
+    'cert_file = "n1.pem"\nkey_file = "n1-key.pem"\n'
+)
 
 
 @pytest.mark.parametrize(
@@ -62,6 +66,20 @@ _RATES = '[traffic]\nenabled = true\ninterfaces = ["e0"]\nlink_rates = [{}]\n'
         (_RATES.format('"e0=1e30gbit"'), "traffic.link_rates", "outside 8 kbit/s"),
         (_RATES.format('"e0=1gbit", "e0=2gbit"'), "traffic.link_rates", "has a rate already"),
         (_RATES.format('"e1=1gbit"'), "traffic.link_rates", "an interface in traffic.interf"),
+        ('[cluster]\nnode = "a b"\n', "cluster.node", "'a b' is not a DNS name"),
+        ('[cluster]\nnode = "n1."\n', "cluster.node", "is not a DNS name"),
+        ('[cluster]\nnode = "-n1"\n', "cluster.node", "is not a DNS name"),
+        (
+            _ETCD + "etcd_timeout_s = 30\nlease_ttl_s = 2\n",
+            "cluster.etcd_timeout_s",
+            r"30 s exceeds a quarter of cluster.lease_ttl_s \(2 s\)",
+        ),
+        (
+            _ETCD + "node_timeout_s = 0.1\n[daemon]\ntick_s = 0.5\n",
+            "cluster.node_timeout_s",
+            r"less than 2 x daemon.tick_s \(0.5 s\) \+ cluster.report_timeout_s \(1 s\) = 2 s",
+        ),
+        (_ETCD + "[daemon]\ntick_s = 3\n", "cluster.node_timeout_s", "the leader would forget"),
     ],
 )
 def test_bad_config_names_file_and_key(tmp_path: Path, text: str, key: str, why: str) -> None:
@@ -71,6 +89,16 @@ def test_bad_config_names_file_and_key(tmp_path: Path, text: str, key: str, why:
     assert info.value.key == key
     assert info.value.path == str(path)
     assert str(path) in str(info.value)
+
+
+def test_cluster_defaults_load_with_etcd(tmp_path: Path) -> None:
+    cfg = config.load(write(tmp_path, _ETCD + 'node = "gpu-07.example"\n'))
+    assert cfg.cluster.election == "etcd" and cfg.cluster.node == "gpu-07.example"
+    assert cfg.cluster.etcd_timeout_s == 1.0 and cfg.cluster.node_timeout_s == 5.0
+    # the integration tests' cluster: at the bounds
+    text = _ETCD + "etcd_timeout_s = 0.5\nlease_ttl_s = 2\nnode_timeout_s = 1.5\n"
+    text += "report_timeout_s = 0.5\n[daemon]\ntick_s = 0.5\n"
+    assert config.load(write(tmp_path, text)).cluster.node_timeout_s == 1.5
 
 
 def test_not_toml(tmp_path: Path) -> None:
