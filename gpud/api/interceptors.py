@@ -63,12 +63,33 @@ def _check_decoded(request: Any) -> None:
     validate.request_bounds(request)
 
 
-async def _abort_for(err: BaseException, method: str, context: Any) -> None:
+class _Once:
+    """Which refusals were logged: each (method, message) once until the method succeeds
+    again, for servers whose callers retry every tick (the cluster peer API)."""
+
+    def __init__(self) -> None:
+        self._logged: set[tuple[str, str]] = set()
+
+    def first(self, method: str, message: str) -> bool:
+        if (method, message) in self._logged:
+            return False
+        self._logged.add((method, message))
+        return True
+
+    def succeeded(self, method: str) -> None:
+        if self._logged:
+            self._logged = {k for k in self._logged if k[0] != method}
+
+
+async def _abort_for(
+    err: BaseException, method: str, context: Any, once: _Once | None = None
+) -> None:
     """End the call with the status that ``err`` maps to. Always raises (``AbortError``)."""
     metadata: tuple[tuple[str, str], ...]
     if isinstance(err, GpudError):
         code_name, exit_code = classify(err)
-        log.info("%s: %s: %s", method, type(err).__name__, err)
+        if once is None or once.first(method, str(err)):
+            log.info("%s: %s: %s", method, type(err).__name__, err)
         details = str(err) or type(err).__name__
         metadata = ((ERROR_KEY, type(err).__name__), (EXIT_CODE_KEY, str(exit_code)))
     else:
@@ -79,24 +100,26 @@ async def _abort_for(err: BaseException, method: str, context: Any) -> None:
     await context.abort(grpc.StatusCode[code_name], details[:_MAX_DETAIL], metadata)
 
 
-def _wrap_unary_response(behavior: Behavior, method: str) -> Behavior:
+def _wrap_unary_response(behavior: Behavior, method: str, once: _Once | None) -> Behavior:
     async def handler(request: Any, context: Any) -> Any:
         try:
             _check_decoded(request)
             result = behavior(request, context)
             if inspect.isawaitable(result):
                 result = await result
-            return result
         except grpc.aio.AbortError:
             raise  # the servicer ended the call itself
         except Exception as err:
-            await _abort_for(err, method, context)
+            await _abort_for(err, method, context, once)
             raise  # not reached: abort raises
+        if once is not None:
+            once.succeeded(method)
+        return result
 
     return handler
 
 
-def _wrap_stream_response(behavior: Behavior, method: str) -> Behavior:
+def _wrap_stream_response(behavior: Behavior, method: str, once: _Once | None) -> Behavior:
     async def handler(request: Any, context: Any) -> AsyncIterator[Any]:
         try:
             _check_decoded(request)
@@ -113,13 +136,20 @@ def _wrap_stream_response(behavior: Behavior, method: str) -> Behavior:
         except grpc.aio.AbortError:
             raise
         except Exception as err:
-            await _abort_for(err, method, context)
+            await _abort_for(err, method, context, once)
 
     return handler
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Maps exceptions raised by any servicer to gRPC statuses (see the module docstring)."""
+    """Maps exceptions raised by any servicer to gRPC statuses (see the module docstring).
+
+    Each refusal (a GpudError) is logged at INFO; with ``log_repeats=False``, each
+    distinct one once per method until that method succeeds again (for callers that
+    retry every tick and would repeat it every tick)."""
+
+    def __init__(self, *, log_repeats: bool = True) -> None:
+        self._once = None if log_repeats else _Once()
 
     async def intercept_service(
         self,
@@ -140,7 +170,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             behavior = getattr(handler, attr)
             if behavior is not None:
                 return make(
-                    wrap(behavior, method),
+                    wrap(behavior, method, self._once),
                     # unary requests only: a streaming request iterator decodes lazily, and
                     # gRPC's own handling (UNKNOWN) stands for a corrupt message there
                     request_deserializer=(

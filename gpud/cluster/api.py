@@ -179,7 +179,8 @@ class PeerServer:
 
     async def start(self) -> None:
         server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor()],
+            # peers retry every tick: a refusal ("does not lead") is logged once per cause
+            interceptors=[ErrorMappingInterceptor(log_repeats=False)],
             options=[
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
@@ -212,12 +213,13 @@ class PeerClient:
         self._timeout_s = timeout_s
         self._channels: dict[tuple[str, str], Any] = {}
 
-    def _stub(self, address: str, leader: str) -> Any:
+    async def _stub(self, address: str, leader: str) -> Any:
         key = (address, leader)
         channel = self._channels.get(key)
         if channel is None:
-            for old in list(self._channels):  # a new leader: drop the old channels
-                self._channels.pop(old)
+            # a new leader: the old channels go (taken out before the await, so a
+            # concurrent call finds the new channel, not one being closed)
+            old, self._channels = list(self._channels.values()), {}
             channel = grpc.aio.secure_channel(
                 address,
                 self._credentials,
@@ -229,11 +231,13 @@ class PeerClient:
                 ],
             )
             self._channels[key] = channel
+            for stale in old:
+                await stale.close()
         return pb_grpc.ClusterPeerStub(channel)
 
     async def report(self, address: str, leader: str, report: NodeReport) -> Order | None:
         try:
-            response = await self._stub(address, leader).Report(
+            response = await (await self._stub(address, leader)).Report(
                 report_to_pb(report), timeout=self._timeout_s
             )
         except grpc.aio.AioRpcError as err:
@@ -244,7 +248,7 @@ class PeerClient:
 
     async def nodes(self, address: str, leader: str) -> list[NodeSeen]:
         try:
-            response = await self._stub(address, leader).GetNodes(
+            response = await (await self._stub(address, leader)).GetNodes(
                 pb.GetNodesRequest(), timeout=self._timeout_s
             )
         except grpc.aio.AioRpcError as err:

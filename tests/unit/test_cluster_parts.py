@@ -257,3 +257,60 @@ async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path
         await stranger.close()
         await server.stop(None)
         await asyncio.sleep(0)
+
+
+class Following:
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def state(self) -> LeaderInfo:
+        return LeaderInfo("n2", "127.0.0.1:1", 4, False)
+
+
+async def test_a_refused_peer_call_is_logged_once_and_old_channels_are_closed(
+    pki: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from gpud.cluster.agent import ClusterAgent
+    from gpud.cluster.ports import MemoryTagStore, StaticNodeView
+    from gpud.net.port import FakeTraffic
+    from netshaper.leveller import LevellerConfig
+
+    agent = ClusterAgent(
+        node="n1",
+        election_kind="etcd",
+        election=Following(),
+        traffic=FakeTraffic(),
+        view=StaticNodeView(),
+        tag_store=lambda epoch: MemoryTagStore(),
+        leveller=LevellerConfig(levels=4),
+        reserved_tags=(0,),
+        peers=None,
+        grace_s=30,
+        fresh_s=3,
+        node_timeout_s=5,
+    )
+    server = PeerServer(
+        "127.0.0.1:0", PeerTls.load(pki / "ca.pem", pki / "n1.pem", pki / "n1-key.pem"), agent
+    )
+    await server.start()
+    client = PeerClient(
+        PeerTls.load(pki / "ca.pem", pki / "n3.pem", pki / "n3-key.pem"), timeout_s=5
+    )
+    address = f"127.0.0.1:{server.port}"
+    try:
+        with caplog.at_level(logging.INFO, logger="gpud.api.interceptors"):
+            for _ in range(5):  # a peer retries every tick
+                with pytest.raises(Unavailable, match="n1 does not lead; the leader is n2"):
+                    await client.report(address, "n1", NodeReport("n3"))
+        assert caplog.text.count("n1 does not lead") == 1
+        first = client._channels[(address, "n1")]
+        with pytest.raises(Unavailable):  # a new leader: a new channel, the old one closed
+            await client.report("127.0.0.1:1", "n2", NodeReport("n3"))
+        assert list(client._channels) == [("127.0.0.1:1", "n2")]
+        assert first.get_state() is grpc.ChannelConnectivity.SHUTDOWN
+    finally:
+        await client.close()
+        await server.stop(None)
