@@ -117,6 +117,8 @@ def format_memory(num_bytes: int, *, field: str = "memory") -> str:
     """MPS's memory value: ``20G`` for whole GiB, else whole MiB (``1536M``), rounded down."""
     if num_bytes < MIB:
         raise InvalidArgument(f"{num_bytes} bytes is below MPS's 1M minimum", field=field)
+    if num_bytes >= 2**63:  # as gpuctl refuses it: the state database keeps 64-bit integers
+        raise InvalidArgument(f"{num_bytes} bytes is more than any device holds", field=field)
     if num_bytes % GIB == 0:
         return f"{num_bytes // GIB}G"
     return f"{num_bytes // MIB}M"

@@ -421,3 +421,20 @@ def test_no_job_is_placed_on_an_unhealthy_gpu(service: JobService) -> None:
         service.reserve(RunRequest("c"))
     service.tick(NODE)  # they answer again
     assert service.reserve(RunRequest("c")).env["CUDA_VISIBLE_DEVICES"]
+
+
+@pytest.mark.parametrize("memory", [2**63, 2**64 - 1])
+def test_memory_past_64_bits_is_refused_before_anything_is_kept(
+    service: JobService, memory: int
+) -> None:
+    for call in (
+        lambda: service.add(JobSpec("big", memory_bytes=memory)),
+        lambda: service.reserve(RunRequest("big", gpu_count=1, memory_bytes=memory)),
+    ):
+        with pytest.raises(InvalidArgument, match=r"^memory: .* is more than any device holds$"):
+            call()
+    assert service.registry.all() == [] and service.reservations.held() == []
+    service.add(JobSpec("small", gpu_count=1))
+    with pytest.raises(InvalidArgument, match=r"^memory: "):  # a run's own limit too
+        service.reserve(RunRequest("small", memory_bytes=memory))
+    assert service.reservations.held() == []
