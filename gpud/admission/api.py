@@ -13,7 +13,7 @@ from typing import Any
 from gpud.admission.classes import ClassView
 from gpud.admission.model import Demand, Unfeasible
 from gpud.admission.service import QUEUED, STARTED, AdmissionService, EntryView, HistoryRow
-from gpud.api.validate import int_range, non_empty, optional
+from gpud.api.validate import int_range, non_empty, optional, optional_pid
 from gpud.errors import InvalidArgument
 from gpud.jobs.api import kind_from_pb, reservation_message
 from gpud.jobs.registry import check_name
@@ -43,7 +43,7 @@ def run_request(request: jobs_pb2.ReserveRequest) -> RunRequest:
         threads_percent=optional(request, "threads_percent"),
         memory_bytes=optional(request, "memory_limit_bytes"),
         client_priority=optional(request, "client_priority"),
-        holder_pid=optional(request, "holder_pid"),
+        holder_pid=optional_pid(request, "holder_pid"),
     )
 
 

@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 from gpud.errors import InvalidArgument, NotFound
+from gpud.mps.procs import PID_MAX
 from gpud.shared import MAX_LAYOUT_BYTES
 
 # The largest request gRPC accepts: a mig-parted config file for a whole cluster is some KiB.
@@ -107,6 +108,16 @@ def int_range(value: int, low: int, high: int, *, field: str) -> int:
     if not low <= value <= high:
         raise InvalidArgument(f"must be in [{low}, {high}], got {value}", field=field)
     return value
+
+
+def optional_pid(message: Any, field: str) -> int | None:
+    """A proto3 ``optional`` PID field: None when unset, else a number Linux could give a
+    process. A holder PID is persisted and checked every tick, so one out of range is refused
+    here rather than failing each tick after it."""
+    value = optional(message, field)
+    if value is not None and not 0 < value <= PID_MAX:
+        raise InvalidArgument(f"must be a PID in 1..{PID_MAX}, got {value}", field=field)
+    return value  # type: ignore[no-any-return]
 
 
 def non_empty(value: str, *, field: str, max_len: int = 256) -> str:

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from gpud.api.validate import optional
+from gpud.api.validate import optional, optional_pid
 from gpud.errors import InvalidArgument
 from gpud.jobs.attribution import ProcessUse
 from gpud.jobs.placement import Reservation
@@ -149,7 +149,7 @@ class JobsServicer(pb_grpc.JobsServicer):
                     threads_percent=optional(request, "threads_percent"),
                     memory_bytes=optional(request, "memory_limit_bytes"),
                     client_priority=optional(request, "client_priority"),
-                    holder_pid=optional(request, "holder_pid"),
+                    holder_pid=optional_pid(request, "holder_pid"),
                     advised_devices=tuple(request.advised_devices),
                     advised_threads_percent=optional(request, "advised_threads_percent"),
                 )

@@ -6,6 +6,11 @@ import contextlib
 import os
 from pathlib import Path
 
+# The largest PID Linux hands out (PID_MAX_LIMIT on 64-bit; /proc/sys/kernel/pid_max may not
+# exceed it). A larger number names no process, and os.kill refuses one past 2**31 with
+# OverflowError instead of an OSError.
+PID_MAX = 4 * 1024 * 1024
+
 
 def stat_fields(pid: int, proc_root: Path = Path("/proc")) -> list[str] | None:
     """The fields of ``/proc/<pid>/stat`` after ``(comm)`` (``[0]`` is the state, field 3 of
@@ -24,7 +29,7 @@ def alive(pid: int, proc_root: Path = Path("/proc")) -> bool:
     Control daemons are orphans (they daemonize); where nothing reaps orphans, a dead one stays
     a zombie that still answers ``kill(pid, 0)``, so the state in ``/proc/<pid>/stat`` decides.
     """
-    if pid <= 0:
+    if not 0 < pid <= PID_MAX:
         return False
     try:
         os.kill(pid, 0)

@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from gpud.admission.api import run_request
 from gpud.admission.service import LEFT, QUEUED, STARTED, AdmissionService
 from gpud.config import AdmissionConfig, from_dict
-from gpud.errors import ConfigError, FailedPrecondition, ResourceExhausted
+from gpud.errors import ConfigError, FailedPrecondition, InvalidArgument, ResourceExhausted
 from gpud.events import EventLog
 from gpud.jobs.service import JobService, RunRequest
 from gpud.mps.manager import MpsManager
 from gpud.store import StateStore
+from gpud.v1 import jobs_pb2
 from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, snapshot
 
 GIB = 1 << 30
@@ -113,6 +115,26 @@ def test_a_waiter_that_dies_leaves_the_queue(node: Node) -> None:
     node.admission.tick()
     assert node.admission.view(entry.entry.id).entry.state == LEFT
     assert node.admission.entries() == []
+
+
+def test_a_holder_pid_no_process_can_have_leaves_the_queue_and_ticks_go_on(node: Node) -> None:
+    # Kept from before the API bounded holder PIDs: os.kill(2**32 - 1, 0) raises
+    # OverflowError, which used to fail every admission and jobs tick.
+    node.jobs.reserve(whole("a", 2, holder=2**32 - 1))
+    entry = node.admission.enqueue(whole("b", holder=2**31))
+    node.jobs.tick(None)
+    node.admission.tick()
+    assert node.jobs.reservations.held() == []
+    assert node.admission.view(entry.entry.id).entry.state == LEFT
+
+
+def test_the_api_refuses_a_holder_pid_out_of_range() -> None:
+    for pid in (0, 2**22 + 1, 2**31, 2**32 - 1):
+        with pytest.raises(
+            InvalidArgument, match=rf"^holder_pid: must be a PID in 1\.\.4194304, got {pid}$"
+        ):
+            run_request(jobs_pb2.ReserveRequest(job="a", gpu_count=1, holder_pid=pid))
+    assert run_request(jobs_pb2.ReserveRequest(job="a", holder_pid=2**22)).holder_pid == 2**22
 
 
 def test_unfeasible_requests_say_why(node: Node) -> None:
