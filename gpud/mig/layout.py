@@ -174,12 +174,53 @@ class MigConfigFile:
             ) from None
 
 
+# Aliases let a few hundred bytes stand for a billion values (each one repeats an anchor's
+# whole tree), which reading or printing the document would then spell out. A document may
+# stand for no more values than a file of the largest size could spell out without them.
+MAX_LAYOUT_NODES = MAX_LAYOUT_BYTES
+
+
+def _expanded_nodes(node: yaml.Node, seen: dict[int, int]) -> int:
+    """How many nodes ``node`` stands for once every alias is spelled out (an anchor that
+    holds itself counts once)."""
+    known = seen.get(id(node))
+    if known is not None:
+        return known
+    seen[id(node)] = 1
+    total = 1
+    if isinstance(node, yaml.SequenceNode):
+        total += sum(_expanded_nodes(item, seen) for item in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        total += sum(_expanded_nodes(k, seen) + _expanded_nodes(v, seen) for k, v in node.value)
+    seen[id(node)] = total
+    return total
+
+
+def _load_yaml(text: str, path: str | None) -> Any:
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_nodes(node, {}) > MAX_LAYOUT_NODES:
+            raise ConfigError(
+                f"its aliases stand for more than {MAX_LAYOUT_NODES} values: not a file of "
+                "this kind",
+                path=path,
+            )
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def parse_config(text: str, *, path: str | None = None) -> MigConfigFile:
     """Parse mig-parted YAML (JSON is YAML too). Raises :class:`ConfigError` naming the key."""
     try:
-        doc = yaml.safe_load(text)
+        doc = _load_yaml(text, path)
     except yaml.YAMLError as err:
         raise ConfigError(f"not valid YAML: {err}", path=path) from err
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError("nested too deeply: not a file of this kind", path=path) from None
     if not isinstance(doc, dict):
         raise ConfigError("expected a mapping with 'version' and 'mig-configs'", path=path)
     version = doc.get("version")

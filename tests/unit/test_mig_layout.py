@@ -166,3 +166,43 @@ def test_export_round_trips() -> None:
     assert resolve(back, gpus) == {0: balanced, 1: off, 2: balanced}
     assert layout_from_json(layout_to_json(balanced)) == balanced
     assert layout_from_json(layout_to_json(off)) == off
+
+
+def _alias_bomb(levels: int, where: str) -> str:
+    """``levels`` anchors, each a list of ten of the one before: 10**levels values."""
+    lines = ['l0: &l0 ["1g.10gb", "1g.10gb", "1g.10gb", "1g.10gb", "1g.10gb",'
+             ' "1g.10gb", "1g.10gb", "1g.10gb", "1g.10gb", "1g.10gb"]']  # fmt: skip
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\nversion: v1\n" + where.replace("BOMB", f"*l{levels}") + "\n"
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "version: BOMB",  # each of these used to be printed in full in its error message
+        'mig-configs: {a: [{devices: all, mig-enabled: true, mig-devices: {"1g.10gb": BOMB}}]}',
+        "mig-configs: {a: [{devices: all, mig-enabled: BOMB}]}",
+        "mig-configs: BOMB",
+    ],
+)
+def test_aliases_that_stand_for_too_many_values_are_refused(where: str) -> None:
+    text = _alias_bomb(8, where)
+    assert len(text) < 1000
+    with pytest.raises(ConfigError, match=r"^x\.yaml: its aliases stand for more than 131072"):
+        parse_config(text, path="x.yaml")
+
+
+def test_a_few_aliases_still_parse() -> None:
+    text = (
+        "version: v1\nmig-configs:\n"
+        '  a:\n    - &half {devices: [0], mig-enabled: true, mig-devices: {"3g.40gb": 2}}\n'
+        "  b:\n    - *half\n    - {devices: [1], mig-enabled: false}\n"
+    )
+    parsed = parse_config(text)
+    assert parsed.config("a") == parsed.config("b")[:1]
+    assert parse_config(_alias_bomb(3, "mig-configs: {}")).configs == {}
+
+
+def test_a_document_nested_too_deeply_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^x\.yaml: nested too deeply"):
+        parse_config("a: " + "[" * 5000 + "]" * 5000, path="x.yaml")
