@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import re
 import threading
 from pathlib import Path
 
@@ -294,3 +295,14 @@ def test_faults_are_device_state_that_outlives_the_daemon(tmp_path: Path) -> Non
     assert set(SimNode([("A100-SXM4-40GB", 3)], state_file=state).faults.active()) == {2}
     again.reboot()
     assert SimNode([("A100-SXM4-40GB", 3)], state_file=state).faults.active() == {}
+
+
+def test_a_slow_fault_hangs_calls_at_most_a_day() -> None:
+    node = SimNode([("H100-SXM5-80GB", 1)])
+    node.faults.slow(0, 86400.0)
+    for bad in (-1.0, 86400.5, 1e308, float("inf"), float("nan")):
+        with pytest.raises(
+            ValueError, match=rf"^must be in 0\.\.86400 s, got {re.escape(f'{bad:g}')}$"
+        ):
+            node.faults.slow(0, bad)
+    assert node.faults.active() == {0: {"slow_seconds": 86400.0}}

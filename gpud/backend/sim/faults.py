@@ -42,6 +42,10 @@ FIELDS: Final[dict[str, str]] = {
     "events": "nvmlDeviceRegisterEvents",
 }
 
+# The longest a slow call may hang: past every deadline gpud has, and within what time.sleep
+# takes (a longer one fails each call with OverflowError instead of hanging it).
+MAX_SLOW_SECONDS: Final = 24 * 3600.0
+
 XID_FALLEN_OFF_BUS: Final = 79
 XID_DBE: Final = 48  # double-bit ECC error
 
@@ -74,8 +78,8 @@ class FaultInjector:
     def slow(self, gpu: int, seconds: float) -> None:
         """Every call on the GPU blocks ``seconds`` first (a hung driver call)."""
         self._check_gpu(gpu)
-        if seconds < 0:
-            raise ValueError("seconds must be >= 0")
+        if not 0 <= seconds <= MAX_SLOW_SECONDS:
+            raise ValueError(f"must be in 0..{MAX_SLOW_SECONDS:g} s, got {seconds:g}")
         self._nvml.sim_faults(gpu).slow_s = float(seconds)
         self._nvml.sim_faults_changed()
 
