@@ -103,7 +103,7 @@ def register(subparsers: Subparsers) -> None:
     ls.add_argument("name", nargs="?")
     ls.set_defaults(run=run_ls)
     history = commands.add_parser("history", help="job runs: when asked, started, ended")
-    history.add_argument("--limit", type=int, metavar="N", help="the newest N runs")
+    history.add_argument("--limit", type=UINT32, metavar="N", help="the newest N runs")
     history.set_defaults(run=run_history)
 
 

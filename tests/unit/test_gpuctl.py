@@ -275,6 +275,7 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
         (("gpus", "--gpu", "3000000000"), "--gpu: 3000000000 is not in -2147483648.."),
         (("sim", "workload", "stop", "--pid", "-4"), "--pid: -4 is not in 0.."),
         (("events", "--limit", "1e3"), "--limit: '1e3' is not an integer"),
+        (("jobs", "history", "--limit", "-1"), "--limit: -1 is not in 0..4294967295"),
         (("jobs", "add", "x", "--memory", "99999999999TiB"), "more than any device holds"),
     ],
 )
