@@ -107,6 +107,20 @@ def _denied(path: Path) -> CliError:
     return CliError(f"permission denied on {path}: run as root, or {how}.", EXIT_PERMISSION)
 
 
+def _not_a_socket(path: Path) -> str | None:
+    """What ``path`` is, when it is something other than a socket; None for a socket (or
+    when it cannot be read)."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    return "a directory" if stat.S_ISDIR(mode) else "a file"
+
+
 def probe_socket(path: Path, timeout: float) -> None:
     """Connect once with a plain socket, so that "not running" and "permission denied" get
     their own messages and exit codes (gRPC reports both as an opaque UNAVAILABLE)."""
@@ -121,6 +135,10 @@ def probe_socket(path: Path, timeout: float) -> None:
     except (FileNotFoundError, NotADirectoryError):
         raise _not_running(path, "no socket at") from None
     except ConnectionRefusedError:
+        # connect() refuses a path that is no socket just as it refuses a stale socket
+        kind = _not_a_socket(path)
+        if kind is not None:
+            raise _not_running(path, f"there is {kind}, not a socket, at") from None
         raise _not_running(path, "nothing listens on") from None
     except OSError as err:
         if err.errno == errno.EACCES:

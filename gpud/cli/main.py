@@ -83,6 +83,12 @@ DEFAULT_TIMEOUT = 10.0
 MAX_TIMEOUT = 86400.0
 
 
+def _socket_arg(text: str) -> Path:
+    if not text:  # Path("") would be the working directory
+        raise argparse.ArgumentTypeError("must name gpud's socket, got ''")
+    return Path(text)
+
+
 def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     # On sub-commands the defaults are SUPPRESS, so an option given before the command is not
     # reset by the sub-command's parser.
@@ -91,7 +97,7 @@ def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> N
 
     parser.add_argument(
         "--socket",
-        type=Path,
+        type=_socket_arg,
         metavar="PATH",
         default=default(None),
         help=f"gpud's unix socket (default: ${SOCKET_ENV} or {DEFAULT_SOCKET})",

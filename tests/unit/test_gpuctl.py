@@ -233,6 +233,14 @@ def test_not_running(capsys: pytest.CaptureFixture[str], sock_dir: Path) -> None
     dead.close()
     code, _, err = run(capsys, "--socket", str(missing), "gpus", "--json")
     assert code == 3 and "nothing listens on" in err
+    # a path that is no socket at all: a file, a directory, or none named
+    plain = sock_dir / "gpud.conf"
+    plain.write_text("")
+    for path, what in ((plain, "a file"), (sock_dir, "a directory")):
+        code, _, err = run(capsys, "--socket", str(path), "status")
+        assert code == 3 and f"there is {what}, not a socket, at {path}." in err
+    code, _, err = run(capsys, "--socket", "", "status")
+    assert code == 2 and "--socket: must name gpud's socket" in err
 
 
 def test_socket_from_environment(capsys: pytest.CaptureFixture[str], sim_socket: str) -> None:
