@@ -570,12 +570,14 @@ class AdmissionService:
         self._starting = entry
         try:
             self._jobs.ensure_tag(entry.job)  # before the transaction: see ensure_tag
-            with self._store.transaction():
-                launch = self._jobs.reserve(
-                    replace(entry.request, devices=devices, mig_profile=None, gpu_count=None),
-                    admitted=True,
-                )
-                self._set_state(entry.id, STARTED, launch.reservation.id)
+            # No transaction around the reservation: it would be held while the reservation
+            # asks the MPS manager, whose lock comes before the store's (a deadlock with
+            # `gpuctl mps set`). The entry is marked started in the reservation's own
+            # transaction (_observe), so the two are still kept or lost together.
+            launch = self._jobs.reserve(
+                replace(entry.request, devices=devices, mig_profile=None, gpu_count=None),
+                admitted=True,
+            )
         except GpudError as err:
             # tried again every tick: said once per entry and reason (and by gpuctl queue)
             said = self._start_failures.get(entry.id) == f"could not start: {err}"
@@ -611,6 +613,8 @@ class AdmissionService:
                 )
                 return
             entry = self._starting
+            if entry is not None:
+                self._set_state(entry.id, STARTED, reservation.id)
             placed = entry.request if entry is not None else _run_request(spec)
             request = request_of(placed)
             conn.execute(

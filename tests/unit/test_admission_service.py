@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -237,3 +239,41 @@ def test_a_queued_job_that_can_get_no_dscp_tag_says_so_and_starts_when_one_frees
     node.admission.tick()
     started = node.admission.view(entry.entry.id)
     assert started.entry.state == STARTED and started.env["GPUD_DSCP"] == "10"
+
+
+def store_once(node: Node) -> None:
+    """What `gpuctl mps set` does next while it holds the MPS manager's lock."""
+    with node.store.transaction():
+        pass
+
+
+def test_a_queued_job_starts_without_holding_the_store_while_it_reserves(node: Node) -> None:
+    """The reservation asks the MPS manager, whose lock comes before the store's
+    (`gpuctl mps set` takes it, then the store): a start that held the store meanwhile
+    deadlocked with it, and with every API call after them."""
+    a = node.jobs.reserve(whole("a", 2)).reservation
+    entry = node.admission.enqueue(whole("b"))
+    node.jobs.release(a.id)
+    reserving, go = threading.Event(), threading.Event()
+    reserve = node.jobs.reserve
+
+    def paused(request: RunRequest, **kwargs: Any) -> Any:
+        reserving.set()
+        go.wait(10)
+        return reserve(request, **kwargs)
+
+    node.jobs.reserve = paused  # type: ignore[method-assign]
+    tick = threading.Thread(target=node.admission.tick, daemon=True)
+    tick.start()
+    try:
+        assert reserving.wait(10)
+        other = threading.Thread(target=store_once, args=(node,), daemon=True)
+        other.start()
+        other.join(5)
+        assert not other.is_alive(), "the store was held while the queued job reserved"
+    finally:
+        go.set()
+        tick.join(10)
+    started = node.admission.view(entry.entry.id)
+    assert started.entry.state == STARTED and started.reservation is not None
+    assert [r.job for r in node.jobs.reservations.held()] == ["b"]
