@@ -122,7 +122,7 @@ class ColoServicer(pb_grpc.ColocationServicer):
         kind = request.kind or "training"
         slo = optional(request, "slo_p99_ms")
         memory = optional(request, "memory_bytes")
-        known = self._registered(job)
+        known = await asyncio.to_thread(self._registered, job)  # reads the state store
         if known is not None:
             kind = known.kind
             slo = slo if slo is not None else known.slo_p99_ms

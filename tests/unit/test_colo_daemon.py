@@ -564,6 +564,47 @@ def test_advice_for_a_registered_job_takes_its_declared_memory(
             assert advise("small")["gpu"] == 1
 
 
+def test_advice_reads_the_registry_off_the_event_loop(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """The registry is in the state store, which a long transaction may hold: the API keeps
+    answering other calls meanwhile."""
+    import threading
+
+    import grpc
+
+    from gpud.api import ApiServer
+    from gpud.colo.api import ColoServicer, Registered
+    from gpud.v1 import colo_pb2, colo_pb2_grpc
+    from tests.unit.api_support import ServerThread, short_dir
+
+    svc, _, _ = service
+    snap = snapshot()
+    svc.tick(snap)
+    reading, go = threading.Event(), threading.Event()
+
+    def registered(job: str) -> Registered | None:
+        reading.set()
+        go.wait(10)  # as a store transaction held elsewhere would
+        return None
+
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        servicer = ColoServicer(svc, snapshots=lambda: snap, registered=registered)
+        with (
+            ServerThread(ApiServer(path, servicers=[servicer.register])),
+            grpc.insecure_channel(f"unix:{path}") as channel,
+        ):
+            stub = colo_pb2_grpc.ColocationStub(channel)
+            asked = stub.Advise.future(colo_pb2.AdviseRequest(job="a"), timeout=20)
+            try:
+                assert reading.wait(10)
+                stub.ShowColo(colo_pb2.ShowColoRequest(), timeout=5)
+            finally:
+                go.set()
+            assert asked.result().gpu >= -1
+
+
 def test_absurd_colo_requests_are_refused_and_change_nothing(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
