@@ -13,6 +13,7 @@ Pure and cheap to import: the standard library and :mod:`gpud.errors` only.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Mapping
@@ -83,7 +84,12 @@ def read_small_text(path: Path, limit: int) -> str:
     if str(path) == "-":
         raw = sys.stdin.buffer.read(limit + 1)
     else:
-        with path.open("rb") as f:
+        # O_NONBLOCK: opening a named pipe nobody writes to would wait forever; once open,
+        # reads block again, so a pipe with a writer (`<(...)`) is read whole and one
+        # without reads as empty
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            os.set_blocking(fd, True)
             raw = f.read(limit + 1)
     if len(raw) > limit:
         raise ValueError(f"larger than {limit // 1024} KiB: not a file of this kind")

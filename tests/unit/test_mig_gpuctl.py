@@ -4,6 +4,7 @@ and the MIG metric source."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -169,6 +170,10 @@ def test_bad_requests(capsys: pytest.CaptureFixture[str], node: Node, tmp_path: 
     code, _, err = gpuctl(capsys, node, "mig", "assert", "-f", "/dev/zero", "-c", "x")
     assert code == 2
     assert err.strip() == "gpuctl: /dev/zero: larger than 128 KiB: not a file of this kind"
+    fifo = tmp_path / "layout.fifo"
+    os.mkfifo(fifo)  # nobody writes to it: read as empty, not waited on
+    code, _, err = gpuctl(capsys, node, "mig", "assert", "-f", str(fifo), "-c", "x")
+    assert code == 2 and str(fifo) in err, err
     code, _, _ = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "x", "--drain", "--force")
     assert code == 2
     # --skip-reset: an apply that may reset GPUs is waited for far longer than --timeout
