@@ -253,7 +253,8 @@ class NodeServicer(pb_grpc.NodeServicer):
             raise FailedPrecondition("this daemon does not track critical XIDs")
         gpu = validate.gpu_index(request.gpu, self._node_info().gpu_count)
         try:
-            xid = self._clear_xid(gpu)
+            # it writes the XID state file (flushed to disk): off the event loop
+            xid = await asyncio.to_thread(self._clear_xid, gpu)
         except IndexError as err:  # not sampled yet
             raise Unavailable(f"GPU {gpu} has not been sampled yet: retry shortly") from err
         resp = pb.ClearXidResponse()

@@ -8,6 +8,7 @@ import os
 import random
 import socket
 import stat
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -410,6 +411,25 @@ async def test_servicer_without_event_log(sock_dir: Path) -> None:
         resp = await pb_grpc.NodeStub(ch).ListEvents(pb.ListEventsRequest())
     assert list(resp.events) == []
     await server.stop(0)
+
+
+async def test_clearing_an_xid_writes_its_state_off_the_event_loop(sock_dir: Path) -> None:
+    """Clearing saves the XID state file, flushed to disk: a slow disk must not stall every
+    other call meanwhile."""
+    loop_thread = threading.get_ident()
+    cleared_on: list[int] = []
+
+    def clear_xid(gpu: int) -> int | None:
+        cleared_on.append(threading.get_ident())
+        return 79
+
+    servicer = NodeServicer(snapshots=lambda: None, node_info=node_info, clear_xid=clear_xid)
+    path = sock_dir / "gpud.sock"
+    server = await _serve(path, servicer)
+    async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+        resp = await pb_grpc.NodeStub(ch).ClearXid(pb.ClearXidRequest(gpu=0))
+    await server.stop(0)
+    assert resp.cleared_xid == 79 and cleared_on and cleared_on[0] != loop_thread
 
 
 def test_make_events_fixture_is_ordered() -> None:
