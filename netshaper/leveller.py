@@ -49,6 +49,11 @@ whatever the order; only the rest is handed out by strict priority.
 
 Operator overrides: :meth:`Leveller.pin` fixes a job's level; :meth:`Leveller.exclude`
 leaves a job out of the assignment (the enforcement layer keeps it in the default class).
+
+A new policy object can take over levels already in force (:meth:`Leveller.seed`, say
+from a previous cluster leader): its first re-rank treats them as the previous levels, so
+the rules above keep each job where it is while its rate fits, instead of re-breaking ties
+by job id.
 """
 
 from __future__ import annotations
@@ -137,6 +142,7 @@ class Leveller:
         self._overrides_changed = False
         self._levels: dict[str, int] = {}
         self._group_of: dict[str, str] = {}  # job -> first job of its group, last re-rank
+        self._seeded_groups: dict[str, str] = {}  # one reading of seed()'s, until a re-rank
         self._ref_rates: dict[str, float] = {}
         self._last_rerank: float | None = None
         self._total_changes = 0
@@ -188,6 +194,32 @@ class Leveller:
     def excluded(self) -> frozenset[str]:
         return frozenset(self._excluded)
 
+    def seed(self, levels: Mapping[str, int]) -> None:
+        """Take ``levels`` (job -> level) as the levels in force; before the first update.
+
+        The first re-rank then treats them as the previous levels: a job keeps its seeded
+        level while its rate fits it (hysteresis), so jobs of equal or unknown rates keep
+        theirs, and :attr:`LevelAssignment.changes` counts moves away from them. With
+        grouping on, the group hysteresis takes the jobs seeded on one level as one
+        previous group, or none as a group, whichever moves fewer of them. Jobs absent
+        from ``levels`` are ranked as newcomers; seeded jobs absent from the first update
+        are forgotten. Raises ``ValueError`` for a level outside ``[0, levels)`` and
+        ``RuntimeError`` once :meth:`update` has run.
+        """
+        if self._last is not None:
+            raise RuntimeError("seed() must come before the first update()")
+        k = self._config.levels
+        for job, level in levels.items():
+            if not 0 <= level < k:
+                raise ValueError(f"{job}: level must be in [0, {k}), got {level}")
+        self._levels = dict(levels)
+        # one reading of the seed's groups: every seeded level one group (named by its
+        # first job by id); the first re-rank weighs it against no groups at all
+        first: dict[int, str] = {}
+        for job in sorted(levels):
+            first.setdefault(levels[job], job)
+        self._seeded_groups = {job: first[level] for job, level in levels.items()}
+
     def update(self, now: float, rates: Mapping[str, float | None]) -> LevelAssignment:
         """Decide levels for the jobs in ``rates`` (the jobs present now) at ``now``."""
         cfg = self._config
@@ -201,7 +233,11 @@ class Leveller:
             # a rate already inside (0, 1) is its own clamp: skip the two calls
             eff[j] = unknown if r is None else r if 0.0 < r < 1.0 else _clamp(r)
         if self._needs_rerank(now, eff):
-            new_levels = self._rerank(eff)
+            if self._seeded_groups and self._config.group_tolerance > 0:
+                new_levels = self._rerank_seeded(eff)
+            else:
+                new_levels = self._rerank(eff)
+            self._seeded_groups = {}
             self._ref_rates = dict(eff)
             self._last_rerank = now
             self._overrides_changed = False
@@ -223,6 +259,30 @@ class Leveller:
             excluded=excluded,
         )
         return self._last
+
+    def _rerank_seeded(self, eff: Mapping[str, float]) -> dict[str, int]:
+        """The first re-rank after a seed, with grouping on.
+
+        Levels do not say which level-mates were one group (held together by the group
+        hysteresis) and which shared a level only for want of levels, and either reading
+        alone can move a job the other keeps: re-rank under both -- each seeded level one
+        group, or no groups -- and keep the one that moves fewer jobs off their seeded
+        levels (the first, on a tie).
+        """
+        previous = self._levels
+        self._group_of = dict(self._seeded_groups)
+        joined = self._rerank(eff)
+        joined_groups = self._group_of
+        self._group_of = {}
+        apart = self._rerank(eff)
+
+        def moved(levels: Mapping[str, int]) -> int:
+            return sum(1 for j, lv in levels.items() if lv != previous.get(j, lv))
+
+        if moved(joined) <= moved(apart):
+            self._group_of = joined_groups
+            return joined
+        return apart
 
     def _needs_rerank(self, now: float, eff: Mapping[str, float]) -> bool:
         if self._last_rerank is None or self._overrides_changed:

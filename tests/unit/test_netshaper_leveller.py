@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -392,3 +394,135 @@ def test_jobs_merged_only_by_too_few_levels_get_no_group_hysteresis() -> None:
     for i in range(1, 5):
         out = lv.update(2.0 * i, rates)
         assert out.changes == 0 and out.levels == first.levels
+
+
+# -- seeded with the levels in force (a new cluster leader) ----------------------------------
+
+
+def test_a_seed_keeps_tied_jobs_on_their_levels() -> None:
+    rates: dict[str, float | None] = {"a-job": 0.5, "train-a": 0.5, "z": None}
+    fresh = Leveller(LevellerConfig(levels=4)).update(0.0, rates)
+    assert fresh.levels == {"z": 0, "a-job": 1, "train-a": 2}  # ties by job id
+    lv = Leveller(LevellerConfig(levels=4))
+    lv.seed({"a-job": 2, "train-a": 1, "gone": 3})
+    out = lv.update(0.0, rates)
+    # z is new: ranked as one (unknown: the top); the seeded ones keep their levels
+    assert out.levels == {"z": 0, "a-job": 2, "train-a": 1}
+    assert out.reranked and out.changes == 0 and lv.total_changes == 0
+    # a rate that no longer fits the seeded level moves the job all the same
+    moved = Leveller(LevellerConfig(levels=4))
+    moved.seed({"a-job": 2, "train-a": 1})
+    assert moved.update(0.0, {"a-job": 0.1, "train-a": 0.9}).levels == {"a-job": 0, "train-a": 1}
+
+
+def test_a_seed_comes_before_the_first_update_and_names_levels_in_range() -> None:
+    lv = Leveller(LevellerConfig(levels=4))
+    with pytest.raises(ValueError, match="level must be in"):
+        lv.seed({"a": 4})
+    lv.seed({"a": 3})
+    lv.seed({"a": 1})  # the latest seed counts
+    assert lv.update(0.0, {"a": 0.5, "b": 0.5}).levels == {"a": 1, "b": 0}
+    with pytest.raises(RuntimeError):
+        lv.seed({"a": 0})
+
+
+def test_a_seeded_group_holds_together_inside_its_hysteresis() -> None:
+    # b is 7% above a: past the 5% tolerance, held in a's group by the hysteresis only
+    rates: dict[str, float | None] = {"a": 0.50, "b": 0.535, "c": 0.9}
+    assert Leveller(_grouped()).update(0.0, rates).levels == {"a": 0, "b": 1, "c": 2}
+    lv = Leveller(_grouped())
+    lv.seed({"a": 0, "b": 0, "c": 1})
+    assert lv.update(0.0, rates).levels == {"a": 0, "b": 0, "c": 1}
+
+
+@st.composite
+def seeded_ties(draw: st.DrawFn) -> tuple[LevellerConfig, dict[str, int], float | None]:
+    """A config without grouping, levels an earlier leveller could have given ``jobs``
+    (contiguous buckets of any order of them), and one rate for all (None: unknown)."""
+    cfg = LevellerConfig(
+        levels=draw(st.integers(2, 8)),
+        threshold=draw(st.sampled_from([0.0, 0.1, 0.3])),
+        hysteresis=draw(st.sampled_from([0.0, 0.05, 0.2])),
+    )
+    jobs = draw(st.permutations(draw(st.lists(st.sampled_from(JOBS), min_size=1, unique=True))))
+    rate = draw(st.none() | st.floats(0.0, 1.0))
+    return cfg, rank_levels(jobs, cfg.levels), rate
+
+
+@settings(max_examples=300, deadline=None)
+@given(seeded_ties())
+def test_with_equal_or_unknown_rates_a_seed_is_reproduced(
+    case: tuple[LevellerConfig, dict[str, int], float | None],
+) -> None:
+    cfg, seed, rate = case
+    lv = Leveller(cfg)
+    lv.seed(seed)
+    out = lv.update(0.0, dict.fromkeys(seed, rate))
+    assert out.levels == seed and out.changes == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    cfg=configs(),
+    jobs=st.permutations(JOBS),
+    n=st.integers(1, len(JOBS)),
+    seed=st.dictionaries(st.sampled_from(JOBS), st.integers(0, 7)),
+)
+def test_with_rates_far_apart_a_seed_changes_no_ranking(
+    cfg: LevellerConfig, jobs: list[str], n: int, seed: dict[str, int]
+) -> None:
+    # neighbours further apart than any hysteresis or group tolerance reaches
+    step = 1.01 * max(1 / (1 - cfg.hysteresis), (1 + cfg.group_tolerance) * (1 + cfg.hysteresis))
+    rates: dict[str, float | None] = {j: step**-i for i, j in enumerate(jobs[:n])}
+    lv = Leveller(cfg)
+    lv.seed({j: lv_ % cfg.levels for j, lv_ in seed.items()})
+    assert lv.update(0.0, rates).levels == Leveller(cfg).update(0.0, rates).levels
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    cfg=configs(), seq=st.lists(st.tuples(st.floats(0.0, 4.0), rate_maps), min_size=1, max_size=8)
+)
+def test_a_leveller_seeded_with_anothers_re_rank_repeats_it(
+    cfg: LevellerConfig, seq: list[tuple[float, dict[str, float]]]
+) -> None:
+    # a new leader with the levels of the old one's last re-rank, on the same rates
+    cfg = dataclasses.replace(cfg, group_tolerance=0.0)
+    old = Leveller(cfg)
+    now = 0.0
+    for dt, rates in seq:
+        now += dt
+        last = old.update(now, dict(rates))
+    new = Leveller(cfg)
+    new.seed(last.levels)
+    again = new.update(now, dict(rates))
+    if last.reranked:
+        assert again.levels == last.levels and again.changes == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    cfg=configs(),
+    seed=st.dictionaries(st.sampled_from(JOBS), st.integers(0, 7)),
+    seq=st.lists(st.tuples(st.floats(0.0, 4.0), rate_maps), min_size=1, max_size=8),
+)
+def test_a_seed_keeps_every_guarantee(
+    cfg: LevellerConfig, seed: dict[str, int], seq: list[tuple[float, dict[str, float]]]
+) -> None:
+    lv = Leveller(cfg)
+    lv.seed({j: level % cfg.levels for j, level in seed.items()})
+    h, t = cfg.hysteresis, cfg.threshold
+    rerank_factor = (1 - h) / (1 + h)
+    lazy_factor = rerank_factor * (1 - t) / (1 + t)
+    now = 0.0
+    for dt, rates in seq:
+        now += dt
+        out = lv.update(now, dict(rates))
+        levels = dict(out.levels)
+        if out.reranked:
+            assert not inversions(levels, rates, rerank_factor)
+            if cfg.group_tolerance == 0:
+                order = sorted(rates, key=lambda j: (rates[j], j))
+                fresh = rank_levels(order, cfg.levels)
+                assert sorted(levels.values()) == sorted(fresh.values())
+        assert not inversions(levels, rates, lazy_factor)
