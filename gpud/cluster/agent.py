@@ -3,6 +3,7 @@
 Each tick (:meth:`ClusterAgent.tick`)::
 
     report = this node's jobs (traffic service) + their GPUs and faults (node view)
+             + their levels in the cluster order in force (a new leader starts from them)
     leading?  fold the reports received since the last round with ours -> global order
               (tags persisted first), answer peers with it from now on, apply our share;
               a new leader only collects reports for its first settle_s (see _lead)
@@ -123,6 +124,7 @@ class ClusterAgent:
         self._settled_at = 0.0  # (clock) when this leadership may hand out its first order
         self.mode = Mode.LOCAL
         self.order: Order | None = None  # the newest applied order (this node's share)
+        self._order_cleared = False  # the local policy decides again (grace period over)
         self.last_error = ""
         self._duplicates: set[str] = set()  # node names two gpuds were found to share
         # '' or why peers refuse this node's certificate at a Unix time (expired since start)
@@ -142,6 +144,15 @@ class ClusterAgent:
         unhealthy = self._view.unhealthy_gpus()
         xids = self._view.last_xids()
         link_up = self._view.links_up()
+        # The levels of the cluster order in force, for a new leader to start from: none
+        # once the local policy decides again, nor while an order newer than the one in
+        # force (the traffic service refused it) would stamp them with its epoch.
+        order, epoch = self.order, self.fence.epoch  # read once: _apply may run meanwhile
+        applied: Mapping[str, int] = (
+            order.levels
+            if order is not None and not self._order_cleared and order.epoch == epoch
+            else {}
+        )
         jobs: dict[str, JobReport] = {}
         for jt in traffic.jobs:
             if jt.level is None and jt.rate is None and jt.job not in gpus:
@@ -159,6 +170,7 @@ class ClusterAgent:
                 tx_bytes=jt.counters.bytes,
                 drops=jt.counters.drops,
                 pinned_level=jt.pinned_level,
+                applied_level=applied.get(jt.job),
             )
         for job, held in gpus.items():
             if job not in jobs:  # holds GPUs here but sends no traffic (yet)
@@ -167,11 +179,12 @@ class ClusterAgent:
                     gpus=held,
                     unhealthy_gpus=tuple(u for u in held if u in unhealthy),
                     xids=tuple(xids[u] for u in held if u in xids),
+                    applied_level=applied.get(job),
                 )
         return NodeReport(
             node=self.node,
             jobs=tuple(jobs[j] for j in sorted(jobs)),
-            applied_epoch=self.fence.epoch,
+            applied_epoch=epoch,
             instance=self.instance,
         )
 
@@ -368,6 +381,7 @@ class ClusterAgent:
             or any(not _same(a, previous.attributes.get(j)) for j, a in order.attributes.items())
         )
         self.order = order
+        self._order_cleared = False
         self.fail_static.contact(self._clock())
         if (previous is None or previous.epoch != order.epoch) and self._events is not None:
             self._events.emit(
@@ -388,6 +402,7 @@ class ClusterAgent:
         previous, self.mode = self.mode, mode
         if mode is Mode.LOCAL and self.order is not None:
             self._traffic.clear_order()
+            self._order_cleared = True
         message = {
             Mode.LEADER: "leading the cluster",
             Mode.FOLLOWER: "following the cluster leader",

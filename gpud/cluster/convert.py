@@ -8,6 +8,7 @@ from gpud.api.validate import non_empty, optional
 from gpud.cluster.model import JobAttributes, JobReport, NodeReport, Order
 from gpud.errors import InvalidArgument
 from gpud.v1 import cluster_pb2 as pb
+from netshaper.leveller import MAX_LEVELS
 
 MAX_JOBS = 4096  # per node report or request
 MAX_GPUS = 64  # per job and node
@@ -44,6 +45,8 @@ def job_report_to_pb(r: JobReport) -> pb.JobReport:
         msg.link_up = r.link_up
     if r.pinned_level is not None:
         msg.pinned_level = r.pinned_level
+    if r.applied_level is not None:
+        msg.applied_level = r.applied_level
     return msg
 
 
@@ -71,6 +74,11 @@ def report_from_pb(msg: pb.ReportRequest) -> NodeReport:
         dscp = optional(j, "dscp")
         if dscp is not None and dscp > 63:
             raise InvalidArgument(f"DSCP must be in [0, 63], got {dscp}", field=f"{where}.dscp")
+        applied = optional(j, "applied_level")
+        if applied is not None and applied >= MAX_LEVELS:
+            raise InvalidArgument(
+                f"level must be in [0, {MAX_LEVELS}), got {applied}", field=f"{where}.applied_level"
+            )
         jobs.append(
             JobReport(
                 job=j.job,
@@ -86,6 +94,7 @@ def report_from_pb(msg: pb.ReportRequest) -> NodeReport:
                 tx_bytes=j.tx_bytes,
                 drops=j.drops,
                 pinned_level=optional(j, "pinned_level"),
+                applied_level=applied,
             )
         )
     if len(msg.instance) > MAX_NAME:

@@ -11,6 +11,10 @@ leader hands out the same tags. A job no node has reported for ``release_after_s
 its tag back. DSCP has 64 codepoints: once the pool is used up, further jobs get no
 cluster tag (:attr:`Aggregator.untagged`) and keep the tag their nodes gave them; their
 levels are still global. Everything else is rebuilt from the nodes' next reports after a failover.
+
+Levels carry over a failover too: each node reports the level its applied order gives each
+job, and the first round seeds LEVELLER with them (:meth:`Aggregator.compute`), so a new
+leader keeps the levels in force where rates allow instead of ranking ties afresh.
 """
 
 from __future__ import annotations
@@ -123,6 +127,10 @@ class Aggregator:
         ``wall`` (Unix time) stamps the attributes; ``now`` (any clock that does not jump)
         ages the reports. Raises whatever the tag store raises: an order whose tags are not
         persisted is never handed out (the previous one stays :attr:`order`).
+
+        The first round that ranks seeds the leveller with the levels in force
+        (:func:`seed_levels` of the reports it folds in), so a leader that takes over keeps
+        them where the rates allow.
         """
         # A round allocates a few objects per job and frees none of them in cycles; with
         # 10^5 live reports, the collections those allocations trigger would cost more
@@ -229,7 +237,11 @@ class Aggregator:
                 raise
 
         self._sync_pins({j: folds[j][_PIN] for j in pinned})
-        assignment = self._leveller.update(now, {j: f[_RATE] for j, f in folds.items()})
+        leveller = self._leveller
+        if leveller.last is None:  # its first ranking: from the levels in force
+            live = (r for name, (_, r) in reports if name in included)
+            leveller.seed(seed_levels(live, leveller.config.levels))
+        assignment = leveller.update(now, {j: f[_RATE] for j, f in folds.items()})
         stamp = now if wall is None else wall
         self._included = included
         levels = assignment.levels
@@ -293,3 +305,24 @@ class Aggregator:
         entry = self._reports.get(node)
         jobs = [jr.job for jr in entry[1].jobs] if entry is not None else []
         return order.for_jobs(jobs)
+
+
+def seed_levels(reports: Iterable[NodeReport], levels: int) -> dict[str, int]:
+    """job -> the level in force for it, as ``reports`` say (for :meth:`Leveller.seed`).
+
+    A job reported by several nodes takes the level of the newest applied epoch, the
+    highest priority among nodes of that epoch (their orders can differ by a round);
+    levels outside ``[0, levels)`` (an order of a leader with more levels) are left out.
+    """
+    best: dict[str, tuple[int, int]] = {}  # job -> (epoch, -level), the greatest wins
+    for report in reports:
+        epoch = report.applied_epoch
+        for jr in report.jobs:
+            level = jr.applied_level
+            if level is None or not 0 <= level < levels:
+                continue
+            key = (epoch, -level)
+            seen = best.get(jr.job)
+            if seen is None or key > seen:
+                best[jr.job] = key
+    return {job: -key[1] for job, key in best.items()}

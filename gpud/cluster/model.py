@@ -23,7 +23,10 @@ class JobReport:
     ``unhealthy_gpus`` those of them the last telemetry tick found lost or hung; ``xids``
     the last XID codes seen on them; ``link_up`` whether the job's interfaces are up (None:
     not known); ``tx_bytes`` / ``drops`` the counters of the job's class on this node;
-    ``pinned_level`` a level an operator pinned the job to on this node.
+    ``pinned_level`` a level an operator pinned the job to on this node; ``applied_level``
+    the job's level in the cluster order in force here (the one of
+    :attr:`NodeReport.applied_epoch`; None: the order names no level for it, or none is in
+    force), which a new leader starts from.
     """
 
     job: str
@@ -37,6 +40,7 @@ class JobReport:
     tx_bytes: int = 0
     drops: int = 0
     pinned_level: int | None = None  # an operator's pin on this node (gpuctl net pin)
+    applied_level: int | None = None  # its level in the order in force here
 
 
 @dataclass(frozen=True, slots=True)

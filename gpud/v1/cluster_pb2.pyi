@@ -39,6 +39,7 @@ class JobReport(_message.Message):
     TX_BYTES_FIELD_NUMBER: _builtins.int
     DROPS_FIELD_NUMBER: _builtins.int
     PINNED_LEVEL_FIELD_NUMBER: _builtins.int
+    APPLIED_LEVEL_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     progress_rate: _builtins.float
     """contention-free / observed iteration time"""
@@ -49,6 +50,10 @@ class JobReport(_message.Message):
     drops: _builtins.int
     pinned_level: _builtins.int
     """an operator's pin on the node: the leader keeps it"""
+    applied_level: _builtins.int
+    """the job's level in the cluster order in force on the node (epoch: applied_epoch); a
+    new leader's first order starts from it
+    """
     @_builtins.property
     def gpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """GPU / MIG UUIDs the job holds on the node"""
@@ -75,11 +80,14 @@ class JobReport(_message.Message):
         tx_bytes: _builtins.int = ...,
         drops: _builtins.int = ...,
         pinned_level: _builtins.int | None = ...,
+        applied_level: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "dscp", b"dscp", "iterations_per_s", b"iterations_per_s", "link_up", b"link_up", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_applied_level", b"_applied_level", "_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "applied_level", b"applied_level", "dscp", b"dscp", "iterations_per_s", b"iterations_per_s", "link_up", b"link_up", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "drops", b"drops", "dscp", b"dscp", "gpus", b"gpus", "iterations_per_s", b"iterations_per_s", "job", b"job", "link_up", b"link_up", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate", "tx_bytes", b"tx_bytes", "unhealthy_gpus", b"unhealthy_gpus", "xids", b"xids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_applied_level", b"_applied_level", "_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "applied_level", b"applied_level", "drops", b"drops", "dscp", b"dscp", "gpus", b"gpus", "iterations_per_s", b"iterations_per_s", "job", b"job", "link_up", b"link_up", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate", "tx_bytes", b"tx_bytes", "unhealthy_gpus", b"unhealthy_gpus", "xids", b"xids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__applied_level: _TypeAlias = _typing.Literal["applied_level"]  # noqa: Y015
+    _WhichOneofArgType__applied_level: _TypeAlias = _typing.Literal["_applied_level", b"_applied_level"]  # noqa: Y015
     _WhichOneofReturnType__dscp: _TypeAlias = _typing.Literal["dscp"]  # noqa: Y015
     _WhichOneofArgType__dscp: _TypeAlias = _typing.Literal["_dscp", b"_dscp"]  # noqa: Y015
     _WhichOneofReturnType__iterations_per_s: _TypeAlias = _typing.Literal["iterations_per_s"]  # noqa: Y015
@@ -90,6 +98,8 @@ class JobReport(_message.Message):
     _WhichOneofArgType__pinned_level: _TypeAlias = _typing.Literal["_pinned_level", b"_pinned_level"]  # noqa: Y015
     _WhichOneofReturnType__progress_rate: _TypeAlias = _typing.Literal["progress_rate"]  # noqa: Y015
     _WhichOneofArgType__progress_rate: _TypeAlias = _typing.Literal["_progress_rate", b"_progress_rate"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__applied_level) -> _WhichOneofReturnType__applied_level | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__dscp) -> _WhichOneofReturnType__dscp | None: ...
     @_typing.overload

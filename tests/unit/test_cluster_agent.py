@@ -339,3 +339,53 @@ async def test_a_new_leader_orders_even_when_a_node_never_reports() -> None:
     clock.now += 1.5
     await n1.tick()
     assert traffic.epoch == 9 and traffic.order == {"a": 0} and n1.status().last_error == ""
+
+
+async def test_a_failover_keeps_the_levels_a_fresh_ranking_would_swap() -> None:
+    clock, peers = Clock(), LoopbackPeers()
+    # equal rates: a fresh ranking breaks the tie by job id, a-job above train-a
+    t0 = FakeTraffic((job("train-a", 0.5),))
+    t1, t2 = FakeTraffic((job("a-job", 0.5),)), FakeTraffic((job("train-a", 0.5),))
+    n0 = agent("n0", LeaderInfo("n0", "a0", 5, True), t0, peers, clock)
+    n1 = agent("n1", LeaderInfo("n0", "a0", 5, False), t1, peers, clock, settle_s=1.5)
+    n2 = agent("n2", LeaderInfo("n0", "a0", 5, False), t2, peers, clock)
+    peers.leader = n0
+    await n0.tick()  # train-a alone: level 0
+    for _ in range(2):
+        await n1.tick()
+        await n2.tick()
+        await n0.tick()
+    await n1.tick()
+    await n2.tick()
+    # a-job came later: the hysteresis kept train-a on level 0
+    assert t1.epoch == 5 and t1.order == {"a-job": 1}
+    assert t2.epoch == 5 and t2.order == {"train-a": 0}
+    assert n1.local_report().jobs[0].applied_level == 1
+    # n0 is killed; n1 leads epoch 9
+    n1.election = FixedElection(LeaderInfo("n1", "a1", 9, True))
+    n2.election = FixedElection(LeaderInfo("n1", "a1", 9, False))
+    peers.leader = n1
+    await n1.tick()
+    await n2.tick()
+    clock.now += 1.5
+    await n1.tick()
+    await n2.tick()
+    assert t1.epoch == 9 and t1.order == {"a-job": 1}
+    assert t2.epoch == 9 and t2.order == {"train-a": 0}
+
+
+async def test_a_node_reports_the_levels_of_the_order_in_force_only() -> None:
+    clock, peers = Clock(), LoopbackPeers()
+    traffic = FakeTraffic((job("a", 0.5), job("b", 0.5)))
+    f = agent("n1", LeaderInfo("n0", "a0", 9, False), traffic, peers, clock)
+    assert [j.applied_level for j in f.local_report().jobs] == [None, None]
+    peers.forced = Order(epoch=9, seq=1, leader="n0", levels={"a": 2}, tags={"a": 12})
+    await f.tick()
+    report = f.local_report()
+    assert report.applied_epoch == 9 and [j.applied_level for j in report.jobs] == [2, None]
+    peers.forced = None  # the leader dies; past the grace period the local policy decides
+    clock.now += 31
+    await f.tick()
+    assert f.mode is Mode.LOCAL
+    report = f.local_report()
+    assert report.applied_epoch == 9 and [j.applied_level for j in report.jobs] == [None, None]

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpud.cluster.fencing import FailStatic, Fence, Mode
-from gpud.cluster.leader import Aggregator
+from gpud.cluster.leader import Aggregator, seed_levels
 from gpud.cluster.model import JobReport, NodeReport, Order
 from gpud.cluster.ports import MemoryTagStore
 from gpud.errors import FailedPrecondition
@@ -182,6 +182,55 @@ def test_a_pin_on_any_node_holds_everywhere() -> None:
     agg.receive(NodeReport("n1", (JobReport("a", 0.1), JobReport("b", 0.9))), 1)
     levels = agg.compute(1, 1).levels  # unpinned: b (0.9) below a (0.1) again
     assert levels["b"] > levels["a"]
+
+
+def test_a_new_leaders_first_order_keeps_the_levels_in_force() -> None:
+    agg = make()
+    # equal rates (a fresh ranking: by job id); c was pinned on the old leader's node only
+    agg.receive(
+        NodeReport(
+            "n1",
+            (
+                JobReport("a", 0.5, applied_level=2),
+                JobReport("b", 0.5, applied_level=0),
+                JobReport("c", 0.5, applied_level=3),
+            ),
+            applied_epoch=5,
+        ),
+        0,
+    )
+    agg.receive(
+        NodeReport(
+            "n2",
+            (
+                JobReport("b", 0.5, applied_level=1),  # an older order: n1's level counts
+                JobReport("d", 0.5, applied_level=0, pinned_level=3),  # the pin counts
+                JobReport("e", 0.5),  # new: no level in force
+            ),
+            applied_epoch=4,
+        ),
+        0,
+    )
+    levels = agg.compute(9, 1.0).levels
+    assert levels == {"a": 2, "b": 0, "c": 3, "d": 3, "e": 1}
+    # the seed is the first round's only: a later round ranks from the levels it gave
+    agg.receive(NodeReport("n1", (JobReport("a", 0.5, applied_level=0),), applied_epoch=9), 2)
+    assert agg.compute(9, 2.0).levels["a"] == 2
+
+
+def test_seed_levels_take_the_newest_epoch_and_leave_out_levels_out_of_range() -> None:
+    reports = [
+        NodeReport("n1", (JobReport("a", applied_level=1), JobReport("b", applied_level=5))),
+        NodeReport("n2", (JobReport("a", applied_level=3), JobReport("c")), applied_epoch=7),
+        NodeReport(
+            "n3",
+            (JobReport("a", applied_level=2), JobReport("d", applied_level=1)),
+            applied_epoch=7,
+        ),
+    ]
+    # two nodes of epoch 7 differ by a round: the higher priority
+    assert seed_levels(reports, 4) == {"a": 2, "d": 1}
+    assert seed_levels(reports[:1], 8) == {"a": 1, "b": 5}
 
 
 _job_reports = st.builds(

@@ -56,7 +56,7 @@ def test_bad_cluster_config_names_the_key(text: str, key: str) -> None:
 def test_reports_are_checked_and_round_trip() -> None:
     report = NodeReport(
         "n1",
-        (JobReport("a", 0.5, 2.0, 12, ("G1",), ("G1",), (79,), False, 10, 2),),
+        (JobReport("a", 0.5, 2.0, 12, ("G1",), ("G1",), (79,), False, 10, 2, 3, 1),),
         applied_epoch=4,
         instance="5f3a9c0e1b2d4a68",
     )
@@ -74,6 +74,8 @@ def test_reports_are_checked_and_round_trip() -> None:
         )
     with pytest.raises(InvalidArgument, match=r"jobs\[0\]\.dscp"):
         report_from_pb(pb.ReportRequest(node="n", jobs=[pb.JobReport(job="a", dscp=64)]))
+    with pytest.raises(InvalidArgument, match=r"jobs\[0\]\.applied_level"):
+        report_from_pb(pb.ReportRequest(node="n", jobs=[pb.JobReport(job="a", applied_level=8)]))
 
 
 def test_node_view_reads_link_state_from_sysfs(tmp_path: Path) -> None:
