@@ -5,6 +5,7 @@
     python -m tools.bench_cluster                  # all three, a table
     python -m tools.bench_cluster --json           # the same figures as JSON
     python -m tools.bench_cluster --skip-failover  # no etcd / gpud processes
+    python -m tools.bench_cluster --failover-only  # only the SIGKILLs of the leader
     python -m tools.bench_cluster --order-only     # the global order alone
 
 1. **Global order**: :meth:`Aggregator.compute` over ``--jobs`` (10,000) jobs reported by
@@ -276,26 +277,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--skip-failover", action="store_true")
     parser.add_argument("--order-only", action="store_true", help="only the global order")
+    parser.add_argument("--failover-only", action="store_true", help="only the failover")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    result: dict[str, Any] = {"order": bench_order(args.jobs, args.nodes, args.span, args.reps)}
-    if not args.order_only:
+    if args.order_only and args.failover_only:
+        parser.error("--order-only and --failover-only exclude each other")
+    result: dict[str, Any] = {}
+    if not args.failover_only:
+        result["order"] = bench_order(args.jobs, args.nodes, args.span, args.reps)
+    if not args.order_only and not args.failover_only:
         result["round"] = asyncio.run(_round(args.round_nodes, args.jobs_per_node, args.reps))
     if not args.skip_failover and not args.order_only:
         result["failover"] = bench_failover(args.kills)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    o = result["order"]
-    print(
-        f"global order: {o['jobs']} jobs over {o['nodes']} nodes (x{o['span']}): "
-        f"{o['compute_ms']:.1f} ms median, {o['compute_max_ms']:.1f} ms max, "
-        f"{o['compute_cpu_ms']:.1f} ms CPU (target <= 100 ms; load average "
-        f"{o['load_average']:.1f}); LEVELLER alone {o['leveller_alone_ms']:.1f} ms "
-        f"(ratio {o['ratio_to_leveller']:.2f}); a round without re-rank "
-        f"{o['compute_no_rerank_cpu_ms']:.1f} ms CPU; receiving all reports "
-        f"{o['receive_all_ms']:.1f} ms"
-    )
+    if "order" in result:
+        o = result["order"]
+        print(
+            f"global order: {o['jobs']} jobs over {o['nodes']} nodes (x{o['span']}): "
+            f"{o['compute_ms']:.1f} ms median, {o['compute_max_ms']:.1f} ms max, "
+            f"{o['compute_cpu_ms']:.1f} ms CPU (target <= 100 ms; load average "
+            f"{o['load_average']:.1f}); LEVELLER alone {o['leveller_alone_ms']:.1f} ms "
+            f"(ratio {o['ratio_to_leveller']:.2f}); a round without re-rank "
+            f"{o['compute_no_rerank_cpu_ms']:.1f} ms CPU; receiving all reports "
+            f"{o['receive_all_ms']:.1f} ms"
+        )
     if "round" in result:
         r = result["round"]
         print(
