@@ -59,6 +59,9 @@ MAX_LATENCY_SAMPLES = 4096  # per report, and per job kept in the window
 # A latency report over an hour is no request an online service served: a unit mistake or
 # garbage, which would have the guard evict training.
 MAX_LATENCY_S = 3600.0
+# A median response under a microsecond is a timer that read nothing, not a service: its
+# rate (ln 2 over it) would be absurd, or infinite, and no longer fit in colo.json.
+MIN_MEDIAN_LATENCY_S = 1e-6
 MAX_ITERATIONS = 10**9  # per throttle point: iterations since the one before
 # What the loop learned of a job no longer running is kept this long (the job may run
 # again under its name), then forgotten: a daemon up for months holds only recent jobs.
@@ -465,12 +468,13 @@ class ColoService:
         its median is ``ln 2 / (mu - lambda)`` and ``mu = lambda + ln 2 / median``. The
         median, not the mean or the p99, because one slow request (a long prompt, a GC
         pause) moves it least; the load corrects for the queueing, so that intervals at
-        different loads compare. None with fewer than ``MIN_FRESH_SAMPLES`` reports."""
+        different loads compare. None with fewer than ``MIN_FRESH_SAMPLES`` reports, or a
+        median under ``MIN_MEDIAN_LATENCY_S``."""
         window = self._latencies(job, since)
         if len(window) < MIN_FRESH_SAMPLES:
             return None
         median = statistics.median(window)
-        if median <= 0.0:
+        if median < MIN_MEDIAN_LATENCY_S:
             return None
         return self.load(job) + math.log(2) / median
 

@@ -1286,6 +1286,24 @@ def test_a_service_with_an_infinite_slo_does_not_stop_the_state_file(
     assert not [r for r in caplog.records if "not written" in r.getMessage()]
 
 
+@pytest.mark.parametrize("latency", [5e-324, 1e-300])
+def test_a_service_reporting_vanishing_latencies_does_not_stop_the_state_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, latency: float
+) -> None:
+    """A client whose timer reads (nearly) nothing: no service rate, and colo.json kept."""
+    clock = Clock()
+    state = tmp_path / "colo.json"
+    jobs = [RunningJob("chat", "inference", 0, memory_bytes=8 * GIB)]
+    svc = kept_loop(tmp_path, jobs, clock)
+    for _ in range(5):
+        clock.t += 1
+        svc.report_latency("chat", [latency] * 30)
+        assert svc.tick(snapshot()) is not None
+    assert svc.service_rate("chat") is None
+    assert json.loads(state.read_text())["jobs"]["chat"]["alone_rate"] is None
+    assert not [r for r in caplog.records if "not written" in r.getMessage()]
+
+
 WRITER = """
 import sys
 from pathlib import Path
