@@ -291,7 +291,18 @@ class AdmissionService:
         if not self.config.enabled:
             raise FailedPrecondition("the admission queue is off (admission.enabled = false)")
         request = self._jobs.resolved(request)
-        job, _ = self._jobs.job_for(request)
+        job, created = self._jobs.job_for(request)
+        try:
+            entry_id = self._enqueue(job, request, keep_unfeasible=keep_unfeasible)
+        except GpudError:
+            if created:
+                self._jobs.forget_new(job.name)
+            raise
+        self.tick()
+        return self.view(entry_id)
+
+    def _enqueue(self, job: JobSpec, request: RunRequest, *, keep_unfeasible: bool) -> str:
+        """:meth:`enqueue` up to the entry kept; its id."""
         with self._jobs.locked():
             fit = self.fit()
             if fit is None:
@@ -347,8 +358,7 @@ class AdmissionService:
             entry=entry_id,
             quote_s=quote if quote is not None and math.isfinite(quote) else None,
         )
-        self.tick()
-        return self.view(entry_id)
+        return entry_id
 
     def leave(self, entry_id: str) -> EntryView:
         with self._jobs.locked():

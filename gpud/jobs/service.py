@@ -15,6 +15,7 @@ from pathlib import Path
 
 from gpud.errors import (
     FailedPrecondition,
+    GpudError,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -215,49 +216,71 @@ class JobService:
         admission queue itself), the :attr:`gate` decides where it may start."""
         request = self.resolved(request)
         created = False
-        if self._tag_of is not None and not admitted:  # the queue tags before it starts one
-            created = self.job_for(request, preview=preview)[1]  # registered, then tagged
-            self.ensure_tag(request.job)  # none left: refused before it holds anything
-        with self._lock:
-            job, registered = self.job_for(request, preview=preview)
-            created = created or registered
-            effective = _advised(_override(job, request), request)
-            self._refuse_unhealthy(effective)
-            placed = effective
-            if self.gate is not None and not preview and not admitted:
-                where = self.gate(effective)
-                if where is not None:
-                    effective = replace(effective, devices=where, mig_profile=None, gpu_count=None)
-            if not self._mps.targets():
-                raise Unavailable("no GPU seen yet: the daemon is starting, retry shortly")
-            chosen = self.choose(effective)
-            uuids = tuple(d.uuid for d in chosen)
-            if preview:
-                reservation = Reservation(
-                    "", job.name, uuids, effective.threads_percent, effective.memory_bytes,
-                    effective.effective_priority, None, 0.0,
-                )  # fmt: skip
-            else:
-                with self._store.transaction():
-                    reservation = self.reservations.add(
-                        job.name,
-                        uuids,
-                        threads_percent=effective.threads_percent,
-                        memory_bytes=effective.memory_bytes,
-                        client_priority=effective.effective_priority,
+        try:
+            if self._tag_of is not None and not admitted:  # the queue tags before it starts one
+                created = self.job_for(request, preview=preview)[1]  # registered, then tagged
+                self.ensure_tag(request.job)  # none left: refused before it holds anything
+            with self._lock:
+                job, registered = self.job_for(request, preview=preview)
+                created = created or registered
+                effective = _advised(_override(job, request), request)
+                self._refuse_unhealthy(effective)
+                placed = effective
+                if self.gate is not None and not preview and not admitted:
+                    where = self.gate(effective)
+                    if where is not None:
+                        effective = replace(
+                            effective, devices=where, mig_profile=None, gpu_count=None
+                        )
+                if not self._mps.targets():
+                    raise Unavailable("no GPU seen yet: the daemon is starting, retry shortly")
+                chosen = self.choose(effective)
+                uuids = tuple(d.uuid for d in chosen)
+                if preview:
+                    reservation = Reservation(
+                        "", job.name, uuids, effective.threads_percent, effective.memory_bytes,
+                        effective.effective_priority, None, 0.0,
+                    )  # fmt: skip
+                else:
+                    with self._store.transaction():
+                        reservation = self.reservations.add(
+                            job.name,
+                            uuids,
+                            threads_percent=effective.threads_percent,
+                            memory_bytes=effective.memory_bytes,
+                            client_priority=effective.effective_priority,
+                            holder_pid=request.holder_pid,
+                        )
+                        for observer in self._observers:
+                            observer("reserve", reservation, placed)
+                    self._events.emit(
+                        "job.reserve",
+                        f"job {job.name} reserved {', '.join(uuids)}",
+                        job=job.name,
+                        reservation=reservation.id,
+                        devices=list(uuids),
                         holder_pid=request.holder_pid,
                     )
-                    for observer in self._observers:
-                        observer("reserve", reservation, placed)
-                self._events.emit(
-                    "job.reserve",
-                    f"job {job.name} reserved {', '.join(uuids)}",
-                    job=job.name,
-                    reservation=reservation.id,
-                    devices=list(uuids),
-                    holder_pid=request.holder_pid,
-                )
+        except GpudError:
+            if created and not preview:
+                self.forget_new(request.job)
+            raise
         return Launch(job, reservation, self.env_for(reservation), created)
+
+    def forget_new(self, name: str) -> None:
+        """Unregister ``name``, which a run or a queue entry registered just now and was
+        then refused: a refused request leaves no job behind, whose placement and limits
+        every later run of that name would inherit. Kept if a run holds it meanwhile."""
+        with self._lock:
+            if self.reservations.held(name):
+                return
+            try:
+                self.registry.remove(name)
+            except NotFound:
+                return
+        self._events.emit(
+            "job.remove", f"job {name} removed: the run that registered it was refused", job=name
+        )
 
     def unhealthy(self) -> dict[int, str]:
         """GPU index -> why it is unhealthy (lost, not answering, a critical Xid), as of

@@ -148,6 +148,24 @@ def test_unfeasible_requests_say_why(node: Node) -> None:
     assert node.jobs.reserve(whole("ok")).reservation.devices  # it blocks nothing
 
 
+def test_a_refused_request_leaves_no_job_registered(node: Node) -> None:
+    """Whatever refused it (the node, the queue, a taken GPU), a new job is not kept with
+    the placement every later run of it would inherit."""
+    node.jobs.reserve(whole("a", 2))
+    with pytest.raises(FailedPrecondition, match="3 whole GPUs"):
+        node.admission.enqueue(whole("big", 3))
+    with pytest.raises(ResourceExhausted, match="asks 60GiB"):
+        node.jobs.reserve(whole("late"))
+    assert [j.name for j in node.jobs.registry.all()] == ["a"]
+    # queued: registered with the entry, as before
+    assert node.admission.enqueue(whole("late")).entry.state == QUEUED
+    assert [j.name for j in node.jobs.registry.all()] == ["a", "late"]
+    # a job registered before stays registered when a run of it is refused
+    with pytest.raises(ResourceExhausted):
+        node.jobs.reserve(whole("late"))
+    assert [j.name for j in node.jobs.registry.all()] == ["a", "late"]
+
+
 def test_leave_takes_an_entry_out(node: Node) -> None:
     node.jobs.reserve(whole("a", 2))
     entry = node.admission.enqueue(whole("b"))

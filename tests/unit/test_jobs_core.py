@@ -269,6 +269,25 @@ def test_a_job_that_can_get_no_dscp_tag_is_refused_before_it_holds_anything(
     with pytest.raises(ResourceExhausted, match=r"DSCP tags of traffic\.dscp_pool"):
         service.reserve(RunRequest("train-b"))
     assert [r.job for r in service.reservations.held()] == ["train-a"]
+    assert [j.name for j in service.registry.all()] == ["train-a"]
+
+
+@pytest.mark.parametrize(
+    ("request_", "error"),
+    [
+        (RunRequest("big", gpu_count=1, memory_bytes=90 * GIB), ResourceExhausted),
+        (RunRequest("many", gpu_count=99), ResourceExhausted),
+        (RunRequest("nowhere", devices=("GPU-nope",)), NotFound),
+        (RunRequest("mig", mig_profile="7g.80gb"), NotFound),
+    ],
+)
+def test_a_refused_run_of_a_new_job_leaves_it_unregistered(
+    service: JobService, request_: RunRequest, error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        service.reserve(request_)
+    assert service.registry.all() == [] and service.reservations.held() == []
+    assert service.reserve(RunRequest(request_.job)).created_job  # new again, placed anew
 
 
 def test_env_without_a_reservation_previews_the_placement(service: JobService) -> None:
