@@ -92,7 +92,7 @@ def class_row(c: pb.ClassModel) -> tuple[str, ...]:
 
 def run_queue(ctx: Context, args: argparse.Namespace) -> int:
     stub = ctx.stub(pb_grpc.QueueStub)
-    if args.leave:
+    if args.leave is not None:  # an empty ID is an error to report, not the listing
         left: pb.QueueEntry = ctx.call(stub.Leave, pb.LeaveRequest(id=args.leave))
         if ctx.out.json:
             ctx.out.print_json(left)

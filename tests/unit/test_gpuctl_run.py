@@ -22,7 +22,7 @@ from gpud.jobs.service import JobService
 from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
 from gpud.shared import GIB
-from gpud.v1 import colo_pb2, colo_pb2_grpc
+from gpud.v1 import colo_pb2, colo_pb2_grpc, queue_pb2, queue_pb2_grpc
 from tests.unit.api_support import ServerThread
 from tests.unit.mps_support import gpu_sample, gpu_uuid, make_manager, mig_uuid, short_dir, snapshot
 
@@ -512,3 +512,34 @@ def test_a_wait_whose_advice_stops_takes_the_default_placement(
         env = json.loads(out.read_text())["env"]
     assert env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)  # the only whole GPU, by memory fit
     assert "no co-location advice" in capsys.readouterr().err
+
+
+class LeaveOnly(queue_pb2_grpc.QueueServicer):
+    """A queue that refuses an empty entry ID, as gpud's does, and counts listings."""
+
+    def __init__(self) -> None:
+        self.listed = 0
+
+    async def Leave(self, request: queue_pb2.LeaveRequest, context: Any) -> queue_pb2.QueueEntry:
+        if not request.id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "id: must not be empty")
+        return queue_pb2.QueueEntry(id=request.id, job="a")
+
+    async def ListQueue(
+        self, request: queue_pb2.ListQueueRequest, context: Any
+    ) -> queue_pb2.ListQueueResponse:
+        self.listed += 1
+        return queue_pb2.ListQueueResponse()
+
+    def register(self, server: Any) -> None:
+        queue_pb2_grpc.add_QueueServicer_to_server(self, server)
+
+
+def test_leaving_the_queue_with_an_empty_id_is_refused_not_a_listing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    queue = LeaveOnly()
+    with serving(queue.register) as n:
+        assert n.ctl("queue", "--leave", "") == 2
+        assert queue.listed == 0
+        assert "id: must not be empty" in capsys.readouterr().err
