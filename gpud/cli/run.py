@@ -72,18 +72,26 @@ EXIT_GATE_CLOSED = 125
 # Says it is running (one byte on fd argv[2]: only then does /proc/PID/environ show the
 # job's environment, which gpud checks), waits for one byte on fd argv[1], then becomes the
 # command (the PID stays the same, so the cgroup gpud put it in is the command's).
+# The job's first process: it asks the kernel to kill it with SIGKILL when gpuctl dies
+# (PR_SET_PDEATHSIG, kept across exec), since gpud releases the reservation of a gpuctl
+# that is gone and the job must not go on using what nothing reserves; then, with a gate,
+# it waits until gpuctl has placed it (its cgroup); then it becomes the command.
 _GATE = (
-    "import os,sys\n"
-    "fd,ready=int(sys.argv[1]),int(sys.argv[2])\n"
-    "os.write(ready,b'r')\n"
-    "os.close(ready)\n"
-    "ok=os.read(fd,1)\n"
-    "os.close(fd)\n"
-    "ok or sys.exit(125)\n"
+    "import os,sys,ctypes\n"
+    "a=sys.argv\n"
+    "ctypes.CDLL(None).prctl(1,9)\n"
+    "os.getppid()==int(a[1]) or sys.exit(125)\n"
+    "fd,ready=int(a[2]),int(a[3])\n"
+    "if fd>=0:\n"
+    " os.write(ready,b'r')\n"
+    " os.close(ready)\n"
+    " ok=os.read(fd,1)\n"
+    " os.close(fd)\n"
+    " ok or sys.exit(125)\n"
     "try:\n"
-    " os.execvp(sys.argv[3],sys.argv[3:])\n"
+    " os.execvp(a[4],a[4:])\n"
     "except OSError as e:\n"
-    " sys.stderr.write(f'gpuctl: cannot run {sys.argv[3]}: {e.strerror}\\n')\n"
+    " sys.stderr.write(f'gpuctl: cannot run {a[4]}: {e.strerror}\\n')\n"
     " sys.exit(127)\n"
 )
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -407,18 +415,20 @@ def _leave(ctx: Context, entry: queue_pb2.QueueEntry) -> None:
 def _launch(
     command: list[str], env: dict[str, str], place: Callable[[int], None] | None = None
 ) -> int:
-    """Run ``command``; with ``place``, start it behind a gate, call ``place(pid)``, then
-    let it run (it runs even when placing fails, with a warning)."""
+    """Run ``command`` as a process that the kernel kills when gpuctl dies (see _GATE);
+    with ``place``, hold it at the gate, call ``place(pid)``, then let it run (it runs
+    even when placing fails, with a warning)."""
     # imported here: only `gpuctl run` pays for them
     import subprocess
     import threading
 
     gate_r = gate_w = ready_r = ready_w = -1
-    argv = command
     if place is not None:
         gate_r, gate_w = os.pipe()
         ready_r, ready_w = os.pipe()
-        argv = [sys.executable, "-I", "-S", "-c", _GATE, str(gate_r), str(ready_w), *command]
+    # the first process is the gate; a command it cannot run is said and exits 127 there
+    gate = (str(os.getpid()), str(gate_r), str(ready_w))
+    argv = [sys.executable, "-I", "-S", "-c", _GATE, *gate, *command]
     try:
         child = subprocess.Popen(
             argv, env=env, pass_fds=(gate_r, ready_w) if place is not None else ()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -106,6 +108,52 @@ def test_second_job_waits_with_a_quote_and_survives_a_restart(tmp_path: Path) ->
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=30)
+        stop_daemon(daemon)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie no one has reaped yet does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_job_dies_with_its_gpuctl_run(tmp_path: Path) -> None:
+    """gpud releases the reservation of a gpuctl run that is gone: the job goes with it,
+    rather than go on using what nothing reserves any more."""
+    daemon = start_daemon(tmp_path / "g", "--simulate", "H100-SXM5-80GB:1")
+    gpuctl = (str(BIN / "gpuctl"), "--socket", str(daemon.socket))
+    pid_file = tmp_path / "job.pid"
+    holder = subprocess.Popen(
+        [
+            *gpuctl,
+            "run",
+            "--job",
+            "a",
+            *WHOLE,
+            "--",
+            "sh",
+            "-c",
+            f"echo $$ > {pid_file}; exec sleep 60",
+        ]
+    )
+    job = 0
+    try:
+        wait_for(lambda: pid_file.exists() and pid_file.read_text().strip())
+        job = int(pid_file.read_text())
+        assert _running(job)
+        holder.kill()  # SIGKILL: no chance to stop the job itself
+        holder.wait(timeout=30)
+        wait_for(lambda: not _running(job), timeout=10)
+        wait_for(lambda: "GPU-" not in daemon.gpuctl("jobs", "ls", "a", check=False).stdout)
+    finally:
+        if job and _running(job):
+            os.kill(job, signal.SIGKILL)
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(timeout=30)
         stop_daemon(daemon)
 
 

@@ -472,6 +472,16 @@ def test_advice_whose_gpu_was_taken_meanwhile_is_asked_again(
     assert "asking co-location again" in capsys.readouterr().err
 
 
+def test_a_command_that_cannot_run_is_said_and_exits_127(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    with serving() as n:
+        assert n.ctl("run", "--job", "t", "--gpus", "1", "--", "/nonexistent/train") == 127
+        assert n.jobs.reservations.held() == []
+    err = capfd.readouterr().err
+    assert "cannot run /nonexistent/train: No such file or directory" in err, err
+
+
 def test_a_gpu_in_mig_mode_is_refused_by_uuid_as_by_index(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
