@@ -318,9 +318,13 @@ class TrafficService:
                 except GpudError as err:
                     return OrderResult(False, self._epoch, str(err))
                 for job in retagged:
+                    dscp = self.tags.get(job)
                     self._events.emit(
                         "net.retag",
-                        f"job {job} tagged DSCP {self.tags.get(job)} by the cluster",
+                        f"job {job} tagged DSCP {dscp} by the cluster"
+                        if dscp is not None
+                        else f"job {job} gave up its DSCP tag to a job the cluster gave it to"
+                        " (it gets a free one when it needs one)",
                         job=job,
                     )
             self._order = dict(levels)

@@ -107,13 +107,15 @@ class TagStore:
 
     def set_tags(self, tags: Mapping[str, int]) -> list[str]:
         """Adopt tags decided elsewhere (the cluster leader); returns the jobs whose tag
-        changed. All or nothing: a tag outside the pool or held twice changes nothing."""
+        changed. The leader's tags win: a job it did not tag (one idle here, which the node
+        does not report) that holds a DSCP it gives to another job gives that DSCP up, and
+        is tagged again from the free ones when it needs a tag. All or nothing: a tag
+        outside the pool, or one the leader gives two jobs, changes nothing."""
         with self._store.transaction() as conn, self._lock:
             current = self._alloc.allocations()
-            merged = {**current, **tags}
             pool = set(self._alloc.pool)
             owners: dict[int, str] = {}
-            for job, dscp in merged.items():
+            for job, dscp in tags.items():
                 if dscp not in pool:
                     raise InvalidArgument(f"job {job!r}: DSCP {dscp} is not in the tag pool")
                 if dscp in owners:
@@ -121,17 +123,21 @@ class TagStore:
                         f"DSCP {dscp} would be held by both {owners[dscp]!r} and {job!r}"
                     )
                 owners[dscp] = job
+            displaced = [j for j, d in current.items() if j not in tags and d in owners]
+            merged = {j: d for j, d in current.items() if j not in displaced} | dict(tags)
             changed = sorted(j for j, d in tags.items() if current.get(j) != d)
             if not changed:
                 return []
             reserved = [d for d in range(DSCP_MAX + 1) if d not in pool]
-            conn.executemany("DELETE FROM net_tags WHERE job = ?", [(j,) for j in changed])
+            conn.executemany(
+                "DELETE FROM net_tags WHERE job = ?", [(j,) for j in changed + displaced]
+            )
             conn.executemany(
                 "INSERT INTO net_tags (job, dscp, pinned_level) VALUES (?, ?, ?)",
                 [(j, merged[j], self._pins.get(j)) for j in changed],
             )
             self._alloc = TagAllocator(reserved=reserved, existing=merged)
-            return changed
+            return sorted(changed + displaced)
 
     def release(self, job: str) -> None:
         """Free the job's tag and pin (the job was removed)."""

@@ -273,6 +273,16 @@ def test_cluster_order_is_fenced_by_epoch(rig: Rig) -> None:
     free = next(d for d in rig.service.tags.pool if d not in tags.values())
     result = rig.service.apply_order(6, {"a": 1}, tags={"a": free})
     assert result.applied and result.retagged == ("a",)
+    # b, idle here, is not in the order: the DSCP it holds goes to a, and b is tagged anew
+    b_had = rig.service.tags.allocations()["b"]
+    result = rig.service.apply_order(7, {"a": 1}, tags={"a": b_had})
+    assert result.applied and result.retagged == ("a", "b"), result.reason
+    now = rig.service.tags.allocations()
+    assert now["a"] == b_had and "b" not in now
+    rig.service.tick()
+    again = rig.service.tags.allocations()
+    assert again["a"] == b_had and again["b"] not in (b_had, None)
+    assert not rig.service.apply_order(8, {"a": 1, "b": 0}, tags={"a": free, "b": free}).applied
     rig.service.clear_order()
     rig.service.tick()
     assert rig.service.local_report().epoch == 0
