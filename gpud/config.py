@@ -12,8 +12,11 @@ Every numeric key declares its allowed range where it is declared (:func:`ranged
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
+import os
 import re
+import stat
 import tomllib
 import types
 from dataclasses import dataclass, field
@@ -235,7 +238,7 @@ class Config:
 def load(path: Path, *, required: bool = False) -> Config:
     """Read and check a TOML file; a missing file gives the defaults unless ``required``."""
     try:
-        raw = path.read_bytes()
+        raw = _read_regular(path)
     except FileNotFoundError:
         if required:
             raise ConfigError("file not found", path=str(path)) from None
@@ -246,7 +249,24 @@ def load(path: Path, *, required: bool = False) -> Config:
         data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"not valid TOML: {err}", path=str(path)) from err
+    except RecursionError:
+        # tomllib parses nested arrays and inline tables recursively
+        raise ConfigError("not valid TOML: nested too deeply", path=str(path)) from None
     return from_dict(data, path=str(path))
+
+
+def _read_regular(path: Path) -> bytes:
+    """The bytes of ``path``, refusing what is not a regular file: a named pipe nobody
+    writes to would block start-up, and a reload on the event loop, for ever; a device such
+    as /dev/zero never ends."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as fh:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise OSError(errno.EISDIR, os.strerror(errno.EISDIR))
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        return fh.read()
 
 
 def from_dict(data: dict[str, Any], *, path: str = "<config>") -> Config:
@@ -297,6 +317,10 @@ def _coerce(raw: Any, hint: Any, *, path: str, key: str) -> Any:
             raise ConfigError(f"must be an array, not {raw!r}", path=path, key=key)
         inner = get_args(hint)[0]
         return tuple(_coerce(v, inner, path=path, key=key) for v in raw)
+    if isinstance(raw, str) and "\0" in raw:
+        # the OS takes no NUL in a path, a group or a program name: refused here, not
+        # as a ValueError from deep inside start-up
+        raise ConfigError(f"{raw!r} holds a NUL character", path=path, key=key)
     if hint is Path:
         if not isinstance(raw, str | Path) or not str(raw):
             raise ConfigError("must be a non-empty path string", path=path, key=key)
@@ -328,7 +352,8 @@ def _coerce(raw: Any, hint: Any, *, path: str, key: str) -> Any:
 def parse_address(value: str, *, path: str, key: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[::1]:9400`` for IPv6) into a pair, or a ConfigError naming the key."""
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    # isdigit() alone takes "²", which int() refuses
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{value!r} is not HOST:PORT", path=path, key=key)
     return host.strip("[]") or "0.0.0.0", int(port)
 

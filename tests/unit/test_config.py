@@ -324,3 +324,39 @@ def test_ignored_xids_are_a_list_of_xids_each_range_checked(tmp_path: Path) -> N
         with pytest.raises(ConfigError) as info:
             config.load(path)
         assert info.value.key == "telemetry.ignored_xids" and why in str(info.value), bad
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "why"),
+    [
+        ('[metrics]\naddress = "127.0.0.1:\\u00b2"\n', "metrics.address", "is not HOST:PORT"),
+        ('[api]\ntcp_address = "[::1]:\\u0663"\n', "api.tcp_address", "is not HOST:PORT"),
+        ('[daemon]\nstate_dir = "/var/lib/x\\u0000y"\n', "daemon.state_dir", "NUL character"),
+        ('[mps]\ncontrol_binary = "mps\\u0000"\n', "mps.control_binary", "NUL character"),
+    ],
+)
+def test_values_the_os_or_int_would_refuse_later_are_config_errors(
+    tmp_path: Path, text: str, key: str, why: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=why) as info:
+        config.load(path)
+    assert info.value.key == key and info.value.path == str(path)
+
+
+def test_a_config_path_that_is_no_regular_file_is_refused_without_blocking(
+    tmp_path: Path,
+) -> None:
+    fifo = tmp_path / "gpud.toml"
+    os.mkfifo(fifo)  # nobody writes: a plain read would wait for ever
+    with pytest.raises(ConfigError, match=r"gpud\.toml: cannot read: not a regular file"):
+        config.load(fifo, required=True)
+    with pytest.raises(ConfigError, match=r"cannot read: Is a directory"):
+        config.load(tmp_path, required=True)
+
+
+def test_a_config_nested_too_deeply_is_a_config_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "a = " + "[" * 50_000 + "]" * 50_000 + "\n")
+    with pytest.raises(ConfigError, match="not valid TOML: nested too deeply") as info:
+        config.load(path)
+    assert info.value.path == str(path)
