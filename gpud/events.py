@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -55,9 +56,12 @@ class EventLog:
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
         self._write_failing = False
+        # a line torn by a crash would swallow the first line appended after it
+        self._torn = False
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._ring.extend(_read_tail(path, keep))
+            self._torn = _ends_torn(path)
 
     def emit(self, kind: str, message: str, **fields: Any) -> Event:
         event = Event(self._clock(), kind, message, fields)
@@ -87,8 +91,10 @@ class EventLog:
         try:
             self._rotate_if_needed()
             with self._path.open("a", encoding="utf-8") as fh:
-                fh.write(line + "\n")
+                fh.write(("\n" if self._torn else "") + line + "\n")
+            self._torn = False
         except OSError as err:
+            self._torn = True  # a full disk may have taken part of the line
             if not self._write_failing:
                 log.warning("cannot write the event log %s: %s", self._path, err)
             self._write_failing = True
@@ -105,11 +111,24 @@ class EventLog:
         self._path.replace(self._path.with_suffix(".jsonl.1"))
 
 
+def _ends_torn(path: Path) -> bool:
+    """Whether ``path`` ends in a line without its newline (a write cut by a crash)."""
+    try:
+        with path.open("rb") as fh:
+            if fh.seek(0, 2) == 0:
+                return False
+            fh.seek(-1, 2)
+            return fh.read(1) != b"\n"
+    except OSError:
+        return False
+
+
 def _read_tail(path: Path, keep: int) -> list[Event]:
     """The last ``keep`` events of an earlier run, so ``gpuctl events`` spans restarts.
-    Lines that do not parse (a torn last write) are skipped."""
+    Lines that do not parse (a torn last write, bytes that are not UTF-8, a time that is no
+    finite number: gpuctl prints it as a date) are skipped."""
     try:
-        with path.open(encoding="utf-8") as fh:
+        with path.open(encoding="utf-8", errors="replace") as fh:
             lines = deque(fh, maxlen=keep)
     except OSError:
         return []
@@ -117,11 +136,15 @@ def _read_tail(path: Path, keep: int) -> list[Event]:
     for line in lines:
         try:
             data = json.loads(line)
-            events.append(
-                Event(
-                    float(data.pop("time")), str(data.pop("kind")), str(data.pop("message")), data
-                )
-            )
+            when, kind, message = data.pop("time"), data.pop("kind"), data.pop("message")
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
+        if (
+            isinstance(when, int | float)
+            and not isinstance(when, bool)
+            and math.isfinite(when)
+            and isinstance(kind, str)
+            and isinstance(message, str)
+        ):
+            events.append(Event(float(when), kind, message, data))
     return events

@@ -39,3 +39,24 @@ def test_a_log_file_that_cannot_be_written_does_not_fail_emit(tmp_path: Path) ->
     event = log.emit("gpu.unhealthy", "GPU 0 unhealthy")
     assert log.recent(1) == [event]
     assert log.counts() == {"gpu.unhealthy": 1}
+
+
+def test_a_damaged_log_is_read_past_and_appended_to_cleanly(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(
+        b'{"time": 1, "kind": "a.b", "message": "kept"}\n'
+        b"\xff\xfe not UTF-8\n"
+        b'{"time": NaN, "kind": "x", "message": "no date"}\n'
+        b'{"time": 1e400, "kind": "x", "message": "no date"}\n'
+        b'{"time": "2", "kind": "x", "message": "a string"}\n'
+        b'{"time": 3, "kind": 4, "message": null}\n'
+        b'[1, 2]\n"text"\n'
+        b'{"time": 5, "kind": "c.d", "message": "torn'  # a crash mid-write
+    )
+    log = EventLog(path, clock=lambda: 9.0)
+    assert [(e.time, e.kind, e.message) for e in log.recent()] == [(1.0, "a.b", "kept")]
+    log.emit("daemon.start", "the first line after the crash")
+    assert [e.message for e in EventLog(path).recent()] == [
+        "kept",
+        "the first line after the crash",
+    ]
