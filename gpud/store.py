@@ -8,7 +8,9 @@ declares them with :meth:`StateStore.ensure_schema`; it reads and writes them th
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
+import stat
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -21,6 +23,9 @@ DB_NAME = "state.db"
 # SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN (primary result codes): the
 # file or the disk under it, not the SQL, is what failed.
 _UNWRITABLE = frozenset({8, 10, 13, 14})
+# SQLITE_PERM, SQLITE_READONLY, SQLITE_CANTOPEN: at open, the file's or the directory's
+# owner or mode, not the content
+_CANNOT_OPEN = frozenset({3, 8, 14})
 
 
 def _unreadable(path: Path, why: str) -> str:
@@ -47,6 +52,12 @@ class StateStore:
             raise StateError(f"state directory {state_dir}: {err.strerror or err}") from None
         self.path = state_dir / DB_NAME
         self._lock = threading.RLock()
+        with contextlib.suppress(OSError):
+            # SQLite takes an empty file for a new database: one gpud wrote is never empty
+            # (the first start writes its tables), so this one was truncated
+            found = self.path.stat()
+            if found.st_size == 0 and stat.S_ISREG(found.st_mode):
+                raise StateError(_unreadable(self.path, "empty: 0 bytes, truncated?"))
         try:
             self._conn = sqlite3.connect(
                 self.path, isolation_level=None, check_same_thread=False, timeout=30.0
@@ -59,16 +70,46 @@ class StateStore:
                 " ".join(str(row[0]).split()) for row in self._conn.execute("PRAGMA quick_check(5)")
             ]
         except sqlite3.Error as err:
+            if getattr(err, "sqlite_errorcode", 0) & 0xFF in _CANNOT_OPEN:
+                raise StateError(
+                    f"cannot open the state database {self.path} ({err}): gpud's user must be "
+                    f"able to read and write it and to create files in {state_dir} (owner, "
+                    "mode, a read-only mount?)"
+                ) from None
             raise StateError(_unreadable(self.path, str(err))) from None
         if damage != ["ok"]:
             self._conn.close()
             raise StateError(_unreadable(self.path, "; ".join(damage)))
 
     def ensure_schema(self, statements: Sequence[str]) -> None:
-        """Run ``CREATE ... IF NOT EXISTS`` statements in one transaction."""
+        """Run ``CREATE ... IF NOT EXISTS`` statements in one transaction.
+
+        ``IF NOT EXISTS`` keeps a table of another layout (a database of an other gpud
+        version, or edited by hand), whose reads and writes would then fail one by one at
+        run time: a table that lacks a declared column raises :class:`StateError` instead."""
+        declared = sqlite3.connect(":memory:")
+        try:
+            for statement in statements:
+                declared.execute(statement)
+            tables = {
+                str(name): {str(row[1]) for row in declared.execute(f'PRAGMA table_info("{name}")')}
+                for (name,) in declared.execute("SELECT name FROM sqlite_master WHERE type='table'")
+            }
+        finally:
+            declared.close()
         with self.transaction() as conn:
             for statement in statements:
                 conn.execute(statement)
+            for name, columns in sorted(tables.items()):
+                have = {str(row[1]) for row in conn.execute(f'PRAGMA table_info("{name}")')}
+                if missing := sorted(columns - have):
+                    raise StateError(
+                        _unreadable(
+                            self.path,
+                            f"table {name} has no column {', '.join(missing)}: "
+                            "written by another gpud version?",
+                        )
+                    )
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:

@@ -79,3 +79,49 @@ def test_the_daemon_stops_with_the_reason(
         args += ["--socket", str(run / "gpud.sock"), "--metrics-address", "127.0.0.1:0"]
         assert main(args) == 1
     assert f"gpud: state database {state / DB_NAME} is unreadable" in capsys.readouterr().err
+
+
+def test_an_empty_database_file_is_refused_not_taken_for_a_new_one(tmp_path: Path) -> None:
+    fill(tmp_path)
+    (tmp_path / DB_NAME).write_bytes(b"")  # truncated
+    with pytest.raises(StateError, match=r"is unreadable \(empty: 0 bytes, truncated\?\)"):
+        StateStore(tmp_path)
+
+
+def test_a_database_that_cannot_be_opened_says_so_not_that_it_is_damaged(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / DB_NAME).mkdir()  # as unopenable as one of another owner, without root
+    with pytest.raises(StateError) as caught:
+        StateStore(tmp_path)
+    assert str(caught.value).startswith(f"cannot open the state database {tmp_path / DB_NAME}")
+    assert f"create files in {tmp_path}" in str(caught.value)
+    assert "restore" not in str(caught.value)
+
+
+def test_a_table_of_another_layout_is_refused_at_start(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY)"])
+    store.close()
+    store = StateStore(tmp_path)
+    with pytest.raises(StateError, match=r"table t has no column v, w: written by another gpud"):
+        store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT, w)"])
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY)"])
+    store.close()
+
+
+def test_the_daemon_stops_on_a_database_of_an_older_layout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = tmp_path / "state"
+    store = StateStore(state)
+    with store.transaction() as conn:
+        conn.execute("CREATE TABLE jobs (name TEXT PRIMARY KEY, kind TEXT NOT NULL)")
+    store.close()
+    with short_dir() as run:
+        args = ["--simulate", "H100-SXM5-80GB:1", "--state-dir", str(state), "--run-dir", str(run)]
+        args += ["--socket", str(run / "gpud.sock"), "--metrics-address", "127.0.0.1:0"]
+        assert main(args) == 1
+    err = capsys.readouterr().err
+    assert f"gpud: state database {state / DB_NAME} is unreadable (table jobs has no column" in err
+    assert "Traceback" not in err
