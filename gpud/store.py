@@ -36,6 +36,14 @@ def _unreadable(path: Path, why: str) -> str:
     )
 
 
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        found = path.stat()
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
 class StateStore:
     """A thread-safe handle on ``<state_dir>/state.db``.
 
@@ -80,6 +88,7 @@ class StateStore:
         if damage != ["ok"]:
             self._conn.close()
             raise StateError(_unreadable(self.path, "; ".join(damage)))
+        self._file = _file_id(self.path)
 
     def ensure_schema(self, statements: Sequence[str]) -> None:
         """Run ``CREATE ... IF NOT EXISTS`` statements in one transaction.
@@ -124,7 +133,16 @@ class StateStore:
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
                 try:
+                    changes = self._conn.total_changes
                     yield self._conn
+                    if self._conn.total_changes != changes and _file_id(self.path) != self._file:
+                        # SQLite goes on writing to a file removed under it: the change would
+                        # be lost at the next start. Reads of it still hold.
+                        raise StateUnwritable(
+                            f"state database {self.path} was removed or replaced while gpud "
+                            "ran: nothing of this change was kept; restart gpud (on the "
+                            "database restored from a backup, or on none to start afresh)"
+                        )
                     self._conn.execute("COMMIT")
                 except BaseException:
                     # SQLite may already have rolled back (a failed COMMIT on a full disk):

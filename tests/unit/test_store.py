@@ -125,3 +125,21 @@ def test_the_daemon_stops_on_a_database_of_an_older_layout(
     err = capsys.readouterr().err
     assert f"gpud: state database {state / DB_NAME} is unreadable (table jobs has no column" in err
     assert "Traceback" not in err
+
+
+def test_a_database_removed_while_open_takes_no_more_changes(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
+    for name in os.listdir(tmp_path):  # rm -rf of the state directory
+        (tmp_path / name).unlink()
+    with (
+        pytest.raises(StateUnwritable, match="was removed or replaced while gpud ran"),
+        store.transaction() as conn,
+    ):
+        conn.execute("INSERT INTO t (v) VALUES ('lost at the next start')")
+    with store.transaction() as conn:  # what it holds can still be read
+        assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 0
+    fill(tmp_path)  # another file in its place
+    with pytest.raises(StateUnwritable, match="was removed or replaced"), store.transaction() as c:
+        c.execute("INSERT INTO t (v) VALUES ('lost too')")
+    store.close()
