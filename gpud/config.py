@@ -29,6 +29,9 @@ from gpud.shared import MAX_DRAIN_SECONDS
 DEFAULT_PATH = Path("/etc/gpud/gpud.toml")
 DEFAULT_SIMULATE = "H100-SXM5-80GB:8"
 
+# sun_path holds 108 bytes, the last a NUL
+MAX_UNIX_PATH = 107
+
 N = TypeVar("N", int, float)
 RANGE = "range"  # field metadata key: (low, high), both allowed
 
@@ -233,6 +236,19 @@ class Config:
                 config, **{section_name: dataclasses.replace(section, **{key: value})}
             )
         return validate(config, path=source)
+
+
+def check_socket(config: Config, *, path: str) -> None:
+    """The API socket's path must fit a unix socket address: checked on the final config
+    (flags over the file), not when the API binds at the end of start-up."""
+    socket = os.fsencode(config.socket_path)
+    if len(socket) > MAX_UNIX_PATH:
+        raise ConfigError(
+            f"the socket {config.socket_path} is {len(socket)} bytes long: a unix socket "
+            f"path is at most {MAX_UNIX_PATH}",
+            path=path,
+            key="api.socket" if config.api.socket is not None else "daemon.run_dir",
+        )
 
 
 def load(path: Path, *, required: bool = False) -> Config:

@@ -149,7 +149,9 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def load_config(args: argparse.Namespace) -> config.Config:
     path = args.config or config.DEFAULT_PATH
     loaded = config.load(path, required=args.config is not None)
-    return loaded.with_overrides(flag_overrides(args), source="command line")
+    final = loaded.with_overrides(flag_overrides(args), source="command line")
+    config.check_socket(final, path=str(path))
+    return final
 
 
 def main(argv: list[str] | None = None) -> int:

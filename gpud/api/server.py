@@ -31,6 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gpud.api import validate
 from gpud.api.interceptors import ErrorMappingInterceptor
+from gpud.config import MAX_UNIX_PATH
 from gpud.errors import ConfigError, FailedPrecondition, GpudError
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,6 @@ Registrar = Callable[[Any], None]
 """Adds one service to a ``grpc.aio.Server`` (e.g. ``NodeServicer.register``)."""
 
 SOCKET_MODE = 0o660
-# sun_path is 108 bytes on Linux, including the terminating NUL.
-_MAX_UNIX_PATH = 107
 # A bounded request size keeps a garbage client from costing memory: gRPC refuses a larger
 # message (RESOURCE_EXHAUSTED) before decoding it. Responses (every GPU's MIG table) are larger.
 _MAX_SEND_BYTES = 16 * 1024 * 1024
@@ -115,9 +114,9 @@ class ApiServer:
         if self._server is not None:
             raise RuntimeError("ApiServer already started")
         path = self.socket_path
-        if len(os.fsencode(path)) > _MAX_UNIX_PATH:
+        if len(os.fsencode(path)) > MAX_UNIX_PATH:
             raise ConfigError(
-                f"unix socket path is longer than {_MAX_UNIX_PATH} bytes: {path}", key="socket"
+                f"unix socket path is longer than {MAX_UNIX_PATH} bytes: {path}", key="api.socket"
             )
         gid = self._group_id()  # before binding: a bad group leaves nothing behind
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -360,3 +360,18 @@ def test_a_config_nested_too_deeply_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not valid TOML: nested too deeply") as info:
         config.load(path)
     assert info.value.path == str(path)
+
+
+def test_a_socket_path_too_long_for_a_unix_socket_is_a_config_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    long_dir = "/run/" + "d" * 100
+    path = write(tmp_path, f'[daemon]\nrun_dir = "{long_dir}"\n')
+    assert main(["--check-config", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:daemon.run_dir: the socket {long_dir}/gpud.sock is 115 bytes long" in err
+    # a short --socket makes the long run directory fine
+    assert main(["--check-config", "--config", str(path), "--socket", "/run/g.sock"]) == 0
+    args = ["--check-config", "--config", str(path), "--socket", f"{long_dir}/sock"]
+    assert main(args) == 2
+    assert "daemon.run_dir" not in capsys.readouterr().err
