@@ -343,8 +343,17 @@ def build_registry(
     return registry
 
 
+# A connection is served on a thread of its own; one that sends nothing (a port scanner, a
+# half-open peer) would hold it for ever without a timeout on its reads and writes.
+CONNECTION_TIMEOUT_S = 30.0
+
+
 def start_metrics_server(
-    registry: CollectorRegistry, host: str, port: int
+    registry: CollectorRegistry,
+    host: str,
+    port: int,
+    *,
+    connection_timeout_s: float = CONNECTION_TIMEOUT_S,
 ) -> tuple[WSGIServer, threading.Thread]:
     """Serve ``registry`` as Prometheus text on ``http://host:port/metrics`` from a thread.
 
@@ -352,6 +361,11 @@ def start_metrics_server(
     :func:`stop_metrics_server`.
     """
     server, thread = start_http_server(port, addr=host, registry=registry)
+    handler = server.RequestHandlerClass
+    assert isinstance(handler, type)  # prometheus_client's quiet WSGIRequestHandler
+    server.RequestHandlerClass = type(
+        handler.__name__, (handler,), {"timeout": connection_timeout_s}
+    )
     return server, thread
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import urllib.request
 from collections.abc import Iterable
 
@@ -252,3 +253,14 @@ def test_http_server_serves_and_stops() -> None:
     assert not thread.is_alive()
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1)
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_timeout() -> None:
+    registry = build_registry(Collector(snapshot, clock=lambda: 100.0), process=False)
+    server, thread = start_metrics_server(registry, "127.0.0.1", 0, connection_timeout_s=0.2)
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_port), timeout=5) as idle:
+            idle.sendall(b"GET /metrics HTTP/1.1\\r\\n")  # and never the rest
+            assert idle.recv(1) == b""  # closed by the server, not timed out here
+    finally:
+        stop_metrics_server(server, thread)
