@@ -92,6 +92,9 @@ RESTART_KEYS = (
 )
 
 
+# seconds a stop waits for a running MIG apply (systemd's TimeoutStopSec is 30)
+MIG_STOP_WAIT_S = 20.0
+
 # seconds a pass waits for the traffic tick it started (it takes milliseconds when the
 # kernel and nft answer); see Daemon._traffic_step
 TRAFFIC_WAIT_S = 2.0
@@ -271,7 +274,7 @@ class Daemon:
         return {g.identity.index: g.reason for g in snap.gpus if not g.healthy} if snap else {}
 
     async def _mig_step(self) -> None:
-        await asyncio.to_thread(self.mig.reconcile, self.config.mig.on_start)
+        await asyncio.to_thread(self.mig.reconcile_unless_busy, self.config.mig.on_start)
 
     async def _seen_step(self) -> None:
         changes = self.seen.changes(self._identities())
@@ -512,6 +515,15 @@ class Daemon:
             self._stop.set()
             with contextlib.suppress(Exception):
                 await self.api.stop(grace=2.0)
+            # An apply whose client the stop cancelled ends at its next drain poll; one
+            # running its steps is let finish, within the unit's TimeoutStopSec, before the
+            # driver and the store close under it. Past that, its in-flight plan is kept
+            # and the next start finishes it.
+            if not await asyncio.to_thread(self.mig.wait_idle, MIG_STOP_WAIT_S):
+                log.warning(
+                    "a MIG apply is still running: its in-flight plan is kept and the next "
+                    "start finishes it"
+                )
             for stop in reversed(self._shutdown):
                 try:
                     result = stop()

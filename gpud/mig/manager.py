@@ -615,6 +615,24 @@ class MigManager:
         """Have the next :meth:`reconcile` re-read every GPU's instances for the view."""
         self._view_at = float("-inf")
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a running apply to end; False if it still runs."""
+        if not self._lock.acquire(timeout=timeout_s):
+            return False
+        self._lock.release()
+        return True
+
+    def reconcile_unless_busy(self, mode: ReconcileMode = "reconcile") -> list[GpuOutcome] | None:
+        """:meth:`reconcile`, or None at once while an apply holds the GPUs: an apply can
+        run for minutes (a drain waits up to its timeout), and the daemon's loop, its
+        watchdog and its stop must not wait for it. The apply converges the GPUs itself."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self.reconcile(mode)
+        finally:
+            self._lock.release()
+
     def reconcile(self, mode: ReconcileMode = "reconcile") -> list[GpuOutcome]:
         """Bring every managed GPU to its desired layout (``"reconcile"``), or only report how
         it differs (``"report"``). Call at start and on every tick; cheap when nothing differs.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,57 @@ def test_a_hung_traffic_tick_holds_no_other_step_back(root: Path) -> None:
         hung.release.set()
         d.store.close()
         d.backend.close()
+
+
+def test_a_long_mig_apply_holds_no_loop_pass_back(root: Path) -> None:
+    d = build(make_config(root))
+    (mig,) = [s for s in d.steps if s.name == "mig"]
+    applying, release = threading.Event(), threading.Event()
+
+    def apply() -> None:  # holds the GPUs as an apply draining for minutes does
+        with d.mig._lock:
+            applying.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=apply)
+    holder.start()
+    try:
+        assert applying.wait(5)
+        asyncio.run(asyncio.wait_for(mig.run(), timeout=5))
+        assert mig.failures == 0
+    finally:
+        release.set()
+        holder.join()
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
+def test_a_stop_lets_a_running_mig_apply_end_before_closing_its_store(root: Path) -> None:
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+    applying, ended = threading.Event(), threading.Event()
+    seen: list[object] = []
+
+    def apply() -> None:  # a MIG apply in its last steps when gpud is told to stop
+        with d.mig._lock:
+            applying.set()
+            time.sleep(1.0)
+            try:
+                with d.store.transaction() as conn:
+                    seen.append(conn.execute("SELECT 1").fetchone()[0])
+            except Exception as err:  # the store closed under it
+                seen.append(err)
+        ended.set()
+
+    async def scenario() -> None:
+        run = asyncio.create_task(d.run())
+        while d.events.recent(1, "daemon.start") == []:
+            await asyncio.sleep(0.05)
+        threading.Thread(target=apply).start()
+        assert await asyncio.to_thread(applying.wait, 5)
+        d.request_stop()
+        assert await asyncio.wait_for(run, timeout=20) == 0
+
+    asyncio.run(scenario())
+    assert ended.wait(5)
+    assert seen == [1]
