@@ -35,6 +35,7 @@ def test_unit_has_what_operators_rely_on() -> None:
         "Type=notify",
         "WatchdogSec=",
         "Restart=on-failure",
+        "RestartPreventExitStatus=2",  # a config error: restarting every 2 s cannot mend it
         "StateDirectory=gpud",
         "RuntimeDirectory=gpud",
         "ExecReload=/bin/kill -HUP $MAINPID",
