@@ -180,6 +180,11 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
     except CliError as err:
         print(f"gpuctl: {err}", file=sys.stderr)
         return err.exit_code
+    except UnicodeEncodeError as err:
+        # an argument in bytes that are not UTF-8 (Python keeps them as surrogates), which
+        # no request can carry
+        print(f"gpuctl: an argument is not valid UTF-8: {err.object!r}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     finally:

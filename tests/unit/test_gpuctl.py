@@ -285,6 +285,7 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
         (("events", "--limit", "1e3"), "--limit: '1e3' is not an integer"),
         (("jobs", "history", "--limit", "-1"), "--limit: -1 is not in 0..4294967295"),
         (("jobs", "add", "x", "--memory", "99999999999TiB"), "more than any device holds"),
+        (("events", "--kind", "gpu.\udcff"), "an argument is not valid UTF-8: 'gpu.\\udcff'"),
     ],
 )
 def test_a_number_a_request_cannot_carry_is_a_usage_error(
