@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import ipaddress
 import math
 import os
 import re
@@ -365,13 +366,41 @@ def _coerce(raw: Any, hint: Any, *, path: str, key: str) -> Any:
     raise ConfigError(f"unsupported type {hint!r}", path=path, key=key)  # pragma: no cover
 
 
+_HOST_NAME = re.compile(
+    r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*\.?"
+)
+
+
 def parse_address(value: str, *, path: str, key: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:9400`` for IPv6) into a pair, or a ConfigError naming the key."""
+    """``HOST:PORT`` (``[::1]:9400`` for IPv6) into a pair, or a ConfigError naming the key.
+    The host is an IPv4 address, an IPv6 address in brackets, or a host name (not looked
+    up here: that is for the moment it is used)."""
     host, sep, port = value.rpartition(":")
     # isdigit() alone takes "²", which int() refuses
     if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{value!r} is not HOST:PORT", path=path, key=key)
-    return host.strip("[]") or "0.0.0.0", int(port)
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(
+                f"{value!r}: {host!r} is not an IPv6 address", path=path, key=key
+            ) from None
+    elif ":" in host:
+        raise ConfigError(
+            f"{value!r}: an IPv6 address goes in brackets, as in [::1]:9400", path=path, key=key
+        )
+    elif host.replace(".", "").isdigit():  # a dotted quad, or meant to be one
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ConfigError(
+                f"{value!r}: {host!r} is not an IPv4 address", path=path, key=key
+            ) from None
+    elif host and not _HOST_NAME.fullmatch(host):
+        raise ConfigError(f"{value!r}: {host!r} is not a host name", path=path, key=key)
+    return host or "0.0.0.0", int(port)
 
 
 def numeric_ranges(config: Config) -> dict[str, tuple[Any, float, float]]:
