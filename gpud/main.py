@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import fcntl
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -151,7 +152,20 @@ def load_config(args: argparse.Namespace) -> config.Config:
     loaded = config.load(path, required=args.config is not None)
     final = loaded.with_overrides(flag_overrides(args), source="command line")
     config.check_socket(final, path=str(path))
+    check_cluster_files(final)
     return final
+
+
+def check_cluster_files(cfg: config.Config) -> None:
+    """The cluster's CA, certificate and key, checked as the peer API will use them (see
+    ``PeerTls.load``), so that ``--check-config``, a start and a reload all find a bad one
+    as a config error naming the file."""
+    c = cfg.cluster
+    if c.election != "etcd":
+        return
+    from gpud.cluster.tls import PeerTls  # ssl and grpc: only for a node of a cluster
+
+    PeerTls.load(c.ca_file, c.cert_file, c.key_file, node=c.node or socket.gethostname())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,6 +212,9 @@ def run(cfg: config.Config, args: argparse.Namespace) -> int:
             reload_config=lambda: load_config(args),
         )
         return asyncio.run(daemon.run())
+    except ConfigError as err:  # what the operator must change: no restart mends it
+        print(f"gpud: config error: {err}", file=sys.stderr)
+        return 2
     except GpudError as err:
         print(f"gpud: {err}", file=sys.stderr)
         return 1

@@ -379,3 +379,23 @@ def test_a_socket_path_too_long_for_a_unix_socket_is_a_config_error(
     args = ["--check-config", "--config", str(path), "--socket", f"{long_dir}/sock"]
     assert main(args) == 2
     assert "daemon.run_dir" not in capsys.readouterr().err
+
+
+def test_check_config_checks_the_cluster_certificates(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tools.certs import make_ca, make_node
+
+    make_ca(tmp_path)
+    make_node(tmp_path, "n1", tmp_path, dns=("n1",))
+    path = write(
+        tmp_path,
+        '[cluster]\nelection = "etcd"\nnode = "n1"\nlisten = "127.0.0.1:0"\n'
+        f'ca_file = "{tmp_path}/ca.pem"\ncert_file = "{tmp_path}/n1.pem"\n'
+        f'key_file = "{tmp_path}/n1-key.pem"\n',
+    )
+    assert main(["--check-config", "--config", str(path)]) == 0
+    (tmp_path / "n1.pem").write_text("not a certificate\n")
+    assert main(["--check-config", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"cluster.cert_file: {tmp_path}/n1.pem: no PEM certificate" in err, err
