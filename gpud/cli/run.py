@@ -37,6 +37,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -236,6 +237,7 @@ def _wait_for_advice(
     the reason changes; None when a signal stopped the wait. Through a gpud
     restart it keeps asking; advice that stops (the loop turned off) ends the wait with the
     last answer, which places nothing, and the jobs service places the job."""
+    started = time.monotonic()
     with _signals_stop() as stop:
         shown = ""
         away = False
@@ -252,6 +254,7 @@ def _wait_for_advice(
                 interval = min(ADVICE_POLL_MAX_S, interval * 1.5)
             if stop.wait(interval):
                 return None
+            ask.waited_s = time.monotonic() - started  # its place, should gpud have restarted
             try:
                 resp = ctx.call(ctx.stub(colo_pb2_grpc.ColocationStub).Advise, ask)
                 away = False

@@ -13,16 +13,30 @@ from typing import Any, NamedTuple
 
 from gpud.api.validate import optional
 from gpud.colo.service import ColoService
-from gpud.errors import NotFound
+from gpud.errors import InvalidArgument, NotFound
 from gpud.jobs.registry import check_name
 from gpud.telemetry.snapshot import Snapshot
 from gpud.v1 import colo_pb2 as pb
 from gpud.v1 import colo_pb2_grpc as pb_grpc
 
+MAX_WAITED_S = 366 * 86400.0
+
 
 def _job(name: str) -> str:
     # Every job gpud places or hears from is a registered job: the registry's names.
     return check_name(name, field="job")
+
+
+def _waited(request: pb.AdviseRequest) -> float:
+    """How long the asker has waited already, in seconds (0 when it does not say)."""
+    waited = optional(request, "waited_s")
+    if waited is None:
+        return 0.0
+    if not 0.0 <= waited <= MAX_WAITED_S:  # NaN too
+        raise InvalidArgument(
+            f"must be a number of seconds in 0..{MAX_WAITED_S:g}, got {waited}", field="waited_s"
+        )
+    return float(waited)
 
 
 class Registered(NamedTuple):
@@ -138,6 +152,7 @@ class ColoServicer(pb_grpc.ColocationServicer):
             peak_load=optional(request, "peak_load") or 0.0,
             snapshot=snap,
             waiting=request.waiting,
+            waited_s=_waited(request),
         )
         out = pb.AdviseResponse(
             gpu=a.gpu,

@@ -1093,15 +1093,20 @@ class ColoService:
         peak_load: float = 0.0,
         snapshot: Snapshot | None = None,
         waiting: bool = False,
+        waited_s: float = 0.0,
     ) -> Advice:
         """Where a new job should go now: a whole GPU's MPS share, or a free MIG instance
         (for an inference job with a tight SLO, or on a GPU in MIG mode); nothing is
         reserved. ``waiting``: the asker waits
         for a GPU (``gpuctl run``): a job told to wait is listed by :meth:`show` while it
-        keeps asking."""
+        keeps asking. ``waited_s``: how long it has waited already, as the asker counts: a
+        waiter this loop does not know (gpud restarted) takes its place by it."""
         now = self._clock()
         with self._lock:
-            since = self._waiting[job].since if waiting and job in self._waiting else now
+            if waiting and job in self._waiting:
+                since = self._waiting[job].since
+            else:
+                since = now - waited_s if waiting else now
         advice, view = self._advice(
             job,
             kind=kind,

@@ -382,6 +382,7 @@ class AdviseRequest(_message.Message):
     SM_ACTIVITY_FIELD_NUMBER: _builtins.int
     PEAK_LOAD_FIELD_NUMBER: _builtins.int
     WAITING_FIELD_NUMBER: _builtins.int
+    WAITED_S_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     kind: _builtins.str
     """"training" (default) or "inference" """
@@ -393,6 +394,10 @@ class AdviseRequest(_message.Message):
     """inference: requests/s to hold within the SLO"""
     waiting: _builtins.bool
     """the asker waits for a GPU (gpuctl run): listed in ShowColo meanwhile"""
+    waited_s: _builtins.float
+    """seconds the asker has waited already (0..MAX_WAITED_S): a gpud that restarted meanwhile
+    serves the waiting runs in the order they came, not in the order they ask again
+    """
     def __init__(
         self,
         *,
@@ -403,10 +408,11 @@ class AdviseRequest(_message.Message):
         sm_activity: _builtins.float | None = ...,
         peak_load: _builtins.float | None = ...,
         waiting: _builtins.bool = ...,
+        waited_s: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "_waited_s", b"_waited_s", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity", "waited_s", b"waited_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "job", b"job", "kind", b"kind", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "_waited_s", b"_waited_s", "job", b"job", "kind", b"kind", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity", "waited_s", b"waited_s", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__memory_bytes: _TypeAlias = _typing.Literal["memory_bytes"]  # noqa: Y015
     _WhichOneofArgType__memory_bytes: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes"]  # noqa: Y015
@@ -416,6 +422,8 @@ class AdviseRequest(_message.Message):
     _WhichOneofArgType__slo_p99_ms: _TypeAlias = _typing.Literal["_slo_p99_ms", b"_slo_p99_ms"]  # noqa: Y015
     _WhichOneofReturnType__sm_activity: _TypeAlias = _typing.Literal["sm_activity"]  # noqa: Y015
     _WhichOneofArgType__sm_activity: _TypeAlias = _typing.Literal["_sm_activity", b"_sm_activity"]  # noqa: Y015
+    _WhichOneofReturnType__waited_s: _TypeAlias = _typing.Literal["waited_s"]  # noqa: Y015
+    _WhichOneofArgType__waited_s: _TypeAlias = _typing.Literal["_waited_s", b"_waited_s"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__memory_bytes) -> _WhichOneofReturnType__memory_bytes | None: ...
     @_typing.overload
@@ -424,6 +432,8 @@ class AdviseRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__slo_p99_ms) -> _WhichOneofReturnType__slo_p99_ms | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sm_activity) -> _WhichOneofReturnType__sm_activity | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__waited_s) -> _WhichOneofReturnType__waited_s | None: ...
 
 Global___AdviseRequest: _TypeAlias = AdviseRequest  # noqa: Y015
 

@@ -240,6 +240,30 @@ def test_what_frees_goes_to_the_run_that_waited_first_whichever_asks_first(
     assert [j for j, _, _ in svc.show().waiting] == ["newer"]
 
 
+def test_the_waiting_runs_keep_their_order_through_a_restart(tmp_path: Path) -> None:
+    """A gpud that restarted knows no waiter: each takes its place by how long it says it
+    has waited, not by which asks again first."""
+    clock = Clock()
+    jobs = [
+        RunningJob("a", "training", 0, memory_bytes=60 * GIB, memory_used=60 * GIB),
+        RunningJob("b", "training", 1, memory_bytes=60 * GIB, memory_used=60 * GIB),
+    ]
+    svc = ColoService(  # just started
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    full = snapshot(used_gib=60)
+    ask = {"memory_bytes": 40 * GIB, "waiting": True, "snapshot": full}
+    assert svc.advise("newer", waited_s=5.0, **ask).gpu == -1  # type: ignore[arg-type]
+    clock.t += 1.0
+    assert svc.advise("older", waited_s=12.0, **ask).gpu == -1  # type: ignore[arg-type]
+    assert [j for j, _, _ in svc.show().waiting] == ["older", "newer"]
+    jobs.pop(0)  # GPU 0 frees
+    freed = Snapshot(0.0, 0.0, (snapshot(used_gib=0).gpus[0], full.gpus[1]), 0.01)
+    ask["snapshot"] = freed
+    later = svc.advise("newer", waited_s=6.0, **ask)  # type: ignore[arg-type]
+    assert later.gpu == -1 and later.reason == "its options went to jobs ahead of it: older"
+
+
 def test_runs_that_wait_and_ask_together_share_one_planning_pass(tmp_path: Path) -> None:
     """Each question plans every run that waits: the polls of a round, on the same
     telemetry within a second, are answered by one pass."""
@@ -702,6 +726,18 @@ def test_absurd_colo_requests_are_refused_and_change_nothing(
             colo_pb2.AdviseRequest(job="n", kind="inference", peak_load=inf),
             grpc.StatusCode.INVALID_ARGUMENT,
             "job n: peak_load inf",
+        ),
+        (
+            "Advise",
+            colo_pb2.AdviseRequest(job="n", waiting=True, waited_s=nan),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "waited_s: must be a number of seconds",
+        ),
+        (
+            "Advise",
+            colo_pb2.AdviseRequest(job="n", waiting=True, waited_s=-1),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "waited_s: must be a number of seconds",
         ),
         (
             "Advise",
