@@ -16,7 +16,7 @@ import datetime
 import sys
 from typing import Any
 
-from gpud.cli.context import UINT32, CliError, Context, Subparsers
+from gpud.cli.context import UINT32, CliError, Context, Subparsers, integer
 from gpud.cli.mps import size_arg
 from gpud.cli.output import NA, message_to_dict, seconds
 from gpud.shared import format_size
@@ -67,7 +67,10 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
         help="these GPU / MIG devices: indexes (0, 0:1) or UUIDs",
     )
     parser.add_argument(
-        "--threads", type=UINT32, metavar="PERCENT", help="MPS active thread percentage"
+        "--threads",
+        type=integer(1, 100),  # what MPS takes: refused before any question to gpud
+        metavar="PERCENT",
+        help="MPS active thread percentage, 1..100",
     )
     parser.add_argument(
         "--memory", metavar="SIZE", help="MPS pinned memory limit per device, e.g. 20GiB"

@@ -278,7 +278,8 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (("net", "pin", "--job", "a", "--level", "99999999999"), "--level: 99999999999 is not"),
         (("net", "report", "--job", "a", "--iterations", str(2**64)), "--iterations: 1844"),
-        (("jobs", "add", "x", "--threads", "5000000000"), "--threads: 5000000000 is not in 0.."),
+        (("jobs", "add", "x", "--threads", "5000000000"), "--threads: 5000000000 is not in 1..100"),
+        (("run", "--job", "x", "--threads", "0", "--", "true"), "--threads: 0 is not in 1..100"),
         (("jobs", "add", "x", "--gpus", "-1"), "--gpus: -1 is not in 0..4294967295"),
         (("gpus", "--gpu", "3000000000"), "--gpu: 3000000000 is not in -2147483648.."),
         (("sim", "workload", "stop", "--pid", "-4"), "--pid: -4 is not in 0.."),
