@@ -379,25 +379,21 @@ def parse_address(value: str, *, path: str, key: str) -> tuple[str, int]:
     # isdigit() alone takes "²", which int() refuses
     if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{value!r} is not HOST:PORT", path=path, key=key)
-    if host.startswith("[") and host.endswith("]"):
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
         host = host[1:-1]
+    if bracketed or host.replace(".", "").isdigit():  # or a dotted quad, or meant to be one
+        version = 6 if bracketed else 4
         try:
-            ipaddress.IPv6Address(host)
+            (ipaddress.IPv6Address if bracketed else ipaddress.IPv4Address)(host)
         except ValueError:
             raise ConfigError(
-                f"{value!r}: {host!r} is not an IPv6 address", path=path, key=key
+                f"{value!r}: {host!r} is not an IPv{version} address", path=path, key=key
             ) from None
     elif ":" in host:
         raise ConfigError(
             f"{value!r}: an IPv6 address goes in brackets, as in [::1]:9400", path=path, key=key
         )
-    elif host.replace(".", "").isdigit():  # a dotted quad, or meant to be one
-        try:
-            ipaddress.IPv4Address(host)
-        except ValueError:
-            raise ConfigError(
-                f"{value!r}: {host!r} is not an IPv4 address", path=path, key=key
-            ) from None
     elif host and not _HOST_NAME.fullmatch(host):
         raise ConfigError(f"{value!r}: {host!r} is not a host name", path=path, key=key)
     return host or "0.0.0.0", int(port)

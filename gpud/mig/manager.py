@@ -673,18 +673,8 @@ class MigManager:
                 unread = record.gpu_index < len(all_ids) and not all_ids[record.gpu_index].uuid
                 if gpu is None and unread and record.gpu_index in faults:
                     # Lost before its identity was ever read: most likely the GPU it was.
-                    reason = faults[record.gpu_index]
-                    outcomes.append(
-                        GpuOutcome(
-                            record.gpu_index,
-                            uuid,
-                            (),
-                            False,
-                            "faulty",
-                            f"GPU {record.gpu_index} is faulty: {reason}: not reconciled"
-                            " until it answers again",
-                        )
-                    )
+                    i = record.gpu_index
+                    outcomes.append(_left_alone(i, uuid, f"GPU {i}", faults[i]))
                     continue
                 if gpu is None:
                     outcomes.append(
@@ -698,33 +688,14 @@ class MigManager:
                         )
                     )
                     continue
+                name = f"GPU {gpu.index}{_product(gpu)}"
                 if gpu.index in faults:
-                    outcomes.append(
-                        GpuOutcome(
-                            gpu.index,
-                            uuid,
-                            (),
-                            False,
-                            "faulty",
-                            f"GPU {gpu.index}{_product(gpu)} is faulty: {faults[gpu.index]}:"
-                            " not reconciled until it answers again",
-                        )
-                    )
+                    outcomes.append(_left_alone(gpu.index, uuid, name, faults[gpu.index]))
                     continue
                 plan = checked.get(gpu.index)
                 if plan is None:
-                    outcomes.append(
-                        GpuOutcome(
-                            gpu.index,
-                            uuid,
-                            (),
-                            False,
-                            "faulty",
-                            f"GPU {gpu.index}{_product(gpu)} is faulty: not answering: no answer"
-                            f" from the driver within {self.VIEW_TIMEOUT_S:.1f} s: not reconciled"
-                            " until it answers again",
-                        )
-                    )
+                    silent = f"not answering: no answer from the driver within {self.VIEW_TIMEOUT_S:.1f} s"
+                    outcomes.append(_left_alone(gpu.index, uuid, name, silent))
                 elif isinstance(plan, GpuPlan) and plan.empty:
                     outcomes.append(GpuOutcome(gpu.index, uuid, (), False, "ok"))
                 else:  # differs, or the check failed: the same calls again, for the outcome
@@ -940,6 +911,18 @@ class MigManager:
                     f"not answering: no answer from the driver within {timeout_s:.1f} s",
                 )
             yield gpu.index, view
+
+
+def _left_alone(index: int, uuid: str, name: str, reason: str) -> GpuOutcome:
+    """The outcome of a GPU that reconcile does not call while it is faulty."""
+    return GpuOutcome(
+        index,
+        uuid,
+        (),
+        False,
+        "faulty",
+        f"{name} is faulty: {reason}: not reconciled until it answers again",
+    )
 
 
 def _product(gpu: GpuIdentity) -> str:

@@ -19,6 +19,7 @@ from gpud.cluster.nodeview import DaemonNodeView
 from gpud.cluster.tls import PeerTls
 from gpud.errors import ConfigError, InvalidArgument, Unavailable
 from gpud.v1 import cluster_pb2 as pb
+from tests.unit.test_cluster_agent import FixedElection
 from tools.certs import make_ca, make_node
 
 
@@ -261,17 +262,6 @@ async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path
         await asyncio.sleep(0)
 
 
-class Following:
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def state(self) -> LeaderInfo:
-        return LeaderInfo("n2", "127.0.0.1:1", 4, False)
-
-
 async def test_a_refused_peer_call_is_logged_once_and_old_channels_are_closed(
     pki: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -283,7 +273,7 @@ async def test_a_refused_peer_call_is_logged_once_and_old_channels_are_closed(
     agent = ClusterAgent(
         node="n1",
         election_kind="etcd",
-        election=Following(),
+        election=FixedElection(LeaderInfo("n2", "127.0.0.1:1", 4, False)),
         traffic=FakeTraffic(),
         view=StaticNodeView(),
         tag_store=lambda epoch: MemoryTagStore(),
