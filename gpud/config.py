@@ -160,7 +160,7 @@ class TrafficConfig:
     min_share: float = ranged(0.02, 0.0, 0.24)
     default_share: float = ranged(0.02, 0.001, 0.5)
     threshold: float = ranged(0.1, 0.0, 10.0)
-    hysteresis: float = ranged(0.05, 0.0, 0.99)
+    hysteresis: float = ranged(0.02, 0.0, 0.99)
     # jobs whose progress rates are this close (relative) share a level; 0 = never
     group_tolerance: float = ranged(0.0, 0.0, 1.0)
     # inside a level, HTB shares by demand (bytes per iteration / T*) rather than equally

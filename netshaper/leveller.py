@@ -78,7 +78,7 @@ class LevellerConfig:
     levels: int = MAX_LEVELS
     threshold: float = 0.1
     max_age_s: float = 10.0
-    hysteresis: float = 0.05
+    hysteresis: float = 0.02
     min_share: float | tuple[float, ...] = 0.02
     unknown_rate: float = 0.0
     group_tolerance: float = 0.0

@@ -18,8 +18,15 @@ The progress rate is ``r = T* / T`` in (0, 1]:
   otherwise it is learned as the best per-report sample seen (the fastest stretch between
   two reports), so it never exceeds what was observed.
 * A job that stops reporting is slower than its last estimate says: the time since its
-  last progress point lower-bounds the current iteration time, so ``r`` decays as
-  ``T* / (now - t_last)`` once that exceeds ``T`` (never a division by zero).
+  last progress point lower-bounds the current iteration time. With few iterations in the
+  window (long ones), that open iteration is the evidence, and ``r`` decays as
+  ``T* / (now - t_last)`` once that exceeds ``T``. Once the window holds at least
+  ``stall_iterations`` iterations, the open one is counted as ending now together with the
+  last ``stall_iterations`` before it, ``T = (now - t_{n-k}) / (k + 1)``: a job that ran five
+  iterations in one tick on a high level and then waited one tick on a low level has made
+  about half its speed over both, not ``T*`` over one tick, and taking it for the slowest
+  job would keep two jobs trading the top level while a third never gets it. Either way
+  never a division by zero.
 * A restart (the counter goes back) drops the window but keeps ``T*`` and the last ``T``
   as a prior, so the job does not jump to the front or the back on its next tick.
 
@@ -43,17 +50,22 @@ class ProgressConfig:
 
     ``window_s``: span of the sliding window of progress points. ``min_iterations``: the
     fewest iterations the window spans, whatever their length (so slow jobs still have an
-    estimate, and one that is not a single iteration's).
+    estimate, and one that is not a single iteration's). ``stall_iterations``: how many
+    completed iterations a job's open one is averaged with once the window holds that many
+    (0: the open iteration alone, whatever the window holds).
     """
 
     window_s: float = 20.0
     min_iterations: int = 2
+    stall_iterations: int = 8
 
     def __post_init__(self) -> None:
         if not self.window_s > 0:
             raise ValueError(f"window_s must be > 0, got {self.window_s}")
         if not self.min_iterations >= 1:
             raise ValueError(f"min_iterations must be >= 1, got {self.min_iterations}")
+        if not self.stall_iterations >= 0:
+            raise ValueError(f"stall_iterations must be >= 0, got {self.stall_iterations}")
 
 
 @dataclass
@@ -159,7 +171,7 @@ class ProgressTracker:
         stalled_for = max(0.0, now - since)
         rate: float | None = None
         if ideal is not None:
-            effective = max(period or 0.0, stalled_for)
+            effective = max(period or 0.0, self._open_period(state, now) or stalled_for)
             # With no estimate yet, the job is only known to be slow once it has gone a
             # whole ideal iteration without progress.
             if period is not None or stalled_for > ideal:
@@ -183,6 +195,22 @@ class ProgressTracker:
         if state.declared_ideal_s is not None:
             return state.declared_ideal_s
         return state.learned_ideal_s
+
+    def _open_period(self, state: _JobState, now: float) -> float | None:
+        """The iteration time with the open iteration counted as ending ``now``, over it
+        and the last ``stall_iterations`` completed ones; ``None`` while the window holds
+        fewer."""
+        k = self._config.stall_iterations
+        points = state.points
+        if k == 0 or len(points) < 2 or points[-1][0] - points[0][0] < k:
+            return None
+        n1 = points[-1][0]
+        # the newest point at least k iterations back (points may skip counts)
+        i = len(points) - 2
+        while points[i][0] > n1 - k:
+            i -= 1
+        n0, t0 = points[i]
+        return max((now - t0) / (n1 - n0 + 1), _MIN_PERIOD_S)
 
     @staticmethod
     def _window_period(state: _JobState) -> float | None:

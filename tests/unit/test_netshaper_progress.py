@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -139,6 +140,8 @@ def test_bad_inputs_are_rejected() -> None:
         ProgressConfig(window_s=0)
     with pytest.raises(ValueError):
         ProgressConfig(min_iterations=0)
+    with pytest.raises(ValueError, match="stall_iterations"):
+        ProgressConfig(stall_iterations=-1)
     tr = ProgressTracker()
     with pytest.raises(ValueError):
         tr.register("a", now=0.0, ideal_s=0.0)
@@ -178,3 +181,54 @@ def test_an_interval_below_float_resolution_learns_the_floor_not_zero() -> None:
     tr.report("a", 2, 5e-324)
     rate = tr.progress("a", 1.0).rate
     assert rate is not None and 0.0 < rate <= 1.0
+
+
+def test_a_job_that_waited_one_tick_after_a_fast_stretch_is_not_taken_for_the_slowest() -> None:
+    # a ran ten iterations at full speed on a high level, then waited a tick on a low one;
+    # b has run steadily at half speed. Over the same stretch a made more progress.
+    tr = ProgressTracker()
+    tr.register("a", now=0.0, ideal_s=0.2)
+    tr.register("b", now=0.0, ideal_s=0.2)
+    t = steady(tr, "a", 0.2, 10)
+    steady(tr, "b", 0.4, 7)
+    rates = tr.rates(t + 1.0)
+    # the open iteration ends now at the earliest: (8 x 0.2 + 1.0) / 9 s per iteration
+    assert rates["a"] == pytest.approx(0.2 / (2.6 / 9))
+    assert rates["b"] == pytest.approx(0.5)
+    assert rates["a"] > rates["b"]
+
+
+def test_a_long_stall_still_decays_to_nothing() -> None:
+    tr = ProgressTracker()
+    tr.register("a", now=0.0, ideal_s=1.0)
+    t = steady(tr, "a", 1.0, 20)
+    assert tr.progress("a", t + 1.0).rate == pytest.approx(1.0)  # one iteration: on time
+    assert tr.progress("a", t + 10.0).rate == pytest.approx(9 / 18)
+    assert tr.progress("a", t + 1000.0).rate == pytest.approx(9 / 1008)
+
+
+def test_the_open_iteration_alone_counts_when_stall_iterations_is_0() -> None:
+    tr = ProgressTracker(ProgressConfig(stall_iterations=0))
+    tr.register("a", now=0.0, ideal_s=1.0)
+    t = steady(tr, "a", 1.0, 20)
+    assert tr.progress("a", t + 10.0).rate == pytest.approx(0.1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    periods=st.lists(st.floats(0.01, 3.0), min_size=1, max_size=30),
+    waits=st.lists(st.floats(0.0, 50.0), min_size=2, max_size=6),
+    least=st.integers(0, 12),
+)
+def test_a_job_that_makes_no_progress_never_looks_faster(
+    periods: list[float], waits: list[float], least: int
+) -> None:
+    tr = ProgressTracker(ProgressConfig(window_s=5.0, stall_iterations=least))
+    tr.register("a", now=0.0, ideal_s=0.01)
+    t = 0.0
+    tr.report("a", 0, t)
+    for i, p in enumerate(periods, start=1):
+        t += p
+        tr.report("a", i, t)
+    seen = [tr.progress("a", t + w).rate or 0.0 for w in sorted(waits)]
+    assert all(later <= earlier + 1e-12 for earlier, later in itertools.pairwise(seen))
