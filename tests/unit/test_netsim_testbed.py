@@ -52,6 +52,16 @@ def test_a_mix_becomes_one_link_with_the_testbed_knobs() -> None:
     assert from_dict(sc.to_dict()) == sc
 
 
+def test_gpud_ticks_as_often_as_in_the_testbed(tmp_path: Path) -> None:
+    from tools.testbed.run import GPUD_TICK_S
+
+    assert scenario("pair", JOBS, TRAFFIC).update_interval_s == GPUD_TICK_S == 0.2
+    doc = json.loads(result_file(tmp_path).read_text())
+    assert [sc.update_interval_s for sc in scenarios(doc)] == [0.2]  # files from before it
+    doc["setup"]["gpud_tick_s"] = 0.5
+    assert [sc.update_interval_s for sc in scenarios(doc)] == [0.5]
+
+
 def test_default_mixes_come_from_the_testbed() -> None:
     from tools.testbed.run import MIXES
 

@@ -4,8 +4,8 @@
 ``conns`` TCP connections through an HTB-shaped veth bottleneck -- under the kernel's
 default qdisc and under gpud. Here the same jobs become netsim scenarios: one link at the
 bottleneck's rate, each job one flow group of ``conns`` flows, the testbed's phase length
-and warm-up, gpud's traffic knobs as the testbed sets them (levels, progress window,
-re-rank age, threshold, hysteresis). ``fair`` stands for the kernel's default qdisc
+and warm-up, gpud's traffic knobs and loop period as the testbed sets them (levels,
+progress window, re-rank age, threshold, hysteresis; a tick every 0.2 s). ``fair`` stands for the kernel's default qdisc
 (per-flow sharing), ``leveller`` for gpud, the fluid bound for the testbed's ceiling.
 
 The mixes come from a testbed result file's ``setup`` when one is given (so a custom
@@ -44,15 +44,21 @@ def scenario(
     rate_bps: float = RATE_BPS,
     seconds: float = SECONDS,
     warmup: float = WARMUP_S,
+    tick_s: float | None = None,
 ) -> Scenario:
-    """A testbed mix as a scenario (jobs as the testbed writes them in its ``setup``)."""
+    """A testbed mix as a scenario (jobs as the testbed writes them in its ``setup``), with
+    gpud's loop period ``tick_s`` (default: the testbed's)."""
+    if tick_s is None:
+        from tools.testbed.run import GPUD_TICK_S
+
+        tick_s = GPUD_TICK_S
     knobs = {k: float(v) for k, v in traffic.items() if k != "levels"}
     return from_dict(
         {
             "name": f"testbed-{name}",
             "description": f"the testbed's {name!r} mix at {rate_bps / 1e6:g} Mbit/s",
             "levels": int(traffic.get("levels", 8)),
-            "update_interval_s": 1.0,
+            "update_interval_s": tick_s,
             "duration_s": seconds,
             "warmup_s": warmup,
             "links": {LINK: {"gbps": rate_bps / 1e9}},
@@ -83,6 +89,7 @@ def scenarios(results: Mapping[str, Any] | None = None) -> list[Scenario]:
                 rate_bps=float(setup.get("rate_bps", RATE_BPS)),
                 seconds=float(setup.get("seconds", SECONDS)),
                 warmup=float(setup.get("warmup", WARMUP_S)),
+                tick_s=float(setup["gpud_tick_s"]) if "gpud_tick_s" in setup else None,
             )
             for name, jobs in setup["mixes"].items()
         ]

@@ -53,6 +53,9 @@ GPUD_TRAFFIC = {
     "hysteresis": 0.02,
     "group_tolerance": 0.0,
 }
+# gpud's loop period in the testbed: a level change lands within an iteration of these jobs
+# (their compute phases are 40-120 ms), not a second later.
+GPUD_TICK_S = 0.2
 
 
 class Interrupted(Exception):
@@ -180,7 +183,7 @@ def run_mix(
     traces["baseline"] = {
         j.name: series(times[j.name], ideal[j.name], start, start + seconds) for j in jobs
     }
-    bed.start_gpud(GPUD_TRAFFIC)
+    bed.start_gpud(GPUD_TRAFFIC, tick_s=GPUD_TICK_S)
     try:
         for job in jobs:
             bed.gpuctl("jobs", "add", job.name)
@@ -372,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             "baseline_qdisc": runs[0]["mixes"][next(iter(mixes))]["baseline"]["qdisc"],
             "mixes": {k: [vars(j) for j in v] for k, v in mixes.items()},
             "gpud_traffic": GPUD_TRAFFIC,
+            "gpud_tick_s": GPUD_TICK_S,
         },
         "mixes": aggregate(runs),
         "runs": runs,
