@@ -35,6 +35,7 @@ Nothing here does I/O or reads a clock: callers pass ``now``.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -42,6 +43,10 @@ from dataclasses import dataclass, field
 # Iteration times below this are treated as this, so a burst of reports stamped with the
 # same instant can never produce an infinite rate.
 _MIN_PERIOD_S = 1e-9
+# A rate never reaches 0 however long a job has stalled (the leveller divides by rates).
+_MIN_RATE = 1e-12
+# The long window keeps at most about this many points, however often a job reports.
+_LONG_POINTS = 64
 
 
 @dataclass(frozen=True)
@@ -52,12 +57,15 @@ class ProgressConfig:
     fewest iterations the window spans, whatever their length (so slow jobs still have an
     estimate, and one that is not a single iteration's). ``stall_iterations``: how many
     completed iterations a job's open one is averaged with once the window holds that many
-    (0: the open iteration alone, whatever the window holds).
+    (0: the open iteration alone, whatever the window holds). ``long_window_s``: the span of
+    the long-run rate the window's rate is averaged with (geometric mean), so that a job
+    that fell behind is paid back; 0 turns it off.
     """
 
     window_s: float = 20.0
     min_iterations: int = 2
     stall_iterations: int = 8
+    long_window_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.window_s > 0:
@@ -66,6 +74,8 @@ class ProgressConfig:
             raise ValueError(f"min_iterations must be >= 1, got {self.min_iterations}")
         if not self.stall_iterations >= 0:
             raise ValueError(f"stall_iterations must be >= 0, got {self.stall_iterations}")
+        if not 0 <= self.long_window_s < float("inf"):
+            raise ValueError(f"long_window_s must be >= 0 and finite, got {self.long_window_s}")
 
 
 @dataclass
@@ -73,6 +83,8 @@ class _JobState:
     declared_ideal_s: float | None
     first_seen: float
     points: deque[tuple[int, float]] = field(default_factory=deque)
+    # progress points of the long window, at least long_window_s / _LONG_POINTS apart
+    anchors: deque[tuple[int, float]] = field(default_factory=deque)
     learned_ideal_s: float | None = None
     prior_period_s: float | None = None
     last_count: int | None = None
@@ -142,6 +154,7 @@ class ProgressTracker:
             # Restart: keep what we learned about the job's speed, drop the window.
             state.prior_period_s = self._window_period(state) or state.prior_period_s
             state.points.clear()
+            state.anchors.clear()
             state.restarts += 1
         elif state.points and at < state.points[-1][1]:
             return  # late, out-of-order report
@@ -161,6 +174,14 @@ class ProgressTracker:
         points = state.points
         while len(points) > 2 and at - points[1][1] >= window and iteration - points[1][0] >= least:
             points.popleft()
+        # never shorter than the window itself, whatever the two settings say
+        span = self._config.long_window_s and max(self._config.long_window_s, window)
+        anchors = state.anchors
+        if span > 0:
+            if not anchors or at - anchors[-1][1] >= span / _LONG_POINTS:
+                anchors.append((iteration, at))
+            while len(anchors) > 1 and at - anchors[1][1] >= span:
+                anchors.popleft()
 
     def progress(self, job_id: str, now: float) -> JobProgress:
         """The estimate for one job at ``now``; raises ``KeyError`` for unknown ids."""
@@ -176,6 +197,9 @@ class ProgressTracker:
             # whole ideal iteration without progress.
             if period is not None or stalled_for > ideal:
                 rate = min(1.0, ideal / max(effective, _MIN_PERIOD_S))
+                long_rate = self._long_rate(state, ideal, now)
+                if long_rate is not None:
+                    rate = max(math.sqrt(rate * long_rate), _MIN_RATE)
         return JobProgress(
             job_id=job_id,
             rate=rate,
@@ -195,6 +219,17 @@ class ProgressTracker:
         if state.declared_ideal_s is not None:
             return state.declared_ideal_s
         return state.learned_ideal_s
+
+    @staticmethod
+    def _long_rate(state: _JobState, ideal: float, now: float) -> float | None:
+        """Iterations since the long window's oldest point, up to ``now``, times ``T*``;
+        ``None`` until the job has progressed since that point."""
+        if not state.anchors or state.last_count is None:
+            return None
+        n0, t0 = state.anchors[0]
+        if state.last_count <= n0 or now <= t0:
+            return None
+        return min(1.0, ideal * (state.last_count - n0) / (now - t0))
 
     def _open_period(self, state: _JobState, now: float) -> float | None:
         """The iteration time with the open iteration counted as ending ``now``, over it

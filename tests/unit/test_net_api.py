@@ -151,12 +151,15 @@ def test_gpuctl_net_report_and_show(
     node.service.tick()
     code, out, _ = gpuctl(capsys, sock, "net", "show")
     assert code == 0
-    assert "train-a" in out and "0.50" in out  # 1 s per iteration, 0.5 s alone
+    # 1 s per iteration, 0.5 s alone; the long-run part also counts the moments since the
+    # last report, so a slow tick reads a little lower
+    (row,) = [line for line in out.splitlines() if line.startswith("train-a")]
+    assert float(row.split()[3]) == pytest.approx(0.5, abs=0.05)
     assert "eth0" in out and "10 Gbit/s" in out
     code, out, _ = gpuctl(capsys, sock, "net", "show", "--json")
     doc = json.loads(out)
     (a,) = [j for j in doc["jobs"] if j["job"] == "train-a"]
-    assert a["iterations"] == 3 and a["progress_rate"] == pytest.approx(0.5)
+    assert a["iterations"] == 3 and a["progress_rate"] == pytest.approx(0.5, abs=0.05)
     assert a["level"] == 0 and doc["interfaces"][0]["enforced"] is True
     assert [lv["level"] for lv in doc["levels"]] == [0, 1, 2, 3]
 

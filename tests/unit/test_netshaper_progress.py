@@ -11,10 +11,15 @@ from hypothesis import strategies as st
 
 from netshaper import ProgressConfig, ProgressTracker
 
+# The window's estimate alone, for the tests of how the window reads a job.
+WINDOW_ONLY = ProgressConfig(long_window_s=0)
 
-def steady(tracker: ProgressTracker, job: str, period: float, n: int, t0: float = 0.0) -> float:
+
+def steady(
+    tracker: ProgressTracker, job: str, period: float, n: int, *, t0: float = 0.0, start: int = 0
+) -> float:
     for i in range(n + 1):
-        tracker.report(job, i, t0 + i * period)
+        tracker.report(job, start + i, t0 + i * period)
     return t0 + n * period
 
 
@@ -51,7 +56,7 @@ def test_learned_ideal_is_best_sample_and_never_above_observed() -> None:
 
 
 def test_stall_decays_rate_without_division_by_zero() -> None:
-    tr = ProgressTracker()
+    tr = ProgressTracker(WINDOW_ONLY)
     tr.register("a", now=0.0, ideal_s=1.0)
     t = steady(tr, "a", 1.0, 5)
     assert tr.progress("a", t).rate == pytest.approx(1.0)
@@ -92,7 +97,7 @@ def test_batched_reports_give_the_same_estimate() -> None:
 
 
 def test_window_follows_a_slowdown() -> None:
-    tr = ProgressTracker(ProgressConfig(window_s=10.0))
+    tr = ProgressTracker(ProgressConfig(window_s=10.0, long_window_s=0))
     tr.register("a", now=0.0, ideal_s=1.0)
     t = steady(tr, "a", 1.0, 50)
     for i in range(51, 61):
@@ -106,7 +111,7 @@ def test_the_window_spans_two_iterations_however_long_they_take() -> None:
     # an iteration longer than the window, after a short one (as a job that went down a
     # level after a fast iteration runs): the estimate is their mean, not the last alone
     def tracker(**config: Any) -> ProgressTracker:
-        tr = ProgressTracker(ProgressConfig(window_s=10.0, **config))
+        tr = ProgressTracker(ProgressConfig(window_s=10.0, long_window_s=0, **config))
         tr.register("a", now=0.0, ideal_s=2.0)
         for i, at in enumerate([0.0, 12.0, 16.0, 28.0]):
             tr.report("a", i, at)
@@ -142,6 +147,9 @@ def test_bad_inputs_are_rejected() -> None:
         ProgressConfig(min_iterations=0)
     with pytest.raises(ValueError, match="stall_iterations"):
         ProgressConfig(stall_iterations=-1)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="long_window_s"):
+            ProgressConfig(long_window_s=bad)
     tr = ProgressTracker()
     with pytest.raises(ValueError):
         tr.register("a", now=0.0, ideal_s=0.0)
@@ -186,7 +194,7 @@ def test_an_interval_below_float_resolution_learns_the_floor_not_zero() -> None:
 def test_a_job_that_waited_one_tick_after_a_fast_stretch_is_not_taken_for_the_slowest() -> None:
     # a ran ten iterations at full speed on a high level, then waited a tick on a low one;
     # b has run steadily at half speed. Over the same stretch a made more progress.
-    tr = ProgressTracker()
+    tr = ProgressTracker(WINDOW_ONLY)
     tr.register("a", now=0.0, ideal_s=0.2)
     tr.register("b", now=0.0, ideal_s=0.2)
     t = steady(tr, "a", 0.2, 10)
@@ -199,7 +207,7 @@ def test_a_job_that_waited_one_tick_after_a_fast_stretch_is_not_taken_for_the_sl
 
 
 def test_a_long_stall_still_decays_to_nothing() -> None:
-    tr = ProgressTracker()
+    tr = ProgressTracker(WINDOW_ONLY)
     tr.register("a", now=0.0, ideal_s=1.0)
     t = steady(tr, "a", 1.0, 20)
     assert tr.progress("a", t + 1.0).rate == pytest.approx(1.0)  # one iteration: on time
@@ -208,7 +216,7 @@ def test_a_long_stall_still_decays_to_nothing() -> None:
 
 
 def test_the_open_iteration_alone_counts_when_stall_iterations_is_0() -> None:
-    tr = ProgressTracker(ProgressConfig(stall_iterations=0))
+    tr = ProgressTracker(ProgressConfig(stall_iterations=0, long_window_s=0))
     tr.register("a", now=0.0, ideal_s=1.0)
     t = steady(tr, "a", 1.0, 20)
     assert tr.progress("a", t + 10.0).rate == pytest.approx(0.1)
@@ -232,3 +240,41 @@ def test_a_job_that_makes_no_progress_never_looks_faster(
         tr.report("a", i, t)
     seen = [tr.progress("a", t + w).rate or 0.0 for w in sorted(waits)]
     assert all(later <= earlier + 1e-12 for earlier, later in itertools.pairwise(seen))
+
+
+def test_a_job_that_fell_behind_ranks_before_one_as_fast_now() -> None:
+    # Both run at half speed now; a ran at a quarter for its first 40 s.
+    tr = ProgressTracker(ProgressConfig(window_s=20.0, long_window_s=300.0))
+    tr.register("a", now=0.0, ideal_s=1.0)
+    tr.register("b", now=0.0, ideal_s=1.0)
+    t = steady(tr, "a", 4.0, 10)
+    steady(tr, "a", 2.0, 20, t0=t, start=10)
+    steady(tr, "b", 2.0, 40)
+    rates = tr.rates(80.0)
+    assert rates["b"] == pytest.approx(0.5)
+    # sqrt(window 0.5 x long run 30 iterations in 80 s)
+    assert rates["a"] == pytest.approx((0.5 * 30 / 80) ** 0.5)
+
+
+def test_the_long_window_forgets_what_is_older() -> None:
+    tr = ProgressTracker(ProgressConfig(window_s=20.0, long_window_s=100.0))
+    tr.register("a", now=0.0, ideal_s=1.0)
+    t = steady(tr, "a", 4.0, 10)
+    t = steady(tr, "a", 2.0, 100, t0=t, start=10)
+    assert tr.progress("a", t).rate == pytest.approx(0.5, rel=0.03)
+
+
+def test_the_long_window_starts_again_after_a_restart() -> None:
+    tr = ProgressTracker(ProgressConfig(window_s=20.0, long_window_s=300.0))
+    tr.register("a", now=0.0, ideal_s=1.0)
+    t = steady(tr, "a", 10.0, 5)  # slow before the restart
+    steady(tr, "a", 2.0, 10, t0=t + 2.0)  # counts from 0 again, at half speed
+    assert tr.progress("a", t + 22.0).rate == pytest.approx(0.5)
+
+
+def test_the_long_window_is_never_shorter_than_the_window() -> None:
+    tr = ProgressTracker(ProgressConfig(window_s=100.0, long_window_s=10.0))
+    tr.register("a", now=0.0, ideal_s=1.0)
+    t = steady(tr, "a", 4.0, 10)
+    t = steady(tr, "a", 1.0, 20, t0=t, start=10)
+    assert tr.progress("a", t).rate == pytest.approx(0.5)  # 30 iterations in 60 s, both ways
