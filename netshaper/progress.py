@@ -5,7 +5,8 @@ last one completed (any monotonic clock, in seconds). Reports may arrive every i
 only now and then; the estimate uses counts, so a missing report costs precision, not
 correctness.
 
-The progress rate is ``r = T* / T`` in (0, 1]:
+The progress rate is ``r = T* / T`` in (0, 1], blended with the job's long-run rate (see
+the last point):
 
 * ``T`` is the observed iteration time over a sliding window of progress points (the
   reports where the counter advanced): ``(t_last - t_first) / (n_last - n_first)``. A
@@ -29,6 +30,9 @@ The progress rate is ``r = T* / T`` in (0, 1]:
   never a division by zero.
 * A restart (the counter goes back) drops the window but keeps ``T*`` and the last ``T``
   as a prior, so the job does not jump to the front or the back on its next tick.
+* The rate reported is the geometric mean of the window's ``T* / T`` and the job's rate over
+  the last ``long_window_s`` (iterations since then, up to now, times ``T*``), so a job that
+  fell behind ranks as slower than one just as fast now until it has caught up.
 
 Nothing here does I/O or reads a clock: callers pass ``now``.
 """
@@ -43,7 +47,8 @@ from dataclasses import dataclass, field
 # Iteration times below this are treated as this, so a burst of reports stamped with the
 # same instant can never produce an infinite rate.
 _MIN_PERIOD_S = 1e-9
-# A rate never reaches 0 however long a job has stalled (the leveller divides by rates).
+# The blended rate stays in (0, 1] like the window's, however long a job has stalled (the
+# square root of a tiny product can underflow to 0).
 _MIN_RATE = 1e-12
 # The long window keeps at most about this many points, however often a job reports.
 _LONG_POINTS = 64
