@@ -142,6 +142,24 @@ def test_a_reused_pid_is_looked_at_afresh(sim: tuple[SimNode, Procs]) -> None:
     assert listed(node, 1) == {}
 
 
+def test_a_process_seen_between_fork_and_exec_is_looked_at_again_after_exec(
+    sim: tuple[SimNode, Procs],
+) -> None:
+    """``gpuctl run`` forks, then execs the job's command with ``GPUD_JOB`` set: a tick in
+    between reads gpuctl's own environment under the child's PID and start time. The exec
+    changes the name in ``/proc/<pid>/stat``, and the process is read again."""
+    node, procs = sim
+    procs.add(100, 1, {"HOME": "/root"}, comm="gpuctl")
+    procs.add(101, 100, {"HOME": "/root"}, comm="gpuctl")  # forked, not yet exec'd
+    devices = [JobDevice("a", "training", 0)]
+    node.jobs.sync(devices)
+    assert listed(node, 0) == {}
+    procs.remove(101)
+    procs.add(101, 100, {"GPUD_JOB": "a"}, comm="sleep")  # the same start time
+    node.jobs.sync(devices)
+    assert listed(node, 0) == {101: DEFAULT_MEMORY["training"]}
+
+
 def test_memory_is_capped_by_the_device_and_mig_instances_are_used(tmp_path: Path) -> None:
     proc = tmp_path / "proc"
     proc.mkdir()

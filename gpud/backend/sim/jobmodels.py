@@ -158,7 +158,7 @@ class JobWorkloads:
         self._proc = proc_root
         self._lock = threading.Lock()
         self._running: dict[tuple[int, int], Modelled] = {}  # (pid, GPU)
-        # (pid, start time) -> job name or None: environ is read once per process
+        # (pid, identity) -> job name or None: environ is read once per program
         self._jobs_of: dict[tuple[int, str], str | None] = {}
 
     def running(self) -> list[Modelled]:
@@ -250,7 +250,7 @@ class JobWorkloads:
     # -- the host side ---------------------------------------------------------------------
     def _job_processes(self, jobs: set[str]) -> dict[int, str]:
         """PID -> job for the top process of each job tree (parent not in the same job)."""
-        stats: dict[int, tuple[int, str]] = {}  # pid -> (ppid, start time)
+        stats: dict[int, tuple[int, str]] = {}  # pid -> (ppid, identity)
         try:
             names = os.listdir(self._proc)
         except OSError:
@@ -284,13 +284,20 @@ class JobWorkloads:
 
 
 def _stat(path: Path) -> tuple[int, str] | None:
-    """(parent PID, start time) from ``/proc/<pid>/stat``, or None if it is gone."""
+    """(parent PID, identity) from ``/proc/<pid>/stat``, or None if it is gone.
+
+    The identity is the start time and the name (``comm``): a PID reused later has another
+    start time, and a child that execs after the fork (as ``gpuctl run``'s does) keeps its
+    start time but takes the new program's name. Before that exec its environ is still its
+    parent's, so what was read then must not stand for the program it becomes."""
     try:
         text = (path / "stat").read_text()
     except OSError:
         return None
     # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-    fields = text[text.rfind(")") + 2 :].split()
+    close = text.rfind(")")
+    fields = text[close + 2 :].split()
     if len(fields) < 20:
         return None
-    return int(fields[1]), fields[19]
+    comm = text[text.find("(") + 1 : close]
+    return int(fields[1]), f"{fields[19]} {comm}"
