@@ -12,8 +12,10 @@ MPS thread share); while the loop says wait (no GPU where sharing pays off now),
 waits and asks again, saying why, unless ``--no-wait``. It registers the job if it is new, reserves its place (the reservation names this
 gpuctl process, so gpud releases it even if gpuctl is killed), starts the command with
 ``CUDA_VISIBLE_DEVICES``, the MPS variables, ``GPUD_JOB`` and ``GPUD_SOCKET`` added to the
-current environment, forwards SIGINT/SIGTERM/SIGHUP to it, releases the reservation when it
-ends and exits with its exit status (128 + N when killed by signal N; 127 when the command
+current environment, forwards SIGINT/SIGTERM/SIGHUP to it, and when it ends stops what it
+left running (SIGTERM, then SIGKILL after ``--kill-after`` seconds: every process whose
+environment carries the run's ``GPUD_RUN``), releases the reservation and exits with its
+exit status (128 + N when killed by signal N; 127 when the command
 cannot be started).
 
 When the devices it asks for are taken, ``run`` queues the job (unless ``--no-wait``) and
@@ -56,6 +58,7 @@ from gpud.cli.jobs import (
     warn_no_effect,
 )
 from gpud.errors import ERROR_TABLE, DscpPoolExhausted, NotFound, ResourceExhausted
+from gpud.jobs import leftovers
 from gpud.shared import shell_exports
 from gpud.v1 import colo_pb2, colo_pb2_grpc, net_pb2, net_pb2_grpc, queue_pb2, queue_pb2_grpc
 from gpud.v1 import jobs_pb2 as pb
@@ -70,6 +73,7 @@ ADVICE_POLL_MAX_S = 4.0  # a wait for advice asks at least this often (gpud forg
 ADVICE_ROUNDS = 3  # advice asked for at most this many times when its GPU is taken meanwhile
 QUEUE_OFF = "admission queue is off"  # gpud's message when admission.enabled = false
 EXIT_GATE_CLOSED = 125
+KILL_AFTER_S = 10.0
 # Says it is running (one byte on fd argv[2]: only then does /proc/PID/environ show the
 # job's environment, which gpud checks), waits for one byte on fd argv[1], then becomes the
 # command (the PID stays the same, so the cgroup gpud put it in is the command's).
@@ -108,6 +112,14 @@ def register(subparsers: Subparsers) -> None:
         "--no-wait",
         action="store_true",
         help="fail instead of waiting when its devices are taken or co-location says wait",
+    )
+    run.add_argument(
+        "--kill-after",
+        type=_seconds,
+        default=KILL_AFTER_S,
+        metavar="SECONDS",
+        help="once the command exits, processes it left running get SIGTERM, and SIGKILL "
+        f"this many seconds later (default {KILL_AFTER_S:g})",
     )
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
     run.set_defaults(run=run_run)
@@ -337,7 +349,7 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
             "MPS is disabled for the device, or the job spans several devices)",
         )
     warn_if_mps_down(ctx, granted)
-    env = {**os.environ, **granted}
+    env = {**os.environ, **granted, leftovers.RUN_VAR: reservation}
     place = None
     if "GPUD_DSCP" in granted:
         net = ctx.stub(net_pb2_grpc.NetStub)
@@ -347,7 +359,9 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
             ctx.call(net.PlaceProcess, net_pb2.PlaceProcessRequest(job=args.job, pid=pid))
 
     try:
-        return _launch(command, env, place)
+        code = _launch(command, env, place)
+        _stop_leftovers(args.job, reservation, args.kill_after)
+        return code
     finally:
         try:
             ctx.call(stub.Release, pb.ReleaseRequest(reservation_id=reservation))
@@ -413,6 +427,43 @@ def _leave(ctx: Context, entry: queue_pb2.QueueEntry) -> None:
     except CliError as err:
         # gpud drops the entry (and reaps the reservation) once this process is gone.
         print(f"gpuctl: could not leave the queue: {err}", file=sys.stderr)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 86400.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in 0..86400")
+    return value
+
+
+def _stop_leftovers(job: str, run: str, grace_s: float) -> None:
+    """End what the command left running (its environment carries ``GPUD_RUN``): the
+    reservation is released next, and nothing may go on using what nothing reserves."""
+
+    def reap() -> None:
+        # as PID 1 (a container's init) the orphans are gpuctl's own children
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+
+    left = leftovers.processes(run, skip=os.getpid())
+    if not left:
+        return
+    print(
+        f"gpuctl: {len(left)} process(es) of job {job} outlived its command "
+        f"(pid {', '.join(map(str, left[:8]))}{', ...' if len(left) > 8 else ''}): "
+        f"SIGTERM, and SIGKILL after {grace_s:g} s",
+        file=sys.stderr,
+    )
+    try:
+        _, killed = leftovers.stop(run, grace_s, reap=reap if os.getpid() == 1 else None)
+    except KeyboardInterrupt:  # Ctrl-C again: do not wait
+        killed = leftovers.kill(run)
+    if killed:
+        print(f"gpuctl: killed {len(killed)} process(es) of job {job}", file=sys.stderr)
 
 
 def _launch(

@@ -9,9 +9,12 @@ What the CUDA driver and gpud's client read::
     CUDA_MPS_CLIENT_PRIORITY=1                    0 normal, 1 below normal
     GPUD_JOB=train-a                              how gpud attributes the processes
     GPUD_SOCKET=/run/gpud/gpud.sock               where gpud.client reports progress
-    GPUD_RESERVATION=3f9c2a1b7e04
+    GPUD_RESERVATION=3f9c2a1b7e04                 the reservation the process runs under
     GPUD_DSCP=26                                  the job's DSCP tag (traffic enforcement on)
     NCCL_IB_TC=104                                RoCE traffic class: DSCP x 4
+
+``gpuctl run`` adds ``GPUD_RUN`` (the same reservation id) for its command alone, so that
+the processes it leaves behind can be found (:mod:`gpud.jobs.leftovers`).
 
 A CUDA client connects to one MPS control daemon, and gpud runs one per device, so the MPS
 variables are set only for a job on a single device whose daemon runs. A job spread over

@@ -22,6 +22,7 @@ from gpud.errors import (
     Unavailable,
 )
 from gpud.events import EventLog
+from gpud.jobs import leftovers
 from gpud.jobs.attribution import Attributor, ProcessUse, memory_by_job
 from gpud.jobs.env import build_env
 from gpud.jobs.placement import DeviceLoad, Reservation, Reservations, choose_devices
@@ -87,6 +88,7 @@ class JobService:
         self._events = events
         self._mps = mps
         self._socket_path = socket_path
+        self._proc_root = proc_root
         self._attributor = (
             Attributor(proc_root=proc_root, cgroup_pattern=cgroup_pattern)
             if cgroup_pattern
@@ -366,6 +368,18 @@ class JobService:
                 job=r.job,
                 reservation=r.id,
             )
+            # The kernel killed the run's command with gpuctl (PR_SET_PDEATHSIG); what the
+            # command left running goes the same way: nothing reserves its devices now.
+            killed = leftovers.kill(r.id, proc_root=self._proc_root)
+            if killed:
+                self._events.emit(
+                    "job.kill",
+                    f"job {r.job}: killed {len(killed)} process(es) its gpuctl run left running"
+                    f" (pid {', '.join(map(str, killed[:8]))})",
+                    job=r.job,
+                    reservation=r.id,
+                    pids=killed,
+                )
         if snapshot is not None:
             uses = self._attributor.attribute(snapshot)
             with self._lock:

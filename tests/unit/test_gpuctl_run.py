@@ -21,6 +21,7 @@ from gpud.jobs.api import JobsServicer
 from gpud.jobs.service import JobService
 from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
+from gpud.mps.procs import alive
 from gpud.shared import GIB
 from gpud.v1 import colo_pb2, colo_pb2_grpc, queue_pb2, queue_pb2_grpc
 from tests.unit.api_support import ServerThread
@@ -173,8 +174,13 @@ def test_gpuctl_run_gives_the_child_its_environment_and_releases(
     assert env["CUDA_MPS_CLIENT_PRIORITY"] == "0"
     assert env["GPUD_JOB"] == "infer-a"
     assert env["GPUD_SOCKET"] == str(node.socket)
-    # `gpuctl env`, run by the child while it held the reservation, prints the same.
-    gpud_vars = {k: v for k, v in env.items() if k.startswith(("CUDA_", "GPUD_"))}
+    # `gpuctl env`, run by the child while it held the reservation, prints the same, less
+    # the variable that names this run's processes (a shell that evals `gpuctl env` is not
+    # one of them).
+    assert env["GPUD_RUN"] == env["GPUD_RESERVATION"]
+    gpud_vars = {
+        k: v for k, v in env.items() if k.startswith(("CUDA_", "GPUD_")) and k != "GPUD_RUN"
+    }
     assert seen["gpuctl_env"] == gpud_vars
     # Released when the command ended; the job stays registered.
     assert node.jobs.reservations.held() == []
@@ -206,6 +212,35 @@ def test_gpuctl_run_refuses_oversubscription_without_running(
     ) or True
     assert not marker.exists()
     assert [r.id for r in node.jobs.reservations.held()] == [holder.id]
+
+
+def test_processes_the_command_left_running_end_with_the_run(
+    node: Node, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``sh -c 'sleep & exit'``: the sleep outlives its parent, re-parented to init; it gets
+    SIGTERM when the command ends, and one that ignores SIGTERM gets SIGKILL
+    ``--kill-after`` seconds later, before the reservation is released."""
+    pids = tmp_path / "pids"
+    script = (
+        f"sleep 300 & echo $! >> {pids}; "
+        f"sh -c 'trap \"\" TERM; echo $$ >> {pids}; exec sleep 301' & "
+        f"while [ $(wc -l < {pids}) -lt 2 ]; do sleep 0.05; done; exit 4"
+    )
+    code = node.ctl("run", "--job", "t", "--kill-after", "1", "--", "sh", "-c", script)
+    assert code == 4
+    left = [int(p) for p in pids.read_text().split()]
+    assert not any(alive(p) for p in left), [p for p in left if alive(p)]
+    err = capsys.readouterr().err
+    assert "2 process(es) of job t outlived its command" in err
+    assert "killed 1 process(es) of job t" in err
+    assert node.jobs.reservations.held() == []
+
+
+def test_a_bad_kill_after_is_refused_naming_the_option(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert node.ctl("run", "--job", "t", "--kill-after", "-1", "--", "true") == 2
+    assert "--kill-after" in capsys.readouterr().err
 
 
 def test_a_command_that_cannot_start_exits_127_and_releases(node: Node) -> None:

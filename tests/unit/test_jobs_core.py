@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -221,6 +224,40 @@ def test_reservations_of_dead_holders_are_reaped(tmp_path: Path, store: StateSto
     assert "b" in gone and "c" not in gone
     assert pinned in res.held()
     assert kept.holder_pid == 4242
+
+
+def test_what_a_run_whose_gpuctl_is_gone_left_running_is_killed_with_its_release(
+    tmp_path: Path, store: StateStore
+) -> None:
+    """gpuctl killed with SIGKILL: the kernel kills its command (PR_SET_PDEATHSIG), not what
+    the command started. gpud releases the reservation and kills those too (``GPUD_RUN``)."""
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", FAKE_CONTROL, enabled=False)
+    mps.observe(DEVICES)
+    service = JobService(store, events, mps, socket_path=Path("/s"))
+    holder = subprocess.Popen(["sleep", "300"])
+    held = service.reservations.add(
+        "a", [gpu_uuid(1)], threads_percent=None, memory_bytes=None, client_priority=1,
+        holder_pid=holder.pid,
+    )  # fmt: skip
+    env = {**os.environ, "GPUD_RUN": held.id}
+    left = subprocess.Popen(["sleep", "300"], env=env)
+    other = subprocess.Popen(["sleep", "300"], env={**os.environ, "GPUD_RUN": "another"})
+    try:
+        service.tick(None)
+        assert left.poll() is None  # its gpuctl still runs
+        holder.kill()
+        holder.wait()
+        service.tick(None)
+        assert left.wait(timeout=10) == -signal.SIGKILL
+        assert other.poll() is None
+        assert service.reservations.held() == []
+        (event,) = [e for e in events.recent() if e.kind == "job.kill"]
+        assert event.fields["pids"] == [left.pid], event
+    finally:
+        for p in (holder, left, other):
+            p.kill()
+            p.wait()
 
 
 @pytest.fixture

@@ -1,0 +1,98 @@
+"""The processes of one ``gpuctl run``, found again after its command has ended.
+
+``gpuctl run`` starts the command with ``GPUD_RUN=<reservation id>`` in its environment,
+and every process the command forks or execs inherits it, also one that outlives its parent
+(``sh -c 'a & b'``, a launcher's workers) and is re-parented to init. When the run ends its
+reservation goes, so none of them may keep running on the devices it held:
+
+- ``gpuctl run``, once its command has exited, sends SIGTERM to what is left of the run and
+  SIGKILL to what is still there ``--kill-after`` seconds later (:func:`stop`);
+- gpud, when it releases the reservation of a ``gpuctl run`` that is gone (killed with
+  SIGKILL, or its host session lost), sends SIGKILL to what is left, as the kernel did to
+  the command itself when gpuctl died (:func:`kill`).
+
+What a process's environment says is ``/proc/<pid>/environ`` as it was at its ``exec``:
+a process that clears its environment and execs again is not found. The variable is set by
+``gpuctl run`` alone (``gpuctl env`` does not print it), so a shell that took a job's
+environment from ``gpuctl env`` is never one of a run's processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+RUN_VAR: Final = "GPUD_RUN"
+POLL_S: Final = 0.1
+
+
+def processes(run: str, proc_root: Path = Path("/proc"), *, skip: int | None = None) -> list[int]:
+    """PIDs whose environment carries ``GPUD_RUN=<run>``: of another user's processes only
+    those whose ``environ`` this process may read (all of them as root). Zombies have an
+    empty ``environ`` and are not listed."""
+    needle = f"{RUN_VAR}={run}".encode()
+    found = []
+    try:
+        names = os.listdir(proc_root)
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit() or int(name) == skip:
+            continue
+        try:
+            environ = (proc_root / name / "environ").read_bytes()
+        except OSError:
+            continue  # gone, or not ours to read
+        if needle in environ.split(b"\0"):
+            found.append(int(name))
+    return sorted(found)
+
+
+def kill(
+    run: str,
+    sig: int = signal.SIGKILL,
+    proc_root: Path = Path("/proc"),
+    *,
+    send: Callable[[int, int], None] = os.kill,
+) -> list[int]:
+    """Send ``sig`` to every process of ``run``; the PIDs it was sent to."""
+    sent = []
+    for pid in processes(run, proc_root, skip=os.getpid()):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            send(pid, sig)
+            sent.append(pid)
+    return sent
+
+
+def stop(
+    run: str,
+    grace_s: float,
+    proc_root: Path = Path("/proc"),
+    *,
+    send: Callable[[int, int], None] = os.kill,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    reap: Callable[[], None] | None = None,
+) -> tuple[list[int], list[int]]:
+    """SIGTERM to every process of ``run``, then SIGKILL to those still there after
+    ``grace_s`` seconds: ``(terminated, killed)``. ``reap`` collects exited children of the
+    caller (a process that is gone but not waited for still reads as there)."""
+    terminated = kill(run, signal.SIGTERM, proc_root, send=send)
+    if not terminated:
+        return [], []
+    deadline = clock() + grace_s
+    while clock() < deadline:
+        if reap is not None:
+            reap()
+        if not processes(run, proc_root, skip=os.getpid()):
+            return terminated, []
+        sleep(POLL_S)
+    killed = kill(run, signal.SIGKILL, proc_root, send=send)
+    if reap is not None:
+        reap()
+    return terminated, killed
