@@ -245,9 +245,10 @@ class AdmissionService:
         return verdict
 
     def holdings(self) -> list[Holding]:
-        """What the reservations hold, and more than the whole of every unhealthy GPU's
-        devices (over capacity, so that even a request that sets no limits finds no room
-        there): a queued job waits for the GPU to answer again rather than start on it."""
+        """What the reservations hold, the memory processes use beyond them (another user's
+        process holds what no reservation does), and more than the whole of every unhealthy
+        GPU's devices (over capacity, so that even a request that sets no limits finds no
+        room there): a queued job waits for the GPU to answer again rather than start on it."""
         out = []
         sick = self._jobs.unhealthy()
         for t in self._mps.targets():
@@ -259,6 +260,8 @@ class AdmissionService:
             if memory is None and r.devices:
                 memory = self._mps.limits(r.devices[0]).memory_bytes
             out.append(Holding(r.id, r.devices, Vec(memory or 0, r.threads_percent or 0)))
+        for uuid, used in sorted(self._jobs.unreserved_memory().items()):
+            out.append(Holding(f"unreserved:{uuid}", (uuid,), Vec(used, 0)))
         return out
 
     # -- queue rows -----------------------------------------------------------------------

@@ -58,10 +58,13 @@ class Reservation:
 
 @dataclass(frozen=True, slots=True)
 class DeviceLoad:
-    """What reservations hold on one device."""
+    """What reservations hold on one device, and ``unreserved_bytes``: the memory its GPU
+    processes use beyond them (another user's process, a job's past its reservation there;
+    NVML's ``usedGpuMemory`` of each, as ``nvidia-smi`` lists it)."""
 
     memory_bytes: int
     jobs: tuple[str, ...]
+    unreserved_bytes: int = 0
 
 
 def choose_devices(
@@ -81,7 +84,8 @@ def choose_devices(
     empty = DeviceLoad(0, ())
 
     def free(d: MpsTarget) -> int:
-        return d.memory_total_bytes - loads.get(d.uuid, empty).memory_bytes
+        load = loads.get(d.uuid, empty)
+        return d.memory_total_bytes - load.memory_bytes - load.unreserved_bytes
 
     def fits(d: MpsTarget) -> bool:
         return memory_bytes is None or free(d) >= memory_bytes
@@ -89,9 +93,14 @@ def choose_devices(
     def refusal(d: MpsTarget) -> ResourceExhausted:
         load = loads.get(d.uuid, empty)
         holders = f" by {', '.join(load.jobs)}" if load.jobs else ""
+        outside = (
+            f", {format_size(load.unreserved_bytes)} used beyond reservations"
+            if load.unreserved_bytes
+            else ""
+        )
         return ResourceExhausted(
             f"job {spec.name!r} asks {format_size(memory_bytes or 0)} on {d.uuid} ({d.profile}):"
-            f" {format_size(load.memory_bytes)} reserved{holders} of"
+            f" {format_size(load.memory_bytes)} reserved{holders}{outside} of"
             f" {format_size(d.memory_total_bytes)}, {format_size(max(free(d), 0))} free"
         )
 

@@ -179,7 +179,42 @@ class JobService:
         return job
 
     def loads(self) -> dict[str, DeviceLoad]:
-        return self.reservations.loads(lambda uuid: self._mps.limits(uuid).memory_bytes)
+        """Per device: what reservations hold, and the memory its GPU processes used beyond
+        that at the last tick (:meth:`unreserved_memory`)."""
+        held = self.reservations.loads(self._default_memory)
+        empty = DeviceLoad(0, ())
+        beyond = self.unreserved_memory()
+        return {
+            uuid: replace(held.get(uuid, empty), unreserved_bytes=beyond.get(uuid, 0))
+            for uuid in held.keys() | beyond.keys()
+        }
+
+    def _default_memory(self, uuid: str) -> int | None:
+        return self._mps.limits(uuid).memory_bytes
+
+    def unreserved_memory(self) -> dict[str, int]:
+        """Device UUID -> the memory its processes used at the last tick beyond what
+        reservations hold for them: all of a process of no job (another user's, one started
+        outside gpud), and what a job's processes on the device use past the job's
+        reservations there (none, or no memory limit: all of it). gpud's MPS servers are
+        left out (their clients are counted), and so is a process whose memory NVML does not
+        report (``usedGpuMemory`` not available)."""
+        reserved: dict[tuple[str, str], int] = {}
+        for r in self.reservations.held():
+            for uuid in r.devices:
+                limit = r.memory_bytes if r.memory_bytes is not None else self._default_memory(uuid)
+                reserved[(uuid, r.job)] = reserved.get((uuid, r.job), 0) + (limit or 0)
+        servers = {pid for st in self._mps.last_status() for pid in st.servers}
+        used: dict[tuple[str, str | None], int] = {}
+        for u in self.process_uses():
+            if u.used_memory_bytes is not None and u.pid not in servers:
+                used[(u.device, u.job)] = used.get((u.device, u.job), 0) + u.used_memory_bytes
+        out: dict[str, int] = {}
+        for (uuid, job), n in used.items():
+            beyond = n - (reserved.get((uuid, job), 0) if job is not None else 0)
+            if beyond > 0:
+                out[uuid] = out.get(uuid, 0) + beyond
+        return out
 
     # -- reservations ----------------------------------------------------------------------
     def job_for(self, request: RunRequest, *, preview: bool = False) -> tuple[JobSpec, bool]:

@@ -335,6 +335,30 @@ def test_env_without_a_reservation_previews_the_placement(service: JobService) -
     assert service.reservations.held() == []
 
 
+def test_memory_processes_use_beyond_reservations_is_not_placed_again(
+    tmp_path: Path, store: StateStore
+) -> None:
+    """Another user's process (202, no job) holds 30 GiB of GPU 1, and job small's process
+    uses 30 GiB where it reserved 10: of the 80 GiB, 10 are reserved and 50 used beyond,
+    so 20 are left to place, as ``nvidia-smi`` would show."""
+    proc = tmp_path / "proc"
+    fake_proc(proc, 101, environ={"GPUD_JOB": "small"})
+    mps = MpsManager(store, EventLog(None), tmp_path / "run", FAKE_CONTROL, enabled=False)
+    mps.observe(DEVICES)
+    service = JobService(store, EventLog(None), mps, socket_path=Path("/s"), proc_root=proc)
+    gpu1 = gpu_uuid(1)
+    service.reserve(RunRequest("small", devices=(gpu1,), memory_bytes=10 * GIB))
+    running = (ProcessInfo(101, 30 * GIB), ProcessInfo(202, 30 * GIB))
+    service.tick(snapshot(gpu_sample(1, memory_gib=80, processes=running)))
+    assert service.unreserved_memory() == {gpu1: 50 * GIB}
+    assert service.loads()[gpu1].unreserved_bytes == 50 * GIB
+    with pytest.raises(ResourceExhausted, match="10GiB reserved by small, 50GiB used beyond"):
+        service.reserve(RunRequest("big", devices=(gpu1,), memory_bytes=30 * GIB))
+    service.reserve(RunRequest("fits", devices=(gpu1,), memory_bytes=20 * GIB))
+    with pytest.raises(ResourceExhausted, match="0B free"):
+        service.reserve(RunRequest("more", devices=(gpu1,), memory_bytes=GIB))
+
+
 def test_tick_attributes_and_metrics_show_memory_per_job(tmp_path: Path, store: StateStore) -> None:
     from prometheus_client import CollectorRegistry
     from prometheus_client.registry import Collector
