@@ -2,6 +2,7 @@ import dataclasses
 import math
 import os
 import re
+import socket
 from pathlib import Path
 from typing import get_type_hints
 
@@ -379,6 +380,31 @@ def test_a_socket_path_too_long_for_a_unix_socket_is_a_config_error(
     args = ["--check-config", "--config", str(path), "--socket", f"{long_dir}/sock"]
     assert main(args) == 2
     assert "daemon.run_dir" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("address", "why"),
+    [
+        ("nosuchhost.invalid:9400", "cannot serve on nosuchhost.invalid"),
+        # TEST-NET-1 (RFC 5737): no address of this host
+        ("192.0.2.7:9400", "cannot serve on 192.0.2.7: Cannot assign requested address"),
+    ],
+)
+def test_check_config_finds_a_metrics_host_this_host_cannot_serve_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], address: str, why: str
+) -> None:
+    path = write(tmp_path, f'[metrics]\naddress = "{address}"\n')
+    assert main(["--check-config", "--config", str(path)]) == 2
+    assert f"{path}:metrics.address: {address!r}: {why}" in capsys.readouterr().err
+    # a port in use (the running gpud's, during a reload check) is no error
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        path = write(tmp_path, f'[metrics]\naddress = "127.0.0.1:{port}"\n')
+        assert main(["--check-config", "--config", str(path)]) == 0
+    path = write(tmp_path, f'[metrics]\nenabled = false\naddress = "{address}"\n')
+    assert main(["--check-config", "--config", str(path)]) == 0
 
 
 def test_check_config_checks_the_cluster_certificates(
