@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -94,6 +95,13 @@ RESTART_KEYS = (
 
 # seconds a stop waits for a running MIG apply (systemd's TimeoutStopSec is 30)
 MIG_STOP_WAIT_S = 20.0
+# seconds the whole stop may take: every wait in it (the MIG apply, a traffic tick, nft,
+# dcb, MPS control daemons, the sampler) takes what is left of this, so that the store
+# and the driver are closed before systemd's SIGKILL at TimeoutStopSec
+STOP_BUDGET_S = 22.0
+# seconds each shutdown hook gets even when the budget is spent: quitting the MPS control
+# daemons or giving up the cluster's leadership takes milliseconds when nothing hangs
+STOP_HOOK_FLOOR_S = 1.0
 
 # seconds a pass waits for the traffic tick it started (it takes milliseconds when the
 # kernel and nft answer); see Daemon._traffic_step
@@ -247,6 +255,7 @@ class Daemon:
         )
         self.steps: list[Step] = []
         self._shutdown: list[Callable[[], Awaitable[None] | None]] = []
+        self.stop_budget_s = STOP_BUDGET_S
         # Order matters: MIG first (it changes the devices), then MPS per device, then jobs.
         self.add_step("seen", self._seen_step)
         self.add_step("mig", self._mig_step)
@@ -422,7 +431,7 @@ class Daemon:
         if self._traffic_task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._traffic_task), timeout=30.0)
-        self.traffic.shutdown()
+        await asyncio.to_thread(self.traffic.shutdown)
 
     def _reboot_sim(self) -> None:
         """A simulated reboot under a running daemon: instances go, as on a real node; the
@@ -513,28 +522,28 @@ class Daemon:
             self._notifier.stopping()
             log.info("stopping")
             self._stop.set()
+            deadline = time.monotonic() + self.stop_budget_s
+
+            def left(most: float) -> float:
+                return max(0.0, min(most, deadline - time.monotonic()))
+
             with contextlib.suppress(Exception):
-                await self.api.stop(grace=2.0)
+                await self.api.stop(grace=left(2.0))
             # An apply whose client the stop cancelled ends at its next drain poll; one
             # running its steps is let finish, within the unit's TimeoutStopSec, before the
             # driver and the store close under it. Past that, its in-flight plan is kept
             # and the next start finishes it.
-            if not await asyncio.to_thread(self.mig.wait_idle, MIG_STOP_WAIT_S):
+            if not await asyncio.to_thread(self.mig.wait_idle, left(MIG_STOP_WAIT_S)):
                 log.warning(
                     "a MIG apply is still running: its in-flight plan is kept and the next "
                     "start finishes it"
                 )
             for stop in reversed(self._shutdown):
-                try:
-                    result = stop()
-                    if result is not None:
-                        await result
-                except Exception:
-                    log.exception("error during shutdown")
+                await _run_stop(stop, max(STOP_HOOK_FLOOR_S, left(self.stop_budget_s)))
             if metrics_server is not None:
                 stop_metrics_server(*metrics_server)
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(sampler_task, timeout=5.0)
+                await asyncio.wait_for(sampler_task, timeout=left(5.0))
             self.events.emit("daemon.stop", "gpud stopped")
             self.store.close()
             self.backend.close()
@@ -628,3 +637,42 @@ class Daemon:
             log.warning(message)
         self.events.emit("config.reload", message, restart_needed=kept)
         self._notifier.ready(message)
+
+
+async def _run_stop(stop: Callable[[], Awaitable[None] | None], timeout: float) -> None:
+    """One shutdown hook, on a thread of its own (a blocking one holds nothing else back),
+    given ``timeout`` seconds; past that it is left running and the stop goes on. A daemon
+    thread, not the loop's executor: ``asyncio.run`` would wait for a hung one at exit."""
+    name = getattr(stop, "__qualname__", repr(stop))
+    loop = asyncio.get_running_loop()
+    called: asyncio.Future[Awaitable[None] | None] = loop.create_future()
+
+    def settle(result: Awaitable[None] | None, err: BaseException | None) -> None:
+        if not called.done():
+            if err is not None:
+                called.set_exception(err)
+            else:
+                called.set_result(result)
+
+    def call() -> None:
+        try:
+            result, err = stop(), None
+        except BaseException as exc:
+            result, err = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, result, err)
+
+    async def whole() -> None:
+        result = await called
+        if result is not None:
+            await result
+
+    threading.Thread(target=call, name=f"stop:{name}", daemon=True).start()
+    try:
+        await asyncio.wait_for(whole(), timeout=timeout)
+    except TimeoutError:
+        log.warning(
+            "shutdown: %s did not end within the %.0f s left of the stop; going on", name, timeout
+        )
+    except Exception:
+        log.exception("error during shutdown (%s)", name)

@@ -182,3 +182,35 @@ def test_a_stop_lets_a_running_mig_apply_end_before_closing_its_store(root: Path
     asyncio.run(scenario())
     assert ended.wait(5)
     assert seen == [1]
+
+
+def test_a_stop_ends_within_its_budget_when_a_shutdown_hook_hangs(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hung ``nft`` or ``dcb`` under the traffic shutdown: the stop leaves it after what
+    is left of the budget, and the store and the driver are still closed before systemd's
+    SIGKILL would come."""
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+    d.stop_budget_s = 1.5
+    release = threading.Event()
+    later: list[str] = []
+    d.on_shutdown(lambda: later.append("ran"))  # runs after the hung one (reverse order)
+    d.on_shutdown(lambda: release.wait(60) and None)
+
+    async def scenario() -> float:
+        run = asyncio.create_task(d.run())
+        while d.events.recent(1, "daemon.start") == []:
+            await asyncio.sleep(0.05)
+        started = time.monotonic()
+        d.request_stop()
+        assert await asyncio.wait_for(run, timeout=20) == 0
+        return time.monotonic() - started
+
+    try:
+        took = asyncio.run(scenario())
+    finally:
+        release.set()
+    assert took < 10, took
+    assert later == ["ran"]
+    assert "did not end within" in caplog.text
+    assert d.events.recent(1, "daemon.stop")
