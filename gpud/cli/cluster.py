@@ -2,7 +2,8 @@
 
 ::
 
-    gpuctl cluster status [--json]           leader, epoch, mode; nodes (on the leader); jobs
+    gpuctl cluster status [--json]           leader, epoch, mode; nodes (on the leader); every
+                                             node's problem (as it published it); jobs
     gpuctl cluster attributes [--job J ...]  runtime attributes of this node's jobs
                               [--watch]      ... and again whenever they change
 """
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 from gpud.cli.context import Context, Subparsers
 from gpud.cli.output import seconds
@@ -77,6 +79,16 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
             [
                 (n.node, f"{seconds(n.report_age_seconds)} ago", str(n.jobs), str(n.applied_epoch))
                 for n in resp.nodes
+            ],
+        )
+    if resp.problems:
+        now = time.time()
+        ctx.out.print()
+        ctx.out.print_table(
+            ("NODE", "PROBLEM SINCE", "PROBLEM"),
+            [
+                (p.node, f"{seconds(max(0.0, now - p.since_unix_seconds))} ago", p.message)
+                for p in resp.problems
             ],
         )
     if resp.jobs:

@@ -27,11 +27,13 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from gpud.cluster import problems
 from gpud.cluster.election import Election, LeaderInfo
 from gpud.cluster.fencing import FailStatic, Fence, Mode
 from gpud.cluster.leader import Aggregator, NodeSeen
 from gpud.cluster.model import JobAttributes, JobReport, NodeReport, Order
 from gpud.cluster.ports import NodeView, TagStore
+from gpud.cluster.problems import Problem, ProblemBoard
 from gpud.errors import FailedPrecondition, GpudError
 from gpud.events import EventLog
 from gpud.net.port import TrafficPort
@@ -67,6 +69,7 @@ class ClusterStatus:
     nodes: tuple[NodeSeen, ...]
     jobs: tuple[JobAttributes, ...]
     last_error: str = ""
+    problems: tuple[Problem, ...] = ()  # every node's, as published in etcd
 
 
 def _same(a: JobAttributes, b: JobAttributes | None) -> bool:
@@ -100,6 +103,7 @@ class ClusterAgent:
         wall: Callable[[], float] = time.time,
         instance: str | None = None,
         credential_problem: Callable[[float], str] | None = None,
+        problems: ProblemBoard | None = None,
     ) -> None:
         self.node = node
         self.instance = os.urandom(8).hex() if instance is None else instance
@@ -130,6 +134,11 @@ class ClusterAgent:
         # '' or why peers refuse this node's certificate at a Unix time (expired since start)
         self._credential_problem = credential_problem or (lambda now: "")
         self._credential_logged = ""
+        self._problems = problems
+        self._published = ""  # the problem last published ("" cleared), and when
+        self._published_at = 0.0
+        self._problem_since = 0.0  # (wall) when last_error took its current text
+        self._problem_text = ""
         self._changed = asyncio.Event()
         self._tick_lock = asyncio.Lock()
         # an extra round after DELAY seconds (the runtime schedules it; a no-op by default)
@@ -241,6 +250,42 @@ class ClusterAgent:
                     "one's previous run until its lease expires"
                 )
         self._update_mode(info.leading)
+        await self._publish_problem()
+
+    async def _publish_problem(self) -> None:
+        """This node's ``last_error`` where every node can read it (:mod:`problems`): on a
+        change, and again every ``REPUBLISH_S`` while it lasts (its lease)."""
+        if self._problems is None:
+            return
+        message, now = self.last_error, self._wall()
+        if message != self._problem_text:
+            self._problem_text, self._problem_since = message, now
+        if message == self._published and (
+            not message or now - self._published_at < problems.REPUBLISH_S
+        ):
+            return
+        try:
+            if message:
+                await asyncio.to_thread(
+                    self._problems.publish, self.node, message, self._problem_since
+                )
+            else:
+                await asyncio.to_thread(self._problems.clear, self.node)
+        except GpudError as err:  # etcd unreachable: the election's detail says so
+            log.debug("cluster: cannot publish this node's problem: %s", err)
+            return
+        self._published, self._published_at = message, now
+
+    async def node_problems(self) -> list[Problem]:
+        """Every node's published problem (none with ``election = "single"``, or when etcd
+        cannot be read)."""
+        if self._problems is None:
+            return []
+        try:
+            return await asyncio.to_thread(self._problems.read)
+        except GpudError as err:
+            log.debug("cluster: cannot read the nodes' problems: %s", err)
+            return []
 
     def _note_error(self, message: str) -> None:
         if message != self.last_error:
@@ -325,8 +370,10 @@ class ClusterAgent:
             return agg.nodes(self._clock())
 
     async def status_with_nodes(self) -> ClusterStatus:
-        """:meth:`status`; on a follower, with the node list asked of the leader."""
+        """:meth:`status`, with every node's published problem; on a follower, with the node
+        list asked of the leader."""
         status = self.status()
+        status = dataclasses.replace(status, problems=tuple(await self.node_problems()))
         info = status.info
         if info.leading or not (info.leader and info.address and self._peers):
             return status

@@ -124,6 +124,10 @@ def status_to_pb(s: ClusterStatus) -> pb.GetClusterStatusResponse:
         rejected_orders=s.rejected_orders,
         nodes=[_node_to_pb(n) for n in s.nodes],
         last_error=s.last_error,
+        problems=[
+            pb.ClusterProblem(node=p.node, message=p.message, since_unix_seconds=p.since)
+            for p in s.problems
+        ],
     )
     if s.last_order_age_s is not None:
         msg.last_order_age_seconds = s.last_order_age_s

@@ -259,8 +259,16 @@ class EtcdClient:
             raise Unavailable(f"etcd watch of {key}: {err}") from err
         return False
 
-    def put(self, key: str, value: str) -> None:
-        self._post("/kv/put", {"key": _b64(key), "value": _b64(value)})
+    def put(self, key: str, value: str, lease: int = 0) -> None:
+        """``etcdctl put KEY VALUE [--lease ID]``: a key on a lease goes when the lease does."""
+        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = lease
+        self._post("/kv/put", body)
+
+    def delete(self, key: str) -> None:
+        """``etcdctl del KEY`` (a key that is not there is fine)."""
+        self._post("/kv/deleterange", {"key": _b64(key)})
 
     def guarded_update(
         self,

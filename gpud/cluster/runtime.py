@@ -18,6 +18,7 @@ from gpud.cluster.api import ClusterServicer, PeerClient, PeerServer
 from gpud.cluster.election import Election, EtcdElection, SingleElection
 from gpud.cluster.etcd import EtcdClient, EtcdSettings
 from gpud.cluster.ports import MemoryTagStore, NodeView, TagStore
+from gpud.cluster.problems import EtcdProblemBoard
 from gpud.cluster.tagstore import EtcdTagStore
 from gpud.cluster.tls import PeerTls
 from gpud.config import ClusterConfig, parse_address
@@ -113,6 +114,11 @@ class ClusterRuntime:
             settle_s=tick_s + config.report_timeout_s if config.election == "etcd" else 0.0,
             events=events,
             credential_problem=self._tls.expiry_problem if self._tls is not None else None,
+            problems=(
+                EtcdProblemBoard(self._etcd, prefix=config.etcd_prefix)
+                if self._etcd is not None
+                else None
+            ),
         )
         self.servicer = ClusterServicer(self.agent)
 

@@ -502,6 +502,35 @@ class ClusterJob(_message.Message):
 Global___ClusterJob: _TypeAlias = ClusterJob  # noqa: Y015
 
 @_typing.final
+class ClusterProblem(_message.Message):
+    """A node's own account of why it cannot take part (published in etcd under
+    <prefix>/problems/<node> while it lasts): the leader unreachable, its report refused...
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    SINCE_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    message: _builtins.str
+    since_unix_seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        message: _builtins.str = ...,
+        since_unix_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "node", b"node", "since_unix_seconds", b"since_unix_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClusterProblem: _TypeAlias = ClusterProblem  # noqa: Y015
+
+@_typing.final
 class GetClusterStatusResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -522,6 +551,7 @@ class GetClusterStatusResponse(_message.Message):
     NODES_FIELD_NUMBER: _builtins.int
     JOBS_FIELD_NUMBER: _builtins.int
     LAST_ERROR_FIELD_NUMBER: _builtins.int
+    PROBLEMS_FIELD_NUMBER: _builtins.int
     election: _builtins.str
     """"single" or "etcd" """
     node: _builtins.str
@@ -553,6 +583,10 @@ class GetClusterStatusResponse(_message.Message):
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterJob]:
         """this node's jobs (all jobs, on the leader)"""
 
+    @_builtins.property
+    def problems(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterProblem]:
+        """every node's, as published in etcd"""
+
     def __init__(
         self,
         *,
@@ -573,10 +607,11 @@ class GetClusterStatusResponse(_message.Message):
         nodes: _abc.Iterable[Global___ClusterNode] | None = ...,
         jobs: _abc.Iterable[Global___ClusterJob] | None = ...,
         last_error: _builtins.str = ...,
+        problems: _abc.Iterable[Global___ClusterProblem] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds", "last_order_age_seconds", b"last_order_age_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds", "applied_epoch", b"applied_epoch", "applied_seq", b"applied_seq", "detail", b"detail", "election", b"election", "epoch", b"epoch", "grace_seconds", b"grace_seconds", "jobs", b"jobs", "last_error", b"last_error", "last_order_age_seconds", b"last_order_age_seconds", "leader", b"leader", "leader_address", b"leader_address", "leading", b"leading", "mode", b"mode", "node", b"node", "nodes", b"nodes", "rejected_orders", b"rejected_orders", "store_ok", b"store_ok"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds", "applied_epoch", b"applied_epoch", "applied_seq", b"applied_seq", "detail", b"detail", "election", b"election", "epoch", b"epoch", "grace_seconds", b"grace_seconds", "jobs", b"jobs", "last_error", b"last_error", "last_order_age_seconds", b"last_order_age_seconds", "leader", b"leader", "leader_address", b"leader_address", "leading", b"leading", "mode", b"mode", "node", b"node", "nodes", b"nodes", "problems", b"problems", "rejected_orders", b"rejected_orders", "store_ok", b"store_ok"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_order_age_seconds: _TypeAlias = _typing.Literal["last_order_age_seconds"]  # noqa: Y015
     _WhichOneofArgType__last_order_age_seconds: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds"]  # noqa: Y015

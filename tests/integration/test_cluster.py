@@ -18,7 +18,15 @@ import gpud.client
 from gpud.cluster.etcd import EtcdClient, EtcdSettings
 from gpud.v1 import cluster_pb2 as pb
 from gpud.v1 import cluster_pb2_grpc as pb_grpc
-from tests.integration.cluster_support import TTL_S, Cluster, Node, start_cluster
+from tests.integration.cluster_support import (
+    TTL_S,
+    Cluster,
+    Node,
+    Proxy,
+    config_text,
+    start_cluster,
+)
+from tests.integration.conftest import start_daemon
 from tools.certs import make_ca, make_node
 from tools.etcd_local import LocalEtcd, etcd_binary
 
@@ -201,6 +209,33 @@ def test_peers_without_a_certificate_of_the_cluster_ca_are_refused(
     with pytest.raises(grpc.RpcError) as err:
         _report(target, name, ok, node="n1")
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_node_whose_certificate_the_leader_refuses_says_so_on_every_node(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """n4 came with a PKI of its own (a CA rotated on some nodes only): the leader's TLS
+    stack sees only a failed handshake; n4 knows its reports fail, and publishes that in
+    etcd, where ``gpuctl cluster status`` on any node reads it."""
+    pki = tmp_path / "n4-pki"
+    make_ca(pki)
+    make_node(pki, "n4", pki)
+    proxy = Proxy(("127.0.0.1", cluster.etcd.client_port))
+    daemon = start_daemon(
+        tmp_path / "n4",
+        "--simulate",
+        config_text=config_text(tmp_path, "n4", proxy.port, cluster.prefix, pki),
+    )
+    cluster.nodes.append(Node("n4", daemon, proxy))  # closed with the cluster
+
+    def problems(node: Node) -> dict[str, str]:
+        return {p["node"]: p["message"] for p in node.status().get("problems", [])}
+
+    for node in cluster.nodes[:3]:
+        cluster.wait(lambda node=node: "n4" in problems(node), what=f"n4's problem on {node.name}")
+    assert set(problems(cluster.nodes[0])) == {"n4"}  # the others report fine
+    text = cluster.nodes[0].daemon.gpuctl("cluster", "status").stdout
+    assert "PROBLEM" in text and "n4" in text
 
 
 def _first_seen_with_fault(node: Node, victim: str, seen: dict[str, tuple[int, int]]) -> None:

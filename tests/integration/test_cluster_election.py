@@ -186,3 +186,23 @@ def test_a_stopping_leader_hands_over_through_the_watch(etcd: LocalEtcd) -> None
     finally:
         a.stop()
         b.stop()
+
+
+def test_nodes_problems_are_published_read_and_cleared_in_etcd(etcd: LocalEtcd) -> None:
+    from gpud.cluster.problems import EtcdProblemBoard, Problem
+
+    client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
+    prefix = f"/gpud-test-{time.monotonic_ns()}"
+    board = EtcdProblemBoard(client, prefix=prefix, ttl_s=5)
+    board.publish("n2", "leader n0 at a0: UNAVAILABLE", 1.7e9)
+    board.publish("n1", "refused", 1.6e9)
+    client.put(f"{prefix}/problems/n9", "not json")  # an unreadable entry is skipped
+    assert board.read() == [
+        Problem("n1", "refused", 1.6e9),
+        Problem("n2", "leader n0 at a0: UNAVAILABLE", 1.7e9),
+    ]
+    kv = client.get(f"{prefix}/problems/n2")
+    assert kv is not None and kv.lease != 0  # it goes with its lease when n2 stops
+    board.clear("n2")
+    board.clear("n2")  # twice is fine
+    assert [p.node for p in board.read()] == ["n1"]

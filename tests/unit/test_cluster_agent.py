@@ -13,6 +13,7 @@ from gpud.cluster.fencing import Mode
 from gpud.cluster.leader import NodeSeen
 from gpud.cluster.model import NodeReport, Order
 from gpud.cluster.ports import MemoryTagStore, StaticNodeView
+from gpud.cluster.problems import Problem, ProblemBoard
 from gpud.errors import FailedPrecondition, Unavailable
 from gpud.net.port import FakeTraffic, JobTraffic, OrderResult
 from netshaper.leveller import LevellerConfig
@@ -84,6 +85,8 @@ def agent(
     store: MemoryTagStore | None = None,
     credential_problem: Callable[[float], str] | None = None,
     settle_s: float = 0.0,
+    problems: ProblemBoard | None = None,
+    wall: Callable[[], float] = lambda: 1.7e9,
 ) -> ClusterAgent:
     tags = store or MemoryTagStore()
     return ClusterAgent(
@@ -101,8 +104,9 @@ def agent(
         node_timeout_s=5,
         settle_s=settle_s,
         clock=clock,
-        wall=lambda: 1.7e9,
+        wall=wall,
         credential_problem=credential_problem,
+        problems=problems,
     )
 
 
@@ -389,3 +393,67 @@ async def test_a_node_reports_the_levels_of_the_order_in_force_only() -> None:
     assert f.mode is Mode.LOCAL
     report = f.local_report()
     assert report.applied_epoch == 9 and [j.applied_level for j in report.jobs] == [None, None]
+
+
+class Board:
+    """A problem board in memory, recording its writes."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, Problem] = {}
+        self.writes: list[tuple[str, str]] = []
+        self.down = False
+
+    def publish(self, node: str, message: str, since: float) -> None:
+        if self.down:
+            raise Unavailable("etcd: connection refused")
+        self.writes.append(("publish", node))
+        self.entries[node] = Problem(node, message, since)
+
+    def clear(self, node: str) -> None:
+        if self.down:
+            raise Unavailable("etcd: connection refused")
+        self.writes.append(("clear", node))
+        self.entries.pop(node, None)
+
+    def read(self) -> list[Problem]:
+        if self.down:
+            raise Unavailable("etcd: connection refused")
+        return [self.entries[n] for n in sorted(self.entries)]
+
+
+async def test_a_node_that_cannot_report_publishes_why_for_every_node_to_see() -> None:
+    clock, wall, peers, board = Clock(), Clock(), LoopbackPeers(), Board()
+    wall.now = 1.7e9
+    lead_info = LeaderInfo("n0", "a0", epoch=3, leading=True)
+    follow_info = LeaderInfo("n0", "a0", epoch=3, leading=False)
+    leader = agent("n0", lead_info, FakeTraffic(()), peers, clock, problems=board, wall=wall)
+    follower = agent(
+        "n1", follow_info, FakeTraffic((job("a", 0.5),)), peers, clock, problems=board, wall=wall
+    )
+    await leader.tick()
+    await follower.tick()  # peers.leader is None: the leader is unreachable
+    assert board.writes == [("publish", "n1")]
+    (problem,) = (await leader.status_with_nodes()).problems
+    assert problem == Problem("n1", "leader n0 at a0: UNAVAILABLE", 1.7e9)
+    # the same problem is published again only as its lease asks, keeping when it began
+    wall.now += 5
+    await follower.tick()
+    assert board.writes == [("publish", "n1")]
+    wall.now += 6
+    await follower.tick()
+    assert board.writes == [("publish", "n1")] * 2
+    assert board.entries["n1"].since == 1.7e9
+    # etcd down: nothing published, nothing lost; the status lists no problems then
+    board.down = True
+    wall.now += 11
+    await follower.tick()
+    assert (await leader.status_with_nodes()).problems == ()
+    board.down = False
+    # the leader answers again: the problem goes
+    peers.leader = leader
+    await follower.tick()
+    await follower.tick()
+    assert follower.last_error == ""
+    assert board.writes[-1] == ("clear", "n1") and board.entries == {}
+    await follower.tick()
+    assert board.writes.count(("clear", "n1")) == 1
