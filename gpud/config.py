@@ -167,6 +167,12 @@ class TrafficConfig:
     weigh_by_demand: bool = True
     max_age_s: float = ranged(10.0, 0.1, 86400.0)
     progress_window_s: float = ranged(20.0, 0.1, 86400.0)
+    # the rate a job is ranked by is the geometric mean of the window's rate and its rate
+    # over this span (a job that fell behind is paid back); 0 = the window's rate alone
+    progress_long_window_s: float = ranged(300.0, 0.0, 7 * 86400.0)
+    # once the window holds this many iterations, a job's open iteration is averaged with
+    # them (a job that waited one tick is not taken for the slowest); 0 = the open one alone
+    progress_stall_iterations: int = ranged(8, 0, 1000)
     idle_after_s: float = ranged(
         60.0, 1.0, 86400.0
     )  # a job without a reservation or report for this long is idle

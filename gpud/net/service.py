@@ -200,7 +200,13 @@ class TrafficService:
         self._lock = threading.RLock()
         self._io_lock = threading.Lock()  # the nftables table: one writer
         self._leveller = Leveller(leveller_config(config))
-        self._tracker = ProgressTracker(ProgressConfig(window_s=config.progress_window_s))
+        self._tracker = ProgressTracker(
+            ProgressConfig(
+                window_s=config.progress_window_s,
+                stall_iterations=config.progress_stall_iterations,
+                long_window_s=config.progress_long_window_s,
+            )
+        )
         self._reports: dict[str, _JobReports] = {}
         self._levels: dict[str, int] = {}
         self._level_changes = 0

@@ -639,3 +639,25 @@ def test_a_nic_map_changed_outside_gpud_is_written_back(tmp_path: Path, sysfs: P
     rig.clock.t += RDMA_RECHECK_S
     s.tick()
     assert s.settle(5) and len(lines) == 2  # read back, nothing to write
+
+
+@pytest.mark.parametrize(
+    ("stall_iterations", "low", "high"),
+    [(0, 0.35, 0.45), (8, 0.8, 0.9)],
+)
+def test_the_progress_estimate_takes_its_knobs_from_the_config(
+    tmp_path: Path, sysfs: Path, stall_iterations: int, low: float, high: float
+) -> None:
+    """Ten 1 s iterations, then 2.5 s without one: the open iteration alone (0) says 0.4;
+    averaged with the last 8 it says 9 / 10.5 = 0.86 (traffic.progress_stall_iterations)."""
+    rig = Rig(
+        tmp_path,
+        sysfs,
+        progress_stall_iterations=stall_iterations,
+        progress_long_window_s=0.0,  # the window's rate alone
+    )
+    feed(rig, "a", 1.0, 10, ideal=1.0)
+    rig.clock.t += 2.5
+    rig.service.tick()
+    (a,) = [j for j in rig.service.local_report().jobs if j.job == "a"]
+    assert a.rate is not None and low < a.rate < high, a.rate
