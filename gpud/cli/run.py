@@ -58,7 +58,6 @@ from gpud.cli.jobs import (
     warn_no_effect,
 )
 from gpud.errors import ERROR_TABLE, DscpPoolExhausted, NotFound, ResourceExhausted
-from gpud.jobs import leftovers
 from gpud.shared import shell_exports
 from gpud.v1 import colo_pb2, colo_pb2_grpc, net_pb2, net_pb2_grpc, queue_pb2, queue_pb2_grpc
 from gpud.v1 import jobs_pb2 as pb
@@ -349,6 +348,8 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
             "MPS is disabled for the device, or the job spans several devices)",
         )
     warn_if_mps_down(ctx, granted)
+    from gpud.jobs import leftovers  # stdlib only; loaded by `gpuctl run` alone
+
     env = {**os.environ, **granted, leftovers.RUN_VAR: reservation}
     place = None
     if "GPUD_DSCP" in granted:
@@ -442,6 +443,7 @@ def _seconds(text: str) -> float:
 def _stop_leftovers(job: str, run: str, grace_s: float) -> None:
     """End what the command left running (its environment carries ``GPUD_RUN``): the
     reservation is released next, and nothing may go on using what nothing reserves."""
+    from gpud.jobs import leftovers
 
     def reap() -> None:
         # as PID 1 (a container's init) the orphans are gpuctl's own children
