@@ -1,0 +1,206 @@
+"""The gRPC API's latency with one client and under 16 at once, beside a bare gRPC server.
+
+Against a running ``gpud --simulate`` (8 x H100, MPS off, the daemon ticking as configured),
+client processes call ``Node.GetStatus``, ``Node.ListGpus`` and ``Jobs.ListJobs`` in turn
+over its unix socket for ``--seconds`` each, first one client alone, then ``--clients`` at
+once. The same is done, in the same run, against the floor: a bare ``grpc.aio`` server in
+its own process, on its own unix socket, that answers every call with the response gpud
+gave (the same bytes on the wire, nothing computed). So ``gpud / floor`` is what gpud's own
+work and its tick cost a caller beyond gRPC itself, under the same load on the same CPUs.
+
+Figures per method: median and 99th percentile of the calls' latency, alone and under
+load, and the calls per second served under load.
+
+    .venv/bin/python -m tools.bench_api [--clients 16] [--seconds 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from gpud.v1 import jobs_pb2, jobs_pb2_grpc, node_pb2, node_pb2_grpc
+from tools.simdaemon import simulated_gpud
+
+METHODS = ("GetStatus", "ListGpus", "ListJobs")
+
+
+def _calls(channel: grpc.Channel) -> dict[str, Any]:
+    node = node_pb2_grpc.NodeStub(channel)
+    jobs = jobs_pb2_grpc.JobsStub(channel)
+    return {
+        "GetStatus": lambda: node.GetStatus(node_pb2.GetStatusRequest(), timeout=30),
+        "ListGpus": lambda: node.ListGpus(node_pb2.ListGpusRequest(), timeout=30),
+        "ListJobs": lambda: jobs.ListJobs(jobs_pb2.ListJobsRequest(), timeout=30),
+    }
+
+
+def client(socket: str, seconds: float, start_at: float, out: str) -> None:
+    """One client process: waits until ``start_at`` (wall clock, so that all start
+    together), then calls the methods in turn for ``seconds``; latencies (s) to ``out``."""
+    with grpc.insecure_channel(f"unix:{socket}") as channel:
+        calls = _calls(channel)
+        for call in calls.values():
+            call()  # connected and warm
+        time.sleep(max(0.0, start_at - time.time()))
+        seen: dict[str, list[float]] = {m: [] for m in METHODS}
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for method in METHODS:
+                t0 = time.perf_counter()
+                calls[method]()
+                seen[method].append(time.perf_counter() - t0)
+    Path(out).write_text(json.dumps(seen))
+
+
+def floor_server(socket: str, responses: str) -> None:
+    """A bare grpc.aio server answering every call with gpud's recorded response."""
+    data = json.loads(Path(responses).read_text())
+    status = node_pb2.GetStatusResponse.FromString(bytes.fromhex(data["GetStatus"]))
+    gpus = node_pb2.ListGpusResponse.FromString(bytes.fromhex(data["ListGpus"]))
+    listed = jobs_pb2.ListJobsResponse.FromString(bytes.fromhex(data["ListJobs"]))
+
+    class Node(node_pb2_grpc.NodeServicer):
+        async def GetStatus(self, request: Any, context: Any) -> Any:  # noqa: N802
+            return status
+
+        async def ListGpus(self, request: Any, context: Any) -> Any:  # noqa: N802
+            return gpus
+
+    class Jobs(jobs_pb2_grpc.JobsServicer):
+        async def ListJobs(self, request: Any, context: Any) -> Any:  # noqa: N802
+            return listed
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        node_pb2_grpc.add_NodeServicer_to_server(Node(), server)  # type: ignore[no-untyped-call]
+        jobs_pb2_grpc.add_JobsServicer_to_server(Jobs(), server)  # type: ignore[no-untyped-call]
+        server.add_insecure_port(f"unix:{socket}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def _record(socket: Path, out: Path) -> None:
+    with grpc.insecure_channel(f"unix:{socket}") as channel:
+        calls = _calls(channel)
+        out.write_text(json.dumps({m: calls[m]().SerializeToString().hex() for m in METHODS}))
+
+
+def _run_clients(socket: Path, n: int, seconds: float, work: Path) -> dict[str, list[float]]:
+    start_at = time.time() + 1.0 + 0.1 * n  # every client connected and warm by then
+    outs = [work / f"client-{n}-{i}.json" for i in range(n)]
+    argv = [sys.executable, "-m", "tools.bench_api", "--client", str(socket), str(seconds)]
+    procs = [subprocess.Popen([*argv, str(start_at), str(out)]) for out in outs]
+    for p in procs:
+        if p.wait(seconds + 120) != 0:
+            raise RuntimeError(f"a client exited with {p.returncode}")
+    merged: dict[str, list[float]] = {m: [] for m in METHODS}
+    for out in outs:
+        for method, values in json.loads(out.read_text()).items():
+            merged[method].extend(values)
+        out.unlink()
+    return merged
+
+
+def _summary(latencies: dict[str, list[float]], seconds: float) -> dict[str, dict[str, float]]:
+    out = {}
+    for method, values in latencies.items():
+        cut = statistics.quantiles(values, n=100, method="inclusive")
+        out[method] = {
+            "calls": len(values),
+            "p50_ms": statistics.median(values) * 1e3,
+            "p99_ms": cut[98] * 1e3,
+            "per_s": len(values) / seconds,
+        }
+    return out
+
+
+def measure(clients: int, seconds: float) -> dict[str, Any]:
+    result: dict[str, Any] = {"clients": clients, "seconds": seconds, "cpus": os.cpu_count()}
+    with (
+        simulated_gpud("H100-SXM5-80GB:8") as daemon,
+        tempfile.TemporaryDirectory(prefix="gpud-bench-api-") as tmp,
+    ):
+        work = Path(tmp)
+        responses = work / "responses.json"
+        _record(daemon.socket, responses)
+        floor_socket = work / "floor.sock"
+        floor = subprocess.Popen(
+            [sys.executable, "-m", "tools.bench_api", "--floor", str(floor_socket), str(responses)]
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while not floor_socket.exists():
+                if floor.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the floor server did not start")
+                time.sleep(0.05)
+            # side by side: alone and loaded, gpud then the floor
+            for target, socket in (("gpud", daemon.socket), ("floor", floor_socket)):
+                result[target] = {
+                    "alone": _summary(_run_clients(socket, 1, seconds, work), seconds),
+                    "loaded": _summary(_run_clients(socket, clients, seconds, work), seconds),
+                }
+        finally:
+            floor.terminate()
+            floor.wait(10)
+    return result
+
+
+def _table(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['clients']} clients, {result['seconds']:g} s per phase, {result['cpus']} CPUs",
+        f"{'method':<10} {'':>6} {'p50 alone':>10} {'p99 alone':>10} {'p50 loaded':>11} "
+        f"{'p99 loaded':>11} {'calls/s':>8}",
+    ]
+    for method in METHODS:
+        for target in ("gpud", "floor"):
+            a = result[target]["alone"][method]
+            b = result[target]["loaded"][method]
+            lines.append(
+                f"{method:<10} {target:>6} {a['p50_ms']:>8.2f}ms {a['p99_ms']:>8.2f}ms "
+                f"{b['p50_ms']:>9.2f}ms {b['p99_ms']:>9.2f}ms {b['per_s']:>8.0f}"
+            )
+        g, f = result["gpud"], result["floor"]
+        lines.append(
+            f"{'':<10} {'ratio':>6} {g['alone'][method]['p50_ms'] / f['alone'][method]['p50_ms']:>9.2f}x"
+            f" {g['alone'][method]['p99_ms'] / f['alone'][method]['p99_ms']:>9.2f}x"
+            f" {g['loaded'][method]['p50_ms'] / f['loaded'][method]['p50_ms']:>10.2f}x"
+            f" {g['loaded'][method]['p99_ms'] / f['loaded'][method]['p99_ms']:>10.2f}x"
+            f" {g['loaded'][method]['per_s'] / f['loaded'][method]['per_s']:>7.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--client"]:
+        client(args[1], float(args[2]), float(args[3]), args[4])
+        return 0
+    if args[:1] == ["--floor"]:
+        floor_server(args[1], args[2])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--json", action="store_true")
+    ns = parser.parse_args(args)
+    result = measure(ns.clients, ns.seconds)
+    print(json.dumps(result, indent=2) if ns.json else _table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
