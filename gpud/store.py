@@ -60,6 +60,9 @@ class StateStore:
             raise StateError(f"state directory {state_dir}: {err.strerror or err}") from None
         self.path = state_dir / DB_NAME
         self._lock = threading.RLock()
+        self._reader: sqlite3.Connection | None = None  # opened by the first reading()
+        self._reader_lock = threading.Lock()
+        self._reading = threading.local()
         with contextlib.suppress(OSError):
             # SQLite takes an empty file for a new database: one gpud wrote is never empty
             # (the first start writes its tables), so this one was truncated
@@ -121,11 +124,39 @@ class StateStore:
                     )
 
     @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Within, this thread's transactions are one read-only snapshot on a connection of
+        their own (WAL: a reader never waits for the writer, nor the writer for it), so a
+        read on the event loop never waits on another thread's commit. Serialised among
+        readers; a write attempted within fails (``PRAGMA query_only``)."""
+        if getattr(self._reading, "conn", None) is not None:
+            yield  # already reading on this thread: the same snapshot
+            return
+        with self._reader_lock:
+            if self._reader is None:
+                self._reader = sqlite3.connect(
+                    self.path, isolation_level=None, check_same_thread=False, timeout=30.0
+                )
+                self._reader.row_factory = sqlite3.Row
+                self._reader.execute("PRAGMA query_only=ON")
+            self._reading.conn = self._reader
+            self._reader.execute("BEGIN")  # deferred: the snapshot is taken at the first read
+            try:
+                yield
+            finally:
+                self._reading.conn = None
+                self._reader.execute("COMMIT")
+
+    @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """``BEGIN IMMEDIATE`` ... ``COMMIT`` (or ``ROLLBACK`` on error); re-entrant per thread.
 
         A database that cannot be written (disk full, an I/O error, a read-only file) raises
         :class:`StateUnwritable` naming the file: nothing of the transaction is kept."""
+        reader = getattr(self._reading, "conn", None)
+        if reader is not None:
+            yield reader
+            return
         with self._lock:
             if self._conn.in_transaction:
                 yield self._conn
@@ -161,3 +192,6 @@ class StateStore:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+        with self._reader_lock:
+            if self._reader is not None:
+                self._reader.close()

@@ -4,7 +4,8 @@ Register on the daemon's ``ApiServer``::
 
     ApiServer(path, servicers=[JobsServicer(job_service).register])
 
-Calls touch SQLite and /proc: they run in a worker thread, off the event loop.
+Calls touch SQLite and /proc: they run in a worker thread, off the event loop; ``ListJobs``,
+a short read, runs on the loop on the store's reading connection (:mod:`gpud.api.reads`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from gpud.api import reads
 from gpud.api.validate import optional, optional_pid
 from gpud.errors import InvalidArgument
 from gpud.jobs.attribution import ProcessUse
@@ -110,6 +112,16 @@ class JobsServicer(pb_grpc.JobsServicer):
         uses = [u for u in self._service.process_uses() if u.job == job.name]
         return job_message(job, self._service.reservations.held(job.name), uses)
 
+    def _messages(self, jobs: Sequence[JobSpec]) -> list[pb.Job]:
+        """:meth:`_message` of each, with two reads in all rather than two per job."""
+        held: dict[str, list[Reservation]] = {}
+        for r in self._service.reservations.held():
+            held.setdefault(r.job, []).append(r)
+        uses: dict[str | None, list[ProcessUse]] = {}
+        for u in self._service.process_uses():
+            uses.setdefault(u.job, []).append(u)
+        return [job_message(j, held.get(j.name, []), uses.get(j.name, [])) for j in jobs]
+
     async def AddJob(self, request: pb.AddJobRequest, context: Any) -> pb.AddJobResponse:  # noqa: N802
         def add() -> pb.AddJobResponse:
             return pb.AddJobResponse(
@@ -132,9 +144,9 @@ class JobsServicer(pb_grpc.JobsServicer):
                 jobs = [self._service.registry.get(request.name)]
             else:
                 jobs = self._service.registry.all()
-            return pb.ListJobsResponse(jobs=[self._message(j) for j in jobs])
+            return pb.ListJobsResponse(jobs=self._messages(jobs))
 
-        return await asyncio.to_thread(list_jobs)
+        return reads.read(self._service.store, list_jobs)
 
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:  # noqa: N802
         def reserve() -> pb.ReserveResponse:

@@ -83,6 +83,7 @@ class JobService:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
+        self.store = store  # for the API's short reads (gpud.api.reads)
         self.registry = JobRegistry(store, clock=clock)
         self.reservations = Reservations(store, proc_root=proc_root, clock=clock)
         self._events = events
@@ -426,9 +427,10 @@ class JobService:
                 }
 
     def process_uses(self) -> list[ProcessUse]:
-        """The latest tick's GPU processes with their jobs."""
-        with self._lock:
-            return list(self._uses)
+        """The latest tick's GPU processes with their jobs. Without the service's lock (the
+        tick swaps the list whole): a reservation holding the lock through its commit must
+        not hold back a read on the event loop."""
+        return list(self._uses)
 
     def unattributed_uses(self) -> list[ProcessUse]:
         """The latest tick's GPU processes of no job, less the MPS servers gpud runs:

@@ -1,4 +1,4 @@
-"""Hypothesis profiles for the unit tests.
+"""Hypothesis profiles for the unit tests, and the root logger put back after each test.
 
 ``GPUD_HYPOTHESIS_PROFILE=mutation`` (set by tools/mutation.py) runs each property test
 without shrinking and with a fixed seed: a mutant is killed by the first failing example,
@@ -7,8 +7,11 @@ and the same mutant always meets the same examples.
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import Phase, settings
 
 settings.register_profile(
@@ -18,3 +21,14 @@ settings.register_profile(
     database=None,
 )
 settings.load_profile(os.environ.get("GPUD_HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored() -> Iterator[None]:
+    """A test that runs ``gpud.main.main`` points the root logger at its captured stderr,
+    which pytest closes afterwards: later tests' log lines would go to a closed file."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

@@ -143,3 +143,41 @@ def test_a_database_removed_while_open_takes_no_more_changes(tmp_path: Path) -> 
     with pytest.raises(StateUnwritable, match="was removed or replaced"), store.transaction() as c:
         c.execute("INSERT INTO t (v) VALUES ('lost too')")
     store.close()
+
+
+def test_a_read_does_not_wait_for_a_writer_and_sees_what_was_committed(tmp_path: Path) -> None:
+    """``reading()``: the event loop's reads go to a connection of their own, a snapshot of
+    what is committed, while another thread holds the store in an open write."""
+    import sqlite3
+    import threading
+
+    store = StateStore(tmp_path / "state")
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('committed')")
+    writing, done = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with store.transaction() as conn:
+            conn.execute("INSERT INTO t (v) VALUES ('not yet')")
+            writing.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        assert writing.wait(5)
+        with store.reading():
+            with store.transaction() as conn:  # what the registry's reads do
+                rows = [r["v"] for r in conn.execute("SELECT v FROM t")]
+                with pytest.raises(sqlite3.OperationalError, match="readonly"):
+                    conn.execute("INSERT INTO t (v) VALUES ('no')")
+            with store.reading(), store.transaction() as again:  # nested: the same snapshot
+                assert again is conn
+        assert rows == ["committed"]
+    finally:
+        done.set()
+        thread.join()
+    with store.reading(), store.transaction() as conn:
+        assert [r["v"] for r in conn.execute("SELECT v FROM t")] == ["committed", "not yet"]
+    store.close()
