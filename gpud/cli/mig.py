@@ -264,4 +264,6 @@ def run_export(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print_json(resp)
     else:
         ctx.out.stream.write(resp.yaml)
+    for gpu in resp.left_out:
+        print(f"gpuctl: not exported: {gpu}", file=sys.stderr)
     return 0

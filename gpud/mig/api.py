@@ -183,8 +183,10 @@ class MigServicer(pb_grpc.MigServicer):
     async def ExportMig(  # noqa: N802
         self, request: pb.ExportMigRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExportMigResponse:
-        text = await asyncio.to_thread(self._manager.export, request.name or "current")
-        return pb.ExportMigResponse(yaml=text)
+        text, faults = await asyncio.to_thread(self._manager.export, request.name or "current")
+        return pb.ExportMigResponse(
+            yaml=text, left_out=[f"GPU {i}: {why}" for i, why in sorted(faults.items())]
+        )
 
 
 async def _run_while_wanted(gone: threading.Event, call: Callable[[], T]) -> T:

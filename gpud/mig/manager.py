@@ -791,19 +791,30 @@ class MigManager:
     def desired(self) -> dict[str, DesiredRecord]:
         return self._store.desired()
 
-    def layouts(self) -> dict[int, DeviceLayout]:
-        """The current layout of every GPU that answers, in mig-parted's terms."""
+    def layouts(self) -> tuple[dict[int, DeviceLayout], dict[int, str]]:
+        """The current layout of every GPU that answers, in mig-parted's terms, and why the
+        others are left out (faulty before the call, or its reads failing now)."""
+        ids, faults = self._gpus()
         out = {}
-        for gpu in self._identities():
-            out[gpu.index] = actual_layout(
-                self._actual(gpu), self._table(gpu) if gpu.mig_capable else None
-            )
-        return out
+        for gpu in ids:
+            if gpu.index in faults:
+                continue
+            try:
+                out[gpu.index] = actual_layout(
+                    self._actual(gpu), self._table(gpu) if gpu.mig_capable else None
+                )
+            except BackendError as err:
+                faults[gpu.index] = _fault_reason(err)
+        return out, faults
 
-    def export(self, name: str = "current") -> str:
-        """The current layout as a mig-parted config named ``name``."""
-        layouts = self.layouts()
-        return export_config(name, layouts, gpu_count=len(layouts))
+    def export(self, name: str = "current") -> tuple[str, dict[int, str]]:
+        """The current layout as a mig-parted config named ``name``, of the GPUs that
+        answer (by index, never ``devices: all`` while one is left out), and the GPUs left
+        out with why; the YAML names them in comments, for whoever reads the file later."""
+        layouts, faults = self.layouts()
+        text = export_config(name, layouts, gpu_count=self._backend.gpu_count())
+        notes = "".join(f"# GPU {i} left out: {why}\n" for i, why in sorted(faults.items()))
+        return notes + text, faults
 
     def show(self, *, timeout_s: float | None = None) -> list[GpuView]:
         """Every GPU: MIG mode, instances with MIG UUIDs and processes, profiles and

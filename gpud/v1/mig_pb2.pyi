@@ -467,15 +467,21 @@ class ExportMigResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     YAML_FIELD_NUMBER: _builtins.int
+    LEFT_OUT_FIELD_NUMBER: _builtins.int
     yaml: _builtins.str
+    @_builtins.property
+    def left_out(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the GPUs the YAML leaves out, "GPU 0: GPU is lost" (faulty, or not answering)"""
+
     def __init__(
         self,
         *,
         yaml: _builtins.str = ...,
+        left_out: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["yaml", b"yaml"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["left_out", b"left_out", "yaml", b"yaml"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

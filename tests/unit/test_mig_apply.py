@@ -170,7 +170,7 @@ def test_published_configs_apply_assert_and_export_round_trip(
                 result = d.mig.apply(config, name)
                 assert result.result == "success", (name, result)
             assert d.mig.assert_config(config, name) == []
-            exported = parse_config(d.mig.export("now"))
+            exported = parse_config(d.mig.export("now")[0])
             assert d.mig.assert_config(exported, "now") == []
             assert d.mig.apply(exported, "now").result == "noop"
         balanced_a100 = [
@@ -190,16 +190,16 @@ def test_mixed_config_with_compute_instance_profiles(tmp_path: Path) -> None:
         d.node.reboot()
         d.mig.reconcile()
         assert d.mig.assert_config(mixed, "mixed-train-infer") == []
-        layouts = d.mig.layouts()
+        layouts, _ = d.mig.layouts()
         assert layouts[0].describe() == "1x 4g.40gb, 1x 3g.40gb"
         assert layouts[1].describe() == "1x 3g.40gb, 4x 1g.10gb"
         assert layouts[2].describe() == "1x 3g.20gb, 1x 2g.10gb, 2x 1g.5gb"
         # only the H100s match this one; the A100 is left alone
         result = d.mig.apply(mixed, "h100-shared-3g")
         assert [o.gpu for o in result.gpus] == [0, 1]
-        assert d.mig.layouts()[0].describe() == "1x 1c.3g.40gb, 2x 2g.20gb"
-        assert d.mig.layouts()[2].describe() == "1x 3g.20gb, 1x 2g.10gb, 2x 1g.5gb"
-        exported = parse_config(d.mig.export("now"))
+        assert d.mig.layouts()[0][0].describe() == "1x 1c.3g.40gb, 2x 2g.20gb"
+        assert d.mig.layouts()[0][2].describe() == "1x 3g.20gb, 1x 2g.10gb, 2x 1g.5gb"
+        exported = parse_config(d.mig.export("now")[0])
         assert d.mig.assert_config(exported, "now") == []
     finally:
         host.close()
@@ -473,7 +473,7 @@ def test_apply_resets_the_gpu_and_creates_the_instances_in_the_same_apply(a100: 
         steps = [s.split(": ", 1)[1] for s in o.steps]
         assert steps.index(f"reset the GPU (nvidia-smi --gpu-reset -i {o.gpu})") == 1
     assert d.mig.assert_config(HELD_OUT, "custom-balanced") == []
-    assert d.mig.layouts()[0].describe() == "1x 3g.20gb, 1x 2g.10gb, 2x 1g.5gb"
+    assert d.mig.layouts()[0][0].describe() == "1x 3g.20gb, 1x 2g.10gb, 2x 1g.5gb"
     assert [e.fields["gpu"] for e in d.events.recent(kind_prefix="mig.reset")] == [0, 1]
     # and back: MIG off takes a reset too, done the same way
     assert d.mig.apply(HELD_OUT, "custom-balanced").result == "noop"
@@ -500,8 +500,8 @@ def test_hopper_switches_mig_mode_without_a_reset(tmp_path: Path, config: MigCon
         assert any("nvidia-smi --gpu-reset -i 2" in s for s in result.gpus[2].steps)
         assert [e.fields["gpu"] for e in d.events.recent(kind_prefix="mig.reset")] == [2]
         assert d.mig.assert_config(config, "all-balanced") == []
-        assert d.mig.layouts()[0].describe() == "1x 3g.40gb, 1x 2g.20gb, 2x 1g.10gb"
-        assert d.mig.layouts()[1].describe() == "1x 3g.71gb, 1x 2g.35gb, 2x 1g.18gb"
+        assert d.mig.layouts()[0][0].describe() == "1x 3g.40gb, 1x 2g.20gb, 2x 1g.10gb"
+        assert d.mig.layouts()[0][1].describe() == "1x 3g.71gb, 1x 2g.35gb, 2x 1g.18gb"
         off = d.mig.apply(config, "all-disabled")
         assert off.result == "success" and len(d.events.recent(kind_prefix="mig.reset")) == 2
         assert all(d.backend.mig_mode(g) == (False, False) for g in range(3))
@@ -586,7 +586,9 @@ def test_a_gpu_lost_before_start_leaves_the_others_managed(a100: Host) -> None:
     assert result.result == "partial"
     assert [o.status for o in result.gpus] == ["ok", "faulty"]
     assert "GPU 1 is faulty, left alone" in result.gpus[1].detail
-    assert d.mig.export("now")  # the GPUs that answer
+    text, left_out = d.mig.export("now")  # the GPUs that answer
+    assert list(left_out) == [1] and text.startswith("# GPU 1 left out: identity: GPU lost")
+    assert parse_config(text).configs["now"][0].devices == (0,)
 
 
 def test_telemetry_faults_are_not_called(a100: Host) -> None:
