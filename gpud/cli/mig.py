@@ -18,7 +18,7 @@ created in the same apply; ``--skip-reset`` leaves it pending for the next reset
 An apply that may reset GPUs is waited for up to 10 minutes (resets take a while).
 
 A faulty GPU (lost, not answering) is shown with its reason and left alone while the others
-are shown, applied or checked: the command then exits 11 (partial).
+are shown, applied, checked or exported: the command then exits 11 (partial).
 """
 
 from __future__ import annotations
@@ -266,4 +266,4 @@ def run_export(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.stream.write(resp.yaml)
     for gpu in resp.left_out:
         print(f"gpuctl: not exported: {gpu}", file=sys.stderr)
-    return 0
+    return EXIT_PARTIAL if resp.left_out else 0

@@ -250,3 +250,16 @@ def test_applies_whose_client_gave_up(capsys: pytest.CaptureFixture[str], node: 
         if event.fields["result"] != "not_started":
             assert event.fields["result"] == "success"  # H100: no reset to wait for
             assert "finished after the client had gone" in event.message
+
+
+def test_export_leaves_a_lost_gpu_out_and_says_so(
+    capsys: pytest.CaptureFixture[str], node: Node
+) -> None:
+    node.sim.faults.lose(0)
+    code, out, err = gpuctl(capsys, node, "mig", "export", "-c", "mine")
+    assert code == 11  # partial
+    assert out.startswith("# GPU 0 left out: ") and "GPU is lost" in out
+    assert [e["devices"] for e in yaml.safe_load(out)["mig-configs"]["mine"]] == [[1]]
+    assert "gpuctl: not exported: GPU 0: " in err
+    code, out, _ = gpuctl(capsys, node, "--json", "mig", "export")
+    assert code == 11 and json.loads(out)["left_out"][0].startswith("GPU 0: ")
