@@ -242,7 +242,11 @@ class Daemon:
             tcp_address=config.api.tcp_address or None,
             servicers=[
                 self.node_servicer.register,
-                MigServicer(self.mig, default_drain_timeout_s=config.mig.drain_timeout_s).register,
+                MigServicer(
+                    self.mig,
+                    default_drain_timeout_s=config.mig.drain_timeout_s,
+                    read_timeout_s=config.telemetry.call_timeout_s,
+                ).register,
                 MpsServicer(self.mps, loads=self.jobs.loads).register,
                 JobsServicer(self.jobs).register,
                 QueueServicer(self.admission).register,

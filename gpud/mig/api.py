@@ -38,11 +38,11 @@ _DEFAULT_READ_S = 10.0  # a request without a deadline
 T = TypeVar("T")
 
 
-def _read_budget(context: grpc.aio.ServicerContext) -> float:
+def _read_budget(context: grpc.aio.ServicerContext, cap: float = _DEFAULT_READ_S) -> float:
     remaining: float | None = context.time_remaining()
     if remaining is None:
-        return _DEFAULT_READ_S
-    return max(0.1, min(_DEFAULT_READ_S, remaining - _ANSWER_MARGIN_S))
+        return cap
+    return max(0.1, min(cap, remaining - _ANSWER_MARGIN_S))
 
 
 def _config(source: pb.MigConfigSource) -> tuple[MigConfigFile, str]:
@@ -122,9 +122,19 @@ def apply_message(result: ApplyResult) -> pb.ApplyMigResponse:
 class MigServicer(pb_grpc.MigServicer):
     """Serves ``gpud.v1.Mig``: ``ApiServer(path, servicers=[MigServicer(manager).register])``."""
 
-    def __init__(self, manager: MigManager, *, default_drain_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        manager: MigManager,
+        *,
+        default_drain_timeout_s: float = 300.0,
+        read_timeout_s: float = _DEFAULT_READ_S,
+    ) -> None:
+        """``read_timeout_s``: how long ``ShowMig`` waits for a GPU's reads before it shows
+        the GPU as not answering (the daemon passes ``telemetry.call_timeout_s``: a GPU that
+        takes longer is hung by telemetry's own measure, which marks it a moment later)."""
         self._manager = manager
         self._default_drain_s = default_drain_timeout_s  # for a drain without a timeout
+        self._read_s = read_timeout_s
 
     def register(self, server: Any) -> None:
         pb_grpc.add_MigServicer_to_server(self, server)
@@ -132,7 +142,9 @@ class MigServicer(pb_grpc.MigServicer):
     async def ShowMig(  # noqa: N802 (gRPC method names come from the proto)
         self, request: pb.ShowMigRequest, context: grpc.aio.ServicerContext
     ) -> pb.ShowMigResponse:
-        views = await asyncio.to_thread(self._manager.show, timeout_s=_read_budget(context))
+        views = await asyncio.to_thread(
+            self._manager.show, timeout_s=_read_budget(context, self._read_s)
+        )
         return pb.ShowMigResponse(gpus=[gpu_message(v) for v in views])
 
     async def ApplyMig(  # noqa: N802

@@ -43,7 +43,9 @@ class Node:
 
 
 @contextmanager
-def serve(tmp_path: Path, spec: list[tuple[str, int]]) -> Iterator[Node]:
+def serve(
+    tmp_path: Path, spec: list[tuple[str, int]], *, read_timeout_s: float = 10.0
+) -> Iterator[Node]:
     sim = SimNode(spec, state_file=tmp_path / "driver.json")
     store = StateStore(tmp_path / "state")
     jobs: dict[int, str] = {}
@@ -52,7 +54,8 @@ def serve(tmp_path: Path, spec: list[tuple[str, int]]) -> Iterator[Node]:
     try:
         with short_dir() as d:
             path = d / "gpud.sock"
-            with ServerThread(ApiServer(path, servicers=[MigServicer(mig).register])):
+            servicer = MigServicer(mig, read_timeout_s=read_timeout_s)
+            with ServerThread(ApiServer(path, servicers=[servicer.register])):
                 yield Node(sim, mig, str(path), jobs, events)
     finally:
         store.close()
@@ -263,3 +266,19 @@ def test_export_leaves_a_lost_gpu_out_and_says_so(
     assert "gpuctl: not exported: GPU 0: " in err
     code, out, _ = gpuctl(capsys, node, "--json", "mig", "export")
     assert code == 11 and json.loads(out)["left_out"][0].startswith("GPU 0: ")
+
+
+def test_show_answers_within_the_telemetry_call_timeout_when_a_gpu_starts_hanging(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Before telemetry has marked a hung GPU, ``mig show`` waits for its reads no longer
+    than telemetry's own call timeout (here 1 s), not the client's whole deadline."""
+    with serve(tmp_path, [("H100-SXM5-80GB", 2)], read_timeout_s=1.0) as n:
+        assert gpuctl(capsys, n, "mig", "show")[0] == 0  # identities read, as at gpud's start
+        n.sim.faults.slow(1, 30.0)
+        started = time.monotonic()
+        code, out, _ = gpuctl(capsys, n, "--timeout", "20", "mig", "show")
+        took = time.monotonic() - started
+        n.sim.faults.clear(1)
+    assert code == 11 and "GPU 1" in out and "not answering" in out, out
+    assert took < 5, took
