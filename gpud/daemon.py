@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from gpud import __version__
 from gpud.admission.api import QueueServicer
@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from gpud.backend.sim import SimNode
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Changing these needs a restart; a reload that changes them says so and keeps the old value.
 RESTART_KEYS = (
@@ -420,7 +421,7 @@ class Daemon:
                 return
             self._traffic_task, self._traffic_overrun_said = None, False
         ended = task.exception() if task is not None else None
-        task = self._traffic_task = asyncio.ensure_future(asyncio.to_thread(self.traffic.tick))
+        task = self._traffic_task = asyncio.ensure_future(on_daemon_thread(self.traffic.tick))
         self._traffic_started = self._clock()
         await asyncio.wait({task}, timeout=max(TRAFFIC_WAIT_S, self.loop_interval_s()))
         if task.done():
@@ -435,7 +436,7 @@ class Daemon:
         if self._traffic_task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._traffic_task), timeout=30.0)
-        await asyncio.to_thread(self.traffic.shutdown)
+        await on_daemon_thread(self.traffic.shutdown)
 
     def _reboot_sim(self) -> None:
         """A simulated reboot under a running daemon: instances go, as on a real node; the
@@ -643,35 +644,47 @@ class Daemon:
         self._notifier.ready(message)
 
 
-async def _run_stop(stop: Callable[[], Awaitable[None] | None], timeout: float) -> None:
-    """One shutdown hook, on a thread of its own (a blocking one holds nothing else back),
-    given ``timeout`` seconds; past that it is left running and the stop goes on. A daemon
-    thread, not the loop's executor: ``asyncio.run`` would wait for a hung one at exit."""
-    name = getattr(stop, "__qualname__", repr(stop))
+async def on_daemon_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` on a daemon thread of its own, awaited. Not the loop's executor: for calls
+    that may hang in a program gpud runs (``nft``, ``dcb``, a control daemon), which
+    ``asyncio.run`` would otherwise wait for at exit, past the stop's budget."""
     loop = asyncio.get_running_loop()
-    called: asyncio.Future[Awaitable[None] | None] = loop.create_future()
+    done: asyncio.Future[T] = loop.create_future()
 
-    def settle(result: Awaitable[None] | None, err: BaseException | None) -> None:
-        if not called.done():
-            if err is not None:
-                called.set_exception(err)
-            else:
-                called.set_result(result)
+    def settle(result: T | None, err: BaseException | None) -> None:
+        if done.done():
+            return  # the caller stopped waiting
+        if err is not None:
+            done.set_exception(err)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]
 
     def call() -> None:
+        result: T | None = None
+        err: BaseException | None = None
         try:
-            result, err = stop(), None
+            result = fn()
         except BaseException as exc:
-            result, err = None, exc
+            err = exc
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
             loop.call_soon_threadsafe(settle, result, err)
 
+    threading.Thread(
+        target=call, name=f"gpud:{getattr(fn, '__qualname__', 'call')}", daemon=True
+    ).start()
+    return await done
+
+
+async def _run_stop(stop: Callable[[], Awaitable[None] | None], timeout: float) -> None:
+    """One shutdown hook, on a daemon thread of its own (a blocking one holds nothing else
+    back), given ``timeout`` seconds; past that it is left running and the stop goes on."""
+    name = getattr(stop, "__qualname__", repr(stop))
+
     async def whole() -> None:
-        result = await called
+        result = await on_daemon_thread(stop)
         if result is not None:
             await result
 
-    threading.Thread(target=call, name=f"stop:{name}", daemon=True).start()
     try:
         await asyncio.wait_for(whole(), timeout=timeout)
     except TimeoutError:
