@@ -360,10 +360,9 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
             ctx.call(net.PlaceProcess, net_pb2.PlaceProcessRequest(job=args.job, pid=pid))
 
     try:
-        code = _launch(command, env, place)
-        _stop_leftovers(args.job, reservation, args.kill_after)
-        return code
+        return _launch(command, env, place)
     finally:
+        _stop_leftovers(args.job, reservation, args.kill_after)
         try:
             ctx.call(stub.Release, pb.ReleaseRequest(reservation_id=reservation))
         except CliError as err:
