@@ -100,7 +100,11 @@ def register(subparsers: Subparsers) -> None:
     add.set_defaults(run=run_add)
     rm = commands.add_parser("rm", help="remove a job")
     rm.add_argument("name")
-    rm.add_argument("--force", action="store_true", help="also release its reservations")
+    rm.add_argument(
+        "--force",
+        action="store_true",
+        help="also release its reservations and stop its runs (SIGTERM; SIGKILL 10 s later)",
+    )
     rm.set_defaults(run=run_rm)
     ls = commands.add_parser("ls", help="list jobs, their reservations and GPU memory use")
     ls.add_argument("name", nargs="?")

@@ -366,8 +366,13 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
         try:
             ctx.call(stub.Release, pb.ReleaseRequest(reservation_id=reservation))
         except CliError as err:
-            # gpud releases it by itself once this process is gone.
-            print(f"gpuctl: could not release reservation {reservation}: {err}", file=sys.stderr)
+            if err.exit_code == EXIT_NOT_FOUND:  # released already: `gpuctl jobs rm --force`
+                print(f"gpuctl: reservation {reservation} was released already", file=sys.stderr)
+            else:  # gpud releases it by itself once this process is gone
+                print(
+                    f"gpuctl: could not release reservation {reservation}: {err}",
+                    file=sys.stderr,
+                )
 
 
 def wait_in_queue(

@@ -6,6 +6,7 @@ memory and their MPS daemons).
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -32,6 +33,8 @@ from gpud.store import StateStore
 from gpud.telemetry.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0  # a force-removed job's run: SIGTERM, then SIGKILL this much later
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,10 @@ class JobService:
     ) -> None:
         self._store = store
         self.store = store  # for the API's short reads (gpud.api.reads)
+        self._clock = clock
+        # runs of force-removed jobs told to stop (SIGTERM): reservation id -> when their
+        # processes left get SIGKILL
+        self._stopping: dict[str, float] = {}
         self.registry = JobRegistry(store, clock=clock)
         self.reservations = Reservations(store, proc_root=proc_root, clock=clock)
         self._events = events
@@ -170,13 +177,29 @@ class JobService:
                 raise FailedPrecondition(
                     f"job {name!r} holds {len(held)} reservation(s)"
                     f" ({', '.join(r.id for r in held)}): they go when its runs end, or "
-                    f"`gpuctl jobs rm --force {name}` releases them as well"
+                    f"`gpuctl jobs rm --force {name}` releases them and stops its runs"
                 )
             job = self.registry.remove(name)
             with self._store.transaction():
-                for r in self.reservations.release_job(name):
+                released = self.reservations.release_job(name)
+                for r in released:
                     self._notify("release", r)
         self._events.emit("job.remove", f"job {name} removed", job=name)
+        for r in released:
+            # its runs must not go on using what nothing reserves now: SIGTERM to their
+            # processes (the command exits, its gpuctl ends what it left), SIGKILL to what
+            # is left after STOP_GRACE_S (the tick)
+            told = leftovers.kill(r.id, signal.SIGTERM, self._proc_root)
+            if told:
+                self._stopping[r.id] = self._clock() + STOP_GRACE_S
+                self._events.emit(
+                    "job.stop",
+                    f"job {name} removed with --force: SIGTERM to {len(told)} process(es) of "
+                    f"its run {r.id}, SIGKILL after {STOP_GRACE_S:g} s to any left",
+                    job=name,
+                    reservation=r.id,
+                    pids=told,
+                )
         return job
 
     def loads(self) -> dict[str, DeviceLoad]:
@@ -393,6 +416,11 @@ class JobService:
     # -- the tick --------------------------------------------------------------------------
     def tick(self, snapshot: Snapshot | None) -> None:
         """Release reservations of dead holders; attribute the snapshot's processes."""
+        now = self._clock()
+        for rid, deadline in list(self._stopping.items()):
+            if now >= deadline:
+                del self._stopping[rid]
+                leftovers.kill(rid, signal.SIGKILL, self._proc_root)
         with self._store.transaction():
             reaped = self.reservations.reap()
             for r in reaped:

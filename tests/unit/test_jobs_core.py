@@ -26,7 +26,7 @@ from gpud.jobs.attribution import Attributor, memory_by_job
 from gpud.jobs.env import build_env
 from gpud.jobs.placement import DeviceLoad, Reservation, Reservations, choose_devices
 from gpud.jobs.registry import JobKind, JobRegistry, JobSpec, validate_spec
-from gpud.jobs.service import JobService, RunRequest
+from gpud.jobs.service import STOP_GRACE_S, JobService, RunRequest
 from gpud.mps.manager import MpsManager, targets_from_snapshot
 from gpud.shared import GIB, shell_exports
 from gpud.store import StateStore
@@ -256,6 +256,53 @@ def test_what_a_run_whose_gpuctl_is_gone_left_running_is_killed_with_its_release
         assert event.fields["pids"] == [left.pid], event
     finally:
         for p in (holder, left, other):
+            p.kill()
+            p.wait()
+
+
+def test_a_force_removed_jobs_runs_are_told_to_stop_then_killed(
+    tmp_path: Path, store: StateStore
+) -> None:
+    """``gpuctl jobs rm --force`` releases a running job's reservations: its run's processes
+    get SIGTERM at once, and those still there STOP_GRACE_S later SIGKILL (the tick)."""
+    now = [1000.0]
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", FAKE_CONTROL, enabled=False)
+    mps.observe(DEVICES)
+    service = JobService(store, events, mps, socket_path=Path("/s"), clock=lambda: now[0])
+    holder = subprocess.Popen(["sleep", "300"])  # its gpuctl run
+    service.add(JobSpec("a"))
+    held = service.reservations.add(
+        "a", [gpu_uuid(1)], threads_percent=None, memory_bytes=None, client_priority=1,
+        holder_pid=holder.pid,
+    )  # fmt: skip
+    env = {**os.environ, "GPUD_RUN": held.id}
+    ready = tmp_path / "ready"
+    polite = subprocess.Popen(["sleep", "300"], env=env)
+    stubborn = subprocess.Popen(
+        ["sh", "-c", f"trap '' TERM; touch {ready}; while :; do sleep 0.1; done"], env=env
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not ready.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(FailedPrecondition, match="--force"):
+            service.remove("a")
+        service.remove("a", force=True)
+        assert polite.wait(timeout=10) == -signal.SIGTERM
+        (event,) = [e for e in events.recent() if e.kind == "job.stop"]
+        # and the stubborn shell's own sleep, a process of the run too
+        assert {polite.pid, stubborn.pid} <= set(event.fields["pids"])
+        service.tick(None)
+        time.sleep(0.3)
+        assert stubborn.poll() is None  # within its grace
+        now[0] += STOP_GRACE_S
+        service.tick(None)
+        assert stubborn.wait(timeout=10) == -signal.SIGKILL
+        assert holder.poll() is None  # gpuctl itself ends when its command has
+    finally:
+        for p in (holder, polite, stubborn):
             p.kill()
             p.wait()
 
