@@ -29,6 +29,7 @@ from gpud.jobs.env import build_env
 from gpud.jobs.placement import DeviceLoad, Reservation, Reservations, choose_devices
 from gpud.jobs.registry import JobKind, JobRegistry, JobSpec, validate_spec
 from gpud.mps.manager import MpsManager, MpsTarget
+from gpud.mps.procs import stat_fields
 from gpud.store import StateStore
 from gpud.telemetry.snapshot import Snapshot
 
@@ -221,8 +222,9 @@ class JobService:
         reservations hold for them: all of a process of no job (another user's, one started
         outside gpud), and what a job's processes on the device use past the job's
         reservations there (none, or no memory limit: all of it). gpud's MPS servers are
-        left out (their clients are counted), and so is a process whose memory NVML does not
-        report (``usedGpuMemory`` not available)."""
+        left out (their clients are counted), and so are a process whose memory NVML does
+        not report (``usedGpuMemory`` not available) and one that has exited since the tick
+        (no ``/proc/<pid>``, or a zombie)."""
         reserved: dict[tuple[str, str], int] = {}
         for r in self.reservations.held():
             for uuid in r.devices:
@@ -231,8 +233,15 @@ class JobService:
         servers = {pid for st in self._mps.last_status() for pid in st.servers}
         used: dict[tuple[str, str | None], int] = {}
         for u in self.process_uses():
-            if u.used_memory_bytes is not None and u.pid not in servers:
-                used[(u.device, u.job)] = used.get((u.device, u.job), 0) + u.used_memory_bytes
+            if u.used_memory_bytes is None or u.pid in servers:
+                continue
+            # The tick's snapshot is up to a tick old: a run that just ended is still in it,
+            # and its memory is free once its process is gone (the next run of the same
+            # GPU must not wait a tick for it).
+            fields = stat_fields(u.pid, self._proc_root)
+            if fields is None or fields[0] in ("Z", "X"):
+                continue
+            used[(u.device, u.job)] = used.get((u.device, u.job), 0) + u.used_memory_bytes
         out: dict[str, int] = {}
         for (uuid, job), n in used.items():
             beyond = n - (reserved.get((uuid, job), 0) if job is not None else 0)

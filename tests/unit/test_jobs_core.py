@@ -390,12 +390,14 @@ def test_memory_processes_use_beyond_reservations_is_not_placed_again(
     so 20 are left to place, as ``nvidia-smi`` would show."""
     proc = tmp_path / "proc"
     fake_proc(proc, 101, environ={"GPUD_JOB": "small"})
+    fake_proc(proc, 202, environ={})  # no job
     mps = MpsManager(store, EventLog(None), tmp_path / "run", FAKE_CONTROL, enabled=False)
     mps.observe(DEVICES)
     service = JobService(store, EventLog(None), mps, socket_path=Path("/s"), proc_root=proc)
     gpu1 = gpu_uuid(1)
     service.reserve(RunRequest("small", devices=(gpu1,), memory_bytes=10 * GIB))
-    running = (ProcessInfo(101, 30 * GIB), ProcessInfo(202, 30 * GIB))
+    # 303 has exited since the snapshot (no /proc/303): its memory is free already
+    running = (ProcessInfo(101, 30 * GIB), ProcessInfo(202, 30 * GIB), ProcessInfo(303, 9 * GIB))
     service.tick(snapshot(gpu_sample(1, memory_gib=80, processes=running)))
     assert service.unreserved_memory() == {gpu1: 50 * GIB}
     assert service.loads()[gpu1].unreserved_bytes == 50 * GIB
