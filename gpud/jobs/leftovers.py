@@ -9,7 +9,9 @@ reservation goes, so none of them may keep running on the devices it held:
   SIGKILL to what is still there ``--kill-after`` seconds later (:func:`stop`);
 - gpud, when it releases the reservation of a ``gpuctl run`` that is gone (killed with
   SIGKILL, or its host session lost), sends SIGKILL to what is left, as the kernel did to
-  the command itself when gpuctl died (:func:`kill`).
+  the command itself when gpuctl died (:func:`kill`);
+- gpud, when ``gpuctl jobs rm --force`` releases a running job's reservations, sends
+  SIGTERM to each run's processes, and SIGKILL to those left a grace period later.
 
 What a process's environment says is ``/proc/<pid>/environ`` as it was at its ``exec``:
 a process that clears its environment and execs again is not found. The variable is set by
