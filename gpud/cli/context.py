@@ -41,20 +41,31 @@ for _code_name, _exit in ERROR_TABLE.values():
     _EXIT_BY_STATUS.setdefault(_code_name, _exit)
 
 
-def integer(low: int, high: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer in ``[low, high]``, the range of the request field it
-    goes to, so that an absurd value is a usage error naming the flag (exit 2)."""
+N = TypeVar("N", int, float)
 
-    def parse(text: str) -> int:
+
+def _ranged(cast: Callable[[str], N], noun: str, low: N, high: N) -> Callable[[str], N]:
+    def parse(text: str) -> N:
         try:
-            value = int(text)
+            value = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not low <= value <= high:  # NaN is in no range
             raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
         return value
 
     return parse
+
+
+def integer(low: int, high: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``[low, high]``, the range of the request field it
+    goes to, so that an absurd value is a usage error naming the flag (exit 2)."""
+    return _ranged(int, "an integer", low, high)
+
+
+def number(low: float, high: float) -> Callable[[str], float]:
+    """:func:`integer` for a real number."""
+    return _ranged(float, "a number", low, high)
 
 
 INT32 = integer(-(2**31), 2**31 - 1)

@@ -47,7 +47,14 @@ if TYPE_CHECKING:
     import threading
     from types import FrameType
 
-from gpud.cli.context import EXIT_NOT_RUNNING, EXIT_USAGE, CliError, Context, Subparsers
+from gpud.cli.context import (
+    EXIT_NOT_RUNNING,
+    EXIT_USAGE,
+    CliError,
+    Context,
+    Subparsers,
+    number,
+)
 from gpud.cli.jobs import (
     add_placement_options,
     fill_placement,
@@ -114,7 +121,7 @@ def register(subparsers: Subparsers) -> None:
     )
     run.add_argument(
         "--kill-after",
-        type=_seconds,
+        type=number(0, 86400),
         default=KILL_AFTER_S,
         metavar="SECONDS",
         help="once the command exits, processes it left running get SIGTERM, and SIGKILL "
@@ -432,16 +439,6 @@ def _leave(ctx: Context, entry: queue_pb2.QueueEntry) -> None:
     except CliError as err:
         # gpud drops the entry (and reaps the reservation) once this process is gone.
         print(f"gpuctl: could not leave the queue: {err}", file=sys.stderr)
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 86400.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in 0..86400")
-    return value
 
 
 def _stop_leftovers(job: str, run: str, grace_s: float) -> None:

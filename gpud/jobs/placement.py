@@ -67,6 +67,16 @@ class DeviceLoad:
     unreserved_bytes: int = 0
 
 
+def device_loads(reserved: Mapping[tuple[str, str], int]) -> dict[str, DeviceLoad]:
+    """Per device, from :meth:`Reservations.reserved`: the memory reserved and the jobs."""
+    memory: dict[str, int] = {}
+    jobs: dict[str, list[str]] = {}
+    for (uuid, job), n in reserved.items():
+        memory[uuid] = memory.get(uuid, 0) + n
+        jobs.setdefault(uuid, []).append(job)
+    return {u: DeviceLoad(memory[u], tuple(sorted(j))) for u, j in jobs.items()}
+
+
 def choose_devices(
     spec: JobSpec,
     devices: Sequence[MpsTarget],
@@ -156,19 +166,17 @@ class Reservations:
         self._clock = clock
         store.ensure_schema(SCHEMA)
 
-    def loads(
+    def reserved(
         self, default_memory: Callable[[str], int | None] = lambda _: None
-    ) -> dict[str, DeviceLoad]:
-        """Reserved memory and jobs per device. A reservation without a memory limit counts
-        the device's MPS default limit (``default_memory(uuid)``), or nothing."""
-        memory: dict[str, int] = {}
-        jobs: dict[str, list[str]] = {}
+    ) -> dict[tuple[str, str], int]:
+        """Memory reserved per (device UUID, job). A reservation without a memory limit
+        counts the device's MPS default limit (``default_memory(uuid)``), or nothing."""
+        out: dict[tuple[str, str], int] = {}
         for r in self.held():
             for uuid in r.devices:
                 limit = r.memory_bytes if r.memory_bytes is not None else default_memory(uuid)
-                memory[uuid] = memory.get(uuid, 0) + (limit or 0)
-                jobs.setdefault(uuid, []).append(r.job)
-        return {u: DeviceLoad(memory.get(u, 0), tuple(sorted(set(j)))) for u, j in jobs.items()}
+                out[(uuid, r.job)] = out.get((uuid, r.job), 0) + (limit or 0)
+        return out
 
     def add(
         self,

@@ -26,7 +26,13 @@ from gpud.events import EventLog
 from gpud.jobs import leftovers
 from gpud.jobs.attribution import Attributor, ProcessUse, memory_by_job
 from gpud.jobs.env import build_env
-from gpud.jobs.placement import DeviceLoad, Reservation, Reservations, choose_devices
+from gpud.jobs.placement import (
+    DeviceLoad,
+    Reservation,
+    Reservations,
+    choose_devices,
+    device_loads,
+)
 from gpud.jobs.registry import JobKind, JobRegistry, JobSpec, validate_spec
 from gpud.mps.manager import MpsManager, MpsTarget
 from gpud.mps.procs import stat_fields
@@ -86,8 +92,7 @@ class JobService:
         cgroup_pattern: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._store = store
-        self.store = store  # for the API's short reads (gpud.api.reads)
+        self.store = store  # the API's short reads use its reading connection
         self._clock = clock
         # runs of force-removed jobs told to stop (SIGTERM): reservation id -> when their
         # processes left get SIGKILL
@@ -181,7 +186,7 @@ class JobService:
                     f"`gpuctl jobs rm --force {name}` releases them and stops its runs"
                 )
             job = self.registry.remove(name)
-            with self._store.transaction():
+            with self.store.transaction():
                 released = self.reservations.release_job(name)
                 for r in released:
                     self._notify("release", r)
@@ -206,9 +211,10 @@ class JobService:
     def loads(self) -> dict[str, DeviceLoad]:
         """Per device: what reservations hold, and the memory its GPU processes used beyond
         that at the last tick (:meth:`unreserved_memory`)."""
-        held = self.reservations.loads(self._default_memory)
+        reserved = self.reservations.reserved(self._default_memory)
+        held = device_loads(reserved)
         empty = DeviceLoad(0, ())
-        beyond = self.unreserved_memory()
+        beyond = self._unreserved(reserved)
         return {
             uuid: replace(held.get(uuid, empty), unreserved_bytes=beyond.get(uuid, 0))
             for uuid in held.keys() | beyond.keys()
@@ -225,11 +231,9 @@ class JobService:
         left out (their clients are counted), and so are a process whose memory NVML does
         not report (``usedGpuMemory`` not available) and one that has exited since the tick
         (no ``/proc/<pid>``, or a zombie)."""
-        reserved: dict[tuple[str, str], int] = {}
-        for r in self.reservations.held():
-            for uuid in r.devices:
-                limit = r.memory_bytes if r.memory_bytes is not None else self._default_memory(uuid)
-                reserved[(uuid, r.job)] = reserved.get((uuid, r.job), 0) + (limit or 0)
+        return self._unreserved(self.reservations.reserved(self._default_memory))
+
+    def _unreserved(self, reserved: Mapping[tuple[str, str], int]) -> dict[str, int]:
         servers = {pid for st in self._mps.last_status() for pid in st.servers}
         used: dict[tuple[str, str | None], int] = {}
         for u in self.process_uses():
@@ -312,7 +316,7 @@ class JobService:
                         effective.effective_priority, None, 0.0,
                     )  # fmt: skip
                 else:
-                    with self._store.transaction():
+                    with self.store.transaction():
                         reservation = self.reservations.add(
                             job.name,
                             uuids,
@@ -411,7 +415,7 @@ class JobService:
         return self.reserve(RunRequest(job=name), preview=True).env
 
     def release(self, reservation_id: str) -> Reservation:
-        with self._store.transaction():
+        with self.store.transaction():
             reservation = self.reservations.release(reservation_id)
             self._notify("release", reservation)
         self._events.emit(
@@ -430,7 +434,7 @@ class JobService:
             if now >= deadline:
                 del self._stopping[rid]
                 leftovers.kill(rid, signal.SIGKILL, self._proc_root)
-        with self._store.transaction():
+        with self.store.transaction():
             reaped = self.reservations.reap()
             for r in reaped:
                 self._notify("release", r)

@@ -793,18 +793,27 @@ class MigManager:
 
     def layouts(self) -> tuple[dict[int, DeviceLayout], dict[int, str]]:
         """The current layout of every GPU that answers, in mig-parted's terms, and why the
-        others are left out (faulty before the call, or its reads failing now)."""
+        others are left out: faulty before the call, its reads failing now, or no answer
+        within ``VIEW_TIMEOUT_S`` (each GPU is read as :meth:`show` reads it)."""
         ids, faults = self._gpus()
+        healthy = [g for g in ids if g.index not in faults]
+
+        def read(gpu: GpuIdentity) -> DeviceLayout:
+            return actual_layout(self._actual(gpu), self._table(gpu) if gpu.mig_capable else None)
+
+        answered = self._bounded(healthy, read, self.VIEW_TIMEOUT_S, "export")
         out = {}
-        for gpu in ids:
-            if gpu.index in faults:
-                continue
-            try:
-                out[gpu.index] = actual_layout(
-                    self._actual(gpu), self._table(gpu) if gpu.mig_capable else None
-                )
-            except BackendError as err:
-                faults[gpu.index] = _fault_reason(err)
+        for gpu in healthy:
+            got = answered.get(gpu.index)
+            if got is None:
+                faults[gpu.index] = _no_answer(self.VIEW_TIMEOUT_S)
+            elif isinstance(got, BackendError):
+                faults[gpu.index] = _fault_reason(got)
+            elif isinstance(got, Exception):  # a bug: named on that GPU, logged
+                log.error("reading GPU %d for mig export failed", gpu.index, exc_info=got)
+                faults[gpu.index] = f"internal error: {got}"
+            else:
+                out[gpu.index] = got
         return out, faults
 
     def export(self, name: str = "current") -> tuple[str, dict[int, str]]:
@@ -916,12 +925,12 @@ class MigManager:
                 log.error("reading GPU %d for mig show failed", gpu.index, exc_info=view)
                 view = faulty_view(gpu, desired.get(gpu.uuid), f"internal error: {view}")
             if view is None:
-                view = faulty_view(
-                    gpu,
-                    desired.get(gpu.uuid),
-                    f"not answering: no answer from the driver within {timeout_s:.1f} s",
-                )
+                view = faulty_view(gpu, desired.get(gpu.uuid), _no_answer(timeout_s))
             yield gpu.index, view
+
+
+def _no_answer(timeout_s: float) -> str:
+    return f"not answering: no answer from the driver within {timeout_s:.1f} s"
 
 
 def _left_alone(index: int, uuid: str, name: str, reason: str) -> GpuOutcome:

@@ -282,3 +282,20 @@ def test_show_answers_within_the_telemetry_call_timeout_when_a_gpu_starts_hangin
         n.sim.faults.clear(1)
     assert code == 11 and "GPU 1" in out and "not answering" in out, out
     assert took < 5, took
+
+
+def test_export_leaves_out_a_gpu_that_starts_hanging(
+    capsys: pytest.CaptureFixture[str], node: Node
+) -> None:
+    """Before telemetry has marked a hung GPU, the export reads each GPU as ``mig show``
+    does, within MigManager.VIEW_TIMEOUT_S, and leaves out the one that does not answer."""
+    assert gpuctl(capsys, node, "mig", "show")[0] == 0  # identities read, as at gpud's start
+    node.sim.faults.slow(1, 30.0)
+    started = time.monotonic()
+    code, out, err = gpuctl(capsys, node, "--timeout", "20", "mig", "export", "-c", "mine")
+    took = time.monotonic() - started
+    node.sim.faults.clear(1)
+    assert code == 11 and out.startswith("# GPU 1 left out: not answering"), out
+    assert [e["devices"] for e in yaml.safe_load(out)["mig-configs"]["mine"]] == [[0]]
+    assert "gpuctl: not exported: GPU 1: not answering" in err
+    assert took < 10, took
