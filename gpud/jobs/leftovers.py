@@ -13,6 +13,9 @@ reservation goes, so none of them may keep running on the devices it held:
 - gpud, when ``gpuctl jobs rm --force`` releases a running job's reservations, sends
   SIGTERM to each run's processes, and SIGKILL to those left a grace period later.
 
+gpud's pending SIGKILLs are kept in its state store (``gpud.jobs.stops``), so a gpud that
+restarts between a release and the kill still sends it.
+
 What a process's environment says is ``/proc/<pid>/environ`` as it was at its ``exec``:
 a process that clears its environment and execs again is not found. The variable is set by
 ``gpuctl run`` alone (``gpuctl env`` does not print it), so a shell that took a job's

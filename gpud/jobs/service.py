@@ -34,6 +34,7 @@ from gpud.jobs.placement import (
     device_loads,
 )
 from gpud.jobs.registry import JobKind, JobRegistry, JobSpec, validate_spec
+from gpud.jobs.stops import RunStop, RunStops, StopReason
 from gpud.mps.manager import MpsManager, MpsTarget
 from gpud.mps.procs import stat_fields
 from gpud.store import StateStore
@@ -94,9 +95,8 @@ class JobService:
     ) -> None:
         self.store = store  # the API's short reads use its reading connection
         self._clock = clock
-        # runs of force-removed jobs told to stop (SIGTERM): reservation id -> when their
-        # processes left get SIGKILL
-        self._stopping: dict[str, float] = {}
+        # released runs whose processes left get SIGKILL, kept across restarts
+        self._stops = RunStops(store, longest_wait_s=STOP_GRACE_S)
         self.registry = JobRegistry(store, clock=clock)
         self.reservations = Reservations(store, proc_root=proc_root, clock=clock)
         self._events = events
@@ -186,26 +186,29 @@ class JobService:
                     f"`gpuctl jobs rm --force {name}` releases them and stops its runs"
                 )
             job = self.registry.remove(name)
+            kill_at = self._clock() + STOP_GRACE_S
             with self.store.transaction():
                 released = self.reservations.release_job(name)
                 for r in released:
                     self._notify("release", r)
+                    self._stops.schedule(RunStop(r.id, name, StopReason.REMOVED, kill_at))
         self._events.emit("job.remove", f"job {name} removed", job=name)
         for r in released:
             # its runs must not go on using what nothing reserves now: SIGTERM to their
             # processes (the command exits, its gpuctl ends what it left), SIGKILL to what
-            # is left after STOP_GRACE_S (the tick)
+            # is left after STOP_GRACE_S (the tick, from the store: a restart keeps it)
             told = leftovers.kill(r.id, signal.SIGTERM, self._proc_root)
-            if told:
-                self._stopping[r.id] = self._clock() + STOP_GRACE_S
-                self._events.emit(
-                    "job.stop",
-                    f"job {name} removed with --force: SIGTERM to {len(told)} process(es) of "
-                    f"its run {r.id}, SIGKILL after {STOP_GRACE_S:g} s to any left",
-                    job=name,
-                    reservation=r.id,
-                    pids=told,
-                )
+            if not told:
+                self._stops.done(r.id)
+                continue
+            self._events.emit(
+                "job.stop",
+                f"job {name} removed with --force: SIGTERM to {len(told)} process(es) of "
+                f"its run {r.id}, SIGKILL after {STOP_GRACE_S:g} s to any left",
+                job=name,
+                reservation=r.id,
+                pids=told,
+            )
         return job
 
     def loads(self) -> dict[str, DeviceLoad]:
@@ -430,14 +433,13 @@ class JobService:
     def tick(self, snapshot: Snapshot | None) -> None:
         """Release reservations of dead holders; attribute the snapshot's processes."""
         now = self._clock()
-        for rid, deadline in list(self._stopping.items()):
-            if now >= deadline:
-                del self._stopping[rid]
-                leftovers.kill(rid, signal.SIGKILL, self._proc_root)
         with self.store.transaction():
             reaped = self.reservations.reap()
             for r in reaped:
                 self._notify("release", r)
+                # The kernel killed the run's command with gpuctl (PR_SET_PDEATHSIG); what
+                # the command left running goes the same way: nothing reserves its devices.
+                self._stops.schedule(RunStop(r.id, r.job, StopReason.HOLDER_GONE, now))
         for r in reaped:
             self._events.emit(
                 "job.release",
@@ -445,18 +447,8 @@ class JobService:
                 job=r.job,
                 reservation=r.id,
             )
-            # The kernel killed the run's command with gpuctl (PR_SET_PDEATHSIG); what the
-            # command left running goes the same way: nothing reserves its devices now.
-            killed = leftovers.kill(r.id, proc_root=self._proc_root)
-            if killed:
-                self._events.emit(
-                    "job.kill",
-                    f"job {r.job}: killed {len(killed)} process(es) its gpuctl run left running"
-                    f" (pid {', '.join(map(str, killed[:8]))})",
-                    job=r.job,
-                    reservation=r.id,
-                    pids=killed,
-                )
+        for stop in self._stops.due(now):
+            self._kill_leftovers(stop)
         if snapshot is not None:
             uses = self._attributor.attribute(snapshot)
             with self._lock:
@@ -466,6 +458,25 @@ class JobService:
                     for g in snapshot.gpus
                     if not g.healthy
                 }
+
+    def _kill_leftovers(self, stop: RunStop) -> None:
+        killed = leftovers.kill(stop.run, signal.SIGKILL, self._proc_root)
+        self._stops.done(stop.run)
+        if not killed:
+            return
+        what = (
+            "its gpuctl run left running"
+            if stop.reason is StopReason.HOLDER_GONE
+            else f"of its run still running {STOP_GRACE_S:g} s after SIGTERM"
+        )
+        self._events.emit(
+            "job.kill",
+            f"job {stop.job}: killed {len(killed)} process(es) {what}"
+            f" (pid {', '.join(map(str, killed[:8]))})",
+            job=stop.job,
+            reservation=stop.run,
+            pids=killed,
+        )
 
     def process_uses(self) -> list[ProcessUse]:
         """The latest tick's GPU processes with their jobs. Without the service's lock (the

@@ -27,6 +27,7 @@ from gpud.jobs.env import build_env
 from gpud.jobs.placement import DeviceLoad, Reservation, Reservations, choose_devices
 from gpud.jobs.registry import JobKind, JobRegistry, JobSpec, validate_spec
 from gpud.jobs.service import STOP_GRACE_S, JobService, RunRequest
+from gpud.jobs.stops import RunStop, RunStops, StopReason
 from gpud.mps.manager import MpsManager, targets_from_snapshot
 from gpud.shared import GIB, shell_exports
 from gpud.store import StateStore
@@ -294,6 +295,8 @@ def test_a_force_removed_jobs_runs_are_told_to_stop_then_killed(
         (event,) = [e for e in events.recent() if e.kind == "job.stop"]
         # and the stubborn shell's own sleep, a process of the run too
         assert {polite.pid, stubborn.pid} <= set(event.fields["pids"])
+        # gpud restarts within the grace: the SIGKILL it promised is kept in the store
+        service = JobService(store, events, mps, socket_path=Path("/s"), clock=lambda: now[0])
         service.tick(None)
         time.sleep(0.3)
         assert stubborn.poll() is None  # within its grace
@@ -301,8 +304,42 @@ def test_a_force_removed_jobs_runs_are_told_to_stop_then_killed(
         service.tick(None)
         assert stubborn.wait(timeout=10) == -signal.SIGKILL
         assert holder.poll() is None  # gpuctl itself ends when its command has
+        (killed,) = [e for e in events.recent() if e.kind == "job.kill"]
+        assert "after SIGTERM" in killed.message and stubborn.pid in killed.fields["pids"]
     finally:
         for p in (holder, polite, stubborn):
+            p.kill()
+            p.wait()
+
+
+def test_a_kill_due_before_a_restart_or_scheduled_before_the_clock_went_back_is_done(
+    tmp_path: Path, store: StateStore
+) -> None:
+    """A released run's pending SIGKILL lives in the store: a gpud that died between the
+    release and the kill does it at its first tick, and one whose time lies further ahead
+    than any grace (the wall clock went back) is not put off."""
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", FAKE_CONTROL, enabled=False)
+    mps.observe(DEVICES)
+    RunStops(store, longest_wait_s=STOP_GRACE_S).schedule(
+        RunStop("run-a", "a", StopReason.HOLDER_GONE, 1000.0)
+    )
+    RunStops(store, longest_wait_s=STOP_GRACE_S).schedule(
+        RunStop("run-b", "b", StopReason.REMOVED, 1000.0 + 3600)
+    )
+    procs = [
+        subprocess.Popen(["sleep", "300"], env={**os.environ, "GPUD_RUN": run})
+        for run in ("run-a", "run-b", "run-c")
+    ]
+    try:
+        service = JobService(store, events, mps, socket_path=Path("/s"), clock=lambda: 1000.0)
+        service.tick(None)
+        assert [p.wait(timeout=10) for p in procs[:2]] == [-signal.SIGKILL] * 2
+        assert procs[2].poll() is None
+        assert RunStops(store, longest_wait_s=STOP_GRACE_S).due(10**12) == []
+        assert len([e for e in events.recent() if e.kind == "job.kill"]) == 2
+    finally:
+        for p in procs:
             p.kill()
             p.wait()
 

@@ -1,0 +1,77 @@
+"""The ``job_run_stops`` table: runs whose reservation is gone while their processes may
+still run, and when what is left of them gets SIGKILL (``gpud.jobs.leftovers``).
+
+A row is written in the transaction that releases the reservation, so the kill it promises
+outlives a gpud that crashes or restarts in between: a run whose ``gpuctl run`` died is due
+at once, a run of a job removed with ``--force`` a grace period after its SIGTERM. The tick
+kills what is due and drops the row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from gpud.store import StateStore
+
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS job_run_stops (
+        run TEXT PRIMARY KEY,
+        job TEXT NOT NULL,
+        reason TEXT NOT NULL,
+        kill_at REAL NOT NULL
+    )""",
+)
+
+
+class StopReason(StrEnum):
+    HOLDER_GONE = "holder-gone"  # its gpuctl run died without releasing
+    REMOVED = "removed"  # gpuctl jobs rm --force: SIGTERM was sent, SIGKILL follows
+
+
+@dataclass(frozen=True, slots=True)
+class RunStop:
+    run: str  # the reservation id, GPUD_RUN of its processes
+    job: str
+    reason: StopReason
+    kill_at: float  # the clock of the service (wall time)
+
+
+class RunStops:
+    """Pending SIGKILLs of released runs, kept in the state store."""
+
+    def __init__(self, store: StateStore, *, longest_wait_s: float) -> None:
+        self._store = store
+        # a kill further away than this was scheduled before the clock went back
+        self._longest_wait_s = longest_wait_s
+        store.ensure_schema(SCHEMA)
+
+    def schedule(self, stop: RunStop) -> None:
+        """Record ``stop`` (in the caller's transaction, if one is open)."""
+        with self._store.transaction() as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO job_run_stops (run, job, reason, kill_at)"
+                " VALUES (?, ?, ?, ?)",
+                (stop.run, stop.job, stop.reason.value, stop.kill_at),
+            )
+
+    def due(self, now: float) -> list[RunStop]:
+        """Stops whose time has come, oldest first."""
+        with self._store.transaction() as conn:
+            rows = conn.execute(
+                "SELECT run, job, reason, kill_at FROM job_run_stops"
+                " WHERE kill_at <= ? OR kill_at > ? ORDER BY kill_at",
+                (now, now + self._longest_wait_s),
+            ).fetchall()
+        return [RunStop(r["run"], r["job"], _reason(r["reason"]), r["kill_at"]) for r in rows]
+
+    def done(self, run: str) -> None:
+        with self._store.transaction() as conn:
+            conn.execute("DELETE FROM job_run_stops WHERE run = ?", (run,))
+
+
+def _reason(text: str) -> StopReason:
+    try:
+        return StopReason(text)
+    except ValueError:
+        return StopReason.HOLDER_GONE  # a row of a newer gpud: kill as if its holder died
