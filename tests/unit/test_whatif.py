@@ -53,6 +53,18 @@ def test_more_gpus_never_make_waits_worse(trace: Path, capsys: pytest.CaptureFix
     assert after["wws"] >= before["wws"]
 
 
+def test_runs_still_going_are_skipped(tmp_path: Path) -> None:
+    # `gpuctl jobs history --json` lists a run still holding its devices with a null end
+    doc = json.loads(HISTORY.read_text())
+    before = load(HISTORY, gpu_memory_bytes=80 * GIB)
+    running = dict(doc["records"][0], ended_unix_seconds=None, reservation="r9")
+    doc["records"].insert(0, running)
+    path = tmp_path / "history.json"
+    path.write_text(json.dumps(doc))
+    trace = load(path, gpu_memory_bytes=80 * GIB)
+    assert (len(trace.jobs), trace.skipped) == (len(before.jobs), before.skipped + 1)
+
+
 def test_a_mig_layout_makes_mig_jobs_feasible(capsys: pytest.CaptureFixture[str]) -> None:
     mig = DATA / "mig-parted" / "config.yaml"
     argv = [

@@ -85,7 +85,8 @@ def gpud_history(text: str, *, path: str = "<history>") -> Trace:
     jobs: list[SimJob] = []
     skipped = 0
     for i, r in enumerate(records):
-        if not isinstance(r, dict) or "ended_unix_seconds" not in r:
+        # a run still going has no end: `gpuctl jobs history --json` writes it as null
+        if not isinstance(r, dict) or r.get("ended_unix_seconds") is None:
             skipped += 1
             continue
         try:
