@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from gpud import __version__
@@ -187,10 +188,7 @@ class Daemon:
         self.admission = AdmissionService(
             self.store, self.jobs, self.mps, self.events, config.admission, products=self._products
         )
-        if config.admission.mig_config is not None:
-            self.admission.set_mig_file_layouts(
-                mig_file_layouts(config.admission.mig_config, self._identities)
-            )
+        self._offer_mig_config(config.admission.mig_config)
         self.mig = MigManager(
             backend,
             self.store,
@@ -604,6 +602,13 @@ class Daemon:
                         exc_info=not isinstance(err, GpudError),
                     )
 
+    def _offer_mig_config(self, path: Path | None) -> None:
+        """The mig-parted file whose configs the admission queue offers as remedies (none
+        without one); the file itself is read on each use."""
+        self.admission.set_mig_file_layouts(
+            mig_file_layouts(path, self._identities) if path is not None else dict
+        )
+
     def reload(self) -> None:
         """Re-read the config (SIGHUP). A bad file keeps the running config and says why."""
         if self._reload_config is None:
@@ -630,6 +635,8 @@ class Daemon:
                         )
                     },
                 )
+        if new.admission.mig_config != self.config.admission.mig_config:
+            self._offer_mig_config(new.admission.mig_config)
         self.config = new
         self.admission.config = new.admission
         logging.getLogger().setLevel(new.daemon.log_level.upper())

@@ -88,6 +88,24 @@ def test_reload_says_which_changes_need_a_restart(root: Path) -> None:
         d.backend.close()
 
 
+def test_reload_takes_a_new_admission_mig_config(root: Path) -> None:
+    layouts = Path(__file__).parent.parent / "data" / "mig-parted" / "config.yaml"
+    changed = make_config(root, **{"admission.mig_config": str(layouts)})
+    d = build(make_config(root), reload_to=[changed, make_config(root)])
+    try:
+        d.sampler.tick()  # the node's GPUs, which the file's configs are resolved on
+        assert d.admission._mig_layouts() == {}
+        d.reload()
+        assert d.events.recent(1, "config.reload")[0].fields["restart_needed"] == []
+        assert "all-balanced" in d.admission._mig_layouts()
+        d.reload()  # and unset again: no remedies offered
+        assert d.admission._mig_layouts() == {}
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
 class _HungTraffic:
     """A traffic tick stuck in a hung ``nft`` or ``dcb`` until released."""
 
