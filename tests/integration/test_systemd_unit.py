@@ -39,5 +39,11 @@ def test_unit_has_what_operators_rely_on() -> None:
         "StateDirectory=gpud",
         "RuntimeDirectory=gpud",
         "ExecReload=/bin/kill -HUP $MAINPID",
+        # traffic marking creates the jobs' cgroups and moves their commands in
+        "ProtectControlGroups=no",
     ):
         assert line in text
+    (bounding,) = [ln for ln in text.splitlines() if ln.startswith("CapabilityBoundingSet=")]
+    # NET_ADMIN: tc and nftables; SYS_PTRACE: other users' /proc/PID/environ (the job of a
+    # GPU process, a run's leftovers); KILL: stopping those leftovers
+    assert {"CAP_NET_ADMIN", "CAP_SYS_PTRACE", "CAP_KILL"} <= set(bounding.split("=")[1].split())
