@@ -509,7 +509,8 @@ class Daemon:
                         f"cannot serve /metrics on {host}:{port}: {err.strerror or err}",
                         key="metrics.address",
                     ) from err
-                log.info("serving /metrics on %s:%d", host, port)
+                # the port bound, not the one asked for (0: any free one)
+                log.info("serving /metrics on %s:%d", host, metrics_server[0].server_port)
             await self.api.start()
             await self.cluster.start()
             log.info("serving gRPC on %s", self.config.socket_path)

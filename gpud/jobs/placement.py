@@ -147,7 +147,12 @@ def choose_devices(
     pool.sort(key=order)
     fitting = [d for d in pool if fits(d)]
     if len(fitting) < want:
-        raise refusal(max((d for d in pool if not fits(d)), key=free))
+        blocked = [d for d in pool if not fits(d)]
+        # name a device the request would fit were less held there; with none, the largest
+        could = [d for d in blocked if d.memory_total_bytes >= (memory_bytes or 0)]
+        if could:
+            raise refusal(max(could, key=free))
+        raise refusal(max(blocked, key=lambda d: (d.memory_total_bytes, free(d))))
     return tuple(fitting[:want])
 
 

@@ -28,7 +28,7 @@ from gpud.jobs.placement import DeviceLoad, Reservation, Reservations, choose_de
 from gpud.jobs.registry import JobKind, JobRegistry, JobSpec, validate_spec
 from gpud.jobs.service import STOP_GRACE_S, JobService, RunRequest
 from gpud.jobs.stops import RunStop, RunStops, StopReason
-from gpud.mps.manager import MpsManager, targets_from_snapshot
+from gpud.mps.manager import MpsManager, MpsTarget, targets_from_snapshot
 from gpud.shared import GIB, shell_exports
 from gpud.store import StateStore
 from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, gpu_uuid, mig_uuid, snapshot
@@ -131,6 +131,18 @@ def test_placement_refusals_carry_the_numbers() -> None:
         choose_devices(JobSpec("j", mig_profile="1g.10gb"), DEVICES, {}, memory_bytes=None)
     with pytest.raises(NotFound, match="GPU-nope"):
         choose_devices(JobSpec("j", devices=("GPU-nope",)), DEVICES, {}, memory_bytes=None)
+
+
+def test_a_refusal_names_a_gpu_the_request_would_fit_were_less_held_there() -> None:
+    """60 GiB on a node of a 40 GiB GPU (all free) and an 80 GiB GPU with 50 GiB held: the
+    80 GiB GPU is what stands in the way, not the one that could never hold it."""
+    small = MpsTarget("GPU-small", 0, None, "NVIDIA A100-PCIE-40GB", 40 * GIB)
+    big = MpsTarget("GPU-big", 1, None, "NVIDIA H100 80GB HBM3", 80 * GIB)
+    loads = {"GPU-big": DeviceLoad(50 * GIB, ("a",))}
+    with pytest.raises(ResourceExhausted, match=r"on GPU-big .*30GiB free"):
+        choose_devices(JobSpec("j"), [small, big], loads, memory_bytes=60 * GIB)
+    with pytest.raises(ResourceExhausted, match=r"asks 90GiB on GPU-big .*30GiB free"):
+        choose_devices(JobSpec("j"), [small, big], loads, memory_bytes=90 * GIB)
 
 
 def test_environment_of_a_reservation() -> None:
