@@ -81,48 +81,65 @@ class VerbsDiscovery:
         self._verbs = verbs if verbs is not None else _import_pyverbs()
         self._ifname = ifname
         self._sysfs = SysfsDiscovery(sysfs_root)
+        self._failed: set[str] = set()  # devices whose verbs failure was logged
 
     def devices(self) -> tuple[RdmaDevice, ...]:
-        rates = {(d.name, p.port): p.rate_gbps for d in self._sysfs.devices() for p in d.ports}
+        """Every device verbs lists; one verbs cannot open or query (``/dev/infiniband``
+        closed to this process, as under a unit with ``DevicePolicy=closed``, or a device in
+        a bad state) is described from sysfs instead, which names the same GIDs."""
+        from_sysfs = {d.name: d for d in self._sysfs.devices()}
+        rates = {(d.name, p.port): p.rate_gbps for d in from_sysfs.values() for p in d.ports}
         out = []
         for dev in self._verbs.get_device_list():
             name = _text(dev.name)
-            with self._verbs.Context(name=name) as ctx:
-                attr = ctx.query_device()
-                by_port: dict[int, list[Gid]] = {}
-                for e in ctx.query_gid_table(GID_TABLE_MAX):
-                    netdev = None
-                    if e.ndev_ifindex:
-                        try:
-                            netdev = self._ifname(e.ndev_ifindex)
-                        except OSError:
-                            netdev = None
-                    gtype = ROCE_V2 if e.gid_type == IBV_GID_TYPE_ROCE_V2 else ROCE_V1
-                    by_port.setdefault(e.port_num, []).append(
-                        Gid(e.gid_index, e.gid_str(), gtype, netdev)
-                    )
-                ports = []
-                for n in range(1, attr.phys_port_cnt + 1):
-                    pa = ctx.query_port(n)
-                    ports.append(
-                        RdmaPort(
-                            device=name,
-                            port=n,
-                            state=IBV_PORT_STATES.get(pa.state, "UNKNOWN"),
-                            link_layer="Ethernet"
-                            if pa.link_layer == IBV_LINK_LAYER_ETHERNET
-                            else "InfiniBand",
-                            rate_gbps=rates.get((name, n)),
-                            gids=tuple(sorted(by_port.get(n, []), key=lambda g: g.index)),
-                        )
-                    )
-            netdevs = tuple(sorted({g.netdev for p in ports for g in p.gids if g.netdev}))
-            out.append(
-                RdmaDevice(
-                    name, _guid(attr.node_guid), _text(attr.fw_version), tuple(ports), netdevs
-                )
-            )
+            try:
+                out.append(self._device(name, rates))
+            # pyverbs raises its own PyverbsRDMAError (errno inside) and PyverbsError:
+            # whatever verbs says, sysfs still describes the device
+            except Exception as err:
+                if name not in self._failed:
+                    log.warning("RDMA device %s: verbs cannot read it (%s); using sysfs", name, err)
+                self._failed.add(name)
+                if name in from_sysfs:
+                    out.append(from_sysfs[name])
+            else:
+                self._failed.discard(name)
         return tuple(sorted(out, key=lambda d: d.name))
+
+    def _device(self, name: str, rates: dict[tuple[str, int], float | None]) -> RdmaDevice:
+        with self._verbs.Context(name=name) as ctx:
+            attr = ctx.query_device()
+            by_port: dict[int, list[Gid]] = {}
+            for e in ctx.query_gid_table(GID_TABLE_MAX):
+                netdev = None
+                if e.ndev_ifindex:
+                    try:
+                        netdev = self._ifname(e.ndev_ifindex)
+                    except OSError:
+                        netdev = None
+                gtype = ROCE_V2 if e.gid_type == IBV_GID_TYPE_ROCE_V2 else ROCE_V1
+                by_port.setdefault(e.port_num, []).append(
+                    Gid(e.gid_index, e.gid_str(), gtype, netdev)
+                )
+            ports = []
+            for n in range(1, attr.phys_port_cnt + 1):
+                pa = ctx.query_port(n)
+                ports.append(
+                    RdmaPort(
+                        device=name,
+                        port=n,
+                        state=IBV_PORT_STATES.get(pa.state, "UNKNOWN"),
+                        link_layer="Ethernet"
+                        if pa.link_layer == IBV_LINK_LAYER_ETHERNET
+                        else "InfiniBand",
+                        rate_gbps=rates.get((name, n)),
+                        gids=tuple(sorted(by_port.get(n, []), key=lambda g: g.index)),
+                    )
+                )
+        netdevs = tuple(sorted({g.netdev for p in ports for g in p.gids if g.netdev}))
+        return RdmaDevice(
+            name, _guid(attr.node_guid), _text(attr.fw_version), tuple(ports), netdevs
+        )
 
 
 def open_discovery(sysfs_root: str = "/sys") -> RdmaDiscovery:

@@ -153,6 +153,28 @@ def test_verbs_discovery_agrees_with_sysfs() -> None:
     assert verbs.opened == []  # every context closed
 
 
+def test_a_device_verbs_cannot_open_is_read_from_sysfs(caplog: pytest.LogCaptureFixture) -> None:
+    """/dev/infiniband closed to gpud (a unit's DevicePolicy=closed): opening the device
+    fails with EPERM; sysfs still names its GIDs and netdevs, and the other device is read
+    through verbs."""
+    verbs = FakeVerbs()
+    opened = verbs.Context
+
+    def context(*, name: str) -> Any:
+        if name == "mlx5_0":
+            raise PermissionError(1, "Failed to open device mlx5_0")
+        return opened(name=name)
+
+    verbs.Context = context  # type: ignore[method-assign]
+    discovery = VerbsDiscovery(verbs, ifname=FakeVerbs.IFINDEX.__getitem__, sysfs_root=SYSFS)
+    for _ in range(2):
+        assert discovery.devices() == SysfsDiscovery(SYSFS).devices()
+    assert [r.getMessage() for r in caplog.records if "mlx5_0" in r.getMessage()] == [
+        "RDMA device mlx5_0: verbs cannot read it ([Errno 1] Failed to open device mlx5_0);"
+        " using sysfs"
+    ]  # said once, not every tick
+
+
 def test_open_discovery_falls_back_to_sysfs() -> None:
     if importlib.util.find_spec("pyverbs") is None:
         with pytest.raises(VerbsUnavailable):
