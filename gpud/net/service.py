@@ -242,6 +242,16 @@ class TrafficService:
         self._tagged_at: dict[str, float] = {}  # job -> when it last asked for a tag
         self.accepted_reports = 0
         self.rejected_reports = 0
+        if config.enabled:
+            lowest = config.levels - 1
+            for job, level in sorted(self.tags.lower_pins(lowest).items()):
+                self._events.emit(
+                    "net.pin",
+                    f"job {job} was pinned to level {level}, beyond traffic.levels ="
+                    f" {config.levels}: pinned to level {lowest}",
+                    job=job,
+                    level=lowest,
+                )
 
     # -- progress reports ------------------------------------------------------------------
     def report(self, r: Report) -> None:

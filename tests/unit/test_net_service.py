@@ -360,6 +360,21 @@ def test_an_interface_taken_out_of_the_config_loses_gpuds_tree_at_start(
     assert "eth0" not in ShapedInterfaces(rig.store).all()
 
 
+def test_a_pin_beyond_fewer_levels_moves_to_the_lowest_level(rig: Rig) -> None:
+    rig.service.pin("b", 3)
+    rig.service.tick()
+    rig.config = dataclasses.replace(rig.config, levels=2)
+    rig.service = rig.make()  # a restart with traffic.levels lowered from 4 to 2
+    rig.service.start()
+    rig.service.tick()
+    assert rig.service.tags.pins() == {"b": 1}
+    assert {j.job: j.level for j in rig.service.local_report().jobs}["b"] == 1
+    assert all(i.enforced for i in rig.service.view().interfaces)
+    (event,) = rig.events.recent(100, kind_prefix="net.pin")[-1:]
+    assert "level 3" in event.message and "traffic.levels = 2" in event.message
+    assert rig.make().tags.pins() == {"b": 1}  # persisted
+
+
 def test_find_cgroup2(tmp_path: Path) -> None:
     info = tmp_path / "mountinfo"
     info.write_text(
