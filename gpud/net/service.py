@@ -944,6 +944,9 @@ class TrafficService:
                     self._tc.restore(iface, self._originals.get(iface))
                 except Exception as err:
                     log.warning("traffic: cannot restore %s: %s", iface, err)
+                    continue
+                if self._shaped is not None:
+                    self._shaped.discard(iface)
         if self._marker is not None:
             try:
                 self._marker.delete()

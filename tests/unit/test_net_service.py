@@ -327,6 +327,7 @@ def test_shutdown_modes(rig: Rig, tmp_path: Path) -> None:
     rig.service.start()
     rig.service.shutdown()
     assert rig.tc.restored_ifaces == ["eth0"]
+    assert ShapedInterfaces(rig.store).all() == set()  # nothing left to remove at start
 
 
 def test_an_interface_taken_out_of_the_config_loses_gpuds_tree_at_start(
