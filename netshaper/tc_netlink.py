@@ -59,7 +59,9 @@ Behaviour:
   (handle ``6764:``) and keeps it -- the last priorities stay in force (fail-static) until
   the first ``sync`` changes only what differs. For a foreign root it reports the
   original kind, which ``restore`` can bring back.
-* Interfaces not in the plan are never touched.
+* Interfaces not in the plan are never touched. An interface is known by its name: each
+  pass looks the name up afresh (one ``RTM_GETLINK``), so one renamed away (or deleted and
+  created again) is left alone, and whichever interface bears the name now is shaped.
 """
 
 from __future__ import annotations
@@ -439,6 +441,10 @@ class NetlinkTransport(Protocol):
         """A dump: the reply bodies, and the error Ack if the kernel refused."""
         ...
 
+    def get(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        """One object (``RTM_GETLINK`` by name): its reply body, or the error Ack."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -509,8 +515,15 @@ class _Netlink:
 
     def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
         """A dump request; returns (message bodies, error ack or None)."""
+        return self._query(mtype, body, NLM_F_DUMP)
+
+    def get(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        """A get request, acked: its answer ends with the ack (or the error)."""
+        return self._query(mtype, body, NLM_F_ACK)
+
+    def _query(self, mtype: int, body: bytes, kind: int) -> tuple[list[memoryview], Ack | None]:
         seq = self._next_seq()
-        hdr = _NLMSGHDR.pack(16 + len(body), mtype, NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
+        hdr = _NLMSGHDR.pack(16 + len(body), mtype, NLM_F_REQUEST | kind, seq, 0)
         self._sock.send(hdr + body)
         out: list[memoryview] = []
         while True:
@@ -594,6 +607,7 @@ class TcNetlink:
         self._enc = _Encoder(self._ps)
         self._ifindex: dict[str, int] = {}
         self._cache: dict[str, InterfaceState] = {}
+        self._cache_index: dict[str, int] = {}  # the index each cached state was read on
 
     def close(self) -> None:
         self._nl.close()
@@ -606,30 +620,38 @@ class TcNetlink:
 
     # -- reading ------------------------------------------------------------------------
 
-    def _links(self) -> dict[str, int]:
-        body = _IFINFOMSG.pack(0, 0, 0, 0, 0)
-        msgs, err = self._nl.dump(RTM_GETLINK, body)
-        if err is not None:
-            raise OSError(err.errno, err.detail or os.strerror(err.errno))
-        links: dict[str, int] = {}
-        for m in msgs:
-            _fam, _type, index, _flags, _change = _IFINFOMSG.unpack_from(m, 0)
-            attrs = _attrs(m, _IFINFOMSG.size, len(m))
-            if IFLA_IFNAME in attrs:
-                links[_cstr(attrs[IFLA_IFNAME])] = index
-        return links
+    def _lookup(self, iface: str) -> int:
+        """The index the kernel gives ``iface`` now (``RTM_GETLINK`` by name)."""
+        body = _IFINFOMSG.pack(0, 0, 0, 0, 0) + _nla(IFLA_IFNAME, iface.encode() + b"\0")
+        try:
+            msgs, err = self._nl.get(RTM_GETLINK, body)
+        except OSError as oserr:
+            raise TcError(
+                iface, f"cannot look the interface up: {oserr}", errno=oserr.errno
+            ) from oserr
+        if err is not None and err.errno in (errno_mod.ENODEV, errno_mod.ENOENT):
+            raise TcError(iface, "no such network interface", errno=errno_mod.ENODEV)
+        if err is not None or not msgs:
+            errnum = err.errno if err is not None else errno_mod.EIO
+            raise TcError(iface, f"cannot look the interface up: {_errname(errnum)}", errno=errnum)
+        _fam, _type, index, _flags, _change = _IFINFOMSG.unpack_from(msgs[0], 0)
+        return int(index)
 
     def ifindex(self, iface: str) -> int:
         """The interface's index in this adapter's namespace; TcError if there is none."""
         idx = self._ifindex.get(iface)
         if idx is None:
-            try:
-                self._ifindex = self._links()
-            except OSError as err:
-                raise TcError(iface, f"cannot list interfaces: {err}", errno=err.errno) from err
-            idx = self._ifindex.get(iface)
-        if idx is None:
-            raise TcError(iface, "no such network interface", errno=errno_mod.ENODEV)
+            idx = self._ifindex[iface] = self._lookup(iface)
+        return idx
+
+    def _resolve(self, iface: str) -> int:
+        """Look ``iface`` up afresh: an interface renamed away, or deleted and created
+        again, is another index (what was seen of the old one is forgotten)."""
+        self._ifindex.pop(iface, None)
+        idx = self.ifindex(iface)
+        if self._cache.get(iface) is not None and self._cache_index.get(iface) != idx:
+            self._cache.pop(iface, None)
+        self._cache_index[iface] = idx
         return idx
 
     def _dump_tc(self, iface: str, mtype: int, parent: int = 0) -> list[_TcMsg]:
@@ -743,6 +765,7 @@ class TcNetlink:
         found: dict[str, AdoptedState | TcError] = {}
         for iface in ifaces:
             try:
+                self._resolve(iface)
                 state = self.read(iface)
             except TcError as err:
                 found[iface] = err
@@ -786,6 +809,7 @@ class TcNetlink:
         for want in plan.interfaces:
             iface = want.iface
             try:
+                idx = self._resolve(iface)
                 state = self._cache.get(iface) if not reread else None
                 checked = state is None
                 if state is None:
@@ -795,7 +819,6 @@ class TcNetlink:
                     # Nothing new for this interface: check what the kernel really holds.
                     state, checked = self.read(iface), True
                     ops = diff(state, want)
-                idx = self.ifindex(iface)
             except TcError as err:
                 self._cache.pop(iface, None)
                 results[iface] = InterfaceResult(iface, error=err)
@@ -847,7 +870,7 @@ class TcNetlink:
         names another kind than that, the original kind is installed with its default
         parameters (``tc qdisc replace dev IF root KIND``). Raises TcError on failure.
         """
-        idx = self.ifindex(iface)
+        idx = self._resolve(iface)
         self._cache.pop(iface, None)
         state = self.read(iface)
         if _is_ours(state.root):

@@ -19,7 +19,9 @@ Restarts: the kernel keeps the last tree and the nftables table (``kill -9`` inc
 The next start reads them back and adopts them: levels found in the kernel hold for jobs
 whose progress is not known again yet, so nothing is rebuilt or reshuffled. On a clean
 stop, ``traffic.shutdown = "fail-static"`` (the default) leaves everything in force;
-``"restore"`` deletes gpud's root qdisc and table.
+``"restore"`` deletes gpud's root qdisc and table. An interface an earlier run shaped
+(:class:`gpud.net.shaped.ShapedInterfaces`) that is no longer configured loses gpud's root
+at start.
 
 Thread-safety: reports and API calls come from gRPC worker threads, the tick from the loop's
 worker thread; one lock guards the state, another the nftables table, whose ``nft`` runs
@@ -29,6 +31,7 @@ the NIC's firmware): the tick hands it the latest map and goes on.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import threading
@@ -52,6 +55,7 @@ from gpud.net.cgroups import JobCgroups
 from gpud.net.enforce import MarkPort, RdmaPort, TcPort
 from gpud.net.latest import LatestWorker
 from gpud.net.port import JobTraffic, LocalReport, OrderResult, TrafficCounters
+from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore
 from netshaper import tcplan
 from netshaper.leveller import Leveller, LevellerConfig
@@ -179,6 +183,7 @@ class TrafficService:
         marker: MarkPort | None = None,
         cgroups: JobCgroups | None = None,
         rdma: RdmaPort | None = None,
+        shaped: ShapedInterfaces | None = None,
         marking_error: str = "",
         rdma_error: str = "",
         sysfs_root: Path = Path("/sys"),
@@ -194,6 +199,7 @@ class TrafficService:
         self._marker = marker
         self._cgroups = cgroups
         self._rdma = rdma
+        self._shaped = shaped
         self._sysfs = sysfs_root
         self._proc = proc_root
         self._clock = clock
@@ -236,6 +242,16 @@ class TrafficService:
         self._tagged_at: dict[str, float] = {}  # job -> when it last asked for a tag
         self.accepted_reports = 0
         self.rejected_reports = 0
+        if config.enabled:
+            lowest = config.levels - 1
+            for job, level in sorted(self.tags.lower_pins(lowest).items()):
+                self._events.emit(
+                    "net.pin",
+                    f"job {job} was pinned to level {level}, beyond traffic.levels ="
+                    f" {config.levels}: pinned to level {lowest}",
+                    job=job,
+                    level=lowest,
+                )
 
     # -- progress reports ------------------------------------------------------------------
     def report(self, r: Report) -> None:
@@ -712,6 +728,33 @@ class TrafficService:
                 self._events.emit(
                     "net.adopt", f"adopted the levels of {len(adopted)} job(s) from the kernel"
                 )
+            self._unshape_dropped()
+
+    def _unshape_dropped(self) -> None:
+        """Remove gpud's root from the interfaces an earlier run shaped that are no longer
+        in ``traffic.interfaces`` (a root that is not gpud's HTB is left as it is)."""
+        if self._shaped is None or self._tc is None:
+            return
+        for iface in sorted(self._shaped.all() - set(self.config.interfaces)):
+            try:
+                self._tc.restore(iface)
+            except Exception as err:
+                if getattr(err, "errno", None) != errno.ENODEV:
+                    message = _describe(iface, err)
+                    log.warning("traffic: cannot remove gpud's tree: %s", message)
+                    self._events.emit(
+                        "net.interface_error",
+                        f"not in traffic.interfaces any more, but gpud's tree stays: {message}",
+                        interface=iface,
+                    )
+                    continue
+            else:
+                self._events.emit(
+                    "net.unshaped",
+                    f"{iface}: not in traffic.interfaces any more: gpud's HTB root removed",
+                    interface=iface,
+                )
+            self._shaped.discard(iface)
 
     def _levels_in(
         self, state: tcplan.InterfaceState, tags: Mapping[str, int], *, homes: bool = False
@@ -793,6 +836,8 @@ class TrafficService:
                 again = " again" if iface in self._ever_enforced else ""
                 self._events.emit("net.interface", f"{iface}: enforced{again}", interface=iface)
             self._ever_enforced.add(iface)
+            if self._shaped is not None:
+                self._shaped.add(iface)
             status.enforced, status.error = True, ""
             for cid, raw in counters.items():
                 job = by_class.get(cid)
@@ -899,6 +944,9 @@ class TrafficService:
                     self._tc.restore(iface, self._originals.get(iface))
                 except Exception as err:
                     log.warning("traffic: cannot restore %s: %s", iface, err)
+                    continue
+                if self._shaped is not None:
+                    self._shaped.discard(iface)
         if self._marker is not None:
             try:
                 self._marker.delete()

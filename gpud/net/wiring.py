@@ -21,6 +21,7 @@ from gpud.jobs.service import JobService
 from gpud.net.cgroups import JobCgroups, find_cgroup2
 from gpud.net.enforce import MarkPort, RdmaPort, TcPort
 from gpud.net.service import TrafficService, job_pool
+from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore
 from gpud.store import StateStore
 
@@ -85,6 +86,7 @@ def open_traffic(
         marker=marker,
         cgroups=cgroups,
         rdma=rdma,
+        shaped=ShapedInterfaces(store) if t.enabled else None,
         marking_error=marking_error,
         rdma_error=rdma_error,
     )

@@ -356,3 +356,20 @@ def test_a_sync_of_an_unchanged_plan_checks_the_kernel(net: Net, adapter: TcNetl
     assert set(result.errors) == {"nosuch0"}
     assert result.restored["a0"][0] == "re-installed HTB root 6764:0"
     assert net.classes("a0")["6764:101a"]["parent"] == "6764:10"
+
+
+def test_an_interface_renamed_away_is_left_alone(net: Net, adapter: TcNetlink) -> None:
+    want = plan({"alpha": 0})
+    assert adapter.sync(want).ok
+    _run("ip", "-n", net.snd, "link", "set", "a0", "name", "old0")
+    result = adapter.drift(want)
+    assert str(result.errors["a0"]) == "a0: no such network interface"
+    net.tc("qdisc", "del", "dev", "old0", "root")  # no longer gpud's to repair
+    # a new a0 (another index) is shaped; old0 is not touched again
+    _run("ip", "-n", net.snd, "link", "add", "a0", "type", "veth", "peer", "name", "b9")
+    assert adapter.sync(want).ok
+    assert adapter.drift(want).ok
+    assert net.classes("a0")["6764:101a"]["parent"] == "6764:10"
+    assert "htb" not in net.tc("qdisc", "show", "dev", "old0")
+    adapter.restore("a0")
+    assert "htb" not in net.tc("qdisc", "show", "dev", "a0")

@@ -364,3 +364,26 @@ def test_priorities_stay_in_force_across_kill_9_and_are_adopted(bed: Bed) -> Non
     assert int(bed.classes()[leaf]["bytes"]) >= sent
     interfaces = bed.show()["interfaces"]
     assert isinstance(interfaces, list) and int(interfaces[0].get("repairs", 0)) == 0
+
+
+def test_an_interface_taken_out_of_the_config_loses_gpuds_tree(bed: Bed) -> None:
+    run("ip", "-n", bed.snd, "link", "add", "a1", "type", "veth", "peer", "name", "b1")
+    run("ip", "-n", bed.snd, "link", "set", "a1", "up")
+    bed.interfaces = ("a0", "a1")
+    daemon = bed.start()
+    bed.gpuctl("jobs", "add", "steady")
+    bed.gpuctl("net", "pin", "--job", "steady", "--level", "2")
+    bed.wait(
+        "both enforced",
+        lambda: _iface(bed, "a0").get("enforced") and _iface(bed, "a1").get("enforced"),
+    )
+    daemon.proc.send_signal(signal.SIGKILL)
+    stop_daemon(daemon)
+    bed.daemon = None
+    assert "htb 6764:" in run("tc", "-n", bed.snd, "qdisc", "show", "dev", "a1")
+    bed.interfaces = ("a0",)
+    bed.start()
+    bed.wait("enforced again", lambda: _enforced(bed))
+    assert "htb" not in run("tc", "-n", bed.snd, "qdisc", "show", "dev", "a1")
+    assert "htb 6764:" in run("tc", "-n", bed.snd, "qdisc", "show", "dev", "a0")
+    assert "a1: not in traffic.interfaces any more" in bed.gpuctl("events", "--kind", "net.")

@@ -16,6 +16,7 @@ from gpud.net.cgroups import JobCgroups, find_cgroup2
 from gpud.net.enforce import FakeCounters, FakeMarker, FakeTc, RdmaPort
 from gpud.net.latest import LatestWorker
 from gpud.net.service import RDMA_RECHECK_S, RDMA_RETRY_S, Report, TrafficService, job_pool
+from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore, parse_pool
 from gpud.store import StateStore
 from netshaper import tcplan
@@ -66,6 +67,7 @@ class Rig:
             marker=self.marker,
             cgroups=self.cgroups,
             rdma=rdma,
+            shaped=ShapedInterfaces(self.store),
             sysfs_root=self.sysfs,
             proc_root=self.tmp / "proc",
             clock=self.clock,
@@ -325,6 +327,53 @@ def test_shutdown_modes(rig: Rig, tmp_path: Path) -> None:
     rig.service.start()
     rig.service.shutdown()
     assert rig.tc.restored_ifaces == ["eth0"]
+    assert ShapedInterfaces(rig.store).all() == set()  # nothing left to remove at start
+
+
+def test_an_interface_taken_out_of_the_config_loses_gpuds_tree_at_start(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    rig = Rig(tmp_path, sysfs, link_rates=("eth1=1gbit",))
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0", "eth1"))
+    rig.service = rig.make()
+    rig.service.start()
+    rig.service.tick()
+    assert set(rig.tc.states) == {"eth0", "eth1"}
+    # kill -9 (or a fail-static stop), and a start with eth1 no longer in the list
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0",), link_rates=())
+    rig.service = rig.make()
+    rig.service.start()
+    assert rig.tc.restored_ifaces == ["eth1"] and "eth1" not in rig.tc.states
+    events = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
+    assert len(events) == 1 and "eth1" in events[0].message
+    rig.service.tick()
+    assert set(rig.tc.states) == {"eth0"}
+    # it is forgotten: the next start has nothing more to remove
+    rig.service = rig.make()
+    rig.service.start()
+    assert rig.tc.restored_ifaces == ["eth1"]
+    # an interface that is gone by then has nothing to remove either
+    rig.tc.missing.add("eth0")
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth1",), link_rates=("eth1=1gbit",))
+    rig.service = rig.make()
+    rig.service.start()
+    assert rig.tc.restored_ifaces == ["eth1"]
+    assert "eth0" not in ShapedInterfaces(rig.store).all()
+
+
+def test_a_pin_beyond_fewer_levels_moves_to_the_lowest_level(rig: Rig) -> None:
+    rig.service.pin("b", 3)
+    rig.service.tick()
+    rig.config = dataclasses.replace(rig.config, levels=2)
+    rig.service = rig.make()  # a restart with traffic.levels lowered from 4 to 2
+    rig.service.start()
+    rig.service.tick()
+    assert rig.service.tags.pins() == {"b": 1}
+    assert {j.job: j.level for j in rig.service.local_report().jobs}["b"] == 1
+    assert all(i.enforced for i in rig.service.view().interfaces)
+    (event,) = rig.events.recent(100, kind_prefix="net.pin")[-1:]
+    assert "level 3" in event.message and "traffic.levels = 2" in event.message
+    assert rig.make().tags.pins() == {"b": 1}  # persisted
 
 
 def test_find_cgroup2(tmp_path: Path) -> None:

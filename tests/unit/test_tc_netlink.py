@@ -29,6 +29,11 @@ def _ifinfo(index: int, name: str) -> memoryview:
     return memoryview(struct.pack("=BxHiII", 0, 0, index, 0, 0) + attr)
 
 
+def _ifname(body: bytes) -> str:
+    """The IFLA_IFNAME of an RTM_GETLINK request (ifinfomsg, then that one attribute)."""
+    return body[16 + 4 :].split(b"\0")[0].decode()
+
+
 @dataclass
 class NoHtbOnEth1:
     """eth1's kernel has no HTB: the root qdisc request fails, and so does what follows."""
@@ -49,9 +54,14 @@ class NoHtbOnEth1:
                 acks.append(Ack(i, 0, None))
         return acks
 
+    def get(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        assert mtype == RTM_GETLINK
+        name = _ifname(body)
+        if name not in LINKS:
+            return [], Ack(0, errno.ENODEV, None)
+        return [_ifinfo(LINKS[name], name)], None
+
     def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
-        if mtype == RTM_GETLINK:
-            return [_ifinfo(i, n) for n, i in LINKS.items()], None
         (ifindex,) = struct.unpack_from("=i", body, 4)
         self.dumps.append((mtype, ifindex))
         return [], None  # no root qdisc yet
@@ -91,4 +101,63 @@ def test_missing_htb_is_a_clear_error_for_that_interface_only() -> None:
     )
     assert {i for _, i in nl.dumps} == {2}
     assert {i for _, i in nl.sent} == {1, 2}
+    tc.close()
+
+
+@dataclass
+class RenamingLinks:
+    """A kernel whose interfaces are looked up by name and can be renamed between ticks;
+    no interface holds a qdisc, and every tc request succeeds."""
+
+    links: dict[str, int] = field(default_factory=lambda: {"eth0": 1})
+    sent: list[tuple[int, int]] = field(default_factory=list)  # (type, ifindex)
+
+    def request(self, msgs: Sequence[tuple[int, int, bytes]]) -> list[Ack]:
+        for mtype, _flags, body in msgs:
+            (ifindex,) = struct.unpack_from("=i", body, 4)
+            self.sent.append((mtype, ifindex))
+        return [Ack(i, 0, None) for i in range(len(msgs))]
+
+    def get(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        assert mtype == RTM_GETLINK
+        name = _ifname(body)
+        if name not in self.links:
+            return [], Ack(0, errno.ENODEV, None)
+        return [_ifinfo(self.links[name], name)], None
+
+    def dump(self, mtype: int, body: bytes) -> tuple[list[memoryview], Ack | None]:
+        if mtype == RTM_GETLINK:
+            return [_ifinfo(i, n) for n, i in self.links.items()], None
+        return [], None
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_renamed_interface_is_not_shaped_under_its_old_name() -> None:
+    nl = RenamingLinks()
+    tc = TcNetlink(transport=nl)
+    plan = tp.plan({"eth0": 10**9}, {"a": 26}, {"a": 0}, [0.1] * 4)
+    assert tc.sync(plan).ok and {i for _, i in nl.sent} == {1}
+
+    # eth0 is renamed: the interface gpud shaped is not eth0 any more, and is left alone
+    nl.links = {"old0": 1}
+    nl.sent.clear()
+    result = tc.drift(plan)
+    assert str(result.errors["eth0"]) == "eth0: no such network interface"
+    assert nl.sent == []
+
+    # a new eth0 appears (another ifindex): that one is shaped, the old one never again
+    nl.links = {"old0": 1, "eth0": 7}
+    for _ in range(2):
+        result = tc.sync(plan)
+        assert result.ok, result.errors
+    assert {i for _, i in nl.sent} == {7}
+    # one look-up per interface and pass, even when the plan goes out from the cache
+    moved = tp.plan({"eth0": 10**9}, {"a": 26}, {"a": 2}, [0.1] * 4)
+    nl.links = {"eth0": 9}
+    nl.sent.clear()
+    assert tc.sync(moved).ok
+    assert {i for _, i in nl.sent} == {9}
+    assert tc.counters("eth0") == {}
     tc.close()
