@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 
 # a job's demand is known once this many iterations were counted against its bytes
 _DEMAND_MIN_ITERATIONS = 3
+# a job's declared contention-free iteration time (ReportProgress)
+MIN_IDEAL_S = 1e-6
+MAX_IDEAL_S = 86400.0
 # seconds between tries of a NIC map write that failed, while the map wanted stays the same
 RDMA_RETRY_S = 10.0
 # seconds between read-backs of a NIC map that was written (one `dcb app show` per netdev)
@@ -273,13 +276,18 @@ class TrafficService:
             )
         if r.timestamp > now + self.config.future_tolerance_s:
             raise InvalidArgument(
-                f"{r.timestamp - now:.3f} s in the future (clock skew? allowed:"
+                f"{r.timestamp - now:.4g} s in the future (clock skew? allowed:"
                 f" {self.config.future_tolerance_s:g} s)",
                 field="timestamp_unix_seconds",
             )
-        if r.ideal_s is not None and (not math.isfinite(r.ideal_s) or r.ideal_s <= 0):
+        if r.ideal_s is not None and (
+            not math.isfinite(r.ideal_s) or not MIN_IDEAL_S <= r.ideal_s <= MAX_IDEAL_S
+        ):
+            # a job that claims a microscopic iteration time would rank as the slowest
+            # job for good, whatever it did
             raise InvalidArgument(
-                f"must be > 0 seconds, got {r.ideal_s}", field="contention_free_iteration_s"
+                f"must be {MIN_IDEAL_S:g}..{MAX_IDEAL_S:g} seconds, got {r.ideal_s:.4g}",
+                field="contention_free_iteration_s",
             )
         if len(r.session) > 64:
             raise InvalidArgument("longer than 64 characters", field="session")

@@ -115,6 +115,11 @@ def test_reports_are_checked_and_bad_ones_change_nothing(rig: Rig) -> None:
         s.report(Report("a", 5, rig.clock.t, session="x"))
     with pytest.raises(InvalidArgument, match="contention_free_iteration_s"):
         s.report(Report("a", 11, rig.clock.t, ideal_s=-1.0, session="x"))
+    # a microscopic contention-free time would make the job the slowest for good
+    with pytest.raises(InvalidArgument, match=r"contention_free_iteration_s: must be 1e-06\.\."):
+        s.report(Report("a", 11, rig.clock.t, ideal_s=1e-300, session="x"))
+    with pytest.raises(InvalidArgument, match=r"1e\+300 s in the future"):
+        s.report(Report("a", 11, 1e300, session="x"))
     assert s.local_report().jobs == ()  # no tags yet: the tick hands them out
     s.tick()
     (a,) = [j for j in s.local_report().jobs if j.job == "a"]
@@ -125,7 +130,7 @@ def test_reports_are_checked_and_bad_ones_change_nothing(rig: Rig) -> None:
         [Report("a", 2, rig.clock.t, session="y"), Report("nope", 1, rig.clock.t)]
     )
     assert accepted == 1 and [r.index for r in rejected] == [1]
-    assert s.rejected_reports == 5 and s.accepted_reports == 3
+    assert s.rejected_reports == 7 and s.accepted_reports == 3
 
 
 def test_tags_persist_and_are_released(rig: Rig) -> None:
