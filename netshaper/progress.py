@@ -29,7 +29,11 @@ the last point):
   job would keep two jobs trading the top level while a third never gets it. Either way
   never a division by zero.
 * A restart (the counter goes back) drops the window but keeps ``T*`` and the last ``T``
-  as a prior, so the job does not jump to the front or the back on its next tick.
+  as a prior, so the job does not jump to the front or the back on its next tick. So does
+  a counter that leaps ahead (its step implies iterations more than ``_JUMP_RATIO`` times
+  faster than the learned ``T*``: a job that resumed from a checkpoint under its global
+  step count, a counter bug): no job runs a thousand times faster than its fastest stretch
+  so far, and learning ``T*`` from the leap would rank the job the slowest for good.
 * The rate reported is the geometric mean of the window's ``T* / T`` and the job's rate over
   the last ``long_window_s`` (iterations since then, up to now, times ``T*``), so a job that
   fell behind ranks as slower than one just as fast now until it has caught up.
@@ -52,6 +56,9 @@ _MIN_PERIOD_S = 1e-9
 _MIN_RATE = 1e-12
 # The long window keeps at most about this many points, however often a job reports.
 _LONG_POINTS = 64
+# A step this many times faster than the contention-free iteration time is a counter that
+# leapt ahead, not progress.
+_JUMP_RATIO = 1000.0
 
 
 @dataclass(frozen=True)
@@ -156,15 +163,13 @@ class ProgressTracker:
             state = _JobState(declared_ideal_s=None, first_seen=at)
             self._jobs[job_id] = state
         if state.last_count is not None and iteration < state.last_count:
-            # Restart: keep what we learned about the job's speed, drop the window.
-            state.prior_period_s = self._window_period(state) or state.prior_period_s
-            state.points.clear()
-            state.anchors.clear()
-            state.restarts += 1
+            self._rebase(state)  # restart: the counter went back
         elif state.points and at < state.points[-1][1]:
             return  # late, out-of-order report
         elif state.last_count is not None and iteration == state.last_count:
             return  # no progress since the last point: nothing new to learn
+        elif state.points and self._leaps(state, iteration, at):
+            self._rebase(state)
         if state.points:
             n0, t0 = state.points[-1]
             if iteration > n0 and at > t0:
@@ -187,6 +192,25 @@ class ProgressTracker:
                 anchors.append((iteration, at))
             while len(anchors) > 1 and at - anchors[1][1] >= span:
                 anchors.popleft()
+
+    def _rebase(self, state: _JobState) -> None:
+        """Drop the window (the counter restarted or leapt); keep what was learned about
+        the job's speed as a prior."""
+        state.prior_period_s = self._window_period(state) or state.prior_period_s
+        state.points.clear()
+        state.anchors.clear()
+        state.restarts += 1
+
+    @staticmethod
+    def _leaps(state: _JobState, iteration: int, at: float) -> bool:
+        """Whether the step to ``iteration`` is a thousand times faster than the fastest
+        stretch learned so far. A declared ``T*`` is not held against the job: one off by
+        that much would make every step a leap, and it cannot be poisoned by one."""
+        ideal = state.learned_ideal_s
+        n0, t0 = state.points[-1]
+        if state.declared_ideal_s is not None or ideal is None or iteration <= n0:
+            return False
+        return (at - t0) * _JUMP_RATIO < ideal * (iteration - n0)
 
     def progress(self, job_id: str, now: float) -> JobProgress:
         """The estimate for one job at ``now``; raises ``KeyError`` for unknown ids."""

@@ -85,6 +85,26 @@ def test_restart_resets_window_but_keeps_prior() -> None:
     assert tr.progress("a", t + 3.0).rate == pytest.approx(1.0)
 
 
+def test_a_counter_that_leaps_ahead_is_a_new_start_not_a_faster_job() -> None:
+    """A job that resumes from a checkpoint under its global step count (or a counter bug)
+    reports 500,000 iterations one second after 10: learning T* from that step would rank
+    it the slowest job for good."""
+    tr = ProgressTracker()
+    tr.register("a", now=0.0)  # T* learned: 2 s
+    t = steady(tr, "a", 2.0, 10)
+    tr.report("a", 500_000, t + 1.0)
+    p = tr.progress("a", t + 1.0)
+    assert p.restarts == 1
+    assert p.ideal_s == pytest.approx(2.0)
+    assert p.rate == pytest.approx(1.0)  # the prior period, as after a restart
+    steady(tr, "a", 4.0, 5, t0=t + 1.0, start=500_000)
+    assert tr.progress("a", t + 21.0).rate == pytest.approx(0.5)
+    # a stretch faster than any before is learned, however much faster it is than the
+    # window says the job goes now
+    tr.report("a", 500_006, t + 22.0)
+    assert tr.progress("a", t + 22.0).ideal_s == pytest.approx(1.0)
+
+
 def test_batched_reports_give_the_same_estimate() -> None:
     every = ProgressTracker()
     batched = ProgressTracker()
