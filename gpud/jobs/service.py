@@ -150,11 +150,17 @@ class JobService:
 
         def uuid(name: str) -> str:
             try:
-                return self._mps.resolve(name).uuid
+                target = self._mps.resolve(name)
             except NotFound:
                 if name.startswith(("GPU-", "MIG-")):
                     return name
                 raise
+            if not target.uuid:  # lost or hung since before gpud started: no UUID to keep
+                raise FailedPrecondition(
+                    f"device {name} is on GPU {target.gpu}, which is unhealthy:"
+                    f" {target.gpu_unhealthy or 'unhealthy'} (its UUID is not known yet)"
+                )
+            return target.uuid
 
         return tuple(uuid(n) for n in names)
 

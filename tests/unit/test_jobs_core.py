@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.backend.port import ProcessInfo
+from gpud.backend.port import ProcessInfo, unknown_identity
 from gpud.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -30,6 +30,7 @@ from gpud.jobs.service import STOP_GRACE_S, JobService, RunRequest
 from gpud.mps.manager import MpsManager, targets_from_snapshot
 from gpud.shared import GIB, shell_exports
 from gpud.store import StateStore
+from gpud.telemetry.snapshot import GpuSample
 from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, gpu_uuid, mig_uuid, snapshot
 
 NODE = snapshot(
@@ -550,6 +551,22 @@ def test_no_job_is_placed_on_an_unhealthy_gpu(service: JobService) -> None:
         service.reserve(RunRequest("c"))
     service.tick(NODE)  # they answer again
     assert service.reserve(RunRequest("c")).env["CUDA_VISIBLE_DEVICES"]
+
+
+def test_a_gpu_never_read_named_by_index_is_refused_and_nothing_is_kept(
+    service: JobService, tmp_path: Path
+) -> None:
+    """GPUs 1 and 2 were lost before gpud started: no UUID, so a job naming one by index is
+    refused with the GPU and why, and no job is registered with an empty device."""
+    unread = [
+        GpuSample(identity=unknown_identity(i), healthy=False, reason="GPU lost", sampled_at=0)
+        for i in (1, 2)
+    ]
+    service._mps.observe(targets_from_snapshot(snapshot(NODE.gpus[0], *unread)))
+    for index in ("1", "2"):
+        with pytest.raises(FailedPrecondition, match=rf"on GPU {index}, which is unhealthy"):
+            service.reserve(RunRequest("pinned", devices=(index,)))
+    assert service.registry.all() == []
 
 
 @pytest.mark.parametrize("memory", [2**63, 2**64 - 1])
