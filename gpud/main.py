@@ -31,10 +31,19 @@ def make_dirs(cfg: config.Config) -> None:
         ("daemon.state_dir", cfg.daemon.state_dir),
         ("daemon.run_dir", cfg.daemon.run_dir),
     ):
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ConfigError(f"cannot create {path}: {err.strerror or err}", key=key) from None
+        make_dir(path, key)
+
+
+def make_dir(path: Path, key: str) -> None:
+    """``mkdir -p path``; a ConfigError naming ``key`` and the path when it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(
+            f"cannot create {path}: it exists and is not a directory", key=key
+        ) from None
+    except OSError as err:
+        raise ConfigError(f"cannot create {path}: {err.strerror or err}", key=key) from None
 
 
 LOCK_NAME = "gpud.lock"
@@ -77,7 +86,7 @@ def open_backend(cfg: config.Config) -> tuple[GpuBackend, SimNode | None]:
         from gpud.backend.sim import SimNode, parse_simulate_spec
 
         sim_dir = cfg.daemon.run_dir / "sim"
-        sim_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(sim_dir, "daemon.run_dir")
         node = SimNode(parse_simulate_spec(cfg.backend.simulate), state_file=sim_dir / "node.json")
         return NvmlBackend(node.nvml, reset=node.reset), node
     from gpud.backend.gpureset import nvidia_smi_reset

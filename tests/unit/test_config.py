@@ -167,6 +167,25 @@ def test_a_directory_that_cannot_be_made_stops_start_up_naming_the_key(
     assert f"gpud: daemon.run_dir: cannot create {tmp_path}/file/run: Not a directory" in err
 
 
+def test_a_file_where_a_directory_goes_is_named_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ["--simulate", "--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path)]
+    cfg = write(tmp_path, "")
+    (tmp_path / "state").write_text("")
+    assert main(["--config", str(cfg), *flags]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"daemon.state_dir: cannot create {tmp_path}/state: it exists and is not a directory" in err
+    )
+    (tmp_path / "state").unlink()
+    (tmp_path / "sim").write_text("")  # where the simulated node keeps its devices
+    assert main(["--config", str(cfg), *flags]) == 1
+    err = capsys.readouterr().err
+    assert f"daemon.run_dir: cannot create {tmp_path}/sim: it exists and is not a directory" in err
+    assert "Traceback" not in err
+
+
 def test_a_second_gpud_on_the_same_directories_stops_before_it_starts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
