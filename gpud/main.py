@@ -73,9 +73,14 @@ def lock_dirs(cfg: config.Config) -> list[int]:
             raise ConfigError(
                 f"another gpud (pid {holder}) holds {lock}: is gpud already running?", key=key
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         held.append(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as err:  # a full disk
+            for other in held:
+                os.close(other)
+            raise ConfigError(f"cannot write {lock}: {err.strerror or err}", key=key) from None
     return held
 
 

@@ -1,4 +1,5 @@
 import dataclasses
+import errno
 import math
 import os
 import re
@@ -184,6 +185,20 @@ def test_a_file_where_a_directory_goes_is_named_not_a_traceback(
     err = capsys.readouterr().err
     assert f"daemon.run_dir: cannot create {tmp_path}/sim: it exists and is not a directory" in err
     assert "Traceback" not in err
+
+
+def test_a_lock_file_that_cannot_be_written_is_named_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", full)
+    flags = ["--simulate", "--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path)]
+    assert main(["--config", str(write(tmp_path, "")), *flags]) == 1
+    err = capsys.readouterr().err
+    lock = tmp_path / "state" / LOCK_NAME
+    assert f"gpud: daemon.state_dir: cannot write {lock}: No space left on device" in err
 
 
 def test_a_second_gpud_on_the_same_directories_stops_before_it_starts(
