@@ -182,25 +182,27 @@ def check_cluster_files(cfg: config.Config) -> None:
     PeerTls.load(c.ca_file, c.cert_file, c.key_file, node=c.node or socket.gethostname())
 
 
-def check_metrics_host(cfg: config.Config, *, path: str) -> None:
-    """That ``metrics.address``'s host resolves to an address of this host, as the start
-    will need: a socket bound to it on port 0 (any free port), so that a port the running
-    gpud serves on is no error. Only for ``--check-config``; the start itself says the same
-    when it binds."""
-    if not cfg.metrics.enabled:
-        return
-    host, _ = config.parse_address(cfg.metrics.address, path=path, key="metrics.address")
-    try:
-        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, kind, proto, _, addr = infos[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.bind(addr)
-    except OSError as err:
-        raise ConfigError(
-            f"{cfg.metrics.address!r}: cannot serve on {host}: {err.strerror or err}",
-            path=path,
-            key="metrics.address",
-        ) from None
+def check_listen_hosts(cfg: config.Config, *, path: str) -> None:
+    """That the hosts of ``metrics.address`` and ``api.tcp_address`` resolve to addresses
+    of this host, as the start will need: a socket bound to each on port 0 (any free port),
+    so that a port the running gpud serves on is no error. Only for ``--check-config``; the
+    start itself says the same when it binds."""
+    for key, address, used in (
+        ("metrics.address", cfg.metrics.address, cfg.metrics.enabled),
+        ("api.tcp_address", cfg.api.tcp_address, bool(cfg.api.tcp_address)),
+    ):
+        if not used:
+            continue
+        host, _ = config.parse_address(address, path=path, key=key)
+        try:
+            infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            family, kind, proto, _, addr = infos[0]
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind(addr)
+        except OSError as err:
+            raise ConfigError(
+                f"{address!r}: cannot serve on {host}: {err.strerror or err}", path=path, key=key
+            ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.check_config:
         try:
-            check_metrics_host(cfg, path=str(args.config or config.DEFAULT_PATH))
+            check_listen_hosts(cfg, path=str(args.config or config.DEFAULT_PATH))
         except ConfigError as err:
             print(f"gpud: config error: {err}", file=sys.stderr)
             return 2

@@ -441,6 +441,28 @@ def test_check_config_finds_a_metrics_host_this_host_cannot_serve_on(
     assert main(["--check-config", "--config", str(path)]) == 0
 
 
+def test_a_socket_group_that_does_not_exist_names_file_and_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, '[api]\nsocket_group = "no-such-group-for-gpud"\n')
+    assert main(["--check-config", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:api.socket_group: group 'no-such-group-for-gpud' does not exist" in err
+    path = write(tmp_path, '[api]\nsocket_group = "root"\n')
+    assert main(["--check-config", "--config", str(path)]) == 0
+
+
+def test_check_config_finds_a_tcp_address_this_host_cannot_serve_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, '[api]\ntcp_address = "192.0.2.7:7000"\n')
+    assert main(["--check-config", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:api.tcp_address: '192.0.2.7:7000': cannot serve on 192.0.2.7" in err
+    path = write(tmp_path, '[api]\ntcp_address = "127.0.0.1:7000"\n')
+    assert main(["--check-config", "--config", str(path)]) == 0
+
+
 def test_check_config_checks_the_cluster_certificates(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
