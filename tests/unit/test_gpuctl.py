@@ -357,7 +357,12 @@ class _RpcError(grpc.RpcError):
     [
         (_RpcError(grpc.StatusCode.UNAVAILABLE, "GOAWAY received"), 3, "systemctl start gpud"),
         (_RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), 3, "within 2 s"),
-        (_RpcError(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"), 9, "UNIMPLEMENTED"),
+        (
+            _RpcError(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"),
+            9,
+            "UNIMPLEMENTED: Method not found!: the server on /run/gpud/gpud.sock does not serve"
+            " this call: it is not gpud, or a gpud older than this gpuctl",
+        ),
         (_RpcError(grpc.StatusCode.PERMISSION_DENIED, "no"), 77, "no"),
         (
             _RpcError(grpc.StatusCode.UNAVAILABLE, "GPU 3 lost", (("gpud-exit-code", "10"),)),
