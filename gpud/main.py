@@ -130,10 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a simulated node instead of real NVML "
         f"(default {config.DEFAULT_SIMULATE}; products as NVML names them)",
     )
-    p.add_argument("--socket", type=Path, help="gRPC unix socket (default <run-dir>/gpud.sock)")
+    # paths as given: the config makes them absolute and refuses "" (Path("") is ".")
+    p.add_argument("--socket", help="gRPC unix socket (default <run-dir>/gpud.sock)")
     p.add_argument("--metrics-address", metavar="HOST:PORT", help="Prometheus /metrics address")
-    p.add_argument("--state-dir", type=Path, help="persistent state (default /var/lib/gpud)")
-    p.add_argument("--run-dir", type=Path, help="runtime files and sockets (default /run/gpud)")
+    p.add_argument("--state-dir", help="persistent state (default /var/lib/gpud)")
+    p.add_argument("--run-dir", help="runtime files and sockets (default /run/gpud)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--check-config", action="store_true", help="load and check the config, then exit"

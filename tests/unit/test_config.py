@@ -481,3 +481,13 @@ def test_check_config_checks_the_cluster_certificates(
     assert main(["--check-config", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"cluster.cert_file: {tmp_path}/n1.pem: no PEM certificate" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--state-dir", "--run-dir", "--socket"])
+def test_an_empty_path_flag_is_refused_not_taken_for_the_current_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    path = write(tmp_path, "")
+    assert main(["--check-config", "--config", str(path), "--simulate", flag, ""]) == 2
+    key = {"--state-dir": "daemon.state_dir", "--run-dir": "daemon.run_dir"}.get(flag, "api.socket")
+    assert f"command line:{key}: must be a non-empty path string" in capsys.readouterr().err
