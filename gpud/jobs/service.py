@@ -368,6 +368,17 @@ class JobService:
         with self._lock:
             return dict(self._unhealthy)
 
+    def unhealthy_devices(self) -> dict[str, str]:
+        """Device UUID -> ``"GPU N: reason"`` for each device on an unhealthy GPU, as of the
+        last tick. Without a lock (both sources are swapped whole): for reads on the event
+        loop, which a reservation or an MPS pass holding a lock must not hold back."""
+        sick = self._unhealthy
+        return {
+            s.target.uuid: f"GPU {s.target.gpu}: {sick[s.target.gpu]}"
+            for s in self._mps.last_status()
+            if s.target.uuid and s.target.gpu in sick
+        }
+
     def healthy_targets(self) -> list[MpsTarget]:
         """The devices a job may be placed on: every MPS target but those of unhealthy GPUs."""
         targets = self._mps.targets()
