@@ -12,6 +12,9 @@ import fcntl
 import os
 import socket
 import sys
+import threading
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -228,10 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpud: {err}", file=sys.stderr)
         return 1
     try:
-        return run(cfg, args)
+        code = run(cfg, args)
     finally:
         for fd in locks:
             os.close(fd)
+    exit_leaving_stuck_threads(code)
+    return code
 
 
 def run(cfg: config.Config, args: argparse.Namespace) -> int:
@@ -254,13 +259,47 @@ def run(cfg: config.Config, args: argparse.Namespace) -> int:
             notifier=Notifier.from_environ(os.environ),
             reload_config=lambda: load_config(args),
         )
-        return asyncio.run(daemon.run())
+        return serve_until_stopped(daemon.run())
     except ConfigError as err:  # what the operator must change: no restart mends it
         print(f"gpud: config error: {err}", file=sys.stderr)
         return 2
     except GpudError as err:
         print(f"gpud: {err}", file=sys.stderr)
         return 1
+
+
+WORKER_PREFIX = "gpud-worker"  # the daemon loop's worker threads (asyncio.to_thread)
+
+
+def serve_until_stopped(run: Coroutine[Any, Any, int]) -> int:
+    """``asyncio.run(run)``, but the loop's close does not wait for its worker threads: one
+    stuck in a driver call that never returns (a GPU that stopped answering mid-apply) is
+    left behind, as the stopped daemon logged (its plan is finished at the next start)."""
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix=WORKER_PREFIX))
+    try:
+        code = loop.run_until_complete(run)
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        return code
+    finally:
+        loop.close()  # shuts the default executor down without waiting
+
+
+def exit_leaving_stuck_threads(code: int, *, exit_now: Callable[[int], object] = os._exit) -> None:
+    """Exit with ``code`` at once when a worker thread is still stuck (interpreter exit
+    would join it, for as long as the driver call hangs); otherwise return, for the
+    ordinary exit."""
+    stuck = [t for t in threading.enumerate() if t.is_alive() and t.name.startswith(WORKER_PREFIX)]
+    if not stuck:
+        return
+    print(
+        f"gpud: exiting without {len(stuck)} thread(s) stuck in a call (a GPU that does not"
+        " answer)",
+        file=sys.stderr,
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    exit_now(code)
 
 
 if __name__ == "__main__":
