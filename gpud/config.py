@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import grp
 import ipaddress
 import math
 import os
@@ -431,6 +432,17 @@ def validate(config: Config, *, path: str) -> Config:
     parse_address(config.metrics.address, path=path, key="metrics.address")
     if config.api.tcp_address:
         parse_address(config.api.tcp_address, path=path, key="api.tcp_address")
+    if config.api.socket_group:
+        try:
+            grp.getgrnam(config.api.socket_group)
+        except KeyError:
+            group = config.api.socket_group
+            raise ConfigError(
+                f"group {group!r} does not exist: create it (groupadd --system {group}) or set"
+                " another",
+                path=path,
+                key="api.socket_group",
+            ) from None
     _validate_traffic(config.traffic, path=path)
     _validate_cluster(config.cluster, path=path, tick_s=config.daemon.tick_s)
     if config.backend.kind == "sim":

@@ -245,6 +245,7 @@ class Daemon:
                     self.mig,
                     default_drain_timeout_s=config.mig.drain_timeout_s,
                     read_timeout_s=config.telemetry.call_timeout_s,
+                    after_change=self._devices_changed,
                 ).register,
                 MpsServicer(self.mps, loads=self.jobs.loads).register,
                 JobsServicer(self.jobs).register,
@@ -435,6 +436,11 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._traffic_task), timeout=30.0)
         await on_daemon_thread(self.traffic.shutdown)
+
+    def _devices_changed(self) -> None:
+        """After a MIG apply: sample again and take the devices jobs are placed on from that
+        sample, not from the last tick's (a whole GPU just put into MIG mode, say)."""
+        self.mps.reconcile(self.sampler.tick())
 
     def _reboot_sim(self) -> None:
         """A simulated reboot under a running daemon: instances go, as on a real node; the

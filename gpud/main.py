@@ -12,6 +12,9 @@ import fcntl
 import os
 import socket
 import sys
+import threading
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,10 +34,19 @@ def make_dirs(cfg: config.Config) -> None:
         ("daemon.state_dir", cfg.daemon.state_dir),
         ("daemon.run_dir", cfg.daemon.run_dir),
     ):
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ConfigError(f"cannot create {path}: {err.strerror or err}", key=key) from None
+        make_dir(path, key)
+
+
+def make_dir(path: Path, key: str) -> None:
+    """``mkdir -p path``; a ConfigError naming ``key`` and the path when it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(
+            f"cannot create {path}: it exists and is not a directory", key=key
+        ) from None
+    except OSError as err:
+        raise ConfigError(f"cannot create {path}: {err.strerror or err}", key=key) from None
 
 
 LOCK_NAME = "gpud.lock"
@@ -64,9 +76,14 @@ def lock_dirs(cfg: config.Config) -> list[int]:
             raise ConfigError(
                 f"another gpud (pid {holder}) holds {lock}: is gpud already running?", key=key
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         held.append(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as err:  # a full disk
+            for other in held:
+                os.close(other)
+            raise ConfigError(f"cannot write {lock}: {err.strerror or err}", key=key) from None
     return held
 
 
@@ -77,7 +94,7 @@ def open_backend(cfg: config.Config) -> tuple[GpuBackend, SimNode | None]:
         from gpud.backend.sim import SimNode, parse_simulate_spec
 
         sim_dir = cfg.daemon.run_dir / "sim"
-        sim_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(sim_dir, "daemon.run_dir")
         node = SimNode(parse_simulate_spec(cfg.backend.simulate), state_file=sim_dir / "node.json")
         return NvmlBackend(node.nvml, reset=node.reset), node
     from gpud.backend.gpureset import nvidia_smi_reset
@@ -116,10 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a simulated node instead of real NVML "
         f"(default {config.DEFAULT_SIMULATE}; products as NVML names them)",
     )
-    p.add_argument("--socket", type=Path, help="gRPC unix socket (default <run-dir>/gpud.sock)")
+    # paths as given: the config makes them absolute and refuses "" (Path("") is ".")
+    p.add_argument("--socket", help="gRPC unix socket (default <run-dir>/gpud.sock)")
     p.add_argument("--metrics-address", metavar="HOST:PORT", help="Prometheus /metrics address")
-    p.add_argument("--state-dir", type=Path, help="persistent state (default /var/lib/gpud)")
-    p.add_argument("--run-dir", type=Path, help="runtime files and sockets (default /run/gpud)")
+    p.add_argument("--state-dir", help="persistent state (default /var/lib/gpud)")
+    p.add_argument("--run-dir", help="runtime files and sockets (default /run/gpud)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--check-config", action="store_true", help="load and check the config, then exit"
@@ -168,25 +186,27 @@ def check_cluster_files(cfg: config.Config) -> None:
     PeerTls.load(c.ca_file, c.cert_file, c.key_file, node=c.node or socket.gethostname())
 
 
-def check_metrics_host(cfg: config.Config, *, path: str) -> None:
-    """That ``metrics.address``'s host resolves to an address of this host, as the start
-    will need: a socket bound to it on port 0 (any free port), so that a port the running
-    gpud serves on is no error. Only for ``--check-config``; the start itself says the same
-    when it binds."""
-    if not cfg.metrics.enabled:
-        return
-    host, _ = config.parse_address(cfg.metrics.address, path=path, key="metrics.address")
-    try:
-        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, kind, proto, _, addr = infos[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.bind(addr)
-    except OSError as err:
-        raise ConfigError(
-            f"{cfg.metrics.address!r}: cannot serve on {host}: {err.strerror or err}",
-            path=path,
-            key="metrics.address",
-        ) from None
+def check_listen_hosts(cfg: config.Config, *, path: str) -> None:
+    """That the hosts of ``metrics.address`` and ``api.tcp_address`` resolve to addresses
+    of this host, as the start will need: a socket bound to each on port 0 (any free port),
+    so that a port the running gpud serves on is no error. Only for ``--check-config``; the
+    start itself says the same when it binds."""
+    for key, address, used in (
+        ("metrics.address", cfg.metrics.address, cfg.metrics.enabled),
+        ("api.tcp_address", cfg.api.tcp_address, bool(cfg.api.tcp_address)),
+    ):
+        if not used:
+            continue
+        host, _ = config.parse_address(address, path=path, key=key)
+        try:
+            infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            family, kind, proto, _, addr = infos[0]
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind(addr)
+        except OSError as err:
+            raise ConfigError(
+                f"{address!r}: cannot serve on {host}: {err.strerror or err}", path=path, key=key
+            ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.check_config:
         try:
-            check_metrics_host(cfg, path=str(args.config or config.DEFAULT_PATH))
+            check_listen_hosts(cfg, path=str(args.config or config.DEFAULT_PATH))
         except ConfigError as err:
             print(f"gpud: config error: {err}", file=sys.stderr)
             return 2
@@ -211,10 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpud: {err}", file=sys.stderr)
         return 1
     try:
-        return run(cfg, args)
+        code = run(cfg, args)
     finally:
         for fd in locks:
             os.close(fd)
+    exit_leaving_stuck_threads(code)
+    return code
 
 
 def run(cfg: config.Config, args: argparse.Namespace) -> int:
@@ -237,13 +259,47 @@ def run(cfg: config.Config, args: argparse.Namespace) -> int:
             notifier=Notifier.from_environ(os.environ),
             reload_config=lambda: load_config(args),
         )
-        return asyncio.run(daemon.run())
+        return serve_until_stopped(daemon.run())
     except ConfigError as err:  # what the operator must change: no restart mends it
         print(f"gpud: config error: {err}", file=sys.stderr)
         return 2
     except GpudError as err:
         print(f"gpud: {err}", file=sys.stderr)
         return 1
+
+
+WORKER_PREFIX = "gpud-worker"  # the daemon loop's worker threads (asyncio.to_thread)
+
+
+def serve_until_stopped(run: Coroutine[Any, Any, int]) -> int:
+    """``asyncio.run(run)``, but the loop's close does not wait for its worker threads: one
+    stuck in a driver call that never returns (a GPU that stopped answering mid-apply) is
+    left behind, as the stopped daemon logged (its plan is finished at the next start)."""
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix=WORKER_PREFIX))
+    try:
+        code = loop.run_until_complete(run)
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        return code
+    finally:
+        loop.close()  # shuts the default executor down without waiting
+
+
+def exit_leaving_stuck_threads(code: int, *, exit_now: Callable[[int], object] = os._exit) -> None:
+    """Exit with ``code`` at once when a worker thread is still stuck (interpreter exit
+    would join it, for as long as the driver call hangs); otherwise return, for the
+    ordinary exit."""
+    stuck = [t for t in threading.enumerate() if t.is_alive() and t.name.startswith(WORKER_PREFIX)]
+    if not stuck:
+        return
+    print(
+        f"gpud: exiting without {len(stuck)} thread(s) stuck in a call (a GPU that does not"
+        " answer)",
+        file=sys.stderr,
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    exit_now(code)
 
 
 if __name__ == "__main__":

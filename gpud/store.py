@@ -26,6 +26,9 @@ _UNWRITABLE = frozenset({8, 10, 13, 14})
 # SQLITE_PERM, SQLITE_READONLY, SQLITE_CANTOPEN: at open, the file's or the directory's
 # owner or mode, not the content
 _CANNOT_OPEN = frozenset({3, 8, 14})
+# SQLITE_IOERR, SQLITE_FULL: at open, the disk under the file (full: no room for the WAL
+# index, or failing), not its content
+_DISK = frozenset({10, 13})
 
 
 def _unreadable(path: Path, why: str) -> str:
@@ -81,7 +84,14 @@ class StateStore:
                 " ".join(str(row[0]).split()) for row in self._conn.execute("PRAGMA quick_check(5)")
             ]
         except sqlite3.Error as err:
-            if getattr(err, "sqlite_errorcode", 0) & 0xFF in _CANNOT_OPEN:
+            code = getattr(err, "sqlite_errorcode", 0) & 0xFF
+            if code in _DISK:
+                raise StateError(
+                    f"cannot open the state database {self.path} ({err}): the disk under it is"
+                    f" full or failing: free space in {state_dir} (or check the device), then"
+                    " start gpud again; nothing in the database was changed"
+                ) from None
+            if code in _CANNOT_OPEN:
                 raise StateError(
                     f"cannot open the state database {self.path} ({err}): gpud's user must be "
                     f"able to read and write it and to create files in {state_dir} (owner, "

@@ -115,6 +115,11 @@ class NodeServicer(pb_grpc.NodeServicer):
         )
         if snap is not None:
             resp.healthy_gpu_count = sum(1 for g in snap.gpus if g.healthy)
+            resp.unhealthy_gpus.extend(
+                f"GPU {g.identity.index}: {g.reason or 'unhealthy'}"
+                for g in snap.gpus
+                if not g.healthy
+            )
             resp.last_sample_age_seconds = max(0.0, now - snap.monotonic)
             resp.last_tick_seconds = snap.tick_seconds
         return resp

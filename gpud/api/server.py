@@ -85,7 +85,7 @@ class ApiServer:
             raise ConfigError(
                 f"group {self.socket_group!r} does not exist: create it "
                 f"(groupadd --system {self.socket_group}) or set another",
-                key="socket_group",
+                key="api.socket_group",
             ) from None
 
     def _clear_stale_socket(self) -> None:

@@ -210,6 +210,11 @@ class Context:
                 "(raise --timeout, or check `systemctl status gpud`)",
                 EXIT_NOT_RUNNING,
             )
+        if code == grpc.StatusCode.UNIMPLEMENTED:  # another gRPC server, or an older gpud
+            details += (
+                f": the server on {self.socket_path} does not serve this call: it is not gpud,"
+                " or a gpud older than this gpuctl"
+            )
         return CliError(f"{code.name}: {details}", _EXIT_BY_STATUS.get(code.name, 1))
 
     def close(self) -> None:

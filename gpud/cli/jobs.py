@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 from gpud.cli.context import UINT32, CliError, Context, Subparsers, integer
@@ -305,7 +306,19 @@ def run_ls(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print_table(
             HEADERS + COLO_HEADERS, [job_row(j) + colo_row(colo.get(j.name)) for j in resp.jobs]
         )
+        for line in unhealthy_lines(resp.jobs):
+            ctx.out.print(line)
     return 0
+
+
+def unhealthy_lines(jobs: Iterable[pb.Job]) -> list[str]:
+    """Under the table: each job that holds a device of an unhealthy GPU, the GPU and why."""
+    lines = []
+    for job in jobs:
+        for entry in job.unhealthy_gpus:
+            gpu, _, why = entry.partition(": ")
+            lines.append(f"job {job.name}: {gpu} unhealthy: {why}")
+    return lines
 
 
 def colo_state(ctx: Context) -> dict[str, dict[str, Any]]:

@@ -321,6 +321,8 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
         raise CliError(
             "run: give the command after --, e.g. gpuctl run --job a -- ./train", EXIT_USAGE
         )
+    if not command[0]:
+        raise CliError("run: the command's name is empty (an unset variable?)", EXIT_USAGE)
     try:
         resp = _reserve_advised(ctx, args)
         if resp is None:

@@ -42,4 +42,7 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows) + 1
     for key, value in rows:
         ctx.out.print(f"{key + ':':<{width}} {value}")
+    for line in resp.unhealthy_gpus:
+        gpu, _, why = line.partition(": ")
+        ctx.out.print(f"{gpu} unhealthy: {why}")
     return 0

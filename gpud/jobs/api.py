@@ -120,7 +120,14 @@ class JobsServicer(pb_grpc.JobsServicer):
         uses: dict[str | None, list[ProcessUse]] = {}
         for u in self._service.process_uses():
             uses.setdefault(u.job, []).append(u)
-        return [job_message(j, held.get(j.name, []), uses.get(j.name, [])) for j in jobs]
+        sick = self._service.unhealthy_devices()
+        messages = []
+        for j in jobs:
+            msg = job_message(j, held.get(j.name, []), uses.get(j.name, []))
+            devices = {d for r in held.get(j.name, []) for d in r.devices}
+            msg.unhealthy_gpus.extend(sorted({sick[d] for d in devices if d in sick}))
+            messages.append(msg)
+        return messages
 
     async def AddJob(self, request: pb.AddJobRequest, context: Any) -> pb.AddJobResponse:  # noqa: N802
         def add() -> pb.AddJobResponse:

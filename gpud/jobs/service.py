@@ -150,11 +150,17 @@ class JobService:
 
         def uuid(name: str) -> str:
             try:
-                return self._mps.resolve(name).uuid
+                target = self._mps.resolve(name)
             except NotFound:
                 if name.startswith(("GPU-", "MIG-")):
                     return name
                 raise
+            if not target.uuid:  # lost or hung since before gpud started: no UUID to keep
+                raise FailedPrecondition(
+                    f"device {name} is on GPU {target.gpu}, which is unhealthy:"
+                    f" {target.gpu_unhealthy or 'unhealthy'} (its UUID is not known yet)"
+                )
+            return target.uuid
 
         return tuple(uuid(n) for n in names)
 
@@ -364,6 +370,17 @@ class JobService:
         the last tick: no job is placed there."""
         with self._lock:
             return dict(self._unhealthy)
+
+    def unhealthy_devices(self) -> dict[str, str]:
+        """Device UUID -> ``"GPU N: reason"`` for each device on an unhealthy GPU, as of the
+        last tick. Without a lock (both sources are swapped whole): for reads on the event
+        loop, which a reservation or an MPS pass holding a lock must not hold back."""
+        sick = self._unhealthy
+        return {
+            s.target.uuid: f"GPU {s.target.gpu}: {sick[s.target.gpu]}"
+            for s in self._mps.last_status()
+            if s.target.uuid and s.target.gpu in sick
+        }
 
     def healthy_targets(self) -> list[MpsTarget]:
         """The devices a job may be placed on: every MPS target but those of unhealthy GPUs."""

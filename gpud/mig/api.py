@@ -128,11 +128,16 @@ class MigServicer(pb_grpc.MigServicer):
         *,
         default_drain_timeout_s: float = 300.0,
         read_timeout_s: float = _DEFAULT_READ_S,
+        after_change: Callable[[], None] | None = None,
     ) -> None:
         """``read_timeout_s``: how long ``ShowMig`` waits for a GPU's reads before it shows
         the GPU as not answering (the daemon passes ``telemetry.call_timeout_s``: a GPU that
-        takes longer is hung by telemetry's own measure, which marks it a moment later)."""
+        takes longer is hung by telemetry's own measure, which marks it a moment later).
+        ``after_change()`` runs, on a worker thread, after an apply that changed a GPU and
+        before it is answered (the daemon samples the devices again: a job started next is
+        placed on the new layout)."""
         self._manager = manager
+        self._after_change = after_change
         self._default_drain_s = default_drain_timeout_s  # for a drain without a timeout
         self._read_s = read_timeout_s
 
@@ -179,6 +184,12 @@ class MigServicer(pb_grpc.MigServicer):
                 config, name, options=options, dry_run=request.dry_run, still_wanted=still_wanted
             ),
         )
+        if (
+            self._after_change is not None
+            and not result.dry_run
+            and any(g.steps for g in result.gpus)
+        ):
+            await asyncio.to_thread(self._after_change)
         return apply_message(result)
 
     async def AssertMig(  # noqa: N802

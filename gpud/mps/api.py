@@ -82,8 +82,13 @@ class MpsServicer(pb_grpc.MpsServicer):
     def _show(self, request: pb.ShowMpsRequest) -> pb.ShowMpsResponse:
         statuses = self._manager.status()
         if request.HasField("device"):
-            uuid = self._manager.resolve(request.device).uuid
-            statuses = [s for s in statuses if s.target.uuid == uuid]
+            target = self._manager.resolve(request.device)
+            statuses = [
+                s
+                for s in statuses
+                if (s.target.uuid, s.target.gpu, s.target.mig)
+                == (target.uuid, target.gpu, target.mig)
+            ]
         loads = self._loads()
         return pb.ShowMpsResponse(
             mps_enabled=self._manager.enabled,

@@ -246,6 +246,8 @@ class MpsManager:
         self._sleep = sleep
         self._lock = threading.RLock()
         self._targets: dict[str, MpsTarget] = {}
+        # GPUs lost or hung before they were ever read: no UUID to key them by
+        self._unread: tuple[MpsTarget, ...] = ()
         self._seen: set[str] = set()  # device UUIDs of the last observe
         self._devices: dict[str, _Device] = {}
         self._last_status: tuple[MpsDeviceStatus, ...] = ()
@@ -290,7 +292,7 @@ class MpsManager:
         limit plus that may not exceed the device's memory (:class:`ResourceExhausted`).
         """
         with self._lock:
-            target = self.resolve(device)
+            target = self._resolve_read(device)
             old = self.limits(target.uuid)
             new = old
             if clear_threads:
@@ -364,7 +366,8 @@ class MpsManager:
     def targets(self) -> list[MpsTarget]:
         with self._lock:
             return sorted(
-                self._targets.values(), key=lambda t: (t.gpu, t.mig if t.mig is not None else -1)
+                [*self._targets.values(), *self._unread],
+                key=lambda t: (t.gpu, t.mig if t.mig is not None else -1),
             )
 
     def target(self, uuid: str) -> MpsTarget | None:
@@ -381,7 +384,7 @@ class MpsManager:
             if gpu_text.isdigit() and (not sep or mig_text.isdigit()):
                 gpu = int(gpu_text)
                 mig = int(mig_text) if sep else None
-                found = [t for t in self._targets.values() if t.gpu == gpu]
+                found = [t for t in self.targets() if t.gpu == gpu]
                 if mig is None and len(found) > 1:
                     names = device_names(found)
                     raise InvalidArgument(
@@ -398,8 +401,20 @@ class MpsManager:
                     f" devices: {device_names(migs)}",
                     field="gpu",
                 )
-            known = device_names(self._targets.values()) or "none yet"
+            known = device_names(self.targets()) or "none yet"
             raise NotFound(f"no GPU or MIG device {device!r} (known: {known}; or a GPU-/MIG- UUID)")
+
+    def _resolve_read(self, device: str) -> MpsTarget:
+        """:meth:`resolve`, refusing a GPU never read: limits are kept by UUID, and it has
+        none yet."""
+        target = self.resolve(device)
+        if not target.uuid:
+            raise FailedPrecondition(
+                f"GPU {target.gpu} has not been read since gpud started"
+                f" ({target.gpu_unhealthy or 'unhealthy'}): its UUID is unknown, so it takes"
+                " no MPS limits until it answers"
+            )
+        return target
 
     def pipe_dir(self, uuid: str) -> Path | None:
         """Where clients of ``uuid`` reach its daemon, or None when MPS is off for it."""
@@ -459,7 +474,9 @@ class MpsManager:
         """Replace the known devices (from the latest snapshot); a re-created MIG device gets
         the limits its place had (see the module docstring)."""
         with self._lock:
-            self._targets = {t.uuid: t for t in targets}
+            targets = list(targets)
+            self._targets = {t.uuid: t for t in targets if t.uuid}
+            self._unread = tuple(t for t in targets if not t.uuid)
             new = [
                 t for t in self._targets.values() if t.slot is not None and t.uuid not in self._seen
             ]
@@ -516,7 +533,7 @@ class MpsManager:
         isolated: a failure is logged and recorded in its status, and the pass goes on."""
         with self._lock:
             if snapshot is not None:
-                self.observe(targets_from_snapshot(snapshot, self._targets.values()))
+                self.observe(targets_from_snapshot(snapshot, self.targets()))
             for target in self.targets():
                 try:
                     self._reconcile_device(target)
@@ -724,7 +741,7 @@ class MpsManager:
         """``start_server -uid UID`` (MPS servers otherwise start with their first client);
         returns the server list."""
         with self._lock:
-            target = self.resolve(device)
+            target = self._resolve_read(device)
             dev = self._device(target.uuid)
             cmd = protocol.start_server(uid)
             protocol.parse_empty(cmd, dev.daemon.query(cmd))

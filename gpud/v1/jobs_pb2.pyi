@@ -149,6 +149,7 @@ class Job(_message.Message):
     CREATED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     RESERVATIONS_FIELD_NUMBER: _builtins.int
     PROCESSES_FIELD_NUMBER: _builtins.int
+    UNHEALTHY_GPUS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     kind: Global___JobKind.ValueType
     owner: _builtins.str
@@ -172,6 +173,12 @@ class Job(_message.Message):
     def processes(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobProcess]:
         """GPU processes attributed to it in the latest sample"""
 
+    @_builtins.property
+    def unhealthy_gpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """"GPU N: reason" for each unhealthy GPU (lost, not answering, a critical Xid) under a
+        device it holds, as of the latest sample
+        """
+
     def __init__(
         self,
         *,
@@ -188,10 +195,11 @@ class Job(_message.Message):
         created_unix_seconds: _builtins.float = ...,
         reservations: _abc.Iterable[Global___JobReservation] | None = ...,
         processes: _abc.Iterable[Global___JobProcess] | None = ...,
+        unhealthy_gpus: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_client_priority", b"_client_priority", "_gpu_count", b"_gpu_count", "_memory_limit_bytes", b"_memory_limit_bytes", "_mig_profile", b"_mig_profile", "_slo_p99_ms", b"_slo_p99_ms", "_threads_percent", b"_threads_percent", "client_priority", b"client_priority", "gpu_count", b"gpu_count", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "slo_p99_ms", b"slo_p99_ms", "threads_percent", b"threads_percent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_client_priority", b"_client_priority", "_gpu_count", b"_gpu_count", "_memory_limit_bytes", b"_memory_limit_bytes", "_mig_profile", b"_mig_profile", "_slo_p99_ms", b"_slo_p99_ms", "_threads_percent", b"_threads_percent", "client_priority", b"client_priority", "created_unix_seconds", b"created_unix_seconds", "devices", b"devices", "gpu_count", b"gpu_count", "kind", b"kind", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "name", b"name", "owner", b"owner", "processes", b"processes", "reservations", b"reservations", "slo_p99_ms", b"slo_p99_ms", "threads_percent", b"threads_percent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_client_priority", b"_client_priority", "_gpu_count", b"_gpu_count", "_memory_limit_bytes", b"_memory_limit_bytes", "_mig_profile", b"_mig_profile", "_slo_p99_ms", b"_slo_p99_ms", "_threads_percent", b"_threads_percent", "client_priority", b"client_priority", "created_unix_seconds", b"created_unix_seconds", "devices", b"devices", "gpu_count", b"gpu_count", "kind", b"kind", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "name", b"name", "owner", b"owner", "processes", b"processes", "reservations", b"reservations", "slo_p99_ms", b"slo_p99_ms", "threads_percent", b"threads_percent", "unhealthy_gpus", b"unhealthy_gpus"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__client_priority: _TypeAlias = _typing.Literal["client_priority"]  # noqa: Y015
     _WhichOneofArgType__client_priority: _TypeAlias = _typing.Literal["_client_priority", b"_client_priority"]  # noqa: Y015

@@ -1,4 +1,5 @@
 import dataclasses
+import errno
 import math
 import os
 import re
@@ -165,6 +166,39 @@ def test_a_directory_that_cannot_be_made_stops_start_up_naming_the_key(
     assert code == 1
     err = capsys.readouterr().err
     assert f"gpud: daemon.run_dir: cannot create {tmp_path}/file/run: Not a directory" in err
+
+
+def test_a_file_where_a_directory_goes_is_named_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ["--simulate", "--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path)]
+    cfg = write(tmp_path, "")
+    (tmp_path / "state").write_text("")
+    assert main(["--config", str(cfg), *flags]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"daemon.state_dir: cannot create {tmp_path}/state: it exists and is not a directory" in err
+    )
+    (tmp_path / "state").unlink()
+    (tmp_path / "sim").write_text("")  # where the simulated node keeps its devices
+    assert main(["--config", str(cfg), *flags]) == 1
+    err = capsys.readouterr().err
+    assert f"daemon.run_dir: cannot create {tmp_path}/sim: it exists and is not a directory" in err
+    assert "Traceback" not in err
+
+
+def test_a_lock_file_that_cannot_be_written_is_named_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", full)
+    flags = ["--simulate", "--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path)]
+    assert main(["--config", str(write(tmp_path, "")), *flags]) == 1
+    err = capsys.readouterr().err
+    lock = tmp_path / "state" / LOCK_NAME
+    assert f"gpud: daemon.state_dir: cannot write {lock}: No space left on device" in err
 
 
 def test_a_second_gpud_on_the_same_directories_stops_before_it_starts(
@@ -407,6 +441,28 @@ def test_check_config_finds_a_metrics_host_this_host_cannot_serve_on(
     assert main(["--check-config", "--config", str(path)]) == 0
 
 
+def test_a_socket_group_that_does_not_exist_names_file_and_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, '[api]\nsocket_group = "no-such-group-for-gpud"\n')
+    assert main(["--check-config", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:api.socket_group: group 'no-such-group-for-gpud' does not exist" in err
+    path = write(tmp_path, '[api]\nsocket_group = "root"\n')
+    assert main(["--check-config", "--config", str(path)]) == 0
+
+
+def test_check_config_finds_a_tcp_address_this_host_cannot_serve_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, '[api]\ntcp_address = "192.0.2.7:7000"\n')
+    assert main(["--check-config", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:api.tcp_address: '192.0.2.7:7000': cannot serve on 192.0.2.7" in err
+    path = write(tmp_path, '[api]\ntcp_address = "127.0.0.1:7000"\n')
+    assert main(["--check-config", "--config", str(path)]) == 0
+
+
 def test_check_config_checks_the_cluster_certificates(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -425,3 +481,13 @@ def test_check_config_checks_the_cluster_certificates(
     assert main(["--check-config", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"cluster.cert_file: {tmp_path}/n1.pem: no PEM certificate" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--state-dir", "--run-dir", "--socket"])
+def test_an_empty_path_flag_is_refused_not_taken_for_the_current_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    path = write(tmp_path, "")
+    assert main(["--check-config", "--config", str(path), "--simulate", flag, ""]) == 2
+    key = {"--state-dir": "daemon.state_dir", "--run-dir": "daemon.run_dir"}.get(flag, "api.socket")
+    assert f"command line:{key}: must be a non-empty path string" in capsys.readouterr().err

@@ -235,3 +235,34 @@ def test_a_stop_ends_within_its_budget_when_a_shutdown_hook_hangs(
     assert later == ["ran"]
     assert "did not end within" in caplog.text
     assert d.events.recent(1, "daemon.stop")
+
+
+def test_a_worker_thread_stuck_in_a_driver_call_does_not_keep_a_stopped_gpud() -> None:
+    """A GPU that stops answering mid-apply leaves a worker thread in a driver call that
+    may never return: the daemon stops without it (and says so), and so must the process,
+    not wait for the thread at the event loop's close or at interpreter exit."""
+    from gpud.main import exit_leaving_stuck_threads, serve_until_stopped
+
+    release = threading.Event()
+
+    async def daemon_run() -> int:
+        asyncio.get_running_loop().run_in_executor(None, release.wait)  # the hung call
+        await asyncio.sleep(0.05)
+        return 0
+
+    started = time.monotonic()
+    try:
+        assert serve_until_stopped(daemon_run()) == 0
+        assert time.monotonic() - started < 5
+        exits: list[int] = []
+        exit_leaving_stuck_threads(0, exit_now=exits.append)
+        assert exits == [0]  # a thread is stuck: exit at once
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() and t.name.startswith("gpud-worker") for t in threading.enumerate()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    exits.clear()
+    exit_leaving_stuck_threads(3, exit_now=exits.append)
+    assert exits == []  # nothing stuck: the ordinary exit

@@ -275,3 +275,41 @@ def test_mps_limits_on_a_mig_device_survive_its_re_creation(
         assert restored[0]["fields"]["uuid"] == after[0]["uuid"]
 
     run_daemon(config, body)
+
+
+def test_devices_are_current_as_soon_as_a_mig_apply_returns(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job started right after ``mig apply`` is placed on the new layout, not on the one of
+    the last tick: no whole GPU that has just gone into MIG mode, and its MIG devices are
+    there to be had."""
+    slow = {
+        "telemetry.interval_s": 600.0,
+        "daemon.tick_s": 600.0,
+        "backend.simulate": "H100-SXM5-80GB:1",
+    }
+    config = make_config(root).with_overrides(slow, source="test")
+    layout = root / "balanced.yaml"
+    layout.write_text(
+        HELD_OUT.replace("3g.20gb", "3g.40gb")
+        .replace("2g.10gb", "2g.20gb")
+        .replace("1g.5gb", "1g.10gb")
+    )
+    gpuctl = Gpuctl(config, capsys)
+    seen = root / "devices"
+
+    def body() -> None:
+        code, out, err = gpuctl("mig", "apply", "-f", str(layout), "-c", "custom-balanced")
+        assert code == 0, out + err
+        (gpu,) = gpuctl.gpus()
+        assert gpu["mig_mode"] == {"current": True, "pending": True}, gpu
+        assert len(gpu["mig_devices"]) == 4, gpu
+        run = ("run", "--job", "j", "--no-wait")
+        show = ("--", "sh", "-c", f"echo $CUDA_VISIBLE_DEVICES > {seen}")
+        code, out, err = gpuctl(*run, "--gpus", "1", *show)
+        assert code != 0 and not seen.exists(), err
+        code, out, err = gpuctl(*run, "--mig", "1g.10gb", *show)
+        assert code == 0, err
+        assert seen.read_text().startswith("MIG-")
+
+    run_daemon(config, body)

@@ -63,6 +63,7 @@ def test_status(capsys: pytest.CaptureFixture[str], sim_socket: str) -> None:
     assert "node-a (simulated node)" in out
     assert "sim, driver 550.54.15" in out
     assert "3 (2 healthy)" in out
+    assert "GPU 2 unhealthy: GPU lost" in out  # which one, and why
     assert "1h 02m" in out  # uptime 3725 s
     assert "500 ms ago" in out
 
@@ -72,6 +73,7 @@ def test_status_json(capsys: pytest.CaptureFixture[str], sim_socket: str) -> Non
     assert code == 0
     doc = json.loads(out)
     assert doc["gpu_count"] == 3 and doc["healthy_gpu_count"] == 2
+    assert doc["unhealthy_gpus"] == ["GPU 2: GPU lost"]
     assert doc["simulated"] is True and doc["backend"] == "sim"
     assert doc["last_sample_age_seconds"] == 0.5
 
@@ -357,7 +359,12 @@ class _RpcError(grpc.RpcError):
     [
         (_RpcError(grpc.StatusCode.UNAVAILABLE, "GOAWAY received"), 3, "systemctl start gpud"),
         (_RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), 3, "within 2 s"),
-        (_RpcError(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"), 9, "UNIMPLEMENTED"),
+        (
+            _RpcError(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"),
+            9,
+            "UNIMPLEMENTED: Method not found!: the server on /run/gpud/gpud.sock does not serve"
+            " this call: it is not gpud, or a gpud older than this gpuctl",
+        ),
         (_RpcError(grpc.StatusCode.PERMISSION_DENIED, "no"), 77, "no"),
         (
             _RpcError(grpc.StatusCode.UNAVAILABLE, "GPU 3 lost", (("gpud-exit-code", "10"),)),

@@ -248,6 +248,16 @@ def test_a_command_that_cannot_start_exits_127_and_releases(node: Node) -> None:
     assert node.jobs.reservations.held() == []
 
 
+def test_an_empty_command_name_is_refused_before_anything_is_reserved(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert node.ctl("run", "--job", "t", "--", "", "x") == 2
+    err = capsys.readouterr().err
+    assert "command" in err and "Traceback" not in err, err
+    assert node.jobs.reservations.held() == []
+    assert node.ctl("jobs", "ls", "t") == 4  # not even registered
+
+
 def test_gpuctl_jobs_add_ls_rm(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
     assert node.ctl("jobs", "add", "infer-b", "--kind", "inference", "--owner", "ana", "--mig", "3g.40gb",
                     "--threads", "30", "--memory", "8GiB", "--slo-p99-ms", "25") == 0  # fmt: skip

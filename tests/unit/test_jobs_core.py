@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gpud.backend.port import ProcessInfo
+from gpud.backend.port import ProcessInfo, unknown_identity
+from gpud.cli.jobs import unhealthy_lines
 from gpud.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -22,6 +23,7 @@ from gpud.errors import (
     ResourceExhausted,
 )
 from gpud.events import EventLog
+from gpud.jobs.api import JobsServicer
 from gpud.jobs.attribution import Attributor, memory_by_job
 from gpud.jobs.env import build_env
 from gpud.jobs.placement import DeviceLoad, Reservation, Reservations, choose_devices
@@ -31,6 +33,7 @@ from gpud.jobs.stops import RunStop, RunStops, StopReason
 from gpud.mps.manager import MpsManager, MpsTarget, targets_from_snapshot
 from gpud.shared import GIB, shell_exports
 from gpud.store import StateStore
+from gpud.telemetry.snapshot import GpuSample
 from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, gpu_uuid, mig_uuid, snapshot
 
 NODE = snapshot(
@@ -599,6 +602,42 @@ def test_no_job_is_placed_on_an_unhealthy_gpu(service: JobService) -> None:
         service.reserve(RunRequest("c"))
     service.tick(NODE)  # they answer again
     assert service.reserve(RunRequest("c")).env["CUDA_VISIBLE_DEVICES"]
+
+
+def test_a_job_holding_a_device_of_a_gpu_that_failed_says_so(service: JobService) -> None:
+    """``gpuctl jobs``: a job already running on a GPU that is lost since shows the GPU and
+    why, beside the job; the others show nothing."""
+    held = service.reserve(RunRequest("on-1", devices=(gpu_uuid(1),)))
+    other = service.reserve(RunRequest("on-mig", mig_profile="3g.40gb"))
+    lost = gpu_sample(1, memory_gib=80)._replace(healthy=False, reason="GPU lost (memory)")
+    service.tick(snapshot(NODE.gpus[0], lost, NODE.gpus[2]))
+    service._mps.reconcile()  # the MPS pass of the same tick
+    shown = {
+        j.name: list(j.unhealthy_gpus)
+        for j in JobsServicer(service)._messages(service.registry.all())
+    }
+    assert shown == {"on-1": ["GPU 1: GPU lost (memory)"], "on-mig": []}
+    assert "GPU 1 unhealthy: GPU lost (memory)" in "\n".join(
+        unhealthy_lines(JobsServicer(service)._messages(service.registry.all()))
+    )
+    for launch in (held, other):
+        service.release(launch.reservation.id)
+
+
+def test_a_gpu_never_read_named_by_index_is_refused_and_nothing_is_kept(
+    service: JobService, tmp_path: Path
+) -> None:
+    """GPUs 1 and 2 were lost before gpud started: no UUID, so a job naming one by index is
+    refused with the GPU and why, and no job is registered with an empty device."""
+    unread = [
+        GpuSample(identity=unknown_identity(i), healthy=False, reason="GPU lost", sampled_at=0)
+        for i in (1, 2)
+    ]
+    service._mps.observe(targets_from_snapshot(snapshot(NODE.gpus[0], *unread)))
+    for index in ("1", "2"):
+        with pytest.raises(FailedPrecondition, match=rf"on GPU {index}, which is unhealthy"):
+            service.reserve(RunRequest("pinned", devices=(index,)))
+    assert service.registry.all() == []
 
 
 @pytest.mark.parametrize("memory", [2**63, 2**64 - 1])

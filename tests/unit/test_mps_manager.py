@@ -113,6 +113,22 @@ def test_no_daemon_for_a_gpu_never_read(manager: MpsManager) -> None:
     assert status[1].up and status[1].pid is not None
 
 
+def test_every_gpu_never_read_is_listed(manager: MpsManager) -> None:
+    """Two GPUs lost before gpud started have no UUID: both stay listed, each under its own
+    index, and neither takes limits (they would be kept for no device, or for any)."""
+    unread = [
+        GpuSample(identity=unknown_identity(i), healthy=False, reason=f"lost {i}", sampled_at=0.0)
+        for i in (1, 2)
+    ]
+    manager.reconcile(snapshot(NODE.gpus[0], *unread))
+    status = {s.target.gpu: s.target.gpu_unhealthy for s in manager.status()}
+    assert status == {0: "", 1: "lost 1", 2: "lost 2"}
+    assert manager.resolve("2").gpu == 2
+    with pytest.raises(FailedPrecondition, match=r"GPU 2 .*lost 2"):
+        manager.set_limits("2", threads_percent=40)
+    assert manager.all_limits() == {}
+
+
 def test_one_daemon_per_gpu_with_unequal_limits(manager: MpsManager, root: Path) -> None:
     manager.reconcile(NODE)
     manager.set_limits("0", threads_percent=40, memory_bytes=20 * GIB)

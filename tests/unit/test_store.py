@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,39 @@ def test_a_database_that_cannot_be_opened_says_so_not_that_it_is_damaged(
     assert str(caught.value).startswith(f"cannot open the state database {tmp_path / DB_NAME}")
     assert f"create files in {tmp_path}" in str(caught.value)
     assert "restore" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("code", "why"), [(4874, "disk I/O error"), (13, "database or disk is full")]
+)
+def test_a_full_or_failing_disk_at_open_is_not_called_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, why: str
+) -> None:
+    """SQLite needs room for its WAL index to open a database: on a full disk it answers
+    an I/O error, which says nothing of the file, so the advice is to free space, not to
+    move the database aside (and forget what is in it)."""
+    fill(tmp_path)
+    connect = sqlite3.connect
+
+    class Disk:
+        def __init__(self, conn: sqlite3.Connection) -> None:
+            self._conn = conn
+            self.row_factory = None
+
+        def execute(self, sql: str) -> sqlite3.Cursor:
+            if "quick_check" in sql:
+                err = sqlite3.OperationalError(why)
+                err.sqlite_errorcode = code
+                raise err
+            return self._conn.execute(sql)
+
+    monkeypatch.setattr(sqlite3, "connect", lambda *a, **k: Disk(connect(*a, **k)))
+    with pytest.raises(StateError) as caught:
+        StateStore(tmp_path)
+    text = str(caught.value)
+    assert text.startswith(f"cannot open the state database {tmp_path / DB_NAME} ({why})")
+    assert f"free space in {tmp_path}" in text
+    assert "move it aside" not in text and "unreadable" not in text
 
 
 def test_a_table_of_another_layout_is_refused_at_start(tmp_path: Path) -> None:
