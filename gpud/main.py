@@ -278,11 +278,17 @@ def serve_until_stopped(run: Coroutine[Any, Any, int]) -> int:
     loop = asyncio.new_event_loop()
     loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix=WORKER_PREFIX))
     try:
-        code = loop.run_until_complete(run)
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        return code
+        return loop.run_until_complete(run)
     finally:
-        loop.close()  # shuts the default executor down without waiting
+        try:
+            # as asyncio.run: what is still pending is cancelled and let finish
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()  # shuts the default executor down without waiting
 
 
 def exit_leaving_stuck_threads(code: int, *, exit_now: Callable[[int], object] = os._exit) -> None:

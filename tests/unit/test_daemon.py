@@ -244,9 +244,18 @@ def test_a_worker_thread_stuck_in_a_driver_call_does_not_keep_a_stopped_gpud() -
     from gpud.main import exit_leaving_stuck_threads, serve_until_stopped
 
     release = threading.Event()
+    cancelled: list[bool] = []
+
+    async def forever() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
 
     async def daemon_run() -> int:
         asyncio.get_running_loop().run_in_executor(None, release.wait)  # the hung call
+        asyncio.get_running_loop().create_task(forever())  # as asyncio.run, cancelled
         await asyncio.sleep(0.05)
         return 0
 
@@ -254,6 +263,7 @@ def test_a_worker_thread_stuck_in_a_driver_call_does_not_keep_a_stopped_gpud() -
     try:
         assert serve_until_stopped(daemon_run()) == 0
         assert time.monotonic() - started < 5
+        assert cancelled == [True]
         exits: list[int] = []
         exit_leaving_stuck_threads(0, exit_now=exits.append)
         assert exits == [0]  # a thread is stuck: exit at once
