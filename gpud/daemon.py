@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import signal
 import threading
@@ -44,7 +45,7 @@ from gpud.colo.api import ColoServicer, Registered
 from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import ColoService, RunningJob
 from gpud.config import ClusterConfig, Config, TrafficConfig, parse_address
-from gpud.errors import ConfigError, GpudError
+from gpud.errors import ConfigError, GpudError, Unavailable
 from gpud.events import EventLog
 from gpud.jobs.api import JobsServicer
 from gpud.jobs.attribution import memory_by_job
@@ -511,6 +512,13 @@ class Daemon:
                 try:
                     metrics_server = start_metrics_server(registry, host, port)
                 except OSError as err:
+                    if err.errno == errno.EADDRINUSE:
+                        # another process holds the port, maybe for a moment: not the
+                        # config's fault, so exit 1 and let systemd's restart try again
+                        raise Unavailable(
+                            f"cannot serve /metrics on {host}:{port}: {err.strerror or err}"
+                            " (metrics.address; what holds it: ss -ltnp)"
+                        ) from err
                     raise ConfigError(
                         f"cannot serve /metrics on {host}:{port}: {err.strerror or err}",
                         key="metrics.address",

@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -285,17 +286,27 @@ def serve_until_stopped(run: Coroutine[Any, Any, int]) -> int:
             pending = asyncio.all_tasks(loop)
             for task in pending:
                 task.cancel()
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            if pending:  # gather() of nothing would belong to another loop
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
         finally:
             loop.close()  # shuts the default executor down without waiting
 
 
-def exit_leaving_stuck_threads(code: int, *, exit_now: Callable[[int], object] = os._exit) -> None:
-    """Exit with ``code`` at once when a worker thread is still stuck (interpreter exit
-    would join it, for as long as the driver call hangs); otherwise return, for the
-    ordinary exit."""
-    stuck = [t for t in threading.enumerate() if t.is_alive() and t.name.startswith(WORKER_PREFIX)]
+def exit_leaving_stuck_threads(
+    code: int, *, exit_now: Callable[[int], object] = os._exit, grace_s: float = 1.0
+) -> None:
+    """Exit with ``code`` at once when a worker thread is still stuck ``grace_s`` after the
+    loop closed (interpreter exit would join it, for as long as the driver call hangs);
+    otherwise return, for the ordinary exit. Idle workers end within the grace: the closed
+    loop told them to."""
+    deadline = time.monotonic() + grace_s
+    stuck = []
+    for t in threading.enumerate():
+        if t.name.startswith(WORKER_PREFIX):
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                stuck.append(t)
     if not stuck:
         return
     print(

@@ -201,6 +201,30 @@ def test_a_lock_file_that_cannot_be_written_is_named_not_a_traceback(
     assert f"gpud: daemon.state_dir: cannot write {lock}: No space left on device" in err
 
 
+def test_a_metrics_port_another_process_holds_is_exit_1_for_a_restart_not_a_config_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The shipped unit does not restart on exit 2 (a config error): a port held for a
+    moment by another process would stop gpud for good."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        flags = [
+            "--simulate",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--run-dir",
+            str(tmp_path),
+            "--metrics-address",
+            f"127.0.0.1:{port}",
+        ]
+        assert main(["--config", str(write(tmp_path, "")), *flags]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot serve /metrics on 127.0.0.1:{port}: Address already in use" in err
+    assert "metrics.address" in err
+
+
 def test_a_second_gpud_on_the_same_directories_stops_before_it_starts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

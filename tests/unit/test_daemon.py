@@ -12,7 +12,7 @@ import pytest
 
 from gpud.config import Config
 from gpud.daemon import Daemon, Step
-from gpud.errors import ConfigError
+from gpud.errors import Unavailable
 from gpud.main import mps_control_command, open_backend
 from gpud.notify import Notifier
 
@@ -49,12 +49,13 @@ def build(config: Config, reload_to: list[Config] | None = None) -> Daemon:
 
 
 def test_metrics_address_in_use_names_the_key(root: Path) -> None:
+    """Held by another process: no config error (exit 2 is never restarted), Unavailable."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         d = build(make_config(root, **{"metrics.address": f"127.0.0.1:{port}"}))
-        with pytest.raises(ConfigError, match=r"metrics\.address"):
+        with pytest.raises(Unavailable, match=r"metrics\.address"):
             asyncio.run(asyncio.wait_for(d.run(), timeout=20))
     assert not d.config.socket_path.exists()
 
