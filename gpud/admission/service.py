@@ -313,10 +313,7 @@ class AdmissionService:
             spec = _effective(job, request)
             verdict = self.classify(request_of(spec), fit)
             if isinstance(verdict, Unfeasible) and not keep_unfeasible:
-                remedy = f"; {verdict.remedy}" if verdict.remedy else ""
-                raise FailedPrecondition(
-                    f"job {job.name!r} can never start on this node as it is: {verdict.reason}{remedy}"
-                )
+                raise _never(job.name, verdict)
             queued = self.entries()
             if len(queued) >= self.config.max_queue:
                 raise ResourceExhausted(
@@ -499,13 +496,17 @@ class AdmissionService:
 
     # -- the gate and the tick ------------------------------------------------------------
     def gate(self, spec: JobSpec) -> tuple[str, ...] | None:
-        """Where a job asking to start now may go: as if it joined the queue's tail."""
+        """Where a job asking to start now may go: as if it joined the queue's tail. A job
+        that can never start here is refused as such (not as taken for now), queue or not."""
         fit = self.fit()
-        if fit is None or not self.config.enabled:
+        if fit is None:
             return None
         request = request_of(spec)
-        if isinstance(self.classify(request, fit), Unfeasible):
-            return None  # the reservation's own placement says why
+        verdict = self.classify(request, fit)
+        if isinstance(verdict, Unfeasible):
+            raise _never(spec.name, verdict)
+        if not self.config.enabled:
+            return None
         queued = self.entries()
         candidate = Queued("\0new", request, 1 << 62, self._clock())
         result = admission_pass(
@@ -689,6 +690,13 @@ class AdmissionService:
             return None
         records = [h.record() for h in self.history(since=self._area_since)]
         return littles_residual(records, self._area, start=self._area_since, end=self._last_tick)
+
+
+def _never(job: str, verdict: Unfeasible) -> FailedPrecondition:
+    remedy = f"; {verdict.remedy}" if verdict.remedy else ""
+    return FailedPrecondition(
+        f"job {job!r} can never start on this node as it is: {verdict.reason}{remedy}"
+    )
 
 
 def _effective(job: JobSpec, request: RunRequest) -> JobSpec:

@@ -295,3 +295,19 @@ def test_a_queued_job_starts_without_holding_the_store_while_it_reserves(node: N
     started = node.admission.view(entry.entry.id)
     assert started.entry.state == STARTED and started.reservation is not None
     assert [r.job for r in node.jobs.reservations.held()] == ["b"]
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_a_request_no_device_can_hold_is_refused_as_never_fitting(node: Node, busy: bool) -> None:
+    # `gpuctl run --no-wait` (and `gpuctl env --reserve`) reserve at once: a request more
+    # than any GPU holds was refused as taken for now (exit 7, "try again later"), with the
+    # numbers of whatever GPU happened to be busiest, where queueing it says it never fits.
+    if busy:
+        node.jobs.reserve(whole("a"))
+    big = RunRequest(job="big", gpu_count=1, memory_bytes=2**62)
+    with pytest.raises(FailedPrecondition, match="can never start on this node as it is"):
+        node.jobs.reserve(big)
+    node.admission.config = AdmissionConfig(enabled=False)
+    with pytest.raises(FailedPrecondition, match="0 of them have that much"):
+        node.jobs.reserve(big)
+    assert [r.job for r in node.jobs.reservations.held()] == (["a"] if busy else [])
