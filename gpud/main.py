@@ -187,6 +187,21 @@ def check_cluster_files(cfg: config.Config) -> None:
     PeerTls.load(c.ca_file, c.cert_file, c.key_file, node=c.node or socket.gethostname())
 
 
+def check_mig_config_file(cfg: config.Config, *, path: str) -> None:
+    """That ``admission.mig_config`` reads and parses as a mig-parted file. Only for
+    ``--check-config``: the running gpud reads it on each use (it may appear later), and
+    says in its log when it cannot."""
+    named = cfg.admission.mig_config
+    if named is None:
+        return
+    from gpud.mig.layout import load_config as load_mig_config
+
+    try:
+        load_mig_config(named)
+    except GpudError as err:
+        raise ConfigError(str(err), path=path, key="admission.mig_config") from None
+
+
 def check_listen_hosts(cfg: config.Config, *, path: str) -> None:
     """That the hosts of ``metrics.address`` and ``api.tcp_address`` resolve to addresses
     of this host, as the start will need: a socket bound to each on port 0 (any free port),
@@ -220,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         try:
             check_listen_hosts(cfg, path=str(args.config or config.DEFAULT_PATH))
+            check_mig_config_file(cfg, path=str(args.config or config.DEFAULT_PATH))
         except ConfigError as err:
             print(f"gpud: config error: {err}", file=sys.stderr)
             return 2

@@ -465,6 +465,26 @@ def test_check_config_finds_a_metrics_host_this_host_cannot_serve_on(
     assert main(["--check-config", "--config", str(path)]) == 0
 
 
+def test_check_config_reads_the_mig_config_file_the_queue_would_offer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope.yaml"
+    path = write(tmp_path, f'[admission]\nmig_config = "{missing}"\n')
+    assert main(["--check-config", "--config", str(path)]) == 2
+    assert f"{path}:admission.mig_config: {missing}: " in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: v1\nmig-configs: 3\n")
+    path = write(tmp_path, f'[admission]\nmig_config = "{bad}"\n')
+    assert main(["--check-config", "--config", str(path)]) == 2
+    assert f"{path}:admission.mig_config: " in capsys.readouterr().err
+    good = tmp_path / "good.yaml"
+    good.write_text(
+        "version: v1\nmig-configs:\n  all-disabled:\n    - devices: all\n      mig-enabled: false\n"
+    )
+    path = write(tmp_path, f'[admission]\nmig_config = "{good}"\n')
+    assert main(["--check-config", "--config", str(path)]) == 0
+
+
 def test_a_socket_group_that_does_not_exist_names_file_and_key(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
