@@ -125,6 +125,7 @@ class ClusterAgent:
         self._lock = threading.Lock()  # swapping the aggregator (a new epoch, stepping down)
         self._aggregator: Aggregator | None = None
         self._agg_epoch = 0
+        self._issued = (0, 0)  # (epoch, seq) of the last order this node computed
         self._settled_at = 0.0  # (clock) when this leadership may hand out its first order
         self.mode = Mode.LOCAL
         self.order: Order | None = None  # the newest applied order (this node's share)
@@ -313,6 +314,9 @@ class ClusterAgent:
                     tags=self._tag_store(epoch),
                     node_timeout_s=self._node_timeout_s,
                     reserved=self._reserved,
+                    # leading the same epoch again (a renewal came late, then etcd renewed
+                    # the lease): its sequence goes on, or every node would refuse it
+                    after=self._issued,
                 )
                 self._agg_epoch = epoch
                 self._settled_at = now + self._settle_s
@@ -329,7 +333,9 @@ class ClusterAgent:
         agg.receive(report, now)
         if now < self._settled_at:
             return None
-        return agg.compute(epoch, now, wall=self._wall())
+        order = agg.compute(epoch, now, wall=self._wall())
+        self._issued = (order.epoch, order.seq)
+        return order
 
     def receive(self, report: NodeReport, *, peer: str = "") -> Order | None:
         """A peer's report (peer servicer; ``peer``: its address): kept for the next
@@ -396,16 +402,18 @@ class ClusterAgent:
         """Apply ``order``; False if it was stale or the traffic service refused it."""
         if not self.fence.admit(order):
             log.warning(
-                "cluster: rejected an order of epoch %d from %s: newest applied is epoch %d",
+                "cluster: rejected order %d.%d (epoch.seq) from %s: newest applied is %d.%d",
                 order.epoch,
+                order.seq,
                 order.leader or "?",
                 self.fence.epoch,
+                self.fence.seq,
             )
             if self._events is not None:
                 self._events.emit(
                     "cluster.stale_order",
-                    f"rejected an order of epoch {order.epoch} from {order.leader}: "
-                    f"epoch {self.fence.epoch} is in force",
+                    f"rejected order {order.epoch}.{order.seq} (epoch.seq) from "
+                    f"{order.leader}: {self.fence.epoch}.{self.fence.seq} is in force",
                     epoch=order.epoch,
                     leader=order.leader,
                 )

@@ -457,3 +457,33 @@ async def test_a_node_that_cannot_report_publishes_why_for_every_node_to_see() -
     assert board.writes[-1] == ("clear", "n1") and board.entries == {}
     await follower.tick()
     assert board.writes.count(("clear", "n1")) == 1
+
+
+async def test_a_leader_that_resumes_its_epoch_after_a_late_renewal_is_still_followed() -> None:
+    # A renewal that comes late (a loaded host) makes the leader count itself not leading
+    # for a moment; once etcd renews the same lease it leads the same epoch again. Its new
+    # round must continue the epoch's sequence: orders numbered from 1 again would be
+    # refused as stale by every node (itself included) until they caught up.
+    clock, peers = Clock(), LoopbackPeers()
+    election = FixedElection(LeaderInfo("n0", "a0", epoch=7, leading=True))
+    t0, t1 = FakeTraffic((job("a", 0.9),)), FakeTraffic((job("b", 0.5),))
+    leader = agent("n0", election.info, t0, peers, clock)
+    leader.election = election
+    follower = agent("n1", LeaderInfo("n0", "a0", epoch=7, leading=False), t1, peers, clock)
+    peers.leader = leader
+    for _ in range(5):
+        clock.now += 0.5
+        await leader.tick()
+        await follower.tick()
+    assert follower.fence.seq >= 4
+    election.info = LeaderInfo("", "", epoch=7, leading=False, store_ok=False)
+    await leader.tick()
+    election.info = LeaderInfo("n0", "a0", epoch=7, leading=True)
+    for _ in range(2):
+        clock.now += 0.5
+        await leader.tick()
+        await follower.tick()
+    assert leader.fence.rejected == 0 and follower.fence.rejected == 0
+    assert leader.order is not None and follower.order is not None
+    assert follower.order.seq == leader.order.seq > 5
+    assert leader.mode is Mode.LEADER and follower.mode is Mode.FOLLOWER
