@@ -42,6 +42,11 @@ def test_single_needs_nothing() -> None:
         ("grace_s = -1.0", "cluster.grace_s"),
         ('etcd_prefix = "gpud"', "cluster.etcd_prefix"),
         ('listen = "nowhere"', "cluster.listen"),
+        # what the other nodes dial: no wildcard host, no port 0
+        ('advertise = "0.0.0.0:7443"', "cluster.advertise"),
+        ('advertise = "[::]:7443"', "cluster.advertise"),
+        ('advertise = ":7443"', "cluster.advertise"),
+        ('advertise = "10.0.0.7:0"', "cluster.advertise"),
         (
             'election = "etcd"\nlisten = "127.0.0.1:0"\nca_file = "a"\ncert_file = "b"\n'
             'key_file = "c"\netcd_endpoints = "ftp://x:1"',
