@@ -344,9 +344,14 @@ class ClusterAgent:
         info = self.election.state()
         with self._lock:
             agg = self._aggregator
-        if not info.leading or agg is None:
+        if not info.leading:
             leader = f"; the leader is {info.leader} at {info.address}" if info.leader else ""
             raise FailedPrecondition(f"{self.node} does not lead{leader}")
+        if agg is None:
+            # elected a moment ago, its first round not begun: "no order yet", as while
+            # it settles (the node reports again shortly); the round begins now
+            self.request_round(0.0)
+            return None
         try:
             if report.node == self.node:
                 raise FailedPrecondition(

@@ -487,3 +487,17 @@ async def test_a_leader_that_resumes_its_epoch_after_a_late_renewal_is_still_fol
     assert leader.order is not None and follower.order is not None
     assert follower.order.seq == leader.order.seq > 5
     assert leader.mode is Mode.LEADER and follower.mode is Mode.FOLLOWER
+
+
+async def test_a_leader_elected_before_its_first_round_answers_no_order_yet() -> None:
+    # Elected a moment ago, its first round not begun: a node's report gets "no order
+    # yet" (it retries shortly), not "n0 does not lead; the leader is n0".
+    clock, peers = Clock(), LoopbackPeers()
+    leader = agent("n0", LeaderInfo("n0", "a0", 7, True), FakeTraffic(), peers, clock)
+    rounds: list[float] = []
+    leader.request_round = rounds.append
+    assert leader.receive(NodeReport("n1")) is None
+    assert rounds == [0.0]
+    follower = agent("n1", LeaderInfo("n0", "a0", 7, False), FakeTraffic(), peers, clock)
+    with pytest.raises(FailedPrecondition, match="n1 does not lead; the leader is n0"):
+        follower.receive(NodeReport("n2"))
