@@ -224,7 +224,7 @@ class ClusterAgent:
             if (
                 order is not None
                 and self.election.state().leading
-                and self._apply(order.for_jobs(j.job for j in report.jobs))
+                and self._apply(order.for_jobs(j.job for j in report.jobs), info)
             ):
                 # peers cannot connect to a leader whose certificate expired: say why
                 self.last_error = problem
@@ -242,7 +242,7 @@ class ClusterAgent:
                     if order is None:  # a new leader has not folded our report in yet
                         self.last_error = ""
                         self.request_round(RETRY_S)
-                    elif self._apply(order):
+                    elif self._apply(order, info):
                         self.last_error = ""
             elif info.leader == self.node:
                 self._note_error(
@@ -403,9 +403,12 @@ class ClusterAgent:
             order = agg.order
         return order.for_jobs(jobs) if order is not None else None
 
-    def _apply(self, order: Order) -> bool:
-        """Apply ``order``; False if it was stale or the traffic service refused it."""
-        if not self.fence.admit(order):
+    def _apply(self, order: Order, info: LeaderInfo) -> bool:
+        """Apply ``order``; False if it was stale or the traffic service refused it.
+        ``info``: the election's view the order was asked under."""
+        newest = self.fence.epoch
+        elected = info.epoch if order.leader == (self.node if info.leading else info.leader) else 0
+        if not self.fence.admit(order, elected=elected):
             log.warning(
                 "cluster: rejected order %d.%d (epoch.seq) from %s: newest applied is %d.%d",
                 order.epoch,
@@ -423,7 +426,17 @@ class ClusterAgent:
                     leader=order.leader,
                 )
             return False
-        result = self._traffic.apply_order(order.epoch, order.levels, order.tags)
+        restart = order.epoch < newest
+        if restart:
+            log.warning(
+                "cluster: etcd names %s the leader in epoch %d, below the newest applied, %d: "
+                "etcd's revisions went back (restored from a snapshot, or a new etcd); "
+                "following it",
+                order.leader,
+                order.epoch,
+                newest,
+            )
+        result = self._traffic.apply_order(order.epoch, order.levels, order.tags, restart=restart)
         if not result.applied:
             # The previous order stays in force: not a contact, so the node holds it and
             # then falls back to its local policy rather than claim to follow an order it
