@@ -473,7 +473,15 @@ def _validate_cluster(c: ClusterConfig, *, path: str, tick_s: float) -> None:
     if c.listen:
         parse_address(c.listen, path=path, key="cluster.listen")
     if c.advertise:
-        parse_address(c.advertise, path=path, key="cluster.advertise")
+        host, port = parse_address(c.advertise, path=path, key="cluster.advertise")
+        if host in ("0.0.0.0", "::") or port == 0:
+            raise ConfigError(
+                f"{c.advertise!r}: the other nodes dial this address: it needs this node's "
+                "host and port (no wildcard host, no port 0; leave it out to advertise "
+                "cluster.listen with the port bound)",
+                path=path,
+                key="cluster.advertise",
+            )
     if not c.etcd_prefix.startswith("/"):
         raise ConfigError(
             f"{c.etcd_prefix!r} must start with /", path=path, key="cluster.etcd_prefix"

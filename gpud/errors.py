@@ -44,8 +44,13 @@ class ConfigError(GpudError):
     def __init__(self, message: str, *, path: str | None = None, key: str | None = None):
         where = ":".join(p for p in (path, key) if p)
         super().__init__(f"{where}: {message}" if where else message)
+        self.message = message
         self.path = path
         self.key = key
+
+    def in_file(self, path: str) -> ConfigError:
+        """This error, naming ``path`` as the file it is in unless it names one already."""
+        return self if self.path else ConfigError(self.message, path=path, key=self.key)
 
 
 class StateError(GpudError):

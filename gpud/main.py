@@ -171,20 +171,37 @@ def load_config(args: argparse.Namespace) -> config.Config:
     loaded = config.load(path, required=args.config is not None)
     final = loaded.with_overrides(flag_overrides(args), source="command line")
     config.check_socket(final, path=str(path))
-    check_cluster_files(final)
+    check_cluster_files(final, path=str(path))
     return final
 
 
-def check_cluster_files(cfg: config.Config) -> None:
+def check_cluster_files(cfg: config.Config, *, path: str) -> None:
     """The cluster's CA, certificate and key, checked as the peer API will use them (see
-    ``PeerTls.load``), so that ``--check-config``, a start and a reload all find a bad one
-    as a config error naming the file."""
+    ``PeerTls.load``), and the etcd client's files readable, so that ``--check-config``, a
+    start and a reload all find a bad one as a config error naming the file."""
     c = cfg.cluster
     if c.election != "etcd":
         return
     from gpud.cluster.tls import PeerTls  # ssl and grpc: only for a node of a cluster
 
-    PeerTls.load(c.ca_file, c.cert_file, c.key_file, node=c.node or socket.gethostname())
+    try:
+        PeerTls.load(c.ca_file, c.cert_file, c.key_file, node=c.node or socket.gethostname())
+    except ConfigError as err:
+        raise err.in_file(path) from None
+    for key, file in (
+        ("etcd_ca_file", c.etcd_ca_file),
+        ("etcd_cert_file", c.etcd_cert_file),
+        ("etcd_key_file", c.etcd_key_file),
+        ("etcd_password_file", c.etcd_password_file),
+    ):
+        if file is None:
+            continue
+        try:
+            file.read_bytes()
+        except OSError as err:
+            raise ConfigError(
+                f"cannot read {file}: {err.strerror}", path=path, key=f"cluster.{key}"
+            ) from None
 
 
 def check_mig_config_file(cfg: config.Config, *, path: str) -> None:
@@ -210,6 +227,7 @@ def check_listen_hosts(cfg: config.Config, *, path: str) -> None:
     for key, address, used in (
         ("metrics.address", cfg.metrics.address, cfg.metrics.enabled),
         ("api.tcp_address", cfg.api.tcp_address, bool(cfg.api.tcp_address)),
+        ("cluster.listen", cfg.cluster.listen, cfg.cluster.election == "etcd"),
     ):
         if not used:
             continue

@@ -125,6 +125,7 @@ class ClusterAgent:
         self._lock = threading.Lock()  # swapping the aggregator (a new epoch, stepping down)
         self._aggregator: Aggregator | None = None
         self._agg_epoch = 0
+        self._issued = (0, 0)  # (epoch, seq) of the last order this node computed
         self._settled_at = 0.0  # (clock) when this leadership may hand out its first order
         self.mode = Mode.LOCAL
         self.order: Order | None = None  # the newest applied order (this node's share)
@@ -223,7 +224,7 @@ class ClusterAgent:
             if (
                 order is not None
                 and self.election.state().leading
-                and self._apply(order.for_jobs(j.job for j in report.jobs))
+                and self._apply(order.for_jobs(j.job for j in report.jobs), info)
             ):
                 # peers cannot connect to a leader whose certificate expired: say why
                 self.last_error = problem
@@ -241,7 +242,7 @@ class ClusterAgent:
                     if order is None:  # a new leader has not folded our report in yet
                         self.last_error = ""
                         self.request_round(RETRY_S)
-                    elif self._apply(order):
+                    elif self._apply(order, info):
                         self.last_error = ""
             elif info.leader == self.node:
                 self._note_error(
@@ -313,6 +314,9 @@ class ClusterAgent:
                     tags=self._tag_store(epoch),
                     node_timeout_s=self._node_timeout_s,
                     reserved=self._reserved,
+                    # leading the same epoch again (a renewal came late, then etcd renewed
+                    # the lease): its sequence goes on, or every node would refuse it
+                    after=self._issued,
                 )
                 self._agg_epoch = epoch
                 self._settled_at = now + self._settle_s
@@ -329,7 +333,9 @@ class ClusterAgent:
         agg.receive(report, now)
         if now < self._settled_at:
             return None
-        return agg.compute(epoch, now, wall=self._wall())
+        order = agg.compute(epoch, now, wall=self._wall())
+        self._issued = (order.epoch, order.seq)
+        return order
 
     def receive(self, report: NodeReport, *, peer: str = "") -> Order | None:
         """A peer's report (peer servicer; ``peer``: its address): kept for the next
@@ -338,9 +344,14 @@ class ClusterAgent:
         info = self.election.state()
         with self._lock:
             agg = self._aggregator
-        if not info.leading or agg is None:
+        if not info.leading:
             leader = f"; the leader is {info.leader} at {info.address}" if info.leader else ""
             raise FailedPrecondition(f"{self.node} does not lead{leader}")
+        if agg is None:
+            # elected a moment ago, its first round not begun: "no order yet", as while
+            # it settles (the node reports again shortly); the round begins now
+            self.request_round(0.0)
+            return None
         try:
             if report.node == self.node:
                 raise FailedPrecondition(
@@ -392,25 +403,40 @@ class ClusterAgent:
             order = agg.order
         return order.for_jobs(jobs) if order is not None else None
 
-    def _apply(self, order: Order) -> bool:
-        """Apply ``order``; False if it was stale or the traffic service refused it."""
-        if not self.fence.admit(order):
+    def _apply(self, order: Order, info: LeaderInfo) -> bool:
+        """Apply ``order``; False if it was stale or the traffic service refused it.
+        ``info``: the election's view the order was asked under."""
+        newest = self.fence.epoch
+        elected = info.epoch if order.leader == (self.node if info.leading else info.leader) else 0
+        if not self.fence.admit(order, elected=elected):
             log.warning(
-                "cluster: rejected an order of epoch %d from %s: newest applied is epoch %d",
+                "cluster: rejected order %d.%d (epoch.seq) from %s: newest applied is %d.%d",
                 order.epoch,
+                order.seq,
                 order.leader or "?",
                 self.fence.epoch,
+                self.fence.seq,
             )
             if self._events is not None:
                 self._events.emit(
                     "cluster.stale_order",
-                    f"rejected an order of epoch {order.epoch} from {order.leader}: "
-                    f"epoch {self.fence.epoch} is in force",
+                    f"rejected order {order.epoch}.{order.seq} (epoch.seq) from "
+                    f"{order.leader}: {self.fence.epoch}.{self.fence.seq} is in force",
                     epoch=order.epoch,
                     leader=order.leader,
                 )
             return False
-        result = self._traffic.apply_order(order.epoch, order.levels, order.tags)
+        restart = order.epoch < newest
+        if restart:
+            log.warning(
+                "cluster: etcd names %s the leader in epoch %d, below the newest applied, %d: "
+                "etcd's revisions went back (restored from a snapshot, or a new etcd); "
+                "following it",
+                order.leader,
+                order.epoch,
+                newest,
+            )
+        result = self._traffic.apply_order(order.epoch, order.levels, order.tags, restart=restart)
         if not result.applied:
             # The previous order stays in force: not a contact, so the node holds it and
             # then falls back to its local policy rather than claim to follow an order it

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -216,13 +217,17 @@ class PeerClient:
         self._credentials = tls.channel_credentials()
         self._timeout_s = timeout_s
         self._channels: dict[tuple[str, str], Any] = {}
+        self._closing: set[asyncio.Task[None]] = set()  # old leaders' channels
 
     async def _stub(self, address: str, leader: str) -> Any:
         key = (address, leader)
         channel = self._channels.get(key)
         if channel is None:
-            # a new leader: the old channels go (taken out before the await, so a
-            # concurrent call finds the new channel, not one being closed)
+            # a new leader: the old channels go (taken out at once, so a concurrent call
+            # finds the new channel, not one being closed). A call still waiting on one
+            # (a report to the old leader while `gpuctl cluster status` dials the new
+            # one) ends by its own deadline: a channel closed under it would cancel it,
+            # an asyncio cancellation of the caller's task.
             old, self._channels = list(self._channels.values()), {}
             channel = grpc.aio.secure_channel(
                 address,
@@ -236,7 +241,9 @@ class PeerClient:
             )
             self._channels[key] = channel
             for stale in old:
-                await stale.close()
+                task = asyncio.create_task(stale.close(grace=self._timeout_s))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
         return pb_grpc.ClusterPeerStub(channel)
 
     async def report(self, address: str, leader: str, report: NodeReport) -> Order | None:
@@ -265,3 +272,5 @@ class PeerClient:
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

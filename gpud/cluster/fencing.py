@@ -3,6 +3,8 @@
 * Epochs come from the election (an etcd revision: every new leader's is higher). A node
   applies an order only if its epoch is >= the newest it has applied, and within one epoch
   only a newer ``seq``; an order from a deposed leader that is still talking is rejected.
+  The exception: the leader etcd names now, in the epoch it names, when etcd's revisions
+  went back (an etcd restored from a snapshot, or a new one).
 * With no leader reachable a node keeps enforcing its last order (``holding``) and goes
   back to its local leveller only after ``grace_s`` without contact (``local``), so a
   leader failover or an etcd restart changes nothing on the wire.
@@ -31,9 +33,19 @@ class Fence:
     seq: int = 0
     rejected: int = 0
 
-    def admit(self, order: Order) -> bool:
-        """True (and remembered) if ``order`` may be applied; False counts a rejection."""
-        if order.epoch < self.epoch or (order.epoch == self.epoch and order.seq < self.seq):
+    def admit(self, order: Order, *, elected: int = 0) -> bool:
+        """True (and remembered) if ``order`` may be applied; False counts a rejection.
+
+        ``elected``: the epoch etcd names now for the order's leader, as this node read it
+        (0: not that leader). An order of exactly that epoch is admitted even when lower
+        than the newest applied: etcd's revisions went back (restored from a snapshot, or
+        a new etcd), and no higher epoch can come; a deposed leader's is not the one
+        etcd names.
+        """
+        went_back = order.epoch < self.epoch and order.epoch == elected
+        if not went_back and (
+            order.epoch < self.epoch or (order.epoch == self.epoch and order.seq < self.seq)
+        ):
             self.rejected += 1
             return False
         self.epoch, self.seq = order.epoch, order.seq

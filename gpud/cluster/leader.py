@@ -60,7 +60,11 @@ class Aggregator:
         node_timeout_s: float,
         release_after_s: float | None = None,
         reserved: Iterable[int] = DEFAULT_RESERVED,
+        after: tuple[int, int] = (0, 0),
     ) -> None:
+        """``after``: the (epoch, seq) of the last order an earlier aggregator of this
+        leader computed; a round of the same epoch continues its sequence (the nodes have
+        applied those orders and would refuse lower numbers as stale)."""
         self.leader = leader
         self._leveller = leveller
         self._tag_store = tags
@@ -76,8 +80,7 @@ class Aggregator:
         self._peers: dict[str, str] = {}  # node -> the address its latest report came from
         self._former: dict[str, dict[str, None]] = {}  # node -> instances a newer one replaced
         self._job_seen: dict[str, float] = {}
-        self._epoch = 0
-        self._seq = 0
+        self._epoch, self._seq = after
         self._included: set[str] = set()  # nodes whose reports the last order folded in
         self.untagged: tuple[str, ...] = ()  # jobs of the last round left without a tag
         self.order: Order | None = None

@@ -92,12 +92,18 @@ class TrafficPort(Protocol):
         ...
 
     def apply_order(
-        self, epoch: int, levels: Mapping[str, int], tags: Mapping[str, int] | None = None
+        self,
+        epoch: int,
+        levels: Mapping[str, int],
+        tags: Mapping[str, int] | None = None,
+        *,
+        restart: bool = False,
     ) -> OrderResult:
         """Apply a global order: ``levels`` job -> level (0 highest), and optionally
         cluster-unique ``tags`` job -> DSCP. Refused (nothing changes) when ``epoch`` is
-        lower than the newest order applied; takes effect on the next tick. Jobs this node
-        does not know are ignored."""
+        lower than the newest order applied, unless ``restart`` (the epochs started again
+        lower: etcd went back); takes effect on the next tick. Jobs this node does not know
+        are ignored."""
         ...
 
     def clear_order(self) -> None:
@@ -120,9 +126,14 @@ class FakeTraffic:
         return LocalReport(at=self.clock, jobs=self.jobs, epoch=self.epoch, levels=self.levels)
 
     def apply_order(
-        self, epoch: int, levels: Mapping[str, int], tags: Mapping[str, int] | None = None
+        self,
+        epoch: int,
+        levels: Mapping[str, int],
+        tags: Mapping[str, int] | None = None,
+        *,
+        restart: bool = False,
     ) -> OrderResult:
-        if epoch < self.epoch:
+        if epoch < self.epoch and not restart:
             return OrderResult(False, self.epoch, f"stale epoch {epoch} < {self.epoch}")
         self.epoch = epoch
         self.order = dict(levels)

@@ -328,10 +328,15 @@ class TrafficService:
 
     # -- the cluster's port ----------------------------------------------------------------
     def apply_order(
-        self, epoch: int, levels: Mapping[str, int], tags: Mapping[str, int] | None = None
+        self,
+        epoch: int,
+        levels: Mapping[str, int],
+        tags: Mapping[str, int] | None = None,
+        *,
+        restart: bool = False,
     ) -> OrderResult:
         with self._lock:
-            if epoch < self._epoch:
+            if epoch < self._epoch and not restart:
                 return OrderResult(False, self._epoch, f"stale epoch {epoch} < {self._epoch}")
             for job, level in levels.items():
                 if not 0 <= level < self.config.levels:

@@ -186,12 +186,17 @@ class RefusingTraffic(FakeTraffic):
     """A traffic service with fewer levels than the leader's orders use."""
 
     def apply_order(
-        self, epoch: int, levels: Mapping[str, int], tags: Mapping[str, int] | None = None
+        self,
+        epoch: int,
+        levels: Mapping[str, int],
+        tags: Mapping[str, int] | None = None,
+        *,
+        restart: bool = False,
     ) -> OrderResult:
         for name, level in levels.items():
             if level >= self.levels:
                 return OrderResult(False, self.epoch, f"job {name!r}: level {level} not in [0, 2)")
-        return super().apply_order(epoch, levels, tags)
+        return super().apply_order(epoch, levels, tags, restart=restart)
 
 
 async def test_an_order_the_traffic_service_refuses_is_not_followed() -> None:
@@ -318,7 +323,7 @@ async def test_a_new_leader_changes_no_level_before_the_nodes_have_reported() ->
     rounds: list[float] = []
     n1.request_round = rounds.append
     peers.leader = n1
-    assert n1._apply(old.for_jobs(["a"])) and n2._apply(old.for_jobs(["b"]))
+    assert n1._apply(old.for_jobs(["a"]), info) and n2._apply(old.for_jobs(["b"]), info)
     await n1.tick()  # elected: its own report only; no order yet
     assert rounds == [1.5]
     assert t1.order == {"a": 1} and t1.epoch == 5 and n1.mode is Mode.LEADER
@@ -457,3 +462,80 @@ async def test_a_node_that_cannot_report_publishes_why_for_every_node_to_see() -
     assert board.writes[-1] == ("clear", "n1") and board.entries == {}
     await follower.tick()
     assert board.writes.count(("clear", "n1")) == 1
+
+
+async def test_a_leader_that_resumes_its_epoch_after_a_late_renewal_is_still_followed() -> None:
+    # A renewal that comes late (a loaded host) makes the leader count itself not leading
+    # for a moment; once etcd renews the same lease it leads the same epoch again. Its new
+    # round must continue the epoch's sequence: orders numbered from 1 again would be
+    # refused as stale by every node (itself included) until they caught up.
+    clock, peers = Clock(), LoopbackPeers()
+    election = FixedElection(LeaderInfo("n0", "a0", epoch=7, leading=True))
+    t0, t1 = FakeTraffic((job("a", 0.9),)), FakeTraffic((job("b", 0.5),))
+    leader = agent("n0", election.info, t0, peers, clock)
+    leader.election = election
+    follower = agent("n1", LeaderInfo("n0", "a0", epoch=7, leading=False), t1, peers, clock)
+    peers.leader = leader
+    for _ in range(5):
+        clock.now += 0.5
+        await leader.tick()
+        await follower.tick()
+    assert follower.fence.seq >= 4
+    election.info = LeaderInfo("", "", epoch=7, leading=False, store_ok=False)
+    await leader.tick()
+    election.info = LeaderInfo("n0", "a0", epoch=7, leading=True)
+    for _ in range(2):
+        clock.now += 0.5
+        await leader.tick()
+        await follower.tick()
+    assert leader.fence.rejected == 0 and follower.fence.rejected == 0
+    assert leader.order is not None and follower.order is not None
+    assert follower.order.seq == leader.order.seq > 5
+    assert leader.mode is Mode.LEADER and follower.mode is Mode.FOLLOWER
+
+
+async def test_a_leader_elected_before_its_first_round_answers_no_order_yet() -> None:
+    # Elected a moment ago, its first round not begun: a node's report gets "no order
+    # yet" (it retries shortly), not "n0 does not lead; the leader is n0".
+    clock, peers = Clock(), LoopbackPeers()
+    leader = agent("n0", LeaderInfo("n0", "a0", 7, True), FakeTraffic(), peers, clock)
+    rounds: list[float] = []
+    leader.request_round = rounds.append
+    assert leader.receive(NodeReport("n1")) is None
+    assert rounds == [0.0]
+    follower = agent("n1", LeaderInfo("n0", "a0", 7, False), FakeTraffic(), peers, clock)
+    with pytest.raises(FailedPrecondition, match="n1 does not lead; the leader is n0"):
+        follower.receive(NodeReport("n2"))
+
+
+async def test_orders_of_the_leader_etcd_names_now_are_followed_after_etcd_went_back() -> None:
+    # etcd restored from a snapshot, or replaced by a new one: revisions, and so epochs,
+    # start lower than the ones the nodes applied. The leader etcd names now, in the epoch
+    # it names, is followed (by itself too); another's lower epoch is still refused.
+    clock, peers = Clock(), LoopbackPeers()
+    election = FixedElection(LeaderInfo("n0", "a0", 38, False))
+    traffic = FakeTraffic((job("a", 0.5),))
+    f = agent("n1", election.info, traffic, peers, clock)
+    f.election = election
+    peers.forced = Order(epoch=38, seq=4, leader="n0", levels={"a": 1}, tags={"a": 12})
+    await f.tick()
+    assert f.fence.epoch == 38
+    election.info = LeaderInfo("n2", "a2", 2, False)
+    peers.forced = Order(epoch=2, seq=1, leader="n0", levels={"a": 3}, tags={"a": 12})
+    await f.tick()  # not the leader etcd names
+    assert f.fence.rejected == 1 and traffic.order == {"a": 1}
+    peers.forced = Order(epoch=2, seq=1, leader="n2", levels={"a": 2}, tags={"a": 12})
+    await f.tick()
+    assert f.fence.rejected == 1 and traffic.order == {"a": 2}
+    assert (f.fence.epoch, f.fence.seq) == (2, 1) and f.mode is Mode.FOLLOWER
+    # and a leader that had followed epoch 38 applies its own orders of epoch 2
+    election = FixedElection(LeaderInfo("n0", "a0", 38, False))
+    t3 = FakeTraffic((job("b", 0.5),))
+    leader = agent("n3", election.info, t3, peers, clock)
+    leader.election = election
+    peers.forced = Order(epoch=38, seq=9, leader="n0", levels={"b": 1}, tags={"b": 14})
+    await leader.tick()
+    assert leader.fence.epoch == 38
+    election.info = LeaderInfo("n3", "a3", 2, True)
+    await leader.tick()
+    assert leader.fence.rejected == 0 and leader.fence.epoch == 2 and t3.epoch == 2

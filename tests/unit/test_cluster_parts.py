@@ -42,6 +42,11 @@ def test_single_needs_nothing() -> None:
         ("grace_s = -1.0", "cluster.grace_s"),
         ('etcd_prefix = "gpud"', "cluster.etcd_prefix"),
         ('listen = "nowhere"', "cluster.listen"),
+        # what the other nodes dial: no wildcard host, no port 0
+        ('advertise = "0.0.0.0:7443"', "cluster.advertise"),
+        ('advertise = "[::]:7443"', "cluster.advertise"),
+        ('advertise = ":7443"', "cluster.advertise"),
+        ('advertise = "10.0.0.7:0"', "cluster.advertise"),
         (
             'election = "etcd"\nlisten = "127.0.0.1:0"\nca_file = "a"\ncert_file = "b"\n'
             'key_file = "c"\netcd_endpoints = "ftp://x:1"',
@@ -306,3 +311,35 @@ async def test_a_refused_peer_call_is_logged_once_and_old_channels_are_closed(
     finally:
         await client.close()
         await server.stop(None)
+
+
+async def test_a_call_to_the_old_leader_in_flight_when_a_new_one_is_dialled_fails_as_a_call(
+    tmp_path: Path,
+) -> None:
+    # The old leader hangs (SIGSTOPped: it accepts connections and never answers). A report
+    # is waiting on it when `gpuctl cluster status` dials the new leader: the old channel
+    # goes, and the waiting report must end as an unreachable leader (GpudError), not as an
+    # asyncio cancellation that would end the daemon's loop.
+    import socket
+
+    make_ca(tmp_path)
+    make_node(tmp_path, "n1", tmp_path)
+    client = PeerClient(
+        PeerTls.load(tmp_path / "ca.pem", tmp_path / "n1.pem", tmp_path / "n1-key.pem"),
+        timeout_s=1.0,
+    )
+    with (
+        socket.create_server(("127.0.0.1", 0)) as hung,
+        socket.create_server(("127.0.0.1", 0)) as new,
+    ):
+        old_address = f"127.0.0.1:{hung.getsockname()[1]}"
+        new_address = f"127.0.0.1:{new.getsockname()[1]}"
+        try:
+            waiting = asyncio.ensure_future(client.report(old_address, "n0", NodeReport("n1")))
+            await asyncio.sleep(0.2)
+            with pytest.raises(Unavailable):
+                await client.nodes(new_address, "n2")
+            with pytest.raises(Unavailable, match="leader n0"):
+                await waiting
+        finally:
+            await client.close()

@@ -535,3 +535,39 @@ def test_an_empty_path_flag_is_refused_not_taken_for_the_current_directory(
     assert main(["--check-config", "--config", str(path), "--simulate", flag, ""]) == 2
     key = {"--state-dir": "daemon.state_dir", "--run-dir": "daemon.run_dir"}.get(flag, "api.socket")
     assert f"command line:{key}: must be a non-empty path string" in capsys.readouterr().err
+
+
+def test_check_config_names_the_file_and_key_of_every_cluster_problem(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tools.certs import make_ca, make_node
+
+    make_ca(tmp_path)
+    make_node(tmp_path, "n1", tmp_path, dns=("n1",))
+    base = (
+        '[cluster]\nelection = "etcd"\nnode = "n1"\n'
+        f'ca_file = "{tmp_path}/ca.pem"\ncert_file = "{tmp_path}/n1.pem"\n'
+        f'key_file = "{tmp_path}/n1-key.pem"\n'
+    )
+    path = write(tmp_path, base + 'listen = "127.0.0.1:0"\n')
+    assert main(["--check-config", "--config", str(path)]) == 0
+    for extra, where in [
+        # the certificate is another node's: the config file that names it, too
+        ('listen = "127.0.0.1:0"\nnode = "n2"\n', f"{path}:cluster.cert_file: "),
+        # a peer address this host cannot serve on, as the start would find
+        ('listen = "192.0.2.7:7443"\n', f"{path}:cluster.listen: '192.0.2.7:7443': cannot serve"),
+        # files the start reads
+        (
+            f'listen = "127.0.0.1:0"\netcd_password_file = "{tmp_path}/none"\n',
+            f"{path}:cluster.etcd_password_file: cannot read {tmp_path}/none",
+        ),
+        (
+            f'listen = "127.0.0.1:0"\netcd_ca_file = "{tmp_path}/none.pem"\n',
+            f"{path}:cluster.etcd_ca_file: cannot read {tmp_path}/none.pem",
+        ),
+    ]:
+        text = base.replace('node = "n1"\n', "") if "node =" in extra else base
+        path = write(tmp_path, text + extra)
+        assert main(["--check-config", "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert where in err, err

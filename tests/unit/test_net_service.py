@@ -293,6 +293,10 @@ def test_cluster_order_is_fenced_by_epoch(rig: Rig) -> None:
     rig.service.clear_order()
     rig.service.tick()
     assert rig.service.local_report().epoch == 0
+    # the epochs started again lower (etcd went back): the cluster says so, and it holds
+    assert rig.service.apply_order(2, {"a": 2}, restart=True).applied
+    assert rig.service.local_report().epoch == 2
+    assert not rig.service.apply_order(1, {"a": 0}).applied
 
 
 def test_marks_follow_job_cgroups(rig: Rig) -> None:
