@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 JOB_VAR = "GPUD_JOB"
 SOCKET_VAR = "GPUD_SOCKET"
 DEFAULT_SOCKET = Path("/run/gpud/gpud.sock")
-MAX_BATCH = 4096  # the daemon's limit per call
+# Reports per call: the API's bound on a repeated field (gpud.api.validate.MAX_REPEATED),
+# which also keeps a call of long job names well within its bound on a request's size.
+MAX_BATCH = 256
 _MAX_BACKOFF_S = 5.0
 
 

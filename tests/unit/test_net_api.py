@@ -81,6 +81,20 @@ def test_progress_batches_reports_to_the_daemon(node: Node, sock: Path) -> None:
     assert a.iterations == 50 and a.contention_free_iteration_s == 0.1
 
 
+def test_progress_sends_a_full_buffer_in_batches_the_api_accepts(node: Node, sock: Path) -> None:
+    # a second of a fast loop, or what waited through a gpud restart: more reports than the
+    # API takes in one call (its bound on a repeated field)
+    p = Progress("train-a", socket=sock, flush_interval_s=60)
+    try:
+        for _ in range(1000):
+            p.step()
+        assert p.flush(timeout=10)
+    finally:
+        p.close()
+    assert p.sent == 1000 and p.dropped == 0 and p.rejected == 0, p.last_error
+    assert node.service.accepted_reports == 1000
+
+
 def test_progress_keeps_the_newest_reports_while_the_daemon_is_down(node: Node) -> None:
     with short_dir() as d:
         path = d / "gpud.sock"
