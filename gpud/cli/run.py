@@ -15,8 +15,8 @@ gpuctl process, so gpud releases it even if gpuctl is killed), starts the comman
 current environment, forwards SIGINT/SIGTERM/SIGHUP to it, and when it ends stops what it
 left running (SIGTERM, then SIGKILL after ``--kill-after`` seconds: every process whose
 environment carries the run's ``GPUD_RUN``), releases the reservation and exits with its
-exit status (128 + N when killed by signal N; 127 when the command
-cannot be started).
+exit status (128 + N when killed by signal N; as in a shell, 127 when the command is not
+found and 126 when it is found but cannot be run: not executable, a directory).
 
 When the devices it asks for are taken, ``run`` queues the job (unless ``--no-wait``) and
 waits, printing its position and expected wait whenever they change, until gpud starts it;
@@ -88,7 +88,7 @@ KILL_AFTER_S = 10.0
 # that is gone and the job must not go on using what nothing reserves; then, with a gate,
 # it waits until gpuctl has placed it (its cgroup); then it becomes the command.
 _GATE = (
-    "import os,sys,ctypes\n"
+    "import os,sys,ctypes,errno\n"
     "a=sys.argv\n"
     "ctypes.CDLL(None).prctl(1,9)\n"
     "os.getppid()==int(a[1]) or sys.exit(125)\n"
@@ -103,7 +103,7 @@ _GATE = (
     " os.execvp(a[4],a[4:])\n"
     "except OSError as e:\n"
     " sys.stderr.write(f'gpuctl: cannot run {a[4]}: {e.strerror}\\n')\n"
-    " sys.exit(127)\n"
+    " sys.exit(127 if e.errno==errno.ENOENT else 126)\n"
 )
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -485,7 +485,7 @@ def _launch(
     if place is not None:
         gate_r, gate_w = os.pipe()
         ready_r, ready_w = os.pipe()
-    # the first process is the gate; a command it cannot run is said and exits 127 there
+    # the first process is the gate; a command it cannot run is said there, exiting 127 or 126
     gate = (str(os.getpid()), str(gate_r), str(ready_w))
     argv = [sys.executable, "-I", "-S", "-c", _GATE, *gate, *command]
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,16 @@ def test_a_failed_placement_warns_and_runs(
 
 def test_a_missing_command_behind_the_gate() -> None:
     assert _launch(["/nonexistent/cmd"], dict(os.environ), lambda pid: None) == 127
+
+
+@pytest.mark.parametrize("place", [None, lambda pid: None], ids=["plain", "gated"])
+def test_a_command_found_but_not_executable_exits_126_as_in_a_shell(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], place: Callable[[int], None] | None
+) -> None:
+    script = tmp_path / "train.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o644)
+    assert _launch([str(script)], dict(os.environ), place) == 126
+    assert _launch([str(tmp_path)], dict(os.environ), place) == 126  # a directory
+    assert _launch([str(tmp_path / "missing")], dict(os.environ), place) == 127
+    assert f"cannot run {script}: Permission denied" in capfd.readouterr().err
