@@ -12,7 +12,8 @@ MPS thread share); while the loop says wait (no GPU where sharing pays off now),
 waits and asks again, saying why, unless ``--no-wait``. It registers the job if it is new, reserves its place (the reservation names this
 gpuctl process, so gpud releases it even if gpuctl is killed), starts the command with
 ``CUDA_VISIBLE_DEVICES``, the MPS variables, ``GPUD_JOB`` and ``GPUD_SOCKET`` added to the
-current environment, forwards SIGINT/SIGTERM/SIGHUP to it, and when it ends stops what it
+current environment, forwards SIGINT/SIGTERM/SIGHUP to it (not a Ctrl-C on the terminal,
+which reaches the command directly), and when it ends stops what it
 left running (SIGTERM, then SIGKILL after ``--kill-after`` seconds: every process whose
 environment carries the run's ``GPUD_RUN``), releases the reservation and exits with its
 exit status (128 + N when killed by signal N; as in a shell, 127 when the command is not
@@ -471,6 +472,22 @@ def _stop_leftovers(job: str, run: str, grace_s: float) -> None:
         print(f"gpuctl: killed {len(killed)} process(es) of job {job}", file=sys.stderr)
 
 
+def _terminal_sent_it(pid: int) -> bool:
+    """Whether a SIGINT gpuctl got came from its terminal (Ctrl-C), which sends it to the
+    whole foreground process group: gpuctl's, and the command's while it shares it. Forwarded
+    as well, the command would see a second Ctrl-C, a forced stop for many programs."""
+    try:
+        tty = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
+        return False  # no controlling terminal
+    try:
+        return os.tcgetpgrp(tty) == os.getpgrp() == os.getpgid(pid)
+    except OSError:
+        return False
+    finally:
+        os.close(tty)
+
+
 def _launch(
     command: list[str], env: dict[str, str], place: Callable[[int], None] | None = None
 ) -> int:
@@ -514,6 +531,8 @@ def _launch(
             os.close(gate_w)
 
     def forward(signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and _terminal_sent_it(child.pid):
+            return  # Ctrl-C: the terminal sent it to the command as well
         with contextlib.suppress(ProcessLookupError):
             child.send_signal(signum)
 

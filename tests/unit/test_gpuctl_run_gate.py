@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,3 +59,56 @@ def test_a_command_found_but_not_executable_exits_126_as_in_a_shell(
     assert _launch([str(tmp_path)], dict(os.environ), place) == 126  # a directory
     assert _launch([str(tmp_path / "missing")], dict(os.environ), place) == 127
     assert f"cannot run {script}: Permission denied" in capfd.readouterr().err
+
+
+_COUNTER = """
+import signal, sys, time
+got = []
+signal.signal(signal.SIGINT, lambda s, f: got.append(time.monotonic()))
+open(sys.argv[1], "w").close()
+while not got:
+    time.sleep(0.01)
+time.sleep(1.0)  # a second SIGINT, forwarded, would come within this
+sys.exit(len(got))
+"""
+
+_GPUCTL = """
+import fcntl, os, sys, termios
+import subprocess
+fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # the pty is this session's terminal, its group foreground
+send = subprocess.Popen.send_signal
+def logged(self, sig):
+    print("forwarded", sig, flush=True)
+    send(self, sig)
+subprocess.Popen.send_signal = logged
+from gpud.cli.run import _launch
+print("exit", _launch([sys.executable, "-c", sys.argv[1], sys.argv[2]], dict(os.environ)))
+"""
+
+
+def test_ctrl_c_on_the_terminal_reaches_the_command_once(tmp_path: Path) -> None:
+    # The terminal sends SIGINT to its foreground process group, gpuctl and the command
+    # alike: forwarded as well, the command would count two Ctrl-C (a forced stop for many).
+    ready = tmp_path / "ready"
+    master, slave = os.openpty()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _GPUCTL, _COUNTER, str(ready)],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            start_new_session=True,
+        )
+        os.close(slave)
+        deadline = time.monotonic() + 20
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.write(master, b"\x03")
+        assert proc.wait(20) == 0
+        out = b""
+        with contextlib.suppress(OSError):
+            while chunk := os.read(master, 4096):
+                out += chunk
+    finally:
+        os.close(master)
+    assert b"exit 1" in out and b"forwarded" not in out, out  # the count of SIGINTs it got
