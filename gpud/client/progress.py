@@ -19,6 +19,10 @@ arrive once gpud is back. Reports that gpud rejects (e.g. a job it does not know
 dropped and counted in :attr:`Progress.rejected`, with the first reason in
 :attr:`Progress.last_error`.
 
+A process forked from one that reports (PyTorch DataLoader workers, ``multiprocessing`` with
+the fork start method) holds an inert copy: its steps are not sent (the parent sends its
+own) and its exit does not wait for gpud. Create a new ``Progress`` in a child that reports.
+
 Each ``Progress`` is one *session*: a job restarted from a checkpoint may report a lower
 iteration count than its previous process did (pass ``start=`` to continue counting).
 
@@ -32,6 +36,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -108,6 +113,7 @@ class Progress:
         self._thread = threading.Thread(target=self._run, name=f"gpud-progress-{name}", daemon=True)
         self._thread.start()
         atexit.register(self.close)
+        _live.add(self)
 
     @property
     def iterations(self) -> int:
@@ -122,6 +128,8 @@ class Progress:
     def flush(self, timeout: float | None = None) -> bool:
         """Send what is buffered now; True once everything so far was sent (or rejected)."""
         target = self._appended
+        if self._stop.is_set():  # closed, or a forked copy: no sender thread to wait for
+            return self._drained >= target and not self._pending
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._flushed:
             self._wake.set()
@@ -145,6 +153,20 @@ class Progress:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+
+    def _forked(self) -> None:
+        """In a forked child: the sender thread is not there, its locks may have been held at
+        the fork and the buffer is the parent's to send. Nothing is sent from here; the
+        parent's gRPC channel is left alone (closing it in a child hangs)."""
+        self._stop = threading.Event()
+        self._stop.set()
+        self._wake = threading.Event()
+        self._flushed = threading.Condition()
+        self._queue = deque(maxlen=self._max_buffer)
+        self._pending = deque()
+        self._appended = self._drained = 0
+        self._channel = None
+        atexit.unregister(self.close)
 
     def __enter__(self) -> Progress:
         return self
@@ -219,3 +241,14 @@ class Progress:
                 if first.message != self.last_error:
                     log.warning("gpud rejected progress reports of %s: %s", self.job, first.message)
                 self.last_error = first.message
+
+
+_live: weakref.WeakSet[Progress] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for progress in list(_live):
+        progress._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,6 +96,58 @@ def test_progress_sends_a_full_buffer_in_batches_the_api_accepts(node: Node, soc
         p.close()
     assert p.sent == 1000 and p.dropped == 0 and p.rejected == 0, p.last_error
     assert node.service.accepted_reports == 1000
+
+
+def _forked_exit_s(p: Progress) -> float:
+    """Seconds a forked child takes to step, close (what exiting runs) and exit; inf when
+    it hangs (killed after 10 s)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        p.step()  # a worker's copy takes steps and never blocks
+        p.close()
+        p.flush()  # no timeout: says False (the step is not sent) instead of waiting
+        os._exit(0)
+    started = time.monotonic()
+    while time.monotonic() - started < 10:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return time.monotonic() - started
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return float("inf")
+
+
+def test_a_forked_child_exits_at_once_and_sends_nothing(node: Node, sock: Path) -> None:
+    # DataLoader workers fork the training process: its Progress copy has no sender thread
+    # and the parent's buffer, perhaps its lock held by the parent's sender when it forked.
+    p = Progress("train-a", socket=sock, flush_interval_s=60)
+    try:
+        p.step()
+        assert p.flush(timeout=10)  # the parent's channel is open
+        for _ in range(5):
+            p.step()  # buffered, not sent yet
+        assert _forked_exit_s(p) < 0.5
+        locked, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with p._flushed:
+                locked.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        locked.wait(10)
+        try:
+            assert _forked_exit_s(p) < 0.5
+        finally:
+            release.set()
+            holder.join()
+        assert p.flush(timeout=10)
+    finally:
+        p.close()
+    assert p.sent == 6 and node.service.accepted_reports == 6  # the children sent none
 
 
 def test_progress_keeps_the_newest_reports_while_the_daemon_is_down(node: Node) -> None:
