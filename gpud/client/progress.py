@@ -10,8 +10,9 @@
         progress.step()              # ~0.2 us: a counter, a clock read and a deque append
     progress.close()                 # optional: flushes what is left (also done at exit)
 
-:meth:`Progress.step` never blocks and never raises: it records ``(iterations, time)`` in a
-bounded buffer, and a background thread sends the buffer to gpud
+:meth:`Progress.step` never blocks and never raises (and may be called from several threads):
+it records ``(iterations, time)`` in a bounded buffer, and a background thread sends the buffer
+to gpud
 (``gpud.v1.Net/ReportProgressBatch``) every ``flush_interval_s``. When the daemon is down or
 restarting the buffer keeps the newest ``max_buffer`` reports and drops the oldest
 (:attr:`Progress.dropped` counts them); the thread retries with a back-off and the reports
@@ -104,6 +105,7 @@ class Progress:
         # step() appends here (a deque append is atomic); the sender thread drains it.
         self._queue: deque[tuple[int, float]] = deque(maxlen=max_buffer)
         self._appended = 0  # reports step() made, to count what maxlen dropped
+        self._highest = start  # the highest count drained (the sender thread's)
         self._drained = 0
         self._pending: deque[tuple[int, float]] = deque()  # drained, not yet accepted
         self._stop = threading.Event()
@@ -201,10 +203,13 @@ class Progress:
         upto = self._appended  # everything counted here is in the queue or popped below
         while True:
             try:
-                item = self._queue.popleft()
+                count, at = self._queue.popleft()
             except IndexError:
                 break
-            self._pending.append(item)
+            # step() from several threads may append a count after a higher one (read
+            # before the other thread's step, appended after it): by then that many were done
+            self._highest = max(self._highest, count)
+            self._pending.append((self._highest, at))
         self._drained = upto
         over = len(self._pending) - self._max_buffer
         for _ in range(max(0, over)):

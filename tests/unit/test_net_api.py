@@ -150,6 +150,27 @@ def test_a_forked_child_exits_at_once_and_sends_nothing(node: Node, sock: Path) 
     assert p.sent == 6 and node.service.accepted_reports == 6  # the children sent none
 
 
+def test_steps_from_several_threads_never_report_going_backwards(node: Node, sock: Path) -> None:
+    # step() from two threads: one reads the count, the other steps and appends before the
+    # first appends its (lower) count; gpud refuses a count lower than the session's last
+    interleave: list[Progress] = []
+
+    def clock() -> float:
+        if interleave:
+            interleave.pop().step()  # the other thread, between the read and the append
+        return time.time()
+
+    p = Progress("train-a", socket=sock, flush_interval_s=60, clock=clock)
+    try:
+        interleave.append(p)
+        p.step()
+        assert [c for c, _ in p._queue] == [2, 1]  # appended out of order
+        assert p.flush(timeout=10)
+    finally:
+        p.close()
+    assert p.rejected == 0 and p.sent == 2, p.last_error
+
+
 def test_progress_keeps_the_newest_reports_while_the_daemon_is_down(node: Node) -> None:
     with short_dir() as d:
         path = d / "gpud.sock"
