@@ -16,9 +16,9 @@ to gpud
 (``gpud.v1.Net/ReportProgressBatch``) every ``flush_interval_s``. When the daemon is down or
 restarting the buffer keeps the newest ``max_buffer`` reports and drops the oldest
 (:attr:`Progress.dropped` counts them); the thread retries with a back-off and the reports
-arrive once gpud is back. Reports that gpud rejects (e.g. a job it does not know) are
-dropped and counted in :attr:`Progress.rejected`, with the first reason in
-:attr:`Progress.last_error`.
+arrive once gpud is back. Reports that gpud rejects (e.g. a job it does not know), or a
+call it refuses whole as invalid, are dropped and counted in :attr:`Progress.rejected`,
+with the first reason in :attr:`Progress.last_error`.
 
 A process forked from one that reports (PyTorch DataLoader workers, ``multiprocessing`` with
 the fork start method) holds an inert copy: its steps are not sent (the parent sends its
@@ -217,11 +217,11 @@ class Progress:
         self.dropped = max(0, upto - self.sent - self.rejected - len(self._pending))
 
     def _send(self) -> None:
+        import grpc
+
         from gpud.v1 import net_pb2, net_pb2_grpc
 
         if self._channel is None:
-            import grpc
-
             self._channel = grpc.insecure_channel(self.target)
         stub = net_pb2_grpc.NetStub(self._channel)
         while self._pending:
@@ -234,18 +234,30 @@ class Progress:
                 if self._ideal is not None:
                     r.contention_free_iteration_s = self._ideal
                 reports.append(r)
-            resp = stub.ReportProgressBatch(
-                net_pb2.ReportProgressBatchRequest(reports=reports), timeout=self._timeout
-            )
+            try:
+                resp = stub.ReportProgressBatch(
+                    net_pb2.ReportProgressBatchRequest(reports=reports), timeout=self._timeout
+                )
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                    raise  # gpud down, restarting, slow: kept and sent again
+                # refused whole: sending it again would be refused again, and block the
+                # reports after it for good
+                for _ in batch:
+                    self._pending.popleft()
+                self._rejected_all(len(batch), err.details() or "invalid argument")
+                continue
             for _ in batch:
                 self._pending.popleft()
             self.sent += resp.accepted
             if resp.rejected:
-                self.rejected += len(resp.rejected)
-                first = resp.rejected[0]
-                if first.message != self.last_error:
-                    log.warning("gpud rejected progress reports of %s: %s", self.job, first.message)
-                self.last_error = first.message
+                self._rejected_all(len(resp.rejected), resp.rejected[0].message)
+
+    def _rejected_all(self, n: int, message: str) -> None:
+        self.rejected += n
+        if message != self.last_error:
+            log.warning("gpud rejected progress reports of %s: %s", self.job, message)
+        self.last_error = message
 
 
 _live: weakref.WeakSet[Progress] = weakref.WeakSet()

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from gpud.api import ApiServer
 from gpud.cli.main import main
 from gpud.client import Progress, job_dscp, set_socket_tos
+from gpud.client import progress as progress_module
 from gpud.config import TrafficConfig
 from gpud.events import EventLog
 from gpud.metrics import Collector
@@ -96,6 +97,27 @@ def test_progress_sends_a_full_buffer_in_batches_the_api_accepts(node: Node, soc
         p.close()
     assert p.sent == 1000 and p.dropped == 0 and p.rejected == 0, p.last_error
     assert node.service.accepted_reports == 1000
+
+
+def test_a_batch_refused_whole_is_counted_and_does_not_block_the_reports_after_it(
+    node: Node, sock: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a client whose batches exceed what the API takes (an older client, a lower bound in
+    # a newer gpud): the call is refused whole, and sending it again could never succeed
+    monkeypatch.setattr(progress_module, "MAX_BATCH", 1000)
+    p = Progress("train-a", socket=sock, flush_interval_s=60)
+    try:
+        for _ in range(300):
+            p.step()
+        assert p.flush(timeout=10)
+        assert p.rejected == 300 and p.sent == 0
+        assert "more than 256" in (p.last_error or "")
+        for _ in range(10):
+            p.step()
+        assert p.flush(timeout=10)
+    finally:
+        p.close()
+    assert p.sent == 10 and node.service.accepted_reports == 10
 
 
 def _forked_exit_s(p: Progress) -> float:
