@@ -122,6 +122,8 @@ class MpsDeviceStatus:
 @dataclass(slots=True)
 class _Device:
     daemon: ControlDaemon
+    # held while talking to the daemon (seconds when it hangs): never with the manager's lock
+    io: threading.RLock = field(default_factory=threading.RLock)
     started: bool = False  # started or adopted by this process at least once
     up: bool = False
     restarts: int = 0
@@ -212,6 +214,9 @@ class MpsManager:
 
     ``enabled=False`` (``mps.enabled = false``) keeps limits settable and persisted but runs
     no daemon. ``control_command`` is the control program and any leading arguments.
+
+    Talking to a daemon holds only that device's lock, so a daemon that hangs (up to
+    ``timeout_s`` per command) holds up neither the status nor the other devices' changes.
     """
 
     def __init__(
@@ -244,7 +249,8 @@ class MpsManager:
         self._proc_root = proc_root
         self._clock = clock
         self._sleep = sleep
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the state below; never held while a daemon is asked
+        self._pass = threading.Lock()  # one reconcile pass at a time
         self._targets: dict[str, MpsTarget] = {}
         # GPUs lost or hung before they were ever read: no UUID to key them by
         self._unread: tuple[MpsTarget, ...] = ()
@@ -291,8 +297,8 @@ class MpsManager:
         ``reserved_memory_bytes`` is what jobs already hold on the device: the default memory
         limit plus that may not exceed the device's memory (:class:`ResourceExhausted`).
         """
-        with self._lock:
-            target = self._resolve_read(device)
+        target = self._resolve_read(device)
+        with self._device(target.uuid).io:
             old = self.limits(target.uuid)
             new = old
             if clear_threads:
@@ -344,8 +350,8 @@ class MpsManager:
             )
             if self.enabled:
                 self._reconcile_device(target, force_check=True, requested=True)
-            self.status()
-            return self._status(target)
+        self.status()
+        return self._status(target)
 
     def _check_memory(self, target: MpsTarget, memory_bytes: int, reserved: int) -> None:
         protocol.format_memory(memory_bytes)  # MPS's own minimum
@@ -454,20 +460,21 @@ class MpsManager:
         )
 
     def _device(self, uuid: str) -> _Device:
-        dev = self._devices.get(uuid)
-        if dev is None:
-            daemon = ControlDaemon(
-                uuid,
-                self._run_dir,
-                self._command,
-                base_env=self._base_env,
-                timeout_s=self._timeout_s,
-                proc_root=self._proc_root,
-                sleep=self._sleep,
-                clock=self._clock,
-            )
-            dev = self._devices[uuid] = _Device(daemon)
-        return dev
+        with self._lock:
+            dev = self._devices.get(uuid)
+            if dev is None:
+                daemon = ControlDaemon(
+                    uuid,
+                    self._run_dir,
+                    self._command,
+                    base_env=self._base_env,
+                    timeout_s=self._timeout_s,
+                    proc_root=self._proc_root,
+                    sleep=self._sleep,
+                    clock=self._clock,
+                )
+                dev = self._devices[uuid] = _Device(daemon)
+            return dev
 
     # -- the loop --------------------------------------------------------------------------
     def observe(self, targets: Iterable[MpsTarget]) -> None:
@@ -531,7 +538,7 @@ class MpsManager:
     def reconcile(self, snapshot: Snapshot | None = None) -> None:
         """One pass: start, check, restart or stop each device's daemon. Each device is
         isolated: a failure is logged and recorded in its status, and the pass goes on."""
-        with self._lock:
+        with self._pass:
             if snapshot is not None:
                 self.observe(targets_from_snapshot(snapshot, self.targets()))
             for target in self.targets():
@@ -539,7 +546,9 @@ class MpsManager:
                     self._reconcile_device(target)
                 except GpudError as err:
                     log.warning("MPS on %s: %s", target.uuid, err)
-            for uuid in [u for u in self._devices if u not in self._targets]:
+            with self._lock:
+                gone = [u for u in self._devices if u not in self._targets]
+            for uuid in gone:
                 self._stop_device(uuid, reason="device gone")
             self.status()
 
@@ -549,6 +558,12 @@ class MpsManager:
         """``requested``: the operator just changed the limits, so a difference from what
         the daemon holds is the change itself, not drift."""
         dev = self._device(target.uuid)
+        with dev.io:
+            self._reconcile_locked(target, dev, force_check=force_check, requested=requested)
+
+    def _reconcile_locked(
+        self, target: MpsTarget, dev: _Device, *, force_check: bool, requested: bool
+    ) -> None:
         desired = self.limits(target.uuid)
         if not self.enabled or not desired.enabled:
             if dev.daemon.pid() is not None:
@@ -720,29 +735,32 @@ class MpsManager:
             )
 
     def _stop_device(self, uuid: str, *, reason: str) -> None:
-        dev = self._devices.get(uuid)
+        with self._lock:
+            dev = self._devices.get(uuid)
         if dev is None:
             return
-        pid = dev.daemon.pid()
-        if pid is not None:
-            dev.daemon.stop()
-            self._events.emit(
-                "mps.stop",
-                f"stopped the MPS control daemon of {uuid} ({reason})",
-                uuid=uuid,
-                pid=pid,
-            )
-        dev.up = False
-        dev.started = False
-        if uuid not in self._targets:
-            del self._devices[uuid]
+        with dev.io:
+            pid = dev.daemon.pid()
+            if pid is not None:
+                dev.daemon.stop()
+                self._events.emit(
+                    "mps.stop",
+                    f"stopped the MPS control daemon of {uuid} ({reason})",
+                    uuid=uuid,
+                    pid=pid,
+                )
+            dev.up = False
+            dev.started = False
+        with self._lock:
+            if uuid not in self._targets and self._devices.get(uuid) is dev:
+                del self._devices[uuid]
 
     def start_server(self, device: str, uid: int) -> list[int]:
         """``start_server -uid UID`` (MPS servers otherwise start with their first client);
         returns the server list."""
-        with self._lock:
-            target = self._resolve_read(device)
-            dev = self._device(target.uuid)
+        target = self._resolve_read(device)
+        dev = self._device(target.uuid)
+        with dev.io:
             cmd = protocol.start_server(uid)
             protocol.parse_empty(cmd, dev.daemon.query(cmd))
             cmd = protocol.get_server_list()
@@ -753,11 +771,12 @@ class MpsManager:
     def stop(self) -> None:
         """At shutdown: ``quit`` every daemon this manager runs."""
         with self._lock:
-            for uuid in list(self._devices):
-                try:
-                    self._stop_device(uuid, reason="gpud stopping")
-                except GpudError as err:
-                    log.warning("stopping MPS on %s: %s", uuid, err)
+            uuids = list(self._devices)
+        for uuid in uuids:
+            try:
+                self._stop_device(uuid, reason="gpud stopping")
+            except GpudError as err:
+                log.warning("stopping MPS on %s: %s", uuid, err)
 
 
 def _matches(desired: MpsLimits, threads: float, memory: int | None) -> bool:

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -433,5 +434,30 @@ def test_limits_follow_a_mig_device_to_its_new_uuid_by_place_and_profile(root: P
         assert mgr.limits("MIG-c").threads_percent == 55
         assert len(events.recent(kind_prefix="mps.limits_restored")) == 1
     finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_hung_daemon_blocks_neither_status_nor_other_devices(root: Path) -> None:
+    mgr, store, _ = make_manager(root, timeout_s=3.0)
+    try:
+        mgr.reconcile(NODE)
+        pid = mgr.status()[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        passing = threading.Thread(target=mgr.reconcile)  # waits the 3 s on GPU 0's daemon
+        passing.start()
+        try:
+            time.sleep(0.5)
+            started = time.monotonic()
+            assert len(mgr.status()) == 2
+            mgr.set_limits("1", threads_percent=40)
+            assert time.monotonic() - started < 2.0
+            assert held(mgr, gpu_uuid(1))["default_active_thread_percentage"] == 40.0
+        finally:
+            passing.join()
+        assert not mgr.status()[0].up and mgr.status()[1].up
+    finally:
+        os.kill(pid, signal.SIGCONT)
         mgr.stop()
         store.close()
