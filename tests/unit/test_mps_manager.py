@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -459,5 +460,22 @@ def test_a_hung_daemon_blocks_neither_status_nor_other_devices(root: Path) -> No
         assert not mgr.status()[0].up and mgr.status()[1].up
     finally:
         os.kill(pid, signal.SIGCONT)
+        mgr.stop()
+        store.close()
+
+
+def test_a_daemon_whose_pipe_dir_was_deleted_is_replaced_not_left_running(root: Path) -> None:
+    mgr, store, _ = make_manager(root)
+    try:
+        mgr.reconcile(NODE)
+        old = mgr.status()[0]
+        assert old.pid is not None
+        shutil.rmtree(old.pipe_dir)  # its PID file and control socket go with it
+
+        mgr.reconcile(NODE)
+        new = mgr.status()[0]
+        assert new.up and new.pid is not None and new.pid != old.pid
+        wait_dead(old.pid)
+    finally:
         mgr.stop()
         store.close()
