@@ -128,6 +128,7 @@ class _Device:
     up: bool = False
     restarts: int = 0
     failures: int = 0  # consecutive failed health checks or starts
+    requested: bool = False  # limits changed while it did not answer: the next check applies
     next_start_at: float = 0.0
     next_check_at: float = 0.0
     last_error: str = ""
@@ -292,13 +293,18 @@ class MpsManager:
     ) -> MpsDeviceStatus:
         """Persist new defaults for ``device`` (UUID, GPU index, or ``GPU:MIG``) and apply
         them to its daemon now. Fields left ``None`` keep their value; ``clear_*`` go back to
-        the driver's default.
+        the driver's default. A daemon that did not answer its last health check is not
+        waited on: it gets them when it answers again, or is restarted with them.
 
         ``reserved_memory_bytes`` is what jobs already hold on the device: the default memory
         limit plus that may not exceed the device's memory (:class:`ResourceExhausted`).
         """
         target = self._resolve_read(device)
-        with self._device(target.uuid).io:
+        dev = self._device(target.uuid)
+        if clear_memory and dev.up and self.limits(target.uuid).memory_bytes is not None:
+            with dev.io:
+                self._refuse_clear_while_serving(target)
+        with self._lock:  # the desired limits only: no daemon is asked in here
             old = self.limits(target.uuid)
             new = old
             if clear_threads:
@@ -306,8 +312,6 @@ class MpsManager:
             elif threads_percent is not None:
                 new = replace(new, threads_percent=protocol.check_percent(threads_percent))
             if clear_memory:
-                if old.memory_bytes is not None:
-                    self._refuse_clear_while_serving(target)
                 new = replace(new, memory_bytes=None)
             elif memory_bytes is not None:
                 self._check_memory(target, memory_bytes, reserved_memory_bytes)
@@ -348,8 +352,10 @@ class MpsManager:
                 memory_bytes=new.memory_bytes,
                 enabled=new.enabled,
             )
-            if self.enabled:
-                self._reconcile_device(target, force_check=True, requested=True)
+        if self.enabled and (dev.up or dev.daemon.pid() is None):
+            self._reconcile_device(target, force_check=True, requested=True)
+        else:
+            dev.requested = True
         self.status()
         return self._status(target)
 
@@ -586,7 +592,7 @@ class MpsManager:
             )
             force_check = True
         if force_check or now >= dev.next_check_at:
-            self._check(target, dev, desired, requested=requested)
+            self._check(target, dev, desired, requested=requested or dev.requested)
 
     def _start(self, target: MpsTarget, dev: _Device, desired: MpsLimits) -> None:
         restart = dev.started
@@ -678,6 +684,7 @@ class MpsManager:
             return
         dev.failures = 0
         dev.up = True
+        dev.requested = False
         dev.last_error = ""
 
     def _read(self, dev: _Device) -> tuple[float, int | None, list[int]]:

@@ -479,3 +479,28 @@ def test_a_daemon_whose_pipe_dir_was_deleted_is_replaced_not_left_running(root: 
     finally:
         mgr.stop()
         store.close()
+
+
+def test_limits_set_on_a_device_whose_daemon_hangs_are_kept_and_applied_later(
+    root: Path,
+) -> None:
+    mgr, store, events = make_manager(root, timeout_s=2.0)
+    try:
+        mgr.reconcile(NODE)
+        pid = mgr.status()[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        mgr.reconcile()  # its health check fails: down
+        started = time.monotonic()
+        status = mgr.set_limits("0", threads_percent=40)
+        assert time.monotonic() - started < 1.0  # did not wait on the daemon again
+        assert status.desired.threads_percent == 40 and not status.up
+        os.kill(pid, signal.SIGCONT)
+        mgr.reconcile()
+        assert mgr.status()[0].up
+        assert held(mgr, gpu_uuid(0))["default_active_thread_percentage"] == 40.0
+        assert not events.recent(kind_prefix="mps.drift")  # the change itself, not drift
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        mgr.stop()
+        store.close()
