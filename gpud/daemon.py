@@ -109,6 +109,47 @@ STOP_HOOK_FLOOR_S = 1.0
 # seconds a pass waits for the traffic tick it started (it takes milliseconds when the
 # kernel and nft answer); see Daemon._traffic_step
 TRAFFIC_WAIT_S = 2.0
+# seconds a pass waits for the MPS reconcile it started (milliseconds while the control
+# daemons answer; a hung one takes its query timeout, 10 s, per command)
+MPS_WAIT_S = 2.0
+
+
+class Overrun:
+    """A blocking part of a pass, run on a daemon thread and waited for a while at most: one
+    that hangs in a program gpud runs (``nft``, ``dcb``, an MPS control daemon; bounded only
+    by its own timeout) must not hold back the other steps and the systemd watchdog. One
+    still running is not waited for again, and none starts meanwhile; the pass that finds it
+    ended starts the next one. Its error is the step's."""
+
+    def __init__(self, name: str, clock: Callable[[], float]) -> None:
+        self.name = name
+        self._clock = clock
+        self.task: asyncio.Future[None] | None = None
+        self._started = 0.0
+        self._said = False
+
+    async def run(self, fn: Callable[[], None], wait_s: float) -> None:
+        task = self.task
+        if task is not None:
+            if not task.done():
+                running = self._clock() - self._started
+                if running >= 10 and not self._said:
+                    self._said = True
+                    log.warning(
+                        "%s step running for %.0f s: the other steps go on", self.name, running
+                    )
+                return
+            self.task, self._said = None, False
+        ended = task.exception() if task is not None else None
+        task = self.task = asyncio.ensure_future(on_daemon_thread(fn))
+        self._started = self._clock()
+        await asyncio.wait({task}, timeout=wait_s)
+        if task.done():
+            self.task = None
+            error = task.exception()  # retrieved even when an earlier run's error is raised
+            ended = ended or error
+        if ended is not None:
+            raise ended
 
 
 @dataclass
@@ -274,9 +315,8 @@ class Daemon:
         self.add_step("cluster", self.cluster.tick)
         self.add_step("traffic", self._traffic_step)
         self.on_shutdown(self.mps.stop)
-        self._traffic_task: asyncio.Future[None] | None = None
-        self._traffic_started = 0.0
-        self._traffic_overrun_said = False
+        self._traffic = Overrun("traffic", self._clock)
+        self._mps = Overrun("mps", self._clock)
         self.on_shutdown(self._traffic_stop)
         self.on_shutdown(self.cluster.stop)
         self.traffic.start()
@@ -296,7 +336,14 @@ class Daemon:
             await asyncio.to_thread(self.seen.remember, changes, time.time())
 
     async def _mps_step(self) -> None:
-        await asyncio.to_thread(self.mps.reconcile, self.sampler.latest())
+        """The MPS reconcile, waited for ``MPS_WAIT_S`` at most: control daemons that hang
+        (a hung GPU hangs its daemon's queries too) take 10 s per command each, which would
+        hold back the other steps and, past ``WatchdogSec``, the watchdog: see
+        :class:`Overrun`."""
+        await self._mps.run(
+            lambda: self.mps.reconcile(self.sampler.latest()),
+            max(MPS_WAIT_S, self.loop_interval_s()),
+        )
 
     async def _jobs_step(self) -> None:
         await asyncio.to_thread(self.jobs.tick, self.sampler.latest())
@@ -407,35 +454,15 @@ class Daemon:
         )
 
     async def _traffic_step(self) -> None:
-        """The traffic tick, waited for ``TRAFFIC_WAIT_S`` at most: a hung ``nft`` (bounded
-        only by its own 10 s timeout) must not hold back the other steps and the systemd
-        watchdog. A tick still running is not waited for again, and none starts meanwhile;
-        the pass that finds it ended starts the next one. Its error is the step's."""
-        task = self._traffic_task
-        if task is not None:
-            if not task.done():
-                running = self._clock() - self._traffic_started
-                if running >= 10 and not self._traffic_overrun_said:
-                    self._traffic_overrun_said = True
-                    log.warning("traffic step running for %.0f s: the other steps go on", running)
-                return
-            self._traffic_task, self._traffic_overrun_said = None, False
-        ended = task.exception() if task is not None else None
-        task = self._traffic_task = asyncio.ensure_future(on_daemon_thread(self.traffic.tick))
-        self._traffic_started = self._clock()
-        await asyncio.wait({task}, timeout=max(TRAFFIC_WAIT_S, self.loop_interval_s()))
-        if task.done():
-            self._traffic_task = None
-            error = task.exception()  # retrieved even when an earlier tick's error is raised
-            ended = ended or error
-        if ended is not None:
-            raise ended
+        """The traffic tick, waited for ``TRAFFIC_WAIT_S`` at most (a hung ``nft`` is
+        bounded only by its own 10 s timeout): see :class:`Overrun`."""
+        await self._traffic.run(self.traffic.tick, max(TRAFFIC_WAIT_S, self.loop_interval_s()))
 
     async def _traffic_stop(self) -> None:
         """Let a running traffic tick end before the interfaces are left or restored."""
-        if self._traffic_task is not None:
+        if self._traffic.task is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._traffic_task), timeout=30.0)
+                await asyncio.wait_for(asyncio.shield(self._traffic.task), timeout=30.0)
         await on_daemon_thread(self.traffic.shutdown)
 
     def _devices_changed(self) -> None:

@@ -74,6 +74,9 @@ class ControlDaemon:
         self._proc_root = proc_root
         self._sleep = sleep
         self._clock = clock
+        # The daemon last found by its PID file, and when it started: still known to be ours
+        # if that file goes (its pipe directory deleted under it).
+        self._last: tuple[int, float | None] | None = None
 
     @property
     def env(self) -> dict[str, str]:
@@ -101,6 +104,18 @@ class ControlDaemon:
         started = started_at(pid, self._proc_root)
         if started is not None and started > written + _PID_REUSE_SLACK_S:
             return None
+        self._last = (pid, started)
+        return pid
+
+    def _orphan(self) -> int | None:
+        """When :meth:`pid` finds none: the daemon it last found, if that very process still
+        runs (its pipe directory was deleted: no client reaches it, no PID file names it)."""
+        if self._last is None:
+            return None
+        pid, started = self._last
+        if not alive(pid, self._proc_root) or started_at(pid, self._proc_root) != started:
+            self._last = None
+            return None
         return pid
 
     def running(self) -> bool:
@@ -115,6 +130,14 @@ class ControlDaemon:
         existing = self.pid()
         if existing is not None:
             return existing
+        orphan = self._orphan()
+        if orphan is not None:
+            log.warning(
+                "MPS control daemon %s (pid %d) lost its pipe directory; killing it",
+                self.uuid,
+                orphan,
+            )
+            self._kill(orphan)
         control = self.pipe_dir / protocol.CONTROL_SOCKET
         if len(os.fsencode(control)) > _MAX_UNIX_PATH:
             raise ConfigError(
@@ -184,9 +207,12 @@ class ControlDaemon:
         """SIGKILL a daemon that stopped answering (it is restarted afterwards)."""
         pid = self.pid()
         if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            self._wait_exit(pid, 2.0)
+            self._kill(pid)
+
+    def _kill(self, pid: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        self._wait_exit(pid, 2.0)
 
     def _wait_exit(self, pid: int, timeout_s: float) -> bool:
         deadline = self._clock() + timeout_s

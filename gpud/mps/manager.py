@@ -122,10 +122,13 @@ class MpsDeviceStatus:
 @dataclass(slots=True)
 class _Device:
     daemon: ControlDaemon
+    # held while talking to the daemon (seconds when it hangs): never with the manager's lock
+    io: threading.RLock = field(default_factory=threading.RLock)
     started: bool = False  # started or adopted by this process at least once
     up: bool = False
     restarts: int = 0
     failures: int = 0  # consecutive failed health checks or starts
+    requested: bool = False  # limits changed while it did not answer: the next check applies
     next_start_at: float = 0.0
     next_check_at: float = 0.0
     last_error: str = ""
@@ -212,6 +215,9 @@ class MpsManager:
 
     ``enabled=False`` (``mps.enabled = false``) keeps limits settable and persisted but runs
     no daemon. ``control_command`` is the control program and any leading arguments.
+
+    Talking to a daemon holds only that device's lock, so a daemon that hangs (up to
+    ``timeout_s`` per command) holds up neither the status nor the other devices' changes.
     """
 
     def __init__(
@@ -244,7 +250,8 @@ class MpsManager:
         self._proc_root = proc_root
         self._clock = clock
         self._sleep = sleep
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the state below; never held while a daemon is asked
+        self._pass = threading.Lock()  # one reconcile pass at a time
         self._targets: dict[str, MpsTarget] = {}
         # GPUs lost or hung before they were ever read: no UUID to key them by
         self._unread: tuple[MpsTarget, ...] = ()
@@ -286,13 +293,18 @@ class MpsManager:
     ) -> MpsDeviceStatus:
         """Persist new defaults for ``device`` (UUID, GPU index, or ``GPU:MIG``) and apply
         them to its daemon now. Fields left ``None`` keep their value; ``clear_*`` go back to
-        the driver's default.
+        the driver's default. A daemon that did not answer its last health check is not
+        waited on: it gets them when it answers again, or is restarted with them.
 
         ``reserved_memory_bytes`` is what jobs already hold on the device: the default memory
         limit plus that may not exceed the device's memory (:class:`ResourceExhausted`).
         """
-        with self._lock:
-            target = self._resolve_read(device)
+        target = self._resolve_read(device)
+        dev = self._device(target.uuid)
+        if clear_memory and dev.up and self.limits(target.uuid).memory_bytes is not None:
+            with dev.io:
+                self._refuse_clear_while_serving(target)
+        with self._lock:  # the desired limits only: no daemon is asked in here
             old = self.limits(target.uuid)
             new = old
             if clear_threads:
@@ -300,8 +312,6 @@ class MpsManager:
             elif threads_percent is not None:
                 new = replace(new, threads_percent=protocol.check_percent(threads_percent))
             if clear_memory:
-                if old.memory_bytes is not None:
-                    self._refuse_clear_while_serving(target)
                 new = replace(new, memory_bytes=None)
             elif memory_bytes is not None:
                 self._check_memory(target, memory_bytes, reserved_memory_bytes)
@@ -342,10 +352,12 @@ class MpsManager:
                 memory_bytes=new.memory_bytes,
                 enabled=new.enabled,
             )
-            if self.enabled:
-                self._reconcile_device(target, force_check=True, requested=True)
-            self.status()
-            return self._status(target)
+        if self.enabled and (dev.up or dev.daemon.pid() is None):
+            self._reconcile_device(target, force_check=True, requested=True)
+        else:
+            dev.requested = True
+        self.status()
+        return self._status(target)
 
     def _check_memory(self, target: MpsTarget, memory_bytes: int, reserved: int) -> None:
         protocol.format_memory(memory_bytes)  # MPS's own minimum
@@ -454,20 +466,21 @@ class MpsManager:
         )
 
     def _device(self, uuid: str) -> _Device:
-        dev = self._devices.get(uuid)
-        if dev is None:
-            daemon = ControlDaemon(
-                uuid,
-                self._run_dir,
-                self._command,
-                base_env=self._base_env,
-                timeout_s=self._timeout_s,
-                proc_root=self._proc_root,
-                sleep=self._sleep,
-                clock=self._clock,
-            )
-            dev = self._devices[uuid] = _Device(daemon)
-        return dev
+        with self._lock:
+            dev = self._devices.get(uuid)
+            if dev is None:
+                daemon = ControlDaemon(
+                    uuid,
+                    self._run_dir,
+                    self._command,
+                    base_env=self._base_env,
+                    timeout_s=self._timeout_s,
+                    proc_root=self._proc_root,
+                    sleep=self._sleep,
+                    clock=self._clock,
+                )
+                dev = self._devices[uuid] = _Device(daemon)
+            return dev
 
     # -- the loop --------------------------------------------------------------------------
     def observe(self, targets: Iterable[MpsTarget]) -> None:
@@ -531,7 +544,7 @@ class MpsManager:
     def reconcile(self, snapshot: Snapshot | None = None) -> None:
         """One pass: start, check, restart or stop each device's daemon. Each device is
         isolated: a failure is logged and recorded in its status, and the pass goes on."""
-        with self._lock:
+        with self._pass:
             if snapshot is not None:
                 self.observe(targets_from_snapshot(snapshot, self.targets()))
             for target in self.targets():
@@ -539,7 +552,9 @@ class MpsManager:
                     self._reconcile_device(target)
                 except GpudError as err:
                     log.warning("MPS on %s: %s", target.uuid, err)
-            for uuid in [u for u in self._devices if u not in self._targets]:
+            with self._lock:
+                gone = [u for u in self._devices if u not in self._targets]
+            for uuid in gone:
                 self._stop_device(uuid, reason="device gone")
             self.status()
 
@@ -549,6 +564,12 @@ class MpsManager:
         """``requested``: the operator just changed the limits, so a difference from what
         the daemon holds is the change itself, not drift."""
         dev = self._device(target.uuid)
+        with dev.io:
+            self._reconcile_locked(target, dev, force_check=force_check, requested=requested)
+
+    def _reconcile_locked(
+        self, target: MpsTarget, dev: _Device, *, force_check: bool, requested: bool
+    ) -> None:
         desired = self.limits(target.uuid)
         if not self.enabled or not desired.enabled:
             if dev.daemon.pid() is not None:
@@ -571,7 +592,7 @@ class MpsManager:
             )
             force_check = True
         if force_check or now >= dev.next_check_at:
-            self._check(target, dev, desired, requested=requested)
+            self._check(target, dev, desired, requested=requested or dev.requested)
 
     def _start(self, target: MpsTarget, dev: _Device, desired: MpsLimits) -> None:
         restart = dev.started
@@ -663,6 +684,7 @@ class MpsManager:
             return
         dev.failures = 0
         dev.up = True
+        dev.requested = False
         dev.last_error = ""
 
     def _read(self, dev: _Device) -> tuple[float, int | None, list[int]]:
@@ -720,29 +742,32 @@ class MpsManager:
             )
 
     def _stop_device(self, uuid: str, *, reason: str) -> None:
-        dev = self._devices.get(uuid)
+        with self._lock:
+            dev = self._devices.get(uuid)
         if dev is None:
             return
-        pid = dev.daemon.pid()
-        if pid is not None:
-            dev.daemon.stop()
-            self._events.emit(
-                "mps.stop",
-                f"stopped the MPS control daemon of {uuid} ({reason})",
-                uuid=uuid,
-                pid=pid,
-            )
-        dev.up = False
-        dev.started = False
-        if uuid not in self._targets:
-            del self._devices[uuid]
+        with dev.io:
+            pid = dev.daemon.pid()
+            if pid is not None:
+                dev.daemon.stop()
+                self._events.emit(
+                    "mps.stop",
+                    f"stopped the MPS control daemon of {uuid} ({reason})",
+                    uuid=uuid,
+                    pid=pid,
+                )
+            dev.up = False
+            dev.started = False
+        with self._lock:
+            if uuid not in self._targets and self._devices.get(uuid) is dev:
+                del self._devices[uuid]
 
     def start_server(self, device: str, uid: int) -> list[int]:
         """``start_server -uid UID`` (MPS servers otherwise start with their first client);
         returns the server list."""
-        with self._lock:
-            target = self._resolve_read(device)
-            dev = self._device(target.uuid)
+        target = self._resolve_read(device)
+        dev = self._device(target.uuid)
+        with dev.io:
             cmd = protocol.start_server(uid)
             protocol.parse_empty(cmd, dev.daemon.query(cmd))
             cmd = protocol.get_server_list()
@@ -753,11 +778,12 @@ class MpsManager:
     def stop(self) -> None:
         """At shutdown: ``quit`` every daemon this manager runs."""
         with self._lock:
-            for uuid in list(self._devices):
-                try:
-                    self._stop_device(uuid, reason="gpud stopping")
-                except GpudError as err:
-                    log.warning("stopping MPS on %s: %s", uuid, err)
+            uuids = list(self._devices)
+        for uuid in uuids:
+            try:
+                self._stop_device(uuid, reason="gpud stopping")
+            except GpudError as err:
+                log.warning("stopping MPS on %s: %s", uuid, err)
 
 
 def _matches(desired: MpsLimits, threads: float, memory: int | None) -> bool:

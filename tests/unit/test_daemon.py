@@ -149,6 +149,49 @@ def test_a_hung_traffic_tick_holds_no_other_step_back(root: Path) -> None:
         d.backend.close()
 
 
+class _HungMps:
+    """MPS control daemons whose queries hang (a hung driver) until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.passes = 0
+
+    def reconcile(self, snapshot: object = None) -> None:
+        self.passes += 1
+        self.release.wait(timeout=30)
+        raise RuntimeError("MPS control did not answer within 10s")
+
+
+def test_hung_mps_control_daemons_hold_no_other_step_back(root: Path) -> None:
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+    hung = _HungMps()
+    d.mps = hung  # type: ignore[assignment]
+    passes: list[str] = []
+
+    async def other() -> None:
+        passes.append("other")
+
+    (mps,) = [s for s in d.steps if s.name == "mps"]
+    d.steps = [mps, Step("other", other)]
+
+    async def scenario() -> None:
+        for _ in range(3):
+            await asyncio.wait_for(d.run_steps(), timeout=5)
+        assert passes == ["other"] * 3 and hung.passes == 1  # no second pass meanwhile
+        hung.release.set()
+        while mps.failures == 0:
+            await asyncio.wait_for(d.run_steps(), timeout=5)
+        assert hung.passes == 2  # the loop pass that finds it ended starts the next one
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        hung.release.set()
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
 def test_a_long_mig_apply_holds_no_loop_pass_back(root: Path) -> None:
     d = build(make_config(root))
     (mig,) = [s for s in d.steps if s.name == "mig"]

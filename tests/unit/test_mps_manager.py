@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -433,5 +435,72 @@ def test_limits_follow_a_mig_device_to_its_new_uuid_by_place_and_profile(root: P
         assert mgr.limits("MIG-c").threads_percent == 55
         assert len(events.recent(kind_prefix="mps.limits_restored")) == 1
     finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_hung_daemon_blocks_neither_status_nor_other_devices(root: Path) -> None:
+    mgr, store, _ = make_manager(root, timeout_s=3.0)
+    try:
+        mgr.reconcile(NODE)
+        pid = mgr.status()[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        passing = threading.Thread(target=mgr.reconcile)  # waits the 3 s on GPU 0's daemon
+        passing.start()
+        try:
+            time.sleep(0.5)
+            started = time.monotonic()
+            assert len(mgr.status()) == 2
+            mgr.set_limits("1", threads_percent=40)
+            assert time.monotonic() - started < 2.0
+            assert held(mgr, gpu_uuid(1))["default_active_thread_percentage"] == 40.0
+        finally:
+            passing.join()
+        assert not mgr.status()[0].up and mgr.status()[1].up
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        mgr.stop()
+        store.close()
+
+
+def test_a_daemon_whose_pipe_dir_was_deleted_is_replaced_not_left_running(root: Path) -> None:
+    mgr, store, _ = make_manager(root)
+    try:
+        mgr.reconcile(NODE)
+        old = mgr.status()[0]
+        assert old.pid is not None
+        shutil.rmtree(old.pipe_dir)  # its PID file and control socket go with it
+
+        mgr.reconcile(NODE)
+        new = mgr.status()[0]
+        assert new.up and new.pid is not None and new.pid != old.pid
+        wait_dead(old.pid)
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_limits_set_on_a_device_whose_daemon_hangs_are_kept_and_applied_later(
+    root: Path,
+) -> None:
+    mgr, store, events = make_manager(root, timeout_s=2.0)
+    try:
+        mgr.reconcile(NODE)
+        pid = mgr.status()[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        mgr.reconcile()  # its health check fails: down
+        started = time.monotonic()
+        status = mgr.set_limits("0", threads_percent=40)
+        assert time.monotonic() - started < 1.0  # did not wait on the daemon again
+        assert status.desired.threads_percent == 40 and not status.up
+        os.kill(pid, signal.SIGCONT)
+        mgr.reconcile()
+        assert mgr.status()[0].up
+        assert held(mgr, gpu_uuid(0))["default_active_thread_percentage"] == 40.0
+        assert not events.recent(kind_prefix="mps.drift")  # the change itself, not drift
+    finally:
+        os.kill(pid, signal.SIGCONT)
         mgr.stop()
         store.close()
