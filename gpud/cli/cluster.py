@@ -11,10 +11,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from gpud.cli.context import Context, Subparsers
 from gpud.cli.output import seconds
+from gpud.cli.pipes import when_reader_goes
 from gpud.v1 import cluster_pb2 as pb
 from gpud.v1 import cluster_pb2_grpc as pb_grpc
 
@@ -152,11 +154,17 @@ def run_attributes(ctx: Context, args: argparse.Namespace) -> int:
     if not args.watch:
         _print_attributes(ctx, ctx.call(stub.GetAttributes, request))
         return 0
+    stream = stub.WatchAttributes(request)
+    # attributes may not change for hours: `--watch | head -1` ends once head has
+    gone = when_reader_goes(stream.cancel)
     try:
-        for resp in stub.WatchAttributes(request):
+        for resp in stream:
             _print_attributes(ctx, resp)
+            sys.stdout.flush()
     except KeyboardInterrupt:
         return 130
     except grpc.RpcError as err:
+        if gone.is_set():
+            raise BrokenPipeError from None  # exit 141, as the next write would have
         raise ctx.translate(err) from None
     return 0

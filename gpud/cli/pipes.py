@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import select
 import sys
+import threading
 from collections.abc import Callable
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what `yes | head` reports for `yes`
@@ -23,3 +25,26 @@ def quiet_on_broken_pipe(run: Callable[[], int]) -> int:
         os.close(devnull)
         return EXIT_BROKEN_PIPE
     return code
+
+
+def when_reader_goes(act: Callable[[], object], *, every_s: float = 0.5) -> threading.Event:
+    """Call ``act`` once stdout's reader has gone (a pipe's read end closed: ``poll`` says
+    POLLERR; a terminal hung up: POLLHUP), for output that waits long between writes
+    (``--watch``), which would learn it only at its next write. Returns the event set then.
+    A regular file never reports either."""
+    gone = threading.Event()
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return gone  # no real file behind stdout (a test's capture): nothing to watch
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(fd, 0)  # POLLERR, POLLHUP and POLLNVAL are reported regardless
+        while not poller.poll(every_s * 1000):
+            pass
+        gone.set()
+        act()
+
+    threading.Thread(target=watch, name="gpuctl-reader", daemon=True).start()
+    return gone

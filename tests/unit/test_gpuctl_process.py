@@ -119,3 +119,20 @@ def test_permission_advice_names_the_sockets_own_group(tmp_path: Path) -> None:
     os.chown(path, -1, group.gr_gid)
     message = str(context._denied(path))
     assert f"usermod -aG {group.gr_name} $USER" in message and "api.socket_group" in message
+
+
+def test_output_that_waits_long_between_writes_learns_its_reader_went() -> None:
+    """``cluster attributes --watch | head -1``: attributes may not change for hours, so
+    the watch must not wait for its next write to find ``head`` gone."""
+    code = (
+        "import sys\n"
+        "from gpud.cli.pipes import when_reader_goes\n"
+        "gone = when_reader_goes(lambda: None, every_s=0.05)\n"
+        "print('first', flush=True)\n"
+        "sys.exit(0 if gone.wait(10) else 1)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert child.stdout is not None
+    assert child.stdout.readline() == b"first\n"
+    child.stdout.close()  # what head does after its first line
+    assert child.wait(timeout=20) == 0
