@@ -419,6 +419,19 @@ def numeric_ranges(config: Config) -> dict[str, tuple[Any, float, float]]:
     return ranges
 
 
+def socket_gid(group: str, *, path: str | None = None) -> int:
+    """The id of ``api.socket_group``; a ConfigError naming the key when there is no such
+    group."""
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(
+            f"group {group!r} does not exist: create it (groupadd --system {group}) or set another",
+            path=path,
+            key="api.socket_group",
+        ) from None
+
+
 def validate(config: Config, *, path: str) -> Config:
     """Range checks that types alone do not express."""
     for key, (value, low, high) in numeric_ranges(config).items():
@@ -433,16 +446,7 @@ def validate(config: Config, *, path: str) -> Config:
     if config.api.tcp_address:
         parse_address(config.api.tcp_address, path=path, key="api.tcp_address")
     if config.api.socket_group:
-        try:
-            grp.getgrnam(config.api.socket_group)
-        except KeyError:
-            group = config.api.socket_group
-            raise ConfigError(
-                f"group {group!r} does not exist: create it (groupadd --system {group}) or set"
-                " another",
-                path=path,
-                key="api.socket_group",
-            ) from None
+        socket_gid(config.api.socket_group, path=path)
     _validate_traffic(config.traffic, path=path)
     _validate_cluster(config.cluster, path=path, tick_s=config.daemon.tick_s)
     if config.backend.kind == "sim":

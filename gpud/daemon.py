@@ -467,8 +467,12 @@ class Daemon:
 
     def _devices_changed(self) -> None:
         """After a MIG apply: sample again and take the devices jobs are placed on from that
-        sample, not from the last tick's (a whole GPU just put into MIG mode, say)."""
-        self.mps.reconcile(self.sampler.tick())
+        sample, not from the last tick's (a whole GPU just put into MIG mode, say). A failure
+        here is logged: the apply it follows was made, and the next tick samples anyway."""
+        try:
+            self.mps.reconcile(self.sampler.tick())
+        except Exception:
+            log.exception("sampling the devices again after a MIG apply failed")
 
     def _reboot_sim(self) -> None:
         """A simulated reboot under a running daemon: instances go, as on a real node; the

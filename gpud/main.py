@@ -220,8 +220,8 @@ def check_mig_config_file(cfg: config.Config, *, path: str) -> None:
 
 
 def check_listen_hosts(cfg: config.Config, *, path: str) -> None:
-    """That the hosts of ``metrics.address`` and ``api.tcp_address`` resolve to addresses
-    of this host, as the start will need: a socket bound to each on port 0 (any free port),
+    """That the hosts of ``metrics.address``, ``api.tcp_address`` and (with etcd)
+    ``cluster.listen`` resolve to addresses of this host, as the start will need: a socket bound to each on port 0 (any free port),
     so that a port the running gpud serves on is no error. Only for ``--check-config``; the
     start itself says the same when it binds."""
     for key, address, used in (

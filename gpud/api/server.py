@@ -17,7 +17,6 @@ of :mod:`gpud.api.interceptors`.
 from __future__ import annotations
 
 import contextlib
-import grp
 import logging
 import os
 import socket
@@ -31,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gpud.api import validate
 from gpud.api.interceptors import ErrorMappingInterceptor
-from gpud.config import MAX_UNIX_PATH
+from gpud.config import MAX_UNIX_PATH, socket_gid
 from gpud.errors import ConfigError, FailedPrecondition, GpudError
 
 log = logging.getLogger(__name__)
@@ -79,14 +78,7 @@ class ApiServer:
     def _group_id(self) -> int | None:
         if self.socket_group is None:
             return None
-        try:
-            return grp.getgrnam(self.socket_group).gr_gid
-        except KeyError:
-            raise ConfigError(
-                f"group {self.socket_group!r} does not exist: create it "
-                f"(groupadd --system {self.socket_group}) or set another",
-                key="api.socket_group",
-            ) from None
+        return socket_gid(self.socket_group)
 
     def _clear_stale_socket(self) -> None:
         """Remove a socket file left by a daemon that died; refuse if one still listens."""

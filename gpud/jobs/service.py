@@ -457,6 +457,7 @@ class JobService:
                 # The kernel killed the run's command with gpuctl (PR_SET_PDEATHSIG); what
                 # the command left running goes the same way: nothing reserves its devices.
                 self._stops.schedule(RunStop(r.id, r.job, StopReason.HOLDER_GONE, now))
+            due = self._stops.due(now)  # one transaction a tick for both
         for r in reaped:
             self._events.emit(
                 "job.release",
@@ -464,7 +465,7 @@ class JobService:
                 job=r.job,
                 reservation=r.id,
             )
-        for stop in self._stops.due(now):
+        for stop in due:
             self._kill_leftovers(stop)
         if snapshot is not None:
             uses = self._attributor.attribute(snapshot)

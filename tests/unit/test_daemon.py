@@ -320,3 +320,20 @@ def test_a_worker_thread_stuck_in_a_driver_call_does_not_keep_a_stopped_gpud() -
     exits.clear()
     exit_leaving_stuck_threads(3, exit_now=exits.append)
     assert exits == []  # nothing stuck: the ordinary exit
+
+
+def test_a_failed_sample_after_a_mig_apply_leaves_the_apply_answered(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The apply was made: a sample that fails after it is logged, not the apply's error."""
+    d = build(make_config(root))
+
+    def broken() -> None:
+        raise RuntimeError("sampler broke")
+
+    d.sampler.tick = broken  # type: ignore[method-assign]
+    try:
+        d._devices_changed()
+    finally:
+        d.store.close()
+    assert "sampling the devices again after a MIG apply failed" in caplog.text
