@@ -326,17 +326,20 @@ class MigManager:
                 faulty[i] = _fault_reason(err)
             except InvalidArgument as err:
                 raise InvalidArgument(f"{config.where(name)}: {err}") from err
-        left_alone = tuple(
-            GpuOutcome(
-                i,
-                by_index[i].uuid,
-                (),
-                False,
-                "faulty",
-                f"GPU {i}{_product(by_index[i])} is faulty, left alone: {reason}",
+
+        def left_alone() -> tuple[GpuOutcome, ...]:
+            return tuple(
+                GpuOutcome(
+                    i,
+                    by_index[i].uuid,
+                    (),
+                    False,
+                    "faulty",
+                    f"GPU {i}{_product(by_index[i])} is faulty, left alone: {reason}",
+                )
+                for i, reason in sorted(faulty.items())
             )
-            for i, reason in sorted(faulty.items())
-        )
+
         if dry_run:
             preview = tuple(
                 GpuOutcome(
@@ -348,18 +351,20 @@ class MigManager:
                 )
                 for i, (_, p) in sorted(plans.items())
             )
-            if left_alone:
+            if faulty:
                 result = "partial"
             elif all(o.status == "ok" for o in preview):
                 result = "noop"
             else:
                 result = "success"
             return ApplyResult(
-                name, result, tuple(sorted(preview + left_alone, key=lambda o: o.gpu)), 0.0, True
+                name, result, tuple(sorted(preview + left_alone(), key=lambda o: o.gpu)), 0.0, True
             )
 
         reset = not opts.skip_reset
-        if not wanted() or (not opts.force and not self._wait_idle(plans, by_index, opts, wanted)):
+        if not wanted() or (
+            not opts.force and not self._wait_idle(plans, by_index, opts, wanted, faulty)
+        ):
             return self._not_started(name, start)
 
         all_steps = [s for _, (_, p) in sorted(plans.items()) for s in p.steps]
@@ -370,7 +375,7 @@ class MigManager:
             opts,
             self._wall(),
         )
-        outcomes: list[GpuOutcome] = list(left_alone)
+        outcomes: list[GpuOutcome] = list(left_alone())
         for i in sorted(plans):
             outcomes.append(self._converge(by_index[i], layouts[i], force=True, reset=reset))
         outcomes.sort(key=lambda o: o.gpu)
@@ -418,18 +423,24 @@ class MigManager:
         by_index: dict[int, GpuIdentity],
         opts: ApplyOptions,
         wanted: Callable[[], bool],
+        faulty: dict[int, str],
     ) -> bool:
         """Wait (``drain``) until nothing the plans disturb runs processes, or refuse with
-        :class:`Busy`; False when the caller went away while waiting."""
+        :class:`Busy`; False when the caller went away while waiting. A GPU that turns
+        faulty meanwhile is moved from ``plans`` to ``faulty``: the others go on."""
         deadline = self._monotonic() + opts.timeout_s
         started = self._monotonic()
         reset = not opts.skip_reset
         while True:
-            busy = {
-                i: b
-                for i, (actual, plan) in plans.items()
-                if (b := self._busy(by_index[i], actual, plan, reset=reset))
-            }
+            busy = {}
+            for i, (actual, plan) in list(plans.items()):
+                try:
+                    if b := self._busy(by_index[i], actual, plan, reset=reset):
+                        busy[i] = b
+                except FAULTS as err:
+                    log.warning("GPU %d turned faulty while draining: %s", i, err)
+                    faulty[i] = _fault_reason(err)
+                    del plans[i]
             if not busy:
                 return True
             if not opts.drain:
@@ -452,10 +463,18 @@ class MigManager:
         """
         done: list[str] = []
         where = f"GPU {gpu.index}{_product(gpu)}"
+
+        def faulty(err: BackendError) -> GpuOutcome:
+            log.warning("MIG step failed on GPU %d: %s", gpu.index, err)
+            detail = f"{where} is faulty: {_fault_reason(err)}"
+            return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "faulty", detail)
+
         for _ in range(4):
-            table = self._table(gpu)
             try:
-                actual, plan = self._plan(gpu, layout, table)
+                # the driver is read again each round: the GPU may have been lost meanwhile
+                actual, plan = self._plan(gpu, layout, self._table(gpu))
+            except FAULTS as err:
+                return faulty(err)
             except InvalidArgument as err:
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "failed", str(err))
             if not plan.steps and not plan.reset_pending:
@@ -470,15 +489,7 @@ class MigManager:
                 if pending and reset:
                     pending = not self._reset(gpu, done)
             except FAULTS as err:
-                log.warning("MIG step failed on GPU %d: %s", gpu.index, err)
-                return GpuOutcome(
-                    gpu.index,
-                    gpu.uuid,
-                    tuple(done),
-                    False,
-                    "faulty",
-                    f"{where} is faulty: {_fault_reason(err)}",
-                )
+                return faulty(err)
             except GpudError as err:
                 log.warning("MIG step failed on GPU %d: %s", gpu.index, err)
                 return GpuOutcome(

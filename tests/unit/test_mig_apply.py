@@ -662,3 +662,61 @@ def test_an_apply_whose_client_goes_while_it_runs_is_finished_and_logged(a100: H
     event = d.events.recent(kind_prefix="mig.apply")[-1]
     assert event.fields["client_gone"] is True
     assert "finished after the client had gone" in event.message
+
+
+class _LosesAnotherGpu:
+    """The backend, except that GPU ``lost`` falls off the bus right after the first GPU
+    instance is created on GPU ``on``: a GPU lost in the middle of an apply."""
+
+    def __init__(self, backend: NvmlBackend, node: SimNode, *, on: int, lost: int) -> None:
+        self._backend, self._node, self._on, self._lost = backend, node, on, lost
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._backend, name)
+
+    def create_gpu_instance(self, gpu: int, profile_id: int, placement: object) -> object:
+        out = self._backend.create_gpu_instance(gpu, profile_id, placement)  # type: ignore[arg-type]
+        if gpu == self._on and not self._node.faults.active().get(self._lost):
+            self._node.faults.lose(self._lost)
+        return out
+
+
+def test_a_gpu_lost_during_an_apply_leaves_the_others_applied(
+    host: Host, config: MigConfigFile
+) -> None:
+    d = host.start()
+    lossy = MigManager(
+        _LosesAnotherGpu(d.backend, d.node, on=0, lost=1),  # type: ignore[arg-type]
+        d.store,
+        d.events,
+        job_resolver=host.jobs.get,
+        monotonic=lambda: 0.0,
+        sleep=lambda s: None,
+    )
+    result = lossy.apply(config, "all-balanced")
+    assert result.result == "partial", result
+    outcomes = {o.gpu: o for o in result.gpus}
+    assert outcomes[0].status == "changed"
+    assert outcomes[1].status == "faulty" and "GPU lost" in outcomes[1].detail
+    assert "GPU 1" in outcomes[1].detail
+    # GPU 0 holds its layout; GPU 1's part waits for the GPU, as the next start resumes it
+    d.node.faults.clear(1)
+    again = host.start()
+    assert again.mig.apply(config, "all-balanced").result in ("success", "noop")
+    assert again.mig.assert_config(config, "all-balanced") == []
+
+
+def test_a_gpu_lost_while_draining_leaves_the_others_applied(
+    host: Host, config: MigConfigFile
+) -> None:
+    d, _pid = _busy_setup(host, config)  # GPU 0 runs a process on an instance that goes
+    d.mig._sleep = lambda s: d.node.faults.lose(0)  # it falls off the bus while gpud waits
+    result = d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(drain=True, timeout_s=30))
+    assert result.result == "partial", result
+    outcomes = {o.gpu: o for o in result.gpus}
+    assert outcomes[0].status == "faulty" and "GPU 0" in outcomes[0].detail
+    assert "GPU lost" in outcomes[0].detail
+    assert outcomes[1].status == "changed"
+    d.node.faults.clear(0)
+    diff = d.mig.assert_config(config, "all-3g.40gb")
+    assert diff and all(line.startswith("GPU 0") for line in diff), diff
