@@ -110,7 +110,8 @@ STOP_HOOK_FLOOR_S = 1.0
 # kernel and nft answer); see Daemon._traffic_step
 TRAFFIC_WAIT_S = 2.0
 # seconds a pass waits for the MPS reconcile it started (milliseconds while the control
-# daemons answer; a hung one takes its query timeout, 10 s, per command)
+# daemons answer; hung ones take one query timeout, 10 s, however many: they are checked at
+# once)
 MPS_WAIT_S = 2.0
 
 
@@ -337,9 +338,9 @@ class Daemon:
 
     async def _mps_step(self) -> None:
         """The MPS reconcile, waited for ``MPS_WAIT_S`` at most: control daemons that hang
-        (a hung GPU hangs its daemon's queries too) take 10 s per command each, which would
-        hold back the other steps and, past ``WatchdogSec``, the watchdog: see
-        :class:`Overrun`."""
+        (a hung GPU hangs its daemon's queries too) make it last their 10 s query timeout
+        (they are checked at once, not one after another), which would hold back the other
+        steps and, past ``WatchdogSec``, the watchdog: see :class:`Overrun`."""
         await self._mps.run(
             lambda: self.mps.reconcile(self.sampler.latest()),
             max(MPS_WAIT_S, self.loop_interval_s()),

@@ -223,13 +223,14 @@ class ControlDaemon:
         return True
 
     # -- commands --------------------------------------------------------------------------
-    def query(self, command: str) -> str:
+    def query(self, command: str, timeout_s: float | None = None) -> str:
         """Send one command on the client's stdin; return what it printed.
 
         Raises :class:`BackendError` when the client cannot reach the daemon,
-        :class:`DriverTimeout` when it does not answer in time.
+        :class:`DriverTimeout` when it does not answer within ``timeout_s`` (default: the
+        daemon's ``timeout_s``).
         """
-        result = self._run([], command + "\n")
+        result = self._run([], command + "\n", timeout_s)
         if result.returncode != 0:
             raise BackendError(
                 f"MPS control client exited {result.returncode}: "
@@ -240,7 +241,10 @@ class ControlDaemon:
             )
         return result.stdout
 
-    def _run(self, args: list[str], stdin: str | None) -> subprocess.CompletedProcess[str]:
+    def _run(
+        self, args: list[str], stdin: str | None, timeout_s: float | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        timeout = self._timeout_s if timeout_s is None else timeout_s
         try:
             return subprocess.run(
                 [*self._command, *args],
@@ -249,12 +253,12 @@ class ControlDaemon:
                 capture_output=True,
                 text=True,
                 env=self.env,
-                timeout=self._timeout_s,
+                timeout=timeout,
                 check=False,
             )
         except subprocess.TimeoutExpired as err:
             raise DriverTimeout(
-                f"MPS control did not answer within {self._timeout_s:g}s",
+                f"MPS control did not answer within {timeout:g}s",
                 uuid=self.uuid,
                 call=" ".join(args) or (stdin or "").strip(),
             ) from err

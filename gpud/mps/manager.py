@@ -9,7 +9,11 @@ memory limit, enabled), written by ``gpuctl mps set``. Each :meth:`MpsManager.re
   are written (``set_default_active_thread_percentage``, ``set_default_device_pinned_mem_limit``)
   and read back; a daemon that died is restarted the same way, with a backoff after failures;
 - every ``health_interval_s`` the daemon is queried; a daemon that does not answer
-  ``max_failures`` times in a row is killed and restarted; limits that drifted are re-applied;
+  ``max_failures`` times in a row is killed and restarted; limits that drifted are re-applied.
+  Devices are reconciled at once, each on a thread of its own: a hung daemon (its GPU hung,
+  say) costs the pass one query timeout however many hang, and no other device's check waits
+  behind it. The first failed check says so (``mps.hung`` when the daemon does not answer,
+  ``mps.check_failed`` otherwise, naming the GPU), and ``mps.recovered`` when it answers again;
 - a device that disappeared (a MIG instance destroyed) or was disabled loses its daemon
   (``quit``).
 
@@ -28,15 +32,18 @@ gets them, as for any device.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpud.errors import (
     BackendError,
+    DriverTimeout,
     FailedPrecondition,
     GpudError,
     InvalidArgument,
@@ -51,6 +58,15 @@ from gpud.store import StateStore
 from gpud.telemetry.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
+
+# Devices reconciled at once. Each thread mostly waits on a control client, and a node has at
+# most 8 GPUs x 7 MIG devices = 56 daemons: all of them fit, so a pass waits one query
+# timeout however many daemons hang.
+MAX_PARALLEL = 64
+# seconds ``gpuctl mps set`` waits on a daemon (for the device's lock, then per command):
+# twice this stays under gpuctl's own 10 s deadline, so a daemon that has just hung is named
+# in the answer instead of gpuctl saying that gpud did not answer
+REQUEST_TIMEOUT_S = 2.0
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS mps_limits (
@@ -217,7 +233,10 @@ class MpsManager:
     no daemon. ``control_command`` is the control program and any leading arguments.
 
     Talking to a daemon holds only that device's lock, so a daemon that hangs (up to
-    ``timeout_s`` per command) holds up neither the status nor the other devices' changes.
+    ``timeout_s`` per command) holds up neither the status nor the other devices' changes
+    and checks; never are two commands sent to one daemon at once. ``request_timeout_s``
+    bounds what an operator's change waits on a daemon; ``parallel``, how many devices a
+    pass reconciles at once.
     """
 
     def __init__(
@@ -233,6 +252,8 @@ class MpsManager:
         health_interval_s: float = 10.0,
         max_failures: int = 3,
         backoff_max_s: float = 60.0,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        parallel: int = MAX_PARALLEL,
         proc_root: Path = Path("/proc"),
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
@@ -247,6 +268,8 @@ class MpsManager:
         self._health_interval_s = health_interval_s
         self._max_failures = max_failures
         self._backoff_max_s = backoff_max_s
+        self._request_timeout_s = request_timeout_s
+        self._parallel = parallel
         self._proc_root = proc_root
         self._clock = clock
         self._sleep = sleep
@@ -294,7 +317,9 @@ class MpsManager:
         """Persist new defaults for ``device`` (UUID, GPU index, or ``GPU:MIG``) and apply
         them to its daemon now. Fields left ``None`` keep their value; ``clear_*`` go back to
         the driver's default. A daemon that did not answer its last health check is not
-        waited on: it gets them when it answers again, or is restarted with them.
+        waited on, and one that has just hung is waited on ``request_timeout_s`` at most
+        (the status returned says so, naming the device): it gets them when it answers
+        again, or is restarted with them.
 
         ``reserved_memory_bytes`` is what jobs already hold on the device: the default memory
         limit plus that may not exceed the device's memory (:class:`ResourceExhausted`).
@@ -302,8 +327,7 @@ class MpsManager:
         target = self._resolve_read(device)
         dev = self._device(target.uuid)
         if clear_memory and dev.up and self.limits(target.uuid).memory_bytes is not None:
-            with dev.io:
-                self._refuse_clear_while_serving(target)
+            self._refuse_clear_while_serving(target, dev)
         with self._lock:  # the desired limits only: no daemon is asked in here
             old = self.limits(target.uuid)
             new = old
@@ -353,7 +377,18 @@ class MpsManager:
                 enabled=new.enabled,
             )
         if self.enabled and (dev.up or dev.daemon.pid() is None):
-            self._reconcile_device(target, force_check=True, requested=True)
+            if not self._reconcile_device(
+                target, force_check=True, requested=True, timeout_s=self._request_timeout_s
+            ):
+                dev.requested = True
+                self.status()
+                return replace(
+                    self._status(target),
+                    up=False,
+                    last_error=f"the MPS control daemon of {_label(target)} is still busy with"
+                    f" a command after {self._request_timeout_s:g} s; it gets the limits once"
+                    " it answers, or is restarted with them",
+                )
         else:
             dev.requested = True
         self.status()
@@ -542,33 +577,63 @@ class MpsManager:
                 )
 
     def reconcile(self, snapshot: Snapshot | None = None) -> None:
-        """One pass: start, check, restart or stop each device's daemon. Each device is
-        isolated: a failure is logged and recorded in its status, and the pass goes on."""
+        """One pass: start, check, restart or stop each device's daemon, every device at
+        once (see the module docstring): the pass lasts as long as its slowest device. Each
+        device is isolated: a failure is logged and recorded in its status, and the others
+        go on."""
         with self._pass:
             if snapshot is not None:
                 self.observe(targets_from_snapshot(snapshot, self.targets()))
-            for target in self.targets():
-                try:
-                    self._reconcile_device(target)
-                except GpudError as err:
-                    log.warning("MPS on %s: %s", target.uuid, err)
             with self._lock:
                 gone = [u for u in self._devices if u not in self._targets]
-            for uuid in gone:
-                self._stop_device(uuid, reason="device gone")
+            calls: list[tuple[str, Callable[[], object]]] = [
+                (t.uuid, functools.partial(self._reconcile_device, t)) for t in self.targets()
+            ]
+            calls += [
+                (u, functools.partial(self._stop_device, u, reason="device gone")) for u in gone
+            ]
+            _all_at_once(calls, self._parallel)
             self.status()
 
+    @contextlib.contextmanager
+    def _io_within(self, dev: _Device, wait_s: float | None) -> Iterator[bool]:
+        """Hold ``dev``'s lock, waiting ``wait_s`` at most (None: as long as it takes);
+        yields whether it is held."""
+        held = dev.io.acquire(timeout=-1 if wait_s is None else wait_s)
+        try:
+            yield held
+        finally:
+            if held:
+                dev.io.release()
+
     def _reconcile_device(
-        self, target: MpsTarget, *, force_check: bool = False, requested: bool = False
-    ) -> None:
+        self,
+        target: MpsTarget,
+        *,
+        force_check: bool = False,
+        requested: bool = False,
+        timeout_s: float | None = None,
+    ) -> bool:
         """``requested``: the operator just changed the limits, so a difference from what
-        the daemon holds is the change itself, not drift."""
+        the daemon holds is the change itself, not drift. ``timeout_s``: how long to wait
+        for the device's lock (another command to it), and then for each command of a
+        check; False when the lock was not had in time."""
         dev = self._device(target.uuid)
-        with dev.io:
-            self._reconcile_locked(target, dev, force_check=force_check, requested=requested)
+        with self._io_within(dev, timeout_s) as held:
+            if held:
+                self._reconcile_locked(
+                    target, dev, force_check=force_check, requested=requested, timeout_s=timeout_s
+                )
+            return held
 
     def _reconcile_locked(
-        self, target: MpsTarget, dev: _Device, *, force_check: bool, requested: bool
+        self,
+        target: MpsTarget,
+        dev: _Device,
+        *,
+        force_check: bool,
+        requested: bool,
+        timeout_s: float | None,
     ) -> None:
         desired = self.limits(target.uuid)
         if not self.enabled or not desired.enabled:
@@ -592,7 +657,9 @@ class MpsManager:
             )
             force_check = True
         if force_check or now >= dev.next_check_at:
-            self._check(target, dev, desired, requested=requested or dev.requested)
+            self._check(
+                target, dev, desired, requested=requested or dev.requested, timeout_s=timeout_s
+            )
 
     def _start(self, target: MpsTarget, dev: _Device, desired: MpsLimits) -> None:
         restart = dev.started
@@ -633,12 +700,19 @@ class MpsManager:
         )
 
     def _check(
-        self, target: MpsTarget, dev: _Device, desired: MpsLimits, *, requested: bool = False
+        self,
+        target: MpsTarget,
+        dev: _Device,
+        desired: MpsLimits,
+        *,
+        requested: bool = False,
+        timeout_s: float | None = None,
     ) -> None:
-        """Query the daemon; re-apply limits that differ from the desired ones."""
+        """Query the daemon, each command waited on ``timeout_s`` (default: the daemon's);
+        re-apply limits that differ from the desired ones."""
         dev.next_check_at = self._clock() + self._health_interval_s
         try:
-            threads, memory, servers = self._read(dev)
+            threads, memory, servers = self._read(dev, timeout_s)
             if desired.memory_bytes is None and memory is not None:
                 # MPS has no command that removes a memory limit: only a new daemon forgets
                 # it, and only once no server (and so no client) depends on this one.
@@ -664,7 +738,7 @@ class MpsManager:
                         f" (threads {threads:g} %, memory {_mem(memory)}); re-applying",
                         uuid=target.uuid,
                     )
-                self._apply(target, dev, desired, servers=servers)
+                self._apply(target, dev, desired, servers=servers, timeout_s=timeout_s)
             else:
                 dev.servers = tuple(servers)
         except GpudError as err:
@@ -672,23 +746,42 @@ class MpsManager:
             dev.last_error = str(err)
             dev.up = False
             log.warning("MPS health check of %s failed (%d): %s", target.uuid, dev.failures, err)
+            name = f"MPS control daemon of {_label(target)} ({target.uuid})"
+            if dev.failures == 1:
+                hung = isinstance(err, DriverTimeout)
+                self._events.emit(
+                    "mps.hung" if hung else "mps.check_failed",
+                    f"{name} {'does not answer' if hung else 'failed its health check'}: {err}",
+                    **_where(target),
+                    error=str(err),
+                )
             if dev.failures >= self._max_failures:
                 self._events.emit(
                     "mps.unresponsive",
-                    f"MPS control daemon of {target.uuid} failed {dev.failures} health checks;"
-                    " killing it to restart",
-                    uuid=target.uuid,
+                    f"{name} failed {dev.failures} health checks; killing it to restart",
+                    **_where(target),
                 )
                 dev.daemon.kill()
                 dev.failures = 0
             return
+        if dev.failures:
+            self._events.emit(
+                "mps.recovered",
+                f"MPS control daemon of {_label(target)} ({target.uuid}) answers again after"
+                f" {dev.failures} failed health check{'s' if dev.failures > 1 else ''}",
+                **_where(target),
+            )
         dev.failures = 0
         dev.up = True
-        dev.requested = False
+        # Limits set while this check ran are not yet applied: the next check applies them.
+        if self.limits(target.uuid) == desired:
+            dev.requested = False
         dev.last_error = ""
 
-    def _read(self, dev: _Device) -> tuple[float, int | None, list[int]]:
-        q = dev.daemon.query
+    def _read(
+        self, dev: _Device, timeout_s: float | None = None
+    ) -> tuple[float, int | None, list[int]]:
+        q = functools.partial(dev.daemon.query, timeout_s=timeout_s)
         cmd = protocol.get_default_active_thread_percentage()
         threads = protocol.parse_percent(cmd, q(cmd))
         cmd = protocol.get_default_device_pinned_mem_limit(0)
@@ -699,10 +792,16 @@ class MpsManager:
         return threads, memory, servers
 
     def _apply(
-        self, target: MpsTarget, dev: _Device, desired: MpsLimits, *, servers: Sequence[int]
+        self,
+        target: MpsTarget,
+        dev: _Device,
+        desired: MpsLimits,
+        *,
+        servers: Sequence[int],
+        timeout_s: float | None = None,
     ) -> None:
         """Write the defaults, push them to running servers, and read them back."""
-        q = dev.daemon.query
+        q = functools.partial(dev.daemon.query, timeout_s=timeout_s)
         percent, num_bytes = desired.threads_percent or 100, desired.memory_bytes
         # (command, the percentage or bytes it sets: what the daemon may echo back)
         sets: list[tuple[str, int | None, int | None]] = [
@@ -720,7 +819,7 @@ class MpsManager:
                 )
         for cmd, pct, size in sets:
             protocol.parse_set(cmd, q(cmd), percent=pct, num_bytes=size)
-        threads, memory, _ = self._read(dev)
+        threads, memory, _ = self._read(dev, timeout_s)
         if not _matches(desired, threads, memory):
             raise BackendError(
                 f"MPS control daemon holds threads {threads:g} %, memory {_mem(memory)} after"
@@ -729,12 +828,26 @@ class MpsManager:
                 uuid=target.uuid,
             )
 
-    def _refuse_clear_while_serving(self, target: MpsTarget) -> None:
-        dev = self._device(target.uuid)
-        if not self.enabled or dev.daemon.pid() is None:
-            return
+    def _refuse_clear_while_serving(self, target: MpsTarget, dev: _Device) -> None:
         cmd = protocol.get_server_list()
-        servers = protocol.parse_server_list(cmd, dev.daemon.query(cmd))
+        wait = self._request_timeout_s
+        try:
+            with self._io_within(dev, wait) as held:
+                if not held:  # another command to it has not returned
+                    raise DriverTimeout(f"busy for over {wait:g}s", uuid=target.uuid, call=cmd)
+                if not self.enabled or dev.daemon.pid() is None:
+                    return
+                answer = dev.daemon.query(cmd, timeout_s=wait)
+        except DriverTimeout as err:
+            raise DriverTimeout(
+                f"the MPS control daemon of {_label(target)} ({target.uuid}) did not answer"
+                f" within {wait:g} s: whether MPS servers serve clients is unknown, so the"
+                " memory limit is kept",
+                gpu=target.gpu,
+                uuid=target.uuid,
+                call=cmd,
+            ) from err
+        servers = protocol.parse_server_list(cmd, answer)
         if servers:
             raise FailedPrecondition(
                 f"{target.uuid}: removing the memory limit restarts its MPS control daemon,"
@@ -784,6 +897,57 @@ class MpsManager:
                 self._stop_device(uuid, reason="gpud stopping")
             except GpudError as err:
                 log.warning("stopping MPS on %s: %s", uuid, err)
+
+
+def _all_at_once(calls: Sequence[tuple[str, Callable[[], object]]], limit: int) -> None:
+    """Run each ``(device UUID, call)`` on a thread of its own, ``limit`` at a time at most,
+    and wait for all. A device's :class:`GpudError` is logged; any other error (a bug) is
+    raised once every call has ended.
+
+    Daemon threads, not a ``ThreadPoolExecutor``: a control client stuck past its timeout
+    (killed but not yet reaped) must not keep gpud from exiting, and the executor joins its
+    threads at interpreter exit."""
+    slots = threading.BoundedSemaphore(max(1, limit))
+    bugs: list[BaseException] = []
+
+    def run(uuid: str, call: Callable[[], object]) -> None:
+        try:
+            call()
+        except GpudError as err:
+            log.warning("MPS on %s: %s", uuid or "a GPU never read", err)
+        except Exception as err:
+            log.exception("MPS on %s failed", uuid or "a GPU never read")
+            bugs.append(err)
+        finally:
+            slots.release()
+
+    threads = []
+    for uuid, call in calls:
+        slots.acquire()
+        thread = threading.Thread(
+            target=run, args=(uuid, call), name=f"gpud-mps-{uuid or 'unread'}", daemon=True
+        )
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    if bugs:
+        raise bugs[0]
+
+
+def _label(target: MpsTarget) -> str:
+    """How people name the device: ``GPU 3``, or ``MIG device 3:1 on GPU 3``."""
+    if target.mig is None:
+        return f"GPU {target.gpu}"
+    return f"MIG device {target.gpu}:{target.mig} on GPU {target.gpu}"
+
+
+def _where(target: MpsTarget) -> dict[str, object]:
+    """An event's fields naming the device."""
+    where: dict[str, object] = {"uuid": target.uuid, "gpu": target.gpu}
+    if target.mig is not None:
+        where["mig"] = target.mig
+    return where
 
 
 def _matches(desired: MpsLimits, threads: float, memory: int | None) -> bool:

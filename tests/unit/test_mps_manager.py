@@ -18,14 +18,29 @@ from prometheus_client.registry import Collector
 
 from gpud.backend.port import unknown_identity
 from gpud.cli.mps import device_row
-from gpud.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from gpud.errors import (
+    DriverTimeout,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from gpud.mps.api import device_message
+from gpud.mps.daemon import ControlDaemon
 from gpud.mps.manager import MpsLimits, MpsManager, MpsTarget, targets_from_snapshot
 from gpud.mps.metrics import MpsMetrics
 from gpud.mps.procs import alive
 from gpud.shared import GIB, MIB
 from gpud.telemetry.snapshot import GpuSample
-from tests.unit.mps_support import gpu_sample, gpu_uuid, make_manager, mig_uuid, short_dir, snapshot
+from tests.unit.mps_support import (
+    FAKE_CONTROL,
+    gpu_sample,
+    gpu_uuid,
+    make_manager,
+    mig_uuid,
+    short_dir,
+    snapshot,
+)
 
 NODE = snapshot(gpu_sample(0, memory_gib=80), gpu_sample(1, memory_gib=40))
 MIG_NODE = snapshot(
@@ -502,5 +517,125 @@ def test_limits_set_on_a_device_whose_daemon_hangs_are_kept_and_applied_later(
         assert not events.recent(kind_prefix="mps.drift")  # the change itself, not drift
     finally:
         os.kill(pid, signal.SIGCONT)
+        mgr.stop()
+        store.close()
+
+
+def test_hung_daemons_cost_one_pass_one_timeout_and_others_are_checked_on_time(
+    root: Path,
+) -> None:
+    """Three of four daemons hang: the pass waits one query timeout, not three, each hung
+    daemon is reported with its GPU, and the fourth's drift is repaired at once, not after
+    the hung ones have timed out."""
+    timeout = 2.0
+    node = snapshot(*(gpu_sample(i) for i in range(4)))
+    mgr, store, events = make_manager(root, timeout_s=timeout)
+    pids: list[int] = []
+    try:
+        mgr.reconcile(node)
+        assert all(s.up for s in mgr.status())
+        pids = [p for s in mgr.status()[:3] if (p := s.pid) is not None]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        # GPU 3's daemon is changed behind gpud's back: its next check re-applies the limits
+        ControlDaemon(gpu_uuid(3), root / "run", FAKE_CONTROL).query(
+            "set_default_active_thread_percentage 30"
+        )
+        started = time.monotonic()
+        passing = threading.Thread(target=mgr.reconcile)
+        passing.start()
+        repaired = None
+        while repaired is None and passing.is_alive():
+            if events.recent(kind_prefix="mps.drift"):
+                repaired = time.monotonic() - started
+            time.sleep(0.02)
+        passing.join()
+        took = time.monotonic() - started
+        assert repaired is not None and repaired < timeout  # not behind the hung ones
+        assert took < 2 * timeout  # serially: three timeouts
+        status = mgr.status()
+        assert [s.up for s in status] == [False, False, False, True]
+        assert held(mgr, gpu_uuid(3))["default_active_thread_percentage"] == 100.0
+        hung = events.recent(kind_prefix="mps.hung")
+        assert sorted(e.fields["gpu"] for e in hung) == [0, 1, 2]
+        assert all(f"GPU {e.fields['gpu']}" in e.message for e in hung)
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        mgr.reconcile()
+        assert all(s.up for s in mgr.status())
+        recovered = events.recent(kind_prefix="mps.recovered")
+        assert sorted(e.fields["gpu"] for e in recovered) == [0, 1, 2]
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        mgr.stop()
+        store.close()
+
+
+def test_limits_set_on_a_daemon_that_has_just_hung_return_at_once_naming_it(root: Path) -> None:
+    """The daemon hangs after its last good check: ``gpuctl mps set`` waits on it
+    ``request_timeout_s``, not its query timeout (past gpuctl's own 10 s deadline), whether a
+    health check of it is under way or not, and the answer says it does not answer."""
+    mgr, store, events = make_manager(root, timeout_s=30.0, request_timeout_s=0.5)
+    pid = None
+    try:
+        mgr.reconcile(NODE)
+        pid = mgr.status()[0].pid
+        assert pid is not None and mgr.status()[0].up
+        os.kill(pid, signal.SIGSTOP)
+        passing = threading.Thread(target=mgr.reconcile)  # its check waits on GPU 0 (30 s)
+        passing.start()
+        try:
+            time.sleep(0.3)
+            started = time.monotonic()
+            status = mgr.set_limits("0", threads_percent=45)
+            assert time.monotonic() - started < 5.0
+            assert not status.up and "GPU 0 is still busy" in status.last_error
+            mgr.set_limits("1", threads_percent=50)  # GPU 1 answers: applied at once
+            assert held(mgr, gpu_uuid(1))["default_active_thread_percentage"] == 50.0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            passing.join()
+        mgr.reconcile()  # the check under way had read the old limits: this one applies them
+        assert mgr.status()[0].up
+        assert held(mgr, gpu_uuid(0))["default_active_thread_percentage"] == 45.0
+        assert not events.recent(kind_prefix="mps.drift")  # the change itself, not drift
+
+        os.kill(pid, signal.SIGSTOP)  # no check under way: the change's own check times out
+        started = time.monotonic()
+        status = mgr.set_limits("0", threads_percent=40)
+        assert time.monotonic() - started < 5.0  # not the daemon's 30 s
+        assert status.desired.threads_percent == 40 and not status.up
+        assert "did not answer within 0.5s" in status.last_error
+        hung = events.recent(kind_prefix="mps.hung")
+        assert [e.fields["gpu"] for e in hung] == [0] and "GPU 0" in hung[0].message
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        mgr.stop()
+        store.close()
+
+
+def test_clearing_the_memory_limit_of_a_daemon_that_has_just_hung_fails_at_once(
+    root: Path,
+) -> None:
+    """Whether MPS servers still serve clients cannot be asked: refused within
+    ``request_timeout_s``, naming the GPU, the limit kept."""
+    mgr, store, _ = make_manager(root, timeout_s=30.0, request_timeout_s=0.5)
+    pid = None
+    try:
+        mgr.reconcile(NODE)
+        mgr.set_limits("0", memory_bytes=8 * GIB)
+        pid = mgr.status()[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(DriverTimeout, match=r"GPU 0 .*did not answer within 0\.5 s"):
+            mgr.set_limits("0", clear_memory=True)
+        assert time.monotonic() - started < 5.0
+        assert mgr.limits(gpu_uuid(0)).memory_bytes == 8 * GIB
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
         mgr.stop()
         store.close()
