@@ -18,7 +18,11 @@ What Prometheus sees (``curl -s localhost:9400/metrics | grep ^gpud_``):
   ``gpud_gpu_nvlink_bytes_total{direction}`` (the sum over every NVLink link of the GPU:
   NVML keeps one counter per link, ``scopeId`` = link index), ``gpud_gpu_processes``,
   ``gpud_gpu_mig_mode_enabled``, ``gpud_gpu_mig_mode_pending``,
-  ``gpud_gpu_xid_errors_total``, ``gpud_gpu_last_xid``;
+  ``gpud_gpu_xid_errors_total``, ``gpud_gpu_last_xid`` (the latest XID of any kind: history,
+  not state), ``gpud_gpu_critical_xid_uncleared{xid}`` (one series per critical XID code the
+  GPU raised and nobody cleared or reset since, the value how often; gone once cleared: what
+  the critical-XID alert reads; ``uuid`` is the GPU's when the XID was raised if it cannot be
+  read now);
 - per MIG device, labels ``gpu``, ``gpu_uuid``, ``mig_uuid``, ``profile``,
   ``gpu_instance_id``, ``compute_instance_id`` (as in ``nvidia-smi mig -lgi`` / ``-lci``):
   ``gpud_mig_device_memory_{total,used,free}_bytes``, ``gpud_mig_device_processes``;
@@ -212,7 +216,17 @@ class Collector(_CollectorBase):
         xid = CounterMetricFamily(
             "gpud_gpu_xid_errors", "XID errors seen since gpud started.", labels=_GPU_LABELS
         )
-        last_xid = g("gpud_gpu_last_xid", "Code of the last XID error seen.", labels=_GPU_LABELS)
+        last_xid = g(
+            "gpud_gpu_last_xid",
+            "Code of the last XID error seen, of any kind, cleared or not.",
+            labels=_GPU_LABELS,
+        )
+        critical_xid = g(
+            "gpud_gpu_critical_xid_uncleared",
+            "Times the GPU raised this critical XID since its last reset or the XID's clear"
+            " (gpuctl xid clear); present only while uncleared.",
+            labels=(*_GPU_LABELS, "xid"),
+        )
         mig_total = g(
             "gpud_mig_device_memory_total_bytes", "MIG device memory.", labels=_MIG_LABELS
         )
@@ -238,6 +252,10 @@ class Collector(_CollectorBase):
             xid.add_metric(labels, s.xid_events_total)
             if s.last_xid is not None:
                 last_xid.add_metric(labels, s.last_xid)
+            for c in s.critical_xids:
+                # a GPU not read since gpud started has no UUID; the XID may know it
+                where = labels if ident.uuid else (index, c.uuid, ident.name)
+                critical_xid.add_metric((*where, str(c.xid)), c.count)
             if s.memory is not None:
                 mem_total.add_metric(labels, s.memory.total_bytes)
                 mem_used.add_metric(labels, s.memory.used_bytes)
@@ -317,6 +335,7 @@ class Collector(_CollectorBase):
             mig_pending,
             xid,
             last_xid,
+            critical_xid,
             mig_total,
             mig_used,
             mig_free,

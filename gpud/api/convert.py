@@ -99,6 +99,14 @@ def gpu(sample: GpuSample, *, now_monotonic: float) -> pb.Gpu:
         msg.mig_mode.pending = sample.mig_mode.pending
     if sample.last_xid is not None:
         msg.last_xid = sample.last_xid
+    for c in sample.critical_xids:
+        msg.critical_xids.add(
+            xid=c.xid,
+            count=c.count,
+            first_seen_unix_seconds=c.first_seen,
+            last_seen_unix_seconds=c.last_seen,
+            uuid=ident.uuid or c.uuid,
+        )
     return msg
 
 

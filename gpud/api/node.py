@@ -22,7 +22,7 @@ from gpud.api.ports import (
     WorkloadPort,
 )
 from gpud.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from gpud.telemetry.snapshot import Snapshot
+from gpud.telemetry.snapshot import ClearedXids, Snapshot
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
@@ -76,7 +76,7 @@ class NodeServicer(pb_grpc.NodeServicer):
         faults: FaultPort | None = None,
         reboot: Callable[[], None] | None = None,
         workloads: WorkloadPort | None = None,
-        clear_xid: Callable[[int], int | None] | None = None,
+        clear_xid: Callable[[int, int | None], ClearedXids] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._snapshots = snapshots
@@ -257,12 +257,15 @@ class NodeServicer(pb_grpc.NodeServicer):
         if self._clear_xid is None:
             raise FailedPrecondition("this daemon does not track critical XIDs")
         gpu = validate.gpu_index(request.gpu, self._node_info().gpu_count)
+        code: int | None = validate.optional(request, "xid")
+        if code is not None and code <= 0:
+            raise InvalidArgument(f"must be an XID code > 0, got {code}", field="xid")
         try:
             # it writes the XID state file (flushed to disk): off the event loop
-            xid = await asyncio.to_thread(self._clear_xid, gpu)
+            done = await asyncio.to_thread(self._clear_xid, gpu, code)
         except IndexError as err:  # not sampled yet
             raise Unavailable(f"GPU {gpu} has not been sampled yet: retry shortly") from err
-        resp = pb.ClearXidResponse()
-        if xid is not None:
-            resp.cleared_xid = xid
+        resp = pb.ClearXidResponse(cleared_xids=done.cleared, remaining_xids=done.remaining)
+        if done.cleared:
+            resp.cleared_xid = done.cleared[0]
         return resp

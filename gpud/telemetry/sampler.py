@@ -18,8 +18,11 @@ XID and ECC events arrive on a separate thread blocked in ``nvmlEventSetWait``
 event log as ``gpu.xid``. A critical XID (any but ``ignored_xids``, the application-caused
 ones: 13, 31, 43, 45, 68, 109 by default, as the Kubernetes device plugin has it) marks the GPU
 unhealthy with the XID in the reason until the GPU is reset (:meth:`Sampler.gpu_reset`) or
-the fault is cleared by hand (:meth:`Sampler.clear_xid`); with ``xid_state`` (a file under the
-run directory, which a reboot empties) that outlives a daemon restart.
+the fault is cleared by hand (:meth:`Sampler.clear_xid`). Each code is kept on its own with
+how often and when it was raised (:class:`CriticalXid`, ``GpuSample.critical_xids``): a
+second critical XID on a GPU is a second fault, shown beside the first, and clearing one code
+leaves the others. With ``xid_state`` (a file under the run directory, which a reboot
+empties) they outlive a daemon restart.
 
 Use from asyncio (the daemon)::
 
@@ -34,13 +37,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from gpud.backend.port import EventKind, GpuBackend, GpuEvent
 from gpud.errors import BackendError, NotSupported
@@ -48,7 +53,7 @@ from gpud.events import EventLog
 from gpud.files import write_atomically
 from gpud.telemetry.dispatch import Dispatcher, Target
 from gpud.telemetry.reader import GpuReader, placeholder_identity
-from gpud.telemetry.snapshot import GpuSample, Snapshot
+from gpud.telemetry.snapshot import ClearedXids, CriticalXid, GpuSample, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +66,25 @@ DEFAULT_IGNORED_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 """XIDs an application causes (illegal address, page fault, ...): they leave the GPU healthy."""
 
 
-def critical_xid_reason(xid: int) -> str:
-    return f"critical Xid {xid}: reset the GPU or clear it with `gpuctl xid clear`"
+XID_STATE_VERSION = 2
+"""Version of the ``xid_state`` file: ``{"version": 2, "gpus": {"1": [{"xid": 79, ...}]}}``.
+Version 1 (no ``version`` key) kept one code per GPU, ``{"1": 79}``; it is still read."""
+
+
+def critical_xid_reason(xids: Sequence[int]) -> str:
+    """The unhealthy reason for uncleared critical XIDs ``xids`` (never empty). Alert rules
+    match its start, ``critical Xid 79:`` or ``critical Xids 79, 48:``."""
+    if len(xids) == 1:
+        return f"critical Xid {xids[0]}: reset the GPU or clear it with `gpuctl xid clear`"
+    codes = ", ".join(str(x) for x in xids)
+    return f"critical Xids {codes}: reset the GPU or clear them with `gpuctl xid clear`"
 
 
 class _Slot:
     """One GPU: its reader, its dispatch target and the health last reported."""
 
     __slots__ = (
-        "critical_xid",
+        "critical",
         "healthy",
         "reader",
         "reason",
@@ -85,7 +100,7 @@ class _Slot:
         self.healthy = True
         self.reason = ""
         self.stuck_since: float | None = None  # tick start when its call was first outstanding
-        self.critical_xid: int | None = None  # until a reset or a clear
+        self.critical: dict[int, CriticalXid] = {}  # by code, until a reset or a clear
         self.xid_total = 0
         self.xid_last: int | None = None
 
@@ -128,7 +143,8 @@ class Sampler:
         self._timeout_reason = f"driver call timed out after {call_timeout_s:g} s"
         self._history: deque[Snapshot] = deque(maxlen=max(1, history))
         self._latest: Snapshot | None = None
-        self._lock = threading.Lock()  # guards _history, _slots' xid counts, _listeners
+        # guards _history, _slots' xid counts and critical XIDs, _unslotted_xids, _listeners
+        self._lock = threading.Lock()
         self._tick_lock = threading.Lock()  # one tick at a time
         self._slots: list[_Slot] | None = None
         self._driver_version: str | None = None
@@ -138,7 +154,10 @@ class Sampler:
         self._closed = False
         self.ignored_xids = frozenset(ignored_xids)
         self._xid_state = xid_state
-        self._saved_xids: dict[int, int] = self._load_xids()  # gpu -> critical XID
+        self._xid_save_lock = threading.Lock()  # one write at a time, of the newest state
+        # critical XIDs of GPU indexes without a slot: read from xid_state before the GPUs
+        # are counted, raised before that, or of an index the driver no longer counts
+        self._unslotted_xids: dict[int, dict[int, CriticalXid]] = self._load_xids()
 
     def _wait_s(self) -> float:
         """How long a tick waits for a GPU that does not answer: short enough that the GPUs
@@ -224,9 +243,10 @@ class Sampler:
             )
             for index in range(count)
         ]
-        for slot in slots:
-            slot.critical_xid = self._saved_xids.get(slot.reader.index)
-        self._slots = slots
+        with self._lock:
+            for slot in slots:
+                slot.critical = self._unslotted_xids.pop(slot.reader.index, {})
+            self._slots = slots
         return slots
 
     def _collect(
@@ -262,12 +282,14 @@ class Sampler:
         seen = self._last_seen.get(reader.index)
         if seen and not sample.identity.uuid:  # never read in this run
             sample = sample._replace(reason=f"{sample.reason}; last seen as {seen}")
-        if slot.xid_total or slot.critical_xid is not None:
+        if slot.xid_total or slot.critical:
             with self._lock:
-                sample = sample._replace(xid_events_total=slot.xid_total, last_xid=slot.xid_last)
-                xid = slot.critical_xid
-            if xid is not None:
-                why = critical_xid_reason(xid)
+                critical = tuple(slot.critical.values())
+                sample = sample._replace(
+                    xid_events_total=slot.xid_total, last_xid=slot.xid_last, critical_xids=critical
+                )
+            if critical:
+                why = critical_xid_reason([c.xid for c in critical])
                 sample = sample._replace(
                     healthy=False, reason=f"{sample.reason}; {why}" if sample.reason else why
                 )
@@ -307,14 +329,31 @@ class Sampler:
             fields["compute_instance_id"] = event.compute_instance_id
         if event.kind is EventKind.XID:
             critical = event.xid is not None and event.xid not in self.ignored_xids
-            if slot is not None:
-                with self._lock:
+            now = self._wall_clock()
+            with self._lock:
+                # again under the lock: the GPUs may have been counted since, taking over
+                # what was raised before (_discover), and this XID must reach the same place
+                slot = next((s for s in self._slots or () if s.reader.index == event.gpu), None)
+                if slot is not None:
                     slot.xid_total += 1
                     slot.xid_last = event.xid
-                    if critical and slot.critical_xid is None:
-                        slot.critical_xid = event.xid
-                if critical:
-                    self._save_xids()
+                if critical and event.xid is not None:
+                    # before the GPUs are counted too: the slot takes it over when made
+                    table = (
+                        slot.critical
+                        if slot is not None
+                        else self._unslotted_xids.setdefault(event.gpu, {})
+                    )
+                    known = table.get(event.xid)
+                    table[event.xid] = (
+                        CriticalXid(event.xid, 1, now, now, uuid)
+                        if known is None
+                        else dataclasses.replace(
+                            known, count=known.count + 1, last_seen=now, uuid=known.uuid or uuid
+                        )
+                    )
+            if critical:
+                self._save_xids()
             log.warning(
                 "GPU %d reported %sXid %s", event.gpu, "critical " if critical else "", event.xid
             )
@@ -328,31 +367,41 @@ class Sampler:
         elif event.kind in (EventKind.ECC_DOUBLE_BIT, EventKind.ECC_SINGLE_BIT):
             self._emit("gpu.ecc", f"GPU {event.gpu}: {event.kind.value} ECC error", **fields)
 
-    def clear_xid(self, gpu: int) -> int | None:
-        """Forget ``gpu``'s critical XID (the operator dealt with it); the XID it had, if any.
-        The next tick reports the GPU by its readings alone."""
+    def clear_xid(self, gpu: int, xid: int | None = None) -> ClearedXids:
+        """Forget ``gpu``'s critical XID ``xid`` (every one when None): the operator dealt
+        with it. The next tick reports the GPU by its readings and the codes left alone."""
         slot = self._slot(gpu)
         with self._lock:
-            xid, slot.critical_xid = slot.critical_xid, None
-        if xid is not None:
+            codes = list(slot.critical) if xid is None else [xid] if xid in slot.critical else []
+            cleared = [slot.critical.pop(code) for code in codes]
+            remaining = tuple(slot.critical)
+        if cleared:
             self._save_xids()
+        uuid = slot.reader.identity.uuid if slot.reader.identity else ""
+        for c in cleared:
             self._emit(
-                "gpu.xid_cleared", f"GPU {gpu}: critical Xid {xid} cleared", gpu=gpu, xid=xid
+                "gpu.xid_cleared",
+                f"GPU {gpu}: critical Xid {c.xid} cleared",
+                gpu=gpu,
+                uuid=uuid or c.uuid,
+                xid=c.xid,
+                count=c.count,
             )
-        return xid
+        return ClearedXids(tuple(c.xid for c in cleared), remaining)
 
     def gpu_reset(self, gpu: int | None = None) -> None:
-        """``gpu`` (every GPU when None: a reboot) was reset: its critical XID is gone and
+        """``gpu`` (every GPU when None: a reboot) was reset: its critical XIDs are gone and
         its identity and MIG devices are read again."""
         for slot in self._slots or ():
             if gpu is None or slot.reader.index == gpu:
                 with self._lock:
-                    slot.critical_xid = None
+                    slot.critical = {}
                 slot.reader.refresh_identity()
-        if gpu is None:
-            self._saved_xids = {}
-        else:
-            self._saved_xids.pop(gpu, None)
+        with self._lock:
+            if gpu is None:
+                self._unslotted_xids = {}
+            else:
+                self._unslotted_xids.pop(gpu, None)
         self._save_xids()
 
     @contextlib.contextmanager
@@ -368,16 +417,15 @@ class Sampler:
                 return slot
         raise IndexError(f"no GPU {gpu}")
 
-    def _load_xids(self) -> dict[int, int]:
+    def _load_xids(self) -> dict[int, dict[int, CriticalXid]]:
         path = self._xid_state
         if path is None:
             return {}
         try:
-            raw = json.loads(path.read_text())
-            return {int(gpu): int(xid) for gpu, xid in raw.items()}
+            return parse_xid_state(json.loads(path.read_text()))
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError, TypeError, AttributeError) as err:
+        except (OSError, ValueError, TypeError, AttributeError, KeyError) as err:
             log.warning("ignoring unreadable critical-XID state %s: %s", path, err)
             return {}
 
@@ -385,17 +433,18 @@ class Sampler:
         path = self._xid_state
         if path is None:
             return
-        with self._lock:
-            xids = {s.reader.index: s.critical_xid for s in self._slots or ()}
-        saved = {**self._saved_xids, **{g: x for g, x in xids.items() if x is not None}}
-        for gpu, xid in xids.items():
-            if xid is None:
-                saved.pop(gpu, None)
-        self._saved_xids = saved
-        try:
-            write_atomically(path, json.dumps({str(g): x for g, x in sorted(saved.items())}))
-        except OSError as err:
-            log.warning("cannot save critical-XID state to %s: %s", path, err)
+        # The state is read under the save lock, so of two racing saves the later write
+        # carries the newer state.
+        with self._xid_save_lock:
+            with self._lock:
+                state = {g: list(t.values()) for g, t in self._unslotted_xids.items() if t}
+                for s in self._slots or ():
+                    if s.critical:
+                        state[s.reader.index] = list(s.critical.values())
+            try:
+                write_atomically(path, json.dumps(xid_state_document(state)))
+            except OSError as err:
+                log.warning("cannot save critical-XID state to %s: %s", path, err)
 
     def _emit(self, kind: str, message: str, **fields: object) -> None:
         if self._events is not None:
@@ -438,6 +487,39 @@ class Sampler:
                     await asyncio.wait_for(stop.wait(), timeout=next_at - now)
         finally:
             self.close()
+
+
+def xid_state_document(state: Mapping[int, Sequence[CriticalXid]]) -> dict[str, Any]:
+    """The ``xid_state`` file's JSON document (version :data:`XID_STATE_VERSION`)."""
+    return {
+        "version": XID_STATE_VERSION,
+        "gpus": {
+            str(gpu): [dataclasses.asdict(c) for c in xids] for gpu, xids in sorted(state.items())
+        },
+    }
+
+
+def parse_xid_state(raw: Any) -> dict[int, dict[int, CriticalXid]]:
+    """Read an ``xid_state`` document, of this version or version 1 (one code per GPU, when
+    and how often unknown). Raises ValueError, TypeError, AttributeError or KeyError on one
+    that does not validate."""
+    if "version" not in raw:
+        return {int(gpu): {int(x): CriticalXid(int(x), 1, 0.0, 0.0)} for gpu, x in raw.items()}
+    if raw["version"] != XID_STATE_VERSION:
+        raise ValueError(f"version {raw['version']!r}, not {XID_STATE_VERSION}")
+    state: dict[int, dict[int, CriticalXid]] = {}
+    for gpu, xids in raw["gpus"].items():
+        table = state[int(gpu)] = {}
+        for x in xids:
+            c = CriticalXid(
+                int(x["xid"]),
+                int(x["count"]),
+                float(x["first_seen"]),
+                float(x["last_seen"]),
+                str(x.get("uuid", "")),
+            )
+            table[c.xid] = c
+    return state
 
 
 class XidWatcher:

@@ -31,6 +31,26 @@ MigSample = MigReading
 (``memory`` is None and ``processes`` empty when the device could not be read)."""
 
 
+@dataclass(frozen=True, slots=True)
+class CriticalXid:
+    """One critical XID code a GPU raised and nobody has cleared yet (``gpuctl xid clear``,
+    or a GPU reset). Each code is kept apart, so a second fault on the GPU is never hidden
+    behind the first, and clearing one leaves the others."""
+
+    xid: int
+    count: int  # times raised since the GPU was last reset or the code cleared
+    first_seen: float  # Unix time; 0.0 when unknown (kept by a gpud that did not record it)
+    last_seen: float
+    uuid: str = ""  # the GPU's UUID when it was raised; "" when it could not be read then
+
+
+class ClearedXids(NamedTuple):
+    """What clearing a GPU's critical XIDs did: the codes cleared, and those it still has."""
+
+    cleared: tuple[int, ...]
+    remaining: tuple[int, ...]
+
+
 class GpuSample(NamedTuple):
     """One GPU at one tick. ``sampled_at`` is the monotonic time its reads completed."""
 
@@ -51,6 +71,8 @@ class GpuSample(NamedTuple):
     xid_events_total: int = 0
     last_xid: int | None = None
     nvlink_bytes: tuple[int, int] | None = None  # (tx, rx) counters summed over links
+    # uncleared critical XIDs, the first raised first; last_xid is the latest XID of any kind
+    critical_xids: tuple[CriticalXid, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -454,6 +454,7 @@ class Gpu(_message.Message):
     MIG_DEVICES_FIELD_NUMBER: _builtins.int
     XID_EVENTS_TOTAL_FIELD_NUMBER: _builtins.int
     LAST_XID_FIELD_NUMBER: _builtins.int
+    CRITICAL_XIDS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """identity"""
     uuid: _builtins.str
@@ -474,6 +475,7 @@ class Gpu(_message.Message):
     temperature_celsius: _builtins.float
     xid_events_total: _builtins.int
     last_xid: _builtins.int
+    """the latest XID of any kind since gpud started"""
     @_builtins.property
     def memory(self) -> Global___Memory:
         """readings: unset when not supported or not read"""
@@ -492,6 +494,10 @@ class Gpu(_message.Message):
     def mig_mode(self) -> Global___MigMode: ...
     @_builtins.property
     def mig_devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___MigDevice]: ...
+    @_builtins.property
+    def critical_xids(self) -> _containers.RepeatedCompositeFieldContainer[Global___CriticalXid]:
+        """uncleared critical XIDs, the first raised first"""
+
     def __init__(
         self,
         *,
@@ -518,10 +524,11 @@ class Gpu(_message.Message):
         mig_devices: _abc.Iterable[Global___MigDevice] | None = ...,
         xid_events_total: _builtins.int = ...,
         last_xid: _builtins.int | None = ...,
+        critical_xids: _abc.Iterable[Global___CriticalXid] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid", "_power_watts", b"_power_watts", "_temperature_celsius", b"_temperature_celsius", "clocks", b"clocks", "ecc", b"ecc", "last_xid", b"last_xid", "memory", b"memory", "mig_mode", b"mig_mode", "pcie", b"pcie", "power_watts", b"power_watts", "temperature_celsius", b"temperature_celsius", "utilization", b"utilization"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid", "_power_watts", b"_power_watts", "_temperature_celsius", b"_temperature_celsius", "clocks", b"clocks", "ecc", b"ecc", "healthy", b"healthy", "index", b"index", "last_xid", b"last_xid", "memory", b"memory", "memory_total_bytes", b"memory_total_bytes", "mig_capable", b"mig_capable", "mig_devices", b"mig_devices", "mig_mode", b"mig_mode", "name", b"name", "pci_bus_id", b"pci_bus_id", "pci_device_id", b"pci_device_id", "pcie", b"pcie", "power_watts", b"power_watts", "processes", b"processes", "product", b"product", "reason", b"reason", "sample_age_seconds", b"sample_age_seconds", "temperature_celsius", b"temperature_celsius", "utilization", b"utilization", "uuid", b"uuid", "xid_events_total", b"xid_events_total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid", "_power_watts", b"_power_watts", "_temperature_celsius", b"_temperature_celsius", "clocks", b"clocks", "critical_xids", b"critical_xids", "ecc", b"ecc", "healthy", b"healthy", "index", b"index", "last_xid", b"last_xid", "memory", b"memory", "memory_total_bytes", b"memory_total_bytes", "mig_capable", b"mig_capable", "mig_devices", b"mig_devices", "mig_mode", b"mig_mode", "name", b"name", "pci_bus_id", b"pci_bus_id", "pci_device_id", b"pci_device_id", "pcie", b"pcie", "power_watts", b"power_watts", "processes", b"processes", "product", b"product", "reason", b"reason", "sample_age_seconds", b"sample_age_seconds", "temperature_celsius", b"temperature_celsius", "utilization", b"utilization", "uuid", b"uuid", "xid_events_total", b"xid_events_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_xid: _TypeAlias = _typing.Literal["last_xid"]  # noqa: Y015
     _WhichOneofArgType__last_xid: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid"]  # noqa: Y015
@@ -537,6 +544,45 @@ class Gpu(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature_celsius) -> _WhichOneofReturnType__temperature_celsius | None: ...
 
 Global___Gpu: _TypeAlias = Gpu  # noqa: Y015
+
+@_typing.final
+class CriticalXid(_message.Message):
+    """A critical XID (not in telemetry.ignored_xids) a GPU raised that was not cleared since: the
+    GPU is unhealthy until a reset or `gpuctl xid clear`. One per code.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    XID_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    FIRST_SEEN_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    LAST_SEEN_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    UUID_FIELD_NUMBER: _builtins.int
+    xid: _builtins.int
+    count: _builtins.int
+    """times raised since the GPU's reset or its clear"""
+    first_seen_unix_seconds: _builtins.float
+    """0: unknown (kept by an older gpud)"""
+    last_seen_unix_seconds: _builtins.float
+    """0: unknown"""
+    uuid: _builtins.str
+    """the GPU's UUID when raised, also for a GPU not read since; "" if unknown"""
+    def __init__(
+        self,
+        *,
+        xid: _builtins.int = ...,
+        count: _builtins.int = ...,
+        first_seen_unix_seconds: _builtins.float = ...,
+        last_seen_unix_seconds: _builtins.float = ...,
+        uuid: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "first_seen_unix_seconds", b"first_seen_unix_seconds", "last_seen_unix_seconds", b"last_seen_unix_seconds", "uuid", b"uuid", "xid", b"xid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CriticalXid: _TypeAlias = CriticalXid  # noqa: Y015
 
 @_typing.final
 class ListEventsRequest(_message.Message):
@@ -766,17 +812,23 @@ class ClearXidRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     GPU_FIELD_NUMBER: _builtins.int
+    XID_FIELD_NUMBER: _builtins.int
     gpu: _builtins.int
+    xid: _builtins.int
+    """only this code; absent: every critical XID of the GPU"""
     def __init__(
         self,
         *,
         gpu: _builtins.int = ...,
+        xid: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_xid", b"_xid", "xid", b"xid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu", b"gpu"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_xid", b"_xid", "gpu", b"gpu", "xid", b"xid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__xid: _TypeAlias = _typing.Literal["xid"]  # noqa: Y015
+    _WhichOneofArgType__xid: _TypeAlias = _typing.Literal["_xid", b"_xid"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__xid) -> _WhichOneofReturnType__xid | None: ...
 
 Global___ClearXidRequest: _TypeAlias = ClearXidRequest  # noqa: Y015
 
@@ -785,16 +837,28 @@ class ClearXidResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CLEARED_XID_FIELD_NUMBER: _builtins.int
+    CLEARED_XIDS_FIELD_NUMBER: _builtins.int
+    REMAINING_XIDS_FIELD_NUMBER: _builtins.int
     cleared_xid: _builtins.int
-    """the critical XID it had; absent: it had none"""
+    """the first of cleared_xids; absent: none was cleared"""
+    @_builtins.property
+    def cleared_xids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the codes cleared"""
+
+    @_builtins.property
+    def remaining_xids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the GPU's critical XIDs still uncleared"""
+
     def __init__(
         self,
         *,
         cleared_xid: _builtins.int | None = ...,
+        cleared_xids: _abc.Iterable[_builtins.int] | None = ...,
+        remaining_xids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_cleared_xid", b"_cleared_xid", "cleared_xid", b"cleared_xid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cleared_xid", b"_cleared_xid", "cleared_xid", b"cleared_xid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cleared_xid", b"_cleared_xid", "cleared_xid", b"cleared_xid", "cleared_xids", b"cleared_xids", "remaining_xids", b"remaining_xids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cleared_xid: _TypeAlias = _typing.Literal["cleared_xid"]  # noqa: Y015
     _WhichOneofArgType__cleared_xid: _TypeAlias = _typing.Literal["_cleared_xid", b"_cleared_xid"]  # noqa: Y015

@@ -120,8 +120,9 @@ class NodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClearXid(self, request, context):
-        """Clear a GPU's critical XID (`gpuctl xid clear`): the operator dealt with it without a
-        reset. The GPU is then healthy again unless its readings say otherwise.
+        """Clear a GPU's critical XIDs, or one of them (`gpuctl xid clear`): the operator dealt with
+        it without a reset. The GPU is then healthy again unless its readings or the codes left
+        say otherwise. `Gpu.critical_xids` (`gpuctl xid`) lists what is left to clear.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -60,8 +60,9 @@ class NodeStub:
     process lists, memory and utilization. FAILED_PRECONDITION unless simulated.
     """
     ClearXid: _grpc.UnaryUnaryMultiCallable[_node_pb2.ClearXidRequest, _node_pb2.ClearXidResponse]
-    """Clear a GPU's critical XID (`gpuctl xid clear`): the operator dealt with it without a
-    reset. The GPU is then healthy again unless its readings say otherwise.
+    """Clear a GPU's critical XIDs, or one of them (`gpuctl xid clear`): the operator dealt with
+    it without a reset. The GPU is then healthy again unless its readings or the codes left
+    say otherwise. `Gpu.critical_xids` (`gpuctl xid`) lists what is left to clear.
     """
 
 @_typing.type_check_only
@@ -86,8 +87,9 @@ class NodeAsyncStub(NodeStub):
     process lists, memory and utilization. FAILED_PRECONDITION unless simulated.
     """
     ClearXid: _aio.UnaryUnaryMultiCallable[_node_pb2.ClearXidRequest, _node_pb2.ClearXidResponse]  # type: ignore[assignment]
-    """Clear a GPU's critical XID (`gpuctl xid clear`): the operator dealt with it without a
-    reset. The GPU is then healthy again unless its readings say otherwise.
+    """Clear a GPU's critical XIDs, or one of them (`gpuctl xid clear`): the operator dealt with
+    it without a reset. The GPU is then healthy again unless its readings or the codes left
+    say otherwise. `Gpu.critical_xids` (`gpuctl xid`) lists what is left to clear.
     """
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
@@ -151,8 +153,9 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
         request: _node_pb2.ClearXidRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_node_pb2.ClearXidResponse, _abc.Awaitable[_node_pb2.ClearXidResponse]]:
-        """Clear a GPU's critical XID (`gpuctl xid clear`): the operator dealt with it without a
-        reset. The GPU is then healthy again unless its readings say otherwise.
+        """Clear a GPU's critical XIDs, or one of them (`gpuctl xid clear`): the operator dealt with
+        it without a reset. The GPU is then healthy again unless its readings or the codes left
+        say otherwise. `Gpu.critical_xids` (`gpuctl xid`) lists what is left to clear.
         """
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,7 +1,7 @@
 """A real /metrics scrape of the sampler on a simulated node, linted by ``promtool``.
 
 Every metric family shows up in the scrape: a GPU in MIG mode with MIG devices and
-processes, a lost GPU (unhealthy reason), a NotSupported field, XIDs and events.
+processes, a lost GPU (unhealthy reason, two critical XIDs), a NotSupported field, XIDs and events.
 """
 
 from __future__ import annotations
@@ -49,10 +49,25 @@ def scrape() -> Iterator[str]:
         sim.faults.not_supported(0, "pcie")
         sampler.start()
         sampler.tick()
-        sim.faults.xid(0, 13)
-        sim.faults.lose(2)  # also posts XID 79
+
+        def seen(gpu: int, xid: int) -> bool:
+            return any(
+                e.fields.get("gpu") == gpu and e.fields.get("xid") == xid
+                for e in events.recent(kind_prefix="gpu.xid")
+            )
+
+        # The watcher registers each GPU from a thread of its own, and the driver delivers an
+        # XID only to a GPU registered: post each one until it is seen.
+        for gpu, xid in ((0, 13), (2, 48)):
+            deadline = time.monotonic() + 5
+            while not seen(gpu, xid):
+                assert time.monotonic() < deadline, f"XID {xid} on GPU {gpu} never came"
+                sim.faults.xid(gpu, xid)
+                time.sleep(0.05)
+        sim.faults.lose(2)  # also posts XID 79, GPU 2 registered by now
         deadline = time.monotonic() + 5
-        while events.counts().get("gpu.xid", 0) < 2 and time.monotonic() < deadline:
+        while not seen(2, 79):
+            assert time.monotonic() < deadline, "XID 79 of the lost GPU never came"
             time.sleep(0.02)
         sampler.tick()
         registry = build_registry(Collector(sampler.latest, events=events))
@@ -106,6 +121,7 @@ def test_scrape_has_every_family(scrape: str) -> None:
         "gpud_gpu_mig_mode_enabled",
         "gpud_gpu_xid_errors_total",
         "gpud_gpu_last_xid",
+        "gpud_gpu_critical_xid_uncleared",
         "gpud_mig_device_memory_used_bytes",
         "gpud_mig_device_processes",
         "gpud_events_total",
@@ -117,3 +133,6 @@ def test_scrape_has_every_family(scrape: str) -> None:
     assert 'gpud_gpu_pcie_throughput_bytes_per_second{direction="rx",gpu="0"' not in scrape
     assert 'gpud_gpu_pcie_throughput_bytes_per_second{direction="rx",gpu="1"' in scrape
     assert 'gpud_gpu_unhealthy_info{gpu="2"' in scrape
+    # each uncleared critical XID of the lost GPU is a series of its own; 13 is not critical
+    critical = [line for line in scrape.splitlines() if line.startswith("gpud_gpu_critical_xid")]
+    assert [line.split('xid="')[1][:2] for line in critical] == ["48", "79"], critical

@@ -26,7 +26,7 @@ from gpud.backend.port import (
     Utilization,
 )
 from gpud.events import EventLog
-from gpud.telemetry.snapshot import GpuSample, MigSample, Snapshot
+from gpud.telemetry.snapshot import CriticalXid, GpuSample, MigSample, Snapshot
 
 GIB = 1024**3
 NOW = 1000.0  # the fake monotonic clock
@@ -93,7 +93,17 @@ def make_snapshot() -> Snapshot:
         mig_mode=MigMode(current=True, pending=True),
         mig_devices=(mig(1, 0), mig(1, 1)),
     )
-    lost = GpuSample(identity=identity(2), healthy=False, reason="GPU lost", sampled_at=NOW - 30.0)
+    lost = GpuSample(
+        identity=identity(2),
+        healthy=False,
+        reason="GPU lost",
+        sampled_at=NOW - 30.0,
+        # two faults: each code is its own (the second one raised 3 times, its time unknown)
+        critical_xids=(
+            CriticalXid(79, 1, 1_699_999_000.0, 1_699_999_000.0),
+            CriticalXid(48, 3, 0.0, 0.0),
+        ),
+    )
     return Snapshot(
         wall_time=1_700_000_000.0,
         monotonic=NOW - 0.5,

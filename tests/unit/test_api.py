@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gpud.api import ApiServer, FaultPort, NodeServicer
 from gpud.errors import ERROR_KEY, EXIT_CODE_KEY, ConfigError, FailedPrecondition, GpuLost
 from gpud.events import EventLog
+from gpud.telemetry.snapshot import ClearedXids
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 from tests.unit.api_support import FakeFaults, make_events, make_servicer, node_info, short_dir
@@ -419,9 +420,9 @@ async def test_clearing_an_xid_writes_its_state_off_the_event_loop(sock_dir: Pat
     loop_thread = threading.get_ident()
     cleared_on: list[int] = []
 
-    def clear_xid(gpu: int) -> int | None:
+    def clear_xid(gpu: int, xid: int | None) -> ClearedXids:
         cleared_on.append(threading.get_ident())
-        return 79
+        return ClearedXids((79,), ())
 
     servicer = NodeServicer(snapshots=lambda: None, node_info=node_info, clear_xid=clear_xid)
     path = sock_dir / "gpud.sock"
@@ -430,6 +431,30 @@ async def test_clearing_an_xid_writes_its_state_off_the_event_loop(sock_dir: Pat
         resp = await pb_grpc.NodeStub(ch).ClearXid(pb.ClearXidRequest(gpu=0))
     await server.stop(0)
     assert resp.cleared_xid == 79 and cleared_on and cleared_on[0] != loop_thread
+
+
+async def test_clearing_one_xid_code_says_which_are_left(sock_dir: Path) -> None:
+    asked: list[tuple[int, int | None]] = []
+
+    def clear_xid(gpu: int, xid: int | None) -> ClearedXids:
+        asked.append((gpu, xid))
+        return ClearedXids((xid,), (48,)) if xid == 79 else ClearedXids((), (79, 48))
+
+    servicer = NodeServicer(snapshots=lambda: None, node_info=node_info, clear_xid=clear_xid)
+    path = sock_dir / "gpud.sock"
+    server = await _serve(path, servicer)
+    async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+        stub = pb_grpc.NodeStub(ch)
+        one = await stub.ClearXid(pb.ClearXidRequest(gpu=1, xid=79))
+        other = await stub.ClearXid(pb.ClearXidRequest(gpu=1, xid=13))
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await stub.ClearXid(pb.ClearXidRequest(gpu=1, xid=0))
+    await server.stop(0)
+    assert asked == [(1, 79), (1, 13)]
+    assert (list(one.cleared_xids), list(one.remaining_xids), one.cleared_xid) == ([79], [48], 79)
+    assert list(other.cleared_xids) == [] and not other.HasField("cleared_xid")
+    assert list(other.remaining_xids) == [79, 48]
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_make_events_fixture_is_ordered() -> None:

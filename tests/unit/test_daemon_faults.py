@@ -203,14 +203,28 @@ def test_critical_xid_until_cleared_and_a_hung_gpu_in_mig_show(
 
     def body() -> None:
         assert gpuctl("sim", "fault", "--gpu", "0", "xid", "43")[0] == 0  # application's
+        assert gpuctl("sim", "fault", "--gpu", "1", "xid", "79")[0] == 0  # off the bus
         assert gpuctl("sim", "fault", "--gpu", "1", "xid", "48")[0] == 0  # double-bit ECC
-        gpuctl.wait(lambda gpus: not gpus[1]["healthy"])
+        assert gpuctl("sim", "fault", "--gpu", "1", "xid", "31")[0] == 0  # application's
+        gpuctl.wait(lambda gpus: "critical Xids 79, 48" in str(gpus[1]["reason"]))
         gpus = gpuctl.gpus()
-        assert gpus[0]["healthy"] is True
-        assert "critical Xid 48" in str(gpus[1]["reason"])
+        assert gpus[0]["healthy"] is True and gpus[1]["healthy"] is False
+        code, out, _ = gpuctl("--json", "xid")
+        assert code == 0
+        assert [(x["gpu"], x["xid"]) for x in json.loads(out)["critical_xids"]] == [
+            (1, 79),
+            (1, 48),
+        ]
+        code, out, _ = gpuctl("xid", "clear", "1", "--xid", "79")
+        assert code == 0 and "GPU 1: critical Xid 79 cleared" in out
+        assert "GPU 1: critical Xid 48 not cleared" in out
+        gpuctl.wait(lambda gpus: str(gpus[1]["reason"]).startswith("critical Xid 48:"))
+        code, out, _ = gpuctl("xid", "list")
+        assert code == 0 and [line.split()[2] for line in out.splitlines()[1:]] == ["48"]
         code, out, _ = gpuctl("xid", "clear", "1")
         assert code == 0 and "GPU 1: critical Xid 48 cleared" in out
         gpuctl.wait(lambda gpus: all(g["healthy"] for g in gpus))
+        assert gpuctl("xid")[1] == "no uncleared critical Xid\n"
         assert "no critical Xid" in gpuctl("xid", "clear", "1")[1]
         assert "no critical Xid" in gpuctl("xid", "clear", "--gpu", "1")[1]  # as sim fault
         assert gpuctl("xid", "clear")[0] == 2

@@ -142,6 +142,42 @@ def test_gpus_one_gpu_and_invalid_index(
     assert out == "" and "gpu: no GPU 9" in err
 
 
+def test_xid_lists_every_uncleared_critical_xid(
+    capsys: pytest.CaptureFixture[str], sim_socket: str
+) -> None:
+    code, out, _ = run(capsys, "--socket", sim_socket, "xid")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["GPU", "UUID", "XID", "COUNT", "FIRST", "SEEN", "LAST", "SEEN"]
+    uuid = "GPU-00000002-1111-2222-3333-444455556666"
+    assert lines[1].split()[:4] == ["2", uuid, "79", "1"]
+    assert lines[2].split() == ["2", uuid, "48", "3", "-", "-"]  # when: unknown
+    assert len(lines) == 3
+    assert run(capsys, "--socket", sim_socket, "xid", "list", "--gpu", "0")[1] == (
+        "no uncleared critical Xid\n"
+    )
+    code, out, _ = run(capsys, "--socket", sim_socket, "--json", "xid", "list")
+    assert code == 0
+    assert json.loads(out)["critical_xids"] == [
+        {
+            "gpu": 2,
+            "uuid": uuid,
+            "xid": 79,
+            "count": 1,
+            "first_seen_unix_seconds": 1_699_999_000.0,
+            "last_seen_unix_seconds": 1_699_999_000.0,
+        },
+        {
+            "gpu": 2,
+            "uuid": uuid,
+            "xid": 48,
+            "count": 3,
+            "first_seen_unix_seconds": 0.0,
+            "last_seen_unix_seconds": 0.0,
+        },
+    ]
+
+
 def test_events(capsys: pytest.CaptureFixture[str], sim_socket: str) -> None:
     code, out, _ = run(capsys, "--socket", sim_socket, "events")
     assert code == 0

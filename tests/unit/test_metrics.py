@@ -23,7 +23,8 @@ from gpud.backend.port import (
 )
 from gpud.events import EventLog
 from gpud.metrics import Collector, build_registry, start_metrics_server, stop_metrics_server
-from gpud.telemetry.snapshot import GpuSample, MigSample, Snapshot
+from gpud.telemetry.reader import placeholder_identity
+from gpud.telemetry.snapshot import CriticalXid, GpuSample, MigSample, Snapshot
 
 GIB = 1 << 30
 NAME = "NVIDIA H100 80GB HBM3"
@@ -158,6 +159,45 @@ def test_unhealthy_gpu_shows_reason_and_no_readings(registry: CollectorRegistry)
     assert v("gpud_gpu_processes", g2) is None
     assert v("gpud_gpu_sample_age_seconds", g2) == 10.0
     assert v("gpud_gpu_xid_errors_total", g2) == 0
+
+
+def test_every_uncleared_critical_xid_is_a_series_of_its_own() -> None:
+    """One series per GPU and code, so two faults on a GPU are two alerts; a cleared code is
+    gone while the latest XID, any kind, stays history; a GPU not read since gpud started
+    is named by the UUID it had when it raised the XID."""
+    two_faults = GpuSample(
+        identity=ident(0),
+        healthy=False,
+        reason="critical Xids 79, 48: reset the GPU or clear them with `gpuctl xid clear`",
+        sampled_at=99.5,
+        xid_events_total=4,
+        last_xid=31,  # an application's, after them
+        critical_xids=(CriticalXid(79, 1, 1.0, 1.0, "GPU-0"), CriticalXid(48, 3, 2.0, 9.0)),
+    )
+    cleared = GpuSample(
+        identity=ident(1), healthy=True, reason="", sampled_at=99.5, xid_events_total=1, last_xid=48
+    )
+    unread = GpuSample(
+        identity=placeholder_identity(2),
+        healthy=False,
+        reason="GPU lost (identity): ...; critical Xid 79: ...",
+        sampled_at=0.0,
+        critical_xids=(CriticalXid(79, 1, 1.0, 1.0, "GPU-2"),),
+    )
+    snap = Snapshot(
+        wall_time=1.7e9, monotonic=99.0, gpus=(two_faults, cleared, unread), tick_seconds=0.0
+    )
+    registry = build_registry(Collector(lambda: snap, clock=lambda: 100.0), process=False)
+    v = registry.get_sample_value
+    assert v("gpud_gpu_critical_xid_uncleared", gpu_labels(0, xid="79")) == 1
+    assert v("gpud_gpu_critical_xid_uncleared", gpu_labels(0, xid="48")) == 3
+    assert v("gpud_gpu_last_xid", gpu_labels(0)) == 31
+    assert v("gpud_gpu_last_xid", gpu_labels(1)) == 48
+    assert v("gpud_gpu_critical_xid_uncleared", gpu_labels(1, xid="48")) is None
+    unread_labels = {"gpu": "2", "uuid": "GPU-2", "model": "", "xid": "79"}
+    assert v("gpud_gpu_critical_xid_uncleared", unread_labels) == 1
+    (family,) = [m for m in registry.collect() if m.name == "gpud_gpu_critical_xid_uncleared"]
+    assert len(family.samples) == 3
 
 
 def test_mig_devices(registry: CollectorRegistry) -> None:

@@ -31,8 +31,9 @@ from gpud.backend.port import (
 from gpud.errors import BackendError, GpuLost, NotSupported
 from gpud.events import EventLog
 from gpud.store import StateStore
-from gpud.telemetry.sampler import Sampler
+from gpud.telemetry.sampler import Sampler, parse_xid_state, xid_state_document
 from gpud.telemetry.seen import SeenGpus
+from gpud.telemetry.snapshot import ClearedXids, CriticalXid
 
 GIB = 1 << 30
 
@@ -648,14 +649,117 @@ def test_critical_xid_marks_the_gpu_unhealthy_until_cleared_or_reset(
     try:
         snap = s.tick()
         assert [g.healthy for g in snap.gpus] == [True, True, False, False]
-        assert s.clear_xid(2) == 79
-        assert s.clear_xid(2) is None
+        assert s.clear_xid(2) == ClearedXids((79,), ())
+        assert s.clear_xid(2) == ClearedXids((), ())
         s.gpu_reset(3)
         assert all(g.healthy for g in s.tick().gpus)
         assert [e.fields["xid"] for e in events.recent(kind_prefix="gpu.xid_cleared")] == [79]
     finally:
         s.close()
     assert all(g.healthy for g in new_sampler().tick().gpus)
+
+
+def test_each_critical_xid_code_is_kept_and_cleared_on_its_own(
+    backend: FakeBackend, clock: FakeClock, events: EventLog, tmp_path: Path
+) -> None:
+    """Two faults on one GPU are two: the second is neither dropped (79 then 48) nor hidden
+    by an application's XID after it (48 then 31); clearing one code leaves the other."""
+    state = tmp_path / "xid-faults.json"
+    wall = FakeClock(1_700_000_000.0)
+
+    def new_sampler() -> Sampler:
+        return Sampler(
+            backend,  # type: ignore[arg-type]
+            clock=clock,
+            wall_clock=wall,
+            events=events,
+            event_wait_s=0.05,
+            xid_state=state,
+        )
+
+    def raise_xids(*xids: tuple[int, int]) -> None:
+        before = len(events.recent(kind_prefix="gpu.xid"))
+        for gpu, code in xids:
+            backend.events.append(GpuEvent(gpu=gpu, kind=EventKind.XID, xid=code))
+        _wait_for(lambda: len(events.recent(kind_prefix="gpu.xid")) == before + len(xids))
+
+    s = new_sampler()
+    try:
+        s.tick()
+        s.start()
+        raise_xids((1, 79), (2, 48))
+        wall.now += 60
+        raise_xids((1, 48), (2, 31), (1, 79))
+        snap = s.tick()
+        one, two = snap.gpus[1], snap.gpus[2]
+        uuid1 = one.identity.uuid
+        assert one.critical_xids == (
+            CriticalXid(79, 2, 1_700_000_000.0, 1_700_000_060.0, uuid1),
+            CriticalXid(48, 1, 1_700_000_060.0, 1_700_000_060.0, uuid1),
+        )
+        assert one.reason.startswith("critical Xids 79, 48: ") and not one.healthy
+        assert one.last_xid == 79
+        assert [c.xid for c in two.critical_xids] == [48]  # 31 is the application's
+        assert two.last_xid == 31 and two.reason.startswith("critical Xid 48: ")
+        assert s.clear_xid(1, 79) == ClearedXids((79,), (48,))
+        assert s.clear_xid(1, 13) == ClearedXids((), (48,))
+        snap = s.tick()
+        assert not snap.gpus[1].healthy and snap.gpus[1].reason.startswith("critical Xid 48:")
+        cleared = events.recent(kind_prefix="gpu.xid_cleared")
+        assert [(e.fields["xid"], e.fields["count"], e.fields["uuid"]) for e in cleared] == [
+            (79, 2, uuid1)
+        ]
+    finally:
+        s.close()
+    # a daemon restart keeps every code with its count and times
+    s = new_sampler()
+    try:
+        snap = s.tick()
+        assert [c.xid for c in snap.gpus[1].critical_xids] == [48]
+        assert snap.gpus[2].critical_xids == (
+            CriticalXid(48, 1, 1_700_000_000.0, 1_700_000_000.0, snap.gpus[2].identity.uuid),
+        )
+        assert s.clear_xid(2) == ClearedXids((48,), ())
+        s.gpu_reset(1)
+        snap = s.tick()
+        assert all(g.healthy and not g.critical_xids for g in snap.gpus)
+    finally:
+        s.close()
+
+
+def test_xid_state_of_an_older_gpud_is_read_and_written_anew(
+    backend: FakeBackend, tmp_path: Path
+) -> None:
+    state = tmp_path / "xid-faults.json"
+    state.write_text('{"3": 79}')  # one code per GPU, when and how often unknown
+    s = Sampler(backend, xid_state=state)  # type: ignore[arg-type]
+    try:
+        snap = s.tick()
+        assert snap.gpus[3].critical_xids == (CriticalXid(79, 1, 0.0, 0.0),)
+        assert "critical Xid 79" in snap.gpus[3].reason
+        assert s.clear_xid(3, 79) == ClearedXids((79,), ())
+        assert state.read_text() == '{"version": 2, "gpus": {}}'
+    finally:
+        s.close()
+    document = xid_state_document({0: [CriticalXid(48, 2, 1.0, 2.0, "GPU-x")]})
+    assert parse_xid_state(document) == {0: {48: CriticalXid(48, 2, 1.0, 2.0, "GPU-x")}}
+    with pytest.raises(ValueError):
+        parse_xid_state({"version": 3, "gpus": {}})
+
+
+def test_a_critical_xid_raised_before_the_gpus_are_counted_is_kept(
+    backend: FakeBackend, events: EventLog
+) -> None:
+    s = Sampler(backend, events=events, event_wait_s=0.05)  # type: ignore[arg-type]
+    try:
+        s.start()
+        backend.events.append(GpuEvent(gpu=2, kind=EventKind.XID, xid=79))
+        _wait_for(lambda: len(events.recent(kind_prefix="gpu.xid")) == 1)
+        snap = s.tick()
+        assert [c.xid for c in snap.gpus[2].critical_xids] == [79]
+        assert not snap.gpus[2].healthy
+    finally:
+        s.close()
 
 
 def test_the_ignored_xids_are_configurable(backend: FakeBackend, events: EventLog) -> None:
