@@ -278,6 +278,8 @@ class MpsManager:
         self._targets: dict[str, MpsTarget] = {}
         # GPUs lost or hung before they were ever read: no UUID to key them by
         self._unread: tuple[MpsTarget, ...] = ()
+        # GPUs in MIG mode, index -> UUID: one with no MIG devices has no target, yet exists
+        self._mig_gpus: dict[int, str] = {}
         self._seen: set[str] = set()  # device UUIDs of the last observe
         self._devices: dict[str, _Device] = {}
         self._last_status: tuple[MpsDeviceStatus, ...] = ()
@@ -448,6 +450,12 @@ class MpsManager:
                     f" devices: {device_names(migs)}",
                     field="gpu",
                 )
+            for index, gpu_uuid in self._mig_gpus.items():
+                if device == gpu_uuid or (gpu_text.isdigit() and int(gpu_text) == index):
+                    raise FailedPrecondition(
+                        f"GPU {index} ({gpu_uuid}) is in MIG mode and has no MIG devices:"
+                        " create some (gpuctl mig apply) or turn its MIG mode off"
+                    )
             known = device_names(self.targets()) or "none yet"
             raise NotFound(f"no GPU or MIG device {device!r} (known: {known}; or a GPU-/MIG- UUID)")
 
@@ -518,6 +526,18 @@ class MpsManager:
             return dev
 
     # -- the loop --------------------------------------------------------------------------
+    def observe_snapshot(self, snapshot: Snapshot) -> None:
+        """:meth:`observe` the snapshot's devices, and note its GPUs in MIG mode (``nvidia-smi
+        -q``'s "MIG Mode: Current"), so that one with no MIG device is named as such."""
+        mig_gpus = {
+            g.identity.index: g.identity.uuid
+            for g in snapshot.gpus
+            if g.mig_mode is not None and g.mig_mode.current
+        }
+        self.observe(targets_from_snapshot(snapshot, self.targets()))
+        with self._lock:
+            self._mig_gpus = mig_gpus
+
     def observe(self, targets: Iterable[MpsTarget]) -> None:
         """Replace the known devices (from the latest snapshot); a re-created MIG device gets
         the limits its place had (see the module docstring)."""
@@ -583,7 +603,7 @@ class MpsManager:
         go on."""
         with self._pass:
             if snapshot is not None:
-                self.observe(targets_from_snapshot(snapshot, self.targets()))
+                self.observe_snapshot(snapshot)
             with self._lock:
                 gone = [u for u in self._devices if u not in self._targets]
             calls: list[tuple[str, Callable[[], object]]] = [

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
-from gpud.backend.port import unknown_identity
+from gpud.backend.port import MigMode, unknown_identity
 from gpud.cli.mps import device_row
 from gpud.errors import (
     DriverTimeout,
@@ -191,6 +191,20 @@ def test_devices_are_named_by_uuid_index_or_gpu_colon_mig(manager: MpsManager) -
     assert str(err.value).endswith("(known: 0:0..2, 1; or a GPU-/MIG- UUID)")
     with pytest.raises(NotFound):
         manager.resolve("GPU-nope")
+
+
+def test_a_gpu_in_mig_mode_without_mig_devices_is_named_as_such(manager: MpsManager) -> None:
+    empty_mig = gpu_sample(1)._replace(mig_mode=MigMode(True, True))
+    manager.observe_snapshot(snapshot(gpu_sample(0), empty_mig))
+    for name in ("1", "1:0", gpu_uuid(1)):
+        with pytest.raises(FailedPrecondition) as err:
+            manager.resolve(name)
+        assert str(err.value) == (
+            f"GPU 1 ({gpu_uuid(1)}) is in MIG mode and has no MIG devices: create some"
+            " (gpuctl mig apply) or turn its MIG mode off"
+        )
+    with pytest.raises(NotFound, match=r"no GPU or MIG device '2' \(known: 0;"):
+        manager.resolve("2")
 
 
 def test_mps_on_mig_devices_one_daemon_each(manager: MpsManager) -> None:
