@@ -203,7 +203,16 @@ class Context:
             return CliError(details, int(exit_text), error=str(metadata.get(ERROR_KEY, "")))
         # no gpud metadata: the error came from gRPC itself, not from the daemon's code
         if code == grpc.StatusCode.UNAVAILABLE:
-            return _not_running(self.socket_path, f"cannot reach it ({details}) on")
+            if details.startswith("failed to connect"):
+                return _not_running(self.socket_path, f"cannot reach it ({details}) on")
+            # the call had reached gpud ("Socket closed", "Connection reset by peer"): it
+            # died or restarted while handling it, so a change asked for may be half known
+            return CliError(
+                f"gpud on {self.socket_path} went away during the call ({details}): it"
+                " stopped or restarted, so whether what this command asks for was done is"
+                " unknown; see `systemctl status gpud`, then check before repeating it",
+                EXIT_NOT_RUNNING,
+            )
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return CliError(
                 f"gpud did not answer within {self.timeout:g} s on {self.socket_path} "

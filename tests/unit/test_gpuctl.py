@@ -393,7 +393,12 @@ class _RpcError(grpc.RpcError):
 @pytest.mark.parametrize(
     ("error", "exit_code", "words"),
     [
-        (_RpcError(grpc.StatusCode.UNAVAILABLE, "GOAWAY received"), 3, "systemctl start gpud"),
+        (_RpcError(grpc.StatusCode.UNAVAILABLE, "GOAWAY received"), 3, "went away during the"),
+        (
+            _RpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"),
+            3,
+            "systemctl start gpud",
+        ),
         (_RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), 3, "within 2 s"),
         (
             _RpcError(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"),
@@ -427,3 +432,18 @@ def test_display_helpers() -> None:
         "1d 1h 01m",
     ]
     assert format_table(("A", "BB"), [("xyz", "1"), ("", "22")]) == "A    BB\nxyz  1\n     22"
+
+
+def test_gpud_dying_during_a_call_is_not_called_not_running(sock_dir: Path) -> None:
+    ctx = Context(socket_path=sock_dir / "gpud.sock", timeout=5.0, output=Output(json_output=False))
+    died = ctx.translate(_RpcError(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)"))
+    assert died.exit_code == 3
+    assert str(died).startswith(f"gpud on {sock_dir / 'gpud.sock'} went away during the call")
+    assert "whether what this command asks for was done is unknown" in str(died)
+    refused = ctx.translate(
+        _RpcError(
+            grpc.StatusCode.UNAVAILABLE,
+            "failed to connect to all addresses; last error: ... Connection refused",
+        )
+    )
+    assert refused.exit_code == 3 and str(refused).startswith("gpud is not running")
