@@ -256,10 +256,14 @@ class AdmissionService:
                 full = Vec(t.memory_total_bytes + 1, THREADS_CAPACITY + 1)
                 out.append(Holding(f"unhealthy:{t.uuid}", (t.uuid,), full))
         for r in self._jobs.reservations.held():
-            memory = r.memory_bytes
-            if memory is None and r.devices:
-                memory = self._mps.limits(r.devices[0]).memory_bytes
-            out.append(Holding(r.id, r.devices, Vec(memory or 0, r.threads_percent or 0)))
+            threads = r.threads_percent or 0
+            if r.memory_bytes is not None:
+                out.append(Holding(r.id, r.devices, Vec(r.memory_bytes, threads)))
+                continue
+            # no limit of its own: on each device the job gets that device's MPS default
+            for uuid in r.devices:
+                memory = self._mps.limits(uuid).memory_bytes or 0
+                out.append(Holding(r.id, (uuid,), Vec(memory, threads)))
         for uuid, used in sorted(self._jobs.unreserved_memory().items()):
             out.append(Holding(f"unreserved:{uuid}", (uuid,), Vec(used, 0)))
         return out

@@ -311,3 +311,21 @@ def test_a_request_no_device_can_hold_is_refused_as_never_fitting(node: Node, bu
     with pytest.raises(FailedPrecondition, match="0 of them have that much"):
         node.jobs.reserve(big)
     assert [r.job for r in node.jobs.reservations.held()] == (["a"] if busy else [])
+
+
+def test_a_run_without_memory_holds_each_devices_own_mps_default(node: Node) -> None:
+    """A reservation that sets no memory limit gets each device's MPS default limit there
+    (``set_default_device_pinned_mem_limit`` per daemon), so it holds that much on each."""
+    first, second = (t.uuid for t in node.mps.targets())
+    node.mps.set_limits(first, memory_bytes=70 * GIB)
+    node.mps.set_limits(second, memory_bytes=10 * GIB)
+    node.jobs.reserve(RunRequest(job="pair", gpu_count=2))
+    held = {
+        uuid: h.per_device.memory
+        for h in node.admission.holdings()
+        if not h.job.startswith(("unhealthy:", "unreserved:"))
+        for uuid in h.devices
+    }
+    assert held == {first: 70 * GIB, second: 10 * GIB}
+    # 60 GiB fits beside the 10 GiB default, not beside the 70 GiB one
+    assert node.jobs.reserve(whole("c")).reservation.devices == (second,)
