@@ -83,7 +83,8 @@ def device_row(d: pb.MpsDevice) -> tuple[str, ...]:
         daemon,
         str(d.pid) if d.HasField("pid") else NA,
         threads,
-        f"{memory} of {format_size(d.memory_total_bytes)}",
+        # a GPU never read has no known size (0): not a device of 0 bytes
+        f"{memory} of {format_size(d.memory_total_bytes) if d.memory_total_bytes else NA}",
         format_size(d.reserved_memory_bytes) if d.reserved_memory_bytes else "-",
         ",".join(d.jobs) or "-",
         str(d.restarts),

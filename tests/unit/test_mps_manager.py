@@ -98,6 +98,11 @@ def test_a_device_on_an_unhealthy_gpu_says_so(manager: MpsManager) -> None:
     assert shown[1].gpu_unhealthy == "unhealthy" and shown[0].gpu_unhealthy == ""
     assert device_row(shown[1])[3].endswith("(GPU 1 unhealthy: unhealthy)")
     assert "unhealthy" not in device_row(shown[0])[3]
+    assert device_row(shown[1])[6] == "none of 40GiB"
+    # a GPU never read (lost before gpud started) has no known memory, not 0 bytes
+    unread = device_message(manager.status()[0], None)
+    unread.memory_total_bytes = 0
+    assert device_row(unread)[6] == "none of -"
 
 
 def test_a_gpu_that_cannot_be_read_keeps_its_daemons(manager: MpsManager) -> None:
