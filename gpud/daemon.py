@@ -66,6 +66,7 @@ from gpud.notify import Notifier
 from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.seen import SeenGpus
+from gpud.telemetry.snapshot import ClearedXids
 
 if TYPE_CHECKING:
     from gpud.backend.sim import SimNode
@@ -217,7 +218,7 @@ class Daemon:
             faults=sim.faults if sim is not None else None,
             reboot=self._reboot_sim if sim is not None else None,
             workloads=sim.workloads if sim is not None else None,
-            clear_xid=self.sampler.clear_xid,
+            clear_xid=self._clear_xid,
             clock=clock,
         )
         self.mps = MpsManager(
@@ -474,6 +475,18 @@ class Daemon:
             self.mps.reconcile(self.sampler.tick())
         except Exception:
             log.exception("sampling the devices again after a MIG apply failed")
+
+    def _clear_xid(self, gpu: int, xid: int | None) -> ClearedXids:
+        """``gpuctl xid clear``, then a sample, so that the answer's next read (``gpuctl xid``,
+        ``gpuctl gpus``) shows what is left, not the last tick's. A failed sample is logged:
+        the clear was made, and the next tick samples anyway."""
+        done = self.sampler.clear_xid(gpu, xid)
+        if done.cleared:
+            try:
+                self.sampler.tick()
+            except Exception:
+                log.exception("sampling again after clearing a critical XID failed")
+        return done
 
     def _reboot_sim(self) -> None:
         """A simulated reboot under a running daemon: instances go, as on a real node; the
