@@ -58,7 +58,12 @@ Behaviour:
 * ``adopt`` never tears anything down: after ``kill -9`` the next start finds its HTB root
   (handle ``6764:``) and keeps it -- the last priorities stay in force (fail-static) until
   the first ``sync`` changes only what differs. For a foreign root it reports the
-  original kind, which ``restore`` can bring back.
+  original kind, which ``restore`` can bring back (for our own root it cannot know: the
+  daemon keeps the original from the start that first took the interface).
+* A qdisc someone attached under one of our classes is drift (deleted: the class gets
+  HTB's default queue back, which dumps do not list); a root re-made with our handle is
+  deleted before the tree is rebuilt, since the kernel treats a replace of the same
+  handle as a change, which HTB refuses.
 * Interfaces not in the plan are never touched. An interface is known by its name: each
   pass looks the name up afresh (one ``RTM_GETLINK``), so one renamed away (or deleted and
   created again) is left alone, and whichever interface bears the name now is shaped.
@@ -80,6 +85,7 @@ from netshaper.tcplan import (
     ETH_P_ALL,
     FILTER_PRIO,
     ROOT_MAJOR,
+    ChildQdisc,
     DscpFilter,
     HtbClass,
     InterfacePlan,
@@ -91,6 +97,9 @@ from netshaper.tcplan import (
     diff,
     filter_from_key,
     format_handle,
+    format_qdisc_handle,
+    format_u32_handle,
+    protocol_name,
     state_after,
     u32_htid,
 )
@@ -253,8 +262,9 @@ class AdoptedState:
     """What ``adopt`` found on one interface.
 
     ``ours``: our HTB root was there (left as it is); ``original``: the root qdisc that
-    was there before gpud's (None when ours was found: it was replaced earlier, and the
-    kernel's default comes back on restore); ``state``: everything read.
+    was there before gpud's (None when ours was found: it was replaced earlier, and only
+    the daemon's record, ``gpud.net.shaped``, knows what it was); ``state``: everything
+    read.
     """
 
     iface: str
@@ -359,6 +369,9 @@ class _Encoder:
     def encode(self, ifindex: int, op: TcOp) -> tuple[int, int, bytes]:
         if op.kind in (OpKind.REPLACE_ROOT, OpKind.DELETE_ROOT):
             return self.root(ifindex, op)
+        if op.qdisc is not None:
+            q = op.qdisc
+            return RTM_DELQDISC, 0, _TCMSG.pack(0, ifindex, q.handle, q.parent, 0)
         if op.kind in (OpKind.ADD_CLASS, OpKind.CHANGE_CLASS, OpKind.DELETE_CLASS):
             return self.cls(ifindex, op)
         return self.flt(ifindex, op)
@@ -580,10 +593,21 @@ def _describe(op: TcOp) -> str:
     if op.flt is not None:
         f = op.flt
         return f"re-added {f.family.value} filter DSCP {f.dscp} -> {format_handle(f.flowid)}"
-    if op.kind is OpKind.DELETE_FILTER:
-        return f"removed filter {op.filter_handle:#x} (prio {op.filter_prio})"
+    if op.kind is OpKind.DELETE_FILTER and op.filter_handle:
+        return f"removed u32 filter {format_u32_handle(op.filter_handle)} (pref {op.filter_prio})"
+    if op.kind is OpKind.DELETE_FILTER:  # a prio of someone else's: all of it goes
+        proto = protocol_name(op.filter_protocol)
+        return f"removed every filter of pref {op.filter_prio} (protocol {proto})"
+    if op.qdisc is not None:
+        q = op.qdisc
+        return (
+            f"removed {q.kind} qdisc {format_qdisc_handle(q.handle)} under class"
+            f" {format_handle(q.parent)} (back to HTB's default queue)"
+        )
+    if op.kind is OpKind.DELETE_ROOT:
+        return f"removed a root qdisc that held gpud's handle {format_qdisc_handle(op.root)}"
     if op.kind is OpKind.REPLACE_ROOT:
-        return f"re-installed HTB root {format_handle(op.root)}"
+        return f"re-installed HTB root {format_qdisc_handle(op.root)}"
     return " ".join(op.tc_args())
 
 
@@ -674,7 +698,8 @@ class TcNetlink:
     def read(self, iface: str) -> InterfaceState:
         """What the kernel holds on ``iface`` now (``tc qdisc/class/filter show``)."""
         root: RootQdisc | None = None
-        for q in self._dump_tc(iface, RTM_GETQDISC):
+        qdiscs = self._dump_tc(iface, RTM_GETQDISC)
+        for q in qdiscs:
             if q.parent == TC_H_ROOT:
                 default = None
                 if q.kind == "htb" and (init := q.options().get(TCA_HTB_INIT)) is not None:
@@ -683,6 +708,13 @@ class TcNetlink:
                 root = RootQdisc(q.kind, q.handle, default)
         if root is None or root.kind != "htb":
             return InterfaceState(iface, root)
+        # HTB's default queue under a class is not dumped; what is listed under our classes
+        # was attached by someone else
+        children = tuple(
+            ChildQdisc(q.parent, q.handle, q.kind)
+            for q in qdiscs
+            if q.parent != TC_H_ROOT and q.parent >> 16 == root.handle >> 16 and q.handle
+        )
         classes: list[HtbClass] = []
         for c in self._dump_tc(iface, RTM_GETTCLASS):
             if c.kind != "htb" or c.handle >> 16 != root.handle >> 16:
@@ -702,7 +734,7 @@ class TcNetlink:
                 foreign.append((prio, proto, f.handle))
             else:
                 filters.append((f.handle, known))
-        return InterfaceState(iface, root, tuple(classes), tuple(filters), tuple(foreign))
+        return InterfaceState(iface, root, tuple(classes), tuple(filters), tuple(foreign), children)
 
     def _htb_class(self, c: _TcMsg) -> HtbClass:
         opts = c.options()

@@ -89,6 +89,30 @@ def format_handle(h: int) -> str:
     return f"{h >> 16:x}:{h & 0xFFFF:x}"
 
 
+def format_qdisc_handle(h: int) -> str:
+    """A qdisc's handle as ``tc qdisc show`` prints it: ``0x67640000`` -> ``"6764:"``."""
+    return f"{h >> 16:x}:" if h & 0xFFFF == 0 else format_handle(h)
+
+
+def format_u32_handle(h: int) -> str:
+    """A u32 filter handle as ``tc filter show`` prints it (its ``fh``): ``0x80000800`` ->
+    ``"800::800"`` (hash table 800, bucket 0, node 800), ``0x80000000`` -> ``"800:"``."""
+    htid, bucket, node = h >> 20, (h >> 12) & 0xFF, h & 0xFFF
+    out = f"{htid:x}:" if htid else ""
+    if bucket:
+        out += f"{bucket:x}"
+    if node:
+        out += f":{node:x}"
+    return out or "0"
+
+
+def protocol_name(proto: int) -> str:
+    """A filter's protocol as ``tc filter show`` names the common ones."""
+    return {ETH_P_ALL: "all", 0x0800: "ip", 0x86DD: "ipv6", 0x0806: "arp"}.get(
+        proto, f"{proto:#06x}"
+    )
+
+
 def level_classid(level: int, major: int = ROOT_MAJOR) -> int:
     """The class of priority level ``level`` (0 = highest)."""
     return handle(major, LEVEL_MINOR_BASE + level)
@@ -427,6 +451,17 @@ class RootQdisc:
 
 
 @dataclass(frozen=True)
+class ChildQdisc:
+    """A qdisc someone attached to one of our classes (``tc qdisc replace dev IF parent
+    6764:101a handle 20: ...``). The plan attaches none: HTB's built-in default queue (which
+    ``tc qdisc show`` does not list) is what every class should hold."""
+
+    parent: int
+    handle: int
+    kind: str
+
+
+@dataclass(frozen=True)
 class InterfaceState:
     """What one interface holds, read from the kernel (or remembered after a sync).
 
@@ -441,6 +476,7 @@ class InterfaceState:
     classes: tuple[HtbClass, ...] = ()
     filters: tuple[tuple[int, DscpFilter], ...] = ()  # (full u32 handle, filter)
     foreign_filters: tuple[tuple[int, int, int], ...] = ()
+    child_qdiscs: tuple[ChildQdisc, ...] = ()
 
 
 class OpKind(Enum):
@@ -452,6 +488,7 @@ class OpKind(Enum):
     CHANGE_FILTER = "change-filter"  # same handle, new flowid
     DELETE_FILTER = "delete-filter"  # by exact (prio, protocol, handle)
     DELETE_ROOT = "delete-root"  # back to the kernel's default root qdisc
+    DELETE_QDISC = "delete-qdisc"  # a child qdisc under one of our classes
 
 
 @dataclass(frozen=True)
@@ -467,15 +504,21 @@ class TcOp:
     filter_handle: int = 0  # DELETE/CHANGE_FILTER: the kernel's full handle (ADD: node only)
     filter_protocol: int = ETH_P_ALL
     filter_prio: int = FILTER_PRIO
+    qdisc: ChildQdisc | None = None  # DELETE_QDISC
 
     def tc_args(self) -> list[str]:
         """The ``tc`` arguments doing the same (what ``tc -batch`` would read)."""
         dev = ["dev", self.iface]
         if self.kind is OpKind.REPLACE_ROOT:
-            root, default = format_handle(self.root), f"{self.default_classid & 0xFFFF:x}"
+            root = format_qdisc_handle(self.root)
+            default = f"{self.default_classid & 0xFFFF:x}"
             return ["qdisc", "replace", *dev, "root", "handle", root, "htb", "default", default]
         if self.kind is OpKind.DELETE_ROOT:
             return ["qdisc", "del", *dev, "root"]
+        if self.qdisc is not None:
+            q = self.qdisc
+            parent, qh = format_handle(q.parent), format_qdisc_handle(q.handle)
+            return ["qdisc", "del", *dev, "parent", parent, "handle", qh]
         if self.cls is not None and self.kind is OpKind.DELETE_CLASS:
             return ["class", "del", *dev, "classid", self.cls.name]
         if self.cls is not None:
@@ -509,9 +552,9 @@ class TcOp:
                 "del",
                 *dev,
                 "parent",
-                format_handle(self.root),
+                format_qdisc_handle(self.root),
                 "protocol",
-                "all" if self.filter_protocol == ETH_P_ALL else f"{self.filter_protocol:#06x}",
+                protocol_name(self.filter_protocol),
                 "prio",
                 str(self.filter_prio),
                 *(["handle", _u32_handle(self.filter_handle), "u32"] if self.filter_handle else []),
@@ -523,7 +566,7 @@ class TcOp:
             "add" if self.kind is OpKind.ADD_FILTER else "change",
             *dev,
             "parent",
-            format_handle(self.root),
+            format_qdisc_handle(self.root),
             "protocol",
             "all",
             "prio",
@@ -545,8 +588,7 @@ class TcOp:
 def _u32_handle(h: int) -> str:
     """tc's ``htid:hash:node`` notation; a node alone (``::35``) lets the kernel use the
     root hash table of the filter's prio, whatever number it has (``800:``, ``801:``)."""
-    htid, bucket, node = h >> 20, (h >> 12) & 0xFF, h & 0xFFF
-    return f"{htid:x}:{bucket:x}:{node:x}" if htid else f"::{node:x}"
+    return format_u32_handle(h) if h >> 20 else f"::{h & 0xFFF:x}"
 
 
 def _burst_close(have: int, want: int) -> bool:
@@ -573,11 +615,13 @@ def diff(state: InterfaceState, want: InterfacePlan) -> tuple[TcOp, ...]:
 
     A missing or foreign root (or an HTB root with another default, or a wanted class
     under the wrong parent) means the whole tree is rebuilt: replacing the root drops
-    every class and filter under it. Otherwise, in this order: foreign filters under our
-    root are deleted; missing classes are added and differing ones changed, parents
-    first; missing filters are added and mis-pointed ones changed in place; filters of
-    gone jobs are deleted; classes no longer wanted are deleted, leaves first. So a moved
-    job's traffic always has a class, and no class is deleted while a filter points to it.
+    every class and filter under it (a root holding our handle is deleted first).
+    Otherwise, in this order: foreign filters under our root are deleted; qdiscs someone
+    attached to classes that stay are deleted (HTB's default queue comes back); missing
+    classes are added and differing ones changed, parents first; missing filters are added
+    and mis-pointed ones changed in place; filters of gone jobs are deleted; classes no
+    longer wanted are deleted, leaves first. So a moved job's traffic always has a class,
+    and no class is deleted while a filter points to it.
     """
     iface = want.iface
     root = state.root
@@ -594,9 +638,16 @@ def diff(state: InterfaceState, want: InterfacePlan) -> tuple[TcOp, ...]:
         )
     )
     if not ours:
-        ops = [
+        ops: list[TcOp] = []
+        if root is not None and root.handle == want.root:
+            # A root with our handle that is not our tree (another default, another kind:
+            # `tc qdisc del ... root; tc qdisc add ... root handle 6764: htb default 5`)
+            # cannot be replaced in place: the kernel takes a replace of the same handle as
+            # a change of that qdisc, which HTB refuses ("Change operation not supported").
+            ops.append(TcOp(OpKind.DELETE_ROOT, iface, root=want.root))
+        ops.append(
             TcOp(OpKind.REPLACE_ROOT, iface, root=want.root, default_classid=want.default_classid)
-        ]
+        )
         ops += [TcOp(OpKind.ADD_CLASS, iface, cls=c) for c in want.classes]
         ops += [TcOp(OpKind.ADD_FILTER, iface, flt=f, root=want.root) for f in want.filters]
         return tuple(ops)
@@ -617,6 +668,13 @@ def diff(state: InterfaceState, want: InterfacePlan) -> tuple[TcOp, ...]:
             filter_prio=prio,
         )
         for prio, proto, h in foreign
+    ]
+    want_ids = {c.classid for c in want.classes}
+    # a class that goes anyway takes its qdisc with it
+    ops += [
+        TcOp(OpKind.DELETE_QDISC, iface, root=want.root, qdisc=q)
+        for q in sorted(state.child_qdiscs, key=lambda q: (q.parent, q.handle))
+        if q.parent in want_ids
     ]
     for c in want.classes:  # parents first
         have = have_classes.get(c.classid)
@@ -643,7 +701,6 @@ def diff(state: InterfaceState, want: InterfacePlan) -> tuple[TcOp, ...]:
     ops += [
         TcOp(OpKind.DELETE_FILTER, iface, root=want.root, filter_handle=h) for h in sorted(stray)
     ]
-    want_ids = {c.classid for c in want.classes}
     doomed = [c for c in state.classes if c.classid not in want_ids]
     depth = {c.classid: _depth(c, have_classes) for c in doomed}
     for c in sorted(doomed, key=lambda c: (-depth[c.classid], c.classid)):

@@ -130,6 +130,7 @@ class FakeTc:
     missing: set[str] = field(default_factory=set)
     sent: dict[tuple[str, int], FakeCounters] = field(default_factory=dict)
     restored_ifaces: list[str] = field(default_factory=list)
+    restored_to: dict[str, tcplan.RootQdisc | None] = field(default_factory=dict)
 
     def _state(self, iface: str) -> tcplan.InterfaceState:
         if iface in self.missing:
@@ -173,8 +174,12 @@ class FakeTc:
 
     def restore(self, iface: str, original: tcplan.RootQdisc | None = None) -> None:
         self._state(iface)
-        self.states.pop(iface, None)
         self.restored_ifaces.append(iface)
+        self.restored_to[iface] = original
+        if original is None:
+            self.states.pop(iface, None)
+        else:
+            self.states[iface] = tcplan.InterfaceState(iface, original)
 
     def close(self) -> None:
         pass

@@ -19,9 +19,10 @@ Restarts: the kernel keeps the last tree and the nftables table (``kill -9`` inc
 The next start reads them back and adopts them: levels found in the kernel hold for jobs
 whose progress is not known again yet, so nothing is rebuilt or reshuffled. On a clean
 stop, ``traffic.shutdown = "fail-static"`` (the default) leaves everything in force;
-``"restore"`` deletes gpud's root qdisc and table. An interface an earlier run shaped
-(:class:`gpud.net.shaped.ShapedInterfaces`) that is no longer configured loses gpud's root
-at start.
+``"restore"`` deletes gpud's root qdisc and table and re-installs the root the interface
+had before gpud first took it (:class:`gpud.net.shaped.ShapedInterfaces` keeps it across
+restarts). An interface an earlier run shaped that is no longer configured loses gpud's
+root at start.
 
 Thread-safety: reports and API calls come from gRPC worker threads, the tick from the loop's
 worker thread; one lock guards the state, another the nftables table, whose ``nft`` runs
@@ -733,15 +734,31 @@ class TrafficService:
                 if isinstance(found, Exception):
                     self._fail(self._ifaces[iface], _describe(iface, found))
                     continue
-                self._originals[iface] = found.original
+                self._originals[iface] = self._original(iface, found.original)
                 adopted.update(self._levels_in(found.state, tags))
                 self._homes.update(self._levels_in(found.state, tags, homes=True))
             self._adopted = adopted
+            # what the kernel enforces until the first tick decides: without it a job found
+            # at its level reads as in the default class (no level) meanwhile
+            self._levels = dict(adopted)
             if adopted:
                 self._events.emit(
                     "net.adopt", f"adopted the levels of {len(adopted)} job(s) from the kernel"
                 )
             self._unshape_dropped()
+
+    def _original(self, iface: str, found: tcplan.RootQdisc | None) -> tcplan.RootQdisc | None:
+        """The root qdisc ``iface`` had before gpud took it. ``found`` is the root seen at
+        start when it is not gpud's: gpud's tree was removed meanwhile (or never there), so
+        what is there now is what gpud replaces. Where gpud's tree is still in place the
+        kernel no longer shows what was there before: the one recorded when gpud first took
+        the interface (None: not known, the kernel's default comes back on restore)."""
+        if self._shaped is None:
+            return found
+        if found is not None:
+            self._shaped.set_original(iface, found)
+            return found
+        return self._shaped.original(iface)
 
     def _unshape_dropped(self) -> None:
         """Remove gpud's root from the interfaces an earlier run shaped that are no longer
@@ -750,7 +767,7 @@ class TrafficService:
             return
         for iface in sorted(self._shaped.all() - set(self.config.interfaces)):
             try:
-                self._tc.restore(iface)
+                self._tc.restore(iface, self._shaped.original(iface))
             except Exception as err:
                 if getattr(err, "errno", None) != errno.ENODEV:
                     message = _describe(iface, err)
@@ -764,7 +781,8 @@ class TrafficService:
             else:
                 self._events.emit(
                     "net.unshaped",
-                    f"{iface}: not in traffic.interfaces any more: gpud's HTB root removed",
+                    f"{iface}: not in traffic.interfaces any more: gpud's HTB root removed,"
+                    f" {_restored_root(self._shaped.original(iface))}",
                     interface=iface,
                 )
             self._shaped.discard(iface)
@@ -846,8 +864,11 @@ class TrafficService:
                 self._fail(status, _describe(iface, err))
                 continue
             if status.error:
-                again = " again" if iface in self._ever_enforced else ""
-                self._events.emit("net.interface", f"{iface}: enforced{again}", interface=iface)
+                was = status.error.removeprefix(f"{iface}: ")
+                again = f" again (was: {was})" if iface in self._ever_enforced else ""
+                self._events.emit(
+                    "net.interface", f"{iface}: enforced{again}", interface=iface, was=was
+                )
             self._ever_enforced.add(iface)
             if self._shaped is not None:
                 self._shaped.add(iface)
@@ -860,9 +881,16 @@ class TrafficService:
                     )
 
     def _fail(self, status: InterfaceStatus, message: str) -> None:
-        if status.error != message:
+        """``status`` is not enforced, because of ``message``. One event when it breaks
+        (and one, ``net.interface``, when it is enforced again): the reason may read
+        differently from one pass to the next while it stays broken (the interface
+        vanishing mid-batch, then missing), which only updates what ``gpuctl net show``
+        says."""
+        if not status.error:
             log.warning("traffic: %s", message)
-            self._events.emit("net.interface_error", message, interface=status.name)
+            self._events.emit("net.interface_error", message, interface=status.name, reason=message)
+        elif status.error != message:
+            log.info("traffic: still not enforced: %s", message)
         status.enforced, status.error = False, message
 
     def _sync_marks(self) -> None:
@@ -953,11 +981,18 @@ class TrafficService:
     def _restore(self) -> None:
         for iface in self.config.interfaces:
             if self._tc is not None:
+                original = self._originals.get(iface)
                 try:
-                    self._tc.restore(iface, self._originals.get(iface))
+                    self._tc.restore(iface, original)
                 except Exception as err:
                     log.warning("traffic: cannot restore %s: %s", iface, err)
                     continue
+                self._events.emit(
+                    "net.unshaped",
+                    f"{iface}: traffic.shutdown = restore: gpud's HTB root removed,"
+                    f" {_restored_root(original)}",
+                    interface=iface,
+                )
                 if self._shaped is not None:
                     self._shaped.discard(iface)
         if self._marker is not None:
@@ -965,6 +1000,14 @@ class TrafficService:
                 self._marker.delete()
             except Exception as err:
                 log.warning("traffic: cannot delete the nftables table: %s", err)
+
+
+def _restored_root(original: tcplan.RootQdisc | None) -> str:
+    """What a restore gave the interface back, for its event."""
+    if original is None:
+        return "the kernel's default root qdisc is back (the one before gpud was not recorded)"
+    handle = tcplan.format_qdisc_handle(original.handle)
+    return f"its root qdisc from before gpud is back: {original.kind} {handle} (default options)"
 
 
 def _describe(iface: str, err: Exception) -> str:

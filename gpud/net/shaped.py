@@ -1,15 +1,31 @@
 """The interfaces gpud has put its HTB root on, persisted in ``state.db`` (table
 ``net_shaped``), so that a start with an interface taken out of ``traffic.interfaces``
 removes the tree an earlier run left there (``kill -9``, or ``traffic.shutdown =
-"fail-static"``) instead of leaving stale priorities that nothing keeps any more."""
+"fail-static"``) instead of leaving stale priorities that nothing keeps any more.
+
+Table ``net_original`` keeps the root qdisc each interface had before gpud first took it
+(``tc qdisc show dev IF root``: kind and handle). A start that finds gpud's tree still in
+place cannot see what was there before it, so it takes the recorded one; a start that finds
+another root (gpud's tree was removed meanwhile, by hand or by a restore) records that
+instead. ``traffic.shutdown = "restore"`` and an interface taken out of the config get the
+recorded kind back (with its default parameters: its options are not kept).
+"""
 
 from __future__ import annotations
 
 import threading
 
 from gpud.store import StateStore
+from netshaper.tcplan import RootQdisc
 
-SCHEMA = ("CREATE TABLE IF NOT EXISTS net_shaped (iface TEXT PRIMARY KEY)",)
+SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS net_shaped (iface TEXT PRIMARY KEY)",
+    """CREATE TABLE IF NOT EXISTS net_original (
+        iface TEXT PRIMARY KEY,
+        kind TEXT NOT NULL,
+        handle INTEGER NOT NULL
+    )""",
+)
 
 
 class ShapedInterfaces:
@@ -21,7 +37,11 @@ class ShapedInterfaces:
         store.ensure_schema(SCHEMA)
         with store.transaction() as conn:
             rows = conn.execute("SELECT iface FROM net_shaped").fetchall()
+            originals = conn.execute("SELECT iface, kind, handle FROM net_original").fetchall()
         self._known = {str(r["iface"]) for r in rows}
+        self._originals = {
+            str(r["iface"]): RootQdisc(str(r["kind"]), int(r["handle"])) for r in originals
+        }
 
     def all(self) -> frozenset[str]:
         with self._lock:
@@ -35,10 +55,30 @@ class ShapedInterfaces:
                 conn.execute("INSERT OR IGNORE INTO net_shaped (iface) VALUES (?)", (iface,))
             self._known.add(iface)
 
-    def discard(self, iface: str) -> None:
+    def original(self, iface: str) -> RootQdisc | None:
+        """The root qdisc ``iface`` had before gpud took it; None when not recorded."""
         with self._lock:
-            if iface not in self._known:
+            return self._originals.get(iface)
+
+    def set_original(self, iface: str, root: RootQdisc) -> None:
+        root = RootQdisc(root.kind, root.handle)  # HTB's default class is not restored
+        with self._lock:
+            if self._originals.get(iface) == root:
+                return
+            with self._store.transaction() as conn:
+                conn.execute(
+                    "INSERT OR REPLACE INTO net_original (iface, kind, handle) VALUES (?, ?, ?)",
+                    (iface, root.kind, root.handle),
+                )
+            self._originals[iface] = root
+
+    def discard(self, iface: str) -> None:
+        """Forget ``iface`` (gpud's tree is gone from it), its original root too."""
+        with self._lock:
+            if iface not in self._known and iface not in self._originals:
                 return
             with self._store.transaction() as conn:
                 conn.execute("DELETE FROM net_shaped WHERE iface = ?", (iface,))
+                conn.execute("DELETE FROM net_original WHERE iface = ?", (iface,))
             self._known.discard(iface)
+            self._originals.pop(iface, None)

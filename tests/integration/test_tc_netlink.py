@@ -227,7 +227,7 @@ def test_drift_restores_a_deleted_root_and_tampered_parts(net: Net, adapter: TcN
     net.tc("qdisc", "del", "dev", "a0", "root")
     result = adapter.drift(want)
     assert result.ok
-    assert result.restored["a0"][0] == "re-installed HTB root 6764:0"
+    assert result.restored["a0"][0] == "re-installed HTB root 6764:"
     assert net.classes("a0")["6764:101a"]["parent"] == "6764:10"
     assert len(net.filters("a0")) == 4
 
@@ -255,7 +255,7 @@ def test_errors_stay_with_their_interface(net: Net, adapter: TcNetlink) -> None:
     assert str(result.errors["nosuch0"]) == "nosuch0: no such network interface"
     a1 = result.errors["a1"]
     assert isinstance(a1, TcError) and a1.iface == "a1" and a1.errno
-    assert a1.op is not None and a1.op.startswith("qdisc replace dev a1 root handle 6764:0 htb")
+    assert a1.op is not None and a1.op.startswith("qdisc replace dev a1 root handle 6764: htb")
     assert str(a1).startswith("a1: netlink error")
     # a0 is enforced all the same, and stays so on the next tick
     assert net.classes("a0")["6764:101a"]["parent"] == "6764:10"
@@ -343,7 +343,7 @@ def test_a_sync_repairs_what_changed_behind_its_back(net: Net, adapter: TcNetlin
     # interface is read again and rebuilt in the same call
     result = adapter.sync(plan({"alpha": 2, "beta": 1}))
     assert result.ok, result.errors
-    assert result.restored["a0"][0] == "re-installed HTB root 6764:0"
+    assert result.restored["a0"][0] == "re-installed HTB root 6764:"
     assert net.classes("a0")["6764:121a"]["parent"] == "6764:12"
     assert net.filters("a0")["800::35"][0] == "6764:121a"
 
@@ -354,7 +354,7 @@ def test_a_sync_of_an_unchanged_plan_checks_the_kernel(net: Net, adapter: TcNetl
     net.tc("qdisc", "del", "dev", "a0", "root")
     result = adapter.sync(want)  # same plan: a0 is read and repaired, as drift would
     assert set(result.errors) == {"nosuch0"}
-    assert result.restored["a0"][0] == "re-installed HTB root 6764:0"
+    assert result.restored["a0"][0] == "re-installed HTB root 6764:"
     assert net.classes("a0")["6764:101a"]["parent"] == "6764:10"
 
 
@@ -373,3 +373,34 @@ def test_an_interface_renamed_away_is_left_alone(net: Net, adapter: TcNetlink) -
     assert "htb" not in net.tc("qdisc", "show", "dev", "old0")
     adapter.restore("a0")
     assert "htb" not in net.tc("qdisc", "show", "dev", "a0")
+
+
+def test_a_qdisc_put_under_a_leaf_is_removed_once(net: Net, adapter: TcNetlink) -> None:
+    want = plan({"alpha": 0, "beta": 1})
+    assert adapter.sync(want).ok
+    net.tc("qdisc", "replace", "dev", "a0", "parent", "6764:101a", "handle", "20:", "bfifo")
+    result = adapter.sync(want)  # an unchanged plan: the kernel is read and checked
+    assert result.ok, result.errors
+    assert result.restored["a0"] == (
+        "removed bfifo qdisc 20: under class 6764:101a (back to HTB's default queue)",
+    )
+    assert "bfifo" not in net.tc("qdisc", "show", "dev", "a0")
+    assert adapter.sync(want).op_count == 0  # HTB's own default queue is no drift
+    net.send_udp(26 << 2)
+    assert int(net.classes("a0")["6764:101a"]["pkts"]) >= 20
+
+
+def test_a_root_re_added_with_our_handle_is_rebuilt(net: Net, adapter: TcNetlink) -> None:
+    want = plan({"alpha": 0})
+    assert adapter.sync(want).ok
+    net.tc("qdisc", "del", "dev", "a0", "root")
+    net.tc("qdisc", "add", "dev", "a0", "root", "handle", "6764:", "htb", "default", "5")
+    net.tc(*FOREIGN_U32)
+    result = adapter.sync(want)
+    assert result.ok, result.errors
+    assert result.restored["a0"][:2] == (
+        "removed a root qdisc that held gpud's handle 6764:",
+        "re-installed HTB root 6764:",
+    )
+    assert "default 0x2" in net.tc("qdisc", "show", "dev", "a0")
+    assert adapter.sync(want).op_count == 0

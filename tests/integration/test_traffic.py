@@ -56,6 +56,7 @@ class Bed:
     cgroup_parent: str
     daemon: RunningDaemon | None = None
     interfaces: tuple[str, ...] = ("a0",)
+    extra: str = ""  # more [traffic] keys
 
     @property
     def enter(self) -> tuple[str, ...]:
@@ -68,7 +69,7 @@ class Bed:
             "[daemon]\ntick_s = 0.5\n"
             f"[traffic]\nenabled = true\ninterfaces = [{names}]\n"
             f"link_rates = [{rates}]\nlevels = 4\n"
-            f'cgroup_parent = "{self.cgroup_parent}"\n'
+            f'cgroup_parent = "{self.cgroup_parent}"\n{self.extra}'
         )
 
     def start(self) -> RunningDaemon:
@@ -387,3 +388,75 @@ def test_an_interface_taken_out_of_the_config_loses_gpuds_tree(bed: Bed) -> None
     assert "htb" not in run("tc", "-n", bed.snd, "qdisc", "show", "dev", "a1")
     assert "htb 6764:" in run("tc", "-n", bed.snd, "qdisc", "show", "dev", "a0")
     assert "a1: not in traffic.interfaces any more" in bed.gpuctl("events", "--kind", "net.")
+
+
+def _events(b: Bed, kind: str) -> list[dict[str, object]]:
+    found = json.loads(b.gpuctl("events", "--json", "--kind", kind))["events"]
+    return [e for e in found if e["kind"] == kind]
+
+
+def test_a_broken_interface_and_a_changed_leaf_qdisc_are_one_event_each(bed: Bed) -> None:
+    bed.start()
+    bed.gpuctl("jobs", "add", "keep")
+    bed.gpuctl("net", "pin", "--job", "keep", "--level", "1")
+    bed.wait("enforced", lambda: _enforced(bed) and bed.job("keep").get("level") == 1)
+    leaf = bed.leaf("keep")
+    run(
+        "tc",
+        "-n",
+        bed.snd,
+        "qdisc",
+        "replace",
+        "dev",
+        "a0",
+        "parent",
+        leaf,
+        "handle",
+        "20:",
+        "bfifo",
+    )
+    bed.wait("the leaf's queue back", lambda: _iface(bed, "a0").get("repairs") == 1, timeout=10)
+    time.sleep(1.5)  # a few more ticks: nothing more to repair
+    assert "bfifo" not in run("tc", "-n", bed.snd, "qdisc", "show", "dev", "a0")
+    (drift,) = _events(bed, "net.drift")
+    assert f"removed bfifo qdisc 20: under class {leaf}" in str(drift["message"])
+    run("ip", "-n", bed.snd, "link", "del", "a0")
+    bed.wait("a0 broken", lambda: not _enforced(bed), timeout=10)
+    time.sleep(1.5)
+    run(
+        "ip",
+        "-n",
+        bed.snd,
+        "link",
+        "add",
+        "a0",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "b0",
+        "netns",
+        bed.rcv,
+    )
+    run("ip", "-n", bed.snd, "link", "set", "a0", "up")
+    bed.wait("a0 enforced again", lambda: _enforced(bed), timeout=10)
+    (broke,) = _events(bed, "net.interface_error")
+    assert broke["fields"] == {"interface": "a0", "reason": broke["message"]}
+    (back,) = _events(bed, "net.interface")
+    assert str(back["message"]).startswith("a0: enforced again (was: ")
+
+
+def test_restore_brings_back_the_root_from_before_gpud_across_a_restart(bed: Bed) -> None:
+    run("tc", "-n", bed.snd, "qdisc", "replace", "dev", "a0", "root", "pfifo_fast")
+    bed.extra = 'shutdown = "restore"\n'
+    daemon = bed.start()
+    bed.wait("enforced", lambda: _enforced(bed))
+    daemon.proc.send_signal(signal.SIGKILL)
+    stop_daemon(daemon)
+    bed.daemon = None
+    bed.start()  # finds gpud's own tree: what was there before is only in state.db
+    bed.wait("enforced again", lambda: _enforced(bed))
+    assert bed.daemon is not None
+    stop_daemon(bed.daemon)
+    bed.daemon = None
+    assert run("tc", "-n", bed.snd, "qdisc", "show", "dev", "a0").startswith("qdisc pfifo_fast ")

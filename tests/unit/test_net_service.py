@@ -13,7 +13,7 @@ from gpud.config import TrafficConfig
 from gpud.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from gpud.events import EventLog
 from gpud.net.cgroups import JobCgroups, find_cgroup2
-from gpud.net.enforce import FakeCounters, FakeMarker, FakeTc, RdmaPort
+from gpud.net.enforce import FakeCounters, FakeMarker, FakeResult, FakeSync, FakeTc, RdmaPort
 from gpud.net.latest import LatestWorker
 from gpud.net.service import RDMA_RECHECK_S, RDMA_RETRY_S, Report, TrafficService, job_pool
 from gpud.net.shaped import ShapedInterfaces
@@ -719,3 +719,95 @@ def test_the_progress_estimate_takes_its_knobs_from_the_config(
     rig.service.tick()
     (a,) = [j for j in rig.service.local_report().jobs if j.job == "a"]
     assert a.rate is not None and low < a.rate < high, a.rate
+
+
+@dataclasses.dataclass
+class BreakingTc(FakeTc):
+    """Fails with each of ``failures`` in turn (one per pass), then works again."""
+
+    failures: list[Exception] = dataclasses.field(default_factory=list)
+
+    def _apply(self, plan: tcplan.TcPlan, *, drift: bool) -> FakeSync:
+        if self.failures:
+            err = self.failures.pop(0)
+            return FakeSync({p.iface: FakeResult(p.iface, error=err) for p in plan.interfaces})
+        return super()._apply(plan, drift=drift)
+
+
+def test_a_broken_interface_is_one_event_when_it_breaks_and_one_when_it_recovers(
+    rig: Rig,
+) -> None:
+    rig.tc = BreakingTc()
+    rig.service = rig.make()
+    rig.active = {"a"}
+    rig.service.tick()
+    rig.tc.failures = [
+        RuntimeError("eth0: the interface disappeared (tc class change dev eth0 ...)"),
+        RuntimeError("eth0: no such network interface"),
+        RuntimeError("eth0: no such network interface"),
+    ]
+    for _ in range(3):
+        rig.service.tick()
+    (iface,) = rig.service.view().interfaces
+    assert iface.error == "eth0: no such network interface"  # the reason as it is now
+    rig.service.tick()
+    errors = rig.events.recent(100, kind_prefix="net.interface_error")
+    assert [(e.message, e.fields["interface"]) for e in errors] == [
+        ("eth0: the interface disappeared (tc class change dev eth0 ...)", "eth0")
+    ]
+    (back,) = [e for e in rig.events.recent(100) if e.kind == "net.interface"]
+    assert back.message == "eth0: enforced again (was: no such network interface)"
+    assert rig.service.view().interfaces[0].enforced
+
+
+def test_before_its_first_tick_a_restarted_gpud_shows_the_levels_in_force(rig: Rig) -> None:
+    rig.active = {"a"}
+    rig.service.pin("a", 2)
+    rig.service.tick()
+    rig.service = rig.make()  # kill -9 and start again
+    rig.service.start()
+    (a,) = [j for j in rig.service.view().jobs if j.job == "a"]
+    assert a.dscp and a.level == 2  # its leaf's level in the kernel, not the default class
+    rig.service.tick()
+    assert [j.level for j in rig.service.view().jobs if j.job == "a"] == [2]
+    assert "net.levels" not in rig.kinds()
+
+
+PFIFO_FAST = tcplan.RootQdisc("pfifo_fast", 0)
+
+
+def _restart(rig: Rig) -> TrafficService:
+    """A new service (gpud started again) that has adopted the kernel and ticked once."""
+    rig.service = rig.make()
+    rig.service.start()
+    rig.service.tick()
+    return rig.service
+
+
+def _shaped_over(rig: Rig, root: tcplan.RootQdisc) -> None:
+    """eth0 holds ``root`` when gpud starts (``traffic.shutdown = "restore"``)."""
+    rig.config = dataclasses.replace(rig.config, shutdown="restore")
+    rig.tc.states["eth0"] = tcplan.InterfaceState("eth0", root)
+    _restart(rig)
+
+
+def test_restore_gives_back_the_root_from_before_gpud_first_took_the_interface(
+    rig: Rig,
+) -> None:
+    _shaped_over(rig, PFIFO_FAST)
+    # kill -9: the next start finds gpud's own tree, which hides what was there before
+    _restart(rig).shutdown()
+    assert rig.tc.restored_to == {"eth0": PFIFO_FAST}
+    (done,) = [e for e in rig.events.recent(100) if e.kind == "net.unshaped"]
+    assert "pfifo_fast 0:" in done.message
+    # restored: forgotten, so a later start records whatever is there then
+    assert ShapedInterfaces(rig.store).original("eth0") is None
+
+
+def test_a_root_changed_while_gpud_was_stopped_is_the_new_original(rig: Rig) -> None:
+    _shaped_over(rig, PFIFO_FAST)
+    # gpud stopped fail-static; the operator replaced gpud's tree by another root
+    bfifo = tcplan.RootQdisc("bfifo", 0x10000)
+    _shaped_over(rig, bfifo)
+    _restart(rig).shutdown()
+    assert rig.tc.restored_to == {"eth0": bfifo}

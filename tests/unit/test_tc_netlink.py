@@ -16,6 +16,7 @@ from netshaper.tc_netlink import (
     RTM_GETLINK,
     RTM_NEWQDISC,
     Ack,
+    InterfaceResult,
     TcNetlink,
 )
 
@@ -79,7 +80,7 @@ def test_missing_htb_is_a_clear_error_for_that_interface_only() -> None:
     err = result.errors["eth1"]
     assert str(err) == (
         "eth1: the kernel has no HTB qdisc (sch_htb) (tc qdisc replace dev eth1 root handle "
-        "6764:0 htb default 2): Specified qdisc kind is unknown."
+        "6764: htb default 2): Specified qdisc kind is unknown."
     )
     assert (err.iface, err.errno) == ("eth1", errno.ENOENT)
     assert str(result.errors["eth7"]) == "eth7: no such network interface"
@@ -93,9 +94,9 @@ def test_missing_htb_is_a_clear_error_for_that_interface_only() -> None:
     assert tc.sync(moved).interfaces["eth0"].ops == (
         "class add dev eth0 parent 6764:12 classid 6764:121a htb rate 1000000bit ceil "
         "1000000000bit burst 131072b cburst 131072b quantum 60000 prio 2",
-        "filter change dev eth0 parent 6764:0 protocol all prio 1 handle 800:0:35 u32 match u32 "
+        "filter change dev eth0 parent 6764: protocol all prio 1 handle 800::35 u32 match u32 "
         "0x40680000 0xf0fc0000 at 0 flowid 6764:121a",
-        "filter change dev eth0 parent 6764:0 protocol all prio 1 handle 800:0:36 u32 match u32 "
+        "filter change dev eth0 parent 6764: protocol all prio 1 handle 800::36 u32 match u32 "
         "0x66800000 0xffc00000 at 0 flowid 6764:121a",
         "class del dev eth0 classid 6764:101a",
     )
@@ -161,3 +162,27 @@ def test_a_renamed_interface_is_not_shaped_under_its_old_name() -> None:
     assert {i for _, i in nl.sent} == {9}
     assert tc.counters("eth0") == {}
     tc.close()
+
+
+def test_drift_lines_name_filters_and_qdiscs_as_tc_shows_them() -> None:
+    ops = (
+        tp.TcOp(tp.OpKind.DELETE_FILTER, "eth0", root=0x67640000, filter_handle=0x80000800),
+        tp.TcOp(
+            tp.OpKind.DELETE_FILTER, "eth0", root=0x67640000, filter_protocol=0x0800, filter_prio=5
+        ),
+        tp.TcOp(
+            tp.OpKind.DELETE_QDISC,
+            "eth0",
+            root=0x67640000,
+            qdisc=tp.ChildQdisc(0x6764111A, 0x200000, "bfifo"),
+        ),
+        tp.TcOp(tp.OpKind.DELETE_ROOT, "eth0", root=0x67640000),
+        tp.TcOp(tp.OpKind.REPLACE_ROOT, "eth0", root=0x67640000, default_classid=0x67640002),
+    )
+    assert InterfaceResult("eth0", ops, drift=True).restored == (
+        "removed u32 filter 800::800 (pref 1)",
+        "removed every filter of pref 5 (protocol ip)",
+        "removed bfifo qdisc 20: under class 6764:111a (back to HTB's default queue)",
+        "removed a root qdisc that held gpud's handle 6764:",
+        "re-installed HTB root 6764:",
+    )

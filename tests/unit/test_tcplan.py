@@ -81,13 +81,13 @@ def test_tc_args_read_as_tc_commands() -> None:
     ip = one(tp.plan({"eth0": GBIT}, {"a": 26}, {"a": 1}, SHARES))
     ops = tp.diff(tp.InterfaceState("eth0", None), ip)
     text = [" ".join(op.tc_args()) for op in ops]
-    assert text[0] == "qdisc replace dev eth0 root handle 6764:0 htb default 2"
+    assert text[0] == "qdisc replace dev eth0 root handle 6764: htb default 2"
     assert (
         "class add dev eth0 parent 6764:11 classid 6764:111a htb rate 1000000bit ceil "
         "1000000000bit burst 131072b cburst 131072b quantum 60000 prio 1"
     ) in text
     assert text[-2] == (
-        "filter add dev eth0 parent 6764:0 protocol all prio 1 handle ::35 u32 match u32 "
+        "filter add dev eth0 parent 6764: protocol all prio 1 handle ::35 u32 match u32 "
         "0x40680000 0xf0fc0000 at 0 flowid 6764:111a"
     )
 
@@ -189,7 +189,7 @@ def test_drift_is_repaired_with_targeted_ops() -> None:
         tp.OpKind.CHANGE_CLASS,
         tp.OpKind.ADD_FILTER,
     ]
-    assert ops[0].tc_args()[-3:] == ["0x0800", "prio", "5"]  # the whole foreign prio
+    assert ops[0].tc_args()[-3:] == ["ip", "prio", "5"]  # the whole foreign prio
 
 
 def test_burst_read_back_rounding_is_not_drift() -> None:
@@ -289,8 +289,8 @@ def test_foreign_filters_go_by_handle_in_our_prio_and_by_prio_elsewhere() -> Non
     )
     ops = tp.diff(state, ip)
     assert [op.tc_args()[-6:] for op in ops] == [
-        ["all", "prio", "1", "handle", "800:0:fff", "u32"],
-        ["parent", "6764:0", "protocol", "0x0800", "prio", "5"],
+        ["all", "prio", "1", "handle", "800::fff", "u32"],
+        ["parent", "6764:", "protocol", "ip", "prio", "5"],
     ]
 
 
@@ -323,3 +323,38 @@ def test_a_move_at_home_is_one_change_in_place() -> None:
     assert (leaf.parent, leaf.prio) == (tp.level_classid(0), 2)
     with pytest.raises(ValueError, match="a: home level 9"):
         tp.plan({"eth0": GBIT}, tags, {"a": 0}, SHARES, homes={"a": 9})
+
+
+def test_handles_read_as_tc_prints_them() -> None:
+    assert tp.format_qdisc_handle(0x67640000) == "6764:"
+    assert tp.format_u32_handle(0x80000800) == "800::800"
+    assert tp.format_u32_handle(0x80000000) == "800:"
+    assert tp.format_u32_handle(0x80012035) == "800:12:35"
+    assert tp.protocol_name(0x0800) == "ip" and tp.protocol_name(0x88CC) == "0x88cc"
+
+
+def test_a_qdisc_attached_to_a_class_that_stays_is_deleted_once() -> None:
+    ip = one(tp.plan({"eth0": GBIT}, {"a": 26, "b": 34}, {"a": 1, "b": 0}, SHARES))
+    leaf = tp.leaf_classid(1, 26)
+    state = replace(
+        tp.state_after(ip),
+        child_qdiscs=(
+            tp.ChildQdisc(leaf, 0x200000, "bfifo"),
+            tp.ChildQdisc(0x6764FFFF, 0x300000, "pfifo"),  # under a class that goes anyway
+        ),
+    )
+    ops = tp.diff(state, ip)
+    assert [op.kind for op in ops] == [tp.OpKind.DELETE_QDISC]
+    assert " ".join(ops[0].tc_args()) == "qdisc del dev eth0 parent 6764:111a handle 20:"
+    assert tp.diff(tp.state_after(ip), ip) == ()  # HTB's default queue is no drift
+
+
+def test_a_root_holding_our_handle_is_deleted_before_the_rebuild() -> None:
+    ip = one(tp.plan({"eth0": GBIT}, {"a": 26}, {"a": 1}, SHARES))
+    # `tc qdisc del dev eth0 root; tc qdisc add dev eth0 root handle 6764: htb default 5`:
+    # the kernel refuses to replace a root by one of the same handle
+    state = tp.InterfaceState("eth0", tp.RootQdisc("htb", ip.root, tp.handle(0x6764, 5)))
+    ops = tp.diff(state, ip)
+    assert [op.kind for op in ops[:2]] == [tp.OpKind.DELETE_ROOT, tp.OpKind.REPLACE_ROOT]
+    foreign = tp.InterfaceState("eth0", tp.RootQdisc("pfifo", 0x10000))
+    assert tp.diff(foreign, ip)[0].kind is tp.OpKind.REPLACE_ROOT
