@@ -13,6 +13,7 @@
     │   └── Busy                   processes still run on what would be destroyed
     ├── ResourceExhausted          over-subscription: carries the numbers (exit 7)
     ├── Unavailable                the daemon or a peer cannot be reached (exit 3)
+    │   └── StoreFull              etcd refuses writes: out of space (alarm NOSPACE)
     ├── PermissionDenied           (exit 77)
     ├── Partial                    done for the GPUs that answer; faulty ones left alone (exit 11)
     └── BackendError               the GPU driver said no; carries the gpu index/uuid
@@ -104,6 +105,11 @@ class DscpPoolExhausted(ResourceExhausted):
 
 class Unavailable(GpudError):
     """The daemon or a peer cannot be reached."""
+
+
+class StoreFull(Unavailable):
+    """etcd refuses writes until an operator frees space and disarms its NOSPACE alarm;
+    reads and lease renewals still work."""
 
 
 class PermissionDenied(GpudError):

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -31,7 +32,13 @@ def etcd_binary() -> str | None:
 
 
 class LocalEtcd:
-    def __init__(self) -> None:
+    """``args``: more etcd flags (``--quota-backend-bytes=...``, ``--cert-file=...``), kept
+    across :meth:`stop` / :meth:`start`. ``client_tls``: for an etcd serving TLS (its flags in
+    ``args``), how this process checks its health; the endpoint is then ``https``."""
+
+    def __init__(
+        self, args: tuple[str, ...] = (), *, client_tls: ssl.SSLContext | None = None
+    ) -> None:
         binary = etcd_binary()
         if binary is None:
             raise FileNotFoundError("etcd is not installed (Debian: apt-get install etcd-server)")
@@ -40,10 +47,13 @@ class LocalEtcd:
         self.peer_port = free_port()
         self.data_dir = Path(tempfile.mkdtemp(prefix=f"gpud-etcd-{os.getpid()}-"))
         self.proc: subprocess.Popen[bytes] | None = None
+        self.args = args
+        self.client_tls = client_tls
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        scheme = "https" if self.client_tls is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.client_port}"
 
     def start(self, timeout_s: float = 20.0) -> None:
         client = self.endpoint
@@ -62,6 +72,7 @@ class LocalEtcd:
                     "--log-outputs=stderr",
                     "--logger=zap",
                     "--log-level=error",
+                    *self.args,
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=log,
@@ -73,7 +84,9 @@ class LocalEtcd:
                     f"etcd exited: {(self.data_dir / 'etcd.log').read_text()[-2000:]}"
                 )
             try:
-                with urllib.request.urlopen(f"{client}/health", timeout=1) as resp:
+                with urllib.request.urlopen(
+                    f"{client}/health", timeout=1, context=self.client_tls
+                ) as resp:
                     if b"true" in resp.read():
                         return
             except OSError:

@@ -2,8 +2,9 @@
 
 ::
 
-    gpuctl cluster status [--json]           leader, epoch, mode; nodes (on the leader); every
-                                             node's problem (as it published it); jobs
+    gpuctl cluster status [--json]           leader, epoch, mode; etcd's alarms; nodes (on the
+                                             leader); every node's problem (as it published
+                                             it); when the certificates expire; jobs
     gpuctl cluster attributes [--job J ...]  runtime attributes of this node's jobs
                               [--watch]      ... and again whenever they change
 """
@@ -19,6 +20,8 @@ from gpud.cli.output import seconds
 from gpud.cli.pipes import when_reader_goes
 from gpud.v1 import cluster_pb2 as pb
 from gpud.v1 import cluster_pb2_grpc as pb_grpc
+
+_RENEW_SOON_S = 14 * 86400  # as the daemon's warning (gpud.cluster.certexpiry.WARN_S)
 
 _MODES = {
     "leader": "leader (this node leads)",
@@ -67,6 +70,16 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
     ]
     if resp.election == "etcd":
         lines.append(f"etcd:        {'reachable' if resp.store_ok else 'UNREACHABLE'}")
+        if "NOSPACE" in resp.etcd_alarms:
+            lines += [
+                "etcd alarm:  NOSPACE: etcd is out of space and refuses writes (no new leader,"
+                " no new tag); the last order stays in force",
+                "action:      free space (etcdctl compact REV; etcdctl defrag), then"
+                " etcdctl alarm disarm",
+            ]
+        others = [a for a in resp.etcd_alarms if a != "NOSPACE"]
+        if others:
+            lines.append(f"etcd alarm:  {', '.join(others)} (etcdctl alarm list)")
     if resp.detail:
         lines.append(f"detail:      {resp.detail}")
     if resp.last_error:
@@ -93,6 +106,11 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
                 for p in resp.problems
             ],
         )
+    if resp.certificates:
+        ctx.out.print()
+        ctx.out.print_table(
+            ("CERTIFICATE", "EXPIRES", "FILE"), [_certificate_row(c) for c in resp.certificates]
+        )
     if resp.jobs:
         ctx.out.print()
         ctx.out.print_table(
@@ -110,6 +128,17 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
             ],
         )
     return 0
+
+
+def _certificate_row(c: pb.ClusterCertificate) -> tuple[str, str, str]:
+    if not c.HasField("expires_in_seconds"):
+        return c.key, f"unreadable: {c.error}", c.path
+    when = time.strftime("%Y-%m-%d", time.gmtime(c.not_after_unix_seconds))
+    left = c.expires_in_seconds
+    if left <= 0:
+        return c.key, f"EXPIRED {when}", c.path
+    soon = " RENEW SOON" if left < _RENEW_SOON_S else ""
+    return c.key, f"{when}, in {left / 86400:.0f} d{soon}", c.path
 
 
 def _print_attributes(ctx: Context, resp: pb.GetAttributesResponse) -> None:

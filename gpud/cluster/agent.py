@@ -28,13 +28,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpud.cluster import problems
+from gpud.cluster.certexpiry import CertExpiry, CertWatch
 from gpud.cluster.election import Election, LeaderInfo
+from gpud.cluster.etcd import NOSPACE, NOSPACE_ADVICE
 from gpud.cluster.fencing import FailStatic, Fence, Mode
 from gpud.cluster.leader import Aggregator, NodeSeen
 from gpud.cluster.model import JobAttributes, JobReport, NodeReport, Order
-from gpud.cluster.ports import NodeView, TagStore
+from gpud.cluster.ports import NodeView, StoreAlarms, TagStore
 from gpud.cluster.problems import Problem, ProblemBoard
-from gpud.errors import FailedPrecondition, GpudError
+from gpud.errors import FailedPrecondition, GpudError, StoreFull
 from gpud.events import EventLog
 from gpud.net.port import TrafficPort
 from netshaper.leveller import Leveller, LevellerConfig
@@ -42,6 +44,9 @@ from netshaper.leveller import Leveller, LevellerConfig
 log = logging.getLogger(__name__)
 
 RETRY_S = 0.2  # a follower's next report when the leader had no order for it yet
+# how often a node reads etcd's alarms: a follower writes to etcd rarely, so it would not
+# otherwise learn that etcd refuses writes (and that no successor could be elected)
+ALARM_CHECK_S = 10.0
 
 
 class PeerTransport(Protocol):
@@ -70,6 +75,8 @@ class ClusterStatus:
     jobs: tuple[JobAttributes, ...]
     last_error: str = ""
     problems: tuple[Problem, ...] = ()  # every node's, as published in etcd
+    etcd_alarms: tuple[str, ...] = ()  # raised on etcd as last read, e.g. ("NOSPACE",)
+    certificates: tuple[CertExpiry, ...] = ()  # the peer API's and etcd's, when they expire
 
 
 def _same(a: JobAttributes, b: JobAttributes | None) -> bool:
@@ -104,6 +111,8 @@ class ClusterAgent:
         instance: str | None = None,
         credential_problem: Callable[[float], str] | None = None,
         problems: ProblemBoard | None = None,
+        alarms: StoreAlarms | None = None,
+        certs: CertWatch | None = None,
     ) -> None:
         self.node = node
         self.instance = os.urandom(8).hex() if instance is None else instance
@@ -140,6 +149,10 @@ class ClusterAgent:
         self._published_at = 0.0
         self._problem_since = 0.0  # (wall) when last_error took its current text
         self._problem_text = ""
+        self._alarms = alarms
+        self._certs = certs
+        self.etcd_alarms: tuple[str, ...] = ()
+        self._alarms_read_at: float | None = None  # (clock) none yet
         self._changed = asyncio.Event()
         self._tick_lock = asyncio.Lock()
         # an extra round after DELAY seconds (the runtime schedules it; a no-op by default)
@@ -207,6 +220,7 @@ class ClusterAgent:
         info = self.election.state()
         report = await asyncio.to_thread(self.local_report)
         problem = self._credential_problem(self._wall())
+        self._check_certificates()
         if problem != self._credential_logged:  # once, not every round
             if problem:
                 log.error("cluster: %s", problem)
@@ -217,6 +231,8 @@ class ClusterAgent:
                 order = await asyncio.to_thread(self._lead, info.epoch, report)
             except GpudError as err:
                 self._note_error(f"leader round failed: {err}")
+                if isinstance(err, StoreFull):
+                    self._alarms_read_at = None  # read the alarms in this round
                 order = None
             if settling and order is None and self._settle_s > 0:
                 # a new leadership: its first round once it has settled, not a tick later
@@ -251,7 +267,46 @@ class ClusterAgent:
                     "one's previous run until its lease expires"
                 )
         self._update_mode(info.leading)
+        await self._read_alarms()
         await self._publish_problem()
+
+    def _check_certificates(self) -> None:
+        """A certificate expiring within two weeks (or expired): logged and an event, once
+        (the files are read once an hour at most)."""
+        if self._certs is None:
+            return
+        for message in self._certs.check(self._wall()):
+            log.warning("cluster: %s", message)
+            if self._events is not None:
+                self._events.emit("cluster.certificate_expiry", message)
+
+    async def _read_alarms(self) -> None:
+        """etcd's alarms, every ``ALARM_CHECK_S``, and every round while one is raised so
+        that the node sees its disarm at once; a change is logged and an event."""
+        if self._alarms is None:
+            return
+        now = self._clock()
+        last = self._alarms_read_at
+        if not self.etcd_alarms and last is not None and now - last < ALARM_CHECK_S:
+            return
+        self._alarms_read_at = now
+        try:
+            alarms = await asyncio.to_thread(self._alarms.alarms)
+        except GpudError as err:  # etcd unreachable: the election's detail says so
+            log.debug("cluster: cannot read etcd's alarms: %s", err)
+            return
+        if alarms == self.etcd_alarms:
+            return
+        self.etcd_alarms = alarms
+        if NOSPACE in alarms:
+            message = NOSPACE_ADVICE
+        elif alarms:
+            message = f"etcd raised the alarm {', '.join(alarms)} (etcdctl alarm list)"
+        else:
+            message = "etcd's alarms are cleared: it accepts writes again"
+        (log.error if alarms else log.info)("cluster: %s", message)
+        if self._events is not None:
+            self._events.emit("cluster.etcd_alarm", message, alarms=",".join(alarms))
 
     async def _publish_problem(self) -> None:
         """This node's ``last_error`` where every node can read it (:mod:`problems`): on a
@@ -276,6 +331,16 @@ class ClusterAgent:
             log.debug("cluster: cannot publish this node's problem: %s", err)
             return
         self._published, self._published_at = message, now
+
+    async def close(self) -> None:
+        """A clean stop: withdraw this node's published problem at once, so that no node
+        lists it for the rest of its lease (a killed gpud cannot; its lease expires)."""
+        if self._problems is None:
+            return
+        try:
+            await asyncio.to_thread(self._problems.close)
+        except GpudError as err:
+            log.warning("cluster: cannot withdraw this node's problem from etcd: %s", err)
 
     async def node_problems(self) -> list[Problem]:
         """Every node's published problem (none with ``election = "single"``, or when etcd
@@ -548,6 +613,8 @@ class ClusterAgent:
             nodes=nodes,
             jobs=jobs,
             last_error=self.last_error,
+            etcd_alarms=self.etcd_alarms,
+            certificates=self._certs.expiries(self._wall()) if self._certs is not None else (),
         )
 
     def levels(self) -> Mapping[str, int]:

@@ -129,7 +129,14 @@ def status_to_pb(s: ClusterStatus) -> pb.GetClusterStatusResponse:
             pb.ClusterProblem(node=p.node, message=p.message, since_unix_seconds=p.since)
             for p in s.problems
         ],
+        etcd_alarms=s.etcd_alarms,
     )
+    for c in s.certificates:
+        cert = msg.certificates.add(key=c.key, path=c.path, error=c.error)
+        if c.not_after is not None:
+            cert.not_after_unix_seconds = c.not_after
+        if c.expires_in_s is not None:
+            cert.expires_in_seconds = c.expires_in_s
     if s.last_order_age_s is not None:
         msg.last_order_age_seconds = s.last_order_age_s
     for a in s.jobs:

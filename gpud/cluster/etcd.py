@@ -15,7 +15,9 @@ What etcd sees (``etcdctl get --prefix /gpud/cluster``)::
                                                             leader key is still its own
 
 Several endpoints are tried in turn; TLS (CA, client certificate) and user/password
-authentication are supported. Every failure to reach etcd is :class:`~gpud.errors.Unavailable`.
+authentication are supported. Every failure to reach etcd is :class:`~gpud.errors.Unavailable`;
+a write refused because etcd is out of space is :class:`~gpud.errors.StoreFull`
+(``etcdctl alarm list`` shows ``alarm:NOSPACE``).
 """
 
 from __future__ import annotations
@@ -29,9 +31,31 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from gpud.errors import ConfigError, GpudError, Unavailable
+from gpud.errors import ConfigError, GpudError, StoreFull, Unavailable
 
 log = logging.getLogger(__name__)
+
+
+NOSPACE = "NOSPACE"
+NOSPACE_ADVICE = (
+    "etcd is out of space (alarm NOSPACE) and refuses every write: no leader can be "
+    "elected and no new tag saved, and the last order stays in force; free space "
+    "(etcdctl compact REV, then etcdctl defrag), then run etcdctl alarm disarm"
+)
+
+
+def _refusal(err: BaseException) -> str:
+    """What etcd said: etcd3gw keeps the gateway's JSON body (``{"message": ...}``) apart
+    from the HTTP reason, which alone says only "Too Many Requests"."""
+    detail = getattr(err, "detail_text", None)
+    if isinstance(detail, str):
+        try:
+            body = json.loads(detail)
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and body.get("message"):
+            return str(body["message"])
+    return str(err)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,17 +123,22 @@ class EtcdClient:
                 raise ConfigError(
                     f"{endpoint!r} is not http(s)://HOST:PORT", key="cluster.etcd_endpoints"
                 )
-            self._clients.append(
-                etcd3gw.Etcd3Client(
-                    host=url.hostname,
-                    port=url.port,
-                    protocol=url.scheme,
-                    ca_cert=settings.ca_file or None,
-                    cert_cert=settings.cert_file or None,
-                    cert_key=settings.key_file or None,
-                    timeout=settings.timeout_s,
-                )
+            client = etcd3gw.Etcd3Client(
+                host=url.hostname,
+                port=url.port,
+                protocol=url.scheme,
+                ca_cert=settings.ca_file or None,
+                cert_cert=settings.cert_file or None,
+                cert_key=settings.key_file or None,
+                timeout=settings.timeout_s,
             )
+            if settings.ca_file:
+                # requests lets $REQUESTS_CA_BUNDLE / $CURL_CA_BUNDLE override a session's
+                # CA (https://github.com/psf/requests/issues/3829): etcd's CA would be
+                # ignored and every call fail verification. Configured files win; this also
+                # leaves the proxy variables and ~/.netrc out of etcd's connections.
+                client.session.trust_env = False
+            self._clients.append(client)
         self._current = 0
         self._lock = threading.Lock()
         self._authenticated: set[int] = set()
@@ -135,11 +164,15 @@ class EtcdClient:
                 last = err
                 continue
             except self._refused as err:
-                if "invalid auth token" in str(err) and self._settings.username:
+                said = _refusal(err)
+                if "invalid auth token" in said and self._settings.username:
                     self._authenticated.discard(index)  # expired: log in again next call
                     last = err
                     continue
-                raise GpudError(f"etcd refused {path}: {err}") from err
+                if "database space exceeded" in said:
+                    # the alarm is the cluster's: no other endpoint takes the write either
+                    raise StoreFull(f"etcd refused {path}: {NOSPACE_ADVICE} ({said})") from err
+                raise GpudError(f"etcd refused {path}: {said}") from err
             with self._lock:
                 self._current = index
             return result
@@ -157,6 +190,12 @@ class EtcdClient:
         )
         client.session.headers["Authorization"] = result["token"]
         self._authenticated.add(index)
+
+    def alarms(self) -> tuple[str, ...]:
+        """The alarms raised on the cluster, e.g. ``("NOSPACE",)`` (``etcdctl alarm list``);
+        readable while etcd refuses writes."""
+        result = self._post("/maintenance/alarm", {"action": "GET"})
+        return tuple(sorted({str(a.get("alarm", "")) for a in result.get("alarms") or []} - {""}))
 
     # -- leases --------------------------------------------------------------------------
 

@@ -10,6 +10,12 @@ gpud_cluster_grace_seconds              how long "holding" lasts before "local"
 gpud_cluster_rejected_orders_total      orders refused for a stale epoch
 gpud_cluster_store_up                   1 if the last etcd call succeeded
 gpud_cluster_nodes                      nodes heard from (on the leader)
+gpud_cluster_etcd_alarm{alarm}          1 while etcd has raised the alarm (NOSPACE: out of
+                                        space, writes refused; CORRUPT); etcd election only
+gpud_cluster_certificate_expiry_seconds{key}
+                                        seconds until the earliest certificate in the file
+                                        named by config key ``key`` expires (negative once
+                                        expired); absent while the file cannot be read
 gpud_cluster_job_level{job}             the job's global level (this node's jobs)
 """
 
@@ -20,7 +26,11 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gpud.cluster.agent import ClusterAgent
+from gpud.cluster.etcd import NOSPACE
 from gpud.cluster.fencing import Mode
+
+# always exported under etcd (0 when not raised), so an alert needs no absent() clause
+_ALARMS = (NOSPACE, "CORRUPT")
 
 
 class ClusterMetrics:
@@ -72,6 +82,24 @@ class ClusterMetrics:
         yield GaugeMetricFamily(
             "gpud_cluster_nodes", "Nodes heard from (on the leader).", value=float(len(s.nodes))
         )
+        if s.election == "etcd":
+            alarm = GaugeMetricFamily(
+                "gpud_cluster_etcd_alarm",
+                "1 while etcd has raised the alarm (NOSPACE: out of space, writes refused).",
+                labels=("alarm",),
+            )
+            for name in sorted({*_ALARMS, *s.etcd_alarms}):
+                alarm.add_metric([name], float(name in s.etcd_alarms))
+            yield alarm
+        expiry = GaugeMetricFamily(
+            "gpud_cluster_certificate_expiry_seconds",
+            "Seconds until the earliest certificate in the file expires (negative: expired).",
+            labels=("key",),
+        )
+        for c in s.certificates:
+            if c.expires_in_s is not None:
+                expiry.add_metric([c.key], c.expires_in_s)
+        yield expiry
         level = GaugeMetricFamily(
             "gpud_cluster_job_level", "The job's global network level.", labels=("job",)
         )

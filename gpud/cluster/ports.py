@@ -6,9 +6,10 @@
 * :class:`NodeView`: which GPUs each job holds here and which GPUs are unhealthy.
 * :class:`TagStore`: where the leader keeps cluster-wide DSCP tags (etcd, or memory for
   a single node) so that a new leader hands out the same tags.
+* :class:`StoreAlarms`: the alarms etcd has raised (``NOSPACE``: it refuses writes).
 
-:class:`StaticNodeView` and :class:`MemoryTagStore` are the public fakes; a lone node keeps
-its tags in a :class:`MemoryTagStore`.
+:class:`StaticNodeView`, :class:`MemoryTagStore` and :class:`StaticAlarms` are the public
+fakes; a lone node keeps its tags in a :class:`MemoryTagStore`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from gpud.errors import Unavailable
 
 
 class NodeView(Protocol):
@@ -43,6 +46,13 @@ class TagStore(Protocol):
 
     def save(self, allocated: Mapping[str, int], released: list[str]) -> None:
         """Persist new allocations and releases (atomically where the store can)."""
+        ...
+
+
+class StoreAlarms(Protocol):
+    def alarms(self) -> tuple[str, ...]:
+        """The alarms raised, e.g. ``("NOSPACE",)`` (``etcdctl alarm list``); raises
+        :class:`~gpud.errors.Unavailable` when the store cannot be read."""
         ...
 
 
@@ -81,3 +91,16 @@ class MemoryTagStore:
         self.tags.update(allocated)
         for job in released:
             self.tags.pop(job, None)
+
+
+@dataclass
+class StaticAlarms:
+    """Alarms set by hand; ``down``: the store cannot be read."""
+
+    raised: tuple[str, ...] = ()
+    down: bool = False
+
+    def alarms(self) -> tuple[str, ...]:
+        if self.down:
+            raise Unavailable("etcd: connection refused")
+        return self.raised

@@ -4,9 +4,11 @@ A node that cannot reach the leader, or whose report or certificate the leader r
 is the one that knows why (the leader's TLS stack sees only a failed handshake). So each
 node publishes its own ``last_error`` in etcd, ``<prefix>/problems/<node>`` = ``{"message":
 ..., "since": <Unix time>}`` (``etcdctl get --prefix <prefix>/problems/``), on a lease of
-``ttl_s`` renewed by publishing again, and deletes it once the problem is gone: a node that
-stops (or loses etcd too) drops out when its lease expires. ``gpuctl cluster status`` on
-any node lists them.
+``ttl_s`` renewed by publishing again, and deletes it once the problem is gone. The entry
+keeps one lease for as long as it lasts (``etcdctl lease list``: one per node with a
+problem); a clean stop revokes it, so the entry goes at once, and a node killed (or cut off
+from etcd) drops out when the lease expires. ``gpuctl cluster status`` on any node lists
+them.
 """
 
 from __future__ import annotations
@@ -38,20 +40,46 @@ class ProblemBoard(Protocol):
 
     def read(self) -> list[Problem]: ...
 
+    def close(self) -> None:
+        """A clean stop: drop what this node published, now rather than at its lease's end."""
+        ...
+
 
 class EtcdProblemBoard:
+    """Called from one thread at a time (the agent's round, then its stop)."""
+
     def __init__(self, client: EtcdClient, *, prefix: str, ttl_s: int = TTL_S) -> None:
         self._client = client
         self._prefix = prefix.rstrip("/") + "/problems/"
         self._ttl_s = ttl_s
+        self._leases: dict[str, int] = {}  # node -> the lease its entry is on
 
     def publish(self, node: str, message: str, since: float) -> None:
-        lease, _ = self._client.grant(self._ttl_s)
+        # Renew the entry's lease rather than grant one per publish: every grant would
+        # leave the previous lease alive, keyless, for the rest of its TTL.
+        lease = self._leases.get(node, 0)
+        if lease and self._client.keepalive(lease) <= 0:
+            lease = 0  # expired meanwhile (etcd was unreachable for a TTL)
+        if not lease:
+            lease, _ = self._client.grant(self._ttl_s)
+            self._leases[node] = lease
         value = json.dumps({"message": message, "since": since})
         self._client.put(self._prefix + node, value, lease=lease)
 
     def clear(self, node: str) -> None:
+        # the key may be a previous run's, on a lease this process never held
         self._client.delete(self._prefix + node)
+        self._revoke(node)
+
+    def close(self) -> None:
+        for node in list(self._leases):
+            self._revoke(node)
+
+    def _revoke(self, node: str) -> None:
+        lease = self._leases.get(node)
+        if lease:
+            self._client.revoke(lease)  # the entry goes with it
+            del self._leases[node]
 
     def read(self) -> list[Problem]:
         out = []

@@ -12,9 +12,11 @@ import asyncio
 import logging
 import socket
 from collections.abc import Iterable
+from pathlib import Path
 
 from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.api import ClusterServicer, PeerClient, PeerServer
+from gpud.cluster.certexpiry import CertWatch
 from gpud.cluster.election import Election, EtcdElection, SingleElection
 from gpud.cluster.etcd import EtcdClient, EtcdSettings
 from gpud.cluster.ports import MemoryTagStore, NodeView, TagStore
@@ -51,6 +53,21 @@ def etcd_settings(c: ClusterConfig) -> EtcdSettings:
     )
 
 
+def cert_files(c: ClusterConfig, tls: PeerTls) -> dict[str, tuple[Path, bytes | None]]:
+    """The certificates to watch: the peer API's as loaded (gRPC holds those bytes), etcd's
+    from disk (its HTTP client reads the files again for every new connection)."""
+    files: dict[str, tuple[Path, bytes | None]] = {}
+    if c.ca_file is not None:
+        files["cluster.ca_file"] = (c.ca_file, tls.ca)
+    if c.cert_file is not None:
+        files["cluster.cert_file"] = (c.cert_file, tls.cert)
+    if c.etcd_ca_file is not None:
+        files["cluster.etcd_ca_file"] = (c.etcd_ca_file, None)
+    if c.etcd_cert_file is not None:
+        files["cluster.etcd_cert_file"] = (c.etcd_cert_file, None)
+    return files
+
+
 class ClusterRuntime:
     def __init__(
         self,
@@ -71,8 +88,10 @@ class ClusterRuntime:
         self._peer_client: PeerClient | None = None
         self._etcd: EtcdClient | None = None
         election: Election
+        certs: CertWatch | None = None
         if config.election == "etcd":
             tls = PeerTls.load(config.ca_file, config.cert_file, config.key_file, node=self.node)
+            certs = CertWatch(cert_files(config, tls))
             self._etcd = EtcdClient(etcd_settings(config))
             self._peer_client = PeerClient(tls, timeout_s=config.report_timeout_s)
             self._election: EtcdElection | None = EtcdElection(
@@ -119,6 +138,8 @@ class ClusterRuntime:
                 if self._etcd is not None
                 else None
             ),
+            alarms=self._etcd,
+            certs=certs,
         )
         self.servicer = ClusterServicer(self.agent)
 
@@ -178,6 +199,7 @@ class ClusterRuntime:
             self._kicker.cancel()
         if self._election is not None:
             await asyncio.to_thread(self._election.stop)
+        await self.agent.close()
         if self._peer_server is not None:
             await self._peer_server.stop()
         if self._peer_client is not None:

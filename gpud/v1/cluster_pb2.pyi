@@ -531,6 +531,52 @@ class ClusterProblem(_message.Message):
 Global___ClusterProblem: _TypeAlias = ClusterProblem  # noqa: Y015
 
 @_typing.final
+class ClusterCertificate(_message.Message):
+    """A certificate file gpud uses in the cluster: the peer API's (as loaded at start) or
+    etcd's (read again from disk every hour).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    NOT_AFTER_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """the config key naming it: cluster.cert_file, cluster.etcd_cert_file..."""
+    path: _builtins.str
+    not_after_unix_seconds: _builtins.float
+    """the earliest expiry of its certificates"""
+    expires_in_seconds: _builtins.float
+    """negative once expired"""
+    error: _builtins.str
+    """why it could not be read ("" when read)"""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        path: _builtins.str = ...,
+        not_after_unix_seconds: _builtins.float | None = ...,
+        expires_in_seconds: _builtins.float | None = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expires_in_seconds", b"_expires_in_seconds", "_not_after_unix_seconds", b"_not_after_unix_seconds", "expires_in_seconds", b"expires_in_seconds", "not_after_unix_seconds", b"not_after_unix_seconds"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expires_in_seconds", b"_expires_in_seconds", "_not_after_unix_seconds", b"_not_after_unix_seconds", "error", b"error", "expires_in_seconds", b"expires_in_seconds", "key", b"key", "not_after_unix_seconds", b"not_after_unix_seconds", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__expires_in_seconds: _TypeAlias = _typing.Literal["expires_in_seconds"]  # noqa: Y015
+    _WhichOneofArgType__expires_in_seconds: _TypeAlias = _typing.Literal["_expires_in_seconds", b"_expires_in_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__not_after_unix_seconds: _TypeAlias = _typing.Literal["not_after_unix_seconds"]  # noqa: Y015
+    _WhichOneofArgType__not_after_unix_seconds: _TypeAlias = _typing.Literal["_not_after_unix_seconds", b"_not_after_unix_seconds"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__expires_in_seconds) -> _WhichOneofReturnType__expires_in_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__not_after_unix_seconds) -> _WhichOneofReturnType__not_after_unix_seconds | None: ...
+
+Global___ClusterCertificate: _TypeAlias = ClusterCertificate  # noqa: Y015
+
+@_typing.final
 class GetClusterStatusResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -552,6 +598,8 @@ class GetClusterStatusResponse(_message.Message):
     JOBS_FIELD_NUMBER: _builtins.int
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     PROBLEMS_FIELD_NUMBER: _builtins.int
+    ETCD_ALARMS_FIELD_NUMBER: _builtins.int
+    CERTIFICATES_FIELD_NUMBER: _builtins.int
     election: _builtins.str
     """"single" or "etcd" """
     node: _builtins.str
@@ -587,6 +635,14 @@ class GetClusterStatusResponse(_message.Message):
     def problems(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterProblem]:
         """every node's, as published in etcd"""
 
+    @_builtins.property
+    def etcd_alarms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """alarms etcd has raised (etcdctl alarm list), e.g. NOSPACE: etcd is out of space and
+        refuses writes until an operator compacts, defragments and disarms it
+        """
+
+    @_builtins.property
+    def certificates(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterCertificate]: ...
     def __init__(
         self,
         *,
@@ -608,10 +664,12 @@ class GetClusterStatusResponse(_message.Message):
         jobs: _abc.Iterable[Global___ClusterJob] | None = ...,
         last_error: _builtins.str = ...,
         problems: _abc.Iterable[Global___ClusterProblem] | None = ...,
+        etcd_alarms: _abc.Iterable[_builtins.str] | None = ...,
+        certificates: _abc.Iterable[Global___ClusterCertificate] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds", "last_order_age_seconds", b"last_order_age_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds", "applied_epoch", b"applied_epoch", "applied_seq", b"applied_seq", "detail", b"detail", "election", b"election", "epoch", b"epoch", "grace_seconds", b"grace_seconds", "jobs", b"jobs", "last_error", b"last_error", "last_order_age_seconds", b"last_order_age_seconds", "leader", b"leader", "leader_address", b"leader_address", "leading", b"leading", "mode", b"mode", "node", b"node", "nodes", b"nodes", "problems", b"problems", "rejected_orders", b"rejected_orders", "store_ok", b"store_ok"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds", "applied_epoch", b"applied_epoch", "applied_seq", b"applied_seq", "certificates", b"certificates", "detail", b"detail", "election", b"election", "epoch", b"epoch", "etcd_alarms", b"etcd_alarms", "grace_seconds", b"grace_seconds", "jobs", b"jobs", "last_error", b"last_error", "last_order_age_seconds", b"last_order_age_seconds", "leader", b"leader", "leader_address", b"leader_address", "leading", b"leading", "mode", b"mode", "node", b"node", "nodes", b"nodes", "problems", b"problems", "rejected_orders", b"rejected_orders", "store_ok", b"store_ok"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_order_age_seconds: _TypeAlias = _typing.Literal["last_order_age_seconds"]  # noqa: Y015
     _WhichOneofArgType__last_order_age_seconds: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds"]  # noqa: Y015

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -206,3 +209,134 @@ def test_nodes_problems_are_published_read_and_cleared_in_etcd(etcd: LocalEtcd) 
     board.clear("n2")
     board.clear("n2")  # twice is fine
     assert [p.node for p in board.read()] == ["n1"]
+
+
+def test_a_clean_stop_drops_the_nodes_problem_at_once_on_its_one_lease(etcd: LocalEtcd) -> None:
+    from gpud.cluster.problems import EtcdProblemBoard
+
+    client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
+    prefix = f"/gpud-test-{time.monotonic_ns()}"
+    board = EtcdProblemBoard(client, prefix=prefix, ttl_s=30)
+    board.publish("n4", "leader n0 at a0: UNAVAILABLE", 1.7e9)
+    first = client.get(f"{prefix}/problems/n4")
+    board.publish("n4", "leader n0 at a0: UNAVAILABLE", 1.7e9)  # republished: its lease renewed
+    again = client.get(f"{prefix}/problems/n4")
+    assert first is not None and again is not None and again.lease == first.lease
+    leases = client._post("/lease/leases", {}).get("leases") or []
+    assert [int(lease["ID"]) for lease in leases] == [first.lease]
+    board.close()  # a clean stop: gone now, not in 30 s
+    assert client.get(f"{prefix}/problems/n4") is None
+    assert not client._post("/lease/leases", {}).get("leases")
+    board.publish("n4", "again", 1.7e9)
+    board.clear("n4")  # a problem gone: the entry and its lease with it
+    assert client.get(f"{prefix}/problems/n4") is None
+    assert not client._post("/lease/leases", {}).get("leases")
+
+
+def _fill(client: EtcdClient) -> None:
+    from gpud.errors import StoreFull
+
+    for i in range(1000):
+        try:
+            client.put(f"/filler/{i}", "x" * 100_000)
+        except StoreFull:
+            return
+    raise AssertionError("etcd never ran out of space")
+
+
+def _free(etcd: LocalEtcd, client: EtcdClient) -> None:
+    """What the operator does: delete, compact, defragment, disarm."""
+    client._post("/kv/deleterange", {"key": "L2ZpbGxlci8=", "range_end": "L2ZpbGxlcjA="})
+    revision = int(client._post("/kv/range", {"key": "AA=="})["header"]["revision"])
+    for args in (("compact", str(revision)), ("defrag",), ("alarm", "disarm")):
+        subprocess.run(
+            ["etcdctl", f"--endpoints={etcd.endpoint}", *args], check=True, capture_output=True
+        )
+
+
+@pytest.mark.skipif(shutil.which("etcdctl") is None, reason="etcdctl is not installed")
+def test_out_of_space_keeps_the_leader_says_so_and_recovers_after_the_disarm() -> None:
+    from gpud.errors import StoreFull
+
+    with LocalEtcd(("--quota-backend-bytes=1048576",)) as etcd:
+        clock = Clock()
+        a, b = elections(etcd, clock, n=2)
+        client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
+        a.step()
+        assert a.state().leading
+        _fill(client)
+        assert client.alarms() == ("NOSPACE",)
+        with pytest.raises(StoreFull, match=r"out of space .*etcdctl alarm disarm"):
+            client.put("/x", "y")
+        clock.now += 1
+        a.step()  # renewals and reads still work: the leader keeps leading
+        assert a.state().leading and a.state().store_ok
+        a.stop()  # revoking works too: the key goes
+        for _ in range(3):
+            b.step()  # campaigns, refused for space each time, without raising
+        state = b.state()
+        assert not state.leading and not state.store_ok
+        assert "out of space" in state.detail
+        _free(etcd, client)
+        assert client.alarms() == ()
+        b.step()
+        assert b.state().leading
+        b.stop()
+
+
+@pytest.mark.skipif(shutil.which("etcdctl") is None, reason="etcdctl is not installed")
+def test_certificates_of_a_tls_etcd_are_watched_as_the_client_uses_them(tmp_path: Path) -> None:
+    import datetime
+    import ssl
+
+    from gpud.cluster.certexpiry import CertWatch
+    from gpud.cluster.runtime import cert_files
+    from gpud.cluster.tls import PeerTls
+    from gpud.config import ClusterConfig
+    from tools.certs import make_ca, make_node
+
+    pki = tmp_path / "etcd-pki"
+    make_ca(pki, "etcd CA")
+    server, server_key = make_node(pki, "etcd", pki)
+    soon = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=10)
+    client_cert, client_key = make_node(pki, "gpud", pki, not_after=soon)
+    peers = tmp_path / "peer-pki"
+    make_ca(peers)
+    make_node(peers, "n1", peers)
+    context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    context.load_cert_chain(client_cert, client_key)
+    flags = (
+        f"--cert-file={server}",
+        f"--key-file={server_key}",
+        f"--trusted-ca-file={pki / 'ca.pem'}",
+        "--client-cert-auth",
+    )
+    with LocalEtcd(flags, client_tls=context) as etcd:
+        config = ClusterConfig(
+            election="etcd",
+            node="n1",
+            ca_file=peers / "ca.pem",
+            cert_file=peers / "n1.pem",
+            key_file=peers / "n1-key.pem",
+            etcd_endpoints=etcd.endpoint,
+            etcd_ca_file=pki / "ca.pem",
+            etcd_cert_file=client_cert,
+            etcd_key_file=client_key,
+        )
+        from gpud.cluster.runtime import etcd_settings
+
+        client = EtcdClient(etcd_settings(config))
+        client.put("/tls", "ok")  # the client speaks TLS with its certificate
+        tls = PeerTls.load(config.ca_file, config.cert_file, config.key_file, node="n1")
+        watch = CertWatch(cert_files(config, tls))
+        (warning,) = watch.check(time.time())
+        assert warning.startswith(f"cluster.etcd_cert_file {client_cert} expires at")
+        left = {e.key: e.expires_in_s for e in watch.expiries(time.time())}
+        assert set(left) == {
+            "cluster.ca_file",
+            "cluster.cert_file",
+            "cluster.etcd_ca_file",
+            "cluster.etcd_cert_file",
+        }
+        assert min(left.values(), key=lambda v: v or 0) == left["cluster.etcd_cert_file"]
+        assert 9 * 86400 < (left["cluster.etcd_cert_file"] or 0) <= 10 * 86400

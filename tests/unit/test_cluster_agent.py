@@ -8,13 +8,15 @@ from collections.abc import Callable, Mapping
 import pytest
 
 from gpud.cluster.agent import ClusterAgent
+from gpud.cluster.certexpiry import CertWatch
 from gpud.cluster.election import LeaderInfo
 from gpud.cluster.fencing import Mode
 from gpud.cluster.leader import NodeSeen
 from gpud.cluster.model import NodeReport, Order
-from gpud.cluster.ports import MemoryTagStore, StaticNodeView
+from gpud.cluster.ports import MemoryTagStore, StaticNodeView, StoreAlarms
 from gpud.cluster.problems import Problem, ProblemBoard
 from gpud.errors import FailedPrecondition, Unavailable
+from gpud.events import EventLog
 from gpud.net.port import FakeTraffic, JobTraffic, OrderResult
 from netshaper.leveller import LevellerConfig
 
@@ -87,6 +89,9 @@ def agent(
     settle_s: float = 0.0,
     problems: ProblemBoard | None = None,
     wall: Callable[[], float] = lambda: 1.7e9,
+    alarms: StoreAlarms | None = None,
+    events: EventLog | None = None,
+    certs: CertWatch | None = None,
 ) -> ClusterAgent:
     tags = store or MemoryTagStore()
     return ClusterAgent(
@@ -107,6 +112,9 @@ def agent(
         wall=wall,
         credential_problem=credential_problem,
         problems=problems,
+        alarms=alarms,
+        events=events,
+        certs=certs,
     )
 
 
@@ -424,6 +432,13 @@ class Board:
         if self.down:
             raise Unavailable("etcd: connection refused")
         return [self.entries[n] for n in sorted(self.entries)]
+
+    def close(self) -> None:
+        if self.down:
+            raise Unavailable("etcd: connection refused")
+        for node in self.entries:
+            self.writes.append(("close", node))
+        self.entries.clear()
 
 
 async def test_a_node_that_cannot_report_publishes_why_for_every_node_to_see() -> None:

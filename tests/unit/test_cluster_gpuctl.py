@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
 import json
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -12,11 +15,13 @@ from gpud.api import ApiServer
 from gpud.cli.main import main
 from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.api import ClusterServicer
+from gpud.cluster.certexpiry import CertWatch
 from gpud.cluster.election import LeaderInfo
 from gpud.cluster.ports import MemoryTagStore, StaticNodeView
 from gpud.net.port import FakeTraffic
 from netshaper.leveller import LevellerConfig
 from tests.unit.api_support import ServerThread, short_dir
+from tools.certs import make_ca, make_node
 
 
 class Leading:
@@ -81,6 +86,32 @@ def test_status_says_why_no_order_is_in_force(
     )
     assert main(["cluster", "status", "--socket", sock, "--json"], env={}) == 0
     assert json.loads(capsys.readouterr().out)["last_error"].startswith("leader gpu-02")
+
+
+def test_status_says_etcd_is_out_of_space_and_when_certificates_expire(
+    capsys: pytest.CaptureFixture[str],
+    served: tuple[str, ClusterAgent, ServerThread],
+    tmp_path: Path,
+) -> None:
+    sock, agent, _ = served
+    agent.etcd_alarms = ("NOSPACE",)
+    make_ca(tmp_path)
+    soon = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=3, hours=1)
+    cert, _ = make_node(tmp_path, "client", tmp_path, not_after=soon)
+    agent._certs = CertWatch({"cluster.etcd_cert_file": (cert, None)})
+    agent._certs.check(time.time())
+    assert main(["cluster", "status", "--socket", sock], env={}) == 0
+    out = capsys.readouterr().out
+    assert "etcd alarm:  NOSPACE: etcd is out of space" in out
+    assert "etcdctl alarm disarm" in out
+    assert f"in 3 d RENEW SOON  {cert}" in out
+    assert main(["cluster", "status", "--socket", sock, "--json"], env={}) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["etcd_alarms"] == ["NOSPACE"]
+    (c,) = data["certificates"]
+    assert c["key"] == "cluster.etcd_cert_file" and c["path"] == str(cert)
+    assert 3 * 86400 < c["expires_in_seconds"] < 3 * 86400 + 3600
+    assert c["not_after_unix_seconds"] == int(soon.timestamp())
 
 
 def test_attributes_from_gpuctl_and_the_client(
