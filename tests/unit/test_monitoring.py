@@ -54,6 +54,8 @@ def test_alert_rules_use_exported_metrics_and_say_what_to_do() -> None:
         "MpsDaemonDown",
         "TrafficNotEnforced",
         "TrafficJobsUntagged",
+        "ClusterEtcdAlarm",
+        "ClusterCertificateExpiring",
     }
     for rule in rules:
         assert rule["labels"]["severity"] in ("critical", "warning"), rule["alert"]
