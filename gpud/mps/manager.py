@@ -450,7 +450,10 @@ class MpsManager:
                     f" devices: {device_names(migs)}",
                     field="gpu",
                 )
+            with_devices = {t.gpu for t in self.targets()}
             for index, gpu_uuid in self._mig_gpus.items():
+                if index in with_devices:
+                    continue
                 if device == gpu_uuid or (gpu_text.isdigit() and int(gpu_text) == index):
                     raise FailedPrecondition(
                         f"GPU {index} ({gpu_uuid}) is in MIG mode and has no MIG devices:"
@@ -605,9 +608,11 @@ class MpsManager:
             if snapshot is not None:
                 self.observe_snapshot(snapshot)
             with self._lock:
-                gone = [u for u in self._devices if u not in self._targets]
+                # "": the status's entry of GPUs never read, which run no daemon
+                gone = [u for u in self._devices if u and u not in self._targets]
+                known = list(self._targets.values())
             calls: list[tuple[str, Callable[[], object]]] = [
-                (t.uuid, functools.partial(self._reconcile_device, t)) for t in self.targets()
+                (t.uuid, functools.partial(self._reconcile_device, t)) for t in known
             ]
             calls += [
                 (u, functools.partial(self._stop_device, u, reason="device gone")) for u in gone
@@ -662,8 +667,7 @@ class MpsManager:
             return
         now = self._clock()
         if dev.daemon.pid() is None:
-            if now < dev.next_start_at or not target.uuid:
-                # no UUID: a GPU lost before it was ever read, nothing to run a daemon for
+            if now < dev.next_start_at:
                 return
             self._start(target, dev, desired)
             return

@@ -210,6 +210,10 @@ def test_a_gpu_in_mig_mode_without_mig_devices_is_named_as_such(manager: MpsMana
         )
     with pytest.raises(NotFound, match=r"no GPU or MIG device '2' \(known: 0;"):
         manager.resolve("2")
+    # a GPU in MIG mode that has MIG devices: a MIG index it lacks is not found
+    manager.observe_snapshot(MIG_NODE)
+    with pytest.raises(NotFound, match=r"no GPU or MIG device '0:9' \(known: 0:0..2, 1;"):
+        manager.resolve("0:9")
 
 
 def test_mps_on_mig_devices_one_daemon_each(manager: MpsManager) -> None:
