@@ -32,8 +32,11 @@ _MODES = {
 
 
 def register(subparsers: Subparsers) -> None:
-    group = subparsers.add_parser("cluster", help="the cluster leader and the global order")
-    sub = group.add_subparsers(dest="cluster_command", required=True)
+    group = subparsers.add_parser(
+        "cluster", help="the cluster leader and the global order (default: status)"
+    )
+    group.set_defaults(run=run_status)
+    sub = group.add_subparsers(dest="cluster_command", metavar="COMMAND")
     status = sub.add_parser("status", help="leader, epoch, mode, nodes and jobs")
     status.set_defaults(run=run_status)
     attrs = sub.add_parser("attributes", help="runtime attributes of this node's jobs")

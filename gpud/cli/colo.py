@@ -32,8 +32,11 @@ GUARD_HEADERS = (
 
 
 def register(subparsers: Subparsers) -> None:
-    colo = subparsers.add_parser("colo", help="co-location: placements, prices, SLO guards")
-    commands = colo.add_subparsers(dest="colo_command", metavar="COMMAND", required=True)
+    colo = subparsers.add_parser(
+        "colo", help="co-location: placements, prices, SLO guards (default: show)"
+    )
+    colo.set_defaults(run=run_show)
+    commands = colo.add_subparsers(dest="colo_command", metavar="COMMAND")
     show = commands.add_parser("show", help="placements, prices, slowdowns and guard states")
     show.set_defaults(run=run_show)
     advise = commands.add_parser("advise", help="where a new job would go now, and its limits")

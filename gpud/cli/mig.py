@@ -57,8 +57,9 @@ PROFILE_HEADERS = ("GPU", "PROFILE", "FREE", "PLACEMENTS")
 
 
 def register(subparsers: Subparsers) -> None:
-    mig = subparsers.add_parser("mig", help="MIG layouts (mig-parted format)")
-    commands = mig.add_subparsers(dest="mig_command", metavar="COMMAND", required=True)
+    mig = subparsers.add_parser("mig", help="MIG layouts (mig-parted format; default: show)")
+    mig.set_defaults(run=run_show, profiles=False)
+    commands = mig.add_subparsers(dest="mig_command", metavar="COMMAND")
 
     show = commands.add_parser("show", help="MIG mode, instances, UUIDs, processes and jobs")
     show.add_argument("--profiles", action="store_true", help="also list profiles and placements")

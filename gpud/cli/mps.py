@@ -33,8 +33,9 @@ HEADERS = (
 
 
 def register(subparsers: Subparsers) -> None:
-    mps = subparsers.add_parser("mps", help="MPS control daemons and their limits")
-    commands = mps.add_subparsers(dest="mps_command", metavar="COMMAND", required=True)
+    mps = subparsers.add_parser("mps", help="MPS control daemons and their limits (default: show)")
+    mps.set_defaults(run=run_show, gpu=None)
+    commands = mps.add_subparsers(dest="mps_command", metavar="COMMAND")
     show = commands.add_parser("show", help="every device's daemon and limits")
     show.add_argument("--gpu", metavar="UUID|INDEX|GPU:MIG", help="only this device")
     show.set_defaults(run=run_show)

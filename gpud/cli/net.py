@@ -40,8 +40,11 @@ IFACE_HEADERS = ("INTERFACE", "RATE", "ENFORCED", "REPAIRS", "ERROR")
 
 
 def register(subparsers: Subparsers) -> None:
-    net = subparsers.add_parser("net", help="network priorities, DSCP tags, progress reports")
-    commands = net.add_subparsers(dest="net_command", metavar="COMMAND", required=True)
+    net = subparsers.add_parser(
+        "net", help="network priorities, DSCP tags, progress reports (default: show)"
+    )
+    net.set_defaults(run=run_show)
+    commands = net.add_subparsers(dest="net_command", metavar="COMMAND")
     show = commands.add_parser("show", help="jobs, levels, interfaces and counters")
     show.set_defaults(run=run_show)
     report = commands.add_parser("report", help="report a job's completed iterations")

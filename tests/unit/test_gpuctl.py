@@ -14,7 +14,7 @@ import pytest
 
 from gpud.api import ApiServer
 from gpud.cli.context import Context
-from gpud.cli.main import main
+from gpud.cli.main import build_parser, main
 from gpud.cli.output import Output, format_table, seconds
 from gpud.errors import GpuLost
 from tests.unit.api_support import FakeFaults, ServerThread, make_servicer, short_dir
@@ -447,3 +447,17 @@ def test_gpud_dying_during_a_call_is_not_called_not_running(sock_dir: Path) -> N
         )
     )
     assert refused.exit_code == 3 and str(refused).startswith("gpud is not running")
+
+
+@pytest.mark.parametrize(
+    ("group", "reader"),
+    [("mig", "show"), ("mps", "show"), ("net", "show"), ("colo", "show"), ("cluster", "status")],
+)
+def test_a_command_group_alone_runs_its_reading(group: str, reader: str) -> None:
+    parser = build_parser()
+    alone, named = parser.parse_args([group]), parser.parse_args([group, reader])
+    assert alone.run is named.run
+    # the reading's own options have their defaults when the group is given alone
+    assert {k: v for k, v in vars(named).items() if not k.endswith("_command")} == {
+        k: v for k, v in vars(alone).items() if not k.endswith("_command")
+    }
