@@ -219,6 +219,7 @@ class Daemon:
             reboot=self._reboot_sim if sim is not None else None,
             workloads=sim.workloads if sim is not None else None,
             clear_xid=self._clear_xid,
+            sample_again=self._sample_again,
             clock=clock,
         )
         self.mps = MpsManager(
@@ -482,11 +483,17 @@ class Daemon:
         the clear was made, and the next tick samples anyway."""
         done = self.sampler.clear_xid(gpu, xid)
         if done.cleared:
-            try:
-                self.sampler.tick()
-            except Exception:
-                log.exception("sampling again after clearing a critical XID failed")
+            self._sample_again()
         return done
+
+    def _sample_again(self) -> None:
+        """A sample out of turn, after a change the next read must show (a cleared XID, a
+        fault injected into the simulated node). A failure is logged: the change was made,
+        and the next tick samples anyway."""
+        try:
+            self.sampler.tick()
+        except Exception:
+            log.exception("sampling again after a change failed")
 
     def _reboot_sim(self) -> None:
         """A simulated reboot under a running daemon: instances go, as on a real node; the

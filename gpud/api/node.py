@@ -77,6 +77,7 @@ class NodeServicer(pb_grpc.NodeServicer):
         reboot: Callable[[], None] | None = None,
         workloads: WorkloadPort | None = None,
         clear_xid: Callable[[int, int | None], ClearedXids] | None = None,
+        sample_again: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._snapshots = snapshots
@@ -86,11 +87,18 @@ class NodeServicer(pb_grpc.NodeServicer):
         self._reboot = reboot
         self._workloads = workloads
         self._clear_xid = clear_xid
+        self._sample_again = sample_again
         self._clock = clock
 
     def register(self, server: Any) -> None:
         """Add this service to a ``grpc.aio.Server`` (an ``ApiServer`` registrar)."""
         pb_grpc.add_NodeServicer_to_server(self, server)
+
+    async def _show_change(self) -> None:
+        """Sample again after changing the simulated node, so that the next read
+        (`gpuctl xid`, `gpuctl gpus`, `gpuctl jobs`) shows the change, not the last tick."""
+        if self._sample_again is not None:
+            await asyncio.to_thread(self._sample_again)
 
     def _latest(self) -> Snapshot:
         snap = self._snapshots()
@@ -199,6 +207,10 @@ class NodeServicer(pb_grpc.NodeServicer):
             self._events.emit(
                 f"sim.fault.{kind}", f"injected fault {kind} on GPU {gpu}", gpu=gpu, **detail
             )
+        if kind != "slow":
+            # not for a slow GPU: its sample would take the whole call timeout, and telemetry
+            # calls it hung only once a read outlasts that anyway
+            await self._show_change()
         active = await asyncio.to_thread(faults.active)
         return pb.InjectFaultResponse(active_faults=describe_faults(active))
 
@@ -208,6 +220,7 @@ class NodeServicer(pb_grpc.NodeServicer):
         if self._reboot is None:
             raise FailedPrecondition("node is not simulated: only gpud --simulate can reboot")
         await asyncio.to_thread(self._reboot)
+        await self._show_change()
         return pb.RebootSimResponse()
 
     async def SimWorkload(  # noqa: N802 (gRPC method names come from the proto)
@@ -248,6 +261,7 @@ class NodeServicer(pb_grpc.NodeServicer):
                     pid=pid,
                     gpu=gpu,
                 )
+        await self._show_change()
         running = await asyncio.to_thread(workloads.list)
         return pb.SimWorkloadResponse(workloads=[str(w) for w in running])
 

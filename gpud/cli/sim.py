@@ -114,11 +114,17 @@ def run_fault(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.out.json:
         ctx.out.print_json(resp)
         return 0
-    ctx.out.print(f"injected {args.fault_kind} on GPU {args.gpu}")
+    if kind == pb.FAULT_KIND_XID:
+        # an XID is an event, not a lasting fault: it is not among the active faults
+        ctx.out.print(
+            f"injected Xid {args.code} on GPU {args.gpu} (`gpuctl xid` lists the critical ones)"
+        )
+    else:
+        ctx.out.print(f"injected {args.fault_kind} on GPU {args.gpu}")
     if resp.active_faults:
         ctx.out.print("active faults:")
         for fault in resp.active_faults:
             ctx.out.print(f"  {fault}")
     else:
-        ctx.out.print("no faults active")
+        ctx.out.print("no lasting faults active")
     return 0

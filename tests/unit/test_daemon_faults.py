@@ -241,6 +241,32 @@ def test_critical_xid_until_cleared_and_a_hung_gpu_in_mig_show(
     run_daemon(config, body)
 
 
+def test_a_change_to_the_simulated_node_shows_in_the_next_read(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a tick far away: only the sample out of turn can show each change
+    config = make_config(root).with_overrides({"telemetry.interval_s": 600.0}, source="test")
+    gpuctl = Gpuctl(config, capsys)
+
+    def body() -> None:
+        assert gpuctl("sim", "fault", "--gpu", "1", "xid", "79")[0] == 0
+        code, out, _ = gpuctl("--json", "xid")
+        assert code == 0 and [x["xid"] for x in json.loads(out)["critical_xids"]] == [79]
+        assert gpuctl.gpus()[1]["healthy"] is False
+        assert gpuctl("sim", "fault", "--gpu", "0", "lost")[0] == 0
+        assert "GPU lost" in str(gpuctl.gpus()[0]["reason"])
+        assert gpuctl("sim", "fault", "--gpu", "0", "clear")[0] == 0
+        # back on the bus, with the XID 79 its fall left until a reset or a clear
+        assert str(gpuctl.gpus()[0]["reason"]).startswith("critical Xid 79")
+        started = ("sim", "workload", "start", "--gpu", "0", "--pid", "4242", "--memory", "8GiB")
+        assert gpuctl(*started)[0] == 0
+        assert [p["pid"] for p in gpuctl.gpus()[0]["processes"]] == [4242]  # type: ignore[union-attr]
+        assert gpuctl("sim", "workload", "stop", "--pid", "4242")[0] == 0
+        assert gpuctl.gpus()[0]["processes"] == []
+
+    run_daemon(config, body)
+
+
 def test_mps_limits_on_a_mig_device_survive_its_re_creation(
     root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
