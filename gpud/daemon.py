@@ -66,7 +66,7 @@ from gpud.notify import Notifier
 from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.seen import SeenGpus
-from gpud.telemetry.snapshot import ClearedXids
+from gpud.telemetry.snapshot import ClearedXids, Snapshot
 
 if TYPE_CHECKING:
     from gpud.backend.sim import SimNode
@@ -472,10 +472,13 @@ class Daemon:
         """After a MIG apply: sample again and take the devices jobs are placed on from that
         sample, not from the last tick's (a whole GPU just put into MIG mode, say). A failure
         here is logged: the apply it follows was made, and the next tick samples anyway."""
+        snap = self._sample_again()
+        if snap is None:
+            return
         try:
-            self.mps.reconcile(self.sampler.tick())
+            self.mps.reconcile(snap)
         except Exception:
-            log.exception("sampling the devices again after a MIG apply failed")
+            log.exception("the MPS reconcile after a MIG apply failed")
 
     def _clear_xid(self, gpu: int, xid: int | None) -> ClearedXids:
         """``gpuctl xid clear``, then a sample, so that the answer's next read (``gpuctl xid``,
@@ -486,14 +489,20 @@ class Daemon:
             self._sample_again()
         return done
 
-    def _sample_again(self) -> None:
-        """A sample out of turn, after a change the next read must show (a cleared XID, a
-        fault injected into the simulated node). A failure is logged: the change was made,
+    def _sample_again(self) -> Snapshot | None:
+        """A sample out of turn, after a change the next read must show (a MIG apply, a
+        cleared XID, a fault injected into the simulated node): in the API's answers, and in
+        what admission and MPS hold of the GPUs (a `gpuctl run` right after `gpuctl xid
+        clear` is not refused for the cleared XID). A failure is logged: the change was made,
         and the next tick samples anyway."""
         try:
-            self.sampler.tick()
+            snap = self.sampler.tick()
+            self.jobs.observe(snap)
+            self.mps.observe_snapshot(snap)
         except Exception:
             log.exception("sampling again after a change failed")
+            return None
+        return snap
 
     def _reboot_sim(self) -> None:
         """A simulated reboot under a running daemon: instances go, as on a real node; the

@@ -77,7 +77,7 @@ class NodeServicer(pb_grpc.NodeServicer):
         reboot: Callable[[], None] | None = None,
         workloads: WorkloadPort | None = None,
         clear_xid: Callable[[int, int | None], ClearedXids] | None = None,
-        sample_again: Callable[[], None] | None = None,
+        sample_again: Callable[[], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._snapshots = snapshots

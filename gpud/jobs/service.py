@@ -468,14 +468,17 @@ class JobService:
         for stop in due:
             self._kill_leftovers(stop)
         if snapshot is not None:
-            uses = self._attributor.attribute(snapshot)
-            with self._lock:
-                self._uses = uses
-                self._unhealthy = {
-                    g.identity.index: g.reason or "unhealthy"
-                    for g in snapshot.gpus
-                    if not g.healthy
-                }
+            self.observe(snapshot)
+
+    def observe(self, snapshot: Snapshot) -> None:
+        """Take the GPUs' health and processes from ``snapshot``: what admission refuses
+        unhealthy GPUs by, and whose processes `gpuctl jobs` lists under each job."""
+        uses = self._attributor.attribute(snapshot)
+        with self._lock:
+            self._uses = uses
+            self._unhealthy = {
+                g.identity.index: g.reason or "unhealthy" for g in snapshot.gpus if not g.healthy
+            }
 
     def _kill_leftovers(self, stop: RunStop) -> None:
         killed = leftovers.kill(stop.run, signal.SIGKILL, self._proc_root)

@@ -336,4 +336,4 @@ def test_a_failed_sample_after_a_mig_apply_leaves_the_apply_answered(
         d._devices_changed()
     finally:
         d.store.close()
-    assert "sampling the devices again after a MIG apply failed" in caplog.text
+    assert "sampling again after a change failed" in caplog.text

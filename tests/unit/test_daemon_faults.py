@@ -263,6 +263,13 @@ def test_a_change_to_the_simulated_node_shows_in_the_next_read(
         assert [p["pid"] for p in gpuctl.gpus()[0]["processes"]] == [4242]  # type: ignore[union-attr]
         assert gpuctl("sim", "workload", "stop", "--pid", "4242")[0] == 0
         assert gpuctl.gpus()[0]["processes"] == []
+        # admission sees a cleared XID at once: a run right after the clear is not refused
+        assert gpuctl("jobs", "add", "both", "--gpus", "2")[0] == 0
+        code, _, err = gpuctl("run", "--job", "both", "--no-wait", "--", "true")
+        assert code == 7 and "GPU 0 unhealthy" in err, err
+        assert gpuctl("xid", "clear", "0")[0] == 0 and gpuctl("xid", "clear", "1")[0] == 0
+        code, _, err = gpuctl("run", "--job", "both", "--no-wait", "--", "true")
+        assert code == 0, err
 
     run_daemon(config, body)
 
