@@ -12,7 +12,14 @@ from typing import Any
 
 from gpud.admission.classes import ClassView
 from gpud.admission.model import Demand, Unfeasible
-from gpud.admission.service import QUEUED, STARTED, AdmissionService, EntryView, HistoryRow
+from gpud.admission.service import (
+    QUEUED,
+    STARTED,
+    AdmissionService,
+    EntryView,
+    HistoryRow,
+    request_of,
+)
 from gpud.api.validate import int_range, non_empty, optional, optional_pid
 from gpud.errors import InvalidArgument
 from gpud.jobs.api import kind_from_pb, reservation_message
@@ -72,7 +79,7 @@ def entry_message(v: EntryView) -> pb.QueueEntry:
     msg = pb.QueueEntry(
         id=e.id,
         job=e.job,
-        request=e.placement.describe(),
+        request=e.placement.label(),
         state=_STATE.get(e.state, pb.ENTRY_STATE_LEFT),
         position=v.position,
         enqueued_unix_seconds=e.enqueued_at,
@@ -96,7 +103,7 @@ def entry_message(v: EntryView) -> pb.QueueEntry:
 
 
 def class_message(v: ClassView) -> pb.ClassModel:
-    msg = pb.ClassModel(request=v.key)
+    msg = pb.ClassModel(request=v.request.label())
     if isinstance(v.demand, Unfeasible):
         msg.unfeasible_reason = v.demand.reason
     if v.packing is not None:
@@ -127,7 +134,7 @@ def class_message(v: ClassView) -> pb.ClassModel:
 def history_message(h: HistoryRow) -> pb.HistoryRecord:
     msg = pb.HistoryRecord(
         job=h.job,
-        request=h.request_class,
+        request=request_of(h.request).label(),
         reservation=h.reservation,
         queued_unix_seconds=h.queued_at,
         started_unix_seconds=h.started_at,

@@ -15,6 +15,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gpud.shared import format_size
+
 THREADS_CAPACITY = 100  # percent of a device's SMs an MPS client may use
 DIMENSIONS = ("memory", "threads")
 
@@ -60,6 +62,20 @@ class Request:
         return Vec(self.memory_bytes or 0, self.threads_percent or 0)
 
     def describe(self) -> str:
+        """The request's class key (``1 GPU 60GiB 50%``, ``mig 1g.10gb 1.5GiB``): the quotes
+        are estimated per class, and ``job_history`` keeps each run's key, so its format
+        stays as state databases have it (a new one would start every class afresh).
+        What the operator sees is :meth:`label`."""
+        memory = None if self.memory_bytes is None else f"{self.memory_bytes / 2**30:g}GiB"
+        return self._text(memory)
+
+    def label(self) -> str:
+        """The request as gpuctl shows it (REQUEST in ``gpuctl queue``, ``gpuctl jobs
+        history``), sizes as an operator writes them: ``1 GPU 60GiB 50%``,
+        ``mig 1g.10gb 1536MiB``, ``1 GPU 4194304TiB`` (not ``4.29497e+09GiB``)."""
+        return self._text(None if self.memory_bytes is None else format_size(self.memory_bytes))
+
+    def _text(self, memory: str | None) -> str:
         if self.devices:
             where = ",".join(self.devices)
         elif self.mig_profile is not None:
@@ -67,8 +83,8 @@ class Request:
         else:
             where = f"{self.gpu_count or 1} GPU"
         parts = [where]
-        if self.memory_bytes is not None:
-            parts.append(f"{self.memory_bytes / 2**30:g}GiB")
+        if memory is not None:
+            parts.append(memory)
         if self.threads_percent is not None:
             parts.append(f"{self.threads_percent}%")
         return " ".join(parts)

@@ -357,7 +357,7 @@ class AdmissionService:
                 )
         self._events.emit(
             "admission.queue",
-            f"job {job.name} queued ({request_of(spec).describe()})",
+            f"job {job.name} queued ({request_of(spec).label()})",
             job=job.name,
             entry=entry_id,
             quote_s=quote if quote is not None and math.isfinite(quote) else None,
@@ -526,7 +526,7 @@ class AdmissionService:
         waiting = len([e for e in queued if e.id not in result.unfeasible])
         if waiting:
             raise ResourceExhausted(
-                f"job {spec.name!r} ({request.describe()}) cannot start now: {waiting} queued"
+                f"job {spec.name!r} ({request.label()}) cannot start now: {waiting} queued"
                 " job(s) ahead of it need its devices"
             )
         # Nothing queued: the reservation's own placement names the numbers, if it refuses.

@@ -15,8 +15,12 @@ it records ``(iterations, time)`` in a bounded buffer, and a background thread s
 to gpud
 (``gpud.v1.Net/ReportProgressBatch``) every ``flush_interval_s``. When the daemon is down or
 restarting the buffer keeps the newest ``max_buffer`` reports and drops the oldest
-(:attr:`Progress.dropped` counts them); the thread retries with a back-off and the reports
-arrive once gpud is back. Reports that gpud rejects (e.g. a job it does not know), or a
+(:attr:`Progress.dropped` counts them), and the reports arrive within a fraction of a
+second of gpud listening again, whether it started after the job or restarted under it: the
+thread's call waits inside gRPC for the channel to connect (no report is built or sent in the
+meantime), and the channel tries to connect a few times a second (``_RECONNECT_MAX_MS``), a
+failed ``connect()`` on a local socket each. A call that fails at once (gpud refusing it
+whole, an error of its own) is retried with a back-off. Reports that gpud rejects (e.g. a job it does not know), or a
 call it refuses whole as invalid, are dropped and counted in :attr:`Progress.rejected`,
 with the first reason in :attr:`Progress.last_error`.
 
@@ -52,6 +56,14 @@ DEFAULT_SOCKET = Path("/run/gpud/gpud.sock")
 # which also keeps a call of long job names well within its bound on a request's size.
 MAX_BATCH = 256
 _MAX_BACKOFF_S = 5.0
+# gRPC's reconnect back-off grows to 120 s by default, so a report could wait minutes after
+# a long outage; capped, a job finds gpud back within this, at a failed connect() per try.
+_RECONNECT_MAX_MS = 250
+_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", _RECONNECT_MAX_MS),
+)
 
 
 class Progress:
@@ -150,11 +162,12 @@ class Progress:
         self.flush(timeout)
         self._stop.set()
         self._wake.set()
+        channel = self._channel
+        if channel is not None:
+            channel.close()  # ends a call still waiting for gpud at once, not at its deadline
         self._thread.join(timeout)
         atexit.unregister(self.close)
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        self._channel = None
 
     def _forked(self) -> None:
         """In a forked child: the sender thread is not there, its locks may have been held at
@@ -187,13 +200,24 @@ class Progress:
                 backoff = self._interval
                 self._notify()
                 continue
+            started = time.monotonic()
             try:
                 self._send()
                 backoff = self._interval
             except Exception as err:  # any transport failure: keep the reports, retry later
                 self.last_error = str(err)
-                backoff = min(_MAX_BACKOFF_S, max(backoff * 2, 0.05))
+                backoff = self._backoff(backoff, time.monotonic() - started)
             self._notify()
+
+    def _backoff(self, backoff: float, waited: float) -> float:
+        """The wait before the next try after one that failed in ``waited`` seconds.
+
+        A call that ran to its deadline spent it waiting for gpud (or on a slow gpud): that
+        was its back-off, and the next call waits for the channel at once, so a report goes
+        out as soon as gpud listens. One that failed sooner backs off, up to 5 s."""
+        if waited >= self._timeout:
+            return self._interval
+        return min(_MAX_BACKOFF_S, max(backoff * 2, 0.05))
 
     def _notify(self) -> None:
         with self._flushed:
@@ -222,7 +246,7 @@ class Progress:
         from gpud.v1 import net_pb2, net_pb2_grpc
 
         if self._channel is None:
-            self._channel = grpc.insecure_channel(self.target)
+            self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         stub = net_pb2_grpc.NetStub(self._channel)
         while self._pending:
             batch = [self._pending[i] for i in range(min(MAX_BATCH, len(self._pending)))]
@@ -235,8 +259,12 @@ class Progress:
                     r.contention_free_iteration_s = self._ideal
                 reports.append(r)
             try:
+                # while gpud is away the call waits for the channel to connect instead of
+                # failing at once: it goes out the moment gpud listens
                 resp = stub.ReportProgressBatch(
-                    net_pb2.ReportProgressBatchRequest(reports=reports), timeout=self._timeout
+                    net_pb2.ReportProgressBatchRequest(reports=reports),
+                    timeout=self._timeout,
+                    wait_for_ready=True,
                 )
             except grpc.RpcError as err:
                 if err.code() != grpc.StatusCode.INVALID_ARGUMENT:

@@ -62,6 +62,9 @@ Listener = Callable[[Snapshot], None]
 NOT_ANSWERING = "not answering: a driver call is outstanding"
 """The reason of a GPU whose call has not returned yet, before ``call_timeout_s``."""
 
+TIMED_OUT = "driver call timed out after {:g} s"
+"""The reason of a GPU whose call has been outstanding ``call_timeout_s`` (formatted with it)."""
+
 DEFAULT_IGNORED_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 """XIDs an application causes (illegal address, page fault, ...): they leave the GPU healthy."""
 
@@ -140,7 +143,7 @@ class Sampler:
         self._clock = clock
         self._wall_clock = wall_clock
         self._events = events
-        self._timeout_reason = f"driver call timed out after {call_timeout_s:g} s"
+        self._timeout_reason = TIMED_OUT.format(call_timeout_s)
         self._history: deque[Snapshot] = deque(maxlen=max(1, history))
         self._latest: Snapshot | None = None
         # guards _history, _slots' xid counts and critical XIDs, _unslotted_xids, _listeners

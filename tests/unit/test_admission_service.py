@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gpud.admission.api import run_request
+from gpud.admission.api import class_message, entry_message, history_message, run_request
 from gpud.admission.service import LEFT, QUEUED, STARTED, AdmissionService
 from gpud.config import AdmissionConfig, from_dict
 from gpud.errors import ConfigError, FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -329,3 +329,21 @@ def test_a_run_without_memory_holds_each_devices_own_mps_default(node: Node) -> 
     assert held == {first: 70 * GIB, second: 10 * GIB}
     # 60 GiB fits beside the 10 GiB default, not beside the 70 GiB one
     assert node.jobs.reserve(whole("c")).reservation.devices == (second,)
+
+
+def test_requests_show_sizes_as_people_write_them_and_keep_their_history_class(
+    node: Node,
+) -> None:
+    huge = RunRequest(job="huge", gpu_count=1, memory_bytes=1 << 62)
+    assert entry_message(node.admission.enqueue(huge, keep_unfeasible=True)).request == (
+        "1 GPU 4194304TiB"
+    )
+    # a request whose class a state database already keeps as "1 GPU 1.5GiB": its runs stay
+    # in that class (the quotes are estimated per class), shown in the same units as above
+    odd = RunRequest(job="odd", gpu_count=1, memory_bytes=3 * GIB // 2)
+    node.jobs.reserve(odd)
+    (row,) = [h for h in node.admission.history() if h.job == "odd"]
+    assert row.request_class == "1 GPU 1.5GiB"
+    assert history_message(row).request == "1 GPU 1536MiB"
+    shown = {class_message(v).request for v in node.admission.explain()}
+    assert shown == {"1 GPU 4194304TiB", "1 GPU 1536MiB"}

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from gpud.telemetry.sampler import NOT_ANSWERING, TIMED_OUT
+
 ROOT = Path(__file__).resolve().parents[2]
 MONITORING = ROOT / "docs" / "monitoring"
 _METRIC = re.compile(r"\b(gpud_[a-z0-9_]+)")
@@ -62,6 +64,36 @@ def test_alert_rules_use_exported_metrics_and_say_what_to_do() -> None:
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
     used = _check_names(text, "gpud-alerts.yml")
     assert len(used) >= 10
+
+
+def _alert_expr(name: str) -> str:
+    rules = yaml.safe_load((MONITORING / "gpud-alerts.yml").read_text())["groups"][0]["rules"]
+    return str(next(r["expr"] for r in rules if r["alert"] == name))
+
+
+def _reason_regex(expr: str) -> re.Pattern[str]:
+    """The regex of the expression's ``reason`` matcher, anchored as Prometheus anchors it."""
+    match = re.search(r'reason[=!]~"([^"]*)"', expr)
+    assert match, expr
+    return re.compile(match.group(1))
+
+
+def test_a_hung_gpus_reasons_are_left_to_gpu_samples_stale() -> None:
+    """The reasons gpud gives a hung GPU are the ones the rules exclude from GpuUnhealthy and
+    keep for GpuSamplesStale, so a hung GPU pages once; another reason pages GpuUnhealthy."""
+    hung = [
+        NOT_ANSWERING,
+        TIMED_OUT.format(5.0),
+        TIMED_OUT.format(0.25) + "; last seen as GPU-1 (NVIDIA H100 80GB HBM3)",
+    ]
+    unhealthy_unless = _reason_regex(_alert_expr("GpuUnhealthy"))
+    stale_unless = _reason_regex(_alert_expr("GpuSamplesStale"))
+    for reason in hung:
+        assert unhealthy_unless.fullmatch(reason), reason
+        assert stale_unless.fullmatch(reason), reason  # the regex of a !~: not excluded
+    for reason in ("readings failed: Unknown Error", "power failed: Unknown Error"):
+        assert not unhealthy_unless.fullmatch(reason), reason
+        assert not stale_unless.fullmatch(reason), reason
 
 
 def test_dashboard_uses_exported_metrics() -> None:

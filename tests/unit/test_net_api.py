@@ -211,6 +211,53 @@ def test_progress_keeps_the_newest_reports_while_the_daemon_is_down(node: Node) 
     assert a.iterations == 25  # the newest survived
 
 
+def _serve(node: Node, path: Path) -> ServerThread:
+    return ServerThread(ApiServer(path, servicers=[NetServicer(node.service).register]))
+
+
+def _first_report_after(node: Node, before: int, timeout: float = 10.0) -> float:
+    """Seconds until gpud has accepted more than ``before`` reports (no flush: the sender
+    thread's own pace)."""
+    start = time.monotonic()
+    while node.service.accepted_reports <= before:
+        assert time.monotonic() - start < timeout, "no report arrived"
+        time.sleep(0.005)
+    return time.monotonic() - start
+
+
+def test_a_report_arrives_promptly_once_gpud_starts_after_the_job(node: Node) -> None:
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        p = Progress("train-a", socket=path, flush_interval_s=0.05)
+        try:
+            p.step()
+            # long enough for several failed attempts, and their back-off to grow
+            cpu = time.process_time()
+            time.sleep(3)
+            # waiting for gpud costs the job next to nothing: no busy retries
+            assert time.process_time() - cpu < 0.3
+            with _serve(node, path):
+                assert _first_report_after(node, 0) < 0.6
+        finally:
+            p.close()
+
+
+def test_a_report_arrives_promptly_once_gpud_restarts(node: Node) -> None:
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        p = Progress("train-a", socket=path, flush_interval_s=0.05)
+        try:
+            with _serve(node, path):
+                p.step()
+                _first_report_after(node, 0)
+            p.step()
+            time.sleep(3)
+            with _serve(node, path):
+                assert _first_report_after(node, 1) < 0.6
+        finally:
+            p.close()
+
+
 def test_progress_counts_rejected_reports(sock: Path) -> None:
     p = Progress("nobody", socket=sock, flush_interval_s=0.02)
     try:
