@@ -7,7 +7,9 @@ reading that is ``None`` (not supported, or the GPU is unhealthy) is simply abse
 
 What Prometheus sees (``curl -s localhost:9400/metrics | grep ^gpud_``):
 
-- per GPU, labels ``gpu`` (NVML index), ``uuid``, ``model`` (NVML's name):
+- per GPU, labels ``gpu`` (NVML index), ``uuid``, ``model`` (NVML's name; of a GPU not
+  read since gpud started, lost or hung, as an earlier run last read them, so its series
+  go on across the restart; empty when no run ever read it):
   ``gpud_gpu_info`` (+ ``product``, ``pci_bus_id``), ``gpud_gpu_healthy``,
   ``gpud_gpu_unhealthy_info`` (+ ``reason``; only while unhealthy),
   ``gpud_gpu_sample_age_seconds``, ``gpud_gpu_memory_{total,used,free}_bytes``,
@@ -243,8 +245,10 @@ class Collector(_CollectorBase):
         for s in snap.gpus:
             ident = s.identity
             index = str(ident.index)
-            labels = (index, ident.uuid, ident.name)
-            info.add_metric(labels, {"product": ident.product, "pci_bus_id": ident.pci_bus_id})
+            # a GPU not read since gpud started keeps the labels it last had: same series
+            known = s.known()
+            labels = (index, known.uuid, known.name)
+            info.add_metric(labels, {"product": ident.product, "pci_bus_id": known.pci_bus_id})
             healthy.add_metric(labels, 1.0 if s.healthy else 0.0)
             if not s.healthy:
                 unhealthy.add_metric(labels, {"reason": s.reason})
@@ -253,8 +257,8 @@ class Collector(_CollectorBase):
             if s.last_xid is not None:
                 last_xid.add_metric(labels, s.last_xid)
             for c in s.critical_xids:
-                # a GPU not read since gpud started has no UUID; the XID may know it
-                where = labels if ident.uuid else (index, c.uuid, ident.name)
+                # a GPU not read since gpud started: the UUID it had when it raised the XID
+                where = labels if ident.uuid or not c.uuid else (index, c.uuid, known.name)
                 critical_xid.add_metric((*where, str(c.xid)), c.count)
             if s.memory is not None:
                 mem_total.add_metric(labels, s.memory.total_bytes)

@@ -60,12 +60,9 @@ def mig_device(sample: MigSample) -> pb.MigDevice:
 def gpu(sample: GpuSample, *, now_monotonic: float) -> pb.Gpu:
     """One GPU; ``now_monotonic`` (same clock as ``sampled_at``) gives its sample's age."""
     ident = sample.identity
+    known = sample.known()
     msg = pb.Gpu(
         index=ident.index,
-        uuid=ident.uuid,
-        name=ident.name,
-        product=ident.product,
-        pci_bus_id=ident.pci_bus_id,
         pci_device_id=ident.pci_device_id,
         memory_total_bytes=ident.memory_total_bytes,
         mig_capable=ident.mig_capable,
@@ -76,6 +73,15 @@ def gpu(sample: GpuSample, *, now_monotonic: float) -> pb.Gpu:
         mig_devices=[mig_device(m) for m in sample.mig_devices],
         xid_events_total=sample.xid_events_total,
     )
+    # unset, not "", where never known: --json shows null, as for a reading not known
+    for field, value in (
+        ("uuid", known.uuid),
+        ("name", known.name),
+        ("product", ident.product),
+        ("pci_bus_id", known.pci_bus_id),
+    ):
+        if value:
+            setattr(msg, field, value)
     if sample.memory is not None:
         memory(sample.memory, msg.memory)
     if sample.utilization is not None:
@@ -105,7 +111,7 @@ def gpu(sample: GpuSample, *, now_monotonic: float) -> pb.Gpu:
             count=c.count,
             first_seen_unix_seconds=c.first_seen,
             last_seen_unix_seconds=c.last_seen,
-            uuid=ident.uuid or c.uuid,
+            uuid=ident.uuid or c.uuid or known.uuid,
         )
     return msg
 

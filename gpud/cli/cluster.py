@@ -157,7 +157,7 @@ def _print_attributes(ctx: Context, resp: pb.GetAttributesResponse) -> None:
             "PROGRESS",
             "SLOWEST",
             "UNHEALTHY GPUS",
-            "XIDS",
+            "CRITICAL XIDS",
             "LINKS DOWN",
             "DROPS",
         ),
@@ -169,7 +169,7 @@ def _print_attributes(ctx: Context, resp: pb.GetAttributesResponse) -> None:
                 _opt(a, "progress_rate", "{:.3f}"),
                 a.slowest_node or "-",
                 ",".join(a.unhealthy_gpus) or "-",
-                ",".join(a.xids) or "-",
+                ",".join(a.critical_xids) or "-",
                 ",".join(a.links_down) or "-",
                 str(a.drops),
             )

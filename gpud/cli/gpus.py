@@ -42,8 +42,8 @@ def gpu_row(gpu: pb.Gpu) -> tuple[str, ...]:
     health = "ok" if gpu.healthy else "UNHEALTHY"
     return (
         str(gpu.index),
-        gpu.product or gpu.name,
-        short_uuid(gpu.uuid),
+        gpu.product or gpu.name or NA,
+        short_uuid(gpu.uuid) if gpu.uuid else NA,
         health,
         memory(gpu.memory, gpu.HasField("memory")),
         percent(gpu.utilization.gpu_ratio) if gpu.HasField("utilization") else NA,

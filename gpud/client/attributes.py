@@ -5,6 +5,7 @@
     import gpud.client
     a = gpud.client.attributes()           # this job ($GPUD_JOB), one call; None if unknown
     if a and a.unhealthy_gpus: ...         # e.g. a collective library switching schedules
+    if a and a.critical_xids: ...          # "node/uuid:79": uncleared, as `gpuctl xid` shows
     for a in gpud.client.watch_attributes():   # blocks; yields on every change
         ...
 
@@ -33,8 +34,11 @@ class Attributes:
     ``level``: its global network level (0 = highest priority; None: not ranked);
     ``progress_rate``: its slowest node's normalized progress rate (None: not known yet),
     ``slowest_node`` that node; ``unhealthy_gpus``: ``node/uuid`` of its GPUs found lost or
-    hung on any node; ``xids``: ``node:code``; ``links_down``: nodes whose links for it are
-    down; ``drops`` / ``tx_bytes``: its tag's counters summed over its nodes.
+    hung on any node; ``critical_xids``: ``node/uuid:code``, every critical XID raised on a
+    GPU (or under a MIG device) it holds and not cleared or reset since, as ``gpuctl xid``
+    lists them; ``xids``: their ``node:code`` alone (from a node of an older gpud: the last
+    XID of any kind); ``links_down``: nodes whose links for it are down; ``drops`` /
+    ``tx_bytes``: its tag's counters summed over its nodes.
     """
 
     job: str
@@ -51,6 +55,7 @@ class Attributes:
     drops: int
     tx_bytes: int
     computed_unix_s: float
+    critical_xids: tuple[str, ...] = ()
 
 
 def _target(socket: Path | str | None, target: str | None) -> str:
@@ -86,6 +91,7 @@ def _from_pb(m: Any) -> Attributes:
         drops=m.drops,
         tx_bytes=m.tx_bytes,
         computed_unix_s=m.computed_unix_seconds,
+        critical_xids=tuple(m.critical_xids),
     )
 
 

@@ -29,6 +29,7 @@ from typing import Protocol
 
 from gpud.cluster import problems
 from gpud.cluster.certexpiry import CertExpiry, CertWatch
+from gpud.cluster.convert import MAX_GPUS, MAX_XIDS
 from gpud.cluster.election import Election, LeaderInfo
 from gpud.cluster.etcd import NOSPACE, NOSPACE_ADVICE
 from gpud.cluster.fencing import FailStatic, Fence, Mode
@@ -77,6 +78,19 @@ class ClusterStatus:
     problems: tuple[Problem, ...] = ()  # every node's, as published in etcd
     etcd_alarms: tuple[str, ...] = ()  # raised on etcd as last read, e.g. ("NOSPACE",)
     certificates: tuple[CertExpiry, ...] = ()  # the peer API's and etcd's, when they expire
+
+
+def _codes(held: Iterable[str], critical: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """``JobReport.xids``: the uncleared critical XID codes under the devices ``held``, at
+    most as many as an older leader takes (the codes alone are a summary for it)."""
+    codes = [x for u in held for x in critical.get(u, ())]
+    return tuple(codes[:MAX_GPUS])
+
+
+def _pairs(held: Iterable[str], critical: Mapping[str, tuple[int, ...]]) -> tuple[str, ...]:
+    """``JobReport.critical_xids``: ``uuid:code`` of each device held, each code (at most
+    as many as the leader takes)."""
+    return tuple(f"{u}:{x}" for u in held for x in critical.get(u, ()))[:MAX_XIDS]
 
 
 def _same(a: JobAttributes, b: JobAttributes | None) -> bool:
@@ -165,7 +179,7 @@ class ClusterAgent:
         traffic = self._traffic.local_report()
         gpus = self._view.job_gpus()
         unhealthy = self._view.unhealthy_gpus()
-        xids = self._view.last_xids()
+        critical = self._view.critical_xids()
         link_up = self._view.links_up()
         # The levels of the cluster order in force, for a new leader to start from: none
         # once the local policy decides again, nor while an order newer than the one in
@@ -188,7 +202,8 @@ class ClusterAgent:
                 dscp=jt.dscp,
                 gpus=held,
                 unhealthy_gpus=tuple(u for u in held if u in unhealthy),
-                xids=tuple(xids[u] for u in held if u in xids),
+                xids=_codes(held, critical),
+                critical_xids=_pairs(held, critical),
                 link_up=link_up,
                 tx_bytes=jt.counters.bytes,
                 drops=jt.counters.drops,
@@ -201,7 +216,8 @@ class ClusterAgent:
                     job=job,
                     gpus=held,
                     unhealthy_gpus=tuple(u for u in held if u in unhealthy),
-                    xids=tuple(xids[u] for u in held if u in xids),
+                    xids=_codes(held, critical),
+                    critical_xids=_pairs(held, critical),
                     applied_level=applied.get(job),
                 )
         return NodeReport(

@@ -12,6 +12,7 @@ from netshaper.leveller import MAX_LEVELS
 
 MAX_JOBS = 4096  # per node report or request
 MAX_GPUS = 64  # per job and node
+MAX_XIDS = 1024  # critical XIDs per job and node: a few codes on each of its devices
 MAX_NAME = 256
 
 
@@ -34,6 +35,7 @@ def job_report_to_pb(r: JobReport) -> pb.JobReport:
         xids=r.xids,
         tx_bytes=r.tx_bytes,
         drops=r.drops,
+        critical_xids=r.critical_xids,
     )
     if r.progress_rate is not None:
         msg.progress_rate = r.progress_rate
@@ -69,8 +71,11 @@ def report_from_pb(msg: pb.ReportRequest) -> NodeReport:
         non_empty(j.job, field=f"{where}.job", max_len=MAX_NAME)
         for name in ("gpus", "unhealthy_gpus", "xids"):
             _bounded(getattr(j, name), MAX_GPUS, field=f"{where}.{name}")
+        _bounded(j.critical_xids, MAX_XIDS, field=f"{where}.critical_xids")
         for uuid in (*j.gpus, *j.unhealthy_gpus):
             non_empty(uuid, field=f"{where}.gpus", max_len=MAX_NAME)
+        for pair in j.critical_xids:
+            non_empty(pair, field=f"{where}.critical_xids", max_len=MAX_NAME)
         dscp = optional(j, "dscp")
         if dscp is not None and dscp > 63:
             raise InvalidArgument(f"DSCP must be in [0, 63], got {dscp}", field=f"{where}.dscp")
@@ -95,6 +100,7 @@ def report_from_pb(msg: pb.ReportRequest) -> NodeReport:
                 drops=j.drops,
                 pinned_level=optional(j, "pinned_level"),
                 applied_level=applied,
+                critical_xids=tuple(j.critical_xids),
             )
         )
     if len(msg.instance) > MAX_NAME:
@@ -116,6 +122,7 @@ def attributes_to_pb(a: JobAttributes) -> pb.JobAttributes:
         drops=a.drops,
         tx_bytes=a.tx_bytes,
         computed_unix_seconds=a.computed_at,
+        critical_xids=a.critical_xids,
     )
     if a.level is not None:
         msg.level = a.level
@@ -144,6 +151,7 @@ def attributes_from_pb(m: pb.JobAttributes) -> JobAttributes:
         drops=m.drops,
         tx_bytes=m.tx_bytes,
         computed_at=m.computed_unix_seconds,
+        critical_xids=tuple(m.critical_xids),
     )
 
 

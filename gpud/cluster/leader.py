@@ -32,9 +32,22 @@ from netshaper.tags import DEFAULT_RESERVED, TagAllocator
 
 # One job's reports folded over its nodes: a list indexed by these (a list literal per
 # job is several times cheaper to build and to update than an object with attributes).
-_RATE, _IPS, _SLOWEST, _NODES, _DSCP, _PIN, _UNHEALTHY, _XIDS, _LINKS_DOWN, _DROPS, _TX = range(11)
+(
+    _RATE,
+    _IPS,
+    _SLOWEST,
+    _NODES,
+    _DSCP,
+    _PIN,
+    _UNHEALTHY,
+    _XIDS,
+    _LINKS_DOWN,
+    _DROPS,
+    _TX,
+    _CRITICAL,
+) = range(12)
 # _DSCP: the tag a node already marks the job with; _PIN: an operator's pin on one of its
-# nodes; _UNHEALTHY, _XIDS, _LINKS_DOWN: lists, None while empty (the usual case)
+# nodes; _UNHEALTHY, _XIDS, _LINKS_DOWN, _CRITICAL: lists, None while empty (the usual case)
 _Fold = list[Any]
 _new_tuple = tuple.__new__
 _FORMER = 8  # replaced instances remembered per node (restarts)
@@ -167,7 +180,7 @@ class Aggregator:
                 f = get(job)
                 if f is None:
                     slowest = "" if rate is None else name
-                    f = [rate, ips, slowest, [name], jr.dscp, None, None, None, None, 0, 0]
+                    f = [rate, ips, slowest, [name], jr.dscp, None, None, None, None, 0, 0, None]
                     folds[job] = f
                 else:
                     f[_NODES].append(name)
@@ -195,6 +208,10 @@ class Aggregator:
                     if f[_XIDS] is None:
                         f[_XIDS] = []
                     f[_XIDS].extend(f"{name}:{x}" for x in jr.xids)
+                if jr.critical_xids:
+                    if f[_CRITICAL] is None:
+                        f[_CRITICAL] = []
+                    f[_CRITICAL].extend(f"{name}/{x}" for x in jr.critical_xids)
                 if jr.link_up is False:
                     if f[_LINKS_DOWN] is None:
                         f[_LINKS_DOWN] = []
@@ -271,6 +288,7 @@ class Aggregator:
                     f[_DROPS],
                     f[_TX],
                     stamp,
+                    () if f[_CRITICAL] is None else tuple(f[_CRITICAL]),
                 ),
             )
             for job, f in folds.items()

@@ -20,13 +20,15 @@ class JobReport:
     ``progress_rate`` is the normalized rate (contention-free iteration time / observed
     iteration time, 1.0 = uncontended), ``None`` until known; ``dscp`` the tag this node
     marks the job's packets with; ``gpus`` the GPU / MIG UUIDs the job holds here and
-    ``unhealthy_gpus`` those of them the last telemetry tick found lost or hung; ``xids``
-    the last XID codes seen on them; ``link_up`` whether the job's interfaces are up (None:
-    not known); ``tx_bytes`` / ``drops`` the counters of the job's class on this node;
-    ``pinned_level`` a level an operator pinned the job to on this node; ``applied_level``
-    the job's level in the cluster order in force here (the one of
-    :attr:`NodeReport.applied_epoch`; None: the order names no level for it, or none is in
-    force), which a new leader starts from.
+    ``unhealthy_gpus`` those of them the last telemetry tick found lost or hung;
+    ``critical_xids`` ``uuid:code`` for every uncleared critical XID of the GPU under each
+    of them (a MIG device has its GPU's), ``xids`` the codes alone (what a leader of an
+    older gpud reads; such a node sends there the last XID of any kind instead); ``link_up``
+    whether the job's interfaces are up (None: not known); ``tx_bytes`` / ``drops`` the
+    counters of the job's class on this node; ``pinned_level`` a level an operator pinned
+    the job to on this node; ``applied_level`` the job's level in the cluster order in force
+    here (the one of :attr:`NodeReport.applied_epoch`; None: the order names no level for
+    it, or none is in force), which a new leader starts from.
     """
 
     job: str
@@ -41,6 +43,7 @@ class JobReport:
     drops: int = 0
     pinned_level: int | None = None  # an operator's pin on this node (gpuctl net pin)
     applied_level: int | None = None  # its level in the order in force here
+    critical_xids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +65,9 @@ class JobAttributes(NamedTuple):
 
     ``level`` is its global network level (0 = highest priority; None: excluded or not
     ranked yet), ``progress_rate`` the slowest of its nodes' rates and ``slowest_node``
-    that node; ``unhealthy_gpus`` are ``node/uuid`` pairs and ``xids`` ``node:code`` pairs
-    over every node that runs it; ``links_down`` the nodes whose interfaces for it are
+    that node; ``unhealthy_gpus`` are ``node/uuid`` pairs, ``critical_xids``
+    ``node/uuid:code`` (every uncleared critical XID of the devices it holds) and ``xids``
+    their ``node:code`` over every node that runs it; ``links_down`` the nodes whose interfaces for it are
     down; ``drops`` / ``tx_bytes`` its tag's counters summed over its nodes. (A NamedTuple:
     the leader builds one per job per round, and tuples are the cheapest to build.)
     """
@@ -82,6 +86,7 @@ class JobAttributes(NamedTuple):
     drops: int
     tx_bytes: int
     computed_at: float
+    critical_xids: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)

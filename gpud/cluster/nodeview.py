@@ -1,8 +1,9 @@
 """The node's side of a job's attributes: the GPUs it holds here and their health.
 
 Reads the job registry's reservations (which GPU / MIG UUIDs each job holds) and the
-sampler's latest snapshot (GPUs found lost or hung, last XID per GPU). A MIG device is
-unhealthy when its GPU is. Link state is the kernel's ``operstate`` of the interfaces the
+sampler's latest snapshot (GPUs found lost or hung, each GPU's uncleared critical XIDs). A
+MIG device is unhealthy, and has the critical XIDs, of its GPU. A GPU not read since gpud
+started goes by the UUID it was last seen with: the one its jobs hold. Link state is the kernel's ``operstate`` of the interfaces the
 traffic service enforces (``cat /sys/class/net/IF/operstate``): a job's traffic leaves
 through them, so one that is down is down for every job on the node.
 """
@@ -11,9 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 from gpud.jobs.placement import Reservation
-from gpud.telemetry.snapshot import Snapshot
+from gpud.telemetry.snapshot import GpuSample, Snapshot
+
+T = TypeVar("T")
 
 
 class DaemonNodeView:
@@ -52,22 +56,19 @@ class DaemonNodeView:
         return {job: tuple(devices) for job, devices in sorted(held.items())}
 
     def unhealthy_gpus(self) -> Mapping[str, str]:
-        snap = self._snapshot()
-        bad: dict[str, str] = {}
-        for g in snap.gpus if snap is not None else ():
-            if not g.healthy:
-                reason = g.reason or "unhealthy"
-                bad[g.identity.uuid] = reason
-                for m in g.mig_devices:
-                    bad[m.identity.uuid] = reason
-        return bad
+        return self._by_device(lambda g: None if g.healthy else g.reason or "unhealthy")
 
-    def last_xids(self) -> Mapping[str, int]:
+    def critical_xids(self) -> Mapping[str, tuple[int, ...]]:
+        return self._by_device(lambda g: tuple(c.xid for c in g.critical_xids) or None)
+
+    def _by_device(self, value: Callable[[GpuSample], T | None]) -> dict[str, T]:
+        """UUID of each GPU and of its MIG devices -> ``value`` of the GPU, where not None."""
         snap = self._snapshot()
-        xids: dict[str, int] = {}
+        out: dict[str, T] = {}
         for g in snap.gpus if snap is not None else ():
-            if g.last_xid is not None:
-                xids[g.identity.uuid] = g.last_xid
+            found = value(g)
+            if found is not None:
+                out[g.known().uuid] = found
                 for m in g.mig_devices:
-                    xids[m.identity.uuid] = g.last_xid
-        return xids
+                    out[m.identity.uuid] = found
+        return out

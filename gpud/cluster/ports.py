@@ -30,8 +30,9 @@ class NodeView(Protocol):
         """UUID -> reason, for every GPU the last telemetry tick found lost or hung."""
         ...
 
-    def last_xids(self) -> Mapping[str, int]:
-        """UUID -> the last XID code seen on it (GPUs without XIDs are absent)."""
+    def critical_xids(self) -> Mapping[str, tuple[int, ...]]:
+        """UUID -> the uncleared critical XID codes of the GPU under it, first raised first
+        (``gpuctl xid``); devices without any are absent."""
         ...
 
     def links_up(self) -> bool | None:
@@ -58,11 +59,12 @@ class StoreAlarms(Protocol):
 
 @dataclass
 class StaticNodeView:
-    """A fixed view: ``gpus`` job -> UUIDs, ``unhealthy`` UUID -> reason, ``xids``."""
+    """A fixed view: ``gpus`` job -> UUIDs, ``unhealthy`` UUID -> reason, ``critical``
+    UUID -> uncleared critical XID codes."""
 
     gpus: dict[str, tuple[str, ...]] = field(default_factory=dict)
     unhealthy: dict[str, str] = field(default_factory=dict)
-    xids: dict[str, int] = field(default_factory=dict)
+    critical: dict[str, tuple[int, ...]] = field(default_factory=dict)
     links: bool | None = None
 
     def job_gpus(self) -> Mapping[str, tuple[str, ...]]:
@@ -71,8 +73,8 @@ class StaticNodeView:
     def unhealthy_gpus(self) -> Mapping[str, str]:
         return self.unhealthy
 
-    def last_xids(self) -> Mapping[str, int]:
-        return self.xids
+    def critical_xids(self) -> Mapping[str, tuple[int, ...]]:
+        return self.critical
 
     def links_up(self) -> bool | None:
         return self.links

@@ -53,6 +53,7 @@ from gpud.events import EventLog
 from gpud.files import write_atomically
 from gpud.telemetry.dispatch import Dispatcher, Target
 from gpud.telemetry.reader import GpuReader, placeholder_identity
+from gpud.telemetry.seen import parse as parse_seen
 from gpud.telemetry.snapshot import ClearedXids, CriticalXid, GpuSample, Snapshot
 
 log = logging.getLogger(__name__)
@@ -284,7 +285,9 @@ class Sampler:
             )
         seen = self._last_seen.get(reader.index)
         if seen and not sample.identity.uuid:  # never read in this run
-            sample = sample._replace(reason=f"{sample.reason}; last seen as {seen}")
+            sample = sample._replace(
+                reason=f"{sample.reason}; last seen as {seen}", last_seen=parse_seen(seen)
+            )
         if slot.xid_total or slot.critical:
             with self._lock:
                 critical = tuple(slot.critical.values())
@@ -303,11 +306,11 @@ class Sampler:
     def _transition(self, slot: _Slot, sample: GpuSample) -> None:
         slot.healthy = sample.healthy
         slot.reason = sample.reason
-        ident = sample.identity
-        gpu = ident.index
+        gpu = sample.identity.index
+        uuid = sample.known().uuid  # as last seen, of a GPU not read since gpud started
         if sample.healthy:
             log.info("GPU %d recovered", gpu)
-            self._emit("gpu.recovered", f"GPU {gpu} recovered", gpu=gpu, uuid=ident.uuid)
+            self._emit("gpu.recovered", f"GPU {gpu} recovered", gpu=gpu, uuid=uuid)
         else:
             # Also on a change of reason, e.g. a timed-out GPU that then reports "lost".
             log.warning("GPU %d unhealthy: %s", gpu, sample.reason)
@@ -315,7 +318,7 @@ class Sampler:
                 "gpu.unhealthy",
                 f"GPU {gpu} unhealthy: {sample.reason}",
                 gpu=gpu,
-                uuid=ident.uuid,
+                uuid=uuid,
                 reason=sample.reason,
             )
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 from gpud.backend.port import GpuIdentity
 from gpud.store import StateStore
+from gpud.telemetry.snapshot import SeenIdentity
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS gpu_seen (
@@ -21,6 +22,18 @@ SCHEMA = (
 def describe(identity: GpuIdentity) -> str:
     """``NVIDIA H100 80GB HBM3 GPU-5c6e... at 00000000:18:00.0``."""
     return f"{identity.name} {identity.uuid} at {identity.pci_bus_id}"
+
+
+def parse(description: str) -> SeenIdentity | None:
+    """What :func:`describe` wrote, read back (None for text it did not write). The
+    description is the one record kept, by every gpud version: reading it back needs no
+    second copy that could disagree with it. A UUID and a PCI address have no spaces, a
+    name may: the name is what lies before the last two words."""
+    head, at, pci_bus_id = description.rpartition(" at ")
+    name, _, uuid = head.rpartition(" ")
+    if not (at and name and uuid.startswith("GPU-")) or " " in pci_bus_id:
+        return None
+    return SeenIdentity(uuid, name, pci_bus_id)
 
 
 class SeenGpus:

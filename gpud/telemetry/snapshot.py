@@ -51,6 +51,15 @@ class ClearedXids(NamedTuple):
     remaining: tuple[int, ...]
 
 
+class SeenIdentity(NamedTuple):
+    """A GPU's UUID, NVML name and PCI address: as read now, or as an earlier run of gpud
+    last read them (:mod:`gpud.telemetry.seen`); "" where never known."""
+
+    uuid: str
+    name: str
+    pci_bus_id: str
+
+
 class GpuSample(NamedTuple):
     """One GPU at one tick. ``sampled_at`` is the monotonic time its reads completed."""
 
@@ -73,6 +82,17 @@ class GpuSample(NamedTuple):
     nvlink_bytes: tuple[int, int] | None = None  # (tx, rx) counters summed over links
     # uncleared critical XIDs, the first raised first; last_xid is the latest XID of any kind
     critical_xids: tuple[CriticalXid, ...] = ()
+    # how an earlier run last saw the GPU; set only while its identity was never read in
+    # this one (lost or hung since before gpud started)
+    last_seen: SeenIdentity | None = None
+
+    def known(self) -> SeenIdentity:
+        """The UUID, name and PCI address that name the GPU to an operator (metrics labels,
+        ``gpuctl gpus``): as read in this run, else as last seen; "" where never known."""
+        if self.last_seen is not None and not self.identity.uuid:
+            return self.last_seen
+        ident = self.identity
+        return SeenIdentity(ident.uuid, ident.name, ident.pci_bus_id)
 
 
 @dataclass(frozen=True, slots=True)

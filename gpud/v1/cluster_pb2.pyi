@@ -40,6 +40,7 @@ class JobReport(_message.Message):
     DROPS_FIELD_NUMBER: _builtins.int
     PINNED_LEVEL_FIELD_NUMBER: _builtins.int
     APPLIED_LEVEL_FIELD_NUMBER: _builtins.int
+    CRITICAL_XIDS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     progress_rate: _builtins.float
     """contention-free / observed iteration time"""
@@ -64,7 +65,15 @@ class JobReport(_message.Message):
 
     @_builtins.property
     def xids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """last XID codes seen on them"""
+        """the uncleared critical XID codes of the GPUs under them (a gpud before
+        critical_xids: the last XID of any kind seen on them)
+        """
+
+    @_builtins.property
+    def critical_xids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """"uuid:code": each uncleared critical XID (as `gpuctl xid` lists them) of the GPU under
+        each device the job holds, a MIG device having its GPU's
+        """
 
     def __init__(
         self,
@@ -81,10 +90,11 @@ class JobReport(_message.Message):
         drops: _builtins.int = ...,
         pinned_level: _builtins.int | None = ...,
         applied_level: _builtins.int | None = ...,
+        critical_xids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_applied_level", b"_applied_level", "_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "applied_level", b"applied_level", "dscp", b"dscp", "iterations_per_s", b"iterations_per_s", "link_up", b"link_up", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_applied_level", b"_applied_level", "_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "applied_level", b"applied_level", "drops", b"drops", "dscp", b"dscp", "gpus", b"gpus", "iterations_per_s", b"iterations_per_s", "job", b"job", "link_up", b"link_up", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate", "tx_bytes", b"tx_bytes", "unhealthy_gpus", b"unhealthy_gpus", "xids", b"xids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_applied_level", b"_applied_level", "_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "applied_level", b"applied_level", "critical_xids", b"critical_xids", "drops", b"drops", "dscp", b"dscp", "gpus", b"gpus", "iterations_per_s", b"iterations_per_s", "job", b"job", "link_up", b"link_up", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate", "tx_bytes", b"tx_bytes", "unhealthy_gpus", b"unhealthy_gpus", "xids", b"xids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__applied_level: _TypeAlias = _typing.Literal["applied_level"]  # noqa: Y015
     _WhichOneofArgType__applied_level: _TypeAlias = _typing.Literal["_applied_level", b"_applied_level"]  # noqa: Y015
@@ -161,6 +171,7 @@ class JobAttributes(_message.Message):
     DROPS_FIELD_NUMBER: _builtins.int
     TX_BYTES_FIELD_NUMBER: _builtins.int
     COMPUTED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    CRITICAL_XIDS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     epoch: _builtins.int
     level: _builtins.int
@@ -181,11 +192,15 @@ class JobAttributes(_message.Message):
 
     @_builtins.property
     def xids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """"node:code" """
+        """"node:code": the codes of critical_xids"""
 
     @_builtins.property
     def links_down(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """nodes"""
+
+    @_builtins.property
+    def critical_xids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """"node/uuid:code", every uncleared critical XID"""
 
     def __init__(
         self,
@@ -204,10 +219,11 @@ class JobAttributes(_message.Message):
         drops: _builtins.int = ...,
         tx_bytes: _builtins.int = ...,
         computed_unix_seconds: _builtins.float = ...,
+        critical_xids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_level", b"_level", "_progress_rate", b"_progress_rate", "dscp", b"dscp", "iterations_per_s", b"iterations_per_s", "level", b"level", "progress_rate", b"progress_rate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_level", b"_level", "_progress_rate", b"_progress_rate", "computed_unix_seconds", b"computed_unix_seconds", "drops", b"drops", "dscp", b"dscp", "epoch", b"epoch", "iterations_per_s", b"iterations_per_s", "job", b"job", "level", b"level", "links_down", b"links_down", "nodes", b"nodes", "progress_rate", b"progress_rate", "slowest_node", b"slowest_node", "tx_bytes", b"tx_bytes", "unhealthy_gpus", b"unhealthy_gpus", "xids", b"xids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_level", b"_level", "_progress_rate", b"_progress_rate", "computed_unix_seconds", b"computed_unix_seconds", "critical_xids", b"critical_xids", "drops", b"drops", "dscp", b"dscp", "epoch", b"epoch", "iterations_per_s", b"iterations_per_s", "job", b"job", "level", b"level", "links_down", b"links_down", "nodes", b"nodes", "progress_rate", b"progress_rate", "slowest_node", b"slowest_node", "tx_bytes", b"tx_bytes", "unhealthy_gpus", b"unhealthy_gpus", "xids", b"xids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__dscp: _TypeAlias = _typing.Literal["dscp"]  # noqa: Y015
     _WhichOneofArgType__dscp: _TypeAlias = _typing.Literal["_dscp", b"_dscp"]  # noqa: Y015

@@ -456,7 +456,10 @@ class Gpu(_message.Message):
     LAST_XID_FIELD_NUMBER: _builtins.int
     CRITICAL_XIDS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
-    """identity"""
+    """identity. A GPU not read since gpud started (lost or hung) has uuid, name and
+    pci_bus_id as an earlier run last read them (its reason says "last seen as ..."); unset
+    where never known
+    """
     uuid: _builtins.str
     name: _builtins.str
     """as NVML reports it, "NVIDIA H100 80GB HBM3" """
@@ -502,10 +505,10 @@ class Gpu(_message.Message):
         self,
         *,
         index: _builtins.int = ...,
-        uuid: _builtins.str = ...,
-        name: _builtins.str = ...,
-        product: _builtins.str = ...,
-        pci_bus_id: _builtins.str = ...,
+        uuid: _builtins.str | None = ...,
+        name: _builtins.str | None = ...,
+        product: _builtins.str | None = ...,
+        pci_bus_id: _builtins.str | None = ...,
         pci_device_id: _builtins.int = ...,
         memory_total_bytes: _builtins.int = ...,
         mig_capable: _builtins.bool = ...,
@@ -526,22 +529,38 @@ class Gpu(_message.Message):
         last_xid: _builtins.int | None = ...,
         critical_xids: _abc.Iterable[Global___CriticalXid] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid", "_power_watts", b"_power_watts", "_temperature_celsius", b"_temperature_celsius", "clocks", b"clocks", "ecc", b"ecc", "last_xid", b"last_xid", "memory", b"memory", "mig_mode", b"mig_mode", "pcie", b"pcie", "power_watts", b"power_watts", "temperature_celsius", b"temperature_celsius", "utilization", b"utilization"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid", "_name", b"_name", "_pci_bus_id", b"_pci_bus_id", "_power_watts", b"_power_watts", "_product", b"_product", "_temperature_celsius", b"_temperature_celsius", "_uuid", b"_uuid", "clocks", b"clocks", "ecc", b"ecc", "last_xid", b"last_xid", "memory", b"memory", "mig_mode", b"mig_mode", "name", b"name", "pci_bus_id", b"pci_bus_id", "pcie", b"pcie", "power_watts", b"power_watts", "product", b"product", "temperature_celsius", b"temperature_celsius", "utilization", b"utilization", "uuid", b"uuid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid", "_power_watts", b"_power_watts", "_temperature_celsius", b"_temperature_celsius", "clocks", b"clocks", "critical_xids", b"critical_xids", "ecc", b"ecc", "healthy", b"healthy", "index", b"index", "last_xid", b"last_xid", "memory", b"memory", "memory_total_bytes", b"memory_total_bytes", "mig_capable", b"mig_capable", "mig_devices", b"mig_devices", "mig_mode", b"mig_mode", "name", b"name", "pci_bus_id", b"pci_bus_id", "pci_device_id", b"pci_device_id", "pcie", b"pcie", "power_watts", b"power_watts", "processes", b"processes", "product", b"product", "reason", b"reason", "sample_age_seconds", b"sample_age_seconds", "temperature_celsius", b"temperature_celsius", "utilization", b"utilization", "uuid", b"uuid", "xid_events_total", b"xid_events_total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid", "_name", b"_name", "_pci_bus_id", b"_pci_bus_id", "_power_watts", b"_power_watts", "_product", b"_product", "_temperature_celsius", b"_temperature_celsius", "_uuid", b"_uuid", "clocks", b"clocks", "critical_xids", b"critical_xids", "ecc", b"ecc", "healthy", b"healthy", "index", b"index", "last_xid", b"last_xid", "memory", b"memory", "memory_total_bytes", b"memory_total_bytes", "mig_capable", b"mig_capable", "mig_devices", b"mig_devices", "mig_mode", b"mig_mode", "name", b"name", "pci_bus_id", b"pci_bus_id", "pci_device_id", b"pci_device_id", "pcie", b"pcie", "power_watts", b"power_watts", "processes", b"processes", "product", b"product", "reason", b"reason", "sample_age_seconds", b"sample_age_seconds", "temperature_celsius", b"temperature_celsius", "utilization", b"utilization", "uuid", b"uuid", "xid_events_total", b"xid_events_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_xid: _TypeAlias = _typing.Literal["last_xid"]  # noqa: Y015
     _WhichOneofArgType__last_xid: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid"]  # noqa: Y015
+    _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
+    _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    _WhichOneofReturnType__pci_bus_id: _TypeAlias = _typing.Literal["pci_bus_id"]  # noqa: Y015
+    _WhichOneofArgType__pci_bus_id: _TypeAlias = _typing.Literal["_pci_bus_id", b"_pci_bus_id"]  # noqa: Y015
     _WhichOneofReturnType__power_watts: _TypeAlias = _typing.Literal["power_watts"]  # noqa: Y015
     _WhichOneofArgType__power_watts: _TypeAlias = _typing.Literal["_power_watts", b"_power_watts"]  # noqa: Y015
+    _WhichOneofReturnType__product: _TypeAlias = _typing.Literal["product"]  # noqa: Y015
+    _WhichOneofArgType__product: _TypeAlias = _typing.Literal["_product", b"_product"]  # noqa: Y015
     _WhichOneofReturnType__temperature_celsius: _TypeAlias = _typing.Literal["temperature_celsius"]  # noqa: Y015
     _WhichOneofArgType__temperature_celsius: _TypeAlias = _typing.Literal["_temperature_celsius", b"_temperature_celsius"]  # noqa: Y015
+    _WhichOneofReturnType__uuid: _TypeAlias = _typing.Literal["uuid"]  # noqa: Y015
+    _WhichOneofArgType__uuid: _TypeAlias = _typing.Literal["_uuid", b"_uuid"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__last_xid) -> _WhichOneofReturnType__last_xid | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__pci_bus_id) -> _WhichOneofReturnType__pci_bus_id | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__power_watts) -> _WhichOneofReturnType__power_watts | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__product) -> _WhichOneofReturnType__product | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature_celsius) -> _WhichOneofReturnType__temperature_celsius | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__uuid) -> _WhichOneofReturnType__uuid | None: ...
 
 Global___Gpu: _TypeAlias = Gpu  # noqa: Y015
 

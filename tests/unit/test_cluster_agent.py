@@ -124,7 +124,9 @@ async def test_one_order_everywhere_with_a_jobs_slowest_node() -> None:
     follow_info = LeaderInfo("n0", "a0", epoch=7, leading=False)
     t0 = FakeTraffic((job("a", 0.9), job("b", 0.5)))
     t1 = FakeTraffic((job("a", 0.2),))
-    view1 = StaticNodeView(gpus={"a": ("G1", "G2")}, unhealthy={"G2": "GPU lost"}, xids={"G2": 79})
+    view1 = StaticNodeView(
+        gpus={"a": ("G1", "G2")}, unhealthy={"G2": "GPU lost"}, critical={"G2": (79, 48)}
+    )
     leader = agent("n0", lead_info, t0, peers, clock)
     follower = agent("n1", follow_info, t1, peers, clock, view=view1)
     peers.leader = leader
@@ -141,7 +143,8 @@ async def test_one_order_everywhere_with_a_jobs_slowest_node() -> None:
     assert epoch == 7
     (a,) = attrs
     assert a.progress_rate == 0.2 and a.slowest_node == "n1"
-    assert a.unhealthy_gpus == ("n1/G2",) and a.xids == ("n1:79",)
+    assert a.unhealthy_gpus == ("n1/G2",) and a.xids == ("n1:79", "n1:48")
+    assert a.critical_xids == ("n1/G2:79", "n1/G2:48")  # every uncleared code, by device
     # a (0.2 on n1) is the slowest job: the highest priority on every node
     assert t0.order is not None and t0.order["a"] < t0.order["b"]
     status = leader.status()

@@ -37,7 +37,11 @@ class Leading:
 
 @pytest.fixture
 def served() -> Iterator[tuple[str, ClusterAgent, ServerThread]]:
-    view = StaticNodeView(gpus={"train-a": ("GPU-1", "GPU-2")}, unhealthy={"GPU-2": "GPU lost"})
+    view = StaticNodeView(
+        gpus={"train-a": ("GPU-1", "GPU-2")},
+        unhealthy={"GPU-2": "GPU lost"},
+        critical={"GPU-2": (79, 48)},
+    )
     agent = ClusterAgent(
         node="gpu-01",
         election_kind="etcd",
@@ -121,9 +125,15 @@ def test_attributes_from_gpuctl_and_the_client(
     assert main(["cluster", "attributes", "--socket", sock, "--job", "train-a"], env={}) == 0
     out = capsys.readouterr().out
     assert "epoch 12" in out and "gpu-01/GPU-2" in out
+    assert "CRITICAL XIDS" in out and "gpu-01/GPU-2:79,gpu-01/GPU-2:48" in out
+    assert main(["--json", "cluster", "attributes", "--socket", sock], env={}) == 0
+    (data,) = json.loads(capsys.readouterr().out)["attributes"]
+    assert data["critical_xids"] == ["gpu-01/GPU-2:79", "gpu-01/GPU-2:48"]
+    assert data["xids"] == ["gpu-01:79", "gpu-01:48"]  # the codes alone, as older gpuds read
     a = gpud.client.attributes("train-a", socket=sock)
     assert a is not None
     assert a.epoch == 12 and a.unhealthy_gpus == ("gpu-01/GPU-2",) and a.level == 0
+    assert a.critical_xids == ("gpu-01/GPU-2:79", "gpu-01/GPU-2:48")
     assert a.nodes == ("gpu-01",)
     assert gpud.client.attributes("unknown", socket=sock) is None
     watch = gpud.client.watch_attributes("train-a", socket=sock)

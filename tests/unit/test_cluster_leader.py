@@ -47,9 +47,14 @@ def test_faults_of_any_node_reach_the_jobs_attributes() -> None:
         ),
         0,
     )
+    agg.receive(
+        NodeReport("n3", (JobReport("a", xids=(79, 48), critical_xids=("G3:79", "G3:48")),)), 0
+    )
     a = agg.compute(1, 0.5).attributes["a"]
     assert a.unhealthy_gpus == ("n2/G2",)
-    assert a.xids == ("n2:79",)
+    # n2 an older gpud (codes only), n3 naming the device of each uncleared critical XID
+    assert a.xids == ("n2:79", "n3:79", "n3:48")
+    assert a.critical_xids == ("n3/G3:79", "n3/G3:48")
     assert a.links_down == ("n2",)
     assert a.drops == 5
 
@@ -241,6 +246,7 @@ _job_reports = st.builds(
     dscp=st.none() | st.integers(1, 40),
     unhealthy_gpus=st.lists(st.sampled_from(["G1", "G2"]), max_size=2).map(tuple),
     xids=st.lists(st.integers(1, 99), max_size=2).map(tuple),
+    critical_xids=st.lists(st.sampled_from(["G1:79", "G2:48"]), max_size=2).map(tuple),
     link_up=st.none() | st.booleans(),
     tx_bytes=st.integers(0, 1 << 20),
     drops=st.integers(0, 9),
@@ -274,6 +280,7 @@ def test_the_fold_is_the_plain_fold_over_the_nodes_in_order(
         assert a.nodes == tuple(n for n, _ in seen)
         assert a.unhealthy_gpus == tuple(f"{n}/{u}" for n, jr in seen for u in jr.unhealthy_gpus)
         assert a.xids == tuple(f"{n}:{x}" for n, jr in seen for x in jr.xids)
+        assert a.critical_xids == tuple(f"{n}/{x}" for n, jr in seen for x in jr.critical_xids)
         assert a.links_down == tuple(n for n, jr in seen if jr.link_up is False)
         assert a.drops == sum(jr.drops for _, jr in seen)
         assert a.tx_bytes == sum(jr.tx_bytes for _, jr in seen)

@@ -12,13 +12,16 @@ import pytest
 
 from gpud import config
 from gpud.cluster.api import PeerClient, PeerServer
-from gpud.cluster.convert import MAX_JOBS, report_from_pb, report_to_pb
+from gpud.cluster.convert import MAX_JOBS, MAX_XIDS, report_from_pb, report_to_pb
 from gpud.cluster.election import LeaderInfo
 from gpud.cluster.model import JobReport, NodeReport
 from gpud.cluster.nodeview import DaemonNodeView
 from gpud.cluster.tls import PeerTls
 from gpud.errors import ConfigError, InvalidArgument, Unavailable
+from gpud.telemetry.reader import placeholder_identity
+from gpud.telemetry.snapshot import CriticalXid, GpuSample, SeenIdentity, Snapshot
 from gpud.v1 import cluster_pb2 as pb
+from tests.unit.api_support import identity, mig
 from tests.unit.test_cluster_agent import FixedElection
 from tools.certs import make_ca, make_node
 
@@ -62,11 +65,14 @@ def test_bad_cluster_config_names_the_key(text: str, key: str) -> None:
 def test_reports_are_checked_and_round_trip() -> None:
     report = NodeReport(
         "n1",
-        (JobReport("a", 0.5, 2.0, 12, ("G1",), ("G1",), (79,), False, 10, 2, 3, 1),),
+        (JobReport("a", 0.5, 2.0, 12, ("G1",), ("G1",), (79,), False, 10, 2, 3, 1, ("G1:79",)),),
         applied_epoch=4,
         instance="5f3a9c0e1b2d4a68",
     )
     assert report_from_pb(report_to_pb(report)) == report
+    many = pb.JobReport(job="a", critical_xids=["G1:79"] * (MAX_XIDS + 1))
+    with pytest.raises(InvalidArgument, match=r"jobs\[0\]\.critical_xids"):
+        report_from_pb(pb.ReportRequest(node="n", jobs=[many]))
     too_many = pb.ReportRequest(
         node="n1", jobs=[pb.JobReport(job=f"j{i}") for i in range(MAX_JOBS + 1)]
     )
@@ -82,6 +88,46 @@ def test_reports_are_checked_and_round_trip() -> None:
         report_from_pb(pb.ReportRequest(node="n", jobs=[pb.JobReport(job="a", dscp=64)]))
     with pytest.raises(InvalidArgument, match=r"jobs\[0\]\.applied_level"):
         report_from_pb(pb.ReportRequest(node="n", jobs=[pb.JobReport(job="a", applied_level=8)]))
+
+
+def test_node_view_gives_each_device_its_gpus_uncleared_critical_xids() -> None:
+    """Every uncleared code, as ``gpuctl xid`` lists them, not the latest XID of any kind
+    (an application's 13 is no fault of the GPU); a MIG device has its GPU's; a GPU lost
+    before gpud started is named as last seen, the UUID its jobs hold."""
+    seen = SeenIdentity("GPU-lost", "NVIDIA H100 80GB HBM3", "00000000:1A:00.0")
+    snap = Snapshot(
+        wall_time=0.0,
+        monotonic=0.0,
+        tick_seconds=0.0,
+        gpus=(
+            GpuSample(identity(0), True, "", 0.0, xid_events_total=1, last_xid=13),
+            GpuSample(
+                identity(1),
+                False,
+                "critical Xids 79, 48: ...",
+                0.0,
+                last_xid=13,
+                mig_devices=(mig(1, 0),),
+                critical_xids=(CriticalXid(79, 1, 1.0, 1.0), CriticalXid(48, 3, 2.0, 9.0)),
+            ),
+            GpuSample(
+                placeholder_identity(2),
+                False,
+                "GPU lost",
+                0.0,
+                last_seen=seen,
+                critical_xids=(CriticalXid(79, 1, 1.0, 1.0),),
+            ),
+        ),
+    )
+    view = DaemonNodeView(list, lambda: snap)
+    gpu1, mig10 = identity(1).uuid, mig(1, 0).identity.uuid
+    assert view.critical_xids() == {gpu1: (79, 48), mig10: (79, 48), "GPU-lost": (79,)}
+    assert view.unhealthy_gpus() == {
+        gpu1: "critical Xids 79, 48: ...",
+        mig10: "critical Xids 79, 48: ...",
+        "GPU-lost": "GPU lost",
+    }
 
 
 def test_node_view_reads_link_state_from_sysfs(tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ from gpud.config import Config
 from gpud.daemon import Daemon
 from gpud.main import mps_control_command, open_backend
 from gpud.notify import Notifier
+from gpud.store import StateStore
+from gpud.telemetry.seen import SeenGpus
 from tests.unit.api_support import short_dir
 
 T = TypeVar("T")
@@ -193,6 +195,51 @@ def test_a_gpu_lost_before_start_does_not_stop_the_daemon(
         assert code == 0, out
 
     run_daemon(config, body)
+
+
+def test_a_gpu_lost_while_gpud_was_down_is_shown_as_last_seen(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A first run reads both GPUs and keeps them; GPU 1 falls off the bus while gpud is
+    down; the next run shows it by the UUID and model the first one read, not blank."""
+    config = make_config(root)
+    gpuctl = Gpuctl(config, capsys)
+
+    def first() -> list[dict[str, object]]:
+        gpuctl.wait(lambda gpus: all(g["uuid"] for g in gpus))
+        deadline = time.monotonic() + 20
+        while len(_seen(config)) < 2:  # the "seen" step keeps them after a sample
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        return gpuctl.gpus()
+
+    before = run_daemon(config, first)
+    SimNode(
+        parse_simulate_spec(SPEC), state_file=config.daemon.run_dir / "sim" / "node.json"
+    ).faults.lose(1)
+
+    def again() -> None:
+        gpu0, gpu1 = gpuctl.gpus()
+        assert (
+            gpu0["uuid"] == before[0]["uuid"]
+            and gpu1["healthy"] is False
+            and "last seen as" in str(gpu1["reason"])
+        )
+        assert (gpu1["uuid"], gpu1["name"]) == (before[1]["uuid"], before[1]["name"])
+        code, out, _ = gpuctl("gpus")
+        assert code == 0
+        row = next(line for line in out.splitlines() if line.startswith("1 "))
+        assert str(before[1]["name"]) in row and str(before[1]["uuid"])[:12] in row, out
+
+    run_daemon(config, again)
+
+
+def _seen(config: Config) -> dict[int, str]:
+    store = StateStore(config.daemon.state_dir)
+    try:
+        return SeenGpus(store).known
+    finally:
+        store.close()
 
 
 def test_critical_xid_until_cleared_and_a_hung_gpu_in_mig_show(

@@ -17,6 +17,8 @@ from gpud.cli.context import Context
 from gpud.cli.main import build_parser, main
 from gpud.cli.output import Output, format_table, seconds
 from gpud.errors import GpuLost
+from gpud.telemetry.reader import placeholder_identity
+from gpud.telemetry.snapshot import GpuSample, SeenIdentity, Snapshot
 from tests.unit.api_support import FakeFaults, ServerThread, make_servicer, short_dir
 
 
@@ -130,6 +132,43 @@ def test_gpus_json_has_numbers_and_nulls(
     assert [d["uuid"][:6] for d in gpus[1]["mig_devices"]] == ["MIG-10", "MIG-11"]
     assert gpus[1]["mig_devices"][1]["memory"] is None
     assert gpus[2]["healthy"] is False and gpus[2]["reason"] == "GPU lost"
+
+
+def _lost_before_start() -> Snapshot:
+    """GPU 0 lost before gpud started, as an earlier run last saw it; GPU 1 never read."""
+    seen = SeenIdentity("GPU-5c6e1f2a-0000", "NVIDIA H100 80GB HBM3", "00000000:18:00.0")
+    return Snapshot(
+        wall_time=1_700_000_000.0,
+        monotonic=0.0,
+        gpus=(
+            GpuSample(placeholder_identity(0), False, "GPU lost", 0.0, last_seen=seen),
+            GpuSample(placeholder_identity(1), False, "GPU lost", 0.0),
+        ),
+        tick_seconds=0.0,
+    )
+
+
+@pytest.fixture
+def lost_socket(sock_dir: Path) -> Iterator[str]:
+    path = sock_dir / "gpud.sock"
+    snap = _lost_before_start()
+    with ServerThread(ApiServer(path, servicers=[make_servicer(snapshot=lambda: snap).register])):
+        yield str(path)
+
+
+def test_gpus_names_a_gpu_lost_before_start_as_last_seen(
+    capsys: pytest.CaptureFixture[str], lost_socket: str
+) -> None:
+    code, out, _ = run(capsys, "--socket", lost_socket, "gpus")
+    gpu0, gpu1 = out.splitlines()[1:3]
+    assert code == 0 and gpu0.startswith("0    NVIDIA H100 80GB HBM3  GPU-5c6e1f2a  UNHEALTHY")
+    assert gpu1.split()[:4] == ["1", "-", "-", "UNHEALTHY"]  # never read by any run
+    code, out, _ = run(capsys, "--json", "--socket", lost_socket, "gpus")
+    gpus = json.loads(out)["gpus"]
+    assert gpus[0]["uuid"] == "GPU-5c6e1f2a-0000" and gpus[0]["name"] == "NVIDIA H100 80GB HBM3"
+    assert gpus[0]["pci_bus_id"] == "00000000:18:00.0" and gpus[0]["product"] is None
+    unknown = {k: gpus[1][k] for k in ("uuid", "name", "product", "pci_bus_id")}
+    assert unknown == dict.fromkeys(unknown)  # null, as every reading not known
 
 
 def test_gpus_one_gpu_and_invalid_index(

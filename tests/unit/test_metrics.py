@@ -24,7 +24,7 @@ from gpud.backend.port import (
 from gpud.events import EventLog
 from gpud.metrics import Collector, build_registry, start_metrics_server, stop_metrics_server
 from gpud.telemetry.reader import placeholder_identity
-from gpud.telemetry.snapshot import CriticalXid, GpuSample, MigSample, Snapshot
+from gpud.telemetry.snapshot import CriticalXid, GpuSample, MigSample, SeenIdentity, Snapshot
 
 GIB = 1 << 30
 NAME = "NVIDIA H100 80GB HBM3"
@@ -198,6 +198,34 @@ def test_every_uncleared_critical_xid_is_a_series_of_its_own() -> None:
     assert v("gpud_gpu_critical_xid_uncleared", unread_labels) == 1
     (family,) = [m for m in registry.collect() if m.name == "gpud_gpu_critical_xid_uncleared"]
     assert len(family.samples) == 3
+
+
+def test_a_gpu_lost_before_start_is_labelled_as_last_seen() -> None:
+    """Its series keep the UUID and model of the run that last read it (the same series as
+    before the restart, and GpuLost names the board); one never read by any run has empty
+    ones, the only way Prometheus has to say "unknown"."""
+    seen = SeenIdentity("GPU-2", NAME, "00000000:1A:00.0")
+    lost = GpuSample(
+        identity=placeholder_identity(2),
+        healthy=False,
+        reason="GPU lost (identity): GPU is lost; last seen as ...",
+        sampled_at=0.0,
+        last_seen=seen,
+        critical_xids=(CriticalXid(79, 1, 1.0, 1.0),),  # raised before the UUID was read
+    )
+    never = GpuSample(
+        identity=placeholder_identity(3), healthy=False, reason="GPU lost", sampled_at=0.0
+    )
+    snap = Snapshot(wall_time=1.7e9, monotonic=99.0, gpus=(lost, never), tick_seconds=0.0)
+    registry = build_registry(Collector(lambda: snap, clock=lambda: 100.0), process=False)
+    v = registry.get_sample_value
+    assert v("gpud_gpu_healthy", gpu_labels(2)) == 0
+    assert v("gpud_gpu_unhealthy_info", gpu_labels(2, reason=lost.reason)) == 1
+    assert v("gpud_gpu_critical_xid_uncleared", gpu_labels(2, xid="79")) == 1
+    info = gpu_labels(2, product="", pci_bus_id="00000000:1A:00.0")
+    assert v("gpud_gpu_info", info) == 1
+    unknown = {"gpu": "3", "uuid": "", "model": ""}
+    assert v("gpud_gpu_healthy", unknown) == 0
 
 
 def test_mig_devices(registry: CollectorRegistry) -> None:

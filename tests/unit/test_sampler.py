@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -32,8 +33,8 @@ from gpud.errors import BackendError, GpuLost, NotSupported
 from gpud.events import EventLog
 from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler, parse_xid_state, xid_state_document
-from gpud.telemetry.seen import SeenGpus
-from gpud.telemetry.snapshot import ClearedXids, CriticalXid
+from gpud.telemetry.seen import SeenGpus, describe, parse
+from gpud.telemetry.snapshot import ClearedXids, CriticalXid, SeenIdentity
 
 GIB = 1 << 30
 
@@ -378,7 +379,8 @@ def test_a_gpu_lost_at_start_is_named_as_last_seen(clock: FakeClock, tmp_path: P
             first.close()
         backend.lost.add(0)
         known = SeenGpus(store).known  # as a restarted gpud reads it
-        again = Sampler(backend, clock=clock, call_timeout_s=1, last_seen=known)  # type: ignore[arg-type]
+        events = EventLog(None)
+        again = Sampler(backend, clock=clock, call_timeout_s=1, last_seen=known, events=events)  # type: ignore[arg-type]
         try:
             gpu0, gpu1 = again.tick().gpus
             assert not gpu0.healthy and gpu0.identity.uuid == ""
@@ -386,10 +388,40 @@ def test_a_gpu_lost_at_start_is_named_as_last_seen(clock: FakeClock, tmp_path: P
                 "; last seen as NVIDIA H100 80GB HBM3 GPU-00000000 at 00000000:18:00.0"
             )
             assert "last seen" not in gpu1.reason
+            # metrics, the API and gpuctl name it so, not by its index alone
+            seen0 = SeenIdentity("GPU-00000000", "NVIDIA H100 80GB HBM3", "00000000:18:00.0")
+            assert gpu0.last_seen == seen0 and gpu0.known() == seen0
+            assert gpu1.last_seen is None and gpu1.known().uuid == "GPU-00000001"
+            (lost,) = [e for e in events.recent() if e.kind == "gpu.unhealthy"]
+            assert lost.fields["uuid"] == "GPU-00000000"
         finally:
             again.close()
     finally:
         store.close()
+
+
+def test_a_gpu_never_seen_is_known_by_nothing(clock: FakeClock) -> None:
+    backend = FakeBackend(gpus=1)
+    backend.lost.add(0)
+    s = Sampler(backend, clock=clock, call_timeout_s=1)  # type: ignore[arg-type]
+    try:
+        (gpu0,) = s.tick().gpus
+        assert gpu0.last_seen is None and gpu0.known() == SeenIdentity("", "", "")
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(
+    "name", ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "Graphics at Work"]
+)
+def test_a_description_reads_back_as_the_identity_it_describes(name: str) -> None:
+    ident = dataclasses.replace(FakeBackend(gpus=1).identity(0), name=name)
+    assert parse(describe(ident)) == SeenIdentity(ident.uuid, name, ident.pci_bus_id)
+
+
+@pytest.mark.parametrize("text", ["", "edited by hand", "NVIDIA H100 at 00000000:18:00.0"])
+def test_a_description_not_of_gpuds_making_names_nothing(text: str) -> None:
+    assert parse(text) is None
 
 
 def test_failing_field_marks_gpu_unhealthy_but_keeps_other_fields(
