@@ -522,7 +522,8 @@ class TrafficService:
             self.tags.release(job)
             self._forget(job)
             self._events.emit("net.release", f"job {job} removed: DSCP tag released", job=job)
-        for job in [j for j in self._untagged if j not in present]:
+        # a job may have been tagged since (gpuctl run, the admission queue, the cluster)
+        for job in [j for j in self._untagged if j not in present or self.tags.get(j) is not None]:
             del self._untagged[job]
         untagged = [job for job in registered if self.tags.get(job) is None]
         idle = self._idle_since(untagged) if untagged else {}
@@ -582,6 +583,11 @@ class TrafficService:
 
     def _tag(self, job: str) -> int:
         """:meth:`tag` without marking ``job`` as about to run; call it holding the lock."""
+        dscp = self._take_tag(job)
+        self._untagged.pop(job, None)  # left without one by an earlier tick: it has one now
+        return dscp
+
+    def _take_tag(self, job: str) -> int:
         try:
             return self.tags.tag(job)
         except ResourceExhausted as err:

@@ -811,3 +811,22 @@ def test_a_root_changed_while_gpud_was_stopped_is_the_new_original(rig: Rig) -> 
     _shaped_over(rig, bfifo)
     _restart(rig).shutdown()
     assert rig.tc.restored_to == {"eth0": bfifo}
+
+
+def test_a_job_tagged_outside_the_tick_is_no_longer_listed_as_untagged(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """A job left without a tag by the tick that gets one from ``gpuctl run`` (or the
+    admission queue) once another job goes idle is tagged: neither ``gpuctl net show`` nor
+    ``gpud_net_untagged_jobs`` keeps calling it untagged."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-11")
+    s = rig.service
+    rig.active = {"a", "b", "c"}
+    s.tick()
+    assert set(s.view().untagged) == {"c"}
+    rig.active = {"a", "c"}  # b stops, and stays idle for idle_after_s
+    rig.clock.t += rig.config.idle_after_s + 1
+    dscp = s.tag("c")  # gpuctl run: b's tag goes to c at once
+    assert s.view().untagged == {}
+    s.tick()
+    assert s.view().untagged == {} and s.tags.allocations()["c"] == dscp
