@@ -60,15 +60,16 @@ from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore
 from netshaper import tcplan
 from netshaper.leveller import Leveller, LevellerConfig
-from netshaper.progress import ProgressConfig, ProgressTracker
+from netshaper.progress import MIN_ITERATION_S, ProgressConfig, ProgressTracker
 from netshaper.weights import demand_weights
 
 log = logging.getLogger(__name__)
 
 # a job's demand is known once this many iterations were counted against its bytes
 _DEMAND_MIN_ITERATIONS = 3
-# a job's declared contention-free iteration time (ReportProgress)
-MIN_IDEAL_S = 1e-6
+# a job's declared contention-free iteration time (ReportProgress); the tracker takes a
+# step faster than the minimum for a counter that leapt
+MIN_IDEAL_S = MIN_ITERATION_S
 MAX_IDEAL_S = 86400.0
 # seconds between tries of a NIC map write that failed, while the map wanted stays the same
 RDMA_RETRY_S = 10.0
