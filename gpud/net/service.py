@@ -59,6 +59,7 @@ from gpud.net.port import JobTraffic, LocalReport, OrderResult, TrafficCounters
 from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore
 from netshaper import tcplan
+from netshaper.ethtool import link_speed_mbps
 from netshaper.leveller import Leveller, LevellerConfig
 from netshaper.progress import MIN_ITERATION_S, ProgressConfig, ProgressTracker
 from netshaper.weights import demand_weights
@@ -165,6 +166,14 @@ JobSource = Callable[[], Sequence[str]]
 """The registered jobs' names."""
 ActiveSource = Callable[[], set[str]]
 """Jobs that hold a reservation now."""
+LinkSpeed = Callable[[str], tuple[int | None, str]]
+"""An interface's speed in Mb/s (None: unknown), and what gave it (for messages)."""
+
+
+def ethtool_speed(iface: str) -> tuple[int | None, str]:
+    """The link's speed as gpud's own network namespace sees it: /sys may be another
+    namespace's (gpud started under ``nsenter --net=``), where the name is another link."""
+    return link_speed_mbps(iface), "ethtool"
 
 
 def job_pool(config: TrafficConfig) -> frozenset[int]:
@@ -191,7 +200,7 @@ class TrafficService:
         shaped: ShapedInterfaces | None = None,
         marking_error: str = "",
         rdma_error: str = "",
-        sysfs_root: Path = Path("/sys"),
+        link_speed: LinkSpeed = ethtool_speed,
         proc_root: Path = Path("/proc"),
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -205,7 +214,7 @@ class TrafficService:
         self._cgroups = cgroups
         self._rdma = rdma
         self._shaped = shaped
-        self._sysfs = sysfs_root
+        self._link_speed = link_speed
         self._proc = proc_root
         self._clock = clock
         self._lock = threading.RLock()
@@ -707,17 +716,13 @@ class TrafficService:
 
     # -- enforcement -----------------------------------------------------------------------
     def link_rate(self, iface: str) -> int:
-        """Bit/s of ``iface``: ``traffic.link_rates``, else sysfs ``speed`` (Mb/s)."""
+        """Bit/s of ``iface``: ``traffic.link_rates``, else the link's speed."""
         for entry in self.config.link_rates:
             name, _, rate = entry.partition("=")
             if name == iface:
                 return parse_rate(rate)
-        speed = self._sysfs / "class" / "net" / iface / "speed"
-        try:
-            mbit = int(speed.read_text().strip())
-        except (OSError, ValueError):
-            mbit = -1
-        if mbit <= 0:
+        mbit, speed = self._link_speed(iface)
+        if mbit is None or mbit <= 0:
             raise FailedPrecondition(
                 f"{iface}: link rate unknown ({speed} gives none): set traffic.link_rates"
             )

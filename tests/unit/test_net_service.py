@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import pytest
@@ -40,6 +40,18 @@ def sysfs(tmp_path: Path) -> Path:
     return tmp_path / "sys"
 
 
+def speeds(sysfs: Path) -> Callable[[str], tuple[int | None, str]]:
+    """Link speeds as the fixture's ``class/net/IF/speed`` files give them."""
+
+    def read(iface: str) -> tuple[int | None, str]:
+        try:
+            return int((sysfs / "class" / "net" / iface / "speed").read_text()), "the fake"
+        except (OSError, ValueError):
+            return None, "the fake"
+
+    return read
+
+
 class Rig:
     def __init__(self, tmp_path: Path, sysfs: Path, **config: object) -> None:
         self.tmp = tmp_path
@@ -68,7 +80,7 @@ class Rig:
             cgroups=self.cgroups,
             rdma=rdma,
             shaped=ShapedInterfaces(self.store),
-            sysfs_root=self.sysfs,
+            link_speed=speeds(self.sysfs),
             proc_root=self.tmp / "proc",
             clock=self.clock,
         )
