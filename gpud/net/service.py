@@ -66,6 +66,8 @@ from netshaper.weights import demand_weights
 
 log = logging.getLogger(__name__)
 
+# a removed job's cgroup that still holds processes: how many of their PIDs an event names
+_PIDS_SHOWN = 8
 # a job's demand is known once this many iterations were counted against its bytes
 _DEMAND_MIN_ITERATIONS = 3
 # a job's declared contention-free iteration time (ReportProgress); the tracker takes a
@@ -252,6 +254,7 @@ class TrafficService:
         self._rdma_writer = LatestWorker(self._write_rdma, name="gpud-nic-map")
         self._known_jobs: set[str] = set()
         self._untagged: dict[str, str] = {}  # job -> why it has no tag (the pool ran out)
+        self._cgroup_busy: set[str] = set()  # removed jobs whose cgroup still holds processes
         self._started_at = clock()
         self._tagged_at: dict[str, float] = {}  # job -> when it last asked for a tag
         self.accepted_reports = 0
@@ -561,9 +564,33 @@ class TrafficService:
             self._untagged.pop(job, None)
             self._events.emit("net.tag", f"job {job} tagged DSCP {dscp}", job=job, dscp=dscp)
         if self._cgroups is not None:
+            self._cgroup_busy -= present  # a job added again under the name
             for job in self._cgroups.jobs():
                 if job not in present:
-                    self._cgroups.remove(job)  # retried every tick while processes remain
+                    self._remove_cgroup(job)  # retried every tick while processes remain
+
+    def _remove_cgroup(self, job: str) -> None:
+        """Remove a removed job's cgroup; while processes remain in it (they left the
+        command's process group and environment, so nothing stopped them), say so once."""
+        assert self._cgroups is not None
+        if self._cgroups.remove(job):
+            self._cgroup_busy.discard(job)
+            return
+        pids = self._cgroups.pids(job)
+        if not pids or job in self._cgroup_busy:
+            return
+        self._cgroup_busy.add(job)
+        shown = ", ".join(map(str, pids[:_PIDS_SHOWN])) + (
+            ", ..." if len(pids) > _PIDS_SHOWN else ""
+        )
+        self._events.emit(
+            "net.cgroup_busy",
+            f"job {job} is removed, but {len(pids)} process(es) remain in its cgroup"
+            f" {self._cgroups.dir(job)} (PID {shown}): their packets are no longer marked,"
+            " and the cgroup is removed once they exit",
+            job=job,
+            processes=len(pids),
+        )
 
     def _forget(self, job: str) -> None:
         """Drop what the service learnt of ``job``'s traffic (its tag is gone)."""

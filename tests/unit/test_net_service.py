@@ -842,3 +842,21 @@ def test_a_job_tagged_outside_the_tick_is_no_longer_listed_as_untagged(
     assert s.view().untagged == {}
     s.tick()
     assert s.view().untagged == {} and s.tags.allocations()["c"] == dscp
+
+
+def test_a_removed_jobs_cgroup_that_still_holds_processes_is_said_once(rig: Rig) -> None:
+    """A job removed while processes remain in its cgroup (they left gpuctl run's process
+    group and environment): their packets are no longer marked, and the cgroup stays until
+    they exit. One event names them, not one per tick."""
+    (rig.tmp / "proc" / "4242").mkdir(parents=True)
+    (rig.tmp / "proc" / "4242" / "environ").write_bytes(b"GPUD_JOB=a\0")
+    rig.service.place("a", 4242)
+    rig.jobs.remove("a")
+    rig.service.tick()
+    rig.service.tick()
+    (event,) = [e for e in rig.events.recent(100) if e.kind == "net.cgroup_busy"]
+    assert "job a is removed" in event.message and "4242" in event.message
+    assert str(rig.cgroups.dir("a")) in event.message
+    (rig.cgroups.dir("a") / "cgroup.procs").unlink()  # they exited
+    rig.service.tick()
+    assert not rig.cgroups.dir("a").exists()
