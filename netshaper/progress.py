@@ -163,7 +163,8 @@ class ProgressTracker:
         """Record that ``job_id`` had completed ``iteration`` iterations at time ``at``.
 
         Unknown jobs are registered on the fly (with no declared ideal). Reports older
-        than the newest progress point are ignored; a lower count means a restart.
+        than the newest progress point are ignored, whatever their count (each rank of a
+        job may report); a lower count stamped later means a restart.
         """
         if iteration < 0:
             raise ValueError(f"{job_id}: iteration must be >= 0, got {iteration}")
@@ -172,10 +173,12 @@ class ProgressTracker:
             state = _JobState(declared_ideal_s=None, first_seen=at)
             self._jobs[job_id] = state
         leapt = False
+        if state.points and at < state.points[-1][1]:
+            # late, out of order: whatever its count (another rank's batch, sent after a
+            # newer one), not a restart, which comes after the newest report
+            return
         if state.last_count is not None and iteration < state.last_count:
             self._rebase(state)  # restart: the counter went back
-        elif state.points and at < state.points[-1][1]:
-            return  # late, out-of-order report
         elif state.last_count is not None and iteration == state.last_count:
             return  # no progress since the last point: nothing new to learn
         elif state.points and self._impossible(state, iteration, at):

@@ -336,3 +336,20 @@ def test_a_counter_that_leaps_on_its_second_report_teaches_no_tstar() -> None:
     tr.report("a", 2**64 + 1, 5.0)
     p = tr.progress("a", 5.0)
     assert p.ideal_s == pytest.approx(2.0) and p.rate == pytest.approx(1.0)
+
+
+def test_ranks_of_one_job_reporting_apart_are_not_restarts() -> None:
+    """Every rank of a data-parallel job reports (each its own ``Progress``): a rank's
+    batch arrives after another's newer one, with lower counts stamped earlier. Those are
+    late reports, not the job starting over: the window and the long-run rate stay."""
+    tr = ProgressTracker()
+    tr.register("a", now=0.0, ideal_s=0.05)
+    for k in range(1, 200):  # rank 0 sends iterations up to 2k, then rank 1 up to 2k - 1
+        tr.report("a", 2 * k, 0.1 * k)
+        tr.report("a", 2 * k - 1, 0.1 * k - 0.05)
+    p = tr.progress("a", 19.9)
+    assert p.restarts == 0
+    assert p.rate == pytest.approx(1.0)
+    # a restart is stamped after the newest report: the counter going back is one
+    tr.report("a", 0, 20.0)
+    assert tr.progress("a", 20.0).restarts == 1
