@@ -39,6 +39,10 @@ the last point):
   the ``T*`` learned was too slow (a first iteration that compiled for minutes, a report
   stamped long ago), so it is learned again from them, or the job's estimate would stay
   frozen at that first stretch.
+* A report stamped before the newest is late (each rank of a job may report, and one
+  rank's batch may arrive after another's newer one) and ignored, unless its count is
+  higher and it is stamped ``_CLOCK_STEP_S`` or more before: the host's clock stepped back,
+  and the window starts again from it, as after a restart.
 * The rate reported is the geometric mean of the window's ``T* / T`` and the job's rate over
   the last ``long_window_s`` (iterations since then, up to now, times ``T*``), so a job that
   fell behind ranks as slower than one just as fast now until it has caught up.
@@ -64,6 +68,9 @@ _LONG_POINTS = 64
 # A step this many times faster than the contention-free iteration time is a counter that
 # leapt ahead, not progress.
 _JUMP_RATIO = 1000.0
+# A report with a higher count stamped this long before the newest is the clock stepping
+# back (ranks of one job stamp theirs a few milliseconds apart).
+_CLOCK_STEP_S = 1.0
 # No iteration is this short: a step implying a shorter one is a counter that leapt.
 MIN_ITERATION_S = 1e-6
 
@@ -164,7 +171,8 @@ class ProgressTracker:
 
         Unknown jobs are registered on the fly (with no declared ideal). Reports older
         than the newest progress point are ignored, whatever their count (each rank of a
-        job may report); a lower count stamped later means a restart.
+        job may report), unless their count is higher: then the clock stepped back. A lower
+        count stamped later means a restart.
         """
         if iteration < 0:
             raise ValueError(f"{job_id}: iteration must be >= 0, got {iteration}")
@@ -174,10 +182,16 @@ class ProgressTracker:
             self._jobs[job_id] = state
         leapt = False
         if state.points and at < state.points[-1][1]:
-            # late, out of order: whatever its count (another rank's batch, sent after a
-            # newer one), not a restart, which comes after the newest report
-            return
-        if state.last_count is not None and iteration < state.last_count:
+            stepped = state.points[-1][1] - at >= _CLOCK_STEP_S
+            if state.last_count is None or iteration <= state.last_count or not stepped:
+                # late, out of order: whatever its count (another rank's batch, sent after
+                # a newer one), not a restart, which comes after the newest report
+                return
+            # ahead of the newest report's count, yet stamped well before it: no counter
+            # runs ahead of its own past, the clock stepped back; the time base starts
+            # again here
+            self._rebase(state)
+        elif state.last_count is not None and iteration < state.last_count:
             self._rebase(state)  # restart: the counter went back
         elif state.last_count is not None and iteration == state.last_count:
             return  # no progress since the last point: nothing new to learn

@@ -353,3 +353,18 @@ def test_ranks_of_one_job_reporting_apart_are_not_restarts() -> None:
     # a restart is stamped after the newest report: the counter going back is one
     tr.report("a", 0, 20.0)
     assert tr.progress("a", 20.0).restarts == 1
+
+
+def test_a_clock_stepped_back_is_a_new_time_base_not_an_hour_of_late_reports() -> None:
+    """The host's clock steps back an hour (NTP, a resumed VM): the job's counter keeps
+    going up, stamped before its newest report. No counter runs ahead of its own past, so
+    that is the clock: the estimate goes on from the new time base, instead of dropping
+    every report for an hour while the job looks stalled."""
+    tr = ProgressTracker()
+    tr.register("a", now=0.0, ideal_s=1.0)
+    t = steady(tr, "a", 1.0, 100)
+    back = t - 3600.0
+    steady(tr, "a", 1.0, 20, t0=back + 1.0, start=101)
+    p = tr.progress("a", back + 21.0)
+    assert p.iterations == 121 and p.restarts == 1
+    assert p.period_s == pytest.approx(1.0) and p.rate == pytest.approx(1.0)
