@@ -479,3 +479,16 @@ def test_the_link_rate_is_read_in_gpuds_own_network_namespace(bed: Bed) -> None:
     bed.wait("eth0 enforced", lambda: bool(_iface(bed, "eth0").get("enforced")), timeout=10)
     assert _iface(bed, "eth0")["rate_bits_per_second"] == 10_000_000_000
     assert "rate 10Gbit ceil 10Gbit" in run("tc", "-n", bed.snd, "class", "show", "dev", "eth0")
+
+
+def test_levels_without_a_minimum_share_are_not_repaired_every_tick(bed: Bed) -> None:
+    """min_share = 0: the level classes' rate is a byte a second, too slow for 128 KiB of
+    burst in the kernel's ticks. What gpud asks for is what the kernel keeps: no drift."""
+    bed.extra = "min_share = 0.0\n"
+    bed.start()
+    bed.gpuctl("jobs", "add", "keep")
+    bed.gpuctl("net", "pin", "--job", "keep", "--level", "1")
+    bed.wait("enforced", lambda: _enforced(bed) and bed.job("keep").get("level") == 1)
+    time.sleep(2.0)  # four ticks
+    assert _iface(bed, "a0")["repairs"] == 0
+    assert _events(bed, "net.drift") == []
