@@ -594,9 +594,18 @@ def _validate_traffic(t: TrafficConfig, *, path: str) -> None:
     from gpud.net.tagstore import parse_pool
 
     try:
-        parse_pool(t.dscp_pool, {*t.reserved_dscp, t.cnp_dscp})
+        pool = parse_pool(t.dscp_pool, {*t.reserved_dscp, t.cnp_dscp})
     except ValueError as err:
         raise ConfigError(str(err), path=path, key="traffic.dscp_pool") from err
+    if 0 in pool:
+        # the default class takes every packet left at DSCP 0, so a job tagged 0 cannot be
+        # told apart from untagged traffic: tc refuses the plan, and no interface is enforced
+        raise ConfigError(
+            "DSCP 0 is untagged traffic's (the default class), never a job's tag:"
+            " keep 0 in traffic.reserved_dscp",
+            path=path,
+            key="traffic.reserved_dscp",
+        )
 
 
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}

@@ -15,7 +15,11 @@ output hook, before the egress qdisc's filters classify them, so jobs whose libr
 set a TOS (NCCL and Gloo over TCP) are marked all the same. The table belongs to gpud
 alone; nothing else in the ruleset is read or touched.
 
-Reads go through libnftables' JSON output (``nft -j list table inet gpud``). Writes are one
+Reads go through libnftables' JSON output (``nft -j -n list table inet gpud``: numeric, so a
+DSCP reads as 10, not ``af11``); a rule is gpud's while its comment, the DSCP it sets, its
+family and its cgroup path are the ones wanted, and the chain while it is still an
+``output`` filter hook at priority mangle with policy accept: anything else, changed in
+place behind gpud's back, is deleted and written again. Writes are one
 atomic batch (``nft -f -``) in nft's own syntax: nft 1.0.6's JSON *parser* does not know the
 ``socket cgroupv2`` key ("Invalid socket key value") and its JSON output drops the ``level``,
 so the rule's identity lives in its comment: job, DSCP and the cgroup's id (the inode of its
@@ -38,6 +42,7 @@ FAMILY = "inet"
 DEFAULT_TABLE = "gpud"
 DEFAULT_CHAIN = "jobs"
 _PRIORITY = "mangle"  # -150: before anything that filters on DSCP
+_PRIORITY_VALUE = -150
 _COMMENT = re.compile(r"^gpud job=(\S+) dscp=(\d+) cgid=(\d+) (ip6?)$")
 _SAFE = re.compile(r'^[^"\\\n\r]+$')
 
@@ -84,13 +89,18 @@ class CgroupMark:
 
 @dataclass(frozen=True, slots=True)
 class MarkRule:
-    """One rule as read back: its handle, comment, and the packets/bytes it marked."""
+    """One rule as read back: its handle, comment, and the packets/bytes it marked; what
+    it does: the family whose DSCP it sets, to what, for which cgroup path (None where it
+    does not say)."""
 
     handle: int
     comment: str
     job: str | None
     packets: int
     bytes: int
+    family: str | None = None
+    dscp: int | None = None
+    path: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +163,7 @@ class NftablesMarker:
 
     def read(self) -> TableState:
         """``nft -j list table inet gpud``."""
-        code, out, err = self._run(["-j", "list", "table", FAMILY, self.table], None)
+        code, out, err = self._run(["-j", "-n", "list", "table", FAMILY, self.table], None)
         if code != 0:
             if "No such file or directory" in err:
                 return TableState(False, False, ())
@@ -168,16 +178,23 @@ class NftablesMarker:
             if "chain" in item:
                 c = item["chain"]
                 if c.get("name") == self.chain:
-                    chain_ok = c.get("hook") == "output" and c.get("type") == "filter"
+                    chain_ok = (c.get("hook"), c.get("type"), c.get("prio"), c.get("policy")) == (
+                        "output",
+                        "filter",
+                        _PRIORITY_VALUE,
+                        "accept",
+                    )
             elif "rule" in item:
                 r = item["rule"]
                 if r.get("chain") != self.chain:
                     continue
                 comment = str(r.get("comment", ""))
                 m = _COMMENT.match(comment)
-                packets, nbytes = _counter(r.get("expr", []))
+                exprs = r.get("expr", [])
+                packets, nbytes = _counter(exprs)
+                job = m.group(1) if m else None
                 rules.append(
-                    MarkRule(int(r["handle"]), comment, m.group(1) if m else None, packets, nbytes)
+                    MarkRule(int(r["handle"]), comment, job, packets, nbytes, *_action(exprs))
                 )
         return TableState(True, chain_ok, tuple(rules))
 
@@ -204,9 +221,13 @@ class NftablesMarker:
         else:
             have = {}
             for rule in state.rules:
-                if rule.comment in wanted and rule.comment not in have:
+                if (
+                    rule.comment in wanted
+                    and rule.comment not in have
+                    and _does(rule, *wanted[rule.comment])
+                ):
                     have[rule.comment] = rule.handle
-                else:  # not ours to keep, or a duplicate
+                else:  # not ours to keep, a duplicate, or changed in place
                     removed.append(rule.comment)
                     lines.append(
                         f"delete rule {FAMILY} {self.table} {self.chain} handle {rule.handle}"
@@ -238,6 +259,33 @@ class NftablesMarker:
         code, _, err = self._run(["-f", "-"], "\n".join(lines) + "\n")
         if code != 0:
             raise NftError(f"nft refused the batch for table {FAMILY} {self.table}", err.strip())
+
+
+def _does(rule: MarkRule, mark: CgroupMark, family: str) -> bool:
+    """Whether ``rule`` sets ``mark``'s DSCP on ``family`` for ``mark``'s cgroup."""
+    return (rule.family, rule.dscp, rule.path) == (family, mark.dscp, mark.path)
+
+
+def _action(exprs: list[Any]) -> tuple[str | None, int | None, str | None]:
+    """The family whose DSCP a rule's expressions set, the DSCP, and the cgroup path."""
+    family: str | None = None
+    dscp: int | None = None
+    path: str | None = None
+    for e in exprs:
+        if not isinstance(e, dict):
+            continue
+        mangle, match = e.get("mangle"), e.get("match")
+        if isinstance(mangle, dict):
+            payload = (mangle.get("key") or {}).get("payload") or {}
+            value = mangle.get("value")
+            if payload.get("field") == "dscp" and isinstance(value, int):
+                family, dscp = payload.get("protocol"), value
+        elif isinstance(match, dict) and (match.get("left") or {}).get("socket") == {
+            "key": "cgroupv2"
+        }:
+            right = match.get("right")
+            path = right if isinstance(right, str) else None
+    return family, dscp, path
 
 
 def _counter(exprs: list[Any]) -> tuple[int, int]:

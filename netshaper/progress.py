@@ -33,7 +33,16 @@ the last point):
   a counter that leaps ahead (its step implies iterations more than ``_JUMP_RATIO`` times
   faster than the learned ``T*``: a job that resumed from a checkpoint under its global
   step count, a counter bug): no job runs a thousand times faster than its fastest stretch
-  so far, and learning ``T*`` from the leap would rank the job the slowest for good.
+  so far, and learning ``T*`` from the leap would rank the job the slowest for good. Nor
+  does any job run an iteration in under ``MIN_ITERATION_S``: a step faster than that is a
+  leap even before ``T*`` is known. Two such leaps in a row, though, are the job's pace:
+  the ``T*`` learned was too slow (a first iteration that compiled for minutes, a report
+  stamped long ago), so it is learned again from them, or the job's estimate would stay
+  frozen at that first stretch.
+* A report stamped before the newest is late (each rank of a job may report, and one
+  rank's batch may arrive after another's newer one) and ignored, unless its count is
+  higher and it is stamped ``_CLOCK_STEP_S`` or more before: the host's clock stepped back,
+  and the window starts again from it, as after a restart.
 * The rate reported is the geometric mean of the window's ``T* / T`` and the job's rate over
   the last ``long_window_s`` (iterations since then, up to now, times ``T*``), so a job that
   fell behind ranks as slower than one just as fast now until it has caught up.
@@ -59,6 +68,11 @@ _LONG_POINTS = 64
 # A step this many times faster than the contention-free iteration time is a counter that
 # leapt ahead, not progress.
 _JUMP_RATIO = 1000.0
+# A report with a higher count stamped this long before the newest is the clock stepping
+# back (ranks of one job stamp theirs a few milliseconds apart).
+_CLOCK_STEP_S = 1.0
+# No iteration is this short: a step implying a shorter one is a counter that leapt.
+MIN_ITERATION_S = 1e-6
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,8 @@ class _JobState:
     last_count: int | None = None
     last_progress_at: float | None = None
     restarts: int = 0
+    # the newest point is where the counter leapt to (the window was dropped there)
+    leapt: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,7 +170,9 @@ class ProgressTracker:
         """Record that ``job_id`` had completed ``iteration`` iterations at time ``at``.
 
         Unknown jobs are registered on the fly (with no declared ideal). Reports older
-        than the newest progress point are ignored; a lower count means a restart.
+        than the newest progress point are ignored, whatever their count (each rank of a
+        job may report), unless their count is higher: then the clock stepped back. A lower
+        count stamped later means a restart.
         """
         if iteration < 0:
             raise ValueError(f"{job_id}: iteration must be >= 0, got {iteration}")
@@ -162,14 +180,31 @@ class ProgressTracker:
         if state is None:
             state = _JobState(declared_ideal_s=None, first_seen=at)
             self._jobs[job_id] = state
-        if state.last_count is not None and iteration < state.last_count:
+        leapt = False
+        if state.points and at < state.points[-1][1]:
+            stepped = state.points[-1][1] - at >= _CLOCK_STEP_S
+            if state.last_count is None or iteration <= state.last_count or not stepped:
+                # late, out of order: whatever its count (another rank's batch, sent after
+                # a newer one), not a restart, which comes after the newest report
+                return
+            # ahead of the newest report's count, yet stamped well before it: no counter
+            # runs ahead of its own past, the clock stepped back; the time base starts
+            # again here
+            self._rebase(state)
+        elif state.last_count is not None and iteration < state.last_count:
             self._rebase(state)  # restart: the counter went back
-        elif state.points and at < state.points[-1][1]:
-            return  # late, out-of-order report
         elif state.last_count is not None and iteration == state.last_count:
             return  # no progress since the last point: nothing new to learn
-        elif state.points and self._leaps(state, iteration, at):
+        elif state.points and self._impossible(state, iteration, at):
             self._rebase(state)
+            leapt = True
+        elif state.points and self._leaps(state, iteration, at):
+            if state.leapt:  # the second in a row: T* was learned from too slow a stretch
+                state.learned_ideal_s = None
+            else:
+                self._rebase(state)
+                leapt = True
+        state.leapt = leapt
         if state.points:
             n0, t0 = state.points[-1]
             if iteration > n0 and at > t0:
@@ -200,6 +235,12 @@ class ProgressTracker:
         state.points.clear()
         state.anchors.clear()
         state.restarts += 1
+
+    @staticmethod
+    def _impossible(state: _JobState, iteration: int, at: float) -> bool:
+        """Whether the step to ``iteration`` implies iterations under ``MIN_ITERATION_S``."""
+        n0, t0 = state.points[-1]
+        return iteration > n0 and at - t0 < MIN_ITERATION_S * (iteration - n0)
 
     @staticmethod
     def _leaps(state: _JobState, iteration: int, at: float) -> bool:

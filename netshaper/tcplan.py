@@ -49,8 +49,8 @@ filter on the qdisc; filters someone else put under our root in another prio go 
 whole prio. A job's leaf counters restart when it moves; the daemon accumulates.
 
 Rates are bit/s in the plan; the adapter converts to the kernel's bytes/s. ``burst`` and
-``cburst`` are explicit (``burst_s`` of the rate, at least ``min_burst_bytes``) so fast
-links are shaped correctly, and every class has an explicit ``quantum`` so all jobs in a
+``cburst`` are explicit (``burst_s`` of the rate, at least ``min_burst_bytes``, at most
+``MAX_BURST_S`` of it, the longest the kernel holds) so fast links are shaped correctly, and every class has an explicit ``quantum`` so all jobs in a
 level share its excess equally -- or, with ``weights``, in proportion to them (a job's
 leaf quantum scaled by its weight: the daemon weighs jobs by their demand, so the jobs of
 one level progress alike). A changed weight is a class *change* in place: no packet moves.
@@ -147,7 +147,7 @@ class TcOptions:
     class, lowest priority). ``leaf_share``: fixed guaranteed fraction per job leaf (keep it
     small: traffic under a leaf's own rate is served before any priority). ``burst_s``:
     burst and cburst as seconds of rate and ceil, at least ``min_burst_bytes`` (one GSO
-    super-packet plus headroom). ``quantum_bytes``: DRR quantum of every class, at least
+    super-packet plus headroom) where the rate allows it (``MAX_BURST_S``). ``quantum_bytes``: DRR quantum of every class, at least
     one MTU; equal quanta give equal sharing between classes of one priority.
     """
 
@@ -282,13 +282,21 @@ class TcPlan:
         return tuple(p.iface for p in self.interfaces)
 
 
+# HTB keeps a class's burst as its time at the class's rate, in 32-bit psched ticks of
+# 64 ns: at most 2**32 x 64 ns = 274.9 s. A class with no minimum share (a rate of a byte a
+# second) gets the burst that lasts this long, not min_burst_bytes.
+MAX_BURST_S = 274.0
+
+
 def link_rate_range(bps: int) -> str:
     """Why ``bps`` is no link rate gpud shapes (for errors naming where it came from)."""
     return f"link rate {bps} bit/s is outside 8 kbit/s to 10 Tbit/s"
 
 
 def _burst(rate_bps: int, opts: TcOptions) -> int:
-    return max(opts.min_burst_bytes, math.ceil(rate_bps / 8 * opts.burst_s))
+    want = max(opts.min_burst_bytes, math.ceil(rate_bps / 8 * opts.burst_s))
+    # never more than the kernel can hold: it would read back cut short, drift every tick
+    return min(want, int(rate_bps // 8 * MAX_BURST_S))
 
 
 def _cls(

@@ -86,10 +86,15 @@ class JobCgroups:
 
     def busy(self, job: str) -> bool:
         """Whether a process is in the job's cgroup (its ``cgroup.procs`` lists one)."""
+        return bool(self.pids(job))
+
+    def pids(self, job: str) -> list[int]:
+        """The processes in the job's cgroup (none when it has no directory)."""
         try:
-            return bool((self.dir(job) / "cgroup.procs").read_text().strip())
+            text = (self.dir(job) / "cgroup.procs").read_text()
         except OSError:
-            return False
+            return []
+        return [int(p) for p in text.split() if p.isdigit()]
 
     def remove(self, job: str) -> bool:
         """Remove the job's cgroup; False while processes remain in it (or it is gone)."""

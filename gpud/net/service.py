@@ -59,16 +59,20 @@ from gpud.net.port import JobTraffic, LocalReport, OrderResult, TrafficCounters
 from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore
 from netshaper import tcplan
+from netshaper.ethtool import link_speed_mbps
 from netshaper.leveller import Leveller, LevellerConfig
-from netshaper.progress import ProgressConfig, ProgressTracker
+from netshaper.progress import MIN_ITERATION_S, ProgressConfig, ProgressTracker
 from netshaper.weights import demand_weights
 
 log = logging.getLogger(__name__)
 
+# a removed job's cgroup that still holds processes: how many of their PIDs an event names
+_PIDS_SHOWN = 8
 # a job's demand is known once this many iterations were counted against its bytes
 _DEMAND_MIN_ITERATIONS = 3
-# a job's declared contention-free iteration time (ReportProgress)
-MIN_IDEAL_S = 1e-6
+# a job's declared contention-free iteration time (ReportProgress); the tracker takes a
+# step faster than the minimum for a counter that leapt
+MIN_IDEAL_S = MIN_ITERATION_S
 MAX_IDEAL_S = 86400.0
 # seconds between tries of a NIC map write that failed, while the map wanted stays the same
 RDMA_RETRY_S = 10.0
@@ -164,6 +168,14 @@ JobSource = Callable[[], Sequence[str]]
 """The registered jobs' names."""
 ActiveSource = Callable[[], set[str]]
 """Jobs that hold a reservation now."""
+LinkSpeed = Callable[[str], tuple[int | None, str]]
+"""An interface's speed in Mb/s (None: unknown), and what gave it (for messages)."""
+
+
+def ethtool_speed(iface: str) -> tuple[int | None, str]:
+    """The link's speed as gpud's own network namespace sees it: /sys may be another
+    namespace's (gpud started under ``nsenter --net=``), where the name is another link."""
+    return link_speed_mbps(iface), "ethtool"
 
 
 def job_pool(config: TrafficConfig) -> frozenset[int]:
@@ -190,7 +202,7 @@ class TrafficService:
         shaped: ShapedInterfaces | None = None,
         marking_error: str = "",
         rdma_error: str = "",
-        sysfs_root: Path = Path("/sys"),
+        link_speed: LinkSpeed = ethtool_speed,
         proc_root: Path = Path("/proc"),
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -204,7 +216,7 @@ class TrafficService:
         self._cgroups = cgroups
         self._rdma = rdma
         self._shaped = shaped
-        self._sysfs = sysfs_root
+        self._link_speed = link_speed
         self._proc = proc_root
         self._clock = clock
         self._lock = threading.RLock()
@@ -242,6 +254,7 @@ class TrafficService:
         self._rdma_writer = LatestWorker(self._write_rdma, name="gpud-nic-map")
         self._known_jobs: set[str] = set()
         self._untagged: dict[str, str] = {}  # job -> why it has no tag (the pool ran out)
+        self._cgroup_busy: set[str] = set()  # removed jobs whose cgroup still holds processes
         self._started_at = clock()
         self._tagged_at: dict[str, float] = {}  # job -> when it last asked for a tag
         self.accepted_reports = 0
@@ -522,7 +535,8 @@ class TrafficService:
             self.tags.release(job)
             self._forget(job)
             self._events.emit("net.release", f"job {job} removed: DSCP tag released", job=job)
-        for job in [j for j in self._untagged if j not in present]:
+        # a job may have been tagged since (gpuctl run, the admission queue, the cluster)
+        for job in [j for j in self._untagged if j not in present or self.tags.get(j) is not None]:
             del self._untagged[job]
         untagged = [job for job in registered if self.tags.get(job) is None]
         idle = self._idle_since(untagged) if untagged else {}
@@ -550,9 +564,33 @@ class TrafficService:
             self._untagged.pop(job, None)
             self._events.emit("net.tag", f"job {job} tagged DSCP {dscp}", job=job, dscp=dscp)
         if self._cgroups is not None:
+            self._cgroup_busy -= present  # a job added again under the name
             for job in self._cgroups.jobs():
                 if job not in present:
-                    self._cgroups.remove(job)  # retried every tick while processes remain
+                    self._remove_cgroup(job)  # retried every tick while processes remain
+
+    def _remove_cgroup(self, job: str) -> None:
+        """Remove a removed job's cgroup; while processes remain in it (they left the
+        command's process group and environment, so nothing stopped them), say so once."""
+        assert self._cgroups is not None
+        if self._cgroups.remove(job):
+            self._cgroup_busy.discard(job)
+            return
+        pids = self._cgroups.pids(job)
+        if not pids or job in self._cgroup_busy:
+            return
+        self._cgroup_busy.add(job)
+        shown = ", ".join(map(str, pids[:_PIDS_SHOWN])) + (
+            ", ..." if len(pids) > _PIDS_SHOWN else ""
+        )
+        self._events.emit(
+            "net.cgroup_busy",
+            f"job {job} is removed, but {len(pids)} process(es) remain in its cgroup"
+            f" {self._cgroups.dir(job)} (PID {shown}): their packets are no longer marked,"
+            " and the cgroup is removed once they exit",
+            job=job,
+            processes=len(pids),
+        )
 
     def _forget(self, job: str) -> None:
         """Drop what the service learnt of ``job``'s traffic (its tag is gone)."""
@@ -582,6 +620,11 @@ class TrafficService:
 
     def _tag(self, job: str) -> int:
         """:meth:`tag` without marking ``job`` as about to run; call it holding the lock."""
+        dscp = self._take_tag(job)
+        self._untagged.pop(job, None)  # left without one by an earlier tick: it has one now
+        return dscp
+
+    def _take_tag(self, job: str) -> int:
         try:
             return self.tags.tag(job)
         except ResourceExhausted as err:
@@ -700,17 +743,13 @@ class TrafficService:
 
     # -- enforcement -----------------------------------------------------------------------
     def link_rate(self, iface: str) -> int:
-        """Bit/s of ``iface``: ``traffic.link_rates``, else sysfs ``speed`` (Mb/s)."""
+        """Bit/s of ``iface``: ``traffic.link_rates``, else the link's speed."""
         for entry in self.config.link_rates:
             name, _, rate = entry.partition("=")
             if name == iface:
                 return parse_rate(rate)
-        speed = self._sysfs / "class" / "net" / iface / "speed"
-        try:
-            mbit = int(speed.read_text().strip())
-        except (OSError, ValueError):
-            mbit = -1
-        if mbit <= 0:
+        mbit, speed = self._link_speed(iface)
+        if mbit is None or mbit <= 0:
             raise FailedPrecondition(
                 f"{iface}: link rate unknown ({speed} gives none): set traffic.link_rates"
             )

@@ -110,3 +110,45 @@ def test_a_missing_cgroup_is_a_clear_error(ns: str) -> None:
     marker = NftablesMarker(runner=_runner(ns))
     with pytest.raises(NftError, match="cgroupv2 path fails"):
         marker.sync([CgroupMark("x", 10, "unified/nope-gpud-test", 1, 1)])
+
+
+def test_a_rule_or_chain_changed_in_place_is_repaired(ns: str, cgroups: JobCgroups) -> None:
+    """A rule that keeps gpud's comment but sets another DSCP (which may be another job's
+    tag), and a chain whose policy became drop (every packet of the namespace dropped),
+    are put back, as a deleted rule or table is."""
+    marker = NftablesMarker(runner=_runner(ns))
+    cgroups.ensure("a")
+    mark = cgroups.mark("a", 10)
+    assert mark is not None
+    marker.sync([mark])
+    rule = next(r for r in marker.read().rules if r.comment.endswith(" ip"))
+    nft(
+        ns,
+        "replace",
+        "rule",
+        "inet",
+        "gpud",
+        "jobs",
+        "handle",
+        str(rule.handle),
+        "socket",
+        "cgroupv2",
+        "level",
+        "2",
+        mark.path,
+        "ip",
+        "dscp",
+        "set",
+        "12",
+        "counter",
+        "comment",
+        f'"{rule.comment}"',
+    )
+    repaired = marker.sync([mark])
+    assert repaired.added == (rule.comment,) and repaired.removed == (rule.comment,)
+    assert "dscp set 0x0c" not in nft(ns, "-n", "list", "table", "inet", "gpud")
+    assert not marker.sync([mark]).changed
+    nft(ns, "add", "chain", "inet", "gpud", "jobs", "{ policy drop; }")
+    assert marker.sync([mark]).created
+    assert "policy accept;" in nft(ns, "list", "table", "inet", "gpud")
+    assert not marker.sync([mark]).changed

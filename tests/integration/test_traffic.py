@@ -57,6 +57,7 @@ class Bed:
     daemon: RunningDaemon | None = None
     interfaces: tuple[str, ...] = ("a0",)
     extra: str = ""  # more [traffic] keys
+    rated: bool = True  # traffic.link_rates names each interface (else gpud reads the link)
 
     @property
     def enter(self) -> tuple[str, ...]:
@@ -64,7 +65,7 @@ class Bed:
 
     def config(self) -> str:
         names = ", ".join(f'"{i}"' for i in self.interfaces)
-        rates = ", ".join(f'"{i}=100mbit"' for i in self.interfaces)
+        rates = ", ".join(f'"{i}=100mbit"' for i in self.interfaces if self.rated)
         return (
             "[daemon]\ntick_s = 0.5\n"
             f"[traffic]\nenabled = true\ninterfaces = [{names}]\n"
@@ -81,6 +82,24 @@ class Bed:
             prefix=self.enter,
         )
         return self.daemon
+
+    def veth(self, name: str, peer: str) -> None:
+        """A veth pair: ``name`` in ``snd``, ``peer`` in ``rcv``."""
+        run(
+            "ip",
+            "-n",
+            self.snd,
+            "link",
+            "add",
+            name,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            peer,
+            "netns",
+            self.rcv,
+        )
 
     def gpuctl(self, *args: str) -> str:
         assert self.daemon is not None
@@ -423,21 +442,7 @@ def test_a_broken_interface_and_a_changed_leaf_qdisc_are_one_event_each(bed: Bed
     run("ip", "-n", bed.snd, "link", "del", "a0")
     bed.wait("a0 broken", lambda: not _enforced(bed), timeout=10)
     time.sleep(1.5)
-    run(
-        "ip",
-        "-n",
-        bed.snd,
-        "link",
-        "add",
-        "a0",
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "b0",
-        "netns",
-        bed.rcv,
-    )
+    bed.veth("a0", "b0")
     run("ip", "-n", bed.snd, "link", "set", "a0", "up")
     bed.wait("a0 enforced again", lambda: _enforced(bed), timeout=10)
     (broke,) = _events(bed, "net.interface_error")
@@ -460,3 +465,30 @@ def test_restore_brings_back_the_root_from_before_gpud_across_a_restart(bed: Bed
     stop_daemon(bed.daemon)
     bed.daemon = None
     assert run("tc", "-n", bed.snd, "qdisc", "show", "dev", "a0").startswith("qdisc pfifo_fast ")
+
+
+def test_the_link_rate_is_read_in_gpuds_own_network_namespace(bed: Bed) -> None:
+    """Without traffic.link_rates, the rate is the link's as gpud's namespace sees it. Under
+    ``nsenter --net=`` /sys is still the host's: its ``class/net/eth0`` is the host's eth0
+    (or none), not the eth0 gpud shapes, a veth (10 Gbit/s)."""
+    bed.veth("eth0", "e0")
+    run("ip", "-n", bed.snd, "link", "set", "eth0", "up")
+    run("ip", "-n", bed.rcv, "link", "set", "e0", "up")
+    bed.interfaces, bed.rated = ("eth0",), False
+    bed.start()
+    bed.wait("eth0 enforced", lambda: bool(_iface(bed, "eth0").get("enforced")), timeout=10)
+    assert _iface(bed, "eth0")["rate_bits_per_second"] == 10_000_000_000
+    assert "rate 10Gbit ceil 10Gbit" in run("tc", "-n", bed.snd, "class", "show", "dev", "eth0")
+
+
+def test_levels_without_a_minimum_share_are_not_repaired_every_tick(bed: Bed) -> None:
+    """min_share = 0: the level classes' rate is a byte a second, too slow for 128 KiB of
+    burst in the kernel's ticks. What gpud asks for is what the kernel keeps: no drift."""
+    bed.extra = "min_share = 0.0\n"
+    bed.start()
+    bed.gpuctl("jobs", "add", "keep")
+    bed.gpuctl("net", "pin", "--job", "keep", "--level", "1")
+    bed.wait("enforced", lambda: _enforced(bed) and bed.job("keep").get("level") == 1)
+    time.sleep(2.0)  # four ticks
+    assert _iface(bed, "a0")["repairs"] == 0
+    assert _events(bed, "net.drift") == []

@@ -72,6 +72,13 @@ _ETCD = (
         (_RATES.format('"e0=1e30gbit"'), "traffic.link_rates", "outside 8 kbit/s"),
         (_RATES.format('"e0=1gbit", "e0=2gbit"'), "traffic.link_rates", "has a rate already"),
         (_RATES.format('"e1=1gbit"'), "traffic.link_rates", "an interface in traffic.interf"),
+        # DSCP 0 is untagged traffic: a job tagged 0 leaves its interface unenforced
+        ("[traffic]\nreserved_dscp = []\n", "traffic.reserved_dscp", "DSCP 0 is untagged"),
+        (
+            '[traffic]\nreserved_dscp = [8]\ndscp_pool = "0-5"\n',
+            "traffic.reserved_dscp",
+            "keep 0 in traffic.reserved_dscp",
+        ),
         ('[cluster]\nnode = "a b"\n', "cluster.node", "'a b' is not a DNS name"),
         ('[cluster]\nnode = "n1."\n', "cluster.node", "is not a DNS name"),
         ('[cluster]\nnode = "-n1"\n', "cluster.node", "is not a DNS name"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import pytest
@@ -40,6 +40,18 @@ def sysfs(tmp_path: Path) -> Path:
     return tmp_path / "sys"
 
 
+def speeds(sysfs: Path) -> Callable[[str], tuple[int | None, str]]:
+    """Link speeds as the fixture's ``class/net/IF/speed`` files give them."""
+
+    def read(iface: str) -> tuple[int | None, str]:
+        try:
+            return int((sysfs / "class" / "net" / iface / "speed").read_text()), "the fake"
+        except (OSError, ValueError):
+            return None, "the fake"
+
+    return read
+
+
 class Rig:
     def __init__(self, tmp_path: Path, sysfs: Path, **config: object) -> None:
         self.tmp = tmp_path
@@ -68,7 +80,7 @@ class Rig:
             cgroups=self.cgroups,
             rdma=rdma,
             shaped=ShapedInterfaces(self.store),
-            sysfs_root=self.sysfs,
+            link_speed=speeds(self.sysfs),
             proc_root=self.tmp / "proc",
             clock=self.clock,
         )
@@ -811,3 +823,40 @@ def test_a_root_changed_while_gpud_was_stopped_is_the_new_original(rig: Rig) -> 
     _shaped_over(rig, bfifo)
     _restart(rig).shutdown()
     assert rig.tc.restored_to == {"eth0": bfifo}
+
+
+def test_a_job_tagged_outside_the_tick_is_no_longer_listed_as_untagged(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """A job left without a tag by the tick that gets one from ``gpuctl run`` (or the
+    admission queue) once another job goes idle is tagged: neither ``gpuctl net show`` nor
+    ``gpud_net_untagged_jobs`` keeps calling it untagged."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-11")
+    s = rig.service
+    rig.active = {"a", "b", "c"}
+    s.tick()
+    assert set(s.view().untagged) == {"c"}
+    rig.active = {"a", "c"}  # b stops, and stays idle for idle_after_s
+    rig.clock.t += rig.config.idle_after_s + 1
+    dscp = s.tag("c")  # gpuctl run: b's tag goes to c at once
+    assert s.view().untagged == {}
+    s.tick()
+    assert s.view().untagged == {} and s.tags.allocations()["c"] == dscp
+
+
+def test_a_removed_jobs_cgroup_that_still_holds_processes_is_said_once(rig: Rig) -> None:
+    """A job removed while processes remain in its cgroup (they left gpuctl run's process
+    group and environment): their packets are no longer marked, and the cgroup stays until
+    they exit. One event names them, not one per tick."""
+    (rig.tmp / "proc" / "4242").mkdir(parents=True)
+    (rig.tmp / "proc" / "4242" / "environ").write_bytes(b"GPUD_JOB=a\0")
+    rig.service.place("a", 4242)
+    rig.jobs.remove("a")
+    rig.service.tick()
+    rig.service.tick()
+    (event,) = [e for e in rig.events.recent(100) if e.kind == "net.cgroup_busy"]
+    assert "job a is removed" in event.message and "4242" in event.message
+    assert str(rig.cgroups.dir("a")) in event.message
+    (rig.cgroups.dir("a") / "cgroup.procs").unlink()  # they exited
+    rig.service.tick()
+    assert not rig.cgroups.dir("a").exists()

@@ -201,12 +201,15 @@ def test_rate_is_none_or_in_unit_interval(
         assert rate is None or 0.0 < rate <= 1.0
 
 
-def test_an_interval_below_float_resolution_learns_the_floor_not_zero() -> None:
+def test_an_interval_below_float_resolution_is_a_leap_not_a_zero_tstar() -> None:
     # Two iterations 5e-324 s apart: the per-iteration time underflows to 0.0.
     tr = ProgressTracker()
     tr.register("a", now=0.0)
     tr.report("a", 0, 0.0)
     tr.report("a", 2, 5e-324)
+    p = tr.progress("a", 1.0)
+    assert p.ideal_s is None and p.rate is None and p.restarts == 1
+    tr.report("a", 3, 1.0)
     rate = tr.progress("a", 1.0).rate
     assert rate is not None and 0.0 < rate <= 1.0
 
@@ -298,3 +301,70 @@ def test_the_long_window_is_never_shorter_than_the_window() -> None:
     t = steady(tr, "a", 4.0, 10)
     t = steady(tr, "a", 1.0, 20, t0=t, start=10)
     assert tr.progress("a", t).rate == pytest.approx(0.5)  # 30 iterations in 60 s, both ways
+
+
+@pytest.mark.parametrize("first_stretch_s", [1200.0, 365 * 86400.0])
+def test_a_long_first_stretch_does_not_freeze_the_estimate(first_stretch_s: float) -> None:
+    """A first stretch far longer than the job's iterations (a first iteration that
+    compiled for 20 minutes, a report stamped a year back) is learned as T*; the steps
+    after it are then a thousand times faster. The first is taken for a counter that
+    leapt, but two in a row are the job's pace: T* is learned again from them, and the
+    estimate follows the job instead of holding the first stretch for good."""
+    tr = ProgressTracker()
+    tr.report("a", 0, 0.0)
+    t = first_stretch_s
+    tr.report("a", 1, t)
+    steady(tr, "a", 1.0, 10, t0=t + 1.0, start=2)
+    p = tr.progress("a", t + 11.0)
+    assert p.ideal_s == pytest.approx(1.0)
+    assert p.period_s == pytest.approx(1.0)
+    # the job slows down to 4 s an iteration: it is seen as slower
+    steady(tr, "a", 4.0, 10, t0=t + 11.0, start=12)
+    p = tr.progress("a", t + 51.0)
+    assert p.period_s == pytest.approx(4.0) and p.rate is not None and p.rate < 0.5
+
+
+def test_a_counter_that_leaps_on_its_second_report_teaches_no_tstar() -> None:
+    """A counter that leaps before any T* is learned (0, then 2**64 - 1 a second later)
+    implies iterations far under a microsecond: learning T* from it would rank the job the
+    slowest for good. It is a new start, and T* comes from the steps after it."""
+    tr = ProgressTracker()
+    tr.report("a", 0, 0.0)
+    tr.report("a", 2**64 - 1, 1.0)
+    assert tr.progress("a", 1.0).ideal_s is None
+    tr.report("a", 2**64, 3.0)
+    tr.report("a", 2**64 + 1, 5.0)
+    p = tr.progress("a", 5.0)
+    assert p.ideal_s == pytest.approx(2.0) and p.rate == pytest.approx(1.0)
+
+
+def test_ranks_of_one_job_reporting_apart_are_not_restarts() -> None:
+    """Every rank of a data-parallel job reports (each its own ``Progress``): a rank's
+    batch arrives after another's newer one, with lower counts stamped earlier. Those are
+    late reports, not the job starting over: the window and the long-run rate stay."""
+    tr = ProgressTracker()
+    tr.register("a", now=0.0, ideal_s=0.05)
+    for k in range(1, 200):  # rank 0 sends iterations up to 2k, then rank 1 up to 2k - 1
+        tr.report("a", 2 * k, 0.1 * k)
+        tr.report("a", 2 * k - 1, 0.1 * k - 0.05)
+    p = tr.progress("a", 19.9)
+    assert p.restarts == 0
+    assert p.rate == pytest.approx(1.0)
+    # a restart is stamped after the newest report: the counter going back is one
+    tr.report("a", 0, 20.0)
+    assert tr.progress("a", 20.0).restarts == 1
+
+
+def test_a_clock_stepped_back_is_a_new_time_base_not_an_hour_of_late_reports() -> None:
+    """The host's clock steps back an hour (NTP, a resumed VM): the job's counter keeps
+    going up, stamped before its newest report. No counter runs ahead of its own past, so
+    that is the clock: the estimate goes on from the new time base, instead of dropping
+    every report for an hour while the job looks stalled."""
+    tr = ProgressTracker()
+    tr.register("a", now=0.0, ideal_s=1.0)
+    t = steady(tr, "a", 1.0, 100)
+    back = t - 3600.0
+    steady(tr, "a", 1.0, 20, t0=back + 1.0, start=101)
+    p = tr.progress("a", back + 21.0)
+    assert p.iterations == 121 and p.restarts == 1
+    assert p.period_s == pytest.approx(1.0) and p.rate == pytest.approx(1.0)

@@ -199,6 +199,31 @@ def test_burst_read_back_rounding_is_not_drift() -> None:
     assert tp.diff(replace(good, classes=rounded), ip) == ()
 
 
+def _as_the_kernel_keeps_it(c: tp.HtbClass) -> tp.HtbClass:
+    """``c`` read back: HTB keeps burst and cburst as their time at rate and ceil, in 32-bit
+    ticks of 64 ns (15.625 a microsecond), cut at 2**32 - 1."""
+
+    def kept(size: int, bps: int) -> int:
+        ticks = min(int(1_000_000 * size / (bps // 8) * 15.625), 0xFFFFFFFF)
+        return round(bps // 8 * ticks / 15.625 / 1_000_000)
+
+    return replace(c, burst=kept(c.burst, c.rate_bps), cburst=kept(c.cburst, c.ceil_bps))
+
+
+@pytest.mark.parametrize(("link", "shares"), [(100 * 10**6, [0.0] * 4), (8000, [0.001] * 8)])
+def test_a_class_too_slow_for_its_burst_is_not_drift_every_tick(
+    link: int, shares: list[float]
+) -> None:
+    """With no minimum share (or a very slow link) a class's rate is a few bytes a second:
+    128 KiB of burst would last longer than the kernel can hold, and read back cut short,
+    drift to repair on every tick. The plan asks for what the kernel keeps."""
+    ip = one(
+        tp.plan({"eth0": link}, {"a": 26}, {"a": 0}, shares, tp.TcOptions(default_share=0.001))
+    )
+    read_back = tuple(_as_the_kernel_keeps_it(c) for c in tp.state_after(ip).classes)
+    assert tp.diff(replace(tp.state_after(ip), classes=read_back), ip) == ()
+
+
 # --- a model of the kernel: every diff applies cleanly and reaches the plan ----------------
 
 

@@ -1,0 +1,43 @@
+"""A link's speed as the calling process's network namespace sees it (``SIOCETHTOOL``).
+
+``/sys/class/net/IF/speed`` describes the interfaces of the namespace that mounted /sys,
+not of the caller's: a daemon started with ``nsenter --net=`` still sees the host's /sys,
+where ``eth0`` is the host's eth0 (or none). The ioctl asks the kernel on a socket of the
+caller's own namespace, so it names the interface the daemon shapes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import socket
+import struct
+
+SIOCETHTOOL = 0x8946
+ETHTOOL_GSET = 0x00000001
+# struct ethtool_cmd: 44 bytes; speed (low 16 bits) at 12, speed_hi at 28
+_CMD_SIZE = 44
+_SPEED, _SPEED_HI = 12, 28
+_SPEED_UNKNOWN = 0xFFFFFFFF
+# struct ifreq: the name (16 bytes), then a union of 24 whose first member is the pointer
+_IFREQ = "16sP16x"
+_IFNAMSIZ = 16
+
+
+def link_speed_mbps(iface: str) -> int | None:
+    """Mb/s of ``iface`` in this process's network namespace; None when the kernel has no
+    speed for it (link down, a device without one) or no such interface."""
+    name = iface.encode()
+    if not name or len(name) >= _IFNAMSIZ:
+        return None
+    cmd = ctypes.create_string_buffer(struct.pack("=I", ETHTOOL_GSET), _CMD_SIZE)
+    ifreq = struct.pack(_IFREQ, name, ctypes.addressof(cmd))
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            fcntl.ioctl(sock.fileno(), SIOCETHTOOL, ifreq)
+    except OSError:
+        return None
+    (low,) = struct.unpack_from("=H", cmd, _SPEED)
+    (high,) = struct.unpack_from("=H", cmd, _SPEED_HI)
+    speed = low | high << 16
+    return None if speed in (0, _SPEED_UNKNOWN) else speed
