@@ -35,7 +35,7 @@ from gpud.admission.api import QueueServicer
 from gpud.admission.metrics import AdmissionMetrics
 from gpud.admission.service import AdmissionService, mig_file_layouts
 from gpud.api.node import NodeServicer
-from gpud.api.ports import NodeInfo
+from gpud.api.ports import FaultPort, NodeInfo
 from gpud.api.server import ApiServer
 from gpud.backend.port import GpuBackend, GpuIdentity
 from gpud.cluster.metrics import ClusterMetrics
@@ -154,6 +154,38 @@ class Overrun:
             raise ended
 
 
+class SampledFaults:
+    """The simulated node's faults, an injected XID answered once the sampler has taken it in
+    (the driver posts it to the event thread, which may not have run yet when the sample
+    that follows the injection is taken: ``gpuctl xid`` would not show it)."""
+
+    def __init__(self, faults: FaultPort, sampler: Sampler, wait_s: float = 2.0) -> None:
+        self._faults = faults
+        self._sampler = sampler
+        self._wait_s = wait_s
+
+    def xid(self, gpu: int, code: int) -> object:
+        before = self._sampler.events_handled()
+        done = self._faults.xid(gpu, code)
+        self._sampler.wait_events_handled(before + 1, self._wait_s)
+        return done
+
+    def lose(self, gpu: int) -> object:
+        return self._faults.lose(gpu)
+
+    def not_supported(self, gpu: int, field: str) -> object:
+        return self._faults.not_supported(gpu, field)
+
+    def slow(self, gpu: int, seconds: float) -> object:
+        return self._faults.slow(gpu, seconds)
+
+    def clear(self, gpu: int) -> object:
+        return self._faults.clear(gpu)
+
+    def active(self) -> object:
+        return self._faults.active()
+
+
 @dataclass
 class Step:
     """One isolated part of a loop pass."""
@@ -215,7 +247,7 @@ class Daemon:
             snapshots=self.sampler.latest,
             node_info=self.node_info,
             events=self.events,
-            faults=sim.faults if sim is not None else None,
+            faults=SampledFaults(sim.faults, self.sampler) if sim is not None else None,
             reboot=self._reboot_sim if sim is not None else None,
             workloads=sim.workloads if sim is not None else None,
             clear_xid=self._clear_xid,

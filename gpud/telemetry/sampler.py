@@ -155,6 +155,8 @@ class Sampler:
         self._listeners: list[Listener] = []
         self._dispatcher = Dispatcher(self._wait_s())
         self._xid = XidWatcher(backend, self._on_gpu_event, wait_s=event_wait_s)
+        self._events_handled = 0  # GPU events taken in, of any kind
+        self._handled = threading.Condition()
         self._closed = False
         self.ignored_xids = frozenset(ignored_xids)
         self._xid_state = xid_state
@@ -324,7 +326,26 @@ class Sampler:
 
     # -- events -------------------------------------------------------------------------
 
+    def events_handled(self) -> int:
+        """GPU events (XIDs, ECC errors) taken in since the start."""
+        with self._handled:
+            return self._events_handled
+
+    def wait_events_handled(self, count: int, timeout_s: float) -> bool:
+        """Wait until ``count`` GPU events were taken in (at most ``timeout_s``): an event the
+        driver posted reaches the samples only once the event thread has taken it."""
+        with self._handled:
+            return self._handled.wait_for(lambda: self._events_handled >= count, timeout_s)
+
     def _on_gpu_event(self, event: GpuEvent) -> None:
+        try:
+            self._take_event(event)
+        finally:
+            with self._handled:
+                self._events_handled += 1
+                self._handled.notify_all()
+
+    def _take_event(self, event: GpuEvent) -> None:
         slots = self._slots or []
         slot = next((s for s in slots if s.reader.index == event.gpu), None)
         uuid = slot.reader.identity.uuid if slot and slot.reader.identity else ""
