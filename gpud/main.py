@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpud import __version__, config, logsetup
+from gpud.backend.products import PRODUCTS
 from gpud.errors import ConfigError, GpudError
 from gpud.notify import Notifier
 
@@ -132,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         const=config.DEFAULT_SIMULATE,
         metavar="PRODUCT:COUNT,...",
         help="run a simulated node instead of real NVML "
-        f"(default {config.DEFAULT_SIMULATE}; products as NVML names them)",
+        f"(default {config.DEFAULT_SIMULATE}; products: {', '.join(PRODUCTS)}, "
+        "or their NVML names)",
     )
     # paths as given: the config makes them absolute and refuses "" (Path("") is ".")
     p.add_argument("--socket", help="gRPC unix socket (default <run-dir>/gpud.sock)")

@@ -259,6 +259,16 @@ def test_a_second_gpud_on_the_same_directories_stops_before_it_starts(
         os.close(fd)
 
 
+def test_simulate_help_names_the_products_it_takes() -> None:
+    # as --simulate takes them: gpud's product keys (NVML's names are taken too)
+    from gpud.backend.products import PRODUCTS
+
+    text = " ".join(build_parser().format_help().split())
+    for key in PRODUCTS:
+        assert key in text
+    assert "products as NVML names them" not in text
+
+
 def test_bad_flag_value_names_the_key() -> None:
     args = build_parser().parse_args(["--metrics-address", "x"])
     with pytest.raises(ConfigError, match=r"metrics\.address"):
