@@ -21,6 +21,7 @@ import re
 import stat
 import tomllib
 import types
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
@@ -246,16 +247,26 @@ class Config:
         return validate(config, path=source)
 
 
-def check_socket(config: Config, *, path: str) -> None:
+FLAGS_SOURCE = "command line"  # where an error says a flag's value came from
+
+
+def source(key: str, *, path: str, flags: Collection[str]) -> str:
+    """Where ``key``'s value came from, for an error about it: the command line when a flag
+    set it (``flags``: the dotted keys flags set), else the file ``path``."""
+    return FLAGS_SOURCE if key in flags else path
+
+
+def check_socket(config: Config, *, path: str, flags: Collection[str] = ()) -> None:
     """The API socket's path must fit a unix socket address: checked on the final config
     (flags over the file), not when the API binds at the end of start-up."""
     socket = os.fsencode(config.socket_path)
     if len(socket) > MAX_UNIX_PATH:
+        key = "api.socket" if config.api.socket is not None else "daemon.run_dir"
         raise ConfigError(
             f"the socket {config.socket_path} is {len(socket)} bytes long: a unix socket "
             f"path is at most {MAX_UNIX_PATH}",
-            path=path,
-            key="api.socket" if config.api.socket is not None else "daemon.run_dir",
+            path=source(key, path=path, flags=flags),
+            key=key,
         )
 
 

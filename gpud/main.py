@@ -14,12 +14,13 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpud import __version__, config, logsetup
+from gpud.backend.products import PRODUCTS
 from gpud.errors import ConfigError, GpudError
 from gpud.notify import Notifier
 
@@ -132,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         const=config.DEFAULT_SIMULATE,
         metavar="PRODUCT:COUNT,...",
         help="run a simulated node instead of real NVML "
-        f"(default {config.DEFAULT_SIMULATE}; products as NVML names them)",
+        f"(default {config.DEFAULT_SIMULATE}; products: {', '.join(PRODUCTS)}, "
+        "or their NVML names)",
     )
     # paths as given: the config makes them absolute and refuses "" (Path("") is ".")
     p.add_argument("--socket", help="gRPC unix socket (default <run-dir>/gpud.sock)")
@@ -169,8 +171,9 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def load_config(args: argparse.Namespace) -> config.Config:
     path = args.config or config.DEFAULT_PATH
     loaded = config.load(path, required=args.config is not None)
-    final = loaded.with_overrides(flag_overrides(args), source="command line")
-    config.check_socket(final, path=str(path))
+    flags = flag_overrides(args)
+    final = loaded.with_overrides(flags, source=config.FLAGS_SOURCE)
+    config.check_socket(final, path=str(path), flags=flags)
     check_cluster_files(final, path=str(path))
     return final
 
@@ -219,11 +222,12 @@ def check_mig_config_file(cfg: config.Config, *, path: str) -> None:
         raise ConfigError(str(err), path=path, key="admission.mig_config") from None
 
 
-def check_listen_hosts(cfg: config.Config, *, path: str) -> None:
+def check_listen_hosts(cfg: config.Config, *, path: str, flags: Collection[str] = ()) -> None:
     """That the hosts of ``metrics.address``, ``api.tcp_address`` and (with etcd)
     ``cluster.listen`` resolve to addresses of this host, as the start will need: a socket bound to each on port 0 (any free port),
     so that a port the running gpud serves on is no error. Only for ``--check-config``; the
-    start itself says the same when it binds."""
+    start itself says the same when it binds. ``flags``: the keys set by flags, named as
+    the command line's rather than the file's."""
     for key, address, used in (
         ("metrics.address", cfg.metrics.address, cfg.metrics.enabled),
         ("api.tcp_address", cfg.api.tcp_address, bool(cfg.api.tcp_address)),
@@ -231,7 +235,8 @@ def check_listen_hosts(cfg: config.Config, *, path: str) -> None:
     ):
         if not used:
             continue
-        host, _ = config.parse_address(address, path=path, key=key)
+        where = config.source(key, path=path, flags=flags)
+        host, _ = config.parse_address(address, path=where, key=key)
         try:
             infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
             family, kind, proto, _, addr = infos[0]
@@ -239,7 +244,7 @@ def check_listen_hosts(cfg: config.Config, *, path: str) -> None:
                 probe.bind(addr)
         except OSError as err:
             raise ConfigError(
-                f"{address!r}: cannot serve on {host}: {err.strerror or err}", path=path, key=key
+                f"{address!r}: cannot serve on {host}: {err.strerror or err}", path=where, key=key
             ) from None
 
 
@@ -252,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.check_config:
         try:
-            check_listen_hosts(cfg, path=str(args.config or config.DEFAULT_PATH))
+            check_listen_hosts(
+                cfg, path=str(args.config or config.DEFAULT_PATH), flags=flag_overrides(args)
+            )
             check_mig_config_file(cfg, path=str(args.config or config.DEFAULT_PATH))
         except ConfigError as err:
             print(f"gpud: config error: {err}", file=sys.stderr)

@@ -266,6 +266,16 @@ def test_a_second_gpud_on_the_same_directories_stops_before_it_starts(
         os.close(fd)
 
 
+def test_simulate_help_names_the_products_it_takes() -> None:
+    # as --simulate takes them: gpud's product keys (NVML's names are taken too)
+    from gpud.backend.products import PRODUCTS
+
+    text = " ".join(build_parser().format_help().split())
+    for key in PRODUCTS:
+        assert key in text
+    assert "products as NVML names them" not in text
+
+
 def test_bad_flag_value_names_the_key() -> None:
     args = build_parser().parse_args(["--metrics-address", "x"])
     with pytest.raises(ConfigError, match=r"metrics\.address"):
@@ -445,6 +455,28 @@ def test_a_socket_path_too_long_for_a_unix_socket_is_a_config_error(
     args = ["--check-config", "--config", str(path), "--socket", f"{long_dir}/sock"]
     assert main(args) == 2
     assert "daemon.run_dir" not in capsys.readouterr().err
+
+
+def test_a_flag_that_fails_a_check_is_named_as_the_command_line_not_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the file holds none of these keys: an error naming it would send the operator there
+    path = write(tmp_path, "")
+    long_dir = "/run/" + "d" * 100
+    assert main(["--check-config", "--config", str(path), "--socket", f"{long_dir}/sock"]) == 2
+    err = capsys.readouterr().err
+    assert f"command line:api.socket: the socket {long_dir}/sock is 110 bytes long" in err
+    assert main(["--check-config", "--config", str(path), "--run-dir", long_dir]) == 2
+    assert "command line:daemon.run_dir: the socket " in capsys.readouterr().err
+    args = ["--check-config", "--config", str(path), "--metrics-address", "192.0.2.7:9400"]
+    assert main(args) == 2
+    assert "command line:metrics.address: '192.0.2.7:9400': cannot serve on" in (
+        capsys.readouterr().err
+    )
+    # set in the file, the file is named even when other flags are given
+    path = write(tmp_path, f'[daemon]\nrun_dir = "{long_dir}"\n')
+    assert main(["--check-config", "--config", str(path), "--simulate"]) == 2
+    assert f"{path}:daemon.run_dir: the socket " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
