@@ -331,9 +331,9 @@ def _section(cls: type[Any], values: dict[str, Any], *, path: str, prefix: str) 
 
 def _coerce(raw: Any, hint: Any, *, path: str, key: str) -> Any:
     origin = get_origin(hint)
-    if origin is tuple:  # tuple[int, ...]: a TOML array
+    if origin is tuple:  # tuple[int, ...], tuple[str, ...]: a TOML array
         if not isinstance(raw, list | tuple):
-            raise ConfigError(f"must be a list, not {raw!r}", path=path, key=key)
+            raise ConfigError(f"must be an array, not {raw!r}", path=path, key=key)
         item = get_args(hint)[0]
         return tuple(_coerce(x, item, path=path, key=key) for x in raw)
     if origin is Literal:
@@ -347,11 +347,6 @@ def _coerce(raw: Any, hint: Any, *, path: str, key: str) -> Any:
             return None
         inner = next(a for a in get_args(hint) if a is not type(None))
         return _coerce(raw, inner, path=path, key=key)
-    if origin is tuple:  # "tuple[str, ...]": a TOML array
-        if not isinstance(raw, list | tuple):
-            raise ConfigError(f"must be an array, not {raw!r}", path=path, key=key)
-        inner = get_args(hint)[0]
-        return tuple(_coerce(v, inner, path=path, key=key) for v in raw)
     if isinstance(raw, str) and "\0" in raw:
         # the OS takes no NUL in a path, a group or a program name: refused here, not
         # as a ValueError from deep inside start-up

@@ -1,9 +1,10 @@
-"""A link's speed as the calling process's network namespace sees it (``SIOCETHTOOL``).
+"""A link's speed (``SIOCETHTOOL``) and whether it is up (``SIOCGIFFLAGS``), as the
+calling process's network namespace sees them.
 
-``/sys/class/net/IF/speed`` describes the interfaces of the namespace that mounted /sys,
-not of the caller's: a daemon started with ``nsenter --net=`` still sees the host's /sys,
-where ``eth0`` is the host's eth0 (or none). The ioctl asks the kernel on a socket of the
-caller's own namespace, so it names the interface the daemon shapes.
+``/sys/class/net/IF/speed`` and ``operstate`` describe the interfaces of the namespace that
+mounted /sys, not of the caller's: a daemon started with ``nsenter --net=`` still sees the
+host's /sys, where ``eth0`` is the host's eth0 (or none). The ioctls ask the kernel on a
+socket of the caller's own namespace, so they name the interface the daemon shapes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import socket
 import struct
 
 SIOCETHTOOL = 0x8946
+SIOCGIFFLAGS = 0x8913
+# ip link's LOWER_UP-and-UP: the kernel sets it when operstate is "up" or "unknown"
+IFF_RUNNING = 0x40
 ETHTOOL_GSET = 0x00000001
 # struct ethtool_cmd: 44 bytes; speed (low 16 bits) at 12, speed_hi at 28
 _CMD_SIZE = 44
@@ -22,6 +26,8 @@ _SPEED_UNKNOWN = 0xFFFFFFFF
 # struct ifreq: the name (16 bytes), then a union of 24 whose first member is the pointer
 _IFREQ = "16sP16x"
 _IFNAMSIZ = 16
+# struct ifreq with ifr_flags: the name, then a short (padded to the union's 24 bytes)
+_IFREQ_FLAGS = "16sh22x"
 
 
 def link_speed_mbps(iface: str) -> int | None:
@@ -41,3 +47,19 @@ def link_speed_mbps(iface: str) -> int | None:
     (high,) = struct.unpack_from("=H", cmd, _SPEED_HI)
     speed = low | high << 16
     return None if speed in (0, _SPEED_UNKNOWN) else speed
+
+
+def link_running(iface: str) -> bool | None:
+    """Whether ``iface`` in this process's network namespace is up with its carrier
+    (``ip link``'s ``state UP``, or ``UNKNOWN`` for a driver that reports no state); None
+    when there is no such interface."""
+    name = iface.encode()
+    if not name or len(name) >= _IFNAMSIZ:
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            answer = fcntl.ioctl(sock.fileno(), SIOCGIFFLAGS, struct.pack(_IFREQ_FLAGS, name, 0))
+    except OSError:
+        return None
+    (flags,) = struct.unpack_from("=h", answer, _IFNAMSIZ)
+    return bool(flags & IFF_RUNNING)

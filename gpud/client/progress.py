@@ -24,6 +24,12 @@ whole, an error of its own) is retried with a back-off. Reports that gpud reject
 call it refuses whole as invalid, are dropped and counted in :attr:`Progress.rejected`,
 with the first reason in :attr:`Progress.last_error`.
 
+On a node where a launcher starts one process per GPU (torchrun, DeepSpeed and Accelerate
+set ``$LOCAL_RANK``), only local rank 0 reports by default: the ranks of a job step
+together, one rank's count is the job's pace, and ranks reporting apart would interleave
+counts stamped microseconds apart, which skews the iteration time gpud learns. The other
+ranks' ``Progress`` are inert (no thread, no socket; ``active=True`` makes one report).
+
 A process forked from one that reports (PyTorch DataLoader workers, ``multiprocessing`` with
 the fork start method) holds an inert copy: its steps are not sent (the parent sends its
 own) and its exit does not wait for gpud. Create a new ``Progress`` in a child that reports.
@@ -51,6 +57,8 @@ log = logging.getLogger(__name__)
 
 JOB_VAR = "GPUD_JOB"
 SOCKET_VAR = "GPUD_SOCKET"
+# set by torchrun, DeepSpeed and Accelerate: a process's rank among its node's
+RANK_VAR = "LOCAL_RANK"
 DEFAULT_SOCKET = Path("/run/gpud/gpud.sock")
 # Reports per call: the API's bound on a repeated field (gpud.api.validate.MAX_REPEATED),
 # which also keeps a call of long job names well within its bound on a request's size.
@@ -73,7 +81,8 @@ class Progress:
     ``/run/gpud/gpud.sock``; ``target`` (a gRPC target such as ``"unix:/run/gpud/gpud.sock"``
     or ``"127.0.0.1:50051"``) overrides the socket. ``contention_free_iteration_s`` is the
     iteration time the job has alone on the network, when profiled (gpud learns it
-    otherwise).
+    otherwise). ``active``: whether this one reports; by default unless ``$LOCAL_RANK`` names
+    a rank other than 0.
     """
 
     def __init__(
@@ -88,6 +97,7 @@ class Progress:
         max_buffer: int = 10_000,
         call_timeout_s: float = 2.0,
         clock: Callable[[], float] = time.time,
+        active: bool | None = None,
     ) -> None:
         name = job or os.environ.get(JOB_VAR, "")
         if not name:
@@ -125,6 +135,10 @@ class Progress:
         self._flushed = threading.Condition()
         self._channel: Any = None
         self._thread = threading.Thread(target=self._run, name=f"gpud-progress-{name}", daemon=True)
+        self.active = active if active is not None else os.environ.get(RANK_VAR, "0") in ("", "0")
+        if not self.active:
+            self._stop.set()  # another rank reports: steps are counted, never sent
+            return
         self._thread.start()
         atexit.register(self.close)
         _live.add(self)
@@ -142,6 +156,8 @@ class Progress:
     def flush(self, timeout: float | None = None) -> bool:
         """Send what is buffered now; True once everything so far was sent (or rejected)."""
         target = self._appended
+        if not self.active:
+            return True  # nothing of this rank's is to be sent
         if self._stop.is_set():  # closed, or a forked copy: no sender thread to wait for
             return self._drained >= target and not self._pending
         deadline = None if timeout is None else time.monotonic() + timeout

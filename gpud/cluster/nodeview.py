@@ -3,19 +3,21 @@
 Reads the job registry's reservations (which GPU / MIG UUIDs each job holds) and the
 sampler's latest snapshot (GPUs found lost or hung, each GPU's uncleared critical XIDs). A
 MIG device is unhealthy, and has the critical XIDs, of its GPU. A GPU not read since gpud
-started goes by the UUID it was last seen with: the one its jobs hold. Link state is the kernel's ``operstate`` of the interfaces the
-traffic service enforces (``cat /sys/class/net/IF/operstate``): a job's traffic leaves
-through them, so one that is down is down for every job on the node.
+started goes by the UUID it was last seen with: the one its jobs hold. Link state is the
+kernel's state of the interfaces the traffic service enforces, as gpud's own network
+namespace sees them (``ip link show IF``: ``state UP``, or ``UNKNOWN`` for a driver that
+reports none): a job's traffic leaves through them, so one that is down is down for every
+job on the node.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
 from typing import TypeVar
 
 from gpud.jobs.placement import Reservation
 from gpud.telemetry.snapshot import GpuSample, Snapshot
+from netshaper import ethtool
 
 T = TypeVar("T")
 
@@ -27,26 +29,18 @@ class DaemonNodeView:
         snapshot: Callable[[], Snapshot | None],
         *,
         interfaces: Iterable[str] = (),
-        sysfs_root: Path = Path("/sys"),
+        link_running: Callable[[str], bool | None] = ethtool.link_running,
     ) -> None:
         self._reservations = reservations
         self._snapshot = snapshot
         self._interfaces = tuple(interfaces)
-        self._sysfs = sysfs_root
+        self._link_running = link_running
 
     def links_up(self) -> bool | None:
-        """False if an enforced interface is not up, None without any (or unreadable)."""
+        """False if an enforced interface is not up or gone, None without any."""
         if not self._interfaces:
             return None
-        for name in self._interfaces:
-            try:
-                state = (self._sysfs / "class" / "net" / name / "operstate").read_text().strip()
-            except OSError:
-                return False  # gone
-            # "unknown": drivers (veth peers in some kernels, tun) that do not report it
-            if state not in ("up", "unknown"):
-                return False
-        return True
+        return all(self._link_running(name) for name in self._interfaces)
 
     def job_gpus(self) -> Mapping[str, tuple[str, ...]]:
         held: dict[str, list[str]] = {}

@@ -248,14 +248,14 @@ class MigManager:
                     jobs.append(job)
                 who = f"pid {p.pid}" + (f" (job {job})" if job else "")
                 parts.append(f"GPU {gpu} ({ids[gpu].product}) {where}: {who}")
-        head = (
-            f"processes still running after draining for {waited_s:.0f}s"
-            if waited_s is not None
-            else "refusing to destroy instances with running processes"
-        )
-        return Busy(
-            f"{head}: {'; '.join(parts)} (use drain or force)", pids=tuple(pids), jobs=tuple(jobs)
-        )
+        if waited_s is not None:
+            head = f"processes still running after draining for {waited_s:.0f}s"
+            # drain was asked for: what is left is a longer drain or force
+            hint = "stop them, drain longer (--drain-timeout) or force"
+        else:
+            head = "refusing to destroy instances with running processes"
+            hint = "use drain or force"
+        return Busy(f"{head}: {'; '.join(parts)} ({hint})", pids=tuple(pids), jobs=tuple(jobs))
 
     # ---------------------------------------------------------------- apply
 

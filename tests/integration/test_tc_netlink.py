@@ -404,3 +404,24 @@ def test_a_root_re_added_with_our_handle_is_rebuilt(net: Net, adapter: TcNetlink
     )
     assert "default 0x2" in net.tc("qdisc", "show", "dev", "a0")
     assert adapter.sync(want).op_count == 0
+
+
+def test_link_state_is_read_in_the_callers_network_namespace(net: Net) -> None:
+    """The cluster's node view under ``nsenter --net=``, the way gpud is started in a
+    namespace: /sys is still the host's there (its eth0 is the host's, a0 is not in it)."""
+    code = (
+        "from gpud.cluster.nodeview import DaemonNodeView\n"
+        "for names in (('a0',), ('eth0',), ('a0', 'a1')):\n"
+        "    print(DaemonNodeView(list, lambda: None, interfaces=names).links_up())\n"
+    )
+
+    def links_up() -> list[str]:
+        out = _run("nsenter", f"--net=/run/netns/{net.snd}", sys.executable, "-c", code)
+        return out.split()
+
+    assert links_up() == ["True", "False", "True"]
+    _run("ip", "-n", net.rcv, "link", "set", "b1", "down")  # a1 loses its carrier
+    deadline = time.monotonic() + 5  # the kernel's link watch takes up to a second
+    while (state := links_up()) != ["True", "False", "False"]:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.1)

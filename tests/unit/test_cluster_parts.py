@@ -130,17 +130,14 @@ def test_node_view_gives_each_device_its_gpus_uncleared_critical_xids() -> None:
     }
 
 
-def test_node_view_reads_link_state_from_sysfs(tmp_path: Path) -> None:
-    for name, state in (("eth0", "up"), ("eth1", "down")):
-        d = tmp_path / "class" / "net" / name
-        d.mkdir(parents=True)
-        (d / "operstate").write_text(state + "\n")
-    view = DaemonNodeView(list, lambda: None, interfaces=("eth0",), sysfs_root=tmp_path)
+def test_node_view_reads_the_state_of_each_enforced_link() -> None:
+    state = {"eth0": True, "eth1": False}  # up (or no state reported); down
+    view = DaemonNodeView(list, lambda: None, interfaces=("eth0",), link_running=state.get)
     assert view.links_up() is True
-    view = DaemonNodeView(list, lambda: None, interfaces=("eth0", "eth1"), sysfs_root=tmp_path)
+    view = DaemonNodeView(list, lambda: None, interfaces=("eth0", "eth1"), link_running=state.get)
     assert view.links_up() is False
     assert DaemonNodeView(list, lambda: None).links_up() is None
-    view = DaemonNodeView(list, lambda: None, interfaces=("gone0",), sysfs_root=tmp_path)
+    view = DaemonNodeView(list, lambda: None, interfaces=("gone0",), link_running=state.get)
     assert view.links_up() is False
 
 

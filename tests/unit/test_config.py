@@ -397,7 +397,7 @@ def test_ignored_xids_are_a_list_of_xids_each_range_checked(tmp_path: Path) -> N
     for bad, why in (
         ("[13, 0]", "0 is out of range: must be within [1, 999]"),
         ("[1000]", "1000 is out of range: must be within [1, 999]"),
-        ("13", "must be a list"),
+        ("13", "must be an array"),
         ('["13"]', "must be an integer"),
     ):
         path = write(tmp_path, f"[telemetry]\nignored_xids = {bad}\n")

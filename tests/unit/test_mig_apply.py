@@ -318,8 +318,10 @@ def test_drain_waits_for_processes_to_leave(host: Host, config: MigConfigFile) -
 def test_drain_times_out(host: Host, config: MigConfigFile) -> None:
     d, _pid = _busy_setup(host, config)
     before = instances(d)
-    with pytest.raises(Busy, match="after draining for 5s"):
+    with pytest.raises(Busy, match="after draining for 5s") as busy:
         d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(drain=True, timeout_s=5))
+    # drained already: the way on is a longer drain or force, not "use drain"
+    assert str(busy.value).endswith("(stop them, drain longer (--drain-timeout) or force)")
     assert sum(d.sleeps) == pytest.approx(5)
     assert instances(d) == before
 

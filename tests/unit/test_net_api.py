@@ -268,6 +268,33 @@ def test_progress_counts_rejected_reports(sock: Path) -> None:
     assert p.rejected == 1 and "no job 'nobody'" in p.last_error
 
 
+def test_only_local_rank_0_reports_unless_asked(
+    node: Node, sock: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four ranks of one job on a node, each with its own Progress (the README's loop under
+    torchrun): local rank 0's reports are the job's; the others send nothing, hold no
+    thread, and a flush of theirs has nothing to wait for."""
+    ranks = []
+    for rank in range(4):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        ranks.append(Progress("train-a", socket=sock, flush_interval_s=0.05))
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    asked = Progress("train-b", socket=sock, flush_interval_s=0.05, active=True)
+    try:
+        assert [p.active for p in ranks] == [True, False, False, False]
+        assert [p._thread.is_alive() for p in ranks] == [True, False, False, False]
+        for _ in range(20):
+            for p in (*ranks, asked):
+                p.step()
+        assert all(p.flush(timeout=10) for p in (*ranks, asked))
+    finally:
+        for p in (*ranks, asked):
+            p.close()
+    assert [p.sent for p in ranks] == [20, 0, 0, 0] and asked.sent == 20
+    assert [p.iterations for p in ranks] == [20] * 4  # counted on every rank all the same
+    assert node.service.accepted_reports == 40
+
+
 def test_progress_needs_a_job(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GPUD_JOB", raising=False)
     with pytest.raises(ValueError, match="no job name"):
