@@ -556,6 +556,37 @@ def test_check_config_checks_the_cluster_certificates(
     assert f"cluster.cert_file: {tmp_path}/n1.pem: no PEM certificate" in err, err
 
 
+def test_a_cluster_port_another_process_holds_is_named_with_its_key_and_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two gpuds on one host with the same cluster.listen: gRPC says only that the port
+    "cannot listen"; the start names the key and the reason, and exits 1 as for
+    metrics.address (the holder may be gone at the next try)."""
+    from tools.certs import make_ca, make_node
+
+    make_ca(tmp_path)
+    make_node(tmp_path, "n1", tmp_path, dns=("n1",))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        path = write(
+            tmp_path,
+            '[cluster]\nelection = "etcd"\nnode = "n1"\n'
+            f'listen = "127.0.0.1:{port}"\netcd_endpoints = "http://127.0.0.1:1"\n'
+            f'ca_file = "{tmp_path}/ca.pem"\ncert_file = "{tmp_path}/n1.pem"\n'
+            f'key_file = "{tmp_path}/n1-key.pem"\n',
+        )
+        flags = ["--simulate", "--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path)]
+        flags += ["--metrics-address", "127.0.0.1:0"]
+        assert main(["--config", str(path), *flags]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"cannot serve the cluster peer API on 127.0.0.1:{port}: Address already in use "
+        "(cluster.listen; what holds it: ss -ltnp)"
+    ) in err, err
+
+
 @pytest.mark.parametrize("flag", ["--state-dir", "--run-dir", "--socket"])
 def test_an_empty_path_flag_is_refused_not_taken_for_the_current_directory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
