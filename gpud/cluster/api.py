@@ -63,7 +63,9 @@ def peer_names(context: Any) -> set[str]:
 def _check_identity(context: Any, node: str) -> None:
     """A node reports only as itself: the name in its report must be in its certificate."""
     names = peer_names(context)
-    if node not in names:
+    # DNS names compare without case (RFC 4343), as TLS and the start's check of
+    # cluster.node against this node's own certificate do
+    if node.lower() not in {name.lower() for name in names}:
         raise PermissionDenied(
             f"a peer whose certificate names {', '.join(sorted(names)) or 'nothing'} "
             f"cannot report as {node!r}"
