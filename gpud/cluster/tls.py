@@ -274,12 +274,31 @@ def _check(
         )
     # the client verified the certificate, so its fields are there
     verified = c.getpeercert() or {}
+    if node is not None:
+        _check_names_node(verified, cert, node)
     not_after = ssl.cert_time_to_seconds(str(verified["notAfter"]))
     _warn_expiring("cluster.cert_file", cert, not_after, now)
     for authority in authorities:
         end = ssl.cert_time_to_seconds(str(authority["notAfter"]))
         _warn_expiring("cluster.ca_file", ca, end, now)
     return float(not_after)
+
+
+def _check_names_node(verified: dict[str, Any], cert: Path, node: str) -> None:
+    """That the certificate names ``node`` itself, as the leader checks a report (the
+    names in ``api.peer_names``, without case): TLS also matches a wildcard, which would
+    pass here and then have every report refused."""
+    sans = verified.get("subjectAltName") or ()
+    names = {str(value).lower() for _, value in sans}
+    if node.lower() in names:
+        return
+    dns = ", ".join(repr(str(value)) for kind, value in sans if kind == "DNS") or "nothing"
+    raise ConfigError(
+        f"{cert}: the certificate names {dns}, not node {node!r} (cluster.node) itself: "
+        "the leader takes a report only from a certificate that names its node, so that "
+        "no node can report as another; give the node a certificate of its own",
+        key="cluster.cert_file",
+    )
 
 
 def _warn_expiring(key: str, path: Path, not_after: float, now: float) -> None:
