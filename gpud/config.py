@@ -533,18 +533,56 @@ def _validate_cluster(c: ClusterConfig, *, path: str, tick_s: float) -> None:
                     path=path,
                     key=f"cluster.{key}",
                 )
-        endpoints = [e.strip() for e in c.etcd_endpoints.split(",") if e.strip()]
-        if not endpoints:
-            raise ConfigError("no endpoint", path=path, key="cluster.etcd_endpoints")
-        for endpoint in endpoints:
-            scheme, sep, rest = endpoint.partition("://")
-            if scheme not in ("http", "https") or not sep:
-                raise ConfigError(
-                    f"{endpoint!r} is not http(s)://HOST:PORT",
-                    path=path,
-                    key="cluster.etcd_endpoints",
-                )
-            parse_address(rest.rstrip("/"), path=path, key="cluster.etcd_endpoints")
+        _validate_etcd_auth(c, path=path)
+        _validate_etcd_endpoints(c.etcd_endpoints, path=path)
+
+
+def _validate_etcd_auth(c: ClusterConfig, *, path: str) -> None:
+    # etcd's user/password login needs both: a name alone logs in with an empty password
+    # (refused on every call), a password file alone is never read
+    if c.etcd_password_file is not None and not c.etcd_username:
+        raise ConfigError(
+            "needs cluster.etcd_username: without it the password is never sent",
+            path=path,
+            key="cluster.etcd_password_file",
+        )
+    if c.etcd_username and c.etcd_password_file is None:
+        raise ConfigError(
+            "needs cluster.etcd_password_file (the user's password); leave both out for "
+            "client certificate authentication (cluster.etcd_cert_file)",
+            path=path,
+            key="cluster.etcd_username",
+        )
+
+
+def _validate_etcd_endpoints(value: str, *, path: str) -> None:
+    key = "cluster.etcd_endpoints"
+    endpoints = [e.strip() for e in value.split(",") if e.strip()]
+    if not endpoints:
+        raise ConfigError("no endpoint", path=path, key=key)
+    for endpoint in endpoints:
+        scheme, sep, rest = endpoint.partition("://")
+        if scheme not in ("http", "https") or not sep:
+            raise ConfigError(f"{endpoint!r} is not http(s)://HOST:PORT", path=path, key=key)
+        # said here: parse_address would take these for a bad host or an IPv6 address
+        if any(ch.isspace() for ch in endpoint):
+            raise ConfigError(f"{endpoint!r}: separate endpoints with commas", path=path, key=key)
+        if "@" in rest:
+            raise ConfigError(
+                f"{scheme}://...@{rest.rpartition('@')[2]}: no credentials in the URL: set "
+                "cluster.etcd_username and cluster.etcd_password_file",
+                path=path,
+                key=key,
+            )
+        address = rest.rstrip("/")
+        if "/" in address:
+            raise ConfigError(
+                f"{endpoint!r}: no path: the client finds etcd's API path itself "
+                "(http(s)://HOST:PORT)",
+                path=path,
+                key=key,
+            )
+        parse_address(address, path=path, key=key)
 
 
 def _validate_traffic(t: TrafficConfig, *, path: str) -> None:

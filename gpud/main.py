@@ -185,7 +185,8 @@ def check_cluster_files(cfg: config.Config, *, path: str) -> None:
     c = cfg.cluster
     if c.election != "etcd":
         return
-    from gpud.cluster.tls import PeerTls  # ssl and grpc: only for a node of a cluster
+    # ssl and grpc: only for a node of a cluster
+    from gpud.cluster.tls import PeerTls, check_etcd_client_files
 
     try:
         PeerTls.load(c.ca_file, c.cert_file, c.key_file, node=c.node or socket.gethostname())
@@ -205,6 +206,10 @@ def check_cluster_files(cfg: config.Config, *, path: str) -> None:
             raise ConfigError(
                 f"cannot read {file}: {err.strerror}", path=path, key=f"cluster.{key}"
             ) from None
+    try:
+        check_etcd_client_files(c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file)
+    except ConfigError as err:
+        raise err.in_file(path) from None
 
 
 def check_mig_config_file(cfg: config.Config, *, path: str) -> None:

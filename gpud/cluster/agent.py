@@ -282,7 +282,7 @@ class ClusterAgent:
                     "does not hold it: another gpud under the same cluster.node, or this "
                     "one's previous run until its lease expires"
                 )
-        self._update_mode(info.leading)
+        self._update_mode(info)
         await self._read_alarms()
         await self._publish_problem()
 
@@ -549,8 +549,11 @@ class ClusterAgent:
             self._changed = asyncio.Event()
         return True
 
-    def _update_mode(self, leading: bool) -> None:
-        mode = self.fail_static.mode(self._clock(), leading=leading)
+    def _update_mode(self, info: LeaderInfo) -> None:
+        # the leader key naming this node while this gpud does not hold it is no leader
+        # to follow: another gpud under the same name, or this one's previous run
+        followable = bool(info.leader) and info.leader != self.node
+        mode = self.fail_static.mode(self._clock(), leading=info.leading, leader_known=followable)
         if mode == self.mode:
             return
         previous, self.mode = self.mode, mode

@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,7 +33,8 @@ from gpud.cluster.convert import (
 from gpud.cluster.leader import NodeSeen
 from gpud.cluster.model import NodeReport, Order
 from gpud.cluster.tls import PeerTls
-from gpud.errors import GpudError, InvalidArgument, PermissionDenied, Unavailable
+from gpud.config import parse_address
+from gpud.errors import ConfigError, GpudError, InvalidArgument, PermissionDenied, Unavailable
 from gpud.v1 import cluster_pb2 as pb
 from gpud.v1 import cluster_pb2_grpc as pb_grpc
 
@@ -60,7 +63,9 @@ def peer_names(context: Any) -> set[str]:
 def _check_identity(context: Any, node: str) -> None:
     """A node reports only as itself: the name in its report must be in its certificate."""
     names = peer_names(context)
-    if node not in names:
+    # DNS names compare without case (RFC 4343), as TLS and the start's check of
+    # cluster.node against this node's own certificate do
+    if node.lower() not in {name.lower() for name in names}:
         raise PermissionDenied(
             f"a peer whose certificate names {', '.join(sorted(names)) or 'nothing'} "
             f"cannot report as {node!r}"
@@ -179,6 +184,25 @@ class ClusterServicer(pb_grpc.ClusterServicer):
             )
 
 
+def _listen_error(address: str) -> GpudError:
+    """Why gRPC could not bind ``address`` (it logs the reason but raises nothing that
+    says it): a plain bind finds it out. A port another process holds may be free at the
+    next try (exit 1, systemd restarts gpud); any other reason is the config's (exit 2)."""
+    what = f"cannot serve the cluster peer API on {address}"
+    host, port = parse_address(address, path="config", key="cluster.listen")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(addr)
+    except OSError as err:
+        why = err.strerror or str(err)
+        if err.errno == errno.EADDRINUSE:
+            return Unavailable(f"{what}: {why} (cluster.listen; what holds it: ss -ltnp)")
+        return ConfigError(f"{what}: {why}", key="cluster.listen")
+    return GpudError(f"{what} (cluster.listen); gRPC's log line above says why")
+
+
 class PeerServer:
     """gRPC on TCP with mutual TLS, for :class:`ClusterPeerServicer` only."""
 
@@ -206,7 +230,7 @@ class PeerServer:
             log.debug("bind failed: %s", err)
         if port == 0:
             await server.stop(None)
-            raise GpudError(f"the cluster peer API cannot listen on {self.address}")
+            raise _listen_error(self.address)
         await server.start()
         self._server, self.port = server, port
         log.info("cluster peer API (mutual TLS) on %s", self.address.rsplit(":", 1)[0] + f":{port}")

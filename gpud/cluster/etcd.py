@@ -88,6 +88,16 @@ def _unb64(data: str) -> bytes:
     return base64.b64decode(data)
 
 
+def _key_value(kv: Mapping[str, Any]) -> KeyValue:
+    """One of the gateway's ``kvs`` (numbers come as strings, absent when 0)."""
+    return KeyValue(
+        value=_unb64(kv.get("value", "")),
+        create_revision=int(kv.get("create_revision", 0)),
+        mod_revision=int(kv.get("mod_revision", 0)),
+        lease=int(kv.get("lease", 0)),
+    )
+
+
 def _prefix_end(prefix: bytes) -> bytes:
     """The range end that covers every key starting with ``prefix``."""
     return prefix[:-1] + bytes([prefix[-1] + 1])
@@ -209,6 +219,12 @@ class EtcdClient:
         result = self._post("/lease/keepalive", {"ID": lease})
         return int(result.get("result", {}).get("TTL", -1))
 
+    def time_to_live(self, lease: int) -> tuple[int, int]:
+        """(seconds left, TTL granted) of ``lease`` (``etcdctl lease timetolive``); the
+        seconds left are -1 once it has expired."""
+        result = self._post("/lease/timetolive", {"ID": lease})
+        return int(result.get("TTL", -1)), int(result.get("grantedTTL", 0))
+
     def revoke(self, lease: int) -> None:
         """Drop ``lease`` and every key attached to it (a lease that is gone is fine)."""
         try:
@@ -224,23 +240,16 @@ class EtcdClient:
     def get(self, key: str) -> KeyValue | None:
         result = self._post("/kv/range", {"key": _b64(key)})
         kvs = result.get("kvs") or []
-        if not kvs:
-            return None
-        kv = kvs[0]
-        return KeyValue(
-            value=_unb64(kv.get("value", "")),
-            create_revision=int(kv.get("create_revision", 0)),
-            mod_revision=int(kv.get("mod_revision", 0)),
-            lease=int(kv.get("lease", 0)),
-        )
+        return _key_value(kvs[0]) if kvs else None
 
     def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        return {key: kv.value for key, kv in self.get_prefix_kvs(prefix).items()}
+
+    def get_prefix_kvs(self, prefix: str) -> dict[str, KeyValue]:
+        """Every key under ``prefix`` with its value, revisions and lease."""
         raw = prefix.encode()
         result = self._post("/kv/range", {"key": _b64(raw), "range_end": _b64(_prefix_end(raw))})
-        return {
-            _unb64(kv["key"]).decode(): _unb64(kv.get("value", ""))
-            for kv in result.get("kvs") or []
-        }
+        return {_unb64(kv["key"]).decode(): _key_value(kv) for kv in result.get("kvs") or []}
 
     def create(self, key: str, value: str, lease: int) -> int | None:
         """Put ``key`` only if it does not exist; its create revision, or None if it did."""

@@ -67,13 +67,15 @@ class FailStatic:
     def contact(self, now: float) -> None:
         self.last_contact = now
 
-    def mode(self, now: float, *, leading: bool) -> Mode:
+    def mode(self, now: float, *, leading: bool, leader_known: bool = True) -> Mode:
+        """``leader_known``: another node holds the leader key now; without one, a fresh
+        order is still only kept (a leader that just stepped down has nobody to follow)."""
         if leading:
             return Mode.LEADER
         if self.last_contact is None:
             return Mode.LOCAL  # never had an order: the node's own policy
         age = now - self.last_contact
-        if age <= self.fresh_s:
+        if age <= self.fresh_s and leader_known:
             return Mode.FOLLOWER
         if age <= self.grace_s:
             return Mode.HOLDING

@@ -3,22 +3,29 @@
 A node that cannot reach the leader, or whose report or certificate the leader refuses,
 is the one that knows why (the leader's TLS stack sees only a failed handshake). So each
 node publishes its own ``last_error`` in etcd, ``<prefix>/problems/<node>`` = ``{"message":
-..., "since": <Unix time>}`` (``etcdctl get --prefix <prefix>/problems/``), on a lease of
-``ttl_s`` renewed by publishing again, and deletes it once the problem is gone. The entry
-keeps one lease for as long as it lasts (``etcdctl lease list``: one per node with a
-problem); a clean stop revokes it, so the entry goes at once, and a node killed (or cut off
-from etcd) drops out when the lease expires. ``gpuctl cluster status`` on any node lists
-them.
+..., "since": <Unix time>, "for_s": <seconds it has lasted>}`` (``etcdctl get --prefix
+<prefix>/problems/``), on a lease of ``ttl_s`` renewed by publishing again, and deletes it
+once the problem is gone. The entry keeps one lease for as long as it lasts (``etcdctl
+lease list``: one per node with a problem); a clean stop revokes it, so the entry goes at
+once, and a node killed (or cut off from etcd) drops out when the lease expires.
+``gpuctl cluster status`` on any node lists them.
+
+Nodes' clocks may disagree by hours, so a reader does not take ``since`` as it stands: it
+takes ``for_s`` at the write, plus how long ago the write was (the lease renewed with it
+has run that long: its TTL granted less its TTL left), back from its own clock. An entry
+of an older gpud, without ``for_s``, is read by its ``since``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from gpud.cluster.etcd import EtcdClient
+from gpud.cluster.etcd import EtcdClient, KeyValue
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +37,7 @@ REPUBLISH_S = 10.0  # well inside the lease: one missed round does not drop a pr
 class Problem:
     node: str
     message: str
-    since: float  # Unix time it began
+    since: float  # Unix time it began, by the reader's clock
 
 
 class ProblemBoard(Protocol):
@@ -48,10 +55,18 @@ class ProblemBoard(Protocol):
 class EtcdProblemBoard:
     """Called from one thread at a time (the agent's round, then its stop)."""
 
-    def __init__(self, client: EtcdClient, *, prefix: str, ttl_s: int = TTL_S) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        *,
+        prefix: str,
+        ttl_s: int = TTL_S,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self._client = client
         self._prefix = prefix.rstrip("/") + "/problems/"
         self._ttl_s = ttl_s
+        self._wall = wall
         self._leases: dict[str, int] = {}  # node -> the lease its entry is on
 
     def publish(self, node: str, message: str, since: float) -> None:
@@ -63,7 +78,9 @@ class EtcdProblemBoard:
         if not lease:
             lease, _ = self._client.grant(self._ttl_s)
             self._leases[node] = lease
-        value = json.dumps({"message": message, "since": since})
+        # for_s by this node's clock alone, so that a reader need not share it
+        lasted = max(0.0, self._wall() - since)
+        value = json.dumps({"message": message, "since": since, "for_s": lasted})
         self._client.put(self._prefix + node, value, lease=lease)
 
     def clear(self, node: str) -> None:
@@ -83,14 +100,23 @@ class EtcdProblemBoard:
 
     def read(self) -> list[Problem]:
         out = []
-        for key, raw in sorted(self._client.get_prefix(self._prefix).items()):
+        for key, kv in sorted(self._client.get_prefix_kvs(self._prefix).items()):
             try:
-                data = json.loads(raw)
-                out.append(
-                    Problem(
-                        key.removeprefix(self._prefix), str(data["message"]), float(data["since"])
-                    )
-                )
+                data = json.loads(kv.value)
+                message, since = str(data["message"]), float(data["since"])
+                lasted = data.get("for_s")
             except (ValueError, KeyError, TypeError):
                 log.debug("cluster: unreadable problem entry %s", key)
+                continue
+            if isinstance(lasted, int | float) and not isinstance(lasted, bool):
+                since = self._wall() - float(lasted) - self._written_ago(kv)
+            out.append(Problem(key.removeprefix(self._prefix), message, since))
         return out
+
+    def _written_ago(self, kv: KeyValue) -> float:
+        """Seconds since ``kv`` was written, by its lease (renewed at each write); etcd
+        says whole seconds left, rounded down, hence the second taken back."""
+        if not kv.lease:
+            return 0.0
+        left, granted = self._client.time_to_live(kv.lease)
+        return max(0.0, float(granted - left - 1)) if left > 0 else 0.0

@@ -147,27 +147,81 @@ class PeerTls:
 def _context(purpose: int, ca_text: str, cert: Path, key: Path) -> ssl.SSLContext:
     ctx = ssl.SSLContext(purpose)
     ctx.load_verify_locations(cadata=ca_text)  # parsed before
+    _load_chain(ctx, cert, key, "cluster.key_file")
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def _load_chain(ctx: ssl.SSLContext, cert: Path, key: Path, key_name: str) -> None:
+    """``cert`` (parsed before) and ``key`` into ``ctx``; a ConfigError naming ``key_name``
+    when the key is encrypted, unreadable or not the certificate's."""
     try:
         ctx.load_cert_chain(cert, key, password=_no_passphrase)
     except _Encrypted:
         raise ConfigError(
-            f"{key}: the key is encrypted; gRPC needs it unencrypted (mode 0600)",
-            key="cluster.key_file",
+            f"{key}: the key is encrypted; gpud needs it unencrypted (mode 0600)",
+            key=key_name,
         ) from None
     except ssl.SSLError as err:
         if err.reason == "KEY_VALUES_MISMATCH":
             raise ConfigError(
-                f"{key} is not the key of the certificate {cert}", key="cluster.key_file"
+                f"{key} is not the key of the certificate {cert}", key=key_name
             ) from err
         # the certificate parsed (checked before), so it is the key that does not
         why = f" ({err.reason})" if err.reason and err.reason != "PEM_LIB" else ""
         raise ConfigError(
-            f"{key}: no PEM private key can be read from it{why}", key="cluster.key_file"
+            f"{key}: no PEM private key can be read from it{why}", key=key_name
         ) from err
     except OSError as err:  # gone since it was read
         raise ConfigError(f"cannot read {cert} or {key}: {err.strerror}") from err
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
+
+
+def _parse_certificates(path: Path, text: str, key_name: str) -> None:
+    """That ``text`` (``path``'s) holds PEM certificates; a ConfigError naming ``key_name``."""
+    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        probe.load_verify_locations(cadata=text)
+    except ssl.SSLError as err:
+        why = f" ({err.reason})" if err.reason else ""
+        raise ConfigError(
+            f"{path}: no PEM certificate can be read from it{why}", key=key_name
+        ) from err
+
+
+def check_etcd_client_files(
+    ca_file: Path | None, cert_file: Path | None, key_file: Path | None
+) -> None:
+    """etcd's CA, client certificate and key (``cluster.etcd_*``), checked as its HTTP
+    client will load them: it silently drops a certificate without its key (or a key
+    without its certificate), and a file it cannot use fails every call as "etcd
+    unreachable", naming neither the key nor the file. Not verified against a CA: etcd
+    checks the client certificate against its own ``--trusted-ca-file``, which gpud does
+    not know, and ``etcd_ca_file`` verifies etcd's server certificate only."""
+    for name, path, pair, pair_name in (
+        ("cluster.etcd_cert_file", cert_file, key_file, "cluster.etcd_key_file"),
+        ("cluster.etcd_key_file", key_file, cert_file, "cluster.etcd_cert_file"),
+    ):
+        if path is not None and pair is None:
+            raise ConfigError(
+                f"needed with {name} ({path}): etcd's client certificate authentication "
+                "takes the certificate and its key",
+                key=pair_name,
+            )
+    for name, path in (("cluster.etcd_ca_file", ca_file), ("cluster.etcd_cert_file", cert_file)):
+        if path is not None:
+            _parse_certificates(path, _pem_text(_read(path, name)), name)
+    if cert_file is not None and key_file is not None:
+        _read(key_file, "cluster.etcd_key_file")
+        _load_chain(
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), cert_file, key_file, "cluster.etcd_key_file"
+        )
+
+
+def _read(path: Path, key_name: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"cannot read {path}: {err.strerror}", key=key_name) from err
 
 
 def _check(
@@ -182,14 +236,7 @@ def _check(
     """See :meth:`PeerTls.load`; the certificate's notAfter (Unix time)."""
     ca_text = _pem_text(values["ca_file"])
     for name, path, text in (("ca_file", ca, ca_text), ("cert_file", cert, None)):
-        probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        try:
-            probe.load_verify_locations(cadata=text or _pem_text(values[name]))
-        except ssl.SSLError as err:
-            why = f" ({err.reason})" if err.reason else ""
-            raise ConfigError(
-                f"{path}: no PEM certificate can be read from it{why}", key=f"cluster.{name}"
-            ) from err
+        _parse_certificates(path, text or _pem_text(values[name]), f"cluster.{name}")
     server = _context(ssl.PROTOCOL_TLS_SERVER, ca_text, cert, key)
     client = _context(ssl.PROTOCOL_TLS_CLIENT, ca_text, cert, key)
     client.check_hostname = node is not None
@@ -227,12 +274,31 @@ def _check(
         )
     # the client verified the certificate, so its fields are there
     verified = c.getpeercert() or {}
+    if node is not None:
+        _check_names_node(verified, cert, node)
     not_after = ssl.cert_time_to_seconds(str(verified["notAfter"]))
     _warn_expiring("cluster.cert_file", cert, not_after, now)
     for authority in authorities:
         end = ssl.cert_time_to_seconds(str(authority["notAfter"]))
         _warn_expiring("cluster.ca_file", ca, end, now)
     return float(not_after)
+
+
+def _check_names_node(verified: dict[str, Any], cert: Path, node: str) -> None:
+    """That the certificate names ``node`` itself, as the leader checks a report (the
+    names in ``api.peer_names``, without case): TLS also matches a wildcard, which would
+    pass here and then have every report refused."""
+    sans = verified.get("subjectAltName") or ()
+    names = {str(value).lower() for _, value in sans}
+    if node.lower() in names:
+        return
+    dns = ", ".join(repr(str(value)) for kind, value in sans if kind == "DNS") or "nothing"
+    raise ConfigError(
+        f"{cert}: the certificate names {dns}, not node {node!r} (cluster.node) itself: "
+        "the leader takes a report only from a certificate that names its node, so that "
+        "no node can report as another; give the node a certificate of its own",
+        key="cluster.cert_file",
+    )
 
 
 def _warn_expiring(key: str, path: Path, not_after: float, now: float) -> None:

@@ -201,14 +201,39 @@ def test_nodes_problems_are_published_read_and_cleared_in_etcd(etcd: LocalEtcd) 
     board.publish("n1", "refused", 1.6e9)
     client.put(f"{prefix}/problems/n9", "not json")  # an unreadable entry is skipped
     assert board.read() == [
-        Problem("n1", "refused", 1.6e9),
-        Problem("n2", "leader n0 at a0: UNAVAILABLE", 1.7e9),
+        Problem("n1", "refused", pytest.approx(1.6e9, abs=2)),
+        Problem("n2", "leader n0 at a0: UNAVAILABLE", pytest.approx(1.7e9, abs=2)),
     ]
     kv = client.get(f"{prefix}/problems/n2")
     assert kv is not None and kv.lease != 0  # it goes with its lease when n2 stops
     board.clear("n2")
     board.clear("n2")  # twice is fine
     assert [p.node for p in board.read()] == ["n1"]
+
+
+def test_a_problems_start_is_read_in_the_readers_clock_whatever_the_publishers(
+    etcd: LocalEtcd,
+) -> None:
+    """A node whose clock is an hour ahead or behind publishes when its problem began by
+    that clock; every other node must still see how long ago that was, not an hour more
+    or a problem that seems to begin in the future."""
+    from gpud.cluster.problems import EtcdProblemBoard
+
+    client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
+    prefix = f"/gpud-test-{time.monotonic_ns()}"
+    for node, skew_s, lasted_s in (("ahead", 3600.0, 20.0), ("behind", -3600.0, 5.0)):
+
+        def skewed(skew_s: float = skew_s) -> float:
+            return time.time() + skew_s
+
+        board = EtcdProblemBoard(client, prefix=prefix, ttl_s=30, wall=skewed)
+        board.publish(node, "leader n0 at a0: UNAVAILABLE", skewed() - lasted_s)
+    time.sleep(1.2)  # read a while after the writes, as gpuctl would
+    ages = {p.node: time.time() - p.since for p in EtcdProblemBoard(client, prefix=prefix).read()}
+    assert ages == {
+        "ahead": pytest.approx(21.2, abs=1.1),
+        "behind": pytest.approx(6.2, abs=1.1),
+    }
 
 
 def test_a_clean_stop_drops_the_nodes_problem_at_once_on_its_one_lease(etcd: LocalEtcd) -> None:

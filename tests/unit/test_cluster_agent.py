@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import pytest
 
@@ -245,6 +246,28 @@ async def test_without_a_leader_the_last_order_holds_until_the_grace_period_ends
     clock.now += 25
     await f.tick()
     assert f.mode is Mode.LOCAL and traffic.order is None  # clear_order: local policy
+
+
+async def test_a_leader_that_steps_down_holds_rather_than_follows_nobody(tmp_path: Path) -> None:
+    """A leader cut off from etcd steps down with no leader known: it keeps its last order,
+    which is holding, not following (fresh as that order is), and says so at once."""
+    clock, peers, events = Clock(), LoopbackPeers(), EventLog(tmp_path / "events.jsonl")
+    traffic = FakeTraffic((job("a", 0.5),))
+    election = FixedElection(LeaderInfo("n0", "a0", 9, True))
+    leader = agent("n0", election.info, traffic, peers, clock, events=events)
+    leader.election = election
+    await leader.tick()
+    assert leader.mode is Mode.LEADER and traffic.order is not None
+    election.info = LeaderInfo("", "", 9, False, False, "cannot reach etcd")
+    clock.now += 0.5  # well within the time an order counts as fresh
+    await leader.tick()
+    assert leader.mode is Mode.HOLDING and traffic.order is not None
+    modes = [e.fields["mode"] for e in events.recent(kind_prefix="cluster.mode")]
+    assert "follower" not in modes, modes
+    # a gpud whose name the leader key holds, but not on its lease: nobody it follows
+    election.info = LeaderInfo("n0", "a9", 11, False)
+    await leader.tick()
+    assert leader.mode is Mode.HOLDING
 
 
 async def test_tags_survive_a_change_of_leader() -> None:

@@ -202,6 +202,17 @@ def test_a_certificate_must_name_its_node(pki: Path) -> None:
     assert PeerTls.load(pki / "ca.pem", pki / "n1.pem", pki / "n1-key.pem", node="n1")
 
 
+def test_a_wildcard_certificate_does_not_name_a_node(pki: Path) -> None:
+    """TLS matches *.gpu.example to n7.gpu.example, but the leader takes a report only
+    from a certificate that names the node itself (so that no node can report as
+    another): a node with a wildcard certificate would have every report refused."""
+    make_node(pki, "*.gpu.example", pki)
+    cert, key = pki / "*.gpu.example.pem", pki / "*.gpu.example-key.pem"
+    with pytest.raises(ConfigError, match=r"names '\*\.gpu\.example', not node 'n7") as err:
+        PeerTls.load(pki / "ca.pem", cert, key, node="n7.gpu.example")
+    assert err.value.key == "cluster.cert_file"
+
+
 def test_an_encrypted_key_is_named_without_a_prompt(pki: Path, tmp_path: Path) -> None:
     from cryptography.hazmat.primitives import serialization
 
@@ -294,6 +305,10 @@ async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path
             await stranger.report(address, "leader", report)
         with pytest.raises(Unavailable, match=r"PERMISSION_DENIED.*cannot report as 'n2'"):
             await member.report(address, "leader", NodeReport("n2", (JobReport("a", 0.5),)))
+        # DNS names compare without case (RFC 4343), as the start's check of cluster.node
+        # against the certificate does: node "N1" with a certificate for n1 reports
+        upper = NodeReport("N1", (JobReport("a", 0.5),))
+        assert await member.report(address, "leader", upper) is None  # taken, not refused
         with pytest.raises(Unavailable):  # the leader's certificate does not name "n9"
             await member.report(address, "n9", report)
         async with grpc.aio.insecure_channel(address) as channel:

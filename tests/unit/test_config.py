@@ -93,6 +93,28 @@ _ETCD = (
             r"less than 2 x daemon.tick_s \(0.5 s\) \+ cluster.report_timeout_s \(1 s\) = 2 s",
         ),
         (_ETCD + "[daemon]\ntick_s = 3\n", "cluster.node_timeout_s", "the leader would forget"),
+        # etcd's user/password authentication needs both; either alone is never used
+        (
+            _ETCD + 'etcd_password_file = "pw"\n',
+            "cluster.etcd_password_file",
+            "needs cluster.etcd_username",
+        ),
+        (_ETCD + 'etcd_username = "gpud"\n', "cluster.etcd_username", "needs cluster.etcd_pass"),
+        (
+            _ETCD + 'etcd_endpoints = "https://gpud:secret@10.0.0.1:2379"\n',
+            "cluster.etcd_endpoints",
+            "no credentials in the URL: set cluster.etcd_username and cluster.etcd_password_file",
+        ),
+        (
+            _ETCD + 'etcd_endpoints = "http://10.0.0.1:2379 http://10.0.0.2:2379"\n',
+            "cluster.etcd_endpoints",
+            "separate endpoints with commas",
+        ),
+        (
+            _ETCD + 'etcd_endpoints = "http://10.0.0.1:2379/v3"\n',
+            "cluster.etcd_endpoints",
+            "no path: the client finds etcd's API path itself",
+        ),
     ],
 )
 def test_bad_config_names_file_and_key(tmp_path: Path, text: str, key: str, why: str) -> None:
@@ -566,6 +588,37 @@ def test_check_config_checks_the_cluster_certificates(
     assert f"cluster.cert_file: {tmp_path}/n1.pem: no PEM certificate" in err, err
 
 
+def test_a_cluster_port_another_process_holds_is_named_with_its_key_and_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two gpuds on one host with the same cluster.listen: gRPC says only that the port
+    "cannot listen"; the start names the key and the reason, and exits 1 as for
+    metrics.address (the holder may be gone at the next try)."""
+    from tools.certs import make_ca, make_node
+
+    make_ca(tmp_path)
+    make_node(tmp_path, "n1", tmp_path, dns=("n1",))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        path = write(
+            tmp_path,
+            '[cluster]\nelection = "etcd"\nnode = "n1"\n'
+            f'listen = "127.0.0.1:{port}"\netcd_endpoints = "http://127.0.0.1:1"\n'
+            f'ca_file = "{tmp_path}/ca.pem"\ncert_file = "{tmp_path}/n1.pem"\n'
+            f'key_file = "{tmp_path}/n1-key.pem"\n',
+        )
+        flags = ["--simulate", "--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path)]
+        flags += ["--metrics-address", "127.0.0.1:0"]
+        assert main(["--config", str(path), *flags]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"cannot serve the cluster peer API on 127.0.0.1:{port}: Address already in use "
+        "(cluster.listen; what holds it: ss -ltnp)"
+    ) in err, err
+
+
 @pytest.mark.parametrize("flag", ["--state-dir", "--run-dir", "--socket"])
 def test_an_empty_path_flag_is_refused_not_taken_for_the_current_directory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
@@ -597,7 +650,8 @@ def test_check_config_names_the_file_and_key_of_every_cluster_problem(
         ('listen = "192.0.2.7:7443"\n', f"{path}:cluster.listen: '192.0.2.7:7443': cannot serve"),
         # files the start reads
         (
-            f'listen = "127.0.0.1:0"\netcd_password_file = "{tmp_path}/none"\n',
+            f'listen = "127.0.0.1:0"\netcd_username = "gpud"\n'
+            f'etcd_password_file = "{tmp_path}/none"\n',
             f"{path}:cluster.etcd_password_file: cannot read {tmp_path}/none",
         ),
         (
@@ -610,3 +664,57 @@ def test_check_config_names_the_file_and_key_of_every_cluster_problem(
         assert main(["--check-config", "--config", str(path)]) == 2
         err = capsys.readouterr().err
         assert where in err, err
+
+
+def test_check_config_checks_etcds_client_certificate_and_key_as_a_pair(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """etcd's HTTP client drops a certificate without its key (and a key without its
+    certificate) and reports a bad file only as "etcd unreachable" on every call: each is
+    a config error naming the key and the file, as for the peer API's files."""
+    from tools.certs import make_ca, make_node
+
+    make_ca(tmp_path)
+    make_node(tmp_path, "n1", tmp_path, dns=("n1",))
+    other = tmp_path / "other"
+    make_ca(other)
+    make_node(other, "gpud", other)
+    base = (
+        '[cluster]\nelection = "etcd"\nnode = "n1"\nlisten = "127.0.0.1:0"\n'
+        f'ca_file = "{tmp_path}/ca.pem"\ncert_file = "{tmp_path}/n1.pem"\n'
+        f'key_file = "{tmp_path}/n1-key.pem"\n'
+    )
+    cert, key = f"{other}/gpud.pem", f"{other}/gpud-key.pem"
+    path = write(
+        tmp_path,
+        base + f'etcd_ca_file = "{other}/ca.pem"\n'
+        f'etcd_cert_file = "{cert}"\netcd_key_file = "{key}"\n',
+    )
+    assert main(["--check-config", "--config", str(path)]) == 0
+    for extra, where in [
+        (
+            f'etcd_cert_file = "{cert}"\n',
+            "cluster.etcd_key_file: needed with cluster.etcd_cert_file",
+        ),
+        (
+            f'etcd_key_file = "{key}"\n',
+            "cluster.etcd_cert_file: needed with cluster.etcd_key_file",
+        ),
+        (
+            f'etcd_cert_file = "{cert}"\netcd_key_file = "{tmp_path}/n1-key.pem"\n',
+            f"cluster.etcd_key_file: {tmp_path}/n1-key.pem is not the key of the "
+            f"certificate {cert}",
+        ),
+        (
+            f'etcd_cert_file = "{key}"\netcd_key_file = "{key}"\n',
+            f"cluster.etcd_cert_file: {key}: no PEM certificate can be read from it",
+        ),
+        (
+            f'etcd_ca_file = "{key}"\n',
+            f"cluster.etcd_ca_file: {key}: no PEM certificate can be read from it",
+        ),
+    ]:
+        path = write(tmp_path, base + extra)
+        assert main(["--check-config", "--config", str(path)]) == 2, extra
+        err = capsys.readouterr().err
+        assert f"{path}:{where}" in err, err
