@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -202,6 +203,21 @@ class ControlDaemon:
                 os.kill(pid, sig)
             if self._wait_exit(pid, 2.0):
                 return
+
+    def remove_directory(self) -> bool:
+        """Remove the device's pipe and log directories once its device is gone (a MIG
+        device's UUID is never used again, so nothing else would ever remove them). False,
+        leaving them, while a daemon still runs from them or they cannot be removed."""
+        if self.pid() is not None or self._orphan() is not None:
+            return False
+        try:
+            shutil.rmtree(self.directory)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            log.warning("cannot remove %s: %s", err.filename or self.directory, err.strerror)
+            return False
+        return True
 
     def kill(self) -> None:
         """SIGKILL a daemon that stopped answering (it is restarted afterwards)."""
