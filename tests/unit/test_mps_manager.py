@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from gpud.backend.port import MigMode, unknown_identity
 from gpud.cli.mps import device_row
 from gpud.errors import (
+    BackendError,
     DriverTimeout,
     FailedPrecondition,
     InvalidArgument,
@@ -720,3 +721,36 @@ def test_directories_of_devices_gone_while_gpud_was_down_are_removed(root: Path)
     finally:
         second.stop()
         store.close()
+
+
+def _statvfs(free_bytes: int, free_files: int = 1000) -> os.statvfs_result:
+    # f_bsize, f_frsize, f_blocks, f_bfree, f_bavail, f_files, f_ffree, f_favail, f_flag,
+    # f_namemax
+    blocks = free_bytes // 4096
+    return os.statvfs_result((4096, 4096, 16, blocks, blocks, 2000, free_files, free_files, 0, 255))
+
+
+@pytest.mark.parametrize(
+    ("space", "said"),
+    [
+        (_statvfs(0), "no space left"),
+        (_statvfs(8192), "8 KiB free"),
+        (_statvfs(1 << 30, free_files=0), "no inodes left"),
+        (_statvfs(1 << 30), None),
+    ],
+)
+def test_a_daemon_that_fails_to_start_on_a_full_run_dir_says_so(
+    root: Path, space: os.statvfs_result, said: str | None
+) -> None:
+    # the control daemon writes its PID file, socket and log there, and says no more than
+    # that it failed: the operator is told the file system is full, and which
+    daemon = ControlDaemon(
+        gpu_uuid(0), root / "run", ["/bin/false"], sleep=lambda s: None, statvfs=lambda p: space
+    )
+    with pytest.raises(BackendError) as err:
+        daemon.start()
+    if said is None:
+        assert "free" not in str(err.value) and "left" not in str(err.value)
+    else:
+        assert said in str(err.value)
+        assert f"on the file system of {root / 'run' / 'mps'}" in str(err.value)
