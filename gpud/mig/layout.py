@@ -232,6 +232,8 @@ class _Loader(yaml.SafeLoader):
 
 def _load_yaml(text: str, path: str | None) -> Any:
     loader = _Loader(text)
+    if path is not None:
+        loader.name = path  # marks in errors say where: the file, not "<unicode string>"
     try:
         node = loader.get_single_node()
         if node is None:

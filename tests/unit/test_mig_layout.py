@@ -241,3 +241,10 @@ def test_a_config_that_matches_no_gpu_of_the_node_is_refused() -> None:
         empty.layouts("x", gpus)
     # a node without GPUs has nothing to match
     assert a100_only.layouts("x", []) == {}
+
+
+def test_a_yaml_error_names_the_file_not_a_unicode_string() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config('version: v1\nmig-configs:\n  a: {"x": 1\n', path="/etc/mig.yaml")
+    assert "<unicode string>" not in str(err.value)
+    assert 'in "/etc/mig.yaml", line 4' in str(err.value)
