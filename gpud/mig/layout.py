@@ -157,8 +157,17 @@ class MigConfigFile:
     path: str | None = None  # the file it was read from, for messages
 
     def layouts(self, name: str, gpus: Sequence[GpuIdentity]) -> dict[int, DeviceLayout]:
-        """:func:`resolve` config ``name`` on ``gpus``, naming this file and config in errors."""
-        return resolve(self.config(name), gpus, where=self.where(name))
+        """:func:`resolve` config ``name`` on ``gpus``, naming this file and config in errors.
+
+        Each GPU no entry matches is left alone, as mig-parted does; a config that matches
+        none of the GPUs (its device filters name other products) would apply nothing and
+        report success, and is refused instead (:class:`InvalidArgument`).
+        """
+        entries = self.config(name)
+        layouts = resolve(entries, gpus, where=self.where(name))
+        if gpus and not layouts:
+            raise _matches_none(entries, gpus, self.where(name))
+        return layouts
 
     def where(self, name: str) -> str:
         """``mig-configs.NAME in PATH``: where config ``name`` is, for messages."""
@@ -196,8 +205,35 @@ def _expanded_nodes(node: yaml.Node, seen: dict[int, int]) -> int:
     return total
 
 
+class _Loader(yaml.SafeLoader):
+    """Mapping keys are the text the file spells: names (configs, profiles, keys) are
+    strings to mig-parted, and YAML 1.1 would read a config named ``off`` as false and one
+    named ``010`` as 8, which ``-c off`` would then never find."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        self.flatten_mapping(node)  # "<<" merge keys, as SafeLoader has them
+        out: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                key: Any = key_node.value
+            else:  # a collection as a key: constructed (and refused as unhashable) as before
+                key = self.construct_object(key_node, deep=deep)
+            try:
+                out[key] = self.construct_object(value_node, deep=deep)
+            except TypeError as err:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found an unhashable key ({err})",
+                    key_node.start_mark,
+                ) from err
+        return out
+
+
 def _load_yaml(text: str, path: str | None) -> Any:
-    loader = yaml.SafeLoader(text)
+    loader = _Loader(text)
+    if path is not None:
+        loader.name = path  # marks in errors say where: the file, not "<unicode string>"
     try:
         node = loader.get_single_node()
         if node is None:
@@ -334,6 +370,32 @@ def resolve(
         if matched:
             out[gpu.index] = matched[0].layout
     return out
+
+
+def _matches_none(
+    entries: Sequence[ConfigEntry], gpus: Sequence[GpuIdentity], where: str
+) -> InvalidArgument:
+    if not entries:
+        return InvalidArgument(f"{where} has no entries", field="mig-configs")
+    filters = dict.fromkeys(f for e in entries for f in e.device_filter)  # in file order
+    by_product: dict[tuple[str, int], list[int]] = {}
+    for g in gpus:
+        by_product.setdefault((g.product, g.pci_device_id), []).append(g.index)
+    here = "; ".join(
+        f"GPU{'s' if len(indexes) > 1 else ''} {_index_forms(sorted(indexes))} ({product}, "
+        f"{_pci_id(pci)})"
+        for (product, pci), indexes in by_product.items()
+    )
+    return InvalidArgument(
+        f"no entry of {where} matches a GPU of this node (filters "
+        f"{', '.join(map(_pci_id, filters))}; the node has {here})",
+        field="device-filter",
+    )
+
+
+def _pci_id(value: int) -> str:
+    """A device-filter item as mig-parted spells it: 0x233010DE, or the device half 0x2330."""
+    return f"0x{value:04X}" if value <= 0xFFFF else f"0x{value:08X}"
 
 
 def _index_forms(indexes: Sequence[int]) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -38,6 +39,10 @@ _PID_REUSE_SLACK_S = 60.0
 log = logging.getLogger(__name__)
 
 DEFAULT_BASE_ENV: Mapping[str, str] = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin"}
+
+
+# Below this much free space a daemon's failure to start is put down to a full file system.
+_LOW_SPACE_BYTES = 1 << 20
 
 
 def device_dir(run_dir: Path, uuid: str) -> Path:
@@ -63,8 +68,10 @@ class ControlDaemon:
         proc_root: Path = Path("/proc"),
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        statvfs: Callable[[Path], os.statvfs_result] = os.statvfs,
     ) -> None:
         self.uuid = uuid
+        self._statvfs = statvfs
         self.directory = device_dir(run_dir, uuid)
         self.pipe_dir = self.directory / "pipe"
         self.log_dir = self.directory / "log"
@@ -165,7 +172,7 @@ class ControlDaemon:
         if result.returncode != 0:
             raise BackendError(
                 f"{' '.join(self._command)} -d exited {result.returncode}: "
-                f"{(result.stderr or result.stdout).strip()}",
+                f"{(result.stderr or result.stdout).strip()}{self._space_note()}",
                 uuid=self.uuid,
                 call="nvidia-cuda-mps-control -d",
                 code=result.returncode,
@@ -181,11 +188,31 @@ class ControlDaemon:
                     pass
             if self._clock() >= deadline:
                 raise DriverTimeout(
-                    f"MPS control daemon did not come up within {self._timeout_s:g}s",
+                    f"MPS control daemon did not come up within {self._timeout_s:g}s"
+                    f"{self._space_note()}",
                     uuid=self.uuid,
                     call="nvidia-cuda-mps-control -d",
                 )
             self._sleep(0.05)
+
+    def _space_note(self) -> str:
+        """Why a daemon may have failed to start, when its file system is full: the daemon
+        writes its PID file, control socket and log there and says only that it failed."""
+        path = self.directory.parent
+        try:
+            st = self._statvfs(path)
+        except OSError:
+            return ""
+        free = st.f_bavail * st.f_frsize
+        if free == 0:
+            what = "no space left"
+        elif free < _LOW_SPACE_BYTES:
+            what = f"only {free // 1024} KiB free"
+        elif st.f_files and st.f_favail == 0:
+            what = "no inodes left"
+        else:
+            return ""
+        return f" ({what} on the file system of {path})"
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """``echo quit | nvidia-cuda-mps-control``; SIGTERM, then SIGKILL, if it lingers."""
@@ -202,6 +229,21 @@ class ControlDaemon:
                 os.kill(pid, sig)
             if self._wait_exit(pid, 2.0):
                 return
+
+    def remove_directory(self) -> bool:
+        """Remove the device's pipe and log directories once its device is gone (a MIG
+        device's UUID is never used again, so nothing else would ever remove them). False,
+        leaving them, while a daemon still runs from them or they cannot be removed."""
+        if self.pid() is not None or self._orphan() is not None:
+            return False
+        try:
+            shutil.rmtree(self.directory)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            log.warning("cannot remove %s: %s", err.filename or self.directory, err.strerror)
+            return False
+        return True
 
     def kill(self) -> None:
         """SIGKILL a daemon that stopped answering (it is restarted afterwards)."""

@@ -283,6 +283,8 @@ class MpsManager:
         self._seen: set[str] = set()  # device UUIDs of the last observe
         self._devices: dict[str, _Device] = {}
         self._last_status: tuple[MpsDeviceStatus, ...] = ()
+        self._all_read = False  # the last snapshot read every GPU
+        self._swept = False  # directories of devices gone before this start removed
         store.ensure_schema(SCHEMA)
 
     # -- desired state ---------------------------------------------------------------------
@@ -515,18 +517,20 @@ class MpsManager:
         with self._lock:
             dev = self._devices.get(uuid)
             if dev is None:
-                daemon = ControlDaemon(
-                    uuid,
-                    self._run_dir,
-                    self._command,
-                    base_env=self._base_env,
-                    timeout_s=self._timeout_s,
-                    proc_root=self._proc_root,
-                    sleep=self._sleep,
-                    clock=self._clock,
-                )
-                dev = self._devices[uuid] = _Device(daemon)
+                dev = self._devices[uuid] = _Device(self._daemon(uuid))
             return dev
+
+    def _daemon(self, uuid: str) -> ControlDaemon:
+        return ControlDaemon(
+            uuid,
+            self._run_dir,
+            self._command,
+            base_env=self._base_env,
+            timeout_s=self._timeout_s,
+            proc_root=self._proc_root,
+            sleep=self._sleep,
+            clock=self._clock,
+        )
 
     # -- the loop --------------------------------------------------------------------------
     def observe_snapshot(self, snapshot: Snapshot) -> None:
@@ -540,6 +544,8 @@ class MpsManager:
         self.observe(targets_from_snapshot(snapshot, self.targets()))
         with self._lock:
             self._mig_gpus = mig_gpus
+            # Only then are this node's devices all known: see _sweep.
+            self._all_read = all(g.healthy and g.identity.uuid for g in snapshot.gpus)
 
     def observe(self, targets: Iterable[MpsTarget]) -> None:
         """Replace the known devices (from the latest snapshot); a re-created MIG device gets
@@ -615,10 +621,45 @@ class MpsManager:
                 (t.uuid, functools.partial(self._reconcile_device, t)) for t in known
             ]
             calls += [
-                (u, functools.partial(self._stop_device, u, reason="device gone")) for u in gone
+                (u, functools.partial(self._stop_device, u, reason="device gone", remove=True))
+                for u in gone
             ]
             _all_at_once(calls, self._parallel)
+            if self.enabled and not self._swept and self._all_read:
+                self._sweep()
             self.status()
+
+    def _sweep(self) -> None:
+        """Once, at the first pass that read every GPU: stop the daemons of devices gone
+        while gpud was not running (a MIG instance destroyed meanwhile) and remove their
+        directories. Before every GPU has answered, a directory may be the device of a GPU
+        not read yet, whose daemon is adopted once it answers."""
+        mps_dir = self._run_dir / "mps"
+        with self._lock:
+            known = set(self._targets) | set(self._devices)
+        try:
+            names = sorted(p.name for p in mps_dir.iterdir() if p.is_dir())
+        except FileNotFoundError:
+            names = []
+        except OSError as err:
+            log.warning("cannot list %s: %s", mps_dir, err.strerror)
+            return
+        for uuid in names:
+            if uuid in known:
+                continue
+            daemon = self._daemon(uuid)
+            pid = daemon.pid()
+            if pid is not None:
+                daemon.stop()
+                self._events.emit(
+                    "mps.stop",
+                    f"stopped the MPS control daemon of {uuid} (device gone while gpud was "
+                    "not running)",
+                    uuid=uuid,
+                    pid=pid,
+                )
+            daemon.remove_directory()
+        self._swept = True
 
     @contextlib.contextmanager
     def _io_within(self, dev: _Device, wait_s: float | None) -> Iterator[bool]:
@@ -878,7 +919,9 @@ class MpsManager:
                 f" and MPS servers {', '.join(map(str, servers))} still serve clients"
             )
 
-    def _stop_device(self, uuid: str, *, reason: str) -> None:
+    def _stop_device(self, uuid: str, *, reason: str, remove: bool = False) -> None:
+        """Stop the device's daemon; ``remove``: its device is gone, and so go its
+        directories."""
         with self._lock:
             dev = self._devices.get(uuid)
         if dev is None:
@@ -895,6 +938,8 @@ class MpsManager:
                 )
             dev.up = False
             dev.started = False
+            if remove:
+                dev.daemon.remove_directory()
         with self._lock:
             if uuid not in self._targets and self._devices.get(uuid) is dev:
                 del self._devices[uuid]

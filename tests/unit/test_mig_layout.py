@@ -206,3 +206,45 @@ def test_a_few_aliases_still_parse() -> None:
 def test_a_document_nested_too_deeply_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"^x\.yaml: nested too deeply"):
         parse_config("a: " + "[" * 5000 + "]" * 5000, path="x.yaml")
+
+
+@pytest.mark.parametrize("name", ["off", "on", "yes", "no", "null", "true", "010", "0x10", "1.0"])
+def test_config_names_are_the_text_as_written(name: str) -> None:
+    # YAML 1.1 reads an unquoted `off:` as false and `010:` as 8: a config is still found
+    # by the name the file spells, and exported back under it
+    cfg = parse_config(f"version: v1\nmig-configs:\n  {name}:\n    - devices: all\n"
+                       "      mig-enabled: false\n")  # fmt: skip
+    assert list(cfg.configs) == [name]
+    assert cfg.config(name)[0].layout == DeviceLayout(False)
+    back = parse_config(export_config(name, {0: DeviceLayout(False)}, gpu_count=1))
+    assert list(back.configs) == [name]
+
+
+def test_a_config_that_matches_no_gpu_of_the_node_is_refused() -> None:
+    # each GPU no entry matches is left alone, but a config none of whose entries matches
+    # any GPU here would apply nothing and report success: the filter is named instead
+    a100_only = parse_config(
+        'version: v1\nmig-configs:\n  x:\n    - device-filter: ["0x20B010DE", "0x20B2"]\n'
+        "      devices: all\n      mig-enabled: true\n      mig-devices: {1g.5gb: 7}\n",
+        path="m.yaml",
+    )
+    gpus = [identity_for("H100-SXM5-80GB", i) for i in range(2)]
+    with pytest.raises(InvalidArgument) as err:
+        a100_only.layouts("x", gpus)
+    assert err.value.field == "device-filter"
+    message = str(err.value)
+    assert "mig-configs.x in m.yaml" in message
+    assert "0x20B010DE, 0x20B2" in message
+    assert "GPUs 0, 1 (H100-SXM5-80GB, 0x233010DE)" in message
+    empty = parse_config("version: v1\nmig-configs:\n  x: []\n", path="m.yaml")
+    with pytest.raises(InvalidArgument, match=r"mig-configs.x in m.yaml has no entries"):
+        empty.layouts("x", gpus)
+    # a node without GPUs has nothing to match
+    assert a100_only.layouts("x", []) == {}
+
+
+def test_a_yaml_error_names_the_file_not_a_unicode_string() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config('version: v1\nmig-configs:\n  a: {"x": 1\n', path="/etc/mig.yaml")
+    assert "<unicode string>" not in str(err.value)
+    assert 'in "/etc/mig.yaml", line 4' in str(err.value)

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from gpud.backend.port import MigMode, unknown_identity
 from gpud.cli.mps import device_row
 from gpud.errors import (
+    BackendError,
     DriverTimeout,
     FailedPrecondition,
     InvalidArgument,
@@ -662,3 +663,94 @@ def test_clearing_the_memory_limit_of_a_daemon_that_has_just_hung_fails_at_once(
             os.kill(pid, signal.SIGCONT)
         mgr.stop()
         store.close()
+
+
+def test_a_gone_device_leaves_no_directory_behind(manager: MpsManager, root: Path) -> None:
+    # MIG devices get new UUIDs each time they are created: the directory of one destroyed
+    # would never be used again, and /run would fill with them over reconfigurations
+    manager.reconcile(MIG_NODE)
+    gone = {s.target.uuid: s for s in manager.status()}[mig_uuid(0, 2)]
+    assert gone.pid is not None and gone.pipe_dir.is_dir()
+    kept = {s.target.uuid: s for s in manager.status()}[mig_uuid(0, 0)]
+    manager.reconcile(
+        snapshot(gpu_sample(0, migs=(("3g.40gb", 40), ("2g.20gb", 20))), gpu_sample(1))
+    )
+    wait_dead(gone.pid)
+    assert not (root / "run" / "mps" / mig_uuid(0, 2)).exists()
+    assert kept.pipe_dir.is_dir()  # the others keep theirs
+    assert sorted(p.name for p in (root / "run" / "mps").iterdir()) == sorted(
+        [mig_uuid(0, 0), mig_uuid(0, 1), gpu_uuid(1)]
+    )
+
+
+def test_directories_of_devices_gone_while_gpud_was_down_are_removed(root: Path) -> None:
+    first, store, _ = make_manager(root)
+    try:
+        first.reconcile(MIG_NODE)
+        orphan = {s.target.uuid: s.pid for s in first.status()}[mig_uuid(0, 2)]
+        assert orphan is not None
+    finally:
+        store.close()  # gpud killed: the daemons run on
+    stale = root / "run" / "mps" / "MIG-00000000-0000-0000-0000-00000000dead"
+    (stale / "log").mkdir(parents=True)
+    (stale / "log" / "control.log").write_text("a daemon of long ago\n")
+    hung_start = snapshot(
+        gpu_sample(0, migs=(("3g.40gb", 40), ("2g.20gb", 20))),
+        gpu_sample(1)._replace(
+            healthy=False, reason="not answering: a driver call is outstanding", mig_mode=None
+        ),
+    )
+    second, store, events = make_manager(root)
+    try:
+        # while a GPU does not answer, a directory may be its device's: nothing is removed
+        second.reconcile(hung_start)
+        assert stale.is_dir() and alive(orphan)
+        # 0:2 was destroyed while gpud was down: its daemon is stopped, its directory goes
+        second.reconcile(
+            snapshot(gpu_sample(0, migs=(("3g.40gb", 40), ("2g.20gb", 20))), gpu_sample(1))
+        )
+        wait_dead(orphan)
+        assert not stale.exists()
+        assert not (root / "run" / "mps" / mig_uuid(0, 2)).exists()
+        assert sorted(p.name for p in (root / "run" / "mps").iterdir()) == sorted(
+            [mig_uuid(0, 0), mig_uuid(0, 1), gpu_uuid(1)]
+        )
+        assert any(
+            e.kind == "mps.stop" and e.fields.get("uuid") == mig_uuid(0, 2) for e in events.recent()
+        )
+    finally:
+        second.stop()
+        store.close()
+
+
+def _statvfs(free_bytes: int, free_files: int = 1000) -> os.statvfs_result:
+    # f_bsize, f_frsize, f_blocks, f_bfree, f_bavail, f_files, f_ffree, f_favail, f_flag,
+    # f_namemax
+    blocks = free_bytes // 4096
+    return os.statvfs_result((4096, 4096, 16, blocks, blocks, 2000, free_files, free_files, 0, 255))
+
+
+@pytest.mark.parametrize(
+    ("space", "said"),
+    [
+        (_statvfs(0), "no space left"),
+        (_statvfs(8192), "8 KiB free"),
+        (_statvfs(1 << 30, free_files=0), "no inodes left"),
+        (_statvfs(1 << 30), None),
+    ],
+)
+def test_a_daemon_that_fails_to_start_on_a_full_run_dir_says_so(
+    root: Path, space: os.statvfs_result, said: str | None
+) -> None:
+    # the control daemon writes its PID file, socket and log there, and says no more than
+    # that it failed: the operator is told the file system is full, and which
+    daemon = ControlDaemon(
+        gpu_uuid(0), root / "run", ["/bin/false"], sleep=lambda s: None, statvfs=lambda p: space
+    )
+    with pytest.raises(BackendError) as err:
+        daemon.start()
+    if said is None:
+        assert "free" not in str(err.value) and "left" not in str(err.value)
+    else:
+        assert said in str(err.value)
+        assert f"on the file system of {root / 'run' / 'mps'}" in str(err.value)
