@@ -141,6 +141,9 @@ class MigManager:
         self._drain_poll_s = drain_poll_s
         self._lock = threading.RLock()
         self._last_report: dict[str, str] = {}
+        # the config of an apply this process ran that failed: its plan stays in flight and
+        # reconcile retries it (not an apply interrupted by a crash, to be resumed)
+        self._failed_apply: str | None = None
         self._tables: dict[str, ProfileTable] = {}
         self._view: list[GpuView] | None = None
         self._view_at = float("-inf")
@@ -380,6 +383,7 @@ class MigManager:
             outcomes.append(self._converge(by_index[i], layouts[i], force=True, reset=reset))
         outcomes.sort(key=lambda o: o.gpu)
         failed = any(o.status == "failed" for o in outcomes)
+        self._failed_apply = name if failed else None
         if not failed:
             self._store.finish_apply()
         if failed:
@@ -664,12 +668,20 @@ class MigManager:
             force = inflight is not None and inflight.options.force
             reset = inflight is not None and not inflight.options.skip_reset
             if inflight is not None and mode == "reconcile" and "inflight" not in self._last_report:
-                self._events.emit(
-                    "mig.resume",
-                    f"resuming the interrupted apply of {inflight.config_name} "
-                    f"({inflight.steps_done}/{len(inflight.steps)} steps were done)",
-                    config=inflight.config_name,
-                )
+                done = f"{inflight.steps_done}/{len(inflight.steps)} steps were done"
+                if self._failed_apply == inflight.config_name:
+                    self._events.emit(
+                        "mig.retry",
+                        f"retrying the failed apply of {inflight.config_name} on every tick "
+                        f"until it converges or another layout is applied ({done})",
+                        config=inflight.config_name,
+                    )
+                else:
+                    self._events.emit(
+                        "mig.resume",
+                        f"resuming the interrupted apply of {inflight.config_name} ({done})",
+                        config=inflight.config_name,
+                    )
                 self._last_report["inflight"] = inflight.config_name
             outcomes: list[GpuOutcome] = []
             checked = self._check_bounded(

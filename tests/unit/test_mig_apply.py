@@ -335,6 +335,9 @@ def test_force_skips_the_check_but_the_driver_still_refuses(
     assert result.result == "failed" and "GPU 0" in result.gpus[0].detail
     assert d.mig.desired()  # the layout is kept; reconcile finishes once the process ends
     assert {o.status for o in d.mig.reconcile()} >= {"failed"}
+    # retried, not taken for an apply a crash interrupted
+    kinds = [e.kind for e in d.events.recent()]
+    assert "mig.retry" in kinds and "mig.resume" not in kinds
     d.node.workloads.stop(pid)
     d.mig.reconcile()
     assert d.mig.assert_config(config, "all-3g.40gb") == []
