@@ -751,6 +751,7 @@ class Daemon:
         self.sampler.interval_s = new.telemetry.interval_s
         self.sampler.ignored_xids = frozenset(new.telemetry.ignored_xids)
         self.colo.configure(new.colocate)
+        self.cluster.set_tick(new.daemon.tick_s)
         message = "config reloaded"
         if kept:
             message += f"; needs a restart to change: {', '.join(kept)}"

@@ -174,6 +174,11 @@ class ClusterAgent:
 
     # -- the tick ------------------------------------------------------------------------
 
+    def retime(self, *, fresh_s: float, settle_s: float) -> None:
+        """New ``fresh_s`` and ``settle_s`` (the daemon's tick was reloaded)."""
+        self.fail_static.fresh_s = fresh_s
+        self._settle_s = settle_s
+
     def local_report(self) -> NodeReport:
         """This node's jobs: traffic (progress, tag, counters) joined with GPUs and faults."""
         traffic = self._traffic.local_report()

@@ -126,11 +126,9 @@ class ClusterRuntime:
             reserved_tags=reserved_tags,
             peers=self._peer_client,
             grace_s=config.grace_s,
-            fresh_s=3 * tick_s + config.report_timeout_s,
             node_timeout_s=config.node_timeout_s,
-            # a new leader waits for every node's report before its first order (one
-            # tick, and the report's own time); alone (single), there is nobody to wait for
-            settle_s=tick_s + config.report_timeout_s if config.election == "etcd" else 0.0,
+            fresh_s=_fresh_s(config, tick_s),
+            settle_s=_settle_s(config, tick_s),
             events=events,
             credential_problem=self._tls.expiry_problem if self._tls is not None else None,
             problems=(
@@ -142,6 +140,13 @@ class ClusterRuntime:
             certs=certs,
         )
         self.servicer = ClusterServicer(self.agent)
+
+    def set_tick(self, tick_s: float) -> None:
+        """The daemon's tick changed (a reload of ``daemon.tick_s``): so do the times the
+        agent derives from it."""
+        self.agent.retime(
+            fresh_s=_fresh_s(self.config, tick_s), settle_s=_settle_s(self.config, tick_s)
+        )
 
     def _emit(self, kind: str, message: str, fields: dict[str, object]) -> None:
         self._events.emit(kind, message, **fields)
@@ -207,3 +212,14 @@ class ClusterRuntime:
 
     async def tick(self) -> None:
         await self.agent.tick()
+
+
+def _fresh_s(config: ClusterConfig, tick_s: float) -> float:
+    """An order younger than three of the daemon's ticks and a report's time is fresh."""
+    return 3 * tick_s + config.report_timeout_s
+
+
+def _settle_s(config: ClusterConfig, tick_s: float) -> float:
+    """A new leader waits for every node's report before its first order (one tick, and the
+    report's own time); alone (single), there is nobody to wait for."""
+    return tick_s + config.report_timeout_s if config.election == "etcd" else 0.0

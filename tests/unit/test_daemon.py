@@ -83,6 +83,9 @@ def test_reload_says_which_changes_need_a_restart(root: Path) -> None:
         assert d.config.telemetry.history == 60
         assert d.sampler.interval_s == 0.5
         assert d.loop_interval_s() == 0.25
+        # and the cluster's times that follow the tick: an order fresh for three ticks
+        report_s = d.config.cluster.report_timeout_s
+        assert d.cluster.agent.fail_static.fresh_s == pytest.approx(3 * 0.25 + report_s)
     finally:
         d.sampler.close()
         d.store.close()
