@@ -12,7 +12,7 @@ import contextlib
 import sqlite3
 import stat
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -45,6 +45,31 @@ def _file_id(path: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return found.st_dev, found.st_ino
+
+
+def _declared(statements: Sequence[str]) -> dict[str, dict[str, sqlite3.Row]]:
+    """Table -> column -> its ``PRAGMA table_info`` row, as ``statements`` create them (on
+    an empty database in memory)."""
+    declared = sqlite3.connect(":memory:")
+    declared.row_factory = sqlite3.Row
+    try:
+        for statement in statements:
+            declared.execute(statement)
+        return {
+            str(name): {str(r["name"]): r for r in declared.execute(f'PRAGMA table_info("{name}")')}
+            for (name,) in declared.execute("SELECT name FROM sqlite_master WHERE type='table'")
+        }
+    finally:
+        declared.close()
+
+
+def _addable(tables: Mapping[str, Mapping[str, sqlite3.Row]], table: str, column: str) -> str:
+    """The ``ADD COLUMN`` definition of ``table.column``: the declared name and type. Only a
+    nullable column can be added to rows that exist (they get NULL)."""
+    row = tables.get(table, {}).get(column)
+    if row is None or row["notnull"] or row["pk"]:
+        raise ValueError(f"{table}.{column}: only a nullable declared column can be added")
+    return f'"{column}" {row["type"]}'.rstrip()
 
 
 class StateStore:
@@ -103,28 +128,28 @@ class StateStore:
             raise StateError(_unreadable(self.path, "; ".join(damage)))
         self._file = _file_id(self.path)
 
-    def ensure_schema(self, statements: Sequence[str]) -> None:
+    def ensure_schema(
+        self, statements: Sequence[str], *, added: Mapping[str, Sequence[str]] | None = None
+    ) -> None:
         """Run ``CREATE ... IF NOT EXISTS`` statements in one transaction.
 
         ``IF NOT EXISTS`` keeps a table of another layout (a database of an other gpud
         version, or edited by hand), whose reads and writes would then fail one by one at
-        run time: a table that lacks a declared column raises :class:`StateError` instead."""
-        declared = sqlite3.connect(":memory:")
-        try:
-            for statement in statements:
-                declared.execute(statement)
-            tables = {
-                str(name): {str(row[1]) for row in declared.execute(f'PRAGMA table_info("{name}")')}
-                for (name,) in declared.execute("SELECT name FROM sqlite_master WHERE type='table'")
-            }
-        finally:
-            declared.close()
+        run time: a table that lacks a declared column raises :class:`StateError` instead.
+        ``added``: table -> columns a later version declared (nullable): a table of an
+        earlier version gets them (``ALTER TABLE ... ADD COLUMN``, NULL in its rows), so its
+        rows are kept; a column a table has beyond the declared ones is left alone."""
+        tables = _declared(statements)
+        adding = {(t, c): _addable(tables, t, c) for t, cs in (added or {}).items() for c in cs}
         with self.transaction() as conn:
             for statement in statements:
                 conn.execute(statement)
             for name, columns in sorted(tables.items()):
                 have = {str(row[1]) for row in conn.execute(f'PRAGMA table_info("{name}")')}
-                if missing := sorted(columns - have):
+                missing = sorted(columns.keys() - have)
+                for column in [c for c in missing if (name, c) in adding]:
+                    conn.execute(f'ALTER TABLE "{name}" ADD COLUMN {adding[(name, column)]}')
+                if missing := [c for c in missing if (name, c) not in adding]:
                     raise StateError(
                         _unreadable(
                             self.path,

@@ -144,6 +144,44 @@ def test_a_table_of_another_layout_is_refused_at_start(tmp_path: Path) -> None:
     store.close()
 
 
+def test_a_column_a_later_version_added_is_added_to_an_older_table_in_place(
+    tmp_path: Path,
+) -> None:
+    old = ["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT NOT NULL)"]
+    new = ["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT NOT NULL, w INTEGER)"]
+    store = StateStore(tmp_path)
+    store.ensure_schema(old)
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('kept')")
+    store.close()
+    store = StateStore(tmp_path)
+    store.ensure_schema(new, added={"t": ("w",)})
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t (v, w) VALUES ('new', 7)")
+        rows = [tuple(r) for r in conn.execute("SELECT k, v, w FROM t ORDER BY k")]
+    assert rows == [(1, "kept", None), (2, "new", 7)]
+    store.ensure_schema(new, added={"t": ("w",)})  # again: nothing left to add
+    store.ensure_schema(old)  # the previous version's check takes the extra column
+    store.close()
+
+
+def test_only_a_nullable_declared_column_can_be_added(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY)"])
+    with pytest.raises(ValueError, match=r"t\.w: only a nullable declared column"):
+        store.ensure_schema(
+            ["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, w INTEGER NOT NULL)"],
+            added={"t": ("w",)},
+        )
+    with pytest.raises(ValueError, match=r"t\.x: only a nullable declared column"):
+        store.ensure_schema(
+            ["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY)"], added={"t": ("x",)}
+        )
+    with store.transaction() as conn:  # nothing of either was kept
+        assert [r[1] for r in conn.execute("PRAGMA table_info(t)")] == ["k"]
+    store.close()
+
+
 def test_the_daemon_stops_on_a_database_of_an_older_layout(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
