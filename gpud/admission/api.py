@@ -144,6 +144,11 @@ def history_message(h: HistoryRow) -> pb.HistoryRecord:
         msg.ended_unix_seconds = h.ended_at
     if h.quote_s is not None:
         msg.quote_seconds = h.quote_s
+    if h.exit_code is not None:
+        msg.exit_code = h.exit_code
+    if h.exit_signal is not None:
+        msg.exit_signal = h.exit_signal
+    msg.end_cause = h.end_cause or ""
     return msg
 
 

@@ -7,9 +7,10 @@ Tables (in the daemon's ``state.db``, beside ``jobs`` and ``job_reservations``):
   (or a crash at any point) neither loses a queued job nor starts one twice; a waiting
   ``gpuctl run`` finds its entry again after the restart. A row whose holder process is
   gone (the waiting ``gpuctl`` was killed) is marked ``left`` on the next tick.
-- ``job_history``: one row per reservation: when it was asked for, started, ended, and the
-  quote it was given. The quotes are estimated from it; ``gpuctl jobs history --json``
-  exports it.
+- ``job_history``: one row per reservation: when it was asked for, started, ended, the
+  quote it was given, and how it ended (its command's exit status, or what released it:
+  :class:`~gpud.jobs.ends.EndCause`). The quotes are estimated from it; ``gpuctl jobs
+  history --json`` exports it.
 
 Every reservation, queued or not, passes :meth:`AdmissionService.gate`: a job that fits now
 still waits if starting it could delay the head of the queue.
@@ -47,6 +48,7 @@ from gpud.admission.quote import job_quote
 from gpud.config import AdmissionConfig
 from gpud.errors import FailedPrecondition, GpudError, NotFound, ResourceExhausted, Unavailable
 from gpud.events import EventLog
+from gpud.jobs.ends import NO_STATUS, RunEnd
 from gpud.jobs.placement import Reservation
 from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, RunRequest
@@ -81,10 +83,15 @@ SCHEMA = (
         queued_at REAL NOT NULL,
         started_at REAL NOT NULL,
         ended_at REAL,
-        quote_s REAL
+        quote_s REAL,
+        exit_code INTEGER,
+        exit_signal INTEGER,
+        end_cause TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS job_history_queued ON job_history (queued_at)",
 )
+# Columns added since the first version of these tables: an older state.db gets them at start.
+ADDED = {"job_history": ("exit_code", "exit_signal", "end_cause")}
 
 QUEUED, STARTED, LEFT = "queued", "started", "left"
 # Started and left rows are kept this long for a waiting gpuctl to read, then dropped.
@@ -134,6 +141,10 @@ class HistoryRow:
     started_at: float
     ended_at: float | None
     quote_s: float | None
+    # how it ended (gpud.jobs.ends): None while it runs, or when it ended before gpud kept it
+    exit_code: int | None = None
+    exit_signal: int | None = None
+    end_cause: str | None = None
 
     def record(self) -> Record:
         return Record(
@@ -206,7 +217,7 @@ class AdmissionService:
         self._area_since: float | None = None
         self._last_length = 0
         self._last_tick: float | None = None
-        store.ensure_schema(SCHEMA)
+        store.ensure_schema(SCHEMA, added=ADDED)
         jobs.add_observer(self._observe)
         jobs.gate = self.gate
 
@@ -620,14 +631,18 @@ class AdmissionService:
             devices=list(devices),
         )
 
-    def _observe(self, what: str, reservation: Reservation, spec: JobSpec) -> None:
+    def _observe(
+        self, what: str, reservation: Reservation, spec: JobSpec, end: RunEnd | None
+    ) -> None:
         """Inside the reservation's transaction: the job history follows every reservation."""
         now = self._clock()
         with self._store.transaction() as conn:
             if what == "release":
+                end = end or NO_STATUS
                 conn.execute(
-                    "UPDATE job_history SET ended_at = ? WHERE reservation = ? AND ended_at IS NULL",
-                    (now, reservation.id),
+                    "UPDATE job_history SET ended_at = ?, exit_code = ?, exit_signal = ?,"
+                    " end_cause = ? WHERE reservation = ? AND ended_at IS NULL",
+                    (now, end.exit_code, end.exit_signal, end.cause.value, reservation.id),
                 )
                 return
             entry = self._starting
@@ -764,6 +779,9 @@ def _history(row: sqlite3.Row) -> HistoryRow:
         started_at=row["started_at"],
         ended_at=row["ended_at"],
         quote_s=row["quote_s"],
+        exit_code=row["exit_code"],
+        exit_signal=row["exit_signal"],
+        end_cause=row["end_cause"],
     )
 
 

@@ -6,13 +6,14 @@
     gpuctl jobs ls                # also `gpuctl jobs`: with each job's co-location state
     gpuctl jobs rm infer-a [--force]
     gpuctl jobs add train-b --gpus 2 --memory 70GiB --queue   # start it when it fits
-    gpuctl jobs history [--limit N] [--json]                  # runs: asked, started, ended
+    gpuctl jobs history [--limit N] [--json]                  # runs: asked, started, ended, how
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import signal
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -110,7 +111,9 @@ def register(subparsers: Subparsers) -> None:
     ls = commands.add_parser("ls", help="list jobs, their reservations and GPU memory use")
     ls.add_argument("name", nargs="?")
     ls.set_defaults(run=run_ls)
-    history = commands.add_parser("history", help="job runs: when asked, started, ended")
+    history = commands.add_parser(
+        "history", help="job runs: when asked, started, ended, and how they ended"
+    )
     history.add_argument("--limit", type=UINT32, metavar="N", help="the newest N runs")
     history.set_defaults(run=run_history)
 
@@ -253,7 +256,30 @@ def queued_line(entry: queue_pb2.QueueEntry) -> str:
     return f"job {entry.job} queued ({entry.id}): position {entry.position}, {quote}"
 
 
-HISTORY_HEADERS = ("JOB", "REQUEST", "QUEUED", "WAITED", "QUOTED", "RAN")
+HISTORY_HEADERS = ("JOB", "REQUEST", "QUEUED", "WAITED", "QUOTED", "RAN", "EXIT")
+# What ended a run whose gpuctl run reported no exit status (HistoryRecord.end_cause).
+END_CAUSES = {
+    "released": "released with no status",
+    "removed": "jobs rm --force",
+    "holder-gone": "holder gone (gpuctl killed)",
+    "holder-gone-at-start": "holder gone when gpud started",
+}
+
+
+def how_it_ended(r: queue_pb2.HistoryRecord) -> str:
+    """Its command's exit status (``3``), the signal that killed it (``SIGTERM``), or ``-``
+    and what ended the run instead; ``-`` alone while it runs or when gpud did not record
+    it (a run that ended before gpud kept how)."""
+    if r.HasField("exit_code"):
+        return str(r.exit_code)
+    if r.HasField("exit_signal"):
+        try:
+            return signal.Signals(r.exit_signal).name
+        except ValueError:
+            return f"signal {r.exit_signal}"
+    if r.end_cause:
+        return f"{NA} {END_CAUSES.get(r.end_cause, r.end_cause)}"
+    return NA
 
 
 def run_history(ctx: Context, args: argparse.Namespace) -> int:
@@ -276,7 +302,7 @@ def run_history(ctx: Context, args: argparse.Namespace) -> int:
         )
         quoted = seconds(r.quote_seconds) if r.HasField("quote_seconds") else "-"
         waited = seconds(r.started_unix_seconds - r.queued_unix_seconds)
-        rows.append((r.job, r.request, queued, waited, quoted, ran))
+        rows.append((r.job, r.request, queued, waited, quoted, ran, how_it_ended(r)))
     ctx.out.print_table(HISTORY_HEADERS, rows)
     return 0
 

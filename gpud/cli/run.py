@@ -15,9 +15,11 @@ gpuctl process, so gpud releases it even if gpuctl is killed), starts the comman
 current environment, forwards SIGINT/SIGTERM/SIGHUP to it (not a Ctrl-C on the terminal,
 which reaches the command directly), and when it ends stops what it
 left running (SIGTERM, then SIGKILL after ``--kill-after`` seconds: every process whose
-environment carries the run's ``GPUD_RUN``), releases the reservation and exits with its
-exit status (128 + N when killed by signal N; as in a shell, 127 when the command is not
-found and 126 when it is found but cannot be run: not executable, a directory).
+environment carries the run's ``GPUD_RUN``), releases the reservation, telling gpud how the
+command ended (its exit status, or the signal that killed it: ``gpuctl jobs history``),
+and exits with its exit status (128 + N when killed by signal N; as in a shell, 127 when
+the command is not found and 126 when it is found but cannot be run: not executable, a
+directory).
 
 When the devices it asks for are taken, ``run`` queues the job (unless ``--no-wait``) and
 waits, printing its position and expected wait whenever they change, until gpud starts it;
@@ -369,12 +371,14 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
             # the response names the cgroup ("" when the daemon marks nothing by cgroup)
             ctx.call(net.PlaceProcess, net_pb2.PlaceProcessRequest(job=args.job, pid=pid))
 
+    returncode: int | None = None  # None: gpuctl itself stopped before the command's end
     try:
-        return _launch(command, env, place)
+        returncode = _launch(command, env, place)
+        return exit_status(returncode)
     finally:
         _stop_leftovers(args.job, reservation, args.kill_after)
         try:
-            ctx.call(stub.Release, pb.ReleaseRequest(reservation_id=reservation))
+            ctx.call(stub.Release, release_request(reservation, returncode))
         except CliError as err:
             if err.exit_code == EXIT_NOT_FOUND:  # released already: `gpuctl jobs rm --force`
                 print(f"gpuctl: reservation {reservation} was released already", file=sys.stderr)
@@ -383,6 +387,24 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
                     f"gpuctl: could not release reservation {reservation}: {err}",
                     file=sys.stderr,
                 )
+
+
+def exit_status(returncode: int) -> int:
+    """gpuctl's exit status for a command's ``returncode`` (``-N``: killed by signal N), as a
+    shell gives it: 128 + N for a signal."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def release_request(reservation: str, returncode: int | None) -> pb.ReleaseRequest:
+    """The release of ``reservation``, with how its command ended when known: the exit
+    status apart from the signal (an ``exit 143`` is not a SIGTERM). A gpud older than
+    these fields ignores them and releases all the same."""
+    request = pb.ReleaseRequest(reservation_id=reservation)
+    if returncode is not None and returncode < 0:
+        request.exit_signal = -returncode
+    elif returncode is not None:
+        request.exit_code = returncode
+    return request
 
 
 def wait_in_queue(
@@ -493,7 +515,8 @@ def _launch(
 ) -> int:
     """Run ``command`` as a process that the kernel kills when gpuctl dies (see _GATE);
     with ``place``, hold it at the gate, call ``place(pid)``, then let it run (it runs
-    even when placing fails, with a warning)."""
+    even when placing fails, with a warning). Its return code: the exit status, or -N
+    when signal N killed it (:func:`exit_status` makes gpuctl's of it)."""
     # imported here: only `gpuctl run` pays for them
     import subprocess
     import threading
@@ -545,4 +568,4 @@ def _launch(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 128 - code if code < 0 else code
+    return code

@@ -15,9 +15,10 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from gpud.api.validate import optional, optional_pid
+from gpud.api.validate import int_range, optional, optional_pid
 from gpud.errors import InvalidArgument
 from gpud.jobs.attribution import ProcessUse
+from gpud.jobs.ends import NO_STATUS, EndCause, RunEnd
 from gpud.jobs.placement import Reservation
 from gpud.jobs.registry import JobKind, JobSpec, check_name
 from gpud.jobs.service import JobService, RunRequest
@@ -83,6 +84,19 @@ def job_message(
     if job.slo_p99_ms is not None:
         msg.slo_p99_ms = job.slo_p99_ms
     return msg
+
+
+def run_end(request: pb.ReleaseRequest) -> RunEnd:
+    """How the run ended, from a release: its command's exit status or the signal that
+    killed it, as its gpuctl run reports it; neither (an older gpuctl): released."""
+    code, sig = optional(request, "exit_code"), optional(request, "exit_signal")
+    if code is not None and sig is not None:
+        raise InvalidArgument("give exit_code or exit_signal, not both", field="exit_signal")
+    if code is not None:
+        return RunEnd(EndCause.EXITED, exit_code=int_range(code, 0, 255, field="exit_code"))
+    if sig is not None:
+        return RunEnd(EndCause.EXITED, exit_signal=int_range(sig, 1, 64, field="exit_signal"))
+    return NO_STATUS
 
 
 def spec_from_pb(job: pb.Job) -> JobSpec:
@@ -190,8 +204,9 @@ class JobsServicer(pb_grpc.JobsServicer):
         def release() -> pb.ReleaseResponse:
             if not request.reservation_id:
                 raise InvalidArgument("missing", field="reservation_id")
+            end = run_end(request)
             return pb.ReleaseResponse(
-                reservation=reservation_message(self._service.release(request.reservation_id))
+                reservation=reservation_message(self._service.release(request.reservation_id, end))
             )
 
         return await asyncio.to_thread(release)

@@ -25,6 +25,7 @@ from gpud.errors import (
 from gpud.events import EventLog
 from gpud.jobs import leftovers
 from gpud.jobs.attribution import Attributor, ProcessUse, memory_by_job
+from gpud.jobs.ends import NO_STATUS, EndCause, RunEnd
 from gpud.jobs.env import build_env
 from gpud.jobs.placement import (
     DeviceLoad,
@@ -66,8 +67,9 @@ class RunRequest:
 
 
 # Called inside the transaction that adds ("reserve") or removes ("release") a reservation,
-# with the job as placed (its request, before the placement override).
-ReservationObserver = Callable[[str, Reservation, JobSpec], None]
+# with the job as placed (its request, before the placement override) and, on release, how
+# the run ended (None on reserve).
+ReservationObserver = Callable[[str, Reservation, JobSpec, RunEnd | None], None]
 # Where a job may start now, given its effective spec: its devices; raise ResourceExhausted
 # (the admission queue's own check, so that no job jumps the queue); None: no opinion.
 Gate = Callable[[JobSpec], tuple[str, ...] | None]
@@ -115,14 +117,18 @@ class JobService:
         self.gate: Gate | None = None
         self._tag_of: Callable[[str], int] | None = None
         self._tag_held: Callable[[str], int | None] = lambda job: None
+        # a holder found gone at the first tick died while gpud was down (or before it began)
+        self._ticked = False
 
     def add_observer(self, observer: ReservationObserver) -> None:
         self._observers.append(observer)
 
-    def _notify(self, what: str, reservation: Reservation) -> None:
+    def _released(self, reservation: Reservation, end: RunEnd) -> None:
         job = self.registry.find(reservation.job)
         for observer in self._observers:
-            observer(what, reservation, job if job is not None else JobSpec(reservation.job))
+            observer(
+                "release", reservation, job if job is not None else JobSpec(reservation.job), end
+            )
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -196,7 +202,7 @@ class JobService:
             with self.store.transaction():
                 released = self.reservations.release_job(name)
                 for r in released:
-                    self._notify("release", r)
+                    self._released(r, RunEnd(EndCause.REMOVED))
                     self._stops.schedule(RunStop(r.id, name, StopReason.REMOVED, kill_at))
         self._events.emit("job.remove", f"job {name} removed", job=name)
         for r in released:
@@ -335,7 +341,7 @@ class JobService:
                             holder_pid=request.holder_pid,
                         )
                         for observer in self._observers:
-                            observer("reserve", reservation, placed)
+                            observer("reserve", reservation, placed, None)
                     self._events.emit(
                         "job.reserve",
                         f"job {job.name} reserved {', '.join(uuids)}",
@@ -434,10 +440,11 @@ class JobService:
             return self.env_for(held[-1])
         return self.reserve(RunRequest(job=name), preview=True).env
 
-    def release(self, reservation_id: str) -> Reservation:
+    def release(self, reservation_id: str, end: RunEnd = NO_STATUS) -> Reservation:
+        """Release a reservation; ``end``: how its run ended, for the job history."""
         with self.store.transaction():
             reservation = self.reservations.release(reservation_id)
-            self._notify("release", reservation)
+            self._released(reservation, end)
         self._events.emit(
             "job.release",
             f"job {reservation.job} released {', '.join(reservation.devices)}",
@@ -450,10 +457,12 @@ class JobService:
     def tick(self, snapshot: Snapshot | None) -> None:
         """Release reservations of dead holders; attribute the snapshot's processes."""
         now = self._clock()
+        gone = RunEnd(EndCause.HOLDER_GONE if self._ticked else EndCause.GONE_AT_START)
+        self._ticked = True
         with self.store.transaction():
             reaped = self.reservations.reap()
             for r in reaped:
-                self._notify("release", r)
+                self._released(r, gone)
                 # The kernel killed the run's command with gpuctl (PR_SET_PDEATHSIG); what
                 # the command left running goes the same way: nothing reserves its devices.
                 self._stops.schedule(RunStop(r.id, r.job, StopReason.HOLDER_GONE, now))

@@ -498,17 +498,35 @@ class ReleaseRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RESERVATION_ID_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    EXIT_SIGNAL_FIELD_NUMBER: _builtins.int
     reservation_id: _builtins.str
+    exit_code: _builtins.int
+    """How the run's command ended, as `gpuctl run` saw it (kept in the job history); neither
+    set: released with no status (an older gpuctl, a client that ran nothing).
+    it exited with this status, 0..255
+    """
+    exit_signal: _builtins.int
+    """a signal killed it: its number, 1..64"""
     def __init__(
         self,
         *,
         reservation_id: _builtins.str = ...,
+        exit_code: _builtins.int | None = ...,
+        exit_signal: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "exit_code", b"exit_code", "exit_signal", b"exit_signal"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reservation_id", b"reservation_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "reservation_id", b"reservation_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
+    _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
+    _WhichOneofReturnType__exit_signal: _TypeAlias = _typing.Literal["exit_signal"]  # noqa: Y015
+    _WhichOneofArgType__exit_signal: _TypeAlias = _typing.Literal["_exit_signal", b"_exit_signal"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_code) -> _WhichOneofReturnType__exit_code | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_signal) -> _WhichOneofReturnType__exit_signal | None: ...
 
 Global___ReleaseRequest: _TypeAlias = ReleaseRequest  # noqa: Y015
 

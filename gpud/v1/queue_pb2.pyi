@@ -386,6 +386,9 @@ class HistoryRecord(_message.Message):
     ENDED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     QUOTE_SECONDS_FIELD_NUMBER: _builtins.int
     PLACEMENT_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    EXIT_SIGNAL_FIELD_NUMBER: _builtins.int
+    END_CAUSE_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     request: _builtins.str
     reservation: _builtins.str
@@ -394,6 +397,14 @@ class HistoryRecord(_message.Message):
     ended_unix_seconds: _builtins.float
     quote_seconds: _builtins.float
     """what it was told when it queued"""
+    exit_code: _builtins.int
+    """How it ended: "exited" (its gpuctl run reported exit_code or exit_signal), "released"
+    (with no status), "removed" (jobs rm --force), "holder-gone" (its gpuctl run died),
+    "holder-gone-at-start" (found gone when gpud started); "" while it runs, or when it
+    ended before gpud recorded how.
+    """
+    exit_signal: _builtins.int
+    end_cause: _builtins.str
     @_builtins.property
     def placement(self) -> _jobs_pb2.ReserveRequest:
         """the request, for replay"""
@@ -409,17 +420,28 @@ class HistoryRecord(_message.Message):
         ended_unix_seconds: _builtins.float | None = ...,
         quote_seconds: _builtins.float | None = ...,
         placement: _jobs_pb2.ReserveRequest | None = ...,
+        exit_code: _builtins.int | None = ...,
+        exit_signal: _builtins.int | None = ...,
+        end_cause: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_ended_unix_seconds", b"_ended_unix_seconds", "_quote_seconds", b"_quote_seconds", "ended_unix_seconds", b"ended_unix_seconds", "placement", b"placement", "quote_seconds", b"quote_seconds"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ended_unix_seconds", b"_ended_unix_seconds", "_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "_quote_seconds", b"_quote_seconds", "ended_unix_seconds", b"ended_unix_seconds", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "placement", b"placement", "quote_seconds", b"quote_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ended_unix_seconds", b"_ended_unix_seconds", "_quote_seconds", b"_quote_seconds", "ended_unix_seconds", b"ended_unix_seconds", "job", b"job", "placement", b"placement", "queued_unix_seconds", b"queued_unix_seconds", "quote_seconds", b"quote_seconds", "request", b"request", "reservation", b"reservation", "started_unix_seconds", b"started_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ended_unix_seconds", b"_ended_unix_seconds", "_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "_quote_seconds", b"_quote_seconds", "end_cause", b"end_cause", "ended_unix_seconds", b"ended_unix_seconds", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "job", b"job", "placement", b"placement", "queued_unix_seconds", b"queued_unix_seconds", "quote_seconds", b"quote_seconds", "request", b"request", "reservation", b"reservation", "started_unix_seconds", b"started_unix_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__ended_unix_seconds: _TypeAlias = _typing.Literal["ended_unix_seconds"]  # noqa: Y015
     _WhichOneofArgType__ended_unix_seconds: _TypeAlias = _typing.Literal["_ended_unix_seconds", b"_ended_unix_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
+    _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
+    _WhichOneofReturnType__exit_signal: _TypeAlias = _typing.Literal["exit_signal"]  # noqa: Y015
+    _WhichOneofArgType__exit_signal: _TypeAlias = _typing.Literal["_exit_signal", b"_exit_signal"]  # noqa: Y015
     _WhichOneofReturnType__quote_seconds: _TypeAlias = _typing.Literal["quote_seconds"]  # noqa: Y015
     _WhichOneofArgType__quote_seconds: _TypeAlias = _typing.Literal["_quote_seconds", b"_quote_seconds"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ended_unix_seconds) -> _WhichOneofReturnType__ended_unix_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_code) -> _WhichOneofReturnType__exit_code | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_signal) -> _WhichOneofReturnType__exit_signal | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__quote_seconds) -> _WhichOneofReturnType__quote_seconds | None: ...
 

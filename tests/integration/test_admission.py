@@ -180,3 +180,22 @@ def test_ctrl_c_leaves_the_queue(tmp_path: Path) -> None:
                 proc.terminate()
                 proc.wait(timeout=30)
         stop_daemon(daemon)
+
+
+def test_the_history_says_how_each_run_ended(tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path / "g", "--simulate", "H100-SXM5-80GB:2")
+    try:
+        exited = daemon.gpuctl("run", "--job", "three", "--gpus", "1", "--", "sh", "-c", "exit 3",
+                               check=False)  # fmt: skip
+        assert exited.returncode == 3, exited.stderr
+        killed = daemon.gpuctl("run", "--job", "term", "--gpus", "1", "--", "sh", "-c",
+                               "kill -TERM $$", check=False)  # fmt: skip
+        assert killed.returncode == 128 + signal.SIGTERM, killed.stderr
+        records = json.loads(daemon.gpuctl("jobs", "history", "--json").stdout)["records"]
+        ended = {r["job"]: (r["exit_code"], r["exit_signal"], r["end_cause"]) for r in records}
+        assert ended == {"three": (3, None, "exited"), "term": (None, 15, "exited")}
+        header, *rows = daemon.gpuctl("jobs", "history").stdout.splitlines()
+        shown = {row.split()[0]: row[header.index("EXIT") :] for row in rows}
+        assert shown == {"three": "3", "term": "SIGTERM"}
+    finally:
+        stop_daemon(daemon)

@@ -13,10 +13,18 @@ from typing import Any
 import pytest
 
 from gpud.admission.api import class_message, entry_message, history_message, run_request
-from gpud.admission.service import LEFT, QUEUED, STARTED, AdmissionService
+from gpud.admission.service import (
+    LEFT,
+    QUEUED,
+    STARTED,
+    AdmissionService,
+    run_request_to_json,
+)
 from gpud.config import AdmissionConfig, from_dict
 from gpud.errors import ConfigError, FailedPrecondition, InvalidArgument, ResourceExhausted
 from gpud.events import EventLog
+from gpud.jobs.api import run_end
+from gpud.jobs.ends import EndCause, RunEnd
 from gpud.jobs.service import JobService, RunRequest
 from gpud.mps.manager import MpsManager
 from gpud.store import StateStore
@@ -347,3 +355,93 @@ def test_requests_show_sizes_as_people_write_them_and_keep_their_history_class(
     assert history_message(row).request == "1 GPU 1536MiB"
     shown = {class_message(v).request for v in node.admission.explain()}
     assert shown == {"1 GPU 4194304TiB", "1 GPU 1536MiB"}
+
+
+def test_the_history_says_how_each_run_ended(node: Node) -> None:
+    def run(job: str, holder: int | None = None) -> str:
+        return node.jobs.reserve(RunRequest(job=job, holder_pid=holder)).reservation.id
+
+    node.jobs.release(run("ok"), RunEnd(EndCause.EXITED, exit_code=0))
+    node.jobs.release(run("three"), RunEnd(EndCause.EXITED, exit_code=3))
+    node.jobs.release(run("term"), RunEnd(EndCause.EXITED, exit_signal=15))
+    node.jobs.release(run("plain"))  # an older gpuctl: no status
+    run("rm")
+    node.jobs.remove("rm", force=True)
+    node.jobs.tick(None)  # gpud's first tick after its start
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    run("killed", holder=gone.pid)  # its gpuctl is gone without releasing
+    node.jobs.tick(None)
+    holder = subprocess.Popen(["sleep", "60"])
+    run("down", holder=holder.pid)
+    node = node.restart()
+    holder.kill()  # while gpud is down
+    holder.wait()
+    node.jobs.tick(None)
+    ended = [(h.job, h.exit_code, h.exit_signal, h.end_cause) for h in node.admission.history()]
+    assert ended == [
+        ("ok", 0, None, "exited"),
+        ("three", 3, None, "exited"),
+        ("term", None, 15, "exited"),
+        ("plain", None, None, "released"),
+        ("rm", None, None, "removed"),
+        ("killed", None, None, "holder-gone"),
+        ("down", None, None, "holder-gone-at-start"),
+    ]
+    shown = [history_message(h) for h in node.admission.history()]
+    assert shown[1].exit_code == 3 and not shown[1].HasField("exit_signal")
+    assert shown[2].exit_signal == 15 and not shown[2].HasField("exit_code")
+    assert [m.end_cause for m in shown][3:] == [
+        "released", "removed", "holder-gone", "holder-gone-at-start"
+    ]  # fmt: skip
+
+
+def test_a_release_says_how_the_run_ended_or_nothing(node: Node) -> None:
+    def end(**fields: int) -> RunEnd:
+        return run_end(jobs_pb2.ReleaseRequest(reservation_id="r", **fields))
+
+    assert end() == RunEnd(EndCause.RELEASED)  # an older gpuctl
+    assert end(exit_code=0) == RunEnd(EndCause.EXITED, exit_code=0)
+    assert end(exit_signal=9) == RunEnd(EndCause.EXITED, exit_signal=9)
+    for bad in ({"exit_code": 256}, {"exit_code": -1}, {"exit_signal": 0}, {"exit_signal": 65}):
+        with pytest.raises(InvalidArgument, match=next(iter(bad))):
+            end(**bad)
+    with pytest.raises(InvalidArgument, match="not both"):
+        end(exit_code=1, exit_signal=9)
+
+
+# job_history as the previous gpud version created it
+PREVIOUS_HISTORY = """CREATE TABLE IF NOT EXISTS job_history (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        job TEXT NOT NULL,
+        reservation TEXT NOT NULL UNIQUE,
+        request_class TEXT NOT NULL,
+        request TEXT NOT NULL,
+        queued_at REAL NOT NULL,
+        started_at REAL NOT NULL,
+        ended_at REAL,
+        quote_s REAL
+    )"""
+
+
+def test_a_history_the_previous_version_wrote_is_kept_and_goes_on(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "state")
+    with store.transaction() as conn:
+        conn.execute(PREVIOUS_HISTORY)
+        conn.execute(
+            "INSERT INTO job_history (job, reservation, request_class, request, queued_at,"
+            " started_at, ended_at) VALUES ('old', 'r0', '1 GPU', ?, 900, 910, 950)",
+            (run_request_to_json(RunRequest(job="old", gpu_count=1)),),
+        )
+    store.close()
+    node = make_node(tmp_path, Clock())
+    try:
+        node.jobs.release(
+            node.jobs.reserve(RunRequest(job="new")).reservation.id,
+            RunEnd(EndCause.EXITED, exit_code=1),
+        )
+        old, new = node.admission.history()
+        assert (old.job, old.ended_at, old.exit_code, old.end_cause) == ("old", 950, None, None)
+        assert (new.job, new.exit_code, new.end_cause) == ("new", 1, "exited")
+    finally:
+        node.store.close()

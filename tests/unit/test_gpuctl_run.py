@@ -18,6 +18,9 @@ from gpud.api import ApiServer
 from gpud.cli.main import main as gpuctl
 from gpud.errors import DscpPoolExhausted
 from gpud.jobs.api import JobsServicer
+from gpud.jobs.ends import EndCause, RunEnd
+from gpud.jobs.placement import Reservation
+from gpud.jobs.registry import JobSpec
 from gpud.jobs.service import JobService
 from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
@@ -603,3 +606,82 @@ def test_leaving_the_queue_with_an_empty_id_is_refused_not_a_listing(
         assert n.ctl("queue", "--leave", "") == 2
         assert queue.listed == 0
         assert "id: must not be empty" in capsys.readouterr().err
+
+
+def test_gpuctl_run_tells_gpud_how_its_command_ended(node: Node) -> None:
+    ends: list[tuple[str, RunEnd | None]] = []
+
+    def seen(what: str, r: Reservation, spec: JobSpec, end: RunEnd | None) -> None:
+        if what == "release":
+            ends.append((r.job, end))
+
+    node.jobs.add_observer(seen)
+    assert node.ctl("run", "--job", "a", "--", "sh", "-c", "exit 3") == 3
+    assert node.ctl("run", "--job", "b", "--", "sh", "-c", "kill -TERM $$") == 128 + 15
+    assert node.ctl("run", "--job", "c", "--", "sh", "-c", "exit 143") == 143
+    assert node.ctl("run", "--job", "d", "--", "/nonexistent/train") == 127
+    assert ends == [
+        ("a", RunEnd(EndCause.EXITED, exit_code=3)),
+        ("b", RunEnd(EndCause.EXITED, exit_signal=15)),
+        ("c", RunEnd(EndCause.EXITED, exit_code=143)),  # an exit status, not a signal
+        ("d", RunEnd(EndCause.EXITED, exit_code=127)),
+    ]
+
+
+class History(queue_pb2_grpc.QueueServicer):
+    """A queue whose history holds one run of each ending."""
+
+    RECORDS = (
+        queue_pb2.HistoryRecord(job="ok", exit_code=0, end_cause="exited"),
+        queue_pb2.HistoryRecord(job="three", exit_code=3, end_cause="exited"),
+        queue_pb2.HistoryRecord(job="term", exit_signal=15, end_cause="exited"),
+        queue_pb2.HistoryRecord(job="odd", exit_signal=99, end_cause="exited"),
+        queue_pb2.HistoryRecord(job="killed", end_cause="holder-gone"),
+        queue_pb2.HistoryRecord(job="down", end_cause="holder-gone-at-start"),
+        queue_pb2.HistoryRecord(job="rm", end_cause="removed"),
+        queue_pb2.HistoryRecord(job="plain", end_cause="released"),
+        queue_pb2.HistoryRecord(job="newer", end_cause="evicted"),  # a newer gpud's
+        queue_pb2.HistoryRecord(job="before"),  # ended before gpud recorded how
+    )
+
+    async def History(
+        self, request: queue_pb2.HistoryRequest, context: Any
+    ) -> queue_pb2.HistoryResponse:
+        records = [queue_pb2.HistoryRecord() for _ in self.RECORDS]
+        for record, given in zip(records, self.RECORDS, strict=True):
+            record.CopyFrom(given)
+            record.started_unix_seconds, record.ended_unix_seconds = 100.0, 160.0
+        records.append(queue_pb2.HistoryRecord(job="running", started_unix_seconds=100.0))
+        return queue_pb2.HistoryResponse(records=records)
+
+    def register(self, server: Any) -> None:
+        queue_pb2_grpc.add_QueueServicer_to_server(self, server)
+
+
+def test_gpuctl_jobs_history_shows_how_each_run_ended(capsys: pytest.CaptureFixture[str]) -> None:
+    with serving(History().register) as n:
+        assert n.ctl("jobs", "history") == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert n.ctl("jobs", "history", "--json") == 0
+        records = json.loads(capsys.readouterr().out)["records"]
+    header, *rows = lines
+    assert header.split()[-1] == "EXIT"
+    ends = {row.split()[0]: row[header.index("EXIT") :] for row in rows}
+    assert ends == {
+        "ok": "0",
+        "three": "3",
+        "term": "SIGTERM",
+        "odd": "signal 99",
+        "killed": "- holder gone (gpuctl killed)",
+        "down": "- holder gone when gpud started",
+        "rm": "- jobs rm --force",
+        "plain": "- released with no status",
+        "newer": "- evicted",
+        "before": "-",
+        "running": "-",
+    }
+    ended = {r["job"]: (r["exit_code"], r["exit_signal"], r["end_cause"]) for r in records}
+    assert ended["three"] == (3, None, "exited")
+    assert ended["term"] == (None, 15, "exited")
+    assert ended["killed"] == (None, None, "holder-gone")
+    assert ended["running"] == (None, None, "")
