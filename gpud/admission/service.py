@@ -208,6 +208,7 @@ class AdmissionService:
         self._last_tick: float | None = None
         store.ensure_schema(SCHEMA)
         jobs.add_observer(self._observe)
+        jobs.add_removal_hook(self._job_removed)
         jobs.gate = self.gate
 
     # -- devices and fit ------------------------------------------------------------------
@@ -376,6 +377,28 @@ class AdmissionService:
                     entry=entry_id,
                 )
         return self.view(entry_id)
+
+    def _job_removed(self, job: str, force: bool) -> None:
+        """A job is being removed (under the placement lock): its queued entries would
+        otherwise start it again once its devices free. Without ``force`` that is refused
+        (a `gpuctl run` may be waiting in one); with it they leave the queue."""
+        mine = [e for e in self.entries() if e.job == job]
+        if not mine:
+            return
+        ids = ", ".join(e.id for e in mine)
+        if not force:
+            raise FailedPrecondition(
+                f"job {job!r} is queued ({ids}): `gpuctl queue --leave ID` takes it out, or "
+                f"`gpuctl jobs rm --force {job}` removes the job and its place in the queue"
+            )
+        for e in mine:
+            self._set_state(e.id, LEFT)
+            self._events.emit(
+                "admission.leave",
+                f"job {job} left the queue: the job was removed",
+                job=job,
+                entry=e.id,
+            )
 
     def view(self, entry_id: str) -> EntryView:
         entry = self.entry(entry_id)

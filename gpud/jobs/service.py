@@ -68,6 +68,9 @@ class RunRequest:
 # Called inside the transaction that adds ("reserve") or removes ("release") a reservation,
 # with the job as placed (its request, before the placement override).
 ReservationObserver = Callable[[str, Reservation, JobSpec], None]
+# Called under the placement lock as a job is removed, with its name and whether --force was
+# given: it raises to refuse the removal, or lets go of what it keeps for the job.
+RemovalHook = Callable[[str, bool], None]
 # Where a job may start now, given its effective spec: its devices; raise ResourceExhausted
 # (the admission queue's own check, so that no job jumps the queue); None: no opinion.
 Gate = Callable[[JobSpec], tuple[str, ...] | None]
@@ -112,12 +115,16 @@ class JobService:
         self._uses: list[ProcessUse] = []
         self._unhealthy: dict[int, str] = {}  # GPU index -> why, as of the last tick
         self._observers: list[ReservationObserver] = []
+        self._removal_hooks: list[RemovalHook] = []
         self.gate: Gate | None = None
         self._tag_of: Callable[[str], int] | None = None
         self._tag_held: Callable[[str], int | None] = lambda job: None
 
     def add_observer(self, observer: ReservationObserver) -> None:
         self._observers.append(observer)
+
+    def add_removal_hook(self, hook: RemovalHook) -> None:
+        self._removal_hooks.append(hook)
 
     def _notify(self, what: str, reservation: Reservation) -> None:
         job = self.registry.find(reservation.job)
@@ -191,6 +198,9 @@ class JobService:
                     f" ({', '.join(r.id for r in held)}): they go when its runs end, or "
                     f"`gpuctl jobs rm --force {name}` releases them and stops its runs"
                 )
+            self.registry.get(name)  # NotFound before any hook lets go of anything
+            for hook in self._removal_hooks:
+                hook(name, force)
             job = self.registry.remove(name)
             kill_at = self._clock() + STOP_GRACE_S
             with self.store.transaction():

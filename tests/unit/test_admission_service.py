@@ -347,3 +347,22 @@ def test_requests_show_sizes_as_people_write_them_and_keep_their_history_class(
     assert history_message(row).request == "1 GPU 1536MiB"
     shown = {class_message(v).request for v in node.admission.explain()}
     assert shown == {"1 GPU 4194304TiB", "1 GPU 1536MiB"}
+
+
+def test_removing_a_queued_job_takes_it_out_of_the_queue(node: Node) -> None:
+    """`gpuctl jobs rm` of a job that waits in the queue: without --force it is refused and
+    names the entry; with it the entry leaves the queue, so the removed job never starts
+    (and is not registered again) when its devices free."""
+    a = node.jobs.reserve(whole("a", 2)).reservation
+    entry = node.admission.enqueue(whole("b")).entry
+    with pytest.raises(FailedPrecondition, match=f"queued \\({entry.id}\\).*--force"):
+        node.jobs.remove("b")
+    assert node.jobs.registry.find("b") is not None
+    assert [e.id for e in node.admission.entries()] == [entry.id]
+    node.jobs.remove("b", force=True)
+    assert node.admission.entries() == []
+    assert node.admission.view(entry.id).entry.state == LEFT
+    node.jobs.release(a.id)
+    node.admission.tick()
+    assert node.jobs.registry.find("b") is None
+    assert node.jobs.reservations.held() == []
