@@ -45,6 +45,7 @@ from colocate import (
 )
 from gpud.backend.port import GpuIdentity, MigDeviceIdentity
 from gpud.backend.products import lookup
+from gpud.client.colo import MAX_LATENCY_S
 from gpud.colo.host import HostUsage
 from gpud.colo.links import NvlinkRates, pcie_capacity, pcie_ratio
 from gpud.config import ColocateConfig
@@ -56,9 +57,6 @@ from gpud.telemetry.snapshot import GpuSample, Snapshot
 log = logging.getLogger(__name__)
 
 MAX_LATENCY_SAMPLES = 4096  # per report, and per job kept in the window
-# A latency report over an hour is no request an online service served: a unit mistake or
-# garbage, which would have the guard evict training.
-MAX_LATENCY_S = 3600.0
 # A median response under a microsecond is a timer that read nothing, not a service: its
 # rate (ln 2 over it) would be absurd, or infinite, and no longer fit in colo.json.
 MIN_MEDIAN_LATENCY_S = 1e-6

@@ -494,6 +494,21 @@ def test_latency_batches() -> None:
     assert sent == [("chat", [0.01, 0.02, 0.03])]
 
 
+def test_one_absurd_latency_does_not_cost_the_guard_the_rest_of_its_batch(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A service that measures with a clock that steps (a negative latency), divides by
+    zero (NaN) or reports garbage (over an hour, inf) still has its other requests of that
+    second heard: gpud refuses a report holding any sample out of range, so the client
+    drops such a sample and sends the rest."""
+    svc, _, _ = service
+    lat = Latency("chat", clock=Clock(), send=svc.report_latency, flush_every_s=1.0)
+    for s in [0.02] * 50 + [-0.001, math.nan, math.inf, 1e9, 0.095]:
+        lat.observe(s)
+    lat.flush()
+    assert svc._latencies("chat", float("-inf")) == [0.02] * 50 + [0.095]
+
+
 def test_gpuctl_colo_show_and_advise_over_grpc(
     service: tuple[ColoService, Clock, list[RunningJob]], capsys: pytest.CaptureFixture[str]
 ) -> None:
