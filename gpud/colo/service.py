@@ -254,6 +254,8 @@ class ColoView:
     predictor_samples: int
     predictor_mae: float
     faulty: dict[int, str] = field(default_factory=dict)  # GPU -> why it is left alone
+    # job -> what it is told now: the plan's directive, or an eviction that still stands
+    directives: dict[str, Directive] = field(default_factory=dict)
     # the p90 margin (log-speed) per standing of a prediction's pairs ("0", "1+", "30+")
     predictor_margins: dict[str, float] = field(default_factory=dict)
     predictor_margin_errors: dict[str, int] = field(default_factory=dict)
@@ -1299,6 +1301,7 @@ class ColoService:
                 plan_age_s=self._clock() - self._plan_at if self._plan else 0.0,
                 running=self._last_running,
                 duty={k: d.duty for k, d in self._directives.items()},
+                directives=dict(self._directives),
                 observed_speed=dict(self._observed),
                 guards=tuple(guards),
                 predictor_samples=stats.samples,

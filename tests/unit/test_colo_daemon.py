@@ -116,6 +116,13 @@ def test_guard_evicts_training_when_the_slo_cannot_be_held(
             svc.report_latency("chat", [latency] * 30)
             svc.tick(snapshot())
             assert svc.throttle_point("train", 1) == d
+    # and `gpuctl colo show` says so, not what the guard, afresh, makes of the latencies
+    from gpud.colo.api import ColoServicer
+
+    shown = {p.job: p for p in ColoServicer(svc, snapshots=snapshot)._show().placements}
+    assert shown["train"].evict and shown["train"].duty == 0.0
+    assert shown["train"].reason == d.reason
+    assert not shown["chat"].evict
     jobs[:] = [j for j in jobs if j.name != "train"]  # it left
     svc.tick(snapshot())
     jobs.append(RunningJob("train", "training", 0, threads_percent=50, memory_bytes=10 * GIB))
@@ -1152,6 +1159,22 @@ def test_gpuctl_jobs_explains_each_jobs_co_location(
             assert train["gpu"] == 0 and train["duty"] == 0.5 and train["sm_share"] == 0.5
             assert train["throttled_by"] == ["chat"]
             assert shown["chat"]["colo"]["guard"]["action"] == "throttle"
+
+
+def test_gpuctl_jobs_says_a_training_job_is_evicted_rather_than_throttled() -> None:
+    from gpud.cli.jobs import colo_row
+
+    entry = {
+        "gpu": 0,
+        "mig_profile": None,
+        "sm_share": 1.0,
+        "kind": "training",
+        "duty": 0.0,
+        "guard": None,
+        "evict": True,
+        "throttled_by": ["chat"],
+    }
+    assert colo_row(entry) == ("GPU 0", "100%", "0%", "evicted: checkpoint and leave")
 
 
 class Restartable:
