@@ -390,7 +390,7 @@ class ColoService:
                 min_duty=config.min_duty,
             )
             for g in self._guards.values():
-                g.params = self._guard_params
+                g.retune(self._guard_params)
 
     # -- reports from jobs --------------------------------------------------------------------
     def report_latency(self, job: str, seconds: Sequence[float]) -> None:

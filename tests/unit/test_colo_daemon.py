@@ -130,6 +130,29 @@ def test_guard_evicts_training_when_the_slo_cannot_be_held(
     assert not svc.throttle_point("train", 1).evict
 
 
+def test_a_reloaded_min_duty_is_the_floor_at_once(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """Raising `colocate.min_duty` (SIGHUP) lifts training held under the new floor at the
+    next tick, whatever the latencies: no guard keeps a duty below it."""
+    svc, clock, _ = service
+    for _ in range(30):  # 1 -> 0.5 -> 0.25 -> 0.125, each cut measured before the next
+        clock.t += 1
+        svc.report_latency("chat", [0.095] * 30)
+        svc.tick(snapshot())
+        svc.throttle_point("train", 1)
+        if svc.duty("train") < 0.2:
+            break
+    assert svc.duty("train") < 0.2
+    svc.configure(ColocateConfig(min_duty=0.5))
+    clock.t += 1
+    svc.report_latency("chat", [0.07] * 30)  # within the band: the guard holds
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+    (g,) = svc.show().guards
+    assert g.duty == 0.5
+
+
 def test_memory_over_the_limit_evicts_training(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
