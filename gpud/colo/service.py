@@ -80,6 +80,9 @@ SETTLE_S = 2.0
 # long has served nothing since its last report.
 REPORT_PERIOD_S = 1.0
 REPORT_GAP_S = 2.0 * REPORT_PERIOD_S
+# A service of little traffic serves fewer than MIN_FRESH_SAMPLES requests in the latency
+# window: its guard's p99 at a duty reaches back as far as this many windows to find them.
+QUIET_WINDOWS = 6
 MIN_FRESH_SAMPLES = 20  # a training job's rate is measured over at most this much recent time
 # An inference service alone whose utilization is under this teaches no features.
 MIN_SERVICE_ACTIVITY = 0.05
@@ -434,22 +437,30 @@ class ColoService:
 
     def p99(self, job: str, *, since: float = float("-inf"), min_samples: int = 1) -> float | None:
         """The job's p99 latency over the window (reports after ``since`` only); None with
-        fewer than ``min_samples`` reports."""
-        window = self._latencies(job, since)
+        fewer than ``min_samples`` reports. Where the window holds fewer, the latest
+        ``min_samples`` reports up to ``QUIET_WINDOWS`` windows back count: a service of
+        little traffic is measured over as long as its requests take to come."""
+        window = self._latencies(job, since, at_least=min_samples)
         if not window or len(window) < min_samples:
             return None
         window.sort()
         return window[min(len(window) - 1, math.ceil(0.99 * len(window)) - 1)]
 
-    def _latencies(self, job: str, since: float) -> list[float]:
-        """The job's latency reports within the window and after ``since``, in seconds."""
+    def _latencies(self, job: str, since: float, *, at_least: int = 0) -> list[float]:
+        """The job's latency reports within the window and after ``since``, in seconds;
+        with fewer than ``at_least`` there, the latest ``at_least`` within
+        ``QUIET_WINDOWS`` windows."""
         now = self._clock()
         with self._lock:
             st = self._jobs.get(job)
             if st is None:
                 return []
             window = self.config.latency_window_s
-            return [s for t, s in st.latency if now - t <= window and t > since]
+            inside = [s for t, s in st.latency if now - t <= window and t > since]
+            if len(inside) >= at_least:
+                return inside
+            reach = QUIET_WINDOWS * window
+            return [s for t, s in st.latency if now - t <= reach and t > since][-at_least:]
 
     def _rate(self, st: _JobState, now: float) -> float | None:
         """Iterations per second of running time, the throttle's sleeps taken out, since

@@ -130,6 +130,26 @@ def test_guard_evicts_training_when_the_slo_cannot_be_held(
     assert not svc.throttle_point("train", 1).evict
 
 
+def test_the_guard_protects_a_service_that_serves_a_request_a_second(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A service of little traffic (a request a second: ten in the 10 s latency window)
+    over its SLO beside training gets the training throttled, and evicted at the floor:
+    the guard waits for enough requests at a duty, not for them to fit in the window."""
+    svc, clock, _ = service
+    duties = []
+    for _ in range(600):
+        clock.t += 1
+        svc.report_latency("chat", [0.5])  # 500 ms against a 100 ms SLO
+        svc.tick(snapshot())
+        d = svc.throttle_point("train", 1)
+        duties.append(d.duty)
+        if d.evict:
+            break
+    assert duties[25] < 1.0  # cut once its first 20 requests were in
+    assert d.evict and "over SLO" in d.reason
+
+
 def test_a_reloaded_min_duty_is_the_floor_at_once(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
