@@ -923,10 +923,15 @@ class ColoService:
             if r.kind == "inference" and r.slo_p99_ms and math.isfinite(r.slo_p99_ms):
                 services.setdefault(r.name, []).append(r)
         for name, where in services.items():
+            slo_s = (where[0].slo_p99_ms or 0.0) / 1e3
             g = self._guards.get(name)
             if g is None:
-                slo_s = (where[0].slo_p99_ms or 0.0) / 1e3
                 g = self._guards[name] = ServiceGuard(name, slo_s, self._guard_params)
+            elif g.slo_s != slo_s:
+                # registered again with another SLO (or restored from a file that held the
+                # one before): the guard holds the one the service runs with now
+                g.slo_s = slo_s
+                g.breaches_at_floor = 0
             p99 = self.p99(name)
             st = self._jobs.setdefault(name, _JobState())
             if p99 is not None:

@@ -150,6 +150,30 @@ def test_the_guard_protects_a_service_that_serves_a_request_a_second(
     assert d.evict and "over SLO" in d.reason
 
 
+def test_the_guard_holds_the_slo_the_service_runs_with_now(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A service registered again with another SLO (`gpuctl jobs rm`, `jobs add
+    --slo-p99-ms`, run again within the hour the loop remembers it) is guarded against
+    the new SLO, not the one its guard was made with."""
+    svc, clock, jobs = service
+    clock.t += 1
+    svc.report_latency("chat", [0.095] * 30)  # within 20 % of 100 ms
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+    jobs[:] = [j for j in jobs if j.name != "chat"]  # it stops; registered again
+    clock.t += 60
+    svc.tick(snapshot())
+    jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=1000.0, memory_bytes=20 * GIB))
+    for _ in range(3):
+        clock.t += 5
+        svc.report_latency("chat", [0.095] * 30)  # well under 1 s
+        svc.tick(snapshot())
+    (g,) = svc.show().guards
+    assert g.slo_ms == 1000.0 and g.action == "recover"
+    assert svc.duty("train") > 0.5
+
+
 def test_a_reloaded_min_duty_is_the_floor_at_once(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
