@@ -425,7 +425,10 @@ class ColoService:
             st = self._jobs.setdefault(job, _JobState())
             st.seen = now
             total = (st.progress[-1][1] if st.progress else 0) + max(0, iterations)
-            d = self._directives.get(job, Directive(1.0, False, "no directive"))
+            if self.config.enabled:
+                d = self._directives.get(job, Directive(1.0, False, "no directive"))
+            else:
+                d = Directive(1.0, False, "co-location is off")
             st.progress.append((now, total, d.duty))
             return d
 
@@ -533,6 +536,8 @@ class ColoService:
                 # The loop stands still: the time until it runs again does not age what
                 # the predictor learned, as the time gpud is down does not.
                 self._last_tick = None
+                if not self.config.enabled:
+                    self._switch_off()
             return None
         running = tuple(self._running())
         with self._lock:
@@ -568,6 +573,22 @@ class ColoService:
         # The disk flush waits outside the lock: latency reports and `colo show` do not.
         self._save(state)
         return plan
+
+    def _switch_off(self) -> None:
+        """The loop is off (a reload): no guard watches any service, so no training stays
+        throttled or evicted by what one decided; switched on again, guards start afresh."""
+        for job, told in sorted(self._directives.items()):
+            if told.evict or told.duty < 1.0:
+                self._events.emit(
+                    "colo.duty",
+                    f"job {job} duty {0.0 if told.evict else told.duty:.2f} -> 1.00: "
+                    "co-location is off",
+                    job=job,
+                )
+        self._directives = {}
+        for name, g in self._guards.items():
+            g.reset()
+            self._jobs.setdefault(name, _JobState()).guard_since = float("-inf")
 
     def _note_arrivals(self, running: Sequence[RunningJob], now: float) -> None:
         """When each running job was first seen running: a job that stopped (an eviction, a

@@ -174,6 +174,29 @@ def test_the_guard_holds_the_slo_the_service_runs_with_now(
     assert svc.duty("train") > 0.5
 
 
+def test_a_loop_switched_off_throttles_and_evicts_nothing_any_more(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A reload with `[colocate] enabled = false`: no guard runs, so no training stays held
+    at the duty one set, or evicted, by a loop that is off; on again, it plans afresh."""
+    svc, clock, _ = service
+    clock.t += 1
+    svc.report_latency("chat", [0.095] * 30)
+    svc.tick(snapshot())
+    assert svc.throttle_point("train", 1).duty == 0.5
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 5
+    svc.tick(snapshot())
+    d = svc.throttle_point("train", 1)
+    assert d.duty == 1.0 and not d.evict and "off" in d.reason
+    assert svc.duty("train") == 1.0
+    svc.configure(ColocateConfig())
+    clock.t += 5
+    svc.report_latency("chat", [0.095] * 30)
+    svc.tick(snapshot())
+    assert svc.throttle_point("train", 1).duty < 1.0
+
+
 def test_a_reloaded_min_duty_is_the_floor_at_once(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
