@@ -316,9 +316,11 @@ class JobService:
             with self._lock:
                 job, registered = self.job_for(request, preview=preview)
                 created = created or registered
-                effective = _advised(_override(job, request), request)
+                # what was asked: the history's request (co-location's advice places this
+                # run only, on a device no replay or other node has)
+                placed = _override(job, request)
+                effective = _advised(placed, request)
                 self._refuse_unhealthy(effective)
-                placed = effective
                 if self.gate is not None and not preview and not admitted:
                     where = self.gate(effective)
                     if where is not None:

@@ -366,3 +366,18 @@ def test_removing_a_queued_job_takes_it_out_of_the_queue(node: Node) -> None:
     node.admission.tick()
     assert node.jobs.registry.find("b") is None
     assert node.jobs.reservations.held() == []
+
+
+def test_history_keeps_the_request_as_asked_not_the_co_location_advice(node: Node) -> None:
+    """A run that names no place goes where co-location advised, for that run only: its
+    history (the quotes' classes, `tools.whatif`'s replay) holds what was asked, one GPU,
+    not the advised device, which no other node or replay has."""
+    (gpu0, _) = (t.uuid for t in node.mps.targets())
+    node.jobs.reserve(RunRequest(job="plain", memory_bytes=20 * GIB))
+    advised = RunRequest(
+        job="adv", memory_bytes=20 * GIB, advised_devices=(gpu0,), advised_threads_percent=50
+    )
+    assert node.jobs.reserve(advised).reservation.devices == (gpu0,)
+    history = {h.job: h for h in node.admission.history()}
+    assert history["adv"].request_class == history["plain"].request_class == "1 GPU 20GiB"
+    assert history["adv"].request.devices == () and history["adv"].request.threads_percent is None
