@@ -132,6 +132,11 @@ class _JobState:
     latency: deque[tuple[float, float]] = field(
         default_factory=lambda: deque(maxlen=MAX_LATENCY_SAMPLES)
     )
+    # (time, requests in it) per latency report: the load counts every request a busy
+    # service served, of which ``latency`` keeps the last MAX_LATENCY_SAMPLES only
+    reports: deque[tuple[float, int]] = field(
+        default_factory=lambda: deque(maxlen=MAX_LATENCY_SAMPLES)
+    )
     # (time, iterations so far, duty told at that report: what it ran at until the next)
     progress: deque[tuple[float, int, float]] = field(default_factory=lambda: deque(maxlen=64))
     # alone on all its devices: training's iterations per busy second (duty taken out); an
@@ -412,6 +417,8 @@ class ColoService:
             st = self._jobs.setdefault(job, _JobState())
             st.seen = now
             st.latency.extend((now, s) for s in seconds)
+            if seconds:
+                st.reports.append((now, len(seconds)))
 
     def throttle_point(self, job: str, iterations: int) -> Directive:
         """Record a training job's progress; return the duty cycle it should run at."""
@@ -504,13 +511,14 @@ class ColoService:
         return view.shape.service_rate(view.sm_share)
 
     def load(self, job: str) -> float:
-        """An inference job's request rate: latency reports per second over the window.
+        """An inference job's request rate: latencies reported per second over the window.
 
         Each report holds the requests served since the one before it (``gpud.client``
-        flushes every second), so the rate is the reports after the window's first over the
-        time since it: counting the first too, or dividing by the window, reads up to one
-        report period per window high or low, and the per-job buffer may have cut into the
-        first. The span ends at the last report, or ``REPORT_GAP_S`` before now if that is
+        flushes every second), so the rate is the requests in the reports after the window's
+        first over the time since it: counting the first too, or dividing by the window,
+        reads up to one report period per window high or low. Requests are counted per
+        report, not from the latencies kept (a service busier than MAX_LATENCY_SAMPLES a
+        second would read as that). The span ends at the last report, or ``REPORT_GAP_S`` before now if that is
         later: a service that stopped reporting stopped serving. One report alone stands for
         the report period before it."""
         now = self._clock()
@@ -519,14 +527,15 @@ class ColoService:
             if st is None:
                 return 0.0
             cut = now - self.config.latency_window_s
-            times = [t for t, _ in st.latency if t > cut]
-        if not times:
+            reports = [(t, n) for t, n in st.reports if t > cut]
+        if not reports:
             return 0.0
-        first = times[0]
-        later = sum(1 for t in times if t > first)
-        end = max(times[-1], now - REPORT_GAP_S)
+        first = reports[0][0]
+        later = sum(n for t, n in reports if t > first)
+        end = max(reports[-1][0], now - REPORT_GAP_S)
         if later == 0:
-            return len(times) / max(REPORT_PERIOD_S, end - first + REPORT_PERIOD_S)
+            served = sum(n for _, n in reports)
+            return served / max(REPORT_PERIOD_S, end - first + REPORT_PERIOD_S)
         return later / max(end - first, 1e-9)
 
     # -- the loop -----------------------------------------------------------------------------

@@ -1623,6 +1623,16 @@ def test_a_service_measures_its_speed_at_the_duty_its_guard_set(tmp_path: Path) 
     assert svc.show().observed_speed["chat"] == pytest.approx(360.0 / 400.0, rel=1e-3)
 
 
+def jobless_loop(tmp_path: Path, clock: Clock) -> ColoService:
+    """A loop with a 10 s latency window that sees no job running: for reports alone."""
+    return ColoService(
+        ColocateConfig(latency_window_s=10.0),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: [],
+        clock=clock,
+    )
+
+
 @pytest.mark.parametrize("phase", [0.0, 0.5])
 def test_load_is_the_request_rate_whatever_the_window_holds(tmp_path: Path, phase: float) -> None:
     """Reports come once a second (gpud.client flushes each second); a 10 s window then
@@ -1630,12 +1640,7 @@ def test_load_is_the_request_rate_whatever_the_window_holds(tmp_path: Path, phas
     fill the per-job buffer (4096) long before the window ends. The load is the rate all
     the same, from the second report on."""
     clock = Clock()
-    svc = ColoService(
-        ColocateConfig(latency_window_s=10.0),
-        EventLog(tmp_path / "e.jsonl"),
-        running=lambda: [],
-        clock=clock,
-    )
+    svc = jobless_loop(tmp_path, clock)
     seen: dict[int, list[float]] = {100: [], 1000: []}
     for second in range(1, 31):
         clock.t = 100.0 + second
@@ -1655,6 +1660,24 @@ def test_load_is_the_request_rate_whatever_the_window_holds(tmp_path: Path, phas
     assert 0.0 < svc.load("steady") < 100.0
     clock.t += 10.0
     assert svc.load("steady") == 0.0
+
+
+def test_the_load_of_a_service_busier_than_the_latency_buffer_is_its_request_rate(
+    tmp_path: Path,
+) -> None:
+    """A service serving 10 000 requests a second sends more latencies each second than the
+    per-job buffer keeps (4096; gpud.client flushes every 4096): its load is still the
+    requests it served per second, not what the buffer still holds of them."""
+    clock = Clock()
+    svc = jobless_loop(tmp_path, clock)
+    seen = []
+    for second in range(1, 21):
+        for part, n in enumerate((4096, 4096, 1808)):
+            clock.t = 100.0 + second + part * 0.4
+            svc.report_latency("busy", [0.001] * n)
+        if second >= 3:
+            seen.append(svc.load("busy"))
+    assert seen == pytest.approx([10_000.0] * 18, rel=0.1)
 
 
 def test_a_service_is_planned_with_the_footprint_it_showed_at_that_load(tmp_path: Path) -> None:
