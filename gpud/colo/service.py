@@ -575,7 +575,9 @@ class ColoService:
             views = [self._view(r) for r in live]
             plan = self._planner.plan(gpus, views, duty_by_gpu, evict_by_gpu)
             held = {r.name for r in running if r.gpu in self._faulty}
-            self._apply(plan, keep=held, present={r.name for r in live})
+            self._apply(
+                plan, keep=held, present={r.name for r in live}, paused=self._paused(running)
+            )
             self._plan, self._plan_at, self._last_running = plan, self._clock(), running
             self._forget(running)
             state = self._state(running)
@@ -1102,14 +1104,48 @@ class ColoService:
             )
         return views, where
 
-    def _apply(self, plan: Plan, *, keep: set[str], present: set[str]) -> None:
-        """The plan's directives become the jobs'; ``keep``'s stay as they were. An
-        eviction stands while the job is ``present``: a job takes a while to checkpoint
+    def _paused(self, running: Sequence[RunningJob]) -> dict[str, tuple[float, int]]:
+        """Training job -> the lowest duty a guard paused on a faulty GPU holds it at (the
+        guard of a service beside it there), and that GPU."""
+        out: dict[str, tuple[float, int]] = {}
+        for r in running:
+            if r.kind != "training" or r.gpu not in self._faulty:
+                continue
+            for s in running:
+                g = self._guards.get(s.name)
+                if s.kind != "inference" or s.gpu != r.gpu or g is None:
+                    continue
+                if _shares_device(s, r) and g.duty < out.get(r.name, (1.0, -1))[0]:
+                    out[r.name] = (g.duty, r.gpu)
+        return out
+
+    def _apply(
+        self,
+        plan: Plan,
+        *,
+        keep: set[str],
+        present: set[str],
+        paused: Mapping[str, tuple[float, int]] | None = None,
+    ) -> None:
+        """The plan's directives become the jobs'; ``keep``'s (jobs on a faulty GPU) stay
+        as they were, but for one the plan directs from its other GPUs: that gets the
+        plan's, at no more than the duty a guard paused on its faulty GPU holds it at
+        (``paused``), so the guards of its GPUs that answer still act on it. An eviction
+        stands while the job is ``present``: a job takes a while to checkpoint
         and leave, and the guard that evicted it starts afresh at once, so the next plan
         would tell it to run at full speed next to the service it was evicted for."""
         new = {d.job_id: Directive(d.duty, d.evict, d.reason) for d in plan.directives}
         for job in keep:
-            if job in self._directives:
+            told = new.get(job)
+            floor, gpu = (paused or {}).get(job, (1.0, -1))
+            if told is not None:
+                if not told.evict and floor < told.duty:
+                    new[job] = Directive(
+                        floor,
+                        False,
+                        f"SLO guard paused on GPU {gpu} holds training at duty {floor:.2f}",
+                    )
+            elif job in self._directives:
                 new[job] = self._directives[job]
         for job, told in self._directives.items():
             if told.evict and job in present and not (job in new and new[job].evict):

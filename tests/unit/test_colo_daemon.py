@@ -991,6 +991,67 @@ def test_a_rate_alone_at_another_share_is_no_yardstick_for_slowdown(tmp_path: Pa
     assert svc.predictor.stats().samples == 0
 
 
+def training_on_two_gpus(tmp_path: Path, clock: Clock, *, service_gpu: int) -> ColoService:
+    """A loop that sees training on GPUs 0 and 1 and a service (SLO 100 ms) beside it on
+    ``service_gpu``."""
+    jobs = [
+        RunningJob("train", "training", 0, memory_bytes=10 * GIB),
+        RunningJob("train", "training", 1, memory_bytes=10 * GIB),
+        RunningJob("chat", "inference", service_gpu, slo_p99_ms=100.0, memory_bytes=20 * GIB),
+    ]
+    return ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+
+
+def gpu0_lost() -> Snapshot:
+    """Two GPUs, GPU 0 lost."""
+    lost = snapshot()
+    gpu0 = lost.gpus[0]._replace(healthy=False, reason="GPU lost (memory): call failed")
+    return Snapshot(lost.wall_time, lost.monotonic, (gpu0, lost.gpus[1]), lost.tick_seconds)
+
+
+def test_a_lost_gpu_under_a_job_on_two_gpus_leaves_the_guard_on_the_other_at_work(
+    tmp_path: Path,
+) -> None:
+    """Training on GPUs 0 and 1, a service beside it on GPU 1: GPU 0 stops answering (its
+    processes may well go on). The service's guard still throttles the training, and what
+    a guard on the lost GPU had set stands until it answers again."""
+    clock = Clock()
+    svc = training_on_two_gpus(tmp_path, clock, service_gpu=1)
+    svc.tick(snapshot())
+    assert svc.duty("train") == 1.0
+    lost = gpu0_lost()
+    clock.t += 1
+    svc.report_latency("chat", [0.095] * 30)  # within 20 % of its 100 ms SLO
+    svc.tick(lost)
+    (g,) = svc.show().guards
+    assert g.action == "throttle"
+    assert svc.duty("train") == 0.5
+
+
+def test_a_guard_paused_on_a_lost_gpu_still_holds_a_job_on_two_gpus(tmp_path: Path) -> None:
+    """Training on GPUs 0 and 1, throttled for a service beside it on GPU 0, which then
+    stops answering: the plan for GPU 1 alone would let it run at full speed, but the cut
+    the paused guard made stands until GPU 0 answers again."""
+    clock = Clock()
+    svc = training_on_two_gpus(tmp_path, clock, service_gpu=0)
+    clock.t += 1
+    svc.report_latency("chat", [0.095] * 30)
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+    lost = gpu0_lost()
+    for _ in range(3):
+        clock.t += 5
+        svc.tick(lost)
+        d = svc.throttle_point("train", 1)
+        assert d.duty == 0.5 and "paused on GPU 0" in d.reason
+    clock.t += 5
+    svc.report_latency("chat", [0.01] * 30)
+    svc.tick(snapshot())  # it answers: its guard goes on from where it was
+    assert svc.duty("train") >= 0.5
+
+
 def test_a_jobs_rates_alone_at_two_shares_give_its_knee(tmp_path: Path) -> None:
     """Alone with every SM it made 10 iterations a second, alone with half of them (a
     later run) 8: its shape's knee is what the two show (0.8 of its speed at half the SMs:
