@@ -220,6 +220,34 @@ def test_a_reloaded_min_duty_is_the_floor_at_once(
     assert g.duty == 0.5
 
 
+def test_a_min_duty_raised_across_a_restart_is_the_floor_at_once(tmp_path: Path) -> None:
+    """gpud restarted with a higher `colocate.min_duty`: the guard it restores from its
+    state file holds training at no less than the new floor."""
+    clock = Clock()
+    jobs = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
+        RunningJob("train", "training", 0, memory_bytes=10 * GIB),
+    ]
+    svc = kept_loop(tmp_path, jobs, clock)
+    for _ in range(30):
+        clock.t += 1
+        svc.report_latency("chat", [0.095] * 30)
+        svc.tick(snapshot())
+        if svc.duty("train") < 0.2:
+            break
+    assert svc.duty("train") < 0.2
+    again = ColoService(
+        ColocateConfig(min_duty=0.5),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        clock=clock,
+        state_file=tmp_path / "colo.json",
+    )
+    clock.t += 1
+    again.tick(snapshot())
+    assert again.duty("train") == 0.5
+
+
 def test_memory_over_the_limit_evicts_training(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
