@@ -47,11 +47,11 @@ from gpud.admission.quote import job_quote
 from gpud.config import AdmissionConfig
 from gpud.errors import FailedPrecondition, GpudError, NotFound, ResourceExhausted, Unavailable
 from gpud.events import EventLog
-from gpud.jobs.placement import Reservation
+from gpud.jobs.placement import DeviceLoad, Reservation
 from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, RunRequest
 from gpud.mig.layout import DeviceLayout, load_config
-from gpud.mps.manager import MpsManager
+from gpud.mps.manager import MpsManager, MpsTarget
 from gpud.mps.procs import alive, start_time
 from gpud.store import StateStore
 
@@ -432,6 +432,7 @@ class AdmissionService:
         out: list[EntryView] = []
         unfeasible: list[EntryView] = []
         ahead: list[Entry] = []
+        held = _Held(self._jobs)
         for e in queued:
             verdict = self.classify(e.placement, fit)
             if isinstance(verdict, Unfeasible):
@@ -448,7 +449,8 @@ class AdmissionService:
                     None,
                     {},
                     waiting_on=_unhealthy_in(verdict, sick, gpu_of)
-                    or self._start_failures.get(e.id, ""),
+                    or self._start_failures.get(e.id, "")
+                    or held.why(e, ahead[0] if ahead else None),
                 )
             )
             ahead.append(e)
@@ -724,6 +726,25 @@ def _never(job: str, verdict: Unfeasible) -> FailedPrecondition:
     return FailedPrecondition(
         f"job {job!r} can never start on this node as it is: {verdict.reason}{remedy}"
     )
+
+
+class _Held:
+    """Why a queued entry waits while its devices are healthy: what holds them (the
+    numbers a refused reservation gives), or, where it would fit now, the head it may not
+    pass. The node's devices and loads are read once, at the first entry that asks."""
+
+    def __init__(self, jobs: JobService) -> None:
+        self._jobs = jobs
+        self._now: tuple[list[MpsTarget], dict[str, DeviceLoad]] | None = None
+
+    def why(self, e: Entry, head: Entry | None) -> str:
+        if self._now is None:
+            self._now = (self._jobs.healthy_targets(), self._jobs.loads())
+        try:
+            self._jobs.choose(_effective(JobSpec(e.job), e.request), self._now)
+        except (ResourceExhausted, NotFound) as err:
+            return str(err)
+        return f"behind {head.job} ({head.id})" if head is not None else ""
 
 
 def _effective(job: JobSpec, request: RunRequest) -> JobSpec:

@@ -9,7 +9,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -400,13 +400,17 @@ class JobService:
         sick = self.unhealthy()
         return [t for t in targets if t.gpu not in sick]
 
-    def choose(self, spec: JobSpec) -> tuple[MpsTarget, ...]:
-        """:func:`choose_devices` among the healthy devices, with what is reserved now; a
+    def choose(
+        self,
+        spec: JobSpec,
+        now: tuple[Sequence[MpsTarget], Mapping[str, DeviceLoad]] | None = None,
+    ) -> tuple[MpsTarget, ...]:
+        """:func:`choose_devices` among the healthy devices, with what is reserved now
+        (``now``: those devices and loads, read once by a caller that asks for many); a
         refusal names the unhealthy GPUs it left out, and why."""
+        targets, loads = now if now is not None else (self.healthy_targets(), self.loads())
         try:
-            return choose_devices(
-                spec, self.healthy_targets(), self.loads(), memory_bytes=spec.memory_bytes
-            )
+            return choose_devices(spec, targets, loads, memory_bytes=spec.memory_bytes)
         except ResourceExhausted as err:
             sick = self.unhealthy()
             if not sick:

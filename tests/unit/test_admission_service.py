@@ -203,7 +203,9 @@ def test_a_queued_job_waits_for_an_unhealthy_gpu_to_answer(
     entry = node.admission.enqueue(whole("b"))
     node.admission.tick()
     waiting = node.admission.view(entry.entry.id)
-    assert waiting.entry.state == QUEUED and waiting.waiting_on == ""  # GPU 0 may free up
+    # GPU 0 may free up: what holds it, and the GPU left out
+    assert waiting.entry.state == QUEUED and "60GiB reserved by a" in waiting.waiting_on
+    assert waiting.waiting_on.endswith("(GPU 1 unhealthy: GPU lost (memory))")
     hung = gpu_sample(0)._replace(healthy=False, reason="driver call timed out")
     node.jobs.tick(snapshot(hung, lost))
     both = node.admission.view(entry.entry.id).waiting_on
@@ -381,3 +383,18 @@ def test_history_keeps_the_request_as_asked_not_the_co_location_advice(node: Nod
     history = {h.job: h for h in node.admission.history()}
     assert history["adv"].request_class == history["plain"].request_class == "1 GPU 20GiB"
     assert history["adv"].request.devices == () and history["adv"].request.threads_percent is None
+
+
+def test_a_queued_job_says_what_holds_its_devices(node: Node) -> None:
+    """A queued job whose devices never free (a run that never ends, a job using more
+    than it reserved) is not left with an empty WHY NOT: it says what holds them, as a
+    refused `gpuctl run` does; one that would fit now says which job ahead it may not pass."""
+    node.jobs.reserve(whole("a"))
+    head = node.admission.enqueue(whole("pair", 2))  # needs both GPUs: a holds one
+    assert "60GiB reserved by a" in head.waiting_on
+    views = {v.entry.job: v for v in node.admission.queue_views()}
+    assert "60GiB reserved by a" in views["pair"].waiting_on
+    node.admission.enqueue(RunRequest(job="c", gpu_count=1, memory_bytes=30 * GIB))
+    views = {v.entry.job: v for v in node.admission.queue_views()}
+    assert views["c"].position == 2  # it fits on GPU 1, which the head waits for
+    assert views["c"].waiting_on == f"behind pair ({head.entry.id})"
