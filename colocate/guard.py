@@ -108,6 +108,11 @@ class ServiceGuard:
         self.last = decision
         return decision
 
+    def retune(self, params: GuardParams) -> None:
+        """New parameters (a reload): a duty under the new floor is lifted to it at once."""
+        self.params = params
+        self.duty = max(self.duty, params.min_duty)
+
     def reset(self) -> None:
         """Training left the GPU: nothing to throttle any more."""
         self.duty = 1.0

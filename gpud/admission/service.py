@@ -49,11 +49,11 @@ from gpud.config import AdmissionConfig
 from gpud.errors import FailedPrecondition, GpudError, NotFound, ResourceExhausted, Unavailable
 from gpud.events import EventLog
 from gpud.jobs.ends import NO_STATUS, RunEnd
-from gpud.jobs.placement import Reservation
+from gpud.jobs.placement import DeviceLoad, Reservation
 from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, RunRequest
 from gpud.mig.layout import DeviceLayout, load_config
-from gpud.mps.manager import MpsManager
+from gpud.mps.manager import MpsManager, MpsTarget
 from gpud.mps.procs import alive, start_time
 from gpud.store import StateStore
 
@@ -219,6 +219,7 @@ class AdmissionService:
         self._last_tick: float | None = None
         store.ensure_schema(SCHEMA, added=ADDED)
         jobs.add_observer(self._observe)
+        jobs.add_removal_hook(self._job_removed)
         jobs.gate = self.gate
 
     # -- devices and fit ------------------------------------------------------------------
@@ -388,6 +389,28 @@ class AdmissionService:
                 )
         return self.view(entry_id)
 
+    def _job_removed(self, job: str, force: bool) -> None:
+        """A job is being removed (under the placement lock): its queued entries would
+        otherwise start it again once its devices free. Without ``force`` that is refused
+        (a `gpuctl run` may be waiting in one); with it they leave the queue."""
+        mine = [e for e in self.entries() if e.job == job]
+        if not mine:
+            return
+        ids = ", ".join(e.id for e in mine)
+        if not force:
+            raise FailedPrecondition(
+                f"job {job!r} is queued ({ids}): `gpuctl queue --leave ID` takes it out, or "
+                f"`gpuctl jobs rm --force {job}` removes the job and its place in the queue"
+            )
+        for e in mine:
+            self._set_state(e.id, LEFT)
+            self._events.emit(
+                "admission.leave",
+                f"job {job} left the queue: the job was removed",
+                job=job,
+                entry=e.id,
+            )
+
     def view(self, entry_id: str) -> EntryView:
         entry = self.entry(entry_id)
         if entry.state != QUEUED:
@@ -420,6 +443,7 @@ class AdmissionService:
         out: list[EntryView] = []
         unfeasible: list[EntryView] = []
         ahead: list[Entry] = []
+        held = _Held(self._jobs)
         for e in queued:
             verdict = self.classify(e.placement, fit)
             if isinstance(verdict, Unfeasible):
@@ -436,7 +460,8 @@ class AdmissionService:
                     None,
                     {},
                     waiting_on=_unhealthy_in(verdict, sick, gpu_of)
-                    or self._start_failures.get(e.id, ""),
+                    or self._start_failures.get(e.id, "")
+                    or held.why(e, ahead[0] if ahead else None),
                 )
             )
             ahead.append(e)
@@ -716,6 +741,25 @@ def _never(job: str, verdict: Unfeasible) -> FailedPrecondition:
     return FailedPrecondition(
         f"job {job!r} can never start on this node as it is: {verdict.reason}{remedy}"
     )
+
+
+class _Held:
+    """Why a queued entry waits while its devices are healthy: what holds them (the
+    numbers a refused reservation gives), or, where it would fit now, the head it may not
+    pass. The node's devices and loads are read once, at the first entry that asks."""
+
+    def __init__(self, jobs: JobService) -> None:
+        self._jobs = jobs
+        self._now: tuple[list[MpsTarget], dict[str, DeviceLoad]] | None = None
+
+    def why(self, e: Entry, head: Entry | None) -> str:
+        if self._now is None:
+            self._now = (self._jobs.healthy_targets(), self._jobs.loads())
+        try:
+            self._jobs.choose(_effective(JobSpec(e.job), e.request), self._now)
+        except (ResourceExhausted, NotFound) as err:
+            return str(err)
+        return f"behind {head.job} ({head.id})" if head is not None else ""
 
 
 def _effective(job: JobSpec, request: RunRequest) -> JobSpec:

@@ -391,7 +391,9 @@ def colo_row(entry: dict[str, Any] | None) -> tuple[str, ...]:
     share = "instance" if entry["mig_profile"] else f"{entry['sm_share']:.0%}"
     duty = f"{entry['duty']:.0%}" if entry["kind"] == "training" else NA
     guard = entry["guard"]
-    if guard is not None:
+    if entry.get("evict"):
+        state = "evicted: checkpoint and leave"
+    elif guard is not None:
         p99 = f"{guard['p99_ms']:.1f}" if guard["p99_ms"] is not None else NA
         state = f"{guard['action']} p99 {p99}/{guard['slo_ms']:g} ms"
     elif entry.get("throttled_by"):

@@ -22,6 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 DEFAULT_SOCKET = "/run/gpud/gpud.sock"
+# The longest latency gpud takes: a report over an hour is no request an online service
+# served, but a unit mistake or garbage, which would have the guard evict training. A report
+# holding any sample outside [0, MAX_LATENCY_S] (NaN too) is refused whole.
+MAX_LATENCY_S = 3600.0
 
 
 class _Channel:
@@ -149,8 +153,14 @@ class Latency:
         )
 
     def observe(self, seconds: float) -> None:
+        """One request's latency, in seconds. One gpud would refuse (negative: a clock that
+        stepped back; NaN; over ``MAX_LATENCY_S``) is dropped here, so that the rest of its
+        batch is not refused with it."""
+        seconds = float(seconds)
+        if not 0.0 <= seconds <= MAX_LATENCY_S:
+            return
         with self._lock:
-            self._batch.append(float(seconds))
+            self._batch.append(seconds)
             due = len(self._batch) >= self._max or self._clock() - self._last >= self._every
         if due:
             self.flush()

@@ -94,11 +94,13 @@ class ColoServicer(pb_grpc.ColocationServicer):
                 p.mig_profile = r.mig_profile
             if r.name in v.observed_speed:
                 p.observed_speed = v.observed_speed[r.name]
+        for p in out.placements:
+            # what the job is told: an eviction stands until it leaves, whatever the plan
+            # (its guard started afresh) would tell it now
+            told = v.directives.get(p.job)
+            if told is not None:
+                p.reason, p.evict = told.reason, told.evict
         if plan is not None:
-            for d in plan.directives:
-                for p in out.placements:
-                    if p.job == d.job_id:
-                        p.reason = d.reason
             for (gpu, resource), price in sorted(plan.prices.items()):
                 out.prices.add(gpu=gpu, resource=resource, price=price)
             out.price_iterations = plan.convergence.iterations

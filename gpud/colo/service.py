@@ -45,6 +45,7 @@ from colocate import (
 )
 from gpud.backend.port import GpuIdentity, MigDeviceIdentity
 from gpud.backend.products import lookup
+from gpud.client.colo import MAX_LATENCY_S
 from gpud.colo.host import HostUsage
 from gpud.colo.links import NvlinkRates, pcie_capacity, pcie_ratio
 from gpud.config import ColocateConfig
@@ -56,9 +57,6 @@ from gpud.telemetry.snapshot import GpuSample, Snapshot
 log = logging.getLogger(__name__)
 
 MAX_LATENCY_SAMPLES = 4096  # per report, and per job kept in the window
-# A latency report over an hour is no request an online service served: a unit mistake or
-# garbage, which would have the guard evict training.
-MAX_LATENCY_S = 3600.0
 # A median response under a microsecond is a timer that read nothing, not a service: its
 # rate (ln 2 over it) would be absurd, or infinite, and no longer fit in colo.json.
 MIN_MEDIAN_LATENCY_S = 1e-6
@@ -82,6 +80,9 @@ SETTLE_S = 2.0
 # long has served nothing since its last report.
 REPORT_PERIOD_S = 1.0
 REPORT_GAP_S = 2.0 * REPORT_PERIOD_S
+# A service of little traffic serves fewer than MIN_FRESH_SAMPLES requests in the latency
+# window: its guard's p99 at a duty reaches back as far as this many windows to find them.
+QUIET_WINDOWS = 6
 MIN_FRESH_SAMPLES = 20  # a training job's rate is measured over at most this much recent time
 # An inference service alone whose utilization is under this teaches no features.
 MIN_SERVICE_ACTIVITY = 0.05
@@ -129,6 +130,11 @@ class _DeviceState:
 @dataclass
 class _JobState:
     latency: deque[tuple[float, float]] = field(
+        default_factory=lambda: deque(maxlen=MAX_LATENCY_SAMPLES)
+    )
+    # (time, requests in it) per latency report: the load counts every request a busy
+    # service served, of which ``latency`` keeps the last MAX_LATENCY_SAMPLES only
+    reports: deque[tuple[float, int]] = field(
         default_factory=lambda: deque(maxlen=MAX_LATENCY_SAMPLES)
     )
     # (time, iterations so far, duty told at that report: what it ran at until the next)
@@ -256,6 +262,8 @@ class ColoView:
     predictor_samples: int
     predictor_mae: float
     faulty: dict[int, str] = field(default_factory=dict)  # GPU -> why it is left alone
+    # job -> what it is told now: the plan's directive, or an eviction that still stands
+    directives: dict[str, Directive] = field(default_factory=dict)
     # the p90 margin (log-speed) per standing of a prediction's pairs ("0", "1+", "30+")
     predictor_margins: dict[str, float] = field(default_factory=dict)
     predictor_margin_errors: dict[str, int] = field(default_factory=dict)
@@ -390,7 +398,7 @@ class ColoService:
                 min_duty=config.min_duty,
             )
             for g in self._guards.values():
-                g.params = self._guard_params
+                g.retune(self._guard_params)
 
     # -- reports from jobs --------------------------------------------------------------------
     def report_latency(self, job: str, seconds: Sequence[float]) -> None:
@@ -409,6 +417,8 @@ class ColoService:
             st = self._jobs.setdefault(job, _JobState())
             st.seen = now
             st.latency.extend((now, s) for s in seconds)
+            if seconds:
+                st.reports.append((now, len(seconds)))
 
     def throttle_point(self, job: str, iterations: int) -> Directive:
         """Record a training job's progress; return the duty cycle it should run at."""
@@ -422,7 +432,10 @@ class ColoService:
             st = self._jobs.setdefault(job, _JobState())
             st.seen = now
             total = (st.progress[-1][1] if st.progress else 0) + max(0, iterations)
-            d = self._directives.get(job, Directive(1.0, False, "no directive"))
+            if self.config.enabled:
+                d = self._directives.get(job, Directive(1.0, False, "no directive"))
+            else:
+                d = Directive(1.0, False, "co-location is off")
             st.progress.append((now, total, d.duty))
             return d
 
@@ -434,22 +447,30 @@ class ColoService:
 
     def p99(self, job: str, *, since: float = float("-inf"), min_samples: int = 1) -> float | None:
         """The job's p99 latency over the window (reports after ``since`` only); None with
-        fewer than ``min_samples`` reports."""
-        window = self._latencies(job, since)
+        fewer than ``min_samples`` reports. Where the window holds fewer, the latest
+        ``min_samples`` reports up to ``QUIET_WINDOWS`` windows back count: a service of
+        little traffic is measured over as long as its requests take to come."""
+        window = self._latencies(job, since, at_least=min_samples)
         if not window or len(window) < min_samples:
             return None
         window.sort()
         return window[min(len(window) - 1, math.ceil(0.99 * len(window)) - 1)]
 
-    def _latencies(self, job: str, since: float) -> list[float]:
-        """The job's latency reports within the window and after ``since``, in seconds."""
+    def _latencies(self, job: str, since: float, *, at_least: int = 0) -> list[float]:
+        """The job's latency reports within the window and after ``since``, in seconds;
+        with fewer than ``at_least`` there, the latest ``at_least`` within
+        ``QUIET_WINDOWS`` windows."""
         now = self._clock()
         with self._lock:
             st = self._jobs.get(job)
             if st is None:
                 return []
             window = self.config.latency_window_s
-            return [s for t, s in st.latency if now - t <= window and t > since]
+            inside = [s for t, s in st.latency if now - t <= window and t > since]
+            if len(inside) >= at_least:
+                return inside
+            reach = QUIET_WINDOWS * window
+            return [s for t, s in st.latency if now - t <= reach and t > since][-at_least:]
 
     def _rate(self, st: _JobState, now: float) -> float | None:
         """Iterations per second of running time, the throttle's sleeps taken out, since
@@ -490,13 +511,14 @@ class ColoService:
         return view.shape.service_rate(view.sm_share)
 
     def load(self, job: str) -> float:
-        """An inference job's request rate: latency reports per second over the window.
+        """An inference job's request rate: latencies reported per second over the window.
 
         Each report holds the requests served since the one before it (``gpud.client``
-        flushes every second), so the rate is the reports after the window's first over the
-        time since it: counting the first too, or dividing by the window, reads up to one
-        report period per window high or low, and the per-job buffer may have cut into the
-        first. The span ends at the last report, or ``REPORT_GAP_S`` before now if that is
+        flushes every second), so the rate is the requests in the reports after the window's
+        first over the time since it: counting the first too, or dividing by the window,
+        reads up to one report period per window high or low. Requests are counted per
+        report, not from the latencies kept (a service busier than MAX_LATENCY_SAMPLES a
+        second would read as that). The span ends at the last report, or ``REPORT_GAP_S`` before now if that is
         later: a service that stopped reporting stopped serving. One report alone stands for
         the report period before it."""
         now = self._clock()
@@ -505,14 +527,15 @@ class ColoService:
             if st is None:
                 return 0.0
             cut = now - self.config.latency_window_s
-            times = [t for t, _ in st.latency if t > cut]
-        if not times:
+            reports = [(t, n) for t, n in st.reports if t > cut]
+        if not reports:
             return 0.0
-        first = times[0]
-        later = sum(1 for t in times if t > first)
-        end = max(times[-1], now - REPORT_GAP_S)
+        first = reports[0][0]
+        later = sum(n for t, n in reports if t > first)
+        end = max(reports[-1][0], now - REPORT_GAP_S)
         if later == 0:
-            return len(times) / max(REPORT_PERIOD_S, end - first + REPORT_PERIOD_S)
+            served = sum(n for _, n in reports)
+            return served / max(REPORT_PERIOD_S, end - first + REPORT_PERIOD_S)
         return later / max(end - first, 1e-9)
 
     # -- the loop -----------------------------------------------------------------------------
@@ -522,6 +545,8 @@ class ColoService:
                 # The loop stands still: the time until it runs again does not age what
                 # the predictor learned, as the time gpud is down does not.
                 self._last_tick = None
+                if not self.config.enabled:
+                    self._switch_off()
             return None
         running = tuple(self._running())
         with self._lock:
@@ -550,13 +575,31 @@ class ColoService:
             views = [self._view(r) for r in live]
             plan = self._planner.plan(gpus, views, duty_by_gpu, evict_by_gpu)
             held = {r.name for r in running if r.gpu in self._faulty}
-            self._apply(plan, keep=held, present={r.name for r in live})
+            self._apply(
+                plan, keep=held, present={r.name for r in live}, paused=self._paused(running)
+            )
             self._plan, self._plan_at, self._last_running = plan, self._clock(), running
             self._forget(running)
             state = self._state(running)
         # The disk flush waits outside the lock: latency reports and `colo show` do not.
         self._save(state)
         return plan
+
+    def _switch_off(self) -> None:
+        """The loop is off (a reload): no guard watches any service, so no training stays
+        throttled or evicted by what one decided; switched on again, guards start afresh."""
+        for job, told in sorted(self._directives.items()):
+            if told.evict or told.duty < 1.0:
+                self._events.emit(
+                    "colo.duty",
+                    f"job {job} duty {0.0 if told.evict else told.duty:.2f} -> 1.00: "
+                    "co-location is off",
+                    job=job,
+                )
+        self._directives = {}
+        for name, g in self._guards.items():
+            g.reset()
+            self._jobs.setdefault(name, _JobState()).guard_since = float("-inf")
 
     def _note_arrivals(self, running: Sequence[RunningJob], now: float) -> None:
         """When each running job was first seen running: a job that stopped (an eviction, a
@@ -912,10 +955,15 @@ class ColoService:
             if r.kind == "inference" and r.slo_p99_ms and math.isfinite(r.slo_p99_ms):
                 services.setdefault(r.name, []).append(r)
         for name, where in services.items():
+            slo_s = (where[0].slo_p99_ms or 0.0) / 1e3
             g = self._guards.get(name)
             if g is None:
-                slo_s = (where[0].slo_p99_ms or 0.0) / 1e3
                 g = self._guards[name] = ServiceGuard(name, slo_s, self._guard_params)
+            elif g.slo_s != slo_s:
+                # registered again with another SLO (or restored from a file that held the
+                # one before): the guard holds the one the service runs with now
+                g.slo_s = slo_s
+                g.breaches_at_floor = 0
             p99 = self.p99(name)
             st = self._jobs.setdefault(name, _JobState())
             if p99 is not None:
@@ -1056,14 +1104,48 @@ class ColoService:
             )
         return views, where
 
-    def _apply(self, plan: Plan, *, keep: set[str], present: set[str]) -> None:
-        """The plan's directives become the jobs'; ``keep``'s stay as they were. An
-        eviction stands while the job is ``present``: a job takes a while to checkpoint
+    def _paused(self, running: Sequence[RunningJob]) -> dict[str, tuple[float, int]]:
+        """Training job -> the lowest duty a guard paused on a faulty GPU holds it at (the
+        guard of a service beside it there), and that GPU."""
+        out: dict[str, tuple[float, int]] = {}
+        for r in running:
+            if r.kind != "training" or r.gpu not in self._faulty:
+                continue
+            for s in running:
+                g = self._guards.get(s.name)
+                if s.kind != "inference" or s.gpu != r.gpu or g is None:
+                    continue
+                if _shares_device(s, r) and g.duty < out.get(r.name, (1.0, -1))[0]:
+                    out[r.name] = (g.duty, r.gpu)
+        return out
+
+    def _apply(
+        self,
+        plan: Plan,
+        *,
+        keep: set[str],
+        present: set[str],
+        paused: Mapping[str, tuple[float, int]] | None = None,
+    ) -> None:
+        """The plan's directives become the jobs'; ``keep``'s (jobs on a faulty GPU) stay
+        as they were, but for one the plan directs from its other GPUs: that gets the
+        plan's, at no more than the duty a guard paused on its faulty GPU holds it at
+        (``paused``), so the guards of its GPUs that answer still act on it. An eviction
+        stands while the job is ``present``: a job takes a while to checkpoint
         and leave, and the guard that evicted it starts afresh at once, so the next plan
         would tell it to run at full speed next to the service it was evicted for."""
         new = {d.job_id: Directive(d.duty, d.evict, d.reason) for d in plan.directives}
         for job in keep:
-            if job in self._directives:
+            told = new.get(job)
+            floor, gpu = (paused or {}).get(job, (1.0, -1))
+            if told is not None:
+                if not told.evict and floor < told.duty:
+                    new[job] = Directive(
+                        floor,
+                        False,
+                        f"SLO guard paused on GPU {gpu} holds training at duty {floor:.2f}",
+                    )
+            elif job in self._directives:
                 new[job] = self._directives[job]
         for job, told in self._directives.items():
             if told.evict and job in present and not (job in new and new[job].evict):
@@ -1301,6 +1383,7 @@ class ColoService:
                 plan_age_s=self._clock() - self._plan_at if self._plan else 0.0,
                 running=self._last_running,
                 duty={k: d.duty for k, d in self._directives.items()},
+                directives=dict(self._directives),
                 observed_speed=dict(self._observed),
                 guards=tuple(guards),
                 predictor_samples=stats.samples,

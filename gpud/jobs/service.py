@@ -9,7 +9,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -70,6 +70,9 @@ class RunRequest:
 # with the job as placed (its request, before the placement override) and, on release, how
 # the run ended (None on reserve).
 ReservationObserver = Callable[[str, Reservation, JobSpec, RunEnd | None], None]
+# Called under the placement lock as a job is removed, with its name and whether --force was
+# given: it raises to refuse the removal, or lets go of what it keeps for the job.
+RemovalHook = Callable[[str, bool], None]
 # Where a job may start now, given its effective spec: its devices; raise ResourceExhausted
 # (the admission queue's own check, so that no job jumps the queue); None: no opinion.
 Gate = Callable[[JobSpec], tuple[str, ...] | None]
@@ -114,6 +117,7 @@ class JobService:
         self._uses: list[ProcessUse] = []
         self._unhealthy: dict[int, str] = {}  # GPU index -> why, as of the last tick
         self._observers: list[ReservationObserver] = []
+        self._removal_hooks: list[RemovalHook] = []
         self.gate: Gate | None = None
         self._tag_of: Callable[[str], int] | None = None
         self._tag_held: Callable[[str], int | None] = lambda job: None
@@ -122,6 +126,9 @@ class JobService:
 
     def add_observer(self, observer: ReservationObserver) -> None:
         self._observers.append(observer)
+
+    def add_removal_hook(self, hook: RemovalHook) -> None:
+        self._removal_hooks.append(hook)
 
     def _released(self, reservation: Reservation, end: RunEnd) -> None:
         job = self.registry.find(reservation.job)
@@ -197,6 +204,9 @@ class JobService:
                     f" ({', '.join(r.id for r in held)}): they go when its runs end, or "
                     f"`gpuctl jobs rm --force {name}` releases them and stops its runs"
                 )
+            self.registry.get(name)  # NotFound before any hook lets go of anything
+            for hook in self._removal_hooks:
+                hook(name, force)
             job = self.registry.remove(name)
             kill_at = self._clock() + STOP_GRACE_S
             with self.store.transaction():
@@ -312,9 +322,11 @@ class JobService:
             with self._lock:
                 job, registered = self.job_for(request, preview=preview)
                 created = created or registered
-                effective = _advised(_override(job, request), request)
+                # what was asked: the history's request (co-location's advice places this
+                # run only, on a device no replay or other node has)
+                placed = _override(job, request)
+                effective = _advised(placed, request)
                 self._refuse_unhealthy(effective)
-                placed = effective
                 if self.gate is not None and not preview and not admitted:
                     where = self.gate(effective)
                     if where is not None:
@@ -394,13 +406,17 @@ class JobService:
         sick = self.unhealthy()
         return [t for t in targets if t.gpu not in sick]
 
-    def choose(self, spec: JobSpec) -> tuple[MpsTarget, ...]:
-        """:func:`choose_devices` among the healthy devices, with what is reserved now; a
+    def choose(
+        self,
+        spec: JobSpec,
+        now: tuple[Sequence[MpsTarget], Mapping[str, DeviceLoad]] | None = None,
+    ) -> tuple[MpsTarget, ...]:
+        """:func:`choose_devices` among the healthy devices, with what is reserved now
+        (``now``: those devices and loads, read once by a caller that asks for many); a
         refusal names the unhealthy GPUs it left out, and why."""
+        targets, loads = now if now is not None else (self.healthy_targets(), self.loads())
         try:
-            return choose_devices(
-                spec, self.healthy_targets(), self.loads(), memory_bytes=spec.memory_bytes
-            )
+            return choose_devices(spec, targets, loads, memory_bytes=spec.memory_bytes)
         except ResourceExhausted as err:
             sick = self.unhealthy()
             if not sick:

@@ -35,6 +35,7 @@ class ColoPlacement(_message.Message):
     PREDICTED_SPEED_FIELD_NUMBER: _builtins.int
     OBSERVED_SPEED_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    EVICT_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     kind: _builtins.str
     """"training" or "inference" """
@@ -46,6 +47,9 @@ class ColoPlacement(_message.Message):
     predicted_speed: _builtins.float
     observed_speed: _builtins.float
     reason: _builtins.str
+    """the directive the job is told now (for training), else "running" """
+    evict: _builtins.bool
+    """the loop evicted it: it is told to checkpoint and leave"""
     def __init__(
         self,
         *,
@@ -58,10 +62,11 @@ class ColoPlacement(_message.Message):
         predicted_speed: _builtins.float = ...,
         observed_speed: _builtins.float | None = ...,
         reason: _builtins.str = ...,
+        evict: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile", "_observed_speed", b"_observed_speed", "mig_profile", b"mig_profile", "observed_speed", b"observed_speed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile", "_observed_speed", b"_observed_speed", "duty", b"duty", "gpu", b"gpu", "job", b"job", "kind", b"kind", "mig_profile", b"mig_profile", "observed_speed", b"observed_speed", "predicted_speed", b"predicted_speed", "reason", b"reason", "sm_share", b"sm_share"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile", "_observed_speed", b"_observed_speed", "duty", b"duty", "evict", b"evict", "gpu", b"gpu", "job", b"job", "kind", b"kind", "mig_profile", b"mig_profile", "observed_speed", b"observed_speed", "predicted_speed", b"predicted_speed", "reason", b"reason", "sm_share", b"sm_share"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__mig_profile: _TypeAlias = _typing.Literal["mig_profile"]  # noqa: Y015
     _WhichOneofArgType__mig_profile: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile"]  # noqa: Y015

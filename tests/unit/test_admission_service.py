@@ -211,7 +211,9 @@ def test_a_queued_job_waits_for_an_unhealthy_gpu_to_answer(
     entry = node.admission.enqueue(whole("b"))
     node.admission.tick()
     waiting = node.admission.view(entry.entry.id)
-    assert waiting.entry.state == QUEUED and waiting.waiting_on == ""  # GPU 0 may free up
+    # GPU 0 may free up: what holds it, and the GPU left out
+    assert waiting.entry.state == QUEUED and "60GiB reserved by a" in waiting.waiting_on
+    assert waiting.waiting_on.endswith("(GPU 1 unhealthy: GPU lost (memory))")
     hung = gpu_sample(0)._replace(healthy=False, reason="driver call timed out")
     node.jobs.tick(snapshot(hung, lost))
     both = node.admission.view(entry.entry.id).waiting_on
@@ -445,3 +447,52 @@ def test_a_history_the_previous_version_wrote_is_kept_and_goes_on(tmp_path: Path
         assert (new.job, new.exit_code, new.end_cause) == ("new", 1, "exited")
     finally:
         node.store.close()
+
+
+def test_removing_a_queued_job_takes_it_out_of_the_queue(node: Node) -> None:
+    """`gpuctl jobs rm` of a job that waits in the queue: without --force it is refused and
+    names the entry; with it the entry leaves the queue, so the removed job never starts
+    (and is not registered again) when its devices free."""
+    a = node.jobs.reserve(whole("a", 2)).reservation
+    entry = node.admission.enqueue(whole("b")).entry
+    with pytest.raises(FailedPrecondition, match=f"queued \\({entry.id}\\).*--force"):
+        node.jobs.remove("b")
+    assert node.jobs.registry.find("b") is not None
+    assert [e.id for e in node.admission.entries()] == [entry.id]
+    node.jobs.remove("b", force=True)
+    assert node.admission.entries() == []
+    assert node.admission.view(entry.id).entry.state == LEFT
+    node.jobs.release(a.id)
+    node.admission.tick()
+    assert node.jobs.registry.find("b") is None
+    assert node.jobs.reservations.held() == []
+
+
+def test_history_keeps_the_request_as_asked_not_the_co_location_advice(node: Node) -> None:
+    """A run that names no place goes where co-location advised, for that run only: its
+    history (the quotes' classes, `tools.whatif`'s replay) holds what was asked, one GPU,
+    not the advised device, which no other node or replay has."""
+    (gpu0, _) = (t.uuid for t in node.mps.targets())
+    node.jobs.reserve(RunRequest(job="plain", memory_bytes=20 * GIB))
+    advised = RunRequest(
+        job="adv", memory_bytes=20 * GIB, advised_devices=(gpu0,), advised_threads_percent=50
+    )
+    assert node.jobs.reserve(advised).reservation.devices == (gpu0,)
+    history = {h.job: h for h in node.admission.history()}
+    assert history["adv"].request_class == history["plain"].request_class == "1 GPU 20GiB"
+    assert history["adv"].request.devices == () and history["adv"].request.threads_percent is None
+
+
+def test_a_queued_job_says_what_holds_its_devices(node: Node) -> None:
+    """A queued job whose devices never free (a run that never ends, a job using more
+    than it reserved) is not left with an empty WHY NOT: it says what holds them, as a
+    refused `gpuctl run` does; one that would fit now says which job ahead it may not pass."""
+    node.jobs.reserve(whole("a"))
+    head = node.admission.enqueue(whole("pair", 2))  # needs both GPUs: a holds one
+    assert "60GiB reserved by a" in head.waiting_on
+    views = {v.entry.job: v for v in node.admission.queue_views()}
+    assert "60GiB reserved by a" in views["pair"].waiting_on
+    node.admission.enqueue(RunRequest(job="c", gpu_count=1, memory_bytes=30 * GIB))
+    views = {v.entry.job: v for v in node.admission.queue_views()}
+    assert views["c"].position == 2  # it fits on GPU 1, which the head waits for
+    assert views["c"].waiting_on == f"behind pair ({head.entry.id})"

@@ -116,11 +116,136 @@ def test_guard_evicts_training_when_the_slo_cannot_be_held(
             svc.report_latency("chat", [latency] * 30)
             svc.tick(snapshot())
             assert svc.throttle_point("train", 1) == d
+    # and `gpuctl colo show` says so, not what the guard, afresh, makes of the latencies
+    from gpud.colo.api import ColoServicer
+
+    shown = {p.job: p for p in ColoServicer(svc, snapshots=snapshot)._show().placements}
+    assert shown["train"].evict and shown["train"].duty == 0.0
+    assert shown["train"].reason == d.reason
+    assert not shown["chat"].evict
     jobs[:] = [j for j in jobs if j.name != "train"]  # it left
     svc.tick(snapshot())
     jobs.append(RunningJob("train", "training", 0, threads_percent=50, memory_bytes=10 * GIB))
     svc.tick(snapshot())  # run again later, it gets what the plan says
     assert not svc.throttle_point("train", 1).evict
+
+
+def test_the_guard_protects_a_service_that_serves_a_request_a_second(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A service of little traffic (a request a second: ten in the 10 s latency window)
+    over its SLO beside training gets the training throttled, and evicted at the floor:
+    the guard waits for enough requests at a duty, not for them to fit in the window."""
+    svc, clock, _ = service
+    duties = []
+    for _ in range(600):
+        clock.t += 1
+        svc.report_latency("chat", [0.5])  # 500 ms against a 100 ms SLO
+        svc.tick(snapshot())
+        d = svc.throttle_point("train", 1)
+        duties.append(d.duty)
+        if d.evict:
+            break
+    assert duties[25] < 1.0  # cut once its first 20 requests were in
+    assert d.evict and "over SLO" in d.reason
+
+
+def test_the_guard_holds_the_slo_the_service_runs_with_now(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A service registered again with another SLO (`gpuctl jobs rm`, `jobs add
+    --slo-p99-ms`, run again within the hour the loop remembers it) is guarded against
+    the new SLO, not the one its guard was made with."""
+    svc, clock, jobs = service
+    clock.t += 1
+    svc.report_latency("chat", [0.095] * 30)  # within 20 % of 100 ms
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+    jobs[:] = [j for j in jobs if j.name != "chat"]  # it stops; registered again
+    clock.t += 60
+    svc.tick(snapshot())
+    jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=1000.0, memory_bytes=20 * GIB))
+    for _ in range(3):
+        clock.t += 5
+        svc.report_latency("chat", [0.095] * 30)  # well under 1 s
+        svc.tick(snapshot())
+    (g,) = svc.show().guards
+    assert g.slo_ms == 1000.0 and g.action == "recover"
+    assert svc.duty("train") > 0.5
+
+
+def test_a_loop_switched_off_throttles_and_evicts_nothing_any_more(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A reload with `[colocate] enabled = false`: no guard runs, so no training stays held
+    at the duty one set, or evicted, by a loop that is off; on again, it plans afresh."""
+    svc, clock, _ = service
+    clock.t += 1
+    svc.report_latency("chat", [0.095] * 30)
+    svc.tick(snapshot())
+    assert svc.throttle_point("train", 1).duty == 0.5
+    svc.configure(ColocateConfig(enabled=False))
+    clock.t += 5
+    svc.tick(snapshot())
+    d = svc.throttle_point("train", 1)
+    assert d.duty == 1.0 and not d.evict and "off" in d.reason
+    assert svc.duty("train") == 1.0
+    svc.configure(ColocateConfig())
+    clock.t += 5
+    svc.report_latency("chat", [0.095] * 30)
+    svc.tick(snapshot())
+    assert svc.throttle_point("train", 1).duty < 1.0
+
+
+def test_a_reloaded_min_duty_is_the_floor_at_once(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """Raising `colocate.min_duty` (SIGHUP) lifts training held under the new floor at the
+    next tick, whatever the latencies: no guard keeps a duty below it."""
+    svc, clock, _ = service
+    for _ in range(30):  # 1 -> 0.5 -> 0.25 -> 0.125, each cut measured before the next
+        clock.t += 1
+        svc.report_latency("chat", [0.095] * 30)
+        svc.tick(snapshot())
+        svc.throttle_point("train", 1)
+        if svc.duty("train") < 0.2:
+            break
+    assert svc.duty("train") < 0.2
+    svc.configure(ColocateConfig(min_duty=0.5))
+    clock.t += 1
+    svc.report_latency("chat", [0.07] * 30)  # within the band: the guard holds
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+    (g,) = svc.show().guards
+    assert g.duty == 0.5
+
+
+def test_a_min_duty_raised_across_a_restart_is_the_floor_at_once(tmp_path: Path) -> None:
+    """gpud restarted with a higher `colocate.min_duty`: the guard it restores from its
+    state file holds training at no less than the new floor."""
+    clock = Clock()
+    jobs = [
+        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=20 * GIB),
+        RunningJob("train", "training", 0, memory_bytes=10 * GIB),
+    ]
+    svc = kept_loop(tmp_path, jobs, clock)
+    for _ in range(30):
+        clock.t += 1
+        svc.report_latency("chat", [0.095] * 30)
+        svc.tick(snapshot())
+        if svc.duty("train") < 0.2:
+            break
+    assert svc.duty("train") < 0.2
+    again = ColoService(
+        ColocateConfig(min_duty=0.5),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        clock=clock,
+        state_file=tmp_path / "colo.json",
+    )
+    clock.t += 1
+    again.tick(snapshot())
+    assert again.duty("train") == 0.5
 
 
 def test_memory_over_the_limit_evicts_training(
@@ -492,6 +617,21 @@ def test_latency_batches() -> None:
     clock.t += 1.5
     lat.observe(0.03)
     assert sent == [("chat", [0.01, 0.02, 0.03])]
+
+
+def test_one_absurd_latency_does_not_cost_the_guard_the_rest_of_its_batch(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A service that measures with a clock that steps (a negative latency), divides by
+    zero (NaN) or reports garbage (over an hour, inf) still has its other requests of that
+    second heard: gpud refuses a report holding any sample out of range, so the client
+    drops such a sample and sends the rest."""
+    svc, _, _ = service
+    lat = Latency("chat", clock=Clock(), send=svc.report_latency, flush_every_s=1.0)
+    for s in [0.02] * 50 + [-0.001, math.nan, math.inf, 1e9, 0.095]:
+        lat.observe(s)
+    lat.flush()
+    assert svc._latencies("chat", float("-inf")) == [0.02] * 50 + [0.095]
 
 
 def test_gpuctl_colo_show_and_advise_over_grpc(
@@ -879,6 +1019,67 @@ def test_a_rate_alone_at_another_share_is_no_yardstick_for_slowdown(tmp_path: Pa
     assert svc.predictor.stats().samples == 0
 
 
+def training_on_two_gpus(tmp_path: Path, clock: Clock, *, service_gpu: int) -> ColoService:
+    """A loop that sees training on GPUs 0 and 1 and a service (SLO 100 ms) beside it on
+    ``service_gpu``."""
+    jobs = [
+        RunningJob("train", "training", 0, memory_bytes=10 * GIB),
+        RunningJob("train", "training", 1, memory_bytes=10 * GIB),
+        RunningJob("chat", "inference", service_gpu, slo_p99_ms=100.0, memory_bytes=20 * GIB),
+    ]
+    return ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+
+
+def gpu0_lost() -> Snapshot:
+    """Two GPUs, GPU 0 lost."""
+    lost = snapshot()
+    gpu0 = lost.gpus[0]._replace(healthy=False, reason="GPU lost (memory): call failed")
+    return Snapshot(lost.wall_time, lost.monotonic, (gpu0, lost.gpus[1]), lost.tick_seconds)
+
+
+def test_a_lost_gpu_under_a_job_on_two_gpus_leaves_the_guard_on_the_other_at_work(
+    tmp_path: Path,
+) -> None:
+    """Training on GPUs 0 and 1, a service beside it on GPU 1: GPU 0 stops answering (its
+    processes may well go on). The service's guard still throttles the training, and what
+    a guard on the lost GPU had set stands until it answers again."""
+    clock = Clock()
+    svc = training_on_two_gpus(tmp_path, clock, service_gpu=1)
+    svc.tick(snapshot())
+    assert svc.duty("train") == 1.0
+    lost = gpu0_lost()
+    clock.t += 1
+    svc.report_latency("chat", [0.095] * 30)  # within 20 % of its 100 ms SLO
+    svc.tick(lost)
+    (g,) = svc.show().guards
+    assert g.action == "throttle"
+    assert svc.duty("train") == 0.5
+
+
+def test_a_guard_paused_on_a_lost_gpu_still_holds_a_job_on_two_gpus(tmp_path: Path) -> None:
+    """Training on GPUs 0 and 1, throttled for a service beside it on GPU 0, which then
+    stops answering: the plan for GPU 1 alone would let it run at full speed, but the cut
+    the paused guard made stands until GPU 0 answers again."""
+    clock = Clock()
+    svc = training_on_two_gpus(tmp_path, clock, service_gpu=0)
+    clock.t += 1
+    svc.report_latency("chat", [0.095] * 30)
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+    lost = gpu0_lost()
+    for _ in range(3):
+        clock.t += 5
+        svc.tick(lost)
+        d = svc.throttle_point("train", 1)
+        assert d.duty == 0.5 and "paused on GPU 0" in d.reason
+    clock.t += 5
+    svc.report_latency("chat", [0.01] * 30)
+    svc.tick(snapshot())  # it answers: its guard goes on from where it was
+    assert svc.duty("train") >= 0.5
+
+
 def test_a_jobs_rates_alone_at_two_shares_give_its_knee(tmp_path: Path) -> None:
     """Alone with every SM it made 10 iterations a second, alone with half of them (a
     later run) 8: its shape's knee is what the two show (0.8 of its speed at half the SMs:
@@ -1137,6 +1338,22 @@ def test_gpuctl_jobs_explains_each_jobs_co_location(
             assert train["gpu"] == 0 and train["duty"] == 0.5 and train["sm_share"] == 0.5
             assert train["throttled_by"] == ["chat"]
             assert shown["chat"]["colo"]["guard"]["action"] == "throttle"
+
+
+def test_gpuctl_jobs_says_a_training_job_is_evicted_rather_than_throttled() -> None:
+    from gpud.cli.jobs import colo_row
+
+    entry = {
+        "gpu": 0,
+        "mig_profile": None,
+        "sm_share": 1.0,
+        "kind": "training",
+        "duty": 0.0,
+        "guard": None,
+        "evict": True,
+        "throttled_by": ["chat"],
+    }
+    assert colo_row(entry) == ("GPU 0", "100%", "0%", "evicted: checkpoint and leave")
 
 
 class Restartable:
@@ -1495,6 +1712,16 @@ def test_a_service_measures_its_speed_at_the_duty_its_guard_set(tmp_path: Path) 
     assert svc.show().observed_speed["chat"] == pytest.approx(360.0 / 400.0, rel=1e-3)
 
 
+def jobless_loop(tmp_path: Path, clock: Clock) -> ColoService:
+    """A loop with a 10 s latency window that sees no job running: for reports alone."""
+    return ColoService(
+        ColocateConfig(latency_window_s=10.0),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: [],
+        clock=clock,
+    )
+
+
 @pytest.mark.parametrize("phase", [0.0, 0.5])
 def test_load_is_the_request_rate_whatever_the_window_holds(tmp_path: Path, phase: float) -> None:
     """Reports come once a second (gpud.client flushes each second); a 10 s window then
@@ -1502,12 +1729,7 @@ def test_load_is_the_request_rate_whatever_the_window_holds(tmp_path: Path, phas
     fill the per-job buffer (4096) long before the window ends. The load is the rate all
     the same, from the second report on."""
     clock = Clock()
-    svc = ColoService(
-        ColocateConfig(latency_window_s=10.0),
-        EventLog(tmp_path / "e.jsonl"),
-        running=lambda: [],
-        clock=clock,
-    )
+    svc = jobless_loop(tmp_path, clock)
     seen: dict[int, list[float]] = {100: [], 1000: []}
     for second in range(1, 31):
         clock.t = 100.0 + second
@@ -1527,6 +1749,24 @@ def test_load_is_the_request_rate_whatever_the_window_holds(tmp_path: Path, phas
     assert 0.0 < svc.load("steady") < 100.0
     clock.t += 10.0
     assert svc.load("steady") == 0.0
+
+
+def test_the_load_of_a_service_busier_than_the_latency_buffer_is_its_request_rate(
+    tmp_path: Path,
+) -> None:
+    """A service serving 10 000 requests a second sends more latencies each second than the
+    per-job buffer keeps (4096; gpud.client flushes every 4096): its load is still the
+    requests it served per second, not what the buffer still holds of them."""
+    clock = Clock()
+    svc = jobless_loop(tmp_path, clock)
+    seen = []
+    for second in range(1, 21):
+        for part, n in enumerate((4096, 4096, 1808)):
+            clock.t = 100.0 + second + part * 0.4
+            svc.report_latency("busy", [0.001] * n)
+        if second >= 3:
+            seen.append(svc.load("busy"))
+    assert seen == pytest.approx([10_000.0] * 18, rel=0.1)
 
 
 def test_a_service_is_planned_with_the_footprint_it_showed_at_that_load(tmp_path: Path) -> None:
