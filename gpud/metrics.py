@@ -18,7 +18,8 @@ What Prometheus sees (``curl -s localhost:9400/metrics | grep ^gpud_``):
   ``gpud_gpu_{sm,memory}_clock_hertz``, ``gpud_gpu_ecc_errors_total{type}``,
   ``gpud_gpu_pcie_throughput_bytes_per_second{direction}``,
   ``gpud_gpu_nvlink_bytes_total{direction}`` (the sum over every NVLink link of the GPU:
-  NVML keeps one counter per link, ``scopeId`` = link index), ``gpud_gpu_processes``,
+  NVML keeps one counter per link, ``scopeId`` = link index), ``gpud_gpu_processes`` (absent
+  when the driver does not list them),
   ``gpud_gpu_mig_mode_enabled``, ``gpud_gpu_mig_mode_pending``,
   ``gpud_gpu_xid_errors_total``, ``gpud_gpu_last_xid`` (the latest XID of any kind: history,
   not state), ``gpud_gpu_critical_xid_uncleared{xid}`` (one series per critical XID code the
@@ -283,7 +284,8 @@ class Collector(_CollectorBase):
             if s.nvlink_bytes is not None:
                 nvlink.add_metric((*labels, "tx"), s.nvlink_bytes[0])
                 nvlink.add_metric((*labels, "rx"), s.nvlink_bytes[1])
-            if s.healthy or s.processes:
+            # none listed is 0 only when the driver listed them (not NotSupported or failed)
+            if s.processes or (s.healthy and s.processes_read):
                 procs.add_metric(labels, len(s.processes))
             if s.mig_mode is not None:
                 mig_enabled.add_metric(labels, 1.0 if s.mig_mode.current else 0.0)

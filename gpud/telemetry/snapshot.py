@@ -85,6 +85,9 @@ class GpuSample(NamedTuple):
     # how an earlier run last saw the GPU; set only while its identity was never read in
     # this one (lost or hung since before gpud started)
     last_seen: SeenIdentity | None = None
+    # False when the driver did not list the GPU's processes this tick (NotSupported, or
+    # the call failed): ``processes`` is then empty without meaning that none run
+    processes_read: bool = True
 
     def known(self) -> SeenIdentity:
         """The UUID, name and PCI address that name the GPU to an operator (metrics labels,

@@ -122,6 +122,22 @@ def test_not_supported_field(node: Node) -> None:
     assert node.value("gpud_gpu_healthy", 1) == 1
 
 
+def test_a_process_list_the_driver_does_not_report_is_absent_not_zero(node: Node) -> None:
+    node.sim.workloads.start(1, 4242, 2 * GIB, 0.5)
+    node.sim.faults.not_supported(1, "processes")
+    snap = node.sampler.tick()
+    assert snap.gpus[1].healthy
+    assert node.value("gpud_gpu_processes", 1) is None
+    assert node.value("gpud_gpu_processes", 0) == 0
+    # skipped on the next ticks (asked again later): still absent, not 0
+    assert not node.sampler.tick().gpus[1].processes_read
+    assert node.value("gpud_gpu_processes", 1) is None
+    node.sim.faults.clear(1)
+    node.sampler.refresh_identity()  # a fresh view of what the GPU supports
+    node.sampler.tick()
+    assert node.value("gpud_gpu_processes", 1) == 1
+
+
 def test_hung_call_others_stay_fresh(node: Node) -> None:
     node.sampler.tick()
     node.sim.faults.slow(3, 1.0)
