@@ -108,7 +108,8 @@ _EVENT_KINDS: Final[dict[int, EventKind]] = {
     0x4: EventKind.PSTATE,
     0x10: EventKind.CLOCK,
 }
-_WANTED_EVENTS: Final = 0x8 | 0x2 | 0x1
+_XID_EVENT: Final = 0x8  # nvmlEventTypeXidCriticalError
+_WANTED_EVENTS: Final = _XID_EVENT | 0x2 | 0x1
 REGISTER_WAIT_S: Final = 0.5
 """How long a new event set waits for the GPUs' registrations before its first wait."""
 
@@ -243,6 +244,8 @@ class NvmlBackend:
         self._events_lock = threading.Lock()
         self._registry_lock = threading.Lock()  # the event set and the GPUs registering on it
         self._registering: set[int] = set()
+        # GPUs whose last registration ended without XID events (not supported, failed)
+        self._xid_unwatched: set[int] = set()
         self._error: type[BaseException] = nvml.NVMLError
         self._call(None, nvml.nvmlInit)
         self._count = int(self._call(None, nvml.nvmlDeviceGetCount))
@@ -995,15 +998,21 @@ class NvmlBackend:
         the current one."""
         nv = self._nv
         while True:
+            xids = False
             try:
                 h = self._handle(gpu)
                 supported = int(self._call(gpu, nv.nvmlDeviceGetSupportedEventTypes, h))
                 if supported & _WANTED_EVENTS:
                     self._call(gpu, nv.nvmlDeviceRegisterEvents, h, supported & _WANTED_EVENTS, es)
+                    xids = bool(supported & _XID_EVENT)
             except Exception as err:  # a GPU without events (or lost) has none to wait for
                 if not isinstance(err, BackendError):
                     log.exception("registering GPU %d for events failed", gpu)
             with self._registry_lock:
+                if xids:
+                    self._xid_unwatched.discard(gpu)
+                else:
+                    self._xid_unwatched.add(gpu)
                 current = self._event_set
                 if current is None or current is es:
                     self._registering.discard(gpu)
@@ -1035,6 +1044,13 @@ class NvmlBackend:
             if self._uuids.get(i) == uuid:
                 return i
         return -1
+
+    def xid_watched(self, gpu: int) -> bool:
+        """False once registering the GPU for XID events ended without them (the driver
+        does not support them for it, or the GPU did not answer): its XIDs never reach
+        :meth:`wait_events`. True before the first registration ends."""
+        with self._registry_lock:
+            return gpu not in self._xid_unwatched
 
     def wait_events(self, timeout_s: float) -> list[GpuEvent]:
         """XID and ECC events (``nvmlEventSetWait``), waiting up to ``timeout_s`` for the first."""

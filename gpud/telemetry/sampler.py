@@ -290,6 +290,8 @@ class Sampler:
             sample = sample._replace(
                 reason=f"{sample.reason}; last seen as {seen}", last_seen=parse_seen(seen)
             )
+        if not self._backend.xid_watched(reader.index):
+            sample = sample._replace(xids_watched=False)
         if slot.xid_total or slot.critical:
             with self._lock:
                 critical = tuple(slot.critical.values())

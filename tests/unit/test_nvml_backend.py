@@ -514,6 +514,7 @@ def contract_calls(be: Any, idle: Callable[[], object]) -> dict[str, Any]:
         "destroy_compute_instance": be.destroy_compute_instance(0, 7, 0),
         "destroy_gpu_instance": be.destroy_gpu_instance(0, 7),
         "wait_events": be.wait_events(0.0),
+        "xid_watched": be.xid_watched(0),
         "idle": idle(),
         "reset_gpu": be.reset_gpu(1),
         "close": be.close(),

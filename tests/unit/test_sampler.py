@@ -204,6 +204,9 @@ class FakeBackend:
             time.sleep(min(timeout_s, 0.02))
         return events
 
+    def xid_watched(self, gpu: int) -> bool:
+        return True
+
     def close(self) -> None:
         pass
 
