@@ -18,9 +18,11 @@ What Prometheus sees (``curl -s localhost:9400/metrics | grep ^gpud_``):
   ``gpud_gpu_{sm,memory}_clock_hertz``, ``gpud_gpu_ecc_errors_total{type}``,
   ``gpud_gpu_pcie_throughput_bytes_per_second{direction}``,
   ``gpud_gpu_nvlink_bytes_total{direction}`` (the sum over every NVLink link of the GPU:
-  NVML keeps one counter per link, ``scopeId`` = link index), ``gpud_gpu_processes``,
+  NVML keeps one counter per link, ``scopeId`` = link index), ``gpud_gpu_processes`` (absent
+  when the driver does not list them),
   ``gpud_gpu_mig_mode_enabled``, ``gpud_gpu_mig_mode_pending``,
-  ``gpud_gpu_xid_errors_total``, ``gpud_gpu_last_xid`` (the latest XID of any kind: history,
+  ``gpud_gpu_xid_errors_total`` (absent where the driver gives no XID events for the
+  GPU), ``gpud_gpu_last_xid`` (the latest XID of any kind: history,
   not state), ``gpud_gpu_critical_xid_uncleared{xid}`` (one series per critical XID code the
   GPU raised and nobody cleared or reset since, the value how often; gone once cleared: what
   the critical-XID alert reads; ``uuid`` is the GPU's when the XID was raised if it cannot be
@@ -253,7 +255,8 @@ class Collector(_CollectorBase):
             if not s.healthy:
                 unhealthy.add_metric(labels, {"reason": s.reason})
             age.add_metric(labels, max(0.0, now - s.sampled_at))
-            xid.add_metric(labels, s.xid_events_total)
+            if s.xids_watched or s.xid_events_total:
+                xid.add_metric(labels, s.xid_events_total)
             if s.last_xid is not None:
                 last_xid.add_metric(labels, s.last_xid)
             for c in s.critical_xids:
@@ -283,7 +286,8 @@ class Collector(_CollectorBase):
             if s.nvlink_bytes is not None:
                 nvlink.add_metric((*labels, "tx"), s.nvlink_bytes[0])
                 nvlink.add_metric((*labels, "rx"), s.nvlink_bytes[1])
-            if s.healthy or s.processes:
+            # none listed is 0 only when the driver listed them (not NotSupported or failed)
+            if s.processes or s.processes_read:
                 procs.add_metric(labels, len(s.processes))
             if s.mig_mode is not None:
                 mig_enabled.add_metric(labels, 1.0 if s.mig_mode.current else 0.0)

@@ -108,7 +108,8 @@ _EVENT_KINDS: Final[dict[int, EventKind]] = {
     0x4: EventKind.PSTATE,
     0x10: EventKind.CLOCK,
 }
-_WANTED_EVENTS: Final = 0x8 | 0x2 | 0x1
+_XID_EVENT: Final = 0x8  # nvmlEventTypeXidCriticalError
+_WANTED_EVENTS: Final = _XID_EVENT | 0x2 | 0x1
 REGISTER_WAIT_S: Final = 0.5
 """How long a new event set waits for the GPUs' registrations before its first wait."""
 
@@ -243,6 +244,8 @@ class NvmlBackend:
         self._events_lock = threading.Lock()
         self._registry_lock = threading.Lock()  # the event set and the GPUs registering on it
         self._registering: set[int] = set()
+        # GPUs whose last registration ended without XID events (not supported, failed)
+        self._xid_unwatched: set[int] = set()
         self._error: type[BaseException] = nvml.NVMLError
         self._call(None, nvml.nvmlInit)
         self._count = int(self._call(None, nvml.nvmlDeviceGetCount))
@@ -255,6 +258,8 @@ class NvmlBackend:
         self._ci_tables: dict[tuple[str, int], list[ComputeInstanceProfile]] = {}
         self._mig_ids: dict[tuple[int, int, str], MigDeviceIdentity] = {}
         self._nvlink_fields_cache: dict[int, tuple[tuple[int, int], ...]] = {}
+        # per GPU, each link's last (tx, rx) KiB: a link that misses a read counts with it
+        self._nvlink_last: dict[int, dict[int, tuple[int, int]]] = {}
         self._event_set: Any = None
         self._closed = False
 
@@ -428,7 +433,7 @@ class NvmlBackend:
                     self._read_failed(errors, gpu, "pcie", f.pcie, err)
             if "nvlink_bytes" not in skip:
                 try:
-                    nvlink = self._nvlink(f.field_values(h, self._nvlink_fields(gpu, h)))
+                    nvlink = self._nvlink(gpu, f.field_values(h, self._nvlink_fields(gpu, h)))
                 except error as err:
                     self._read_failed(errors, gpu, "nvlink_bytes", f.field_values, err)
             if "processes" not in skip:
@@ -575,7 +580,7 @@ class NvmlBackend:
         h = self._handle(gpu)
         values = self._call(gpu, fn, h, self._nvlink_fields(gpu, h))
         try:
-            return self._nvlink(values)
+            return self._nvlink(gpu, values)
         except self._error as err:
             raise self._translate(err, gpu, fn) from err
 
@@ -602,10 +607,12 @@ class NvmlBackend:
             self._nvlink_fields_cache[gpu] = fields
         return fields
 
-    def _nvlink(self, values: Any) -> tuple[int, int]:
-        """(tx, rx) bytes summed over the links that answered (pairs of TX, RX values, one
-        pair per link); when no link answers, the first field's error raises NVMLError."""
-        tx = rx = 0
+    def _nvlink(self, gpu: int, values: Any) -> tuple[int, int]:
+        """(tx, rx) bytes summed over the links (pairs of TX, RX values, one pair per link).
+        A link that does not answer this time counts with the values it last answered (none
+        if it never did), so that the sum, a counter, does not drop for one read and jump
+        back on the next; when no link answers, the first field's error raises NVMLError."""
+        last = self._nvlink_last.setdefault(gpu, {})
         answered = False
         first_error = 0
         for i in range(0, len(values), 2):
@@ -614,10 +621,11 @@ class NvmlBackend:
                 first_error = first_error or t.nvmlReturn or r.nvmlReturn
                 continue
             answered = True
-            tx += t.value.ullVal
-            rx += r.value.ullVal
+            last[i // 2] = (t.value.ullVal, r.value.ullVal)
         if not answered:
             raise self._nv.NVMLError(first_error or _INVALID_ARGUMENT)
+        tx = sum(t for t, _ in last.values())
+        rx = sum(r for _, r in last.values())
         return tx * 1024, rx * 1024
 
     # -- MIG mode ----------------------------------------------------------------------------
@@ -990,15 +998,21 @@ class NvmlBackend:
         the current one."""
         nv = self._nv
         while True:
+            xids = False
             try:
                 h = self._handle(gpu)
                 supported = int(self._call(gpu, nv.nvmlDeviceGetSupportedEventTypes, h))
                 if supported & _WANTED_EVENTS:
                     self._call(gpu, nv.nvmlDeviceRegisterEvents, h, supported & _WANTED_EVENTS, es)
+                    xids = bool(supported & _XID_EVENT)
             except Exception as err:  # a GPU without events (or lost) has none to wait for
                 if not isinstance(err, BackendError):
                     log.exception("registering GPU %d for events failed", gpu)
             with self._registry_lock:
+                if xids:
+                    self._xid_unwatched.discard(gpu)
+                else:
+                    self._xid_unwatched.add(gpu)
                 current = self._event_set
                 if current is None or current is es:
                     self._registering.discard(gpu)
@@ -1030,6 +1044,13 @@ class NvmlBackend:
             if self._uuids.get(i) == uuid:
                 return i
         return -1
+
+    def xid_watched(self, gpu: int) -> bool:
+        """False once registering the GPU for XID events ended without them (the driver
+        does not support them for it, or the GPU did not answer): its XIDs never reach
+        :meth:`wait_events`. True before the first registration ends."""
+        with self._registry_lock:
+            return gpu not in self._xid_unwatched
 
     def wait_events(self, timeout_s: float) -> list[GpuEvent]:
         """XID and ECC events (``nvmlEventSetWait``), waiting up to ``timeout_s`` for the first."""
@@ -1081,6 +1102,7 @@ class NvmlBackend:
                 self._call(None, nv.nvmlInit)
                 self._handles = [None] * self._count
                 self._mig_ids = {k: v for k, v in self._mig_ids.items() if k[0] != gpu}
+                self._nvlink_last.pop(gpu, None)  # a reset starts the counters again
 
     def close(self) -> None:
         """Free the event set and ``nvmlShutdown``; errors on the way out are ignored."""

@@ -317,4 +317,9 @@ class GpuBackend(Protocol):
     # events
     def wait_events(self, timeout_s: float) -> list[GpuEvent]: ...
 
+    def xid_watched(self, gpu: int) -> bool:
+        """Whether the GPU's XIDs reach :meth:`wait_events` (False where the driver gives
+        no XID events for it)."""
+        ...
+
     def close(self) -> None: ...

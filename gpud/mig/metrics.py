@@ -9,7 +9,8 @@
     gpud_mig_layout_matches{gpu,gpu_uuid}                     managed GPUs: 1 when the last
                                                               reconcile found it as desired
     gpud_mig_apply_total{result}                              success, noop, reset_pending,
-                                                              invalid, busy, failed
+                                                              partial, invalid, busy, failed,
+                                                              not_started
     gpud_mig_apply_duration_seconds                           histogram
 
 Instance data comes from the view the manager refreshes on reconcile after a change and at

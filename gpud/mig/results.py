@@ -8,8 +8,18 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 # Apply outcomes, the ``result`` label of ``gpud_mig_apply_total``. ``partial``: the healthy
-# GPUs were applied, a faulty one (lost, not answering) was left alone.
-RESULTS = ("success", "noop", "reset_pending", "partial", "invalid", "busy", "failed")
+# GPUs were applied, a faulty one (lost, not answering) was left alone. ``not_started``: its
+# client had gone before it could start (it waited behind another apply, or for processes).
+RESULTS = (
+    "success",
+    "noop",
+    "reset_pending",
+    "partial",
+    "invalid",
+    "busy",
+    "failed",
+    "not_started",
+)
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 

@@ -134,8 +134,11 @@ class GpuReader:
         except BackendError as err:
             return self._failed(identity, _reason("readings", err))
         reason = ""
+        processes_read = "processes" not in unsupported.skip
         if r.errors:
             for name, error in r.errors:
+                if name == "processes":
+                    processes_read = False
                 if isinstance(error, NotSupported):
                     unsupported.mark(name, now)
                 elif isinstance(error, GpuLost):
@@ -178,6 +181,7 @@ class GpuReader:
             mig_mode=mig_mode,
             mig_devices=mig_samples,
             nvlink_bytes=r.nvlink_bytes,
+            processes_read=processes_read,
         )
 
     def _read_mig(self, gpu: int, now: float) -> tuple[MigSample, ...]:

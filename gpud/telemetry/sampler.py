@@ -264,12 +264,14 @@ class Sampler:
         if isinstance(result, GpuSample):
             sample = result
         elif result is not None:
-            # Not a driver error (the reader handles those): a bug. Report it and go on.
+            # Not a driver error (the reader handles those): a bug. Report it and go on. The
+            # reason names the exception's type alone: it is a metric label and each change
+            # of it an event, and a message may change at every tick (numbers, addresses).
             log.error("reading GPU %d failed", reader.index, exc_info=result)
             sample = GpuSample(
                 identity=reader.identity or placeholder_identity(reader.index),
                 healthy=False,
-                reason=f"internal error: {type(result).__name__}: {result}",
+                reason=f"internal error: {type(result).__name__} (gpud's log has the details)",
                 sampled_at=reader.last_good_at,
             )
         else:  # hung: stuck since an earlier tick, or given up on in this one
@@ -290,6 +292,8 @@ class Sampler:
             sample = sample._replace(
                 reason=f"{sample.reason}; last seen as {seen}", last_seen=parse_seen(seen)
             )
+        if not self._backend.xid_watched(reader.index):
+            sample = sample._replace(xids_watched=False)
         if slot.xid_total or slot.critical:
             with self._lock:
                 critical = tuple(slot.critical.values())

@@ -85,6 +85,12 @@ class GpuSample(NamedTuple):
     # how an earlier run last saw the GPU; set only while its identity was never read in
     # this one (lost or hung since before gpud started)
     last_seen: SeenIdentity | None = None
+    # True when the driver listed the GPU's processes this tick; else (NotSupported, the
+    # call failed, the GPU lost or hung) ``processes`` is empty without meaning that none run
+    processes_read: bool = False
+    # False when the driver gives gpud no XID events for the GPU: xid_events_total is then
+    # no count of its XIDs
+    xids_watched: bool = True
 
     def known(self) -> SeenIdentity:
         """The UUID, name and PCI address that name the GPU to an operator (metrics labels,

@@ -161,6 +161,26 @@ def test_unhealthy_gpu_shows_reason_and_no_readings(registry: CollectorRegistry)
     assert v("gpud_gpu_xid_errors_total", g2) == 0
 
 
+def test_process_count_is_exported_when_the_driver_listed_them() -> None:
+    """0 processes only where the driver listed none: also on a GPU unhealthy for an XID
+    whose reads succeed; absent where the list was not read (NotSupported, failed, hung)."""
+    xid_only = GpuSample(
+        identity=ident(0),
+        healthy=False,
+        reason="critical Xid 48: reset the GPU or clear it with `gpuctl xid clear`",
+        sampled_at=99.5,
+        memory=MemoryInfo(80 * GIB, 0, 80 * GIB),
+        processes_read=True,
+    )
+    not_listed = GpuSample(
+        identity=ident(1), healthy=True, reason="", sampled_at=99.5, processes_read=False
+    )
+    snap = Snapshot(wall_time=1.7e9, monotonic=99.0, gpus=(xid_only, not_listed), tick_seconds=0)
+    registry = build_registry(Collector(lambda: snap, clock=lambda: 100.0), process=False)
+    assert registry.get_sample_value("gpud_gpu_processes", gpu_labels(0)) == 0
+    assert registry.get_sample_value("gpud_gpu_processes", gpu_labels(1)) is None
+
+
 def test_every_uncleared_critical_xid_is_a_series_of_its_own() -> None:
     """One series per GPU and code, so two faults on a GPU are two alerts; a cleared code is
     gone while the latest XID, any kind, stays history; a GPU not read since gpud started

@@ -17,6 +17,7 @@ from gpud.errors import Busy, GpuLost, InvalidArgument, NotFound
 from gpud.events import EventLog
 from gpud.mig.layout import MigConfigFile, load_config, parse_config
 from gpud.mig.manager import MigManager
+from gpud.mig.metrics import MigMetrics
 from gpud.mig.store import ApplyOptions
 from gpud.store import StateStore
 
@@ -651,6 +652,21 @@ def test_an_apply_whose_client_has_gone_is_not_started(a100: Host) -> None:
     assert d.mig.desired() == {}
     event = d.events.recent(kind_prefix="mig.apply")[-1]
     assert event.fields["result"] == "not_started" and event.fields["client_gone"] is True
+
+
+def test_every_apply_timed_is_counted_by_its_result(a100: Host) -> None:
+    """gpud_mig_apply_total has a series for every result an apply can end with: the
+    results sum to the duration histogram's count (an apply not started included)."""
+    d = a100.start(resets=True)
+    d.mig.apply(HELD_OUT, "custom-balanced", still_wanted=lambda: False)
+    samples = {
+        (s.name, s.labels.get("result")): s.value
+        for family in MigMetrics(d.mig)()
+        for s in family.samples
+    }
+    assert samples[("gpud_mig_apply_total", "not_started")] == 1
+    applies = sum(v for (name, _), v in samples.items() if name == "gpud_mig_apply_total")
+    assert applies == samples[("gpud_mig_apply_duration_seconds_count", None)] == 1
 
 
 def test_an_apply_whose_client_goes_while_it_runs_is_finished_and_logged(a100: Host) -> None:

@@ -132,6 +132,45 @@ def test_nvlink_throughput_sums_every_link(key: str, links: int) -> None:
     assert readings.nvlink_bytes is not None and readings.nvlink_bytes[0] == tx
 
 
+def test_nvlink_counters_never_go_back_when_a_link_misses_a_read() -> None:
+    """A link that answers an error for one read counts with its last value: the sum is a
+    counter (gpud_gpu_nvlink_bytes_total), so it must not drop and jump back."""
+    node, _ = _backend([("H100-SXM5-80GB", 1)])
+    clock = node.nvml._clock
+    assert isinstance(clock, FakeClock)
+    nv = node.nvml
+    read = nv.nvmlDeviceGetFieldValues
+    failing: set[int] = set()
+
+    def field_values(handle: object, ids: Any) -> list[Any]:
+        out = read(handle, ids)
+        for v in out:
+            if v.scopeId in failing and v.fieldId != nv.NVML_FI_DEV_NVLINK_LINK_COUNT:
+                v.nvmlReturn = nv.NVML_ERROR_UNKNOWN
+        return out
+
+    nv.nvmlDeviceGetFieldValues = field_values  # type: ignore[method-assign]
+    be = NvmlBackend(nv)
+    be.gpu_readings(0)
+    node.workloads.start(0, 4000, GiB, 1.0)
+    clock.now += 10
+    seen = [be.gpu_readings(0).nvlink_bytes]
+    node.workloads.stop(4000)  # little traffic from here: a link left out would show
+    failing.add(3)
+    for _ in range(2):
+        clock.now += 1
+        seen.append(be.gpu_readings(0).nvlink_bytes)
+        seen.append(be.nvlink_throughput_bytes(0))
+    failing.clear()
+    clock.now += 1
+    seen.append(be.gpu_readings(0).nvlink_bytes)
+    assert all(s is not None for s in seen)
+    for direction in (0, 1):
+        values = [s[direction] for s in seen if s is not None]
+        assert values == sorted(values), values
+        assert values[-1] >= values[0] > 0
+
+
 def test_mig_tables_h100() -> None:
     _, be = _mig_backend()
     profiles = {p.name: p for p in be.gpu_instance_profiles(0)}
@@ -475,6 +514,7 @@ def contract_calls(be: Any, idle: Callable[[], object]) -> dict[str, Any]:
         "destroy_compute_instance": be.destroy_compute_instance(0, 7, 0),
         "destroy_gpu_instance": be.destroy_gpu_instance(0, 7),
         "wait_events": be.wait_events(0.0),
+        "xid_watched": be.xid_watched(0),
         "idle": idle(),
         "reset_gpu": be.reset_gpu(1),
         "close": be.close(),

@@ -204,6 +204,9 @@ class FakeBackend:
             time.sleep(min(timeout_s, 0.02))
         return events
 
+    def xid_watched(self, gpu: int) -> bool:
+        return True
+
     def close(self) -> None:
         pass
 
@@ -814,3 +817,24 @@ def test_the_ignored_xids_are_configurable(backend: FakeBackend, events: EventLo
         assert not snap.gpus[1].healthy and "critical Xid 13" in snap.gpus[1].reason
     finally:
         s.close()
+
+
+def test_an_internal_error_keeps_one_reason_whatever_its_message(
+    sampler: Sampler, backend: FakeBackend, clock: FakeClock, events: EventLog
+) -> None:
+    """A bug in reading a GPU (not a driver error) whose message changes at every tick (a
+    number, an address) is one reason: the reason is gpud_gpu_unhealthy_info's label and
+    each change an event; the message is in the log."""
+    ticks = iter(range(1000))
+
+    def broken(gpu: int, skip: Collection[str] = frozenset()) -> GpuReadings:
+        raise ValueError(f"bad value {next(ticks)} at 0x7f{next(ticks):08x}")
+
+    backend.gpu_readings = broken  # type: ignore[method-assign]
+    reasons = set()
+    for _ in range(3):
+        snap = sampler.tick()
+        clock.now += 1
+        reasons |= {g.reason for g in snap.gpus}
+    assert reasons == {"internal error: ValueError (gpud's log has the details)"}
+    assert events.counts().get("gpu.unhealthy") == 4  # once per GPU, not once per tick

@@ -122,6 +122,22 @@ def test_not_supported_field(node: Node) -> None:
     assert node.value("gpud_gpu_healthy", 1) == 1
 
 
+def test_a_process_list_the_driver_does_not_report_is_absent_not_zero(node: Node) -> None:
+    node.sim.workloads.start(1, 4242, 2 * GIB, 0.5)
+    node.sim.faults.not_supported(1, "processes")
+    snap = node.sampler.tick()
+    assert snap.gpus[1].healthy
+    assert node.value("gpud_gpu_processes", 1) is None
+    assert node.value("gpud_gpu_processes", 0) == 0
+    # skipped on the next ticks (asked again later): still absent, not 0
+    assert not node.sampler.tick().gpus[1].processes_read
+    assert node.value("gpud_gpu_processes", 1) is None
+    node.sim.faults.clear(1)
+    node.sampler.refresh_identity()  # a fresh view of what the GPU supports
+    node.sampler.tick()
+    assert node.value("gpud_gpu_processes", 1) == 1
+
+
 def test_hung_call_others_stay_fresh(node: Node) -> None:
     node.sampler.tick()
     node.sim.faults.slow(3, 1.0)
@@ -165,3 +181,17 @@ def test_xid_events(node: Node) -> None:
     assert node.value("gpud_gpu_xid_errors_total", 0) == 2
     assert node.value("gpud_gpu_last_xid", 0) == 43
     assert node.value("gpud_gpu_xid_errors_total", 1) == 0
+
+
+def test_xids_of_a_gpu_whose_events_cannot_be_watched_are_absent_not_zero(node: Node) -> None:
+    """A GPU the driver gives no XID events for (nvmlDeviceRegisterEvents NotSupported)
+    would show 0 XIDs however many it raised: its XID count is left out instead."""
+    node.sim.faults.not_supported(1, "events")
+    assert node.backend.wait_events(0.0) == []  # registers every GPU it can
+    assert not node.backend.xid_watched(1)
+    assert node.backend.xid_watched(0)
+    node.sim.faults.xid(1, 48)  # never reaches gpud
+    snap = node.sampler.tick()
+    assert not snap.gpus[1].xids_watched and snap.gpus[0].xids_watched
+    assert node.value("gpud_gpu_xid_errors_total", 1) is None
+    assert node.value("gpud_gpu_xid_errors_total", 0) == 0
