@@ -1,7 +1,7 @@
 """Admission metrics, a metric source for :class:`gpud.metrics.Collector`::
 
     gpud_admission_queue_length{feasibility}          queued jobs: quotable / unfeasible
-    gpud_admission_wait_seconds                       histogram of waits in the history window
+    gpud_admission_wait_seconds                       histogram of waits, runs started since gpud started
     gpud_admission_quote_error_seconds                mean of (observed - quoted) wait over
                                                       the window's queued runs
     gpud_admission_quote_error_runs                   queued runs that mean is over
@@ -18,8 +18,7 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from gpud.admission.service import AdmissionService
-
-BUCKETS = (1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
+from gpud.admission.waits import BUCKETS
 
 
 class AdmissionMetrics:
@@ -37,21 +36,17 @@ class AdmissionMetrics:
         length.add_metric(["quotable"], float(len(views) - unfeasible))
         length.add_metric(["unfeasible"], float(unfeasible))
         yield length
+        waits = self._service.waits.counts()
+        buckets = [(f"{b:g}", float(c)) for b, c in zip(BUCKETS, waits.buckets, strict=True)]
+        buckets.append(("+Inf", float(waits.count)))
+        wait = HistogramMetricFamily(
+            "gpud_admission_wait_seconds",
+            "Time from asking to starting, per job run started since gpud started.",
+        )
+        wait.add_metric([], buckets, sum_value=waits.sum_s)
+        yield wait
         now = self._service.now()
         history = self._service.history(since=now - self._service.config.history_window_s)
-        waits = [h.started_at - h.queued_at for h in history]
-        counts = [0] * len(BUCKETS)
-        for w in waits:
-            for i, bound in enumerate(BUCKETS):
-                if w <= bound:
-                    counts[i] += 1
-        buckets = [(f"{b:g}", float(c)) for b, c in zip(BUCKETS, counts, strict=True)]
-        buckets.append(("+Inf", float(len(waits))))
-        wait = HistogramMetricFamily(
-            "gpud_admission_wait_seconds", "Time from asking to starting, per job run."
-        )
-        wait.add_metric([], buckets, sum_value=float(sum(waits)))
-        yield wait
         errors = [h.started_at - h.queued_at - h.quote_s for h in history if h.quote_s is not None]
         error = GaugeMetricFamily(
             "gpud_admission_quote_error_seconds",

@@ -45,6 +45,7 @@ from gpud.admission.node import from_targets
 from gpud.admission.placement_fit import PlacementFit
 from gpud.admission.queue import Queued, admission_pass
 from gpud.admission.quote import job_quote
+from gpud.admission.waits import WaitHistogram
 from gpud.config import AdmissionConfig
 from gpud.errors import FailedPrecondition, GpudError, NotFound, ResourceExhausted, Unavailable
 from gpud.events import EventLog
@@ -217,6 +218,8 @@ class AdmissionService:
         self._area_since: float | None = None
         self._last_length = 0
         self._last_tick: float | None = None
+        # waits of the runs started since gpud started, for the metrics
+        self.waits = WaitHistogram()
         store.ensure_schema(SCHEMA, added=ADDED)
         jobs.add_observer(self._observe)
         jobs.add_removal_hook(self._job_removed)
@@ -675,7 +678,8 @@ class AdmissionService:
                 self._set_state(entry.id, STARTED, reservation.id)
             placed = entry.request if entry is not None else _run_request(spec)
             request = request_of(placed)
-            conn.execute(
+            queued_at = entry.enqueued_at if entry is not None else reservation.created_at
+            added = conn.execute(
                 "INSERT OR IGNORE INTO job_history (job, reservation, request_class, request,"
                 " queued_at, started_at, quote_s) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (
@@ -683,11 +687,13 @@ class AdmissionService:
                     reservation.id,
                     request.describe(),
                     run_request_to_json(placed),
-                    entry.enqueued_at if entry is not None else reservation.created_at,
+                    queued_at,
                     reservation.created_at,
                     entry.quote_s if entry is not None else None,
                 ),
             )
+            if added.rowcount:
+                self.waits.observe(reservation.created_at - queued_at)
 
     def _account(self, now: float, length: int) -> None:
         if self._last_tick is not None:

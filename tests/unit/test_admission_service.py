@@ -496,3 +496,40 @@ def test_a_queued_job_says_what_holds_its_devices(node: Node) -> None:
     views = {v.entry.job: v for v in node.admission.queue_views()}
     assert views["c"].position == 2  # it fits on GPU 1, which the head waits for
     assert views["c"].waiting_on == f"behind pair ({head.entry.id})"
+
+
+def test_the_wait_histogram_only_grows_while_gpud_runs(tmp_path: Path) -> None:
+    """Prometheus reads the buckets as counters: runs leaving the history (pruned past
+    admission.history_keep, or older than the history window) must not take them down."""
+    from prometheus_client.core import Metric
+
+    from gpud.admission.metrics import AdmissionMetrics
+
+    clock = Clock()
+    n = make_node(tmp_path, clock)
+    n.admission.config = from_dict(
+        {"admission": {"history_keep": 100, "history_window_s": 60}}
+    ).admission
+    metrics = AdmissionMetrics(n.admission)
+
+    def waits() -> dict[str, float]:
+        (family,) = [m for m in metrics() if m.name == "gpud_admission_wait_seconds"]
+        assert isinstance(family, Metric)
+        return {
+            s.name.removeprefix(family.name) + s.labels.get("le", ""): s.value
+            for s in family.samples
+        }
+
+    try:
+        for i in range(150):
+            n.jobs.release(n.jobs.reserve(RunRequest(job=f"j{i}")).reservation.id)
+            clock.now += 1.0
+            n.admission.tick()  # prunes the history to its last 100 runs
+        assert len(n.admission.history()) < 150
+        seen = waits()
+        assert seen["_count"] == 150 and seen["_bucket1"] == 150 and seen["_sum"] == 0
+        clock.now += 3600  # every run now older than the window
+        n.admission.tick()
+        assert waits() == seen
+    finally:
+        n.store.close()
