@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 
 from gpud.cli.context import EXIT_USAGE, UINT32, CliError, Context, Subparsers
 from gpud.cli.output import NA
@@ -66,6 +67,16 @@ def size_arg(text: str, field: str = "memory") -> int:
         raise CliError(str(err), EXIT_USAGE) from None
 
 
+def unhealthy_notes(devices: Iterable[pb.MpsDevice]) -> list[str]:
+    """One line per unhealthy GPU under the devices, with why: a reason is a sentence or
+    two (a lost GPU's last-seen identity, its XIDs), too long for a table cell."""
+    seen: dict[int, str] = {}
+    for d in devices:
+        if d.gpu_unhealthy:
+            seen.setdefault(d.gpu, d.gpu_unhealthy)
+    return [f"GPU {gpu} unhealthy: {why}" for gpu, why in sorted(seen.items())]
+
+
 def device_row(d: pb.MpsDevice) -> tuple[str, ...]:
     if not d.enabled:
         daemon = "off"
@@ -74,7 +85,7 @@ def device_row(d: pb.MpsDevice) -> tuple[str, ...]:
     else:
         daemon = f"DOWN{': ' + d.last_error if d.last_error else ''}"
     if d.gpu_unhealthy:
-        daemon += f" (GPU {d.gpu} unhealthy: {d.gpu_unhealthy})"
+        daemon += f" (GPU {d.gpu} unhealthy)"  # why: under the table (unhealthy_notes)
     threads = f"{d.threads_percent}%" if d.HasField("threads_percent") else "100% (default)"
     memory = format_size(d.memory_limit_bytes) if d.HasField("memory_limit_bytes") else "none"
     return (
@@ -105,6 +116,11 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
             "MPS is off on this node (mps.enabled = false): limits are kept, no daemon runs."
         )
     ctx.out.print_table(HEADERS, [device_row(d) for d in resp.devices])
+    notes = unhealthy_notes(resp.devices)
+    if notes:
+        ctx.out.print("")
+        for note in notes:
+            ctx.out.print(note)
     return 0
 
 

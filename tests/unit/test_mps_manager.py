@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
 from gpud.backend.port import MigMode, unknown_identity
-from gpud.cli.mps import device_row
+from gpud.cli.mps import device_row, unhealthy_notes
 from gpud.errors import (
     BackendError,
     DriverTimeout,
@@ -97,7 +97,12 @@ def test_a_device_on_an_unhealthy_gpu_says_so(manager: MpsManager) -> None:
     manager.reconcile(snapshot(MIG_NODE.gpus[0], NODE.gpus[1]._replace(healthy=False, reason="")))
     shown = {s.target.gpu: device_message(s, None) for s in manager.status()}
     assert shown[1].gpu_unhealthy == "unhealthy" and shown[0].gpu_unhealthy == ""
-    assert device_row(shown[1])[3].endswith("(GPU 1 unhealthy: unhealthy)")
+    assert device_row(shown[1])[3].endswith("(GPU 1 unhealthy)")
+    # why, once per GPU, under the table: too long for its cell
+    sick_migs = [device_message(s, None) for s in manager.status()]
+    for m in sick_migs:
+        m.gpu_unhealthy = f"critical Xid 79 on {m.gpu}" if m.gpu == 0 else ""
+    assert unhealthy_notes(sick_migs) == ["GPU 0 unhealthy: critical Xid 79 on 0"]
     assert "unhealthy" not in device_row(shown[0])[3]
     assert device_row(shown[1])[6] == "none of 40GiB"
     # a GPU never read (lost before gpud started) has no known memory, not 0 bytes
