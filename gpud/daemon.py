@@ -275,6 +275,7 @@ class Daemon:
             faults=self._faulty_gpus,
             quiesce=self.sampler.paused,
             on_reset=self.sampler.gpu_reset,
+            read_timeout_s=config.telemetry.call_timeout_s,
         )
         self.colo = ColoService(
             config.colocate,

@@ -8,7 +8,8 @@ by a lock, in this order for an apply:
 2. plan every GPU (:mod:`gpud.mig.plan`);
 3. check that no instance to be destroyed runs processes (``nvidia-smi`` "Processes" table,
    per MIG device); refuse with :class:`~gpud.errors.Busy` naming pids and jobs, or wait for
-   them to leave (``drain``), or go ahead (``force``);
+   them to leave (``drain``), or go ahead (``force``); a GPU whose processes cannot be
+   listed is left alone unless ``force`` (nothing shows that it is idle);
 4. persist the desired layouts and the plan in one transaction, then run the steps, each
    step re-planned from what the driver has, so that a crash at any point is finished by
    :meth:`MigManager.reconcile` at the next start without orphaned or duplicated instances.
@@ -118,17 +119,22 @@ class MigManager:
         faults: Faults | None = None,
         quiesce: Callable[[], AbstractContextManager[object]] | None = None,
         on_reset: Callable[[int], None] | None = None,
+        read_timeout_s: float = 5.0,
     ) -> None:
         """``on_change(gpu)`` is called after each driver change on a GPU (the sampler then
         re-reads its MIG devices at once); ``faults()`` names the GPUs not to call (see
         :data:`Faults`); a GPU reset runs inside ``quiesce()`` (no other driver calls
         meanwhile: the backend lets go of the driver for it) and is followed by
-        ``on_reset(gpu)``."""
+        ``on_reset(gpu)``. An apply waits for a GPU's reads (its plan) no longer than
+        ``read_timeout_s`` (the daemon passes ``telemetry.call_timeout_s``: a GPU slower
+        than that is hung by telemetry's own measure) and leaves one that has not answered
+        alone."""
         self._backend = backend
         self._on_change = on_change
         self._faults = faults
         self._quiesce = quiesce
         self._on_reset = on_reset
+        self._read_timeout_s = read_timeout_s
         self._known: dict[int, GpuIdentity] = {}
         self._stuck: set[int] = set()  # GPUs with a `show` read still in the driver
         self._stuck_lock = threading.Lock()
@@ -157,10 +163,7 @@ class MigManager:
         unhealthy, or with a read still stuck in the driver, is not called; one whose
         identity cannot be read is faulty. Identities are remembered (they do not change
         while the GPU is present), so a faulty GPU keeps the UUID and product it had."""
-        faults = dict(self._faults()) if self._faults is not None else {}
-        with self._stuck_lock:
-            for i in self._stuck:
-                faults.setdefault(i, NOT_ANSWERING)
+        faults = self._faulty_now()
         out = []
         for i in range(self._backend.gpu_count()):
             if i not in faults:
@@ -170,6 +173,15 @@ class MigManager:
                     faults[i] = f"identity: {_fault_reason(err)}"
             out.append(self._known.get(i) or unknown_identity(i))
         return out, faults
+
+    def _faulty_now(self) -> dict[int, str]:
+        """The GPUs not to call now: found faulty by telemetry, or with a read of ours still
+        stuck in the driver (:data:`NOT_ANSWERING`)."""
+        faults = dict(self._faults()) if self._faults is not None else {}
+        with self._stuck_lock:
+            for i in self._stuck:
+                faults.setdefault(i, NOT_ANSWERING)
+        return faults
 
     def _identities(self) -> list[GpuIdentity]:
         """The GPUs that are not faulty."""
@@ -233,6 +245,19 @@ class MigManager:
             for p in self._backend.processes(gpu.index):
                 found.setdefault(p.pid, ("the whole GPU", p))
         return [found[pid] for pid in sorted(found)]
+
+    def _busy_or_unlisted(
+        self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool
+    ) -> list[tuple[str, ProcessInfo]] | str:
+        """:meth:`_busy`, or why the GPU's processes cannot be listed (a driver that does not
+        support the query, say): gpud cannot tell that what the plan destroys is idle, so
+        the GPU is left alone unless forced. A GPU that is lost or hangs still raises."""
+        try:
+            return self._busy(gpu, actual, plan, reset=reset)
+        except FAULTS:
+            raise
+        except BackendError as err:
+            return f"cannot list its processes: {err} (apply with --force to change it anyway)"
 
     def _busy_error(
         self,
@@ -319,16 +344,20 @@ class MigManager:
         layouts = config.layouts(name, ids)
         faulty = {i: faults[i] for i in layouts if i in faults}
         plans: dict[int, tuple[GpuActual, GpuPlan]] = {}
-        for i, layout in sorted(layouts.items()):
-            if i in faulty:
-                continue
-            gpu = by_index[i]
-            try:
-                plans[i] = self._plan(gpu, layout, self._table(gpu))
-            except FAULTS as err:
-                faulty[i] = _fault_reason(err)
-            except InvalidArgument as err:
-                raise InvalidArgument(f"{config.where(name)}: {err}") from err
+        healthy = [by_index[i] for i in sorted(layouts) if i not in faulty]
+        planned = self._plan_bounded(healthy, layouts)
+        for gpu in healthy:
+            got = planned.get(gpu.index)
+            if got is None:
+                faulty[gpu.index] = _no_answer(self._read_timeout_s)
+            elif isinstance(got, FAULTS):
+                faulty[gpu.index] = _fault_reason(got)
+            elif isinstance(got, InvalidArgument):
+                raise InvalidArgument(f"{config.where(name)}: {got}") from got
+            elif isinstance(got, Exception):
+                raise got
+            else:
+                plans[gpu.index] = got
 
         def left_alone() -> tuple[GpuOutcome, ...]:
             return tuple(
@@ -380,6 +409,12 @@ class MigManager:
         )
         outcomes: list[GpuOutcome] = list(left_alone())
         for i in sorted(plans):
+            # telemetry may have found it hung while the GPUs before it were applied
+            if (reason := self._faulty_now().get(i)) is not None:
+                where = f"GPU {i}{_product(by_index[i])}"
+                detail = f"{where} is faulty, left alone: {reason}"
+                outcomes.append(GpuOutcome(i, by_index[i].uuid, (), False, "faulty", detail))
+                continue
             outcomes.append(self._converge(by_index[i], layouts[i], force=True, reset=reset))
         outcomes.sort(key=lambda o: o.gpu)
         failed = any(o.status == "failed" for o in outcomes)
@@ -437,14 +472,25 @@ class MigManager:
         reset = not opts.skip_reset
         while True:
             busy = {}
+            now_faulty = self._faulty_now()
             for i, (actual, plan) in list(plans.items()):
+                if i in now_faulty:  # found hung or lost meanwhile: no call that could block
+                    faulty[i] = now_faulty[i]
+                    del plans[i]
+                    continue
                 try:
-                    if b := self._busy(by_index[i], actual, plan, reset=reset):
-                        busy[i] = b
+                    b = self._busy_or_unlisted(by_index[i], actual, plan, reset=reset)
                 except FAULTS as err:
                     log.warning("GPU %d turned faulty while draining: %s", i, err)
                     faulty[i] = _fault_reason(err)
                     del plans[i]
+                    continue
+                if isinstance(b, str):  # not waited on: listing again would not help
+                    log.warning("GPU %d left alone: %s", i, b)
+                    faulty[i] = b
+                    del plans[i]
+                elif b:
+                    busy[i] = b
             if not busy:
                 return True
             if not opts.drain:
@@ -485,7 +531,11 @@ class MigManager:
                 return GpuOutcome(
                     gpu.index, gpu.uuid, tuple(done), False, "changed" if done else "ok"
                 )
-            if not force and (busy := self._busy(gpu, actual, plan, reset=reset)):
+            busy = [] if force else self._busy_or_unlisted(gpu, actual, plan, reset=reset)
+            if isinstance(busy, str):
+                detail = f"{where} is faulty, left alone: {busy}"
+                return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "faulty", detail)
+            if busy:
                 refusal = self._busy_error({gpu.index: busy}, {gpu.index: gpu}, None)
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "busy", str(refusal))
             try:
@@ -876,6 +926,18 @@ class MigManager:
         else:
             views.update(self._read_bounded(healthy, read, timeout_s, desired))
         return [views[i] for i in sorted(views)]
+
+    def _plan_bounded(
+        self, gpus: list[GpuIdentity], layouts: Mapping[int, DeviceLayout]
+    ) -> dict[int, tuple[GpuActual, GpuPlan] | Exception]:
+        """Each GPU's plan for an apply, read within ``read_timeout_s``: a GPU that hangs
+        before telemetry notices must not hold the apply (and every other GPU behind it).
+        A GPU missing from the answer did not answer."""
+
+        def plan(gpu: GpuIdentity) -> tuple[GpuActual, GpuPlan]:
+            return self._plan(gpu, layouts[gpu.index], self._table(gpu))
+
+        return self._bounded(gpus, plan, self._read_timeout_s, "plan")
 
     def _check_bounded(
         self, layouts: list[tuple[GpuIdentity, DeviceLayout]]

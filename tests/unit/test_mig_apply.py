@@ -47,6 +47,7 @@ class Host:
         self.spec = spec
         self.jobs: dict[int, str] = {}
         self.faults: dict[int, str] = {}  # what telemetry found unhealthy
+        self.read_timeout_s = 5.0  # how long an apply waits for a GPU's reads
         self.daemons: list[Daemon] = []
 
     def start(self, *, resets: bool = False) -> Daemon:
@@ -70,6 +71,7 @@ class Host:
             monotonic=lambda: clock[0],
             sleep=sleep,
             faults=lambda: self.faults,
+            read_timeout_s=self.read_timeout_s,
         )
         d = Daemon(node, backend, store, events, mig, sleeps)
         self.daemons.append(d)
@@ -741,3 +743,90 @@ def test_a_gpu_lost_while_draining_leaves_the_others_applied(
     d.node.faults.clear(0)
     diff = d.mig.assert_config(config, "all-3g.40gb")
     assert diff and all(line.startswith("GPU 0") for line in diff), diff
+
+
+def test_a_gpu_whose_processes_cannot_be_listed_is_left_alone(
+    host: Host, config: MigConfigFile
+) -> None:
+    """gpud cannot tell that its instances are idle, so it does not destroy them; the other
+    GPUs are applied and the result names the GPU and why."""
+    d = enable(host, config, "all-1g.10gb")
+    before = instances(d)
+    d.node.faults.not_supported(1, "processes")
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert result.result == "partial", result
+    outcomes = {o.gpu: o for o in result.gpus}
+    assert outcomes[0].status == "changed"
+    assert outcomes[1].status == "faulty" and outcomes[1].detail.startswith("GPU 1 ")
+    assert "cannot list its processes" in outcomes[1].detail
+    assert "Not Supported" in outcomes[1].detail and "--force" in outcomes[1].detail
+    assert instances(d)[1] == before[1]
+    # the same while draining: GPU 1 is left alone at once, not waited on
+    d.mig.apply(config, "all-1g.10gb")
+    drained = d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(drain=True, timeout_s=30))
+    assert drained.result == "partial" and d.sleeps == []
+    assert [o.status for o in drained.gpus] == ["changed", "faulty"]
+    # reading it needs no process list; changing it anyway is for force
+    diff, faulty = d.mig.check(config, "all-3g.40gb")
+    assert faulty == {} and [line[:5] for line in diff] == ["GPU 1"]
+    forced = d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(force=True))
+    assert forced.result == "success", forced
+    assert d.mig.assert_config(config, "all-3g.40gb") == []
+
+
+def test_an_apply_never_waits_on_a_hung_gpu_past_its_read_deadline(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A GPU that hangs before telemetry notices: the apply reads it no longer than its
+    read deadline, leaves it alone as not answering and applies the others."""
+    host.read_timeout_s = 0.2
+    d = enable(host, config, "all-1g.10gb")
+    before = instances(d)
+    d.node.faults.slow(1, 1.0)  # every call on GPU 1 takes 1 s; telemetry has not noticed
+    started = time.monotonic()
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert time.monotonic() - started < 2.0
+    assert result.result == "partial", result
+    outcomes = {o.gpu: o for o in result.gpus}
+    assert outcomes[0].status == "changed"
+    assert outcomes[1].status == "faulty" and "not answering" in outcomes[1].detail
+    d.node.faults.clear(1)
+    assert instances(d)[1] == before[1]
+
+
+def test_a_gpu_found_hung_while_an_apply_waits_is_left_alone(
+    host: Host, config: MigConfigFile
+) -> None:
+    """Telemetry finds a GPU hung while an apply drains another: it gets no further call."""
+    d, pid = _busy_setup(host, config)  # GPU 0 runs a process on an instance that goes
+
+    def found_hung(s: float) -> None:
+        host.faults[1] = "driver call timed out after 5 s"
+        d.node.faults.slow(1, 1.0)  # each call on GPU 1 now takes 1 s
+        d.node.workloads.stop(pid)
+
+    d.mig._sleep = found_hung
+    started = time.monotonic()
+    result = d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(drain=True, timeout_s=30))
+    assert time.monotonic() - started < 2.0
+    assert result.result == "partial", result
+    outcomes = {o.gpu: o for o in result.gpus}
+    assert outcomes[0].status == "changed"
+    assert outcomes[1].status == "faulty" and "timed out after 5 s" in outcomes[1].detail
+    d.node.faults.clear(1)
+
+
+def test_reconcile_leaves_a_gpu_whose_processes_cannot_be_listed(
+    host: Host, config: MigConfigFile, tmp_path: Path
+) -> None:
+    d = enable(host, config, "all-3g.40gb")
+    # another manager changes the driver behind this one's back: both GPUs drift
+    other = MigManager(d.backend, StateStore(tmp_path / "other"), EventLog(None))
+    assert other.apply(config, "all-1g.10gb").result == "success"
+    d.node.faults.not_supported(1, "processes")
+    outcomes = {o.gpu: o for o in d.mig.reconcile()}
+    assert outcomes[0].status == "changed"
+    assert outcomes[1].status == "faulty" and "cannot list its processes" in outcomes[1].detail
+    d.node.faults.clear(1)
+    assert {o.status for o in d.mig.reconcile()} == {"ok", "changed"}
+    assert d.mig.assert_config(config, "all-3g.40gb") == []
