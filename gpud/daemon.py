@@ -22,7 +22,6 @@ import dataclasses
 import errno
 import logging
 import signal
-import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -67,6 +66,7 @@ from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.seen import SeenGpus
 from gpud.telemetry.snapshot import ClearedXids, Snapshot
+from gpud.threads import on_daemon_thread
 
 if TYPE_CHECKING:
     from gpud.backend.sim import SimNode
@@ -759,37 +759,6 @@ class Daemon:
             log.warning(message)
         self.events.emit("config.reload", message, restart_needed=kept)
         self._notifier.ready(message)
-
-
-async def on_daemon_thread(fn: Callable[[], T]) -> T:
-    """``fn()`` on a daemon thread of its own, awaited. Not the loop's executor: for calls
-    that may hang in a program gpud runs (``nft``, ``dcb``, a control daemon), which
-    ``asyncio.run`` would otherwise wait for at exit, past the stop's budget."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: T | None, err: BaseException | None) -> None:
-        if done.done():
-            return  # the caller stopped waiting
-        if err is not None:
-            done.set_exception(err)
-        else:
-            done.set_result(result)  # type: ignore[arg-type]
-
-    def call() -> None:
-        result: T | None = None
-        err: BaseException | None = None
-        try:
-            result = fn()
-        except BaseException as exc:
-            err = exc
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(settle, result, err)
-
-    threading.Thread(
-        target=call, name=f"gpud:{getattr(fn, '__qualname__', 'call')}", daemon=True
-    ).start()
-    return await done
 
 
 async def _run_stop(stop: Callable[[], Awaitable[None] | None], timeout: float) -> None:

@@ -28,6 +28,7 @@ from gpud.mig.results import ApplyResult
 from gpud.mig.store import ApplyOptions
 from gpud.mig.view import GpuView
 from gpud.shared import MAX_LAYOUT_BYTES
+from gpud.threads import on_daemon_thread
 from gpud.v1 import mig_pb2 as pb
 from gpud.v1 import mig_pb2_grpc as pb_grpc
 
@@ -196,7 +197,7 @@ class MigServicer(pb_grpc.MigServicer):
         self, request: pb.AssertMigRequest, context: grpc.aio.ServicerContext
     ) -> pb.AssertMigResponse:
         config, name = _config(request.config)
-        diff, faulty = await asyncio.to_thread(self._manager.check, config, name)
+        diff, faulty = await on_daemon_thread(lambda: self._manager.check(config, name))
         return pb.AssertMigResponse(
             matches=not diff,
             differences=diff,
@@ -206,18 +207,21 @@ class MigServicer(pb_grpc.MigServicer):
     async def ExportMig(  # noqa: N802
         self, request: pb.ExportMigRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExportMigResponse:
-        text, faults = await asyncio.to_thread(self._manager.export, request.name or "current")
+        text, faults = await on_daemon_thread(
+            lambda: self._manager.export(request.name or "current")
+        )
         return pb.ExportMigResponse(
             yaml=text, left_out=[f"GPU {i}: {why}" for i, why in sorted(faults.items())]
         )
 
 
 async def _run_while_wanted(gone: threading.Event, call: Callable[[], T]) -> T:
-    """``call()`` on a worker thread; ``gone`` is set when the RPC is cancelled (the client
+    """``call()`` on a daemon thread; ``gone`` is set when the RPC is cancelled (the client
     went away or its deadline passed) before the call returned. The thread is not stopped:
-    the call decides what a gone client means."""
+    the call decides what a gone client means; and a call stuck in the driver does not hold
+    up gpud's exit (the plan is kept: the next start resumes it)."""
     try:
-        return await asyncio.to_thread(call)
+        return await on_daemon_thread(call)
     except asyncio.CancelledError:
         gone.set()
         raise

@@ -299,3 +299,24 @@ def test_export_leaves_out_a_gpu_that_starts_hanging(
     assert [e["devices"] for e in yaml.safe_load(out)["mig-configs"]["mine"]] == [[0]]
     assert "gpuctl: not exported: GPU 1: not answering" in err
     assert took < 10, took
+
+
+def test_an_apply_stuck_in_the_driver_does_not_hold_up_gpuds_exit() -> None:
+    """A GPU that starts hanging mid-command holds the apply until its driver call returns;
+    the apply's thread must not hold the process past its stop as well (asyncio.run waits
+    for its executor's threads at exit)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import asyncio, threading, time\n"
+        "from gpud.mig.api import _run_while_wanted\n"
+        "async def main():\n"
+        "    task = asyncio.create_task(_run_while_wanted(threading.Event(), lambda: time.sleep(60)))\n"
+        "    await asyncio.sleep(0.2)\n"
+        "    task.cancel()\n"
+        "asyncio.run(main())\n"
+    )
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    assert time.monotonic() - started < 20
