@@ -39,6 +39,16 @@ LEVEL_HEADERS = ("LEVEL", "MIN SHARE", "JOBS", "SENT", "PKTS", "DROPS")
 IFACE_HEADERS = ("INTERFACE", "RATE", "ENFORCED", "REPAIRS", "ERROR")
 
 
+def _level(text: str) -> int:
+    """``--level``: gpud checks it against ``traffic.levels``; here, what a level is."""
+    try:
+        return UINT32(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a level: 0 (the highest priority) up to traffic.levels - 1"
+        ) from None
+
+
 def register(subparsers: Subparsers) -> None:
     net = subparsers.add_parser(
         "net", help="network priorities, DSCP tags, progress reports (default: show)"
@@ -58,7 +68,7 @@ def register(subparsers: Subparsers) -> None:
     report.set_defaults(run=run_report)
     pin = commands.add_parser("pin", help="fix a job's level (0 = highest priority)")
     pin.add_argument("--job", required=True, metavar="NAME")
-    pin.add_argument("--level", required=True, type=UINT32)
+    pin.add_argument("--level", required=True, type=_level, metavar="LEVEL")
     pin.set_defaults(run=run_pin)
     unpin = commands.add_parser("unpin", help="give a job's level back to the policy")
     unpin.add_argument("--job", required=True, metavar="NAME")

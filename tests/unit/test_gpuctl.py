@@ -353,7 +353,10 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
-        (("net", "pin", "--job", "a", "--level", "99999999999"), "--level: 99999999999 is not"),
+        (
+            ("net", "pin", "--job", "a", "--level", "99999999999"),
+            "--level: '99999999999' is not a level",
+        ),
         (("net", "report", "--job", "a", "--iterations", str(2**64)), "--iterations: 1844"),
         (("jobs", "add", "x", "--threads", "5000000000"), "--threads: 5000000000 is not in 1..100"),
         (("run", "--job", "x", "--threads", "0", "--", "true"), "--threads: 0 is not in 1..100"),

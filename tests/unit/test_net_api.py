@@ -399,3 +399,14 @@ def test_a_job_left_without_a_tag_is_shown_and_counted(
     registry = CollectorRegistry()
     registry.register(collector)
     assert registry.get_sample_value("gpud_net_untagged_jobs") == 1
+
+
+def test_a_level_that_is_no_level_is_a_usage_error_saying_what_a_level_is(
+    capsys: pytest.CaptureFixture[str], sock: Path
+) -> None:
+    for bad in ("-1", "high", "1.5"):
+        code, _, err = gpuctl(capsys, sock, "net", "pin", "--job", "train-a", "--level", bad)
+        assert code == 2
+        assert f"{bad!r} is not a level: 0 (the highest priority) up to traffic.levels - 1" in err
+    code_, _, err = gpuctl(capsys, sock, "net", "pin", "--job", "train-a", "--level", "9")
+    assert code_ == 2 and "level: must be in [0, 3]" in err
