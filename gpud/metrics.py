@@ -61,6 +61,7 @@ from prometheus_client import (
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
 )
@@ -68,12 +69,25 @@ from prometheus_client.registry import Collector as _CollectorBase
 
 import gpud
 from gpud.events import EventLog
+from gpud.histogram import HistogramCounts
 from gpud.telemetry.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
 MetricSource = Callable[[], Iterable[Metric]]
 """A feature's own metrics (MIG layouts, MPS, jobs, network), called at every scrape."""
+
+
+def histogram_family(
+    name: str, doc: str, counts: HistogramCounts, bound_text: Callable[[float], str]
+) -> HistogramMetricFamily:
+    """``name`` as a Prometheus histogram of ``counts`` (``le`` written by ``bound_text``)."""
+    buckets = [
+        (bound_text(b), float(c)) for b, c in zip(counts.bounds, counts.buckets, strict=True)
+    ]
+    buckets.append(("+Inf", float(counts.count)))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=counts.sum)
+
 
 _GPU_LABELS = ("gpu", "uuid", "model")
 _MIG_LABELS = (

@@ -162,7 +162,7 @@ class NftablesMarker:
         self._run = runner or subprocess_runner()
 
     def read(self) -> TableState:
-        """``nft -j list table inet gpud``."""
+        """``nft -j -n list table inet gpud``."""
         code, out, err = self._run(["-j", "-n", "list", "table", FAMILY, self.table], None)
         if code != 0:
             if "No such file or directory" in err:

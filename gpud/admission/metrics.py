@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gpud.admission.service import AdmissionService
-from gpud.admission.waits import BUCKETS
+from gpud.metrics import histogram_family
 
 
 class AdmissionMetrics:
@@ -36,15 +36,12 @@ class AdmissionMetrics:
         length.add_metric(["quotable"], float(len(views) - unfeasible))
         length.add_metric(["unfeasible"], float(unfeasible))
         yield length
-        waits = self._service.waits.counts()
-        buckets = [(f"{b:g}", float(c)) for b, c in zip(BUCKETS, waits.buckets, strict=True)]
-        buckets.append(("+Inf", float(waits.count)))
-        wait = HistogramMetricFamily(
+        yield histogram_family(
             "gpud_admission_wait_seconds",
             "Time from asking to starting, per job run started since gpud started.",
+            self._service.waits.counts(),
+            lambda bound: f"{bound:g}",
         )
-        wait.add_metric([], buckets, sum_value=waits.sum_s)
-        yield wait
         now = self._service.now()
         history = self._service.history(since=now - self._service.config.history_window_s)
         errors = [h.started_at - h.queued_at - h.quote_s for h in history if h.quote_s is not None]

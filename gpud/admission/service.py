@@ -45,10 +45,10 @@ from gpud.admission.node import from_targets
 from gpud.admission.placement_fit import PlacementFit
 from gpud.admission.queue import Queued, admission_pass
 from gpud.admission.quote import job_quote
-from gpud.admission.waits import WaitHistogram
 from gpud.config import AdmissionConfig
 from gpud.errors import FailedPrecondition, GpudError, NotFound, ResourceExhausted, Unavailable
 from gpud.events import EventLog
+from gpud.histogram import Histogram
 from gpud.jobs.ends import NO_STATUS, RunEnd
 from gpud.jobs.placement import DeviceLoad, Reservation
 from gpud.jobs.registry import JobKind, JobSpec
@@ -97,6 +97,8 @@ ADDED = {"job_history": ("exit_code", "exit_signal", "end_cause")}
 QUEUED, STARTED, LEFT = "queued", "started", "left"
 # Started and left rows are kept this long for a waiting gpuctl to read, then dropped.
 DONE_KEEP_S = 3600.0
+# gpud_admission_wait_seconds' buckets, seconds
+WAIT_BUCKETS = (1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,8 +220,8 @@ class AdmissionService:
         self._area_since: float | None = None
         self._last_length = 0
         self._last_tick: float | None = None
-        # waits of the runs started since gpud started, for the metrics
-        self.waits = WaitHistogram()
+        # waits of the runs started since gpud started: gpud_admission_wait_seconds
+        self.waits = Histogram(WAIT_BUCKETS)
         store.ensure_schema(SCHEMA, added=ADDED)
         jobs.add_observer(self._observe)
         jobs.add_removal_hook(self._job_removed)
@@ -693,7 +695,8 @@ class AdmissionService:
                 ),
             )
             if added.rowcount:
-                self.waits.observe(reservation.created_at - queued_at)
+                # at least 0: a clock stepped back between asking and starting
+                self.waits.observe(max(0.0, reservation.created_at - queued_at))
 
     def _account(self, now: float, length: int) -> None:
         if self._last_tick is not None:

@@ -25,12 +25,12 @@ from collections.abc import Iterator
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
 
+from gpud.metrics import histogram_family
 from gpud.mig.manager import MigManager
-from gpud.mig.results import DURATION_BUCKETS, RESULTS
+from gpud.mig.results import RESULTS
 
 _INSTANCE = ("gpu", "mig_uuid", "profile")
 
@@ -111,23 +111,16 @@ class MigMetrics:
             matches.add_metric((str(o.gpu), o.uuid), float(o.status in ("ok", "changed")))
         yield from (info, limit, used, procs, pending, matches)
 
-        totals, buckets, total_s = m.stats.snapshot()
+        totals, durations = m.stats.snapshot()
         applies = CounterMetricFamily(
             "gpud_mig_apply", "MIG layout applies, by result.", labels=("result",)
         )
         for result in RESULTS:
             applies.add_metric((result,), float(totals.get(result, 0)))
         yield applies
-        cumulative = []
-        running = 0
-        for bound, count in zip((*DURATION_BUCKETS, float("inf")), buckets, strict=True):
-            running += count
-            cumulative.append(
-                ("+Inf" if bound == float("inf") else repr(float(bound)), float(running))
-            )
-        yield HistogramMetricFamily(
+        yield histogram_family(
             "gpud_mig_apply_duration_seconds",
             "Time a MIG layout apply took, checks included.",
-            buckets=cumulative,
-            sum_value=total_s,
+            durations,
+            lambda bound: repr(float(bound)),
         )

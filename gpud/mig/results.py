@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import threading
-from bisect import bisect_left
 from dataclasses import dataclass, field
+
+from gpud.histogram import Histogram, HistogramCounts
 
 # Apply outcomes, the ``result`` label of ``gpud_mig_apply_total``. ``partial``: the healthy
 # GPUs were applied, a faulty one (lost, not answering) was left alone. ``not_started``: its
@@ -48,16 +49,14 @@ class ApplyStats:
     """Counters behind ``gpud_mig_apply_total`` and ``gpud_mig_apply_duration_seconds``."""
 
     totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
-    bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(DURATION_BUCKETS) + 1))
-    duration_sum: float = 0.0
+    durations: Histogram = field(default_factory=lambda: Histogram(DURATION_BUCKETS))
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, result: str, duration_s: float) -> None:
         with self.lock:
             self.totals[result] = self.totals.get(result, 0) + 1
-            self.bucket_counts[bisect_left(DURATION_BUCKETS, duration_s)] += 1
-            self.duration_sum += duration_s
+            self.durations.observe(duration_s)
 
-    def snapshot(self) -> tuple[dict[str, int], list[int], float]:
+    def snapshot(self) -> tuple[dict[str, int], HistogramCounts]:
         with self.lock:
-            return dict(self.totals), list(self.bucket_counts), self.duration_sum
+            return dict(self.totals), self.durations.counts()
