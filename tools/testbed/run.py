@@ -44,13 +44,15 @@ MIXES: dict[str, str] = {
 }
 
 # gpud's knobs for a testbed whose phases last tens of seconds: rates over a short window
-# and frequent re-ranks, so the order follows who is behind now.
+# and a re-rank every tick (no threshold, no hysteresis), so the order follows who is
+# behind now. Jobs of equal demand trade the top level every few iterations; any lag lets
+# one run ahead by an iteration or two, a few per cent of a phase's few dozen.
 GPUD_TRAFFIC = {
     "levels": 4,
     "progress_window_s": 2.0,
-    "max_age_s": 1.0,
-    "threshold": 0.05,
-    "hysteresis": 0.02,
+    "max_age_s": 0.2,
+    "threshold": 0.0,
+    "hysteresis": 0.0,
     "group_tolerance": 0.0,
 }
 # gpud's loop period in the testbed: a level change lands within an iteration of these jobs
