@@ -320,6 +320,7 @@ class Collector(_CollectorBase):
                 if m.memory is not None:
                     mig_used.add_metric(mlabels, m.memory.used_bytes)
                     mig_free.add_metric(mlabels, m.memory.free_bytes)
+                if m.processes_read:  # as for the GPU: absent, not 0, when not listed
                     mig_procs.add_metric(mlabels, len(m.processes))
 
         node_age = g(

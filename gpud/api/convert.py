@@ -54,6 +54,8 @@ def mig_device(sample: MigSample) -> pb.MigDevice:
     )
     if sample.memory is not None:
         memory(sample.memory, msg.memory)
+    if not sample.processes_read:
+        msg.processes_unknown = sample.processes_error or "the device could not be read"
     return msg
 
 
@@ -84,6 +86,8 @@ def gpu(sample: GpuSample, *, now_monotonic: float) -> pb.Gpu:
             setattr(msg, field, value)
     if sample.memory is not None:
         memory(sample.memory, msg.memory)
+    if not sample.processes_read:
+        msg.processes_unknown = sample.processes_error or sample.reason or "not read"
     if sample.utilization is not None:
         msg.utilization.gpu_ratio = sample.utilization.gpu_ratio
         msg.utilization.memory_ratio = sample.utilization.memory_ratio

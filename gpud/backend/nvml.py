@@ -484,7 +484,8 @@ class NvmlBackend:
 
     def mig_readings(self, gpu: int, devices: Sequence[MigDeviceIdentity]) -> MigReadings:
         """``nvidia-smi -q -i N:M -d MEMORY,PIDS`` over ``devices``: one handle lookup, one
-        memory and one process query per device."""
+        memory and one process query per device. A process query that fails (NotSupported, a
+        driver error) leaves the device's memory read: see :class:`MigReading`."""
         parent = self._handle(gpu)
         f = self._fast
         get_handle = f.mig_handle
@@ -499,8 +500,6 @@ class NvmlBackend:
                 h = get_handle(parent, dev.mig)
                 fn = get_memory
                 m = get_memory(h)
-                fn = get_procs
-                procs = get_procs(h)
             except error as err:
                 translated = self._translate(err, gpu, fn)
                 if isinstance(translated, GpuLost):
@@ -508,15 +507,18 @@ class NvmlBackend:
                 out.append(MigReading(dev, None, ()))
                 errors.append((dev.mig, translated))
                 continue
+            memory = _new(MemoryInfo, (m.total, m.used, m.free))
+            try:
+                procs = get_procs(h)
+            except error as err:
+                # The device was read: only its process list is unknown.
+                translated = self._translate(err, gpu, get_procs)
+                if isinstance(translated, GpuLost):
+                    raise translated from err
+                out.append(_new(MigReading, (dev, memory, (), False, str(translated))))
+                continue
             out.append(
-                _new(
-                    MigReading,
-                    (
-                        dev,
-                        _new(MemoryInfo, (m.total, m.used, m.free)),
-                        _processes(procs) if procs else (),
-                    ),
-                )
+                _new(MigReading, (dev, memory, _processes(procs) if procs else (), True, ""))
             )
         return MigReadings(tuple(out), tuple(errors) if errors else ())
 

@@ -188,11 +188,16 @@ class MigDeviceIdentity:
 class MigReading(NamedTuple):
     """One MIG device's memory and compute processes (``nvidia-smi -q -i N:M -d MEMORY,PIDS``),
     with the device they were read from. ``memory`` is None and ``processes`` empty when the
-    device could not be read (most likely destroyed since it was listed)."""
+    device could not be read (most likely destroyed since it was listed). The process list
+    fails on its own (NotSupported, a driver error): ``processes_read`` is then False,
+    ``processes_error`` says why and ``processes`` is empty without meaning that none run,
+    while ``memory`` is kept."""
 
     identity: MigDeviceIdentity
     memory: MemoryInfo | None
     processes: tuple[ProcessInfo, ...]
+    processes_read: bool = False  # nvmlDeviceGetComputeRunningProcesses answered this tick
+    processes_error: str = ""  # why it did not, when the device itself was read
 
 
 class MigReadings(NamedTuple):

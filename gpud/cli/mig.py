@@ -18,7 +18,9 @@ created in the same apply; ``--skip-reset`` leaves it pending for the next reset
 An apply that may reset GPUs is waited for up to 10 minutes (resets take a while).
 
 A faulty GPU (lost, not answering) is shown with its reason and left alone while the others
-are shown, applied, checked or exported: the command then exits 11 (partial).
+are shown, applied, checked or exported: the command then exits 11 (partial). A GPU whose
+MIG devices' processes alone cannot be listed is no faulty GPU: its instances are shown with
+``?`` for processes and the reason on the GPU's line (``--json``: ``processes_unknown``).
 """
 
 from __future__ import annotations
@@ -120,6 +122,8 @@ def _source(args: argparse.Namespace) -> pb.MigConfigSource:
 
 
 def _processes(inst: pb.MigInstance) -> str:
+    if inst.processes_unknown:
+        return "?"  # not listed: the GPU's header line says why
     parts = []
     for p in inst.processes:
         parts.append(f"{p.pid}" + (f" ({p.job})" if p.job else ""))
@@ -145,7 +149,13 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         desired = (
             f"; desired: {gpu.desired_layout} ({gpu.desired_config})" if gpu.desired_config else ""
         )
-        ctx.out.print(f"GPU {gpu.index} {gpu.product} {gpu.uuid}: {mode}; {gpu.layout}{desired}")
+        # the reasons once per GPU, not per instance: a driver that does not support the
+        # query answers so for each MIG device
+        unknown = dict.fromkeys(i.processes_unknown for i in gpu.instances if i.processes_unknown)
+        why = f"; processes unknown: {'; '.join(unknown)}" if unknown else ""
+        ctx.out.print(
+            f"GPU {gpu.index} {gpu.product} {gpu.uuid}: {mode}; {gpu.layout}{desired}{why}"
+        )
     rows = []
     for gpu in resp.gpus:
         for inst in gpu.instances:

@@ -1073,9 +1073,9 @@ class ColoService:
                     continue
                 instance = MigOption(ident.profile_name, fraction, ident.memory_total_bytes)
                 layout.setdefault(ident.profile_name, instance)
-                # Free: no job of gpud's holds it, and NVML read it and saw no process in it
+                # Free: no job of gpud's holds it, and NVML listed its processes and saw none
                 # (a process of no known job holds it as much as a job does).
-                busy = ident.uuid in taken or bool(m.processes) or m.memory is None
+                busy = ident.uuid in taken or bool(m.processes) or not m.processes_read
                 if busy or ident.profile_name in options:
                     continue
                 options[ident.profile_name] = instance

@@ -115,6 +115,8 @@ class JobService:
         )
         self._lock = threading.RLock()  # placement is check-then-insert
         self._uses: list[ProcessUse] = []
+        # device UUID -> memory used, of the devices whose processes NVML did not list
+        self._unlisted: dict[str, int] = {}
         self._unhealthy: dict[int, str] = {}  # GPU index -> why, as of the last tick
         self._observers: list[ReservationObserver] = []
         self._removal_hooks: list[RemovalHook] = []
@@ -255,7 +257,9 @@ class JobService:
         reservations there (none, or no memory limit: all of it). gpud's MPS servers are
         left out (their clients are counted), and so are a process whose memory NVML does
         not report (``usedGpuMemory`` not available) and one that has exited since the tick
-        (no ``/proc/<pid>``, or a zombie)."""
+        (no ``/proc/<pid>``, or a zombie). On a device whose processes NVML could not list,
+        what its memory use is beyond every reservation there counts instead: the device is
+        not taken for idle."""
         return self._unreserved(self.reservations.reserved(self._default_memory))
 
     def _unreserved(self, reserved: Mapping[tuple[str, str], int]) -> dict[str, int]:
@@ -276,6 +280,10 @@ class JobService:
             beyond = n - (reserved.get((uuid, job), 0) if job is not None else 0)
             if beyond > 0:
                 out[uuid] = out.get(uuid, 0) + beyond
+        for uuid, n in self._unlisted.items():
+            beyond = n - sum(v for (u, _), v in reserved.items() if u == uuid)
+            if beyond > 0:
+                out[uuid] = max(out.get(uuid, 0), beyond)
         return out
 
     # -- reservations ----------------------------------------------------------------------
@@ -499,8 +507,17 @@ class JobService:
         """Take the GPUs' health and processes from ``snapshot``: what admission refuses
         unhealthy GPUs by, and whose processes `gpuctl jobs` lists under each job."""
         uses = self._attributor.attribute(snapshot)
+        unlisted: dict[str, int] = {}
+        for g in snapshot.gpus:
+            if g.mig_mode is not None and g.mig_mode.current:
+                for m in g.mig_devices:
+                    if not m.processes_read and m.memory is not None:
+                        unlisted[m.identity.uuid] = m.memory.used_bytes
+            elif not g.processes_read and g.memory is not None and g.identity.uuid:
+                unlisted[g.identity.uuid] = g.memory.used_bytes
         with self._lock:
             self._uses = uses
+            self._unlisted = unlisted
             self._unhealthy = {
                 g.identity.index: g.reason or "unhealthy" for g in snapshot.gpus if not g.healthy
             }

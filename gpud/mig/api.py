@@ -86,6 +86,7 @@ def gpu_message(view: GpuView) -> pb.MigGpu:
             m.memory_total_bytes = inst.memory_total_bytes
         if inst.memory_used_bytes is not None:
             m.memory_used_bytes = inst.memory_used_bytes
+        m.processes_unknown = inst.processes_error
         for p in inst.processes:
             proc = m.processes.add(pid=p.pid, job=p.job or "")
             if p.used_memory_bytes is not None:

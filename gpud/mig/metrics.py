@@ -106,7 +106,8 @@ class MigMetrics:
                     limit.add_metric(key, float(inst.memory_total_bytes))
                 if inst.memory_used_bytes is not None:
                     used.add_metric(key, float(inst.memory_used_bytes))
-                procs.add_metric(key, float(len(inst.processes)))
+                if not inst.processes_error:  # absent, not 0, when they could not be listed
+                    procs.add_metric(key, float(len(inst.processes)))
         for o in m.last_outcomes():
             matches.add_metric((str(o.gpu), o.uuid), float(o.status in ("ok", "changed")))
         yield from (info, limit, used, procs, pending, matches)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from gpud.backend.port import GpuBackend, GpuIdentity, MigMode
-from gpud.errors import NotSupported
+from gpud.errors import BackendError, DriverTimeout, GpuLost, NotSupported
 from gpud.mig.layout import DeviceLayout
 from gpud.mig.plan import GpuActual, actual_layout
 from gpud.mig.store import DesiredRecord
@@ -47,6 +47,9 @@ class InstanceView:
     memory_total_bytes: int | None
     memory_used_bytes: int | None
     processes: tuple[ProcessView, ...] = ()
+    # why the MIG device's processes could not be listed (NotSupported, a driver error):
+    # ``processes`` is then empty without meaning that none run; "" when they were
+    processes_error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,15 +147,25 @@ def _instance_views(
             md = devices.get((gi.id, ci_id)) if ci_id is not None else None
             used = None
             procs: tuple[ProcessView, ...] = ()
+            procs_error = ""
             if md is not None:
                 try:
                     used = backend.memory(gpu.index, md.mig).used_bytes
                 except NotSupported:
                     used = None
-                procs = tuple(
-                    ProcessView(p.pid, p.used_memory_bytes, jobs(p.pid) if jobs else None)
-                    for p in backend.processes(gpu.index, md.mig)
-                )
+                try:
+                    listed = backend.processes(gpu.index, md.mig)
+                except (GpuLost, DriverTimeout):
+                    raise  # the whole GPU is faulty
+                except BackendError as err:
+                    # Only this reading is missing: the instance is shown as the MIG reads
+                    # found it, its processes as unknown.
+                    procs_error = str(err)
+                else:
+                    procs = tuple(
+                        ProcessView(p.pid, p.used_memory_bytes, jobs(p.pid) if jobs else None)
+                        for p in listed
+                    )
             yield InstanceView(
                 gpu.index,
                 gi.id,
@@ -166,6 +179,7 @@ def _instance_views(
                 md.memory_total_bytes if md else None,
                 used,
                 procs,
+                procs_error,
             )
 
 

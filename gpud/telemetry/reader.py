@@ -14,6 +14,8 @@ Error policy, per reading:
 - ``GpuLost``: stop reading this GPU for this tick; the sample is unhealthy.
 - any other ``BackendError``: that field is ``None``, the rest is still read, the sample is
   unhealthy with the first failing reading as the reason.
+- a MIG device whose process list fails (NotSupported or not) keeps its memory reading; its
+  ``processes_read`` is False with the error, and the GPU's health is that of its other reads.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class GpuReader:
         self._mig_read_at = 0.0
         self._mig_current: bool | None = None
         self._refresh_requested = False
+        self._processes_error = ""  # why the process list last failed
         # A failed sample keeps the time of the last good one, so its age keeps growing.
         self._last_good_at = clock()
 
@@ -135,10 +138,13 @@ class GpuReader:
             return self._failed(identity, _reason("readings", err))
         reason = ""
         processes_read = "processes" not in unsupported.skip
+        # while skipped, the NotSupported that marked it is still why they are not listed
+        processes_error = "" if processes_read else self._processes_error
         if r.errors:
             for name, error in r.errors:
                 if name == "processes":
                     processes_read = False
+                    processes_error = self._processes_error = str(error)
                 if isinstance(error, NotSupported):
                     unsupported.mark(name, now)
                 elif isinstance(error, GpuLost):
@@ -182,6 +188,7 @@ class GpuReader:
             mig_devices=mig_samples,
             nvlink_bytes=r.nvlink_bytes,
             processes_read=processes_read,
+            processes_error=processes_error,
         )
 
     def _read_mig(self, gpu: int, now: float) -> tuple[MigSample, ...]:
@@ -192,7 +199,8 @@ class GpuReader:
             self._mig_read_at = now
         readings = self._backend.mig_readings(gpu, devices)
         if readings.errors:
-            # Most likely destroyed since the list was read: list again next tick.
+            # Most likely destroyed since the list was read: list again next tick. (A device
+            # whose process list alone failed was read, and is no error here.)
             self._mig = None
         return readings.devices
 

@@ -28,7 +28,8 @@ from gpud.backend.port import (
 
 MigSample = MigReading
 """One MIG device at one tick: its identity, memory and processes, as the backend read them
-(``memory`` is None and ``processes`` empty when the device could not be read)."""
+(``memory`` is None and ``processes`` empty when the device could not be read; ``memory`` is
+kept and ``processes_read`` False when only its process list could not be read)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,9 @@ class GpuSample(NamedTuple):
     # True when the driver listed the GPU's processes this tick; else (NotSupported, the
     # call failed, the GPU lost or hung) ``processes`` is empty without meaning that none run
     processes_read: bool = False
+    # why the driver did not list them, when the GPU was read (NotSupported, a driver
+    # error); "" when it did, or when the GPU was not read (``reason`` says why)
+    processes_error: str = ""
     # False when the driver gives gpud no XID events for the GPU: xid_events_total is then
     # no count of its XIDs
     xids_watched: bool = True

@@ -96,6 +96,7 @@ class MigInstance(_message.Message):
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     MEMORY_USED_BYTES_FIELD_NUMBER: _builtins.int
     PROCESSES_FIELD_NUMBER: _builtins.int
+    PROCESSES_UNKNOWN_FIELD_NUMBER: _builtins.int
     gpu_instance_id: _builtins.int
     profile: _builtins.str
     """GPU instance profile, "3g.40gb" """
@@ -112,6 +113,10 @@ class MigInstance(_message.Message):
     """"MIG-..." """
     memory_total_bytes: _builtins.int
     memory_used_bytes: _builtins.int
+    processes_unknown: _builtins.str
+    """Why the MIG device's processes could not be listed (NotSupported, a driver error):
+    processes is then empty without meaning that none run. Empty when they were listed.
+    """
     @_builtins.property
     def processes(self) -> _containers.RepeatedCompositeFieldContainer[Global___MigInstanceProcess]: ...
     def __init__(
@@ -128,10 +133,11 @@ class MigInstance(_message.Message):
         memory_total_bytes: _builtins.int | None = ...,
         memory_used_bytes: _builtins.int | None = ...,
         processes: _abc.Iterable[Global___MigInstanceProcess] | None = ...,
+        processes_unknown: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_compute_instance_id", b"_compute_instance_id", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_mig", b"_mig", "compute_instance_id", b"compute_instance_id", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "mig", b"mig"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_compute_instance_id", b"_compute_instance_id", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_mig", b"_mig", "compute_instance_id", b"compute_instance_id", "compute_profile", b"compute_profile", "gpu_instance_id", b"gpu_instance_id", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "mig", b"mig", "placement_size", b"placement_size", "placement_start", b"placement_start", "processes", b"processes", "profile", b"profile", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_compute_instance_id", b"_compute_instance_id", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_mig", b"_mig", "compute_instance_id", b"compute_instance_id", "compute_profile", b"compute_profile", "gpu_instance_id", b"gpu_instance_id", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "mig", b"mig", "placement_size", b"placement_size", "placement_start", b"placement_start", "processes", b"processes", "processes_unknown", b"processes_unknown", "profile", b"profile", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__compute_instance_id: _TypeAlias = _typing.Literal["compute_instance_id"]  # noqa: Y015
     _WhichOneofArgType__compute_instance_id: _TypeAlias = _typing.Literal["_compute_instance_id", b"_compute_instance_id"]  # noqa: Y015

@@ -386,6 +386,7 @@ class MigDevice(_message.Message):
     MULTIPROCESSOR_COUNT_FIELD_NUMBER: _builtins.int
     MEMORY_FIELD_NUMBER: _builtins.int
     PROCESSES_FIELD_NUMBER: _builtins.int
+    PROCESSES_UNKNOWN_FIELD_NUMBER: _builtins.int
     gpu: _builtins.int
     """parent GPU index"""
     mig: _builtins.int
@@ -398,6 +399,10 @@ class MigDevice(_message.Message):
     """"1g.10gb" """
     memory_total_bytes: _builtins.int
     multiprocessor_count: _builtins.int
+    processes_unknown: _builtins.str
+    """Why processes is not the driver's list this tick (the list NotSupported or failed, the
+    device not read); empty when it is: only then does an empty list mean that none run.
+    """
     @_builtins.property
     def memory(self) -> Global___Memory:
         """unset when not read"""
@@ -418,10 +423,11 @@ class MigDevice(_message.Message):
         multiprocessor_count: _builtins.int = ...,
         memory: Global___Memory | None = ...,
         processes: _abc.Iterable[Global___Process] | None = ...,
+        processes_unknown: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_instance_id", b"compute_instance_id", "gpu", b"gpu", "gpu_instance_id", b"gpu_instance_id", "gpu_instance_profile_id", b"gpu_instance_profile_id", "memory", b"memory", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "multiprocessor_count", b"multiprocessor_count", "processes", b"processes", "profile_name", b"profile_name", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_instance_id", b"compute_instance_id", "gpu", b"gpu", "gpu_instance_id", b"gpu_instance_id", "gpu_instance_profile_id", b"gpu_instance_profile_id", "memory", b"memory", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "multiprocessor_count", b"multiprocessor_count", "processes", b"processes", "processes_unknown", b"processes_unknown", "profile_name", b"profile_name", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -455,6 +461,7 @@ class Gpu(_message.Message):
     XID_EVENTS_TOTAL_FIELD_NUMBER: _builtins.int
     LAST_XID_FIELD_NUMBER: _builtins.int
     CRITICAL_XIDS_FIELD_NUMBER: _builtins.int
+    PROCESSES_UNKNOWN_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """identity. A GPU not read since gpud started (lost or hung) has uuid, name and
     pci_bus_id as an earlier run last read them (its reason says "last seen as ..."); unset
@@ -479,6 +486,10 @@ class Gpu(_message.Message):
     xid_events_total: _builtins.int
     last_xid: _builtins.int
     """the latest XID of any kind since gpud started"""
+    processes_unknown: _builtins.str
+    """Why processes is not the driver's list this tick (the list NotSupported or failed, the
+    GPU not read); empty when it is: only then does an empty list mean that none run.
+    """
     @_builtins.property
     def memory(self) -> Global___Memory:
         """readings: unset when not supported or not read"""
@@ -528,10 +539,11 @@ class Gpu(_message.Message):
         xid_events_total: _builtins.int = ...,
         last_xid: _builtins.int | None = ...,
         critical_xids: _abc.Iterable[Global___CriticalXid] | None = ...,
+        processes_unknown: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid", "_name", b"_name", "_pci_bus_id", b"_pci_bus_id", "_power_watts", b"_power_watts", "_product", b"_product", "_temperature_celsius", b"_temperature_celsius", "_uuid", b"_uuid", "clocks", b"clocks", "ecc", b"ecc", "last_xid", b"last_xid", "memory", b"memory", "mig_mode", b"mig_mode", "name", b"name", "pci_bus_id", b"pci_bus_id", "pcie", b"pcie", "power_watts", b"power_watts", "product", b"product", "temperature_celsius", b"temperature_celsius", "utilization", b"utilization", "uuid", b"uuid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid", "_name", b"_name", "_pci_bus_id", b"_pci_bus_id", "_power_watts", b"_power_watts", "_product", b"_product", "_temperature_celsius", b"_temperature_celsius", "_uuid", b"_uuid", "clocks", b"clocks", "critical_xids", b"critical_xids", "ecc", b"ecc", "healthy", b"healthy", "index", b"index", "last_xid", b"last_xid", "memory", b"memory", "memory_total_bytes", b"memory_total_bytes", "mig_capable", b"mig_capable", "mig_devices", b"mig_devices", "mig_mode", b"mig_mode", "name", b"name", "pci_bus_id", b"pci_bus_id", "pci_device_id", b"pci_device_id", "pcie", b"pcie", "power_watts", b"power_watts", "processes", b"processes", "product", b"product", "reason", b"reason", "sample_age_seconds", b"sample_age_seconds", "temperature_celsius", b"temperature_celsius", "utilization", b"utilization", "uuid", b"uuid", "xid_events_total", b"xid_events_total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid", "_name", b"_name", "_pci_bus_id", b"_pci_bus_id", "_power_watts", b"_power_watts", "_product", b"_product", "_temperature_celsius", b"_temperature_celsius", "_uuid", b"_uuid", "clocks", b"clocks", "critical_xids", b"critical_xids", "ecc", b"ecc", "healthy", b"healthy", "index", b"index", "last_xid", b"last_xid", "memory", b"memory", "memory_total_bytes", b"memory_total_bytes", "mig_capable", b"mig_capable", "mig_devices", b"mig_devices", "mig_mode", b"mig_mode", "name", b"name", "pci_bus_id", b"pci_bus_id", "pci_device_id", b"pci_device_id", "pcie", b"pcie", "power_watts", b"power_watts", "processes", b"processes", "processes_unknown", b"processes_unknown", "product", b"product", "reason", b"reason", "sample_age_seconds", b"sample_age_seconds", "temperature_celsius", b"temperature_celsius", "utilization", b"utilization", "uuid", b"uuid", "xid_events_total", b"xid_events_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_xid: _TypeAlias = _typing.Literal["last_xid"]  # noqa: Y015
     _WhichOneofArgType__last_xid: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid"]  # noqa: Y015

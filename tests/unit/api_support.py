@@ -60,12 +60,13 @@ def mig(gpu: int, index: int) -> MigSample:
         ),
         memory=MemoryInfo(10 * GIB, 2 * GIB, 8 * GIB) if index == 0 else None,
         processes=(ProcessInfo(pid=4242, used_memory_bytes=GIB, gpu_instance_id=7),),
+        processes_read=True,
     )
 
 
 def make_snapshot() -> Snapshot:
-    """GPU 0: every reading. GPU 1: MIG on with two devices, power not supported.
-    GPU 2: lost, identity only."""
+    """GPU 0: every reading. GPU 1: MIG on with two devices, power and its process list not
+    supported. GPU 2: lost, identity only."""
     full = GpuSample(
         identity=identity(0),
         healthy=True,
@@ -79,6 +80,7 @@ def make_snapshot() -> Snapshot:
         ecc=EccCounts(1, 0),
         pcie=PcieThroughput(1e9, 2e9),
         processes=(ProcessInfo(pid=100, used_memory_bytes=None),),
+        processes_read=True,
         mig_mode=MigMode(current=False, pending=False),
         xid_events_total=2,
         last_xid=79,
@@ -90,6 +92,7 @@ def make_snapshot() -> Snapshot:
         sampled_at=NOW - 0.25,
         memory=MemoryInfo(80 * GIB, 4 * GIB, 76 * GIB),
         temperature_celsius=40.0,
+        processes_error="nvmlDeviceGetComputeRunningProcesses failed on GPU 1: Not Supported",
         mig_mode=MigMode(current=True, pending=True),
         mig_devices=(mig(1, 0), mig(1, 1)),
     )

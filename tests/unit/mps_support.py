@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpud.backend.port import GpuIdentity, MigDeviceIdentity, MigMode, ProcessInfo
+from gpud.backend.port import GpuIdentity, MemoryInfo, MigDeviceIdentity, MigMode, ProcessInfo
 from gpud.events import EventLog
 from gpud.mps.manager import MpsManager
 from gpud.mps.procs import alive
@@ -39,8 +39,12 @@ def gpu_sample(
     migs: tuple[tuple[str, int], ...] = (),
     processes: tuple[ProcessInfo, ...] = (),
     mig_processes: dict[int, tuple[ProcessInfo, ...]] | None = None,
+    used_gib: int | None = None,
+    processes_read: bool = True,
 ) -> GpuSample:
-    """A GPU; with ``migs`` ((profile, memory GiB), ...) it is in MIG mode with those devices."""
+    """A GPU; with ``migs`` ((profile, memory GiB), ...) it is in MIG mode with those devices.
+    ``used_gib``: its memory reading (none without); ``processes_read``: whether NVML listed
+    its processes."""
     ident = GpuIdentity(
         index=index,
         uuid=gpu_uuid(index),
@@ -74,7 +78,13 @@ def gpu_sample(
         healthy=True,
         reason="",
         sampled_at=0.0,
+        memory=(
+            None
+            if used_gib is None
+            else MemoryInfo(memory_gib * GIB, used_gib * GIB, (memory_gib - used_gib) * GIB)
+        ),
         processes=processes,
+        processes_read=processes_read,
         mig_mode=MigMode(bool(migs), bool(migs)),
         mig_devices=samples,
     )

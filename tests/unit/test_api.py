@@ -189,6 +189,11 @@ async def test_list_gpus(channel: grpc.aio.Channel) -> None:
     assert not lost.healthy and lost.reason == "GPU lost"
     assert not lost.HasField("memory") and not lost.HasField("last_xid")
     assert lost.sample_age_seconds == 30.0
+    # processes not listed are unknown, with why, not "none run"
+    assert full.processes_unknown == ""
+    assert "Not Supported" in with_mig.processes_unknown and not with_mig.processes
+    assert with_mig.mig_devices[0].processes_unknown == ""
+    assert lost.processes_unknown == "GPU lost"
 
 
 async def test_list_one_gpu_and_bad_indexes(channel: grpc.aio.Channel) -> None:

@@ -434,6 +434,25 @@ def test_env_without_a_reservation_previews_the_placement(service: JobService) -
     assert service.reservations.held() == []
 
 
+def test_a_device_whose_processes_are_not_listed_is_not_taken_for_idle(
+    tmp_path: Path, store: StateStore
+) -> None:
+    """NVML uses 30 GiB of GPU 1 but cannot list its processes: what is used beyond the
+    10 GiB reserved there is held, as if another user's process used it."""
+    mps = MpsManager(store, EventLog(None), tmp_path / "run", FAKE_CONTROL, enabled=False)
+    mps.observe(DEVICES)
+    service = JobService(
+        store, EventLog(None), mps, socket_path=Path("/s"), proc_root=tmp_path / "proc"
+    )
+    gpu1 = gpu_uuid(1)
+    service.reserve(RunRequest("small", devices=(gpu1,), memory_bytes=10 * GIB))
+    unlisted = gpu_sample(1, used_gib=30, processes_read=False)
+    service.tick(snapshot(gpu_sample(0, used_gib=30), unlisted))
+    assert service.unreserved_memory() == {gpu1: 20 * GIB}
+    service.tick(snapshot(gpu_sample(0, used_gib=30), unlisted._replace(processes_read=True)))
+    assert service.unreserved_memory() == {}
+
+
 def test_memory_processes_use_beyond_reservations_is_not_placed_again(
     tmp_path: Path, store: StateStore
 ) -> None:

@@ -58,6 +58,7 @@ def mig(gpu: int, i: int) -> MigSample:
         ),
         memory=MemoryInfo(10 * GIB, 2 * GIB, 8 * GIB),
         processes=(ProcessInfo(42, 2 * GIB, 7 + i, 0),),
+        processes_read=True,
     )
 
 

@@ -320,3 +320,41 @@ def test_an_apply_stuck_in_the_driver_does_not_hold_up_gpuds_exit() -> None:
     started = time.monotonic()
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
     assert time.monotonic() - started < 20
+
+
+def test_show_keeps_the_instances_of_a_gpu_whose_processes_cannot_be_listed(
+    capsys: pytest.CaptureFixture[str], node: Node
+) -> None:
+    """Only the process column is missing: instances, memory and profiles are shown as the
+    MIG reads found them, the processes as unknown with the reason; the GPU is no fault."""
+    code, _, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "all-1g.10gb")
+    assert code == 0, err
+    mig_uuid = node.mig.show()[0].instances[0].uuid
+    node.sim.workloads.start(0, 777, 3 * GIB, 0.4, mig=mig_uuid)
+    node.sim.faults.not_supported(0, "processes")
+    code, out, _ = gpuctl(capsys, node, "mig", "show", "--profiles")
+    assert code == 0, out
+    header = next(line for line in out.splitlines() if line.startswith("GPU 0 "))
+    assert "MIG on; 7x 1g.10gb" in header and "faulty" not in header
+    assert "processes unknown: " in header and "Not Supported" in header
+    rows = [line.split() for line in out.splitlines() if line.startswith("0 ")]
+    assert len([r for r in rows if r[-1] == "?"]) == 7  # the instance rows
+    assert mig_uuid is not None and mig_uuid in out and "777" not in out
+    code, out, _ = gpuctl(capsys, node, "--json", "mig", "show")
+    gpu0 = json.loads(out)["gpus"][0]
+    assert code == 0 and gpu0["fault"] == "" and len(gpu0["instances"]) == 7
+    assert gpu0["profiles"]
+    first = next(i for i in gpu0["instances"] if i["uuid"] == mig_uuid)
+    assert first["processes"] == [] and "Not Supported" in first["processes_unknown"]
+    assert first["memory_used_bytes"] >= 3 * GIB
+    # nothing shows the instances idle: destroying them is refused unless forced
+    code, out, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "all-7g.80gb")
+    assert code == 11 and "faulty GPUs left alone: 0" in err
+    assert "cannot list its processes" in out
+    code, out, _ = gpuctl(capsys, node, "mig", "assert", "-f", CONFIG, "-c", "all-1g.10gb")
+    assert code == 1  # GPU 1 was applied; GPU 0 kept its instances
+    assert not any(line.startswith("GPU 0") for line in out.splitlines()), out
+    node.sim.faults.clear(0)
+    code, out, _ = gpuctl(capsys, node, "--json", "mig", "show")
+    first = next(i for i in json.loads(out)["gpus"][0]["instances"] if i["uuid"] == mig_uuid)
+    assert first["processes_unknown"] == "" and [p["pid"] for p in first["processes"]] == [777]

@@ -447,6 +447,25 @@ def test_mig_readings_leave_a_destroyed_device_empty() -> None:
         be.mig_readings(0, devices)
 
 
+def test_mig_readings_keep_memory_when_the_process_list_fails() -> None:
+    node, be = _mig_backend()
+    gi = be.create_gpu_instance(0, 19, port.Placement(0, 1))
+    be.create_compute_instance(0, gi.id, 0)
+    node.workloads.start(0, 77, GiB, 0.5, mig=0)
+    devices = be.mig_devices(0)
+    node.faults.not_supported(0, "processes")
+    readings = be.mig_readings(0, devices)
+    assert readings.errors == ()  # the device was read: nothing to list again
+    (reading,) = readings.devices
+    assert reading.memory == be.memory(0, 0) and reading.memory.used_bytes >= GiB
+    assert reading.processes == () and not reading.processes_read
+    assert "Not Supported" in reading.processes_error
+    node.faults.clear(0)
+    (reading,) = be.mig_readings(0, devices).devices
+    assert reading.processes_read and reading.processes_error == ""
+    assert [p.pid for p in reading.processes] == [77]
+
+
 # -- contract: every GpuBackend method returns the port's types -------------------------------
 
 

@@ -138,6 +138,44 @@ def test_a_process_list_the_driver_does_not_report_is_absent_not_zero(node: Node
     assert node.value("gpud_gpu_processes", 1) == 1
 
 
+def test_mig_devices_whose_processes_cannot_be_listed_keep_their_memory(node: Node) -> None:
+    """Only the process list is missing: each MIG device's memory is read as usual, the
+    process counts are absent (not 0), and the GPU is as healthy as its other reads."""
+    enable_mig(node, 1, 2)
+    node.sampler.refresh_identity()
+    node.sim.workloads.start(1, 4343, 2 * GIB, 0.5, mig=0)
+    node.sim.faults.not_supported(1, "processes")
+    snap = node.sampler.tick()
+    g1 = snap.gpus[1]
+    assert g1.healthy and g1.reason == ""
+    assert not g1.processes_read and "Not Supported" in g1.processes_error
+    first, second = g1.mig_devices
+    assert first.memory is not None and first.memory.used_bytes >= 2 * GIB
+    assert second.memory is not None
+    for m in g1.mig_devices:
+        assert not m.processes_read and "Not Supported" in m.processes_error
+    labels = {
+        "gpu": "1",
+        "gpu_uuid": g1.identity.uuid,
+        "mig_uuid": first.identity.uuid,
+        "profile": "1g.10gb",
+        "gpu_instance_id": str(first.identity.gpu_instance_id),
+        "compute_instance_id": str(first.identity.compute_instance_id),
+    }
+    v = node.registry.get_sample_value
+    assert v("gpud_mig_device_memory_used_bytes", labels) == first.memory.used_bytes
+    assert v("gpud_mig_device_processes", labels) is None
+    assert node.value("gpud_gpu_processes", 1) is None
+    # the device list is not read again for it: the devices themselves answered
+    assert node.sampler.tick().gpus[1].mig_devices[0].identity == first.identity
+    node.sim.faults.clear(1)
+    node.sampler.refresh_identity()
+    g1 = node.sampler.tick().gpus[1]
+    assert g1.mig_devices[0].processes_read and g1.mig_devices[0].processes_error == ""
+    assert [p.pid for p in g1.mig_devices[0].processes] == [4343]
+    assert v("gpud_mig_device_processes", labels) == 1
+
+
 def test_hung_call_others_stay_fresh(node: Node) -> None:
     node.sampler.tick()
     node.sim.faults.slow(3, 1.0)
