@@ -286,6 +286,9 @@ class Daemon:
             state_file=state_dir / "colo.json",
         )
         self._colo_last = float("-inf")
+        # `gpuctl jobs rm` of a job whose `gpuctl run` waits for co-location stops the wait
+        self.jobs.add_removal_hook(self.colo.job_removed)
+        self.jobs.set_waiting(self.colo.waiting_kind)
         for source in (
             MigMetrics(self.mig),
             MpsMetrics(self.mps),

@@ -4,6 +4,8 @@ gpuctl imports no daemon package (start-up time, and a CLI that does not depend 
 daemon's internals), so the few things both sides must read the same way live here:
 
 - memory sizes as people write them (``20GiB``, ``512M``) and as MPS writes them (``20G``);
+- the p99 latency SLOs an inference job may declare (``jobs add --slo-p99-ms``, ``colo
+  advise --slo-ms``, and the API fields behind them);
 - the longest drain a MIG apply may ask for, and the largest mig-parted file it may send,
   read so that whatever file an operator names fails at once;
 - a job's environment rendered as shell ``export`` lines.
@@ -34,6 +36,15 @@ MAX_DRAIN_SECONDS = 24 * 3600.0
 # KiB): it fits in one API request with room to spare.
 MAX_LAYOUT_BYTES = 128 * 1024
 
+# The p99 latency SLOs a service may declare. Under 10 µs none can be met: a GPU request
+# as its client times it (a kernel launch, its completion seen by the host) takes some
+# microseconds alone, and the co-location loop reads a median under a microsecond as a timer
+# that read nothing (gpud.colo.service.MIN_MEDIAN_LATENCY_S), while an M/M/1 p99 is
+# ln 100 / ln 2 = 6.6 medians: a shorter SLO is one whose service it could never measure.
+# Over an hour is no online service's SLO: a unit mistake.
+MIN_SLO_MS = 0.01
+MAX_SLO_MS = 3_600_000.0
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _FACTORS = {"": 1, "k": KIB, "m": MIB, "g": GIB, "t": TIB}
 
@@ -53,6 +64,19 @@ def parse_size(text: str, *, field: str = "memory") -> int:
     if value >= 2**63:
         raise InvalidArgument(f"{text!r} is more than any device holds", field=field)
     return int(value)
+
+
+def check_slo_ms(value: float, *, field: str = "slo_p99_ms") -> float:
+    """``value``, a p99 latency SLO in milliseconds, when it is one a service can be held
+    to (:data:`MIN_SLO_MS` up to :data:`MAX_SLO_MS`); else :class:`InvalidArgument`
+    naming ``field`` and the range. NaN, infinities, zero and negatives are refused."""
+    if not MIN_SLO_MS <= value <= MAX_SLO_MS:  # NaN is in no range
+        raise InvalidArgument(
+            f"{value:g} ms is outside {MIN_SLO_MS:g}..{MAX_SLO_MS:.0f} ms"
+            " (a p99 latency SLO: 10 microseconds up to an hour)",
+            field=field,
+        )
+    return value
 
 
 def format_size(num_bytes: int) -> str:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 
-from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
+from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers, slo_ms
 from gpud.cli.output import NA, seconds
 from gpud.errors import InvalidArgument
-from gpud.shared import format_size, parse_size
+from gpud.shared import MIN_SLO_MS, format_size, parse_size
 from gpud.v1 import colo_pb2 as pb
 from gpud.v1 import colo_pb2_grpc as pb_grpc
 
@@ -43,7 +43,14 @@ def register(subparsers: Subparsers) -> None:
     advise.add_argument("job")
     advise.add_argument("--kind", choices=("training", "inference"), default="training")
     advise.add_argument("--memory", metavar="SIZE", help="device memory it needs, e.g. 20GiB")
-    advise.add_argument("--slo-ms", type=float, help="inference p99 SLO in milliseconds")
+    advise.add_argument(
+        "--slo-ms",
+        "--slo-p99-ms",  # as `gpuctl jobs add` names it
+        dest="slo_ms",
+        type=slo_ms,
+        metavar="MS",
+        help=f"inference p99 SLO in milliseconds, {MIN_SLO_MS:g} up to an hour",
+    )
     advise.add_argument("--sm", type=float, metavar="0..1", help="its SM activity alone")
     advise.add_argument("--peak-load", type=float, metavar="REQ/S", help="inference peak load")
     advise.set_defaults(run=run_advise)

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
 
 from gpud.cli.output import Output
-from gpud.errors import ERROR_KEY, ERROR_TABLE, EXIT_CODE_KEY, Unavailable
+from gpud.errors import ERROR_KEY, ERROR_TABLE, EXIT_CODE_KEY, InvalidArgument, Unavailable
+from gpud.shared import check_slo_ms
 
 T = TypeVar("T")
 
@@ -66,6 +67,18 @@ def integer(low: int, high: int) -> Callable[[str], int]:
 def number(low: float, high: float) -> Callable[[str], float]:
     """:func:`integer` for a real number."""
     return _ranged(float, "a number", low, high)
+
+
+def slo_ms(text: str) -> float:
+    """An argparse ``type``: a p99 latency SLO in milliseconds, held to the range the
+    daemon takes (:func:`gpud.shared.check_slo_ms`), so that an absurd one is a usage error
+    naming the flag (exit 2)."""
+    try:
+        return check_slo_ms(float(text), field="")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of milliseconds") from None
+    except InvalidArgument as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 INT32 = integer(-(2**31), 2**31 - 1)

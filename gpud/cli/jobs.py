@@ -18,10 +18,10 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from gpud.cli.context import UINT32, CliError, Context, Subparsers, integer
+from gpud.cli.context import UINT32, CliError, Context, Subparsers, integer, slo_ms
 from gpud.cli.mps import size_arg
 from gpud.cli.output import NA, message_to_dict, seconds
-from gpud.shared import format_size
+from gpud.shared import MIN_SLO_MS, format_size
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
 from gpud.v1 import mps_pb2, mps_pb2_grpc, queue_pb2, queue_pb2_grpc
@@ -92,7 +92,10 @@ def register(subparsers: Subparsers) -> None:
     add.add_argument("name")
     add_placement_options(add)
     add.add_argument(
-        "--slo-p99-ms", type=float, metavar="MS", help="inference p99 latency SLO, up to an hour"
+        "--slo-p99-ms",
+        type=slo_ms,
+        metavar="MS",
+        help=f"inference p99 latency SLO, {MIN_SLO_MS:g} ms up to an hour",
     )
     add.add_argument(
         "--queue",

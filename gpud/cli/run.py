@@ -23,7 +23,8 @@ directory).
 
 When the devices it asks for are taken, ``run`` queues the job (unless ``--no-wait``) and
 waits, printing its position and expected wait whenever they change, until gpud starts it;
-then it runs as above. Ctrl-C while waiting leaves the queue. If gpud restarts meanwhile,
+then it runs as above. Ctrl-C while waiting leaves the queue (exit 130); ``gpuctl jobs rm
+--force`` of the job ends either wait with exit 4, nothing started. If gpud restarts meanwhile,
 ``run`` keeps waiting and finds its entry again. A request the node can never host fails at
 once, saying why and which MIG layout would host it.
 
@@ -257,7 +258,8 @@ def _wait_for_advice(
     stays the same, until the loop names a GPU (that advice), saying why it waits whenever
     the reason changes; None when a signal stopped the wait. Through a gpud
     restart it keeps asking; advice that stops (the loop turned off) ends the wait with the
-    last answer, which places nothing, and the jobs service places the job."""
+    last answer, which places nothing, and the jobs service places the job. A job removed
+    meanwhile (``gpuctl jobs rm --force``) ends it with gpud's NotFound (exit 4)."""
     started = time.monotonic()
     with _signals_stop() as stop:
         shown = ""
@@ -280,6 +282,8 @@ def _wait_for_advice(
                 resp = ctx.call(ctx.stub(colo_pb2_grpc.ColocationStub).Advise, ask)
                 away = False
             except CliError as err:
+                if err.exit_code == EXIT_NOT_FOUND:
+                    raise  # `gpuctl jobs rm --force` removed the job while it waited
                 if err.exit_code != EXIT_NOT_RUNNING:
                     print(
                         f"gpuctl: no co-location advice ({err}); default placement", file=sys.stderr
@@ -411,8 +415,10 @@ def wait_in_queue(
     ctx: Context, request: pb.ReserveRequest, *, why: str = ""
 ) -> queue_pb2.QueueEntry | None:
     """Queue ``request`` and poll until it starts (its entry, with reservation and env);
-    None when Ctrl-C (or SIGTERM, SIGHUP) took it out of the queue. ``why``: why it could
-    not start at once, said once when it joins the queue."""
+    None when Ctrl-C (or SIGTERM, SIGHUP) took it out of the queue. An entry taken out
+    otherwise raises: exit 4 when ``gpuctl jobs rm --force`` removed the job, as a run
+    waiting for co-location is told, else 1 (``gpuctl queue --leave``, its holder judged
+    gone). ``why``: why it could not start at once, said once when it joins the queue."""
     queue = ctx.stub(queue_pb2_grpc.QueueStub)
     entry: queue_pb2.QueueEntry = ctx.call(queue.Enqueue, queue_pb2.EnqueueRequest(request=request))
     if why and entry.state == queue_pb2.ENTRY_STATE_QUEUED:
@@ -444,6 +450,12 @@ def wait_in_queue(
         _leave(ctx, entry)
         return None
     if entry.state != queue_pb2.ENTRY_STATE_STARTED:
+        if _registered(ctx, entry.job) is None:  # a queued job is registered until removed
+            raise CliError(
+                f"job {entry.job} was removed (gpuctl jobs rm --force) while it waited in the "
+                f"queue ({entry.id}): nothing was started",
+                EXIT_NOT_FOUND,
+            )
         raise CliError(f"job {entry.job} left the queue ({entry.id})", 1)
     print(f"gpuctl: {queued_line(entry)}", file=sys.stderr, flush=True)
     return entry

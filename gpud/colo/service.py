@@ -49,9 +49,10 @@ from gpud.client.colo import MAX_LATENCY_S
 from gpud.colo.host import HostUsage
 from gpud.colo.links import NvlinkRates, pcie_capacity, pcie_ratio
 from gpud.config import ColocateConfig
-from gpud.errors import InvalidArgument
+from gpud.errors import FailedPrecondition, InvalidArgument, NotFound
 from gpud.events import EventLog
 from gpud.files import write_atomically
+from gpud.shared import check_slo_ms
 from gpud.telemetry.snapshot import GpuSample, Snapshot
 
 log = logging.getLogger(__name__)
@@ -365,6 +366,9 @@ class ColoService:
         self.advice_passes = 0  # planning passes made for advice
         # askers told to wait that keep asking (gpuctl run), by job
         self._waiting: dict[str, _Waiter] = {}
+        # job -> when `gpuctl jobs rm --force` removed it while a run of it waited: that
+        # run's next question is answered NotFound (kept WAITER_GONE_S, as long as it asks)
+        self._removed: dict[str, float] = {}
         self._state_file = state_file
         self._saved: dict[str, Any] | None = None
         self._saved_clock = 0.0
@@ -1189,6 +1193,8 @@ class ColoService:
                 since = self._waiting[job].since
             else:
                 since = now - waited_s if waiting else now
+            if waiting:
+                self._check_not_removed(job, since, now)
         advice, view = self._advice(
             job,
             kind=kind,
@@ -1201,11 +1207,60 @@ class ColoService:
             now=now,
         )
         with self._lock:
+            if waiting:  # removed while this question was planned: no place, no listing
+                self._check_not_removed(job, since, now)
             if waiting and advice.gpu < 0 and view is not None:
                 self._waiting[job] = _Waiter(since, now, advice.reason, view)
             else:
                 self._waiting.pop(job, None)
         return advice
+
+    def _check_not_removed(self, job: str, since: float, now: float) -> None:
+        """NotFound for a waiting asker of ``job`` when `gpuctl jobs rm --force` removed
+        the job after it began to wait (a run that began later is another run). Under the
+        lock."""
+        self._removed = {j: t for j, t in self._removed.items() if now - t <= WAITER_GONE_S}
+        removed_at = self._removed.get(job)
+        if removed_at is not None and since <= removed_at:
+            self._waiting.pop(job, None)
+            raise NotFound(
+                f"job {job} was removed (gpuctl jobs rm --force) while its gpuctl run waited "
+                "for co-location: nothing was started"
+            )
+
+    def waiting_kind(self, job: str) -> str | None:
+        """The kind (training, inference) of ``job`` while a ``gpuctl run`` of it waits
+        for advice (it registers its job only once it reserves); None when none waits."""
+        now = self._clock()
+        with self._lock:
+            w = self._waiting.get(job)
+            if w is None or now - w.last > WAITER_GONE_S:
+                return None
+            return w.view.kind.value
+
+    def job_removed(self, job: str, force: bool) -> None:
+        """A removal hook of the jobs service (``gpuctl jobs rm``): a ``gpuctl run`` of
+        ``job`` waiting for advice would otherwise go on waiting, and register the job
+        again once placed. Without ``force`` that is refused, as for a queued run; with it
+        the run's next question is answered NotFound, and it exits without starting."""
+        now = self._clock()
+        with self._lock:
+            w = self._waiting.get(job)
+            if w is None or now - w.last > WAITER_GONE_S:
+                return
+            if not force:
+                raise FailedPrecondition(
+                    f"job {job!r} has a gpuctl run waiting for co-location (for "
+                    f"{now - w.since:.0f} s): Ctrl-C there, or `gpuctl jobs rm --force {job}`, "
+                    "stops the wait"
+                )
+            del self._waiting[job]
+            self._removed[job] = now
+        self._events.emit(
+            "colo.leave",
+            f"job {job} removed while its gpuctl run waited for co-location",
+            job=job,
+        )
 
     def waiting(self) -> list[tuple[str, float, str]]:
         """(job, seconds waited, why) of each ``gpuctl run`` waiting for advice, in the
@@ -1238,10 +1293,8 @@ class ColoService:
             raise InvalidArgument(f"job {job}: kind must be training or inference, not {kind!r}")
         if sm_activity is not None and not 0.0 < sm_activity <= 1.0:
             raise InvalidArgument(f"job {job}: sm_activity {sm_activity} outside (0, 1]")
-        if slo_p99_ms is not None and not 0.0 < slo_p99_ms <= MAX_LATENCY_S * 1e3:
-            raise InvalidArgument(
-                f"job {job}: slo_p99_ms {slo_p99_ms} outside (0, {MAX_LATENCY_S * 1e3:g}]"
-            )
+        if slo_p99_ms is not None:
+            check_slo_ms(slo_p99_ms)  # as `gpuctl jobs add --slo-p99-ms` is held to
         if not 0.0 <= peak_load <= MAX_PEAK_LOAD:
             raise InvalidArgument(
                 f"job {job}: peak_load {peak_load} requests/s outside [0, {MAX_PEAK_LOAD:g}]"

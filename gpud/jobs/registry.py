@@ -18,6 +18,7 @@ from enum import StrEnum
 
 from gpud.errors import AlreadyExists, InvalidArgument, NotFound
 from gpud.mps import protocol
+from gpud.shared import check_slo_ms
 from gpud.store import StateStore
 
 SCHEMA = (
@@ -37,9 +38,6 @@ SCHEMA = (
 )
 
 # Names go into environment variables, cgroup names and Prometheus labels.
-# An inference SLO over an hour is no online service's: a unit mistake (what the
-# co-location loop keeps of a guard must be a finite number).
-MAX_SLO_MS = 3_600_000.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 # "1g.10gb", "1g.10gb+me", "1g.10gb+me.all", "1g.10gb-me", "1c.3g.40gb" (a compute instance)
 _MIG_PROFILE = re.compile(r"^(\d+c\.)?\d+g\.\d+gb([+-][a-z]+(\.[a-z]+)?)?$")
@@ -107,11 +105,7 @@ def validate_spec(spec: JobSpec) -> JobSpec:
     if spec.slo_p99_ms is not None:
         if spec.kind is not JobKind.INFERENCE:
             raise InvalidArgument("only inference jobs have a latency SLO", field="slo_p99_ms")
-        if not 0 < spec.slo_p99_ms <= MAX_SLO_MS:  # NaN and infinity too
-            raise InvalidArgument(
-                f"{spec.slo_p99_ms} ms: must be positive and at most {MAX_SLO_MS:g} ms",
-                field="slo_p99_ms",
-            )
+        check_slo_ms(spec.slo_p99_ms)
     return spec
 
 

@@ -120,6 +120,7 @@ class JobService:
         self._unhealthy: dict[int, str] = {}  # GPU index -> why, as of the last tick
         self._observers: list[ReservationObserver] = []
         self._removal_hooks: list[RemovalHook] = []
+        self._waiting_kind: Callable[[str], str | None] = lambda job: None
         self.gate: Gate | None = None
         self._tag_of: Callable[[str], int] | None = None
         self._tag_held: Callable[[str], int | None] = lambda job: None
@@ -131,6 +132,13 @@ class JobService:
 
     def add_removal_hook(self, hook: RemovalHook) -> None:
         self._removal_hooks.append(hook)
+
+    def set_waiting(self, kind_of: Callable[[str], str | None]) -> None:
+        """Where runs wait whose job is not registered yet: a ``gpuctl run`` the
+        co-location loop told to wait registers its job only once it reserves.
+        ``kind_of(job)``: the kind of the job such a run waits for, else None. ``gpuctl jobs
+        rm`` finds the job there (a removal hook then stops the wait)."""
+        self._waiting_kind = kind_of
 
     def _released(self, reservation: Reservation, end: RunEnd) -> None:
         job = self.registry.find(reservation.job)
@@ -206,10 +214,18 @@ class JobService:
                     f" ({', '.join(r.id for r in held)}): they go when its runs end, or "
                     f"`gpuctl jobs rm --force {name}` releases them and stops its runs"
                 )
-            self.registry.get(name)  # NotFound before any hook lets go of anything
+            registered = self.registry.find(name)
+            # not registered: only a run waiting to be placed knows it (a hook stops that)
+            waiting = self._waiting_kind(name) if registered is None else None
+            if registered is None and waiting is None:
+                raise NotFound(f"no job {name!r}")  # before any hook lets go of anything
             for hook in self._removal_hooks:
                 hook(name, force)
-            job = self.registry.remove(name)
+            job = (
+                self.registry.remove(name)
+                if registered is not None
+                else JobSpec(name, JobKind(waiting or JobKind.TRAINING))
+            )
             kill_at = self._clock() + STOP_GRACE_S
             with self.store.transaction():
                 released = self.reservations.release_job(name)

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from colocate import InterferencePredictor, JobFeatures
@@ -849,17 +851,15 @@ def test_absurd_colo_requests_are_refused_and_change_nothing(
             grpc.StatusCode.NOT_FOUND,
             "job ghost holds no reservation",
         ),
-        (
-            "Advise",
-            colo_pb2.AdviseRequest(job="n", kind="inference", slo_p99_ms=nan),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "job n: slo_p99_ms nan",
-        ),
-        (
-            "Advise",
-            colo_pb2.AdviseRequest(job="n", kind="inference", slo_p99_ms=-5),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "job n: slo_p99_ms -5",
+        *(
+            (
+                "Advise",
+                colo_pb2.AdviseRequest(job="n", kind="inference", slo_p99_ms=slo),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"slo_p99_ms: {slo:g} ms is outside 0.01..3600000 ms",
+            )
+            # a p99 of a microsecond is no service's: refused, not placed "free: exclusive"
+            for slo in (nan, inf, -inf, -5.0, 0.0, 1e-3, 0.0099, 3_600_001.0, 1e308)
         ),
         (
             "Advise",
@@ -922,6 +922,95 @@ def test_absurd_colo_requests_are_refused_and_change_nothing(
     assert after == before
     assert svc._latencies("chat", float("-inf")) == [0.02] * 4096  # the window keeps 4096
     assert "ghost" not in svc._jobs and "n" not in svc._jobs
+
+
+def test_advice_takes_the_slos_jobs_add_takes_and_no_shorter_than_it_can_measure(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """One range for `gpuctl jobs add --slo-p99-ms` and for advice (`gpuctl colo advise`,
+    `gpuctl run`): its floor is no shorter than the p99 of a service whose median the loop
+    would still measure (M/M/1: a p99 is ln 100 / ln 2 medians)."""
+    from gpud.colo.service import MIN_MEDIAN_LATENCY_S
+    from gpud.errors import InvalidArgument
+    from gpud.shared import MAX_SLO_MS, MIN_SLO_MS
+
+    assert MIN_MEDIAN_LATENCY_S * math.log(100) / math.log(2) <= MIN_SLO_MS / 1e3
+    svc, _, _ = service
+    snap = snapshot()
+    svc.tick(snap)
+    for slo in (MIN_SLO_MS, 50.0, MAX_SLO_MS):
+        assert svc.advise("edge", kind="inference", slo_p99_ms=slo, snapshot=snap).reason
+    for slo in (1e-3, 0.0, -1.0, math.nan, math.inf, MAX_SLO_MS * 1.01):
+        with pytest.raises(InvalidArgument) as info:
+            svc.advise("edge", kind="inference", slo_p99_ms=slo, snapshot=snap)
+        assert info.value.field == "slo_p99_ms", slo
+        assert "outside 0.01..3600000 ms" in str(info.value)
+
+
+@settings(max_examples=200, deadline=None, database=None, derandomize=True)
+@given(slo=st.floats() | st.floats(0.0, 0.02) | st.floats(3.5e6, 3.7e6))
+def test_any_slo_the_api_is_sent_is_taken_in_range_or_refused_naming_the_field(
+    slo: float,
+) -> None:
+    """What the gRPC path behind `gpuctl colo advise` and `gpuctl run` does with any p99 SLO
+    (NaN, infinities, subnormals, negatives, both edges): advice within 0.01 ms .. an
+    hour, INVALID_ARGUMENT naming slo_p99_ms outside it, never a placement."""
+    import asyncio
+
+    from gpud.colo.api import ColoServicer
+    from gpud.shared import MAX_SLO_MS, MIN_SLO_MS
+    from gpud.v1 import colo_pb2
+
+    snap = snapshot()
+    svc = ColoService(ColocateConfig(), EventLog(None), running=list, clock=Clock())
+    servicer = ColoServicer(svc, snapshots=lambda: snap)
+    request = colo_pb2.AdviseRequest(job="n", kind="inference", slo_p99_ms=slo)
+    if MIN_SLO_MS <= slo <= MAX_SLO_MS:
+        assert asyncio.run(servicer.Advise(request, None)).reason
+    else:
+        with pytest.raises(InvalidArgument) as info:
+            asyncio.run(servicer.Advise(request, None))
+        assert info.value.field == "slo_p99_ms"
+        assert str(info.value).startswith("slo_p99_ms: ")
+
+
+def test_a_run_waiting_for_co_location_is_stopped_by_jobs_rm_force_alone(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """`gpuctl jobs rm` of a job whose `gpuctl run` waits for advice (not registered yet:
+    it registers at its reservation): the loop knows the job; without --force the removal
+    is refused, naming --force; with it the waiting run's next question is NotFound and it
+    is no longer listed. A run of that name that starts waiting later is another run."""
+    from gpud.errors import FailedPrecondition, NotFound
+
+    svc, clock, jobs = service
+    jobs[:] = [
+        RunningJob("a", "training", 0, memory_bytes=75 * GIB),
+        RunningJob("b", "training", 1, memory_bytes=75 * GIB),
+    ]
+    snap = snapshot()
+    svc.tick(snap)
+
+    def ask(job: str, waited_s: float) -> str:
+        a = svc.advise(job, snapshot=snap, waiting=True, waited_s=waited_s)
+        assert a.gpu == -1, a  # every GPU's memory is held
+        return a.reason
+
+    ask("w", 0.0)
+    assert svc.waiting_kind("w") == "training" and svc.waiting_kind("other") is None
+    svc.job_removed("other", False)  # nothing of it waits: nothing to refuse
+    with pytest.raises(FailedPrecondition, match=r"waiting for co-location.*--force w"):
+        svc.job_removed("w", False)
+    clock.t += 1.0
+    ask("w", 1.0)  # still waiting
+    svc.job_removed("w", True)
+    assert svc.waiting() == [] and svc.waiting_kind("w") is None
+    clock.t += 1.5
+    with pytest.raises(NotFound, match="job w was removed"):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=2.5)
+    # a run started after the removal waits as any other
+    ask("w", 0.5)
+    assert [j for j, _, _ in svc.waiting()] == ["w"]
 
 
 def test_what_the_loop_holds_of_a_job_gone_is_forgotten_after_a_while(

@@ -366,6 +366,22 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
         (("events", "--limit", "1e3"), "--limit: '1e3' is not an integer"),
         (("jobs", "history", "--limit", "-1"), "--limit: -1 is not in 0..4294967295"),
         (("jobs", "add", "x", "--memory", "99999999999TiB"), "more than any device holds"),
+        # a p99 SLO no service can be held to: one range and one message for both commands
+        (
+            ("colo", "advise", "x", "--kind", "inference", "--slo-ms", "0.001"),
+            "--slo-ms/--slo-p99-ms: 0.001 ms is outside 0.01..3600000 ms",
+        ),
+        (
+            ("colo", "advise", "x", "--kind", "inference", "--slo-p99-ms", "nan"),
+            "--slo-ms/--slo-p99-ms: nan ms is outside 0.01..3600000 ms",
+        ),
+        (("colo", "advise", "x", "--slo-ms=-inf"), "-inf ms is outside 0.01..3600000 ms"),
+        (("colo", "advise", "x", "--slo-ms", "50ms"), "'50ms' is not a number of milliseconds"),
+        (
+            ("jobs", "add", "x", "--kind", "inference", "--slo-p99-ms", "0.001"),
+            "--slo-p99-ms: 0.001 ms is outside 0.01..3600000 ms",
+        ),
+        (("jobs", "add", "x", "--slo-p99-ms", "0"), "--slo-p99-ms: 0 ms is outside 0.01.."),
         (("events", "--kind", "gpu.\udcff"), "an argument is not valid UTF-8: 'gpu.\\udcff'"),
     ],
 )

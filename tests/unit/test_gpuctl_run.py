@@ -685,3 +685,101 @@ def test_gpuctl_jobs_history_shows_how_each_run_ended(capsys: pytest.CaptureFixt
     assert ended["term"] == (None, 15, "exited")
     assert ended["killed"] == (None, None, "holder-gone")
     assert ended["running"] == (None, None, "")
+
+
+def test_jobs_rm_stops_a_run_waiting_for_co_location(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `gpuctl run` waiting for co-location registers its job only when it reserves, yet
+    `gpuctl jobs rm` finds the job: without --force it is refused, naming --force (as for a
+    queued run); with it the run is told, exits 4 (not found) having started nothing, and
+    nothing of the job is left: no registration, no reservation, no waiter."""
+    import threading
+
+    from gpud.colo.api import ColoServicer
+    from gpud.colo.service import ColoService, RunningJob
+    from gpud.config import ColocateConfig
+    from gpud.events import EventLog
+
+    # both GPUs' memory held: a newcomer waits
+    full = snapshot(gpu_sample(0), gpu_sample(1))
+    held = [
+        RunningJob("a", "training", 0, memory_bytes=75 * GIB, device=gpu_uuid(0)),
+        RunningJob("b", "training", 1, memory_bytes=75 * GIB, device=gpu_uuid(1)),
+    ]
+    loop = ColoService(ColocateConfig(), EventLog(None), running=lambda: held)
+    loop.tick(full)
+    servicer = ColoServicer(loop, snapshots=lambda: full)
+    with serving(servicer.register) as n:
+        n.jobs.add_removal_hook(loop.job_removed)
+        n.jobs.set_waiting(loop.waiting_kind)
+        marker = tmp_path / "ran"
+        codes: list[int] = []
+        run = threading.Thread(
+            target=lambda: codes.append(n.ctl("run", "--job", "w", "--", "touch", str(marker)))
+        )
+        run.start()
+        try:
+            for _ in range(200):
+                if loop.waiting():
+                    break
+                run.join(0.05)
+            assert [j for j, _, _ in loop.waiting()] == ["w"]
+            assert n.jobs.registry.find("w") is None  # not registered while it waits
+            assert n.ctl("jobs", "rm", "w") == 6
+            assert "`gpuctl jobs rm --force w`" in capsys.readouterr().err
+            assert n.ctl("jobs", "rm", "--force", "w") == 0
+            assert "removed job w" in capsys.readouterr().out
+        finally:
+            run.join(15)
+        assert not run.is_alive() and codes == [4]
+        err = capsys.readouterr().err
+        assert "job w was removed (gpuctl jobs rm --force) while its gpuctl run waited" in err
+        assert n.jobs.registry.find("w") is None and n.jobs.reservations.held() == []
+        assert loop.waiting() == []
+        assert n.ctl("jobs", "rm", "w") == 4  # gone for good
+    assert not marker.exists()
+
+
+class LeavesAfterOnePoll(queue_pb2_grpc.QueueServicer):
+    """A queue whose entry is taken out (``jobs rm --force`` or ``queue --leave``) at the
+    first poll."""
+
+    async def Enqueue(
+        self, request: queue_pb2.EnqueueRequest, context: Any
+    ) -> queue_pb2.QueueEntry:
+        return queue_pb2.QueueEntry(
+            id="e1", job=request.request.job, state=queue_pb2.ENTRY_STATE_QUEUED, position=1
+        )
+
+    async def GetEntry(
+        self, request: queue_pb2.GetEntryRequest, context: Any
+    ) -> queue_pb2.QueueEntry:
+        return queue_pb2.QueueEntry(id=request.id, job="q", state=queue_pb2.ENTRY_STATE_LEFT)
+
+    def register(self, server: Any) -> None:
+        queue_pb2_grpc.add_QueueServicer_to_server(self, server)
+
+
+@pytest.mark.parametrize(("registered", "code"), [(False, 4), (True, 1)])
+def test_a_queued_run_taken_out_says_whether_its_job_was_removed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], registered: bool, code: int
+) -> None:
+    """A queued `gpuctl run` whose job `gpuctl jobs rm --force` removed exits 4 and says so,
+    as a run waiting for co-location does; one whose entry left otherwise (`gpuctl queue
+    --leave`) exits 1. Neither starts its command."""
+    from gpud.jobs.service import RunRequest
+
+    with serving(LeavesAfterOnePoll().register) as n:
+        n.jobs.reserve(RunRequest(job="hog", devices=(gpu_uuid(1),), memory_bytes=70 * GIB))
+        if registered:
+            assert n.ctl("jobs", "add", "q") == 0
+        marker = tmp_path / "ran"
+        argv = ("run", "--job", "q", "--devices", "1", "--memory", "20GiB", "--")
+        assert n.ctl(*argv, "touch", str(marker)) == code
+    err = capsys.readouterr().err
+    assert "queued (e1)" in err
+    removed = "job q was removed (gpuctl jobs rm --force) while it waited in the queue (e1)"
+    assert (removed in err) is not registered
+    assert ("job q left the queue (e1)" in err) is registered
+    assert not marker.exists()

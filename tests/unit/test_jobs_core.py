@@ -92,6 +92,8 @@ def test_registry_persists_jobs(tmp_path: Path) -> None:
         (JobSpec("x", JobKind.INFERENCE, slo_p99_ms=float("nan")), "slo_p99_ms"),
         (JobSpec("x", JobKind.INFERENCE, slo_p99_ms=float("inf")), "slo_p99_ms"),
         (JobSpec("x", JobKind.INFERENCE, slo_p99_ms=1e308), "slo_p99_ms"),
+        (JobSpec("x", JobKind.INFERENCE, slo_p99_ms=0.0), "slo_p99_ms"),
+        (JobSpec("x", JobKind.INFERENCE, slo_p99_ms=1e-3), "slo_p99_ms"),  # a microsecond
         (JobSpec("x", client_priority=3), "priority"),
     ],
 )
