@@ -176,6 +176,9 @@ class SampledFaults:
     def not_supported(self, gpu: int, field: str) -> object:
         return self._faults.not_supported(gpu, field)
 
+    def error(self, gpu: int, reading: str) -> object:
+        return self._faults.error(gpu, reading)
+
     def slow(self, gpu: int, seconds: float) -> object:
         return self._faults.slow(gpu, seconds)
 

@@ -54,6 +54,7 @@ def mig_device(sample: MigSample) -> pb.MigDevice:
     )
     if sample.memory is not None:
         memory(sample.memory, msg.memory)
+    msg.memory_unknown = sample.memory_error
     if not sample.processes_read:
         msg.processes_unknown = sample.processes_error or "the device could not be read"
     return msg

@@ -35,6 +35,7 @@ _FAULT_NAMES = {
     pb.FAULT_KIND_SLOW: "slow",
     pb.FAULT_KIND_XID: "xid",
     pb.FAULT_KIND_CLEAR: "clear",
+    pb.FAULT_KIND_ERROR: "error",
 }
 
 
@@ -186,6 +187,10 @@ class NodeServicer(pb_grpc.NodeServicer):
             field = validate.non_empty(request.field, field="field")
             detail["field"], blame = field, "field"
             apply = lambda: faults.not_supported(gpu, field)  # noqa: E731
+        elif kind == "error":
+            field = validate.non_empty(request.field, field="field")
+            detail["field"], blame = field, "field"
+            apply = lambda: faults.error(gpu, field)  # noqa: E731
         elif kind == "slow":
             seconds = validate.non_negative_seconds(request.seconds, field="seconds")
             detail["seconds"], blame = seconds, "seconds"

@@ -64,6 +64,10 @@ class FaultPort(Protocol):
         """Reads of ``field`` (e.g. "power") on the GPU raise ``NotSupported``."""
         ...
 
+    def error(self, gpu: int, reading: str) -> object:
+        """Reads of ``reading`` (e.g. "mig_memory") on the GPU fail with a driver error."""
+        ...
+
     def slow(self, gpu: int, seconds: float) -> object:
         """Every driver call on the GPU takes ``seconds`` longer (a hung driver)."""
         ...

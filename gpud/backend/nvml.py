@@ -484,8 +484,9 @@ class NvmlBackend:
 
     def mig_readings(self, gpu: int, devices: Sequence[MigDeviceIdentity]) -> MigReadings:
         """``nvidia-smi -q -i N:M -d MEMORY,PIDS`` over ``devices``: one handle lookup, one
-        memory and one process query per device. A process query that fails (NotSupported, a
-        driver error) leaves the device's memory read: see :class:`MigReading`."""
+        memory and one process query per device. A memory or process query that fails
+        (NotSupported, a driver error) leaves the device's other reading: see
+        :class:`MigReading`. Only a device whose handle cannot be had is in ``errors``."""
         parent = self._handle(gpu)
         f = self._fast
         get_handle = f.mig_handle
@@ -495,30 +496,42 @@ class NvmlBackend:
         out: list[MigReading] = []
         errors: list[tuple[int, BackendError]] = []
         for dev in devices:
-            fn: Callable[..., Any] = get_handle
             try:
                 h = get_handle(parent, dev.mig)
-                fn = get_memory
-                m = get_memory(h)
             except error as err:
-                translated = self._translate(err, gpu, fn)
+                translated = self._translate(err, gpu, get_handle)
                 if isinstance(translated, GpuLost):
                     raise translated from err
                 out.append(MigReading(dev, None, ()))
                 errors.append((dev.mig, translated))
                 continue
-            memory = _new(MemoryInfo, (m.total, m.used, m.free))
+            # The device answers: a query that fails leaves only its own reading unknown.
+            memory: MemoryInfo | None = None
+            memory_error = ""
+            try:
+                m = get_memory(h)
+            except error as err:
+                translated = self._translate(err, gpu, get_memory)
+                if isinstance(translated, GpuLost):
+                    raise translated from err
+                memory_error = str(translated)
+            else:
+                memory = _new(MemoryInfo, (m.total, m.used, m.free))
             try:
                 procs = get_procs(h)
             except error as err:
-                # The device was read: only its process list is unknown.
                 translated = self._translate(err, gpu, get_procs)
                 if isinstance(translated, GpuLost):
                     raise translated from err
-                out.append(_new(MigReading, (dev, memory, (), False, str(translated))))
+                out.append(
+                    _new(MigReading, (dev, memory, (), False, str(translated), memory_error))
+                )
                 continue
             out.append(
-                _new(MigReading, (dev, memory, _processes(procs) if procs else (), True, ""))
+                _new(
+                    MigReading,
+                    (dev, memory, _processes(procs) if procs else (), True, "", memory_error),
+                )
             )
         return MigReadings(tuple(out), tuple(errors) if errors else ())
 

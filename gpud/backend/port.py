@@ -191,13 +191,15 @@ class MigReading(NamedTuple):
     device could not be read (most likely destroyed since it was listed). The process list
     fails on its own (NotSupported, a driver error): ``processes_read`` is then False,
     ``processes_error`` says why and ``processes`` is empty without meaning that none run,
-    while ``memory`` is kept."""
+    while ``memory`` is kept. The memory query fails on its own the same way: ``memory`` is
+    then None, ``memory_error`` says why, and the processes are kept."""
 
     identity: MigDeviceIdentity
     memory: MemoryInfo | None
     processes: tuple[ProcessInfo, ...]
     processes_read: bool = False  # nvmlDeviceGetComputeRunningProcesses answered this tick
     processes_error: str = ""  # why it did not, when the device itself was read
+    memory_error: str = ""  # why nvmlDeviceGetMemoryInfo did not, when the device was read
 
 
 class MigReadings(NamedTuple):

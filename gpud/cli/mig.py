@@ -20,7 +20,9 @@ An apply that may reset GPUs is waited for up to 10 minutes (resets take a while
 A faulty GPU (lost, not answering) is shown with its reason and left alone while the others
 are shown, applied, checked or exported: the command then exits 11 (partial). A GPU whose
 MIG devices' processes alone cannot be listed is no faulty GPU: its instances are shown with
-``?`` for processes and the reason on the GPU's line (``--json``: ``processes_unknown``).
+``?`` for processes and the reason on the GPU's line (``--json``: ``processes_unknown``); one
+whose MIG devices' memory alone cannot be read likewise, with ``?`` for memory used
+(``memory_unknown``).
 """
 
 from __future__ import annotations
@@ -153,6 +155,8 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         # query answers so for each MIG device
         unknown = dict.fromkeys(i.processes_unknown for i in gpu.instances if i.processes_unknown)
         why = f"; processes unknown: {'; '.join(unknown)}" if unknown else ""
+        no_mem = dict.fromkeys(i.memory_unknown for i in gpu.instances if i.memory_unknown)
+        why += f"; memory unknown: {'; '.join(no_mem)}" if no_mem else ""
         ctx.out.print(
             f"GPU {gpu.index} {gpu.product} {gpu.uuid}: {mode}; {gpu.layout}{desired}{why}"
         )
@@ -162,6 +166,8 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
             mem = NA
             if inst.HasField("memory_total_bytes"):
                 used = gib(inst.memory_used_bytes) if inst.HasField("memory_used_bytes") else NA
+                if inst.memory_unknown:
+                    used = "?"  # not read: the GPU's header line says why
                 mem = f"{used} / {gib(inst.memory_total_bytes)}"
             rows.append(
                 (

@@ -4,6 +4,7 @@
 
     gpuctl sim fault --gpu 0 lost               # the GPU falls off the bus
     gpuctl sim fault --gpu 1 not-supported power
+    gpuctl sim fault --gpu 1 error mig_memory   # its MIG devices' memory reads fail
     gpuctl sim fault --gpu 2 slow 5             # every driver call takes 5 s longer
     gpuctl sim fault --gpu 3 xid 79
     gpuctl sim fault --gpu 0 clear
@@ -43,6 +44,9 @@ def register(subparsers: Subparsers) -> None:
     ns = kinds.add_parser("not-supported", help="make reads of FIELD raise NotSupported")
     ns.add_argument("field", help='a reading, e.g. "power", "temperature", "ecc", "process_memory"')
     ns.set_defaults(kind="FAULT_KIND_NOT_SUPPORTED")
+    err = kinds.add_parser("error", help="make reads of FIELD fail with a driver error")
+    err.add_argument("field", help='a reading: "mig_memory" (the MIG devices\' memory)')
+    err.set_defaults(kind="FAULT_KIND_ERROR")
     fault.set_defaults(run=run_fault)
     reboot = actions.add_parser(
         "reboot", help="reboot the simulated node: MIG instances go, pending MIG modes apply"
@@ -108,7 +112,7 @@ def run_fault(ctx: Context, args: argparse.Namespace) -> int:
         request.xid = args.code
     elif kind == pb.FAULT_KIND_SLOW:
         request.seconds = args.seconds
-    elif kind == pb.FAULT_KIND_NOT_SUPPORTED:
+    elif kind in (pb.FAULT_KIND_NOT_SUPPORTED, pb.FAULT_KIND_ERROR):
         request.field = args.field
     resp: pb.InjectFaultResponse = ctx.call(ctx.stub(pb_grpc.NodeStub).InjectFault, request)
     if ctx.out.json:

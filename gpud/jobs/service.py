@@ -274,8 +274,8 @@ class JobService:
         left out (their clients are counted), and so are a process whose memory NVML does
         not report (``usedGpuMemory`` not available) and one that has exited since the tick
         (no ``/proc/<pid>``, or a zombie). On a device whose processes NVML could not list,
-        what its memory use is beyond every reservation there counts instead: the device is
-        not taken for idle."""
+        what its memory use is beyond every reservation there counts instead (all of its
+        memory when that could not be read either): the device is not taken for idle."""
         return self._unreserved(self.reservations.reserved(self._default_memory))
 
     def _unreserved(self, reserved: Mapping[tuple[str, str], int]) -> dict[str, int]:
@@ -527,8 +527,13 @@ class JobService:
         for g in snapshot.gpus:
             if g.mig_mode is not None and g.mig_mode.current:
                 for m in g.mig_devices:
-                    if not m.processes_read and m.memory is not None:
-                        unlisted[m.identity.uuid] = m.memory.used_bytes
+                    if not m.processes_read:
+                        # its memory unknown too: all of it is taken for used, not for free
+                        unlisted[m.identity.uuid] = (
+                            m.memory.used_bytes
+                            if m.memory is not None
+                            else m.identity.memory_total_bytes
+                        )
             elif not g.processes_read and g.memory is not None and g.identity.uuid:
                 unlisted[g.identity.uuid] = g.memory.used_bytes
         with self._lock:

@@ -87,6 +87,7 @@ def gpu_message(view: GpuView) -> pb.MigGpu:
         if inst.memory_used_bytes is not None:
             m.memory_used_bytes = inst.memory_used_bytes
         m.processes_unknown = inst.processes_error
+        m.memory_unknown = inst.memory_error
         for p in inst.processes:
             proc = m.processes.add(pid=p.pid, job=p.job or "")
             if p.used_memory_bytes is not None:

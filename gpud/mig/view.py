@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from gpud.backend.port import GpuBackend, GpuIdentity, MigMode
-from gpud.errors import BackendError, DriverTimeout, GpuLost, NotSupported
+from gpud.errors import BackendError, DriverTimeout, GpuLost
 from gpud.mig.layout import DeviceLayout
 from gpud.mig.plan import GpuActual, actual_layout
 from gpud.mig.store import DesiredRecord
@@ -50,6 +50,9 @@ class InstanceView:
     # why the MIG device's processes could not be listed (NotSupported, a driver error):
     # ``processes`` is then empty without meaning that none run; "" when they were
     processes_error: str = ""
+    # why its memory could not be read (NotSupported, a driver error): ``memory_used_bytes``
+    # is then None; "" when it was
+    memory_error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,11 +151,15 @@ def _instance_views(
             used = None
             procs: tuple[ProcessView, ...] = ()
             procs_error = ""
+            memory_error = ""
             if md is not None:
                 try:
                     used = backend.memory(gpu.index, md.mig).used_bytes
-                except NotSupported:
-                    used = None
+                except (GpuLost, DriverTimeout):
+                    raise  # the whole GPU is faulty
+                except BackendError as err:
+                    # Only this reading is missing, as for the processes below.
+                    memory_error = str(err)
                 try:
                     listed = backend.processes(gpu.index, md.mig)
                 except (GpuLost, DriverTimeout):
@@ -180,6 +187,7 @@ def _instance_views(
                 used,
                 procs,
                 procs_error,
+                memory_error,
             )
 
 

@@ -200,7 +200,7 @@ class GpuReader:
         readings = self._backend.mig_readings(gpu, devices)
         if readings.errors:
             # Most likely destroyed since the list was read: list again next tick. (A device
-            # whose process list alone failed was read, and is no error here.)
+            # whose memory or process list alone failed was read, and is no error here.)
             self._mig = None
         return readings.devices
 

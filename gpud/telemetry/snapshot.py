@@ -29,7 +29,9 @@ from gpud.backend.port import (
 MigSample = MigReading
 """One MIG device at one tick: its identity, memory and processes, as the backend read them
 (``memory`` is None and ``processes`` empty when the device could not be read; ``memory`` is
-kept and ``processes_read`` False when only its process list could not be read)."""
+kept and ``processes_read`` False when only its process list could not be read; ``memory``
+is None with ``memory_error`` saying why, and the processes kept, when only its memory could
+not be read)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,6 +97,7 @@ class MigInstance(_message.Message):
     MEMORY_USED_BYTES_FIELD_NUMBER: _builtins.int
     PROCESSES_FIELD_NUMBER: _builtins.int
     PROCESSES_UNKNOWN_FIELD_NUMBER: _builtins.int
+    MEMORY_UNKNOWN_FIELD_NUMBER: _builtins.int
     gpu_instance_id: _builtins.int
     profile: _builtins.str
     """GPU instance profile, "3g.40gb" """
@@ -117,6 +118,10 @@ class MigInstance(_message.Message):
     """Why the MIG device's processes could not be listed (NotSupported, a driver error):
     processes is then empty without meaning that none run. Empty when they were listed.
     """
+    memory_unknown: _builtins.str
+    """Why memory_used_bytes is unset (the MIG device's memory query NotSupported or failed);
+    empty when it was read. The instance and its processes are shown all the same.
+    """
     @_builtins.property
     def processes(self) -> _containers.RepeatedCompositeFieldContainer[Global___MigInstanceProcess]: ...
     def __init__(
@@ -134,10 +139,11 @@ class MigInstance(_message.Message):
         memory_used_bytes: _builtins.int | None = ...,
         processes: _abc.Iterable[Global___MigInstanceProcess] | None = ...,
         processes_unknown: _builtins.str = ...,
+        memory_unknown: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_compute_instance_id", b"_compute_instance_id", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_mig", b"_mig", "compute_instance_id", b"compute_instance_id", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "mig", b"mig"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_compute_instance_id", b"_compute_instance_id", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_mig", b"_mig", "compute_instance_id", b"compute_instance_id", "compute_profile", b"compute_profile", "gpu_instance_id", b"gpu_instance_id", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "mig", b"mig", "placement_size", b"placement_size", "placement_start", b"placement_start", "processes", b"processes", "processes_unknown", b"processes_unknown", "profile", b"profile", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_compute_instance_id", b"_compute_instance_id", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_mig", b"_mig", "compute_instance_id", b"compute_instance_id", "compute_profile", b"compute_profile", "gpu_instance_id", b"gpu_instance_id", "memory_total_bytes", b"memory_total_bytes", "memory_unknown", b"memory_unknown", "memory_used_bytes", b"memory_used_bytes", "mig", b"mig", "placement_size", b"placement_size", "placement_start", b"placement_start", "processes", b"processes", "processes_unknown", b"processes_unknown", "profile", b"profile", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__compute_instance_id: _TypeAlias = _typing.Literal["compute_instance_id"]  # noqa: Y015
     _WhichOneofArgType__compute_instance_id: _TypeAlias = _typing.Literal["_compute_instance_id", b"_compute_instance_id"]  # noqa: Y015

@@ -47,6 +47,8 @@ class _FaultKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FaultKind.V
     """an XID event with code `xid`"""
     FAULT_KIND_CLEAR: _FaultKind.ValueType  # 5
     """remove every fault on the GPU"""
+    FAULT_KIND_ERROR: _FaultKind.ValueType  # 6
+    """`field` reads fail with a driver error, e.g. "mig_memory" """
 
 class FaultKind(_FaultKind, metaclass=_FaultKindEnumTypeWrapper): ...
 
@@ -61,6 +63,8 @@ FAULT_KIND_XID: FaultKind.ValueType  # 4
 """an XID event with code `xid`"""
 FAULT_KIND_CLEAR: FaultKind.ValueType  # 5
 """remove every fault on the GPU"""
+FAULT_KIND_ERROR: FaultKind.ValueType  # 6
+"""`field` reads fail with a driver error, e.g. "mig_memory" """
 Global___FaultKind: _TypeAlias = FaultKind  # noqa: Y015
 
 @_typing.final
@@ -387,6 +391,7 @@ class MigDevice(_message.Message):
     MEMORY_FIELD_NUMBER: _builtins.int
     PROCESSES_FIELD_NUMBER: _builtins.int
     PROCESSES_UNKNOWN_FIELD_NUMBER: _builtins.int
+    MEMORY_UNKNOWN_FIELD_NUMBER: _builtins.int
     gpu: _builtins.int
     """parent GPU index"""
     mig: _builtins.int
@@ -402,6 +407,10 @@ class MigDevice(_message.Message):
     processes_unknown: _builtins.str
     """Why processes is not the driver's list this tick (the list NotSupported or failed, the
     device not read); empty when it is: only then does an empty list mean that none run.
+    """
+    memory_unknown: _builtins.str
+    """Why memory is unset though the device was read (its memory query NotSupported or
+    failed); empty when it is set or when the device was not read (processes_unknown says).
     """
     @_builtins.property
     def memory(self) -> Global___Memory:
@@ -424,10 +433,11 @@ class MigDevice(_message.Message):
         memory: Global___Memory | None = ...,
         processes: _abc.Iterable[Global___Process] | None = ...,
         processes_unknown: _builtins.str = ...,
+        memory_unknown: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_instance_id", b"compute_instance_id", "gpu", b"gpu", "gpu_instance_id", b"gpu_instance_id", "gpu_instance_profile_id", b"gpu_instance_profile_id", "memory", b"memory", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "multiprocessor_count", b"multiprocessor_count", "processes", b"processes", "processes_unknown", b"processes_unknown", "profile_name", b"profile_name", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_instance_id", b"compute_instance_id", "gpu", b"gpu", "gpu_instance_id", b"gpu_instance_id", "gpu_instance_profile_id", b"gpu_instance_profile_id", "memory", b"memory", "memory_total_bytes", b"memory_total_bytes", "memory_unknown", b"memory_unknown", "mig", b"mig", "multiprocessor_count", b"multiprocessor_count", "processes", b"processes", "processes_unknown", b"processes_unknown", "profile_name", b"profile_name", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -703,7 +713,7 @@ class InjectFaultRequest(_message.Message):
     gpu: _builtins.int
     kind: Global___FaultKind.ValueType
     field: _builtins.str
-    """FAULT_KIND_NOT_SUPPORTED: the reading, e.g. "power" """
+    """FAULT_KIND_NOT_SUPPORTED / _ERROR: the reading, e.g. "power" """
     seconds: _builtins.float
     """FAULT_KIND_SLOW: >= 0"""
     xid: _builtins.int

@@ -144,6 +144,9 @@ class FakeFaults:
     def not_supported(self, gpu: int, field: str) -> None:
         self._record("not_supported", gpu, field)
 
+    def error(self, gpu: int, reading: str) -> None:
+        self._record("error", gpu, reading)
+
     def slow(self, gpu: int, seconds: float) -> None:
         self._record("slow", gpu, seconds)
 

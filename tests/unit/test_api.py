@@ -253,12 +253,14 @@ async def test_inject_faults(sock_dir: Path) -> None:
         await inject(pb.InjectFaultRequest(gpu=1, kind=pb.FAULT_KIND_NOT_SUPPORTED, field="power"))
         await inject(pb.InjectFaultRequest(gpu=1, kind=pb.FAULT_KIND_SLOW, seconds=2.5))
         await inject(pb.InjectFaultRequest(gpu=2, kind=pb.FAULT_KIND_XID, xid=79))
+        await inject(pb.InjectFaultRequest(gpu=2, kind=pb.FAULT_KIND_ERROR, field="mig_memory"))
         resp = await inject(pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_CLEAR))
     assert faults.calls == [
         ("lose", 0),
         ("not_supported", 1, "power"),
         ("slow", 1, 2.5),
         ("xid", 2, 79),
+        ("error", 2, "mig_memory"),
         ("clear", 0),
     ]
     assert list(resp.active_faults) == [
@@ -266,6 +268,7 @@ async def test_inject_faults(sock_dir: Path) -> None:
         "not_supported on GPU 1",
         "slow on GPU 1",
         "xid on GPU 2",
+        "error on GPU 2",
     ]
     kinds = [e.kind for e in events.recent()]
     assert kinds == [
@@ -273,6 +276,7 @@ async def test_inject_faults(sock_dir: Path) -> None:
         "sim.fault.not_supported",
         "sim.fault.slow",
         "sim.fault.xid",
+        "sim.fault.error",
         "sim.fault.clear",
     ]
     assert events.recent()[3].fields == {"gpu": 2, "xid": 79}
@@ -291,6 +295,7 @@ async def test_inject_faults(sock_dir: Path) -> None:
         (pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_SLOW, seconds=math.inf), "seconds"),
         (pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_NOT_SUPPORTED), "field"),
         (pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_NOT_SUPPORTED, field="x" * 300), "field"),
+        (pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_ERROR), "field"),
     ],
 )
 async def test_inject_fault_invalid_arguments_name_the_field(

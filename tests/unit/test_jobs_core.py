@@ -436,6 +436,23 @@ def test_env_without_a_reservation_previews_the_placement(service: JobService) -
     assert service.reservations.held() == []
 
 
+def test_a_mig_device_read_neither_for_processes_nor_memory_is_not_taken_for_free(
+    tmp_path: Path, store: StateStore
+) -> None:
+    """NVML read neither the processes nor the memory of a MIG device: all of its memory is
+    held beyond the reservations there, not none of it."""
+    mps = MpsManager(store, EventLog(None), tmp_path / "run", FAKE_CONTROL, enabled=False)
+    mps.observe(DEVICES)
+    service = JobService(
+        store, EventLog(None), mps, socket_path=Path("/s"), proc_root=tmp_path / "proc"
+    )
+    g = gpu_sample(1, migs=(("3g.40gb", 40),))
+    (m,) = g.mig_devices
+    unread = g._replace(mig_devices=(m._replace(memory=None, processes_read=False),))
+    service.tick(snapshot(gpu_sample(0, used_gib=30), unread))
+    assert service.unreserved_memory() == {m.identity.uuid: 40 * GIB}
+
+
 def test_a_device_whose_processes_are_not_listed_is_not_taken_for_idle(
     tmp_path: Path, store: StateStore
 ) -> None:

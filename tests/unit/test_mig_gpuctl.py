@@ -358,3 +358,35 @@ def test_show_keeps_the_instances_of_a_gpu_whose_processes_cannot_be_listed(
     code, out, _ = gpuctl(capsys, node, "--json", "mig", "show")
     first = next(i for i in json.loads(out)["gpus"][0]["instances"] if i["uuid"] == mig_uuid)
     assert first["processes_unknown"] == "" and [p["pid"] for p in first["processes"]] == [777]
+
+
+def test_show_keeps_the_instances_of_a_gpu_whose_mig_memory_cannot_be_read(
+    capsys: pytest.CaptureFixture[str], node: Node
+) -> None:
+    """A driver error on the MIG devices' memory query alone: the instances, their processes
+    and the profiles are shown, memory used as unknown with the reason; the GPU is no fault."""
+    code, _, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "all-1g.10gb")
+    assert code == 0, err
+    mig_uuid = node.mig.show()[0].instances[0].uuid
+    node.sim.workloads.start(0, 777, 3 * GIB, 0.4, mig=mig_uuid)
+    node.sim.faults.error(0, "mig_memory")
+    code, out, _ = gpuctl(capsys, node, "mig", "show", "--profiles")
+    assert code == 0, out
+    header = next(line for line in out.splitlines() if line.startswith("GPU 0 "))
+    assert "MIG on; 7x 1g.10gb" in header and "faulty" not in header
+    assert "memory unknown: " in header and "Unknown Error" in header
+    assert "processes unknown" not in header
+    rows = [line for line in out.splitlines() if line.startswith("0 ")]
+    assert len([r for r in rows if " ? / " in r]) == 7  # the instance rows
+    assert mig_uuid is not None and mig_uuid in out and "777" in out
+    code, out, _ = gpuctl(capsys, node, "--json", "mig", "show")
+    gpu0 = json.loads(out)["gpus"][0]
+    assert code == 0 and gpu0["fault"] == "" and len(gpu0["instances"]) == 7
+    assert gpu0["profiles"]
+    first = next(i for i in gpu0["instances"] if i["uuid"] == mig_uuid)
+    assert first.get("memory_used_bytes") is None and "Unknown Error" in first["memory_unknown"]
+    assert [p["pid"] for p in first["processes"]] == [777] and first["processes_unknown"] == ""
+    node.sim.faults.clear(0)
+    code, out, _ = gpuctl(capsys, node, "--json", "mig", "show")
+    first = next(i for i in json.loads(out)["gpus"][0]["instances"] if i["uuid"] == mig_uuid)
+    assert first["memory_unknown"] == "" and first["memory_used_bytes"] >= 3 * GIB

@@ -447,6 +447,24 @@ def test_mig_readings_leave_a_destroyed_device_empty() -> None:
         be.mig_readings(0, devices)
 
 
+def test_mig_readings_keep_processes_when_the_memory_query_fails() -> None:
+    node, be = _mig_backend()
+    gi = be.create_gpu_instance(0, 19, port.Placement(0, 1))
+    be.create_compute_instance(0, gi.id, 0)
+    node.workloads.start(0, 77, GiB, 0.5, mig=0)
+    devices = be.mig_devices(0)
+    node.faults.error(0, "mig_memory")
+    readings = be.mig_readings(0, devices)
+    assert readings.errors == ()  # the device was read: nothing to list again
+    (reading,) = readings.devices
+    assert reading.memory is None and "Unknown Error" in reading.memory_error
+    assert reading.processes_read and [p.pid for p in reading.processes] == [77]
+    assert be.memory(0).used_bytes >= GiB  # the whole GPU's memory still answers
+    node.faults.clear(0)
+    (reading,) = be.mig_readings(0, devices).devices
+    assert reading.memory == be.memory(0, 0) and reading.memory_error == ""
+
+
 def test_mig_readings_keep_memory_when_the_process_list_fails() -> None:
     node, be = _mig_backend()
     gi = be.create_gpu_instance(0, 19, port.Placement(0, 1))

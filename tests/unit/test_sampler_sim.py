@@ -8,11 +8,13 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
+from gpud.api import convert
 from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, parse_simulate_spec
 from gpud.events import EventLog
 from gpud.metrics import Collector, build_registry
 from gpud.telemetry.sampler import Sampler
+from gpud.telemetry.snapshot import GpuSample, MigSample
 
 GIB = 1 << 30
 
@@ -138,6 +140,46 @@ def test_a_process_list_the_driver_does_not_report_is_absent_not_zero(node: Node
     assert node.value("gpud_gpu_processes", 1) == 1
 
 
+def _mig_labels(gpu: GpuSample, dev: MigSample) -> dict[str, str]:
+    """The labels of a 1g.10gb MIG device's series."""
+    return {
+        "gpu": str(gpu.identity.index),
+        "gpu_uuid": gpu.identity.uuid,
+        "mig_uuid": dev.identity.uuid,
+        "profile": "1g.10gb",
+        "gpu_instance_id": str(dev.identity.gpu_instance_id),
+        "compute_instance_id": str(dev.identity.compute_instance_id),
+    }
+
+
+def test_mig_devices_whose_memory_cannot_be_read_keep_their_processes(node: Node) -> None:
+    """Only the MIG devices' memory is missing: it is absent with the reason, the processes
+    are listed as usual, and the GPU is as healthy as its other reads."""
+    enable_mig(node, 1, 2)
+    node.sampler.refresh_identity()
+    node.sim.workloads.start(1, 4343, 2 * GIB, 0.5, mig=0)
+    node.sim.faults.error(1, "mig_memory")
+    snap = node.sampler.tick()
+    g1 = snap.gpus[1]
+    assert g1.healthy and g1.reason == "" and g1.memory is not None
+    first, second = g1.mig_devices
+    for m in g1.mig_devices:
+        assert m.memory is None and "Unknown Error" in m.memory_error
+        assert m.processes_read and m.processes_error == ""
+    assert [p.pid for p in first.processes] == [4343] and second.processes == ()
+    labels = _mig_labels(g1, first)
+    v = node.registry.get_sample_value
+    assert v("gpud_mig_device_memory_used_bytes", labels) is None  # absent, not 0
+    assert v("gpud_mig_device_processes", labels) == 1
+    (dev,) = [d for d in convert.gpu(g1, now_monotonic=g1.sampled_at).mig_devices if d.mig == 0]
+    assert not dev.HasField("memory") and "Unknown Error" in dev.memory_unknown
+    assert dev.processes_unknown == "" and [p.pid for p in dev.processes] == [4343]
+    node.sim.faults.clear(1)
+    first = node.sampler.tick().gpus[1].mig_devices[0]
+    assert first.memory is not None and first.memory_error == ""
+    assert v("gpud_mig_device_memory_used_bytes", labels) == first.memory.used_bytes
+
+
 def test_mig_devices_whose_processes_cannot_be_listed_keep_their_memory(node: Node) -> None:
     """Only the process list is missing: each MIG device's memory is read as usual, the
     process counts are absent (not 0), and the GPU is as healthy as its other reads."""
@@ -154,14 +196,7 @@ def test_mig_devices_whose_processes_cannot_be_listed_keep_their_memory(node: No
     assert second.memory is not None
     for m in g1.mig_devices:
         assert not m.processes_read and "Not Supported" in m.processes_error
-    labels = {
-        "gpu": "1",
-        "gpu_uuid": g1.identity.uuid,
-        "mig_uuid": first.identity.uuid,
-        "profile": "1g.10gb",
-        "gpu_instance_id": str(first.identity.gpu_instance_id),
-        "compute_instance_id": str(first.identity.compute_instance_id),
-    }
+    labels = _mig_labels(g1, first)
     v = node.registry.get_sample_value
     assert v("gpud_mig_device_memory_used_bytes", labels) == first.memory.used_bytes
     assert v("gpud_mig_device_processes", labels) is None

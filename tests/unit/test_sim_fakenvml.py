@@ -222,6 +222,8 @@ def test_faults_are_per_gpu_and_thread_safe() -> None:
     assert node.faults.active() == {}
     with pytest.raises(ValueError, match="unknown field"):
         node.faults.not_supported(0, "fan")
+    with pytest.raises(ValueError, match="unknown reading"):
+        node.faults.error(0, "memory")  # only the MIG devices' memory fails on its own
 
 
 def test_processes_block_destroy() -> None:
@@ -278,6 +280,7 @@ def test_faults_are_device_state_that_outlives_the_daemon(tmp_path: Path) -> Non
     node.faults.lose(1)
     node.faults.not_supported(2, "power")
     node.faults.slow(0, 0.01)
+    node.faults.error(2, "mig_memory")
     # gpud restarts: a new process reads the same device state
     again = SimNode([("A100-SXM4-40GB", 3)], state_file=state)
     nv = again.nvml
@@ -285,7 +288,7 @@ def test_faults_are_device_state_that_outlives_the_daemon(tmp_path: Path) -> Non
     assert again.faults.active() == {
         0: {"slow_seconds": 0.01},
         1: {"lost": True},
-        2: {"not_supported": ["power"]},
+        2: {"not_supported": ["power"], "errors": ["mig_memory"]},
     }
     with pytest.raises(nv.NVMLError_GpuIsLost):
         nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(1))  # lost before gpud started

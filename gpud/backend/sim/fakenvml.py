@@ -375,11 +375,12 @@ class _Proc:
 
 
 class _GpuFaults:
-    __slots__ = ("lost", "not_supported", "slow_s")
+    __slots__ = ("errors", "lost", "not_supported", "slow_s")
 
     def __init__(self) -> None:
         self.lost = False
         self.not_supported: set[str] = set()
+        self.errors: set[str] = set()  # readings that fail with NVML_ERROR_UNKNOWN
         self.slow_s = 0.0
 
 
@@ -564,6 +565,7 @@ class FakeNvml:
                 f = _GpuFaults()
                 f.lost = bool(f_d.get("lost", False))
                 f.not_supported = {str(x) for x in f_d.get("not_supported", ())}
+                f.errors = {str(x) for x in f_d.get("errors", ())}
                 f.slow_s = float(f_d.get("slow_s", 0.0))
                 self._faults[int(key)] = f
         except (ValueError, KeyError, TypeError, AttributeError) as err:
@@ -608,10 +610,11 @@ class FakeNvml:
                 str(i): {
                     "lost": f.lost,
                     "not_supported": sorted(f.not_supported),
+                    "errors": sorted(f.errors),
                     "slow_s": f.slow_s,
                 }
                 for i, f in sorted(self._faults.items())
-                if f.lost or f.not_supported or f.slow_s
+                if f.lost or f.not_supported or f.errors or f.slow_s
             },
         }
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -770,6 +773,10 @@ class FakeNvml:
         self, handle: object, version: int | None = None
     ) -> SimpleNamespace:
         gpu, mig = self._any(handle, "memory")
+        if mig is not None:
+            f = self._faults.get(gpu.index)
+            if f is not None and "mig_memory" in f.errors:
+                raise NVMLError_Unknown()  # this one query fails; the device answers others
         total, reserved, used = self._memory(gpu, None if mig is None else mig.gi)
         if version:
             return SimpleNamespace(

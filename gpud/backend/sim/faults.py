@@ -2,7 +2,8 @@
 
 Each fault shows up where a real one would: a lost GPU makes every NVML call on it (and on
 its MIG devices) raise ``NVMLError_GpuIsLost`` and posts XID 79 ("GPU has fallen off the
-bus"); a NotSupported field makes that one query raise ``NVMLError_NotSupported``; a slow GPU
+bus"); a NotSupported field makes that one query raise ``NVMLError_NotSupported``; an
+erroring reading (``ERRORS``) makes that one query fail with ``NVMLError_Unknown``; a slow GPU
 makes each call on it block, like a driver call stuck in the kernel; an XID is delivered to
 ``nvmlEventSetWait``. ``crash_after_mutations`` kills the caller (``SimulatedCrash``) right
 after the n-th driver mutation has taken effect and been persisted.
@@ -23,7 +24,7 @@ from gpud.backend.sim.fakenvml import (
     nvmlEventTypeXidCriticalError,
 )
 
-__all__ = ["FIELDS", "FaultInjector", "SimulatedCrash"]
+__all__ = ["ERRORS", "FIELDS", "FaultInjector", "SimulatedCrash"]
 
 # Field name -> the NVML calls it makes NotSupported (``process_memory``: the value the
 # driver leaves NVML_VALUE_NOT_AVAILABLE, as some drivers and modes do, the call answers).
@@ -40,6 +41,13 @@ FIELDS: Final[dict[str, str]] = {
     "process_memory": "usedGpuMemory of nvmlDeviceGetComputeRunningProcesses",
     "mig": "nvmlDeviceGetMigMode and the MIG instance calls",
     "events": "nvmlDeviceRegisterEvents",
+}
+
+# Reading -> the NVML call that fails with NVML_ERROR_UNKNOWN while the rest of the device
+# answers (a driver that trips on one query: ``nvidia-smi -q -i 0:1 -d MEMORY`` says
+# "Unknown Error").
+ERRORS: Final[dict[str, str]] = {
+    "mig_memory": "nvmlDeviceGetMemoryInfo on the GPU's MIG devices",
 }
 
 # The longest a slow call may hang: past every deadline gpud has, and within what time.sleep
@@ -73,6 +81,14 @@ class FaultInjector:
         if field not in FIELDS:
             raise ValueError(f"unknown field {field!r}; known: {', '.join(sorted(FIELDS))}")
         self._nvml.sim_faults(gpu).not_supported.add(field)
+        self._nvml.sim_faults_changed()
+
+    def error(self, gpu: int, reading: str) -> None:
+        """One reading's query fails with ``NVMLError_Unknown`` (see ``ERRORS``)."""
+        self._check_gpu(gpu)
+        if reading not in ERRORS:
+            raise ValueError(f"unknown reading {reading!r}; known: {', '.join(sorted(ERRORS))}")
+        self._nvml.sim_faults(gpu).errors.add(reading)
         self._nvml.sim_faults_changed()
 
     def slow(self, gpu: int, seconds: float) -> None:
@@ -125,6 +141,8 @@ class FaultInjector:
                 entry["lost"] = True
             if f.not_supported:
                 entry["not_supported"] = sorted(f.not_supported)
+            if f.errors:
+                entry["errors"] = sorted(f.errors)
             if f.slow_s:
                 entry["slow_seconds"] = f.slow_s
             if entry:
