@@ -10,6 +10,11 @@ Per control daemon, labels ``gpu`` (NVML index), ``uuid`` (GPU or MIG UUID), ``p
     gpud_mps_daemon_restarts_total               restarts after the daemon died or hung
 
 Read from :meth:`MpsManager.last_status`, so a scrape never waits for a reconcile pass.
+
+A GPU not read since gpud started (lost or hung before it started) has no series here: gpud
+runs no daemon for it and cannot tell which it will want (one for the GPU, or one per MIG
+device) until the GPU answers. Its own series (``gpud_gpu_healthy`` 0, under the UUID last
+seen) and alerts say that it is down.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class MpsMetrics:
             labels=_LABELS,
         )
         for s in self._manager.last_status():
+            if not s.target.uuid:
+                continue  # a GPU never read: no daemon, and none known to be wanted yet
             labels = [str(s.target.gpu), s.target.uuid, s.target.profile]
             up.add_metric(labels, 1.0 if s.up else 0.0)
             enabled.add_metric(labels, 1.0 if s.running else 0.0)

@@ -139,6 +139,12 @@ def test_no_daemon_for_a_gpu_never_read(manager: MpsManager) -> None:
     assert status[0].pid is None and not status[0].up
     assert status[0].target.gpu_unhealthy == "GPU lost (identity)"
     assert status[1].up and status[1].pid is not None
+    # no MPS series for it: not under uuid="" (beside the last-seen UUID that its GPU series
+    # carry), nor a daemon "enabled" and down that is no daemon at all
+    registry = _metrics_registry(manager)
+    series = [s for m in registry.collect() for s in m.samples if s.name.startswith("gpud_mps_")]
+    assert {s.labels["gpu"] for s in series} == {"1"}
+    assert all(s.labels["uuid"] == gpu_uuid(1) for s in series)
 
 
 def test_every_gpu_never_read_is_listed(manager: MpsManager) -> None:
@@ -383,9 +389,7 @@ def test_a_daemon_that_cannot_start_backs_off(root: Path) -> None:
         store.close()
 
 
-def test_metrics(manager: MpsManager) -> None:
-    manager.reconcile(NODE)
-    manager.set_limits("0", threads_percent=40, memory_bytes=20 * GIB)
+def _metrics_registry(manager: MpsManager) -> CollectorRegistry:
     registry = CollectorRegistry()
     source = MpsMetrics(manager)
 
@@ -394,6 +398,13 @@ def test_metrics(manager: MpsManager) -> None:
             return source()
 
     registry.register(_Source())
+    return registry
+
+
+def test_metrics(manager: MpsManager) -> None:
+    manager.reconcile(NODE)
+    manager.set_limits("0", threads_percent=40, memory_bytes=20 * GIB)
+    registry = _metrics_registry(manager)
     labels = {"gpu": "0", "uuid": gpu_uuid(0), "profile": "H100-SXM5-80GB"}
     assert registry.get_sample_value("gpud_mps_daemon_up", labels) == 1.0
     assert registry.get_sample_value("gpud_mps_default_active_thread_ratio", labels) == 0.4
