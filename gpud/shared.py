@@ -5,7 +5,7 @@ daemon's internals), so the few things both sides must read the same way live he
 
 - memory sizes as people write them (``20GiB``, ``512M``) and as MPS writes them (``20G``);
 - the p99 latency SLOs an inference job may declare (``jobs add --slo-p99-ms``, ``colo
-  advise --slo-ms``, and the API fields behind them);
+  advise --slo-ms``, and the API fields behind them), and the peak load one may declare;
 - the longest drain a MIG apply may ask for, and the largest mig-parted file it may send,
   read so that whatever file an operator names fails at once;
 - a job's environment rendered as shell ``export`` lines.
@@ -44,6 +44,9 @@ MAX_LAYOUT_BYTES = 128 * 1024
 # Over an hour is no online service's SLO: a unit mistake.
 MIN_SLO_MS = 0.01
 MAX_SLO_MS = 3_600_000.0
+# The peak load, in requests/s, an inference service may declare (``colo advise
+# --peak-load`` and the API field behind it): more is a mistake, or a unit.
+MAX_PEAK_LOAD = 1e7
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _FACTORS = {"": 1, "k": KIB, "m": MIB, "g": GIB, "t": TIB}

@@ -49,7 +49,7 @@ from gpud.config import AdmissionConfig
 from gpud.errors import FailedPrecondition, GpudError, NotFound, ResourceExhausted, Unavailable
 from gpud.events import EventLog
 from gpud.histogram import Histogram
-from gpud.jobs.ends import NO_STATUS, RunEnd
+from gpud.jobs.ends import NO_STATUS, EndCause, RunEnd
 from gpud.jobs.placement import DeviceLoad, Reservation
 from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, RunRequest
@@ -224,6 +224,7 @@ class AdmissionService:
         self.waits = Histogram(WAIT_BUCKETS)
         store.ensure_schema(SCHEMA, added=ADDED)
         jobs.add_observer(self._observe)
+        jobs.add_late_end(self._removed_run_ended)
         jobs.add_removal_hook(self._job_removed)
         jobs.gate = self.gate
 
@@ -660,6 +661,19 @@ class AdmissionService:
             reservation=launch.reservation.id,
             devices=list(devices),
         )
+
+    def _removed_run_ended(self, reservation_id: str, end: RunEnd) -> bool:
+        """The exit status of a run whose reservation ``gpuctl jobs rm --force`` released
+        while it ran, as its ``gpuctl run`` reports it once the command has exited: kept in
+        the row the removal ended, beside its cause (``removed``), once. False when no such
+        row waits for it."""
+        with self._store.transaction() as conn:
+            kept = conn.execute(
+                "UPDATE job_history SET exit_code = ?, exit_signal = ? WHERE reservation = ?"
+                " AND end_cause = ? AND exit_code IS NULL AND exit_signal IS NULL",
+                (end.exit_code, end.exit_signal, reservation_id, EndCause.REMOVED.value),
+            )
+        return kept.rowcount > 0
 
     def _observe(
         self, what: str, reservation: Reservation, spec: JobSpec, end: RunEnd | None

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 
-from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers, slo_ms
+from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers, number, slo_ms
 from gpud.cli.output import NA, seconds
 from gpud.errors import InvalidArgument
-from gpud.shared import MIN_SLO_MS, format_size, parse_size
+from gpud.shared import MAX_PEAK_LOAD, MIN_SLO_MS, format_size, parse_size
 from gpud.v1 import colo_pb2 as pb
 from gpud.v1 import colo_pb2_grpc as pb_grpc
 
@@ -51,8 +51,19 @@ def register(subparsers: Subparsers) -> None:
         metavar="MS",
         help=f"inference p99 SLO in milliseconds, {MIN_SLO_MS:g} up to an hour",
     )
-    advise.add_argument("--sm", type=float, metavar="0..1", help="its SM activity alone")
-    advise.add_argument("--peak-load", type=float, metavar="REQ/S", help="inference peak load")
+    # the ranges Advise takes: refused here, naming the flag, before any question to gpud
+    advise.add_argument(
+        "--sm",
+        type=number(0, 1, above=True),
+        metavar="0..1",
+        help="its SM activity alone, over 0 and at most 1",
+    )
+    advise.add_argument(
+        "--peak-load",
+        type=number(0, MAX_PEAK_LOAD),
+        metavar="REQ/S",
+        help=f"inference peak load, 0 up to {MAX_PEAK_LOAD:g} requests/s",
+    )
     advise.set_defaults(run=run_advise)
 
 

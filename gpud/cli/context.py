@@ -45,14 +45,27 @@ for _code_name, _exit in ERROR_TABLE.values():
 N = TypeVar("N", int, float)
 
 
-def _ranged(cast: Callable[[str], N], noun: str, low: N, high: N) -> Callable[[str], N]:
+def _bound(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)  # 1e+07, not 10000000.0
+
+
+def _ranged(
+    cast: Callable[[str], N], noun: str, low: N, high: N, *, above: bool = False
+) -> Callable[[str], N]:
+    span = (
+        f"over {_bound(low)} and at most {_bound(high)}"
+        if above
+        else f"in {_bound(low)}..{_bound(high)}"
+    )
+
     def parse(text: str) -> N:
         try:
             value = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
-        if not low <= value <= high:  # NaN is in no range
-            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun} {span}") from None
+        # NaN is in no range
+        if not low <= value <= high or (above and value == low):
+            raise argparse.ArgumentTypeError(f"{value} is not {span}")
         return value
 
     return parse
@@ -64,9 +77,10 @@ def integer(low: int, high: int) -> Callable[[str], int]:
     return _ranged(int, "an integer", low, high)
 
 
-def number(low: float, high: float) -> Callable[[str], float]:
-    """:func:`integer` for a real number."""
-    return _ranged(float, "a number", low, high)
+def number(low: float, high: float, *, above: bool = False) -> Callable[[str], float]:
+    """:func:`integer` for a real number; ``above``: ``low`` itself is refused too, as the
+    field's own check refuses it. NaN and the infinities are in no such range."""
+    return _ranged(float, "a number", low, high, above=above)
 
 
 def slo_ms(text: str) -> float:

@@ -272,17 +272,19 @@ END_CAUSES = {
 def how_it_ended(r: queue_pb2.HistoryRecord) -> str:
     """Its command's exit status (``3``), the signal that killed it (``SIGTERM``), or ``-``
     and what ended the run instead; ``-`` alone while it runs or when gpud did not record
-    it (a run that ended before gpud kept how)."""
+    it (a run that ended before gpud kept how). A run removed while it ran has both:
+    ``SIGTERM jobs rm --force``."""
+    cause = END_CAUSES.get(r.end_cause, r.end_cause)
     if r.HasField("exit_code"):
-        return str(r.exit_code)
-    if r.HasField("exit_signal"):
+        status = str(r.exit_code)
+    elif r.HasField("exit_signal"):
         try:
-            return signal.Signals(r.exit_signal).name
+            status = signal.Signals(r.exit_signal).name
         except ValueError:
-            return f"signal {r.exit_signal}"
-    if r.end_cause:
-        return f"{NA} {END_CAUSES.get(r.end_cause, r.end_cause)}"
-    return NA
+            status = f"signal {r.exit_signal}"
+    else:
+        return f"{NA} {cause}" if cause else NA
+    return f"{status} {cause}" if r.end_cause == "removed" else status
 
 
 def run_history(ctx: Context, args: argparse.Namespace) -> int:

@@ -382,9 +382,18 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
     finally:
         _stop_leftovers(args.job, reservation, args.kill_after)
         try:
-            ctx.call(stub.Release, release_request(reservation, returncode))
+            released: pb.ReleaseResponse = ctx.call(
+                stub.Release, release_request(reservation, returncode)
+            )
+            if released.removed:  # the history keeps its exit status beside that cause
+                print(
+                    f"gpuctl: job {args.job} was removed (gpuctl jobs rm --force) while its "
+                    f"command ran; gpuctl jobs history keeps how it ended",
+                    file=sys.stderr,
+                )
         except CliError as err:
-            if err.exit_code == EXIT_NOT_FOUND:  # released already: `gpuctl jobs rm --force`
+            # released already: `gpuctl jobs rm --force` with a gpud that keeps no late status
+            if err.exit_code == EXIT_NOT_FOUND:
                 print(f"gpuctl: reservation {reservation} was released already", file=sys.stderr)
             else:  # gpud releases it by itself once this process is gone
                 print(

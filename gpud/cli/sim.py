@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpud.cli.context import EXIT_USAGE, INT32, UINT32, CliError, Context, Subparsers
+from gpud.cli.context import EXIT_USAGE, INT32, UINT32, CliError, Context, Subparsers, number
 from gpud.cli.mps import size_arg
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
@@ -39,7 +39,8 @@ def register(subparsers: Subparsers) -> None:
     xid.add_argument("code", type=UINT32, help="XID code, e.g. 79 (fallen off the bus)")
     xid.set_defaults(kind="FAULT_KIND_XID")
     slow = kinds.add_parser("slow", help="make every driver call on the GPU slower")
-    slow.add_argument("seconds", type=float)
+    # a day at most: a slower driver call is no fault to simulate, and NaN would hang it
+    slow.add_argument("seconds", type=number(0, 86400), help="added to each call, 0..86400")
     slow.set_defaults(kind="FAULT_KIND_SLOW")
     ns = kinds.add_parser("not-supported", help="make reads of FIELD raise NotSupported")
     ns.add_argument("field", help='a reading, e.g. "power", "temperature", "ecc", "process_memory"')
@@ -63,7 +64,9 @@ def register(subparsers: Subparsers) -> None:
         "--pid", type=UINT32, required=True, help="its PID (a real one is attributed to its job)"
     )
     start.add_argument("--memory", default="1GiB", help="device memory it uses (default 1GiB)")
-    start.add_argument("--sm", type=float, default=0.5, help="share of SMs it keeps busy, 0..1")
+    start.add_argument(
+        "--sm", type=number(0, 1), default=0.5, help="share of SMs it keeps busy, 0..1"
+    )
     start.set_defaults(run=run_workload, stop=False)
     stop = wl.add_parser("stop", help="the process ends")
     stop.add_argument("--pid", type=UINT32, required=True)

@@ -52,7 +52,7 @@ from gpud.config import ColocateConfig
 from gpud.errors import FailedPrecondition, InvalidArgument, NotFound
 from gpud.events import EventLog
 from gpud.files import write_atomically
-from gpud.shared import check_slo_ms
+from gpud.shared import MAX_PEAK_LOAD, check_slo_ms
 from gpud.telemetry.snapshot import GpuSample, Snapshot
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,6 @@ MAX_ITERATIONS = 10**9  # per throttle point: iterations since the one before
 FORGET_AFTER_S = 3600.0
 # How far the predictor's clock may run on before colo.json is written for it alone.
 CLOCK_WRITE_S = 60.0
-MAX_PEAK_LOAD = 1e7  # requests/s a service may declare: more is a mistake (or a unit)
 MIG_COMPUTE_SLICES = 7  # A100, H100, H200: a MIG profile's SMs are slices of seven
 RATE_WINDOW_S = 10.0
 # A new duty reaches training at its next throttle point (gpud.client reports every second);
@@ -1289,15 +1288,21 @@ class ColoService:
     ) -> tuple[Advice, JobView | None]:
         """The advice and the job's view (None when there was no telemetry); ``since``:
         when a waiting asker was first told to wait (None: it does not wait)."""
+        # each names its field first, as check_slo_ms does: what the gRPC status says first
         if kind not in ("training", "inference"):
-            raise InvalidArgument(f"job {job}: kind must be training or inference, not {kind!r}")
-        if sm_activity is not None and not 0.0 < sm_activity <= 1.0:
-            raise InvalidArgument(f"job {job}: sm_activity {sm_activity} outside (0, 1]")
+            raise InvalidArgument(
+                f"must be training or inference, not {kind!r} (job {job})", field="kind"
+            )
+        if sm_activity is not None and not 0.0 < sm_activity <= 1.0:  # NaN too
+            raise InvalidArgument(
+                f"{sm_activity} is outside (0, 1] (job {job})", field="sm_activity"
+            )
         if slo_p99_ms is not None:
             check_slo_ms(slo_p99_ms)  # as `gpuctl jobs add --slo-p99-ms` is held to
         if not 0.0 <= peak_load <= MAX_PEAK_LOAD:
             raise InvalidArgument(
-                f"job {job}: peak_load {peak_load} requests/s outside [0, {MAX_PEAK_LOAD:g}]"
+                f"{peak_load} requests/s is outside [0, {MAX_PEAK_LOAD:g}] (job {job})",
+                field="peak_load",
             )
         running = tuple(self._running())
         with self._lock:

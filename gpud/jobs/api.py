@@ -204,10 +204,10 @@ class JobsServicer(pb_grpc.JobsServicer):
         def release() -> pb.ReleaseResponse:
             if not request.reservation_id:
                 raise InvalidArgument("missing", field="reservation_id")
-            end = run_end(request)
-            return pb.ReleaseResponse(
-                reservation=reservation_message(self._service.release(request.reservation_id, end))
-            )
+            released = self._service.release(request.reservation_id, run_end(request))
+            if released is None:  # removed while its run ran: its exit status is kept
+                return pb.ReleaseResponse(removed=True)
+            return pb.ReleaseResponse(reservation=reservation_message(released))
 
         return await asyncio.to_thread(release)
 

@@ -73,6 +73,10 @@ ReservationObserver = Callable[[str, Reservation, JobSpec, RunEnd | None], None]
 # Called under the placement lock as a job is removed, with its name and whether --force was
 # given: it raises to refuse the removal, or lets go of what it keeps for the job.
 RemovalHook = Callable[[str, bool], None]
+# Called when a run's end comes after its reservation went (``gpuctl jobs rm --force``
+# released it while the run ran; its ``gpuctl run`` reports the command's exit once it has
+# exited), with the reservation's id and that end: True when it kept the end for that run.
+LateEnd = Callable[[str, RunEnd], bool]
 # Where a job may start now, given its effective spec: its devices; raise ResourceExhausted
 # (the admission queue's own check, so that no job jumps the queue); None: no opinion.
 Gate = Callable[[JobSpec], tuple[str, ...] | None]
@@ -120,6 +124,7 @@ class JobService:
         self._unhealthy: dict[int, str] = {}  # GPU index -> why, as of the last tick
         self._observers: list[ReservationObserver] = []
         self._removal_hooks: list[RemovalHook] = []
+        self._late_ends: list[LateEnd] = []
         self._waiting_kind: Callable[[str], str | None] = lambda job: None
         self.gate: Gate | None = None
         self._tag_of: Callable[[str], int] | None = None
@@ -132,6 +137,9 @@ class JobService:
 
     def add_removal_hook(self, hook: RemovalHook) -> None:
         self._removal_hooks.append(hook)
+
+    def add_late_end(self, keep: LateEnd) -> None:
+        self._late_ends.append(keep)
 
     def set_waiting(self, kind_of: Callable[[str], str | None]) -> None:
         """Where runs wait whose job is not registered yet: a ``gpuctl run`` the
@@ -480,10 +488,22 @@ class JobService:
             return self.env_for(held[-1])
         return self.reserve(RunRequest(job=name), preview=True).env
 
-    def release(self, reservation_id: str, end: RunEnd = NO_STATUS) -> Reservation:
-        """Release a reservation; ``end``: how its run ended, for the job history."""
+    def release(self, reservation_id: str, end: RunEnd = NO_STATUS) -> Reservation | None:
+        """Release a reservation; ``end``: how its run ended, for the job history. None: a
+        reservation ``gpuctl jobs rm --force`` released while its run ran, whose exit status
+        ``end`` gives (once): kept for that run beside what ended it. Any other reservation
+        not held raises NotFound."""
         with self.store.transaction():
-            reservation = self.reservations.release(reservation_id)
+            try:
+                reservation = self.reservations.release(reservation_id)
+            except NotFound:
+                kept = False
+                if end.cause is EndCause.EXITED:  # a release with no status has none to keep
+                    for keep in self._late_ends:
+                        kept = keep(reservation_id, end) or kept
+                if not kept:
+                    raise
+                return None
             self._released(reservation, end)
         self._events.emit(
             "job.release",

@@ -535,16 +535,25 @@ class ReleaseResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RESERVATION_FIELD_NUMBER: _builtins.int
+    REMOVED_FIELD_NUMBER: _builtins.int
+    removed: _builtins.bool
+    """`gpuctl jobs rm --force` released this reservation while its run ran: the exit_code or
+    exit_signal given is kept in the job history beside that cause (end_cause "removed").
+    Only a release with an exit status, once; any other of a reservation not held: NOT_FOUND.
+    """
     @_builtins.property
-    def reservation(self) -> Global___JobReservation: ...
+    def reservation(self) -> Global___JobReservation:
+        """unset when removed"""
+
     def __init__(
         self,
         *,
         reservation: Global___JobReservation | None = ...,
+        removed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reservation", b"reservation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reservation", b"reservation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["removed", b"removed", "reservation", b"reservation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -398,6 +398,46 @@ def test_the_history_says_how_each_run_ended(node: Node) -> None:
     ]  # fmt: skip
 
 
+def test_a_run_removed_while_it_ran_keeps_its_exit_status_beside_the_cause(
+    node: Node,
+) -> None:
+    """`gpuctl jobs rm --force` releases a running job's reservation and the history says
+    `removed`; the release its `gpuctl run` sends once the command has exited (SIGTERM)
+    adds the command's exit status to that row, once, and is no NotFound. A release with
+    no status, a second one, or one of a run that ended otherwise changes nothing."""
+    from gpud.errors import NotFound
+
+    def run(job: str) -> str:
+        return node.jobs.reserve(RunRequest(job=job)).reservation.id
+
+    def ended(job: str) -> tuple[int | None, int | None, str | None]:
+        (h,) = [h for h in node.admission.history() if h.job == job]
+        return h.exit_code, h.exit_signal, h.end_cause
+
+    term, plain, done = run("term"), run("plain"), run("done")
+    node.jobs.remove("term", force=True)
+    node.jobs.remove("plain", force=True)
+    node.jobs.release(done, RunEnd(EndCause.EXITED, exit_code=0))
+    assert ended("term") == (None, None, "removed")
+    assert node.jobs.release(term, RunEnd(EndCause.EXITED, exit_signal=15)) is None
+    assert ended("term") == (None, 15, "removed")
+    with pytest.raises(NotFound):  # once
+        node.jobs.release(term, RunEnd(EndCause.EXITED, exit_code=0))
+    with pytest.raises(NotFound):  # nothing to keep
+        node.jobs.release(plain)
+    with pytest.raises(NotFound):  # not removed: its end is kept already
+        node.jobs.release(done, RunEnd(EndCause.EXITED, exit_code=1))
+    with pytest.raises(NotFound):
+        node.jobs.release("no-such-run", RunEnd(EndCause.EXITED, exit_code=0))
+    assert ended("plain") == (None, None, "removed")
+    assert ended("done") == (0, None, "exited")
+    node = node.restart()  # the row waits in state.db across a restart of gpud
+    assert node.jobs.release(plain, RunEnd(EndCause.EXITED, exit_code=3)) is None
+    assert ended("plain") == (3, None, "removed")
+    shown = {h.job: history_message(h) for h in node.admission.history()}
+    assert shown["term"].exit_signal == 15 and shown["term"].end_cause == "removed"
+
+
 def test_a_release_says_how_the_run_ended_or_nothing(node: Node) -> None:
     def end(**fields: int) -> RunEnd:
         return run_end(jobs_pb2.ReleaseRequest(reservation_id="r", **fields))

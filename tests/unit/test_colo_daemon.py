@@ -7,6 +7,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -865,7 +866,7 @@ def test_absurd_colo_requests_are_refused_and_change_nothing(
             "Advise",
             colo_pb2.AdviseRequest(job="n", kind="inference", peak_load=inf),
             grpc.StatusCode.INVALID_ARGUMENT,
-            "job n: peak_load inf",
+            "peak_load: inf requests/s is outside [0, 1e+07] (job n)",
         ),
         (
             "Advise",
@@ -883,19 +884,19 @@ def test_absurd_colo_requests_are_refused_and_change_nothing(
             "Advise",
             colo_pb2.AdviseRequest(job="n", kind="inference", peak_load=-1),
             grpc.StatusCode.INVALID_ARGUMENT,
-            "job n: peak_load -1",
+            "peak_load: -1.0 requests/s is outside",
         ),
         (
             "Advise",
             colo_pb2.AdviseRequest(job="n", sm_activity=nan),
             grpc.StatusCode.INVALID_ARGUMENT,
-            "job n: sm_activity nan",
+            "sm_activity: nan is outside (0, 1] (job n)",
         ),
         (
             "Advise",
             colo_pb2.AdviseRequest(job="n", kind="x" * 1000),
             grpc.StatusCode.INVALID_ARGUMENT,
-            "kind must be training or inference",
+            "kind: must be training or inference, not 'xxx",
         ),
     ]
     with short_dir() as d:
@@ -945,6 +946,30 @@ def test_advice_takes_the_slos_jobs_add_takes_and_no_shorter_than_it_can_measure
             svc.advise("edge", kind="inference", slo_p99_ms=slo, snapshot=snap)
         assert info.value.field == "slo_p99_ms", slo
         assert "outside 0.01..3600000 ms" in str(info.value)
+
+
+def test_advice_refuses_a_bad_field_naming_it_first(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """Every refused Advise field is named as check_slo_ms names slo_p99_ms: the gRPC
+    INVALID_ARGUMENT behind `gpuctl colo advise` starts with the field's name."""
+
+    svc, _, _ = service
+    snap = snapshot()
+    svc.tick(snap)
+    nan, inf = math.nan, math.inf
+    bad: list[tuple[str, dict[str, Any]]] = [
+        ("kind", {"kind": "batch"}),
+        *(("sm_activity", {"sm_activity": v}) for v in (nan, inf, -0.5, 0.0, 1.5)),
+        *(("peak_load", {"peak_load": v}) for v in (nan, inf, -1.0, 1e8)),
+        ("slo_p99_ms", {"kind": "inference", "slo_p99_ms": nan}),
+    ]
+    for field, kwargs in bad:
+        with pytest.raises(InvalidArgument) as info:
+            svc.advise("edge", snapshot=snap, **kwargs)
+        assert info.value.field == field, kwargs
+        assert str(info.value).startswith(f"{field}: "), str(info.value)
+    assert svc.advise("edge", sm_activity=1.0, peak_load=1e7, snapshot=snap).reason
 
 
 @settings(max_examples=200, deadline=None, database=None, derandomize=True)
@@ -1381,7 +1406,6 @@ def test_gpuctl_jobs_explains_each_jobs_co_location(
     service: tuple[ColoService, Clock, list[RunningJob]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     import json
-    from typing import Any
 
     from gpud.api import ApiServer
     from gpud.cli.main import main

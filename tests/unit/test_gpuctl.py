@@ -377,6 +377,25 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
         ),
         (("colo", "advise", "x", "--slo-ms=-inf"), "-inf ms is outside 0.01..3600000 ms"),
         (("colo", "advise", "x", "--slo-ms", "50ms"), "'50ms' is not a number of milliseconds"),
+        # every number advise sends is held to the range Advise takes, naming the flag
+        *(
+            (("colo", "advise", "x", "--sm", sm), f"--sm: {sm} is not over 0 and at most 1")
+            for sm in ("nan", "inf", "-0.5", "0.0", "1.5")
+        ),
+        (("colo", "advise", "x", "--sm", "half"), "--sm: 'half' is not a number over 0 and"),
+        *(
+            (
+                ("colo", "advise", "x", f"--peak-load={load}"),
+                f"--peak-load: {load} is not in 0..1e+07",
+            )
+            for load in ("nan", "inf", "-1.0", "100000000.0")
+        ),
+        (("sim", "fault", "--gpu", "0", "slow", "nan"), "seconds: nan is not in 0..86400"),
+        (("sim", "fault", "--gpu", "0", "slow", "inf"), "seconds: inf is not in 0..86400"),
+        (
+            ("sim", "workload", "start", "--gpu", "0", "--pid", "9", "--sm", "nan"),
+            "--sm: nan is not in 0..1",
+        ),
         (
             ("jobs", "add", "x", "--kind", "inference", "--slo-p99-ms", "0.001"),
             "--slo-p99-ms: 0.001 ms is outside 0.01..3600000 ms",

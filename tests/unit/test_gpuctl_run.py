@@ -628,6 +628,42 @@ def test_gpuctl_run_tells_gpud_how_its_command_ended(node: Node) -> None:
     ]
 
 
+def test_a_run_whose_job_is_removed_keeps_its_exit_status_in_the_history(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpuctl jobs rm --force` while `gpuctl run` runs: the command gets SIGTERM, and the
+    release its gpuctl then sends is taken, not NOT_FOUND: the history keeps both what
+    ended the run (`removed`) and how its command ended (SIGTERM)."""
+    import threading
+
+    from gpud.admission.service import AdmissionService
+    from gpud.config import AdmissionConfig
+    from gpud.events import EventLog
+
+    admission = AdmissionService(
+        node.jobs.store, node.jobs, node.mps, EventLog(None), AdmissionConfig()
+    )
+    codes: list[int] = []
+    run = threading.Thread(
+        target=lambda: codes.append(node.ctl("run", "--job", "w", "--", "sleep", "60"))
+    )
+    run.start()
+    try:
+        for _ in range(200):
+            if node.jobs.reservations.held("w"):
+                break
+            run.join(0.05)
+        assert node.ctl("jobs", "rm", "--force", "w") == 0
+    finally:
+        run.join(30)
+    assert not run.is_alive() and codes == [128 + 15]
+    err = capsys.readouterr().err
+    assert "job w was removed (gpuctl jobs rm --force) while its command ran" in err
+    assert "released already" not in err and "could not release" not in err
+    (row,) = admission.history()
+    assert (row.exit_code, row.exit_signal, row.end_cause) == (None, 15, "removed")
+
+
 class History(queue_pb2_grpc.QueueServicer):
     """A queue whose history holds one run of each ending."""
 
@@ -639,6 +675,8 @@ class History(queue_pb2_grpc.QueueServicer):
         queue_pb2.HistoryRecord(job="killed", end_cause="holder-gone"),
         queue_pb2.HistoryRecord(job="down", end_cause="holder-gone-at-start"),
         queue_pb2.HistoryRecord(job="rm", end_cause="removed"),
+        queue_pb2.HistoryRecord(job="rm-term", exit_signal=15, end_cause="removed"),
+        queue_pb2.HistoryRecord(job="rm-exit", exit_code=0, end_cause="removed"),
         queue_pb2.HistoryRecord(job="plain", end_cause="released"),
         queue_pb2.HistoryRecord(job="newer", end_cause="evicted"),  # a newer gpud's
         queue_pb2.HistoryRecord(job="before"),  # ended before gpud recorded how
@@ -675,6 +713,8 @@ def test_gpuctl_jobs_history_shows_how_each_run_ended(capsys: pytest.CaptureFixt
         "killed": "- holder gone (gpuctl killed)",
         "down": "- holder gone when gpud started",
         "rm": "- jobs rm --force",
+        "rm-term": "SIGTERM jobs rm --force",  # removed while it ran, then its status
+        "rm-exit": "0 jobs rm --force",
         "plain": "- released with no status",
         "newer": "- evicted",
         "before": "-",
