@@ -8,6 +8,7 @@ daemon's internals), so the few things both sides must read the same way live he
   advise --slo-ms``, and the API fields behind them), and the peak load one may declare;
 - the longest drain a MIG apply may ask for, and the largest mig-parted file it may send,
   read so that whatever file an operator names fails at once;
+- the longest contention-free iteration time a progress report may declare;
 - a job's environment rendered as shell ``export`` lines.
 
 Pure and cheap to import: the standard library and :mod:`gpud.errors` only.
@@ -47,6 +48,9 @@ MAX_SLO_MS = 3_600_000.0
 # The peak load, in requests/s, an inference service may declare (``colo advise
 # --peak-load`` and the API field behind it): more is a mistake, or a unit.
 MAX_PEAK_LOAD = 1e7
+# The longest contention-free iteration time a progress report may declare (``net report
+# --ideal`` and the API field behind it): a day; more is a unit mistake.
+MAX_IDEAL_S = 86400.0
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _FACTORS = {"": 1, "k": KIB, "m": MIB, "g": GIB, "t": TIB}

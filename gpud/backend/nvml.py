@@ -502,7 +502,7 @@ class NvmlBackend:
                 translated = self._translate(err, gpu, get_handle)
                 if isinstance(translated, GpuLost):
                     raise translated from err
-                out.append(MigReading(dev, None, ()))
+                out.append(MigReading(dev, None, (), False))
                 errors.append((dev.mig, translated))
                 continue
             # The device answers: a query that fails leaves only its own reading unknown.

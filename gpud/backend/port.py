@@ -197,7 +197,9 @@ class MigReading(NamedTuple):
     identity: MigDeviceIdentity
     memory: MemoryInfo | None
     processes: tuple[ProcessInfo, ...]
-    processes_read: bool = False  # nvmlDeviceGetComputeRunningProcesses answered this tick
+    # nvmlDeviceGetComputeRunningProcesses answered this tick; no default, so that a reading
+    # built without saying so does not pass for a device whose processes were not listed
+    processes_read: bool
     processes_error: str = ""  # why it did not, when the device itself was read
     memory_error: str = ""  # why nvmlDeviceGetMemoryInfo did not, when the device was read
 

@@ -16,10 +16,12 @@ timestamp in the future) exits non-zero with the reason and changes nothing.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
-from gpud.cli.context import EXIT_USAGE, UINT32, UINT64, CliError, Context, Subparsers
+from gpud.cli.context import EXIT_USAGE, UINT32, UINT64, CliError, Context, Subparsers, number
 from gpud.cli.output import NA, seconds
+from gpud.shared import MAX_IDEAL_S
 from gpud.v1 import net_pb2 as pb
 from gpud.v1 import net_pb2_grpc as pb_grpc
 
@@ -38,6 +40,9 @@ JOB_HEADERS = (
 LEVEL_HEADERS = ("LEVEL", "MIN SHARE", "JOBS", "SENT", "PKTS", "DROPS")
 IFACE_HEADERS = ("INTERFACE", "RATE", "ENFORCED", "REPAIRS", "ERROR")
 
+# any finite time from the epoch on; gpud holds it to its own clock (not in the future)
+_UNIX_SECONDS = number(0, sys.float_info.max)
+
 
 def _level(text: str) -> int:
     """``--level``: gpud checks it against ``traffic.levels``; here, what a level is."""
@@ -46,6 +51,17 @@ def _level(text: str) -> int:
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a level: 0 (the highest priority) up to traffic.levels - 1"
+        ) from None
+
+
+def _timestamp(text: str) -> float:
+    """``--timestamp``: refused here (NaN, infinities, before 1970) naming the flag, rather
+    than by gpud naming the API field."""
+    try:
+        return _UNIX_SECONDS(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not unix seconds: a finite number >= 0"
         ) from None
 
 
@@ -60,9 +76,13 @@ def register(subparsers: Subparsers) -> None:
     report = commands.add_parser("report", help="report a job's completed iterations")
     report.add_argument("--job", required=True, metavar="NAME")
     report.add_argument("--iterations", required=True, type=UINT64, metavar="N")
-    report.add_argument("--timestamp", type=float, metavar="UNIX", help="default: now")
+    report.add_argument("--timestamp", type=_timestamp, metavar="UNIX", help="default: now")
+    # the range ReportProgress takes (gpud also refuses under a microsecond)
     report.add_argument(
-        "--ideal", type=float, metavar="SECONDS", help="contention-free iteration time"
+        "--ideal",
+        type=number(0, MAX_IDEAL_S, above=True),
+        metavar="SECONDS",
+        help=f"contention-free iteration time, over 0 and at most {MAX_IDEAL_S:g}",
     )
     report.add_argument("--session", default="", help="a restarted job's new session id")
     report.set_defaults(run=run_report)

@@ -44,7 +44,7 @@ def gpu_sample(
 ) -> GpuSample:
     """A GPU; with ``migs`` ((profile, memory GiB), ...) it is in MIG mode with those devices.
     ``used_gib``: its memory reading (none without); ``processes_read``: whether NVML listed
-    its processes."""
+    its processes (its MIG devices' are listed)."""
     ident = GpuIdentity(
         index=index,
         uuid=gpu_uuid(index),
@@ -70,6 +70,7 @@ def gpu_sample(
             ),
             memory=None,
             processes=(mig_processes or {}).get(i, ()),
+            processes_read=True,
         )
         for i, (profile, mem) in enumerate(migs)
     )

@@ -358,6 +358,21 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
             "--level: '99999999999' is not a level",
         ),
         (("net", "report", "--job", "a", "--iterations", str(2**64)), "--iterations: 1844"),
+        # a report's numbers are refused naming the flag, not the API field gpud would name
+        *(
+            (
+                ("net", "report", "--job", "a", "--iterations", "1", f"--ideal={ideal}"),
+                f"--ideal: {ideal} is not over 0 and at most 86400",
+            )
+            for ideal in ("nan", "inf", "-inf", "0.0", "-1.0", "86401.0")
+        ),
+        *(
+            (
+                ("net", "report", "--job", "a", "--iterations", "1", f"--timestamp={ts}"),
+                f"--timestamp: {ts!r} is not unix seconds: a finite number >= 0",
+            )
+            for ts in ("nan", "inf", "-inf", "-1", "1e400", "now")
+        ),
         (("jobs", "add", "x", "--threads", "5000000000"), "--threads: 5000000000 is not in 1..100"),
         (("run", "--job", "x", "--threads", "0", "--", "true"), "--threads: 0 is not in 1..100"),
         (("jobs", "add", "x", "--gpus", "-1"), "--gpus: -1 is not in 0..4294967295"),

@@ -439,7 +439,7 @@ def test_mig_readings_leave_a_destroyed_device_empty() -> None:
     be.destroy_compute_instance(0, devices[1].gpu_instance_id, devices[1].compute_instance_id)
     readings = be.mig_readings(0, devices)
     assert readings.devices[0].memory is not None
-    assert readings.devices[1] == port.MigReading(devices[1], None, ())
+    assert readings.devices[1] == port.MigReading(devices[1], None, (), False)
     ((mig, err),) = readings.errors
     assert mig == 1 and isinstance(err, BackendError) and err.gpu == 0
     node.faults.lose(0)

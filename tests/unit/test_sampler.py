@@ -139,10 +139,10 @@ class FakeBackend:
             except GpuLost:
                 raise
             except BackendError as err:
-                out.append(MigReading(dev, None, ()))
+                out.append(MigReading(dev, None, (), False))
                 errors.append((dev.mig, err))
                 continue
-            out.append(MigReading(dev, memory, processes))
+            out.append(MigReading(dev, memory, processes, True))
         return MigReadings(tuple(out), tuple(errors))
 
     def utilization(self, gpu: int) -> Utilization:
