@@ -48,8 +48,11 @@ MAX_SLO_MS = 3_600_000.0
 # The peak load, in requests/s, an inference service may declare (``colo advise
 # --peak-load`` and the API field behind it): more is a mistake, or a unit.
 MAX_PEAK_LOAD = 1e7
-# The longest contention-free iteration time a progress report may declare (``net report
-# --ideal`` and the API field behind it): a day; more is a unit mistake.
+# The contention-free iteration times a progress report may declare (``net report --ideal``
+# and the API field behind it): from netshaper.progress.MIN_ITERATION_S (no iteration is
+# shorter; equal by a unit test, as gpuctl imports no netshaper) to a day (more is a unit
+# mistake).
+MIN_IDEAL_S = 1e-6
 MAX_IDEAL_S = 86400.0
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)

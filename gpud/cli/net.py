@@ -21,7 +21,7 @@ import time
 
 from gpud.cli.context import EXIT_USAGE, UINT32, UINT64, CliError, Context, Subparsers, number
 from gpud.cli.output import NA, seconds
-from gpud.shared import MAX_IDEAL_S
+from gpud.shared import MAX_IDEAL_S, MIN_IDEAL_S
 from gpud.v1 import net_pb2 as pb
 from gpud.v1 import net_pb2_grpc as pb_grpc
 
@@ -40,8 +40,8 @@ JOB_HEADERS = (
 LEVEL_HEADERS = ("LEVEL", "MIN SHARE", "JOBS", "SENT", "PKTS", "DROPS")
 IFACE_HEADERS = ("INTERFACE", "RATE", "ENFORCED", "REPAIRS", "ERROR")
 
-# any finite time from the epoch on; gpud holds it to its own clock (not in the future)
-_UNIX_SECONDS = number(0, sys.float_info.max)
+# any finite time after the epoch; gpud holds it to its own clock (not in the future)
+_UNIX_SECONDS = number(0, sys.float_info.max, above=True)
 
 
 def _level(text: str) -> int:
@@ -61,7 +61,7 @@ def _timestamp(text: str) -> float:
         return _UNIX_SECONDS(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not unix seconds: a finite number >= 0"
+            f"{text!r} is not unix seconds: a finite number over 0"
         ) from None
 
 
@@ -77,12 +77,12 @@ def register(subparsers: Subparsers) -> None:
     report.add_argument("--job", required=True, metavar="NAME")
     report.add_argument("--iterations", required=True, type=UINT64, metavar="N")
     report.add_argument("--timestamp", type=_timestamp, metavar="UNIX", help="default: now")
-    # the range ReportProgress takes (gpud also refuses under a microsecond)
+    # the range ReportProgress takes
     report.add_argument(
         "--ideal",
-        type=number(0, MAX_IDEAL_S, above=True),
+        type=number(MIN_IDEAL_S, MAX_IDEAL_S),
         metavar="SECONDS",
-        help=f"contention-free iteration time, over 0 and at most {MAX_IDEAL_S:g}",
+        help=f"contention-free iteration time, {MIN_IDEAL_S:g} to {MAX_IDEAL_S:g}",
     )
     report.add_argument("--session", default="", help="a restarted job's new session id")
     report.set_defaults(run=run_report)

@@ -58,11 +58,11 @@ from gpud.net.latest import LatestWorker
 from gpud.net.port import JobTraffic, LocalReport, OrderResult, TrafficCounters
 from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore
-from gpud.shared import MAX_IDEAL_S
+from gpud.shared import MAX_IDEAL_S, MIN_IDEAL_S
 from netshaper import tcplan
 from netshaper.ethtool import link_speed_mbps
 from netshaper.leveller import Leveller, LevellerConfig
-from netshaper.progress import MIN_ITERATION_S, ProgressConfig, ProgressTracker
+from netshaper.progress import ProgressConfig, ProgressTracker
 from netshaper.weights import demand_weights
 
 log = logging.getLogger(__name__)
@@ -71,10 +71,9 @@ log = logging.getLogger(__name__)
 _PIDS_SHOWN = 8
 # a job's demand is known once this many iterations were counted against its bytes
 _DEMAND_MIN_ITERATIONS = 3
-# a job's declared contention-free iteration time (ReportProgress); the tracker takes a
-# step faster than the minimum for a counter that leapt; the maximum is gpud.shared's, as
-# gpuctl checks it too
-MIN_IDEAL_S = MIN_ITERATION_S
+# a job's declared contention-free iteration time (ReportProgress) is held to
+# gpud.shared's range, as gpuctl checks it too; the tracker takes a step faster than the
+# minimum for a counter that leapt
 # seconds between tries of a NIC map write that failed, while the map wanted stays the same
 RDMA_RETRY_S = 10.0
 # seconds between read-backs of a NIC map that was written (one `dcb app show` per netdev)

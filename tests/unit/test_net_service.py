@@ -860,3 +860,12 @@ def test_a_removed_jobs_cgroup_that_still_holds_processes_is_said_once(rig: Rig)
     (rig.cgroups.dir("a") / "cgroup.procs").unlink()  # they exited
     rig.service.tick()
     assert not rig.cgroups.dir("a").exists()
+
+
+def test_the_shortest_declared_iteration_is_the_trackers_shortest_iteration() -> None:
+    # gpuctl checks `net report --ideal` against gpud.shared's bound (it imports no
+    # netshaper); gpud and its tracker hold reports to netshaper's
+    from gpud.shared import MIN_IDEAL_S
+    from netshaper.progress import MIN_ITERATION_S
+
+    assert MIN_IDEAL_S == MIN_ITERATION_S
