@@ -83,6 +83,19 @@ def number(low: float, high: float, *, above: bool = False) -> Callable[[str], f
     return _ranged(float, "a number", low, high, above=above)
 
 
+def described(parse: Callable[[str], T], what: str) -> Callable[[str], T]:
+    """``parse`` (an argparse ``type``) whose refusal says what the flag takes instead of
+    its bare range: ``'x' is not WHAT``."""
+
+    def parse_described(text: str) -> T:
+        try:
+            return parse(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+    return parse_described
+
+
 def slo_ms(text: str) -> float:
     """An argparse ``type``: a p99 latency SLO in milliseconds, held to the range the
     daemon takes (:func:`gpud.shared.check_slo_ms`), so that an absurd one is a usage error

@@ -19,7 +19,16 @@ import argparse
 import sys
 import time
 
-from gpud.cli.context import EXIT_USAGE, UINT32, UINT64, CliError, Context, Subparsers, number
+from gpud.cli.context import (
+    EXIT_USAGE,
+    UINT32,
+    UINT64,
+    CliError,
+    Context,
+    Subparsers,
+    described,
+    number,
+)
 from gpud.cli.output import NA, seconds
 from gpud.shared import MAX_IDEAL_S, MIN_IDEAL_S
 from gpud.v1 import net_pb2 as pb
@@ -40,29 +49,13 @@ JOB_HEADERS = (
 LEVEL_HEADERS = ("LEVEL", "MIN SHARE", "JOBS", "SENT", "PKTS", "DROPS")
 IFACE_HEADERS = ("INTERFACE", "RATE", "ENFORCED", "REPAIRS", "ERROR")
 
-# any finite time after the epoch; gpud holds it to its own clock (not in the future)
-_UNIX_SECONDS = number(0, sys.float_info.max, above=True)
-
-
-def _level(text: str) -> int:
-    """``--level``: gpud checks it against ``traffic.levels``; here, what a level is."""
-    try:
-        return UINT32(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a level: 0 (the highest priority) up to traffic.levels - 1"
-        ) from None
-
-
-def _timestamp(text: str) -> float:
-    """``--timestamp``: refused here (NaN, infinities, before 1970) naming the flag, rather
-    than by gpud naming the API field."""
-    try:
-        return _UNIX_SECONDS(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not unix seconds: a finite number over 0"
-        ) from None
+# ``--level``: gpud checks it against ``traffic.levels``; here, what a level is
+_level = described(UINT32, "a level: 0 (the highest priority) up to traffic.levels - 1")
+# ``--timestamp``: NaN, infinities and times before 1970 refused here, naming the flag,
+# rather than by gpud naming the API field; gpud holds it to its own clock (not in the future)
+_timestamp = described(
+    number(0, sys.float_info.max, above=True), "unix seconds: a finite number over 0"
+)
 
 
 def register(subparsers: Subparsers) -> None:
