@@ -20,9 +20,9 @@ An apply that may reset GPUs is waited for up to 10 minutes (resets take a while
 A faulty GPU (lost, not answering) is shown with its reason and left alone while the others
 are shown, applied, checked or exported: the command then exits 11 (partial). A GPU whose
 MIG devices' processes alone cannot be listed is no faulty GPU: its instances are shown with
-``?`` for processes and the reason on the GPU's line (``--json``: ``processes_unknown``); one
-whose MIG devices' memory alone cannot be read likewise, with ``?`` for memory used
-(``memory_unknown``).
+``?`` for processes and the reason on the GPU's line (``--json``: ``processes_unknown``,
+``processes`` null); one whose MIG devices' memory alone cannot be read likewise, with ``?``
+for memory used (``memory_unknown``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Display strings ("-" for a reading the device does not report, "12.3 GiB") exist only here.
 ``--json`` prints protobuf messages as plain JSON values with the proto field names: numbers
 stay numbers (also 64-bit ones, which protobuf's own JSON mapping turns into strings) and an
-absent optional reading is ``null``.
+absent optional reading is ``null``; so is a list the driver did not give, one whose
+``<name>_unknown`` beside it says why (``processes`` beside ``processes_unknown``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ _WELL_KNOWN_JSON = {
     "google.protobuf.Timestamp",
     "google.protobuf.Duration",
 }
+_UNKNOWN = "_unknown"  # "processes_unknown": why the list "processes" was not read
 
 
 def _whole_numbers(value: Any) -> Any:
@@ -55,7 +57,8 @@ def _value(fd: Any, value: Any) -> Any:
 
 
 def message_to_dict(msg: Message) -> Any:
-    """``msg`` as JSON values; unset sub-messages and optional scalars are ``None``."""
+    """``msg`` as JSON values; unset sub-messages and optional scalars are ``None``, as is a
+    list with a reason beside it why it was not read."""
     from google.protobuf import json_format
 
     if msg.DESCRIPTOR.full_name in _STRUCT_TYPES:
@@ -74,6 +77,13 @@ def message_to_dict(msg: Message) -> Any:
             out[fd.name] = None
         else:
             out[fd.name] = _value(fd, value)
+    # On the wire an unread list is empty, as is a list of none: the reason beside it tells
+    # them apart. A script reading only the list must not take "not listed" for "none run".
+    for fd in msg.DESCRIPTOR.fields:
+        if fd.name.endswith(_UNKNOWN) and fd.type == fd.TYPE_STRING and getattr(msg, fd.name):
+            listed = msg.DESCRIPTOR.fields_by_name.get(fd.name.removesuffix(_UNKNOWN))
+            if listed is not None and listed.is_repeated:
+                out[listed.name] = None
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -19,7 +20,13 @@ from gpud.cli.output import Output, format_table, seconds
 from gpud.errors import GpuLost
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import GpuSample, SeenIdentity, Snapshot
-from tests.unit.api_support import FakeFaults, ServerThread, make_servicer, short_dir
+from tests.unit.api_support import (
+    FakeFaults,
+    ServerThread,
+    make_servicer,
+    make_snapshot,
+    short_dir,
+)
 
 
 @pytest.fixture
@@ -132,6 +139,31 @@ def test_gpus_json_has_numbers_and_nulls(
     assert [d["uuid"][:6] for d in gpus[1]["mig_devices"]] == ["MIG-10", "MIG-11"]
     assert gpus[1]["mig_devices"][1]["memory"] is None
     assert gpus[2]["healthy"] is False and gpus[2]["reason"] == "GPU lost"
+    # a process list not read is null beside why, never [] ("none run")
+    assert gpus[0]["processes_unknown"] == ""
+    assert gpus[1]["processes"] is None and "Not Supported" in gpus[1]["processes_unknown"]
+    assert gpus[2]["processes"] is None and gpus[2]["processes_unknown"] == "GPU lost"
+    assert [p["pid"] for p in gpus[1]["mig_devices"][0]["processes"]] == [4242]
+
+
+def test_gpus_json_a_mig_device_whose_processes_were_not_read_has_null_processes(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path
+) -> None:
+    snap = make_snapshot()
+    full, with_mig, lost = snap.gpus
+    unread = with_mig.mig_devices[1]._replace(
+        processes=(),
+        processes_read=False,
+        processes_error="nvmlDeviceGetComputeRunningProcesses failed on GPU 1: Not Supported",
+    )
+    with_mig = with_mig._replace(mig_devices=(with_mig.mig_devices[0], unread))
+    snap = dataclasses.replace(snap, gpus=(full, with_mig, lost))
+    path = sock_dir / "gpud.sock"
+    with ServerThread(ApiServer(path, servicers=[make_servicer(snapshot=lambda: snap).register])):
+        code, out, _ = run(capsys, "--json", "--socket", str(path), "gpus", "--gpu", "1")
+    listed, not_listed = json.loads(out)["gpus"][0]["mig_devices"]
+    assert code == 0 and listed["processes_unknown"] == "" and listed["processes"]
+    assert not_listed["processes"] is None and "Not Supported" in not_listed["processes_unknown"]
 
 
 def _lost_before_start() -> Snapshot:

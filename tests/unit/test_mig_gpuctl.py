@@ -345,12 +345,23 @@ def test_show_keeps_the_instances_of_a_gpu_whose_processes_cannot_be_listed(
     assert code == 0 and gpu0["fault"] == "" and len(gpu0["instances"]) == 7
     assert gpu0["profiles"]
     first = next(i for i in gpu0["instances"] if i["uuid"] == mig_uuid)
-    assert first["processes"] == [] and "Not Supported" in first["processes_unknown"]
+    # null, not [] ("none run"), beside why
+    assert first["processes"] is None and "Not Supported" in first["processes_unknown"]
+    assert all(i["processes"] is None for i in gpu0["instances"])
     assert first["memory_used_bytes"] >= 3 * GIB
     # nothing shows the instances idle: destroying them is refused unless forced
     code, out, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "all-7g.80gb")
     assert code == 11 and "faulty GPUs left alone: 0" in err
     assert "cannot list its processes" in out
+    # --json: the whole outcome is the one document on stdout; stderr has the note for people
+    code, out, err = gpuctl(
+        capsys, node, "--json", "mig", "apply", "-f", CONFIG, "-c", "all-7g.80gb"
+    )
+    doc = json.loads(out)
+    assert code == 11 and (doc["config_name"], doc["result"]) == ("all-7g.80gb", "partial")
+    assert [(g["gpu"], g["status"]) for g in doc["gpus"]] == [(0, "faulty"), (1, "ok")]
+    assert "cannot list its processes" in doc["gpus"][0]["detail"]
+    assert err.startswith("gpuctl: faulty GPUs left alone: 0")
     code, out, _ = gpuctl(capsys, node, "mig", "assert", "-f", CONFIG, "-c", "all-1g.10gb")
     assert code == 1  # GPU 1 was applied; GPU 0 kept its instances
     assert not any(line.startswith("GPU 0") for line in out.splitlines()), out
