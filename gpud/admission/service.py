@@ -10,7 +10,9 @@ Tables (in the daemon's ``state.db``, beside ``jobs`` and ``job_reservations``):
 - ``job_history``: one row per reservation: when it was asked for, started, ended, the
   quote it was given, and how it ended (its command's exit status, or what released it:
   :class:`~gpud.jobs.ends.EndCause`). The quotes are estimated from it; ``gpuctl jobs
-  history --json`` exports it.
+  history --json`` exports it. A run ``gpuctl jobs rm --force`` removed ends at the
+  removal until its ``gpuctl run`` reports the command's exit (``reported_at``): the row
+  then ends there, as the run did.
 
 Every reservation, queued or not, passes :meth:`AdmissionService.gate`: a job that fits now
 still waits if starting it could delay the head of the queue.
@@ -87,12 +89,13 @@ SCHEMA = (
         quote_s REAL,
         exit_code INTEGER,
         exit_signal INTEGER,
-        end_cause TEXT
+        end_cause TEXT,
+        reported_at REAL
     )""",
     "CREATE INDEX IF NOT EXISTS job_history_queued ON job_history (queued_at)",
 )
 # Columns added since the first version of these tables: an older state.db gets them at start.
-ADDED = {"job_history": ("exit_code", "exit_signal", "end_cause")}
+ADDED = {"job_history": ("exit_code", "exit_signal", "end_cause", "reported_at")}
 
 QUEUED, STARTED, LEFT = "queued", "started", "left"
 # Started and left rows are kept this long for a waiting gpuctl to read, then dropped.
@@ -663,15 +666,27 @@ class AdmissionService:
         )
 
     def _removed_run_ended(self, reservation_id: str, end: RunEnd) -> bool:
-        """The exit status of a run whose reservation ``gpuctl jobs rm --force`` released
-        while it ran, as its ``gpuctl run`` reports it once the command has exited: kept in
-        the row the removal ended, beside its cause (``removed``), once. False when no such
-        row waits for it."""
+        """The end of a run whose reservation ``gpuctl jobs rm --force`` released while it
+        ran, as its ``gpuctl run`` reports it once the command has exited: the row the
+        removal ended now ends here, when the command did (what the quotes take for its
+        run time), with its exit status if the report has one, beside its cause
+        (``removed``); once. False when no such row waits for it."""
+        now = self._clock()
         with self._store.transaction() as conn:
+            # a row of an earlier gpud that kept an exit status, but no reported_at, has
+            # had its report
             kept = conn.execute(
-                "UPDATE job_history SET exit_code = ?, exit_signal = ? WHERE reservation = ?"
-                " AND end_cause = ? AND exit_code IS NULL AND exit_signal IS NULL",
-                (end.exit_code, end.exit_signal, reservation_id, EndCause.REMOVED.value),
+                "UPDATE job_history SET ended_at = ?, reported_at = ?, exit_code = ?,"
+                " exit_signal = ? WHERE reservation = ? AND end_cause = ?"
+                " AND reported_at IS NULL AND exit_code IS NULL AND exit_signal IS NULL",
+                (
+                    now,
+                    now,
+                    end.exit_code,
+                    end.exit_signal,
+                    reservation_id,
+                    EndCause.REMOVED.value,
+                ),
             )
         return kept.rowcount > 0
 

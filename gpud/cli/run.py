@@ -392,7 +392,8 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
         except CliError as err:
-            # released already: `gpuctl jobs rm --force` with a gpud that keeps no late status
+            # released already: `gpuctl jobs rm --force` with a gpud that keeps no late end,
+            # or one that had this run's end already
             if err.exit_code == EXIT_NOT_FOUND:
                 print(f"gpuctl: reservation {reservation} was released already", file=sys.stderr)
             else:  # gpud releases it by itself once this process is gone

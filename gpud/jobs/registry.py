@@ -9,6 +9,7 @@ processes that run them and the daemon itself.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sqlite3
 import time
@@ -18,8 +19,10 @@ from enum import StrEnum
 
 from gpud.errors import AlreadyExists, InvalidArgument, NotFound
 from gpud.mps import protocol
-from gpud.shared import check_slo_ms
+from gpud.shared import MAX_SLO_MS, MIN_SLO_MS, check_slo_ms
 from gpud.store import StateStore
+
+log = logging.getLogger(__name__)
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS jobs (
@@ -126,6 +129,33 @@ class JobRegistry:
         self._store = store
         self._clock = clock
         store.ensure_schema(SCHEMA)
+        self._clamp_slos()
+
+    def _clamp_slos(self) -> None:
+        """Bring each stored p99 SLO outside what :func:`check_slo_ms` takes now to the
+        nearest end of that range, in the row, with a warning naming the job: a job an
+        earlier gpud registered with a tighter SLO (it took anything above zero) would
+        otherwise have every question that carries its SLO (``gpuctl colo advise``, the
+        advice ``gpuctl run`` asks for) refused until it was registered again. None could
+        be met or measured below the floor, so the guard loses nothing it could keep."""
+        with self._store.transaction() as conn:
+            rows = conn.execute(
+                "SELECT name, slo_p99_ms FROM jobs WHERE slo_p99_ms < ? OR slo_p99_ms > ?",
+                (MIN_SLO_MS, MAX_SLO_MS),
+            ).fetchall()
+            for row in rows:
+                slo = min(max(row["slo_p99_ms"], MIN_SLO_MS), MAX_SLO_MS)
+                conn.execute("UPDATE jobs SET slo_p99_ms = ? WHERE name = ?", (slo, row["name"]))
+                log.warning(
+                    "job %s: its stored p99 SLO %g ms is outside %g..%.0f ms; it is %g ms now"
+                    " (`gpuctl jobs rm %s` and `gpuctl jobs add` again to choose another)",
+                    row["name"],
+                    row["slo_p99_ms"],
+                    MIN_SLO_MS,
+                    MAX_SLO_MS,
+                    slo,
+                    row["name"],
+                )
 
     def add(self, spec: JobSpec) -> JobSpec:
         spec = validate_spec(spec)

@@ -75,7 +75,8 @@ ReservationObserver = Callable[[str, Reservation, JobSpec, RunEnd | None], None]
 RemovalHook = Callable[[str, bool], None]
 # Called when a run's end comes after its reservation went (``gpuctl jobs rm --force``
 # released it while the run ran; its ``gpuctl run`` reports the command's exit once it has
-# exited), with the reservation's id and that end: True when it kept the end for that run.
+# exited, with its status or, when it has none, without), with the reservation's id and
+# that end: True when it kept the end for that run.
 LateEnd = Callable[[str, RunEnd], bool]
 # Where a job may start now, given its effective spec: its devices; raise ResourceExhausted
 # (the admission queue's own check, so that no job jumps the queue); None: no opinion.
@@ -490,17 +491,16 @@ class JobService:
 
     def release(self, reservation_id: str, end: RunEnd = NO_STATUS) -> Reservation | None:
         """Release a reservation; ``end``: how its run ended, for the job history. None: a
-        reservation ``gpuctl jobs rm --force`` released while its run ran, whose exit status
-        ``end`` gives (once): kept for that run beside what ended it. Any other reservation
-        not held raises NotFound."""
+        reservation ``gpuctl jobs rm --force`` released while its run ran, whose end comes
+        now (once, with an exit status or none): kept for that run beside what ended it.
+        Any other reservation not held raises NotFound."""
         with self.store.transaction():
             try:
                 reservation = self.reservations.release(reservation_id)
             except NotFound:
                 kept = False
-                if end.cause is EndCause.EXITED:  # a release with no status has none to keep
-                    for keep in self._late_ends:
-                        kept = keep(reservation_id, end) or kept
+                for keep in self._late_ends:
+                    kept = keep(reservation_id, end) or kept
                 if not kept:
                     raise
                 return None

@@ -18,6 +18,7 @@ from gpud.admission.service import (
     QUEUED,
     STARTED,
     AdmissionService,
+    HistoryRow,
     run_request_to_json,
 )
 from gpud.config import AdmissionConfig, from_dict
@@ -403,8 +404,8 @@ def test_a_run_removed_while_it_ran_keeps_its_exit_status_beside_the_cause(
 ) -> None:
     """`gpuctl jobs rm --force` releases a running job's reservation and the history says
     `removed`; the release its `gpuctl run` sends once the command has exited (SIGTERM)
-    adds the command's exit status to that row, once, and is no NotFound. A release with
-    no status, a second one, or one of a run that ended otherwise changes nothing."""
+    adds the command's exit status to that row, once, and is no NotFound. A second one, or
+    one of a run that ended otherwise changes nothing."""
     from gpud.errors import NotFound
 
     def run(job: str) -> str:
@@ -423,8 +424,6 @@ def test_a_run_removed_while_it_ran_keeps_its_exit_status_beside_the_cause(
     assert ended("term") == (None, 15, "removed")
     with pytest.raises(NotFound):  # once
         node.jobs.release(term, RunEnd(EndCause.EXITED, exit_code=0))
-    with pytest.raises(NotFound):  # nothing to keep
-        node.jobs.release(plain)
     with pytest.raises(NotFound):  # not removed: its end is kept already
         node.jobs.release(done, RunEnd(EndCause.EXITED, exit_code=1))
     with pytest.raises(NotFound):
@@ -436,6 +435,41 @@ def test_a_run_removed_while_it_ran_keeps_its_exit_status_beside_the_cause(
     assert ended("plain") == (3, None, "removed")
     shown = {h.job: history_message(h) for h in node.admission.history()}
     assert shown["term"].exit_signal == 15 and shown["term"].end_cause == "removed"
+
+
+def test_a_removed_run_ends_in_the_history_when_its_command_exits(node: Node) -> None:
+    """A run `gpuctl jobs rm --force` removed ends at the removal until its `gpuctl run`
+    reports the command's exit: then at that report, which the quotes take for its run
+    time; a report with no exit status moves the end as well (no NotFound), once. A run
+    that never reports keeps the removal's time."""
+    from gpud.errors import NotFound
+
+    def run(job: str) -> str:
+        return node.jobs.reserve(RunRequest(job=job)).reservation.id
+
+    def row(job: str) -> HistoryRow:
+        (h,) = [h for h in node.admission.history() if h.job == job]
+        return h
+
+    term, quiet = run("term"), run("quiet")
+    run("never")
+    node.clock.now = 1010.0
+    for job in ("term", "quiet", "never"):
+        node.jobs.remove(job, force=True)
+    assert [row(j).ended_at for j in ("term", "quiet", "never")] == [1010.0] * 3
+    node.clock.now = 1013.0  # the command exited 3 s after its SIGTERM
+    assert node.jobs.release(term, RunEnd(EndCause.EXITED, exit_code=0)) is None
+    node.clock.now = 1014.0
+    assert node.jobs.release(quiet) is None  # a gpuctl with no status to give
+    node.clock.now = 1020.0
+    with pytest.raises(NotFound):  # once
+        node.jobs.release(quiet)
+    with pytest.raises(NotFound):
+        node.jobs.release(term, RunEnd(EndCause.EXITED, exit_code=1))
+    got = {j: (row(j).ended_at, row(j).exit_code, row(j).end_cause) for j in ("term", "quiet")}
+    assert got == {"term": (1013.0, 0, "removed"), "quiet": (1014.0, None, "removed")}
+    assert (row("never").ended_at, row("never").end_cause) == (1010.0, "removed")
+    assert row("term").record().service_s == 13.0
 
 
 def test_a_release_says_how_the_run_ended_or_nothing(node: Node) -> None:

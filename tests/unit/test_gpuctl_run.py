@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
@@ -29,6 +29,9 @@ from gpud.shared import GIB
 from gpud.v1 import colo_pb2, colo_pb2_grpc, queue_pb2, queue_pb2_grpc
 from tests.unit.api_support import ServerThread
 from tests.unit.mps_support import gpu_sample, gpu_uuid, make_manager, mig_uuid, short_dir, snapshot
+
+if TYPE_CHECKING:
+    from gpud.admission.service import HistoryRow
 
 NODE = snapshot(
     gpu_sample(0, migs=(("3g.40gb", 40), ("3g.40gb", 40))), gpu_sample(1, memory_gib=80)
@@ -628,13 +631,12 @@ def test_gpuctl_run_tells_gpud_how_its_command_ended(node: Node) -> None:
     ]
 
 
-def test_a_run_whose_job_is_removed_keeps_its_exit_status_in_the_history(
-    node: Node, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """`gpuctl jobs rm --force` while `gpuctl run` runs: the command gets SIGTERM, and the
-    release its gpuctl then sends is taken, not NOT_FOUND: the history keeps both what
-    ended the run (`removed`) and how its command ended (SIGTERM)."""
+def removed_while_running(node: Node, command: list[str]) -> tuple[int, HistoryRow, float]:
+    """Run ``command`` as job ``w`` with `gpuctl run` and remove the job with `gpuctl jobs
+    rm --force` while it runs: gpuctl's exit status, the run's history row, and when the
+    removal returned."""
     import threading
+    import time
 
     from gpud.admission.service import AdmissionService
     from gpud.config import AdmissionConfig
@@ -645,7 +647,7 @@ def test_a_run_whose_job_is_removed_keeps_its_exit_status_in_the_history(
     )
     codes: list[int] = []
     run = threading.Thread(
-        target=lambda: codes.append(node.ctl("run", "--job", "w", "--", "sleep", "60"))
+        target=lambda: codes.append(node.ctl("run", "--job", "w", "--", *command))
     )
     run.start()
     try:
@@ -653,15 +655,42 @@ def test_a_run_whose_job_is_removed_keeps_its_exit_status_in_the_history(
             if node.jobs.reservations.held("w"):
                 break
             run.join(0.05)
+        time.sleep(0.3)  # the command is under way (a shell has set its trap)
         assert node.ctl("jobs", "rm", "--force", "w") == 0
+        removed = time.time()
     finally:
         run.join(30)
-    assert not run.is_alive() and codes == [128 + 15]
+    assert not run.is_alive()
+    (row,) = admission.history()
+    return codes[0], row, removed
+
+
+def test_a_run_whose_job_is_removed_keeps_its_exit_status_in_the_history(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpuctl jobs rm --force` while `gpuctl run` runs: the command gets SIGTERM, and the
+    release its gpuctl then sends is taken, not NOT_FOUND: the history keeps both what
+    ended the run (`removed`) and how its command ended (SIGTERM)."""
+    code, row, _ = removed_while_running(node, ["sleep", "60"])
+    assert code == 128 + 15
     err = capsys.readouterr().err
     assert "job w was removed (gpuctl jobs rm --force) while its command ran" in err
     assert "released already" not in err and "could not release" not in err
-    (row,) = admission.history()
     assert (row.exit_code, row.exit_signal, row.end_cause) == (None, 15, "removed")
+
+
+def test_a_removed_run_ran_until_its_command_exited(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A command that takes a while to exit after the SIGTERM of `gpuctl jobs rm --force`:
+    the history's end of its run (what `gpuctl jobs history` shows as RAN, and the quotes
+    take for its run time) is when it exited, as its gpuctl reports it, not the removal."""
+    slow = 'trap "sleep 1; exit 0" TERM; sleep 60 & wait'
+    code, row, removed = removed_while_running(node, ["sh", "-c", slow])
+    assert code == 0
+    assert "released already" not in capsys.readouterr().err
+    assert (row.exit_code, row.end_cause) == (0, "removed")
+    assert row.ended_at is not None and row.ended_at >= removed + 0.9
 
 
 class History(queue_pb2_grpc.QueueServicer):

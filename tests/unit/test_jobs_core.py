@@ -78,6 +78,34 @@ def test_registry_persists_jobs(tmp_path: Path) -> None:
     store.close()
 
 
+def test_a_stored_slo_outside_the_range_is_brought_into_it_on_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An earlier gpud took any p99 SLO above zero; the registry that loads such a row sets
+    it to the floor (what `gpuctl colo advise` and `gpuctl run` then take) in the row, and
+    warns once, naming the job; an SLO in range is left as it was."""
+    from gpud.shared import MIN_SLO_MS, check_slo_ms
+
+    store = StateStore(tmp_path)
+    reg = JobRegistry(store)
+    for name in ("tight", "ok"):
+        reg.add(JobSpec(name, JobKind.INFERENCE, slo_p99_ms=25.0))
+    with store.transaction() as conn:  # as the earlier gpud stored it
+        conn.execute("UPDATE jobs SET slo_p99_ms = 0.005 WHERE name = 'tight'")
+    with caplog.at_level("WARNING", logger="gpud.jobs.registry"):
+        reg = JobRegistry(store)
+    tight = reg.get("tight").slo_p99_ms
+    assert tight == MIN_SLO_MS and check_slo_ms(tight) == tight
+    assert reg.get("ok").slo_p99_ms == 25.0
+    (warning,) = caplog.messages
+    assert "job tight" in warning and "0.005 ms" in warning and "0.01 ms now" in warning
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gpud.jobs.registry"):
+        JobRegistry(store)  # the row was rewritten: no second warning
+    assert not caplog.messages
+    store.close()
+
+
 @pytest.mark.parametrize(
     ("spec", "field"),
     [
