@@ -17,6 +17,11 @@ nothing runs on it (the busy, ``--drain`` and ``--force`` rules apply), and the 
 created in the same apply; ``--skip-reset`` leaves it pending for the next reset or reboot.
 An apply that may reset GPUs is waited for up to 10 minutes (resets take a while).
 
+``--dry-run`` makes the apply's checks and changes nothing: it lists each GPU's steps and
+answers with the status words and exit code the apply would (``busy`` and exit 6: refused,
+processes run on instances it would destroy; ``faulty`` and exit 11: left alone). With
+``--drain`` it does not wait: it names the processes the apply would wait for.
+
 A faulty GPU (lost, not answering) is shown with its reason and left alone while the others
 are shown, applied, checked or exported: the command then exits 11 (partial). A GPU whose
 MIG devices' processes alone cannot be listed is no faulty GPU: its instances are shown with
@@ -33,7 +38,7 @@ from pathlib import Path
 
 from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
 from gpud.cli.output import NA, gib
-from gpud.errors import ERROR_TABLE, Partial
+from gpud.errors import ERROR_TABLE, FailedPrecondition, Partial
 from gpud.shared import MAX_DRAIN_SECONDS, MAX_LAYOUT_BYTES, read_small_text
 from gpud.v1 import mig_pb2 as pb
 from gpud.v1 import mig_pb2_grpc as pb_grpc
@@ -41,6 +46,8 @@ from gpud.v1 import mig_pb2_grpc as pb_grpc
 EXIT_DIFFERS = 1
 EXIT_FAILED = 1
 EXIT_PARTIAL = ERROR_TABLE[Partial][1]  # 11: done for the GPUs that answer
+# 6 (Busy, a FailedPrecondition): refused, processes run on what would be destroyed
+EXIT_BUSY = ERROR_TABLE[FailedPrecondition][1]
 # How long an apply that may reset GPUs is waited for: a reset takes seconds to tens of
 # seconds per GPU (nvidia-mig-parted apply blocks as long).
 _RESET_WAIT_S = 600.0
@@ -86,7 +93,11 @@ def register(subparsers: Subparsers) -> None:
     mode.add_argument(
         "--force", action="store_true", help="do not check for processes (the driver may refuse)"
     )
-    apply.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    apply.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what the apply would do and exit as it would; change nothing",
+    )
     apply.add_argument(
         "--skip-reset",
         action="store_true",
@@ -227,10 +238,13 @@ def run_apply(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.out.json:
         ctx.out.print_json(resp)
     else:
+        # a refused apply runs no step on any GPU: a dry run lists what --drain or --force
+        # would run
         verb = "would" if resp.dry_run else "did"
+        ran = "would be refused" if resp.result == "busy" else f"{verb} run"
         for o in resp.gpus:
             if o.steps:
-                ctx.out.print(f"GPU {o.gpu}: {o.status} ({len(o.steps)} steps {verb} run)")
+                ctx.out.print(f"GPU {o.gpu}: {o.status} ({len(o.steps)} steps {ran})")
                 for step in o.steps:
                     ctx.out.print(f"  {step.removeprefix(f'GPU {o.gpu}: ')}")
             else:
@@ -244,6 +258,13 @@ def run_apply(ctx: Context, args: argparse.Namespace) -> int:
             "gpud creates the instances after it",
             file=sys.stderr,
         )
+    if resp.result == "busy":  # only a dry run answers so: an apply is refused with Busy
+        print(
+            "gpuctl: the apply would be refused: processes run on instances it would destroy "
+            "(use --drain or --force)",
+            file=sys.stderr,
+        )
+        return EXIT_BUSY
     if resp.result == "partial":
         faulty = [str(o.gpu) for o in resp.gpus if o.status == "faulty"]
         print(

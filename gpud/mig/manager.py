@@ -14,6 +14,10 @@ by a lock, in this order for an apply:
    step re-planned from what the driver has, so that a crash at any point is finished by
    :meth:`MigManager.reconcile` at the next start without orphaned or duplicated instances.
 
+A dry run makes steps 1 to 3 (the busy checks once: it does not drain) and stops there: it
+answers what the apply would (``busy`` where the apply would be refused, ``faulty`` GPUs
+left alone, ``partial``) with each GPU's steps, and changes nothing.
+
 A MIG mode change the driver can only make at the next GPU reset (``nvidia-smi -mig 1``
 answering "pending", as on A100) is finished by resetting the GPU (``nvidia-smi --gpu-reset
 -i N``, :meth:`GpuBackend.reset_gpu`) once the busy checks above allow it, and the instances
@@ -259,12 +263,12 @@ class MigManager:
         except BackendError as err:
             return f"cannot list its processes: {err} (apply with --force to change it anyway)"
 
-    def _busy_error(
+    def _busy_parts(
         self,
         busy: dict[int, list[tuple[str, ProcessInfo]]],
         ids: dict[int, GpuIdentity],
-        waited_s: float | None,
-    ) -> Busy:
+    ) -> tuple[list[int], list[str], list[str]]:
+        """The pids, their jobs, and one line per process naming where it runs."""
         pids: list[int] = []
         jobs: list[str] = []
         parts = []
@@ -276,6 +280,15 @@ class MigManager:
                     jobs.append(job)
                 who = f"pid {p.pid}" + (f" (job {job})" if job else "")
                 parts.append(f"GPU {gpu} ({ids[gpu].product}) {where}: {who}")
+        return pids, jobs, parts
+
+    def _busy_error(
+        self,
+        busy: dict[int, list[tuple[str, ProcessInfo]]],
+        ids: dict[int, GpuIdentity],
+        waited_s: float | None,
+    ) -> Busy:
+        pids, jobs, parts = self._busy_parts(busy, ids)
         if waited_s is not None:
             head = f"processes still running after draining for {waited_s:.0f}s"
             # drain was asked for: what is left is a longer drain or force
@@ -372,28 +385,14 @@ class MigManager:
                 for i, reason in sorted(faulty.items())
             )
 
+        reset = not opts.skip_reset
         if dry_run:
-            preview = tuple(
-                GpuOutcome(
-                    i,
-                    by_index[i].uuid,
-                    tuple(s.describe() for s in p.steps),
-                    p.reset_pending,
-                    "ok" if p.empty else "differs",
-                )
-                for i, (_, p) in sorted(plans.items())
-            )
-            if faulty:
-                result = "partial"
-            elif all(o.status == "ok" for o in preview):
-                result = "noop"
-            else:
-                result = "success"
-            return ApplyResult(
-                name, result, tuple(sorted(preview + left_alone(), key=lambda o: o.gpu)), 0.0, True
+            # the checks the apply makes before it starts, once (a dry run does not drain)
+            busy = {} if opts.force else self._check_idle(plans, by_index, faulty, reset=reset)
+            return self._preview(
+                name, plans, by_index, busy=busy, opts=opts, left_alone=left_alone()
             )
 
-        reset = not opts.skip_reset
         if not wanted() or (
             not opts.force and not self._wait_idle(plans, by_index, opts, wanted, faulty)
         ):
@@ -450,6 +449,46 @@ class MigManager:
         )
         return ApplyResult(name, result, tuple(outcomes), duration)
 
+    def _preview(
+        self,
+        name: str,
+        plans: dict[int, tuple[GpuActual, GpuPlan]],
+        by_index: dict[int, GpuIdentity],
+        *,
+        busy: dict[int, list[tuple[str, ProcessInfo]]],
+        opts: ApplyOptions,
+        left_alone: tuple[GpuOutcome, ...],
+    ) -> ApplyResult:
+        """A dry run's answer, from the plans and busy checks the apply would have: each GPU
+        ``ok``, ``differs`` (with the steps the apply would take), ``busy`` (processes run
+        on what it would destroy: the apply would be refused, the result is ``busy``) or
+        ``faulty`` (left alone: the result is ``partial``). With ``drain`` the dry run does
+        not wait: a GPU with processes ``differs`` and names those the apply would wait for."""
+        refused = bool(busy) and not opts.drain
+        preview = list(left_alone)
+        for i, (_, plan) in sorted(plans.items()):
+            status, detail = ("ok" if plan.empty else "differs"), ""
+            if i in busy and refused:
+                status, detail = "busy", str(self._busy_error({i: busy[i]}, by_index, None))
+            elif i in busy:
+                waits = "; ".join(self._busy_parts({i: busy[i]}, by_index)[2])
+                detail = f"would first wait up to {opts.timeout_s:g} s for processes to leave: "
+                detail += waits
+            steps = tuple(s.describe() for s in plan.steps)
+            preview.append(
+                GpuOutcome(i, by_index[i].uuid, steps, plan.reset_pending, status, detail)
+            )
+        preview.sort(key=lambda o: o.gpu)
+        if refused:
+            result = "busy"
+        elif left_alone:
+            result = "partial"
+        elif all(o.status == "ok" for o in preview):
+            result = "noop"
+        else:
+            result = "success"
+        return ApplyResult(name, result, tuple(preview), 0.0, True)
+
     def _not_started(self, name: str, start: float) -> ApplyResult:
         duration = self._finish(
             name, "not_started", start, "the client had gone before it started", client_gone=True
@@ -471,26 +510,7 @@ class MigManager:
         started = self._monotonic()
         reset = not opts.skip_reset
         while True:
-            busy = {}
-            now_faulty = self._faulty_now()
-            for i, (actual, plan) in list(plans.items()):
-                if i in now_faulty:  # found hung or lost meanwhile: no call that could block
-                    faulty[i] = now_faulty[i]
-                    del plans[i]
-                    continue
-                try:
-                    b = self._busy_or_unlisted(by_index[i], actual, plan, reset=reset)
-                except FAULTS as err:
-                    log.warning("GPU %d turned faulty while draining: %s", i, err)
-                    faulty[i] = _fault_reason(err)
-                    del plans[i]
-                    continue
-                if isinstance(b, str):  # not waited on: listing again would not help
-                    log.warning("GPU %d left alone: %s", i, b)
-                    faulty[i] = b
-                    del plans[i]
-                elif b:
-                    busy[i] = b
+            busy = self._check_idle(plans, by_index, faulty, reset=reset)
             if not busy:
                 return True
             if not opts.drain:
@@ -501,6 +521,39 @@ class MigManager:
                 return False
             log.info("draining MIG instances on GPUs %s", sorted(busy))
             self._sleep(min(self._drain_poll_s, max(0.0, deadline - self._monotonic())))
+
+    def _check_idle(
+        self,
+        plans: dict[int, tuple[GpuActual, GpuPlan]],
+        by_index: dict[int, GpuIdentity],
+        faulty: dict[int, str],
+        *,
+        reset: bool,
+    ) -> dict[int, list[tuple[str, ProcessInfo]]]:
+        """One round of an apply's busy checks: the processes on what each plan disturbs, by
+        GPU. A GPU found faulty (lost, hung, or its processes cannot be listed) is moved from
+        ``plans`` to ``faulty``: it is left alone and the others go on."""
+        busy = {}
+        now_faulty = self._faulty_now()
+        for i, (actual, plan) in list(plans.items()):
+            if i in now_faulty:  # found hung or lost meanwhile: no call that could block
+                faulty[i] = now_faulty[i]
+                del plans[i]
+                continue
+            try:
+                b = self._busy_or_unlisted(by_index[i], actual, plan, reset=reset)
+            except FAULTS as err:
+                log.warning("GPU %d turned faulty while checking for processes: %s", i, err)
+                faulty[i] = _fault_reason(err)
+                del plans[i]
+                continue
+            if isinstance(b, str):  # not waited on: listing again would not help
+                log.warning("GPU %d left alone: %s", i, b)
+                faulty[i] = b
+                del plans[i]
+            elif b:
+                busy[i] = b
+        return busy
 
     def _converge(
         self, gpu: GpuIdentity, layout: DeviceLayout, *, force: bool, reset: bool

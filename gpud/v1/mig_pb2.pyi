@@ -306,7 +306,7 @@ class ApplyMigRequest(_message.Message):
     force: _builtins.bool
     """skip gpud's busy check (the driver may still refuse)"""
     dry_run: _builtins.bool
-    """plan only"""
+    """plan and check only, change nothing"""
     skip_reset: _builtins.bool
     """Leave a MIG mode change pending a GPU reset (A100) for the next reset or reboot instead
     of resetting the GPU (nvidia-smi --gpu-reset) and creating the instances.
@@ -381,7 +381,8 @@ class ApplyMigResponse(_message.Message):
     config_name: _builtins.str
     result: _builtins.str
     """success, noop, reset_pending, failed; partial: faulty GPUs (lost, not answering) were left
-    alone and the others applied
+    alone and the others applied; busy: only a dry run, the apply would be refused
+    (processes run on instances it would destroy)
     """
     duration_seconds: _builtins.float
     dry_run: _builtins.bool

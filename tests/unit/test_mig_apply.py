@@ -346,6 +346,35 @@ def test_force_skips_the_check_but_the_driver_still_refuses(
     assert d.mig.assert_config(config, "all-3g.40gb") == []
 
 
+def test_a_dry_run_makes_the_busy_checks_and_answers_as_the_apply_would(
+    host: Host, config: MigConfigFile
+) -> None:
+    """The apply would be refused: so is the dry run's result, with the steps it planned;
+    with force or drain it would go ahead. Nothing is changed, no apply is counted."""
+    d, _pid = _busy_setup(host, config)
+    before = instances(d)
+    dry = d.mig.apply(config, "all-3g.40gb", dry_run=True)
+    assert dry.result == "busy" and dry.dry_run, dry
+    assert [o.status for o in dry.gpus] == ["busy", "differs"]
+    assert "refusing to destroy" in dry.gpus[0].detail
+    assert "pid 4242 (job train-a)" in dry.gpus[0].detail
+    assert any("destroy GPU instance" in s for s in dry.gpus[0].steps)
+    with pytest.raises(Busy) as refused:
+        d.mig.apply(config, "all-3g.40gb")
+    assert dry.gpus[0].detail == str(refused.value)  # one GPU busy: the same words
+    forced = d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(force=True), dry_run=True)
+    assert forced.result == "success" and [o.status for o in forced.gpus] == ["differs"] * 2
+    drained = d.mig.apply(
+        config, "all-3g.40gb", options=ApplyOptions(drain=True, timeout_s=30), dry_run=True
+    )
+    assert drained.result == "success" and d.sleeps == []  # a dry run does not wait
+    assert [o.status for o in drained.gpus] == ["differs"] * 2
+    assert drained.gpus[0].detail.startswith("would first wait up to 30 s for processes")
+    assert "pid 4242 (job train-a)" in drained.gpus[0].detail
+    assert instances(d) == before
+    assert d.mig.stats.snapshot()[0]["busy"] == 1  # the real refusal only
+
+
 def test_restart_adopts_what_exists(host: Host, config: MigConfigFile) -> None:
     first = enable(host, config, "all-balanced")
     before = instances(first)
@@ -772,6 +801,44 @@ def test_a_gpu_whose_processes_cannot_be_listed_is_left_alone(
     forced = d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(force=True))
     assert forced.result == "success", forced
     assert d.mig.assert_config(config, "all-3g.40gb") == []
+
+
+def test_a_dry_run_leaves_a_gpu_whose_processes_cannot_be_listed_as_the_apply_would(
+    host: Host, config: MigConfigFile
+) -> None:
+    d = enable(host, config, "all-1g.10gb")
+    before = instances(d)
+    d.node.faults.not_supported(1, "processes")
+    dry = d.mig.apply(config, "all-3g.40gb", dry_run=True)
+    assert dry.result == "partial", dry
+    assert [o.status for o in dry.gpus] == ["differs", "faulty"]
+    assert dry.gpus[0].steps and dry.gpus[1].steps == ()
+    assert "cannot list its processes" in dry.gpus[1].detail
+    assert instances(d) == before
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert result.result == dry.result and result.gpus[1] == dry.gpus[1]
+    assert [o.status for o in result.gpus] == ["changed", "faulty"]
+    assert list(result.gpus[0].steps) == list(dry.gpus[0].steps)
+
+
+def test_a_dry_run_leaves_lost_and_hung_gpus_as_the_apply_would(
+    host: Host, config: MigConfigFile
+) -> None:
+    host.read_timeout_s = 0.2
+    d = enable(host, config, "all-1g.10gb")
+    before = instances(d)
+    d.node.faults.lose(1)
+    dry = d.mig.apply(config, "all-3g.40gb", dry_run=True)
+    assert dry.result == "partial" and [o.status for o in dry.gpus] == ["differs", "faulty"]
+    assert "GPU lost" in dry.gpus[1].detail
+    d.node.faults.clear(1)
+    d.node.faults.slow(1, 1.0)  # telemetry has not noticed yet
+    dry = d.mig.apply(config, "all-3g.40gb", dry_run=True)
+    assert dry.result == "partial" and [o.status for o in dry.gpus] == ["differs", "faulty"]
+    assert "not answering" in dry.gpus[1].detail
+    time.sleep(1.2)  # the stuck read returns
+    d.node.faults.clear(1)
+    assert instances(d) == before
 
 
 def test_an_apply_never_waits_on_a_hung_gpu_past_its_read_deadline(

@@ -371,6 +371,43 @@ def test_show_keeps_the_instances_of_a_gpu_whose_processes_cannot_be_listed(
     assert first["processes_unknown"] == "" and [p["pid"] for p in first["processes"]] == [777]
 
 
+def test_a_dry_run_exits_as_the_apply_would(capsys: pytest.CaptureFixture[str], node: Node) -> None:
+    """Refused (exit 6) while a process runs on an instance the apply would destroy;
+    partial (exit 11) with a GPU whose processes cannot be listed; each GPU's steps and
+    status word in the table and in --json; nothing changed."""
+    code, _, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "all-1g.10gb")
+    assert code == 0, err
+    mig_uuid = node.mig.show()[0].instances[0].uuid
+    node.sim.workloads.start(0, 777, 3 * GIB, 0.4, mig=mig_uuid)
+    node.jobs[777] = "infer-b"
+    dry = ("mig", "apply", "-f", CONFIG, "-c", "all-7g.80gb", "--dry-run")
+    code, out, err = gpuctl(capsys, node, *dry)
+    assert code == 6, (out, err)
+    assert "GPU 0: busy (16 steps would be refused)" in out
+    assert "pid 777 (job infer-b)" in out and "destroy GPU instance" in out
+    assert "GPU 1: differs" in out and "all-7g.80gb: busy" in out
+    assert err.startswith("gpuctl: the apply would be refused")
+    code, out, _ = gpuctl(capsys, node, "--json", *dry)
+    doc = json.loads(out)
+    assert code == 6 and doc["result"] == "busy" and doc["dry_run"]
+    assert [(g["gpu"], g["status"]) for g in doc["gpus"]] == [(0, "busy"), (1, "differs")]
+    assert doc["gpus"][0]["steps"] and "pid 777" in doc["gpus"][0]["detail"]
+    code, out, _ = gpuctl(capsys, node, *dry, "--force")
+    assert code == 0 and "GPU 0: differs (16 steps would run)" in out
+
+    node.sim.workloads.stop(777)
+    node.sim.faults.not_supported(0, "processes")
+    code, out, err = gpuctl(capsys, node, *dry)
+    assert code == 11 and "GPU 0: faulty" in out and "cannot list its processes" in out
+    assert "faulty GPUs left alone: 0; the others were planned" in err
+    code, out, _ = gpuctl(capsys, node, "--json", *dry)
+    doc = json.loads(out)
+    assert code == 11 and doc["result"] == "partial"
+    assert [(g["gpu"], g["status"]) for g in doc["gpus"]] == [(0, "faulty"), (1, "differs")]
+    code, _, _ = gpuctl(capsys, node, "mig", "assert", "-f", CONFIG, "-c", "all-1g.10gb")
+    assert code == 0  # the dry runs changed nothing
+
+
 def test_show_keeps_the_instances_of_a_gpu_whose_mig_memory_cannot_be_read(
     capsys: pytest.CaptureFixture[str], node: Node
 ) -> None:
