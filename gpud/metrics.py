@@ -10,7 +10,9 @@ What Prometheus sees (``curl -s localhost:9400/metrics | grep ^gpud_``):
 - per GPU, labels ``gpu`` (NVML index), ``uuid``, ``model`` (NVML's name; of a GPU not
   read since gpud started, lost or hung, as an earlier run last read them, so its series
   go on across the restart; empty when no run ever read it):
-  ``gpud_gpu_info`` (+ ``product``, ``pci_bus_id``), ``gpud_gpu_healthy``,
+  ``gpud_gpu_info`` (+ ``product``, ``pci_bus_id``; empty where not known: ``product`` of a
+  GPU not read since gpud started, whose static facts have no series of their own),
+  ``gpud_gpu_healthy``,
   ``gpud_gpu_unhealthy_info`` (+ ``reason``; only while unhealthy),
   ``gpud_gpu_sample_age_seconds``, ``gpud_gpu_memory_{total,used,free}_bytes``,
   ``gpud_gpu_utilization_ratio``, ``gpud_gpu_memory_utilization_ratio``,

@@ -66,9 +66,6 @@ def gpu(sample: GpuSample, *, now_monotonic: float) -> pb.Gpu:
     known = sample.known()
     msg = pb.Gpu(
         index=ident.index,
-        pci_device_id=ident.pci_device_id,
-        memory_total_bytes=ident.memory_total_bytes,
-        mig_capable=ident.mig_capable,
         healthy=sample.healthy,
         reason=sample.reason,
         sample_age_seconds=max(0.0, now_monotonic - sample.sampled_at),
@@ -85,6 +82,11 @@ def gpu(sample: GpuSample, *, now_monotonic: float) -> pb.Gpu:
     ):
         if value:
             setattr(msg, field, value)
+    # a GPU never read has only placeholder zeros: unset, not a device of 0 bytes without MIG
+    if ident.read:
+        msg.pci_device_id = ident.pci_device_id
+        msg.memory_total_bytes = ident.memory_total_bytes
+        msg.mig_capable = ident.mig_capable
     if sample.memory is not None:
         memory(sample.memory, msg.memory)
     if not sample.processes_read:

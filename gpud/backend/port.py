@@ -44,6 +44,13 @@ class GpuIdentity:
     pcie_link_gen: int | None = None
     pcie_link_width: int | None = None
 
+    @property
+    def read(self) -> bool:
+        """False for :func:`unknown_identity`: the GPU never answered ``nvmlDeviceGetUUID``
+        and the rest, so its zero size, PCI id and MIG capability are no facts (NVML always
+        gives a GPU it read a UUID)."""
+        return bool(self.uuid)
+
 
 def unknown_identity(index: int) -> GpuIdentity:
     """What a GPU is known as before its identity could ever be read (lost at start-up)."""

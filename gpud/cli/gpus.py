@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from gpud.cli.context import INT32, Context, Subparsers
-from gpud.cli.output import NA, gib, percent
+from gpud.cli.output import NA, UNKNOWN, gib, percent
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
@@ -38,12 +38,24 @@ def memory(m: pb.Memory, present: bool) -> str:
     return f"{gib(m.used_bytes)} / {gib(m.total_bytes)}" if present else NA
 
 
+def model(gpu: pb.Gpu) -> str:
+    """gpud's product key; else NVML's name; "?" for a GPU that never answered. A GPU not
+    read since gpud started shows the name an earlier run last read, marked as such: its
+    static facts (the size that picks the product) are not read."""
+    if gpu.product:
+        return gpu.product
+    if not gpu.name:
+        return UNKNOWN
+    # set once the GPU answered in this run (an older gpud sent 0, absent on the wire, else)
+    return gpu.name if gpu.HasField("memory_total_bytes") else f"{gpu.name} (last seen)"
+
+
 def gpu_row(gpu: pb.Gpu) -> tuple[str, ...]:
     health = "ok" if gpu.healthy else "UNHEALTHY"
     return (
         str(gpu.index),
-        gpu.product or gpu.name or NA,
-        short_uuid(gpu.uuid) if gpu.uuid else NA,
+        model(gpu),
+        short_uuid(gpu.uuid) if gpu.uuid else UNKNOWN,
         health,
         memory(gpu.memory, gpu.HasField("memory")),
         percent(gpu.utilization.gpu_ratio) if gpu.HasField("utilization") else NA,

@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Iterable
 
 from gpud.cli.context import EXIT_USAGE, UINT32, CliError, Context, Subparsers
-from gpud.cli.output import NA
+from gpud.cli.output import NA, UNKNOWN
 from gpud.errors import InvalidArgument
 from gpud.shared import format_size, parse_size
 from gpud.v1 import mps_pb2 as pb
@@ -90,13 +90,14 @@ def device_row(d: pb.MpsDevice) -> tuple[str, ...]:
     memory = format_size(d.memory_limit_bytes) if d.HasField("memory_limit_bytes") else "none"
     return (
         f"{d.gpu}:{d.mig}" if d.HasField("mig") else str(d.gpu),
-        d.profile,
-        d.uuid,
+        d.profile or UNKNOWN,  # "": a GPU never read (lost or hung since gpud started)
+        d.uuid or UNKNOWN,
         daemon,
         str(d.pid) if d.HasField("pid") else NA,
         threads,
-        # a GPU never read has no known size (0): not a device of 0 bytes
-        f"{memory} of {format_size(d.memory_total_bytes) if d.memory_total_bytes else NA}",
+        # a GPU never read has no known size: not a device of 0 bytes
+        f"{memory} of "
+        + (format_size(d.memory_total_bytes) if d.HasField("memory_total_bytes") else UNKNOWN),
         format_size(d.reserved_memory_bytes) if d.reserved_memory_bytes else "-",
         ",".join(d.jobs) or "-",
         str(d.restarts),

@@ -1,6 +1,7 @@
 """gpuctl's output: aligned tables for people, JSON for scripts.
 
-Display strings ("-" for a reading the device does not report, "12.3 GiB") exist only here.
+Display strings ("-" for a reading the device does not report, "?" for what gpud never read
+of a GPU that has not answered since it started, "12.3 GiB") exist only here.
 ``--json`` prints protobuf messages as plain JSON values with the proto field names: numbers
 stay numbers (also 64-bit ones, which protobuf's own JSON mapping turns into strings) and an
 absent optional reading is ``null``; so is a list the driver did not give, one whose
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
     from google.protobuf.message import Message
 
 NA = "-"  # a reading that is not supported or not read
+# a static fact (model, UUID, size) of a GPU that never answered: gpud does not know it
+UNKNOWN = "?"
 GIB = 1024**3
 _STRUCT_TYPES = {"google.protobuf.Struct", "google.protobuf.Value", "google.protobuf.ListValue"}
 _WELL_KNOWN_JSON = {

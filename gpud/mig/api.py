@@ -60,12 +60,13 @@ def gpu_message(view: GpuView) -> pb.MigGpu:
         index=ident.index,
         uuid=ident.uuid,
         product=ident.product,
-        mig_capable=ident.mig_capable,
         mig_current=bool(view.mode and view.mode.current),
         mig_pending=bool(view.mode and view.mode.pending),
         layout="" if view.fault else view.layout.describe(),
         fault=view.fault,
     )
+    if ident.read:  # else never read (lost or hung since gpud started): unknown, not False
+        msg.mig_capable = ident.mig_capable
     if view.desired is not None:
         msg.desired_config = view.desired.config_name
         msg.desired_layout = view.desired.layout.describe()

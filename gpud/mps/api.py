@@ -41,7 +41,6 @@ def device_message(s: MpsDeviceStatus, load: DeviceLoad | None) -> pb.MpsDevice:
         uuid=s.target.uuid,
         gpu=s.target.gpu,
         profile=s.target.profile,
-        memory_total_bytes=s.target.memory_total_bytes,
         enabled=s.running,
         up=s.up,
         pipe_directory=str(s.pipe_dir),
@@ -52,6 +51,8 @@ def device_message(s: MpsDeviceStatus, load: DeviceLoad | None) -> pb.MpsDevice:
         jobs=list(load.jobs) if load else [],
         gpu_unhealthy=s.target.gpu_unhealthy,
     )
+    if s.target.uuid:  # else a GPU never read: its size is unknown, not 0
+        msg.memory_total_bytes = s.target.memory_total_bytes
     if s.target.mig is not None:
         msg.mig = s.target.mig
     if s.pid is not None:

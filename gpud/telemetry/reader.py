@@ -97,6 +97,7 @@ class GpuReader:
         self._unsupported = _Unsupported(unsupported_retry_s)
         # Read from the sampler thread too (for timed-out samples): plain reference swaps.
         self.identity: GpuIdentity | None = None
+        self._identity_stale = False  # refresh_identity asked: read it again, keep it till then
         self._mig: tuple[MigDeviceIdentity, ...] | None = None
         self._mig_read_at = 0.0
         self._mig_current: bool | None = None
@@ -114,15 +115,19 @@ class GpuReader:
         gpu = self.index
         if self._refresh_requested:
             self._refresh_requested = False
-            self.identity = None
+            self._identity_stale = True
             self._mig = None
         identity = self.identity
-        if identity is None:
+        if identity is None or self._identity_stale:
             try:
                 identity = backend.identity(gpu)
             except BackendError as err:
-                return self._failed(placeholder_identity(gpu), _reason("identity", err))
+                # Asked again until it answers. One read before keeps what was read: the
+                # board's size and MIG capability, not a placeholder's zeros.
+                known = self.identity or placeholder_identity(gpu)
+                return self._failed(known, _reason("identity", err))
             self.identity = identity
+            self._identity_stale = False
             # New identity, fresh view of what the GPU supports.
             self._unsupported = _Unsupported(
                 self._unsupported_retry_s,

@@ -215,6 +215,7 @@ class MigGpu(_message.Message):
     uuid: _builtins.str
     product: _builtins.str
     mig_capable: _builtins.bool
+    """absent: a GPU never read (lost or hung since gpud started)"""
     mig_current: _builtins.bool
     mig_pending: _builtins.bool
     """differs from mig_current until a GPU reset"""
@@ -237,7 +238,7 @@ class MigGpu(_message.Message):
         index: _builtins.int = ...,
         uuid: _builtins.str = ...,
         product: _builtins.str = ...,
-        mig_capable: _builtins.bool = ...,
+        mig_capable: _builtins.bool | None = ...,
         mig_current: _builtins.bool = ...,
         mig_pending: _builtins.bool = ...,
         instances: _abc.Iterable[Global___MigInstance] | None = ...,
@@ -247,11 +248,13 @@ class MigGpu(_message.Message):
         profiles: _abc.Iterable[Global___MigProfileRow] | None = ...,
         fault: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_mig_capable", b"_mig_capable", "mig_capable", b"mig_capable"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["desired_config", b"desired_config", "desired_layout", b"desired_layout", "fault", b"fault", "index", b"index", "instances", b"instances", "layout", b"layout", "mig_capable", b"mig_capable", "mig_current", b"mig_current", "mig_pending", b"mig_pending", "product", b"product", "profiles", b"profiles", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mig_capable", b"_mig_capable", "desired_config", b"desired_config", "desired_layout", b"desired_layout", "fault", b"fault", "index", b"index", "instances", b"instances", "layout", b"layout", "mig_capable", b"mig_capable", "mig_current", b"mig_current", "mig_pending", b"mig_pending", "product", b"product", "profiles", b"profiles", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__mig_capable: _TypeAlias = _typing.Literal["mig_capable"]  # noqa: Y015
+    _WhichOneofArgType__mig_capable: _TypeAlias = _typing.Literal["_mig_capable", b"_mig_capable"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mig_capable) -> _WhichOneofReturnType__mig_capable | None: ...
 
 Global___MigGpu: _TypeAlias = MigGpu  # noqa: Y015
 

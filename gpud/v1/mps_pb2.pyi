@@ -55,6 +55,7 @@ class MpsDevice(_message.Message):
     profile: _builtins.str
     """MIG profile ("3g.40gb") or the GPU's product"""
     memory_total_bytes: _builtins.int
+    """absent: a GPU never read (lost or hung)"""
     enabled: _builtins.bool
     """gpud runs a daemon for it (mps.enabled and the device's flag)"""
     up: _builtins.bool
@@ -90,7 +91,7 @@ class MpsDevice(_message.Message):
         gpu: _builtins.int = ...,
         mig: _builtins.int | None = ...,
         profile: _builtins.str = ...,
-        memory_total_bytes: _builtins.int = ...,
+        memory_total_bytes: _builtins.int | None = ...,
         enabled: _builtins.bool = ...,
         up: _builtins.bool = ...,
         pid: _builtins.int | None = ...,
@@ -106,12 +107,14 @@ class MpsDevice(_message.Message):
         jobs: _abc.Iterable[_builtins.str] | None = ...,
         gpu_unhealthy: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_threads_percent", b"_threads_percent", "memory_limit_bytes", b"memory_limit_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "threads_percent", b"threads_percent"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_memory_total_bytes", b"_memory_total_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_threads_percent", b"_threads_percent", "memory_limit_bytes", b"memory_limit_bytes", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "threads_percent", b"threads_percent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_threads_percent", b"_threads_percent", "enabled", b"enabled", "gpu", b"gpu", "gpu_unhealthy", b"gpu_unhealthy", "jobs", b"jobs", "last_error", b"last_error", "memory_limit_bytes", b"memory_limit_bytes", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "pipe_directory", b"pipe_directory", "profile", b"profile", "reserved_memory_bytes", b"reserved_memory_bytes", "restarts", b"restarts", "server_pids", b"server_pids", "threads_percent", b"threads_percent", "up", b"up", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_memory_total_bytes", b"_memory_total_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_threads_percent", b"_threads_percent", "enabled", b"enabled", "gpu", b"gpu", "gpu_unhealthy", b"gpu_unhealthy", "jobs", b"jobs", "last_error", b"last_error", "memory_limit_bytes", b"memory_limit_bytes", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "pipe_directory", b"pipe_directory", "profile", b"profile", "reserved_memory_bytes", b"reserved_memory_bytes", "restarts", b"restarts", "server_pids", b"server_pids", "threads_percent", b"threads_percent", "up", b"up", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__memory_limit_bytes: _TypeAlias = _typing.Literal["memory_limit_bytes"]  # noqa: Y015
     _WhichOneofArgType__memory_limit_bytes: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes"]  # noqa: Y015
+    _WhichOneofReturnType__memory_total_bytes: _TypeAlias = _typing.Literal["memory_total_bytes"]  # noqa: Y015
+    _WhichOneofArgType__memory_total_bytes: _TypeAlias = _typing.Literal["_memory_total_bytes", b"_memory_total_bytes"]  # noqa: Y015
     _WhichOneofReturnType__mig: _TypeAlias = _typing.Literal["mig"]  # noqa: Y015
     _WhichOneofArgType__mig: _TypeAlias = _typing.Literal["_mig", b"_mig"]  # noqa: Y015
     _WhichOneofReturnType__observed_memory_limit_bytes: _TypeAlias = _typing.Literal["observed_memory_limit_bytes"]  # noqa: Y015
@@ -124,6 +127,8 @@ class MpsDevice(_message.Message):
     _WhichOneofArgType__threads_percent: _TypeAlias = _typing.Literal["_threads_percent", b"_threads_percent"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__memory_limit_bytes) -> _WhichOneofReturnType__memory_limit_bytes | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__memory_total_bytes) -> _WhichOneofReturnType__memory_total_bytes | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__mig) -> _WhichOneofReturnType__mig | None: ...
     @_typing.overload

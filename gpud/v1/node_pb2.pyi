@@ -475,7 +475,9 @@ class Gpu(_message.Message):
     index: _builtins.int
     """identity. A GPU not read since gpud started (lost or hung) has uuid, name and
     pci_bus_id as an earlier run last read them (its reason says "last seen as ..."); unset
-    where never known
+    where never known. Its other static facts (product, pci_device_id, memory_total_bytes,
+    mig_capable) are unset until it answers: an earlier run's are not kept. A GPU read in
+    this run and lost since keeps them as last read.
     """
     uuid: _builtins.str
     name: _builtins.str
@@ -530,9 +532,9 @@ class Gpu(_message.Message):
         name: _builtins.str | None = ...,
         product: _builtins.str | None = ...,
         pci_bus_id: _builtins.str | None = ...,
-        pci_device_id: _builtins.int = ...,
-        memory_total_bytes: _builtins.int = ...,
-        mig_capable: _builtins.bool = ...,
+        pci_device_id: _builtins.int | None = ...,
+        memory_total_bytes: _builtins.int | None = ...,
+        mig_capable: _builtins.bool | None = ...,
         healthy: _builtins.bool = ...,
         reason: _builtins.str = ...,
         sample_age_seconds: _builtins.float = ...,
@@ -551,16 +553,22 @@ class Gpu(_message.Message):
         critical_xids: _abc.Iterable[Global___CriticalXid] | None = ...,
         processes_unknown: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid", "_name", b"_name", "_pci_bus_id", b"_pci_bus_id", "_power_watts", b"_power_watts", "_product", b"_product", "_temperature_celsius", b"_temperature_celsius", "_uuid", b"_uuid", "clocks", b"clocks", "ecc", b"ecc", "last_xid", b"last_xid", "memory", b"memory", "mig_mode", b"mig_mode", "name", b"name", "pci_bus_id", b"pci_bus_id", "pcie", b"pcie", "power_watts", b"power_watts", "product", b"product", "temperature_celsius", b"temperature_celsius", "utilization", b"utilization", "uuid", b"uuid"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid", "_memory_total_bytes", b"_memory_total_bytes", "_mig_capable", b"_mig_capable", "_name", b"_name", "_pci_bus_id", b"_pci_bus_id", "_pci_device_id", b"_pci_device_id", "_power_watts", b"_power_watts", "_product", b"_product", "_temperature_celsius", b"_temperature_celsius", "_uuid", b"_uuid", "clocks", b"clocks", "ecc", b"ecc", "last_xid", b"last_xid", "memory", b"memory", "memory_total_bytes", b"memory_total_bytes", "mig_capable", b"mig_capable", "mig_mode", b"mig_mode", "name", b"name", "pci_bus_id", b"pci_bus_id", "pci_device_id", b"pci_device_id", "pcie", b"pcie", "power_watts", b"power_watts", "product", b"product", "temperature_celsius", b"temperature_celsius", "utilization", b"utilization", "uuid", b"uuid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid", "_name", b"_name", "_pci_bus_id", b"_pci_bus_id", "_power_watts", b"_power_watts", "_product", b"_product", "_temperature_celsius", b"_temperature_celsius", "_uuid", b"_uuid", "clocks", b"clocks", "critical_xids", b"critical_xids", "ecc", b"ecc", "healthy", b"healthy", "index", b"index", "last_xid", b"last_xid", "memory", b"memory", "memory_total_bytes", b"memory_total_bytes", "mig_capable", b"mig_capable", "mig_devices", b"mig_devices", "mig_mode", b"mig_mode", "name", b"name", "pci_bus_id", b"pci_bus_id", "pci_device_id", b"pci_device_id", "pcie", b"pcie", "power_watts", b"power_watts", "processes", b"processes", "processes_unknown", b"processes_unknown", "product", b"product", "reason", b"reason", "sample_age_seconds", b"sample_age_seconds", "temperature_celsius", b"temperature_celsius", "utilization", b"utilization", "uuid", b"uuid", "xid_events_total", b"xid_events_total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid", "_memory_total_bytes", b"_memory_total_bytes", "_mig_capable", b"_mig_capable", "_name", b"_name", "_pci_bus_id", b"_pci_bus_id", "_pci_device_id", b"_pci_device_id", "_power_watts", b"_power_watts", "_product", b"_product", "_temperature_celsius", b"_temperature_celsius", "_uuid", b"_uuid", "clocks", b"clocks", "critical_xids", b"critical_xids", "ecc", b"ecc", "healthy", b"healthy", "index", b"index", "last_xid", b"last_xid", "memory", b"memory", "memory_total_bytes", b"memory_total_bytes", "mig_capable", b"mig_capable", "mig_devices", b"mig_devices", "mig_mode", b"mig_mode", "name", b"name", "pci_bus_id", b"pci_bus_id", "pci_device_id", b"pci_device_id", "pcie", b"pcie", "power_watts", b"power_watts", "processes", b"processes", "processes_unknown", b"processes_unknown", "product", b"product", "reason", b"reason", "sample_age_seconds", b"sample_age_seconds", "temperature_celsius", b"temperature_celsius", "utilization", b"utilization", "uuid", b"uuid", "xid_events_total", b"xid_events_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_xid: _TypeAlias = _typing.Literal["last_xid"]  # noqa: Y015
     _WhichOneofArgType__last_xid: _TypeAlias = _typing.Literal["_last_xid", b"_last_xid"]  # noqa: Y015
+    _WhichOneofReturnType__memory_total_bytes: _TypeAlias = _typing.Literal["memory_total_bytes"]  # noqa: Y015
+    _WhichOneofArgType__memory_total_bytes: _TypeAlias = _typing.Literal["_memory_total_bytes", b"_memory_total_bytes"]  # noqa: Y015
+    _WhichOneofReturnType__mig_capable: _TypeAlias = _typing.Literal["mig_capable"]  # noqa: Y015
+    _WhichOneofArgType__mig_capable: _TypeAlias = _typing.Literal["_mig_capable", b"_mig_capable"]  # noqa: Y015
     _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
     _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
     _WhichOneofReturnType__pci_bus_id: _TypeAlias = _typing.Literal["pci_bus_id"]  # noqa: Y015
     _WhichOneofArgType__pci_bus_id: _TypeAlias = _typing.Literal["_pci_bus_id", b"_pci_bus_id"]  # noqa: Y015
+    _WhichOneofReturnType__pci_device_id: _TypeAlias = _typing.Literal["pci_device_id"]  # noqa: Y015
+    _WhichOneofArgType__pci_device_id: _TypeAlias = _typing.Literal["_pci_device_id", b"_pci_device_id"]  # noqa: Y015
     _WhichOneofReturnType__power_watts: _TypeAlias = _typing.Literal["power_watts"]  # noqa: Y015
     _WhichOneofArgType__power_watts: _TypeAlias = _typing.Literal["_power_watts", b"_power_watts"]  # noqa: Y015
     _WhichOneofReturnType__product: _TypeAlias = _typing.Literal["product"]  # noqa: Y015
@@ -572,9 +580,15 @@ class Gpu(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__last_xid) -> _WhichOneofReturnType__last_xid | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__memory_total_bytes) -> _WhichOneofReturnType__memory_total_bytes | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mig_capable) -> _WhichOneofReturnType__mig_capable | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__pci_bus_id) -> _WhichOneofReturnType__pci_bus_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__pci_device_id) -> _WhichOneofReturnType__pci_device_id | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__power_watts) -> _WhichOneofReturnType__power_watts | None: ...
     @_typing.overload

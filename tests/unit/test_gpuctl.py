@@ -193,14 +193,41 @@ def test_gpus_names_a_gpu_lost_before_start_as_last_seen(
 ) -> None:
     code, out, _ = run(capsys, "--socket", lost_socket, "gpus")
     gpu0, gpu1 = out.splitlines()[1:3]
-    assert code == 0 and gpu0.startswith("0    NVIDIA H100 80GB HBM3  GPU-5c6e1f2a  UNHEALTHY")
-    assert gpu1.split()[:4] == ["1", "-", "-", "UNHEALTHY"]  # never read by any run
+    # an earlier run's name, marked as such: not a fact read of the board now
+    assert code == 0 and gpu0.startswith(
+        "0    NVIDIA H100 80GB HBM3 (last seen)  GPU-5c6e1f2a  UNHEALTHY"
+    )
+    assert gpu1.split()[:4] == ["1", "?", "?", "UNHEALTHY"]  # never read by any run
+    assert "GPU 1 unhealthy: GPU lost" in out  # listed, with its fault
     code, out, _ = run(capsys, "--json", "--socket", lost_socket, "gpus")
     gpus = json.loads(out)["gpus"]
+    assert [g["index"] for g in gpus] == [0, 1]
     assert gpus[0]["uuid"] == "GPU-5c6e1f2a-0000" and gpus[0]["name"] == "NVIDIA H100 80GB HBM3"
     assert gpus[0]["pci_bus_id"] == "00000000:18:00.0" and gpus[0]["product"] is None
     unknown = {k: gpus[1][k] for k in ("uuid", "name", "product", "pci_bus_id")}
     assert unknown == dict.fromkeys(unknown)  # null, as every reading not known
+    # static facts never read, by this run or (beyond the name) an earlier one: null, not a
+    # GPU of 0 bytes, PCI id 0 and no MIG
+    static = ("pci_device_id", "memory_total_bytes", "mig_capable")
+    for gpu in gpus:
+        assert {k: gpu[k] for k in static} == dict.fromkeys(static)
+        assert gpu["healthy"] is False and gpu["reason"] == "GPU lost"
+    code, out, _ = run(capsys, "--json", "--socket", lost_socket, "status")
+    status = json.loads(out)
+    assert status["healthy_gpu_count"] == 0
+    assert status["unhealthy_gpus"] == ["GPU 0: GPU lost", "GPU 1: GPU lost"]
+
+
+def test_gpus_shows_the_static_facts_of_a_gpu_read(
+    capsys: pytest.CaptureFixture[str], sim_socket: str
+) -> None:
+    """Read, they are set, also where they are 0 or false: not taken for "unknown"."""
+    code, out, _ = run(capsys, "--json", "--socket", sim_socket, "gpus")
+    gpus = json.loads(out)["gpus"]
+    assert code == 0 and gpus
+    for gpu in gpus:
+        assert gpu["memory_total_bytes"] > 0 and gpu["pci_device_id"] > 0
+        assert gpu["mig_capable"] in (True, False)
 
 
 def test_gpus_one_gpu_and_invalid_index(

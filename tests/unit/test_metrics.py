@@ -247,6 +247,21 @@ def test_a_gpu_lost_before_start_is_labelled_as_last_seen() -> None:
     assert v("gpud_gpu_info", info) == 1
     unknown = {"gpu": "3", "uuid": "", "model": ""}
     assert v("gpud_gpu_healthy", unknown) == 0
+    assert v("gpud_gpu_info", {**unknown, "product": "", "pci_bus_id": ""}) == 1
+    # what was never read has no series: no size, clocks or MIG mode of 0 beside the
+    # real ones of the GPUs read (a sum or a min over the node would count them)
+    for gpu in ("2", "3"):
+        series = {
+            s.name for m in registry.collect() for s in m.samples if s.labels.get("gpu") == gpu
+        }
+        assert series == {
+            "gpud_gpu_info",
+            "gpud_gpu_healthy",
+            "gpud_gpu_unhealthy_info",
+            "gpud_gpu_sample_age_seconds",
+            *(("gpud_gpu_critical_xid_uncleared",) if gpu == "2" else ()),
+            "gpud_gpu_xid_errors_total",
+        }
 
 
 def test_mig_devices(registry: CollectorRegistry) -> None:

@@ -15,6 +15,7 @@ from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, SimulatedCrash
 from gpud.errors import Busy, GpuLost, InvalidArgument, NotFound
 from gpud.events import EventLog
+from gpud.mig.api import gpu_message
 from gpud.mig.layout import MigConfigFile, load_config, parse_config
 from gpud.mig.manager import MigManager
 from gpud.mig.metrics import MigMetrics
@@ -617,6 +618,10 @@ def test_a_gpu_lost_before_start_leaves_the_others_managed(a100: Host) -> None:
     views = d.mig.show()
     assert views[0].fault == "" and len(views[0].instances) == 4
     assert views[1].fault.startswith("identity: GPU lost") and views[1].instances == ()
+    # never read: whether it can do MIG is unknown (null in --json), not "not MIG capable"
+    shown = [gpu_message(v) for v in views]
+    assert shown[0].HasField("mig_capable") and shown[0].mig_capable
+    assert not shown[1].HasField("mig_capable")
     diff, faulty = d.mig.check(HELD_OUT, "custom-balanced")
     assert diff == [] and list(faulty) == [1]
     result = d.mig.apply(HELD_OUT, "custom-balanced")

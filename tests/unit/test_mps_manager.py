@@ -107,8 +107,8 @@ def test_a_device_on_an_unhealthy_gpu_says_so(manager: MpsManager) -> None:
     assert device_row(shown[1])[6] == "none of 40GiB"
     # a GPU never read (lost before gpud started) has no known memory, not 0 bytes
     unread = device_message(manager.status()[0], None)
-    unread.memory_total_bytes = 0
-    assert device_row(unread)[6] == "none of -"
+    unread.ClearField("memory_total_bytes")
+    assert device_row(unread)[6] == "none of ?"
 
 
 def test_a_gpu_that_cannot_be_read_keeps_its_daemons(manager: MpsManager) -> None:
@@ -139,6 +139,12 @@ def test_no_daemon_for_a_gpu_never_read(manager: MpsManager) -> None:
     assert status[0].pid is None and not status[0].up
     assert status[0].target.gpu_unhealthy == "GPU lost (identity)"
     assert status[1].up and status[1].pid is not None
+    # its size, product and UUID are unknown: absent (null in --json) and "?", not 0 or ""
+    shown = device_message(status[0], None)
+    assert not shown.HasField("memory_total_bytes")
+    assert device_message(status[1], None).memory_total_bytes == 40 * GIB
+    row = device_row(shown)
+    assert (row[1], row[2], row[6]) == ("?", "?", "none of ?")
     # no MPS series for it: not under uuid="" (beside the last-seen UUID that its GPU series
     # carry), nor a daemon "enabled" and down that is no daemon at all
     registry = _metrics_registry(manager)

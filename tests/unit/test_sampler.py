@@ -296,6 +296,23 @@ def test_identity_is_read_once_and_mig_list_refreshed_on_request(
     assert len(snap.gpus[1].mig_devices) == 3
 
 
+def test_a_gpu_lost_when_its_identity_is_read_again_keeps_what_was_read(
+    sampler: Sampler, backend: FakeBackend
+) -> None:
+    """A GPU read once and lost keeps its static facts, also when gpud asked to read them
+    again (after a MIG change) just as it fell off the bus: not a placeholder of zeros."""
+    read = sampler.tick().gpus[1].identity
+    backend.lost.add(1)
+    sampler.refresh_identity(1)
+    for _ in range(2):
+        g1 = sampler.tick().gpus[1]
+        assert not g1.healthy and "GPU lost (identity)" in g1.reason
+        assert g1.identity == read and g1.identity.read
+    backend.lost.clear()
+    assert sampler.tick().gpus[1].healthy
+    assert backend.calls[(1, "identity")] == 4  # asked again until it answered
+
+
 def test_mig_list_refreshed_when_mig_mode_changes(sampler: Sampler, backend: FakeBackend) -> None:
     sampler.tick()
     backend.mig[2] = 2
@@ -359,6 +376,8 @@ def test_lost_at_start_shows_placeholder_identity(clock: FakeClock) -> None:
         snap = s.tick()
         assert not snap.gpus[0].healthy
         assert snap.gpus[0].identity.index == 0 and snap.gpus[0].identity.uuid == ""
+        assert not snap.gpus[0].identity.read  # its zeros are no facts
+        assert snap.gpus[1].identity.read
         assert snap.gpus[1].healthy
         backend.lost.clear()
         assert s.tick().gpus[0].identity.uuid == "GPU-00000000"
