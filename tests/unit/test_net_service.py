@@ -8,13 +8,16 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from gpud.config import TrafficConfig
 from gpud.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from gpud.events import EventLog
+from gpud.metrics import Collector
 from gpud.net.cgroups import JobCgroups, find_cgroup2
 from gpud.net.enforce import FakeCounters, FakeMarker, FakeResult, FakeSync, FakeTc, RdmaPort
 from gpud.net.latest import LatestWorker
+from gpud.net.metrics import TrafficMetrics
 from gpud.net.service import RDMA_RECHECK_S, RDMA_RETRY_S, Report, TrafficService, job_pool
 from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore, parse_pool
@@ -634,6 +637,35 @@ class _SlowNic:
             raise RuntimeError("eth2: cannot run dcb: timed out after 10 seconds")
         self.writes.append(dict(dscp_priorities))
         return [f"DSCP {d} -> prio {p}" for d, p in dscp_priorities.items()]
+
+
+def _rdma_map_ok(service: TrafficService) -> float | None:
+    collector = Collector(lambda: None, events=EventLog(None), clock=lambda: 0.0)
+    collector.add_source(TrafficMetrics(service))
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return registry.get_sample_value("gpud_net_rdma_map_ok")
+
+
+def test_a_nic_map_that_fails_is_a_metric_as_well(tmp_path: Path, sysfs: Path) -> None:
+    """One NIC whose dcb fails: tc stays enforced, and the gauge says the map is not."""
+    assert _rdma_map_ok(Rig(tmp_path / "none", sysfs).service) is None  # rdma_backend none
+    rig = Rig(tmp_path, sysfs, rdma_backend="dcb")
+    nic = _SlowNic()
+    nic.release.set()
+    s = rig.with_nic(nic)
+    try:
+        s.tick()
+        assert s.settle(10) and "cannot run dcb" in s.view().rdma_error
+        assert s.view().interfaces[0].enforced
+        assert _rdma_map_ok(s) == 0
+        nic.fail = False
+        rig.clock.t += RDMA_RETRY_S
+        s.tick()
+        assert s.settle(10) and s.view().rdma_error == ""
+        assert _rdma_map_ok(s) == 1
+    finally:
+        s.shutdown()
 
 
 def test_a_hung_nic_map_holds_back_no_tick(tmp_path: Path, sysfs: Path) -> None:
