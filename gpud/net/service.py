@@ -950,7 +950,13 @@ class TrafficService:
             self._marking_error = message
             self._marking_ok = False
             return
-        if result.changed and self._marking_ok:
+        if self._marking_error:
+            # the pair of the net.marking_error event: the log says when marking came back
+            log.info("traffic: nftables marking in force again")
+            self._events.emit(
+                "net.marking", f"nftables marking in force again (was: {self._marking_error})"
+            )
+        elif result.changed and self._marking_ok:
             self._events.emit(
                 "net.marking",
                 f"nftables table updated: +{len(result.added)} -{len(result.removed)} rule(s)"
@@ -987,9 +993,16 @@ class TrafficService:
                 self._events.emit("net.rdma_error", message)
             self._rdma_error = message
             return
-        drift = want == self._rdma_map and not self._rdma_error
+        was = self._rdma_error
+        drift = want == self._rdma_map and not was
         self._rdma_map, self._rdma_error = want, ""
-        if changed and drift:
+        if was:  # the pair of the net.rdma_error event
+            self._events.emit(
+                "net.rdma",
+                f"NIC DSCP -> priority map written on every netdev again (was: {was})"
+                + (f"; {len(changed)} change(s)" if changed else ""),
+            )
+        elif changed and drift:
             self._events.emit(
                 "net.rdma_drift",
                 f"NIC DSCP -> priority map changed outside gpud: {len(changed)} entr"

@@ -340,6 +340,20 @@ def test_marking_failure_is_reported_not_fatal(rig: Rig) -> None:
     view = rig.service.view()
     assert "nft not found" in view.marking_error
     assert view.interfaces[0].enforced
+    rig.service.tick()  # still failing, the same error: one event
+    rig.marker.fail = ""
+    rig.service.tick()
+    rig.service.tick()
+    assert rig.service.view().marking_error == ""
+    marking = [e for e in rig.events.recent(100) if e.kind.startswith("net.marking")]
+    assert [(e.kind, e.message) for e in marking] == [
+        ("net.marking_error", "nftables: nft not found (install the nftables package)"),
+        (
+            "net.marking",
+            "nftables marking in force again (was: nftables: nft not found (install the"
+            " nftables package))",
+        ),
+    ]
 
 
 def test_shutdown_modes(rig: Rig, tmp_path: Path) -> None:
@@ -664,6 +678,16 @@ def test_a_nic_map_that_fails_is_a_metric_as_well(tmp_path: Path, sysfs: Path) -
         s.tick()
         assert s.settle(10) and s.view().rdma_error == ""
         assert _rdma_map_ok(s) == 1
+        rdma = [(e.kind, e.message) for e in rig.events.recent(100) if "rdma" in e.kind]
+        broke = "rdma: eth2: cannot run dcb: timed out after 10 seconds"
+        assert rdma == [
+            ("net.rdma_error", broke),
+            (
+                "net.rdma",
+                f"NIC DSCP -> priority map written on every netdev again (was: {broke})"
+                "; 2 change(s)",
+            ),
+        ]
     finally:
         s.shutdown()
 
