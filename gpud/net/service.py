@@ -423,7 +423,8 @@ class TrafficService:
 
         Only a process started for the job may be moved: its environment must carry
         ``GPUD_JOB=<job>`` (what ``gpuctl run`` sets), so the socket's users cannot move
-        other people's processes.
+        other people's processes. When ``nft`` fails, the process is moved all the same
+        and FailedPrecondition says its packets are unmarked until nft works again.
         """
         if pid <= 1:
             raise InvalidArgument(f"{pid} is not a job's process", field="pid")
@@ -445,6 +446,13 @@ class TrafficService:
         path = self._cgroups.place(job, pid)
         with self._io_lock:
             self._sync_marks()
+            failed = self._marking_error
+        if failed:
+            # the process stays in its cgroup: the rule follows on the first tick nft works
+            # again. Until then its packets leave unmarked, which `gpuctl run` says.
+            raise FailedPrecondition(
+                f"{failed} (the process is in {path}: its packets are marked once nft works again)"
+            )
         return str(path)
 
     def view(self) -> NetView:

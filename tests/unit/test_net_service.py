@@ -11,7 +11,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gpud.config import TrafficConfig
-from gpud.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from gpud.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
 from gpud.events import EventLog
 from gpud.metrics import Collector
 from gpud.net.cgroups import JobCgroups, find_cgroup2
@@ -327,6 +333,15 @@ def test_marks_follow_job_cgroups(rig: Rig) -> None:
     (mark,) = rig.marker.marks
     assert mark.job == "a" and mark.path == "unified/gpud/gpud-job-a" and mark.level == 2
     assert mark.dscp == rig.service.tags.allocations()["a"]
+    # nft failing: the process is placed all the same, and the caller told it is unmarked
+    rig.marker.fail = "nft: simulated failure"
+    with pytest.raises(FailedPrecondition, match="nft: simulated failure") as info:
+        rig.service.place("a", 4242)
+    assert "the process is in " in str(info.value) and "gpud-job-a" in str(info.value)
+    assert (rig.cgroups.dir("a") / "cgroup.procs").read_text() == "4242\n"
+    rig.marker.fail = ""
+    rig.service.tick()
+    (mark,) = rig.marker.marks
     rig.jobs.remove("a")
     (rig.cgroups.dir("a") / "cgroup.procs").unlink()  # an empty cgroup can be removed
     rig.service.tick()
