@@ -640,6 +640,16 @@ def _validate_traffic(t: TrafficConfig, *, path: str) -> None:
             path=path,
             key="traffic.cgroup_parent",
         )
+    from netshaper.nftables import usable_path
+
+    if not usable_path(t.cgroup_parent):
+        # nft's rule names the job's cgroup by path, in a quoted string
+        raise ConfigError(
+            f"{t.cgroup_parent!r}: nftables cannot name a cgroup path with a double quote,"
+            " a backslash or a line break",
+            path=path,
+            key="traffic.cgroup_parent",
+        )
     from gpud.net.tagstore import parse_pool
 
     try:

@@ -86,6 +86,13 @@ _ETCD = (
         ('[traffic]\nrdma_interfaces = ["e 1"]\n', "traffic.rdma_interfaces", "refuses ' '"),
         ('[traffic]\ninterfaces = ["e0", "e1", "e0"]\n', "traffic.interfaces", "e0 listed twice"),
         ('[traffic]\nrdma_interfaces = ["e2", "e2"]\n', "traffic.rdma_interfaces", "e2 listed tw"),
+        # the job's nftables rule names its cgroup in a quoted string
+        (
+            '[traffic]\ncgroup_parent = "gpud\\"x"\n',
+            "traffic.cgroup_parent",
+            "nftables cannot name a cgroup path with a double quote",
+        ),
+        ('[traffic]\ncgroup_parent = "a\\nb"\n', "traffic.cgroup_parent", "a line break"),
         # DSCP 0 is untagged traffic: a job tagged 0 leaves its interface unenforced
         ("[traffic]\nreserved_dscp = []\n", "traffic.reserved_dscp", "DSCP 0 is untagged"),
         (
