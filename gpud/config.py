@@ -592,14 +592,19 @@ def _validate_traffic(t: TrafficConfig, *, path: str) -> None:
             path=path,
             key="traffic.min_share",
         )
-    for name in (*t.interfaces, *t.rdma_interfaces):
-        if not name or len(name) > 15 or "/" in name or name.strip() != name:
-            raise ConfigError(
-                f"{name!r} is not an interface name", path=path, key="traffic.interfaces"
-            )
-    if len(set(t.interfaces)) != len(t.interfaces):
-        raise ConfigError("an interface is listed twice", path=path, key="traffic.interfaces")
-    from netshaper.tcplan import LINK_BPS_MAX, LINK_BPS_MIN, link_rate_range
+    from netshaper.tcplan import LINK_BPS_MAX, LINK_BPS_MIN, interface_name_error, link_rate_range
+
+    for key, names in (
+        ("traffic.interfaces", t.interfaces),
+        ("traffic.rdma_interfaces", t.rdma_interfaces),
+    ):
+        for name in names:
+            why = interface_name_error(name)
+            if why:
+                raise ConfigError(f"{name!r} is not an interface name: {why}", path=path, key=key)
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"{', '.join(twice)} listed twice", path=path, key=key)
 
     rated: set[str] = set()
     for entry in t.link_rates:
@@ -632,6 +637,16 @@ def _validate_traffic(t: TrafficConfig, *, path: str) -> None:
     if not t.cgroup_parent or t.cgroup_parent.startswith("/") or ".." in t.cgroup_parent:
         raise ConfigError(
             f"{t.cgroup_parent!r}: a relative directory under the cgroup2 mount",
+            path=path,
+            key="traffic.cgroup_parent",
+        )
+    from netshaper.nftables import usable_path
+
+    if not usable_path(t.cgroup_parent):
+        # nft's rule names the job's cgroup by path, in a quoted string
+        raise ConfigError(
+            f"{t.cgroup_parent!r}: nftables cannot name a cgroup path with a double quote,"
+            " a backslash or a line break",
             path=path,
             key="traffic.cgroup_parent",
         )

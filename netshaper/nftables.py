@@ -46,6 +46,13 @@ _PRIORITY_VALUE = -150
 _COMMENT = re.compile(r"^gpud job=(\S+) dscp=(\d+) cgid=(\d+) (ip6?)$")
 _SAFE = re.compile(r'^[^"\\\n\r]+$')
 
+
+def usable_path(path: str) -> bool:
+    """Whether ``path`` can stand in nft's quoted string (``socket cgroupv2 level 2
+    "PATH"``): no double quote, backslash or line break."""
+    return bool(_SAFE.match(path))
+
+
 Runner = Callable[[list[str], str | None], tuple[int, str, str]]
 """Runs ``nft`` with ``args`` and optional stdin; returns (exit code, stdout, stderr)."""
 
@@ -76,7 +83,7 @@ class CgroupMark:
     def __post_init__(self) -> None:
         if not 0 <= self.dscp <= 63:
             raise ValueError(f"{self.job}: DSCP must be in [0, 63], got {self.dscp}")
-        if not _SAFE.match(self.path) or not re.fullmatch(r"[A-Za-z0-9_.-]+", self.job):
+        if not usable_path(self.path) or not re.fullmatch(r"[A-Za-z0-9_.-]+", self.job):
             raise ValueError(f"{self.job}: unusable job name or cgroup path {self.path!r}")
         if self.level < 1:
             raise ValueError(f"{self.job}: cgroup level must be >= 1, got {self.level}")

@@ -668,11 +668,37 @@ class TcNetlink:
             idx = self._ifindex[iface] = self._lookup(iface)
         return idx
 
+    def _name_of(self, index: int) -> str | None:
+        """The name the kernel gives index ``index`` now (``ip link show``); None when there
+        is no such index or it cannot be read."""
+        try:
+            msgs, err = self._nl.get(RTM_GETLINK, _IFINFOMSG.pack(0, 0, index, 0, 0))
+        except OSError:
+            return None
+        if err is not None or not msgs:
+            return None
+        name = _attrs(msgs[0], _IFINFOMSG.size, len(msgs[0])).get(IFLA_IFNAME)
+        if name is None:
+            return None
+        return bytes(name).split(b"\0", 1)[0].decode(errors="backslashreplace")
+
     def _resolve(self, iface: str) -> int:
         """Look ``iface`` up afresh: an interface renamed away, or deleted and created
-        again, is another index (what was seen of the old one is forgotten)."""
+        again, is another index (what was seen of the old one is forgotten). One renamed
+        away is named in the error: gpud's tree went with it, to a name gpud never shapes."""
         self._ifindex.pop(iface, None)
-        idx = self.ifindex(iface)
+        try:
+            idx = self.ifindex(iface)
+        except TcError as err:
+            seen = self._cache_index.get(iface)
+            renamed = self._name_of(seen) if seen is not None else None
+            if err.errno != errno_mod.ENODEV or renamed in (None, iface):
+                raise
+            raise TcError(
+                iface,
+                f"no such network interface (renamed to {renamed}: gpud leaves {renamed} alone)",
+                errno=errno_mod.ENODEV,
+            ) from err
         if self._cache.get(iface) is not None and self._cache_index.get(iface) != idx:
             self._cache.pop(iface, None)
         self._cache_index[iface] = idx

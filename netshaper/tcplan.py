@@ -288,6 +288,29 @@ class TcPlan:
 MAX_BURST_S = 274.0
 
 
+# what the kernel takes as a netdev name (dev_valid_name, net/core/dev.c): fewer than
+# IFNAMSIZ (16) bytes with the NUL, never "." or "..", no "/", ":" or a byte its isspace()
+# holds -- which, in the kernel's Latin-1 ctype, is also 0xa0: UTF-8's "à" (c3 a0) fails
+_IFNAMSIZ = 16
+_IFNAME_BAD_BYTES = frozenset(b"/:\0\t\n\v\f\r \xa0")
+
+
+def interface_name_error(name: str) -> str:
+    """Why the kernel would never name a netdev ``name`` (``ip link set X name NAME``
+    fails: "not a valid ifname"); "" when it could."""
+    if not name:
+        return "empty"
+    size = len(name.encode())
+    if size >= _IFNAMSIZ:
+        return f"{size} bytes, the kernel takes at most {_IFNAMSIZ - 1}"
+    if name in (".", ".."):
+        return "reserved by the kernel"
+    bad = [c for c in name if _IFNAME_BAD_BYTES.intersection(c.encode())]
+    if bad:
+        return f"the kernel refuses {', '.join(dict.fromkeys(map(repr, bad)))} in a name"
+    return ""
+
+
 def link_rate_range(bps: int) -> str:
     """Why ``bps`` is no link rate gpud shapes (for errors naming where it came from)."""
     return f"link rate {bps} bit/s is outside 8 kbit/s to 10 Tbit/s"
@@ -388,8 +411,8 @@ def plan(
     default = handle(major, DEFAULT_MINOR)
     ifaces: list[InterfacePlan] = []
     for iface, link in sorted(links.items()):
-        if not iface or len(iface) > 15 or "/" in iface or iface.strip() != iface:
-            raise ValueError(f"interface name {iface!r} is not valid")
+        if why := interface_name_error(iface):
+            raise ValueError(f"interface name {iface!r} is not valid: {why}")
         if not LINK_BPS_MIN <= link <= LINK_BPS_MAX:
             raise ValueError(f"{iface}: {link_rate_range(link)}")
         classes = [

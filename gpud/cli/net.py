@@ -151,19 +151,25 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         ],
     )
     ctx.out.print()
-    ctx.out.print_table(
-        IFACE_HEADERS,
-        [
-            (
-                i.name,
-                _rate(i.rate_bits_per_second),
-                "yes" if i.enforced else "no",
-                str(i.repairs),
-                i.error or NA,
-            )
-            for i in resp.interfaces
-        ],
-    )
+    if resp.interfaces:
+        ctx.out.print_table(
+            IFACE_HEADERS,
+            [
+                (
+                    i.name,
+                    _rate(i.rate_bits_per_second),
+                    "yes" if i.enforced else "no",
+                    str(i.repairs),
+                    i.error or NA,
+                )
+                for i in resp.interfaces
+            ],
+        )
+    else:  # a bare header would read as "none enforced yet"
+        ctx.out.print(
+            "interfaces: none (traffic.interfaces is empty): no HTB tree anywhere;"
+            " tags, marking and the RDMA map only"
+        )
     ctx.out.print()
     order = resp.order_source + (f" (epoch {resp.epoch})" if resp.epoch else "")
     ctx.out.print(f"order: {order}; level changes: {resp.level_changes_total}")

@@ -15,6 +15,8 @@
     gpud_net_interface_repairs_total{interface}     drift restored
     gpud_net_untagged_jobs                          jobs left without a tag: the DSCP pool is in use
     gpud_net_marking_ok                             gpud's nftables table is in force
+    gpud_net_rdma_map_ok                            the NIC DSCP -> priority map is written on
+                                                    every netdev (absent: rdma_backend none)
     gpud_net_cluster_epoch                          epoch of the cluster order (0: local policy)
     gpud_net_progress_reports_total{result}         accepted / rejected
 
@@ -102,6 +104,15 @@ class TrafficMetrics:
             "gpud_net_marking_ok", "1 when gpud's nftables marking table is in force."
         )
         marking.add_metric([], 0.0 if view.marking_error else 1.0)
+        # a dcb that fails for one NIC leaves that NIC's RDMA traffic at its old priorities
+        # while tc holds on every interface: only this gauge and `gpuctl net show` say so
+        rdma = GaugeMetricFamily(
+            "gpud_net_rdma_map_ok",
+            "1 when the NIC DSCP -> priority map (traffic.rdma_backend) is written on every"
+            " netdev; 0 while one is not (gpuctl net show names it).",
+        )
+        if view.rdma_backend != "none":
+            rdma.add_metric([], 0.0 if view.rdma_error else 1.0)
         epoch = GaugeMetricFamily(
             "gpud_net_cluster_epoch", "Epoch of the cluster order in force (0: local policy)."
         )
@@ -112,7 +123,7 @@ class TrafficMetrics:
         reports.add_metric(["accepted"], float(self._service.accepted_reports))
         reports.add_metric(["rejected"], float(self._service.rejected_reports))
         yield from (dscp, level, rate, *job_c, jobs_at, share, *level_c, changes)
-        yield from (enforced, link, repairs, untagged, marking, epoch, reports)
+        yield from (enforced, link, repairs, untagged, marking, rdma, epoch, reports)
 
 
 def _counter_families(prefix: str, label: str) -> tuple[CounterMetricFamily, ...]:

@@ -423,7 +423,8 @@ class TrafficService:
 
         Only a process started for the job may be moved: its environment must carry
         ``GPUD_JOB=<job>`` (what ``gpuctl run`` sets), so the socket's users cannot move
-        other people's processes.
+        other people's processes. When ``nft`` fails, the process is moved all the same
+        and FailedPrecondition says its packets are unmarked until nft works again.
         """
         if pid <= 1:
             raise InvalidArgument(f"{pid} is not a job's process", field="pid")
@@ -445,6 +446,13 @@ class TrafficService:
         path = self._cgroups.place(job, pid)
         with self._io_lock:
             self._sync_marks()
+            failed = self._marking_error
+        if failed:
+            # the process stays in its cgroup: the rule follows on the first tick nft works
+            # again. Until then its packets leave unmarked, which `gpuctl run` says.
+            raise FailedPrecondition(
+                f"{failed} (the process is in {path}: its packets are marked once nft works again)"
+            )
         return str(path)
 
     def view(self) -> NetView:
@@ -950,7 +958,13 @@ class TrafficService:
             self._marking_error = message
             self._marking_ok = False
             return
-        if result.changed and self._marking_ok:
+        if self._marking_error:
+            # the pair of the net.marking_error event: the log says when marking came back
+            log.info("traffic: nftables marking in force again")
+            self._events.emit(
+                "net.marking", f"nftables marking in force again (was: {self._marking_error})"
+            )
+        elif result.changed and self._marking_ok:
             self._events.emit(
                 "net.marking",
                 f"nftables table updated: +{len(result.added)} -{len(result.removed)} rule(s)"
@@ -987,9 +1001,16 @@ class TrafficService:
                 self._events.emit("net.rdma_error", message)
             self._rdma_error = message
             return
-        drift = want == self._rdma_map and not self._rdma_error
+        was = self._rdma_error
+        drift = want == self._rdma_map and not was
         self._rdma_map, self._rdma_error = want, ""
-        if changed and drift:
+        if was:  # the pair of the net.rdma_error event
+            self._events.emit(
+                "net.rdma",
+                f"NIC DSCP -> priority map written on every netdev again (was: {was})"
+                + (f"; {len(changed)} change(s)" if changed else ""),
+            )
+        elif changed and drift:
             self._events.emit(
                 "net.rdma_drift",
                 f"NIC DSCP -> priority map changed outside gpud: {len(changed)} entr"

@@ -363,7 +363,11 @@ def test_an_interface_renamed_away_is_left_alone(net: Net, adapter: TcNetlink) -
     assert adapter.sync(want).ok
     _run("ip", "-n", net.snd, "link", "set", "a0", "name", "old0")
     result = adapter.drift(want)
-    assert str(result.errors["a0"]) == "a0: no such network interface"
+    # the error says where the tree went (the index gpud shaped is old0 now)
+    renamed = "a0: no such network interface (renamed to old0: gpud leaves old0 alone)"
+    assert str(result.errors["a0"]) == renamed
+    assert str(adapter.sync(want).errors["a0"]) == renamed  # the same each tick: one event
+    assert "htb 6764:" in net.tc("qdisc", "show", "dev", "old0")
     net.tc("qdisc", "del", "dev", "old0", "root")  # no longer gpud's to repair
     # a new a0 (another index) is shaped; old0 is not touched again
     _run("ip", "-n", net.snd, "link", "add", "a0", "type", "veth", "peer", "name", "b9")
@@ -373,6 +377,9 @@ def test_an_interface_renamed_away_is_left_alone(net: Net, adapter: TcNetlink) -
     assert "htb" not in net.tc("qdisc", "show", "dev", "old0")
     adapter.restore("a0")
     assert "htb" not in net.tc("qdisc", "show", "dev", "a0")
+    # deleted, not renamed: no other name to point at
+    _run("ip", "-n", net.snd, "link", "del", "a0")
+    assert str(adapter.sync(want).errors["a0"]) == "a0: no such network interface"
 
 
 def test_a_qdisc_put_under_a_leaf_is_removed_once(net: Net, adapter: TcNetlink) -> None:

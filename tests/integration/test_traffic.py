@@ -492,3 +492,27 @@ def test_levels_without_a_minimum_share_are_not_repaired_every_tick(bed: Bed) ->
     time.sleep(2.0)  # four ticks
     assert _iface(bed, "a0")["repairs"] == 0
     assert _events(bed, "net.drift") == []
+
+
+def test_an_interface_renamed_away_and_back_is_named_then_enforced_again(bed: Bed) -> None:
+    """``ip link set a0 name x0``: gpud's tree goes with the netdev, to a name gpud never
+    shapes; the error says so. Renamed back, the tree is gpud's again, as it was."""
+    bed.start()
+    bed.gpuctl("jobs", "add", "keep")
+    bed.gpuctl("net", "pin", "--job", "keep", "--level", "1")
+    bed.wait("enforced", lambda: _enforced(bed) and bed.job("keep").get("level") == 1)
+    leaf = bed.leaf("keep")
+    run("ip", "-n", bed.snd, "link", "set", "a0", "name", "x0")
+    bed.wait("a0 broken", lambda: not _enforced(bed), timeout=10)
+    assert _iface(bed, "a0")["error"] == (
+        "a0: no such network interface (renamed to x0: gpud leaves x0 alone)"
+    )
+    assert "htb 6764:" in run("tc", "-n", bed.snd, "qdisc", "show", "dev", "x0")
+    time.sleep(1.5)  # a few ticks: the same error, one event
+    run("ip", "-n", bed.snd, "link", "set", "x0", "name", "a0")
+    bed.wait("a0 enforced again", lambda: _enforced(bed), timeout=10)
+    assert leaf in bed.classes() and _iface(bed, "a0")["repairs"] == 0
+    (broke,) = _events(bed, "net.interface_error")
+    assert "renamed to x0" in str(broke["message"])
+    (back,) = _events(bed, "net.interface")
+    assert str(back["message"]).startswith("a0: enforced again (was: ")

@@ -43,6 +43,7 @@ def test_values_are_read_and_typed(tmp_path: Path) -> None:
 
 
 _RATES = '[traffic]\nenabled = true\ninterfaces = ["e0"]\nlink_rates = [{}]\n'
+_IE = "\u0435"  # CYRILLIC SMALL LETTER IE: one character, two bytes in UTF-8
 _ETCD = (
     '[cluster]\nelection = "etcd"\nlisten = "127.0.0.1:0"\nca_file = "ca.pem"\n'
     'cert_file = "n1.pem"\nkey_file = "n1-key.pem"\n'
@@ -72,6 +73,26 @@ _ETCD = (
         (_RATES.format('"e0=1e30gbit"'), "traffic.link_rates", "outside 8 kbit/s"),
         (_RATES.format('"e0=1gbit", "e0=2gbit"'), "traffic.link_rates", "has a rate already"),
         (_RATES.format('"e1=1gbit"'), "traffic.link_rates", "an interface in traffic.interf"),
+        # names no netdev can have (the kernel's dev_valid_name) are refused here, not
+        # reported at run time as an interface without a link rate
+        ('[traffic]\ninterfaces = ["a 0"]\n', "traffic.interfaces", "refuses ' ' in a name"),
+        ('[traffic]\ninterfaces = ["a:0"]\n', "traffic.interfaces", "refuses ':' in a name"),
+        ('[traffic]\ninterfaces = [".."]\n', "traffic.interfaces", "reserved by the kernel"),
+        ('[traffic]\ninterfaces = ["abcdefghijklmnopqrst"]\n', "traffic.interfaces", "20 bytes"),
+        # 8 Cyrillic letters are 8 characters but 16 bytes; "à" is c3 a0, and 0xa0 is a space
+        # to the kernel
+        (f'[traffic]\ninterfaces = ["{_IE * 8}"]\n', "traffic.interfaces", "16 bytes, the kernel"),
+        ('[traffic]\ninterfaces = ["à0"]\n', "traffic.interfaces", "refuses 'à' in a name"),
+        ('[traffic]\nrdma_interfaces = ["e 1"]\n', "traffic.rdma_interfaces", "refuses ' '"),
+        ('[traffic]\ninterfaces = ["e0", "e1", "e0"]\n', "traffic.interfaces", "e0 listed twice"),
+        ('[traffic]\nrdma_interfaces = ["e2", "e2"]\n', "traffic.rdma_interfaces", "e2 listed tw"),
+        # the job's nftables rule names its cgroup in a quoted string
+        (
+            '[traffic]\ncgroup_parent = "gpud\\"x"\n',
+            "traffic.cgroup_parent",
+            "nftables cannot name a cgroup path with a double quote",
+        ),
+        ('[traffic]\ncgroup_parent = "a\\nb"\n', "traffic.cgroup_parent", "a line break"),
         # DSCP 0 is untagged traffic: a job tagged 0 leaves its interface unenforced
         ("[traffic]\nreserved_dscp = []\n", "traffic.reserved_dscp", "DSCP 0 is untagged"),
         (
@@ -124,6 +145,14 @@ def test_bad_config_names_file_and_key(tmp_path: Path, text: str, key: str, why:
     assert info.value.key == key
     assert info.value.path == str(path)
     assert str(path) in str(info.value)
+
+
+def test_interface_names_the_kernel_takes_are_accepted(tmp_path: Path) -> None:
+    """15 bytes, a VLAN's dot, UTF-8 without a 0xa0 byte: ``ip link add`` takes them all."""
+    names = ["abcdefghijklmno", "eth0.100", f"{_IE}\u04420", _IE * 7]
+    listed = ", ".join(f'"{n}"' for n in names)
+    cfg = config.load(write(tmp_path, f"[traffic]\ninterfaces = [{listed}]\n"))
+    assert cfg.traffic.interfaces == tuple(names)
 
 
 def test_cluster_defaults_load_with_etcd(tmp_path: Path) -> None:

@@ -31,12 +31,14 @@ from tests.unit.api_support import ServerThread, short_dir
 
 
 class Node:
-    def __init__(self, state: Path, dscp_pool: str = "") -> None:
+    def __init__(
+        self, state: Path, dscp_pool: str = "", interfaces: tuple[str, ...] = ("eth0",)
+    ) -> None:
         self.jobs = ["train-a", "train-b"]
         self.config = TrafficConfig(
             enabled=True,
-            interfaces=("eth0",),
-            link_rates=("eth0=10gbit",),
+            interfaces=interfaces,
+            link_rates=tuple(f"{i}=10gbit" for i in interfaces),
             levels=4,
             dscp_pool=dscp_pool,
         )
@@ -376,6 +378,18 @@ def test_metrics(node: Node) -> None:
     assert registry.get_sample_value("gpud_net_level_min_share_ratio", {"level": "0"}) == 0.02
 
 
+def _show(capsys: pytest.CaptureFixture[str], node: Node) -> tuple[str, str]:
+    """``gpuctl net show`` and ``gpuctl net show --json`` against ``node``'s service."""
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        with ServerThread(ApiServer(path, servicers=[NetServicer(node.service).register])):
+            code, out, _ = gpuctl(capsys, path, "net", "show")
+            assert code == 0
+            code, json_out, _ = gpuctl(capsys, path, "net", "show", "--json")
+            assert code == 0
+    return out, json_out
+
+
 def test_a_job_left_without_a_tag_is_shown_and_counted(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -383,15 +397,10 @@ def test_a_job_left_without_a_tag_is_shown_and_counted(
     for job in node.jobs:  # both in use: neither tag can be handed over
         node.service.report(Report(job, 1, time.time(), session="s"))
     node.service.tick()
-    with short_dir() as d:
-        path = d / "gpud.sock"
-        with ServerThread(ApiServer(path, servicers=[NetServicer(node.service).register])):
-            code, out, _ = gpuctl(capsys, path, "net", "show")
-            assert code == 0
-            assert "train-b: no DSCP tag: job 'train-b': all 1 DSCP tags" in out
-            assert "(its traffic is in the default class)" in out
-            code, out, _ = gpuctl(capsys, path, "net", "show", "--json")
-    jobs = {j["job"]: j for j in json.loads(out)["jobs"]}
+    out, json_out = _show(capsys, node)
+    assert "train-b: no DSCP tag: job 'train-b': all 1 DSCP tags" in out
+    assert "(its traffic is in the default class)" in out
+    jobs = {j["job"]: j for j in json.loads(json_out)["jobs"]}
     assert jobs["train-a"]["dscp"] == 10 and jobs["train-a"]["error"] == ""
     assert jobs["train-b"]["dscp"] == 0 and "widen traffic.dscp_pool" in jobs["train-b"]["error"]
     collector = Collector(lambda: None, events=EventLog(None), clock=lambda: 0.0)
@@ -410,3 +419,14 @@ def test_a_level_that_is_no_level_is_a_usage_error_saying_what_a_level_is(
         assert f"{bad!r} is not a level: 0 (the highest priority) up to traffic.levels - 1" in err
     code_, _, err = gpuctl(capsys, sock, "net", "pin", "--job", "train-a", "--level", "9")
     assert code_ == 2 and "level: must be in [0, 3]" in err
+
+
+def test_show_says_no_interface_is_shaped_when_none_is_configured(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    node = Node(tmp_path / "state", interfaces=())
+    node.service.tick()
+    out, json_out = _show(capsys, node)
+    assert "interfaces: none (traffic.interfaces is empty): no HTB tree anywhere" in out
+    assert "INTERFACE " not in out
+    assert json.loads(json_out)["interfaces"] == []

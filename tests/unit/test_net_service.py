@@ -8,13 +8,22 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from gpud.config import TrafficConfig
-from gpud.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from gpud.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
 from gpud.events import EventLog
+from gpud.metrics import Collector
 from gpud.net.cgroups import JobCgroups, find_cgroup2
 from gpud.net.enforce import FakeCounters, FakeMarker, FakeResult, FakeSync, FakeTc, RdmaPort
 from gpud.net.latest import LatestWorker
+from gpud.net.metrics import TrafficMetrics
 from gpud.net.service import RDMA_RECHECK_S, RDMA_RETRY_S, Report, TrafficService, job_pool
 from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore, parse_pool
@@ -324,6 +333,15 @@ def test_marks_follow_job_cgroups(rig: Rig) -> None:
     (mark,) = rig.marker.marks
     assert mark.job == "a" and mark.path == "unified/gpud/gpud-job-a" and mark.level == 2
     assert mark.dscp == rig.service.tags.allocations()["a"]
+    # nft failing: the process is placed all the same, and the caller told it is unmarked
+    rig.marker.fail = "nft: simulated failure"
+    with pytest.raises(FailedPrecondition, match="nft: simulated failure") as info:
+        rig.service.place("a", 4242)
+    assert "the process is in " in str(info.value) and "gpud-job-a" in str(info.value)
+    assert (rig.cgroups.dir("a") / "cgroup.procs").read_text() == "4242\n"
+    rig.marker.fail = ""
+    rig.service.tick()
+    (mark,) = rig.marker.marks
     rig.jobs.remove("a")
     (rig.cgroups.dir("a") / "cgroup.procs").unlink()  # an empty cgroup can be removed
     rig.service.tick()
@@ -337,6 +355,20 @@ def test_marking_failure_is_reported_not_fatal(rig: Rig) -> None:
     view = rig.service.view()
     assert "nft not found" in view.marking_error
     assert view.interfaces[0].enforced
+    rig.service.tick()  # still failing, the same error: one event
+    rig.marker.fail = ""
+    rig.service.tick()
+    rig.service.tick()
+    assert rig.service.view().marking_error == ""
+    marking = [e for e in rig.events.recent(100) if e.kind.startswith("net.marking")]
+    assert [(e.kind, e.message) for e in marking] == [
+        ("net.marking_error", "nftables: nft not found (install the nftables package)"),
+        (
+            "net.marking",
+            "nftables marking in force again (was: nftables: nft not found (install the"
+            " nftables package))",
+        ),
+    ]
 
 
 def test_shutdown_modes(rig: Rig, tmp_path: Path) -> None:
@@ -634,6 +666,45 @@ class _SlowNic:
             raise RuntimeError("eth2: cannot run dcb: timed out after 10 seconds")
         self.writes.append(dict(dscp_priorities))
         return [f"DSCP {d} -> prio {p}" for d, p in dscp_priorities.items()]
+
+
+def _rdma_map_ok(service: TrafficService) -> float | None:
+    collector = Collector(lambda: None, events=EventLog(None), clock=lambda: 0.0)
+    collector.add_source(TrafficMetrics(service))
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return registry.get_sample_value("gpud_net_rdma_map_ok")
+
+
+def test_a_nic_map_that_fails_is_a_metric_as_well(tmp_path: Path, sysfs: Path) -> None:
+    """One NIC whose dcb fails: tc stays enforced, and the gauge says the map is not."""
+    assert _rdma_map_ok(Rig(tmp_path / "none", sysfs).service) is None  # rdma_backend none
+    rig = Rig(tmp_path, sysfs, rdma_backend="dcb")
+    nic = _SlowNic()
+    nic.release.set()
+    s = rig.with_nic(nic)
+    try:
+        s.tick()
+        assert s.settle(10) and "cannot run dcb" in s.view().rdma_error
+        assert s.view().interfaces[0].enforced
+        assert _rdma_map_ok(s) == 0
+        nic.fail = False
+        rig.clock.t += RDMA_RETRY_S
+        s.tick()
+        assert s.settle(10) and s.view().rdma_error == ""
+        assert _rdma_map_ok(s) == 1
+        rdma = [(e.kind, e.message) for e in rig.events.recent(100) if "rdma" in e.kind]
+        broke = "rdma: eth2: cannot run dcb: timed out after 10 seconds"
+        assert rdma == [
+            ("net.rdma_error", broke),
+            (
+                "net.rdma",
+                f"NIC DSCP -> priority map written on every netdev again (was: {broke})"
+                "; 2 change(s)",
+            ),
+        ]
+    finally:
+        s.shutdown()
 
 
 def test_a_hung_nic_map_holds_back_no_tick(tmp_path: Path, sysfs: Path) -> None:

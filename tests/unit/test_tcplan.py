@@ -100,6 +100,7 @@ def test_tc_args_read_as_tc_commands() -> None:
         ({"tags": {"a": 26, "b": 26}}, "b: DSCP 26 is already the tag of a"),
         ({"tags": {"a": 0}}, r"a: DSCP tag must be in \[1, 63\]"),
         ({"links": {"eth0/x": GBIT}}, "interface name 'eth0/x' is not valid"),
+        ({"links": {"eth0:1": GBIT}}, "'eth0:1' is not valid: the kernel refuses ':'"),
         ({"links": {"eth0": 10}}, r"eth0: link rate 10 bit/s is outside 8 kbit/s to 10 Tbit/s"),
         ({"shares": [0.2] * 5}, "exceed 1"),
         ({"shares": []}, "need 1 to 8 levels"),
