@@ -333,7 +333,7 @@ class Daemon:
                 ).register,
                 MpsServicer(self.mps, loads=self.jobs.loads).register,
                 JobsServicer(self.jobs).register,
-                QueueServicer(self.admission).register,
+                QueueServicer(self.admission, leave_waiter=self.colo.leave).register,
                 ColoServicer(
                     self.colo, snapshots=self.sampler.latest, registered=self._registered_job
                 ).register,

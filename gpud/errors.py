@@ -8,6 +8,7 @@
     │   └── StateUnwritable        it cannot be written now: disk full, I/O error (exit 3)
     ├── InvalidArgument            a request field is wrong: names the field (exit 2)
     ├── NotFound                   a GPU, MIG device, job, ... does not exist (exit 4)
+    │   └── LeftQueue              a waiting gpuctl run was taken out (gpuctl queue --leave)
     ├── AlreadyExists              (exit 5)
     ├── FailedPrecondition         refused in the current state, e.g. busy instance (exit 6)
     │   └── Busy                   processes still run on what would be destroyed
@@ -72,6 +73,13 @@ class InvalidArgument(GpudError):
 
 class NotFound(GpudError):
     """Something named in a request does not exist."""
+
+
+class LeftQueue(NotFound):
+    """A ``gpuctl run`` waiting for co-location was taken out (``gpuctl queue --leave ID``)
+    while it waited: nothing is to start. NOT_FOUND and exit 4 in the status, so that a
+    gpuctl that does not know this class stops as for a removed job; gpuctl exits 1, as
+    for a queued run taken out."""
 
 
 class AlreadyExists(GpudError):

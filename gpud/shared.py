@@ -9,7 +9,8 @@ daemon's internals), so the few things both sides must read the same way live he
 - the longest drain a MIG apply may ask for, and the largest mig-parted file it may send,
   read so that whatever file an operator names fails at once;
 - the longest contention-free iteration time a progress report may declare;
-- a job's environment rendered as shell ``export`` lines.
+- a job's environment rendered as shell ``export`` lines;
+- what a ``gpuctl run`` that waits outside the admission queue waits on.
 
 Pure and cheap to import: the standard library and :mod:`gpud.errors` only.
 """
@@ -23,6 +24,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from gpud.errors import InvalidArgument
+
+# QueueEntry.waiting_on of a `gpuctl run` waiting for co-location (outside the queue), as
+# `gpuctl queue --leave` answers it and `gpuctl queue` lists it
+WAITING_ON_COLOCATION = "co-location"
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from gpud.admission.classes import ClassView
 from gpud.admission.model import Demand, Unfeasible
@@ -25,9 +27,13 @@ from gpud.errors import InvalidArgument
 from gpud.jobs.api import kind_from_pb, reservation_message
 from gpud.jobs.registry import check_name
 from gpud.jobs.service import RunRequest
+from gpud.shared import WAITING_ON_COLOCATION
 from gpud.v1 import jobs_pb2
 from gpud.v1 import queue_pb2 as pb
 from gpud.v1 import queue_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from gpud.colo.service import WaiterView
 
 MAX_DEVICES = 64
 MAX_OWNER = 128
@@ -152,9 +158,33 @@ def history_message(h: HistoryRow) -> pb.HistoryRecord:
     return msg
 
 
+def waiter_message(w: WaiterView, now_unix: float) -> pb.QueueEntry:
+    """A ``gpuctl run`` that waited for co-location (outside the queue: no position, no
+    request shape, no quote), taken out: as Leave answers it."""
+    return pb.QueueEntry(
+        id=w.id,
+        job=w.job,
+        state=pb.ENTRY_STATE_LEFT,
+        enqueued_unix_seconds=now_unix - w.waited_s,
+        waited_seconds=w.waited_s,
+        waiting_on=WAITING_ON_COLOCATION,
+    )
+
+
 class QueueServicer(pb_grpc.QueueServicer):
-    def __init__(self, service: AdmissionService) -> None:
+    def __init__(
+        self,
+        service: AdmissionService,
+        *,
+        leave_waiter: Callable[[str], WaiterView | None] = lambda waiter_id: None,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        """``leave_waiter``: takes a ``gpuctl run`` waiting for co-location out of its
+        wait by its id (None: no run waits with it), so that `gpuctl queue --leave ID`
+        takes out whatever `gpuctl queue` lists."""
         self._service = service
+        self._leave_waiter = leave_waiter
+        self._wall = wall
 
     def register(self, server: Any) -> None:
         """Add this service to a ``grpc.aio.Server`` (an ``ApiServer`` registrar)."""
@@ -178,7 +208,11 @@ class QueueServicer(pb_grpc.QueueServicer):
 
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.QueueEntry:  # noqa: N802
         def leave() -> pb.QueueEntry:
-            return entry_message(self._service.leave(non_empty(request.id, field="id", max_len=64)))
+            entry_id = non_empty(request.id, field="id", max_len=64)
+            waiter = self._leave_waiter(entry_id)
+            if waiter is not None:
+                return waiter_message(waiter, self._wall())
+            return entry_message(self._service.leave(entry_id))
 
         return await asyncio.to_thread(leave)
 

@@ -2,12 +2,13 @@
 
 ::
 
-    gpuctl queue                 position, job, request, time waited, quote; unfeasible last;
-                                 then the runs waiting for co-location (outside the queue)
+    gpuctl queue                 position, id, job, request, time waited, quote; unfeasible
+                                 last; then the runs waiting for co-location (outside the
+                                 queue: no position, no quote), with their ids
     gpuctl queue --explain       and per request class: k_eff per resource, the binding one,
                                  arrival rate, service time, utilisation, packing
                                  efficiency, mean wait
-    gpuctl queue --leave ID      take a queued entry out
+    gpuctl queue --leave ID      take a queued entry, or a run waiting for co-location, out
     gpuctl queue --json
 """
 
@@ -17,6 +18,7 @@ import argparse
 
 from gpud.cli.context import CliError, Context, Subparsers
 from gpud.cli.output import message_to_dict, seconds
+from gpud.shared import WAITING_ON_COLOCATION
 from gpud.v1 import colo_pb2, colo_pb2_grpc
 from gpud.v1 import queue_pb2 as pb
 from gpud.v1 import queue_pb2_grpc as pb_grpc
@@ -42,7 +44,11 @@ def register(subparsers: Subparsers) -> None:
     queue.add_argument(
         "--explain", action="store_true", help="the queueing model of each request class"
     )
-    queue.add_argument("--leave", metavar="ID", help="take this entry out of the queue")
+    queue.add_argument(
+        "--leave",
+        metavar="ID",
+        help="take this entry out of the queue, or this run out of its wait for co-location",
+    )
     queue.set_defaults(run=run_queue)
 
 
@@ -66,6 +72,18 @@ def entry_row(e: pb.QueueEntry) -> tuple[str, ...]:
         seconds(e.waited_seconds),
         quote_text(e),
         why or "-",
+    )
+
+
+def waiter_row(w: colo_pb2.ColoWaiter) -> tuple[str, ...]:
+    return (
+        "-",
+        w.id or "-",  # a gpud that names no waiter ids
+        w.job,
+        "-",
+        seconds(w.waited_seconds),
+        "-",
+        f"{WAITING_ON_COLOCATION}: {w.reason}",
     )
 
 
@@ -96,6 +114,8 @@ def run_queue(ctx: Context, args: argparse.Namespace) -> int:
         left: pb.QueueEntry = ctx.call(stub.Leave, pb.LeaveRequest(id=args.leave))
         if ctx.out.json:
             ctx.out.print_json(left)
+        elif left.waiting_on == WAITING_ON_COLOCATION:
+            ctx.out.print(f"job {left.job} ({left.id}) left its wait for co-location")
         else:
             ctx.out.print(f"job {left.job} ({left.id}) left the queue")
         return 0
@@ -103,17 +123,18 @@ def run_queue(ctx: Context, args: argparse.Namespace) -> int:
     colo = colo_waiters(ctx)
     if ctx.out.json:
         doc = message_to_dict(resp)
-        doc["colo_waiting"] = [message_to_dict(w) for w in colo]
+        doc["colo_waiting"] = [
+            {**message_to_dict(w), "waiting_on": WAITING_ON_COLOCATION} for w in colo
+        ]
         ctx.out.print_json(doc)
         return 0
-    ctx.out.print_table(HEADERS, [entry_row(e) for e in resp.entries])
+    rows = [entry_row(e) for e in resp.entries] + [waiter_row(w) for w in colo]
+    ctx.out.print_table(HEADERS, rows)
     if colo:
         ctx.out.print(
-            "waiting for co-location, outside this queue, first come first served "
-            "(gpuctl colo show):"
+            f"{WAITING_ON_COLOCATION}: runs waiting for the loop to name a GPU, outside "
+            "this queue, first come first served (gpuctl colo show); --leave ID takes one out"
         )
-        for w in colo:
-            ctx.out.print(f"  {w.job} for {seconds(w.waited_seconds)}: {w.reason}")
     if args.explain:
         ctx.out.print()
         ctx.out.print_table(CLASS_HEADERS, [class_row(c) for c in resp.classes])

@@ -68,7 +68,7 @@ from gpud.cli.jobs import (
     warn_if_mps_down,
     warn_no_effect,
 )
-from gpud.errors import ERROR_TABLE, DscpPoolExhausted, NotFound, ResourceExhausted
+from gpud.errors import ERROR_TABLE, DscpPoolExhausted, LeftQueue, NotFound, ResourceExhausted
 from gpud.shared import shell_exports
 from gpud.v1 import colo_pb2, colo_pb2_grpc, net_pb2, net_pb2_grpc, queue_pb2, queue_pb2_grpc
 from gpud.v1 import jobs_pb2 as pb
@@ -259,7 +259,9 @@ def _wait_for_advice(
     the reason changes; None when a signal stopped the wait. Through a gpud
     restart it keeps asking; advice that stops (the loop turned off) ends the wait with the
     last answer, which places nothing, and the jobs service places the job. A job removed
-    meanwhile (``gpuctl jobs rm --force``) ends it with gpud's NotFound (exit 4)."""
+    meanwhile (``gpuctl jobs rm --force``) ends it with gpud's NotFound (exit 4); a run
+    taken out of its wait (``gpuctl queue --leave ID``), with exit 1, as a queued run
+    taken out."""
     started = time.monotonic()
     with _signals_stop() as stop:
         shown = ""
@@ -267,6 +269,15 @@ def _wait_for_advice(
         interval = POLL_S
         while not (resp.gpu >= 0 and resp.device):
             line = f"waiting for co-location: {resp.reason}"
+            if resp.waiter_id and resp.waiter_id != ask.waiter_id:
+                # its id in `gpuctl queue`, kept through a gpud restart
+                ask.waiter_id = resp.waiter_id
+                print(
+                    f"gpuctl: waiting as {resp.waiter_id} in gpuctl queue (gpuctl queue "
+                    f"--leave {resp.waiter_id} takes it out)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if line != shown:
                 print(f"gpuctl: {line}", file=sys.stderr, flush=True)
                 shown = line
@@ -282,6 +293,8 @@ def _wait_for_advice(
                 resp = ctx.call(ctx.stub(colo_pb2_grpc.ColocationStub).Advise, ask)
                 away = False
             except CliError as err:
+                if err.error == LeftQueue.__name__:  # `gpuctl queue --leave ID`
+                    raise CliError(str(err), 1, error=err.error) from None
                 if err.exit_code == EXIT_NOT_FOUND:
                     raise  # `gpuctl jobs rm --force` removed the job while it waited
                 if err.exit_code != EXIT_NOT_RUNNING:

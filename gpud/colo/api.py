@@ -8,6 +8,7 @@ Register on the daemon's ``ApiServer``::
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -54,12 +55,15 @@ class ColoServicer(pb_grpc.ColocationServicer):
         *,
         snapshots: Callable[[], Snapshot | None],
         registered: Callable[[str], Registered | None] = lambda job: None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         """``registered``: a registered job's kind, p99 SLO and memory: advice for a job
         that is registered (``gpuctl jobs add chat --kind inference --slo-p99-ms 50
         --memory 20GiB``, then ``gpuctl run --job chat``) follows what it was registered as,
-        where the request does not say."""
+        where the request does not say. ``wall``: the clock that dates when a waiting run
+        began to wait (``since_unix_seconds``)."""
         self._service = service
+        self._wall = wall
         self._snapshots = snapshots
         self._registered = registered
 
@@ -112,8 +116,15 @@ class ColoServicer(pb_grpc.ColocationServicer):
         for (residents, check), count in sorted(v.refused.items()):
             out.refused.add(residents=residents, check=check, count=count)
         out.unattributed_processes.update(v.strangers)
-        for job, waited, reason in v.waiting:
-            out.waiting.add(job=job, waited_seconds=waited, reason=reason)
+        wall = self._wall()
+        for w in v.waiting:
+            out.waiting.add(
+                job=w.job,
+                waited_seconds=w.waited_s,
+                reason=w.reason,
+                id=w.id,
+                since_unix_seconds=wall - w.waited_s,
+            )
         for p in out.placements:
             if p.gpu in v.faulty:
                 p.reason = f"GPU {p.gpu} {v.faulty[p.gpu]}: left alone until it answers"
@@ -155,6 +166,7 @@ class ColoServicer(pb_grpc.ColocationServicer):
             snapshot=snap,
             waiting=request.waiting,
             waited_s=_waited(request),
+            waiter_id=optional(request, "waiter_id"),
         )
         out = pb.AdviseResponse(
             gpu=a.gpu,
@@ -170,6 +182,7 @@ class ColoServicer(pb_grpc.ColocationServicer):
             predicted_speed=a.predicted_speed,
             reason=a.reason,
             device=a.device,
+            waiter_id=a.waiter_id,
         )
         if a.mig_profile is not None:
             out.mig_profile = a.mig_profile

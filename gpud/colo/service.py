@@ -18,6 +18,7 @@ import itertools
 import json
 import logging
 import math
+import secrets
 import statistics
 import threading
 import time
@@ -25,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from colocate import (
     GpuView,
@@ -49,7 +50,7 @@ from gpud.client.colo import MAX_LATENCY_S
 from gpud.colo.host import HostUsage
 from gpud.colo.links import NvlinkRates, pcie_capacity, pcie_ratio
 from gpud.config import ColocateConfig
-from gpud.errors import FailedPrecondition, InvalidArgument, NotFound
+from gpud.errors import FailedPrecondition, InvalidArgument, LeftQueue, NotFound
 from gpud.events import EventLog
 from gpud.files import write_atomically
 from gpud.shared import MAX_PEAK_LOAD, check_slo_ms
@@ -232,6 +233,8 @@ class Advice:
     device: str  # the GPU or MIG device UUID to reserve ("" when waiting)
     predicted_speed: float
     reason: str
+    # the waiting asker's id while it waits (``gpuctl queue --leave ID``), else ""
+    waiter_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -272,8 +275,8 @@ class ColoView:
     refused: dict[tuple[int, str], int] = field(default_factory=dict)
     # GPU index -> processes of no job there (MPS servers aside)
     strangers: dict[int, int] = field(default_factory=dict)
-    # (job, seconds, why) of each gpuctl run waiting for advice
-    waiting: tuple[tuple[str, float, str], ...] = ()
+    # each gpuctl run waiting for advice, in the order it is served
+    waiting: tuple[WaiterView, ...] = ()
 
 
 PRIOR = JobFeatures(sm=0.8, mem_bw=0.6)
@@ -287,13 +290,37 @@ ADVICE_REUSE_S = 1.0
 @dataclass
 class _Waiter:
     """A ``gpuctl run`` told to wait that keeps asking: since when, its last ask, why it
-    waits, and the job as the planner saw it (planned again with every later ask, ahead
-    of the askers that came after it)."""
+    waits, the job as the planner saw it (planned again with every later ask, ahead
+    of the askers that came after it), and its id (``gpuctl queue --leave ID``)."""
 
     since: float
     last: float
     reason: str
     view: JobView
+    id: str
+
+
+class WaiterView(NamedTuple):
+    """A ``gpuctl run`` waiting for advice, as ``gpuctl queue`` and ``gpuctl colo show``
+    list it."""
+
+    job: str
+    waited_s: float
+    reason: str
+    id: str  # what `gpuctl queue --leave` takes
+
+
+def new_waiter_id() -> str:
+    """An id of the admission queue's form (12 hex digits): `gpuctl queue --leave`
+    takes either."""
+    return secrets.token_hex(6)
+
+
+def _waiter_id(asked: str | None) -> str | None:
+    """The id a waiting run says it was given (before a gpud restart), if of that form."""
+    if asked is None or len(asked) != 12 or asked.strip("0123456789abcdef"):
+        return None
+    return asked
 
 
 def _mig_sm_fraction(instance: MigDeviceIdentity, gpu: GpuIdentity) -> float | None:
@@ -368,6 +395,9 @@ class ColoService:
         # job -> when `gpuctl jobs rm --force` removed it while a run of it waited: that
         # run's next question is answered NotFound (kept WAITER_GONE_S, as long as it asks)
         self._removed: dict[str, float] = {}
+        # job -> (when, id) `gpuctl queue --leave ID` took a run of it out of the wait: that
+        # run's next question is answered LeftQueue (kept WAITER_GONE_S, as long as it asks)
+        self._left: dict[str, tuple[float, str]] = {}
         self._state_file = state_file
         self._saved: dict[str, Any] | None = None
         self._saved_clock = 0.0
@@ -543,6 +573,7 @@ class ColoService:
 
     # -- the loop -----------------------------------------------------------------------------
     def tick(self, snapshot: Snapshot | None) -> Plan | None:
+        self.waiting()  # runs that stopped asking go (an event says so) though none lists them
         if snapshot is None or not self.config.enabled:
             with self._lock:
                 # The loop stands still: the time until it runs again does not age what
@@ -1179,19 +1210,26 @@ class ColoService:
         snapshot: Snapshot | None = None,
         waiting: bool = False,
         waited_s: float = 0.0,
+        waiter_id: str | None = None,
     ) -> Advice:
         """Where a new job should go now: a whole GPU's MPS share, or a free MIG instance
         (for an inference job with a tight SLO, or on a GPU in MIG mode); nothing is
         reserved. ``waiting``: the asker waits
         for a GPU (``gpuctl run``): a job told to wait is listed by :meth:`show` while it
         keeps asking. ``waited_s``: how long it has waited already, as the asker counts: a
-        waiter this loop does not know (gpud restarted) takes its place by it."""
+        waiter this loop does not know (gpud restarted) takes its place by it.
+        ``waiter_id``: the id it was told (:attr:`Advice.waiter_id`) before, kept through a
+        gpud restart as the queue's ids are."""
         now = self._clock()
         with self._lock:
-            if waiting and job in self._waiting:
-                since = self._waiting[job].since
+            known = self._waiting.get(job) if waiting else None
+            if known is not None:
+                since, wid = known.since, known.id
             else:
                 since = now - waited_s if waiting else now
+                told = _waiter_id(waiter_id)
+                taken = any(w.id == told for w in self._waiting.values())
+                wid = told if told is not None and not taken else new_waiter_id()
             if waiting:
                 self._check_not_removed(job, since, now)
         advice, view = self._advice(
@@ -1209,22 +1247,30 @@ class ColoService:
             if waiting:  # removed while this question was planned: no place, no listing
                 self._check_not_removed(job, since, now)
             if waiting and advice.gpu < 0 and view is not None:
-                self._waiting[job] = _Waiter(since, now, advice.reason, view)
-            else:
-                self._waiting.pop(job, None)
+                self._waiting[job] = _Waiter(since, now, advice.reason, view, wid)
+                return dataclasses.replace(advice, waiter_id=wid)
+            self._waiting.pop(job, None)
         return advice
 
     def _check_not_removed(self, job: str, since: float, now: float) -> None:
         """NotFound for a waiting asker of ``job`` when `gpuctl jobs rm --force` removed
         the job after it began to wait (a run that began later is another run). Under the
-        lock."""
+        lock. LeftQueue for one that `gpuctl queue --leave` took out."""
         self._removed = {j: t for j, t in self._removed.items() if now - t <= WAITER_GONE_S}
+        self._left = {j: t for j, t in self._left.items() if now - t[0] <= WAITER_GONE_S}
         removed_at = self._removed.get(job)
         if removed_at is not None and since <= removed_at:
             self._waiting.pop(job, None)
             raise NotFound(
                 f"job {job} was removed (gpuctl jobs rm --force) while its gpuctl run waited "
                 "for co-location: nothing was started"
+            )
+        left = self._left.get(job)
+        if left is not None and since <= left[0]:
+            self._waiting.pop(job, None)
+            raise LeftQueue(
+                f"job {job} left the wait for co-location ({left[1]}, gpuctl queue --leave): "
+                "nothing was started"
             )
 
     def waiting_kind(self, job: str) -> str | None:
@@ -1261,17 +1307,60 @@ class ColoService:
             job=job,
         )
 
-    def waiting(self) -> list[tuple[str, float, str]]:
-        """(job, seconds waited, why) of each ``gpuctl run`` waiting for advice, in the
-        order they are served (the order they came): those told to wait that asked again
-        within :data:`WAITER_GONE_S`."""
+    def leave(self, waiter_id: str) -> WaiterView | None:
+        """Take the ``gpuctl run`` waiting with ``waiter_id`` out of the wait (``gpuctl
+        queue --leave ID``): its next question is answered LeftQueue, and it exits having
+        started nothing, as a queued run taken out does. None when no run waits with that
+        id (an admission queue entry's, or one gone)."""
         now = self._clock()
         with self._lock:
-            self._waiting = {
-                j: w for j, w in self._waiting.items() if now - w.last <= WAITER_GONE_S
-            }
+            gone = self._forget_gone(now)
+            found = [(j, w) for j, w in self._waiting.items() if w.id == waiter_id]
+            for job, w in found:
+                del self._waiting[job]
+                self._left[job] = (now, w.id)
+        self._say_gone(gone, now)
+        if not found:
+            return None
+        ((job, w),) = found
+        self._events.emit(
+            "colo.leave",
+            f"job {job} left the wait for co-location ({w.id}, gpuctl queue --leave)",
+            job=job,
+            entry=w.id,
+        )
+        return WaiterView(job, now - w.since, w.reason, w.id)
+
+    def _forget_gone(self, now: float) -> list[tuple[str, _Waiter]]:
+        """Drop the waiters that stopped asking (their gpuctl run was stopped or killed),
+        as the queue drops an entry whose holder process is gone; for :meth:`_say_gone`
+        once out of the lock. Under the lock."""
+        gone = [(j, w) for j, w in self._waiting.items() if now - w.last > WAITER_GONE_S]
+        for job, _ in gone:
+            del self._waiting[job]
+        return gone
+
+    def _say_gone(self, gone: Sequence[tuple[str, _Waiter]], now: float) -> None:
+        for job, w in gone:
+            self._events.emit(
+                "colo.leave",
+                f"job {job} left the wait for co-location ({w.id}): its gpuctl run stopped "
+                f"asking {now - w.last:.0f} s ago",
+                job=job,
+                entry=w.id,
+            )
+
+    def waiting(self) -> list[WaiterView]:
+        """Each ``gpuctl run`` waiting for advice, in the order they are served (the
+        order they came): those told to wait that asked again within
+        :data:`WAITER_GONE_S`."""
+        now = self._clock()
+        with self._lock:
+            gone = self._forget_gone(now)
             order = sorted(self._waiting.items(), key=lambda jw: (jw[1].since, jw[0]))
-            return [(j, now - w.since, w.reason) for j, w in order]
+            out = [WaiterView(j, now - w.since, w.reason, w.id) for j, w in order]
+        self._say_gone(gone, now)
+        return out
 
     def _advice(
         self,

@@ -358,19 +358,27 @@ class ColoWaiter(_message.Message):
     JOB_FIELD_NUMBER: _builtins.int
     WAITED_SECONDS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    SINCE_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     waited_seconds: _builtins.float
     reason: _builtins.str
+    id: _builtins.str
+    """Queue.Leave takes it out (`gpuctl queue --leave ID`)"""
+    since_unix_seconds: _builtins.float
+    """when it began to wait"""
     def __init__(
         self,
         *,
         job: _builtins.str = ...,
         waited_seconds: _builtins.float = ...,
         reason: _builtins.str = ...,
+        id: _builtins.str = ...,
+        since_unix_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "reason", b"reason", "waited_seconds", b"waited_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "job", b"job", "reason", b"reason", "since_unix_seconds", b"since_unix_seconds", "waited_seconds", b"waited_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -388,6 +396,7 @@ class AdviseRequest(_message.Message):
     PEAK_LOAD_FIELD_NUMBER: _builtins.int
     WAITING_FIELD_NUMBER: _builtins.int
     WAITED_S_FIELD_NUMBER: _builtins.int
+    WAITER_ID_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     kind: _builtins.str
     """"training" (default) or "inference" """
@@ -403,6 +412,8 @@ class AdviseRequest(_message.Message):
     """seconds the asker has waited already (0..MAX_WAITED_S): a gpud that restarted meanwhile
     serves the waiting runs in the order they came, not in the order they ask again
     """
+    waiter_id: _builtins.str
+    """the waiter_id it was told before (12 hex digits): kept through a gpud restart"""
     def __init__(
         self,
         *,
@@ -414,10 +425,11 @@ class AdviseRequest(_message.Message):
         peak_load: _builtins.float | None = ...,
         waiting: _builtins.bool = ...,
         waited_s: _builtins.float | None = ...,
+        waiter_id: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "_waited_s", b"_waited_s", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity", "waited_s", b"waited_s"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "_waited_s", b"_waited_s", "_waiter_id", b"_waiter_id", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity", "waited_s", b"waited_s", "waiter_id", b"waiter_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "_waited_s", b"_waited_s", "job", b"job", "kind", b"kind", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity", "waited_s", b"waited_s", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "_waited_s", b"_waited_s", "_waiter_id", b"_waiter_id", "job", b"job", "kind", b"kind", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity", "waited_s", b"waited_s", "waiter_id", b"waiter_id", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__memory_bytes: _TypeAlias = _typing.Literal["memory_bytes"]  # noqa: Y015
     _WhichOneofArgType__memory_bytes: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes"]  # noqa: Y015
@@ -429,6 +441,8 @@ class AdviseRequest(_message.Message):
     _WhichOneofArgType__sm_activity: _TypeAlias = _typing.Literal["_sm_activity", b"_sm_activity"]  # noqa: Y015
     _WhichOneofReturnType__waited_s: _TypeAlias = _typing.Literal["waited_s"]  # noqa: Y015
     _WhichOneofArgType__waited_s: _TypeAlias = _typing.Literal["_waited_s", b"_waited_s"]  # noqa: Y015
+    _WhichOneofReturnType__waiter_id: _TypeAlias = _typing.Literal["waiter_id"]  # noqa: Y015
+    _WhichOneofArgType__waiter_id: _TypeAlias = _typing.Literal["_waiter_id", b"_waiter_id"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__memory_bytes) -> _WhichOneofReturnType__memory_bytes | None: ...
     @_typing.overload
@@ -439,6 +453,8 @@ class AdviseRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sm_activity) -> _WhichOneofReturnType__sm_activity | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__waited_s) -> _WhichOneofReturnType__waited_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__waiter_id) -> _WhichOneofReturnType__waiter_id | None: ...
 
 Global___AdviseRequest: _TypeAlias = AdviseRequest  # noqa: Y015
 
@@ -453,6 +469,7 @@ class AdviseResponse(_message.Message):
     PREDICTED_SPEED_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
+    WAITER_ID_FIELD_NUMBER: _builtins.int
     gpu: _builtins.int
     """-1: wait"""
     threads_percent: _builtins.int
@@ -462,6 +479,8 @@ class AdviseResponse(_message.Message):
     reason: _builtins.str
     device: _builtins.str
     """the GPU's UUID ("" when waiting)"""
+    waiter_id: _builtins.str
+    """while a waiting asker waits: its id (ColoWaiter.id)"""
     def __init__(
         self,
         *,
@@ -472,10 +491,11 @@ class AdviseResponse(_message.Message):
         predicted_speed: _builtins.float = ...,
         reason: _builtins.str = ...,
         device: _builtins.str = ...,
+        waiter_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile", "mig_profile", b"mig_profile"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile", "device", b"device", "gpu", b"gpu", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "predicted_speed", b"predicted_speed", "reason", b"reason", "threads_percent", b"threads_percent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile", "device", b"device", "gpu", b"gpu", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "predicted_speed", b"predicted_speed", "reason", b"reason", "threads_percent", b"threads_percent", "waiter_id", b"waiter_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__mig_profile: _TypeAlias = _typing.Literal["mig_profile"]  # noqa: Y015
     _WhichOneofArgType__mig_profile: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile"]  # noqa: Y015

@@ -67,7 +67,9 @@ class ColocationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Advise(self, request, context):
-        """Where a new job should go now, and with which MPS limits; nothing is reserved.
+        """Where a new job should go now, and with which MPS limits; nothing is reserved. A
+        waiting asker taken out by Queue.Leave (its waiter_id) is answered NOT_FOUND, error
+        LeftQueue; one whose job was removed (jobs rm --force), NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

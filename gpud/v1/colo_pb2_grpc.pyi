@@ -38,7 +38,10 @@ class ColocationStub:
     ShowColo: _grpc.UnaryUnaryMultiCallable[_colo_pb2.ShowColoRequest, _colo_pb2.ShowColoResponse]
     """Placements, prices, predicted vs observed slowdown, guard states, predictor error."""
     Advise: _grpc.UnaryUnaryMultiCallable[_colo_pb2.AdviseRequest, _colo_pb2.AdviseResponse]
-    """Where a new job should go now, and with which MPS limits; nothing is reserved."""
+    """Where a new job should go now, and with which MPS limits; nothing is reserved. A
+    waiting asker taken out by Queue.Leave (its waiter_id) is answered NOT_FOUND, error
+    LeftQueue; one whose job was removed (jobs rm --force), NOT_FOUND.
+    """
     ReportLatency: _grpc.UnaryUnaryMultiCallable[_colo_pb2.ReportLatencyRequest, _colo_pb2.ReportLatencyResponse]
     """An inference job's latency samples (seconds), batched by gpud.client.Latency."""
     ThrottlePoint: _grpc.UnaryUnaryMultiCallable[_colo_pb2.ThrottlePointRequest, _colo_pb2.ThrottlePointResponse]
@@ -50,7 +53,10 @@ class ColocationAsyncStub(ColocationStub):
     ShowColo: _aio.UnaryUnaryMultiCallable[_colo_pb2.ShowColoRequest, _colo_pb2.ShowColoResponse]  # type: ignore[assignment]
     """Placements, prices, predicted vs observed slowdown, guard states, predictor error."""
     Advise: _aio.UnaryUnaryMultiCallable[_colo_pb2.AdviseRequest, _colo_pb2.AdviseResponse]  # type: ignore[assignment]
-    """Where a new job should go now, and with which MPS limits; nothing is reserved."""
+    """Where a new job should go now, and with which MPS limits; nothing is reserved. A
+    waiting asker taken out by Queue.Leave (its waiter_id) is answered NOT_FOUND, error
+    LeftQueue; one whose job was removed (jobs rm --force), NOT_FOUND.
+    """
     ReportLatency: _aio.UnaryUnaryMultiCallable[_colo_pb2.ReportLatencyRequest, _colo_pb2.ReportLatencyResponse]  # type: ignore[assignment]
     """An inference job's latency samples (seconds), batched by gpud.client.Latency."""
     ThrottlePoint: _aio.UnaryUnaryMultiCallable[_colo_pb2.ThrottlePointRequest, _colo_pb2.ThrottlePointResponse]  # type: ignore[assignment]
@@ -71,7 +77,10 @@ class ColocationServicer(metaclass=_abc_1.ABCMeta):
         request: _colo_pb2.AdviseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_colo_pb2.AdviseResponse, _abc.Awaitable[_colo_pb2.AdviseResponse]]:
-        """Where a new job should go now, and with which MPS limits; nothing is reserved."""
+        """Where a new job should go now, and with which MPS limits; nothing is reserved. A
+        waiting asker taken out by Queue.Leave (its waiter_id) is answered NOT_FOUND, error
+        LeftQueue; one whose job was removed (jobs rm --force), NOT_FOUND.
+        """
 
     @_abc_1.abstractmethod
     def ReportLatency(

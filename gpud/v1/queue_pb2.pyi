@@ -130,7 +130,9 @@ class QueueEntry(_message.Message):
     """what would make it feasible"""
     holder_pid: _builtins.int
     waiting_on: _builtins.str
-    """set: what it waits for besides other jobs (an unhealthy GPU)"""
+    """set: what it waits for besides other jobs (an unhealthy GPU); "co-location" for a
+    run that waited for the co-location loop, outside the queue (Leave's answer)
+    """
     @_builtins.property
     def reservation(self) -> _jobs_pb2.JobReservation:
         """once started"""

@@ -81,6 +81,9 @@ class QueueServicer:
 
     def Leave(self, request, context):
         """Leave the queue (a started entry is left alone: release its reservation instead).
+        The id of a `gpuctl run` waiting for co-location (Colocation.ShowColo's waiting)
+        takes that run out of its wait: the entry answered is ENTRY_STATE_LEFT with
+        waiting_on "co-location", and the run is told so at its next question.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

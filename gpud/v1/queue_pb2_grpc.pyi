@@ -45,7 +45,11 @@ class QueueStub:
     GetEntry: _grpc.UnaryUnaryMultiCallable[_queue_pb2.GetEntryRequest, _queue_pb2.QueueEntry]
     """One entry: its position and quote while queued, its reservation and env once started."""
     Leave: _grpc.UnaryUnaryMultiCallable[_queue_pb2.LeaveRequest, _queue_pb2.QueueEntry]
-    """Leave the queue (a started entry is left alone: release its reservation instead)."""
+    """Leave the queue (a started entry is left alone: release its reservation instead).
+    The id of a `gpuctl run` waiting for co-location (Colocation.ShowColo's waiting)
+    takes that run out of its wait: the entry answered is ENTRY_STATE_LEFT with
+    waiting_on "co-location", and the run is told so at its next question.
+    """
     ListQueue: _grpc.UnaryUnaryMultiCallable[_queue_pb2.ListQueueRequest, _queue_pb2.ListQueueResponse]
     History: _grpc.UnaryUnaryMultiCallable[_queue_pb2.HistoryRequest, _queue_pb2.HistoryResponse]
 
@@ -59,7 +63,11 @@ class QueueAsyncStub(QueueStub):
     GetEntry: _aio.UnaryUnaryMultiCallable[_queue_pb2.GetEntryRequest, _queue_pb2.QueueEntry]  # type: ignore[assignment]
     """One entry: its position and quote while queued, its reservation and env once started."""
     Leave: _aio.UnaryUnaryMultiCallable[_queue_pb2.LeaveRequest, _queue_pb2.QueueEntry]  # type: ignore[assignment]
-    """Leave the queue (a started entry is left alone: release its reservation instead)."""
+    """Leave the queue (a started entry is left alone: release its reservation instead).
+    The id of a `gpuctl run` waiting for co-location (Colocation.ShowColo's waiting)
+    takes that run out of its wait: the entry answered is ENTRY_STATE_LEFT with
+    waiting_on "co-location", and the run is told so at its next question.
+    """
     ListQueue: _aio.UnaryUnaryMultiCallable[_queue_pb2.ListQueueRequest, _queue_pb2.ListQueueResponse]  # type: ignore[assignment]
     History: _aio.UnaryUnaryMultiCallable[_queue_pb2.HistoryRequest, _queue_pb2.HistoryResponse]  # type: ignore[assignment]
 
@@ -88,7 +96,11 @@ class QueueServicer(metaclass=_abc_1.ABCMeta):
         request: _queue_pb2.LeaveRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_queue_pb2.QueueEntry, _abc.Awaitable[_queue_pb2.QueueEntry]]:
-        """Leave the queue (a started entry is left alone: release its reservation instead)."""
+        """Leave the queue (a started entry is left alone: release its reservation instead).
+        The id of a `gpuctl run` waiting for co-location (Colocation.ShowColo's waiting)
+        takes that run out of its wait: the entry answered is ENTRY_STATE_LEFT with
+        waiting_on "co-location", and the run is told so at its next question.
+        """
 
     @_abc_1.abstractmethod
     def ListQueue(

@@ -318,9 +318,10 @@ def test_gpuctl_run_waits_for_co_location_and_starts_when_room_comes(
     assert "waiting for a GPU (gpuctl run): small for " in daemon.gpuctl("colo", "show").stdout
     # ... and `gpuctl queue`, where operators look for whatever waits, says it too.
     queued = daemon.gpuctl("queue").stdout
-    assert "waiting for co-location, outside this queue" in queued and "  small for " in queued
     (beside,) = json.loads(daemon.gpuctl("queue", "--json").stdout)["colo_waiting"]
     assert beside["job"] == "small" and "memory" in beside["reason"], beside
+    assert beside["waiting_on"] == "co-location" and beside["since_unix_seconds"] > 0
+    assert f" {beside['id']}  small " in queued and "co-location: GPU 0: memory" in queued
     big[0].send_signal(signal.SIGTERM)  # gpuctl forwards it; the reservation goes
     wait_for(lambda: small.poll() is not None)
     assert small.returncode == 0 and marker.exists()

@@ -324,7 +324,7 @@ def test_runs_waiting_for_advice_are_listed_while_they_ask(
     assert svc.advise("big", waiting=True, **big).gpu == -1  # type: ignore[arg-type]
     clock.t += 5.0
     svc.advise("big", waiting=True, **big)  # type: ignore[arg-type]
-    ((job, waited, why),) = svc.show().waiting
+    ((job, waited, why, _),) = svc.show().waiting
     assert job == "big" and waited == pytest.approx(5.0) and "memory" in why
     (family,) = [m for m in ColoMetrics(svc)() if m.name == "gpud_colo_waiting_jobs"]
     assert [s.value for s in family.samples] == [1.0]
@@ -361,11 +361,11 @@ def test_what_frees_goes_to_the_run_that_waited_first_whichever_asks_first(
     # an operator's question is answered behind the runs that wait too
     assert svc.advise("asked", memory_bytes=40 * GIB, snapshot=freed).gpu == -1
     # listed in the order they are served
-    assert [j for j, _, _ in svc.show().waiting] == ["older", "newer"]
+    assert [w.job for w in svc.show().waiting] == ["older", "newer"]
     assert svc.advise("older", snapshot=freed, **ask).gpu == 0  # type: ignore[arg-type]
     # once it is placed (its reservation is the jobs service's), the next in line is served
     jobs.insert(0, RunningJob("older", "training", 0, memory_bytes=40 * GIB))
-    assert [j for j, _, _ in svc.show().waiting] == ["newer"]
+    assert [w.job for w in svc.show().waiting] == ["newer"]
 
 
 def test_the_waiting_runs_keep_their_order_through_a_restart(tmp_path: Path) -> None:
@@ -384,7 +384,7 @@ def test_the_waiting_runs_keep_their_order_through_a_restart(tmp_path: Path) -> 
     assert svc.advise("newer", waited_s=5.0, **ask).gpu == -1  # type: ignore[arg-type]
     clock.t += 1.0
     assert svc.advise("older", waited_s=12.0, **ask).gpu == -1  # type: ignore[arg-type]
-    assert [j for j, _, _ in svc.show().waiting] == ["older", "newer"]
+    assert [w.job for w in svc.show().waiting] == ["older", "newer"]
     jobs.pop(0)  # GPU 0 frees
     freed = Snapshot(0.0, 0.0, (snapshot(used_gib=0).gpus[0], full.gpus[1]), 0.01)
     ask["snapshot"] = freed
@@ -445,7 +445,7 @@ def test_a_run_that_waited_long_is_advised_first_and_has_a_gpu_held(tmp_path: Pa
         clock.t += 5.0
         told = svc.advise("big", **big)  # type: ignore[arg-type]
     assert told.gpu == -1 and told.reason.startswith("GPU 0 held for it (waited 600 s): ")
-    ((_, waited, why),) = svc.show().waiting
+    ((_, waited, why, _),) = svc.show().waiting
     assert waited == pytest.approx(600.0) and why == told.reason
     assert svc.advise("small", **small).gpu == 1  # type: ignore[arg-type]
     a = jobs.pop(0)  # GPU 0 drains
@@ -999,6 +999,17 @@ def test_any_slo_the_api_is_sent_is_taken_in_range_or_refused_naming_the_field(
         assert str(info.value).startswith("slo_p99_ms: ")
 
 
+def memory_held(svc: ColoService, jobs: list[RunningJob]) -> Snapshot:
+    """Both GPUs' memory held by a job each, ticked: a newcomer that asks waits."""
+    jobs[:] = [
+        RunningJob("a", "training", 0, memory_bytes=75 * GIB),
+        RunningJob("b", "training", 1, memory_bytes=75 * GIB),
+    ]
+    snap = snapshot()
+    svc.tick(snap)
+    return snap
+
+
 def test_a_run_waiting_for_co_location_is_stopped_by_jobs_rm_force_alone(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
@@ -1009,12 +1020,7 @@ def test_a_run_waiting_for_co_location_is_stopped_by_jobs_rm_force_alone(
     from gpud.errors import FailedPrecondition, NotFound
 
     svc, clock, jobs = service
-    jobs[:] = [
-        RunningJob("a", "training", 0, memory_bytes=75 * GIB),
-        RunningJob("b", "training", 1, memory_bytes=75 * GIB),
-    ]
-    snap = snapshot()
-    svc.tick(snap)
+    snap = memory_held(svc, jobs)
 
     def ask(job: str, waited_s: float) -> str:
         a = svc.advise(job, snapshot=snap, waiting=True, waited_s=waited_s)
@@ -1035,7 +1041,75 @@ def test_a_run_waiting_for_co_location_is_stopped_by_jobs_rm_force_alone(
         svc.advise("w", snapshot=snap, waiting=True, waited_s=2.5)
     # a run started after the removal waits as any other
     ask("w", 0.5)
-    assert [j for j, _, _ in svc.waiting()] == ["w"]
+    assert [w.job for w in svc.waiting()] == ["w"]
+
+
+def test_a_run_waiting_for_co_location_has_an_id_that_takes_it_out(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A run told to wait is told an id, the same at every question, and listed with it;
+    `gpuctl queue --leave ID` takes it out: its next question is LeftQueue (a NotFound, so
+    that an older gpuctl stops as for a removed job), nothing of it is listed, and a run of
+    that name started later waits as any other, with another id."""
+    from gpud.errors import LeftQueue, NotFound
+
+    svc, clock, jobs = service
+    snap = memory_held(svc, jobs)
+
+    def ask(job: str, waited_s: float, waiter_id: str | None = None) -> str:
+        a = svc.advise(job, snapshot=snap, waiting=True, waited_s=waited_s, waiter_id=waiter_id)
+        assert a.gpu == -1 and len(a.waiter_id) == 12, a  # every GPU's memory is held
+        return a.waiter_id
+
+    assert svc.advise("asked", snapshot=snap).waiter_id == ""  # an operator's question
+    first = ask("w", 0.0)
+    clock.t += 1.0
+    assert ask("w", 1.0) == first and ask("other", 0.0) != first
+    listed = svc.waiting()[0]
+    assert (listed.job, listed.id) == ("w", first)
+    assert svc.leave("0123456789ab") is None  # no run waits with it (a queue entry's)
+    left = svc.leave(first)
+    assert left is not None and (left.job, left.id, left.waited_s) == ("w", first, 1.0)
+    assert [w.job for w in svc.waiting()] == ["other"] and svc.waiting_kind("w") is None
+    assert svc.leave(first) is None  # once
+    (event,) = svc._events.recent(kind_prefix="colo.leave")
+    assert event.fields["entry"] == first and "gpuctl queue --leave" in event.message
+    clock.t += 1.5
+    with pytest.raises(LeftQueue, match=f"job w left the wait for co-location \\({first}"):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=2.5, waiter_id=first)
+    assert issubclass(LeftQueue, NotFound)
+    assert [w.job for w in svc.waiting()] == ["other"]
+    # a run started after it waits as any other
+    assert ask("w", 0.5) != first
+
+
+def test_a_waiting_run_keeps_its_id_through_a_restart_and_goes_when_it_stops_asking(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A gpud that restarted knows no waiter: the run that says the id it was told keeps
+    it (unless another run holds it, or it is not an id). A run that stops asking (its
+    gpuctl killed) is dropped at the next tick though nobody lists the waiters, and an
+    event says so, as for a queued entry whose holder is gone."""
+    svc, clock, jobs = service
+    snap = memory_held(svc, jobs)
+    told = "00aa11bb22cc"
+
+    def ask(job: str, waiter_id: str | None) -> str:
+        a = svc.advise(job, snapshot=snap, waiting=True, waited_s=30.0, waiter_id=waiter_id)
+        assert a.gpu == -1, a
+        return a.waiter_id
+
+    assert ask("w", told) == told
+    assert ask("x", told) not in (told, "")  # held by w
+    assert ask("y", "not an id") not in ("not an id", "")
+    clock.t += 3.0
+    ask("w", told)
+    clock.t += 9.0  # x and y stopped asking 12 s ago, w 9 s ago
+    svc.tick(snap)
+    assert list(svc._waiting) == ["w"]
+    gone = svc._events.recent(kind_prefix="colo.leave")
+    assert sorted(e.fields["job"] for e in gone) == ["x", "y"]
+    assert all("its gpuctl run stopped asking 12 s ago" in e.message for e in gone)
 
 
 def test_what_the_loop_holds_of_a_job_gone_is_forgotten_after_a_while(

@@ -16,7 +16,11 @@ import pytest
 
 from gpud.api import ApiServer
 from gpud.cli.main import main as gpuctl
+from gpud.colo.api import ColoServicer
+from gpud.colo.service import ColoService, RunningJob
+from gpud.config import ColocateConfig
 from gpud.errors import DscpPoolExhausted
+from gpud.events import EventLog
 from gpud.jobs.api import JobsServicer
 from gpud.jobs.ends import EndCause, RunEnd
 from gpud.jobs.placement import Reservation
@@ -756,21 +760,8 @@ def test_gpuctl_jobs_history_shows_how_each_run_ended(capsys: pytest.CaptureFixt
     assert ended["running"] == (None, None, "")
 
 
-def test_jobs_rm_stops_a_run_waiting_for_co_location(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A `gpuctl run` waiting for co-location registers its job only when it reserves, yet
-    `gpuctl jobs rm` finds the job: without --force it is refused, naming --force (as for a
-    queued run); with it the run is told, exits 4 (not found) having started nothing, and
-    nothing of the job is left: no registration, no reservation, no waiter."""
-    import threading
-
-    from gpud.colo.api import ColoServicer
-    from gpud.colo.service import ColoService, RunningJob
-    from gpud.config import ColocateConfig
-    from gpud.events import EventLog
-
-    # both GPUs' memory held: a newcomer waits
+def memory_held_loop() -> tuple[ColoService, ColoServicer]:
+    """A co-location loop, and its API, where both GPUs' memory is held: a newcomer waits."""
     full = snapshot(gpu_sample(0), gpu_sample(1))
     held = [
         RunningJob("a", "training", 0, memory_bytes=75 * GIB, device=gpu_uuid(0)),
@@ -778,35 +769,103 @@ def test_jobs_rm_stops_a_run_waiting_for_co_location(
     ]
     loop = ColoService(ColocateConfig(), EventLog(None), running=lambda: held)
     loop.tick(full)
-    servicer = ColoServicer(loop, snapshots=lambda: full)
+    return loop, ColoServicer(loop, snapshots=lambda: full)
+
+
+@contextlib.contextmanager
+def waiting_run(n: Node, loop: ColoService, job: str, marker: Path) -> Iterator[list[int]]:
+    """`gpuctl run --job JOB -- touch MARKER` in a thread, once the loop lists it waiting;
+    its exit status lands in the list yielded once it has ended (the block's end)."""
+    import threading
+
+    codes: list[int] = []
+    run = threading.Thread(
+        target=lambda: codes.append(n.ctl("run", "--job", job, "--", "touch", str(marker)))
+    )
+    run.start()
+    try:
+        for _ in range(200):
+            if loop.waiting():
+                break
+            run.join(0.05)
+        yield codes
+    finally:
+        run.join(15)
+    assert not run.is_alive()
+
+
+def test_jobs_rm_stops_a_run_waiting_for_co_location(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `gpuctl run` waiting for co-location registers its job only when it reserves, yet
+    `gpuctl jobs rm` finds the job: without --force it is refused, naming --force (as for a
+    queued run); with it the run is told, exits 4 (not found) having started nothing, and
+    nothing of the job is left: no registration, no reservation, no waiter."""
+    loop, servicer = memory_held_loop()
     with serving(servicer.register) as n:
         n.jobs.add_removal_hook(loop.job_removed)
         n.jobs.set_waiting(loop.waiting_kind)
         marker = tmp_path / "ran"
-        codes: list[int] = []
-        run = threading.Thread(
-            target=lambda: codes.append(n.ctl("run", "--job", "w", "--", "touch", str(marker)))
-        )
-        run.start()
-        try:
-            for _ in range(200):
-                if loop.waiting():
-                    break
-                run.join(0.05)
-            assert [j for j, _, _ in loop.waiting()] == ["w"]
+        with waiting_run(n, loop, "w", marker) as codes:
+            assert [w.job for w in loop.waiting()] == ["w"]
             assert n.jobs.registry.find("w") is None  # not registered while it waits
             assert n.ctl("jobs", "rm", "w") == 6
             assert "`gpuctl jobs rm --force w`" in capsys.readouterr().err
             assert n.ctl("jobs", "rm", "--force", "w") == 0
             assert "removed job w" in capsys.readouterr().out
-        finally:
-            run.join(15)
-        assert not run.is_alive() and codes == [4]
+        assert codes == [4]
         err = capsys.readouterr().err
         assert "job w was removed (gpuctl jobs rm --force) while its gpuctl run waited" in err
         assert n.jobs.registry.find("w") is None and n.jobs.reservations.held() == []
         assert loop.waiting() == []
         assert n.ctl("jobs", "rm", "w") == 4  # gone for good
+    assert not marker.exists()
+
+
+def test_gpuctl_queue_lists_a_run_waiting_for_co_location_and_leave_stops_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `gpuctl run` waiting for co-location is listed by `gpuctl queue` with an id, what
+    it waits for and since when (table and --json); `gpuctl queue --leave ID` takes it out
+    through the queue's own call, and the run exits 1 having started nothing, as a queued
+    run taken out does: no registration, no reservation, no waiter."""
+    import time
+    from typing import cast
+
+    from gpud.admission.api import QueueServicer
+    from gpud.admission.service import AdmissionService
+    from gpud.config import AdmissionConfig
+
+    loop, colo = memory_held_loop()
+    queue = QueueServicer(cast(AdmissionService, None), leave_waiter=loop.leave)
+    with serving(colo.register, queue.register) as n:
+        queue._service = AdmissionService(
+            n.jobs.store, n.jobs, n.mps, EventLog(None), AdmissionConfig()
+        )
+        marker = tmp_path / "ran"
+        with waiting_run(n, loop, "w", marker) as codes:
+            (waiter,) = loop.waiting()
+            assert n.ctl("queue") == 0
+            out, err = capsys.readouterr()
+            assert f"waiting as {waiter.id} in gpuctl queue" in err  # the run says its id
+            (row,) = [line for line in out.splitlines() if f" {waiter.id} " in line]
+            assert row.split()[:3] == ["-", waiter.id, "w"] and "co-location: " in row
+            assert n.ctl("--json", "queue") == 0
+            (listed,) = json.loads(capsys.readouterr().out)["colo_waiting"]
+            assert (listed["id"], listed["job"], listed["waiting_on"]) == (
+                waiter.id,
+                "w",
+                "co-location",
+            )
+            assert time.time() - 30 < listed["since_unix_seconds"] <= time.time()
+            assert n.ctl("queue", "--leave", waiter.id) == 0
+            assert f"job w ({waiter.id}) left its wait for co-location" in capsys.readouterr().out
+        assert codes == [1]
+        err = capsys.readouterr().err
+        assert f"job w left the wait for co-location ({waiter.id}, gpuctl queue --leave)" in err
+        assert n.jobs.registry.find("w") is None and n.jobs.reservations.held() == []
+        assert loop.waiting() == []
+        assert n.ctl("queue", "--leave", waiter.id) == 4  # gone
     assert not marker.exists()
 
 
