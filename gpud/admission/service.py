@@ -670,17 +670,18 @@ class AdmissionService:
         ran, as its ``gpuctl run`` reports it once the command has exited: the row the
         removal ended now ends here, when the command did (what the quotes take for its
         run time), with its exit status if the report has one, beside its cause
-        (``removed``); once. False when no such row waits for it."""
+        (``removed``); once. False when no such row waits for it. A report tried again
+        through a gpud restart ends the row when it was first tried."""
         now = self._clock()
         with self._store.transaction() as conn:
             # a row of an earlier gpud that kept an exit status, but no reported_at, has
             # had its report
             kept = conn.execute(
-                "UPDATE job_history SET ended_at = ?, reported_at = ?, exit_code = ?,"
-                " exit_signal = ? WHERE reservation = ? AND end_cause = ?"
+                "UPDATE job_history SET ended_at = MAX(started_at, ?), reported_at = ?,"
+                " exit_code = ?, exit_signal = ? WHERE reservation = ? AND end_cause = ?"
                 " AND reported_at IS NULL AND exit_code IS NULL AND exit_signal IS NULL",
                 (
-                    now,
+                    now - end.since_end_s,
                     now,
                     end.exit_code,
                     end.exit_signal,
@@ -698,10 +699,17 @@ class AdmissionService:
         with self._store.transaction() as conn:
             if what == "release":
                 end = end or NO_STATUS
+                # a release tried again through a gpud restart: the run ended at the first try
                 conn.execute(
-                    "UPDATE job_history SET ended_at = ?, exit_code = ?, exit_signal = ?,"
-                    " end_cause = ? WHERE reservation = ? AND ended_at IS NULL",
-                    (now, end.exit_code, end.exit_signal, end.cause.value, reservation.id),
+                    "UPDATE job_history SET ended_at = MAX(started_at, ?), exit_code = ?,"
+                    " exit_signal = ?, end_cause = ? WHERE reservation = ? AND ended_at IS NULL",
+                    (
+                        now - end.since_end_s,
+                        end.exit_code,
+                        end.exit_signal,
+                        end.cause.value,
+                        reservation.id,
+                    ),
                 )
                 return
             entry = self._starting

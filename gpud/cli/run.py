@@ -19,7 +19,12 @@ environment carries the run's ``GPUD_RUN``), releases the reservation, telling g
 command ended (its exit status, or the signal that killed it: ``gpuctl jobs history``),
 and exits with its exit status (128 + N when killed by signal N; as in a shell, 127 when
 the command is not found and 126 when it is found but cannot be run: not executable, a
-directory).
+directory). Should gpud be away when the command ends (``systemctl restart gpud``, or
+systemd starting it again after a crash), ``run`` says so once and tells it again, every
+0.25 s and less often up to every 2 s, for up to RELEASE_WAIT_S (60 s) or until Ctrl-C; gpud
+keeps the reservation of a live ``run`` through its restart, and the history ends the run
+when the first try was made. Given up, gpud releases the reservation by itself once ``run``
+has exited (``holder gone when gpud started``), without the exit status.
 
 When the devices it asks for are taken, ``run`` queues the job (unless ``--no-wait``) and
 waits, printing its position and expected wait whenever they change, until gpud starts it;
@@ -84,6 +89,14 @@ ADVICE_ROUNDS = 3  # advice asked for at most this many times when its GPU is ta
 QUEUE_OFF = "admission queue is off"  # gpud's message when admission.enabled = false
 EXIT_GATE_CLOSED = 125
 KILL_AFTER_S = 10.0
+# How long `gpuctl run` keeps trying to tell a gpud that is away how its command ended:
+# systemd starts a failed gpud again after RestartSec=2s (gpud.service), and gpud answers
+# within seconds of starting; a `systemctl restart` waits for the old one to stop first.
+RELEASE_WAIT_S = 60.0
+# the first try again; each after waits twice as long, up to RELEASE_RETRY_MAX_S (a try
+# while gpud is away is a refused connect() on a local socket)
+RELEASE_RETRY_S = 0.25
+RELEASE_RETRY_MAX_S = 2.0
 # Says it is running (one byte on fd argv[2]: only then does /proc/PID/environ show the
 # job's environment, which gpud checks), waits for one byte on fd argv[1], then becomes the
 # command (the PID stays the same, so the cgroup gpud put it in is the command's).
@@ -368,7 +381,6 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
             list(entry.reservation.devices),
             dict(entry.env),
         )
-    stub = ctx.stub(pb_grpc.JobsStub)
     options = mps_options(args)
     if options and "CUDA_MPS_PIPE_DIRECTORY" not in granted:
         warn_no_effect(
@@ -394,26 +406,103 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
         return exit_status(returncode)
     finally:
         _stop_leftovers(args.job, reservation, args.kill_after)
+        release_run(ctx, args.job, reservation, returncode)
+
+
+def release_run(ctx: Context, job: str, reservation: str, returncode: int | None) -> None:
+    """Release ``reservation``, telling gpud how the command ended. A gpud that is away
+    (stopped, restarting) is asked again (:func:`release_retried`) while the command's exit
+    status is there to tell; failing that, gpud releases the reservation by itself once this
+    process is gone, with no exit status in the history."""
+    request = release_request(reservation, returncode)
+    first = time.monotonic()
+    try:
         try:
-            released: pb.ReleaseResponse = ctx.call(
-                stub.Release, release_request(reservation, returncode)
-            )
-            if released.removed:  # the history keeps its exit status beside that cause
-                print(
-                    f"gpuctl: job {args.job} was removed (gpuctl jobs rm --force) while its "
-                    f"command ran; gpuctl jobs history keeps how it ended",
-                    file=sys.stderr,
-                )
+            released = ctx.call(ctx.stub(pb_grpc.JobsStub).Release, request)
         except CliError as err:
-            # released already: `gpuctl jobs rm --force` with a gpud that keeps no late end,
-            # or one that had this run's end already
-            if err.exit_code == EXIT_NOT_FOUND:
-                print(f"gpuctl: reservation {reservation} was released already", file=sys.stderr)
-            else:  # gpud releases it by itself once this process is gone
-                print(
-                    f"gpuctl: could not release reservation {reservation}: {err}",
-                    file=sys.stderr,
-                )
+            if err.exit_code != EXIT_NOT_RUNNING or returncode is None:
+                raise
+            retried = release_retried(ctx, request, job, first)
+            if retried is None:
+                return
+            released = retried
+        if released.removed:
+            # the history keeps the exit status beside that cause; without one, only the end
+            kept = (
+                "how it ended"
+                if returncode is not None
+                else "when it ended, but not how (gpuctl saw no exit status)"
+            )
+            print(
+                f"gpuctl: job {job} was removed (gpuctl jobs rm --force) while its "
+                f"command ran; gpuctl jobs history keeps {kept}",
+                file=sys.stderr,
+            )
+    except CliError as err:
+        # released already: `gpuctl jobs rm --force` with a gpud that keeps no late end,
+        # or one that had this run's end already (a release whose answer a restart lost)
+        if err.exit_code == EXIT_NOT_FOUND:
+            print(f"gpuctl: reservation {reservation} was released already", file=sys.stderr)
+        else:  # gpud releases it by itself once this process is gone
+            print(
+                f"gpuctl: could not release reservation {reservation}: {err}",
+                file=sys.stderr,
+            )
+
+
+def release_retried(
+    ctx: Context,
+    request: pb.ReleaseRequest,
+    job: str,
+    first: float,
+    *,
+    wait_s: float = RELEASE_WAIT_S,
+) -> pb.ReleaseResponse | None:
+    """``request`` sent again while gpud is away (stopped, restarting), every
+    RELEASE_RETRY_S, then less often (up to RELEASE_RETRY_MAX_S), for up to ``wait_s``
+    after the first try (at ``first``, monotonic): long enough for systemd to start gpud
+    again (``RestartSec=2s`` in gpud.service, then its start) or for ``systemctl restart
+    gpud``. Each try says how long ago the first was (``since_end_s``): the history ends the
+    run then. None when it gave up, or a signal (Ctrl-C, SIGTERM, SIGHUP) stopped it: said
+    on stderr. Another error (NOT_FOUND: released already) raises."""
+    with _signals_stop() as stop:
+        print(
+            f"gpuctl: gpud on {ctx.socket_path} is not answering (stopped or restarting?): "
+            f"telling it how job {job} ended ({_ending(request)}) again for up to "
+            f"{wait_s:g} s (Ctrl-C stops)",
+            file=sys.stderr,
+            flush=True,
+        )
+        interval = RELEASE_RETRY_S
+        while True:
+            left = first + wait_s - time.monotonic()
+            if left <= 0 or stop.wait(min(interval, left)):
+                break
+            interval = min(RELEASE_RETRY_MAX_S, interval * 2)
+            ctx.close()  # a fresh channel once gpud is back
+            request.since_end_s = time.monotonic() - first
+            try:
+                released: pb.ReleaseResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).Release, request)
+                return released
+            except CliError as err:
+                if err.exit_code != EXIT_NOT_RUNNING:
+                    raise
+    how = "stopped" if stop.is_set() else f"gave up after {time.monotonic() - first:.0f} s"
+    print(
+        f"gpuctl: {how} telling gpud on {ctx.socket_path} how job {job} ended: once it "
+        f"is back, gpud releases reservation {request.reservation_id} by itself (holder "
+        "gone), and gpuctl jobs history has no exit status for the run",
+        file=sys.stderr,
+        flush=True,
+    )
+    return None
+
+
+def _ending(request: pb.ReleaseRequest) -> str:
+    """How the command ended, as ``request`` tells it: ``exit 7``, ``signal 9``."""
+    if request.HasField("exit_signal"):
+        return f"signal {request.exit_signal}"
+    return f"exit {request.exit_code}"
 
 
 def exit_status(returncode: int) -> int:

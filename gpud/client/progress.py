@@ -22,7 +22,11 @@ meantime), and the channel tries to connect a few times a second (``_RECONNECT_M
 failed ``connect()`` on a local socket each. A call that fails at once (gpud refusing it
 whole, an error of its own) is retried with a back-off. Reports that gpud rejects (e.g. a job it does not know), or a
 call it refuses whole as invalid, are dropped and counted in :attr:`Progress.rejected`,
-with the first reason in :attr:`Progress.last_error`.
+with the reason in :attr:`Progress.last_error`. While gpud is away, :attr:`Progress.last_error`
+says so as of the sender thread's last try (one every ``call_timeout_s``): ``gpud
+unreachable at /run/gpud/gpud.sock since 2026-12-05 21:45:03 (12 s): 60 reports buffered,
+0 dropped (the buffer keeps the newest 10000)``; once gpud is back, for how long it was
+away and how many reports that outage dropped.
 
 On a node where a launcher starts one process per GPU (torchrun, DeepSpeed and Accelerate
 set ``$LOCAL_RANK``), only local rank 0 reports by default: the ranks of a job step
@@ -113,6 +117,8 @@ class Progress:
             path = Path(socket or os.environ.get(SOCKET_VAR) or DEFAULT_SOCKET)
             target = f"unix:{path.absolute()}"
         self.target = target
+        # where gpud is, as an operator names it: the socket's path, or the target given
+        self._where = target.removeprefix("unix:")
         self.session = os.urandom(8).hex()
         self.dropped = 0
         self.rejected = 0
@@ -134,6 +140,8 @@ class Progress:
         self._wake = threading.Event()
         self._flushed = threading.Condition()
         self._channel: Any = None
+        # while gpud is away: since when (the clock's time) and how many were dropped before
+        self._away: tuple[float, int] | None = None
         self._thread = threading.Thread(target=self._run, name=f"gpud-progress-{name}", daemon=True)
         self.active = active if active is not None else os.environ.get(RANK_VAR, "0") in ("", "0")
         if not self.active:
@@ -211,19 +219,61 @@ class Progress:
         while not self._stop.is_set():
             self._wake.wait(backoff)
             self._wake.clear()
+            # should this try find gpud away: its outage began here, with these dropped before
+            tried, dropped = self._clock(), self.dropped
             self._drain()
             if not self._pending:
                 backoff = self._interval
                 self._notify()
                 continue
             started = time.monotonic()
+            said = self.last_error
             try:
                 self._send()
                 backoff = self._interval
+                self._back(rejected=self.last_error != said)
             except Exception as err:  # any transport failure: keep the reports, retry later
-                self.last_error = str(err)
+                self.last_error = self._unreachable(err, tried, dropped)
                 backoff = self._backoff(backoff, time.monotonic() - started)
             self._notify()
+
+    def _unreachable(self, err: Exception, tried: float, dropped: int) -> str:
+        """:attr:`last_error` for a try begun at ``tried`` (the clock's time), with
+        ``dropped`` reports dropped before it, that failed with ``err``. The gRPC errors of a gpud that is away (no socket, nothing listening,
+        a restart) are ``DEADLINE_EXCEEDED``, the call having waited for the channel to
+        connect (or a gpud that answered nothing within ``call_timeout_s``), or
+        ``UNAVAILABLE``: said as gpud unreachable since the first such try, with what the
+        buffer holds and what the outage dropped."""
+        import grpc
+
+        if not isinstance(err, grpc.RpcError):
+            return str(err)
+        code = err.code()
+        if code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+            return str(err)
+        if self._away is None:
+            self._away = (tried, dropped)
+        since, dropped = self._away
+        why = "" if code == grpc.StatusCode.DEADLINE_EXCEEDED else f" ({err.details()})"
+        return (
+            f"gpud unreachable at {self._where} since {_local(since)}"
+            f" ({self._clock() - since:.0f} s){why}: {len(self._pending)} reports buffered,"
+            f" {self.dropped - dropped} dropped (the buffer keeps the newest {self._max_buffer})"
+        )
+
+    def _back(self, *, rejected: bool) -> None:
+        """gpud answered: :attr:`last_error` says for how long it was away, if it was,
+        unless it ``rejected`` reports just now (that reason is the one to read)."""
+        if self._away is None:
+            return
+        since, dropped = self._away
+        self._away = None
+        if rejected:
+            return
+        self.last_error = (
+            f"gpud was unreachable at {self._where} from {_local(since)} for "
+            f"{self._clock() - since:.0f} s: {self.dropped - dropped} reports dropped meanwhile"
+        )
 
     def _backoff(self, backoff: float, waited: float) -> float:
         """The wait before the next try after one that failed in ``waited`` seconds.
@@ -302,6 +352,10 @@ class Progress:
         if message != self.last_error:
             log.warning("gpud rejected progress reports of %s: %s", self.job, message)
         self.last_error = message
+
+
+def _local(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
 
 
 _live: weakref.WeakSet[Progress] = weakref.WeakSet()

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-from gpud.api.validate import int_range, optional, optional_pid
+from gpud.api.validate import int_range, non_negative_seconds, optional, optional_pid
 from gpud.errors import InvalidArgument
 from gpud.jobs.attribution import ProcessUse
 from gpud.jobs.ends import NO_STATUS, EndCause, RunEnd
@@ -88,15 +89,21 @@ def job_message(
 
 def run_end(request: pb.ReleaseRequest) -> RunEnd:
     """How the run ended, from a release: its command's exit status or the signal that
-    killed it, as its gpuctl run reports it; neither (an older gpuctl): released."""
+    killed it, as its gpuctl run reports it; neither (an older gpuctl): released. A release
+    tried again through a gpud restart says how long ago it was first tried."""
     code, sig = optional(request, "exit_code"), optional(request, "exit_signal")
     if code is not None and sig is not None:
         raise InvalidArgument("give exit_code or exit_signal, not both", field="exit_signal")
     if code is not None:
-        return RunEnd(EndCause.EXITED, exit_code=int_range(code, 0, 255, field="exit_code"))
-    if sig is not None:
-        return RunEnd(EndCause.EXITED, exit_signal=int_range(sig, 1, 64, field="exit_signal"))
-    return NO_STATUS
+        end = RunEnd(EndCause.EXITED, exit_code=int_range(code, 0, 255, field="exit_code"))
+    elif sig is not None:
+        end = RunEnd(EndCause.EXITED, exit_signal=int_range(sig, 1, 64, field="exit_signal"))
+    else:
+        end = NO_STATUS
+    since = optional(request, "since_end_s")
+    if since is None:
+        return end
+    return replace(end, since_end_s=non_negative_seconds(since, field="since_end_s"))
 
 
 def spec_from_pb(job: pb.Job) -> JobSpec:

@@ -24,6 +24,10 @@ class RunEnd:
     cause: EndCause
     exit_code: int | None = None  # EXITED: the status it exited with
     exit_signal: int | None = None  # EXITED: the signal that killed it
+    # how long before its release arrived the run ended: gpuctl run first tried to release
+    # it then, and again until gpud was back from a restart (the history's end, never
+    # before the run started)
+    since_end_s: float = 0.0
 
 
 NO_STATUS = RunEnd(EndCause.RELEASED)  # a release that says nothing of how the run ended

@@ -500,6 +500,7 @@ class ReleaseRequest(_message.Message):
     RESERVATION_ID_FIELD_NUMBER: _builtins.int
     EXIT_CODE_FIELD_NUMBER: _builtins.int
     EXIT_SIGNAL_FIELD_NUMBER: _builtins.int
+    SINCE_END_S_FIELD_NUMBER: _builtins.int
     reservation_id: _builtins.str
     exit_code: _builtins.int
     """How the run's command ended, as `gpuctl run` saw it (kept in the job history); neither
@@ -508,25 +509,35 @@ class ReleaseRequest(_message.Message):
     """
     exit_signal: _builtins.int
     """a signal killed it: its number, 1..64"""
+    since_end_s: _builtins.float
+    """Seconds since `gpuctl run` first tried to release (finite, >= 0): a release tried again
+    while gpud restarted. The job history's end is then, not when this arrives (never
+    before the run started). Unset: now.
+    """
     def __init__(
         self,
         *,
         reservation_id: _builtins.str = ...,
         exit_code: _builtins.int | None = ...,
         exit_signal: _builtins.int | None = ...,
+        since_end_s: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "exit_code", b"exit_code", "exit_signal", b"exit_signal"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "_since_end_s", b"_since_end_s", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "since_end_s", b"since_end_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "reservation_id", b"reservation_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "_since_end_s", b"_since_end_s", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "reservation_id", b"reservation_id", "since_end_s", b"since_end_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
     _WhichOneofReturnType__exit_signal: _TypeAlias = _typing.Literal["exit_signal"]  # noqa: Y015
     _WhichOneofArgType__exit_signal: _TypeAlias = _typing.Literal["_exit_signal", b"_exit_signal"]  # noqa: Y015
+    _WhichOneofReturnType__since_end_s: _TypeAlias = _typing.Literal["since_end_s"]  # noqa: Y015
+    _WhichOneofArgType__since_end_s: _TypeAlias = _typing.Literal["_since_end_s", b"_since_end_s"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_code) -> _WhichOneofReturnType__exit_code | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_signal) -> _WhichOneofReturnType__exit_signal | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__since_end_s) -> _WhichOneofReturnType__since_end_s | None: ...
 
 Global___ReleaseRequest: _TypeAlias = ReleaseRequest  # noqa: Y015
 
@@ -538,8 +549,9 @@ class ReleaseResponse(_message.Message):
     REMOVED_FIELD_NUMBER: _builtins.int
     removed: _builtins.bool
     """`gpuctl jobs rm --force` released this reservation while its run ran: the exit_code or
-    exit_signal given is kept in the job history beside that cause (end_cause "removed").
-    Only a release with an exit status, once; any other of a reservation not held: NOT_FOUND.
+    exit_signal given is kept in the job history beside that cause (end_cause "removed"),
+    and the run ends then; a release with neither moves only its end. Once; any other
+    release of a reservation not held: NOT_FOUND.
     """
     @_builtins.property
     def reservation(self) -> Global___JobReservation:

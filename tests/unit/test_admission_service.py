@@ -6,7 +6,7 @@ import logging
 import subprocess
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -472,14 +472,76 @@ def test_a_removed_run_ends_in_the_history_when_its_command_exits(node: Node) ->
     assert row("term").record().service_s == 13.0
 
 
+def test_a_release_tried_again_through_a_restart_ends_the_run_when_first_tried(
+    node: Node,
+) -> None:
+    """gpud restarts as a run's command exits: its `gpuctl run`, alive and trying again,
+    keeps the reservation through gpud's first tick (no holder-gone-at-start), and the
+    release that gets through records the exit status and the end at its first try
+    (``since_end_s`` before it arrived, never before the run started), once. A release that
+    comes after gpud judged its holder gone changes nothing of the end it recorded."""
+    from gpud.errors import NotFound
+
+    def row(job: str) -> HistoryRow:
+        (h,) = [h for h in node.admission.history() if h.job == job]
+        return h
+
+    gpuctl = subprocess.Popen(["sleep", "60"])
+    gone = subprocess.Popen(["sleep", "60"])
+    try:
+        late = node.jobs.reserve(RunRequest(job="late", holder_pid=gpuctl.pid)).reservation.id
+        early = node.jobs.reserve(RunRequest(job="early", holder_pid=gpuctl.pid)).reservation.id
+        down = node.jobs.reserve(RunRequest(job="down", holder_pid=gone.pid)).reservation.id
+        node = node.restart()
+        gone.kill()  # its gpuctl gave up (or was killed) while gpud was down
+        gone.wait()
+        node.clock.now = 1010.0
+        node.jobs.tick(None)  # gpud's first tick: the trying gpuctl is alive
+        assert [r.id for r in node.jobs.reservations.held()] == [late, early]
+        exited = RunEnd(EndCause.EXITED, exit_code=7, since_end_s=4.0)
+        assert node.jobs.release(late, exited) is not None
+        with pytest.raises(NotFound):  # once: a second try whose first answer was lost
+            node.jobs.release(late, exited)
+        assert (row("late").ended_at, row("late").exit_code) == (1006.0, 7)
+        assert row("late").end_cause == "exited"
+        node.jobs.release(early, RunEnd(EndCause.EXITED, exit_code=0, since_end_s=3600.0))
+        assert row("early").ended_at == row("early").started_at == 1000.0
+        with pytest.raises(NotFound):
+            node.jobs.release(down, exited)
+        assert (row("down").ended_at, row("down").exit_code) == (1010.0, None)
+        assert row("down").end_cause == "holder-gone-at-start"
+        # a removed run's end, tried again through a restart, is when it was first tried
+        removed = node.jobs.reserve(RunRequest(job="removed")).reservation.id
+        node.jobs.remove("removed", force=True)
+        node.clock.now = 1030.0
+        assert node.jobs.release(removed, replace(exited, since_end_s=5.0)) is None
+        assert (row("removed").ended_at, row("removed").exit_code) == (1025.0, 7)
+    finally:
+        gpuctl.kill()
+        gpuctl.wait()
+
+
 def test_a_release_says_how_the_run_ended_or_nothing(node: Node) -> None:
-    def end(**fields: int) -> RunEnd:
+    def end(**fields: Any) -> RunEnd:
         return run_end(jobs_pb2.ReleaseRequest(reservation_id="r", **fields))
 
     assert end() == RunEnd(EndCause.RELEASED)  # an older gpuctl
     assert end(exit_code=0) == RunEnd(EndCause.EXITED, exit_code=0)
     assert end(exit_signal=9) == RunEnd(EndCause.EXITED, exit_signal=9)
-    for bad in ({"exit_code": 256}, {"exit_code": -1}, {"exit_signal": 0}, {"exit_signal": 65}):
+    # tried again through a gpud restart: how long ago the first try was
+    assert end(exit_code=7, since_end_s=2.5) == RunEnd(
+        EndCause.EXITED, exit_code=7, since_end_s=2.5
+    )
+    assert end(since_end_s=1.0) == RunEnd(EndCause.RELEASED, since_end_s=1.0)
+    for bad in (
+        {"exit_code": 256},
+        {"exit_code": -1},
+        {"exit_signal": 0},
+        {"exit_signal": 65},
+        {"since_end_s": -1.0},
+        {"since_end_s": float("nan")},
+        {"since_end_s": float("inf")},
+    ):
         with pytest.raises(InvalidArgument, match=next(iter(bad))):
             end(**bad)
     with pytest.raises(InvalidArgument, match="not both"):

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -695,6 +699,189 @@ def test_a_removed_run_ran_until_its_command_exited(
     assert "released already" not in capsys.readouterr().err
     assert (row.exit_code, row.end_cause) == (0, "removed")
     assert row.ended_at is not None and row.ended_at >= removed + 0.9
+
+
+class Restarting:
+    """gpud's jobs service and job history on a socket, stopped and started again over the
+    same state, as systemd restarts gpud (a fresh service: its first tick is a start's)."""
+
+    def __init__(self, root: Path) -> None:
+        self.socket = root / "gpud.sock"
+        self.mps, self.store, self.events = make_manager(root)
+        self.mps.reconcile(NODE)
+        self._server: ServerThread | None = None
+        self.start()
+
+    def start(self) -> None:
+        from gpud.admission.service import AdmissionService
+        from gpud.config import AdmissionConfig
+
+        self.jobs = JobService(self.store, self.events, self.mps, socket_path=self.socket)
+        self.admission = AdmissionService(
+            self.store, self.jobs, self.mps, self.events, AdmissionConfig()
+        )
+        servicers = [MpsServicer(self.mps, loads=self.jobs.loads).register]
+        self._server = ServerThread(
+            ApiServer(self.socket, servicers=[*servicers, JobsServicer(self.jobs).register])
+        )
+        self._server.__enter__()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.__exit__(None, None, None)
+            self._server = None
+
+    def close(self) -> None:
+        self.stop()
+        self.mps.stop()
+        self.store.close()
+
+
+class Said:
+    """stderr, noting when a line with ``text`` has been written."""
+
+    def __init__(self, stream: Any, text: str) -> None:
+        self.stream, self.text = stream, text
+        self.event = threading.Event()
+
+    def write(self, data: str) -> int:
+        if self.text in data:
+            self.event.set()
+        return int(self.stream.write(data))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def test_a_run_whose_gpud_restarts_as_its_command_ends_keeps_its_exit_status(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """gpud is killed while the command runs and systemd starts it again after the command
+    has exited: `gpuctl run` tells it how the command ended again until it is back, gpud's
+    first tick keeps the reservation of that live gpuctl (no holder-gone-at-start), and the
+    history has the exit status and the end when the command exited, not when gpud was back.
+    gpuctl exits with the command's status."""
+    said = Said(sys.stderr, "is not answering")
+    monkeypatch.setattr(sys, "stderr", said)
+    with short_dir() as root:
+        gpud = Restarting(root)
+        try:
+            codes: list[int] = []
+            argv = ["--socket", str(gpud.socket), "run", "--job", "j", "--"]
+            command = ["sh", "-c", "sleep 0.5; exit 7"]
+            run = threading.Thread(target=lambda: codes.append(gpuctl([*argv, *command], env={})))
+            run.start()
+            for _ in range(200):
+                if gpud.jobs.reservations.held("j"):
+                    break
+                run.join(0.05)
+            gpud.stop()  # killed: systemd starts it again RestartSec later
+            said.event.wait(10)  # the command exited, its release was refused
+            time.sleep(0.3)
+            back = time.time()
+            gpud.start()
+            gpud.jobs.tick(None)  # its first tick: the gpuctl trying again is alive
+            run.join(30)
+            assert not run.is_alive()
+            (row,) = gpud.admission.history()
+        finally:
+            gpud.close()
+    assert codes == [7]
+    assert (row.exit_code, row.exit_signal, row.end_cause) == (7, None, "exited")
+    assert row.ended_at is not None and row.ended_at < back
+    err = capsys.readouterr().err
+    assert f"gpud on {gpud.socket} is not answering" in err
+    assert "how job j ended (exit 7) again for up to 60 s (Ctrl-C stops)" in err
+    assert "could not release" not in err and "released already" not in err
+
+
+def test_ctrl_c_stops_telling_gpud_and_gpuctl_exits_as_its_command_did(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """gpud stays away after the command exits: Ctrl-C ends the wait to tell it, saying so
+    and naming the socket, and gpuctl still exits with the command's status."""
+    said = Said(sys.stderr, "is not answering")
+    monkeypatch.setattr(sys, "stderr", said)
+    with short_dir() as root:
+        gpud = Restarting(root)
+
+        def stop_gpud_then_ctrl_c() -> None:
+            for _ in range(200):
+                if gpud.jobs.reservations.held("j"):
+                    break
+                time.sleep(0.05)
+            gpud.stop()
+            if said.event.wait(10):
+                os.kill(os.getpid(), signal.SIGINT)
+
+        helper = threading.Thread(target=stop_gpud_then_ctrl_c)
+        helper.start()
+        try:
+            started = time.monotonic()
+            argv = ["--socket", str(gpud.socket), "run", "--job", "j", "--"]
+            code = gpuctl([*argv, "sh", "-c", "sleep 0.5; exit 7"], env={})
+            took = time.monotonic() - started
+        finally:
+            helper.join(30)
+            gpud.close()
+    assert code == 7 and took < 30
+    err = capsys.readouterr().err
+    assert f"gpuctl: stopped telling gpud on {gpud.socket} how job j ended" in err
+    assert "has no exit status for the run" in err
+
+
+def test_a_release_gpud_never_takes_is_given_up_saying_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from gpud.cli.context import Context
+    from gpud.cli.output import Output
+    from gpud.cli.run import release_request, release_retried
+
+    with short_dir() as root:
+        ctx = Context(socket_path=root / "gpud.sock", timeout=5.0, output=Output(json_output=False))
+        first = time.monotonic()
+        request = release_request("r1", -9)
+        assert release_retried(ctx, request, "j", first, wait_s=0.6) is None
+        took = time.monotonic() - first
+    assert 0.6 <= took < 5
+    assert request.since_end_s > 0  # each try again said how long ago the first was
+    err = capsys.readouterr().err
+    assert f"gpud on {root / 'gpud.sock'} is not answering" in err
+    assert "how job j ended (signal 9) again for up to 0.6 s" in err
+    assert f"gpuctl: gave up after 1 s telling gpud on {root / 'gpud.sock'} how job j" in err
+    assert "reservation r1 by itself (holder gone)" in err
+
+
+def test_a_removed_run_with_no_exit_status_says_only_its_end_is_kept(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpuctl jobs rm --force` while the run ran, and its gpuctl has no exit status to
+    report (it stopped before the command's end): gpud keeps when the run ended, not how,
+    and gpuctl says just that."""
+    from gpud.admission.service import AdmissionService
+    from gpud.cli.context import Context
+    from gpud.cli.output import Output
+    from gpud.cli.run import release_run
+    from gpud.config import AdmissionConfig
+    from gpud.events import EventLog
+    from gpud.jobs.service import RunRequest
+
+    admission = AdmissionService(
+        node.jobs.store, node.jobs, node.mps, EventLog(None), AdmissionConfig()
+    )
+    held = node.jobs.reserve(RunRequest(job="w", holder_pid=os.getpid())).reservation.id
+    node.jobs.remove("w", force=True)
+    ctx = Context(socket_path=node.socket, timeout=5.0, output=Output(json_output=False))
+    try:
+        release_run(ctx, "w", held, None)
+    finally:
+        ctx.close()
+    (row,) = admission.history()
+    assert (row.exit_code, row.exit_signal, row.end_cause) == (None, None, "removed")
+    err = capsys.readouterr().err
+    assert "job w was removed (gpuctl jobs rm --force) while its command ran" in err
+    assert "gpuctl jobs history keeps when it ended, but not how" in err
+    assert "keeps how it ended" not in err
 
 
 class History(queue_pb2_grpc.QueueServicer):

@@ -213,6 +213,40 @@ def test_progress_keeps_the_newest_reports_while_the_daemon_is_down(node: Node) 
     assert a.iterations == 25  # the newest survived
 
 
+def test_last_error_says_gpud_is_unreachable_since_when_and_what_is_buffered(
+    node: Node,
+) -> None:
+    """While gpud is away ``last_error`` names its socket, since when, and how many reports
+    wait and were dropped (not gRPC's bare DEADLINE_EXCEEDED); once it is back, for how long
+    it was away and what that dropped."""
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        before = time.time()
+        p = Progress(
+            "train-a", socket=path, flush_interval_s=0.02, max_buffer=10, call_timeout_s=0.3
+        )
+        try:
+            for _ in range(25):
+                p.step()
+            for _ in range(200):  # two tries at least: the second drains what came meanwhile
+                if "10 reports buffered" in p.last_error:
+                    break
+                time.sleep(0.05)
+            away = p.last_error
+            with _serve(node, path):
+                assert p.flush(timeout=15)
+        finally:
+            p.close()
+    assert away.startswith(f"gpud unreachable at {path} since ")
+    since = time.mktime(time.strptime(away.split(" since ")[1][:19], "%Y-%m-%d %H:%M:%S"))
+    assert before - 1 <= since <= time.time()
+    assert "DEADLINE_EXCEEDED" not in away
+    assert ": 10 reports buffered, 15 dropped (the buffer keeps the newest 10)" in away
+    assert p.last_error.startswith(f"gpud was unreachable at {path} from ")
+    assert p.last_error.endswith(": 15 reports dropped meanwhile")
+    assert p.sent == 10 and p.dropped == 15
+
+
 def _serve(node: Node, path: Path) -> ServerThread:
     return ServerThread(ApiServer(path, servicers=[NetServicer(node.service).register]))
 
