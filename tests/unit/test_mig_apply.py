@@ -13,9 +13,10 @@ import pytest
 from gpud.backend import products
 from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, SimulatedCrash
+from gpud.cli.output import message_to_dict
 from gpud.errors import Busy, GpuLost, InvalidArgument, NotFound
 from gpud.events import EventLog
-from gpud.mig.api import gpu_message
+from gpud.mig.api import apply_message, gpu_message
 from gpud.mig.layout import MigConfigFile, load_config, parse_config
 from gpud.mig.manager import MigManager
 from gpud.mig.metrics import MigMetrics
@@ -622,12 +623,19 @@ def test_a_gpu_lost_before_start_leaves_the_others_managed(a100: Host) -> None:
     shown = [gpu_message(v) for v in views]
     assert shown[0].HasField("mig_capable") and shown[0].mig_capable
     assert not shown[1].HasField("mig_capable")
+    # and so are its UUID and product: null, not "" (a UUID a script would look up)
+    assert shown[0].uuid.startswith("GPU-") and shown[0].product == "A100-SXM4-40GB"
+    assert not shown[1].HasField("uuid") and not shown[1].HasField("product")
+    unknown = message_to_dict(shown[1])
+    assert (unknown["uuid"], unknown["product"]) == (None, None)
     diff, faulty = d.mig.check(HELD_OUT, "custom-balanced")
     assert diff == [] and list(faulty) == [1]
     result = d.mig.apply(HELD_OUT, "custom-balanced")
     assert result.result == "partial"
     assert [o.status for o in result.gpus] == ["ok", "faulty"]
     assert "GPU 1 is faulty, left alone" in result.gpus[1].detail
+    answer = apply_message(result)
+    assert answer.gpus[0].uuid.startswith("GPU-") and not answer.gpus[1].HasField("uuid")
     text, left_out = d.mig.export("now")  # the GPUs that answer
     assert list(left_out) == [1] and text.startswith("# GPU 1 left out: identity: GPU lost")
     assert parse_config(text).configs["now"][0].devices == (0,)
