@@ -3,6 +3,7 @@ NVML adapter."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -871,6 +872,33 @@ def test_an_apply_never_waits_on_a_hung_gpu_past_its_read_deadline(
     assert outcomes[0].status == "changed"
     assert outcomes[1].status == "faulty" and "not answering" in outcomes[1].detail
     d.node.faults.clear(1)
+    assert instances(d)[1] == before[1]
+
+
+def test_an_apply_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
+    host: Host, config: MigConfigFile
+) -> None:
+    """An apply that starts a moment before telemetry's tick finds a GPU hung: its reads of
+    that GPU are given up on at that tick, not at the read deadline, and the others go on."""
+    host.read_timeout_s = 5.0  # telemetry.call_timeout_s
+    d = enable(host, config, "all-1g.10gb")
+    before = instances(d)
+    d.node.faults.slow(1, 2.0)  # every call on GPU 1 takes 2 s; telemetry has not noticed
+    tick = threading.Timer(0.3, host.faults.__setitem__, (1, "not answering: ..."))
+    tick.start()  # the sampler's next tick, its read of GPU 1 outstanding
+    started = time.monotonic()
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert time.monotonic() - started < 1.5  # not the 2 s of the hung call, nor the 5 s
+    assert result.result == "partial", result
+    outcomes = {o.gpu: o for o in result.gpus}
+    assert outcomes[0].status == "changed"
+    assert outcomes[1].status == "faulty" and outcomes[1].detail.endswith("not answering: ...")
+    tick.join()
+    d.node.faults.clear(1)
+    deadline = time.monotonic() + 5.0
+    while d.mig._stuck and time.monotonic() < deadline:  # the read left behind returns
+        time.sleep(0.05)
+    assert not d.mig._stuck
     assert instances(d)[1] == before[1]
 
 
