@@ -14,7 +14,9 @@ What Prometheus sees (``curl -s localhost:9400/metrics | grep ^gpud_``):
   GPU not read since gpud started, whose static facts have no series of their own),
   ``gpud_gpu_healthy``,
   ``gpud_gpu_unhealthy_info`` (+ ``reason``; only while unhealthy),
-  ``gpud_gpu_sample_age_seconds``, ``gpud_gpu_memory_{total,used,free}_bytes``,
+  ``gpud_gpu_sample_age_seconds``, ``gpud_gpu_memory_{total,used,free}_bytes`` (``total``
+  also of a GPU lost or hung since it was read in this run: the size read with its identity;
+  ``used`` and ``free`` only from the latest tick's reading),
   ``gpud_gpu_utilization_ratio``, ``gpud_gpu_memory_utilization_ratio``,
   ``gpud_gpu_power_watts``, ``gpud_gpu_temperature_celsius``,
   ``gpud_gpu_{sm,memory}_clock_hertz``, ``gpud_gpu_ecc_errors_total{type}``,
@@ -283,6 +285,11 @@ class Collector(_CollectorBase):
                 mem_total.add_metric(labels, s.memory.total_bytes)
                 mem_used.add_metric(labels, s.memory.used_bytes)
                 mem_free.add_metric(labels, s.memory.free_bytes)
+            elif ident.read:
+                # the board's size is a static fact (nvidia-smi -q "FB Memory Usage: Total"),
+                # known from its identity read: kept while the tick's reading is missing (lost,
+                # hung, the query failed), as gpuctl gpus keeps it; absent only when never read
+                mem_total.add_metric(labels, ident.memory_total_bytes)
             if s.utilization is not None:
                 util.add_metric(labels, s.utilization.gpu_ratio)
                 mem_util.add_metric(labels, s.utilization.memory_ratio)

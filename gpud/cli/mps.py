@@ -90,7 +90,8 @@ def device_row(d: pb.MpsDevice) -> tuple[str, ...]:
     memory = format_size(d.memory_limit_bytes) if d.HasField("memory_limit_bytes") else "none"
     return (
         f"{d.gpu}:{d.mig}" if d.HasField("mig") else str(d.gpu),
-        d.profile or UNKNOWN,  # "": a GPU never read (lost or hung since gpud started)
+        # unset (or "" from an older gpud): a GPU never read (lost or hung since gpud started)
+        d.profile or UNKNOWN,
         d.uuid or UNKNOWN,
         daemon,
         str(d.pid) if d.HasField("pid") else NA,

@@ -24,7 +24,7 @@ from gpud.errors import InvalidArgument
 from gpud.mig import MAX_DRAIN_SECONDS
 from gpud.mig.layout import MigConfigFile, parse_config
 from gpud.mig.manager import MigManager
-from gpud.mig.results import ApplyResult
+from gpud.mig.results import ApplyResult, GpuOutcome
 from gpud.mig.store import ApplyOptions
 from gpud.mig.view import GpuView
 from gpud.shared import MAX_LAYOUT_BYTES
@@ -58,14 +58,15 @@ def gpu_message(view: GpuView) -> pb.MigGpu:
     ident = view.identity
     msg = pb.MigGpu(
         index=ident.index,
-        uuid=ident.uuid,
-        product=ident.product,
         mig_current=bool(view.mode and view.mode.current),
         mig_pending=bool(view.mode and view.mode.pending),
         layout="" if view.fault else view.layout.describe(),
         fault=view.fault,
     )
-    if ident.read:  # else never read (lost or hung since gpud started): unknown, not False
+    # else never read (lost or hung since gpud started): unknown, unset rather than "" or False
+    if ident.read:
+        msg.uuid = ident.uuid
+        msg.product = ident.product
         msg.mig_capable = ident.mig_capable
     if view.desired is not None:
         msg.desired_config = view.desired.config_name
@@ -109,18 +110,21 @@ def apply_message(result: ApplyResult) -> pb.ApplyMigResponse:
         result=result.result,
         duration_seconds=result.duration_s,
         dry_run=result.dry_run,
-        gpus=[
-            pb.MigGpuOutcome(
-                gpu=o.gpu,
-                uuid=o.uuid,
-                steps=list(o.steps),
-                reset_pending=o.reset_pending,
-                status=o.status,
-                detail=o.detail,
-            )
-            for o in result.gpus
-        ],
+        gpus=[_outcome(o) for o in result.gpus],
     )
+
+
+def _outcome(o: GpuOutcome) -> pb.MigGpuOutcome:
+    msg = pb.MigGpuOutcome(
+        gpu=o.gpu,
+        steps=list(o.steps),
+        reset_pending=o.reset_pending,
+        status=o.status,
+        detail=o.detail,
+    )
+    if o.uuid:  # else a GPU never read, left alone: its UUID is unknown
+        msg.uuid = o.uuid
+    return msg
 
 
 class MigServicer(pb_grpc.MigServicer):

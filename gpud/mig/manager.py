@@ -28,7 +28,9 @@ created by the first reconcile after a reset or reboot. Hopper makes the change 
 Faults stay with the GPU that has them: a GPU the last telemetry sample found unhealthy
 (lost, not answering) is not called at all, and one that fails while being read or changed
 is reported ``faulty`` with the reason, while every other GPU is shown, applied and
-reconciled as usual; an apply that left a faulty GPU alone is a ``partial`` result.
+reconciled as usual; an apply that left a faulty GPU alone is a ``partial`` result. An
+apply's reads of a GPU that hangs are waited for until telemetry finds it hung, or
+``read_timeout_s`` if that comes first (see :meth:`MigManager._plan_bounded`).
 
 An apply whose caller has gone (``still_wanted`` answers False) is not started if it had not
 started; one that had started is finished and logged as finished after its caller had gone.
@@ -359,10 +361,12 @@ class MigManager:
         plans: dict[int, tuple[GpuActual, GpuPlan]] = {}
         healthy = [by_index[i] for i in sorted(layouts) if i not in faulty]
         planned = self._plan_bounded(healthy, layouts)
+        telemetry = dict(self._faults()) if self._faults is not None else {}
         for gpu in healthy:
             got = planned.get(gpu.index)
             if got is None:
-                faulty[gpu.index] = _no_answer(self._read_timeout_s)
+                # given up on as soon as telemetry found it hung (or lost), else at the deadline
+                faulty[gpu.index] = telemetry.get(gpu.index) or _no_answer(self._read_timeout_s)
             elif isinstance(got, FAULTS):
                 faulty[gpu.index] = _fault_reason(got)
             elif isinstance(got, InvalidArgument):
@@ -728,6 +732,9 @@ class MigManager:
     # Bounds the view's driver reads, so that a GPU that hangs before telemetry notices it
     # cannot hold the reconcile step (and the watchdog behind it) for long.
     VIEW_TIMEOUT_S = 2.0
+    # How often an apply waiting for a GPU's plan looks whether telemetry found it hung: a
+    # small part of a telemetry tick (1 s by default), the snapshot read costs microseconds.
+    FAULT_POLL_S = 0.05
 
     def refresh_view(self) -> None:
         """Have the next :meth:`reconcile` re-read every GPU's instances for the view."""
@@ -985,12 +992,15 @@ class MigManager:
     ) -> dict[int, tuple[GpuActual, GpuPlan] | Exception]:
         """Each GPU's plan for an apply, read within ``read_timeout_s``: a GPU that hangs
         before telemetry notices must not hold the apply (and every other GPU behind it).
-        A GPU missing from the answer did not answer."""
+        Nor is a GPU waited for once telemetry finds it faulty meanwhile (its first tick
+        with the read outstanding, well before ``read_timeout_s``): the plan's reads change
+        nothing, so one left in the driver is only a read that returns late, as at the
+        deadline. A GPU missing from the answer did not answer."""
 
         def plan(gpu: GpuIdentity) -> tuple[GpuActual, GpuPlan]:
             return self._plan(gpu, layouts[gpu.index], self._table(gpu))
 
-        return self._bounded(gpus, plan, self._read_timeout_s, "plan")
+        return self._bounded(gpus, plan, self._read_timeout_s, "plan", watch_faults=True)
 
     def _check_bounded(
         self, layouts: list[tuple[GpuIdentity, DeviceLayout]]
@@ -1011,10 +1021,15 @@ class MigManager:
         call: Callable[[GpuIdentity], T],
         timeout_s: float,
         what: str,
+        *,
+        watch_faults: bool = False,
     ) -> dict[int, T | Exception]:
         """``call(gpu)`` for each GPU on a thread of its own, waited for ``timeout_s`` in all:
         what each GPU that answered returned or raised. Until their calls return, later
-        calls leave the GPUs that did not answer alone."""
+        calls leave the GPUs that did not answer alone. With ``watch_faults``, a GPU that
+        telemetry finds faulty while it is waited for is waited for no more (telemetry is
+        looked at every ``FAULT_POLL_S``): only for calls that change nothing in the driver,
+        since a change left running there could not be told apart from one not made."""
         results: dict[int, T | Exception] = {}
         finished: set[int] = set()  # guarded by _stuck_lock
         done = threading.Condition()
@@ -1038,13 +1053,18 @@ class MigManager:
                 target=run, args=(gpu,), name=f"gpud-mig-{what}-{gpu.index}", daemon=True
             ).start()
         deadline = time.monotonic() + timeout_s
-        with done:
-            while len(results) < len(gpus):
+        faults = self._faults if watch_faults else None
+        given_up: set[int] = set()
+        while True:
+            if faults is not None:
+                given_up = set(faults())
+            with done:
+                waiting = [g for g in gpus if g.index not in results and g.index not in given_up]
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if not waiting or left <= 0:
+                    answered = dict(results)
                     break
-                done.wait(left)
-            answered = dict(results)
+                done.wait(left if faults is None else min(left, self.FAULT_POLL_S))
         with self._stuck_lock:
             self._stuck.update(g.index for g in gpus if g.index not in finished)
         return answered

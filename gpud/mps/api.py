@@ -38,12 +38,9 @@ LoadSource = Callable[[], Mapping[str, DeviceLoad]]
 
 def device_message(s: MpsDeviceStatus, load: DeviceLoad | None) -> pb.MpsDevice:
     msg = pb.MpsDevice(
-        uuid=s.target.uuid,
         gpu=s.target.gpu,
-        profile=s.target.profile,
         enabled=s.running,
         up=s.up,
-        pipe_directory=str(s.pipe_dir),
         server_pids=list(s.servers),
         restarts=s.restarts,
         last_error=s.last_error,
@@ -51,8 +48,14 @@ def device_message(s: MpsDeviceStatus, load: DeviceLoad | None) -> pb.MpsDevice:
         jobs=list(load.jobs) if load else [],
         gpu_unhealthy=s.target.gpu_unhealthy,
     )
-    if s.target.uuid:  # else a GPU never read: its size is unknown, not 0
+    # else a GPU never read: its UUID, product and size are unknown (unset, not "" or 0), and
+    # no daemon runs for it, so it has no pipe directory (a client would find none there)
+    if s.target.uuid:
+        msg.uuid = s.target.uuid
         msg.memory_total_bytes = s.target.memory_total_bytes
+        msg.pipe_directory = str(s.pipe_dir)
+    if s.target.profile:
+        msg.profile = s.target.profile
     if s.target.mig is not None:
         msg.mig = s.target.mig
     if s.pid is not None:

@@ -213,7 +213,9 @@ class MigGpu(_message.Message):
     FAULT_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     uuid: _builtins.str
+    """absent: a GPU never read (lost or hung since gpud started)"""
     product: _builtins.str
+    """absent: as uuid"""
     mig_capable: _builtins.bool
     """absent: a GPU never read (lost or hung since gpud started)"""
     mig_current: _builtins.bool
@@ -236,8 +238,8 @@ class MigGpu(_message.Message):
         self,
         *,
         index: _builtins.int = ...,
-        uuid: _builtins.str = ...,
-        product: _builtins.str = ...,
+        uuid: _builtins.str | None = ...,
+        product: _builtins.str | None = ...,
         mig_capable: _builtins.bool | None = ...,
         mig_current: _builtins.bool = ...,
         mig_pending: _builtins.bool = ...,
@@ -248,13 +250,22 @@ class MigGpu(_message.Message):
         profiles: _abc.Iterable[Global___MigProfileRow] | None = ...,
         fault: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_mig_capable", b"_mig_capable", "mig_capable", b"mig_capable"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_mig_capable", b"_mig_capable", "_product", b"_product", "_uuid", b"_uuid", "mig_capable", b"mig_capable", "product", b"product", "uuid", b"uuid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mig_capable", b"_mig_capable", "desired_config", b"desired_config", "desired_layout", b"desired_layout", "fault", b"fault", "index", b"index", "instances", b"instances", "layout", b"layout", "mig_capable", b"mig_capable", "mig_current", b"mig_current", "mig_pending", b"mig_pending", "product", b"product", "profiles", b"profiles", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mig_capable", b"_mig_capable", "_product", b"_product", "_uuid", b"_uuid", "desired_config", b"desired_config", "desired_layout", b"desired_layout", "fault", b"fault", "index", b"index", "instances", b"instances", "layout", b"layout", "mig_capable", b"mig_capable", "mig_current", b"mig_current", "mig_pending", b"mig_pending", "product", b"product", "profiles", b"profiles", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__mig_capable: _TypeAlias = _typing.Literal["mig_capable"]  # noqa: Y015
     _WhichOneofArgType__mig_capable: _TypeAlias = _typing.Literal["_mig_capable", b"_mig_capable"]  # noqa: Y015
+    _WhichOneofReturnType__product: _TypeAlias = _typing.Literal["product"]  # noqa: Y015
+    _WhichOneofArgType__product: _TypeAlias = _typing.Literal["_product", b"_product"]  # noqa: Y015
+    _WhichOneofReturnType__uuid: _TypeAlias = _typing.Literal["uuid"]  # noqa: Y015
+    _WhichOneofArgType__uuid: _TypeAlias = _typing.Literal["_uuid", b"_uuid"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__mig_capable) -> _WhichOneofReturnType__mig_capable | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__product) -> _WhichOneofReturnType__product | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__uuid) -> _WhichOneofReturnType__uuid | None: ...
 
 Global___MigGpu: _TypeAlias = MigGpu  # noqa: Y015
 
@@ -346,6 +357,7 @@ class MigGpuOutcome(_message.Message):
     DETAIL_FIELD_NUMBER: _builtins.int
     gpu: _builtins.int
     uuid: _builtins.str
+    """absent: a GPU never read (lost or hung since gpud started)"""
     reset_pending: _builtins.bool
     status: _builtins.str
     """ok, changed, reset_pending, busy, differs, failed, faulty"""
@@ -358,17 +370,19 @@ class MigGpuOutcome(_message.Message):
         self,
         *,
         gpu: _builtins.int = ...,
-        uuid: _builtins.str = ...,
+        uuid: _builtins.str | None = ...,
         steps: _abc.Iterable[_builtins.str] | None = ...,
         reset_pending: _builtins.bool = ...,
         status: _builtins.str = ...,
         detail: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_uuid", b"_uuid", "uuid", b"uuid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "gpu", b"gpu", "reset_pending", b"reset_pending", "status", b"status", "steps", b"steps", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_uuid", b"_uuid", "detail", b"detail", "gpu", b"gpu", "reset_pending", b"reset_pending", "status", b"status", "steps", b"steps", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__uuid: _TypeAlias = _typing.Literal["uuid"]  # noqa: Y015
+    _WhichOneofArgType__uuid: _TypeAlias = _typing.Literal["_uuid", b"_uuid"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__uuid) -> _WhichOneofReturnType__uuid | None: ...
 
 Global___MigGpuOutcome: _TypeAlias = MigGpuOutcome  # noqa: Y015
 

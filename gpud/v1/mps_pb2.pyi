@@ -47,7 +47,10 @@ class MpsDevice(_message.Message):
     JOBS_FIELD_NUMBER: _builtins.int
     GPU_UNHEALTHY_FIELD_NUMBER: _builtins.int
     uuid: _builtins.str
-    """GPU or MIG UUID: the daemon's CUDA_VISIBLE_DEVICES"""
+    """A GPU not read since gpud started (lost or hung) has no daemon and no known UUID,
+    product or size: uuid, profile, memory_total_bytes and pipe_directory are then unset.
+    GPU or MIG UUID: the daemon's CUDA_VISIBLE_DEVICES
+    """
     gpu: _builtins.int
     """NVML index of the GPU"""
     mig: _builtins.int
@@ -87,15 +90,15 @@ class MpsDevice(_message.Message):
     def __init__(
         self,
         *,
-        uuid: _builtins.str = ...,
+        uuid: _builtins.str | None = ...,
         gpu: _builtins.int = ...,
         mig: _builtins.int | None = ...,
-        profile: _builtins.str = ...,
+        profile: _builtins.str | None = ...,
         memory_total_bytes: _builtins.int | None = ...,
         enabled: _builtins.bool = ...,
         up: _builtins.bool = ...,
         pid: _builtins.int | None = ...,
-        pipe_directory: _builtins.str = ...,
+        pipe_directory: _builtins.str | None = ...,
         threads_percent: _builtins.int | None = ...,
         memory_limit_bytes: _builtins.int | None = ...,
         observed_threads_percent: _builtins.float | None = ...,
@@ -107,9 +110,9 @@ class MpsDevice(_message.Message):
         jobs: _abc.Iterable[_builtins.str] | None = ...,
         gpu_unhealthy: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_memory_total_bytes", b"_memory_total_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_threads_percent", b"_threads_percent", "memory_limit_bytes", b"memory_limit_bytes", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "threads_percent", b"threads_percent"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_memory_total_bytes", b"_memory_total_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_pipe_directory", b"_pipe_directory", "_profile", b"_profile", "_threads_percent", b"_threads_percent", "_uuid", b"_uuid", "memory_limit_bytes", b"memory_limit_bytes", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "pipe_directory", b"pipe_directory", "profile", b"profile", "threads_percent", b"threads_percent", "uuid", b"uuid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_memory_total_bytes", b"_memory_total_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_threads_percent", b"_threads_percent", "enabled", b"enabled", "gpu", b"gpu", "gpu_unhealthy", b"gpu_unhealthy", "jobs", b"jobs", "last_error", b"last_error", "memory_limit_bytes", b"memory_limit_bytes", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "pipe_directory", b"pipe_directory", "profile", b"profile", "reserved_memory_bytes", b"reserved_memory_bytes", "restarts", b"restarts", "server_pids", b"server_pids", "threads_percent", b"threads_percent", "up", b"up", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_memory_total_bytes", b"_memory_total_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_pipe_directory", b"_pipe_directory", "_profile", b"_profile", "_threads_percent", b"_threads_percent", "_uuid", b"_uuid", "enabled", b"enabled", "gpu", b"gpu", "gpu_unhealthy", b"gpu_unhealthy", "jobs", b"jobs", "last_error", b"last_error", "memory_limit_bytes", b"memory_limit_bytes", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "pipe_directory", b"pipe_directory", "profile", b"profile", "reserved_memory_bytes", b"reserved_memory_bytes", "restarts", b"restarts", "server_pids", b"server_pids", "threads_percent", b"threads_percent", "up", b"up", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__memory_limit_bytes: _TypeAlias = _typing.Literal["memory_limit_bytes"]  # noqa: Y015
     _WhichOneofArgType__memory_limit_bytes: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes"]  # noqa: Y015
@@ -123,8 +126,14 @@ class MpsDevice(_message.Message):
     _WhichOneofArgType__observed_threads_percent: _TypeAlias = _typing.Literal["_observed_threads_percent", b"_observed_threads_percent"]  # noqa: Y015
     _WhichOneofReturnType__pid: _TypeAlias = _typing.Literal["pid"]  # noqa: Y015
     _WhichOneofArgType__pid: _TypeAlias = _typing.Literal["_pid", b"_pid"]  # noqa: Y015
+    _WhichOneofReturnType__pipe_directory: _TypeAlias = _typing.Literal["pipe_directory"]  # noqa: Y015
+    _WhichOneofArgType__pipe_directory: _TypeAlias = _typing.Literal["_pipe_directory", b"_pipe_directory"]  # noqa: Y015
+    _WhichOneofReturnType__profile: _TypeAlias = _typing.Literal["profile"]  # noqa: Y015
+    _WhichOneofArgType__profile: _TypeAlias = _typing.Literal["_profile", b"_profile"]  # noqa: Y015
     _WhichOneofReturnType__threads_percent: _TypeAlias = _typing.Literal["threads_percent"]  # noqa: Y015
     _WhichOneofArgType__threads_percent: _TypeAlias = _typing.Literal["_threads_percent", b"_threads_percent"]  # noqa: Y015
+    _WhichOneofReturnType__uuid: _TypeAlias = _typing.Literal["uuid"]  # noqa: Y015
+    _WhichOneofArgType__uuid: _TypeAlias = _typing.Literal["_uuid", b"_uuid"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__memory_limit_bytes) -> _WhichOneofReturnType__memory_limit_bytes | None: ...
     @_typing.overload
@@ -138,7 +147,13 @@ class MpsDevice(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__pid) -> _WhichOneofReturnType__pid | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__pipe_directory) -> _WhichOneofReturnType__pipe_directory | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__profile) -> _WhichOneofReturnType__profile | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__threads_percent) -> _WhichOneofReturnType__threads_percent | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__uuid) -> _WhichOneofReturnType__uuid | None: ...
 
 Global___MpsDevice: _TypeAlias = MpsDevice  # noqa: Y015
 

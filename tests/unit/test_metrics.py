@@ -157,6 +157,9 @@ def test_unhealthy_gpu_shows_reason_and_no_readings(registry: CollectorRegistry)
     assert v("gpud_gpu_unhealthy_info", gpu_labels(2, reason="GPU lost (memory): fell off")) == 1
     assert v("gpud_gpu_unhealthy_info", gpu_labels(0, reason="")) is None
     assert v("gpud_gpu_memory_used_bytes", g2) is None
+    assert v("gpud_gpu_memory_free_bytes", g2) is None
+    # its size is a static fact, read with its identity in this run: kept, as the API keeps it
+    assert v("gpud_gpu_memory_total_bytes", g2) == 80 * GIB
     assert v("gpud_gpu_processes", g2) is None
     assert v("gpud_gpu_sample_age_seconds", g2) == 10.0
     assert v("gpud_gpu_xid_errors_total", g2) == 0

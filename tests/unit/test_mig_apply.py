@@ -3,6 +3,7 @@ NVML adapter."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,9 +14,10 @@ import pytest
 from gpud.backend import products
 from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, SimulatedCrash
+from gpud.cli.output import message_to_dict
 from gpud.errors import Busy, GpuLost, InvalidArgument, NotFound
 from gpud.events import EventLog
-from gpud.mig.api import gpu_message
+from gpud.mig.api import apply_message, gpu_message
 from gpud.mig.layout import MigConfigFile, load_config, parse_config
 from gpud.mig.manager import MigManager
 from gpud.mig.metrics import MigMetrics
@@ -622,12 +624,19 @@ def test_a_gpu_lost_before_start_leaves_the_others_managed(a100: Host) -> None:
     shown = [gpu_message(v) for v in views]
     assert shown[0].HasField("mig_capable") and shown[0].mig_capable
     assert not shown[1].HasField("mig_capable")
+    # and so are its UUID and product: null, not "" (a UUID a script would look up)
+    assert shown[0].uuid.startswith("GPU-") and shown[0].product == "A100-SXM4-40GB"
+    assert not shown[1].HasField("uuid") and not shown[1].HasField("product")
+    unknown = message_to_dict(shown[1])
+    assert (unknown["uuid"], unknown["product"]) == (None, None)
     diff, faulty = d.mig.check(HELD_OUT, "custom-balanced")
     assert diff == [] and list(faulty) == [1]
     result = d.mig.apply(HELD_OUT, "custom-balanced")
     assert result.result == "partial"
     assert [o.status for o in result.gpus] == ["ok", "faulty"]
     assert "GPU 1 is faulty, left alone" in result.gpus[1].detail
+    answer = apply_message(result)
+    assert answer.gpus[0].uuid.startswith("GPU-") and not answer.gpus[1].HasField("uuid")
     text, left_out = d.mig.export("now")  # the GPUs that answer
     assert list(left_out) == [1] and text.startswith("# GPU 1 left out: identity: GPU lost")
     assert parse_config(text).configs["now"][0].devices == (0,)
@@ -863,6 +872,33 @@ def test_an_apply_never_waits_on_a_hung_gpu_past_its_read_deadline(
     assert outcomes[0].status == "changed"
     assert outcomes[1].status == "faulty" and "not answering" in outcomes[1].detail
     d.node.faults.clear(1)
+    assert instances(d)[1] == before[1]
+
+
+def test_an_apply_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
+    host: Host, config: MigConfigFile
+) -> None:
+    """An apply that starts a moment before telemetry's tick finds a GPU hung: its reads of
+    that GPU are given up on at that tick, not at the read deadline, and the others go on."""
+    host.read_timeout_s = 5.0  # telemetry.call_timeout_s
+    d = enable(host, config, "all-1g.10gb")
+    before = instances(d)
+    d.node.faults.slow(1, 2.0)  # every call on GPU 1 takes 2 s; telemetry has not noticed
+    tick = threading.Timer(0.3, host.faults.__setitem__, (1, "not answering: ..."))
+    tick.start()  # the sampler's next tick, its read of GPU 1 outstanding
+    started = time.monotonic()
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert time.monotonic() - started < 1.5  # not the 2 s of the hung call, nor the 5 s
+    assert result.result == "partial", result
+    outcomes = {o.gpu: o for o in result.gpus}
+    assert outcomes[0].status == "changed"
+    assert outcomes[1].status == "faulty" and outcomes[1].detail.endswith("not answering: ...")
+    tick.join()
+    d.node.faults.clear(1)
+    deadline = time.monotonic() + 5.0
+    while d.mig._stuck and time.monotonic() < deadline:  # the read left behind returns
+        time.sleep(0.05)
+    assert not d.mig._stuck
     assert instances(d)[1] == before[1]
 
 

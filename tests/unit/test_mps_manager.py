@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from gpud.backend.port import MigMode, unknown_identity
 from gpud.cli.mps import device_row, unhealthy_notes
+from gpud.cli.output import message_to_dict
 from gpud.errors import (
     BackendError,
     DriverTimeout,
@@ -145,6 +146,13 @@ def test_no_daemon_for_a_gpu_never_read(manager: MpsManager) -> None:
     assert device_message(status[1], None).memory_total_bytes == 40 * GIB
     row = device_row(shown)
     assert (row[1], row[2], row[6]) == ("?", "?", "none of ?")
+    # nor is there a pipe directory: no daemon runs for it (not <run-dir>/mps/pipe)
+    unknown = message_to_dict(shown)
+    assert {k: unknown[k] for k in ("uuid", "profile", "pipe_directory")} == dict.fromkeys(
+        ("uuid", "profile", "pipe_directory")
+    )
+    read = device_message(status[1], None)
+    assert read.uuid == gpu_uuid(1) and read.profile and read.pipe_directory.endswith("/pipe")
     # no MPS series for it: not under uuid="" (beside the last-seen UUID that its GPU series
     # carry), nor a daemon "enabled" and down that is no daemon at all
     registry = _metrics_registry(manager)
