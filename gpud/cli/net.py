@@ -10,7 +10,9 @@
 
 ``report`` is for shell-driven jobs and tests (Python jobs use ``gpud.client.Progress``);
 its timestamp defaults to now. A bad report (unknown job, iterations going backwards, a
-timestamp in the future) exits non-zero with the reason and changes nothing.
+timestamp in the future) exits non-zero with the reason and changes nothing. With gpud's
+``traffic.enabled = false``, ``report``, ``pin`` and ``unpin`` are refused (exit 6): nothing
+would act on them.
 """
 
 from __future__ import annotations
@@ -112,11 +114,14 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         return 0
     rows = []
     untagged = [j for j in resp.jobs if j.error]
+    clamped = [j for j in resp.jobs if j.HasField("pinned_level_clamped_from")]
     for j in resp.jobs:
         if j.error:
             continue
         level = str(j.level) if j.HasField("level") else "default"
-        if j.HasField("pinned_level"):
+        if j.HasField("pinned_level_clamped_from"):
+            level += f" (pinned {j.pinned_level_clamped_from}, clamped)"
+        elif j.HasField("pinned_level"):
             level += " (pinned)"
         rows.append(
             (
@@ -135,6 +140,12 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
     ctx.out.print_table(JOB_HEADERS, rows)
     for j in untagged:
         ctx.out.print(f"{j.job}: {j.error} (its traffic is in the default class)")
+    for j in clamped:
+        ctx.out.print(
+            f"{j.job}: pinned to level {j.pinned_level_clamped_from}, beyond traffic.levels ="
+            f" {len(resp.levels)}: held at level {j.pinned_level} since gpud started"
+            " (gpuctl net pin sets it again)"
+        )
     ctx.out.print()
     ctx.out.print_table(
         LEVEL_HEADERS,

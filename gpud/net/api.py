@@ -44,6 +44,8 @@ def job_message(j: JobTraffic, now: float) -> pb.NetJob:
         msg.last_report_age_seconds = max(0.0, now - j.last_report_unix_s)
     if j.pinned_level is not None:
         msg.pinned_level = j.pinned_level
+    if j.pin_clamped_from is not None:
+        msg.pinned_level_clamped_from = j.pin_clamped_from
     return msg
 
 

@@ -15,6 +15,7 @@
     gpud_net_interface_repairs_total{interface}     drift restored
     gpud_net_untagged_jobs                          jobs left without a tag: the DSCP pool is in use
     gpud_net_marking_ok                             gpud's nftables table is in force
+                                                    (absent: traffic.marking = false)
     gpud_net_rdma_map_ok                            the NIC DSCP -> priority map is written on
                                                     every netdev (absent: rdma_backend none)
     gpud_net_cluster_epoch                          epoch of the cluster order (0: local policy)
@@ -103,7 +104,9 @@ class TrafficMetrics:
         marking = GaugeMetricFamily(
             "gpud_net_marking_ok", "1 when gpud's nftables marking table is in force."
         )
-        marking.add_metric([], 0.0 if view.marking_error else 1.0)
+        # marking turned off is a setting, not a fault: no sample, so no alert fires on it
+        if self._service.config.marking:
+            marking.add_metric([], 0.0 if view.marking_error else 1.0)
         # a dcb that fails for one NIC leaves that NIC's RDMA traffic at its old priorities
         # while tc holds on every interface: only this gauge and `gpuctl net show` say so
         rdma = GaugeMetricFamily(

@@ -53,6 +53,9 @@ class JobTraffic:
     contention_free_iteration_s: float | None
     last_report_unix_s: float | None
     pinned_level: int | None = None
+    # the level the job was pinned to before this start moved its pin to ``pinned_level``,
+    # the lowest of a lowered ``traffic.levels``
+    pin_clamped_from: int | None = None
     cgroup: str = ""
     counters: TrafficCounters = field(default_factory=TrafficCounters)
 

@@ -259,16 +259,19 @@ class TrafficService:
         self._tagged_at: dict[str, float] = {}  # job -> when it last asked for a tag
         self.accepted_reports = 0
         self.rejected_reports = 0
+        # job -> the level it was pinned to, moved to the lowest at this start (until the
+        # job is pinned or unpinned again): `gpuctl net show` says the pin was clamped
+        self._clamped: dict[str, int] = {}
         if config.enabled:
             lowest = config.levels - 1
             for job, level in sorted(self.tags.lower_pins(lowest).items()):
-                self._events.emit(
-                    "net.pin",
+                message = (
                     f"job {job} was pinned to level {level}, beyond traffic.levels ="
-                    f" {config.levels}: pinned to level {lowest}",
-                    job=job,
-                    level=lowest,
+                    f" {config.levels}: pinned to level {lowest}"
                 )
+                log.warning("traffic: %s", message)
+                self._events.emit("net.pin", message, job=job, level=lowest, pinned=level)
+                self._clamped[job] = level
 
     # -- progress reports ------------------------------------------------------------------
     def report(self, r: Report) -> None:
@@ -281,6 +284,8 @@ class TrafficService:
             raise
 
     def _report(self, r: Report) -> None:
+        # nothing ranks jobs while traffic is off: a report accepted would read as acted on
+        self._refuse_while_off("progress reports are not used")
         now = self._clock()
         if not r.job:
             raise InvalidArgument("must not be empty", field="job")
@@ -397,7 +402,17 @@ class TrafficService:
             )
 
     # -- operator API ----------------------------------------------------------------------
+    def _refuse_while_off(self, what: str) -> None:
+        """Refuse an operator's or a job's write that nothing would act on."""
+        if not self.config.enabled:
+            raise FailedPrecondition(
+                f"traffic enforcement is off on this node (traffic.enabled = false): {what}"
+            )
+
     def pin(self, job: str, level: int | None) -> JobTraffic:
+        """Pin ``job`` to ``level`` (None: unpin). Refused while traffic is off: the pin
+        would be kept but nothing enforces a level."""
+        self._refuse_while_off("no level is enforced, a pin would change nothing")
         if level is not None and not 0 <= level < self.config.levels:
             raise InvalidArgument(f"must be in [0, {self.config.levels - 1}]", field="level")
         if job not in set(self._jobs()):
@@ -405,6 +420,7 @@ class TrafficService:
         with self._lock:
             self.tag(job)
             self.tags.pin(job, level)
+            self._clamped.pop(job, None)
             self._events.emit(
                 "net.pin",
                 f"job {job} pinned to level {level}"
@@ -513,6 +529,7 @@ class TrafficService:
             contention_free_iteration_s=prog.ideal_s if prog else None,
             last_report_unix_s=reports.last_report_at if reports else None,
             pinned_level=self.tags.pins().get(job),
+            pin_clamped_from=self._clamped.get(job),
             cgroup=cgroup,
             counters=total,
         )
@@ -603,6 +620,7 @@ class TrafficService:
     def _forget(self, job: str) -> None:
         """Drop what the service learnt of ``job``'s traffic (its tag is gone)."""
         self._tagged_at.pop(job, None)
+        self._clamped.pop(job, None)
         self._tracker.forget(job)
         self._reports.pop(job, None)
         self._levels.pop(job, None)

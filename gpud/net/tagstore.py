@@ -26,9 +26,21 @@ SCHEMA = (
 
 def parse_pool(spec: str, reserved: Iterable[int]) -> frozenset[int]:
     """The codepoints ``spec`` names ("10-30,34"; "" = all 64), less ``reserved``."""
+    chosen = _named(spec) if spec.strip() else set(range(DSCP_MAX + 1))
+    pool = frozenset(chosen - set(reserved))
+    if not pool:
+        raise ValueError(f"{spec!r} leaves no DSCP tag to hand out")
+    return pool
+
+
+def reserved_in_pool(spec: str, reserved: Iterable[int]) -> list[int]:
+    """The codepoints ``spec`` names outright that ``reserved`` takes out of the pool, low
+    to high ("" names none: it means every DSCP but the reserved ones)."""
+    return sorted(_named(spec) & set(reserved))
+
+
+def _named(spec: str) -> set[int]:
     chosen: set[int] = set()
-    if not spec.strip():
-        chosen = set(range(DSCP_MAX + 1))
     for part in filter(None, (p.strip() for p in spec.split(","))):
         lo, sep, hi = part.partition("-")
         try:
@@ -38,10 +50,7 @@ def parse_pool(spec: str, reserved: Iterable[int]) -> frozenset[int]:
         if not 0 <= first <= last <= DSCP_MAX:
             raise ValueError(f"{part!r}: DSCP values are 0..{DSCP_MAX}, low to high")
         chosen.update(range(first, last + 1))
-    pool = frozenset(chosen - set(reserved))
-    if not pool:
-        raise ValueError(f"{spec!r} leaves no DSCP tag to hand out")
-    return pool
+    return chosen
 
 
 class TagStore:

@@ -22,7 +22,7 @@ from gpud.net.cgroups import JobCgroups, find_cgroup2
 from gpud.net.enforce import MarkPort, RdmaPort, TcPort
 from gpud.net.service import TrafficService, job_pool
 from gpud.net.shaped import ShapedInterfaces
-from gpud.net.tagstore import TagStore
+from gpud.net.tagstore import TagStore, reserved_in_pool
 from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,23 @@ def open_traffic(
 ) -> TrafficService:
     t = config.traffic
     tags = TagStore(store, pool=job_pool(t))
+    if t.enabled:
+        left_out = reserved_in_pool(t.dscp_pool, {*t.reserved_dscp, t.cnp_dscp})
+        if left_out:
+            # accepted as the docs say (reserved values are left out), but never silently:
+            # an operator who listed 46 expects a job to get it
+            why = [
+                f"{d} (in traffic.reserved_dscp)"
+                if d in t.reserved_dscp
+                else f"{d} (traffic.cnp_dscp)"
+                for d in left_out
+            ]
+            log.warning(
+                "traffic.dscp_pool %r names reserved DSCPs, left out of the pool and never a"
+                " job's tag: %s",
+                t.dscp_pool,
+                ", ".join(why),
+            )
     tc: TcPort | None = None
     marker: MarkPort | None = None
     cgroups: JobCgroups | None = None

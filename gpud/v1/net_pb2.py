@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11gpud/v1/net.proto\x12\x07gpud.v1\"\xb3\x01\n\x15ReportProgressRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\niterations\x18\x02 \x01(\x04\x12\x1e\n\x16timestamp_unix_seconds\x18\x03 \x01(\x01\x12(\n\x1b\x63ontention_free_iteration_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07session\x18\x05 \x01(\tB\x1e\n\x1c_contention_free_iteration_s\"\x18\n\x16ReportProgressResponse\"M\n\x1aReportProgressBatchRequest\x12/\n\x07reports\x18\x01 \x03(\x0b\x32\x1e.gpud.v1.ReportProgressRequest\"K\n\x0eRejectedReport\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"Z\n\x1bReportProgressBatchResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12)\n\x08rejected\x18\x02 \x03(\x0b\x32\x17.gpud.v1.RejectedReport\"<\n\x0bNetCounters\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07packets\x18\x02 \x01(\x04\x12\r\n\x05\x64rops\x18\x03 \x01(\x04\"\xc0\x03\n\x06NetJob\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04\x64scp\x18\x02 \x01(\r\x12\x12\n\x05level\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\rprogress_rate\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\niterations\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x18\n\x0biteration_s\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12(\n\x1b\x63ontention_free_iteration_s\x18\x07 \x01(\x01H\x04\x88\x01\x01\x12$\n\x17last_report_age_seconds\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x19\n\x0cpinned_level\x18\t \x01(\rH\x06\x88\x01\x01\x12\x0e\n\x06\x63group\x18\n \x01(\t\x12&\n\x08\x63ounters\x18\x0b \x01(\x0b\x32\x14.gpud.v1.NetCounters\x12\r\n\x05\x65rror\x18\x0c \x01(\tB\x08\n\x06_levelB\x10\n\x0e_progress_rateB\r\n\x0b_iterationsB\x0e\n\x0c_iteration_sB\x1e\n\x1c_contention_free_iteration_sB\x1a\n\x18_last_report_age_secondsB\x0f\n\r_pinned_level\"b\n\x08NetLevel\x12\r\n\x05level\x18\x01 \x01(\r\x12\x11\n\tmin_share\x18\x02 \x01(\x01\x12\x0c\n\x04jobs\x18\x03 \x03(\t\x12&\n\x08\x63ounters\x18\x04 \x01(\x0b\x32\x14.gpud.v1.NetCounters\"l\n\x0cNetInterface\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x14rate_bits_per_second\x18\x02 \x01(\x01\x12\x10\n\x08\x65nforced\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0f\n\x07repairs\x18\x05 \x01(\x04\"\x10\n\x0eShowNetRequest\"\x92\x02\n\x0fShowNetResponse\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x1d\n\x04jobs\x18\x02 \x03(\x0b\x32\x0f.gpud.v1.NetJob\x12!\n\x06levels\x18\x03 \x03(\x0b\x32\x11.gpud.v1.NetLevel\x12)\n\ninterfaces\x18\x04 \x03(\x0b\x32\x15.gpud.v1.NetInterface\x12\x1b\n\x13level_changes_total\x18\x05 \x01(\x04\x12\x14\n\x0corder_source\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x15\n\rmarking_error\x18\x08 \x01(\t\x12\x14\n\x0crdma_backend\x18\t \x01(\t\x12\x12\n\nrdma_error\x18\n \x01(\t\"<\n\x0fPinLevelRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\x05level\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_level\"0\n\x10PinLevelResponse\x12\x1c\n\x03job\x18\x01 \x01(\x0b\x32\x0f.gpud.v1.NetJob\"/\n\x13PlaceProcessRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\"&\n\x14PlaceProcessResponse\x12\x0e\n\x06\x63group\x18\x01 \x01(\t2\x86\x03\n\x03Net\x12Q\n\x0eReportProgress\x12\x1e.gpud.v1.ReportProgressRequest\x1a\x1f.gpud.v1.ReportProgressResponse\x12`\n\x13ReportProgressBatch\x12#.gpud.v1.ReportProgressBatchRequest\x1a$.gpud.v1.ReportProgressBatchResponse\x12<\n\x07ShowNet\x12\x17.gpud.v1.ShowNetRequest\x1a\x18.gpud.v1.ShowNetResponse\x12?\n\x08PinLevel\x12\x18.gpud.v1.PinLevelRequest\x1a\x19.gpud.v1.PinLevelResponse\x12K\n\x0cPlaceProcess\x12\x1c.gpud.v1.PlaceProcessRequest\x1a\x1d.gpud.v1.PlaceProcessResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11gpud/v1/net.proto\x12\x07gpud.v1\"\xb3\x01\n\x15ReportProgressRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\niterations\x18\x02 \x01(\x04\x12\x1e\n\x16timestamp_unix_seconds\x18\x03 \x01(\x01\x12(\n\x1b\x63ontention_free_iteration_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07session\x18\x05 \x01(\tB\x1e\n\x1c_contention_free_iteration_s\"\x18\n\x16ReportProgressResponse\"M\n\x1aReportProgressBatchRequest\x12/\n\x07reports\x18\x01 \x03(\x0b\x32\x1e.gpud.v1.ReportProgressRequest\"K\n\x0eRejectedReport\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"Z\n\x1bReportProgressBatchResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12)\n\x08rejected\x18\x02 \x03(\x0b\x32\x17.gpud.v1.RejectedReport\"<\n\x0bNetCounters\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07packets\x18\x02 \x01(\x04\x12\r\n\x05\x64rops\x18\x03 \x01(\x04\"\x86\x04\n\x06NetJob\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04\x64scp\x18\x02 \x01(\r\x12\x12\n\x05level\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\rprogress_rate\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\niterations\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x18\n\x0biteration_s\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12(\n\x1b\x63ontention_free_iteration_s\x18\x07 \x01(\x01H\x04\x88\x01\x01\x12$\n\x17last_report_age_seconds\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x19\n\x0cpinned_level\x18\t \x01(\rH\x06\x88\x01\x01\x12\x0e\n\x06\x63group\x18\n \x01(\t\x12&\n\x08\x63ounters\x18\x0b \x01(\x0b\x32\x14.gpud.v1.NetCounters\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12&\n\x19pinned_level_clamped_from\x18\r \x01(\rH\x07\x88\x01\x01\x42\x08\n\x06_levelB\x10\n\x0e_progress_rateB\r\n\x0b_iterationsB\x0e\n\x0c_iteration_sB\x1e\n\x1c_contention_free_iteration_sB\x1a\n\x18_last_report_age_secondsB\x0f\n\r_pinned_levelB\x1c\n\x1a_pinned_level_clamped_from\"b\n\x08NetLevel\x12\r\n\x05level\x18\x01 \x01(\r\x12\x11\n\tmin_share\x18\x02 \x01(\x01\x12\x0c\n\x04jobs\x18\x03 \x03(\t\x12&\n\x08\x63ounters\x18\x04 \x01(\x0b\x32\x14.gpud.v1.NetCounters\"l\n\x0cNetInterface\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x14rate_bits_per_second\x18\x02 \x01(\x01\x12\x10\n\x08\x65nforced\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0f\n\x07repairs\x18\x05 \x01(\x04\"\x10\n\x0eShowNetRequest\"\x92\x02\n\x0fShowNetResponse\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x1d\n\x04jobs\x18\x02 \x03(\x0b\x32\x0f.gpud.v1.NetJob\x12!\n\x06levels\x18\x03 \x03(\x0b\x32\x11.gpud.v1.NetLevel\x12)\n\ninterfaces\x18\x04 \x03(\x0b\x32\x15.gpud.v1.NetInterface\x12\x1b\n\x13level_changes_total\x18\x05 \x01(\x04\x12\x14\n\x0corder_source\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x15\n\rmarking_error\x18\x08 \x01(\t\x12\x14\n\x0crdma_backend\x18\t \x01(\t\x12\x12\n\nrdma_error\x18\n \x01(\t\"<\n\x0fPinLevelRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\x05level\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_level\"0\n\x10PinLevelResponse\x12\x1c\n\x03job\x18\x01 \x01(\x0b\x32\x0f.gpud.v1.NetJob\"/\n\x13PlaceProcessRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\"&\n\x14PlaceProcessResponse\x12\x0e\n\x06\x63group\x18\x01 \x01(\t2\x86\x03\n\x03Net\x12Q\n\x0eReportProgress\x12\x1e.gpud.v1.ReportProgressRequest\x1a\x1f.gpud.v1.ReportProgressResponse\x12`\n\x13ReportProgressBatch\x12#.gpud.v1.ReportProgressBatchRequest\x1a$.gpud.v1.ReportProgressBatchResponse\x12<\n\x07ShowNet\x12\x17.gpud.v1.ShowNetRequest\x1a\x18.gpud.v1.ShowNetResponse\x12?\n\x08PinLevel\x12\x18.gpud.v1.PinLevelRequest\x1a\x19.gpud.v1.PinLevelResponse\x12K\n\x0cPlaceProcess\x12\x1c.gpud.v1.PlaceProcessRequest\x1a\x1d.gpud.v1.PlaceProcessResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,23 +44,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NETCOUNTERS']._serialized_start=486
   _globals['_NETCOUNTERS']._serialized_end=546
   _globals['_NETJOB']._serialized_start=549
-  _globals['_NETJOB']._serialized_end=997
-  _globals['_NETLEVEL']._serialized_start=999
-  _globals['_NETLEVEL']._serialized_end=1097
-  _globals['_NETINTERFACE']._serialized_start=1099
-  _globals['_NETINTERFACE']._serialized_end=1207
-  _globals['_SHOWNETREQUEST']._serialized_start=1209
-  _globals['_SHOWNETREQUEST']._serialized_end=1225
-  _globals['_SHOWNETRESPONSE']._serialized_start=1228
-  _globals['_SHOWNETRESPONSE']._serialized_end=1502
-  _globals['_PINLEVELREQUEST']._serialized_start=1504
-  _globals['_PINLEVELREQUEST']._serialized_end=1564
-  _globals['_PINLEVELRESPONSE']._serialized_start=1566
-  _globals['_PINLEVELRESPONSE']._serialized_end=1614
-  _globals['_PLACEPROCESSREQUEST']._serialized_start=1616
-  _globals['_PLACEPROCESSREQUEST']._serialized_end=1663
-  _globals['_PLACEPROCESSRESPONSE']._serialized_start=1665
-  _globals['_PLACEPROCESSRESPONSE']._serialized_end=1703
-  _globals['_NET']._serialized_start=1706
-  _globals['_NET']._serialized_end=2096
+  _globals['_NETJOB']._serialized_end=1067
+  _globals['_NETLEVEL']._serialized_start=1069
+  _globals['_NETLEVEL']._serialized_end=1167
+  _globals['_NETINTERFACE']._serialized_start=1169
+  _globals['_NETINTERFACE']._serialized_end=1277
+  _globals['_SHOWNETREQUEST']._serialized_start=1279
+  _globals['_SHOWNETREQUEST']._serialized_end=1295
+  _globals['_SHOWNETRESPONSE']._serialized_start=1298
+  _globals['_SHOWNETRESPONSE']._serialized_end=1572
+  _globals['_PINLEVELREQUEST']._serialized_start=1574
+  _globals['_PINLEVELREQUEST']._serialized_end=1634
+  _globals['_PINLEVELRESPONSE']._serialized_start=1636
+  _globals['_PINLEVELRESPONSE']._serialized_end=1684
+  _globals['_PLACEPROCESSREQUEST']._serialized_start=1686
+  _globals['_PLACEPROCESSREQUEST']._serialized_end=1733
+  _globals['_PLACEPROCESSRESPONSE']._serialized_start=1735
+  _globals['_PLACEPROCESSRESPONSE']._serialized_end=1773
+  _globals['_NET']._serialized_start=1776
+  _globals['_NET']._serialized_end=2166
 # @@protoc_insertion_point(module_scope)

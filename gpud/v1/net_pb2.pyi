@@ -195,6 +195,7 @@ class NetJob(_message.Message):
     CGROUP_FIELD_NUMBER: _builtins.int
     COUNTERS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    PINNED_LEVEL_CLAMPED_FROM_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     dscp: _builtins.int
     """the job's tag (the TOS byte is dscp * 4)"""
@@ -212,6 +213,10 @@ class NetJob(_message.Message):
     """its cgroup v2 directory; "" when none"""
     error: _builtins.str
     """why the job has no tag (dscp 0): the pool ran out"""
+    pinned_level_clamped_from: _builtins.int
+    """the level it was pinned to, beyond a lowered traffic.levels: pinned_level is the
+    lowest level it was moved to at this start (absent: not moved since gpud started)
+    """
     @_builtins.property
     def counters(self) -> Global___NetCounters: ...
     def __init__(
@@ -229,10 +234,11 @@ class NetJob(_message.Message):
         cgroup: _builtins.str = ...,
         counters: Global___NetCounters | None = ...,
         error: _builtins.str = ...,
+        pinned_level_clamped_from: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s", "_iteration_s", b"_iteration_s", "_iterations", b"_iterations", "_last_report_age_seconds", b"_last_report_age_seconds", "_level", b"_level", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "contention_free_iteration_s", b"contention_free_iteration_s", "counters", b"counters", "iteration_s", b"iteration_s", "iterations", b"iterations", "last_report_age_seconds", b"last_report_age_seconds", "level", b"level", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s", "_iteration_s", b"_iteration_s", "_iterations", b"_iterations", "_last_report_age_seconds", b"_last_report_age_seconds", "_level", b"_level", "_pinned_level", b"_pinned_level", "_pinned_level_clamped_from", b"_pinned_level_clamped_from", "_progress_rate", b"_progress_rate", "contention_free_iteration_s", b"contention_free_iteration_s", "counters", b"counters", "iteration_s", b"iteration_s", "iterations", b"iterations", "last_report_age_seconds", b"last_report_age_seconds", "level", b"level", "pinned_level", b"pinned_level", "pinned_level_clamped_from", b"pinned_level_clamped_from", "progress_rate", b"progress_rate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s", "_iteration_s", b"_iteration_s", "_iterations", b"_iterations", "_last_report_age_seconds", b"_last_report_age_seconds", "_level", b"_level", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "cgroup", b"cgroup", "contention_free_iteration_s", b"contention_free_iteration_s", "counters", b"counters", "dscp", b"dscp", "error", b"error", "iteration_s", b"iteration_s", "iterations", b"iterations", "job", b"job", "last_report_age_seconds", b"last_report_age_seconds", "level", b"level", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s", "_iteration_s", b"_iteration_s", "_iterations", b"_iterations", "_last_report_age_seconds", b"_last_report_age_seconds", "_level", b"_level", "_pinned_level", b"_pinned_level", "_pinned_level_clamped_from", b"_pinned_level_clamped_from", "_progress_rate", b"_progress_rate", "cgroup", b"cgroup", "contention_free_iteration_s", b"contention_free_iteration_s", "counters", b"counters", "dscp", b"dscp", "error", b"error", "iteration_s", b"iteration_s", "iterations", b"iterations", "job", b"job", "last_report_age_seconds", b"last_report_age_seconds", "level", b"level", "pinned_level", b"pinned_level", "pinned_level_clamped_from", b"pinned_level_clamped_from", "progress_rate", b"progress_rate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__contention_free_iteration_s: _TypeAlias = _typing.Literal["contention_free_iteration_s"]  # noqa: Y015
     _WhichOneofArgType__contention_free_iteration_s: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s"]  # noqa: Y015
@@ -246,6 +252,8 @@ class NetJob(_message.Message):
     _WhichOneofArgType__level: _TypeAlias = _typing.Literal["_level", b"_level"]  # noqa: Y015
     _WhichOneofReturnType__pinned_level: _TypeAlias = _typing.Literal["pinned_level"]  # noqa: Y015
     _WhichOneofArgType__pinned_level: _TypeAlias = _typing.Literal["_pinned_level", b"_pinned_level"]  # noqa: Y015
+    _WhichOneofReturnType__pinned_level_clamped_from: _TypeAlias = _typing.Literal["pinned_level_clamped_from"]  # noqa: Y015
+    _WhichOneofArgType__pinned_level_clamped_from: _TypeAlias = _typing.Literal["_pinned_level_clamped_from", b"_pinned_level_clamped_from"]  # noqa: Y015
     _WhichOneofReturnType__progress_rate: _TypeAlias = _typing.Literal["progress_rate"]  # noqa: Y015
     _WhichOneofArgType__progress_rate: _TypeAlias = _typing.Literal["_progress_rate", b"_progress_rate"]  # noqa: Y015
     @_typing.overload
@@ -260,6 +268,8 @@ class NetJob(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__level) -> _WhichOneofReturnType__level | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__pinned_level) -> _WhichOneofReturnType__pinned_level | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__pinned_level_clamped_from) -> _WhichOneofReturnType__pinned_level_clamped_from | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__progress_rate) -> _WhichOneofReturnType__progress_rate | None: ...
 

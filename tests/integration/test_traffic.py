@@ -58,6 +58,7 @@ class Bed:
     interfaces: tuple[str, ...] = ("a0",)
     extra: str = ""  # more [traffic] keys
     rated: bool = True  # traffic.link_rates names each interface (else gpud reads the link)
+    levels: int = 4
 
     @property
     def enter(self) -> tuple[str, ...]:
@@ -69,7 +70,7 @@ class Bed:
         return (
             "[daemon]\ntick_s = 0.5\n"
             f"[traffic]\nenabled = true\ninterfaces = [{names}]\n"
-            f"link_rates = [{rates}]\nlevels = 4\n"
+            f"link_rates = [{rates}]\nlevels = {self.levels}\n"
             f'cgroup_parent = "{self.cgroup_parent}"\n{self.extra}'
         )
 
@@ -384,6 +385,24 @@ def test_priorities_stay_in_force_across_kill_9_and_are_adopted(bed: Bed) -> Non
     assert int(bed.classes()[leaf]["bytes"]) >= sent
     interfaces = bed.show()["interfaces"]
     assert isinstance(interfaces, list) and int(interfaces[0].get("repairs", 0)) == 0
+
+
+def test_a_pin_beyond_lowered_levels_is_clamped_and_says_so(bed: Bed) -> None:
+    daemon = bed.start()
+    bed.gpuctl("jobs", "add", "steady")
+    bed.gpuctl("net", "pin", "--job", "steady", "--level", "3")
+    bed.wait("enforced", lambda: _enforced(bed) and bed.job("steady").get("level") == 3)
+    stop_daemon(daemon)  # a clean stop: fail-static leaves the tree
+    bed.levels = 2
+    daemon = bed.start()
+    bed.wait("enforced again", lambda: _enforced(bed) and bed.job("steady").get("level") == 1)
+    job = bed.job("steady")
+    assert job["pinned_level"] == 1 and job["pinned_level_clamped_from"] == 3
+    assert "1 (pinned 3, clamped)" in bed.gpuctl("net", "show")
+    (moved,) = [e for e in _events(bed, "net.pin") if "beyond" in str(e["message"])]
+    assert moved["fields"] == {"job": "steady", "level": 1, "pinned": 3}
+    assert "job steady was pinned to level 3, beyond traffic.levels = 2" in daemon.log.read_text()
+    assert int(bed.classes()[bed.leaf("steady")]["prio"]) == 1
 
 
 def test_an_interface_taken_out_of_the_config_loses_gpuds_tree(bed: Bed) -> None:

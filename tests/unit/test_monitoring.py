@@ -56,6 +56,8 @@ def test_alert_rules_use_exported_metrics_and_say_what_to_do() -> None:
         "MpsDaemonDown",
         "TrafficNotEnforced",
         "TrafficJobsUntagged",
+        "TrafficMarkingFailed",
+        "TrafficRdmaMapFailed",
         "ClusterEtcdAlarm",
         "ClusterCertificateExpiring",
     }

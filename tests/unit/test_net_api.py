@@ -32,15 +32,23 @@ from tests.unit.api_support import ServerThread, short_dir
 
 class Node:
     def __init__(
-        self, state: Path, dscp_pool: str = "", interfaces: tuple[str, ...] = ("eth0",)
+        self,
+        state: Path,
+        dscp_pool: str = "",
+        interfaces: tuple[str, ...] = ("eth0",),
+        *,
+        enabled: bool = True,
+        levels: int = 4,
+        marking: bool = True,
     ) -> None:
         self.jobs = ["train-a", "train-b"]
         self.config = TrafficConfig(
-            enabled=True,
+            enabled=enabled,
             interfaces=interfaces,
             link_rates=tuple(f"{i}=10gbit" for i in interfaces),
-            levels=4,
+            levels=levels,
             dscp_pool=dscp_pool,
+            marking=marking,
         )
         self.tc = FakeTc()
         self.service = TrafficService(
@@ -464,3 +472,81 @@ def test_show_says_no_interface_is_shaped_when_none_is_configured(
     assert "interfaces: none (traffic.interfaces is empty): no HTB tree anywhere" in out
     assert "INTERFACE " not in out
     assert json.loads(json_out)["interfaces"] == []
+
+
+def _registry(node: Node) -> CollectorRegistry:
+    collector = Collector(lambda: None, events=EventLog(None), clock=lambda: 0.0)
+    collector.add_source(TrafficMetrics(node.service))
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return registry
+
+
+def test_net_writes_are_refused_while_traffic_is_off(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    node = Node(tmp_path / "state", enabled=False)
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        with ServerThread(ApiServer(path, servicers=[NetServicer(node.service).register])):
+            for argv in (
+                ("pin", "--job", "train-a", "--level", "1"),
+                ("unpin", "--job", "train-a"),
+                ("report", "--job", "train-a", "--iterations", "1"),
+            ):
+                code, out, err = gpuctl(capsys, path, "net", *argv)
+                assert code == 6, (argv, out, err)  # refused in the current state
+                assert "traffic enforcement is off on this node (traffic.enabled = false)" in err
+                assert "pinned" not in out
+            p = Progress("train-a", socket=path, flush_interval_s=0.05)
+            try:
+                p.step()
+                assert p.flush(timeout=10)
+                assert p.rejected == 1 and "traffic.enabled = false" in p.last_error
+            finally:
+                p.close()
+            code, out, _ = gpuctl(capsys, path, "net", "show")
+            assert code == 0
+            assert out.strip() == (
+                "traffic enforcement is off (set [traffic] enabled = true in gpud.toml)"
+            )
+            code, out, _ = gpuctl(capsys, path, "net", "show", "--json")
+            assert code == 0 and json.loads(out)["enabled"] is False
+    assert node.service.tags.allocations() == {} and node.service.tags.pins() == {}
+
+
+def test_a_pin_clamped_to_fewer_levels_is_shown_as_clamped(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    node = Node(tmp_path / "state")
+    node.service.pin("train-b", 3)
+    node = Node(tmp_path / "state", levels=2)  # restarted with traffic.levels = 2
+    node.service.tick()
+    out, json_out = _show(capsys, node)
+    (row,) = [line for line in out.splitlines() if line.startswith("train-b ")]
+    assert "1 (pinned 3, clamped)" in row
+    assert (
+        "train-b: pinned to level 3, beyond traffic.levels = 2: held at level 1 since gpud"
+        " started (gpuctl net pin sets it again)"
+    ) in out
+    jobs = {j["job"]: j for j in json.loads(json_out)["jobs"]}
+    assert jobs["train-b"]["pinned_level"] == 1
+    assert jobs["train-b"]["pinned_level_clamped_from"] == 3
+    assert jobs["train-a"]["pinned_level_clamped_from"] is None
+    node.service.pin("train-b", 0)  # pinned again: no longer a clamped pin
+    out, json_out = _show(capsys, node)
+    assert "clamped" not in out
+    jobs = {j["job"]: j for j in json.loads(json_out)["jobs"]}
+    assert jobs["train-b"]["pinned_level"] == 0
+    assert jobs["train-b"]["pinned_level_clamped_from"] is None
+
+
+def test_marking_turned_off_exports_no_marking_gauge(tmp_path: Path) -> None:
+    on = Node(tmp_path / "on")
+    on.service.tick()
+    assert _registry(on).get_sample_value("gpud_net_marking_ok") == 1
+    off = Node(tmp_path / "off", marking=False)
+    off.service.tick()
+    registry = _registry(off)
+    assert registry.get_sample_value("gpud_net_marking_ok") is None  # a setting, not a fault
+    assert registry.get_sample_value("gpud_net_interface_enforced", {"interface": "eth0"}) == 1

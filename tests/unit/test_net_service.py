@@ -74,7 +74,7 @@ class Rig:
         self.marker = FakeMarker()
         self.cg_root = tmp_path / "cg"
         self.cgroups = JobCgroups(self.cg_root / "unified", nft_root=self.cg_root)
-        self.config = TrafficConfig(enabled=True, interfaces=("eth0",), **config)  # type: ignore[arg-type]
+        self.config = TrafficConfig(**{"enabled": True, "interfaces": ("eth0",), **config})  # type: ignore[arg-type]
         self.service = self.make()
 
     def make(self, rdma: RdmaPort | None = None) -> TrafficService:
@@ -414,11 +414,21 @@ def test_an_interface_taken_out_of_the_config_loses_gpuds_tree_at_start(
     assert "eth0" not in ShapedInterfaces(rig.store).all()
 
 
-def test_a_pin_beyond_fewer_levels_moves_to_the_lowest_level(rig: Rig) -> None:
+def test_a_pin_beyond_fewer_levels_moves_to_the_lowest_level(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
     rig.service.pin("b", 3)
     rig.service.tick()
     rig.config = dataclasses.replace(rig.config, levels=2)
-    rig.service = rig.make()  # a restart with traffic.levels lowered from 4 to 2
+    with caplog.at_level("WARNING", logger="gpud.net.service"):
+        rig.service = rig.make()  # a restart with traffic.levels lowered from 4 to 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert line == (
+        "traffic: job b was pinned to level 3, beyond traffic.levels = 2: pinned to level 1"
+    )
+    (moved,) = rig.events.recent(100, kind_prefix="net.pin")[-1:]
+    assert moved.fields == {"job": "b", "level": 1, "pinned": 3}
+    assert rig.service.view().jobs[1].pin_clamped_from == 3
     rig.service.start()
     rig.service.tick()
     assert rig.service.tags.pins() == {"b": 1}
@@ -427,6 +437,24 @@ def test_a_pin_beyond_fewer_levels_moves_to_the_lowest_level(rig: Rig) -> None:
     (event,) = rig.events.recent(100, kind_prefix="net.pin")[-1:]
     assert "level 3" in event.message and "traffic.levels = 2" in event.message
     assert rig.make().tags.pins() == {"b": 1}  # persisted
+    assert len(rig.events.recent(100, kind_prefix="net.pin")) == 2  # the pin, one move
+    rig.service.pin("b", 0)
+    assert rig.service.view().jobs[1].pin_clamped_from is None
+
+
+def test_pins_and_reports_are_refused_while_traffic_is_off(tmp_path: Path, sysfs: Path) -> None:
+    rig = Rig(tmp_path, sysfs, enabled=False)
+    for call in (
+        lambda: rig.service.pin("a", 1),
+        lambda: rig.service.pin("a", None),
+        lambda: rig.service.report(Report("a", 1, rig.clock.t, session="s")),
+    ):
+        with pytest.raises(FailedPrecondition, match=r"traffic\.enabled = false"):
+            call()
+    accepted, rejected = rig.service.report_batch([Report("a", 1, rig.clock.t)])
+    assert accepted == 0 and isinstance(rejected[0].error, FailedPrecondition)
+    assert rig.service.tags.allocations() == {} and rig.service.tags.pins() == {}
+    assert rig.kinds() == []
 
 
 def test_find_cgroup2(tmp_path: Path) -> None:
@@ -515,6 +543,46 @@ def test_wiring_says_why_marking_is_off(tmp_path: Path) -> None:
     service.shutdown()
     off = open_traffic(Config(), store, events, jobs)
     assert not off.view().enabled
+
+
+def test_reserved_dscps_named_in_the_pool_are_left_out_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from gpud.config import Config
+    from gpud.jobs.service import JobService
+    from gpud.mps.manager import MpsManager
+    from gpud.net.wiring import open_traffic
+
+    store = StateStore(tmp_path / "state")
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", control_command=["true"], enabled=False)
+    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
+    traffic = TrafficConfig(enabled=True, interfaces=("lo",), marking=False)
+    for pool, said in (
+        ("10-12,46", "46 (in traffic.reserved_dscp)"),
+        ("46-48", "46 (in traffic.reserved_dscp), 48 (in traffic.reserved_dscp)"),
+        ("10-12", None),
+        ("", None),  # every DSCP but the reserved ones: nothing named is left out
+    ):
+        caplog.clear()
+        config = Config(traffic=dataclasses.replace(traffic, dscp_pool=pool))
+        with caplog.at_level("WARNING", logger="gpud.net.wiring"):
+            service = open_traffic(config, store, events, jobs)
+        service.shutdown()
+        warnings = [r.getMessage() for r in caplog.records if r.name == "gpud.net.wiring"]
+        if said is None:
+            assert warnings == [], pool
+            continue
+        assert warnings == [
+            f"traffic.dscp_pool {pool!r} names reserved DSCPs, left out of the pool and never"
+            f" a job's tag: {said}"
+        ]
+        assert 46 not in service.tags.pool
+    cnp = dataclasses.replace(traffic, dscp_pool="10,26", cnp_dscp=26)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gpud.net.wiring"):
+        open_traffic(Config(traffic=cnp), store, events, jobs).shutdown()
+    assert "26 (traffic.cnp_dscp)" in caplog.text
 
 
 def test_drift_is_counted_while_another_interface_fails(tmp_path: Path, sysfs: Path) -> None:
