@@ -216,6 +216,20 @@ def test_a_file_where_a_directory_goes_is_named_not_a_traceback(
     assert "Traceback" not in err
 
 
+def test_a_socket_whose_directory_cannot_be_made_is_named_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    socket = tmp_path / "file" / "gpud.sock"
+    flags = ["--simulate", "--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path)]
+    assert main(["--config", str(write(tmp_path, "")), *flags, "--socket", str(socket)]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"gpud: api.socket: cannot create {tmp_path}/file: it exists and is not a directory" in err
+    )
+    assert "Traceback" not in err
+
+
 def test_a_lock_file_that_cannot_be_written_is_named_not_a_traceback(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
