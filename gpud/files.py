@@ -29,3 +29,19 @@ def write_atomically(path: Path, text: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+UNREADABLE_SUFFIX = ".unreadable"
+
+
+def keep_aside(path: Path) -> Path | None:
+    """Rename a state file gpud cannot read to ``<name>.unreadable`` beside it, so that the
+    next write (which starts afresh) does not destroy what an operator could still recover
+    by hand; an earlier one is replaced. ``None`` when it cannot be renamed (a read-only
+    directory): the file then stays where it is."""
+    aside = path.with_name(path.name + UNREADABLE_SUFFIX)
+    try:
+        os.replace(path, aside)
+    except OSError:
+        return None
+    return aside

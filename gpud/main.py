@@ -30,11 +30,13 @@ if TYPE_CHECKING:
 
 
 def make_dirs(cfg: config.Config) -> None:
-    """Create the state and run directories; a ConfigError naming the key when one cannot
-    be (a missing parent under /proc, a file in the way, no permission)."""
+    """Create the state and run directories, and the directory of the socket (``api.socket``
+    may lie outside the run directory); a ConfigError naming the key when one cannot be (a
+    missing parent under /proc, a file in the way, no permission)."""
     for key, path in (
         ("daemon.state_dir", cfg.daemon.state_dir),
         ("daemon.run_dir", cfg.daemon.run_dir),
+        ("api.socket", cfg.socket_path.parent),
     ):
         make_dir(path, key)
 

@@ -52,7 +52,7 @@ from gpud.colo.links import NvlinkRates, pcie_capacity, pcie_ratio
 from gpud.config import ColocateConfig
 from gpud.errors import FailedPrecondition, InvalidArgument, LeftQueue, NotFound
 from gpud.events import EventLog
-from gpud.files import write_atomically
+from gpud.files import keep_aside, write_atomically
 from gpud.shared import MAX_PEAK_LOAD, check_slo_ms
 from gpud.telemetry.snapshot import GpuSample, Snapshot
 
@@ -174,6 +174,16 @@ class _JobState:
             if self.devices[key].features is not None:
                 return self.devices[key].features
         return None
+
+
+def _kept(path: Path) -> str:
+    """Keep an unreadable state file aside (the next save starts afresh over it); says where."""
+    aside = keep_aside(path)
+    return f"the file is kept as {aside}" if aside else "the file is left in place"
+
+
+def _afresh(path: Path) -> str:
+    return f"starting afresh; {_kept(path)}"
 
 
 def _saved_number(value: object, key: str, low: float, high: float = math.inf) -> float:
@@ -686,7 +696,7 @@ class ColoService:
         except FileNotFoundError:
             return
         except (OSError, ValueError) as err:
-            log.error("co-location state %s not read (%s): starting afresh", path, err)
+            log.error("co-location state %s not read (%s): %s", path, err, _afresh(path))
             return
         try:
             if not isinstance(data, dict) or not isinstance(data.get("jobs"), dict):
@@ -700,7 +710,7 @@ class ColoService:
                 st = self._jobs.setdefault(name, _JobState())
                 st.evicted, st.seen = True, self._clock()
         except (ValueError, KeyError, TypeError, AttributeError) as err:
-            log.error("co-location state %s not read (%s): starting afresh", path, err)
+            log.error("co-location state %s not read (%s): %s", path, err, _afresh(path))
             self._jobs.clear()
             self._directives.clear()
             self._guards.clear()
@@ -712,9 +722,11 @@ class ColoService:
             self.predictor = InterferencePredictor.from_dict(saved)
         except ValueError as err:
             log.error(
-                "co-location state %s: interference predictor not restored (%s): it starts afresh",
+                "co-location state %s: interference predictor not restored (%s): it starts "
+                "afresh; %s",
                 path,
                 err,
+                _kept(path),
             )
             return
         self.configure(self.config)  # the planner predicts with the restored one

@@ -50,7 +50,7 @@ from typing import Any
 from gpud.backend.port import EventKind, GpuBackend, GpuEvent
 from gpud.errors import BackendError, NotSupported
 from gpud.events import EventLog
-from gpud.files import write_atomically
+from gpud.files import keep_aside, write_atomically
 from gpud.telemetry.dispatch import Dispatcher, Target
 from gpud.telemetry.reader import GpuReader, placeholder_identity
 from gpud.telemetry.seen import parse as parse_seen
@@ -457,7 +457,17 @@ class Sampler:
         except FileNotFoundError:
             return {}
         except (OSError, ValueError, TypeError, AttributeError, KeyError) as err:
-            log.warning("ignoring unreadable critical-XID state %s: %s", path, err)
+            # Which GPUs had an uncleared critical XID is unknown now: they look healthy. The
+            # file is kept aside (a later save would overwrite it) and the loss is an event,
+            # not only a log line, so that an operator can look before trusting those GPUs.
+            aside = keep_aside(path)
+            kept = f"kept as {aside}" if aside else "left in place"
+            message = (
+                f"critical-XID state {path} unreadable ({err}), {kept}: GPUs with an "
+                "uncleared critical XID before the restart now look healthy"
+            )
+            log.error("%s", message)
+            self._emit("gpu.xid_state_unreadable", message, path=str(path), kept=str(aside or ""))
             return {}
 
     def _save_xids(self) -> None:

@@ -1656,6 +1656,10 @@ def test_an_unreadable_state_file_starts_afresh(
         assert svc.duty("train") == 1.0 and svc.predictor.stats().samples == 0
         (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
         assert str(state) in record.getMessage() and "starting afresh" in record.getMessage()
+        # kept for the operator: the loop's next save writes a fresh file in its place
+        aside = tmp_path / "colo.json.unreadable"
+        assert f"kept as {aside}" in record.getMessage()
+        assert aside.read_text() == text and not state.exists()
         assert svc.tick(snapshot()) is not None  # and the loop runs
     # not a file at all
     state.unlink()

@@ -3,7 +3,11 @@ import errno
 import math
 import os
 import re
+import signal
 import socket
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 from typing import get_type_hints
 
@@ -242,6 +246,20 @@ def test_a_file_where_a_directory_goes_is_named_not_a_traceback(
     assert main(["--config", str(cfg), *flags]) == 1
     err = capsys.readouterr().err
     assert f"daemon.run_dir: cannot create {tmp_path}/sim: it exists and is not a directory" in err
+    assert "Traceback" not in err
+
+
+def test_a_socket_whose_directory_cannot_be_made_is_named_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    socket = tmp_path / "file" / "gpud.sock"
+    flags = ["--simulate", "--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path)]
+    assert main(["--config", str(write(tmp_path, "")), *flags, "--socket", str(socket)]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"gpud: api.socket: cannot create {tmp_path}/file: it exists and is not a directory" in err
+    )
     assert "Traceback" not in err
 
 
@@ -747,3 +765,38 @@ def test_check_config_checks_etcds_client_certificate_and_key_as_a_pair(
         assert main(["--check-config", "--config", str(path)]) == 2, extra
         err = capsys.readouterr().err
         assert f"{path}:{where}" in err, err
+
+
+# gpud's console script with its loading stood in for by a wait: a Ctrl-C then
+LOADING = """
+import signal, sys, time
+# as from a terminal: a shell without job control starts background commands with SIGINT
+# ignored, and Python then leaves it so
+signal.signal(signal.SIGINT, signal.default_int_handler)
+import gpud, gpud.main
+
+def loading() -> int:
+    print("loading", flush=True)
+    time.sleep(30)
+    return 0
+
+gpud.main.main = loading
+sys.exit(gpud.daemon_entry())
+"""
+
+
+def test_ctrl_c_while_gpud_starts_stops_it_at_once_without_a_traceback() -> None:
+    """Before the loop takes SIGINT as a stop, gpud ends on it as on SIGTERM (the default
+    action), not with a KeyboardInterrupt traceback from the middle of an import."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LOADING],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "loading\n"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=10)
+    assert proc.returncode == -signal.SIGINT and "Traceback" not in err
+    with open(Path(__file__).parents[2] / "pyproject.toml", "rb") as f:
+        assert tomllib.load(f)["project"]["scripts"]["gpud"] == "gpud:daemon_entry"

@@ -6,13 +6,14 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import tomllib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from gpud.api import ApiServer
-from gpud.cli import context
+from gpud.cli import EXIT_INTERRUPTED, context, entry
 from tests.unit.api_support import ServerThread, make_servicer, short_dir
 
 # What gpuctl may import of the project: its own modules, generated code, the error table and
@@ -136,3 +137,16 @@ def test_output_that_waits_long_between_writes_learns_its_reader_went() -> None:
     assert child.stdout.readline() == b"first\n"
     child.stdout.close()  # what head does after its first line
     assert child.wait(timeout=20) == 0
+
+
+def test_ctrl_c_while_gpuctl_loads_ends_quietly_with_130() -> None:
+    """The console script (``gpuctl = "gpud.cli:entry"``) loads the command modules inside
+    the handler: a Ctrl-C in the middle of an import is exit 130, not a traceback."""
+
+    def interrupted_load() -> Callable[[], int]:
+        raise KeyboardInterrupt
+
+    assert entry(interrupted_load) == EXIT_INTERRUPTED == 130
+    assert entry(lambda: lambda: 7) == 7
+    with open(Path(__file__).parents[2] / "pyproject.toml", "rb") as f:
+        assert tomllib.load(f)["project"]["scripts"]["gpuctl"] == "gpud.cli:entry"

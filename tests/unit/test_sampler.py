@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import threading
 import time
 from collections import Counter
@@ -799,6 +800,27 @@ def test_xid_state_of_an_older_gpud_is_read_and_written_anew(
     assert parse_xid_state(document) == {0: {48: CriticalXid(48, 2, 1.0, 2.0, "GPU-x")}}
     with pytest.raises(ValueError):
         parse_xid_state({"version": 3, "gpus": {}})
+
+
+def test_an_unreadable_xid_state_is_kept_aside_and_said_in_an_event(
+    backend: FakeBackend, events: EventLog, tmp_path: Path
+) -> None:
+    """Which GPUs had a critical XID is lost with the file: a later save must not destroy it
+    too, and the loss is an event an operator sees (``gpuctl events``), not only a log line."""
+    state = tmp_path / "xid-faults.json"
+    document = json.dumps(xid_state_document({3: [CriticalXid(48, 1, 1.0, 1.0, "GPU-x")]}))
+    state.write_text(document[: len(document) // 2])  # a disk that lost the rest
+    s = Sampler(backend, events=events, xid_state=state)  # type: ignore[arg-type]
+    try:
+        assert s.tick().gpus[3].healthy
+        aside = tmp_path / "xid-faults.json.unreadable"
+        assert aside.read_text() == document[: len(document) // 2]
+        (event,) = events.recent(kind_prefix="gpu.xid_state_unreadable")
+        assert event.fields["kept"] == str(aside) and str(state) in event.message
+        s.gpu_reset(3)  # a save: the kept file stays as it was
+        assert aside.read_text() == document[: len(document) // 2]
+    finally:
+        s.close()
 
 
 def test_a_critical_xid_raised_before_the_gpus_are_counted_is_kept(
