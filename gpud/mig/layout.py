@@ -161,13 +161,19 @@ class MigConfigFile:
 
         Each GPU no entry matches is left alone, as mig-parted does; a config that matches
         none of the GPUs (its device filters name other products) would apply nothing and
-        report success, and is refused instead (:class:`InvalidArgument`).
+        report success, and is refused instead (:class:`InvalidArgument`), unless a GPU
+        never read might match it (see :meth:`unjudged`).
         """
         entries = self.config(name)
         layouts = resolve(entries, gpus, where=self.where(name))
-        if gpus and not layouts:
+        if gpus and not layouts and not unjudged(entries, gpus, layouts):
             raise _matches_none(entries, gpus, self.where(name))
         return layouts
+
+    def unjudged(self, name: str, gpus: Sequence[GpuIdentity]) -> list[int]:
+        """The GPUs config ``name`` may or may not give a layout: see :func:`unjudged`."""
+        entries = self.config(name)
+        return unjudged(entries, gpus, resolve(entries, gpus, where=self.where(name)))
 
     def where(self, name: str) -> str:
         """``mig-configs.NAME in PATH``: where config ``name`` is, for messages."""
@@ -370,6 +376,25 @@ def resolve(
         if matched:
             out[gpu.index] = matched[0].layout
     return out
+
+
+def unjudged(
+    entries: Sequence[ConfigEntry],
+    gpus: Sequence[GpuIdentity],
+    layouts: Mapping[int, DeviceLayout],
+) -> list[int]:
+    """The GPUs without a layout in ``layouts`` (:func:`resolve`) that an entry with a
+    ``device-filter`` names (by index or ``all``) but that were never read
+    (:attr:`GpuIdentity.read`): their PCI device id (``nvidia-smi -q``: "Device Id") is
+    unknown, so whether the filter matches them cannot be told. Whoever applies the config
+    reports them, as faulty, instead of leaving them out as not matching."""
+    return [
+        g.index
+        for g in gpus
+        if not g.read
+        and g.index not in layouts
+        and any(e.device_filter and (e.devices == "all" or g.index in e.devices) for e in entries)
+    ]
 
 
 def _matches_none(

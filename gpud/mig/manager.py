@@ -28,9 +28,11 @@ created by the first reconcile after a reset or reboot. Hopper makes the change 
 Faults stay with the GPU that has them: a GPU the last telemetry sample found unhealthy
 (lost, not answering) is not called at all, and one that fails while being read or changed
 is reported ``faulty`` with the reason, while every other GPU is shown, applied and
-reconciled as usual; an apply that left a faulty GPU alone is a ``partial`` result. An
-apply's reads of a GPU that hangs are waited for until telemetry finds it hung, or
-``read_timeout_s`` if that comes first (see :meth:`MigManager._plan_bounded`).
+reconciled as usual; an apply that left a faulty GPU alone is a ``partial`` result. Every
+read of a GPU (an apply's plans, its busy checks and the re-read before each GPU's steps;
+``show``, ``export`` and reconcile) is waited for until telemetry finds the GPU hung, or its
+deadline if that comes first (see :meth:`MigManager._bounded`); the steps that change MIG
+are waited for however long the driver takes.
 
 An apply whose caller has gone (``still_wanted`` answers False) is not started if it had not
 started; one that had started is finished and logged as finished after its caller had gone.
@@ -131,10 +133,10 @@ class MigManager:
         re-reads its MIG devices at once); ``faults()`` names the GPUs not to call (see
         :data:`Faults`); a GPU reset runs inside ``quiesce()`` (no other driver calls
         meanwhile: the backend lets go of the driver for it) and is followed by
-        ``on_reset(gpu)``. An apply waits for a GPU's reads (its plan) no longer than
-        ``read_timeout_s`` (the daemon passes ``telemetry.call_timeout_s``: a GPU slower
-        than that is hung by telemetry's own measure) and leaves one that has not answered
-        alone."""
+        ``on_reset(gpu)``. An apply waits for each of a GPU's reads (its plan, its process
+        lists, the re-read before its steps) no longer than ``read_timeout_s`` (the daemon
+        passes ``telemetry.call_timeout_s``: a GPU slower than that is hung by telemetry's
+        own measure) and leaves one that has not answered alone."""
         self._backend = backend
         self._on_change = on_change
         self._faults = faults
@@ -357,17 +359,14 @@ class MigManager:
         ids, faults = self._gpus()
         by_index = {g.index: g for g in ids}
         layouts = config.layouts(name, ids)
-        faulty = {i: faults[i] for i in layouts if i in faults}
+        # a GPU never read may or may not be one the config's device filters name: faulty
+        faulty = {i: faults[i] for i in [*layouts, *config.unjudged(name, ids)] if i in faults}
         plans: dict[int, tuple[GpuActual, GpuPlan]] = {}
         healthy = [by_index[i] for i in sorted(layouts) if i not in faulty]
         planned = self._plan_bounded(healthy, layouts)
-        telemetry = dict(self._faults()) if self._faults is not None else {}
         for gpu in healthy:
-            got = planned.get(gpu.index)
-            if got is None:
-                # given up on as soon as telemetry found it hung (or lost), else at the deadline
-                faulty[gpu.index] = telemetry.get(gpu.index) or _no_answer(self._read_timeout_s)
-            elif isinstance(got, FAULTS):
+            got = planned[gpu.index]
+            if isinstance(got, FAULTS):  # lost, hung, or not waited for (_GivenUp)
                 faulty[gpu.index] = _fault_reason(got)
             elif isinstance(got, InvalidArgument):
                 raise InvalidArgument(f"{config.where(name)}: {got}") from got
@@ -418,7 +417,15 @@ class MigManager:
                 detail = f"{where} is faulty, left alone: {reason}"
                 outcomes.append(GpuOutcome(i, by_index[i].uuid, (), False, "faulty", detail))
                 continue
-            outcomes.append(self._converge(by_index[i], layouts[i], force=True, reset=reset))
+            outcomes.append(
+                self._converge(
+                    by_index[i],
+                    layouts[i],
+                    force=True,
+                    reset=reset,
+                    read_timeout_s=self._read_timeout_s,
+                )
+            )
         outcomes.sort(key=lambda o: o.gpu)
         failed = any(o.status == "failed" for o in outcomes)
         self._failed_apply = name if failed else None
@@ -536,22 +543,27 @@ class MigManager:
     ) -> dict[int, list[tuple[str, ProcessInfo]]]:
         """One round of an apply's busy checks: the processes on what each plan disturbs, by
         GPU. A GPU found faulty (lost, hung, or its processes cannot be listed) is moved from
-        ``plans`` to ``faulty``: it is left alone and the others go on."""
+        ``plans`` to ``faulty``: it is left alone and the others go on. The process lists
+        are reads: each GPU's is waited for as its plan was (:meth:`_bounded`), so a GPU
+        that hangs after its plan was read holds neither the apply nor the other GPUs."""
         busy = {}
-        now_faulty = self._faulty_now()
-        for i, (actual, plan) in list(plans.items()):
-            if i in now_faulty:  # found hung or lost meanwhile: no call that could block
-                faulty[i] = now_faulty[i]
+        todo = dict(plans)  # what the reads use, while ``plans`` loses the faulty GPUs
+
+        def listed(gpu: GpuIdentity) -> list[tuple[str, ProcessInfo]] | str:
+            actual, plan = todo[gpu.index]
+            return self._busy_or_unlisted(gpu, actual, plan, reset=reset)
+
+        answers = self._bounded(
+            [by_index[i] for i in sorted(todo)], listed, self._read_timeout_s, "busy"
+        )
+        for i, b in sorted(answers.items()):
+            if isinstance(b, FAULTS):  # lost, hung, or found so meanwhile: not waited for
+                log.warning("GPU %d turned faulty while checking for processes: %s", i, b)
+                faulty[i] = _fault_reason(b)
                 del plans[i]
-                continue
-            try:
-                b = self._busy_or_unlisted(by_index[i], actual, plan, reset=reset)
-            except FAULTS as err:
-                log.warning("GPU %d turned faulty while checking for processes: %s", i, err)
-                faulty[i] = _fault_reason(err)
-                del plans[i]
-                continue
-            if isinstance(b, str):  # not waited on: listing again would not help
+            elif isinstance(b, Exception):
+                raise b
+            elif isinstance(b, str):  # not waited on: listing again would not help
                 log.warning("GPU %d left alone: %s", i, b)
                 faulty[i] = b
                 del plans[i]
@@ -560,13 +572,24 @@ class MigManager:
         return busy
 
     def _converge(
-        self, gpu: GpuIdentity, layout: DeviceLayout, *, force: bool, reset: bool
+        self,
+        gpu: GpuIdentity,
+        layout: DeviceLayout,
+        *,
+        force: bool,
+        reset: bool,
+        read_timeout_s: float,
     ) -> GpuOutcome:
         """Run the plan for one GPU, re-planning after a MIG mode change took effect; with
         ``reset``, a mode change pending a GPU reset is finished by resetting the GPU.
 
         Each round reads the driver first, so a step that already took effect (before a
-        crash, say) is never repeated.
+        crash, say) is never repeated. Those reads, and the process listing of the busy
+        check, are waited for as :meth:`_bounded` waits (``read_timeout_s``, or until
+        telemetry finds the GPU hung): a GPU that hangs then is ``faulty`` without a step
+        run. The steps themselves (``nvidia-smi mig -cgi/-dci/-dgi``, ``-mig``, a reset)
+        are waited for however long the driver takes: one given up on could not be told
+        apart from one not made, and the next round would plan on a guess.
         """
         done: list[str] = []
         where = f"GPU {gpu.index}{_product(gpu)}"
@@ -579,7 +602,9 @@ class MigManager:
         for _ in range(4):
             try:
                 # the driver is read again each round: the GPU may have been lost meanwhile
-                actual, plan = self._plan(gpu, layout, self._table(gpu))
+                actual, plan = self._read(
+                    gpu, lambda g: self._plan(g, layout, self._table(g)), read_timeout_s, "plan"
+                )
             except FAULTS as err:
                 return faulty(err)
             except InvalidArgument as err:
@@ -588,7 +613,7 @@ class MigManager:
                 return GpuOutcome(
                     gpu.index, gpu.uuid, tuple(done), False, "changed" if done else "ok"
                 )
-            busy = [] if force else self._busy_or_unlisted(gpu, actual, plan, reset=reset)
+            busy = [] if force else self._busy_read(gpu, actual, plan, reset, read_timeout_s)
             if isinstance(busy, str):
                 detail = f"{where} is faulty, left alone: {busy}"
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "faulty", detail)
@@ -617,6 +642,14 @@ class MigManager:
                 )
         return GpuOutcome(
             gpu.index, gpu.uuid, tuple(done), False, "failed", f"GPU {gpu.index}: did not converge"
+        )
+
+    def _busy_read(
+        self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, reset: bool, timeout_s: float
+    ) -> list[tuple[str, ProcessInfo]] | str:
+        """:meth:`_busy_or_unlisted`, waited for as :meth:`_bounded` waits."""
+        return self._read(
+            gpu, lambda g: self._busy_or_unlisted(g, actual, plan, reset=reset), timeout_s, "busy"
         )
 
     def _reset(self, gpu: GpuIdentity, done: list[str]) -> bool:
@@ -703,7 +736,8 @@ class MigManager:
         that could not be checked (faulty: index -> reason)."""
         ids, faults = self._gpus()
         layouts = config.layouts(name, ids)
-        faulty = {i: faults[i] for i in layouts if i in faults}
+        # a GPU never read may or may not be one the config's device filters name: faulty
+        faulty = {i: faults[i] for i in [*layouts, *config.unjudged(name, ids)] if i in faults}
         diff: list[str] = []
         for i, layout in sorted(layouts.items()):
             if i in faulty:
@@ -732,7 +766,7 @@ class MigManager:
     # Bounds the view's driver reads, so that a GPU that hangs before telemetry notices it
     # cannot hold the reconcile step (and the watchdog behind it) for long.
     VIEW_TIMEOUT_S = 2.0
-    # How often an apply waiting for a GPU's plan looks whether telemetry found it hung: a
+    # How often a read waiting for a GPU (_bounded) looks whether telemetry found it hung: a
     # small part of a telemetry tick (1 s by default), the snapshot read costs microseconds.
     FAULT_POLL_S = 0.05
 
@@ -825,10 +859,9 @@ class MigManager:
                 if gpu.index in faults:
                     outcomes.append(_left_alone(gpu.index, uuid, name, faults[gpu.index]))
                     continue
-                plan = checked.get(gpu.index)
-                if plan is None:
-                    silent = f"not answering: no answer from the driver within {self.VIEW_TIMEOUT_S:.1f} s"
-                    outcomes.append(_left_alone(gpu.index, uuid, name, silent))
+                plan = checked[gpu.index]
+                if isinstance(plan, _GivenUp):  # hung: not waited for, not called again
+                    outcomes.append(_left_alone(gpu.index, uuid, name, str(plan)))
                 elif isinstance(plan, GpuPlan) and plan.empty:
                     outcomes.append(GpuOutcome(gpu.index, uuid, (), False, "ok"))
                 else:  # differs, or the check failed: the same calls again, for the outcome
@@ -877,11 +910,18 @@ class MigManager:
     ) -> GpuOutcome:
         try:
             if mode == "report":
-                diff = self._differences({gpu: record.layout})
+                diff = self._read(
+                    gpu,
+                    lambda g: self._differences({g: record.layout}),
+                    self.VIEW_TIMEOUT_S,
+                    "check",
+                )
                 if diff:
                     return GpuOutcome(gpu.index, gpu.uuid, (), False, "differs", diff[0])
                 return GpuOutcome(gpu.index, gpu.uuid, (), False, "ok")
-            return self._converge(gpu, record.layout, force=force, reset=reset)
+            return self._converge(
+                gpu, record.layout, force=force, reset=reset, read_timeout_s=self.VIEW_TIMEOUT_S
+            )
         except FAULTS as err:
             return GpuOutcome(
                 gpu.index,
@@ -937,10 +977,8 @@ class MigManager:
         answered = self._bounded(healthy, read, self.VIEW_TIMEOUT_S, "export")
         out = {}
         for gpu in healthy:
-            got = answered.get(gpu.index)
-            if got is None:
-                faults[gpu.index] = _no_answer(self.VIEW_TIMEOUT_S)
-            elif isinstance(got, BackendError):
+            got = answered[gpu.index]
+            if isinstance(got, BackendError):  # _GivenUp included: not waited for
                 faults[gpu.index] = _fault_reason(got)
             elif isinstance(got, Exception):  # a bug: named on that GPU, logged
                 log.error("reading GPU %d for mig export failed", gpu.index, exc_info=got)
@@ -963,9 +1001,9 @@ class MigManager:
         placements; a faulty GPU with its reason instead (:attr:`GpuView.fault`).
 
         With ``timeout_s`` each GPU is read on a thread of its own and a GPU that has not
-        answered within ``timeout_s`` is shown as not answering: a driver call that hangs
-        delays the answer by no more than that, and that GPU gets no new call until the
-        stuck one returns."""
+        answered within ``timeout_s``, or that telemetry finds hung before then, is shown as
+        not answering (:meth:`_bounded`): a driver call that hangs delays the answer by no
+        more than that, and that GPU gets no new call until the stuck one returns."""
         ids, faults = self._gpus()
         desired = self._store.desired()
 
@@ -990,24 +1028,21 @@ class MigManager:
     def _plan_bounded(
         self, gpus: list[GpuIdentity], layouts: Mapping[int, DeviceLayout]
     ) -> dict[int, tuple[GpuActual, GpuPlan] | Exception]:
-        """Each GPU's plan for an apply, read within ``read_timeout_s``: a GPU that hangs
-        before telemetry notices must not hold the apply (and every other GPU behind it).
-        Nor is a GPU waited for once telemetry finds it faulty meanwhile (its first tick
-        with the read outstanding, well before ``read_timeout_s``): the plan's reads change
-        nothing, so one left in the driver is only a read that returns late, as at the
-        deadline. A GPU missing from the answer did not answer."""
+        """Each GPU's plan for an apply, waited for as :meth:`_bounded` waits, within
+        ``read_timeout_s``: a GPU that hangs before telemetry notices must not hold the
+        apply (and every other GPU behind it)."""
 
         def plan(gpu: GpuIdentity) -> tuple[GpuActual, GpuPlan]:
             return self._plan(gpu, layouts[gpu.index], self._table(gpu))
 
-        return self._bounded(gpus, plan, self._read_timeout_s, "plan", watch_faults=True)
+        return self._bounded(gpus, plan, self._read_timeout_s, "plan")
 
     def _check_bounded(
         self, layouts: list[tuple[GpuIdentity, DeviceLayout]]
     ) -> dict[int, GpuPlan | Exception]:
-        """Each GPU's plan toward its layout, read within ``VIEW_TIMEOUT_S``: a GPU that
-        hangs before telemetry notices must not hold the reconcile step, and the daemon's
-        other steps and watchdog behind it. A GPU missing from the answer did not answer."""
+        """Each GPU's plan toward its layout, waited for as :meth:`_bounded` waits, within
+        ``VIEW_TIMEOUT_S``: a GPU that hangs before telemetry notices must not hold the
+        reconcile step, and the daemon's other steps and watchdog behind it."""
         by_index = {gpu.index: layout for gpu, layout in layouts}
 
         def plan(gpu: GpuIdentity) -> GpuPlan:
@@ -1015,21 +1050,35 @@ class MigManager:
 
         return self._bounded([gpu for gpu, _ in layouts], plan, self.VIEW_TIMEOUT_S, "check")
 
+    def _read(
+        self, gpu: GpuIdentity, call: Callable[[GpuIdentity], T], timeout_s: float, what: str
+    ) -> T:
+        """:meth:`_bounded` for one GPU: what ``call(gpu)`` returned, or what it raised, or
+        :class:`_GivenUp` when it was not waited for (or not made)."""
+        got = self._bounded([gpu], call, timeout_s, what)[gpu.index]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
     def _bounded(
         self,
         gpus: list[GpuIdentity],
         call: Callable[[GpuIdentity], T],
         timeout_s: float,
         what: str,
-        *,
-        watch_faults: bool = False,
     ) -> dict[int, T | Exception]:
-        """``call(gpu)`` for each GPU on a thread of its own, waited for ``timeout_s`` in all:
-        what each GPU that answered returned or raised. Until their calls return, later
-        calls leave the GPUs that did not answer alone. With ``watch_faults``, a GPU that
-        telemetry finds faulty while it is waited for is waited for no more (telemetry is
-        looked at every ``FAULT_POLL_S``): only for calls that change nothing in the driver,
-        since a change left running there could not be told apart from one not made."""
+        """``call(gpu)`` for each GPU on a thread of its own: by GPU index, what it returned
+        or raised, or :class:`_GivenUp` (a :class:`DriverTimeout`, with why) for a GPU that
+        was not waited for. A GPU is waited for ``timeout_s`` in all, and no longer once
+        telemetry finds it faulty (looked at every ``FAULT_POLL_S``, its reason given); a GPU
+        not to be called now (:meth:`_faulty_now`) is not called at all. A call not waited
+        for stays on its own thread, and later calls leave its GPU alone until it returns.
+
+        Only for reads (``nvidia-smi mig -lgi``, ``-lci``, the process lists), which change
+        nothing in the driver: one that returns late is only a late answer. A change left
+        running in the driver could not be told apart from one not made, so an apply's
+        steps never run through here."""
+        answered: dict[int, T | Exception] = {}
         results: dict[int, T | Exception] = {}
         finished: set[int] = set()  # guarded by _stuck_lock
         done = threading.Condition()
@@ -1047,26 +1096,32 @@ class MigManager:
                 finished.add(gpu.index)
                 self._stuck.discard(gpu.index)
 
+        not_now = self._faulty_now()
+        called = [g for g in gpus if g.index not in not_now]
         for gpu in gpus:
+            if gpu.index in not_now:
+                answered[gpu.index] = _GivenUp(not_now[gpu.index], gpu=gpu.index)
+        for gpu in called:
             # Daemon threads: one stuck in the driver must not keep the daemon from exiting.
             threading.Thread(
                 target=run, args=(gpu,), name=f"gpud-mig-{what}-{gpu.index}", daemon=True
             ).start()
         deadline = time.monotonic() + timeout_s
-        faults = self._faults if watch_faults else None
-        given_up: set[int] = set()
         while True:
-            if faults is not None:
-                given_up = set(faults())
+            telemetry = dict(self._faults()) if self._faults is not None else {}
             with done:
-                waiting = [g for g in gpus if g.index not in results and g.index not in given_up]
+                waiting = [g for g in called if g.index not in results and g.index not in telemetry]
                 left = deadline - time.monotonic()
                 if not waiting or left <= 0:
-                    answered = dict(results)
+                    answered.update(results)
                     break
-                done.wait(left if faults is None else min(left, self.FAULT_POLL_S))
+                done.wait(left if self._faults is None else min(left, self.FAULT_POLL_S))
+        for gpu in called:
+            if gpu.index not in answered:
+                why = telemetry.get(gpu.index) or _no_answer(timeout_s)
+                answered[gpu.index] = _GivenUp(why, gpu=gpu.index)
         with self._stuck_lock:
-            self._stuck.update(g.index for g in gpus if g.index not in finished)
+            self._stuck.update(g.index for g in called if g.index not in finished)
         return answered
 
     def _read_bounded(
@@ -1078,13 +1133,19 @@ class MigManager:
     ) -> Iterator[tuple[int, GpuView]]:
         answered = self._bounded(gpus, read, timeout_s, "show")
         for gpu in gpus:
-            view = answered.get(gpu.index)
-            if isinstance(view, Exception):  # a bug: shown on that GPU, logged
+            view = answered[gpu.index]
+            if isinstance(view, _GivenUp):  # hung, or found hung by telemetry meanwhile
+                view = faulty_view(gpu, desired.get(gpu.uuid), str(view))
+            elif isinstance(view, Exception):  # a bug: shown on that GPU, logged
                 log.error("reading GPU %d for mig show failed", gpu.index, exc_info=view)
                 view = faulty_view(gpu, desired.get(gpu.uuid), f"internal error: {view}")
-            if view is None:
-                view = faulty_view(gpu, desired.get(gpu.uuid), _no_answer(timeout_s))
             yield gpu.index, view
+
+
+class _GivenUp(DriverTimeout):
+    """A read of a GPU that :meth:`MigManager._bounded` did not wait for (no answer in
+    time, or telemetry found the GPU faulty meanwhile) or did not make (the GPU is not to
+    be called now); the message is why, as the GPU's fault reason."""
 
 
 def _no_answer(timeout_s: float) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -938,3 +938,174 @@ def test_reconcile_leaves_a_gpu_whose_processes_cannot_be_listed(
     d.node.faults.clear(1)
     assert {o.status for o in d.mig.reconcile()} == {"ok", "changed"}
     assert d.mig.assert_config(config, "all-3g.40gb") == []
+
+
+def test_a_gpu_never_read_is_faulty_in_an_apply_that_filters_devices(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A GPU lost before gpud ever read it has no PCI device id, so no ``device-filter``
+    can tell whether it is one the config names: it is reported faulty with its reason
+    (partial), as it is where an entry names every device, never silently left out."""
+    first = enable(host, config, "all-3g.40gb")
+    first.node.faults.lose(1)  # device state: still lost when the next daemon starts
+    d = host.start()
+    dry = d.mig.apply(config, "all-1g.10gb", dry_run=True)  # H100 and H200 by device-filter
+    assert dry.result == "partial", dry
+    assert [(o.gpu, o.status) for o in dry.gpus] == [(0, "differs"), (1, "faulty")]
+    assert dry.gpus[1].detail.startswith("GPU 1 is faulty, left alone: identity: GPU lost")
+    result = d.mig.apply(config, "all-1g.10gb")
+    assert result.result == "partial", result
+    assert [(o.gpu, o.status) for o in result.gpus] == [(0, "changed"), (1, "faulty")]
+    assert result.gpus[1] == dry.gpus[1]
+    diff, faulty = d.mig.check(config, "all-1g.10gb")
+    assert diff == [] and list(faulty) == [1]
+    # with no GPU read, the config is not refused as naming other products: both are faulty
+    d.node.faults.lose(0)
+    blind = host.start()
+    result = blind.mig.apply(config, "all-1g.10gb")
+    assert result.result == "partial", result
+    assert [(o.gpu, o.status) for o in result.gpus] == [(0, "faulty"), (1, "faulty")]
+
+
+class _Hangs:
+    """The backend, except that ``method`` on GPU ``gpu`` hangs in the driver once armed
+    (at once, or by the first call of ``arm_on`` on that GPU) until ``release`` is set, and
+    calls ``on_hang`` as it starts to hang (telemetry's tick finding the GPU hung)."""
+
+    def __init__(
+        self,
+        backend: NvmlBackend,
+        gpu: int,
+        method: str,
+        *,
+        arm_on: str | None = None,
+        on_hang: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._backend, self._gpu, self._method = backend, gpu, method
+        self._arm_on, self._on_hang = arm_on, on_hang
+        self.armed = arm_on is None
+        self.hanging = threading.Event()
+        self.release = threading.Event()
+        self.returned = threading.Event()
+
+    def __getattr__(self, name: str) -> object:
+        real = getattr(self._backend, name)
+        if name not in (self._method, self._arm_on):
+            return real
+
+        def call(gpu: int, *args: object) -> object:
+            if gpu == self._gpu and name == self._arm_on:
+                self.armed = True
+            elif gpu == self._gpu and self.armed:
+                self.hanging.set()
+                self._on_hang()
+                # bounded, so that code that waits for the call fails instead of hanging
+                self.release.wait(5.0)
+                self.returned.set()
+            return real(gpu, *args)
+
+        return call
+
+
+def _hanging(host: Host, d: Daemon, hang: _Hangs) -> MigManager:
+    return MigManager(
+        hang,  # type: ignore[arg-type]
+        d.store,
+        d.events,
+        job_resolver=host.jobs.get,
+        monotonic=lambda: 0.0,
+        sleep=lambda s: None,
+        faults=lambda: host.faults,
+        read_timeout_s=host.read_timeout_s,
+    )
+
+
+def _let_go(mig: MigManager, hang: _Hangs) -> None:
+    """The hung call returns; the read left behind on its thread ends."""
+    hang.release.set()
+    assert hang.returned.wait(5.0)
+    deadline = time.monotonic() + 5.0
+    while mig._stuck and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not mig._stuck
+
+
+def test_an_apply_stops_waiting_on_a_process_list_once_telemetry_finds_the_gpu_hung(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A GPU that hangs after its plan was read, in the busy check's process listing: it is
+    faulty with telemetry's reason and the other GPU is applied, without waiting for the
+    listing (nor for ``read_timeout_s``)."""
+    d = enable(host, config, "all-1g.10gb")
+    before = instances(d)
+    hang = _Hangs(
+        d.backend, 1, "processes", on_hang=lambda: host.faults.update({1: "not answering: ..."})
+    )
+    mig = _hanging(host, d, hang)
+    result = mig.apply(config, "all-3g.40gb", options=ApplyOptions(drain=True, timeout_s=30))
+    assert hang.hanging.is_set() and not hang.returned.is_set()  # still in the driver
+    assert result.result == "partial", result
+    outcomes = {o.gpu: o for o in result.gpus}
+    assert outcomes[0].status == "changed"
+    assert outcomes[1].status == "faulty" and outcomes[1].detail.endswith("not answering: ...")
+    host.faults.clear()
+    _let_go(mig, hang)
+    assert instances(d)[1] == before[1]
+
+
+def test_an_apply_never_waits_on_the_read_before_a_gpus_steps_past_its_deadline(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A GPU that hangs between its busy check and its steps: the read of its state before
+    the steps is waited for no longer than ``read_timeout_s``, and no step is run on it."""
+    host.read_timeout_s = 0.3
+    d = enable(host, config, "all-1g.10gb")
+    before = instances(d)
+    hang = _Hangs(d.backend, 1, "mig_mode", arm_on="processes")  # hangs after the busy check
+    mig = _hanging(host, d, hang)
+    result = mig.apply(config, "all-3g.40gb")
+    assert hang.hanging.is_set() and not hang.returned.is_set()
+    assert result.result == "partial", result
+    outcomes = {o.gpu: o for o in result.gpus}
+    assert outcomes[0].status == "changed"
+    assert outcomes[1].status == "faulty"
+    assert "not answering: no answer from the driver within 0.3 s" in outcomes[1].detail
+    assert outcomes[1].steps == ()
+    _let_go(mig, hang)
+    assert instances(d)[1] == before[1]
+
+
+def test_show_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
+    host: Host, config: MigConfigFile
+) -> None:
+    """``mig show`` waits for a hung GPU no longer than telemetry takes to find it hung,
+    however long its own deadline is."""
+    d = enable(host, config, "all-1g.10gb")
+    hang = _Hangs(
+        d.backend, 1, "gpu_instances", on_hang=lambda: host.faults.update({1: "hung: ..."})
+    )
+    mig = _hanging(host, d, hang)
+    views = mig.show(timeout_s=30.0)
+    assert hang.hanging.is_set() and not hang.returned.is_set()
+    assert views[0].fault == "" and views[1].fault == "hung: ..."
+    host.faults.clear()
+    _let_go(mig, hang)
+
+
+def test_reconcile_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
+    host: Host, config: MigConfigFile
+) -> None:
+    """The daemon's reconcile step (and the watchdog behind it) waits for a hung GPU no
+    longer than telemetry takes to find it hung, however long its own deadline is."""
+    d = enable(host, config, "all-1g.10gb")
+    hang = _Hangs(
+        d.backend, 1, "gpu_instances", on_hang=lambda: host.faults.update({1: "hung: ..."})
+    )
+    mig = _hanging(host, d, hang)
+    mig.VIEW_TIMEOUT_S = 30.0
+    outcomes = {o.gpu: o for o in mig.reconcile()}
+    assert hang.hanging.is_set() and not hang.returned.is_set()
+    assert outcomes[0].status == "ok"
+    assert outcomes[1].status == "faulty" and "hung: ..." in outcomes[1].detail
+    host.faults.clear()
+    _let_go(mig, hang)
