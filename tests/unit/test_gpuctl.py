@@ -13,7 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gpud.api import ApiServer
+from gpud.api import ApiServer, NodeServicer
+from gpud.backend.sim import SimNode
 from gpud.cli.context import Context
 from gpud.cli.main import build_parser, main
 from gpud.cli.output import Output, format_table, seconds
@@ -25,6 +26,7 @@ from tests.unit.api_support import (
     ServerThread,
     make_servicer,
     make_snapshot,
+    node_info,
     short_dir,
 )
 
@@ -347,6 +349,62 @@ def test_sim_fault_refused_when_not_simulated(
     )
     assert code == 6
     assert "node is not simulated" in err
+
+
+def test_sim_workload_lists_the_processes(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path
+) -> None:
+    sim = SimNode([("H100-SXM5-80GB", 3)])
+    servicer = NodeServicer(snapshots=make_snapshot, node_info=node_info, workloads=sim.workloads)
+    path = str(sock_dir / "gpud.sock")
+    with ServerThread(ApiServer(Path(path), servicers=[servicer.register])):
+        start = ("--socket", path, "sim", "workload", "start", "--pid")
+        code, out, err = run(
+            capsys, *start, "4242", "--gpu", "0", "--memory", "8GiB", "--sm", "0.6"
+        )
+        assert code == 0, err
+        assert out.splitlines() == [
+            "started simulated process 4242 on GPU 0",
+            "PID   GPU  GI  CI  MEM GiB  SM",
+            "4242  0    -   -   8.0      60%",
+        ]
+        code, out, _ = run(capsys, "--json", *start, "4343", "--gpu", "1")
+        assert code == 0
+        doc = json.loads(out)
+        assert doc["processes"] == [
+            {
+                "pid": 4242,
+                "gpu": 0,
+                "gpu_instance_id": None,
+                "compute_instance_id": None,
+                "used_memory_bytes": 8 << 30,
+                "sm_ratio": 0.6,
+            },
+            {
+                "pid": 4343,
+                "gpu": 1,
+                "gpu_instance_id": None,
+                "compute_instance_id": None,
+                "used_memory_bytes": 1 << 30,
+                "sm_ratio": 0.5,
+            },
+        ]
+        # what a gpuctl that reads only the lines prints
+        assert doc["workloads"] == [
+            "pid 4242 on GPU 0: 8.0 GiB, 60% SM",
+            "pid 4343 on GPU 1: 1.0 GiB, 50% SM",
+        ]
+        # the same PID on the same GPU again: already exists, not a bad argument
+        code, out, err = run(capsys, *start, "4242", "--gpu", "0")
+        assert code == 5 and out == ""
+        assert "pid 4242 already runs on GPU 0" in err
+        stop = ("--socket", path, "sim", "workload", "stop", "--pid")
+        code, out, _ = run(capsys, *stop, "4242")
+        assert code == 0 and out.splitlines()[0] == "stopped simulated process 4242"
+        assert [line.split()[0] for line in out.splitlines()[1:]] == ["PID", "4343"]
+        code, out, _ = run(capsys, *stop, "4343")
+        assert code == 0
+        assert out == "stopped simulated process 4343\nno simulated processes running\n"
 
 
 def test_daemon_error_exit_code_comes_from_the_error_class(
