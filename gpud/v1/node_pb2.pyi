@@ -473,11 +473,11 @@ class Gpu(_message.Message):
     CRITICAL_XIDS_FIELD_NUMBER: _builtins.int
     PROCESSES_UNKNOWN_FIELD_NUMBER: _builtins.int
     index: _builtins.int
-    """identity. A GPU not read since gpud started (lost or hung) has uuid, name and
-    pci_bus_id as an earlier run last read them (its reason says "last seen as ..."); unset
-    where never known. Its other static facts (product, pci_device_id, memory_total_bytes,
-    mig_capable) are unset until it answers: an earlier run's are not kept. A GPU read in
-    this run and lost since keeps them as last read.
+    """identity. A GPU not read since gpud started (lost or hung) has uuid, name, pci_bus_id
+    and product as an earlier run last read them (its reason says "last seen as ..."); unset
+    where never known (product also where that run did not keep it). Its other static facts
+    (pci_device_id, memory_total_bytes, mig_capable) are unset until it answers: an earlier
+    run's are not kept. A GPU read in this run and lost since keeps them as last read.
     """
     uuid: _builtins.str
     name: _builtins.str

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import warnings
 from collections.abc import Iterator
@@ -188,6 +189,35 @@ def lost_socket(sock_dir: Path) -> Iterator[str]:
     snap = _lost_before_start()
     with ServerThread(ApiServer(path, servicers=[make_servicer(snapshot=lambda: snap).register])):
         yield str(path)
+
+
+def test_gpus_shows_the_product_a_gpu_lost_before_start_was_last_seen_as(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path
+) -> None:
+    """As the GPUs that answer are shown (and as its metrics are labelled): by gpud's
+    product key, where the earlier run kept it; by NVML's name where it did not."""
+    seen = SeenIdentity(
+        "GPU-5c6e1f2a-0000", "NVIDIA H100 80GB HBM3", "00000000:18:00.0", "H100-SXM5-80GB"
+    )
+    live = make_snapshot().gpus[0]
+    snap = Snapshot(
+        wall_time=1_700_000_000.0,
+        monotonic=0.0,
+        gpus=(
+            GpuSample(placeholder_identity(0), False, "GPU lost", 0.0, last_seen=seen),
+            live._replace(identity=dataclasses.replace(live.identity, index=1)),
+        ),
+        tick_seconds=0.0,
+    )
+    path = sock_dir / "gpud.sock"
+    with ServerThread(ApiServer(path, servicers=[make_servicer(snapshot=lambda: snap).register])):
+        code, out, _ = run(capsys, "--socket", str(path), "gpus")
+        assert code == 0
+        lost, answers = (re.split(" {2,}", line)[1] for line in out.splitlines()[1:3])
+        assert (lost, answers) == ("H100-SXM5-80GB (last seen)", "H100-SXM5-80GB")
+        code, out, _ = run(capsys, "--json", "--socket", str(path), "gpus", "--gpu", "0")
+        (gpu,) = json.loads(out)["gpus"]
+        assert gpu["product"] == "H100-SXM5-80GB" and gpu["memory_total_bytes"] is None
 
 
 def test_gpus_names_a_gpu_lost_before_start_as_last_seen(
