@@ -10,8 +10,9 @@ What Prometheus sees (``curl -s localhost:9400/metrics | grep ^gpud_``):
 - per GPU, labels ``gpu`` (NVML index), ``uuid``, ``model`` (NVML's name; of a GPU not
   read since gpud started, lost or hung, as an earlier run last read them, so its series
   go on across the restart; empty when no run ever read it):
-  ``gpud_gpu_info`` (+ ``product``, ``pci_bus_id``; empty where not known: ``product`` of a
-  GPU not read since gpud started, whose static facts have no series of their own),
+  ``gpud_gpu_info`` (+ ``product``, ``pci_bus_id``: of a GPU not read since gpud started, as
+  an earlier run last read them; empty where not known, ``product`` also where that run did
+  not keep it),
   ``gpud_gpu_healthy``,
   ``gpud_gpu_unhealthy_info`` (+ ``reason``; only while unhealthy),
   ``gpud_gpu_sample_age_seconds``, ``gpud_gpu_memory_{total,used,free}_bytes`` (``total``
@@ -268,7 +269,7 @@ class Collector(_CollectorBase):
             # a GPU not read since gpud started keeps the labels it last had: same series
             known = s.known()
             labels = (index, known.uuid, known.name)
-            info.add_metric(labels, {"product": ident.product, "pci_bus_id": known.pci_bus_id})
+            info.add_metric(labels, {"product": known.product, "pci_bus_id": known.pci_bus_id})
             healthy.add_metric(labels, 1.0 if s.healthy else 0.0)
             if not s.healthy:
                 unhealthy.add_metric(labels, {"reason": s.reason})

@@ -77,7 +77,7 @@ def gpu(sample: GpuSample, *, now_monotonic: float) -> pb.Gpu:
     for field, value in (
         ("uuid", known.uuid),
         ("name", known.name),
-        ("product", ident.product),
+        ("product", known.product),
         ("pci_bus_id", known.pci_bus_id),
     ):
         if value:

@@ -18,6 +18,7 @@ from gpud.api.ports import (
     EventSource,
     FaultPort,
     NodeInfoSource,
+    SimProcessView,
     SnapshotSource,
     WorkloadPort,
 )
@@ -37,6 +38,14 @@ _FAULT_NAMES = {
     pb.FAULT_KIND_CLEAR: "clear",
     pb.FAULT_KIND_ERROR: "error",
 }
+
+
+def _workload_line(w: SimProcessView) -> str:
+    """One simulated process as a line, for a gpuctl that reads only ``workloads``."""
+    where = f"GPU {w.gpu}"
+    if w.gpu_instance_id is not None:
+        where += f" GI {w.gpu_instance_id} CI {w.compute_instance_id}"
+    return f"pid {w.pid} on {where}: {w.used_memory_bytes / 2**30:.1f} GiB, {w.sm_ratio:.0%} SM"
 
 
 def describe_faults(active: object) -> list[str]:
@@ -256,7 +265,8 @@ class NodeServicer(pb_grpc.NodeServicer):
                     workloads.start, gpu, pid, request.memory_bytes, request.sm_ratio, mig
                 )
             except ValueError as err:
-                # what the simulated driver refuses: a busy PID, an unknown MIG device, ...
+                # what the simulated driver refuses: an unknown MIG device, a GPU in MIG mode
+                # with none named, ... (a PID already on the GPU is AlreadyExists, as it is)
                 raise InvalidArgument(str(err), field="mig" if request.mig else "pid") from err
             if self._events is not None:
                 self._events.emit(
@@ -268,7 +278,20 @@ class NodeServicer(pb_grpc.NodeServicer):
                 )
         await self._show_change()
         running = await asyncio.to_thread(workloads.list)
-        return pb.SimWorkloadResponse(workloads=[str(w) for w in running])
+        return pb.SimWorkloadResponse(
+            workloads=[_workload_line(w) for w in running],
+            processes=[
+                pb.SimProcess(
+                    pid=w.pid,
+                    gpu=w.gpu,
+                    gpu_instance_id=w.gpu_instance_id,
+                    compute_instance_id=w.compute_instance_id,
+                    used_memory_bytes=w.used_memory_bytes,
+                    sm_ratio=w.sm_ratio,
+                )
+                for w in running
+            ],
+        )
 
     async def ClearXid(  # noqa: N802 (gRPC method names come from the proto)
         self, request: pb.ClearXidRequest, context: grpc.aio.ServicerContext

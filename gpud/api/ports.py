@@ -86,6 +86,27 @@ class FaultPort(Protocol):
         ...
 
 
+class SimProcessView(Protocol):
+    """A simulated compute process (the sim's ``Workload``): what ``nvidia-smi`` lists under
+    "Processes" for it."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def gpu(self) -> int: ...
+    @property
+    def gpu_instance_id(self) -> int | None:
+        """None: it runs on the whole GPU (and so for ``compute_instance_id``)."""
+        ...
+
+    @property
+    def compute_instance_id(self) -> int | None: ...
+    @property
+    def used_memory_bytes(self) -> int: ...
+    @property
+    def sm_ratio(self) -> float: ...
+
+
 class WorkloadPort(Protocol):
     """Simulated compute processes (the sim's ``Workloads``); None on real NVML."""
 
@@ -99,6 +120,6 @@ class WorkloadPort(Protocol):
         """Stop ``pid``; False when it was not running."""
         ...
 
-    def list(self) -> Sequence[object]:
-        """The simulated processes now running (each shown with ``str()``)."""
+    def list(self) -> Sequence[SimProcessView]:
+        """The simulated processes now running, by PID."""
         ...

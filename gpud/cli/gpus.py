@@ -40,14 +40,13 @@ def memory(m: pb.Memory, present: bool) -> str:
 
 def model(gpu: pb.Gpu) -> str:
     """gpud's product key; else NVML's name; "?" for a GPU that never answered. A GPU not
-    read since gpud started shows the name an earlier run last read, marked as such: its
-    static facts (the size that picks the product) are not read."""
-    if gpu.product:
-        return gpu.product
-    if not gpu.name:
+    read since gpud started shows what an earlier run last read, marked as such: its
+    product key, or its name where that run did not keep the key."""
+    shown = gpu.product or gpu.name
+    if not shown:
         return UNKNOWN
     # set once the GPU answered in this run (an older gpud sent 0, absent on the wire, else)
-    return gpu.name if gpu.HasField("memory_total_bytes") else f"{gpu.name} (last seen)"
+    return shown if gpu.HasField("memory_total_bytes") else f"{shown} (last seen)"
 
 
 def gpu_row(gpu: pb.Gpu) -> tuple[str, ...]:

@@ -21,6 +21,7 @@ import argparse
 
 from gpud.cli.context import EXIT_USAGE, INT32, UINT32, CliError, Context, Subparsers, number
 from gpud.cli.mps import size_arg
+from gpud.cli.output import NA, gib, percent
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
@@ -86,9 +87,32 @@ def run_workload(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.out.json:
         ctx.out.print_json(resp)
         return 0
-    ctx.out.print(f"{'stopped' if args.stop else 'started'} simulated process {args.pid}")
-    for line in resp.workloads:
-        ctx.out.print(f"  {line}")
+    if args.stop:
+        ctx.out.print(f"stopped simulated process {args.pid}")
+    else:
+        where = f"GPU {args.gpu}" + (f" MIG {args.mig}" if args.mig else "")
+        ctx.out.print(f"started simulated process {args.pid} on {where}")
+    if not resp.processes:
+        # an older gpud sends only the lines
+        for line in resp.workloads:
+            ctx.out.print(f"  {line}")
+        if not resp.workloads:
+            ctx.out.print("no simulated processes running")
+        return 0
+    ctx.out.print_table(
+        ("PID", "GPU", "GI", "CI", "MEM GiB", "SM"),
+        [
+            (
+                str(p.pid),
+                str(p.gpu),
+                str(p.gpu_instance_id) if p.HasField("gpu_instance_id") else NA,
+                str(p.compute_instance_id) if p.HasField("compute_instance_id") else NA,
+                gib(p.used_memory_bytes),
+                percent(p.sm_ratio),
+            )
+            for p in resp.processes
+        ],
+    )
     return 0
 
 

@@ -35,7 +35,8 @@ deadline if that comes first (see :meth:`MigManager._bounded`); the steps that c
 are waited for however long the driver takes.
 
 An apply whose caller has gone (``still_wanted`` answers False) is not started if it had not
-started; one that had started is finished and logged as finished after its caller had gone.
+started, nor if it was still draining (logged as stopped while draining, before any change);
+one that had started is finished and logged as finished after its caller had gone.
 """
 
 from __future__ import annotations
@@ -396,10 +397,18 @@ class MigManager:
                 name, plans, by_index, busy=busy, opts=opts, left_alone=left_alone()
             )
 
-        if not wanted() or (
-            not opts.force and not self._wait_idle(plans, by_index, opts, wanted, faulty)
-        ):
-            return self._not_started(name, start)
+        if not wanted():  # it waited behind another apply, or its planning was slow
+            return self._not_started(name, start, "the client had gone before it started")
+        drain_start = self._monotonic()
+        if not opts.force and not self._wait_idle(plans, by_index, opts, wanted, faulty):
+            # cancelled (gpuctl interrupted, or gpud stopping) while processes still ran
+            waited = self._monotonic() - drain_start
+            return self._not_started(
+                name,
+                start,
+                f"stopped while draining, after {waited:.0f}s waiting for processes to leave, "
+                "before any change (the client had gone or gpud was stopping)",
+            )
 
         all_steps = [s for _, (_, p) in sorted(plans.items()) for s in p.steps]
         self._store.begin_apply(
@@ -500,10 +509,8 @@ class MigManager:
             result = "success"
         return ApplyResult(name, result, tuple(preview), 0.0, True)
 
-    def _not_started(self, name: str, start: float) -> ApplyResult:
-        duration = self._finish(
-            name, "not_started", start, "the client had gone before it started", client_gone=True
-        )
+    def _not_started(self, name: str, start: float, why: str) -> ApplyResult:
+        duration = self._finish(name, "not_started", start, why, client_gone=True)
         return ApplyResult(name, "not_started", (), duration)
 
     def _wait_idle(

@@ -10,7 +10,8 @@ from gpud.histogram import Histogram, HistogramCounts
 
 # Apply outcomes, the ``result`` label of ``gpud_mig_apply_total``. ``partial``: the healthy
 # GPUs were applied, a faulty one (lost, not answering) was left alone. ``not_started``: its
-# client had gone before it could start (it waited behind another apply, or for processes).
+# client had gone (or gpud was stopping) before it could start: it waited behind another
+# apply, or drained, waiting for processes to leave; nothing was changed.
 # ``busy``: refused, processes run on what it would destroy (counted when an apply raises
 # Busy; a dry run that foresees a refusal answers so, and is not counted).
 RESULTS = (

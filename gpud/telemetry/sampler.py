@@ -53,7 +53,8 @@ from gpud.events import EventLog
 from gpud.files import keep_aside, write_atomically
 from gpud.telemetry.dispatch import Dispatcher, Target
 from gpud.telemetry.reader import GpuReader, placeholder_identity
-from gpud.telemetry.seen import parse as parse_seen
+from gpud.telemetry.seen import Seen
+from gpud.telemetry.seen import identity as seen_identity
 from gpud.telemetry.snapshot import ClearedXids, CriticalXid, GpuSample, Snapshot
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class Sampler:
         events: EventLog | None = None,
         ignored_xids: Collection[int] = DEFAULT_IGNORED_XIDS,
         xid_state: Path | None = None,
-        last_seen: Mapping[int, str] | None = None,
+        last_seen: Mapping[int, Seen] | None = None,
     ) -> None:
         """``last_seen``: how each GPU index was last seen (:mod:`gpud.telemetry.seen`), named
         in the reason of a GPU whose identity cannot be read now."""
@@ -288,9 +289,10 @@ class Sampler:
                 sampled_at=reader.last_good_at,
             )
         seen = self._last_seen.get(reader.index)
-        if seen and not sample.identity.uuid:  # never read in this run
+        if seen and seen.description and not sample.identity.uuid:  # never read in this run
             sample = sample._replace(
-                reason=f"{sample.reason}; last seen as {seen}", last_seen=parse_seen(seen)
+                reason=f"{sample.reason}; last seen as {seen.description}",
+                last_seen=seen_identity(seen),
             )
         if not self._backend.xid_watched(reader.index):
             sample = sample._replace(xids_watched=False)

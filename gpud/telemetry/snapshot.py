@@ -55,12 +55,14 @@ class ClearedXids(NamedTuple):
 
 
 class SeenIdentity(NamedTuple):
-    """A GPU's UUID, NVML name and PCI address: as read now, or as an earlier run of gpud
-    last read them (:mod:`gpud.telemetry.seen`); "" where never known."""
+    """A GPU's UUID, NVML name, PCI address and gpud's product key: as read now, or as an
+    earlier run of gpud last read them (:mod:`gpud.telemetry.seen`); "" where never known
+    (``product`` also where the run that kept the others did not keep it)."""
 
     uuid: str
     name: str
     pci_bus_id: str
+    product: str = ""
 
 
 class GpuSample(NamedTuple):
@@ -99,12 +101,13 @@ class GpuSample(NamedTuple):
     xids_watched: bool = True
 
     def known(self) -> SeenIdentity:
-        """The UUID, name and PCI address that name the GPU to an operator (metrics labels,
-        ``gpuctl gpus``): as read in this run, else as last seen; "" where never known."""
+        """The UUID, name, PCI address and product that name the GPU to an operator (metrics
+        labels, ``gpuctl gpus``): as read in this run, else as last seen; "" where never
+        known."""
         if self.last_seen is not None and not self.identity.uuid:
             return self.last_seen
         ident = self.identity
-        return SeenIdentity(ident.uuid, ident.name, ident.pci_bus_id)
+        return SeenIdentity(ident.uuid, ident.name, ident.pci_bus_id, ident.product)
 
 
 @dataclass(frozen=True, slots=True)

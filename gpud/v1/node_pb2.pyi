@@ -473,11 +473,11 @@ class Gpu(_message.Message):
     CRITICAL_XIDS_FIELD_NUMBER: _builtins.int
     PROCESSES_UNKNOWN_FIELD_NUMBER: _builtins.int
     index: _builtins.int
-    """identity. A GPU not read since gpud started (lost or hung) has uuid, name and
-    pci_bus_id as an earlier run last read them (its reason says "last seen as ..."); unset
-    where never known. Its other static facts (product, pci_device_id, memory_total_bytes,
-    mig_capable) are unset until it answers: an earlier run's are not kept. A GPU read in
-    this run and lost since keeps them as last read.
+    """identity. A GPU not read since gpud started (lost or hung) has uuid, name, pci_bus_id
+    and product as an earlier run last read them (its reason says "last seen as ..."); unset
+    where never known (product also where that run did not keep it). Its other static facts
+    (pci_device_id, memory_total_bytes, mig_capable) are unset until it answers: an earlier
+    run's are not kept. A GPU read in this run and lost since keeps them as last read.
     """
     uuid: _builtins.str
     name: _builtins.str
@@ -793,22 +793,76 @@ class SimWorkloadResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WORKLOADS_FIELD_NUMBER: _builtins.int
+    PROCESSES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def workloads(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """every simulated process now running"""
+        """every simulated process now running, one line each ("pid 4242 on GPU 0: 8.0 GiB, 60% SM"),
+        as gpuctl before `processes` prints them
+        """
+
+    @_builtins.property
+    def processes(self) -> _containers.RepeatedCompositeFieldContainer[Global___SimProcess]:
+        """the same processes, by PID"""
 
     def __init__(
         self,
         *,
         workloads: _abc.Iterable[_builtins.str] | None = ...,
+        processes: _abc.Iterable[Global___SimProcess] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["workloads", b"workloads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["processes", b"processes", "workloads", b"workloads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SimWorkloadResponse: _TypeAlias = SimWorkloadResponse  # noqa: Y015
+
+@_typing.final
+class SimProcess(_message.Message):
+    """A simulated compute process: what `nvidia-smi` lists under "Processes" for it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    GPU_FIELD_NUMBER: _builtins.int
+    GPU_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    COMPUTE_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    USED_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    SM_RATIO_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    gpu: _builtins.int
+    gpu_instance_id: _builtins.int
+    """absent: it runs on the whole GPU"""
+    compute_instance_id: _builtins.int
+    """absent: it runs on the whole GPU"""
+    used_memory_bytes: _builtins.int
+    sm_ratio: _builtins.float
+    """share of the device's SMs it keeps busy, 0..1"""
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        gpu: _builtins.int = ...,
+        gpu_instance_id: _builtins.int | None = ...,
+        compute_instance_id: _builtins.int | None = ...,
+        used_memory_bytes: _builtins.int = ...,
+        sm_ratio: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_compute_instance_id", b"_compute_instance_id", "_gpu_instance_id", b"_gpu_instance_id", "compute_instance_id", b"compute_instance_id", "gpu_instance_id", b"gpu_instance_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_compute_instance_id", b"_compute_instance_id", "_gpu_instance_id", b"_gpu_instance_id", "compute_instance_id", b"compute_instance_id", "gpu", b"gpu", "gpu_instance_id", b"gpu_instance_id", "pid", b"pid", "sm_ratio", b"sm_ratio", "used_memory_bytes", b"used_memory_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__compute_instance_id: _TypeAlias = _typing.Literal["compute_instance_id"]  # noqa: Y015
+    _WhichOneofArgType__compute_instance_id: _TypeAlias = _typing.Literal["_compute_instance_id", b"_compute_instance_id"]  # noqa: Y015
+    _WhichOneofReturnType__gpu_instance_id: _TypeAlias = _typing.Literal["gpu_instance_id"]  # noqa: Y015
+    _WhichOneofArgType__gpu_instance_id: _TypeAlias = _typing.Literal["_gpu_instance_id", b"_gpu_instance_id"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__compute_instance_id) -> _WhichOneofReturnType__compute_instance_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__gpu_instance_id) -> _WhichOneofReturnType__gpu_instance_id | None: ...
+
+Global___SimProcess: _TypeAlias = SimProcess  # noqa: Y015
 
 @_typing.final
 class RebootSimRequest(_message.Message):

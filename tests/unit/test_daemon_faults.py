@@ -19,7 +19,7 @@ from gpud.daemon import Daemon
 from gpud.main import mps_control_command, open_backend
 from gpud.notify import Notifier
 from gpud.store import StateStore
-from gpud.telemetry.seen import SeenGpus
+from gpud.telemetry.seen import Seen, SeenGpus
 from tests.unit.api_support import short_dir
 
 T = TypeVar("T")
@@ -226,15 +226,18 @@ def test_a_gpu_lost_while_gpud_was_down_is_shown_as_last_seen(
             and "last seen as" in str(gpu1["reason"])
         )
         assert (gpu1["uuid"], gpu1["name"]) == (before[1]["uuid"], before[1]["name"])
+        # by its product key, as GPU 0 that answers, and its metrics before the restart
+        assert gpu1["product"] == before[1]["product"] == gpu0["product"]
         code, out, _ = gpuctl("gpus")
         assert code == 0
         row = next(line for line in out.splitlines() if line.startswith("1 "))
-        assert str(before[1]["name"]) in row and str(before[1]["uuid"])[:12] in row, out
+        assert f"{before[1]['product']} (last seen)" in row, out
+        assert str(before[1]["uuid"])[:12] in row, out
 
     run_daemon(config, again)
 
 
-def _seen(config: Config) -> dict[int, str]:
+def _seen(config: Config) -> dict[int, Seen]:
     store = StateStore(config.daemon.state_dir)
     try:
         return SeenGpus(store).known

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import warnings
 from collections.abc import Iterator
@@ -13,7 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gpud.api import ApiServer
+from gpud.api import ApiServer, NodeServicer
+from gpud.backend.sim import SimNode
 from gpud.cli.context import Context
 from gpud.cli.main import build_parser, main
 from gpud.cli.output import Output, format_table, seconds
@@ -25,6 +27,7 @@ from tests.unit.api_support import (
     ServerThread,
     make_servicer,
     make_snapshot,
+    node_info,
     short_dir,
 )
 
@@ -188,6 +191,35 @@ def lost_socket(sock_dir: Path) -> Iterator[str]:
         yield str(path)
 
 
+def test_gpus_shows_the_product_a_gpu_lost_before_start_was_last_seen_as(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path
+) -> None:
+    """As the GPUs that answer are shown (and as its metrics are labelled): by gpud's
+    product key, where the earlier run kept it; by NVML's name where it did not."""
+    seen = SeenIdentity(
+        "GPU-5c6e1f2a-0000", "NVIDIA H100 80GB HBM3", "00000000:18:00.0", "H100-SXM5-80GB"
+    )
+    live = make_snapshot().gpus[0]
+    snap = Snapshot(
+        wall_time=1_700_000_000.0,
+        monotonic=0.0,
+        gpus=(
+            GpuSample(placeholder_identity(0), False, "GPU lost", 0.0, last_seen=seen),
+            live._replace(identity=dataclasses.replace(live.identity, index=1)),
+        ),
+        tick_seconds=0.0,
+    )
+    path = sock_dir / "gpud.sock"
+    with ServerThread(ApiServer(path, servicers=[make_servicer(snapshot=lambda: snap).register])):
+        code, out, _ = run(capsys, "--socket", str(path), "gpus")
+        assert code == 0
+        lost, answers = (re.split(" {2,}", line)[1] for line in out.splitlines()[1:3])
+        assert (lost, answers) == ("H100-SXM5-80GB (last seen)", "H100-SXM5-80GB")
+        code, out, _ = run(capsys, "--json", "--socket", str(path), "gpus", "--gpu", "0")
+        (gpu,) = json.loads(out)["gpus"]
+        assert gpu["product"] == "H100-SXM5-80GB" and gpu["memory_total_bytes"] is None
+
+
 def test_gpus_names_a_gpu_lost_before_start_as_last_seen(
     capsys: pytest.CaptureFixture[str], lost_socket: str
 ) -> None:
@@ -347,6 +379,62 @@ def test_sim_fault_refused_when_not_simulated(
     )
     assert code == 6
     assert "node is not simulated" in err
+
+
+def test_sim_workload_lists_the_processes(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path
+) -> None:
+    sim = SimNode([("H100-SXM5-80GB", 3)])
+    servicer = NodeServicer(snapshots=make_snapshot, node_info=node_info, workloads=sim.workloads)
+    path = str(sock_dir / "gpud.sock")
+    with ServerThread(ApiServer(Path(path), servicers=[servicer.register])):
+        start = ("--socket", path, "sim", "workload", "start", "--pid")
+        code, out, err = run(
+            capsys, *start, "4242", "--gpu", "0", "--memory", "8GiB", "--sm", "0.6"
+        )
+        assert code == 0, err
+        assert out.splitlines() == [
+            "started simulated process 4242 on GPU 0",
+            "PID   GPU  GI  CI  MEM GiB  SM",
+            "4242  0    -   -   8.0      60%",
+        ]
+        code, out, _ = run(capsys, "--json", *start, "4343", "--gpu", "1")
+        assert code == 0
+        doc = json.loads(out)
+        assert doc["processes"] == [
+            {
+                "pid": 4242,
+                "gpu": 0,
+                "gpu_instance_id": None,
+                "compute_instance_id": None,
+                "used_memory_bytes": 8 << 30,
+                "sm_ratio": 0.6,
+            },
+            {
+                "pid": 4343,
+                "gpu": 1,
+                "gpu_instance_id": None,
+                "compute_instance_id": None,
+                "used_memory_bytes": 1 << 30,
+                "sm_ratio": 0.5,
+            },
+        ]
+        # what a gpuctl that reads only the lines prints
+        assert doc["workloads"] == [
+            "pid 4242 on GPU 0: 8.0 GiB, 60% SM",
+            "pid 4343 on GPU 1: 1.0 GiB, 50% SM",
+        ]
+        # the same PID on the same GPU again: already exists, not a bad argument
+        code, out, err = run(capsys, *start, "4242", "--gpu", "0")
+        assert code == 5 and out == ""
+        assert "pid 4242 already runs on GPU 0" in err
+        stop = ("--socket", path, "sim", "workload", "stop", "--pid")
+        code, out, _ = run(capsys, *stop, "4242")
+        assert code == 0 and out.splitlines()[0] == "stopped simulated process 4242"
+        assert [line.split()[0] for line in out.splitlines()[1:]] == ["PID", "4343"]
+        code, out, _ = run(capsys, *stop, "4343")
+        assert code == 0
+        assert out == "stopped simulated process 4343\nno simulated processes running\n"
 
 
 def test_daemon_error_exit_code_comes_from_the_error_class(

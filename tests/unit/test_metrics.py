@@ -267,6 +267,17 @@ def test_a_gpu_lost_before_start_is_labelled_as_last_seen() -> None:
         }
 
 
+def test_a_gpu_lost_before_start_keeps_the_product_it_was_last_seen_as() -> None:
+    """gpud_gpu_info of a GPU lost while gpud was down: the product label it had before the
+    restart (the same series), where the earlier run kept it."""
+    seen = SeenIdentity("GPU-2", NAME, "00000000:1A:00.0", "H100-SXM5-80GB")
+    lost = GpuSample(placeholder_identity(2), False, "GPU lost", 0.0, last_seen=seen)
+    snap = Snapshot(wall_time=1.7e9, monotonic=99.0, gpus=(lost,), tick_seconds=0.0)
+    registry = build_registry(Collector(lambda: snap, clock=lambda: 100.0), process=False)
+    info = gpu_labels(2, product="H100-SXM5-80GB", pci_bus_id="00000000:1A:00.0")
+    assert registry.get_sample_value("gpud_gpu_info", info) == 1
+
+
 def test_mig_devices(registry: CollectorRegistry) -> None:
     labels = {
         "gpu": "1",

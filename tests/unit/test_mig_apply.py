@@ -321,6 +321,29 @@ def test_drain_waits_for_processes_to_leave(host: Host, config: MigConfigFile) -
     assert d.mig.assert_config(config, "all-3g.40gb") == []
 
 
+def test_a_drain_cut_off_is_logged_as_stopped_while_draining(
+    host: Host, config: MigConfigFile
+) -> None:
+    """gpuctl interrupted (or gpud stopping) while the apply waits for processes to leave:
+    nothing is changed, and the event says so, not that it never got as far as draining."""
+    d, _pid = _busy_setup(host, config)
+    before = instances(d)
+    result = d.mig.apply(
+        config,
+        "all-3g.40gb",
+        options=ApplyOptions(drain=True, timeout_s=30),
+        still_wanted=lambda: len(d.sleeps) < 2,
+    )
+    assert result.result == "not_started" and len(d.sleeps) == 2
+    assert instances(d) == before
+    event = d.events.recent(kind_prefix="mig.apply")[-1]
+    assert event.fields["result"] == "not_started" and event.fields["client_gone"] is True
+    assert event.message == (
+        "apply all-3g.40gb: not_started: stopped while draining, after 2s waiting for "
+        "processes to leave, before any change (the client had gone or gpud was stopping)"
+    )
+
+
 def test_drain_times_out(host: Host, config: MigConfigFile) -> None:
     d, _pid = _busy_setup(host, config)
     before = instances(d)

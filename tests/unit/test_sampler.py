@@ -34,7 +34,7 @@ from gpud.errors import BackendError, GpuLost, NotSupported
 from gpud.events import EventLog
 from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler, parse_xid_state, xid_state_document
-from gpud.telemetry.seen import SeenGpus, describe, parse
+from gpud.telemetry.seen import Seen, SeenGpus, describe, parse
 from gpud.telemetry.snapshot import ClearedXids, CriticalXid, SeenIdentity
 
 GIB = 1 << 30
@@ -412,13 +412,60 @@ def test_a_gpu_lost_at_start_is_named_as_last_seen(clock: FakeClock, tmp_path: P
             )
             assert "last seen" not in gpu1.reason
             # metrics, the API and gpuctl name it so, not by its index alone
-            seen0 = SeenIdentity("GPU-00000000", "NVIDIA H100 80GB HBM3", "00000000:18:00.0")
+            seen0 = SeenIdentity(
+                "GPU-00000000", "NVIDIA H100 80GB HBM3", "00000000:18:00.0", "H100-SXM5-80GB"
+            )
             assert gpu0.last_seen == seen0 and gpu0.known() == seen0
             assert gpu1.last_seen is None and gpu1.known().uuid == "GPU-00000001"
             (lost,) = [e for e in events.recent() if e.kind == "gpu.unhealthy"]
             assert lost.fields["uuid"] == "GPU-00000000"
         finally:
             again.close()
+    finally:
+        store.close()
+
+
+def test_a_gpu_kept_by_an_older_gpud_is_named_without_its_product(
+    clock: FakeClock, tmp_path: Path
+) -> None:
+    """A state database whose gpu_seen has no product column (as an older gpud kept it)
+    loads: the GPU is named by what was kept, and the product is kept once it answers."""
+    description = "NVIDIA H100 80GB HBM3 GPU-00000000 at 00000000:18:00.0"
+    store = StateStore(tmp_path)
+    try:
+        store.ensure_schema(
+            (
+                """CREATE TABLE gpu_seen (
+                    gpu_index INTEGER PRIMARY KEY,
+                    description TEXT NOT NULL,
+                    seen_at REAL NOT NULL
+                )""",
+            )
+        )
+        with store.transaction() as conn:
+            conn.execute("INSERT INTO gpu_seen VALUES (0, ?, 1.0)", (description,))
+    finally:
+        store.close()
+    store = StateStore(tmp_path)
+    try:
+        seen = SeenGpus(store)
+        assert seen.known == {0: Seen(description, "")}
+        backend = FakeBackend(gpus=1)
+        backend.lost.add(0)
+        s = Sampler(backend, clock=clock, call_timeout_s=1, last_seen=seen.known)  # type: ignore[arg-type]
+        try:
+            (gpu0,) = s.tick().gpus
+            assert gpu0.reason.endswith(f"; last seen as {description}")
+            assert gpu0.known() == SeenIdentity(
+                "GPU-00000000", "NVIDIA H100 80GB HBM3", "00000000:18:00.0", ""
+            )
+            backend.lost.clear()
+            changes = seen.changes(g.identity for g in s.tick().gpus)
+        finally:
+            s.close()
+        assert changes == {0: Seen(description, "H100-SXM5-80GB")}  # the same GPU, and more
+        seen.remember(changes, now=2.0)
+        assert SeenGpus(store).known == {0: Seen(description, "H100-SXM5-80GB")}
     finally:
         store.close()
 

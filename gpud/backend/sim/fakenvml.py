@@ -47,7 +47,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar, NamedTuple
 
 from gpud.backend import products
-from gpud.errors import ConfigError, ResourceExhausted
+from gpud.errors import AlreadyExists, ConfigError, ResourceExhausted
 from gpud.files import write_atomically
 
 MiB = 1024 * 1024
@@ -1502,11 +1502,11 @@ class FakeNvml:
         """Run ``pid`` on the GPU (or its MIG device), holding ``used_bytes``, keeping
         ``sm_ratio`` of the device's SMs busy and moving ``traffic`` (None: in proportion to
         its SM activity). A process may run on several GPUs (a context on each, as a job
-        spanning GPUs has), once per GPU. ResourceExhausted when the device has not
-        ``used_bytes`` free (as cudaMalloc fails)."""
+        spanning GPUs has), once per GPU: AlreadyExists when ``pid`` runs there already.
+        ResourceExhausted when the device has not ``used_bytes`` free (as cudaMalloc fails)."""
         g = self._gpus[gpu]
         if (pid, gpu) in self._procs:
-            raise ValueError(f"pid {pid} already runs on GPU {gpu}")
+            raise AlreadyExists(f"pid {pid} already runs on GPU {gpu}")
         gi = ci = None
         if mig is not None:
             gi, ci = self.sim_resolve_mig(gpu, mig)
