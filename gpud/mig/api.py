@@ -138,9 +138,10 @@ class MigServicer(pb_grpc.MigServicer):
         read_timeout_s: float = _DEFAULT_READ_S,
         after_change: Callable[[], None] | None = None,
     ) -> None:
-        """``read_timeout_s``: how long ``ShowMig`` waits for a GPU's reads before it shows
-        the GPU as not answering (the daemon passes ``telemetry.call_timeout_s``: a GPU that
-        takes longer is hung by telemetry's own measure, which marks it a moment later).
+        """``read_timeout_s``: how long ``ShowMig`` and ``AssertMig`` wait for a GPU's reads
+        before they report the GPU as not answering (the daemon passes
+        ``telemetry.call_timeout_s``: a GPU that takes longer is hung by telemetry's own
+        measure, which marks it a moment later).
         ``after_change()`` runs, on a worker thread, after an apply that changed a GPU and
         before it is answered (the daemon samples the devices again: a job started next is
         placed on the new layout)."""
@@ -204,7 +205,10 @@ class MigServicer(pb_grpc.MigServicer):
         self, request: pb.AssertMigRequest, context: grpc.aio.ServicerContext
     ) -> pb.AssertMigResponse:
         config, name = _config(request.config)
-        diff, faulty = await on_daemon_thread(lambda: self._manager.check(config, name))
+        budget = _read_budget(context, self._read_s)
+        diff, faulty = await on_daemon_thread(
+            lambda: self._manager.check(config, name, timeout_s=budget)
+        )
         return pb.AssertMigResponse(
             matches=not diff,
             differences=diff,

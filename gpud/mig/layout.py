@@ -156,18 +156,25 @@ class MigConfigFile:
     configs: dict[str, tuple[ConfigEntry, ...]]
     path: str | None = None  # the file it was read from, for messages
 
-    def layouts(self, name: str, gpus: Sequence[GpuIdentity]) -> dict[int, DeviceLayout]:
+    def layouts(
+        self,
+        name: str,
+        gpus: Sequence[GpuIdentity],
+        *,
+        faults: Mapping[int, str] | None = None,
+    ) -> dict[int, DeviceLayout]:
         """:func:`resolve` config ``name`` on ``gpus``, naming this file and config in errors.
 
         Each GPU no entry matches is left alone, as mig-parted does; a config that matches
         none of the GPUs (its device filters name other products) would apply nothing and
         report success, and is refused instead (:class:`InvalidArgument`), unless a GPU
-        never read might match it (see :meth:`unjudged`).
+        never read might match it (see :meth:`unjudged`). The refusal names the node's
+        GPUs; one never read as unknown, with why from ``faults`` (GPU index -> reason).
         """
         entries = self.config(name)
         layouts = resolve(entries, gpus, where=self.where(name))
         if gpus and not layouts and not unjudged(entries, gpus, layouts):
-            raise _matches_none(entries, gpus, self.where(name))
+            raise _matches_none(entries, gpus, self.where(name), faults or {})
         return layouts
 
     def unjudged(self, name: str, gpus: Sequence[GpuIdentity]) -> list[int]:
@@ -398,18 +405,28 @@ def unjudged(
 
 
 def _matches_none(
-    entries: Sequence[ConfigEntry], gpus: Sequence[GpuIdentity], where: str
+    entries: Sequence[ConfigEntry],
+    gpus: Sequence[GpuIdentity],
+    where: str,
+    faults: Mapping[int, str],
 ) -> InvalidArgument:
+    """The refusal of a config that matches none of ``gpus``, naming each GPU's product and
+    PCI device id; a GPU never read has neither (its zero id is no fact), so it is named
+    unknown with why it was never read (``faults``)."""
     if not entries:
         return InvalidArgument(f"{where} has no entries", field="mig-configs")
     filters = dict.fromkeys(f for e in entries for f in e.device_filter)  # in file order
-    by_product: dict[tuple[str, int], list[int]] = {}
+    by_kind: dict[str, list[int]] = {}
     for g in gpus:
-        by_product.setdefault((g.product, g.pci_device_id), []).append(g.index)
+        if g.read:
+            kind = f"{g.product}, {_pci_id(g.pci_device_id)}"
+        else:
+            why = faults.get(g.index)
+            kind = "unknown, never read" + (f": {why}" if why else "")
+        by_kind.setdefault(kind, []).append(g.index)
     here = "; ".join(
-        f"GPU{'s' if len(indexes) > 1 else ''} {_index_forms(sorted(indexes))} ({product}, "
-        f"{_pci_id(pci)})"
-        for (product, pci), indexes in by_product.items()
+        f"GPU{'s' if len(indexes) > 1 else ''} {_index_forms(sorted(indexes))} ({kind})"
+        for kind, indexes in by_kind.items()
     )
     return InvalidArgument(
         f"no entry of {where} matches a GPU of this node (filters "

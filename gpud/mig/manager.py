@@ -30,9 +30,9 @@ Faults stay with the GPU that has them: a GPU the last telemetry sample found un
 is reported ``faulty`` with the reason, while every other GPU is shown, applied and
 reconciled as usual; an apply that left a faulty GPU alone is a ``partial`` result. Every
 read of a GPU (an apply's plans, its busy checks and the re-read before each GPU's steps;
-``show``, ``export`` and reconcile) is waited for until telemetry finds the GPU hung, or its
-deadline if that comes first (see :meth:`MigManager._bounded`); the steps that change MIG
-are waited for however long the driver takes.
+``show``, ``assert``, ``export`` and reconcile) is waited for until telemetry finds the GPU
+hung, or its deadline if that comes first (see :meth:`MigManager._bounded`); the steps that
+change MIG are waited for however long the driver takes.
 
 An apply whose caller has gone (``still_wanted`` answers False) is not started if it had not
 started, nor if it was still draining (logged as stopped while draining, before any change);
@@ -359,22 +359,12 @@ class MigManager:
     ) -> ApplyResult:
         ids, faults = self._gpus()
         by_index = {g.index: g for g in ids}
-        layouts = config.layouts(name, ids)
+        layouts = config.layouts(name, ids, faults=faults)
         # a GPU never read may or may not be one the config's device filters name: faulty
         faulty = {i: faults[i] for i in [*layouts, *config.unjudged(name, ids)] if i in faults}
-        plans: dict[int, tuple[GpuActual, GpuPlan]] = {}
         healthy = [by_index[i] for i in sorted(layouts) if i not in faulty]
         planned = self._plan_bounded(healthy, layouts)
-        for gpu in healthy:
-            got = planned[gpu.index]
-            if isinstance(got, FAULTS):  # lost, hung, or not waited for (_GivenUp)
-                faulty[gpu.index] = _fault_reason(got)
-            elif isinstance(got, InvalidArgument):
-                raise InvalidArgument(f"{config.where(name)}: {got}") from got
-            elif isinstance(got, Exception):
-                raise got
-            else:
-                plans[gpu.index] = got
+        plans = _answers(healthy, planned, faulty, config.where(name))
 
         def left_alone() -> tuple[GpuOutcome, ...]:
             return tuple(
@@ -738,23 +728,25 @@ class MigManager:
         """Differences between the healthy GPUs and config ``name`` (empty: they match)."""
         return self.check(config, name)[0]
 
-    def check(self, config: MigConfigFile, name: str) -> tuple[list[str], dict[int, str]]:
+    def check(
+        self, config: MigConfigFile, name: str, *, timeout_s: float | None = None
+    ) -> tuple[list[str], dict[int, str]]:
         """Differences between the GPUs and config ``name``, and the GPUs the config names
-        that could not be checked (faulty: index -> reason)."""
+        that could not be checked (faulty: index -> reason). Each GPU is read as an apply
+        reads its plan (:meth:`_bounded`, within ``timeout_s``, by default
+        ``read_timeout_s``): a GPU that hangs before telemetry notices is not checked, as
+        not answering, and the others are."""
         ids, faults = self._gpus()
-        layouts = config.layouts(name, ids)
+        layouts = config.layouts(name, ids, faults=faults)
         # a GPU never read may or may not be one the config's device filters name: faulty
         faulty = {i: faults[i] for i in [*layouts, *config.unjudged(name, ids)] if i in faults}
-        diff: list[str] = []
-        for i, layout in sorted(layouts.items()):
-            if i in faulty:
-                continue
-            try:
-                diff += self._differences({ids[i]: layout})
-            except FAULTS as err:
-                faulty[i] = _fault_reason(err)
-            except InvalidArgument as err:
-                raise InvalidArgument(f"{config.where(name)}: {err}") from err
+        healthy = [ids[i] for i in sorted(layouts) if i not in faulty]
+        wait_s = self._read_timeout_s if timeout_s is None else timeout_s
+        answered = self._bounded(
+            healthy, lambda g: self._differences({g: layouts[g.index]}), wait_s, "assert"
+        )
+        diffs = _answers(healthy, answered, faulty, config.where(name))
+        diff = [line for i in sorted(diffs) for line in diffs[i]]
         return diff, dict(sorted(faulty.items()))
 
     def _differences(self, layouts: dict[GpuIdentity, DeviceLayout]) -> list[str]:
@@ -899,7 +891,9 @@ class MigManager:
             return outcomes
 
     def latest_view(self) -> list[GpuView]:
-        """What the last reconcile saw (read now if there was none): for metrics."""
+        """What the last reconcile saw (read now if there was none, as :meth:`show` reads:
+        a scrape before the first reconcile, or after its read failed, must not hang on a
+        GPU telemetry has not found hung yet): for metrics."""
         view = self._view
         return view if view is not None else self.show()
 
@@ -1007,10 +1001,11 @@ class MigManager:
         """Every GPU: MIG mode, instances with MIG UUIDs and processes, profiles and
         placements; a faulty GPU with its reason instead (:attr:`GpuView.fault`).
 
-        With ``timeout_s`` each GPU is read on a thread of its own and a GPU that has not
-        answered within ``timeout_s``, or that telemetry finds hung before then, is shown as
-        not answering (:meth:`_bounded`): a driver call that hangs delays the answer by no
-        more than that, and that GPU gets no new call until the stuck one returns."""
+        Each GPU is read on a thread of its own and a GPU that has not answered within
+        ``timeout_s`` (by default ``read_timeout_s``), or that telemetry finds hung before
+        then, is shown as not answering (:meth:`_bounded`): a driver call that hangs delays
+        the answer by no more than that, and that GPU gets no new call until the stuck one
+        returns."""
         ids, faults = self._gpus()
         desired = self._store.desired()
 
@@ -1026,10 +1021,8 @@ class MigManager:
         views = {
             i: faulty_view(ids[i], desired.get(ids[i].uuid), reason) for i, reason in faults.items()
         }
-        if timeout_s is None:
-            views.update((g.index, read(g)) for g in healthy)
-        else:
-            views.update(self._read_bounded(healthy, read, timeout_s, desired))
+        wait_s = self._read_timeout_s if timeout_s is None else timeout_s
+        views.update(self._read_bounded(healthy, read, wait_s, desired))
         return [views[i] for i in sorted(views)]
 
     def _plan_bounded(
@@ -1153,6 +1146,30 @@ class _GivenUp(DriverTimeout):
     """A read of a GPU that :meth:`MigManager._bounded` did not wait for (no answer in
     time, or telemetry found the GPU faulty meanwhile) or did not make (the GPU is not to
     be called now); the message is why, as the GPU's fault reason."""
+
+
+def _answers(
+    gpus: list[GpuIdentity],
+    answered: Mapping[int, T | Exception],
+    faulty: dict[int, str],
+    where: str,
+) -> dict[int, T]:
+    """What each GPU's read for an apply or an assert gave (:meth:`MigManager._bounded`),
+    by GPU index. A GPU lost, hung or not waited for (:class:`_GivenUp`) goes to ``faulty``
+    with why; a layout the GPU cannot take is refused naming ``where`` (the config); any
+    other error is raised."""
+    out: dict[int, T] = {}
+    for gpu in gpus:
+        got = answered[gpu.index]
+        if isinstance(got, FAULTS):
+            faulty[gpu.index] = _fault_reason(got)
+        elif isinstance(got, InvalidArgument):
+            raise InvalidArgument(f"{where}: {got}") from got
+        elif isinstance(got, Exception):
+            raise got
+        else:
+            out[gpu.index] = got
+    return out
 
 
 def _no_answer(timeout_s: float) -> str:

@@ -19,7 +19,7 @@ from gpud.errors import Busy, GpuLost, InvalidArgument, NotFound
 from gpud.events import EventLog
 from gpud.mig.api import apply_message, gpu_message
 from gpud.mig.layout import MigConfigFile, load_config, parse_config
-from gpud.mig.manager import MigManager
+from gpud.mig.manager import NOT_ANSWERING, MigManager
 from gpud.mig.metrics import MigMetrics
 from gpud.mig.store import ApplyOptions
 from gpud.store import StateStore
@@ -1132,3 +1132,92 @@ def test_reconcile_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
     assert outcomes[1].status == "faulty" and "hung: ..." in outcomes[1].detail
     host.faults.clear()
     _let_go(mig, hang)
+
+
+def test_assert_stops_waiting_on_a_gpu_once_telemetry_finds_it_hung(
+    host: Host, config: MigConfigFile
+) -> None:
+    """``mig assert`` waits for a GPU that hangs before telemetry notices no longer than
+    telemetry takes to find it hung: that GPU is not checked (faulty, with telemetry's
+    reason) and the other is."""
+    host.read_timeout_s = 30.0
+    d = enable(host, config, "all-1g.10gb")
+    hang = _Hangs(
+        d.backend, 1, "gpu_instances", on_hang=lambda: host.faults.update({1: "hung: ..."})
+    )
+    mig = _hanging(host, d, hang)
+    diff, faulty = mig.check(config, "all-3g.40gb")
+    assert hang.hanging.is_set() and not hang.returned.is_set()  # still in the driver
+    assert [line.startswith("GPU 0") for line in diff] == [True], diff
+    assert faulty == {1: "hung: ..."}
+    host.faults.clear()
+    # the read left behind keeps the GPU from further calls until it returns
+    assert mig.check(config, "all-3g.40gb")[1] == {1: NOT_ANSWERING}
+    _let_go(mig, hang)
+    diff, faulty = mig.check(config, "all-3g.40gb")
+    assert len(diff) == 2 and faulty == {}
+
+
+def test_assert_never_waits_on_a_gpu_past_its_read_deadline(
+    host: Host, config: MigConfigFile
+) -> None:
+    """Telemetry has not noticed the hang: the GPU is not checked once ``read_timeout_s``
+    (telemetry.call_timeout_s) has passed."""
+    host.read_timeout_s = 0.3
+    d = enable(host, config, "all-1g.10gb")
+    hang = _Hangs(d.backend, 1, "gpu_instances")
+    mig = _hanging(host, d, hang)
+    diff, faulty = mig.check(config, "all-1g.10gb")
+    assert hang.hanging.is_set() and not hang.returned.is_set()
+    assert diff == []
+    assert faulty == {1: "not answering: no answer from the driver within 0.3 s"}
+    assert mig.check(config, "all-1g.10gb")[1] == {1: NOT_ANSWERING}
+    _let_go(mig, hang)
+
+
+def test_metrics_before_the_first_reconcile_never_wait_on_a_hung_gpu(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A scrape before the first reconcile reads the GPUs itself (``latest_view``): a GPU
+    that hangs is waited for no longer than ``read_timeout_s``, and the others are shown."""
+    host.read_timeout_s = 0.3
+    d = enable(host, config, "all-1g.10gb")
+    hang = _Hangs(d.backend, 1, "gpu_instances")
+    mig = _hanging(host, d, hang)
+    views = mig.latest_view()
+    assert hang.hanging.is_set() and not hang.returned.is_set()
+    assert views[0].fault == "" and len(views[0].instances) == 7
+    assert views[1].fault == "not answering: no answer from the driver within 0.3 s"
+    families = {f.name: f for f in MigMetrics(mig)()}
+    gpus = {s.labels["gpu"] for s in families["gpud_mig_instance_info"].samples}
+    assert gpus == {"0"}
+    _let_go(mig, hang)
+
+
+def test_a_config_matching_no_gpu_names_a_gpu_never_read_as_unknown(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A config none of whose entries matches refuses naming the node's GPUs: a GPU never
+    read has no product or PCI device id to name, so it is named unknown with why."""
+    first = enable(host, config, "all-3g.40gb")
+    first.node.faults.lose(1)  # device state: still lost when the next daemon starts
+    d = host.start()
+    a100_on_0 = parse_config(
+        'version: v1\nmig-configs:\n  x:\n    - device-filter: "0x20B010DE"\n'
+        "      devices: [0]\n      mig-enabled: true\n      mig-devices: {1g.5gb: 7}\n",
+        path="m.yaml",
+    )
+    refusals = []
+    for attempt in (
+        lambda: d.mig.apply(a100_on_0, "x"),
+        lambda: d.mig.apply(a100_on_0, "x", dry_run=True),
+        lambda: d.mig.check(a100_on_0, "x"),
+    ):
+        with pytest.raises(InvalidArgument) as err:
+            attempt()
+        refusals.append(str(err.value))
+    message = refusals[0]
+    assert "GPU 0 (H100-SXM5-80GB, 0x233010DE)" in message, message
+    assert "GPU 1 (unknown, never read: identity: GPU lost" in message, message
+    assert "0x0000" not in message and "(," not in message
+    assert refusals == [message] * 3
