@@ -113,6 +113,12 @@ class ServiceGuard:
         self.params = params
         self.duty = max(self.duty, params.min_duty)
 
+    def start_at(self, duty: float) -> None:
+        """Start afresh at ``duty`` (at least the floor): what the guard learned was about
+        other training than the service has beside it now."""
+        self.duty = min(1.0, max(self.params.min_duty, duty))
+        self.breaches_at_floor = 0
+
     def reset(self) -> None:
         """Training left the GPU: nothing to throttle any more."""
         self.duty = 1.0

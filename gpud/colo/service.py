@@ -153,6 +153,10 @@ class _JobState:
     # its devices and who shared each at the last tick: (device, neighbour or "")
     company: frozenset[tuple[str, str]] | None = None
     guard_since: float = float("-inf")  # inference: latencies from here on see the new duty
+    # inference: the (its device, training job) pairs sharing its SMs when its guard last
+    # acted: its duty is evidence about that company only; None: not known (a file from
+    # before this was kept), taken as the same
+    guard_company: frozenset[tuple[str, str]] | None = None
     since: float = float("-inf")  # when that company last changed
     devices: dict[str, _DeviceState] = field(default_factory=dict)  # by _place()
     windows: int = 0
@@ -194,6 +198,15 @@ def _saved_number(value: object, key: str, low: float, high: float = math.inf) -
     if not (math.isfinite(x) and low <= x <= high):
         raise ValueError(f"{key}: {value!r} outside [{low:g}, {high:g}]")
     return x
+
+
+def _saved_company(value: object, key: str) -> frozenset[tuple[str, str]]:
+    """A guard's company in the state file: [device, training job] pairs."""
+    if not isinstance(value, list) or not all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in value
+    ):
+        raise ValueError(f"{key}: [device, job] pairs expected, not {value!r}")
+    return frozenset((p[0], p[1]) for p in value)
 
 
 def _question(v: JobView, hold_s: float) -> Hashable:
@@ -387,6 +400,10 @@ class ColoService:
         self.predictor = InterferencePredictor()
         self._jobs: dict[str, _JobState] = {}
         self._guards: dict[str, ServiceGuard] = {}
+        # services whose guard acted beside training at the last tick: any other takes up
+        # its guard's duty again (a restart, back from a pause or from not running) only
+        # beside the company it was set in
+        self._guarding: set[str] = set()
         self._directives: dict[str, Directive] = {}
         self._plan: Plan | None = None
         self._plan_at = 0.0
@@ -641,6 +658,7 @@ class ColoService:
                     job=job,
                 )
         self._directives = {}
+        self._guarding.clear()
         for name, g in self._guards.items():
             g.reset()
             self._jobs.setdefault(name, _JobState()).guard_since = float("-inf")
@@ -780,6 +798,17 @@ class ColoService:
             slo_s = _saved_number(saved["slo_s"], f"jobs.{name}.slo_s", 1e-6)
             g = ServiceGuard(name, slo_s, self._guard_params)
             g.duty = _saved_number(saved["guard_duty"], f"jobs.{name}.guard_duty", 0.0, 1.0)
+            # absent from files written before they were kept: no breach counted, the
+            # latencies from the restart on see the duty, and the company taken as the same
+            breaches = saved.get("guard_breaches") or 0
+            if isinstance(breaches, bool) or not isinstance(breaches, int) or breaches < 0:
+                raise ValueError(f"jobs.{name}.guard_breaches: a count expected, not {breaches!r}")
+            g.breaches_at_floor = breaches
+            wait = saved.get("guard_wait_s") or 0.0
+            wait = _saved_number(wait, f"jobs.{name}.guard_wait_s", 0.0, DIRECTIVE_DELAY_S)
+            st.guard_since = self._clock() + wait if wait else float("-inf")
+            if (company := saved.get("guard_company")) is not None:
+                st.guard_company = _saved_company(company, f"jobs.{name}.guard_company")
             self._guards[name] = g
 
     def _state(self, running: Sequence[RunningJob]) -> dict[str, Any] | None:
@@ -789,6 +818,7 @@ class ColoService:
         if self._state_file is None:
             return None
         jobs: dict[str, dict[str, Any]] = {}
+        now = self._clock()
         for r in running:
             st = self._jobs.get(r.name)
             g = self._guards.get(r.name)
@@ -807,6 +837,15 @@ class ColoService:
                     "slo_s": g.slo_s if g is not None else None,
                 },
             )
+            if g is not None and st is not None:
+                # what the guard's next decision rests on: a breach at the floor counted
+                # towards an eviction, the time its last duty reaches the training (a
+                # wait, since the loop's clock starts anew with the host), and the company
+                # its duty was set in
+                job["guard_breaches"] = g.breaches_at_floor
+                job["guard_wait_s"] = min(DIRECTIVE_DELAY_S, max(0.0, st.guard_since - now))
+                if st.guard_company is not None:
+                    job["guard_company"] = sorted([p, j] for p, j in st.guard_company)
             for place, ds in sorted(st.devices.items()) if st else ():
                 if (f := ds.features) is not None:
                     job["devices"][place] = {
@@ -995,6 +1034,7 @@ class ColoService:
         over the GPUs where training shares one of its devices."""
         duty: dict[int, float] = {}
         evict: dict[int, str] = {}
+        guarding, self._guarding = self._guarding, set()
         services: dict[str, list[RunningJob]] = {}
         for r in running:
             # a job registered before SLOs were bounded may hold an infinite one: no guard
@@ -1029,6 +1069,16 @@ class ColoService:
                 g.reset()
                 st.guard_since = float("-inf")
                 continue
+            company = frozenset(
+                (_place(r), o.name)
+                for r in where
+                for o in per_gpu.get(r.gpu, [])
+                if o.kind == "training" and _shares_device(o, r)
+            )
+            if name not in guarding:
+                self._resume_guard(name, g, st, company, gpus[0])
+            st.guard_company = company
+            self._guarding.add(name)
             # Act on latencies measured at the duty last set, not on the ones the window
             # still holds from before it: else each tick would cut again for the same spike.
             fresh = self.p99(name, since=st.guard_since, min_samples=MIN_FRESH_SAMPLES)
@@ -1051,6 +1101,39 @@ class ColoService:
             if d.action is GuardAction.THROTTLE and before != d.duty:
                 self._events.emit("colo.throttle", d.reason, job=name, gpu=gpus[0])
         return duty, evict
+
+    def _resume_guard(
+        self,
+        name: str,
+        g: ServiceGuard,
+        st: _JobState,
+        company: frozenset[tuple[str, str]],
+        gpu: int,
+    ) -> None:
+        """A guard takes up its duty again (gpud restarted, the service runs again within
+        the hour, its GPU answers again). The duty holds beside the training it was learned
+        beside, on the same devices, at once. Beside other training, or elsewhere, it is no
+        evidence (a duty that sufficed beside a light job is too high beside a heavy one,
+        and one a heavy job needed idles a light one): the guard starts afresh at
+        ``peak_duty``, where the planner holds the service's declared peak beside any
+        training it places there, and gives duty back as p99 shows room."""
+        if st.guard_company is None or st.guard_company == company:
+            return
+        start = self._planner.params.peak_duty
+        if g.duty == start and not g.breaches_at_floor:
+            return
+        was = ", ".join(f"{job} on {place}" for place, job in sorted(st.guard_company))
+        now = ", ".join(f"{job} on {place}" for place, job in sorted(company))
+        self._events.emit(
+            "colo.guard",
+            f"job {name}: its guard starts afresh at duty {start:.2f} (colocate.peak_duty), "
+            f"not {g.duty:.2f}: that duty was set beside {was or 'no training'}, the "
+            f"training beside it now is {now}",
+            job=name,
+            gpu=gpu,
+        )
+        g.start_at(start)
+        st.guard_since = self._clock() + DIRECTIVE_DELAY_S
 
     def _view(self, r: RunningJob) -> JobView:
         kind = JobKind.INFERENCE if r.kind == "inference" else JobKind.TRAINING

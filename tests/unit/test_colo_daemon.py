@@ -1590,6 +1590,130 @@ def test_what_the_loop_learned_outlives_a_restart(tmp_path: Path) -> None:
     assert again.show().observed_speed["train"] == pytest.approx(0.8)  # alone rate kept
 
 
+def test_a_guard_restored_beside_other_training_starts_at_peak_duty(tmp_path: Path) -> None:
+    """Its duty was learned beside another job (the one beside it ended while gpud was
+    down): no evidence about this pair, so the guard starts at peak_duty, not at 0.5."""
+    node = Restartable(tmp_path)
+    node.alone_then_throttled(node.start())
+    node.jobs[0] = RunningJob("other", "training", 0, memory_bytes=10 * GIB)
+    again = node.start()
+    again.tick(snapshot())
+    assert again.duty("other") == 0.25  # ColocateConfig().peak_duty
+    (g,) = again.show().guards
+    assert g.duty == 0.25
+    (said,) = again._events.recent(kind_prefix="colo.guard")
+    assert said.message == (
+        "job chat: its guard starts afresh at duty 0.25 (colocate.peak_duty), not 0.50: that "
+        "duty was set beside train on GPU 0, the training beside it now is other on GPU 0"
+    )
+
+
+def test_a_guard_restored_beside_the_same_training_keeps_its_duty(tmp_path: Path) -> None:
+    node = Restartable(tmp_path)
+    node.alone_then_throttled(node.start())
+    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]["chat"]
+    assert saved["guard_company"] == [["GPU 0", "train"]] and saved["guard_breaches"] == 0
+    again = node.start()
+    again.tick(snapshot())
+    assert again.duty("train") == 0.5
+    assert not again._events.recent(kind_prefix="colo.guard")
+
+
+def test_a_service_back_within_the_hour_keeps_its_duty_only_beside_the_same_training(
+    tmp_path: Path,
+) -> None:
+    node = Restartable(tmp_path)
+    node.alone_then_throttled(svc := node.start())
+    chat = node.jobs.pop()  # the service stops; the training runs on at full duty
+    node.clock.t += 60
+    svc.tick(snapshot())
+    assert svc.duty("train") == 1.0
+    node.jobs.append(chat)  # back, beside the same training: its duty at once
+    node.clock.t += 60
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+    node.jobs.pop()
+    node.clock.t += 60
+    svc.tick(snapshot())
+    # back beside another job: what it learned beside "train" says nothing of this pair
+    node.jobs[0] = RunningJob("other", "training", 0, memory_bytes=10 * GIB)
+    node.jobs.append(chat)
+    node.clock.t += 60
+    svc.tick(snapshot())
+    assert svc.duty("other") == 0.25
+
+
+def test_a_service_back_on_another_gpu_starts_its_guard_afresh(tmp_path: Path) -> None:
+    """The same training, run again on GPU 1, and the service back beside it there: a
+    duty learned on GPU 0 is no evidence about GPU 1."""
+    node = Restartable(tmp_path)
+    node.alone_then_throttled(svc := node.start())
+    chat = node.jobs.pop()
+    node.jobs[0] = dataclasses.replace(node.jobs[0], gpu=1)
+    node.clock.t += 60
+    svc.tick(snapshot())
+    node.jobs.append(dataclasses.replace(chat, gpu=1))
+    node.clock.t += 60
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.25
+    (said,) = svc._events.recent(kind_prefix="colo.guard")
+    assert "set beside train on GPU 0" in said.message and "train on GPU 1" in said.message
+
+
+def test_a_breach_at_the_floor_counts_across_a_restart(tmp_path: Path) -> None:
+    """At the floor and over the SLO once before the restart: once more after it evicts,
+    as it would have without the restart."""
+    node = Restartable(tmp_path)
+    svc = node.start()
+    node.jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB))
+    for _ in range(60):
+        node.clock.t += 1
+        svc.report_latency("chat", [0.5] * 30)
+        svc.tick(snapshot())
+        if svc._guards["chat"].breaches_at_floor:
+            break
+    assert svc._guards["chat"].breaches_at_floor == 1 and svc.duty("train") == 0.05
+    again = node.start()
+    node.clock.t += 2
+    again.report_latency("chat", [0.5] * 30)
+    again.tick(snapshot())
+    assert again.throttle_point("train", 1).evict
+
+
+def test_latencies_from_before_a_new_duty_reaches_training_wait_across_a_restart(
+    tmp_path: Path,
+) -> None:
+    """gpud cut the duty and was killed before the training read it: what the service
+    reports until then still shows the old duty, and is not cut for again."""
+    node = Restartable(tmp_path)
+    node.alone_then_throttled(node.start())  # cut to 0.5 at this instant
+    node.clock.t += 0.3
+    again = node.start()
+    node.clock.t += 0.3
+    again.report_latency("chat", [0.095] * 100)  # still at full duty
+    again.tick(snapshot())
+    assert again.duty("train") == 0.5
+
+
+def test_an_older_state_file_keeps_its_guards_duty(tmp_path: Path) -> None:
+    """Written before a guard's company was kept: taken as the same company."""
+    (tmp_path / "colo.json").write_text(
+        json.dumps(
+            {
+                "jobs": {
+                    "train": {"duty": 0.25},
+                    "chat": {"guard_duty": 0.25, "slo_s": 0.1},
+                }
+            }
+        )
+    )
+    node = Restartable(tmp_path)
+    node.jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB))
+    svc = node.start()
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.25 and svc.show().guards[0].duty == 0.25
+
+
 def test_the_predictor_outlives_a_restart_and_predicts_the_same(tmp_path: Path) -> None:
     node = Restartable(tmp_path)
     start, clock, jobs = node.start, node.clock, node.jobs
@@ -1640,6 +1764,11 @@ def test_an_unreadable_state_file_starts_afresh(
         job % '{"devices": [1, 2]}',
         job % '{"guard_duty": 0.5, "slo_s": -1}',
         job % '{"guard_duty": 1e308, "slo_s": 0.05}',
+        job % '{"guard_duty": 0.5, "slo_s": 0.05, "guard_breaches": -1}',
+        job % '{"guard_duty": 0.5, "slo_s": 0.05, "guard_breaches": 1.5}',
+        job % '{"guard_duty": 0.5, "slo_s": 0.05, "guard_wait_s": 3600}',
+        job % '{"guard_duty": 0.5, "slo_s": 0.05, "guard_company": ["GPU 0"]}',
+        job % '{"guard_duty": 0.5, "slo_s": 0.05, "guard_company": [["GPU 0", 3]]}',
         job % '{"evict": true}',
         job % '{"alone_rate": 10.0, "alone_config": 100}',
         job % '{"alone_rates": {"half": 8.0}}',
