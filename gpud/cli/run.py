@@ -21,7 +21,8 @@ and exits with its exit status (128 + N when killed by signal N; as in a shell, 
 the command is not found and 126 when it is found but cannot be run: not executable, a
 directory). Should gpud be away when the command ends (``systemctl restart gpud``, or
 systemd starting it again after a crash), ``run`` says so once and tells it again, every
-0.25 s and less often up to every 2 s, for up to RELEASE_WAIT_S (60 s) or until Ctrl-C; gpud
+0.25 s and less often up to every 2 s, for up to RELEASE_WAIT_S (60 s) or until Ctrl-C (not
+at all when ``run`` was itself sent a signal while the command ran: it ends then); gpud
 keeps the reservation of a live ``run`` through its restart, and the history ends the run
 when the first try was made. Given up, gpud releases the reservation by itself once ``run``
 has exited (``holder gone when gpud started``), without the exit status.
@@ -401,19 +402,28 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
             ctx.call(net.PlaceProcess, net_pb2.PlaceProcessRequest(job=args.job, pid=pid))
 
     returncode: int | None = None  # None: gpuctl itself stopped before the command's end
+    told: list[int] = []  # the signals gpuctl was sent while the command ran
     try:
-        returncode = _launch(command, env, place)
+        returncode = _launch(command, env, place, told.append)
         return exit_status(returncode)
     finally:
         _stop_leftovers(args.job, reservation, args.kill_after)
-        release_run(ctx, args.job, reservation, returncode)
+        release_run(ctx, args.job, reservation, returncode, told[0] if told else None)
 
 
-def release_run(ctx: Context, job: str, reservation: str, returncode: int | None) -> None:
+def release_run(
+    ctx: Context,
+    job: str,
+    reservation: str,
+    returncode: int | None,
+    told: int | None = None,
+) -> None:
     """Release ``reservation``, telling gpud how the command ended. A gpud that is away
     (stopped, restarting) is asked again (:func:`release_retried`) while the command's exit
-    status is there to tell; failing that, gpud releases the reservation by itself once this
-    process is gone, with no exit status in the history."""
+    status is there to tell, unless gpuctl itself was told to stop (signal ``told``, which
+    it passed on to the command: whoever sent it waits for gpuctl to end, as systemd or a
+    batch system's grace period does); failing that, gpud releases the reservation by
+    itself once this process is gone, with no exit status in the history."""
     request = release_request(reservation, returncode)
     first = time.monotonic()
     try:
@@ -422,7 +432,7 @@ def release_run(ctx: Context, job: str, reservation: str, returncode: int | None
         except CliError as err:
             if err.exit_code != EXIT_NOT_RUNNING or returncode is None:
                 raise
-            retried = release_retried(ctx, request, job, first)
+            retried = release_retried(ctx, request, job, first, told=told)
             if retried is None:
                 return
             released = retried
@@ -457,14 +467,23 @@ def release_retried(
     first: float,
     *,
     wait_s: float = RELEASE_WAIT_S,
+    told: int | None = None,
 ) -> pb.ReleaseResponse | None:
     """``request`` sent again while gpud is away (stopped, restarting), every
     RELEASE_RETRY_S, then less often (up to RELEASE_RETRY_MAX_S), for up to ``wait_s``
     after the first try (at ``first``, monotonic): long enough for systemd to start gpud
     again (``RestartSec=2s`` in gpud.service, then its start) or for ``systemctl restart
     gpud``. Each try says how long ago the first was (``since_end_s``): the history ends the
-    run then. None when it gave up, or a signal (Ctrl-C, SIGTERM, SIGHUP) stopped it: said
-    on stderr. Another error (NOT_FOUND: released already) raises."""
+    run then. None when it gave up, or a signal (Ctrl-C, SIGTERM, SIGHUP) stopped it, or
+    one had stopped the run already (``told``: no try again): said on stderr. Another
+    error (NOT_FOUND: released already) raises."""
+    if told is not None:
+        _not_told(
+            request,
+            f"gpud on {ctx.socket_path} is not answering, and gpuctl was sent {_signame(told)}"
+            f": not waiting to tell it how job {job} ended",
+        )
+        return None
     with _signals_stop() as stop:
         print(
             f"gpuctl: gpud on {ctx.socket_path} is not answering (stopped or restarting?): "
@@ -488,14 +507,25 @@ def release_retried(
                 if err.exit_code != EXIT_NOT_RUNNING:
                     raise
     how = "stopped" if stop.is_set() else f"gave up after {time.monotonic() - first:.0f} s"
+    _not_told(request, f"{how} telling gpud on {ctx.socket_path} how job {job} ended")
+    return None
+
+
+def _not_told(request: pb.ReleaseRequest, what: str) -> None:
     print(
-        f"gpuctl: {how} telling gpud on {ctx.socket_path} how job {job} ended: once it "
-        f"is back, gpud releases reservation {request.reservation_id} by itself (holder "
-        "gone), and gpuctl jobs history has no exit status for the run",
+        f"gpuctl: {what}: once it is back, gpud releases reservation "
+        f"{request.reservation_id} by itself (holder gone), and gpuctl jobs history has no "
+        "exit status for the run",
         file=sys.stderr,
         flush=True,
     )
-    return None
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _ending(request: pb.ReleaseRequest) -> str:
@@ -635,12 +665,16 @@ def _terminal_sent_it(pid: int) -> bool:
 
 
 def _launch(
-    command: list[str], env: dict[str, str], place: Callable[[int], None] | None = None
+    command: list[str],
+    env: dict[str, str],
+    place: Callable[[int], None] | None = None,
+    told: Callable[[int], None] | None = None,
 ) -> int:
     """Run ``command`` as a process that the kernel kills when gpuctl dies (see _GATE);
     with ``place``, hold it at the gate, call ``place(pid)``, then let it run (it runs
-    even when placing fails, with a warning). Its return code: the exit status, or -N
-    when signal N killed it (:func:`exit_status` makes gpuctl's of it)."""
+    even when placing fails, with a warning). ``told`` hears each signal gpuctl gets
+    meanwhile (SIGINT, SIGTERM, SIGHUP). Its return code: the exit status, or -N when
+    signal N killed it (:func:`exit_status` makes gpuctl's of it)."""
     # imported here: only `gpuctl run` pays for them
     import subprocess
     import threading
@@ -678,6 +712,8 @@ def _launch(
             os.close(gate_w)
 
     def forward(signum: int, frame: FrameType | None) -> None:
+        if told is not None:
+            told(signum)
         if signum == signal.SIGINT and _terminal_sent_it(child.pid):
             return  # Ctrl-C: the terminal sent it to the command as well
         with contextlib.suppress(ProcessLookupError):

@@ -1098,3 +1098,25 @@ def test_a_queued_run_taken_out_says_whether_its_job_was_removed(
     assert (removed in err) is not registered
     assert ("job q left the queue (e1)" in err) is registered
     assert not marker.exists()
+
+
+def test_a_run_sent_sigterm_does_not_wait_for_an_absent_gpud(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Whoever sent gpuctl run SIGTERM (systemd, a batch system) waits for it to end: with
+    gpud away, it says so and ends instead of trying again for a minute."""
+    from gpud.cli.context import Context
+    from gpud.cli.output import Output
+    from gpud.cli.run import release_run
+
+    with short_dir() as root:
+        ctx = Context(socket_path=root / "gpud.sock", timeout=5.0, output=Output(json_output=False))
+        started = time.monotonic()
+        release_run(ctx, "j", "r1", -signal.SIGTERM, signal.SIGTERM)
+        took = time.monotonic() - started
+    assert took < 2
+    err = capsys.readouterr().err
+    assert f"gpud on {root / 'gpud.sock'} is not answering, and gpuctl was sent SIGTERM" in err
+    assert "not waiting to tell it how job j ended" in err
+    assert "again for up to" not in err
+    assert "reservation r1 by itself (holder gone)" in err
