@@ -34,7 +34,7 @@ from gpud.cluster.election import Election, LeaderInfo
 from gpud.cluster.etcd import NOSPACE, NOSPACE_ADVICE
 from gpud.cluster.fencing import FailStatic, Fence, Mode
 from gpud.cluster.leader import Aggregator, NodeSeen
-from gpud.cluster.model import JobAttributes, JobReport, NodeReport, Order
+from gpud.cluster.model import JobAttributes, JobReport, NodeReport, Order, node_name
 from gpud.cluster.ports import NodeView, StoreAlarms, TagStore
 from gpud.cluster.problems import Problem, ProblemBoard
 from gpud.errors import FailedPrecondition, GpudError, StoreFull
@@ -128,7 +128,7 @@ class ClusterAgent:
         alarms: StoreAlarms | None = None,
         certs: CertWatch | None = None,
     ) -> None:
-        self.node = node
+        self.node = node_name(node)
         self.instance = os.urandom(8).hex() if instance is None else instance
         self.election_kind = election_kind
         self.election = election
@@ -284,8 +284,8 @@ class ClusterAgent:
             elif info.leader == self.node:
                 self._note_error(
                     f"the leader key names {self.node} at {info.address or '?'}, but this gpud "
-                    "does not hold it: another gpud under the same cluster.node, or this "
-                    "one's previous run until its lease expires"
+                    "does not hold it: another gpud under the same cluster.node (names "
+                    "compare without case), or this one's previous run until its lease expires"
                 )
         self._update_mode(info)
         await self._read_alarms()
@@ -428,6 +428,10 @@ class ClusterAgent:
         round; the answer is the latest order for its jobs, None until a round has
         included it."""
         info = self.election.state()
+        if report.node != node_name(report.node):
+            # one node however a peer spells it (an older gpud sends cluster.node as
+            # configured): keyed, compared and shown in lower case
+            report = dataclasses.replace(report, node=node_name(report.node))
         with self._lock:
             agg = self._aggregator
         if not info.leading:
@@ -442,7 +446,8 @@ class ClusterAgent:
             if report.node == self.node:
                 raise FailedPrecondition(
                     f"node {report.node!r} is reported by two gpuds, this one and the leader "
-                    f"at {info.address}: give each its own cluster.node"
+                    f"at {info.address}: give each its own cluster.node (names compare "
+                    "without case)"
                 )
             agg.receive(report, self._clock(), peer=peer)
         except FailedPrecondition as err:
@@ -493,7 +498,8 @@ class ClusterAgent:
         """Apply ``order``; False if it was stale or the traffic service refused it.
         ``info``: the election's view the order was asked under."""
         newest = self.fence.epoch
-        elected = info.epoch if order.leader == (self.node if info.leading else info.leader) else 0
+        leader = node_name(order.leader)  # an older leader signs as configured
+        elected = info.epoch if leader == (self.node if info.leading else info.leader) else 0
         if not self.fence.admit(order, elected=elected):
             log.warning(
                 "cluster: rejected order %d.%d (epoch.seq) from %s: newest applied is %d.%d",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -180,6 +181,35 @@ async def test_a_second_gpud_under_a_nodes_name_is_refused_and_told_why() -> Non
     assert twin.last_error == "" and twin.mode is Mode.FOLLOWER
     assert leader.order is not None and set(leader.order.levels) == set()
     assert {j.job for j in leader.status().jobs} == {"z"}
+
+
+async def test_node_names_that_differ_only_in_case_are_one_node() -> None:
+    """Host names compare without case (DNS): a gpud configured as ``Node-B`` beside one
+    configured as ``node-b`` is a second gpud under one node name, refused as such, and
+    every name the cluster shows is the lower-case one."""
+    clock, peers = Clock(), LoopbackPeers()
+    info = LeaderInfo("n0", "a0", 7, False)
+    leader = agent("N0", LeaderInfo("n0", "a0", 7, True), FakeTraffic(), peers, clock)
+    peers.leader = leader
+    first = agent("node-b", info, FakeTraffic((job("a", 0.5),)), peers, clock)
+    second = agent("Node-B", info, FakeTraffic((job("z", 0.5),)), peers, clock)
+    assert (leader.node, second.node) == ("n0", "node-b")
+    for _ in range(3):
+        for a in (leader, first, second):
+            await a.tick()
+    assert "'node-b' is reported by two gpuds" in first.last_error
+    assert "names compare without case" in first.last_error
+    assert [n.node for n in leader.status().nodes] == ["n0", "node-b"]
+    assert {j.job for j in leader.status().jobs} == {"z"}
+    (attributes,) = leader.status().jobs
+    assert attributes.nodes == ("node-b",)
+    # a report spelled otherwise (an older gpud sends its name as configured) is the node
+    report = dataclasses.replace(second.local_report(), node="NODE-B")
+    assert leader.receive(report) is not None
+    assert [n.node for n in leader.status().nodes] == ["n0", "node-b"]
+    # nor can a peer report as the leader under another spelling of its name
+    with pytest.raises(FailedPrecondition, match="'n0' is reported by two gpuds"):
+        leader.receive(NodeReport("N0", instance="other"))
 
 
 async def test_stale_epoch_is_rejected_and_the_last_order_stays() -> None:

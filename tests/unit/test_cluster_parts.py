@@ -306,9 +306,12 @@ async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path
         with pytest.raises(Unavailable, match=r"PERMISSION_DENIED.*cannot report as 'n2'"):
             await member.report(address, "leader", NodeReport("n2", (JobReport("a", 0.5),)))
         # DNS names compare without case (RFC 4343), as the start's check of cluster.node
-        # against the certificate does: node "N1" with a certificate for n1 reports
+        # against the certificate does: node "N1" with a certificate for n1 reports, and
+        # it is node n1 (already folded in: answered at once), not a node of its own
         upper = NodeReport("N1", (JobReport("a", 0.5),))
-        assert await member.report(address, "leader", upper) is None  # taken, not refused
+        answer = await member.report(address, "leader", upper)
+        assert answer is not None and set(answer.levels) == {"a"}
+        assert [n.node for n in agent.status().nodes] == ["leader", "n1"]
         with pytest.raises(Unavailable):  # the leader's certificate does not name "n9"
             await member.report(address, "n9", report)
         async with grpc.aio.insecure_channel(address) as channel:
