@@ -17,7 +17,7 @@ from gpud.cluster.election import LeaderInfo
 from gpud.cluster.model import JobReport, NodeReport
 from gpud.cluster.nodeview import DaemonNodeView
 from gpud.cluster.tls import PeerTls
-from gpud.errors import ConfigError, InvalidArgument, Unavailable
+from gpud.errors import ConfigError, InvalidArgument, NotLeader, Unavailable
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import CriticalXid, GpuSample, SeenIdentity, Snapshot
 from gpud.v1 import cluster_pb2 as pb
@@ -255,6 +255,11 @@ class Leading:
         return LeaderInfo("leader", "", 3, True)
 
 
+class Following(Leading):
+    def state(self) -> LeaderInfo:
+        return LeaderInfo("N2", "10.0.0.2:7443", 4, False)  # as an older gpud writes it
+
+
 async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path) -> None:
     from gpud.cluster.agent import ClusterAgent
     from gpud.cluster.ports import MemoryTagStore, StaticNodeView
@@ -321,6 +326,11 @@ async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path
                 await cluster_pb2_grpc.ClusterPeerStub(channel).GetOrder(
                     pb.GetOrderRequest(node="x"), timeout=5
                 )
+        # stepped down: the refusal names the leader it knows of, in the call's metadata
+        agent.election = Following()
+        with pytest.raises(NotLeader, match="leader does not lead; the leader is N2") as refused:
+            await member.report(address, "leader", report)
+        assert (refused.value.leader, refused.value.address) == ("n2", "10.0.0.2:7443")
     finally:
         await member.close()
         await stranger.close()
@@ -361,7 +371,7 @@ async def test_a_refused_peer_call_is_logged_once_and_old_channels_are_closed(
     try:
         with caplog.at_level(logging.INFO, logger="gpud.api.interceptors"):
             for _ in range(5):  # a peer retries every tick
-                with pytest.raises(Unavailable, match="n1 does not lead; the leader is n2"):
+                with pytest.raises(NotLeader, match="n1 does not lead; the leader is n2"):
                     await client.report(address, "n1", NodeReport("n3"))
         assert caplog.text.count("n1 does not lead") == 1
         first = client._channels[(address, "n1")]
