@@ -11,7 +11,8 @@
     │   └── LeftQueue              a waiting gpuctl run was taken out (gpuctl queue --leave)
     ├── AlreadyExists              (exit 5)
     ├── FailedPrecondition         refused in the current state, e.g. busy instance (exit 6)
-    │   └── Busy                   processes still run on what would be destroyed
+    │   ├── Busy                   processes still run on what would be destroyed
+    │   └── NotLeader              a cluster node that does not lead; carries the leader it knows
     ├── ResourceExhausted          over-subscription: carries the numbers (exit 7)
     ├── Unavailable                the daemon or a peer cannot be reached (exit 3)
     │   └── StoreFull              etcd refuses writes: out of space (alarm NOSPACE)
@@ -102,6 +103,19 @@ class Busy(FailedPrecondition):
         self.jobs = jobs
 
 
+class NotLeader(FailedPrecondition):
+    """A cluster node that does not lead refused what only the leader answers.
+
+    ``leader`` and ``address`` name the leader it knows of ("" when none): a hint only
+    (its view of etcd may be old), which travels in trailing metadata (``LEADER_KEY``,
+    ``LEADER_ADDRESS_KEY``)."""
+
+    def __init__(self, message: str, *, leader: str = "", address: str = ""):
+        super().__init__(message)
+        self.leader = leader
+        self.address = address
+
+
 class ResourceExhausted(GpudError):
     """A request over-subscribes a resource; the message carries the numbers."""
 
@@ -183,6 +197,9 @@ class InUse(BackendError):
 # Trailing metadata of a failed gRPC call: the error class, and the exit code gpuctl uses.
 ERROR_KEY: Final = "gpud-error"
 EXIT_CODE_KEY: Final = "gpud-exit-code"
+# ... and of a NotLeader: the leader the refusing node knows of, and where it listens
+LEADER_KEY: Final = "gpud-leader"
+LEADER_ADDRESS_KEY: Final = "gpud-leader-address"
 
 # class -> (gRPC status code name, CLI exit code). Most specific class wins (MRO order).
 ERROR_TABLE: Final[dict[type[GpudError], tuple[str, int]]] = {

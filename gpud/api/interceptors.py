@@ -5,7 +5,8 @@
 - a :class:`gpud.errors.GpudError` ends the call with the status ``classify()`` gives, its
   message as details, and trailing metadata ``gpud-error`` (the class name) and
   ``gpud-exit-code`` (what gpuctl exits with), so a client can tell a daemon-side
-  ``UNAVAILABLE`` (a lost GPU) from a daemon it cannot reach;
+  ``UNAVAILABLE`` (a lost GPU) from a daemon it cannot reach; a ``NotLeader`` adds
+  ``gpud-leader`` and ``gpud-leader-address`` (the leader the refusing node knows of);
 - a request whose bytes do not decode ends with ``INVALID_ARGUMENT`` (field ``request``),
   and so does one with a string or repeated field over its bound
   (:func:`gpud.api.validate.request_bounds`), before the servicer runs;
@@ -27,7 +28,16 @@ from typing import Any
 import grpc
 
 from gpud.api import validate
-from gpud.errors import ERROR_KEY, EXIT_CODE_KEY, GpudError, InvalidArgument, classify
+from gpud.errors import (
+    ERROR_KEY,
+    EXIT_CODE_KEY,
+    LEADER_ADDRESS_KEY,
+    LEADER_KEY,
+    GpudError,
+    InvalidArgument,
+    NotLeader,
+    classify,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +102,12 @@ async def _abort_for(
             log.info("%s: %s: %s", method, type(err).__name__, err)
         details = str(err) or type(err).__name__
         metadata = ((ERROR_KEY, type(err).__name__), (EXIT_CODE_KEY, str(exit_code)))
+        if isinstance(err, NotLeader) and err.leader:
+            hint = ((LEADER_KEY, err.leader), (LEADER_ADDRESS_KEY, err.address))
+            # metadata values are printable ASCII (a node name is a DNS name; the address
+            # host:port): anything else would fail the abort itself
+            if all(v.isascii() and v.isprintable() for _, v in hint):
+                metadata += hint
     else:
         code_name = "INTERNAL"
         log.error("%s: unexpected error", method, exc_info=err)

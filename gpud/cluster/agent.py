@@ -7,7 +7,9 @@ Each tick (:meth:`ClusterAgent.tick`)::
     leading?  fold the reports received since the last round with ours -> global order
               (tags persisted first), answer peers with it from now on, apply our share;
               a new leader only collects reports for its first settle_s (see _lead)
-    else      send the report to the leader the election names (mTLS) -> its order
+    else      send the report to the leader the election names (mTLS) -> its order; if
+              that one does not lead and names another, to that one (a hint, checked:
+              see _follow)
     Fence: apply only an order whose epoch is >= the newest applied
     no order for longer than fresh_s: "holding" (the last order stays); for longer than
     grace_s: "local" (TrafficPort.clear_order: the node's own leveller decides again)
@@ -34,10 +36,10 @@ from gpud.cluster.election import Election, LeaderInfo
 from gpud.cluster.etcd import NOSPACE, NOSPACE_ADVICE
 from gpud.cluster.fencing import FailStatic, Fence, Mode
 from gpud.cluster.leader import Aggregator, NodeSeen
-from gpud.cluster.model import JobAttributes, JobReport, NodeReport, Order
+from gpud.cluster.model import JobAttributes, JobReport, NodeReport, Order, node_name
 from gpud.cluster.ports import NodeView, StoreAlarms, TagStore
 from gpud.cluster.problems import Problem, ProblemBoard
-from gpud.errors import FailedPrecondition, GpudError, StoreFull
+from gpud.errors import FailedPrecondition, GpudError, NotLeader, StoreFull
 from gpud.events import EventLog
 from gpud.net.port import TrafficPort
 from netshaper.leveller import Leveller, LevellerConfig
@@ -53,7 +55,9 @@ ALARM_CHECK_S = 10.0
 class PeerTransport(Protocol):
     async def report(self, address: str, leader: str, report: NodeReport) -> Order | None:
         """Send ``report`` to the leader at ``address``; its order (None: none yet).
-        Raises :class:`~gpud.errors.Unavailable` when it cannot be reached."""
+        Raises :class:`~gpud.errors.Unavailable` when it cannot be reached, and
+        :class:`~gpud.errors.NotLeader` (with the leader it knows of) when it does not
+        lead."""
         ...
 
     async def nodes(self, address: str, leader: str) -> list[NodeSeen]:
@@ -128,7 +132,7 @@ class ClusterAgent:
         alarms: StoreAlarms | None = None,
         certs: CertWatch | None = None,
     ) -> None:
-        self.node = node
+        self.node = node_name(node)
         self.instance = os.urandom(8).hex() if instance is None else instance
         self.election_kind = election_kind
         self.election = election
@@ -155,6 +159,8 @@ class ClusterAgent:
         self._order_cleared = False  # the local policy decides again (grace period over)
         self.last_error = ""
         self._duplicates: set[str] = set()  # node names two gpuds were found to share
+        # ((leader, epoch) the election names, (leader, address) that leader named instead)
+        self._hint: tuple[tuple[str, int], tuple[str, str]] | None = None
         # '' or why peers refuse this node's certificate at a Unix time (expired since start)
         self._credential_problem = credential_problem or (lambda now: "")
         self._credential_logged = ""
@@ -269,27 +275,68 @@ class ClusterAgent:
             with self._lock:
                 self._aggregator = None  # soft state: a later leadership starts afresh
             if info.leader and info.leader != self.node and info.address and self._peers:
-                try:
-                    order = await self._peers.report(info.address, info.leader, report)
-                except GpudError as err:
-                    # the handshake error says little ("Socket closed"); an expired
-                    # certificate of this node is known here, so the error names it
-                    self._note_error(f"{err}; {problem}" if problem else str(err))
-                else:
-                    if order is None:  # a new leader has not folded our report in yet
-                        self.last_error = ""
-                        self.request_round(RETRY_S)
-                    elif self._apply(order, info):
-                        self.last_error = ""
+                await self._follow(info, report, problem)
             elif info.leader == self.node:
                 self._note_error(
                     f"the leader key names {self.node} at {info.address or '?'}, but this gpud "
-                    "does not hold it: another gpud under the same cluster.node, or this "
-                    "one's previous run until its lease expires"
+                    "does not hold it: another gpud under the same cluster.node (names "
+                    "compare without case), or this one's previous run until its lease expires"
                 )
         self._update_mode(info)
         await self._read_alarms()
         await self._publish_problem()
+
+    async def _follow(self, info: LeaderInfo, report: NodeReport, problem: str) -> None:
+        """Report to the leader and apply its answer.
+
+        The leader is the one the election names, unless that one answered that it does
+        not lead and named another (:class:`NotLeader`): this node's view of etcd is
+        behind the refusing node's (etcd unreachable from here, or the watch not fired
+        yet), and a follower cut off from etcd would otherwise hold and then fall back to
+        its local policy although a leader is reachable. The name is only a hint, checked
+        before it is trusted: the report goes over mutual TLS to a certificate that must
+        name that node (a member of the cluster); the node answers only while it leads by
+        its own lease in etcd; and its order passes the fence only with an epoch >= the
+        newest applied (never as "the leader etcd names now", which only this node's own
+        election says). One hop: a hinted node that names yet another is not followed.
+        The hint holds while the election names the same leader in the same epoch; a
+        failure drops it.
+        """
+        assert self._peers is not None
+        named = (info.leader, info.epoch)
+        hint = self._hint[1] if self._hint is not None and self._hint[0] == named else None
+        self._hint = None if hint is None else self._hint
+        leader, address = hint or (info.leader, info.address)
+        try:
+            order = await self._peers.report(address, leader, report)
+        except NotLeader as err:
+            if hint is None and err.address and err.leader not in ("", info.leader, self.node):
+                log.info(
+                    "cluster: %s does not lead (etcd names it here): reporting to %s at %s, "
+                    "the leader it names",
+                    info.leader,
+                    err.leader,
+                    err.address,
+                )
+                self._hint = (named, (err.leader, err.address))
+                await self._follow(info, report, problem)  # once: a hint is not followed on
+                return
+            self._hint = None
+            self._note_error(str(err))
+            return
+        except GpudError as err:
+            self._hint = None
+            # the handshake error says little ("Socket closed"); an expired certificate
+            # of this node is known here, so the error names it
+            self._note_error(f"{err}; {problem}" if problem else str(err))
+            return
+        if order is None:  # a new leader has not folded our report in yet
+            self.last_error = ""
+            self.request_round(RETRY_S)
+        elif self._apply(order, info):
+            self.last_error = ""
+        elif hint is not None:
+            self._hint = None  # an order the fence refused: no better than the election's
 
     def _check_certificates(self) -> None:
         """A certificate expiring within two weeks (or expired): logged and an event, once
@@ -428,11 +475,17 @@ class ClusterAgent:
         round; the answer is the latest order for its jobs, None until a round has
         included it."""
         info = self.election.state()
+        if report.node != node_name(report.node):
+            # one node however a peer spells it (an older gpud sends cluster.node as
+            # configured): keyed, compared and shown in lower case
+            report = dataclasses.replace(report, node=node_name(report.node))
         with self._lock:
             agg = self._aggregator
         if not info.leading:
             leader = f"; the leader is {info.leader} at {info.address}" if info.leader else ""
-            raise FailedPrecondition(f"{self.node} does not lead{leader}")
+            raise NotLeader(
+                f"{self.node} does not lead{leader}", leader=info.leader, address=info.address
+            )
         if agg is None:
             # elected a moment ago, its first round not begun: "no order yet", as while
             # it settles (the node reports again shortly); the round begins now
@@ -442,7 +495,8 @@ class ClusterAgent:
             if report.node == self.node:
                 raise FailedPrecondition(
                     f"node {report.node!r} is reported by two gpuds, this one and the leader "
-                    f"at {info.address}: give each its own cluster.node"
+                    f"at {info.address}: give each its own cluster.node (names compare "
+                    "without case)"
                 )
             agg.receive(report, self._clock(), peer=peer)
         except FailedPrecondition as err:
@@ -493,7 +547,8 @@ class ClusterAgent:
         """Apply ``order``; False if it was stale or the traffic service refused it.
         ``info``: the election's view the order was asked under."""
         newest = self.fence.epoch
-        elected = info.epoch if order.leader == (self.node if info.leading else info.leader) else 0
+        leader = node_name(order.leader)  # an older leader signs as configured
+        elected = info.epoch if leader == (self.node if info.leading else info.leader) else 0
         if not self.fence.admit(order, elected=elected):
             log.warning(
                 "cluster: rejected order %d.%d (epoch.seq) from %s: newest applied is %d.%d",

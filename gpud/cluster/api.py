@@ -31,10 +31,19 @@ from gpud.cluster.convert import (
     report_to_pb,
 )
 from gpud.cluster.leader import NodeSeen
-from gpud.cluster.model import NodeReport, Order
+from gpud.cluster.model import NodeReport, Order, node_name
 from gpud.cluster.tls import PeerTls
 from gpud.config import parse_address
-from gpud.errors import ConfigError, GpudError, InvalidArgument, PermissionDenied, Unavailable
+from gpud.errors import (
+    LEADER_ADDRESS_KEY,
+    LEADER_KEY,
+    ConfigError,
+    GpudError,
+    InvalidArgument,
+    NotLeader,
+    PermissionDenied,
+    Unavailable,
+)
 from gpud.v1 import cluster_pb2 as pb
 from gpud.v1 import cluster_pb2_grpc as pb_grpc
 
@@ -283,9 +292,17 @@ class PeerClient:
                 report_to_pb(report), timeout=self._timeout_s
             )
         except grpc.aio.AioRpcError as err:
-            raise Unavailable(
-                f"leader {leader} at {address}: {err.code().name} {err.details() or ''}".rstrip()
-            ) from err
+            message = f"leader {leader} at {address}: {err.code().name} {err.details() or ''}"
+            hint = dict(err.trailing_metadata() or ())
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION and hint.get(LEADER_KEY):
+                # it does not lead, and names the leader it knows of (a hint: see
+                # ClusterAgent._follow)
+                raise NotLeader(
+                    message.rstrip(),
+                    leader=node_name(str(hint[LEADER_KEY])),
+                    address=str(hint.get(LEADER_ADDRESS_KEY, "")),
+                ) from err
+            raise Unavailable(message.rstrip()) from err
         return order_from_pb(response.order) if response.HasField("order") else None
 
     async def nodes(self, address: str, leader: str) -> list[NodeSeen]:

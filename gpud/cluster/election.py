@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpud.cluster.etcd import EtcdClient
+from gpud.cluster.model import node_name
 from gpud.errors import GpudError
 
 log = logging.getLogger(__name__)
@@ -263,7 +264,8 @@ class EtcdElection:
             self._failing = False
         try:
             holder = json.loads(kv.value)
-            leader, address = str(holder["node"]), str(holder["address"])
+            # an older gpud writes its name as configured: compared in lower case here
+            leader, address = node_name(str(holder["node"])), str(holder["address"])
         except (ValueError, KeyError, TypeError):
             leader, address = "", ""
         with self._lock:

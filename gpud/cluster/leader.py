@@ -113,7 +113,7 @@ class Aggregator:
                 other = self._peers.get(node) or "another address"
                 raise FailedPrecondition(
                     f"node {node!r} is reported by two gpuds, this one and the one at "
-                    f"{other}: give each its own cluster.node"
+                    f"{other}: give each its own cluster.node (names compare without case)"
                 )
             # a restart: the newest instance is the node from now on
             former.pop(report.instance, None)

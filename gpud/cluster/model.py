@@ -13,6 +13,13 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
+def node_name(name: str) -> str:
+    """The cluster's form of a node name: lower case. Node names are DNS names, which
+    compare without case (RFC 4343), as TLS matches them against a certificate: ``Node-A``
+    and ``node-a`` are one host, so one node (and two gpuds under them are a duplicate)."""
+    return name.lower()
+
+
 @dataclass(frozen=True, slots=True)
 class JobReport:
     """One job as one node sees it.
@@ -50,7 +57,7 @@ class JobReport:
 class NodeReport:
     """Everything one node tells the leader on one tick.
 
-    ``instance`` is random per gpud process: a new one under a known node name is a
+    ``node`` is compared in :func:`node_name` form; ``instance`` is random per gpud process: a new one under a known node name is a
     restart, an old one reporting again means two gpuds share the name.
     """
 

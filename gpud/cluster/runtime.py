@@ -19,6 +19,7 @@ from gpud.cluster.api import ClusterServicer, PeerClient, PeerServer
 from gpud.cluster.certexpiry import CertWatch
 from gpud.cluster.election import Election, EtcdElection, SingleElection
 from gpud.cluster.etcd import EtcdClient, EtcdSettings
+from gpud.cluster.model import node_name
 from gpud.cluster.ports import MemoryTagStore, NodeView, TagStore
 from gpud.cluster.problems import EtcdProblemBoard
 from gpud.cluster.tagstore import EtcdTagStore
@@ -81,7 +82,8 @@ class ClusterRuntime:
         events: EventLog,
     ) -> None:
         self.config = config
-        self.node = config.node or socket.gethostname()
+        # lower case: how every node names it (reports, the leader key, gpuctl cluster)
+        self.node = node_name(config.node or socket.gethostname())
         self._events = events
         self._peer_server: PeerServer | None = None
         self._kicker: asyncio.Task[None] | None = None

@@ -69,6 +69,17 @@ def test_three_nodes_elect_one_leader_and_agree_on_it(etcd: LocalEtcd) -> None:
     assert states[0].epoch > 0
 
 
+def test_followers_read_the_leaders_name_in_lower_case(etcd: LocalEtcd) -> None:
+    """A leader key written with the name as configured (an older gpud) names the node
+    every other node knows in lower case: not a node of its own, nor another one."""
+    clock = Clock()
+    nodes = elections(etcd, clock)
+    nodes[0].node = "N0.Example"
+    for e in nodes:
+        e.step()
+    assert [e.state().leader for e in nodes[1:]] == ["n0.example", "n0.example"]
+
+
 def test_a_dead_leaders_lease_expires_and_a_successor_gets_a_higher_epoch(etcd: LocalEtcd) -> None:
     clock = Clock()
     nodes = elections(etcd, clock, ttl=2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -64,6 +65,25 @@ class LoopbackPeers:
         return self.leader.seen_nodes()
 
 
+class RoutedPeers:
+    """Delivers each report to the agent at its address, as mTLS would only to the node
+    its certificate names; an address nobody listens on is unreachable."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, ClusterAgent] = {}
+        self.asked: list[str] = []
+
+    async def report(self, address: str, leader: str, report: NodeReport) -> Order | None:
+        self.asked.append(leader)
+        target = self.at.get(address)
+        if target is None or target.node != leader:
+            raise Unavailable(f"leader {leader} at {address}: UNAVAILABLE")
+        return target.receive(report)
+
+    async def nodes(self, address: str, leader: str) -> list[NodeSeen]:
+        raise Unavailable(f"leader {leader} at {address}: UNAVAILABLE")
+
+
 def job(name: str, rate: float | None) -> JobTraffic:
     return JobTraffic(
         job=name,
@@ -81,7 +101,7 @@ def agent(
     name: str,
     info: LeaderInfo,
     traffic: FakeTraffic,
-    peers: LoopbackPeers,
+    peers: LoopbackPeers | RoutedPeers,
     clock: Clock,
     *,
     view: StaticNodeView | None = None,
@@ -180,6 +200,89 @@ async def test_a_second_gpud_under_a_nodes_name_is_refused_and_told_why() -> Non
     assert twin.last_error == "" and twin.mode is Mode.FOLLOWER
     assert leader.order is not None and set(leader.order.levels) == set()
     assert {j.job for j in leader.status().jobs} == {"z"}
+
+
+async def test_node_names_that_differ_only_in_case_are_one_node() -> None:
+    """Host names compare without case (DNS): a gpud configured as ``Node-B`` beside one
+    configured as ``node-b`` is a second gpud under one node name, refused as such, and
+    every name the cluster shows is the lower-case one."""
+    clock, peers = Clock(), LoopbackPeers()
+    info = LeaderInfo("n0", "a0", 7, False)
+    leader = agent("N0", LeaderInfo("n0", "a0", 7, True), FakeTraffic(), peers, clock)
+    peers.leader = leader
+    first = agent("node-b", info, FakeTraffic((job("a", 0.5),)), peers, clock)
+    second = agent("Node-B", info, FakeTraffic((job("z", 0.5),)), peers, clock)
+    assert (leader.node, second.node) == ("n0", "node-b")
+    for _ in range(3):
+        for a in (leader, first, second):
+            await a.tick()
+    assert "'node-b' is reported by two gpuds" in first.last_error
+    assert "names compare without case" in first.last_error
+    assert [n.node for n in leader.status().nodes] == ["n0", "node-b"]
+    assert {j.job for j in leader.status().jobs} == {"z"}
+    (attributes,) = leader.status().jobs
+    assert attributes.nodes == ("node-b",)
+    # a report spelled otherwise (an older gpud sends its name as configured) is the node
+    report = dataclasses.replace(second.local_report(), node="NODE-B")
+    assert leader.receive(report) is not None
+    assert [n.node for n in leader.status().nodes] == ["n0", "node-b"]
+    # nor can a peer report as the leader under another spelling of its name
+    with pytest.raises(FailedPrecondition, match="'n0' is reported by two gpuds"):
+        leader.receive(NodeReport("N0", instance="other"))
+
+
+async def test_a_follower_cut_off_from_etcd_follows_the_leader_its_old_leader_names() -> None:
+    """Its election still names n0 (epoch 7), which stepped down and answers that n2
+    leads: the follower reports to n2 (whose certificate names it, and which answers only
+    while it leads) and follows it instead of holding and then going local."""
+    clock, peers = Clock(), RoutedPeers()
+    old = agent("n0", LeaderInfo("n2", "a2", 9, False), FakeTraffic(), peers, clock)
+    new = agent("n2", LeaderInfo("n2", "a2", 9, True), FakeTraffic(), peers, clock)
+    election = FixedElection(LeaderInfo("n0", "a0", 7, False, False, "cannot reach etcd"))
+    follower = agent("n1", election.info, FakeTraffic((job("a", 0.5),)), peers, clock)
+    follower.election = election
+    peers.at = {"a0": old, "a2": new}
+    await new.tick()
+    await follower.tick()  # n0 names n2; n2 has not folded the report in yet
+    assert peers.asked == ["n0", "n2"] and follower.last_error == ""
+    await new.tick()
+    await follower.tick()
+    assert peers.asked[2:] == ["n2"]  # the hint holds: n0 is not asked again
+    assert follower.order is not None and follower.order.leader == "n2"
+    assert follower.order.epoch == 9 and follower.mode is Mode.FOLLOWER
+    # once the election names a leader again, it is followed, and the hint is gone
+    election.info = LeaderInfo("n2", "a2", 9, False)
+    await follower.tick()
+    assert peers.asked[3:] == ["n2"] and follower._hint is None
+
+
+async def test_a_named_leader_is_only_a_hint() -> None:
+    """What the old leader names is checked: a node that does not answer, or does not
+    lead either (it names yet another: not followed on), or whose order is older than the
+    one in force, is not followed; the election's leader is asked again next round."""
+    clock, peers = Clock(), RoutedPeers()
+    election = FixedElection(LeaderInfo("n0", "a0", 7, False, False, "cannot reach etcd"))
+    follower = agent("n1", election.info, FakeTraffic((job("a", 0.5),)), peers, clock)
+    follower.election = election
+    old = agent("n0", LeaderInfo("n3", "a3", 9, False), FakeTraffic(), peers, clock)
+    peers.at = {"a0": old}
+    await follower.tick()  # n3 does not answer
+    assert peers.asked == ["n0", "n3"] and "n3 at a3" in follower.last_error
+    assert follower._hint is None
+    # n3 answers but does not lead: it names n4, which is not asked
+    peers.at["a3"] = agent("n3", LeaderInfo("n4", "a4", 11, False), FakeTraffic(), peers, clock)
+    await follower.tick()
+    assert peers.asked[2:] == ["n0", "n3"] and "n3 does not lead" in follower.last_error
+    # n3 leads, but in an epoch older than the order in force: refused by the fence
+    stale = agent("n3", LeaderInfo("n3", "a3", 5, True), FakeTraffic(), peers, clock)
+    peers.at["a3"] = stale
+    await stale.tick()
+    follower.fence.admit(Order(epoch=8, seq=1, leader="n9", levels={}, tags={}))
+    await follower.tick()
+    await stale.tick()
+    await follower.tick()
+    assert follower.order is None and follower.fence.rejected == 1
+    assert follower._hint is None
 
 
 async def test_stale_epoch_is_rejected_and_the_last_order_stays() -> None:

@@ -17,7 +17,7 @@ from gpud.cluster.election import LeaderInfo
 from gpud.cluster.model import JobReport, NodeReport
 from gpud.cluster.nodeview import DaemonNodeView
 from gpud.cluster.tls import PeerTls
-from gpud.errors import ConfigError, InvalidArgument, Unavailable
+from gpud.errors import ConfigError, InvalidArgument, NotLeader, Unavailable
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import CriticalXid, GpuSample, SeenIdentity, Snapshot
 from gpud.v1 import cluster_pb2 as pb
@@ -255,6 +255,11 @@ class Leading:
         return LeaderInfo("leader", "", 3, True)
 
 
+class Following(Leading):
+    def state(self) -> LeaderInfo:
+        return LeaderInfo("N2", "10.0.0.2:7443", 4, False)  # as an older gpud writes it
+
+
 async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path) -> None:
     from gpud.cluster.agent import ClusterAgent
     from gpud.cluster.ports import MemoryTagStore, StaticNodeView
@@ -306,9 +311,12 @@ async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path
         with pytest.raises(Unavailable, match=r"PERMISSION_DENIED.*cannot report as 'n2'"):
             await member.report(address, "leader", NodeReport("n2", (JobReport("a", 0.5),)))
         # DNS names compare without case (RFC 4343), as the start's check of cluster.node
-        # against the certificate does: node "N1" with a certificate for n1 reports
+        # against the certificate does: node "N1" with a certificate for n1 reports, and
+        # it is node n1 (already folded in: answered at once), not a node of its own
         upper = NodeReport("N1", (JobReport("a", 0.5),))
-        assert await member.report(address, "leader", upper) is None  # taken, not refused
+        answer = await member.report(address, "leader", upper)
+        assert answer is not None and set(answer.levels) == {"a"}
+        assert [n.node for n in agent.status().nodes] == ["leader", "n1"]
         with pytest.raises(Unavailable):  # the leader's certificate does not name "n9"
             await member.report(address, "n9", report)
         async with grpc.aio.insecure_channel(address) as channel:
@@ -318,6 +326,11 @@ async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path
                 await cluster_pb2_grpc.ClusterPeerStub(channel).GetOrder(
                     pb.GetOrderRequest(node="x"), timeout=5
                 )
+        # stepped down: the refusal names the leader it knows of, in the call's metadata
+        agent.election = Following()
+        with pytest.raises(NotLeader, match="leader does not lead; the leader is N2") as refused:
+            await member.report(address, "leader", report)
+        assert (refused.value.leader, refused.value.address) == ("n2", "10.0.0.2:7443")
     finally:
         await member.close()
         await stranger.close()
@@ -358,7 +371,7 @@ async def test_a_refused_peer_call_is_logged_once_and_old_channels_are_closed(
     try:
         with caplog.at_level(logging.INFO, logger="gpud.api.interceptors"):
             for _ in range(5):  # a peer retries every tick
-                with pytest.raises(Unavailable, match="n1 does not lead; the leader is n2"):
+                with pytest.raises(NotLeader, match="n1 does not lead; the leader is n2"):
                     await client.report(address, "n1", NodeReport("n3"))
         assert caplog.text.count("n1 does not lead") == 1
         first = client._channels[(address, "n1")]

@@ -428,6 +428,10 @@ def test_sim_workload_lists_the_processes(
         code, out, err = run(capsys, *start, "4242", "--gpu", "0")
         assert code == 5 and out == ""
         assert "pid 4242 already runs on GPU 0" in err
+        # an unknown MIG device: not found, as in every other command
+        code, out, err = run(capsys, *start, "4444", "--gpu", "0", "--mig", "9")
+        assert code == 4 and out == ""
+        assert "GPU 0 has no MIG device 9" in err
         stop = ("--socket", path, "sim", "workload", "stop", "--pid")
         code, out, _ = run(capsys, *stop, "4242")
         assert code == 0 and out.splitlines()[0] == "stopped simulated process 4242"

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from gpud.backend.sim import SimNode, SimulatedCrash
-from gpud.errors import ConfigError, DeviceNotFound, InUse, ResourceExhausted
+from gpud.errors import (
+    AlreadyExists,
+    ConfigError,
+    DeviceNotFound,
+    InUse,
+    NotFound,
+    ResourceExhausted,
+)
 
 
 def _mig_node(tmp_path: Path | None = None, spec: str = "H100-SXM5-80GB") -> SimNode:
@@ -69,6 +76,39 @@ def test_a_process_gets_no_more_memory_than_its_device_has_free() -> None:
     assert nv.nvmlDeviceGetMemoryInfo(h).used == before
     assert [p.pid for p in nv.nvmlDeviceGetComputeRunningProcesses(h)] == [10]
     nv.sim_start_process(0, 11, 5 * gib, 0.5)  # what is free still is
+
+
+def test_one_pid_started_twice_at_once_runs_once() -> None:
+    """The duplicate check and the insert are one critical section: a start that waited
+    for the driver's lock while another start of the same PID held it finds that process
+    (AlreadyExists) instead of adding a second one (two rows in nvidia-smi for one PID)."""
+    node = SimNode([("H100-SXM5-80GB", 1)])
+    nv = node.nvml
+    nv.nvmlInit()
+    errors: list[Exception] = []
+
+    def start() -> None:
+        try:
+            nv.sim_start_process(0, 4242, 1 << 30, 0.5)
+        except Exception as err:
+            errors.append(err)
+
+    with nv._lock:  # another call holds the driver
+        other = threading.Thread(target=start)
+        other.start()
+        other.join(0.3)  # waiting for the lock
+        nv.sim_start_process(0, 4242, 1 << 30, 0.5)  # the start that holds it
+    other.join(5)
+    assert [type(e) for e in errors] == [AlreadyExists]
+    assert [p.pid for p in nv.sim_processes()] == [4242]
+
+
+def test_an_unknown_mig_device_is_not_found() -> None:
+    nv = _mig_node().nvml
+    with pytest.raises(NotFound, match="GPU 0 has no MIG device 9 \\(0 exist\\)"):
+        nv.sim_start_process(0, 4242, 1 << 30, 0.5, 9)
+    with pytest.raises(NotFound, match="GPU 0 has no MIG device MIG-nope"):
+        nv.sim_start_process(0, 4242, 1 << 30, 0.5, "MIG-nope")
 
 
 def test_mig_mode_pending_until_reboot() -> None:

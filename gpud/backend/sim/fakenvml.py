@@ -47,7 +47,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar, NamedTuple
 
 from gpud.backend import products
-from gpud.errors import AlreadyExists, ConfigError, ResourceExhausted
+from gpud.errors import AlreadyExists, ConfigError, NotFound, ResourceExhausted
 from gpud.files import write_atomically
 
 MiB = 1024 * 1024
@@ -1476,18 +1476,20 @@ class FakeNvml:
             g.ecc_corrected += 1
 
     def sim_resolve_mig(self, gpu: int, mig: int | str) -> tuple[int, int]:
-        """(GPU instance id, compute instance id) of a MIG device index or MIG UUID."""
+        """(GPU instance id, compute instance id) of a MIG device index or MIG UUID
+        (``nvidia-smi -L`` lists both); NotFound when the GPU has no such device, as for an
+        unknown MIG device anywhere else."""
         g = self._gpus[gpu]
         with self._lock:
             migs = self._mig_list(g)
         if isinstance(mig, int):
             if not 0 <= mig < len(migs):
-                raise ValueError(f"GPU {gpu} has no MIG device {mig} ({len(migs)} exist)")
+                raise NotFound(f"GPU {gpu} has no MIG device {mig} ({len(migs)} exist)")
             return migs[mig].gi, migs[mig].ci
         for m in migs:
             if m.uuid == mig:
                 return m.gi, m.ci
-        raise ValueError(f"GPU {gpu} has no MIG device {mig}")
+        raise NotFound(f"GPU {gpu} has no MIG device {mig}")
 
     def sim_start_process(
         self,
@@ -1505,16 +1507,19 @@ class FakeNvml:
         spanning GPUs has), once per GPU: AlreadyExists when ``pid`` runs there already.
         ResourceExhausted when the device has not ``used_bytes`` free (as cudaMalloc fails)."""
         g = self._gpus[gpu]
-        if (pid, gpu) in self._procs:
-            raise AlreadyExists(f"pid {pid} already runs on GPU {gpu}")
-        gi = ci = None
-        if mig is not None:
-            gi, ci = self.sim_resolve_mig(gpu, mig)
-        elif g.mig_current:
-            raise ValueError(
-                f"GPU {gpu} is in MIG mode: a process runs on a MIG device (pass mig=)"
-            )
+        # one critical section from the check to the insert: two starts of one PID at once
+        # (the operator's and a workload model's) would otherwise both pass the check, and
+        # the second would replace the first's process in _procs but not in g.procs
         with self._lock:
+            if (pid, gpu) in self._procs:
+                raise AlreadyExists(f"pid {pid} already runs on GPU {gpu}")
+            gi = ci = None
+            if mig is not None:
+                gi, ci = self.sim_resolve_mig(gpu, mig)  # the lock is reentrant
+            elif g.mig_current:
+                raise ValueError(
+                    f"GPU {gpu} is in MIG mode: a process runs on a MIG device (pass mig=)"
+                )
             total, _, used = self._memory(g, gi)
             if int(used_bytes) > total - used:
                 # cudaMalloc fails: the process gets no context there (a real one would
