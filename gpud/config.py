@@ -290,16 +290,24 @@ def load(path: Path, *, required: bool = False) -> Config:
     return from_dict(data, path=str(path))
 
 
+# /dev/null's device numbers: the Linux memory devices' major 1, minor 3 ("null" in
+# Documentation/admin-guide/devices.txt), whatever name or link reaches it
+DEV_NULL = (1, 3)
+
+
 def _read_regular(path: Path) -> bytes:
     """The bytes of ``path``, refusing what is not a regular file: a named pipe nobody
     writes to would block start-up, and a reload on the event loop, for ever; a device such
-    as /dev/zero never ends."""
+    as /dev/zero never ends. /dev/null is the exception: operators pass it to mean "no
+    settings", and it reads empty (all defaults)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as fh:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
             raise OSError(errno.EISDIR, os.strerror(errno.EISDIR))
-        if not stat.S_ISREG(mode):
+        if stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == DEV_NULL:
+            return b""
+        if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.EINVAL, "not a regular file")
         return fh.read()
 

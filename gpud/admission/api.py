@@ -23,7 +23,7 @@ from gpud.admission.service import (
     request_of,
 )
 from gpud.api.validate import int_range, non_empty, optional, optional_pid
-from gpud.errors import InvalidArgument
+from gpud.errors import InvalidArgument, NotFound
 from gpud.jobs.api import kind_from_pb, reservation_message
 from gpud.jobs.registry import check_name
 from gpud.jobs.service import RunRequest
@@ -212,7 +212,14 @@ class QueueServicer(pb_grpc.QueueServicer):
             waiter = self._leave_waiter(entry_id)
             if waiter is not None:
                 return waiter_message(waiter, self._wall())
-            return entry_message(self._service.leave(entry_id))
+            try:
+                return entry_message(self._service.leave(entry_id))
+            except NotFound as err:
+                # the id may have been a co-location waiter's: gpuctl queue lists both
+                raise NotFound(
+                    f"no queue entry or run waiting for co-location {entry_id!r} (gpuctl queue"
+                    " lists them)"
+                ) from err
 
         return await asyncio.to_thread(leave)
 

@@ -143,8 +143,8 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
     for j in clamped:
         ctx.out.print(
             f"{j.job}: pinned to level {j.pinned_level_clamped_from}, beyond traffic.levels ="
-            f" {len(resp.levels)}: held at level {j.pinned_level} since gpud started"
-            " (gpuctl net pin sets it again)"
+            f" {len(resp.levels)}: held at level {j.pinned_level} until traffic.levels is"
+            " raised again (gpuctl net pin replaces it)"
         )
     ctx.out.print()
     ctx.out.print_table(

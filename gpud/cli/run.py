@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import signal
 import sys
 import time
@@ -210,6 +211,9 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -
         if args.no_wait:
             raise CliError(f"cannot start now: co-location: {resp.reason}", EXIT_TAKEN)
         ask.waiting = True  # listed by `gpuctl colo show` while it asks
+        # its own id from the first question: another run of the job that waits too is
+        # another entry (gpud keeps it, or answers another should a run hold it already)
+        ask.waiter_id = secrets.token_hex(6)
         waited = _wait_for_advice(ctx, ask, resp)
         if waited is None:
             return False
@@ -279,13 +283,14 @@ def _wait_for_advice(
     started = time.monotonic()
     with _signals_stop() as stop:
         shown = ""
+        said = ""  # the id last said
         away = False
         interval = POLL_S
         while not (resp.gpu >= 0 and resp.device):
             line = f"waiting for co-location: {resp.reason}"
-            if resp.waiter_id and resp.waiter_id != ask.waiter_id:
+            if resp.waiter_id and resp.waiter_id != said:
                 # its id in `gpuctl queue`, kept through a gpud restart
-                ask.waiter_id = resp.waiter_id
+                ask.waiter_id = said = resp.waiter_id
                 print(
                     f"gpuctl: waiting as {resp.waiter_id} in gpuctl queue (gpuctl queue "
                     f"--leave {resp.waiter_id} takes it out)",

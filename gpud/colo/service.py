@@ -312,15 +312,20 @@ ADVICE_REUSE_S = 1.0
 
 @dataclass
 class _Waiter:
-    """A ``gpuctl run`` told to wait that keeps asking: since when, its last ask, why it
-    waits, the job as the planner saw it (planned again with every later ask, ahead
-    of the askers that came after it), and its id (``gpuctl queue --leave ID``)."""
+    """A ``gpuctl run`` told to wait that keeps asking: its job, since when, its last ask,
+    why it waits, the job as the planner saw it (planned again with every later ask, ahead
+    of the askers that came after it), and its id (``gpuctl queue --leave ID``). Two runs
+    of one job are two waiters, each with its own id, as they are two queue entries.
+    ``anonymous``: it asks without an id (a gpuctl that predates them), so its next
+    question is known by its job alone."""
 
+    job: str
     since: float
     last: float
     reason: str
     view: JobView
     id: str
+    anonymous: bool = False
 
 
 class WaiterView(NamedTuple):
@@ -417,14 +422,15 @@ class ColoService:
         # the last pass made for advice: (the question, when, the plan)
         self._advice_pass: tuple[Hashable, float, Plan] | None = None
         self.advice_passes = 0  # planning passes made for advice
-        # askers told to wait that keep asking (gpuctl run), by job
+        # askers told to wait that keep asking (gpuctl run), by waiter id: a run asks with
+        # the id it was told, so two runs of one job are two waiters
         self._waiting: dict[str, _Waiter] = {}
         # job -> when `gpuctl jobs rm --force` removed it while a run of it waited: that
         # run's next question is answered NotFound (kept WAITER_GONE_S, as long as it asks)
         self._removed: dict[str, float] = {}
-        # job -> (when, id) `gpuctl queue --leave ID` took a run of it out of the wait: that
-        # run's next question is answered LeftQueue (kept WAITER_GONE_S, as long as it asks)
-        self._left: dict[str, tuple[float, str]] = {}
+        # waiter id -> when `gpuctl queue --leave ID` took that run out of the wait: its
+        # next question is answered LeftQueue (kept WAITER_GONE_S, as long as it asks)
+        self._left: dict[str, tuple[float, _Waiter]] = {}
         self._state_file = state_file
         self._saved: dict[str, Any] | None = None
         self._saved_clock = 0.0
@@ -1314,19 +1320,27 @@ class ColoService:
         keeps asking. ``waited_s``: how long it has waited already, as the asker counts: a
         waiter this loop does not know (gpud restarted) takes its place by it.
         ``waiter_id``: the id it was told (:attr:`Advice.waiter_id`) before, kept through a
-        gpud restart as the queue's ids are."""
+        gpud restart as the queue's ids are. gpuctl makes one up for its first waiting
+        question: a run with an id of its own waits beside the runs of its job that wait
+        already, as a second queue entry does. None (a gpuctl that predates the ids): the
+        job's other run that asks without one, if any."""
         now = self._clock()
         with self._lock:
-            known = self._waiting.get(job) if waiting else None
-            if known is not None:
+            told = _waiter_id(waiter_id) if waiting else None
+            if waiting and waiter_id is None:
+                known = next(
+                    (w for w in self._waiting.values() if w.job == job and w.anonymous), None
+                )
+            else:
+                known = self._waiting.get(told) if told is not None else None
+            if known is not None and known.job == job:
                 since, wid = known.since, known.id
             else:
                 since = now - waited_s if waiting else now
-                told = _waiter_id(waiter_id)
-                taken = any(w.id == told for w in self._waiting.values())
-                wid = told if told is not None and not taken else new_waiter_id()
+                free = told is not None and told not in self._waiting
+                wid = told if told is not None and free else new_waiter_id()
             if waiting:
-                self._check_not_removed(job, since, now)
+                self._check_not_removed(job, wid, since, now, anonymous=waiter_id is None)
         advice, view = self._advice(
             job,
             kind=kind,
@@ -1337,46 +1351,67 @@ class ColoService:
             snapshot=snapshot,
             since=since if waiting else None,
             now=now,
+            waiter=wid if waiting else "",
         )
         with self._lock:
-            if waiting:  # removed while this question was planned: no place, no listing
-                self._check_not_removed(job, since, now)
-            if waiting and advice.gpu < 0 and view is not None:
-                self._waiting[job] = _Waiter(since, now, advice.reason, view, wid)
+            if not waiting:  # an operator's question, or a run's first: no waiter of it
+                return advice
+            # removed while this question was planned: no place, no listing
+            self._check_not_removed(job, wid, since, now, anonymous=waiter_id is None)
+            if advice.gpu < 0 and view is not None:
+                self._waiting[wid] = _Waiter(
+                    job, since, now, advice.reason, view, wid, anonymous=waiter_id is None
+                )
                 return dataclasses.replace(advice, waiter_id=wid)
-            self._waiting.pop(job, None)
+            self._waiting.pop(wid, None)
         return advice
 
-    def _check_not_removed(self, job: str, since: float, now: float) -> None:
+    def _check_not_removed(
+        self, job: str, wid: str, since: float, now: float, *, anonymous: bool = False
+    ) -> None:
         """NotFound for a waiting asker of ``job`` when `gpuctl jobs rm --force` removed
         the job after it began to wait (a run that began later is another run). Under the
-        lock. LeftQueue for one that `gpuctl queue --leave` took out."""
+        lock. LeftQueue for the run waiting as ``wid`` that `gpuctl queue --leave` took
+        out; for an ``anonymous`` one (no id to tell), the job's anonymous run taken out
+        after it began to wait."""
         self._removed = {j: t for j, t in self._removed.items() if now - t <= WAITER_GONE_S}
-        self._left = {j: t for j, t in self._left.items() if now - t[0] <= WAITER_GONE_S}
+        self._left = {i: t for i, t in self._left.items() if now - t[0] <= WAITER_GONE_S}
         removed_at = self._removed.get(job)
         if removed_at is not None and since <= removed_at:
-            self._waiting.pop(job, None)
+            self._waiting.pop(wid, None)
             raise NotFound(
                 f"job {job} was removed (gpuctl jobs rm --force) while its gpuctl run waited "
                 "for co-location: nothing was started"
             )
-        left = self._left.get(job)
-        if left is not None and since <= left[0]:
-            self._waiting.pop(job, None)
-            raise LeftQueue(
-                f"job {job} left the wait for co-location ({left[1]}, gpuctl queue --leave): "
-                "nothing was started"
+        left = self._left.get(wid)
+        if anonymous:
+            left = next(
+                (
+                    (t, w)
+                    for t, w in self._left.values()
+                    if w.job == job and w.anonymous and since <= t
+                ),
+                None,
             )
+        if left is not None and left[1].job == job:
+            self._waiting.pop(wid, None)
+            raise LeftQueue(
+                f"job {job} left the wait for co-location ({left[1].id}, gpuctl queue"
+                " --leave): nothing was started"
+            )
+
+    def _waiters_of(self, job: str, now: float) -> list[_Waiter]:
+        """The runs of ``job`` that wait and still ask, first come first. Under the lock."""
+        mine = [w for w in self._waiting.values() if w.job == job and now - w.last <= WAITER_GONE_S]
+        return sorted(mine, key=lambda w: w.since)
 
     def waiting_kind(self, job: str) -> str | None:
         """The kind (training, inference) of ``job`` while a ``gpuctl run`` of it waits
         for advice (it registers its job only once it reserves); None when none waits."""
         now = self._clock()
         with self._lock:
-            w = self._waiting.get(job)
-            if w is None or now - w.last > WAITER_GONE_S:
-                return None
-            return w.view.kind.value
+            mine = self._waiters_of(job, now)
+            return mine[0].view.kind.value if mine else None
 
     def job_removed(self, job: str, force: bool) -> None:
         """A removal hook of the jobs service (``gpuctl jobs rm``): a ``gpuctl run`` of
@@ -1385,16 +1420,18 @@ class ColoService:
         the run's next question is answered NotFound, and it exits without starting."""
         now = self._clock()
         with self._lock:
-            w = self._waiting.get(job)
-            if w is None or now - w.last > WAITER_GONE_S:
+            mine = self._waiters_of(job, now)
+            if not mine:
                 return
             if not force:
+                ids = ", ".join(w.id for w in mine)
                 raise FailedPrecondition(
-                    f"job {job!r} has a gpuctl run waiting for co-location (for "
-                    f"{now - w.since:.0f} s): Ctrl-C there, or `gpuctl jobs rm --force {job}`, "
-                    "stops the wait"
+                    f"job {job!r} has a gpuctl run waiting for co-location ({ids}, for "
+                    f"{now - mine[0].since:.0f} s): Ctrl-C there, `gpuctl queue --leave ID`,"
+                    f" or `gpuctl jobs rm --force {job}` stops the wait"
                 )
-            del self._waiting[job]
+            for w in mine:
+                del self._waiting[w.id]
             self._removed[job] = now
         self._events.emit(
             "colo.leave",
@@ -1410,38 +1447,36 @@ class ColoService:
         now = self._clock()
         with self._lock:
             gone = self._forget_gone(now)
-            found = [(j, w) for j, w in self._waiting.items() if w.id == waiter_id]
-            for job, w in found:
-                del self._waiting[job]
-                self._left[job] = (now, w.id)
+            w = self._waiting.pop(waiter_id, None)
+            if w is not None:
+                self._left[w.id] = (now, w)
         self._say_gone(gone, now)
-        if not found:
+        if w is None:
             return None
-        ((job, w),) = found
         self._events.emit(
             "colo.leave",
-            f"job {job} left the wait for co-location ({w.id}, gpuctl queue --leave)",
-            job=job,
+            f"job {w.job} left the wait for co-location ({w.id}, gpuctl queue --leave)",
+            job=w.job,
             entry=w.id,
         )
-        return WaiterView(job, now - w.since, w.reason, w.id)
+        return WaiterView(w.job, now - w.since, w.reason, w.id)
 
-    def _forget_gone(self, now: float) -> list[tuple[str, _Waiter]]:
+    def _forget_gone(self, now: float) -> list[_Waiter]:
         """Drop the waiters that stopped asking (their gpuctl run was stopped or killed),
         as the queue drops an entry whose holder process is gone; for :meth:`_say_gone`
         once out of the lock. Under the lock."""
-        gone = [(j, w) for j, w in self._waiting.items() if now - w.last > WAITER_GONE_S]
-        for job, _ in gone:
-            del self._waiting[job]
+        gone = [w for w in self._waiting.values() if now - w.last > WAITER_GONE_S]
+        for w in gone:
+            del self._waiting[w.id]
         return gone
 
-    def _say_gone(self, gone: Sequence[tuple[str, _Waiter]], now: float) -> None:
-        for job, w in gone:
+    def _say_gone(self, gone: Sequence[_Waiter], now: float) -> None:
+        for w in gone:
             self._events.emit(
                 "colo.leave",
-                f"job {job} left the wait for co-location ({w.id}): its gpuctl run stopped "
+                f"job {w.job} left the wait for co-location ({w.id}): its gpuctl run stopped "
                 f"asking {now - w.last:.0f} s ago",
-                job=job,
+                job=w.job,
                 entry=w.id,
             )
 
@@ -1452,8 +1487,8 @@ class ColoService:
         now = self._clock()
         with self._lock:
             gone = self._forget_gone(now)
-            order = sorted(self._waiting.items(), key=lambda jw: (jw[1].since, jw[0]))
-            out = [WaiterView(j, now - w.since, w.reason, w.id) for j, w in order]
+            order = sorted(self._waiting.values(), key=lambda w: (w.since, w.job, w.id))
+            out = [WaiterView(w.job, now - w.since, w.reason, w.id) for w in order]
         self._say_gone(gone, now)
         return out
 
@@ -1469,9 +1504,11 @@ class ColoService:
         snapshot: Snapshot | None,
         since: float | None,
         now: float,
+        waiter: str = "",
     ) -> tuple[Advice, JobView | None]:
         """The advice and the job's view (None when there was no telemetry); ``since``:
-        when a waiting asker was first told to wait (None: it does not wait)."""
+        when a waiting asker was first told to wait (None: it does not wait); ``waiter``:
+        its id ("" when it does not wait)."""
         # each names its field first, as check_slo_ms does: what the gRPC status says first
         if kind not in ("training", "inference"):
             raise InvalidArgument(
@@ -1519,10 +1556,17 @@ class ColoService:
             # comes last): what frees goes to the first that fits there, whichever asks
             # first. A run of an evicted job, or one that waited head_hold_s, that fits
             # nowhere has a GPU held for it, which no later asker is given.
+            # Another run of the same job is planned under its id: the planner knows a job
+            # by its name, and the asker's own name is the one it must answer for.
             ahead = [
-                dataclasses.replace(w.view, order=w.since, waited_s=now - w.since)
-                for j, w in self._waiting.items()
-                if j != job and now - w.last <= WAITER_GONE_S
+                dataclasses.replace(
+                    w.view,
+                    job_id=w.job if w.job != job else f"{w.job} ({w.id})",
+                    order=w.since,
+                    waited_s=now - w.since,
+                )
+                for w in self._waiting.values()
+                if w.id != waiter and now - w.last <= WAITER_GONE_S
             ]
             healthy = {g.identity.index for g in snapshot.gpus if g.healthy}
             running = tuple(r for r in running if r.gpu in healthy)  # the rest stay put

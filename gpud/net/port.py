@@ -53,8 +53,8 @@ class JobTraffic:
     contention_free_iteration_s: float | None
     last_report_unix_s: float | None
     pinned_level: int | None = None
-    # the level the job was pinned to before this start moved its pin to ``pinned_level``,
-    # the lowest of a lowered ``traffic.levels``
+    # the level the job is pinned to, beyond a lowered ``traffic.levels``: ``pinned_level``
+    # is the lowest level, which it holds until the levels are raised again or it is re-pinned
     pin_clamped_from: int | None = None
     cgroup: str = ""
     counters: TrafficCounters = field(default_factory=TrafficCounters)

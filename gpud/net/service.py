@@ -259,19 +259,19 @@ class TrafficService:
         self._tagged_at: dict[str, float] = {}  # job -> when it last asked for a tag
         self.accepted_reports = 0
         self.rejected_reports = 0
-        # job -> the level it was pinned to, moved to the lowest at this start (until the
-        # job is pinned or unpinned again): `gpuctl net show` says the pin was clamped
-        self._clamped: dict[str, int] = {}
         if config.enabled:
+            # the store keeps the operator's level: only its use is clamped (see _pins), so
+            # raising traffic.levels again brings the pin back
             lowest = config.levels - 1
-            for job, level in sorted(self.tags.lower_pins(lowest).items()):
+            for job, level in sorted(self.tags.pins().items()):
+                if level <= lowest:
+                    continue
                 message = (
                     f"job {job} was pinned to level {level}, beyond traffic.levels ="
                     f" {config.levels}: pinned to level {lowest}"
                 )
                 log.warning("traffic: %s", message)
                 self._events.emit("net.pin", message, job=job, level=lowest, pinned=level)
-                self._clamped[job] = level
 
     # -- progress reports ------------------------------------------------------------------
     def report(self, r: Report) -> None:
@@ -420,7 +420,6 @@ class TrafficService:
         with self._lock:
             self.tag(job)
             self.tags.pin(job, level)
-            self._clamped.pop(job, None)
             self._events.emit(
                 "net.pin",
                 f"job {job} pinned to level {level}"
@@ -516,6 +515,7 @@ class TrafficService:
                     total.packets + c.total.packets,
                     total.drops + c.total.drops,
                 )
+        pinned, lowest = self.tags.pins().get(job), self.config.levels - 1
         cgroup = ""
         if self._cgroups is not None and self._cgroups.dir(job).is_dir():
             cgroup = str(self._cgroups.dir(job))
@@ -528,8 +528,8 @@ class TrafficService:
             iteration_s=prog.period_s if prog else None,
             contention_free_iteration_s=prog.ideal_s if prog else None,
             last_report_unix_s=reports.last_report_at if reports else None,
-            pinned_level=self.tags.pins().get(job),
-            pin_clamped_from=self._clamped.get(job),
+            pinned_level=None if pinned is None else min(pinned, lowest),
+            pin_clamped_from=pinned if pinned is not None and pinned > lowest else None,
             cgroup=cgroup,
             counters=total,
         )
@@ -620,7 +620,6 @@ class TrafficService:
     def _forget(self, job: str) -> None:
         """Drop what the service learnt of ``job``'s traffic (its tag is gone)."""
         self._tagged_at.pop(job, None)
-        self._clamped.pop(job, None)
         self._tracker.forget(job)
         self._reports.pop(job, None)
         self._levels.pop(job, None)
@@ -675,6 +674,12 @@ class TrafficService:
             )
             return self.tags.tag(job)
 
+    def _pins(self) -> dict[str, int]:
+        """The operators' pins as enforced: one beyond a lowered ``traffic.levels`` holds
+        the lowest level while it is lowered (the store keeps the level it was set to)."""
+        lowest = self.config.levels - 1
+        return {job: min(level, lowest) for job, level in self.tags.pins().items()}
+
     def _idle_since(self, jobs: Sequence[str]) -> dict[str, float]:
         """Those of ``jobs`` not in use, and since when (unix seconds): no reservation, no
         pin, no process in their cgroup, no progress report or tag request for
@@ -708,7 +713,7 @@ class TrafficService:
             recent = reports is not None and now - reports.last_report_at <= idle
             if job in active_res or recent or job in self.tags.pins():
                 active.append(job)
-        pins = self.tags.pins()
+        pins = self._pins()
         for job, level in pins.items():
             self._leveller.pin(job, level)
         for job in self._leveller.pins():

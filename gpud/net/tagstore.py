@@ -168,18 +168,10 @@ class TagStore:
         with self._lock:
             return dict(self._pins)
 
-    def lower_pins(self, lowest: int) -> dict[str, int]:
-        """Move every pin beyond level ``lowest`` to it (``traffic.levels`` was lowered
-        since it was set); returns job -> the level it was pinned to."""
-        with self._store.transaction() as conn, self._lock:
-            moved = {j: lv for j, lv in self._pins.items() if lv > lowest}
-            for job in moved:
-                conn.execute("UPDATE net_tags SET pinned_level = ? WHERE job = ?", (lowest, job))
-                self._pins[job] = lowest
-        return moved
-
     def pin(self, job: str, level: int | None) -> None:
-        """Persist an operator's level pin (None: unpin). The job must hold a tag."""
+        """Persist an operator's level pin (None: unpin). The job must hold a tag. The level
+        is kept as set, even beyond a ``traffic.levels`` lowered later: the traffic service
+        clamps it where it is used."""
         with self._store.transaction() as conn, self._lock:
             if job not in self._alloc.allocations():
                 raise FailedPrecondition(f"job {job!r} has no tag yet")

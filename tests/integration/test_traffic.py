@@ -403,6 +403,12 @@ def test_a_pin_beyond_lowered_levels_is_clamped_and_says_so(bed: Bed) -> None:
     assert moved["fields"] == {"job": "steady", "level": 1, "pinned": 3}
     assert "job steady was pinned to level 3, beyond traffic.levels = 2" in daemon.log.read_text()
     assert int(bed.classes()[bed.leaf("steady")]["prio"]) == 1
+    stop_daemon(daemon)
+    bed.levels = 4  # raised again: the operator's pin holds again
+    bed.start()
+    bed.wait("pin back", lambda: _enforced(bed) and bed.job("steady").get("level") == 3)
+    job = bed.job("steady")
+    assert job["pinned_level"] == 3 and job.get("pinned_level_clamped_from") is None
 
 
 def test_an_interface_taken_out_of_the_config_loses_gpuds_tree(bed: Bed) -> None:

@@ -18,7 +18,7 @@ from colocate import InterferencePredictor, JobFeatures
 from gpud.backend.port import MemoryInfo, PcieThroughput, Utilization
 from gpud.client.colo import Latency, Throttle
 from gpud.colo.metrics import ColoMetrics
-from gpud.colo.service import ADVICE_REUSE_S, ColoService, RunningJob
+from gpud.colo.service import ADVICE_REUSE_S, Advice, ColoService, RunningJob
 from gpud.config import ColocateConfig
 from gpud.errors import InvalidArgument
 from gpud.events import EventLog
@@ -1083,6 +1083,57 @@ def test_a_run_waiting_for_co_location_has_an_id_that_takes_it_out(
     assert ask("w", 0.5) != first
 
 
+def test_two_runs_of_one_job_wait_as_two_entries(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """Two `gpuctl run`s of one job waiting at once are two waiters, as they would be two
+    queue entries: each its own id (gpuctl makes one up for its first question), both
+    listed, served first come first, and `gpuctl queue --leave ID` takes out that one only.
+    An operator's question leaves them be."""
+    from gpud.colo.service import new_waiter_id
+    from gpud.errors import FailedPrecondition, LeftQueue
+
+    svc, clock, jobs = service
+    snap = memory_held(svc, jobs)
+
+    def ask(waiter_id: str, snapshot: Snapshot = snap) -> Advice:
+        return svc.advise("w", snapshot=snapshot, waiting=True, waiter_id=waiter_id)
+
+    first, second = new_waiter_id(), new_waiter_id()
+    assert ask(first).waiter_id == first
+    clock.t += 1.0
+    assert ask(second).waiter_id == second
+    clock.t += 1.0
+    assert (ask(first).waiter_id, ask(second).waiter_id) == (first, second)
+    svc.advise("w", snapshot=snap)  # not a waiting run's question
+    assert [(w.job, w.id, w.waited_s) for w in svc.waiting()] == [
+        ("w", first, 2.0),
+        ("w", second, 1.0),
+    ]
+    with pytest.raises(FailedPrecondition, match=f"\\({first}, {second}, for 2 s\\)"):
+        svc.job_removed("w", False)
+    jobs.pop(0)  # GPU 0 frees: room for one of them, the first
+    freed = Snapshot(0.0, 0.0, (snapshot(used_gib=0).gpus[0], snap.gpus[1]), 0.01)
+    later = ask(second, freed)
+    assert later.gpu == -1
+    assert later.reason == f"its options went to jobs ahead of it: w ({first})"
+    left = svc.leave(first)
+    assert left is not None and left.id == first
+    assert [w.id for w in svc.waiting()] == [second]
+    with pytest.raises(LeftQueue, match=first):
+        ask(first, freed)
+    assert ask(second, freed).gpu == 0  # the other run still waits, now first in line
+    assert svc.waiting() == []
+    # a gpuctl that predates the ids asks without one: known by its job, and told it left
+    snap = memory_held(svc, jobs)
+    old = svc.advise("x", snapshot=snap, waiting=True).waiter_id
+    clock.t += 1.0
+    assert svc.advise("x", snapshot=snap, waiting=True, waited_s=1.0).waiter_id == old
+    assert svc.leave(old) is not None
+    with pytest.raises(LeftQueue, match=old):
+        svc.advise("x", snapshot=snap, waiting=True, waited_s=2.0)
+
+
 def test_a_waiting_run_keeps_its_id_through_a_restart_and_goes_when_it_stops_asking(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
@@ -1106,7 +1157,7 @@ def test_a_waiting_run_keeps_its_id_through_a_restart_and_goes_when_it_stops_ask
     ask("w", told)
     clock.t += 9.0  # x and y stopped asking 12 s ago, w 9 s ago
     svc.tick(snap)
-    assert list(svc._waiting) == ["w"]
+    assert [w.job for w in svc._waiting.values()] == ["w"]
     gone = svc._events.recent(kind_prefix="colo.leave")
     assert sorted(e.fields["job"] for e in gone) == ["x", "y"]
     assert all("its gpuctl run stopped asking 12 s ago" in e.message for e in gone)

@@ -502,6 +502,16 @@ def test_a_config_path_that_is_no_regular_file_is_refused_without_blocking(
         config.load(fifo, required=True)
     with pytest.raises(ConfigError, match=r"cannot read: Is a directory"):
         config.load(tmp_path, required=True)
+    with pytest.raises(ConfigError, match=r"zero: cannot read: not a regular file"):
+        config.load(Path("/dev/zero"), required=True)  # a device that never ends
+
+
+def test_dev_null_as_the_config_means_all_defaults(tmp_path: Path) -> None:
+    """`gpud --config /dev/null`: no settings, whatever link reaches it."""
+    assert config.load(Path("/dev/null"), required=True) == config.Config()
+    link = tmp_path / "gpud.toml"
+    link.symlink_to("/dev/null")
+    assert config.load(link, required=True) == config.Config()
 
 
 def test_a_config_nested_too_deeply_is_a_config_error(tmp_path: Path) -> None:

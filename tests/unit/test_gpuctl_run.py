@@ -1053,7 +1053,51 @@ def test_gpuctl_queue_lists_a_run_waiting_for_co_location_and_leave_stops_it(
         assert n.jobs.registry.find("w") is None and n.jobs.reservations.held() == []
         assert loop.waiting() == []
         assert n.ctl("queue", "--leave", waiter.id) == 4  # gone
+        assert (
+            f"no queue entry or run waiting for co-location '{waiter.id}' (gpuctl queue lists them)"
+        ) in capsys.readouterr().err
     assert not marker.exists()
+
+
+def test_two_runs_of_one_job_waiting_for_co_location_are_two_entries(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two `gpuctl run`s of one job waiting for co-location at once are listed apart, each
+    with its own id, as two queue entries of one job are; `gpuctl queue --leave ID` takes
+    out that run only, and the other goes on waiting."""
+    import time
+    from typing import cast
+
+    from gpud.admission.api import QueueServicer
+    from gpud.admission.service import AdmissionService
+    from gpud.config import AdmissionConfig
+
+    loop, colo = memory_held_loop()
+    queue = QueueServicer(cast(AdmissionService, None), leave_waiter=loop.leave)
+    with serving(colo.register, queue.register) as n:
+        queue._service = AdmissionService(
+            n.jobs.store, n.jobs, n.mps, EventLog(None), AdmissionConfig()
+        )
+        with (
+            waiting_run(n, loop, "w", tmp_path / "one") as first_codes,
+            waiting_run(n, loop, "w", tmp_path / "two") as second_codes,
+        ):
+            for _ in range(100):
+                if len(loop.waiting()) == 2:
+                    break
+                time.sleep(0.05)
+            first, second = loop.waiting()
+            assert (first.job, second.job) == ("w", "w") and first.id != second.id
+            assert n.ctl("queue") == 0
+            out = capsys.readouterr().out
+            assert f" {first.id} " in out and f" {second.id} " in out
+            assert n.ctl("queue", "--leave", first.id) == 0
+            time.sleep(5.0)  # both asked again meanwhile
+            assert [w.id for w in loop.waiting()] == [second.id]
+            assert n.ctl("queue", "--leave", second.id) == 0
+        assert sorted(first_codes + second_codes) == [1, 1]
+        assert loop.waiting() == []
+    assert not (tmp_path / "one").exists() and not (tmp_path / "two").exists()
 
 
 class LeavesAfterOnePoll(queue_pb2_grpc.QueueServicer):

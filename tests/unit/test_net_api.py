@@ -526,8 +526,8 @@ def test_a_pin_clamped_to_fewer_levels_is_shown_as_clamped(
     (row,) = [line for line in out.splitlines() if line.startswith("train-b ")]
     assert "1 (pinned 3, clamped)" in row
     assert (
-        "train-b: pinned to level 3, beyond traffic.levels = 2: held at level 1 since gpud"
-        " started (gpuctl net pin sets it again)"
+        "train-b: pinned to level 3, beyond traffic.levels = 2: held at level 1 until"
+        " traffic.levels is raised again (gpuctl net pin replaces it)"
     ) in out
     jobs = {j["job"]: j for j in json.loads(json_out)["jobs"]}
     assert jobs["train-b"]["pinned_level"] == 1

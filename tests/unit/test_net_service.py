@@ -431,15 +431,37 @@ def test_a_pin_beyond_fewer_levels_moves_to_the_lowest_level(
     assert rig.service.view().jobs[1].pin_clamped_from == 3
     rig.service.start()
     rig.service.tick()
-    assert rig.service.tags.pins() == {"b": 1}
-    assert {j.job: j.level for j in rig.service.local_report().jobs}["b"] == 1
+    assert rig.service.tags.pins() == {"b": 3}  # the operator's level is kept
+    assert {j.job: (j.level, j.pinned_level) for j in rig.service.local_report().jobs}["b"] == (
+        1,
+        1,
+    )
     assert all(i.enforced for i in rig.service.view().interfaces)
     (event,) = rig.events.recent(100, kind_prefix="net.pin")[-1:]
     assert "level 3" in event.message and "traffic.levels = 2" in event.message
-    assert rig.make().tags.pins() == {"b": 1}  # persisted
     assert len(rig.events.recent(100, kind_prefix="net.pin")) == 2  # the pin, one move
+    restarted = rig.make()  # still with traffic.levels = 2: still clamped, and says so
+    assert restarted.tags.pins() == {"b": 3}
+    assert restarted.view().jobs[1].pin_clamped_from == 3
     rig.service.pin("b", 0)
     assert rig.service.view().jobs[1].pin_clamped_from is None
+    assert rig.make().tags.pins() == {"b": 0}  # a new pin replaces the kept one
+
+
+def test_a_clamped_pin_comes_back_when_the_levels_are_raised_again(rig: Rig) -> None:
+    rig.service.pin("b", 3)
+    rig.config = dataclasses.replace(rig.config, levels=2)
+    rig.service = rig.make()  # a restart with traffic.levels lowered from 4 to 2
+    rig.service.start()
+    rig.service.tick()
+    assert {j.job: j.level for j in rig.service.local_report().jobs}["b"] == 1
+    rig.config = dataclasses.replace(rig.config, levels=4)
+    rig.service = rig.make()  # and raised back to 4
+    rig.service.start()
+    rig.service.tick()
+    (job,) = [j for j in rig.service.view().jobs if j.job == "b"]
+    assert (job.level, job.pinned_level, job.pin_clamped_from) == (3, 3, None)
+    assert len(rig.events.recent(100, kind_prefix="net.pin")) == 2  # the pin, one clamp
 
 
 def test_pins_and_reports_are_refused_while_traffic_is_off(tmp_path: Path, sysfs: Path) -> None:
