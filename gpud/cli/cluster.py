@@ -2,7 +2,9 @@
 
 ::
 
-    gpuctl cluster status [--json]           leader, epoch, mode; etcd's alarms; nodes (on the
+    gpuctl cluster status [--json]           the leader this node reports to (and whether
+                                             etcd or the old leader named it), epoch, mode,
+                                             what to do; etcd's alarms; nodes (asked of that
                                              leader); every node's problem (as it published
                                              it); when the certificates expire; jobs
     gpuctl cluster attributes [--job J ...]  runtime attributes of this node's jobs
@@ -24,10 +26,11 @@ from gpud.v1 import cluster_pb2_grpc as pb_grpc
 _RENEW_SOON_S = 14 * 86400  # as the daemon's warning (gpud.cluster.certexpiry.WARN_S)
 
 _MODES = {
-    "leader": "leader (this node leads)",
+    "leader": "leader (this node leads: it ranks every node's jobs and hands out the order)",
     "follower": "follower (applying the leader's orders)",
     "holding": "holding (no leader reachable: the last order stays in force)",
-    "local": "local (no leader order: this node's own policy)",
+    "local": "local (no leader order within the grace period: this node's own policy decides;"
+    " it follows again at the next leader order)",
 }
 
 
@@ -56,21 +59,28 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.out.json:
         ctx.out.print_json(resp)
         return 0
-    age = (
-        f"{seconds(resp.last_order_age_seconds)} ago"
-        if resp.HasField("last_order_age_seconds")
-        else "never"
-    )
-    leader = resp.leader or "none known"
-    if resp.leader_address:
-        leader += f" at {resp.leader_address}"
-    lines = [
-        f"node:        {resp.node} (election: {resp.election})",
-        f"leader:      {leader}, epoch {resp.epoch}",
-        f"mode:        {_MODES.get(resp.mode, resp.mode)}",
-        f"last order:  epoch {resp.applied_epoch}.{resp.applied_seq}, {age}"
-        f" (local policy after {seconds(resp.grace_seconds)} without one)",
-    ]
+    lines = [f"node:        {resp.node} (election: {resp.election})", *_leader_lines(resp)]
+    mode = _MODES.get(resp.mode, resp.mode)
+    if resp.mode == "holding" and resp.HasField("last_order_age_seconds"):
+        left = max(0.0, resp.grace_seconds - resp.last_order_age_seconds)
+        mode = (
+            "holding (no leader reachable: the last order stays in force; local policy in"
+            f" {seconds(left)} unless an order comes)"
+        )
+    lines.append(f"mode:        {mode}")
+    if not resp.HasField("last_order_age_seconds"):
+        lines.append("last order:  none yet (this node's own policy decides until one comes)")
+    elif resp.leading:
+        lines.append(
+            f"last order:  epoch {resp.applied_epoch}.{resp.applied_seq}, applied"
+            f" {seconds(resp.last_order_age_seconds)} ago"
+        )
+    else:
+        lines.append(
+            f"last order:  epoch {resp.applied_epoch}.{resp.applied_seq},"
+            f" {seconds(resp.last_order_age_seconds)} ago"
+            f" (local policy after {seconds(resp.grace_seconds)} without one)"
+        )
     if resp.election == "etcd":
         lines.append(f"etcd:        {'reachable' if resp.store_ok else 'UNREACHABLE'}")
         if "NOSPACE" in resp.etcd_alarms:
@@ -87,6 +97,7 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
         lines.append(f"detail:      {resp.detail}")
     if resp.last_error:
         lines.append(f"error:       {resp.last_error}")
+    lines += [f"action:      {a}" for a in _actions(resp)]
     if resp.rejected_orders:
         lines.append(f"rejected:    {resp.rejected_orders} stale orders")
     ctx.out.print("\n".join(lines))
@@ -116,6 +127,8 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
         )
     if resp.jobs:
         ctx.out.print()
+        if resp.mode == "local":
+            ctx.out.print("the last order's levels, not in force (the local policy decides):")
         ctx.out.print_table(
             ("JOB", "LEVEL", "DSCP", "PROGRESS", "SLOWEST NODE", "NODES"),
             [
@@ -131,6 +144,55 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
             ],
         )
     return 0
+
+
+def _leader_lines(resp: pb.GetClusterStatusResponse) -> list[str]:
+    """Who this node reports to, and where it learnt that."""
+    if not resp.leader:
+        return [f"leader:      none known, epoch {resp.epoch}"]
+    leader = f"{resp.leader} at {resp.leader_address}" if resp.leader_address else resp.leader
+    if resp.leader_source != "hint":
+        stale = (
+            " (as this node last read etcd)"
+            if resp.election == "etcd" and not resp.store_ok
+            else ""
+        )
+        return [f"leader:      {leader}, epoch {resp.epoch}{stale}"]
+    since = ""
+    if resp.HasField("leader_since_unix_seconds"):
+        since = f" for {seconds(max(0.0, time.time() - resp.leader_since_unix_seconds))}"
+    elected = resp.elected_leader
+    if resp.elected_leader_address:
+        elected += f" at {resp.elected_leader_address}"
+    return [
+        f"leader:      {leader}, not from etcd: named by {resp.elected_leader} when it refused"
+        f" this node's report; reporting there{since}",
+        f"etcd leader: {elected}, epoch {resp.epoch}, as this node last read etcd;"
+        f" {resp.elected_leader} does not lead now",
+    ]
+
+
+def _actions(resp: pb.GetClusterStatusResponse) -> list[str]:
+    """What an operator can do about the state the status shows (none when all is well)."""
+    actions: list[str] = []
+    if resp.election == "etcd" and not resp.store_ok and not resp.leading:
+        actions.append(
+            "make etcd reachable from this node (cluster.etcd_endpoints, etcd's TLS and auth"
+            " files; the detail says why it fails): it learns of a new leader only from etcd"
+        )
+    if "handshake" in resp.last_error.lower():
+        actions.append(
+            "the TLS handshake with the leader failed: both certificates must be signed by"
+            " the same cluster CA (cluster.ca_file on each node), name their node and be"
+            " valid now (openssl verify -CAfile CA CERT on this node's cluster.cert_file and"
+            " the leader's)"
+        )
+    elif resp.mode in ("holding", "local") and resp.last_error:
+        actions.append(
+            "make the leader reachable from this node (see error: its cluster.advertise"
+            " address, the network between them); the node follows again by itself"
+        )
+    return actions
 
 
 def _certificate_row(c: pb.ClusterCertificate) -> tuple[str, str, str]:

@@ -66,6 +66,17 @@ class PeerTransport(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class LeaderHint:
+    """The leader a follower reports to instead of the one the election names: the one
+    that leader named when it refused the report (:class:`NotLeader`), and since when (a
+    Unix time) this node reports there."""
+
+    leader: str
+    address: str
+    since: float
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterStatus:
     election: str
     node: str
@@ -82,6 +93,8 @@ class ClusterStatus:
     problems: tuple[Problem, ...] = ()  # every node's, as published in etcd
     etcd_alarms: tuple[str, ...] = ()  # raised on etcd as last read, e.g. ("NOSPACE",)
     certificates: tuple[CertExpiry, ...] = ()  # the peer API's and etcd's, when they expire
+    # the leader this node reports to while it is not the one ``info`` names (None: it is)
+    hint: LeaderHint | None = None
 
 
 def _codes(held: Iterable[str], critical: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
@@ -159,8 +172,8 @@ class ClusterAgent:
         self._order_cleared = False  # the local policy decides again (grace period over)
         self.last_error = ""
         self._duplicates: set[str] = set()  # node names two gpuds were found to share
-        # ((leader, epoch) the election names, (leader, address) that leader named instead)
-        self._hint: tuple[tuple[str, int], tuple[str, str]] | None = None
+        # ((leader, epoch) the election names, the leader that one named instead)
+        self._hint: tuple[tuple[str, int], LeaderHint] | None = None
         # '' or why peers refuse this node's certificate at a Unix time (expired since start)
         self._credential_problem = credential_problem or (lambda now: "")
         self._credential_logged = ""
@@ -304,9 +317,9 @@ class ClusterAgent:
         """
         assert self._peers is not None
         named = (info.leader, info.epoch)
-        hint = self._hint[1] if self._hint is not None and self._hint[0] == named else None
+        hint = self._hinted(info)
         self._hint = None if hint is None else self._hint
-        leader, address = hint or (info.leader, info.address)
+        leader, address = (hint.leader, hint.address) if hint else (info.leader, info.address)
         try:
             order = await self._peers.report(address, leader, report)
         except NotLeader as err:
@@ -318,7 +331,7 @@ class ClusterAgent:
                     err.leader,
                     err.address,
                 )
-                self._hint = (named, (err.leader, err.address))
+                self._hint = (named, LeaderHint(err.leader, err.address, self._wall()))
                 await self._follow(info, report, problem)  # once: a hint is not followed on
                 return
             self._hint = None
@@ -337,6 +350,14 @@ class ClusterAgent:
             self.last_error = ""
         elif hint is not None:
             self._hint = None  # an order the fence refused: no better than the election's
+
+    def _hinted(self, info: LeaderInfo) -> LeaderHint | None:
+        """The leader followed instead of the one ``info`` names, if any: a hint holds only
+        while the election names the same leader in the same epoch."""
+        hint = self._hint  # read once: a round may replace it meanwhile
+        if info.leading or hint is None or hint[0] != (info.leader, info.epoch):
+            return None
+        return hint[1]
 
     def _check_certificates(self) -> None:
         """A certificate expiring within two weeks (or expired): logged and an event, once
@@ -522,14 +543,15 @@ class ClusterAgent:
 
     async def status_with_nodes(self) -> ClusterStatus:
         """:meth:`status`, with every node's published problem; on a follower, with the node
-        list asked of the leader."""
+        list asked of the leader it reports to (the hinted one while it follows a hint)."""
         status = self.status()
         status = dataclasses.replace(status, problems=tuple(await self.node_problems()))
-        info = status.info
-        if info.leading or not (info.leader and info.address and self._peers):
+        info, hint = status.info, status.hint
+        leader, address = (hint.leader, hint.address) if hint else (info.leader, info.address)
+        if info.leading or not (leader and address and self._peers):
             return status
         try:
-            nodes = await self._peers.nodes(info.address, info.leader)
+            nodes = await self._peers.nodes(address, leader)
         except GpudError:
             return status  # the leader is unreachable: the mode and detail say so
         return dataclasses.replace(status, nodes=tuple(nodes))
@@ -694,6 +716,7 @@ class ClusterAgent:
             last_error=self.last_error,
             etcd_alarms=self.etcd_alarms,
             certificates=self._certs.expiries(self._wall()) if self._certs is not None else (),
+            hint=self._hinted(info),
         )
 
     def levels(self) -> Mapping[str, int]:

@@ -123,11 +123,15 @@ def _node_from_pb(m: pb.ClusterNode) -> NodeSeen:
 
 
 def status_to_pb(s: ClusterStatus) -> pb.GetClusterStatusResponse:
+    hint = s.hint
     msg = pb.GetClusterStatusResponse(
         election=s.election,
         node=s.node,
-        leader=s.info.leader,
-        leader_address=s.info.address,
+        leader=hint.leader if hint else s.info.leader,
+        leader_address=hint.address if hint else s.info.address,
+        leader_source="hint" if hint else "election",
+        elected_leader=s.info.leader,
+        elected_leader_address=s.info.address,
         epoch=s.info.epoch,
         leading=s.info.leading,
         mode=s.mode.value,
@@ -153,6 +157,8 @@ def status_to_pb(s: ClusterStatus) -> pb.GetClusterStatusResponse:
             cert.expires_in_seconds = c.expires_in_s
     if s.last_order_age_s is not None:
         msg.last_order_age_seconds = s.last_order_age_s
+    if hint is not None:
+        msg.leader_since_unix_seconds = hint.since
     for a in s.jobs:
         job = msg.jobs.add(job=a.job, slowest_node=a.slowest_node, nodes=a.nodes)
         if a.level is not None:

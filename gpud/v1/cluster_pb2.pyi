@@ -616,14 +616,18 @@ class GetClusterStatusResponse(_message.Message):
     PROBLEMS_FIELD_NUMBER: _builtins.int
     ETCD_ALARMS_FIELD_NUMBER: _builtins.int
     CERTIFICATES_FIELD_NUMBER: _builtins.int
+    LEADER_SOURCE_FIELD_NUMBER: _builtins.int
+    ELECTED_LEADER_FIELD_NUMBER: _builtins.int
+    ELECTED_LEADER_ADDRESS_FIELD_NUMBER: _builtins.int
+    LEADER_SINCE_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     election: _builtins.str
     """"single" or "etcd" """
     node: _builtins.str
     leader: _builtins.str
-    """"" when none is known"""
+    """the leader this node reports to ("" when none is known): see leader_source"""
     leader_address: _builtins.str
     epoch: _builtins.int
-    """the election's current epoch"""
+    """the election's current epoch (elected_leader's)"""
     leading: _builtins.bool
     mode: _builtins.str
     """leader, follower, holding (no leader: last order kept), local"""
@@ -639,6 +643,18 @@ class GetClusterStatusResponse(_message.Message):
     """why the last round brought no order into force: the leader unreachable or refusing this
     node's report, the traffic service refusing the order ("" when it was applied)
     """
+    leader_source: _builtins.str
+    """where leader comes from. "election": the leader the election names (etcd's leader key
+    as this node last read it; the node itself when it leads, or with election "single").
+    "hint": the leader the election names (elected_leader) refused this node's report as
+    not leading and named leader instead; this node cannot read etcd, or has not yet seen
+    the change, and reports there since leader_since_unix_seconds.
+    """
+    elected_leader: _builtins.str
+    """the leader the election names: leader unless a hint"""
+    elected_leader_address: _builtins.str
+    leader_since_unix_seconds: _builtins.float
+    """with leader_source "hint" """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterNode]:
         """every node the leader heard from (asked of the leader)"""
@@ -682,14 +698,23 @@ class GetClusterStatusResponse(_message.Message):
         problems: _abc.Iterable[Global___ClusterProblem] | None = ...,
         etcd_alarms: _abc.Iterable[_builtins.str] | None = ...,
         certificates: _abc.Iterable[Global___ClusterCertificate] | None = ...,
+        leader_source: _builtins.str = ...,
+        elected_leader: _builtins.str = ...,
+        elected_leader_address: _builtins.str = ...,
+        leader_since_unix_seconds: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds", "last_order_age_seconds", b"last_order_age_seconds"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds", "_leader_since_unix_seconds", b"_leader_since_unix_seconds", "last_order_age_seconds", b"last_order_age_seconds", "leader_since_unix_seconds", b"leader_since_unix_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds", "applied_epoch", b"applied_epoch", "applied_seq", b"applied_seq", "certificates", b"certificates", "detail", b"detail", "election", b"election", "epoch", b"epoch", "etcd_alarms", b"etcd_alarms", "grace_seconds", b"grace_seconds", "jobs", b"jobs", "last_error", b"last_error", "last_order_age_seconds", b"last_order_age_seconds", "leader", b"leader", "leader_address", b"leader_address", "leading", b"leading", "mode", b"mode", "node", b"node", "nodes", b"nodes", "problems", b"problems", "rejected_orders", b"rejected_orders", "store_ok", b"store_ok"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds", "_leader_since_unix_seconds", b"_leader_since_unix_seconds", "applied_epoch", b"applied_epoch", "applied_seq", b"applied_seq", "certificates", b"certificates", "detail", b"detail", "elected_leader", b"elected_leader", "elected_leader_address", b"elected_leader_address", "election", b"election", "epoch", b"epoch", "etcd_alarms", b"etcd_alarms", "grace_seconds", b"grace_seconds", "jobs", b"jobs", "last_error", b"last_error", "last_order_age_seconds", b"last_order_age_seconds", "leader", b"leader", "leader_address", b"leader_address", "leader_since_unix_seconds", b"leader_since_unix_seconds", "leader_source", b"leader_source", "leading", b"leading", "mode", b"mode", "node", b"node", "nodes", b"nodes", "problems", b"problems", "rejected_orders", b"rejected_orders", "store_ok", b"store_ok"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_order_age_seconds: _TypeAlias = _typing.Literal["last_order_age_seconds"]  # noqa: Y015
     _WhichOneofArgType__last_order_age_seconds: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__leader_since_unix_seconds: _TypeAlias = _typing.Literal["leader_since_unix_seconds"]  # noqa: Y015
+    _WhichOneofArgType__leader_since_unix_seconds: _TypeAlias = _typing.Literal["_leader_since_unix_seconds", b"_leader_since_unix_seconds"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__last_order_age_seconds) -> _WhichOneofReturnType__last_order_age_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__leader_since_unix_seconds) -> _WhichOneofReturnType__leader_since_unix_seconds | None: ...
 
 Global___GetClusterStatusResponse: _TypeAlias = GetClusterStatusResponse  # noqa: Y015
 

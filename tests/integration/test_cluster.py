@@ -134,6 +134,42 @@ def test_a_leader_cut_off_from_etcd_steps_down_before_a_successor_is_elected(
     assert all(n.status()["rejected_orders"] == 0 for n in cluster.nodes)
 
 
+def test_a_follower_cut_off_from_etcd_shows_the_leader_its_old_leader_named(
+    cluster: Cluster,
+) -> None:
+    """The follower cannot read etcd when the leader steps down; the old leader names its
+    successor, and the follower reports there: its status names the successor (a hint,
+    not etcd's word, and since when) and lists the nodes the successor heard from."""
+    ((leader, before),) = cluster.leaders()
+    follower, other = [n for n in cluster.nodes if n is not leader]
+    follower.proxy.cut()
+    leader.proxy.cut()
+    cluster.wait(lambda: bool(other.status().get("leading")), what=f"{other.name} leads")
+    leader.proxy.heal()
+    epoch = other.status()["epoch"]
+    cluster.wait(
+        lambda: follower.status().get("applied_epoch") == epoch,
+        what=f"{follower.name} follows {other.name} on {leader.name}'s word",
+    )
+    status = follower.status()
+    assert status["mode"] == "follower" and not status["store_ok"]
+    assert (status["leader"], status["leader_source"]) == (other.name, "hint")
+    assert (status["elected_leader"], status["epoch"]) == (leader.name, before["epoch"])
+    assert 0 <= time.time() - status["leader_since_unix_seconds"] < 30
+    assert sorted(n["node"] for n in status["nodes"]) == ["n0", "n1", "n2"]
+    text = follower.daemon.gpuctl("cluster", "status").stdout
+    assert f"leader:      {other.name} at " in text
+    assert f"not from etcd: named by {leader.name}" in text
+    follower.proxy.heal()
+    cluster.wait(
+        lambda: (
+            follower.status().get("leader_source") == "election"
+            and follower.status().get("elected_leader") == other.name
+        ),
+        what="etcd names the leader again",
+    )
+
+
 def test_etcd_restart_is_ridden_out_fail_static(cluster: Cluster) -> None:
     ((_, before),) = cluster.leaders()
     kept = {n.name: levels(n.status()) for n in cluster.nodes}

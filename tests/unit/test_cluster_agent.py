@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gpud.cluster.agent import ClusterAgent
+from gpud.cluster.agent import ClusterAgent, LeaderHint
+from gpud.cluster.api import status_to_pb
 from gpud.cluster.certexpiry import CertWatch
 from gpud.cluster.election import LeaderInfo
 from gpud.cluster.fencing import Mode
@@ -72,6 +73,7 @@ class RoutedPeers:
     def __init__(self) -> None:
         self.at: dict[str, ClusterAgent] = {}
         self.asked: list[str] = []
+        self.asked_nodes: list[str] = []
 
     async def report(self, address: str, leader: str, report: NodeReport) -> Order | None:
         self.asked.append(leader)
@@ -81,7 +83,11 @@ class RoutedPeers:
         return target.receive(report)
 
     async def nodes(self, address: str, leader: str) -> list[NodeSeen]:
-        raise Unavailable(f"leader {leader} at {address}: UNAVAILABLE")
+        self.asked_nodes.append(leader)
+        target = self.at.get(address)
+        if target is None or target.node != leader:
+            raise Unavailable(f"leader {leader} at {address}: UNAVAILABLE")
+        return target.seen_nodes()
 
 
 def job(name: str, rate: float | None) -> JobTraffic:
@@ -254,6 +260,44 @@ async def test_a_follower_cut_off_from_etcd_follows_the_leader_its_old_leader_na
     election.info = LeaderInfo("n2", "a2", 9, False)
     await follower.tick()
     assert peers.asked[3:] == ["n2"] and follower._hint is None
+
+
+async def test_status_names_the_leader_a_follower_reports_to_on_a_hint() -> None:
+    """While the follower reports to the leader its old leader named, its status names
+    that one (marked as a hint, with since when) beside the one etcd last named, and the
+    node list is asked of it: the old leader has none to give."""
+    clock, peers = Clock(), RoutedPeers()
+    old = agent("n0", LeaderInfo("n2", "a2", 9, False), FakeTraffic(), peers, clock)
+    new = agent("n2", LeaderInfo("n2", "a2", 9, True), FakeTraffic(), peers, clock)
+    election = FixedElection(LeaderInfo("n0", "a0", 7, False, False, "cannot reach etcd"))
+    wall = [1.7e9]
+    follower = agent(
+        "n1", election.info, FakeTraffic((job("a", 0.5),)), peers, clock, wall=lambda: wall[0]
+    )
+    follower.election = election
+    peers.at = {"a0": old, "a2": new}
+    assert follower.status().hint is None
+    await new.tick()
+    await follower.tick()
+    wall[0] += 30
+    await new.tick()
+    await follower.tick()
+    status = await follower.status_with_nodes()
+    assert status.hint == LeaderHint("n2", "a2", since=1.7e9)  # not reset by a later round
+    assert (status.info.leader, status.info.epoch) == ("n0", 7)  # what etcd last named
+    assert peers.asked_nodes == ["n2"]
+    assert [n.node for n in status.nodes] == ["n1", "n2"]
+    msg = status_to_pb(status)
+    assert (msg.leader, msg.leader_address, msg.leader_source) == ("n2", "a2", "hint")
+    assert (msg.elected_leader, msg.elected_leader_address, msg.epoch) == ("n0", "a0", 7)
+    assert msg.leader_since_unix_seconds == 1.7e9 and msg.mode == "follower"
+    # the election names a leader again: that one, from the election, with no "since"
+    election.info = LeaderInfo("n2", "a2", 9, False)
+    assert follower.status().hint is None
+    msg = status_to_pb(await follower.status_with_nodes())
+    assert (msg.leader, msg.leader_source, msg.elected_leader) == ("n2", "election", "n2")
+    assert not msg.HasField("leader_since_unix_seconds")
+    assert peers.asked_nodes == ["n2", "n2"]
 
 
 async def test_a_named_leader_is_only_a_hint() -> None:

@@ -1,0 +1,140 @@
+"""``gpuctl cluster status`` as an operator reads it, for a node in each state."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from gpud.cli.cluster import run_status
+from gpud.cli.context import Context
+from gpud.cli.output import Output
+from gpud.v1 import cluster_pb2 as pb
+
+
+class Answer(Context):
+    """A context whose daemon answers every call with ``response``."""
+
+    def __init__(self, response: pb.GetClusterStatusResponse, *, json_output: bool) -> None:
+        self.text = io.StringIO()
+        super().__init__(
+            socket_path=Path("/run/gpud/gpud.sock"),
+            timeout=2.0,
+            output=Output(json_output=json_output, stream=self.text),
+        )
+        self._response = response
+
+    def stub(self, stub_class: Any) -> Any:
+        return self
+
+    @property
+    def GetClusterStatus(self) -> Any:  # the stub method run_status names
+        return None
+
+    def call(self, method: Any, request: object) -> Any:
+        return self._response
+
+
+def status(response: pb.GetClusterStatusResponse) -> str:
+    ctx = Answer(response, json_output=False)
+    assert run_status(ctx, argparse.Namespace()) == 0
+    return ctx.text.getvalue()
+
+
+def base(**fields: Any) -> pb.GetClusterStatusResponse:
+    values: dict[str, Any] = {
+        "election": "etcd",
+        "node": "n1",
+        "leader": "n0",
+        "leader_address": "10.0.0.1:7443",
+        "leader_source": "election",
+        "elected_leader": "n0",
+        "elected_leader_address": "10.0.0.1:7443",
+        "epoch": 7,
+        "mode": "follower",
+        "store_ok": True,
+        "applied_epoch": 7,
+        "applied_seq": 3,
+        "last_order_age_seconds": 0.4,
+        "grace_seconds": 30.0,
+        "jobs": [pb.ClusterJob(job="a", level=1, nodes=["n1"])],
+    }
+    values.update(fields)
+    return pb.GetClusterStatusResponse(**values)
+
+
+def test_a_follower_on_a_hint_names_the_leader_it_reports_to_and_who_named_it() -> None:
+    since = time.time() - 12
+    response = base(
+        leader="n2",
+        leader_address="10.0.0.2:7443",
+        leader_source="hint",
+        leader_since_unix_seconds=since,
+        store_ok=False,
+        detail="etcd unreachable at http://10.0.0.9:2379: ConnectionFailedError",
+        applied_epoch=9,
+        nodes=[pb.ClusterNode(node="n2", report_age_seconds=0.1, jobs=1, applied_epoch=9)],
+    )
+    text = status(response)
+    assert (
+        "leader:      n2 at 10.0.0.2:7443, not from etcd: named by n0 when it refused this"
+        " node's report; reporting there for 12" in text
+    )
+    assert (
+        "etcd leader: n0 at 10.0.0.1:7443, epoch 7, as this node last read etcd;"
+        " n0 does not lead now" in text
+    )
+    assert "leader:      n0" not in text
+    assert "action:      make etcd reachable from this node" in text
+    assert "n2    100 ms ago" in text  # the node list, as the hinted leader gave it
+    ctx = Answer(response, json_output=True)
+    run_status(ctx, argparse.Namespace())
+    data = json.loads(ctx.text.getvalue())
+    assert (data["leader"], data["leader_source"], data["elected_leader"]) == ("n2", "hint", "n0")
+    assert data["leader_since_unix_seconds"] == since and data["epoch"] == 7
+
+
+def test_each_state_says_what_the_node_does_and_what_to_do() -> None:
+    leader = status(base(mode="leader", leading=True, leader="n1", elected_leader="n1"))
+    assert "leader:      n1 at 10.0.0.1:7443, epoch 7\n" in leader
+    # a leader computes its orders: it does not fall back to its local policy
+    assert "applied 400 ms ago" in leader and "local policy after" not in leader
+    assert "action:" not in leader
+
+    follower = status(base())
+    assert "follower (applying the leader's orders)" in follower
+    assert "(local policy after 30.0 s without one)" in follower and "action:" not in follower
+
+    cut_off = status(base(store_ok=False, detail="etcd unreachable"))
+    assert "leader:      n0 at 10.0.0.1:7443, epoch 7 (as this node last read etcd)" in cut_off
+    assert "action:      make etcd reachable from this node" in cut_off
+
+    holding = status(
+        base(mode="holding", last_order_age_seconds=10.0, last_error="leader n0: UNAVAILABLE")
+    )
+    assert "the last order stays in force; local policy in 20.0 s unless an order" in holding
+    assert "action:      make the leader reachable from this node" in holding
+
+    local = status(
+        base(mode="local", last_order_age_seconds=45.0, last_error="leader n0: UNAVAILABLE")
+    )
+    assert "this node's own policy decides; it follows again at the next" in local
+    assert "the last order's levels, not in force (the local policy decides):" in local
+
+    refused = status(
+        base(
+            mode="local",
+            applied_epoch=0,
+            applied_seq=0,
+            last_order_age_seconds=None,
+            jobs=[],
+            last_error="leader n0 at 10.0.0.1:7443: UNAVAILABLE failed to connect to all"
+            " addresses; last error: UNKNOWN: Tls handshake failed (TSI_PROTOCOL_FAILURE)",
+        )
+    )
+    assert "last order:  none yet" in refused and "epoch 0.0, never" not in refused
+    assert "action:      the TLS handshake with the leader failed: both certificates" in refused
+    assert "make the leader reachable" not in refused
