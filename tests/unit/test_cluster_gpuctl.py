@@ -70,7 +70,7 @@ def test_status_table_and_json(
     assert main(["cluster", "status", "--socket", sock], env={}) == 0
     out = capsys.readouterr().out
     assert "gpu-01 at 10.0.0.1:7443, epoch 12" in out
-    assert "leader (this node leads)" in out
+    assert "leader (this node leads: it ranks every node's jobs" in out
     assert "train-a" in out and "LAST REPORT" in out
     assert main(["cluster", "status", "--socket", sock, "--json"], env={}) == 0
     data = json.loads(capsys.readouterr().out)
