@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
@@ -96,7 +97,7 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
     if resp.detail:
         lines.append(f"detail:      {resp.detail}")
     if resp.last_error:
-        lines.append(f"error:       {resp.last_error}")
+        lines.append(f"error:       {_summary(resp.last_error)}")
     lines += [f"action:      {a}" for a in _actions(resp)]
     if resp.rejected_orders:
         lines.append(f"rejected:    {resp.rejected_orders} stale orders")
@@ -116,7 +117,11 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print_table(
             ("NODE", "PROBLEM SINCE", "PROBLEM"),
             [
-                (p.node, f"{seconds(max(0.0, now - p.since_unix_seconds))} ago", p.message)
+                (
+                    p.node,
+                    f"{seconds(max(0.0, now - p.since_unix_seconds))} ago",
+                    _summary(p.message),
+                )
                 for p in resp.problems
             ],
         )
@@ -144,6 +149,26 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
             ],
         )
     return 0
+
+
+_TLS_FAILED = re.compile(r"(?i)\b(?:tls|ssl) handshake failed")
+# OpenSSL's last words in gRPC's text: "...:OPENSSL_internal:BAD_SIGNATURE: certificate
+# signature failure"
+_OPENSSL_REASON = re.compile(r"OPENSSL_internal:[A-Z0-9_]+: ([^:;]+)")
+_OWN_CERTIFICATE = "; this node's certificate"
+
+
+def _summary(message: str) -> str:
+    """A failed TLS handshake in one line: gRPC's text carries the connection attempt and
+    OpenSSL's error stack (hundreds of characters); ``--json`` and gpud's log keep it all."""
+    text, own, rest = message.partition(_OWN_CERTIFICATE)
+    tls = _TLS_FAILED.search(text)
+    if tls is None:
+        return message
+    head = text[: tls.start()].split(" failed to connect", 1)[0].rstrip(" :;")
+    reason = _OPENSSL_REASON.search(text)
+    why = reason.group(1).strip() if reason else "see --json"
+    return f"{head}: TLS handshake failed ({why}; full text: --json){own}{rest}"
 
 
 def _leader_lines(resp: pb.GetClusterStatusResponse) -> list[str]:

@@ -97,16 +97,21 @@ def _validity(der: bytes) -> tuple[float, float]:
     return before, _time(tag, der[start:end])
 
 
+def certificates_der(pem: bytes) -> list[bytes]:
+    """The DER of each certificate in ``pem``; ValueError on bad base64."""
+    out = []
+    for block in _PEM.findall(pem):
+        try:
+            out.append(base64.b64decode(b"".join(block.split()), validate=True))
+        except binascii.Error as err:
+            raise ValueError(f"bad base64 in a certificate: {err}") from err
+    return out
+
+
 def not_after(pem: bytes) -> float:
     """The earliest notAfter (Unix time) of the certificates in ``pem``; ValueError when
     it holds none that can be read."""
-    ends = []
-    for block in _PEM.findall(pem):
-        try:
-            der = base64.b64decode(b"".join(block.split()), validate=True)
-        except binascii.Error as err:
-            raise ValueError(f"bad base64 in a certificate: {err}") from err
-        ends.append(_validity(der)[1])
+    ends = [_validity(der)[1] for der in certificates_der(pem)]
     if not ends:
         raise ValueError("no PEM certificate in it")
     return min(ends)

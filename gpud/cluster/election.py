@@ -10,6 +10,10 @@
   etcd can expire its lease and let another node in, so two leaders never overlap.
   Between steps (every ``ttl/4``) both watch the key (``etcdctl watch``): a follower
   campaigns as soon as it is gone, a leader notices at once that it lost it.
+  A node campaigns only while its certificate is one the other nodes accept
+  (:mod:`gpud.cluster.trust`), checked before each campaign and every
+  :data:`~gpud.cluster.trust.CHECK_S` while it leads: a leader whose certificate expires or
+  that the others turn out to refuse steps down and revokes its lease.
 
 ``state()`` is cheap and thread-safe; the etcd work runs on the election's own thread
 (:meth:`EtcdElection.start`) or, in tests, one :meth:`EtcdElection.step` at a time.
@@ -27,6 +31,7 @@ from typing import Protocol
 
 from gpud.cluster.etcd import EtcdClient
 from gpud.cluster.model import node_name
+from gpud.cluster.trust import CHECK_S, Candidacy
 from gpud.errors import GpudError
 
 log = logging.getLogger(__name__)
@@ -86,6 +91,7 @@ class EtcdElection:
         ttl_s: int,
         notify: Notify | None = None,
         clock: Callable[[], float] = time.monotonic,
+        candidacy: Candidacy | None = None,
     ) -> None:
         self._client = client
         self.node = node
@@ -94,6 +100,9 @@ class EtcdElection:
         self.ttl_s = ttl_s
         self._notify = notify or (lambda kind, message, fields: None)
         self._clock = clock
+        self._candidacy = candidacy
+        self._refused = ""  # why this node may not lead, as last logged ("" it may)
+        self._checked_at = 0.0  # (clock) a leader's last candidacy check
         self._lock = threading.Lock()
         self._lease: int | None = None
         self._granted_ttl = float(ttl_s)
@@ -227,6 +236,40 @@ class EtcdElection:
             self._granted_ttl = float(ttl)
             self._valid_until = sent + ttl
             self._store_ok = True
+        if self._candidacy is not None and self._clock() - self._checked_at >= CHECK_S:
+            self._checked_at = self._clock()
+            try:
+                why = self._candidacy.refusal()
+            except GpudError as err:  # the next renewal finds an outage; lead on meanwhile
+                log.debug("cluster: cannot check this node's candidacy: %s", err)
+                return
+            if why:
+                self._refused = why  # said once, by the step-down's log line and event
+                self._resign(why)
+
+    def _resign(self, why: str) -> None:
+        """Step down and revoke the lease now, so that another node is elected at once
+        rather than when the lease expires."""
+        self._step_down(why)
+        lease = self._abandoned
+        if lease is None:
+            return
+        try:
+            self._client.revoke(lease)
+            self._abandoned = None
+        except GpudError as err:  # revoked by the next follower step
+            log.debug("cluster: cannot revoke the lease stepped down from: %s", err)
+
+    def _note_refusal(self, why: str) -> None:
+        """Log and report a change of why this node may not lead, once."""
+        if why == self._refused:
+            return
+        self._refused = why
+        if why:
+            log.error("cluster: %s", why)
+            self._notify("cluster.not_candidate", why, {})
+        else:
+            log.info("cluster: this node's certificate is accepted again: it may lead")
 
     def _step_down(self, why: str) -> None:
         with self._lock:
@@ -245,9 +288,22 @@ class EtcdElection:
                 # drop it so that the cluster need not wait for its TTL
                 self._client.revoke(self._abandoned)
                 self._abandoned = None
+            if self._candidacy is not None:
+                self._candidacy.record()
             kv = self._client.get(self.key)
             if kv is None:
                 self._watch_revision = 0
+                why = self._candidacy.refusal() if self._candidacy is not None else ""
+                self._note_refusal(why)
+                if why:
+                    with self._lock:
+                        changed = bool(self._leader)
+                        self._leader = self._leader_address = ""
+                        self._store_ok = True
+                        self._detail = why
+                    if changed:
+                        self.on_change()
+                    return
                 self._campaign()
                 return
             self._watch_revision = kv.mod_revision

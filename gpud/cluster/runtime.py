@@ -24,6 +24,7 @@ from gpud.cluster.ports import MemoryTagStore, NodeView, TagStore
 from gpud.cluster.problems import EtcdProblemBoard
 from gpud.cluster.tagstore import EtcdTagStore
 from gpud.cluster.tls import PeerTls
+from gpud.cluster.trust import EtcdCandidacy
 from gpud.config import ClusterConfig, parse_address
 from gpud.errors import ConfigError
 from gpud.events import EventLog
@@ -103,6 +104,15 @@ class ClusterRuntime:
                 prefix=config.etcd_prefix,
                 ttl_s=config.lease_ttl_s,
                 notify=self._emit,
+                candidacy=EtcdCandidacy(
+                    self._etcd,
+                    prefix=config.etcd_prefix,
+                    node=self.node,
+                    ca=tls.ca,
+                    ca_file=str(config.ca_file),
+                    cert_file=tls.cert_file,
+                    expiry=tls.expiry_problem,
+                ),
             )
             election = self._election
             self._tls: PeerTls | None = tls

@@ -26,7 +26,7 @@ from tests.integration.cluster_support import (
     config_text,
     start_cluster,
 )
-from tests.integration.conftest import start_daemon
+from tests.integration.conftest import start_daemon, stop_daemon
 from tools.certs import make_ca, make_node
 from tools.etcd_local import LocalEtcd, etcd_binary
 
@@ -313,3 +313,40 @@ def test_a_lost_gpu_shows_in_the_jobs_attributes_on_every_node(cluster: Cluster)
         assert after is not None and after.epoch == epoch
         assert any(u.startswith(f"{victim.name}/") for u in after.unhealthy_gpus)
         assert sorted(after.nodes) == ["n0", "n1", "n2"]
+
+
+def test_a_node_whose_certificate_the_others_refuse_never_leads(tmp_path: Path) -> None:
+    """n2 came with a PKI of its own: it passes its own start check (its cluster.ca_file is
+    that other CA), but n0 and n1 refuse it. Once they are gone it must not be elected, or
+    no node could report to anyone when they come back."""
+    with LocalEtcd() as etcd:
+        c = start_cluster(tmp_path, etcd, n=2)
+        try:
+            c.wait(c.settled, what="one leader of n0, n1")
+            pki = tmp_path / "n2-pki"
+            make_ca(pki)
+            make_node(pki, "n2", pki)
+            proxy = Proxy(("127.0.0.1", etcd.client_port))
+            daemon = start_daemon(
+                tmp_path / "n2",
+                "--simulate",
+                config_text=config_text(tmp_path, "n2", proxy.port, c.prefix, pki),
+            )
+            foreign = Node("n2", daemon, proxy)
+            c.nodes.append(foreign)  # closed with the cluster
+            c.wait(lambda: foreign.status().get("leader") in ("n0", "n1"), what="n2 follows")
+            for node in c.nodes[:2]:
+                stop_daemon(node.daemon)
+            deadline = time.monotonic() + 4 * TTL_S + 2
+            while time.monotonic() < deadline:
+                assert not foreign.status().get("leading"), "n2 was elected"
+                time.sleep(0.1)
+            status = foreign.status()
+            assert "would refuse this node's certificate" in status["detail"]
+            assert "n0, n1" in status["detail"]
+            (event,) = foreign.events("cluster.not_candidate")
+            assert "openssl verify -CAfile" in event["message"]
+            text = foreign.daemon.gpuctl("cluster", "status").stdout
+            assert "would refuse this node's certificate" in text
+        finally:
+            c.close()

@@ -138,3 +138,34 @@ def test_each_state_says_what_the_node_does_and_what_to_do() -> None:
     assert "last order:  none yet" in refused and "epoch 0.0, never" not in refused
     assert "action:      the TLS handshake with the leader failed: both certificates" in refused
     assert "make the leader reachable" not in refused
+
+
+TLS_ERROR = (
+    "leader n0 at 10.0.0.1:7443: UNAVAILABLE failed to connect to all addresses; last error:"
+    " UNKNOWN: ipv4:10.0.0.1:7443: Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL:"
+    " error:1a000064:ECDSA routines:OPENSSL_internal:BAD_SIGNATURE: certificate signature"
+    " failure: OK"
+)
+
+
+def test_a_failed_tls_handshake_shows_in_one_line_and_in_full_in_json() -> None:
+    response = base(
+        mode="holding",
+        last_order_age_seconds=10.0,
+        last_error=TLS_ERROR,
+        problems=[pb.ClusterProblem(node="n4", message=TLS_ERROR, since_unix_seconds=time.time())],
+    )
+    text = status(response)
+    short = (
+        "leader n0 at 10.0.0.1:7443: UNAVAILABLE: TLS handshake failed (certificate signature"
+        " failure; full text: --json)"
+    )
+    assert f"error:       {short}\n" in text
+    assert text.count(short) == 2  # the problems table too
+    assert "OPENSSL_internal" not in text and "TSI_PROTOCOL_FAILURE" not in text
+    assert "action:      the TLS handshake with the leader failed" in text
+    ctx = Answer(response, json_output=True)
+    assert run_status(ctx, argparse.Namespace()) == 0
+    data = json.loads(ctx.text.getvalue())
+    assert data["last_error"] == TLS_ERROR
+    assert data["problems"][0]["message"] == TLS_ERROR

@@ -1,0 +1,128 @@
+"""Whether this node may lead: only with a certificate the other nodes accept.
+
+The other nodes report to the leader over mutual TLS and verify its certificate against
+*their* ``cluster.ca_file``. At start gpud checks this node's certificate against its own
+CA file (:meth:`~gpud.cluster.tls.PeerTls.load`): signed by it, naming the node, valid
+now. That cannot catch a node brought up with a PKI of its own (its ``ca_file`` is the other
+CA): it passes its own check, every other node refuses it, and once it is elected no node
+can report to anyone, so every node falls back to its local policy until it goes.
+
+So each node records in etcd which CAs it verifies peers with, without a lease, so that the
+record outlives the node (a node down now still refuses that certificate when it comes
+back)::
+
+    <prefix>/trust/<node> = {"ca_sha256": [...], "at": <Unix time written>}
+
+``ca_sha256``: the SHA-256 of each CA certificate in its ``cluster.ca_file`` (DER, as
+``openssl x509 -noout -fingerprint -sha256 -in ca.pem`` shows it); ``etcdctl get --prefix
+<prefix>/trust/`` lists them. Before it campaigns, and every :data:`CHECK_S` while it
+leads, a node asks :meth:`Candidacy.refusal`: its certificate has expired, or more of the
+other recorded nodes trust none of its CAs than trust one of them. Then it does not
+campaign, or steps down. A record not rewritten for :data:`STALE_S` (a node removed for
+good) no longer counts; ``etcdctl del <prefix>/trust/NODE`` drops it at once. With a CA
+bundle (a rotation), a node counts as trusted by a peer that trusts any CA of its bundle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from gpud.cluster.certexpiry import certificates_der
+from gpud.cluster.etcd import EtcdClient
+
+log = logging.getLogger(__name__)
+
+CHECK_S = 10.0  # a leader reads the records this often
+REFRESH_S = 3600.0  # a node rewrites its record this often
+STALE_S = 7 * 86400.0  # a record older than this is a node removed for good
+
+
+class Candidacy(Protocol):
+    def record(self) -> None:
+        """Write this node's record when due; raises GpudError when etcd fails."""
+        ...
+
+    def refusal(self) -> str:
+        """'' or why the other nodes would refuse this node as leader, with what to do;
+        raises GpudError when etcd fails."""
+        ...
+
+
+def ca_fingerprints(pem: bytes) -> tuple[str, ...]:
+    """SHA-256 (hex, lower case) of each certificate in ``pem``."""
+    try:
+        return tuple(sorted(hashlib.sha256(der).hexdigest() for der in certificates_der(pem)))
+    except ValueError:  # parsed at start (PeerTls.load): not reached
+        return ()
+
+
+class EtcdCandidacy:
+    """See the module docstring. Called from the election's thread only."""
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        *,
+        prefix: str,
+        node: str,
+        ca: bytes,
+        ca_file: str,
+        cert_file: str,
+        expiry: Callable[[float], str],
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._client = client
+        self._prefix = prefix.rstrip("/") + "/trust/"
+        self.node = node
+        self._trusted = ca_fingerprints(ca)
+        self._ca_file = ca_file
+        self._cert_file = cert_file
+        self._expiry = expiry
+        self._wall = wall
+        self._written_at: float | None = None
+
+    def record(self) -> None:
+        now = self._wall()
+        if self._written_at is not None and now - self._written_at < REFRESH_S:
+            return
+        value = json.dumps({"ca_sha256": list(self._trusted), "at": now})
+        self._client.put(self._prefix + self.node, value)
+        self._written_at = now
+
+    def refusal(self) -> str:
+        expired = self._expiry(self._wall())
+        if expired:
+            return f"{expired}; it does not lead meanwhile"
+        self.record()
+        now = self._wall()
+        mine = set(self._trusted)
+        accept: list[str] = []
+        refuse: list[str] = []
+        for key, value in sorted(self._client.get_prefix(self._prefix).items()):
+            node = key.removeprefix(self._prefix)
+            if node == self.node:
+                continue
+            try:
+                data = json.loads(value)
+                theirs = {str(f) for f in data["ca_sha256"]}
+                at = float(data["at"])
+            except (ValueError, KeyError, TypeError):
+                log.debug("cluster: unreadable trust record %s", key)
+                continue
+            if now - at > STALE_S:
+                continue
+            (accept if mine & theirs else refuse).append(node)
+        if len(refuse) <= len(accept):
+            return ""
+        return (
+            f"the other nodes would refuse this node's certificate: {', '.join(refuse)} "
+            f"trust none of the CAs in its cluster.ca_file {self._ca_file} (etcdctl get "
+            f"--prefix {self._prefix}), so it does not lead; replace cluster.cert_file "
+            f"{self._cert_file} and cluster.ca_file with the cluster CA's and restart gpud "
+            f"(openssl verify -CAfile CLUSTER-CA {self._cert_file} must say OK)"
+        )

@@ -1,0 +1,155 @@
+"""Who may lead: the election with an in-memory etcd and fake clocks, and the trust records
+that say whether the other nodes accept this node's certificate."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from gpud.cluster.election import EtcdElection
+from gpud.cluster.etcd import EtcdClient, KeyValue
+from gpud.cluster.tls import PeerTls
+from gpud.cluster.trust import CHECK_S, STALE_S, EtcdCandidacy, ca_fingerprints
+from tools.certs import make_ca
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class MemoryEtcd:
+    """The calls the election and the trust records make, on a dict; leases never expire
+    by themselves."""
+
+    timeout_s = 0.1
+
+    def __init__(self) -> None:
+        self.kv: dict[str, KeyValue] = {}
+        self.leases: set[int] = set()
+        self.revision = 10
+
+    def grant(self, ttl_s: int) -> tuple[int, int]:
+        lease = len(self.leases) + 100
+        self.leases.add(lease)
+        return lease, ttl_s
+
+    def keepalive(self, lease: int) -> int:
+        return 8 if lease in self.leases else 0
+
+    def revoke(self, lease: int) -> None:
+        self.leases.discard(lease)
+        self.kv = {k: v for k, v in self.kv.items() if v.lease != lease}
+
+    def get(self, key: str) -> KeyValue | None:
+        return self.kv.get(key)
+
+    def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        return {k: v.value for k, v in self.kv.items() if k.startswith(prefix)}
+
+    def put(self, key: str, value: str, lease: int = 0) -> None:
+        self.revision += 1
+        old = self.kv.get(key)
+        created = old.create_revision if old else self.revision
+        self.kv[key] = KeyValue(value.encode(), created, self.revision, lease)
+
+    def create(self, key: str, value: str, lease: int) -> int | None:
+        if key in self.kv:
+            return None
+        self.put(key, value, lease)
+        return self.revision
+
+    def wait_for_change(self, key: str, after_revision: int, timeout_s: float) -> bool:
+        return False
+
+
+def _election(
+    etcd: MemoryEtcd, clock: Clock, wall: Clock, expiry: Callable[[float], str], ca: bytes
+) -> tuple[EtcdElection, list[tuple[str, str]]]:
+    events: list[tuple[str, str]] = []
+    client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
+    candidacy = EtcdCandidacy(
+        client,
+        prefix="/c",
+        node="n0",
+        ca=ca,
+        ca_file="/pki/ca.pem",
+        cert_file="/pki/n0.pem",
+        expiry=expiry,
+        wall=wall,
+    )
+    election = EtcdElection(
+        client,
+        node="n0",
+        address="n0:1",
+        prefix="/c",
+        ttl_s=8,
+        notify=lambda kind, message, fields: events.append((kind, message)),
+        clock=clock,
+        candidacy=candidacy,
+    )
+    return election, events
+
+
+def test_a_leader_whose_certificate_expires_steps_down_and_does_not_campaign_again(
+    tmp_path: Path,
+) -> None:
+    ca, _ = make_ca(tmp_path)
+    tls = PeerTls(b"", b"", b"", cert_file="/pki/n0.pem", not_after=5000.0)
+    etcd, clock, wall = MemoryEtcd(), Clock(0.0), Clock(4000.0)
+    election, events = _election(etcd, clock, wall, tls.expiry_problem, ca.read_bytes())
+    election.step()
+    assert election.state().leading
+    wall.now = 5000.0  # expired; the next check is due
+    clock.now = CHECK_S
+    election.step()
+    state = election.state()
+    assert not state.leading
+    assert "/c/leader" not in etcd.kv  # resigned: the lease is revoked, not left to expire
+    assert [k for k, _ in events] == ["cluster.elected", "cluster.step_down"]
+    assert "expired at" in events[-1][1] and "/pki/n0.pem" in events[-1][1]
+    clock.now += 1
+    election.step()
+    election.step()
+    assert not election.state().leading and "/c/leader" not in etcd.kv
+    assert "expired at" in election.state().detail
+    assert len(events) == 2  # said once
+
+
+def test_a_node_whose_ca_the_recorded_nodes_do_not_trust_does_not_campaign(
+    tmp_path: Path,
+) -> None:
+    ca, _ = make_ca(tmp_path / "mine")
+    other, _ = make_ca(tmp_path / "cluster")
+    theirs = list(ca_fingerprints(other.read_bytes()))
+    etcd, clock, wall = MemoryEtcd(), Clock(0.0), Clock(10**6)
+    for node in ("n1", "n2"):
+        etcd.put(f"/c/trust/{node}", json.dumps({"ca_sha256": theirs, "at": wall.now - 60}))
+    election, events = _election(etcd, clock, wall, lambda now: "", ca.read_bytes())
+    election.step()
+    assert not election.state().leading and "/c/leader" not in etcd.kv
+    assert "n1, n2 trust none of the CAs" in election.state().detail
+    assert [k for k, _ in events] == ["cluster.not_candidate"]
+    mine = json.loads(etcd.kv["/c/trust/n0"].value)["ca_sha256"]
+    assert mine == list(ca_fingerprints(ca.read_bytes()))
+    # records of nodes gone for good no longer count: n0 leads
+    wall.now += STALE_S
+    election.step()
+    assert election.state().leading
+
+
+def test_a_node_trusted_by_as_many_as_refuse_it_may_lead(tmp_path: Path) -> None:
+    ca, _ = make_ca(tmp_path / "mine")
+    other, _ = make_ca(tmp_path / "other")
+    etcd, clock, wall = MemoryEtcd(), Clock(0.0), Clock(10**6)
+    for node, pem in (("n1", ca), ("n2", other)):
+        value = {"ca_sha256": list(ca_fingerprints(pem.read_bytes())), "at": wall.now}
+        etcd.put(f"/c/trust/{node}", json.dumps(value))
+    election, events = _election(etcd, clock, wall, lambda now: "", ca.read_bytes())
+    election.step()
+    assert election.state().leading
+    assert [k for k, _ in events] == ["cluster.elected"]
