@@ -1584,7 +1584,17 @@ class ColoService:
             )
             placement, waiting = self._place(gpus, [*views, *ahead], new, same)
             if placement is None:
-                return Advice(-1, 0.0, 0, None, "", 0.0, waiting or "no GPU has room"), new
+                why = waiting or "no GPU has room"
+                # The planner weighs the healthy GPUs alone: the faulty ones are named too,
+                # or a refusal that lists only busy GPUs hides the free ones that are sick.
+                sick = [
+                    f"GPU {g.identity.index} unhealthy: {g.reason.partition(':')[0] or 'unhealthy'}"
+                    for g in snapshot.gpus
+                    if not g.healthy
+                ]
+                if sick:
+                    why = "; ".join([why, *sick])
+                return Advice(-1, 0.0, 0, None, "", 0.0, why), new
             device = ""
             if placement.mig_profile is not None:
                 device = where.get((placement.gpu, placement.mig_profile), "")
