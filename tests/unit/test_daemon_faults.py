@@ -286,6 +286,16 @@ def test_critical_xid_until_cleared_and_a_hung_gpu_in_mig_show(
         code, out, _ = gpuctl("mig", "show")
         assert code == 11 and "GPU 1" in out and "faulty: not answering" in out
         assert "GPU 0 A100-SXM4-40GB" in out
+        # limits for its device are taken at once, kept for when it answers, and why it
+        # does not is said (once the MPS step of a tick has seen the sample)
+        deadline = time.monotonic() + 20
+        while "GPU 1 unhealthy: not answering" not in gpuctl("mps", "show")[1]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        started = time.monotonic()
+        code, out, err = gpuctl("mps", "set", "--gpu", "1", "--threads", "50")
+        assert code == 0 and time.monotonic() - started < 3, err
+        assert "(GPU 1 unhealthy)" in out and "\nGPU 1 unhealthy: not answering" in out, out
         assert gpuctl("sim", "fault", "--gpu", "1", "clear")[0] == 0
 
     run_daemon(config, body)
