@@ -419,6 +419,14 @@ class Daemon:
                 for m in g.mig_devices:
                     index[m.identity.uuid] = g.identity.index
                     profiles[m.identity.uuid] = m.identity.profile_name
+        # A lost or hung GPU's sample lists no MIG devices; the MPS targets keep the ones
+        # last read, so a job in one stays on its GPU (held there by co-location, shown
+        # as left alone) rather than vanishing from the loop as if it had ended.
+        for t in self.mps.targets():
+            if t.uuid and t.uuid not in index:
+                index[t.uuid] = t.gpu
+                if t.mig is not None:
+                    profiles[t.uuid] = t.profile
         uses = self.jobs.process_uses()  # one tick's reading for memory and PIDs alike
         used = memory_by_job(uses)
         pids: dict[tuple[str, str], list[int]] = {}

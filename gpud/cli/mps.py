@@ -118,12 +118,17 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
             "MPS is off on this node (mps.enabled = false): limits are kept, no daemon runs."
         )
     ctx.out.print_table(HEADERS, [device_row(d) for d in resp.devices])
-    notes = unhealthy_notes(resp.devices)
+    _print_notes(ctx, resp.devices)
+    return 0
+
+
+def _print_notes(ctx: Context, devices: Iterable[pb.MpsDevice]) -> None:
+    """Under the table: why each GPU under its devices is unhealthy."""
+    notes = unhealthy_notes(devices)
     if notes:
         ctx.out.print("")
         for note in notes:
             ctx.out.print(note)
-    return 0
 
 
 def run_set(ctx: Context, args: argparse.Namespace) -> int:
@@ -140,5 +145,7 @@ def run_set(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.out.json:
         ctx.out.print_json(resp)
     else:
+        # limits set on a faulty GPU's device are kept for when it answers: say why it doesn't
         ctx.out.print_table(HEADERS, [device_row(resp.device)])
+        _print_notes(ctx, [resp.device])
     return 0

@@ -344,6 +344,13 @@ def new_waiter_id() -> str:
     return secrets.token_hex(6)
 
 
+def _headline(reason: str) -> str:
+    """What a GPU's health reason says first: "GPU lost (memory)" of "GPU lost (memory):
+    nvmlDeviceGetMemoryInfo failed ...; critical Xid 79: ...", "driver call timed out after
+    5 s" of "...; last seen as ... at 00000000:5D:00.0" (a PCI bus id has colons too)."""
+    return reason.partition("; ")[0].partition(":")[0]
+
+
 def _waiter_id(asked: str | None) -> str | None:
     """The id a waiting run says it was given (before a gpud restart), if of that form."""
     if asked is None or len(asked) != 12 or asked.strip("0123456789abcdef"):
@@ -622,7 +629,7 @@ class ColoService:
             # answers again (or their processes end and gpud releases them).
             self._faulty = {
                 # "GPU lost (memory): ..." -> "lost (memory)": said after "GPU N"
-                g.identity.index: g.reason.partition(":")[0].removeprefix("GPU ") or "unhealthy"
+                g.identity.index: _headline(g.reason).removeprefix("GPU ") or "unhealthy"
                 for g in snapshot.gpus
                 if not g.healthy
             }
@@ -1584,7 +1591,17 @@ class ColoService:
             )
             placement, waiting = self._place(gpus, [*views, *ahead], new, same)
             if placement is None:
-                return Advice(-1, 0.0, 0, None, "", 0.0, waiting or "no GPU has room"), new
+                why = waiting or "no GPU has room"
+                # The planner weighs the healthy GPUs alone: the faulty ones are named too,
+                # or a refusal that lists only busy GPUs hides the free ones that are sick.
+                sick = [
+                    f"GPU {g.identity.index} unhealthy: {_headline(g.reason) or 'unhealthy'}"
+                    for g in snapshot.gpus
+                    if not g.healthy
+                ]
+                if sick:
+                    why = "; ".join([why, *sick])
+                return Advice(-1, 0.0, 0, None, "", 0.0, why), new
             device = ""
             if placement.mig_profile is not None:
                 device = where.get((placement.gpu, placement.mig_profile), "")

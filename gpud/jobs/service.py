@@ -556,12 +556,41 @@ class JobService:
                         )
             elif not g.processes_read and g.memory is not None and g.identity.uuid:
                 unlisted[g.identity.uuid] = g.memory.used_bytes
+        sick = {g.identity.index: g.reason or "unhealthy" for g in snapshot.gpus if not g.healthy}
         with self._lock:
             self._uses = uses
             self._unlisted = unlisted
-            self._unhealthy = {
-                g.identity.index: g.reason or "unhealthy" for g in snapshot.gpus if not g.healthy
-            }
+            before, self._unhealthy = self._unhealthy, sick
+        if sick.keys() != before.keys():
+            self._tell_jobs_on(before, sick)
+
+    def _tell_jobs_on(self, before: Mapping[int, str], sick: Mapping[int, str]) -> None:
+        """An event for each job holding a device of a GPU that went unhealthy or answers
+        again: `gpu.unhealthy` names the GPU alone, and `gpuctl events --kind job.` is
+        where a job's owner looks. Its reservation stays either way: its run may well go
+        on (a hung GPU often comes back), and it ends as any run does."""
+        gpu_of = {t.uuid: t.gpu for t in self._mps.targets() if t.uuid}
+        for r in self.reservations.held():
+            gpus = sorted({gpu_of[d] for d in r.devices if d in gpu_of})
+            for gpu in gpus:
+                if gpu in sick and gpu not in before:
+                    self._events.emit(
+                        "job.gpu_unhealthy",
+                        f"job {r.job}: GPU {gpu} under it is unhealthy: {sick[gpu]}; its "
+                        "reservation stays until its run ends",
+                        job=r.job,
+                        gpu=gpu,
+                        reservation=r.id,
+                        reason=sick[gpu],
+                    )
+                elif gpu in before and gpu not in sick:
+                    self._events.emit(
+                        "job.gpu_recovered",
+                        f"job {r.job}: GPU {gpu} under it answers again",
+                        job=r.job,
+                        gpu=gpu,
+                        reservation=r.id,
+                    )
 
     def _kill_leftovers(self, stop: RunStop) -> None:
         killed = leftovers.kill(stop.run, signal.SIGKILL, self._proc_root)

@@ -1387,6 +1387,35 @@ def test_a_faulty_gpu_is_left_out_and_its_jobs_keep_their_directives(tmp_path: P
     assert svc.advise("new", memory_bytes=GIB, snapshot=lost).gpu == 1
 
 
+def test_a_refusal_names_the_faulty_gpus_beside_the_busy_ones(tmp_path: Path) -> None:
+    """Training on GPU 0, GPU 1 lost: a job that GPU 0 refuses is told why there, and that
+    GPU 1, free as it looks, is lost (not only what holds GPU 0)."""
+    clock = Clock()
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: [RunningJob("train", "training", 1, memory_bytes=10 * GIB)],
+        clock=clock,
+    )
+    lost = snapshot(3)
+    gpu1 = lost.gpus[1]._replace(healthy=False, reason="GPU lost (memory): call failed")
+    gpu2 = lost.gpus[2]._replace(
+        healthy=False,
+        reason="driver call timed out after 5 s; last seen as NVIDIA H100 80GB HBM3 GPU-2 at "
+        "00000000:5D:00.0",
+    )
+    lost = Snapshot(lost.wall_time, lost.monotonic, (lost.gpus[0], gpu1, gpu2), 0.01)
+    svc.tick(lost)
+    assert svc.show().faulty == {1: "lost (memory)", 2: "driver call timed out after 5 s"}
+    a = svc.advise("big", memory_bytes=60 * GIB, snapshot=lost)
+    assert a.gpu == -1
+    assert a.reason.startswith("GPU 0: memory: ") and a.reason.endswith(
+        "; GPU 1 unhealthy: GPU lost (memory); GPU 2 unhealthy: driver call timed out after 5 s"
+    ), a.reason
+    # healthy again: the refusal names GPU 0 alone
+    assert "unhealthy" not in svc.advise("big", memory_bytes=60 * GIB, snapshot=snapshot()).reason
+
+
 def mig_gpu(index: int, *profiles: tuple[str, int, int]) -> GpuSample:
     """An H100 in MIG mode whose instances are free (read, no process): two 1g.10gb, or one
     per (profile, GiB, SMs) given."""

@@ -286,6 +286,16 @@ def test_critical_xid_until_cleared_and_a_hung_gpu_in_mig_show(
         code, out, _ = gpuctl("mig", "show")
         assert code == 11 and "GPU 1" in out and "faulty: not answering" in out
         assert "GPU 0 A100-SXM4-40GB" in out
+        # limits for its device are taken at once, kept for when it answers, and why it
+        # does not is said (once the MPS step of a tick has seen the sample)
+        deadline = time.monotonic() + 20
+        while "GPU 1 unhealthy: not answering" not in gpuctl("mps", "show")[1]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        started = time.monotonic()
+        code, out, err = gpuctl("mps", "set", "--gpu", "1", "--threads", "50")
+        assert code == 0 and time.monotonic() - started < 3, err
+        assert "(GPU 1 unhealthy)" in out and "\nGPU 1 unhealthy: not answering" in out, out
         assert gpuctl("sim", "fault", "--gpu", "1", "clear")[0] == 0
 
     run_daemon(config, body)
@@ -409,5 +419,50 @@ def test_devices_are_current_as_soon_as_a_mig_apply_returns(
         code, out, err = gpuctl(*run, "--mig", "1g.10gb", *show)
         assert code == 0, err
         assert seen.read_text().startswith("MIG-")
+
+    run_daemon(config, body)
+
+
+def test_a_job_in_a_mig_device_of_a_lost_gpu_stays_on_it_in_colo_show(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A lost GPU's sample lists no MIG devices: a job reserved in one of them is still
+    shown on its GPU, left alone until it answers, and a job on the other GPU as before."""
+    config = make_config(root)
+    layout = root / "held-out.yaml"
+    layout.write_text(HELD_OUT)
+    gpuctl = Gpuctl(config, capsys)
+
+    def placements() -> dict[str, dict[str, object]]:
+        code, out, err = gpuctl("--json", "colo", "show")
+        assert code == 0, err
+        return {p["job"]: p for p in json.loads(out)["placements"]}
+
+    def wait_for(predicate: Callable[[dict[str, dict[str, object]]], bool]) -> None:
+        deadline = time.monotonic() + 20
+        while not predicate(placements()):
+            assert time.monotonic() < deadline, placements()
+            time.sleep(0.05)
+
+    def body() -> None:
+        code, out, err = gpuctl("mig", "apply", "-f", str(layout), "-c", "custom-balanced")
+        assert code == 0, out + err
+        gpuctl.wait(lambda gpus: all(len(g["mig_devices"]) == 4 for g in gpus))  # type: ignore[arg-type]
+        for job, device in (("a", "0:0"), ("b", "1:0")):
+            code, _, err = gpuctl("jobs", "add", job, "--devices", device, "--queue")
+            assert code == 0, err
+        wait_for(lambda p: {"a", "b"} <= p.keys())
+        assert gpuctl("sim", "fault", "--gpu", "1", "lost")[0] == 0
+        gpuctl.wait(lambda gpus: gpus[1]["healthy"] is False)
+        wait_for(lambda p: "left alone" in str(p.get("b", {}).get("reason")))
+        shown = placements()
+        assert shown["b"]["gpu"] == 1 and shown["b"]["mig_profile"] == "3g.20gb"
+        assert str(shown["b"]["reason"]).startswith("GPU 1 lost")
+        assert shown["a"]["gpu"] == 0 and "left alone" not in str(shown["a"]["reason"])
+        # back on the bus: planned again like the job beside it
+        assert gpuctl("sim", "fault", "--gpu", "1", "clear")[0] == 0
+        assert gpuctl("xid", "clear", "1")[0] == 0
+        wait_for(lambda p: "left alone" not in str(p.get("b", {}).get("reason")))
+        assert placements()["b"]["gpu"] == 1
 
     run_daemon(config, body)

@@ -690,6 +690,32 @@ def test_a_job_holding_a_device_of_a_gpu_that_failed_says_so(service: JobService
         service.release(launch.reservation.id)
 
 
+def test_a_job_on_a_gpu_that_fails_or_answers_again_gets_an_event(service: JobService) -> None:
+    """`gpuctl events --kind job.`: the job holding a device of the GPU that was lost is
+    told once (not again as the reason changes), and when it answers again; the job on
+    another GPU is told nothing; both keep their reservations."""
+    held = service.reserve(RunRequest("on-1", devices=(gpu_uuid(1),)))
+    other = service.reserve(RunRequest("on-mig", mig_profile="3g.40gb"))
+    service.tick(NODE)
+    lost = gpu_sample(1, memory_gib=80)._replace(healthy=False, reason="GPU lost (memory)")
+    service.tick(snapshot(NODE.gpus[0], lost, NODE.gpus[2]))
+    hung = lost._replace(reason="not answering: a driver call is outstanding")
+    service.tick(snapshot(NODE.gpus[0], hung, NODE.gpus[2]))
+    service.tick(NODE)
+    events = service._events.recent(kind_prefix="job.gpu")
+    assert [(e.kind, e.fields["job"], e.fields["gpu"]) for e in events] == [
+        ("job.gpu_unhealthy", "on-1", 1),
+        ("job.gpu_recovered", "on-1", 1),
+    ]
+    assert events[0].message == (
+        "job on-1: GPU 1 under it is unhealthy: GPU lost (memory); its reservation stays "
+        "until its run ends"
+    )
+    assert {r.job for r in service.reservations.held()} == {"on-1", "on-mig"}
+    for launch in (held, other):
+        service.release(launch.reservation.id)
+
+
 def test_a_gpu_never_read_named_by_index_is_refused_and_nothing_is_kept(
     service: JobService, tmp_path: Path
 ) -> None:
