@@ -486,7 +486,9 @@ def test_ctrl_c_while_waiting_for_co_location_runs_nothing(
         assert n.jobs.reservations.held() == []
     assert code == 130
     assert not marker.exists() and loop.asked >= 2
-    assert "waiting for co-location" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "waiting for co-location" in err
+    assert "gpuctl: job t stopped waiting for co-location (SIGINT), nothing started" in err
 
 
 class Names(colo_pb2_grpc.ColocationServicer):
@@ -1164,3 +1166,45 @@ def test_a_run_sent_sigterm_does_not_wait_for_an_absent_gpud(
     assert "not waiting to tell it how job j ended" in err
     assert "again for up to" not in err
     assert "reservation r1 by itself (holder gone)" in err
+
+
+# Polls back to back, so that a signal lands anywhere in a poll, the lock-holding parts too.
+POLLING_WAIT = """
+from gpud.cli.run import _signals_stop
+with _signals_stop() as stop:
+    print("waiting", flush=True)
+    while not stop.wait(0):
+        pass
+"""
+
+
+def test_a_signal_ends_a_wait_wherever_in_its_poll_it_lands() -> None:
+    """SIGTERM ends each wait of `gpuctl run` (for co-location, in the queue, telling an
+    absent gpud how its command ended) at once, wherever in a poll it lands: a handler that
+    took a lock the wait held hung gpuctl, ignoring every later SIGTERM, until SIGKILL.
+    Several waits, each sent SIGTERM: one lands inside the lock all but surely."""
+    import random
+    import subprocess
+
+    waits = [
+        subprocess.Popen([sys.executable, "-c", POLLING_WAIT], stdout=subprocess.PIPE, text=True)
+        for _ in range(6)
+    ]
+    try:
+        for wait in waits:
+            assert wait.stdout is not None and wait.stdout.readline() == "waiting\n"
+        for wait in waits:
+            time.sleep(random.uniform(0, 0.05))
+            wait.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for wait in waits:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                wait.wait(max(0.0, deadline - time.monotonic()))
+        assert [wait.returncode for wait in waits] == [0] * len(waits)
+    finally:
+        for wait in waits:
+            if wait.poll() is None:
+                wait.kill()
+                wait.wait()
+            if wait.stdout is not None:
+                wait.stdout.close()
