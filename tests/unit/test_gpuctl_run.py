@@ -657,7 +657,7 @@ def removed_while_running(node: Node, command: list[str]) -> tuple[int, HistoryR
     )
     codes: list[int] = []
     run = threading.Thread(
-        target=lambda: codes.append(node.ctl("run", "--job", "w", "--", *command))
+        target=lambda: codes.append(node.ctl("run", "--job", "w", "--", *command)), daemon=True
     )
     run.start()
     try:
@@ -771,7 +771,9 @@ def test_a_run_whose_gpud_restarts_as_its_command_ends_keeps_its_exit_status(
             codes: list[int] = []
             argv = ["--socket", str(gpud.socket), "run", "--job", "j", "--"]
             command = ["sh", "-c", "sleep 0.5; exit 7"]
-            run = threading.Thread(target=lambda: codes.append(gpuctl([*argv, *command], env={})))
+            run = threading.Thread(
+                target=lambda: codes.append(gpuctl([*argv, *command], env={})), daemon=True
+            )
             run.start()
             for _ in range(200):
                 if gpud.jobs.reservations.held("j"):
@@ -816,7 +818,7 @@ def test_ctrl_c_stops_telling_gpud_and_gpuctl_exits_as_its_command_did(
             if said.event.wait(10):
                 os.kill(os.getpid(), signal.SIGINT)
 
-        helper = threading.Thread(target=stop_gpud_then_ctrl_c)
+        helper = threading.Thread(target=stop_gpud_then_ctrl_c, daemon=True)
         helper.start()
         try:
             started = time.monotonic()
@@ -968,19 +970,22 @@ def waiting_run(n: Node, loop: ColoService, job: str, marker: Path) -> Iterator[
     import threading
 
     codes: list[int] = []
+    # a daemon thread: a run that never ends fails the test, not the suite's exit
     run = threading.Thread(
-        target=lambda: codes.append(n.ctl("run", "--job", job, "--", "touch", str(marker)))
+        target=lambda: codes.append(n.ctl("run", "--job", job, "--", "touch", str(marker))),
+        daemon=True,
     )
     run.start()
     try:
         for _ in range(200):
-            if loop.waiting():
+            if any(w.job == job for w in loop.waiting()) or not run.is_alive():
                 break
             run.join(0.05)
+        assert run.is_alive(), f"gpuctl run --job {job} ended instead of waiting: {codes}"
         yield codes
     finally:
         run.join(15)
-    assert not run.is_alive()
+    assert not run.is_alive(), f"gpuctl run --job {job} still runs 15 s after the block"
 
 
 def test_jobs_rm_stops_a_run_waiting_for_co_location(
