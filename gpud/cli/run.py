@@ -29,8 +29,9 @@ has exited (``holder gone when gpud started``), without the exit status.
 
 When the devices it asks for are taken, ``run`` queues the job (unless ``--no-wait``) and
 waits, printing its position and expected wait whenever they change, until gpud starts it;
-then it runs as above. Ctrl-C while waiting leaves the queue (exit 130); ``gpuctl jobs rm
---force`` of the job ends either wait with exit 4, nothing started. If gpud restarts meanwhile,
+then it runs as above. Ctrl-C (SIGTERM, SIGHUP) while waiting leaves the queue or the wait
+for co-location (exit 130, said on one line, gpud there or not); ``gpuctl jobs rm --force``
+of the job ends either wait with exit 4, nothing started. If gpud restarts meanwhile,
 ``run`` keeps waiting and finds its entry again. A request the node can never host fails at
 once, saying why and which MIG layout would host it.
 
@@ -55,7 +56,6 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import threading
     from types import FrameType
 
 from gpud.cli.context import (
@@ -306,7 +306,7 @@ def _wait_for_advice(
                 # unchanged answer ask less often.
                 interval = min(ADVICE_POLL_MAX_S, interval * 1.5)
             if stop.wait(interval):
-                return None
+                break
             ask.waited_s = time.monotonic() - started  # its place, should gpud have restarted
             try:
                 resp = ctx.call(ctx.stub(colo_pb2_grpc.ColocationStub).Advise, ask)
@@ -325,21 +325,68 @@ def _wait_for_advice(
                     print(f"gpuctl: {err}; still waiting", file=sys.stderr, flush=True)
                     away = True
                 ctx.close()  # a fresh channel once gpud is back
-        return resp
-    return None  # a KeyboardInterrupt, which the wait turned into a stop
+        if not stop.is_set():
+            return resp
+    # stopped by a signal, or a KeyboardInterrupt the wait turned into a stop
+    by = f" ({_signame(stop.signum)})" if stop.signum is not None else ""
+    kept = f": gpuctl queue lists {ask.waiter_id} up to 10 s more" if ask.waiter_id else ""
+    print(
+        f"gpuctl: job {ask.job} stopped waiting for co-location{by}, nothing started{kept}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return None
+
+
+class _Stop:
+    """Set by a signal handler, waited on by the main thread: a flag and a byte on a pipe,
+    which the handler sets without a lock. A ``threading.Event`` set from a handler waits
+    for its own lock whenever the signal lands while the main thread holds it (inside
+    ``Event.wait``, between two polls): gpuctl then hangs, and every later SIGTERM or
+    Ctrl-C waits behind it, until SIGKILL."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self.signum: int | None = None  # the first signal that set it (None: Ctrl-C raised)
+        self._set = False
+
+    def set(self, signum: int | None = None) -> None:
+        if self.signum is None:
+            self.signum = signum
+        self._set = True
+        with contextlib.suppress(BlockingIOError):  # a byte there already wakes the wait
+            os.write(self._write, b"s")
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        """Whether it is set, after up to ``timeout`` seconds (at once once it is). A
+        signal during select() runs the handler, and select() goes on (PEP 475) to find
+        the byte it wrote."""
+        if not self._set:
+            import select  # imported here: only a waiting `gpuctl run` pays for it
+
+            select.select([self._read], [], [], max(timeout, 0.0))
+        return self._set
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
 
 
 @contextlib.contextmanager
-def _signals_stop() -> Iterator[threading.Event]:
-    """An event that SIGINT, SIGTERM and SIGHUP set while waiting. Raised inside a gRPC
+def _signals_stop() -> Iterator[_Stop]:
+    """A stop that SIGINT, SIGTERM and SIGHUP set while waiting. Raised inside a gRPC
     call, KeyboardInterrupt could leave the channel unusable for the calls that follow
     (leaving the queue, releasing)."""
     import threading  # imported here: only a waiting `gpuctl run` pays for it
 
-    stop = threading.Event()
+    stop = _Stop()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
+        stop.set(signum)
 
     main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, on_signal) for sig in _FORWARDED} if main else {}
@@ -350,6 +397,7 @@ def _signals_stop() -> Iterator[threading.Event]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        stop.close()
 
 
 def run_run(ctx: Context, args: argparse.Namespace) -> int:
@@ -621,8 +669,11 @@ def _leave(ctx: Context, entry: queue_pb2.QueueEntry) -> None:
             )
         print(f"gpuctl: job {entry.job} left the queue", file=sys.stderr)
     except CliError as err:
-        # gpud drops the entry (and reaps the reservation) once this process is gone.
-        print(f"gpuctl: could not leave the queue: {err}", file=sys.stderr)
+        print(
+            f"gpuctl: could not leave the queue: {err}; gpud drops entry {entry.id} (and "
+            "its reservation) once this gpuctl is gone",
+            file=sys.stderr,
+        )
 
 
 def _stop_leftovers(job: str, run: str, grace_s: float) -> None:

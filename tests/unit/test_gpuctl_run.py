@@ -486,7 +486,9 @@ def test_ctrl_c_while_waiting_for_co_location_runs_nothing(
         assert n.jobs.reservations.held() == []
     assert code == 130
     assert not marker.exists() and loop.asked >= 2
-    assert "waiting for co-location" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "waiting for co-location" in err
+    assert "gpuctl: job t stopped waiting for co-location (SIGINT), nothing started" in err
 
 
 class Names(colo_pb2_grpc.ColocationServicer):
@@ -655,7 +657,7 @@ def removed_while_running(node: Node, command: list[str]) -> tuple[int, HistoryR
     )
     codes: list[int] = []
     run = threading.Thread(
-        target=lambda: codes.append(node.ctl("run", "--job", "w", "--", *command))
+        target=lambda: codes.append(node.ctl("run", "--job", "w", "--", *command)), daemon=True
     )
     run.start()
     try:
@@ -769,7 +771,9 @@ def test_a_run_whose_gpud_restarts_as_its_command_ends_keeps_its_exit_status(
             codes: list[int] = []
             argv = ["--socket", str(gpud.socket), "run", "--job", "j", "--"]
             command = ["sh", "-c", "sleep 0.5; exit 7"]
-            run = threading.Thread(target=lambda: codes.append(gpuctl([*argv, *command], env={})))
+            run = threading.Thread(
+                target=lambda: codes.append(gpuctl([*argv, *command], env={})), daemon=True
+            )
             run.start()
             for _ in range(200):
                 if gpud.jobs.reservations.held("j"):
@@ -814,7 +818,7 @@ def test_ctrl_c_stops_telling_gpud_and_gpuctl_exits_as_its_command_did(
             if said.event.wait(10):
                 os.kill(os.getpid(), signal.SIGINT)
 
-        helper = threading.Thread(target=stop_gpud_then_ctrl_c)
+        helper = threading.Thread(target=stop_gpud_then_ctrl_c, daemon=True)
         helper.start()
         try:
             started = time.monotonic()
@@ -966,19 +970,22 @@ def waiting_run(n: Node, loop: ColoService, job: str, marker: Path) -> Iterator[
     import threading
 
     codes: list[int] = []
+    # a daemon thread: a run that never ends fails the test, not the suite's exit
     run = threading.Thread(
-        target=lambda: codes.append(n.ctl("run", "--job", job, "--", "touch", str(marker)))
+        target=lambda: codes.append(n.ctl("run", "--job", job, "--", "touch", str(marker))),
+        daemon=True,
     )
     run.start()
     try:
         for _ in range(200):
-            if loop.waiting():
+            if any(w.job == job for w in loop.waiting()) or not run.is_alive():
                 break
             run.join(0.05)
+        assert run.is_alive(), f"gpuctl run --job {job} ended instead of waiting: {codes}"
         yield codes
     finally:
         run.join(15)
-    assert not run.is_alive()
+    assert not run.is_alive(), f"gpuctl run --job {job} still runs 15 s after the block"
 
 
 def test_jobs_rm_stops_a_run_waiting_for_co_location(
@@ -1164,3 +1171,45 @@ def test_a_run_sent_sigterm_does_not_wait_for_an_absent_gpud(
     assert "not waiting to tell it how job j ended" in err
     assert "again for up to" not in err
     assert "reservation r1 by itself (holder gone)" in err
+
+
+# Polls back to back, so that a signal lands anywhere in a poll, the lock-holding parts too.
+POLLING_WAIT = """
+from gpud.cli.run import _signals_stop
+with _signals_stop() as stop:
+    print("waiting", flush=True)
+    while not stop.wait(0):
+        pass
+"""
+
+
+def test_a_signal_ends_a_wait_wherever_in_its_poll_it_lands() -> None:
+    """SIGTERM ends each wait of `gpuctl run` (for co-location, in the queue, telling an
+    absent gpud how its command ended) at once, wherever in a poll it lands: a handler that
+    took a lock the wait held hung gpuctl, ignoring every later SIGTERM, until SIGKILL.
+    Several waits, each sent SIGTERM: one lands inside the lock all but surely."""
+    import random
+    import subprocess
+
+    waits = [
+        subprocess.Popen([sys.executable, "-c", POLLING_WAIT], stdout=subprocess.PIPE, text=True)
+        for _ in range(6)
+    ]
+    try:
+        for wait in waits:
+            assert wait.stdout is not None and wait.stdout.readline() == "waiting\n"
+        for wait in waits:
+            time.sleep(random.uniform(0, 0.05))
+            wait.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for wait in waits:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                wait.wait(max(0.0, deadline - time.monotonic()))
+        assert [wait.returncode for wait in waits] == [0] * len(waits)
+    finally:
+        for wait in waits:
+            if wait.poll() is None:
+                wait.kill()
+                wait.wait()
+            if wait.stdout is not None:
+                wait.stdout.close()
