@@ -54,7 +54,7 @@ from gpud.histogram import Histogram
 from gpud.jobs.ends import NO_STATUS, EndCause, RunEnd
 from gpud.jobs.placement import DeviceLoad, Reservation
 from gpud.jobs.registry import JobKind, JobSpec
-from gpud.jobs.service import JobService, RunRequest
+from gpud.jobs.service import JobService, RunRequest, unhealthy_text
 from gpud.mig.layout import DeviceLayout, load_config
 from gpud.mps.manager import MpsManager, MpsTarget
 from gpud.mps.procs import alive, start_time
@@ -448,7 +448,7 @@ class AdmissionService:
             ]
         views = self._views(fit, queued)
         sick = self._jobs.unhealthy()
-        gpu_of = {t.uuid: t.gpu for t in self._mps.targets()} if sick else {}
+        targets = self._mps.targets() if sick else []
         out: list[EntryView] = []
         unfeasible: list[EntryView] = []
         ahead: list[Entry] = []
@@ -468,7 +468,7 @@ class AdmissionService:
                     None,
                     None,
                     {},
-                    waiting_on=_unhealthy_in(verdict, sick, gpu_of)
+                    waiting_on=_unhealthy_in(verdict, sick, targets)
                     or self._start_failures.get(e.id, "")
                     or held.why(e, ahead[0] if ahead else None),
                 )
@@ -892,16 +892,22 @@ def mig_file_layouts(
     return layouts
 
 
-def _unhealthy_in(demand: Demand, sick: Mapping[int, str], gpu_of: Mapping[str, int]) -> str:
+def _unhealthy_in(demand: Demand, sick: Mapping[int, str], targets: Sequence[MpsTarget]) -> str:
     """The unhealthy GPUs (``sick``: index -> why) of ``demand``'s pool, when too few healthy
     devices are left in it: the job waits for them to answer again, not only for other jobs.
-    ``gpu_of``: device UUID -> GPU index."""
+    ``targets``: the node's devices. Every GPU whose UUID was never read (lost or hung since
+    before gpud started) has a device of UUID "" in the pool: each of them is named."""
     if not sick:
         return ""
-    down = sorted({gpu_of[u] for u in demand.pool if gpu_of.get(u) in sick})
-    healthy = sum(1 for u in demand.pool if gpu_of.get(u) not in sick)
+    gpu_of = {t.uuid: t.gpu for t in targets if t.uuid}
+    unread = {t.gpu for t in targets if not t.uuid} & sick.keys()
+    down: set[int] = set()
+    healthy = 0
+    for u in demand.pool:
+        gpus = {gpu_of[u]} & sick.keys() if u in gpu_of else (set() if u else unread)
+        down |= gpus
+        if not gpus:
+            healthy += 1
     if not down or healthy >= demand.count:
         return ""
-    return "; ".join(f"GPU {i} unhealthy: {sick[i]}" for i in down[:3]) + (
-        "; ..." if len(down) > 3 else ""
-    )
+    return unhealthy_text({i: sick[i] for i in down})

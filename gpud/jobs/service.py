@@ -454,7 +454,7 @@ class JobService:
             sick = self.unhealthy()
             if not sick:
                 raise
-            raise ResourceExhausted(f"{err} ({_unhealthy_text(sick)})") from err
+            raise ResourceExhausted(f"{err} ({unhealthy_text(sick)})") from err
 
     def _refuse_unhealthy(self, spec: JobSpec) -> None:
         """A job pinned to an unhealthy GPU's device is refused at once; one that names no
@@ -472,7 +472,7 @@ class JobService:
                 )
         if not spec.devices and targets and all(t.gpu in sick for t in targets.values()):
             raise ResourceExhausted(
-                f"job {spec.name!r}: no healthy GPU on this node now ({_unhealthy_text(sick)})"
+                f"job {spec.name!r}: no healthy GPU on this node now ({unhealthy_text(sick)})"
             )
 
     def env_for(self, reservation: Reservation) -> dict[str, str]:
@@ -652,7 +652,8 @@ def _advised(job: JobSpec, request: RunRequest) -> JobSpec:
     return validate_spec(replace(job, **changes)) if changes else job  # type: ignore[arg-type]
 
 
-def _unhealthy_text(sick: Mapping[int, str]) -> str:
-    """``GPU 1 unhealthy: why; …`` for the first four of ``sick`` (index -> why)."""
+def unhealthy_text(sick: Mapping[int, str]) -> str:
+    """``GPU 1 unhealthy: why; …`` for the first four of ``sick`` (index -> why): how a
+    refused run and a queued entry's WHY NOT name the unhealthy GPUs."""
     more = f"; {len(sick) - 4} more" if len(sick) > 4 else ""
     return "; ".join(f"GPU {i} unhealthy: {r}" for i, r in sorted(sick.items())[:4]) + more

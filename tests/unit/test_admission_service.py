@@ -29,6 +29,8 @@ from gpud.jobs.ends import EndCause, RunEnd
 from gpud.jobs.service import JobService, RunRequest
 from gpud.mps.manager import MpsManager
 from gpud.store import StateStore
+from gpud.telemetry.reader import placeholder_identity
+from gpud.telemetry.snapshot import GpuSample
 from gpud.v1 import jobs_pb2
 from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, snapshot
 
@@ -669,3 +671,34 @@ def test_the_wait_histogram_only_grows_while_gpud_runs(tmp_path: Path) -> None:
         assert waits() == seen
     finally:
         n.store.close()
+
+
+def test_a_queued_job_names_every_gpu_unread_since_the_daemon_started(tmp_path: Path) -> None:
+    """GPU 2 hung and GPU 3 was lost before gpud started: neither UUID was ever read (their
+    devices share the UUID ""). A queued job names both, by index and reason, as a refused
+    run does, not only the last of them."""
+    store = StateStore(tmp_path / "state")
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", FAKE_CONTROL, enabled=False)
+    hung, lost = (
+        GpuSample(identity=placeholder_identity(i), healthy=False, reason=why, sampled_at=None)
+        for i, why in ((2, "not answering: a driver call is outstanding"), (3, "GPU lost"))
+    )
+    mps.reconcile(snapshot(gpu_sample(0), gpu_sample(1), hung, lost))
+    clock = Clock()
+    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock", clock=clock)
+    admission = AdmissionService(store, jobs, mps, events, AdmissionConfig(), clock=clock)
+    try:
+        jobs.tick(snapshot(gpu_sample(0), gpu_sample(1), hung, lost))
+        named = (
+            "GPU 2 unhealthy: not answering: a driver call is outstanding;"
+            " GPU 3 unhealthy: GPU lost"
+        )
+        with pytest.raises(ResourceExhausted) as refused:
+            jobs.reserve(RunRequest(job="a", gpu_count=3))
+        assert str(refused.value).endswith(f"({named})")
+        entry = admission.enqueue(RunRequest(job="a", gpu_count=3))
+        admission.tick()
+        assert admission.view(entry.entry.id).waiting_on == named
+    finally:
+        store.close()
