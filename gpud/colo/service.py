@@ -346,8 +346,8 @@ def new_waiter_id() -> str:
 
 def _headline(reason: str) -> str:
     """What a GPU's health reason says first: "GPU lost (memory)" of "GPU lost (memory):
-    nvmlDeviceGetMemoryInfo failed ...; critical Xid 79: ...", "driver call timed out after
-    5 s" of "...; last seen as ... at 00000000:5D:00.0" (a PCI bus id has colons too)."""
+    nvmlDeviceGetMemoryInfo failed ...; critical Xid 79: ...", "not answering" of "not
+    answering: ...; last seen as ... at 00000000:5D:00.0" (a PCI bus id has colons too)."""
     return reason.partition("; ")[0].partition(":")[0]
 
 

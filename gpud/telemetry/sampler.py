@@ -6,10 +6,9 @@ shorter) is left behind while the rest are read on threads of their own. So:
 
 - a GPU whose calls raise (lost, driver error) is ``healthy=False`` with the reason, and every
   other GPU is read as usual (:mod:`gpud.telemetry.reader` has the per-call policy);
-- a GPU whose call hangs is ``healthy=False`` from the first tick its call is outstanding
-  (:data:`NOT_ANSWERING`), then ("driver call timed out after X s") once the call has been
-  outstanding ``call_timeout_s``; it gets no new call until the hung one returns, while the
-  others keep samples no older than twice the interval;
+- a GPU whose call hangs is ``healthy=False`` with one reason (:data:`NOT_ANSWERING`) from
+  the first tick its call is outstanding until it returns; it gets no new call until then,
+  while the others keep samples no older than twice the interval;
 - health transitions, and changes of the reason a GPU is unhealthy, are logged and go to
   the event log as ``gpu.unhealthy`` / ``gpu.recovered``.
 
@@ -62,10 +61,10 @@ log = logging.getLogger(__name__)
 Listener = Callable[[Snapshot], None]
 
 NOT_ANSWERING = "not answering: a driver call is outstanding"
-"""The reason of a GPU whose call has not returned yet, before ``call_timeout_s``."""
-
-TIMED_OUT = "driver call timed out after {:g} s"
-"""The reason of a GPU whose call has been outstanding ``call_timeout_s`` (formatted with it)."""
+"""The reason of a GPU whose call has not returned yet, for as long as it has not. The same
+words all along (not how long it has been): it is a metric label, the reason of events and
+of what co-location and admission show, and a label that changed while the GPU stayed hung
+would resolve an alert and fire it again. How long is ``gpud_gpu_sample_age_seconds``."""
 
 DEFAULT_IGNORED_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 """XIDs an application causes (illegal address, page fault, ...): they leave the GPU healthy."""
@@ -93,7 +92,6 @@ class _Slot:
         "healthy",
         "reader",
         "reason",
-        "stuck_since",
         "target",
         "xid_last",
         "xid_total",
@@ -104,7 +102,6 @@ class _Slot:
         self.target = Target(reader.index, reader.read)
         self.healthy = True
         self.reason = ""
-        self.stuck_since: float | None = None  # tick start when its call was first outstanding
         self.critical: dict[int, CriticalXid] = {}  # by code, until a reset or a clear
         self.xid_total = 0
         self.xid_last: int | None = None
@@ -145,7 +142,6 @@ class Sampler:
         self._clock = clock
         self._wall_clock = wall_clock
         self._events = events
-        self._timeout_reason = TIMED_OUT.format(call_timeout_s)
         self._history: deque[Snapshot] = deque(maxlen=max(1, history))
         self._latest: Snapshot | None = None
         # guards _history, _slots' xid counts and critical XIDs, _unslotted_xids, _listeners
@@ -206,9 +202,7 @@ class Sampler:
             slots = self._slots if self._slots is not None else self._discover()
             self._dispatcher.wait_s = self._wait_s()  # the interval may have been reloaded
             results = self._dispatcher.read([slot.target for slot in slots])
-            samples = tuple(
-                self._collect(slot, results.get(slot.reader.index), start) for slot in slots
-            )
+            samples = tuple(self._collect(slot, results.get(slot.reader.index)) for slot in slots)
             snapshot = Snapshot(
                 wall_time=wall,
                 monotonic=start,
@@ -256,12 +250,8 @@ class Sampler:
             self._slots = slots
         return slots
 
-    def _collect(
-        self, slot: _Slot, result: GpuSample | BaseException | None, start: float
-    ) -> GpuSample:
+    def _collect(self, slot: _Slot, result: GpuSample | BaseException | None) -> GpuSample:
         reader = slot.reader
-        if result is not None:
-            slot.stuck_since = None
         if isinstance(result, GpuSample):
             sample = result
         elif result is not None:
@@ -276,16 +266,10 @@ class Sampler:
                 sampled_at=reader.last_good_at,
             )
         else:  # hung: stuck since an earlier tick, or given up on in this one
-            if slot.stuck_since is None:
-                slot.stuck_since = start
-            # Outstanding at least as long as the tick that gave up on it waited.
-            outstanding = max(self._clock() - slot.stuck_since, self._dispatcher.wait_s)
             sample = GpuSample(
                 identity=reader.identity or placeholder_identity(reader.index),
                 healthy=False,
-                reason=(
-                    self._timeout_reason if outstanding >= self.call_timeout_s else NOT_ANSWERING
-                ),
+                reason=NOT_ANSWERING,
                 sampled_at=reader.last_good_at,
             )
         seen = self._last_seen.get(reader.index)

@@ -1401,16 +1401,17 @@ def test_a_refusal_names_the_faulty_gpus_beside_the_busy_ones(tmp_path: Path) ->
     gpu1 = lost.gpus[1]._replace(healthy=False, reason="GPU lost (memory): call failed")
     gpu2 = lost.gpus[2]._replace(
         healthy=False,
-        reason="driver call timed out after 5 s; last seen as NVIDIA H100 80GB HBM3 GPU-2 at "
+        reason="not answering: a driver call is outstanding; last seen as NVIDIA H100 80GB HBM3"
+        " GPU-2 at "
         "00000000:5D:00.0",
     )
     lost = Snapshot(lost.wall_time, lost.monotonic, (lost.gpus[0], gpu1, gpu2), 0.01)
     svc.tick(lost)
-    assert svc.show().faulty == {1: "lost (memory)", 2: "driver call timed out after 5 s"}
+    assert svc.show().faulty == {1: "lost (memory)", 2: "not answering"}
     a = svc.advise("big", memory_bytes=60 * GIB, snapshot=lost)
     assert a.gpu == -1
     assert a.reason.startswith("GPU 0: memory: ") and a.reason.endswith(
-        "; GPU 1 unhealthy: GPU lost (memory); GPU 2 unhealthy: driver call timed out after 5 s"
+        "; GPU 1 unhealthy: GPU lost (memory); GPU 2 unhealthy: not answering"
     ), a.reason
     # healthy again: the refusal names GPU 0 alone
     assert "unhealthy" not in svc.advise("big", memory_bytes=60 * GIB, snapshot=snapshot()).reason

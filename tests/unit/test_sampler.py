@@ -517,7 +517,7 @@ def test_hung_call_times_out_others_stay_fresh(
     assert time.monotonic() - t0 < 2.0
     g0 = snap.gpus[0]
     assert not g0.healthy
-    assert g0.reason == "driver call timed out after 0.3 s"
+    assert g0.reason == "not answering: a driver call is outstanding"
     assert all(g.healthy and g.sampled_at == clock.now for g in snap.gpus[1:])
     calls_while_hung = backend.calls[(0, "memory")]
     for _ in range(2):
@@ -657,16 +657,15 @@ def test_hung_gpu_is_not_answering_at_once_and_unhealthy_at_the_timeout(
         clock.now += 30  # 60 s outstanding: the call timeout
         snap = s.tick()
         assert snap.gpus[2].healthy is False
-        assert snap.gpus[2].reason == "driver call timed out after 60 s"
+        # one hung state, one reason: past the call timeout as before it (a metric label and
+        # an event reason that changed would page again for the same fault)
+        assert snap.gpus[2].reason == "not answering: a driver call is outstanding"
         reasons = [
             e.fields["reason"]
             for e in events.recent(kind_prefix="gpu.unhealthy")
             if e.fields["gpu"] == 2
         ]
-        assert reasons == [
-            "not answering: a driver call is outstanding",
-            "driver call timed out after 60 s",
-        ]
+        assert reasons == ["not answering: a driver call is outstanding"]
         del backend.hang[2]
         gate.set()
         deadline = time.monotonic() + 5
