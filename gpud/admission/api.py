@@ -171,17 +171,26 @@ def waiter_message(w: WaiterView, now_unix: float) -> pb.QueueEntry:
     )
 
 
+def _signal_name(value: str | None) -> str | None:
+    """LeaveRequest.stopped_by as the event may say it: a signal's name (``SIGTERM``) or
+    "", nothing longer or with other characters (it goes into the event log's text)."""
+    if value is not None and (len(value) > 16 or not (value == "" or value.isalnum())):
+        raise InvalidArgument("must be a signal's name, such as SIGTERM", field="stopped_by")
+    return value
+
+
 class QueueServicer(pb_grpc.QueueServicer):
     def __init__(
         self,
         service: AdmissionService,
         *,
-        leave_waiter: Callable[[str], WaiterView | None] = lambda waiter_id: None,
+        leave_waiter: Callable[[str, str | None], WaiterView | None] = lambda w, by: None,
         wall: Callable[[], float] = time.time,
     ) -> None:
         """``leave_waiter``: takes a ``gpuctl run`` waiting for co-location out of its
         wait by its id (None: no run waits with it), so that `gpuctl queue --leave ID`
-        takes out whatever `gpuctl queue` lists."""
+        takes out whatever `gpuctl queue` lists; its second argument is the signal that
+        stopped the run leaving by itself (LeaveRequest.stopped_by), None for an operator."""
         self._service = service
         self._leave_waiter = leave_waiter
         self._wall = wall
@@ -209,11 +218,12 @@ class QueueServicer(pb_grpc.QueueServicer):
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.QueueEntry:  # noqa: N802
         def leave() -> pb.QueueEntry:
             entry_id = non_empty(request.id, field="id", max_len=64)
-            waiter = self._leave_waiter(entry_id)
+            stopped_by = _signal_name(optional(request, "stopped_by"))
+            waiter = self._leave_waiter(entry_id, stopped_by)
             if waiter is not None:
                 return waiter_message(waiter, self._wall())
             try:
-                return entry_message(self._service.leave(entry_id))
+                return entry_message(self._service.leave(entry_id, stopped_by=stopped_by))
             except NotFound as err:
                 # the id may have been a co-location waiter's: gpuctl queue lists both
                 raise NotFound(

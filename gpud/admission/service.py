@@ -385,14 +385,19 @@ class AdmissionService:
         )
         return entry_id
 
-    def leave(self, entry_id: str) -> EntryView:
+    def leave(self, entry_id: str, *, stopped_by: str | None = None) -> EntryView:
+        """Take a queued entry out. ``stopped_by``: its own ``gpuctl run`` leaves as it
+        stops, sent that signal ("" when not known); None: an operator takes it out."""
+        why = ""
+        if stopped_by is not None:
+            why = f": its gpuctl run was stopped{f' ({stopped_by})' if stopped_by else ''}"
         with self._jobs.locked():
             entry = self.entry(entry_id)
             if entry.state == QUEUED:
                 self._set_state(entry_id, LEFT)
                 self._events.emit(
                     "admission.leave",
-                    f"job {entry.job} left the queue",
+                    f"job {entry.job} left the queue{why}",
                     job=entry.job,
                     entry=entry_id,
                 )

@@ -222,12 +222,13 @@ class Context:
         """A generated stub on the channel, e.g. ``ctx.stub(node_pb2_grpc.NodeStub)``."""
         return stub_class(self.channel())
 
-    def call(self, method: Callable[..., T], request: object) -> T:
-        """Call a unary method with the timeout; gRPC errors become :class:`CliError`."""
+    def call(self, method: Callable[..., T], request: object, *, timeout: float | None = None) -> T:
+        """Call a unary method with the timeout (``timeout`` when shorter: a call made on
+        the way out); gRPC errors become :class:`CliError`."""
         import grpc
 
         try:
-            return method(request, timeout=self.timeout)
+            return method(request, timeout=min(self.timeout, timeout or self.timeout))
         except grpc.RpcError as err:
             raise self.translate(err) from None
 

@@ -30,7 +30,10 @@ has exited (``holder gone when gpud started``), without the exit status.
 When the devices it asks for are taken, ``run`` queues the job (unless ``--no-wait``) and
 waits, printing its position and expected wait whenever they change, until gpud starts it;
 then it runs as above. Ctrl-C (SIGTERM, SIGHUP) while waiting leaves the queue or the wait
-for co-location (exit 130, said on one line, gpud there or not); ``gpuctl jobs rm --force``
+for co-location (exit 130, said on one line, gpud there or not), telling gpud which signal
+(its event says so, and ``gpuctl queue`` stops listing the run at once); one before the
+command starts (asking gpud, reserving) ends the run the same way, and a reservation made
+as it came is given back; ``gpuctl jobs rm --force``
 of the job ends either wait with exit 4, nothing started. If gpud restarts meanwhile,
 ``run`` keeps waiting and finds its entry again. A request the node can never host fails at
 once, saying why and which MIG layout would host it.
@@ -53,7 +56,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -99,6 +102,9 @@ RELEASE_WAIT_S = 60.0
 # while gpud is away is a refused connect() on a local socket)
 RELEASE_RETRY_S = 0.25
 RELEASE_RETRY_MAX_S = 2.0
+# How long a stopped `gpuctl run` waits for gpud to take back its wait or reservation on
+# the way out: whoever stopped it waits for it to end, and gpud drops them by itself anyway.
+LEAVE_TIMEOUT_S = 2.0
 # Says it is running (one byte on fd argv[2]: only then does /proc/PID/environ show the
 # job's environment, which gpud checks), waits for one byte on fd argv[1], then becomes the
 # command (the PID stays the same, so the cgroup gpud put it in is the command's).
@@ -178,14 +184,14 @@ def reserve_request(args: argparse.Namespace) -> pb.ReserveRequest:
 NEVER_FITS = "never fits"  # the co-location loop's reason when waiting would not help
 
 
-def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -> bool:
+def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest, stop: _Stop) -> bool:
     """Where the co-location loop would put a job that names no place (on the command line
     or when it was registered): its GPU and MPS thread share go into the request as advice
     for this run. Without advice (loop off, unreachable) or for a job that never fits, the
     jobs service places the job as it always does. When the loop says
     wait (no GPU where sharing pays off now), the job waits until it names one, unless
     ``--no-wait``: placing it anyway would share a GPU the loop just refused. False when
-    Ctrl-C (or SIGTERM, SIGHUP) stopped the wait."""
+    Ctrl-C (or SIGTERM, SIGHUP) stopped the run (``stop``), said on stderr."""
     if args.mig or args.gpus is not None or args.devices:
         return True
     known = _registered(ctx, args.job)
@@ -204,6 +210,9 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -
             raise  # a bad job name or size: the jobs service would refuse it the same way
         print(f"gpuctl: no co-location advice ({err}); default placement", file=sys.stderr)
         return True
+    if stop.is_set():  # a signal while it asked: nothing waits in gpud yet
+        _stopped(args.job, stop)
+        return False
     if resp.gpu < 0 or not resp.device:
         if resp.reason.startswith(NEVER_FITS):
             print(f"gpuctl: co-location: {resp.reason}; default placement", file=sys.stderr)
@@ -214,7 +223,7 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -
         # its own id from the first question: another run of the job that waits too is
         # another entry (gpud keeps it, or answers another should a run hold it already)
         ask.waiter_id = secrets.token_hex(6)
-        waited = _wait_for_advice(ctx, ask, resp)
+        waited = _wait_for_advice(ctx, ask, resp, stop)
         if waited is None:
             return False
         if waited.gpu < 0 or not waited.device:
@@ -230,14 +239,17 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest) -
     return True
 
 
-def _reserve_advised(ctx: Context, args: argparse.Namespace) -> pb.ReserveResponse | None:
+def _reserve_advised(
+    ctx: Context, args: argparse.Namespace, stop: _Stop
+) -> pb.ReserveResponse | None:
     """Reserve what the request (and the loop's advice) names. A GPU the advice named but
     another run took in between is asked about again, up to ADVICE_ROUNDS times, so the
-    job still goes where sharing pays off; None when a signal stopped a wait for advice."""
+    job still goes where sharing pays off, unless a signal came meanwhile (``stop``); None
+    when a signal stopped it while it asked for advice or waited for it."""
     rounds = 1
     while True:
         request = reserve_request(args)
-        if not advise(ctx, args, request):
+        if not advise(ctx, args, request, stop):
             return None
         try:
             # The stub is taken after the advice: a wait through a gpud restart has
@@ -250,6 +262,7 @@ def _reserve_advised(ctx: Context, args: argparse.Namespace) -> pb.ReserveRespon
                 or err.error == DscpPoolExhausted.__name__  # no other place changes that
                 or not request.advised_devices
                 or rounds == ADVICE_ROUNDS
+                or stop.is_set()
             ):
                 raise
             rounds += 1
@@ -270,72 +283,123 @@ def _registered(ctx: Context, job: str) -> pb.Job | None:
 
 
 def _wait_for_advice(
-    ctx: Context, ask: colo_pb2.AdviseRequest, resp: colo_pb2.AdviseResponse
+    ctx: Context, ask: colo_pb2.AdviseRequest, resp: colo_pb2.AdviseResponse, stop: _Stop
 ) -> colo_pb2.AdviseResponse | None:
     """Ask again, every POLL_S and less often (up to ADVICE_POLL_MAX_S) while the answer
     stays the same, until the loop names a GPU (that advice), saying why it waits whenever
     the reason changes; None when a signal stopped the wait. Through a gpud
     restart it keeps asking; advice that stops (the loop turned off) ends the wait with the
-    last answer, which places nothing, and the jobs service places the job. A job removed
+    last answer, which places nothing, and the jobs service places the job. Stopped, it
+    takes itself out of gpud's list at once (:func:`_leave_wait`). A job removed
     meanwhile (``gpuctl jobs rm --force``) ends it with gpud's NotFound (exit 4); a run
     taken out of its wait (``gpuctl queue --leave ID``), with exit 1, as a queued run
     taken out."""
     started = time.monotonic()
-    with _signals_stop() as stop:
-        shown = ""
-        said = ""  # the id last said
-        away = False
-        interval = POLL_S
-        while not (resp.gpu >= 0 and resp.device):
-            line = f"waiting for co-location: {resp.reason}"
-            if resp.waiter_id and resp.waiter_id != said:
-                # its id in `gpuctl queue`, kept through a gpud restart
-                ask.waiter_id = said = resp.waiter_id
-                print(
-                    f"gpuctl: waiting as {resp.waiter_id} in gpuctl queue (gpuctl queue "
-                    f"--leave {resp.waiter_id} takes it out)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            if line != shown:
-                print(f"gpuctl: {line}", file=sys.stderr, flush=True)
-                shown = line
-                interval = POLL_S
-            else:
-                # Each question is a planning pass in gpud: many runs waiting on an
-                # unchanged answer ask less often.
-                interval = min(ADVICE_POLL_MAX_S, interval * 1.5)
-            if stop.wait(interval):
-                break
-            ask.waited_s = time.monotonic() - started  # its place, should gpud have restarted
-            try:
-                resp = ctx.call(ctx.stub(colo_pb2_grpc.ColocationStub).Advise, ask)
-                away = False
-            except CliError as err:
-                if err.error == LeftQueue.__name__:  # `gpuctl queue --leave ID`
-                    raise CliError(str(err), 1, error=err.error) from None
-                if err.exit_code == EXIT_NOT_FOUND:
-                    raise  # `gpuctl jobs rm --force` removed the job while it waited
-                if err.exit_code != EXIT_NOT_RUNNING:
-                    print(
-                        f"gpuctl: no co-location advice ({err}); default placement", file=sys.stderr
-                    )
-                    return resp
-                if not away:
-                    print(f"gpuctl: {err}; still waiting", file=sys.stderr, flush=True)
-                    away = True
-                ctx.close()  # a fresh channel once gpud is back
-        if not stop.is_set():
-            return resp
-    # stopped by a signal, or a KeyboardInterrupt the wait turned into a stop
-    by = f" ({_signame(stop.signum)})" if stop.signum is not None else ""
-    kept = f": gpuctl queue lists {ask.waiter_id} up to 10 s more" if ask.waiter_id else ""
+    shown = ""
+    said = ""  # the id last said
+    away = False
+    interval = POLL_S
+    while not (resp.gpu >= 0 and resp.device):
+        line = f"waiting for co-location: {resp.reason}"
+        if resp.waiter_id and resp.waiter_id != said:
+            # its id in `gpuctl queue`, kept through a gpud restart
+            ask.waiter_id = said = resp.waiter_id
+            print(
+                f"gpuctl: waiting as {resp.waiter_id} in gpuctl queue (gpuctl queue "
+                f"--leave {resp.waiter_id} takes it out)",
+                file=sys.stderr,
+                flush=True,
+            )
+        if line != shown:
+            print(f"gpuctl: {line}", file=sys.stderr, flush=True)
+            shown = line
+            interval = POLL_S
+        else:
+            # Each question is a planning pass in gpud: many runs waiting on an
+            # unchanged answer ask less often.
+            interval = min(ADVICE_POLL_MAX_S, interval * 1.5)
+        if stop.wait(interval):
+            break
+        ask.waited_s = time.monotonic() - started  # its place, should gpud have restarted
+        try:
+            resp = ctx.call(ctx.stub(colo_pb2_grpc.ColocationStub).Advise, ask)
+            away = False
+        except CliError as err:
+            if err.error == LeftQueue.__name__:  # `gpuctl queue --leave ID`
+                raise CliError(str(err), 1, error=err.error) from None
+            if err.exit_code == EXIT_NOT_FOUND:
+                raise  # `gpuctl jobs rm --force` removed the job while it waited
+            if err.exit_code != EXIT_NOT_RUNNING:
+                print(f"gpuctl: no co-location advice ({err}); default placement", file=sys.stderr)
+                return resp
+            if not away:
+                print(f"gpuctl: {err}; still waiting", file=sys.stderr, flush=True)
+                away = True
+            ctx.close()  # a fresh channel once gpud is back
+    if not stop.is_set():
+        return resp
+    kept = ""
+    if ask.waiter_id and not _leave_wait(ctx, ask.waiter_id, stop):
+        kept = f": gpuctl queue lists {ask.waiter_id} up to 10 s more"
     print(
-        f"gpuctl: job {ask.job} stopped waiting for co-location{by}, nothing started{kept}",
+        f"gpuctl: job {ask.job} stopped waiting for co-location{_by(stop)}, nothing started{kept}",
         file=sys.stderr,
         flush=True,
     )
     return None
+
+
+def _leave_wait(ctx: Context, waiter_id: str, stop: _Stop) -> bool:
+    """Take this stopped run's wait for co-location out of gpud (Queue.Leave, saying the
+    signal), so that `gpuctl queue` stops listing it now rather than once gpud finds it
+    stopped asking (10 s); whether gpud lists it no more (NOT_FOUND: it never listed it,
+    or dropped it already). A gpud that predates the field words the event as for `gpuctl
+    queue --leave`."""
+    request = queue_pb2.LeaveRequest(id=waiter_id, stopped_by=_stop_name(stop))
+    try:
+        ctx.call(ctx.stub(queue_pb2_grpc.QueueStub).Leave, request, timeout=LEAVE_TIMEOUT_S)
+    except CliError as err:
+        return err.exit_code == EXIT_NOT_FOUND  # else gpud is away, or has no queue
+    return True
+
+
+def _stop_name(stop: _Stop) -> str:
+    """The signal that stopped the run, as LeaveRequest.stopped_by says it ("": a Ctrl-C
+    raised as KeyboardInterrupt, with no handler to say which)."""
+    return _signame(stop.signum) if stop.signum is not None else ""
+
+
+def _by(stop: _Stop) -> str:
+    """`` (SIGTERM)``: the signal that stopped the run, as its last line says it."""
+    return f" ({_signame(stop.signum)})" if stop.signum is not None else ""
+
+
+def _stopped(job: str, stop: _Stop) -> int:
+    """Say that a signal stopped the run before its command started; its exit status."""
+    print(
+        f"gpuctl: job {job} stopped{_by(stop)} before its command started: nothing was started",
+        file=sys.stderr,
+        flush=True,
+    )
+    return EXIT_INTERRUPTED
+
+
+def _give_back(ctx: Context, reservation: str) -> None:
+    """Release a reservation whose command a signal kept from starting (made by a call
+    in flight when it came)."""
+    try:
+        ctx.call(
+            ctx.stub(pb_grpc.JobsStub).Release,
+            pb.ReleaseRequest(reservation_id=reservation),
+            timeout=LEAVE_TIMEOUT_S,
+        )
+    except CliError as err:
+        if err.exit_code != EXIT_NOT_FOUND:  # NOT_FOUND: released already
+            print(
+                f"gpuctl: could not release reservation {reservation}: {err}; gpud releases "
+                "it by itself once this gpuctl is gone (holder gone)",
+                file=sys.stderr,
+            )
 
 
 class _Stop:
@@ -350,6 +414,8 @@ class _Stop:
         os.set_blocking(self._write, False)
         self.signum: int | None = None  # the first signal that set it (None: Ctrl-C raised)
         self._set = False
+        # the handlers its own replaced: put back by whatever takes the signals over next
+        self.previous: dict[signal.Signals, Any] = {}
 
     def set(self, signum: int | None = None) -> None:
         if self.signum is None:
@@ -390,6 +456,7 @@ def _signals_stop() -> Iterator[_Stop]:
 
     main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, on_signal) for sig in _FORWARDED} if main else {}
+    stop.previous = previous
     try:
         yield stop
     except KeyboardInterrupt:
@@ -410,8 +477,16 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
         )
     if not command[0]:
         raise CliError("run: the command's name is empty (an unset variable?)", EXIT_USAGE)
+    # From the first call to gpud until the command runs, a signal stops the run with
+    # nothing started and nothing left in gpud; _launch then forwards them to the command.
+    with _signals_stop() as stop:
+        return _run(ctx, args, command, stop)
+    return EXIT_INTERRUPTED  # a Ctrl-C raised where no handler could be set (another thread)
+
+
+def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop) -> int:
     try:
-        resp = _reserve_advised(ctx, args)
+        resp = _reserve_advised(ctx, args, stop)
         if resp is None:
             return EXIT_INTERRUPTED
         reservation, devices, granted = (
@@ -422,8 +497,10 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
     except CliError as err:
         if err.exit_code != EXIT_TAKEN or args.no_wait:
             raise
+        if stop.is_set():  # a signal while it asked: it joins no queue
+            return _stopped(args.job, stop)
         try:
-            entry = wait_in_queue(ctx, reserve_request(args), why=str(err))
+            entry = wait_in_queue(ctx, reserve_request(args), stop, why=str(err))
         except CliError as queue_err:
             if str(queue_err).startswith("UNIMPLEMENTED") or QUEUE_OFF in str(queue_err):
                 raise err from None  # a gpud without an admission queue, or with it off
@@ -454,10 +531,13 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
             # the response names the cgroup ("" when the daemon marks nothing by cgroup)
             ctx.call(net.PlaceProcess, net_pb2.PlaceProcessRequest(job=args.job, pid=pid))
 
+    if stop.is_set():  # a signal since it asked: the reservation goes back, nothing ran
+        _give_back(ctx, reservation)
+        return _stopped(args.job, stop)
     returncode: int | None = None  # None: gpuctl itself stopped before the command's end
     told: list[int] = []  # the signals gpuctl was sent while the command ran
     try:
-        returncode = _launch(command, env, place, told.append)
+        returncode = _launch(command, env, place, told.append, stop)
         return exit_status(returncode)
     finally:
         _stop_leftovers(args.job, reservation, args.kill_after)
@@ -607,42 +687,42 @@ def release_request(reservation: str, returncode: int | None) -> pb.ReleaseReque
 
 
 def wait_in_queue(
-    ctx: Context, request: pb.ReserveRequest, *, why: str = ""
+    ctx: Context, request: pb.ReserveRequest, stop: _Stop, *, why: str = ""
 ) -> queue_pb2.QueueEntry | None:
     """Queue ``request`` and poll until it starts (its entry, with reservation and env);
-    None when Ctrl-C (or SIGTERM, SIGHUP) took it out of the queue. An entry taken out
+    None when Ctrl-C (or SIGTERM, SIGHUP: ``stop``) took it out of the queue, or gave back
+    the reservation of an entry that started as the signal came. An entry taken out
     otherwise raises: exit 4 when ``gpuctl jobs rm --force`` removed the job, as a run
     waiting for co-location is told, else 1 (``gpuctl queue --leave``, its holder judged
     gone). ``why``: why it could not start at once, said once when it joins the queue."""
     queue = ctx.stub(queue_pb2_grpc.QueueStub)
     entry: queue_pb2.QueueEntry = ctx.call(queue.Enqueue, queue_pb2.EnqueueRequest(request=request))
-    if why and entry.state == queue_pb2.ENTRY_STATE_QUEUED:
+    if why and entry.state == queue_pb2.ENTRY_STATE_QUEUED and not stop.is_set():
         print(f"gpuctl: cannot start now: {why}", file=sys.stderr, flush=True)
     shown = ""
     away = False
-    with _signals_stop() as stop:
-        while entry.state == queue_pb2.ENTRY_STATE_QUEUED and not stop.is_set():
-            line = queued_line(entry)
-            if line != shown:
-                print(f"gpuctl: {line}", file=sys.stderr, flush=True)
-                shown = line
-            if stop.wait(POLL_S):
-                break
-            try:
-                entry = ctx.call(
-                    ctx.stub(queue_pb2_grpc.QueueStub).GetEntry,
-                    queue_pb2.GetEntryRequest(id=entry.id),
-                )
-                away = False
-            except CliError as err:
-                if err.exit_code != EXIT_NOT_RUNNING:
-                    raise
-                if not away:
-                    print(f"gpuctl: {err}; still queued, waiting", file=sys.stderr, flush=True)
-                    away = True
-                ctx.close()  # a fresh channel once gpud is back
+    while entry.state == queue_pb2.ENTRY_STATE_QUEUED and not stop.is_set():
+        line = queued_line(entry)
+        if line != shown:
+            print(f"gpuctl: {line}", file=sys.stderr, flush=True)
+            shown = line
+        if stop.wait(POLL_S):
+            break
+        try:
+            entry = ctx.call(
+                ctx.stub(queue_pb2_grpc.QueueStub).GetEntry,
+                queue_pb2.GetEntryRequest(id=entry.id),
+            )
+            away = False
+        except CliError as err:
+            if err.exit_code != EXIT_NOT_RUNNING:
+                raise
+            if not away:
+                print(f"gpuctl: {err}; still queued, waiting", file=sys.stderr, flush=True)
+                away = True
+            ctx.close()  # a fresh channel once gpud is back
     if stop.is_set():
-        _leave(ctx, entry)
+        _leave(ctx, entry, stop)
         return None
     if entry.state != queue_pb2.ENTRY_STATE_STARTED:
         if _registered(ctx, entry.job) is None:  # a queued job is registered until removed
@@ -656,18 +736,24 @@ def wait_in_queue(
     return entry
 
 
-def _leave(ctx: Context, entry: queue_pb2.QueueEntry) -> None:
-    """Out of the queue; a job that started meanwhile gives its reservation back."""
+def _leave(ctx: Context, entry: queue_pb2.QueueEntry, stop: _Stop) -> None:
+    """Out of the queue, saying the signal that stopped the run; a job that started
+    meanwhile gives its reservation back."""
     try:
         left: queue_pb2.QueueEntry = ctx.call(
-            ctx.stub(queue_pb2_grpc.QueueStub).Leave, queue_pb2.LeaveRequest(id=entry.id)
+            ctx.stub(queue_pb2_grpc.QueueStub).Leave,
+            queue_pb2.LeaveRequest(id=entry.id, stopped_by=_stop_name(stop)),
+            timeout=LEAVE_TIMEOUT_S,
         )
         if left.state == queue_pb2.ENTRY_STATE_STARTED and left.reservation.id:
             ctx.call(
                 ctx.stub(pb_grpc.JobsStub).Release,
                 pb.ReleaseRequest(reservation_id=left.reservation.id),
+                timeout=LEAVE_TIMEOUT_S,
             )
-        print(f"gpuctl: job {entry.job} left the queue", file=sys.stderr)
+        print(
+            f"gpuctl: job {entry.job} left the queue{_by(stop)}, nothing started", file=sys.stderr
+        )
     except CliError as err:
         print(
             f"gpuctl: could not leave the queue: {err}; gpud drops entry {entry.id} (and "
@@ -725,11 +811,14 @@ def _launch(
     env: dict[str, str],
     place: Callable[[int], None] | None = None,
     told: Callable[[int], None] | None = None,
+    stop: _Stop | None = None,
 ) -> int:
     """Run ``command`` as a process that the kernel kills when gpuctl dies (see _GATE);
     with ``place``, hold it at the gate, call ``place(pid)``, then let it run (it runs
     even when placing fails, with a warning). ``told`` hears each signal gpuctl gets
-    meanwhile (SIGINT, SIGTERM, SIGHUP). Its return code: the exit status, or -N when
+    meanwhile (SIGINT, SIGTERM, SIGHUP); ``stop``'s handlers take them until the command
+    has started (one they took then is forwarded once it has), and the handlers they
+    replaced are put back at its end. Its return code: the exit status, or -N when
     signal N killed it (:func:`exit_status` makes gpuctl's of it)."""
     # imported here: only `gpuctl run` pays for them
     import subprocess
@@ -779,6 +868,13 @@ def _launch(
     # (embedded use) the child shares the terminal's process group anyway.
     main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED} if main else {}
+    if stop is not None:
+        previous = {sig: stop.previous.get(sig, handler) for sig, handler in previous.items()}
+        if stop.signum is not None:  # sent as it started the command: the command has it
+            if told is not None:
+                told(stop.signum)
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(stop.signum)
     try:
         code = child.wait()
     finally:

@@ -1446,11 +1446,12 @@ class ColoService:
             job=job,
         )
 
-    def leave(self, waiter_id: str) -> WaiterView | None:
+    def leave(self, waiter_id: str, stopped_by: str | None = None) -> WaiterView | None:
         """Take the ``gpuctl run`` waiting with ``waiter_id`` out of the wait (``gpuctl
         queue --leave ID``): its next question is answered LeftQueue, and it exits having
         started nothing, as a queued run taken out does. None when no run waits with that
-        id (an admission queue entry's, or one gone)."""
+        id (an admission queue entry's, or one gone). ``stopped_by``: the run itself leaves
+        as it stops, sent that signal ("" when not known); None: an operator took it out."""
         now = self._clock()
         with self._lock:
             gone = self._forget_gone(now)
@@ -1462,7 +1463,10 @@ class ColoService:
             return None
         self._events.emit(
             "colo.leave",
-            f"job {w.job} left the wait for co-location ({w.id}, gpuctl queue --leave)",
+            f"job {w.job} left the wait for co-location ({w.id}, gpuctl queue --leave)"
+            if stopped_by is None
+            else f"job {w.job} left the wait for co-location ({w.id}): its gpuctl run was "
+            f"stopped{f' ({stopped_by})' if stopped_by else ''}",
             job=w.job,
             entry=w.id,
         )

@@ -199,17 +199,26 @@ class LeaveRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ID_FIELD_NUMBER: _builtins.int
+    STOPPED_BY_FIELD_NUMBER: _builtins.int
     id: _builtins.str
+    stopped_by: _builtins.str
+    """Set by a `gpuctl run` that leaves its own wait as it stops: the signal that stopped it
+    ("SIGTERM"; "" when not known), which the event says instead of `gpuctl queue --leave`.
+    Absent (`gpuctl queue --leave`, an older gpuctl): an operator took it out.
+    """
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
+        stopped_by: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_stopped_by", b"_stopped_by", "stopped_by", b"stopped_by"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stopped_by", b"_stopped_by", "id", b"id", "stopped_by", b"stopped_by"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__stopped_by: _TypeAlias = _typing.Literal["stopped_by"]  # noqa: Y015
+    _WhichOneofArgType__stopped_by: _TypeAlias = _typing.Literal["_stopped_by", b"_stopped_by"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__stopped_by) -> _WhichOneofReturnType__stopped_by | None: ...
 
 Global___LeaveRequest: _TypeAlias = LeaveRequest  # noqa: Y015
 

@@ -184,6 +184,15 @@ def test_leave_takes_an_entry_out(node: Node) -> None:
     assert node.admission.queue_views() == []
 
 
+def test_a_run_that_leaves_as_it_stops_is_said_in_the_event(node: Node) -> None:
+    """The queue's own `gpuctl run`, stopped, leaves saying by what signal."""
+    node.jobs.reserve(whole("a", 2))
+    entry = node.admission.enqueue(whole("b"))
+    assert node.admission.leave(entry.entry.id, stopped_by="SIGHUP").entry.state == LEFT
+    (event,) = node.admission._events.recent(kind_prefix="admission.leave")
+    assert event.message == "job b left the queue: its gpuctl run was stopped (SIGHUP)"
+
+
 def test_admission_config_is_range_checked() -> None:
     with pytest.raises(ConfigError, match=r"admission.history_window_s: 1.0 is out of range"):
         from_dict({"admission": {"history_window_s": 1}})

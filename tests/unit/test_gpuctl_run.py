@@ -1107,6 +1107,114 @@ def test_two_runs_of_one_job_waiting_for_co_location_are_two_entries(
     assert not (tmp_path / "one").exists() and not (tmp_path / "two").exists()
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_run_stopped_while_waiting_for_co_location_leaves_gpuctl_queue_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], signum: signal.Signals
+) -> None:
+    """A `gpuctl run` stopped while it waits for co-location takes itself out of gpud's
+    list on the way out: `gpuctl queue` no longer lists it (it stayed up to 10 s, until
+    gpud found it stopped asking), and the event says its run was stopped, and by what,
+    not that an operator took it out."""
+    from typing import cast
+
+    from gpud.admission.api import QueueServicer
+    from gpud.admission.service import AdmissionService
+
+    loop, colo = memory_held_loop()
+    queue = QueueServicer(cast(AdmissionService, None), leave_waiter=loop.leave)
+    with serving(colo.register, queue.register) as n:
+        marker = tmp_path / "ran"
+        done = threading.Event()
+
+        def stop_once_listed() -> None:
+            # once listed it waits, with gpuctl's handler for the signal (in this thread)
+            while not loop.waiting() and not done.wait(0.05):
+                pass
+            if not done.is_set():
+                os.kill(os.getpid(), signum)
+
+        threading.Thread(target=stop_once_listed, daemon=True).start()
+        try:
+            code = n.ctl("run", "--job", "w", "--", "touch", str(marker))
+        finally:
+            done.set()
+        assert code == 130
+        assert loop.waiting() == []  # at once, not 10 s later
+        (event,) = loop._events.recent(kind_prefix="colo.leave")
+        assert f"its gpuctl run was stopped ({signum.name})" in event.message
+        assert "gpuctl queue --leave" not in event.message
+        assert n.jobs.reservations.held() == [] and n.jobs.registry.find("w") is None
+    err = capsys.readouterr().err
+    assert (
+        f"gpuctl: job w stopped waiting for co-location ({signum.name}), nothing started\n" in err
+    )
+    assert "up to 10 s more" not in err
+    assert not marker.exists()
+
+
+def test_a_leave_saying_what_stopped_it_takes_only_a_signal_name() -> None:
+    """LeaveRequest.stopped_by goes into the event log's text: a signal's name or ""."""
+    from typing import cast
+
+    from gpud.admission.api import QueueServicer
+    from gpud.admission.service import AdmissionService
+
+    queue = QueueServicer(cast(AdmissionService, None))
+    with serving(queue.register) as n, grpc.insecure_channel(f"unix:{n.socket}") as channel:
+        stub = queue_pb2_grpc.QueueStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Leave(queue_pb2.LeaveRequest(id="0123456789ab", stopped_by="SIGTERM\nforged"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+class AsksOnce(colo_pb2_grpc.ColocationServicer):
+    """A co-location loop that names GPU 1, and sends this process ``signum`` while it
+    answers: as a signal that lands during gpuctl run's first call to gpud."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    async def Advise(
+        self, request: colo_pb2.AdviseRequest, context: Any
+    ) -> colo_pb2.AdviseResponse:
+        os.kill(os.getpid(), self.signum)
+        return colo_pb2.AdviseResponse(gpu=1, device=gpu_uuid(1), reason="GPU 1 is free")
+
+    def register(self, server: Any) -> None:
+        colo_pb2_grpc.add_ColocationServicer_to_server(self, server)
+
+
+@pytest.mark.parametrize("during", ["advice", "reserve"])
+def test_a_signal_before_the_command_starts_stops_the_run_saying_so(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    during: str,
+) -> None:
+    """A signal that lands while gpuctl run asks gpud where to go (before any wait), or
+    while gpud makes its reservation, ends it with exit 130 and a line saying nothing was
+    started, as one during a wait does (it was a bare KeyboardInterrupt, or for SIGTERM
+    and SIGHUP Python's default: an exit with no word). A reservation made meanwhile is
+    given back (it stayed held by a live gpuctl, or until gpuctl exited); nothing runs."""
+    loop = AsksOnce(signal.SIGINT) if during == "advice" else SaysWait(waits=0)
+    with serving(loop.register) as n:
+        if during == "reserve":
+            reserve = n.jobs.reserve
+
+            def reserve_then_signal(*args: Any, **kwargs: Any) -> Any:
+                made = reserve(*args, **kwargs)
+                os.kill(os.getpid(), signal.SIGINT)
+                return made
+
+            monkeypatch.setattr(n.jobs, "reserve", reserve_then_signal)
+        marker = tmp_path / "ran"
+        assert n.ctl("run", "--job", "a", "--", "touch", str(marker)) == 130
+        assert n.jobs.reservations.held() == []
+    err = capsys.readouterr().err
+    assert "gpuctl: job a stopped (SIGINT) before its command started: nothing was started" in err
+    assert not marker.exists()
+
+
 class LeavesAfterOnePoll(queue_pb2_grpc.QueueServicer):
     """A queue whose entry is taken out (``jobs rm --force`` or ``queue --leave``) at the
     first poll."""
