@@ -398,7 +398,14 @@ class Daemon:
         return [g.identity for g in snap.gpus] if snap else []
 
     def _products(self) -> dict[int, str]:
-        return {i.index: i.product for i in self._identities()}
+        """GPU index -> product key; for a GPU never read since gpud started, the product
+        an earlier run last saw there ("" where none kept it)."""
+        snap = self.sampler.latest()
+        return {
+            g.identity.index: g.identity.product
+            or (g.last_seen.product if g.last_seen is not None else "")
+            for g in (snap.gpus if snap else ())
+        }
 
     async def _colo_step(self) -> None:
         # Runs every [colocate] tick_s, not every loop pass.

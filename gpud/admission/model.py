@@ -99,6 +99,9 @@ class Device:
     mig: int | None  # MIG device index; None for a whole GPU
     profile: str  # MIG profile ("1g.10gb") or the GPU's product
     capacity: Vec
+    # False for a GPU never read (lost or hung since before gpud started) whose product is
+    # not known either: its memory is no fact, so no request is unfeasible for want of it
+    size_known: bool = True
 
     @property
     def is_mig(self) -> bool:

@@ -17,12 +17,32 @@ from gpud.mps.manager import MpsTarget
 MIB = 1 << 20
 
 
-def from_targets(targets: Sequence[MpsTarget]) -> list[Device]:
-    """The devices the daemon's MPS manager knows (one per GPU, or per MIG device)."""
-    return [
-        Device(t.uuid, t.gpu, t.mig, t.profile, Vec(t.memory_total_bytes, THREADS_CAPACITY))
-        for t in targets
-    ]
+def from_targets(targets: Sequence[MpsTarget], products: Mapping[int, str] = {}) -> list[Device]:
+    """The devices the daemon's MPS manager knows (one per GPU, or per MIG device).
+
+    A GPU never read since gpud started (lost, hung: UUID "", memory 0, as ``nvidia-smi``
+    cannot list it either) has the framebuffer of its product as last seen
+    (``products[index]``), or else an unknown size: it may well answer again."""
+    out = []
+    for t in targets:
+        if t.uuid:
+            out.append(
+                Device(t.uuid, t.gpu, t.mig, t.profile, Vec(t.memory_total_bytes, THREADS_CAPACITY))
+            )
+            continue
+        spec = lookup(products.get(t.gpu, ""))
+        memory = spec.memory_mib * MIB if spec is not None else 0
+        out.append(
+            Device(
+                t.uuid,
+                t.gpu,
+                t.mig,
+                spec.key if spec is not None else t.profile,
+                Vec(memory, THREADS_CAPACITY),
+                size_known=spec is not None,
+            )
+        )
+    return out
 
 
 def synthetic(product: str, gpus: int, layouts: Mapping[int, DeviceLayout] = {}) -> list[Device]:

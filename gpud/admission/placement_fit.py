@@ -57,30 +57,31 @@ class PlacementFit:
             missing = [u for u in request.devices if u not in self._by_uuid]
             if missing:
                 return Unfeasible(f"no GPU or MIG device {', '.join(missing)} on this node")
-            pool = tuple(request.devices)
-            count = len(pool)
+            devices = [self._by_uuid[u] for u in request.devices]
+            count = len(devices)
         elif request.mig_profile is not None:
-            pool = tuple(
-                d.uuid for d in self._devices if d.is_mig and d.profile == request.mig_profile
-            )
+            devices = [d for d in self._devices if d.is_mig and d.profile == request.mig_profile]
             count = 1
-            if not pool:
+            if not devices:
                 have = sorted({d.profile for d in self._devices if d.is_mig})
                 return Unfeasible(
                     f"no MIG device of profile {request.mig_profile} on this node"
                     f" (MIG profiles here: {', '.join(have) or 'none'})"
                 )
         else:
-            pool = tuple(d.uuid for d in self._devices if not d.is_mig)
+            devices = [d for d in self._devices if not d.is_mig]
             count = request.gpu_count or 1
-            if len(pool) < count:
+            if len(devices) < count:
                 return Unfeasible(
                     f"asks {count} whole GPU{'s' if count > 1 else ''}; this node has "
-                    f"{len(pool)} not in MIG mode (name a MIG profile: gpuctl run --mig)"
+                    f"{len(devices)} not in MIG mode (name a MIG profile: gpuctl run --mig)"
                 )
-        roomy = [u for u in pool if need.fits_in(self._by_uuid[u].capacity)]
+        pool = tuple(d.uuid for d in devices)
+        # by device, not by UUID (every GPU never read has the UUID ""); one of unknown size
+        # may take the request when it answers again: that is a wait, not a proof
+        roomy = [d for d in devices if not d.size_known or need.fits_in(d.capacity)]
         if len(roomy) < count:
-            largest = max(self._by_uuid[u].capacity.memory for u in pool)
+            largest = max(d.capacity.memory for d in devices)
             return Unfeasible(
                 f"asks {format_size(need.memory)} on each of {count} device(s);"
                 f" {len(roomy)} of them have that much (largest: {format_size(largest)})"

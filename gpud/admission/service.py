@@ -234,7 +234,7 @@ class AdmissionService:
     # -- devices and fit ------------------------------------------------------------------
     def fit(self) -> FitCheck | None:
         """What fits, over the devices the daemon sees now (None before the first sample)."""
-        devices = tuple(from_targets(self._mps.targets()))
+        devices = tuple(from_targets(self._mps.targets(), self._products()))
         if not devices:
             return None
         if self._fit is None or self._fit[0] != devices:

@@ -141,7 +141,8 @@ class JobsServicer(pb_grpc.JobsServicer):
         uses: dict[str | None, list[ProcessUse]] = {}
         for u in self._service.process_uses():
             uses.setdefault(u.job, []).append(u)
-        sick = self._service.unhealthy_devices()
+        # a reservation holds UUIDs: a device never read (UUID "") is held by none
+        sick = {u: why for u, why in self._service.unhealthy_devices().values() if u}
         messages = []
         for j in jobs:
             msg = job_message(j, held.get(j.name, []), uses.get(j.name, []))

@@ -422,15 +422,20 @@ class JobService:
         with self._lock:
             return dict(self._unhealthy)
 
-    def unhealthy_devices(self) -> dict[str, str]:
-        """Device UUID -> ``"GPU N: reason"`` for each device on an unhealthy GPU, as of the
-        last tick. Without a lock (both sources are swapped whole): for reads on the event
-        loop, which a reservation or an MPS pass holding a lock must not hold back."""
+    def unhealthy_devices(self) -> dict[tuple[int, int | None], tuple[str, str]]:
+        """(GPU index, MIG device index or None) -> (UUID, ``"GPU N: reason"``) for each
+        device on an unhealthy GPU, as of the last tick. By index: every GPU never read
+        (lost or hung since before gpud started) has the UUID "", and each is kept. Without
+        a lock (both sources are swapped whole): for reads on the event loop, which a
+        reservation or an MPS pass holding a lock must not hold back."""
         sick = self._unhealthy
         return {
-            s.target.uuid: f"GPU {s.target.gpu}: {sick[s.target.gpu]}"
+            (s.target.gpu, s.target.mig): (
+                s.target.uuid,
+                f"GPU {s.target.gpu}: {sick[s.target.gpu]}",
+            )
             for s in self._mps.last_status()
-            if s.target.uuid and s.target.gpu in sick
+            if s.target.gpu in sick
         }
 
     def healthy_targets(self) -> list[MpsTarget]:

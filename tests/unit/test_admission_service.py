@@ -711,3 +711,50 @@ def test_a_queued_job_names_every_gpu_unread_since_the_daemon_started(tmp_path: 
         assert admission.view(entry.entry.id).waiting_on == named
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("last_seen", [None, "H100-SXM5-80GB"])
+def test_a_request_that_needs_a_gpu_never_read_waits_for_it(
+    tmp_path: Path, last_seen: str | None
+) -> None:
+    """GPU 3 was lost before gpud started: its size was never read (0 in its device). A run
+    asking 70GiB on each of 4 GPUs may start when it answers again: it waits, and WHY NOT
+    names the GPU and why, rather than being refused as one that can never start. Requests
+    no answer would make room for are still refused at once: more GPUs than the node has,
+    and, where an earlier run saw the GPU's product, more memory than that product has."""
+    store = StateStore(tmp_path / "state")
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", FAKE_CONTROL, enabled=False)
+    lost = GpuSample(
+        identity=placeholder_identity(3), healthy=False, reason="GPU lost", sampled_at=None
+    )
+    node = snapshot(gpu_sample(0), gpu_sample(1), gpu_sample(2), lost)
+    mps.reconcile(node)
+    clock = Clock()
+    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock", clock=clock)
+    products = {0: "H100-SXM5-80GB", 1: "H100-SXM5-80GB", 2: "H100-SXM5-80GB"}
+    if last_seen is not None:
+        products[3] = last_seen
+    admission = AdmissionService(
+        store, jobs, mps, events, AdmissionConfig(), products=lambda: products, clock=clock
+    )
+    try:
+        jobs.tick(node)
+        four = RunRequest(job="four", gpu_count=4, memory_bytes=70 * GIB)
+        with pytest.raises(ResourceExhausted, match=r"GPU 3 unhealthy: GPU lost"):
+            jobs.reserve(four)
+        entry = admission.enqueue(four)
+        admission.tick()
+        view = admission.view(entry.entry.id)
+        assert view.entry.state == QUEUED and view.unfeasible is None
+        assert view.waiting_on == "GPU 3 unhealthy: GPU lost"
+        with pytest.raises(FailedPrecondition, match="can never start"):
+            admission.enqueue(RunRequest(job="five", gpu_count=5, memory_bytes=GIB))
+        huge = RunRequest(job="huge", gpu_count=1, memory_bytes=100 * GIB)
+        if last_seen is not None:
+            with pytest.raises(FailedPrecondition, match=r"can never start.*largest: 80GiB"):
+                admission.enqueue(huge)
+        else:  # GPU 3's size is not known: it may hold 100GiB
+            assert admission.enqueue(huge).entry.state == QUEUED
+    finally:
+        store.close()

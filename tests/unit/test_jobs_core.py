@@ -732,6 +732,32 @@ def test_a_gpu_never_read_named_by_index_is_refused_and_nothing_is_kept(
     assert service.registry.all() == []
 
 
+def test_every_device_of_a_gpu_never_read_is_listed_unhealthy(service: JobService) -> None:
+    """GPUs 0 and 2 were lost before gpud started: both devices have the UUID "", and each
+    is kept, by index; ``gpuctl jobs`` still names the GPU under a job that holds one."""
+    held = service.reserve(RunRequest("on-1", devices=(gpu_uuid(1),)))
+    unread = [
+        GpuSample(identity=unknown_identity(i), healthy=False, reason="GPU lost", sampled_at=0)
+        for i in (0, 2)
+    ]
+    lost = gpu_sample(1, memory_gib=80)._replace(healthy=False, reason="GPU lost (memory)")
+    node = snapshot(unread[0], lost, unread[1])
+    service._mps.observe(targets_from_snapshot(node))
+    service.tick(node)
+    service._mps.status()  # the MPS pass of the same tick
+    assert service.unhealthy_devices() == {
+        (0, None): ("", "GPU 0: GPU lost"),
+        (1, None): (gpu_uuid(1), "GPU 1: GPU lost (memory)"),
+        (2, None): ("", "GPU 2: GPU lost"),
+    }
+    shown = {
+        j.name: list(j.unhealthy_gpus)
+        for j in JobsServicer(service)._messages(service.registry.all())
+    }
+    assert shown == {"on-1": ["GPU 1: GPU lost (memory)"]}
+    service.release(held.reservation.id)
+
+
 @pytest.mark.parametrize("memory", [2**63, 2**64 - 1])
 def test_memory_past_64_bits_is_refused_before_anything_is_kept(
     service: JobService, memory: int
