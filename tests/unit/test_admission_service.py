@@ -321,7 +321,7 @@ def test_a_queued_job_starts_without_holding_the_store_while_it_reserves(node: N
 
 @pytest.mark.parametrize("busy", [False, True])
 def test_a_request_no_device_can_hold_is_refused_as_never_fitting(node: Node, busy: bool) -> None:
-    # `gpuctl run --no-wait` (and `gpuctl env --reserve`) reserve at once: a request more
+    # `gpuctl run --no-wait` reserves at once: a request more
     # than any GPU holds was refused as taken for now (exit 7, "try again later"), with the
     # numbers of whatever GPU happened to be busiest, where queueing it says it never fits.
     if busy:
