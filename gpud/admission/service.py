@@ -230,6 +230,7 @@ class AdmissionService:
         jobs.add_late_end(self._removed_run_ended)
         jobs.add_removal_hook(self._job_removed)
         jobs.gate = self.gate
+        jobs.refuse_never = self.refuse_never
 
     # -- devices and fit ------------------------------------------------------------------
     def fit(self) -> FitCheck | None:
@@ -549,16 +550,26 @@ class AdmissionService:
         return job_quote(view.quote, ahead=overlapping, waited_s=waited_s)
 
     # -- the gate and the tick ------------------------------------------------------------
+    def refuse_never(self, spec: JobSpec) -> None:
+        """Refuse a job that can never start on this node as it is (FailedPrecondition, not
+        as taken for now); also where nothing is reserved (``gpuctl env``)."""
+        fit = self.fit()
+        if fit is not None:
+            self._refuse_never(spec, fit)
+
+    def _refuse_never(self, spec: JobSpec, fit: FitCheck) -> None:
+        verdict = self.classify(request_of(spec), fit)
+        if isinstance(verdict, Unfeasible):
+            raise _never(spec.name, verdict)
+
     def gate(self, spec: JobSpec) -> tuple[str, ...] | None:
         """Where a job asking to start now may go: as if it joined the queue's tail. A job
         that can never start here is refused as such (not as taken for now), queue or not."""
         fit = self.fit()
         if fit is None:
             return None
+        self._refuse_never(spec, fit)
         request = request_of(spec)
-        verdict = self.classify(request, fit)
-        if isinstance(verdict, Unfeasible):
-            raise _never(spec.name, verdict)
         if not self.config.enabled:
             return None
         queued = self.entries()

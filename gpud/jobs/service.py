@@ -128,6 +128,8 @@ class JobService:
         self._late_ends: list[LateEnd] = []
         self._waiting_kind: Callable[[str], str | None] = lambda job: None
         self.gate: Gate | None = None
+        # a job that can never start here, refused as such where no gate runs (a preview)
+        self.refuse_never: Callable[[JobSpec], None] = lambda spec: None
         self._tag_of: Callable[[str], int] | None = None
         self._tag_held: Callable[[str], int | None] = lambda job: None
         # a holder found gone at the first tick died while gpud was down (or before it began)
@@ -360,7 +362,9 @@ class JobService:
                 placed = _override(job, request)
                 effective = _advised(placed, request)
                 self._refuse_unhealthy(effective)
-                if self.gate is not None and not preview and not admitted:
+                if preview:
+                    self.refuse_never(effective)
+                elif self.gate is not None and not admitted:
                     where = self.gate(effective)
                     if where is not None:
                         effective = replace(

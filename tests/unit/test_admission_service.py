@@ -26,6 +26,7 @@ from gpud.errors import ConfigError, FailedPrecondition, InvalidArgument, Resour
 from gpud.events import EventLog
 from gpud.jobs.api import run_end
 from gpud.jobs.ends import EndCause, RunEnd
+from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, RunRequest
 from gpud.mps.manager import MpsManager
 from gpud.store import StateStore
@@ -332,6 +333,23 @@ def test_a_request_no_device_can_hold_is_refused_as_never_fitting(node: Node, bu
     node.admission.config = AdmissionConfig(enabled=False)
     with pytest.raises(FailedPrecondition, match="0 of them have that much"):
         node.jobs.reserve(big)
+    assert [r.job for r in node.jobs.reservations.held()] == (["a"] if busy else [])
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_the_env_of_a_job_no_device_can_hold_is_refused_as_never_fitting(
+    node: Node, busy: bool
+) -> None:
+    # `gpuctl env --job big` (a preview: nothing reserved) answered exit 7, "try again
+    # later", with the numbers of one GPU, for a job that can never start here.
+    if busy:
+        node.jobs.reserve(whole("a"))
+    node.jobs.add(JobSpec(name="big", kind=JobKind.TRAINING, memory_bytes=2**62))
+    with pytest.raises(FailedPrecondition, match="can never start on this node as it is"):
+        node.jobs.env("big")
+    node.admission.config = AdmissionConfig(enabled=False)
+    with pytest.raises(FailedPrecondition, match="can never start on this node as it is"):
+        node.jobs.env("big")
     assert [r.job for r in node.jobs.reservations.held()] == (["a"] if busy else [])
 
 
