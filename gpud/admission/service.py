@@ -587,8 +587,8 @@ class AdmissionService:
         waiting = len([e for e in queued if e.id not in result.unfeasible])
         if waiting:
             raise ResourceExhausted(
-                f"job {spec.name!r} ({request.label()}) cannot start now: {waiting} queued"
-                " job(s) ahead of it need its devices"
+                f"job {spec.name!r} ({request.label()}) waits behind {waiting} queued"
+                " job(s) that need its devices"
             )
         # Nothing queued: the reservation's own placement names the numbers, if it refuses.
         self._jobs.choose(spec)

@@ -106,8 +106,13 @@ def test_queued_job_survives_a_restart_and_starts_once(node: Node) -> None:
 def test_a_job_that_fits_does_not_jump_the_queue(node: Node) -> None:
     node.jobs.reserve(whole("a"))
     node.admission.enqueue(whole("pair", 2))  # the head: needs both GPUs
-    with pytest.raises(ResourceExhausted, match="1 queued job"):
+    with pytest.raises(ResourceExhausted, match="1 queued job") as refused:
         node.jobs.reserve(whole("c"))  # would fit on GPU 1, which the head waits for
+    # gpuctl run prints it after its own "cannot start now: "
+    assert (
+        str(refused.value)
+        == "job 'c' (1 GPU 60GiB) waits behind 1 queued job(s) that need its devices"
+    )
     # A request that sets no limits shares and never waits.
     assert node.jobs.reserve(RunRequest(job="d", gpu_count=1)).reservation.devices
 
