@@ -442,6 +442,37 @@ def test_unhealthy_gpus_are_skipped_until_they_answer(host: Host, config: MigCon
     assert instances(second) == before
 
 
+def test_a_faulty_gpu_has_no_mig_layout_or_reset_series(host: Host, config: MigConfigFile) -> None:
+    """A GPU reconcile leaves alone as faulty has neither gpud_mig_layout_matches nor
+    gpud_mig_reset_pending (its state is unknown: its health metric says why); once it
+    answers again both come back."""
+    d = enable(host, config, "all-balanced")
+    d.node.faults.slow(1, 30.0)
+    host.faults[1] = "not answering: a driver call is outstanding"
+    d.mig.refresh_view()
+    assert [o.status for o in d.mig.reconcile()] == ["ok", "faulty"]
+
+    def series() -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for family in MigMetrics(d.mig)():
+            if family.name in ("gpud_mig_layout_matches", "gpud_mig_reset_pending"):
+                out[family.name] = {s.labels["gpu"]: s.value for s in family.samples}
+        return out
+
+    assert series() == {
+        "gpud_mig_layout_matches": {"0": 1.0},
+        "gpud_mig_reset_pending": {"0": 0.0},
+    }
+    d.node.faults.clear(1)
+    host.faults.clear()
+    d.mig.refresh_view()
+    d.mig.reconcile()
+    assert series() == {
+        "gpud_mig_layout_matches": {"0": 1.0, "1": 1.0},
+        "gpud_mig_reset_pending": {"0": 0.0, "1": 0.0},
+    }
+
+
 def _mutations(
     host_dir: Path, spec: list[tuple[str, int]], config: MigConfigFile, start: str | None
 ) -> int:
