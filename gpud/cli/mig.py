@@ -253,9 +253,10 @@ def run_apply(ctx: Context, args: argparse.Namespace) -> int:
                 ctx.out.print(f"  {o.detail}")
         ctx.out.print(f"{resp.config_name}: {resp.result}")
     if resp.result == "reset_pending":
+        are, creates = ("would be", "would create") if resp.dry_run else ("are", "creates")
         print(
-            "gpuctl: MIG mode changes are pending a GPU reset or reboot; "
-            "gpud creates the instances after it",
+            f"gpuctl: MIG mode changes {are} pending a GPU reset or reboot; "
+            f"gpud {creates} the instances after it",
             file=sys.stderr,
         )
     if resp.result == "busy":  # only a dry run answers so: an apply is refused with Busy

@@ -16,7 +16,8 @@ by a lock, in this order for an apply:
 
 A dry run makes steps 1 to 3 (the busy checks once: it does not drain) and stops there: it
 answers what the apply would (``busy`` where the apply would be refused, ``faulty`` GPUs
-left alone, ``partial``) with each GPU's steps, and changes nothing.
+left alone, ``partial``; ``reset_pending`` with ``skip_reset`` where a MIG mode change would
+wait for a GPU reset) with each GPU's steps, and changes nothing.
 
 A MIG mode change the driver can only make at the next GPU reset (``nvidia-smi -mig 1``
 answering "pending", as on A100) is finished by resetting the GPU (``nvidia-smi --gpu-reset
@@ -56,6 +57,7 @@ from gpud.backend.port import (
     ProcessInfo,
     unknown_identity,
 )
+from gpud.backend.products import lookup
 from gpud.errors import (
     BackendError,
     Busy,
@@ -80,6 +82,7 @@ from gpud.mig.plan import (
     actual_layout,
     describe_difference,
     plan_gpu,
+    steps_before_reset,
 )
 from gpud.mig.results import ApplyResult, ApplyStats, GpuOutcome
 from gpud.mig.store import ApplyOptions, DesiredRecord, MigStore
@@ -470,24 +473,37 @@ class MigManager:
         left_alone: tuple[GpuOutcome, ...],
     ) -> ApplyResult:
         """A dry run's answer, from the plans and busy checks the apply would have: each GPU
-        ``ok``, ``differs`` (with the steps the apply would take), ``busy`` (processes run
-        on what it would destroy: the apply would be refused, the result is ``busy``) or
-        ``faulty`` (left alone: the result is ``partial``). With ``drain`` the dry run does
-        not wait: a GPU with processes ``differs`` and names those the apply would wait for."""
+        ``ok``, ``differs`` (with the steps the apply would take), ``reset_pending`` (with
+        ``skip_reset``, a MIG mode change the GPU makes at its next reset: the steps the
+        apply would run before it stops there; the result is ``reset_pending``), ``busy``
+        (processes run on what it would destroy: the apply would be refused, the result is
+        ``busy``) or ``faulty`` (left alone: the result is ``partial``). With ``drain`` the
+        dry run does not wait: a GPU with processes names those the apply would wait for."""
         refused = bool(busy) and not opts.drain
         preview = list(left_alone)
-        for i, (_, plan) in sorted(plans.items()):
-            status, detail = ("ok" if plan.empty else "differs"), ""
+        for i, (actual, plan) in sorted(plans.items()):
+            gpu = by_index[i]
+            status, details = ("ok" if plan.empty else "differs"), []
+            run = plan.steps
+            before_reset = (
+                steps_before_reset(actual, plan, mode_needs_reset=_mode_needs_reset(gpu))
+                if opts.skip_reset
+                else None
+            )
             if i in busy and refused:
-                status, detail = "busy", str(self._busy_error({i: busy[i]}, by_index, None))
+                status = "busy"
+                details.append(str(self._busy_error({i: busy[i]}, by_index, None)))
             elif i in busy:
                 waits = "; ".join(self._busy_parts({i: busy[i]}, by_index)[2])
-                detail = f"would first wait up to {opts.timeout_s:g} s for processes to leave: "
-                detail += waits
-            steps = tuple(s.describe() for s in plan.steps)
-            preview.append(
-                GpuOutcome(i, by_index[i].uuid, steps, plan.reset_pending, status, detail)
-            )
+                details.append(
+                    f"would first wait up to {opts.timeout_s:g} s for processes to leave: {waits}"
+                )
+            if before_reset is not None and status != "busy":
+                status, run = "reset_pending", before_reset
+                details.append(_pending(f"GPU {i}{_product(gpu)}"))
+            steps = tuple(s.describe() for s in run)
+            pending = status == "reset_pending"
+            preview.append(GpuOutcome(i, gpu.uuid, steps, pending, status, "; ".join(details)))
         preview.sort(key=lambda o: o.gpu)
         if refused:
             result = "busy"
@@ -495,6 +511,8 @@ class MigManager:
             result = "partial"
         elif all(o.status == "ok" for o in preview):
             result = "noop"
+        elif any(o.reset_pending for o in preview):
+            result = "reset_pending"
         else:
             result = "success"
         return ApplyResult(name, result, tuple(preview), 0.0, True)
@@ -630,12 +648,7 @@ class MigManager:
                 )
             if pending:
                 return GpuOutcome(
-                    gpu.index,
-                    gpu.uuid,
-                    tuple(done),
-                    True,
-                    "reset_pending",
-                    f"{where}: MIG mode change pending a GPU reset",
+                    gpu.index, gpu.uuid, tuple(done), True, "reset_pending", _pending(where)
                 )
         return GpuOutcome(
             gpu.index, gpu.uuid, tuple(done), False, "failed", f"GPU {gpu.index}: did not converge"
@@ -1186,6 +1199,19 @@ def _left_alone(index: int, uuid: str, name: str, reason: str) -> GpuOutcome:
         "faulty",
         f"{name} is faulty: {reason}: not reconciled until it answers again",
     )
+
+
+def _pending(where: str) -> str:
+    """The detail of a GPU whose MIG mode change waits for a GPU reset."""
+    return f"{where}: MIG mode change pending a GPU reset"
+
+
+def _mode_needs_reset(gpu: GpuIdentity) -> bool:
+    """Whether the GPU's product makes a MIG mode change at its next reset (A100) rather than
+    at once (Hopper). A product gpud does not know is taken to switch at once: only the
+    driver's answer to the change tells, and the apply reports it."""
+    spec = lookup(gpu.product) if gpu.product else None
+    return spec is not None and spec.mig_mode_needs_reset
 
 
 def _product(gpu: GpuIdentity) -> str:

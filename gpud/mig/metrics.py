@@ -13,6 +13,11 @@
                                                               not_started
     gpud_mig_apply_duration_seconds                           histogram
 
+A faulty GPU (lost, not answering: ``gpud_gpu_healthy`` 0 says why) has no
+``gpud_mig_reset_pending`` and no ``gpud_mig_layout_matches``: its MIG state cannot be read,
+so it is unknown, not 0, and not the last value read either (a reset or a reboot may have
+changed it meanwhile). Its health alert pages, not ``MigLayoutDiffers`` as well.
+
 Instance data comes from the view the manager refreshes on reconcile after a change and at
 least every ``MigManager.VIEW_REFRESH_S`` (the driver is not called at scrape time once the
 daemon ticks); live per-device memory is also in the telemetry's ``gpud_mig_device_*``.
@@ -109,7 +114,8 @@ class MigMetrics:
                 if not inst.processes_error:  # absent, not 0, when they could not be listed
                     procs.add_metric(key, float(len(inst.processes)))
         for o in m.last_outcomes():
-            matches.add_metric((str(o.gpu), o.uuid), float(o.status in ("ok", "changed")))
+            if o.status != "faulty":  # not read: unknown, absent (see the module docstring)
+                matches.add_metric((str(o.gpu), o.uuid), float(o.status in ("ok", "changed")))
         yield from (info, limit, used, procs, pending, matches)
 
         totals, durations = m.stats.snapshot()

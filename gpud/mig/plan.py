@@ -16,6 +16,7 @@ driver has made it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -209,6 +210,26 @@ def plan_gpu(actual: GpuActual, desired: DeviceLayout, table: ProfileTable | Non
     mode_steps = [SetMigMode(gpu, True)] if not mode.pending else []
     steps = (*destroy_ci, *destroy_gi, *mode_steps, *create_gi, *create_ci)
     return GpuPlan(gpu, steps, reset_pending=not mode.current)
+
+
+def steps_before_reset(
+    actual: GpuActual, plan: GpuPlan, *, mode_needs_reset: bool
+) -> tuple[Step, ...] | None:
+    """The steps an apply that does not reset the GPU (``skip_reset``) runs before a MIG
+    mode change pending a GPU reset stops it, or None when the plan does not stop there.
+
+    It stops there when the GPU's MIG mode is already pending (``nvidia-smi -q``: "Pending"
+    differs from "Current"), or when the plan changes the mode on a product that makes the
+    change at the next reset (``mode_needs_reset``: ``nvidia-smi -mig 1`` answers "pending"
+    on A100; Hopper switches at once). The instances to create wait for the new mode: the
+    steps before the first creation run, the rest after the reset.
+    """
+    if not plan.reset_pending:
+        return None
+    if not (actual.mode.reset_pending or (mode_needs_reset and plan.changes_mode())):
+        return None
+    creating = (CreateGpuInstance, CreateComputeInstance)
+    return tuple(itertools.takewhile(lambda s: not isinstance(s, creating), plan.steps))
 
 
 def _gi_name(table: ProfileTable | None, profile_id: int) -> str:

@@ -442,6 +442,37 @@ def test_unhealthy_gpus_are_skipped_until_they_answer(host: Host, config: MigCon
     assert instances(second) == before
 
 
+def test_a_faulty_gpu_has_no_mig_layout_or_reset_series(host: Host, config: MigConfigFile) -> None:
+    """A GPU reconcile leaves alone as faulty has neither gpud_mig_layout_matches nor
+    gpud_mig_reset_pending (its state is unknown: its health metric says why); once it
+    answers again both come back."""
+    d = enable(host, config, "all-balanced")
+    d.node.faults.slow(1, 30.0)
+    host.faults[1] = "not answering: a driver call is outstanding"
+    d.mig.refresh_view()
+    assert [o.status for o in d.mig.reconcile()] == ["ok", "faulty"]
+
+    def series() -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for family in MigMetrics(d.mig)():
+            if family.name in ("gpud_mig_layout_matches", "gpud_mig_reset_pending"):
+                out[family.name] = {s.labels["gpu"]: s.value for s in family.samples}
+        return out
+
+    assert series() == {
+        "gpud_mig_layout_matches": {"0": 1.0},
+        "gpud_mig_reset_pending": {"0": 0.0},
+    }
+    d.node.faults.clear(1)
+    host.faults.clear()
+    d.mig.refresh_view()
+    d.mig.reconcile()
+    assert series() == {
+        "gpud_mig_layout_matches": {"0": 1.0, "1": 1.0},
+        "gpud_mig_reset_pending": {"0": 0.0, "1": 0.0},
+    }
+
+
 def _mutations(
     host_dir: Path, spec: list[tuple[str, int]], config: MigConfigFile, start: str | None
 ) -> int:
@@ -584,6 +615,39 @@ def test_skip_reset_leaves_the_mode_change_pending(a100: Host) -> None:
     assert not d.events.recent(kind_prefix="mig.reset")
     # reconcile (no apply asked for a reset) leaves it pending too
     assert {o.status for o in d.mig.reconcile()} == {"reset_pending"}
+
+
+def test_a_dry_run_with_skip_reset_foresees_the_pending_mode_change(
+    tmp_path: Path, config: MigConfigFile
+) -> None:
+    """With skip_reset an A100 stops at a MIG mode change pending a reset: the dry run says
+    so in the apply's words (each GPU and the result ``reset_pending``, the steps the apply
+    runs before it stops), also once the change is already pending. An H100 beside it
+    switches at once: it differs, then matches, never pending."""
+    host = Host(tmp_path, [(A100, 1), (H100, 1)])
+    try:
+        d = host.start(resets=True)
+        skip = ApplyOptions(skip_reset=True)
+        for h100_status in ("differs", "ok"):  # from MIG off, then with the change pending
+            dry = d.mig.apply(config, "all-balanced", options=skip, dry_run=True)
+            assert dry.dry_run and dry.result == "reset_pending", dry
+            a100_dry, h100_dry = dry.gpus
+            assert (a100_dry.status, a100_dry.reset_pending) == ("reset_pending", True)
+            assert (h100_dry.status, h100_dry.reset_pending) == (h100_status, False)
+            assert not any("create" in s for s in a100_dry.steps)
+            applied = d.mig.apply(config, "all-balanced", options=skip)
+            assert applied.result == "reset_pending", applied
+            a100_did = applied.gpus[0]
+            assert a100_did.status == "reset_pending"
+            assert (a100_dry.steps, a100_dry.detail) == (a100_did.steps, a100_did.detail)
+            assert d.backend.mig_mode(0) == (False, True)
+        assert a100_dry.steps == () and "pending a GPU reset" in a100_dry.detail
+        # without skip_reset the apply resets the GPU: the dry run differs, nothing pending
+        dry = d.mig.apply(config, "all-balanced", dry_run=True)
+        assert dry.result == "success" and dry.gpus[0].status == "differs"
+        assert not any(o.reset_pending for o in dry.gpus)
+    finally:
+        host.close()
 
 
 def test_a_backend_that_cannot_reset_reports_reset_pending(a100: Host) -> None:

@@ -138,8 +138,14 @@ def test_apply_assert_show_export(capsys: pytest.CaptureFixture[str], node: Node
 
 def test_a_mode_change_pending_a_reset(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """An A100 leaves the MIG mode change pending a reset (this daemon has no reset at hand):
-    gpuctl says so, and the instances come with the next reboot and reconcile."""
+    gpuctl says so, a dry run with --skip-reset foresees it and exits as the apply does, and
+    the instances come with the next reboot and reconcile."""
     with serve(tmp_path, [("A100-SXM4-40GB", 2)]) as a100:
+        dry = ("mig", "apply", "-f", CONFIG, "-c", "all-balanced", "--dry-run", "--skip-reset")
+        code, out, err = gpuctl(capsys, a100, *dry)
+        assert code == 0, err
+        assert "GPU 0: reset_pending (1 steps would run)" in out
+        assert "all-balanced: reset_pending" in out and "would be pending a GPU reset" in err
         code, out, err = gpuctl(capsys, a100, "mig", "apply", "-f", CONFIG, "-c", "all-balanced")
         assert code == 0, err
         assert "all-balanced: reset_pending" in out and "pending a GPU reset" in err

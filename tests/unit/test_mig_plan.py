@@ -27,6 +27,7 @@ from gpud.mig.plan import (
     plan_gpu,
     step_from_dict,
     step_to_dict,
+    steps_before_reset,
 )
 from gpud.mig.validate import ProfileTable, validate_layout
 from tests.unit.mig_tables import table_for
@@ -177,6 +178,27 @@ def test_mig_mode_steps_and_pending_reset() -> None:
     assert kinds == ["DestroyComputeInstance"] * 7 + ["DestroyGpuInstance"] * 7 + ["SetMigMode"]
     assert plan.reset_pending
     assert plan_gpu(GpuActual(0, MigMode(False, False), ()), DeviceLayout(False), None).empty
+
+
+def test_the_steps_an_apply_runs_before_a_pending_reset_stops_it() -> None:
+    table = table_for(H100)
+    want = layout(**{"7g_80gb": 1})
+    off = GpuActual(0, MigMode(False, False), ())
+    plan = plan_gpu(off, want, table)
+    # a product that switches at once does not stop; one that waits for a reset stops
+    # after the mode change, before any instance is created
+    assert steps_before_reset(off, plan, mode_needs_reset=False) is None
+    assert steps_before_reset(off, plan, mode_needs_reset=True) == (SetMigMode(0, True),)
+    # already pending: it stops before the first step, whatever the product
+    pending = GpuActual(0, MigMode(False, True), ())
+    assert steps_before_reset(pending, plan_gpu(pending, want, table), mode_needs_reset=False) == ()
+    # disabling: every destroy and the mode change run, then it stops
+    full = apply_from(EMPTY, layout(**{"1g_10gb": 7}), table)
+    plan = plan_gpu(full, DeviceLayout(False), table)
+    assert steps_before_reset(full, plan, mode_needs_reset=True) == plan.steps
+    # no mode change: nothing waits for a reset
+    plan = plan_gpu(full, layout(**{"7g_80gb": 1}), table)
+    assert steps_before_reset(full, plan, mode_needs_reset=True) is None
 
 
 def test_matching_instances_are_kept() -> None:
