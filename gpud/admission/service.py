@@ -438,7 +438,7 @@ class AdmissionService:
                 except NotFound:
                     reservation = None
             return EntryView(
-                entry, 0, entry.changed_at - entry.enqueued_at, None, None, reservation, env
+                entry, 0, _waited(entry.changed_at, entry), None, None, reservation, env
             )
         return next(v for v in self.queue_views() if v.entry.id == entry_id)
 
@@ -449,7 +449,7 @@ class AdmissionService:
         now = self._clock()
         if fit is None:
             return [
-                EntryView(e, i + 1, now - e.enqueued_at, None, None, None, {})
+                EntryView(e, i + 1, _waited(now, e), None, None, None, {})
                 for i, e in enumerate(queued)
             ]
         views = self._views(fit, queued)
@@ -462,14 +462,14 @@ class AdmissionService:
         for e in queued:
             verdict = self.classify(e.placement, fit)
             if isinstance(verdict, Unfeasible):
-                unfeasible.append(EntryView(e, 0, now - e.enqueued_at, None, verdict, None, {}))
+                unfeasible.append(EntryView(e, 0, _waited(now, e), None, verdict, None, {}))
                 continue
-            quote = self._quote(views, e.placement, ahead, waited_s=now - e.enqueued_at)
+            quote = self._quote(views, e.placement, ahead, waited_s=_waited(now, e))
             out.append(
                 EntryView(
                     e,
                     len(out) + 1,
-                    now - e.enqueued_at,
+                    _waited(now, e),
                     quote,
                     None,
                     None,
@@ -674,7 +674,7 @@ class AdmissionService:
         self._events.emit(
             "admission.start",
             f"job {entry.job} started from the queue after"
-            f" {self._clock() - entry.enqueued_at:.1f} s{' (backfilled)' if backfilled else ''}",
+            f" {_waited(self._clock(), entry):.1f} s{' (backfilled)' if backfilled else ''}",
             job=entry.job,
             entry=entry.id,
             reservation=launch.reservation.id,
@@ -734,6 +734,8 @@ class AdmissionService:
             placed = entry.request if entry is not None else _run_request(spec)
             request = request_of(placed)
             queued_at = entry.enqueued_at if entry is not None else reservation.created_at
+            # never after the start: the wall clock may have stepped back between the two
+            queued_at = min(queued_at, reservation.created_at)
             added = conn.execute(
                 "INSERT OR IGNORE INTO job_history (job, reservation, request_class, request,"
                 " queued_at, started_at, quote_s) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -748,12 +750,11 @@ class AdmissionService:
                 ),
             )
             if added.rowcount:
-                # at least 0: a clock stepped back between asking and starting
-                self.waits.observe(max(0.0, reservation.created_at - queued_at))
+                self.waits.observe(reservation.created_at - queued_at)
 
     def _account(self, now: float, length: int) -> None:
         if self._last_tick is not None:
-            self._area += self._last_length * (now - self._last_tick)
+            self._area += self._last_length * max(0.0, now - self._last_tick)
         else:
             self._area_since = now
         self._last_tick = now
@@ -851,6 +852,12 @@ def _run_request(spec: JobSpec) -> RunRequest:
         memory_bytes=spec.memory_bytes,
         client_priority=spec.client_priority,
     )
+
+
+def _waited(now: float, e: Entry) -> float:
+    """How long ``e`` has waited by ``now`` (wall time): at least 0, however the wall clock
+    stepped back since it was queued."""
+    return max(0.0, now - e.enqueued_at)
 
 
 def _queued(e: Entry) -> Queued:

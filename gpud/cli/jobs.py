@@ -300,13 +300,14 @@ def run_history(ctx: Context, args: argparse.Namespace) -> int:
         queued = datetime.datetime.fromtimestamp(r.queued_unix_seconds).strftime(
             "%Y-%m-%d %H:%M:%S"
         )
+        # durations shown at least 0, also in rows an older gpud wrote across a clock step
         ran = (
-            seconds(r.ended_unix_seconds - r.started_unix_seconds)
+            seconds(max(0.0, r.ended_unix_seconds - r.started_unix_seconds))
             if r.HasField("ended_unix_seconds")
             else "running"
         )
         quoted = seconds(r.quote_seconds) if r.HasField("quote_seconds") else "-"
-        waited = seconds(r.started_unix_seconds - r.queued_unix_seconds)
+        waited = seconds(max(0.0, r.started_unix_seconds - r.queued_unix_seconds))
         rows.append((r.job, r.request, queued, waited, quoted, ran, how_it_ended(r)))
     ctx.out.print_table(HISTORY_HEADERS, rows)
     return 0

@@ -124,7 +124,8 @@ class InterfaceStatus:
 class _JobReports:
     iterations: int
     session: str
-    last_report_at: float
+    last_report_at: float  # the newest stamp (unix seconds), as shown
+    heard_at: float  # when the last report arrived (the service's monotonic clock)
     ideal_s: float | None = None
 
 
@@ -205,7 +206,11 @@ class TrafficService:
         link_speed: LinkSpeed = ethtool_speed,
         proc_root: Path = Path("/proc"),
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: Unix time, what progress reports are stamped with. ``monotonic``:
+        what ages are measured with (idle jobs, the levels' re-rank, the NIC map's retry),
+        so a stepped wall clock neither holds them back nor hurries them."""
         self.config = config
         self.tags = tags
         self._events = events
@@ -219,6 +224,7 @@ class TrafficService:
         self._link_speed = link_speed
         self._proc = proc_root
         self._clock = clock
+        self._monotonic = monotonic
         self._lock = threading.RLock()
         self._io_lock = threading.Lock()  # the nftables table: one writer
         self._leveller = Leveller(leveller_config(config))
@@ -255,8 +261,8 @@ class TrafficService:
         self._known_jobs: set[str] = set()
         self._untagged: dict[str, str] = {}  # job -> why it has no tag (the pool ran out)
         self._cgroup_busy: set[str] = set()  # removed jobs whose cgroup still holds processes
-        self._started_at = clock()
-        self._tagged_at: dict[str, float] = {}  # job -> when it last asked for a tag
+        self._started_at = monotonic()
+        self._tagged_at: dict[str, float] = {}  # job -> when it last asked for a tag (monotonic)
         self.accepted_reports = 0
         self.rejected_reports = 0
         if config.enabled:
@@ -332,6 +338,7 @@ class TrafficService:
                 r.iterations,
                 r.session,
                 max(r.timestamp, prev.last_report_at if prev else r.timestamp),
+                self._monotonic(),
                 r.ideal_s if r.ideal_s is not None else (prev.ideal_s if prev else None),
             )
             self.accepted_reports += 1
@@ -640,7 +647,7 @@ class TrafficService:
         tag is held by a job in use.
         """
         with self._lock:
-            self._tagged_at[job] = self._clock()  # about to run: its tag is not handed over
+            self._tagged_at[job] = self._monotonic()  # about to run: its tag is not handed over
             return self._tag(job)
 
     def _tag(self, job: str) -> int:
@@ -681,10 +688,10 @@ class TrafficService:
         return {job: min(level, lowest) for job, level in self.tags.pins().items()}
 
     def _idle_since(self, jobs: Sequence[str]) -> dict[str, float]:
-        """Those of ``jobs`` not in use, and since when (unix seconds): no reservation, no
-        pin, no process in their cgroup, no progress report or tag request for
-        ``traffic.idle_after_s`` (nor since gpud started)."""
-        now = self._clock()
+        """Those of ``jobs`` not in use, and since when (the monotonic clock): no
+        reservation, no pin, no process in their cgroup, no progress report or tag request
+        for ``traffic.idle_after_s`` (nor since gpud started)."""
+        now = self._monotonic()
         active = self._active()
         pins = self.tags.pins()
         out: dict[str, float] = {}
@@ -695,7 +702,7 @@ class TrafficService:
             since = max(
                 self._started_at,
                 self._tagged_at.get(job, 0.0),
-                reports.last_report_at if reports else 0.0,
+                reports.heard_at if reports else 0.0,
             )
             if now - since <= self.config.idle_after_s:
                 continue
@@ -708,9 +715,10 @@ class TrafficService:
         active_res = self._active()
         idle = self.config.idle_after_s
         active = []
+        heard = self._monotonic()
         for job in registered:
             reports = self._reports.get(job)
-            recent = reports is not None and now - reports.last_report_at <= idle
+            recent = reports is not None and heard - reports.heard_at <= idle
             if job in active_res or recent or job in self.tags.pins():
                 active.append(job)
         pins = self._pins()
@@ -723,7 +731,7 @@ class TrafficService:
             j: (self._tracker.progress(j, now).rate if j in self._tracker.jobs() else None)
             for j in active
         }
-        assignment = self._leveller.update(now, rates)
+        assignment = self._leveller.update(heard, rates)
         levels = dict(assignment.levels)
         if self._adopted:
             for job in levels:
@@ -1005,7 +1013,7 @@ class TrafficService:
             return
         prios = self.config.level_priorities or tuple(7 - lv for lv in range(self.config.levels))
         want = {tags[j]: prios[lv] for j, lv in levels.items() if j in tags}
-        now = self._clock()
+        now = self._monotonic()
         due = RDMA_RETRY_S if self._rdma_error else RDMA_RECHECK_S
         again = self._rdma_writer.idle() and now - self._rdma_tried_at >= due
         if want == self._rdma_posted and not again:

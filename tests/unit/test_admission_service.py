@@ -781,3 +781,18 @@ def test_a_request_that_needs_a_gpu_never_read_waits_for_it(
             assert admission.enqueue(huge).entry.state == QUEUED
     finally:
         store.close()
+
+
+def test_a_wall_clock_stepped_back_shows_no_negative_wait(node: Node) -> None:
+    """The wall clock steps back an hour while a job is queued: the queue shows it waiting
+    0 s (not -3600), and its history row starts no earlier than it was queued."""
+    a = node.jobs.reserve(whole("a", 2)).reservation
+    node.admission.enqueue(whole("b"))
+    node.clock.now -= 3600
+    (queued,) = node.admission.queue_views()
+    assert queued.waited_s == 0.0
+    node.jobs.release(a.id)
+    node.admission.tick()
+    b = {h.job: h for h in node.admission.history()}["b"]
+    assert b.started_at == node.clock.now and b.queued_at == b.started_at
+    assert b.record().wait_s == 0.0

@@ -914,6 +914,16 @@ class History(queue_pb2_grpc.QueueServicer):
             record.CopyFrom(given)
             record.started_unix_seconds, record.ended_unix_seconds = 100.0, 160.0
         records.append(queue_pb2.HistoryRecord(job="running", started_unix_seconds=100.0))
+        # a row an older gpud wrote while the wall clock stepped back an hour
+        records.append(
+            queue_pb2.HistoryRecord(
+                job="stepped",
+                queued_unix_seconds=3700.0,
+                started_unix_seconds=100.0,
+                ended_unix_seconds=40.0,
+                end_cause="released",
+            )
+        )
         return queue_pb2.HistoryResponse(records=records)
 
     def register(self, server: Any) -> None:
@@ -943,7 +953,11 @@ def test_gpuctl_jobs_history_shows_how_each_run_ended(capsys: pytest.CaptureFixt
         "newer": "- evicted",
         "before": "-",
         "running": "-",
+        "stepped": "- released with no status",
     }
+    (stepped,) = [row for row in rows if row.startswith("stepped ")]
+    waited, ran = (stepped[header.index(c) :].split()[:2] for c in ("WAITED", "RAN"))
+    assert waited == ran == ["0", "ms"]  # never a negative duration
     ended = {r["job"]: (r["exit_code"], r["exit_signal"], r["end_cause"]) for r in records}
     assert ended["three"] == (3, None, "exited")
     assert ended["term"] == (None, 15, "exited")

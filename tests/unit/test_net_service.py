@@ -33,11 +33,23 @@ from netshaper.nftables import CgroupMark, MarkSync
 
 
 class Clock:
+    """The wall clock (``t``, moved by tests) and a monotonic one that follows it, but for
+    the wall clock's steps (:meth:`step`)."""
+
     def __init__(self) -> None:
         self.t = 1_000_000.0
+        self.stepped = 0.0
 
     def __call__(self) -> float:
         return self.t
+
+    def monotonic(self) -> float:
+        return self.t - self.stepped
+
+    def step(self, seconds: float) -> None:
+        """The wall clock jumps (NTP, ``date -s``); the monotonic clock does not."""
+        self.t += seconds
+        self.stepped += seconds
 
 
 @pytest.fixture
@@ -92,6 +104,7 @@ class Rig:
             link_speed=speeds(self.sysfs),
             proc_root=self.tmp / "proc",
             clock=self.clock,
+            monotonic=self.clock.monotonic,
         )
 
     def with_nic(self, rdma: RdmaPort) -> TrafficService:
@@ -758,6 +771,20 @@ class _SlowNic:
         return [f"DSCP {d} -> prio {p}" for d, p in dscp_priorities.items()]
 
 
+def _failed_nic_map(rig: Rig) -> tuple[_SlowNic, TrafficService]:
+    """A service whose first NIC map write failed (its worker is shut down on failure)."""
+    nic = _SlowNic()
+    nic.release.set()
+    s = rig.with_nic(nic)
+    try:
+        s.tick()
+        assert s.settle(10) and "cannot run dcb" in s.view().rdma_error
+    except BaseException:
+        s.shutdown()
+        raise
+    return nic, s
+
+
 def _rdma_map_ok(service: TrafficService) -> float | None:
     collector = Collector(lambda: None, events=EventLog(None), clock=lambda: 0.0)
     collector.add_source(TrafficMetrics(service))
@@ -770,12 +797,8 @@ def test_a_nic_map_that_fails_is_a_metric_as_well(tmp_path: Path, sysfs: Path) -
     """One NIC whose dcb fails: tc stays enforced, and the gauge says the map is not."""
     assert _rdma_map_ok(Rig(tmp_path / "none", sysfs).service) is None  # rdma_backend none
     rig = Rig(tmp_path, sysfs, rdma_backend="dcb")
-    nic = _SlowNic()
-    nic.release.set()
-    s = rig.with_nic(nic)
+    nic, s = _failed_nic_map(rig)
     try:
-        s.tick()
-        assert s.settle(10) and "cannot run dcb" in s.view().rdma_error
         assert s.view().interfaces[0].enforced
         assert _rdma_map_ok(s) == 0
         nic.fail = False
@@ -1030,3 +1053,50 @@ def test_the_shortest_declared_iteration_is_the_trackers_shortest_iteration() ->
     from netshaper.progress import MIN_ITERATION_S
 
     assert MIN_IDEAL_S == MIN_ITERATION_S
+
+
+def test_a_wall_clock_stepped_back_holds_back_no_idle_tag_nor_nic_retry(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """The wall clock steps back an hour (NTP, ``date -s``): an idle job's tag still goes to
+    a job that needs one after ``traffic.idle_after_s``, and a NIC map write that failed is
+    tried again after ``RDMA_RETRY_S``, not an hour later."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-11")  # two tags, three jobs
+    s = rig.service
+    rig.active = {"a", "b", "c"}
+    feed(rig, "b", 0.5, 4)
+    s.tick()
+    assert set(s.tags.allocations()) == {"a", "b"}
+    rig.active = {"a", "c"}  # b stops
+    rig.clock.step(-3600)
+    rig.clock.t += rig.config.idle_after_s + 1
+    s.tick()
+    assert s.tags.allocations()["c"] in (10, 11) and "b" not in s.tags.allocations()
+    nic, s = _failed_nic_map(rig)
+    try:
+        nic.fail = False
+        rig.clock.step(-3600)
+        rig.clock.t += RDMA_RETRY_S
+        s.tick()
+        assert s.settle(10) and s.view().rdma_error == ""
+    finally:
+        s.shutdown()
+
+
+def test_progress_reports_after_a_wall_clock_step_back_are_taken(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """Reports stamped after the node's clock stepped back an hour are accepted and ranked
+    at once (the window starts again from them), not refused until the clock catches up."""
+    rig = Rig(tmp_path, sysfs)
+    s = rig.service
+    rig.active = {"a"}
+    feed(rig, "a", 0.5, 20, ideal=0.5)
+    rig.clock.step(-3600)
+    for n in range(21, 41):
+        rig.clock.t += 0.5
+        s.report(Report("a", n, rig.clock.t, 0.5, session="s"))
+    s.tick()
+    (a,) = [j for j in s.view().jobs if j.job == "a"]
+    assert s.rejected_reports == 0 and a.iterations == 40
+    assert a.iteration_s == pytest.approx(0.5) and a.rate == pytest.approx(1.0)
