@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -253,6 +255,46 @@ def test_last_error_says_gpud_is_unreachable_since_when_and_what_is_buffered(
     assert p.last_error.startswith(f"gpud was unreachable at {path} from ")
     assert p.last_error.endswith(": 15 reports dropped meanwhile")
     assert p.sent == 10 and p.dropped == 15
+
+
+class SlowNet(NetServicer):
+    """gpud's Net API, answering each progress batch ``delay_s`` late (an overloaded gpud)."""
+
+    def __init__(self, service: TrafficService, delay_s: float) -> None:
+        super().__init__(service)
+        self.delay_s = delay_s
+
+    async def ReportProgressBatch(self, request: Any, context: Any) -> Any:
+        await asyncio.sleep(self.delay_s)
+        return await super().ReportProgressBatch(request, context)
+
+
+def test_last_error_tells_a_slow_gpud_from_an_unreachable_one(node: Node) -> None:
+    """A gpud that is connected but answers no call within ``call_timeout_s``: ``last_error``
+    says it did not answer within that deadline, not that it is unreachable; once it answers
+    again, for how long it did not."""
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        slow = SlowNet(node.service, delay_s=1.0)
+        with ServerThread(ApiServer(path, servicers=[slow.register])):
+            p = Progress("train-a", socket=path, flush_interval_s=0.02, call_timeout_s=0.3)
+            try:
+                p.step()
+                for _ in range(200):
+                    if p.last_error:
+                        break
+                    time.sleep(0.05)
+                late = p.last_error
+                slow.delay_s = 0.0
+                assert p.flush(timeout=15)
+            finally:
+                p.close()
+    assert late.startswith(f"gpud at {path} did not answer within 0.3 s (call_timeout_s) since ")
+    assert "unreachable" not in late and ": 1 reports buffered, 0 dropped" in late
+    assert p.last_error.startswith(
+        f"gpud at {path} did not answer within 0.3 s (call_timeout_s) from "
+    )
+    assert p.last_error.endswith(": 0 reports dropped meanwhile")
 
 
 def _serve(node: Node, path: Path) -> ServerThread:
