@@ -436,6 +436,52 @@ def test_gpuctl_net_report_and_show(
     assert [lv["level"] for lv in doc["levels"]] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize(
+    "session", ["a\nforged line", "x\x1b[2J", "nul\x00", "\u202eevil", "s" * 65]
+)
+def test_a_report_session_that_is_not_one_short_line_is_refused(
+    capsys: pytest.CaptureFixture[str], node: Node, sock: Path, session: str
+) -> None:
+    """A progress report's session with a control character (newline, escape sequence,
+    NUL), another unprintable one, or over 64 characters: INVALID_ARGUMENT naming the
+    field from the API, in a batch a rejected report; `gpuctl net report --session` refuses
+    it before sending (exit 2)."""
+    import grpc
+
+    from gpud.v1 import net_pb2, net_pb2_grpc
+
+    report = net_pb2.ReportProgressRequest(
+        job="train-a", iterations=1, timestamp_unix_seconds=time.time(), session=session
+    )
+    with grpc.insecure_channel(f"unix:{sock}") as channel:
+        stub = net_pb2_grpc.NetStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ReportProgress(report)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.value.details() or "").startswith("session: ")
+        resp = stub.ReportProgressBatch(net_pb2.ReportProgressBatchRequest(reports=[report]))
+        (rejected,) = resp.rejected
+        assert rejected.code == "INVALID_ARGUMENT" and rejected.message.startswith("session: ")
+    code, _, said = gpuctl(
+        capsys, sock, "net", "report", "--job", "train-a", "--iterations", "1",
+        "--session", session,
+    )  # fmt: skip
+    assert code == 2 and "argument --session: " in said
+    assert node.service.accepted_reports == 0
+    assert gpuctl(capsys, sock, "net", "report", "--job", "train-a", "--iterations", "1",
+                  "--session", "restart 2 (é)")[0] == 0  # fmt: skip
+
+
+def test_a_job_named_in_a_net_request_is_checked_as_every_job_name(
+    capsys: pytest.CaptureFixture[str], sock: Path
+) -> None:
+    """A name no job can have (a control character in it) is a bad argument (exit 2), as
+    in the jobs and co-location APIs, not an unknown job."""
+    for argv in (("report", "--iterations", "1"), ("pin", "--level", "1"), ("unpin",)):
+        code, _, err = gpuctl(capsys, sock, "net", argv[0], "--job", "a\nb", *argv[1:])
+        assert code == 2 and "job: 'a\\nb': letters, digits" in err, err
+
+
 def test_gpuctl_net_pin(capsys: pytest.CaptureFixture[str], node: Node, sock: Path) -> None:
     node.service.tick()
     code, out, _ = gpuctl(capsys, sock, "net", "pin", "--job", "train-b", "--level", "3")
