@@ -65,7 +65,7 @@ from gpud.notify import Notifier
 from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.seen import SeenGpus
-from gpud.telemetry.snapshot import ClearedXids, Snapshot
+from gpud.telemetry.snapshot import ClearedXids, SeenIdentity, Snapshot
 from gpud.threads import on_daemon_thread
 
 if TYPE_CHECKING:
@@ -330,8 +330,9 @@ class Daemon:
                     default_drain_timeout_s=config.mig.drain_timeout_s,
                     read_timeout_s=config.telemetry.call_timeout_s,
                     after_change=self._devices_changed,
+                    last_seen=self._last_seen,
                 ).register,
-                MpsServicer(self.mps, loads=self.jobs.loads).register,
+                MpsServicer(self.mps, loads=self.jobs.loads, last_seen=self._last_seen).register,
                 JobsServicer(self.jobs).register,
                 QueueServicer(self.admission, leave_waiter=self.colo.leave).register,
                 ColoServicer(
@@ -396,6 +397,16 @@ class Daemon:
     def _identities(self) -> list[GpuIdentity]:
         snap = self.sampler.latest()
         return [g.identity for g in snap.gpus] if snap else []
+
+    def _last_seen(self) -> dict[int, SeenIdentity]:
+        """GPU index -> how an earlier run last saw it, for each GPU never read since gpud
+        started."""
+        snap = self.sampler.latest()
+        return {
+            g.identity.index: g.last_seen
+            for g in (snap.gpus if snap else ())
+            if g.last_seen is not None
+        }
 
     def _products(self) -> dict[int, str]:
         """GPU index -> product key; for a GPU never read since gpud started, the product

@@ -10,7 +10,8 @@ daemon's internals), so the few things both sides must read the same way live he
   read so that whatever file an operator names fails at once;
 - the longest contention-free iteration time a progress report may declare;
 - a job's environment rendered as shell ``export`` lines;
-- what a ``gpuctl run`` that waits outside the admission queue waits on.
+- what a ``gpuctl run`` that waits outside the admission queue waits on;
+- free text a request may carry (a progress report's session): one short line.
 
 Pure and cheap to import: the standard library and :mod:`gpud.errors` only.
 """
@@ -59,6 +60,9 @@ MAX_PEAK_LOAD = 1e7
 # mistake).
 MIN_IDEAL_S = 1e-6
 MAX_IDEAL_S = 86400.0
+# The longest session a progress report may name (``net report --session``; gpud.client
+# sends 16 hex digits).
+MAX_SESSION_CHARS = 64
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _FACTORS = {"": 1, "k": KIB, "m": MIB, "g": GIB, "t": TIB}
@@ -91,6 +95,22 @@ def check_slo_ms(value: float, *, field: str = "slo_p99_ms") -> float:
             " (a p99 latency SLO: 10 microseconds up to an hour)",
             field=field,
         )
+    return value
+
+
+def check_text(value: str, *, field: str, max_len: int) -> str:
+    """``value``, free text a request carries, when it is one line of at most ``max_len``
+    printable characters; else :class:`InvalidArgument` naming ``field``. A control
+    character (a newline, an escape sequence, NUL) or another unprintable one (a
+    right-to-left override) would rewrite what a log line or a terminal shows."""
+    if len(value) > max_len:
+        raise InvalidArgument(f"longer than {max_len} characters", field=field)
+    for i, char in enumerate(value):
+        if not char.isprintable():
+            raise InvalidArgument(
+                f"{char!r} at character {i + 1}: only printable characters are taken",
+                field=field,
+            )
     return value
 
 

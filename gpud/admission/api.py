@@ -155,6 +155,8 @@ def history_message(h: HistoryRow) -> pb.HistoryRecord:
     if h.exit_signal is not None:
         msg.exit_signal = h.exit_signal
     msg.end_cause = h.end_cause or ""
+    if h.reported_at is not None:
+        msg.reported_unix_seconds = h.reported_at
     return msg
 
 

@@ -151,6 +151,9 @@ class HistoryRow:
     exit_code: int | None = None
     exit_signal: int | None = None
     end_cause: str | None = None
+    # when a removed run's gpuctl reported its command's exit (the end moved there); None
+    # for every other run, and a removed run that has not reported
+    reported_at: float | None = None
 
     def record(self) -> Record:
         return Record(
@@ -895,6 +898,7 @@ def _history(row: sqlite3.Row) -> HistoryRow:
         exit_code=row["exit_code"],
         exit_signal=row["exit_signal"],
         end_cause=row["end_cause"],
+        reported_at=row["reported_at"],
     )
 
 

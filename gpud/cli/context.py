@@ -115,12 +115,16 @@ UINT64 = integer(0, 2**64 - 1)
 
 class CliError(Exception):
     """A failure to report in one line and exit with ``exit_code``; ``error`` names the
-    daemon's error class (``gpud.errors``) when the daemon raised it."""
+    daemon's error class (``gpud.errors``) when the daemon raised it; ``deadline_s``, the
+    seconds gpud did not answer within, when that was the failure."""
 
-    def __init__(self, message: str, exit_code: int, *, error: str = "") -> None:
+    def __init__(
+        self, message: str, exit_code: int, *, error: str = "", deadline_s: float | None = None
+    ) -> None:
         super().__init__(message)
         self.exit_code = exit_code
         self.error = error
+        self.deadline_s = deadline_s
 
 
 def _group_name(path: Path) -> str | None:
@@ -227,13 +231,16 @@ class Context:
         the way out); gRPC errors become :class:`CliError`."""
         import grpc
 
+        bound = min(self.timeout, timeout or self.timeout)
         try:
-            return method(request, timeout=min(self.timeout, timeout or self.timeout))
+            return method(request, timeout=bound)
         except grpc.RpcError as err:
-            raise self.translate(err) from None
+            raise self.translate(err, bound) from None
 
-    def translate(self, err: Any) -> CliError:
-        """A gRPC error as a message and exit code."""
+    def translate(self, err: Any, timeout: float | None = None) -> CliError:
+        """A gRPC error as a message and exit code; ``timeout``: the call's deadline, when
+        shorter than ``--timeout`` (a call's own bound, which raising --timeout would not
+        lengthen)."""
         import grpc
 
         code = err.code()
@@ -255,10 +262,13 @@ class Context:
                 EXIT_NOT_RUNNING,
             )
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            bound = self.timeout if timeout is None else timeout
+            hint = "raise --timeout, or " if bound >= self.timeout else ""
             return CliError(
-                f"gpud did not answer within {self.timeout:g} s on {self.socket_path} "
-                "(raise --timeout, or check `systemctl status gpud`)",
+                f"gpud did not answer within {bound:g} s on {self.socket_path} "
+                f"({hint}check `systemctl status gpud`)",
                 EXIT_NOT_RUNNING,
+                deadline_s=bound,
             )
         if code == grpc.StatusCode.UNIMPLEMENTED:  # another gRPC server, or an older gpud
             details += (

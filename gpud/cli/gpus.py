@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from gpud.cli.context import INT32, Context, Subparsers
-from gpud.cli.output import NA, UNKNOWN, gib, percent
+from gpud.cli.output import NA, UNKNOWN, gib, last_seen, percent
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
@@ -46,7 +46,7 @@ def model(gpu: pb.Gpu) -> str:
     if not shown:
         return UNKNOWN
     # set once the GPU answered in this run (an older gpud sent 0, absent on the wire, else)
-    return shown if gpu.HasField("memory_total_bytes") else f"{shown} (last seen)"
+    return last_seen(shown, gpu.HasField("memory_total_bytes"))
 
 
 def gpu_row(gpu: pb.Gpu) -> tuple[str, ...]:

@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 
 from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
-from gpud.cli.output import NA, gib
+from gpud.cli.output import NA, gib, last_seen
 from gpud.errors import ERROR_TABLE, FailedPrecondition, Partial
 from gpud.shared import MAX_DRAIN_SECONDS, MAX_LAYOUT_BYTES, read_small_text
 from gpud.v1 import mig_pb2 as pb
@@ -150,8 +150,11 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print_json(resp)
         return partial
     for gpu in resp.gpus:
+        # mig_capable is set once the GPU answered in this run: else, as `gpuctl gpus`
+        # shows it, its product and UUID are what an earlier run last read
+        product = last_seen(gpu.product, gpu.HasField("mig_capable"))
+        name = " ".join(x for x in (product, gpu.uuid) if x)
         if gpu.fault:
-            name = " ".join(x for x in (gpu.product, gpu.uuid) if x)
             ctx.out.print(f"GPU {gpu.index}{' ' + name if name else ''}: faulty: {gpu.fault}")
             continue
         mode = "not MIG capable"
@@ -168,9 +171,7 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         why = f"; processes unknown: {'; '.join(unknown)}" if unknown else ""
         no_mem = dict.fromkeys(i.memory_unknown for i in gpu.instances if i.memory_unknown)
         why += f"; memory unknown: {'; '.join(no_mem)}" if no_mem else ""
-        ctx.out.print(
-            f"GPU {gpu.index} {gpu.product} {gpu.uuid}: {mode}; {gpu.layout}{desired}{why}"
-        )
+        ctx.out.print(f"GPU {gpu.index} {name}: {mode}; {gpu.layout}{desired}{why}")
     rows = []
     for gpu in resp.gpus:
         for inst in gpu.instances:

@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Iterable
 
 from gpud.cli.context import EXIT_USAGE, UINT32, CliError, Context, Subparsers
-from gpud.cli.output import NA, UNKNOWN
+from gpud.cli.output import NA, UNKNOWN, last_seen
 from gpud.errors import InvalidArgument
 from gpud.shared import format_size, parse_size
 from gpud.v1 import mps_pb2 as pb
@@ -90,8 +90,9 @@ def device_row(d: pb.MpsDevice) -> tuple[str, ...]:
     memory = format_size(d.memory_limit_bytes) if d.HasField("memory_limit_bytes") else "none"
     return (
         f"{d.gpu}:{d.mig}" if d.HasField("mig") else str(d.gpu),
-        # unset (or "" from an older gpud): a GPU never read (lost or hung since gpud started)
-        d.profile or UNKNOWN,
+        # a GPU never read (lost or hung since gpud started): its product as an earlier run
+        # last read it, as `gpuctl gpus` shows it; unset (or "" from an older gpud) if none did
+        last_seen(d.profile, d.HasField("memory_total_bytes")) or UNKNOWN,
         d.uuid or UNKNOWN,
         daemon,
         str(d.pid) if d.HasField("pid") else NA,

@@ -32,7 +32,8 @@ from gpud.cli.context import (
     number,
 )
 from gpud.cli.output import NA, seconds
-from gpud.shared import MAX_IDEAL_S, MIN_IDEAL_S
+from gpud.errors import InvalidArgument
+from gpud.shared import MAX_IDEAL_S, MAX_SESSION_CHARS, MIN_IDEAL_S, check_text
 from gpud.v1 import net_pb2 as pb
 from gpud.v1 import net_pb2_grpc as pb_grpc
 
@@ -79,7 +80,12 @@ def register(subparsers: Subparsers) -> None:
         metavar="SECONDS",
         help=f"contention-free iteration time, {MIN_IDEAL_S:g} to {MAX_IDEAL_S:g}",
     )
-    report.add_argument("--session", default="", help="a restarted job's new session id")
+    report.add_argument(
+        "--session",
+        default="",
+        type=_session,
+        help=f"a restarted job's new session id (up to {MAX_SESSION_CHARS} printable characters)",
+    )
     report.set_defaults(run=run_report)
     pin = commands.add_parser("pin", help="fix a job's level (0 = highest priority)")
     pin.add_argument("--job", required=True, metavar="NAME")
@@ -188,6 +194,15 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
     if resp.rdma_backend != "none":
         ctx.out.print(f"RDMA DSCP map ({resp.rdma_backend}): {resp.rdma_error or 'ok'}")
     return 0
+
+
+def _session(text: str) -> str:
+    """An argparse ``type``: a session as the daemon takes it (:func:`gpud.shared.check_text`),
+    so that a bad one is a usage error naming the flag (exit 2), never sent."""
+    try:
+        return check_text(text, field="", max_len=MAX_SESSION_CHARS)
+    except InvalidArgument as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def run_report(ctx: Context, args: argparse.Namespace) -> int:

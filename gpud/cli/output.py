@@ -103,6 +103,13 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def last_seen(shown: str, read: bool) -> str:
+    """A GPU's model or product as shown: marked ``(last seen)`` where the GPU was not
+    ``read`` since gpud started, so that it is what an earlier run of gpud last read there
+    (``gpuctl gpus``, ``mig show``, ``mps show`` alike)."""
+    return shown if read or not shown else f"{shown} (last seen)"
+
+
 def gib(value_bytes: int) -> str:
     return f"{value_bytes / GIB:.1f}"
 

@@ -739,6 +739,7 @@ def wait_in_queue(
 def _leave(ctx: Context, entry: queue_pb2.QueueEntry, stop: _Stop) -> None:
     """Out of the queue, saying the signal that stopped the run; a job that started
     meanwhile gives its reservation back."""
+    asked = f"the withdrawal of entry {entry.id} from the queue"
     try:
         left: queue_pb2.QueueEntry = ctx.call(
             ctx.stub(queue_pb2_grpc.QueueStub).Leave,
@@ -746,6 +747,7 @@ def _leave(ctx: Context, entry: queue_pb2.QueueEntry, stop: _Stop) -> None:
             timeout=LEAVE_TIMEOUT_S,
         )
         if left.state == queue_pb2.ENTRY_STATE_STARTED and left.reservation.id:
+            asked = f"the release of reservation {left.reservation.id} (started as it left)"
             ctx.call(
                 ctx.stub(pb_grpc.JobsStub).Release,
                 pb.ReleaseRequest(reservation_id=left.reservation.id),
@@ -755,9 +757,13 @@ def _leave(ctx: Context, entry: queue_pb2.QueueEntry, stop: _Stop) -> None:
             f"gpuctl: job {entry.job} left the queue{_by(stop)}, nothing started", file=sys.stderr
         )
     except CliError as err:
+        why = (
+            f"gpud did not answer {asked} within {err.deadline_s:g} s"
+            if err.deadline_s is not None
+            else f"could not leave the queue: {err}"
+        )
         print(
-            f"gpuctl: could not leave the queue: {err}; gpud drops entry {entry.id} (and "
-            "its reservation) once this gpuctl is gone",
+            f"gpuctl: {why}; gpud drops it (and any reservation) once it notices this run is gone",
             file=sys.stderr,
         )
 

@@ -26,7 +26,9 @@ with the reason in :attr:`Progress.last_error`. While gpud is away, :attr:`Progr
 says so as of the sender thread's last try (one every ``call_timeout_s``): ``gpud
 unreachable at /run/gpud/gpud.sock since 2026-12-05 21:45:03 (12 s): 60 reports buffered,
 0 dropped (the buffer keeps the newest 10000)``; once gpud is back, for how long it was
-away and how many reports that outage dropped.
+away and how many reports that outage dropped. A gpud that is connected but answers no call
+within ``call_timeout_s`` (overloaded, stopped in a debugger) is said apart: ``gpud at
+/run/gpud/gpud.sock did not answer within 2 s (call_timeout_s) since ...``.
 
 On a node where a launcher starts one process per GPU (torchrun, DeepSpeed and Accelerate
 set ``$LOCAL_RANK``), only local rank 0 reports by default: the ranks of a job step
@@ -71,6 +73,8 @@ _MAX_BACKOFF_S = 5.0
 # gRPC's reconnect back-off grows to 120 s by default, so a report could wait minutes after
 # a long outage; capped, a job finds gpud back within this, at a failed connect() per try.
 _RECONNECT_MAX_MS = 250
+# a connect() to tell a slow gpud from an absent one, after a call ran to its deadline
+_PROBE_S = 0.5
 _CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -142,6 +146,8 @@ class Progress:
         self._channel: Any = None
         # while gpud is away: since when (the clock's time) and how many were dropped before
         self._away: tuple[float, int] | None = None
+        # whether the last failed try met a slow gpud (else gpud was unreachable)
+        self._slow = False
         self._thread = threading.Thread(target=self._run, name=f"gpud-progress-{name}", daemon=True)
         self.active = active if active is not None else os.environ.get(RANK_VAR, "0") in ("", "0")
         if not self.active:
@@ -243,7 +249,9 @@ class Progress:
         a restart) are ``DEADLINE_EXCEEDED``, the call having waited for the channel to
         connect (or a gpud that answered nothing within ``call_timeout_s``), or
         ``UNAVAILABLE``: said as gpud unreachable since the first such try, with what the
-        buffer holds and what the outage dropped."""
+        buffer holds and what the outage dropped. A ``DEADLINE_EXCEEDED`` while the channel
+        is connected is a gpud that is there but did not answer in time: said so, with the
+        deadline."""
         import grpc
 
         if not isinstance(err, grpc.RpcError):
@@ -254,12 +262,44 @@ class Progress:
         if self._away is None:
             self._away = (tried, dropped)
         since, dropped = self._away
+        self._slow = code == grpc.StatusCode.DEADLINE_EXCEEDED and self._listening()
         why = "" if code == grpc.StatusCode.DEADLINE_EXCEEDED else f" ({err.details()})"
         return (
-            f"gpud unreachable at {self._where} since {_local(since)}"
-            f" ({self._clock() - since:.0f} s){why}: {len(self._pending)} reports buffered,"
-            f" {self.dropped - dropped} dropped (the buffer keeps the newest {self._max_buffer})"
+            f"{self._failing(since)} ({self._clock() - since:.0f} s){why}:"
+            f" {len(self._pending)} reports buffered, {self.dropped - dropped} dropped"
+            f" (the buffer keeps the newest {self._max_buffer})"
         )
+
+    def _failing(self, since: float, *, was: bool = False) -> str:
+        """What kept reports from gpud since ``since``: gpud not there, or too slow."""
+        if self._slow:
+            within = f"did not answer within {self._timeout:g} s (call_timeout_s)"
+            return f"gpud at {self._where} {within} {'from' if was else 'since'} {_local(since)}"
+        if was:
+            return f"gpud was unreachable at {self._where} from {_local(since)}"
+        return f"gpud unreachable at {self._where} since {_local(since)}"
+
+    def _listening(self) -> bool:
+        """Whether gpud's socket takes a connection now: a ``connect()``, closed at once (what
+        ``gpuctl status`` would meet). gRPC's own view of the channel is not asked: watching
+        it takes a thread that calls into gRPC, which keeps a fork (DataLoader workers) from
+        running gRPC's fork handlers."""
+        import socket
+
+        target = self.target
+        try:
+            if target.startswith("unix:"):
+                path = target.removeprefix("unix:")
+                path = "/" + path.lstrip("/") if path.startswith("//") else path
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.settimeout(_PROBE_S)
+                    sock.connect(path)
+            else:
+                host, _, port = target.rpartition("/")[2].rpartition(":")
+                socket.create_connection((host.strip("[]"), int(port)), timeout=_PROBE_S).close()
+        except (OSError, ValueError):
+            return False
+        return True
 
     def _back(self, *, rejected: bool) -> None:
         """gpud answered: :attr:`last_error` says for how long it was away, if it was,
@@ -271,8 +311,8 @@ class Progress:
         if rejected:
             return
         self.last_error = (
-            f"gpud was unreachable at {self._where} from {_local(since)} for "
-            f"{self._clock() - since:.0f} s: {self.dropped - dropped} reports dropped meanwhile"
+            f"{self._failing(since, was=True)} for {self._clock() - since:.0f} s:"
+            f" {self.dropped - dropped} reports dropped meanwhile"
         )
 
     def _backoff(self, backoff: float, waited: float) -> float:

@@ -28,6 +28,7 @@ from gpud.mig.results import ApplyResult, GpuOutcome
 from gpud.mig.store import ApplyOptions
 from gpud.mig.view import GpuView
 from gpud.shared import MAX_LAYOUT_BYTES
+from gpud.telemetry.snapshot import LastSeenSource, SeenIdentity
 from gpud.threads import on_daemon_thread
 from gpud.v1 import mig_pb2 as pb
 from gpud.v1 import mig_pb2_grpc as pb_grpc
@@ -54,7 +55,9 @@ def _config(source: pb.MigConfigSource) -> tuple[MigConfigFile, str]:
     return parse_config(source.text, path=source.path or None), source.name
 
 
-def gpu_message(view: GpuView) -> pb.MigGpu:
+def gpu_message(view: GpuView, seen: SeenIdentity | None = None) -> pb.MigGpu:
+    """``seen``: how an earlier run last saw a GPU never read in this one (its UUID and
+    product then; ``mig_capable`` stays unset, as for any GPU not read)."""
     ident = view.identity
     msg = pb.MigGpu(
         index=ident.index,
@@ -68,6 +71,11 @@ def gpu_message(view: GpuView) -> pb.MigGpu:
         msg.uuid = ident.uuid
         msg.product = ident.product
         msg.mig_capable = ident.mig_capable
+    elif seen is not None:
+        if seen.uuid:
+            msg.uuid = seen.uuid
+        if seen.product:
+            msg.product = seen.product
     if view.desired is not None:
         msg.desired_config = view.desired.config_name
         msg.desired_layout = view.desired.layout.describe()
@@ -137,6 +145,7 @@ class MigServicer(pb_grpc.MigServicer):
         default_drain_timeout_s: float = 300.0,
         read_timeout_s: float = _DEFAULT_READ_S,
         after_change: Callable[[], None] | None = None,
+        last_seen: LastSeenSource = dict,
     ) -> None:
         """``read_timeout_s``: how long ``ShowMig`` and ``AssertMig`` wait for a GPU's reads
         before they report the GPU as not answering (the daemon passes
@@ -144,8 +153,10 @@ class MigServicer(pb_grpc.MigServicer):
         measure, which marks it a moment later).
         ``after_change()`` runs, on a worker thread, after an apply that changed a GPU and
         before it is answered (the daemon samples the devices again: a job started next is
-        placed on the new layout)."""
+        placed on the new layout).
+        ``last_seen()``: how an earlier run last saw each GPU never read in this one."""
         self._manager = manager
+        self._last_seen = last_seen
         self._after_change = after_change
         self._default_drain_s = default_drain_timeout_s  # for a drain without a timeout
         self._read_s = read_timeout_s
@@ -159,7 +170,8 @@ class MigServicer(pb_grpc.MigServicer):
         views = await asyncio.to_thread(
             self._manager.show, timeout_s=_read_budget(context, self._read_s)
         )
-        return pb.ShowMigResponse(gpus=[gpu_message(v) for v in views])
+        seen = self._last_seen()
+        return pb.ShowMigResponse(gpus=[gpu_message(v, seen.get(v.identity.index)) for v in views])
 
     async def ApplyMig(  # noqa: N802
         self, request: pb.ApplyMigRequest, context: grpc.aio.ServicerContext

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from gpud.api.validate import optional
 from gpud.errors import InvalidArgument
 from gpud.mps.manager import MpsDeviceStatus, MpsManager
+from gpud.telemetry.snapshot import LastSeenSource, SeenIdentity
 from gpud.v1 import mps_pb2 as pb
 from gpud.v1 import mps_pb2_grpc as pb_grpc
 
@@ -36,7 +37,10 @@ class DeviceLoad(Protocol):
 LoadSource = Callable[[], Mapping[str, DeviceLoad]]
 
 
-def device_message(s: MpsDeviceStatus, load: DeviceLoad | None) -> pb.MpsDevice:
+def device_message(
+    s: MpsDeviceStatus, load: DeviceLoad | None, seen: SeenIdentity | None = None
+) -> pb.MpsDevice:
+    """``seen``: how an earlier run last saw the GPU, when it was never read in this one."""
     msg = pb.MpsDevice(
         gpu=s.target.gpu,
         enabled=s.running,
@@ -48,12 +52,19 @@ def device_message(s: MpsDeviceStatus, load: DeviceLoad | None) -> pb.MpsDevice:
         jobs=list(load.jobs) if load else [],
         gpu_unhealthy=s.target.gpu_unhealthy,
     )
-    # else a GPU never read: its UUID, product and size are unknown (unset, not "" or 0), and
-    # no daemon runs for it, so it has no pipe directory (a client would find none there)
+    # else a GPU never read: its size is unknown (unset, not 0), and no daemon runs for it, so
+    # it has no pipe directory (a client would find none there); its UUID and product are
+    # unknown too, unless an earlier run saw them
     if s.target.uuid:
         msg.uuid = s.target.uuid
         msg.memory_total_bytes = s.target.memory_total_bytes
         msg.pipe_directory = str(s.pipe_dir)
+    elif seen is not None and s.target.mig is None:
+        # as `gpuctl gpus` names it; memory_total_bytes and pipe_directory stay unset
+        if seen.uuid:
+            msg.uuid = seen.uuid
+        if seen.product:
+            msg.profile = seen.product
     if s.target.profile:
         msg.profile = s.target.profile
     if s.target.mig is not None:
@@ -72,9 +83,13 @@ def device_message(s: MpsDeviceStatus, load: DeviceLoad | None) -> pb.MpsDevice:
 
 
 class MpsServicer(pb_grpc.MpsServicer):
-    def __init__(self, manager: MpsManager, *, loads: LoadSource = dict) -> None:
+    def __init__(
+        self, manager: MpsManager, *, loads: LoadSource = dict, last_seen: LastSeenSource = dict
+    ) -> None:
+        """``last_seen()``: how an earlier run last saw each GPU never read in this one."""
         self._manager = manager
         self._loads = loads
+        self._last_seen = last_seen
 
     def register(self, server: Any) -> None:
         """Add this service to a ``grpc.aio.Server`` (an ``ApiServer`` registrar)."""
@@ -93,10 +108,13 @@ class MpsServicer(pb_grpc.MpsServicer):
                 if (s.target.uuid, s.target.gpu, s.target.mig)
                 == (target.uuid, target.gpu, target.mig)
             ]
-        loads = self._loads()
+        loads, seen = self._loads(), self._last_seen()
         return pb.ShowMpsResponse(
             mps_enabled=self._manager.enabled,
-            devices=[device_message(s, loads.get(s.target.uuid)) for s in statuses],
+            devices=[
+                device_message(s, loads.get(s.target.uuid), seen.get(s.target.gpu))
+                for s in statuses
+            ],
         )
 
     async def SetMpsLimits(  # noqa: N802
@@ -122,4 +140,5 @@ class MpsServicer(pb_grpc.MpsServicer):
             enabled=optional(request, "enabled"),
             reserved_memory_bytes=load.memory_bytes if load else 0,
         )
-        return pb.SetMpsLimitsResponse(device=device_message(status, load))
+        seen = self._last_seen().get(status.target.gpu)
+        return pb.SetMpsLimitsResponse(device=device_message(status, load, seen))

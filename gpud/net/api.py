@@ -14,14 +14,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gpud.api.validate import non_empty, optional
+from gpud.api.validate import optional
 from gpud.errors import GpudError, classify
+from gpud.jobs.registry import check_name
 from gpud.net.port import JobTraffic, TrafficCounters
 from gpud.net.service import NetView, Report, TrafficService
 from gpud.v1 import net_pb2 as pb
 from gpud.v1 import net_pb2_grpc as pb_grpc
 
-_JOB_MAX = 63
+_JOB_MAX = 63  # the registry's bound on a job name (check_name): a refused one echoed back
 
 
 def counters_message(c: TrafficCounters) -> pb.NetCounters:
@@ -90,7 +91,7 @@ def show_message(view: NetView, now: float) -> pb.ShowNetResponse:
 
 def report_from_pb(r: pb.ReportProgressRequest) -> Report:
     return Report(
-        job=non_empty(r.job, field="job", max_len=_JOB_MAX),
+        job=check_name(r.job, field="job"),
         iterations=r.iterations,
         timestamp=r.timestamp_unix_seconds,
         ideal_s=optional(r, "contention_free_iteration_s"),
@@ -145,7 +146,7 @@ class NetServicer(pb_grpc.NetServicer):
 
     async def PinLevel(self, request: pb.PinLevelRequest, context: Any) -> pb.PinLevelResponse:  # noqa: N802
         def pin() -> pb.PinLevelResponse:
-            job = non_empty(request.job, field="job", max_len=_JOB_MAX)
+            job = check_name(request.job, field="job")
             view = self._service.pin(job, optional(request, "level"))
             return pb.PinLevelResponse(job=job_message(view, self._service.now()))
 
@@ -155,7 +156,7 @@ class NetServicer(pb_grpc.NetServicer):
         self, request: pb.PlaceProcessRequest, context: Any
     ) -> pb.PlaceProcessResponse:
         def place() -> pb.PlaceProcessResponse:
-            job = non_empty(request.job, field="job", max_len=_JOB_MAX)
+            job = check_name(request.job, field="job")
             return pb.PlaceProcessResponse(cgroup=self._service.place(job, request.pid))
 
         return await asyncio.to_thread(place)

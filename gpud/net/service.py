@@ -58,7 +58,7 @@ from gpud.net.latest import LatestWorker
 from gpud.net.port import JobTraffic, LocalReport, OrderResult, TrafficCounters
 from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore
-from gpud.shared import MAX_IDEAL_S, MIN_IDEAL_S
+from gpud.shared import MAX_IDEAL_S, MAX_SESSION_CHARS, MIN_IDEAL_S, check_text
 from netshaper import tcplan
 from netshaper.ethtool import link_speed_mbps
 from netshaper.leveller import Leveller, LevellerConfig
@@ -314,8 +314,7 @@ class TrafficService:
                 f"must be {MIN_IDEAL_S:g}..{MAX_IDEAL_S:g} seconds, got {r.ideal_s:.4g}",
                 field="contention_free_iteration_s",
             )
-        if len(r.session) > 64:
-            raise InvalidArgument("longer than 64 characters", field="session")
+        check_text(r.session, field="session", max_len=MAX_SESSION_CHARS)
         with self._lock:
             if r.job not in self._known_jobs and r.job not in set(self._jobs()):
                 raise NotFound(f"no job {r.job!r} on this node (gpuctl jobs ls)")

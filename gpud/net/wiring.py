@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gpud.config import Config
@@ -56,6 +56,9 @@ def open_traffic(
                 t.dscp_pool,
                 ", ".join(why),
             )
+        odd = level_priorities_warning(t.level_priorities)
+        if odd:
+            log.warning("%s", odd)
     tc: TcPort | None = None
     marker: MarkPort | None = None
     cgroups: JobCgroups | None = None
@@ -106,6 +109,34 @@ def open_traffic(
         shaped=ShapedInterfaces(store) if t.enabled else None,
         marking_error=marking_error,
         rdma_error=rdma_error,
+    )
+
+
+def level_priorities_warning(priorities: Sequence[int]) -> str:
+    """What defeats the levels in ``traffic.level_priorities`` (the NIC priority of each
+    level, in the RDMA DSCP map), or "". Level 0 holds the slowest jobs, so each level should
+    get a lower NIC priority than the one before it (the default, 7 - level, does): two
+    levels on one priority are not told apart on RDMA, and a level above the one before it
+    turns the order round. Accepted all the same (it may be meant), but never silently."""
+    prios = list(priorities)
+    if len(prios) > 1 and len(set(prios)) == 1:
+        return (
+            f"traffic.level_priorities = {prios} maps every level to NIC priority {prios[0]}:"
+            " levels would not be distinguished on RDMA"
+        )
+    odd = []
+    for level in range(1, len(prios)):
+        before, now = prios[level - 1], prios[level]
+        if now == before:
+            odd.append(f"levels {level - 1} and {level} share NIC priority {now}")
+        elif now > before:
+            odd.append(f"level {level} gets NIC priority {now}, above level {level - 1}'s {before}")
+    if not odd:
+        return ""
+    return (
+        f"traffic.level_priorities = {prios}: {'; '.join(odd)} (level 0 holds the slowest"
+        " jobs: each level should get a lower NIC priority than the one before it, as the"
+        " default 7 - level does, or RDMA traffic does not follow the levels)"
     )
 
 

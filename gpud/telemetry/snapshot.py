@@ -11,6 +11,7 @@ sample is the backend's :class:`MigReading` itself (identity, memory, processes)
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -63,6 +64,11 @@ class SeenIdentity(NamedTuple):
     name: str
     pci_bus_id: str
     product: str = ""
+
+
+# GPU index -> how an earlier run last saw it, for each GPU never read in this one (the
+# daemon's, from the latest snapshot): what `gpuctl mig show` and `mps show` name it by
+LastSeenSource = Callable[[], Mapping[int, SeenIdentity]]
 
 
 class GpuSample(NamedTuple):

@@ -213,9 +213,10 @@ class MigGpu(_message.Message):
     FAULT_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     uuid: _builtins.str
-    """absent: a GPU never read (lost or hung since gpud started)"""
+    """A GPU never read (lost or hung since gpud started): uuid and product as an earlier run
+    last read them (as in Node.ListGpus), absent where never known; mig_capable absent.
+    """
     product: _builtins.str
-    """absent: as uuid"""
     mig_capable: _builtins.bool
     """absent: a GPU never read (lost or hung since gpud started)"""
     mig_current: _builtins.bool

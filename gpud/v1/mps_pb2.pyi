@@ -47,8 +47,10 @@ class MpsDevice(_message.Message):
     JOBS_FIELD_NUMBER: _builtins.int
     GPU_UNHEALTHY_FIELD_NUMBER: _builtins.int
     uuid: _builtins.str
-    """A GPU not read since gpud started (lost or hung) has no daemon and no known UUID,
-    product or size: uuid, profile, memory_total_bytes and pipe_directory are then unset.
+    """A GPU not read since gpud started (lost or hung) has no daemon and no known size:
+    memory_total_bytes and pipe_directory are then unset, and uuid and profile are the GPU's
+    UUID and product as an earlier run last read them (as in Node.ListGpus), unset where
+    never known.
     GPU or MIG UUID: the daemon's CUDA_VISIBLE_DEVICES
     """
     gpu: _builtins.int

@@ -400,6 +400,7 @@ class HistoryRecord(_message.Message):
     EXIT_CODE_FIELD_NUMBER: _builtins.int
     EXIT_SIGNAL_FIELD_NUMBER: _builtins.int
     END_CAUSE_FIELD_NUMBER: _builtins.int
+    REPORTED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     request: _builtins.str
     reservation: _builtins.str
@@ -416,6 +417,10 @@ class HistoryRecord(_message.Message):
     """
     exit_signal: _builtins.int
     end_cause: _builtins.str
+    reported_unix_seconds: _builtins.float
+    """When a removed run's gpuctl run reported its command's exit (its end moved there);
+    unset for other runs, a removed run that did not report, and an older gpud.
+    """
     @_builtins.property
     def placement(self) -> _jobs_pb2.ReserveRequest:
         """the request, for replay"""
@@ -434,10 +439,11 @@ class HistoryRecord(_message.Message):
         exit_code: _builtins.int | None = ...,
         exit_signal: _builtins.int | None = ...,
         end_cause: _builtins.str = ...,
+        reported_unix_seconds: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_ended_unix_seconds", b"_ended_unix_seconds", "_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "_quote_seconds", b"_quote_seconds", "ended_unix_seconds", b"ended_unix_seconds", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "placement", b"placement", "quote_seconds", b"quote_seconds"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ended_unix_seconds", b"_ended_unix_seconds", "_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "_quote_seconds", b"_quote_seconds", "_reported_unix_seconds", b"_reported_unix_seconds", "ended_unix_seconds", b"ended_unix_seconds", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "placement", b"placement", "quote_seconds", b"quote_seconds", "reported_unix_seconds", b"reported_unix_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ended_unix_seconds", b"_ended_unix_seconds", "_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "_quote_seconds", b"_quote_seconds", "end_cause", b"end_cause", "ended_unix_seconds", b"ended_unix_seconds", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "job", b"job", "placement", b"placement", "queued_unix_seconds", b"queued_unix_seconds", "quote_seconds", b"quote_seconds", "request", b"request", "reservation", b"reservation", "started_unix_seconds", b"started_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ended_unix_seconds", b"_ended_unix_seconds", "_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "_quote_seconds", b"_quote_seconds", "_reported_unix_seconds", b"_reported_unix_seconds", "end_cause", b"end_cause", "ended_unix_seconds", b"ended_unix_seconds", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "job", b"job", "placement", b"placement", "queued_unix_seconds", b"queued_unix_seconds", "quote_seconds", b"quote_seconds", "reported_unix_seconds", b"reported_unix_seconds", "request", b"request", "reservation", b"reservation", "started_unix_seconds", b"started_unix_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__ended_unix_seconds: _TypeAlias = _typing.Literal["ended_unix_seconds"]  # noqa: Y015
     _WhichOneofArgType__ended_unix_seconds: _TypeAlias = _typing.Literal["_ended_unix_seconds", b"_ended_unix_seconds"]  # noqa: Y015
@@ -447,6 +453,8 @@ class HistoryRecord(_message.Message):
     _WhichOneofArgType__exit_signal: _TypeAlias = _typing.Literal["_exit_signal", b"_exit_signal"]  # noqa: Y015
     _WhichOneofReturnType__quote_seconds: _TypeAlias = _typing.Literal["quote_seconds"]  # noqa: Y015
     _WhichOneofArgType__quote_seconds: _TypeAlias = _typing.Literal["_quote_seconds", b"_quote_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__reported_unix_seconds: _TypeAlias = _typing.Literal["reported_unix_seconds"]  # noqa: Y015
+    _WhichOneofArgType__reported_unix_seconds: _TypeAlias = _typing.Literal["_reported_unix_seconds", b"_reported_unix_seconds"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ended_unix_seconds) -> _WhichOneofReturnType__ended_unix_seconds | None: ...
     @_typing.overload
@@ -455,6 +463,8 @@ class HistoryRecord(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_signal) -> _WhichOneofReturnType__exit_signal | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__quote_seconds) -> _WhichOneofReturnType__quote_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reported_unix_seconds) -> _WhichOneofReturnType__reported_unix_seconds | None: ...
 
 Global___HistoryRecord: _TypeAlias = HistoryRecord  # noqa: Y015
 

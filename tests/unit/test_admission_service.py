@@ -506,6 +506,28 @@ def test_a_removed_run_ends_in_the_history_when_its_command_exits(node: Node) ->
     assert row("term").record().service_s == 13.0
 
 
+def test_the_history_export_says_when_a_removed_run_reported_its_exit(node: Node) -> None:
+    """`gpuctl jobs history --json` gives ``reported_unix_seconds``: when the `gpuctl run`
+    of a removed run reported its command's exit (where its end moved), null for a removed
+    run that has not reported and for every other run."""
+    from gpud.cli.output import message_to_dict
+
+    term = node.jobs.reserve(RunRequest(job="term")).reservation.id
+    node.jobs.reserve(RunRequest(job="never"))
+    done = node.jobs.reserve(RunRequest(job="done")).reservation.id
+    node.clock.now = 1010.0
+    node.jobs.remove("term", force=True)
+    node.jobs.remove("never", force=True)
+    node.jobs.release(done, RunEnd(EndCause.EXITED, exit_code=0))
+    node.clock.now = 1014.0
+    node.jobs.release(term, RunEnd(EndCause.EXITED, exit_signal=15, since_end_s=1.0))
+    shown = {h.job: message_to_dict(history_message(h)) for h in node.admission.history()}
+    reported = {
+        job: (r["ended_unix_seconds"], r["reported_unix_seconds"]) for job, r in shown.items()
+    }
+    assert reported == {"term": (1013.0, 1014.0), "never": (1010.0, None), "done": (1010.0, None)}
+
+
 def test_a_release_tried_again_through_a_restart_ends_the_run_when_first_tried(
     node: Node,
 ) -> None:

@@ -233,6 +233,22 @@ def test_a_gpu_lost_while_gpud_was_down_is_shown_as_last_seen(
         row = next(line for line in out.splitlines() if line.startswith("1 "))
         assert f"{before[1]['product']} (last seen)" in row, out
         assert str(before[1]["uuid"])[:12] in row, out
+        # mig show and mps show name it the same way, table and --json
+        uuid, product = before[1]["uuid"], before[1]["product"]
+        code, out, _ = gpuctl("mig", "show")
+        assert code == 11  # a faulty GPU: partial
+        assert f"GPU 1 {product} (last seen) {uuid}: faulty: " in out, out
+        code, out, _ = gpuctl("--json", "mig", "show")
+        mig1 = json.loads(out)["gpus"][1]
+        assert (mig1["uuid"], mig1["product"], mig1["mig_capable"]) == (uuid, product, None)
+        code, out, _ = gpuctl("mps", "show")
+        assert code == 0
+        row = next(line for line in out.splitlines() if line.startswith("1 "))
+        assert f"{product} (last seen)" in row and str(uuid) in row, out
+        code, out, _ = gpuctl("--json", "mps", "show")
+        (mps1,) = [d for d in json.loads(out)["devices"] if d["gpu"] == 1]
+        assert (mps1["uuid"], mps1["profile"]) == (uuid, product)
+        assert mps1["memory_total_bytes"] is None and mps1["pipe_directory"] is None
 
     run_daemon(config, again)
 

@@ -3,6 +3,7 @@ MPS control daemon; ``gpuctl run`` launches a child that prints its environment.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -1270,6 +1271,59 @@ def test_a_queued_run_taken_out_says_whether_its_job_was_removed(
     removed = "job q was removed (gpuctl jobs rm --force) while it waited in the queue (e1)"
     assert (removed in err) is not registered
     assert ("job q left the queue (e1)" in err) is registered
+    assert not marker.exists()
+
+
+class SlowToLetGo(LeavesAfterOnePoll):
+    """A queue that keeps its entry queued and answers Leave only after ``delay_s``."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.queued = threading.Event()
+
+    async def Enqueue(
+        self, request: queue_pb2.EnqueueRequest, context: Any
+    ) -> queue_pb2.QueueEntry:
+        self.queued.set()
+        return await super().Enqueue(request, context)
+
+    async def GetEntry(
+        self, request: queue_pb2.GetEntryRequest, context: Any
+    ) -> queue_pb2.QueueEntry:
+        return queue_pb2.QueueEntry(id=request.id, job="q", state=queue_pb2.ENTRY_STATE_QUEUED)
+
+    async def Leave(self, request: queue_pb2.LeaveRequest, context: Any) -> queue_pb2.QueueEntry:
+        await asyncio.sleep(self.delay_s)
+        return queue_pb2.QueueEntry(id=request.id, job="q", state=queue_pb2.ENTRY_STATE_LEFT)
+
+
+def test_a_stopped_queued_run_whose_leave_gets_no_answer_says_so_not_to_raise_timeout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A queued `gpuctl run` stopped while gpud is slow: its Leave has its own 2 s bound,
+    and the message says gpud did not answer it within those 2 s and that gpud drops the
+    entry once it notices the run gone; not the --timeout of every other call."""
+    from gpud.jobs.service import RunRequest
+
+    queue = SlowToLetGo(delay_s=5.0)
+    with serving(queue.register) as n:
+        n.jobs.reserve(RunRequest(job="hog", devices=(gpu_uuid(1),), memory_bytes=70 * GIB))
+
+        def stop_once_queued() -> None:
+            if queue.queued.wait(10):
+                time.sleep(0.2)  # gpuctl waits, with its handler for the signal
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=stop_once_queued, daemon=True).start()
+        marker = tmp_path / "ran"
+        argv = ("run", "--job", "q", "--devices", "1", "--memory", "20GiB", "--")
+        started = time.monotonic()
+        assert n.ctl(*argv, "touch", str(marker)) == 130
+        assert time.monotonic() - started < 4.5
+    err = capsys.readouterr().err
+    assert "gpud did not answer the withdrawal of entry e1 from the queue within 2 s" in err
+    assert "gpud drops it (and any reservation) once it notices this run is gone" in err
+    assert "--timeout" not in err and "10 s" not in err
     assert not marker.exists()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -255,6 +257,46 @@ def test_last_error_says_gpud_is_unreachable_since_when_and_what_is_buffered(
     assert p.sent == 10 and p.dropped == 15
 
 
+class SlowNet(NetServicer):
+    """gpud's Net API, answering each progress batch ``delay_s`` late (an overloaded gpud)."""
+
+    def __init__(self, service: TrafficService, delay_s: float) -> None:
+        super().__init__(service)
+        self.delay_s = delay_s
+
+    async def ReportProgressBatch(self, request: Any, context: Any) -> Any:
+        await asyncio.sleep(self.delay_s)
+        return await super().ReportProgressBatch(request, context)
+
+
+def test_last_error_tells_a_slow_gpud_from_an_unreachable_one(node: Node) -> None:
+    """A gpud that is connected but answers no call within ``call_timeout_s``: ``last_error``
+    says it did not answer within that deadline, not that it is unreachable; once it answers
+    again, for how long it did not."""
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        slow = SlowNet(node.service, delay_s=1.0)
+        with ServerThread(ApiServer(path, servicers=[slow.register])):
+            p = Progress("train-a", socket=path, flush_interval_s=0.02, call_timeout_s=0.3)
+            try:
+                p.step()
+                for _ in range(200):
+                    if p.last_error:
+                        break
+                    time.sleep(0.05)
+                late = p.last_error
+                slow.delay_s = 0.0
+                assert p.flush(timeout=15)
+            finally:
+                p.close()
+    assert late.startswith(f"gpud at {path} did not answer within 0.3 s (call_timeout_s) since ")
+    assert "unreachable" not in late and ": 1 reports buffered, 0 dropped" in late
+    assert p.last_error.startswith(
+        f"gpud at {path} did not answer within 0.3 s (call_timeout_s) from "
+    )
+    assert p.last_error.endswith(": 0 reports dropped meanwhile")
+
+
 def _serve(node: Node, path: Path) -> ServerThread:
     return ServerThread(ApiServer(path, servicers=[NetServicer(node.service).register]))
 
@@ -392,6 +434,52 @@ def test_gpuctl_net_report_and_show(
     assert a["iterations"] == 3 and a["progress_rate"] == pytest.approx(0.5, abs=0.05)
     assert a["level"] == 0 and doc["interfaces"][0]["enforced"] is True
     assert [lv["level"] for lv in doc["levels"]] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "session", ["a\nforged line", "x\x1b[2J", "nul\x00", "\u202eevil", "s" * 65]
+)
+def test_a_report_session_that_is_not_one_short_line_is_refused(
+    capsys: pytest.CaptureFixture[str], node: Node, sock: Path, session: str
+) -> None:
+    """A progress report's session with a control character (newline, escape sequence,
+    NUL), another unprintable one, or over 64 characters: INVALID_ARGUMENT naming the
+    field from the API, in a batch a rejected report; `gpuctl net report --session` refuses
+    it before sending (exit 2)."""
+    import grpc
+
+    from gpud.v1 import net_pb2, net_pb2_grpc
+
+    report = net_pb2.ReportProgressRequest(
+        job="train-a", iterations=1, timestamp_unix_seconds=time.time(), session=session
+    )
+    with grpc.insecure_channel(f"unix:{sock}") as channel:
+        stub = net_pb2_grpc.NetStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ReportProgress(report)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.value.details() or "").startswith("session: ")
+        resp = stub.ReportProgressBatch(net_pb2.ReportProgressBatchRequest(reports=[report]))
+        (rejected,) = resp.rejected
+        assert rejected.code == "INVALID_ARGUMENT" and rejected.message.startswith("session: ")
+    code, _, said = gpuctl(
+        capsys, sock, "net", "report", "--job", "train-a", "--iterations", "1",
+        "--session", session,
+    )  # fmt: skip
+    assert code == 2 and "argument --session: " in said
+    assert node.service.accepted_reports == 0
+    assert gpuctl(capsys, sock, "net", "report", "--job", "train-a", "--iterations", "1",
+                  "--session", "restart 2 (é)")[0] == 0  # fmt: skip
+
+
+def test_a_job_named_in_a_net_request_is_checked_as_every_job_name(
+    capsys: pytest.CaptureFixture[str], sock: Path
+) -> None:
+    """A name no job can have (a control character in it) is a bad argument (exit 2), as
+    in the jobs and co-location APIs, not an unknown job."""
+    for argv in (("report", "--iterations", "1"), ("pin", "--level", "1"), ("unpin",)):
+        code, _, err = gpuctl(capsys, sock, "net", argv[0], "--job", "a\nb", *argv[1:])
+        assert code == 2 and "job: 'a\\nb': letters, digits" in err, err
 
 
 def test_gpuctl_net_pin(capsys: pytest.CaptureFixture[str], node: Node, sock: Path) -> None:

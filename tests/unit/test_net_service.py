@@ -6,6 +6,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -28,6 +29,9 @@ from gpud.net.service import RDMA_RECHECK_S, RDMA_RETRY_S, Report, TrafficServic
 from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore, parse_pool
 from gpud.store import StateStore
+
+if TYPE_CHECKING:
+    from gpud.jobs.service import JobService
 from netshaper import tcplan
 from netshaper.nftables import CgroupMark, MarkSync
 
@@ -553,16 +557,22 @@ def test_open_rdma_discovers_roce_netdevs() -> None:
     assert open_rdma(Config()) == (None, "")
 
 
-def test_wiring_says_why_marking_is_off(tmp_path: Path) -> None:
-    from gpud.config import Config
+def wiring_parts(tmp_path: Path) -> tuple[StateStore, EventLog, JobService]:
+    """What the daemon hands open_traffic: its store, event log and jobs service."""
     from gpud.jobs.service import JobService
     from gpud.mps.manager import MpsManager
-    from gpud.net.wiring import open_traffic
 
     store = StateStore(tmp_path / "state")
     events = EventLog(None)
     mps = MpsManager(store, events, tmp_path / "run", control_command=["true"], enabled=False)
-    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
+    return store, events, JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
+
+
+def test_wiring_says_why_marking_is_off(tmp_path: Path) -> None:
+    from gpud.config import Config
+    from gpud.net.wiring import open_traffic
+
+    store, events, jobs = wiring_parts(tmp_path)
     config = Config(traffic=TrafficConfig(enabled=True, interfaces=("lo",)))
     no_cgroup2 = tmp_path / "mountinfo"
     no_cgroup2.write_text("25 18 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n")
@@ -584,14 +594,9 @@ def test_reserved_dscps_named_in_the_pool_are_left_out_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from gpud.config import Config
-    from gpud.jobs.service import JobService
-    from gpud.mps.manager import MpsManager
     from gpud.net.wiring import open_traffic
 
-    store = StateStore(tmp_path / "state")
-    events = EventLog(None)
-    mps = MpsManager(store, events, tmp_path / "run", control_command=["true"], enabled=False)
-    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
+    store, events, jobs = wiring_parts(tmp_path)
     traffic = TrafficConfig(enabled=True, interfaces=("lo",), marking=False)
     for pool, said in (
         ("10-12,46", "46 (in traffic.reserved_dscp)"),
@@ -618,6 +623,46 @@ def test_reserved_dscps_named_in_the_pool_are_left_out_with_a_warning(
     with caplog.at_level("WARNING", logger="gpud.net.wiring"):
         open_traffic(Config(traffic=cnp), store, events, jobs).shutdown()
     assert "26 (traffic.cnp_dscp)" in caplog.text
+
+
+def test_level_priorities_that_defeat_the_levels_are_taken_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`traffic.level_priorities` that put levels on one NIC priority, or a level above the
+    one before it, start gpud with one warning naming the key (it may be meant); the default
+    and a decreasing list start without one."""
+    from gpud.config import Config
+    from gpud.net.wiring import open_traffic
+
+    store, events, jobs = wiring_parts(tmp_path)
+    traffic = TrafficConfig(enabled=True, interfaces=("lo",), marking=False)
+    for prios, said in (
+        (
+            (7, 7, 7, 7),
+            "traffic.level_priorities = [7, 7, 7, 7] maps every level to NIC priority 7:"
+            " levels would not be distinguished on RDMA",
+        ),
+        (
+            (7, 5, 5, 6),
+            "traffic.level_priorities = [7, 5, 5, 6]: levels 1 and 2 share NIC priority 5;"
+            " level 3 gets NIC priority 6, above level 2's 5 (level 0 holds the slowest jobs:"
+            " each level should get a lower NIC priority than the one before it, as the"
+            " default 7 - level does, or RDMA traffic does not follow the levels)",
+        ),
+        ((0, 1, 2, 3), "level 1 gets NIC priority 1, above level 0's 0"),
+        ((6, 4, 3, 0), None),
+        ((), None),  # the default: 7 - level
+    ):
+        caplog.clear()
+        config = Config(traffic=dataclasses.replace(traffic, level_priorities=prios))
+        with caplog.at_level("WARNING", logger="gpud.net.wiring"):
+            open_traffic(config, store, events, jobs).shutdown()
+        warnings = [r.getMessage() for r in caplog.records if r.name == "gpud.net.wiring"]
+        if said is None:
+            assert warnings == [], prios
+        else:
+            (warning,) = warnings
+            assert said in warning
 
 
 def test_drift_is_counted_while_another_interface_fails(tmp_path: Path, sysfs: Path) -> None:
