@@ -265,7 +265,7 @@ class Progress:
         self._slow = code == grpc.StatusCode.DEADLINE_EXCEEDED and self._listening()
         why = "" if code == grpc.StatusCode.DEADLINE_EXCEEDED else f" ({err.details()})"
         return (
-            f"{self._failing(since)} ({self._clock() - since:.0f} s){why}:"
+            f"{self._failing(since)} ({self._since(since):.0f} s){why}:"
             f" {len(self._pending)} reports buffered, {self.dropped - dropped} dropped"
             f" (the buffer keeps the newest {self._max_buffer})"
         )
@@ -278,6 +278,10 @@ class Progress:
         if was:
             return f"gpud was unreachable at {self._where} from {_local(since)}"
         return f"gpud unreachable at {self._where} since {_local(since)}"
+
+    def _since(self, since: float) -> float:
+        """Seconds from ``since`` to now, at least 0: the wall clock may have stepped back."""
+        return max(0.0, self._clock() - since)
 
     def _listening(self) -> bool:
         """Whether gpud's socket takes a connection now: a ``connect()``, closed at once (what
@@ -311,7 +315,7 @@ class Progress:
         if rejected:
             return
         self.last_error = (
-            f"{self._failing(since, was=True)} for {self._clock() - since:.0f} s:"
+            f"{self._failing(since, was=True)} for {self._since(since):.0f} s:"
             f" {self.dropped - dropped} reports dropped meanwhile"
         )
 

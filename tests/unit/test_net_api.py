@@ -257,6 +257,41 @@ def test_last_error_says_gpud_is_unreachable_since_when_and_what_is_buffered(
     assert p.sent == 10 and p.dropped == 15
 
 
+def test_last_error_counts_no_negative_outage_after_the_wall_clock_steps_back() -> None:
+    """An NTP step back while gpud is away: the outage reads 0 s, not minus an hour."""
+    wall = [time.time()]
+    with short_dir() as d:
+        p = Progress(
+            "train-a",
+            socket=d / "gpud.sock",
+            flush_interval_s=0.02,
+            call_timeout_s=0.2,
+            clock=lambda: wall[0],
+        )
+        try:
+            p.step()
+            for _ in range(200):
+                if "unreachable" in p.last_error:
+                    break
+                time.sleep(0.02)
+            wall[0] += 10.0
+            for _ in range(300):
+                if "(10 s)" in p.last_error:
+                    break
+                time.sleep(0.02)
+            first = p.last_error
+            wall[0] -= 3600.0
+            for _ in range(300):
+                if p.last_error != first:
+                    break
+                time.sleep(0.02)
+            stepped = p.last_error
+        finally:
+            p.close()
+    assert "(10 s)" in first and "unreachable" in stepped
+    assert " (0 s)" in stepped and "(-" not in stepped
+
+
 class SlowNet(NetServicer):
     """gpud's Net API, answering each progress batch ``delay_s`` late (an overloaded gpud)."""
 
