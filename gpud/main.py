@@ -271,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as err:
             print(f"gpud: config error: {err}", file=sys.stderr)
             return 2
+        from gpud.net.wiring import config_warnings
+
+        for warning in config_warnings(cfg):  # taken, as at start, but said
+            print(f"gpud: warning: {warning}", file=sys.stderr)
         print("config OK")
         return 0
     try:

@@ -39,26 +39,8 @@ def open_traffic(
 ) -> TrafficService:
     t = config.traffic
     tags = TagStore(store, pool=job_pool(t))
-    if t.enabled:
-        left_out = reserved_in_pool(t.dscp_pool, {*t.reserved_dscp, t.cnp_dscp})
-        if left_out:
-            # accepted as the docs say (reserved values are left out), but never silently:
-            # an operator who listed 46 expects a job to get it
-            why = [
-                f"{d} (in traffic.reserved_dscp)"
-                if d in t.reserved_dscp
-                else f"{d} (traffic.cnp_dscp)"
-                for d in left_out
-            ]
-            log.warning(
-                "traffic.dscp_pool %r names reserved DSCPs, left out of the pool and never a"
-                " job's tag: %s",
-                t.dscp_pool,
-                ", ".join(why),
-            )
-        odd = level_priorities_warning(t.level_priorities)
-        if odd:
-            log.warning("%s", odd)
+    for warning in config_warnings(config):
+        log.warning("%s", warning)
     tc: TcPort | None = None
     marker: MarkPort | None = None
     cgroups: JobCgroups | None = None
@@ -110,6 +92,32 @@ def open_traffic(
         marking_error=marking_error,
         rdma_error=rdma_error,
     )
+
+
+def config_warnings(config: Config) -> list[str]:
+    """What the traffic settings take but an operator should hear of: reserved DSCPs named in
+    ``traffic.dscp_pool`` (left out, never a job's tag), ``traffic.level_priorities`` that
+    defeat the levels. Said at start and by ``gpud --check-config``; none with traffic off."""
+    t = config.traffic
+    if not t.enabled:
+        return []
+    out = []
+    left_out = reserved_in_pool(t.dscp_pool, {*t.reserved_dscp, t.cnp_dscp})
+    if left_out:
+        # accepted as the docs say (reserved values are left out), but never silently:
+        # an operator who listed 46 expects a job to get it
+        why = [
+            f"{d} (in traffic.reserved_dscp)" if d in t.reserved_dscp else f"{d} (traffic.cnp_dscp)"
+            for d in left_out
+        ]
+        out.append(
+            f"traffic.dscp_pool {t.dscp_pool!r} names reserved DSCPs, left out of the pool and"
+            f" never a job's tag: {', '.join(why)}"
+        )
+    odd = level_priorities_warning(t.level_priorities)
+    if odd:
+        out.append(odd)
+    return out
 
 
 def level_priorities_warning(priorities: Sequence[int]) -> str:

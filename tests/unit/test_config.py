@@ -810,3 +810,24 @@ def test_ctrl_c_while_gpud_starts_stops_it_at_once_without_a_traceback() -> None
     assert proc.returncode == -signal.SIGINT and "Traceback" not in err
     with open(Path(__file__).parents[2] / "pyproject.toml", "rb") as f:
         assert tomllib.load(f)["project"]["scripts"]["gpud"] == "gpud:daemon_entry"
+
+
+def test_check_config_says_the_warnings_gpud_would_give_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Settings taken but odd (reserved DSCPs in the pool, NIC priorities that defeat the
+    levels) are said by ``--check-config`` too, where a config is checked before a rollout."""
+    path = write(
+        tmp_path,
+        '[traffic]\nenabled = true\ninterfaces = ["eth0"]\n'
+        'dscp_pool = "10-12,46"\nlevel_priorities = [7, 7, 7, 7]\n',
+    )
+    assert main(["--check-config", "--config", str(path)]) == 0
+    out = capsys.readouterr()
+    assert out.out == "config OK\n"
+    assert "gpud: warning: traffic.dscp_pool '10-12,46' names reserved DSCPs" in out.err
+    assert "46 (in traffic.reserved_dscp)" in out.err
+    assert "gpud: warning: traffic.level_priorities = [7, 7, 7, 7] maps every level" in out.err
+    plain = write(tmp_path, '[traffic]\nenabled = true\ninterfaces = ["eth0"]\n')
+    assert main(["--check-config", "--config", str(plain)]) == 0
+    assert capsys.readouterr().err == ""
