@@ -182,6 +182,9 @@ class SampledFaults:
     def slow(self, gpu: int, seconds: float) -> object:
         return self._faults.slow(gpu, seconds)
 
+    def slow_mig(self, gpu: int, seconds: float) -> object:
+        return self._faults.slow_mig(gpu, seconds)
+
     def clear(self, gpu: int) -> object:
         return self._faults.clear(gpu)
 

@@ -37,6 +37,7 @@ _FAULT_NAMES = {
     pb.FAULT_KIND_XID: "xid",
     pb.FAULT_KIND_CLEAR: "clear",
     pb.FAULT_KIND_ERROR: "error",
+    pb.FAULT_KIND_SLOW_MIG: "slow_mig",
 }
 
 
@@ -200,10 +201,11 @@ class NodeServicer(pb_grpc.NodeServicer):
             field = validate.non_empty(request.field, field="field")
             detail["field"], blame = field, "field"
             apply = lambda: faults.error(gpu, field)  # noqa: E731
-        elif kind == "slow":
+        elif kind in ("slow", "slow_mig"):
             seconds = validate.non_negative_seconds(request.seconds, field="seconds")
             detail["seconds"], blame = seconds, "seconds"
-            apply = lambda: faults.slow(gpu, seconds)  # noqa: E731
+            slow = faults.slow if kind == "slow" else faults.slow_mig
+            apply = lambda: slow(gpu, seconds)  # noqa: E731
         else:
             if request.xid <= 0:
                 raise InvalidArgument(f"must be an XID code > 0, got {request.xid}", field="xid")

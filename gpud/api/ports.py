@@ -72,6 +72,10 @@ class FaultPort(Protocol):
         """Every driver call on the GPU takes ``seconds`` longer (a hung driver)."""
         ...
 
+    def slow_mig(self, gpu: int, seconds: float) -> object:
+        """Each call that changes MIG on the GPU takes ``seconds`` longer; reads do not."""
+        ...
+
     def xid(self, gpu: int, code: int) -> object:
         """Raise an XID event with ``code`` on the GPU."""
         ...

@@ -6,6 +6,7 @@
     gpuctl sim fault --gpu 1 not-supported power
     gpuctl sim fault --gpu 1 error mig_memory   # its MIG devices' memory reads fail
     gpuctl sim fault --gpu 2 slow 5             # every driver call takes 5 s longer
+    gpuctl sim fault --gpu 2 slow-mig 0.5       # each MIG change takes 0.5 s longer; reads do not
     gpuctl sim fault --gpu 3 xid 79
     gpuctl sim fault --gpu 0 clear
     gpuctl sim reboot                           # as a reboot: MIG instances are gone
@@ -43,6 +44,13 @@ def register(subparsers: Subparsers) -> None:
     # a day at most: a slower driver call is no fault to simulate, and NaN would hang it
     slow.add_argument("seconds", type=number(0, 86400), help="added to each call, 0..86400")
     slow.set_defaults(kind="FAULT_KIND_SLOW")
+    slow_mig = kinds.add_parser(
+        "slow-mig",
+        help="make each MIG change on the GPU slower (create/destroy instances, set MIG mode); "
+        "reads stay fast",
+    )
+    slow_mig.add_argument("seconds", type=number(0, 86400), help="added to each change, 0..86400")
+    slow_mig.set_defaults(kind="FAULT_KIND_SLOW_MIG")
     ns = kinds.add_parser("not-supported", help="make reads of FIELD raise NotSupported")
     ns.add_argument("field", help='a reading, e.g. "power", "temperature", "ecc", "process_memory"')
     ns.set_defaults(kind="FAULT_KIND_NOT_SUPPORTED")
@@ -137,7 +145,7 @@ def run_fault(ctx: Context, args: argparse.Namespace) -> int:
             # daemon's words
             raise CliError(f"xid: must be an XID code > 0, got {args.code}", EXIT_USAGE)
         request.xid = args.code
-    elif kind == pb.FAULT_KIND_SLOW:
+    elif kind in (pb.FAULT_KIND_SLOW, pb.FAULT_KIND_SLOW_MIG):
         request.seconds = args.seconds
     elif kind in (pb.FAULT_KIND_NOT_SUPPORTED, pb.FAULT_KIND_ERROR):
         request.field = args.field

@@ -49,6 +49,8 @@ class _FaultKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FaultKind.V
     """remove every fault on the GPU"""
     FAULT_KIND_ERROR: _FaultKind.ValueType  # 6
     """`field` reads fail with a driver error, e.g. "mig_memory" """
+    FAULT_KIND_SLOW_MIG: _FaultKind.ValueType  # 7
+    """each MIG change on the GPU takes `seconds` longer; reads do not"""
 
 class FaultKind(_FaultKind, metaclass=_FaultKindEnumTypeWrapper): ...
 
@@ -65,6 +67,8 @@ FAULT_KIND_CLEAR: FaultKind.ValueType  # 5
 """remove every fault on the GPU"""
 FAULT_KIND_ERROR: FaultKind.ValueType  # 6
 """`field` reads fail with a driver error, e.g. "mig_memory" """
+FAULT_KIND_SLOW_MIG: FaultKind.ValueType  # 7
+"""each MIG change on the GPU takes `seconds` longer; reads do not"""
 Global___FaultKind: _TypeAlias = FaultKind  # noqa: Y015
 
 @_typing.final
@@ -729,7 +733,7 @@ class InjectFaultRequest(_message.Message):
     field: _builtins.str
     """FAULT_KIND_NOT_SUPPORTED / _ERROR: the reading, e.g. "power" """
     seconds: _builtins.float
-    """FAULT_KIND_SLOW: >= 0"""
+    """FAULT_KIND_SLOW / _SLOW_MIG: >= 0"""
     xid: _builtins.int
     """FAULT_KIND_XID: > 0, e.g. 79"""
     def __init__(

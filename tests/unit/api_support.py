@@ -150,6 +150,9 @@ class FakeFaults:
     def slow(self, gpu: int, seconds: float) -> None:
         self._record("slow", gpu, seconds)
 
+    def slow_mig(self, gpu: int, seconds: float) -> None:
+        self._record("slow_mig", gpu, seconds)
+
     def xid(self, gpu: int, code: int) -> None:
         self._record("xid", gpu, code)
 

@@ -252,6 +252,7 @@ async def test_inject_faults(sock_dir: Path) -> None:
         await inject(pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_LOST))
         await inject(pb.InjectFaultRequest(gpu=1, kind=pb.FAULT_KIND_NOT_SUPPORTED, field="power"))
         await inject(pb.InjectFaultRequest(gpu=1, kind=pb.FAULT_KIND_SLOW, seconds=2.5))
+        await inject(pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_SLOW_MIG, seconds=0.2))
         await inject(pb.InjectFaultRequest(gpu=2, kind=pb.FAULT_KIND_XID, xid=79))
         await inject(pb.InjectFaultRequest(gpu=2, kind=pb.FAULT_KIND_ERROR, field="mig_memory"))
         resp = await inject(pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_CLEAR))
@@ -259,6 +260,7 @@ async def test_inject_faults(sock_dir: Path) -> None:
         ("lose", 0),
         ("not_supported", 1, "power"),
         ("slow", 1, 2.5),
+        ("slow_mig", 0, 0.2),
         ("xid", 2, 79),
         ("error", 2, "mig_memory"),
         ("clear", 0),
@@ -267,6 +269,7 @@ async def test_inject_faults(sock_dir: Path) -> None:
         "lose on GPU 0",
         "not_supported on GPU 1",
         "slow on GPU 1",
+        "slow_mig on GPU 0",
         "xid on GPU 2",
         "error on GPU 2",
     ]
@@ -275,11 +278,13 @@ async def test_inject_faults(sock_dir: Path) -> None:
         "sim.fault.lost",
         "sim.fault.not_supported",
         "sim.fault.slow",
+        "sim.fault.slow_mig",
         "sim.fault.xid",
         "sim.fault.error",
         "sim.fault.clear",
     ]
-    assert events.recent()[3].fields == {"gpu": 2, "xid": 79}
+    assert events.recent()[3].fields == {"gpu": 0, "seconds": 0.2}
+    assert events.recent()[4].fields == {"gpu": 2, "xid": 79}
     await server.stop(0)
 
 

@@ -333,6 +333,10 @@ def test_sim_fault(capsys: pytest.CaptureFixture[str], sim_socket: str, faults: 
     assert run(capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "1", "xid", "79")[0] == 0
     assert run(capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "1", "slow", "2.5")[0] == 0
     code, out, _ = run(
+        capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "1", "slow-mig", ".2"
+    )
+    assert code == 0 and out.splitlines()[0] == "injected slow-mig on GPU 1"
+    code, out, _ = run(
         capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "2", "not-supported", "power"
     )
     assert code == 0
@@ -346,6 +350,7 @@ def test_sim_fault(capsys: pytest.CaptureFixture[str], sim_socket: str, faults: 
         ("lose", 0),
         ("xid", 1, 79),
         ("slow", 1, 2.5),
+        ("slow_mig", 1, 0.2),
         ("not_supported", 2, "power"),
         ("clear", 0),
     ]
@@ -357,6 +362,10 @@ def test_sim_fault_invalid_arguments(
     code, _, err = run(capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "5", "lost")
     assert code == 4 and "gpu: no GPU 5" in err
     code, _, err = run(capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "0", "slow", "-1")
+    assert code == 2 and "seconds: " in err
+    code, _, err = run(
+        capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "0", "slow-mig", "-1"
+    )
     assert code == 2 and "seconds: " in err
     code, _, err = run(capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "0", "xid", "-4")
     assert code == 2 and "xid: " in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -349,3 +350,39 @@ def test_a_slow_fault_hangs_calls_at_most_a_day() -> None:
         ):
             node.faults.slow(0, bad)
     assert node.faults.active() == {0: {"slow_seconds": 86400.0}}
+
+
+def test_slow_mig_slows_only_the_calls_that_change_mig(tmp_path: Path) -> None:
+    node = _mig_node(tmp_path)
+    nv = node.nvml
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    node.faults.slow_mig(0, 0.3)
+    assert node.faults.active() == {0: {"slow_mig_seconds": 0.3}}
+
+    def took(call: object, *args: object) -> tuple[object, float]:
+        assert callable(call)
+        start = time.monotonic()
+        out = call(*args)
+        return out, time.monotonic() - start
+
+    gi, created = took(nv.nvmlDeviceCreateGpuInstanceWithPlacement, h, 19, _place(nv, 0, 1))
+    ci, ci_created = took(nv.nvmlGpuInstanceCreateComputeInstance, gi, 0)
+    reads = [
+        took(nv.nvmlDeviceGetMigMode, h)[1],
+        took(nv.nvmlDeviceGetUUID, h)[1],
+        took(nv.nvmlDeviceGetMemoryInfo, h)[1],
+        took(nv.nvmlGpuInstanceGetInfo, gi)[1],
+        took(nv.nvmlDeviceGetMigDeviceHandleByIndex, h, 0)[1],
+    ]
+    _, ci_destroyed = took(nv.nvmlComputeInstanceDestroy, ci)
+    _, destroyed = took(nv.nvmlGpuInstanceDestroy, gi)
+    _, mode_set = took(nv.nvmlDeviceSetMigMode, h, nv.NVML_DEVICE_MIG_DISABLE)
+    assert min(created, ci_created, ci_destroyed, destroyed, mode_set) >= 0.3
+    assert sum(reads) < 0.3
+    # device state: a restarted daemon finds it, and a clear ends it
+    again = SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json")
+    assert again.faults.active() == {0: {"slow_mig_seconds": 0.3}}
+    again.faults.clear(0)
+    assert SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json").faults.active() == {}
+    with pytest.raises(ValueError, match=r"^must be in 0\.\.86400 s, got -1$"):
+        node.faults.slow_mig(0, -1.0)

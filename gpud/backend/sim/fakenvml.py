@@ -11,7 +11,7 @@ to ask for the count) and ``ctypes.byref(c_uint())`` for the count.
 What the driver would keep lives here: MIG mode (current and pending: on A100 a change
 becomes current only at a GPU reset, :meth:`FakeNvml.sim_reset`, or a reboot,
 :meth:`FakeNvml.sim_reboot`; on H100/H200 at once when no process holds the GPU, as the
-product's ``mig_mode_needs_reset`` says), GPU and compute instances, running processes, and injected faults (a lost or slow GPU is a state of
+product's ``mig_mode_needs_reset`` says), GPU and compute instances, running processes, and injected faults (a lost or slow GPU, or slow MIG changes, are a state of
 the device, not of the process watching it). With a ``state_file`` the MIG state and the
 faults are written there atomically after every change and read back at start, so a daemon
 restart finds the instances and the faults as it left them (``nvidia-smi mig -lgi`` after
@@ -375,13 +375,14 @@ class _Proc:
 
 
 class _GpuFaults:
-    __slots__ = ("errors", "lost", "not_supported", "slow_s")
+    __slots__ = ("errors", "lost", "not_supported", "slow_mig_s", "slow_s")
 
     def __init__(self) -> None:
         self.lost = False
         self.not_supported: set[str] = set()
         self.errors: set[str] = set()  # readings that fail with NVML_ERROR_UNKNOWN
         self.slow_s = 0.0
+        self.slow_mig_s = 0.0  # added to each call that changes MIG; reads stay fast
 
 
 class _Gpu:
@@ -567,6 +568,7 @@ class FakeNvml:
                 f.not_supported = {str(x) for x in f_d.get("not_supported", ())}
                 f.errors = {str(x) for x in f_d.get("errors", ())}
                 f.slow_s = float(f_d.get("slow_s", 0.0))
+                f.slow_mig_s = float(f_d.get("slow_mig_s", 0.0))
                 self._faults[int(key)] = f
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ConfigError(
@@ -612,9 +614,10 @@ class FakeNvml:
                     "not_supported": sorted(f.not_supported),
                     "errors": sorted(f.errors),
                     "slow_s": f.slow_s,
+                    "slow_mig_s": f.slow_mig_s,
                 }
                 for i, f in sorted(self._faults.items())
-                if f.lost or f.not_supported or f.errors or f.slow_s
+                if f.lost or f.not_supported or f.errors or f.slow_s or f.slow_mig_s
             },
         }
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -643,6 +646,13 @@ class FakeNvml:
             raise NVMLError_GpuIsLost()
         if what in f.not_supported:
             raise NVMLError_NotSupported()
+
+    def _slow_mig(self, gpu: _Gpu) -> None:
+        """A call that changes MIG (``nvidia-smi mig -cgi/-dgi/-cci/-dci``, ``-mig``) takes
+        its injected time, outside the lock: reads of the GPU meanwhile answer at once."""
+        f = self._faults.get(gpu.index)
+        if f is not None and f.slow_mig_s:
+            time.sleep(f.slow_mig_s)
 
     def _gpu(self, handle: object, what: str) -> _Gpu:
         """A whole-GPU handle; MIG device handles are NotSupported for ``what``."""
@@ -952,6 +962,7 @@ class FakeNvml:
             raise NVMLError_NotSupported()
         if mode not in (NVML_DEVICE_MIG_DISABLE, NVML_DEVICE_MIG_ENABLE):
             raise NVMLError_InvalidArgument()
+        self._slow_mig(gpu)
         with self._lock:
             if mode == NVML_DEVICE_MIG_DISABLE and gpu.gis:
                 raise NVMLError_InUse()  # instances still exist: destroy them first
@@ -1079,6 +1090,7 @@ class FakeNvml:
         start, size = int(pl.start), int(pl.size)
         if (start, size) not in prof.placements:
             raise NVMLError_InvalidArgument()
+        self._slow_mig(gpu)
         with self._lock:
             if start not in self._free_placements(gpu, prof):
                 raise NVMLError_InsufficientResources()
@@ -1131,6 +1143,7 @@ class FakeNvml:
 
     def nvmlGpuInstanceDestroy(self, gpuInstance: object) -> int:
         gpu, gi = self._gi(gpuInstance)
+        self._slow_mig(gpu)
         with self._lock:
             if gi.cis:
                 raise NVMLError_InUse()  # compute instances first (nvidia-smi mig -dci)
@@ -1200,6 +1213,7 @@ class FakeNvml:
     ) -> _CiHandle:
         gpu, gi = self._gi(gpuInstance)
         c = self._ci_profile(gpu, gi, profileId)
+        self._slow_mig(gpu)
         with self._lock:
             free = self._ci_free_starts(gi, c)
             if not free:
@@ -1261,6 +1275,7 @@ class FakeNvml:
 
     def nvmlComputeInstanceDestroy(self, computeInstance: object) -> int:
         gpu, gi, ci = self._ci(computeInstance)
+        self._slow_mig(gpu)
         with self._lock:
             if any(p.gi == gi.id and p.ci == ci.id for p in gpu.procs):
                 raise NVMLError_InUse()  # a CUDA context still lives on it

@@ -4,7 +4,10 @@ Each fault shows up where a real one would: a lost GPU makes every NVML call on 
 its MIG devices) raise ``NVMLError_GpuIsLost`` and posts XID 79 ("GPU has fallen off the
 bus"); a NotSupported field makes that one query raise ``NVMLError_NotSupported``; an
 erroring reading (``ERRORS``) makes that one query fail with ``NVMLError_Unknown``; a slow GPU
-makes each call on it block, like a driver call stuck in the kernel; an XID is delivered to
+makes each call on it block, like a driver call stuck in the kernel; slow MIG changes make
+only the calls that change MIG (create or destroy a GPU or compute instance, set MIG mode)
+take longer, as they do on a busy driver, while reads answer at once (telemetry keeps the
+GPU healthy, and a long apply can be interrupted between its steps); an XID is delivered to
 ``nvmlEventSetWait``. ``crash_after_mutations`` kills the caller (``SimulatedCrash``) right
 after the n-th driver mutation has taken effect and been persisted.
 
@@ -58,6 +61,12 @@ XID_FALLEN_OFF_BUS: Final = 79
 XID_DBE: Final = 48  # double-bit ECC error
 
 
+def _slow_seconds(seconds: float) -> float:
+    if not 0 <= seconds <= MAX_SLOW_SECONDS:
+        raise ValueError(f"must be in 0..{MAX_SLOW_SECONDS:g} s, got {seconds:g}")
+    return float(seconds)
+
+
 class FaultInjector:
     """Inject and clear faults on a simulated node's GPUs. Thread-safe."""
 
@@ -94,9 +103,14 @@ class FaultInjector:
     def slow(self, gpu: int, seconds: float) -> None:
         """Every call on the GPU blocks ``seconds`` first (a hung driver call)."""
         self._check_gpu(gpu)
-        if not 0 <= seconds <= MAX_SLOW_SECONDS:
-            raise ValueError(f"must be in 0..{MAX_SLOW_SECONDS:g} s, got {seconds:g}")
-        self._nvml.sim_faults(gpu).slow_s = float(seconds)
+        self._nvml.sim_faults(gpu).slow_s = _slow_seconds(seconds)
+        self._nvml.sim_faults_changed()
+
+    def slow_mig(self, gpu: int, seconds: float) -> None:
+        """Each call that changes MIG on the GPU (``nvidia-smi mig -cgi/-dgi/-cci/-dci``,
+        ``-mig``) takes ``seconds`` longer; reads are not slowed."""
+        self._check_gpu(gpu)
+        self._nvml.sim_faults(gpu).slow_mig_s = _slow_seconds(seconds)
         self._nvml.sim_faults_changed()
 
     def xid(
@@ -145,6 +159,8 @@ class FaultInjector:
                 entry["errors"] = sorted(f.errors)
             if f.slow_s:
                 entry["slow_seconds"] = f.slow_s
+            if f.slow_mig_s:
+                entry["slow_mig_seconds"] = f.slow_mig_s
             if entry:
                 out[gpu] = entry
         return out
