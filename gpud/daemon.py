@@ -61,7 +61,7 @@ from gpud.net.api import NetServicer
 from gpud.net.metrics import TrafficMetrics
 from gpud.net.service import leveller_config
 from gpud.net.wiring import open_traffic
-from gpud.notify import Notifier
+from gpud.notify import Notifier, while_starting
 from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.seen import SeenGpus
@@ -632,7 +632,12 @@ class Daemon:
             await asyncio.to_thread(self.sampler.tick)
             # The jobs service learns the unhealthy GPUs from it before the first request.
             await asyncio.to_thread(self.jobs.tick, self.sampler.latest())
-            await asyncio.to_thread(self.mig.reconcile, self.config.mig.on_start)
+            await while_starting(
+                asyncio.to_thread(self.mig.reconcile, self.config.mig.on_start),
+                self._notifier,
+                progress=lambda: self.mig.steps_taken,
+                status=lambda n: f"bringing MIG layouts to the desired ones: {n} changes made",
+            )
             if self.config.metrics.enabled:
                 host, port = parse_address(
                     self.config.metrics.address, path="config", key="metrics.address"

@@ -3,16 +3,28 @@
 ``Type=notify`` units get ``NOTIFY_SOCKET`` in their environment; the daemon sends
 ``READY=1`` once it serves, ``WATCHDOG=1`` after each healthy loop pass (at least twice per
 ``WatchdogSec``), ``RELOADING=1``/``READY=1`` around a config reload and ``STOPPING=1`` on
-shutdown. ``systemctl status gpud`` shows the ``STATUS=`` line.
+shutdown. ``systemctl status gpud`` shows the ``STATUS=`` line. Start-up work that is still
+moving when ``TimeoutStartSec=`` nears (an interrupted MIG apply, resumed before gpud serves)
+asks for more time with ``EXTEND_TIMEOUT_USEC``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# While start-up work moves, every START_CHECK_S it is given START_EXTEND_S more (the
+# shipped unit's TimeoutStartSec): one slow driver step (a GPU reset) fits in it.
+START_CHECK_S = 10.0
+START_EXTEND_S = 90.0
 
 
 class Notifier:
@@ -74,3 +86,34 @@ class Notifier:
 
     def status(self, text: str) -> bool:
         return self.send(f"STATUS={text}")
+
+    def extend_start(self, seconds: float, status: str) -> bool:
+        """``EXTEND_TIMEOUT_USEC``: ``seconds`` more to start from now, past the unit's
+        ``TimeoutStartSec=`` (``systemctl status gpud`` shows ``status``)."""
+        return self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}", f"STATUS={status}")
+
+
+async def while_starting(
+    work: Awaitable[T],
+    notifier: Notifier,
+    *,
+    progress: Callable[[], int],
+    status: Callable[[int], str],
+    every_s: float = START_CHECK_S,
+    extend_s: float = START_EXTEND_S,
+) -> T:
+    """``work``'s result; while it runs, every ``every_s`` in which ``progress()`` moved,
+    systemd is given ``extend_s`` more to start (``EXTEND_TIMEOUT_USEC``) and the
+    ``status(progress())`` line. Start-up work that goes on (an interrupted MIG apply resumed
+    step by step) is not killed by ``TimeoutStartSec=``; work that stops moving (a driver
+    call that never returns) gets no more than the last extension."""
+    task = asyncio.ensure_future(work)
+    seen = progress()
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=every_s)
+        if done:
+            return task.result()
+        now = progress()
+        if now != seen:
+            seen = now
+            notifier.extend_start(extend_s, status(now))

@@ -167,6 +167,9 @@ class MigManager:
         self._view_at = float("-inf")
         self._outcomes: list[GpuOutcome] = []
         self.stats = ApplyStats()
+        # driver changes made by this process (read from other threads: start-up tells
+        # systemd a long reconcile is still moving)
+        self.steps_taken = 0
 
     # ---------------------------------------------------------------- reading the driver
 
@@ -708,6 +711,7 @@ class MigManager:
             self._on_change(gpu)
 
     def _mark(self) -> None:
+        self.steps_taken += 1
         self._store.step_done()
 
     def _do(self, step: Step) -> None:

@@ -1,10 +1,12 @@
+import asyncio
+import contextlib
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gpud.notify import Notifier
+from gpud.notify import Notifier, while_starting
 
 
 @pytest.fixture
@@ -64,3 +66,57 @@ def test_garbage_watchdog_settings_are_ignored() -> None:
 def test_watchdog_for_another_pid_is_ignored() -> None:
     n = Notifier.from_environ({"WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "1"})
     assert n.watchdog_interval_s is None
+
+
+def test_start_up_work_that_moves_asks_systemd_for_more_time(
+    listener: tuple[socket.socket, str],
+) -> None:
+    """An interrupted MIG apply resumed at start can outlast TimeoutStartSec: while its steps
+    go on, systemd is given more time (EXTEND_TIMEOUT_USEC); once they stop moving, none."""
+    sock, path = listener
+    n = Notifier.from_environ({"NOTIFY_SOCKET": path})
+    steps = [0]
+
+    async def resume() -> str:
+        for _ in range(4):  # a step per check, then a long wait in one step
+            await asyncio.sleep(0.1)
+            steps[0] += 1
+        await asyncio.sleep(0.35)
+        return "converged"
+
+    result = asyncio.run(
+        while_starting(
+            resume(),
+            n,
+            progress=lambda: steps[0],
+            status=lambda k: f"{k} changes made",
+            every_s=0.1,
+            extend_s=90,
+        )
+    )
+    assert result == "converged"
+    sock.settimeout(0.05)
+    got = []
+    with contextlib.suppress(TimeoutError):
+        while True:
+            got.append(sock.recv(256).decode())
+    assert got and len(got) <= 4  # none for the checks while the last step took its time
+    assert all(m.startswith("EXTEND_TIMEOUT_USEC=90000000\nSTATUS=") for m in got)
+    assert got[-1].endswith("4 changes made")
+
+
+def test_start_up_work_that_raises_raises_and_asks_for_nothing(
+    listener: tuple[socket.socket, str],
+) -> None:
+    sock, path = listener
+    n = Notifier.from_environ({"NOTIFY_SOCKET": path})
+
+    async def fails() -> None:
+        await asyncio.sleep(0.15)
+        raise RuntimeError("driver said no")
+
+    with pytest.raises(RuntimeError, match="driver said no"):
+        asyncio.run(while_starting(fails(), n, progress=lambda: 0, status=str, every_s=0.05))
+    sock.settimeout(0.05)
+    with pytest.raises(TimeoutError):
+        sock.recv(256)
