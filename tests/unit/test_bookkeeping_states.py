@@ -3,7 +3,7 @@ reserved and released, queued, left, their holders dying, GPUs lost and back, gp
 restarted on the same state directory, and after every step the promises it keeps.
 
 The services are the daemon's own, wired as it wires them, over hand-built samples of a
-two-GPU node and a fake clock; a holder is this test's own process, seen through a
+three-GPU node (one in MIG mode) and a fake clock; a holder is this test's own process, seen through a
 ``/proc`` tree of its own whose start time a step changes (the PID taken by another
 process: every holder is gone).
 """
@@ -38,26 +38,37 @@ from gpud.mps.manager import MpsManager
 from gpud.store import StateStore
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import GpuSample, Snapshot
-from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, gpu_uuid, snapshot
+from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, gpu_uuid, mig_uuid, snapshot
 from tests.unit.test_admission_service import Clock
 
 GIB = 1 << 30
-GPUS = 2
+GPUS = 3
+MIG_GPU = 2  # in MIG mode: two 3g.40gb devices
+MIGS = (("3g.40gb", 40), ("3g.40gb", 40))
 NAMES = ("a", "b", "c", "d")
 MEMORY_GIB = 80
+CAPACITY = {
+    gpu_uuid(0): MEMORY_GIB * GIB,
+    gpu_uuid(1): MEMORY_GIB * GIB,
+    mig_uuid(MIG_GPU, 0): 40 * GIB,
+    mig_uuid(MIG_GPU, 1): 40 * GIB,
+}
+# where a run goes: (whole GPUs, pinned devices, MIG profile)
+Where = tuple[int | None, tuple[str, ...], str | None]
 
 names = st.sampled_from(NAMES)
 memory = st.sampled_from([None, 10 * GIB, 40 * GIB, 60 * GIB, 80 * GIB, 100 * GIB])
 threads = st.sampled_from([None, 30, 60, 100])
-placement = st.one_of(
-    st.tuples(st.sampled_from([None, 1, 2, 3]), st.just(())),
-    st.tuples(st.none(), st.sampled_from([(gpu_uuid(0),), (gpu_uuid(1),)])),
+placement: st.SearchStrategy[Where] = st.one_of(
+    st.tuples(st.sampled_from([None, 1, 2, 3]), st.just(()), st.none()),
+    st.tuples(st.none(), st.sampled_from([(u,) for u in CAPACITY]), st.none()),
+    st.tuples(st.none(), st.just(()), st.sampled_from(["3g.40gb", "1g.10gb"])),
 )
 
 
 def run_request(
     name: str,
-    where: tuple[int | None, tuple[str, ...]] | None,
+    where: Where | None,
     memory_bytes: int | None,
     threads_percent: int | None,
     held: bool,
@@ -67,6 +78,7 @@ def run_request(
         job=name,
         gpu_count=where[0] if where else None,
         devices=where[1] if where else (),
+        mig_profile=where[2] if where else None,
         memory_bytes=memory_bytes,
         threads_percent=threads_percent,
         holder_pid=os.getpid() if held else None,
@@ -104,6 +116,7 @@ class Bookkeeping(RuleBasedStateMachine):
         self.queue_on = True
         self.seen: list[str] = []  # every reservation id made, in order
         self.s = self._build()
+        self._serve()
 
     def teardown(self) -> None:
         if hasattr(self, "s"):
@@ -121,7 +134,7 @@ class Bookkeeping(RuleBasedStateMachine):
     def _snapshot(self) -> Snapshot:
         gpus = []
         for i in range(GPUS):
-            g = gpu_sample(i, memory_gib=MEMORY_GIB)
+            g = gpu_sample(i, memory_gib=MEMORY_GIB, migs=MIGS if i == MIG_GPU else ())
             if i in self.unread:
                 g = GpuSample(placeholder_identity(i), False, self.sick[i], None)
             elif i in self.sick:
@@ -154,6 +167,11 @@ class Bookkeeping(RuleBasedStateMachine):
         )
         return Services(store, mps, jobs, admission)
 
+    def _serve(self) -> None:
+        """What gpud does before its API serves: a sample, and the jobs tick on it (the
+        unhealthy GPUs known before the first request)."""
+        self.s.jobs.tick(self._snapshot())
+
     def _state(self) -> tuple[object, ...]:
         s = self.s
         return (
@@ -168,7 +186,7 @@ class Bookkeeping(RuleBasedStateMachine):
     def add_job(
         self,
         name: str,
-        where: tuple[int | None, tuple[str, ...]],
+        where: Where,
         memory_bytes: int | None,
         threads_percent: int | None,
     ) -> None:
@@ -176,6 +194,7 @@ class Bookkeeping(RuleBasedStateMachine):
             name,
             gpu_count=where[0],
             devices=where[1],
+            mig_profile=where[2],
             memory_bytes=memory_bytes,
             threads_percent=threads_percent,
         )
@@ -300,6 +319,7 @@ class Bookkeeping(RuleBasedStateMachine):
         self.queue_on = queue_on
         self.s = self._build()
         assert self._state() == before
+        self._serve()
 
     # -- invariants --------------------------------------------------------------------------
     @invariant()
@@ -312,7 +332,7 @@ class Bookkeeping(RuleBasedStateMachine):
                 memory_by[uuid] = memory_by.get(uuid, 0) + (r.memory_bytes or 0)
                 threads_by[uuid] = threads_by.get(uuid, 0) + (r.threads_percent or 0)
         for uuid, n in memory_by.items():
-            assert n <= MEMORY_GIB * GIB, f"{uuid}: {n / GIB:g} GiB reserved of {MEMORY_GIB}"
+            assert n <= CAPACITY[uuid], f"{uuid}: {n / GIB:g} GiB reserved"
         for uuid, n in threads_by.items():
             assert n <= 100, f"{uuid}: {n}% of its threads reserved"
 
