@@ -567,15 +567,15 @@ class AdmissionService:
 
     def gate(self, spec: JobSpec) -> tuple[str, ...] | None:
         """Where a job asking to start now may go: as if it joined the queue's tail. A job
-        that can never start here is refused as such (not as taken for now), queue or not."""
+        that can never start here is refused as such (not as taken for now), queue or not.
+        With the queue off (``admission.enabled = false``) nothing is ahead of it, and its
+        memory and thread share are checked all the same."""
         fit = self.fit()
         if fit is None:
             return None
         self._refuse_never(spec, fit)
         request = request_of(spec)
-        if not self.config.enabled:
-            return None
-        queued = self.entries()
+        queued = self.entries() if self.config.enabled else []
         candidate = Queued("\0new", request, 1 << 62, self._clock())
         result = admission_pass(
             [_queued(e) for e in queued] + [candidate],

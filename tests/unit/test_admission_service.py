@@ -126,6 +126,27 @@ def test_thread_shares_are_admitted_up_to_100_percent(node: Node) -> None:
         node.jobs.reserve(RunRequest(job="t", devices=share.devices, threads_percent=50))
 
 
+def test_thread_shares_are_admitted_up_to_100_percent_with_the_queue_off(tmp_path: Path) -> None:
+    """``admission.enabled = false`` turns the queue off, not the thread-share check."""
+    n = make_node(tmp_path, Clock())
+    n.admission.config = AdmissionConfig(enabled=False)
+    try:
+        share = RunRequest(
+            job="s", devices=("GPU-00000000-1111-2222-3333-444455556666",), threads_percent=60
+        )
+        n.jobs.reserve(share)
+        with pytest.raises(
+            ResourceExhausted, match="thread shares on them would add up to over 100%"
+        ):
+            n.jobs.reserve(RunRequest(job="t", devices=share.devices, threads_percent=50))
+        assert [r.job for r in n.jobs.reservations.held()] == ["s"]
+        # elsewhere it starts, and what sets no limits shares as before
+        assert n.jobs.reserve(RunRequest(job="t", gpu_count=1, threads_percent=50))
+        assert n.jobs.reserve(RunRequest(job="u", devices=share.devices))
+    finally:
+        n.store.close()
+
+
 def test_a_waiter_that_dies_leaves_the_queue(node: Node) -> None:
     node.jobs.reserve(whole("a", 2))
     gone = subprocess.Popen(["true"])
