@@ -73,7 +73,7 @@ def open_traffic(
         log.warning("traffic marking by cgroup unavailable: %s", marking_error)
 
     def registered() -> list[str]:
-        return [j.name for j in jobs.registry.all()]
+        return jobs.registry.names()
 
     def active() -> set[str]:
         return {r.job for r in jobs.reservations.held()}

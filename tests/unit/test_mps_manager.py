@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import threading
 import time
@@ -27,12 +29,14 @@ from gpud.errors import (
     NotFound,
     ResourceExhausted,
 )
+from gpud.events import EventLog
 from gpud.mps.api import device_message
 from gpud.mps.daemon import ControlDaemon
 from gpud.mps.manager import MpsLimits, MpsManager, MpsTarget, targets_from_snapshot
 from gpud.mps.metrics import MpsMetrics
 from gpud.mps.procs import alive
 from gpud.shared import GIB, MIB
+from gpud.store import StateStore
 from gpud.telemetry.snapshot import GpuSample
 from tests.unit.mps_support import (
     FAKE_CONTROL,
@@ -384,6 +388,43 @@ def test_mps_off_runs_nothing_but_keeps_limits(root: Path) -> None:
         assert all(s.pid is None and not s.running for s in mgr.status())
         assert mgr.pipe_dir(gpu_uuid(0)) is None
         assert mgr.limits(gpu_uuid(0)).threads_percent == 10
+    finally:
+        mgr.stop()
+        store.close()
+
+
+class CountingStore(StateStore):
+    """The state database, counting its transactions."""
+
+    def __init__(self, state_dir: Path) -> None:
+        super().__init__(state_dir)
+        self.transactions = 0
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        self.transactions += 1
+        with super().transaction() as conn:
+            yield conn
+
+
+def test_mps_off_a_pass_reads_the_limits_once_not_once_per_device(root: Path) -> None:
+    """With MPS off a pass needs no device's limits, and its status reads them all at once:
+    one read of the state database whatever the number of devices (a MIG node of 8 GPUs has
+    64, reconciled every tick), not two per device."""
+    store = CountingStore(root / "state")
+    mgr = MpsManager(store, EventLog(None), root / "run", FAKE_CONTROL, timeout_s=5.0,
+                     health_interval_s=60.0, enabled=False)  # fmt: skip
+    small = snapshot(gpu_sample(0))
+    big = snapshot(*(gpu_sample(i, migs=(("1g.10gb", 10),) * 7) for i in range(4)))
+    try:
+        counts = []
+        for node in (small, big):
+            mgr.reconcile(node)  # new devices: their daemons start, MIG limits restored
+            store.transactions = 0
+            mgr.reconcile(node)
+            counts.append(store.transactions)
+        assert counts == [1, 1]
+        assert all(s.pid is None and not s.running for s in mgr.status())
     finally:
         mgr.stop()
         store.close()
