@@ -359,7 +359,10 @@ def test_a100_layout_applied_with_a_reset_and_a_gpu_lost_across_restarts(tmp_pat
         listed = gpus(again)
         assert listed[0]["healthy"] is True and listed[1]["healthy"] is False
         show = again.gpuctl("mig", "show", check=False)
-        assert show.returncode == 11 and "GPU 1: faulty: GPU lost" in show.stdout
+        assert show.returncode == 11
+        # lost before this start: named as an earlier run last saw it
+        assert "GPU 1 A100-SXM4-40GB (last seen) GPU-" in show.stdout
+        assert ": faulty: GPU lost" in show.stdout
         assert "GPU 0 A100-SXM4-40GB" in show.stdout
         checked = again.gpuctl("mig", "assert", *mig, check=False)
         assert checked.returncode == 11 and "the GPUs that answer match" in checked.stdout
