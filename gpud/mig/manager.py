@@ -820,6 +820,7 @@ class MigManager:
         Instances with running processes are not destroyed, unless an interrupted apply was
         started with ``force``; such a GPU is reported ``busy`` and retried next time.
         """
+        began = self._monotonic()
         with self._lock:
             inflight = self._store.inflight()
             desired = self._store.desired()
@@ -896,6 +897,9 @@ class MigManager:
                     config=inflight.config_name,
                     result="resumed",
                 )
+                # counted as an apply of its own (the one cut off was never counted); its
+                # duration is this start's part of it
+                self.stats.record("resumed", self._monotonic() - began)
             self._outcomes = outcomes
             now = self._monotonic()
             if self._view is None or now - self._view_at >= self.VIEW_REFRESH_S:

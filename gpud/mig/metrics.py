@@ -10,7 +10,7 @@
                                                               reconcile found it as desired
     gpud_mig_apply_total{result}                              success, noop, reset_pending,
                                                               partial, invalid, busy, failed,
-                                                              not_started
+                                                              not_started, resumed
     gpud_mig_apply_duration_seconds                           histogram
 
 A faulty GPU (lost, not answering: ``gpud_gpu_healthy`` 0 says why) has no

@@ -23,6 +23,7 @@ RESULTS = (
     "busy",
     "failed",
     "not_started",
+    "resumed",  # an apply interrupted by a crash, finished by the next start
 )
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 

@@ -515,6 +515,11 @@ def test_crash_at_every_step_converges(tmp_path: Path, config: MigConfigFile, st
             assert got == expected
             assert again.mig._store.inflight() is None
             assert any(e.kind == "mig.resume" for e in again.events.recent())
+            # gpud_mig_apply_total counts the finished apply once, as resumed
+            totals = again.mig.stats.snapshot()[0]
+            assert totals["resumed"] == 1 and sum(totals.values()) == 1
+            again.mig.reconcile()  # nothing in flight now: no second count
+            assert again.mig.stats.snapshot()[0]["resumed"] == 1
         finally:
             host.close()
 
