@@ -122,3 +122,7 @@ class TagAllocator:
 
     def owner(self, dscp: int) -> str | None:
         return self._by_tag.get(dscp)
+
+    def get(self, job_id: str) -> int | None:
+        """The job's tag, None when it holds none (nothing is allocated)."""
+        return self._by_job.get(job_id)

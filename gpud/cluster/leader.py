@@ -8,7 +8,9 @@ job in the cluster, and answers each node with the levels, tags and attributes o
 Tags are cluster-wide: one DSCP codepoint per job on every node, from one
 :class:`~netshaper.tags.TagAllocator` seeded from the :class:`TagStore` (etcd), so a new
 leader hands out the same tags. A job no node has reported for ``release_after_s`` gives
-its tag back. DSCP has 64 codepoints: once the pool is used up, further jobs get no
+its tag back, and sooner where a node marks another job with it (the node handed the tag
+of a job idle there to a job about to run): the tags nodes mark running jobs with are
+followed, not ordered back. DSCP has 64 codepoints: once the pool is used up, further jobs get no
 cluster tag (:attr:`Aggregator.untagged`) and keep the tag their nodes gave them; their
 levels are still global. Everything else is rebuilt from the nodes' next reports after a failover.
 
@@ -223,12 +225,13 @@ class Aggregator:
 
         allocator = self._tags()
         before = allocator.allocations()
-        free = len(allocator.pool) - len(before)
+        dropped = _follow_nodes(allocator, folds)
+        free = len(allocator.pool) - len(allocator.allocations())
         untagged: list[str] = []
         seen_at = self._job_seen
         for job, f in folds.items():
             seen_at[job] = now
-            if job in before:
+            if allocator.get(job) is not None:
                 continue
             if free <= 0:
                 untagged.append(job)  # no codepoint left: it keeps its node-local tag
@@ -249,9 +252,9 @@ class Aggregator:
             allocator.release(job)
         after = allocator.allocations()
         allocated = {j: d for j, d in after.items() if before.get(j) != d}
-        if allocated or released:
+        if allocated or released or dropped:
             try:
-                self._tag_store.save(allocated, released)
+                self._tag_store.save(allocated, released + [j for j in dropped if j not in after])
             except Exception:
                 self._allocator = None  # re-read what the store holds next round
                 raise
@@ -326,6 +329,38 @@ class Aggregator:
         entry = self._reports.get(node)
         jobs = [jr.job for jr in entry[1].jobs] if entry is not None else []
         return order.for_jobs(jobs)
+
+
+def _follow_nodes(allocator: TagAllocator, folds: dict[str, _Fold]) -> list[str]:
+    """Give each job the tag a node marks it with where this leader holds that tag for no
+    job a node marks with it now; returns the jobs that lost their tag to it.
+
+    A node hands the tag of a job idle there to a job about to run (``traffic.dscp_pool``
+    used up) and tags the idle job anew when it runs again, while this leader still holds
+    the old tags until ``release_after_s``. Ordering the old ones back would move the DSCP
+    of jobs that run, under them, and of the jobs that run with their tags in turn. A tag
+    that a node marks its holder here with stays with it: two nodes gave one DSCP to two
+    jobs, and the leader's choice keeps the tags unique across the cluster.
+    """
+    dropped: list[str] = []
+    for job, f in folds.items():
+        dscp = f[_DSCP]
+        if dscp is None or dscp not in allocator.pool:
+            continue
+        holder = allocator.owner(dscp)
+        if holder == job:
+            continue
+        if holder is None:
+            if allocator.get(job) is None:
+                continue  # a job new here: the round claims the tag for it
+        elif holder in folds and folds[holder][_DSCP] == dscp:
+            continue
+        else:
+            allocator.release(holder)
+            dropped.append(holder)
+        allocator.release(job)
+        allocator.claim(job, dscp)
+    return dropped
 
 
 def seed_levels(reports: Iterable[NodeReport], levels: int) -> dict[str, int]:

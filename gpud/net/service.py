@@ -662,11 +662,7 @@ class TrafficService:
             held = self.tags.allocations()
             idle = self._idle_since([j for j in held if j != job])
             if not idle:
-                raise DscpPoolExhausted(
-                    f"{err}, each by a job that runs, is pinned or reported progress in"
-                    f" the last {self.config.idle_after_s:g} s: widen traffic.dscp_pool"
-                    " or remove jobs (gpuctl jobs rm)"
-                ) from err
+                raise DscpPoolExhausted(f"{err}{self._why_none_idle()}") from err
             holder = min(idle, key=lambda j: (idle[j], j))  # idle longest
             dscp = held[holder]
             self.tags.release(holder)
@@ -679,6 +675,23 @@ class TrafficService:
                 dscp=dscp,
             )
             return self.tags.tag(job)
+
+    def _why_none_idle(self) -> str:
+        """Why no held tag can be handed over, for DscpPoolExhausted."""
+        wait = self.config.idle_after_s
+        up = self._monotonic() - self._started_at
+        if up <= wait:
+            # nothing counts as idle yet: gpud does not know what ran before it started
+            return (
+                f"; gpud started {up:.0f} s ago, and a job counts as idle only"
+                f" traffic.idle_after_s ({wait:g} s) after that: tags of jobs idle since then"
+                f" are handed over in {max(1.0, wait - up):.0f} s (or widen"
+                " traffic.dscp_pool, or remove jobs: gpuctl jobs rm)"
+            )
+        return (
+            f", each by a job that runs, is pinned or reported progress in"
+            f" the last {wait:g} s: widen traffic.dscp_pool or remove jobs (gpuctl jobs rm)"
+        )
 
     def _pins(self) -> dict[str, int]:
         """The operators' pins as enforced: one beyond a lowered ``traffic.levels`` holds

@@ -170,6 +170,44 @@ def test_a_tag_nodes_already_use_is_kept_when_free() -> None:
     assert tags["a"] == 21 and tags["b"] != 21
 
 
+def test_tags_a_node_handed_over_from_idle_jobs_are_not_ordered_back() -> None:
+    """A node with its DSCP pool used up hands the tag of a job idle there to a job about
+    to run, and tags the idle job anew once it runs again. The leader, which still holds
+    the old tags for ``release_after_s``, follows: ordering them back would move the DSCP
+    of jobs that run."""
+    store = MemoryTagStore()
+    agg = make(store)
+    agg.receive(NodeReport("n1", (JobReport("a", 0.5, dscp=10), JobReport("b", 0.5, dscp=11))), 0)
+    assert agg.compute(1, 0).tags == {"a": 10, "b": 11}
+    # a went idle: its tag 10 went to c; then a ran again and took b's tag 11 (b idle too)
+    agg.receive(NodeReport("n1", (JobReport("a", 0.5, dscp=11), JobReport("c", 0.5, dscp=10))), 2)
+    order = agg.compute(1, 2)
+    assert order.tags == {"a": 11, "c": 10}
+    assert store.tags == {"a": 11, "c": 10}
+    # b runs again with a tag of its own: the leader's round keeps it
+    agg.receive(
+        NodeReport(
+            "n1",
+            (
+                JobReport("a", 0.5, dscp=11),
+                JobReport("b", 0.5, dscp=12),
+                JobReport("c", 0.5, dscp=10),
+            ),
+        ),
+        4,
+    )
+    assert agg.compute(1, 4).tags == {"a": 11, "b": 12, "c": 10}
+
+
+def test_a_tag_two_nodes_give_two_jobs_stays_with_the_leaders_holder() -> None:
+    agg = make()
+    agg.receive(NodeReport("n1", (JobReport("a", 0.5, dscp=10),)), 0)
+    agg.compute(1, 0)
+    agg.receive(NodeReport("n2", (JobReport("b", 0.5, dscp=10),)), 1)
+    tags = agg.compute(1, 1).tags
+    assert tags["a"] == 10 and tags["b"] != 10
+
+
 def test_more_jobs_than_codepoints_still_get_levels() -> None:
     agg = make()
     agg.receive(NodeReport("n1", tuple(JobReport(f"j{i:03}", 0.5) for i in range(100))), 0)

@@ -1145,3 +1145,22 @@ def test_progress_reports_after_a_wall_clock_step_back_are_taken(
     (a,) = [j for j in s.view().jobs if j.job == "a"]
     assert s.rejected_reports == 0 and a.iterations == 40
     assert a.iteration_s == pytest.approx(0.5) and a.rate == pytest.approx(1.0)
+
+
+def test_a_full_pool_right_after_start_says_when_idle_tags_are_handed_over(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """For traffic.idle_after_s after gpud starts no job counts as idle: the refusal says
+    so, and when that ends, rather than call every holder a job in use."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-11")
+    s = rig.service
+    s.tick()  # a and b hold the two tags; neither runs
+    rig.clock.t += 20
+    with pytest.raises(ResourceExhausted) as refused:
+        s.tag("c")
+    message = str(refused.value)
+    assert "each by a job that runs" not in message
+    assert "gpud started 20 s ago" in message
+    assert "handed over in 40 s" in message
+    rig.clock.t += 41
+    assert s.tag("c") in (10, 11)
