@@ -50,6 +50,7 @@ from gpud.jobs.api import JobsServicer
 from gpud.jobs.attribution import memory_by_job
 from gpud.jobs.metrics import JobMetrics
 from gpud.jobs.service import JobService
+from gpud.loopstats import LoopMetrics, LoopStats
 from gpud.metrics import Collector, build_registry, start_metrics_server, stop_metrics_server
 from gpud.mig.api import MigServicer
 from gpud.mig.manager import MigManager
@@ -292,6 +293,7 @@ class Daemon:
             state_file=state_dir / "colo.json",
         )
         self._colo_last = float("-inf")
+        self.loop_stats = LoopStats()
         # `gpuctl jobs rm` of a job whose `gpuctl run` waits for co-location stops the wait
         self.jobs.add_removal_hook(self.colo.job_removed)
         self.jobs.set_waiting(self.colo.waiting_kind)
@@ -301,6 +303,7 @@ class Daemon:
             JobMetrics(self.jobs),
             AdmissionMetrics(self.admission),
             ColoMetrics(self.colo),
+            LoopMetrics(self.loop_stats),
         ):
             self.collector.add_source(source)
         # Opened before the gRPC server: a netlink socket may fork.
@@ -734,8 +737,12 @@ class Daemon:
             reload.cancel()
 
     async def run_steps(self) -> None:
-        """Run every step once; a failing step is logged (rate-limited) and skipped."""
+        """Run every step once; a failing step is logged (rate-limited) and skipped. The
+        pass's time goes to ``gpud_loop_duration_seconds`` (see :mod:`gpud.loopstats`)."""
+        started = self._clock()
+        took: list[tuple[str, float]] = []
         for step in self.steps:
+            step_started = self._clock()
             try:
                 await step.run()
             except Exception as err:
@@ -750,6 +757,8 @@ class Daemon:
                         err,
                         exc_info=not isinstance(err, GpudError),
                     )
+            took.append((step.name, self._clock() - step_started))
+        self.loop_stats.record(self._clock() - started, self.loop_interval_s(), took)
 
     def _offer_mig_config(self, path: Path | None) -> None:
         """The mig-parted file whose configs the admission queue offers as remedies (none

@@ -37,7 +37,9 @@ What Prometheus sees (``curl -s localhost:9400/metrics | grep ^gpud_``):
   ``gpud_mig_device_memory_{total,used,free}_bytes``, ``gpud_mig_device_processes``;
 - the node: ``gpud_sample_age_seconds``, ``gpud_sample_duration_seconds``, ``gpud_gpus``,
   ``gpud_driver_info{version}``, ``gpud_events_total{kind}``, ``gpud_build_info{version}``,
-  ``gpud_metric_source_errors_total{source}``;
+  ``gpud_metric_source_errors_total{source}``, and from :mod:`gpud.loopstats`
+  ``gpud_loop_duration_seconds`` (a histogram of the daemon loop's passes) and
+  ``gpud_loop_overruns_total`` (passes longer than the tick);
 - the daemon's own process: ``process_*`` and ``python_*`` (prometheus_client's collectors).
 
 Typical wiring (the daemon's composition root)::

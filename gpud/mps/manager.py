@@ -13,7 +13,9 @@ memory limit, enabled), written by ``gpuctl mps set``. Each :meth:`MpsManager.re
   Devices are reconciled at once, each on a thread of its own: a hung daemon (its GPU hung,
   say) costs the pass one query timeout however many hang, and no other device's check waits
   behind it. The first failed check says so (``mps.hung`` when the daemon does not answer,
-  ``mps.check_failed`` otherwise, naming the GPU), and ``mps.recovered`` when it answers again;
+  ``mps.check_failed`` otherwise, naming the GPU), and ``mps.recovered`` when it answers again.
+  With MPS off, a pass checks a device until it is found running no daemon (one an earlier
+  run with MPS on left there is stopped first), and leaves it alone from then on;
 - a device that disappeared (a MIG instance destroyed) or was disabled loses its daemon
   (``quit``).
 
@@ -282,6 +284,11 @@ class MpsManager:
         self._mig_gpus: dict[int, str] = {}
         self._seen: set[str] = set()  # device UUIDs of the last observe
         self._devices: dict[str, _Device] = {}
+        # With MPS off: devices found running no daemon. None is ever started for them while
+        # it is off (mps.enabled needs a restart), so a pass leaves them alone: no thread,
+        # no PID file read. A device new to the pass (a MIG device re-created) is checked
+        # once, and a daemon an earlier run left there is stopped then.
+        self._idle: set[str] = set()
         self._last_status: tuple[MpsDeviceStatus, ...] = ()
         self._all_read = False  # the last snapshot read every GPU
         self._swept = False  # directories of devices gone before this start removed
@@ -498,7 +505,7 @@ class MpsManager:
 
     def _status(self, target: MpsTarget, desired: MpsLimits) -> MpsDeviceStatus:
         dev = self._device(target.uuid)
-        pid = dev.daemon.pid()
+        pid = None if target.uuid in self._idle else dev.daemon.pid()
         return MpsDeviceStatus(
             target=target,
             desired=desired,
@@ -616,7 +623,8 @@ class MpsManager:
             with self._lock:
                 # "": the status's entry of GPUs never read, which run no daemon
                 gone = [u for u in self._devices if u and u not in self._targets]
-                known = list(self._targets.values())
+                self._idle.intersection_update(self._targets)
+                known = [t for t in self._targets.values() if t.uuid not in self._idle]
             calls: list[tuple[str, Callable[[], object]]] = [
                 (t.uuid, functools.partial(self._reconcile_device, t)) for t in known
             ]
@@ -708,6 +716,9 @@ class MpsManager:
         if not desired.enabled:
             if dev.daemon.pid() is not None:
                 self._stop_device(target.uuid, reason="disabled")
+            elif not self.enabled:
+                with self._lock:
+                    self._idle.add(target.uuid)
             return
         now = self._clock()
         if dev.daemon.pid() is None:

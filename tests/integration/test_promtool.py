@@ -17,6 +17,7 @@ import pytest
 from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, parse_simulate_spec
 from gpud.events import EventLog
+from gpud.loopstats import LoopMetrics, LoopStats
 from gpud.metrics import Collector, build_registry, start_metrics_server, stop_metrics_server
 from gpud.telemetry.sampler import Sampler
 
@@ -70,7 +71,11 @@ def scrape() -> Iterator[str]:
             assert time.monotonic() < deadline, "XID 79 of the lost GPU never came"
             time.sleep(0.02)
         sampler.tick()
-        registry = build_registry(Collector(sampler.latest, events=events))
+        loop = LoopStats()
+        for seconds in (0.004, 0.02, 1.3):  # the last one past a 1 s tick
+            loop.record(seconds, 1.0, [("mps", seconds)])
+        collector = Collector(sampler.latest, events=events, sources=[LoopMetrics(loop)])
+        registry = build_registry(collector)
         server, thread = start_metrics_server(registry, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.server_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as resp:
@@ -125,6 +130,9 @@ def test_scrape_has_every_family(scrape: str) -> None:
         "gpud_mig_device_memory_used_bytes",
         "gpud_mig_device_processes",
         "gpud_events_total",
+        "gpud_loop_duration_seconds_bucket",
+        "gpud_loop_duration_seconds_count",
+        "gpud_loop_overruns_total",
         "process_resident_memory_bytes",
         "python_info",
     ):

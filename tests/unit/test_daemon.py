@@ -6,6 +6,7 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from gpud.config import Config
 from gpud.daemon import Daemon, Step
 from gpud.errors import Unavailable
 from gpud.main import mps_control_command, open_backend
+from gpud.metrics import build_registry
 from gpud.notify import Notifier
 
 
@@ -35,7 +37,11 @@ def root(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def build(config: Config, reload_to: list[Config] | None = None) -> Daemon:
+def build(
+    config: Config,
+    reload_to: list[Config] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Daemon:
     backend, sim = open_backend(config)
     pending = reload_to if reload_to is not None else []
     return Daemon(
@@ -45,6 +51,7 @@ def build(config: Config, reload_to: list[Config] | None = None) -> Daemon:
         mps_control_command=mps_control_command(config),
         notifier=Notifier(None),
         reload_config=lambda: pending.pop(0),
+        clock=clock,
     )
 
 
@@ -104,6 +111,55 @@ def test_reload_takes_a_new_admission_mig_config(root: Path) -> None:
         assert "all-balanced" in d.admission._mig_layouts()
         d.reload()  # and unset again: no remedies offered
         assert d.admission._mig_layouts() == {}
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
+def test_each_loop_pass_is_timed_and_one_past_the_tick_names_its_slowest_step(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    now = [1000.0]
+    d = build(make_config(root, **{"daemon.tick_s": 1.0}), clock=lambda: now[0])
+    slow = [0.2]
+
+    def taking(seconds: list[float], fail: bool = False) -> Callable[[], Awaitable[None]]:
+        async def run() -> None:
+            now[0] += seconds[0]
+            if fail:
+                raise RuntimeError("broken")
+
+        return run
+
+    d.steps = [
+        Step("quick", taking([0.002])),
+        Step("slow", taking(slow)),
+        Step("failing", taking([0.1], fail=True)),
+    ]
+    registry = build_registry(d.collector, process=False)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    try:
+        caplog.set_level("DEBUG", logger="gpud.loopstats")
+        asyncio.run(d.run_steps())  # 0.302 s: within the tick
+        assert value("gpud_loop_overruns_total") == 0
+        assert not [r for r in caplog.records if "loop pass" in r.getMessage()]
+        slow[0] = 1.5
+        asyncio.run(d.run_steps())  # 1.602 s: past it
+        assert value("gpud_loop_duration_seconds_count") == 2
+        assert value("gpud_loop_duration_seconds_bucket", le="0.5") == 1
+        assert value("gpud_loop_duration_seconds_bucket", le="1.0") == 1
+        assert value("gpud_loop_duration_seconds_bucket", le="2.5") == 2
+        assert value("gpud_loop_duration_seconds_sum") == pytest.approx(1.904)
+        assert value("gpud_loop_overruns_total") == 1
+        (line,) = [r.getMessage() for r in caplog.records if "loop pass" in r.getMessage()]
+        assert line == (
+            "loop pass took 1.602 s, over the 1 s tick; slowest step slow; steps: slow 1.500 s,"
+            " failing 0.100 s, quick 0.002 s"
+        )
     finally:
         d.sampler.close()
         d.store.close()

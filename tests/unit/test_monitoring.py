@@ -46,6 +46,7 @@ def test_alert_rules_use_exported_metrics_and_say_what_to_do() -> None:
     names = {r["alert"] for r in rules}
     assert names == {
         "GpudDown",
+        "GpudLoopOverrunning",
         "GpuLost",
         "GpuUnhealthy",
         "GpuCriticalXid",

@@ -9,6 +9,7 @@ import shutil
 import signal
 import sqlite3
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ from gpud.mps.daemon import ControlDaemon
 from gpud.mps.manager import MpsLimits, MpsManager, MpsTarget, targets_from_snapshot
 from gpud.mps.metrics import MpsMetrics
 from gpud.mps.procs import alive
+from gpud.mps.protocol import PID_FILE
 from gpud.shared import GIB, MIB
 from gpud.store import StateStore
 from gpud.telemetry.snapshot import GpuSample
@@ -388,6 +390,75 @@ def test_mps_off_runs_nothing_but_keeps_limits(root: Path) -> None:
         assert all(s.pid is None and not s.running for s in mgr.status())
         assert mgr.pipe_dir(gpu_uuid(0)) is None
         assert mgr.limits(gpu_uuid(0)).threads_percent == 10
+    finally:
+        mgr.stop()
+        store.close()
+
+
+_PID_OPENS: list[list[str]] = []  # the counts being made: each PID file opened, by any thread
+
+
+def _count_pid_opens(event: str, args: tuple[object, ...]) -> None:
+    if event == "open" and _PID_OPENS and str(args[0]).endswith(PID_FILE):
+        for opens in _PID_OPENS:
+            opens.append(str(args[0]))
+
+
+sys.addaudithook(_count_pid_opens)
+
+
+@contextlib.contextmanager
+def counting_passes() -> Iterator[tuple[list[str], list[str]]]:
+    """(threads started named gpud-mps-*, PID files opened) while inside."""
+    threads: list[str] = []
+    opens: list[str] = []
+
+    def first_call(frame: object, event: str, arg: object) -> None:
+        sys.setprofile(None)  # the thread's first call is all it takes
+        name = threading.current_thread().name
+        if name.startswith("gpud-mps-"):
+            threads.append(name)
+
+    _PID_OPENS.append(opens)
+    threading.setprofile(first_call)
+    try:
+        yield threads, opens
+    finally:
+        threading.setprofile(None)
+        _PID_OPENS.remove(opens)
+
+
+def test_mps_off_a_pass_leaves_devices_without_a_daemon_alone(root: Path) -> None:
+    """With MPS off, a device found without a control daemon costs a pass nothing: no thread,
+    no PID file read (a node of 8 GPUs with 7 MIG devices each would start 56 threads and
+    read 112 PID files a second). A daemon an earlier run with MPS on left behind is stopped
+    once, and a device new to the node is checked once."""
+    earlier, store, _ = make_manager(root)
+    earlier.reconcile(snapshot(gpu_sample(0)))
+    (left,) = [s.pid for s in earlier.status()]
+    assert left is not None
+    store.close()  # gpud restarted with MPS off, the daemon left running
+
+    node = [gpu_sample(0), gpu_sample(1, migs=(("1g.10gb", 10),) * 3)]
+    mgr, store, events = make_manager(root, enabled=False)
+    try:
+        passes = []
+        for gpus in (node, node, node, node, [node[0], gpu_sample(1, migs=(("1g.10gb", 10),) * 4)]):
+            with counting_passes() as (threads, opens):
+                mgr.reconcile(snapshot(*gpus))
+            passes.append((len(threads), len(opens)))
+        # 4 devices: the one with the daemon is stopped, then found stopped at the next pass;
+        # then nothing, until a fourth MIG device shows up on GPU 1
+        assert [t for t, _ in passes] == [4, 1, 0, 0, 1]
+        assert passes[2] == passes[3] == (0, 0)
+        wait_dead(left)
+        assert [
+            (e.fields["uuid"], e.fields["pid"]) for e in events.recent(kind_prefix="mps.stop")
+        ] == [(gpu_uuid(0), left)]
+        assert all(s.pid is None and not s.running for s in mgr.status())
+        with counting_passes() as (threads, opens):
+            mgr.reconcile(snapshot(node[0], gpu_sample(1, migs=(("1g.10gb", 10),) * 4)))
+        assert (threads, opens) == ([], [])
     finally:
         mgr.stop()
         store.close()
