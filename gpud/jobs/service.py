@@ -102,11 +102,14 @@ class JobService:
         proc_root: Path = Path("/proc"),
         cgroup_pattern: str | None = None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: Unix time, what is stored. ``monotonic``: what a grace this process
+        gives is measured by (the wall clock steps)."""
         self.store = store  # the API's short reads use its reading connection
         self._clock = clock
         # released runs whose processes left get SIGKILL, kept across restarts
-        self._stops = RunStops(store, longest_wait_s=STOP_GRACE_S)
+        self._stops = RunStops(store, longest_wait_s=STOP_GRACE_S, monotonic=monotonic)
         self.registry = JobRegistry(store, clock=clock)
         self.reservations = Reservations(store, proc_root=proc_root, clock=clock)
         self._events = events
@@ -242,7 +245,9 @@ class JobService:
                 released = self.reservations.release_job(name)
                 for r in released:
                     self._released(r, RunEnd(EndCause.REMOVED))
-                    self._stops.schedule(RunStop(r.id, name, StopReason.REMOVED, kill_at))
+                    self._stops.schedule(
+                        RunStop(r.id, name, StopReason.REMOVED, kill_at), wait_s=STOP_GRACE_S
+                    )
         self._events.emit("job.remove", f"job {name} removed", job=name)
         for r in released:
             # its runs must not go on using what nothing reserves now: SIGTERM to their

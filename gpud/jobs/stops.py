@@ -5,10 +5,16 @@ A row is written in the transaction that releases the reservation, so the kill i
 outlives a gpud that crashes or restarts in between: a run whose ``gpuctl run`` died is due
 at once, a run of a job removed with ``--force`` a grace period after its SIGTERM. The tick
 kills what is due and drops the row.
+
+The stored time is the wall clock's, which steps (NTP, a resumed VM). A stop scheduled by
+this process is therefore due by the monotonic clock, its deadline kept in memory; the
+stored time only serves a stop an earlier gpud scheduled.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -34,20 +40,32 @@ class RunStop:
     run: str  # the reservation id, GPUD_RUN of its processes
     job: str
     reason: StopReason
-    kill_at: float  # the clock of the service (wall time)
+    kill_at: float  # the clock of the service (wall time), for a gpud started after this one
 
 
 class RunStops:
     """Pending SIGKILLs of released runs, kept in the state store."""
 
-    def __init__(self, store: StateStore, *, longest_wait_s: float) -> None:
+    def __init__(
+        self,
+        store: StateStore,
+        *,
+        longest_wait_s: float,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._store = store
         # a kill further away than this was scheduled before the clock went back
         self._longest_wait_s = longest_wait_s
+        self._monotonic = monotonic
+        # run -> when its kill is due (monotonic), of the stops this process scheduled
+        self._deadlines: dict[str, float] = {}
         store.ensure_schema(SCHEMA)
 
-    def schedule(self, stop: RunStop) -> None:
-        """Record ``stop`` (in the caller's transaction, if one is open)."""
+    def schedule(self, stop: RunStop, *, wait_s: float = 0.0) -> None:
+        """Record ``stop`` (in the caller's transaction, if one is open), due ``wait_s``
+        from now by this process's monotonic clock and at ``stop.kill_at`` after a
+        restart."""
+        self._deadlines[stop.run] = self._monotonic() + wait_s
         with self._store.transaction() as conn:
             conn.execute(
                 "INSERT OR REPLACE INTO job_run_stops (run, job, reason, kill_at)"
@@ -56,16 +74,25 @@ class RunStops:
             )
 
     def due(self, now: float) -> list[RunStop]:
-        """Stops whose time has come, oldest first."""
+        """Stops whose time has come, oldest first. ``now``: the wall clock, for the stops
+        an earlier gpud scheduled (one further away than the longest wait was scheduled
+        before the clock went back: due at once)."""
+        mono = self._monotonic()
         with self._store.transaction() as conn:
             rows = conn.execute(
-                "SELECT run, job, reason, kill_at FROM job_run_stops"
-                " WHERE kill_at <= ? OR kill_at > ? ORDER BY kill_at",
-                (now, now + self._longest_wait_s),
+                "SELECT run, job, reason, kill_at FROM job_run_stops ORDER BY kill_at"
             ).fetchall()
-        return [RunStop(r["run"], r["job"], _reason(r["reason"]), r["kill_at"]) for r in rows]
+        stops = [RunStop(r["run"], r["job"], _reason(r["reason"]), r["kill_at"]) for r in rows]
+        return [s for s in stops if self._is_due(s, now, mono)]
+
+    def _is_due(self, stop: RunStop, now: float, mono: float) -> bool:
+        deadline = self._deadlines.get(stop.run)
+        if deadline is not None:
+            return mono >= deadline
+        return stop.kill_at <= now or stop.kill_at > now + self._longest_wait_s
 
     def done(self, run: str) -> None:
+        self._deadlines.pop(run, None)
         with self._store.transaction() as conn:
             conn.execute("DELETE FROM job_run_stops WHERE run = ?", (run,))
 

@@ -358,6 +358,51 @@ def test_a_force_removed_jobs_runs_are_told_to_stop_then_killed(
             p.wait()
 
 
+def test_a_wall_clock_step_forward_does_not_cut_a_force_removed_runs_grace(
+    tmp_path: Path, store: StateStore
+) -> None:
+    """The grace after SIGTERM is measured by the monotonic clock within one gpud: the
+    wall clock stepping an hour ahead right after the removal does not make SIGKILL early."""
+    now, mono = [1000.0], [50.0]
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", FAKE_CONTROL, enabled=False)
+    mps.observe(DEVICES)
+    service = JobService(
+        store, events, mps, socket_path=Path("/s"), clock=lambda: now[0], monotonic=lambda: mono[0]
+    )
+    holder = subprocess.Popen(["sleep", "300"])
+    service.add(JobSpec("a"))
+    held = service.reservations.add(
+        "a", [gpu_uuid(1)], threads_percent=None, memory_bytes=None, client_priority=1,
+        holder_pid=holder.pid,
+    )  # fmt: skip
+    ready = tmp_path / "ready"
+    stubborn = subprocess.Popen(
+        ["sh", "-c", f"trap '' TERM; touch {ready}; while :; do sleep 0.1; done"],
+        env={**os.environ, "GPUD_RUN": held.id},
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not ready.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        service.remove("a", force=True)
+        now[0] += 3600  # NTP step, a resumed VM
+        service.tick(None)
+        mono[0] += STOP_GRACE_S - 0.5
+        service.tick(None)
+        time.sleep(0.3)
+        assert stubborn.poll() is None
+        assert not [e for e in events.recent() if e.kind == "job.kill"]
+        mono[0] += 0.5
+        service.tick(None)
+        assert stubborn.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        for p in (holder, stubborn):
+            p.kill()
+            p.wait()
+
+
 def test_a_kill_due_before_a_restart_or_scheduled_before_the_clock_went_back_is_done(
     tmp_path: Path, store: StateStore
 ) -> None:
