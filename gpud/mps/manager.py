@@ -633,15 +633,16 @@ class MpsManager:
                 for u in gone
             ]
             _all_at_once(calls, self._parallel)
-            if self.enabled and not self._swept and self._all_read:
+            # with MPS off too: an earlier run with it on may have left daemons there
+            if not self._swept and self._all_read:
                 self._sweep()
             self.status()
 
     def _sweep(self) -> None:
-        """Once, at the first pass that read every GPU: stop the daemons of devices gone
-        while gpud was not running (a MIG instance destroyed meanwhile) and remove their
-        directories. Before every GPU has answered, a directory may be the device of a GPU
-        not read yet, whose daemon is adopted once it answers."""
+        """Once, at the first pass that read every GPU, MPS on or off: stop the daemons of
+        devices gone while gpud was not running (a MIG instance destroyed meanwhile, a GPU
+        gone) and remove their directories. Before every GPU has answered, a directory may be
+        the device of a GPU not read yet, whose daemon is adopted once it answers."""
         mps_dir = self._run_dir / "mps"
         with self._lock:
             known = set(self._targets) | set(self._devices)

@@ -865,6 +865,39 @@ def test_directories_of_devices_gone_while_gpud_was_down_are_removed(root: Path)
         store.close()
 
 
+def test_mps_off_stops_the_daemons_of_devices_gone_while_gpud_was_down(root: Path) -> None:
+    """A run with MPS on left daemons; the next runs with MPS off, after a MIG device went
+    meanwhile: that device's daemon is stopped too, not only those of devices still there."""
+    first, store, _ = make_manager(root)
+    try:
+        first.reconcile(MIG_NODE)
+        pids = {s.target.uuid: s.pid for s in first.status()}
+        orphan = pids[mig_uuid(0, 2)]
+        assert orphan is not None
+    finally:
+        store.close()  # gpud killed: the daemons run on
+    second, store, events = make_manager(root, enabled=False)
+    try:
+        second.reconcile(
+            snapshot(gpu_sample(0, migs=(("3g.40gb", 40), ("2g.20gb", 20))), gpu_sample(1))
+        )
+        wait_dead(orphan)
+        for uuid in (mig_uuid(0, 0), mig_uuid(0, 1), gpu_uuid(1)):
+            pid = pids[uuid]
+            assert pid is not None
+            wait_dead(pid)
+        assert not (root / "run" / "mps" / mig_uuid(0, 2)).exists()
+        (stop,) = [
+            e
+            for e in events.recent()
+            if e.kind == "mps.stop" and e.fields["uuid"] == mig_uuid(0, 2)
+        ]
+        assert "gone while gpud was not running" in stop.message
+    finally:
+        second.stop()
+        store.close()
+
+
 def _statvfs(free_bytes: int, free_files: int = 1000) -> os.statvfs_result:
     # f_bsize, f_frsize, f_blocks, f_bfree, f_bavail, f_files, f_ffree, f_favail, f_flag,
     # f_namemax
