@@ -44,8 +44,13 @@ class CriticalXid:
     xid: int
     count: int  # times raised since the GPU was last reset or the code cleared
     first_seen: float  # Unix time; 0.0 when unknown (kept by a gpud that did not record it)
-    last_seen: float
+    last_seen: float  # never before first_seen, whatever the wall clock did in between
     uuid: str = ""  # the GPU's UUID when it was raised; "" when it could not be read then
+
+    def __post_init__(self) -> None:
+        # a wall clock stepped back between two raises (or in a state file read back)
+        if self.last_seen < self.first_seen:
+            object.__setattr__(self, "last_seen", self.first_seen)
 
 
 class ClearedXids(NamedTuple):

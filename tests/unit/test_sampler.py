@@ -33,7 +33,7 @@ from gpud.backend.port import (
 from gpud.errors import BackendError, GpuLost, NotSupported
 from gpud.events import EventLog
 from gpud.store import StateStore
-from gpud.telemetry.sampler import Sampler, parse_xid_state, xid_state_document
+from gpud.telemetry.sampler import XID_STATE_VERSION, Sampler, parse_xid_state, xid_state_document
 from gpud.telemetry.seen import Seen, SeenGpus, describe, parse
 from gpud.telemetry.snapshot import ClearedXids, CriticalXid, SeenIdentity
 
@@ -758,6 +758,38 @@ def test_critical_xid_marks_the_gpu_unhealthy_until_cleared_or_reset(
     finally:
         s.close()
     assert all(g.healthy for g in new_sampler().tick().gpus)
+
+
+def test_a_critical_xids_last_seen_never_comes_before_its_first_seen(
+    backend: FakeBackend, clock: FakeClock, events: EventLog, tmp_path: Path
+) -> None:
+    """The wall clock stepped back between two raises of one code: its last_seen stays at
+    its first_seen, in the snapshot (what `gpuctl xid` shows) and in a state file read back."""
+    wall = FakeClock(1_700_000_000.0)
+    s = Sampler(
+        backend,  # type: ignore[arg-type]
+        clock=clock,
+        wall_clock=wall,
+        events=events,
+        event_wait_s=0.05,
+        xid_state=tmp_path / "xid-faults.json",
+    )
+    try:
+        s.tick()
+        s.start()
+        backend.events.append(GpuEvent(gpu=1, kind=EventKind.XID, xid=79))
+        _wait_for(lambda: len(events.recent(kind_prefix="gpu.xid")) == 1)
+        wall.now -= 3600  # the wall clock steps back
+        backend.events.append(GpuEvent(gpu=1, kind=EventKind.XID, xid=79))
+        _wait_for(lambda: len(events.recent(kind_prefix="gpu.xid")) == 2)
+        (xid,) = s.tick().gpus[1].critical_xids
+        assert (xid.count, xid.first_seen, xid.last_seen) == (2, 1_700_000_000.0, 1_700_000_000.0)
+    finally:
+        s.close()
+    raw = {"version": XID_STATE_VERSION, "gpus": {"1": [
+        {"xid": 79, "count": 2, "first_seen": 1_700_000_000.0, "last_seen": 1_699_990_000.0}
+    ]}}  # fmt: skip
+    assert parse_xid_state(raw)[1][79].last_seen == 1_700_000_000.0
 
 
 def test_each_critical_xid_code_is_kept_and_cleared_on_its_own(
