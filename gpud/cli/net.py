@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 
 from gpud.cli.context import (
     EXIT_USAGE,
@@ -51,6 +52,9 @@ JOB_HEADERS = (
 )
 LEVEL_HEADERS = ("LEVEL", "MIN SHARE", "JOBS", "SENT", "PKTS", "DROPS")
 IFACE_HEADERS = ("INTERFACE", "RATE", "ENFORCED", "REPAIRS", "ERROR")
+# a level's jobs in the table: this many by name, the rest counted (each job's row gives its
+# level, and --json lists them all), so that a crowded level does not widen every row
+LEVEL_JOBS_SHOWN = 8
 
 # ``--level``: gpud checks it against ``traffic.levels``; here, what a level is
 _level = described(UINT32, "a level: 0 (the highest priority) up to traffic.levels - 1")
@@ -110,6 +114,12 @@ def _rate(bps: float) -> str:
     return f"{bps:g} bit/s" if bps else NA
 
 
+def _level_jobs(jobs: Sequence[str]) -> str:
+    more = len(jobs) - LEVEL_JOBS_SHOWN
+    named = ",".join(jobs[:LEVEL_JOBS_SHOWN]) or NA
+    return f"{named},... (+{more} more)" if more > 0 else named
+
+
 def run_show(ctx: Context, args: argparse.Namespace) -> int:
     resp: pb.ShowNetResponse = ctx.call(ctx.stub(pb_grpc.NetStub).ShowNet, pb.ShowNetRequest())
     if ctx.out.json:
@@ -159,7 +169,7 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
             (
                 str(lv.level),
                 f"{lv.min_share:.0%}",
-                ",".join(lv.jobs) or NA,
+                _level_jobs(lv.jobs),
                 _bytes(lv.counters.bytes),
                 str(lv.counters.packets),
                 str(lv.counters.drops),

@@ -262,7 +262,7 @@ class TrafficService:
         self._untagged: dict[str, str] = {}  # job -> why it has no tag (the pool ran out)
         self._cgroup_busy: set[str] = set()  # removed jobs whose cgroup still holds processes
         self._started_at = monotonic()
-        self._tagged_at: dict[str, float] = {}  # job -> when it last asked for a tag (monotonic)
+        self._tagged_at: dict[str, float] = {}  # job -> when it was last given its tag (monotonic)
         self.accepted_reports = 0
         self.rejected_reports = 0
         if config.enabled:
@@ -641,13 +641,18 @@ class TrafficService:
         Tags are held by registered jobs, so a node that has seen many jobs can run out of
         ``traffic.dscp_pool``. Then the tag of the job idle longest is handed over: a job
         holding no reservation, not pinned, with no process in its cgroup, and neither a
-        progress report nor a call here for ``traffic.idle_after_s`` (nor since gpud
-        started). It gets a new tag when it runs again. Raises DscpPoolExhausted when every
-        tag is held by a job in use.
+        progress report nor a call here that gave it its tag for ``traffic.idle_after_s``
+        (nor since gpud started). It gets a new tag when it runs again. Raises
+        DscpPoolExhausted when every tag is held by a job in use (a refused call counts as
+        nothing: the job does not start).
         """
         with self._lock:
-            self._tagged_at[job] = self._monotonic()  # about to run: its tag is not handed over
-            return self._tag(job)
+            dscp = self._tag(job)
+            # about to run: its tag is not handed over. A job refused is not marked: nothing
+            # of it starts, so it neither holds back the tags of jobs that stop nor takes
+            # one (a tick hands it a free tag only, as any idle job)
+            self._tagged_at[job] = self._monotonic()
+            return dscp
 
     def _tag(self, job: str) -> int:
         """:meth:`tag` without marking ``job`` as about to run; call it holding the lock."""
@@ -701,8 +706,8 @@ class TrafficService:
 
     def _idle_since(self, jobs: Sequence[str]) -> dict[str, float]:
         """Those of ``jobs`` not in use, and since when (the monotonic clock): no
-        reservation, no pin, no process in their cgroup, no progress report or tag request
-        for ``traffic.idle_after_s`` (nor since gpud started)."""
+        reservation, no pin, no process in their cgroup, no progress report or tag handed
+        out for ``traffic.idle_after_s`` (nor since gpud started)."""
         now = self._monotonic()
         active = self._active()
         pins = self.tags.pins()

@@ -575,6 +575,21 @@ def test_a_job_left_without_a_tag_is_shown_and_counted(
     assert registry.get_sample_value("gpud_net_untagged_jobs") == 1
 
 
+def test_a_level_of_many_jobs_names_a_few_and_counts_the_rest(
+    capsys: pytest.CaptureFixture[str], node: Node
+) -> None:
+    node.jobs = [f"job-{i:03d}" for i in range(40)]
+    for job in node.jobs:
+        node.service.pin(job, 1)
+    node.service.tick()
+    out, json_out = _show(capsys, node)
+    (row,) = [line for line in out.splitlines() if line.startswith("1 ")]
+    assert "job-000,job-001," in row and "job-008" not in row and "(+32 more)" in row
+    assert max(len(line) for line in out.splitlines()) < 120  # no row widened by the list
+    (level,) = [lv for lv in json.loads(json_out)["levels"] if lv["level"] == 1]
+    assert level["jobs"] == node.jobs
+
+
 def test_a_level_that_is_no_level_is_a_usage_error_saying_what_a_level_is(
     capsys: pytest.CaptureFixture[str], sock: Path
 ) -> None:

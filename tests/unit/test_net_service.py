@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from gpud.config import TrafficConfig
 from gpud.errors import (
+    DscpPoolExhausted,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -761,6 +762,41 @@ def test_a_tag_is_not_taken_from_a_job_in_use(tmp_path: Path, sysfs: Path) -> No
     # "new" is about to run (its reservation comes next): a runs again, and waits for a tag
     with pytest.raises(ResourceExhausted):
         s.tag("a")
+
+
+def test_a_refused_tag_request_holds_no_tag_back_from_jobs_that_run(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-13")  # four tags, twelve jobs
+    s = rig.service
+    rig.jobs = [f"j{i:02d}" for i in range(12)]
+    wait = rig.config.idle_after_s
+    rig.clock.t += wait + 1
+    s.tick()  # idle jobs take the free tags (j00..j03)
+    # j04..j07 start (their tags are handed over), and run on past idle_after_s
+    for job in rig.jobs[4:8]:
+        s.tag(job)
+    rig.active = set(rig.jobs[4:8])
+    rig.clock.t += wait + 10
+    s.tick()
+    # a bulk of runs that find every tag in use: refused, nothing of them starts
+    for job in rig.jobs[8:]:
+        with pytest.raises(DscpPoolExhausted):
+            s.tag(job)
+    s.tick()
+    # j04 and j05 end; then j00 and j01 start: the tags of the jobs that ended go to them
+    rig.clock.t += 5
+    rig.active = {"j06", "j07"}
+    s.tick()
+    for job in ("j00", "j01"):
+        s.tag(job)  # gpuctl run: the tag first, then the reservation
+        rig.active.add(job)
+    for _ in range(3):
+        rig.clock.t += 1
+        s.tick()
+    held = s.tags.allocations()
+    assert set(held) == rig.active
+    assert not set(held) & set(rig.jobs[8:])  # refused, never started: no tag
 
 
 class _HungMarker(FakeMarker):
