@@ -55,6 +55,8 @@ IFACE_HEADERS = ("INTERFACE", "RATE", "ENFORCED", "REPAIRS", "ERROR")
 # a level's jobs in the table: this many by name, the rest counted (each job's row gives its
 # level, and --json lists them all), so that a crowded level does not widen every row
 LEVEL_JOBS_SHOWN = 8
+# a job in use without a DSCP tag (traffic.dscp_pool is in use): its row's flag
+NO_TAG = "no tag"
 
 # ``--level``: gpud checks it against ``traffic.levels``; here, what a level is
 _level = described(UINT32, "a level: 0 (the highest priority) up to traffic.levels - 1")
@@ -120,6 +122,11 @@ def _level_jobs(jobs: Sequence[str]) -> str:
     return f"{named},... (+{more} more)" if more > 0 else named
 
 
+def _pool_refusal(job: pb.NetJob) -> str:
+    """Why ``job`` has no tag, without its name: the pool's refusal, the same for each job."""
+    return job.error.removeprefix("no DSCP tag: ").removeprefix(f"job {job.job!r}: ")
+
+
 def run_show(ctx: Context, args: argparse.Namespace) -> int:
     resp: pb.ShowNetResponse = ctx.call(ctx.stub(pb_grpc.NetStub).ShowNet, pb.ShowNetRequest())
     if ctx.out.json:
@@ -132,7 +139,8 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
     untagged = [j for j in resp.jobs if j.error]
     clamped = [j for j in resp.jobs if j.HasField("pinned_level_clamped_from")]
     for j in resp.jobs:
-        if j.error:
+        if j.error:  # in use without a tag: why, once under the table
+            rows.append((j.job, "-", f"default ({NO_TAG})", *(NA,) * 7))
             continue
         level = str(j.level) if j.HasField("level") else "default"
         if j.HasField("pinned_level_clamped_from"):
@@ -154,8 +162,16 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
             )
         )
     ctx.out.print_table(JOB_HEADERS, rows)
-    for j in untagged:
-        ctx.out.print(f"{j.job}: {j.error} (its traffic is in the default class)")
+    if untagged:
+        ctx.out.print(
+            f"{NO_TAG}: {len(untagged)} job(s) in use hold no DSCP tag (their traffic is in"
+            f" the default class until a tag frees): {_pool_refusal(untagged[0])}"
+        )
+    if resp.idle_untagged_jobs:
+        ctx.out.print(
+            f"{resp.idle_untagged_jobs} idle job(s) hold no tag (gpuctl jobs ls lists them):"
+            " not shown, each takes one when it runs"
+        )
     for j in clamped:
         ctx.out.print(
             f"{j.job}: pinned to level {j.pinned_level_clamped_from}, beyond traffic.levels ="

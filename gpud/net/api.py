@@ -86,6 +86,7 @@ def show_message(view: NetView, now: float) -> pb.ShowNetResponse:
         marking_error=view.marking_error,
         rdma_backend=view.rdma_backend,
         rdma_error=view.rdma_error,
+        idle_untagged_jobs=view.idle_untagged,
     )
 
 

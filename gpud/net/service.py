@@ -162,7 +162,9 @@ class NetView:
     rdma_backend: str
     rdma_error: str
     untagged: Mapping[str, str] = field(default_factory=dict)
-    """Registered jobs without a tag (``traffic.dscp_pool`` ran out), and why."""
+    """Registered jobs in use without a tag (``traffic.dscp_pool`` ran out), and why."""
+    idle_untagged: int = 0
+    """Registered jobs without a tag that are not in use (they take one when they run)."""
 
 
 JobSource = Callable[[], Sequence[str]]
@@ -505,6 +507,8 @@ class TrafficService:
                 rdma_backend=self.config.rdma_backend,
                 rdma_error=self._rdma_error,
                 untagged=dict(self._untagged),
+                # as of the last tick's registry
+                idle_untagged=len(self._known_jobs - {j.job for j in jobs} - self._untagged.keys()),
             )
 
     def _job_views(self, now: float) -> tuple[JobTraffic, ...]:

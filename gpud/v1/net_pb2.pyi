@@ -369,6 +369,7 @@ class ShowNetResponse(_message.Message):
     MARKING_ERROR_FIELD_NUMBER: _builtins.int
     RDMA_BACKEND_FIELD_NUMBER: _builtins.int
     RDMA_ERROR_FIELD_NUMBER: _builtins.int
+    IDLE_UNTAGGED_JOBS_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     """traffic.enabled in the daemon's config"""
     level_changes_total: _builtins.int
@@ -381,6 +382,10 @@ class ShowNetResponse(_message.Message):
     rdma_backend: _builtins.str
     """"none", "dcb" or "dry-run" """
     rdma_error: _builtins.str
+    idle_untagged_jobs: _builtins.int
+    """registered jobs holding no tag and not in use (not in jobs: each takes a tag when it
+    runs); the jobs in use without one are in jobs, with their error
+    """
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___NetJob]: ...
     @_builtins.property
@@ -400,10 +405,11 @@ class ShowNetResponse(_message.Message):
         marking_error: _builtins.str = ...,
         rdma_backend: _builtins.str = ...,
         rdma_error: _builtins.str = ...,
+        idle_untagged_jobs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "epoch", b"epoch", "interfaces", b"interfaces", "jobs", b"jobs", "level_changes_total", b"level_changes_total", "levels", b"levels", "marking_error", b"marking_error", "order_source", b"order_source", "rdma_backend", b"rdma_backend", "rdma_error", b"rdma_error"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "epoch", b"epoch", "idle_untagged_jobs", b"idle_untagged_jobs", "interfaces", b"interfaces", "jobs", b"jobs", "level_changes_total", b"level_changes_total", "levels", b"levels", "marking_error", b"marking_error", "order_source", b"order_source", "rdma_backend", b"rdma_backend", "rdma_error", b"rdma_error"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

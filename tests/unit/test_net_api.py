@@ -9,7 +9,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ class Node:
         enabled: bool = True,
         levels: int = 4,
         marking: bool = True,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.jobs = ["train-a", "train-b"]
         self.config = TrafficConfig(
@@ -60,6 +61,7 @@ class Node:
             jobs=lambda: list(self.jobs),
             tc=self.tc,
             marker=FakeMarker(),
+            monotonic=monotonic,
         )
 
 
@@ -563,8 +565,10 @@ def test_a_job_left_without_a_tag_is_shown_and_counted(
         node.service.report(Report(job, 1, time.time(), session="s"))
     node.service.tick()
     out, json_out = _show(capsys, node)
-    assert "train-b: no DSCP tag: job 'train-b': all 1 DSCP tags" in out
-    assert "(its traffic is in the default class)" in out
+    (row,) = [line for line in out.splitlines() if line.startswith("train-b ")]
+    assert row.split()[1] == "-" and " default (no tag) " in row
+    assert "no tag: 1 job(s) in use hold no DSCP tag" in out
+    assert "the default class until a tag frees): all 1 DSCP tags of traffic.dscp_pool" in out
     jobs = {j["job"]: j for j in json.loads(json_out)["jobs"]}
     assert jobs["train-a"]["dscp"] == 10 and jobs["train-a"]["error"] == ""
     assert jobs["train-b"]["dscp"] == 0 and "widen traffic.dscp_pool" in jobs["train-b"]["error"]
@@ -573,6 +577,37 @@ def test_a_job_left_without_a_tag_is_shown_and_counted(
     registry = CollectorRegistry()
     registry.register(collector)
     assert registry.get_sample_value("gpud_net_untagged_jobs") == 1
+
+
+def test_untagged_jobs_are_flagged_in_the_table_the_refusal_said_once_idle_ones_counted(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    clock = [0.0]
+    node = Node(tmp_path / "state", dscp_pool="10-12", monotonic=lambda: clock[0])
+    running = [f"run-{i}" for i in range(5)]
+    node.jobs = [*running, *(f"idle-{i:02d}" for i in range(7))]
+    clock[0] = node.config.idle_after_s + 1  # past the start: jobs not heard from are idle
+    for job in running:
+        node.service.report(Report(job, 1, time.time(), session="s"))
+    node.service.tick()
+    out, json_out = _show(capsys, node)
+    lines = out.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith(("run-", "idle-"))}
+    assert sorted(rows) == running  # the idle ones hold no tag: not rows
+    assert sorted(rows[j][1] for j in running[:3]) == ["10", "11", "12"]
+    for job in ("run-3", "run-4"):
+        assert rows[job][1:5] == ["-", "default", "(no", "tag)"]
+    assert sum("DSCP tags of traffic.dscp_pool" in line for line in lines) == 1
+    assert "run-3" not in out.replace("run-3 ", "", 1)  # named in its row only
+    assert "no tag: 2 job(s) in use hold no DSCP tag" in out
+    assert "all 3 DSCP tags of traffic.dscp_pool are in use, each by a job that runs" in out
+    assert "7 idle job(s) hold no tag (gpuctl jobs ls lists them): not shown, each takes one" in out
+    assert max(len(line) for line in lines if line.startswith("run-")) < 120
+    shown = json.loads(json_out)
+    assert shown["idle_untagged_jobs"] == 7
+    jobs = {j["job"]: j for j in shown["jobs"]}
+    assert sorted(jobs) == running
+    assert jobs["run-3"]["dscp"] == 0 and "job 'run-3': all 3 DSCP tags" in jobs["run-3"]["error"]
 
 
 def test_a_level_of_many_jobs_names_a_few_and_counts_the_rest(
