@@ -404,7 +404,7 @@ def _count_pid_opens(event: str, args: tuple[object, ...]) -> None:
             opens.append(str(args[0]))
 
 
-sys.addaudithook(_count_pid_opens)
+_HOOKED: list[bool] = []  # an audit hook cannot be removed: added once, by the first count
 
 
 @contextlib.contextmanager
@@ -419,6 +419,9 @@ def counting_passes() -> Iterator[tuple[list[str], list[str]]]:
         if name.startswith("gpud-mps-"):
             threads.append(name)
 
+    if not _HOOKED:
+        sys.addaudithook(_count_pid_opens)
+        _HOOKED.append(True)
     _PID_OPENS.append(opens)
     threading.setprofile(first_call)
     try:
