@@ -12,7 +12,8 @@
     ├── AlreadyExists              (exit 5)
     ├── FailedPrecondition         refused in the current state, e.g. busy instance (exit 6)
     │   ├── Busy                   processes still run on what would be destroyed
-    │   └── NotLeader              a cluster node that does not lead; carries the leader it knows
+    │   ├── NotLeader              a cluster node that does not lead; carries the leader it knows
+    │   └── ColocationOff          co-location is switched off ([colocate] enabled = false)
     ├── ResourceExhausted          over-subscription: carries the numbers (exit 7)
     ├── Unavailable                the daemon or a peer cannot be reached (exit 3)
     │   └── StoreFull              etcd refuses writes: out of space (alarm NOSPACE)
@@ -114,6 +115,11 @@ class NotLeader(FailedPrecondition):
         super().__init__(message)
         self.leader = leader
         self.address = address
+
+
+class ColocationOff(FailedPrecondition):
+    """The co-location loop is off (``[colocate] enabled = false``): it gives no advice, and
+    ``gpuctl run`` places its job as the jobs service does."""
 
 
 class ResourceExhausted(GpudError):

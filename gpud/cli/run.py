@@ -78,7 +78,14 @@ from gpud.cli.jobs import (
     warn_if_mps_down,
     warn_no_effect,
 )
-from gpud.errors import ERROR_TABLE, DscpPoolExhausted, LeftQueue, NotFound, ResourceExhausted
+from gpud.errors import (
+    ERROR_TABLE,
+    ColocationOff,
+    DscpPoolExhausted,
+    LeftQueue,
+    NotFound,
+    ResourceExhausted,
+)
 from gpud.shared import shell_exports
 from gpud.v1 import colo_pb2, colo_pb2_grpc, net_pb2, net_pb2_grpc, queue_pb2, queue_pb2_grpc
 from gpud.v1 import jobs_pb2 as pb
@@ -208,7 +215,8 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest, s
     except CliError as err:
         if err.exit_code == EXIT_USAGE:
             raise  # a bad job name or size: the jobs service would refuse it the same way
-        print(f"gpuctl: no co-location advice ({err}); default placement", file=sys.stderr)
+        if err.error != ColocationOff.__name__:  # switched off: nothing worth a line
+            print(f"gpuctl: no co-location advice ({err}); default placement", file=sys.stderr)
         return True
     if stop.is_set():  # a signal while it asked: nothing waits in gpud yet
         _stopped(args.job, stop)

@@ -50,7 +50,7 @@ from gpud.client.colo import MAX_LATENCY_S
 from gpud.colo.host import HostUsage
 from gpud.colo.links import NvlinkRates, pcie_capacity, pcie_ratio
 from gpud.config import ColocateConfig
-from gpud.errors import FailedPrecondition, InvalidArgument, LeftQueue, NotFound
+from gpud.errors import ColocationOff, FailedPrecondition, InvalidArgument, LeftQueue, NotFound
 from gpud.events import EventLog
 from gpud.files import keep_aside, write_atomically
 from gpud.shared import MAX_PEAK_LOAD, check_slo_ms
@@ -1472,6 +1472,24 @@ class ColoService:
         )
         return WaiterView(w.job, now - w.since, w.reason, w.id)
 
+    def _off_for(self, waiter: str) -> None:
+        """Refuse advice while the loop is off: ``gpuctl run`` then places its job as the
+        jobs service does. A run that waited for advice (``waiter``) leaves the wait."""
+        with self._lock:
+            w = self._waiting.pop(waiter, None) if waiter else None
+        if w is not None:
+            self._events.emit(
+                "colo.leave",
+                f"job {w.job} left the wait for co-location ({w.id}): co-location is off,"
+                " the jobs service places it",
+                job=w.job,
+                entry=w.id,
+            )
+        raise ColocationOff(
+            "co-location is off ([colocate] enabled = false): jobs go where the jobs"
+            " service places them"
+        )
+
     def _forget_gone(self, now: float) -> list[_Waiter]:
         """Drop the waiters that stopped asking (their gpuctl run was stopped or killed),
         as the queue drops an entry whose holder process is gone; for :meth:`_say_gone`
@@ -1536,6 +1554,8 @@ class ColoService:
                 f"{peak_load} requests/s is outside [0, {MAX_PEAK_LOAD:g}] (job {job})",
                 field="peak_load",
             )
+        if not self.config.enabled:
+            self._off_for(waiter)
         running = tuple(self._running())
         with self._lock:
             if snapshot is None:

@@ -966,14 +966,14 @@ def test_gpuctl_jobs_history_shows_how_each_run_ended(capsys: pytest.CaptureFixt
     assert ended["running"] == (None, None, "")
 
 
-def memory_held_loop() -> tuple[ColoService, ColoServicer]:
+def memory_held_loop(events: EventLog | None = None) -> tuple[ColoService, ColoServicer]:
     """A co-location loop, and its API, where both GPUs' memory is held: a newcomer waits."""
     full = snapshot(gpu_sample(0), gpu_sample(1))
     held = [
         RunningJob("a", "training", 0, memory_bytes=75 * GIB, device=gpu_uuid(0)),
         RunningJob("b", "training", 1, memory_bytes=75 * GIB, device=gpu_uuid(1)),
     ]
-    loop = ColoService(ColocateConfig(), EventLog(None), running=lambda: held)
+    loop = ColoService(ColocateConfig(), events or EventLog(None), running=lambda: held)
     loop.tick(full)
     return loop, ColoServicer(loop, snapshots=lambda: full)
 
@@ -1029,6 +1029,33 @@ def test_jobs_rm_stops_a_run_waiting_for_co_location(
         assert loop.waiting() == []
         assert n.ctl("jobs", "rm", "w") == 4  # gone for good
     assert not marker.exists()
+
+
+def test_with_co_location_off_gpuctl_run_takes_the_jobs_service_placement(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`[colocate] enabled = false`: the loop gives no advice (ColocationOff), so a run is
+    placed by the jobs service, without a line about it, where the loop would have said
+    wait; a run that waited when the loop was switched off leaves the wait (an event says
+    so) and starts where the jobs service places it."""
+    events = EventLog(None)
+    loop, servicer = memory_held_loop(events)
+    with serving(servicer.register) as n:
+        marker = tmp_path / "waited"
+        with waiting_run(n, loop, "w", marker) as codes:
+            loop.configure(ColocateConfig(enabled=False))  # a reload, while it waits
+        assert codes == [0] and marker.exists()
+        err = capsys.readouterr().err
+        assert "co-location is off ([colocate] enabled = false)" in err
+        assert loop.waiting() == []
+        left = [e.message for e in events.recent(kind_prefix="colo.leave")]
+        assert any("co-location is off, the jobs service places it" in m for m in left), left
+        out = tmp_path / "child.json"
+        assert n.ctl("run", "--job", "t", "--", sys.executable, "-c", CHILD, str(out), "0") == 0
+        err = capsys.readouterr().err
+        assert "co-location" not in err and "default placement" not in err, err
+        assert n.ctl("colo", "advise", "x") == 6
+        assert "co-location is off" in capsys.readouterr().err
 
 
 def test_gpuctl_queue_lists_a_run_waiting_for_co_location_and_leave_stops_it(
