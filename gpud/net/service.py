@@ -570,6 +570,11 @@ class TrafficService:
             self.tags.release(job)
             self._forget(job)
             self._events.emit("net.release", f"job {job} removed: DSCP tag released", job=job)
+        # a job removed while it held no tag (the pool was spent) has none to release, but
+        # may have reported progress: what was learnt of it goes as well, or it would stay
+        # for good and a job added again under its name would inherit its iteration count
+        for job in sorted(self._learnt() - present):
+            self._forget(job)
         # a job may have been tagged since (gpuctl run, the admission queue, the cluster)
         for job in [j for j in self._untagged if j not in present or self.tags.get(j) is not None]:
             del self._untagged[job]
@@ -627,8 +632,20 @@ class TrafficService:
             processes=len(pids),
         )
 
+    def _learnt(self) -> set[str]:
+        """The jobs :meth:`_forget` has something of."""
+        return {
+            *self._tagged_at,
+            *self._tracker.jobs(),
+            *self._reports,
+            *self._levels,
+            *self._demand_base,
+            *self._homes,
+            *(job for _, job in self._counters),
+        }
+
     def _forget(self, job: str) -> None:
-        """Drop what the service learnt of ``job``'s traffic (its tag is gone)."""
+        """Drop what the service learnt of ``job``'s traffic (its tag or the job is gone)."""
         self._tagged_at.pop(job, None)
         self._tracker.forget(job)
         self._reports.pop(job, None)

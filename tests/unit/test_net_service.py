@@ -745,6 +745,21 @@ def test_a_full_tag_pool_goes_to_jobs_in_use_and_the_rest_stays_enforced(
     assert set(s.tags.allocations()) == {"b", "c"}
 
 
+def test_a_job_removed_without_a_tag_leaves_no_progress_behind(tmp_path: Path, sysfs: Path) -> None:
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-11")  # two tags, three jobs
+    s = rig.service
+    rig.active = {"a", "b", "c"}
+    s.tick()
+    assert "c" in s.view().untagged
+    feed(rig, "c", 0.5, 100)  # it runs untagged, and reports progress
+    rig.active, rig.jobs = {"a", "b"}, ["a", "b"]  # gpuctl jobs rm c
+    s.tick()
+    rig.jobs.append("c")  # gpuctl jobs add c: a new job under the name, from its start
+    s.tick()
+    # its first report counts: the old job's 100 iterations went with it
+    s.report(Report("c", 1, rig.clock.t, session="s"))
+
+
 def test_a_tag_is_not_taken_from_a_job_in_use(tmp_path: Path, sysfs: Path) -> None:
     rig = Rig(tmp_path, sysfs, dscp_pool="10-11")
     s = rig.service
