@@ -424,9 +424,10 @@ class JobService:
         return Launch(job, reservation, self.env_for(reservation), created or registered)
 
     def forget_new(self, name: str) -> None:
-        """Unregister ``name``, which a run or a queue entry registered just now and was
-        then refused: a refused request leaves no job behind, whose placement and limits
-        every later run of that name would inherit. Kept if a run holds it meanwhile."""
+        """Unregister ``name``, which a run registered just now to get it a DSCP tag (with
+        traffic on, before its reservation) and was then refused: a refused request leaves
+        no job behind, whose placement and limits every later run of that name would
+        inherit. Kept if a run holds it meanwhile."""
         with self._lock:
             if self.reservations.held(name):
                 return
