@@ -175,13 +175,18 @@ def test_gi_ids_follow_placement() -> None:
         nv.nvmlDeviceCreateGpuInstance(h, 19)
 
 
-def test_state_survives_restart_and_reboot_clears(tmp_path: Path) -> None:
+def _one_mig_device(tmp_path: Path) -> tuple[SimNode, str]:
+    """A GPU in MIG mode with one 2-slice instance at placement 2 (GI 4, CI 0); its UUID."""
     node = _mig_node(tmp_path)
     nv = node.nvml
     h = nv.nvmlDeviceGetHandleByIndex(0)
     gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 14, _place(nv, 2, 2))
     nv.nvmlGpuInstanceCreateComputeInstance(gi, nv.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE)
-    uuid = nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetMigDeviceHandleByIndex(h, 0))
+    return node, nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetMigDeviceHandleByIndex(h, 0))
+
+
+def test_state_survives_restart_and_reboot_clears(tmp_path: Path) -> None:
+    _, uuid = _one_mig_device(tmp_path)
 
     again = SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json")
     nv2 = again.nvml
@@ -394,12 +399,7 @@ def test_declared_processes_outlive_gpud_and_modelled_ones_do_not(tmp_path: Path
     --pid 4242` said "no simulated process 4242"), on its MIG device too. A workload
     model's is not kept (the models start it again from the job's host process), nor one
     stopped; a reboot ends them all."""
-    node = _mig_node(tmp_path)
-    nv = node.nvml
-    h = nv.nvmlDeviceGetHandleByIndex(0)
-    gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 14, _place(nv, 2, 2))
-    nv.nvmlGpuInstanceCreateComputeInstance(gi, nv.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE)
-    mig = nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetMigDeviceHandleByIndex(h, 0))
+    node, mig = _one_mig_device(tmp_path)
     node.workloads.start(0, 4242, 3 << 30, 0.6, mig=0)
     assert node.workloads.start_modelled(0, 4300, 1 << 30, 0.5, mig=mig)
     node.workloads.start(0, 4243, 1 << 30, 0.2, mig=0)
