@@ -322,20 +322,16 @@ class AdmissionService:
     def enqueue(self, request: RunRequest, *, keep_unfeasible: bool = False) -> EntryView:
         if not self.config.enabled:
             raise FailedPrecondition("the admission queue is off (admission.enabled = false)")
-        request = self._jobs.resolved(request)
-        job, created = self._jobs.job_for(request)
-        try:
-            entry_id = self._enqueue(job, request, keep_unfeasible=keep_unfeasible)
-        except GpudError:
-            if created:
-                self._jobs.forget_new(job.name)
-            raise
+        entry_id = self._enqueue(self._jobs.resolved(request), keep_unfeasible=keep_unfeasible)
         self.tick()
         return self.view(entry_id)
 
-    def _enqueue(self, job: JobSpec, request: RunRequest, *, keep_unfeasible: bool) -> str:
+    def _enqueue(self, request: RunRequest, *, keep_unfeasible: bool) -> str:
         """:meth:`enqueue` up to the entry kept; its id."""
         with self._jobs.locked():
+            # A new job is registered in its entry's transaction: a crash or a refusal
+            # before then leaves no job behind.
+            job, new = self._jobs.job_for(request, preview=True)
             fit = self.fit()
             if fit is None:
                 raise Unavailable("no GPU seen yet: the daemon is starting, retry shortly")
@@ -365,6 +361,8 @@ class AdmissionService:
             views = self._views(fit, [*queued, _draft(entry_id, job.name, stored, now)])
             quote = self._quote(views, request_of(spec), queued, waited_s=0.0)
             with self._store.transaction() as conn:
+                if new:
+                    job = self._jobs.registry.add(job)
                 conn.execute(
                     "INSERT INTO admission_queue (id, job, request, holder_pid, holder_start,"
                     " enqueued_at, quote_s, state, changed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -380,6 +378,8 @@ class AdmissionService:
                         now,
                     ),
                 )
+        if new:
+            self._jobs.say_added(job)
         self._events.emit(
             "admission.queue",
             f"job {job.name} queued ({request_of(spec).label()})",

@@ -216,8 +216,12 @@ class JobService:
         if spec.devices:
             spec = replace(spec, devices=self.device_uuids(spec.devices))
         job = self.registry.add(spec)
-        self._events.emit("job.add", f"job {job.name} ({job.kind}) registered", job=job.name)
+        self.say_added(job)
         return job
+
+    def say_added(self, job: JobSpec) -> None:
+        """The event of ``job`` registered (once its transaction committed)."""
+        self._events.emit("job.add", f"job {job.name} ({job.kind}) registered", job=job.name)
 
     def remove(self, name: str, *, force: bool = False) -> JobSpec:
         with self._lock:
@@ -233,15 +237,18 @@ class JobService:
             waiting = self._waiting_kind(name) if registered is None else None
             if registered is None and waiting is None:
                 raise NotFound(f"no job {name!r}")  # before any hook lets go of anything
-            for hook in self._removal_hooks:
-                hook(name, force)
-            job = (
-                self.registry.remove(name)
-                if registered is not None
-                else JobSpec(name, JobKind(waiting or JobKind.TRAINING))
-            )
             kill_at = self._clock() + STOP_GRACE_S
+            # One transaction: a crash keeps the job, its queue entries and its
+            # reservations, or none of them (a job gone whose runs still hold their
+            # reservations could not be removed again).
             with self.store.transaction():
+                for hook in self._removal_hooks:
+                    hook(name, force)
+                job = (
+                    self.registry.remove(name)
+                    if registered is not None
+                    else JobSpec(name, JobKind(waiting or JobKind.TRAINING))
+                )
                 released = self.reservations.release_job(name)
                 for r in released:
                     self._released(r, RunEnd(EndCause.REMOVED))
@@ -354,14 +361,16 @@ class JobService:
         and return the environment to launch it with. Unless ``admitted`` (started by the
         admission queue itself), the :attr:`gate` decides where it may start."""
         request = self.resolved(request)
-        created = False
+        created = False  # registered by this call before its reservation
+        registered = False
         try:
             if self._tag_of is not None and not admitted:  # the queue tags before it starts one
                 created = self.job_for(request, preview=preview)[1]  # registered, then tagged
                 self.ensure_tag(request.job)  # none left: refused before it holds anything
             with self._lock:
-                job, registered = self.job_for(request, preview=preview)
-                created = created or registered
+                # A new job is registered in its first reservation's transaction: a crash
+                # or a refusal before then leaves no job behind.
+                job, registered = self.job_for(request, preview=True)
                 # what was asked: the history's request (co-location's advice places this
                 # run only, on a device no replay or other node has)
                 placed = _override(job, request)
@@ -386,6 +395,8 @@ class JobService:
                     )  # fmt: skip
                 else:
                     with self.store.transaction():
+                        if registered:
+                            job = self.registry.add(job)
                         reservation = self.reservations.add(
                             job.name,
                             uuids,
@@ -396,6 +407,8 @@ class JobService:
                         )
                         for observer in self._observers:
                             observer("reserve", reservation, placed, None)
+                    if registered:
+                        self.say_added(job)
                     self._events.emit(
                         "job.reserve",
                         f"job {job.name} reserved {', '.join(uuids)}",
@@ -408,12 +421,13 @@ class JobService:
             if created and not preview:
                 self.forget_new(request.job)
             raise
-        return Launch(job, reservation, self.env_for(reservation), created)
+        return Launch(job, reservation, self.env_for(reservation), created or registered)
 
     def forget_new(self, name: str) -> None:
-        """Unregister ``name``, which a run or a queue entry registered just now and was
-        then refused: a refused request leaves no job behind, whose placement and limits
-        every later run of that name would inherit. Kept if a run holds it meanwhile."""
+        """Unregister ``name``, which a run registered just now to get it a DSCP tag (with
+        traffic on, before its reservation) and was then refused: a refused request leaves
+        no job behind, whose placement and limits every later run of that name would
+        inherit. Kept if a run holds it meanwhile."""
         with self._lock:
             if self.reservations.held(name):
                 return

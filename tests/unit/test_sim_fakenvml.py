@@ -175,13 +175,18 @@ def test_gi_ids_follow_placement() -> None:
         nv.nvmlDeviceCreateGpuInstance(h, 19)
 
 
-def test_state_survives_restart_and_reboot_clears(tmp_path: Path) -> None:
+def _one_mig_device(tmp_path: Path) -> tuple[SimNode, str]:
+    """A GPU in MIG mode with one 2-slice instance at placement 2 (GI 4, CI 0); its UUID."""
     node = _mig_node(tmp_path)
     nv = node.nvml
     h = nv.nvmlDeviceGetHandleByIndex(0)
     gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(h, 14, _place(nv, 2, 2))
     nv.nvmlGpuInstanceCreateComputeInstance(gi, nv.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE)
-    uuid = nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetMigDeviceHandleByIndex(h, 0))
+    return node, nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetMigDeviceHandleByIndex(h, 0))
+
+
+def test_state_survives_restart_and_reboot_clears(tmp_path: Path) -> None:
+    _, uuid = _one_mig_device(tmp_path)
 
     again = SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json")
     nv2 = again.nvml
@@ -386,3 +391,31 @@ def test_slow_mig_slows_only_the_calls_that_change_mig(tmp_path: Path) -> None:
     assert SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json").faults.active() == {}
     with pytest.raises(ValueError, match=r"^must be in 0\.\.86400 s, got -1$"):
         node.faults.slow_mig(0, -1.0)
+
+
+def test_declared_processes_outlive_gpud_and_modelled_ones_do_not(tmp_path: Path) -> None:
+    """A process `gpuctl sim workload start` declared is a CUDA process of the node: a gpud
+    killed and started again still lists it (before, it was gone: `gpuctl sim workload stop
+    --pid 4242` said "no simulated process 4242"), on its MIG device too. A workload
+    model's is not kept (the models start it again from the job's host process), nor one
+    stopped; a reboot ends them all."""
+    node, mig = _one_mig_device(tmp_path)
+    node.workloads.start(0, 4242, 3 << 30, 0.6, mig=0)
+    assert node.workloads.start_modelled(0, 4300, 1 << 30, 0.5, mig=mig)
+    node.workloads.start(0, 4243, 1 << 30, 0.2, mig=0)
+    node.workloads.stop(4243)
+
+    def listed(n: SimNode) -> list[tuple[int, int, int | None, int | None, int, float]]:
+        return sorted(
+            (p.pid, p.gpu, p.gi, p.ci, p.used_bytes, p.sm_ratio) for p in n.nvml.sim_processes()
+        )
+
+    declared = (4242, 0, 4, 0, 3 << 30, 0.6)
+    assert listed(node) == [declared, (4300, 0, 4, 0, 1 << 30, 0.5)]
+    again = SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json")
+    assert listed(again) == [declared]
+    assert again.workloads.stop(4242)
+    assert listed(SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json")) == []
+    again.workloads.start(0, 4242, 3 << 30, 0.6, mig=0)
+    again.reboot()
+    assert listed(SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json")) == []

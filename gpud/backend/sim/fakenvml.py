@@ -40,7 +40,7 @@ import threading
 import time
 import uuid as uuidlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -372,6 +372,9 @@ class _Proc:
     used_bytes: int
     sm_ratio: float
     traffic: LinkTraffic | None = None  # None: in proportion to its SM activity
+    # the operator's (`gpuctl sim workload start`): kept in the state file, so that it
+    # outlives gpud as a CUDA process does; a workload model's is started again each tick
+    declared: bool = False
 
 
 class _GpuFaults:
@@ -570,10 +573,35 @@ class FakeNvml:
                 f.slow_s = float(f_d.get("slow_s", 0.0))
                 f.slow_mig_s = float(f_d.get("slow_mig_s", 0.0))
                 self._faults[int(key)] = f
+            for p_d in data.get("processes", ()):
+                self._restore_process(p_d)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ConfigError(
                 f"simulated device state is invalid: {err!r}", path=str(path)
             ) from err
+
+    def _restore_process(self, p_d: Mapping[str, Any]) -> None:
+        """A declared process of the state file, on its GPU (and GPU and compute instance,
+        which the file restored before it); one whose instance is gone is gone too."""
+        index = int(p_d["gpu"])
+        if not 0 <= index < len(self._gpus):
+            raise ValueError(f"process {p_d['pid']}: no GPU {index}")
+        gpu = self._gpus[index]
+        gi, ci = p_d.get("gi"), p_d.get("ci")
+        proc = _Proc(
+            int(p_d["pid"]),
+            index,
+            None if gi is None else int(gi),
+            None if ci is None else int(ci),
+            int(p_d["used_bytes"]),
+            float(p_d["sm_ratio"]),
+            declared=True,
+        )
+        if proc.gi is not None and (proc.gi not in gpu.gis or proc.ci not in gpu.gis[proc.gi].cis):
+            return
+        self._procs[(proc.pid, index)] = proc
+        gpu.procs = [*gpu.procs, proc]
+        self._recompute(gpu)
 
     def _persist(self) -> None:
         path = self._state_file
@@ -619,6 +647,18 @@ class FakeNvml:
                 for i, f in sorted(self._faults.items())
                 if f.lost or f.not_supported or f.errors or f.slow_s or f.slow_mig_s
             },
+            "processes": [
+                {
+                    "pid": p.pid,
+                    "gpu": p.gpu,
+                    "gi": p.gi,
+                    "ci": p.ci,
+                    "used_bytes": p.used_bytes,
+                    "sm_ratio": p.sm_ratio,
+                }
+                for _, p in sorted(self._procs.items())
+                if p.declared
+            ],
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, json.dumps(data, indent=1))
@@ -1515,10 +1555,11 @@ class FakeNvml:
         mig: int | str | None = None,
         *,
         traffic: LinkTraffic | None = None,
+        declared: bool = False,
     ) -> None:
         """Run ``pid`` on the GPU (or its MIG device), holding ``used_bytes``, keeping
         ``sm_ratio`` of the device's SMs busy and moving ``traffic`` (None: in proportion to
-        its SM activity). A process may run on several GPUs (a context on each, as a job
+        its SM activity). ``declared``: the operator's, kept in the state file. A process may run on several GPUs (a context on each, as a job
         spanning GPUs has), once per GPU: AlreadyExists when ``pid`` runs there already.
         ResourceExhausted when the device has not ``used_bytes`` free (as cudaMalloc fails)."""
         g = self._gpus[gpu]
@@ -1544,10 +1585,12 @@ class FakeNvml:
                     f"out of memory on {where}: {int(used_bytes) >> 20} MiB asked, "
                     f"{(total - used) >> 20} MiB free"
                 )
-            proc = _Proc(pid, gpu, gi, ci, int(used_bytes), float(sm_ratio), traffic)
+            proc = _Proc(pid, gpu, gi, ci, int(used_bytes), float(sm_ratio), traffic, declared)
             self._procs[(pid, gpu)] = proc
             g.procs = [*g.procs, proc]
             self._recompute(g)
+            if declared:
+                self._persist()
 
     def _proc_keys(self, pid: int, gpu: int | None) -> list[tuple[int, int]]:
         return [k for k in self._procs if k[0] == pid and (gpu is None or k[1] == gpu)]
@@ -1556,11 +1599,15 @@ class FakeNvml:
         """Stop ``pid`` on ``gpu`` (None: on every GPU it runs on); False if it ran on none."""
         with self._lock:
             keys = self._proc_keys(pid, gpu)
+            declared = False
             for key in keys:
                 proc = self._procs.pop(key)
+                declared = declared or proc.declared
                 g = self._gpus[proc.gpu]
                 g.procs = [p for p in g.procs if p.pid != pid]
                 self._recompute(g)
+            if declared:
+                self._persist()
             return bool(keys)
 
     def sim_update_process(
@@ -1579,7 +1626,14 @@ class FakeNvml:
             for key in keys:
                 old = self._procs[key]
                 proc = _Proc(
-                    pid, old.gpu, old.gi, old.ci, int(used_bytes), float(sm_ratio), traffic
+                    pid,
+                    old.gpu,
+                    old.gi,
+                    old.ci,
+                    int(used_bytes),
+                    float(sm_ratio),
+                    traffic,
+                    old.declared,
                 )
                 self._procs[key] = proc
                 g = self._gpus[proc.gpu]

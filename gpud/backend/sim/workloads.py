@@ -55,7 +55,7 @@ class Workloads:
             for key in [k for k in self._modelled if k[0] == pid]:
                 self._modelled.discard(key)
                 self._nvml.sim_stop_process(pid, key[1])
-            self._nvml.sim_start_process(gpu, pid, used_memory_bytes, sm_ratio, mig)
+            self._nvml.sim_start_process(gpu, pid, used_memory_bytes, sm_ratio, mig, declared=True)
 
     def stop(self, pid: int) -> bool:
         """Stop ``pid`` (on every GPU); False if it was not running."""

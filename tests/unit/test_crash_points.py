@@ -1,0 +1,180 @@
+"""gpud killed between any two of an operation's writes to the state database: after a
+restart on the same state directory the operation took effect whole or not at all.
+
+The crash is a store whose Nth transaction (outermost, counted from when it is armed)
+raises before it begins: what the ones before it committed is kept, nothing after it is
+written, as when the process is killed there. Each operation is crashed at every point it
+has, and a fresh service is built over the same state directory each time."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from sqlite3 import Connection
+
+import pytest
+
+from gpud.admission.service import LEFT, QUEUED, AdmissionService
+from gpud.config import AdmissionConfig
+from gpud.events import EventLog
+from gpud.jobs.service import JobService, RunRequest
+from gpud.mps.manager import MpsManager
+from gpud.store import StateStore
+from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, snapshot
+
+GIB = 1 << 30
+MOST_POINTS = 40  # more transactions than any operation here has
+
+
+class Crash(BaseException):
+    """gpud killed: no handler of the daemon's catches it."""
+
+
+class CrashingStore(StateStore):
+    """Crashes before its ``crash_at``-th outermost transaction once armed (None: never)."""
+
+    crash_at: int | None = None
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        if self.crash_at is not None and not self._conn.in_transaction:
+            self.crash_at -= 1
+            if self.crash_at == 0:
+                raise Crash
+        with super().transaction() as conn:
+            yield conn
+
+
+@dataclass
+class Node:
+    store: CrashingStore
+    jobs: JobService
+    admission: AdmissionService
+
+
+def make_node(root: Path) -> Node:
+    store = CrashingStore(root / "state")
+    events = EventLog(None)
+    mps = MpsManager(store, events, root / "run", FAKE_CONTROL, enabled=False)
+    mps.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
+    jobs = JobService(store, events, mps, socket_path=root / "gpud.sock", clock=lambda: 1000.0)
+    admission = AdmissionService(store, jobs, mps, events, AdmissionConfig(), clock=lambda: 1000.0)
+    return Node(store, jobs, admission)
+
+
+@pytest.fixture
+def holder() -> Iterator[int]:
+    """A live `gpuctl run` holding what it asked for."""
+    proc = subprocess.Popen(["sleep", "300"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+@dataclass(frozen=True)
+class Seen:
+    jobs: tuple[str, ...]
+    held: tuple[str, ...]  # the jobs of the reservations
+    queue: tuple[tuple[str, str], ...]  # (job, state) of every entry
+    open_runs: tuple[str, ...]  # the jobs of history rows without an end
+
+
+def seen(root: Path) -> Seen:
+    node = make_node(root)
+    try:
+        return Seen(
+            tuple(j.name for j in node.jobs.registry.all()),
+            tuple(r.job for r in node.jobs.reservations.held()),
+            tuple((e.job, e.state) for e in node.admission.entries(None)),
+            tuple(h.job for h in node.admission.history() if h.ended_at is None),
+        )
+    finally:
+        node.store.close()
+
+
+def crash_points(
+    root: Path, setup: Callable[[Node], object], operation: Callable[[Node], object]
+) -> Iterator[tuple[int, Seen]]:
+    """The state after ``operation`` crashed at each of its points, then after it ran
+    whole (the last)."""
+    for n in range(1, MOST_POINTS):
+        where = root / str(n)
+        node = make_node(where)
+        setup(node)
+        node.store.crash_at = n
+        try:
+            operation(node)
+        except Crash:
+            node.store.close()
+            yield n, seen(where)
+            continue
+        node.store.close()
+        yield n, seen(where)
+        return
+    raise AssertionError(f"no run of the operation got through {MOST_POINTS} transactions")
+
+
+def whole_or_none(points: list[tuple[int, Seen]], before: Seen, after: Seen) -> None:
+    assert len(points) > 2
+    for n, state in points[:-1]:
+        assert state in (before, after), f"crash at transaction {n}: {state}"
+    assert points[-1][1] == after
+
+
+def fill_and_queue(node: Node, holder: int) -> None:
+    """Job a runs on both GPUs and waits in the queue for more."""
+    whole = RunRequest(job="a", gpu_count=2, memory_bytes=60 * GIB, holder_pid=holder)
+    node.jobs.reserve(whole)
+    node.admission.enqueue(whole)
+
+
+def test_jobs_rm_force_is_whole_or_not_at_all(tmp_path: Path, holder: int) -> None:
+    """`gpuctl jobs rm --force a` killed between its writes left job a unregistered while
+    its running run still held its reservation and its history row stayed open: `gpuctl
+    jobs rm --force a` then said `no job 'a'`, and the devices stayed reserved as long as
+    the run ran."""
+    before = Seen(("a",), ("a",), (("a", QUEUED),), ("a",))
+    after = Seen((), (), (("a", LEFT),), ())
+    points = list(
+        crash_points(
+            tmp_path, lambda n: fill_and_queue(n, holder), lambda n: n.jobs.remove("a", force=True)
+        )
+    )
+    whole_or_none(points, before, after)
+
+
+def test_a_run_of_a_new_job_registers_it_with_its_reservation(tmp_path: Path, holder: int) -> None:
+    """`gpuctl run --job new` killed between the job's registration and its reservation
+    left job new registered with nothing run: its placement and limits then held for
+    every later run of that name, which a refused run never leaves."""
+    held = RunRequest(job="b", gpu_count=1, memory_bytes=60 * GIB, holder_pid=holder)
+    before = Seen(("b",), ("b",), (), ("b",))
+    after = Seen(("b", "new"), ("b", "new"), (), ("b", "new"))
+    points = list(
+        crash_points(
+            tmp_path,
+            lambda n: n.jobs.reserve(held),
+            lambda n: n.jobs.reserve(RunRequest(job="new", holder_pid=holder)),
+        )
+    )
+    whole_or_none(points, before, after)
+
+
+def test_a_queued_run_of_a_new_job_registers_it_with_its_entry(tmp_path: Path, holder: int) -> None:
+    """The same for a run that has to wait: the job and its queue entry are kept or lost
+    together."""
+    held = RunRequest(job="b", gpu_count=2, memory_bytes=60 * GIB, holder_pid=holder)
+    waits = RunRequest(job="new", gpu_count=2, memory_bytes=60 * GIB, holder_pid=holder)
+    before = Seen(("b",), ("b",), (), ("b",))
+    after = Seen(("b", "new"), ("b",), (("new", QUEUED),), ("b",))
+    points = list(
+        crash_points(
+            tmp_path,
+            lambda n: n.jobs.reserve(held),
+            lambda n: n.admission.enqueue(waits),
+        )
+    )
+    whole_or_none(points, before, after)
