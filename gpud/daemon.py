@@ -461,6 +461,7 @@ class Daemon:
                 if u.used_memory_bytes is None:
                     unreported.add((u.job, u.device))
         out = []
+        defaults = {u: lim.memory_bytes for u, lim in self.mps.all_limits().items()}
         for r in self.jobs.reservations.held():
             spec = self.jobs.registry.find(r.job)
             for device in r.devices:
@@ -472,7 +473,10 @@ class Daemon:
                         kind=spec.kind.value if spec else "training",
                         gpu=index[device],
                         threads_percent=r.threads_percent,
-                        memory_bytes=r.memory_bytes,
+                        # none of its own: its MPS client is pinned to the device's default
+                        memory_bytes=r.memory_bytes
+                        if r.memory_bytes is not None
+                        else defaults.get(device),
                         slo_p99_ms=spec.slo_p99_ms if spec else None,
                         memory_used=None
                         if (r.job, device) in unreported

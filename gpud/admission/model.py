@@ -6,7 +6,11 @@ capacity vector ``(memory bytes, MPS active thread percent)``: the device's fram
 devices, the MIG devices of its profile, or the GPUs not in MIG mode), for a demand vector:
 its MPS pinned memory limit (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``) and its active thread
 percentage (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``), 0 where it sets none. A request that
-sets neither shares its devices with anything, as MPS clients do, and never waits.
+sets no memory limit asks, on a device with an MPS default pinned memory limit
+(``gpuctl mps set --memory``), for that limit: it is what MPS pins its client to there, so
+its demand may differ from device to device (:meth:`Demand.on`). A request that sets
+neither, on devices without a default, shares them with anything, as MPS clients do, and
+never waits.
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ class Request:
     def per_device(self) -> Vec:
         return Vec(self.memory_bytes or 0, self.threads_percent or 0)
 
+    def on(self, device: Device) -> Vec:
+        """What it asks on ``device``: its memory limit, else the device's MPS default."""
+        memory = self.memory_bytes if self.memory_bytes is not None else device.default_memory
+        return Vec(memory or 0, self.threads_percent or 0)
+
     def describe(self) -> str:
         """The request's class key (``1 GPU 60GiB 50%``, ``mig 1g.10gb 1.5GiB``): the quotes
         are estimated per class, and ``job_history`` keeps each run's key, so its format
@@ -102,6 +111,8 @@ class Device:
     # False for a GPU never read (lost or hung since before gpud started) whose product is
     # not known either: its memory is no fact, so no request is unfeasible for want of it
     size_known: bool = True
+    # its MPS default pinned memory limit: what a client that sets none is pinned to
+    default_memory: int | None = None
 
     @property
     def is_mig(self) -> bool:
@@ -120,11 +131,20 @@ class Holding:
 @dataclass(frozen=True, slots=True)
 class Demand:
     """A request reduced to vectors: ``count`` distinct devices of ``pool``, each with
-    ``per_device`` free."""
+    ``per_device`` free, or what ``by_device`` names for it (a request without a memory limit
+    on a device with an MPS default one)."""
 
     pool: tuple[str, ...]
     per_device: Vec
     count: int
+    by_device: tuple[tuple[str, Vec], ...] = ()
+
+    def on(self, uuid: str) -> Vec:
+        """What it asks on device ``uuid``."""
+        for u, v in self.by_device:
+            if u == uuid:
+                return v
+        return self.per_device
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,13 @@ from gpud.mps.manager import MpsTarget
 MIB = 1 << 20
 
 
-def from_targets(targets: Sequence[MpsTarget], products: Mapping[int, str] = {}) -> list[Device]:
-    """The devices the daemon's MPS manager knows (one per GPU, or per MIG device).
+def from_targets(
+    targets: Sequence[MpsTarget],
+    products: Mapping[int, str] = {},
+    default_memory: Mapping[str, int] = {},
+) -> list[Device]:
+    """The devices the daemon's MPS manager knows (one per GPU, or per MIG device), each
+    with its MPS default pinned memory limit (``default_memory[uuid]``, where it has one).
 
     A GPU never read since gpud started (lost, hung: UUID "", memory 0, as ``nvidia-smi``
     cannot list it either) has the framebuffer of its product as last seen
@@ -26,9 +31,9 @@ def from_targets(targets: Sequence[MpsTarget], products: Mapping[int, str] = {})
     out = []
     for t in targets:
         if t.uuid:
-            out.append(
-                Device(t.uuid, t.gpu, t.mig, t.profile, Vec(t.memory_total_bytes, THREADS_CAPACITY))
-            )
+            capacity = Vec(t.memory_total_bytes, THREADS_CAPACITY)
+            default = default_memory.get(t.uuid)
+            out.append(Device(t.uuid, t.gpu, t.mig, t.profile, capacity, default_memory=default))
             continue
         spec = lookup(products.get(t.gpu, ""))
         memory = spec.memory_mib * MIB if spec is not None else 0

@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpud.admission.model import Demand, Device
+from gpud.admission.model import Demand, Device, Vec
 from gpud.admission.placement_fit import mig_slices
+
+_UNBOUNDED = 1 << 30  # copies of a request on a device where it asks for nothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,22 +32,19 @@ class Packing:
 
 
 def pack(demand: Demand, devices: Mapping[str, Device]) -> Packing:
-    need = demand.per_device
     pool = [devices[u] for u in demand.pool]
+    # per device: a request without a memory limit asks for each device's MPS default one
+    copies_by_dim = [_copies(d.capacity, demand.on(d.uuid)) for d in pool]
     per_dim: dict[str, int] = {}
-    if need.memory:
-        per_dim["memory"] = sum(d.capacity.memory // need.memory for d in pool) // demand.count
-    if need.threads:
-        per_dim["threads"] = sum(d.capacity.threads // need.threads for d in pool) // demand.count
+    for i, dim in enumerate(("memory", "threads")):
+        on_dim = [c[i] for c in copies_by_dim]
+        if any(n is not None for n in on_dim):
+            # a device it asks none of there (no MPS default) holds any number of them
+            total = sum(_UNBOUNDED if n is None else n for n in on_dim)
+            per_dim[dim] = total // demand.count
     if not per_dim:
         return Packing(None, {}, None, len(pool))
-    copies = [
-        min(
-            d.capacity.memory // need.memory if need.memory else 1 << 30,
-            d.capacity.threads // need.threads if need.threads else 1 << 30,
-        )
-        for d in pool
-    ]
+    copies = [min((n for n in c if n is not None), default=_UNBOUNDED) for c in copies_by_dim]
     if max(copies) <= 1:
         # Takes its devices whole: the device units bind as much as memory or threads.
         if pool and pool[0].is_mig:
@@ -56,3 +55,11 @@ def pack(demand: Demand, devices: Mapping[str, Device]) -> Packing:
     k_eff = sum(copies) // demand.count
     binding = min(per_dim, key=lambda dim: per_dim[dim])
     return Packing(k_eff, per_dim, binding, len(pool))
+
+
+def _copies(capacity: Vec, need: Vec) -> tuple[int | None, int | None]:
+    """How many of ``need`` fit in ``capacity`` by memory and by threads (None: not asked)."""
+    return (
+        capacity.memory // need.memory if need.memory else None,
+        capacity.threads // need.threads if need.threads else None,
+    )

@@ -3,6 +3,8 @@
 :func:`gpud.jobs.placement.choose_devices` accounts MPS pinned memory per device; this adds
 the MPS active thread share (the percentages of the clients on a device add up to at most
 100 %), so that a request that sets ``--threads`` queues instead of over-subscribing SMs.
+A request without a memory limit asks for each device's MPS default limit
+(:attr:`~gpud.admission.model.Device.default_memory`) there, as placement does.
 Both checks are monotone in the loads, as :class:`~gpud.admission.model.FitCheck` asks.
 """
 
@@ -49,6 +51,9 @@ class PlacementFit:
     def devices(self) -> Sequence[Device]:
         return self._devices
 
+    def _default_memory(self, uuid: str) -> int | None:
+        return self._by_uuid[uuid].default_memory
+
     def demand(self, request: Request) -> Demand | Unfeasible:
         need = request.per_device
         if need.threads > THREADS_CAPACITY:
@@ -79,14 +84,15 @@ class PlacementFit:
         pool = tuple(d.uuid for d in devices)
         # by device, not by UUID (every GPU never read has the UUID ""); one of unknown size
         # may take the request when it answers again: that is a wait, not a proof
-        roomy = [d for d in devices if not d.size_known or need.fits_in(d.capacity)]
+        roomy = [d for d in devices if not d.size_known or request.on(d).fits_in(d.capacity)]
         if len(roomy) < count:
             largest = max(d.capacity.memory for d in devices)
             return Unfeasible(
                 f"asks {format_size(need.memory)} on each of {count} device(s);"
                 f" {len(roomy)} of them have that much (largest: {format_size(largest)})"
             )
-        return Demand(pool, need, count)
+        by_device = tuple((d.uuid, request.on(d)) for d in devices if request.on(d) != need)
+        return Demand(pool, need, count, by_device)
 
     def place(
         self, request: Request, loads: Mapping[str, Vec], *, allowed: Collection[str] | None
@@ -109,7 +115,11 @@ class PlacementFit:
         )
         try:
             chosen = choose_devices(
-                spec, candidates, device_loads, memory_bytes=request.memory_bytes
+                spec,
+                candidates,
+                device_loads,
+                memory_bytes=request.memory_bytes,
+                default_memory=self._default_memory,
             )
         except (NotFound, ResourceExhausted):
             return None

@@ -6,9 +6,9 @@ Jobs start in queue order while they fit. The first quotable job that does not f
 
 The guarantee. gpud does not know how long a job runs, so the usual EASY backfill (start a
 small job if it ends before the head's reserved start) cannot be proved here. Instead, let
-the head need ``count`` devices of its pool with ``h`` free on each (see
-:class:`~gpud.admission.model.Demand`); a device is *usable* by the head when its load
-``L`` satisfies ``L + h <= capacity``. A candidate with demand ``b`` is harmless on device
+the head need ``count`` devices of its pool with ``h`` free on each (``h`` and ``b`` below
+are per device: see :class:`~gpud.admission.model.Demand`); a device is *usable* by the
+head when its load ``L`` satisfies ``L + h <= capacity``. A candidate with demand ``b`` is harmless on device
 ``d`` when ``d`` is outside the head's pool or cannot ever host the head, or when for
 *every* subset ``S`` of the jobs now on ``d``::
 
@@ -104,7 +104,7 @@ def admission_pass(
             continue
         allowed = None
         if head_demand is not None:
-            allowed = _harmless_devices(demand.per_device, head_demand, loads, capacity)
+            allowed = _harmless_devices(demand, head_demand, loads, capacity)
             if len(allowed) < demand.count:
                 stuck.add(job.request)
                 continue
@@ -117,19 +117,20 @@ def admission_pass(
                     break
             continue
         starts.append(Start(job.id, devices, backfilled=head is not None))
-        loads.add(Holding(job.id, devices, demand.per_device))
+        for uuid in devices:  # per device: an MPS default memory limit differs between them
+            loads.add(Holding(job.id, (uuid,), demand.on(uuid)))
         stuck.clear()
     return PassResult(starts, head.id if head else None, unfeasible)
 
 
 def _harmless_devices(
-    need: Vec, head: Demand, loads: Loads, devices: dict[str, Device]
+    demand: Demand, head: Demand, loads: Loads, devices: dict[str, Device]
 ) -> set[str]:
     head_pool = set(head.pool)
     out = set()
     for uuid, device in devices.items():
         if uuid not in head_pool or harmless(
-            need, head.per_device, loads.on.get(uuid, []), device.capacity
+            demand.on(uuid), head.on(uuid), loads.on.get(uuid, []), device.capacity
         ):
             out.add(uuid)
     return out

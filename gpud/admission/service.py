@@ -238,7 +238,12 @@ class AdmissionService:
     # -- devices and fit ------------------------------------------------------------------
     def fit(self) -> FitCheck | None:
         """What fits, over the devices the daemon sees now (None before the first sample)."""
-        devices = tuple(from_targets(self._mps.targets(), self._products()))
+        defaults = {
+            uuid: limits.memory_bytes
+            for uuid, limits in self._mps.all_limits().items()
+            if limits.memory_bytes is not None
+        }
+        devices = tuple(from_targets(self._mps.targets(), self._products(), defaults))
         if not devices:
             return None
         if self._fit is None or self._fit[0] != devices:

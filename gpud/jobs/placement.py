@@ -8,7 +8,9 @@ next tick, so nothing stays reserved by a dead process.
 Placement is pure (:func:`choose_devices`): given the devices, what is reserved on each and
 the request, pick the devices or refuse with the numbers. Memory is the accounted resource:
 the MPS pinned memory limits of the reservations on a device never add up to more than the
-device has.
+device has. A request that sets no memory limit gets, on a device with an MPS default pinned
+memory limit (``gpuctl mps set --memory``, ``set_default_device_pinned_mem_limit``), that
+limit, as its MPS client would: it asks for it there, and its reservation counts it.
 """
 
 from __future__ import annotations
@@ -60,11 +62,14 @@ class Reservation:
 class DeviceLoad:
     """What reservations hold on one device, and ``unreserved_bytes``: the memory its GPU
     processes use beyond them (another user's process, a job's past its reservation there;
-    NVML's ``usedGpuMemory`` of each, as ``nvidia-smi`` lists it)."""
+    NVML's ``usedGpuMemory`` of each, as ``nvidia-smi`` lists it). ``defaulted``: the job of
+    each reservation there that sets no memory limit of its own (its MPS client gets the
+    device's default limit, which ``memory_bytes`` counts for it)."""
 
     memory_bytes: int
     jobs: tuple[str, ...]
     unreserved_bytes: int = 0
+    defaulted: tuple[str, ...] = ()
 
 
 def device_loads(reserved: Mapping[tuple[str, str], int]) -> dict[str, DeviceLoad]:
@@ -83,22 +88,30 @@ def choose_devices(
     loads: Mapping[str, DeviceLoad],
     *,
     memory_bytes: int | None,
+    default_memory: Callable[[str], int | None] = lambda _: None,
 ) -> tuple[MpsTarget, ...]:
     """Where ``spec`` goes: its pinned devices, else one MIG device of ``spec.mig_profile``,
     else ``spec.gpu_count`` whole GPUs (default 1). The least loaded fitting devices win.
 
+    ``memory_bytes`` None asks, on each device, for its MPS default pinned memory limit
+    (``default_memory(uuid)``), or for nothing where it has none.
+
     Raises :class:`NotFound` for devices the node does not have and
-    :class:`ResourceExhausted`, with the numbers, when none has room for ``memory_bytes``.
+    :class:`ResourceExhausted`, with the numbers, when none has room for what it asks.
     """
     by_uuid = {d.uuid: d for d in devices}
     empty = DeviceLoad(0, ())
+
+    def asks(d: MpsTarget) -> int | None:
+        return memory_bytes if memory_bytes is not None else default_memory(d.uuid)
 
     def free(d: MpsTarget) -> int:
         load = loads.get(d.uuid, empty)
         return d.memory_total_bytes - load.memory_bytes - load.unreserved_bytes
 
     def fits(d: MpsTarget) -> bool:
-        return memory_bytes is None or free(d) >= memory_bytes
+        need = asks(d)
+        return need is None or free(d) >= need
 
     def refusal(d: MpsTarget) -> ResourceExhausted:
         load = loads.get(d.uuid, empty)
@@ -108,8 +121,10 @@ def choose_devices(
             if load.unreserved_bytes
             else ""
         )
+        default = " (its MPS default memory limit)" if memory_bytes is None else ""
         return ResourceExhausted(
-            f"job {spec.name!r} asks {format_size(memory_bytes or 0)} on {d.uuid} ({d.profile}):"
+            f"job {spec.name!r} asks {format_size(asks(d) or 0)}{default} on {d.uuid}"
+            f" ({d.profile}):"
             f" {format_size(load.memory_bytes)} reserved{holders}{outside} of"
             f" {format_size(d.memory_total_bytes)}, {format_size(max(free(d), 0))} free"
         )
@@ -149,7 +164,7 @@ def choose_devices(
     if len(fitting) < want:
         blocked = [d for d in pool if not fits(d)]
         # name a device the request would fit were less held there; with none, the largest
-        could = [d for d in blocked if d.memory_total_bytes >= (memory_bytes or 0)]
+        could = [d for d in blocked if d.memory_total_bytes >= (asks(d) or 0)]
         if could:
             raise refusal(max(could, key=free))
         raise refusal(max(blocked, key=lambda d: (d.memory_total_bytes, free(d))))

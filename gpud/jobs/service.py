@@ -281,8 +281,17 @@ class JobService:
         held = device_loads(reserved)
         empty = DeviceLoad(0, ())
         beyond = self._unreserved(reserved)
+        defaulted: dict[str, list[str]] = {}
+        for r in self.reservations.held():
+            if r.memory_bytes is None:
+                for uuid in r.devices:
+                    defaulted.setdefault(uuid, []).append(r.job)
         return {
-            uuid: replace(held.get(uuid, empty), unreserved_bytes=beyond.get(uuid, 0))
+            uuid: replace(
+                held.get(uuid, empty),
+                unreserved_bytes=beyond.get(uuid, 0),
+                defaulted=tuple(sorted(defaulted.get(uuid, ()))),
+            )
             for uuid in held.keys() | beyond.keys()
         }
 
@@ -477,7 +486,13 @@ class JobService:
         refusal names the unhealthy GPUs it left out, and why."""
         targets, loads = now if now is not None else (self.healthy_targets(), self.loads())
         try:
-            return choose_devices(spec, targets, loads, memory_bytes=spec.memory_bytes)
+            return choose_devices(
+                spec,
+                targets,
+                loads,
+                memory_bytes=spec.memory_bytes,
+                default_memory=self._default_memory,
+            )
         except ResourceExhausted as err:
             sick = self.unhealthy()
             if not sick:

@@ -33,6 +33,9 @@ class DeviceLoad(Protocol):
     @property
     def jobs(self) -> tuple[str, ...]: ...
 
+    @property
+    def defaulted(self) -> tuple[str, ...]: ...
+
 
 LoadSource = Callable[[], Mapping[str, DeviceLoad]]
 
@@ -139,6 +142,9 @@ class MpsServicer(pb_grpc.MpsServicer):
             clear_memory=request.clear_memory,
             enabled=optional(request, "enabled"),
             reserved_memory_bytes=load.memory_bytes if load else 0,
+            defaulted_jobs=load.defaulted if load else (),
         )
         seen = self._last_seen().get(status.target.gpu)
+        # what runs without a memory limit of their own hold there follows the new default
+        load = self._loads().get(target.uuid)
         return pb.SetMpsLimitsResponse(device=device_message(status, load, seen))

@@ -324,6 +324,7 @@ class MpsManager:
         clear_memory: bool = False,
         enabled: bool | None = None,
         reserved_memory_bytes: int = 0,
+        defaulted_jobs: Sequence[str] = (),
     ) -> MpsDeviceStatus:
         """Persist new defaults for ``device`` (UUID, GPU index, or ``GPU:MIG``) and apply
         them to its daemon now. Fields left ``None`` keep their value; ``clear_*`` go back to
@@ -332,8 +333,13 @@ class MpsManager:
         (the status returned says so, naming the device): it gets them when it answers
         again, or is restarted with them.
 
-        ``reserved_memory_bytes`` is what jobs already hold on the device: the default memory
-        limit plus that may not exceed the device's memory (:class:`ResourceExhausted`).
+        ``reserved_memory_bytes`` is what jobs already hold on the device, the default memory
+        limit counted for each of their reservations there that sets none of its own (their
+        jobs: ``defaulted_jobs``). A new default limit counted for each of those, plus what
+        the others reserve, may not exceed the device's memory, nor may the default alone
+        beside what is reserved when none holds it (:class:`ResourceExhausted`). While such
+        reservations hold the device their MPS clients keep the limit they started with, so
+        it is neither lowered nor cleared then (:class:`FailedPrecondition`).
         """
         target = self._resolve_read(device)
         dev = self._device(target.uuid)
@@ -346,10 +352,13 @@ class MpsManager:
                 new = replace(new, threads_percent=None)
             elif threads_percent is not None:
                 new = replace(new, threads_percent=protocol.check_percent(threads_percent))
+            if clear_memory or memory_bytes is not None:
+                self._refuse_lower(target, old.memory_bytes, memory_bytes, defaulted_jobs)
             if clear_memory:
                 new = replace(new, memory_bytes=None)
             elif memory_bytes is not None:
-                self._check_memory(target, memory_bytes, reserved_memory_bytes)
+                own = reserved_memory_bytes - len(defaulted_jobs) * (old.memory_bytes or 0)
+                self._check_memory(target, memory_bytes, own, defaulted_jobs)
                 new = replace(new, memory_bytes=memory_bytes)
             if enabled is not None:
                 new = replace(new, enabled=enabled)
@@ -405,7 +414,28 @@ class MpsManager:
         self.status()
         return self._status(target, self.limits(target.uuid))
 
-    def _check_memory(self, target: MpsTarget, memory_bytes: int, reserved: int) -> None:
+    @staticmethod
+    def _refuse_lower(
+        target: MpsTarget, old: int | None, new: int | None, defaulted: Sequence[str]
+    ) -> None:
+        """Reservations without a memory limit of their own hold the device: the default
+        their MPS clients started with stays theirs, so one lower (or none) would count them
+        at less than they may pin."""
+        if not defaulted or old is None or (new is not None and new >= old):
+            return
+        change = "cleared" if new is None else f"lowered to {format_size(new)}"
+        raise FailedPrecondition(
+            f"{target.uuid}: default limit {format_size(old)} held by"
+            f" {len(defaulted)} reservation(s) without a memory limit of their own"
+            f" ({', '.join(defaulted)}): their MPS clients keep it, so it can be {change}"
+            " once they end"
+        )
+
+    def _check_memory(
+        self, target: MpsTarget, memory_bytes: int, reserved: int, defaulted: Sequence[str]
+    ) -> None:
+        """``reserved``: what reservations with their own memory limit hold on the device;
+        the default counts for each of ``defaulted`` (or once, for the next, where none)."""
         protocol.format_memory(memory_bytes)  # MPS's own minimum
         total = target.memory_total_bytes
         if memory_bytes > total:
@@ -413,7 +443,21 @@ class MpsManager:
                 f"{target.uuid}: a pinned memory limit of {format_size(memory_bytes)} exceeds"
                 f" the device's {format_size(total)}"
             )
-        if reserved and memory_bytes + reserved > total:
+        held = memory_bytes * len(defaulted)
+        if defaulted and held + reserved > total:
+            mine = (
+                f" + reserved by jobs with their own limits {format_size(reserved)}"
+                f" = {format_size(held + reserved)}"
+                if reserved
+                else ""
+            )
+            raise ResourceExhausted(
+                f"{target.uuid}: default limit {format_size(memory_bytes)} x"
+                f" {len(defaulted)} reservation(s) without a memory limit of their own"
+                f" ({', '.join(defaulted)}) = {format_size(held)}{mine}"
+                f" exceeds the device's {format_size(total)}"
+            )
+        if not defaulted and reserved and memory_bytes + reserved > total:
             raise ResourceExhausted(
                 f"{target.uuid}: default limit {format_size(memory_bytes)} + reserved by jobs"
                 f" {format_size(reserved)} = {format_size(memory_bytes + reserved)} exceeds"

@@ -35,13 +35,27 @@ requests = st.one_of(
 @st.composite
 def nodes(draw: st.DrawFn) -> list[Device]:
     gpus = draw(st.integers(2, 4))
+    # a GPU may have an MPS default memory limit: what a request without one asks there
     devices = [
-        Device(f"GPU-{i}", i, None, "H100", Vec(draw(st.sampled_from([40, 80])) * GIB, 100))
+        Device(
+            f"GPU-{i}",
+            i,
+            None,
+            "H100",
+            Vec(draw(st.sampled_from([40, 80])) * GIB, 100),
+            default_memory=draw(st.sampled_from([None, 20 * GIB, 30 * GIB])),
+        )
         for i in range(gpus)
     ]
     for j in range(draw(st.integers(0, 3))):
         devices.append(Device(f"MIG-{gpus}-{j}", gpus, j, "1g.10gb", Vec(10 * GIB, 100)))
     return devices
+
+
+def holding(fit: PlacementFit, job: str, devices: tuple[str, ...], r: Request) -> list[Holding]:
+    """What ``r`` holds on each of ``devices``: its limits, else each one's MPS default."""
+    by_uuid = {d.uuid: d for d in fit.devices()}
+    return [Holding(job, (u,), r.on(by_uuid[u])) for u in devices]
 
 
 def running(fit: PlacementFit, wanted: list[Request]) -> list[Holding]:
@@ -50,9 +64,9 @@ def running(fit: PlacementFit, wanted: list[Request]) -> list[Holding]:
     for i, r in enumerate(wanted):
         devices = fit.place(r, loads.total, allowed=None)
         if devices is not None:
-            h = Holding(f"r{i}", devices, r.per_device)
-            loads.add(h)
-            out.append(h)
+            for h in holding(fit, f"r{i}", devices, r):
+                loads.add(h)
+                out.append(h)
     return out
 
 
@@ -78,19 +92,21 @@ def test_backfill_never_delays_the_head(node, wanted, queued, order) -> None:
     # the backfilled jobs, never releases them, and backfills again after every release.
     started = {s.id for s in first.starts}
     fifo_held = holdings + [
-        Holding(s.id, s.devices, next(q for q in queue if q.id == s.id).request.per_device)
+        h
         for s in fifo.starts
+        for h in holding(fit, s.id, s.devices, next(q for q in queue if q.id == s.id).request)
     ]
     bf_held = holdings + [
-        Holding(s.id, s.devices, next(q for q in queue if q.id == s.id).request.per_device)
+        h
         for s in first.starts
+        for h in holding(fit, s.id, s.devices, next(q for q in queue if q.id == s.id).request)
     ]
     waiting = [q for q in queue if q.id not in started]
-    releases = list(holdings)
+    releases = sorted({h.job for h in holdings})
     order.shuffle(releases)
-    for gone in releases:
-        fifo_held = [h for h in fifo_held if h.job != gone.job]
-        bf_held = [h for h in bf_held if h.job != gone.job]
+    for gone_job in releases:
+        fifo_held = [h for h in fifo_held if h.job != gone_job]
+        bf_held = [h for h in bf_held if h.job != gone_job]
         fifo_fits = fit.place(head.request, Loads.of(fifo_held).total, allowed=None) is not None
         step = admission_pass(waiting, fit, bf_held, backfill=True)
         bf_started = {s.id for s in step.starts}
@@ -100,7 +116,7 @@ def test_backfill_never_delays_the_head(node, wanted, queued, order) -> None:
         assert head.id not in bf_started or fifo_fits is False
         for s in step.starts:
             req = next(q for q in waiting if q.id == s.id).request
-            bf_held.append(Holding(s.id, s.devices, req.per_device))
+            bf_held += holding(fit, s.id, s.devices, req)
         waiting = [q for q in waiting if q.id not in bf_started]
         if head.id in bf_started:
             return

@@ -28,11 +28,12 @@ from gpud.jobs.api import run_end
 from gpud.jobs.ends import EndCause, RunEnd
 from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, RunRequest
+from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
 from gpud.store import StateStore
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import GpuSample
-from gpud.v1 import jobs_pb2
+from gpud.v1 import jobs_pb2, mps_pb2
 from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, snapshot
 
 GIB = 1 << 30
@@ -395,6 +396,106 @@ def test_a_run_without_memory_holds_each_devices_own_mps_default(node: Node) -> 
     assert held == {first: 70 * GIB, second: 10 * GIB}
     # 60 GiB fits beside the 10 GiB default, not beside the 70 GiB one
     assert node.jobs.reserve(whole("c")).reservation.devices == (second,)
+
+
+def test_runs_without_memory_ask_for_the_mps_default_and_never_over_commit(
+    node: Node,
+) -> None:
+    """``gpuctl mps set --memory 60GiB`` on both 80 GiB GPUs: a run that sets no memory
+    limit is pinned to 60 GiB there, so it asks for 60 GiB: two fit, a third waits (exit 7,
+    not 6), with the numbers, and starts once one ends."""
+    first, second = (t.uuid for t in node.mps.targets())
+    for uuid in (first, second):
+        node.mps.set_limits(uuid, memory_bytes=60 * GIB)
+    a = node.jobs.reserve(RunRequest(job="a")).reservation
+    b = node.jobs.reserve(RunRequest(job="b")).reservation
+    assert {a.devices, b.devices} == {(first,), (second,)}
+    with pytest.raises(ResourceExhausted) as refused:
+        node.jobs.reserve(RunRequest(job="c"))
+    assert str(refused.value) == (
+        f"job 'c' asks 60GiB (its MPS default memory limit) on {first} (H100-SXM5-80GB):"
+        " 60GiB reserved by a of 80GiB, 20GiB free"
+    )
+    loads = node.jobs.loads()
+    assert {u: load.memory_bytes for u, load in loads.items()} == {
+        first: 60 * GIB,
+        second: 60 * GIB,
+    }
+    # gpuctl env for a job that holds nothing: where it would go now, refused as taken
+    node.jobs.add(JobSpec(name="e", kind=JobKind.TRAINING))
+    with pytest.raises(ResourceExhausted, match="asks 60GiB"):
+        node.jobs.env("e")
+    # queued, quotable: the class packs one a GPU, by memory
+    view = node.admission.enqueue(RunRequest(job="c"))
+    assert view.unfeasible is None and view.entry.state == QUEUED
+    (queued,) = node.admission.queue_views()
+    assert "asks 60GiB (its MPS default memory limit)" in queued.waiting_on
+    (cls,) = [v for v in node.admission.explain() if v.key == "1 GPU"]
+    assert cls.packing is not None and cls.packing.k_eff == 2
+    node.jobs.release(a.id)
+    node.admission.tick()
+    assert node.admission.entry(view.entry.id).state == STARTED
+    # a request with its own limit asks that, not the default
+    with pytest.raises(ResourceExhausted, match="asks 30GiB on"):
+        node.jobs.reserve(RunRequest(job="d", memory_bytes=30 * GIB))
+    assert node.jobs.reserve(RunRequest(job="d", memory_bytes=20 * GIB)).reservation
+
+
+def test_each_device_asks_its_own_default_and_no_default_never_waits(node: Node) -> None:
+    first, second = (t.uuid for t in node.mps.targets())
+    node.mps.set_limits(first, memory_bytes=70 * GIB)
+    node.jobs.reserve(RunRequest(job="a", devices=(first,)))
+    # the pair asks 70 GiB on the first GPU (20 free) and nothing on the second
+    with pytest.raises(ResourceExhausted, match=f"asks 70GiB .* on {first}"):
+        node.jobs.reserve(RunRequest(job="pair", gpu_count=2))
+    for job in ("x", "y", "z"):  # no default there: shares, as MPS clients do
+        assert node.jobs.reserve(RunRequest(job=job, devices=(second,))).reservation
+
+
+def test_mps_set_memory_counts_the_default_for_each_run_without_a_limit(node: Node) -> None:
+    """``gpuctl mps set --memory`` while runs that set no memory limit hold the device:
+    the new default counts for each of them; it is never lowered nor cleared under them
+    (their MPS clients keep the limit they started with)."""
+    first = node.mps.targets()[0].uuid
+    api = MpsServicer(node.mps, loads=node.jobs.loads)
+
+    def set_memory(limit: int | None) -> None:
+        request = mps_pb2.SetMpsLimitsRequest(device="0")
+        if limit is None:
+            request.clear_memory = True
+        else:
+            request.memory_limit_bytes = limit
+        api._set(request)
+
+    a = node.jobs.reserve(RunRequest(job="a", devices=("0",))).reservation
+    b = node.jobs.reserve(RunRequest(job="b", devices=("0",))).reservation
+    with pytest.raises(ResourceExhausted) as refused:
+        set_memory(60 * GIB)
+    assert str(refused.value) == (
+        f"{first}: default limit 60GiB x 2 reservation(s) without a memory limit of their own"
+        " (a, b) = 120GiB exceeds the device's 80GiB"
+    )
+    assert node.mps.limits(first).memory_bytes is None
+    set_memory(30 * GIB)
+    assert node.jobs.loads()[first].memory_bytes == 60 * GIB
+    c = node.jobs.reserve(RunRequest(job="c", devices=("0",), memory_bytes=10 * GIB))
+    with pytest.raises(ResourceExhausted, match=r"\(a, b\) = 80GiB \+ reserved by jobs with"):
+        set_memory(40 * GIB)
+    set_memory(35 * GIB)
+    with pytest.raises(FailedPrecondition) as lowered:
+        set_memory(20 * GIB)
+    assert str(lowered.value) == (
+        f"{first}: default limit 35GiB held by 2 reservation(s) without a memory limit of"
+        " their own (a, b): their MPS clients keep it, so it can be lowered to 20GiB once"
+        " they end"
+    )
+    with pytest.raises(FailedPrecondition, match="so it can be cleared once they end"):
+        set_memory(None)
+    assert node.mps.limits(first).memory_bytes == 35 * GIB
+    for r in (a, b, c.reservation):
+        node.jobs.release(r.id)
+    set_memory(None)
+    assert node.mps.limits(first).memory_bytes is None
 
 
 def test_requests_show_sizes_as_people_write_them_and_keep_their_history_class(

@@ -1,6 +1,7 @@
 """The node's job bookkeeping explored as sequences: jobs registered and removed, runs
-reserved and released, queued, left, their holders dying, GPUs lost and back, gpud
-restarted on the same state directory, and after every step the promises it keeps.
+reserved and released, queued, left, their holders dying, GPUs lost and back, MPS default
+memory limits set and cleared, gpud restarted on the same state directory, and after every
+step the promises it keeps.
 
 The services are the daemon's own, wired as it wires them, over hand-built samples of a
 three-GPU node (one in MIG mode) and a fake clock; a holder is this test's own process, seen through a
@@ -34,10 +35,12 @@ from gpud.events import EventLog
 from gpud.jobs.ends import EndCause, RunEnd
 from gpud.jobs.registry import JobSpec
 from gpud.jobs.service import JobService, RunRequest
+from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
 from gpud.store import StateStore
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import GpuSample, Snapshot
+from gpud.v1 import mps_pb2
 from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, gpu_uuid, mig_uuid, snapshot
 from tests.unit.test_admission_service import Clock
 
@@ -266,6 +269,22 @@ class Bookkeeping(RuleBasedStateMachine):
         after = self.s.admission.leave(e.id).entry.state
         assert after == (LEFT if before == QUEUED else before)
 
+    @rule(
+        device=st.sampled_from(sorted(CAPACITY)),
+        limit=st.sampled_from([None, 30 * GIB, 60 * GIB]),
+    )
+    def set_default_memory(self, device: str, limit: int | None) -> None:
+        """``gpuctl mps set --gpu DEVICE --memory LIMIT`` (None: ``--clear-memory``): the
+        MPS default pinned memory limit a run that sets none gets on that device."""
+        api = MpsServicer(self.s.mps, loads=self.s.jobs.loads)
+        request = mps_pb2.SetMpsLimitsRequest(device=device)
+        if limit is None:
+            request.clear_memory = True
+        else:
+            request.memory_limit_bytes = limit
+        with contextlib.suppress(GpudError):
+            api._set(request)
+
     @rule(seconds=st.sampled_from([0.0, 1.0, 30.0, 4000.0]))
     def tick(self, seconds: float) -> None:
         """One pass of gpud's loop over the node as it is now."""
@@ -324,12 +343,17 @@ class Bookkeeping(RuleBasedStateMachine):
     # -- invariants --------------------------------------------------------------------------
     @invariant()
     def never_over_committed(self) -> None:
+        """A run without a memory limit counts its device's MPS default limit, as its
+        client gets it there."""
         held = self.s.jobs.reservations.held()
         memory_by: dict[str, int] = {}
         threads_by: dict[str, int] = {}
         for r in held:
             for uuid in r.devices:
-                memory_by[uuid] = memory_by.get(uuid, 0) + (r.memory_bytes or 0)
+                pinned = r.memory_bytes
+                if pinned is None:
+                    pinned = self.s.mps.limits(uuid).memory_bytes
+                memory_by[uuid] = memory_by.get(uuid, 0) + (pinned or 0)
                 threads_by[uuid] = threads_by.get(uuid, 0) + (r.threads_percent or 0)
         for uuid, n in memory_by.items():
             assert n <= CAPACITY[uuid], f"{uuid}: {n / GIB:g} GiB reserved"

@@ -14,6 +14,7 @@ import pytest
 from gpud.config import Config
 from gpud.daemon import Daemon, Step
 from gpud.errors import Unavailable
+from gpud.jobs.service import RunRequest
 from gpud.main import mps_control_command, open_backend
 from gpud.metrics import build_registry
 from gpud.notify import Notifier
@@ -396,3 +397,22 @@ def test_a_failed_sample_after_a_mig_apply_leaves_the_apply_answered(
     finally:
         d.store.close()
     assert "sampling again after a change failed" in caplog.text
+
+
+def test_colocation_sees_a_run_without_memory_at_its_devices_mps_default(root: Path) -> None:
+    """The co-location loop's memory view of a run that sets no ``--memory``: the device's
+    MPS default pinned memory limit (``gpuctl mps set --memory``), as its client gets it."""
+    d = build(make_config(root))
+    try:
+        snap = d.sampler.tick()
+        d.mps.reconcile(snap)
+        uuid = d.mps.targets()[0].uuid
+        d.mps.set_limits(uuid, memory_bytes=30 << 30)
+        d.jobs.reserve(RunRequest(job="plain"))
+        d.jobs.reserve(RunRequest(job="sized", memory_bytes=5 << 30))
+        seen = {r.name: r.memory_bytes for r in d._colo_running()}
+        assert seen == {"plain": 30 << 30, "sized": 5 << 30}
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
