@@ -2,7 +2,12 @@
 
 A history record is one job run: when it asked (``queued_at``; the same as ``started_at``
 for a job that started at once), when it started and, once it ended, when. Rates count
-arrivals over the window; service moments use the runs that ended in it. A class none of
+arrivals in the window over the span from the first of them to now; that first arrival
+opens the span and is not one of those counted in it (the Poisson count over
+``(first, now]``): counted, a first run that started at once and still runs made its
+class's load exactly 1 (one arrival over its own run time so far), and a job queued behind
+it was told its devices were overloaded. Service moments use the runs
+that ended in the window. A class none of
 whose runs has ended yet uses how long its runs have been running (a lower bound), so that
 a long first run still weighs on the quotes of the jobs waiting for its devices.
 """
@@ -52,15 +57,19 @@ def estimate(
     chosen = [r for r in records if r.queued_at >= since and r.queued_at <= now]
     if not chosen:
         return {}
-    start = max(min(r.queued_at for r in chosen), since)
-    span = max(now - start, 1e-9)
+    first = min(chosen, key=lambda r: r.queued_at)
+    span = max(now - first.queued_at, 1e-9)
     by_class: dict[str, list[Record]] = {}
     for r in chosen:
         by_class.setdefault(r.request_class, []).append(r)
-    return {key: _stats(rs, span, now) for key, rs in sorted(by_class.items())}
+    opener = first.request_class  # its first arrival opens the span, uncounted
+    return {
+        key: _stats(rs, span, now, uncounted=int(key == opener))
+        for key, rs in sorted(by_class.items())
+    }
 
 
-def _stats(records: Sequence[Record], span: float, now: float) -> ClassStats:
+def _stats(records: Sequence[Record], span: float, now: float, *, uncounted: int) -> ClassStats:
     services = [s for r in records if (s := r.service_s) is not None]
     completions = len(services)
     if not services:
@@ -75,7 +84,7 @@ def _stats(records: Sequence[Record], span: float, now: float) -> ClassStats:
         scv = var / mean**2
     return ClassStats(
         arrivals=len(records),
-        arrival_rate=len(records) / span,
+        arrival_rate=(len(records) - uncounted) / span,
         completions=completions,
         mean_service_s=mean,
         scv_service=scv,

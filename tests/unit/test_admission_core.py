@@ -137,7 +137,8 @@ def test_estimates_and_littles_law() -> None:
         Record("d", "c", 20.0, 30.0, None),
     ]
     stats = estimate(records, now=40.0)["c"]
-    assert stats.arrivals == 3 and stats.arrival_rate == pytest.approx(3 / 40)
+    # the first arrival opens the history: two arrivals over the 40 s after it
+    assert stats.arrivals == 3 and stats.arrival_rate == pytest.approx(2 / 40)
     assert stats.mean_service_s == pytest.approx(15.0)
     assert stats.mean_wait_s == pytest.approx(5.0)
     # Queue length: 1 over [5, 10] and [20, 30]: area 15 = sum of waits.
@@ -153,10 +154,10 @@ def test_class_views_and_job_quotes() -> None:
     views = class_views(fit, {"whole": whole}, records, now=1000.0)
     q = views["whole"].quote
     assert q is not None and q.servers == 1
-    assert q.rho == pytest.approx(0.5)
+    assert q.rho == pytest.approx(0.45)  # nine arrivals after the first in 1000 s, 50 s each
     # Ten ended runs of fixed length: the wait's upper confidence bound, spread sqrt(1 / 10).
-    assert q.wait_s == pytest.approx(upper_wait(1, 0.5, 50.0, 0.0, math.sqrt(1 / 10)))
-    assert q.wait_s > mgk_wait(1, 0.5, 50.0, 0.0)
+    assert q.wait_s == pytest.approx(upper_wait(1, 0.45, 50.0, 0.0, math.sqrt(1 / 10)))
+    assert q.wait_s > mgk_wait(1, 0.45, 50.0, 0.0)
     assert job_quote(q, ahead=3, waited_s=0.0) == pytest.approx(max(q.wait_s, 200.0))
     assert job_quote(ClassQuote("x", math.inf, 1.0, 1, 1.0, 1.0), ahead=0, waited_s=0.0) == math.inf
 
@@ -185,6 +186,24 @@ def test_a_wait_longer_than_the_history_is_an_overload_not_a_quote() -> None:
     assert class_quotes([saturated], horizon_s=7 * 86400.0)["s"].wait_s == math.inf
     calm = ClassModel("c", 0.5 / 100.0, 100.0, 1.0, 1, pool, runs=50)
     assert class_quotes([calm], horizon_s=7 * 86400.0)["c"].wait_s < 1000.0
+
+
+def test_one_running_run_does_not_make_its_devices_look_overloaded() -> None:
+    """A first run that started at once and still runs: its class's load is not its one
+    arrival over its own run time so far (exactly 1), and a job queued behind it is quoted
+    at least what that run has run, not "no bound on the wait"."""
+    devices = [Device("GPU-0", 0, None, "H100", Vec(80 * GIB, 100))]
+    whole = Request(gpu_count=1, memory_bytes=60 * GIB)
+    records = [Record("a", "whole", 100.0, 100.0, None)]
+    views = class_views(PlacementFit(devices), {"whole": whole}, records, now=100.4)
+    q = views["whole"].quote
+    assert q is not None and q.rho == 0.0
+    assert job_quote(q, ahead=0, waited_s=0.0) == pytest.approx(0.4)
+    # the first arrival opens the span; only the class it is of counts one less
+    two = [Record("a", "whole", 100.0, 100.0, 101.0), Record("b", "half", 110.0, 110.0, None)]
+    stats = estimate(two, now=120.0)
+    assert stats["whole"].arrival_rate == 0.0
+    assert stats["half"].arrival_rate == pytest.approx(1 / 20)
 
 
 def test_a_class_with_no_ended_run_counts_its_running_time() -> None:
