@@ -289,6 +289,7 @@ class Daemon:
             self.events,
             running=self._colo_running,
             strangers=self._colo_strangers,
+            default_memory=self._colo_default_memory,
             clock=clock,
             state_file=state_dir / "colo.json",
         )
@@ -487,6 +488,17 @@ class Daemon:
                         reserved_at=r.created_at,
                     )
                 )
+        return out
+
+    def _colo_default_memory(self) -> dict[int, int]:
+        """Per GPU index, the MPS default pinned memory limit of the whole GPU, where it has
+        one: what the jobs service reserves there for a run that sets no memory."""
+        limits = self.mps.all_limits()
+        out: dict[int, int] = {}
+        for t in self.mps.targets():
+            memory = limits[t.uuid].memory_bytes if t.uuid in limits else None
+            if t.mig is None and memory is not None:
+                out[t.gpu] = memory
         return out
 
     def _colo_strangers(self) -> dict[int, int]:

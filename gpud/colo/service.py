@@ -394,6 +394,7 @@ class ColoService:
         clock: Callable[[], float] = time.monotonic,
         host: HostUsage | None = None,
         state_file: Path | None = None,
+        default_memory: Callable[[], Mapping[int, int]] | None = None,
     ) -> None:
         """``host``: reads the CPU and memory use of the jobs' process trees (default: the
         host's ``/proc``). ``state_file``: where what the loop learned about running jobs
@@ -401,9 +402,13 @@ class ColoService:
         a restart neither forgets a shared job's alone rate nor lets throttled training run
         at full duty until the guard cuts it again. ``strangers``: per GPU index, how many
         compute processes NVML lists there that belong to no job (nor to an MPS server);
-        the planner predicts every job's speed beside them and never calls that GPU free."""
+        the planner predicts every job's speed beside them and never calls that GPU free.
+        ``default_memory``: per GPU index, its MPS default pinned memory limit (``gpuctl mps
+        set --memory``), where it has one: what a new run that sets no memory is planned at
+        there."""
         self._events = events
         self._running = running
+        self._default_memory = default_memory if default_memory is not None else dict
         self._strangers = strangers if strangers is not None else dict
         self._host = host if host is not None else HostUsage(clock=clock)
         self._nvlink = NvlinkRates()
@@ -1564,25 +1569,28 @@ class ColoService:
             features = (
                 JobFeatures(sm=sm_activity, mem_bw=min(1.0, sm_activity)) if sm_activity else PRIOR
             )
-            shape = Shape.prior(
-                job,
-                jk,
-                memory_bytes=memory_bytes or 8 * GIB,
-                knee=sm_activity,
-                slo_s=slo_p99_ms / 1e3 if slo_p99_ms else None,
-                peak_load=peak_load,
-            )
             st = self._jobs.get(job)
-            new = JobView(
-                job,
-                shape,
-                features,
-                order=float("inf") if since is None else since,
-                peak_load=peak_load,
-                waited_s=0.0 if since is None else now - since,
-                # a run of a job the loop evicted, which has not run since
-                evicted=st is not None and st.evicted and st.arrived is None,
-            )
+
+            def asking(memory: int) -> JobView:
+                shape = Shape.prior(
+                    job,
+                    jk,
+                    memory_bytes=memory,
+                    knee=sm_activity,
+                    slo_s=slo_p99_ms / 1e3 if slo_p99_ms else None,
+                    peak_load=peak_load,
+                )
+                return JobView(
+                    job,
+                    shape,
+                    features,
+                    order=float("inf") if since is None else since,
+                    peak_load=peak_load,
+                    waited_s=0.0 if since is None else now - since,
+                    # a run of a job the loop evicted, which has not run since
+                    evicted=st is not None and st.evicted and st.arrived is None,
+                )
+
             # Every run that waits is planned with it, in the order they came (a new ask
             # comes last): what frees goes to the first that fits there, whichever asks
             # first. A run of an evicted job, or one that waited head_hold_s, that fits
@@ -1604,16 +1612,35 @@ class ColoService:
             views = [self._view(r) for r in running]
             gpus, where = self._gpu_views(snapshot, running)
             hold = self._planner.params.head_hold_s
-            same = (
-                snapshot.monotonic,
-                tuple(gpus),
-                frozenset(
-                    (r.name, r.gpu, r.device, r.threads_percent, r.memory_used, r.mig_profile)
-                    for r in running
-                ),
-                frozenset(_question(v, hold) for v in [*ahead, new]),
-            )
-            placement, waiting = self._place(gpus, [*views, *ahead], new, same)
+            # A run that sets no --memory is pinned, on each GPU, to that GPU's MPS default
+            # limit where it has one (what the jobs service then reserves), else planned
+            # at 8 GiB: GPUs of one planned size are planned together, the fastest wins.
+            defaults = self._default_memory() if memory_bytes is None else {}
+            by_size: dict[int, list[GpuView]] = {}
+            for g in gpus:
+                size = memory_bytes or defaults.get(g.index) or 8 * GIB
+                by_size.setdefault(size, []).append(g)
+            placement: Placement | None = None
+            waiting = ""
+            new = asking(memory_bytes or 8 * GIB)
+            for size, some in sorted(by_size.items()) or [(new.shape.memory_bytes, [])]:
+                view_new = asking(size)
+                same = (
+                    snapshot.monotonic,
+                    tuple(some),
+                    frozenset(
+                        (r.name, r.gpu, r.device, r.threads_percent, r.memory_used, r.mig_profile)
+                        for r in running
+                    ),
+                    frozenset(_question(v, hold) for v in [*ahead, view_new]),
+                )
+                found, why = self._place(some, [*views, *ahead], view_new, same)
+                if found is not None and (
+                    placement is None or found.predicted_speed > placement.predicted_speed
+                ):
+                    placement, new = found, view_new
+                elif placement is None and not waiting:
+                    waiting, new = why, view_new
             if placement is None:
                 why = waiting or "no GPU has room"
                 # The planner weighs the healthy GPUs alone: the faulty ones are named too,

@@ -2406,3 +2406,26 @@ def test_the_scant_margin_memory_is_the_configured_one_also_after_a_restart(
         state_file=tmp_path / "colo.json",
     )
     assert again.predictor.scant_memory_s == 900.0
+
+
+def test_advice_for_a_run_without_memory_plans_each_gpus_mps_default(tmp_path: Path) -> None:
+    """``gpuctl mps set --gpu 1 --memory 60GiB``: a run that sets no --memory is pinned to
+    60 GiB there and reserved at it, so advice plans it at 60 GiB on GPU 1, where 30 GiB
+    are in use, not at the 8 GiB it assumes where a GPU has no default."""
+    jobs = [RunningJob("a", "training", 0, memory_bytes=30 * GIB, memory_used=30 * GIB)]
+    defaults: dict[int, int] = {1: 60 * GIB}
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        clock=Clock(),
+        default_memory=lambda: defaults,
+    )
+    snap = snapshot(used_gib=30)
+    svc.tick(snap)
+    refused = svc.advise("new", snapshot=snap)
+    assert refused.gpu == -1, refused
+    # a run that sets its memory is planned at it, defaults or not
+    assert svc.advise("new", memory_bytes=8 * GIB, snapshot=snap).gpu == 1
+    defaults.clear()
+    assert svc.advise("new", snapshot=snap).gpu == 1
