@@ -1562,6 +1562,9 @@ class ColoService:
         if not self.config.enabled:
             self._off_for(waiter)
         running = tuple(self._running())
+        # read from the state store, so before the loop's lock: a job removal holds the
+        # store's while it calls job_removed, which takes the loop's
+        defaults = self._default_memory() if memory_bytes is None else {}
         with self._lock:
             if snapshot is None:
                 return Advice(-1, 0.0, 0, None, "", 0.0, "no telemetry yet"), None
@@ -1615,7 +1618,6 @@ class ColoService:
             # A run that sets no --memory is pinned, on each GPU, to that GPU's MPS default
             # limit where it has one (what the jobs service then reserves), else planned
             # at 8 GiB: GPUs of one planned size are planned together, the fastest wins.
-            defaults = self._default_memory() if memory_bytes is None else {}
             by_size: dict[int, list[GpuView]] = {}
             for g in gpus:
                 size = memory_bytes or defaults.get(g.index) or 8 * GIB

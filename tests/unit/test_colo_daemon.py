@@ -2429,3 +2429,35 @@ def test_advice_for_a_run_without_memory_plans_each_gpus_mps_default(tmp_path: P
     assert svc.advise("new", memory_bytes=8 * GIB, snapshot=snap).gpu == 1
     defaults.clear()
     assert svc.advise("new", snapshot=snap).gpu == 1
+
+
+def test_advice_reads_the_mps_defaults_outside_the_loops_lock(tmp_path: Path) -> None:
+    """The defaults come from the state store, whose lock a job removal holds while it
+    calls the loop's removal hook (which takes the loop's lock): read under the loop's
+    lock, an advice and a removal at once would wait on each other for good."""
+    import threading
+
+    free: list[bool] = []
+
+    def take() -> None:
+        free.append(svc._lock.acquire(timeout=0.5))
+        if free[-1]:
+            svc._lock.release()
+
+    def defaults() -> dict[int, int]:
+        taker = threading.Thread(target=take)
+        taker.start()
+        taker.join()
+        return {1: 60 * GIB}
+
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: [],
+        clock=Clock(),
+        default_memory=defaults,
+    )
+    snap = snapshot(used_gib=30)
+    svc.tick(snap)
+    svc.advise("new", snapshot=snap)
+    assert free == [True]
