@@ -134,9 +134,14 @@ class Aggregator:
             if now - t <= self.node_timeout_s
         ]
 
-    def _tags(self) -> TagAllocator:
+    def _tags(self, now: float) -> TagAllocator:
         if self._allocator is None:
-            self._allocator = TagAllocator(reserved=self._reserved, existing=self._tag_store.load())
+            existing = self._tag_store.load()
+            self._allocator = TagAllocator(reserved=self._reserved, existing=existing)
+            # a stored tag counts as seen now: one no node reports (its job ended while no
+            # leader ran, or before the last one released it) goes after release_after_s
+            for job in existing:
+                self._job_seen.setdefault(job, now)
         return self._allocator
 
     def compute(self, epoch: int, now: float, *, wall: float | None = None) -> Order:
@@ -223,7 +228,7 @@ class Aggregator:
                         pinned.append(job)
                     f[_PIN] = jr.pinned_level
 
-        allocator = self._tags()
+        allocator = self._tags(now)
         before = allocator.allocations()
         dropped = _follow_nodes(allocator, folds)
         free = len(allocator.pool) - len(allocator.allocations())

@@ -118,6 +118,20 @@ def test_stale_nodes_drop_out_and_idle_tags_are_released() -> None:
     assert set(store.tags) == {"a"}
 
 
+def test_a_new_leader_releases_the_stored_tags_of_jobs_no_node_reports() -> None:
+    """Jobs that ended while no leader ran (or before the old one released them): the
+    successor loads their tags from etcd and gives them back after release_after_s, so
+    ``<prefix>/tags/`` and the DSCP pool do not fill up across failovers."""
+    store = MemoryTagStore(tags={"gone-1": 10, "gone-2": 11})
+    agg = make(store, timeout=5)
+    agg.receive(NodeReport("n1", (JobReport("a"),)), 100)
+    agg.compute(2, 100)
+    assert set(store.tags) == {"gone-1", "gone-2", "a"}  # not yet: a node may report them
+    agg.receive(NodeReport("n1", (JobReport("a"),)), 116)
+    agg.compute(2, 116)
+    assert set(store.tags) == {"a"}
+
+
 def test_a_failing_tag_store_publishes_nothing_new() -> None:
     class Broken(MemoryTagStore):
         def save(self, allocated: object, released: object) -> None:
