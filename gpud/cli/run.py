@@ -43,7 +43,9 @@ With traffic enforcement on, the environment also carries the job's ``GPUD_DSCP`
 whose packets gpud marks with the job's DSCP: the command is held at a gate (a pipe) until
 gpud has moved it into the cgroup, so not one of its sockets is opened outside. If gpud
 cannot place it, gpuctl says why and runs it unmarked; if gpuctl dies first, the command
-never runs (exit 125).
+never runs (exit 125). A ``gpuctl jobs rm --force`` of the job before the gate opens (it
+SIGTERMs the process held there) keeps the command from running: ``run`` says the job was
+removed as its command started, nothing started, and exits 4.
 """
 
 from __future__ import annotations
@@ -537,19 +539,62 @@ def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop
 
         def place(pid: int) -> None:
             # the response names the cgroup ("" when the daemon marks nothing by cgroup)
-            ctx.call(net.PlaceProcess, net_pb2.PlaceProcessRequest(job=args.job, pid=pid))
+            try:
+                ctx.call(net.PlaceProcess, net_pb2.PlaceProcessRequest(job=args.job, pid=pid))
+            except CliError as err:
+                # `gpuctl jobs rm --force` since it reserved: its command must not run
+                if err.exit_code == EXIT_NOT_FOUND and _job_gone(ctx, args.job):
+                    raise NotStarted(removed=True) from err
+                raise
 
     if stop.is_set():  # a signal since it asked: the reservation goes back, nothing ran
         _give_back(ctx, reservation)
         return _stopped(args.job, stop)
     returncode: int | None = None  # None: gpuctl itself stopped before the command's end
     told: list[int] = []  # the signals gpuctl was sent while the command ran
+    started = True
     try:
         returncode = _launch(command, env, place, told.append, stop)
         return exit_status(returncode)
+    except NotStarted as never:
+        started = False
+        return _not_started(ctx, args.job, never)
     finally:
         _stop_leftovers(args.job, reservation, args.kill_after)
-        release_run(ctx, args.job, reservation, returncode, told[0] if told else None)
+        if started:
+            release_run(ctx, args.job, reservation, returncode, told[0] if told else None)
+        else:  # gpud took it already when the job was removed: NOT_FOUND, or no status kept
+            _give_back(ctx, reservation)
+
+
+def _job_gone(ctx: Context, job: str) -> bool:
+    """Whether ``job`` is registered no more (``gpuctl jobs rm --force``); False when
+    gpud cannot say."""
+    try:
+        return _registered(ctx, job) is None
+    except CliError:
+        return False
+
+
+def _not_started(ctx: Context, job: str, never: NotStarted) -> int:
+    """Say why the command of ``job`` never ran; gpuctl's exit status. Removed as it
+    started (``gpuctl jobs rm --force`` between the reservation and the gate opening, which
+    SIGTERMs the gate's process or leaves nothing to place): exit 4, as a run removed while
+    it waits. Otherwise the status of the gate's process, which ended before it opened."""
+    if never.removed or _job_gone(ctx, job):
+        raise CliError(
+            f"job {job} was removed (gpuctl jobs rm --force) as its command started: "
+            "nothing was started",
+            EXIT_NOT_FOUND,
+        )
+    code = never.returncode if never.returncode is not None else EXIT_GATE_CLOSED
+    how = f"killed by {_signame(-code)}" if code < 0 else f"exit {code}"
+    print(
+        f"gpuctl: the command of job {job} did not start: its first process ended ({how}) "
+        "before gpuctl let it run",
+        file=sys.stderr,
+    )
+    return exit_status(code)
 
 
 def release_run(
@@ -820,6 +865,17 @@ def _terminal_sent_it(pid: int) -> bool:
         os.close(tty)
 
 
+class NotStarted(Exception):
+    """The command of a held run never ran: ``place`` kept the gate shut (``removed``: the
+    job is gone), or the gate's process ended before it was let through. ``returncode``:
+    that process's, once :func:`_launch` has waited for it (125 for a gate kept shut)."""
+
+    def __init__(self, returncode: int | None = None, *, removed: bool = False) -> None:
+        super().__init__("the command never started")
+        self.returncode = returncode
+        self.removed = removed
+
+
 def _launch(
     command: list[str],
     env: dict[str, str],
@@ -829,7 +885,9 @@ def _launch(
 ) -> int:
     """Run ``command`` as a process that the kernel kills when gpuctl dies (see _GATE);
     with ``place``, hold it at the gate, call ``place(pid)``, then let it run (it runs
-    even when placing fails, with a warning). ``told`` hears each signal gpuctl gets
+    even when placing fails, with a warning, unless ``place`` raises :class:`NotStarted`,
+    which keeps the gate shut; NotStarted too when the gate's process ended before the gate
+    opened, as the SIGTERM of ``gpuctl jobs rm --force`` ends it). ``told`` hears each signal gpuctl gets
     meanwhile (SIGINT, SIGTERM, SIGHUP); ``stop``'s handlers take them until the command
     has started (one they took then is forwarded once it has), and the handlers they
     replaced are put back at its end. Its return code: the exit status, or -N when
@@ -866,8 +924,17 @@ def _launch(
             place(child.pid)
         except CliError as err:
             print(f"gpuctl: the job's traffic is not marked by cgroup: {err}", file=sys.stderr)
-        finally:
+        except BaseException as err:
+            os.close(gate_w)  # shut: the gate reads end of file and exits 125, nothing runs
+            if isinstance(err, NotStarted):
+                err.returncode = child.wait()
+            raise
+        try:
             os.write(gate_w, b"g")
+        except BrokenPipeError:
+            # the gate's process ended first (`gpuctl jobs rm --force` SIGTERMs it)
+            raise NotStarted(child.wait()) from None
+        finally:
             os.close(gate_w)
 
     def forward(signum: int, frame: FrameType | None) -> None:
