@@ -43,9 +43,11 @@ With traffic enforcement on, the environment also carries the job's ``GPUD_DSCP`
 whose packets gpud marks with the job's DSCP: the command is held at a gate (a pipe) until
 gpud has moved it into the cgroup, so not one of its sockets is opened outside. If gpud
 cannot place it, gpuctl says why and runs it unmarked; if gpuctl dies first, the command
-never runs (exit 125). A ``gpuctl jobs rm --force`` of the job before the gate opens (it
-SIGTERMs the process held there) keeps the command from running: ``run`` says the job was
-removed as its command started, nothing started, and exits 4.
+never runs (exit 125). Without traffic enforcement the command waits at the same gate
+until gpuctl has seen its reservation still held. A ``gpuctl jobs rm --force`` of the job
+before the gate opens (it SIGTERMs the process held there, or finds none yet) keeps the
+command from running: ``run`` says the job was removed as its command started, nothing
+started, and exits 4; one after stops the command, and the run says the job was removed.
 """
 
 from __future__ import annotations
@@ -533,19 +535,25 @@ def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop
     from gpud.jobs import leftovers  # stdlib only; loaded by `gpuctl run` alone
 
     env = {**os.environ, **granted, leftovers.RUN_VAR: reservation}
-    place = None
-    if "GPUD_DSCP" in granted:
-        net = ctx.stub(net_pb2_grpc.NetStub)
+    traffic = "GPUD_DSCP" in granted
+    net = ctx.stub(net_pb2_grpc.NetStub)
 
-        def place(pid: int) -> None:
+    def place(pid: int) -> None:
+        """Let the command through once ``pid`` (held at the gate, its environment naming
+        the run) is in the job's cgroup, with traffic on; without, once the reservation is
+        seen still held. A `gpuctl jobs rm --force` from then on finds that process and
+        SIGTERMs it; one since the reservation (nothing to find then) keeps the gate shut."""
+        if not traffic:
+            if _reservation_gone(ctx, args.job, reservation):
+                raise NotStarted(removed=True)
+            return
+        try:
             # the response names the cgroup ("" when the daemon marks nothing by cgroup)
-            try:
-                ctx.call(net.PlaceProcess, net_pb2.PlaceProcessRequest(job=args.job, pid=pid))
-            except CliError as err:
-                # `gpuctl jobs rm --force` since it reserved: its command must not run
-                if err.exit_code == EXIT_NOT_FOUND and _job_gone(ctx, args.job):
-                    raise NotStarted(removed=True) from err
-                raise
+            ctx.call(net.PlaceProcess, net_pb2.PlaceProcessRequest(job=args.job, pid=pid))
+        except CliError as err:
+            if err.exit_code == EXIT_NOT_FOUND and _reservation_gone(ctx, args.job, reservation):
+                raise NotStarted(removed=True) from err
+            raise
 
     if stop.is_set():  # a signal since it asked: the reservation goes back, nothing ran
         _give_back(ctx, reservation)
@@ -558,7 +566,7 @@ def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop
         return exit_status(returncode)
     except NotStarted as never:
         started = False
-        return _not_started(ctx, args.job, never)
+        return _not_started(ctx, args.job, reservation, never)
     finally:
         _stop_leftovers(args.job, reservation, args.kill_after)
         if started:
@@ -567,21 +575,23 @@ def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop
             _give_back(ctx, reservation)
 
 
-def _job_gone(ctx: Context, job: str) -> bool:
-    """Whether ``job`` is registered no more (``gpuctl jobs rm --force``); False when
-    gpud cannot say."""
+def _reservation_gone(ctx: Context, job: str, reservation: str) -> bool:
+    """Whether ``reservation`` of ``job`` is held no more: the job was removed (``gpuctl
+    jobs rm --force``, which releases it), or removed and added again. False when gpud
+    cannot say."""
     try:
-        return _registered(ctx, job) is None
+        known = _registered(ctx, job)
     except CliError:
         return False
+    return known is None or reservation not in {r.id for r in known.reservations}
 
 
-def _not_started(ctx: Context, job: str, never: NotStarted) -> int:
+def _not_started(ctx: Context, job: str, reservation: str, never: NotStarted) -> int:
     """Say why the command of ``job`` never ran; gpuctl's exit status. Removed as it
     started (``gpuctl jobs rm --force`` between the reservation and the gate opening, which
     SIGTERMs the gate's process or leaves nothing to place): exit 4, as a run removed while
     it waits. Otherwise the status of the gate's process, which ended before it opened."""
-    if never.removed or _job_gone(ctx, job):
+    if never.removed or _reservation_gone(ctx, job, reservation):
         raise CliError(
             f"job {job} was removed (gpuctl jobs rm --force) as its command started: "
             "nothing was started",

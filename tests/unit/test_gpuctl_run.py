@@ -1487,40 +1487,41 @@ class RemovedOnceReserved(JobsServicer):
 
 
 @pytest.mark.parametrize(
-    ("remove_first", "placed", "jobs_api"),
+    ("traffic", "net_answers", "jobs_api"),
     [
-        (True, False, JobsServicer),  # the gate's process SIGTERMed, the job gone: NotFound
-        (True, True, JobsServicer),  # placed as the removal came: the gate's process ended
-        (False, False, RemovedOnceReserved),  # removed before anything started
+        (True, (True, False), JobsServicer),  # the gate's process SIGTERMed, the job gone
+        (True, (True, True), JobsServicer),  # placed as the removal came: the process ended
+        (True, (False, False), RemovedOnceReserved),  # removed before anything started
+        (False, (False, False), RemovedOnceReserved),  # the same, with traffic off
     ],
-    ids=["removed-before-placing", "removed-as-placed", "removed-once-reserved"],
+    ids=["removed-before-placing", "removed-as-placed", "removed-once-reserved", "no-traffic"],
 )
 def test_a_run_whose_job_is_removed_as_its_command_starts_exits_4_having_run_nothing(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
-    remove_first: bool,
-    placed: bool,
+    traffic: bool,
+    net_answers: tuple[bool, bool],
     jobs_api: type[JobsServicer],
 ) -> None:
-    """With traffic on, `gpuctl jobs rm --force` between the reservation and the moment the
-    gate lets the command run: the command never runs, and `gpuctl run` says the job was
-    removed and exits 4, as a run removed while it waits does; not a warning that its
-    traffic is unmarked, a run of the command without a reservation, or exit 141."""
+    """`gpuctl jobs rm --force` between the reservation and the moment the gate lets the
+    command run: the command never runs, and `gpuctl run` says the job was removed and
+    exits 4, as a run removed while it waits does; not a warning that its traffic is
+    unmarked, a run of the command without a reservation, or exit 141."""
     held: list[JobService] = []
+    remove_first, placed = net_answers
     net = Places(lambda: held[0], remove_first=remove_first, placed=placed)
     marker = tmp_path / "ran"
     with serving(net.register, jobs_api=jobs_api) as n:
         held.append(n.jobs)
-        n.jobs.set_tagger(lambda job: 26, lambda job: 26)
+        if traffic:
+            n.jobs.set_tagger(lambda job: 26, lambda job: 26)
         code = n.ctl("run", "--job", "h3", "--gpus", "1", "--", "touch", str(marker))
         assert n.jobs.reservations.held() == []
         assert n.jobs.registry.find("h3") is None
     err = capsys.readouterr().err
     assert code == 4, err
-    assert len(net.asked) == 1
+    assert len(net.asked) == traffic
     assert not marker.exists()
-    assert (
-        "job h3 was removed (gpuctl jobs rm --force) as its command started: nothing was started"
-        in err
-    )
+    removed = "job h3 was removed (gpuctl jobs rm --force) as its command started: nothing was"
+    assert removed in err
     assert "not marked by cgroup" not in err and "while its command ran" not in err
