@@ -32,8 +32,8 @@ waits, printing its position and expected wait whenever they change, until gpud 
 then it runs as above. Ctrl-C (SIGTERM, SIGHUP) while waiting leaves the queue or the wait
 for co-location (exit 130, said on one line, gpud there or not), telling gpud which signal
 (its event says so, and ``gpuctl queue`` stops listing the run at once); one before the
-command starts (asking gpud, reserving) ends the run the same way, and a reservation made
-as it came is given back; ``gpuctl jobs rm --force``
+command starts (asking gpud, reserving, held at its gate) ends the run the same way, and a
+reservation made as it came is given back; ``gpuctl jobs rm --force``
 of the job ends either wait with exit 4, nothing started. If gpud restarts meanwhile,
 ``run`` keeps waiting and finds its entry again. A request the node can never host fails at
 once, saying why and which MIG layout would host it.
@@ -566,7 +566,7 @@ def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop
         return exit_status(returncode)
     except NotStarted as never:
         started = False
-        return _not_started(ctx, args.job, reservation, never)
+        return _not_started(ctx, args.job, reservation, never, stop)
     finally:
         _stop_leftovers(args.job, reservation, args.kill_after)
         if started:
@@ -586,17 +586,21 @@ def _reservation_gone(ctx: Context, job: str, reservation: str) -> bool:
     return known is None or reservation not in {r.id for r in known.reservations}
 
 
-def _not_started(ctx: Context, job: str, reservation: str, never: NotStarted) -> int:
+def _not_started(ctx: Context, job: str, reservation: str, never: NotStarted, stop: _Stop) -> int:
     """Say why the command of ``job`` never ran; gpuctl's exit status. Removed as it
     started (``gpuctl jobs rm --force`` between the reservation and the gate opening, which
     SIGTERMs the gate's process or leaves nothing to place): exit 4, as a run removed while
-    it waits. Otherwise the status of the gate's process, which ended before it opened."""
+    it waits. Stopped by a signal meanwhile (a Ctrl-C on the terminal reaches the gate's
+    process too): exit 130, as before any command starts. Otherwise the status of the
+    gate's process, which ended before it opened."""
     if never.removed or _reservation_gone(ctx, job, reservation):
         raise CliError(
             f"job {job} was removed (gpuctl jobs rm --force) as its command started: "
             "nothing was started",
             EXIT_NOT_FOUND,
         )
+    if stop.is_set():
+        return _stopped(job, stop)
     code = never.returncode if never.returncode is not None else EXIT_GATE_CLOSED
     how = f"killed by {_signame(-code)}" if code < 0 else f"exit {code}"
     print(
@@ -897,8 +901,8 @@ def _launch(
     with ``place``, hold it at the gate, call ``place(pid)``, then let it run (it runs
     even when placing fails, with a warning, unless ``place`` raises :class:`NotStarted`,
     which keeps the gate shut; NotStarted too when the gate's process ended before the gate
-    opened, as the SIGTERM of ``gpuctl jobs rm --force`` ends it). ``told`` hears each signal gpuctl gets
-    meanwhile (SIGINT, SIGTERM, SIGHUP); ``stop``'s handlers take them until the command
+    opened, as the SIGTERM of ``gpuctl jobs rm --force`` ends it). ``told`` hears each
+    signal gpuctl gets meanwhile (SIGINT, SIGTERM, SIGHUP); ``stop``'s handlers take them until the command
     has started (one they took then is forwarded once it has), and the handlers they
     replaced are put back at its end. Its return code: the exit status, or -N when
     signal N killed it (:func:`exit_status` makes gpuctl's of it)."""

@@ -1436,10 +1436,18 @@ class Places(net_pb2_grpc.NetServicer):
     answer waits until that process has ended, then is NotFound (``placed`` False: the
     removal came before the traffic service looked) or the cgroup (it came just after)."""
 
-    def __init__(self, jobs: Callable[[], JobService], *, remove_first: bool, placed: bool) -> None:
+    def __init__(
+        self,
+        jobs: Callable[[], JobService],
+        *,
+        remove_first: bool,
+        placed: bool,
+        group_signal: int | None = None,
+    ) -> None:
         self._jobs = jobs
         self._remove_first = remove_first
         self._placed = placed
+        self._group_signal = group_signal  # sent to gpuctl and the gate's process instead
         self.asked: list[int] = []
 
     async def PlaceProcess(
@@ -1448,6 +1456,10 @@ class Places(net_pb2_grpc.NetServicer):
         def place() -> net_pb2.PlaceProcessResponse:
             self.asked.append(request.pid)
             jobs = self._jobs()
+            if self._group_signal is not None:  # as a Ctrl-C on the terminal sends it
+                os.kill(os.getpid(), self._group_signal)
+                os.kill(request.pid, self._group_signal)
+                ended_at_the_gate(request.pid)
             if self._remove_first:
                 jobs.remove(request.job, force=True)
                 ended_at_the_gate(request.pid)
@@ -1525,3 +1537,24 @@ def test_a_run_whose_job_is_removed_as_its_command_starts_exits_4_having_run_not
     removed = "job h3 was removed (gpuctl jobs rm --force) as its command started: nothing was"
     assert removed in err
     assert "not marked by cgroup" not in err and "while its command ran" not in err
+
+
+def test_a_signal_to_gpuctl_and_the_held_process_stops_the_run_saying_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A signal to the whole process group (Ctrl-C on the terminal, a batch system's
+    SIGTERM) while the command is held at the gate ends the gate's process too: the run
+    ends as one stopped before its command started (exit 130, the reservation given back),
+    not with exit 141 from writing to a gate no one reads."""
+    held: list[JobService] = []
+    net = Places(lambda: held[0], remove_first=False, placed=True, group_signal=signal.SIGTERM)
+    marker = tmp_path / "ran"
+    with serving(net.register) as n:
+        held.append(n.jobs)
+        n.jobs.set_tagger(lambda job: 26, lambda job: 26)
+        code = n.ctl("run", "--job", "h3", "--gpus", "1", "--", "touch", str(marker))
+        assert n.jobs.reservations.held() == []
+    err = capsys.readouterr().err
+    assert code == 130, err
+    assert "gpuctl: job h3 stopped (SIGTERM) before its command started: nothing was" in err
+    assert not marker.exists()
