@@ -560,18 +560,19 @@ def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop
         return _stopped(args.job, stop)
     returncode: int | None = None  # None: gpuctl itself stopped before the command's end
     told: list[int] = []  # the signals gpuctl was sent while the command ran
-    started = True
+    never: NotStarted | None = None  # set when the command never started
     try:
         returncode = _launch(command, env, place, told.append, stop)
         return exit_status(returncode)
-    except NotStarted as never:
-        started = False
-        return _not_started(ctx, args.job, reservation, never, stop)
+    except NotStarted as err:
+        never = err
+        never.removed = never.removed or _reservation_gone(ctx, args.job, reservation)
+        return _not_started(args.job, never, stop)
     finally:
         _stop_leftovers(args.job, reservation, args.kill_after)
-        if started:
+        if never is None:
             release_run(ctx, args.job, reservation, returncode, told[0] if told else None)
-        else:  # gpud took it already when the job was removed: NOT_FOUND, or no status kept
+        elif not never.removed:  # else released with the job, the history ending it then
             _give_back(ctx, reservation)
 
 
@@ -586,14 +587,14 @@ def _reservation_gone(ctx: Context, job: str, reservation: str) -> bool:
     return known is None or reservation not in {r.id for r in known.reservations}
 
 
-def _not_started(ctx: Context, job: str, reservation: str, never: NotStarted, stop: _Stop) -> int:
+def _not_started(job: str, never: NotStarted, stop: _Stop) -> int:
     """Say why the command of ``job`` never ran; gpuctl's exit status. Removed as it
     started (``gpuctl jobs rm --force`` between the reservation and the gate opening, which
     SIGTERMs the gate's process or leaves nothing to place): exit 4, as a run removed while
     it waits. Stopped by a signal meanwhile (a Ctrl-C on the terminal reaches the gate's
     process too): exit 130, as before any command starts. Otherwise the status of the
     gate's process, which ended before it opened."""
-    if never.removed or _reservation_gone(ctx, job, reservation):
+    if never.removed:
         raise CliError(
             f"job {job} was removed (gpuctl jobs rm --force) as its command started: "
             "nothing was started",

@@ -1475,6 +1475,16 @@ class Places(net_pb2_grpc.NetServicer):
         net_pb2_grpc.add_NetServicer_to_server(self, server)
 
 
+def keeping_history(node: Node) -> Callable[[], list[HistoryRow]]:
+    """`gpuctl jobs history`'s rows from now on: the admission service keeps them."""
+    from gpud.admission.service import AdmissionService
+    from gpud.config import AdmissionConfig
+
+    return AdmissionService(
+        node.jobs.store, node.jobs, node.mps, EventLog(None), AdmissionConfig()
+    ).history
+
+
 def ended_at_the_gate(pid: int) -> None:
     """Wait until ``pid`` (gpuctl's child, which it has not reaped yet) is a zombie."""
     deadline = time.monotonic() + 20
@@ -1525,13 +1535,22 @@ def test_a_run_whose_job_is_removed_as_its_command_starts_exits_4_having_run_not
     marker = tmp_path / "ran"
     with serving(net.register, jobs_api=jobs_api) as n:
         held.append(n.jobs)
+        history = keeping_history(n)
         if traffic:
             n.jobs.set_tagger(lambda job: 26, lambda job: 26)
         code = n.ctl("run", "--job", "h3", "--gpus", "1", "--", "touch", str(marker))
         assert n.jobs.reservations.held() == []
         assert n.jobs.registry.find("h3") is None
+        (row,) = history()
     err = capsys.readouterr().err
     assert code == 4, err
+    # the history ends the run at its removal: no report of a command that never ran
+    assert (row.end_cause, row.reported_at, row.exit_code, row.exit_signal) == (
+        "removed",
+        None,
+        None,
+        None,
+    )
     assert len(net.asked) == traffic
     assert not marker.exists()
     removed = "job h3 was removed (gpuctl jobs rm --force) as its command started: nothing was"
