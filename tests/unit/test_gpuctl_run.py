@@ -1443,11 +1443,13 @@ class Places(net_pb2_grpc.NetServicer):
         remove_first: bool,
         placed: bool,
         group_signal: int | None = None,
+        to_gpuctl: bool = True,
     ) -> None:
         self._jobs = jobs
         self._remove_first = remove_first
         self._placed = placed
-        self._group_signal = group_signal  # sent to gpuctl and the gate's process instead
+        self._group_signal = group_signal  # sent to the gate's process (and gpuctl) instead
+        self._to_gpuctl = to_gpuctl
         self.asked: list[int] = []
 
     async def PlaceProcess(
@@ -1457,7 +1459,8 @@ class Places(net_pb2_grpc.NetServicer):
             self.asked.append(request.pid)
             jobs = self._jobs()
             if self._group_signal is not None:  # as a Ctrl-C on the terminal sends it
-                os.kill(os.getpid(), self._group_signal)
+                if self._to_gpuctl:
+                    os.kill(os.getpid(), self._group_signal)
                 os.kill(request.pid, self._group_signal)
                 ended_at_the_gate(request.pid)
             if self._remove_first:
@@ -1558,22 +1561,47 @@ def test_a_run_whose_job_is_removed_as_its_command_starts_exits_4_having_run_not
     assert "not marked by cgroup" not in err and "while its command ran" not in err
 
 
-def test_a_signal_to_gpuctl_and_the_held_process_stops_the_run_saying_so(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("sent", "code", "said"),
+    [
+        (
+            (signal.SIGTERM, True),
+            130,
+            "gpuctl: job h3 stopped (SIGTERM) before its command started",
+        ),
+        (
+            (signal.SIGKILL, False),
+            128 + signal.SIGKILL,
+            "the command of job h3 did not start: its first process ended (killed by SIGKILL)",
+        ),
+    ],
+    ids=["process-group", "held-process-alone"],
+)
+def test_a_signal_to_the_held_process_ends_the_run_saying_its_command_never_started(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    sent: tuple[int, bool],
+    code: int,
+    said: str,
 ) -> None:
     """A signal to the whole process group (Ctrl-C on the terminal, a batch system's
     SIGTERM) while the command is held at the gate ends the gate's process too: the run
-    ends as one stopped before its command started (exit 130, the reservation given back),
-    not with exit 141 from writing to a gate no one reads."""
+    ends as one stopped before its command started (exit 130). The held process killed by
+    something else, its job still there: the run says its command did not start and exits
+    as that process did. Either way the reservation is given back, not exit 141 from
+    writing to a gate no one reads."""
+    signum, to_gpuctl = sent  # to the held process, and to gpuctl too or not
     held: list[JobService] = []
-    net = Places(lambda: held[0], remove_first=False, placed=True, group_signal=signal.SIGTERM)
+    net = Places(
+        lambda: held[0], remove_first=False, placed=True, group_signal=signum, to_gpuctl=to_gpuctl
+    )
     marker = tmp_path / "ran"
     with serving(net.register) as n:
         held.append(n.jobs)
         n.jobs.set_tagger(lambda job: 26, lambda job: 26)
-        code = n.ctl("run", "--job", "h3", "--gpus", "1", "--", "touch", str(marker))
+        got = n.ctl("run", "--job", "h3", "--gpus", "1", "--", "touch", str(marker))
         assert n.jobs.reservations.held() == []
     err = capsys.readouterr().err
-    assert code == 130, err
-    assert "gpuctl: job h3 stopped (SIGTERM) before its command started: nothing was" in err
+    assert got == code, err
+    assert said in err
     assert not marker.exists()
