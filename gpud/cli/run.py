@@ -32,8 +32,8 @@ waits, printing its position and expected wait whenever they change, until gpud 
 then it runs as above. Ctrl-C (SIGTERM, SIGHUP) while waiting leaves the queue or the wait
 for co-location (exit 130, said on one line, gpud there or not), telling gpud which signal
 (its event says so, and ``gpuctl queue`` stops listing the run at once); one before the
-command starts (asking gpud, reserving) ends the run the same way, and a reservation made
-as it came is given back; ``gpuctl jobs rm --force``
+command starts (asking gpud, reserving, held at its gate) ends the run the same way, and a
+reservation made as it came is given back; ``gpuctl jobs rm --force``
 of the job ends either wait with exit 4, nothing started. If gpud restarts meanwhile,
 ``run`` keeps waiting and finds its entry again. A request the node can never host fails at
 once, saying why and which MIG layout would host it.
@@ -43,7 +43,11 @@ With traffic enforcement on, the environment also carries the job's ``GPUD_DSCP`
 whose packets gpud marks with the job's DSCP: the command is held at a gate (a pipe) until
 gpud has moved it into the cgroup, so not one of its sockets is opened outside. If gpud
 cannot place it, gpuctl says why and runs it unmarked; if gpuctl dies first, the command
-never runs (exit 125).
+never runs (exit 125). Without traffic enforcement the command waits at the same gate
+until gpuctl has seen its reservation still held. A ``gpuctl jobs rm --force`` of the job
+before the gate opens (it SIGTERMs the process held there, or finds none yet) keeps the
+command from running: ``run`` says the job was removed as its command started, nothing
+started, and exits 4; one after stops the command, and the run says the job was removed.
 """
 
 from __future__ import annotations
@@ -531,25 +535,81 @@ def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop
     from gpud.jobs import leftovers  # stdlib only; loaded by `gpuctl run` alone
 
     env = {**os.environ, **granted, leftovers.RUN_VAR: reservation}
-    place = None
-    if "GPUD_DSCP" in granted:
-        net = ctx.stub(net_pb2_grpc.NetStub)
+    traffic = "GPUD_DSCP" in granted
+    net = ctx.stub(net_pb2_grpc.NetStub)
 
-        def place(pid: int) -> None:
+    def place(pid: int) -> None:
+        """Let the command through once ``pid`` (held at the gate, its environment naming
+        the run) is in the job's cgroup, with traffic on; without, once the reservation is
+        seen still held. A `gpuctl jobs rm --force` from then on finds that process and
+        SIGTERMs it; one since the reservation (nothing to find then) keeps the gate shut."""
+        if not traffic:
+            if _reservation_gone(ctx, args.job, reservation):
+                raise NotStarted(removed=True)
+            return
+        try:
             # the response names the cgroup ("" when the daemon marks nothing by cgroup)
             ctx.call(net.PlaceProcess, net_pb2.PlaceProcessRequest(job=args.job, pid=pid))
+        except CliError as err:
+            if err.exit_code == EXIT_NOT_FOUND and _reservation_gone(ctx, args.job, reservation):
+                raise NotStarted(removed=True) from err
+            raise
 
     if stop.is_set():  # a signal since it asked: the reservation goes back, nothing ran
         _give_back(ctx, reservation)
         return _stopped(args.job, stop)
     returncode: int | None = None  # None: gpuctl itself stopped before the command's end
     told: list[int] = []  # the signals gpuctl was sent while the command ran
+    never: NotStarted | None = None  # set when the command never started
     try:
         returncode = _launch(command, env, place, told.append, stop)
         return exit_status(returncode)
+    except NotStarted as err:
+        never = err
+        never.removed = never.removed or _reservation_gone(ctx, args.job, reservation)
+        return _not_started(args.job, never, stop)
     finally:
         _stop_leftovers(args.job, reservation, args.kill_after)
-        release_run(ctx, args.job, reservation, returncode, told[0] if told else None)
+        if never is None:
+            release_run(ctx, args.job, reservation, returncode, told[0] if told else None)
+        elif not never.removed:  # else released with the job, the history ending it then
+            _give_back(ctx, reservation)
+
+
+def _reservation_gone(ctx: Context, job: str, reservation: str) -> bool:
+    """Whether ``reservation`` of ``job`` is held no more: the job was removed (``gpuctl
+    jobs rm --force``, which releases it), or removed and added again. False when gpud
+    cannot say."""
+    try:
+        known = _registered(ctx, job)
+    except CliError:
+        return False
+    return known is None or reservation not in {r.id for r in known.reservations}
+
+
+def _not_started(job: str, never: NotStarted, stop: _Stop) -> int:
+    """Say why the command of ``job`` never ran; gpuctl's exit status. Removed as it
+    started (``gpuctl jobs rm --force`` between the reservation and the gate opening, which
+    SIGTERMs the gate's process or leaves nothing to place): exit 4, as a run removed while
+    it waits. Stopped by a signal meanwhile (a Ctrl-C on the terminal reaches the gate's
+    process too): exit 130, as before any command starts. Otherwise the status of the
+    gate's process, which ended before it opened."""
+    if never.removed:
+        raise CliError(
+            f"job {job} was removed (gpuctl jobs rm --force) as its command started: "
+            "nothing was started",
+            EXIT_NOT_FOUND,
+        )
+    if stop.is_set():
+        return _stopped(job, stop)
+    code = never.returncode if never.returncode is not None else EXIT_GATE_CLOSED
+    how = f"killed by {_signame(-code)}" if code < 0 else f"exit {code}"
+    print(
+        f"gpuctl: the command of job {job} did not start: its first process ended ({how}) "
+        "before gpuctl let it run",
+        file=sys.stderr,
+    )
+    return exit_status(code)
 
 
 def release_run(
@@ -820,6 +880,17 @@ def _terminal_sent_it(pid: int) -> bool:
         os.close(tty)
 
 
+class NotStarted(Exception):
+    """The command of a held run never ran: ``place`` kept the gate shut (``removed``: the
+    job is gone), or the gate's process ended before it was let through. ``returncode``:
+    that process's, once :func:`_launch` has waited for it (125 for a gate kept shut)."""
+
+    def __init__(self, returncode: int | None = None, *, removed: bool = False) -> None:
+        super().__init__("the command never started")
+        self.returncode = returncode
+        self.removed = removed
+
+
 def _launch(
     command: list[str],
     env: dict[str, str],
@@ -829,8 +900,10 @@ def _launch(
 ) -> int:
     """Run ``command`` as a process that the kernel kills when gpuctl dies (see _GATE);
     with ``place``, hold it at the gate, call ``place(pid)``, then let it run (it runs
-    even when placing fails, with a warning). ``told`` hears each signal gpuctl gets
-    meanwhile (SIGINT, SIGTERM, SIGHUP); ``stop``'s handlers take them until the command
+    even when placing fails, with a warning, unless ``place`` raises :class:`NotStarted`,
+    which keeps the gate shut; NotStarted too when the gate's process ended before the gate
+    opened, as the SIGTERM of ``gpuctl jobs rm --force`` ends it). ``told`` hears each
+    signal gpuctl gets meanwhile (SIGINT, SIGTERM, SIGHUP); ``stop``'s handlers take them until the command
     has started (one they took then is forwarded once it has), and the handlers they
     replaced are put back at its end. Its return code: the exit status, or -N when
     signal N killed it (:func:`exit_status` makes gpuctl's of it)."""
@@ -866,8 +939,17 @@ def _launch(
             place(child.pid)
         except CliError as err:
             print(f"gpuctl: the job's traffic is not marked by cgroup: {err}", file=sys.stderr)
-        finally:
+        except BaseException as err:
+            os.close(gate_w)  # shut: the gate reads end of file and exits 125, nothing runs
+            if isinstance(err, NotStarted):
+                err.returncode = child.wait()
+            raise
+        try:
             os.write(gate_w, b"g")
+        except BrokenPipeError:
+            # the gate's process ended first (`gpuctl jobs rm --force` SIGTERMs it)
+            raise NotStarted(child.wait()) from None
+        finally:
             os.close(gate_w)
 
     def forward(signum: int, frame: FrameType | None) -> None:

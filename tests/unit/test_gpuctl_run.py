@@ -24,7 +24,7 @@ from gpud.cli.main import main as gpuctl
 from gpud.colo.api import ColoServicer
 from gpud.colo.service import ColoService, RunningJob
 from gpud.config import ColocateConfig
-from gpud.errors import DscpPoolExhausted
+from gpud.errors import DscpPoolExhausted, NotFound
 from gpud.events import EventLog
 from gpud.jobs.api import JobsServicer
 from gpud.jobs.ends import EndCause, RunEnd
@@ -35,7 +35,15 @@ from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
 from gpud.mps.procs import alive
 from gpud.shared import GIB
-from gpud.v1 import colo_pb2, colo_pb2_grpc, queue_pb2, queue_pb2_grpc
+from gpud.v1 import (
+    colo_pb2,
+    colo_pb2_grpc,
+    jobs_pb2,
+    net_pb2,
+    net_pb2_grpc,
+    queue_pb2,
+    queue_pb2_grpc,
+)
 from tests.unit.api_support import ServerThread
 from tests.unit.mps_support import gpu_sample, gpu_uuid, make_manager, mig_uuid, short_dir, snapshot
 
@@ -70,10 +78,13 @@ class Node:
 
 @contextlib.contextmanager
 def serving(
-    *extra: Callable[[Any], None], mps_on: bool = True, control: list[str] | None = None
+    *extra: Callable[[Any], None],
+    mps_on: bool = True,
+    control: list[str] | None = None,
+    jobs_api: type[JobsServicer] = JobsServicer,
 ) -> Iterator[Node]:
     """The node's MPS and jobs services on a socket, with ``extra`` registrars; ``control``:
-    the MPS control daemon's command (default: the fake)."""
+    the MPS control daemon's command (default: the fake); ``jobs_api``: the jobs servicer."""
     with short_dir() as root:
         mps, store, events = make_manager(root, control, enabled=mps_on)
         socket = root / "gpud.sock"
@@ -84,7 +95,7 @@ def serving(
                 socket,
                 servicers=[
                     MpsServicer(mps, loads=jobs.loads).register,
-                    JobsServicer(jobs).register,
+                    jobs_api(jobs).register,
                     *extra,
                 ],
             )
@@ -1416,3 +1427,181 @@ def test_a_signal_ends_a_wait_wherever_in_its_poll_it_lands() -> None:
                 wait.wait()
             if wait.stdout is not None:
                 wait.stdout.close()
+
+
+class Places(net_pb2_grpc.NetServicer):
+    """The traffic service's PlaceProcess, as gpud's answers it (NotFound for a job not
+    registered); ``remove_first``: `gpuctl jobs rm --force` of the job lands as the request
+    comes, SIGTERMs the process held at the gate (its environment names the run), and the
+    answer waits until that process has ended, then is NotFound (``placed`` False: the
+    removal came before the traffic service looked) or the cgroup (it came just after)."""
+
+    def __init__(
+        self,
+        jobs: Callable[[], JobService],
+        *,
+        remove_first: bool,
+        placed: bool,
+        group_signal: int | None = None,
+        to_gpuctl: bool = True,
+    ) -> None:
+        self._jobs = jobs
+        self._remove_first = remove_first
+        self._placed = placed
+        self._group_signal = group_signal  # sent to the gate's process (and gpuctl) instead
+        self._to_gpuctl = to_gpuctl
+        self.asked: list[int] = []
+
+    async def PlaceProcess(
+        self, request: net_pb2.PlaceProcessRequest, context: Any
+    ) -> net_pb2.PlaceProcessResponse:
+        def place() -> net_pb2.PlaceProcessResponse:
+            self.asked.append(request.pid)
+            jobs = self._jobs()
+            if self._group_signal is not None:  # as a Ctrl-C on the terminal sends it
+                if self._to_gpuctl:
+                    os.kill(os.getpid(), self._group_signal)
+                os.kill(request.pid, self._group_signal)
+                ended_at_the_gate(request.pid)
+            if self._remove_first:
+                jobs.remove(request.job, force=True)
+                ended_at_the_gate(request.pid)
+                if self._placed:
+                    return net_pb2.PlaceProcessResponse(cgroup=f"gpud/gpud-job-{request.job}")
+            if jobs.registry.find(request.job) is None:
+                raise NotFound(f"no job {request.job!r}")
+            return net_pb2.PlaceProcessResponse(cgroup=f"gpud/gpud-job-{request.job}")
+
+        return await asyncio.to_thread(place)
+
+    def register(self, server: Any) -> None:
+        net_pb2_grpc.add_NetServicer_to_server(self, server)
+
+
+def keeping_history(node: Node) -> Callable[[], list[HistoryRow]]:
+    """`gpuctl jobs history`'s rows from now on: the admission service keeps them."""
+    from gpud.admission.service import AdmissionService
+    from gpud.config import AdmissionConfig
+
+    return AdmissionService(
+        node.jobs.store, node.jobs, node.mps, EventLog(None), AdmissionConfig()
+    ).history
+
+
+def ended_at_the_gate(pid: int) -> None:
+    """Wait until ``pid`` (gpuctl's child, which it has not reaped yet) is a zombie."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} still running after SIGTERM")
+
+
+class RemovedOnceReserved(JobsServicer):
+    """`gpuctl jobs rm --force` of the job lands as soon as its reservation is answered:
+    before `gpuctl run` has started anything, so no process of the run gets its SIGTERM."""
+
+    async def Reserve(
+        self, request: jobs_pb2.ReserveRequest, context: Any
+    ) -> jobs_pb2.ReserveResponse:
+        resp = await super().Reserve(request, context)
+        await asyncio.to_thread(self._service.remove, request.job, force=True)
+        return resp
+
+
+@pytest.mark.parametrize(
+    ("traffic", "net_answers", "jobs_api"),
+    [
+        (True, (True, False), JobsServicer),  # the gate's process SIGTERMed, the job gone
+        (True, (True, True), JobsServicer),  # placed as the removal came: the process ended
+        (True, (False, False), RemovedOnceReserved),  # removed before anything started
+        (False, (False, False), RemovedOnceReserved),  # the same, with traffic off
+    ],
+    ids=["removed-before-placing", "removed-as-placed", "removed-once-reserved", "no-traffic"],
+)
+def test_a_run_whose_job_is_removed_as_its_command_starts_exits_4_having_run_nothing(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    traffic: bool,
+    net_answers: tuple[bool, bool],
+    jobs_api: type[JobsServicer],
+) -> None:
+    """`gpuctl jobs rm --force` between the reservation and the moment the gate lets the
+    command run: the command never runs, and `gpuctl run` says the job was removed and
+    exits 4, as a run removed while it waits does; not a warning that its traffic is
+    unmarked, a run of the command without a reservation, or exit 141."""
+    held: list[JobService] = []
+    remove_first, placed = net_answers
+    net = Places(lambda: held[0], remove_first=remove_first, placed=placed)
+    marker = tmp_path / "ran"
+    with serving(net.register, jobs_api=jobs_api) as n:
+        held.append(n.jobs)
+        history = keeping_history(n)
+        if traffic:
+            n.jobs.set_tagger(lambda job: 26, lambda job: 26)
+        code = n.ctl("run", "--job", "h3", "--gpus", "1", "--", "touch", str(marker))
+        assert n.jobs.reservations.held() == []
+        assert n.jobs.registry.find("h3") is None
+        (row,) = history()
+    err = capsys.readouterr().err
+    assert code == 4, err
+    # the history ends the run at its removal: no report of a command that never ran
+    assert (row.end_cause, row.reported_at, row.exit_code, row.exit_signal) == (
+        "removed",
+        None,
+        None,
+        None,
+    )
+    assert len(net.asked) == traffic
+    assert not marker.exists()
+    removed = "job h3 was removed (gpuctl jobs rm --force) as its command started: nothing was"
+    assert removed in err
+    assert "not marked by cgroup" not in err and "while its command ran" not in err
+
+
+@pytest.mark.parametrize(
+    ("sent", "code", "said"),
+    [
+        (
+            (signal.SIGTERM, True),
+            130,
+            "gpuctl: job h3 stopped (SIGTERM) before its command started",
+        ),
+        (
+            (signal.SIGKILL, False),
+            128 + signal.SIGKILL,
+            "the command of job h3 did not start: its first process ended (killed by SIGKILL)",
+        ),
+    ],
+    ids=["process-group", "held-process-alone"],
+)
+def test_a_signal_to_the_held_process_ends_the_run_saying_its_command_never_started(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    sent: tuple[int, bool],
+    code: int,
+    said: str,
+) -> None:
+    """A signal to the whole process group (Ctrl-C on the terminal, a batch system's
+    SIGTERM) while the command is held at the gate ends the gate's process too: the run
+    ends as one stopped before its command started (exit 130). The held process killed by
+    something else, its job still there: the run says its command did not start and exits
+    as that process did. Either way the reservation is given back, not exit 141 from
+    writing to a gate no one reads."""
+    signum, to_gpuctl = sent  # to the held process, and to gpuctl too or not
+    held: list[JobService] = []
+    net = Places(
+        lambda: held[0], remove_first=False, placed=True, group_signal=signum, to_gpuctl=to_gpuctl
+    )
+    marker = tmp_path / "ran"
+    with serving(net.register) as n:
+        held.append(n.jobs)
+        n.jobs.set_tagger(lambda job: 26, lambda job: 26)
+        got = n.ctl("run", "--job", "h3", "--gpus", "1", "--", "touch", str(marker))
+        assert n.jobs.reservations.held() == []
+    err = capsys.readouterr().err
+    assert got == code, err
+    assert said in err
+    assert not marker.exists()

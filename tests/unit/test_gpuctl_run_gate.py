@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpud.cli.context import CliError
-from gpud.cli.run import _launch
+from gpud.cli.run import NotStarted, _launch
 
 
 def test_the_command_runs_only_after_it_was_placed(tmp_path: Path) -> None:
@@ -42,6 +43,36 @@ def test_a_failed_placement_warns_and_runs(
 
     assert _launch(["sh", "-c", "exit 3"], dict(os.environ), place) == 3
     assert "not marked by cgroup: cannot mark" in capsys.readouterr().err
+
+
+def test_a_gate_whose_process_ends_before_it_opens_says_the_command_never_started(
+    tmp_path: Path,
+) -> None:
+    """`gpuctl jobs rm --force` SIGTERMs the process held at the gate (its environment names
+    the run): NotStarted with that process's end, not a BrokenPipeError from the gate."""
+    out = tmp_path / "out"
+
+    def place(pid: int) -> None:
+        os.kill(pid, signal.SIGTERM)
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+
+    with pytest.raises(NotStarted) as never:
+        _launch(["touch", str(out)], dict(os.environ), place)
+    assert never.value.returncode == -signal.SIGTERM and not never.value.removed
+    assert not out.exists()
+
+
+def test_a_gate_kept_shut_runs_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+
+    def place(pid: int) -> None:
+        raise NotStarted(removed=True)
+
+    with pytest.raises(NotStarted) as never:
+        _launch(["touch", str(out)], dict(os.environ), place)
+    assert never.value.returncode == 125 and never.value.removed
+    assert not out.exists()
 
 
 def test_a_missing_command_behind_the_gate() -> None:
@@ -81,7 +112,7 @@ def logged(self, sig):
     print("forwarded", sig, flush=True)
     send(self, sig)
 subprocess.Popen.send_signal = logged
-from gpud.cli.run import _launch
+from gpud.cli.run import NotStarted, _launch
 print("exit", _launch([sys.executable, "-c", sys.argv[1], sys.argv[2]], dict(os.environ)))
 """
 
