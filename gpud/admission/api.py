@@ -1,12 +1,15 @@
 """``gpud.v1.Queue``: the admission queue over the API (``gpuctl run`` when a job must
 wait, ``gpuctl jobs add --queue``, ``gpuctl queue``, ``gpuctl jobs history``).
 
-Calls touch SQLite and /proc: they run in a worker thread, off the event loop.
+Calls touch SQLite and /proc: they run in a worker thread, off the event loop. A GetEntry
+that waits (``wait_s``) waits on the event loop, holding no thread, for the service to say
+entries changed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -36,6 +39,10 @@ if TYPE_CHECKING:
     from gpud.colo.service import WaiterView
 
 MAX_DEVICES = 64
+# GetEntryRequest.wait_s: the longest a GetEntry waits for its entry to change, and what it
+# leaves of the call's deadline for the answer to travel back
+MAX_ENTRY_WAIT_S = 5.0
+ENTRY_WAIT_MARGIN_S = 0.5
 MAX_OWNER = 128
 _STATE = {QUEUED: pb.ENTRY_STATE_QUEUED, STARTED: pb.ENTRY_STATE_STARTED}
 
@@ -181,6 +188,49 @@ def _signal_name(value: str | None) -> str | None:
     return value
 
 
+def _wait_s(request: pb.GetEntryRequest, remaining: float | None) -> float:
+    """How long a GetEntry may wait for its entry to change: ``wait_s`` (checked), at most
+    MAX_ENTRY_WAIT_S, and ENTRY_WAIT_MARGIN_S short of the deadline (``remaining``)."""
+    wait: float | None = optional(request, "wait_s")
+    if wait is None:
+        return 0.0
+    if not math.isfinite(wait) or wait < 0:
+        raise InvalidArgument("must be a number of seconds, 0 or more", field="wait_s")
+    wait = min(wait, MAX_ENTRY_WAIT_S)
+    if remaining is not None:
+        wait = min(wait, remaining - ENTRY_WAIT_MARGIN_S)
+    return max(0.0, wait)
+
+
+class _Changes:
+    """When queue entries changed: set from any thread (the service's listener), waited on
+    by the GetEntry calls on the event loop. Each change sets the event the waiters hold
+    and puts a fresh one in its place."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+
+    def current(self) -> asyncio.Event:
+        """On the event loop: the event the next change sets."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._event is None:
+            self._loop, self._event = loop, asyncio.Event()
+        return self._event
+
+    def tell(self) -> None:
+        """From any thread: entries changed."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nothing waits
+                loop.call_soon_threadsafe(self._fire)
+
+    def _fire(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = asyncio.Event()
+
+
 class QueueServicer(pb_grpc.QueueServicer):
     def __init__(
         self,
@@ -196,6 +246,14 @@ class QueueServicer(pb_grpc.QueueServicer):
         self._service = service
         self._leave_waiter = leave_waiter
         self._wall = wall
+        self._changes = _Changes()
+        if service is not None:  # a test's servicer may be given its service later
+            service.add_listener(self.entries_changed)
+
+    def entries_changed(self) -> None:
+        """From any thread: queue entries changed (the service's listener); the waiting
+        GetEntry calls read theirs again."""
+        self._changes.tell()
 
     def register(self, server: Any) -> None:
         """Add this service to a ``grpc.aio.Server`` (an ``ApiServer`` registrar)."""
@@ -212,10 +270,25 @@ class QueueServicer(pb_grpc.QueueServicer):
         return await asyncio.to_thread(enqueue)
 
     async def GetEntry(self, request: pb.GetEntryRequest, context: Any) -> pb.QueueEntry:  # noqa: N802
+        """With ``wait_s``: answers once the entry is no longer queued or moved, or after
+        that long; each change of the queue reads it again, in a worker thread."""
+
         def get() -> pb.QueueEntry:
             return entry_message(self._service.view(non_empty(request.id, field="id", max_len=64)))
 
-        return await asyncio.to_thread(get)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + _wait_s(request, context.time_remaining())
+        position: int | None = None
+        while True:
+            changed = self._changes.current()  # before the read: a change during it counts
+            entry = await asyncio.to_thread(get)
+            if position is None:
+                position = entry.position
+            left = until - loop.time()
+            if entry.state != pb.ENTRY_STATE_QUEUED or entry.position != position or left <= 0:
+                return entry
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), left)
 
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.QueueEntry:  # noqa: N802
         def leave() -> pb.QueueEntry:

@@ -226,12 +226,19 @@ class AdmissionService:
         self._area_since: float | None = None
         self._last_length = 0
         self._last_tick: float | None = None
+        # told once entries changed state (started, left), outside every transaction: a
+        # waiting GetEntry answers then (set from any thread, so they must not block)
+        self._listeners: list[Callable[[], None]] = []
+        self._changed = False  # an entry changed state since the listeners were last told
         # waits of the runs started since gpud started: gpud_admission_wait_seconds
         self.waits = Histogram(WAIT_BUCKETS)
         store.ensure_schema(SCHEMA, added=ADDED)
         jobs.add_observer(self._observe)
         jobs.add_late_end(self._removed_run_ended)
         jobs.add_removal_hook(self._job_removed)
+        # devices freed (a release, a job removed, a holder gone): the next queued job
+        # starts now, not at the next tick, and its waiting gpuctl is told at once
+        jobs.add_freed_hook(self.tick)
         jobs.gate = self.gate
         jobs.refuse_never = self.refuse_never
 
@@ -316,7 +323,19 @@ class AdmissionService:
             raise NotFound(f"no queue entry {entry_id!r}")
         return _entry(row)
 
+    def add_listener(self, changed: Callable[[], None]) -> None:
+        """``changed()`` is called, from whichever thread made the change and after it was
+        committed, once queue entries changed state; it must not block."""
+        self._listeners.append(changed)
+
+    def _tell(self) -> None:
+        if self._changed:
+            self._changed = False
+            for changed in self._listeners:
+                changed()
+
     def _set_state(self, entry_id: str, state: str, reservation: str | None = None) -> None:
+        self._changed = True
         with self._store.transaction() as conn:
             conn.execute(
                 "UPDATE admission_queue SET state = ?, reservation = ?, changed_at = ? WHERE id = ?",
@@ -410,6 +429,8 @@ class AdmissionService:
                     job=entry.job,
                     entry=entry_id,
                 )
+        if entry.state == QUEUED:
+            self.tick()  # the entries it held back may start now
         return self.view(entry_id)
 
     def _job_removed(self, job: str, force: bool) -> None:
@@ -606,9 +627,20 @@ class AdmissionService:
         )
 
     def tick(self) -> None:
-        """Drop entries whose holder is gone; start what fits, in order, with backfill."""
-        now = self._clock()
+        """Drop entries whose holder is gone; start what fits, in order, with backfill.
+        Run by the daemon's loop, and at once wherever devices free or an entry leaves (a
+        release, a removal, a holder gone, a leave, an enqueue), in that caller's thread:
+        passes never overlap (each holds the placement lock), and none runs inside a
+        transaction (the reservations it makes ask the MPS manager, whose lock comes first)."""
+        try:
+            self._pass()
+        finally:
+            with self._jobs.locked():
+                self._tell()
+
+    def _pass(self) -> None:
         with self._jobs.locked():
+            now = self._clock()  # under the lock: concurrent passes account in order
             queued = self.entries()
             self._account(now, len(queued))
             for e in queued:

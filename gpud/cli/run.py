@@ -100,6 +100,10 @@ EXIT_INTERRUPTED = 130
 EXIT_TAKEN = ERROR_TABLE[ResourceExhausted][1]
 EXIT_NOT_FOUND = ERROR_TABLE[NotFound][1]
 POLL_S = 1.0
+# How long one question about a queued entry lets gpud wait for it to start or move up
+# (GetEntryRequest.wait_s; at most half of --timeout): a freed device's next job is told at
+# once. An older gpud answers at once: gpuctl then asks no more often than every POLL_S.
+ENTRY_WAIT_S = 5.0
 ADVICE_POLL_MAX_S = 4.0  # a wait for advice asks at least this often (gpud forgets at 10 s)
 ADVICE_ROUNDS = 3  # advice asked for at most this many times when its GPU is taken meanwhile
 QUEUE_OFF = "admission queue is off"  # gpud's message when admission.enabled = false
@@ -424,6 +428,10 @@ class _Stop:
     def __init__(self) -> None:
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)
+        # what ends a wait without setting it (an answer came: wake), drained by the wait
+        self._woken, self._wake = os.pipe()
+        os.set_blocking(self._woken, False)
+        os.set_blocking(self._wake, False)
         self.signum: int | None = None  # the first signal that set it (None: Ctrl-C raised)
         self._set = False
         # the handlers its own replaced: put back by whatever takes the signals over next
@@ -440,18 +448,33 @@ class _Stop:
         return self._set
 
     def wait(self, timeout: float) -> bool:
-        """Whether it is set, after up to ``timeout`` seconds (at once once it is). A
-        signal during select() runs the handler, and select() goes on (PEP 475) to find
-        the byte it wrote."""
+        """Whether it is set, after up to ``timeout`` seconds (at once once it is, or
+        :meth:`wake` was called). A signal during select() runs the handler, and select()
+        goes on (PEP 475) to find the byte it wrote."""
         if not self._set:
             import select  # imported here: only a waiting `gpuctl run` pays for it
 
-            select.select([self._read], [], [], max(timeout, 0.0))
+            ready, _, _ = select.select([self._read, self._woken], [], [], max(timeout, 0.0))
+            if self._woken in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._woken, 64)
         return self._set
 
+    def wait_until(self, until: float) -> bool:
+        """Whether it is set, by ``until`` (monotonic), at once once it is; a wake does not
+        end this wait."""
+        while not self._set and (left := until - time.monotonic()) > 0:
+            self.wait(left)
+        return self._set
+
+    def wake(self) -> None:
+        """From any thread: end the wait under way (or the next) without setting it."""
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake, b"w")
+
     def close(self) -> None:
-        os.close(self._read)
-        os.close(self._write)
+        for fd in (self._read, self._write, self._woken, self._wake):
+            os.close(fd)
 
 
 @contextlib.contextmanager
@@ -774,14 +797,18 @@ def wait_in_queue(
         if line != shown:
             print(f"gpuctl: {line}", file=sys.stderr, flush=True)
             shown = line
-        if stop.wait(POLL_S):
-            break
+        asked = time.monotonic()
         try:
-            entry = ctx.call(
-                ctx.stub(queue_pb2_grpc.QueueStub).GetEntry,
-                queue_pb2.GetEntryRequest(id=entry.id),
-            )
+            answer = _ask_entry(ctx, entry.id, stop)
             away = False
+            if answer is None:  # a signal stopped it
+                break
+            moved = answer.state != entry.state or answer.position != entry.position
+            entry = answer
+            # gpud answers a change at once, and an older one answers everything at once:
+            # an unchanged answer is asked again no sooner than POLL_S after the last
+            if not moved and stop.wait_until(asked + POLL_S):
+                break
         except CliError as err:
             if err.exit_code != EXIT_NOT_RUNNING:
                 raise
@@ -789,6 +816,8 @@ def wait_in_queue(
                 print(f"gpuctl: {err}; still queued, waiting", file=sys.stderr, flush=True)
                 away = True
             ctx.close()  # a fresh channel once gpud is back
+            if stop.wait_until(asked + POLL_S):
+                break
     if stop.is_set():
         _leave(ctx, entry, stop)
         return None
@@ -802,6 +831,26 @@ def wait_in_queue(
         raise CliError(f"job {entry.job} left the queue ({entry.id})", 1)
     print(f"gpuctl: {queued_line(entry)}", file=sys.stderr, flush=True)
     return entry
+
+
+def _ask_entry(ctx: Context, entry_id: str, stop: _Stop) -> queue_pb2.QueueEntry | None:
+    """The queued entry, once gpud says it started, left or moved up, or after up to
+    ENTRY_WAIT_S (half of --timeout at most; the call's deadline is --timeout); None when
+    a signal stopped the wait (the call is cancelled, and gpud stops waiting with it)."""
+    import grpc
+
+    request = queue_pb2.GetEntryRequest(id=entry_id, wait_s=min(ENTRY_WAIT_S, ctx.timeout / 2))
+    call = ctx.stub(queue_pb2_grpc.QueueStub).GetEntry.future(request, timeout=ctx.timeout)
+    call.add_done_callback(lambda _: stop.wake())
+    while not call.done():
+        if stop.wait(ctx.timeout):
+            call.cancel()
+            return None
+    try:
+        answer: queue_pb2.QueueEntry = call.result()
+    except grpc.RpcError as err:
+        raise ctx.translate(err) from None
+    return answer
 
 
 def _leave(ctx: Context, entry: queue_pb2.QueueEntry, stop: _Stop) -> None:

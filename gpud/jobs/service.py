@@ -81,6 +81,11 @@ LateEnd = Callable[[str, RunEnd], bool]
 # Where a job may start now, given its effective spec: its devices; raise ResourceExhausted
 # (the admission queue's own check, so that no job jumps the queue); None: no opinion.
 Gate = Callable[[JobSpec], tuple[str, ...] | None]
+# Called once devices may have freed (a release, a removal, holders found gone), after the
+# change is committed, outside the placement lock and every transaction, in the caller's
+# thread: the admission queue starts what fits now rather than at its next tick. What it
+# raises is logged, never the caller's: the change is kept, and the tick tries again.
+FreedHook = Callable[[], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +134,7 @@ class JobService:
         self._observers: list[ReservationObserver] = []
         self._removal_hooks: list[RemovalHook] = []
         self._late_ends: list[LateEnd] = []
+        self._freed_hooks: list[FreedHook] = []
         self._waiting_kind: Callable[[str], str | None] = lambda job: None
         self.gate: Gate | None = None
         # a job that can never start here, refused as such where no gate runs (a preview)
@@ -146,6 +152,16 @@ class JobService:
 
     def add_late_end(self, keep: LateEnd) -> None:
         self._late_ends.append(keep)
+
+    def add_freed_hook(self, hook: FreedHook) -> None:
+        self._freed_hooks.append(hook)
+
+    def _freed(self) -> None:
+        for hook in self._freed_hooks:
+            try:
+                hook()
+            except Exception:  # the release stands; the next tick tries again
+                log.exception("after devices freed")
 
     def set_waiting(self, kind_of: Callable[[str], str | None]) -> None:
         """Where runs wait whose job is not registered yet: a ``gpuctl run`` the
@@ -272,6 +288,7 @@ class JobService:
                 reservation=r.id,
                 pids=told,
             )
+        self._freed()
         return job
 
     def loads(self) -> dict[str, DeviceLoad]:
@@ -554,6 +571,7 @@ class JobService:
             job=reservation.job,
             reservation=reservation.id,
         )
+        self._freed()
         return reservation
 
     # -- the tick --------------------------------------------------------------------------
@@ -577,6 +595,8 @@ class JobService:
                 job=r.job,
                 reservation=r.id,
             )
+        if reaped:
+            self._freed()
         for stop in due:
             self._kill_leftovers(stop)
         if snapshot is not None:

@@ -180,17 +180,27 @@ class GetEntryRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ID_FIELD_NUMBER: _builtins.int
+    WAIT_S_FIELD_NUMBER: _builtins.int
     id: _builtins.str
+    wait_s: _builtins.float
+    """Set: answer as soon as the entry leaves ENTRY_STATE_QUEUED or its position changes, or
+    after this many seconds (at most 5, and less than the call's deadline), whichever comes
+    first: a waiting `gpuctl run` learns of its start at once. Absent or 0: answer at once
+    (as an older gpud always does).
+    """
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
+        wait_s: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_wait_s", b"_wait_s", "wait_s", b"wait_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_wait_s", b"_wait_s", "id", b"id", "wait_s", b"wait_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__wait_s: _TypeAlias = _typing.Literal["wait_s"]  # noqa: Y015
+    _WhichOneofArgType__wait_s: _TypeAlias = _typing.Literal["_wait_s", b"_wait_s"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__wait_s) -> _WhichOneofReturnType__wait_s | None: ...
 
 Global___GetEntryRequest: _TypeAlias = GetEntryRequest  # noqa: Y015
 

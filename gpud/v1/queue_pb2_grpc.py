@@ -73,7 +73,8 @@ class QueueServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetEntry(self, request, context):
-        """One entry: its position and quote while queued, its reservation and env once started.
+        """One entry: its position and quote while queued, its reservation and env once started;
+        with wait_s, once it starts, leaves or moves up (or that long has passed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -43,7 +43,9 @@ class QueueStub:
     state of the node can host, unless keep_unfeasible.
     """
     GetEntry: _grpc.UnaryUnaryMultiCallable[_queue_pb2.GetEntryRequest, _queue_pb2.QueueEntry]
-    """One entry: its position and quote while queued, its reservation and env once started."""
+    """One entry: its position and quote while queued, its reservation and env once started;
+    with wait_s, once it starts, leaves or moves up (or that long has passed).
+    """
     Leave: _grpc.UnaryUnaryMultiCallable[_queue_pb2.LeaveRequest, _queue_pb2.QueueEntry]
     """Leave the queue (a started entry is left alone: release its reservation instead).
     The id of a `gpuctl run` waiting for co-location (Colocation.ShowColo's waiting)
@@ -61,7 +63,9 @@ class QueueAsyncStub(QueueStub):
     state of the node can host, unless keep_unfeasible.
     """
     GetEntry: _aio.UnaryUnaryMultiCallable[_queue_pb2.GetEntryRequest, _queue_pb2.QueueEntry]  # type: ignore[assignment]
-    """One entry: its position and quote while queued, its reservation and env once started."""
+    """One entry: its position and quote while queued, its reservation and env once started;
+    with wait_s, once it starts, leaves or moves up (or that long has passed).
+    """
     Leave: _aio.UnaryUnaryMultiCallable[_queue_pb2.LeaveRequest, _queue_pb2.QueueEntry]  # type: ignore[assignment]
     """Leave the queue (a started entry is left alone: release its reservation instead).
     The id of a `gpuctl run` waiting for co-location (Colocation.ShowColo's waiting)
@@ -88,7 +92,9 @@ class QueueServicer(metaclass=_abc_1.ABCMeta):
         request: _queue_pb2.GetEntryRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_queue_pb2.QueueEntry, _abc.Awaitable[_queue_pb2.QueueEntry]]:
-        """One entry: its position and quote while queued, its reservation and env once started."""
+        """One entry: its position and quote while queued, its reservation and env once started;
+        with wait_s, once it starts, leaves or moves up (or that long has passed).
+        """
 
     @_abc_1.abstractmethod
     def Leave(

@@ -292,8 +292,8 @@ def test_a_queued_job_that_can_get_no_dscp_tag_says_so_and_starts_when_one_frees
     node.jobs.set_tagger(tag_of, tags.get)
     a = node.jobs.reserve(whole("a", 2)).reservation
     entry = node.admission.enqueue(whole("b"))
-    node.jobs.release(a.id)
-    for _ in range(3):
+    node.jobs.release(a.id)  # a pass at once, then two ticks
+    for _ in range(2):
         node.admission.tick()
     waiting = node.admission.view(entry.entry.id)
     assert waiting.entry.state == QUEUED and node.jobs.reservations.held() == []
@@ -302,7 +302,7 @@ def test_a_queued_job_that_can_get_no_dscp_tag_says_so_and_starts_when_one_frees
         == "could not start: job 'b': all 1 DSCP tags of traffic.dscp_pool are in use"
     )
     said = [r.levelname for r in caplog.records if "could not start" in r.getMessage()]
-    assert said == ["WARNING", "DEBUG", "DEBUG"]  # tried every tick, said once
+    assert said == ["WARNING", "DEBUG", "DEBUG"]  # tried every pass, said once
     pool.append(tags.pop("a"))  # a's tag frees
     node.admission.tick()
     started = node.admission.view(entry.entry.id)
@@ -318,10 +318,10 @@ def store_once(node: Node) -> None:
 def test_a_queued_job_starts_without_holding_the_store_while_it_reserves(node: Node) -> None:
     """The reservation asks the MPS manager, whose lock comes before the store's
     (`gpuctl mps set` takes it, then the store): a start that held the store meanwhile
-    deadlocked with it, and with every API call after them."""
+    deadlocked with it, and with every API call after them. The start the release
+    itself runs holds no store either: the release's transaction has ended by then."""
     a = node.jobs.reserve(whole("a", 2)).reservation
     entry = node.admission.enqueue(whole("b"))
-    node.jobs.release(a.id)
     reserving, go = threading.Event(), threading.Event()
     reserve = node.jobs.reserve
 
@@ -331,7 +331,7 @@ def test_a_queued_job_starts_without_holding_the_store_while_it_reserves(node: N
         return reserve(request, **kwargs)
 
     node.jobs.reserve = paused  # type: ignore[method-assign]
-    tick = threading.Thread(target=node.admission.tick, daemon=True)
+    tick = threading.Thread(target=node.jobs.release, args=(a.id,), daemon=True)
     tick.start()
     try:
         assert reserving.wait(10)
@@ -940,3 +940,135 @@ def test_a_wall_clock_stepped_back_shows_no_negative_wait(node: Node) -> None:
     b = {h.job: h for h in node.admission.history()}["b"]
     assert b.started_at == node.clock.now and b.queued_at == b.started_at
     assert b.record().wait_s == 0.0
+
+
+@pytest.mark.parametrize("freed_by", ["release", "remove", "holder-gone", "leave"])
+def test_devices_freed_start_the_next_queued_job_without_waiting_for_a_tick(
+    node: Node, freed_by: str
+) -> None:
+    """A release, a `jobs rm --force`, a holder found gone, or the head leaving the queue
+    starts what fits at once, in that call: the devices stayed idle until the next tick
+    (up to a second), and the waiting gpuctl is told (the listeners) after it is kept."""
+    told: list[str] = []
+    node.admission.add_listener(lambda: told.append("changed"))
+    holder = None
+    if freed_by == "holder-gone":
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        holder = gone.pid
+    a = node.jobs.reserve(whole("a", 1 if freed_by == "leave" else 2, holder=holder))
+    head = node.admission.enqueue(whole("pair", 2)) if freed_by == "leave" else None
+    b = node.admission.enqueue(whole("b")).entry
+    assert node.admission.view(b.id).entry.state == QUEUED and told == []
+    if freed_by == "release":
+        node.jobs.release(a.reservation.id)
+    elif freed_by == "remove":
+        node.jobs.remove("a", force=True)
+    elif freed_by == "holder-gone":
+        node.jobs.tick(None)
+    else:
+        assert head is not None
+        node.admission.leave(head.entry.id)
+    started = node.admission.view(b.id)  # no tick
+    assert started.entry.state == STARTED and started.reservation is not None
+    assert "b" in [r.job for r in node.jobs.reservations.held()]
+    assert told and not node.admission._changed
+
+
+def test_a_pass_that_fails_after_a_release_keeps_the_release(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The release stands when the pass it runs raises (the tick tries again); logged."""
+    a = node.jobs.reserve(whole("a", 2)).reservation
+    entry = node.admission.enqueue(whole("b")).entry
+    reserve = node.jobs.reserve
+    node.jobs.reserve = lambda *args, **kwargs: 1 / 0  # type: ignore[method-assign]
+    assert node.jobs.release(a.id) is not None
+    assert "after devices freed" in caplog.text
+    assert node.jobs.reservations.held() == []
+    node.jobs.reserve = reserve  # type: ignore[method-assign]
+    node.admission.tick()
+    assert node.admission.view(entry.id).entry.state == STARTED
+
+
+class Deadline:
+    """A servicer context with ``remaining`` seconds to its deadline (None: none)."""
+
+    def __init__(self, remaining: float | None = None) -> None:
+        self.remaining = remaining
+
+    def time_remaining(self) -> float | None:
+        return self.remaining
+
+
+def test_get_entry_with_wait_answers_as_soon_as_the_entry_starts(node: Node) -> None:
+    """GetEntry with wait_s holds its answer until the entry starts (here a release, in
+    another thread), not for the whole wait; without wait_s it answers at once."""
+    import asyncio
+    import time
+
+    from gpud.admission.api import QueueServicer
+    from gpud.v1 import queue_pb2
+
+    servicer = QueueServicer(node.admission)
+    a = node.jobs.reserve(whole("a", 2)).reservation
+    entry = node.admission.enqueue(whole("b")).entry
+    read = threading.Event()
+    view = node.admission.view
+
+    def view_and_say(entry_id: str) -> Any:
+        try:
+            return view(entry_id)
+        finally:
+            read.set()
+
+    node.admission.view = view_and_say  # type: ignore[method-assign]
+
+    async def scenario() -> tuple[Any, Any, float]:
+        at_once = await servicer.GetEntry(queue_pb2.GetEntryRequest(id=entry.id), Deadline())
+        read.clear()
+        asked = queue_pb2.GetEntryRequest(id=entry.id, wait_s=5.0)
+        waiting = asyncio.create_task(servicer.GetEntry(asked, Deadline(30.0)))
+        assert await asyncio.to_thread(read.wait, 5)  # it read the entry queued: it waits
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        released = time.monotonic()
+        await asyncio.to_thread(node.jobs.release, a.id)
+        answer = await asyncio.wait_for(waiting, 4)
+        return at_once, answer, time.monotonic() - released
+
+    at_once, answer, took = asyncio.run(scenario())
+    assert at_once.state == queue_pb2.ENTRY_STATE_QUEUED
+    assert answer.state == queue_pb2.ENTRY_STATE_STARTED and answer.reservation.id
+    assert took < 1.0
+
+
+def test_get_entry_waits_no_longer_than_asked_nor_its_deadline(node: Node) -> None:
+    """An entry that stays queued is answered after wait_s, capped at 5 s and 0.5 s short
+    of the call's deadline; a wait that is not a number of seconds is refused."""
+    import asyncio
+    import time
+
+    from gpud.admission.api import QueueServicer
+    from gpud.v1 import queue_pb2
+
+    servicer = QueueServicer(node.admission)
+    node.jobs.reserve(whole("a", 2))
+    entry = node.admission.enqueue(whole("b")).entry
+
+    def timed(wait_s: float, remaining: float | None) -> float:
+        started = time.monotonic()
+        answer = asyncio.run(
+            servicer.GetEntry(
+                queue_pb2.GetEntryRequest(id=entry.id, wait_s=wait_s), Deadline(remaining)
+            )
+        )
+        assert answer.state == queue_pb2.ENTRY_STATE_QUEUED
+        return time.monotonic() - started
+
+    assert 0.2 <= timed(0.2, None) < 1.0
+    assert 0.1 <= timed(5.0, 0.6) < 0.9  # 0.5 s short of the deadline
+    assert timed(5.0, 0.3) < 0.5
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(InvalidArgument, match="wait_s"):
+            timed(bad, None)

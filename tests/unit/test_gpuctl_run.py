@@ -1605,3 +1605,111 @@ def test_a_signal_to_the_held_process_ends_the_run_saying_its_command_never_star
     assert got == code, err
     assert said in err
     assert not marker.exists()
+
+
+def test_a_queued_run_starts_its_command_as_soon_as_its_devices_free(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The release of the devices a queued `gpuctl run` waits for starts it at once (no
+    tick of gpud's loop runs here), and gpud tells the run while its question waits: it
+    asked again only every second, so the devices stayed idle up to a second more."""
+    from typing import cast
+
+    from gpud.admission.api import QueueServicer
+    from gpud.admission.service import AdmissionService
+    from gpud.config import AdmissionConfig
+    from gpud.jobs.service import RunRequest
+
+    queue = QueueServicer(cast(AdmissionService, None))
+    with serving(queue.register) as n:
+        admission = AdmissionService(n.jobs.store, n.jobs, n.mps, EventLog(None), AdmissionConfig())
+        admission.add_listener(queue.entries_changed)
+        queue._service = admission
+        asked = threading.Semaphore(0)
+        view = admission.view
+
+        def view_and_say(entry_id: str) -> Any:
+            try:
+                return view(entry_id)
+            finally:
+                asked.release()
+
+        admission.view = view_and_say  # type: ignore[method-assign]
+        hog = n.jobs.reserve(RunRequest(job="hog", devices=(gpu_uuid(1),), memory_bytes=70 * GIB))
+        marker = tmp_path / "ran"
+        released: list[float] = []
+
+        def release_once_asked() -> None:
+            # the Enqueue's answer, then the run's first question: it is waiting now
+            if asked.acquire(timeout=10) and asked.acquire(timeout=10):
+                released.append(time.monotonic())
+                n.jobs.release(hog.reservation.id)
+                time.sleep(5)  # it ended long before this, unless it never started
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=release_once_asked, daemon=True).start()
+        argv = ("run", "--job", "q", "--devices", "1", "--memory", "20GiB", "--")
+        assert n.ctl(*argv, "touch", str(marker)) == 0
+        assert released and time.monotonic() - released[0] < 0.8
+    assert marker.exists()
+    assert "queued (" in capsys.readouterr().err
+
+
+class QueuedForever(LeavesAfterOnePoll):
+    """A queue whose entry stays queued; its GetEntry waits as long as asked (``waits``), or
+    answers at once as an older gpud does; it counts the questions and their wait_s."""
+
+    def __init__(self, *, waits: bool) -> None:
+        self.waits = waits
+        self.asked: list[float | None] = []
+        self.queued = threading.Event()
+
+    async def Enqueue(
+        self, request: queue_pb2.EnqueueRequest, context: Any
+    ) -> queue_pb2.QueueEntry:
+        self.queued.set()
+        return await super().Enqueue(request, context)
+
+    async def GetEntry(
+        self, request: queue_pb2.GetEntryRequest, context: Any
+    ) -> queue_pb2.QueueEntry:
+        self.asked.append(request.wait_s if request.HasField("wait_s") else None)
+        if self.waits:
+            await asyncio.sleep(request.wait_s)
+        return queue_pb2.QueueEntry(
+            id=request.id, job="q", state=queue_pb2.ENTRY_STATE_QUEUED, position=1
+        )
+
+    async def Leave(self, request: queue_pb2.LeaveRequest, context: Any) -> queue_pb2.QueueEntry:
+        return queue_pb2.QueueEntry(id=request.id, job="q", state=queue_pb2.ENTRY_STATE_LEFT)
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["waiting-gpud", "older-gpud"])
+def test_a_queued_run_lets_gpud_wait_yet_stops_at_once_and_paces_an_older_gpud(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], waits: bool
+) -> None:
+    """A queued `gpuctl run` lets gpud hold each question up to 5 s (wait_s); SIGTERM
+    during one ends the run at once, leaving the queue, as between questions. An older
+    gpud that answers at once is asked no more often than every second."""
+    from gpud.jobs.service import RunRequest
+
+    queue = QueuedForever(waits=waits)
+    with serving(queue.register) as n:
+        n.jobs.reserve(RunRequest(job="hog", devices=(gpu_uuid(1),), memory_bytes=70 * GIB))
+        signalled: list[float] = []
+
+        def stop_later() -> None:
+            if queue.queued.wait(10):
+                time.sleep(1.5)
+                signalled.append(time.monotonic())
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=stop_later, daemon=True).start()
+        marker = tmp_path / "ran"
+        argv = ("run", "--job", "q", "--devices", "1", "--memory", "20GiB", "--")
+        assert n.ctl(*argv, "touch", str(marker)) == 130
+        assert time.monotonic() - signalled[0] < 0.8
+    assert queue.asked[0] == 5.0
+    assert len(queue.asked) == 1 if waits else 2 <= len(queue.asked) <= 3
+    assert "job q left the queue (SIGTERM), nothing started" in capsys.readouterr().err
+    assert not marker.exists()
