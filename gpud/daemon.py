@@ -310,7 +310,7 @@ class Daemon:
         # Opened before the gRPC server: a netlink socket may fork.
         self.traffic = open_traffic(config, self.store, self.events, self.jobs)
         if config.traffic.enabled:
-            self.jobs.set_tagger(self.traffic.tag, self.traffic.tags.get)
+            self.jobs.set_tagger(self.traffic.tag, self.traffic.tags.get, self.traffic.starting)
         self.collector.add_source(TrafficMetrics(self.traffic))
         self.cluster = ClusterRuntime(
             config.cluster,

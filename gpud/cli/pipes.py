@@ -7,17 +7,24 @@ import select
 import sys
 import threading
 from collections.abc import Callable
+from typing import TextIO
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what `yes | head` reports for `yes`
+EXIT_OTHER_PIPE = 1  # a pipe or socket other than gpuctl's own output broke
 
 
 def quiet_on_broken_pipe(run: Callable[[], int]) -> int:
-    """``run()``'s exit code; when its reader has gone, exit 141 quietly, as a process
-    killed by SIGPIPE would, instead of a ``BrokenPipeError`` traceback."""
+    """``run()``'s exit code; when its reader has gone (stdout's or stderr's), exit 141
+    quietly, as a process killed by SIGPIPE would, instead of a ``BrokenPipeError``
+    traceback. A broken pipe of anything else (a pipe to a child, a socket) is an error
+    of its own: said on stderr, exit 1."""
     try:
         code = run()
         sys.stdout.flush()  # inside the try: a pipe closed early shows here for buffered output
-    except BrokenPipeError:
+    except BrokenPipeError as err:
+        if not _reader_gone(sys.stdout) and not _reader_gone(sys.stderr):
+            print(f"gpuctl: {err.strerror or 'broken pipe'} (not gpuctl's output)", file=sys.stderr)
+            return EXIT_OTHER_PIPE
         # Python flushes stdout again at exit: point it at /dev/null so that flush has
         # nowhere to fail and prints no "Exception ignored" traceback.
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -25,6 +32,20 @@ def quiet_on_broken_pipe(run: Callable[[], int]) -> int:
         os.close(devnull)
         return EXIT_BROKEN_PIPE
     return code
+
+
+def _reader_gone(stream: TextIO | None) -> bool:
+    """Whether ``stream``'s reader has gone: its file is a pipe or socket whose other end
+    closed (``poll`` says POLLERR or POLLHUP at once). False without a real file behind it."""
+    try:
+        if stream is None:
+            return False
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    poller = select.poll()
+    poller.register(fd, 0)  # POLLERR, POLLHUP and POLLNVAL are reported regardless
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
 
 
 def when_reader_goes(act: Callable[[], object], *, every_s: float = 0.5) -> threading.Event:

@@ -10,13 +10,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpud.errors import (
     FailedPrecondition,
-    GpudError,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -141,6 +140,9 @@ class JobService:
         self.refuse_never: Callable[[JobSpec], None] = lambda spec: None
         self._tag_of: Callable[[str], int] | None = None
         self._tag_held: Callable[[str], int | None] = lambda job: None
+        self._tag_starting: Callable[[str], AbstractContextManager[None]] = lambda job: (
+            nullcontext()
+        )
         # a holder found gone at the first tick died while gpud was down (or before it began)
         self._ticked = False
 
@@ -183,12 +185,21 @@ class JobService:
         with self._lock:
             yield
 
-    def set_tagger(self, tag_of: Callable[[str], int], held: Callable[[str], int | None]) -> None:
+    def set_tagger(
+        self,
+        tag_of: Callable[[str], int],
+        held: Callable[[str], int | None],
+        starting: Callable[[str], AbstractContextManager[None]] | None = None,
+    ) -> None:
         """Where jobs get their DSCP tag (the traffic service, which is built after this
         service): ``tag_of`` hands one out (or raises ResourceExhausted), ``held`` reads the
-        one a job holds. Without a tagger launch environments carry no tag."""
+        one a job holds; inside ``starting(job)`` a tag handed to a job not registered yet
+        is kept (a run tags a new job before the transaction that registers it). Without a
+        tagger launch environments carry no tag."""
         self._tag_of = tag_of
         self._tag_held = held
+        if starting is not None:
+            self._tag_starting = starting
 
     def ensure_tag(self, job: str) -> None:
         """Give ``job`` its DSCP tag now (none left: ResourceExhausted). Call it holding no
@@ -387,15 +398,15 @@ class JobService:
         and return the environment to launch it with. Unless ``admitted`` (started by the
         admission queue itself), the :attr:`gate` decides where it may start."""
         request = self.resolved(request)
-        created = False  # registered by this call before its reservation
-        registered = False
-        try:
+        # A new job is registered in its first reservation's transaction: a crash or a
+        # refusal before then leaves no job behind. With traffic on it is tagged before
+        # that transaction (the traffic service's lock comes before the store's): the tag
+        # of a job still unregistered goes at the traffic service's next tick.
+        with self._tag_starting(request.job):
             if self._tag_of is not None and not admitted:  # the queue tags before it starts one
-                created = self.job_for(request, preview=preview)[1]  # registered, then tagged
+                self.job_for(request, preview=True)  # a request refused as such is not tagged
                 self.ensure_tag(request.job)  # none left: refused before it holds anything
             with self._lock:
-                # A new job is registered in its first reservation's transaction: a crash
-                # or a refusal before then leaves no job behind.
                 job, registered = self.job_for(request, preview=True)
                 # what was asked: the history's request (co-location's advice places this
                 # run only, on a device no replay or other node has)
@@ -443,27 +454,8 @@ class JobService:
                         devices=list(uuids),
                         holder_pid=request.holder_pid,
                     )
-        except GpudError:
-            if created and not preview:
-                self.forget_new(request.job)
-            raise
-        return Launch(job, reservation, self.env_for(reservation), created or registered)
-
-    def forget_new(self, name: str) -> None:
-        """Unregister ``name``, which a run registered just now to get it a DSCP tag (with
-        traffic on, before its reservation) and was then refused: a refused request leaves
-        no job behind, whose placement and limits every later run of that name would
-        inherit. Kept if a run holds it meanwhile."""
-        with self._lock:
-            if self.reservations.held(name):
-                return
-            try:
-                self.registry.remove(name)
-            except NotFound:
-                return
-        self._events.emit(
-            "job.remove", f"job {name} removed: the run that registered it was refused", job=name
-        )
+            env = self.env_for(reservation)  # its tag still kept, if a preview's
+        return Launch(job, reservation, env, registered)
 
     def unhealthy(self) -> dict[int, str]:
         """GPU index -> why it is unhealthy (lost, not answering, a critical Xid), as of

@@ -37,7 +37,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -265,6 +266,8 @@ class TrafficService:
         self._cgroup_busy: set[str] = set()  # removed jobs whose cgroup still holds processes
         self._started_at = monotonic()
         self._tagged_at: dict[str, float] = {}  # job -> when it was last given its tag (monotonic)
+        # job -> runs starting it (see starting): its tag is kept though it is not registered
+        self._starting: dict[str, int] = {}
         self.accepted_reports = 0
         self.rejected_reports = 0
         if config.enabled:
@@ -550,8 +553,10 @@ class TrafficService:
         if not self.config.enabled:
             return
         now = self._clock()
-        registered = list(self._jobs())
         with self._lock:
+            # read under the lock: a run that registered its job after a read made outside
+            # it (and tagged it since, see starting) would lose its tag here
+            registered = list(self._jobs())
             self._known_jobs = set(registered)
             self._sync_tags(registered)
             levels = self._decide(now, registered)
@@ -565,7 +570,7 @@ class TrafficService:
         self._enforce_rdma(tags, levels)
 
     def _sync_tags(self, registered: list[str]) -> None:
-        present = set(registered)
+        present = set(registered) | self._starting.keys()  # a run starting one registers it
         for job in sorted(set(self.tags.allocations()) - present):
             self.tags.release(job)
             self._forget(job)
@@ -654,6 +659,22 @@ class TrafficService:
         self._homes.pop(job, None)
         for key in [k for k in self._counters if k[1] == job]:
             del self._counters[key]
+
+    @contextmanager
+    def starting(self, job: str) -> Iterator[None]:
+        """Around a run's start (``gpuctl run``): a job tagged inside it (:meth:`tag`) keeps
+        its tag though it is not registered yet, as a new job is registered only in its
+        first reservation's transaction. A run refused, or cut short by a crash, leaves the
+        tag of a job still unregistered to the next tick, which releases it."""
+        with self._lock:
+            self._starting[job] = self._starting.get(job, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._starting.pop(job) - 1
+                if left:
+                    self._starting[job] = left
 
     def tag(self, job: str) -> int:
         """The job's DSCP tag, allocated and persisted on first use (``gpuctl run``,

@@ -18,10 +18,13 @@ from sqlite3 import Connection
 import pytest
 
 from gpud.admission.service import LEFT, QUEUED, AdmissionService
-from gpud.config import AdmissionConfig
+from gpud.config import AdmissionConfig, TrafficConfig
+from gpud.errors import GpudError
 from gpud.events import EventLog
 from gpud.jobs.service import JobService, RunRequest
 from gpud.mps.manager import MpsManager
+from gpud.net.service import TrafficService, job_pool
+from gpud.net.tagstore import TagStore
 from gpud.store import StateStore
 from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, snapshot
 
@@ -53,16 +56,32 @@ class Node:
     store: CrashingStore
     jobs: JobService
     admission: AdmissionService
+    traffic: TrafficService | None = None
 
 
-def make_node(root: Path) -> Node:
+def make_node(root: Path, *, traffic: bool = False) -> Node:
+    """A node over ``root``'s state directory; with ``traffic``, jobs get DSCP tags (no
+    interface is shaped)."""
     store = CrashingStore(root / "state")
     events = EventLog(None)
     mps = MpsManager(store, events, root / "run", FAKE_CONTROL, enabled=False)
     mps.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
     jobs = JobService(store, events, mps, socket_path=root / "gpud.sock", clock=lambda: 1000.0)
     admission = AdmissionService(store, jobs, mps, events, AdmissionConfig(), clock=lambda: 1000.0)
-    return Node(store, jobs, admission)
+    node = Node(store, jobs, admission)
+    if traffic:
+        config = TrafficConfig(enabled=True, interfaces=())
+        node.traffic = TrafficService(
+            config,
+            tags=TagStore(store, pool=job_pool(config)),
+            events=events,
+            jobs=jobs.registry.names,
+            active=lambda: {r.job for r in jobs.reservations.held()},
+            clock=lambda: 1000.0,
+            monotonic=lambda: 1000.0,
+        )
+        jobs.set_tagger(node.traffic.tag, node.traffic.tags.get, node.traffic.starting)
+    return node
 
 
 @pytest.fixture
@@ -80,39 +99,47 @@ class Seen:
     held: tuple[str, ...]  # the jobs of the reservations
     queue: tuple[tuple[str, str], ...]  # (job, state) of every entry
     open_runs: tuple[str, ...]  # the jobs of history rows without an end
+    tagged: tuple[str, ...] = ()  # the jobs holding a DSCP tag after the first traffic tick
 
 
-def seen(root: Path) -> Seen:
-    node = make_node(root)
+def seen(root: Path, *, traffic: bool = False) -> Seen:
+    node = make_node(root, traffic=traffic)
     try:
+        if node.traffic is not None:
+            node.traffic.tick()
         return Seen(
             tuple(j.name for j in node.jobs.registry.all()),
             tuple(r.job for r in node.jobs.reservations.held()),
             tuple((e.job, e.state) for e in node.admission.entries(None)),
             tuple(h.job for h in node.admission.history() if h.ended_at is None),
+            tuple(sorted(node.traffic.tags.allocations())) if node.traffic is not None else (),
         )
     finally:
         node.store.close()
 
 
 def crash_points(
-    root: Path, setup: Callable[[Node], object], operation: Callable[[Node], object]
+    root: Path,
+    setup: Callable[[Node], object],
+    operation: Callable[[Node], object],
+    *,
+    traffic: bool = False,
 ) -> Iterator[tuple[int, Seen]]:
     """The state after ``operation`` crashed at each of its points, then after it ran
     whole (the last)."""
     for n in range(1, MOST_POINTS):
         where = root / str(n)
-        node = make_node(where)
+        node = make_node(where, traffic=traffic)
         setup(node)
         node.store.crash_at = n
         try:
             operation(node)
         except Crash:
             node.store.close()
-            yield n, seen(where)
+            yield n, seen(where, traffic=traffic)
             continue
         node.store.close()
-        yield n, seen(where)
+        yield n, seen(where, traffic=traffic)
         return
     raise AssertionError(f"no run of the operation got through {MOST_POINTS} transactions")
 
@@ -178,3 +205,46 @@ def test_a_queued_run_of_a_new_job_registers_it_with_its_entry(tmp_path: Path, h
         )
     )
     whole_or_none(points, before, after)
+
+
+def test_a_run_of_a_new_job_with_traffic_on_registers_it_with_its_reservation(
+    tmp_path: Path, holder: int
+) -> None:
+    """With traffic on, `gpuctl run --job new` registered job new, then tagged it, then
+    reserved for it, each in a transaction of its own: killed between them, it left job new
+    registered with nothing run (and a DSCP tag), whose placement and limits every later
+    run of that name inherited. A tag left by a run cut short goes at the first tick."""
+    held = RunRequest(job="b", gpu_count=1, memory_bytes=60 * GIB, holder_pid=holder)
+    before = Seen(("b",), ("b",), (), ("b",), ("b",))
+    after = Seen(("b", "new"), ("b", "new"), (), ("b", "new"), ("b", "new"))
+    points = list(
+        crash_points(
+            tmp_path,
+            lambda n: n.jobs.reserve(held),
+            lambda n: n.jobs.reserve(RunRequest(job="new", gpu_count=1, holder_pid=holder)),
+            traffic=True,
+        )
+    )
+    whole_or_none(points, before, after)
+
+
+def test_a_traffic_tick_as_a_new_job_starts_keeps_its_tag(tmp_path: Path, holder: int) -> None:
+    """A new job is tagged before the transaction that registers it: a traffic tick between
+    the two keeps its tag (the run's environment carries the tag the job holds). A run
+    refused leaves neither the job nor, after the next tick, its tag."""
+    node = make_node(tmp_path, traffic=True)
+    assert node.traffic is not None
+    traffic = node.traffic
+
+    def tick_meanwhile(spec: object) -> None:
+        traffic.tick()  # the job is tagged, not registered yet
+
+    node.jobs.gate = tick_meanwhile
+    launch = node.jobs.reserve(RunRequest(job="new", gpu_count=1, holder_pid=holder))
+    traffic.tick()
+    assert launch.env["GPUD_DSCP"] == str(traffic.tags.get("new"))
+    assert node.jobs.registry.names() == ["new"]
+    with pytest.raises(GpudError):
+        node.jobs.reserve(RunRequest(job="refused", gpu_count=9, holder_pid=holder))
+    traffic.tick()
+    assert node.jobs.registry.names() == ["new"] and sorted(traffic.tags.allocations()) == ["new"]

@@ -150,3 +150,23 @@ def test_ctrl_c_while_gpuctl_loads_ends_quietly_with_130() -> None:
     assert entry(lambda: lambda: 7) == 7
     with open(Path(__file__).parents[2] / "pyproject.toml", "rb") as f:
         assert tomllib.load(f)["project"]["scripts"]["gpuctl"] == "gpud.cli:entry"
+
+
+def test_a_broken_pipe_other_than_its_output_is_an_error() -> None:
+    """A pipe to a child (or a socket) that breaks while gpuctl's own output is fine was
+    taken for `gpuctl ... | head`: exit 141, nothing said."""
+    code = (
+        "import os\n"
+        "from gpud.cli.pipes import quiet_on_broken_pipe\n"
+        "def run():\n"
+        "    read, write = os.pipe()\n"
+        "    os.close(read)\n"
+        "    os.write(write, b'x')\n"
+        "    return 0\n"
+        "raise SystemExit(quiet_on_broken_pipe(run))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert done.returncode not in (0, 141)
+    assert "gpuctl: Broken pipe" in done.stderr and "Traceback" not in done.stderr

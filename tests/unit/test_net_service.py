@@ -94,12 +94,15 @@ class Rig:
         self.config = TrafficConfig(**{"enabled": True, "interfaces": ("eth0",), **config})  # type: ignore[arg-type]
         self.service = self.make()
 
-    def make(self, rdma: RdmaPort | None = None) -> TrafficService:
+    def make(
+        self, rdma: RdmaPort | None = None, jobs: Callable[[], list[str]] | None = None
+    ) -> TrafficService:
+        """``jobs``: the registry's names (default: ``self.jobs``)."""
         return TrafficService(
             self.config,
             tags=TagStore(self.store, pool=job_pool(self.config)),
             events=self.events,
-            jobs=lambda: list(self.jobs),
+            jobs=jobs or (lambda: list(self.jobs)),
             active=lambda: set(self.active),
             tc=self.tc,
             marker=self.marker,
@@ -1140,6 +1143,41 @@ def test_a_removed_jobs_cgroup_that_still_holds_processes_is_said_once(rig: Rig)
     (rig.cgroups.dir("a") / "cgroup.procs").unlink()  # they exited
     rig.service.tick()
     assert not rig.cgroups.dir("a").exists()
+
+
+@pytest.mark.parametrize("tick_between", [False, True], ids=["removed", "removed-and-ticked"])
+def test_a_job_removed_as_its_process_is_placed_leaves_nothing_past_the_next_tick(
+    rig: Rig, tick_between: bool
+) -> None:
+    """`gpuctl jobs rm --force a` lands between PlaceProcess's job check and its cgroup
+    write (and a traffic tick too, which releases a's tag: placing tags a again). The
+    process still lands in a's cgroup and gets a mark; the removal SIGTERMs it (its
+    environment names the run). The next tick once it has exited leaves no cgroup, no nft
+    rule and no tag of a."""
+    (rig.tmp / "proc" / "4242").mkdir(parents=True)
+    (rig.tmp / "proc" / "4242" / "environ").write_bytes(b"GPUD_JOB=a\0")
+    checked = []
+
+    def registry() -> list[str]:
+        names = list(rig.jobs)
+        if not checked and service is not None:  # PlaceProcess's check: a goes right after
+            checked.append(names)
+            rig.jobs.remove("a")
+            if tick_between:
+                service.tick()
+        return names
+
+    service: TrafficService | None = None
+    service = rig.make(jobs=registry)
+    service.tag("a")  # tagged as its run started
+    path = service.place("a", 4242)
+    assert checked and path.endswith("gpud-job-a") and "a" in service.tags.allocations()
+    assert [m.job for m in rig.marker.marks] == ["a"]
+    (rig.cgroups.dir("a") / "cgroup.procs").unlink()  # SIGTERMed, it exited: the cgroup empty
+    service.tick()
+    assert not rig.cgroups.dir("a").exists() and rig.marker.marks == set()
+    assert "a" not in service.tags.allocations() and "a" not in service.view().untagged
+    assert "a" not in TagStore(rig.store, pool=job_pool(rig.config)).allocations()  # stored
 
 
 def test_the_shortest_declared_iteration_is_the_trackers_shortest_iteration() -> None:
