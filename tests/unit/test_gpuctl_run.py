@@ -1638,18 +1638,27 @@ def test_a_queued_run_starts_its_command_as_soon_as_its_devices_free(
         hog = n.jobs.reserve(RunRequest(job="hog", devices=(gpu_uuid(1),), memory_bytes=70 * GIB))
         marker = tmp_path / "ran"
         released: list[float] = []
+        ended = threading.Event()
 
         def release_once_asked() -> None:
             # the Enqueue's answer, then the run's first question: it is waiting now
             if asked.acquire(timeout=10) and asked.acquire(timeout=10):
                 released.append(time.monotonic())
                 n.jobs.release(hog.reservation.id)
-                time.sleep(5)  # it ended long before this, unless it never started
-            os.kill(os.getpid(), signal.SIGTERM)
+            # a run that never starts is stopped (its handler takes the signal), and only
+            # while it runs: once it has ended the signal would end the test process
+            if not ended.wait(5):
+                os.kill(os.getpid(), signal.SIGTERM)
 
-        threading.Thread(target=release_once_asked, daemon=True).start()
+        stopper = threading.Thread(target=release_once_asked, daemon=True)
+        stopper.start()
         argv = ("run", "--job", "q", "--devices", "1", "--memory", "20GiB", "--")
-        assert n.ctl(*argv, "touch", str(marker)) == 0
+        try:
+            code = n.ctl(*argv, "touch", str(marker))
+        finally:
+            ended.set()
+            stopper.join(15)
+        assert code == 0
         assert released and time.monotonic() - released[0] < 0.8
     assert marker.exists()
     assert "queued (" in capsys.readouterr().err
