@@ -355,7 +355,7 @@ class AdmissionService:
         with self._jobs.locked():
             # A new job is registered in its entry's transaction: a crash or a refusal
             # before then leaves no job behind.
-            job, new = self._jobs.job_for(request, preview=True)
+            job, new = self._jobs.job_for(request)
             fit = self.fit()
             if fit is None:
                 raise Unavailable("no GPU seen yet: the daemon is starting, retry shortly")

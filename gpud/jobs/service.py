@@ -363,9 +363,10 @@ class JobService:
         return out
 
     # -- reservations ----------------------------------------------------------------------
-    def job_for(self, request: RunRequest, *, preview: bool = False) -> tuple[JobSpec, bool]:
-        """The registered job ``request`` names, registering it first if new (unless
-        ``preview``); True when it was new."""
+    def job_for(self, request: RunRequest) -> tuple[JobSpec, bool]:
+        """The registered job ``request`` names, or (True: new) the job it would register:
+        a new job is registered in the transaction of its first reservation or queue entry,
+        so that a refusal or a crash before then leaves none behind."""
         with self._lock:
             job = self.registry.find(request.job)
             created = job is None
@@ -382,8 +383,6 @@ class JobService:
                     client_priority=request.client_priority,
                 )
                 validate_spec(job)
-                if not preview:
-                    job = self.add(job)
             elif request.kind is not None and request.kind is not job.kind:
                 raise InvalidArgument(
                     f"job {job.name!r} is registered as {job.kind}, not {request.kind}",
@@ -404,10 +403,10 @@ class JobService:
         # of a job still unregistered goes at the traffic service's next tick.
         with self._tag_starting(request.job):
             if self._tag_of is not None and not admitted:  # the queue tags before it starts one
-                self.job_for(request, preview=True)  # a request refused as such is not tagged
+                self.job_for(request)  # a request refused as such is not tagged
                 self.ensure_tag(request.job)  # none left: refused before it holds anything
             with self._lock:
-                job, registered = self.job_for(request, preview=True)
+                job, registered = self.job_for(request)
                 # what was asked: the history's request (co-location's advice places this
                 # run only, on a device no replay or other node has)
                 placed = _override(job, request)

@@ -574,7 +574,14 @@ class TrafficService:
         for job in sorted(set(self.tags.allocations()) - present):
             self.tags.release(job)
             self._forget(job)
-            self._events.emit("net.release", f"job {job} removed: DSCP tag released", job=job)
+            # removed, or never registered: a run that tagged its new job was refused, or
+            # gpud stopped before the transaction that registers it
+            self._events.emit(
+                "net.release",
+                f"job {job} is not registered (removed, or its run never started):"
+                " DSCP tag released",
+                job=job,
+            )
         # a job removed while it held no tag (the pool was spent) has none to release, but
         # may have reported progress: what was learnt of it goes as well, or it would stay
         # for good and a job added again under its name would inherit its iteration count
