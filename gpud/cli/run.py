@@ -349,7 +349,7 @@ def _wait_for_advice(
                 print(f"gpuctl: no co-location advice ({err}); default placement", file=sys.stderr)
                 return resp
             if not away:
-                print(f"gpuctl: {err}; still waiting", file=sys.stderr, flush=True)
+                _say_away(ctx, err, f"job {ask.job} is still waiting for co-location")
                 away = True
             ctx.close()  # a fresh channel once gpud is back
     if not stop.is_set():
@@ -383,6 +383,19 @@ def _stop_name(stop: _Stop) -> str:
     """The signal that stopped the run, as LeaveRequest.stopped_by says it ("": a Ctrl-C
     raised as KeyboardInterrupt, with no handler to say which)."""
     return _signame(stop.signum) if stop.signum is not None else ""
+
+
+def _say_away(ctx: Context, err: CliError, still: str) -> None:
+    """Say, once, that gpud went away while a run waits (``still``: what it waits as),
+    keeping its place: a restart (which cuts the long poll in flight) keeps the wait, so
+    gpuctl asks again once gpud is back, and nothing is to be checked or repeated."""
+    why = "not answering" if err.deadline_s is not None else "away (stopped or restarting)"
+    print(
+        f"gpuctl: gpud on {ctx.socket_path} is {why}; {still}, and asks again once it is"
+        " back (`systemctl status gpud`)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _by(stop: _Stop) -> str:
@@ -813,7 +826,7 @@ def wait_in_queue(
             if err.exit_code != EXIT_NOT_RUNNING:
                 raise
             if not away:
-                print(f"gpuctl: {err}; still queued, waiting", file=sys.stderr, flush=True)
+                _say_away(ctx, err, f"job {entry.job} is still queued ({entry.id})")
                 away = True
             ctx.close()  # a fresh channel once gpud is back
             if stop.wait_until(asked + POLL_S):

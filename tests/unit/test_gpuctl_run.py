@@ -393,7 +393,8 @@ def test_a_wait_through_a_gpud_restart_reserves_on_a_fresh_channel(
     assert loop.asked == 3
     assert env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)
     err = capsys.readouterr().err
-    assert "still waiting" in err and "t on GPU 1" in err
+    assert "is away (stopped or restarting); job t is still waiting for co-location" in err
+    assert "unknown" not in err and "t on GPU 1" in err
 
 
 def test_a_bad_job_name_is_refused_before_any_advice(
@@ -1310,6 +1311,45 @@ def test_a_queued_run_taken_out_says_whether_its_job_was_removed(
     assert (removed in err) is not registered
     assert ("job q left the queue (e1)" in err) is registered
     assert not marker.exists()
+
+
+class AwayAtFirstPoll(LeavesAfterOnePoll):
+    """A queue whose gpud restarts during the first poll (the long poll in flight is cut,
+    as gRPC says when the server goes), then takes the entry out."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    async def GetEntry(
+        self, request: queue_pb2.GetEntryRequest, context: Any
+    ) -> queue_pb2.QueueEntry:
+        self.polls += 1
+        if self.polls == 1:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "Cancelling all calls")
+        return await super().GetEntry(request, context)
+
+
+def test_a_queued_run_whose_gpud_restarts_says_it_is_still_queued(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """gpud restarting cuts the queued run's long poll: gpuctl says, once, that gpud is away
+    and the job still queued, and asks again; not that whether what it asked for was done
+    is unknown and is to be checked before repeating it (nothing is to be repeated)."""
+    from gpud.jobs.service import RunRequest
+
+    queue = AwayAtFirstPoll()
+    with serving(queue.register) as n:
+        n.jobs.reserve(RunRequest(job="hog", devices=(gpu_uuid(1),), memory_bytes=70 * GIB))
+        assert n.ctl("jobs", "add", "q") == 0
+        argv = ("run", "--job", "q", "--devices", "1", "--memory", "20GiB", "--", "true")
+        assert n.ctl(*argv) == 1
+    assert queue.polls == 2
+    err = capsys.readouterr().err
+    sock = n.socket
+    assert f"gpud on {sock} is away (stopped or restarting); job q is still queued (e1)" in err
+    assert "asks again once it is back" in err
+    assert "unknown" not in err and "before repeating" not in err
+    assert "job q left the queue (e1)" in err
 
 
 class SlowToLetGo(LeavesAfterOnePoll):
