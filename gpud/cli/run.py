@@ -128,8 +128,11 @@ LEAVE_TIMEOUT_S = 2.0
 # that is gone and the job must not go on using what nothing reserves; then, with a gate,
 # it waits until gpuctl has placed it (its cgroup); then it becomes the command.
 _GATE = (
-    "import os,sys,ctypes,errno\n"
+    "import os,sys,ctypes,errno,signal\n"
     "a=sys.argv\n"
+    # Python ignores these at start: the command gets them as a shell gives them (`yes | head`)
+    "signal.signal(signal.SIGPIPE,signal.SIG_DFL)\n"
+    "signal.signal(signal.SIGXFSZ,signal.SIG_DFL)\n"
     "ctypes.CDLL(None).prctl(1,9)\n"
     "os.getppid()==int(a[1]) or sys.exit(125)\n"
     "fd,ready=int(a[2]),int(a[3])\n"

@@ -379,6 +379,18 @@ def test_gpuctl_run_waits_while_co_location_says_wait(
     assert "t on GPU 1" in err
 
 
+@pytest.mark.parametrize(("sig", "code"), [("PIPE", 141), ("XFSZ", 153)])
+def test_the_command_gets_the_signals_python_ignores_at_their_default(
+    node: Node, sig: str, code: int
+) -> None:
+    """`gpuctl run -- sh -c 'yes' | head -1` ends as `sh -c 'yes' | head -1` does: `yes`
+    killed by SIGPIPE (141), not told EPIPE and failing with 1 because gpuctl's Python left
+    SIGPIPE ignored for its command (a shell cannot undo an ignored signal it starts with);
+    SIGXFSZ likewise."""
+    script = f"ulimit -c 0; kill -s {sig} $$; exit 3"
+    assert node.ctl("run", "--job", "p", "--", "sh", "-c", script) == code
+
+
 def test_a_wait_through_a_gpud_restart_reserves_on_a_fresh_channel(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
