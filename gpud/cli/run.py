@@ -348,6 +348,9 @@ def _wait_for_advice(
                 raise CliError(str(err), 1, error=err.error) from None
             if err.exit_code == EXIT_NOT_FOUND:
                 raise  # `gpuctl jobs rm --force` removed the job while it waited
+            if err.error == ColocationOff.__name__:  # a reload turned it off meanwhile
+                print(f"gpuctl: {err}: job {ask.job} stops waiting for it", file=sys.stderr)
+                return resp
             if err.exit_code != EXIT_NOT_RUNNING:
                 print(f"gpuctl: no co-location advice ({err}); default placement", file=sys.stderr)
                 return resp

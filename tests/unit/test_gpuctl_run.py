@@ -24,7 +24,7 @@ from gpud.cli.main import main as gpuctl
 from gpud.colo.api import ColoServicer
 from gpud.colo.service import ColoService, RunningJob
 from gpud.config import ColocateConfig
-from gpud.errors import DscpPoolExhausted, NotFound
+from gpud.errors import ColocationOff, DscpPoolExhausted, NotFound
 from gpud.events import EventLog
 from gpud.jobs.api import JobsServicer
 from gpud.jobs.ends import EndCause, RunEnd
@@ -136,7 +136,10 @@ class SaysWait(colo_pb2_grpc.ColocationServicer):
         if self.asked <= self.waits:
             return colo_pb2.AdviseResponse(gpu=-1, reason=self.reason)
         if self.then_off:  # the loop turned off meanwhile
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "co-location is off")
+            raise ColocationOff(
+                "co-location is off ([colocate] enabled = false): jobs go where the jobs"
+                " service places them"
+            )
         return colo_pb2.AdviseResponse(
             gpu=1, device=gpu_uuid(1), threads_percent=50, reason="GPU 1 is free: exclusive"
         )
@@ -612,7 +615,11 @@ def test_a_wait_whose_advice_stops_takes_the_default_placement(
         assert n.ctl("run", "--job", "t", "--", sys.executable, "-c", CHILD, str(out), "0") == 0
         env = json.loads(out.read_text())["env"]
     assert env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)  # the only whole GPU, by memory fit
-    assert "no co-location advice" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # said as what happened, not as advice that failed (nested in parentheses)
+    off = "gpuctl: co-location is off ([colocate] enabled = false): jobs go where the jobs"
+    assert f"{off} service places them: job t stops waiting for it\n" in err
+    assert "no co-location advice" not in err
 
 
 class LeaveOnly(queue_pb2_grpc.QueueServicer):
