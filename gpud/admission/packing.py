@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from gpud.admission.model import Demand, Device, Vec
 from gpud.admission.placement_fit import mig_slices
 
-_UNBOUNDED = 1 << 30  # copies of a request on a device where it asks for nothing
-
 
 @dataclass(frozen=True, slots=True)
 class Packing:
@@ -39,22 +37,33 @@ def pack(demand: Demand, devices: Mapping[str, Device]) -> Packing:
     for i, dim in enumerate(("memory", "threads")):
         on_dim = [c[i] for c in copies_by_dim]
         if any(n is not None for n in on_dim):
-            # a device it asks none of there (no MPS default) holds any number of them
-            total = sum(_UNBOUNDED if n is None else n for n in on_dim)
-            per_dim[dim] = total // demand.count
-    if not per_dim:
+            held = _held(on_dim, demand.count)
+            if held is not None:
+                per_dim[dim] = held
+    # a device where it asks for nothing (no MPS default there) holds any number of them
+    copies = [min((n for n in c if n is not None), default=None) for c in copies_by_dim]
+    k_eff = _held(copies, demand.count)
+    if k_eff is None or not per_dim:
         return Packing(None, {}, None, len(pool))
-    copies = [min((n for n in c if n is not None), default=_UNBOUNDED) for c in copies_by_dim]
-    if max(copies) <= 1:
+    if all(n is not None and n <= 1 for n in copies):
         # Takes its devices whole: the device units bind as much as memory or threads.
         if pool and pool[0].is_mig:
             slices = sum(mig_slices(d.profile) or 1 for d in pool)
             per_dim["mig_slices"] = slices // (mig_slices(pool[0].profile) or 1) // demand.count
         else:
             per_dim["gpus"] = len(pool) // demand.count
-    k_eff = sum(copies) // demand.count
     binding = min(per_dim, key=lambda dim: per_dim[dim])
     return Packing(k_eff, per_dim, binding, len(pool))
+
+
+def _held(copies: list[int | None], count: int) -> int | None:
+    """Jobs of ``count`` devices each that devices holding ``copies`` each run at once; None
+    (any number: it shares and never waits) where ``count`` of them hold any number (None).
+    Each job needs a place on ``count - unbounded`` of the others at least."""
+    unbounded = sum(1 for n in copies if n is None)
+    if unbounded >= count:
+        return None
+    return sum(n for n in copies if n is not None) // (count - unbounded)
 
 
 def _copies(capacity: Vec, need: Vec) -> tuple[int | None, int | None]:

@@ -184,9 +184,9 @@ def run_advise(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print(f"{args.job}: not placed now: {resp.reason}")
         return 0
     where = f"GPU {resp.gpu}" + (f" MIG {resp.mig_profile}" if resp.HasField("mig_profile") else "")
+    limit = format_size(resp.memory_limit_bytes) if resp.memory_limit_bytes else "none"
     ctx.out.print(
-        f"{args.job}: {where}, {resp.threads_percent}% threads, memory limit "
-        f"{format_size(resp.memory_limit_bytes)}, predicted speed {resp.predicted_speed:.2f} "
-        f"({resp.reason})"
+        f"{args.job}: {where}, {resp.threads_percent}% threads, memory limit {limit}, "
+        f"predicted speed {resp.predicted_speed:.2f} ({resp.reason})"
     )
     return 0

@@ -128,8 +128,11 @@ LEAVE_TIMEOUT_S = 2.0
 # that is gone and the job must not go on using what nothing reserves; then, with a gate,
 # it waits until gpuctl has placed it (its cgroup); then it becomes the command.
 _GATE = (
-    "import os,sys,ctypes,errno\n"
+    "import os,sys,ctypes,errno,signal\n"
     "a=sys.argv\n"
+    # Python ignores these at start: the command gets them as a shell gives them (`yes | head`)
+    "signal.signal(signal.SIGPIPE,signal.SIG_DFL)\n"
+    "signal.signal(signal.SIGXFSZ,signal.SIG_DFL)\n"
     "ctypes.CDLL(None).prctl(1,9)\n"
     "os.getppid()==int(a[1]) or sys.exit(125)\n"
     "fd,ready=int(a[2]),int(a[3])\n"
@@ -345,11 +348,14 @@ def _wait_for_advice(
                 raise CliError(str(err), 1, error=err.error) from None
             if err.exit_code == EXIT_NOT_FOUND:
                 raise  # `gpuctl jobs rm --force` removed the job while it waited
+            if err.error == ColocationOff.__name__:  # a reload turned it off meanwhile
+                print(f"gpuctl: {err}: job {ask.job} stops waiting for it", file=sys.stderr)
+                return resp
             if err.exit_code != EXIT_NOT_RUNNING:
                 print(f"gpuctl: no co-location advice ({err}); default placement", file=sys.stderr)
                 return resp
             if not away:
-                print(f"gpuctl: {err}; still waiting", file=sys.stderr, flush=True)
+                _say_away(ctx, err, f"job {ask.job} is still waiting for co-location")
                 away = True
             ctx.close()  # a fresh channel once gpud is back
     if not stop.is_set():
@@ -383,6 +389,19 @@ def _stop_name(stop: _Stop) -> str:
     """The signal that stopped the run, as LeaveRequest.stopped_by says it ("": a Ctrl-C
     raised as KeyboardInterrupt, with no handler to say which)."""
     return _signame(stop.signum) if stop.signum is not None else ""
+
+
+def _say_away(ctx: Context, err: CliError, still: str) -> None:
+    """Say, once, that gpud went away while a run waits (``still``: what it waits as),
+    keeping its place: a restart (which cuts the long poll in flight) keeps the wait, so
+    gpuctl asks again once gpud is back, and nothing is to be checked or repeated."""
+    why = "not answering" if err.deadline_s is not None else "away (stopped or restarting)"
+    print(
+        f"gpuctl: gpud on {ctx.socket_path} is {why}; {still}, and asks again once it is"
+        " back (`systemctl status gpud`)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _by(stop: _Stop) -> str:
@@ -813,7 +832,7 @@ def wait_in_queue(
             if err.exit_code != EXIT_NOT_RUNNING:
                 raise
             if not away:
-                print(f"gpuctl: {err}; still queued, waiting", file=sys.stderr, flush=True)
+                _say_away(ctx, err, f"job {entry.job} is still queued ({entry.id})")
                 away = True
             ctx.close()  # a fresh channel once gpud is back
             if stop.wait_until(asked + POLL_S):

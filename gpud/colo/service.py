@@ -1656,14 +1656,19 @@ class ColoService:
                     why = "; ".join([why, *sick])
                 return Advice(-1, 0.0, 0, None, "", 0.0, why), new
             device = ""
+            # the limit the run's MPS client gets: its --memory, else the GPU's MPS default
+            # (0: none); the plan's own size adds a margin for growth the client never gets
+            limit = placement.memory_limit_bytes
             if placement.mig_profile is not None:
                 device = where.get((placement.gpu, placement.mig_profile), "")
-            elif (sample := snapshot.gpu(placement.gpu)) is not None:
-                device = sample.identity.uuid
+            else:
+                limit = memory_bytes or defaults.get(placement.gpu, 0)
+                if (sample := snapshot.gpu(placement.gpu)) is not None:
+                    device = sample.identity.uuid
             advice = Advice(
                 placement.gpu,
                 placement.sm_share,
-                placement.memory_limit_bytes,
+                limit,
                 placement.mig_profile,
                 device,
                 placement.predicted_speed,

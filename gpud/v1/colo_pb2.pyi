@@ -474,6 +474,9 @@ class AdviseResponse(_message.Message):
     """-1: wait"""
     threads_percent: _builtins.int
     memory_limit_bytes: _builtins.int
+    """the MPS pinned memory limit the run gets on a GPU: its memory_bytes, else the GPU's
+    MPS default limit (gpuctl mps set --memory), else 0 (none); on a MIG instance, the plan's
+    """
     mig_profile: _builtins.str
     predicted_speed: _builtins.float
     reason: _builtins.str

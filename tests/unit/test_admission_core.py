@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,25 @@ def test_quoted_wait_grows_with_load_and_with_service_variability(
     # The confidence bound is never below the estimate, and widens with the load's spread.
     assert upper_wait(k, rho, 100.0, scv, 0.01) >= mgk_wait(k, k * rho, 100.0, scv)
     assert upper_wait(k, rho, 100.0, scv, 0.02) >= upper_wait(k, rho, 100.0, scv, 0.01)
+
+
+def test_packing_counts_a_device_without_mps_default_as_holding_any_number() -> None:
+    """A request without a memory limit asks a device's MPS default memory limit where it
+    has one and nothing where it has none: it never waits while enough devices ask nothing
+    of it, and the others alone bound it otherwise (never a count so large that Erlang C's
+    recursion over the servers runs for hours)."""
+    devices = synthetic("A100-SXM4-40GB", 2, {0: DeviceLayout.of(True, {"3g.20gb": 2})})
+    mig = [d for d in devices if d.is_mig]
+    pinned = {mig[0].uuid: replace(mig[0], default_memory=12 * GIB)}
+    by = {d.uuid: pinned.get(d.uuid, d) for d in devices}
+    fit = PlacementFit(list(by.values()))
+    one = fit.demand(Request(mig_profile="3g.20gb"))
+    assert isinstance(one, Demand) and len(one.pool) == 2
+    assert pack(one, by).k_eff is None  # MIG 0:1 takes any number of them
+    gpus = [d for d in devices if not d.is_mig]
+    by = {d.uuid: d for d in devices}
+    asks = ((mig[0].uuid, Vec(12 * GIB, 0)), (mig[1].uuid, Vec(6 * GIB, 0)))
+    both = Demand((mig[0].uuid, mig[1].uuid, gpus[0].uuid), Vec(0, 0), 2, asks)
+    p = pack(both, by)
+    # each job needs one of the MIG devices beside the GPU: 1 + 3 of them at once
+    assert p.k_eff == 4 and p.vector == {"memory": 4}

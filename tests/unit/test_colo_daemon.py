@@ -2408,12 +2408,10 @@ def test_the_scant_margin_memory_is_the_configured_one_also_after_a_restart(
     assert again.predictor.scant_memory_s == 900.0
 
 
-def test_advice_for_a_run_without_memory_plans_each_gpus_mps_default(tmp_path: Path) -> None:
-    """``gpuctl mps set --gpu 1 --memory 60GiB``: a run that sets no --memory is pinned to
-    60 GiB there and reserved at it, so advice plans it at 60 GiB on GPU 1, where 30 GiB
-    are in use, not at the 8 GiB it assumes where a GPU has no default."""
+def beside_30gib_on_gpu0(tmp_path: Path, defaults: dict[int, int]) -> tuple[ColoService, Snapshot]:
+    """A loop (ticked once) with job ``a`` holding 30 GiB on GPU 0, whose GPUs have the MPS
+    default memory limits ``defaults`` holds when asked (per GPU index)."""
     jobs = [RunningJob("a", "training", 0, memory_bytes=30 * GIB, memory_used=30 * GIB)]
-    defaults: dict[int, int] = {1: 60 * GIB}
     svc = ColoService(
         ColocateConfig(),
         EventLog(tmp_path / "e.jsonl"),
@@ -2423,12 +2421,34 @@ def test_advice_for_a_run_without_memory_plans_each_gpus_mps_default(tmp_path: P
     )
     snap = snapshot(used_gib=30)
     svc.tick(snap)
+    return svc, snap
+
+
+def test_advice_for_a_run_without_memory_plans_each_gpus_mps_default(tmp_path: Path) -> None:
+    """``gpuctl mps set --gpu 1 --memory 60GiB``: a run that sets no --memory is pinned to
+    60 GiB there and reserved at it, so advice plans it at 60 GiB on GPU 1, where 30 GiB
+    are in use, not at the 8 GiB it assumes where a GPU has no default."""
+    defaults: dict[int, int] = {1: 60 * GIB}
+    svc, snap = beside_30gib_on_gpu0(tmp_path, defaults)
     refused = svc.advise("new", snapshot=snap)
     assert refused.gpu == -1, refused
     # a run that sets its memory is planned at it, defaults or not
     assert svc.advise("new", memory_bytes=8 * GIB, snapshot=snap).gpu == 1
     defaults.clear()
     assert svc.advise("new", snapshot=snap).gpu == 1
+
+
+def test_advice_names_the_memory_limit_the_runs_mps_client_gets(tmp_path: Path) -> None:
+    """Advice's memory limit is what the run's MPS client is pinned to, as `gpuctl mps show`
+    has it: its --memory, else the GPU's MPS default, else none; not the plan's size with
+    its growth margin (46GiB for a 40GiB default)."""
+    defaults: dict[int, int] = {1: 40 * GIB}
+    svc, snap = beside_30gib_on_gpu0(tmp_path, defaults)
+    advice = svc.advise("new", snapshot=snap)
+    assert advice.gpu == 1 and advice.memory_limit_bytes == 40 * GIB
+    assert svc.advise("new", memory_bytes=20 * GIB, snapshot=snap).memory_limit_bytes == 20 * GIB
+    defaults.clear()
+    assert svc.advise("new", snapshot=snap).memory_limit_bytes == 0  # none: not pinned
 
 
 def test_advice_reads_the_mps_defaults_outside_the_loops_lock(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from gpud.cli.main import main as gpuctl
 from gpud.colo.api import ColoServicer
 from gpud.colo.service import ColoService, RunningJob
 from gpud.config import ColocateConfig
-from gpud.errors import DscpPoolExhausted, NotFound
+from gpud.errors import ColocationOff, DscpPoolExhausted, NotFound
 from gpud.events import EventLog
 from gpud.jobs.api import JobsServicer
 from gpud.jobs.ends import EndCause, RunEnd
@@ -136,7 +136,10 @@ class SaysWait(colo_pb2_grpc.ColocationServicer):
         if self.asked <= self.waits:
             return colo_pb2.AdviseResponse(gpu=-1, reason=self.reason)
         if self.then_off:  # the loop turned off meanwhile
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "co-location is off")
+            raise ColocationOff(
+                "co-location is off ([colocate] enabled = false): jobs go where the jobs"
+                " service places them"
+            )
         return colo_pb2.AdviseResponse(
             gpu=1, device=gpu_uuid(1), threads_percent=50, reason="GPU 1 is free: exclusive"
         )
@@ -379,6 +382,18 @@ def test_gpuctl_run_waits_while_co_location_says_wait(
     assert "t on GPU 1" in err
 
 
+@pytest.mark.parametrize(("sig", "code"), [("PIPE", 141), ("XFSZ", 153)])
+def test_the_command_gets_the_signals_python_ignores_at_their_default(
+    node: Node, sig: str, code: int
+) -> None:
+    """`gpuctl run -- sh -c 'yes' | head -1` ends as `sh -c 'yes' | head -1` does: `yes`
+    killed by SIGPIPE (141), not told EPIPE and failing with 1 because gpuctl's Python left
+    SIGPIPE ignored for its command (a shell cannot undo an ignored signal it starts with);
+    SIGXFSZ likewise."""
+    script = f"ulimit -c 0; kill -s {sig} $$; exit 3"
+    assert node.ctl("run", "--job", "p", "--", "sh", "-c", script) == code
+
+
 def test_a_wait_through_a_gpud_restart_reserves_on_a_fresh_channel(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -393,7 +408,8 @@ def test_a_wait_through_a_gpud_restart_reserves_on_a_fresh_channel(
     assert loop.asked == 3
     assert env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)
     err = capsys.readouterr().err
-    assert "still waiting" in err and "t on GPU 1" in err
+    assert "is away (stopped or restarting); job t is still waiting for co-location" in err
+    assert "unknown" not in err and "t on GPU 1" in err
 
 
 def test_a_bad_job_name_is_refused_before_any_advice(
@@ -599,7 +615,11 @@ def test_a_wait_whose_advice_stops_takes_the_default_placement(
         assert n.ctl("run", "--job", "t", "--", sys.executable, "-c", CHILD, str(out), "0") == 0
         env = json.loads(out.read_text())["env"]
     assert env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)  # the only whole GPU, by memory fit
-    assert "no co-location advice" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # said as what happened, not as advice that failed (nested in parentheses)
+    off = "gpuctl: co-location is off ([colocate] enabled = false): jobs go where the jobs"
+    assert f"{off} service places them: job t stops waiting for it\n" in err
+    assert "no co-location advice" not in err
 
 
 class LeaveOnly(queue_pb2_grpc.QueueServicer):
@@ -1310,6 +1330,45 @@ def test_a_queued_run_taken_out_says_whether_its_job_was_removed(
     assert (removed in err) is not registered
     assert ("job q left the queue (e1)" in err) is registered
     assert not marker.exists()
+
+
+class AwayAtFirstPoll(LeavesAfterOnePoll):
+    """A queue whose gpud restarts during the first poll (the long poll in flight is cut,
+    as gRPC says when the server goes), then takes the entry out."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    async def GetEntry(
+        self, request: queue_pb2.GetEntryRequest, context: Any
+    ) -> queue_pb2.QueueEntry:
+        self.polls += 1
+        if self.polls == 1:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "Cancelling all calls")
+        return await super().GetEntry(request, context)
+
+
+def test_a_queued_run_whose_gpud_restarts_says_it_is_still_queued(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """gpud restarting cuts the queued run's long poll: gpuctl says, once, that gpud is away
+    and the job still queued, and asks again; not that whether what it asked for was done
+    is unknown and is to be checked before repeating it (nothing is to be repeated)."""
+    from gpud.jobs.service import RunRequest
+
+    queue = AwayAtFirstPoll()
+    with serving(queue.register) as n:
+        n.jobs.reserve(RunRequest(job="hog", devices=(gpu_uuid(1),), memory_bytes=70 * GIB))
+        assert n.ctl("jobs", "add", "q") == 0
+        argv = ("run", "--job", "q", "--devices", "1", "--memory", "20GiB", "--", "true")
+        assert n.ctl(*argv) == 1
+    assert queue.polls == 2
+    err = capsys.readouterr().err
+    sock = n.socket
+    assert f"gpud on {sock} is away (stopped or restarting); job q is still queued (e1)" in err
+    assert "asks again once it is back" in err
+    assert "unknown" not in err and "before repeating" not in err
+    assert "job q left the queue (e1)" in err
 
 
 class SlowToLetGo(LeavesAfterOnePoll):
