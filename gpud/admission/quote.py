@@ -146,6 +146,9 @@ def packing_efficiency(
     return min(busy / waiting, 1.0) if waiting > 0 else 1.0
 
 
+_NEGLIGIBLE = 1e-15  # a waiting probability below this is taken as it stands
+
+
 def erlang_c(k: int, a: float) -> float:
     """Probability that an arrival waits in M/M/k with offered load ``a`` (< k) Erlangs."""
     if k <= 0:
@@ -157,6 +160,12 @@ def erlang_c(k: int, a: float) -> float:
     b = 1.0  # Erlang B by its stable recursion
     for i in range(1, k + 1):
         b = a * b / (i + a * b)
+        # past i = a each step shrinks b, so k b / (k - a) bounds the answer from here on:
+        # a small request on a big node (k in the millions, a few Erlangs) stops here
+        # rather than stepping to k. 0, not the bound: a higher load, whose b is larger at
+        # every step, stops no earlier, so the answer stays monotone in the load.
+        if i > a and k * b < _NEGLIGIBLE * (k - a):
+            return 0.0
     return k * b / (k - a * (1.0 - b))
 
 

@@ -34,6 +34,22 @@ MIB = 1 << 20
 DATA = Path(__file__).parent.parent / "data" / "mig-parted"
 
 
+def test_erlang_c_of_a_small_load_on_millions_of_servers_stops_early() -> None:
+    """A 1MiB request on a node of big GPUs packs millions of copies (k): a few Erlangs
+    there wait with a negligible probability, found in a few hundred steps, not k."""
+    import time
+
+    start = time.process_time()
+    assert erlang_c(50_000_000, 5.0) == 0.0
+    assert time.process_time() - start < 1.0  # the full recursion takes about 10 s
+    # where it stops early the answer is the full recursion's, to 1e-15
+    for k, a in ((200, 5.0), (300, 150.0), (64, 63.5), (5000, 4000.0)):
+        b = 1.0
+        for i in range(1, k + 1):
+            b = a * b / (i + a * b)
+        assert erlang_c(k, a) == pytest.approx(k * b / (k - a * (1.0 - b)), abs=1e-15)
+
+
 def test_erlang_c_matches_known_values() -> None:
     assert erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: P(wait) = rho
     assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
