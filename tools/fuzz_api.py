@@ -9,7 +9,10 @@ every service on its socket (a server stream is read for its first message, then
 cancelled; ClusterPeer, served only on the peer port, is left out): messages filled field
 by field from the descriptors with random values (odd unicode, empty and long strings, extreme and negative integers, NaN and infinite doubles,
 long repeated fields, unknown enum numbers), ``--big`` of them carrying a 1 MB string in a
-random string field, and one in twenty raw bytes that are no valid message at all.
+random string field, and one in twenty raw bytes that are no valid message at all. Half
+the GetEntry calls ask for a real entry that stays queued (the node's GPUs are reserved
+first), so that their ``wait_s`` (NaN, infinite, negative, huge, 0, a fraction) is taken
+and waited out, not cut short by an unknown id.
 
 Prints the outcome codes and the daemon's resident set: after start, after a warm-up that
 calls every method three times with an empty request, and after the fuzzing. Exits 1 if the daemon died, answered INTERNAL or
@@ -22,6 +25,7 @@ import argparse
 import contextlib
 import random
 import sys
+import time
 from collections import Counter
 from typing import Any
 
@@ -167,6 +171,16 @@ def methods() -> list[tuple[str, Any, Any, bool]]:
     return found
 
 
+def _queued_entry(calls: dict[str, Any]) -> str:
+    """The id of an entry that stays queued: 39 GiB of every GPU reserved, then 60 GiB of one
+    asked (an H100's: the A100s can never give it)."""
+    hog = jobs_pb2.ReserveRequest(job="fuzz-hog", gpu_count=4, memory_limit_bytes=39 * 2**30)
+    calls["/gpud.v1.Jobs/Reserve"](hog, timeout=30)
+    ask = jobs_pb2.ReserveRequest(job="fuzz-waits", gpu_count=1, memory_limit_bytes=60 * 2**30)
+    entry = calls["/gpud.v1.Queue/Enqueue"](queue_pb2.EnqueueRequest(request=ask), timeout=30)
+    return str(entry.id)
+
+
 def rss_mb(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 2**20
 
@@ -184,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     big_at = set(rng.sample(range(args.requests), args.big))
     outcomes: Counter[str] = Counter()
     failures: list[str] = []
+    held: list[float] = []  # how long each GetEntry of the queued entry took (answered)
     with simulated_gpud(SPEC, config_text="[mps]\nenabled = true\n") as daemon:
         channel = grpc.insecure_channel(
             f"unix:{daemon.socket}", options=[("grpc.max_send_message_length", 8 * MB)]
@@ -219,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         for path, request, _, _ in rpcs * 3:  # warm-up: every method, empty and valid-shaped
             with contextlib.suppress(grpc.RpcError):
                 calls[path](request(), timeout=30)
+        queued = _queued_entry(calls)
         rss_warm = rss_mb(daemon.pid)
         for i in range(args.requests):
             path, request_cls, _, _ = rng.choice(rpcs)
@@ -230,9 +246,14 @@ def main(argv: list[str] | None = None) -> int:
                 request = rng.randbytes(rng.randint(1, 300))
             else:
                 request = fuzz.fill(request_cls())
+                if path == "/gpud.v1.Queue/GetEntry" and rng.random() < 0.5:
+                    request.id = queued
+            asked = time.monotonic()
             try:
                 calls[path](request, timeout=30)
                 outcomes["OK"] += 1
+                if not isinstance(request, bytes) and getattr(request, "id", None) == queued:
+                    held.append(time.monotonic() - asked)
             except grpc.RpcError as err:
                 code = err.code()  # type: ignore[attr-defined]
                 outcomes[code.name] += 1
@@ -249,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.requests} fuzzed requests ({args.big} with a 1 MB string) to {len(rpcs)} "
           f"methods of gpud --simulate {SPEC}, seed {args.seed}")  # fmt: skip
     print("outcomes: " + ", ".join(f"{k} {v}" for k, v in outcomes.most_common()))
+    print(f"GetEntry of the queued entry: {len(held)} answered, "
+          f"{len([h for h in held if h >= 0.1])} after waiting, "
+          f"longest {max(held, default=0.0):.1f} s")  # fmt: skip
     print(f"RSS: {rss_start:.1f} MiB at start, {rss_warm:.1f} MiB after the warm-up, "
           f"{rss_end:.1f} MiB after fuzzing: {growth:+.1f} MiB "
           f"(target within {args.max_growth_mb:g} MiB)")  # fmt: skip

@@ -43,6 +43,8 @@ MAX_DEVICES = 64
 # leaves of the call's deadline for the answer to travel back
 MAX_ENTRY_WAIT_S = 5.0
 ENTRY_WAIT_MARGIN_S = 0.5
+# how old a read of the queue a waiting GetEntry may answer from, when nothing changed since
+SHARED_READ_S = 0.5
 MAX_OWNER = 128
 _STATE = {QUEUED: pb.ENTRY_STATE_QUEUED, STARTED: pb.ENTRY_STATE_STARTED}
 
@@ -205,11 +207,16 @@ def _wait_s(request: pb.GetEntryRequest, remaining: float | None) -> float:
 class _Changes:
     """When queue entries changed: set from any thread (the service's listener), waited on
     by the GetEntry calls on the event loop. Each change sets the event the waiters hold
-    and puts a fresh one in its place."""
+    and puts a fresh one in its place. The waiting calls share one read of the queued
+    entries per change (``queued``): a change wakes every waiter, and each reading the
+    whole queue for itself made a change cost O(waiters) reads of O(queue) each."""
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
+        # the read of the queued entries made while this event was current, when it began
+        self._read: tuple[asyncio.Event, float, asyncio.Future[dict[str, pb.QueueEntry]]] | None
+        self._read = None
 
     def current(self) -> asyncio.Event:
         """On the event loop: the event the next change sets."""
@@ -217,6 +224,21 @@ class _Changes:
         if self._loop is not loop or self._event is None:
             self._loop, self._event = loop, asyncio.Event()
         return self._event
+
+    async def queued(
+        self, event: asyncio.Event, read: Callable[[], dict[str, pb.QueueEntry]]
+    ) -> dict[str, pb.QueueEntry]:
+        """On the event loop, ``event`` being current: the queued entries by id, from one
+        ``read`` in a worker thread begun since ``event`` became current and at most
+        SHARED_READ_S ago, which the calls asking meanwhile share (one call cancelled
+        leaves the read to the others)."""
+        now = asyncio.get_running_loop().time()
+        if self._read is None or self._read[0] is not event or now - self._read[1] > SHARED_READ_S:
+            future = asyncio.ensure_future(asyncio.to_thread(read))
+            # read by whoever waits on it; a failure nobody waits for is not logged as lost
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._read = (event, now, future)
+        return await asyncio.shield(self._read[2])
 
     def tell(self) -> None:
         """From any thread: entries changed."""
@@ -271,17 +293,24 @@ class QueueServicer(pb_grpc.QueueServicer):
 
     async def GetEntry(self, request: pb.GetEntryRequest, context: Any) -> pb.QueueEntry:  # noqa: N802
         """With ``wait_s``: answers once the entry is no longer queued or moved, or after
-        that long; each change of the queue reads it again, in a worker thread."""
+        that long; each change of the queue reads it again, one read in a worker thread
+        shared by every waiting call (an entry no longer queued is read alone)."""
+        entry_id = non_empty(request.id, field="id", max_len=64)
 
         def get() -> pb.QueueEntry:
-            return entry_message(self._service.view(non_empty(request.id, field="id", max_len=64)))
+            return entry_message(self._service.view(entry_id))
 
         loop = asyncio.get_running_loop()
-        until = loop.time() + _wait_s(request, context.time_remaining())
+        wait = _wait_s(request, context.time_remaining())
+        if wait <= 0:
+            return await asyncio.to_thread(get)
+        until = loop.time() + wait
         position: int | None = None
         while True:
             changed = self._changes.current()  # before the read: a change during it counts
-            entry = await asyncio.to_thread(get)
+            entry = (await self._changes.queued(changed, self._queued)).get(entry_id)
+            if entry is None:
+                entry = await asyncio.to_thread(get)
             if position is None:
                 position = entry.position
             left = until - loop.time()
@@ -289,6 +318,9 @@ class QueueServicer(pb_grpc.QueueServicer):
                 return entry
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), left)
+
+    def _queued(self) -> dict[str, pb.QueueEntry]:
+        return {v.entry.id: entry_message(v) for v in self._service.queue_views()}
 
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.QueueEntry:  # noqa: N802
         def leave() -> pb.QueueEntry:

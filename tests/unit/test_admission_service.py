@@ -1014,7 +1014,7 @@ def test_get_entry_with_wait_answers_as_soon_as_the_entry_starts(node: Node) -> 
     a = node.jobs.reserve(whole("a", 2)).reservation
     entry = node.admission.enqueue(whole("b")).entry
     read = threading.Event()
-    view = node.admission.view
+    view, queue_views = node.admission.view, node.admission.queue_views
 
     def view_and_say(entry_id: str) -> Any:
         try:
@@ -1022,7 +1022,14 @@ def test_get_entry_with_wait_answers_as_soon_as_the_entry_starts(node: Node) -> 
         finally:
             read.set()
 
+    def queue_views_and_say() -> Any:
+        try:
+            return queue_views()
+        finally:
+            read.set()
+
     node.admission.view = view_and_say  # type: ignore[method-assign]
+    node.admission.queue_views = queue_views_and_say  # type: ignore[method-assign]
 
     async def scenario() -> tuple[Any, Any, float]:
         at_once = await servicer.GetEntry(queue_pb2.GetEntryRequest(id=entry.id), Deadline())
@@ -1041,6 +1048,44 @@ def test_get_entry_with_wait_answers_as_soon_as_the_entry_starts(node: Node) -> 
     assert at_once.state == queue_pb2.ENTRY_STATE_QUEUED
     assert answer.state == queue_pb2.ENTRY_STATE_STARTED and answer.reservation.id
     assert took < 1.0
+
+
+def test_waiting_get_entries_share_one_read_of_the_queue_per_change(node: Node) -> None:
+    """Every waiting GetEntry wakes on a change: they read the queue once between them, not
+    once each (O(waiters) reads of O(queue) each per change made 200 waiting `gpuctl run`s
+    take seconds of gpud's CPU per change); each still answers with its own entry."""
+    import asyncio
+
+    from gpud.admission.api import QueueServicer
+    from gpud.v1 import queue_pb2
+
+    servicer = QueueServicer(node.admission)
+    node.jobs.reserve(whole("a", 2))
+    ids = [node.admission.enqueue(whole(f"w{i}")).entry.id for i in range(20)]
+    reads = []
+    queue_views = node.admission.queue_views
+
+    def counted() -> Any:
+        reads.append(1)
+        return queue_views()
+
+    node.admission.queue_views = counted  # type: ignore[method-assign]
+
+    async def scenario() -> list[Any]:
+        asked = [
+            asyncio.create_task(
+                servicer.GetEntry(queue_pb2.GetEntryRequest(id=i, wait_s=5.0), Deadline(30.0))
+            )
+            for i in ids[1:]
+        ]
+        await asyncio.sleep(0.3)
+        assert not any(a.done() for a in asked)
+        await asyncio.to_thread(node.admission.leave, ids[0])
+        return await asyncio.wait_for(asyncio.gather(*asked), 4)
+
+    answers = asyncio.run(scenario())
+    assert [(a.id, a.position) for a in answers] == [(i, n) for n, i in enumerate(ids[1:], 1)]
+    assert len(reads) <= 3
 
 
 def test_get_entry_waits_no_longer_than_asked_nor_its_deadline(node: Node) -> None:

@@ -1685,15 +1685,15 @@ def test_a_queued_run_starts_its_command_as_soon_as_its_devices_free(
         admission.add_listener(queue.entries_changed)
         queue._service = admission
         asked = threading.Semaphore(0)
-        view = admission.view
+        queue_views = admission.queue_views
 
-        def view_and_say(entry_id: str) -> Any:
+        def queue_views_and_say() -> Any:  # an entry's view reads the queue, as GetEntry's wait
             try:
-                return view(entry_id)
+                return queue_views()
             finally:
                 asked.release()
 
-        admission.view = view_and_say  # type: ignore[method-assign]
+        admission.queue_views = queue_views_and_say  # type: ignore[method-assign]
         hog = n.jobs.reserve(RunRequest(job="hog", devices=(gpu_uuid(1),), memory_bytes=70 * GIB))
         marker = tmp_path / "ran"
         released: list[float] = []
