@@ -1371,11 +1371,10 @@ def test_a_queued_run_whose_gpud_restarts_says_it_is_still_queued(
     assert "job q left the queue (e1)" in err
 
 
-class SlowToLetGo(LeavesAfterOnePoll):
-    """A queue that keeps its entry queued and answers Leave only after ``delay_s``."""
+class StaysQueued(LeavesAfterOnePoll):
+    """A queue whose entry stays queued (position 1); ``queued`` is set once it has one."""
 
-    def __init__(self, delay_s: float) -> None:
-        self.delay_s = delay_s
+    def __init__(self) -> None:
         self.queued = threading.Event()
 
     async def Enqueue(
@@ -1387,7 +1386,17 @@ class SlowToLetGo(LeavesAfterOnePoll):
     async def GetEntry(
         self, request: queue_pb2.GetEntryRequest, context: Any
     ) -> queue_pb2.QueueEntry:
-        return queue_pb2.QueueEntry(id=request.id, job="q", state=queue_pb2.ENTRY_STATE_QUEUED)
+        return queue_pb2.QueueEntry(
+            id=request.id, job="q", state=queue_pb2.ENTRY_STATE_QUEUED, position=1
+        )
+
+
+class SlowToLetGo(StaysQueued):
+    """A queue that keeps its entry queued and answers Leave only after ``delay_s``."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
 
     async def Leave(self, request: queue_pb2.LeaveRequest, context: Any) -> queue_pb2.QueueEntry:
         await asyncio.sleep(self.delay_s)
@@ -1723,20 +1732,14 @@ def test_a_queued_run_starts_its_command_as_soon_as_its_devices_free(
     assert "queued (" in capsys.readouterr().err
 
 
-class QueuedForever(LeavesAfterOnePoll):
+class QueuedForever(StaysQueued):
     """A queue whose entry stays queued; its GetEntry waits as long as asked (``waits``), or
     answers at once as an older gpud does; it counts the questions and their wait_s."""
 
     def __init__(self, *, waits: bool) -> None:
+        super().__init__()
         self.waits = waits
         self.asked: list[float | None] = []
-        self.queued = threading.Event()
-
-    async def Enqueue(
-        self, request: queue_pb2.EnqueueRequest, context: Any
-    ) -> queue_pb2.QueueEntry:
-        self.queued.set()
-        return await super().Enqueue(request, context)
 
     async def GetEntry(
         self, request: queue_pb2.GetEntryRequest, context: Any
@@ -1744,9 +1747,7 @@ class QueuedForever(LeavesAfterOnePoll):
         self.asked.append(request.wait_s if request.HasField("wait_s") else None)
         if self.waits:
             await asyncio.sleep(request.wait_s)
-        return queue_pb2.QueueEntry(
-            id=request.id, job="q", state=queue_pb2.ENTRY_STATE_QUEUED, position=1
-        )
+        return await super().GetEntry(request, context)
 
     async def Leave(self, request: queue_pb2.LeaveRequest, context: Any) -> queue_pb2.QueueEntry:
         return queue_pb2.QueueEntry(id=request.id, job="q", state=queue_pb2.ENTRY_STATE_LEFT)
