@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, TypeVar
 from gpud import __version__
 from gpud.admission.api import QueueServicer
 from gpud.admission.metrics import AdmissionMetrics
+from gpud.admission.passes import PassRunner
 from gpud.admission.service import AdmissionService, mig_file_layouts
 from gpud.api.node import NodeServicer
 from gpud.api.ports import FaultPort, NodeInfo
@@ -270,7 +271,13 @@ class Daemon:
         )
         self.jobs = JobService(self.store, self.events, self.mps, socket_path=config.socket_path)
         self.admission = AdmissionService(
-            self.store, self.jobs, self.mps, self.events, config.admission, products=self._products
+            self.store,
+            self.jobs,
+            self.mps,
+            self.events,
+            config.admission,
+            products=self._products,
+            passes=PassRunner,
         )
         self._offer_mig_config(config.admission.mig_config)
         self.mig = MigManager(
@@ -369,6 +376,9 @@ class Daemon:
         self._mps = Overrun("mps", self._clock)
         self.on_shutdown(self._traffic_stop)
         self.on_shutdown(self.cluster.stop)
+        # first to stop: no admission pass starts once the stop began, and the one running
+        # ends before the MPS manager and the store close under it
+        self.on_shutdown(self.admission.passes.close)
         self.traffic.start()
 
     def _faulty_gpus(self) -> dict[int, str]:

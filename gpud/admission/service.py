@@ -44,6 +44,7 @@ from gpud.admission.model import (
     Vec,
 )
 from gpud.admission.node import from_targets
+from gpud.admission.passes import Inline, Passes
 from gpud.admission.placement_fit import PlacementFit
 from gpud.admission.queue import Queued, admission_pass
 from gpud.admission.quote import job_quote
@@ -205,6 +206,7 @@ class AdmissionService:
         fit_for: Callable[[Sequence[Device]], FitCheck] = PlacementFit,
         proc_root: Path = Path("/proc"),
         clock: Callable[[], float] = time.time,
+        passes: Callable[[Callable[[], None]], Passes] = Inline,
     ) -> None:
         self._store = store
         self._jobs = jobs
@@ -236,9 +238,12 @@ class AdmissionService:
         jobs.add_observer(self._observe)
         jobs.add_late_end(self._removed_run_ended)
         jobs.add_removal_hook(self._job_removed)
-        # devices freed (a release, a job removed, a holder gone): the next queued job
-        # starts now, not at the next tick, and its waiting gpuctl is told at once
-        jobs.add_freed_hook(self.tick)
+        # devices freed (a release, a job removed, a holder gone) or an entry left: the next
+        # queued job starts now, not at the next tick, and its waiting gpuctl is told at
+        # once. ``passes`` runs those passes (the daemon's: on a thread of its own, asks
+        # coalesced, so the call that freed or left returns once its own change is kept).
+        self.passes = passes(self.tick)
+        jobs.add_freed_hook(self.passes.ask)
         jobs.gate = self.gate
         jobs.refuse_never = self.refuse_never
 
@@ -429,8 +434,9 @@ class AdmissionService:
                     job=entry.job,
                     entry=entry_id,
                 )
+                self._tell()  # committed: the waiting runs move up now, not after the pass
         if entry.state == QUEUED:
-            self.tick()  # the entries it held back may start now
+            self.passes.ask()  # the entries it held back may start now
         return self.view(entry_id)
 
     def _job_removed(self, job: str, force: bool) -> None:
@@ -628,8 +634,8 @@ class AdmissionService:
 
     def tick(self) -> None:
         """Drop entries whose holder is gone; start what fits, in order, with backfill.
-        Run by the daemon's loop, and at once wherever devices free or an entry leaves (a
-        release, a removal, a holder gone, a leave, an enqueue), in that caller's thread:
+        Run by the daemon's loop, by an enqueue in its caller's thread, and by ``passes``
+        once devices free or an entry leaves (a release, a removal, a holder gone, a leave):
         passes never overlap (each holds the placement lock), and none runs inside a
         transaction (the reservations it makes ask the MPS manager, whose lock comes first)."""
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from gpud.admission.api import class_message, entry_message, history_message, run_request
+from gpud.admission.passes import Inline, Passes, PassRunner
 from gpud.admission.service import (
     LEFT,
     QUEUED,
@@ -62,13 +63,17 @@ class Node:
         return make_node(self.root, self.clock)
 
 
-def make_node(root: Path, clock: Clock) -> Node:
+def make_node(
+    root: Path, clock: Clock, passes: Callable[[Callable[[], None]], Passes] = Inline
+) -> Node:
     store = StateStore(root / "state")
     events = EventLog(None)
     mps = MpsManager(store, events, root / "run", FAKE_CONTROL, enabled=False)
     mps.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
     jobs = JobService(store, events, mps, socket_path=root / "gpud.sock", clock=clock)
-    admission = AdmissionService(store, jobs, mps, events, AdmissionConfig(), clock=clock)
+    admission = AdmissionService(
+        store, jobs, mps, events, AdmissionConfig(), clock=clock, passes=passes
+    )
     return Node(root, store, mps, jobs, admission, clock)
 
 
@@ -315,6 +320,20 @@ def store_once(node: Node) -> None:
         pass
 
 
+def hold_up_reserve(node: Node) -> tuple[threading.Event, threading.Event]:
+    """Reservations wait, once ``reserving`` is set, until ``go`` is."""
+    reserving, go = threading.Event(), threading.Event()
+    reserve = node.jobs.reserve
+
+    def held_up(request: RunRequest, **kwargs: Any) -> Any:
+        reserving.set()
+        go.wait(10)
+        return reserve(request, **kwargs)
+
+    node.jobs.reserve = held_up  # type: ignore[method-assign]
+    return reserving, go
+
+
 def test_a_queued_job_starts_without_holding_the_store_while_it_reserves(node: Node) -> None:
     """The reservation asks the MPS manager, whose lock comes before the store's
     (`gpuctl mps set` takes it, then the store): a start that held the store meanwhile
@@ -322,15 +341,7 @@ def test_a_queued_job_starts_without_holding_the_store_while_it_reserves(node: N
     itself runs holds no store either: the release's transaction has ended by then."""
     a = node.jobs.reserve(whole("a", 2)).reservation
     entry = node.admission.enqueue(whole("b"))
-    reserving, go = threading.Event(), threading.Event()
-    reserve = node.jobs.reserve
-
-    def paused(request: RunRequest, **kwargs: Any) -> Any:
-        reserving.set()
-        go.wait(10)
-        return reserve(request, **kwargs)
-
-    node.jobs.reserve = paused  # type: ignore[method-assign]
+    reserving, go = hold_up_reserve(node)
     tick = threading.Thread(target=node.jobs.release, args=(a.id,), daemon=True)
     tick.start()
     try:
@@ -975,6 +986,90 @@ def test_devices_freed_start_the_next_queued_job_without_waiting_for_a_tick(
     assert told and not node.admission._changed
 
 
+@pytest.fixture
+def threaded(tmp_path: Path) -> Iterator[Node]:
+    """A node whose triggered passes run on the daemon's pass runner."""
+    n = make_node(tmp_path, Clock(), PassRunner)
+    yield n
+    n.admission.passes.close(10)
+    n.store.close()
+
+
+def runner(node: Node) -> PassRunner:
+    passes = node.admission.passes
+    assert isinstance(passes, PassRunner)
+    return passes
+
+
+@pytest.mark.parametrize("freed_by", ["release", "remove", "leave"])
+def test_a_release_or_leave_returns_while_the_pass_it_asked_for_is_held_up(
+    threaded: Node, freed_by: str
+) -> None:
+    """The call that freed devices or left the queue returns once its own change is kept,
+    not after the admission pass it asks for: a pass held up (here: the queued job's
+    reservation) held every Release and Leave behind it, one pass each, so a burst of
+    interrupted `gpuctl run`s waited past their 2 s for the withdrawal to be answered."""
+    node = threaded
+    told: list[str] = []
+    node.admission.add_listener(lambda: told.append("changed"))
+    a = node.jobs.reserve(whole("a", 1 if freed_by == "leave" else 2)).reservation
+    head = node.admission.enqueue(whole("pair", 2)) if freed_by == "leave" else None
+    b = node.admission.enqueue(whole("b")).entry
+    reserving, go = hold_up_reserve(node)
+    done = threading.Event()
+
+    def change() -> None:
+        if freed_by == "release":
+            node.jobs.release(a.id)
+        elif freed_by == "remove":
+            node.jobs.remove("a", force=True)
+        else:
+            assert head is not None
+            node.admission.leave(head.entry.id)
+            assert told  # the runs behind it were told it left, before the pass
+        done.set()
+
+    caller = threading.Thread(target=change, daemon=True)
+    caller.start()
+    try:
+        assert reserving.wait(10), "no pass started"
+        assert done.wait(5), "the call waited for the pass it asked for"
+    finally:
+        go.set()
+        caller.join(10)
+    assert runner(node).drain(10)
+    assert node.admission.view(b.id).entry.state == STARTED
+    assert "b" in [r.job for r in node.jobs.reservations.held()]
+
+
+def test_leaves_during_a_pass_lead_to_one_more_pass(threaded: Node) -> None:
+    """Many leaves while a pass runs: one pass after it, not one each."""
+    node = threaded
+    node.jobs.reserve(whole("a", 2))
+    entries = [node.admission.enqueue(whole(f"j{i}")).entry for i in range(20)]
+    passes: list[float] = []
+    tick = node.admission.tick
+    running, go = threading.Event(), threading.Event()
+
+    def counted() -> None:
+        passes.append(node.clock())
+        running.set()
+        go.wait(10)
+        tick()
+
+    node.admission.passes = PassRunner(counted)
+    node.admission.passes.ask()
+    try:
+        assert running.wait(10)
+        for e in entries:
+            node.admission.leave(e.id)
+    finally:
+        go.set()
+    assert runner(node).drain(10)
+    assert len(passes) == 2
+    assert node.admission.entries() == []
+
+
 def test_a_pass_that_fails_after_a_release_keeps_the_release(
     node: Node, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -984,7 +1079,7 @@ def test_a_pass_that_fails_after_a_release_keeps_the_release(
     reserve = node.jobs.reserve
     node.jobs.reserve = lambda *args, **kwargs: 1 / 0  # type: ignore[method-assign]
     assert node.jobs.release(a.id) is not None
-    assert "after devices freed" in caplog.text
+    assert "admission pass failed" in caplog.text
     assert node.jobs.reservations.held() == []
     node.jobs.reserve = reserve  # type: ignore[method-assign]
     node.admission.tick()
