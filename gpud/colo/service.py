@@ -1625,15 +1625,16 @@ class ColoService:
             placement: Placement | None = None
             waiting = ""
             new = asking(memory_bytes or 8 * GIB)
+            holding = frozenset(
+                (r.name, r.gpu, r.device, r.threads_percent, r.memory_used, r.mig_profile)
+                for r in running
+            )
             for size, some in sorted(by_size.items()) or [(new.shape.memory_bytes, [])]:
                 view_new = asking(size)
                 same = (
                     snapshot.monotonic,
                     tuple(some),
-                    frozenset(
-                        (r.name, r.gpu, r.device, r.threads_percent, r.memory_used, r.mig_profile)
-                        for r in running
-                    ),
+                    holding,
                     frozenset(_question(v, hold) for v in [*ahead, view_new]),
                 )
                 found, why = self._place(some, [*views, *ahead], view_new, same)

@@ -187,12 +187,16 @@ class Reservations:
         store.ensure_schema(SCHEMA)
 
     def reserved(
-        self, default_memory: Callable[[str], int | None] = lambda _: None
+        self,
+        default_memory: Callable[[str], int | None] = lambda _: None,
+        *,
+        held: Sequence[Reservation] | None = None,
     ) -> dict[tuple[str, str], int]:
-        """Memory reserved per (device UUID, job). A reservation without a memory limit
-        counts the device's MPS default limit (``default_memory(uuid)``), or nothing."""
+        """Memory reserved per (device UUID, job) by ``held`` (default: :meth:`held` read
+        now). A reservation without a memory limit counts the device's MPS default limit
+        (``default_memory(uuid)``), or nothing."""
         out: dict[tuple[str, str], int] = {}
-        for r in self.held():
+        for r in self.held() if held is None else held:
             for uuid in r.devices:
                 limit = r.memory_bytes if r.memory_bytes is not None else default_memory(uuid)
                 out[(uuid, r.job)] = out.get((uuid, r.job), 0) + (limit or 0)

@@ -305,12 +305,13 @@ class JobService:
     def loads(self) -> dict[str, DeviceLoad]:
         """Per device: what reservations hold, and the memory its GPU processes used beyond
         that at the last tick (:meth:`unreserved_memory`)."""
-        reserved = self.reservations.reserved(self._default_memory)
+        reservations = self.reservations.held()  # one read for the memory and the jobs
+        reserved = self.reservations.reserved(self._defaults(), held=reservations)
         held = device_loads(reserved)
         empty = DeviceLoad(0, ())
         beyond = self._unreserved(reserved)
         defaulted: dict[str, list[str]] = {}
-        for r in self.reservations.held():
+        for r in reservations:
             if r.memory_bytes is None:
                 for uuid in r.devices:
                     defaulted.setdefault(uuid, []).append(r.job)
@@ -326,6 +327,12 @@ class JobService:
     def _default_memory(self, uuid: str) -> int | None:
         return self._mps.limits(uuid).memory_bytes
 
+    def _defaults(self) -> Callable[[str], int | None]:
+        """:meth:`_default_memory` of every device from one read of the limits (a metrics
+        scrape counts every reservation's devices)."""
+        limits = self._mps.all_limits()
+        return lambda uuid: limits[uuid].memory_bytes if uuid in limits else None
+
     def unreserved_memory(self) -> dict[str, int]:
         """Device UUID -> the memory its processes used at the last tick beyond what
         reservations hold for them: all of a process of no job (another user's, one started
@@ -336,7 +343,7 @@ class JobService:
         (no ``/proc/<pid>``, or a zombie). On a device whose processes NVML could not list,
         what its memory use is beyond every reservation there counts instead (all of its
         memory when that could not be read either): the device is not taken for idle."""
-        return self._unreserved(self.reservations.reserved(self._default_memory))
+        return self._unreserved(self.reservations.reserved(self._defaults()))
 
     def _unreserved(self, reserved: Mapping[tuple[str, str], int]) -> dict[str, int]:
         servers = {pid for st in self._mps.last_status() for pid in st.servers}
