@@ -113,18 +113,48 @@ UINT32 = integer(0, 2**32 - 1)
 UINT64 = integer(0, 2**64 - 1)
 
 
+# exit code -> gRPC status code name, for a failure of gpuctl's own (no daemon answer):
+# the first class of ERROR_TABLE with that exit code, e.g. 3 -> UNAVAILABLE, 77 ->
+# PERMISSION_DENIED; an exit code no class has (1 of a command's own) is INTERNAL's.
+_STATUS_BY_EXIT: dict[int, str] = {}
+for _code_name, _exit in ERROR_TABLE.values():
+    _STATUS_BY_EXIT.setdefault(_exit, _code_name)
+
+
 class CliError(Exception):
     """A failure to report in one line and exit with ``exit_code``; ``error`` names the
-    daemon's error class (``gpud.errors``) when the daemon raised it; ``deadline_s``, the
-    seconds gpud did not answer within, when that was the failure."""
+    daemon's error class (``gpud.errors``) when the daemon raised it; ``status``, the gRPC
+    status code name of the failed call (``NOT_FOUND``), or of the class of failure that
+    ``exit_code`` means when gpuctl found it itself; ``deadline_s``, the seconds gpud did
+    not answer within, when that was the failure."""
 
     def __init__(
-        self, message: str, exit_code: int, *, error: str = "", deadline_s: float | None = None
+        self,
+        message: str,
+        exit_code: int,
+        *,
+        error: str = "",
+        status: str = "",
+        deadline_s: float | None = None,
     ) -> None:
         super().__init__(message)
         self.exit_code = exit_code
         self.error = error
+        self.status = status or _STATUS_BY_EXIT.get(exit_code, _STATUS_BY_EXIT[1])
         self.deadline_s = deadline_s
+
+    def to_json(self) -> dict[str, object]:
+        """What ``--json`` prints on stderr for it: ``{"error": {...}}``, the message as
+        said without ``--json``, the exit code, the status code name, and the daemon's
+        error class (``null`` when the daemon raised none)."""
+        return {
+            "error": {
+                "message": str(self),
+                "code": self.status,
+                "exit_code": self.exit_code,
+                "class": self.error or None,
+            }
+        }
 
 
 def _group_name(path: Path) -> str | None:
@@ -248,7 +278,12 @@ class Context:
         metadata = dict(err.trailing_metadata() or ())
         exit_text = metadata.get(EXIT_CODE_KEY)
         if exit_text is not None and str(exit_text).isdigit():
-            return CliError(details, int(exit_text), error=str(metadata.get(ERROR_KEY, "")))
+            return CliError(
+                details,
+                int(exit_text),
+                error=str(metadata.get(ERROR_KEY, "")),
+                status=code.name,
+            )
         # no gpud metadata: the error came from gRPC itself, not from the daemon's code
         if code == grpc.StatusCode.UNAVAILABLE:
             if details.startswith("failed to connect"):
@@ -268,6 +303,7 @@ class Context:
                 f"gpud did not answer within {bound:g} s on {self.socket_path} "
                 f"({hint}check `systemctl status gpud`)",
                 EXIT_NOT_RUNNING,
+                status=code.name,
                 deadline_s=bound,
             )
         if code == grpc.StatusCode.UNIMPLEMENTED:  # another gRPC server, or an older gpud
@@ -275,7 +311,9 @@ class Context:
                 f": the server on {self.socket_path} does not serve this call: it is not gpud,"
                 " or a gpud older than this gpuctl"
             )
-        return CliError(f"{code.name}: {details}", _EXIT_BY_STATUS.get(code.name, 1))
+        return CliError(
+            f"{code.name}: {details}", _EXIT_BY_STATUS.get(code.name, 1), status=code.name
+        )
 
     def close(self) -> None:
         if self._channel is not None:

@@ -28,6 +28,10 @@ The global options are accepted before or after the command (``gpuctl --json gpu
 Exit codes: 0 ok, 2 usage or invalid argument, 3 daemon not running, 4 not found (an unknown
 GPU, MIG device or job, in every command), 77 permission denied, 141 output pipe closed
 early; others from ``gpud.errors.ERROR_TABLE`` (see :mod:`gpud.cli.context`).
+With ``--json`` an error is one JSON document on stderr instead of ``gpuctl: MESSAGE``
+(:meth:`gpud.cli.context.CliError.to_json`), usage errors included; stdout keeps nothing
+but JSON. Everything a command fails with passes :func:`_main` (a :class:`CliError`), so
+this is done there alone.
 
 Start-up time matters (people type gpuctl many times a day): the command modules import
 nothing heavy at the top. Generated gRPC code loads on first use (:mod:`gpud.cli.lazy`),
@@ -38,11 +42,13 @@ package: what it shares with the daemon is :mod:`gpud.shared` (tests/unit/test_g
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import NoReturn
 
 from gpud import __version__
 from gpud.cli import cluster as cluster_cli
@@ -81,6 +87,31 @@ DEFAULT_TIMEOUT = 10.0
 # A day: a per-call timeout past it is a typo, and the socket's own timeout overflows
 # somewhere past 1e9 s.
 MAX_TIMEOUT = 86400.0
+
+
+class _UsageError(Exception):
+    """An argparse error (``message`` as argparse says it after ``error:``), raised instead
+    of printing it, so that ``--json`` can print it as JSON."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser (its sub-parsers are of its class) whose errors :func:`_main`
+    prints: as argparse does (usage, then ``PROG: error: MESSAGE``), or as JSON."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(self, message)
+
+
+def _json_asked(argv: Sequence[str]) -> bool:
+    """Whether ``--json`` is among ``argv`` before a ``--`` (after it, the words are a
+    command's: ``gpuctl run ... -- tool --json``): for a usage error, which comes before
+    the parsed options are known."""
+    words = list(argv)
+    return "--json" in (words[: words.index("--")] if "--" in words else words)
 
 
 def _socket_arg(text: str) -> Path:
@@ -124,9 +155,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentPa
 
 
 def build_parser(groups: Sequence[ModuleType] = COMMAND_GROUPS) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gpuctl", description="Query and control the local gpud daemon."
-    )
+    parser = _Parser(prog="gpuctl", description="Query and control the local gpud daemon.")
     parser.add_argument("--version", action="version", version=f"gpuctl {__version__}")
     _add_global_options(parser, defaults=True)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -153,22 +182,42 @@ def main(argv: Sequence[str] | None = None, *, env: Mapping[str, str] | None = N
     return quiet_on_broken_pipe(lambda: _main(argv, env))
 
 
+def _fail(err: CliError, json_output: bool) -> int:
+    """Say ``err`` on stderr, as one line for people or one JSON document; its exit code."""
+    if json_output:
+        print(json.dumps(err.to_json()), file=sys.stderr)
+    else:
+        print(f"gpuctl: {err}", file=sys.stderr)
+    return err.exit_code
+
+
 def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
     parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # --help, --version, usage errors
+        args = parser.parse_args(words)
+    except SystemExit as exit_:  # --help, --version
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    except _UsageError as err:
+        if _json_asked(words):
+            # "jobs: argument COMMAND: ...", as gpuctl's own usage errors name the command
+            command = err.parser.prog.removeprefix(parser.prog).strip()
+            message = f"{command}: {err}" if command else str(err)
+            return _fail(CliError(message, EXIT_USAGE), json_output=True)
+        err.parser.print_usage(sys.stderr)
+        print(f"{err.parser.prog}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     run = getattr(args, "run", None)
     if run is None:
+        if args.json:
+            return _fail(
+                CliError("give a command (gpuctl --help lists them)", EXIT_USAGE), json_output=True
+            )
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     if not 0 < args.timeout <= MAX_TIMEOUT:  # NaN too
-        print(
-            f"gpuctl: --timeout must be > 0 and at most {MAX_TIMEOUT:g} s, got {args.timeout:g}",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
+        message = f"--timeout must be > 0 and at most {MAX_TIMEOUT:g} s, got {args.timeout:g}"
+        return _fail(CliError(message, EXIT_USAGE), args.json)
     ctx = Context(
         socket_path=_socket_path(args, os.environ if env is None else env),
         timeout=args.timeout,
@@ -178,13 +227,12 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
         code: int = run(ctx, args)
         return code
     except CliError as err:
-        print(f"gpuctl: {err}", file=sys.stderr)
-        return err.exit_code
+        return _fail(err, args.json)
     except UnicodeEncodeError as err:
         # an argument in bytes that are not UTF-8 (Python keeps them as surrogates), which
         # no request can carry
-        print(f"gpuctl: an argument is not valid UTF-8: {err.object!r}", file=sys.stderr)
-        return EXIT_USAGE
+        invalid = CliError(f"an argument is not valid UTF-8: {err.object!r}", EXIT_USAGE)
+        return _fail(invalid, args.json)
     except KeyboardInterrupt:
         return 130
     finally:

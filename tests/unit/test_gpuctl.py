@@ -459,6 +459,67 @@ def test_daemon_error_exit_code_comes_from_the_error_class(
     assert "GPU 0 fell off the bus" in err
 
 
+# (argv after --socket, exit code, code, class): a daemon error, a gRPC error without
+# gpud's metadata, gpuctl's own failures, and usage errors of argparse and of gpuctl
+JSON_ERRORS = [
+    (("gpus", "--gpu", "9"), 4, "NOT_FOUND", "NotFound"),
+    (("sim", "fault", "--gpu", "0", "lost"), 10, "UNAVAILABLE", "GpuLost"),
+    (("jobs", "ls"), 9, "UNIMPLEMENTED", None),
+    (("mig", "show", "--gpu", "x"), 2, "INVALID_ARGUMENT", None),
+    (("jobs", "frobnicate"), 2, "INVALID_ARGUMENT", None),
+    (("--timeout", "0", "status"), 2, "INVALID_ARGUMENT", None),
+    (("run", "--job", "a", "--"), 2, "INVALID_ARGUMENT", None),
+    (("run", "--job", "a", "--", ""), 2, "INVALID_ARGUMENT", None),
+]
+
+
+@pytest.mark.parametrize(("argv", "exit_code", "status", "error_class"), JSON_ERRORS)
+def test_errors_under_json_are_one_json_document_on_stderr(  # noqa: PLR0917 (parametrized)
+    capsys: pytest.CaptureFixture[str],
+    sim_socket: str,
+    faults: FakeFaults,
+    argv: tuple[str, ...],
+    exit_code: int,
+    status: str,
+    error_class: str | None,
+) -> None:
+    """The same message and exit code as without --json, as JSON a script can read; the
+    people's line (argparse's usage and error included) is unchanged."""
+    faults.fail = GpuLost("GPU 0 fell off the bus", gpu=0)
+    code, out, text = run(capsys, "--socket", sim_socket, *argv)
+    assert code == exit_code and out == ""
+    assert not text.startswith("{")
+    json_code, out, err = run(capsys, "--socket", sim_socket, "--json", *argv)
+    assert json_code == exit_code and out == ""
+    doc = json.loads(err)  # one document, nothing else
+    assert doc == {
+        "error": {
+            "message": doc["error"]["message"],
+            "code": status,
+            "exit_code": exit_code,
+            "class": error_class,
+        }
+    }
+    message = doc["error"]["message"]
+    if text.startswith("usage: "):  # argparse's: usage, then "PROG: error: MESSAGE"
+        assert message.endswith(text.splitlines()[-1].split(": error: ", 1)[1])
+    else:
+        assert text == f"gpuctl: {message}\n"
+
+
+def test_json_errors_of_gpuctl_itself(capsys: pytest.CaptureFixture[str], sock_dir: Path) -> None:
+    missing = str(sock_dir / "gpud.sock")
+    code, out, err = run(capsys, "--socket", missing, "gpus", "--json")
+    doc = json.loads(err)["error"]
+    assert code == 3 and out == "" and doc["code"] == "UNAVAILABLE" and doc["exit_code"] == 3
+    assert doc["message"].startswith(f"gpud is not running: no socket at {missing}.")
+    code, out, err = run(capsys, "--json")  # no command: no help text
+    assert code == 2 and out == "" and json.loads(err)["error"]["exit_code"] == 2
+    # a --json after `--` is the command's, not gpuctl's
+    code, _, err = run(capsys, "run", "--bogus", "--", "tool", "--json")
+    assert code == 2 and err.startswith("usage: gpuctl run")
+
+
 def test_not_running(capsys: pytest.CaptureFixture[str], sock_dir: Path) -> None:
     missing = sock_dir / "gpud.sock"
     code, out, err = run(capsys, "--socket", str(missing), "status")

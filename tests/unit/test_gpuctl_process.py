@@ -170,3 +170,28 @@ def test_a_broken_pipe_other_than_its_output_is_an_error() -> None:
     )
     assert done.returncode not in (0, 141)
     assert "gpuctl: Broken pipe" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("closed", ["stdout", "stderr"])
+def test_a_json_error_into_a_closed_pipe(tmp_path: Path, closed: str) -> None:
+    """``gpuctl --json ... | head``: an error still goes to stderr as JSON with its exit code
+    when stdout's reader has gone; when stderr's has, gpuctl ends quietly with 141."""
+    read, write = os.pipe()
+    os.close(read)  # the reader went before gpuctl wrote a word
+    other = subprocess.PIPE
+    argv = [sys.executable, "-m", "gpud.cli.main", "--socket", str(tmp_path / "no.sock")]
+    try:
+        done = subprocess.run(
+            [*argv, "--json", "status"],
+            stdout=write if closed == "stdout" else other,
+            stderr=write if closed == "stderr" else other,
+            check=False,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    if closed == "stdout":
+        assert done.returncode == 3
+        assert json.loads(done.stderr)["error"]["exit_code"] == 3
+    else:
+        assert done.returncode == 141 and done.stdout == b""
