@@ -45,9 +45,10 @@ gpud has moved it into the cgroup, so not one of its sockets is opened outside. 
 cannot place it, gpuctl says why and runs it unmarked; if gpuctl dies first, the command
 never runs (exit 125). Without traffic enforcement the command waits at the same gate
 until gpuctl has seen its reservation still held. A ``gpuctl jobs rm --force`` of the job
-before the gate opens (it SIGTERMs the process held there, or finds none yet) keeps the
-command from running: ``run`` says the job was removed as its command started, nothing
-started, and exits 4; one after stops the command, and the run says the job was removed.
+before the command's exec (it SIGTERMs the process held there, or finds none yet; the
+process keeps the gate's name, ``gpuctl/gate`` in ``ps``, until exec) keeps the command
+from running: ``run`` says the job was removed as its command started, nothing started,
+and exits 4; one after stops the command, and the run says the job was removed.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -127,6 +129,7 @@ LEAVE_TIMEOUT_S = 2.0
 # (PR_SET_PDEATHSIG, kept across exec), since gpud releases the reservation of a gpuctl
 # that is gone and the job must not go on using what nothing reserves; then, with a gate,
 # it waits until gpuctl has placed it (its cgroup); then it becomes the command.
+GATE_NAME = "gpuctl/gate"
 _GATE = (
     "import os,sys,ctypes,errno,signal\n"
     "a=sys.argv\n"
@@ -134,6 +137,8 @@ _GATE = (
     "signal.signal(signal.SIGPIPE,signal.SIG_DFL)\n"
     "signal.signal(signal.SIGXFSZ,signal.SIG_DFL)\n"
     "ctypes.CDLL(None).prctl(1,9)\n"
+    # its name until exec gives it the command's (PR_SET_NAME; a '/' no file name has)
+    f"ctypes.CDLL(None).prctl(15,b'{GATE_NAME}')\n"
     "os.getppid()==int(a[1]) or sys.exit(125)\n"
     "fd,ready=int(a[2]),int(a[3])\n"
     "if fd>=0:\n"
@@ -631,11 +636,13 @@ def _reservation_gone(ctx: Context, job: str, reservation: str) -> bool:
 
 def _not_started(job: str, never: NotStarted, stop: _Stop) -> int:
     """Say why the command of ``job`` never ran; gpuctl's exit status. Removed as it
-    started (``gpuctl jobs rm --force`` between the reservation and the gate opening, which
-    SIGTERMs the gate's process or leaves nothing to place): exit 4, as a run removed while
-    it waits. Stopped by a signal meanwhile (a Ctrl-C on the terminal reaches the gate's
-    process too): exit 130, as before any command starts. Otherwise the status of the
-    gate's process, which ended before it opened."""
+    started (``gpuctl jobs rm --force`` between the reservation and the command's exec,
+    which SIGTERMs the gate's process, also once the gate has opened, or leaves nothing to
+    place): exit 4, as a run removed while it waits; its command never ran, so not the 143
+    of a command the removal stopped. Stopped by a signal meanwhile (a Ctrl-C on the
+    terminal reaches the gate's process too): exit 130, as before any command starts.
+    Otherwise the status of the gate's process, which ended before it became the
+    command."""
     if never.removed:
         raise CliError(
             f"job {job} was removed (gpuctl jobs rm --force) as its command started: "
@@ -648,7 +655,7 @@ def _not_started(job: str, never: NotStarted, stop: _Stop) -> int:
     how = f"killed by {_signame(-code)}" if code < 0 else f"exit {code}"
     print(
         f"gpuctl: the command of job {job} did not start: its first process ended ({how}) "
-        "before gpuctl let it run",
+        "before it became the command",
         file=sys.stderr,
     )
     return exit_status(code)
@@ -1039,9 +1046,27 @@ def _launch(
                 told(stop.signum)
             with contextlib.suppress(ProcessLookupError):
                 child.send_signal(stop.signum)
+    held = False  # whether it ended as the gate, never the command
     try:
+        if place is not None:
+            # waited for, not reaped: a process killed after the gate opened (the SIGTERM of
+            # `gpuctl jobs rm --force`) may have died before it became the command
+            os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+            held = child.returncode is None and still_the_gate(child.pid)
         code = child.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if held and code < 0:
+        raise NotStarted(code)
     return code
+
+
+def still_the_gate(pid: int, proc_root: Path = Path("/proc")) -> bool:
+    """Whether process ``pid`` (a child not reaped yet) never became the command: it still
+    bears the gate's name (``/proc/PID/comm``), which exec replaces by the command's. False
+    when that cannot be read (no /proc): taken for a command that ran."""
+    try:
+        return (proc_root / str(pid) / "comm").read_text().rstrip("\n") == GATE_NAME
+    except OSError:
+        return False

@@ -1512,10 +1512,13 @@ class Places(net_pb2_grpc.NetServicer):
         placed: bool,
         group_signal: int | None = None,
         to_gpuctl: bool = True,
+        after_opening: bool = False,
     ) -> None:
         self._jobs = jobs
         self._remove_first = remove_first
         self._placed = placed
+        # the removal's SIGTERM lands once gpuctl has opened the gate, before the exec
+        self._after_opening = after_opening
         self._group_signal = group_signal  # sent to the gate's process (and gpuctl) instead
         self._to_gpuctl = to_gpuctl
         self.asked: list[int] = []
@@ -1531,6 +1534,11 @@ class Places(net_pb2_grpc.NetServicer):
                     os.kill(os.getpid(), self._group_signal)
                 os.kill(request.pid, self._group_signal)
                 ended_at_the_gate(request.pid)
+            if self._after_opening:
+                opened = stopped_until_opened(request.pid)
+                jobs.remove(request.job, force=True)  # its SIGTERM waits until it goes on
+                opened.start()
+                return net_pb2.PlaceProcessResponse(cgroup=f"gpud/gpud-job-{request.job}")
             if self._remove_first:
                 jobs.remove(request.job, force=True)
                 ended_at_the_gate(request.pid)
@@ -1554,6 +1562,31 @@ def keeping_history(node: Node) -> Callable[[], list[HistoryRow]]:
     return AdmissionService(
         node.jobs.store, node.jobs, node.mps, EventLog(None), AdmissionConfig()
     ).history
+
+
+def stopped_until_opened(pid: int) -> threading.Thread:
+    """Stop ``pid``, a process held at gpuctl's gate; the thread returned, once started,
+    lets it go on (SIGCONT) as soon as gpuctl's start byte is in the gate's pipe: a signal
+    sent to it meanwhile lands after the gate opened and before the command's exec."""
+    import fcntl
+    import termios
+
+    os.kill(pid, signal.SIGSTOP)
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.005)
+    # the gate reads fd argv[1] of its script: python -I -S -c SCRIPT PPID GATE READY ...
+    gate_fd = int(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[6])
+    pipe = os.open(f"/proc/{pid}/fd/{gate_fd}", os.O_RDONLY | os.O_NONBLOCK)
+
+    def go_on_once_opened() -> None:
+        try:
+            while fcntl.ioctl(pipe, termios.FIONREAD, bytes(4)) == bytes(4):
+                time.sleep(0.005)
+        finally:
+            os.close(pipe)
+            os.kill(pid, signal.SIGCONT)
+
+    return threading.Thread(target=go_on_once_opened, daemon=True)
 
 
 def ended_at_the_gate(pid: int) -> None:
@@ -1627,6 +1660,31 @@ def test_a_run_whose_job_is_removed_as_its_command_starts_exits_4_having_run_not
     removed = "job h3 was removed (gpuctl jobs rm --force) as its command started: nothing was"
     assert removed in err
     assert "not marked by cgroup" not in err and "while its command ran" not in err
+
+
+def test_a_removal_after_the_gate_opened_but_before_the_exec_says_nothing_ran(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpuctl jobs rm --force` whose SIGTERM lands after gpuctl let the command through
+    but before its exec: the command never ran, so the run says the job was removed as
+    its command started and exits 4; not that it was removed while its command ran, with
+    the 143 of a command the SIGTERM ended."""
+    held: list[JobService] = []
+    net = Places(lambda: held[0], remove_first=False, placed=True, after_opening=True)
+    marker = tmp_path / "ran"
+    with serving(net.register) as n:
+        held.append(n.jobs)
+        history = keeping_history(n)
+        n.jobs.set_tagger(lambda job: 26, lambda job: 26)
+        code = n.ctl("run", "--job", "h4", "--gpus", "1", "--", "touch", str(marker))
+        assert n.jobs.reservations.held() == []
+        (row,) = history()
+    err = capsys.readouterr().err
+    assert code == 4, err
+    assert not marker.exists()
+    assert "job h4 was removed (gpuctl jobs rm --force) as its command started: nothing" in err
+    assert "while its command ran" not in err
+    assert (row.end_cause, row.exit_code, row.exit_signal) == ("removed", None, None)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpud.cli.context import CliError
-from gpud.cli.run import NotStarted, _launch
+from gpud.cli.run import NotStarted, _launch, still_the_gate
 
 
 def test_the_command_runs_only_after_it_was_placed(tmp_path: Path) -> None:
@@ -112,7 +112,7 @@ def logged(self, sig):
     print("forwarded", sig, flush=True)
     send(self, sig)
 subprocess.Popen.send_signal = logged
-from gpud.cli.run import NotStarted, _launch
+from gpud.cli.run import NotStarted, _launch, still_the_gate
 print("exit", _launch([sys.executable, "-c", sys.argv[1], sys.argv[2]], dict(os.environ)))
 """
 
@@ -143,3 +143,20 @@ def test_ctrl_c_on_the_terminal_reaches_the_command_once(tmp_path: Path) -> None
     finally:
         os.close(master)
     assert b"exit 1" in out and b"forwarded" not in out, out  # the count of SIGINTs it got
+
+
+def test_the_gate_is_known_by_its_name_until_the_exec(tmp_path: Path) -> None:
+    """`ps` shows the process held at the gate as gpuctl/gate; exec gives it the command's
+    name. Without /proc to read, a process is taken for the command (as before)."""
+    names: list[bool] = []
+
+    def place(pid: int) -> None:
+        names.append(still_the_gate(pid))
+
+    assert _launch(["sh", "-c", "exit 0"], dict(os.environ), place) == 0
+    assert names == [True]
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "comm").write_text("gpuctl/gate\n")
+    assert still_the_gate(7, tmp_path) and not still_the_gate(8, tmp_path)
+    (tmp_path / "7" / "comm").write_text("train\n")
+    assert not still_the_gate(7, tmp_path)
