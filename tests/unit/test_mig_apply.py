@@ -655,6 +655,73 @@ def test_a_dry_run_with_skip_reset_foresees_the_pending_mode_change(
         host.close()
 
 
+def test_a_dry_run_lists_the_gpu_reset_the_apply_makes(a100: Host) -> None:
+    """An A100 apply finishes a MIG mode change by resetting the GPU: the dry run lists that
+    reset among the steps, where the apply makes it (from MIG off, and with the change
+    already pending), and changes nothing."""
+    d = a100.start(resets=True)
+    reset0 = "GPU 0: reset the GPU (nvidia-smi --gpu-reset -i 0)"
+    dry = d.mig.apply(HELD_OUT, "custom-balanced", dry_run=True)
+    assert dry.result == "success" and not any(o.reset_pending for o in dry.gpus), dry
+    assert dry.gpus[0].steps[:2] == ("GPU 0: set MIG mode enabled", reset0), dry.gpus[0].steps
+    assert d.backend.mig_mode(0) == (False, False) and d.mig.desired() == {}, "nothing touched"
+    # the change left pending: the dry run now starts with the reset
+    pending = d.mig.apply(HELD_OUT, "custom-balanced", options=ApplyOptions(skip_reset=True))
+    assert pending.result == "reset_pending", pending
+    dry = d.mig.apply(HELD_OUT, "custom-balanced", dry_run=True)
+    assert dry.gpus[0].steps[0] == reset0, dry.gpus[0].steps
+    applied = d.mig.apply(HELD_OUT, "custom-balanced")
+    assert applied.result == "success", applied
+    assert [o.steps for o in dry.gpus] == [o.steps for o in applied.gpus]
+    # and back off: destroy, set the mode, reset
+    off = parse_config(
+        "version: v1\nmig-configs:\n  mig-off:\n    - devices: all\n      mig-enabled: false\n"
+    )
+    dry = d.mig.apply(off, "mig-off", dry_run=True)
+    assert dry.gpus[0].steps[-2:] == ("GPU 0: set MIG mode disabled", reset0), dry.gpus[0].steps
+    assert [o.steps for o in dry.gpus] == [o.steps for o in d.mig.apply(off, "mig-off").gpus]
+
+
+def test_a_forced_dry_run_foresees_a_mode_change_held_pending_by_processes(
+    tmp_path: Path, config: MigConfigFile
+) -> None:
+    """A process on a Hopper GPU keeps a forced MIG mode change pending: with skip_reset the
+    dry run answers ``reset_pending`` as the apply does; without, the driver would refuse
+    the reset the apply then makes, and the dry run answers ``failed`` as the apply does,
+    naming the process."""
+    host = Host(tmp_path, [(H100, 1)])
+    try:
+        d = host.start(resets=True)
+        d.node.workloads.start(0, 4242, GIB, 0.5)
+        host.jobs[4242] = "train-7"
+        force = ApplyOptions(force=True)
+        dry = d.mig.apply(config, "all-balanced", options=force, dry_run=True)
+        assert (dry.result, dry.gpus[0].status) == ("failed", "failed"), dry
+        assert "reset would be refused" in dry.gpus[0].detail
+        assert "pid 4242 (job train-7)" in dry.gpus[0].detail
+        assert dry.gpus[0].steps == ("GPU 0: set MIG mode enabled",)
+        assert d.backend.mig_mode(0) == (False, False), "nothing touched"
+        skip = ApplyOptions(force=True, skip_reset=True)
+        dry = d.mig.apply(config, "all-balanced", options=skip, dry_run=True)
+        assert dry.result == "reset_pending" and dry.gpus[0].reset_pending, dry
+        assert "pid 4242" in dry.gpus[0].detail
+        applied = d.mig.apply(config, "all-balanced", options=skip)
+        assert applied.result == "reset_pending", applied
+        assert dry.gpus[0].steps == applied.gpus[0].steps
+        applied = d.mig.apply(config, "all-balanced", options=force)
+        assert applied.result == "failed" and "in use" in applied.gpus[0].detail, applied
+        dry = d.mig.apply(config, "all-balanced", options=force, dry_run=True)
+        assert dry.result == "failed" and dry.gpus[0].steps == (), dry
+        # once it has gone, the reset goes through
+        d.node.workloads.stop(4242)
+        dry = d.mig.apply(config, "all-balanced", options=force, dry_run=True)
+        applied = d.mig.apply(config, "all-balanced", options=force)
+        assert dry.result == applied.result == "success", (dry, applied)
+        assert [o.steps for o in dry.gpus] == [o.steps for o in applied.gpus]
+    finally:
+        host.close()
+
+
 def test_a_backend_that_cannot_reset_reports_reset_pending(a100: Host) -> None:
     d = a100.start(resets=False)
     assert d.mig.apply(HELD_OUT, "custom-balanced").result == "reset_pending"
