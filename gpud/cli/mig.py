@@ -152,6 +152,8 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.out.json:
         ctx.out.print_json(resp)
         return partial
+    if resp.unfinished_apply:
+        ctx.out.print(f"unfinished apply: {resp.unfinished_apply}")
     for gpu in resp.gpus:
         # mig_capable is set once the GPU answered in this run: else, as `gpuctl gpus`
         # shows it, its product and UUID are what an earlier run last read

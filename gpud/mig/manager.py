@@ -88,7 +88,7 @@ from gpud.mig.plan import (
     steps_before_reset,
 )
 from gpud.mig.results import ApplyResult, ApplyStats, GpuOutcome
-from gpud.mig.store import ApplyOptions, DesiredRecord, MigStore
+from gpud.mig.store import ApplyOptions, DesiredRecord, InflightRecord, MigStore
 from gpud.mig.validate import ProfileTable, load_table, reference_table
 from gpud.mig.view import GpuView, JobResolver, faulty_view, gpu_view, read_actual
 from gpud.store import StateStore
@@ -165,6 +165,8 @@ class MigManager:
         # the config of an apply this process ran that failed: its plan stays in flight and
         # reconcile retries it (not an apply interrupted by a crash, to be resumed)
         self._failed_apply: str | None = None
+        # with mig.on_start = "report": the apply left unfinished, how to finish it
+        self._unfinished: str | None = None
         self._tables: dict[str, ProfileTable] = {}
         self._view: list[GpuView] | None = None
         self._view_at = float("-inf")
@@ -423,6 +425,7 @@ class MigManager:
             opts,
             self._wall(),
         )
+        self._unfinished = None  # this apply replaces it
         outcomes: list[GpuOutcome] = list(left_alone())
         for i in sorted(plans):
             # telemetry may have found it hung while the GPUs before it were applied
@@ -871,6 +874,9 @@ class MigManager:
 
         Instances with running processes are not destroyed, unless an interrupted apply was
         started with ``force``; such a GPU is reported ``busy`` and retried next time.
+
+        ``"report"`` changes nothing, an interrupted (or failed) apply included: that is
+        reported instead (:meth:`unfinished`, a ``mig.unfinished`` event).
         """
         began = self._monotonic()
         with self._lock:
@@ -880,6 +886,7 @@ class MigManager:
             ids = {g.uuid: g for g in all_ids if g.uuid}
             force = inflight is not None and inflight.options.force
             reset = inflight is not None and not inflight.options.skip_reset
+            self._note_unfinished(inflight if mode == "report" else None)
             if inflight is not None and mode == "reconcile" and "inflight" not in self._last_report:
                 done = f"{inflight.steps_done}/{len(inflight.steps)} steps were done"
                 if self._failed_apply == inflight.config_name:
@@ -962,6 +969,45 @@ class MigManager:
                     log.warning("cannot read MIG instances: %s", err)
                     self._view_at = now  # retried at the next refresh, not every tick
             return outcomes
+
+    def unfinished(self) -> str | None:
+        """With ``mig.on_start = "report"``: the apply a gpud stop or crash (or a failure)
+        left unfinished, which reconcile does not resume, and the command that finishes it;
+        None when there is none (or reconcile resumes it)."""
+        return self._unfinished
+
+    def _note_unfinished(self, inflight: InflightRecord | None) -> None:
+        """Report an in-flight apply that reconcile leaves alone ("report" mode): a warning
+        and a ``mig.unfinished`` event once, :meth:`unfinished` while it lasts."""
+        note = None
+        if inflight is not None:
+            o = inflight.options
+            flags = "".join(
+                f" {flag}"
+                for flag, on in (
+                    ("--drain", o.drain),
+                    ("--force", o.force),
+                    ("--skip-reset", o.skip_reset),
+                )
+                if on
+            )
+            how = "failed" if self._failed_apply == inflight.config_name else "was interrupted"
+            note = (
+                f"the apply of {inflight.config_name} {how} after {inflight.steps_done} of "
+                f'{len(inflight.steps)} steps and is left unfinished: mig.on_start = "report" '
+                "changes no MIG layout; finish it with `gpuctl mig apply -f FILE "
+                f"-c {inflight.config_name}{flags}` (FILE: the layout file it came from), or "
+                'set mig.on_start = "reconcile" and restart gpud'
+            )
+            if note != self._unfinished:
+                self._events.emit(
+                    "mig.unfinished",
+                    note,
+                    config=inflight.config_name,
+                    steps_done=inflight.steps_done,
+                    steps=len(inflight.steps),
+                )
+        self._unfinished = note
 
     def latest_view(self) -> list[GpuView]:
         """What the last reconcile saw (read now if there was none, as :meth:`show` reads:

@@ -524,6 +524,56 @@ def test_crash_at_every_step_converges(tmp_path: Path, config: MigConfigFile, st
             host.close()
 
 
+def test_report_mode_leaves_an_interrupted_apply_unfinished_and_says_so(
+    tmp_path: Path, config: MigConfigFile
+) -> None:
+    """With mig.on_start = "report" gpud changes no MIG layout at start, an interrupted apply
+    included: it is reported (a ``mig.unfinished`` event once, :meth:`unfinished`, the
+    ``gpud_mig_apply_unfinished`` metric) with the command that finishes it, until an apply
+    or a start in "reconcile" mode finishes it."""
+    host = Host(tmp_path, [(H100, 2)])
+    try:
+        d = host.start()
+        d.node.faults.crash_after_mutations(3)
+        with pytest.raises(SimulatedCrash):
+            d.mig.apply(config, "all-balanced", options=ApplyOptions(force=True))
+        again = host.start()
+        before = instances(again)
+
+        def unfinished_metric() -> float:
+            families = [f for f in MigMetrics(again.mig)() if f.name == "gpud_mig_apply_unfinished"]
+            return families[0].samples[0].value
+
+        for _ in range(2):  # at start, then on a tick
+            assert {o.status for o in again.mig.reconcile("report")} <= {"ok", "differs"}
+        assert instances(again) == before, "report mode changes nothing"
+        assert again.mig._store.inflight() is not None
+        (event,) = again.events.recent(kind_prefix="mig.unfinished")
+        assert "apply of all-balanced was interrupted after 2 of 18 steps" in event.message
+        assert "`gpuctl mig apply -f FILE -c all-balanced --force`" in event.message
+        assert 'mig.on_start = "reconcile"' in event.message
+        assert again.mig.unfinished() == event.message and unfinished_metric() == 1.0
+        assert not again.events.recent(kind_prefix="mig.resume")
+        # a start in reconcile mode finishes it, and the report goes
+        assert {o.status for o in again.mig.reconcile()} <= {"ok", "changed"}
+        assert again.mig.unfinished() is None and unfinished_metric() == 0.0
+        assert again.mig.assert_config(config, "all-balanced") == []
+        # so does the apply that the report names
+        d = host.start()
+        d.node.faults.crash_after_mutations(1)
+        with pytest.raises(SimulatedCrash):
+            d.mig.apply(config, "all-1g.10gb")
+        again = host.start()
+        again.mig.reconcile("report")
+        assert again.mig.unfinished() is not None
+        assert again.mig.apply(config, "all-1g.10gb").result == "success"
+        assert again.mig.unfinished() is None
+        again.mig.reconcile("report")
+        assert again.mig.unfinished() is None
+    finally:
+        host.close()
+
+
 def test_crash_during_mode_change_then_reboot(tmp_path: Path, config: MigConfigFile) -> None:
     host = Host(tmp_path, [(A100, 2)])  # the mode change waits for a reset
     try:
