@@ -19,8 +19,11 @@ An apply that may reset GPUs is waited for up to 10 minutes (resets take a while
 
 ``--dry-run`` makes the apply's checks and changes nothing: it lists each GPU's steps and
 answers with the status words and exit code the apply would (``busy`` and exit 6: refused,
-processes run on instances it would destroy; ``faulty`` and exit 11: left alone). With
-``--drain`` it does not wait: it names the processes the apply would wait for.
+processes run on instances it would destroy; ``faulty`` and exit 11: left alone;
+``reset_pending`` with ``--skip-reset``; ``failed`` and exit 1 where ``--force`` would leave a
+MIG mode change pending behind processes and the GPU reset would be refused), listing the
+GPU reset where the apply makes one. With ``--drain`` it does not wait: it names the
+processes the apply would wait for.
 
 A faulty GPU (lost, not answering) is shown with its reason and left alone while the others
 are shown, applied, checked or exported: the command then exits 11 (partial). A GPU whose
@@ -149,6 +152,8 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.out.json:
         ctx.out.print_json(resp)
         return partial
+    if resp.unfinished_apply:
+        ctx.out.print(f"unfinished apply: {resp.unfinished_apply}")
     for gpu in resp.gpus:
         # mig_capable is set once the GPU answered in this run: else, as `gpuctl gpus`
         # shows it, its product and UUID are what an earlier run last read

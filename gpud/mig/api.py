@@ -171,7 +171,10 @@ class MigServicer(pb_grpc.MigServicer):
             self._manager.show, timeout_s=_read_budget(context, self._read_s)
         )
         seen = self._last_seen()
-        return pb.ShowMigResponse(gpus=[gpu_message(v, seen.get(v.identity.index)) for v in views])
+        return pb.ShowMigResponse(
+            gpus=[gpu_message(v, seen.get(v.identity.index)) for v in views],
+            unfinished_apply=self._manager.unfinished() or "",
+        )
 
     async def ApplyMig(  # noqa: N802
         self, request: pb.ApplyMigRequest, context: grpc.aio.ServicerContext

@@ -17,7 +17,9 @@ by a lock, in this order for an apply:
 A dry run makes steps 1 to 3 (the busy checks once: it does not drain) and stops there: it
 answers what the apply would (``busy`` where the apply would be refused, ``faulty`` GPUs
 left alone, ``partial``; ``reset_pending`` with ``skip_reset`` where a MIG mode change would
-wait for a GPU reset) with each GPU's steps, and changes nothing.
+wait for a GPU reset; ``failed`` where, forced, processes would keep it pending and the
+driver would refuse the reset) with each GPU's steps, the GPU reset the apply makes among
+them, and changes nothing.
 
 A MIG mode change the driver can only make at the next GPU reset (``nvidia-smi -mig 1``
 answering "pending", as on A100) is finished by resetting the GPU (``nvidia-smi --gpu-reset
@@ -82,10 +84,11 @@ from gpud.mig.plan import (
     actual_layout,
     describe_difference,
     plan_gpu,
+    reset_step,
     steps_before_reset,
 )
 from gpud.mig.results import ApplyResult, ApplyStats, GpuOutcome
-from gpud.mig.store import ApplyOptions, DesiredRecord, MigStore
+from gpud.mig.store import ApplyOptions, DesiredRecord, InflightRecord, MigStore
 from gpud.mig.validate import ProfileTable, load_table, reference_table
 from gpud.mig.view import GpuView, JobResolver, faulty_view, gpu_view, read_actual
 from gpud.store import StateStore
@@ -162,6 +165,8 @@ class MigManager:
         # the config of an apply this process ran that failed: its plan stays in flight and
         # reconcile retries it (not an apply interrupted by a crash, to be resumed)
         self._failed_apply: str | None = None
+        # with mig.on_start = "report": the apply left unfinished, how to finish it
+        self._unfinished: str | None = None
         self._tables: dict[str, ProfileTable] = {}
         self._view: list[GpuView] | None = None
         self._view_at = float("-inf")
@@ -289,9 +294,14 @@ class MigManager:
                 pids.append(p.pid)
                 if job is not None and job not in jobs:
                     jobs.append(job)
-                who = f"pid {p.pid}" + (f" (job {job})" if job else "")
-                parts.append(f"GPU {gpu} ({ids[gpu].product}) {where}: {who}")
+                parts.append(f"GPU {gpu} ({ids[gpu].product}) {where}: {_who(p.pid, job)}")
         return pids, jobs, parts
+
+    def _pids(self, entries: list[tuple[str, ProcessInfo]]) -> str:
+        """The processes, each with its job: "pid 4242 (job train-7), pid 4243"."""
+        return ", ".join(
+            _who(p.pid, self._jobs(p.pid) if self._jobs is not None else None) for _, p in entries
+        )
 
     def _busy_error(
         self,
@@ -389,8 +399,9 @@ class MigManager:
         if dry_run:
             # the checks the apply makes before it starts, once (a dry run does not drain)
             busy = {} if opts.force else self._check_idle(plans, by_index, faulty, reset=reset)
+            held = self._holders(plans, by_index) if opts.force else {}
             return self._preview(
-                name, plans, by_index, busy=busy, opts=opts, left_alone=left_alone()
+                name, plans, by_index, busy=busy, held=held, opts=opts, left_alone=left_alone()
             )
 
         if not wanted():  # it waited behind another apply, or its planning was slow
@@ -414,6 +425,7 @@ class MigManager:
             opts,
             self._wall(),
         )
+        self._unfinished = None  # this apply replaces it
         outcomes: list[GpuOutcome] = list(left_alone())
         for i in sorted(plans):
             # telemetry may have found it hung while the GPUs before it were applied
@@ -472,26 +484,32 @@ class MigManager:
         by_index: dict[int, GpuIdentity],
         *,
         busy: dict[int, list[tuple[str, ProcessInfo]]],
+        held: dict[int, list[tuple[str, ProcessInfo]]],
         opts: ApplyOptions,
         left_alone: tuple[GpuOutcome, ...],
     ) -> ApplyResult:
         """A dry run's answer, from the plans and busy checks the apply would have: each GPU
-        ``ok``, ``differs`` (with the steps the apply would take), ``reset_pending`` (with
-        ``skip_reset``, a MIG mode change the GPU makes at its next reset: the steps the
-        apply would run before it stops there; the result is ``reset_pending``), ``busy``
+        ``ok``, ``differs`` (with the steps the apply would take), ``reset_pending``, ``busy``
         (processes run on what it would destroy: the apply would be refused, the result is
-        ``busy``) or ``faulty`` (left alone: the result is ``partial``). With ``drain`` the
-        dry run does not wait: a GPU with processes names those the apply would wait for."""
+        ``busy``), ``failed`` or ``faulty`` (left alone: the result is ``partial``). With
+        ``drain`` the dry run does not wait: a GPU with processes names those the apply would
+        wait for.
+
+        A MIG mode change the GPU makes at its next reset (A100, a change already pending, or
+        with ``force`` one that processes holding the GPU (``held``) keep pending) stops the
+        apply there: with ``skip_reset`` the GPU is ``reset_pending`` with the steps before
+        it; otherwise the steps list the GPU reset the apply makes, then the rest, or the GPU
+        is ``failed`` where the driver would refuse the reset (processes hold the GPU)."""
         refused = bool(busy) and not opts.drain
         preview = list(left_alone)
         for i, (actual, plan) in sorted(plans.items()):
             gpu = by_index[i]
+            where = f"GPU {i}{_product(gpu)}"
             status, details = ("ok" if plan.empty else "differs"), []
-            run = plan.steps
-            before_reset = (
-                steps_before_reset(actual, plan, mode_needs_reset=_mode_needs_reset(gpu))
-                if opts.skip_reset
-                else None
+            steps = tuple(s.describe() for s in plan.steps)
+            holders = held.get(i, [])
+            before_reset = steps_before_reset(
+                actual, plan, mode_needs_reset=_mode_needs_reset(gpu) or bool(holders)
             )
             if i in busy and refused:
                 status = "busy"
@@ -502,14 +520,29 @@ class MigManager:
                     f"would first wait up to {opts.timeout_s:g} s for processes to leave: {waits}"
                 )
             if before_reset is not None and status != "busy":
-                status, run = "reset_pending", before_reset
-                details.append(_pending(f"GPU {i}{_product(gpu)}"))
-            steps = tuple(s.describe() for s in run)
+                stopped = tuple(s.describe() for s in before_reset)
+                who = self._pids(holders)
+                if opts.skip_reset:
+                    status, steps = "reset_pending", stopped
+                    details.append(
+                        _pending(where) + (f" (processes hold it: {who})" if who else "")
+                    )
+                elif holders:
+                    status, steps = "failed", stopped
+                    details.append(
+                        f"{where}: the GPU reset would be refused while processes run on it "
+                        f"({who}): the MIG mode change would be left pending (stop them, or "
+                        "--skip-reset to leave it pending without failing)"
+                    )
+                else:
+                    steps = (*stopped, reset_step(i), *steps[len(stopped) :])
             pending = status == "reset_pending"
             preview.append(GpuOutcome(i, gpu.uuid, steps, pending, status, "; ".join(details)))
         preview.sort(key=lambda o: o.gpu)
         if refused:
             result = "busy"
+        elif any(o.status == "failed" for o in preview):
+            result = "failed"
         elif left_alone:
             result = "partial"
         elif all(o.status == "ok" for o in preview):
@@ -519,6 +552,28 @@ class MigManager:
         else:
             result = "success"
         return ApplyResult(name, result, tuple(preview), 0.0, True)
+
+    def _holders(
+        self, plans: dict[int, tuple[GpuActual, GpuPlan]], by_index: dict[int, GpuIdentity]
+    ) -> dict[int, list[tuple[str, ProcessInfo]]]:
+        """For a forced dry run: the processes on each GPU whose MIG mode the plan changes
+        (they keep the change pending, on Hopper too) or whose pending change would need a
+        reset (the driver refuses it while they run). Read as the busy checks are
+        (:meth:`_bounded`); a GPU whose processes cannot be listed has none named, as the
+        forced apply does not list them either."""
+
+        def mode_change(actual: GpuActual, plan: GpuPlan) -> bool:
+            return actual.mode.reset_pending or any(
+                isinstance(s, SetMigMode) and s.enabled != actual.mode.current for s in plan.steps
+            )
+
+        todo = [by_index[i] for i, (a, p) in sorted(plans.items()) if mode_change(a, p)]
+
+        def listed(gpu: GpuIdentity) -> list[tuple[str, ProcessInfo]]:
+            return [("the whole GPU", p) for p in self._backend.processes(gpu.index)]
+
+        answers = self._bounded(todo, listed, self._read_timeout_s, "busy")
+        return {i: got for i, got in answers.items() if isinstance(got, list) and got}
 
     def _not_started(self, name: str, start: float, why: str) -> ApplyResult:
         duration = self._finish(name, "not_started", start, why, client_gone=True)
@@ -675,7 +730,7 @@ class MigManager:
         except NotSupported as err:
             log.info("GPU %d: cannot reset (%s); MIG mode change left pending", gpu.index, err)
             return False
-        done.append(f"GPU {gpu.index}: reset the GPU (nvidia-smi --gpu-reset -i {gpu.index})")
+        done.append(reset_step(gpu.index))
         self._events.emit(
             "mig.reset",
             f"GPU {gpu.index}: reset to make its pending MIG mode current",
@@ -819,6 +874,9 @@ class MigManager:
 
         Instances with running processes are not destroyed, unless an interrupted apply was
         started with ``force``; such a GPU is reported ``busy`` and retried next time.
+
+        ``"report"`` changes nothing, an interrupted (or failed) apply included: that is
+        reported instead (:meth:`unfinished`, a ``mig.unfinished`` event).
         """
         began = self._monotonic()
         with self._lock:
@@ -828,6 +886,7 @@ class MigManager:
             ids = {g.uuid: g for g in all_ids if g.uuid}
             force = inflight is not None and inflight.options.force
             reset = inflight is not None and not inflight.options.skip_reset
+            self._note_unfinished(inflight if mode == "report" else None)
             if inflight is not None and mode == "reconcile" and "inflight" not in self._last_report:
                 done = f"{inflight.steps_done}/{len(inflight.steps)} steps were done"
                 if self._failed_apply == inflight.config_name:
@@ -910,6 +969,45 @@ class MigManager:
                     log.warning("cannot read MIG instances: %s", err)
                     self._view_at = now  # retried at the next refresh, not every tick
             return outcomes
+
+    def unfinished(self) -> str | None:
+        """With ``mig.on_start = "report"``: the apply a gpud stop or crash (or a failure)
+        left unfinished, which reconcile does not resume, and the command that finishes it;
+        None when there is none (or reconcile resumes it)."""
+        return self._unfinished
+
+    def _note_unfinished(self, inflight: InflightRecord | None) -> None:
+        """Report an in-flight apply that reconcile leaves alone ("report" mode): a warning
+        and a ``mig.unfinished`` event once, :meth:`unfinished` while it lasts."""
+        note = None
+        if inflight is not None:
+            o = inflight.options
+            flags = "".join(
+                f" {flag}"
+                for flag, on in (
+                    ("--drain", o.drain),
+                    ("--force", o.force),
+                    ("--skip-reset", o.skip_reset),
+                )
+                if on
+            )
+            how = "failed" if self._failed_apply == inflight.config_name else "was interrupted"
+            note = (
+                f"the apply of {inflight.config_name} {how} after {inflight.steps_done} of "
+                f'{len(inflight.steps)} steps and is left unfinished: mig.on_start = "report" '
+                "changes no MIG layout; finish it with `gpuctl mig apply -f FILE "
+                f"-c {inflight.config_name}{flags}` (FILE: the layout file it came from), or "
+                'set mig.on_start = "reconcile" and restart gpud'
+            )
+            if note != self._unfinished:
+                self._events.emit(
+                    "mig.unfinished",
+                    note,
+                    config=inflight.config_name,
+                    steps_done=inflight.steps_done,
+                    steps=len(inflight.steps),
+                )
+        self._unfinished = note
 
     def latest_view(self) -> list[GpuView]:
         """What the last reconcile saw (read now if there was none, as :meth:`show` reads:
@@ -1191,6 +1289,10 @@ def _answers(
         else:
             out[gpu.index] = got
     return out
+
+
+def _who(pid: int, job: str | None) -> str:
+    return f"pid {pid}" + (f" (job {job})" if job else "")
 
 
 def _no_answer(timeout_s: float) -> str:

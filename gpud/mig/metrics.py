@@ -8,6 +8,9 @@
     gpud_mig_reset_pending{gpu,gpu_uuid}                      1 while a MIG mode change waits
     gpud_mig_layout_matches{gpu,gpu_uuid}                     managed GPUs: 1 when the last
                                                               reconcile found it as desired
+    gpud_mig_apply_unfinished                                 1 while an apply a stop, crash
+                                                              or failure left unfinished is
+                                                              not resumed (on_start "report")
     gpud_mig_apply_total{result}                              success, noop, reset_pending,
                                                               partial, invalid, busy, failed,
                                                               not_started, resumed
@@ -117,6 +120,12 @@ class MigMetrics:
             if o.status != "faulty":  # not read: unknown, absent (see the module docstring)
                 matches.add_metric((str(o.gpu), o.uuid), float(o.status in ("ok", "changed")))
         yield from (info, limit, used, procs, pending, matches)
+        unfinished = GaugeMetricFamily(
+            "gpud_mig_apply_unfinished",
+            '1 while an apply is left unfinished, not resumed (mig.on_start = "report").',
+        )
+        unfinished.add_metric((), float(m.unfinished() is not None))
+        yield unfinished
 
         totals, durations = m.stats.snapshot()
         applies = CounterMetricFamily(

@@ -232,6 +232,11 @@ def steps_before_reset(
     return tuple(itertools.takewhile(lambda s: not isinstance(s, creating), plan.steps))
 
 
+def reset_step(gpu: int) -> str:
+    """How an apply names the GPU reset that makes a pending MIG mode current."""
+    return f"GPU {gpu}: reset the GPU (nvidia-smi --gpu-reset -i {gpu})"
+
+
 def _gi_name(table: ProfileTable | None, profile_id: int) -> str:
     if table is not None:
         try:

@@ -7,7 +7,7 @@ Tables (``sqlite3 /var/lib/gpud/state.db '.schema mig_desired'``):
 - ``mig_inflight``: at most one row, written in the same transaction as the desired layouts
   before the first driver call of an apply and deleted after the last. A row found at start
   means the daemon died mid-apply; reconcile finishes the job (it re-plans from what the
-  driver has, so nothing is replayed blindly).
+  driver has, so nothing is replayed blindly), or in "report" mode reports it unfinished.
 """
 
 from __future__ import annotations

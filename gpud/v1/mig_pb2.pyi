@@ -290,16 +290,22 @@ class ShowMigResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     GPUS_FIELD_NUMBER: _builtins.int
+    UNFINISHED_APPLY_FIELD_NUMBER: _builtins.int
+    unfinished_apply: _builtins.str
+    """With mig.on_start = "report": an apply a gpud stop or crash (or a failure) left
+    unfinished, which gpud does not resume, and the command that finishes it; empty if none.
+    """
     @_builtins.property
     def gpus(self) -> _containers.RepeatedCompositeFieldContainer[Global___MigGpu]: ...
     def __init__(
         self,
         *,
         gpus: _abc.Iterable[Global___MigGpu] | None = ...,
+        unfinished_apply: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "unfinished_apply", b"unfinished_apply"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -524,6 +524,56 @@ def test_crash_at_every_step_converges(tmp_path: Path, config: MigConfigFile, st
             host.close()
 
 
+def test_report_mode_leaves_an_interrupted_apply_unfinished_and_says_so(
+    tmp_path: Path, config: MigConfigFile
+) -> None:
+    """With mig.on_start = "report" gpud changes no MIG layout at start, an interrupted apply
+    included: it is reported (a ``mig.unfinished`` event once, :meth:`unfinished`, the
+    ``gpud_mig_apply_unfinished`` metric) with the command that finishes it, until an apply
+    or a start in "reconcile" mode finishes it."""
+    host = Host(tmp_path, [(H100, 2)])
+    try:
+        d = host.start()
+        d.node.faults.crash_after_mutations(3)
+        with pytest.raises(SimulatedCrash):
+            d.mig.apply(config, "all-balanced", options=ApplyOptions(force=True))
+        again = host.start()
+        before = instances(again)
+
+        def unfinished_metric() -> float:
+            families = [f for f in MigMetrics(again.mig)() if f.name == "gpud_mig_apply_unfinished"]
+            return families[0].samples[0].value
+
+        for _ in range(2):  # at start, then on a tick
+            assert {o.status for o in again.mig.reconcile("report")} <= {"ok", "differs"}
+        assert instances(again) == before, "report mode changes nothing"
+        assert again.mig._store.inflight() is not None
+        (event,) = again.events.recent(kind_prefix="mig.unfinished")
+        assert "apply of all-balanced was interrupted after 2 of 18 steps" in event.message
+        assert "`gpuctl mig apply -f FILE -c all-balanced --force`" in event.message
+        assert 'mig.on_start = "reconcile"' in event.message
+        assert again.mig.unfinished() == event.message and unfinished_metric() == 1.0
+        assert not again.events.recent(kind_prefix="mig.resume")
+        # a start in reconcile mode finishes it, and the report goes
+        assert {o.status for o in again.mig.reconcile()} <= {"ok", "changed"}
+        assert again.mig.unfinished() is None and unfinished_metric() == 0.0
+        assert again.mig.assert_config(config, "all-balanced") == []
+        # so does the apply that the report names
+        d = host.start()
+        d.node.faults.crash_after_mutations(1)
+        with pytest.raises(SimulatedCrash):
+            d.mig.apply(config, "all-1g.10gb")
+        again = host.start()
+        again.mig.reconcile("report")
+        assert again.mig.unfinished() is not None
+        assert again.mig.apply(config, "all-1g.10gb").result == "success"
+        assert again.mig.unfinished() is None
+        again.mig.reconcile("report")
+        assert again.mig.unfinished() is None
+    finally:
+        host.close()
+
+
 def test_crash_during_mode_change_then_reboot(tmp_path: Path, config: MigConfigFile) -> None:
     host = Host(tmp_path, [(A100, 2)])  # the mode change waits for a reset
     try:
@@ -651,6 +701,73 @@ def test_a_dry_run_with_skip_reset_foresees_the_pending_mode_change(
         dry = d.mig.apply(config, "all-balanced", dry_run=True)
         assert dry.result == "success" and dry.gpus[0].status == "differs"
         assert not any(o.reset_pending for o in dry.gpus)
+    finally:
+        host.close()
+
+
+def test_a_dry_run_lists_the_gpu_reset_the_apply_makes(a100: Host) -> None:
+    """An A100 apply finishes a MIG mode change by resetting the GPU: the dry run lists that
+    reset among the steps, where the apply makes it (from MIG off, and with the change
+    already pending), and changes nothing."""
+    d = a100.start(resets=True)
+    reset0 = "GPU 0: reset the GPU (nvidia-smi --gpu-reset -i 0)"
+    dry = d.mig.apply(HELD_OUT, "custom-balanced", dry_run=True)
+    assert dry.result == "success" and not any(o.reset_pending for o in dry.gpus), dry
+    assert dry.gpus[0].steps[:2] == ("GPU 0: set MIG mode enabled", reset0), dry.gpus[0].steps
+    assert d.backend.mig_mode(0) == (False, False) and d.mig.desired() == {}, "nothing touched"
+    # the change left pending: the dry run now starts with the reset
+    pending = d.mig.apply(HELD_OUT, "custom-balanced", options=ApplyOptions(skip_reset=True))
+    assert pending.result == "reset_pending", pending
+    dry = d.mig.apply(HELD_OUT, "custom-balanced", dry_run=True)
+    assert dry.gpus[0].steps[0] == reset0, dry.gpus[0].steps
+    applied = d.mig.apply(HELD_OUT, "custom-balanced")
+    assert applied.result == "success", applied
+    assert [o.steps for o in dry.gpus] == [o.steps for o in applied.gpus]
+    # and back off: destroy, set the mode, reset
+    off = parse_config(
+        "version: v1\nmig-configs:\n  mig-off:\n    - devices: all\n      mig-enabled: false\n"
+    )
+    dry = d.mig.apply(off, "mig-off", dry_run=True)
+    assert dry.gpus[0].steps[-2:] == ("GPU 0: set MIG mode disabled", reset0), dry.gpus[0].steps
+    assert [o.steps for o in dry.gpus] == [o.steps for o in d.mig.apply(off, "mig-off").gpus]
+
+
+def test_a_forced_dry_run_foresees_a_mode_change_held_pending_by_processes(
+    tmp_path: Path, config: MigConfigFile
+) -> None:
+    """A process on a Hopper GPU keeps a forced MIG mode change pending: with skip_reset the
+    dry run answers ``reset_pending`` as the apply does; without, the driver would refuse
+    the reset the apply then makes, and the dry run answers ``failed`` as the apply does,
+    naming the process."""
+    host = Host(tmp_path, [(H100, 1)])
+    try:
+        d = host.start(resets=True)
+        d.node.workloads.start(0, 4242, GIB, 0.5)
+        host.jobs[4242] = "train-7"
+        force = ApplyOptions(force=True)
+        dry = d.mig.apply(config, "all-balanced", options=force, dry_run=True)
+        assert (dry.result, dry.gpus[0].status) == ("failed", "failed"), dry
+        assert "reset would be refused" in dry.gpus[0].detail
+        assert "pid 4242 (job train-7)" in dry.gpus[0].detail
+        assert dry.gpus[0].steps == ("GPU 0: set MIG mode enabled",)
+        assert d.backend.mig_mode(0) == (False, False), "nothing touched"
+        skip = ApplyOptions(force=True, skip_reset=True)
+        dry = d.mig.apply(config, "all-balanced", options=skip, dry_run=True)
+        assert dry.result == "reset_pending" and dry.gpus[0].reset_pending, dry
+        assert "pid 4242" in dry.gpus[0].detail
+        applied = d.mig.apply(config, "all-balanced", options=skip)
+        assert applied.result == "reset_pending", applied
+        assert dry.gpus[0].steps == applied.gpus[0].steps
+        applied = d.mig.apply(config, "all-balanced", options=force)
+        assert applied.result == "failed" and "in use" in applied.gpus[0].detail, applied
+        dry = d.mig.apply(config, "all-balanced", options=force, dry_run=True)
+        assert dry.result == "failed" and dry.gpus[0].steps == (), dry
+        # once it has gone, the reset goes through
+        d.node.workloads.stop(4242)
+        dry = d.mig.apply(config, "all-balanced", options=force, dry_run=True)
+        applied = d.mig.apply(config, "all-balanced", options=force)
+        assert dry.result == applied.result == "success", (dry, applied)
+        assert [o.steps for o in dry.gpus] == [o.steps for o in applied.gpus]
     finally:
         host.close()
 

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from gpud.api import ApiServer
 from gpud.backend.nvml import NvmlBackend
-from gpud.backend.sim import SimNode
+from gpud.backend.sim import SimNode, SimulatedCrash
 from gpud.cli.main import main
 from gpud.events import EventLog
 from gpud.metrics import Collector
@@ -155,6 +155,28 @@ def test_a_mode_change_pending_a_reset(capsys: pytest.CaptureFixture[str], tmp_p
         a100.mig.reconcile()
         code, out, _ = gpuctl(capsys, a100, "mig", "assert", "-f", CONFIG, "-c", "all-balanced")
         assert code == 0 and "match" in out
+
+
+def test_show_names_an_apply_left_unfinished_in_report_mode(
+    capsys: pytest.CaptureFixture[str], node: Node
+) -> None:
+    """An apply cut off (gpud killed mid-apply) that reconcile in "report" mode leaves alone
+    is named by ``gpuctl mig show`` with the command that finishes it, until it is run."""
+    node.sim.faults.crash_after_mutations(2)
+    with pytest.raises(SimulatedCrash):
+        node.mig.apply(load_config(Path(CONFIG)), "all-balanced")
+    node.mig.reconcile("report")
+    code, out, err = gpuctl(capsys, node, "mig", "show")
+    assert code == 0, err
+    assert out.startswith("unfinished apply: the apply of all-balanced was interrupted"), out
+    assert "finish it with `gpuctl mig apply -f FILE -c all-balanced`" in out
+    code, out, _ = gpuctl(capsys, node, "--json", "mig", "show")
+    assert "gpuctl mig apply -f FILE -c all-balanced" in json.loads(out)["unfinished_apply"]
+    code, out, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "all-balanced")
+    assert code == 0, err
+    node.mig.reconcile("report")
+    code, out, _ = gpuctl(capsys, node, "mig", "show")
+    assert "unfinished" not in out
 
 
 def test_bad_requests(capsys: pytest.CaptureFixture[str], node: Node, tmp_path: Path) -> None:
