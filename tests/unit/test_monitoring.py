@@ -53,6 +53,7 @@ def test_alert_rules_use_exported_metrics_and_say_what_to_do() -> None:
         "GpudSamplesStale",
         "GpuSamplesStale",
         "MigApplyFailed",
+        "MigApplyUnfinished",
         "MigLayoutDiffers",
         "MpsDaemonDown",
         "TrafficNotEnforced",
