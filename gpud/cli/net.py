@@ -139,28 +139,22 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
     untagged = [j for j in resp.jobs if j.error]
     clamped = [j for j in resp.jobs if j.HasField("pinned_level_clamped_from")]
     for j in resp.jobs:
-        if j.error:  # in use without a tag: why, once under the table
-            rows.append((j.job, "-", f"default ({NO_TAG})", *(NA,) * 7))
+        progress = (
+            f"{j.progress_rate:.2f}" if j.HasField("progress_rate") else NA,
+            str(j.iterations) if j.HasField("iterations") else NA,
+            seconds(j.iteration_s) if j.HasField("iteration_s") else NA,
+            seconds(j.last_report_age_seconds) if j.HasField("last_report_age_seconds") else NA,
+        )
+        if j.error:  # in use without a tag (why: once under the table); no class of its own
+            rows.append((j.job, NA, f"default ({NO_TAG})", *progress, NA, NA, NA))
             continue
         level = str(j.level) if j.HasField("level") else "default"
         if j.HasField("pinned_level_clamped_from"):
             level += f" (pinned {j.pinned_level_clamped_from}, clamped)"
         elif j.HasField("pinned_level"):
             level += " (pinned)"
-        rows.append(
-            (
-                j.job,
-                str(j.dscp),
-                level,
-                f"{j.progress_rate:.2f}" if j.HasField("progress_rate") else NA,
-                str(j.iterations) if j.HasField("iterations") else NA,
-                seconds(j.iteration_s) if j.HasField("iteration_s") else NA,
-                seconds(j.last_report_age_seconds) if j.HasField("last_report_age_seconds") else NA,
-                _bytes(j.counters.bytes),
-                str(j.counters.packets),
-                str(j.counters.drops),
-            )
-        )
+        counters = (_bytes(j.counters.bytes), str(j.counters.packets), str(j.counters.drops))
+        rows.append((j.job, str(j.dscp), level, *progress, *counters))
     ctx.out.print_table(JOB_HEADERS, rows)
     if untagged:
         ctx.out.print(

@@ -50,6 +50,15 @@ def job_message(j: JobTraffic, now: float) -> pb.NetJob:
     return msg
 
 
+def untagged_message(j: JobTraffic, why: str, now: float) -> pb.NetJob:
+    """The row of a job in use without a tag: its progress, ``error`` why it has no tag;
+    no DSCP (0), no level and no counters: its traffic is in the default class."""
+    msg = job_message(j, now)
+    msg.ClearField("counters")
+    msg.error = why
+    return msg
+
+
 def show_message(view: NetView, now: float) -> pb.ShowNetResponse:
     by_level: dict[int, list[str]] = {}
     for j in view.jobs:
@@ -59,7 +68,7 @@ def show_message(view: NetView, now: float) -> pb.ShowNetResponse:
         enabled=view.enabled,
         jobs=[
             *(job_message(j, now) for j in view.jobs),
-            *(pb.NetJob(job=job, error=why) for job, why in sorted(view.untagged.items())),
+            *(untagged_message(j, view.untagged.get(j.job, ""), now) for j in view.untagged_jobs),
         ],
         levels=[
             pb.NetLevel(

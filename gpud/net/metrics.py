@@ -3,6 +3,8 @@
     gpud_net_job_dscp{job}                          the job's tag
     gpud_net_job_level{job}                         its level (0 highest); absent: default class
     gpud_net_job_progress_rate_ratio{job}           contention-free / observed iteration time
+                                                    (jobs in use without a tag too: the one
+                                                    label is the job's name)
     gpud_net_job_sent_bytes_total{job}              through gpud's classes on every interface
     gpud_net_job_sent_packets_total{job}
     gpud_net_job_dropped_packets_total{job}
@@ -13,7 +15,10 @@
     gpud_net_interface_enforced{interface}          1 when the plan is in the kernel
     gpud_net_interface_rate_bits_per_second{interface}
     gpud_net_interface_repairs_total{interface}     drift restored
-    gpud_net_untagged_jobs                          jobs left without a tag: the DSCP pool is in use
+    gpud_net_untagged_jobs                          jobs in use left without a tag: the DSCP
+                                                    pool is in use (alert TrafficJobsUntagged)
+    gpud_net_idle_untagged_jobs                     idle jobs holding no tag (they take one
+                                                    when they run; no fault)
     gpud_net_marking_ok                             gpud's nftables table is in force
                                                     (absent: traffic.marking = false)
     gpud_net_rdma_map_ok                            the NIC DSCP -> priority map is written on
@@ -61,6 +66,9 @@ class TrafficMetrics:
             if j.rate is not None:
                 rate.add_metric([j.job], j.rate)
             _add(job_c, j.job, j.counters)
+        for j in view.untagged_jobs:  # no tag, level or counters of their own
+            if j.rate is not None:
+                rate.add_metric([j.job], j.rate)
         jobs_at = GaugeMetricFamily("gpud_net_level_jobs", "Jobs at the level.", labels=("level",))
         share = GaugeMetricFamily(
             "gpud_net_level_min_share_ratio",
@@ -101,6 +109,14 @@ class TrafficMetrics:
             "Registered jobs with no DSCP tag: traffic.dscp_pool is held by jobs in use.",
         )
         untagged.add_metric([], float(len(view.untagged)))
+        # a gauge of its own, not a label on the one above: gpud_net_untagged_jobs > 0 (and
+        # any rule built on it) keeps meaning jobs in use without a tag, a pool too small,
+        # while idle jobs without one are normal on a node that has seen many jobs
+        idle_untagged = GaugeMetricFamily(
+            "gpud_net_idle_untagged_jobs",
+            "Registered jobs not in use that hold no DSCP tag (each takes one when it runs).",
+        )
+        idle_untagged.add_metric([], float(view.idle_untagged))
         marking = GaugeMetricFamily(
             "gpud_net_marking_ok", "1 when gpud's nftables marking table is in force."
         )
@@ -126,7 +142,8 @@ class TrafficMetrics:
         reports.add_metric(["accepted"], float(self._service.accepted_reports))
         reports.add_metric(["rejected"], float(self._service.rejected_reports))
         yield from (dscp, level, rate, *job_c, jobs_at, share, *level_c, changes)
-        yield from (enforced, link, repairs, untagged, marking, rdma, epoch, reports)
+        yield from (enforced, link, repairs, untagged, idle_untagged, marking, rdma, epoch)
+        yield reports
 
 
 def _counter_families(prefix: str, label: str) -> tuple[CounterMetricFamily, ...]:

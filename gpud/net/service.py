@@ -4,6 +4,7 @@ Each tick (:meth:`TrafficService.tick`, the daemon's ``traffic`` step)::
 
     registered jobs ──> tags (persisted; released when a job is removed) ──> cgroups
     reports ──> ProgressTracker.rates ──> Leveller (or the cluster's order) ──> job -> level
+        (every registered job's progress is kept and shown; only tagged jobs are ranked)
     (links, tags, levels, shares) ──> tcplan.plan ──> per interface: diff with the kernel
         ──> the fewest tc operations, one batch      (drift: repaired and logged as events)
     job cgroups + tags ──> gpud's nftables table    (packets of `gpuctl run` jobs marked)
@@ -164,6 +165,10 @@ class NetView:
     rdma_error: str
     untagged: Mapping[str, str] = field(default_factory=dict)
     """Registered jobs in use without a tag (``traffic.dscp_pool`` ran out), and why."""
+    untagged_jobs: tuple[JobTraffic, ...] = ()
+    """Those jobs' rows, by name: their progress as they report it; ``dscp`` 0 (the DSCP of
+    untagged traffic) and no level, as their traffic is in the default class, whose counters
+    are no job's."""
     idle_untagged: int = 0
     """Registered jobs without a tag that are not in use (they take one when they run)."""
 
@@ -510,6 +515,7 @@ class TrafficService:
                 rdma_backend=self.config.rdma_backend,
                 rdma_error=self._rdma_error,
                 untagged=dict(self._untagged),
+                untagged_jobs=tuple(self._job_view(j, now) for j in sorted(self._untagged)),
                 # as of the last tick's registry
                 idle_untagged=len(self._known_jobs - {j.job for j in jobs} - self._untagged.keys()),
             )
@@ -657,10 +663,15 @@ class TrafficService:
         }
 
     def _forget(self, job: str) -> None:
-        """Drop what the service learnt of ``job``'s traffic (its tag or the job is gone)."""
-        self._tagged_at.pop(job, None)
+        """Drop all the service learnt of ``job`` (the job is gone)."""
+        self._forget_class(job)
         self._tracker.forget(job)
         self._reports.pop(job, None)
+
+    def _forget_class(self, job: str) -> None:
+        """Drop what went with ``job``'s tag (its tag went to another job): its level, leaf
+        and counters. Its progress stays: it is the job's, which may run on untagged."""
+        self._tagged_at.pop(job, None)
         self._levels.pop(job, None)
         self._demand_base.pop(job, None)
         self._homes.pop(job, None)
@@ -720,7 +731,7 @@ class TrafficService:
             holder = min(idle, key=lambda j: (idle[j], j))  # idle longest
             dscp = held[holder]
             self.tags.release(holder)
-            self._forget(holder)
+            self._forget_class(holder)
             self._events.emit(
                 "net.reclaim",
                 f"job {holder} idle: its DSCP tag {dscp} goes to job {job}"
@@ -783,6 +794,10 @@ class TrafficService:
         active = []
         heard = self._monotonic()
         for job in registered:
+            if self.tags.get(job) is None:
+                # no tag, no class of its own to prioritise: its traffic is in the default
+                # class, and a place in the ranking would push tagged jobs down a level
+                continue
             reports = self._reports.get(job)
             recent = reports is not None and heard - reports.heard_at <= idle
             if job in active_res or recent or job in self.tags.pins():

@@ -579,6 +579,27 @@ def test_a_job_left_without_a_tag_is_shown_and_counted(
     assert registry.get_sample_value("gpud_net_untagged_jobs") == 1
 
 
+def test_a_job_left_without_a_tag_shows_its_progress_in_its_row(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    node = Node(tmp_path / "state", dscp_pool="10")
+    now = time.time()
+    for job in node.jobs:  # both in use: neither tag can be handed over
+        for n in range(1, 5):
+            node.service.report(Report(job, n, now - 10 + 2 * n, ideal_s=1.0, session="s"))
+    node.service.tick()
+    out, json_out = _show(capsys, node)
+    (row,) = [line.split() for line in out.splitlines() if line.startswith("train-b ")]
+    # JOB DSCP LEVEL(3 words) PROGRESS ITER ITER-TIME(2) REPORT-AGE(2) SENT PKTS DROPS
+    assert row[1:5] == ["-", "default", "(no", "tag)"]
+    assert row[5] != "-" and row[6] == "4" and row[7:9] == ["2.0", "s"]
+    assert row[-3:] == ["-", "-", "-"]  # its traffic is in the default class: no counters
+    (b,) = [j for j in json.loads(json_out)["jobs"] if j["job"] == "train-b"]
+    assert b["iterations"] == 4 and b["iteration_s"] == 2.0 and 0 < b["progress_rate"] <= 0.5
+    assert b["contention_free_iteration_s"] == 1.0 and b["last_report_age_seconds"] >= 0
+    assert b["dscp"] == 0 and b["level"] is None and b["counters"] is None and b["error"]
+
+
 def test_untagged_jobs_are_flagged_in_the_table_the_refusal_said_once_idle_ones_counted(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

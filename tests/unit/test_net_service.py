@@ -763,6 +763,89 @@ def test_a_job_removed_without_a_tag_leaves_no_progress_behind(tmp_path: Path, s
     s.report(Report("c", 1, rig.clock.t, session="s"))
 
 
+def _samples(service: TrafficService) -> CollectorRegistry:
+    collector = Collector(lambda: None, events=EventLog(None), clock=lambda: 0.0)
+    collector.add_source(TrafficMetrics(service))
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return registry
+
+
+def test_a_job_in_use_without_a_tag_shows_its_progress_and_takes_no_level(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """A job the full pool left untagged still reports: its row in ``gpuctl net show`` and
+    ``gpud_net_job_progress_rate_ratio`` carry its progress. It has no class of its own, so
+    the leveller ranks the tagged jobs only: the slowest of them holds level 0."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-11")  # two tags, three jobs
+    s = rig.service
+    rig.active = {"a", "b", "c"}
+    s.tick()
+    assert set(s.view().untagged) == {"c"}
+    feed(rig, "a", 0.5, 10, ideal=0.25)  # rate 0.5
+    feed(rig, "b", 0.5, 10, ideal=0.4)  # rate 0.8
+    feed(rig, "c", 1.0, 10, ideal=0.25)  # rate 0.25: the slowest, untagged
+    s.tick()
+    view = s.view()
+    (row,) = view.untagged_jobs
+    assert (row.job, row.dscp, row.level, row.iterations) == ("c", 0, None, 10)
+    assert row.rate == pytest.approx(0.25) and row.iteration_s == pytest.approx(1.0)
+    assert row.contention_free_iteration_s == 0.25 and row.last_report_unix_s == rig.clock.t
+    assert {j.job: j.level for j in view.jobs} == {"a": 0, "b": 1}
+    registry = _samples(s)
+    rate = "gpud_net_job_progress_rate_ratio"
+    assert registry.get_sample_value(rate, {"job": "c"}) == pytest.approx(0.25)
+    assert registry.get_sample_value(rate, {"job": "a"}) == pytest.approx(0.5)
+    for name in ("gpud_net_job_dscp", "gpud_net_job_level", "gpud_net_job_sent_bytes_total"):
+        assert registry.get_sample_value(name, {"job": "c"}) is None  # no tag, no class
+    assert registry.get_sample_value("gpud_net_level_jobs", {"level": "0"}) == 1
+    assert "net.levels" not in rig.kinds()  # nothing moved c, nor a or b around it
+
+
+def test_a_job_whose_idle_tag_went_to_another_keeps_its_progress(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """An idle job's tag handed over takes its level and counters along, not its
+    progress: run again while the pool is full, its untagged row goes on from where it
+    was (a report going backwards in its session is refused, as before the hand-over)."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-11")  # two tags, three jobs
+    s = rig.service
+    rig.active = {"a", "b"}
+    feed(rig, "b", 0.5, 4, ideal=0.25)
+    s.tick()
+    assert set(s.tags.allocations()) == {"a", "b"}
+    rig.active = {"a", "c"}  # b stops; c starts once b is idle
+    rig.clock.t += rig.config.idle_after_s + 1
+    s.tag("c")
+    assert set(s.tags.allocations()) == {"a", "c"} and "net.reclaim" in rig.kinds()
+    s.report(Report("b", 5, rig.clock.t, session="s"))  # b runs again: no tag is idle
+    s.tick()
+    (row,) = s.view().untagged_jobs
+    assert (row.job, row.iterations, row.contention_free_iteration_s) == ("b", 5, 0.25)
+    assert row.iteration_s is not None
+    with pytest.raises(InvalidArgument, match="going backwards"):
+        s.report(Report("b", 1, rig.clock.t, session="s"))
+    rig.jobs.remove("b")  # gpuctl jobs rm b: its progress goes with it
+    s.tick()
+    assert s.view().untagged_jobs == ()
+    rig.jobs.append("b")  # gpuctl jobs add b: a new job under the name counts from its start
+    s.report(Report("b", 1, rig.clock.t, session="s"))
+
+
+def test_idle_jobs_without_a_tag_are_a_gauge_of_their_own(tmp_path: Path, sysfs: Path) -> None:
+    """``gpud_net_untagged_jobs`` counts jobs in use without a tag (alert
+    TrafficJobsUntagged); idle ones, a normal state, are ``gpud_net_idle_untagged_jobs``."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-11")
+    s = rig.service
+    rig.jobs = ["a", "b", "c", "d", "e"]
+    rig.active = {"a", "b", "c"}
+    rig.clock.t += rig.config.idle_after_s + 1  # past the start: d and e are idle
+    s.tick()
+    registry = _samples(s)
+    assert registry.get_sample_value("gpud_net_untagged_jobs") == 1
+    assert registry.get_sample_value("gpud_net_idle_untagged_jobs") == 2
+
+
 def test_a_tag_is_not_taken_from_a_job_in_use(tmp_path: Path, sysfs: Path) -> None:
     rig = Rig(tmp_path, sysfs, dscp_pool="10-11")
     s = rig.service
