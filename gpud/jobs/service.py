@@ -267,8 +267,9 @@ class JobService:
             kill_at = self._clock() + STOP_GRACE_S
             # One transaction: a crash keeps the job, its queue entries and its
             # reservations, or none of them (a job gone whose runs still hold their
-            # reservations could not be removed again).
-            with self.store.transaction():
+            # reservations could not be removed again). The hooks' events (the queue
+            # entries that left) are said once it is committed.
+            with self._events.until_committed(), self.store.transaction():
                 for hook in self._removal_hooks:
                     hook(name, force)
                 job = (
