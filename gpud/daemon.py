@@ -105,6 +105,11 @@ MIG_STOP_WAIT_S = 20.0
 # dcb, MPS control daemons, the sampler) takes what is left of this, so that the store
 # and the driver are closed before systemd's SIGKILL at TimeoutStopSec
 STOP_BUDGET_S = 22.0
+# seconds of the stop budget an admission pass running at the stop is waited for: the loop
+# pass it is part of, then one on the pass runner's thread, each at most this. What a pass
+# cut short changed stays whole or absent (each start and leave is one store transaction);
+# the next start's pass picks up the queue where it is
+PASS_STOP_WAIT_S = 5.0
 # seconds each shutdown hook gets even when the budget is spent: quitting the MPS control
 # daemons or giving up the cluster's leadership takes milliseconds when nothing hangs
 STOP_HOOK_FLOOR_S = 1.0
@@ -359,6 +364,9 @@ class Daemon:
         self.steps: list[Step] = []
         self._shutdown: list[Callable[[], Awaitable[None] | None]] = []
         self.stop_budget_s = STOP_BUDGET_S
+        self.pass_stop_wait_s = PASS_STOP_WAIT_S
+        self._pass: asyncio.Future[None] | None = None  # the loop pass a stop came during
+        self._step_now = ""  # the step the loop pass runs
         # Order matters: MIG first (it changes the devices), then MPS per device, then jobs.
         self.add_step("seen", self._seen_step)
         self.add_step("mig", self._mig_step)
@@ -377,8 +385,9 @@ class Daemon:
         self.on_shutdown(self._traffic_stop)
         self.on_shutdown(self.cluster.stop)
         # first to stop: no admission pass starts once the stop began, and the one running
-        # ends before the MPS manager and the store close under it
-        self.on_shutdown(self.admission.passes.close)
+        # ends before the MPS manager and the store close under it (waited for its share of
+        # the stop budget: past that it is left, and the stop goes on)
+        self.on_shutdown(lambda: self.admission.passes.close(self.pass_stop_wait_s))
         self.traffic.start()
 
     def _faulty_gpus(self) -> dict[int, str]:
@@ -710,6 +719,7 @@ class Daemon:
 
             with contextlib.suppress(Exception):
                 await self.api.stop(grace=left(2.0))
+            await self._end_pass(left(self.pass_stop_wait_s))
             # An apply whose client the stop cancelled ends at its next drain poll; one
             # running its steps is let finish, within the unit's TimeoutStopSec, before the
             # driver and the store close under it. Past that, its in-flight plan is kept
@@ -730,6 +740,27 @@ class Daemon:
             self.backend.close()
         return 0
 
+    async def _end_pass(self, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` for the loop pass a stop came during (its admission
+        step blocked behind the placement lock, say); past that it is left running on its
+        worker thread, and the stop goes on: each change of its is one store transaction,
+        kept whole or not at all (one it tries once the store closed fails whole)."""
+        running, self._pass = self._pass, None
+        if running is None:
+            return
+        done, _ = await asyncio.wait({running}, timeout=timeout_s)
+        if done:
+            with contextlib.suppress(Exception):  # its steps log their own failures
+                running.result()
+            return
+        running.cancel()  # the await only: its thread goes on, and exits with the process
+        log.warning(
+            "stop: the loop's %s step did not end within %.1f s; going on without it (what"
+            " it committed is kept whole, the next start's pass picks up from there)",
+            self._step_now,
+            timeout_s,
+        )
+
     def on_shutdown(self, stop: Callable[[], Awaitable[None] | None]) -> None:
         self._shutdown.append(stop)
 
@@ -746,7 +777,18 @@ class Daemon:
             if self._reload.is_set():
                 self._reload.clear()
                 self.reload()
-            await self.run_steps()
+            # a stop does not wait here for the pass (an admission pass blocked behind the
+            # placement lock): the stop waits for it a while (_end_pass), within its budget
+            steps = asyncio.ensure_future(self.run_steps())
+            stop = asyncio.ensure_future(self._stop.wait())
+            try:
+                await asyncio.wait({steps, stop}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+            if not steps.done():
+                self._pass = steps
+                return
+            steps.result()
             self._notifier.watchdog()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
@@ -769,6 +811,7 @@ class Daemon:
         took: list[tuple[str, float]] = []
         for step in self.steps:
             step_started = self._clock()
+            self._step_now = step.name
             try:
                 await step.run()
             except Exception as err:

@@ -13,7 +13,8 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ class EventLog:
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
         self._write_failing = False
+        self._held = threading.local()  # this thread's events held by until_committed
         # a line torn by a crash would swallow the first line appended after it
         self._torn = False
         if path is not None:
@@ -65,6 +67,36 @@ class EventLog:
 
     def emit(self, kind: str, message: str, **fields: Any) -> Event:
         event = Event(self._clock(), kind, message, fields)
+        held: list[Event] | None = getattr(self._held, "events", None)
+        if held is not None:
+            held.append(event)  # said once its transaction commits (until_committed)
+            return event
+        self._say(event)
+        return event
+
+    @contextmanager
+    def until_committed(self) -> Iterator[None]:
+        """Hold back what this thread emits inside, to say it once the block ends without
+        an error, and drop it if the block raises. Around a store transaction
+        (``with events.until_committed(), store.transaction():``), events of the changes it
+        makes (a removal hook's ``admission.leave``) are said only once they are committed:
+        a failed commit (disk full) leaves no event of what did not happen. Nested, the
+        outermost block says them all."""
+        outer: list[Event] | None = getattr(self._held, "events", None)
+        mine: list[Event] = []
+        self._held.events = mine
+        try:
+            yield
+        finally:
+            self._held.events = outer
+        if outer is not None:
+            outer.extend(mine)
+            return
+        for event in mine:
+            self._say(event)
+
+    def _say(self, event: Event) -> None:
+        kind, message = event.kind, event.message
         line = event.to_json()
         with self._lock:
             self._ring.append(event)
@@ -72,7 +104,6 @@ class EventLog:
             if self._path is not None:
                 self._write(line)
         log.info("%s: %s", kind, message, extra={"event": line})
-        return event
 
     def recent(self, limit: int = 100, kind_prefix: str = "") -> list[Event]:
         with self._lock:

@@ -49,6 +49,11 @@ before the command's exec (it SIGTERMs the process held there, or finds none yet
 process keeps the gate's name, ``gpuctl/gate`` in ``ps``, until exec) keeps the command
 from running: ``run`` says the job was removed as its command started, nothing started,
 and exits 4; one after stops the command, and the run says the job was removed.
+
+``env`` prints the environment of the job's latest reservation; for a job holding none, it
+previews where the job would be placed now (no ``GPUD_RESERVATION``, a line on stderr says
+so) and changes nothing: nothing is reserved, and no DSCP tag is taken (``GPUD_DSCP`` only
+if the job holds one already).
 """
 
 from __future__ import annotations
@@ -190,6 +195,12 @@ def run_env(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print_json(dict(resp.env))
     else:
         ctx.out.stream.write(shell_exports(dict(resp.env)))
+    if "GPUD_RESERVATION" not in resp.env:  # a preview (gpud.jobs.env)
+        print(
+            f"gpuctl: job {args.job} holds no reservation: where it would be placed now"
+            " (nothing reserved, no DSCP tag taken)",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -267,8 +267,9 @@ class JobService:
             kill_at = self._clock() + STOP_GRACE_S
             # One transaction: a crash keeps the job, its queue entries and its
             # reservations, or none of them (a job gone whose runs still hold their
-            # reservations could not be removed again).
-            with self.store.transaction():
+            # reservations could not be removed again). The hooks' events (the queue
+            # entries that left) are said once it is committed.
+            with self._events.until_committed(), self.store.transaction():
                 for hook in self._removal_hooks:
                     hook(name, force)
                 job = (
@@ -407,9 +408,12 @@ class JobService:
         # A new job is registered in its first reservation's transaction: a crash or a
         # refusal before then leaves no job behind. With traffic on it is tagged before
         # that transaction (the traffic service's lock comes before the store's): the tag
-        # of a job still unregistered goes at the traffic service's next tick.
-        with self._tag_starting(request.job):
-            if self._tag_of is not None and not admitted:  # the queue tags before it starts one
+        # of a job still unregistered goes at the traffic service's next tick. A preview
+        # takes none: it changes nothing, and its environment carries the tag the job
+        # holds already, if any.
+        with nullcontext() if preview else self._tag_starting(request.job):
+            # the queue tags before it starts one
+            if self._tag_of is not None and not admitted and not preview:
                 self.job_for(request)  # a request refused as such is not tagged
                 self.ensure_tag(request.job)  # none left: refused before it holds anything
             with self._lock:
@@ -460,7 +464,7 @@ class JobService:
                         devices=list(uuids),
                         holder_pid=request.holder_pid,
                     )
-            env = self.env_for(reservation)  # its tag still kept, if a preview's
+            env = self.env_for(reservation)  # its tag still kept, if a new job's
         return Launch(job, reservation, env, registered)
 
     def unhealthy(self) -> dict[int, str]:
@@ -540,7 +544,8 @@ class JobService:
 
     def env(self, name: str) -> dict[str, str]:
         """``gpuctl env --job NAME``: the environment of the job's latest reservation, or of
-        where it would be placed now (nothing is reserved)."""
+        where it would be placed now (a preview: nothing is reserved, and no DSCP tag is
+        taken; ``GPUD_DSCP`` only if the job holds one already)."""
         self.registry.get(name)
         held = self.reservations.held(name)
         if held:

@@ -613,7 +613,7 @@ class MpsManager:
             self._seen = set(self._targets)
 
     def _restore_mig_limits(self, targets: list[MpsTarget]) -> None:
-        with self._store.transaction() as conn:
+        with self._events.until_committed(), self._store.transaction() as conn:
             for t in targets:
                 assert t.slot is not None
                 row = conn.execute(

@@ -696,7 +696,7 @@ class TrafficService:
 
     def tag(self, job: str) -> int:
         """The job's DSCP tag, allocated and persisted on first use (``gpuctl run``,
-        ``gpuctl env``, the tick).
+        the admission queue, the tick; ``gpuctl env`` takes none).
 
         Tags are held by registered jobs, so a node that has seen many jobs can run out of
         ``traffic.dscp_pool``. Then the tag of the job idle longest is handed over: a job

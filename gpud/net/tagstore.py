@@ -1,7 +1,8 @@
 """Jobs' DSCP tags and level pins, persisted with the jobs in ``state.db`` (table ``net_tags``).
 
-A registered job gets its tag the first time anyone asks (``gpuctl run``, ``gpuctl env``, or
-the daemon's traffic step) and keeps it until the job is removed from the registry; a
+A registered job gets its tag the first time anyone asks (``gpuctl run``, the admission
+queue, ``gpuctl net pin``, or the daemon's traffic step; never ``gpuctl env``, which only
+shows the one held) and keeps it until the job is removed from the registry; a
 restart of gpud hands out the same tags (:class:`netshaper.tags.TagAllocator` is seeded
 with the stored ones). A tag set by the cluster leader replaces the local one.
 """

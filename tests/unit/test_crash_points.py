@@ -19,7 +19,7 @@ import pytest
 
 from gpud.admission.service import LEFT, QUEUED, AdmissionService
 from gpud.config import AdmissionConfig, TrafficConfig
-from gpud.errors import GpudError
+from gpud.errors import GpudError, StateUnwritable
 from gpud.events import EventLog
 from gpud.jobs.service import JobService, RunRequest
 from gpud.mps.manager import MpsManager
@@ -37,18 +37,25 @@ class Crash(BaseException):
 
 
 class CrashingStore(StateStore):
-    """Crashes before its ``crash_at``-th outermost transaction once armed (None: never)."""
+    """Crashes before its ``crash_at``-th outermost transaction once armed (None: never);
+    with ``commit_fails``, each outermost transaction that wrote fails at its commit, as on
+    a full disk: nothing of it is kept."""
 
     crash_at: int | None = None
+    commit_fails = False
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
-        if self.crash_at is not None and not self._conn.in_transaction:
+        outermost = not self._conn.in_transaction
+        if self.crash_at is not None and outermost:
             self.crash_at -= 1
             if self.crash_at == 0:
                 raise Crash
         with super().transaction() as conn:
+            changes = conn.total_changes
             yield conn
+            if outermost and self.commit_fails and conn.total_changes != changes:
+                raise StateUnwritable(f"state database {self.path} cannot be written")
 
 
 @dataclass
@@ -56,6 +63,7 @@ class Node:
     store: CrashingStore
     jobs: JobService
     admission: AdmissionService
+    events: EventLog
     traffic: TrafficService | None = None
 
 
@@ -68,7 +76,7 @@ def make_node(root: Path, *, traffic: bool = False) -> Node:
     mps.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
     jobs = JobService(store, events, mps, socket_path=root / "gpud.sock", clock=lambda: 1000.0)
     admission = AdmissionService(store, jobs, mps, events, AdmissionConfig(), clock=lambda: 1000.0)
-    node = Node(store, jobs, admission)
+    node = Node(store, jobs, admission, events)
     if traffic:
         config = TrafficConfig(enabled=True, interfaces=())
         node.traffic = TrafficService(
@@ -171,6 +179,23 @@ def test_jobs_rm_force_is_whole_or_not_at_all(tmp_path: Path, holder: int) -> No
         )
     )
     whole_or_none(points, before, after)
+
+
+def test_a_removal_whose_commit_fails_says_nothing_of_it(tmp_path: Path, holder: int) -> None:
+    """`gpuctl jobs rm --force a` whose commit failed (disk full) wrote `admission.leave` to
+    events.jsonl, though job a and its queue entry stayed."""
+    node = make_node(tmp_path)
+    fill_and_queue(node, holder)
+    node.store.commit_fails = True
+    with pytest.raises(StateUnwritable):
+        node.jobs.remove("a", force=True)
+    assert [e.kind for e in node.events.recent(kind_prefix="admission.leave")] == []
+    assert [e.kind for e in node.events.recent(kind_prefix="job.remove")] == []
+    assert [(e.job, e.state) for e in node.admission.entries(None)] == [("a", QUEUED)]
+    node.store.commit_fails = False
+    node.jobs.remove("a", force=True)
+    assert [e.fields["job"] for e in node.events.recent(kind_prefix="admission.leave")] == ["a"]
+    node.store.close()
 
 
 def test_a_run_of_a_new_job_registers_it_with_its_reservation(tmp_path: Path, holder: int) -> None:

@@ -341,6 +341,43 @@ def test_a_stop_ends_within_its_budget_when_a_shutdown_hook_hangs(
     assert d.events.recent(1, "daemon.stop")
 
 
+def test_a_stop_waits_for_an_admission_pass_that_blocks_only_its_share_of_the_budget(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An admission pass blocked (behind the placement lock, as behind a reservation whose
+    MPS query hangs) when SIGTERM came held the whole stop back: past the unit's
+    TimeoutStopSec, systemd's SIGKILL came with the store and the driver still open."""
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+    d.pass_stop_wait_s = 0.5
+    in_pass, release = threading.Event(), threading.Event()
+
+    def blocked_pass() -> None:
+        in_pass.set()
+        release.wait(60)
+
+    async def scenario() -> float:
+        run = asyncio.create_task(d.run())
+        while d.events.recent(1, "daemon.start") == []:
+            await asyncio.sleep(0.05)
+        d.admission.tick = blocked_pass  # type: ignore[method-assign]
+        assert await asyncio.to_thread(in_pass.wait, 5)
+        started = time.monotonic()
+        d.request_stop()
+        try:
+            assert await asyncio.wait_for(run, timeout=10) == 0
+            return time.monotonic() - started
+        finally:
+            release.set()  # asyncio.run waits for its executor's threads
+
+    try:
+        took = asyncio.run(scenario())
+    finally:
+        release.set()
+    assert took < 5, took
+    assert "the loop's admission step did not end within 0.5 s" in caplog.text
+    assert d.events.recent(1, "daemon.stop")
+
+
 def test_a_worker_thread_stuck_in_a_driver_call_does_not_keep_a_stopped_gpud() -> None:
     """A GPU that stops answering mid-apply leaves a worker thread in a driver call that
     may never return: the daemon stops without it (and says so), and so must the process,

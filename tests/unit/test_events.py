@@ -60,3 +60,22 @@ def test_a_damaged_log_is_read_past_and_appended_to_cleanly(tmp_path: Path) -> N
         "kept",
         "the first line after the crash",
     ]
+
+
+def test_events_held_until_committed_are_said_after_the_block_or_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    with log.until_committed():
+        log.emit("a.leave", "kept")
+        with log.until_committed():  # nested: said with the outermost
+            log.emit("a.leave", "kept too")
+        assert log.recent() == [] and not path.exists()
+    try:
+        with log.until_committed():
+            log.emit("a.leave", "rolled back")
+            raise RuntimeError("commit failed")
+    except RuntimeError:
+        pass
+    log.emit("b", "after")
+    assert [e.message for e in log.recent()] == ["kept", "kept too", "after"]
+    assert len(path.read_text().splitlines()) == 3

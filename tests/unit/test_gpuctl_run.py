@@ -298,7 +298,11 @@ def test_gpuctl_jobs_add_ls_rm(node: Node, capsys: pytest.CaptureFixture[str]) -
     assert job["name"] == "infer-b" and job["kind"] == "JOB_KIND_INFERENCE"
     assert job["memory_limit_bytes"] == 8 * GIB and job["slo_p99_ms"] == 25
     assert node.ctl("env", "--job", "infer-b") == 0
-    exports = capsys.readouterr().out
+    exports, said = capsys.readouterr()
+    assert said == (
+        "gpuctl: job infer-b holds no reservation: where it would be placed now"
+        " (nothing reserved, no DSCP tag taken)\n"
+    )
     assert (
         "export GPUD_JOB='infer-b'" in exports
         and "export CUDA_MPS_PINNED_DEVICE_MEM_LIMIT='0=8G'" in exports

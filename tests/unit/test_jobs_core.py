@@ -510,6 +510,26 @@ def test_env_without_a_reservation_previews_the_placement(service: JobService) -
     assert service.reservations.held() == []
 
 
+def test_a_preview_takes_no_dscp_tag_and_shows_the_one_held(service: JobService) -> None:
+    # traffic.dscp_pool = "10-11": both tags held, train-b registered without one
+    tags = {"train-a": 10, "infer-c": 11}
+    taken: list[str] = []
+
+    def tag_of(job: str) -> int:
+        taken.append(job)  # a hand-over, or a job marked as about to run
+        if job not in tags:
+            raise ResourceExhausted(f"job {job!r}: all 2 DSCP tags of traffic.dscp_pool are in use")
+        return tags[job]
+
+    service.set_tagger(tag_of, tags.get)
+    service.add(JobSpec("train-b", gpu_count=1))
+    service.add(JobSpec("infer-c", gpu_count=1))
+    preview = service.env("train-b")  # no tag to take: the preview answers all the same
+    assert "GPUD_DSCP" not in preview and "GPUD_RESERVATION" not in preview
+    assert service.env("infer-c")["GPUD_DSCP"] == "11"  # the one it holds
+    assert taken == [] and service.reservations.held() == []
+
+
 def test_a_mig_device_read_neither_for_processes_nor_memory_is_not_taken_for_free(
     tmp_path: Path, store: StateStore
 ) -> None:
