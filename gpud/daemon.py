@@ -346,7 +346,12 @@ class Daemon:
                     after_change=self._devices_changed,
                     last_seen=self._last_seen,
                 ).register,
-                MpsServicer(self.mps, loads=self.jobs.loads, last_seen=self._last_seen).register,
+                MpsServicer(
+                    self.mps,
+                    loads=self.jobs.loads,
+                    placement=self.jobs.locked,
+                    last_seen=self._last_seen,
+                ).register,
                 JobsServicer(self.jobs).register,
                 QueueServicer(self.admission, leave_waiter=self.colo.leave).register,
                 ColoServicer(

@@ -107,9 +107,12 @@ class JobService:
         cgroup_pattern: str | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        lock: AbstractContextManager[object] | None = None,
     ) -> None:
         """``clock``: Unix time, what is stored. ``monotonic``: what a grace this process
-        gives is measured by (the wall clock steps)."""
+        gives is measured by (the wall clock steps). ``lock``: the placement lock (a
+        re-entrant one; default a new ``threading.RLock``), which comes before the MPS
+        manager's lock and the state store's."""
         self.store = store  # the API's short reads use its reading connection
         self._clock = clock
         # released runs whose processes left get SIGKILL, kept across restarts
@@ -125,7 +128,8 @@ class JobService:
             if cgroup_pattern
             else Attributor(proc_root=proc_root)
         )
-        self._lock = threading.RLock()  # placement is check-then-insert
+        # placement is check-then-insert, and so is `gpuctl mps set --memory`
+        self._lock = lock if lock is not None else threading.RLock()
         self._uses: list[ProcessUse] = []
         # device UUID -> memory used, of the devices whose processes NVML did not list
         self._unlisted: dict[str, int] = {}

@@ -40,6 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -120,6 +121,22 @@ class MpsLimits:
     threads_percent: int | None = None
     memory_bytes: int | None = None
     enabled: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """What reservations hold on one device as ``gpuctl mps set`` checks a new default:
+    ``memory_bytes`` in all, counting the default now in force for each reservation that
+    follows it (those of ``defaulted``, the jobs holding them)."""
+
+    memory_bytes: int = 0
+    defaulted: tuple[str, ...] = ()
+
+
+# Placement held still (no reservation is added meanwhile), and what
+# reservations hold on a device (UUID) read under it.
+Placement = Callable[[], AbstractContextManager[object]]
+ReservedOn = Callable[[str], Reserved]
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,8 +340,8 @@ class MpsManager:
         clear_threads: bool = False,
         clear_memory: bool = False,
         enabled: bool | None = None,
-        reserved_memory_bytes: int = 0,
-        defaulted_jobs: Sequence[str] = (),
+        placement: Placement = nullcontext,
+        reserved: ReservedOn = lambda uuid: Reserved(),
     ) -> MpsDeviceStatus:
         """Persist new defaults for ``device`` (UUID, GPU index, or ``GPU:MIG``) and apply
         them to its daemon now. Fields left ``None`` keep their value; ``clear_*`` go back to
@@ -333,9 +350,11 @@ class MpsManager:
         (the status returned says so, naming the device): it gets them when it answers
         again, or is restarted with them.
 
-        ``reserved_memory_bytes`` is what jobs already hold on the device, the default memory
-        limit counted for each of their reservations there that sets none of its own (their
-        jobs: ``defaulted_jobs``). A new default limit counted for each of those, plus what
+        ``reserved(uuid)`` is what jobs already hold on the device (:class:`Reserved`), read
+        inside ``placement()``, which also holds through the check and the save: no
+        reservation is made between them (a run reserving meanwhile would be
+        counted at a default the check did not see). The placement lock comes before this
+        manager's lock and the state store's. A new default limit counted for each of those, plus what
         the others reserve, may not exceed the device's memory, nor may the default alone
         beside what is reserved when none holds it (:class:`ResourceExhausted`). While such
         reservations hold the device their MPS clients keep the limit they started with, so
@@ -345,57 +364,27 @@ class MpsManager:
         dev = self._device(target.uuid)
         if clear_memory and dev.up and self.limits(target.uuid).memory_bytes is not None:
             self._refuse_clear_while_serving(target, dev)
-        with self._lock:  # the desired limits only: no daemon is asked in here
-            old = self.limits(target.uuid)
-            new = old
-            if clear_threads:
-                new = replace(new, threads_percent=None)
-            elif threads_percent is not None:
-                new = replace(new, threads_percent=protocol.check_percent(threads_percent))
-            if clear_memory or memory_bytes is not None:
-                self._refuse_lower(target, old.memory_bytes, memory_bytes, defaulted_jobs)
-            if clear_memory:
-                new = replace(new, memory_bytes=None)
-            elif memory_bytes is not None:
-                own = reserved_memory_bytes - len(defaulted_jobs) * (old.memory_bytes or 0)
-                self._check_memory(target, memory_bytes, own, defaulted_jobs)
-                new = replace(new, memory_bytes=memory_bytes)
-            if enabled is not None:
-                new = replace(new, enabled=enabled)
-            with self._store.transaction() as conn:
-                conn.execute(
-                    "INSERT INTO mps_limits (uuid, gpu_index, enabled, active_thread_percentage,"
-                    " pinned_mem_limit_bytes, updated_at) VALUES (?, ?, ?, ?, ?, ?)"
-                    " ON CONFLICT(uuid) DO UPDATE SET gpu_index = excluded.gpu_index,"
-                    " enabled = excluded.enabled,"
-                    " active_thread_percentage = excluded.active_thread_percentage,"
-                    " pinned_mem_limit_bytes = excluded.pinned_mem_limit_bytes,"
-                    " updated_at = excluded.updated_at",
-                    (
-                        target.uuid,
-                        target.gpu,
-                        int(new.enabled),
-                        new.threads_percent,
-                        new.memory_bytes,
-                        time.time(),
-                    ),
-                )
-                if target.slot is not None:
-                    conn.execute(
-                        "INSERT OR REPLACE INTO mps_mig_limits (gpu_uuid, placement_start,"
-                        " placement_size, profile, mig_uuid) VALUES (?, ?, ?, ?, ?)",
-                        (*target.slot, target.uuid),
-                    )
-            self._events.emit(
-                "mps.limits",
-                f"MPS limits of {target.uuid}: threads {_pct(new.threads_percent)},"
-                f" memory {_mem(new.memory_bytes)}",
-                uuid=target.uuid,
-                gpu=target.gpu,
-                threads_percent=new.threads_percent,
-                memory_bytes=new.memory_bytes,
-                enabled=new.enabled,
-            )
+        with placement():  # the desired limits only: no daemon is asked in here
+            held = reserved(target.uuid)
+            reserved_memory_bytes, defaulted_jobs = held.memory_bytes, held.defaulted
+            with self._lock:
+                old = self.limits(target.uuid)
+                new = old
+                if clear_threads:
+                    new = replace(new, threads_percent=None)
+                elif threads_percent is not None:
+                    new = replace(new, threads_percent=protocol.check_percent(threads_percent))
+                if clear_memory or memory_bytes is not None:
+                    self._refuse_lower(target, old.memory_bytes, memory_bytes, defaulted_jobs)
+                if clear_memory:
+                    new = replace(new, memory_bytes=None)
+                elif memory_bytes is not None:
+                    own = reserved_memory_bytes - len(defaulted_jobs) * (old.memory_bytes or 0)
+                    self._check_memory(target, memory_bytes, own, defaulted_jobs)
+                    new = replace(new, memory_bytes=memory_bytes)
+                if enabled is not None:
+                    new = replace(new, enabled=enabled)
+                self._save_limits(target, new)
         if self.enabled and (dev.up or dev.daemon.pid() is None):
             if not self._reconcile_device(
                 target, force_check=True, requested=True, timeout_s=self._request_timeout_s
@@ -413,6 +402,42 @@ class MpsManager:
             dev.requested = True
         self.status()
         return self._status(target, self.limits(target.uuid))
+
+    def _save_limits(self, target: MpsTarget, new: MpsLimits) -> None:
+        with self._store.transaction() as conn:
+            conn.execute(
+                "INSERT INTO mps_limits (uuid, gpu_index, enabled, active_thread_percentage,"
+                " pinned_mem_limit_bytes, updated_at) VALUES (?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT(uuid) DO UPDATE SET gpu_index = excluded.gpu_index,"
+                " enabled = excluded.enabled,"
+                " active_thread_percentage = excluded.active_thread_percentage,"
+                " pinned_mem_limit_bytes = excluded.pinned_mem_limit_bytes,"
+                " updated_at = excluded.updated_at",
+                (
+                    target.uuid,
+                    target.gpu,
+                    int(new.enabled),
+                    new.threads_percent,
+                    new.memory_bytes,
+                    time.time(),
+                ),
+            )
+            if target.slot is not None:
+                conn.execute(
+                    "INSERT OR REPLACE INTO mps_mig_limits (gpu_uuid, placement_start,"
+                    " placement_size, profile, mig_uuid) VALUES (?, ?, ?, ?, ?)",
+                    (*target.slot, target.uuid),
+                )
+        self._events.emit(
+            "mps.limits",
+            f"MPS limits of {target.uuid}: threads {_pct(new.threads_percent)},"
+            f" memory {_mem(new.memory_bytes)}",
+            uuid=target.uuid,
+            gpu=target.gpu,
+            threads_percent=new.threads_percent,
+            memory_bytes=new.memory_bytes,
+            enabled=new.enabled,
+        )
 
     @staticmethod
     def _refuse_lower(

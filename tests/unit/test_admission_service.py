@@ -1212,3 +1212,68 @@ def test_get_entry_waits_no_longer_than_asked_nor_its_deadline(node: Node) -> No
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(InvalidArgument, match="wait_s"):
             timed(bad, None)
+
+
+class WatchedLock:
+    """A re-entrant lock that says when a thread has to wait for it."""
+
+    def __init__(self, waits: threading.Event) -> None:
+        self._lock = threading.RLock()
+        self._waits = waits
+
+    def __enter__(self) -> WatchedLock:
+        if not self._lock.acquire(blocking=False):
+            self._waits.set()
+            self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_mps_set_memory_and_a_run_reserving_meanwhile_never_over_commit(tmp_path: Path) -> None:
+    """``gpuctl mps set --memory 50GiB`` checks what runs hold on the 80 GiB GPU, then saves;
+    a ``gpuctl run`` without a memory limit reserving in between (30 GiB, the default then)
+    was counted at 50 GiB with the first: 100 GiB on 80. The check and the save hold
+    placement still: the run is placed after the save, and asks the new default."""
+    moved = threading.Event()  # the competing run reserved, or waits for placement
+    store = StateStore(tmp_path / "state")
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", FAKE_CONTROL, enabled=False)
+    mps.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
+    jobs = JobService(
+        store, events, mps, socket_path=tmp_path / "gpud.sock", lock=WatchedLock(moved)
+    )
+    first = mps.targets()[0].uuid
+    mps.set_limits(first, memory_bytes=30 * GIB)
+    jobs.reserve(RunRequest(job="a", devices=("0",)))
+    outcome: list[object] = []
+
+    def competing_run() -> None:
+        try:
+            outcome.append(jobs.reserve(RunRequest(job="b", devices=("0",))).reservation)
+        except ResourceExhausted as err:
+            outcome.append(err)
+        moved.set()
+
+    runner = threading.Thread(target=competing_run)
+
+    def loads_then_a_run() -> dict[str, Any]:
+        read = jobs.loads()  # the first read: what the new default is checked against
+        if not runner.is_alive() and not outcome:
+            runner.start()
+            assert moved.wait(10.0)
+        return dict(read)
+
+    api = MpsServicer(mps, loads=loads_then_a_run, placement=jobs.locked)
+    api._set(mps_pb2.SetMpsLimitsRequest(device="0", memory_limit_bytes=50 * GIB))
+    runner.join()
+    assert mps.limits(first).memory_bytes == 50 * GIB
+    reserved = jobs.loads()[first].memory_bytes
+    assert reserved <= 80 * GIB
+    (b,) = outcome
+    if isinstance(b, ResourceExhausted):  # placed after the save: it asks the new default
+        assert "asks 50GiB (its MPS default memory limit)" in str(b)
+    else:
+        assert reserved == 80 * GIB
+    store.close()
