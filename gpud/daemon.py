@@ -490,9 +490,8 @@ class Daemon:
                         gpu=index[device],
                         threads_percent=r.threads_percent,
                         # none of its own: its MPS client is pinned to the device's default
-                        memory_bytes=r.memory_bytes
-                        if r.memory_bytes is not None
-                        else defaults.get(device),
+                        # it started with
+                        memory_bytes=r.memory_on(device, defaults.get),
                         slo_p99_ms=spec.slo_p99_ms if spec else None,
                         memory_used=None
                         if (r.job, device) in unreported

@@ -316,7 +316,7 @@ class JobService:
         beyond = self._unreserved(reserved)
         defaulted: dict[str, list[str]] = {}
         for r in reservations:
-            if r.memory_bytes is None:
+            if r.memory_bytes is None and r.defaults is None:  # made by an earlier version
                 for uuid in r.devices:
                     defaulted.setdefault(uuid, []).append(r.job)
         return {
@@ -435,10 +435,17 @@ class JobService:
                     raise Unavailable("no GPU seen yet: the daemon is starting, retry shortly")
                 chosen = self.choose(effective)
                 uuids = tuple(d.uuid for d in chosen)
+                # none of its own: each device's default, as placed, is its MPS client's
+                defaults = (
+                    None
+                    if effective.memory_bytes is not None
+                    else {u: n for u in uuids if (n := self._default_memory(u)) is not None}
+                )
                 if preview:
                     reservation = Reservation(
                         "", job.name, uuids, effective.threads_percent, effective.memory_bytes,
                         effective.effective_priority, None, 0.0,
+                        None if defaults is None else tuple(sorted(defaults.items())),
                     )  # fmt: skip
                 else:
                     with self.store.transaction():
@@ -451,6 +458,7 @@ class JobService:
                             memory_bytes=effective.memory_bytes,
                             client_priority=effective.effective_priority,
                             holder_pid=request.holder_pid,
+                            defaults=defaults,
                         )
                         for observer in self._observers:
                             observer("reserve", reservation, placed, None)

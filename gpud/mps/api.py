@@ -157,6 +157,6 @@ class MpsServicer(pb_grpc.MpsServicer):
             reserved=self._reserved,
         )
         seen = self._last_seen().get(status.target.gpu)
-        # what runs without a memory limit of their own hold there follows the new default
+        # what runs an earlier version made without a memory limit hold follows the default
         load = self._loads().get(target.uuid)
         return pb.SetMpsLimitsResponse(device=device_message(status, load, seen))

@@ -127,7 +127,8 @@ class MpsLimits:
 class Reserved:
     """What reservations hold on one device as ``gpuctl mps set`` checks a new default:
     ``memory_bytes`` in all, counting the default now in force for each reservation that
-    follows it (those of ``defaulted``, the jobs holding them)."""
+    follows it (one an earlier version made without a memory limit of its own, which kept
+    no record of the default it started with: ``defaulted``, the jobs holding them)."""
 
     memory_bytes: int = 0
     defaulted: tuple[str, ...] = ()
@@ -352,13 +353,18 @@ class MpsManager:
 
         ``reserved(uuid)`` is what jobs already hold on the device (:class:`Reserved`), read
         inside ``placement()``, which also holds through the check and the save: no
-        reservation is made between them (a run reserving meanwhile would be
-        counted at a default the check did not see). The placement lock comes before this
-        manager's lock and the state store's. A new default limit counted for each of those, plus what
-        the others reserve, may not exceed the device's memory, nor may the default alone
-        beside what is reserved when none holds it (:class:`ResourceExhausted`). While such
-        reservations hold the device their MPS clients keep the limit they started with, so
-        it is neither lowered nor cleared then (:class:`FailedPrecondition`).
+        reservation is made between them (a run reserving meanwhile would be counted at a
+        default the check did not see). The placement lock comes before this manager's lock
+        and the state store's.
+
+        A reservation without a memory limit of its own counts the default it was made
+        under (its MPS client's) until it ends, whatever the default becomes: a new default
+        may not exceed the device's memory beside what is reserved, or a run without a limit
+        could not start there (:class:`ResourceExhausted`). Those an earlier version made
+        (``Reserved.defaulted``) kept no such record and count the default now in force:
+        for them the new default counts instead, for each, beside what the others reserve,
+        and it is neither lowered nor cleared while they hold the device
+        (:class:`FailedPrecondition`): their MPS clients keep the limit they started with.
         """
         target = self._resolve_read(device)
         dev = self._device(target.uuid)
@@ -443,24 +449,24 @@ class MpsManager:
     def _refuse_lower(
         target: MpsTarget, old: int | None, new: int | None, defaulted: Sequence[str]
     ) -> None:
-        """Reservations without a memory limit of their own hold the device: the default
-        their MPS clients started with stays theirs, so one lower (or none) would count them
-        at less than they may pin."""
+        """Reservations an earlier version made without a memory limit of their own hold
+        the device, counted at its default now: the default their MPS clients started with
+        stays theirs, so one lower (or none) would count them at less than they may pin."""
         if not defaulted or old is None or (new is not None and new >= old):
             return
         change = "cleared" if new is None else f"lowered to {format_size(new)}"
         raise FailedPrecondition(
             f"{target.uuid}: default limit {format_size(old)} held by"
-            f" {len(defaulted)} reservation(s) without a memory limit of their own"
-            f" ({', '.join(defaulted)}): their MPS clients keep it, so it can be {change}"
-            " once they end"
+            f" {len(defaulted)} reservation(s) without a memory limit of their own made"
+            f" before gpud recorded each run's default ({', '.join(defaulted)}): their MPS"
+            f" clients keep it, so it can be {change} once they end"
         )
 
     def _check_memory(
         self, target: MpsTarget, memory_bytes: int, reserved: int, defaulted: Sequence[str]
     ) -> None:
-        """``reserved``: what reservations with their own memory limit hold on the device;
-        the default counts for each of ``defaulted`` (or once, for the next, where none)."""
+        """``reserved``: what the reservations not in ``defaulted`` hold on the device; the
+        default counts for each of ``defaulted`` (or once, for the next, where none)."""
         protocol.format_memory(memory_bytes)  # MPS's own minimum
         total = target.memory_total_bytes
         if memory_bytes > total:
@@ -471,15 +477,16 @@ class MpsManager:
         held = memory_bytes * len(defaulted)
         if defaulted and held + reserved > total:
             mine = (
-                f" + reserved by jobs with their own limits {format_size(reserved)}"
+                f" + reserved by the others {format_size(reserved)}"
                 f" = {format_size(held + reserved)}"
                 if reserved
                 else ""
             )
             raise ResourceExhausted(
                 f"{target.uuid}: default limit {format_size(memory_bytes)} x"
-                f" {len(defaulted)} reservation(s) without a memory limit of their own"
-                f" ({', '.join(defaulted)}) = {format_size(held)}{mine}"
+                f" {len(defaulted)} reservation(s) without a memory limit of their own made"
+                f" before gpud recorded each run's default ({', '.join(defaulted)})"
+                f" = {format_size(held)}{mine}"
                 f" exceeds the device's {format_size(total)}"
             )
         if not defaulted and reserved and memory_bytes + reserved > total:

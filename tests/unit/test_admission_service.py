@@ -463,12 +463,9 @@ def test_each_device_asks_its_own_default_and_no_default_never_waits(node: Node)
         assert node.jobs.reserve(RunRequest(job=job, devices=(second,))).reservation
 
 
-def test_mps_set_memory_counts_the_default_for_each_run_without_a_limit(node: Node) -> None:
-    """``gpuctl mps set --memory`` while runs that set no memory limit hold the device:
-    the new default counts for each of them; it is never lowered nor cleared under them
-    (their MPS clients keep the limit they started with)."""
-    first = node.mps.targets()[0].uuid
-    api = MpsServicer(node.mps, loads=node.jobs.loads)
+def mps_api(node: Node) -> Callable[[int | None], None]:
+    """``gpuctl mps set --gpu 0 --memory LIMIT`` (None: ``--clear-memory``)."""
+    api = MpsServicer(node.mps, loads=node.jobs.loads, placement=node.jobs.locked)
 
     def set_memory(limit: int | None) -> None:
         request = mps_pb2.SetMpsLimitsRequest(device="0")
@@ -478,27 +475,91 @@ def test_mps_set_memory_counts_the_default_for_each_run_without_a_limit(node: No
             request.memory_limit_bytes = limit
         api._set(request)
 
+    return set_memory
+
+
+def test_a_run_without_a_limit_counts_the_default_it_started_with(node: Node) -> None:
+    """A run that sets no memory limit is counted at the MPS default in force when it
+    reserved (its MPS client keeps that limit) until it ends: ``gpuctl mps set --memory``
+    raising, setting, lowering or clearing the default later changes what the next run
+    asks, not what the running ones hold. A new default must fit beside what is held."""
+    first = node.mps.targets()[0].uuid
+    set_memory = mps_api(node)
+
+    def held() -> int:
+        return node.jobs.loads()[first].memory_bytes
+
     a = node.jobs.reserve(RunRequest(job="a", devices=("0",))).reservation
     b = node.jobs.reserve(RunRequest(job="b", devices=("0",))).reservation
+    assert a.defaults == () and held() == 0  # no default then: their clients have no limit
+    # counted at 60 GiB each, as before, this was refused (2 x 60 on 80); they hold nothing
+    set_memory(60 * GIB)
+    assert held() == 0
+    c = node.jobs.reserve(RunRequest(job="c", devices=("0",))).reservation
+    assert c.defaults == ((first, 60 * GIB),) and held() == 60 * GIB
+    with pytest.raises(ResourceExhausted) as refused:
+        set_memory(30 * GIB)  # raising it would not be refused; this does not fit beside c
+    set_memory(20 * GIB)  # lowered under c: c keeps (and is counted at) 60 GiB
+    assert held() == 60 * GIB
+    assert str(refused.value) == (
+        f"{first}: default limit 30GiB + reserved by jobs 60GiB = 90GiB exceeds the device's 80GiB"
+    )
+    d = node.jobs.reserve(RunRequest(job="d", devices=("0",))).reservation
+    assert held() == 80 * GIB
+    with pytest.raises(ResourceExhausted, match=r"asks 20GiB .* 80GiB reserved by a, b, c, d"):
+        node.jobs.reserve(RunRequest(job="e", devices=("0",)))
+    set_memory(None)  # cleared under c and d: they keep theirs
+    assert held() == 80 * GIB
+    assert {h.job: h.per_device.memory for h in node.admission.holdings()} == {
+        a.id: 0,
+        b.id: 0,
+        c.id: 60 * GIB,
+        d.id: 20 * GIB,
+    }
+    node.jobs.release(c.id)
+    assert held() == 20 * GIB
+    for r in (a, b, d):
+        node.jobs.release(r.id)
+    assert node.mps.limits(first).memory_bytes is None
+
+
+def test_runs_an_earlier_version_reserved_without_a_limit_follow_the_default(
+    node: Node,
+) -> None:
+    """Reservations saved without the default they started with (by an earlier version)
+    load and count the device's default now in force, as they did: the new default counts
+    for each of them, and it is never lowered nor cleared under them (their MPS clients
+    keep the limit they started with)."""
+    first = node.mps.targets()[0].uuid
+    set_memory = mps_api(node)
+    a = node.jobs.reserve(RunRequest(job="a", devices=("0",))).reservation
+    b = node.jobs.reserve(RunRequest(job="b", devices=("0",))).reservation
+    with node.store.transaction() as conn:  # as an earlier version saved them
+        conn.execute("UPDATE job_reservations SET default_memory = NULL")
+    node = node.restart()
+    set_memory = mps_api(node)
+    assert [r.defaults for r in node.jobs.reservations.held()] == [None, None]
     with pytest.raises(ResourceExhausted) as refused:
         set_memory(60 * GIB)
     assert str(refused.value) == (
         f"{first}: default limit 60GiB x 2 reservation(s) without a memory limit of their own"
-        " (a, b) = 120GiB exceeds the device's 80GiB"
+        " made before gpud recorded each run's default (a, b) = 120GiB exceeds the device's"
+        " 80GiB"
     )
     assert node.mps.limits(first).memory_bytes is None
     set_memory(30 * GIB)
     assert node.jobs.loads()[first].memory_bytes == 60 * GIB
+    assert node.jobs.loads()[first].defaulted == ("a", "b")
     c = node.jobs.reserve(RunRequest(job="c", devices=("0",), memory_bytes=10 * GIB))
-    with pytest.raises(ResourceExhausted, match=r"\(a, b\) = 80GiB \+ reserved by jobs with"):
+    with pytest.raises(ResourceExhausted, match=r"\(a, b\) = 80GiB \+ reserved by the others"):
         set_memory(40 * GIB)
     set_memory(35 * GIB)
     with pytest.raises(FailedPrecondition) as lowered:
         set_memory(20 * GIB)
     assert str(lowered.value) == (
         f"{first}: default limit 35GiB held by 2 reservation(s) without a memory limit of"
-        " their own (a, b): their MPS clients keep it, so it can be lowered to 20GiB once"
-        " they end"
+        " their own made before gpud recorded each run's default (a, b): their MPS clients"
+        " keep it, so it can be lowered to 20GiB once they end"
     )
     with pytest.raises(FailedPrecondition, match="so it can be cleared once they end"):
         set_memory(None)
