@@ -358,9 +358,9 @@ class MpsManager:
         and the state store's.
 
         A reservation without a memory limit of its own counts the default it was made
-        under (its MPS client's) until it ends, whatever the default becomes: a new default
-        may not exceed the device's memory beside what is reserved, or a run without a limit
-        could not start there (:class:`ResourceExhausted`). Those an earlier version made
+        under (its MPS client's) until it ends, whatever the default becomes: a higher
+        default may not exceed the device's memory beside what is reserved, or a run without
+        a limit could not start there (:class:`ResourceExhausted`). Those an earlier version made
         (``Reserved.defaulted``) kept no such record and count the default now in force:
         for them the new default counts instead, for each, beside what the others reserve,
         and it is neither lowered nor cleared while they hold the device
@@ -386,7 +386,8 @@ class MpsManager:
                     new = replace(new, memory_bytes=None)
                 elif memory_bytes is not None:
                     own = reserved_memory_bytes - len(defaulted_jobs) * (old.memory_bytes or 0)
-                    self._check_memory(target, memory_bytes, own, defaulted_jobs)
+                    raising = old.memory_bytes is None or memory_bytes > old.memory_bytes
+                    self._check_memory(target, memory_bytes, own, defaulted_jobs, raising=raising)
                     new = replace(new, memory_bytes=memory_bytes)
                 if enabled is not None:
                     new = replace(new, enabled=enabled)
@@ -463,10 +464,17 @@ class MpsManager:
         )
 
     def _check_memory(
-        self, target: MpsTarget, memory_bytes: int, reserved: int, defaulted: Sequence[str]
+        self,
+        target: MpsTarget,
+        memory_bytes: int,
+        reserved: int,
+        defaulted: Sequence[str],
+        *,
+        raising: bool,
     ) -> None:
         """``reserved``: what the reservations not in ``defaulted`` hold on the device; the
-        default counts for each of ``defaulted`` (or once, for the next, where none)."""
+        default counts for each of ``defaulted`` (or once, for the next, where none, when
+        ``raising`` it: a lower one fits where the one before did)."""
         protocol.format_memory(memory_bytes)  # MPS's own minimum
         total = target.memory_total_bytes
         if memory_bytes > total:
@@ -489,7 +497,7 @@ class MpsManager:
                 f" = {format_size(held)}{mine}"
                 f" exceeds the device's {format_size(total)}"
             )
-        if not defaulted and reserved and memory_bytes + reserved > total:
+        if not defaulted and raising and reserved and memory_bytes + reserved > total:
             raise ResourceExhausted(
                 f"{target.uuid}: default limit {format_size(memory_bytes)} + reserved by jobs"
                 f" {format_size(reserved)} = {format_size(memory_bytes + reserved)} exceeds"

@@ -482,7 +482,7 @@ def test_a_run_without_a_limit_counts_the_default_it_started_with(node: Node) ->
     """A run that sets no memory limit is counted at the MPS default in force when it
     reserved (its MPS client keeps that limit) until it ends: ``gpuctl mps set --memory``
     raising, setting, lowering or clearing the default later changes what the next run
-    asks, not what the running ones hold. A new default must fit beside what is held."""
+    asks, not what the running ones hold. A higher one must fit beside what is held."""
     first = node.mps.targets()[0].uuid
     set_memory = mps_api(node)
 
@@ -497,16 +497,17 @@ def test_a_run_without_a_limit_counts_the_default_it_started_with(node: Node) ->
     assert held() == 0
     c = node.jobs.reserve(RunRequest(job="c", devices=("0",))).reservation
     assert c.defaults == ((first, 60 * GIB),) and held() == 60 * GIB
-    with pytest.raises(ResourceExhausted) as refused:
-        set_memory(30 * GIB)  # raising it would not be refused; this does not fit beside c
     set_memory(20 * GIB)  # lowered under c: c keeps (and is counted at) 60 GiB
     assert held() == 60 * GIB
+    with pytest.raises(ResourceExhausted) as refused:
+        set_memory(30 * GIB)  # raised: a run without a limit would not fit beside c
     assert str(refused.value) == (
         f"{first}: default limit 30GiB + reserved by jobs 60GiB = 90GiB exceeds the device's 80GiB"
     )
     d = node.jobs.reserve(RunRequest(job="d", devices=("0",))).reservation
     assert held() == 80 * GIB
-    with pytest.raises(ResourceExhausted, match=r"asks 20GiB .* 80GiB reserved by a, b, c, d"):
+    set_memory(10 * GIB)  # lower: never refused for want of room (20 GiB did not fit either)
+    with pytest.raises(ResourceExhausted, match=r"asks 10GiB .* 80GiB reserved by a, b, c, d"):
         node.jobs.reserve(RunRequest(job="e", devices=("0",)))
     set_memory(None)  # cleared under c and d: they keep theirs
     assert held() == 80 * GIB
