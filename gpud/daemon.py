@@ -351,7 +351,12 @@ class Daemon:
                     after_change=self._devices_changed,
                     last_seen=self._last_seen,
                 ).register,
-                MpsServicer(self.mps, loads=self.jobs.loads, last_seen=self._last_seen).register,
+                MpsServicer(
+                    self.mps,
+                    loads=self.jobs.loads,
+                    placement=self.jobs.locked,
+                    last_seen=self._last_seen,
+                ).register,
                 JobsServicer(self.jobs).register,
                 QueueServicer(self.admission, leave_waiter=self.colo.leave).register,
                 ColoServicer(
@@ -494,9 +499,8 @@ class Daemon:
                         gpu=index[device],
                         threads_percent=r.threads_percent,
                         # none of its own: its MPS client is pinned to the device's default
-                        memory_bytes=r.memory_bytes
-                        if r.memory_bytes is not None
-                        else defaults.get(device),
+                        # it started with
+                        memory_bytes=r.memory_on(device, defaults.get),
                         slo_p99_ms=spec.slo_p99_ms if spec else None,
                         memory_used=None
                         if (r.job, device) in unreported

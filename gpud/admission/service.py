@@ -302,9 +302,9 @@ class AdmissionService:
             if r.memory_bytes is not None:
                 out.append(Holding(r.id, r.devices, Vec(r.memory_bytes, threads)))
                 continue
-            # no limit of its own: on each device the job gets that device's MPS default
+            # no limit of its own: on each device the MPS default its client started with
             for uuid in r.devices:
-                memory = self._mps.limits(uuid).memory_bytes or 0
+                memory = r.memory_on(uuid, lambda u: self._mps.limits(u).memory_bytes) or 0
                 out.append(Holding(r.id, (uuid,), Vec(memory, threads)))
         for uuid, used in sorted(self._jobs.unreserved_memory().items()):
             out.append(Holding(f"unreserved:{uuid}", (uuid,), Vec(used, 0)))

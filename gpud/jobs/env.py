@@ -5,7 +5,9 @@ What the CUDA driver and gpud's client read::
     CUDA_VISIBLE_DEVICES=MIG-5c6e...              the reserved GPU / MIG UUIDs, in order
     CUDA_MPS_PIPE_DIRECTORY=/run/gpud/mps/MIG-5c6e.../pipe   that device's control daemon
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40          cap on the client's SMs (percent)
-    CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20G        per device ordinal, as CUDA numbers them
+    CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20G        per device ordinal, as CUDA numbers them: the
+                                                  run's --memory, else the daemon's default
+                                                  when it reserved (what it is counted at)
     CUDA_MPS_CLIENT_PRIORITY=1                    0 normal, 1 below normal
     GPUD_JOB=train-a                              how gpud attributes the processes
     GPUD_SOCKET=/run/gpud/gpud.sock               where gpud.client reports progress
@@ -61,9 +63,13 @@ def build_env(
             env["CUDA_MPS_PIPE_DIRECTORY"] = str(pipe)
             if reservation.threads_percent is not None:
                 env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(reservation.threads_percent)
-            if reservation.memory_bytes is not None:
+            # Without a limit of its own, the default it reserved under: a client started
+            # after `gpuctl mps set --memory` raised it keeps to what the run is counted at
+            # (a client's limit only narrows the daemon's, so a lower default still holds).
+            limit = reservation.memory_on(reservation.devices[0], lambda _: None)
+            if limit is not None:
                 env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = protocol.client_memory_limit_env(
-                    {0: reservation.memory_bytes}
+                    {0: limit}
                 )
             env["CUDA_MPS_CLIENT_PRIORITY"] = str(reservation.client_priority)
     return env

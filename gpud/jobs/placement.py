@@ -10,7 +10,8 @@ the request, pick the devices or refuse with the numbers. Memory is the accounte
 the MPS pinned memory limits of the reservations on a device never add up to more than the
 device has. A request that sets no memory limit gets, on a device with an MPS default pinned
 memory limit (``gpuctl mps set --memory``, ``set_default_device_pinned_mem_limit``), that
-limit, as its MPS client would: it asks for it there, and its reservation counts it.
+limit, as its MPS client would: it asks for it there, and its reservation records and counts
+it until it ends (a client keeps the limit it started with when the default changes later).
 """
 
 from __future__ import annotations
@@ -40,10 +41,13 @@ SCHEMA = (
         client_priority INTEGER NOT NULL,
         holder_pid INTEGER,
         holder_start INTEGER,
-        created_at REAL NOT NULL
+        created_at REAL NOT NULL,
+        default_memory TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS job_reservations_job ON job_reservations (job)",
 )
+# columns of job_reservations that earlier versions lack: NULL in their rows
+ADDED = {"job_reservations": ("default_memory",)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,20 @@ class Reservation:
     client_priority: int
     holder_pid: int | None  # None: held until released explicitly
     created_at: float
+    # Without a memory limit of its own: (device UUID, the MPS default memory limit in force
+    # there when it was made) for each device that had one, what its MPS client is pinned
+    # to. None: made by an earlier version, which kept no such record: it counts each
+    # device's default in force now.
+    defaults: tuple[tuple[str, int], ...] | None = None
+
+    def memory_on(self, uuid: str, default_memory: Callable[[str], int | None]) -> int | None:
+        """The memory it holds on device ``uuid``: its own limit, else the default it
+        started with (``default_memory(uuid)``, the default now, where it kept none)."""
+        if self.memory_bytes is not None:
+            return self.memory_bytes
+        if self.defaults is None:
+            return default_memory(uuid)
+        return dict(self.defaults).get(uuid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +81,9 @@ class DeviceLoad:
     """What reservations hold on one device, and ``unreserved_bytes``: the memory its GPU
     processes use beyond them (another user's process, a job's past its reservation there;
     NVML's ``usedGpuMemory`` of each, as ``nvidia-smi`` lists it). ``defaulted``: the job of
-    each reservation there that sets no memory limit of its own (its MPS client gets the
-    device's default limit, which ``memory_bytes`` counts for it)."""
+    each reservation there that sets no memory limit of its own and was made by an earlier
+    version, which recorded no default for it: ``memory_bytes`` counts the device's default
+    now for it."""
 
     memory_bytes: int
     jobs: tuple[str, ...]
@@ -184,7 +203,7 @@ class Reservations:
         self._store = store
         self._proc_root = proc_root
         self._clock = clock
-        store.ensure_schema(SCHEMA)
+        store.ensure_schema(SCHEMA, added=ADDED)
 
     def reserved(
         self,
@@ -193,12 +212,12 @@ class Reservations:
         held: Sequence[Reservation] | None = None,
     ) -> dict[tuple[str, str], int]:
         """Memory reserved per (device UUID, job) by ``held`` (default: :meth:`held` read
-        now). A reservation without a memory limit counts the device's MPS default limit
-        (``default_memory(uuid)``), or nothing."""
+        now). A reservation without a memory limit counts the MPS default limit it started
+        with (:meth:`Reservation.memory_on`), or nothing."""
         out: dict[tuple[str, str], int] = {}
         for r in self.held() if held is None else held:
             for uuid in r.devices:
-                limit = r.memory_bytes if r.memory_bytes is not None else default_memory(uuid)
+                limit = r.memory_on(uuid, default_memory)
                 out[(uuid, r.job)] = out.get((uuid, r.job), 0) + (limit or 0)
         return out
 
@@ -211,15 +230,19 @@ class Reservations:
         memory_bytes: int | None,
         client_priority: int,
         holder_pid: int | None,
+        defaults: Mapping[str, int] | None = None,
     ) -> Reservation:
+        """``defaults``: without ``memory_bytes``, the MPS default memory limit of each
+        device that has one, as placement counted it (it is counted so until it ends)."""
         rid = secrets.token_hex(6)
+        recorded = None if memory_bytes is not None else dict(defaults or {})
         holder_start = start_time(holder_pid, self._proc_root) if holder_pid else None
         created = self._clock()
         with self._store.transaction() as conn:
             conn.execute(
                 "INSERT INTO job_reservations (id, job, devices, threads_percent, memory_bytes,"
-                " client_priority, holder_pid, holder_start, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " client_priority, holder_pid, holder_start, created_at, default_memory)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     rid,
                     job,
@@ -230,6 +253,7 @@ class Reservations:
                     holder_pid,
                     holder_start,
                     created,
+                    None if recorded is None else json.dumps(recorded, sort_keys=True),
                 ),
             )
         return Reservation(
@@ -241,6 +265,7 @@ class Reservations:
             client_priority,
             holder_pid,
             created,
+            None if recorded is None else _defaults(recorded),
         )
 
     def get(self, rid: str) -> Reservation:
@@ -290,7 +315,12 @@ class Reservations:
         return gone
 
 
+def _defaults(recorded: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted((str(u), int(n)) for u, n in recorded.items()))
+
+
 def _reservation(row: sqlite3.Row) -> Reservation:
+    recorded = row["default_memory"]
     return Reservation(
         id=row["id"],
         job=row["job"],
@@ -300,4 +330,5 @@ def _reservation(row: sqlite3.Row) -> Reservation:
         client_priority=row["client_priority"],
         holder_pid=row["holder_pid"],
         created_at=row["created_at"],
+        defaults=None if recorded is None else _defaults(json.loads(recorded)),
     )

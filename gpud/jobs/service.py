@@ -107,9 +107,12 @@ class JobService:
         cgroup_pattern: str | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        lock: AbstractContextManager[object] | None = None,
     ) -> None:
         """``clock``: Unix time, what is stored. ``monotonic``: what a grace this process
-        gives is measured by (the wall clock steps)."""
+        gives is measured by (the wall clock steps). ``lock``: the placement lock (a
+        re-entrant one; default a new ``threading.RLock``), which comes before the MPS
+        manager's lock and the state store's."""
         self.store = store  # the API's short reads use its reading connection
         self._clock = clock
         # released runs whose processes left get SIGKILL, kept across restarts
@@ -125,7 +128,8 @@ class JobService:
             if cgroup_pattern
             else Attributor(proc_root=proc_root)
         )
-        self._lock = threading.RLock()  # placement is check-then-insert
+        # placement is check-then-insert, and so is `gpuctl mps set --memory`
+        self._lock = lock if lock is not None else threading.RLock()
         self._uses: list[ProcessUse] = []
         # device UUID -> memory used, of the devices whose processes NVML did not list
         self._unlisted: dict[str, int] = {}
@@ -313,7 +317,7 @@ class JobService:
         beyond = self._unreserved(reserved)
         defaulted: dict[str, list[str]] = {}
         for r in reservations:
-            if r.memory_bytes is None:
+            if r.memory_bytes is None and r.defaults is None:  # made by an earlier version
                 for uuid in r.devices:
                     defaulted.setdefault(uuid, []).append(r.job)
         return {
@@ -435,10 +439,17 @@ class JobService:
                     raise Unavailable("no GPU seen yet: the daemon is starting, retry shortly")
                 chosen = self.choose(effective)
                 uuids = tuple(d.uuid for d in chosen)
+                # none of its own: each device's default, as placed, is its MPS client's
+                defaults = (
+                    None
+                    if effective.memory_bytes is not None
+                    else {u: n for u in uuids if (n := self._default_memory(u)) is not None}
+                )
                 if preview:
                     reservation = Reservation(
                         "", job.name, uuids, effective.threads_percent, effective.memory_bytes,
                         effective.effective_priority, None, 0.0,
+                        None if defaults is None else tuple(sorted(defaults.items())),
                     )  # fmt: skip
                 else:
                     with self.store.transaction():
@@ -451,6 +462,7 @@ class JobService:
                             memory_bytes=effective.memory_bytes,
                             client_priority=effective.effective_priority,
                             holder_pid=request.holder_pid,
+                            defaults=defaults,
                         )
                         for observer in self._observers:
                             observer("reserve", reservation, placed, None)

@@ -2,7 +2,7 @@
 
 Register on the daemon's ``ApiServer``::
 
-    ApiServer(path, servicers=[MpsServicer(mps_manager, loads=job_service.loads).register])
+    ApiServer(path, servicers=[MpsServicer(mps, loads=jobs.loads, placement=jobs.locked).register])
 
 Manager calls run the control client program (and may wait for a daemon to start): they run
 in a worker thread, off the event loop.
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from typing import Any, Protocol
 
 from gpud.api.validate import optional
 from gpud.errors import InvalidArgument
-from gpud.mps.manager import MpsDeviceStatus, MpsManager
+from gpud.mps.manager import MpsDeviceStatus, MpsManager, Placement, Reserved
 from gpud.telemetry.snapshot import LastSeenSource, SeenIdentity
 from gpud.v1 import mps_pb2 as pb
 from gpud.v1 import mps_pb2_grpc as pb_grpc
@@ -87,12 +88,24 @@ def device_message(
 
 class MpsServicer(pb_grpc.MpsServicer):
     def __init__(
-        self, manager: MpsManager, *, loads: LoadSource = dict, last_seen: LastSeenSource = dict
+        self,
+        manager: MpsManager,
+        *,
+        loads: LoadSource = dict,
+        placement: Placement = nullcontext,
+        last_seen: LastSeenSource = dict,
     ) -> None:
-        """``last_seen()``: how an earlier run last saw each GPU never read in this one."""
+        """``last_seen()``: how an earlier run last saw each GPU never read in this one.
+        ``placement()``: holds reservations still (the jobs service's lock), from the read of
+        ``loads()`` that a new default is checked against to its save."""
         self._manager = manager
         self._loads = loads
+        self._placement = placement
         self._last_seen = last_seen
+
+    def _reserved(self, uuid: str) -> Reserved:
+        load = self._loads().get(uuid)
+        return Reserved(load.memory_bytes, load.defaulted) if load else Reserved()
 
     def register(self, server: Any) -> None:
         """Add this service to a ``grpc.aio.Server`` (an ``ApiServer`` registrar)."""
@@ -133,7 +146,6 @@ class MpsServicer(pb_grpc.MpsServicer):
         if request.clear_memory and request.HasField("memory_limit_bytes"):
             raise InvalidArgument("set or clear, not both", field="memory")
         target = self._manager.resolve(request.device)
-        load = self._loads().get(target.uuid)
         status = self._manager.set_limits(
             request.device,
             threads_percent=optional(request, "threads_percent"),
@@ -141,10 +153,10 @@ class MpsServicer(pb_grpc.MpsServicer):
             clear_threads=request.clear_threads,
             clear_memory=request.clear_memory,
             enabled=optional(request, "enabled"),
-            reserved_memory_bytes=load.memory_bytes if load else 0,
-            defaulted_jobs=load.defaulted if load else (),
+            placement=self._placement,
+            reserved=self._reserved,
         )
         seen = self._last_seen().get(status.target.gpu)
-        # what runs without a memory limit of their own hold there follows the new default
+        # what runs an earlier version made without a memory limit hold follows the default
         load = self._loads().get(target.uuid)
         return pb.SetMpsLimitsResponse(device=device_message(status, load, seen))

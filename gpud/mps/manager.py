@@ -40,6 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -120,6 +121,23 @@ class MpsLimits:
     threads_percent: int | None = None
     memory_bytes: int | None = None
     enabled: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """What reservations hold on one device as ``gpuctl mps set`` checks a new default:
+    ``memory_bytes`` in all, counting the default now in force for each reservation that
+    follows it (one an earlier version made without a memory limit of its own, which kept
+    no record of the default it started with: ``defaulted``, the jobs holding them)."""
+
+    memory_bytes: int = 0
+    defaulted: tuple[str, ...] = ()
+
+
+# Placement held still (no reservation is added meanwhile), and what
+# reservations hold on a device (UUID) read under it.
+Placement = Callable[[], AbstractContextManager[object]]
+ReservedOn = Callable[[str], Reserved]
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,8 +341,8 @@ class MpsManager:
         clear_threads: bool = False,
         clear_memory: bool = False,
         enabled: bool | None = None,
-        reserved_memory_bytes: int = 0,
-        defaulted_jobs: Sequence[str] = (),
+        placement: Placement = nullcontext,
+        reserved: ReservedOn = lambda uuid: Reserved(),
     ) -> MpsDeviceStatus:
         """Persist new defaults for ``device`` (UUID, GPU index, or ``GPU:MIG``) and apply
         them to its daemon now. Fields left ``None`` keep their value; ``clear_*`` go back to
@@ -333,69 +351,47 @@ class MpsManager:
         (the status returned says so, naming the device): it gets them when it answers
         again, or is restarted with them.
 
-        ``reserved_memory_bytes`` is what jobs already hold on the device, the default memory
-        limit counted for each of their reservations there that sets none of its own (their
-        jobs: ``defaulted_jobs``). A new default limit counted for each of those, plus what
-        the others reserve, may not exceed the device's memory, nor may the default alone
-        beside what is reserved when none holds it (:class:`ResourceExhausted`). While such
-        reservations hold the device their MPS clients keep the limit they started with, so
-        it is neither lowered nor cleared then (:class:`FailedPrecondition`).
+        ``reserved(uuid)`` is what jobs already hold on the device (:class:`Reserved`), read
+        inside ``placement()``, which also holds through the check and the save: no
+        reservation is made between them (a run reserving meanwhile would be counted at a
+        default the check did not see). The placement lock comes before this manager's lock
+        and the state store's.
+
+        A reservation without a memory limit of its own counts the default it was made
+        under (its MPS client's) until it ends, whatever the default becomes: a higher
+        default may not exceed the device's memory beside what is reserved, or a run without
+        a limit could not start there (:class:`ResourceExhausted`). Those an earlier version made
+        (``Reserved.defaulted``) kept no such record and count the default now in force:
+        for them the new default counts instead, for each, beside what the others reserve,
+        and it is neither lowered nor cleared while they hold the device
+        (:class:`FailedPrecondition`): their MPS clients keep the limit they started with.
         """
         target = self._resolve_read(device)
         dev = self._device(target.uuid)
         if clear_memory and dev.up and self.limits(target.uuid).memory_bytes is not None:
             self._refuse_clear_while_serving(target, dev)
-        with self._lock:  # the desired limits only: no daemon is asked in here
-            old = self.limits(target.uuid)
-            new = old
-            if clear_threads:
-                new = replace(new, threads_percent=None)
-            elif threads_percent is not None:
-                new = replace(new, threads_percent=protocol.check_percent(threads_percent))
-            if clear_memory or memory_bytes is not None:
-                self._refuse_lower(target, old.memory_bytes, memory_bytes, defaulted_jobs)
-            if clear_memory:
-                new = replace(new, memory_bytes=None)
-            elif memory_bytes is not None:
-                own = reserved_memory_bytes - len(defaulted_jobs) * (old.memory_bytes or 0)
-                self._check_memory(target, memory_bytes, own, defaulted_jobs)
-                new = replace(new, memory_bytes=memory_bytes)
-            if enabled is not None:
-                new = replace(new, enabled=enabled)
-            with self._store.transaction() as conn:
-                conn.execute(
-                    "INSERT INTO mps_limits (uuid, gpu_index, enabled, active_thread_percentage,"
-                    " pinned_mem_limit_bytes, updated_at) VALUES (?, ?, ?, ?, ?, ?)"
-                    " ON CONFLICT(uuid) DO UPDATE SET gpu_index = excluded.gpu_index,"
-                    " enabled = excluded.enabled,"
-                    " active_thread_percentage = excluded.active_thread_percentage,"
-                    " pinned_mem_limit_bytes = excluded.pinned_mem_limit_bytes,"
-                    " updated_at = excluded.updated_at",
-                    (
-                        target.uuid,
-                        target.gpu,
-                        int(new.enabled),
-                        new.threads_percent,
-                        new.memory_bytes,
-                        time.time(),
-                    ),
-                )
-                if target.slot is not None:
-                    conn.execute(
-                        "INSERT OR REPLACE INTO mps_mig_limits (gpu_uuid, placement_start,"
-                        " placement_size, profile, mig_uuid) VALUES (?, ?, ?, ?, ?)",
-                        (*target.slot, target.uuid),
-                    )
-            self._events.emit(
-                "mps.limits",
-                f"MPS limits of {target.uuid}: threads {_pct(new.threads_percent)},"
-                f" memory {_mem(new.memory_bytes)}",
-                uuid=target.uuid,
-                gpu=target.gpu,
-                threads_percent=new.threads_percent,
-                memory_bytes=new.memory_bytes,
-                enabled=new.enabled,
-            )
+        with placement():  # the desired limits only: no daemon is asked in here
+            held = reserved(target.uuid)
+            reserved_memory_bytes, defaulted_jobs = held.memory_bytes, held.defaulted
+            with self._lock:
+                old = self.limits(target.uuid)
+                new = old
+                if clear_threads:
+                    new = replace(new, threads_percent=None)
+                elif threads_percent is not None:
+                    new = replace(new, threads_percent=protocol.check_percent(threads_percent))
+                if clear_memory or memory_bytes is not None:
+                    self._refuse_lower(target, old.memory_bytes, memory_bytes, defaulted_jobs)
+                if clear_memory:
+                    new = replace(new, memory_bytes=None)
+                elif memory_bytes is not None:
+                    own = reserved_memory_bytes - len(defaulted_jobs) * (old.memory_bytes or 0)
+                    raising = old.memory_bytes is None or memory_bytes > old.memory_bytes
+                    self._check_memory(target, memory_bytes, own, defaulted_jobs, raising=raising)
+                    new = replace(new, memory_bytes=memory_bytes)
+                if enabled is not None:
+                    new = replace(new, enabled=enabled)
+                self._save_limits(target, new)
         if self.enabled and (dev.up or dev.daemon.pid() is None):
             if not self._reconcile_device(
                 target, force_check=True, requested=True, timeout_s=self._request_timeout_s
@@ -414,28 +410,71 @@ class MpsManager:
         self.status()
         return self._status(target, self.limits(target.uuid))
 
+    def _save_limits(self, target: MpsTarget, new: MpsLimits) -> None:
+        with self._store.transaction() as conn:
+            conn.execute(
+                "INSERT INTO mps_limits (uuid, gpu_index, enabled, active_thread_percentage,"
+                " pinned_mem_limit_bytes, updated_at) VALUES (?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT(uuid) DO UPDATE SET gpu_index = excluded.gpu_index,"
+                " enabled = excluded.enabled,"
+                " active_thread_percentage = excluded.active_thread_percentage,"
+                " pinned_mem_limit_bytes = excluded.pinned_mem_limit_bytes,"
+                " updated_at = excluded.updated_at",
+                (
+                    target.uuid,
+                    target.gpu,
+                    int(new.enabled),
+                    new.threads_percent,
+                    new.memory_bytes,
+                    time.time(),
+                ),
+            )
+            if target.slot is not None:
+                conn.execute(
+                    "INSERT OR REPLACE INTO mps_mig_limits (gpu_uuid, placement_start,"
+                    " placement_size, profile, mig_uuid) VALUES (?, ?, ?, ?, ?)",
+                    (*target.slot, target.uuid),
+                )
+        self._events.emit(
+            "mps.limits",
+            f"MPS limits of {target.uuid}: threads {_pct(new.threads_percent)},"
+            f" memory {_mem(new.memory_bytes)}",
+            uuid=target.uuid,
+            gpu=target.gpu,
+            threads_percent=new.threads_percent,
+            memory_bytes=new.memory_bytes,
+            enabled=new.enabled,
+        )
+
     @staticmethod
     def _refuse_lower(
         target: MpsTarget, old: int | None, new: int | None, defaulted: Sequence[str]
     ) -> None:
-        """Reservations without a memory limit of their own hold the device: the default
-        their MPS clients started with stays theirs, so one lower (or none) would count them
-        at less than they may pin."""
+        """Reservations an earlier version made without a memory limit of their own hold
+        the device, counted at its default now: the default their MPS clients started with
+        stays theirs, so one lower (or none) would count them at less than they may pin."""
         if not defaulted or old is None or (new is not None and new >= old):
             return
         change = "cleared" if new is None else f"lowered to {format_size(new)}"
         raise FailedPrecondition(
             f"{target.uuid}: default limit {format_size(old)} held by"
-            f" {len(defaulted)} reservation(s) without a memory limit of their own"
-            f" ({', '.join(defaulted)}): their MPS clients keep it, so it can be {change}"
-            " once they end"
+            f" {len(defaulted)} reservation(s) without a memory limit of their own made"
+            f" before gpud recorded each run's default ({', '.join(defaulted)}): their MPS"
+            f" clients keep it, so it can be {change} once they end"
         )
 
     def _check_memory(
-        self, target: MpsTarget, memory_bytes: int, reserved: int, defaulted: Sequence[str]
+        self,
+        target: MpsTarget,
+        memory_bytes: int,
+        reserved: int,
+        defaulted: Sequence[str],
+        *,
+        raising: bool,
     ) -> None:
-        """``reserved``: what reservations with their own memory limit hold on the device;
-        the default counts for each of ``defaulted`` (or once, for the next, where none)."""
+        """``reserved``: what the reservations not in ``defaulted`` hold on the device; the
+        default counts for each of ``defaulted`` (or once, for the next, where none, when
+        ``raising`` it: a lower one fits where the one before did)."""
         protocol.format_memory(memory_bytes)  # MPS's own minimum
         total = target.memory_total_bytes
         if memory_bytes > total:
@@ -446,18 +485,19 @@ class MpsManager:
         held = memory_bytes * len(defaulted)
         if defaulted and held + reserved > total:
             mine = (
-                f" + reserved by jobs with their own limits {format_size(reserved)}"
+                f" + reserved by the others {format_size(reserved)}"
                 f" = {format_size(held + reserved)}"
                 if reserved
                 else ""
             )
             raise ResourceExhausted(
                 f"{target.uuid}: default limit {format_size(memory_bytes)} x"
-                f" {len(defaulted)} reservation(s) without a memory limit of their own"
-                f" ({', '.join(defaulted)}) = {format_size(held)}{mine}"
+                f" {len(defaulted)} reservation(s) without a memory limit of their own made"
+                f" before gpud recorded each run's default ({', '.join(defaulted)})"
+                f" = {format_size(held)}{mine}"
                 f" exceeds the device's {format_size(total)}"
             )
-        if not defaulted and reserved and memory_bytes + reserved > total:
+        if not defaulted and raising and reserved and memory_bytes + reserved > total:
             raise ResourceExhausted(
                 f"{target.uuid}: default limit {format_size(memory_bytes)} + reserved by jobs"
                 f" {format_size(reserved)} = {format_size(memory_bytes + reserved)} exceeds"

@@ -463,12 +463,9 @@ def test_each_device_asks_its_own_default_and_no_default_never_waits(node: Node)
         assert node.jobs.reserve(RunRequest(job=job, devices=(second,))).reservation
 
 
-def test_mps_set_memory_counts_the_default_for_each_run_without_a_limit(node: Node) -> None:
-    """``gpuctl mps set --memory`` while runs that set no memory limit hold the device:
-    the new default counts for each of them; it is never lowered nor cleared under them
-    (their MPS clients keep the limit they started with)."""
-    first = node.mps.targets()[0].uuid
-    api = MpsServicer(node.mps, loads=node.jobs.loads)
+def mps_api(node: Node) -> Callable[[int | None], None]:
+    """``gpuctl mps set --gpu 0 --memory LIMIT`` (None: ``--clear-memory``)."""
+    api = MpsServicer(node.mps, loads=node.jobs.loads, placement=node.jobs.locked)
 
     def set_memory(limit: int | None) -> None:
         request = mps_pb2.SetMpsLimitsRequest(device="0")
@@ -478,27 +475,92 @@ def test_mps_set_memory_counts_the_default_for_each_run_without_a_limit(node: No
             request.memory_limit_bytes = limit
         api._set(request)
 
+    return set_memory
+
+
+def test_a_run_without_a_limit_counts_the_default_it_started_with(node: Node) -> None:
+    """A run that sets no memory limit is counted at the MPS default in force when it
+    reserved (its MPS client keeps that limit) until it ends: ``gpuctl mps set --memory``
+    raising, setting, lowering or clearing the default later changes what the next run
+    asks, not what the running ones hold. A higher one must fit beside what is held."""
+    first = node.mps.targets()[0].uuid
+    set_memory = mps_api(node)
+
+    def held() -> int:
+        return node.jobs.loads()[first].memory_bytes
+
     a = node.jobs.reserve(RunRequest(job="a", devices=("0",))).reservation
     b = node.jobs.reserve(RunRequest(job="b", devices=("0",))).reservation
+    assert a.defaults == () and held() == 0  # no default then: their clients have no limit
+    # counted at 60 GiB each, as before, this was refused (2 x 60 on 80); they hold nothing
+    set_memory(60 * GIB)
+    assert held() == 0
+    c = node.jobs.reserve(RunRequest(job="c", devices=("0",))).reservation
+    assert c.defaults == ((first, 60 * GIB),) and held() == 60 * GIB
+    set_memory(20 * GIB)  # lowered under c: c keeps (and is counted at) 60 GiB
+    assert held() == 60 * GIB
+    with pytest.raises(ResourceExhausted) as refused:
+        set_memory(30 * GIB)  # raised: a run without a limit would not fit beside c
+    assert str(refused.value) == (
+        f"{first}: default limit 30GiB + reserved by jobs 60GiB = 90GiB exceeds the device's 80GiB"
+    )
+    d = node.jobs.reserve(RunRequest(job="d", devices=("0",))).reservation
+    assert held() == 80 * GIB
+    set_memory(10 * GIB)  # lower: never refused for want of room (20 GiB did not fit either)
+    with pytest.raises(ResourceExhausted, match=r"asks 10GiB .* 80GiB reserved by a, b, c, d"):
+        node.jobs.reserve(RunRequest(job="e", devices=("0",)))
+    set_memory(None)  # cleared under c and d: they keep theirs
+    assert held() == 80 * GIB
+    assert {h.job: h.per_device.memory for h in node.admission.holdings()} == {
+        a.id: 0,
+        b.id: 0,
+        c.id: 60 * GIB,
+        d.id: 20 * GIB,
+    }
+    node.jobs.release(c.id)
+    assert held() == 20 * GIB
+    for r in (a, b, d):
+        node.jobs.release(r.id)
+    assert node.mps.limits(first).memory_bytes is None
+
+
+def test_runs_an_earlier_version_reserved_without_a_limit_follow_the_default(
+    node: Node,
+) -> None:
+    """Reservations saved without the default they started with (by an earlier version)
+    load and count the device's default now in force, as they did: the new default counts
+    for each of them, and it is never lowered nor cleared under them (their MPS clients
+    keep the limit they started with)."""
+    first = node.mps.targets()[0].uuid
+    set_memory = mps_api(node)
+    a = node.jobs.reserve(RunRequest(job="a", devices=("0",))).reservation
+    b = node.jobs.reserve(RunRequest(job="b", devices=("0",))).reservation
+    with node.store.transaction() as conn:  # as an earlier version saved them
+        conn.execute("UPDATE job_reservations SET default_memory = NULL")
+    node = node.restart()
+    set_memory = mps_api(node)
+    assert [r.defaults for r in node.jobs.reservations.held()] == [None, None]
     with pytest.raises(ResourceExhausted) as refused:
         set_memory(60 * GIB)
     assert str(refused.value) == (
         f"{first}: default limit 60GiB x 2 reservation(s) without a memory limit of their own"
-        " (a, b) = 120GiB exceeds the device's 80GiB"
+        " made before gpud recorded each run's default (a, b) = 120GiB exceeds the device's"
+        " 80GiB"
     )
     assert node.mps.limits(first).memory_bytes is None
     set_memory(30 * GIB)
     assert node.jobs.loads()[first].memory_bytes == 60 * GIB
+    assert node.jobs.loads()[first].defaulted == ("a", "b")
     c = node.jobs.reserve(RunRequest(job="c", devices=("0",), memory_bytes=10 * GIB))
-    with pytest.raises(ResourceExhausted, match=r"\(a, b\) = 80GiB \+ reserved by jobs with"):
+    with pytest.raises(ResourceExhausted, match=r"\(a, b\) = 80GiB \+ reserved by the others"):
         set_memory(40 * GIB)
     set_memory(35 * GIB)
     with pytest.raises(FailedPrecondition) as lowered:
         set_memory(20 * GIB)
     assert str(lowered.value) == (
         f"{first}: default limit 35GiB held by 2 reservation(s) without a memory limit of"
-        " their own (a, b): their MPS clients keep it, so it can be lowered to 20GiB once"
-        " they end"
+        " their own made before gpud recorded each run's default (a, b): their MPS clients"
+        " keep it, so it can be lowered to 20GiB once they end"
     )
     with pytest.raises(FailedPrecondition, match="so it can be cleared once they end"):
         set_memory(None)
@@ -1212,3 +1274,68 @@ def test_get_entry_waits_no_longer_than_asked_nor_its_deadline(node: Node) -> No
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(InvalidArgument, match="wait_s"):
             timed(bad, None)
+
+
+class WatchedLock:
+    """A re-entrant lock that says when a thread has to wait for it."""
+
+    def __init__(self, waits: threading.Event) -> None:
+        self._lock = threading.RLock()
+        self._waits = waits
+
+    def __enter__(self) -> WatchedLock:
+        if not self._lock.acquire(blocking=False):
+            self._waits.set()
+            self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_mps_set_memory_and_a_run_reserving_meanwhile_never_over_commit(tmp_path: Path) -> None:
+    """``gpuctl mps set --memory 50GiB`` checks what runs hold on the 80 GiB GPU, then saves;
+    a ``gpuctl run`` without a memory limit reserving in between (30 GiB, the default then)
+    was counted at 50 GiB with the first: 100 GiB on 80. The check and the save hold
+    placement still: the run is placed after the save, and asks the new default."""
+    moved = threading.Event()  # the competing run reserved, or waits for placement
+    store = StateStore(tmp_path / "state")
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", FAKE_CONTROL, enabled=False)
+    mps.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
+    jobs = JobService(
+        store, events, mps, socket_path=tmp_path / "gpud.sock", lock=WatchedLock(moved)
+    )
+    first = mps.targets()[0].uuid
+    mps.set_limits(first, memory_bytes=30 * GIB)
+    jobs.reserve(RunRequest(job="a", devices=("0",)))
+    outcome: list[object] = []
+
+    def competing_run() -> None:
+        try:
+            outcome.append(jobs.reserve(RunRequest(job="b", devices=("0",))).reservation)
+        except ResourceExhausted as err:
+            outcome.append(err)
+        moved.set()
+
+    runner = threading.Thread(target=competing_run)
+
+    def loads_then_a_run() -> dict[str, Any]:
+        read = jobs.loads()  # the first read: what the new default is checked against
+        if not runner.is_alive() and not outcome:
+            runner.start()
+            assert moved.wait(10.0)
+        return dict(read)
+
+    api = MpsServicer(mps, loads=loads_then_a_run, placement=jobs.locked)
+    api._set(mps_pb2.SetMpsLimitsRequest(device="0", memory_limit_bytes=50 * GIB))
+    runner.join()
+    assert mps.limits(first).memory_bytes == 50 * GIB
+    reserved = jobs.loads()[first].memory_bytes
+    assert reserved <= 80 * GIB
+    (b,) = outcome
+    if isinstance(b, ResourceExhausted):  # placed after the save: it asks the new default
+        assert "asks 50GiB (its MPS default memory limit)" in str(b)
+    else:
+        assert reserved == 80 * GIB
+    store.close()

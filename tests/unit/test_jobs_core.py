@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -197,6 +198,18 @@ def test_environment_of_a_reservation() -> None:
     env = build_env(wide, socket_path=Path("/s"), pipe_dirs={gpu_uuid(1): Path("/p")})
     assert env["CUDA_VISIBLE_DEVICES"] == f"{gpu_uuid(1)},{gpu_uuid(2)}"
     assert not [k for k in env if k.startswith("CUDA_MPS")]
+    # no --memory: the MPS default it reserved under pins every client it starts, even one
+    # started after the default was raised; one an earlier version made recorded none
+    pipes = {gpu_uuid(1): Path("/p")}
+    defaulted = Reservation(
+        "r3", "t", (gpu_uuid(1),), None, None, 0, None, 0.0, ((gpu_uuid(1), 30 * GIB),)
+    )
+    env = build_env(defaulted, socket_path=Path("/s"), pipe_dirs=pipes)
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=30G"
+    for defaults in ((), None):
+        r = replace(defaulted, defaults=defaults)
+        env = build_env(r, socket_path=Path("/s"), pipe_dirs=pipes)
+        assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env
     assert shell_exports({"B": "it's", "A": "1"}) == "export A='1'\nexport B='it'\\''s'\n"
 
 

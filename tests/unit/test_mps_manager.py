@@ -33,7 +33,13 @@ from gpud.errors import (
 from gpud.events import EventLog
 from gpud.mps.api import device_message
 from gpud.mps.daemon import ControlDaemon
-from gpud.mps.manager import MpsLimits, MpsManager, MpsTarget, targets_from_snapshot
+from gpud.mps.manager import (
+    MpsLimits,
+    MpsManager,
+    MpsTarget,
+    Reserved,
+    targets_from_snapshot,
+)
 from gpud.mps.metrics import MpsMetrics
 from gpud.mps.procs import alive
 from gpud.mps.protocol import PID_FILE
@@ -211,7 +217,7 @@ def test_memory_over_the_device_is_refused_with_the_numbers(manager: MpsManager)
     with pytest.raises(ResourceExhausted, match=r"50GiB exceeds the device's 40GiB"):
         manager.set_limits("1", memory_bytes=50 * GIB)
     with pytest.raises(ResourceExhausted, match=r"30GiB \+ reserved by jobs 20GiB = 50GiB"):
-        manager.set_limits("1", memory_bytes=30 * GIB, reserved_memory_bytes=20 * GIB)
+        manager.set_limits("1", memory_bytes=30 * GIB, reserved=lambda _: Reserved(20 * GIB))
     assert manager.limits(gpu_uuid(1)).memory_bytes == 10 * GIB
     assert held(manager, gpu_uuid(1))["default_device_pinned_mem_limit"] == {"0": 10 * GIB}
 
