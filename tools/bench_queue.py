@@ -3,6 +3,7 @@
 ::
 
     .venv/bin/python -m tools.bench_queue [--runs 10] [--leavers 80]
+    .venv/bin/python -m tools.bench_queue --waiters 200 [--idle-s 30] [--timeout S]
 
 - hand-over: ``--runs`` queued ``gpuctl run --gpus 1 --memory 60GiB`` of 0.3 s each on one
   H100; the time from one command's end to the next one's start (what the devices sit idle
@@ -10,6 +11,19 @@
 - withdrawals: ``--leavers`` runs queued behind one holding the GPU get SIGINT at once (a
   Ctrl-C each, one ``Leave`` each); how long each ``gpuctl run`` takes to exit after it,
   median and max, and how many said gpud did not answer the withdrawal within its 2 s.
+
+With ``--waiters N``, instead: N runs queued behind one holding the GPU, and
+
+- idle: the CPU gpud spends while nothing changes (``utime + stime`` of
+  ``/proc/PID/stat`` over ``--idle-s``), as a share of one CPU;
+- lists: how long ``ListQueue`` (``gpuctl queue``) and a scrape of ``/metrics`` take with
+  the N entries queued, median and max of ten each;
+- hand-over: the holder ends, then ten queued 0.3 s runs start one after the other with
+  N, N - 1, ... still waiting behind; the time from one command's end to the next one's
+  start, median and max (the rest are then stopped with SIGINT).
+
+``--timeout``: the waiting runs' ``gpuctl --timeout`` (default gpuctl's): a gpud that
+takes long to answer them while they queue fails the benchmark, with what the run said.
 """
 
 from __future__ import annotations
@@ -22,6 +36,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from tools.simdaemon import SimDaemon, simulated_gpud
@@ -31,13 +47,27 @@ NO_ANSWER = "did not answer the withdrawal"
 RUN = ("run", "--gpus", "1", "--memory", "60GiB", "--job")  # the job's name follows
 
 
-def gpuctl(daemon: SimDaemon, *argv: str) -> list[str]:
-    return [sys.executable, "-c", GPUCTL, "--socket", str(daemon.socket), *argv]
+def gpuctl(daemon: SimDaemon, *argv: str, timeout_s: float | None = None) -> list[str]:
+    timeout = ["--timeout", f"{timeout_s:g}"] if timeout_s is not None else []
+    return [sys.executable, "-c", GPUCTL, "--socket", str(daemon.socket), *timeout, *argv]
 
 
-def wait_queued(daemon: SimDaemon, count: int, timeout_s: float = 120.0) -> None:
+def wait_queued(
+    daemon: SimDaemon,
+    count: int,
+    timeout_s: float = 120.0,
+    *,
+    procs: list[subprocess.Popen[bytes]] | None = None,
+    work: Path | None = None,
+) -> None:
+    """Until ``count`` runs are queued; with ``procs`` (whose stderr is ``work/w{i}.err``),
+    raises at the first of them that exits meanwhile, with what it said."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        for i, p in enumerate(procs or []):
+            if p.poll() is not None and work is not None:
+                said = (work / f"w{i}.err").read_text().strip().splitlines()
+                raise RuntimeError(f"queued run w{i} exited {p.returncode}: {said[-1:]}")
         out = subprocess.run(
             gpuctl(daemon, "queue"), check=False, capture_output=True, text=True
         ).stdout
@@ -105,11 +135,111 @@ def withdrawals(daemon: SimDaemon, leavers: int) -> tuple[list[float], int]:
                 p.wait()
 
 
+def cpu_seconds(pid: int) -> float:
+    """``utime + stime`` of ``/proc/PID/stat``, seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed(call: Callable[[], object], times: int = 10) -> list[float]:
+    took = []
+    for _ in range(times):
+        began = time.monotonic()
+        call()
+        took.append(time.monotonic() - began)
+    return took
+
+
+def at_scale(
+    daemon: SimDaemon, waiters: int, idle_s: float, work: Path, timeout_s: float | None
+) -> None:
+    import grpc
+
+    from gpud.v1 import queue_pb2, queue_pb2_grpc
+
+    go, starts, ends = work / "go", work / "starts", work / "ends"
+    hold = f"while [ ! -e {go} ]; do sleep 0.02; done; date +%s.%N >> {ends}"
+    script = f"date +%s.%N >> {starts}; sleep 0.3; date +%s.%N >> {ends}"
+    holder = subprocess.Popen(
+        gpuctl(daemon, *RUN, "holder", "--", "sh", "-c", hold),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        time.sleep(2)
+        for i in range(waiters):
+            with (work / f"w{i}.err").open("wb") as err:
+                procs.append(
+                    subprocess.Popen(
+                        gpuctl(
+                            daemon, *RUN, f"w{i}", "--", "sh", "-c", script, timeout_s=timeout_s
+                        ),
+                        stdout=subprocess.DEVNULL,
+                        stderr=err,
+                    )
+                )
+            time.sleep(0.1)
+        wait_queued(daemon, waiters, timeout_s=300, procs=procs, work=work)
+        time.sleep(6)  # every waiter in its long poll
+        with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
+            stub = queue_pb2_grpc.QueueStub(channel)
+            lists = timed(lambda: stub.ListQueue(queue_pb2.ListQueueRequest(), timeout=30))
+        scrapes = timed(lambda: urllib.request.urlopen(daemon.metrics_url, timeout=30).read())
+        print(
+            f"{waiters} queued: ListQueue {statistics.median(lists) * 1e3:.0f} ms median"
+            f" ({max(lists) * 1e3:.0f} ms max), /metrics {statistics.median(scrapes) * 1e3:.0f}"
+            f" ms median ({max(scrapes) * 1e3:.0f} ms max)"
+        )
+        before = cpu_seconds(daemon.pid)
+        time.sleep(idle_s)
+        used = cpu_seconds(daemon.pid) - before
+        print(
+            f"{waiters} idle waiters: gpud used {used:.2f} CPU s in {idle_s:g} s"
+            f" ({100 * used / idle_s:.1f} % of a CPU)"
+        )
+        go.touch()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (
+            not ends.exists() or len(ends.read_text().split()) < 11
+        ):
+            time.sleep(0.05)
+        began = sorted(float(x) for x in starts.read_text().split())
+        ended = sorted(float(x) for x in ends.read_text().split())
+        gaps = [began[i] - ended[i] for i in range(10)]
+        print(
+            f"hand-over with {waiters} waiting: median {statistics.median(gaps):.3f} s,"
+            f" max {max(gaps):.3f} s (ten in a row)"
+        )
+    finally:
+        for p in [holder, *procs]:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGINT)
+        for p in [holder, *procs]:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--leavers", type=int, default=80)
+    parser.add_argument("--waiters", type=int, default=0)
+    parser.add_argument("--idle-s", type=float, default=30.0)
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="the waiting runs' gpuctl --timeout"
+    )
     args = parser.parse_args()
+    if args.waiters:
+        with (
+            simulated_gpud("H100-SXM5-80GB:1") as daemon,
+            tempfile.TemporaryDirectory() as tmp,
+        ):
+            at_scale(daemon, args.waiters, args.idle_s, Path(tmp), args.timeout)
+        return 0
     with simulated_gpud("H100-SXM5-80GB:1") as daemon, tempfile.TemporaryDirectory() as tmp:
         gaps = hand_over(daemon, args.runs, Path(tmp))
         print(

@@ -45,6 +45,11 @@ MAX_ENTRY_WAIT_S = 5.0
 ENTRY_WAIT_MARGIN_S = 0.5
 # how old a read of the queue a waiting GetEntry may answer from, when nothing changed since
 SHARED_READ_S = 0.5
+# A waiting GetEntry whose entry moved up (still queued) answers this long after the move it
+# first saw, with its position then: a start or a leave moves every run behind it, and the
+# runs answered at once all asked again at once, on the CPUs the next run needed to start
+# (a start, or a leave of the entry, is answered at once all the same).
+MOVED_ANSWER_S = 1.0
 MAX_OWNER = 128
 _STATE = {QUEUED: pb.ENTRY_STATE_QUEUED, STARTED: pb.ENTRY_STATE_STARTED}
 
@@ -260,6 +265,7 @@ class QueueServicer(pb_grpc.QueueServicer):
         *,
         leave_waiter: Callable[[str, str | None], WaiterView | None] = lambda w, by: None,
         wall: Callable[[], float] = time.time,
+        moved_answer_s: float = MOVED_ANSWER_S,
     ) -> None:
         """``leave_waiter``: takes a ``gpuctl run`` waiting for co-location out of its
         wait by its id (None: no run waits with it), so that `gpuctl queue --leave ID`
@@ -268,6 +274,7 @@ class QueueServicer(pb_grpc.QueueServicer):
         self._service = service
         self._leave_waiter = leave_waiter
         self._wall = wall
+        self._moved_answer_s = moved_answer_s
         self._changes = _Changes()
         if service is not None:  # a test's servicer may be given its service later
             service.add_listener(self.entries_changed)
@@ -292,9 +299,10 @@ class QueueServicer(pb_grpc.QueueServicer):
         return await asyncio.to_thread(enqueue)
 
     async def GetEntry(self, request: pb.GetEntryRequest, context: Any) -> pb.QueueEntry:  # noqa: N802
-        """With ``wait_s``: answers once the entry is no longer queued or moved, or after
-        that long; each change of the queue reads it again, one read in a worker thread
-        shared by every waiting call (an entry no longer queued is read alone)."""
+        """With ``wait_s``: answers once the entry is no longer queued, MOVED_ANSWER_S after
+        it was first seen moved up (with its position then), or after ``wait_s``; each
+        change of the queue reads it again, one read in a worker thread shared by every
+        waiting call (an entry no longer queued is read alone)."""
         entry_id = non_empty(request.id, field="id", max_len=64)
 
         def get() -> pb.QueueEntry:
@@ -306,6 +314,7 @@ class QueueServicer(pb_grpc.QueueServicer):
             return await asyncio.to_thread(get)
         until = loop.time() + wait
         position: int | None = None
+        moved_at: float | None = None
         while True:
             changed = self._changes.current()  # before the read: a change during it counts
             entry = (await self._changes.queued(changed, self._queued)).get(entry_id)
@@ -313,9 +322,16 @@ class QueueServicer(pb_grpc.QueueServicer):
                 entry = await asyncio.to_thread(get)
             if position is None:
                 position = entry.position
-            left = until - loop.time()
-            if entry.state != pb.ENTRY_STATE_QUEUED or entry.position != position or left <= 0:
+            now = loop.time()
+            if entry.state != pb.ENTRY_STATE_QUEUED or now >= until:
                 return entry
+            if entry.position != position and moved_at is None:
+                moved_at = now
+            left = until - now
+            if moved_at is not None:
+                if now >= moved_at + self._moved_answer_s:
+                    return entry
+                left = min(left, moved_at + self._moved_answer_s - now)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), left)
 

@@ -31,9 +31,8 @@ class AdmissionMetrics:
         length = GaugeMetricFamily(
             "gpud_admission_queue_length", "Jobs in the admission queue.", labels=("feasibility",)
         )
-        views = self._service.queue_views()
-        unfeasible = sum(1 for v in views if v.unfeasible is not None)
-        length.add_metric(["quotable"], float(len(views) - unfeasible))
+        quotable, unfeasible = self._service.lengths()
+        length.add_metric(["quotable"], float(quotable))
         length.add_metric(["unfeasible"], float(unfeasible))
         yield length
         yield histogram_family(

@@ -26,8 +26,9 @@ import math
 import secrets
 import sqlite3
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from gpud.admission.classes import ClassView, class_views
@@ -116,10 +117,17 @@ class Entry:
     state: str
     reservation: str | None
     changed_at: float
+    # /proc/PID/stat's start time of request.holder_pid when queued (None: not read)
+    holder_start: int | None = None
+    # request_of(request), and its class key: made once (every listing of the queue asks
+    # them of every entry)
+    placement: Request = field(init=False, compare=False, repr=False)
+    request_class: str = field(init=False, compare=False, repr=False)
 
-    @property
-    def placement(self) -> Request:
-        return request_of(self.request)
+    def __post_init__(self) -> None:
+        placement = request_of(self.request)
+        object.__setattr__(self, "placement", placement)
+        object.__setattr__(self, "request_class", placement.describe())
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +231,7 @@ class AdmissionService:
         self._fit: tuple[tuple[Device, ...], FitCheck] | None = None
         self._demands: dict[Request, Demand | Unfeasible] = {}
         self._views_cache: tuple[object, dict[str, ClassView]] | None = None
+        self._decoded: dict[tuple[object, ...], Entry] = {}  # by row, the last read's
         # Little's law on the daemon's own measurements: the integral of the queue length.
         self._area = 0.0
         self._area_since: float | None = None
@@ -319,7 +328,15 @@ class AdmissionService:
                 rows = conn.execute(
                     "SELECT * FROM admission_queue WHERE state = ? ORDER BY seq", (state,)
                 ).fetchall()
-        return [_entry(r) for r in rows]
+        # rows unchanged since the last read keep their entry (a row's every column is its
+        # key): a listing reads every row, and decoding each request again was most of its
+        # cost with hundreds queued. Reads from several threads at once only miss.
+        decoded, kept = self._decoded, {}
+        for r in rows:
+            key = tuple(r)
+            kept[key] = decoded.get(key) or _entry(r)
+        self._decoded = kept
+        return list(kept.values())
 
     def entry(self, entry_id: str) -> Entry:
         with self._store.transaction() as conn:
@@ -388,7 +405,7 @@ class AdmissionService:
                 start_time(request.holder_pid, self._proc_root) if request.holder_pid else None
             )
             views = self._views(fit, [*queued, _draft(entry_id, job.name, stored, now)])
-            quote = self._quote(views, request_of(spec), queued, waited_s=0.0)
+            quote = self._quote(views, request_of(spec), _classes(queued), waited_s=0.0)
             with self._store.transaction() as conn:
                 if new:
                     job = self._jobs.registry.add(job)
@@ -493,13 +510,14 @@ class AdmissionService:
         out: list[EntryView] = []
         unfeasible: list[EntryView] = []
         ahead: list[Entry] = []
+        ahead_classes: Counter[str] = Counter()
         held = _Held(self._jobs)
         for e in queued:
             verdict = self.classify(e.placement, fit)
             if isinstance(verdict, Unfeasible):
                 unfeasible.append(EntryView(e, 0, _waited(now, e), None, verdict, None, {}))
                 continue
-            quote = self._quote(views, e.placement, ahead, waited_s=_waited(now, e))
+            quote = self._quote(views, e.placement, ahead_classes, waited_s=_waited(now, e))
             out.append(
                 EntryView(
                     e,
@@ -515,7 +533,20 @@ class AdmissionService:
                 )
             )
             ahead.append(e)
+            ahead_classes[e.request_class] += 1
         return out + unfeasible
+
+    def lengths(self) -> tuple[int, int]:
+        """How many queued entries are quotable and how many can never start here as the
+        node is: :meth:`queue_views`' counts, without the rest of each view."""
+        queued = self.entries()
+        fit = self.fit()
+        if fit is None:
+            return len(queued), 0
+        unfeasible = sum(
+            1 for e in queued if isinstance(self.classify(e.placement, fit), Unfeasible)
+        )
+        return len(queued) - unfeasible, unfeasible
 
     def explain(self) -> list[ClassView]:
         fit = self.fit()
@@ -533,7 +564,7 @@ class AdmissionService:
             ).fetchone()
         key = (
             tuple(row),
-            tuple(sorted({e.placement.describe() for e in queued})),
+            tuple(sorted({e.request_class for e in queued})),
             id(fit),
             int(now),
             self.config.history_window_s,
@@ -550,7 +581,7 @@ class AdmissionService:
         history = self.history(since=now - self.config.history_window_s)
         requests = {h.request_class: request_of(h.request) for h in history}
         for e in queued:
-            requests[e.placement.describe()] = e.placement
+            requests[e.request_class] = e.placement
         return class_views(
             fit,
             requests,
@@ -563,10 +594,13 @@ class AdmissionService:
         self,
         views: Mapping[str, ClassView],
         request: Request,
-        ahead: Sequence[Entry],
+        ahead: Mapping[str, int],
         *,
         waited_s: float,
     ) -> float | None:
+        """``ahead``: how many entries of each class (:attr:`Entry.request_class`) wait
+        ahead of it; those whose devices overlap its own count (per class, not per entry:
+        a listing asks this of every entry)."""
         view = views.get(request.describe())
         if view is None or view.quote is None:
             return None
@@ -574,14 +608,14 @@ class AdmissionService:
             return None
         pool = set(view.demand.pool)
         overlapping = 0
-        for e in ahead:
-            other = views.get(e.placement.describe())
+        for key, count in ahead.items():
+            other = views.get(key)
             if (
                 other is not None
                 and isinstance(other.demand, Demand)
                 and pool & set(other.demand.pool)
             ):
-                overlapping += 1
+                overlapping += count
         return job_quote(view.quote, ahead=overlapping, waited_s=waited_s)
 
     # -- the gate and the tick ------------------------------------------------------------
@@ -682,11 +716,7 @@ class AdmissionService:
         pid = e.request.holder_pid
         if pid is None:
             return True
-        with self._store.transaction() as conn:
-            row = conn.execute(
-                "SELECT holder_start FROM admission_queue WHERE id = ?", (e.id,)
-            ).fetchone()
-        started = row["holder_start"] if row is not None else None
+        started = e.holder_start  # read with the entry: each pass checks every entry
         return alive(pid, self._proc_root) and (
             started is None or start_time(pid, self._proc_root) == started
         )
@@ -855,19 +885,32 @@ def _never(job: str, verdict: Unfeasible) -> FailedPrecondition:
 class _Held:
     """Why a queued entry waits while its devices are healthy: what holds them (the
     numbers a refused reservation gives), or, where it would fit now, the head it may not
-    pass. The node's devices and loads are read once, at the first entry that asks."""
+    pass. The node's devices and loads are read once, at the first entry that asks, and
+    placement is asked once per shape of request (the devices, MIG profile, GPU count and
+    memory it asks, all that placement reads besides the job's name, which its refusal
+    names: the answer is kept with a stand-in name and said with each entry's own)."""
+
+    STAND_IN = "\0job"
 
     def __init__(self, jobs: JobService) -> None:
         self._jobs = jobs
         self._now: tuple[list[MpsTarget], dict[str, DeviceLoad]] | None = None
+        self._refused: dict[tuple[object, ...], str | None] = {}
 
     def why(self, e: Entry, head: Entry | None) -> str:
         if self._now is None:
             self._now = (self._jobs.healthy_targets(), self._jobs.loads())
-        try:
-            self._jobs.choose(_effective(JobSpec(e.job), e.request), self._now)
-        except (ResourceExhausted, NotFound) as err:
-            return str(err)
+        r = e.request
+        shape = (r.devices, r.mig_profile, r.gpu_count, r.memory_bytes)
+        if shape not in self._refused:
+            try:
+                self._jobs.choose(_effective(JobSpec(self.STAND_IN), r), self._now)
+                self._refused[shape] = None
+            except (ResourceExhausted, NotFound) as err:
+                self._refused[shape] = str(err)
+        refused = self._refused[shape]
+        if refused is not None:
+            return refused.replace(repr(self.STAND_IN), repr(e.job))
         return f"behind {head.job} ({head.id})" if head is not None else ""
 
 
@@ -906,6 +949,10 @@ def _waited(now: float, e: Entry) -> float:
     return max(0.0, now - e.enqueued_at)
 
 
+def _classes(entries: Sequence[Entry]) -> Counter[str]:
+    return Counter(e.request_class for e in entries)
+
+
 def _queued(e: Entry) -> Queued:
     return Queued(e.id, e.placement, e.seq, e.enqueued_at)
 
@@ -925,6 +972,7 @@ def _entry(row: sqlite3.Row) -> Entry:
         state=row["state"],
         reservation=row["reservation"],
         changed_at=row["changed_at"],
+        holder_start=row["holder_start"],
     )
 
 

@@ -183,10 +183,10 @@ class GetEntryRequest(_message.Message):
     WAIT_S_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     wait_s: _builtins.float
-    """Set: answer as soon as the entry leaves ENTRY_STATE_QUEUED or its position changes, or
-    after this many seconds (at most 5, and less than the call's deadline), whichever comes
-    first: a waiting `gpuctl run` learns of its start at once. Absent or 0: answer at once
-    (as an older gpud always does).
+    """Set: answer as soon as the entry leaves ENTRY_STATE_QUEUED, a second after its position
+    first changed (with the position then), or after this many seconds (at most 5, and
+    less than the call's deadline), whichever comes first: a waiting `gpuctl run` learns of
+    its start at once. Absent or 0: answer at once (as an older gpud always does).
     """
     def __init__(
         self,

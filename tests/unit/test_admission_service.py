@@ -64,13 +64,18 @@ class Node:
 
 
 def make_node(
-    root: Path, clock: Clock, passes: Callable[[Callable[[], None]], Passes] = Inline
+    root: Path,
+    clock: Clock,
+    passes: Callable[[Callable[[], None]], Passes] = Inline,
+    *,
+    store_type: type[StateStore] = StateStore,
+    jobs_type: type[JobService] = JobService,
 ) -> Node:
-    store = StateStore(root / "state")
+    store = store_type(root / "state")
     events = EventLog(None)
     mps = MpsManager(store, events, root / "run", FAKE_CONTROL, enabled=False)
     mps.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
-    jobs = JobService(store, events, mps, socket_path=root / "gpud.sock", clock=clock)
+    jobs = jobs_type(store, events, mps, socket_path=root / "gpud.sock", clock=clock)
     admission = AdmissionService(
         store, jobs, mps, events, AdmissionConfig(), clock=clock, passes=passes
     )
@@ -885,6 +890,87 @@ def test_a_queued_job_says_what_holds_its_devices(node: Node) -> None:
     assert views["c"].waiting_on == f"behind pair ({head.entry.id})"
 
 
+class CountingJobs(JobService):
+    """The job service, counting the placements asked of it."""
+
+    chosen = 0
+
+    def choose(self, spec: JobSpec, now: Any = None) -> Any:
+        self.chosen += 1
+        return super().choose(spec, now)
+
+
+def test_a_listing_asks_placement_once_per_request_shape(tmp_path: Path) -> None:
+    """`gpuctl queue` with hundreds of runs of one shape waiting asked placement why each
+    waits, once per entry; it asks once per shape, and each entry still names its own job."""
+    node = make_node(tmp_path, Clock(), jobs_type=CountingJobs)
+    jobs, admission = node.jobs, node.admission
+    assert isinstance(jobs, CountingJobs)
+    jobs.reserve(whole("a"))
+    jobs.reserve(whole("b"))
+    for name in ("w1", "w2", "w3"):
+        admission.enqueue(whole(name))
+    admission.enqueue(whole("pair", 2))
+    jobs.chosen = 0
+    views = admission.queue_views()
+    assert jobs.chosen == 2  # 1 GPU 60GiB, 2 GPUs 60GiB
+    for v in views:
+        assert v.waiting_on.startswith(f"job {v.entry.job!r} asks 60GiB on "), v.waiting_on
+        assert "reserved by" in v.waiting_on
+    node.store.close()
+
+
+class CountingStore(StateStore):
+    """The state store, counting its transactions."""
+
+    transactions = 0
+
+    def transaction(self) -> Any:
+        self.transactions += 1
+        return super().transaction()
+
+
+def test_a_pass_reads_the_store_no_more_for_more_waiting_runs(tmp_path: Path) -> None:
+    """Each pass (each tick, and each release: a hand-over waits for it) read every waiting
+    run's holder start time with a query of its own; it comes with the queue's rows."""
+    import os
+
+    node = make_node(tmp_path, Clock(), store_type=CountingStore)
+    store, admission = node.store, node.admission
+    assert isinstance(store, CountingStore)
+    node.jobs.reserve(whole("a", 2))
+
+    def pass_reads() -> int:
+        store.transactions = 0
+        admission.tick()
+        return store.transactions
+
+    admission.enqueue(whole("w0", holder=os.getpid()))
+    one = pass_reads()
+    for i in range(1, 10):
+        admission.enqueue(whole(f"w{i}", holder=os.getpid()))
+    assert pass_reads() == one
+    assert all(e.state == QUEUED for e in admission.entries())
+    store.close()
+
+
+def test_unchanged_queue_rows_are_decoded_once(node: Node) -> None:
+    """Each listing read every queued row's request again; a row read as it was keeps its
+    entry, and a changed row is read afresh."""
+    node.jobs.reserve(whole("a", 2))
+    one = node.admission.enqueue(whole("one")).entry
+    two = node.admission.enqueue(whole("two")).entry
+    first = node.admission.entries()
+    assert [e.id for e in first] == [one.id, two.id]
+    again = node.admission.entries()
+    assert all(x is y for x, y in zip(first, again, strict=True))
+    node.admission.leave(one.id)
+    left, still = node.admission.entries(None)
+    assert left.id == one.id and left.state == LEFT and left is not first[0]
+    assert still is first[1]
+    assert [e.id for e in node.admission.entries()] == [two.id]
+
+
 def test_the_wait_histogram_only_grows_while_gpud_runs(tmp_path: Path) -> None:
     """Prometheus reads the buckets as counters: runs leaving the history (pruned past
     admission.history_keep, or older than the history window) must not take them down."""
@@ -1243,6 +1329,39 @@ def test_waiting_get_entries_share_one_read_of_the_queue_per_change(node: Node) 
     answers = asyncio.run(scenario())
     assert [(a.id, a.position) for a in answers] == [(i, n) for n, i in enumerate(ids[1:], 1)]
     assert len(reads) <= 3
+
+
+def test_a_moved_entry_is_answered_once_for_the_moves_of_a_moment(node: Node) -> None:
+    """A run that moved up is answered a moment after the first move, with its position
+    then: every run behind a start moved, and all of them asking again at once took the
+    CPUs the started run needed (a hand-over with 200 runs waiting took 0.45 s). A start is
+    still answered at once."""
+    import asyncio
+    import time
+
+    from gpud.admission.api import QueueServicer
+    from gpud.v1 import queue_pb2
+
+    servicer = QueueServicer(node.admission, moved_answer_s=0.6)
+    node.jobs.reserve(whole("a", 2))
+    ids = [node.admission.enqueue(whole(f"w{i}")).entry.id for i in range(3)]
+
+    async def scenario() -> tuple[Any, float, bool]:
+        asked = queue_pb2.GetEntryRequest(id=ids[2], wait_s=5.0)
+        waiting = asyncio.create_task(servicer.GetEntry(asked, Deadline(30.0)))
+        await asyncio.sleep(0.2)
+        began = time.monotonic()
+        await asyncio.to_thread(node.admission.leave, ids[0])
+        await asyncio.sleep(0.2)
+        early = waiting.done()
+        await asyncio.to_thread(node.admission.leave, ids[1])
+        answer = await asyncio.wait_for(waiting, 4)
+        return answer, time.monotonic() - began, early
+
+    answer, took, early = asyncio.run(scenario())
+    assert not early
+    assert answer.state == queue_pb2.ENTRY_STATE_QUEUED and answer.position == 1
+    assert 0.5 <= took < 2.0
 
 
 def test_get_entry_waits_no_longer_than_asked_nor_its_deadline(node: Node) -> None:
