@@ -31,6 +31,10 @@ MIG devices' processes alone cannot be listed is no faulty GPU: its instances ar
 ``?`` for processes and the reason on the GPU's line (``--json``: ``processes_unknown``,
 ``processes`` null); one whose MIG devices' memory alone cannot be read likewise, with ``?``
 for memory used (``memory_unknown``).
+
+With ``--json`` the answer is the document on stdout; the note said beside an answer that
+exits non-zero (busy, partial, a GPU left out of an export) is the JSON error document on
+stderr, as an error's is, and that of one that exits 0 (``reset_pending``) is left out.
 """
 
 from __future__ import annotations
@@ -258,7 +262,9 @@ def run_apply(ctx: Context, args: argparse.Namespace) -> int:
             if o.detail:
                 ctx.out.print(f"  {o.detail}")
         ctx.out.print(f"{resp.config_name}: {resp.result}")
-    if resp.result == "reset_pending":
+    # With --json the note for people of an answer that exits 0 is left out (the document
+    # says it), and one that does not is the JSON error document on stderr (CliError).
+    if resp.result == "reset_pending" and not ctx.out.json:
         are, creates = ("would be", "would create") if resp.dry_run else ("are", "creates")
         print(
             f"gpuctl: MIG mode changes {are} pending a GPU reset or reboot; "
@@ -266,20 +272,18 @@ def run_apply(ctx: Context, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     if resp.result == "busy":  # only a dry run answers so: an apply is refused with Busy
-        print(
-            "gpuctl: the apply would be refused: processes run on instances it would destroy "
+        raise CliError(
+            "the apply would be refused: processes run on instances it would destroy "
             "(use --drain or --force)",
-            file=sys.stderr,
+            EXIT_BUSY,
         )
-        return EXIT_BUSY
     if resp.result == "partial":
         faulty = [str(o.gpu) for o in resp.gpus if o.status == "faulty"]
-        print(
-            f"gpuctl: faulty GPUs left alone: {', '.join(faulty)}; the others were "
+        raise CliError(
+            f"faulty GPUs left alone: {', '.join(faulty)}; the others were "
             + ("planned" if resp.dry_run else "applied"),
-            file=sys.stderr,
+            EXIT_PARTIAL,
         )
-        return EXIT_PARTIAL
     return EXIT_FAILED if resp.result == "failed" else 0
 
 
@@ -309,6 +313,8 @@ def run_export(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print_json(resp)
     else:
         ctx.out.stream.write(resp.yaml)
+    if resp.left_out and ctx.out.json:  # one JSON document on stderr, as for an error
+        raise CliError(f"not exported: {'; '.join(resp.left_out)}", EXIT_PARTIAL)
     for gpu in resp.left_out:
         print(f"gpuctl: not exported: {gpu}", file=sys.stderr)
     return EXIT_PARTIAL if resp.left_out else 0

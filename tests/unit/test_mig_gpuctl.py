@@ -146,6 +146,8 @@ def test_a_mode_change_pending_a_reset(capsys: pytest.CaptureFixture[str], tmp_p
         assert code == 0, err
         assert "GPU 0: reset_pending (1 steps would run)" in out
         assert "all-balanced: reset_pending" in out and "would be pending a GPU reset" in err
+        code, out, err = gpuctl(capsys, a100, "--json", *dry)  # the document says it
+        assert (code, json.loads(out)["result"], err) == (0, "reset_pending", "")
         code, out, err = gpuctl(capsys, a100, "mig", "apply", "-f", CONFIG, "-c", "all-balanced")
         assert code == 0, err
         assert "all-balanced: reset_pending" in out and "pending a GPU reset" in err
@@ -292,8 +294,11 @@ def test_export_leaves_a_lost_gpu_out_and_says_so(
     assert out.startswith("# GPU 0 left out: ") and "GPU is lost" in out
     assert [e["devices"] for e in yaml.safe_load(out)["mig-configs"]["mine"]] == [[1]]
     assert "gpuctl: not exported: GPU 0: " in err
-    code, out, _ = gpuctl(capsys, node, "--json", "mig", "export")
+    code, out, err = gpuctl(capsys, node, "--json", "mig", "export")
     assert code == 11 and json.loads(out)["left_out"][0].startswith("GPU 0: ")
+    # stderr: one JSON document, as for an error (`2>&1 >/dev/null | jq` reads it)
+    error = json.loads(err)["error"]
+    assert error["exit_code"] == 11 and error["message"].startswith("not exported: GPU 0: ")
 
 
 def test_show_answers_within_the_telemetry_call_timeout_when_a_gpu_starts_hanging(
@@ -381,7 +386,8 @@ def test_show_keeps_the_instances_of_a_gpu_whose_processes_cannot_be_listed(
     code, out, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "all-7g.80gb")
     assert code == 11 and "faulty GPUs left alone: 0" in err
     assert "cannot list its processes" in out
-    # --json: the whole outcome is the one document on stdout; stderr has the note for people
+    # --json: the whole outcome is the one document on stdout; stderr has the note as one
+    # JSON document, as an error is
     code, out, err = gpuctl(
         capsys, node, "--json", "mig", "apply", "-f", CONFIG, "-c", "all-7g.80gb"
     )
@@ -389,7 +395,9 @@ def test_show_keeps_the_instances_of_a_gpu_whose_processes_cannot_be_listed(
     assert code == 11 and (doc["config_name"], doc["result"]) == ("all-7g.80gb", "partial")
     assert [(g["gpu"], g["status"]) for g in doc["gpus"]] == [(0, "faulty"), (1, "ok")]
     assert "cannot list its processes" in doc["gpus"][0]["detail"]
-    assert err.startswith("gpuctl: faulty GPUs left alone: 0")
+    error = json.loads(err)["error"]
+    assert error["message"].startswith("faulty GPUs left alone: 0")
+    assert (error["exit_code"], error["class"]) == (11, None)
     code, out, _ = gpuctl(capsys, node, "mig", "assert", "-f", CONFIG, "-c", "all-1g.10gb")
     assert code == 1  # GPU 1 was applied; GPU 0 kept its instances
     assert not any(line.startswith("GPU 0") for line in out.splitlines()), out
@@ -415,9 +423,11 @@ def test_a_dry_run_exits_as_the_apply_would(capsys: pytest.CaptureFixture[str], 
     assert "pid 777 (job infer-b)" in out and "destroy GPU instance" in out
     assert "GPU 1: differs" in out and "all-7g.80gb: busy" in out
     assert err.startswith("gpuctl: the apply would be refused")
-    code, out, _ = gpuctl(capsys, node, "--json", *dry)
+    code, out, err = gpuctl(capsys, node, "--json", *dry)
     doc = json.loads(out)
     assert code == 6 and doc["result"] == "busy" and doc["dry_run"]
+    error = json.loads(err)["error"]
+    assert error["message"].startswith("the apply would be refused") and error["exit_code"] == 6
     assert [(g["gpu"], g["status"]) for g in doc["gpus"]] == [(0, "busy"), (1, "differs")]
     assert doc["gpus"][0]["steps"] and "pid 777" in doc["gpus"][0]["detail"]
     code, out, _ = gpuctl(capsys, node, *dry, "--force")
@@ -428,9 +438,10 @@ def test_a_dry_run_exits_as_the_apply_would(capsys: pytest.CaptureFixture[str], 
     code, out, err = gpuctl(capsys, node, *dry)
     assert code == 11 and "GPU 0: faulty" in out and "cannot list its processes" in out
     assert "faulty GPUs left alone: 0; the others were planned" in err
-    code, out, _ = gpuctl(capsys, node, "--json", *dry)
+    code, out, err = gpuctl(capsys, node, "--json", *dry)
     doc = json.loads(out)
     assert code == 11 and doc["result"] == "partial"
+    assert json.loads(err)["error"]["exit_code"] == 11
     assert [(g["gpu"], g["status"]) for g in doc["gpus"]] == [(0, "faulty"), (1, "differs")]
     code, _, _ = gpuctl(capsys, node, "mig", "assert", "-f", CONFIG, "-c", "all-1g.10gb")
     assert code == 0  # the dry runs changed nothing
