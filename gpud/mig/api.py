@@ -173,7 +173,7 @@ class MigServicer(pb_grpc.MigServicer):
         seen = self._last_seen()
         return pb.ShowMigResponse(
             gpus=[gpu_message(v, seen.get(v.identity.index)) for v in views],
-            unfinished_apply=self._manager.unfinished() or "",
+            unfinished_apply=self._manager.unfinished(),  # None: absent, null in JSON
         )
 
     async def ApplyMig(  # noqa: N802

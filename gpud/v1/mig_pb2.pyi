@@ -293,7 +293,8 @@ class ShowMigResponse(_message.Message):
     UNFINISHED_APPLY_FIELD_NUMBER: _builtins.int
     unfinished_apply: _builtins.str
     """With mig.on_start = "report": an apply a gpud stop or crash (or a failure) left
-    unfinished, which gpud does not resume, and the command that finishes it; empty if none.
+    unfinished, which gpud does not resume, and the command that finishes it; absent if
+    none (null in `gpuctl --json mig show`).
     """
     @_builtins.property
     def gpus(self) -> _containers.RepeatedCompositeFieldContainer[Global___MigGpu]: ...
@@ -301,13 +302,15 @@ class ShowMigResponse(_message.Message):
         self,
         *,
         gpus: _abc.Iterable[Global___MigGpu] | None = ...,
-        unfinished_apply: _builtins.str = ...,
+        unfinished_apply: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_unfinished_apply", b"_unfinished_apply", "unfinished_apply", b"unfinished_apply"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "unfinished_apply", b"unfinished_apply"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_unfinished_apply", b"_unfinished_apply", "gpus", b"gpus", "unfinished_apply", b"unfinished_apply"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__unfinished_apply: _TypeAlias = _typing.Literal["unfinished_apply"]  # noqa: Y015
+    _WhichOneofArgType__unfinished_apply: _TypeAlias = _typing.Literal["_unfinished_apply", b"_unfinished_apply"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__unfinished_apply) -> _WhichOneofReturnType__unfinished_apply | None: ...
 
 Global___ShowMigResponse: _TypeAlias = ShowMigResponse  # noqa: Y015
 

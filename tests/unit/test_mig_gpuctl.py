@@ -179,6 +179,9 @@ def test_show_names_an_apply_left_unfinished_in_report_mode(
     node.mig.reconcile("report")
     code, out, _ = gpuctl(capsys, node, "mig", "show")
     assert "unfinished" not in out
+    # none: null, not "" (which `jq -e .unfinished_apply` takes for one)
+    code, out, _ = gpuctl(capsys, node, "--json", "mig", "show")
+    assert code == 0 and json.loads(out)["unfinished_apply"] is None
 
 
 def test_bad_requests(capsys: pytest.CaptureFixture[str], node: Node, tmp_path: Path) -> None:
