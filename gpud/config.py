@@ -161,6 +161,9 @@ class TrafficConfig:
     levels: int = ranged(4, 2, 8)
     min_share: float = ranged(0.02, 0.0, 0.24)
     default_share: float = ranged(0.02, 0.001, 0.5)
+    # each level-0 job leaf's guaranteed fraction of the link: a rate HTB takes up at once,
+    # where a changed prio waits for the leaf's queue to drain; 0 = none beyond any leaf's
+    top_share: float = ranged(0.0, 0.0, 0.9)
     threshold: float = ranged(0.1, 0.0, 10.0)
     hysteresis: float = ranged(0.02, 0.0, 0.99)
     # jobs whose progress rates are this close (relative) share a level; 0 = never
@@ -172,6 +175,9 @@ class TrafficConfig:
     # the rate a job is ranked by is the geometric mean of the window's rate and its rate
     # over this span (a job that fell behind is paid back); 0 = the window's rate alone
     progress_long_window_s: float = ranged(300.0, 0.0, 7 * 86400.0)
+    # that long-run rate's exponent in the mean: 0.5 the plain geometric mean, 1 the
+    # long-run rate alone (a job's deficit is all that ranks it)
+    progress_long_weight: float = ranged(0.5, 0.0, 1.0)
     # once the window holds this many iterations, a job's open iteration is averaged with
     # them (a job that waited one tick is not taken for the slowest); 0 = the open one alone
     progress_stall_iterations: int = ranged(8, 0, 1000)
@@ -599,6 +605,13 @@ def _validate_traffic(t: TrafficConfig, *, path: str) -> None:
             f"{t.levels} levels x {t.min_share} + default_share {t.default_share} exceed 1",
             path=path,
             key="traffic.min_share",
+        )
+    if t.min_share * t.levels + t.default_share + t.top_share > 1 + 1e-9:
+        raise ConfigError(
+            f"top_share {t.top_share} + {t.levels} levels x {t.min_share} + default_share "
+            f"{t.default_share} exceed 1: the levels' guarantees need that room",
+            path=path,
+            key="traffic.top_share",
         )
     from netshaper.tcplan import LINK_BPS_MAX, LINK_BPS_MIN, interface_name_error, link_rate_range
 

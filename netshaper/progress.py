@@ -43,16 +43,18 @@ the last point):
   rank's batch may arrive after another's newer one) and ignored, unless its count is
   higher and it is stamped ``_CLOCK_STEP_S`` or more before: the host's clock stepped back,
   and the window starts again from it, as after a restart.
-* The rate reported is the geometric mean of the window's ``T* / T`` and the job's rate over
-  the last ``long_window_s`` (iterations since then, up to now, times ``T*``), so a job that
-  fell behind ranks as slower than one just as fast now until it has caught up.
+* The rate reported is a weighted geometric mean of the window's ``T* / T`` and the job's
+  rate over the last ``long_window_s`` (iterations since then, up to now, times ``T*``):
+  ``window ** (1 - long_weight) * long ** long_weight``, so a job that fell behind ranks as
+  slower than one just as fast now until it has caught up. With ``long_weight`` 1 the
+  long-run rate alone ranks: the deficit a job gathered is all that counts, and jobs of
+  equal demand take turns by the iterations they completed rather than drifting apart.
 
 Nothing here does I/O or reads a clock: callers pass ``now``.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -85,13 +87,16 @@ class ProgressConfig:
     completed iterations a job's open one is averaged with once the window holds that many
     (0: the open iteration alone, whatever the window holds). ``long_window_s``: the span of
     the long-run rate the window's rate is averaged with (geometric mean), so that a job
-    that fell behind is paid back; 0 turns it off.
+    that fell behind is paid back; 0 turns it off. ``long_weight``: the long-run rate's
+    exponent in that mean, in [0, 1] (0.5: the plain geometric mean; 1: the long-run rate
+    alone, wherever the job has one).
     """
 
     window_s: float = 20.0
     min_iterations: int = 2
     stall_iterations: int = 8
     long_window_s: float = 300.0
+    long_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.window_s > 0:
@@ -102,6 +107,8 @@ class ProgressConfig:
             raise ValueError(f"stall_iterations must be >= 0, got {self.stall_iterations}")
         if not 0 <= self.long_window_s < float("inf"):
             raise ValueError(f"long_window_s must be >= 0 and finite, got {self.long_window_s}")
+        if not 0 <= self.long_weight <= 1:
+            raise ValueError(f"long_weight must be in [0, 1], got {self.long_weight}")
 
 
 @dataclass
@@ -269,7 +276,8 @@ class ProgressTracker:
                 rate = min(1.0, ideal / max(effective, _MIN_PERIOD_S))
                 long_rate = self._long_rate(state, ideal, now)
                 if long_rate is not None:
-                    rate = max(math.sqrt(rate * long_rate), _MIN_RATE)
+                    w = self._config.long_weight
+                    rate = max(rate ** (1 - w) * long_rate**w, _MIN_RATE)
         return JobProgress(
             job_id=job_id,
             rate=rate,

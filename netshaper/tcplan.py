@@ -35,7 +35,10 @@ queue next empties (its next activation): a training job's queue empties every i
 between its communication phases; a flow that never lets its queue drain keeps its old
 priority until it does. Leaves get a
 small fixed rate (``leaf_share``), never one that depends on how many jobs share a level,
-so a job arriving, leaving or moving touches no other job's class.
+so a job arriving, leaving or moving touches no other job's class; with ``top_share`` the
+leaves at level 0 get that larger one, a rate HTB takes up at once (the same class change
+as the prio's), so a job moved to the top is served first without waiting for its queue
+to drain.
 
 A leaf's id is its level class's minor followed by the tag byte (``6764:101a`` = level 0,
 DSCP 26), and filter handles are derived from the tag alone (node ``2*DSCP + 1`` for IPv4,
@@ -149,10 +152,17 @@ class TcOptions:
     burst and cburst as seconds of rate and ceil, at least ``min_burst_bytes`` (one GSO
     super-packet plus headroom) where the rate allows it (``MAX_BURST_S``). ``quantum_bytes``: DRR quantum of every class, at least
     one MTU; equal quanta give equal sharing between classes of one priority.
+    ``top_share``: guaranteed fraction of the link for each leaf at level 0 (0: ``leaf_share``
+    like every leaf). HTB serves traffic under a leaf's own rate before any that borrows, and
+    takes a changed rate up at once, where a changed prio waits until the leaf's queue next
+    empties: with it, a job moved to level 0 is served first from the next packet on, and
+    one moved down loses that at once. It must leave the levels' and the default class's
+    guarantees room (``top_share + sum(shares) + default_share <= 1``).
     """
 
     default_share: float = 0.02
     leaf_share: float = 0.001
+    top_share: float = 0.0
     burst_s: float = 0.001
     min_burst_bytes: int = 128 * 1024
     quantum_bytes: int = 60_000
@@ -163,6 +173,8 @@ class TcOptions:
             raise ValueError(f"default_share must be in (0, 1), got {self.default_share}")
         if not 0 < self.leaf_share < 1:
             raise ValueError(f"leaf_share must be in (0, 1), got {self.leaf_share}")
+        if not 0 <= self.top_share < 1:
+            raise ValueError(f"top_share must be in [0, 1), got {self.top_share}")
         if not 0 < self.burst_s <= 1:
             raise ValueError(f"burst_s must be in (0, 1], got {self.burst_s}")
         if not 1500 <= self.min_burst_bytes <= 64 * 1024 * 1024:
@@ -377,9 +389,11 @@ def plan(
     for lvl, s in enumerate(shares):
         if not 0 <= s <= 1:
             raise ValueError(f"shares[{lvl}] must be in [0, 1], got {s}")
-    if sum(shares) + opts.default_share > 1 + 1e-9:
+    if sum(shares) + opts.default_share + opts.top_share > 1 + 1e-9:
         raise ValueError(
-            f"level shares ({sum(shares):.3f}) plus default_share ({opts.default_share}) exceed 1"
+            f"level shares ({sum(shares):.3f}) plus default_share ({opts.default_share})"
+            + (f" plus top_share ({opts.top_share})" if opts.top_share else "")
+            + " exceed 1"
         )
     by_tag: dict[int, str] = {}
     for job, dscp in sorted(tags.items()):
@@ -432,6 +446,7 @@ def plan(
                 )
             )
         leaf_rate = round(link * opts.leaf_share)
+        top_rate = max(leaf_rate, round(link * opts.top_share))
         filters: list[DscpFilter] = []
         for dscp, job, lvl, home in placed:
             leaf = leaf_classid(home, dscp, major)
@@ -439,7 +454,7 @@ def plan(
                 leaf,
                 level_classid(home, major),
                 lvl,
-                leaf_rate,
+                top_rate if lvl == 0 else leaf_rate,
                 link,
                 opts=opts,
                 level=lvl,

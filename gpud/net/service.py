@@ -241,6 +241,7 @@ class TrafficService:
                 window_s=config.progress_window_s,
                 stall_iterations=config.progress_stall_iterations,
                 long_window_s=config.progress_long_window_s,
+                long_weight=config.progress_long_weight,
             )
         )
         self._reports: dict[str, _JobReports] = {}
@@ -984,7 +985,9 @@ class TrafficService:
                 tags,
                 {j: lv for j, lv in levels.items() if j in tags},
                 self._leveller.config.shares(),
-                tcplan.TcOptions(default_share=self.config.default_share),
+                tcplan.TcOptions(
+                    default_share=self.config.default_share, top_share=self.config.top_share
+                ),
                 weights={j: w for j, w in (weights or {}).items() if j in levels},
                 homes={j: self._homes.setdefault(j, lv) for j, lv in levels.items() if j in tags},
             )

@@ -104,6 +104,12 @@ _ETCD = (
             "traffic.reserved_dscp",
             "keep 0 in traffic.reserved_dscp",
         ),
+        (
+            "[traffic]\ntop_share = 0.9\nmin_share = 0.03\n",
+            "traffic.top_share",
+            "top_share 0.9 \\+ 4 levels x 0.03 \\+ default_share 0.02 exceed 1",
+        ),
+        ("[traffic]\nprogress_long_weight = 1.5\n", "traffic.progress_long_weight", "1.5"),
         ('[cluster]\nnode = "a b"\n', "cluster.node", "'a b' is not a DNS name"),
         ('[cluster]\nnode = "n1."\n', "cluster.node", "is not a DNS name"),
         ('[cluster]\nnode = "-n1"\n', "cluster.node", "is not a DNS name"),

@@ -204,6 +204,36 @@ def test_slowest_job_gets_the_highest_level_on_the_wire(rig: Rig) -> None:
     assert view.interfaces[0].enforced and view.interfaces[0].rate_bps == 1_000_000_000
 
 
+def test_top_share_and_long_weight_reach_the_wire_and_the_ranking(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    def run(**config: object) -> Rig:
+        # a fell behind early and runs faster than b now (window rates 0.625 and 0.5,
+        # long-run 0.44 and 0.5): by the plain geometric mean a is the faster (0.52), by
+        # its deficit alone the slower
+        rig = Rig(tmp_path / str(len(config)), sysfs, **config)
+        start = rig.clock.t - 40.0
+        reports = [Report("b", i, start + 1.0 * i, 0.5, session="s") for i in range(1, 41)]
+        reports += [Report("a", i, start + 2.0 * i, 0.5, session="s") for i in range(1, 11)]
+        reports += [
+            Report("a", 10 + i, start + 20.0 + 0.8 * i, 0.5, session="s") for i in range(1, 26)
+        ]
+        for r in sorted(reports, key=lambda r: r.timestamp):
+            rig.service.report(r)
+        rig.service.tick()
+        return rig
+
+    plain = {j.job: j.level for j in run().service.local_report().jobs}
+    assert plain["b"] < plain["a"]
+    rig = run(top_share=0.5, progress_long_weight=1.0)
+    levels = {j.job: j.level for j in rig.service.local_report().jobs}
+    assert levels["a"] < levels["b"] and levels["a"] == 0
+    rate = {tcplan.parse_leaf(c.classid): c.rate_bps for c in rig.tc.states["eth0"].classes}
+    tags = rig.service.tags.allocations()
+    assert rate[(0, tags["a"])] == 500_000_000  # half of eth0's 1 Gbit/s
+    assert rate[(levels["b"], tags["b"])] < 10_000_000
+
+
 def test_changed_level_only_moves_the_mapping_and_is_counted(rig: Rig) -> None:
     for j in "abc":
         feed(rig, j, 1.0, 5, ideal=0.5)

@@ -279,6 +279,29 @@ def test_a_job_that_fell_behind_ranks_before_one_as_fast_now() -> None:
     assert rates["a"] == pytest.approx((0.5 * 30 / 80) ** 0.5)
 
 
+def test_long_weight_sets_how_much_the_deficit_ranks() -> None:
+    # a at half speed now after a slow start, b at half speed throughout: the window's
+    # rates tie, the long-run rates do not
+    def rates(weight: float) -> dict[str, float | None]:
+        tr = ProgressTracker(ProgressConfig(window_s=20.0, long_window_s=300.0, long_weight=weight))
+        tr.register("a", now=0.0, ideal_s=1.0)
+        tr.register("b", now=0.0, ideal_s=1.0)
+        t = steady(tr, "a", 4.0, 10)
+        steady(tr, "a", 2.0, 20, t0=t, start=10)
+        steady(tr, "b", 2.0, 40)
+        return tr.rates(80.0)
+
+    long_a = 30 / 80
+    assert rates(1.0)["a"] == pytest.approx(long_a)  # the long-run rate alone
+    assert rates(0.0)["a"] == pytest.approx(0.5)  # the window's alone: a ties with b
+    assert rates(0.75)["a"] == pytest.approx(0.5**0.25 * long_a**0.75)
+    assert rates(0.5)["a"] == pytest.approx((0.5 * long_a) ** 0.5)
+    assert all(r["b"] == pytest.approx(0.5) for r in (rates(0.0), rates(1.0)))
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="long_weight"):
+            ProgressConfig(long_weight=bad)
+
+
 def test_the_long_window_forgets_what_is_older() -> None:
     tr = ProgressTracker(ProgressConfig(window_s=20.0, long_window_s=100.0))
     tr.register("a", now=0.0, ideal_s=1.0)

@@ -351,6 +351,35 @@ def test_a_move_at_home_is_one_change_in_place() -> None:
         tp.plan({"eth0": GBIT}, tags, {"a": 0}, SHARES, homes={"a": 9})
 
 
+def test_top_share_is_the_rate_of_level_0_leaves_and_moves_with_the_level() -> None:
+    tags, homes = {"a": 26, "b": 34}, {"a": 0, "b": 3}
+    opts = tp.TcOptions(top_share=0.8)
+    shares = [0.02] * 4
+
+    def leaves(levels: dict[str, int]) -> tuple[tp.InterfacePlan, dict[str, tp.HtbClass]]:
+        ip = one(tp.plan({"eth0": GBIT}, tags, levels, shares, opts, homes=homes))
+        return ip, {c.job: c for c in ip.classes if c.job}
+
+    before, got = leaves({"a": 0, "b": 3})
+    assert got["a"].rate_bps == round(0.8 * GBIT)  # level 0: the top share
+    assert got["b"].rate_bps == round(tp.TcOptions().leaf_share * GBIT)
+    # b to the top, a down: each one class change in place, prio and rate together
+    after, got = leaves({"a": 2, "b": 0})
+    assert (got["a"].prio, got["a"].rate_bps) == (2, round(tp.TcOptions().leaf_share * GBIT))
+    assert (got["b"].prio, got["b"].rate_bps) == (0, round(0.8 * GBIT))
+    ops = tp.diff(tp.state_after(before), after)
+    assert sorted((o.kind, o.cls.name if o.cls else None) for o in ops) == [
+        (tp.OpKind.CHANGE_CLASS, "6764:101a"),
+        (tp.OpKind.CHANGE_CLASS, "6764:1322"),
+    ]
+    # the levels' and the default class's guarantees keep their room
+    with pytest.raises(ValueError, match="top_share"):
+        tp.plan({"eth0": GBIT}, tags, {"a": 0}, shares, tp.TcOptions(top_share=0.95))
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="top_share"):
+            tp.TcOptions(top_share=bad)
+
+
 def test_handles_read_as_tc_prints_them() -> None:
     assert tp.format_qdisc_handle(0x67640000) == "6764:"
     assert tp.format_u32_handle(0x80000800) == "800::800"

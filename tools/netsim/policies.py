@@ -342,9 +342,15 @@ class LevellerPolicy:
         if self._leveller is None or self._tracker is None:
             knobs = dict(view.leveller_knobs())
             knobs.setdefault("group_tolerance", TrafficConfig().group_tolerance)
-            window = knobs.pop("progress_window_s", None)
+            progress_knobs: dict[str, float] = {}
+            if window := knobs.pop("progress_window_s", None):
+                progress_knobs["window_s"] = window
+            if (weight := knobs.pop("progress_long_weight", None)) is not None:
+                progress_knobs["long_weight"] = weight
             config = self._config or LevellerConfig(levels=view.levels, **knobs)
-            progress = self._progress or (ProgressConfig(window_s=window) if window else None)
+            progress = self._progress or (
+                ProgressConfig(**progress_knobs) if progress_knobs else None
+            )
             self._leveller = Leveller(config)
             self._tracker = ProgressTracker(progress)
         tracker = self._tracker

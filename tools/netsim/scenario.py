@@ -10,8 +10,8 @@ A scenario is JSON::
                          {"bytes": 4e9, "path": ["tor1"]}]}]}
 
 Optional ``leveller``: the daemon's traffic knobs for this scenario (``threshold``,
-``hysteresis``, ``max_age_s``, ``min_share``, ``progress_window_s``, ``group_tolerance``;
-defaults: gpud's ``[traffic]`` defaults).
+``hysteresis``, ``max_age_s``, ``min_share``, ``progress_window_s``,
+``progress_long_weight``, ``group_tolerance``; defaults: gpud's ``[traffic]`` defaults).
 
 Per job, optional: ``overlap`` (0..1, the fraction of the contention-free communication
 hidden under compute), ``stop_s``, ``iterations`` (stop after that many), ``gpus`` (scales
@@ -236,6 +236,7 @@ LEVELLER_KNOBS = (
     "max_age_s",
     "min_share",
     "progress_window_s",
+    "progress_long_weight",
     "group_tolerance",
 )
 

@@ -52,7 +52,9 @@ def scenario(
         from tools.testbed.run import GPUD_TICK_S
 
         tick_s = GPUD_TICK_S
-    knobs = {k: float(v) for k, v in traffic.items() if k != "levels"}
+    # top_share is HTB's (a rate taken up at once where a prio waits for a queue to drain):
+    # the fluid model's levels take effect at once anyway
+    knobs = {k: float(v) for k, v in traffic.items() if k not in ("levels", "top_share")}
     return from_dict(
         {
             "name": f"testbed-{name}",

@@ -43,13 +43,17 @@ MIXES: dict[str, str] = {
     "mixed": "heavy:8:10:40,light:2:3:120,solo:1:6:60",
 }
 
-# gpud's knobs for a testbed whose phases last tens of seconds: rates over a short window
-# and a re-rank every tick (no threshold, no hysteresis), so the order follows who is
-# behind now. Jobs of equal demand trade the top level every few iterations; any lag lets
-# one run ahead by an iteration or two, a few per cent of a phase's few dozen.
+# gpud's knobs for a testbed whose phases last tens of seconds: a re-rank every tick (no
+# threshold, no hysteresis), jobs ranked by the deficit they gathered (their long-run rate
+# alone: ranked by a short window's rate, jobs of equal demand trade the top level every
+# few iterations and drift apart by what no window remembers), and level 0's leaves
+# guaranteed most of the link (a rate HTB takes up at once, where a changed prio waits for
+# the leaf's queue to drain).
 GPUD_TRAFFIC = {
     "levels": 4,
     "progress_window_s": 2.0,
+    "progress_long_weight": 1.0,
+    "top_share": 0.9,
     "max_age_s": 0.2,
     "threshold": 0.0,
     "hysteresis": 0.0,
@@ -287,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="KEY=VALUE",
         help="another of gpud's [traffic] knobs for the run (threshold, hysteresis, "
-        "progress_window_s, max_age_s, group_tolerance)",
+        "progress_window_s, progress_long_weight, top_share, max_age_s, group_tolerance)",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", type=Path, metavar="FILE.png")
