@@ -25,6 +25,7 @@ import itertools
 import json
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -64,8 +65,9 @@ GPUD_TRAFFIC = {
 GPUD_TICK_S = 0.2
 
 
-class Interrupted(Exception):
-    pass
+class Interrupted(BaseException):
+    """SIGTERM: a BaseException, as KeyboardInterrupt is, so that no ``except Exception``
+    on the way swallows it and the run goes on after it was asked to stop."""
 
 
 def _on_term(signum: int, frame: FrameType | None) -> None:
@@ -128,7 +130,7 @@ def run_jobs(
     for proc in senders:
         try:
             proc.wait(timeout=seconds + 60)
-        except Exception:
+        except subprocess.TimeoutExpired:
             break
     for proc, job in zip(senders, jobs, strict=True):
         out = (bed.tmp / f"{tag}-{job.name}.out").read_text()
