@@ -7,6 +7,7 @@
                                                       GPU / MIG device (from NVML + attribution)
     gpud_job_gpu_processes{job,uuid}                  the job's processes per device
     gpud_device_reserved_memory_bytes{uuid}           MPS memory limits reserved on a device
+                                                      (0 on each device with none)
     gpud_device_unattributed_processes{uuid}          processes of no job per device (another
                                                       user's; MPS servers aside): co-location
                                                       plans around them
@@ -74,8 +75,13 @@ class JobMetrics:
             "MPS pinned memory limits reserved by jobs on a GPU or MIG device.",
             labels=("uuid",),
         )
-        for uuid, load in sorted(self._service.loads().items()):
-            reserved.add_metric([uuid], float(load.memory_bytes))
+        # every device jobs may be placed on, 0 where nothing is reserved: an absent series
+        # would read as a device gpud does not know
+        loads = self._service.loads()
+        known = {t.uuid for t in self._service.targets() if t.uuid}
+        for uuid in sorted(known | loads.keys()):
+            load = loads.get(uuid)
+            reserved.add_metric([uuid], float(load.memory_bytes if load is not None else 0))
         foreign = GaugeMetricFamily(
             "gpud_device_unattributed_processes",
             "Processes NVML lists on a GPU or MIG device that belong to no job (MPS servers aside).",

@@ -501,6 +501,10 @@ class JobService:
             if s.target.gpu in sick
         }
 
+    def targets(self) -> list[MpsTarget]:
+        """Every device a job may be placed on, healthy or not (``gpuctl mps show``)."""
+        return self._mps.targets()
+
     def healthy_targets(self) -> list[MpsTarget]:
         """The devices a job may be placed on: every MPS target but those of unhealthy GPUs."""
         targets = self._mps.targets()

@@ -281,61 +281,104 @@ def test_tagged_and_cgroup_flows_land_in_their_classes(bed: Bed) -> None:
     assert m is not None and int(m.group(1)) > 0, table
 
 
+class _Flows:
+    """A bulk TCP flow per job (iperf3 marked with the job's TOS), as long as a test needs."""
+
+    def __init__(self, bed: Bed, jobs: tuple[str, ...]) -> None:
+        self.bed = bed
+        self.jobs = jobs
+        self.tos = {n: int(bed.job(n)["dscp"]) << 2 for n in jobs}  # type: ignore[call-overload]
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        ports = [_free_port() for _ in self.jobs]
+        self.procs.extend(self.bed.iperf_server(p) for p in ports)
+        time.sleep(0.3)
+        self.procs.extend(
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    self.bed.snd,
+                    *self.bed.iperf_client(p, 20, tos=self.tos[n]),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for p, n in zip(ports, self.jobs, strict=True)
+        )
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+        self.procs.clear()
+
+    def window(self, seconds: float = 1.5) -> tuple[int, ...]:
+        """Bytes each job's leaf sent over ``seconds`` (``tc -s class show``)."""
+        before = [self.bed.leaf_bytes(n) for n in self.jobs]
+        time.sleep(seconds)
+        return tuple(self.bed.leaf_bytes(n) - b for n, b in zip(self.jobs, before, strict=True))
+
+
+def _pin_two(bed: Bed, top: str, bottom: str) -> None:
+    bed.gpuctl("net", "pin", "--job", top, "--level", "0")
+    bed.gpuctl("net", "pin", "--job", bottom, "--level", "3")
+    bed.wait(f"{top} on level 0", lambda: bed.job(top).get("level") == 0 and _enforced(bed))
+
+
 def test_a_changed_level_takes_effect_on_live_traffic(bed: Bed) -> None:
     bed.start()
     for name in ("one", "two"):
         bed.gpuctl("jobs", "add", name)
-    bed.gpuctl("net", "pin", "--job", "one", "--level", "0")
-    bed.gpuctl("net", "pin", "--job", "two", "--level", "3")
-    bed.wait("levels", lambda: bed.job("two").get("level") == 3 and _enforced(bed))
-    tos = {n: int(bed.job(n)["dscp"]) << 2 for n in ("one", "two")}  # type: ignore[call-overload]
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def flows() -> None:
-        """A bulk TCP flow per job, as long as the test needs."""
-        ports = [_free_port(), _free_port()]
-        procs.extend(bed.iperf_server(p) for p in ports)
-        time.sleep(0.3)
-        procs.extend(
-            subprocess.Popen(
-                ["ip", "netns", "exec", bed.snd, *bed.iperf_client(p, 20, tos=tos[n])],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            for p, n in zip(ports, ("one", "two"), strict=True)
-        )
-
-    def stop() -> None:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-        procs.clear()
-
-    def window(seconds: float = 1.5) -> tuple[int, int]:
-        a0, b0 = bed.leaf_bytes("one"), bed.leaf_bytes("two")
-        time.sleep(seconds)
-        return bed.leaf_bytes("one") - a0, bed.leaf_bytes("two") - b0
-
+    _pin_two(bed, "one", "two")
+    flows = _Flows(bed, ("one", "two"))
     try:
-        flows()
+        flows.start()
         bed.wait("traffic flowing", lambda: bed.leaf_bytes("one") > 1_000_000)
-        one, two = window()
+        one, two = flows.window()
         assert one > 3 * two, (one, two)  # level 0 before level 3
-        bed.gpuctl("net", "pin", "--job", "one", "--level", "3")
-        bed.gpuctl("net", "pin", "--job", "two", "--level", "0")
-        bed.wait("swapped levels", lambda: bed.job("two").get("level") == 0 and _enforced(bed))
+        _pin_two(bed, "two", "one")
         # A level change is a change of the leaf's prio in place, which HTB applies when the
         # leaf's queue next empties -- every iteration for a training job; these bulk flows
         # never pause, so they pause here once (queues drain), as a job between iterations.
-        stop()
+        flows.stop()
         time.sleep(0.5)
-        flows()
+        flows.start()
         bed.wait("the promoted flow sending", lambda: bed.leaf_bytes("two") > 1_000_000)
-        one, two = window()
+        one, two = flows.window()
         assert two > 3 * one, (one, two)
         assert int(bed.show()["level_changes_total"]) >= 2  # type: ignore[call-overload]
     finally:
-        stop()
+        flows.stop()
+
+
+def test_with_top_share_a_promotion_takes_effect_on_flows_that_never_pause(bed: Bed) -> None:
+    """traffic.top_share: level 0's leaves are guaranteed most of the link, a rate HTB takes
+    up at once (a changed prio waits until the leaf's queue drains, which these bulk flows
+    never let happen): the levels swap on live traffic that does not pause."""
+    bed.extra = "top_share = 0.85\n"
+    bed.start()
+    for name in ("one", "two"):
+        bed.gpuctl("jobs", "add", name)
+    _pin_two(bed, "one", "two")
+    shown = run("tc", "-n", bed.snd, "class", "show", "dev", "a0")
+    assert re.search(rf"class htb {bed.leaf('one')} .* rate 85Mbit ceil 100Mbit", shown), shown
+    flows = _Flows(bed, ("one", "two"))
+    try:
+        flows.start()
+        bed.wait("traffic flowing", lambda: bed.leaf_bytes("one") > 1_000_000)
+        one, two = flows.window()
+        assert one > 3 * two, (one, two)
+        _pin_two(bed, "two", "one")
+        shown = run("tc", "-n", bed.snd, "class", "show", "dev", "a0")
+        assert re.search(rf"class htb {bed.leaf('two')} .* rate 85Mbit", shown), shown
+        time.sleep(0.5)
+        one, two = flows.window()  # the same flows, never paused
+        assert two > 3 * one, (one, two)
+    finally:
+        flows.stop()
 
 
 def test_a_deleted_qdisc_is_restored_within_one_tick(bed: Bed) -> None:

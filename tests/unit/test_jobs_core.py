@@ -647,6 +647,13 @@ def test_tick_attributes_and_metrics_show_memory_per_job(tmp_path: Path, store: 
         registry.get_sample_value("gpud_device_reserved_memory_bytes", {"uuid": reserved})
         == 10 * GIB
     )
+    # the other devices read 0, not absent; and so does this one once released
+    others = [t.uuid for t in mps.targets() if t.uuid and t.uuid != reserved]
+    assert others
+    for uuid in others:
+        assert registry.get_sample_value("gpud_device_reserved_memory_bytes", {"uuid": uuid}) == 0
+    service.release(service.reservations.held()[0].id)
+    assert registry.get_sample_value("gpud_device_reserved_memory_bytes", {"uuid": reserved}) == 0
 
 
 def test_a_run_asking_zero_gpus_is_refused_for_a_registered_job(service: JobService) -> None:
