@@ -161,8 +161,9 @@ class TrafficConfig:
     levels: int = ranged(4, 2, 8)
     min_share: float = ranged(0.02, 0.0, 0.24)
     default_share: float = ranged(0.02, 0.001, 0.5)
-    # each level-0 job leaf's guaranteed fraction of the link: a rate HTB takes up at once,
-    # where a changed prio waits for the leaf's queue to drain; 0 = none beyond any leaf's
+    # each level-0 job leaf's guaranteed fraction of the link: a rate HTB takes up once the
+    # leaf's tokens allow, where a changed prio waits for the leaf's queue to drain; 0 =
+    # none beyond any leaf's
     top_share: float = ranged(0.0, 0.0, 0.9)
     threshold: float = ranged(0.1, 0.0, 10.0)
     hysteresis: float = ranged(0.02, 0.0, 0.99)

@@ -55,6 +55,7 @@ Nothing here does I/O or reads a clock: callers pass ``now``.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -277,7 +278,11 @@ class ProgressTracker:
                 long_rate = self._long_rate(state, ideal, now)
                 if long_rate is not None:
                     w = self._config.long_weight
-                    rate = max(rate ** (1 - w) * long_rate**w, _MIN_RATE)
+                    # the plain geometric mean as sqrt: the default's figures stay exact
+                    mean = (
+                        math.sqrt(rate * long_rate) if w == 0.5 else rate ** (1 - w) * long_rate**w
+                    )
+                    rate = max(mean, _MIN_RATE)
         return JobProgress(
             job_id=job_id,
             rate=rate,

@@ -48,8 +48,8 @@ MIXES: dict[str, str] = {
 # threshold, no hysteresis), jobs ranked by the deficit they gathered (their long-run rate
 # alone: ranked by a short window's rate, jobs of equal demand trade the top level every
 # few iterations and drift apart by what no window remembers), and level 0's leaves
-# guaranteed most of the link (a rate HTB takes up at once, where a changed prio waits for
-# the leaf's queue to drain).
+# guaranteed most of the link (a rate HTB takes up once the leaf's tokens allow, where a
+# changed prio waits for the leaf's queue to drain).
 GPUD_TRAFFIC = {
     "levels": 4,
     "progress_window_s": 2.0,
