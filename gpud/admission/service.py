@@ -459,7 +459,9 @@ class AdmissionService:
     def _job_removed(self, job: str, force: bool) -> None:
         """A job is being removed (under the placement lock): its queued entries would
         otherwise start it again once its devices free. Without ``force`` that is refused
-        (a `gpuctl run` may be waiting in one); with it they leave the queue."""
+        (a `gpuctl run` may be waiting in one); with it they leave the queue, in the
+        removal's transaction (their events are said once it committed): nothing to do
+        once committed."""
         mine = [e for e in self.entries() if e.job == job]
         if not mine:
             return

@@ -338,6 +338,10 @@ class WaiterView(NamedTuple):
     id: str  # what `gpuctl queue --leave` takes
 
 
+def _nothing() -> None:
+    """What a removal of a job none of whose runs waits leaves to do once committed."""
+
+
 def new_waiter_id() -> str:
     """An id of the admission queue's form (12 hex digits): `gpuctl queue --leave`
     takes either."""
@@ -1425,16 +1429,18 @@ class ColoService:
             mine = self._waiters_of(job, now)
             return mine[0].view.kind.value if mine else None
 
-    def job_removed(self, job: str, force: bool) -> None:
+    def job_removed(self, job: str, force: bool) -> Callable[[], None]:
         """A removal hook of the jobs service (``gpuctl jobs rm``): a ``gpuctl run`` of
         ``job`` waiting for advice would otherwise go on waiting, and register the job
         again once placed. Without ``force`` that is refused, as for a queued run; with it
-        the run's next question is answered NotFound, and it exits without starting."""
+        the run's next question is answered NotFound, and it exits without starting, once
+        the removal committed: it is the returned callable that stops the wait (a removal
+        whose commit failed keeps the job, and its waiting runs wait on)."""
         now = self._clock()
         with self._lock:
             mine = self._waiters_of(job, now)
             if not mine:
-                return
+                return _nothing
             if not force:
                 ids = ", ".join(w.id for w in mine)
                 raise FailedPrecondition(
@@ -1442,14 +1448,20 @@ class ColoService:
                     f"{now - mine[0].since:.0f} s): Ctrl-C there, `gpuctl queue --leave ID`,"
                     f" or `gpuctl jobs rm --force {job}` stops the wait"
                 )
-            for w in mine:
-                del self._waiting[w.id]
-            self._removed[job] = now
-        self._events.emit(
-            "colo.leave",
-            f"job {job} removed while its gpuctl run waited for co-location",
-            job=job,
-        )
+
+        def committed() -> None:
+            at = self._clock()
+            with self._lock:
+                for w in self._waiters_of(job, at):
+                    del self._waiting[w.id]
+                self._removed[job] = at
+            self._events.emit(
+                "colo.leave",
+                f"job {job} removed while its gpuctl run waited for co-location",
+                job=job,
+            )
+
+        return committed
 
     def leave(self, waiter_id: str, stopped_by: str | None = None) -> WaiterView | None:
         """Take the ``gpuctl run`` waiting with ``waiter_id`` out of the wait (``gpuctl

@@ -69,9 +69,12 @@ class RunRequest:
 # with the job as placed (its request, before the placement override) and, on release, how
 # the run ended (None on reserve).
 ReservationObserver = Callable[[str, Reservation, JobSpec, RunEnd | None], None]
-# Called under the placement lock as a job is removed, with its name and whether --force was
-# given: it raises to refuse the removal, or lets go of what it keeps for the job.
-RemovalHook = Callable[[str, bool], None]
+# Called under the placement lock, inside the removal's store transaction, as a job is
+# removed, with its name and whether --force was given: it raises to refuse the removal, or
+# lets go of what it keeps for the job in the store. What it keeps elsewhere (in memory) it
+# lets go of in the callable it returns, called once the transaction committed (never when
+# the commit failed: the job stays, and so must the rest).
+RemovalHook = Callable[[str, bool], Callable[[], None] | None]
 # Called when a run's end comes after its reservation went (``gpuctl jobs rm --force``
 # released it while the run ran; its ``gpuctl run`` reports the command's exit once it has
 # exited, with its status or, when it has none, without), with the reservation's id and
@@ -273,9 +276,11 @@ class JobService:
             # reservations, or none of them (a job gone whose runs still hold their
             # reservations could not be removed again). The hooks' events (the queue
             # entries that left) are said once it is committed.
+            committed: list[Callable[[], None]] = []
             with self._events.until_committed(), self.store.transaction():
                 for hook in self._removal_hooks:
-                    hook(name, force)
+                    if (then := hook(name, force)) is not None:
+                        committed.append(then)
                 job = (
                     self.registry.remove(name)
                     if registered is not None
@@ -287,6 +292,11 @@ class JobService:
                     self._stops.schedule(
                         RunStop(r.id, name, StopReason.REMOVED, kill_at), wait_s=STOP_GRACE_S
                     )
+            for then in committed:  # still under the placement lock, which comes first
+                try:
+                    then()
+                except Exception:  # the removal stands
+                    log.exception("after job %s was removed", name)
         self._events.emit("job.remove", f"job {name} removed", job=name)
         for r in released:
             # its runs must not go on using what nothing reserves now: SIGTERM to their

@@ -1015,8 +1015,8 @@ def test_a_run_waiting_for_co_location_is_stopped_by_jobs_rm_force_alone(
 ) -> None:
     """`gpuctl jobs rm` of a job whose `gpuctl run` waits for advice (not registered yet:
     it registers at its reservation): the loop knows the job; without --force the removal
-    is refused, naming --force; with it the waiting run's next question is NotFound and it
-    is no longer listed. A run of that name that starts waiting later is another run."""
+    is refused, naming --force; with it, once the removal committed, the waiting run's next
+    question is NotFound and it is no longer listed. A run of that name that starts waiting later is another run."""
     from gpud.errors import FailedPrecondition, NotFound
 
     svc, clock, jobs = service
@@ -1034,7 +1034,9 @@ def test_a_run_waiting_for_co_location_is_stopped_by_jobs_rm_force_alone(
         svc.job_removed("w", False)
     clock.t += 1.0
     ask("w", 1.0)  # still waiting
-    svc.job_removed("w", True)
+    committed = svc.job_removed("w", True)
+    assert [w.job for w in svc.waiting()] == ["w"]  # until the removal committed
+    committed()
     assert svc.waiting() == [] and svc.waiting_kind("w") is None
     clock.t += 1.5
     with pytest.raises(NotFound, match="job w was removed"):

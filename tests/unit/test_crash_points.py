@@ -18,15 +18,17 @@ from sqlite3 import Connection
 import pytest
 
 from gpud.admission.service import LEFT, QUEUED, AdmissionService
-from gpud.config import AdmissionConfig, TrafficConfig
-from gpud.errors import GpudError, StateUnwritable
+from gpud.colo.service import ColoService, RunningJob
+from gpud.config import AdmissionConfig, ColocateConfig, TrafficConfig
+from gpud.errors import GpudError, NotFound, StateUnwritable
 from gpud.events import EventLog
+from gpud.jobs.registry import JobSpec
 from gpud.jobs.service import JobService, RunRequest
 from gpud.mps.manager import MpsManager
 from gpud.net.service import TrafficService, job_pool
 from gpud.net.tagstore import TagStore
 from gpud.store import StateStore
-from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, snapshot
+from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, gpu_uuid, snapshot
 
 GIB = 1 << 30
 MOST_POINTS = 40  # more transactions than any operation here has
@@ -195,6 +197,52 @@ def test_a_removal_whose_commit_fails_says_nothing_of_it(tmp_path: Path, holder:
     node.store.commit_fails = False
     node.jobs.remove("a", force=True)
     assert [e.fields["job"] for e in node.events.recent(kind_prefix="admission.leave")] == ["a"]
+    node.store.close()
+
+
+def test_a_removal_whose_commit_fails_leaves_a_run_waiting_for_co_location(
+    tmp_path: Path,
+) -> None:
+    """`gpuctl jobs rm --force w` whose commit failed (disk full) kept job w registered,
+    yet its `gpuctl run` waiting for co-location was taken out of the wait at once: its
+    next question was answered "job w was removed" (it exited 4) and `colo.leave` was
+    said. The run now waits on until a removal commits."""
+    node = make_node(tmp_path)
+    full = snapshot(gpu_sample(0), gpu_sample(1))
+    held = [
+        RunningJob(j, "training", i, memory_bytes=75 * GIB, device=gpu_uuid(i))
+        for i, j in enumerate("ab")
+    ]
+    now = [1000.0]
+    loop = ColoService(ColocateConfig(), node.events, running=lambda: held, clock=lambda: now[0])
+    loop.tick(full)
+    node.jobs.add_removal_hook(loop.job_removed)
+    node.jobs.set_waiting(loop.waiting_kind)
+    node.jobs.add(JobSpec("w"))  # `gpuctl jobs add w`, then its `gpuctl run` waits
+
+    def ask() -> str:
+        now[0] += 1.0  # gpuctl run asks again, saying how long it has waited
+        advice = loop.advise(
+            "w", snapshot=full, waiting=True, waited_s=now[0] - 1001.0, waiter_id=waiter
+        )
+        assert advice.gpu == -1, advice  # every GPU's memory is held
+        return advice.waiter_id
+
+    waiter = ""
+    waiter = ask()
+    node.store.commit_fails = True
+    with pytest.raises(StateUnwritable):
+        node.jobs.remove("w", force=True)
+    assert node.jobs.registry.find("w") is not None
+    assert [w.id for w in loop.waiting()] == [waiter]
+    assert ask() == waiter  # not "job w was removed"
+    assert [e.kind for e in node.events.recent(kind_prefix="colo.leave")] == []
+    node.store.commit_fails = False
+    node.jobs.remove("w", force=True)
+    assert node.jobs.registry.find("w") is None and loop.waiting() == []
+    with pytest.raises(NotFound, match="job w was removed"):
+        ask()
+    assert [e.fields["job"] for e in node.events.recent(kind_prefix="colo.leave")] == ["w"]
     node.store.close()
 
 
