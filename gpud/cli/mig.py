@@ -194,7 +194,11 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
                 (
                     str(gpu.index),
                     str(inst.gpu_instance_id),
-                    str(inst.compute_instance_id) if inst.HasField("compute_instance_id") else "-",
+                    # a GPU instance without one: no MIG device, so no UUID, memory or
+                    # processes either (the GPU's line names it)
+                    str(inst.compute_instance_id)
+                    if inst.HasField("compute_instance_id")
+                    else "none",
                     inst.compute_profile or inst.profile,
                     f"{inst.placement_start}:{inst.placement_size}",
                     f"{gpu.index}:{inst.mig}" if inst.HasField("mig") else "-",

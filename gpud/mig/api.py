@@ -63,7 +63,7 @@ def gpu_message(view: GpuView, seen: SeenIdentity | None = None) -> pb.MigGpu:
         index=ident.index,
         mig_current=bool(view.mode and view.mode.current),
         mig_pending=bool(view.mode and view.mode.pending),
-        layout="" if view.fault else view.layout.describe(),
+        layout="" if view.fault else view.describe(),
         fault=view.fault,
     )
     # else never read (lost or hung since gpud started): unknown, unset rather than "" or False

@@ -261,8 +261,8 @@ def actual_layout(actual: GpuActual, table: ProfileTable | None) -> DeviceLayout
     """The current layout in mig-parted's terms, for ``export`` and for showing differences.
 
     Each compute instance counts as one MIG device. A GPU instance without a compute
-    instance has no MIG device and does not show (``assert`` still reports it, as the plan
-    for it is not empty).
+    instance has no MIG device and is not part of it (so such a GPU never matches a layout:
+    the plan for it is not empty); :func:`describe_actual` names it beside the layout.
     """
     if not actual.mode.current or table is None:
         return DeviceLayout(actual.mode.current)
@@ -284,15 +284,30 @@ def describe_difference(
     actual: GpuActual, desired: DeviceLayout, table: ProfileTable | None, plan: GpuPlan
 ) -> str:
     """One line for ``gpuctl mig assert``: what the GPU has and what it should have."""
-    have = actual_layout(actual, table)
     mode = actual.mode
-    have_txt = have.describe()
+    pending = ""
     if mode.reset_pending:
-        have_txt += f" (MIG mode {'enabled' if mode.pending else 'disabled'} pending a GPU reset)"
+        pending = f" (MIG mode {'enabled' if mode.pending else 'disabled'} pending a GPU reset)"
     empty_gis = [gi.id for gi in actual.instances if not gi.compute_instances]
-    if empty_gis:
-        have_txt += f"; GPU instances without compute instances: {', '.join(map(str, empty_gis))}"
+    have_txt = describe_actual(actual_layout(actual, table), empty_gis, note=pending)
     return f"GPU {actual.gpu}: has {have_txt}; wants {desired.describe()} ({len(plan.steps)} steps)"
+
+
+def describe_actual(
+    layout: DeviceLayout, empty_gpu_instances: Sequence[int], *, note: str = ""
+) -> str:
+    """What a GPU holds, for ``gpuctl mig show`` and ``assert``: ``layout`` (see
+    :func:`actual_layout`), then ``note``, then the GPU instances the driver has without a
+    compute instance (``nvidia-smi mig -lgi`` lists them, ``-lci`` does not): they hold no
+    MIG device, so ``layout`` leaves them out, but they are not nothing."""
+    text = layout.describe()
+    if empty_gpu_instances and not layout.devices:
+        text = "MIG enabled, no MIG devices"
+    text += note
+    if empty_gpu_instances:
+        ids = ", ".join(map(str, empty_gpu_instances))
+        text += f"; GPU instances without compute instances: {ids}"
+    return text
 
 
 def plan_all(

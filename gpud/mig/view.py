@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from gpud.backend.port import GpuBackend, GpuIdentity, MigMode
 from gpud.errors import BackendError, DriverTimeout, GpuLost
 from gpud.mig.layout import DeviceLayout
-from gpud.mig.plan import GpuActual, actual_layout
+from gpud.mig.plan import GpuActual, actual_layout, describe_actual
 from gpud.mig.store import DesiredRecord
 from gpud.mig.validate import ProfileTable
 
@@ -68,6 +68,12 @@ class GpuView:
     desired: DesiredRecord | None
     profiles: tuple[tuple[str, int, tuple[tuple[int, int], ...]], ...]  # (name, free, placements)
     fault: str = ""
+
+    def describe(self) -> str:
+        """The layout the GPU holds, and the GPU instances it has without a compute instance
+        (each shown as an instance without a MIG device, UUID or MPS daemon)."""
+        empty = [i.gpu_instance_id for i in self.instances if i.compute_instance_id is None]
+        return describe_actual(self.layout, empty)
 
 
 def read_actual(backend: GpuBackend, gpu: GpuIdentity) -> GpuActual:

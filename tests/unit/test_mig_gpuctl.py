@@ -480,3 +480,41 @@ def test_show_keeps_the_instances_of_a_gpu_whose_mig_memory_cannot_be_read(
     code, out, _ = gpuctl(capsys, node, "--json", "mig", "show")
     first = next(i for i in json.loads(out)["gpus"][0]["instances"] if i["uuid"] == mig_uuid)
     assert first["memory_unknown"] == "" and first["memory_used_bytes"] >= 3 * GIB
+
+
+def test_show_names_gpu_instances_without_compute_instances(
+    capsys: pytest.CaptureFixture[str], node: Node
+) -> None:
+    """An apply cut off between creating a GPU instance and its compute instance leaves the
+    GPU instance on its own: ``gpuctl mig show`` shows it (as ``nvidia-smi mig -lgi``
+    does) on the GPU's line and as a row without a compute instance, MIG device or UUID,
+    and the GPU still differs from its layout; the other GPU is shown as it is."""
+    node.sim.faults.crash_after_mutations(5)  # GPU 0: mode, GI, CI; GPU 1: mode, GI
+    with pytest.raises(SimulatedCrash):
+        node.mig.apply(load_config(Path(CONFIG)), "all-7g.80gb")
+    node.mig.reconcile("report")
+    code, out, err = gpuctl(capsys, node, "mig", "show")
+    assert code == 0, err
+    lines = out.splitlines()
+    gpu0 = next(line for line in lines if line.startswith("GPU 0 "))
+    gpu1 = next(line for line in lines if line.startswith("GPU 1 "))
+    assert "MIG on; 1x 7g.80gb;" in gpu0 and "without" not in gpu0
+    assert "no instances" not in gpu1, gpu1
+    empty = "GPU instances without compute instances: 0"
+    assert f"MIG on; MIG enabled, no MIG devices; {empty}; desired: 1x 7g.80gb" in gpu1
+    rows = [line.split() for line in lines if line.startswith(("0 ", "1 "))]
+    assert [r[:3] for r in rows] == [["0", "0", "0"], ["1", "0", "none"]], rows
+    assert rows[1][3:] == ["7g.80gb", "0:8", "-", "-", "-", "-"], rows
+    code, out, _ = gpuctl(capsys, node, "--json", "mig", "show")
+    doc = json.loads(out)["gpus"]
+    assert code == 0 and [g["fault"] for g in doc] == ["", ""]
+    assert doc[0]["layout"] == "1x 7g.80gb"
+    assert doc[1]["layout"] == f"MIG enabled, no MIG devices; {empty}"
+    (inst,) = doc[1]["instances"]
+    assert inst["profile"] == "7g.80gb" and inst["uuid"] == ""
+    assert inst["compute_instance_id"] is None and inst["mig"] is None
+    # the GPU still differs from its layout, as before
+    code, out, _ = gpuctl(capsys, node, "mig", "assert", "-f", CONFIG, "-c", "all-7g.80gb")
+    assert code == 1
+    assert f"GPU 1: has MIG enabled, no MIG devices; {empty}; wants 1x 7g.80gb" in out
+    assert not any(line.startswith("GPU 0") for line in out.splitlines()), out
