@@ -167,8 +167,8 @@ def mps_options(args: argparse.Namespace) -> list[str]:
     return [name for name, value in given.items() if value is not None]
 
 
-def warn_no_effect(options: list[str], why: str) -> None:
-    print(f"gpuctl: warning: {'/'.join(options)} will have no effect: {why}", file=sys.stderr)
+def no_effect(options: list[str], why: str) -> str:
+    return f"warning: {'/'.join(options)} will have no effect: {why}"
 
 
 def _show_mps(ctx: Context) -> mps_pb2.ShowMpsResponse | None:
@@ -190,10 +190,12 @@ def warn_if_mps_off(ctx: Context, args: argparse.Namespace) -> None:
         return
     resp = _show_mps(ctx)
     if resp is not None and not resp.mps_enabled:
-        warn_no_effect(
-            options,
-            "MPS is off on this node (gpud's mps.enabled = false); the job's processes run as "
-            "ordinary CUDA clients",
+        ctx.out.note(
+            no_effect(
+                options,
+                "MPS is off on this node (gpud's mps.enabled = false); the job's processes run"
+                " as ordinary CUDA clients",
+            )
         )
 
 

@@ -90,6 +90,16 @@ def message_to_dict(msg: Message) -> Any:
     return out
 
 
+def _plain(value: Any) -> Any:
+    if hasattr(value, "DESCRIPTOR"):  # a protobuf message
+        return message_to_dict(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Left-aligned columns two spaces apart; the last column is not padded."""
     widths = [len(h) for h in headers]
@@ -140,6 +150,7 @@ class Output:
     def __init__(self, *, json_output: bool, stream: TextIO | None = None) -> None:
         self.json = json_output
         self._stream = stream
+        self.notes: list[str] = []  # under --json: said in the document (``notes``)
 
     @property
     def stream(self) -> TextIO:
@@ -149,9 +160,21 @@ class Output:
     def print(self, text: str = "") -> None:
         self.stream.write(text + "\n")
 
+    def note(self, text: str) -> None:
+        """A note beside an answer that exits 0 (a warning, what the answer is): a ``gpuctl:
+        TEXT`` line on stderr, or under ``--json`` the document's ``notes`` list, stderr left
+        empty."""
+        if self.json:
+            self.notes.append(text)
+        else:
+            print(f"gpuctl: {text}", file=sys.stderr)
+
     def print_json(self, value: Any) -> None:
-        if hasattr(value, "DESCRIPTOR"):  # a protobuf message
-            value = message_to_dict(value)
+        """``value`` (a protobuf message, or plain values holding messages) as one document,
+        with ``notes`` added to an object where any were said."""
+        value = _plain(value)
+        if self.notes and isinstance(value, dict):
+            value = {**value, "notes": list(self.notes)}
         self.stream.write(json.dumps(value, indent=2) + "\n")
 
     def print_table(self, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:

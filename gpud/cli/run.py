@@ -85,9 +85,9 @@ from gpud.cli.jobs import (
     fill_placement,
     kind_value,
     mps_options,
+    no_effect,
     queued_line,
     warn_if_mps_down,
-    warn_no_effect,
 )
 from gpud.errors import (
     ERROR_TABLE,
@@ -191,16 +191,16 @@ def run_env(ctx: Context, args: argparse.Namespace) -> int:
     resp: pb.GetJobEnvResponse = ctx.call(
         ctx.stub(pb_grpc.JobsStub).GetJobEnv, pb.GetJobEnvRequest(job=args.job)
     )
+    preview = "GPUD_RESERVATION" not in resp.env  # gpud.jobs.env
+    if preview:
+        ctx.out.note(
+            f"job {args.job} holds no reservation: where it would be placed now"
+            " (nothing reserved, no DSCP tag taken)"
+        )
     if ctx.out.json:
-        ctx.out.print_json(dict(resp.env))
+        ctx.out.print_json({"job": args.job, "env": dict(resp.env), "preview": preview})
     else:
         ctx.out.stream.write(shell_exports(dict(resp.env)))
-    if "GPUD_RESERVATION" not in resp.env:  # a preview (gpud.jobs.env)
-        print(
-            f"gpuctl: job {args.job} holds no reservation: where it would be placed now"
-            " (nothing reserved, no DSCP tag taken)",
-            file=sys.stderr,
-        )
     return 0
 
 
@@ -584,11 +584,11 @@ def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop
         )
     options = mps_options(args)
     if options and "CUDA_MPS_PIPE_DIRECTORY" not in granted:
-        warn_no_effect(
-            options,
+        why = (
             f"no MPS control daemon serves {', '.join(devices)} (gpud's mps.enabled is off, "
-            "MPS is disabled for the device, or the job spans several devices)",
+            "MPS is disabled for the device, or the job spans several devices)"
         )
+        print(f"gpuctl: {no_effect(options, why)}", file=sys.stderr)
     warn_if_mps_down(ctx, granted)
     from gpud.jobs import leftovers  # stdlib only; loaded by `gpuctl run` alone
 

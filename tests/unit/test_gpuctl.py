@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from gpud.cli.output import Output, format_table, seconds
 from gpud.errors import GpuLost
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import GpuSample, SeenIdentity, Snapshot
+from gpud.v1 import jobs_pb2, queue_pb2
 from tests.unit.api_support import (
     FakeFaults,
     ServerThread,
@@ -734,6 +736,17 @@ def test_grpc_errors_become_exit_codes(error: _RpcError, exit_code: int, words: 
     )
     err = ctx.translate(error)
     assert err.exit_code == exit_code and words in str(err)
+
+
+def test_json_of_plain_values_holding_messages() -> None:
+    """``jobs add --queue --json`` prints the job and its queue entry side by side."""
+    stream = io.StringIO()
+    out = Output(json_output=True, stream=stream)
+    job = jobs_pb2.Job(name="a", devices=["0"])
+    out.print_json({"job": job, "entries": [queue_pb2.QueueEntry(job="a")]})
+    doc = json.loads(stream.getvalue())
+    assert doc["job"]["name"] == "a" and doc["job"]["devices"] == ["0"]
+    assert doc["entries"][0]["job"] == "a"
 
 
 def test_display_helpers() -> None:

@@ -210,7 +210,7 @@ def test_gpuctl_run_gives_the_child_its_environment_and_releases(
     gpud_vars = {
         k: v for k, v in env.items() if k.startswith(("CUDA_", "GPUD_")) and k != "GPUD_RUN"
     }
-    assert seen["gpuctl_env"] == gpud_vars
+    assert seen["gpuctl_env"] == {"job": env["GPUD_JOB"], "env": gpud_vars, "preview": False}
     # Released when the command ended; the job stays registered.
     assert node.jobs.reservations.held() == []
     assert node.jobs.registry.get("infer-a").mig_profile == "3g.40gb"
@@ -311,6 +311,23 @@ def test_gpuctl_jobs_add_ls_rm(node: Node, capsys: pytest.CaptureFixture[str]) -
     assert node.ctl("jobs", "rm", "infer-b") == 4
 
 
+def test_env_of_a_job_holding_no_reservation_says_so_in_its_json(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert node.ctl("jobs", "add", "infer-b", "--mig", "3g.40gb") == 0
+    capsys.readouterr()
+    assert node.ctl("--json", "env", "--job", "infer-b") == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    doc = json.loads(out)
+    assert doc["job"] == "infer-b" and doc["preview"] is True
+    assert doc["env"]["GPUD_JOB"] == "infer-b" and "GPUD_RESERVATION" not in doc["env"]
+    assert doc["notes"] == [
+        "job infer-b holds no reservation: where it would be placed now"
+        " (nothing reserved, no DSCP tag taken)"
+    ]
+
+
 @pytest.mark.parametrize("node", [False], ids=["mps-off"], indirect=True)
 def test_mps_options_on_a_node_without_mps_warn(
     node: Node, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -322,6 +339,11 @@ def test_mps_options_on_a_node_without_mps_warn(
     assert "warning: --threads/--memory will have no effect: MPS is off on this node" in err
     assert node.ctl("jobs", "add", "b", "--mig", "3g.40gb") == 0
     assert capsys.readouterr().err == ""  # no MPS option, no warning
+    assert node.ctl("--json", "jobs", "add", "d", "--mig", "3g.40gb", "--threads", "30") == 0
+    said, err = capsys.readouterr()
+    assert err == ""  # under --json the warning is in the document
+    (note,) = json.loads(said)["notes"]
+    assert note.startswith("warning: --threads will have no effect: MPS is off on this node")
     out = tmp_path / "child.json"
     code = node.ctl(
         "run", "--job", "c", "--mig", "3g.40gb", "--threads", "40",
