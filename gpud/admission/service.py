@@ -511,7 +511,7 @@ class AdmissionService:
         targets = self._mps.targets() if sick else []
         out: list[EntryView] = []
         unfeasible: list[EntryView] = []
-        ahead: list[Entry] = []
+        head: Entry | None = None  # the first quotable entry, which the others wait behind
         ahead_classes: Counter[str] = Counter()
         held = _Held(self._jobs)
         for e in queued:
@@ -531,10 +531,10 @@ class AdmissionService:
                     {},
                     waiting_on=_unhealthy_in(verdict, sick, targets)
                     or self._start_failures.get(e.id, "")
-                    or held.why(e, ahead[0] if ahead else None),
+                    or held.why(e, head),
                 )
             )
-            ahead.append(e)
+            head = head or e
             ahead_classes[e.request_class] += 1
         return out + unfeasible
 
