@@ -182,10 +182,15 @@ def main(argv: Sequence[str] | None = None, *, env: Mapping[str, str] | None = N
     return quiet_on_broken_pipe(lambda: _main(argv, env))
 
 
-def _fail(err: CliError, json_output: bool) -> int:
-    """Say ``err`` on stderr, as one line for people or one JSON document; its exit code."""
+def _fail(err: CliError, json_output: bool, notes: Sequence[str] = ()) -> int:
+    """Say ``err`` on stderr, as one line for people or one JSON document; its exit code.
+    Under ``--json`` the notes said before it (each already a ``gpuctl:`` line without
+    ``--json``) go in the document, as an answer's would."""
     if json_output:
-        print(json.dumps(err.to_json()), file=sys.stderr)
+        doc: dict[str, object] = err.to_json()
+        if notes:
+            doc["notes"] = list(notes)
+        print(json.dumps(doc), file=sys.stderr)
     else:
         print(f"gpuctl: {err}", file=sys.stderr)
     return err.exit_code
@@ -227,7 +232,7 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
         code: int = run(ctx, args)
         return code
     except CliError as err:
-        return _fail(err, args.json)
+        return _fail(err, args.json, ctx.out.notes)
     except UnicodeEncodeError as err:
         # an argument in bytes that are not UTF-8 (Python keeps them as surrogates), which
         # no request can carry

@@ -344,6 +344,12 @@ def test_mps_options_on_a_node_without_mps_warn(
     assert err == ""  # under --json the warning is in the document
     (note,) = json.loads(said)["notes"]
     assert note.startswith("warning: --threads will have no effect: MPS is off on this node")
+    # a failure after the warning (no queue served here) keeps it, in the error's document
+    code = node.ctl("--json", "jobs", "add", "e", "--mig", "3g.40gb", "--threads", "30", "--queue")
+    said, err = capsys.readouterr()
+    assert code != 0 and said == ""
+    failed = json.loads(err)
+    assert failed["error"]["message"] and failed["notes"] == [note]
     out = tmp_path / "child.json"
     code = node.ctl(
         "run", "--job", "c", "--mig", "3g.40gb", "--threads", "40",
