@@ -13,7 +13,10 @@ Only files are read: nothing runs.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
+import json
 import math
 import re
 import shlex
@@ -21,6 +24,9 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
+import yaml
 
 from gpud import config
 from gpud.cli.main import build_parser as build_gpuctl_parser
@@ -348,3 +354,326 @@ def test_the_gpuctl_check_finds_what_is_wrong() -> None:
     assert "gpuctl sim reboot: not shown in README.md" in gpuctl_disagreements(
         text.replace("gpuctl sim reboot", "gpuctl sim")
     )
+
+
+# ---------------------------------------------------------------- metrics
+
+METRICS = ROOT / "docs" / "metrics.md"
+MONITORING = ROOT / "docs" / "monitoring"
+
+# The callables that make a metric family, and the family's type
+_FAMILY_KINDS = {
+    "GaugeMetricFamily": "gauge",
+    "g": "gauge",  # gpud.metrics' alias
+    "CounterMetricFamily": "counter",
+    "InfoMetricFamily": "info",
+    "HistogramMetricFamily": "histogram",
+    "histogram_family": "histogram",
+}
+# the sample names prometheus_client writes for a family of each type
+_SAMPLE_SUFFIXES = {
+    "gauge": ("",),
+    "counter": ("_total",),
+    "info": ("_info",),
+    "histogram": ("_bucket", "_count", "_sum"),
+}
+# labels every series has once Prometheus scrapes it
+_TARGET_LABELS = {"instance", "job"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str  # as exposed: a counter with _total, an info family with _info
+    kind: str
+    labels: frozenset[str]
+
+
+def _module_tuples(tree: ast.Module) -> dict[str, tuple[str, ...]]:
+    """Module-level ``NAME = ("a", "b", ...)`` constants (label sets)."""
+    found: dict[str, tuple[str, ...]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    found[target.id] = tuple(value)
+    return found
+
+
+def _labels(call: ast.Call, constants: dict[str, tuple[str, ...]]) -> frozenset[str]:
+    node = next((k.value for k in call.keywords if k.arg == "labels"), None)
+    positional = isinstance(call.func, ast.Name) and _FAMILY_KINDS.get(call.func.id) != "histogram"
+    if node is None and len(call.args) > 2 and positional:
+        node = call.args[2]
+    if node is None:
+        return frozenset()
+    if isinstance(node, ast.Name):
+        return frozenset(constants[node.id])
+    assert isinstance(node, ast.Tuple | ast.List), ast.unparse(node)
+    labels: set[str] = set()
+    for item in node.elts:
+        if isinstance(item, ast.Starred | ast.Name):  # (*LABELS, "x") or (parameter,)
+            name = item.value if isinstance(item, ast.Starred) else item
+            assert isinstance(name, ast.Name), ast.unparse(item)
+            labels.update(constants[name.id])
+        else:
+            labels.add(ast.literal_eval(item))
+    return frozenset(labels)
+
+
+def _exposed(name: str, kind: str) -> str:
+    return name + {"counter": "_total", "info": "_info"}.get(kind, "")
+
+
+@functools.cache
+def exported_families(package: Path = ROOT / "gpud") -> dict[str, Family]:
+    """Every metric family gpud's code makes, read from its source: a call of a family
+    class (or gpud.metrics' helpers) with the name as a string, or as an f-string
+    ``f"{prefix}_rest"`` inside a function that callers give the prefix as a string."""
+    families: dict[str, Family] = {}
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        constants = _module_tuples(tree)
+        # function name -> [(index of the prefix parameter, rest of the name, kind, labels)]
+        templates: dict[str, list[tuple[int, str, str, ast.Call]]] = {}
+        for func in ast.walk(tree):
+            if not isinstance(func, ast.FunctionDef):
+                continue
+            params = [a.arg for a in func.args.args]
+            for call in ast.walk(func):
+                if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
+                    continue
+                kind = _FAMILY_KINDS.get(call.func.id)
+                first = call.args[0] if call.args else None
+                if kind and isinstance(first, ast.JoinedStr) and len(first.values) == 2:
+                    prefix, rest = first.values
+                    if (
+                        isinstance(prefix, ast.FormattedValue)
+                        and isinstance(prefix.value, ast.Name)
+                        and prefix.value.id in params
+                        and isinstance(rest, ast.Constant)
+                    ):
+                        index = params.index(prefix.value.id)
+                        templates.setdefault(func.name, []).append((index, rest.value, kind, call))
+        for call in ast.walk(tree):
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
+                continue
+            first = call.args[0] if call.args else None
+            kind = _FAMILY_KINDS.get(call.func.id)
+            if kind and isinstance(first, ast.Constant) and isinstance(first.value, str):
+                name = _exposed(first.value, kind)
+                families[name] = Family(name, kind, _labels(call, constants))
+            for index, rest, kind, made in templates.get(call.func.id, []):
+                given = call.args[index] if len(call.args) > index else None
+                if isinstance(given, ast.Constant) and isinstance(given.value, str):
+                    # the template's labels name the function's parameters: resolve them
+                    inner = {
+                        **constants,
+                        **{
+                            kw.arg: (ast.literal_eval(kw.value),)
+                            for kw in call.keywords
+                            if kw.arg and isinstance(kw.value, ast.Constant)
+                        },
+                    }
+                    params = [
+                        a.arg
+                        for f in ast.walk(tree)
+                        if isinstance(f, ast.FunctionDef) and f.name == call.func.id
+                        for a in f.args.args
+                    ]
+                    for position, arg in enumerate(call.args):
+                        if isinstance(arg, ast.Constant) and position < len(params):
+                            inner[params[position]] = (arg.value,)
+                    name = _exposed(given.value + rest, kind)
+                    families[name] = Family(name, kind, _labels(made, inner))
+        _add_info_labels(tree, families)
+    return families
+
+
+def _add_info_labels(tree: ast.Module, families: dict[str, Family]) -> None:
+    """An info family's labels include the keys of the dicts its ``add_metric`` is given
+    (``info.add_metric([...], {"product": ...})``)."""
+    for func in ast.walk(tree):
+        if not isinstance(func, ast.FunctionDef):
+            continue
+        made: dict[str, str] = {}  # variable -> family
+        for node in ast.walk(func):
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Name)
+                and _FAMILY_KINDS.get(node.value.func.id) == "info"
+                and node.value.args
+                and isinstance(node.value.args[0], ast.Constant)
+            ):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        made[target.id] = _exposed(node.value.args[0].value, "info")
+        for call in ast.walk(func):
+            if (
+                isinstance(call, ast.Call)
+                and isinstance(call.func, ast.Attribute)
+                and call.func.attr == "add_metric"
+                and isinstance(call.func.value, ast.Name)
+                and call.func.value.id in made
+                and len(call.args) > 1
+                and isinstance(call.args[1], ast.Dict)
+            ):
+                family = families[made[call.func.value.id]]
+                keys = {ast.literal_eval(k) for k in call.args[1].keys if k is not None}
+                families[family.name] = dataclasses.replace(family, labels=family.labels | keys)
+
+
+def sample_names(families: dict[str, Family]) -> dict[str, Family]:
+    """Every sample name a scrape shows, to the family it is of."""
+    names = {}
+    for family in families.values():
+        base = family.name.removesuffix("_total") if family.kind == "counter" else family.name
+        base = base.removesuffix("_info") if family.kind == "info" else base
+        for suffix in _SAMPLE_SUFFIXES[family.kind]:
+            names[base + suffix] = family
+    if any(f.kind == "histogram" for f in families.values()):
+        names.update({f.name: f for f in families.values() if f.kind == "histogram"})
+    return names
+
+
+def metrics_table_disagreements(text: str, families: dict[str, Family]) -> list[str]:
+    wrong = []
+    seen: dict[str, int] = {}
+    for line in text.splitlines():
+        if not line.startswith("| `gpud_"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        name, kind, labels = cells[0].strip("`"), cells[1], set(re.findall(r"`(\w+)`", cells[2]))
+        seen[name] = seen.get(name, 0) + 1
+        family = families.get(name)
+        if family is None:
+            wrong.append(f"{name}: documented, but gpud exports no such family")
+            continue
+        if kind != family.kind:
+            wrong.append(f"{name}: documented as a {kind}, exported as a {family.kind}")
+        if labels != family.labels:
+            wrong.append(f"{name}: labels {sorted(labels)}, exported {sorted(family.labels)}")
+    wrong += [f"{name}: in {n} rows" for name, n in seen.items() if n > 1]
+    wrong += [f"{name}: not in docs/metrics.md" for name in families if name not in seen]
+    return wrong
+
+
+def _expand_braces(text: str) -> str:
+    """``gpud_gpu_memory_{total,used}_bytes`` -> ``gpud_gpu_memory_total_bytes
+    gpud_gpu_memory_used_bytes``."""
+
+    def expand(match: re.Match[str]) -> str:
+        head, choices, tail = match.groups()
+        return " ".join(f"{head}{choice}{tail}" for choice in choices.split(","))
+
+    return re.sub(r"(gpud_[a-z0-9_]*)\{([a-z0-9_]+(?:,[a-z0-9_]+)+)\}([a-z0-9_]*)", expand, text)
+
+
+def unknown_metric_names(text: str, families: dict[str, Family]) -> set[str]:
+    """The ``gpud_*`` names a text uses that no scrape shows; a name ending in ``_`` is a
+    prefix (``gpud_colo_*``) and must begin some family's name."""
+    known = sample_names(families)
+    unknown = set()
+    for name in re.findall(r"\bgpud_[a-z0-9_]*", _expand_braces(text)):
+        if name.endswith("_"):
+            if not any(k.startswith(name) for k in known):
+                unknown.add(name)
+        elif name not in known:
+            unknown.add(name)
+    return unknown
+
+
+# PromQL: a selector's matchers, and the labels of by/without
+_SELECTOR = re.compile(r"\b(gpud_[a-z0-9_]+)\s*\{([^}]*)\}")
+_MATCHER = re.compile(r"(\w+)\s*(?:=~|!~|!=|=)")
+_GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+
+
+def unknown_labels(expr: str, families: dict[str, Family]) -> set[str]:
+    """Labels a PromQL expression selects or groups by that its gpud series do not have."""
+    known = sample_names(families)
+    used = {known[n] for n in re.findall(r"\bgpud_[a-z0-9_]+", expr) if n in known}
+    unknown = set()
+    for name, matchers in _SELECTOR.findall(expr):
+        family = known.get(name)
+        allowed = _TARGET_LABELS | (family.labels if family else set())
+        if family is not None and family.kind == "histogram":
+            allowed |= {"le"}
+        unknown |= {f"{name}{{{m}}}" for m in _MATCHER.findall(matchers) if m not in allowed}
+    if used:
+        allowed = _TARGET_LABELS | {"le"} | {label for f in used for label in f.labels}
+        for grouping in _GROUPING.findall(expr):
+            unknown |= {
+                f"by/without ({g.strip()})"
+                for g in grouping.split(",")
+                if g.strip() and g.strip() not in allowed
+            }
+    return unknown
+
+
+def _monitoring_exprs() -> dict[str, str]:
+    rules = yaml.safe_load((MONITORING / "gpud-alerts.yml").read_text())["groups"][0]["rules"]
+    exprs = {f"alert {r['alert']}": str(r["expr"]) for r in rules}
+    for rule in rules:
+        for key, text in rule.get("annotations", {}).items():
+            exprs[f"alert {rule['alert']} {key}"] = str(text)
+    dashboard = json.loads((MONITORING / "gpud-dashboard.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            exprs[f"panel {panel['title']!r}"] = str(target.get("expr", ""))
+    for variable in dashboard.get("templating", {}).get("list", []):
+        exprs[f"variable {variable['name']}"] = json.dumps(variable.get("query", ""))
+    return exprs
+
+
+def test_metrics_reference_lists_every_exported_family() -> None:
+    assert metrics_table_disagreements(METRICS.read_text(), exported_families()) == []
+
+
+@pytest.mark.parametrize(
+    "path",
+    [README, *sorted((ROOT / "docs").glob("*.md"))],
+    ids=lambda p: p.name,
+)
+def test_docs_name_only_exported_metrics(path: Path) -> None:
+    assert unknown_metric_names(path.read_text(), exported_families()) == set()
+
+
+def test_alerts_and_dashboard_use_exported_metrics_and_labels() -> None:
+    families = exported_families()
+    wrong = {}
+    for where, expr in _monitoring_exprs().items():
+        bad = unknown_metric_names(expr, families) | unknown_labels(expr, families)
+        if bad:
+            wrong[where] = sorted(bad)
+    assert wrong == {}
+
+
+def test_the_metrics_checks_find_what_is_wrong() -> None:
+    families = exported_families()
+    assert "gpud_net_job_sent_bytes_total" in families  # made from a prefix
+    assert families["gpud_gpu_info"].labels >= {"product", "pci_bus_id"}  # add_metric's dict
+    assert unknown_metric_names("`gpud_events` `gpud_colo_*` gpud_x_{a,b}", families) == {
+        "gpud_events",
+        "gpud_x_a",
+        "gpud_x_b",
+    }
+    assert unknown_metric_names("gpud_loop_duration_seconds_bucket gpud_", families) == set()
+    assert (
+        unknown_labels(
+            'sum by (le) (rate(gpud_loop_duration_seconds_bucket{le="1"}[5m]))', families
+        )
+        == set()
+    )
+    assert unknown_labels('gpud_mig_apply_total{reason="x"} by (gpu)', families) == {
+        "gpud_mig_apply_total{reason}",
+        "by/without (gpu)",
+    }
+    text = METRICS.read_text()
+    assert metrics_table_disagreements(
+        text.replace("| `gpud_gpus` | gauge |", "| `gpud_gpus` | counter |"), families
+    ) == ["gpud_gpus: documented as a counter, exported as a gauge"]
