@@ -31,6 +31,7 @@ import yaml
 from gpud import config
 from gpud.cli.main import build_parser as build_gpuctl_parser
 from gpud.daemon import RESTART_KEYS
+from gpud.errors import ConfigError
 from gpud.main import build_parser as build_gpud_parser
 from gpud.main import flag_overrides
 
@@ -238,6 +239,36 @@ def test_documented_ranges_reads_every_notation() -> None:
 def test_every_gpud_flag_sets_a_documented_key() -> None:
     keys = {k for row in config_rows(CONFIGURATION.read_text()) for k in row.keys}
     assert set(flags_by_key()) <= keys
+
+
+@pytest.mark.parametrize(
+    ("settings", "key"),
+    [
+        ({"telemetry": {"interval": 1}}, "telemetry.interval"),
+        ({"telemetry": {"call_timeout_s": 1e10}}, "telemetry.call_timeout_s"),
+    ],
+)
+def test_the_example_errors_are_the_ones_gpud_gives(settings: dict[str, Any], key: str) -> None:
+    prefix = f"gpud: config error: /etc/gpud/gpud.toml:{key}: "
+    (shown,) = [x for x in CONFIGURATION.read_text().splitlines() if x.startswith(prefix)]
+    with pytest.raises(ConfigError) as err:
+        config.from_dict(settings, path="/etc/gpud/gpud.toml")
+    assert shown == f"gpud: config error: {err.value}"
+
+
+def test_readme_lists_every_gpud_flag() -> None:
+    """README's ``Flags:`` line under Configuration: the options of ``gpud``'s parser."""
+    text = README.read_text()
+    line = re.search(r"Flags:\s*`(gpud [^`]*)`", text)
+    assert line, "README.md has no `Flags: `gpud ...`` line"
+    shown = set(re.findall(r"--[a-z][a-z-]*", line.group(1)))
+    options = {
+        flag
+        for action in build_gpud_parser()._actions
+        for flag in action.option_strings
+        if flag.startswith("--") and flag not in ("--help", "--version")
+    }
+    assert shown == options
 
 
 # ---------------------------------------------------------------- gpuctl in README.md
