@@ -290,14 +290,19 @@ def gpuctl_commands(
         yield from gpuctl_commands(child, (*path, name))
 
 
-def shown_gpuctl_lines(text: str) -> list[str]:
-    """The ``gpuctl`` command lines README.md shows: lines of code blocks that start with
-    ``gpuctl`` (or ``$ gpuctl``), and code spans in the prose that do; comments dropped."""
+def shown_gpuctl_lines(text: str, *, blocks: tuple[str, ...] | None = None) -> list[str]:
+    """The ``gpuctl`` command lines a page shows: lines of code blocks that start with
+    ``gpuctl`` (or ``$ gpuctl``), and code spans in the prose that do; comments dropped.
+    ``blocks``: only code blocks of these languages (``("sh",)``: not diagrams)."""
     lines = []
     in_block = False
+    language = ""
     for line in text.splitlines():
         if line.lstrip().startswith("```"):
             in_block = not in_block
+            language = line.strip().removeprefix("```")
+            continue
+        if in_block and blocks is not None and language not in blocks:
             continue
         if in_block:
             command = re.sub(r"^\s*(\$ )?", "", line)
@@ -367,6 +372,17 @@ def gpuctl_disagreements(text: str) -> list[str]:
 
 def test_readme_shows_every_gpuctl_command_as_it_parses() -> None:
     assert gpuctl_disagreements(README.read_text()) == []
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_gpuctl_lines_of_the_docs_parse(path: Path) -> None:
+    parser = build_gpuctl_parser()
+    wrong = [
+        f"{line!r}: {why}"
+        for line in shown_gpuctl_lines(path.read_text(), blocks=("sh",))
+        for why in parse_gpuctl_line(parser, line)[1]
+    ]
+    assert wrong == []
 
 
 def test_the_gpuctl_check_finds_what_is_wrong() -> None:
