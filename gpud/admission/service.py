@@ -244,6 +244,7 @@ class AdmissionService:
         # waits of the runs started since gpud started: gpud_admission_wait_seconds
         self.waits = Histogram(WAIT_BUCKETS)
         store.ensure_schema(SCHEMA, added=ADDED)
+        self._end_unrecorded()
         jobs.add_observer(self._observe)
         jobs.add_late_end(self._removed_run_ended)
         jobs.add_removal_hook(self._job_removed)
@@ -255,6 +256,29 @@ class AdmissionService:
         jobs.add_freed_hook(self.passes.ask)
         jobs.gate = self.gate
         jobs.refuse_never = self.refuse_never
+
+    def _end_unrecorded(self) -> None:
+        """End the history rows of runs whose reservation is gone though the row says they
+        run: a gpud that kept no job history (an earlier version, started on this state
+        directory in between) released them. They end now, as far as this gpud can tell
+        (``unrecorded``), rather than run for good in ``gpuctl jobs history`` and the
+        quotes."""
+        held = {r.id for r in self._jobs.reservations.held()}
+        with self._store.transaction() as conn:
+            rows = conn.execute("SELECT reservation FROM job_history WHERE ended_at IS NULL")
+            gone = [str(row[0]) for row in rows.fetchall() if row[0] not in held]
+            conn.executemany(
+                "UPDATE job_history SET ended_at = MAX(started_at, ?), end_cause = ?"
+                " WHERE reservation = ? AND ended_at IS NULL",
+                [(self._clock(), EndCause.UNRECORDED.value, reservation) for reservation in gone],
+            )
+        if gone:
+            log.warning(
+                "job history: %d run(s) ended while a gpud that kept no history ran (%s): "
+                "ended now",
+                len(gone),
+                ", ".join(gone[:8]),
+            )
 
     # -- devices and fit ------------------------------------------------------------------
     def fit(self) -> FitCheck | None:

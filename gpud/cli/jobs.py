@@ -268,6 +268,7 @@ END_CAUSES = {
     "removed": "jobs rm --force",
     "holder-gone": "holder gone (gpuctl killed)",
     "holder-gone-at-start": "holder gone when gpud started",
+    "unrecorded": "ended under an earlier gpud",
 }
 
 

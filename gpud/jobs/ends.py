@@ -17,6 +17,10 @@ class EndCause(StrEnum):
     # found gone at gpud's first tick: it ended while gpud was down (or could not reach it
     # to release), so the recorded end is when gpud found it, not when it ended
     GONE_AT_START = "holder-gone-at-start"
+    # found at gpud's start with no reservation left: a gpud that kept no job history (an
+    # earlier version, started on this state directory in between) released it, so the
+    # recorded end is when gpud found it, not when it ended
+    UNRECORDED = "unrecorded"
 
 
 @dataclass(frozen=True, slots=True)

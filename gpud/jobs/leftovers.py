@@ -20,6 +20,13 @@ What a process's environment says is ``/proc/<pid>/environ`` as it was at its ``
 a process that clears its environment and execs again is not found. The variable is set by
 ``gpuctl run`` alone (``gpuctl env`` does not print it), so a shell that took a job's
 environment from ``gpuctl env`` is never one of a run's processes.
+
+A ``gpuctl run`` of a version older than ``GPUD_RUN``, still running through an upgrade of
+gpud, gave its command ``GPUD_RESERVATION=<run>`` alone, as ``gpuctl env`` prints it. Given
+the run's holder (the PID of its ``gpuctl run``), a process that carries that, no
+``GPUD_RUN``, and descends from the holder is one of the run's too; a shell that took the
+environment from ``gpuctl env`` does not descend from it. What such a run left re-parented
+to init is not found.
 """
 
 from __future__ import annotations
@@ -32,16 +39,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
+from gpud.mps.procs import stat_fields
+
 RUN_VAR: Final = "GPUD_RUN"
+RESERVATION_VAR: Final = "GPUD_RESERVATION"  # gpud.jobs.env
 POLL_S: Final = 0.1
 
 
-def processes(run: str, proc_root: Path = Path("/proc"), *, skip: int | None = None) -> list[int]:
+def processes(
+    run: str, proc_root: Path = Path("/proc"), *, skip: int | None = None, holder: int | None = None
+) -> list[int]:
     """PIDs whose environment carries ``GPUD_RUN=<run>``: of another user's processes only
     those whose ``environ`` this process may read (all of them as root). Zombies have an
-    empty ``environ`` and are not listed."""
+    empty ``environ`` and are not listed. ``holder``: the PID of the run's ``gpuctl run``,
+    to find the processes of a run an older ``gpuctl run`` started (see above)."""
     needle = f"{RUN_VAR}={run}".encode()
-    found = []
+    older = f"{RESERVATION_VAR}={run}".encode()
+    unmarked = f"{RUN_VAR}=".encode()
+    found, descendants = [], []
     try:
         names = os.listdir(proc_root)
     except OSError:
@@ -53,9 +68,28 @@ def processes(run: str, proc_root: Path = Path("/proc"), *, skip: int | None = N
             environ = (proc_root / name / "environ").read_bytes()
         except OSError:
             continue  # gone, or not ours to read
-        if needle in environ.split(b"\0"):
+        variables = environ.split(b"\0")
+        if needle in variables:
             found.append(int(name))
+        elif holder and older in variables and not any(v.startswith(unmarked) for v in variables):
+            descendants.append(int(name))
+    found += [pid for pid in descendants if _descends(pid, holder or 0, proc_root)]
     return sorted(found)
+
+
+def _descends(pid: int, ancestor: int, proc_root: Path) -> bool:
+    """``ancestor`` is the parent of ``pid``, or of its parent, and so on."""
+    seen = set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        fields = stat_fields(pid, proc_root)
+        try:
+            pid = int(fields[1]) if fields else 0  # field 4 of proc(5): the parent's PID
+        except (IndexError, ValueError):
+            return False
+        if pid == ancestor:
+            return True
+    return False
 
 
 def kill(
@@ -64,10 +98,12 @@ def kill(
     proc_root: Path = Path("/proc"),
     *,
     send: Callable[[int, int], None] = os.kill,
+    holder: int | None = None,
 ) -> list[int]:
-    """Send ``sig`` to every process of ``run``; the PIDs it was sent to."""
+    """Send ``sig`` to every process of ``run`` (``holder``: see :func:`processes`); the PIDs
+    it was sent to."""
     sent = []
-    for pid in processes(run, proc_root, skip=os.getpid()):
+    for pid in processes(run, proc_root, skip=os.getpid(), holder=holder):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             send(pid, sig)
             sent.append(pid)

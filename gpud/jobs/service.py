@@ -290,7 +290,8 @@ class JobService:
                 for r in released:
                     self._released(r, RunEnd(EndCause.REMOVED))
                     self._stops.schedule(
-                        RunStop(r.id, name, StopReason.REMOVED, kill_at), wait_s=STOP_GRACE_S
+                        RunStop(r.id, name, StopReason.REMOVED, kill_at, r.holder_pid),
+                        wait_s=STOP_GRACE_S,
                     )
             for then in committed:  # still under the placement lock, which comes first
                 try:
@@ -302,7 +303,7 @@ class JobService:
             # its runs must not go on using what nothing reserves now: SIGTERM to their
             # processes (the command exits, its gpuctl ends what it left), SIGKILL to what
             # is left after STOP_GRACE_S (the tick, from the store: a restart keeps it)
-            told = leftovers.kill(r.id, signal.SIGTERM, self._proc_root)
+            told = leftovers.kill(r.id, signal.SIGTERM, self._proc_root, holder=r.holder_pid)
             if not told:
                 self._stops.done(r.id)
                 continue
@@ -685,7 +686,7 @@ class JobService:
                     )
 
     def _kill_leftovers(self, stop: RunStop) -> None:
-        killed = leftovers.kill(stop.run, signal.SIGKILL, self._proc_root)
+        killed = leftovers.kill(stop.run, signal.SIGKILL, self._proc_root, holder=stop.holder)
         self._stops.done(stop.run)
         if not killed:
             return

@@ -41,6 +41,9 @@ class RunStop:
     job: str
     reason: StopReason
     kill_at: float  # the clock of the service (wall time), for a gpud started after this one
+    # the PID of its gpuctl run, while this gpud knows it (not stored): finds the processes
+    # of a run an older gpuctl run started (gpud.jobs.leftovers)
+    holder: int | None = None
 
 
 class RunStops:
@@ -59,6 +62,7 @@ class RunStops:
         self._monotonic = monotonic
         # run -> when its kill is due (monotonic), of the stops this process scheduled
         self._deadlines: dict[str, float] = {}
+        self._holders: dict[str, int] = {}  # run -> RunStop.holder, of the stops scheduled here
         store.ensure_schema(SCHEMA)
 
     def schedule(self, stop: RunStop, *, wait_s: float = 0.0) -> None:
@@ -66,6 +70,8 @@ class RunStops:
         from now by this process's monotonic clock and at ``stop.kill_at`` after a
         restart."""
         self._deadlines[stop.run] = self._monotonic() + wait_s
+        if stop.holder:
+            self._holders[stop.run] = stop.holder
         with self._store.transaction() as conn:
             conn.execute(
                 "INSERT OR REPLACE INTO job_run_stops (run, job, reason, kill_at)"
@@ -82,7 +88,12 @@ class RunStops:
             rows = conn.execute(
                 "SELECT run, job, reason, kill_at FROM job_run_stops ORDER BY kill_at"
             ).fetchall()
-        stops = [RunStop(r["run"], r["job"], _reason(r["reason"]), r["kill_at"]) for r in rows]
+        stops = [
+            RunStop(
+                r["run"], r["job"], _reason(r["reason"]), r["kill_at"], self._holders.get(r["run"])
+            )
+            for r in rows
+        ]
         return [s for s in stops if self._is_due(s, now, mono)]
 
     def _is_due(self, stop: RunStop, now: float, mono: float) -> bool:
@@ -93,6 +104,7 @@ class RunStops:
 
     def done(self, run: str) -> None:
         self._deadlines.pop(run, None)
+        self._holders.pop(run, None)
         with self._store.transaction() as conn:
             conn.execute("DELETE FROM job_run_stops WHERE run = ?", (run,))
 

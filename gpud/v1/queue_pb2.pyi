@@ -422,8 +422,9 @@ class HistoryRecord(_message.Message):
     exit_code: _builtins.int
     """How it ended: "exited" (its gpuctl run reported exit_code or exit_signal), "released"
     (with no status), "removed" (jobs rm --force), "holder-gone" (its gpuctl run died),
-    "holder-gone-at-start" (found gone when gpud started); "" while it runs, or when it
-    ended before gpud recorded how.
+    "holder-gone-at-start" (found gone when gpud started), "unrecorded" (its reservation
+    found gone when gpud started: a gpud older than the history released it); "" while it
+    runs, or when it ended before gpud recorded how.
     """
     exit_signal: _builtins.int
     end_cause: _builtins.str

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sqlite3
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -837,6 +838,30 @@ def test_a_history_the_previous_version_wrote_is_kept_and_goes_on(tmp_path: Path
         old, new = node.admission.history()
         assert (old.job, old.ended_at, old.exit_code, old.end_cause) == ("old", 950, None, None)
         assert (new.job, new.exit_code, new.end_cause) == ("new", 1, "exited")
+    finally:
+        node.store.close()
+
+
+def test_a_run_released_by_a_gpud_that_kept_no_history_ends_at_start(tmp_path: Path) -> None:
+    """A gpud older than the job history (started on the state directory in between, after
+    a downgrade) released a run this one recorded as started: the row no longer runs for
+    good but ends when gpud finds it so (``unrecorded``); a run still held runs on."""
+    node = make_node(tmp_path, Clock())
+    held = node.jobs.reserve(whole("held")).reservation
+    gone = node.jobs.reserve(whole("gone")).reservation
+    clock = node.clock
+    node.store.close()
+    conn = sqlite3.connect(tmp_path / "state" / "state.db")  # the older gpud's release
+    with conn:
+        conn.execute("DELETE FROM job_reservations WHERE id = ?", (gone.id,))
+    conn.close()
+    clock.now += 60
+    node = make_node(tmp_path, clock)
+    try:
+        rows = {h.job: h for h in node.admission.history()}
+        assert (rows["gone"].ended_at, rows["gone"].end_cause) == (1060.0, "unrecorded")
+        assert (rows["held"].ended_at, rows["held"].end_cause) == (None, None)
+        assert [r.id for r in node.jobs.reservations.held()] == [held.id]
     finally:
         node.store.close()
 

@@ -320,6 +320,14 @@ def test_what_a_run_whose_gpuctl_is_gone_left_running_is_killed_with_its_release
             p.wait()
 
 
+def _wait_for(path: Path) -> None:
+    """Until ``path`` exists (a test's process says it is ready), at most 10 s."""
+    deadline = time.monotonic() + 10
+    while not path.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
 def test_a_force_removed_jobs_runs_are_told_to_stop_then_killed(
     tmp_path: Path, store: StateStore
 ) -> None:
@@ -343,10 +351,7 @@ def test_a_force_removed_jobs_runs_are_told_to_stop_then_killed(
         ["sh", "-c", f"trap '' TERM; touch {ready}; while :; do sleep 0.1; done"], env=env
     )
     try:
-        deadline = time.monotonic() + 10
-        while not ready.exists():
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        _wait_for(ready)
         with pytest.raises(FailedPrecondition, match="--force"):
             service.remove("a")
         service.remove("a", force=True)
@@ -367,6 +372,55 @@ def test_a_force_removed_jobs_runs_are_told_to_stop_then_killed(
         assert "after SIGTERM" in killed.message and stubborn.pid in killed.fields["pids"]
     finally:
         for p in (holder, polite, stubborn):
+            p.kill()
+            p.wait()
+
+
+def test_a_force_removed_run_an_older_gpuctl_run_started_is_stopped_too(
+    tmp_path: Path, store: StateStore
+) -> None:
+    """A ``gpuctl run`` of a version older than ``GPUD_RUN``, still running through an
+    upgrade of gpud, gave its command ``GPUD_RESERVATION`` alone: ``gpuctl jobs rm --force``
+    stops that command too (it descends from the run's holder), SIGKILL after the grace, and
+    leaves a shell that took the job's environment from ``gpuctl env`` alone."""
+    mono = [50.0]
+    events = EventLog(None)
+    mps = MpsManager(store, events, tmp_path / "run", FAKE_CONTROL, enabled=False)
+    mps.observe(DEVICES)
+    service = JobService(store, events, mps, socket_path=Path("/s"), monotonic=lambda: mono[0])
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GPUD_")}
+    ready = tmp_path / "ready"
+    command = tmp_path / "command.sh"
+    command.write_text(f"trap '' TERM; touch {ready}; while :; do sleep 0.1; done\n")
+    # the older gpuctl run: its command gets the reservation id, then it waits for it
+    holder = subprocess.Popen(
+        ["sh", "-c", f"read id; GPUD_RESERVATION=$id sh {command} & wait"],
+        stdin=subprocess.PIPE,
+        env=base,
+        text=True,
+    )
+    service.add(JobSpec("a"))
+    held = service.reservations.add(
+        "a", [gpu_uuid(1)], threads_percent=None, memory_bytes=None, client_priority=1,
+        holder_pid=holder.pid,
+    )  # fmt: skip
+    assert holder.stdin is not None
+    holder.stdin.write(f"{held.id}\n")
+    holder.stdin.close()
+    shell = subprocess.Popen(["sleep", "300"], env={**base, "GPUD_RESERVATION": held.id})
+    try:
+        _wait_for(ready)
+        service.remove("a", force=True)
+        (event,) = [e for e in events.recent() if e.kind == "job.stop"]
+        assert event.fields["pids"] and shell.pid not in event.fields["pids"]
+        mono[0] += STOP_GRACE_S
+        service.tick(None)
+        assert holder.wait(timeout=10) == 0  # its command was killed: its wait returned
+        (killed,) = [e for e in events.recent() if e.kind == "job.kill"]
+        assert "after SIGTERM" in killed.message
+        assert shell.poll() is None
+    finally:
+        for p in (holder, shell):
             p.kill()
             p.wait()
 
@@ -395,10 +449,7 @@ def test_a_wall_clock_step_forward_does_not_cut_a_force_removed_runs_grace(
         env={**os.environ, "GPUD_RUN": held.id},
     )
     try:
-        deadline = time.monotonic() + 10
-        while not ready.exists():
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        _wait_for(ready)
         service.remove("a", force=True)
         now[0] += 3600  # NTP step, a resumed VM
         service.tick(None)
