@@ -834,6 +834,8 @@ class AdmissionService:
             if entry is not None:
                 self._set_state(entry.id, STARTED, reservation.id)
             placed = entry.request if entry is not None else _run_request(spec)
+            if placed.kind is None:  # a queued request takes the job's kind, as it ran
+                placed = replace(placed, kind=spec.kind)
             request = request_of(placed)
             queued_at = entry.enqueued_at if entry is not None else reservation.created_at
             # never after the start: the wall clock may have stepped back between the two

@@ -595,6 +595,17 @@ def test_requests_show_sizes_as_people_write_them_and_keep_their_history_class(
     assert shown == {"1 GPU 4194304TiB", "1 GPU 1536MiB"}
 
 
+def test_the_history_of_a_queued_run_names_its_job_kind(node: Node) -> None:
+    a = node.jobs.reserve(whole("a", 2)).reservation
+    node.jobs.add(JobSpec(name="serve", kind=JobKind.INFERENCE, gpu_count=1))
+    node.admission.enqueue(RunRequest(job="serve"))  # as gpuctl run asks: no kind of its own
+    node.jobs.release(a.id)
+    node.admission.tick()
+    history = {h.job: history_message(h) for h in node.admission.history()}
+    assert history["serve"].placement.kind == jobs_pb2.JOB_KIND_INFERENCE
+    assert history["a"].placement.kind == jobs_pb2.JOB_KIND_TRAINING
+
+
 def test_the_history_says_how_each_run_ended(node: Node) -> None:
     def run(job: str, holder: int | None = None) -> str:
         return node.jobs.reserve(RunRequest(job=job, holder_pid=holder)).reservation.id
