@@ -180,14 +180,11 @@ class _JobState:
         return None
 
 
-def _kept(path: Path) -> str:
-    """Keep an unreadable state file aside (the next save starts afresh over it); says where."""
+def _kept(path: Path) -> tuple[str, Path | None]:
+    """Keep an unreadable state file aside (the next save starts afresh over it); says where,
+    and where it is (None: left in place)."""
     aside = keep_aside(path)
-    return f"the file is kept as {aside}" if aside else "the file is left in place"
-
-
-def _afresh(path: Path) -> str:
-    return f"starting afresh; {_kept(path)}"
+    return (f"the file is kept as {aside}" if aside else "the file is left in place"), aside
 
 
 def _saved_number(value: object, key: str, low: float, high: float = math.inf) -> float:
@@ -736,7 +733,7 @@ class ColoService:
         except FileNotFoundError:
             return
         except (OSError, ValueError) as err:
-            log.error("co-location state %s not read (%s): %s", path, err, _afresh(path))
+            self._unreadable(path, f"co-location state {path} not read ({err}): starting afresh")
             return
         try:
             if not isinstance(data, dict) or not isinstance(data.get("jobs"), dict):
@@ -750,7 +747,7 @@ class ColoService:
                 st = self._jobs.setdefault(name, _JobState())
                 st.evicted, st.seen = True, self._clock()
         except (ValueError, KeyError, TypeError, AttributeError) as err:
-            log.error("co-location state %s not read (%s): %s", path, err, _afresh(path))
+            self._unreadable(path, f"co-location state {path} not read ({err}): starting afresh")
             self._jobs.clear()
             self._directives.clear()
             self._guards.clear()
@@ -761,15 +758,22 @@ class ColoService:
         try:
             self.predictor = InterferencePredictor.from_dict(saved)
         except ValueError as err:
-            log.error(
-                "co-location state %s: interference predictor not restored (%s): it starts "
-                "afresh; %s",
+            self._unreadable(
                 path,
-                err,
-                _kept(path),
+                f"co-location state {path}: interference predictor not restored ({err}): it"
+                " starts afresh",
             )
             return
         self.configure(self.config)  # the planner predicts with the restored one
+
+    def _unreadable(self, path: Path, what: str) -> None:
+        """``what`` of the state file ``path`` was not read, and why: said in the log and as
+        a ``colo.state_unreadable`` event (as the critical-XID state's is: evictions and
+        guards are forgotten), the file kept aside for the operator."""
+        kept, aside = _kept(path)
+        message = f"{what}; {kept}"
+        log.error("%s", message)
+        self._events.emit("colo.state_unreadable", message, path=str(path), kept=str(aside or ""))
 
     def _load_job(self, name: str, saved: dict[str, Any]) -> None:
         """One job's saved state; a value out of its range (a NaN, a negative rate, a

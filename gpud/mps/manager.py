@@ -815,8 +815,8 @@ class MpsManager:
             dev.started = True
             self._events.emit(
                 "mps.adopt",
-                f"adopted the running MPS control daemon of {target.uuid}",
-                uuid=target.uuid,
+                f"adopted the running MPS control daemon of {_label(target)} ({target.uuid})",
+                **_where(target),
                 pid=dev.daemon.pid(),
             )
             force_check = True
@@ -839,8 +839,8 @@ class MpsManager:
             if dev.failures == 1:
                 self._events.emit(
                     "mps.start_failed",
-                    f"MPS control daemon of {target.uuid} did not start: {err}",
-                    uuid=target.uuid,
+                    f"MPS control daemon of {_label(target)} ({target.uuid}) did not start: {err}",
+                    **_where(target),
                     retry_in_s=delay,
                 )
             dev.daemon.kill()
@@ -854,11 +854,10 @@ class MpsManager:
             dev.restarts += 1
         self._events.emit(
             "mps.restart" if restart else "mps.start",
-            f"{'restarted' if restart else 'started'} the MPS control daemon of {target.uuid}"
-            f" (pid {pid}) with threads {_pct(desired.threads_percent)},"
-            f" memory {_mem(desired.memory_bytes)}",
-            uuid=target.uuid,
-            gpu=target.gpu,
+            f"{'restarted' if restart else 'started'} the MPS control daemon of"
+            f" {_label(target)} ({target.uuid}, pid {pid}) with threads"
+            f" {_pct(desired.threads_percent)}, memory {_mem(desired.memory_bytes)}",
+            **_where(target),
             pid=pid,
             restarts=dev.restarts,
         )
@@ -886,9 +885,9 @@ class MpsManager:
                     return
                 self._events.emit(
                     "mps.restart_to_clear",
-                    f"restarting the idle MPS control daemon of {target.uuid} to remove its"
-                    " memory limit",
-                    uuid=target.uuid,
+                    f"restarting the idle MPS control daemon of {_label(target)}"
+                    f" ({target.uuid}) to remove its memory limit",
+                    **_where(target),
                 )
                 dev.daemon.stop()
                 dev.started = False  # not a failure restart
@@ -898,9 +897,10 @@ class MpsManager:
                 if not requested:
                     self._events.emit(
                         "mps.drift",
-                        f"MPS limits of {target.uuid} differ from the desired ones"
-                        f" (threads {threads:g} %, memory {_mem(memory)}); re-applying",
-                        uuid=target.uuid,
+                        f"MPS limits of {_label(target)} ({target.uuid}) differ from the"
+                        f" desired ones (threads {threads:g} %, memory {_mem(memory)});"
+                        " re-applying",
+                        **_where(target),
                     )
                 self._apply(target, dev, desired, servers=servers, timeout_s=timeout_s)
             else:

@@ -397,6 +397,7 @@ class TrafficService:
                         else f"job {job} gave up its DSCP tag to a job the cluster gave it to"
                         " (it gets a free one when it needs one)",
                         job=job,
+                        dscp=dscp,
                     )
             self._order = dict(levels)
             self._epoch = epoch
@@ -936,6 +937,7 @@ class TrafficService:
                         "net.interface_error",
                         f"not in traffic.interfaces any more, but gpud's tree stays: {message}",
                         interface=iface,
+                        reason=message,
                     )
                     continue
             else:

@@ -1884,6 +1884,20 @@ def test_an_unreadable_state_file_starts_afresh(
     assert str(state) in record.getMessage() and "starting afresh" in record.getMessage()
 
 
+def test_an_unreadable_state_file_is_an_event(tmp_path: Path) -> None:
+    """Evictions and guards forgotten: an event an operator can alert on, as an unreadable
+    critical-XID state is (gpu.xid_state_unreadable), not only a log line."""
+    state = tmp_path / "colo.json"
+    state.write_text("{not json")
+    events = EventLog(None)
+    ColoService(ColocateConfig(), events, running=list, state_file=state)
+    (event,) = events.recent(kind_prefix="colo.")
+    assert event.kind == "colo.state_unreadable"
+    assert event.fields == {"path": str(state), "kept": str(tmp_path / "colo.json.unreadable")}
+    assert event.message.startswith(f"co-location state {state} not read (")
+    assert event.message.endswith(f"starting afresh; the file is kept as {event.fields['kept']}")
+
+
 def test_a_bad_value_in_the_state_file_is_named(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -524,6 +524,32 @@ def test_a_daemon_that_cannot_start_backs_off(root: Path) -> None:
         store.close()
 
 
+def test_events_of_a_daemon_name_its_gpu_as_the_health_checks_do(root: Path) -> None:
+    """``gpuctl events --kind mps. --json`` filtered on a GPU finds every event of its
+    daemon: a start, a failed start, as a failed health check does."""
+    mgr, store, events = make_manager(root, sleep=lambda s: None)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
+        started = events.recent(kind_prefix="mps.start")
+        assert sorted(e.fields["gpu"] for e in started) == [0, 1]
+        assert all(f"GPU {e.fields['gpu']} (" in e.message for e in started)
+    finally:
+        mgr.stop()
+        store.close()
+    mgr, store, events = make_manager(root / "again", sleep=lambda s: None)
+    mgr._command = ["/nonexistent/nvidia-cuda-mps-control"]
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
+        failed = events.recent(kind_prefix="mps.start_failed")
+        assert sorted((e.fields["gpu"], e.fields["uuid"]) for e in failed) == [
+            (0, gpu_uuid(0)),
+            (1, gpu_uuid(1)),
+        ]
+        assert all(f"GPU {e.fields['gpu']} (" in e.message for e in failed)
+    finally:
+        store.close()
+
+
 def _metrics_registry(manager: MpsManager) -> CollectorRegistry:
     registry = CollectorRegistry()
     source = MpsMetrics(manager)

@@ -358,6 +358,9 @@ def test_cluster_order_is_fenced_by_epoch(rig: Rig) -> None:
     assert result.applied and result.retagged == ("a", "b"), result.reason
     now = rig.service.tags.allocations()
     assert now["a"] == b_had and "b" not in now
+    # each retag event carries the DSCP the job has now, as net.tag does (none: gave it up)
+    retags = [e for e in rig.events.recent(100) if e.kind == "net.retag"][-2:]
+    assert [(e.fields["job"], e.fields["dscp"]) for e in retags] == [("a", b_had), ("b", None)]
     rig.service.tick()
     again = rig.service.tags.allocations()
     assert again["a"] == b_had and again["b"] not in (b_had, None)
@@ -1182,6 +1185,33 @@ def test_before_its_first_tick_a_restarted_gpud_shows_the_levels_in_force(rig: R
 
 
 PFIFO_FAST = tcplan.RootQdisc("pfifo_fast", 0)
+
+
+@dataclasses.dataclass
+class RefusingTc(FakeTc):
+    """Refuses to remove gpud's tree (EPERM, as netlink says it)."""
+
+    def restore(self, iface: str, original: tcplan.RootQdisc | None = None) -> None:
+        raise RuntimeError(f"{iface}: Operation not permitted")
+
+
+def test_a_tree_that_stays_on_an_interface_taken_out_gives_its_reason(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """Every net.interface_error carries ``reason``, also this one: a script reading the
+    field of the kind finds it."""
+    rig = Rig(tmp_path, sysfs, link_rates=("eth1=1gbit",))
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0", "eth1"))
+    rig.service = rig.make()
+    rig.service.start()
+    rig.service.tick()
+    rig.tc = RefusingTc(states=dict(rig.tc.states))
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0",), link_rates=())
+    rig.service = rig.make()
+    rig.service.start()
+    (event,) = rig.events.recent(100, kind_prefix="net.interface_error")
+    assert event.fields == {"interface": "eth1", "reason": "eth1: Operation not permitted"}
+    assert "gpud's tree stays: eth1: Operation not permitted" in event.message
 
 
 def _restart(rig: Rig) -> TrafficService:
