@@ -849,7 +849,13 @@ class Daemon:
             new = self._reload_config()
         except GpudError as err:
             log.error("config reload failed, keeping the running config: %s", err)
-            self.events.emit("config.reload_failed", str(err))
+            config_err = err if isinstance(err, ConfigError) else None
+            self.events.emit(
+                "config.reload_failed",
+                str(err),
+                path=(config_err and config_err.path) or "",
+                key=(config_err and config_err.key) or "",
+            )
             self._notifier.ready("config reload failed; running config kept")
             return
         kept = []

@@ -454,6 +454,7 @@ def test_reload_refuses_an_out_of_range_value_and_keeps_the_running_config(
         assert "telemetry.interval_s: 1e+308 is out of range: must be within [0.01, 3600]" in (
             event.message
         )
+        assert event.fields == {"path": str(path), "key": "telemetry.interval_s"}
         assert daemon.config.telemetry.interval_s == 1.0
     finally:
         daemon.sampler.close()
