@@ -256,13 +256,22 @@ def _print_attributes(ctx: Context, resp: pb.GetAttributesResponse) -> None:
                 _opt(a, "progress_rate", "{:.3f}"),
                 a.slowest_node or "-",
                 ",".join(a.unhealthy_gpus) or "-",
-                ",".join(a.critical_xids) or "-",
+                _xids_cell(a),
                 ",".join(a.links_down) or "-",
                 str(a.drops),
             )
             for a in resp.attributes
         ],
     )
+
+
+def _xids_cell(a: pb.JobAttributes) -> str:
+    """``critical_xids``, and the ``node:code`` of a node that sends none of them: a gpud
+    from before critical XIDs, whose XIDS entry is the last XID of any kind seen there
+    (a node of this version sends in XIDS the codes of its critical_xids only)."""
+    reporting = {x.split("/", 1)[0] for x in a.critical_xids}
+    older = [f"{x} (last XID, older gpud)" for x in a.xids if x.rsplit(":", 1)[0] not in reporting]
+    return ",".join([*a.critical_xids, *older]) or "-"
 
 
 def run_attributes(ctx: Context, args: argparse.Namespace) -> int:
