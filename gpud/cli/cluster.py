@@ -266,11 +266,12 @@ def _print_attributes(ctx: Context, resp: pb.GetAttributesResponse) -> None:
 
 
 def _xids_cell(a: pb.JobAttributes) -> str:
-    """``critical_xids``, and the ``node:code`` of a node that sends none of them: a gpud
-    from before critical XIDs, whose XIDS entry is the last XID of any kind seen there
-    (a node of this version sends in XIDS the codes of its critical_xids only)."""
+    """``critical_xids``, and each ``xids`` entry (``node:code``) of a node with none of
+    them: that node runs a gpud from before critical XIDs (its last XID of any kind), or
+    the leader does (it drops critical_xids from reports); a node and a leader of this
+    version send in ``xids`` the codes of ``critical_xids`` only."""
     reporting = {x.split("/", 1)[0] for x in a.critical_xids}
-    older = [f"{x} (last XID, older gpud)" for x in a.xids if x.rsplit(":", 1)[0] not in reporting]
+    older = [f"{x} (code only, older gpud)" for x in a.xids if x.rsplit(":", 1)[0] not in reporting]
     return ",".join([*a.critical_xids, *older]) or "-"
 
 

@@ -154,4 +154,4 @@ def test_attributes_show_the_xid_an_older_gpud_reports(
     server.run(agent.tick())
     assert main(["cluster", "attributes", "--socket", sock, "--job", "train-a"], env={}) == 0
     out = capsys.readouterr().out
-    assert "gpu-01/GPU-2:79,gpu-01/GPU-2:48,gpu-02:31 (last XID, older gpud)" in out
+    assert "gpu-01/GPU-2:79,gpu-01/GPU-2:48,gpu-02:31 (code only, older gpud)" in out
