@@ -256,13 +256,23 @@ def _print_attributes(ctx: Context, resp: pb.GetAttributesResponse) -> None:
                 _opt(a, "progress_rate", "{:.3f}"),
                 a.slowest_node or "-",
                 ",".join(a.unhealthy_gpus) or "-",
-                ",".join(a.critical_xids) or "-",
+                _xids_cell(a),
                 ",".join(a.links_down) or "-",
                 str(a.drops),
             )
             for a in resp.attributes
         ],
     )
+
+
+def _xids_cell(a: pb.JobAttributes) -> str:
+    """``critical_xids``, and each ``xids`` entry (``node:code``) of a node with none of
+    them: that node runs a gpud from before critical XIDs (its last XID of any kind), or
+    the leader does (it drops critical_xids from reports); a node and a leader of this
+    version send in ``xids`` the codes of ``critical_xids`` only."""
+    reporting = {x.split("/", 1)[0] for x in a.critical_xids}
+    older = [f"{x} (code only, older gpud)" for x in a.xids if x.rsplit(":", 1)[0] not in reporting]
+    return ",".join([*a.critical_xids, *older]) or "-"
 
 
 def run_attributes(ctx: Context, args: argparse.Namespace) -> int:

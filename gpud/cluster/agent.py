@@ -503,6 +503,14 @@ class ClusterAgent:
         with self._lock:
             agg = self._aggregator
         if not info.leading:
+            if info.leader == self.node:
+                # restarted within its previous run's lease (an upgrade, a kill -9): no
+                # hint, the node that reports knows the key's holder already
+                raise NotLeader(
+                    f"{self.node} does not lead yet: the leader key still names it, held by "
+                    "its previous run (or another gpud under the same cluster.node) until "
+                    "that lease expires, within cluster.lease_ttl_s"
+                )
             leader = f"; the leader is {info.leader} at {info.address}" if info.leader else ""
             raise NotLeader(
                 f"{self.node} does not lead{leader}", leader=info.leader, address=info.address

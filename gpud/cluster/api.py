@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import socket
@@ -262,6 +263,10 @@ class PeerClient:
     def __init__(self, tls: PeerTls, *, timeout_s: float) -> None:
         self._credentials = tls.channel_credentials()
         self._timeout_s = timeout_s
+        # a gpud before node names compared without case checks the name in a report
+        # against the certificate's as spelled there: reports carry that spelling (a
+        # leader of this version folds it to lower case)
+        self._node_as_named = tls.node_as_named
         self._channels: dict[tuple[str, str], Any] = {}
         self._closing: set[asyncio.Task[None]] = set()  # old leaders' channels
 
@@ -293,6 +298,9 @@ class PeerClient:
         return pb_grpc.ClusterPeerStub(channel)
 
     async def report(self, address: str, leader: str, report: NodeReport) -> Order | None:
+        named = self._node_as_named
+        if named and named != report.node and node_name(named) == report.node:
+            report = dataclasses.replace(report, node=named)
         try:
             response = await (await self._stub(address, leader)).Report(
                 report_to_pb(report), timeout=self._timeout_s

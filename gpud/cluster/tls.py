@@ -75,6 +75,8 @@ class PeerTls:
     key: bytes
     cert_file: str = ""
     not_after: float | None = None
+    # the node's name as the certificate spells it (loaded with ``node``; "" otherwise)
+    node_as_named: str = ""
 
     @classmethod
     def load(
@@ -107,7 +109,7 @@ class PeerTls:
                     f"cannot read {path}: {err.strerror}", key=f"cluster.{key}"
                 ) from err
             paths[key] = path
-        not_after = _check(
+        not_after, node_as_named = _check(
             paths["ca_file"],
             paths["cert_file"],
             paths["key_file"],
@@ -121,6 +123,7 @@ class PeerTls:
             values["key_file"],
             cert_file=str(paths["cert_file"]),
             not_after=not_after,
+            node_as_named=node_as_named,
         )
 
     def expiry_problem(self, now: float) -> str:
@@ -232,8 +235,9 @@ def _check(
     *,
     node: str | None,
     now: float,
-) -> float | None:
-    """See :meth:`PeerTls.load`; the certificate's notAfter (Unix time)."""
+) -> tuple[float, str]:
+    """See :meth:`PeerTls.load`; the certificate's notAfter (Unix time) and ``node`` as the
+    certificate spells it ("" without ``node``)."""
     ca_text = _pem_text(values["ca_file"])
     for name, path, text in (("ca_file", ca, ca_text), ("cert_file", cert, None)):
         _parse_certificates(path, text or _pem_text(values[name]), f"cluster.{name}")
@@ -274,24 +278,24 @@ def _check(
         )
     # the client verified the certificate, so its fields are there
     verified = c.getpeercert() or {}
-    if node is not None:
-        _check_names_node(verified, cert, node)
+    named = "" if node is None else _check_names_node(verified, cert, node)
     not_after = ssl.cert_time_to_seconds(str(verified["notAfter"]))
     _warn_expiring("cluster.cert_file", cert, not_after, now)
     for authority in authorities:
         end = ssl.cert_time_to_seconds(str(authority["notAfter"]))
         _warn_expiring("cluster.ca_file", ca, end, now)
-    return float(not_after)
+    return float(not_after), named
 
 
-def _check_names_node(verified: dict[str, Any], cert: Path, node: str) -> None:
+def _check_names_node(verified: dict[str, Any], cert: Path, node: str) -> str:
     """That the certificate names ``node`` itself, as the leader checks a report (the
     names in ``api.peer_names``, without case): TLS also matches a wildcard, which would
-    pass here and then have every report refused."""
+    pass here and then have every report refused. Returns the name as the certificate
+    spells it."""
     sans = verified.get("subjectAltName") or ()
-    names = {str(value).lower() for _, value in sans}
-    if node.lower() in names:
-        return
+    for _, value in sans:
+        if str(value).lower() == node.lower():
+            return str(value)
     dns = ", ".join(repr(str(value)) for kind, value in sans if kind == "DNS") or "nothing"
     raise ConfigError(
         f"{cert}: the certificate names {dns}, not node {node!r} (cluster.node) itself: "

@@ -18,7 +18,7 @@ from gpud.cluster.leader import NodeSeen
 from gpud.cluster.model import NodeReport, Order
 from gpud.cluster.ports import MemoryTagStore, StaticNodeView, StoreAlarms
 from gpud.cluster.problems import Problem, ProblemBoard
-from gpud.errors import FailedPrecondition, Unavailable
+from gpud.errors import FailedPrecondition, NotLeader, Unavailable
 from gpud.events import EventLog
 from gpud.net.port import FakeTraffic, JobTraffic, OrderResult
 from netshaper.leveller import LevellerConfig
@@ -694,6 +694,21 @@ async def test_a_leader_elected_before_its_first_round_answers_no_order_yet() ->
     follower = agent("n1", LeaderInfo("n0", "a0", 7, False), FakeTraffic(), peers, clock)
     with pytest.raises(FailedPrecondition, match="n1 does not lead; the leader is n0"):
         follower.receive(NodeReport("n2"))
+
+
+async def test_a_restarted_leader_that_etcd_still_names_says_so_when_it_refuses() -> None:
+    # kill -9 and a start at once (an upgrade): the leader key is still the previous run's.
+    # The nodes' reports were refused with "n0 does not lead; the leader is n0 at a0",
+    # which every node published as its problem, with the action to make n0 reachable.
+    clock, peers = Clock(), LoopbackPeers()
+    restarted = agent("n0", LeaderInfo("n0", "a0", 7, False), FakeTraffic(), peers, clock)
+    with pytest.raises(NotLeader) as refused:
+        restarted.receive(NodeReport("n1"))
+    message = str(refused.value)
+    assert "the leader is n0" not in message
+    assert "n0 does not lead yet: the leader key still names it" in message
+    assert "until that lease expires" in message
+    assert (refused.value.leader, refused.value.address) == ("", "")  # no hint to follow
 
 
 async def test_orders_of_the_leader_etcd_names_now_are_followed_after_etcd_went_back() -> None:

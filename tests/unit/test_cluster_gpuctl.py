@@ -17,6 +17,7 @@ from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.api import ClusterServicer
 from gpud.cluster.certexpiry import CertWatch
 from gpud.cluster.election import LeaderInfo
+from gpud.cluster.model import JobReport, NodeReport
 from gpud.cluster.ports import MemoryTagStore, StaticNodeView
 from gpud.net.port import FakeTraffic
 from netshaper.leveller import LevellerConfig
@@ -140,3 +141,17 @@ def test_attributes_from_gpuctl_and_the_client(
     first = next(watch)
     assert first == a
     watch.close()
+
+
+def test_attributes_show_the_xid_an_older_gpud_reports(
+    capsys: pytest.CaptureFixture[str], served: tuple[str, ClusterAgent, ServerThread]
+) -> None:
+    # A node still on a gpud from before critical XIDs sends only xids, its last XID of
+    # any kind: the CRITICAL XIDS column said "-" for a job whose GPU there had XID 31.
+    sock, agent, server = served
+    older = NodeReport("gpu-02", (JobReport("train-a", gpus=("GPU-9",), xids=(31,)),))
+    agent.receive(older)
+    server.run(agent.tick())
+    assert main(["cluster", "attributes", "--socket", sock, "--job", "train-a"], env={}) == 0
+    out = capsys.readouterr().out
+    assert "gpu-01/GPU-2:79,gpu-01/GPU-2:48,gpu-02:31 (code only, older gpud)" in out

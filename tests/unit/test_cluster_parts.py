@@ -414,3 +414,49 @@ async def test_a_call_to_the_old_leader_in_flight_when_a_new_one_is_dialled_fail
                 await waiting
         finally:
             await client.close()
+
+
+async def test_a_report_names_the_node_as_its_certificate_does_for_an_older_leader(
+    tmp_path: Path,
+) -> None:
+    # A gpud from before node names compared without case leads: it takes a report only
+    # when the report's node is one of the certificate's names as spelled there. A node
+    # named GPU-C (cluster.node and certificate) reports as "gpu-c" in this version, and
+    # that leader refused it ("a peer whose certificate names 127.0.0.1, GPU-C cannot
+    # report as 'gpu-c'") until the whole cluster was upgraded.
+    from gpud.api.interceptors import ErrorMappingInterceptor
+    from gpud.cluster.api import peer_names
+    from gpud.errors import PermissionDenied
+    from gpud.v1 import cluster_pb2_grpc
+
+    make_ca(tmp_path)
+    for name in ("GPU-A", "GPU-C"):
+        make_node(tmp_path, name, tmp_path)
+    seen: list[str] = []
+
+    class OlderLeader(cluster_pb2_grpc.ClusterPeerServicer):
+        async def Report(self, request: pb.ReportRequest, context: object) -> pb.ReportResponse:
+            node = request.node
+            seen.append(node)
+            if node not in peer_names(context):  # as an older leader compares
+                raise PermissionDenied(f"cannot report as {node!r}")
+            return pb.ReportResponse()
+
+    leader_tls = PeerTls.load(
+        tmp_path / "ca.pem", tmp_path / "GPU-A.pem", tmp_path / "GPU-A-key.pem", node="gpu-a"
+    )
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()])
+    cluster_pb2_grpc.add_ClusterPeerServicer_to_server(OlderLeader(), server)
+    port = server.add_secure_port("127.0.0.1:0", leader_tls.server_credentials())
+    await server.start()
+    tls = PeerTls.load(
+        tmp_path / "ca.pem", tmp_path / "GPU-C.pem", tmp_path / "GPU-C-key.pem", node="gpu-c"
+    )
+    client = PeerClient(tls, timeout_s=5)
+    try:
+        report = NodeReport("gpu-c", (JobReport("a", 0.5),))
+        assert await client.report(f"127.0.0.1:{port}", "gpu-a", report) is None
+        assert seen == ["GPU-C"]
+    finally:
+        await client.close()
+        await server.stop(None)
