@@ -87,6 +87,8 @@ class ApiConfig:
     socket: Path | None = None  # default: <run_dir>/gpud.sock
     socket_group: str = ""  # group allowed to use the socket; "" keeps the daemon's group
     tcp_address: str = ""  # "HOST:PORT" to also serve gRPC on TCP; "" disables
+    # what TCP serves: "read" (queries and jobs' own reports) or "full" (every call)
+    tcp_access: Literal["read", "full"] = "read"
 
 
 @dataclass(frozen=True)

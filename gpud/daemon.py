@@ -89,6 +89,7 @@ RESTART_KEYS = (
     "api.socket",
     "api.socket_group",
     "api.tcp_address",
+    "api.tcp_access",
     "mig.drain_timeout_s",
     "mps.enabled",
     "mps.control_binary",
@@ -342,6 +343,7 @@ class Daemon:
             config.socket_path,
             socket_group=config.api.socket_group or None,
             tcp_address=config.api.tcp_address or None,
+            tcp_access=config.api.tcp_access,
             servicers=[
                 self.node_servicer.register,
                 MigServicer(

@@ -271,9 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as err:
             print(f"gpud: config error: {err}", file=sys.stderr)
             return 2
+        from gpud.api.access import tcp_warning
         from gpud.net.wiring import config_warnings
 
-        for warning in config_warnings(cfg):  # taken, as at start, but said
+        warnings = [*config_warnings(cfg), tcp_warning(cfg.api.tcp_address, cfg.api.tcp_access)]
+        for warning in filter(None, warnings):  # taken, as at start, but said
             print(f"gpud: warning: {warning}", file=sys.stderr)
         print("config OK")
         return 0

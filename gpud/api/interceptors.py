@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 
 from gpud.api import validate
+from gpud.api.access import Guard
 from gpud.errors import (
     ERROR_KEY,
     EXIT_CODE_KEY,
@@ -116,9 +117,13 @@ async def _abort_for(
     await context.abort(grpc.StatusCode[code_name], details[:_MAX_DETAIL], metadata)
 
 
-def _wrap_unary_response(behavior: Behavior, method: str, once: _Once | None) -> Behavior:
+def _wrap_unary_response(
+    behavior: Behavior, method: str, once: _Once | None, allowed: Guard | None
+) -> Behavior:
     async def handler(request: Any, context: Any) -> Any:
         try:
+            if allowed is not None:
+                allowed(method, context.peer())
             _check_decoded(request)
             result = behavior(request, context)
             if inspect.isawaitable(result):
@@ -135,9 +140,13 @@ def _wrap_unary_response(behavior: Behavior, method: str, once: _Once | None) ->
     return handler
 
 
-def _wrap_stream_response(behavior: Behavior, method: str, once: _Once | None) -> Behavior:
+def _wrap_stream_response(
+    behavior: Behavior, method: str, once: _Once | None, allowed: Guard | None
+) -> Behavior:
     async def handler(request: Any, context: Any) -> AsyncIterator[Any]:
         try:
+            if allowed is not None:
+                allowed(method, context.peer())
             _check_decoded(request)
             result = behavior(request, context)
             if inspect.isasyncgen(result):
@@ -162,10 +171,13 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     Each refusal (a GpudError) is logged at INFO; with ``log_repeats=False``, each
     distinct one once per method until that method succeeds again (for callers that
-    retry every tick and would repeat it every tick)."""
+    retry every tick and would repeat it every tick). ``allowed`` checks each call first
+    (its method and ``context.peer()``, :func:`gpud.api.access.guard`), raising to refuse
+    it."""
 
-    def __init__(self, *, log_repeats: bool = True) -> None:
+    def __init__(self, *, log_repeats: bool = True, allowed: Guard | None = None) -> None:
         self._once = None if log_repeats else _Once()
+        self._allowed = allowed
 
     async def intercept_service(
         self,
@@ -186,7 +198,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             behavior = getattr(handler, attr)
             if behavior is not None:
                 return make(
-                    wrap(behavior, method, self._once),
+                    wrap(behavior, method, self._once, self._allowed),
                     # unary requests only: a streaming request iterator decodes lazily, and
                     # gRPC's own handling (UNKNOWN) stands for a corrupt message there
                     request_deserializer=(

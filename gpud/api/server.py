@@ -29,6 +29,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gpud.api import validate
+from gpud.api.access import TcpAccess, guard, tcp_warning
 from gpud.api.interceptors import ErrorMappingInterceptor
 from gpud.config import MAX_UNIX_PATH, socket_gid
 from gpud.errors import ConfigError, FailedPrecondition, GpudError
@@ -49,7 +50,9 @@ class ApiServer:
 
     ``servicers`` are registrars, each called once with the ``grpc.aio.Server`` at
     :meth:`start`. ``tcp_address`` (``"host:port"``, port 0 picks one: see
-    :attr:`tcp_port`) is served with ``tcp_credentials``, or without TLS when None.
+    :attr:`tcp_port`) is served with ``tcp_credentials``, or without TLS when None; what it
+    serves is ``tcp_access`` (:mod:`gpud.api.access`: reads and jobs' reports, or every
+    method).
     """
 
     def __init__(
@@ -59,12 +62,14 @@ class ApiServer:
         socket_group: str | None = None,
         tcp_address: str | None = None,
         tcp_credentials: Any = None,
+        tcp_access: TcpAccess = "read",
         servicers: Sequence[Registrar] = (),
     ) -> None:
         self.socket_path = socket_path
         self.socket_group = socket_group
         self.tcp_address = tcp_address
         self._tcp_credentials = tcp_credentials
+        self.tcp_access: TcpAccess = tcp_access
         self._registrars = list(servicers)
         self._server: Any = None
         self._health: Any = None
@@ -115,7 +120,7 @@ class ApiServer:
         self._clear_stale_socket()
 
         server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor()],
+            interceptors=[ErrorMappingInterceptor(allowed=guard(self.tcp_access, str(path)))],
             options=[
                 ("grpc.max_receive_message_length", validate.MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", _MAX_SEND_BYTES),
@@ -136,6 +141,9 @@ class ApiServer:
                 if port == 0:
                     raise RuntimeError(f"cannot bind {self.tcp_address}")
                 self.tcp_port = port
+                warning = tcp_warning(self.tcp_address, self.tcp_access)
+                if warning:
+                    log.warning("%s", warning)
         except RuntimeError as err:
             await server.stop(None)
             path.unlink(missing_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grp
+import importlib
 import math
 import os
 import random
@@ -18,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpud.api import ApiServer, FaultPort, NodeServicer
+from gpud.api.access import TCP_READ_METHODS, TcpAccess
 from gpud.errors import ERROR_KEY, EXIT_CODE_KEY, ConfigError, FailedPrecondition, GpuLost
 from gpud.events import EventLog
 from gpud.telemetry.snapshot import ClearedXids
@@ -129,6 +131,56 @@ async def test_tcp_listener(sock_dir: Path) -> None:
         resp = await pb_grpc.NodeStub(ch).GetStatus(pb.GetStatusRequest())
     assert resp.gpu_count == 3
     await server.stop(0)
+
+
+@pytest.mark.parametrize("access", ["read", "full"])
+async def test_tcp_serves_calls_that_change_the_node_only_when_told(
+    sock_dir: Path, access: TcpAccess
+) -> None:
+    """The unix socket's mode and group decide who may change the node; TCP has no such
+    check, so by default it answers reads and jobs' own reports only."""
+    faults = FakeFaults()
+    path = sock_dir / "gpud.sock"
+    server = await _serve(
+        path, make_servicer(faults=faults), tcp_address="127.0.0.1:0", tcp_access=access
+    )
+    fault = pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_LOST)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.tcp_port}") as ch:
+        node = pb_grpc.NodeStub(ch)
+        assert (await node.ListGpus(pb.ListGpusRequest())).gpus  # a read
+        if access == "read":
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await node.InjectFault(fault)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert refused.value.details() == (
+                f"InjectFault changes the node's state and is served on gpud's unix socket"
+                f" ({path}) only: over TCP (api.tcp_address) gpud answers reads and jobs'"
+                ' own reports (api.tcp_access = "read"; "full" serves every call there)'
+            )
+            assert faults.calls == []
+        else:
+            await node.InjectFault(fault)
+            assert len(faults.calls) == 1
+    async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+        await pb_grpc.NodeStub(ch).InjectFault(fault)  # the socket serves every call
+    assert len(faults.calls) == (1 if access == "read" else 2)
+    await server.stop(0)
+
+
+def test_the_tcp_read_methods_are_methods_of_the_api() -> None:
+    """Each method TCP serves under "read" exists (a renamed one would be refused there),
+    and none of them changes state by its name."""
+    names = ("cluster", "colo", "jobs", "mig", "mps", "net", "node", "queue")
+    methods = {
+        f"/{service.full_name}/{method.name}"
+        for module in (importlib.import_module(f"gpud.v1.{name}_pb2") for name in names)
+        for service in module.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+    }
+    ours = {m for m in TCP_READ_METHODS if m.startswith("/gpud.")}
+    assert ours <= methods, ours - methods
+    changing = ("Add", "Remove", "Reserve", "Release", "Apply", "Set", "Pin", "Place", "Inject")
+    assert not [m for m in ours if m.rsplit("/", 1)[1].startswith(changing)]
 
 
 # --- Node service ---

@@ -632,6 +632,27 @@ def test_check_config_finds_a_tcp_address_this_host_cannot_serve_on(
     assert main(["--check-config", "--config", str(path)]) == 0
 
 
+def test_check_config_warns_of_a_tcp_listener_serving_every_call_to_other_hosts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for address, access, warned in (
+        ("0.0.0.0:7000", "full", True),
+        ("[::]:7000", "full", True),
+        ("0.0.0.0:7000", "read", False),  # the default: reads and jobs' reports only
+        ("127.0.0.1:7000", "full", False),
+        ("localhost:7000", "full", False),
+    ):
+        text = f'[api]\ntcp_address = "{address}"\ntcp_access = "{access}"\n'
+        assert main(["--check-config", "--config", str(write(tmp_path, text))]) == 0
+        err = capsys.readouterr().err
+        assert (
+            f'gpud: warning: api.tcp_access = "full" serves every call, changes included, to'
+            f" whoever reaches api.tcp_address {address!r}" in err
+        ) == warned, (address, access, err)
+    with pytest.raises(ConfigError, match=r"api.tcp_access: 'write' is not one of 'read', 'full'"):
+        config.from_dict({"api": {"tcp_access": "write"}})
+
+
 def test_check_config_checks_the_cluster_certificates(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
