@@ -212,6 +212,11 @@ def _actions(resp: pb.GetClusterStatusResponse) -> list[str]:
             " valid now (openssl verify -CAfile CA CERT on this node's cluster.cert_file and"
             " the leader's)"
         )
+    elif resp.mode in ("holding", "local") and "does not lead yet" in resp.last_error:
+        actions.append(
+            "wait: the leader restarted within its previous run's lease, and leads again"
+            " once that lease expires (cluster.lease_ttl_s); the node follows by itself"
+        )
     elif resp.mode in ("holding", "local") and resp.last_error:
         actions.append(
             "make the leader reachable from this node (see error: its cluster.advertise"

@@ -139,6 +139,18 @@ def test_each_state_says_what_the_node_does_and_what_to_do() -> None:
     assert "action:      the TLS handshake with the leader failed: both certificates" in refused
     assert "make the leader reachable" not in refused
 
+    restarted = status(
+        base(
+            mode="holding",
+            last_order_age_seconds=10.0,
+            last_error="leader n0 at 10.0.0.1:7443: FAILED_PRECONDITION n0 does not lead yet: the"
+            " leader key still names it, held by its previous run (or another gpud under the"
+            " same cluster.node) until that lease expires, within cluster.lease_ttl_s",
+        )
+    )
+    assert "action:      wait: the leader restarted within its previous run's lease" in restarted
+    assert "make the leader reachable" not in restarted
+
 
 TLS_ERROR = (
     "leader n0 at 10.0.0.1:7443: UNAVAILABLE failed to connect to all addresses; last error:"
