@@ -163,6 +163,7 @@ class HistoryRow:
     # when a removed run's gpuctl reported its command's exit (the end moved there); None
     # for every other run, and a removed run that has not reported
     reported_at: float | None = None
+    row_id: int = 0  # its place in the history, for paging (newer runs have higher ones)
 
     def record(self) -> Record:
         return Record(
@@ -853,13 +854,22 @@ class AdmissionService:
     def now(self) -> float:
         return self._clock()
 
-    def history(self, *, since: float | None = None, limit: int | None = None) -> list[HistoryRow]:
-        """Oldest first (the newest ``limit`` when given)."""
+    def history(
+        self, *, since: float | None = None, limit: int | None = None, before: int | None = None
+    ) -> list[HistoryRow]:
+        """Oldest first (the newest ``limit`` when given; only rows older than the row id
+        ``before`` when given)."""
         query = "SELECT * FROM job_history"
+        where: list[str] = []
         args: list[object] = []
         if since is not None:
-            query += " WHERE queued_at >= ?"
+            where.append("queued_at >= ?")
             args.append(since)
+        if before is not None:
+            where.append("id < ?")
+            args.append(before)
+        if where:
+            query += " WHERE " + " AND ".join(where)
         query += " ORDER BY id DESC"
         if limit is not None:
             query += " LIMIT ?"
@@ -992,6 +1002,7 @@ def _history(row: sqlite3.Row) -> HistoryRow:
         exit_signal=row["exit_signal"],
         end_cause=row["end_cause"],
         reported_at=row["reported_at"],
+        row_id=row["id"],
     )
 
 
