@@ -369,8 +369,18 @@ class QueueServicer(pb_grpc.QueueServicer):
 
     async def History(self, request: pb.HistoryRequest, context: Any) -> pb.HistoryResponse:  # noqa: N802
         def history() -> pb.HistoryResponse:
-            limit = optional(request, "limit")
-            rows = self._service.history(limit=limit)
-            return pb.HistoryResponse(records=[history_message(h) for h in reversed(rows)])
+            page = optional(request, "page_size")
+            if page is None:
+                rows = self._service.history(limit=optional(request, "limit"))
+                return pb.HistoryResponse(records=[history_message(h) for h in reversed(rows)])
+            if page == 0:
+                return pb.HistoryResponse()
+            # one more than the page: whether older records are left
+            rows = self._service.history(limit=page + 1, before=optional(request, "before"))
+            kept = rows[-page:]
+            resp = pb.HistoryResponse(records=[history_message(h) for h in reversed(kept)])
+            if len(rows) > page:
+                resp.next_before = kept[0].row_id
+            return resp
 
         return await asyncio.to_thread(history)

@@ -104,6 +104,11 @@ def littles_residual(
         lo, hi = max(r.queued_at, start), min(began, end)
         if hi > lo:
             total += hi - lo
+    return residual_of_waits(total, queue_area, start=start, end=end)
+
+
+def residual_of_waits(total: float, queue_area: float, *, start: float, end: float) -> float:
+    """:func:`littles_residual` from ``total``, the waits' sum within ``[start, end]``."""
     span = end - start
     if queue_area <= 0 or span <= 0:
         return 0.0

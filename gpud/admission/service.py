@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from gpud.admission.classes import ClassView, class_views
-from gpud.admission.estimate import Record, littles_residual
+from gpud.admission.estimate import Record, residual_of_waits
 from gpud.admission.feasibility import classify, resolve_configs
 from gpud.admission.model import (
     THREADS_CAPACITY,
@@ -163,6 +163,7 @@ class HistoryRow:
     # when a removed run's gpuctl reported its command's exit (the end moved there); None
     # for every other run, and a removed run that has not reported
     reported_at: float | None = None
+    row_id: int = 0  # its place in the history, for paging (newer runs have higher ones)
 
     def record(self) -> Record:
         return Record(
@@ -879,13 +880,22 @@ class AdmissionService:
     def now(self) -> float:
         return self._clock()
 
-    def history(self, *, since: float | None = None, limit: int | None = None) -> list[HistoryRow]:
-        """Oldest first (the newest ``limit`` when given)."""
+    def history(
+        self, *, since: float | None = None, limit: int | None = None, before: int | None = None
+    ) -> list[HistoryRow]:
+        """Oldest first (the newest ``limit`` when given; only rows older than the row id
+        ``before`` when given)."""
         query = "SELECT * FROM job_history"
+        where: list[str] = []
         args: list[object] = []
         if since is not None:
-            query += " WHERE queued_at >= ?"
+            where.append("queued_at >= ?")
             args.append(since)
+        if before is not None:
+            where.append("id < ?")
+            args.append(before)
+        if where:
+            query += " WHERE " + " AND ".join(where)
         query += " ORDER BY id DESC"
         if limit is not None:
             query += " LIMIT ?"
@@ -899,8 +909,16 @@ class AdmissionService:
         saw on its ticks, ``lambda W`` from the history's waits (None until a queue formed)."""
         if self._area_since is None or self._last_tick is None or self._area <= 0:
             return None
-        records = [h.record() for h in self.history(since=self._area_since)]
-        return littles_residual(records, self._area, start=self._area_since, end=self._last_tick)
+        start, end = self._area_since, self._last_tick
+        # summed by SQLite: every scrape asks, and the history since the start may hold
+        # admission.history_keep runs (decoding each row took seconds at 100000)
+        with self._store.transaction() as conn:
+            (total,) = conn.execute(
+                "SELECT TOTAL(MIN(started_at, ?) - MAX(queued_at, ?)) FROM job_history"
+                " WHERE queued_at >= ? AND MIN(started_at, ?) > MAX(queued_at, ?)",
+                (end, start, start, end, start),
+            ).fetchone()
+        return residual_of_waits(total, self._area, start=start, end=end)
 
 
 def _never(job: str, verdict: Unfeasible) -> FailedPrecondition:
@@ -1018,6 +1036,7 @@ def _history(row: sqlite3.Row) -> HistoryRow:
         exit_signal=row["exit_signal"],
         end_cause=row["end_cause"],
         reported_at=row["reported_at"],
+        row_id=row["id"],
     )
 
 

@@ -290,11 +290,31 @@ def how_it_ended(r: queue_pb2.HistoryRecord) -> str:
     return f"{status} {cause}" if r.end_cause == "removed" else status
 
 
-def run_history(ctx: Context, args: argparse.Namespace) -> int:
+# Records asked for at once: a page stays well under gRPC's 4 MiB a message however many
+# runs the history keeps (admission.history_keep, up to 10 million).
+HISTORY_PAGE = 2000
+
+
+def fetch_history(ctx: Context, limit: int | None) -> queue_pb2.HistoryResponse:
+    """The newest ``limit`` runs (all when None), newest first, a page at a time. A gpud
+    that predates paging answers the first request with all of them."""
+    stub = ctx.stub(queue_pb2_grpc.QueueStub)
+    records: list[queue_pb2.HistoryRecord] = []
     request = queue_pb2.HistoryRequest()
-    if args.limit is not None:
-        request.limit = args.limit
-    resp: queue_pb2.HistoryResponse = ctx.call(ctx.stub(queue_pb2_grpc.QueueStub).History, request)
+    while True:
+        left = HISTORY_PAGE if limit is None else limit - len(records)
+        request.page_size = min(HISTORY_PAGE, left)
+        if limit is not None:
+            request.limit = request.page_size
+        page: queue_pb2.HistoryResponse = ctx.call(stub.History, request)
+        records.extend(page.records)
+        if not page.HasField("next_before") or (limit is not None and left <= HISTORY_PAGE):
+            return queue_pb2.HistoryResponse(records=records)
+        request.before = page.next_before
+
+
+def run_history(ctx: Context, args: argparse.Namespace) -> int:
+    resp = fetch_history(ctx, args.limit)
     if ctx.out.json:
         ctx.out.print_json(resp)
         return 0

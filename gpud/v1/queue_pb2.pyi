@@ -378,20 +378,40 @@ class HistoryRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LIMIT_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    BEFORE_FIELD_NUMBER: _builtins.int
     limit: _builtins.int
     """newest first; default all"""
+    page_size: _builtins.int
+    """Paging, for a history larger than one answer may carry (gRPC's 4 MiB a message by
+    default): at most this many records, the newest first, and next_before set when older
+    ones are left. Takes the place of limit when both are set.
+    """
+    before: _builtins.int
+    """Only records older than this: the next_before of the page before."""
     def __init__(
         self,
         *,
         limit: _builtins.int | None = ...,
+        page_size: _builtins.int | None = ...,
+        before: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_limit", b"_limit", "limit", b"limit"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_before", b"_before", "_limit", b"_limit", "_page_size", b"_page_size", "before", b"before", "limit", b"limit", "page_size", b"page_size"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_limit", b"_limit", "limit", b"limit"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_before", b"_before", "_limit", b"_limit", "_page_size", b"_page_size", "before", b"before", "limit", b"limit", "page_size", b"page_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__before: _TypeAlias = _typing.Literal["before"]  # noqa: Y015
+    _WhichOneofArgType__before: _TypeAlias = _typing.Literal["_before", b"_before"]  # noqa: Y015
     _WhichOneofReturnType__limit: _TypeAlias = _typing.Literal["limit"]  # noqa: Y015
     _WhichOneofArgType__limit: _TypeAlias = _typing.Literal["_limit", b"_limit"]  # noqa: Y015
+    _WhichOneofReturnType__page_size: _TypeAlias = _typing.Literal["page_size"]  # noqa: Y015
+    _WhichOneofArgType__page_size: _TypeAlias = _typing.Literal["_page_size", b"_page_size"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__before) -> _WhichOneofReturnType__before | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__limit) -> _WhichOneofReturnType__limit | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__page_size) -> _WhichOneofReturnType__page_size | None: ...
 
 Global___HistoryRequest: _TypeAlias = HistoryRequest  # noqa: Y015
 
@@ -484,17 +504,23 @@ class HistoryResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RECORDS_FIELD_NUMBER: _builtins.int
+    NEXT_BEFORE_FIELD_NUMBER: _builtins.int
+    next_before: _builtins.int
+    """With page_size: older records are left; ask again with before = this."""
     @_builtins.property
     def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___HistoryRecord]: ...
     def __init__(
         self,
         *,
         records: _abc.Iterable[Global___HistoryRecord] | None = ...,
+        next_before: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_next_before", b"_next_before", "next_before", b"next_before"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["records", b"records"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_next_before", b"_next_before", "next_before", b"next_before", "records", b"records"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__next_before: _TypeAlias = _typing.Literal["next_before"]  # noqa: Y015
+    _WhichOneofArgType__next_before: _TypeAlias = _typing.Literal["_next_before", b"_next_before"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__next_before) -> _WhichOneofReturnType__next_before | None: ...
 
 Global___HistoryResponse: _TypeAlias = HistoryResponse  # noqa: Y015

@@ -1272,6 +1272,58 @@ def test_a_leave_saying_what_stopped_it_takes_only_a_signal_name() -> None:
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_gpuctl_jobs_history_lists_a_history_larger_than_one_grpc_message(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The history keeps up to admission.history_keep runs (100000 by default): months of
+    runs are more than one gRPC message carries (4 MiB), and gpuctl jobs history still
+    lists them all, newest first, a page at a time; --limit takes the newest."""
+    from typing import cast
+
+    from gpud.admission.api import QueueServicer
+    from gpud.admission.service import AdmissionService, run_request_to_json
+    from gpud.config import AdmissionConfig
+    from gpud.events import EventLog
+    from gpud.jobs.service import RunRequest
+
+    queue = QueueServicer(cast(AdmissionService, None))
+    runs = 20_000  # ~250 bytes a record: ~5 MB in all
+    with serving(queue.register) as n:
+        store = n.jobs.store
+        queue._service = AdmissionService(store, n.jobs, n.mps, EventLog(None), AdmissionConfig())
+        with store.transaction() as conn:
+            conn.executemany(
+                "INSERT INTO job_history (job, reservation, request_class, request, queued_at,"
+                " started_at, ended_at, end_cause, exit_code) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                [
+                    (
+                        f"job-{i:05d}-" + "x" * 48,
+                        f"{i:012x}",
+                        "1 GPU 60GiB 50%",
+                        run_request_to_json(
+                            RunRequest(job=f"job-{i:05d}-" + "x" * 48, owner="o" * 40)
+                        ),
+                        1000.0 + i,
+                        1000.0 + i,
+                        1001.0 + i,
+                        "exited",
+                    )
+                    for i in range(runs)
+                ],
+            )
+        capsys.readouterr()
+        assert n.ctl("jobs", "history", "--json") == 0
+        records = json.loads(capsys.readouterr().out)["records"]
+        assert len(records) == runs
+        assert [r["job"][:9] for r in records[:2]] == ["job-19999", "job-19998"]
+        assert records[-1]["job"][:9] == "job-00000"
+        assert n.ctl("jobs", "history", "--json", "--limit", "4500") == 0
+        newest = json.loads(capsys.readouterr().out)["records"]
+        assert [r["job"][:9] for r in newest] == [f"job-{i:05d}" for i in range(19999, 15499, -1)]
+        assert n.ctl("jobs", "history", "--limit", "0") == 0
+        assert capsys.readouterr().out.splitlines()[1:] == []
+
+
 class AsksOnce(colo_pb2_grpc.ColocationServicer):
     """A co-location loop that names GPU 1, and sends this process ``signum`` while it
     answers: as a signal that lands during gpuctl run's first call to gpud."""
