@@ -1496,16 +1496,15 @@ def test_mps_set_memory_and_a_run_reserving_meanwhile_never_over_commit(tmp_path
     store.close()
 
 
-def test_the_littles_residual_of_a_long_history_costs_a_scrape_little(node: Node) -> None:
+def test_the_littles_residual_of_a_long_history_decodes_no_run(node: Node) -> None:
     """``gpud_admission_littles_residual`` is computed at every scrape over the runs since
     gpud started, which may be admission.history_keep of them (100000 by default): it is
-    summed in the database, not by decoding every run (3.5 s a scrape at 100000 runs)."""
-    import time
-
+    summed in the database, not by decoding every run (3.5 s a scrape at 100000 runs), so
+    rows whose request no longer decodes change nothing."""
     from gpud.admission.estimate import littles_residual
     from gpud.admission.service import run_request_to_json
 
-    runs, start = 50_000, 1000.0
+    runs, start = 3000, 1000.0
     end = start + runs + 10
     request = run_request_to_json(whole("j"))
     rows = [(start + i, start + i + i % 3) for i in range(runs)]  # waits of 0, 1 and 2 s
@@ -1521,8 +1520,7 @@ def test_the_littles_residual_of_a_long_history_costs_a_scrape_little(node: Node
     area = node.admission._area
     records = [h.record() for h in node.admission.history(since=start)]
     expected = littles_residual(records, area, start=start, end=end)
-    began = time.perf_counter()
+    with node.store.transaction() as conn:
+        conn.execute("UPDATE job_history SET request = '{'")  # decoding any row now raises
     got = node.admission.littles_residual()
-    took = time.perf_counter() - began
     assert got is not None and 0 < got == pytest.approx(expected)
-    assert took < 0.5, f"{took:.2f} s for {runs} runs"
