@@ -40,10 +40,11 @@ SCHEMA = (
     )""",
 )
 
-# Names go into environment variables, cgroup names and Prometheus labels.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+# Names go into environment variables, cgroup names and Prometheus labels. Matched whole
+# (fullmatch): "$" alone would take a name ending in a newline.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 # "1g.10gb", "1g.10gb+me", "1g.10gb+me.all", "1g.10gb-me", "1c.3g.40gb" (a compute instance)
-_MIG_PROFILE = re.compile(r"^(\d+c\.)?\d+g\.\d+gb([+-][a-z]+(\.[a-z]+)?)?$")
+_MIG_PROFILE = re.compile(r"(\d+c\.)?\d+g\.\d+gb([+-][a-z]+(\.[a-z]+)?)?")
 
 # CUDA_MPS_CLIENT_PRIORITY: 0 is NORMAL, 1 is BELOW_NORMAL.
 PRIORITY_NORMAL = 0
@@ -84,7 +85,7 @@ def validate_spec(spec: JobSpec) -> JobSpec:
     check_name(spec.name)
     if not isinstance(spec.kind, JobKind):
         raise InvalidArgument(f"{spec.kind!r} is not training or inference", field="kind")
-    if spec.mig_profile is not None and not _MIG_PROFILE.match(spec.mig_profile):
+    if spec.mig_profile is not None and not _MIG_PROFILE.fullmatch(spec.mig_profile):
         raise InvalidArgument(
             f"{spec.mig_profile!r} is not a MIG profile like 3g.40gb", field="mig"
         )
@@ -114,7 +115,7 @@ def validate_spec(spec: JobSpec) -> JobSpec:
 
 def check_name(name: str, *, field: str = "name") -> str:
     """A job name as the registry takes it; ``field`` names the request field it came in."""
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise InvalidArgument(
             f"{name!r}: letters, digits, '_', '.', '-' (up to 63, starting alphanumeric)",
             field=field,

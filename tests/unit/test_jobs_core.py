@@ -112,7 +112,9 @@ def test_a_stored_slo_outside_the_range_is_brought_into_it_on_load(
     ("spec", "field"),
     [
         (JobSpec("bad name"), "name"),
+        (JobSpec("evil\n"), "name"),  # a cgroup, an env line, a log line of its own
         (JobSpec("x", mig_profile="huge"), "mig"),
+        (JobSpec("x", mig_profile="1g.10gb\n"), "mig"),
         (JobSpec("x", gpu_count=0), "gpus"),
         (JobSpec("x", gpu_count=2, mig_profile="1g.10gb"), "gpus"),
         (JobSpec("x", threads_percent=0), "threads"),
