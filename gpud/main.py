@@ -11,6 +11,7 @@ import asyncio
 import fcntl
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -42,15 +43,38 @@ def make_dirs(cfg: config.Config) -> None:
 
 
 def make_dir(path: Path, key: str) -> None:
-    """``mkdir -p path``; a ConfigError naming ``key`` and the path when it cannot be."""
+    """``mkdir -p path``; a ConfigError naming ``key`` and the path when it cannot be, or when
+    a user other than gpud's own could plant files there (:func:`check_private`)."""
     try:
         path.mkdir(parents=True, exist_ok=True)
+        st = path.stat()
     except FileExistsError:
         raise ConfigError(
             f"cannot create {path}: it exists and is not a directory", key=key
         ) from None
     except OSError as err:
         raise ConfigError(f"cannot create {path}: {err.strerror or err}", key=key) from None
+    check_private(path, st, key, euid=os.geteuid())
+
+
+def check_private(path: Path, st: os.stat_result, key: str, *, euid: int) -> None:
+    """gpud (root) creates, truncates and chmods files in its directories: one every user may
+    write to (``/tmp``) or another user owns would let that user plant a symbolic link there
+    (``gpud.lock -> /etc/passwd``) and have gpud write through it. A ConfigError naming
+    ``key`` then; a directory of root's or gpud's own user, writable by its group or not, is
+    taken."""
+    if st.st_mode & stat.S_IWOTH:
+        raise ConfigError(
+            f"{path} is writable by every user (mode {stat.S_IMODE(st.st_mode):o}): gpud keeps"
+            " its lock, socket and state files in a directory of its own",
+            key=key,
+        )
+    if st.st_uid not in (0, euid):
+        raise ConfigError(
+            f"{path} belongs to uid {st.st_uid}, not to gpud's user (uid {euid}) or root:"
+            " gpud keeps its lock, socket and state files in a directory of its own",
+            key=key,
+        )
 
 
 LOCK_NAME = "gpud.lock"
@@ -67,7 +91,8 @@ def lock_dirs(cfg: config.Config) -> list[int]:
     for path, key in dirs.items():
         lock = path / LOCK_NAME
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            # never through a link: the file is truncated below
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as err:
             raise ConfigError(f"cannot open {lock}: {err.strerror or err}", key=key) from None
         try:

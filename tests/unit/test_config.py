@@ -15,7 +15,7 @@ import pytest
 
 from gpud import config
 from gpud.errors import ConfigError
-from gpud.main import LOCK_NAME, build_parser, load_config, lock_dirs, main
+from gpud.main import LOCK_NAME, build_parser, check_private, load_config, lock_dirs, main
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -339,6 +339,43 @@ def test_a_second_gpud_on_the_same_directories_stops_before_it_starts(
     again = lock_dirs(cfg)  # released: the next start takes it
     for fd in again:
         os.close(fd)
+
+
+def test_a_directory_every_user_may_write_to_is_refused_before_gpud_writes_there(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # daemon.run_dir = "/tmp"
+    victim = tmp_path / "victim"
+    victim.write_text("root's file\n")
+    (shared / LOCK_NAME).symlink_to(victim)  # what any user could leave there
+    flags = ["--simulate", "--state-dir", str(tmp_path / "state"), "--run-dir", str(shared)]
+    assert main(["--config", str(write(tmp_path, "")), *flags]) == 1
+    assert (
+        f"gpud: daemon.run_dir: {shared} is writable by every user (mode 1777): gpud keeps its"
+        " lock, socket and state files in a directory of its own" in capsys.readouterr().err
+    )
+    assert victim.read_text() == "root's file\n"
+
+
+def test_a_directory_another_user_owns_is_refused(tmp_path: Path) -> None:
+    st = os.stat_result((0o40755, 0, 0, 2, 1000, 1000, 0, 0, 0, 0))
+    with pytest.raises(ConfigError, match="belongs to uid 1000, not to gpud's user"):
+        check_private(tmp_path, st, "daemon.run_dir", euid=0)
+    check_private(tmp_path, os.stat_result((0o40770, 0, 0, 2, 0, 0, 0, 0, 0, 0)), "k", euid=7)
+
+
+def test_the_lock_is_never_written_through_a_link(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("root's file\n")
+    (tmp_path / LOCK_NAME).symlink_to(victim)
+    cfg = config.Config().with_overrides(
+        {"daemon.state_dir": str(tmp_path), "daemon.run_dir": str(tmp_path)}
+    )
+    with pytest.raises(ConfigError, match=f"cannot open {tmp_path}/{LOCK_NAME}"):
+        lock_dirs(cfg)
+    assert victim.read_text() == "root's file\n"
 
 
 def test_simulate_help_names_the_products_it_takes() -> None:
