@@ -30,6 +30,19 @@ if TYPE_CHECKING:
     from gpud.backend.sim import SimNode
 
 
+# Masked from every file gpud creates whatever umask it was started with (the unit's is 0027):
+# under umask 0 its socket would be srwxrwxrwx from the bind until it is set to 0660, time
+# enough for any user to connect and keep the connection, and its state files world-writable.
+UMASK_FLOOR = 0o022
+
+
+def restrict_umask() -> int:
+    """Add :data:`UMASK_FLOOR` to the process umask; the umask now."""
+    mask = os.umask(UMASK_FLOOR) | UMASK_FLOOR
+    os.umask(mask)
+    return mask
+
+
 def make_dirs(cfg: config.Config) -> None:
     """Create the state and run directories, and the directory of the socket (``api.socket``
     may lie outside the run directory); a ConfigError naming the key when one cannot be (a
@@ -304,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpud: warning: {warning}", file=sys.stderr)
         print("config OK")
         return 0
+    restrict_umask()
     try:
         make_dirs(cfg)
         locks = lock_dirs(cfg)  # held until the process ends

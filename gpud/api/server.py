@@ -151,8 +151,9 @@ class ApiServer:
                 f"gRPC server cannot listen on {path} / {self.tcp_address}: {err}"
             ) from err
         await server.start()
-        # gRPC creates the socket with the process umask (0022 under systemd, so group
-        # members could not connect yet); the mode and group are set right after the bind.
+        # gRPC creates the socket with the process umask (0027 under systemd, at least 0022
+        # from gpud's main: no one but root may connect until then, so group members cannot
+        # yet); the mode and group are set right after the bind.
         try:
             os.chmod(path, SOCKET_MODE)
             if gid is not None:

@@ -5,6 +5,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tomllib
@@ -376,6 +377,26 @@ def test_the_lock_is_never_written_through_a_link(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=f"cannot open {tmp_path}/{LOCK_NAME}"):
         lock_dirs(cfg)
     assert victim.read_text() == "root's file\n"
+
+
+def test_under_umask_0_gpud_creates_nothing_others_may_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = config.Config().with_overrides(
+        {"daemon.state_dir": str(tmp_path), "daemon.run_dir": str(tmp_path)}
+    )
+    held = lock_dirs(cfg)  # stops the start right after its directories are made
+    before = os.umask(0)
+    try:
+        flags = ["--simulate", "--state-dir", str(tmp_path), "--run-dir", str(tmp_path / "run")]
+        assert main(["--config", str(write(tmp_path, "")), *flags]) == 1
+        assert "another gpud" in capsys.readouterr().err
+        assert stat.S_IMODE((tmp_path / "run").stat().st_mode) == 0o755
+        assert os.umask(0) == 0o022  # the socket, state.db, events.jsonl: 0755 or 0644 at most
+    finally:
+        os.umask(before)
+        for fd in held:
+            os.close(fd)
 
 
 def test_simulate_help_names_the_products_it_takes() -> None:
