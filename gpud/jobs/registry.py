@@ -19,7 +19,7 @@ from enum import StrEnum
 
 from gpud.errors import AlreadyExists, InvalidArgument, NotFound
 from gpud.mps import protocol
-from gpud.shared import MAX_SLO_MS, MIN_SLO_MS, check_slo_ms
+from gpud.shared import MAX_SLO_MS, MIN_SLO_MS, check_slo_ms, check_text
 from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,9 @@ SCHEMA = (
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 # "1g.10gb", "1g.10gb+me", "1g.10gb+me.all", "1g.10gb-me", "1c.3g.40gb" (a compute instance)
 _MIG_PROFILE = re.compile(r"(\d+c\.)?\d+g\.\d+gb([+-][a-z]+(\.[a-z]+)?)?")
+
+# Who a job is for, free text shown by `gpuctl jobs ls` and the queue's listings.
+MAX_OWNER = 128
 
 # CUDA_MPS_CLIENT_PRIORITY: 0 is NORMAL, 1 is BELOW_NORMAL.
 PRIORITY_NORMAL = 0
@@ -83,6 +86,7 @@ class JobSpec:
 def validate_spec(spec: JobSpec) -> JobSpec:
     """Check every field; raise :class:`InvalidArgument` naming the first wrong one."""
     check_name(spec.name)
+    check_owner(spec.owner)
     if not isinstance(spec.kind, JobKind):
         raise InvalidArgument(f"{spec.kind!r} is not training or inference", field="kind")
     if spec.mig_profile is not None and not _MIG_PROFILE.fullmatch(spec.mig_profile):
@@ -111,6 +115,12 @@ def validate_spec(spec: JobSpec) -> JobSpec:
             raise InvalidArgument("only inference jobs have a latency SLO", field="slo_p99_ms")
         check_slo_ms(spec.slo_p99_ms)
     return spec
+
+
+def check_owner(owner: str) -> str:
+    """One line of printable text: an escape sequence or a newline in an owner would rewrite
+    the terminal or the table of whoever lists the jobs."""
+    return check_text(owner, field="owner", max_len=MAX_OWNER)
 
 
 def check_name(name: str, *, field: str = "name") -> str:

@@ -113,6 +113,9 @@ def test_a_stored_slo_outside_the_range_is_brought_into_it_on_load(
     [
         (JobSpec("bad name"), "name"),
         (JobSpec("evil\n"), "name"),  # a cgroup, an env line, a log line of its own
+        (JobSpec("x", owner="alice\x1b]0;owned\x07"), "owner"),  # a terminal's title
+        (JobSpec("x", owner="alice\nFAKE  training"), "owner"),  # a row of `gpuctl jobs ls`
+        (JobSpec("x", owner="a" * 129), "owner"),
         (JobSpec("x", mig_profile="huge"), "mig"),
         (JobSpec("x", mig_profile="1g.10gb\n"), "mig"),
         (JobSpec("x", gpu_count=0), "gpus"),
