@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import fcntl
 import os
+import resource
 import socket
 import stat
 import sys
@@ -41,6 +43,31 @@ def restrict_umask() -> int:
     mask = os.umask(UMASK_FLOOR) | UMASK_FLOOR
     os.umask(mask)
     return mask
+
+
+# Descriptors gpud asks for at most, when its hard limit is unlimited.
+MAX_OPEN_FILES = 1 << 20
+
+
+def open_files_wanted(soft: int, hard: int) -> int:
+    """The soft RLIMIT_NOFILE gpud runs with: its hard limit (MAX_OPEN_FILES when that is
+    unlimited). systemd starts services at 1024 soft (524288 hard) and expects a daemon that
+    needs more to raise it itself: at 1024, about a thousand idle connections to
+    api.tcp_address, which any local user may open, left gpud no descriptor to accept
+    ``gpuctl`` on its socket, open its state or answer /metrics."""
+    if soft == resource.RLIM_INFINITY:
+        return soft
+    return max(soft, MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else hard)
+
+
+def raise_open_files() -> None:
+    """Raise the soft RLIMIT_NOFILE to :func:`open_files_wanted` (``ulimit -Sn``)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = open_files_wanted(soft, hard)
+    if wanted != soft:
+        # above fs.nr_open the kernel refuses: gpud then runs with what it has
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 def make_dirs(cfg: config.Config) -> None:
@@ -318,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         print("config OK")
         return 0
     restrict_umask()
+    raise_open_files()
     try:
         make_dirs(cfg)
         locks = lock_dirs(cfg)  # held until the process ends

@@ -43,6 +43,23 @@ SOCKET_MODE = 0o660
 # A bounded request size keeps a garbage client from costing memory: gRPC refuses a larger
 # message (RESOURCE_EXHAUSTED) before decoding it. Responses (every GPU's MIG table) are larger.
 _MAX_SEND_BYTES = 16 * 1024 * 1024
+# Connections that hold a descriptor and do nothing (a port scan, a client that stopped
+# half-way, or thousands opened on purpose on api.tcp_address until gpud runs out of
+# descriptors and stops answering on its socket too) are closed: one that has not finished
+# its HTTP/2 (and TLS) handshake after HANDSHAKE_TIMEOUT_S, one without a call for
+# IDLE_TIMEOUT_S (GOAWAY; a gRPC client reconnects at its next call by itself).
+HANDSHAKE_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 60.0
+
+
+def connection_options(
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S
+) -> list[tuple[str, int]]:
+    """gRPC server options that close connections left doing nothing (every gpud server's)."""
+    return [
+        ("grpc.server_handshake_timeout_ms", round(handshake_timeout_s * 1000)),
+        ("grpc.max_connection_idle_ms", round(idle_timeout_s * 1000)),
+    ]
 
 
 class ApiServer:
@@ -52,7 +69,8 @@ class ApiServer:
     :meth:`start`. ``tcp_address`` (``"host:port"``, port 0 picks one: see
     :attr:`tcp_port`) is served with ``tcp_credentials``, or without TLS when None; what it
     serves is ``tcp_access`` (:mod:`gpud.api.access`: reads and jobs' reports, or every
-    method).
+    method). A connection that has not finished its handshake after ``handshake_timeout_s``,
+    or has made no call for ``idle_timeout_s``, is closed (:func:`connection_options`).
     """
 
     def __init__(
@@ -64,6 +82,8 @@ class ApiServer:
         tcp_credentials: Any = None,
         tcp_access: TcpAccess = "read",
         servicers: Sequence[Registrar] = (),
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
         self.socket_path = socket_path
         self.socket_group = socket_group
@@ -71,6 +91,7 @@ class ApiServer:
         self._tcp_credentials = tcp_credentials
         self.tcp_access: TcpAccess = tcp_access
         self._registrars = list(servicers)
+        self._connection_options = connection_options(handshake_timeout_s, idle_timeout_s)
         self._server: Any = None
         self._health: Any = None
         self._socket_inode: int | None = None
@@ -124,6 +145,7 @@ class ApiServer:
             options=[
                 ("grpc.max_receive_message_length", validate.MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", _MAX_SEND_BYTES),
+                *self._connection_options,
             ],
         )
         self._health = health.aio.HealthServicer()

@@ -3,6 +3,7 @@ import errno
 import math
 import os
 import re
+import resource
 import signal
 import socket
 import stat
@@ -16,7 +17,15 @@ import pytest
 
 from gpud import config
 from gpud.errors import ConfigError
-from gpud.main import LOCK_NAME, build_parser, check_private, load_config, lock_dirs, main
+from gpud.main import (
+    LOCK_NAME,
+    build_parser,
+    check_private,
+    load_config,
+    lock_dirs,
+    main,
+    open_files_wanted,
+)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -397,6 +406,16 @@ def test_under_umask_0_gpud_creates_nothing_others_may_write(
         os.umask(before)
         for fd in held:
             os.close(fd)
+
+
+def test_gpud_raises_its_open_files_limit_to_the_hard_one() -> None:
+    # systemd's 1024: a thousand idle connections to api.tcp_address starved the socket
+    assert open_files_wanted(1024, 524288) == 524288
+    assert open_files_wanted(1024, resource.RLIM_INFINITY) == 1 << 20
+    assert open_files_wanted(4096, 4096) == 4096
+    assert open_files_wanted(resource.RLIM_INFINITY, resource.RLIM_INFINITY) == (
+        resource.RLIM_INFINITY
+    )
 
 
 def test_simulate_help_names_the_products_it_takes() -> None:
