@@ -13,7 +13,7 @@ import logging
 import re
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -46,6 +46,9 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 # "1g.10gb", "1g.10gb+me", "1g.10gb+me.all", "1g.10gb-me", "1c.3g.40gb" (a compute instance)
 _MIG_PROFILE = re.compile(r"(\d+c\.)?\d+g\.\d+gb([+-][a-z]+(\.[a-z]+)?)?")
 
+# A device as gpuctl takes it: a GPU index (0), GPU:MIG (0:1), a GPU-/MIG- UUID (an older
+# driver's MIG-GPU-<uuid>/1/0 too). Never a control character: it is shown and logged.
+_DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9:/_.-]{0,95}")
 # Who a job is for, free text shown by `gpuctl jobs ls` and the queue's listings.
 MAX_OWNER = 128
 
@@ -87,6 +90,7 @@ def validate_spec(spec: JobSpec) -> JobSpec:
     """Check every field; raise :class:`InvalidArgument` naming the first wrong one."""
     check_name(spec.name)
     check_owner(spec.owner)
+    check_devices(spec.devices)
     if not isinstance(spec.kind, JobKind):
         raise InvalidArgument(f"{spec.kind!r} is not training or inference", field="kind")
     if spec.mig_profile is not None and not _MIG_PROFILE.fullmatch(spec.mig_profile):
@@ -115,6 +119,17 @@ def validate_spec(spec: JobSpec) -> JobSpec:
             raise InvalidArgument("only inference jobs have a latency SLO", field="slo_p99_ms")
         check_slo_ms(spec.slo_p99_ms)
     return spec
+
+
+def check_devices(devices: Sequence[str]) -> tuple[str, ...]:
+    """Each of ``devices`` written as a device is (``_DEVICE``), else InvalidArgument."""
+    for device in devices:
+        if not _DEVICE.fullmatch(device):
+            raise InvalidArgument(
+                f"{device!r} is not a device: a GPU index (0), GPU:MIG (0:1) or a GPU-/MIG- UUID",
+                field="devices",
+            )
+    return tuple(devices)
 
 
 def check_owner(owner: str) -> str:

@@ -116,6 +116,8 @@ def test_a_stored_slo_outside_the_range_is_brought_into_it_on_load(
         (JobSpec("x", owner="alice\x1b]0;owned\x07"), "owner"),  # a terminal's title
         (JobSpec("x", owner="alice\nFAKE  training"), "owner"),  # a row of `gpuctl jobs ls`
         (JobSpec("x", owner="a" * 129), "owner"),
+        (JobSpec("x", devices=("GPU-a\x1b[31m\nFAKE ROW",)), "devices"),
+        (JobSpec("x", devices=("",)), "devices"),
         (JobSpec("x", mig_profile="huge"), "mig"),
         (JobSpec("x", mig_profile="1g.10gb\n"), "mig"),
         (JobSpec("x", gpu_count=0), "gpus"),
