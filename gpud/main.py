@@ -98,14 +98,16 @@ def make_dir(path: Path, key: str) -> None:
 
 
 def check_private(path: Path, st: os.stat_result, key: str, *, euid: int) -> None:
-    """gpud (root) creates, truncates and chmods files in its directories: one every user may
-    write to (``/tmp``) or another user owns would let that user plant a symbolic link there
-    (``gpud.lock -> /etc/passwd``) and have gpud write through it. A ConfigError naming
-    ``key`` then; a directory of root's or gpud's own user, writable by its group or not, is
-    taken."""
-    if st.st_mode & stat.S_IWOTH:
+    """gpud (root) creates, truncates, chmods and chowns files in its directories: one other
+    users may write to (``/tmp``; a group's) or another user owns would let them plant a
+    symbolic link there (``gpud.lock -> /etc/passwd``, or the socket swapped for a link to
+    ``/etc/shadow`` before gpud sets its mode and group) and have gpud write through it. A
+    ConfigError naming ``key`` then; a directory of root's or gpud's own user that only its
+    owner may write to is taken."""
+    if st.st_mode & (stat.S_IWOTH | stat.S_IWGRP):
+        who = "every user" if st.st_mode & stat.S_IWOTH else f"group {st.st_gid}"
         raise ConfigError(
-            f"{path} is writable by every user (mode {stat.S_IMODE(st.st_mode):o}): gpud keeps"
+            f"{path} is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}): gpud keeps"
             " its lock, socket and state files in a directory of its own",
             key=key,
         )

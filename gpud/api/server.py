@@ -179,7 +179,7 @@ class ApiServer:
         try:
             os.chmod(path, SOCKET_MODE)
             if gid is not None:
-                os.chown(path, -1, gid)
+                os.chown(path, -1, gid, follow_symlinks=False)  # never a planted link
             self._socket_inode = path.stat().st_ino
         except OSError as err:
             await server.stop(None)

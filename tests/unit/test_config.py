@@ -373,7 +373,11 @@ def test_a_directory_another_user_owns_is_refused(tmp_path: Path) -> None:
     st = os.stat_result((0o40755, 0, 0, 2, 1000, 1000, 0, 0, 0, 0))
     with pytest.raises(ConfigError, match="belongs to uid 1000, not to gpud's user"):
         check_private(tmp_path, st, "daemon.run_dir", euid=0)
-    check_private(tmp_path, os.stat_result((0o40770, 0, 0, 2, 0, 0, 0, 0, 0, 0)), "k", euid=7)
+    check_private(tmp_path, os.stat_result((0o40750, 0, 0, 2, 0, 0, 0, 0, 0, 0)), "k", euid=7)
+    check_private(tmp_path, os.stat_result((0o40700, 0, 0, 2, 7, 0, 0, 0, 0, 0)), "k", euid=7)
+    group_writable = os.stat_result((0o40770, 0, 0, 2, 0, 42, 0, 0, 0, 0))  # root:gpud 0770
+    with pytest.raises(ConfigError, match=r"writable by group 42 \(mode 770\)"):
+        check_private(tmp_path, group_writable, "api.socket", euid=0)
 
 
 def test_the_lock_is_never_written_through_a_link(tmp_path: Path) -> None:
