@@ -107,6 +107,7 @@ _ETCD = (
             "nftables cannot name a cgroup path with a double quote",
         ),
         ('[traffic]\ncgroup_parent = "a\\nb"\n', "traffic.cgroup_parent", "a line break"),
+        ('[traffic]\ncgroup_parent = "gpud\\n"\n', "traffic.cgroup_parent", "a line break"),
         # DSCP 0 is untagged traffic: a job tagged 0 leaves its interface unenforced
         ("[traffic]\nreserved_dscp = []\n", "traffic.reserved_dscp", "DSCP 0 is untagged"),
         (
