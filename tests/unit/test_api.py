@@ -170,6 +170,32 @@ async def test_connections_left_doing_nothing_are_closed(sock_dir: Path) -> None
     await server.stop(0)
 
 
+async def test_calls_held_open_over_tcp_are_bounded_and_never_take_the_sockets(
+    sock_dir: Path,
+) -> None:
+    path = sock_dir / "gpud.sock"
+    server = await _serve(path, make_servicer(), tcp_address="127.0.0.1:0", tcp_max_calls=2)
+    request = health_pb2.HealthCheckRequest(service="")
+    async with (
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.tcp_port}") as tcp,
+        grpc.aio.insecure_channel(f"unix:{path}") as unix,
+    ):
+        held = [health_pb2_grpc.HealthStub(tcp).Watch(request) for _ in range(2)]
+        for stream in held:
+            await stream.read()  # open on the server
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await pb_grpc.NodeStub(tcp).GetStatus(pb.GetStatusRequest())
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        on_socket = [health_pb2_grpc.HealthStub(unix).Watch(request) for _ in range(3)]
+        for stream in on_socket:
+            await stream.read()
+        resp = await pb_grpc.NodeStub(unix).GetStatus(pb.GetStatusRequest())
+        assert resp.gpu_count == 3
+        for stream in [*held, *on_socket]:
+            stream.cancel()
+    await server.stop(0)
+
+
 @pytest.mark.parametrize("access", ["read", "full"])
 async def test_tcp_serves_calls_that_change_the_node_only_when_told(
     sock_dir: Path, access: TcpAccess
