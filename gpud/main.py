@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import fcntl
 import os
+import resource
 import socket
+import stat
 import sys
 import threading
 import time
@@ -29,6 +32,44 @@ if TYPE_CHECKING:
     from gpud.backend.sim import SimNode
 
 
+# Masked from every file gpud creates whatever umask it was started with (the unit's is 0027):
+# under umask 0 its socket would be srwxrwxrwx from the bind until it is set to 0660, time
+# enough for any user to connect and keep the connection, and its state files world-writable.
+UMASK_FLOOR = 0o022
+
+
+def restrict_umask() -> int:
+    """Add :data:`UMASK_FLOOR` to the process umask; the umask now."""
+    mask = os.umask(UMASK_FLOOR) | UMASK_FLOOR
+    os.umask(mask)
+    return mask
+
+
+# Descriptors gpud asks for at most, when its hard limit is unlimited.
+MAX_OPEN_FILES = 1 << 20
+
+
+def open_files_wanted(soft: int, hard: int) -> int:
+    """The soft RLIMIT_NOFILE gpud runs with: its hard limit (MAX_OPEN_FILES when that is
+    unlimited). systemd starts services at 1024 soft (524288 hard) and expects a daemon that
+    needs more to raise it itself: at 1024, about a thousand idle connections to
+    api.tcp_address, which any local user may open, left gpud no descriptor to accept
+    ``gpuctl`` on its socket, open its state or answer /metrics."""
+    if soft == resource.RLIM_INFINITY:
+        return soft
+    return max(soft, MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else hard)
+
+
+def raise_open_files() -> None:
+    """Raise the soft RLIMIT_NOFILE to :func:`open_files_wanted` (``ulimit -Sn``)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = open_files_wanted(soft, hard)
+    if wanted != soft:
+        # above fs.nr_open the kernel refuses: gpud then runs with what it has
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def make_dirs(cfg: config.Config) -> None:
     """Create the state and run directories, and the directory of the socket (``api.socket``
     may lie outside the run directory); a ConfigError naming the key when one cannot be (a
@@ -42,15 +83,40 @@ def make_dirs(cfg: config.Config) -> None:
 
 
 def make_dir(path: Path, key: str) -> None:
-    """``mkdir -p path``; a ConfigError naming ``key`` and the path when it cannot be."""
+    """``mkdir -p path``; a ConfigError naming ``key`` and the path when it cannot be, or when
+    a user other than gpud's own could plant files there (:func:`check_private`)."""
     try:
         path.mkdir(parents=True, exist_ok=True)
+        st = path.stat()
     except FileExistsError:
         raise ConfigError(
             f"cannot create {path}: it exists and is not a directory", key=key
         ) from None
     except OSError as err:
         raise ConfigError(f"cannot create {path}: {err.strerror or err}", key=key) from None
+    check_private(path, st, key, euid=os.geteuid())
+
+
+def check_private(path: Path, st: os.stat_result, key: str, *, euid: int) -> None:
+    """gpud (root) creates, truncates, chmods and chowns files in its directories: one other
+    users may write to (``/tmp``; a group's) or another user owns would let them plant a
+    symbolic link there (``gpud.lock -> /etc/passwd``, or the socket swapped for a link to
+    ``/etc/shadow`` before gpud sets its mode and group) and have gpud write through it. A
+    ConfigError naming ``key`` then; a directory of root's or gpud's own user that only its
+    owner may write to is taken."""
+    if st.st_mode & (stat.S_IWOTH | stat.S_IWGRP):
+        who = "every user" if st.st_mode & stat.S_IWOTH else f"group {st.st_gid}"
+        raise ConfigError(
+            f"{path} is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}): gpud keeps"
+            " its lock, socket and state files in a directory of its own",
+            key=key,
+        )
+    if st.st_uid not in (0, euid):
+        raise ConfigError(
+            f"{path} belongs to uid {st.st_uid}, not to gpud's user (uid {euid}) or root:"
+            " gpud keeps its lock, socket and state files in a directory of its own",
+            key=key,
+        )
 
 
 LOCK_NAME = "gpud.lock"
@@ -67,7 +133,8 @@ def lock_dirs(cfg: config.Config) -> list[int]:
     for path, key in dirs.items():
         lock = path / LOCK_NAME
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            # never through a link: the file is truncated below
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as err:
             raise ConfigError(f"cannot open {lock}: {err.strerror or err}", key=key) from None
         try:
@@ -279,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpud: warning: {warning}", file=sys.stderr)
         print("config OK")
         return 0
+    restrict_umask()
+    raise_open_files()
     try:
         make_dirs(cfg)
         locks = lock_dirs(cfg)  # held until the process ends

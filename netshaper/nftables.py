@@ -44,13 +44,13 @@ DEFAULT_CHAIN = "jobs"
 _PRIORITY = "mangle"  # -150: before anything that filters on DSCP
 _PRIORITY_VALUE = -150
 _COMMENT = re.compile(r"^gpud job=(\S+) dscp=(\d+) cgid=(\d+) (ip6?)$")
-_SAFE = re.compile(r'^[^"\\\n\r]+$')
+_SAFE = re.compile(r'[^"\\\n\r]+')  # whole: "$" alone takes a path ending in a newline
 
 
 def usable_path(path: str) -> bool:
     """Whether ``path`` can stand in nft's quoted string (``socket cgroupv2 level 2
     "PATH"``): no double quote, backslash or line break."""
-    return bool(_SAFE.match(path))
+    return bool(_SAFE.fullmatch(path))
 
 
 Runner = Callable[[list[str], str | None], tuple[int, str, str]]

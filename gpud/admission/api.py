@@ -28,7 +28,7 @@ from gpud.admission.service import (
 from gpud.api.validate import int_range, non_empty, optional, optional_pid
 from gpud.errors import InvalidArgument, NotFound
 from gpud.jobs.api import kind_from_pb, reservation_message
-from gpud.jobs.registry import check_name
+from gpud.jobs.registry import check_devices, check_name, check_owner
 from gpud.jobs.service import RunRequest
 from gpud.shared import WAITING_ON_COLOCATION
 from gpud.v1 import jobs_pb2
@@ -50,23 +50,18 @@ SHARED_READ_S = 0.5
 # runs answered at once all asked again at once, on the CPUs the next run needed to start
 # (a start, or a leave of the entry, is answered at once all the same).
 MOVED_ANSWER_S = 1.0
-MAX_OWNER = 128
 _STATE = {QUEUED: pb.ENTRY_STATE_QUEUED, STARTED: pb.ENTRY_STATE_STARTED}
 
 
 def run_request(request: jobs_pb2.ReserveRequest) -> RunRequest:
     int_range(len(request.devices), 0, MAX_DEVICES, field="devices")
-    for d in request.devices:
-        non_empty(d, field="devices", max_len=96)
-    if len(request.owner) > MAX_OWNER:
-        raise InvalidArgument(f"longer than {MAX_OWNER} characters", field="owner")
     return RunRequest(
         job=check_name(request.job),
         kind=kind_from_pb(request.kind),
-        owner=request.owner,
+        owner=check_owner(request.owner),
         mig_profile=optional(request, "mig_profile"),
         gpu_count=optional(request, "gpu_count"),
-        devices=tuple(request.devices),
+        devices=check_devices(request.devices),
         threads_percent=optional(request, "threads_percent"),
         memory_bytes=optional(request, "memory_limit_bytes"),
         client_priority=optional(request, "client_priority"),

@@ -16,6 +16,7 @@ of :mod:`gpud.api.interceptors`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -43,6 +44,28 @@ SOCKET_MODE = 0o660
 # A bounded request size keeps a garbage client from costing memory: gRPC refuses a larger
 # message (RESOURCE_EXHAUSTED) before decoding it. Responses (every GPU's MIG table) are larger.
 _MAX_SEND_BYTES = 16 * 1024 * 1024
+# Connections that hold a descriptor and do nothing (a port scan, a client that stopped
+# half-way, or thousands opened on purpose on api.tcp_address until gpud runs out of
+# descriptors and stops answering on its socket too) are closed: one that has not finished
+# its HTTP/2 (and TLS) handshake after HANDSHAKE_TIMEOUT_S, one without a call for
+# IDLE_TIMEOUT_S (GOAWAY; a gRPC client reconnects at its next call by itself).
+HANDSHAKE_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 60.0
+# Calls api.tcp_address serves at once (a stream counts while open); more are refused with
+# RESOURCE_EXHAUSTED. It has a gRPC server of its own, so that thousands of streams held
+# open there (WatchAttributes, GetEntry waits: about 20 KiB each, a request up to
+# MAX_REQUEST_BYTES) bound gpud's memory and never take a call from the unix socket.
+TCP_MAX_CALLS = 1024
+
+
+def connection_options(
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S
+) -> list[tuple[str, int]]:
+    """gRPC server options that close connections left doing nothing (every gpud server's)."""
+    return [
+        ("grpc.server_handshake_timeout_ms", round(handshake_timeout_s * 1000)),
+        ("grpc.max_connection_idle_ms", round(idle_timeout_s * 1000)),
+    ]
 
 
 class ApiServer:
@@ -52,7 +75,9 @@ class ApiServer:
     :meth:`start`. ``tcp_address`` (``"host:port"``, port 0 picks one: see
     :attr:`tcp_port`) is served with ``tcp_credentials``, or without TLS when None; what it
     serves is ``tcp_access`` (:mod:`gpud.api.access`: reads and jobs' reports, or every
-    method).
+    method), at most ``tcp_max_calls`` calls at once. A connection that has not finished its
+    handshake after ``handshake_timeout_s``, or has made no call for ``idle_timeout_s``, is
+    closed (:func:`connection_options`).
     """
 
     def __init__(
@@ -64,6 +89,9 @@ class ApiServer:
         tcp_credentials: Any = None,
         tcp_access: TcpAccess = "read",
         servicers: Sequence[Registrar] = (),
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        tcp_max_calls: int = TCP_MAX_CALLS,
     ) -> None:
         self.socket_path = socket_path
         self.socket_group = socket_group
@@ -71,7 +99,10 @@ class ApiServer:
         self._tcp_credentials = tcp_credentials
         self.tcp_access: TcpAccess = tcp_access
         self._registrars = list(servicers)
+        self._connection_options = connection_options(handshake_timeout_s, idle_timeout_s)
+        self.tcp_max_calls = tcp_max_calls
         self._server: Any = None
+        self._tcp_server: Any = None
         self._health: Any = None
         self._socket_inode: int | None = None
         self.tcp_port: int | None = None
@@ -119,25 +150,17 @@ class ApiServer:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._clear_stale_socket()
 
-        server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor(allowed=guard(self.tcp_access, str(path)))],
-            options=[
-                ("grpc.max_receive_message_length", validate.MAX_REQUEST_BYTES),
-                ("grpc.max_send_message_length", _MAX_SEND_BYTES),
-            ],
-        )
         self._health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        for register in self._registrars:
-            register(server)
+        server = self._new_server(None)
+        tcp = None if self.tcp_address is None else self._new_server(self.tcp_max_calls)
         try:
             if server.add_insecure_port(f"unix:{path}") == 0:
                 raise RuntimeError("port 0")
-            if self.tcp_address is not None:
+            if tcp is not None and self.tcp_address is not None:
                 if self._tcp_credentials is not None:
-                    port = server.add_secure_port(self.tcp_address, self._tcp_credentials)
+                    port = tcp.add_secure_port(self.tcp_address, self._tcp_credentials)
                 else:
-                    port = server.add_insecure_port(self.tcp_address)
+                    port = tcp.add_insecure_port(self.tcp_address)
                 if port == 0:
                     raise RuntimeError(f"cannot bind {self.tcp_address}")
                 self.tcp_port = port
@@ -145,24 +168,27 @@ class ApiServer:
                 if warning:
                     log.warning("%s", warning)
         except RuntimeError as err:
-            await server.stop(None)
+            await _stop_all((server, tcp), None)
             path.unlink(missing_ok=True)
             raise GpudError(
                 f"gRPC server cannot listen on {path} / {self.tcp_address}: {err}"
             ) from err
         await server.start()
-        # gRPC creates the socket with the process umask (0022 under systemd, so group
-        # members could not connect yet); the mode and group are set right after the bind.
+        if tcp is not None:
+            await tcp.start()
+        # gRPC creates the socket with the process umask (0027 under systemd, at least 0022
+        # from gpud's main: no one but root may connect until then, so group members cannot
+        # yet); the mode and group are set right after the bind.
         try:
             os.chmod(path, SOCKET_MODE)
             if gid is not None:
-                os.chown(path, -1, gid)
+                os.chown(path, -1, gid, follow_symlinks=False)  # never a planted link
             self._socket_inode = path.stat().st_ino
         except OSError as err:
-            await server.stop(None)
+            await _stop_all((server, tcp), None)
             path.unlink(missing_ok=True)
             raise GpudError(f"cannot set mode/group of {path}: {err}") from err
-        self._server = server
+        self._server, self._tcp_server = server, tcp
         await self.set_serving(True)
         log.info(
             "gRPC API on %s (mode %o, group %s)%s",
@@ -171,6 +197,24 @@ class ApiServer:
             self.socket_group or "unchanged",
             f" and {self.tcp_address}" if self.tcp_address else "",
         )
+
+    def _new_server(self, max_calls: int | None) -> Any:
+        """A gRPC server with every service, the health service and the error mapping."""
+        server = grpc.aio.server(
+            interceptors=[
+                ErrorMappingInterceptor(allowed=guard(self.tcp_access, str(self.socket_path)))
+            ],
+            options=[
+                ("grpc.max_receive_message_length", validate.MAX_REQUEST_BYTES),
+                ("grpc.max_send_message_length", _MAX_SEND_BYTES),
+                *self._connection_options,
+            ],
+            maximum_concurrent_rpcs=max_calls,
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        for register in self._registrars:
+            register(server)
+        return server
 
     async def set_serving(self, serving: bool, service: str = "") -> None:
         """Set the health status of ``service`` ("" is the whole daemon)."""
@@ -189,12 +233,13 @@ class ApiServer:
         Safe to call twice, or without :meth:`start`.
         """
         server, self._server = self._server, None
+        tcp, self._tcp_server = self._tcp_server, None
         if server is None:
             return
         if self._health is not None:
             # every service reports NOT_SERVING to health watchers before the listeners close
             await self._health.enter_graceful_shutdown()
-        await server.stop(grace)
+        await _stop_all((server, tcp), grace)
         with contextlib.suppress(FileNotFoundError):
             # only our own socket: a newer daemon may have replaced it already
             if self.socket_path.stat().st_ino == self._socket_inode:
@@ -205,3 +250,8 @@ class ApiServer:
         """Until the server stops (for a daemon that has nothing else to wait on)."""
         if self._server is not None:
             await self._server.wait_for_termination()
+
+
+async def _stop_all(servers: Sequence[Any], grace: float | None) -> None:
+    """Stop the servers that are there (None: not made) together."""
+    await asyncio.gather(*(s.stop(grace) for s in servers if s is not None))

@@ -57,7 +57,9 @@ def kind_name(value: int) -> str:
 def add_placement_options(parser: argparse.ArgumentParser) -> None:
     """``--kind``, ``--mig | --gpus | --devices``, ``--threads``, ``--memory``, ``--priority``."""
     parser.add_argument("--kind", choices=KINDS, help="training (default) or inference")
-    parser.add_argument("--owner", default="", help="who runs it")
+    parser.add_argument(
+        "--owner", default="", help="who runs it (one line of up to 128 printable characters)"
+    )
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
         "--mig", metavar="PROFILE", help="one MIG device of this profile, e.g. 3g.40gb"

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from gpud.api.interceptors import ErrorMappingInterceptor
+from gpud.api.server import connection_options
 from gpud.cluster.agent import ClusterAgent, ClusterStatus
 from gpud.cluster.convert import (
     MAX_JOBS,
@@ -236,6 +237,7 @@ class PeerServer:
             options=[
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                *connection_options(),
             ],
         )
         ClusterPeerServicer(self._agent).register(server)

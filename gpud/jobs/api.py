@@ -21,7 +21,7 @@ from gpud.errors import InvalidArgument
 from gpud.jobs.attribution import ProcessUse
 from gpud.jobs.ends import NO_STATUS, EndCause, RunEnd
 from gpud.jobs.placement import Reservation
-from gpud.jobs.registry import JobKind, JobSpec, check_name
+from gpud.jobs.registry import JobKind, JobSpec, check_devices, check_name
 from gpud.jobs.service import JobService, RunRequest
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
@@ -190,7 +190,7 @@ class JobsServicer(pb_grpc.JobsServicer):
                     owner=request.owner,
                     mig_profile=optional(request, "mig_profile"),
                     gpu_count=optional(request, "gpu_count"),
-                    devices=tuple(request.devices),
+                    devices=check_devices(request.devices),
                     threads_percent=optional(request, "threads_percent"),
                     memory_bytes=optional(request, "memory_limit_bytes"),
                     client_priority=optional(request, "client_priority"),

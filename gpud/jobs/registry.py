@@ -13,13 +13,13 @@ import logging
 import re
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from gpud.errors import AlreadyExists, InvalidArgument, NotFound
 from gpud.mps import protocol
-from gpud.shared import MAX_SLO_MS, MIN_SLO_MS, check_slo_ms
+from gpud.shared import MAX_SLO_MS, MIN_SLO_MS, check_slo_ms, check_text
 from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -40,10 +40,17 @@ SCHEMA = (
     )""",
 )
 
-# Names go into environment variables, cgroup names and Prometheus labels.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+# Names go into environment variables, cgroup names and Prometheus labels. Matched whole
+# (fullmatch): "$" alone would take a name ending in a newline.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 # "1g.10gb", "1g.10gb+me", "1g.10gb+me.all", "1g.10gb-me", "1c.3g.40gb" (a compute instance)
-_MIG_PROFILE = re.compile(r"^(\d+c\.)?\d+g\.\d+gb([+-][a-z]+(\.[a-z]+)?)?$")
+_MIG_PROFILE = re.compile(r"(\d+c\.)?\d+g\.\d+gb([+-][a-z]+(\.[a-z]+)?)?")
+
+# A device as gpuctl takes it: a GPU index (0), GPU:MIG (0:1), a GPU-/MIG- UUID (an older
+# driver's MIG-GPU-<uuid>/1/0 too). Never a control character: it is shown and logged.
+_DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9:/_.-]{0,95}")
+# Who a job is for, free text shown by `gpuctl jobs ls` and the queue's listings.
+MAX_OWNER = 128
 
 # CUDA_MPS_CLIENT_PRIORITY: 0 is NORMAL, 1 is BELOW_NORMAL.
 PRIORITY_NORMAL = 0
@@ -82,9 +89,11 @@ class JobSpec:
 def validate_spec(spec: JobSpec) -> JobSpec:
     """Check every field; raise :class:`InvalidArgument` naming the first wrong one."""
     check_name(spec.name)
+    check_owner(spec.owner)
+    check_devices(spec.devices)
     if not isinstance(spec.kind, JobKind):
         raise InvalidArgument(f"{spec.kind!r} is not training or inference", field="kind")
-    if spec.mig_profile is not None and not _MIG_PROFILE.match(spec.mig_profile):
+    if spec.mig_profile is not None and not _MIG_PROFILE.fullmatch(spec.mig_profile):
         raise InvalidArgument(
             f"{spec.mig_profile!r} is not a MIG profile like 3g.40gb", field="mig"
         )
@@ -112,9 +121,26 @@ def validate_spec(spec: JobSpec) -> JobSpec:
     return spec
 
 
+def check_devices(devices: Sequence[str]) -> tuple[str, ...]:
+    """Each of ``devices`` written as a device is (``_DEVICE``), else InvalidArgument."""
+    for device in devices:
+        if not _DEVICE.fullmatch(device):
+            raise InvalidArgument(
+                f"{device!r} is not a device: a GPU index (0), GPU:MIG (0:1) or a GPU-/MIG- UUID",
+                field="devices",
+            )
+    return tuple(devices)
+
+
+def check_owner(owner: str) -> str:
+    """One line of printable text: an escape sequence or a newline in an owner would rewrite
+    the terminal or the table of whoever lists the jobs."""
+    return check_text(owner, field="owner", max_len=MAX_OWNER)
+
+
 def check_name(name: str, *, field: str = "name") -> str:
     """A job name as the registry takes it; ``field`` names the request field it came in."""
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise InvalidArgument(
             f"{name!r}: letters, digits, '_', '.', '-' (up to 63, starting alphanumeric)",
             field=field,

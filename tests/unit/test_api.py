@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import grp
 import importlib
 import math
@@ -130,6 +131,68 @@ async def test_tcp_listener(sock_dir: Path) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.tcp_port}") as ch:
         resp = await pb_grpc.NodeStub(ch).GetStatus(pb.GetStatusRequest())
     assert resp.gpu_count == 3
+    await server.stop(0)
+
+
+def _closed_within(port: int, sent: bytes, seconds: float) -> bool:
+    """Whether gpud closes a TCP connection that sent ``sent`` and then nothing."""
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(sent)
+        conn.settimeout(seconds)
+        try:
+            while conn.recv(4096):  # its SETTINGS, then GOAWAY
+                pass
+        except TimeoutError:
+            return False
+        return True
+
+
+async def test_connections_left_doing_nothing_are_closed(sock_dir: Path) -> None:
+    # A descriptor each: thousands held open on api.tcp_address left gpud none to accept
+    # gpuctl on its socket with.
+    server = await _serve(
+        sock_dir / "gpud.sock",
+        make_servicer(),
+        tcp_address="127.0.0.1:0",
+        handshake_timeout_s=0.5,
+        idle_timeout_s=1.0,
+    )
+    assert server.tcp_port
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    settings = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # empty SETTINGS: handshake done
+    for sent in (b"", preface[:10], preface + settings):
+        assert await asyncio.to_thread(_closed_within, server.tcp_port, sent, 5.0), sent
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.tcp_port}") as ch:
+        await pb_grpc.NodeStub(ch).GetStatus(pb.GetStatusRequest())
+        await asyncio.sleep(1.5)  # closed as idle: the next call reconnects by itself
+        resp = await pb_grpc.NodeStub(ch).GetStatus(pb.GetStatusRequest())
+    assert resp.gpu_count == 3
+    await server.stop(0)
+
+
+async def test_calls_held_open_over_tcp_are_bounded_and_never_take_the_sockets(
+    sock_dir: Path,
+) -> None:
+    path = sock_dir / "gpud.sock"
+    server = await _serve(path, make_servicer(), tcp_address="127.0.0.1:0", tcp_max_calls=2)
+    request = health_pb2.HealthCheckRequest(service="")
+    async with (
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.tcp_port}") as tcp,
+        grpc.aio.insecure_channel(f"unix:{path}") as unix,
+    ):
+        held = [health_pb2_grpc.HealthStub(tcp).Watch(request) for _ in range(2)]
+        for stream in held:
+            await stream.read()  # open on the server
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await pb_grpc.NodeStub(tcp).GetStatus(pb.GetStatusRequest())
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        on_socket = [health_pb2_grpc.HealthStub(unix).Watch(request) for _ in range(3)]
+        for stream in on_socket:
+            await stream.read()
+        resp = await pb_grpc.NodeStub(unix).GetStatus(pb.GetStatusRequest())
+        assert resp.gpu_count == 3
+        for stream in [*held, *on_socket]:
+            stream.cancel()
     await server.stop(0)
 
 

@@ -3,8 +3,10 @@ import errno
 import math
 import os
 import re
+import resource
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tomllib
@@ -15,7 +17,15 @@ import pytest
 
 from gpud import config
 from gpud.errors import ConfigError
-from gpud.main import LOCK_NAME, build_parser, load_config, lock_dirs, main
+from gpud.main import (
+    LOCK_NAME,
+    build_parser,
+    check_private,
+    load_config,
+    lock_dirs,
+    main,
+    open_files_wanted,
+)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -97,6 +107,7 @@ _ETCD = (
             "nftables cannot name a cgroup path with a double quote",
         ),
         ('[traffic]\ncgroup_parent = "a\\nb"\n', "traffic.cgroup_parent", "a line break"),
+        ('[traffic]\ncgroup_parent = "gpud\\n"\n', "traffic.cgroup_parent", "a line break"),
         # DSCP 0 is untagged traffic: a job tagged 0 leaves its interface unenforced
         ("[traffic]\nreserved_dscp = []\n", "traffic.reserved_dscp", "DSCP 0 is untagged"),
         (
@@ -339,6 +350,77 @@ def test_a_second_gpud_on_the_same_directories_stops_before_it_starts(
     again = lock_dirs(cfg)  # released: the next start takes it
     for fd in again:
         os.close(fd)
+
+
+def test_a_directory_every_user_may_write_to_is_refused_before_gpud_writes_there(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # daemon.run_dir = "/tmp"
+    victim = tmp_path / "victim"
+    victim.write_text("root's file\n")
+    (shared / LOCK_NAME).symlink_to(victim)  # what any user could leave there
+    flags = ["--simulate", "--state-dir", str(tmp_path / "state"), "--run-dir", str(shared)]
+    assert main(["--config", str(write(tmp_path, "")), *flags]) == 1
+    assert (
+        f"gpud: daemon.run_dir: {shared} is writable by every user (mode 1777): gpud keeps its"
+        " lock, socket and state files in a directory of its own" in capsys.readouterr().err
+    )
+    assert victim.read_text() == "root's file\n"
+
+
+def test_a_directory_another_user_owns_is_refused(tmp_path: Path) -> None:
+    st = os.stat_result((0o40755, 0, 0, 2, 1000, 1000, 0, 0, 0, 0))
+    with pytest.raises(ConfigError, match="belongs to uid 1000, not to gpud's user"):
+        check_private(tmp_path, st, "daemon.run_dir", euid=0)
+    check_private(tmp_path, os.stat_result((0o40750, 0, 0, 2, 0, 0, 0, 0, 0, 0)), "k", euid=7)
+    check_private(tmp_path, os.stat_result((0o40700, 0, 0, 2, 7, 0, 0, 0, 0, 0)), "k", euid=7)
+    group_writable = os.stat_result((0o40770, 0, 0, 2, 0, 42, 0, 0, 0, 0))  # root:gpud 0770
+    with pytest.raises(ConfigError, match=r"writable by group 42 \(mode 770\)"):
+        check_private(tmp_path, group_writable, "api.socket", euid=0)
+
+
+def test_the_lock_is_never_written_through_a_link(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("root's file\n")
+    (tmp_path / LOCK_NAME).symlink_to(victim)
+    cfg = config.Config().with_overrides(
+        {"daemon.state_dir": str(tmp_path), "daemon.run_dir": str(tmp_path)}
+    )
+    with pytest.raises(ConfigError, match=f"cannot open {tmp_path}/{LOCK_NAME}"):
+        lock_dirs(cfg)
+    assert victim.read_text() == "root's file\n"
+
+
+def test_under_umask_0_gpud_creates_nothing_others_may_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = config.Config().with_overrides(
+        {"daemon.state_dir": str(tmp_path), "daemon.run_dir": str(tmp_path)}
+    )
+    held = lock_dirs(cfg)  # stops the start right after its directories are made
+    before = os.umask(0)
+    try:
+        flags = ["--simulate", "--state-dir", str(tmp_path), "--run-dir", str(tmp_path / "run")]
+        assert main(["--config", str(write(tmp_path, "")), *flags]) == 1
+        assert "another gpud" in capsys.readouterr().err
+        assert stat.S_IMODE((tmp_path / "run").stat().st_mode) == 0o755
+        assert os.umask(0) == 0o022  # the socket, state.db, events.jsonl: 0755 or 0644 at most
+    finally:
+        os.umask(before)
+        for fd in held:
+            os.close(fd)
+
+
+def test_gpud_raises_its_open_files_limit_to_the_hard_one() -> None:
+    # systemd's 1024: a thousand idle connections to api.tcp_address starved the socket
+    assert open_files_wanted(1024, 524288) == 524288
+    assert open_files_wanted(1024, resource.RLIM_INFINITY) == 1 << 20
+    assert open_files_wanted(4096, 4096) == 4096
+    assert open_files_wanted(resource.RLIM_INFINITY, resource.RLIM_INFINITY) == (
+        resource.RLIM_INFINITY
+    )
 
 
 def test_simulate_help_names_the_products_it_takes() -> None:

@@ -112,7 +112,14 @@ def test_a_stored_slo_outside_the_range_is_brought_into_it_on_load(
     ("spec", "field"),
     [
         (JobSpec("bad name"), "name"),
+        (JobSpec("evil\n"), "name"),  # a cgroup, an env line, a log line of its own
+        (JobSpec("x", owner="alice\x1b]0;owned\x07"), "owner"),  # a terminal's title
+        (JobSpec("x", owner="alice\nFAKE  training"), "owner"),  # a row of `gpuctl jobs ls`
+        (JobSpec("x", owner="a" * 129), "owner"),
+        (JobSpec("x", devices=("GPU-a\x1b[31m\nFAKE ROW",)), "devices"),
+        (JobSpec("x", devices=("",)), "devices"),
         (JobSpec("x", mig_profile="huge"), "mig"),
+        (JobSpec("x", mig_profile="1g.10gb\n"), "mig"),
         (JobSpec("x", gpu_count=0), "gpus"),
         (JobSpec("x", gpu_count=2, mig_profile="1g.10gb"), "gpus"),
         (JobSpec("x", threads_percent=0), "threads"),
