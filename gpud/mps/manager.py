@@ -827,6 +827,9 @@ class MpsManager:
 
     def _start(self, target: MpsTarget, dev: _Device, desired: MpsLimits) -> None:
         restart = dev.started
+        # the new daemon's PID file exists before its limits are applied: until then a
+        # status read in between is not up (it would show the old limits and restart count)
+        dev.up = False
         try:
             pid = dev.daemon.start()
             self._apply(target, dev, desired, servers=())
@@ -846,12 +849,12 @@ class MpsManager:
             dev.daemon.kill()
             return
         dev.started = True
-        dev.up = True
         dev.failures = 0
         dev.last_error = ""
         dev.next_check_at = self._clock() + self._health_interval_s
         if restart:
             dev.restarts += 1
+        dev.up = True  # last: what a status read sees up is all there
         self._events.emit(
             "mps.restart" if restart else "mps.start",
             f"{'restarted' if restart else 'started'} the MPS control daemon of"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import sqlite3
@@ -286,6 +287,48 @@ def test_a_killed_daemon_is_restarted_with_the_same_limits(root: Path) -> None:
         assert daemon["default_device_pinned_mem_limit"] == {"0": 12 * GIB}
         assert [e.kind for e in events.recent(kind_prefix="mps.restart")] == ["mps.restart"]
     finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_daemon_being_restarted_is_not_shown_up_before_its_limits_are_back(
+    root: Path,
+) -> None:
+    """While a killed daemon is started again, its new PID exists before its limits are
+    applied: `gpuctl mps show` must not show it up (with the old limits and restart count)
+    in between."""
+    slow = root / "slow"
+    wrapper = root / "control.sh"
+    fake = " ".join(shlex.quote(part) for part in FAKE_CONTROL)
+    # the client commands (limits) wait while ``slow`` exists; the daemon (-d) starts at once
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'[ "$1" = -d ] || while [ -e {shlex.quote(str(slow))} ]; do sleep 0.01; done\n'
+        f'exec {fake} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    mgr, store, _ = make_manager(root, [str(wrapper)])
+    try:
+        mgr.reconcile(NODE)
+        mgr.set_limits("0", threads_percent=30)
+        old_pid = mgr.status()[0].pid
+        assert old_pid is not None
+        os.kill(old_pid, signal.SIGKILL)
+        wait_dead(old_pid)
+        slow.touch()
+        restarting = threading.Thread(target=mgr.reconcile, args=(NODE,))
+        restarting.start()
+        shown = mgr.status()[0]
+        while shown.pid in (None, old_pid):  # until the new daemon's PID shows
+            shown = mgr.status()[0]
+        assert not shown.up  # its limits are not applied yet
+        slow.unlink()
+        restarting.join()
+        status = mgr.status()[0]
+        assert status.up and status.pid == shown.pid and status.restarts == 1
+        assert status.observed_threads_percent == 30.0
+    finally:
+        slow.unlink(missing_ok=True)
         mgr.stop()
         store.close()
 
