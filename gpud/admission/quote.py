@@ -83,7 +83,7 @@ than any class it shares devices with: a small job queued behind a large one wai
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 
@@ -132,18 +132,95 @@ def packing_efficiency(
             events.append((started, share, 0))
             events.append((now if ended is None else ended, -share, 0))
     events.sort(key=lambda e: e[0])
-    busy = waiting = 0.0
-    used = 0.0
-    waiters = 0
-    last = events[0][0] if events else 0.0
-    for t, d_use, d_wait in events:
-        if waiters > 0 and t > last:
-            busy += used * (t - last)
-            waiting += t - last
-        last = t
-        used += d_use
-        waiters += d_wait
-    return min(busy / waiting, 1.0) if waiting > 0 else 1.0
+    return _Sweep().run(events).efficiency()
+
+
+class _Sweep:
+    """:func:`packing_efficiency`'s pass over the events in time order, where it stands."""
+
+    __slots__ = ("busy", "last", "used", "waiters", "waiting")
+
+    def __init__(self) -> None:
+        self.busy = self.waiting = 0.0
+        self.used = 0.0
+        self.waiters = 0
+        # the first event's time: nobody waits before it, so no span before it counts
+        self.last = 0.0
+
+    def copy(self) -> _Sweep:
+        out = _Sweep()
+        out.busy, out.waiting, out.used = self.busy, self.waiting, self.used
+        out.waiters, out.last = self.waiters, self.last
+        return out
+
+    def run(self, events: Iterable[tuple[float, float, int]]) -> _Sweep:
+        busy, waiting, used, waiters, last = (
+            self.busy,
+            self.waiting,
+            self.used,
+            self.waiters,
+            self.last,
+        )
+        for t, d_use, d_wait in events:
+            if waiters > 0 and t > last:
+                busy += used * (t - last)
+                waiting += t - last
+            last = t
+            used += d_use
+            waiters += d_wait
+        self.busy, self.waiting, self.used, self.waiters, self.last = (
+            busy,
+            waiting,
+            used,
+            waiters,
+            last,
+        )
+        return self
+
+    def efficiency(self) -> float:
+        return min(self.busy / self.waiting, 1.0) if self.waiting > 0 else 1.0
+
+
+class PackingEfficiency:
+    """:func:`packing_efficiency` of jobs that have all started, asked again and again as
+    ``now`` moves on: the events before ``now`` that do not move with it are swept once
+    (and from where the last answer stood), so an answer costs the runs still running and
+    the events since, not the history. The same sums in the same order: the same figure."""
+
+    def __init__(self, jobs: Sequence[tuple[float, float, float | None, float]]) -> None:
+        # (time, order, capacity change, waiting change): ``order`` is the event's place in
+        # packing_efficiency's list, which its stable sort keeps among events of one time
+        fixed: list[tuple[float, int, float, int]] = []
+        self._running: list[tuple[int, float]] = []  # (order, share): ends at ``now``
+        for queued, started, ended, share in jobs:
+            if started > queued:
+                fixed.append((queued, len(fixed) + len(self._running), 0.0, 1))
+                fixed.append((started, len(fixed) + len(self._running), 0.0, -1))
+            fixed.append((started, len(fixed) + len(self._running), share, 0))
+            if ended is None:
+                self._running.append((len(fixed) + len(self._running), -share))
+            else:
+                fixed.append((ended, len(fixed) + len(self._running), -share, 0))
+        fixed.sort(key=lambda e: e[0])
+        self._fixed = fixed
+        self._done = 0  # the events swept: those before ``self._until``
+        self._until = -math.inf
+        self._sweep = _Sweep()
+
+    def at(self, now: float) -> float:
+        if now < self._until:  # the clock stepped back: sweep again from the start
+            self._done, self._sweep = 0, _Sweep()
+        fixed, done = self._fixed, self._done
+        end = done
+        while end < len(fixed) and fixed[end][0] < now:
+            end += 1
+        self._sweep.run((t, d_use, d_wait) for t, _, d_use, d_wait in fixed[done:end])
+        self._done, self._until = end, now
+        rest = fixed[end:] + [(now, order, d_use, 0) for order, d_use in self._running]
+        rest.sort(key=lambda e: (e[0], e[1]))
+        return (
+            self._sweep.copy().run((t, d_use, d_wait) for t, _, d_use, d_wait in rest).efficiency()
+        )
 
 
 _NEGLIGIBLE = 1e-15  # a waiting probability below this is taken as it stands

@@ -31,9 +31,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from gpud.admission.classes import ClassView, class_views
+from gpud.admission.classes import ClassView, ClassViews, class_views
 from gpud.admission.estimate import Record, residual_of_waits
 from gpud.admission.feasibility import classify, resolve_configs
+from gpud.admission.history import HistoryMirror
 from gpud.admission.model import (
     THREADS_CAPACITY,
     Demand,
@@ -216,7 +217,10 @@ class AdmissionService:
         proc_root: Path = Path("/proc"),
         clock: Callable[[], float] = time.time,
         passes: Callable[[Callable[[], None]], Passes] = Inline,
+        full_views: bool = False,
     ) -> None:
+        """``full_views``: the class models from the whole history read afresh each time
+        (what the kept ones must equal; to measure them against)."""
         self._store = store
         self._jobs = jobs
         self._mps = mps
@@ -232,6 +236,12 @@ class AdmissionService:
         self._fit: tuple[tuple[Device, ...], FitCheck] | None = None
         self._demands: dict[Request, Demand | Unfeasible] = {}
         self._views_cache: tuple[object, dict[str, ClassView]] | None = None
+        self._full_views = full_views
+        self._mirror = HistoryMirror(
+            lambda text: request_of(run_request_from_json(text)), removed=EndCause.REMOVED.value
+        )
+        # the window's requests and class views, by the rows it holds
+        self._window: tuple[object, dict[str, Request], ClassViews] | None = None
         self._decoded: dict[tuple[object, ...], Entry] = {}  # by row, the last read's
         # Little's law on the daemon's own measurements: the integral of the queue length.
         self._area = 0.0
@@ -582,29 +592,56 @@ class AdmissionService:
         return list(self._views(fit, self.entries()).values())
 
     def _views(self, fit: FitCheck, queued: Sequence[Entry]) -> dict[str, ClassView]:
-        """The class models; recomputed when the history, the queue's classes, the devices
-        or the second change (every waiting ``gpuctl`` polls, every scrape asks)."""
+        """The class models; made again when the history, the queue's classes, the devices
+        or the second change (every waiting ``gpuctl`` polls, every scrape asks). The
+        history is read from :class:`HistoryMirror` (only what changed since the last time)
+        and what does not move with the time is kept while the window holds the same runs
+        (:class:`ClassViews`): a second's quotes cost the runs still running, not every run
+        in the window."""
         now = self._clock()
-        with self._store.transaction() as conn:
-            row = conn.execute(
-                "SELECT COUNT(*), MAX(id), COUNT(ended_at) FROM job_history"
-            ).fetchone()
+        window_s = self.config.history_window_s
+        if self._full_views:
+            with self._store.transaction() as conn:
+                row = conn.execute(
+                    "SELECT COUNT(*), MAX(id), COUNT(ended_at) FROM job_history"
+                ).fetchone()
+            history_key: object = tuple(row)
+        else:
+            with self._store.transaction() as conn:
+                self._mirror.refresh(conn)
+            history_key = self._mirror.members(now - window_s, now)
         key = (
-            tuple(row),
+            history_key,
             tuple(sorted({e.request_class for e in queued})),
             id(fit),
             int(now),
-            self.config.history_window_s,
+            window_s,
         )
         if self._views_cache is not None and self._views_cache[0] == key:
             return self._views_cache[1]
-        views = self._compute_views(fit, queued, now)
+        if self._full_views:
+            views = self._compute_views(fit, queued, now)
+        else:
+            if self._window is None or self._window[0] != (history_key, window_s):
+                requests: dict[str, Request] = {}
+                records = []
+                for record, request in self._mirror.since(now - window_s):
+                    requests[record.request_class] = request
+                    records.append(record)
+                made = ClassViews(records, now=now, window_s=window_s)
+                self._window = ((history_key, window_s), requests, made)
+            _, requests, made = self._window
+            requests = dict(requests)
+            for e in queued:
+                requests[e.request_class] = e.placement
+            views = made.at(fit, requests, now=now)
         self._views_cache = (key, views)
         return views
 
     def _compute_views(
         self, fit: FitCheck, queued: Sequence[Entry], now: float
     ) -> dict[str, ClassView]:
+        """:meth:`_views` from the whole history in the window, read and decoded afresh."""
         history = self.history(since=now - self.config.history_window_s)
         requests = {h.request_class: request_of(h.request) for h in history}
         for e in queued:
