@@ -22,8 +22,8 @@ class HistoryMirror:
     """``job_history``'s rows as :class:`Record` and request, oldest first. Rows change
     after they are added only while they may still end (or, for a run removed while it
     ran, end again when its ``gpuctl run`` reports): those are read again at each
-    :meth:`refresh`, with the rows added since; rows pruned leave. A count that then
-    disagrees with the table's reads it all again."""
+    :meth:`refresh`, with the rows added since; rows pruned leave. Where any of that
+    changed, a count that then disagrees with the table's reads it all again."""
 
     def __init__(self, decode: Callable[[str], Request], *, removed: str) -> None:
         self._decode = decode
@@ -37,8 +37,10 @@ class HistoryMirror:
         self.reads = 0  # rows read from the database so far
 
     def refresh(self, conn: sqlite3.Connection) -> None:
-        count, low = conn.execute("SELECT COUNT(*), MIN(id) FROM job_history").fetchone()
-        changed = False
+        # MIN(id) costs a lookup, COUNT(*) a scan of the table: counted only once
+        # something changed (rows leave the table only when pruned, oldest first)
+        (low,) = conn.execute("SELECT MIN(id) FROM job_history").fetchone()
+        changed = self.version == 0
         while self._rows:
             first = next(iter(self._rows))
             if low is not None and first >= low:
@@ -59,21 +61,23 @@ class HistoryMirror:
                 f"SELECT {COLUMNS} FROM job_history WHERE id IN ({', '.join('?' * len(ids))})",
                 ids,
             ).fetchall()
+            changed = changed or len(rows) < len(ids)  # gone: read it all again
             for row in rows:
                 record, _ = self._rows[row[0]]
                 if row[6] != record.ended_at:
                     changed = True
                 self._keep(row)
-        if len(self._rows) != count:  # changed otherwise than a run of gpud changes it
+        if not changed:
+            return
+        (count,) = conn.execute("SELECT COUNT(*) FROM job_history").fetchone()
+        if len(self._rows) != count:  # changed otherwise than gpud changes it
             self._rows.clear()
             self._open.clear()
             self._last_id = 0
             for row in conn.execute(f"SELECT {COLUMNS} FROM job_history ORDER BY id"):
                 self._keep(row)
-            changed = True
-        if changed:
-            self.version += 1
-            self._queued = None
+        self.version += 1
+        self._queued = None
 
     def _keep(self, row: sqlite3.Row) -> None:
         self.reads += 1
