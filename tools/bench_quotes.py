@@ -5,7 +5,7 @@
     .venv/bin/python -m tools.bench_quotes [--history 0,10000,100000]
 
 For each history size N: a state database whose ``job_history`` holds N runs
-(:func:`fill_history`: four request classes over the last 6.3 days, a few still running),
+(:func:`tools.bench_queue.fill_history`: four request classes over the last 6.3 days, a few still running),
 and the class models the quotes come from, made
 
 - afresh, as each quote made them before they were kept (``full_views``): the SQL read,
@@ -22,7 +22,6 @@ Each time is the median of ``--repeat``; the ratio is afresh over kept, later se
 from __future__ import annotations
 
 import argparse
-import random
 import sqlite3
 import statistics
 import sys
@@ -41,62 +40,12 @@ from gpud.admission.service import (
     _history,
     request_of,
     run_request_from_json,
-    run_request_to_json,
 )
 from gpud.jobs.ends import EndCause
-from gpud.jobs.service import RunRequest
 from gpud.store import StateStore
+from tools.bench_queue import fill_history
 
-GIB = 1 << 30
 WINDOW_S = 7 * 86400.0
-CLASSES = (
-    (RunRequest(job="", gpu_count=1, memory_bytes=60 * GIB), 1.0),
-    (RunRequest(job="", gpu_count=1, memory_bytes=20 * GIB, threads_percent=50), 0.5),
-    (RunRequest(job="", gpu_count=1, memory_bytes=10 * GIB, threads_percent=25), 0.25),
-    (RunRequest(job="", gpu_count=1, memory_bytes=30 * GIB), 0.5),
-)
-
-
-def fill_history(conn: sqlite3.Connection, n: int, now: float, *, seed: int = 1) -> None:
-    """``n`` runs over the last 0.9 of the default window, the classes mixed, Poisson
-    arrivals, exponential run times (a load of about 0.6 on one GPU) and waits; the last
-    three still run."""
-    rng = random.Random(seed)
-    span = 0.9 * WINDOW_S
-    mean_s = 0.6 * span / max(n, 1)
-    rows = []
-    for i in range(n):
-        request, size = CLASSES[i % len(CLASSES)]
-        queued = now - span + span * i / max(n, 1)
-        started = queued + rng.expovariate(1.0 / (mean_s * 0.3))
-        ended = None if i >= n - 3 else min(now, started + rng.expovariate(1.0 / (mean_s * size)))
-        placed = RunRequest(
-            job=f"h{i}",
-            gpu_count=request.gpu_count,
-            memory_bytes=request.memory_bytes,
-            threads_percent=request.threads_percent,
-            holder_pid=1000 + i,
-        )
-        rows.append(
-            (
-                placed.job,
-                f"hist{i:08d}",
-                request_of(placed).describe(),
-                run_request_to_json(placed),
-                queued,
-                min(started, now),
-                ended,
-                None,
-                None if ended is None else 0,
-                None if ended is None else EndCause.EXITED.value,
-            )
-        )
-    conn.executemany(
-        "INSERT INTO job_history (job, reservation, request_class, request, queued_at,"
-        " started_at, ended_at, quote_s, exit_code, end_cause)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        rows,
-    )
 
 
 def median_s(call: Callable[[], object], repeat: int) -> float:

@@ -242,6 +242,7 @@ class AdmissionService:
         )
         # the window's requests and class views, by the rows it holds
         self._window: tuple[object, dict[str, Request], ClassViews] | None = None
+        self._quote_error: tuple[object, tuple[float, int]] | None = None
         self._decoded: dict[tuple[object, ...], Entry] = {}  # by row, the last read's
         # Little's law on the daemon's own measurements: the integral of the queue length.
         self._area = 0.0
@@ -940,6 +941,25 @@ class AdmissionService:
         with self._store.transaction() as conn:
             rows = conn.execute(query, args).fetchall()
         return [_history(r) for r in reversed(rows)]
+
+    def quote_error(self) -> tuple[float, int]:
+        """The mean of observed minus quoted wait over the window's runs that were quoted
+        (0 when none), and how many: from the history kept for the quotes, made again only
+        when the window's runs change (every scrape asks; reading and decoding the window
+        took seconds at admission.history_keep runs)."""
+        now = self._clock()
+        since = now - self.config.history_window_s
+        with self._store.transaction() as conn:
+            self._mirror.refresh(conn)
+        key = self._mirror.members(since, math.inf)
+        if self._quote_error is None or self._quote_error[0] != key:
+            errors = [
+                r.started_at - r.queued_at - r.quote_s
+                for r, _ in self._mirror.since(since)
+                if r.quote_s is not None and r.started_at is not None
+            ]
+            self._quote_error = (key, (sum(errors) / len(errors) if errors else 0.0, len(errors)))
+        return self._quote_error[1]
 
     def littles_residual(self) -> float | None:
         """``|L - lambda W| / L`` since the daemon started: ``L`` from the queue length it

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpud.admission.classes import class_views
+from gpud.admission.metrics import AdmissionMetrics
 from gpud.admission.quote import PackingEfficiency, packing_efficiency
 from gpud.admission.service import request_of, run_request_to_json
 from gpud.jobs.ends import EndCause
@@ -32,6 +33,7 @@ steps = st.one_of(
         times,  # waited
         times,  # ran until now (or, past now: a run from before the clock stepped back)
         st.one_of(st.none(), times),  # ended: how long ago (None: still runs)
+        st.one_of(st.none(), times),  # quoted
     ),
     st.tuples(st.just("end"), st.integers(0, 50), times, st.booleans()),
     st.tuples(st.just("prune"), st.integers(1, 5)),
@@ -44,7 +46,7 @@ steps = st.one_of(
 def apply(node: Node, step: tuple[object, ...], serial: list[int]) -> None:
     now = node.clock.now
     match step:
-        case ("add", int(kind), float(waited), float(ran), ended):
+        case ("add", int(kind), float(waited), float(ran), ended, quoted):
             request = REQUESTS[kind]
             serial[0] += 1
             started = now - ran
@@ -61,7 +63,7 @@ def apply(node: Node, step: tuple[object, ...], serial: list[int]) -> None:
                         started - waited,
                         started,
                         end,
-                        None,
+                        quoted,
                     ),
                 )
         case ("end", int(which), float(ago), bool(removed)):
@@ -112,6 +114,14 @@ def fresh(node: Node) -> list[object]:
     return list(class_views(fit, requests, records, now=now, window_s=window_s).values())
 
 
+def fresh_error(node: Node) -> tuple[float, int]:
+    """gpud_admission_quote_error_seconds and _runs from the history read afresh."""
+    since = node.clock.now - node.admission.config.history_window_s
+    history = node.admission.history(since=since)
+    errors = [h.started_at - h.queued_at - h.quote_s for h in history if h.quote_s is not None]
+    return (sum(errors) / len(errors) if errors else 0.0, len(errors))
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(steps, min_size=1, max_size=40))
 def test_kept_views_equal_views_made_afresh(plan: list[tuple[object, ...]]) -> None:
@@ -126,6 +136,7 @@ def test_kept_views_equal_views_made_afresh(plan: list[tuple[object, ...]]) -> N
                     node.clock.now += 1.0
                 asked = int(node.clock.now)
                 assert node.admission.explain() == fresh(node)
+                assert node.admission.quote_error() == fresh_error(node)
         finally:
             node.store.close()
 
@@ -135,7 +146,9 @@ def test_a_second_quote_reads_only_the_rows_that_changed(tmp_path: Path) -> None
     node = make_node(tmp_path, Clock())
     serial = [0]
     for i in range(200):
-        apply(node, ("add", i % len(REQUESTS), 30.0, 600.0, 100.0 if i % 50 else None), serial)
+        apply(
+            node, ("add", i % len(REQUESTS), 30.0, 600.0, 100.0 if i % 50 else None, 20.0), serial
+        )
     node.admission.explain()
     mirror = node.admission._mirror
     first = mirror.reads
@@ -144,7 +157,7 @@ def test_a_second_quote_reads_only_the_rows_that_changed(tmp_path: Path) -> None
         node.clock.now += 1.0
         assert node.admission.explain() == fresh(node)
     assert mirror.reads == first + 5 * 4  # the four runs still running, each time
-    apply(node, ("add", 0, 10.0, 20.0, None), serial)
+    apply(node, ("add", 0, 10.0, 20.0, None, None), serial)
     apply(node, ("prune", 3), serial)
     node.clock.now += 1.0
     assert node.admission.explain() == fresh(node)
@@ -170,3 +183,32 @@ def test_packing_efficiency_asked_again_equals_it_made_afresh(
     kept = PackingEfficiency(ran)
     for now in asked:
         assert kept.at(now) == packing_efficiency(ran, now=now)
+
+
+def test_a_scrape_decodes_no_run_it_read_before(tmp_path: Path) -> None:
+    """gpud_admission_quote_error_* come from the history kept for the quotes: a scrape
+    over a long history decodes no run it has read before (rows that would no longer decode
+    change nothing), and says what the history read afresh says."""
+    node = make_node(tmp_path, Clock())
+    serial = [0]
+    for i in range(300):
+        apply(node, ("add", i % len(REQUESTS), 30.0 + i, 600.0, 100.0, 20.0), serial)
+    scrape = AdmissionMetrics(node.admission)
+
+    def figures() -> dict[str, float]:
+        return {
+            m.name: m.samples[0].value for m in scrape() if m.name.startswith("gpud_admission_q")
+        }
+
+    mean, runs = fresh_error(node)
+    assert figures() == {
+        "gpud_admission_quote_error_seconds": mean,
+        "gpud_admission_quote_error_runs": runs,
+        "gpud_admission_queue_length": 0.0,
+    }
+    assert runs == 300
+    with node.store.transaction() as conn:
+        conn.execute("UPDATE job_history SET request = 'no longer decodes'")
+    node.clock.now += 1.0
+    assert figures()["gpud_admission_quote_error_seconds"] == mean
+    node.store.close()
