@@ -59,6 +59,8 @@ class ClassViews:
         self._by_class: dict[str, list[Record]] = {}
         for r in self._in_window:
             self._by_class.setdefault(r.request_class, []).append(r)
+        # a record that has not started (none from the history): efficiency made afresh
+        self._unstarted = any(r.started_at is None for r in self._in_window)
         # the pool's efficiency sweeps, by the classes on it and their shares
         self._sweeps: dict[tuple[tuple[str, float], ...], PackingEfficiency] = {}
 
@@ -109,11 +111,11 @@ class ClassViews:
                     for key, share in sharing
                     for r in self._by_class.get(key, ())
                 ]
-                started = [(q, s, e, share) for q, s, e, share in jobs if s is not None]
-                if len(started) < len(jobs):  # not from the history: asked afresh
+                if self._unstarted:  # not from the history: asked afresh
                     out.append(replace(c, efficiency=packing_efficiency(jobs, now=now)))
                     continue
-                sweep = self._sweeps[sharing] = PackingEfficiency(started)
+                # every one started (not self._unstarted)
+                sweep = self._sweeps[sharing] = PackingEfficiency(jobs)  # type: ignore[arg-type]
             efficiency = sweep.at(now)
             out.append(replace(c, efficiency=efficiency))
         return out
