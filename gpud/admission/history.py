@@ -32,6 +32,7 @@ class HistoryMirror:
         self._open: set[int] = set()  # rows that may still change
         self._last_id = 0
         self._interned: dict[Request, Request] = {}
+        self._classes: dict[str, str] = {}  # each class key kept once
         self._queued: list[float] | None = None  # queued_at of every row, sorted
         self.version = 0  # moves on whenever a row is added, changed or removed
         self.reads = 0  # rows read from the database so far
@@ -49,12 +50,12 @@ class HistoryMirror:
             self._open.discard(first)
             changed = True
         still = sorted(self._open)  # before the rows added since, read whole below
-        added = conn.execute(
+        read = self.reads
+        for row in conn.execute(  # row by row: the first holds every run
             f"SELECT {COLUMNS} FROM job_history WHERE id > ? ORDER BY id", (self._last_id,)
-        ).fetchall()
-        for row in added:
+        ):
             self._keep(row)
-        changed = changed or bool(added)
+        changed = changed or self.reads > read
         for i in range(0, len(still), CHUNK):
             ids = still[i : i + CHUNK]
             rows = conn.execute(
@@ -101,6 +102,7 @@ class HistoryMirror:
         else:
             decoded = self._decode(request)
             placement = self._interned.setdefault(decoded, decoded)
+        request_class = self._classes.setdefault(request_class, request_class)
         self._rows[row_id] = (
             Record(job, request_class, queued_at, started_at, ended_at, quote_s),
             placement,
