@@ -4,6 +4,7 @@
 
     .venv/bin/python -m tools.bench_queue [--runs 10] [--leavers 80]
     .venv/bin/python -m tools.bench_queue --waiters 200 [--idle-s 30] [--timeout S]
+        [--history N]
 
 - hand-over: ``--runs`` queued ``gpuctl run --gpus 1 --memory 60GiB`` of 0.3 s each on one
   H100; the time from one command's end to the next one's start (what the devices sit idle
@@ -22,6 +23,10 @@ With ``--waiters N``, instead: N runs queued behind one holding the GPU, and
   N, N - 1, ... still waiting behind; the time from one command's end to the next one's
   start, median and max (the rest are then stopped with SIGINT).
 
+``--history N``: the job history holds N runs before the waiters queue
+(:func:`fill_history`: four request classes over the last 6.3 days), what
+every quote (each waiting run's poll, each listing, each scrape) is made from.
+
 ``--timeout``: the waiting runs' ``gpuctl --timeout`` (default gpuctl's): a gpud that
 takes long to answer them while they queue fails the benchmark, with what the run said.
 """
@@ -30,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -40,10 +47,65 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from gpud.admission.service import request_of, run_request_to_json
+from gpud.jobs.ends import EndCause
+from gpud.jobs.service import RunRequest
 from tools.simdaemon import SimDaemon, simulated_gpud
 
 GPUCTL = "import sys; from gpud.cli.main import main; sys.exit(main())"  # the console script
 NO_ANSWER = "did not answer the withdrawal"
+GIB = 1 << 30
+WINDOW_S = 7 * 86400.0  # admission.history_window_s' default
+CLASSES = (
+    (RunRequest(job="", gpu_count=1, memory_bytes=60 * GIB), 1.0),
+    (RunRequest(job="", gpu_count=1, memory_bytes=20 * GIB, threads_percent=50), 0.5),
+    (RunRequest(job="", gpu_count=1, memory_bytes=10 * GIB, threads_percent=25), 0.25),
+    (RunRequest(job="", gpu_count=1, memory_bytes=30 * GIB), 0.5),
+)
+
+
+def fill_history(conn: sqlite3.Connection, n: int, now: float, *, seed: int = 1) -> None:
+    """``n`` runs queued evenly over the last 0.9 of the default window (none leaves it
+    while the benchmark runs), the classes in turn, exponential waits and run times (a load
+    of about 0.6 on one GPU); the last three still run."""
+    rng = random.Random(seed)
+    span = 0.9 * WINDOW_S
+    mean_s = 0.6 * span / max(n, 1)
+    rows = []
+    for i in range(n):
+        request, size = CLASSES[i % len(CLASSES)]
+        queued = now - span + span * i / max(n, 1)
+        started = queued + rng.expovariate(1.0 / (mean_s * 0.3))
+        ended = None if i >= n - 3 else min(now, started + rng.expovariate(1.0 / (mean_s * size)))
+        placed = RunRequest(
+            job=f"h{i}",
+            gpu_count=request.gpu_count,
+            memory_bytes=request.memory_bytes,
+            threads_percent=request.threads_percent,
+            holder_pid=1000 + i,
+        )
+        rows.append(
+            (
+                placed.job,
+                f"hist{i:08d}",
+                request_of(placed).describe(),
+                run_request_to_json(placed),
+                queued,
+                min(started, now),
+                ended,
+                None,
+                None if ended is None else 0,
+                None if ended is None else EndCause.EXITED.value,
+            )
+        )
+    conn.executemany(
+        "INSERT INTO job_history (job, reservation, request_class, request, queued_at,"
+        " started_at, ended_at, quote_s, exit_code, end_cause)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        rows,
+    )
+
+
 RUN = ("run", "--gpus", "1", "--memory", "60GiB", "--job")  # the job's name follows
 
 
@@ -151,9 +213,22 @@ def timed(call: Callable[[], object], times: int = 10) -> list[float]:
 
 
 def at_scale(
-    daemon: SimDaemon, waiters: int, idle_s: float, work: Path, timeout_s: float | None
+    daemon: SimDaemon,
+    waiters: int,
+    idle_s: float,
+    work: Path,
+    timeout_s: float | None,
+    *,
+    history: int = 0,
 ) -> None:
     import grpc
+
+    if history:
+        # the daemon's state directory, beside its run directory
+        db = sqlite3.connect(daemon.socket.parent.parent / "state" / "state.db", timeout=30)
+        with db:
+            fill_history(db, history, time.time())
+        db.close()
 
     from gpud.v1 import queue_pb2, queue_pb2_grpc
 
@@ -187,7 +262,7 @@ def at_scale(
             lists = timed(lambda: stub.ListQueue(queue_pb2.ListQueueRequest(), timeout=30))
         scrapes = timed(lambda: urllib.request.urlopen(daemon.metrics_url, timeout=30).read())
         print(
-            f"{waiters} queued: ListQueue {statistics.median(lists) * 1e3:.0f} ms median"
+            f"{waiters} queued, {history} runs in the history: ListQueue {statistics.median(lists) * 1e3:.0f} ms median"
             f" ({max(lists) * 1e3:.0f} ms max), /metrics {statistics.median(scrapes) * 1e3:.0f}"
             f" ms median ({max(scrapes) * 1e3:.0f} ms max)"
         )
@@ -229,6 +304,7 @@ def main() -> int:
     parser.add_argument("--leavers", type=int, default=80)
     parser.add_argument("--waiters", type=int, default=0)
     parser.add_argument("--idle-s", type=float, default=30.0)
+    parser.add_argument("--history", type=int, default=0, help="runs in the job history")
     parser.add_argument(
         "--timeout", type=float, default=None, help="the waiting runs' gpuctl --timeout"
     )
@@ -238,7 +314,9 @@ def main() -> int:
             simulated_gpud("H100-SXM5-80GB:1") as daemon,
             tempfile.TemporaryDirectory() as tmp,
         ):
-            at_scale(daemon, args.waiters, args.idle_s, Path(tmp), args.timeout)
+            at_scale(
+                daemon, args.waiters, args.idle_s, Path(tmp), args.timeout, history=args.history
+            )
         return 0
     with simulated_gpud("H100-SXM5-80GB:1") as daemon, tempfile.TemporaryDirectory() as tmp:
         gaps = hand_over(daemon, args.runs, Path(tmp))

@@ -3,13 +3,20 @@ and the M/G/k quote, for every request class seen in the history or the queue.""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from gpud.admission.estimate import ClassStats, Record, estimate
+from gpud.admission.estimate import ClassStats, Estimate, Record
 from gpud.admission.model import Demand, FitCheck, Request, Unfeasible
 from gpud.admission.packing import Packing, pack
-from gpud.admission.quote import ClassModel, ClassQuote, class_quotes, packing_efficiency
+from gpud.admission.quote import (
+    ClassModel,
+    ClassQuote,
+    PackingEfficiency,
+    class_quotes,
+    packing_efficiency,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,57 +38,84 @@ def class_views(
     window_s: float | None = None,
 ) -> dict[str, ClassView]:
     """``requests`` maps class keys (as in the records) to their request."""
-    devices = {d.uuid: d for d in fit.devices()}
-    stats = estimate(records, now=now, window_s=window_s)
-    demands = {key: fit.demand(r) for key, r in requests.items()}
-    packings = {key: pack(d, devices) for key, d in demands.items() if isinstance(d, Demand)}
-    models = []
-    for key, p in packings.items():
-        s = stats.get(key)
-        d = demands[key]
-        if p.k_eff and s is not None and s.mean_service_s is not None and isinstance(d, Demand):
-            models.append(
-                ClassModel(
-                    key,
-                    s.arrival_rate,
-                    s.mean_service_s,
-                    s.scv_service,
-                    p.k_eff,
-                    frozenset(d.pool),
-                    runs=s.completions,
+    return ClassViews(records, now=now, window_s=window_s).at(fit, requests, now=now)
+
+
+class ClassViews:
+    """:func:`class_views` over the records of one window, asked again as the time moves on
+    (the queue's listings and every scrape ask each second): the statistics and the sweeps
+    of the packing efficiency that do not move with the time are made once for these
+    records. ``now`` given here chooses the records as :func:`class_views` does; asking
+    at another time gives what :func:`class_views` gives at that time for the same records
+    (as long as no record enters or leaves the window in between)."""
+
+    def __init__(
+        self, records: Sequence[Record], *, now: float, window_s: float | None = None
+    ) -> None:
+        since = -math.inf if window_s is None else now - window_s
+        self._window_s = window_s
+        self._in_window = [r for r in records if r.queued_at >= since]
+        self._estimate = Estimate([r for r in self._in_window if r.queued_at <= now])
+        self._by_class: dict[str, list[Record]] = {}
+        for r in self._in_window:
+            self._by_class.setdefault(r.request_class, []).append(r)
+        # a record that has not started (none from the history): efficiency made afresh
+        self._unstarted = any(r.started_at is None for r in self._in_window)
+        # the pool's efficiency sweeps, by the classes on it and their shares
+        self._sweeps: dict[tuple[tuple[str, float], ...], PackingEfficiency] = {}
+
+    def at(
+        self, fit: FitCheck, requests: Mapping[str, Request], *, now: float
+    ) -> dict[str, ClassView]:
+        devices = {d.uuid: d for d in fit.devices()}
+        stats = self._estimate.at(now)
+        demands = {key: fit.demand(r) for key, r in requests.items()}
+        packings = {key: pack(d, devices) for key, d in demands.items() if isinstance(d, Demand)}
+        models = []
+        for key, p in packings.items():
+            s = stats.get(key)
+            d = demands[key]
+            if p.k_eff and s is not None and s.mean_service_s is not None and isinstance(d, Demand):
+                models.append(
+                    ClassModel(
+                        key,
+                        s.arrival_rate,
+                        s.mean_service_s,
+                        s.scv_service,
+                        p.k_eff,
+                        frozenset(d.pool),
+                        runs=s.completions,
+                    )
                 )
-            )
-    models = _with_efficiency(models, records, now=now, window_s=window_s)
-    quotes = class_quotes(models, horizon_s=window_s)
-    return {
-        key: ClassView(key, r, demands[key], packings.get(key), stats.get(key), quotes.get(key))
-        for key, r in sorted(requests.items())
-    }
+        models = self._with_efficiency(models, now=now)
+        quotes = class_quotes(models, horizon_s=self._window_s)
+        return {
+            key: ClassView(key, r, demands[key], packings.get(key), stats.get(key), quotes.get(key))
+            for key, r in sorted(requests.items())
+        }
 
-
-def _with_efficiency(
-    models: Sequence[ClassModel],
-    records: Sequence[Record],
-    *,
-    now: float,
-    window_s: float | None,
-) -> list[ClassModel]:
-    """Each model with the packing efficiency of its pool, from the records in the window."""
-    since = now - window_s if window_s is not None else None
-    by_class: dict[str, list[Record]] = {}
-    for r in records:
-        if since is None or r.queued_at >= since:
-            by_class.setdefault(r.request_class, []).append(r)
-    out = []
-    for c in models:
-        jobs: list[tuple[float, float | None, float | None, float]] = []
-        for j in models:
-            overlap = len(j.pool & c.pool)
-            if not overlap:
-                continue
-            share = overlap / (j.k_eff * len(c.pool))
-            jobs.extend(
-                (r.queued_at, r.started_at, r.ended_at, share) for r in by_class.get(j.key, ())
+    def _with_efficiency(self, models: Sequence[ClassModel], *, now: float) -> list[ClassModel]:
+        """Each model with the packing efficiency of its pool, from the records in the
+        window."""
+        out = []
+        for c in models:
+            sharing = tuple(
+                (j.key, len(j.pool & c.pool) / (j.k_eff * len(c.pool)))
+                for j in models
+                if j.pool & c.pool
             )
-        out.append(replace(c, efficiency=packing_efficiency(jobs, now=now)))
-    return out
+            sweep = self._sweeps.get(sharing)
+            if sweep is None:
+                jobs = [
+                    (r.queued_at, r.started_at, r.ended_at, share)
+                    for key, share in sharing
+                    for r in self._by_class.get(key, ())
+                ]
+                if self._unstarted:  # not from the history: asked afresh
+                    out.append(replace(c, efficiency=packing_efficiency(jobs, now=now)))
+                    continue
+                # every one started (not self._unstarted)
+                sweep = self._sweeps[sharing] = PackingEfficiency(jobs)  # type: ignore[arg-type]
+            efficiency = sweep.at(now)
+            out.append(replace(c, efficiency=efficiency))
+        return out

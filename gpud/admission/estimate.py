@@ -54,42 +54,71 @@ def estimate(
 ) -> dict[str, ClassStats]:
     """Per-class statistics over ``[now - window_s, now]`` (all history when None)."""
     since = -math.inf if window_s is None else now - window_s
-    chosen = [r for r in records if r.queued_at >= since and r.queued_at <= now]
-    if not chosen:
-        return {}
-    first = min(chosen, key=lambda r: r.queued_at)
-    span = max(now - first.queued_at, 1e-9)
-    by_class: dict[str, list[Record]] = {}
-    for r in chosen:
-        by_class.setdefault(r.request_class, []).append(r)
-    opener = first.request_class  # its first arrival opens the span, uncounted
-    return {
-        key: _stats(rs, span, now, uncounted=int(key == opener))
-        for key, rs in sorted(by_class.items())
-    }
+    return Estimate([r for r in records if r.queued_at >= since and r.queued_at <= now]).at(now)
 
 
-def _stats(records: Sequence[Record], span: float, now: float, *, uncounted: int) -> ClassStats:
-    services = [s for r in records if (s := r.service_s) is not None]
-    completions = len(services)
-    if not services:
-        services = [
-            now - r.started_at for r in records if r.started_at is not None and now > r.started_at
-        ]
-    waits = [w for r in records if (w := r.wait_s) is not None]
+class Estimate:
+    """:func:`estimate` over records already chosen (those in the window): what does not
+    depend on the time is worked out once, so asking it again at a later ``now`` (with the
+    same records) costs the runs still running, not the history."""
+
+    def __init__(self, chosen: Sequence[Record]) -> None:
+        by_class: dict[str, list[Record]] = {}
+        for r in chosen:
+            by_class.setdefault(r.request_class, []).append(r)
+        first = min(chosen, key=lambda r: r.queued_at) if chosen else None
+        self._first = None if first is None else first.queued_at
+        opener = None if first is None else first.request_class  # opens the span, uncounted
+        self._classes = {
+            key: _Moments(rs, uncounted=int(key == opener)) for key, rs in sorted(by_class.items())
+        }
+
+    def at(self, now: float) -> dict[str, ClassStats]:
+        if self._first is None:
+            return {}
+        span = max(now - self._first, 1e-9)
+        return {key: m.at(span, now) for key, m in self._classes.items()}
+
+
+class _Moments:
+    """One class's statistics but for the time: the arrival rate's span, and the run times
+    so far of a class none of whose runs has ended."""
+
+    def __init__(self, records: Sequence[Record], *, uncounted: int) -> None:
+        self._arrivals = len(records)
+        self._uncounted = uncounted
+        services = [s for r in records if (s := r.service_s) is not None]
+        self._completions = len(services)
+        # a class none of whose runs ended: the runs' starts, for their run times so far
+        self._started = (
+            [] if services else [r.started_at for r in records if r.started_at is not None]
+        )
+        self._moments = _mean_scv(services) if services else None
+        waits = [w for r in records if (w := r.wait_s) is not None]
+        self._mean_wait = sum(waits) / len(waits) if waits else None
+
+    def at(self, span: float, now: float) -> ClassStats:
+        moments = self._moments
+        if moments is None:
+            moments = _mean_scv([now - s for s in self._started if now > s])
+        mean, scv = moments
+        return ClassStats(
+            arrivals=self._arrivals,
+            arrival_rate=(self._arrivals - self._uncounted) / span,
+            completions=self._completions,
+            mean_service_s=mean,
+            scv_service=scv,
+            mean_wait_s=self._mean_wait,
+        )
+
+
+def _mean_scv(services: Sequence[float]) -> tuple[float | None, float]:
     mean = sum(services) / len(services) if services else None
     scv = 1.0
     if mean and len(services) >= 2:
         var = sum((s - mean) ** 2 for s in services) / (len(services) - 1)
         scv = var / mean**2
-    return ClassStats(
-        arrivals=len(records),
-        arrival_rate=(len(records) - uncounted) / span,
-        completions=completions,
-        mean_service_s=mean,
-        scv_service=scv,
-        mean_wait_s=sum(waits) / len(waits) if waits else None,
-    )
+    return mean, scv
 
 
 def littles_residual(

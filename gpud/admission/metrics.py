@@ -41,18 +41,16 @@ class AdmissionMetrics:
             self._service.waits.counts(),
             lambda bound: f"{bound:g}",
         )
-        now = self._service.now()
-        history = self._service.history(since=now - self._service.config.history_window_s)
-        errors = [h.started_at - h.queued_at - h.quote_s for h in history if h.quote_s is not None]
+        mean, quoted = self._service.quote_error()
         error = GaugeMetricFamily(
             "gpud_admission_quote_error_seconds",
             "Mean observed minus quoted wait of queued runs in the history window.",
         )
-        error.add_metric([], sum(errors) / len(errors) if errors else 0.0)
+        error.add_metric([], mean)
         runs = GaugeMetricFamily(
             "gpud_admission_quote_error_runs", "Queued runs with a quote in the history window."
         )
-        runs.add_metric([], float(len(errors)))
+        runs.add_metric([], float(quoted))
         yield from (error, runs)
         residual = self._service.littles_residual()
         if residual is not None:

@@ -25,15 +25,17 @@ import logging
 import math
 import secrets
 import sqlite3
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from gpud.admission.classes import ClassView, class_views
+from gpud.admission.classes import ClassView, ClassViews
 from gpud.admission.estimate import Record, residual_of_waits
 from gpud.admission.feasibility import classify, resolve_configs
+from gpud.admission.history import HistoryMirror
 from gpud.admission.model import (
     THREADS_CAPACITY,
     Demand,
@@ -232,6 +234,13 @@ class AdmissionService:
         self._fit: tuple[tuple[Device, ...], FitCheck] | None = None
         self._demands: dict[Request, Demand | Unfeasible] = {}
         self._views_cache: tuple[object, dict[str, ClassView]] | None = None
+        self._mirror = HistoryMirror(
+            lambda text: request_of(run_request_from_json(text)), removed=EndCause.REMOVED.value
+        )
+        # the window's requests and class views, by the rows it holds
+        self._window: tuple[object, dict[str, Request], ClassViews] | None = None
+        self._quote_error: tuple[object, tuple[float, int]] | None = None
+        self._kept_lock = threading.Lock()  # the three above and the kept history
         self._decoded: dict[tuple[object, ...], Entry] = {}  # by row, the last read's
         # Little's law on the daemon's own measurements: the integral of the queue length.
         self._area = 0.0
@@ -582,40 +591,36 @@ class AdmissionService:
         return list(self._views(fit, self.entries()).values())
 
     def _views(self, fit: FitCheck, queued: Sequence[Entry]) -> dict[str, ClassView]:
-        """The class models; recomputed when the history, the queue's classes, the devices
-        or the second change (every waiting ``gpuctl`` polls, every scrape asks)."""
-        now = self._clock()
-        with self._store.transaction() as conn:
-            row = conn.execute(
-                "SELECT COUNT(*), MAX(id), COUNT(ended_at) FROM job_history"
-            ).fetchone()
-        key = (
-            tuple(row),
-            tuple(sorted({e.request_class for e in queued})),
-            id(fit),
-            int(now),
-            self.config.history_window_s,
-        )
-        if self._views_cache is not None and self._views_cache[0] == key:
-            return self._views_cache[1]
-        views = self._compute_views(fit, queued, now)
-        self._views_cache = (key, views)
-        return views
-
-    def _compute_views(
-        self, fit: FitCheck, queued: Sequence[Entry], now: float
-    ) -> dict[str, ClassView]:
-        history = self.history(since=now - self.config.history_window_s)
-        requests = {h.request_class: request_of(h.request) for h in history}
-        for e in queued:
-            requests[e.request_class] = e.placement
-        return class_views(
-            fit,
-            requests,
-            [h.record() for h in history],
-            now=now,
-            window_s=self.config.history_window_s,
-        )
+        """The class models; made again when the history, the queue's classes, the devices
+        or the second change (every waiting ``gpuctl`` polls, every scrape asks). The
+        history is read from :class:`HistoryMirror` (only what changed since the last time)
+        and what does not move with the time is kept while the window holds the same runs
+        (:class:`ClassViews`): a second's quotes cost the runs still running, not every run
+        in the window."""
+        with self._kept_lock:  # asked from every thread: the kept history moves on in place
+            now = self._clock()
+            window_s = self.config.history_window_s
+            with self._store.transaction() as conn:
+                self._mirror.refresh(conn)
+            members = self._mirror.members(now - window_s, now)
+            key = (members, _classes_of(queued), id(fit), int(now), window_s)
+            if self._views_cache is not None and self._views_cache[0] == key:
+                return self._views_cache[1]
+            if self._window is None or self._window[0] != (members, window_s):
+                requests: dict[str, Request] = {}
+                records = []
+                for record, request in self._mirror.since(now - window_s):
+                    requests[record.request_class] = request
+                    records.append(record)
+                made = ClassViews(records, now=now, window_s=window_s)
+                self._window = ((members, window_s), requests, made)
+            _, requests, made = self._window
+            requests = dict(requests)
+            for e in queued:
+                requests[e.request_class] = e.placement
+            views = made.at(fit, requests, now=now)
+            self._views_cache = (key, views)
+            return views
 
     def _quote(
         self,
@@ -904,6 +909,27 @@ class AdmissionService:
             rows = conn.execute(query, args).fetchall()
         return [_history(r) for r in reversed(rows)]
 
+    def quote_error(self) -> tuple[float, int]:
+        """The mean of observed minus quoted wait over the window's runs that were quoted
+        (0 when none), and how many: from the history kept for the quotes, made again only
+        when the window's runs change (every scrape asks; reading and decoding the window
+        took seconds at admission.history_keep runs)."""
+        with self._kept_lock:
+            now = self._clock()
+            since = now - self.config.history_window_s
+            with self._store.transaction() as conn:
+                self._mirror.refresh(conn)
+            key = self._mirror.members(since, math.inf)
+            if self._quote_error is None or self._quote_error[0] != key:
+                errors = [
+                    r.started_at - r.queued_at - r.quote_s
+                    for r, _ in self._mirror.since(since)
+                    if r.quote_s is not None and r.started_at is not None
+                ]
+                mean = sum(errors) / len(errors) if errors else 0.0
+                self._quote_error = (key, (mean, len(errors)))
+            return self._quote_error[1]
+
     def littles_residual(self) -> float | None:
         """``|L - lambda W| / L`` since the daemon started: ``L`` from the queue length it
         saw on its ticks, ``lambda W`` from the history's waits (None until a queue formed)."""
@@ -993,6 +1019,10 @@ def _waited(now: float, e: Entry) -> float:
     """How long ``e`` has waited by ``now`` (wall time): at least 0, however the wall clock
     stepped back since it was queued."""
     return max(0.0, now - e.enqueued_at)
+
+
+def _classes_of(entries: Sequence[Entry]) -> tuple[str, ...]:
+    return tuple(sorted({e.request_class for e in entries}))
 
 
 def _classes(entries: Sequence[Entry]) -> Counter[str]:

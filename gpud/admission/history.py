@@ -1,0 +1,138 @@
+"""The job history as the quotes read it: each row decoded once, kept in memory, and brought
+up to date from the database by what changed since (rows added, runs that ended, rows
+pruned), not read again whole each time a quote is asked."""
+
+from __future__ import annotations
+
+import bisect
+import sqlite3
+from collections.abc import Callable, Iterator
+
+from gpud.admission.estimate import Record
+from gpud.admission.model import Request
+
+COLUMNS = (
+    "id, job, request_class, request, queued_at, started_at, ended_at, quote_s,"
+    " exit_code, exit_signal, end_cause, reported_at"
+)
+CHUNK = 500  # row ids asked at once (SQLite's bound parameters)
+
+
+class HistoryMirror:
+    """``job_history``'s rows as :class:`Record` and request, oldest first. Rows change
+    after they are added only while they may still end (or, for a run removed while it
+    ran, end again when its ``gpuctl run`` reports): those are read again at each
+    :meth:`refresh`, with the rows added since; rows pruned leave. Where any of that
+    changed, a count that then disagrees with the table's reads it all again."""
+
+    def __init__(self, decode: Callable[[str], Request], *, removed: str) -> None:
+        self._decode = decode
+        self._removed = removed  # the end cause of a run removed while it ran
+        self._rows: dict[int, tuple[Record, Request]] = {}  # by row id, ascending
+        self._open: set[int] = set()  # rows that may still change
+        self._last_id = 0
+        self._interned: dict[Request, Request] = {}
+        self._classes: dict[str, str] = {}  # each class key kept once
+        self._queued: list[float] | None = None  # queued_at of every row, sorted
+        self.version = 0  # moves on whenever a row is added, changed or removed
+        self.reads = 0  # rows read from the database so far
+
+    def refresh(self, conn: sqlite3.Connection) -> None:
+        # MIN(id) costs a lookup, COUNT(*) a scan of the table: counted only once
+        # something changed (rows leave the table only when pruned, oldest first)
+        (low,) = conn.execute("SELECT MIN(id) FROM job_history").fetchone()
+        changed = self.version == 0
+        while self._rows:
+            first = next(iter(self._rows))
+            if low is not None and first >= low:
+                break
+            del self._rows[first]
+            self._open.discard(first)
+            changed = True
+        still = sorted(self._open)  # before the rows added since, read whole below
+        read = self.reads
+        for row in conn.execute(  # row by row: the first holds every run
+            f"SELECT {COLUMNS} FROM job_history WHERE id > ? ORDER BY id", (self._last_id,)
+        ):
+            self._keep(row)
+        changed = changed or self.reads > read
+        for i in range(0, len(still), CHUNK):
+            ids = still[i : i + CHUNK]
+            rows = conn.execute(
+                f"SELECT {COLUMNS} FROM job_history WHERE id IN ({', '.join('?' * len(ids))})",
+                ids,
+            ).fetchall()
+            changed = changed or len(rows) < len(ids)  # gone: read it all again
+            for row in rows:
+                record, _ = self._rows[row[0]]
+                if row[6] != record.ended_at:
+                    changed = True
+                self._keep(row)
+        if not changed:
+            return
+        (count,) = conn.execute("SELECT COUNT(*) FROM job_history").fetchone()
+        if len(self._rows) != count:  # changed otherwise than gpud changes it
+            self._rows.clear()
+            self._open.clear()
+            self._last_id = 0
+            for row in conn.execute(f"SELECT {COLUMNS} FROM job_history ORDER BY id"):
+                self._keep(row)
+        self.version += 1
+        self._queued = None
+
+    def _keep(self, row: sqlite3.Row) -> None:
+        self.reads += 1
+        (
+            row_id,
+            job,
+            request_class,
+            request,
+            queued_at,
+            started_at,
+            ended_at,
+            quote_s,
+            exit_code,
+            exit_signal,
+            end_cause,
+            reported_at,
+        ) = tuple(row)
+        kept = self._rows.get(row_id)
+        if kept is not None:
+            placement = kept[1]
+        else:
+            decoded = self._decode(request)
+            placement = self._interned.setdefault(decoded, decoded)
+        request_class = self._classes.setdefault(request_class, request_class)
+        self._rows[row_id] = (
+            Record(job, request_class, queued_at, started_at, ended_at, quote_s),
+            placement,
+        )
+        self._last_id = max(self._last_id, row_id)
+        late_end = (
+            end_cause == self._removed
+            and reported_at is None
+            and exit_code is None
+            and exit_signal is None
+        )
+        if ended_at is None or late_end:
+            self._open.add(row_id)
+        else:
+            self._open.discard(row_id)
+
+    def members(self, since: float, now: float) -> tuple[int, int, int]:
+        """Which rows a window ``[since, now]`` holds, as a key: the same key, the same rows
+        (those queued before ``since`` and those after ``now``, counted)."""
+        if self._queued is None:
+            self._queued = sorted(record.queued_at for record, _ in self._rows.values())
+        return (
+            self.version,
+            bisect.bisect_left(self._queued, since),
+            bisect.bisect_right(self._queued, now),
+        )
+
+    def since(self, since: float) -> Iterator[tuple[Record, Request]]:
+        """The rows queued at ``since`` or later, oldest first."""
+        return ((r, q) for r, q in self._rows.values() if r.queued_at >= since)
+
+    def __len__(self) -> int:
+        return len(self._rows)

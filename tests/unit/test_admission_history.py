@@ -1,0 +1,214 @@
+"""The quotes' view of the job history, kept up to date as runs start, end, leave the window
+and are pruned, against the same views made afresh from the whole history."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpud.admission.classes import class_views
+from gpud.admission.metrics import AdmissionMetrics
+from gpud.admission.quote import PackingEfficiency, packing_efficiency
+from gpud.admission.service import request_of, run_request_to_json
+from gpud.jobs.ends import EndCause
+from gpud.jobs.service import RunRequest
+from tests.unit.test_admission_service import GIB, Clock, Node, make_node
+
+REQUESTS = (
+    RunRequest(job="w", gpu_count=1, memory_bytes=60 * GIB),
+    RunRequest(job="w", gpu_count=2, memory_bytes=60 * GIB),
+    RunRequest(job="w", gpu_count=1, memory_bytes=20 * GIB, threads_percent=50),
+    RunRequest(job="w", gpu_count=1, memory_bytes=10 * GIB, threads_percent=25),
+)
+
+times = st.floats(min_value=0.0, max_value=4000.0, allow_nan=False)
+steps = st.one_of(
+    st.tuples(
+        st.just("add"),
+        st.integers(0, len(REQUESTS) - 1),
+        times,  # waited
+        times,  # ran until now (or, past now: a run from before the clock stepped back)
+        st.one_of(st.none(), times),  # ended: how long ago (None: still runs)
+        st.one_of(st.none(), times),  # quoted
+    ),
+    st.tuples(st.just("end"), st.integers(0, 50), times, st.booleans()),
+    st.tuples(st.just("prune"), st.integers(1, 5)),
+    st.tuples(st.just("clock"), st.floats(-3000.0, 6000.0, allow_nan=False)),
+    st.tuples(st.just("window"), st.sampled_from([600.0, 3600.0, 86400.0])),
+    st.tuples(st.just("ask"), st.integers(0, len(REQUESTS) - 1)),
+)
+
+
+def apply(node: Node, step: tuple[object, ...], serial: list[int]) -> None:
+    now = node.clock.now
+    match step:
+        case ("add", int(kind), float(waited), float(ran), ended, quoted):
+            request = REQUESTS[kind]
+            serial[0] += 1
+            started = now - ran
+            end = None if ended is None else max(started, now - float(ended))  # type: ignore[arg-type]
+            with node.store.transaction() as conn:
+                conn.execute(
+                    "INSERT INTO job_history (job, reservation, request_class, request,"
+                    " queued_at, started_at, ended_at, quote_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        f"j{serial[0]}",
+                        f"r{serial[0]}",
+                        request_of(request).describe(),
+                        run_request_to_json(replace(request, job=f"j{serial[0]}")),
+                        started - waited,
+                        started,
+                        end,
+                        quoted,
+                    ),
+                )
+        case ("end", int(which), float(ago), bool(removed)):
+            # a run ends; a run removed while it ran ends again when its gpuctl reports
+            with node.store.transaction() as conn:
+                rows = conn.execute(
+                    "SELECT id FROM job_history WHERE ended_at IS NULL OR"
+                    " (end_cause = ? AND reported_at IS NULL) ORDER BY id",
+                    (EndCause.REMOVED.value,),
+                ).fetchall()
+                if rows:
+                    row_id = rows[which % len(rows)][0]
+                    conn.execute(
+                        "UPDATE job_history SET ended_at = MAX(started_at, ?),"
+                        " end_cause = ?, reported_at = CASE WHEN end_cause = ? THEN ?"
+                        " ELSE NULL END WHERE id = ?",
+                        (
+                            now - ago,
+                            EndCause.REMOVED.value if removed else "exited",
+                            EndCause.REMOVED.value,
+                            now,
+                            row_id,
+                        ),
+                    )
+        case ("prune", int(count)):
+            with node.store.transaction() as conn:
+                conn.execute(
+                    "DELETE FROM job_history WHERE id IN"
+                    " (SELECT id FROM job_history ORDER BY id LIMIT ?)",
+                    (count,),
+                )
+        case ("clock", float(delta)):
+            node.clock.now += delta
+        case ("window", float(window_s)):
+            node.admission.config = replace(node.admission.config, history_window_s=window_s)
+        case ("ask", int(kind)):
+            pass
+
+
+def fresh(node: Node) -> list[object]:
+    """The class views made from the whole history in the window, read afresh."""
+    fit = node.admission.fit()
+    assert fit is not None
+    now, window_s = node.clock.now, node.admission.config.history_window_s
+    history = node.admission.history(since=now - window_s)
+    requests = {h.request_class: request_of(h.request) for h in history}
+    records = [h.record() for h in history]
+    return list(class_views(fit, requests, records, now=now, window_s=window_s).values())
+
+
+def fresh_error(node: Node) -> tuple[float, int]:
+    """gpud_admission_quote_error_seconds and _runs from the history read afresh."""
+    since = node.clock.now - node.admission.config.history_window_s
+    history = node.admission.history(since=since)
+    errors = [h.started_at - h.queued_at - h.quote_s for h in history if h.quote_s is not None]
+    return (sum(errors) / len(errors) if errors else 0.0, len(errors))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(steps, min_size=1, max_size=40))
+def test_kept_views_equal_views_made_afresh(plan: list[tuple[object, ...]]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        node = make_node(Path(tmp), Clock())
+        try:
+            serial = [0]
+            asked = None
+            for step in plan:
+                apply(node, step, serial)
+                if int(node.clock.now) == asked:  # within one second the views are kept
+                    node.clock.now += 1.0
+                asked = int(node.clock.now)
+                assert node.admission.explain() == fresh(node)
+                assert node.admission.quote_error() == fresh_error(node)
+        finally:
+            node.store.close()
+
+
+def test_a_second_quote_reads_only_the_rows_that_changed(tmp_path: Path) -> None:
+    """Asking again reads the rows added or still running since, not the whole history."""
+    node = make_node(tmp_path, Clock())
+    serial = [0]
+    for i in range(200):
+        apply(
+            node, ("add", i % len(REQUESTS), 30.0, 600.0, 100.0 if i % 50 else None, 20.0), serial
+        )
+    node.admission.explain()
+    mirror = node.admission._mirror
+    first = mirror.reads
+    assert first == 200
+    for _ in range(5):
+        node.clock.now += 1.0
+        assert node.admission.explain() == fresh(node)
+    assert mirror.reads == first + 5 * 4  # the four runs still running, each time
+    apply(node, ("add", 0, 10.0, 20.0, None, None), serial)
+    apply(node, ("prune", 3), serial)
+    node.clock.now += 1.0
+    assert node.admission.explain() == fresh(node)
+    # the row added, and the three runs still running that were not pruned
+    assert mirror.reads == first + 5 * 4 + 1 + 3 and len(mirror) == 198
+    node.store.close()
+
+
+jobs = st.lists(
+    st.tuples(times, times, st.one_of(st.none(), times), st.sampled_from([0.25, 0.5, 1.0])).map(
+        lambda j: (j[0], j[0] + j[1], None if j[2] is None else j[0] + j[1] + j[2], j[3])
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(jobs, st.lists(st.floats(0.0, 12000.0, allow_nan=False), min_size=1, max_size=12))
+def test_packing_efficiency_asked_again_equals_it_made_afresh(
+    ran: list[tuple[float, float, float | None, float]], asked: list[float]
+) -> None:
+    """Asked at times that move on, stand still or step back (a clock stepped back)."""
+    kept = PackingEfficiency(ran)
+    for now in asked:
+        assert kept.at(now) == packing_efficiency(ran, now=now)
+
+
+def test_a_scrape_decodes_no_run_it_read_before(tmp_path: Path) -> None:
+    """gpud_admission_quote_error_* come from the history kept for the quotes: a scrape
+    over a long history decodes no run it has read before (rows that would no longer decode
+    change nothing), and says what the history read afresh says."""
+    node = make_node(tmp_path, Clock())
+    serial = [0]
+    for i in range(300):
+        apply(node, ("add", i % len(REQUESTS), 30.0 + i, 600.0, 100.0, 20.0), serial)
+    scrape = AdmissionMetrics(node.admission)
+
+    def figures() -> dict[str, float]:
+        return {
+            m.name: m.samples[0].value for m in scrape() if m.name.startswith("gpud_admission_q")
+        }
+
+    mean, runs = fresh_error(node)
+    assert figures() == {
+        "gpud_admission_quote_error_seconds": mean,
+        "gpud_admission_quote_error_runs": runs,
+        "gpud_admission_queue_length": 0.0,
+    }
+    assert runs == 300
+    with node.store.transaction() as conn:
+        conn.execute("UPDATE job_history SET request = 'no longer decodes'")
+    node.clock.now += 1.0
+    assert figures()["gpud_admission_quote_error_seconds"] == mean
+    node.store.close()

@@ -1,0 +1,150 @@
+"""What one admission quote costs over a long job history, in process.
+
+::
+
+    .venv/bin/python -m tools.bench_quotes [--history 0,10000,100000]
+
+For each history size N: a state database whose ``job_history`` holds N runs
+(:func:`tools.bench_queue.fill_history`: four request classes over the last 6.3 days, a few still running),
+and the class models the quotes come from, made
+
+- afresh, as each quote made them before they were kept (``full_views``): the SQL read,
+  each row's request decoded from JSON, the records built, then the class statistics, the
+  packing efficiency and the quotes (``class_views``), each timed;
+- kept (:class:`~gpud.admission.history.HistoryMirror` and
+  :class:`~gpud.admission.classes.ClassViews`): the first (every row read and decoded once),
+  a later second with nothing changed (what a waiting ``gpuctl run`` costs each second), one
+  after a run was added (the window's statistics made again from memory).
+
+Each time is the median of ``--repeat``; the ratio is afresh over kept, later second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from gpud.admission.classes import ClassViews, class_views
+from gpud.admission.history import HistoryMirror
+from gpud.admission.node import synthetic
+from gpud.admission.placement_fit import PlacementFit
+from gpud.admission.service import (
+    ADDED,
+    SCHEMA,
+    _history,
+    request_of,
+    run_request_from_json,
+)
+from gpud.jobs.ends import EndCause
+from gpud.store import StateStore
+from tools.bench_queue import fill_history
+
+WINDOW_S = 7 * 86400.0
+
+
+def median_s(call: Callable[[], object], repeat: int) -> float:
+    took = []
+    for _ in range(repeat):
+        began = time.perf_counter()
+        call()
+        took.append(time.perf_counter() - began)
+    return statistics.median(took)
+
+
+def measure(n: int, repeat: int) -> dict[str, float]:
+    fit = PlacementFit(synthetic("H100-SXM5-80GB", 1))
+    now = time.time()
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = StateStore(Path(tmp))
+        store.ensure_schema(SCHEMA, added=ADDED)
+        with store.transaction() as conn:
+            fill_history(conn, n, now)
+        since = now - WINDOW_S
+
+        def read() -> list[sqlite3.Row]:
+            with store.transaction() as conn:
+                query = "SELECT * FROM job_history WHERE queued_at >= ? ORDER BY id DESC"
+                return conn.execute(query, (since,)).fetchall()
+
+        rows = read()
+        texts = [r["request"] for r in rows]
+        history = [_history(r) for r in reversed(rows)]
+        records = [h.record() for h in history]
+        requests = {h.request_class: request_of(h.request) for h in history}
+        out["afresh: SQL read"] = median_s(read, repeat)
+        out["afresh: JSON decode"] = median_s(
+            lambda: [run_request_from_json(t) for t in texts], repeat
+        )
+        out["afresh: records built"] = (
+            median_s(lambda: [h.record() for h in [_history(r) for r in rows]], repeat)
+            - out["afresh: JSON decode"]
+        )
+        out["afresh: class_views"] = median_s(
+            lambda: class_views(fit, requests, records, now=now, window_s=WINDOW_S), repeat
+        )
+        out["afresh: total"] = sum(v for k, v in out.items() if k.startswith("afresh"))
+
+        mirror = HistoryMirror(
+            lambda text: request_of(run_request_from_json(text)), removed=EndCause.REMOVED.value
+        )
+        kept: list[ClassViews] = []
+
+        def first() -> None:
+            with store.transaction() as conn:
+                mirror.refresh(conn)
+            kept.append(ClassViews([r for r, _ in mirror.since(since)], now=now, window_s=WINDOW_S))
+            kept[-1].at(fit, requests, now=now)
+
+        began = time.perf_counter()
+        first()
+        out["kept: first"] = time.perf_counter() - began
+        later = [now]
+
+        def second() -> None:
+            later[0] += 1.0
+            with store.transaction() as conn:
+                mirror.refresh(conn)
+            mirror.members(later[0] - WINDOW_S, later[0])
+            kept[-1].at(fit, requests, now=later[0])
+
+        out["kept: a later second"] = median_s(second, repeat)
+
+        def rebuilt() -> None:
+            kept.append(ClassViews([r for r, _ in mirror.since(since)], now=now, window_s=WINDOW_S))
+            kept[-1].at(fit, requests, now=now)
+
+        out["kept: a run added"] = median_s(rebuilt, repeat)
+        store.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--history", default="0,10000,100000")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args(argv)
+    sizes = [int(x) for x in args.history.split(",")]
+    results = {n: measure(n, args.repeat) for n in sizes}
+    names = list(next(iter(results.values())))
+    print(f"{'ms':<24}" + "".join(f"{f'N={n}':>12}" for n in sizes))
+    for name in names:
+        print(f"{name:<24}" + "".join(f"{results[n][name] * 1e3:>12.1f}" for n in sizes))
+    print(
+        f"{'afresh / later second':<24}"
+        + "".join(
+            f"{results[n]['afresh: total'] / results[n]['kept: a later second']:>11.0f}x"
+            for n in sizes
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
