@@ -4,7 +4,8 @@
 
     from gpud.client import Progress
 
-    progress = Progress()            # job and socket from GPUD_JOB / GPUD_SOCKET (gpuctl run)
+    progress = Progress()            # job, socket, token: GPUD_JOB / GPUD_SOCKET /
+                                     # GPUD_REPORT_TOKEN (gpuctl run)
     for batch in loader:
         train_step(batch)
         progress.step()              # ~0.2 us: a counter, a clock read and a deque append
@@ -20,8 +21,9 @@ second of gpud listening again, whether it started after the job or restarted un
 thread's call waits inside gRPC for the channel to connect (no report is built or sent in the
 meantime), and the channel tries to connect a few times a second (``_RECONNECT_MAX_MS``), a
 failed ``connect()`` on a local socket each. A call that fails at once (gpud refusing it
-whole, an error of its own) is retried with a back-off. Reports that gpud rejects (e.g. a job it does not know), or a
-call it refuses whole as invalid, are dropped and counted in :attr:`Progress.rejected`,
+whole, an error of its own) is retried with a back-off. Reports that gpud rejects (e.g. a job it does not know,
+another job's), or a call it refuses whole (invalid; over TCP without the run's
+``GPUD_REPORT_TOKEN``), are dropped and counted in :attr:`Progress.rejected`,
 with the reason in :attr:`Progress.last_error`. While gpud is away, :attr:`Progress.last_error`
 says so as of the sender thread's last try (one every ``call_timeout_s``): ``gpud
 unreachable at /run/gpud/gpud.sock since 2026-12-05 21:45:03 (12 s): 60 reports buffered,
