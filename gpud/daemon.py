@@ -34,6 +34,7 @@ from gpud.admission.api import QueueServicer
 from gpud.admission.metrics import AdmissionMetrics
 from gpud.admission.passes import PassRunner
 from gpud.admission.service import AdmissionService, mig_file_layouts
+from gpud.api.access import ReportTokens
 from gpud.api.node import NodeServicer
 from gpud.api.ports import FaultPort, NodeInfo
 from gpud.api.server import ApiServer
@@ -339,6 +340,7 @@ class Daemon:
             events=self.events,
         )
         self.collector.add_source(ClusterMetrics(self.cluster.agent))
+        tokens = ReportTokens(self.jobs.reservations.job_of_token, config.api.tcp_access)
         self.api = ApiServer(
             config.socket_path,
             socket_group=config.api.socket_group or None,
@@ -359,12 +361,15 @@ class Daemon:
                     placement=self.jobs.locked,
                     last_seen=self._last_seen,
                 ).register,
-                JobsServicer(self.jobs).register,
-                QueueServicer(self.admission, leave_waiter=self.colo.leave).register,
+                JobsServicer(self.jobs, tokens=tokens).register,
+                QueueServicer(self.admission, leave_waiter=self.colo.leave, tokens=tokens).register,
                 ColoServicer(
-                    self.colo, snapshots=self.sampler.latest, registered=self._registered_job
+                    self.colo,
+                    snapshots=self.sampler.latest,
+                    registered=self._registered_job,
+                    tokens=tokens,
                 ).register,
-                NetServicer(self.traffic).register,
+                NetServicer(self.traffic, tokens=tokens).register,
                 self.cluster.servicer.register,
             ],
         )

@@ -25,9 +25,11 @@ from gpud.admission.service import (
     HistoryRow,
     request_of,
 )
+from gpud.api.access import ReportTokens
 from gpud.api.validate import int_range, non_empty, optional, optional_pid
 from gpud.errors import InvalidArgument, NotFound
 from gpud.jobs.api import kind_from_pb, reservation_message
+from gpud.jobs.env import REPORT_TOKEN_VAR
 from gpud.jobs.registry import check_devices, check_name, check_owner
 from gpud.jobs.service import RunRequest
 from gpud.shared import WAITING_ON_COLOCATION
@@ -261,12 +263,15 @@ class QueueServicer(pb_grpc.QueueServicer):
         leave_waiter: Callable[[str, str | None], WaiterView | None] = lambda w, by: None,
         wall: Callable[[], float] = time.time,
         moved_answer_s: float = MOVED_ANSWER_S,
+        tokens: ReportTokens | None = None,
     ) -> None:
         """``leave_waiter``: takes a ``gpuctl run`` waiting for co-location out of its
         wait by its id (None: no run waits with it), so that `gpuctl queue --leave ID`
         takes out whatever `gpuctl queue` lists; its second argument is the signal that
-        stopped the run leaving by itself (LeaveRequest.stopped_by), None for an operator."""
+        stopped the run leaving by itself (LeaveRequest.stopped_by), None for an operator.
+        ``tokens``: who may see a started run's report token (:mod:`gpud.api.access`)."""
         self._service = service
+        self._tokens = tokens or ReportTokens()
         self._leave_waiter = leave_waiter
         self._wall = wall
         self._moved_answer_s = moved_answer_s
@@ -294,6 +299,17 @@ class QueueServicer(pb_grpc.QueueServicer):
         return await asyncio.to_thread(enqueue)
 
     async def GetEntry(self, request: pb.GetEntryRequest, context: Any) -> pb.QueueEntry:  # noqa: N802
+        """The entry; a started run's environment without its report token for a caller
+        who may not see it (a read over TCP)."""
+        entry = await self._entry(request, context)
+        if REPORT_TOKEN_VAR not in entry.env or self._tokens.reveals(context):
+            return entry
+        shown = pb.QueueEntry()
+        shown.CopyFrom(entry)  # a waiting call's entry may be shared with others
+        del shown.env[REPORT_TOKEN_VAR]
+        return shown
+
+    async def _entry(self, request: pb.GetEntryRequest, context: Any) -> pb.QueueEntry:
         """With ``wait_s``: answers once the entry is no longer queued, MOVED_ANSWER_S after
         it was first seen moved up (with its position then), or after ``wait_s``; each
         change of the queue reads it again, one read in a worker thread shared by every

@@ -11,13 +11,28 @@ host).
 
 What gRPC says of the caller is ``context.peer()``: ``unix:...`` on the socket,
 ``ipv4:HOST:PORT`` or ``ipv6:[HOST]:PORT`` over TCP.
+
+A job's own reports (``ReportProgress``, ``ReportProgressBatch``, ``ReportLatency``,
+``ThrottlePoint``) name the job they speak for. Each reservation has a random report token,
+kept with it in the state store and given to its run as ``GPUD_REPORT_TOKEN``;
+``gpud.client`` sends it as the call's metadata ``gpud-report-token``
+(:class:`ReportTokens`):
+
+- a call carrying a token may report for the job of the reservation that has it, and for no
+  other (``PERMISSION_DENIED`` naming the job; a released run's token is no one's);
+- a call without one is taken on the socket (its users are the operators: ``gpuctl net
+  report`` from a shell) and refused over TCP, where anyone could name any job.
+
+The token is shown only to callers who may reserve (the socket; TCP under ``"full"``):
+``GetJobEnv``, ``GetEntry`` and ``ListQueue``, reads over TCP, leave it out.
 """
 
 from __future__ import annotations
 
 import ipaddress
 from collections.abc import Callable
-from typing import Final, Literal
+from dataclasses import dataclass
+from typing import Any, Final, Literal
 
 from gpud.config import parse_address
 from gpud.errors import PermissionDenied
@@ -41,6 +56,9 @@ TCP_READ_METHODS: Final = frozenset(
 )
 
 Guard = Callable[[str, str], None]
+
+TOKEN_KEY: Final = "gpud-report-token"  # gRPC metadata: the run's GPUD_REPORT_TOKEN
+TCP_NEEDS_TOKEN: Final = "reports over TCP carry the run's GPUD_REPORT_TOKEN"
 
 
 def guard(access: TcpAccess, socket_hint: str) -> Guard:
@@ -80,3 +98,55 @@ def tcp_warning(address: str, access: TcpAccess) -> str | None:
         f" api.tcp_address {address!r} (no TLS, no check of who connects): guard that port,"
         ' or use "read"'
     )
+
+
+def on_socket(peer: str) -> bool:
+    """Whether ``context.peer()`` is a caller on the unix socket."""
+    return peer.startswith("unix:")
+
+
+@dataclass(frozen=True, slots=True)
+class Reporter:
+    """Who sent a call of reports: the job whose run's token it carried (``job``, None for
+    a token that is no live run's), or an operator on the socket (``operator``: no token)."""
+
+    job: str | None
+    operator: bool = False
+
+    def check(self, job: str) -> None:
+        """Raise :class:`PermissionDenied` unless the call may report for ``job``."""
+        if self.operator or self.job == job:
+            return
+        raise PermissionDenied(
+            f"this call's report token (GPUD_REPORT_TOKEN) is not that of a run of job {job!r}:"
+            " a run reports for its own job only, with the token gpud gave it"
+        )
+
+
+class ReportTokens:
+    """Checks a call's report token and says who may see tokens.
+
+    ``job_of``: the job of the live reservation holding a token (None: none holds it;
+    :meth:`gpud.jobs.placement.Reservations.job_of_token`, a read of the state store: call
+    :meth:`reporter` off the event loop). ``access``: ``api.tcp_access``."""
+
+    def __init__(
+        self, job_of: Callable[[str], str | None] = lambda _: None, access: TcpAccess = "read"
+    ) -> None:
+        self._job_of = job_of
+        self._access = access
+
+    def reporter(self, context: Any) -> Reporter:
+        """Who sent the call of ``context``; raises :class:`PermissionDenied` for a call
+        over TCP without a token."""
+        token = next((str(v) for k, v in context.invocation_metadata() or () if k == TOKEN_KEY), "")
+        if not token:
+            if on_socket(context.peer()):
+                return Reporter(None, operator=True)
+            raise PermissionDenied(TCP_NEEDS_TOKEN)
+        return Reporter(self._job_of(token))
+
+    def reveals(self, context: Any) -> bool:
+        """Whether the caller may see report tokens: those who may reserve (the socket,
+        TCP under ``"full"``)."""
+        return self._access == "full" or on_socket(context.peer())

@@ -11,7 +11,8 @@
 MPS thread share); while the loop says wait (no GPU where sharing pays off now), ``run``
 waits and asks again, saying why, unless ``--no-wait``. It registers the job if it is new, reserves its place (the reservation names this
 gpuctl process, so gpud releases it even if gpuctl is killed), starts the command with
-``CUDA_VISIBLE_DEVICES``, the MPS variables, ``GPUD_JOB`` and ``GPUD_SOCKET`` added to the
+``CUDA_VISIBLE_DEVICES``, the MPS variables, ``GPUD_JOB``, ``GPUD_SOCKET`` and the run's
+``GPUD_REPORT_TOKEN`` added to the
 current environment, forwards SIGINT/SIGTERM/SIGHUP to it (not a Ctrl-C on the terminal,
 which reaches the command directly), and when it ends stops what it
 left running (SIGTERM, then SIGKILL after ``--kill-after`` seconds: every process whose

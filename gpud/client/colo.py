@@ -7,8 +7,8 @@ cycle gpud tells it: after an iteration that took ``t`` seconds at duty ``d`` it
 is the lever that acts at once (GPUColo does the same). Inference reports latencies with
 ``Latency().observe(seconds)``; they are sent in batches.
 
-The job and the daemon's socket come from the environment ``gpuctl run`` sets
-(``GPUD_JOB``, ``GPUD_SOCKET``). Without a daemon the calls do nothing: a job must never
+The job, the daemon's socket and the run's report token come from the environment ``gpuctl
+run`` sets (``GPUD_JOB``, ``GPUD_SOCKET``, ``GPUD_REPORT_TOKEN``). Without a daemon the calls do nothing: a job must never
 fail because its node's gpud is away.
 """
 
@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gpud.client.progress import token_metadata
+
 DEFAULT_SOCKET = "/run/gpud/gpud.sock"
 # The longest latency gpud takes: a report over an hour is no request an online service
 # served, but a unit mistake or garbage, which would have the guard evict training. A report
@@ -29,8 +31,9 @@ MAX_LATENCY_S = 3600.0
 
 
 class _Channel:
-    def __init__(self, socket: str | None = None) -> None:
+    def __init__(self, socket: str | None = None, token: str | None = None) -> None:
         self._socket = socket or os.environ.get("GPUD_SOCKET", DEFAULT_SOCKET)
+        self.metadata = token_metadata(token)  # each call carries the run's report token
         self._stub: Any = None
 
     def stub(self) -> Any:
@@ -57,9 +60,10 @@ class Throttle:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         call: Callable[[str, int], tuple[float, bool, str]] | None = None,
+        token: str | None = None,
     ) -> None:
         self.job = job or os.environ.get("GPUD_JOB", "")
-        self._channel = _Channel(socket)
+        self._channel = _Channel(socket, token)
         self._every = report_every_s
         self._clock = clock
         self._sleep = sleep
@@ -75,7 +79,9 @@ class Throttle:
         from gpud.v1 import colo_pb2
 
         r = self._channel.stub().ThrottlePoint(
-            colo_pb2.ThrottlePointRequest(job=job, iterations=iterations), timeout=1.0
+            colo_pb2.ThrottlePointRequest(job=job, iterations=iterations),
+            timeout=1.0,
+            metadata=self._channel.metadata,
         )
         return r.duty, r.evict, r.reason
 
@@ -134,9 +140,10 @@ class Latency:
         max_batch: int = 4096,
         clock: Callable[[], float] = time.monotonic,
         send: Callable[[str, list[float]], None] | None = None,
+        token: str | None = None,
     ) -> None:
         self.job = job or os.environ.get("GPUD_JOB", "")
-        self._channel = _Channel(socket)
+        self._channel = _Channel(socket, token)
         self._every = flush_every_s
         self._max = max_batch
         self._clock = clock
@@ -149,7 +156,9 @@ class Latency:
         from gpud.v1 import colo_pb2
 
         self._channel.stub().ReportLatency(
-            colo_pb2.ReportLatencyRequest(job=job, seconds=seconds), timeout=1.0
+            colo_pb2.ReportLatencyRequest(job=job, seconds=seconds),
+            timeout=1.0,
+            metadata=self._channel.metadata,
         )
 
     def observe(self, seconds: float) -> None:

@@ -4,7 +4,8 @@
 
     from gpud.client import Progress
 
-    progress = Progress()            # job and socket from GPUD_JOB / GPUD_SOCKET (gpuctl run)
+    progress = Progress()            # job, socket, token: GPUD_JOB / GPUD_SOCKET /
+                                     # GPUD_REPORT_TOKEN (gpuctl run)
     for batch in loader:
         train_step(batch)
         progress.step()              # ~0.2 us: a counter, a clock read and a deque append
@@ -20,8 +21,9 @@ second of gpud listening again, whether it started after the job or restarted un
 thread's call waits inside gRPC for the channel to connect (no report is built or sent in the
 meantime), and the channel tries to connect a few times a second (``_RECONNECT_MAX_MS``), a
 failed ``connect()`` on a local socket each. A call that fails at once (gpud refusing it
-whole, an error of its own) is retried with a back-off. Reports that gpud rejects (e.g. a job it does not know), or a
-call it refuses whole as invalid, are dropped and counted in :attr:`Progress.rejected`,
+whole, an error of its own) is retried with a back-off. Reports that gpud rejects (e.g. a job it does not know,
+another job's), or a call it refuses whole (invalid; over TCP without the run's
+``GPUD_REPORT_TOKEN``), are dropped and counted in :attr:`Progress.rejected`,
 with the reason in :attr:`Progress.last_error`. While gpud is away, :attr:`Progress.last_error`
 says so as of the sender thread's last try (one every ``call_timeout_s``): ``gpud
 unreachable at /run/gpud/gpud.sock since 2026-12-05 21:45:03 (12 s): 60 reports buffered,
@@ -63,6 +65,10 @@ log = logging.getLogger(__name__)
 
 JOB_VAR = "GPUD_JOB"
 SOCKET_VAR = "GPUD_SOCKET"
+# the run's secret (gpud.jobs.env), sent with each call as the metadata TOKEN_KEY
+# (gpud.api.access): over TCP gpud takes no report without it
+TOKEN_VAR = "GPUD_REPORT_TOKEN"
+TOKEN_KEY = "gpud-report-token"
 # set by torchrun, DeepSpeed and Accelerate: a process's rank among its node's
 RANK_VAR = "LOCAL_RANK"
 DEFAULT_SOCKET = Path("/run/gpud/gpud.sock")
@@ -89,7 +95,8 @@ class Progress:
     ``/run/gpud/gpud.sock``; ``target`` (a gRPC target such as ``"unix:/run/gpud/gpud.sock"``
     or ``"127.0.0.1:50051"``) overrides the socket. ``contention_free_iteration_s`` is the
     iteration time the job has alone on the network, when profiled (gpud learns it
-    otherwise). ``active``: whether this one reports; by default unless ``$LOCAL_RANK`` names
+    otherwise). ``token`` defaults to ``$GPUD_REPORT_TOKEN`` (``gpuctl run`` sets it): it
+    proves to gpud that the reports come from the job's run. ``active``: whether this one reports; by default unless ``$LOCAL_RANK`` names
     a rank other than 0.
     """
 
@@ -106,6 +113,7 @@ class Progress:
         call_timeout_s: float = 2.0,
         clock: Callable[[], float] = time.time,
         active: bool | None = None,
+        token: str | None = None,
     ) -> None:
         name = job or os.environ.get(JOB_VAR, "")
         if not name:
@@ -121,6 +129,7 @@ class Progress:
             path = Path(socket or os.environ.get(SOCKET_VAR) or DEFAULT_SOCKET)
             target = f"unix:{path.absolute()}"
         self.target = target
+        self._metadata = token_metadata(token)
         # where gpud is, as an operator names it: the socket's path, or the target given
         self._where = target.removeprefix("unix:")
         self.session = os.urandom(8).hex()
@@ -375,12 +384,14 @@ class Progress:
                     net_pb2.ReportProgressBatchRequest(reports=reports),
                     timeout=self._timeout,
                     wait_for_ready=True,
+                    metadata=self._metadata,
                 )
             except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                refused = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
+                if err.code() not in refused:
                     raise  # gpud down, restarting, slow: kept and sent again
-                # refused whole: sending it again would be refused again, and block the
-                # reports after it for good
+                # refused whole (invalid; over TCP without the run's token): sending it
+                # again would be refused again, and block the reports after it for good
                 for _ in batch:
                     self._pending.popleft()
                 self._rejected_all(len(batch), err.details() or "invalid argument")
@@ -396,6 +407,13 @@ class Progress:
         if message != self.last_error:
             log.warning("gpud rejected progress reports of %s: %s", self.job, message)
         self.last_error = message
+
+
+def token_metadata(token: str | None = None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata that carries ``token`` (default: ``$GPUD_REPORT_TOKEN``); None
+    without one (a job started by other means reports on the socket only)."""
+    token = token if token is not None else os.environ.get(TOKEN_VAR, "")
+    return ((TOKEN_KEY, token),) if token else None
 
 
 def _local(at: float) -> str:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from gpud.api.access import ReportTokens
 from gpud.api.validate import optional
 from gpud.colo.service import ColoService
 from gpud.errors import InvalidArgument, NotFound
@@ -56,13 +57,16 @@ class ColoServicer(pb_grpc.ColocationServicer):
         snapshots: Callable[[], Snapshot | None],
         registered: Callable[[str], Registered | None] = lambda job: None,
         wall: Callable[[], float] = time.time,
+        tokens: ReportTokens | None = None,
     ) -> None:
         """``registered``: a registered job's kind, p99 SLO and memory: advice for a job
         that is registered (``gpuctl jobs add chat --kind inference --slo-p99-ms 50
         --memory 20GiB``, then ``gpuctl run --job chat``) follows what it was registered as,
         where the request does not say. ``wall``: the clock that dates when a waiting run
-        began to wait (``since_unix_seconds``)."""
+        began to wait (``since_unix_seconds``). ``tokens``: whose reports a call may carry
+        (:mod:`gpud.api.access`; default: no token is any run's)."""
         self._service = service
+        self._tokens = tokens or ReportTokens()
         self._wall = wall
         self._snapshots = snapshots
         self._registered = registered
@@ -188,10 +192,16 @@ class ColoServicer(pb_grpc.ColocationServicer):
             out.mig_profile = a.mig_profile
         return out
 
-    async def _holding(self, job: str) -> str:
-        """The job, if it holds a reservation on this node: reports from any other name
-        would have the loop keep state for a job that is not there."""
-        if not await asyncio.to_thread(self._service.holds, job):
+    async def _holding(self, job: str, context: Any) -> str:
+        """The job, if the call may report for it (its report token) and it holds a
+        reservation on this node: reports from any other name would have the loop keep
+        state for a job that is not there."""
+
+        def holds() -> bool:
+            self._tokens.reporter(context).check(job)
+            return self._service.holds(job)
+
+        if not await asyncio.to_thread(holds):
             raise NotFound(
                 f"job {job} holds no reservation on this node (start it with gpuctl run)"
             )
@@ -200,13 +210,13 @@ class ColoServicer(pb_grpc.ColocationServicer):
     async def ReportLatency(  # noqa: N802
         self, request: pb.ReportLatencyRequest, context: Any
     ) -> pb.ReportLatencyResponse:
-        job = await self._holding(_job(request.job))
+        job = await self._holding(_job(request.job), context)
         self._service.report_latency(job, list(request.seconds))
         return pb.ReportLatencyResponse()
 
     async def ThrottlePoint(  # noqa: N802
         self, request: pb.ThrottlePointRequest, context: Any
     ) -> pb.ThrottlePointResponse:
-        job = await self._holding(_job(request.job))
+        job = await self._holding(_job(request.job), context)
         d = self._service.throttle_point(job, request.iterations)
         return pb.ThrottlePointResponse(duty=d.duty, evict=d.evict, reason=d.reason)

@@ -16,10 +16,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from gpud.api.access import ReportTokens
 from gpud.api.validate import int_range, non_negative_seconds, optional, optional_pid
 from gpud.errors import InvalidArgument
 from gpud.jobs.attribution import ProcessUse
 from gpud.jobs.ends import NO_STATUS, EndCause, RunEnd
+from gpud.jobs.env import without_token
 from gpud.jobs.placement import Reservation
 from gpud.jobs.registry import JobKind, JobSpec, check_devices, check_name
 from gpud.jobs.service import JobService, RunRequest
@@ -122,8 +124,11 @@ def spec_from_pb(job: pb.Job) -> JobSpec:
 
 
 class JobsServicer(pb_grpc.JobsServicer):
-    def __init__(self, service: JobService) -> None:
+    def __init__(self, service: JobService, *, tokens: ReportTokens | None = None) -> None:
+        """``tokens``: who may see a run's report token (:mod:`gpud.api.access`): a
+        ``GetJobEnv`` over TCP leaves it out."""
         self._service = service
+        self._tokens = tokens or ReportTokens()
 
     def register(self, server: Any) -> None:
         """Add this service to a ``grpc.aio.Server`` (an ``ApiServer`` registrar)."""
@@ -221,6 +226,9 @@ class JobsServicer(pb_grpc.JobsServicer):
 
     async def GetJobEnv(self, request: pb.GetJobEnvRequest, context: Any) -> pb.GetJobEnvResponse:  # noqa: N802
         def env() -> pb.GetJobEnvResponse:
-            return pb.GetJobEnvResponse(env=self._service.env(check_name(request.job)))
+            env = self._service.env(check_name(request.job))
+            return pb.GetJobEnvResponse(
+                env=env if self._tokens.reveals(context) else without_token(env)
+            )
 
         return await asyncio.to_thread(env)

@@ -12,6 +12,8 @@ What the CUDA driver and gpud's client read::
     GPUD_JOB=train-a                              how gpud attributes the processes
     GPUD_SOCKET=/run/gpud/gpud.sock               where gpud.client reports progress
     GPUD_RESERVATION=3f9c2a1b7e04                 the reservation the process runs under
+    GPUD_REPORT_TOKEN=Zq3...                      the run's secret: gpud.client sends it with
+                                                  the job's reports (gpud.api.access)
     GPUD_DSCP=26                                  the job's DSCP tag (traffic enforcement on)
     NCCL_IB_TC=104                                RoCE traffic class: DSCP x 4
 
@@ -35,6 +37,7 @@ JOB_VAR = "GPUD_JOB"
 SOCKET_VAR = "GPUD_SOCKET"
 RESERVATION_VAR = "GPUD_RESERVATION"
 DSCP_VAR = "GPUD_DSCP"
+REPORT_TOKEN_VAR = "GPUD_REPORT_TOKEN"
 
 
 def build_env(
@@ -57,6 +60,8 @@ def build_env(
         env["NCCL_IB_TC"] = str(dscp << 2)
     if reservation.id:  # a preview (`gpuctl env` for a job holding nothing) has none yet
         env[RESERVATION_VAR] = reservation.id
+    if reservation.report_token:
+        env[REPORT_TOKEN_VAR] = reservation.report_token
     if len(reservation.devices) == 1:
         pipe = pipe_dirs.get(reservation.devices[0])
         if pipe is not None:
@@ -73,3 +78,9 @@ def build_env(
                 )
             env["CUDA_MPS_CLIENT_PRIORITY"] = str(reservation.client_priority)
     return env
+
+
+def without_token(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` less the run's report token: what a caller who may not report for the job
+    (over TCP, :mod:`gpud.api.access`) is shown."""
+    return {k: v for k, v in env.items() if k != REPORT_TOKEN_VAR}

@@ -21,7 +21,7 @@ import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpud.errors import NotFound, ResourceExhausted
@@ -42,12 +42,13 @@ SCHEMA = (
         holder_pid INTEGER,
         holder_start INTEGER,
         created_at REAL NOT NULL,
-        default_memory TEXT
+        default_memory TEXT,
+        report_token TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS job_reservations_job ON job_reservations (job)",
 )
 # columns of job_reservations that earlier versions lack: NULL in their rows
-ADDED = {"job_reservations": ("default_memory",)}
+ADDED = {"job_reservations": ("default_memory", "report_token")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,9 @@ class Reservation:
     # to. None: made by an earlier version, which kept no such record: it counts each
     # device's default in force now.
     defaults: tuple[tuple[str, int], ...] | None = None
+    # The secret its run proves its reports with (GPUD_REPORT_TOKEN): kept with the row, so
+    # a restarted gpud still takes them. "": made by an earlier version, which gave none.
+    report_token: str = field(default="", repr=False)
 
     def memory_on(self, uuid: str, default_memory: Callable[[str], int | None]) -> int | None:
         """The memory it holds on device ``uuid``: its own limit, else the default it
@@ -235,14 +239,15 @@ class Reservations:
         """``defaults``: without ``memory_bytes``, the MPS default memory limit of each
         device that has one, as placement counted it (it is counted so until it ends)."""
         rid = secrets.token_hex(6)
+        token = secrets.token_urlsafe()
         recorded = None if memory_bytes is not None else dict(defaults or {})
         holder_start = start_time(holder_pid, self._proc_root) if holder_pid else None
         created = self._clock()
         with self._store.transaction() as conn:
             conn.execute(
                 "INSERT INTO job_reservations (id, job, devices, threads_percent, memory_bytes,"
-                " client_priority, holder_pid, holder_start, created_at, default_memory)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " client_priority, holder_pid, holder_start, created_at, default_memory,"
+                " report_token) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     rid,
                     job,
@@ -254,6 +259,7 @@ class Reservations:
                     holder_start,
                     created,
                     None if recorded is None else json.dumps(recorded, sort_keys=True),
+                    token,
                 ),
             )
         return Reservation(
@@ -266,6 +272,7 @@ class Reservations:
             holder_pid,
             created,
             None if recorded is None else _defaults(recorded),
+            token,
         )
 
     def get(self, rid: str) -> Reservation:
@@ -284,6 +291,17 @@ class Reservations:
                     "SELECT * FROM job_reservations WHERE job = ? ORDER BY created_at", (job,)
                 ).fetchall()
         return [_reservation(r) for r in rows]
+
+    def job_of_token(self, token: str) -> str | None:
+        """The job of the reservation whose report token is ``token``; None when no
+        reservation held now has it (a released or reaped run's, a made-up one)."""
+        if not token:
+            return None
+        with self._store.transaction() as conn:
+            row = conn.execute(
+                "SELECT job FROM job_reservations WHERE report_token = ?", (token,)
+            ).fetchone()
+        return None if row is None else str(row["job"])
 
     def release(self, rid: str) -> Reservation:
         with self._store.transaction() as conn:
@@ -331,4 +349,5 @@ def _reservation(row: sqlite3.Row) -> Reservation:
         holder_pid=row["holder_pid"],
         created_at=row["created_at"],
         defaults=None if recorded is None else _defaults(json.loads(recorded)),
+        report_token=row["report_token"] or "",
     )

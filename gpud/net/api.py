@@ -2,11 +2,11 @@
 
 Register on the daemon's ``ApiServer``::
 
-    ApiServer(path, servicers=[NetServicer(traffic).register])
+    ApiServer(path, servicers=[NetServicer(traffic, tokens=tokens).register])
 
-Reports are checked field by field (the job must be registered, the timestamp not in the
-future, iterations not going backwards within a session); a rejected report changes
-nothing. Calls run in a worker thread: the service's lock may be held by the tick.
+Reports are checked field by field (the call's report token must be a run's of the job,
+:mod:`gpud.api.access`; the job must be registered, the timestamp not in the future,
+iterations not going backwards within a session); a rejected report changes nothing. Calls run in a worker thread: the service's lock may be held by the tick.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from gpud.api.access import ReportTokens
 from gpud.api.validate import optional
 from gpud.errors import GpudError, classify
 from gpud.jobs.registry import check_name
@@ -110,8 +111,10 @@ def report_from_pb(r: pb.ReportProgressRequest) -> Report:
 
 
 class NetServicer(pb_grpc.NetServicer):
-    def __init__(self, service: TrafficService) -> None:
+    def __init__(self, service: TrafficService, *, tokens: ReportTokens | None = None) -> None:
+        """``tokens``: whose reports a call may carry (default: no token is any run's)."""
         self._service = service
+        self._tokens = tokens or ReportTokens()
 
     def register(self, server: Any) -> None:
         """Add this service to a ``grpc.aio.Server`` (an ``ApiServer`` registrar)."""
@@ -121,7 +124,10 @@ class NetServicer(pb_grpc.NetServicer):
         self, request: pb.ReportProgressRequest, context: Any
     ) -> pb.ReportProgressResponse:
         def report() -> pb.ReportProgressResponse:
-            self._service.report(report_from_pb(request))
+            reporter = self._tokens.reporter(context)
+            r = report_from_pb(request)
+            reporter.check(r.job)
+            self._service.report(r)
             return pb.ReportProgressResponse()
 
         return await asyncio.to_thread(report)
@@ -132,12 +138,15 @@ class NetServicer(pb_grpc.NetServicer):
         # at most MAX_REPEATED reports a call: the API's validation refuses more (the
         # client's Progress sends batches of that size)
         def batch() -> pb.ReportProgressBatchResponse:
+            reporter = self._tokens.reporter(context)
             reports: list[Report] = []
             bad: list[pb.RejectedReport] = []
             index: list[int] = []
             for i, r in enumerate(request.reports):
                 try:
-                    reports.append(report_from_pb(r))
+                    report = report_from_pb(r)
+                    reporter.check(report.job)
+                    reports.append(report)
                     index.append(i)
                 except GpudError as err:
                     bad.append(_rejected(i, r.job, err))

@@ -1271,13 +1271,18 @@ def test_a_pass_that_fails_after_a_release_keeps_the_release(
 
 
 class Deadline:
-    """A servicer context with ``remaining`` seconds to its deadline (None: none)."""
+    """A servicer context with ``remaining`` seconds to its deadline (None: none), from a
+    caller at ``peer`` (the socket, by default)."""
 
-    def __init__(self, remaining: float | None = None) -> None:
+    def __init__(self, remaining: float | None = None, peer: str = "unix:/run/gpud.sock") -> None:
         self.remaining = remaining
+        self._peer = peer
 
     def time_remaining(self) -> float | None:
         return self.remaining
+
+    def peer(self) -> str:
+        return self._peer
 
 
 def test_get_entry_with_wait_answers_as_soon_as_the_entry_starts(node: Node) -> None:
@@ -1327,6 +1332,12 @@ def test_get_entry_with_wait_answers_as_soon_as_the_entry_starts(node: Node) -> 
     assert at_once.state == queue_pb2.ENTRY_STATE_QUEUED
     assert answer.state == queue_pb2.ENTRY_STATE_STARTED and answer.reservation.id
     assert took < 1.0
+    # the started run's report token: on the socket, not to a read over TCP
+    assert answer.env["GPUD_REPORT_TOKEN"]
+    over_tcp = asyncio.run(
+        servicer.GetEntry(queue_pb2.GetEntryRequest(id=entry.id), Deadline(peer="ipv4:1.2.3.4:5"))
+    )
+    assert dict(over_tcp.env) == {k: v for k, v in answer.env.items() if k != "GPUD_REPORT_TOKEN"}
 
 
 def test_waiting_get_entries_share_one_read_of_the_queue_per_change(node: Node) -> None:

@@ -203,6 +203,9 @@ def test_gpuctl_run_gives_the_child_its_environment_and_releases(
     assert env["CUDA_MPS_CLIENT_PRIORITY"] == "0"
     assert env["GPUD_JOB"] == "infer-a"
     assert env["GPUD_SOCKET"] == str(node.socket)
+    # the run's report token, which gpud.client sends with its reports (`gpuctl env` on
+    # the socket shows it too)
+    assert len(env["GPUD_REPORT_TOKEN"]) >= 40
     # `gpuctl env`, run by the child while it held the reservation, prints the same, less
     # the variable that names this run's processes (a shell that evals `gpuctl env` is not
     # one of them).
