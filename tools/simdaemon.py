@@ -47,12 +47,14 @@ def simulated_gpud(
     config_text: str = "",
     prepare: Callable[[Path], None] | None = None,
     start_timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
 ) -> Iterator[SimDaemon]:
     """A running ``gpud --simulate SPEC`` with ``config_text`` as its gpud.toml; raises
     RuntimeError (with its log) if it does not start.
 
     ``prepare(run_dir)`` runs before the daemon starts, e.g. to write the simulated
     driver's state (``<run_dir>/sim/node.json``) as a node that already has MIG instances.
+    ``env``: the daemon's environment (default: this process's).
     """
     with tempfile.TemporaryDirectory(prefix="gpud-sim-") as tmp:
         work = Path(tmp)
@@ -73,7 +75,7 @@ def simulated_gpud(
         ]  # fmt: skip
         log_path = work / "gpud.log"
         with log_path.open("wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             deadline = time.monotonic() + start_timeout_s
             while not sock.exists():
