@@ -61,6 +61,11 @@ TOKEN_KEY: Final = "gpud-report-token"  # gRPC metadata: the run's GPUD_REPORT_T
 TCP_NEEDS_TOKEN: Final = "reports over TCP carry the run's GPUD_REPORT_TOKEN"
 
 
+def on_socket(peer: str) -> bool:
+    """Whether ``context.peer()`` is a caller on the unix socket."""
+    return peer.startswith("unix:")
+
+
 def guard(access: TcpAccess, socket_hint: str) -> Guard:
     """A check for each call, given its method (``/gpud.v1.Mig/ApplyMig``) and
     ``context.peer()``: it raises :class:`PermissionDenied` for a method that changes state,
@@ -68,7 +73,7 @@ def guard(access: TcpAccess, socket_hint: str) -> Guard:
     socket's path), for the message."""
 
     def check(method: str, peer: str) -> None:
-        if access == "full" or peer.startswith("unix:") or method in TCP_READ_METHODS:
+        if access == "full" or on_socket(peer) or method in TCP_READ_METHODS:
             return
         name = method.rsplit("/", 1)[-1]
         raise PermissionDenied(
@@ -98,11 +103,6 @@ def tcp_warning(address: str, access: TcpAccess) -> str | None:
         f" api.tcp_address {address!r} (no TLS, no check of who connects): guard that port,"
         ' or use "read"'
     )
-
-
-def on_socket(peer: str) -> bool:
-    """Whether ``context.peer()`` is a caller on the unix socket."""
-    return peer.startswith("unix:")
 
 
 @dataclass(frozen=True, slots=True)
