@@ -82,15 +82,29 @@ class VerbsDiscovery:
         self._ifname = ifname
         self._sysfs = SysfsDiscovery(sysfs_root)
         self._failed: set[str] = set()  # devices whose verbs failure was logged
+        self._unlisted = False  # verbs' device list failed, and that was logged
 
     def devices(self) -> tuple[RdmaDevice, ...]:
         """Every device verbs lists; one verbs cannot open or query (``/dev/infiniband``
         closed to this process, as under a unit with ``DevicePolicy=closed``, or a device in
-        a bad state) is described from sysfs instead, which names the same GIDs."""
-        from_sysfs = {d.name: d for d in self._sysfs.devices()}
+        a bad state) is described from sysfs instead, which names the same GIDs; so is every
+        device when verbs cannot list them (no ``ib_uverbs`` in the kernel)."""
+        described = self._sysfs.devices()
+        from_sysfs = {d.name: d for d in described}
+        try:
+            listed = self._verbs.get_device_list()
+        # ibv_get_device_list() fails (pyverbs: PyverbsRDMAError "Failed to get devices
+        # list") where the kernel has no RDMA stack (ib_uverbs not loaded): rdma-core
+        # installed on a node without RDMA is no reason to stop; sysfs says what there is
+        except Exception as err:
+            if not self._unlisted:
+                log.info("RDMA devices from sysfs: verbs lists none (%s)", err)
+            self._unlisted = True
+            return described
+        self._unlisted = False
         rates = {(d.name, p.port): p.rate_gbps for d in from_sysfs.values() for p in d.ports}
         out = []
-        for dev in self._verbs.get_device_list():
+        for dev in listed:
             name = _text(dev.name)
             try:
                 out.append(self._device(name, rates))

@@ -10,7 +10,7 @@ dev=0
 
 apt_pkgs=(python3-venv iproute2 nftables)
 if (( dev )); then
-    apt_pkgs+=(iperf3 prometheus etcd-server etcd-client systemd procps)
+    apt_pkgs+=(iperf3 prometheus etcd-server etcd-client systemd procps python3-pyverbs)
 fi
 missing=()
 for p in "${apt_pkgs[@]}"; do
@@ -48,6 +48,16 @@ pip_install() {
     fi
 }
 pip_install --upgrade pip
+# pyverbs is not on PyPI: rdma-core's Debian binding (python3-pyverbs), when installed, is
+# made importable from .venv alone (not every system package) if it was built for its Python.
+verbs=/usr/lib/python3/dist-packages/pyverbs
+suffix=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+if compgen -G "$verbs/*$suffix" >/dev/null; then
+    mkdir -p .venv/rdma-core
+    ln -sfn "$verbs" .venv/rdma-core/pyverbs
+    site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "$PWD/.venv/rdma-core" >"$site/rdma-core.pth"
+fi
 if (( dev )); then
     pip_install -e . --group dev
 else

@@ -175,6 +175,34 @@ def test_a_device_verbs_cannot_open_is_read_from_sysfs(caplog: pytest.LogCapture
     ]  # said once, not every tick
 
 
+def test_devices_verbs_cannot_list_are_read_from_sysfs(caplog: pytest.LogCaptureFixture) -> None:
+    """rdma-core installed where the kernel has no RDMA stack: ibv_get_device_list() fails
+    (pyverbs raises "Failed to get devices list"); discovery is sysfs's, said once."""
+    verbs = FakeVerbs()
+
+    def no_list() -> list[Any]:
+        raise OSError("Failed to get devices list")
+
+    verbs.get_device_list = no_list  # type: ignore[method-assign]
+    discovery = VerbsDiscovery(verbs, ifname=FakeVerbs.IFINDEX.__getitem__, sysfs_root=SYSFS)
+    caplog.set_level("INFO", logger="netshaper.rdma_verbs")
+    for _ in range(2):
+        assert discovery.devices() == SysfsDiscovery(SYSFS).devices()
+    assert [r.getMessage() for r in caplog.records] == [
+        "RDMA devices from sysfs: verbs lists none (Failed to get devices list)"
+    ]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyverbs") is None, reason="needs python3-pyverbs")
+@pytest.mark.skipif(Path("/sys/class/infiniband").exists(), reason="this machine has RDMA")
+def test_the_real_pyverbs_on_a_node_without_rdma_devices(tmp_path: Path) -> None:
+    """rdma-core's own binding (``tools/setup.sh --dev`` installs it), on a machine without
+    an RDMA stack: discovery answers what sysfs holds instead of raising."""
+    assert isinstance(open_discovery(str(tmp_path)), VerbsDiscovery)
+    assert VerbsDiscovery(sysfs_root=str(tmp_path)).devices() == ()
+    assert VerbsDiscovery(sysfs_root=SYSFS).devices() == SysfsDiscovery(SYSFS).devices()
+
+
 def test_open_discovery_falls_back_to_sysfs() -> None:
     if importlib.util.find_spec("pyverbs") is None:
         with pytest.raises(VerbsUnavailable):
