@@ -164,11 +164,14 @@ class DcbAppBackend:
                 netdev, f"cannot run {argv[0]}", command=" ".join(argv), detail=str(err)
             ) from err
         if r.returncode != 0:
+            said = (r.stderr or r.stdout).strip()
+            if "Operation not supported" in said:  # EOPNOTSUPP from dcbnl: no DCB ops
+                said += " (the netdev's driver has no DCB support)"
             raise DcbError(
                 netdev,
                 f"{_verb(args)} failed (exit {r.returncode})",
                 command=" ".join(argv),
-                detail=(r.stderr or r.stdout).strip(),
+                detail=said,
             )
         return r.stdout
 

@@ -1,0 +1,58 @@
+"""The dcb backend against iproute2's real ``dcb`` in a network namespace (created and
+deleted here). No virtual netdev has DCB ops, so what the kernel answers for a NIC without
+DCB and for a missing netdev is what is held here; the writes are held against a fake dcb in
+tests/unit/test_dcb.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from netshaper.dcb import DcbAppBackend, DcbError, NicMap
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
+    pytest.mark.skipif(shutil.which("dcb") is None, reason="needs iproute2's dcb"),
+]
+
+
+@pytest.fixture
+def ns() -> Iterator[str]:
+    name = f"gdcb{os.getpid()}{uuid.uuid4().hex[:4]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(
+            ["ip", "-n", name, "link", "add", "v0", "type", "veth", "peer", "name", "v1"],
+            check=True,
+        )
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def test_a_netdev_without_dcb_is_an_error_naming_it(ns: str) -> None:
+    backend = DcbAppBackend(netns=ns)
+    with pytest.raises(DcbError) as err:
+        backend.apply("v0", {26: 7})
+    assert err.value.netdev == "v0"
+    assert str(err.value).startswith("v0: app show failed (exit 1)")
+    assert str(err.value).endswith(
+        "Operation not supported (the netdev's driver has no DCB support)"
+    )
+    assert err.value.command == f"dcb -n {ns} -j app show dev v0 dscp-prio"
+
+
+def test_every_netdev_is_tried_and_each_failure_named(ns: str) -> None:
+    nic = NicMap(DcbAppBackend(netns=ns), ["v0", "gone0"])
+    with pytest.raises(DcbError) as err:
+        nic.apply({26: 7, 10: 5})
+    assert err.value.netdev == "v0, gone0"
+    assert "2 of 2 netdev(s) not written" in str(err.value)
+    with pytest.raises(DcbError, match=r"gone0: app show failed \(exit 1\): .*No such device"):
+        DcbAppBackend(netns=ns).current("gone0")
