@@ -724,6 +724,7 @@ class Daemon:
                 f"gpud {build_id.describe(__version__, self.build)} started",
                 backend=self.node_info().backend,
                 gpus=self._gpu_count(),
+                build=self.build,
             )
             self._notifier.ready(f"serving {self._gpu_count()} GPUs")
             await self._loop()

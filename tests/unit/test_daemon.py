@@ -10,7 +10,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from gpud.build import current as current_build
 from gpud.config import Config
 from gpud.daemon import Daemon, Step
 from gpud.errors import Unavailable
@@ -453,3 +455,39 @@ def test_colocation_sees_a_run_without_memory_at_its_devices_mps_default(root: P
         d.sampler.close()
         d.store.close()
         d.backend.close()
+
+
+def test_the_build_reaches_the_status_the_metric_and_the_cluster_report(root: Path) -> None:
+    """One build, computed at start, in everything that shows which code gpud runs."""
+    d = build(make_config(root))
+    try:
+        assert d.build == current_build()  # by default, the code running
+        assert d.node_info().build == d.build
+    finally:
+        _close(d)
+    config = make_config(root)
+    backend, sim = open_backend(config)
+    d = Daemon(
+        config,
+        backend=backend,
+        sim=sim,
+        mps_control_command=mps_control_command(config),
+        notifier=Notifier(None),
+        build="3f2a9c1d04ab",
+    )
+    try:
+        assert d.node_info().build == "3f2a9c1d04ab"
+        assert d.cluster.agent.local_report().build == "3f2a9c1d04ab"
+        registry = CollectorRegistry()
+        registry.register(d.collector)
+        labels = {"version": "0.1.0", "build": "3f2a9c1d04ab"}
+        assert registry.get_sample_value("gpud_build_info", labels) == 1
+    finally:
+        _close(d)
+
+
+def _close(d: Daemon) -> None:
+    """What a daemon built but never run holds open."""
+    d.sampler.close()
+    d.store.close()
+    d.backend.close()
