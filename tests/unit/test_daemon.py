@@ -44,6 +44,7 @@ def build(
     config: Config,
     reload_to: list[Config] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    code_build: str | None = None,
 ) -> Daemon:
     backend, sim = open_backend(config)
     pending = reload_to if reload_to is not None else []
@@ -55,6 +56,7 @@ def build(
         notifier=Notifier(None),
         reload_config=lambda: pending.pop(0),
         clock=clock,
+        build=code_build,
     )
 
 
@@ -465,16 +467,7 @@ def test_the_build_reaches_the_status_the_metric_and_the_cluster_report(root: Pa
         assert d.node_info().build == d.build
     finally:
         _close(d)
-    config = make_config(root)
-    backend, sim = open_backend(config)
-    d = Daemon(
-        config,
-        backend=backend,
-        sim=sim,
-        mps_control_command=mps_control_command(config),
-        notifier=Notifier(None),
-        build="3f2a9c1d04ab",
-    )
+    d = build(make_config(root), code_build="3f2a9c1d04ab")
     try:
         assert d.node_info().build == "3f2a9c1d04ab"
         assert d.cluster.agent.local_report().build == "3f2a9c1d04ab"
