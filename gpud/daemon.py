@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from gpud import __version__
+from gpud import build as build_id
 from gpud.admission.api import QueueServicer
 from gpud.admission.metrics import AdmissionMetrics
 from gpud.admission.passes import PassRunner
@@ -226,10 +227,13 @@ class Daemon:
         mps_control_command: Sequence[str] | None = None,
         reload_config: Callable[[], Config] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        build: str | None = None,
     ) -> None:
         """``mps_control_command``: the MPS control daemon to run (default
-        ``mps.control_binary``)."""
+        ``mps.control_binary``); ``build``: the identity of the code it runs (default
+        :func:`gpud.build.current`, computed now)."""
         self.config = config
+        self.build = build_id.current() if build is None else build
         self.backend = backend
         self.sim = sim
         self._notifier = notifier
@@ -256,7 +260,9 @@ class Daemon:
             xid_state=config.daemon.run_dir / "xid-faults.json",
             last_seen=self.seen.known,
         )
-        self.collector = Collector(self.sampler.latest, events=self.events, clock=clock)
+        self.collector = Collector(
+            self.sampler.latest, events=self.events, clock=clock, build=self.build
+        )
         self._driver_version = self._read_driver_version()
         self.node_servicer = NodeServicer(
             snapshots=self.sampler.latest,
@@ -338,6 +344,7 @@ class Daemon:
             reserved_tags=set(range(64)) - set(self.traffic.tags.pool),
             tick_s=config.daemon.tick_s,
             events=self.events,
+            build=self.build,
         )
         self.collector.add_source(ClusterMetrics(self.cluster.agent))
         tokens = ReportTokens(self.jobs.reservations.job_of_token, config.api.tcp_access)
@@ -644,6 +651,7 @@ class Daemon:
             simulated=self.sim is not None,
             started_monotonic=self._started,
             version=__version__,
+            build=self.build,
         )
 
     def _gpu_count(self) -> int:
@@ -713,9 +721,10 @@ class Daemon:
             log.info("serving gRPC on %s", self.config.socket_path)
             self.events.emit(
                 "daemon.start",
-                f"gpud {__version__} started",
+                f"gpud {build_id.describe(__version__, self.build)} started",
                 backend=self.node_info().backend,
                 gpus=self._gpu_count(),
+                build=self.build,
             )
             self._notifier.ready(f"serving {self._gpu_count()} GPUs")
             await self._loop()

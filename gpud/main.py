@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpud import __version__, config, logsetup
+from gpud import build as build_id
 from gpud.backend.products import PRODUCTS
 from gpud.errors import ConfigError, GpudError
 from gpud.notify import Notifier
@@ -214,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--check-config", action="store_true", help="load and check the config, then exit"
     )
-    p.add_argument("--version", action="version", version=f"gpud {__version__}")
+    p.add_argument("--version", action=build_id.VersionAction, version=__version__)
     return p
 
 

@@ -36,7 +36,7 @@ What Prometheus sees (``curl -s localhost:9400/metrics | grep ^gpud_``):
   ``gpu_instance_id``, ``compute_instance_id`` (as in ``nvidia-smi mig -lgi`` / ``-lci``):
   ``gpud_mig_device_memory_{total,used,free}_bytes``, ``gpud_mig_device_processes``;
 - the node: ``gpud_sample_age_seconds``, ``gpud_sample_duration_seconds``, ``gpud_gpus``,
-  ``gpud_driver_info{version}``, ``gpud_events_total{kind}``, ``gpud_build_info{version}``,
+  ``gpud_driver_info{version}``, ``gpud_events_total{kind}``, ``gpud_build_info{version, build}``,
   ``gpud_metric_source_errors_total{source}``, and from :mod:`gpud.loopstats`
   ``gpud_loop_duration_seconds`` (a histogram of the daemon loop's passes) and
   ``gpud_loop_overruns_total`` (passes longer than the tick);
@@ -75,6 +75,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector as _CollectorBase
 
 import gpud
+import gpud.build
 from gpud.events import EventLog
 from gpud.histogram import HistogramCounts
 from gpud.telemetry.snapshot import Snapshot
@@ -124,12 +125,16 @@ class Collector(_CollectorBase):
         sources: Sequence[MetricSource] = (),
         clock: Callable[[], float] = time.monotonic,
         version: str = gpud.__version__,
+        build: str | None = None,
     ) -> None:
+        """``version`` and ``build`` (default :func:`gpud.build.current`, computed now)
+        label ``gpud_build_info``."""
         self._snapshot = snapshot
         self._events = events
         self._sources: list[MetricSource] = list(sources)
         self._clock = clock
         self._version = version
+        self._build = gpud.build.current() if build is None else build
         self._source_errors: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -143,8 +148,10 @@ class Collector(_CollectorBase):
         return ()
 
     def collect(self) -> Iterator[Metric]:
-        build = InfoMetricFamily("gpud_build", "gpud build information.")
-        build.add_metric([], {"version": self._version})
+        build = InfoMetricFamily(
+            "gpud_build", "gpud's version and build (a digest of the code it runs)."
+        )
+        build.add_metric([], {"version": self._version, "build": self._build})
         yield build
         snap = self._snapshot()
         if snap is not None:

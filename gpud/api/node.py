@@ -125,6 +125,7 @@ class NodeServicer(pb_grpc.NodeServicer):
         snap = self._snapshots()
         resp = pb.GetStatusResponse(
             version=info.version,
+            build=info.build,
             hostname=info.hostname,
             backend=info.backend,
             driver_version=info.driver_version,

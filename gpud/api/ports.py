@@ -35,6 +35,7 @@ class NodeInfo:
     started_monotonic: float
     hostname: str = field(default_factory=socket.gethostname)
     version: str = __version__
+    build: str = ""  # the code's digest (gpud.build.current()), computed at start
 
 
 NodeInfoSource = Callable[[], NodeInfo]

@@ -5,8 +5,10 @@
     gpuctl cluster status [--json]           the leader this node reports to (and whether
                                              etcd or the old leader named it), epoch, mode,
                                              what to do; etcd's alarms; nodes (asked of that
-                                             leader); every node's problem (as it published
-                                             it); when the certificates expire; jobs
+                                             leader) with the build each runs, and a line
+                                             when they differ; every node's problem (as it
+                                             published it); when the certificates expire;
+                                             jobs
     gpuctl cluster attributes [--job J ...]  runtime attributes of this node's jobs
                               [--watch]      ... and again whenever they change
 """
@@ -17,6 +19,7 @@ import argparse
 import re
 import sys
 import time
+from collections.abc import Sequence
 
 from gpud.cli.context import Context, Subparsers
 from gpud.cli.output import seconds
@@ -33,6 +36,32 @@ _MODES = {
     "local": "local (no leader order within the grace period: this node's own policy decides;"
     " it follows again at the next leader order)",
 }
+
+
+_OLDER = "older gpud"  # a node (or leader) whose gpud sends no build
+_NAMED = 5  # nodes named per build in the builds line
+
+
+def builds_line(nodes: Sequence[tuple[str, str]]) -> str | None:
+    """``builds: 2 nodes on 3f2a9c1d04ab, 1 on 9e8d7c6b5a43 (n3)`` when the ``(node,
+    build)`` pairs hold more than one build (a rolling upgrade under way, or a node whose
+    gpud was not restarted after one); None when they agree. The most common build comes
+    first, unnamed; the nodes of each other build are named."""
+    by_build: dict[str, list[str]] = {}
+    for node, build in nodes:
+        by_build.setdefault(build or _OLDER, []).append(node)
+    if len(by_build) < 2:
+        return None
+    groups = sorted(by_build.items(), key=lambda g: (-len(g[1]), g[0]))
+    parts = []
+    for i, (build, names) in enumerate(groups):
+        count = f"{len(names)} node{'s' if len(names) > 1 else ''}" if i == 0 else str(len(names))
+        part = f"{count} on {build}"
+        if i > 0:
+            shown = ", ".join(names[:_NAMED]) + (", ..." if len(names) > _NAMED else "")
+            part += f" ({shown})"
+        parts.append(part)
+    return "builds: " + ", ".join(parts)
 
 
 def register(subparsers: Subparsers) -> None:
@@ -105,12 +134,21 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
     if resp.nodes:
         ctx.out.print()
         ctx.out.print_table(
-            ("NODE", "LAST REPORT", "JOBS", "APPLIED EPOCH"),
+            ("NODE", "LAST REPORT", "JOBS", "APPLIED EPOCH", "BUILD"),
             [
-                (n.node, f"{seconds(n.report_age_seconds)} ago", str(n.jobs), str(n.applied_epoch))
+                (
+                    n.node,
+                    f"{seconds(n.report_age_seconds)} ago",
+                    str(n.jobs),
+                    str(n.applied_epoch),
+                    n.build or _OLDER,
+                )
                 for n in resp.nodes
             ],
         )
+        builds = builds_line([(n.node, n.build) for n in resp.nodes])
+        if builds is not None:
+            ctx.out.print(builds)
     if resp.problems:
         now = time.time()
         ctx.out.print()

@@ -51,6 +51,7 @@ from types import ModuleType
 from typing import NoReturn
 
 from gpud import __version__
+from gpud import build as build_id
 from gpud.cli import cluster as cluster_cli
 from gpud.cli import colo as colo_cli
 from gpud.cli import events, gpus, sim, status, version, xid
@@ -156,7 +157,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentPa
 
 def build_parser(groups: Sequence[ModuleType] = COMMAND_GROUPS) -> argparse.ArgumentParser:
     parser = _Parser(prog="gpuctl", description="Query and control the local gpud daemon.")
-    parser.add_argument("--version", action="version", version=f"gpuctl {__version__}")
+    parser.add_argument("--version", action=build_id.VersionAction, version=__version__)
     _add_global_options(parser, defaults=True)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for group in groups:

@@ -140,6 +140,7 @@ class ClusterAgent:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         instance: str | None = None,
+        build: str = "",
         credential_problem: Callable[[float], str] | None = None,
         problems: ProblemBoard | None = None,
         alarms: StoreAlarms | None = None,
@@ -147,6 +148,7 @@ class ClusterAgent:
     ) -> None:
         self.node = node_name(node)
         self.instance = os.urandom(8).hex() if instance is None else instance
+        self.build = build  # the code this gpud runs (gpud.build), sent in each report
         self.election_kind = election_kind
         self.election = election
         self._traffic = traffic
@@ -249,6 +251,7 @@ class ClusterAgent:
             jobs=tuple(jobs[j] for j in sorted(jobs)),
             applied_epoch=epoch,
             instance=self.instance,
+            build=self.build,
         )
 
     async def tick(self) -> None:

@@ -116,12 +116,16 @@ class ClusterPeerServicer(pb_grpc.ClusterPeerServicer):
 
 def _node_to_pb(n: NodeSeen) -> pb.ClusterNode:
     return pb.ClusterNode(
-        node=n.node, report_age_seconds=n.age_s, jobs=n.jobs, applied_epoch=n.applied_epoch
+        node=n.node,
+        report_age_seconds=n.age_s,
+        jobs=n.jobs,
+        applied_epoch=n.applied_epoch,
+        build=n.build or None,  # absent: an older gpud, which sent none
     )
 
 
 def _node_from_pb(m: pb.ClusterNode) -> NodeSeen:
-    return NodeSeen(m.node, m.report_age_seconds, m.jobs, m.applied_epoch)
+    return NodeSeen(m.node, m.report_age_seconds, m.jobs, m.applied_epoch, m.build)
 
 
 def status_to_pb(s: ClusterStatus) -> pb.GetClusterStatusResponse:

@@ -58,6 +58,7 @@ def report_to_pb(report: NodeReport) -> pb.ReportRequest:
         jobs=[job_report_to_pb(j) for j in report.jobs],
         applied_epoch=report.applied_epoch,
         instance=report.instance,
+        build=report.build,
     )
 
 
@@ -103,10 +104,15 @@ def report_from_pb(msg: pb.ReportRequest) -> NodeReport:
                 critical_xids=tuple(j.critical_xids),
             )
         )
-    if len(msg.instance) > MAX_NAME:
-        raise InvalidArgument(f"at most {MAX_NAME} characters", field="instance")
+    for name in ("instance", "build"):
+        if len(getattr(msg, name)) > MAX_NAME:
+            raise InvalidArgument(f"at most {MAX_NAME} characters", field=name)
     return NodeReport(
-        node=node, jobs=tuple(jobs), applied_epoch=msg.applied_epoch, instance=msg.instance
+        node=node,
+        jobs=tuple(jobs),
+        applied_epoch=msg.applied_epoch,
+        instance=msg.instance,
+        build=msg.build,
     )
 
 

@@ -61,6 +61,7 @@ class NodeSeen:
     age_s: float
     jobs: int
     applied_epoch: int
+    build: str = ""  # of its latest report ("" from a gpud older than the field)
 
 
 class Aggregator:
@@ -129,7 +130,7 @@ class Aggregator:
     def nodes(self, now: float) -> list[NodeSeen]:
         """Nodes heard from within the node timeout, by name."""
         return [
-            NodeSeen(name, now - t, len(r.jobs), r.applied_epoch)
+            NodeSeen(name, now - t, len(r.jobs), r.applied_epoch, r.build)
             for name, (t, r) in sorted(self._reports.items())
             if now - t <= self.node_timeout_s
         ]

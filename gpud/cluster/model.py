@@ -58,13 +58,16 @@ class NodeReport:
     """Everything one node tells the leader on one tick.
 
     ``node`` is compared in :func:`node_name` form; ``instance`` is random per gpud process: a new one under a known node name is a
-    restart, an old one reporting again means two gpuds share the name.
+    restart, an old one reporting again means two gpuds share the name. ``build`` is the
+    digest of the code the node's gpud runs (:mod:`gpud.build`; "" from a gpud older than
+    it): the leader keeps it per node, so a rolling upgrade's progress shows.
     """
 
     node: str
     jobs: tuple[JobReport, ...] = ()
     applied_epoch: int = 0
     instance: str = ""
+    build: str = ""
 
 
 class JobAttributes(NamedTuple):

@@ -81,7 +81,10 @@ class ClusterRuntime:
         reserved_tags: Iterable[int],
         tick_s: float,
         events: EventLog,
+        build: str = "",
     ) -> None:
+        """``build``: the identity of the code this gpud runs (:mod:`gpud.build`), sent to
+        the leader in every report."""
         self.config = config
         # lower case: how every node names it (reports, the leader key, gpuctl cluster)
         self.node = node_name(config.node or socket.gethostname())
@@ -142,6 +145,7 @@ class ClusterRuntime:
             fresh_s=_fresh_s(config, tick_s),
             settle_s=_settle_s(config, tick_s),
             events=events,
+            build=build,
             credential_problem=self._tls.expiry_problem if self._tls is not None else None,
             problems=(
                 EtcdProblemBoard(self._etcd, prefix=config.etcd_prefix)

@@ -131,10 +131,13 @@ class ReportRequest(_message.Message):
     JOBS_FIELD_NUMBER: _builtins.int
     APPLIED_EPOCH_FIELD_NUMBER: _builtins.int
     INSTANCE_FIELD_NUMBER: _builtins.int
+    BUILD_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     applied_epoch: _builtins.int
     instance: _builtins.str
     """random per gpud process: tells a restart from two gpuds reporting under one node name"""
+    build: _builtins.str
+    """the digest of the code the node's gpud runs (gpud.build); "" from an older gpud"""
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobReport]: ...
     def __init__(
@@ -144,10 +147,11 @@ class ReportRequest(_message.Message):
         jobs: _abc.Iterable[Global___JobReport] | None = ...,
         applied_epoch: _builtins.int = ...,
         instance: _builtins.str = ...,
+        build: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_epoch", b"applied_epoch", "instance", b"instance", "jobs", b"jobs", "node", b"node"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_epoch", b"applied_epoch", "build", b"build", "instance", b"instance", "jobs", b"jobs", "node", b"node"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -451,10 +455,15 @@ class ClusterNode(_message.Message):
     REPORT_AGE_SECONDS_FIELD_NUMBER: _builtins.int
     JOBS_FIELD_NUMBER: _builtins.int
     APPLIED_EPOCH_FIELD_NUMBER: _builtins.int
+    BUILD_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     report_age_seconds: _builtins.float
     jobs: _builtins.int
     applied_epoch: _builtins.int
+    build: _builtins.str
+    """the build (gpud.build) of the node's latest report; absent when that node's gpud, or
+    the leader's, is older than the field
+    """
     def __init__(
         self,
         *,
@@ -462,12 +471,15 @@ class ClusterNode(_message.Message):
         report_age_seconds: _builtins.float = ...,
         jobs: _builtins.int = ...,
         applied_epoch: _builtins.int = ...,
+        build: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_build", b"_build", "build", b"build"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_epoch", b"applied_epoch", "jobs", b"jobs", "node", b"node", "report_age_seconds", b"report_age_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_build", b"_build", "applied_epoch", b"applied_epoch", "build", b"build", "jobs", b"jobs", "node", b"node", "report_age_seconds", b"report_age_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__build: _TypeAlias = _typing.Literal["build"]  # noqa: Y015
+    _WhichOneofArgType__build: _TypeAlias = _typing.Literal["_build", b"_build"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__build) -> _WhichOneofReturnType__build | None: ...
 
 Global___ClusterNode: _TypeAlias = ClusterNode  # noqa: Y015
 

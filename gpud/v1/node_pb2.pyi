@@ -101,6 +101,7 @@ class GetStatusResponse(_message.Message):
     SIMULATED_FIELD_NUMBER: _builtins.int
     LAST_TICK_SECONDS_FIELD_NUMBER: _builtins.int
     UNHEALTHY_GPUS_FIELD_NUMBER: _builtins.int
+    BUILD_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """gpud's version"""
     hostname: _builtins.str
@@ -117,6 +118,10 @@ class GetStatusResponse(_message.Message):
     simulated: _builtins.bool
     last_tick_seconds: _builtins.float
     """how long the latest sampling tick took"""
+    build: _builtins.str
+    """digest of the code gpud runs (gpud.build), computed at its start; "" from a gpud
+    older than the field
+    """
     @_builtins.property
     def unhealthy_gpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """"GPU N: reason", each unhealthy GPU of the latest sample"""
@@ -135,10 +140,11 @@ class GetStatusResponse(_message.Message):
         simulated: _builtins.bool = ...,
         last_tick_seconds: _builtins.float | None = ...,
         unhealthy_gpus: _abc.Iterable[_builtins.str] | None = ...,
+        build: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "backend", b"backend", "driver_version", b"driver_version", "gpu_count", b"gpu_count", "healthy_gpu_count", b"healthy_gpu_count", "hostname", b"hostname", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds", "simulated", b"simulated", "unhealthy_gpus", b"unhealthy_gpus", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "backend", b"backend", "build", b"build", "driver_version", b"driver_version", "gpu_count", b"gpu_count", "healthy_gpu_count", b"healthy_gpu_count", "hostname", b"hostname", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds", "simulated", b"simulated", "unhealthy_gpus", b"unhealthy_gpus", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_sample_age_seconds: _TypeAlias = _typing.Literal["last_sample_age_seconds"]  # noqa: Y015
     _WhichOneofArgType__last_sample_age_seconds: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds"]  # noqa: Y015

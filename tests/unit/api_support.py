@@ -115,7 +115,8 @@ def make_snapshot() -> Snapshot:
     )
 
 
-def node_info(*, simulated: bool = True) -> NodeInfo:
+def node_info(*, simulated: bool = True, build: str = "") -> NodeInfo:
+    """``build`` "": a gpud older than the field, which sends none."""
     return NodeInfo(
         backend="sim" if simulated else "nvml",
         driver_version="550.54.15",
@@ -123,6 +124,7 @@ def node_info(*, simulated: bool = True) -> NodeInfo:
         simulated=simulated,
         started_monotonic=NOW - 3725.0,
         hostname="node-a",
+        build=build,
     )
 
 
@@ -184,11 +186,12 @@ def make_servicer(
     snapshot: Callable[[], Snapshot | None] | None = None,
     faults: FakeFaults | None = None,
     events: EventLog | None = None,
+    build: str = "",
 ) -> NodeServicer:
     snap = make_snapshot()
     return NodeServicer(
         snapshots=snapshot or (lambda: snap),
-        node_info=lambda: node_info(simulated=faults is not None),
+        node_info=lambda: node_info(simulated=faults is not None, build=build),
         events=events if events is not None else make_events(),
         faults=faults,
         clock=lambda: NOW,

@@ -12,6 +12,7 @@ import pytest
 
 import gpud.client
 from gpud.api import ApiServer
+from gpud.cli.cluster import builds_line
 from gpud.cli.main import main
 from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.api import ClusterServicer
@@ -56,6 +57,7 @@ def served() -> Iterator[tuple[str, ClusterAgent, ServerThread]]:
         grace_s=30,
         fresh_s=3,
         node_timeout_s=5,
+        build="3f2a9c1d04ab",
     )
     with short_dir() as d:
         path = d / "gpud.sock"
@@ -78,6 +80,44 @@ def test_status_table_and_json(
     assert data["epoch"] == 12 and data["mode"] == "leader"
     assert [n["node"] for n in data["nodes"]] == ["gpu-01"]
     assert data["jobs"][0]["job"] == "train-a" and data["jobs"][0]["level"] == 0
+
+
+def test_status_shows_each_node_s_build_and_a_rolling_upgrade_s_progress(
+    capsys: pytest.CaptureFixture[str], served: tuple[str, ClusterAgent, ServerThread]
+) -> None:
+    sock, agent, _ = served
+    assert main(["cluster", "status", "--socket", sock], env={}) == 0
+    out = capsys.readouterr().out
+    assert "BUILD" in out and "3f2a9c1d04ab" in out
+    assert "builds:" not in out  # one node, one build
+    agent.receive(NodeReport("gpu-02", build="3f2a9c1d04ab"))
+    agent.receive(NodeReport("gpu-03", build="9e8d7c6b5a43"))  # upgraded already
+    agent.receive(NodeReport("gpu-04"))  # a gpud older than builds
+    assert main(["cluster", "status", "--socket", sock], env={}) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split()[-2:] for line in lines if line.startswith("gpu-0")}
+    assert rows["gpu-03"][-1] == "9e8d7c6b5a43"
+    assert rows["gpu-04"] == ["older", "gpud"]
+    assert (
+        "builds: 2 nodes on 3f2a9c1d04ab, 1 on 9e8d7c6b5a43 (gpu-03), 1 on older gpud (gpu-04)"
+        in lines
+    )
+    assert main(["cluster", "status", "--socket", sock, "--json"], env={}) == 0
+    nodes = json.loads(capsys.readouterr().out)["nodes"]
+    assert {n["node"]: n["build"] for n in nodes} == {
+        "gpu-01": "3f2a9c1d04ab",
+        "gpu-02": "3f2a9c1d04ab",
+        "gpu-03": "9e8d7c6b5a43",
+        "gpu-04": None,
+    }
+
+
+def test_builds_line_names_the_nodes_off_the_common_build() -> None:
+    assert builds_line([]) is None
+    assert builds_line([("a", "x"), ("b", "x")]) is None
+    assert builds_line([("a", ""), ("b", "")]) is None  # an older leader: no builds to compare
+    many = [(f"n{i}", "new") for i in range(7)] + [(f"o{i}", "old") for i in range(9)]
+    assert builds_line(many) == "builds: 9 nodes on old, 7 on new (n0, n1, n2, n3, n4, ...)"
 
 
 def test_status_says_why_no_order_is_in_force(

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from gpud import config
+from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.api import PeerClient, PeerServer
 from gpud.cluster.convert import MAX_JOBS, MAX_XIDS, report_from_pb, report_to_pb
 from gpud.cluster.election import LeaderInfo
@@ -68,8 +69,13 @@ def test_reports_are_checked_and_round_trip() -> None:
         (JobReport("a", 0.5, 2.0, 12, ("G1",), ("G1",), (79,), False, 10, 2, 3, 1, ("G1:79",)),),
         applied_epoch=4,
         instance="5f3a9c0e1b2d4a68",
+        build="3f2a9c1d04ab",
     )
     assert report_from_pb(report_to_pb(report)) == report
+    # a gpud older than the build field sends none: kept as ""
+    assert report_from_pb(pb.ReportRequest(node="n1")).build == ""
+    with pytest.raises(InvalidArgument, match="build"):
+        report_from_pb(pb.ReportRequest(node="n1", build="x" * 1000))
     many = pb.JobReport(job="a", critical_xids=["G1:79"] * (MAX_XIDS + 1))
     with pytest.raises(InvalidArgument, match=r"jobs\[0\]\.critical_xids"):
         report_from_pb(pb.ReportRequest(node="n", jobs=[many]))
@@ -260,19 +266,13 @@ class Following(Leading):
         return LeaderInfo("N2", "10.0.0.2:7443", 4, False)  # as an older gpud writes it
 
 
-async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path) -> None:
-    from gpud.cluster.agent import ClusterAgent
+def _leader(build: str = "") -> ClusterAgent:
+    """A leading agent over the peer API, node "leader", job "a" on GPU "G"."""
     from gpud.cluster.ports import MemoryTagStore, StaticNodeView
     from gpud.net.port import FakeTraffic
     from netshaper.leveller import LevellerConfig
 
-    pki, other = tmp_path / "pki", tmp_path / "other"
-    make_ca(pki)
-    make_ca(other)
-    for name in ("leader", "n1"):
-        make_node(pki, name, pki)
-    make_node(other, "n1", other)
-    agent = ClusterAgent(
+    return ClusterAgent(
         node="leader",
         election_kind="etcd",
         election=Leading(),
@@ -285,7 +285,18 @@ async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path
         grace_s=30,
         fresh_s=3,
         node_timeout_s=5,
+        build=build,
     )
+
+
+async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path) -> None:
+    pki, other = tmp_path / "pki", tmp_path / "other"
+    make_ca(pki)
+    make_ca(other)
+    for name in ("leader", "n1"):
+        make_node(pki, name, pki)
+    make_node(other, "n1", other)
+    agent = _leader()
     server = PeerServer(
         "127.0.0.1:0",
         PeerTls.load(pki / "ca.pem", pki / "leader.pem", pki / "leader-key.pem"),
@@ -336,6 +347,54 @@ async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path
         await stranger.close()
         await server.stop(None)
         await asyncio.sleep(0)
+
+
+async def test_each_node_reports_its_build_and_the_leader_keeps_it(tmp_path: Path) -> None:
+    """Over the peer API: the leader keeps the build of each node's latest report (its own
+    too) and hands them out with the node list (what `gpuctl cluster status` shows on any
+    node); a node of an older gpud, which sends none, has none."""
+    make_ca(tmp_path)
+    for name in ("leader", "n1", "n2"):
+        make_node(tmp_path, name, tmp_path)
+    agent = _leader(build="3f2a9c1d04ab")
+    assert agent.local_report().build == "3f2a9c1d04ab"
+    server = PeerServer(
+        "127.0.0.1:0",
+        PeerTls.load(tmp_path / "ca.pem", tmp_path / "leader.pem", tmp_path / "leader-key.pem"),
+        agent,
+    )
+    await server.start()
+    address = f"127.0.0.1:{server.port}"
+    clients = {
+        name: PeerClient(
+            PeerTls.load(
+                tmp_path / "ca.pem", tmp_path / f"{name}.pem", tmp_path / f"{name}-key.pem"
+            ),
+            timeout_s=5,
+        )
+        for name in ("n1", "n2")
+    }
+    try:
+        await agent.tick()
+        await clients["n1"].report(address, "leader", NodeReport("n1", build="9e8d7c6b5a43"))
+        await clients["n2"].report(address, "leader", NodeReport("n2"))  # an older gpud
+        seen = await clients["n1"].nodes(address, "leader")
+        assert [(n.node, n.build) for n in seen] == [
+            ("leader", "3f2a9c1d04ab"),
+            ("n1", "9e8d7c6b5a43"),
+            ("n2", ""),
+        ]
+        # the node upgraded and restarted: its next report carries the new build
+        await clients["n2"].report(address, "leader", NodeReport("n2", build="3f2a9c1d04ab"))
+        assert [n.build for n in agent.status().nodes] == [
+            "3f2a9c1d04ab",
+            "9e8d7c6b5a43",
+            "3f2a9c1d04ab",
+        ]
+    finally:
+        for client in clients.values():
+            await client.close()
+        await server.stop(None)
 
 
 async def test_a_refused_peer_call_is_logged_once_and_old_channels_are_closed(

@@ -10,7 +10,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from gpud.build import current as current_build
 from gpud.config import Config
 from gpud.daemon import Daemon, Step
 from gpud.errors import Unavailable
@@ -42,6 +44,7 @@ def build(
     config: Config,
     reload_to: list[Config] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    code_build: str | None = None,
 ) -> Daemon:
     backend, sim = open_backend(config)
     pending = reload_to if reload_to is not None else []
@@ -53,6 +56,7 @@ def build(
         notifier=Notifier(None),
         reload_config=lambda: pending.pop(0),
         clock=clock,
+        build=code_build,
     )
 
 
@@ -453,3 +457,30 @@ def test_colocation_sees_a_run_without_memory_at_its_devices_mps_default(root: P
         d.sampler.close()
         d.store.close()
         d.backend.close()
+
+
+def test_the_build_reaches_the_status_the_metric_and_the_cluster_report(root: Path) -> None:
+    """One build, computed at start, in everything that shows which code gpud runs."""
+    d = build(make_config(root))
+    try:
+        assert d.build == current_build()  # by default, the code running
+        assert d.node_info().build == d.build
+    finally:
+        _close(d)
+    d = build(make_config(root), code_build="3f2a9c1d04ab")
+    try:
+        assert d.node_info().build == "3f2a9c1d04ab"
+        assert d.cluster.agent.local_report().build == "3f2a9c1d04ab"
+        registry = CollectorRegistry()
+        registry.register(d.collector)
+        labels = {"version": "0.1.0", "build": "3f2a9c1d04ab"}
+        assert registry.get_sample_value("gpud_build_info", labels) == 1
+    finally:
+        _close(d)
+
+
+def _close(d: Daemon) -> None:
+    """What a daemon built but never run holds open."""
+    d.sampler.close()
+    d.store.close()
+    d.backend.close()

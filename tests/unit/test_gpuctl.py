@@ -17,9 +17,12 @@ import pytest
 
 from gpud.api import ApiServer, NodeServicer
 from gpud.backend.sim import SimNode
+from gpud.build import UNKNOWN
+from gpud.build import current as current_build
 from gpud.cli.context import Context
 from gpud.cli.main import build_parser, main
 from gpud.cli.output import Output, format_table, seconds
+from gpud.cli.version import differ_line
 from gpud.errors import GpuLost
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import GpuSample, SeenIdentity, Snapshot
@@ -556,6 +559,62 @@ def test_version(capsys: pytest.CaptureFixture[str], sim_socket: str, sock_dir: 
     code, out, _ = run(capsys, "--socket", str(sock_dir / "nope.sock"), "--json", "version")
     doc = json.loads(out)
     assert code == 0 and doc["daemon"] is None and "not running" in doc["daemon_error"]
+    assert doc["client_build"] == current_build() and doc["daemon_build"] is None
+
+
+def _version_against(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path, daemon_build: str
+) -> tuple[str, dict[str, object]]:
+    path = sock_dir / "gpud.sock"
+    servicer = make_servicer(build=daemon_build)
+    with ServerThread(ApiServer(path, servicers=[servicer.register])):
+        code, text, _ = run(capsys, "--socket", str(path), "version")
+        assert code == 0
+        code, out, _ = run(capsys, "--socket", str(path), "--json", "version")
+        assert code == 0
+    return text, json.loads(out)
+
+
+def test_version_when_gpud_runs_the_installed_build(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path
+) -> None:
+    text, doc = _version_against(capsys, sock_dir, current_build())
+    assert text == (
+        f"gpuctl 0.1.0 (build {current_build()})\ngpud   0.1.0 (build {current_build()})\n"
+    )
+    assert doc["daemon_build"] == doc["client_build"] == current_build()
+    assert doc["builds_differ"] is False
+
+
+def test_version_says_gpud_was_not_restarted_after_the_code_changed(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path
+) -> None:
+    text, doc = _version_against(capsys, sock_dir, "9e8d7c6b5a43")
+    assert text.splitlines() == [
+        f"gpuctl 0.1.0 (build {current_build()})",
+        "gpud   0.1.0 (build 9e8d7c6b5a43)",
+        f"builds differ: gpud runs build 9e8d7c6b5a43, the installed code is build"
+        f" {current_build()}: gpud was not restarted since the code changed"
+        " (systemctl restart gpud)",
+    ]
+    assert doc["client_build"] == current_build() and doc["daemon_build"] == "9e8d7c6b5a43"
+    assert doc["builds_differ"] is True
+
+
+def test_version_of_an_older_gpud_without_a_build(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path
+) -> None:
+    text, doc = _version_against(capsys, sock_dir, "")  # a gpud older than the field
+    assert text.splitlines()[1] == "gpud   0.1.0 (older gpud, no build)"
+    assert "differ" not in text
+    assert doc["daemon"] == "0.1.0" and doc["daemon_build"] is None
+    assert doc["builds_differ"] is False
+
+
+def test_version_compares_no_unknown_build() -> None:
+    assert differ_line(UNKNOWN, "9e8d7c6b5a43") is None
+    assert differ_line("3f2a9c1d04ab", UNKNOWN) is None
+    assert differ_line("3f2a9c1d04ab", "3f2a9c1d04ab") is None
 
 
 def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,9 +17,9 @@ from gpud.cli import EXIT_INTERRUPTED, context, entry
 from tests.unit.api_support import ServerThread, make_servicer, short_dir
 
 # What gpuctl may import of the project: its own modules, generated code, the error table and
-# the module it shares with the daemon. Daemon packages (gpud.api, gpud.mig, gpud.mps,
+# the modules it shares with the daemon. Daemon packages (gpud.api, gpud.mig, gpud.mps,
 # gpud.jobs, gpud.telemetry, gpud.backend, gpud.config, ...) are off limits.
-ALLOWED = ("gpud.cli", "gpud.v1", "gpud.errors", "gpud.shared")
+ALLOWED = ("gpud.cli", "gpud.v1", "gpud.errors", "gpud.shared", "gpud.build")
 
 PROBE = """
 import json, sys

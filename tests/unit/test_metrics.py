@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+import gpud.build
 from gpud.backend.port import (
     Clocks,
     EccCounts,
@@ -109,7 +110,9 @@ def registry() -> CollectorRegistry:
     events.emit("gpu.unhealthy", "GPU 2 unhealthy")
     events.emit("gpu.xid", "x")
     events.emit("gpu.xid", "x")
-    return build_registry(Collector(snapshot, events=events, clock=lambda: 100.0))
+    return build_registry(
+        Collector(snapshot, events=events, clock=lambda: 100.0, build="3f2a9c1d04ab")
+    )
 
 
 def gpu_labels(i: int, **extra: str) -> dict[str, str]:
@@ -304,7 +307,7 @@ def test_node_metrics_events_and_process(registry: CollectorRegistry) -> None:
     assert v("gpud_events_total", {"kind": "gpu.unhealthy"}) == 1
     import gpud
 
-    assert v("gpud_build_info", {"version": gpud.__version__}) == 1
+    assert v("gpud_build_info", {"version": gpud.__version__, "build": "3f2a9c1d04ab"}) == 1
     resident = v("process_resident_memory_bytes")
     assert resident is not None and resident > 0
     assert v("python_info", {**_python_info_labels()}) == 1
@@ -327,6 +330,8 @@ def test_before_first_tick_only_node_metrics() -> None:
     registry = build_registry(Collector(lambda: None), process=False)
     text = generate_latest(registry).decode()
     assert "gpud_build_info" in text
+    # by default, the build of the code running
+    assert f'build="{gpud.build.current()}"' in text
     assert "gpud_gpu_" not in text
     assert registry.get_sample_value("gpud_sample_age_seconds") is None
 
