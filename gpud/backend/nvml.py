@@ -368,7 +368,10 @@ class NvmlBackend:
     # they come.
 
     def memory(self, gpu: int, mig: int | None = None) -> MemoryInfo:
-        """``nvidia-smi --query-gpu=memory.total,memory.used,memory.free`` (or the MIG device's)."""
+        """``nvidia-smi --query-gpu=memory.total,memory.used,memory.free`` (or the MIG device's),
+        read with ``nvmlDeviceGetMemoryInfo`` (v1): ``used`` is ``total - free``, the memory the
+        driver reserves included (some 600 MiB on an idle H200), so that what is not used is
+        what a process can still allocate."""
         m = self._call(gpu, self._nv.nvmlDeviceGetMemoryInfo, self._device(gpu, mig))
         return MemoryInfo(m.total, m.used, m.free)
 

@@ -43,6 +43,8 @@ def test_identity(backend: NvmlBackend) -> None:
 def test_readings(backend: NvmlBackend) -> None:
     mem = backend.memory(0)
     assert isinstance(mem, port.MemoryInfo) and mem.total_bytes >= mem.used_bytes
+    # v1: used is everything not free, the driver's reserved memory included
+    assert mem.used_bytes + mem.free_bytes == mem.total_bytes, mem
     for p in backend.processes(0):
         assert isinstance(p, port.ProcessInfo) and p.pid > 0
     for read in (backend.power_watts, backend.temperature_celsius):
