@@ -79,6 +79,20 @@ def test_gpu_readings_in_one_call(backend: NvmlBackend) -> None:
     assert skipped == port.GpuReadings()
 
 
+def test_events_register_and_a_wait_times_out(backend: NvmlBackend, real_nvml: Any) -> None:
+    """XID and ECC events: every GPU registers on one event set (what its driver supports of
+    them), and a wait with nothing to deliver ends in NVML_ERROR_TIMEOUT, which is no error
+    here. A datacenter GPU supports XID events, MIG mode on or off."""
+    events = backend.wait_events(0.2)
+    assert all(isinstance(e, port.GpuEvent) for e in events), events
+    for gpu in range(backend.gpu_count()):
+        supported = real_nvml.nvmlDeviceGetSupportedEventTypes(
+            real_nvml.nvmlDeviceGetHandleByIndex(gpu)
+        )
+        assert backend.xid_watched(gpu), f"GPU {gpu}: supported event types {supported:#x}"
+    assert isinstance(backend.wait_events(0.0), list)
+
+
 def test_mig_read_only(backend: NvmlBackend) -> None:
     ident = backend.identity(0)
     if not ident.mig_capable:
