@@ -7,9 +7,10 @@ tests run. Every ``NVMLError`` becomes the project's own tree (:mod:`gpud.errors
 edge, chosen by the error's numeric ``.value`` so it works for both modules::
 
     NVML_ERROR_NOT_SUPPORTED,
-    NVML_ERROR_FUNCTION_NOT_FOUND       -> NotSupported (the second: the installed driver lacks
-                                           the entry point pynvml calls, e.g. the ``_v3``
-                                           process listing before R510)
+    NVML_ERROR_FUNCTION_NOT_FOUND,
+    NVML_ERROR_DEPRECATED               -> NotSupported (the installed driver lacks the entry
+                                           point pynvml calls, e.g. the ``_v3`` process
+                                           listing before R510, or no longer serves it)
     NVML_ERROR_GPU_IS_LOST              -> GpuLost
     NVML_ERROR_TIMEOUT                  -> DriverTimeout
     NVML_ERROR_INSUFFICIENT_RESOURCES   -> InsufficientResources
@@ -94,6 +95,7 @@ _ERROR_CLASSES: Final[dict[int, type[BackendError]]] = {
     18: DriverNotLoaded,  # LIB_RM_VERSION_MISMATCH
     19: InUse,
     23: InsufficientResources,
+    26: NotSupported,  # DEPRECATED: a call this driver no longer serves
 }
 _SKIP_PROFILE: Final = (NotSupported, DeviceNotFound)  # "not on this product"
 _INVALID_ARGUMENT: Final = 2

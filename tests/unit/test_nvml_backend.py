@@ -413,6 +413,9 @@ def test_errors_translate_by_value() -> None:
     nv = node.nvml
     assert isinstance(be._translate(nv.NVMLError(10), 0, "x"), DriverTimeout)
     assert type(be._translate(nv.NVMLError(4), 0, "x")) is BackendError
+    # a call the driver does not have, or no longer serves: as for a reading it lacks
+    for code in (nv.NVML_ERROR_FUNCTION_NOT_FOUND, nv.NVML_ERROR_DEPRECATED):
+        assert type(be._translate(nv.NVMLError(code), 0, "x")) is NotSupported
     with pytest.raises(DeviceNotFound):
         be.memory(5)
 
