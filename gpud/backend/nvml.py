@@ -9,8 +9,9 @@ edge, chosen by the error's numeric ``.value`` so it works for both modules::
     NVML_ERROR_NOT_SUPPORTED,
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_DEPRECATED               -> NotSupported (the installed driver lacks the entry
-                                           point pynvml calls, e.g. the ``_v3`` process
-                                           listing before R510, or no longer serves it)
+                                           point pynvml calls, or no longer serves it; the
+                                           ``_v3`` process listing, which drivers before
+                                           R510 lack, falls back to ``_v2`` instead)
     NVML_ERROR_GPU_IS_LOST              -> GpuLost
     NVML_ERROR_TIMEOUT                  -> DriverTimeout
     NVML_ERROR_INSUFFICIENT_RESOURCES   -> InsufficientResources
@@ -100,6 +101,7 @@ _ERROR_CLASSES: Final[dict[int, type[BackendError]]] = {
 _SKIP_PROFILE: Final = (NotSupported, DeviceNotFound)  # "not on this product"
 _INVALID_ARGUMENT: Final = 2
 _NOT_SUPPORTED: Final = 3
+_FUNCTION_NOT_FOUND: Final = 13
 
 # Field ids for NVLink data throughput counters (KiB), nvml.h. Each is per link: the field
 # value's ``scopeId`` is the link index, so a GPU's traffic is the sum over its links.
@@ -184,6 +186,7 @@ class _Fast:
         "PCIE_RX",
         "PCIE_TX",
         "TEMPERATURE_GPU",
+        "_nv",
         "clock",
         "ecc",
         "field_values",
@@ -206,7 +209,8 @@ class _Fast:
         self.ecc = nv.nvmlDeviceGetTotalEccErrors
         self.pcie = nv.nvmlDeviceGetPcieThroughput
         self.field_values = nv.nvmlDeviceGetFieldValues
-        self.processes = nv.nvmlDeviceGetComputeRunningProcesses
+        self._nv = nv
+        self.processes = self._processes_newest
         self.mig_mode = nv.nvmlDeviceGetMigMode
         self.mig_handle = nv.nvmlDeviceGetMigDeviceHandleByIndex
         self.TEMPERATURE_GPU = nv.NVML_TEMPERATURE_GPU
@@ -217,6 +221,19 @@ class _Fast:
         self.ECC_VOLATILE = nv.NVML_VOLATILE_ECC
         self.PCIE_TX = nv.NVML_PCIE_UTIL_TX_BYTES
         self.PCIE_RX = nv.NVML_PCIE_UTIL_RX_BYTES
+
+    def _processes_newest(self, handle: Any) -> Any:
+        """pynvml's process listing goes to ``nvmlDeviceGetComputeRunningProcesses_v3``,
+        which drivers before R510 lack (FUNCTION_NOT_FOUND): those list the same processes
+        through ``_v2``, taken from then on."""
+        nv = self._nv
+        try:
+            return nv.nvmlDeviceGetComputeRunningProcesses(handle)
+        except nv.NVMLError as err:
+            if err.value != _FUNCTION_NOT_FOUND:
+                raise
+        self.processes = nv.nvmlDeviceGetComputeRunningProcesses_v2
+        return self.processes(handle)
 
 
 def product_key(name: str, memory_total_bytes: int) -> str:
@@ -379,9 +396,7 @@ class NvmlBackend:
 
     def processes(self, gpu: int, mig: int | None = None) -> list[ProcessInfo]:
         """``nvidia-smi --query-compute-apps=pid,used_memory`` for the GPU or MIG device."""
-        procs = self._call(
-            gpu, self._nv.nvmlDeviceGetComputeRunningProcesses, self._device(gpu, mig)
-        )
+        procs = self._call(gpu, self._fast.processes, self._device(gpu, mig))
         return list(_processes(procs))
 
     def gpu_readings(self, gpu: int, skip: Collection[str] = frozenset()) -> GpuReadings:

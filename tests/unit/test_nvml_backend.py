@@ -150,19 +150,36 @@ def test_a_gpu_without_nvlink_has_nvlink_not_supported_not_failing() -> None:
 
 
 def test_a_call_the_driver_lacks_is_not_supported() -> None:
+    """A call the installed driver has no entry point for (FunctionNotFound) is NotSupported
+    (the reading is skipped), not a driver error that marks the GPU unhealthy on every tick."""
+    nv = FakeNvml([products.PRODUCTS["A100-SXM4-80GB"]], clock=FakeClock())
+    be = NvmlBackend(nv)
+
+    def lacking(*_: object) -> None:
+        raise nv.NVMLError(nv.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    be._fast.temperature = lacking
+    readings = be.gpu_readings(0)
+    assert readings.memory is not None and readings.temperature_celsius is None
+    assert [(name, type(err)) for name, err in readings.errors] == [
+        ("temperature_celsius", NotSupported)
+    ]
+
+
+def test_processes_are_listed_on_a_driver_before_r510() -> None:
     """pynvml lists processes with ``nvmlDeviceGetComputeRunningProcesses_v3``, which drivers
-    before R510 lack: FunctionNotFound is NotSupported (the reading is skipped), not a
-    driver error that marks the GPU unhealthy on every tick."""
+    before R510 lack (FunctionNotFound): gpud lists them with ``_v2`` then, so jobs' processes
+    are still seen, and the GPU stays healthy."""
     nv = FakeNvml(
         [products.PRODUCTS["A100-SXM4-80GB"]], clock=FakeClock(), driver_version="470.256.02"
     )
+    nv.sim_start_process(0, 4242, 1 << 30, 0.5)
     be = NvmlBackend(nv)
-    with pytest.raises(NotSupported, match="Function Not Found") as info:
-        be.processes(0)
-    assert info.value.code == nv.NVML_ERROR_FUNCTION_NOT_FOUND
+    with pytest.raises(nv.NVMLError_FunctionNotFound):  # what pynvml itself does there
+        nv.nvmlDeviceGetComputeRunningProcesses(nv.nvmlDeviceGetHandleByIndex(0))
+    assert [p.pid for p in be.processes(0)] == [4242]
     readings = be.gpu_readings(0)
-    assert readings.memory is not None and readings.processes == ()
-    assert [(name, type(err)) for name, err in readings.errors] == [("processes", NotSupported)]
+    assert [p.pid for p in readings.processes] == [4242] and readings.errors == ()
 
 
 def test_nvlink_counters_never_go_back_when_a_link_misses_a_read() -> None:
