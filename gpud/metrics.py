@@ -205,7 +205,11 @@ class Collector(_CollectorBase):
         mem_total = g(
             "gpud_gpu_memory_total_bytes", "Total framebuffer memory.", labels=_GPU_LABELS
         )
-        mem_used = g("gpud_gpu_memory_used_bytes", "Used framebuffer memory.", labels=_GPU_LABELS)
+        mem_used = g(
+            "gpud_gpu_memory_used_bytes",
+            "Used framebuffer memory, the driver's reserved memory included (total - free).",
+            labels=_GPU_LABELS,
+        )
         mem_free = g("gpud_gpu_memory_free_bytes", "Free framebuffer memory.", labels=_GPU_LABELS)
         util = g(
             "gpud_gpu_utilization_ratio",

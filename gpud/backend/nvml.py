@@ -6,7 +6,12 @@ like ``pynvml``: the real one (:func:`open_real_backend`) or the simulated node'
 tests run. Every ``NVMLError`` becomes the project's own tree (:mod:`gpud.errors`) at this
 edge, chosen by the error's numeric ``.value`` so it works for both modules::
 
-    NVML_ERROR_NOT_SUPPORTED            -> NotSupported
+    NVML_ERROR_NOT_SUPPORTED,
+    NVML_ERROR_FUNCTION_NOT_FOUND,
+    NVML_ERROR_DEPRECATED               -> NotSupported (the installed driver lacks the entry
+                                           point pynvml calls, or no longer serves it; the
+                                           ``_v3`` process listing, which drivers before
+                                           R510 lack, falls back to ``_v2`` instead)
     NVML_ERROR_GPU_IS_LOST              -> GpuLost
     NVML_ERROR_TIMEOUT                  -> DriverTimeout
     NVML_ERROR_INSUFFICIENT_RESOURCES   -> InsufficientResources
@@ -86,13 +91,17 @@ _ERROR_CLASSES: Final[dict[int, type[BackendError]]] = {
     9: DriverNotLoaded,  # DRIVER_NOT_LOADED
     10: DriverTimeout,
     12: DriverNotLoaded,  # LIBRARY_NOT_FOUND
+    13: NotSupported,  # FUNCTION_NOT_FOUND: this driver has no such call
     15: GpuLost,
     18: DriverNotLoaded,  # LIB_RM_VERSION_MISMATCH
     19: InUse,
     23: InsufficientResources,
+    26: NotSupported,  # DEPRECATED: a call this driver no longer serves
 }
 _SKIP_PROFILE: Final = (NotSupported, DeviceNotFound)  # "not on this product"
 _INVALID_ARGUMENT: Final = 2
+_NOT_SUPPORTED: Final = 3
+_FUNCTION_NOT_FOUND: Final = 13
 
 # Field ids for NVLink data throughput counters (KiB), nvml.h. Each is per link: the field
 # value's ``scopeId`` is the link index, so a GPU's traffic is the sum over its links.
@@ -177,6 +186,7 @@ class _Fast:
         "PCIE_RX",
         "PCIE_TX",
         "TEMPERATURE_GPU",
+        "_nv",
         "clock",
         "ecc",
         "field_values",
@@ -199,7 +209,8 @@ class _Fast:
         self.ecc = nv.nvmlDeviceGetTotalEccErrors
         self.pcie = nv.nvmlDeviceGetPcieThroughput
         self.field_values = nv.nvmlDeviceGetFieldValues
-        self.processes = nv.nvmlDeviceGetComputeRunningProcesses
+        self._nv = nv
+        self.processes = self._processes_newest
         self.mig_mode = nv.nvmlDeviceGetMigMode
         self.mig_handle = nv.nvmlDeviceGetMigDeviceHandleByIndex
         self.TEMPERATURE_GPU = nv.NVML_TEMPERATURE_GPU
@@ -210,6 +221,19 @@ class _Fast:
         self.ECC_VOLATILE = nv.NVML_VOLATILE_ECC
         self.PCIE_TX = nv.NVML_PCIE_UTIL_TX_BYTES
         self.PCIE_RX = nv.NVML_PCIE_UTIL_RX_BYTES
+
+    def _processes_newest(self, handle: Any) -> Any:
+        """pynvml's process listing goes to ``nvmlDeviceGetComputeRunningProcesses_v3``,
+        which drivers before R510 lack (FUNCTION_NOT_FOUND): those list the same processes
+        through ``_v2``, taken from then on."""
+        nv = self._nv
+        try:
+            return nv.nvmlDeviceGetComputeRunningProcesses(handle)
+        except nv.NVMLError as err:
+            if err.value != _FUNCTION_NOT_FOUND:
+                raise
+        self.processes = nv.nvmlDeviceGetComputeRunningProcesses_v2
+        return self.processes(handle)
 
 
 def product_key(name: str, memory_total_bytes: int) -> str:
@@ -363,15 +387,16 @@ class NvmlBackend:
     # they come.
 
     def memory(self, gpu: int, mig: int | None = None) -> MemoryInfo:
-        """``nvidia-smi --query-gpu=memory.total,memory.used,memory.free`` (or the MIG device's)."""
+        """``nvidia-smi --query-gpu=memory.total,memory.used,memory.free`` (or the MIG device's),
+        read with ``nvmlDeviceGetMemoryInfo`` (v1): ``used`` is ``total - free``, the memory the
+        driver reserves included (some 600 MiB on an idle H200), so that what is not used is
+        what a process can still allocate."""
         m = self._call(gpu, self._nv.nvmlDeviceGetMemoryInfo, self._device(gpu, mig))
         return MemoryInfo(m.total, m.used, m.free)
 
     def processes(self, gpu: int, mig: int | None = None) -> list[ProcessInfo]:
         """``nvidia-smi --query-compute-apps=pid,used_memory`` for the GPU or MIG device."""
-        procs = self._call(
-            gpu, self._nv.nvmlDeviceGetComputeRunningProcesses, self._device(gpu, mig)
-        )
+        procs = self._call(gpu, self._fast.processes, self._device(gpu, mig))
         return list(_processes(procs))
 
     def gpu_readings(self, gpu: int, skip: Collection[str] = frozenset()) -> GpuReadings:
@@ -433,7 +458,8 @@ class NvmlBackend:
                     self._read_failed(errors, gpu, "pcie", f.pcie, err)
             if "nvlink_bytes" not in skip:
                 try:
-                    nvlink = self._nvlink(gpu, f.field_values(h, self._nvlink_fields(gpu, h)))
+                    fields = self._nvlink_fields(gpu, h)
+                    nvlink = self._nvlink(gpu, f.field_values(h, fields) if fields else ())
                 except error as err:
                     self._read_failed(errors, gpu, "nvlink_bytes", f.field_values, err)
             if "processes" not in skip:
@@ -593,7 +619,8 @@ class NvmlBackend:
         """
         fn = self._nv.nvmlDeviceGetFieldValues
         h = self._handle(gpu)
-        values = self._call(gpu, fn, h, self._nvlink_fields(gpu, h))
+        fields = self._nvlink_fields(gpu, h)
+        values = self._call(gpu, fn, h, fields) if fields else ()
         try:
             return self._nvlink(gpu, values)
         except self._error as err:
@@ -602,7 +629,9 @@ class NvmlBackend:
     def _nvlink_fields(self, gpu: int, h: Any) -> tuple[tuple[int, int], ...]:
         """``(field id, link)`` for the TX and RX counters of every link of the GPU: the
         link count (``NVML_FI_DEV_NVLINK_LINK_COUNT``) read once, the driver's maximum when
-        it cannot say (links it does not have then answer with an error and are skipped)."""
+        it cannot say (links it does not have then answer with an error and are skipped).
+        None at all for a GPU without NVLink: one that counts no links, or whose driver does
+        not support the count."""
         fields = self._nvlink_fields_cache.get(gpu)
         if fields is not None:
             return fields
@@ -613,7 +642,11 @@ class NvmlBackend:
             read = False
         else:
             read = True
-            if not count.nvmlReturn and 0 < count.value.uiVal <= 64:
+            if count.nvmlReturn == _NOT_SUPPORTED or (
+                not count.nvmlReturn and count.value.uiVal == 0
+            ):
+                links = 0
+            elif not count.nvmlReturn and 0 < count.value.uiVal <= 64:
                 links = int(count.value.uiVal)
         fields = tuple(
             (fid, link) for link in range(links) for fid in (_FI_NVLINK_TX, _FI_NVLINK_RX)
@@ -626,7 +659,8 @@ class NvmlBackend:
         """(tx, rx) bytes summed over the links (pairs of TX, RX values, one pair per link).
         A link that does not answer this time counts with the values it last answered (none
         if it never did), so that the sum, a counter, does not drop for one read and jump
-        back on the next; when no link answers, the first field's error raises NVMLError."""
+        back on the next; when no link answers, the first field's error raises NVMLError
+        (NotSupported where the GPU has no links to read)."""
         last = self._nvlink_last.setdefault(gpu, {})
         answered = False
         first_error = 0
@@ -637,6 +671,8 @@ class NvmlBackend:
                 continue
             answered = True
             last[i // 2] = (t.value.ullVal, r.value.ullVal)
+        if not values:
+            raise self._nv.NVMLError(_NOT_SUPPORTED)
         if not answered:
             raise self._nv.NVMLError(first_error or _INVALID_ARGUMENT)
         tx = sum(t for t, _ in last.values())

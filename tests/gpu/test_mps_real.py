@@ -25,13 +25,27 @@ pytestmark = pytest.mark.gpu
 # Under a pinned-memory limit the driver reports the GPU's whole memory as total and at most
 # the limit as free (580 series). While its context is open, the client asks the control
 # daemon of its CUDA_MPS_PIPE_DIRECTORY for the MPS servers: the one serving it.
+# It also says where NVML lists it while its context is open, which gpud's attribution of
+# processes to jobs relies on: in nvmlDeviceGetComputeRunningProcesses (what gpud reads),
+# in nvmlDeviceGetMPSComputeRunningProcesses, or neither ("compute", "mps", "-").
 _CLIENT = """
-import subprocess, torch
+import os, subprocess, torch, pynvml
 free, total = torch.cuda.mem_get_info()
 servers = subprocess.run(
     ["nvidia-cuda-mps-control"], input="get_server_list\\n", capture_output=True, text=True
 ).stdout.split()
-print(free, ",".join(servers) or "-")
+pynvml.nvmlInit()
+where = set()
+for i in range(pynvml.nvmlDeviceGetCount()):
+    h = pynvml.nvmlDeviceGetHandleByIndex(i)
+    if os.getpid() in {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}:
+        where.add("compute")
+    try:
+        if os.getpid() in {p.pid for p in pynvml.nvmlDeviceGetMPSComputeRunningProcesses(h)}:
+            where.add("mps")
+    except pynvml.NVMLError:
+        pass
+print(free, ",".join(servers) or "-", ",".join(sorted(where)) or "-")
 """
 
 
@@ -76,9 +90,13 @@ def test_mps_limits_reach_the_daemon_and_a_jobs_client(real_nvml: Any, tmp_path:
                 "run", "--job", "mps-client", "--gpus", "1", "--threads", "30", "--memory",
                 "8GiB", "--", sys.executable, "-c", _CLIENT,
             )  # fmt: skip
-            free, servers = ran.stdout.split()[-2:]
+            free, servers, listed = ran.stdout.split()[-3:]
             assert 0 < int(free) <= 8 * GIB, f"the client may take {free} bytes under 8 GiB"
             assert servers != "-", "no MPS server served the client"
+            assert "compute" in listed.split(","), (
+                f"NVML lists the MPS client in {listed}, not among the compute processes gpud"
+                " attributes to jobs"
+            )
     finally:
         assert stop_daemon(daemon) == 0
         if pid_file is not None and pid_file.exists():

@@ -43,6 +43,8 @@ def test_identity(backend: NvmlBackend) -> None:
 def test_readings(backend: NvmlBackend) -> None:
     mem = backend.memory(0)
     assert isinstance(mem, port.MemoryInfo) and mem.total_bytes >= mem.used_bytes
+    # v1: used is everything not free, the driver's reserved memory included
+    assert mem.used_bytes + mem.free_bytes == mem.total_bytes, mem
     for p in backend.processes(0):
         assert isinstance(p, port.ProcessInfo) and p.pid > 0
     for read in (backend.power_watts, backend.temperature_celsius):
@@ -75,6 +77,20 @@ def test_gpu_readings_in_one_call(backend: NvmlBackend) -> None:
     assert r.power_watts is None or r.power_watts >= 0
     skipped = backend.gpu_readings(0, skip=port.READINGS)
     assert skipped == port.GpuReadings()
+
+
+def test_events_register_and_a_wait_times_out(backend: NvmlBackend, real_nvml: Any) -> None:
+    """XID and ECC events: every GPU registers on one event set (what its driver supports of
+    them), and a wait with nothing to deliver ends in NVML_ERROR_TIMEOUT, which is no error
+    here. A datacenter GPU supports XID events, MIG mode on or off."""
+    events = backend.wait_events(0.2)
+    assert all(isinstance(e, port.GpuEvent) for e in events), events
+    for gpu in range(backend.gpu_count()):
+        supported = real_nvml.nvmlDeviceGetSupportedEventTypes(
+            real_nvml.nvmlDeviceGetHandleByIndex(gpu)
+        )
+        assert backend.xid_watched(gpu), f"GPU {gpu}: supported event types {supported:#x}"
+    assert isinstance(backend.wait_events(0.0), list)
 
 
 def test_mig_read_only(backend: NvmlBackend) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from gpud.backend import port
 from gpud.backend.nvml import NvmlBackend, _same_handle, product_key
-from gpud.backend.sim import SimNode, SimulatedCrash, products
+from gpud.backend.sim import FakeNvml, SimNode, SimulatedCrash, products
 from gpud.errors import (
     BackendError,
     DeviceNotFound,
@@ -130,6 +130,56 @@ def test_nvlink_throughput_sums_every_link(key: str, links: int) -> None:
     assert tx > per_link[0].value.ullVal * 1024 * (links - 1), "more than link 0"
     readings = be.gpu_readings(0)
     assert readings.nvlink_bytes is not None and readings.nvlink_bytes[0] == tx
+
+
+def test_a_gpu_without_nvlink_has_nvlink_not_supported_not_failing() -> None:
+    """A board without NVLink (an H100 PCIe card without bridges, say) counts no links: its
+    NVLink counters are NotSupported, a reading the sampler skips, not an error that marks
+    the GPU unhealthy on every tick."""
+    spec = dataclasses.replace(products.PRODUCTS["H100-SXM5-80GB"], nvlink_links=0)
+    nv = FakeNvml([spec], clock=FakeClock())
+    be = NvmlBackend(nv)
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    (count,) = nv.nvmlDeviceGetFieldValues(h, [nv.NVML_FI_DEV_NVLINK_LINK_COUNT])
+    assert (count.nvmlReturn, count.value.uiVal) == (nv.NVML_SUCCESS, 0)
+    readings = be.gpu_readings(0)
+    assert readings.nvlink_bytes is None
+    assert [(name, type(err)) for name, err in readings.errors] == [("nvlink_bytes", NotSupported)]
+    with pytest.raises(NotSupported):
+        be.nvlink_throughput_bytes(0)
+
+
+def test_a_call_the_driver_lacks_is_not_supported() -> None:
+    """A call the installed driver has no entry point for (FunctionNotFound) is NotSupported
+    (the reading is skipped), not a driver error that marks the GPU unhealthy on every tick."""
+    nv = FakeNvml([products.PRODUCTS["A100-SXM4-80GB"]], clock=FakeClock())
+    be = NvmlBackend(nv)
+
+    def lacking(*_: object) -> None:
+        raise nv.NVMLError(nv.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    be._fast.temperature = lacking
+    readings = be.gpu_readings(0)
+    assert readings.memory is not None and readings.temperature_celsius is None
+    assert [(name, type(err)) for name, err in readings.errors] == [
+        ("temperature_celsius", NotSupported)
+    ]
+
+
+def test_processes_are_listed_on_a_driver_before_r510() -> None:
+    """pynvml lists processes with ``nvmlDeviceGetComputeRunningProcesses_v3``, which drivers
+    before R510 lack (FunctionNotFound): gpud lists them with ``_v2`` then, so jobs' processes
+    are still seen, and the GPU stays healthy."""
+    nv = FakeNvml(
+        [products.PRODUCTS["A100-SXM4-80GB"]], clock=FakeClock(), driver_version="470.256.02"
+    )
+    nv.sim_start_process(0, 4242, 1 << 30, 0.5)
+    be = NvmlBackend(nv)
+    with pytest.raises(nv.NVMLError_FunctionNotFound):  # what pynvml itself does there
+        nv.nvmlDeviceGetComputeRunningProcesses(nv.nvmlDeviceGetHandleByIndex(0))
+    assert [p.pid for p in be.processes(0)] == [4242]
+    readings = be.gpu_readings(0)
+    assert [p.pid for p in readings.processes] == [4242] and readings.errors == ()
 
 
 def test_nvlink_counters_never_go_back_when_a_link_misses_a_read() -> None:
@@ -380,6 +430,9 @@ def test_errors_translate_by_value() -> None:
     nv = node.nvml
     assert isinstance(be._translate(nv.NVMLError(10), 0, "x"), DriverTimeout)
     assert type(be._translate(nv.NVMLError(4), 0, "x")) is BackendError
+    # a call the driver does not have, or no longer serves: as for a reading it lacks
+    for code in (nv.NVML_ERROR_FUNCTION_NOT_FOUND, nv.NVML_ERROR_DEPRECATED):
+        assert type(be._translate(nv.NVMLError(code), 0, "x")) is NotSupported
     with pytest.raises(DeviceNotFound):
         be.memory(5)
 

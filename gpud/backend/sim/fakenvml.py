@@ -510,6 +510,7 @@ class FakeNvml:
         self._clock = clock
         self._state_file = state_file
         self._driver_version = driver_version
+        self._driver_major = int(driver_version.split(".", maxsplit=1)[0])
         self._lock = threading.RLock()
         self._initialized = 0
         self._faults: dict[int, _GpuFaults] = {}
@@ -962,6 +963,13 @@ class FakeNvml:
         return out
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: object) -> list[SimpleNamespace]:
+        """pynvml's call, which goes to ``nvmlDeviceGetComputeRunningProcesses_v3``: a driver
+        older than R510 has no such entry point, and pynvml raises FunctionNotFound."""
+        if self._driver_major < 510:
+            raise NVMLError_FunctionNotFound()
+        return self.nvmlDeviceGetComputeRunningProcesses_v2(handle)
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: object) -> list[SimpleNamespace]:
         gpu, mig = self._any(handle, "processes")
         na = NVML_VALUE_NOT_AVAILABLE_uint
         f = self._faults.get(gpu.index)
@@ -978,7 +986,6 @@ class FakeNvml:
             if mig is None or (p.gi == mig.gi and p.ci == mig.ci)
         ]
 
-    nvmlDeviceGetComputeRunningProcesses_v2 = nvmlDeviceGetComputeRunningProcesses
     nvmlDeviceGetComputeRunningProcesses_v3 = nvmlDeviceGetComputeRunningProcesses
 
     # -- MIG mode --------------------------------------------------------------------------
