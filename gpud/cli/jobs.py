@@ -203,17 +203,58 @@ def warn_if_mps_off(ctx: Context, args: argparse.Namespace) -> None:
 
 def warn_if_mps_down(ctx: Context, env: dict[str, str]) -> None:
     """Warn when the MPS control daemon a job is sent to (``CUDA_MPS_PIPE_DIRECTORY``) is down:
-    CUDA then runs the job's processes without MPS, and without the device's MPS limits."""
+    CUDA then runs the job's processes without MPS, and without the device's MPS limits. Also
+    when the job's own thread or memory limit is above the device's MPS default: a client's
+    ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` only narrow
+    the limits of the MPS server it joins, which start from the daemon's defaults."""
     pipe = env.get("CUDA_MPS_PIPE_DIRECTORY")
     resp = _show_mps(ctx) if pipe else None
     for dev in resp.devices if resp is not None else ():
-        if dev.pipe_directory == pipe and not dev.up:
+        if dev.pipe_directory != pipe:
+            continue
+        if not dev.up:
             why = f" ({dev.last_error})" if dev.last_error else ""
             print(
                 f"gpuctl: warning: the MPS control daemon of {dev.uuid} is down{why}: the job's"
                 " processes run without MPS and without its thread and memory limits",
                 file=sys.stderr,
             )
+            continue
+        for said in _above_mps_defaults(dev, env):
+            print(f"gpuctl: warning: {said}", file=sys.stderr)
+
+
+def _above_mps_defaults(dev: mps_pb2.MpsDevice, env: dict[str, str]) -> list[str]:
+    """What of the job's MPS limits (``env``) its client cannot have on ``dev``: the part
+    above the device's default, which the client's MPS server holds it to."""
+    said = []
+    asked = env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "")
+    if dev.HasField("threads_percent") and asked.isdigit() and int(asked) > dev.threads_percent:
+        said.append(
+            f"--threads {asked} is above the MPS default of {dev.uuid}"
+            f" ({dev.threads_percent} %): an MPS client only narrows its server's thread"
+            f" limit, so the job's processes get {dev.threads_percent} %"
+            " (raise it with gpuctl mps set --threads)"
+        )
+    limit = _client_memory_limit(env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""))
+    if dev.HasField("memory_limit_bytes") and limit is not None and limit > dev.memory_limit_bytes:
+        default = format_size(dev.memory_limit_bytes)
+        said.append(
+            f"--memory {format_size(limit)} is above the MPS default memory limit of"
+            f" {dev.uuid} ({default}): an MPS client only narrows its server's limit, so the"
+            f" job's processes may allocate {default} at most"
+            " (raise it with gpuctl mps set --memory)"
+        )
+    return said
+
+
+def _client_memory_limit(value: str) -> int | None:
+    """Device 0's limit in ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (``0=20G``), in bytes."""
+    for part in value.split(","):
+        dev, _, size = part.partition("=")
+        if dev.strip() == "0" and size[:-1].isdigit() and size[-1:] in ("G", "M"):
+            return int(size[:-1]) << (30 if size[-1] == "G" else 20)
+    return None
 
 
 def run_add(ctx: Context, args: argparse.Namespace) -> int:

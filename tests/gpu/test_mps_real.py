@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -16,7 +18,7 @@ from typing import Any
 import pytest
 
 from gpud.mps.procs import alive
-from gpud.mps.protocol import PID_FILE
+from gpud.mps.protocol import CONTROL_SOCKET, PID_FILE
 from gpud.shared import GIB
 from tests.integration.conftest import RunningDaemon, start_daemon, stop_daemon
 
@@ -69,17 +71,30 @@ def test_mps_limits_reach_the_daemon_and_a_jobs_client(real_nvml: Any, tmp_path:
         pytest.skip("nvidia-cuda-mps-control is not installed")
     # MPS pipe sockets must fit in 107 bytes: a short run directory
     run_dir = Path(tempfile.mkdtemp(prefix="gpud-mps-", dir="/tmp"))
-    daemon = start_daemon(
-        tmp_path / "g",
-        config_text='[mig]\non_start = "report"\n[mps]\nenabled = true\n',
-        run_dir=run_dir,
-    )
+    umask = os.umask(0o027)  # as systemd/gpud.service starts gpud
+    try:
+        daemon = start_daemon(
+            tmp_path / "g",
+            config_text='[mig]\non_start = "report"\n[mps]\nenabled = true\n',
+            run_dir=run_dir,
+        )
+    finally:
+        os.umask(umask)
     pid_file: Path | None = None
     try:
         dev = _wait_up(daemon)
         assert dev["up"], dev["last_error"]
-        pid_file = Path(dev["pipe_directory"]) / PID_FILE
+        pipe = Path(dev["pipe_directory"])
+        pid_file = pipe / PID_FILE
         assert dev["observed_threads_percent"] == 100.0
+        # a memory limit never set reads back as nothing (no limit)
+        assert dev.get("observed_memory_limit_bytes") is None, dev
+        # the daemon's PID file is where gpud reads it, and its control socket lets clients
+        # of every user connect whatever gpud's umask (the unit sets 0027)
+        assert int(pid_file.read_text().split()[0]) == dev["pid"]
+        control = pipe / CONTROL_SOCKET
+        assert stat.S_ISSOCK(control.stat().st_mode), sorted(p.name for p in pipe.iterdir())
+        assert control.stat().st_mode & 0o006 == 0o006, oct(control.stat().st_mode)
         daemon.gpuctl("mps", "set", "--gpu", "0", "--threads", "40", "--memory", "20GiB")
         dev = _device(daemon)
         assert dev["up"], dev["last_error"]
@@ -97,6 +112,14 @@ def test_mps_limits_reach_the_daemon_and_a_jobs_client(real_nvml: Any, tmp_path:
                 f"NVML lists the MPS client in {listed}, not among the compute processes gpud"
                 " attributes to jobs"
             )
+            # Without a limit of its own the client keeps to the daemon's default, set for
+            # device 0 as the daemon sees it (CUDA_VISIBLE_DEVICES=<uuid>), not the NVML index.
+            ran = daemon.gpuctl(
+                "run", "--job", "mps-default", "--gpus", "1", "--", "env",
+                "-u", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", sys.executable, "-c", _CLIENT,
+            )  # fmt: skip
+            free, servers, _ = ran.stdout.split()[-3:]
+            assert 0 < int(free) <= 20 * GIB, f"the client may take {free} bytes under 20 GiB"
     finally:
         assert stop_daemon(daemon) == 0
         if pid_file is not None and pid_file.exists():

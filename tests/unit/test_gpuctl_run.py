@@ -394,6 +394,40 @@ def test_a_job_sent_to_an_mps_daemon_that_is_down_is_warned(
     assert "run without MPS and without its thread and memory limits" in err
 
 
+def test_limits_above_the_mps_default_are_warned(
+    node: Node, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A client's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and CUDA_MPS_PINNED_DEVICE_MEM_LIMIT only
+    narrow its MPS server's limits: what a run asks above the device's default it never gets."""
+    assert node.ctl("mps", "set", "--gpu", "1", "--threads", "40", "--memory", "20GiB") == 0
+    capsys.readouterr()
+    out = tmp_path / "child.json"
+    code = node.ctl(
+        "run", "--job", "big", "--gpus", "1", "--threads", "60", "--memory", "30GiB",
+        "--", sys.executable, "-c", CHILD, str(out), "0",
+    )  # fmt: skip
+    assert code == 0
+    err = capsys.readouterr().err
+    env = json.loads(out.read_text())["env"]
+    uuid = env["CUDA_VISIBLE_DEVICES"]
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "60"
+    assert (
+        f"warning: --threads 60 is above the MPS default of {uuid} (40 %): an MPS client only"
+        " narrows its server's thread limit, so the job's processes get 40 %"
+    ) in err
+    assert (
+        f"warning: --memory 30GiB is above the MPS default memory limit of {uuid} (20GiB): an"
+        " MPS client only narrows its server's limit, so the job's processes may allocate"
+        " 20GiB at most"
+    ) in err
+    # at or under the defaults: nothing to say
+    code = node.ctl(
+        "run", "--job", "small", "--gpus", "1", "--threads", "40", "--memory", "20GiB",
+        "--", sys.executable, "-c", CHILD, str(out), "0",
+    )  # fmt: skip
+    assert code == 0 and "warning" not in capsys.readouterr().err
+
+
 def test_gpuctl_run_waits_while_co_location_says_wait(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
