@@ -46,7 +46,7 @@ from gpud.cluster.runtime import ClusterRuntime
 from gpud.colo.api import ColoServicer, Registered
 from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import ColoService, RunningJob
-from gpud.config import ClusterConfig, Config, TrafficConfig, parse_address
+from gpud.config import ClusterConfig, Config, TrafficConfig, parse_address, socket_gid
 from gpud.errors import ConfigError, GpudError, Unavailable
 from gpud.events import EventLog
 from gpud.jobs.api import JobsServicer
@@ -66,6 +66,7 @@ from gpud.net.metrics import TrafficMetrics
 from gpud.net.service import leveller_config
 from gpud.net.wiring import open_traffic
 from gpud.notify import Notifier, while_starting
+from gpud.reach import reach_warnings
 from gpud.store import StateStore
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.seen import SeenGpus
@@ -717,6 +718,15 @@ class Daemon:
                 # the port bound, not the one asked for (0: any free one)
                 log.info("serving /metrics on %s:%d", host, metrics_server[0].server_port)
             await self.api.start()
+            group = self.config.api.socket_group or None
+            for warning in reach_warnings(
+                self.config.socket_path,
+                self.config.daemon.run_dir,
+                group=group,
+                gid=None if group is None else socket_gid(group),
+                mps=self.config.mps.enabled,
+            ):
+                log.warning("%s", warning)
             await self.cluster.start()
             log.info("serving gRPC on %s", self.config.socket_path)
             self.events.emit(

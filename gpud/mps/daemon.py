@@ -156,7 +156,9 @@ class ControlDaemon:
         try:
             self.pipe_dir.mkdir(parents=True, exist_ok=True)
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            # Clients of other users connect through the pipe dir: it must be traversable.
+            # Clients of other users connect through the pipe dir: it must be traversable
+            # (the process umask, 0027 under the unit, would leave <run_dir>/mps 0750).
+            self.directory.parent.chmod(0o755)
             self.directory.chmod(0o755)
             self.pipe_dir.chmod(0o755)
             for stale in (protocol.PID_FILE, protocol.CONTROL_SOCKET):

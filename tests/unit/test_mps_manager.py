@@ -9,6 +9,7 @@ import shlex
 import shutil
 import signal
 import sqlite3
+import stat
 import subprocess
 import sys
 import threading
@@ -1007,3 +1008,21 @@ def test_a_daemon_that_fails_to_start_on_a_full_run_dir_says_so(
     else:
         assert said in str(err.value)
         assert f"on the file system of {root / 'run' / 'mps'}" in str(err.value)
+
+
+def test_every_directory_to_the_pipes_lets_other_users_through(root: Path) -> None:
+    """Jobs' CUDA clients of any user connect through ``<run_dir>/mps/<uuid>/pipe``: under the
+    unit's umask 0027 gpud's mkdir would leave ``<run_dir>/mps`` 0750, closed to them."""
+    old = os.umask(0o027)
+    try:
+        mgr, store, _ = make_manager(root)
+        try:
+            mgr.reconcile(NODE)
+        finally:
+            mgr.stop()
+            store.close()
+    finally:
+        os.umask(old)
+    pipe = root / "run" / "mps" / gpu_uuid(0) / "pipe"
+    for directory in (pipe.parent.parent, pipe.parent, pipe):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o755, directory
