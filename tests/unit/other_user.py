@@ -2,33 +2,20 @@
 ``nobody`` (in a group of the test's choice), for tests that run as root.
 
 The paths such a child reaches must lie under a directory other users may pass:
-:func:`open_dir` makes one under /tmp (pytest's own ``tmp_path`` is under a 0700 one).
+the fixture ``open_dir`` (conftest) makes one under /tmp (pytest's own ``tmp_path`` is under a
+0700 one).
 """
 
 from __future__ import annotations
 
 import os
 import pwd
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
 GROUP = 1234  # a group no account is in; the child is made a member
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
-
-
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A directory under /tmp, mode 0755, removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="gpud-user-", dir="/tmp"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path)
 
 
 def as_nobody(act: Callable[[], int], *, groups: tuple[int, ...] = ()) -> int:

@@ -6,9 +6,7 @@ import os
 from pathlib import Path
 
 from gpud.net.cgroups import JobCgroups
-from tests.unit.other_user import as_nobody, needs_root, open_dir
-
-__all__ = ["open_dir"]  # the fixture
+from tests.unit.other_user import as_nobody, needs_root
 
 
 def test_directories_are_0755_whatever_the_umask(open_dir: Path) -> None:

@@ -13,9 +13,6 @@ from pathlib import Path
 import pytest
 
 from gpud.reach import closed_dir, reach_warnings
-from tests.unit.other_user import open_dir
-
-__all__ = ["open_dir"]  # the fixture
 
 UNIT = Path(__file__).parents[2] / "systemd" / "gpud.service"
 GROUP = 1234
