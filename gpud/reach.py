@@ -9,7 +9,8 @@ systemd creates ``RuntimeDirectory=`` with ``RuntimeDirectoryMode=0750``; nor ar
 control daemons' pipe directories (``<run_dir>/mps/<uuid>/pipe``, where jobs' CUDA clients
 connect) to the users jobs run as. Nothing fails at gpud's start: ``gpuctl`` of a non-root
 user says ``Permission denied`` and MPS clients never reach their daemon. These checks say
-so at the start instead.
+so at the start instead, and ``gpuctl`` names the directory that keeps its user out.
+Standard library only: ``gpuctl`` imports it.
 """
 
 from __future__ import annotations
@@ -55,6 +56,27 @@ def _why(directory: Path, st: os.stat_result) -> str:
         f": give it o+x (chmod o+x {directory}; the shipped unit's"
         " RuntimeDirectoryMode=0711 does)"
     )
+
+
+def closed_to_caller(
+    path: Path,
+    *,
+    access: Callable[[Path, int], bool] = os.access,
+    stat_of: Callable[[Path], os.stat_result] = Path.stat,
+) -> str | None:
+    """Why this process cannot pass a directory on the way to ``path`` (the first one,
+    from ``/`` down, that ``access`` says it may not search), or None when it passes them
+    all: the kernel's answer for the caller, where :func:`closed_dir` reasons for a group.
+    Read by ``gpuctl`` when the socket refuses it, so that a member of the socket's group
+    is not told to join it."""
+    for directory in reversed(path.absolute().parents):
+        if access(directory, os.X_OK):
+            continue
+        try:
+            return _why(directory, stat_of(directory))
+        except OSError:
+            return f"{directory} does not let this user through"
+    return None
 
 
 def reach_warnings(

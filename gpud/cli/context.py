@@ -176,6 +176,16 @@ def _not_running(path: Path, why: str) -> CliError:
 
 
 def _denied(path: Path) -> CliError:
+    from gpud.reach import closed_to_caller
+
+    closed = closed_to_caller(path)
+    if closed is not None:
+        # the socket's group is no help behind a directory that keeps this user out
+        return CliError(
+            f"permission denied on {path}: {closed}. That is for an administrator (as root);"
+            " the socket's group (api.socket_group) does not help before it.",
+            EXIT_PERMISSION,
+        )
     group = _group_name(path)
     if group is None or group == "root":
         # joining root's group is no fix to suggest: the socket needs a group of its own

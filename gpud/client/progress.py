@@ -30,7 +30,10 @@ unreachable at /run/gpud/gpud.sock since 2026-12-05 21:45:03 (12 s): 60 reports 
 0 dropped (the buffer keeps the newest 10000)``; once gpud is back, for how long it was
 away and how many reports that outage dropped. A gpud that is connected but answers no call
 within ``call_timeout_s`` (overloaded, stopped in a debugger) is said apart: ``gpud at
-/run/gpud/gpud.sock did not answer within 2 s (call_timeout_s) since ...``.
+/run/gpud/gpud.sock did not answer within 2 s (call_timeout_s) since ...``. A socket closed to
+the job's user (not root, not in gpud's ``api.socket_group``) is said as such: ``permission
+denied on gpud's socket /run/gpud/gpud.sock to uid 1001 (run the job as root or as a member
+of gpud's api.socket_group) since ...``.
 
 On a node where a launcher starts one process per GPU (torchrun, DeepSpeed and Accelerate
 set ``$LOCAL_RANK``), only local rank 0 reports by default: the ranks of a job step
@@ -155,8 +158,10 @@ class Progress:
         self._channel: Any = None
         # while gpud is away: since when (the clock's time) and how many were dropped before
         self._away: tuple[float, int] | None = None
-        # whether the last failed try met a slow gpud (else gpud was unreachable)
+        # whether the last failed try met a slow gpud, or a socket that refuses this user
+        # (else gpud was unreachable)
         self._slow = False
+        self._denied = False
         self._thread = threading.Thread(target=self._run, name=f"gpud-progress-{name}", daemon=True)
         self.active = active if active is not None else os.environ.get(RANK_VAR, "0") in ("", "0")
         if not self.active:
@@ -271,7 +276,9 @@ class Progress:
         if self._away is None:
             self._away = (tried, dropped)
         since, dropped = self._away
-        self._slow = code == grpc.StatusCode.DEADLINE_EXCEEDED and self._listening()
+        refused = self._connect_error()
+        self._slow = code == grpc.StatusCode.DEADLINE_EXCEEDED and refused is None
+        self._denied = isinstance(refused, PermissionError)
         why = "" if code == grpc.StatusCode.DEADLINE_EXCEEDED else f" ({err.details()})"
         return (
             f"{self._failing(since)} ({self._since(since):.0f} s){why}:"
@@ -280,7 +287,14 @@ class Progress:
         )
 
     def _failing(self, since: float, *, was: bool = False) -> str:
-        """What kept reports from gpud since ``since``: gpud not there, or too slow."""
+        """What kept reports from gpud since ``since``: gpud not there, too slow, or its
+        socket closed to this process's user."""
+        if self._denied:
+            return (
+                f"permission denied on gpud's socket {self._where} to uid {os.getuid()}"
+                " (run the job as root or as a member of gpud's api.socket_group)"
+                f" {'from' if was else 'since'} {_local(since)}"
+            )
         if self._slow:
             within = f"did not answer within {self._timeout:g} s (call_timeout_s)"
             return f"gpud at {self._where} {within} {'from' if was else 'since'} {_local(since)}"
@@ -292,9 +306,10 @@ class Progress:
         """Seconds from ``since`` to now, at least 0: the wall clock may have stepped back."""
         return max(0.0, self._clock() - since)
 
-    def _listening(self) -> bool:
-        """Whether gpud's socket takes a connection now: a ``connect()``, closed at once (what
-        ``gpuctl status`` would meet). gRPC's own view of the channel is not asked: watching
+    def _connect_error(self) -> OSError | ValueError | None:
+        """None when gpud's socket takes a connection now, else why not (``PermissionError``:
+        the socket or a directory above it is closed to this user): a ``connect()``, closed
+        at once (what ``gpuctl status`` would meet). gRPC's own view of the channel is not asked: watching
         it takes a thread that calls into gRPC, which keeps a fork (DataLoader workers) from
         running gRPC's fork handlers."""
         import socket
@@ -310,9 +325,9 @@ class Progress:
             else:
                 host, _, port = target.rpartition("/")[2].rpartition(":")
                 socket.create_connection((host.strip("[]"), int(port)), timeout=_PROBE_S).close()
-        except (OSError, ValueError):
-            return False
-        return True
+        except (OSError, ValueError) as err:
+            return err
+        return None
 
     def _back(self, *, rejected: bool) -> None:
         """gpud answered: :attr:`last_error` says for how long it was away, if it was,

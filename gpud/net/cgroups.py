@@ -57,8 +57,18 @@ class JobCgroups:
         return self.base / f"{PREFIX}{job}"
 
     def ensure(self, job: str) -> Path:
+        """The job's directory, made with those above it up to the mount where missing.
+
+        gpud's and the jobs' directories are 0755 whatever gpud's umask, as systemd makes
+        cgroups: a job reads its own cgroup's files (``memory.max``, ``cpu.max``,
+        ``cgroup.procs``; JVMs and other runtimes size themselves by them), and under the
+        unit's ``UMask=0027`` they would be 0750, closed to every job's user."""
         path = self.dir(job)
+        under = [d for d in path.parents if self.mount in d.parents]  # those of `parent`
+        missing = [d for d in under if not d.is_dir()]
         path.mkdir(parents=True, exist_ok=True)
+        for directory in (*missing, self.base, path):
+            directory.chmod(0o755)
         return path
 
     def place(self, job: str, pid: int) -> Path:

@@ -7,7 +7,7 @@ It behaves as the real one is reached:
 
 - ``fake_mps_control.py -d`` daemonizes (double fork, ``setsid``), writes
   ``$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid``, listens on the unix socket
-  ``$CUDA_MPS_PIPE_DIRECTORY/control`` and logs each command to
+  ``$CUDA_MPS_PIPE_DIRECTORY/control`` (every user may connect, whatever the umask) and logs each command to
   ``$CUDA_MPS_LOG_DIRECTORY/control.log``. ``-f`` runs the same daemon in the foreground.
   ``-d`` returns once the daemon accepts commands.
 - Without ``-d``/``-f`` it is the client: each line read from stdin is sent to the daemon of
@@ -319,6 +319,9 @@ class Daemon:
             path.unlink()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(path))
+        # as the real daemon's: clients of every user connect, whatever the umask it was
+        # started with (gpud's unit sets 0027, which leaves a socket 0750)
+        os.chmod(path, 0o777)
         listener.listen(16)
         listener.settimeout(0.5)
         (self.directory / PID_FILE).write_text(f"{os.getpid()}\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tomllib
@@ -15,11 +16,13 @@ import pytest
 from gpud.api import ApiServer
 from gpud.cli import EXIT_INTERRUPTED, context, entry
 from tests.unit.api_support import ServerThread, make_servicer, short_dir
+from tests.unit.other_user import GROUP, as_nobody, needs_root
 
 # What gpuctl may import of the project: its own modules, generated code, the error table and
-# the modules it shares with the daemon. Daemon packages (gpud.api, gpud.mig, gpud.mps,
+# the modules it shares with the daemon (gpud.reach: who passes the socket's directories, when
+# it refuses a user). Daemon packages (gpud.api, gpud.mig, gpud.mps,
 # gpud.jobs, gpud.telemetry, gpud.backend, gpud.config, ...) are off limits.
-ALLOWED = ("gpud.cli", "gpud.v1", "gpud.errors", "gpud.shared", "gpud.build")
+ALLOWED = ("gpud.cli", "gpud.v1", "gpud.errors", "gpud.shared", "gpud.build", "gpud.reach")
 
 PROBE = """
 import json, sys
@@ -195,3 +198,46 @@ def test_a_json_error_into_a_closed_pipe(tmp_path: Path, closed: str) -> None:
         assert json.loads(done.stderr)["error"]["exit_code"] == 3
     else:
         assert done.returncode == 141 and done.stdout == b""
+
+
+@needs_root
+@pytest.mark.parametrize("mode", [0o750, 0o711])
+def test_permission_advice_for_a_member_kept_out_by_a_directory(open_dir: Path, mode: int) -> None:
+    """A member of the socket's group behind a run directory of mode 0750, group root: told
+    of the directory, not to join the group they are in (nor to have the group set up)."""
+    run = open_dir / "run"
+    run.mkdir(mode=mode)
+    run.chmod(mode)
+    path = run / "gpud.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen()
+    os.chmod(path, 0o660)
+    os.chown(path, -1, GROUP)
+    read, write = os.pipe()
+
+    def connect() -> int:
+        try:
+            context.probe_socket(path, 1.0)
+        except context.CliError as err:
+            os.write(write, str(err).encode())
+            return err.exit_code
+        return 0
+
+    try:
+        code = as_nobody(connect, groups=(GROUP,))
+    finally:
+        server.close()
+        os.close(write)
+    with os.fdopen(read) as said:
+        message = said.read()
+    if mode == 0o711:
+        assert (code, message) == (0, "")
+        return
+    assert code == context.EXIT_PERMISSION
+    assert message == (
+        f"permission denied on {path}: {run} (mode 0750) lets only its owner and group root"
+        f" through: give it o+x (chmod o+x {run}; the shipped unit's RuntimeDirectoryMode=0711"
+        " does). That is for an administrator (as root); the socket's group (api.socket_group)"
+        " does not help before it."
+    )

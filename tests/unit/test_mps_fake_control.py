@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,7 +14,8 @@ import pytest
 
 from gpud.mps.procs import alive
 from gpud.sim_tools import FAKE_MPS_CONTROL, FAKE_MPS_CONTROL_BIN
-from tests.unit.mps_support import short_dir
+from tests.unit.mps_support import kill_daemons, short_dir
+from tests.unit.other_user import as_nobody, needs_root
 
 
 @pytest.fixture
@@ -138,3 +140,33 @@ def test_the_executable_under_the_real_name_works(env: dict[str, str]) -> None:
         capture_output=True, text=True, timeout=20, check=False,
     )  # fmt: skip
     assert out.stdout.strip() == "100.0"
+
+
+@needs_root
+def test_clients_of_every_user_reach_the_daemon_under_gpuds_umask(open_dir: Path) -> None:
+    """Started by gpud under the unit's UMask=0027, the control socket still lets every user
+    connect, as the real daemon's does (tests/gpu checks that one): a job's CUDA client, or
+    the client of a user outside root's group (nobody here)."""
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "CUDA_MPS_PIPE_DIRECTORY": str(open_dir / "pipe"),
+        "CUDA_MPS_LOG_DIRECTORY": str(open_dir / "log"),
+        "CUDA_VISIBLE_DEVICES": "GPU-0",
+    }
+    (open_dir / "pipe").mkdir(mode=0o755)
+    try:
+        started = subprocess.run(
+            [sys.executable, str(FAKE_MPS_CONTROL), "-d"], env=env, umask=0o027, check=False
+        )
+        assert started.returncode == 0
+        path = open_dir / "pipe" / "control"
+        assert path.stat().st_mode & 0o006 == 0o006, oct(path.stat().st_mode)
+
+        def connect() -> int:
+            with socket.socket(socket.AF_UNIX) as client:
+                client.connect(str(path))
+            return 0
+
+        assert as_nobody(connect) == 0
+    finally:
+        kill_daemons(open_dir)

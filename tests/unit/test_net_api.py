@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
 import signal
 import socket
 import threading
@@ -30,6 +31,7 @@ from gpud.net.service import Report, TrafficService, job_pool
 from gpud.net.tagstore import TagStore
 from gpud.store import StateStore
 from tests.unit.api_support import ServerThread, short_dir
+from tests.unit.other_user import as_nobody, needs_root
 
 
 class Node:
@@ -744,3 +746,45 @@ def test_marking_turned_off_exports_no_marking_gauge(tmp_path: Path) -> None:
     registry = _registry(off)
     assert registry.get_sample_value("gpud_net_marking_ok") is None  # a setting, not a fault
     assert registry.get_sample_value("gpud_net_interface_enforced", {"interface": "eth0"}) == 1
+
+
+@needs_root
+def test_last_error_says_the_socket_refuses_the_jobs_user(open_dir: Path) -> None:
+    """A job of a user outside the socket's group: ``last_error`` says permission denied,
+    with the user and what to do, not that gpud is unreachable (it is there). Asked in a
+    child of user nobody, of a call that met its deadline waiting for the channel (gRPC is
+    not run in the forked child)."""
+    import grpc
+
+    class Deadline(grpc.RpcError):
+        """What a report call that waited for the channel to connect raises."""
+
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    path = open_dir / "gpud.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen()
+    os.chmod(path, 0o660)
+    read, write = os.pipe()
+
+    def report() -> int:
+        p = Progress("train-a", socket=path, active=False, call_timeout_s=0.3)
+        os.write(write, p._unreachable(Deadline(), time.time(), 0).encode())
+        return 0
+
+    try:
+        code = as_nobody(report)
+    finally:
+        server.close()
+        os.close(write)
+    with os.fdopen(read) as said:
+        message = said.read()
+    assert code == 0, message
+    uid = pwd.getpwnam("nobody").pw_uid
+    assert message.startswith(
+        f"permission denied on gpud's socket {path} to uid {uid} (run the job as root or as a"
+        " member of gpud's api.socket_group) since "
+    ), message
+    assert "unreachable" not in message

@@ -6,11 +6,8 @@ from __future__ import annotations
 import configparser
 import os
 import pwd
-import shutil
 import socket
 import stat
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,17 +81,6 @@ def test_the_shipped_unit_lets_the_group_reach_the_socket() -> None:
     unit.read_string(UNIT.read_text())
     mode = int(unit["Service"]["RuntimeDirectoryMode"], 8)
     assert mode & stat.S_IXOTH and not mode & (stat.S_IWGRP | stat.S_IWOTH | stat.S_IROTH)
-
-
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A directory under /tmp that other users may pass (pytest's own tmp_path is 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="gpud-reach-", dir="/tmp"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
