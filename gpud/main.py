@@ -323,6 +323,17 @@ def check_listen_hosts(cfg: config.Config, *, path: str, flags: Collection[str] 
             ) from None
 
 
+def expiring_certificates(cfg: config.Config) -> list[str]:
+    """The cluster's certificates that expire within a week or have expired (the earliest
+    in each file: a chain's intermediate CA counts), as the start warns of them."""
+    if cfg.cluster.election != "etcd":
+        return []
+    from gpud.cluster.certexpiry import CertWatch
+    from gpud.cluster.runtime import cert_files
+
+    return CertWatch(cert_files(cfg.cluster)).check(time.time())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -342,7 +353,11 @@ def main(argv: list[str] | None = None) -> int:
         from gpud.api.access import tcp_warning
         from gpud.net.wiring import config_warnings
 
-        warnings = [*config_warnings(cfg), tcp_warning(cfg.api.tcp_address, cfg.api.tcp_access)]
+        warnings = [
+            *config_warnings(cfg),
+            tcp_warning(cfg.api.tcp_address, cfg.api.tcp_access),
+            *expiring_certificates(cfg),
+        ]
         for warning in filter(None, warnings):  # taken, as at start, but said
             print(f"gpud: warning: {warning}", file=sys.stderr)
         print("config OK")

@@ -55,14 +55,17 @@ def etcd_settings(c: ClusterConfig) -> EtcdSettings:
     )
 
 
-def cert_files(c: ClusterConfig, tls: PeerTls) -> dict[str, tuple[Path, bytes | None]]:
-    """The certificates to watch: the peer API's as loaded (gRPC holds those bytes), etcd's
-    from disk (its HTTP client reads the files again for every new connection)."""
+def cert_files(
+    c: ClusterConfig, tls: PeerTls | None = None
+) -> dict[str, tuple[Path, bytes | None]]:
+    """The certificates to watch: the peer API's as loaded (``tls``: gRPC holds those
+    bytes; None: from disk, as ``gpud --check-config`` reads them), etcd's from disk (its
+    HTTP client reads the files again for every new connection)."""
     files: dict[str, tuple[Path, bytes | None]] = {}
     if c.ca_file is not None:
-        files["cluster.ca_file"] = (c.ca_file, tls.ca)
+        files["cluster.ca_file"] = (c.ca_file, tls.ca if tls is not None else None)
     if c.cert_file is not None:
-        files["cluster.cert_file"] = (c.cert_file, tls.cert)
+        files["cluster.cert_file"] = (c.cert_file, tls.cert if tls is not None else None)
     if c.etcd_ca_file is not None:
         files["cluster.etcd_ca_file"] = (c.etcd_ca_file, None)
     if c.etcd_cert_file is not None:
