@@ -68,6 +68,7 @@ def run_request(request: jobs_pb2.ReserveRequest) -> RunRequest:
         memory_bytes=optional(request, "memory_limit_bytes"),
         client_priority=optional(request, "client_priority"),
         holder_pid=optional_pid(request, "holder_pid"),
+        holder_pid_namespace=optional(request, "holder_pid_namespace"),
     )
 
 

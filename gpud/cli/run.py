@@ -98,6 +98,7 @@ from gpud.errors import (
     NotFound,
     ResourceExhausted,
 )
+from gpud.pidns import own_namespace
 from gpud.shared import shell_exports
 from gpud.v1 import colo_pb2, colo_pb2_grpc, net_pb2, net_pb2_grpc, queue_pb2, queue_pb2_grpc
 from gpud.v1 import jobs_pb2 as pb
@@ -211,6 +212,8 @@ def reserve_request(args: argparse.Namespace) -> pb.ReserveRequest:
         kind=kind_value(args.kind),
         owner=args.owner,
         holder_pid=os.getpid(),
+        # in a container, gpud numbers this process otherwise: it finds it by both
+        holder_pid_namespace=own_namespace(),
     )
     fill_placement(request, args)
     return request
@@ -596,6 +599,7 @@ def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop
     env = {**os.environ, **granted, leftovers.RUN_VAR: reservation}
     traffic = "GPUD_DSCP" in granted
     net = ctx.stub(net_pb2_grpc.NetStub)
+    namespace = own_namespace()  # the one ``pid`` is numbered in (a container's, say)
 
     def place(pid: int) -> None:
         """Let the command through once ``pid`` (held at the gate, its environment naming
@@ -608,7 +612,10 @@ def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop
             return
         try:
             # the response names the cgroup ("" when the daemon marks nothing by cgroup)
-            ctx.call(net.PlaceProcess, net_pb2.PlaceProcessRequest(job=args.job, pid=pid))
+            ctx.call(
+                net.PlaceProcess,
+                net_pb2.PlaceProcessRequest(job=args.job, pid=pid, pid_namespace=namespace),
+            )
         except CliError as err:
             if err.exit_code == EXIT_NOT_FOUND and _reservation_gone(ctx, args.job, reservation):
                 raise NotStarted(removed=True) from err

@@ -200,6 +200,7 @@ class JobsServicer(pb_grpc.JobsServicer):
                     memory_bytes=optional(request, "memory_limit_bytes"),
                     client_priority=optional(request, "client_priority"),
                     holder_pid=optional_pid(request, "holder_pid"),
+                    holder_pid_namespace=optional(request, "holder_pid_namespace"),
                     advised_devices=tuple(request.advised_devices),
                     advised_threads_percent=optional(request, "advised_threads_percent"),
                 )

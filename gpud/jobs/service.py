@@ -37,6 +37,7 @@ from gpud.jobs.registry import JobKind, JobRegistry, JobSpec, validate_spec
 from gpud.jobs.stops import RunStop, RunStops, StopReason
 from gpud.mps.manager import MpsManager, MpsTarget
 from gpud.mps.procs import stat_fields
+from gpud.pidns import local_pid
 from gpud.store import StateStore
 from gpud.telemetry.snapshot import Snapshot
 
@@ -59,6 +60,9 @@ class RunRequest:
     memory_bytes: int | None = None
     client_priority: int | None = None
     holder_pid: int | None = None
+    # the PID namespace holder_pid is numbered in (its /proc/self/ns/pid inode); None:
+    # gpud's own. :meth:`JobService.resolved` makes it gpud's.
+    holder_pid_namespace: int | None = None
     # Co-location's advice for this run: where neither the request nor the registered job
     # names a place or a thread share. Never registered with the job.
     advised_devices: tuple[str, ...] = ()
@@ -236,7 +240,16 @@ class JobService:
         return tuple(uuid(n) for n in names)
 
     def resolved(self, request: RunRequest) -> RunRequest:
-        """``request`` with its devices as UUIDs (:meth:`device_uuids`)."""
+        """``request`` with its devices as UUIDs (:meth:`device_uuids`) and its holder PID
+        as gpud numbers processes (:func:`gpud.pidns.local_pid`)."""
+        if request.holder_pid is not None and request.holder_pid_namespace is not None:
+            holder = local_pid(
+                request.holder_pid,
+                request.holder_pid_namespace,
+                self._proc_root,
+                field="holder_pid",
+            )
+            request = replace(request, holder_pid=holder, holder_pid_namespace=None)
         if not request.devices:
             return request
         return replace(request, devices=self.device_uuids(request.devices))

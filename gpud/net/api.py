@@ -176,7 +176,8 @@ class NetServicer(pb_grpc.NetServicer):
     ) -> pb.PlaceProcessResponse:
         def place() -> pb.PlaceProcessResponse:
             job = check_name(request.job, field="job")
-            return pb.PlaceProcessResponse(cgroup=self._service.place(job, request.pid))
+            cgroup = self._service.place(job, request.pid, optional(request, "pid_namespace"))
+            return pb.PlaceProcessResponse(cgroup=cgroup)
 
         return await asyncio.to_thread(place)
 

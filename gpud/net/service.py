@@ -60,6 +60,7 @@ from gpud.net.latest import LatestWorker
 from gpud.net.port import JobTraffic, LocalReport, OrderResult, TrafficCounters
 from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore
+from gpud.pidns import local_pid
 from gpud.shared import MAX_IDEAL_S, MAX_SESSION_CHARS, MIN_IDEAL_S, check_text
 from netshaper import tcplan
 from netshaper.ethtool import link_speed_mbps
@@ -451,8 +452,10 @@ class TrafficService:
     def now(self) -> float:
         return self._clock()
 
-    def place(self, job: str, pid: int) -> str:
+    def place(self, job: str, pid: int, namespace: int | None = None) -> str:
         """Move ``pid`` into the job's cgroup (``gpuctl run``); "" when marking is off.
+        ``namespace``: the PID namespace ``pid`` is numbered in (:func:`gpud.pidns.local_pid`),
+        None for gpud's own.
 
         Only a process started for the job may be moved: its environment must carry
         ``GPUD_JOB=<job>`` (what ``gpuctl run`` sets), so the socket's users cannot move
@@ -465,6 +468,7 @@ class TrafficService:
             raise NotFound(f"no job {job!r}")
         if not self.config.enabled or not self.config.marking:
             return ""
+        pid = local_pid(pid, namespace, self._proc, field="pid")
         try:
             environ = (self._proc / str(pid) / "environ").read_bytes().split(b"\0")
         except FileNotFoundError:

@@ -370,6 +370,7 @@ class ReserveRequest(_message.Message):
     HOLDER_PID_FIELD_NUMBER: _builtins.int
     ADVISED_DEVICES_FIELD_NUMBER: _builtins.int
     ADVISED_THREADS_PERCENT_FIELD_NUMBER: _builtins.int
+    HOLDER_PID_NAMESPACE_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     kind: Global___JobKind.ValueType
     """for a new job (default training); must match an existing one"""
@@ -382,6 +383,13 @@ class ReserveRequest(_message.Message):
     holder_pid: _builtins.int
     """released when this process is gone"""
     advised_threads_percent: _builtins.int
+    holder_pid_namespace: _builtins.int
+    """The PID namespace holder_pid is numbered in: the inode number of the client's
+    /proc/self/ns/pid (`readlink` shows pid:[N]). When it is not gpud's own, gpud holds
+    the reservation by the process that PID names there (found by /proc/<pid>/status
+    NSpid), and the reservation shows gpud's PID of it; FAILED_PRECONDITION when gpud
+    sees no such process. Unset: holder_pid is taken as gpud numbers processes.
+    """
     @_builtins.property
     def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -406,10 +414,11 @@ class ReserveRequest(_message.Message):
         holder_pid: _builtins.int | None = ...,
         advised_devices: _abc.Iterable[_builtins.str] | None = ...,
         advised_threads_percent: _builtins.int | None = ...,
+        holder_pid_namespace: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_advised_threads_percent", b"_advised_threads_percent", "_client_priority", b"_client_priority", "_gpu_count", b"_gpu_count", "_holder_pid", b"_holder_pid", "_memory_limit_bytes", b"_memory_limit_bytes", "_mig_profile", b"_mig_profile", "_threads_percent", b"_threads_percent", "advised_threads_percent", b"advised_threads_percent", "client_priority", b"client_priority", "gpu_count", b"gpu_count", "holder_pid", b"holder_pid", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "threads_percent", b"threads_percent"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_advised_threads_percent", b"_advised_threads_percent", "_client_priority", b"_client_priority", "_gpu_count", b"_gpu_count", "_holder_pid", b"_holder_pid", "_holder_pid_namespace", b"_holder_pid_namespace", "_memory_limit_bytes", b"_memory_limit_bytes", "_mig_profile", b"_mig_profile", "_threads_percent", b"_threads_percent", "advised_threads_percent", b"advised_threads_percent", "client_priority", b"client_priority", "gpu_count", b"gpu_count", "holder_pid", b"holder_pid", "holder_pid_namespace", b"holder_pid_namespace", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "threads_percent", b"threads_percent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_advised_threads_percent", b"_advised_threads_percent", "_client_priority", b"_client_priority", "_gpu_count", b"_gpu_count", "_holder_pid", b"_holder_pid", "_memory_limit_bytes", b"_memory_limit_bytes", "_mig_profile", b"_mig_profile", "_threads_percent", b"_threads_percent", "advised_devices", b"advised_devices", "advised_threads_percent", b"advised_threads_percent", "client_priority", b"client_priority", "devices", b"devices", "gpu_count", b"gpu_count", "holder_pid", b"holder_pid", "job", b"job", "kind", b"kind", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "owner", b"owner", "threads_percent", b"threads_percent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_advised_threads_percent", b"_advised_threads_percent", "_client_priority", b"_client_priority", "_gpu_count", b"_gpu_count", "_holder_pid", b"_holder_pid", "_holder_pid_namespace", b"_holder_pid_namespace", "_memory_limit_bytes", b"_memory_limit_bytes", "_mig_profile", b"_mig_profile", "_threads_percent", b"_threads_percent", "advised_devices", b"advised_devices", "advised_threads_percent", b"advised_threads_percent", "client_priority", b"client_priority", "devices", b"devices", "gpu_count", b"gpu_count", "holder_pid", b"holder_pid", "holder_pid_namespace", b"holder_pid_namespace", "job", b"job", "kind", b"kind", "memory_limit_bytes", b"memory_limit_bytes", "mig_profile", b"mig_profile", "owner", b"owner", "threads_percent", b"threads_percent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__advised_threads_percent: _TypeAlias = _typing.Literal["advised_threads_percent"]  # noqa: Y015
     _WhichOneofArgType__advised_threads_percent: _TypeAlias = _typing.Literal["_advised_threads_percent", b"_advised_threads_percent"]  # noqa: Y015
@@ -419,6 +428,8 @@ class ReserveRequest(_message.Message):
     _WhichOneofArgType__gpu_count: _TypeAlias = _typing.Literal["_gpu_count", b"_gpu_count"]  # noqa: Y015
     _WhichOneofReturnType__holder_pid: _TypeAlias = _typing.Literal["holder_pid"]  # noqa: Y015
     _WhichOneofArgType__holder_pid: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid"]  # noqa: Y015
+    _WhichOneofReturnType__holder_pid_namespace: _TypeAlias = _typing.Literal["holder_pid_namespace"]  # noqa: Y015
+    _WhichOneofArgType__holder_pid_namespace: _TypeAlias = _typing.Literal["_holder_pid_namespace", b"_holder_pid_namespace"]  # noqa: Y015
     _WhichOneofReturnType__memory_limit_bytes: _TypeAlias = _typing.Literal["memory_limit_bytes"]  # noqa: Y015
     _WhichOneofArgType__memory_limit_bytes: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes"]  # noqa: Y015
     _WhichOneofReturnType__mig_profile: _TypeAlias = _typing.Literal["mig_profile"]  # noqa: Y015
@@ -433,6 +444,8 @@ class ReserveRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__gpu_count) -> _WhichOneofReturnType__gpu_count | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__holder_pid) -> _WhichOneofReturnType__holder_pid | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__holder_pid_namespace) -> _WhichOneofReturnType__holder_pid_namespace | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__memory_limit_bytes) -> _WhichOneofReturnType__memory_limit_bytes | None: ...
     @_typing.overload

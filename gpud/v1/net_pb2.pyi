@@ -466,19 +466,28 @@ class PlaceProcessRequest(_message.Message):
 
     JOB_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
+    PID_NAMESPACE_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     pid: _builtins.int
+    pid_namespace: _builtins.int
+    """The PID namespace pid is numbered in (as ReserveRequest.holder_pid_namespace): when
+    it is not gpud's own, the process that PID names there is placed; FAILED_PRECONDITION
+    when gpud sees none. Unset: pid is taken as gpud numbers processes.
+    """
     def __init__(
         self,
         *,
         job: _builtins.str = ...,
         pid: _builtins.int = ...,
+        pid_namespace: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_pid_namespace", b"_pid_namespace", "pid_namespace", b"pid_namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "pid", b"pid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_pid_namespace", b"_pid_namespace", "job", b"job", "pid", b"pid", "pid_namespace", b"pid_namespace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__pid_namespace: _TypeAlias = _typing.Literal["pid_namespace"]  # noqa: Y015
+    _WhichOneofArgType__pid_namespace: _TypeAlias = _typing.Literal["_pid_namespace", b"_pid_namespace"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__pid_namespace) -> _WhichOneofReturnType__pid_namespace | None: ...
 
 Global___PlaceProcessRequest: _TypeAlias = PlaceProcessRequest  # noqa: Y015
 

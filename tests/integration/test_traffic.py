@@ -281,6 +281,34 @@ def test_tagged_and_cgroup_flows_land_in_their_classes(bed: Bed) -> None:
     assert m is not None and int(m.group(1)) > 0, table
 
 
+def test_a_run_in_its_own_pid_namespace_puts_its_command_in_the_jobs_cgroup(bed: Bed) -> None:
+    """``gpuctl run`` as PID 1 of a PID namespace (a container): its command, numbered
+    there, is the process gpud moves into the job's cgroup, found by its host PID."""
+    bed.start()
+    bed.gpuctl("jobs", "add", "boxed")
+    assert bed.daemon is not None
+    out = run(
+        *bed.enter,
+        "unshare",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        str(BIN / "gpuctl"),
+        "--socket",
+        str(bed.daemon.socket),
+        "run",
+        "--job",
+        "boxed",
+        "--gpus",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "cat /proc/self/cgroup",
+    )
+    assert f"{bed.cgroup_parent}/gpud-job-boxed" in out, out
+
+
 class _Flows:
     """A bulk TCP flow per job (iperf3 marked with the job's TOS), as long as a test needs."""
 

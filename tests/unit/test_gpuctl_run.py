@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import grpc
 import pytest
@@ -1643,12 +1643,16 @@ class Places(net_pb2_grpc.NetServicer):
         self._group_signal = group_signal  # sent to the gate's process (and gpuctl) instead
         self._to_gpuctl = to_gpuctl
         self.asked: list[int] = []
+        self.namespaces: list[int | None] = []  # the pid_namespace of each
 
     async def PlaceProcess(
         self, request: net_pb2.PlaceProcessRequest, context: Any
     ) -> net_pb2.PlaceProcessResponse:
         def place() -> net_pb2.PlaceProcessResponse:
             self.asked.append(request.pid)
+            self.namespaces.append(
+                request.pid_namespace if request.HasField("pid_namespace") else None
+            )
             jobs = self._jobs()
             if self._group_signal is not None:  # as a Ctrl-C on the terminal sends it
                 if self._to_gpuctl:
@@ -1719,6 +1723,33 @@ def ended_at_the_gate(pid: int) -> None:
             return
         time.sleep(0.01)
     raise AssertionError(f"process {pid} still running after SIGTERM")
+
+
+class KeepsReserveRequests(JobsServicer):
+    asked: ClassVar[list[jobs_pb2.ReserveRequest]] = []
+
+    async def Reserve(
+        self, request: jobs_pb2.ReserveRequest, context: Any
+    ) -> jobs_pb2.ReserveResponse:
+        self.asked.append(request)
+        return await super().Reserve(request, context)
+
+
+def test_a_run_names_the_pid_namespace_its_pids_are_numbered_in(tmp_path: Path) -> None:
+    """In a container, gpud numbers gpuctl and its command otherwise: the reservation's
+    holder and the process placed in the job's cgroup come with the inode of gpuctl's
+    /proc/self/ns/pid, for gpud to find them in its own view."""
+    held: list[JobService] = []
+    net = Places(lambda: held[0], remove_first=False, placed=True)
+    KeepsReserveRequests.asked.clear()
+    with serving(net.register, jobs_api=KeepsReserveRequests) as n:
+        held.append(n.jobs)
+        n.jobs.set_tagger(lambda job: 26, lambda job: 26)
+        assert n.ctl("run", "--job", "ns", "--gpus", "1", "--", "true") == 0
+    own = os.stat("/proc/self/ns/pid").st_ino
+    (reserve,) = KeepsReserveRequests.asked
+    assert (reserve.holder_pid, reserve.holder_pid_namespace) == (os.getpid(), own)
+    assert net.namespaces == [own]
 
 
 class RemovedOnceReserved(JobsServicer):

@@ -402,6 +402,25 @@ def test_marks_follow_job_cgroups(rig: Rig) -> None:
     assert not rig.marker.marks and not rig.cgroups.dir("a").exists()
 
 
+def test_a_process_numbered_by_a_containers_pid_namespace_is_placed_as_gpud_sees_it(
+    rig: Rig,
+) -> None:
+    """``gpuctl run`` in a container asks for its command, PID 2 there, host PID 4343:
+    that one goes into the job's cgroup, not host PID 2; one gpud cannot see is refused."""
+    from tests.unit.test_pidns import BOX, HOST, fake_process
+
+    proc = rig.tmp / "proc"
+    fake_process(proc, "self", HOST)
+    fake_process(proc, 2, HOST)  # a host process of no job
+    fake_process(proc, 4343, BOX, 2)
+    (proc / "4343" / "environ").write_bytes(b"GPUD_JOB=a\0")
+    path = rig.service.place("a", 2, BOX)
+    assert path == str(rig.cgroups.dir("a"))
+    assert (rig.cgroups.dir("a") / "cgroup.procs").read_text() == "4343\n"
+    with pytest.raises(FailedPrecondition, match=r"pid: no process 3 of PID namespace pid:\["):
+        rig.service.place("a", 3, BOX)
+
+
 def test_marking_failure_is_reported_not_fatal(rig: Rig) -> None:
     rig.marker.fail = "nft not found (install the nftables package)"
     rig.cgroups.ensure("a")
