@@ -20,9 +20,18 @@ from tests.unit.other_user import GROUP, as_nobody, needs_root
 
 # What gpuctl may import of the project: its own modules, generated code, the error table and
 # the modules it shares with the daemon (gpud.reach: who passes the socket's directories, when
-# it refuses a user). Daemon packages (gpud.api, gpud.mig, gpud.mps,
-# gpud.jobs, gpud.telemetry, gpud.backend, gpud.config, ...) are off limits.
-ALLOWED = ("gpud.cli", "gpud.v1", "gpud.errors", "gpud.shared", "gpud.build", "gpud.reach")
+# it refuses a user; gpud.pidns: the PID namespace gpuctl sends with its PIDs). Daemon
+# packages (gpud.api, gpud.mig, gpud.mps, gpud.jobs, gpud.telemetry, gpud.backend,
+# gpud.config, ...) are off limits.
+ALLOWED = (
+    "gpud.cli",
+    "gpud.v1",
+    "gpud.errors",
+    "gpud.shared",
+    "gpud.build",
+    "gpud.reach",
+    "gpud.pidns",
+)
 
 PROBE = """
 import json, sys
