@@ -338,8 +338,7 @@ class AdmissionService:
         sick = self._jobs.unhealthy()
         for t in self._mps.targets():
             if t.gpu in sick:
-                full = Vec(t.memory_total_bytes + 1, THREADS_CAPACITY + 1)
-                out.append(Holding(f"unhealthy:{t.uuid}", (t.uuid,), full))
+                out.append(_full(t, "unhealthy"))
         for r in self._jobs.reservations.held():
             threads = r.threads_percent or 0
             if r.memory_bytes is not None:
@@ -663,11 +662,13 @@ class AdmissionService:
         if isinstance(verdict, Unfeasible):
             raise _never(spec.name, verdict)
 
-    def gate(self, spec: JobSpec) -> tuple[str, ...] | None:
+    def gate(self, spec: JobSpec, uid: int | None = None) -> tuple[str, ...] | None:
         """Where a job asking to start now may go: as if it joined the queue's tail. A job
         that can never start here is refused as such (not as taken for now), queue or not.
         With the queue off (``admission.enabled = false``) nothing is ahead of it, and its
-        memory and thread share are checked all the same."""
+        memory and thread share are checked all the same. ``uid``: its user, where MPS is
+        on (:meth:`JobService.placement_uid`): the devices reservations of other users hold
+        count as full for it (a control daemon serves one user at a time)."""
         fit = self.fit()
         if fit is None:
             return None
@@ -675,16 +676,20 @@ class AdmissionService:
         request = request_of(spec)
         queued = self.entries() if self.config.enabled else []
         candidate = Queued("\0new", request, 1 << 62, self._clock())
+        others = self._others_devices(uid)
         result = admission_pass(
             [_queued(e) for e in queued] + [candidate],
             fit,
-            self.holdings(),
+            self.holdings() + [_full(t) for t in self._mps.targets() if t.uuid in others],
             backfill=self.config.backfill,
             demands=self._demands,
         )
         for s in result.starts:
             if s.id == candidate.id:
                 return s.devices
+        if others:
+            # the reservation's own placement names the other user, where that is why
+            self._jobs.choose(spec, uid=uid)
         waiting = len([e for e in queued if e.id not in result.unfeasible])
         if waiting:
             raise ResourceExhausted(
@@ -697,6 +702,17 @@ class AdmissionService:
             f"job {spec.name!r} asks {request.per_device.threads}% of its devices' threads:"
             " the MPS thread shares on them would add up to over 100%"
         )
+
+    def _others_devices(self, uid: int | None) -> set[str]:
+        """The devices reservations of users other than ``uid`` hold (none: ``uid`` None)."""
+        if uid is None:
+            return set()
+        return {
+            d
+            for r in self._jobs.reservations.held()
+            if r.uid is not None and r.uid != uid
+            for d in r.devices
+        }
 
     def tick(self) -> None:
         """Drop entries whose holder is gone; start what fits, in order, with backfill.
@@ -1085,6 +1101,12 @@ def mig_file_layouts(
         return resolve_configs(file, gpus())  # type: ignore[arg-type]
 
     return layouts
+
+
+def _full(target: MpsTarget, why: str = "user") -> Holding:
+    """More than the whole of ``target``: nothing is placed there."""
+    full = Vec(target.memory_total_bytes + 1, THREADS_CAPACITY + 1)
+    return Holding(f"{why}:{target.uuid}", (target.uuid,), full)
 
 
 def _unhealthy_in(demand: Demand, sick: Mapping[int, str], targets: Sequence[MpsTarget]) -> str:
