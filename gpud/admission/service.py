@@ -338,16 +338,18 @@ class AdmissionService:
         sick = self._jobs.unhealthy()
         for t in self._mps.targets():
             if t.gpu in sick:
-                out.append(_full(t, "unhealthy"))
+                full = Vec(t.memory_total_bytes + 1, THREADS_CAPACITY + 1)
+                out.append(Holding(f"unhealthy:{t.uuid}", (t.uuid,), full))
         for r in self._jobs.reservations.held():
             threads = r.threads_percent or 0
+            uid = r.uid if self._mps.enabled else None  # MPS off: users share devices
             if r.memory_bytes is not None:
-                out.append(Holding(r.id, r.devices, Vec(r.memory_bytes, threads)))
+                out.append(Holding(r.id, r.devices, Vec(r.memory_bytes, threads), uid))
                 continue
             # no limit of its own: on each device the MPS default its client started with
             for uuid in r.devices:
                 memory = r.memory_on(uuid, lambda u: self._mps.limits(u).memory_bytes) or 0
-                out.append(Holding(r.id, (uuid,), Vec(memory, threads)))
+                out.append(Holding(r.id, (uuid,), Vec(memory, threads), uid))
         for uuid, used in sorted(self._jobs.unreserved_memory().items()):
             out.append(Holding(f"unreserved:{uuid}", (uuid,), Vec(used, 0)))
         return out
@@ -668,26 +670,26 @@ class AdmissionService:
         With the queue off (``admission.enabled = false``) nothing is ahead of it, and its
         memory and thread share are checked all the same. ``uid``: its user, where MPS is
         on (:meth:`JobService.placement_uid`): the devices reservations of other users hold
-        count as full for it (a control daemon serves one user at a time)."""
+        take no job of it (a control daemon serves one user at a time)."""
         fit = self.fit()
         if fit is None:
             return None
         self._refuse_never(spec, fit)
         request = request_of(spec)
         queued = self.entries() if self.config.enabled else []
-        candidate = Queued("\0new", request, 1 << 62, self._clock())
-        others = self._others_devices(uid)
+        candidate = Queued("\0new", request, 1 << 62, self._clock(), uid)
+        holdings = self.holdings()
         result = admission_pass(
-            [_queued(e) for e in queued] + [candidate],
+            [self._queued(e) for e in queued] + [candidate],
             fit,
-            self.holdings() + [_full(t) for t in self._mps.targets() if t.uuid in others],
+            holdings,
             backfill=self.config.backfill,
             demands=self._demands,
         )
         for s in result.starts:
             if s.id == candidate.id:
                 return s.devices
-        if others:
+        if uid is not None and any(h.uid not in (None, uid) for h in holdings):
             # the reservation's own placement names the other user, where that is why
             self._jobs.choose(spec, uid=uid)
         waiting = len([e for e in queued if e.id not in result.unfeasible])
@@ -703,16 +705,9 @@ class AdmissionService:
             " the MPS thread shares on them would add up to over 100%"
         )
 
-    def _others_devices(self, uid: int | None) -> set[str]:
-        """The devices reservations of users other than ``uid`` hold (none: ``uid`` None)."""
-        if uid is None:
-            return set()
-        return {
-            d
-            for r in self._jobs.reservations.held()
-            if r.uid is not None and r.uid != uid
-            for d in r.devices
-        }
+    def _queued(self, e: Entry) -> Queued:
+        """``e`` for a pass, with its user where MPS is on (its holder's real UID)."""
+        return replace(_queued(e), uid=self._jobs.placement_uid(e.request.holder_pid))
 
     def tick(self) -> None:
         """Drop entries whose holder is gone; start what fits, in order, with backfill.
@@ -747,7 +742,7 @@ class AdmissionService:
                 self._prune(now)
                 return
             result = admission_pass(
-                [_queued(e) for e in queued],
+                [self._queued(e) for e in queued],
                 fit,
                 self.holdings(),
                 backfill=self.config.backfill,
@@ -975,8 +970,9 @@ class _Held:
     numbers a refused reservation gives), or, where it would fit now, the head it may not
     pass. The node's devices and loads are read once, at the first entry that asks, and
     placement is asked once per shape of request (the devices, MIG profile, GPU count and
-    memory it asks, all that placement reads besides the job's name, which its refusal
-    names: the answer is kept with a stand-in name and said with each entry's own)."""
+    memory it asks, and its user where MPS is on: all that placement reads besides the
+    job's name, which its refusal names: the answer is kept with a stand-in name and said
+    with each entry's own)."""
 
     STAND_IN = "\0job"
 
@@ -989,16 +985,18 @@ class _Held:
         if self._now is None:
             self._now = (self._jobs.healthy_targets(), self._jobs.loads())
         r = e.request
-        shape = (r.devices, r.mig_profile, r.gpu_count, r.memory_bytes)
+        uid = self._jobs.placement_uid(r.holder_pid)
+        shape = (r.devices, r.mig_profile, r.gpu_count, r.memory_bytes, uid)
         if shape not in self._refused:
             try:
-                self._jobs.choose(_effective(JobSpec(self.STAND_IN), r), self._now)
+                self._jobs.choose(_effective(JobSpec(self.STAND_IN), r), self._now, uid=uid)
                 self._refused[shape] = None
             except (ResourceExhausted, NotFound) as err:
                 self._refused[shape] = str(err)
         refused = self._refused[shape]
         if refused is not None:
-            return refused.replace(repr(self.STAND_IN), repr(e.job))
+            named = refused.replace(repr(self.STAND_IN), repr(e.job))
+            return named.replace(self.STAND_IN, e.job)  # unquoted too (a user refusal)
         return f"behind {head.job} ({head.id})" if head is not None else ""
 
 
@@ -1101,12 +1099,6 @@ def mig_file_layouts(
         return resolve_configs(file, gpus())  # type: ignore[arg-type]
 
     return layouts
-
-
-def _full(target: MpsTarget, why: str = "user") -> Holding:
-    """More than the whole of ``target``: nothing is placed there."""
-    full = Vec(target.memory_total_bytes + 1, THREADS_CAPACITY + 1)
-    return Holding(f"{why}:{target.uuid}", (target.uuid,), full)
 
 
 def _unhealthy_in(demand: Demand, sick: Mapping[int, str], targets: Sequence[MpsTarget]) -> str:

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gpud.admission.service import AdmissionService
+from gpud.admission.service import QUEUED, STARTED, AdmissionService
 from gpud.config import AdmissionConfig
 from gpud.errors import ResourceExhausted
 from gpud.events import EventLog
 from gpud.jobs.api import reservation_message
-from gpud.jobs.placement import DeviceLoad, Reservations, choose_devices
+from gpud.jobs.placement import DeviceLoad, Reservations, choose_devices, user_name
 from gpud.jobs.registry import JobSpec
 from gpud.jobs.service import JobService, RunRequest
 from gpud.mps.manager import MpsManager, targets_from_snapshot
@@ -191,6 +193,42 @@ def test_the_admission_gate_sends_a_job_past_another_users_device(
     with pytest.raises(ResourceExhausted) as refused:
         jobs.reserve(RunRequest("b5", memory_bytes=20 * GIB, holder_pid=4343))
     assert f"(uid 1001) asks {first}: it is shared under MPS" in str(refused.value)
+
+
+def test_a_queued_job_starts_beside_its_own_user_when_room_frees_there(
+    tmp_path: Path, store: StateStore
+) -> None:
+    """Bob's queued job waits while only alice's GPU has room, saying why, and starts on
+    bob's GPU once it frees, never on alice's."""
+    alice = subprocess.Popen(["sleep", "60"])
+    try:
+        proc = tmp_path / "proc"
+        fake_proc(proc, alice.pid, 1000)
+        fake_proc(proc, os.getpid(), 1001)
+        jobs, manager = node(tmp_path, store, proc, mps=True, gpus=2)
+        admission = AdmissionService(
+            store, jobs, manager, EventLog(None), AdmissionConfig(), proc_root=proc
+        )
+        first, second = (t.uuid for t in jobs.targets())
+        jobs.reserve(RunRequest("a", devices=(first,), memory_bytes=10 * GIB, holder_pid=alice.pid))
+        b1 = jobs.reserve(
+            RunRequest("b1", devices=(second,), memory_bytes=70 * GIB, holder_pid=os.getpid())
+        ).reservation
+        queued = admission.enqueue(RunRequest("b2", memory_bytes=20 * GIB, holder_pid=os.getpid()))
+        assert queued.entry.state == QUEUED
+        assert queued.waiting_on == (  # not "could not start: …": it is not tried there
+            f"job 'b2' (uid 1001) asks {first}: it is shared under MPS by jobs of user"
+            f" {user_name(1000)} (a), and an MPS control daemon serves one user at a time: b2's CUDA processes"
+            " would wait there until a's end"
+        )
+        jobs.release(b1.id)
+        admission.tick()
+        started = admission.view(queued.entry.id)
+        assert started.entry.state == STARTED
+        assert started.reservation is not None and started.reservation.devices == (second,)
+    finally:
+        alice.kill()
+        alice.wait()
 
 
 def test_a_state_dir_without_the_uid_column_loads(tmp_path: Path) -> None:
