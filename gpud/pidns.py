@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 
 from gpud.errors import FailedPrecondition
+from gpud.mps.procs import status_line
 
 _LINK = re.compile(r"pid:\[(\d+)\]")
 
@@ -52,18 +53,11 @@ def own_namespace() -> int | None:
 def ns_pids(pid: int | str, proc_root: Path = Path("/proc")) -> list[int] | None:
     """The ``NSpid:`` line of ``<proc_root>/<pid>/status``: the process's PID in each PID
     namespace it is in, outermost (the one of that /proc) first; None when unreadable."""
+    fields = status_line(pid, "NSpid", proc_root)
     try:
-        status = (proc_root / str(pid) / "status").read_text()
-    except OSError:
+        return None if fields is None else [int(v) for v in fields]
+    except ValueError:
         return None
-    for line in status.splitlines():
-        name, _, value = line.partition(":")
-        if name == "NSpid":
-            try:
-                return [int(v) for v in value.split()]
-            except ValueError:
-                return None
-    return None
 
 
 def find(pid: int, namespace: int, proc_root: Path = Path("/proc")) -> int | None:

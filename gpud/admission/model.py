@@ -121,11 +121,14 @@ class Device:
 
 @dataclass(frozen=True, slots=True)
 class Holding:
-    """What one running job holds: the same demand vector on each of its devices."""
+    """What one running job holds: the same demand vector on each of its devices.
+    ``uid``: the user its processes run as, where MPS serves the devices and it is known
+    (a control daemon serves one user at a time: no job of another user goes there)."""
 
     job: str
     devices: tuple[str, ...]
     per_device: Vec
+    uid: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,11 @@ whenever it would have fitted without backfill, and so starts no later. Jobs ahe
 head start in both cases; new arrivals queue behind it. ``tests/unit/test_admission_queue.py``
 checks the claim with hypothesis over random nodes, loads, queues and release orders.
 
+Users (MPS on): a job of a known user starts on no device that a job of another known user
+holds (a control daemon serves one user at a time), and a backfilled job of another user
+than the head's is harmful on every device of the head's pool: it would keep the head off
+it for as long as it runs, whatever the memory says.
+
 Harmlessness is decided by enumerating the subsets of the jobs on a device (cheap, after two
 shortcuts); a device carrying more than :data:`MAX_SUBSET_JOBS` jobs counts as harmful.
 """
@@ -52,12 +57,14 @@ MAX_SUBSET_JOBS = 12
 
 @dataclass(frozen=True, slots=True)
 class Queued:
-    """A queued job, in queue order (``seq``)."""
+    """A queued job, in queue order (``seq``). ``uid``: its user, where MPS serves the
+    devices and it is known: it starts on no device a holding of another user is on."""
 
     id: str
     request: Request
     seq: int
     enqueued_at: float
+    uid: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +94,17 @@ def admission_pass(
     cache = demands if demands is not None else {}
     loads = Loads.of(holdings)
     capacity = {d.uuid: d for d in fit.devices()}
+    users: dict[str, set[int]] = {}  # device -> the known users of what holds it
+    for h in holdings:
+        if h.uid is not None:
+            for uuid in h.devices:
+                users.setdefault(uuid, set()).add(h.uid)
     starts: list[Start] = []
     unfeasible: dict[str, Unfeasible] = {}
     head: Queued | None = None
     head_demand: Demand | None = None
     # Requests that did not fit since the last start: the loads have not changed since.
-    stuck: set[Request] = set()
+    stuck: set[tuple[Request, int | None]] = set()
     for job in queue:
         demand = cache.get(job.request)
         if demand is None:
@@ -100,17 +112,24 @@ def admission_pass(
         if isinstance(demand, Unfeasible):
             unfeasible[job.id] = demand
             continue
-        if job.request in stuck:
+        shape = (job.request, job.uid)
+        if shape in stuck:
             continue
-        allowed = None
-        if head_demand is not None:
+        allowed: set[str] | None = None
+        if head_demand is not None and head is not None:
             allowed = _harmless_devices(demand, head_demand, loads, capacity)
-            if len(allowed) < demand.count:
-                stuck.add(job.request)
-                continue
+            if job.uid is not None and head.uid not in (None, job.uid):
+                allowed -= set(head_demand.pool)
+        if job.uid is not None:
+            others = {u for u, seen in users.items() if seen - {job.uid}}
+            if others:
+                allowed = (set(capacity) if allowed is None else allowed) - others
+        if head_demand is not None and allowed is not None and len(allowed) < demand.count:
+            stuck.add(shape)
+            continue
         devices = fit.place(job.request, loads.total, allowed=allowed)
         if devices is None:
-            stuck.add(job.request)
+            stuck.add(shape)
             if head is None:
                 head, head_demand = job, demand
                 if not backfill:
@@ -118,7 +137,9 @@ def admission_pass(
             continue
         starts.append(Start(job.id, devices, backfilled=head is not None))
         for uuid in devices:  # per device: an MPS default memory limit differs between them
-            loads.add(Holding(job.id, (uuid,), demand.on(uuid)))
+            loads.add(Holding(job.id, (uuid,), demand.on(uuid), job.uid))
+            if job.uid is not None:
+                users.setdefault(uuid, set()).add(job.uid)
         stuck.clear()
     return PassResult(starts, head.id if head else None, unfeasible)
 

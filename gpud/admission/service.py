@@ -342,13 +342,14 @@ class AdmissionService:
                 out.append(Holding(f"unhealthy:{t.uuid}", (t.uuid,), full))
         for r in self._jobs.reservations.held():
             threads = r.threads_percent or 0
+            uid = r.uid if self._mps.enabled else None  # MPS off: users share devices
             if r.memory_bytes is not None:
-                out.append(Holding(r.id, r.devices, Vec(r.memory_bytes, threads)))
+                out.append(Holding(r.id, r.devices, Vec(r.memory_bytes, threads), uid))
                 continue
             # no limit of its own: on each device the MPS default its client started with
             for uuid in r.devices:
                 memory = r.memory_on(uuid, lambda u: self._mps.limits(u).memory_bytes) or 0
-                out.append(Holding(r.id, (uuid,), Vec(memory, threads)))
+                out.append(Holding(r.id, (uuid,), Vec(memory, threads), uid))
         for uuid, used in sorted(self._jobs.unreserved_memory().items()):
             out.append(Holding(f"unreserved:{uuid}", (uuid,), Vec(used, 0)))
         return out
@@ -663,28 +664,34 @@ class AdmissionService:
         if isinstance(verdict, Unfeasible):
             raise _never(spec.name, verdict)
 
-    def gate(self, spec: JobSpec) -> tuple[str, ...] | None:
+    def gate(self, spec: JobSpec, uid: int | None = None) -> tuple[str, ...] | None:
         """Where a job asking to start now may go: as if it joined the queue's tail. A job
         that can never start here is refused as such (not as taken for now), queue or not.
         With the queue off (``admission.enabled = false``) nothing is ahead of it, and its
-        memory and thread share are checked all the same."""
+        memory and thread share are checked all the same. ``uid``: its user, where MPS is
+        on (:meth:`JobService.placement_uid`): the devices reservations of other users hold
+        take no job of it (a control daemon serves one user at a time)."""
         fit = self.fit()
         if fit is None:
             return None
         self._refuse_never(spec, fit)
         request = request_of(spec)
         queued = self.entries() if self.config.enabled else []
-        candidate = Queued("\0new", request, 1 << 62, self._clock())
+        candidate = Queued("\0new", request, 1 << 62, self._clock(), uid)
+        holdings = self.holdings()
         result = admission_pass(
-            [_queued(e) for e in queued] + [candidate],
+            [self._queued(e) for e in queued] + [candidate],
             fit,
-            self.holdings(),
+            holdings,
             backfill=self.config.backfill,
             demands=self._demands,
         )
         for s in result.starts:
             if s.id == candidate.id:
                 return s.devices
+        if uid is not None and any(h.uid not in (None, uid) for h in holdings):
+            # the reservation's own placement names the other user, where that is why
+            self._jobs.choose(spec, uid=uid)
         waiting = len([e for e in queued if e.id not in result.unfeasible])
         if waiting:
             raise ResourceExhausted(
@@ -697,6 +704,10 @@ class AdmissionService:
             f"job {spec.name!r} asks {request.per_device.threads}% of its devices' threads:"
             " the MPS thread shares on them would add up to over 100%"
         )
+
+    def _queued(self, e: Entry) -> Queued:
+        """``e`` for a pass, with its user where MPS is on (its holder's real UID)."""
+        return replace(_queued(e), uid=self._jobs.placement_uid(e.request.holder_pid))
 
     def tick(self) -> None:
         """Drop entries whose holder is gone; start what fits, in order, with backfill.
@@ -731,7 +742,7 @@ class AdmissionService:
                 self._prune(now)
                 return
             result = admission_pass(
-                [_queued(e) for e in queued],
+                [self._queued(e) for e in queued],
                 fit,
                 self.holdings(),
                 backfill=self.config.backfill,
@@ -959,8 +970,9 @@ class _Held:
     numbers a refused reservation gives), or, where it would fit now, the head it may not
     pass. The node's devices and loads are read once, at the first entry that asks, and
     placement is asked once per shape of request (the devices, MIG profile, GPU count and
-    memory it asks, all that placement reads besides the job's name, which its refusal
-    names: the answer is kept with a stand-in name and said with each entry's own)."""
+    memory it asks, and its user where MPS is on: all that placement reads besides the
+    job's name, which its refusal names: the answer is kept with a stand-in name and said
+    with each entry's own)."""
 
     STAND_IN = "\0job"
 
@@ -973,16 +985,18 @@ class _Held:
         if self._now is None:
             self._now = (self._jobs.healthy_targets(), self._jobs.loads())
         r = e.request
-        shape = (r.devices, r.mig_profile, r.gpu_count, r.memory_bytes)
+        uid = self._jobs.placement_uid(r.holder_pid)
+        shape = (r.devices, r.mig_profile, r.gpu_count, r.memory_bytes, uid)
         if shape not in self._refused:
             try:
-                self._jobs.choose(_effective(JobSpec(self.STAND_IN), r), self._now)
+                self._jobs.choose(_effective(JobSpec(self.STAND_IN), r), self._now, uid=uid)
                 self._refused[shape] = None
             except (ResourceExhausted, NotFound) as err:
                 self._refused[shape] = str(err)
         refused = self._refused[shape]
         if refused is not None:
-            return refused.replace(repr(self.STAND_IN), repr(e.job))
+            named = refused.replace(repr(self.STAND_IN), repr(e.job))
+            return named.replace(self.STAND_IN, e.job)  # unquoted too (a user refusal)
         return f"behind {head.job} ({head.id})" if head is not None else ""
 
 

@@ -22,7 +22,7 @@ from gpud.errors import InvalidArgument
 from gpud.jobs.attribution import ProcessUse
 from gpud.jobs.ends import NO_STATUS, EndCause, RunEnd
 from gpud.jobs.env import without_token
-from gpud.jobs.placement import Reservation
+from gpud.jobs.placement import Reservation, user_name
 from gpud.jobs.registry import JobKind, JobSpec, check_devices, check_name
 from gpud.jobs.service import JobService, RunRequest
 from gpud.v1 import jobs_pb2 as pb
@@ -54,6 +54,9 @@ def reservation_message(r: Reservation) -> pb.JobReservation:
         msg.memory_limit_bytes = r.memory_bytes
     if r.holder_pid is not None:
         msg.holder_pid = r.holder_pid
+    if r.uid is not None:
+        msg.holder_uid = r.uid
+        msg.holder_user = user_name(r.uid)
     return msg
 
 

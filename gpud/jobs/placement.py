@@ -12,11 +12,18 @@ device has. A request that sets no memory limit gets, on a device with an MPS de
 memory limit (``gpuctl mps set --memory``, ``set_default_device_pinned_mem_limit``), that
 limit, as its MPS client would: it asks for it there, and its reservation records and counts
 it until it ends (a client keeps the limit it started with when the default changes later).
+
+Users: an MPS control daemon serves one user at a time (it starts the MPS server as the user
+of its first client; a client of another user waits in its CUDA initialisation until every
+client of that server has ended). A reservation keeps the real UID of its holder process, and
+with MPS on a job of a known user is not placed on a device that holds a reservation of a
+known other user: another device that fits takes it, or it is refused naming that user.
 """
 
 from __future__ import annotations
 
 import json
+import pwd
 import secrets
 import sqlite3
 import time
@@ -27,7 +34,7 @@ from pathlib import Path
 from gpud.errors import NotFound, ResourceExhausted
 from gpud.jobs.registry import JobSpec
 from gpud.mps.manager import MpsTarget
-from gpud.mps.procs import alive, start_time
+from gpud.mps.procs import alive, real_uid, start_time
 from gpud.shared import format_size
 from gpud.store import StateStore
 
@@ -43,12 +50,13 @@ SCHEMA = (
         holder_start INTEGER,
         created_at REAL NOT NULL,
         default_memory TEXT,
-        report_token TEXT
+        report_token TEXT,
+        holder_uid INTEGER
     )""",
     "CREATE INDEX IF NOT EXISTS job_reservations_job ON job_reservations (job)",
 )
 # columns of job_reservations that earlier versions lack: NULL in their rows
-ADDED = {"job_reservations": ("default_memory", "report_token")}
+ADDED = {"job_reservations": ("default_memory", "report_token", "holder_uid")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +77,9 @@ class Reservation:
     # The secret its run proves its reports with (GPUD_REPORT_TOKEN): kept with the row, so
     # a restarted gpud still takes them. "": made by an earlier version, which gave none.
     report_token: str = field(default="", repr=False)
+    # The real UID of its holder process when it was made; None: unknown (no holder, the
+    # holder's /proc unreadable, or made by an earlier version, which kept none).
+    uid: int | None = None
 
     def memory_on(self, uuid: str, default_memory: Callable[[str], int | None]) -> int | None:
         """The memory it holds on device ``uuid``: its own limit, else the default it
@@ -87,12 +98,22 @@ class DeviceLoad:
     NVML's ``usedGpuMemory`` of each, as ``nvidia-smi`` lists it). ``defaulted``: the job of
     each reservation there that sets no memory limit of its own and was made by an earlier
     version, which recorded no default for it: ``memory_bytes`` counts the device's default
-    now for it."""
+    now for it. ``users``: (UID, job) of each reservation there whose holder's user is
+    known."""
 
     memory_bytes: int
     jobs: tuple[str, ...]
     unreserved_bytes: int = 0
     defaulted: tuple[str, ...] = ()
+    users: tuple[tuple[int, str], ...] = ()
+
+
+def user_name(uid: int) -> str:
+    """The name ``pwd`` gives ``uid``, else the number."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return str(uid)
 
 
 def device_loads(reserved: Mapping[tuple[str, str], int]) -> dict[str, DeviceLoad]:
@@ -112,12 +133,19 @@ def choose_devices(
     *,
     memory_bytes: int | None,
     default_memory: Callable[[str], int | None] = lambda _: None,
+    uid: int | None = None,
+    name_of: Callable[[int], str] = user_name,
 ) -> tuple[MpsTarget, ...]:
     """Where ``spec`` goes: its pinned devices, else one MIG device of ``spec.mig_profile``,
     else ``spec.gpu_count`` whole GPUs (default 1). The least loaded fitting devices win.
 
     ``memory_bytes`` None asks, on each device, for its MPS default pinned memory limit
     (``default_memory(uuid)``), or for nothing where it has none.
+
+    ``uid``: the user the job's processes run as, given where MPS serves the devices (None:
+    unknown, or MPS off). A device where a reservation of another known user is held does
+    not take it (its MPS control daemon serves one user at a time); where no other device
+    fits, or a pinned device is such, it is refused naming that user (``name_of``).
 
     Raises :class:`NotFound` for devices the node does not have and
     :class:`ResourceExhausted`, with the numbers, when none has room for what it asks.
@@ -152,6 +180,26 @@ def choose_devices(
             f" {format_size(d.memory_total_bytes)}, {format_size(max(free(d), 0))} free"
         )
 
+    def others(d: MpsTarget) -> list[tuple[int, str]]:
+        """(UID, job) of the reservations of other users on ``d``."""
+        if uid is None:
+            return []
+        return [(u, j) for u, j in loads.get(d.uuid, empty).users if u != uid]
+
+    def shared(d: MpsTarget) -> ResourceExhausted:
+        held = others(d)
+        users = sorted({u for u, _ in held})
+        whose = ", ".join(
+            f"{name_of(u)} ({', '.join(sorted(j for v, j in held if v == u))})" for u in users
+        )
+        ends = " and ".join(f"{j}'s" for j in sorted({j for _, j in held}))
+        return ResourceExhausted(
+            f"job {spec.name!r} (uid {uid}) asks {d.uuid}: it is shared under MPS by jobs of"
+            f" user{'s' if len(users) > 1 else ''} {whose}, and an MPS control daemon serves"
+            f" one user at a time: {spec.name}'s CUDA processes would wait there until"
+            f" {ends} end"
+        )
+
     if spec.devices:
         chosen = []
         for uuid in spec.devices:
@@ -159,6 +207,8 @@ def choose_devices(
                 raise NotFound(f"job {spec.name!r}: no GPU or MIG device {uuid} on this node")
             if not fits(by_uuid[uuid]):
                 raise refusal(by_uuid[uuid])
+            if others(by_uuid[uuid]):
+                raise shared(by_uuid[uuid])
             chosen.append(by_uuid[uuid])
         return tuple(chosen)
 
@@ -191,7 +241,10 @@ def choose_devices(
         if could:
             raise refusal(max(could, key=free))
         raise refusal(max(blocked, key=lambda d: (d.memory_total_bytes, free(d))))
-    return tuple(fitting[:want])
+    alone = [d for d in fitting if not others(d)]
+    if len(alone) < want:
+        raise shared(next(d for d in fitting if others(d)))
+    return tuple(alone[:want])
 
 
 class Reservations:
@@ -235,19 +288,24 @@ class Reservations:
         client_priority: int,
         holder_pid: int | None,
         defaults: Mapping[str, int] | None = None,
+        holder_uid: int | None = None,
     ) -> Reservation:
         """``defaults``: without ``memory_bytes``, the MPS default memory limit of each
-        device that has one, as placement counted it (it is counted so until it ends)."""
+        device that has one, as placement counted it (it is counted so until it ends).
+        ``holder_uid``: the holder's real UID as placement read it; None reads it now from
+        ``/proc/<holder_pid>/status`` (unknown without a holder)."""
         rid = secrets.token_hex(6)
         token = secrets.token_urlsafe()
         recorded = None if memory_bytes is not None else dict(defaults or {})
         holder_start = start_time(holder_pid, self._proc_root) if holder_pid else None
+        if holder_uid is None and holder_pid:
+            holder_uid = real_uid(holder_pid, self._proc_root)
         created = self._clock()
         with self._store.transaction() as conn:
             conn.execute(
                 "INSERT INTO job_reservations (id, job, devices, threads_percent, memory_bytes,"
                 " client_priority, holder_pid, holder_start, created_at, default_memory,"
-                " report_token) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " report_token, holder_uid) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     rid,
                     job,
@@ -260,6 +318,7 @@ class Reservations:
                     created,
                     None if recorded is None else json.dumps(recorded, sort_keys=True),
                     token,
+                    holder_uid,
                 ),
             )
         return Reservation(
@@ -273,6 +332,7 @@ class Reservations:
             created,
             None if recorded is None else _defaults(recorded),
             token,
+            holder_uid,
         )
 
     def get(self, rid: str) -> Reservation:
@@ -350,4 +410,5 @@ def _reservation(row: sqlite3.Row) -> Reservation:
         created_at=row["created_at"],
         defaults=None if recorded is None else _defaults(json.loads(recorded)),
         report_token=row["report_token"] or "",
+        uid=row["holder_uid"],
     )

@@ -36,7 +36,7 @@ from gpud.jobs.placement import (
 from gpud.jobs.registry import JobKind, JobRegistry, JobSpec, validate_spec
 from gpud.jobs.stops import RunStop, RunStops, StopReason
 from gpud.mps.manager import MpsManager, MpsTarget
-from gpud.mps.procs import stat_fields
+from gpud.mps.procs import real_uid, stat_fields
 from gpud.pidns import local_pid
 from gpud.store import StateStore
 from gpud.telemetry.snapshot import Snapshot
@@ -84,9 +84,11 @@ RemovalHook = Callable[[str, bool], Callable[[], None] | None]
 # exited, with its status or, when it has none, without), with the reservation's id and
 # that end: True when it kept the end for that run.
 LateEnd = Callable[[str, RunEnd], bool]
-# Where a job may start now, given its effective spec: its devices; raise ResourceExhausted
-# (the admission queue's own check, so that no job jumps the queue); None: no opinion.
-Gate = Callable[[JobSpec], tuple[str, ...] | None]
+# Where a job may start now, given its effective spec and the user its processes run as
+# (None: unknown, or MPS off: see JobService.placement_uid): its devices; raise
+# ResourceExhausted (the admission queue's own check, so that no job jumps the queue); None:
+# no opinion.
+Gate = Callable[[JobSpec, int | None], tuple[str, ...] | None]
 # Called once devices may have freed (a release, a removal, holders found gone), after the
 # change is committed, outside the placement lock and every transaction, in the caller's
 # thread: the admission queue starts what fits now rather than at its next tick. What it
@@ -340,18 +342,31 @@ class JobService:
         empty = DeviceLoad(0, ())
         beyond = self._unreserved(reserved)
         defaulted: dict[str, list[str]] = {}
+        users: dict[str, set[tuple[int, str]]] = {}
         for r in reservations:
             if r.memory_bytes is None and r.defaults is None:  # made by an earlier version
                 for uuid in r.devices:
                     defaulted.setdefault(uuid, []).append(r.job)
+            if r.uid is not None:
+                for uuid in r.devices:
+                    users.setdefault(uuid, set()).add((r.uid, r.job))
         return {
             uuid: replace(
                 held.get(uuid, empty),
                 unreserved_bytes=beyond.get(uuid, 0),
                 defaulted=tuple(sorted(defaulted.get(uuid, ()))),
+                users=tuple(sorted(users.get(uuid, ()))),
             )
             for uuid in held.keys() | beyond.keys()
         }
+
+    def placement_uid(self, holder_pid: int | None) -> int | None:
+        """The user placement keeps a run's devices to: its holder's real UID where MPS is
+        on (a control daemon serves one user at a time); None (no constraint) with MPS off,
+        without a holder, or where ``/proc`` does not say."""
+        if not self._mps.enabled or not holder_pid:
+            return None
+        return real_uid(holder_pid, self._proc_root)
 
     def _default_memory(self, uuid: str) -> int | None:
         return self._mps.limits(uuid).memory_bytes
@@ -451,17 +466,18 @@ class JobService:
                 placed = _override(job, request)
                 effective = _advised(placed, request)
                 self._refuse_unhealthy(effective)
+                uid = self.placement_uid(request.holder_pid)
                 if preview:
                     self.refuse_never(effective)
                 elif self.gate is not None and not admitted:
-                    where = self.gate(effective)
+                    where = self.gate(effective, uid)
                     if where is not None:
                         effective = replace(
                             effective, devices=where, mig_profile=None, gpu_count=None
                         )
                 if not self._mps.targets():
                     raise Unavailable("no GPU seen yet: the daemon is starting, retry shortly")
-                chosen = self.choose(effective)
+                chosen = self.choose(effective, uid=uid)
                 uuids = tuple(d.uuid for d in chosen)
                 # none of its own: each device's default, as placed, is its MPS client's
                 defaults = (
@@ -487,6 +503,7 @@ class JobService:
                             client_priority=effective.effective_priority,
                             holder_pid=request.holder_pid,
                             defaults=defaults,
+                            holder_uid=uid,
                         )
                         for observer in self._observers:
                             observer("reserve", reservation, placed, None)
@@ -539,10 +556,13 @@ class JobService:
         self,
         spec: JobSpec,
         now: tuple[Sequence[MpsTarget], Mapping[str, DeviceLoad]] | None = None,
+        *,
+        uid: int | None = None,
     ) -> tuple[MpsTarget, ...]:
         """:func:`choose_devices` among the healthy devices, with what is reserved now
         (``now``: those devices and loads, read once by a caller that asks for many); a
-        refusal names the unhealthy GPUs it left out, and why."""
+        refusal names the unhealthy GPUs it left out, and why. ``uid``: the run's user, from
+        :meth:`placement_uid`."""
         targets, loads = now if now is not None else (self.healthy_targets(), self.loads())
         try:
             return choose_devices(
@@ -551,6 +571,7 @@ class JobService:
                 loads,
                 memory_bytes=spec.memory_bytes,
                 default_memory=self._default_memory,
+                uid=uid,
             )
         except ResourceExhausted as err:
             sick = self.unhealthy()

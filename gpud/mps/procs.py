@@ -69,3 +69,24 @@ def started_at(pid: int, proc_root: Path = Path("/proc")) -> float | None:
         if name == "btime" and value.strip().isdigit():
             return int(value) + ticks / os.sysconf("SC_CLK_TCK")
     return None
+
+
+def status_line(pid: int | str, name: str, proc_root: Path = Path("/proc")) -> list[str] | None:
+    """The fields of line ``name:`` of ``/proc/<pid>/status``; None when the process is
+    gone or the line is missing."""
+    try:
+        status = (proc_root / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key == name:
+            return value.split()
+    return None
+
+
+def real_uid(pid: int, proc_root: Path = Path("/proc")) -> int | None:
+    """The real UID of ``pid`` (the first field of the ``Uid:`` line of
+    ``/proc/<pid>/status``); None when the process is gone or procfs does not say."""
+    fields = status_line(pid, "Uid", proc_root)
+    return int(fields[0]) if fields and fields[0].isdigit() else None

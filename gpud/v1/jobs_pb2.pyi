@@ -53,6 +53,8 @@ class JobReservation(_message.Message):
     CLIENT_PRIORITY_FIELD_NUMBER: _builtins.int
     HOLDER_PID_FIELD_NUMBER: _builtins.int
     CREATED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    HOLDER_UID_FIELD_NUMBER: _builtins.int
+    HOLDER_USER_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     job: _builtins.str
     threads_percent: _builtins.int
@@ -62,6 +64,11 @@ class JobReservation(_message.Message):
     """0 normal, 1 below normal"""
     holder_pid: _builtins.int
     created_unix_seconds: _builtins.float
+    holder_uid: _builtins.int
+    """the real UID of the holder process when it reserved, and its name (the number where the
+    node has none); absent: unknown (no holder, or reserved by an earlier gpud version)
+    """
+    holder_user: _builtins.str
     @_builtins.property
     def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """GPU / MIG UUIDs, in CUDA_VISIBLE_DEVICES order"""
@@ -77,19 +84,25 @@ class JobReservation(_message.Message):
         client_priority: _builtins.int = ...,
         holder_pid: _builtins.int | None = ...,
         created_unix_seconds: _builtins.float = ...,
+        holder_uid: _builtins.int | None = ...,
+        holder_user: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_memory_limit_bytes", b"_memory_limit_bytes", "_threads_percent", b"_threads_percent", "holder_pid", b"holder_pid", "memory_limit_bytes", b"memory_limit_bytes", "threads_percent", b"threads_percent"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_holder_uid", b"_holder_uid", "_memory_limit_bytes", b"_memory_limit_bytes", "_threads_percent", b"_threads_percent", "holder_pid", b"holder_pid", "holder_uid", b"holder_uid", "memory_limit_bytes", b"memory_limit_bytes", "threads_percent", b"threads_percent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_memory_limit_bytes", b"_memory_limit_bytes", "_threads_percent", b"_threads_percent", "client_priority", b"client_priority", "created_unix_seconds", b"created_unix_seconds", "devices", b"devices", "holder_pid", b"holder_pid", "id", b"id", "job", b"job", "memory_limit_bytes", b"memory_limit_bytes", "threads_percent", b"threads_percent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_holder_uid", b"_holder_uid", "_memory_limit_bytes", b"_memory_limit_bytes", "_threads_percent", b"_threads_percent", "client_priority", b"client_priority", "created_unix_seconds", b"created_unix_seconds", "devices", b"devices", "holder_pid", b"holder_pid", "holder_uid", b"holder_uid", "holder_user", b"holder_user", "id", b"id", "job", b"job", "memory_limit_bytes", b"memory_limit_bytes", "threads_percent", b"threads_percent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__holder_pid: _TypeAlias = _typing.Literal["holder_pid"]  # noqa: Y015
     _WhichOneofArgType__holder_pid: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid"]  # noqa: Y015
+    _WhichOneofReturnType__holder_uid: _TypeAlias = _typing.Literal["holder_uid"]  # noqa: Y015
+    _WhichOneofArgType__holder_uid: _TypeAlias = _typing.Literal["_holder_uid", b"_holder_uid"]  # noqa: Y015
     _WhichOneofReturnType__memory_limit_bytes: _TypeAlias = _typing.Literal["memory_limit_bytes"]  # noqa: Y015
     _WhichOneofArgType__memory_limit_bytes: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes"]  # noqa: Y015
     _WhichOneofReturnType__threads_percent: _TypeAlias = _typing.Literal["threads_percent"]  # noqa: Y015
     _WhichOneofArgType__threads_percent: _TypeAlias = _typing.Literal["_threads_percent", b"_threads_percent"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__holder_pid) -> _WhichOneofReturnType__holder_pid | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__holder_uid) -> _WhichOneofReturnType__holder_uid | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__memory_limit_bytes) -> _WhichOneofReturnType__memory_limit_bytes | None: ...
     @_typing.overload

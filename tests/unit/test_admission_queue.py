@@ -176,3 +176,45 @@ def test_harmless_checks_every_subset() -> None:
     assert not harmless(Vec(20, 0), head, [Vec(30, 0), Vec(30, 0)], cap)
     assert harmless(Vec(10, 0), head, [Vec(30, 0), Vec(30, 0)], cap)
     assert harmless(Vec(50, 0), Vec(90, 0), [], cap)  # the head can never use it
+
+
+def test_a_queued_job_starts_only_where_no_other_user_runs() -> None:
+    """Under MPS a control daemon serves one user at a time: a job of a known user starts on
+    no device a job of another known user holds, or started on in the same pass."""
+    node = [Device(f"GPU-{i}", i, None, "H100", Vec(80 * GIB, 100)) for i in range(2)]
+    fit = PlacementFit(node)
+    ten = Request(gpu_count=1, memory_bytes=10 * GIB)
+    held = [
+        Holding("x", ("GPU-0",), Vec(10 * GIB, 0), uid=1000),
+        Holding("y1", ("GPU-1",), Vec(10 * GIB, 0), uid=1001),
+        Holding("y2", ("GPU-1",), Vec(10 * GIB, 0), uid=1001),
+    ]
+    result = admission_pass([Queued("b", ten, 0, 0.0, uid=1001)], fit, held)
+    assert [(s.id, s.devices) for s in result.starts] == [("b", ("GPU-1",))]
+    queue = [
+        Queued("a", ten, 0, 0.0, uid=1000),
+        Queued("b", ten, 1, 0.0, uid=1001),
+        Queued("c", ten, 2, 0.0, uid=1000),
+        Queued("d", ten, 3, 0.0, uid=1002),
+        Queued("e", ten, 4, 0.0),  # user unknown: anywhere
+    ]
+    result = admission_pass(queue, fit, [], backfill=True)
+    assert [(s.id, s.devices) for s in result.starts] == [
+        ("a", ("GPU-0",)),
+        ("b", ("GPU-1",)),
+        ("c", ("GPU-0",)),
+        ("e", ("GPU-1",)),
+    ]
+    assert result.head == "d"
+
+
+def test_backfill_of_another_user_is_harmful_on_the_heads_devices() -> None:
+    node = [Device("GPU-0", 0, None, "H100", Vec(80 * GIB, 100))]
+    fit = PlacementFit(node)
+    held = [Holding("x", ("GPU-0",), Vec(70 * GIB, 0))]  # of no known user
+    head = Queued("h", Request(gpu_count=1, memory_bytes=20 * GIB), 0, 0.0, uid=1000)
+    small = Request(gpu_count=1, memory_bytes=5 * GIB)
+    other = admission_pass([head, Queued("s", small, 1, 0.0, uid=1001)], fit, held)
+    assert other.head == "h" and other.starts == []
+    own = admission_pass([head, Queued("s", small, 1, 0.0, uid=1000)], fit, held)
+    assert [(s.id, s.backfilled) for s in own.starts] == [("s", True)]
