@@ -24,7 +24,6 @@ import re
 from pathlib import Path
 
 from gpud.errors import FailedPrecondition
-from gpud.mps.procs import status_line
 
 _LINK = re.compile(r"pid:\[(\d+)\]")
 
@@ -48,6 +47,20 @@ def own_namespace() -> int | None:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return None
+
+
+def status_line(pid: int | str, name: str, proc_root: Path = Path("/proc")) -> list[str] | None:
+    """The fields of line ``name:`` of ``/proc/<pid>/status``; None when the process is
+    gone or the line is missing."""
+    try:
+        status = (proc_root / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key == name:
+            return value.split()
+    return None
 
 
 def ns_pids(pid: int | str, proc_root: Path = Path("/proc")) -> list[int] | None:

@@ -6,6 +6,8 @@ import contextlib
 import os
 from pathlib import Path
 
+from gpud.pidns import status_line
+
 # The largest PID Linux hands out (PID_MAX_LIMIT on 64-bit; /proc/sys/kernel/pid_max may not
 # exceed it). A larger number names no process, and os.kill refuses one past 2**31 with
 # OverflowError instead of an OSError.
@@ -68,20 +70,6 @@ def started_at(pid: int, proc_root: Path = Path("/proc")) -> float | None:
         name, _, value = line.partition(" ")
         if name == "btime" and value.strip().isdigit():
             return int(value) + ticks / os.sysconf("SC_CLK_TCK")
-    return None
-
-
-def status_line(pid: int | str, name: str, proc_root: Path = Path("/proc")) -> list[str] | None:
-    """The fields of line ``name:`` of ``/proc/<pid>/status``; None when the process is
-    gone or the line is missing."""
-    try:
-        status = (proc_root / str(pid) / "status").read_text()
-    except OSError:
-        return None
-    for line in status.splitlines():
-        key, _, value = line.partition(":")
-        if key == name:
-            return value.split()
     return None
 
 
