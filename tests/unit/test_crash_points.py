@@ -309,7 +309,7 @@ def test_a_traffic_tick_as_a_new_job_starts_keeps_its_tag(tmp_path: Path, holder
     assert node.traffic is not None
     traffic = node.traffic
 
-    def tick_meanwhile(spec: object) -> None:
+    def tick_meanwhile(spec: object, uid: object) -> None:
         traffic.tick()  # the job is tagged, not registered yet
 
     node.jobs.gate = tick_meanwhile
