@@ -135,6 +135,7 @@ def choose_devices(
     default_memory: Callable[[str], int | None] = lambda _: None,
     uid: int | None = None,
     name_of: Callable[[int], str] = user_name,
+    default_threads: Callable[[str], int | None] = lambda _: None,
 ) -> tuple[MpsTarget, ...]:
     """Where ``spec`` goes: its pinned devices, else one MIG device of ``spec.mig_profile``,
     else ``spec.gpu_count`` whole GPUs (default 1). The least loaded fitting devices win.
@@ -146,6 +147,12 @@ def choose_devices(
     unknown, or MPS off). A device where a reservation of another known user is held does
     not take it (its MPS control daemon serves one user at a time); where no other device
     fits, or a pinned device is such, it is refused naming that user (``name_of``).
+
+    Among devices that fit, one whose MPS defaults (``default_threads``, ``default_memory``:
+    ``set_default_active_thread_percentage``, ``set_default_device_pinned_mem_limit``) are
+    at least the job's own ``threads_percent`` and ``memory_bytes`` comes first: an MPS
+    client only narrows its server's limits, so on a device with lower defaults the job would
+    get those, not what it asks (``gpuctl run`` warns when it lands on one all the same).
 
     Raises :class:`NotFound` for devices the node does not have and
     :class:`ResourceExhausted`, with the numbers, when none has room for what it asks.
@@ -212,8 +219,17 @@ def choose_devices(
             chosen.append(by_uuid[uuid])
         return tuple(chosen)
 
-    def order(d: MpsTarget) -> tuple[int, int, int, int]:
-        return (len(loads.get(d.uuid, empty).jobs), -free(d), d.gpu, d.mig or 0)
+    def narrowed(d: MpsTarget) -> bool:
+        """The device's MPS defaults are below what the job asks for itself."""
+        threads, memory = default_threads(d.uuid), default_memory(d.uuid)
+        return (
+            spec.threads_percent is not None
+            and threads is not None
+            and spec.threads_percent > threads
+        ) or (memory_bytes is not None and memory is not None and memory_bytes > memory)
+
+    def order(d: MpsTarget) -> tuple[bool, int, int, int, int]:
+        return (narrowed(d), len(loads.get(d.uuid, empty).jobs), -free(d), d.gpu, d.mig or 0)
 
     if spec.mig_profile is not None:
         pool = [d for d in devices if d.mig is not None and d.profile == spec.mig_profile]

@@ -371,6 +371,11 @@ class JobService:
     def _default_memory(self, uuid: str) -> int | None:
         return self._mps.limits(uuid).memory_bytes
 
+    def _default_threads(self, uuid: str) -> int | None:
+        """The device's MPS default thread share where MPS serves it (None with MPS off: no
+        server narrows a job's share then)."""
+        return self._mps.limits(uuid).threads_percent if self._mps.enabled else None
+
     def _defaults(self) -> Callable[[str], int | None]:
         """:meth:`_default_memory` of every device from one read of the limits (a metrics
         scrape counts every reservation's devices)."""
@@ -572,6 +577,7 @@ class JobService:
                 memory_bytes=spec.memory_bytes,
                 default_memory=self._default_memory,
                 uid=uid,
+                default_threads=self._default_threads,
             )
         except ResourceExhausted as err:
             sick = self.unhealthy()

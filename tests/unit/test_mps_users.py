@@ -256,3 +256,34 @@ def test_a_state_dir_without_the_uid_column_loads(tmp_path: Path) -> None:
         assert not reservation_message(old).HasField("holder_uid")
     finally:
         store.close()
+
+
+# -- devices whose MPS defaults would narrow what the job asks --------------------------
+
+
+def test_a_device_whose_mps_defaults_are_below_the_jobs_own_limits_comes_last() -> None:
+    """An MPS client only narrows its server's limits: on GPU 1 (defaults 40 %, 20 GiB) a job
+    asking 60 % and 30 GiB would get 40 % and 20 GiB, so GPU 2 takes it though it has a job
+    already; where every device would narrow it, the usual order decides (gpuctl warns)."""
+    gpu1, gpu2 = gpu_uuid(1), gpu_uuid(2)
+    threads = {gpu1: 40}.get
+    memory = {gpu1: 20 * GIB}.get
+    loads = {gpu2: DeviceLoad(10 * GIB, ("other",))}
+    spec = JobSpec("j", threads_percent=60)
+
+    def chosen(spec: JobSpec, memory_bytes: int | None, **kw: object) -> str:
+        (d,) = choose_devices(
+            spec, DEVICES, loads, memory_bytes=memory_bytes, default_memory=memory,
+            default_threads=threads, **kw,  # type: ignore[arg-type]
+        )  # fmt: skip
+        return d.uuid
+
+    assert chosen(spec, None) == gpu2  # threads alone
+    assert chosen(JobSpec("j"), 30 * GIB) == gpu2  # memory alone
+    assert chosen(JobSpec("j", threads_percent=40), 20 * GIB) == gpu1  # within the defaults
+    assert chosen(JobSpec("j"), None) == gpu1  # asks nothing of its own
+    every = {gpu1: 40, gpu2: 40}.get
+    (d,) = choose_devices(
+        spec, DEVICES, loads, memory_bytes=None, default_memory=memory, default_threads=every
+    )
+    assert d.uuid == gpu1  # the fewest jobs, as before
