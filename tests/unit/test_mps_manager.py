@@ -1086,7 +1086,17 @@ def test_each_daemon_is_moved_into_a_cgroup_of_its_own(root: Path) -> None:
         assert cgroups.jobs() == [gpu_uuid(0)]
         mgr.leave()  # gpud stops: the running daemon keeps its cgroup
         assert cgroups.jobs() == [gpu_uuid(0)]
-        mgr.stop()
+    finally:
+        store.close()
+    # The next start, with MPS off, stops it and removes its cgroup, and that of a device
+    # gone meanwhile.
+    (root / "cg" / "gpud" / f"gpud-mps-{mig_uuid(5, 0)}").mkdir()
+    mgr, store, _ = make_manager(root, cgroups=cgroups, enabled=False)
+    try:
+        mgr.reconcile(NODE)
+        pid = pids[gpu_uuid(0)]
+        assert pid is not None
+        wait_dead(pid)
         assert cgroups.jobs() == []
     finally:
         mgr.stop()
