@@ -1129,7 +1129,7 @@ class MpsManager:
 
     def leave(self) -> None:
         """At gpud's stop: leave every daemon running for the jobs that use it (the next
-        start adopts them); say how many, once."""
+        start adopts them); say how many, once (the event goes to the log too)."""
         with self._lock:
             devices = list(self._devices.values())
         running = sum(1 for dev in devices if dev.daemon.pid() is not None)
@@ -1138,8 +1138,7 @@ class MpsManager:
                 f"leaving {running} MPS control daemon{'s' if running > 1 else ''} running for"
                 " the jobs that use them: the next start adopts them"
             )
-            log.info("%s", message)
-            self._events.emit("mps.leave", message, daemons=running)
+            self._events.emit("mps.leave", message, daemons=running)  # logged with it
 
     def stop(self) -> None:
         """``quit`` every daemon this manager runs (gpud's own stop leaves them:
