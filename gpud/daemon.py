@@ -236,8 +236,8 @@ class Daemon:
         """``mps_control_command``: the MPS control daemon to run (default
         ``mps.control_binary``); ``mps_cgroups``: where each MPS control daemon gets a cgroup
         of its own, so that it outlives gpud's stop under systemd (None: they stay in gpud's,
-        for the reason ``no_mps_cgroups``, said once in the log); ``build``: the identity of the code it runs (default
-        :func:`gpud.build.current`, computed now)."""
+        for the reason ``no_mps_cgroups``, said once in the log); ``build``: the identity of
+        the code it runs (default :func:`gpud.build.current`, computed now)."""
         self.config = config
         self.build = build_id.current() if build is None else build
         self.backend = backend
