@@ -62,6 +62,7 @@ from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
 from gpud.mps.metrics import MpsMetrics
 from gpud.net.api import NetServicer
+from gpud.net.cgroups import JobCgroups
 from gpud.net.metrics import TrafficMetrics
 from gpud.net.service import leveller_config
 from gpud.net.wiring import open_traffic
@@ -226,13 +227,17 @@ class Daemon:
         sim: SimNode | None,
         notifier: Notifier,
         mps_control_command: Sequence[str] | None = None,
+        mps_cgroups: JobCgroups | None = None,
+        no_mps_cgroups: str = "",
         reload_config: Callable[[], Config] | None = None,
         clock: Callable[[], float] = time.monotonic,
         build: str | None = None,
     ) -> None:
         """``mps_control_command``: the MPS control daemon to run (default
-        ``mps.control_binary``); ``build``: the identity of the code it runs (default
-        :func:`gpud.build.current`, computed now)."""
+        ``mps.control_binary``); ``mps_cgroups``: where each MPS control daemon gets a cgroup
+        of its own, so that it outlives gpud's stop under systemd (None: they stay in gpud's,
+        for the reason ``no_mps_cgroups``, said once in the log); ``build``: the identity of
+        the code it runs (default :func:`gpud.build.current`, computed now)."""
         self.config = config
         self.build = build_id.current() if build is None else build
         self.backend = backend
@@ -282,6 +287,8 @@ class Daemon:
             config.daemon.run_dir,
             control_command=list(mps_control_command or [config.mps.control_binary]),
             enabled=config.mps.enabled,
+            cgroups=mps_cgroups,
+            no_cgroups=no_mps_cgroups,
         )
         self.jobs = JobService(self.store, self.events, self.mps, socket_path=config.socket_path)
         self.admission = AdmissionService(
@@ -399,7 +406,8 @@ class Daemon:
         # the cluster's order first: the traffic step enforces it in the same pass
         self.add_step("cluster", self.cluster.tick)
         self.add_step("traffic", self._traffic_step)
-        self.on_shutdown(self.mps.stop)
+        # the MPS control daemons are left running for the jobs using them: see MpsManager
+        self.on_shutdown(self.mps.leave)
         self._traffic = Overrun("traffic", self._clock)
         self._mps = Overrun("mps", self._clock)
         self.on_shutdown(self._traffic_stop)

@@ -31,6 +31,7 @@ from gpud.notify import Notifier
 if TYPE_CHECKING:
     from gpud.backend.port import GpuBackend
     from gpud.backend.sim import SimNode
+    from gpud.net.cgroups import JobCgroups
 
 
 # Masked from every file gpud creates whatever umask it was started with (the unit's is 0027):
@@ -183,6 +184,23 @@ def mps_control_command(cfg: config.Config) -> list[str]:
 
         return [sys.executable, str(FAKE_MPS_CONTROL)]
     return [cfg.mps.control_binary]
+
+
+def mps_cgroups(
+    cfg: config.Config, mountinfo: Path = Path("/proc/self/mountinfo")
+) -> tuple[JobCgroups | None, str]:
+    """Where each MPS control daemon gets a cgroup of its own, or None and why not. A
+    simulated node's fake daemons stay in gpud's: they are no jobs' servers, and a test
+    run as root must not create cgroups on its host."""
+    from gpud.mps.manager import CGROUP_PREFIX
+    from gpud.net.cgroups import JobCgroups, find_cgroup2
+
+    if cfg.backend.kind == "sim":
+        return None, ""
+    mount = find_cgroup2(mountinfo)
+    if mount is None:
+        return None, "cgroup v2 is not mounted"
+    return JobCgroups(mount, parent=cfg.traffic.cgroup_parent, prefix=CGROUP_PREFIX), ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -390,12 +408,15 @@ def run(cfg: config.Config, args: argparse.Namespace) -> int:
     except GpudError as err:
         print(f"gpud: cannot open the GPU backend: {err}", file=sys.stderr)
         return 1
+    cgroups, no_cgroups = mps_cgroups(cfg)
     try:
         daemon = Daemon(
             cfg,
             backend=backend,
             sim=sim,
             mps_control_command=mps_control_command(cfg),
+            mps_cgroups=cgroups,
+            no_mps_cgroups=no_cgroups,
             notifier=Notifier.from_environ(os.environ),
             reload_config=lambda: load_config(args),
         )

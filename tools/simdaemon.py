@@ -9,11 +9,14 @@
 
 Runs ``python -m gpud.main`` with this interpreter, a config file of its own, and its own state
 and run directories under a fresh temporary directory (removed afterwards, with the daemon
-stopped by SIGTERM, or killed if it does not stop).
+stopped by SIGTERM, or killed if it does not stop, and the MPS control daemons it left
+running killed: :func:`kill_mps_daemons`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -25,6 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpud.mps.procs import alive
+
 
 @dataclass(frozen=True)
 class SimDaemon:
@@ -32,6 +37,34 @@ class SimDaemon:
     socket: Path
     metrics_url: str
     log: Path
+
+
+def kill_mps_daemons(root: Path, *, quit_first: bool = False) -> list[int]:
+    """Stop every MPS control daemon whose PID file lies under ``root``: gpud leaves them
+    running at its stop, for the next start to adopt. SIGKILL (the fake one's servers exit
+    with it); ``quit_first``: ``echo quit`` to it first, through its own program and pipe
+    directory, as a real daemon's servers want (killed only if still there 10 s later).
+    Returns the PIDs of those that were running."""
+    stopped = []
+    for pid_file in root.rglob("nvidia-cuda-mps-control.pid"):
+        with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
+            pid = int(pid_file.read_text())
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+            # a control daemon still: the PID of one that died may have been reused
+            if not alive(pid) or not any(b"mps" in arg for arg in argv):
+                continue
+            stopped.append(pid)
+            if quit_first:
+                env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pid_file.parent)}
+                command = [os.fsdecode(a) for a in argv if a != b"-d"]
+                subprocess.run(command, input=b"quit\n", env=env, timeout=10, check=False)
+                deadline = time.monotonic() + 10
+                while alive(pid) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            if alive(pid):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+    return stopped
 
 
 def free_port() -> int:
@@ -94,3 +127,4 @@ def simulated_gpud(
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(5)
+            kill_mps_daemons(work / "run")

@@ -69,8 +69,13 @@ class ControlDaemon:
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
         statvfs: Callable[[Path], os.statvfs_result] = os.statvfs,
+        place: Callable[[int], None] = lambda pid: None,
     ) -> None:
+        """``place(pid)``: called with the PID of a daemon :meth:`start` started, as soon as
+        its PID file names it (before it answers, before any client): moves it into a cgroup
+        of its own (see :class:`gpud.mps.manager.MpsManager`). It raises nothing."""
         self.uuid = uuid
+        self._place = place
         self._statvfs = statvfs
         self.directory = device_dir(run_dir, uuid)
         self.pipe_dir = self.directory / "pipe"
@@ -180,8 +185,12 @@ class ControlDaemon:
                 code=result.returncode,
             )
         deadline = self._clock() + self._timeout_s
+        placed = None
         while True:
             pid = self.pid()
+            if pid is not None and pid != placed:
+                self._place(pid)
+                placed = pid
             if pid is not None:
                 try:
                     self.query(protocol.get_server_list())

@@ -23,7 +23,19 @@ Defaults reach only MPS servers started later, so a change is also sent to every
 server (``set_active_thread_percentage <PID>``, ``set_device_pinned_mem_limit <PID> 0``),
 which affects that server's new clients.
 
-A daemon found running at start (gpud restarted) is adopted, not started twice.
+A daemon found running at start (gpud restarted) is adopted, not started twice. gpud's stop
+leaves the daemons running (:meth:`MpsManager.leave`): jobs using MPS keep their servers
+through a restart (an upgrade, a setting that needs one), and the next start adopts them with
+their limits. Only a device gone, MPS disabled (for the device, or ``mps.enabled = false``,
+whose next start stops any left) or an operator's change stops a daemon.
+
+Under systemd everything left in the unit's cgroup is killed at its stop (``KillMode=mixed``),
+the MPS servers a daemon spawned (its children) with it: so each daemon is moved, as soon as it
+started, into a cgroup of its own, ``<cgroup2 mount>/<traffic.cgroup_parent>/gpud-mps-<uuid>``
+(beside the jobs' ``gpud-job-<name>``; the parent holds no process, as cgroup v2 wants), and
+the servers it spawns later start there. The directory is removed when its daemon is stopped
+for good. Without a writable cgroup v2 the daemons stay in gpud's cgroup (said once in the
+log) and, under systemd, end with gpud's stop.
 
 Limits set on a MIG device are also kept by where the device is, in ``mps_mig_limits``: the
 GPU's UUID, the GPU instance's placement and the profile. A GPU reset or a reboot re-creates
@@ -56,6 +68,7 @@ from gpud.errors import (
 from gpud.events import EventLog
 from gpud.mps import protocol
 from gpud.mps.daemon import DEFAULT_BASE_ENV, ControlDaemon
+from gpud.net.cgroups import JobCgroups
 from gpud.shared import format_size
 from gpud.store import StateStore
 from gpud.telemetry.snapshot import Snapshot
@@ -70,6 +83,8 @@ MAX_PARALLEL = 64
 # twice this stays under gpuctl's own 10 s deadline, so a daemon that has just hung is named
 # in the answer instead of gpuctl saying that gpud did not answer
 REQUEST_TIMEOUT_S = 2.0
+# each control daemon's cgroup: <cgroup2 mount>/<traffic.cgroup_parent>/gpud-mps-<uuid>
+CGROUP_PREFIX = "gpud-mps-"
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS mps_limits (
@@ -257,6 +272,10 @@ class MpsManager:
     and checks; never are two commands sent to one daemon at once. ``request_timeout_s``
     bounds what an operator's change waits on a daemon; ``parallel``, how many devices a
     pass reconciles at once.
+
+    ``cgroups``: where each daemon gets a cgroup of its own (prefix :data:`CGROUP_PREFIX`),
+    None to leave them in gpud's; ``no_cgroups``: why there is none, said once in the log
+    at the first daemon started ("" says nothing: a simulated node, tests).
     """
 
     def __init__(
@@ -277,8 +296,13 @@ class MpsManager:
         proc_root: Path = Path("/proc"),
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        cgroups: JobCgroups | None = None,
+        no_cgroups: str = "",
     ) -> None:
         self._store = store
+        self._cgroups = cgroups
+        self._no_cgroups = no_cgroups
+        self._cgroup_said = False  # why daemons stay in gpud's cgroup, said once
         self._events = events
         self._run_dir = run_dir
         self._command = list(control_command)
@@ -621,7 +645,45 @@ class MpsManager:
             proc_root=self._proc_root,
             sleep=self._sleep,
             clock=self._clock,
+            place=functools.partial(self._place, uuid),
         )
+
+    def _place(self, uuid: str, pid: int) -> None:
+        """Move the daemon just started into its own cgroup (see the module docstring)."""
+        if self._cgroups is None:
+            self._say_cgroup(self._no_cgroups)
+            return
+        try:
+            self._cgroups.place(uuid, pid)
+        except NotFound:
+            pass  # it died already: its start fails, and says why
+        except (GpudError, OSError) as err:
+            self._say_cgroup(str(err))
+
+    def _say_cgroup(self, why: str) -> None:
+        with self._lock:
+            if not why or self._cgroup_said:
+                return
+            self._cgroup_said = True
+        log.warning(
+            "MPS control daemons stay in gpud's own cgroup (%s): under systemd they, and the"
+            " MPS jobs they serve, end when gpud stops or restarts",
+            why,
+        )
+
+    def _remove_cgroup(self, uuid: str) -> None:
+        """Remove the cgroup of a daemon stopped for good, once its servers have left it."""
+        cgroups = self._cgroups
+        if cgroups is None or not cgroups.dir(uuid).exists():
+            return
+        deadline = self._clock() + 2.0
+        while not cgroups.remove(uuid):
+            if not cgroups.dir(uuid).exists():
+                return
+            if self._clock() >= deadline:
+                log.warning("cannot remove %s: processes remain in it", cgroups.dir(uuid))
+                return
+            self._sleep(0.05)
 
     # -- the loop --------------------------------------------------------------------------
     def observe_snapshot(self, snapshot: Snapshot) -> None:
@@ -752,6 +814,11 @@ class MpsManager:
                     pid=pid,
                 )
             daemon.remove_directory()
+            self._remove_cgroup(uuid)
+        if self._cgroups is not None:
+            for uuid in self._cgroups.jobs():
+                if uuid not in known:
+                    self._remove_cgroup(uuid)
         self._swept = True
 
     @contextlib.contextmanager
@@ -1040,6 +1107,7 @@ class MpsManager:
                 )
             dev.up = False
             dev.started = False
+            self._remove_cgroup(uuid)
             if remove:
                 dev.daemon.remove_directory()
         with self._lock:
@@ -1059,8 +1127,22 @@ class MpsManager:
             dev.servers = tuple(servers)
             return servers
 
+    def leave(self) -> None:
+        """At gpud's stop: leave every daemon running for the jobs that use it (the next
+        start adopts them); say how many, once (the event goes to the log too)."""
+        with self._lock:
+            devices = list(self._devices.values())
+        running = sum(1 for dev in devices if dev.daemon.pid() is not None)
+        if running:
+            message = (
+                f"leaving {running} MPS control daemon{'s' if running > 1 else ''} running for"
+                " the jobs that use them: the next start adopts them"
+            )
+            self._events.emit("mps.leave", message, daemons=running)  # logged with it
+
     def stop(self) -> None:
-        """At shutdown: ``quit`` every daemon this manager runs."""
+        """``quit`` every daemon this manager runs (gpud's own stop leaves them:
+        :meth:`leave`)."""
         with self._lock:
             uuids = list(self._devices)
         for uuid in uuids:

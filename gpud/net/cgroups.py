@@ -42,19 +42,29 @@ def find_cgroup2(mountinfo: Path = Path("/proc/self/mountinfo")) -> Path | None:
 
 
 class JobCgroups:
-    """The jobs' cgroup directories under ``mount / parent``.
+    """The jobs' cgroup directories under ``mount / parent``: ``<prefix><name>`` each.
 
     ``nft_root`` is where nft resolves cgroup paths (``/sys/fs/cgroup``); tests pass a
-    temporary tree for both.
+    temporary tree for both. ``prefix``: ``gpud-job-`` for jobs; the MPS control daemons
+    have cgroups of their own beside them (``gpud-mps-<uuid>``, :mod:`gpud.mps.manager`),
+    which no job listing sees.
     """
 
-    def __init__(self, mount: Path, *, parent: str = "gpud", nft_root: Path = NFT_CGROUP_ROOT):
+    def __init__(
+        self,
+        mount: Path,
+        *,
+        parent: str = "gpud",
+        nft_root: Path = NFT_CGROUP_ROOT,
+        prefix: str = PREFIX,
+    ):
         self.mount = mount
         self.base = mount / parent
         self.nft_root = nft_root
+        self.prefix = prefix
 
     def dir(self, job: str) -> Path:
-        return self.base / f"{PREFIX}{job}"
+        return self.base / f"{self.prefix}{job}"
 
     def ensure(self, job: str) -> Path:
         """The job's directory, made with those above it up to the mount where missing.
@@ -92,7 +102,7 @@ class JobCgroups:
             names = os.listdir(self.base)
         except OSError:
             return []
-        return sorted(n[len(PREFIX) :] for n in names if n.startswith(PREFIX))
+        return sorted(n[len(self.prefix) :] for n in names if n.startswith(self.prefix))
 
     def busy(self, job: str) -> bool:
         """Whether a process is in the job's cgroup (its ``cgroup.procs`` lists one)."""

@@ -19,8 +19,10 @@ import pytest
 
 from gpud.mps.procs import alive
 from gpud.mps.protocol import CONTROL_SOCKET, PID_FILE
+from gpud.net.cgroups import find_cgroup2
 from gpud.shared import GIB
 from tests.integration.conftest import RunningDaemon, start_daemon, stop_daemon
+from tools.simdaemon import kill_mps_daemons
 
 pytestmark = pytest.mark.gpu
 
@@ -121,9 +123,38 @@ def test_mps_limits_reach_the_daemon_and_a_jobs_client(real_nvml: Any, tmp_path:
             free, servers, _ = ran.stdout.split()[-3:]
             assert 0 < int(free) <= 20 * GIB, f"the client may take {free} bytes under 20 GiB"
     finally:
-        assert stop_daemon(daemon) == 0
-        if pid_file is not None and pid_file.exists():
-            assert not alive(int(pid_file.read_text().split()[0])), (
-                "the control daemon outlived gpud"
-            )
-        shutil.rmtree(run_dir, ignore_errors=True)
+        # gpud's stop leaves the control daemon running (for the jobs using it: the next
+        # start adopts it), out of gpud's cgroup; the test then stops it with `quit`, as the
+        # README says to when taking gpud off a node (nothing else: no mode is changed).
+        assert stop_daemon(daemon, leave_mps=True) == 0
+        try:
+            if pid_file is not None and pid_file.exists():
+                pid = int(pid_file.read_text().split()[0])
+                assert alive(pid), "gpud's stop ended the control daemon"
+                if find_cgroup2() is not None:  # out of gpud's cgroup, into its own
+                    own = Path(f"/proc/{pid}/cgroup").read_text()
+                    uuid = pid_file.parent.parent.name
+                    assert f"/gpud-mps-{uuid}\n" in own, own
+        finally:
+            _quit(pid_file)
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _quit(pid_file: Path | None) -> None:
+    """Stop the control daemon gpud left (``quit``), as an operator would when taking gpud
+    off a node, and remove its cgroup."""
+    if pid_file is None:
+        return
+    kill_mps_daemons(pid_file.parent, quit_first=True)
+    mount = find_cgroup2()
+    if mount is None:
+        return
+    cgroup = mount / "gpud" / f"gpud-mps-{pid_file.parent.parent.name}"
+    for _ in range(50):
+        try:
+            cgroup.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.1)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tools.simdaemon import kill_mps_daemons
+
 # gpud and gpuctl: beside the test interpreter (its virtual environment), or in GPUD_TEST_BIN
 # (tests/gpu/run.sh --python makes them there for an interpreter without them).
 BIN = Path(os.environ.get("GPUD_TEST_BIN") or Path(sys.executable).parent)
@@ -33,6 +35,7 @@ class RunningDaemon:
     metrics_port: int
     notify: socket.socket | None = None
     log: Path = field(default_factory=Path)
+    run: Path = field(default_factory=Path)
 
     def gpuctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
@@ -116,7 +119,7 @@ def start_daemon(
                 **(env or {}),
             },
         )
-    daemon = RunningDaemon(proc, root, sock, port, notify, log)
+    daemon = RunningDaemon(proc, root, sock, port, notify, log, run)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -128,7 +131,9 @@ def start_daemon(
     raise AssertionError(f"gpud did not start:\n{log.read_text()}")
 
 
-def stop_daemon(daemon: RunningDaemon) -> int:
+def stop_daemon(daemon: RunningDaemon, *, leave_mps: bool = False) -> int:
+    """SIGTERM gpud and wait for it; then stop (``quit``) the MPS control daemons it leaves
+    running at its stop (for its next start to adopt), unless ``leave_mps``."""
     if daemon.proc.poll() is None:
         daemon.proc.send_signal(signal.SIGTERM)
         try:
@@ -138,6 +143,8 @@ def stop_daemon(daemon: RunningDaemon) -> int:
             daemon.proc.wait()
     if daemon.notify is not None:
         daemon.notify.close()
+    if not leave_mps:
+        kill_mps_daemons(daemon.run, quit_first=True)
     return daemon.proc.returncode
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from gpud.mps.procs import alive
 from tests.integration.conftest import BIN, RunningDaemon, start_daemon, stop_daemon
 
 pytestmark = pytest.mark.integration
@@ -203,13 +204,17 @@ def test_mig_layout_survives_restart_and_is_recreated_after_reboot(tmp_path: Pat
 def test_mps_limits_held_restarted_and_handed_to_jobs(tmp_path: Path) -> None:
     # MPS control sockets live under the run dir: keep it short (unix socket path limit).
     short = Path(tempfile.mkdtemp(prefix="gpud-", dir="/tmp"))
-    daemon = start_daemon(
-        tmp_path / "g",
-        "--simulate",
-        "H100-SXM5-80GB:2",
-        config_text="[mps]\nenabled = true\n",
-        run_dir=short,
-    )
+
+    def start() -> RunningDaemon:
+        return start_daemon(
+            tmp_path / "g",
+            "--simulate",
+            "H100-SXM5-80GB:2",
+            config_text="[mps]\nenabled = true\n",
+            run_dir=short,
+        )
+
+    daemon = start()
 
     def devices() -> dict[int, dict[str, object]]:
         shown = json.loads(daemon.gpuctl("mps", "show", "--json").stdout)
@@ -280,11 +285,27 @@ def test_mps_limits_held_restarted_and_handed_to_jobs(tmp_path: Path) -> None:
         finally:
             holder.terminate()
             holder.wait(timeout=30)
+        before = {d["uuid"]: d["pid"] for d in devices().values()}
+        # A restart (an upgrade, say) leaves the control daemons running for the jobs that
+        # use them, and the next gpud adopts them with their limits.
+        stop_daemon(daemon, leave_mps=True)
+        assert daemon.log.read_text().count("leaving 2 MPS control daemons running") == 1
+        for pid in before.values():
+            assert alive(int(pid)), "gpud's stop left its control daemons running"  # type: ignore[call-overload]
+        daemon = start()
+        wait_for(lambda: all(d["up"] for d in devices().values()))
+        after = devices()
+        assert {d["uuid"]: d["pid"] for d in after.values()} == before
+        assert after[0]["observed_threads_percent"] == 40.0
+        assert after[0]["observed_memory_limit_bytes"] == 20 << 30
+        assert after[1]["observed_threads_percent"] == 70.0
+        events = json.loads(daemon.gpuctl("events", "--json").stdout)["events"]
+        kinds = [e["kind"] for e in events]
+        assert "mps.leave" in kinds
+        assert kinds[kinds.index("mps.leave") :].count("mps.adopt") == 2
     finally:
         stop_daemon(daemon)
-        pids = list(short.glob("mps/*/pipe/nvidia-cuda-mps-control.pid"))
         shutil.rmtree(short, ignore_errors=True)
-    assert not pids, "gpud stops its control daemons with `quit`"
 
 
 def test_processes_on_gpus_are_attributed_to_their_jobs(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from gpud.backend.port import (
 )
 from gpud.events import EventLog
 from gpud.telemetry.snapshot import CriticalXid, GpuSample, MigSample, Snapshot
+from tools.simdaemon import kill_mps_daemons
 
 GIB = 1024**3
 NOW = 1000.0  # the fake monotonic clock
@@ -176,9 +177,13 @@ def make_events() -> EventLog:
 
 @contextmanager
 def short_dir() -> Iterator[Path]:
-    """A short directory: unix socket paths must fit in 107 bytes."""
+    """A short directory: unix socket paths must fit in 107 bytes. The MPS control daemons
+    a gpud run there left running at its stop are killed at the end."""
     with tempfile.TemporaryDirectory(prefix="gpud-api-") as d:
-        yield Path(d)
+        try:
+            yield Path(d)
+        finally:
+            kill_mps_daemons(Path(d))
 
 
 def make_servicer(

@@ -4,9 +4,7 @@ manager running the fake control daemon, and clean-up of every daemon a test sta
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import signal
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -15,10 +13,10 @@ from pathlib import Path
 from gpud.backend.port import GpuIdentity, MemoryInfo, MigDeviceIdentity, MigMode, ProcessInfo
 from gpud.events import EventLog
 from gpud.mps.manager import MpsManager
-from gpud.mps.procs import alive
 from gpud.sim_tools import FAKE_MPS_CONTROL
 from gpud.store import StateStore
 from gpud.telemetry.snapshot import GpuSample, MigSample, Snapshot
+from tools.simdaemon import kill_mps_daemons
 
 GIB = 1024**3
 FAKE_CONTROL = (sys.executable, str(FAKE_MPS_CONTROL))
@@ -109,12 +107,7 @@ def short_dir() -> Iterator[Path]:
 
 def kill_daemons(root: Path) -> None:
     """SIGKILL every control daemon under ``root`` (its servers exit with it)."""
-    for pid_file in root.rglob("nvidia-cuda-mps-control.pid"):
-        with contextlib.suppress(OSError, ValueError):
-            pid = int(pid_file.read_text())
-            if alive(pid):
-                os.kill(pid, signal.SIGCONT)
-                os.kill(pid, signal.SIGKILL)
+    kill_mps_daemons(root)
 
 
 def make_manager(

@@ -17,6 +17,7 @@ from gpud.cli.main import main
 from gpud.config import Config
 from gpud.daemon import Daemon
 from gpud.main import mps_control_command, open_backend
+from gpud.mps.procs import alive
 from gpud.notify import Notifier
 from gpud.store import StateStore
 from gpud.telemetry.seen import Seen, SeenGpus
@@ -482,3 +483,31 @@ def test_a_job_in_a_mig_device_of_a_lost_gpu_stays_on_it_in_colo_show(
         assert placements()["b"]["gpu"] == 1
 
     run_daemon(config, body)
+
+
+def test_gpuds_stop_leaves_the_mps_control_daemons_running(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A restart (an upgrade, a setting that needs one) must not take their MPS servers
+    from running jobs: the next start adopts the daemons."""
+    config = make_config(root).with_overrides({"mps.enabled": True}, source="test")
+    gpuctl = Gpuctl(config, capsys)
+
+    def body() -> list[int]:
+        deadline = time.monotonic() + 20
+        while True:
+            code, out, err = gpuctl("--json", "mps", "show")
+            assert code == 0, err
+            devices = json.loads(out)["devices"]
+            if devices and all(d.get("up") for d in devices):
+                return [int(d["pid"]) for d in devices]
+            assert time.monotonic() < deadline, devices
+            time.sleep(0.05)
+
+    pids = run_daemon(config, body)
+    assert len(pids) == 2
+    assert all(alive(pid) for pid in pids)
+    with (root / "state" / "events.jsonl").open() as lines:
+        events = [json.loads(line) for line in lines]
+    (left,) = [e for e in events if e["kind"] == "mps.leave"]
+    assert left["message"].startswith("leaving 2 MPS control daemons running")

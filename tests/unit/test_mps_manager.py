@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from gpud.backend.port import MigMode, unknown_identity
 from gpud.cli.mps import device_row, unhealthy_notes
 from gpud.cli.output import message_to_dict
+from gpud.config import Config
 from gpud.errors import (
     BackendError,
     DriverTimeout,
@@ -33,9 +34,11 @@ from gpud.errors import (
     ResourceExhausted,
 )
 from gpud.events import EventLog
+from gpud.main import mps_cgroups
 from gpud.mps.api import device_message
 from gpud.mps.daemon import ControlDaemon
 from gpud.mps.manager import (
+    CGROUP_PREFIX,
     MpsLimits,
     MpsManager,
     MpsTarget,
@@ -45,6 +48,7 @@ from gpud.mps.manager import (
 from gpud.mps.metrics import MpsMetrics
 from gpud.mps.procs import alive
 from gpud.mps.protocol import PID_FILE
+from gpud.net.cgroups import JobCgroups
 from gpud.shared import GIB, MIB
 from gpud.store import StateStore
 from gpud.telemetry.snapshot import GpuSample
@@ -357,12 +361,25 @@ def test_a_hung_daemon_is_killed_and_restarted(root: Path) -> None:
         store.close()
 
 
-def test_limits_persist_and_a_running_daemon_is_adopted(root: Path) -> None:
-    first, store, _ = make_manager(root)
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_limits_persist_and_a_running_daemon_is_adopted(root: Path, how: str) -> None:
+    """gpud killed, or stopped (a restart: its stop leaves the daemons running for the jobs
+    that use them, and says so once)."""
+    first, store, events = make_manager(root)
     first.reconcile(NODE)
     first.set_limits("1", threads_percent=25, memory_bytes=4 * GIB)
     pids = {s.target.uuid: s.pid for s in first.status()}
-    store.close()  # gpud dies without stopping its daemons
+    if how == "stopped":
+        first.leave()
+        (left,) = [e for e in events.recent() if e.kind == "mps.leave"]
+        assert left.message == (
+            "leaving 2 MPS control daemons running for the jobs that use them: the next"
+            " start adopts them"
+        )
+        assert left.fields["daemons"] == 2
+        assert not [e for e in events.recent() if e.kind == "mps.stop"]
+    store.close()
+    assert all(pid is not None and alive(pid) for pid in pids.values())
 
     second, store, events = make_manager(root)
     try:
@@ -1026,3 +1043,99 @@ def test_every_directory_to_the_pipes_lets_other_users_through(root: Path) -> No
     pipe = root / "run" / "mps" / gpu_uuid(0) / "pipe"
     for directory in (pipe.parent.parent, pipe.parent, pipe):
         assert stat.S_IMODE(directory.stat().st_mode) == 0o755, directory
+
+
+def test_with_no_daemon_running_a_stop_says_nothing(root: Path) -> None:
+    mgr, store, events = make_manager(root, enabled=False)
+    try:
+        mgr.reconcile(NODE)
+        mgr.leave()
+        assert not events.recent()
+    finally:
+        store.close()
+
+
+class PlainCgroupTree(JobCgroups):
+    """Cgroup directories in a plain directory tree: ``cgroup.procs`` is a file, and a
+    directory goes (as the kernel removes a cgroup) once no process it lists runs."""
+
+    def remove(self, job: str) -> bool:
+        if any(alive(pid) for pid in self.pids(job)):
+            return False
+        (self.dir(job) / "cgroup.procs").unlink(missing_ok=True)
+        return super().remove(job)
+
+
+def test_each_daemon_is_moved_into_a_cgroup_of_its_own(root: Path) -> None:
+    """Out of gpud's own cgroup, whose processes systemd kills at gpud's stop (KillMode=mixed):
+    ``<mount>/<traffic.cgroup_parent>/gpud-mps-<uuid>``, removed once the daemon is stopped
+    for good, kept when gpud's stop leaves it running."""
+    cgroups = PlainCgroupTree(root / "cg", parent="gpud", prefix=CGROUP_PREFIX)
+    (root / "cg").mkdir()
+    mgr, store, _ = make_manager(root, cgroups=cgroups)
+    try:
+        mgr.reconcile(NODE)
+        pids = {s.target.uuid: s.pid for s in mgr.status()}
+        for uuid, pid in pids.items():
+            directory = root / "cg" / "gpud" / f"gpud-mps-{uuid}"
+            assert (directory / "cgroup.procs").read_text() == f"{pid}\n"
+            assert stat.S_IMODE(directory.stat().st_mode) == 0o755
+        assert stat.S_IMODE((root / "cg" / "gpud").stat().st_mode) == 0o755
+        assert cgroups.jobs() == sorted(pids)
+        mgr.set_limits("1", enabled=False)  # stopped for good: its cgroup goes
+        assert cgroups.jobs() == [gpu_uuid(0)]
+        mgr.leave()  # gpud stops: the running daemon keeps its cgroup
+        assert cgroups.jobs() == [gpu_uuid(0)]
+    finally:
+        store.close()
+    # The next start, with MPS off, stops it and removes its cgroup, and that of a device
+    # gone meanwhile.
+    (root / "cg" / "gpud" / f"gpud-mps-{mig_uuid(5, 0)}").mkdir()
+    mgr, store, _ = make_manager(root, cgroups=cgroups, enabled=False)
+    try:
+        mgr.reconcile(NODE)
+        pid = pids[gpu_uuid(0)]
+        assert pid is not None
+        wait_dead(pid)
+        assert cgroups.jobs() == []
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_without_a_usable_cgroup_daemons_run_in_gpuds_and_it_is_said_once(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (root / "cg").mkdir()
+    (root / "cg" / "gpud").write_text("")  # no directory can be made there
+    cgroups = PlainCgroupTree(root / "cg", parent="gpud", prefix=CGROUP_PREFIX)
+    for options in (
+        {"cgroups": cgroups},
+        {"cgroups": None, "no_cgroups": "cgroup v2 is not mounted"},
+    ):
+        caplog.clear()
+        mgr, store, _ = make_manager(root, **options)
+        try:
+            mgr.reconcile(NODE)
+            assert all(s.up for s in mgr.status())
+            said = [r.getMessage() for r in caplog.records if "own cgroup" in r.getMessage()]
+            assert len(said) == 1, said
+            assert "under systemd they, and the MPS jobs they serve, end when gpud" in said[0]
+        finally:
+            mgr.stop()
+            store.close()
+    assert "cgroup v2 is not mounted" in said[0]
+
+
+def test_daemons_get_cgroups_under_the_traffic_cgroup_parent(tmp_path: Path) -> None:
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text("30 24 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n")
+    config = Config().with_overrides({"traffic.cgroup_parent": "infra/gpud"}, source="test")
+    cgroups, why = mps_cgroups(config, mountinfo)
+    assert cgroups is not None and why == ""
+    assert cgroups.dir(gpu_uuid(0)) == Path(f"/sys/fs/cgroup/infra/gpud/gpud-mps-{gpu_uuid(0)}")
+    mountinfo.write_text("30 24 0:26 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n")
+    assert mps_cgroups(config, mountinfo) == (None, "cgroup v2 is not mounted")
+    # a simulated node's fake daemons stay in gpud's cgroup, and say nothing of it
+    sim = config.with_overrides({"backend.kind": "sim"}, source="test")
+    assert mps_cgroups(sim, tmp_path / "none") == (None, "")
