@@ -50,9 +50,9 @@ def _group_name(gid: int) -> str:
 
 
 def _why(directory: Path, st: os.stat_result) -> str:
+    group = f" and group {_group_name(st.st_gid)}" if st.st_mode & stat.S_IXGRP else ""
     return (
-        f"{directory} (mode {stat.S_IMODE(st.st_mode):04o}) lets only its owner and group"
-        f" {_group_name(st.st_gid)} through"
+        f"{directory} (mode {stat.S_IMODE(st.st_mode):04o}) lets only its owner{group} through"
         f": give it o+x (chmod o+x {directory}; the shipped unit's"
         " RuntimeDirectoryMode=0711 does)"
     )

@@ -113,6 +113,8 @@ class Device:
     size_known: bool = True
     # its MPS default pinned memory limit: what a client that sets none is pinned to
     default_memory: int | None = None
+    # its MPS default thread share where MPS serves it: a client's own share only narrows it
+    default_threads: int | None = None
 
     @property
     def is_mig(self) -> bool:

@@ -21,9 +21,11 @@ def from_targets(
     targets: Sequence[MpsTarget],
     products: Mapping[int, str] = {},
     default_memory: Mapping[str, int] = {},
+    default_threads: Mapping[str, int] = {},
 ) -> list[Device]:
     """The devices the daemon's MPS manager knows (one per GPU, or per MIG device), each
-    with its MPS default pinned memory limit (``default_memory[uuid]``, where it has one).
+    with its MPS default pinned memory limit (``default_memory[uuid]``, where it has one)
+    and thread share (``default_threads[uuid]``).
 
     A GPU never read since gpud started (lost, hung: UUID "", memory 0, as ``nvidia-smi``
     cannot list it either) has the framebuffer of its product as last seen
@@ -32,8 +34,17 @@ def from_targets(
     for t in targets:
         if t.uuid:
             capacity = Vec(t.memory_total_bytes, THREADS_CAPACITY)
-            default = default_memory.get(t.uuid)
-            out.append(Device(t.uuid, t.gpu, t.mig, t.profile, capacity, default_memory=default))
+            out.append(
+                Device(
+                    t.uuid,
+                    t.gpu,
+                    t.mig,
+                    t.profile,
+                    capacity,
+                    default_memory=default_memory.get(t.uuid),
+                    default_threads=default_threads.get(t.uuid),
+                )
+            )
             continue
         spec = lookup(products.get(t.gpu, ""))
         memory = spec.memory_mib * MIB if spec is not None else 0

@@ -54,6 +54,9 @@ class PlacementFit:
     def _default_memory(self, uuid: str) -> int | None:
         return self._by_uuid[uuid].default_memory
 
+    def _default_threads(self, uuid: str) -> int | None:
+        return self._by_uuid[uuid].default_threads
+
     def demand(self, request: Request) -> Demand | Unfeasible:
         need = request.per_device
         if need.threads > THREADS_CAPACITY:
@@ -112,6 +115,7 @@ class PlacementFit:
             devices=request.devices,
             mig_profile=request.mig_profile,
             gpu_count=request.gpu_count,
+            threads_percent=request.threads_percent,
         )
         try:
             chosen = choose_devices(
@@ -120,6 +124,7 @@ class PlacementFit:
                 device_loads,
                 memory_bytes=request.memory_bytes,
                 default_memory=self._default_memory,
+                default_threads=self._default_threads,
             )
         except (NotFound, ResourceExhausted):
             return None

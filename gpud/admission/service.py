@@ -293,12 +293,15 @@ class AdmissionService:
     # -- devices and fit ------------------------------------------------------------------
     def fit(self) -> FitCheck | None:
         """What fits, over the devices the daemon sees now (None before the first sample)."""
-        defaults = {
-            uuid: limits.memory_bytes
-            for uuid, limits in self._mps.all_limits().items()
-            if limits.memory_bytes is not None
+        limits = self._mps.all_limits()
+        memory = {u: n.memory_bytes for u, n in limits.items() if n.memory_bytes is not None}
+        # as the jobs service places: a thread share narrows a job's only where MPS serves
+        threads = {
+            u: n.threads_percent
+            for u, n in limits.items()
+            if n.threads_percent is not None and self._mps.enabled
         }
-        devices = tuple(from_targets(self._mps.targets(), self._products(), defaults))
+        devices = tuple(from_targets(self._mps.targets(), self._products(), memory, threads))
         if not devices:
             return None
         if self._fit is None or self._fit[0] != devices:

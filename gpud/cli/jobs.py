@@ -21,7 +21,8 @@ from typing import Any
 from gpud.cli.context import UINT32, CliError, Context, Subparsers, integer, slo_ms
 from gpud.cli.mps import size_arg
 from gpud.cli.output import NA, message_to_dict, seconds
-from gpud.shared import MIN_SLO_MS, format_size
+from gpud.errors import InvalidArgument
+from gpud.shared import MIN_SLO_MS, format_size, parse_size
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
 from gpud.v1 import mps_pb2, mps_pb2_grpc, queue_pb2, queue_pb2_grpc
@@ -252,8 +253,11 @@ def _client_memory_limit(value: str) -> int | None:
     """Device 0's limit in ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (``0=20G``), in bytes."""
     for part in value.split(","):
         dev, _, size = part.partition("=")
-        if dev.strip() == "0" and size[:-1].isdigit() and size[-1:] in ("G", "M"):
-            return int(size[:-1]) << (30 if size[-1] == "G" else 20)
+        if dev.strip() == "0":
+            try:
+                return parse_size(size)
+            except InvalidArgument:
+                return None
     return None
 
 

@@ -880,11 +880,16 @@ class MpsManager:
             return
         if not dev.started:
             dev.started = True
+            pid = dev.daemon.pid()
+            if pid is not None:
+                # one started by an earlier gpud version, or by a gpud killed before it
+                # moved it, still in gpud's cgroup: its later servers start in its own
+                self._place(target.uuid, pid)
             self._events.emit(
                 "mps.adopt",
                 f"adopted the running MPS control daemon of {_label(target)} ({target.uuid})",
                 **_where(target),
-                pid=dev.daemon.pid(),
+                pid=pid,
             )
             force_check = True
         if force_check or now >= dev.next_check_at:

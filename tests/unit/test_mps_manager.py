@@ -1088,6 +1088,17 @@ def test_each_daemon_is_moved_into_a_cgroup_of_its_own(root: Path) -> None:
         assert cgroups.jobs() == [gpu_uuid(0)]
     finally:
         store.close()
+    # Adopted by the next start, a daemon that is not in its cgroup (started by an earlier
+    # version, or by a gpud killed before it moved it) is moved there.
+    (root / "cg" / "gpud" / f"gpud-mps-{gpu_uuid(0)}" / "cgroup.procs").write_text("")
+    mgr, store, _ = make_manager(root, cgroups=cgroups)
+    try:
+        mgr.reconcile(NODE)
+        procs = root / "cg" / "gpud" / f"gpud-mps-{gpu_uuid(0)}" / "cgroup.procs"
+        assert procs.read_text() == f"{pids[gpu_uuid(0)]}\n"
+        mgr.leave()
+    finally:
+        store.close()
     # The next start, with MPS off, stops it and removes its cgroup, and that of a device
     # gone meanwhile.
     (root / "cg" / "gpud" / f"gpud-mps-{mig_uuid(5, 0)}").mkdir()

@@ -6,10 +6,14 @@ import os
 import sqlite3
 import subprocess
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from gpud.admission.model import Request, Vec
+from gpud.admission.node import synthetic
+from gpud.admission.placement_fit import PlacementFit
 from gpud.admission.service import QUEUED, STARTED, AdmissionService
 from gpud.config import AdmissionConfig
 from gpud.errors import ResourceExhausted
@@ -287,3 +291,18 @@ def test_a_device_whose_mps_defaults_are_below_the_jobs_own_limits_comes_last() 
         spec, DEVICES, loads, memory_bytes=None, default_memory=memory, default_threads=every
     )
     assert d.uuid == gpu1  # the fewest jobs, as before
+
+
+def test_the_queue_places_as_the_jobs_service_does_past_lower_mps_defaults() -> None:
+    """The admission queue chooses a queued run's devices itself: a device whose MPS default
+    thread share or memory limit is below the run's own comes last there too."""
+    first, second = synthetic("H100-SXM5-80GB", 2)
+    first = replace(first, default_threads=40, default_memory=20 * GIB)
+    fit = PlacementFit([first, second])
+    busy = {second.uuid: Vec(10 * GIB, 10)}  # the less loaded is the first
+    assert fit.place(Request(gpu_count=1, threads_percent=60), busy, allowed=None) == (second.uuid,)
+    assert fit.place(Request(gpu_count=1, memory_bytes=30 * GIB), busy, allowed=None) == (
+        second.uuid,
+    )
+    within = Request(gpu_count=1, threads_percent=40, memory_bytes=20 * GIB)
+    assert fit.place(within, busy, allowed=None) == (first.uuid,)
