@@ -92,6 +92,7 @@ class ClusterStatus:
     last_error: str = ""
     problems: tuple[Problem, ...] = ()  # every node's, as published in etcd
     etcd_alarms: tuple[str, ...] = ()  # raised on etcd as last read, e.g. ("NOSPACE",)
+    etcd_alarms_read: bool = False  # read at least once since gpud started
     certificates: tuple[CertExpiry, ...] = ()  # the peer API's and etcd's, when they expire
     # the leader this node reports to while it is not the one ``info`` names (None: it is)
     hint: LeaderHint | None = None
@@ -187,6 +188,7 @@ class ClusterAgent:
         self._alarms = alarms
         self._certs = certs
         self.etcd_alarms: tuple[str, ...] = ()
+        self.etcd_alarms_read = False  # until then ``etcd_alarms`` is not known, not none
         self._alarms_read_at: float | None = None  # (clock) none yet
         self._changed = asyncio.Event()
         self._tick_lock = asyncio.Lock()
@@ -387,6 +389,7 @@ class ClusterAgent:
         except GpudError as err:  # etcd unreachable: the election's detail says so
             log.debug("cluster: cannot read etcd's alarms: %s", err)
             return
+        self.etcd_alarms_read = True
         if alarms == self.etcd_alarms:
             return
         self.etcd_alarms = alarms
@@ -726,6 +729,7 @@ class ClusterAgent:
             jobs=jobs,
             last_error=self.last_error,
             etcd_alarms=self.etcd_alarms,
+            etcd_alarms_read=self.etcd_alarms_read,
             certificates=self._certs.expiries(self._wall()) if self._certs is not None else (),
             hint=self._hinted(info),
         )

@@ -11,7 +11,8 @@ gpud_cluster_rejected_orders_total      orders refused for a stale epoch
 gpud_cluster_store_up                   1 if the last etcd call succeeded
 gpud_cluster_nodes                      nodes heard from (on the leader)
 gpud_cluster_etcd_alarm{alarm}          1 while etcd has raised the alarm (NOSPACE: out of
-                                        space, writes refused; CORRUPT); etcd election only
+                                        space, writes refused; CORRUPT); etcd election only,
+                                        once this run of gpud has read them
 gpud_cluster_certificate_expiry_seconds{key}
                                         seconds until the earliest certificate in the file
                                         named by config key ``key`` expires (negative once
@@ -29,7 +30,8 @@ from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.etcd import NOSPACE
 from gpud.cluster.fencing import Mode
 
-# always exported under etcd (0 when not raised), so an alert needs no absent() clause
+# always exported under etcd once read (0 when not raised), so an alert needs no absent()
+# clause; not before: a restarted gpud would say "not raised" of an alarm it has not read
 _ALARMS = (NOSPACE, "CORRUPT")
 
 
@@ -82,7 +84,7 @@ class ClusterMetrics:
         yield GaugeMetricFamily(
             "gpud_cluster_nodes", "Nodes heard from (on the leader).", value=float(len(s.nodes))
         )
-        if s.election == "etcd":
+        if s.election == "etcd" and s.etcd_alarms_read:
             alarm = GaugeMetricFamily(
                 "gpud_cluster_etcd_alarm",
                 "1 while etcd has raised the alarm (NOSPACE: out of space, writes refused).",

@@ -51,6 +51,8 @@ class JobTraffic:
     iterations: int | None
     iteration_s: float | None
     contention_free_iteration_s: float | None
+    # when the newest progress report was stamped, as wall time now: the stamp is kept on
+    # the monotonic clock, so a wall clock stepped back since never puts it in the future
     last_report_unix_s: float | None
     pinned_level: int | None = None
     # the level the job is pinned to, beyond a lowered ``traffic.levels``: ``pinned_level``

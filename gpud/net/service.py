@@ -127,7 +127,11 @@ class InterfaceStatus:
 class _JobReports:
     iterations: int
     session: str
-    last_report_at: float  # the newest stamp (unix seconds), as shown
+    # the newest stamp, on the service's monotonic clock: the arrival less how far the stamp
+    # was behind the wall clock then. Shown mapped back to wall time at each read, so a wall
+    # clock stepped back later neither puts the last report in the future nor makes it look
+    # fresh for as long as the step
+    last_report_at: float
     heard_at: float  # when the last report arrived (the service's monotonic clock)
     ideal_s: float | None = None
 
@@ -345,11 +349,13 @@ class TrafficService:
             if r.ideal_s is not None and (prev is None or prev.ideal_s != r.ideal_s):
                 self._tracker.register(r.job, now=now, ideal_s=r.ideal_s)
             self._tracker.report(r.job, r.iterations, r.timestamp)
+            heard = self._monotonic()
+            stamped = heard - max(0.0, now - r.timestamp)
             self._reports[r.job] = _JobReports(
                 r.iterations,
                 r.session,
-                max(r.timestamp, prev.last_report_at if prev else r.timestamp),
-                self._monotonic(),
+                max(stamped, prev.last_report_at) if prev else stamped,
+                heard,
                 r.ideal_s if r.ideal_s is not None else (prev.ideal_s if prev else None),
             )
             self.accepted_reports += 1
@@ -552,7 +558,9 @@ class TrafficService:
             iterations=prog.iterations if prog else None,
             iteration_s=prog.period_s if prog else None,
             contention_free_iteration_s=prog.ideal_s if prog else None,
-            last_report_unix_s=reports.last_report_at if reports else None,
+            last_report_unix_s=(
+                now - (self._monotonic() - reports.last_report_at) if reports else None
+            ),
             pinned_level=None if pinned is None else min(pinned, lowest),
             pin_clamped_from=pinned if pinned is not None and pinned > lowest else None,
             cgroup=cgroup,

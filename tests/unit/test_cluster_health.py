@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from gpud.cluster.agent import ALARM_CHECK_S
 from gpud.cluster.certexpiry import CertWatch, not_after
 from gpud.cluster.election import LeaderInfo
 from gpud.cluster.fencing import Mode
@@ -172,7 +173,7 @@ def test_alarm_and_certificate_metrics(tmp_path: Path) -> None:
     node = agent(
         "n1", info, FakeTraffic(()), LoopbackPeers(), clock, wall=lambda: end - DAY, certs=certs
     )
-    node.etcd_alarms = ("NOSPACE",)
+    node.etcd_alarms, node.etcd_alarms_read = ("NOSPACE",), True
     source = ClusterMetrics(node)
 
     class Source(Collector):
@@ -186,6 +187,33 @@ def test_alarm_and_certificate_metrics(tmp_path: Path) -> None:
     assert value("gpud_cluster_etcd_alarm", {"alarm": "CORRUPT"}) == 0
     key = {"key": "cluster.etcd_cert_file"}
     assert value("gpud_cluster_certificate_expiry_seconds", key) == DAY
+
+
+async def test_a_started_gpud_says_nothing_of_etcd_alarms_it_has_not_read() -> None:
+    """Until this run of gpud has read etcd's alarms, ``gpud_cluster_etcd_alarm`` is absent,
+    not 0: a gpud that restarted while NOSPACE is raised would otherwise say "not raised"
+    until its first read, and the cluster's alert resolve and page again."""
+    clock, peers, alarms = Clock(), LoopbackPeers(), StaticAlarms(raised=("NOSPACE",))
+    info = LeaderInfo("n0", "a0", epoch=3, leading=False)
+    node = agent("n1", info, FakeTraffic(()), peers, clock, alarms=alarms)
+    source = ClusterMetrics(node)
+
+    def alarm_samples() -> dict[str, float]:
+        return {
+            s.labels["alarm"]: s.value
+            for m in source()
+            if m.name == "gpud_cluster_etcd_alarm"
+            for s in m.samples
+        }
+
+    assert alarm_samples() == {}
+    alarms.down = True  # etcd unreachable: still not known
+    await node.tick()
+    assert alarm_samples() == {}
+    alarms.down = False
+    clock.now += ALARM_CHECK_S
+    await node.tick()
+    assert alarm_samples() == {"NOSPACE": 1.0, "CORRUPT": 0.0}
 
 
 async def test_a_clean_stop_withdraws_the_nodes_problem() -> None:

@@ -22,10 +22,12 @@ from gpud.errors import (
 )
 from gpud.events import EventLog
 from gpud.metrics import Collector
+from gpud.net.api import job_message
 from gpud.net.cgroups import JobCgroups, find_cgroup2
 from gpud.net.enforce import FakeCounters, FakeMarker, FakeResult, FakeSync, FakeTc, RdmaPort
 from gpud.net.latest import LatestWorker
 from gpud.net.metrics import TrafficMetrics
+from gpud.net.port import JobTraffic
 from gpud.net.service import RDMA_RECHECK_S, RDMA_RETRY_S, Report, TrafficService, job_pool
 from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore, parse_pool
@@ -1415,3 +1417,29 @@ def test_a_full_pool_right_after_start_says_when_idle_tags_are_handed_over(
     assert "handed over in 40 s" in message
     rig.clock.t += 41
     assert s.tag("c") in (10, 11)
+
+
+def test_a_last_report_stays_in_the_past_when_the_wall_clock_steps_back(rig: Rig) -> None:
+    """``gpuctl net show`` gives a job's last report as its age: after the wall clock steps
+    back (NTP, ``date -s``) a report stamped before the step is as old as it is, not in the
+    future (an age of 0, a job that stopped reporting looking fresh for as long as the
+    step); a report stamped after the step is the newest."""
+    s = rig.service
+    rig.active = {"a"}
+    s.tick()
+    s.report(Report("a", 1, rig.clock.t - 2.0, session="s"))  # stamped 2 s before it came
+    rig.clock.t += 10
+    rig.clock.step(-3600)
+
+    def row() -> JobTraffic:
+        (found,) = [j for j in s.view().jobs if j.job == "a"]
+        return found
+
+    assert row().last_report_unix_s == pytest.approx(rig.clock.t - 12)
+    assert job_message(row(), s.now()).last_report_age_seconds == pytest.approx(12)
+    rig.clock.t += 5
+    s.report(Report("a", 2, rig.clock.t - 1.0, session="s"))
+    assert row().last_report_unix_s == pytest.approx(rig.clock.t - 1)
+    # a late report, stamped before the newest, does not make the last report older
+    s.report(Report("a", 2, rig.clock.t - 4.0, session="s"))
+    assert job_message(row(), s.now()).last_report_age_seconds == pytest.approx(1)
