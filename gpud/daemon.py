@@ -54,7 +54,8 @@ from gpud.jobs.attribution import memory_by_job
 from gpud.jobs.metrics import JobMetrics
 from gpud.jobs.service import JobService
 from gpud.loopstats import LoopMetrics, LoopStats
-from gpud.metrics import Collector, build_registry, start_metrics_server, stop_metrics_server
+from gpud.metrics import Collector, build_registry
+from gpud.metrics_http import start_metrics_server, stop_metrics_server
 from gpud.mig.api import MigServicer
 from gpud.mig.manager import MigManager
 from gpud.mig.metrics import MigMetrics

@@ -45,9 +45,9 @@ What Prometheus sees (``curl -s localhost:9400/metrics | grep ^gpud_``):
 Typical wiring (the daemon's composition root)::
 
     registry = build_registry(Collector(sampler.latest, events=event_log))
-    server, thread = start_metrics_server(registry, "0.0.0.0", 9400)
+    server, thread = gpud.metrics_http.start_metrics_server(registry, "0.0.0.0", 9400)
     ...
-    stop_metrics_server(server, thread)
+    gpud.metrics_http.stop_metrics_server(server, thread)
 """
 
 from __future__ import annotations
@@ -56,14 +56,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CollectorRegistry,
     GCCollector,
     PlatformCollector,
     ProcessCollector,
-    start_http_server,
 )
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -406,38 +404,3 @@ def build_registry(
         PlatformCollector(registry=registry)
         GCCollector(registry=registry)
     return registry
-
-
-# A connection is served on a thread of its own; one that sends nothing (a port scanner, a
-# half-open peer) would hold it for ever without a timeout on its reads and writes.
-CONNECTION_TIMEOUT_S = 30.0
-
-
-def start_metrics_server(
-    registry: CollectorRegistry,
-    host: str,
-    port: int,
-    *,
-    connection_timeout_s: float = CONNECTION_TIMEOUT_S,
-) -> tuple[WSGIServer, threading.Thread]:
-    """Serve ``registry`` as Prometheus text on ``http://host:port/metrics`` from a thread.
-
-    ``port=0`` picks a free port (``server.server_port`` says which). Stop it with
-    :func:`stop_metrics_server`.
-    """
-    server, thread = start_http_server(port, addr=host, registry=registry)
-    handler = server.RequestHandlerClass
-    assert isinstance(handler, type)  # prometheus_client's quiet WSGIRequestHandler
-    server.RequestHandlerClass = type(
-        handler.__name__, (handler,), {"timeout": connection_timeout_s}
-    )
-    return server, thread
-
-
-def stop_metrics_server(
-    server: WSGIServer, thread: threading.Thread, timeout_s: float = 5.0
-) -> None:
-    """Stop serving, close the listening socket, and wait for the serving thread."""
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout_s)

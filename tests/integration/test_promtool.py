@@ -18,7 +18,8 @@ from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, parse_simulate_spec
 from gpud.events import EventLog
 from gpud.loopstats import LoopMetrics, LoopStats
-from gpud.metrics import Collector, build_registry, start_metrics_server, stop_metrics_server
+from gpud.metrics import Collector, build_registry
+from gpud.metrics_http import start_metrics_server, stop_metrics_server
 from gpud.telemetry.sampler import Sampler
 
 pytestmark = pytest.mark.integration

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterable
 
@@ -23,7 +25,8 @@ from gpud.backend.port import (
     Utilization,
 )
 from gpud.events import EventLog
-from gpud.metrics import Collector, build_registry, start_metrics_server, stop_metrics_server
+from gpud.metrics import Collector, build_registry
+from gpud.metrics_http import start_metrics_server, stop_metrics_server
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import CriticalXid, GpuSample, MigSample, SeenIdentity, Snapshot
 
@@ -385,5 +388,37 @@ def test_a_connection_that_sends_nothing_is_closed_after_the_timeout() -> None:
         with socket.create_connection(("127.0.0.1", server.server_port), timeout=5) as idle:
             idle.sendall(b"GET /metrics HTTP/1.1\\r\\n")  # and never the rest
             assert idle.recv(1) == b""  # closed by the server, not timed out here
+    finally:
+        stop_metrics_server(server, thread)
+
+
+def test_a_connection_past_the_bound_is_answered_busy_and_a_scrape_follows() -> None:
+    registry = build_registry(Collector(snapshot, clock=lambda: 100.0), process=False)
+    server, thread = start_metrics_server(registry, "127.0.0.1", 0, max_connections=2)
+    address = ("127.0.0.1", server.server_port)
+    try:
+        idle = [socket.create_connection(address, timeout=5) for _ in range(2)]
+        for conn in idle:
+            conn.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest: each holds a slot
+        with socket.create_connection(address, timeout=5) as third:
+            reply = b""
+            while chunk := third.recv(4096):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.0 503 ")
+        assert b"Retry-After: 1" in reply
+        assert server.busy_refusals == 1  # type: ignore[attr-defined]
+        for conn in idle:
+            conn.close()  # their threads end and give the slots back
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                with urllib.request.urlopen(
+                    f"http://{address[0]}:{address[1]}/metrics", timeout=5
+                ) as resp:
+                    assert b"gpud_gpus 3.0" in resp.read()
+                break
+            except urllib.error.HTTPError as err:  # a slot not given back yet
+                assert err.code == 503 and time.monotonic() < deadline
+                time.sleep(0.05)
     finally:
         stop_metrics_server(server, thread)

@@ -1,0 +1,127 @@
+"""The ``/metrics`` HTTP listener: prometheus_client's WSGI app on a bounded threading server.
+
+Each connection is served on a thread of its own, as prometheus_client's own server does,
+with two bounds it lacks: a connection that sends nothing (a port scanner, a half-open peer)
+is closed after ``connection_timeout_s``, and at most ``max_connections`` are served at once.
+One more is answered ``503 Service Unavailable`` (``Retry-After: 1``) and closed at once, so a
+flood of connections costs a few bytes each instead of a thread and its stack for the whole
+timeout, and a scrape gets through as soon as one of them ends. Prometheus scrapes over one
+connection per target; :data:`MAX_CONNECTIONS` leaves room for several Prometheus servers,
+``curl`` and a dashboard's probes.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+log = logging.getLogger(__name__)
+
+CONNECTION_TIMEOUT_S = 30.0
+MAX_CONNECTIONS = 32
+_BUSY = b"HTTP/1.0 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n\r\n"
+_WARN_EVERY_S = 60.0
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape on stderr (the journal)."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class MetricsServer(ThreadingWSGIServer):
+    """A thread per connection, at most ``max_connections`` of them (:attr:`busy_refusals`
+    counts the connections answered 503 for want of one)."""
+
+    max_connections = MAX_CONNECTIONS
+    clock: Callable[[], float] = time.monotonic
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        self.busy_refusals = 0
+        self._warned_at: float | None = None
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if self._slots.acquire(blocking=False):
+            try:
+                super().process_request(request, client_address)
+            except BaseException:  # no thread started: nothing else gives the slot back
+                self._slots.release()
+                raise
+            return
+        self.busy_refusals += 1
+        now = self.clock()
+        if self._warned_at is None or now - self._warned_at >= _WARN_EVERY_S:
+            self._warned_at = now
+            log.warning(
+                "/metrics: already serving %d connections, the most at once: answered %s 503"
+                " (%d connections refused since start; logged at most once a minute)",
+                self.max_connections,
+                client_address[0] if client_address else "a client",
+                self.busy_refusals,
+            )
+        try:
+            request.setblocking(False)
+            request.send(_BUSY)  # best effort: never wait on a peer that does not read
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # socketserver prints a traceback to stderr (the journal) for each connection that
+        # timed out or reset: a port scan would fill the journal with them
+        log.debug("/metrics: connection from %s ended", client_address, exc_info=True)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def start_metrics_server(
+    registry: CollectorRegistry,
+    host: str,
+    port: int,
+    *,
+    connection_timeout_s: float = CONNECTION_TIMEOUT_S,
+    max_connections: int = MAX_CONNECTIONS,
+) -> tuple[WSGIServer, threading.Thread]:
+    """Serve ``registry`` as Prometheus text on ``http://host:port/metrics`` from a thread
+    (``ss -ltnp`` shows gpud listening there).
+
+    ``port=0`` picks a free port (``server.server_port`` says which); an IPv6 ``host`` binds
+    an IPv6 socket. Stop it with :func:`stop_metrics_server`.
+    """
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    server_class = type(
+        "MetricsServer",
+        (MetricsServer,),
+        {"address_family": family, "max_connections": max_connections},
+    )
+    handler = type("MetricsHandler", (_QuietHandler,), {"timeout": connection_timeout_s})
+    server: WSGIServer = make_server(
+        host, port, make_wsgi_app(registry), server_class, handler_class=handler
+    )
+    thread = threading.Thread(target=server.serve_forever, name="gpud-metrics", daemon=True)
+    thread.start()
+    return server, thread
+
+
+def stop_metrics_server(
+    server: WSGIServer, thread: threading.Thread, timeout_s: float = 5.0
+) -> None:
+    """Stop serving, close the listening socket, and wait for the serving thread."""
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout_s)
