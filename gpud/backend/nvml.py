@@ -120,6 +120,8 @@ _EVENT_KINDS: Final[dict[int, EventKind]] = {
 _XID_EVENT: Final = 0x8  # nvmlEventTypeXidCriticalError
 _WANTED_EVENTS: Final = _XID_EVENT | 0x2 | 0x1
 REGISTER_WAIT_S: Final = 0.5
+REREGISTER_S: Final = 30.0
+"""How often a GPU lost when it last registered for events tries again."""
 """How long a new event set waits for the GPUs' registrations before its first wait."""
 
 
@@ -260,16 +262,26 @@ class NvmlBackend:
     caches only ever fill in values that do not change.
     """
 
-    def __init__(self, nvml: Any, *, reset: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        nvml: Any,
+        *,
+        reset: Callable[[int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """``reset(gpu)`` resets a GPU (``nvidia-smi --gpu-reset -i N``; NVML has no call
-        for it); without it :meth:`reset_gpu` is NotSupported."""
+        for it); without it :meth:`reset_gpu` is NotSupported. ``clock`` times a lost GPU's
+        next registration for events (:data:`REREGISTER_S`)."""
         self._nv = nvml
+        self._clock = clock
         self._reset = reset
         self._events_lock = threading.Lock()
         self._registry_lock = threading.Lock()  # the event set and the GPUs registering on it
         self._registering: set[int] = set()
         # GPUs whose last registration ended without XID events (not supported, failed)
         self._xid_unwatched: set[int] = set()
+        # GPUs lost when they last registered: when each registers again
+        self._reregister_at: dict[int, float] = {}
         self._error: type[BaseException] = nvml.NVMLError
         self._call(None, nvml.nvmlInit)
         self._count = int(self._call(None, nvml.nvmlDeviceGetCount))
@@ -1024,11 +1036,24 @@ class NvmlBackend:
         does, and no other GPU's events wait for it."""
         with self._registry_lock:
             es = self._event_set
-            if es is not None:
-                return es
-            es = self._event_set = self._call(None, self._nv.nvmlEventSetCreate)
-            # A GPU still stuck registering on an earlier set moves to this one when it answers.
-            starting = [g for g in range(self._count) if g not in self._registering]
+            if es is None:
+                es = self._event_set = self._call(None, self._nv.nvmlEventSetCreate)
+                self._reregister_at.clear()
+                # A GPU still stuck registering on an earlier set moves to this one when it
+                # answers.
+                starting = [g for g in range(self._count) if g not in self._registering]
+            else:
+                # a GPU lost at its last registration joins the set once it answers again
+                now = self._clock()
+                starting = [
+                    g
+                    for g, at in self._reregister_at.items()
+                    if at <= now and g not in self._registering
+                ]
+                if not starting:
+                    return es
+            for g in starting:
+                self._reregister_at.pop(g, None)
             self._registering.update(starting)
         threads = [
             threading.Thread(
@@ -1059,7 +1084,12 @@ class NvmlBackend:
             except Exception as err:  # a GPU without events (or lost) has none to wait for
                 if not isinstance(err, BackendError):
                     log.exception("registering GPU %d for events failed", gpu)
+                lost = isinstance(err, GpuLost)
+            else:
+                lost = False
             with self._registry_lock:
+                if lost:
+                    self._reregister_at[gpu] = self._clock() + REREGISTER_S
                 if xids:
                     self._xid_unwatched.discard(gpu)
                 else:
@@ -1113,11 +1143,23 @@ class NvmlBackend:
         es = self._events()
         out: list[GpuEvent] = []
         timeout_ms = max(0, int(timeout_s * 1000))
+        rebuilt = False
         while True:
             try:
                 data = self._call(None, nv.nvmlEventSetWait, es, timeout_ms)
             except DriverTimeout:
                 break
+            except GpuLost as err:
+                # The set answers this at every wait while a GPU on it is lost, and NVML does
+                # not say which one. A new set leaves out each GPU that does not answer its
+                # registration (retried every REREGISTER_S): the others' events go on.
+                if rebuilt:
+                    break  # a lost GPU registered again; the next wait tries anew
+                log.warning("GPU events: %s; registering the GPUs again", err)
+                self._drop_event_set()
+                es = self._events()
+                rebuilt = True
+                continue
             kind = _EVENT_KINDS.get(int(data.eventType))
             if kind is not None:
                 out.append(

@@ -225,13 +225,18 @@ class ControlDaemon:
             return ""
         return f" ({what} on the file system of {path})"
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """``echo quit | nvidia-cuda-mps-control``; SIGTERM, then SIGKILL, if it lingers."""
-        pid = self.pid()
+    def stop(self, timeout_s: float = 5.0, *, pid: int | None = None) -> None:
+        """``echo quit | nvidia-cuda-mps-control``; SIGTERM, then SIGKILL, if it lingers.
+
+        ``pid``: that process (the caller made sure it is this device's daemon), also when
+        no PID file names it any more; ``quit`` goes through the pipe only where one does."""
+        found = self.pid()
+        pid = found if pid is None else pid
         if pid is None:
             return
-        with contextlib.suppress(BackendError):
-            self.query(protocol.quit_())
+        if found == pid:
+            with contextlib.suppress(BackendError):
+                self.query(protocol.quit_())
         if self._wait_exit(pid, timeout_s):
             return
         log.warning("MPS control daemon %s (pid %d) ignored quit; terminating", self.uuid, pid)

@@ -27,7 +27,11 @@ A daemon found running at start (gpud restarted) is adopted, not started twice. 
 leaves the daemons running (:meth:`MpsManager.leave`): jobs using MPS keep their servers
 through a restart (an upgrade, a setting that needs one), and the next start adopts them with
 their limits. Only a device gone, MPS disabled (for the device, or ``mps.enabled = false``,
-whose next start stops any left) or an operator's change stops a daemon.
+whose next start stops any left) or an operator's change stops a daemon. Each daemon is
+recorded in ``mps_daemons`` (PID, start time, pipe directory, cgroup), so that a start with
+another ``daemon.run_dir`` stops those left under the old one, and one with another
+``traffic.cgroup_parent`` moves them (:meth:`MpsManager._take_over`); a control daemon gpud
+did not start is reported, never stopped (:meth:`MpsManager._report_others`).
 
 Under systemd everything left in the unit's cgroup is killed at its stop (``KillMode=mixed``),
 the MPS servers a daemon spawned (its children) with it: so each daemon is moved, as soon as it
@@ -47,8 +51,10 @@ gets them, as for any device.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -67,7 +73,8 @@ from gpud.errors import (
 )
 from gpud.events import EventLog
 from gpud.mps import protocol
-from gpud.mps.daemon import DEFAULT_BASE_ENV, ControlDaemon
+from gpud.mps.daemon import DEFAULT_BASE_ENV, ControlDaemon, device_dir
+from gpud.mps.procs import alive, start_time
 from gpud.net.cgroups import JobCgroups
 from gpud.shared import format_size
 from gpud.store import StateStore
@@ -103,6 +110,15 @@ SCHEMA = (
         profile TEXT NOT NULL,
         mig_uuid TEXT NOT NULL,
         PRIMARY KEY (gpu_uuid, placement_start, placement_size, profile)
+    )""",
+    # The daemon gpud last started or adopted for each device, and where: what it looks for
+    # at its next start, whatever daemon.run_dir and traffic.cgroup_parent are then.
+    """CREATE TABLE IF NOT EXISTS mps_daemons (
+        uuid TEXT PRIMARY KEY,
+        pid INTEGER NOT NULL,
+        start_time INTEGER,
+        pipe_dir TEXT NOT NULL,
+        cgroup TEXT NOT NULL
     )""",
 )
 
@@ -276,6 +292,8 @@ class MpsManager:
     ``cgroups``: where each daemon gets a cgroup of its own (prefix :data:`CGROUP_PREFIX`),
     None to leave them in gpud's; ``no_cgroups``: why there is none, said once in the log
     at the first daemon started ("" says nothing: a simulated node, tests).
+    ``others_root``: daemons gpud did not start are reported where their pipe directory is
+    under it (tests: their own directory, not every test's on the machine).
     """
 
     def __init__(
@@ -298,8 +316,10 @@ class MpsManager:
         sleep: Callable[[float], None] = time.sleep,
         cgroups: JobCgroups | None = None,
         no_cgroups: str = "",
+        others_root: Path = Path("/"),
     ) -> None:
         self._store = store
+        self._others_root = others_root
         self._cgroups = cgroups
         self._no_cgroups = no_cgroups
         self._cgroup_said = False  # why daemons stay in gpud's cgroup, said once
@@ -334,6 +354,7 @@ class MpsManager:
         self._last_status: tuple[MpsDeviceStatus, ...] = ()
         self._all_read = False  # the last snapshot read every GPU
         self._swept = False  # directories of devices gone before this start removed
+        self._looked = False  # daemons of earlier runs, and others', looked for (first pass)
         store.ensure_schema(SCHEMA)
 
     # -- desired state ---------------------------------------------------------------------
@@ -635,10 +656,10 @@ class MpsManager:
                 dev = self._devices[uuid] = _Device(self._daemon(uuid))
             return dev
 
-    def _daemon(self, uuid: str) -> ControlDaemon:
+    def _daemon(self, uuid: str, run_dir: Path | None = None) -> ControlDaemon:
         return ControlDaemon(
             uuid,
-            self._run_dir,
+            run_dir or self._run_dir,
             self._command,
             base_env=self._base_env,
             timeout_s=self._timeout_s,
@@ -671,9 +692,10 @@ class MpsManager:
             why,
         )
 
-    def _remove_cgroup(self, uuid: str) -> None:
-        """Remove the cgroup of a daemon stopped for good, once its servers have left it."""
-        cgroups = self._cgroups
+    def _remove_cgroup(self, uuid: str, cgroups: JobCgroups | None = None) -> None:
+        """Remove the cgroup of a daemon stopped for good, once its servers have left it;
+        ``cgroups``: the tree it is in, when not the current one."""
+        cgroups = cgroups or self._cgroups
         if cgroups is None or not cgroups.dir(uuid).exists():
             return
         deadline = self._clock() + 2.0
@@ -766,6 +788,11 @@ class MpsManager:
         with self._pass:
             if snapshot is not None:
                 self.observe_snapshot(snapshot)
+            if not self._looked:
+                # before any daemon starts: one of an earlier run elsewhere would be a second
+                self._looked = True
+                self._take_over()
+                self._report_others()
             with self._lock:
                 # "": the status's entry of GPUs never read, which run no daemon
                 gone = [u for u in self._devices if u and u not in self._targets]
@@ -783,6 +810,142 @@ class MpsManager:
             if not self._swept and self._all_read:
                 self._sweep()
             self.status()
+
+    # -- daemons of earlier runs, and of others -------------------------------------------
+    def _cgroup_of(self, uuid: str) -> str:
+        """The cgroup directory the device's daemon is in now, "" when it has none."""
+        if self._cgroups is None:
+            return ""
+        path = self._cgroups.dir(uuid)
+        return str(path) if path.is_dir() else ""
+
+    def _record(self, uuid: str, pid: int | None) -> None:
+        """Note the daemon gpud started or adopted for ``uuid``: see :meth:`_take_over`."""
+        if pid is None:
+            return
+        row = (
+            uuid,
+            pid,
+            start_time(pid, self._proc_root),
+            str(device_dir(self._run_dir, uuid) / "pipe"),
+            self._cgroup_of(uuid),
+        )
+        with self._store.transaction() as conn:
+            conn.execute("INSERT OR REPLACE INTO mps_daemons VALUES (?, ?, ?, ?, ?)", row)
+
+    def _forget(self, uuid: str) -> None:
+        with self._store.transaction() as conn:
+            conn.execute("DELETE FROM mps_daemons WHERE uuid = ?", (uuid,))
+
+    def _cgroups_at(self, directory: Path) -> JobCgroups | None:
+        """The cgroup tree of a daemon's recorded cgroup ``directory`` (another
+        traffic.cgroup_parent's)."""
+        if self._cgroups is None:
+            return None
+        cgroups = copy.copy(self._cgroups)
+        cgroups.base = directory.parent
+        return cgroups
+
+    def _take_over(self) -> None:
+        """At the first pass, before any daemon starts: the daemons an earlier run recorded.
+
+        One whose pipe directory is not this run's (``daemon.run_dir`` changed) is stopped,
+        and its directories and cgroup removed: every client gpud sends to the device from
+        now on gets this run's pipe directory, and a second control daemon for one GPU
+        would fail or split the clients. One still in another cgroup
+        (``traffic.cgroup_parent`` changed) is adopted as ever, and moved, its MPS servers
+        with it, into this run's."""
+        with self._store.transaction() as conn:
+            rows = conn.execute(
+                "SELECT uuid, pid, start_time, pipe_dir, cgroup FROM mps_daemons"
+            ).fetchall()
+        for uuid, pid, ticks, pipe_dir, cgroup in rows:
+            running = alive(pid, self._proc_root) and (
+                ticks is None or start_time(pid, self._proc_root) == ticks
+            )
+            old_cgroups = self._cgroups_at(Path(cgroup)) if cgroup else None
+            if Path(pipe_dir) == device_dir(self._run_dir, uuid) / "pipe":
+                if running and old_cgroups is not None and cgroup != str(self._cgroups_dir(uuid)):
+                    self._move_cgroup(uuid, pid, old_cgroups)
+                continue
+            old_run = Path(pipe_dir).parents[2]  # <run_dir>/mps/<uuid>/pipe
+            daemon = self._daemon(uuid, old_run)
+            if running:
+                daemon.stop(pid=pid)
+                self._events.emit(
+                    "mps.stop_moved",
+                    f"stopped the MPS control daemon of {uuid} (pid {pid}) that an earlier run"
+                    f" started in {pipe_dir}, outside daemon.run_dir {self._run_dir} (changed"
+                    " since): its clients could no longer be sent there",
+                    uuid=uuid,
+                    pid=pid,
+                    pipe_dir=pipe_dir,
+                    cgroup=cgroup,
+                )
+            daemon.remove_directory()
+            with contextlib.suppress(OSError):
+                (old_run / "mps").rmdir()
+            if old_cgroups is not None:
+                self._remove_cgroup(uuid, old_cgroups)
+            self._forget(uuid)
+
+    def _cgroups_dir(self, uuid: str) -> Path | None:
+        return None if self._cgroups is None else self._cgroups.dir(uuid)
+
+    def _move_cgroup(self, uuid: str, pid: int, old: JobCgroups) -> None:
+        """Move an adopted daemon and its MPS servers out of the cgroup an earlier run put
+        them in (another traffic.cgroup_parent), into this run's, and remove the old one."""
+        moved = old.pids(uuid)
+        for each in moved:
+            self._place(uuid, each)
+        self._remove_cgroup(uuid, old)
+        self._events.emit(
+            "mps.cgroup_moved",
+            f"moved the MPS control daemon of {uuid} (pid {pid}) and its MPS servers from"
+            f" {old.dir(uuid)} into {self._cgroups_dir(uuid)} (traffic.cgroup_parent changed)",
+            uuid=uuid,
+            pid=pid,
+            previous_cgroup=str(old.dir(uuid)),
+            cgroup=str(self._cgroups_dir(uuid)),
+        )
+
+    def _report_others(self) -> None:
+        """Say (once, at the first pass) which MPS control daemons run that gpud did not
+        start: found in /proc by their command line (``... -d``), each with the pipe
+        directory its environment names. They are left running: gpud cannot tell what
+        relies on them."""
+        ours = self._run_dir / "mps"
+        names = {"nvidia-cuda-mps-control", os.path.basename(self._command[-1])}
+        try:
+            entries = [e for e in self._proc_root.iterdir() if e.name.isdigit()]
+        except OSError:
+            return
+        for entry in entries:
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if "-d" not in (a.decode(errors="replace") for a in argv[1:]) or not any(
+                    os.path.basename(a.decode(errors="replace")) in names for a in argv[:2]
+                ):
+                    continue
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            env = dict(v.decode(errors="replace").partition("=")[::2] for v in environ if v)
+            pipe_dir = env.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+            if Path(pipe_dir).is_relative_to(ours) or not Path(pipe_dir).is_relative_to(
+                self._others_root
+            ):
+                continue
+            device = env.get("CUDA_VISIBLE_DEVICES", "")
+            self._events.emit(
+                "mps.other_daemon",
+                f"an MPS control daemon gpud did not start runs (pid {entry.name}, pipe"
+                f" directory {pipe_dir}, CUDA_VISIBLE_DEVICES={device or '(unset)'}): left"
+                " running; a second control daemon for one GPU fails or splits its clients",
+                pid=int(entry.name),
+                pipe_dir=pipe_dir,
+                devices=device,
+            )
 
     def _sweep(self) -> None:
         """Once, at the first pass that read every GPU, MPS on or off: stop the daemons of
@@ -813,6 +976,7 @@ class MpsManager:
                     uuid=uuid,
                     pid=pid,
                 )
+            self._forget(uuid)
             daemon.remove_directory()
             self._remove_cgroup(uuid)
         if self._cgroups is not None:
@@ -885,6 +1049,7 @@ class MpsManager:
                 # one started by an earlier gpud version, or by a gpud killed before it
                 # moved it, still in gpud's cgroup: its later servers start in its own
                 self._place(target.uuid, pid)
+                self._record(target.uuid, pid)
             self._events.emit(
                 "mps.adopt",
                 f"adopted the running MPS control daemon of {_label(target)} ({target.uuid})",
@@ -921,6 +1086,7 @@ class MpsManager:
             dev.daemon.kill()
             return
         dev.started = True
+        self._record(target.uuid, pid)
         dev.failures = 0
         dev.last_error = ""
         dev.next_check_at = self._clock() + self._health_interval_s
@@ -1112,6 +1278,7 @@ class MpsManager:
                 )
             dev.up = False
             dev.started = False
+            self._forget(uuid)
             self._remove_cgroup(uuid)
             if remove:
                 dev.daemon.remove_directory()

@@ -111,12 +111,17 @@ def kill_daemons(root: Path) -> None:
 
 
 def make_manager(
-    root: Path, control: list[str] | None = None, **kwargs: object
+    root: Path, control: list[str] | None = None, *, run: str = "run", **kwargs: object
 ) -> tuple[MpsManager, StateStore, EventLog]:
-    """``control``: the control daemon's command (default: the fake)."""
+    """``control``: the control daemon's command (default: the fake); ``run``: the run
+    directory under ``root``."""
     store = StateStore(root / "state")
     events = EventLog(None)
-    options: dict[str, object] = {"timeout_s": 5.0, "health_interval_s": 0.0}
+    options: dict[str, object] = {
+        "timeout_s": 5.0,
+        "health_interval_s": 0.0,
+        "others_root": root,
+    }
     options.update(kwargs)
-    manager = MpsManager(store, events, root / "run", control or FAKE_CONTROL, **options)  # type: ignore[arg-type]
+    manager = MpsManager(store, events, root / run, control or FAKE_CONTROL, **options)  # type: ignore[arg-type]
     return manager, store, events

@@ -1057,7 +1057,15 @@ def test_with_no_daemon_running_a_stop_says_nothing(root: Path) -> None:
 
 class PlainCgroupTree(JobCgroups):
     """Cgroup directories in a plain directory tree: ``cgroup.procs`` is a file, and a
-    directory goes (as the kernel removes a cgroup) once no process it lists runs."""
+    directory goes (as the kernel removes a cgroup) once no process it lists runs, and a
+    process moved into one leaves the one it was in (a process is in one cgroup)."""
+
+    def place(self, job: str, pid: int) -> Path:
+        for procs in self.mount.rglob("cgroup.procs"):
+            pids = procs.read_text().split()
+            if str(pid) in pids:
+                procs.write_text("".join(f"{p}\n" for p in pids if p != str(pid)))
+        return super().place(job, pid)
 
     def remove(self, job: str) -> bool:
         if any(alive(pid) for pid in self.pids(job)):
@@ -1150,3 +1158,92 @@ def test_daemons_get_cgroups_under_the_traffic_cgroup_parent(tmp_path: Path) -> 
     # a simulated node's fake daemons stay in gpud's cgroup, and say nothing of it
     sim = config.with_overrides({"backend.kind": "sim"}, source="test")
     assert mps_cgroups(sim, tmp_path / "none") == (None, "")
+
+
+def test_daemons_left_under_another_run_dir_are_stopped_not_doubled(root: Path) -> None:
+    """gpud stopped (its daemons left running), then started with another daemon.run_dir:
+    the daemons of the old one are stopped before the new ones start, one per GPU, and
+    their directories go."""
+    first, store, _ = make_manager(root, run="run")
+    first.reconcile(NODE)
+    old = {s.target.uuid: s.pid for s in first.status()}
+    first.leave()
+    store.close()
+    second, store, events = make_manager(root, run="run2")
+    try:
+        second.reconcile(NODE)
+        for pid in old.values():
+            assert pid is not None
+            wait_dead(pid)
+        new = {s.target.uuid: s.pid for s in second.status()}
+        assert all(s.up and root / "run2" in s.pipe_dir.parents for s in second.status())
+        assert not set(new.values()) & set(old.values())
+        stopped = [e for e in events.recent() if e.kind == "mps.stop_moved"]
+        assert sorted((e.fields["uuid"], e.fields["pid"]) for e in stopped) == sorted(old.items())
+        assert stopped[0].fields["pipe_dir"] == str(
+            root / "run" / "mps" / str(stopped[0].fields["uuid"]) / "pipe"
+        )
+        assert "outside daemon.run_dir" in stopped[0].message
+        assert not (root / "run" / "mps").exists()
+        assert not [e for e in events.recent() if e.kind == "mps.other_daemon"]
+        second.leave()
+    finally:
+        store.close()
+    # the next start with the same run dir adopts them, as ever
+    third, store, events = make_manager(root, run="run2")
+    try:
+        third.reconcile(NODE)
+        assert {s.target.uuid: s.pid for s in third.status()} == new
+        assert {e.kind for e in events.recent()} == {"mps.adopt"}
+    finally:
+        third.stop()
+        store.close()
+
+
+def test_an_adopted_daemon_follows_a_changed_cgroup_parent(root: Path) -> None:
+    (root / "cg").mkdir()
+    before = PlainCgroupTree(root / "cg", parent="gpud", prefix=CGROUP_PREFIX)
+    first, store, _ = make_manager(root, cgroups=before)
+    first.reconcile(NODE)
+    pids = {s.target.uuid: s.pid for s in first.status()}
+    first.leave()
+    store.close()
+    after = PlainCgroupTree(root / "cg", parent="infra/gpud", prefix=CGROUP_PREFIX)
+    second, store, events = make_manager(root, cgroups=after)
+    try:
+        second.reconcile(NODE)
+        assert {s.target.uuid: s.pid for s in second.status()} == pids
+        assert before.jobs() == []
+        for uuid, pid in pids.items():
+            assert (after.dir(uuid) / "cgroup.procs").read_text() == f"{pid}\n"
+        moved = [e for e in events.recent() if e.kind == "mps.cgroup_moved"]
+        assert sorted(str(e.fields["previous_cgroup"]) for e in moved) == sorted(
+            str(before.dir(u)) for u in pids
+        )
+    finally:
+        second.stop()
+        store.close()
+
+
+def test_a_daemon_gpud_did_not_start_is_reported_not_stopped(root: Path) -> None:
+    other = ControlDaemon(gpu_uuid(0), root / "elsewhere", FAKE_CONTROL, timeout_s=5.0)
+    pid = other.start()
+    mgr, store, events = make_manager(root)
+    try:
+        mgr.reconcile(NODE)
+        (said,) = [
+            e for e in events.recent() if e.kind == "mps.other_daemon" and e.fields["pid"] == pid
+        ]
+        assert said.fields["pipe_dir"] == str(other.pipe_dir)
+        assert said.fields["devices"] == gpu_uuid(0)
+        assert "did not start" in said.message and "left running" in said.message
+        mgr.reconcile(NODE)  # said once, at the first pass
+        said_again = [
+            e for e in events.recent() if e.kind == "mps.other_daemon" and e.fields["pid"] == pid
+        ]
+        assert len(said_again) == 1
+        assert alive(pid)
+    finally:
+        mgr.stop()
+        store.close()
+        other.stop()

@@ -13,7 +13,7 @@ from typing import Any, get_type_hints
 import pytest
 
 from gpud.backend import port
-from gpud.backend.nvml import NvmlBackend, _same_handle, product_key
+from gpud.backend.nvml import REREGISTER_S, NvmlBackend, _same_handle, product_key
 from gpud.backend.sim import FakeNvml, SimNode, SimulatedCrash, products
 from gpud.errors import (
     BackendError,
@@ -389,6 +389,36 @@ def test_xid_events() -> None:
     node.faults.lose(0)
     (lost,) = be.wait_events(0.5)
     assert (lost.gpu, lost.xid) == (0, 79)
+    be.close()
+
+
+def test_a_lost_gpu_holds_up_no_other_gpus_events() -> None:
+    """NVML's event set answers GPU_IS_LOST at every wait while a GPU on it is lost, naming
+    none: the lost GPU leaves the set, the others' XIDs go on arriving, and it joins again
+    once it answers."""
+    clock = FakeClock()
+    node = SimNode([("H100-SXM5-80GB", 3)], clock=FakeClock())
+    be = NvmlBackend(node.nvml, clock=clock)
+    assert be.wait_events(0.0) == []
+    node.faults.lose(1)
+    assert [(e.gpu, e.xid) for e in be.wait_events(0.2)] == [(1, 79)]
+    for _ in range(3):
+        assert be.wait_events(0.01) == []  # no GpuLost: the set has no lost GPU now
+    node.faults.xid(0, 48)
+    node.faults.xid(2, 63)
+    assert [(e.gpu, e.xid) for e in be.wait_events(0.5)] == [(0, 48), (2, 63)]
+    assert not be.xid_watched(1)
+    assert be.xid_watched(0) and be.xid_watched(2)
+    clock.now += REREGISTER_S  # still lost: it stays out
+    assert be.wait_events(0.01) == []
+    assert not be.xid_watched(1)
+    node.faults.clear(1)
+    clock.now += REREGISTER_S
+    assert be.wait_events(0.01) == []
+    assert be.xid_watched(1)
+    node.faults.xid(1, 43)
+    node.faults.xid(0, 31)
+    assert [(e.gpu, e.xid) for e in be.wait_events(0.5)] == [(1, 43), (0, 31)]
     be.close()
 
 

@@ -256,6 +256,28 @@ def test_xid_events(node: Node) -> None:
     assert node.value("gpud_gpu_xid_errors_total", 1) == 0
 
 
+def test_a_lost_gpus_fault_keeps_no_other_gpus_xids_away(node: Node) -> None:
+    """The driver's event set answers GPU_IS_LOST while GPU 1 is lost: GPU 0's XIDs still
+    arrive, and GPU 1 is reported lost."""
+    node.sampler.tick()
+    assert node.backend.wait_events(0.0) == []
+    node.sampler.start()
+    node.sim.faults.lose(1)
+    deadline = time.monotonic() + 5
+    while node.events.counts().get("gpu.xid", 0) < 1:  # XID 79, GPU 1 fell off the bus
+        assert time.monotonic() < deadline, "XID 79 not seen"
+        time.sleep(0.02)
+    time.sleep(0.2)  # the watcher waits on the set again
+    node.sim.faults.xid(0, 48)
+    while node.events.counts().get("gpu.xid", 0) < 2:
+        assert time.monotonic() < deadline, "GPU 0's XID not seen"
+        time.sleep(0.02)
+    snap = node.sampler.tick()
+    assert snap.gpus[0].last_xid == 48
+    assert not snap.gpus[1].healthy and "lost" in snap.gpus[1].reason
+    assert not snap.gpus[1].xids_watched
+
+
 def test_xids_of_a_gpu_whose_events_cannot_be_watched_are_absent_not_zero(node: Node) -> None:
     """A GPU the driver gives no XID events for (nvmlDeviceRegisterEvents NotSupported)
     would show 0 XIDs however many it raised: its XID count is left out instead."""

@@ -1454,15 +1454,32 @@ class FakeNvml:
             eventSet.registered[gpu.index] = eventSet.registered.get(gpu.index, 0) | eventTypes
 
     def nvmlEventSetWait_v2(self, eventSet: object, timeoutms: int) -> SimpleNamespace:
-        """The next event, waiting up to ``timeoutms``; ``NVMLError_Timeout`` if none came."""
+        """The next event, waiting up to ``timeoutms``; ``NVMLError_Timeout`` if none came.
+
+        Once its queue is empty, a set a lost GPU is registered on answers
+        ``NVMLError_GpuIsLost`` at every call, as NVML's does ("a GPU has fallen off the bus"),
+        without saying which GPU: only a set without that GPU waits again."""
         if not isinstance(eventSet, _EventSet):
             raise NVMLError_InvalidArgument()
+        # (the faults' lock is never taken under the set's: a reboot takes them the other way)
+        with eventSet.cond:
+            if eventSet.queue:
+                return eventSet.queue.popleft()
+        self._raise_if_lost(eventSet)
         with eventSet.cond:
             if not eventSet.queue and timeoutms > 0:
                 eventSet.cond.wait(timeoutms / 1000.0)
-            if not eventSet.queue:
-                raise NVMLError_Timeout()
-            return eventSet.queue.popleft()
+            if eventSet.queue:
+                return eventSet.queue.popleft()
+        self._raise_if_lost(eventSet)
+        raise NVMLError_Timeout()
+
+    def _raise_if_lost(self, eventSet: _EventSet) -> None:
+        registered = list(eventSet.registered)
+        with self._lock:
+            lost = any((f := self._faults.get(g)) is not None and f.lost for g in registered)
+        if lost:
+            raise NVMLError_GpuIsLost()
 
     nvmlEventSetWait = nvmlEventSetWait_v2
 
