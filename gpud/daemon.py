@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from gpud import __version__
+from gpud import __version__, files
 from gpud import build as build_id
 from gpud.admission.api import QueueServicer
 from gpud.admission.metrics import AdmissionMetrics
@@ -69,7 +69,7 @@ from gpud.net.service import leveller_config
 from gpud.net.wiring import open_traffic
 from gpud.notify import Notifier, while_starting
 from gpud.reach import reach_warnings
-from gpud.store import StateStore
+from gpud.store import DB_NAME, StateStore
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.seen import SeenGpus
 from gpud.telemetry.snapshot import ClearedXids, SeenIdentity, Snapshot
@@ -205,6 +205,31 @@ class SampledFaults:
         return self._faults.active()
 
 
+EVENTS_NAME = "events.jsonl"
+COLO_NAME = "colo.json"
+
+
+def close_state_files(state_dir: Path) -> list[str]:
+    """Take from the state directory and its files what others may read beyond their modes
+    (:mod:`gpud.files`): a directory an earlier gpud created under ``umask 022`` is 0755 and
+    its ``state.db`` 0644, readable with every reservation's report token by any local user.
+    Logs one warning naming those it changed (none: nothing said); returns them."""
+    db = state_dir / DB_NAME
+    closed = files.tighten_all(
+        [
+            (state_dir, files.STATE_DIR_MODE),
+            *((db.with_name(db.name + end), files.DB_MOST) for end in ("", "-wal", "-shm")),
+            *(
+                (state_dir / name, files.STATE_FILE_MODE)
+                for name in (EVENTS_NAME, EVENTS_NAME + ".1", COLO_NAME)
+            ),
+        ]
+    )
+    if closed:
+        log.warning("closed to other users what an earlier start left open: %s", ", ".join(closed))
+    return closed
+
+
 @dataclass
 class Step:
     """One isolated part of a loop pass."""
@@ -250,9 +275,10 @@ class Daemon:
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
         state_dir = config.daemon.state_dir
-        state_dir.mkdir(parents=True, exist_ok=True)
-        config.daemon.run_dir.mkdir(parents=True, exist_ok=True)
-        self.events = EventLog(state_dir / "events.jsonl", clock=time.time)
+        files.make_dirs(state_dir, files.STATE_DIR_MODE)
+        files.make_dirs(config.daemon.run_dir, files.RUN_DIR_MODE)
+        close_state_files(state_dir)
+        self.events = EventLog(state_dir / EVENTS_NAME, clock=time.time)
         self.store = StateStore(state_dir)
         self.seen = SeenGpus(self.store)
         self.sampler = Sampler(
@@ -320,7 +346,7 @@ class Daemon:
             strangers=self._colo_strangers,
             default_memory=self._colo_default_memory,
             clock=clock,
-            state_file=state_dir / "colo.json",
+            state_file=state_dir / COLO_NAME,
         )
         self._colo_last = float("-inf")
         self.loop_stats = LoopStats()

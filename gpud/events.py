@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -18,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from gpud.files import STATE_FILE_MODE
 
 log = logging.getLogger("gpud.events")
 
@@ -121,7 +124,7 @@ class EventLog:
         assert self._path is not None
         try:
             self._rotate_if_needed()
-            with self._path.open("a", encoding="utf-8") as fh:
+            with open(self._path, "a", encoding="utf-8", opener=_append) as fh:
                 fh.write(("\n" if self._torn else "") + line + "\n")
             self._torn = False
         except OSError as err:
@@ -140,6 +143,19 @@ class EventLog:
         except FileNotFoundError:
             return
         self._path.replace(self._path.with_suffix(".jsonl.1"))
+
+
+def _append(path: str, flags: int) -> int:
+    """Open the log to append, a new (empty) one with :data:`STATE_FILE_MODE` whatever the
+    umask; one that has lines keeps its mode."""
+    fd = os.open(path, flags | os.O_NOFOLLOW, STATE_FILE_MODE)
+    try:
+        if os.fstat(fd).st_size == 0:
+            os.fchmod(fd, STATE_FILE_MODE)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _ends_torn(path: Path) -> bool:

@@ -7,16 +7,73 @@ small state files this way.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
+# Modes gpud gives what it creates, whatever the umask it was started with (systemd's unit
+# has UMask=0027; a root shell 0022, or 0077):
+STATE_DIR_MODE = 0o750  # <state_dir>: gpud's own, its group may read (backups, monitoring)
+RUN_DIR_MODE = 0o711  # <run_dir>: the socket's group and jobs' users pass through, not list
+DB_MODE = 0o600  # state.db (SQLite gives its -wal and -shm its mode): reservations' tokens
+DB_MOST = 0o640  # ... an existing one may keep its group's read, no more
+STATE_FILE_MODE = 0o640  # events.jsonl, colo.json: what the API shows anyway
+RUN_FILE_MODE = 0o644  # the run directory's state (XID faults, the simulated node's devices)
+ABOVE_MODE = 0o755  # directories gpud creates on the way to one of its own
 
-def write_atomically(path: Path, text: str) -> None:
+
+def make_dirs(path: Path, mode: int) -> list[Path]:
+    """``mkdir -p path`` with explicit modes: ``path`` gets ``mode`` and each directory above
+    it that is missing 0755, whatever the umask (under ``umask 077`` a created run directory
+    would be 0700, closed to the socket's group and the jobs' MPS clients). An existing
+    directory keeps its mode. Returns the directories created, from the top down. Raises
+    OSError as ``mkdir`` does; a file in the way of ``path`` itself is left for the caller to
+    find."""
+    created: list[Path] = []
+    for directory in reversed((path, *path.parents)):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            continue
+        os.chmod(directory, mode if directory == path else ABOVE_MODE)
+        created.append(directory)
+    return created
+
+
+def tighten(path: Path, most: int) -> int | None:
+    """Take from ``path``'s permission bits those beyond ``most`` (``chmod``, never through a
+    symbolic link); its mode before when that changed it, None when it had none of them or
+    does not exist."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    before = stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode) or not before & ~most & 0o777:
+        return None
+    os.chmod(path, before & (most | 0o7000))
+    return before
+
+
+def tighten_all(paths: list[tuple[Path, int]]) -> list[str]:
+    """:func:`tighten` each path to its mode; ``"PATH (was 0644)"`` for each it changed."""
+    said = []
+    for path, most in paths:
+        before = tighten(path, most)
+        if before is not None:
+            said.append(f"{path} (was {before:04o})")
+    return said
+
+
+def write_atomically(path: Path, text: str, *, mode: int = RUN_FILE_MODE) -> None:
     """``path`` holds ``text`` or what it held before, whatever stops the writer (a kill, a
     power cut): a temporary file beside it, flushed to disk, renamed over it, the rename
-    flushed. The temporary file is removed when the write fails."""
+    flushed. The temporary file is removed when the write fails. The file gets ``mode``,
+    whatever the umask."""
     tmp = path.with_name(f".{path.name}.tmp")  # one writer per file
     try:
-        with tmp.open("w") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(fd, mode)
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

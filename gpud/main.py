@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
+import logging
 import os
 import resource
 import socket
@@ -22,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpud import __version__, config, logsetup
+from gpud import __version__, config, files, logsetup
 from gpud import build as build_id
 from gpud.backend.products import PRODUCTS
 from gpud.errors import ConfigError, GpudError
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from gpud.backend.sim import SimNode
     from gpud.net.cgroups import JobCgroups
 
+log = logging.getLogger(__name__)
 
 # Masked from every file gpud creates whatever umask it was started with (the unit's is 0027):
 # under umask 0 its socket would be srwxrwxrwx from the bind until it is set to 0660, time
@@ -76,26 +78,26 @@ def make_dirs(cfg: config.Config) -> None:
     """Create the state and run directories, and the directory of the socket (``api.socket``
     may lie outside the run directory); a ConfigError naming the key when one cannot be (a
     missing parent under /proc, a file in the way, no permission)."""
-    for key, path in (
-        ("daemon.state_dir", cfg.daemon.state_dir),
-        ("daemon.run_dir", cfg.daemon.run_dir),
-        ("api.socket", cfg.socket_path.parent),
+    for key, path, mode in (
+        ("daemon.state_dir", cfg.daemon.state_dir, files.STATE_DIR_MODE),
+        ("daemon.run_dir", cfg.daemon.run_dir, files.RUN_DIR_MODE),
+        ("api.socket", cfg.socket_path.parent, files.RUN_DIR_MODE),
     ):
-        make_dir(path, key)
+        make_dir(path, key, mode)
 
 
-def make_dir(path: Path, key: str) -> None:
-    """``mkdir -p path``; a ConfigError naming ``key`` and the path when it cannot be, or when
-    a user other than gpud's own could plant files there (:func:`check_private`)."""
+def make_dir(path: Path, key: str, mode: int) -> None:
+    """``mkdir -p path``, a directory it creates with ``mode`` (those above 0755) whatever
+    the umask (:func:`gpud.files.make_dirs`); a ConfigError naming ``key`` and the path when
+    it cannot be, or when a user other than gpud's own could plant files there
+    (:func:`check_private`)."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        files.make_dirs(path, mode)
         st = path.stat()
-    except FileExistsError:
-        raise ConfigError(
-            f"cannot create {path}: it exists and is not a directory", key=key
-        ) from None
     except OSError as err:
         raise ConfigError(f"cannot create {path}: {err.strerror or err}", key=key) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"cannot create {path}: it exists and is not a directory", key=key)
     check_private(path, st, key, euid=os.geteuid())
 
 
@@ -167,7 +169,7 @@ def open_backend(cfg: config.Config) -> tuple[GpuBackend, SimNode | None]:
         from gpud.backend.sim import SimNode, parse_simulate_spec
 
         sim_dir = cfg.daemon.run_dir / "sim"
-        make_dir(sim_dir, "daemon.run_dir")
+        make_dir(sim_dir, "daemon.run_dir", files.ABOVE_MODE)
         node = SimNode(parse_simulate_spec(cfg.backend.simulate), state_file=sim_dir / "node.json")
         return NvmlBackend(node.nvml, reset=node.reset), node
     from gpud.backend.gpureset import nvidia_smi_reset
@@ -300,6 +302,33 @@ def check_cluster_files(cfg: config.Config, *, path: str) -> None:
         raise err.in_file(path) from None
 
 
+def readable_secrets(cfg: config.Config) -> list[str]:
+    """Warnings for the cluster's private key, etcd's client key and password file where
+    users other than the file's owner and group may read or write them, as ``ssh`` warns of
+    an unprotected private key: whoever reads one can speak as this node to its peers (or to
+    etcd). Taken all the same: the file is the operator's. Said by ``--check-config`` and at
+    start."""
+    c = cfg.cluster
+    if c.election != "etcd":
+        return []
+    said = []
+    for key, file in (
+        ("key_file", c.key_file),
+        ("etcd_key_file", c.etcd_key_file),
+        ("etcd_password_file", c.etcd_password_file),
+    ):
+        try:
+            mode = stat.S_IMODE(file.stat().st_mode) if file is not None else 0
+        except OSError:
+            continue  # unreadable: said by check_cluster_files
+        if mode & stat.S_IRWXO:
+            said.append(
+                f"cluster.{key}: {file} is open to every user (mode {mode:04o}): any local"
+                f" user can read this node's secret: chmod o-rwx {file}"
+            )
+    return said
+
+
 def check_mig_config_file(cfg: config.Config, *, path: str) -> None:
     """That ``admission.mig_config`` reads and parses as a mig-parted file. Only for
     ``--check-config``: the running gpud reads it on each use (it may appear later), and
@@ -375,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             *config_warnings(cfg),
             tcp_warning(cfg.api.tcp_address, cfg.api.tcp_access),
             *expiring_certificates(cfg),
+            *readable_secrets(cfg),
         ]
         for warning in filter(None, warnings):  # taken, as at start, but said
             print(f"gpud: warning: {warning}", file=sys.stderr)
@@ -400,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(cfg: config.Config, args: argparse.Namespace) -> int:
     """Open the backend and run the daemon until it stops; its exit status."""
     logsetup.configure(cfg.daemon.log_level, journald="JOURNAL_STREAM" in os.environ)
+    for warning in readable_secrets(cfg):
+        log.warning("%s", warning)
 
     from gpud.daemon import Daemon
 

@@ -9,6 +9,7 @@ declares them with :meth:`StateStore.ensure_schema`; it reads and writes them th
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import stat
 import threading
@@ -17,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gpud.errors import StateError, StateUnwritable
+from gpud.files import DB_MODE
 
 DB_NAME = "state.db"
 
@@ -72,6 +74,21 @@ def _addable(tables: Mapping[str, Mapping[str, sqlite3.Row]], table: str, column
     return f'"{column}" {row["type"]}'.rstrip()
 
 
+def _create(path: Path) -> None:
+    """Create the database file, when missing, with :data:`DB_MODE` whatever the umask: it
+    holds reservations' report tokens, and SQLite gives its ``-wal`` and ``-shm`` files the
+    database's mode. One that exists, or cannot be created, is left to SQLite's open (which
+    says why it cannot)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, DB_MODE)
+    except OSError:
+        return
+    try:
+        os.fchmod(fd, DB_MODE)
+    finally:
+        os.close(fd)
+
+
 class StateStore:
     """A thread-safe handle on ``<state_dir>/state.db``.
 
@@ -98,6 +115,7 @@ class StateStore:
             if found.st_size == 0 and stat.S_ISREG(found.st_mode):
                 raise StateError(_unreadable(self.path, "empty: 0 bytes, truncated?"))
         try:
+            _create(self.path)
             self._conn = sqlite3.connect(
                 self.path, isolation_level=None, check_same_thread=False, timeout=30.0
             )

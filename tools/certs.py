@@ -37,6 +37,7 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
     )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
+        os.fchmod(fd, 0o600)  # one written before keeps its mode otherwise
         f.write(data)
 
 

@@ -52,7 +52,7 @@ from gpud.colo.links import NvlinkRates, pcie_capacity, pcie_ratio
 from gpud.config import ColocateConfig
 from gpud.errors import ColocationOff, FailedPrecondition, InvalidArgument, LeftQueue, NotFound
 from gpud.events import EventLog
-from gpud.files import keep_aside, write_atomically
+from gpud.files import STATE_FILE_MODE, keep_aside, write_atomically
 from gpud.shared import MAX_PEAK_LOAD, check_slo_ms
 from gpud.telemetry.snapshot import GpuSample, Snapshot
 
@@ -898,7 +898,9 @@ class ColoService:
         if unclocked == self._saved and clock - self._saved_clock < CLOCK_WRITE_S:
             return
         try:
-            write_atomically(self._state_file, json.dumps(data, allow_nan=False))
+            write_atomically(
+                self._state_file, json.dumps(data, allow_nan=False), mode=STATE_FILE_MODE
+            )
             self._saved, self._saved_clock = unclocked, clock
             self._save_error = ""
         except (OSError, ValueError) as err:

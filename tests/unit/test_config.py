@@ -406,7 +406,7 @@ def test_under_umask_0_gpud_creates_nothing_others_may_write(
         flags = ["--simulate", "--state-dir", str(tmp_path), "--run-dir", str(tmp_path / "run")]
         assert main(["--config", str(write(tmp_path, "")), *flags]) == 1
         assert "another gpud" in capsys.readouterr().err
-        assert stat.S_IMODE((tmp_path / "run").stat().st_mode) == 0o755
+        assert stat.S_IMODE((tmp_path / "run").stat().st_mode) == 0o711
         assert os.umask(0) == 0o022  # the socket, state.db, events.jsonl: 0755 or 0644 at most
     finally:
         os.umask(before)

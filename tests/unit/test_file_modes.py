@@ -1,0 +1,140 @@
+"""The modes of what gpud creates, whatever the umask it was started with: each test sets
+the umask itself (a root shell's 022, or 077) and puts it back after."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpud import config
+from gpud.daemon import close_state_files
+from gpud.events import EventLog
+from gpud.files import make_dirs, write_atomically
+from gpud.main import main
+from gpud.main import make_dirs as make_gpud_dirs
+from gpud.store import StateStore
+
+
+@pytest.fixture(params=[0o022, 0o077, 0o000], ids=["umask022", "umask077", "umask000"])
+def umask(request: pytest.FixtureRequest) -> Iterator[int]:
+    mask: int = request.param
+    before = os.umask(mask)
+    try:
+        yield mask
+    finally:
+        os.umask(before)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_gpuds_directories_get_their_modes_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    """The state directory is closed to others (its database holds report tokens); the run
+    directory, and the socket's, let the socket's group and jobs' MPS clients through (under
+    umask 077 they were 0700), and directories made above them 0755."""
+    cfg = config.Config().with_overrides(
+        {
+            "daemon.state_dir": str(tmp_path / "var" / "state"),
+            "daemon.run_dir": str(tmp_path / "run"),
+            "api.socket": str(tmp_path / "sock" / "gpud.sock"),
+        }
+    )
+    make_gpud_dirs(cfg)
+    assert oct(mode(tmp_path / "var" / "state")) == oct(0o750)
+    assert oct(mode(tmp_path / "var")) == oct(0o755)
+    assert oct(mode(tmp_path / "run")) == oct(0o711)
+    assert oct(mode(tmp_path / "sock")) == oct(0o711)
+
+
+def test_an_existing_directory_keeps_its_mode(tmp_path: Path, umask: int) -> None:
+    (tmp_path / "d").mkdir()
+    os.chmod(tmp_path / "d", 0o700)
+    assert make_dirs(tmp_path / "d" / "e", 0o711) == [tmp_path / "d" / "e"]
+    assert oct(mode(tmp_path / "d")) == oct(0o700)
+    assert make_dirs(tmp_path / "d" / "e", 0o750) == []
+    assert oct(mode(tmp_path / "d" / "e")) == oct(0o711)
+
+
+def test_the_state_database_and_its_wal_are_closed_to_others(tmp_path: Path, umask: int) -> None:
+    """state.db holds every reservation's report token: 0600, and SQLite gives its -wal and
+    -shm the database's mode (under umask 022 all three were 0644)."""
+    store = StateStore(tmp_path)
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (a TEXT)"])
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t VALUES ('secret')")
+    for name in ("state.db", "state.db-wal", "state.db-shm"):
+        assert oct(mode(tmp_path / name)) == oct(0o600), name
+
+
+def test_the_event_log_and_state_files_get_their_modes(tmp_path: Path, umask: int) -> None:
+    events = EventLog(tmp_path / "events.jsonl", max_bytes=200)
+    for n in range(5):  # past a rotation: the new file gets the mode too
+        events.emit("test.event", f"event {n} " + "x" * 100)
+    assert (tmp_path / "events.jsonl.1").exists()
+    assert oct(mode(tmp_path / "events.jsonl")) == oct(0o640)
+    write_atomically(tmp_path / "colo.json", "{}", mode=0o640)
+    assert oct(mode(tmp_path / "colo.json")) == oct(0o640)
+    write_atomically(tmp_path / "xid-faults.json", "{}")
+    assert oct(mode(tmp_path / "xid-faults.json")) == oct(0o644)
+
+
+def test_what_an_earlier_start_left_open_is_closed_and_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chmod(state, 0o755)
+    for name, was in (("state.db", 0o644), ("state.db-wal", 0o644), ("events.jsonl", 0o666)):
+        (state / name).write_text("")
+        os.chmod(state / name, was)
+    (state / "colo.json").write_text("")
+    os.chmod(state / "colo.json", 0o600)  # tighter than gpud's: kept
+    with caplog.at_level(logging.WARNING, logger="gpud.daemon"):
+        closed = close_state_files(state)
+        assert close_state_files(state) == []  # nothing more to say
+    assert closed == [
+        f"{state} (was 0755)",
+        f"{state}/state.db (was 0644)",
+        f"{state}/state.db-wal (was 0644)",
+        f"{state}/events.jsonl (was 0666)",
+    ]
+    assert [r.getMessage() for r in caplog.records] == [
+        "closed to other users what an earlier start left open: " + ", ".join(closed)
+    ]
+    assert oct(mode(state)) == oct(0o750)
+    assert oct(mode(state / "state.db")) == oct(0o640)
+    assert oct(mode(state / "events.jsonl")) == oct(0o640)
+    assert oct(mode(state / "colo.json")) == oct(0o600)
+
+
+def test_check_config_warns_of_a_cluster_key_other_users_may_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tools.certs import make_ca, make_node
+
+    make_ca(tmp_path)
+    make_node(tmp_path, "n1", tmp_path, dns=("n1",))
+    key = tmp_path / "n1-key.pem"
+    path = tmp_path / "gpud.toml"
+    path.write_text(
+        '[cluster]\nelection = "etcd"\nnode = "n1"\nlisten = "127.0.0.1:0"\n'
+        f'ca_file = "{tmp_path}/ca.pem"\ncert_file = "{tmp_path}/n1.pem"\n'
+        f'key_file = "{key}"\n'
+    )
+    os.chmod(key, 0o640)  # a group's (ssl-cert) is the operator's choice
+    assert main(["--check-config", "--config", str(path)]) == 0
+    assert capsys.readouterr().err == ""
+    os.chmod(key, 0o644)
+    assert main(["--check-config", "--config", str(path)]) == 0  # a warning, not a refusal
+    out = capsys.readouterr()
+    assert out.out == "config OK\n"
+    assert out.err == (
+        f"gpud: warning: cluster.key_file: {key} is open to every user (mode 0644): any local"
+        f" user can read this node's secret: chmod o-rwx {key}\n"
+    )
