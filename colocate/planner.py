@@ -19,7 +19,9 @@ One pass:
    under its declared peak with the training beside it throttled to ``peak_duty`` (the
    duty the SLO guard cuts it to at a burst), or the GPU's memory over its limit. A free
    GPU is always the best option for a job (sharing is for work that would otherwise
-   wait).
+   wait). A GPU the job is barred from (``JobView.barred``: its MPS server serves
+   another user, who would hold the job's CUDA processes until their own jobs end) offers
+   it no share of the whole GPU, only a free MIG instance (a server of its own).
 3. Prices. :class:`colocate.prices.ShadowPrices` turns the options into per-job choices
    under per-GPU prices on SMs, memory and bandwidth.
    A training job with no option anywhere (typically one that needs a GPU alone) that was
@@ -157,6 +159,9 @@ class JobView:
     waited_s: float = 0.0  # pending: seconds it has waited
     evicted: bool = False  # pending: it ran, and a plan evicted it (memory, an SLO guard)
     device: str = ""  # the GPU or MIG device UUID it runs on ("" when not known)
+    # pending: GPU index -> why it may have no share of that whole GPU (its MPS server
+    # serves another user's jobs); a free MIG instance there, a server of its own, still may
+    barred: Mapping[int, str] = field(default_factory=dict)
 
     @property
     def kind(self) -> JobKind:
@@ -265,6 +270,7 @@ REFUSALS: tuple[str, ...] = (
     "service SLO",
     "slowdown cap",
     "gain",
+    "user",  # JobView.barred: the GPU's MPS server serves another user
 )
 
 
@@ -548,7 +554,12 @@ class Planner:
             opts: list[Option] = []
             mine = refused_for.setdefault(job.job_id, {})
             for g in state.values():
-                for share, mig in self._candidates(job, g):
+                candidates = self._candidates(job, g)
+                if candidates and candidates[0][1] is None and g.view.index in job.barred:
+                    key = (len(g.residents), "user")  # its shares, refused once
+                    mine[key] = mine.get(key, 0) + 1
+                    continue
+                for share, mig in candidates:
                     ev = self._evaluate(g, job, share, mig)
                     check = (
                         ev.check
@@ -737,6 +748,7 @@ class Planner:
             for g in state.values()
             if g.view.whole
             and g.view.foreign is None
+            and g.view.index not in head.barred
             and need <= g.limit(self.params.memory_headroom)
         ]
         if not fits:
@@ -835,6 +847,9 @@ class Planner:
                 reasons.append(f"GPU {g.view.index}: in MIG mode: {why}")
                 continue
             share, mig = candidates[0]
+            if mig is None and g.view.index in job.barred:
+                reasons.append(f"GPU {g.view.index}: {job.barred[g.view.index]}")
+                continue
             ev = self._evaluate(g, job, share, mig)
             reasons.append(
                 f"GPU {g.view.index}: {ev.reason or f'gain {ev.gain:.2f} under {self.params.min_gain:g}'}"

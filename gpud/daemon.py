@@ -410,6 +410,7 @@ class Daemon:
                     snapshots=self.sampler.latest,
                     registered=self._registered_job,
                     tokens=tokens,
+                    run_uid=self.jobs.run_uid,
                 ).register,
                 NetServicer(self.traffic, tokens=tokens).register,
                 self.cluster.servicer.register,
@@ -559,6 +560,7 @@ class Daemon:
                         mig_profile=profiles.get(device),
                         pids=tuple(pids.get((r.job, device), ())),
                         reserved_at=r.created_at,
+                        uid=r.uid,
                     )
                 )
         return out

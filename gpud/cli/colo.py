@@ -9,10 +9,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers, number, slo_ms
 from gpud.cli.output import NA, seconds
 from gpud.errors import InvalidArgument
+from gpud.pidns import own_namespace
 from gpud.shared import MAX_PEAK_LOAD, MIN_SLO_MS, format_size, parse_size
 from gpud.v1 import colo_pb2 as pb
 from gpud.v1 import colo_pb2_grpc as pb_grpc
@@ -164,7 +166,14 @@ def _standing(key: str) -> int:
 
 
 def run_advise(ctx: Context, args: argparse.Namespace) -> int:
-    request = pb.AdviseRequest(job=args.job, kind=args.kind)
+    # asked as a gpuctl run from here would ask: for this user (GPUs whose MPS server
+    # serves another user are not advised)
+    request = pb.AdviseRequest(
+        job=args.job,
+        kind=args.kind,
+        holder_pid=os.getpid(),
+        holder_pid_namespace=own_namespace(),
+    )
     if args.memory is not None:
         try:
             request.memory_bytes = parse_size(args.memory, field="memory")

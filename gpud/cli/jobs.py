@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
+import pwd
 import signal
 import sys
 from collections.abc import Iterable
@@ -31,6 +33,7 @@ HEADERS = (
     "JOB",
     "KIND",
     "OWNER",
+    "USER",
     "PLACEMENT",
     "THREADS",
     "MEMORY",
@@ -59,7 +62,9 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
     """``--kind``, ``--mig | --gpus | --devices``, ``--threads``, ``--memory``, ``--priority``."""
     parser.add_argument("--kind", choices=KINDS, help="training (default) or inference")
     parser.add_argument(
-        "--owner", default="", help="who runs it (one line of up to 128 printable characters)"
+        "--owner",
+        default="",
+        help="who runs it (one line of up to 128 printable characters; default: your user name)",
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
@@ -132,6 +137,29 @@ def placement(job: pb.Job) -> str:
     return f"{job.gpu_count if job.HasField('gpu_count') else 1} GPU"
 
 
+def caller_name() -> str:
+    """The user name of gpuctl's real UID (``id -un``), else the number: the owner a job
+    gets when ``--owner`` is not given. A label: gpud cannot check it (gRPC tells it
+    nothing of who calls on the socket)."""
+    uid = os.getuid()
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def owner_of(args: argparse.Namespace) -> str:
+    """``--owner``, else the caller's user name (:func:`caller_name`)."""
+    return str(args.owner) or caller_name()
+
+
+def holders(job: pb.Job) -> str:
+    """The users whose runs hold the job's reservations (``holder_user``), ``-`` when none
+    is known (no reservation, no holder, or its ``/proc`` unread)."""
+    users = sorted({r.holder_user for r in job.reservations if r.HasField("holder_uid")})
+    return ",".join(users) or "-"
+
+
 def job_row(job: pb.Job) -> tuple[str, ...]:
     reserved = sorted({d for r in job.reservations for d in r.devices})
     used = sum(p.used_memory_bytes for p in job.processes if p.HasField("used_memory_bytes"))
@@ -139,6 +167,7 @@ def job_row(job: pb.Job) -> tuple[str, ...]:
         job.name,
         kind_name(job.kind),
         job.owner or "-",
+        holders(job),
         placement(job),
         f"{job.threads_percent}%" if job.HasField("threads_percent") else "-",
         format_size(job.memory_limit_bytes) if job.HasField("memory_limit_bytes") else "-",
@@ -265,7 +294,7 @@ def run_add(ctx: Context, args: argparse.Namespace) -> int:
     job = pb.Job(
         name=args.name,
         kind=kind_value(args.kind or "training"),
-        owner=args.owner,
+        owner=owner_of(args),
     )
     fill_placement(job, args)
     if args.slo_p99_ms is not None:

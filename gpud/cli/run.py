@@ -87,6 +87,7 @@ from gpud.cli.jobs import (
     kind_value,
     mps_options,
     no_effect,
+    owner_of,
     queued_line,
     warn_if_mps_down,
 )
@@ -210,7 +211,7 @@ def reserve_request(args: argparse.Namespace) -> pb.ReserveRequest:
     request = pb.ReserveRequest(
         job=args.job,
         kind=kind_value(args.kind),
-        owner=args.owner,
+        owner=owner_of(args),
         holder_pid=os.getpid(),
         # in a container, gpud numbers this process otherwise: it finds it by both
         holder_pid_namespace=own_namespace(),
@@ -237,7 +238,13 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest, s
         known.devices or known.HasField("mig_profile") or known.HasField("gpu_count")
     ):
         return True  # it runs where it was registered to, whatever the loop would say
-    ask = colo_pb2.AdviseRequest(job=args.job, kind=args.kind or "training")
+    # whose run it is, as the reservation will say: advice keeps off GPUs whose MPS server
+    # serves another user
+    ask = colo_pb2.AdviseRequest(
+        job=args.job, kind=args.kind or "training", holder_pid=request.holder_pid
+    )
+    if request.HasField("holder_pid_namespace"):
+        ask.holder_pid_namespace = request.holder_pid_namespace
     if request.HasField("memory_limit_bytes"):
         ask.memory_bytes = request.memory_limit_bytes
     stub = ctx.stub(colo_pb2_grpc.ColocationStub)

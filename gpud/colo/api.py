@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from gpud.api.access import ReportTokens
-from gpud.api.validate import optional
+from gpud.api.validate import optional, optional_pid
 from gpud.colo.service import ColoService
 from gpud.errors import InvalidArgument, NotFound
 from gpud.jobs.registry import check_name
@@ -58,13 +58,18 @@ class ColoServicer(pb_grpc.ColocationServicer):
         registered: Callable[[str], Registered | None] = lambda job: None,
         wall: Callable[[], float] = time.time,
         tokens: ReportTokens | None = None,
+        run_uid: Callable[[int | None, int | None], int | None] = lambda pid, ns: None,
     ) -> None:
         """``registered``: a registered job's kind, p99 SLO and memory: advice for a job
         that is registered (``gpuctl jobs add chat --kind inference --slo-p99-ms 50
         --memory 20GiB``, then ``gpuctl run --job chat``) follows what it was registered as,
         where the request does not say. ``wall``: the clock that dates when a waiting run
         began to wait (``since_unix_seconds``). ``tokens``: whose reports a call may carry
-        (:mod:`gpud.api.access`; default: no token is any run's)."""
+        (:mod:`gpud.api.access`; default: no token is any run's). ``run_uid``: the user
+        placement keeps a run to, from its holder PID and that PID's namespace
+        (:meth:`gpud.jobs.service.JobService.run_uid`; default: none known): advice leaves
+        out the GPUs that user may not share."""
+        self._run_uid = run_uid
         self._service = service
         self._tokens = tokens or ReportTokens()
         self._wall = wall
@@ -158,6 +163,11 @@ class ColoServicer(pb_grpc.ColocationServicer):
             kind = known.kind
             slo = slo if slo is not None else known.slo_p99_ms
             memory = memory if memory is not None else known.memory_bytes
+        uid = await asyncio.to_thread(  # reads /proc
+            self._run_uid,
+            optional_pid(request, "holder_pid"),
+            optional(request, "holder_pid_namespace"),
+        )
         snap = self._snapshots()
         a = await asyncio.to_thread(
             self._service.advise,
@@ -171,6 +181,7 @@ class ColoServicer(pb_grpc.ColocationServicer):
             waiting=request.waiting,
             waited_s=_waited(request),
             waiter_id=optional(request, "waiter_id"),
+            uid=uid,
         )
         out = pb.AdviseResponse(
             gpu=a.gpu,

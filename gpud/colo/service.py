@@ -53,6 +53,7 @@ from gpud.config import ColocateConfig
 from gpud.errors import ColocationOff, FailedPrecondition, InvalidArgument, LeftQueue, NotFound
 from gpud.events import EventLog
 from gpud.files import STATE_FILE_MODE, keep_aside, write_atomically
+from gpud.jobs.placement import user_name
 from gpud.shared import MAX_PEAK_LOAD, check_slo_ms
 from gpud.telemetry.snapshot import GpuSample, Snapshot
 
@@ -111,6 +112,9 @@ class RunningJob:
     # when its reservation was made (``job_reservations.created_at``): among jobs this loop
     # first sees run together (all of them, after gpud restarts), the earlier came first
     reserved_at: float | None = None
+    # the real UID of the run holding the reservation where placement keeps users apart
+    # (``job_reservations.holder_uid``; None: unknown, or MPS off)
+    uid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -223,6 +227,7 @@ def _question(v: JobView, hold_s: float) -> Hashable:
         v.features,
         v.evicted,
         v.waited_s >= hold_s,
+        tuple(sorted(v.barred.items())),
     )
 
 
@@ -323,6 +328,7 @@ class _Waiter:
     view: JobView
     id: str
     anonymous: bool = False
+    uid: int | None = None  # its run's user (:meth:`ColoService.advise`'s ``uid``)
 
 
 class WaiterView(NamedTuple):
@@ -396,6 +402,7 @@ class ColoService:
         host: HostUsage | None = None,
         state_file: Path | None = None,
         default_memory: Callable[[], Mapping[int, int]] | None = None,
+        name_of: Callable[[int], str] = user_name,
     ) -> None:
         """``host``: reads the CPU and memory use of the jobs' process trees (default: the
         host's ``/proc``). ``state_file``: where what the loop learned about running jobs
@@ -406,7 +413,9 @@ class ColoService:
         the planner predicts every job's speed beside them and never calls that GPU free.
         ``default_memory``: per GPU index, its MPS default pinned memory limit (``gpuctl mps
         set --memory``), where it has one: what a new run that sets no memory is planned at
-        there."""
+        there. ``name_of``: a UID's user name, for the reason a GPU is barred to a run
+        (:meth:`advise`)."""
+        self._name_of = name_of
         self._events = events
         self._running = running
         self._default_memory = default_memory if default_memory is not None else dict
@@ -1334,6 +1343,7 @@ class ColoService:
         waiting: bool = False,
         waited_s: float = 0.0,
         waiter_id: str | None = None,
+        uid: int | None = None,
     ) -> Advice:
         """Where a new job should go now: a whole GPU's MPS share, or a free MIG instance
         (for an inference job with a tight SLO, or on a GPU in MIG mode); nothing is
@@ -1345,7 +1355,10 @@ class ColoService:
         gpud restart as the queue's ids are. gpuctl makes one up for its first waiting
         question: a run with an id of its own waits beside the runs of its job that wait
         already, as a second queue entry does. None (a gpuctl that predates the ids): the
-        job's other run that asks without one, if any."""
+        job's other run that asks without one, if any. ``uid``: the user the run's
+        processes run as, where placement keeps users apart (MPS on): a GPU whose MPS server
+        serves another user's jobs is not advised (the jobs service would refuse it), only
+        a free MIG instance there; None: any GPU."""
         now = self._clock()
         with self._lock:
             told = _waiter_id(waiter_id) if waiting else None
@@ -1374,6 +1387,7 @@ class ColoService:
             since=since if waiting else None,
             now=now,
             waiter=wid if waiting else "",
+            uid=uid,
         )
         with self._lock:
             if not waiting:  # an operator's question, or a run's first: no waiter of it
@@ -1382,7 +1396,7 @@ class ColoService:
             self._check_not_removed(job, wid, since, now, anonymous=waiter_id is None)
             if advice.gpu < 0 and view is not None:
                 self._waiting[wid] = _Waiter(
-                    job, since, now, advice.reason, view, wid, anonymous=waiter_id is None
+                    job, since, now, advice.reason, view, wid, waiter_id is None, uid
                 )
                 return dataclasses.replace(advice, waiter_id=wid)
             self._waiting.pop(wid, None)
@@ -1557,10 +1571,11 @@ class ColoService:
         since: float | None,
         now: float,
         waiter: str = "",
+        uid: int | None = None,
     ) -> tuple[Advice, JobView | None]:
         """The advice and the job's view (None when there was no telemetry); ``since``:
         when a waiting asker was first told to wait (None: it does not wait); ``waiter``:
-        its id ("" when it does not wait)."""
+        its id ("" when it does not wait); ``uid``: its run's user (:meth:`advise`)."""
         # each names its field first, as check_slo_ms does: what the gRPC status says first
         if kind not in ("training", "inference"):
             raise InvalidArgument(
@@ -1610,6 +1625,7 @@ class ColoService:
                     waited_s=0.0 if since is None else now - since,
                     # a run of a job the loop evicted, which has not run since
                     evicted=st is not None and st.evicted and st.arrived is None,
+                    barred=self._barred(running, uid),
                 )
 
             # Every run that waits is planned with it, in the order they came (a new ask
@@ -1624,6 +1640,7 @@ class ColoService:
                     job_id=w.job if w.job != job else f"{w.job} ({w.id})",
                     order=w.since,
                     waited_s=now - w.since,
+                    barred=self._barred(running, w.uid),
                 )
                 for w in self._waiting.values()
                 if w.id != waiter and now - w.last <= WAITER_GONE_S
@@ -1694,6 +1711,29 @@ class ColoService:
                 placement.reason,
             )
             return advice, new
+
+    def _barred(self, running: Sequence[RunningJob], uid: int | None) -> dict[int, str]:
+        """GPU index -> why a run of ``uid`` may have no MPS share of that whole GPU: a job
+        of another known user holds it, and an MPS control daemon serves one user at a time
+        (the jobs service refuses the run there, :func:`gpud.jobs.placement.choose_devices`).
+        A job in a MIG instance holds that instance's server alone. {} for no ``uid``."""
+        if uid is None:
+            return {}
+        others: dict[int, dict[int, set[str]]] = {}
+        for r in running:
+            if r.uid is not None and r.uid != uid and r.mig_profile is None:
+                others.setdefault(r.gpu, {}).setdefault(r.uid, set()).add(r.name)
+        return {
+            gpu: (
+                f"shared under MPS by jobs of user{'s' if len(users) > 1 else ''} "
+                + ", ".join(
+                    f"{self._name_of(u)} ({', '.join(sorted(jobs))})"
+                    for u, jobs in sorted(users.items())
+                )
+                + ", and an MPS control daemon serves one user at a time"
+            )
+            for gpu, users in others.items()
+        }
 
     def _place(
         self, gpus: list[GpuView], jobs: list[JobView], new: JobView, same: Hashable

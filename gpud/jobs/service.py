@@ -368,6 +368,16 @@ class JobService:
             return None
         return real_uid(holder_pid, self._proc_root)
 
+    def run_uid(self, holder_pid: int | None, namespace: int | None = None) -> int | None:
+        """:meth:`placement_uid` of a run not reserved yet, whose holder is ``holder_pid``
+        of PID namespace ``namespace`` (as a :class:`RunRequest` names it): the user
+        co-location's advice for it keeps to. FailedPrecondition when gpud sees no such
+        process in that namespace."""
+        if holder_pid is None:
+            return None
+        local = local_pid(holder_pid, namespace, self._proc_root, field="holder_pid")
+        return self.placement_uid(local)
+
     def _default_memory(self, uuid: str) -> int | None:
         return self._mps.limits(uuid).memory_bytes
 

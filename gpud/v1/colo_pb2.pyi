@@ -397,6 +397,8 @@ class AdviseRequest(_message.Message):
     WAITING_FIELD_NUMBER: _builtins.int
     WAITED_S_FIELD_NUMBER: _builtins.int
     WAITER_ID_FIELD_NUMBER: _builtins.int
+    HOLDER_PID_FIELD_NUMBER: _builtins.int
+    HOLDER_PID_NAMESPACE_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     kind: _builtins.str
     """"training" (default) or "inference" """
@@ -414,6 +416,12 @@ class AdviseRequest(_message.Message):
     """
     waiter_id: _builtins.str
     """the waiter_id it was told before (12 hex digits): kept through a gpud restart"""
+    holder_pid: _builtins.int
+    """The process that will hold the run's reservation (gpuctl run itself) and the PID
+    namespace it is numbered in, as in ReserveRequest: with MPS on, its real UID keeps the
+    advice off GPUs whose MPS server serves another user's jobs. Unset: any GPU.
+    """
+    holder_pid_namespace: _builtins.int
     def __init__(
         self,
         *,
@@ -426,11 +434,17 @@ class AdviseRequest(_message.Message):
         waiting: _builtins.bool = ...,
         waited_s: _builtins.float | None = ...,
         waiter_id: _builtins.str | None = ...,
+        holder_pid: _builtins.int | None = ...,
+        holder_pid_namespace: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "_waited_s", b"_waited_s", "_waiter_id", b"_waiter_id", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity", "waited_s", b"waited_s", "waiter_id", b"waiter_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_holder_pid_namespace", b"_holder_pid_namespace", "_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "_waited_s", b"_waited_s", "_waiter_id", b"_waiter_id", "holder_pid", b"holder_pid", "holder_pid_namespace", b"holder_pid_namespace", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity", "waited_s", b"waited_s", "waiter_id", b"waiter_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "_waited_s", b"_waited_s", "_waiter_id", b"_waiter_id", "job", b"job", "kind", b"kind", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity", "waited_s", b"waited_s", "waiter_id", b"waiter_id", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_holder_pid_namespace", b"_holder_pid_namespace", "_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "_waited_s", b"_waited_s", "_waiter_id", b"_waiter_id", "holder_pid", b"holder_pid", "holder_pid_namespace", b"holder_pid_namespace", "job", b"job", "kind", b"kind", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity", "waited_s", b"waited_s", "waiter_id", b"waiter_id", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__holder_pid: _TypeAlias = _typing.Literal["holder_pid"]  # noqa: Y015
+    _WhichOneofArgType__holder_pid: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid"]  # noqa: Y015
+    _WhichOneofReturnType__holder_pid_namespace: _TypeAlias = _typing.Literal["holder_pid_namespace"]  # noqa: Y015
+    _WhichOneofArgType__holder_pid_namespace: _TypeAlias = _typing.Literal["_holder_pid_namespace", b"_holder_pid_namespace"]  # noqa: Y015
     _WhichOneofReturnType__memory_bytes: _TypeAlias = _typing.Literal["memory_bytes"]  # noqa: Y015
     _WhichOneofArgType__memory_bytes: _TypeAlias = _typing.Literal["_memory_bytes", b"_memory_bytes"]  # noqa: Y015
     _WhichOneofReturnType__peak_load: _TypeAlias = _typing.Literal["peak_load"]  # noqa: Y015
@@ -443,6 +457,10 @@ class AdviseRequest(_message.Message):
     _WhichOneofArgType__waited_s: _TypeAlias = _typing.Literal["_waited_s", b"_waited_s"]  # noqa: Y015
     _WhichOneofReturnType__waiter_id: _TypeAlias = _typing.Literal["waiter_id"]  # noqa: Y015
     _WhichOneofArgType__waiter_id: _TypeAlias = _typing.Literal["_waiter_id", b"_waiter_id"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__holder_pid) -> _WhichOneofReturnType__holder_pid | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__holder_pid_namespace) -> _WhichOneofReturnType__holder_pid_namespace | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__memory_bytes) -> _WhichOneofReturnType__memory_bytes | None: ...
     @_typing.overload

@@ -2497,3 +2497,80 @@ def test_advice_reads_the_mps_defaults_outside_the_loops_lock(tmp_path: Path) ->
     svc.tick(snap)
     svc.advise("new", snapshot=snap)
     assert free == [True]
+
+
+def test_advice_keeps_a_run_off_a_gpu_whose_mps_server_serves_another_user(
+    tmp_path: Path,
+) -> None:
+    """An MPS control daemon serves one user at a time: a run of user 1001 is not advised
+    GPU 0, where a job of user 1000 runs (the jobs service would refuse it there), but at
+    once GPU 1, which only its own user's jobs share; a run of user 1000, or of no known
+    user, may still go to GPU 0. A GPU every user's job is barred from makes the run wait,
+    saying whose server it is."""
+    slo = {"slo_p99_ms": 100.0, "memory_bytes": 10 * GIB}
+    jobs = [
+        RunningJob("a", "inference", 0, uid=1000, **slo),  # type: ignore[arg-type]
+        RunningJob("b", "inference", 1, uid=1001, **slo),  # type: ignore[arg-type]
+    ]
+    names = {1000: "alice", 1001: "bob"}
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        clock=Clock(),
+        name_of=lambda uid: names.get(uid, str(uid)),
+    )
+    snap = snapshot(used_gib=10)
+    svc.tick(snap)
+    ask = {"memory_bytes": 8 * GIB, "snapshot": snap}
+    assert svc.advise("anyone", **ask).gpu == 0  # type: ignore[arg-type]
+    assert svc.advise("alice-2", uid=1000, **ask).gpu == 0  # type: ignore[arg-type]
+    bob = svc.advise("bob-2", uid=1001, **ask)  # type: ignore[arg-type]
+    assert (bob.gpu, bob.device) == (1, identity(1).uuid)
+    jobs[1] = dataclasses.replace(jobs[1], uid=1000)  # both GPUs serve alice now
+    bob = svc.advise("bob-2", uid=1001, waiting=True, **ask)  # type: ignore[arg-type]
+    assert bob.gpu == -1
+    assert bob.reason == (
+        "GPU 0: shared under MPS by jobs of user alice (a), and an MPS control daemon serves"
+        " one user at a time; GPU 1: shared under MPS by jobs of user alice (b), and an MPS"
+        " control daemon serves one user at a time"
+    )
+    assert svc.show().refused == {(1, "user"): 2}
+
+
+def test_gpuctl_colo_advise_answers_for_the_callers_user(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpuctl colo advise` asks as a `gpuctl run` from the same shell would: with its PID,
+    which gpud turns into its user; the GPU another user's MPS server holds is not advised."""
+    import json
+    import os
+
+    from gpud.api import ApiServer
+    from gpud.cli.main import main
+    from gpud.colo.api import ColoServicer
+    from tests.unit.api_support import ServerThread, short_dir
+
+    slo = {"slo_p99_ms": 100.0, "memory_bytes": 10 * GIB}
+    jobs = [
+        RunningJob("a", "inference", 0, uid=1000, **slo),  # type: ignore[arg-type]
+        RunningJob("b", "inference", 1, uid=1001, **slo),  # type: ignore[arg-type]
+    ]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=Clock()
+    )
+    snap = snapshot(used_gib=10)
+    svc.tick(snap)
+    asked: list[tuple[int | None, int | None]] = []
+
+    def run_uid(pid: int | None, namespace: int | None) -> int | None:
+        asked.append((pid, namespace))
+        return None if pid is None else 1001  # injected: the caller is user 1001
+
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        servicer = ColoServicer(svc, snapshots=lambda: snap, run_uid=run_uid)
+        with ServerThread(ApiServer(path, servicers=[servicer.register])):
+            assert main(["--socket", str(path), "--json", "colo", "advise", "new"], env={}) == 0
+    assert json.loads(capsys.readouterr().out)["gpu"] == 1
+    assert [pid for pid, _ in asked] == [os.getpid()]

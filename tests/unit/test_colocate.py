@@ -857,3 +857,29 @@ def test_a_job_on_two_gpus_is_directed_once_at_the_pace_of_its_slower_gpu() -> N
         (d,) = [d for d in evicting.directives if d.job_id == "t"]
         assert d.evict
         assert "t" not in evicting.predicted_speed
+
+
+def test_a_barred_gpu_offers_no_share_but_a_free_mig_instance_still() -> None:
+    """``JobView.barred`` (the GPU's MPS server serves another user): the job gets no share
+    of that whole GPU, goes to another, or waits with the reason given for it; a free MIG
+    instance there (a server of its own) is still offered, and no GPU is held for a head
+    that may not have it."""
+    planner = Planner(InterferencePredictor())
+    new = training("new")
+    new.barred = {0: "their server"}
+    (p,) = planner.plan(gpus(2), [new]).placements
+    assert p.gpu == 1
+    alone = planner.plan(gpus(1), [new])
+    assert alone.placements == () and alone.waiting["new"] == "GPU 0: their server"
+    assert alone.refused_for["new"] == {(0, "user"): 1}
+    migs = (MigOption("3g.40gb", 3 / 7, 40 * GIB),)
+    svc = inference("svc", slo_s=0.019, peak=40.0)
+    svc.barred = {0: "their server"}
+    (m,) = planner.plan([GpuView(0, 80 * GIB, mig_options=migs)], [svc]).placements
+    assert (m.gpu, m.mig_profile) == (0, "3g.40gb")
+    head = training("head", sm=0.9, bw=0.9, mem_gib=70)
+    head.evicted, head.barred = True, {0: "their server"}
+    held = Planner(InterferencePredictor()).plan(
+        gpus(1), [training("there", sm=0.9, bw=0.9, mem_gib=30, gpu=0), head]
+    )
+    assert held.placements == () and "held for it" not in held.waiting["head"]

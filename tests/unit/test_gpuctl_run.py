@@ -35,6 +35,7 @@ from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
 from gpud.mps.procs import alive
 from gpud.shared import GIB
+from gpud.telemetry.snapshot import Snapshot
 from gpud.v1 import (
     colo_pb2,
     colo_pb2_grpc,
@@ -82,15 +83,17 @@ def serving(
     mps_on: bool = True,
     control: list[str] | None = None,
     jobs_api: type[JobsServicer] = JobsServicer,
+    gpus: Snapshot = NODE,
 ) -> Iterator[Node]:
     """The node's MPS and jobs services on a socket, with ``extra`` registrars; ``control``:
-    the MPS control daemon's command (default: the fake); ``jobs_api``: the jobs servicer."""
+    the MPS control daemon's command (default: the fake); ``jobs_api``: the jobs servicer;
+    ``gpus``: the node's GPUs."""
     with short_dir() as root:
         mps, store, events = make_manager(root, control, enabled=mps_on)
         socket = root / "gpud.sock"
         jobs = JobService(store, events, mps, socket_path=socket)
         try:
-            mps.reconcile(NODE)
+            mps.reconcile(gpus)
             server = ApiServer(
                 socket,
                 servicers=[
@@ -1992,3 +1995,108 @@ def test_a_queued_run_lets_gpud_wait_yet_stops_at_once_and_paces_an_older_gpud(
     assert len(queue.asked) == 1 if waits else 2 <= len(queue.asked) <= 3
     assert "job q left the queue (SIGTERM), nothing started" in capsys.readouterr().err
     assert not marker.exists()
+
+
+def test_gpuctl_run_is_advised_at_once_a_gpu_its_user_may_share(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With MPS on, co-location advises a run only a GPU whose MPS server its user may
+    join: GPU 0, where a job of another user runs, is not advised (the jobs service would
+    refuse it and gpuctl run ask again); GPU 1, shared by a job of the run's own user, is,
+    at the first question. gpud finds the run's user from the holder PID it is sent."""
+    from gpud.jobs.registry import JobKind
+
+    two = snapshot(gpu_sample(0, used_gib=10), gpu_sample(1, used_gib=10))
+    gpu_of = {gpu_uuid(0): 0, gpu_uuid(1): 1}
+    me, other = os.getuid(), os.getuid() + 1000  # injected: no user is created
+    holder: list[JobService] = []
+    asked: list[tuple[int | None, int | None]] = []
+
+    def run_uid(pid: int | None, namespace: int | None) -> int | None:
+        asked.append((pid, namespace))
+        return holder[0].run_uid(pid, namespace)
+
+    def running() -> list[RunningJob]:
+        return [
+            RunningJob(r.job, "inference", gpu_of[d], None, 10 * GIB, 100.0, device=d, uid=r.uid)
+            for r in holder[0].reservations.held()
+            for d in r.devices
+        ]
+
+    loop = ColoService(ColocateConfig(), EventLog(None), running=running)
+    colo = ColoServicer(loop, snapshots=lambda: two, run_uid=run_uid)
+    with serving(colo.register, gpus=two) as n:
+        holder.append(n.jobs)
+        for job, gpu, uid in (("theirs", 0, other), ("mine", 1, me)):
+            n.jobs.add(JobSpec(job, JobKind.INFERENCE, slo_p99_ms=100.0, memory_bytes=10 * GIB))
+            n.jobs.reservations.add(
+                job,
+                (gpu_uuid(gpu),),
+                threads_percent=None,
+                memory_bytes=10 * GIB,
+                client_priority=0,
+                holder_pid=None,
+                holder_uid=uid,
+            )
+        loop.tick(two)
+        out = tmp_path / "child.json"
+        assert n.ctl("run", "--job", "t", "--", sys.executable, "-c", CHILD, str(out), "0") == 0
+        err = capsys.readouterr().err
+        assert err.startswith("gpuctl: t on GPU 1: shares GPU 1 with mine"), err
+        assert "asking co-location again" not in err
+        assert json.loads(out.read_text())["env"]["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)
+        assert [pid for pid, _ in asked] == [os.getpid()]  # gpuctl run in this process
+
+
+def test_jobs_ls_shows_whose_runs_hold_each_job_and_owners_default_to_the_caller(
+    node: Node, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpuctl jobs ls` has a USER column: the users whose runs hold the job's reservations
+    (their real UID as gpud read it, by name), `-` where none is known. A job registered
+    by `jobs add` or by its first `gpuctl run` without --owner is owned by the caller's
+    user name; --owner still names another."""
+    import pwd
+
+    me = pwd.getpwuid(os.getuid()).pw_name
+    assert node.ctl("jobs", "add", "added") == 0
+    assert node.ctl("jobs", "add", "named", "--owner", "ana") == 0
+    node.jobs.add(JobSpec("unheld"))  # through the API, naming no owner
+    node.jobs.reservations.add(
+        "unheld",
+        (gpu_uuid(1),),
+        threads_percent=None,
+        memory_bytes=GIB,
+        client_priority=0,
+        holder_pid=None,  # no holder: no known user
+    )
+    out = tmp_path / "child.json"
+    assert node.ctl("run", "--job", "ran", "--", sys.executable, "-c", CHILD, str(out), "0") == 0
+    capsys.readouterr()
+    assert node.ctl("jobs", "ls", "named") == 0
+    header = capsys.readouterr().out.splitlines()[0].split()
+    assert header[:5] == ["JOB", "KIND", "OWNER", "USER", "PLACEMENT"]
+    assert node.jobs.registry.get("ran").owner == me  # its run registered it
+    with contextlib.ExitStack() as held:
+        # a run that holds its reservation while jobs ls reads it
+        marker = tmp_path / "go"
+        run = threading.Thread(
+            target=node.ctl,
+            args=("run", "--job", "ran", "--", sys.executable, "-c",
+                  f"import os, time\nwhile not os.path.exists({str(marker)!r}): time.sleep(0.02)"),
+            daemon=True,
+        )  # fmt: skip
+        run.start()
+        held.callback(run.join, 15)
+        held.callback(marker.touch)
+        for _ in range(200):
+            if node.jobs.reservations.held("ran"):
+                break
+            time.sleep(0.02)
+        assert node.ctl("jobs", "ls") == 0
+        rows = {r.split()[0]: r.split()[2:4] for r in capsys.readouterr().out.splitlines()[1:]}
+    assert rows == {
+        "added": [me, "-"],
+        "named": ["ana", "-"],
+        "ran": [me, me],
+        "unheld": ["-", "-"],
+    }
