@@ -120,9 +120,9 @@ _EVENT_KINDS: Final[dict[int, EventKind]] = {
 _XID_EVENT: Final = 0x8  # nvmlEventTypeXidCriticalError
 _WANTED_EVENTS: Final = _XID_EVENT | 0x2 | 0x1
 REGISTER_WAIT_S: Final = 0.5
+"""How long a new event set waits for the GPUs' registrations before its first wait."""
 REREGISTER_S: Final = 30.0
 """How often a GPU lost when it last registered for events tries again."""
-"""How long a new event set waits for the GPUs' registrations before its first wait."""
 
 
 def _same_handle(a: Any, b: Any) -> bool:
