@@ -117,6 +117,8 @@ def entry_message(v: EntryView) -> pb.QueueEntry:
     if e.request.holder_pid is not None:
         msg.holder_pid = e.request.holder_pid
     msg.waiting_on = v.waiting_on
+    for r in v.overdue:
+        msg.overdue.add(job=r.job, ran_seconds=r.ran_s, estimate_seconds=r.estimate_s or 0.0)
     return msg
 
 

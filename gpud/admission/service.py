@@ -50,7 +50,7 @@ from gpud.admission.node import from_targets
 from gpud.admission.passes import Inline, Passes
 from gpud.admission.placement_fit import PlacementFit
 from gpud.admission.queue import Queued, admission_pass
-from gpud.admission.quote import job_quote
+from gpud.admission.quote import Running, job_quote, overdue
 from gpud.config import AdmissionConfig
 from gpud.errors import FailedPrecondition, GpudError, NotFound, ResourceExhausted, Unavailable
 from gpud.events import EventLog
@@ -146,6 +146,9 @@ class EntryView:
     # what it waits for besides other jobs: unhealthy GPUs of its pool, or why its last
     # start failed (no DSCP tag left, ...)
     waiting_on: str = ""
+    # the runs holding its devices, where every one has run past its estimated run time:
+    # no wait is quoted (quote_s None), these are named instead
+    overdue: tuple[Running, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,7 +446,13 @@ class AdmissionService:
                 start_time(request.holder_pid, self._proc_root) if request.holder_pid else None
             )
             views = self._views(fit, [*queued, _draft(entry_id, job.name, stored, now)])
-            quote = self._quote(views, request_of(spec), _classes(queued), waited_s=0.0)
+            quote, _ = self._quote(
+                views,
+                request_of(spec),
+                _classes(queued),
+                waited_s=0.0,
+                running=self._running(views, now),
+            )
             with self._store.transaction() as conn:
                 if new:
                     job = self._jobs.registry.add(job)
@@ -552,12 +561,15 @@ class AdmissionService:
         head: Entry | None = None  # the first quotable entry, which the others wait behind
         ahead_classes: Counter[str] = Counter()
         held = _Held(self._jobs)
+        running = self._running(views, now) if queued else []
         for e in queued:
             verdict = self.classify(e.placement, fit)
             if isinstance(verdict, Unfeasible):
                 unfeasible.append(EntryView(e, 0, _waited(now, e), None, verdict, None, {}))
                 continue
-            quote = self._quote(views, e.placement, ahead_classes, waited_s=_waited(now, e))
+            quote, late = self._quote(
+                views, e.placement, ahead_classes, waited_s=_waited(now, e), running=running
+            )
             out.append(
                 EntryView(
                     e,
@@ -570,6 +582,7 @@ class AdmissionService:
                     waiting_on=_unhealthy_in(verdict, sick, targets)
                     or self._start_failures.get(e.id, "")
                     or held.why(e, head),
+                    overdue=late,
                 )
             )
             head = head or e
@@ -626,6 +639,27 @@ class AdmissionService:
             self._views_cache = (key, views)
             return views
 
+    def _running(
+        self, views: Mapping[str, ClassView], now: float
+    ) -> list[tuple[frozenset[str], Running]]:
+        """What holds devices now, with the devices: each reservation with how long it has
+        run and its class's mean run time, and memory used beyond reservations (no end
+        known)."""
+        with self._kept_lock:
+            classes = self._mirror.running()
+        out = []
+        for r in self._jobs.reservations.held():
+            key = classes.get(r.id)
+            view = views.get(key) if key is not None else None
+            stats = view.stats if view is not None else None
+            estimate = stats.mean_service_s if stats is not None and stats.completions else None
+            out.append(
+                (frozenset(r.devices), Running(r.job, max(now - r.created_at, 0.0), estimate))
+            )
+        for uuid in self._jobs.unreserved_memory():
+            out.append((frozenset((uuid,)), Running("", 0.0, None)))
+        return out
+
     def _quote(
         self,
         views: Mapping[str, ClassView],
@@ -633,15 +667,19 @@ class AdmissionService:
         ahead: Mapping[str, int],
         *,
         waited_s: float,
-    ) -> float | None:
-        """``ahead``: how many entries of each class (:attr:`Entry.request_class`) wait
+        running: Sequence[tuple[frozenset[str], Running]] = (),
+    ) -> tuple[float | None, tuple[Running, ...]]:
+        """The quote, or the runs on its devices that have all run past their estimated run
+        times (then no quote: the model's figure rests on run times they disprove).
+        ``ahead``: how many entries of each class (:attr:`Entry.request_class`) wait
         ahead of it; those whose devices overlap its own count (per class, not per entry:
-        a listing asks this of every entry)."""
+        a listing asks this of every entry). ``running``: what holds devices
+        (:meth:`_running`)."""
         view = views.get(request.describe())
         if view is None or view.quote is None:
-            return None
+            return None, ()
         if not isinstance(view.demand, Demand):
-            return None
+            return None, ()
         pool = set(view.demand.pool)
         overlapping = 0
         for key, count in ahead.items():
@@ -652,7 +690,12 @@ class AdmissionService:
                 and pool & set(other.demand.pool)
             ):
                 overlapping += count
-        return job_quote(view.quote, ahead=overlapping, waited_s=waited_s)
+        mine = [r for devices, r in running if devices & pool]
+        quote = job_quote(view.quote, ahead=overlapping, waited_s=waited_s, running=mine)
+        late = overdue(mine)
+        if late and math.isfinite(quote):
+            return None, late
+        return quote, ()
 
     # -- the gate and the tick ------------------------------------------------------------
     def refuse_never(self, spec: JobSpec) -> None:

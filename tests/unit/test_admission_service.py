@@ -926,6 +926,40 @@ def test_a_queued_job_says_what_holds_its_devices(node: Node) -> None:
     assert views["c"].waiting_on == f"behind pair ({head.entry.id})"
 
 
+def test_a_blocker_past_its_estimate_is_said_instead_of_a_short_quote(node: Node) -> None:
+    """The run holding the devices has run 5 s where its job's runs took 2 s: the queued
+    job is not told "expected wait 2.0 s" (the model's figure, which the run disproves) but
+    that the run is past its estimate; while it is within it, the quote is at least what it
+    is expected to run still."""
+    for _ in range(3):
+        ran = node.jobs.reserve(whole("a", 2)).reservation
+        node.clock.now += 2.0
+        node.jobs.release(ran.id)
+        node.clock.now += 6.0
+    node.jobs.reserve(whole("a", 2))
+    node.clock.now += 1.0
+    entry = node.admission.enqueue(whole("b", 2))
+    assert entry.overdue == () and entry.quote_s is not None and entry.quote_s >= 1.0
+    node.clock.now += 4.0
+    (view,) = node.admission.queue_views()
+    assert view.quote_s is None
+    assert [(r.job, r.ran_s, r.estimate_s) for r in view.overdue] == [("a", 5.0, 2.0)]
+    msg = entry_message(view)
+    assert not msg.HasField("quote_seconds") and not msg.unbounded
+    assert [(r.job, r.ran_seconds, r.estimate_seconds) for r in msg.overdue] == [("a", 5.0, 2.0)]
+    from gpud.cli.jobs import queued_line
+    from gpud.cli.queue import entry_row
+
+    assert queued_line(msg).endswith(
+        "position 1, no wait can be quoted: what holds its devices has run past its"
+        " estimate: a (estimated 2.0 s)"
+    )
+    row = entry_row(msg)
+    assert row[5] == "overdue" and row[6].endswith(
+        "; past the estimate: a ran 5.0 s, estimated 2.0 s"
+    )
+
+
 class CountingJobs(JobService):
     """The job service, counting the placements asked of it."""
 
