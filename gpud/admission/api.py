@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from gpud.admission.classes import ClassView
 from gpud.admission.model import Demand, Unfeasible
 from gpud.admission.service import (
+    OFF,
     QUEUED,
     STARTED,
     AdmissionService,
@@ -373,7 +374,8 @@ class QueueServicer(pb_grpc.QueueServicer):
     async def ListQueue(self, request: pb.ListQueueRequest, context: Any) -> pb.ListQueueResponse:  # noqa: N802
         def list_queue() -> pb.ListQueueResponse:
             resp = pb.ListQueueResponse(
-                entries=[entry_message(v) for v in self._service.queue_views()]
+                entries=[entry_message(v) for v in self._service.queue_views()],
+                off="" if self._service.config.enabled else OFF,
             )
             if request.explain:
                 resp.classes.extend(class_message(v) for v in self._service.explain())

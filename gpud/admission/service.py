@@ -78,7 +78,8 @@ SCHEMA = (
         quote_s REAL,
         state TEXT NOT NULL,
         reservation TEXT,
-        changed_at REAL NOT NULL
+        changed_at REAL NOT NULL,
+        left_why TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS admission_queue_state ON admission_queue (state, seq)",
     """CREATE TABLE IF NOT EXISTS job_history (
@@ -99,9 +100,13 @@ SCHEMA = (
     "CREATE INDEX IF NOT EXISTS job_history_queued ON job_history (queued_at)",
 )
 # Columns added since the first version of these tables: an older state.db gets them at start.
-ADDED = {"job_history": ("exit_code", "exit_signal", "end_cause", "reported_at")}
+ADDED = {
+    "job_history": ("exit_code", "exit_signal", "end_cause", "reported_at"),
+    "admission_queue": ("left_why",),
+}
 
 QUEUED, STARTED, LEFT = "queued", "started", "left"
+OFF = "the admission queue is off (admission.enabled = false)"
 # Started and left rows are kept this long for a waiting gpuctl to read, then dropped.
 DONE_KEEP_S = 3600.0
 # gpud_admission_wait_seconds' buckets, seconds
@@ -121,6 +126,8 @@ class Entry:
     changed_at: float
     # /proc/PID/stat's start time of request.holder_pid when queued (None: not read)
     holder_start: int | None = None
+    # why it left, where gpud took it out for a reason its waiting gpuctl should be told
+    left_why: str = ""
     # request_of(request), and its class key: made once (every listing of the queue asks
     # them of every entry)
     placement: Request = field(init=False, compare=False, repr=False)
@@ -258,6 +265,8 @@ class AdmissionService:
         self.waits = Histogram(WAIT_BUCKETS)
         store.ensure_schema(SCHEMA, added=ADDED)
         self._end_unrecorded()
+        with jobs.locked():
+            self._drop_if_off()
         jobs.add_observer(self._observe)
         jobs.add_late_end(self._removed_run_ended)
         jobs.add_removal_hook(self._job_removed)
@@ -397,18 +406,37 @@ class AdmissionService:
             for changed in self._listeners:
                 changed()
 
-    def _set_state(self, entry_id: str, state: str, reservation: str | None = None) -> None:
+    def _set_state(
+        self, entry_id: str, state: str, reservation: str | None = None, *, why: str | None = None
+    ) -> None:
         self._changed = True
         with self._store.transaction() as conn:
             conn.execute(
-                "UPDATE admission_queue SET state = ?, reservation = ?, changed_at = ? WHERE id = ?",
-                (state, reservation, self._clock(), entry_id),
+                "UPDATE admission_queue SET state = ?, reservation = ?, changed_at = ?,"
+                " left_why = ? WHERE id = ?",
+                (state, reservation, self._clock(), why, entry_id),
+            )
+
+    def _drop_if_off(self) -> None:
+        """With the queue off (``admission.enabled = false``: at a start on a state
+        directory an earlier gpud queued entries in, or by a reload), no queued entry
+        starts: each leaves, saying so in an event and to its waiting ``gpuctl run``
+        (``left_why``), as a new ``gpuctl run`` is refused rather than queued."""
+        if self.config.enabled:
+            return
+        for e in self.entries():
+            self._set_state(e.id, LEFT, why=OFF)
+            self._events.emit(
+                "admission.leave",
+                f"job {e.job} left the queue: {OFF}; nothing was started",
+                job=e.job,
+                entry=e.id,
             )
 
     # -- API ------------------------------------------------------------------------------
     def enqueue(self, request: RunRequest, *, keep_unfeasible: bool = False) -> EntryView:
         if not self.config.enabled:
-            raise FailedPrecondition("the admission queue is off (admission.enabled = false)")
+            raise FailedPrecondition(OFF)
         entry_id = self._enqueue(self._jobs.resolved(request), keep_unfeasible=keep_unfeasible)
         self.tick()
         return self.view(entry_id)
@@ -539,7 +567,14 @@ class AdmissionService:
                 except NotFound:
                     reservation = None
             return EntryView(
-                entry, 0, _waited(entry.changed_at, entry), None, None, reservation, env
+                entry,
+                0,
+                _waited(entry.changed_at, entry),
+                None,
+                None,
+                reservation,
+                env,
+                waiting_on=entry.left_why,
             )
         return next(v for v in self.queue_views() if v.entry.id == entry_id)
 
@@ -769,6 +804,7 @@ class AdmissionService:
 
     def _pass(self) -> None:
         with self._jobs.locked():
+            self._drop_if_off()
             now = self._clock()  # under the lock: concurrent passes account in order
             queued = self.entries()
             self._account(now, len(queued))
@@ -1109,6 +1145,7 @@ def _entry(row: sqlite3.Row) -> Entry:
         reservation=row["reservation"],
         changed_at=row["changed_at"],
         holder_start=row["holder_start"],
+        left_why=row["left_why"] or "",
     )
 
 

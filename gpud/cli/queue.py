@@ -143,6 +143,8 @@ def run_queue(ctx: Context, args: argparse.Namespace) -> int:
             f"{WAITING_ON_COLOCATION}: runs waiting for the loop to name a GPU, outside "
             "this queue, first come first served (gpuctl colo show); --leave ID takes one out"
         )
+    if resp.off:
+        ctx.out.print(f"{resp.off}: gpuctl run fails instead of waiting")
     if args.explain:
         ctx.out.print()
         ctx.out.print_table(CLASS_HEADERS, [class_row(c) for c in resp.classes])

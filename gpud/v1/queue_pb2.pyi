@@ -386,6 +386,11 @@ class ListQueueResponse(_message.Message):
 
     ENTRIES_FIELD_NUMBER: _builtins.int
     CLASSES_FIELD_NUMBER: _builtins.int
+    OFF_FIELD_NUMBER: _builtins.int
+    off: _builtins.str
+    """set: the queue is off (admission.enabled = false): `gpuctl run` fails instead of
+    waiting, and entries an earlier gpud queued left it, none started
+    """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueueEntry]:
         """queued, in order; unfeasible ones last"""
@@ -399,10 +404,11 @@ class ListQueueResponse(_message.Message):
         *,
         entries: _abc.Iterable[Global___QueueEntry] | None = ...,
         classes: _abc.Iterable[Global___ClassModel] | None = ...,
+        off: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["classes", b"classes", "entries", b"entries"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["classes", b"classes", "entries", b"entries", "off", b"off"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
