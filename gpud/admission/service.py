@@ -457,7 +457,8 @@ class AdmissionService:
             queued = self.entries()
             if len(queued) >= self.config.max_queue:
                 raise ResourceExhausted(
-                    f"the admission queue is full ({len(queued)} jobs, admission.max_queue)"
+                    f"job {job.name!r} cannot be queued: the admission queue is full"
+                    f" ({len(queued)} jobs waiting, admission.max_queue = {self.config.max_queue})"
                 )
             stored = replace(
                 request,

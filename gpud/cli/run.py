@@ -581,6 +581,8 @@ def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop
                 str(queue_err).startswith("UNIMPLEMENTED") or QUEUE_OFF in str(queue_err)
             ):
                 raise err from None  # a gpud without an admission queue, or with it off
+            if refused and queue_err.exit_code == EXIT_TAKEN:  # the queue is full
+                raise CliError(f"cannot start now: {err}; {queue_err}", EXIT_TAKEN) from None
             raise
         if entry is None:
             return EXIT_INTERRUPTED

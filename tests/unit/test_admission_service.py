@@ -207,6 +207,22 @@ def test_entries_queued_before_the_queue_was_turned_off_leave_it_and_never_start
         n.store.close()
 
 
+def test_a_full_queue_names_the_job_and_its_limit(tmp_path: Path) -> None:
+    n = make_node(tmp_path, Clock(), config=AdmissionConfig(max_queue=1))
+    try:
+        n.jobs.reserve(whole("a", 2))
+        n.admission.enqueue(whole("b"))
+        with pytest.raises(ResourceExhausted) as full:
+            n.admission.enqueue(whole("c"))
+        assert str(full.value) == (
+            "job 'c' cannot be queued: the admission queue is full (1 jobs waiting,"
+            " admission.max_queue = 1)"
+        )
+        assert [e.job for e in n.admission.entries()] == ["b"]
+    finally:
+        n.store.close()
+
+
 def test_a_waiter_that_dies_leaves_the_queue(node: Node) -> None:
     node.jobs.reserve(whole("a", 2))
     gone = subprocess.Popen(["true"])
