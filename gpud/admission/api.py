@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from gpud.admission.classes import ClassView
 from gpud.admission.model import Demand, Unfeasible
 from gpud.admission.service import (
+    OFF,
     QUEUED,
     STARTED,
     AdmissionService,
@@ -117,6 +118,8 @@ def entry_message(v: EntryView) -> pb.QueueEntry:
     if e.request.holder_pid is not None:
         msg.holder_pid = e.request.holder_pid
     msg.waiting_on = v.waiting_on
+    for r in v.overdue:
+        msg.overdue.add(job=r.job, ran_seconds=r.ran_s, estimate_seconds=r.estimate_s or 0.0)
     return msg
 
 
@@ -371,7 +374,8 @@ class QueueServicer(pb_grpc.QueueServicer):
     async def ListQueue(self, request: pb.ListQueueRequest, context: Any) -> pb.ListQueueResponse:  # noqa: N802
         def list_queue() -> pb.ListQueueResponse:
             resp = pb.ListQueueResponse(
-                entries=[entry_message(v) for v in self._service.queue_views()]
+                entries=[entry_message(v) for v in self._service.queue_views()],
+                off="" if self._service.config.enabled else OFF,
             )
             if request.explain:
                 resp.classes.extend(class_message(v) for v in self._service.explain())

@@ -13,7 +13,7 @@ from gpud.admission.model import Request
 
 COLUMNS = (
     "id, job, request_class, request, queued_at, started_at, ended_at, quote_s,"
-    " exit_code, exit_signal, end_cause, reported_at"
+    " exit_code, exit_signal, end_cause, reported_at, reservation"
 )
 CHUNK = 500  # row ids asked at once (SQLite's bound parameters)
 
@@ -34,6 +34,7 @@ class HistoryMirror:
         self._interned: dict[Request, Request] = {}
         self._classes: dict[str, str] = {}  # each class key kept once
         self._queued: list[float] | None = None  # queued_at of every row, sorted
+        self._running: dict[int, tuple[str, str]] = {}  # (reservation, class) of open rows
         self.version = 0  # moves on whenever a row is added, changed or removed
         self.reads = 0  # rows read from the database so far
 
@@ -48,6 +49,7 @@ class HistoryMirror:
                 break
             del self._rows[first]
             self._open.discard(first)
+            self._running.pop(first, None)
             changed = True
         still = sorted(self._open)  # before the rows added since, read whole below
         read = self.reads
@@ -74,6 +76,7 @@ class HistoryMirror:
         if len(self._rows) != count:  # changed otherwise than gpud changes it
             self._rows.clear()
             self._open.clear()
+            self._running.clear()
             self._last_id = 0
             for row in conn.execute(f"SELECT {COLUMNS} FROM job_history ORDER BY id"):
                 self._keep(row)
@@ -95,6 +98,7 @@ class HistoryMirror:
             exit_signal,
             end_cause,
             reported_at,
+            reservation,
         ) = tuple(row)
         kept = self._rows.get(row_id)
         if kept is not None:
@@ -118,6 +122,14 @@ class HistoryMirror:
             self._open.add(row_id)
         else:
             self._open.discard(row_id)
+        if ended_at is None:
+            self._running[row_id] = (reservation, request_class)
+        else:
+            self._running.pop(row_id, None)
+
+    def running(self) -> dict[str, str]:
+        """The request class of each run that has not ended, by its reservation."""
+        return dict(self._running.values())
 
     def members(self, since: float, now: float) -> tuple[int, int, int]:
         """Which rows a window ``[since, now]`` holds, as a key: the same key, the same rows

@@ -336,11 +336,38 @@ def class_quotes(
     }
 
 
-def job_quote(quote: ClassQuote, *, ahead: int, waited_s: float) -> float:
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A run holding devices a queued job needs: how long it has run, and the mean run
+    time of its class (None: no run of its class has ended in the window, so none is
+    known)."""
+
+    job: str
+    ran_s: float
+    estimate_s: float | None
+
+
+def overdue(running: Sequence[Running]) -> tuple[Running, ...]:
+    """The runs a queued job waits on, where every one has run past its estimated run
+    time: the model's figure then rests on run times these runs already disprove, and no
+    wait is knowable. Empty where any of them (or none at all) is still within its
+    estimate, or has none."""
+    if not running or any(r.estimate_s is None or r.ran_s < r.estimate_s for r in running):
+        return ()
+    return tuple(running)
+
+
+def job_quote(
+    quote: ClassQuote, *, ahead: int, waited_s: float, running: Sequence[Running] = ()
+) -> float:
     """What a queued job is told: its class's mean wait less what it has waited, and never
     less than the time for ``ahead + 1`` server releases (``ahead`` jobs before it in
-    pools it shares)."""
+    pools it shares), nor than what the runs holding its devices (``running``) are expected
+    to run still until ``ahead + 1`` of them have ended (a long run of another class is
+    not hidden behind the pool's mean)."""
     if math.isinf(quote.wait_s):
         return math.inf
     by_position = (ahead + 1) * quote.mean_service_s / max(quote.servers, 1)
-    return max(quote.wait_s - waited_s, by_position)
+    left = sorted(max(r.estimate_s - r.ran_s, 0.0) for r in running if r.estimate_s is not None)
+    by_running = left[ahead] if len(left) > ahead and len(left) == len(running) else 0.0
+    return max(quote.wait_s - waited_s, by_position, by_running)

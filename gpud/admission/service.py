@@ -50,7 +50,7 @@ from gpud.admission.node import from_targets
 from gpud.admission.passes import Inline, Passes
 from gpud.admission.placement_fit import PlacementFit
 from gpud.admission.queue import Queued, admission_pass
-from gpud.admission.quote import job_quote
+from gpud.admission.quote import Running, job_quote, overdue
 from gpud.config import AdmissionConfig
 from gpud.errors import FailedPrecondition, GpudError, NotFound, ResourceExhausted, Unavailable
 from gpud.events import EventLog
@@ -78,7 +78,8 @@ SCHEMA = (
         quote_s REAL,
         state TEXT NOT NULL,
         reservation TEXT,
-        changed_at REAL NOT NULL
+        changed_at REAL NOT NULL,
+        left_why TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS admission_queue_state ON admission_queue (state, seq)",
     """CREATE TABLE IF NOT EXISTS job_history (
@@ -99,9 +100,13 @@ SCHEMA = (
     "CREATE INDEX IF NOT EXISTS job_history_queued ON job_history (queued_at)",
 )
 # Columns added since the first version of these tables: an older state.db gets them at start.
-ADDED = {"job_history": ("exit_code", "exit_signal", "end_cause", "reported_at")}
+ADDED = {
+    "job_history": ("exit_code", "exit_signal", "end_cause", "reported_at"),
+    "admission_queue": ("left_why",),
+}
 
 QUEUED, STARTED, LEFT = "queued", "started", "left"
+OFF = "the admission queue is off (admission.enabled = false)"
 # Started and left rows are kept this long for a waiting gpuctl to read, then dropped.
 DONE_KEEP_S = 3600.0
 # gpud_admission_wait_seconds' buckets, seconds
@@ -121,6 +126,8 @@ class Entry:
     changed_at: float
     # /proc/PID/stat's start time of request.holder_pid when queued (None: not read)
     holder_start: int | None = None
+    # why it left, where gpud took it out for a reason its waiting gpuctl should be told
+    left_why: str = ""
     # request_of(request), and its class key: made once (every listing of the queue asks
     # them of every entry)
     placement: Request = field(init=False, compare=False, repr=False)
@@ -146,6 +153,9 @@ class EntryView:
     # what it waits for besides other jobs: unhealthy GPUs of its pool, or why its last
     # start failed (no DSCP tag left, ...)
     waiting_on: str = ""
+    # the runs holding its devices, where every one has run past its estimated run time:
+    # no wait is quoted (quote_s None), these are named instead
+    overdue: tuple[Running, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +265,8 @@ class AdmissionService:
         self.waits = Histogram(WAIT_BUCKETS)
         store.ensure_schema(SCHEMA, added=ADDED)
         self._end_unrecorded()
+        with jobs.locked():
+            self._drop_if_off()
         jobs.add_observer(self._observe)
         jobs.add_late_end(self._removed_run_ended)
         jobs.add_removal_hook(self._job_removed)
@@ -394,18 +406,37 @@ class AdmissionService:
             for changed in self._listeners:
                 changed()
 
-    def _set_state(self, entry_id: str, state: str, reservation: str | None = None) -> None:
+    def _set_state(
+        self, entry_id: str, state: str, reservation: str | None = None, *, why: str | None = None
+    ) -> None:
         self._changed = True
         with self._store.transaction() as conn:
             conn.execute(
-                "UPDATE admission_queue SET state = ?, reservation = ?, changed_at = ? WHERE id = ?",
-                (state, reservation, self._clock(), entry_id),
+                "UPDATE admission_queue SET state = ?, reservation = ?, changed_at = ?,"
+                " left_why = ? WHERE id = ?",
+                (state, reservation, self._clock(), why, entry_id),
+            )
+
+    def _drop_if_off(self) -> None:
+        """With the queue off (``admission.enabled = false``: at a start on a state
+        directory an earlier gpud queued entries in, or by a reload), no queued entry
+        starts: each leaves, saying so in an event and to its waiting ``gpuctl run``
+        (``left_why``), as a new ``gpuctl run`` is refused rather than queued."""
+        if self.config.enabled:
+            return
+        for e in self.entries():
+            self._set_state(e.id, LEFT, why=OFF)
+            self._events.emit(
+                "admission.leave",
+                f"job {e.job} left the queue: {OFF}; nothing was started",
+                job=e.job,
+                entry=e.id,
             )
 
     # -- API ------------------------------------------------------------------------------
     def enqueue(self, request: RunRequest, *, keep_unfeasible: bool = False) -> EntryView:
         if not self.config.enabled:
-            raise FailedPrecondition("the admission queue is off (admission.enabled = false)")
+            raise FailedPrecondition(OFF)
         entry_id = self._enqueue(self._jobs.resolved(request), keep_unfeasible=keep_unfeasible)
         self.tick()
         return self.view(entry_id)
@@ -426,7 +457,8 @@ class AdmissionService:
             queued = self.entries()
             if len(queued) >= self.config.max_queue:
                 raise ResourceExhausted(
-                    f"the admission queue is full ({len(queued)} jobs, admission.max_queue)"
+                    f"job {job.name!r} cannot be queued: the admission queue is full"
+                    f" ({len(queued)} jobs waiting, admission.max_queue = {self.config.max_queue})"
                 )
             stored = replace(
                 request,
@@ -443,7 +475,13 @@ class AdmissionService:
                 start_time(request.holder_pid, self._proc_root) if request.holder_pid else None
             )
             views = self._views(fit, [*queued, _draft(entry_id, job.name, stored, now)])
-            quote = self._quote(views, request_of(spec), _classes(queued), waited_s=0.0)
+            quote, _ = self._quote(
+                views,
+                request_of(spec),
+                _classes(queued),
+                waited_s=0.0,
+                running=self._running(views, now),
+            )
             with self._store.transaction() as conn:
                 if new:
                     job = self._jobs.registry.add(job)
@@ -530,7 +568,14 @@ class AdmissionService:
                 except NotFound:
                     reservation = None
             return EntryView(
-                entry, 0, _waited(entry.changed_at, entry), None, None, reservation, env
+                entry,
+                0,
+                _waited(entry.changed_at, entry),
+                None,
+                None,
+                reservation,
+                env,
+                waiting_on=entry.left_why,
             )
         return next(v for v in self.queue_views() if v.entry.id == entry_id)
 
@@ -552,12 +597,15 @@ class AdmissionService:
         head: Entry | None = None  # the first quotable entry, which the others wait behind
         ahead_classes: Counter[str] = Counter()
         held = _Held(self._jobs)
+        running = self._running(views, now) if queued else []
         for e in queued:
             verdict = self.classify(e.placement, fit)
             if isinstance(verdict, Unfeasible):
                 unfeasible.append(EntryView(e, 0, _waited(now, e), None, verdict, None, {}))
                 continue
-            quote = self._quote(views, e.placement, ahead_classes, waited_s=_waited(now, e))
+            quote, late = self._quote(
+                views, e.placement, ahead_classes, waited_s=_waited(now, e), running=running
+            )
             out.append(
                 EntryView(
                     e,
@@ -570,6 +618,7 @@ class AdmissionService:
                     waiting_on=_unhealthy_in(verdict, sick, targets)
                     or self._start_failures.get(e.id, "")
                     or held.why(e, head),
+                    overdue=late,
                 )
             )
             head = head or e
@@ -626,6 +675,27 @@ class AdmissionService:
             self._views_cache = (key, views)
             return views
 
+    def _running(
+        self, views: Mapping[str, ClassView], now: float
+    ) -> list[tuple[frozenset[str], Running]]:
+        """What holds devices now, with the devices: each reservation with how long it has
+        run and its class's mean run time, and memory used beyond reservations (no end
+        known)."""
+        with self._kept_lock:
+            classes = self._mirror.running()
+        out = []
+        for r in self._jobs.reservations.held():
+            key = classes.get(r.id)
+            view = views.get(key) if key is not None else None
+            stats = view.stats if view is not None else None
+            estimate = stats.mean_service_s if stats is not None and stats.completions else None
+            out.append(
+                (frozenset(r.devices), Running(r.job, max(now - r.created_at, 0.0), estimate))
+            )
+        for uuid in self._jobs.unreserved_memory():
+            out.append((frozenset((uuid,)), Running("", 0.0, None)))
+        return out
+
     def _quote(
         self,
         views: Mapping[str, ClassView],
@@ -633,15 +703,19 @@ class AdmissionService:
         ahead: Mapping[str, int],
         *,
         waited_s: float,
-    ) -> float | None:
-        """``ahead``: how many entries of each class (:attr:`Entry.request_class`) wait
+        running: Sequence[tuple[frozenset[str], Running]] = (),
+    ) -> tuple[float | None, tuple[Running, ...]]:
+        """The quote, or the runs on its devices that have all run past their estimated run
+        times (then no quote: the model's figure rests on run times they disprove).
+        ``ahead``: how many entries of each class (:attr:`Entry.request_class`) wait
         ahead of it; those whose devices overlap its own count (per class, not per entry:
-        a listing asks this of every entry)."""
+        a listing asks this of every entry). ``running``: what holds devices
+        (:meth:`_running`)."""
         view = views.get(request.describe())
         if view is None or view.quote is None:
-            return None
+            return None, ()
         if not isinstance(view.demand, Demand):
-            return None
+            return None, ()
         pool = set(view.demand.pool)
         overlapping = 0
         for key, count in ahead.items():
@@ -652,7 +726,12 @@ class AdmissionService:
                 and pool & set(other.demand.pool)
             ):
                 overlapping += count
-        return job_quote(view.quote, ahead=overlapping, waited_s=waited_s)
+        mine = [r for devices, r in running if devices & pool]
+        quote = job_quote(view.quote, ahead=overlapping, waited_s=waited_s, running=mine)
+        late = overdue(mine)
+        if late and math.isfinite(quote):
+            return None, late
+        return quote, ()
 
     # -- the gate and the tick ------------------------------------------------------------
     def refuse_never(self, spec: JobSpec) -> None:
@@ -726,6 +805,7 @@ class AdmissionService:
 
     def _pass(self) -> None:
         with self._jobs.locked():
+            self._drop_if_off()
             now = self._clock()  # under the lock: concurrent passes account in order
             queued = self.entries()
             self._account(now, len(queued))
@@ -1066,6 +1146,7 @@ def _entry(row: sqlite3.Row) -> Entry:
         reservation=row["reservation"],
         changed_at=row["changed_at"],
         holder_start=row["holder_start"],
+        left_why=row["left_why"] or "",
     )
 
 

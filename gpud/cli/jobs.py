@@ -330,6 +330,11 @@ def queued_line(entry: queue_pb2.QueueEntry) -> str:
         return f"job {entry.job} queued ({entry.id}) but cannot start here: {entry.unfeasible_reason}{remedy}"
     if entry.unbounded:
         quote = "no bound on the wait (its devices are overloaded)"
+    elif entry.overdue:
+        runs = ", ".join(
+            f"{r.job} (estimated {seconds(r.estimate_seconds)})" for r in entry.overdue
+        )
+        quote = f"no wait can be quoted: what holds its devices has run past its estimate: {runs}"
     elif entry.HasField("quote_seconds"):
         quote = f"expected wait {seconds(entry.quote_seconds)}"
     else:

@@ -57,6 +57,8 @@ def quote_text(entry: pb.QueueEntry) -> str:
         return "never"
     if entry.unbounded:
         return "unbounded"
+    if entry.overdue:
+        return "overdue"
     if entry.HasField("quote_seconds"):
         return seconds(entry.quote_seconds)
     return "no history"
@@ -64,6 +66,12 @@ def quote_text(entry: pb.QueueEntry) -> str:
 
 def entry_row(e: pb.QueueEntry) -> tuple[str, ...]:
     why = (e.unfeasible_reason + (f" ({e.remedy})" if e.remedy else "")) or e.waiting_on
+    if e.overdue:
+        late = ", ".join(
+            f"{r.job} ran {seconds(r.ran_seconds)}, estimated {seconds(r.estimate_seconds)}"
+            for r in e.overdue
+        )
+        why = f"{why}; past the estimate: {late}" if why else f"past the estimate: {late}"
     return (
         str(e.position) if e.position else "-",
         e.id,
@@ -135,6 +143,8 @@ def run_queue(ctx: Context, args: argparse.Namespace) -> int:
             f"{WAITING_ON_COLOCATION}: runs waiting for the loop to name a GPU, outside "
             "this queue, first come first served (gpuctl colo show); --leave ID takes one out"
         )
+    if resp.off:
+        ctx.out.print(f"{resp.off}: gpuctl run fails instead of waiting")
     if args.explain:
         ctx.out.print()
         ctx.out.print_table(CLASS_HEADERS, [class_row(c) for c in resp.classes])

@@ -583,8 +583,13 @@ def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop
         try:
             entry = wait_in_queue(ctx, reserve_request(args), stop, why=str(err))
         except CliError as queue_err:
-            if str(queue_err).startswith("UNIMPLEMENTED") or QUEUE_OFF in str(queue_err):
+            refused = not isinstance(queue_err, TakenOut)  # by the Enqueue, not once waiting
+            if refused and (
+                str(queue_err).startswith("UNIMPLEMENTED") or QUEUE_OFF in str(queue_err)
+            ):
                 raise err from None  # a gpud without an admission queue, or with it off
+            if refused and queue_err.exit_code == EXIT_TAKEN:  # the queue is full
+                raise CliError(f"cannot start now: {err}; {queue_err}", EXIT_TAKEN) from None
             raise
         if entry is None:
             return EXIT_INTERRUPTED
@@ -829,6 +834,11 @@ def release_request(reservation: str, returncode: int | None) -> pb.ReleaseReque
     return request
 
 
+class TakenOut(CliError):
+    """gpud took a waiting run's entry out of the queue, saying why (the queue was turned
+    off): said as it is, not taken for a refusal to queue."""
+
+
 def wait_in_queue(
     ctx: Context, request: pb.ReserveRequest, stop: _Stop, *, why: str = ""
 ) -> queue_pb2.QueueEntry | None:
@@ -836,8 +846,9 @@ def wait_in_queue(
     None when Ctrl-C (or SIGTERM, SIGHUP: ``stop``) took it out of the queue, or gave back
     the reservation of an entry that started as the signal came. An entry taken out
     otherwise raises: exit 4 when ``gpuctl jobs rm --force`` removed the job, as a run
-    waiting for co-location is told, else 1 (``gpuctl queue --leave``, its holder judged
-    gone). ``why``: why it could not start at once, said once when it joins the queue."""
+    waiting for co-location is told, exit 7 when gpud took it out saying why (the queue was
+    turned off: as a run is refused with it off), else 1 (``gpuctl queue --leave``, its
+    holder judged gone). ``why``: why it could not start at once, said once when it joins the queue."""
     queue = ctx.stub(queue_pb2_grpc.QueueStub)
     entry: queue_pb2.QueueEntry = ctx.call(queue.Enqueue, queue_pb2.EnqueueRequest(request=request))
     if why and entry.state == queue_pb2.ENTRY_STATE_QUEUED and not stop.is_set():
@@ -879,6 +890,12 @@ def wait_in_queue(
                 f"job {entry.job} was removed (gpuctl jobs rm --force) while it waited in the "
                 f"queue ({entry.id}): nothing was started",
                 EXIT_NOT_FOUND,
+            )
+        if entry.waiting_on:  # gpud took it out, and says why (the queue was turned off)
+            raise TakenOut(
+                f"job {entry.job} left the queue ({entry.id}): {entry.waiting_on}; nothing was"
+                " started",
+                EXIT_TAKEN,
             )
         raise CliError(f"job {entry.job} left the queue ({entry.id})", 1)
     print(f"gpuctl: {queued_line(entry)}", file=sys.stderr, flush=True)

@@ -111,6 +111,7 @@ class QueueEntry(_message.Message):
     ENV_FIELD_NUMBER: _builtins.int
     HOLDER_PID_FIELD_NUMBER: _builtins.int
     WAITING_ON_FIELD_NUMBER: _builtins.int
+    OVERDUE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     job: _builtins.str
     request: _builtins.str
@@ -141,6 +142,12 @@ class QueueEntry(_message.Message):
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """once started"""
 
+    @_builtins.property
+    def overdue(self) -> _containers.RepeatedCompositeFieldContainer[Global___OverdueRun]:
+        """set: every run holding its devices has run past its estimated run time (its class's
+        mean in the history), so no wait is quoted (quote_seconds absent): those runs instead
+        """
+
     def __init__(
         self,
         *,
@@ -159,10 +166,11 @@ class QueueEntry(_message.Message):
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         holder_pid: _builtins.int | None = ...,
         waiting_on: _builtins.str = ...,
+        overdue: _abc.Iterable[Global___OverdueRun] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_quote_seconds", b"_quote_seconds", "holder_pid", b"holder_pid", "quote_seconds", b"quote_seconds", "reservation", b"reservation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_quote_seconds", b"_quote_seconds", "enqueued_unix_seconds", b"enqueued_unix_seconds", "env", b"env", "holder_pid", b"holder_pid", "id", b"id", "job", b"job", "position", b"position", "quote_seconds", b"quote_seconds", "remedy", b"remedy", "request", b"request", "reservation", b"reservation", "state", b"state", "unbounded", b"unbounded", "unfeasible_reason", b"unfeasible_reason", "waited_seconds", b"waited_seconds", "waiting_on", b"waiting_on"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_quote_seconds", b"_quote_seconds", "enqueued_unix_seconds", b"enqueued_unix_seconds", "env", b"env", "holder_pid", b"holder_pid", "id", b"id", "job", b"job", "overdue", b"overdue", "position", b"position", "quote_seconds", b"quote_seconds", "remedy", b"remedy", "request", b"request", "reservation", b"reservation", "state", b"state", "unbounded", b"unbounded", "unfeasible_reason", b"unfeasible_reason", "waited_seconds", b"waited_seconds", "waiting_on", b"waiting_on"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__holder_pid: _TypeAlias = _typing.Literal["holder_pid"]  # noqa: Y015
     _WhichOneofArgType__holder_pid: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid"]  # noqa: Y015
@@ -174,6 +182,33 @@ class QueueEntry(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__quote_seconds) -> _WhichOneofReturnType__quote_seconds | None: ...
 
 Global___QueueEntry: _TypeAlias = QueueEntry  # noqa: Y015
+
+@_typing.final
+class OverdueRun(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    RAN_SECONDS_FIELD_NUMBER: _builtins.int
+    ESTIMATE_SECONDS_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    ran_seconds: _builtins.float
+    """how long it has run"""
+    estimate_seconds: _builtins.float
+    """its class's mean run time"""
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        ran_seconds: _builtins.float = ...,
+        estimate_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["estimate_seconds", b"estimate_seconds", "job", b"job", "ran_seconds", b"ran_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OverdueRun: _TypeAlias = OverdueRun  # noqa: Y015
 
 @_typing.final
 class GetEntryRequest(_message.Message):
@@ -351,6 +386,11 @@ class ListQueueResponse(_message.Message):
 
     ENTRIES_FIELD_NUMBER: _builtins.int
     CLASSES_FIELD_NUMBER: _builtins.int
+    OFF_FIELD_NUMBER: _builtins.int
+    off: _builtins.str
+    """set: the queue is off (admission.enabled = false): `gpuctl run` fails instead of
+    waiting, and entries an earlier gpud queued left it, none started
+    """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueueEntry]:
         """queued, in order; unfeasible ones last"""
@@ -364,10 +404,11 @@ class ListQueueResponse(_message.Message):
         *,
         entries: _abc.Iterable[Global___QueueEntry] | None = ...,
         classes: _abc.Iterable[Global___ClassModel] | None = ...,
+        off: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["classes", b"classes", "entries", b"entries"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["classes", b"classes", "entries", b"entries", "off", b"off"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -289,3 +289,28 @@ def test_packing_counts_a_device_without_mps_default_as_holding_any_number() -> 
     p = pack(both, by)
     # each job needs one of the MIG devices beside the GPU: 1 + 3 of them at once
     assert p.k_eff == 4 and p.vector == {"memory": 4}
+
+
+def test_a_run_past_its_estimate_is_said_not_hidden_under_a_short_quote() -> None:
+    """A run holding the devices has run 5 s of a class whose runs took 2 s: the model's
+    2 s rests on run times it already disproves, so the job is told the run is overdue;
+    one still within its estimate raises the quote to what it is expected to run still."""
+    from gpud.admission.quote import Running, overdue
+
+    q = ClassQuote("x", 0.5, 0.2, 1, 2.0, 0.0)
+    late = Running("a", ran_s=5.0, estimate_s=2.0)
+    assert overdue([late]) == (late,)
+    assert overdue([late, Running("b", 1.0, 2.0)]) == ()  # b frees within its estimate
+    assert overdue([late, Running("c", 9.0, None)]) == ()  # c has no estimate
+    assert overdue([]) == ()
+    assert job_quote(q, ahead=0, waited_s=0.0) == pytest.approx(2.0)
+    # a long run of another class, 10 s into its 100 s: not the pool's 2 s
+    long = Running("l", ran_s=10.0, estimate_s=100.0)
+    assert job_quote(q, ahead=0, waited_s=0.0, running=[long]) == pytest.approx(90.0)
+    # two releases needed: the second to end of the two
+    short = Running("s", ran_s=1.0, estimate_s=2.0)
+    assert job_quote(q, ahead=1, waited_s=0.0, running=[short, long]) == pytest.approx(90.0)
+    assert job_quote(q, ahead=0, waited_s=0.0, running=[short, long]) == pytest.approx(2.0)
+    # an end no estimate bounds: the pool's figure
+    unknown = Running("", 0.0, None)
+    assert job_quote(q, ahead=0, waited_s=0.0, running=[long, unknown]) == pytest.approx(2.0)

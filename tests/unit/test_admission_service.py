@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sqlite3
 import subprocess
@@ -36,6 +37,7 @@ from gpud.store import StateStore
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import GpuSample
 from gpud.v1 import jobs_pb2, mps_pb2
+from gpud.v1.queue_pb2 import ListQueueRequest
 from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, snapshot
 
 GIB = 1 << 30
@@ -57,6 +59,7 @@ class Node:
     jobs: JobService
     admission: AdmissionService
     clock: Clock
+    events: EventLog
 
     def restart(self) -> Node:
         """A new daemon on the same state directory."""
@@ -71,6 +74,7 @@ def make_node(
     *,
     store_type: type[StateStore] = StateStore,
     jobs_type: type[JobService] = JobService,
+    config: AdmissionConfig | None = None,
 ) -> Node:
     store = store_type(root / "state")
     events = EventLog(None)
@@ -78,9 +82,9 @@ def make_node(
     mps.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
     jobs = jobs_type(store, events, mps, socket_path=root / "gpud.sock", clock=clock)
     admission = AdmissionService(
-        store, jobs, mps, events, AdmissionConfig(), clock=clock, passes=passes
+        store, jobs, mps, events, config or AdmissionConfig(), clock=clock, passes=passes
     )
-    return Node(root, store, mps, jobs, admission, clock)
+    return Node(root, store, mps, jobs, admission, clock, events)
 
 
 @pytest.fixture
@@ -155,6 +159,66 @@ def test_thread_shares_are_admitted_up_to_100_percent_with_the_queue_off(tmp_pat
         # elsewhere it starts, and what sets no limits shares as before
         assert n.jobs.reserve(RunRequest(job="t", gpu_count=1, threads_percent=50))
         assert n.jobs.reserve(RunRequest(job="u", devices=share.devices))
+    finally:
+        n.store.close()
+
+
+def test_entries_queued_before_the_queue_was_turned_off_leave_it_and_never_start(
+    tmp_path: Path,
+) -> None:
+    """gpud restarted with ``admission.enabled = false`` on a state directory with queued
+    entries: they leave the queue at start, with an event, and their waiting `gpuctl run`
+    is told why; none starts when its devices free, and the listing says the queue is off.
+    A reload that turns it off does the same at the next pass."""
+    from gpud.admission.api import QueueServicer
+
+    n = make_node(tmp_path, Clock())
+    a = n.jobs.reserve(whole("a", 2)).reservation
+    b = n.admission.enqueue(whole("b")).entry
+    n.store.close()
+    n = make_node(tmp_path, n.clock, config=AdmissionConfig(enabled=False))
+    off, jobs = n.admission, n.jobs
+    try:
+        assert off.entries() == []
+        left = off.view(b.id)
+        assert left.entry.state == LEFT
+        msg = entry_message(left)
+        assert msg.waiting_on == "the admission queue is off (admission.enabled = false)"
+        said = [e.message for e in n.events.recent() if e.kind == "admission.leave"]
+        assert said == [
+            "job b left the queue: the admission queue is off (admission.enabled = false);"
+            " nothing was started"
+        ]
+        jobs.release(a.id)
+        off.tick()
+        assert [r.job for r in jobs.reservations.held()] == []
+        assert off.view(b.id).entry.state == LEFT
+        listing = asyncio.run(QueueServicer(off).ListQueue(ListQueueRequest(), None))
+        assert listing.off == "the admission queue is off (admission.enabled = false)"
+        # on again, then off by a reload: the next pass takes the new entries out
+        off.config = AdmissionConfig()
+        jobs.reserve(whole("a", 2))
+        c = off.enqueue(whole("c")).entry
+        assert asyncio.run(QueueServicer(off).ListQueue(ListQueueRequest(), None)).off == ""
+        off.config = AdmissionConfig(enabled=False)
+        off.tick()
+        assert off.view(c.id).entry.state == LEFT and off.entries() == []
+    finally:
+        n.store.close()
+
+
+def test_a_full_queue_names_the_job_and_its_limit(tmp_path: Path) -> None:
+    n = make_node(tmp_path, Clock(), config=AdmissionConfig(max_queue=1))
+    try:
+        n.jobs.reserve(whole("a", 2))
+        n.admission.enqueue(whole("b"))
+        with pytest.raises(ResourceExhausted) as full:
+            n.admission.enqueue(whole("c"))
+        assert str(full.value) == (
+            "job 'c' cannot be queued: the admission queue is full (1 jobs waiting,"
+            " admission.max_queue = 1)"
+        )
+        assert [e.job for e in n.admission.entries()] == ["b"]
     finally:
         n.store.close()
 
@@ -924,6 +988,40 @@ def test_a_queued_job_says_what_holds_its_devices(node: Node) -> None:
     views = {v.entry.job: v for v in node.admission.queue_views()}
     assert views["c"].position == 2  # it fits on GPU 1, which the head waits for
     assert views["c"].waiting_on == f"behind pair ({head.entry.id})"
+
+
+def test_a_blocker_past_its_estimate_is_said_instead_of_a_short_quote(node: Node) -> None:
+    """The run holding the devices has run 5 s where its job's runs took 2 s: the queued
+    job is not told "expected wait 2.0 s" (the model's figure, which the run disproves) but
+    that the run is past its estimate; while it is within it, the quote is at least what it
+    is expected to run still."""
+    for _ in range(3):
+        ran = node.jobs.reserve(whole("a", 2)).reservation
+        node.clock.now += 2.0
+        node.jobs.release(ran.id)
+        node.clock.now += 6.0
+    node.jobs.reserve(whole("a", 2))
+    node.clock.now += 1.0
+    entry = node.admission.enqueue(whole("b", 2))
+    assert entry.overdue == () and entry.quote_s is not None and entry.quote_s >= 1.0
+    node.clock.now += 4.0
+    (view,) = node.admission.queue_views()
+    assert view.quote_s is None
+    assert [(r.job, r.ran_s, r.estimate_s) for r in view.overdue] == [("a", 5.0, 2.0)]
+    msg = entry_message(view)
+    assert not msg.HasField("quote_seconds") and not msg.unbounded
+    assert [(r.job, r.ran_seconds, r.estimate_seconds) for r in msg.overdue] == [("a", 5.0, 2.0)]
+    from gpud.cli.jobs import queued_line
+    from gpud.cli.queue import entry_row
+
+    assert queued_line(msg).endswith(
+        "position 1, no wait can be quoted: what holds its devices has run past its"
+        " estimate: a (estimated 2.0 s)"
+    )
+    row = entry_row(msg)
+    assert row[5] == "overdue" and row[6].endswith(
+        "; past the estimate: a ran 5.0 s, estimated 2.0 s"
+    )
 
 
 class CountingJobs(JobService):

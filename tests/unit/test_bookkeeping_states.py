@@ -15,7 +15,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hypothesis import HealthCheck, settings
@@ -28,7 +28,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from gpud.admission.service import LEFT, QUEUED, STARTED, AdmissionService
+from gpud.admission.service import LEFT, OFF, QUEUED, STARTED, AdmissionService
 from gpud.config import AdmissionConfig
 from gpud.errors import GpudError, NotFound
 from gpud.events import EventLog
@@ -337,6 +337,15 @@ class Bookkeeping(RuleBasedStateMachine):
             self.unread |= self.sick.keys()
         self.queue_on = queue_on
         self.s = self._build()
+        if not queue_on:  # the queue off: what was queued has left it, nothing started
+            jobs, held, entries, history = before
+            entries = [
+                e
+                if e.state != QUEUED
+                else replace(e, state=LEFT, changed_at=self.clock(), left_why=OFF)
+                for e in entries  # type: ignore[attr-defined]
+            ]
+            before = (jobs, held, entries, history)
         assert self._state() == before
         self._serve()
 

@@ -1456,6 +1456,77 @@ def test_a_queued_run_taken_out_says_whether_its_job_was_removed(
     assert not marker.exists()
 
 
+class TakenOutAsTheQueueIsOff(LeavesAfterOnePoll):
+    """A queue whose gpud came back with ``admission.enabled = false``: the entry left,
+    saying why."""
+
+    async def GetEntry(
+        self, request: queue_pb2.GetEntryRequest, context: Any
+    ) -> queue_pb2.QueueEntry:
+        return queue_pb2.QueueEntry(
+            id=request.id,
+            job="q",
+            state=queue_pb2.ENTRY_STATE_LEFT,
+            waiting_on="the admission queue is off (admission.enabled = false)",
+        )
+
+
+def test_a_queued_run_taken_out_as_the_queue_went_off_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The entry of a waiting `gpuctl run` left because the queue was turned off: the run
+    says why and exits 7, as a run refused with the queue off does, not the bare refusal it
+    got before it queued. Its command never starts."""
+    from gpud.jobs.service import RunRequest
+
+    with serving(TakenOutAsTheQueueIsOff().register) as n:
+        n.jobs.reserve(RunRequest(job="hog", devices=(gpu_uuid(1),), memory_bytes=70 * GIB))
+        assert n.ctl("jobs", "add", "q") == 0
+        marker = tmp_path / "ran"
+        argv = ("run", "--job", "q", "--devices", "1", "--memory", "20GiB", "--")
+        assert n.ctl(*argv, "touch", str(marker)) == 7
+    err = capsys.readouterr().err
+    assert (
+        "job q left the queue (e1): the admission queue is off (admission.enabled = false);"
+        " nothing was started"
+    ) in err
+    assert not marker.exists()
+
+
+class Full(LeavesAfterOnePoll):
+    """A queue at its admission.max_queue."""
+
+    async def Enqueue(
+        self, request: queue_pb2.EnqueueRequest, context: Any
+    ) -> queue_pb2.QueueEntry:
+        from gpud.errors import ResourceExhausted
+
+        raise ResourceExhausted(
+            "job 'q' cannot be queued: the admission queue is full (5 jobs waiting,"
+            " admission.max_queue = 5)"
+        )
+
+
+def test_a_run_the_full_queue_cannot_take_says_why_it_could_not_start_either(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run that cannot start now and finds the queue full says both: what holds its
+    devices, and that the queue is full (exit 7)."""
+    from gpud.jobs.service import RunRequest
+
+    with serving(Full().register) as n:
+        n.jobs.reserve(RunRequest(job="hog", devices=(gpu_uuid(1),), memory_bytes=70 * GIB))
+        argv = ("run", "--job", "q", "--devices", "1", "--memory", "20GiB", "--", "true")
+        assert n.ctl(*argv) == 7
+    err = capsys.readouterr().err
+    assert "gpuctl: cannot start now: job 'q' asks 20GiB on" in err
+    assert "70GiB reserved by hog" in err
+    assert err.rstrip().endswith(
+        "; job 'q' cannot be queued: the admission queue is full (5 jobs waiting,"
+        " admission.max_queue = 5)"
+    )
+
+
 class AwayAtFirstPoll(LeavesAfterOnePoll):
     """A queue whose gpud restarts during the first poll (the long poll in flight is cut,
     as gRPC says when the server goes), then takes the entry out."""
