@@ -22,6 +22,8 @@
     └── BackendError               the GPU driver said no; carries the gpu index/uuid
         ├── NotSupported           the field or call is not supported on this device
         ├── GpuLost                the GPU fell off the bus
+        ├── GpuFault               the GPU needs an operator: reset required, IRQ issue, power
+        ├── NoPermission           the driver refused gpud's user (device nodes, root-only calls)
         ├── DriverTimeout          a driver call did not return in time
         ├── DriverNotLoaded        NVML cannot be initialised
         ├── InsufficientResources  MIG: no room for the instance
@@ -180,6 +182,31 @@ class GpuLost(BackendError):
     """The GPU is lost (fell off the bus, needs a reset)."""
 
 
+class GpuFault(BackendError):
+    """The GPU answers, but needs an operator before it can be used: it requires a reset
+    (NVML_ERROR_RESET_REQUIRED), the kernel saw an interrupt issue (IRQ_ISSUE), its external
+    power cables are not attached (INSUFFICIENT_POWER), its infoROM is corrupted.
+    ``problem`` says which, in a few words ("reset required")."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        problem: str,
+        gpu: int | None = None,
+        uuid: str | None = None,
+        call: str | None = None,
+        code: int | None = None,
+    ):
+        super().__init__(message, gpu=gpu, uuid=uuid, call=call, code=code)
+        self.problem = problem
+
+
+class NoPermission(BackendError):
+    """The driver refused gpud's user (NVML_ERROR_NO_PERMISSION): a device node it may not
+    open, or a call only root may make (MIG changes, some counters and clocks)."""
+
+
 class DriverTimeout(BackendError):
     """A driver call did not complete in time."""
 
@@ -224,6 +251,8 @@ ERROR_TABLE: Final[dict[type[GpudError], tuple[str, int]]] = {
     NotSupported: ("UNIMPLEMENTED", 9),
     InsufficientResources: ("RESOURCE_EXHAUSTED", 7),
     GpuLost: ("UNAVAILABLE", 10),
+    GpuFault: ("UNAVAILABLE", 10),
+    NoPermission: ("PERMISSION_DENIED", 77),
     DeviceNotFound: ("NOT_FOUND", 4),
     InUse: ("FAILED_PRECONDITION", 6),
 }

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from gpud import __version__, config, files, logsetup
 from gpud import build as build_id
 from gpud.backend.products import PRODUCTS
-from gpud.errors import ConfigError, GpudError
+from gpud.errors import ConfigError, DriverNotLoaded, GpudError, NoPermission
 from gpud.notify import Notifier
 
 if TYPE_CHECKING:
@@ -162,8 +162,9 @@ def lock_dirs(cfg: config.Config) -> list[int]:
     return held
 
 
-def open_backend(cfg: config.Config) -> tuple[GpuBackend, SimNode | None]:
-    """The GPU backend the config asks for: real NVML, or the simulated node."""
+def open_backend(cfg: config.Config, *, nvml: Any = None) -> tuple[GpuBackend, SimNode | None]:
+    """The GPU backend the config asks for: real NVML (over ``nvml``, a pynvml-shaped module;
+    None: the installed ``pynvml``), or the simulated node."""
     if cfg.backend.kind == "sim":
         from gpud.backend.nvml import NvmlBackend
         from gpud.backend.sim import SimNode, parse_simulate_spec
@@ -175,7 +176,44 @@ def open_backend(cfg: config.Config) -> tuple[GpuBackend, SimNode | None]:
     from gpud.backend.gpureset import nvidia_smi_reset
     from gpud.backend.nvml import open_real_backend
 
-    return open_real_backend(reset=nvidia_smi_reset()), None
+    return open_real_backend(reset=nvidia_smi_reset(), uid=os.geteuid(), nvml=nvml), None
+
+
+# Exit statuses of a start that cannot use the GPUs (sysexits.h). systemd/gpud.service does
+# not restart gpud for them (RestartPreventExitStatus): a restart every few seconds would not
+# load the driver, mount the library or grant the device nodes.
+EXIT_NO_DRIVER = 69  # EX_UNAVAILABLE: no NVIDIA driver or NVML library
+EXIT_NO_PERMISSION = 77  # EX_NOPERM: the driver refuses gpud's user
+
+
+def backend_failure(err: GpudError) -> tuple[str, int]:
+    """What gpud prints, and the status it exits with, when the GPU backend cannot be opened."""
+    if isinstance(err, DriverNotLoaded):
+        return (
+            f"gpud: cannot use the GPUs: {err} (gpud is not restarted for this: start it"
+            " again once mended)",
+            EXIT_NO_DRIVER,
+        )
+    if isinstance(err, NoPermission):
+        return (
+            f"gpud: cannot use the GPUs: {err} (gpud is not restarted for this: start it"
+            " again once mended)",
+            EXIT_NO_PERMISSION,
+        )
+    return f"gpud: cannot open the GPU backend: {err}", 1
+
+
+def backend_warning(cfg: config.Config, *, nvml: Any = None) -> str:
+    """Why the GPUs cannot be used, as a start would find (NVML initialised, then let go);
+    "" when they can, or on a simulated node. For ``--check-config``."""
+    if cfg.backend.kind == "sim":
+        return ""
+    try:
+        backend, _ = open_backend(cfg, nvml=nvml)
+    except GpudError as err:
+        return f"a start would fail: {err}"
+    backend.close()
+    return ""
 
 
 def mps_control_command(cfg: config.Config) -> list[str]:
@@ -381,7 +419,8 @@ def expiring_certificates(cfg: config.Config) -> list[str]:
     return CertWatch(cert_files(cfg.cluster)).check(time.time())
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
+    """``gpud``; ``nvml``: the pynvml-shaped module for real GPUs (None: ``pynvml``)."""
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args)
@@ -405,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             tcp_warning(cfg.api.tcp_address, cfg.api.tcp_access),
             *expiring_certificates(cfg),
             *readable_secrets(cfg),
+            backend_warning(cfg, nvml=nvml),
         ]
         for warning in filter(None, warnings):  # taken, as at start, but said
             print(f"gpud: warning: {warning}", file=sys.stderr)
@@ -419,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpud: {err}", file=sys.stderr)
         return 1
     try:
-        code = run(cfg, args)
+        code = run(cfg, args, nvml=nvml)
     finally:
         for fd in locks:
             os.close(fd)
@@ -427,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def run(cfg: config.Config, args: argparse.Namespace) -> int:
+def run(cfg: config.Config, args: argparse.Namespace, *, nvml: Any = None) -> int:
     """Open the backend and run the daemon until it stops; its exit status."""
     logsetup.configure(cfg.daemon.log_level, journald="JOURNAL_STREAM" in os.environ)
     for warning in readable_secrets(cfg):
@@ -436,10 +476,11 @@ def run(cfg: config.Config, args: argparse.Namespace) -> int:
     from gpud.daemon import Daemon
 
     try:
-        backend, sim = open_backend(cfg)
+        backend, sim = open_backend(cfg, nvml=nvml)
     except GpudError as err:
-        print(f"gpud: cannot open the GPU backend: {err}", file=sys.stderr)
-        return 1
+        message, code = backend_failure(err)
+        print(message, file=sys.stderr)
+        return code
     cgroups, no_cgroups = mps_cgroups(cfg)
     try:
         daemon = Daemon(

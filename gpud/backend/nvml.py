@@ -18,7 +18,13 @@ edge, chosen by the error's numeric ``.value`` so it works for both modules::
     NVML_ERROR_NOT_FOUND                -> DeviceNotFound
     NVML_ERROR_IN_USE                   -> InUse
     NVML_ERROR_UNINITIALIZED, DRIVER_NOT_LOADED, LIBRARY_NOT_FOUND,
-    LIB_RM_VERSION_MISMATCH             -> DriverNotLoaded
+    LIB_RM_VERSION_MISMATCH             -> DriverNotLoaded (what to check said: nvidia-smi,
+                                           lsmod, the container runtime)
+    NVML_ERROR_NO_PERMISSION            -> NoPermission (naming gpud's uid and what to do: a
+                                           device node it may not open, a root-only call)
+    NVML_ERROR_RESET_REQUIRED, IRQ_ISSUE,
+    INSUFFICIENT_POWER, CORRUPTED_INFOROM
+                                        -> GpuFault (``problem``: "reset required", ...)
     anything else                       -> BackendError (``code`` keeps the NVML value)
 
 MIG queries go the way NVML requires: a profile *constant*
@@ -72,9 +78,11 @@ from gpud.errors import (
     DeviceNotFound,
     DriverNotLoaded,
     DriverTimeout,
+    GpuFault,
     GpuLost,
     InsufficientResources,
     InUse,
+    NoPermission,
     NotSupported,
 )
 
@@ -87,17 +95,56 @@ _NOT_AVAILABLE_UINT: Final = 0xFFFFFFFF
 _ERROR_CLASSES: Final[dict[int, type[BackendError]]] = {
     1: DriverNotLoaded,  # UNINITIALIZED
     3: NotSupported,
+    4: NoPermission,
     6: DeviceNotFound,
+    8: GpuFault,  # INSUFFICIENT_POWER
     9: DriverNotLoaded,  # DRIVER_NOT_LOADED
     10: DriverTimeout,
+    11: GpuFault,  # IRQ_ISSUE
     12: DriverNotLoaded,  # LIBRARY_NOT_FOUND
     13: NotSupported,  # FUNCTION_NOT_FOUND: this driver has no such call
+    14: GpuFault,  # CORRUPTED_INFOROM
     15: GpuLost,
+    16: GpuFault,  # RESET_REQUIRED
     18: DriverNotLoaded,  # LIB_RM_VERSION_MISMATCH
     19: InUse,
     23: InsufficientResources,
     26: NotSupported,  # DEPRECATED: a call this driver no longer serves
 }
+# What each GpuFault means (its ``problem``) and what the operator does about it, as NVML's
+# reference describes the code.
+_GPU_FAULTS: Final[dict[int, tuple[str, str]]] = {
+    8: (
+        "insufficient power",
+        "its external power cables are not properly attached: check them (power the node off)",
+    ),
+    11: (
+        "interrupt issue",
+        "the kernel driver detected an interrupt (IRQ) problem with the GPU: see `dmesg`;"
+        " drain the node and reset the GPU or reboot",
+    ),
+    14: (
+        "corrupted infoROM",
+        "the GPU's infoROM is corrupted: drain the node and have the board serviced",
+    ),
+    16: (
+        "reset required",
+        "drain the node and reset the GPU (`nvidia-smi --gpu-reset -i {gpu}`) or reboot",
+    ),
+}
+# DriverNotLoaded: what the code means and what to check.
+_NO_DRIVER: Final[dict[int, str]] = {
+    1: "NVML is not initialised",
+    9: "the NVIDIA kernel driver is not loaded: check `nvidia-smi` and `lsmod | grep nvidia`"
+    " (modprobe nvidia), and that gpud starts after the driver",
+    12: "libnvidia-ml.so.1 cannot be found or loaded: is the NVIDIA driver installed"
+    " (`nvidia-smi`)? In a container, run it with the NVIDIA container runtime"
+    " (`--gpus`, `--runtime=nvidia`) so that the library and /dev/nvidia* are mounted",
+    18: "the NVML library and the loaded kernel driver are of different versions (a driver"
+    " upgraded without a reboot): reboot, or reload the nvidia kernel modules",
+}
+_NO_PERMISSION: Final = 4
+_MIG_CHANGE: Final = re.compile(r"Create|Destroy|SetMigMode")
 _SKIP_PROFILE: Final = (NotSupported, DeviceNotFound)  # "not on this product"
 _INVALID_ARGUMENT: Final = 2
 _NOT_SUPPORTED: Final = 3
@@ -268,13 +315,16 @@ class NvmlBackend:
         *,
         reset: Callable[[int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        uid: int | None = None,
     ) -> None:
         """``reset(gpu)`` resets a GPU (``nvidia-smi --gpu-reset -i N``; NVML has no call
         for it); without it :meth:`reset_gpu` is NotSupported. ``clock`` times a lost GPU's
-        next registration for events (:data:`REREGISTER_S`)."""
+        next registration for events (:data:`REREGISTER_S`). ``uid``: the user gpud runs
+        as, named when the driver refuses it (NVML_ERROR_NO_PERMISSION)."""
         self._nv = nvml
         self._clock = clock
         self._reset = reset
+        self._uid = uid
         self._events_lock = threading.Lock()
         self._registry_lock = threading.Lock()  # the event set and the GPUs registering on it
         self._registering: set[int] = set()
@@ -305,16 +355,42 @@ class NvmlBackend:
         self, err: BaseException, gpu: int | None, fn: Callable[..., Any] | str
     ) -> BackendError:
         code = getattr(err, "value", None)
-        cls = _ERROR_CLASSES.get(code, BackendError) if isinstance(code, int) else BackendError
+        if not isinstance(code, int):
+            code = None
+        cls = _ERROR_CLASSES.get(code, BackendError) if code is not None else BackendError
         call = fn if isinstance(fn, str) else getattr(fn, "__name__", repr(fn))
         where = f" on GPU {gpu}" if gpu is not None else ""
-        return cls(
-            f"{call} failed{where}: {err}",
-            gpu=gpu,
-            uuid=self._uuids.get(gpu) if gpu is not None else None,
-            call=call,
-            code=code if isinstance(code, int) else None,
-        )
+        message = f"{call} failed{where}: {err}"
+        uuid = self._uuids.get(gpu) if gpu is not None else None
+        if code == _NO_PERMISSION:
+            message += f": {self._no_permission(gpu, call)}"
+        elif code in _NO_DRIVER:
+            message += f": {_NO_DRIVER[code]}"
+        fault = _GPU_FAULTS.get(code) if code is not None else None
+        if fault is not None:
+            problem, advice = fault
+            return GpuFault(
+                f"{message}: {advice.format(gpu='N' if gpu is None else gpu)}",
+                problem=problem,
+                gpu=gpu,
+                uuid=uuid,
+                call=call,
+                code=code,
+            )
+        return cls(message, gpu=gpu, uuid=uuid, call=call, code=code)
+
+    def _no_permission(self, gpu: int | None, call: str) -> str:
+        """What NVML_ERROR_NO_PERMISSION means for ``call``, and what to do."""
+        who = "gpud" if self._uid is None else f"gpud runs as uid {self._uid}"
+        if call in ("nvmlInit", "nvmlInitWithFlags", "nvmlDeviceGetHandleByIndex"):
+            node = "/dev/nvidiactl" if gpu is None else f"GPU {gpu}'s device node (/dev/nvidia*)"
+            return (
+                f"no permission to use {node} ({who}): run gpud as root, or give its user"
+                " read-write access to /dev/nvidiactl and /dev/nvidia* (their group, e.g."
+                " video); in a container, pass the devices in (the NVIDIA container runtime)"
+            )
+        what = "MIG changes" if _MIG_CHANGE.search(call) else "this call"
+        return f"not permitted ({who}): the driver allows {what} to root only; run gpud as root"
 
     def _call(self, gpu: int | None, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -1208,14 +1284,19 @@ class NvmlBackend:
             nv.nvmlShutdown()
 
 
-def open_real_backend(reset: Callable[[int], None] | None = None) -> NvmlBackend:
-    """The backend over the installed driver (``libnvidia-ml.so.1`` via ``pynvml``);
-    ``reset`` as for :class:`NvmlBackend`.
+def open_real_backend(
+    reset: Callable[[int], None] | None = None, uid: int | None = None, nvml: Any = None
+) -> NvmlBackend:
+    """The backend over the installed driver (``libnvidia-ml.so.1`` via ``pynvml``, or
+    ``nvml`` when given: a module double); ``reset`` and ``uid`` as for :class:`NvmlBackend`.
 
-    Raises DriverNotLoaded when pynvml is missing or NVML cannot be initialised.
+    Raises DriverNotLoaded when pynvml is missing or NVML cannot be initialised (no driver,
+    no library), NoPermission when the driver refuses gpud's user.
     """
+    if nvml is not None:
+        return NvmlBackend(nvml, reset=reset, uid=uid)
     try:
         import pynvml
     except ImportError as err:
         raise DriverNotLoaded(f"pynvml (nvidia-ml-py) is not installed: {err}") from err
-    return NvmlBackend(pynvml, reset=reset)
+    return NvmlBackend(pynvml, reset=reset, uid=uid)

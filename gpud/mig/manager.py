@@ -65,6 +65,7 @@ from gpud.errors import (
     Busy,
     DriverTimeout,
     GpudError,
+    GpuFault,
     GpuLost,
     InvalidArgument,
     NotFound,
@@ -102,14 +103,19 @@ ReconcileMode = Literal["reconcile", "report"]
 Faults = Callable[[], Mapping[int, str]]
 """GPU index -> why it is faulty: the GPUs the last telemetry sample found unhealthy."""
 
-FAULTS: tuple[type[BackendError], ...] = (GpuLost, DriverTimeout)
-"""Driver errors that make a GPU faulty (as opposed to a refused or failed step)."""
+FAULTS: tuple[type[BackendError], ...] = (GpuLost, GpuFault, DriverTimeout)
+"""Driver errors that make a GPU faulty (as opposed to a refused or failed step): lost, in
+need of a reset or of an operator otherwise (GpuFault), hung."""
 
 NOT_ANSWERING = "not answering: an earlier driver call on it is still outstanding"
 
 
 def _fault_reason(err: BackendError) -> str:
-    return f"GPU lost: {err}" if isinstance(err, GpuLost) else str(err)
+    if isinstance(err, GpuLost):
+        return f"GPU lost: {err}"
+    if isinstance(err, GpuFault):
+        return f"{err.problem}: {err}"
+    return str(err)
 
 
 class MigManager:

@@ -11,7 +11,12 @@ Error policy, per reading:
 
 - ``NotSupported``: the field is ``None`` and is not asked again for ``unsupported_retry_s``
   (a GPU in MIG mode answers NotSupported for utilization on every tick otherwise).
+- ``NoPermission`` (a reading only root may take, NVML_ERROR_NO_PERMISSION): as NotSupported,
+  and said once in the log; the GPU stays healthy.
 - ``GpuLost``: stop reading this GPU for this tick; the sample is unhealthy.
+- ``GpuFault`` (reset required, interrupt issue, insufficient power, corrupted infoROM): as
+  any other error below, with the reason led by what the GPU needs ("reset required (memory):
+  ...").
 - any other ``BackendError``: that field is ``None``, the rest is still read, the sample is
   unhealthy with the first failing reading as the reason.
 - a MIG device whose process list fails (NotSupported or not) keeps its memory reading; its
@@ -24,7 +29,7 @@ import logging
 from collections.abc import Callable
 
 from gpud.backend.port import GpuBackend, GpuIdentity, MigDeviceIdentity, unknown_identity
-from gpud.errors import BackendError, GpuLost, NotSupported
+from gpud.errors import BackendError, GpuFault, GpuLost, NoPermission, NotSupported
 from gpud.telemetry.snapshot import GpuSample, MigSample
 
 log = logging.getLogger(__name__)
@@ -103,6 +108,7 @@ class GpuReader:
         self._mig_current: bool | None = None
         self._refresh_requested = False
         self._processes_error = ""  # why the process list last failed
+        self._refused: set[str] = set()  # readings the driver refused gpud's user, said once
         # A failed sample keeps the time of the last good one, so its age keeps growing.
         self._last_good_at = clock()
 
@@ -152,6 +158,11 @@ class GpuReader:
                     processes_error = self._processes_error = str(error)
                 if isinstance(error, NotSupported):
                     unsupported.mark(name, now)
+                elif isinstance(error, NoPermission):
+                    unsupported.mark(name, now)
+                    if name not in self._refused:
+                        self._refused.add(name)
+                        log.warning("GPU %d: %s not read: %s", gpu, name, error)
                 elif isinstance(error, GpuLost):
                     return self._failed(identity, _reason(name, error))
                 else:
@@ -225,4 +236,6 @@ class GpuReader:
 def _reason(call: str, err: BackendError) -> str:
     if isinstance(err, GpuLost):
         return f"GPU lost ({call}): {err}"
+    if isinstance(err, GpuFault):
+        return f"{err.problem} ({call}): {err}"
     return f"{call} failed: {err}"

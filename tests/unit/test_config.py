@@ -17,6 +17,7 @@ from typing import get_type_hints
 import pytest
 
 from gpud import config
+from gpud.backend.sim import fakenvml
 from gpud.errors import ConfigError
 from gpud.main import (
     LOCK_NAME,
@@ -27,6 +28,7 @@ from gpud.main import (
     main,
     open_files_wanted,
 )
+from tests.unit.nvml_doubles import NoNvml, answering
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -749,17 +751,17 @@ def test_check_config_checks_the_cluster_certificates(
         f'ca_file = "{tmp_path}/ca.pem"\ncert_file = "{tmp_path}/n1.pem"\n'
         f'key_file = "{tmp_path}/n1-key.pem"\n',
     )
-    assert main(["--check-config", "--config", str(path)]) == 0
+    assert main(["--check-config", "--config", str(path)], nvml=answering()) == 0
     assert capsys.readouterr().err == ""
     # as the start does: one expiring within a week (the earliest of a chain) is warned of
     soon = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=3)
     make_node(tmp_path, "n1", tmp_path, dns=("n1",), not_after=soon)
-    assert main(["--check-config", "--config", str(path)]) == 0
+    assert main(["--check-config", "--config", str(path)], nvml=answering()) == 0
     out = capsys.readouterr()
     assert out.out == "config OK\n"
     assert f"gpud: warning: cluster.cert_file {tmp_path}/n1.pem expires at " in out.err, out.err
     (tmp_path / "n1.pem").write_text("not a certificate\n")
-    assert main(["--check-config", "--config", str(path)]) == 2
+    assert main(["--check-config", "--config", str(path)], nvml=answering()) == 2
     err = capsys.readouterr().err
     assert f"cluster.cert_file: {tmp_path}/n1.pem: no PEM certificate" in err, err
 
@@ -941,12 +943,39 @@ def test_check_config_says_the_warnings_gpud_would_give_at_start(
         '[traffic]\nenabled = true\ninterfaces = ["eth0"]\n'
         'dscp_pool = "10-12,46"\nlevel_priorities = [7, 7, 7, 7]\n',
     )
-    assert main(["--check-config", "--config", str(path)]) == 0
+    assert main(["--check-config", "--config", str(path)], nvml=answering()) == 0
     out = capsys.readouterr()
     assert out.out == "config OK\n"
     assert "gpud: warning: traffic.dscp_pool '10-12,46' names reserved DSCPs" in out.err
     assert "46 (in traffic.reserved_dscp)" in out.err
     assert "gpud: warning: traffic.level_priorities = [7, 7, 7, 7] maps every level" in out.err
     plain = write(tmp_path, '[traffic]\nenabled = true\ninterfaces = ["eth0"]\n')
-    assert main(["--check-config", "--config", str(plain)]) == 0
+    assert main(["--check-config", "--config", str(plain)], nvml=answering()) == 0
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    ("code", "exit_code", "said"),
+    [
+        (fakenvml.NVML_ERROR_DRIVER_NOT_LOADED, 69, "`lsmod | grep nvidia`"),
+        (fakenvml.NVML_ERROR_LIBRARY_NOT_FOUND, 69, "NVIDIA container runtime"),
+        (fakenvml.NVML_ERROR_NO_PERMISSION, 77, "run gpud as root"),
+    ],
+)
+def test_a_start_where_nvml_cannot_be_used_says_why_and_exits_with_a_status_not_restarted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], code: int, exit_code: int, said: str
+) -> None:
+    dirs = ["--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path / "run")]
+    path = write(tmp_path, "[metrics]\nenabled = false\n")
+    assert main(["--config", str(path), *dirs], nvml=NoNvml(code)) == exit_code
+    err = capsys.readouterr().err
+    assert err.startswith("gpud: cannot use the GPUs: nvmlInit failed: ")
+    assert said in err and "not restarted" in err
+    unit = (Path(__file__).parents[2] / "systemd" / "gpud.service").read_text()
+    (prevent,) = [ln for ln in unit.splitlines() if ln.startswith("RestartPreventExitStatus=")]
+    assert str(exit_code) in prevent.split("=")[1].split()
+    # --check-config: the config is fine, and what a start would meet is said
+    assert main(["--check-config", "--config", str(path), *dirs], nvml=NoNvml(code)) == 0
+    out = capsys.readouterr()
+    assert out.out == "config OK\n"
+    assert "gpud: warning: a start would fail: nvmlInit failed: " in out.err and said in out.err

@@ -13,7 +13,7 @@ import pytest
 
 from gpud.backend import products
 from gpud.backend.nvml import NvmlBackend
-from gpud.backend.sim import SimNode, SimulatedCrash
+from gpud.backend.sim import SimNode, SimulatedCrash, fakenvml
 from gpud.cli.output import message_to_dict
 from gpud.errors import Busy, GpuLost, InvalidArgument, NotFound
 from gpud.events import EventLog
@@ -23,6 +23,7 @@ from gpud.mig.manager import NOT_ANSWERING, MigManager
 from gpud.mig.metrics import MigMetrics
 from gpud.mig.store import ApplyOptions
 from gpud.store import StateStore
+from tests.unit.nvml_doubles import Refusing
 
 DATA = Path(__file__).parent.parent / "data" / "mig-parted"
 H100 = "H100-SXM5-80GB"
@@ -1407,3 +1408,53 @@ def test_a_config_matching_no_gpu_names_a_gpu_never_read_as_unknown(
     assert "GPU 1 (unknown, never read: identity: GPU lost" in message, message
     assert "0x0000" not in message and "(," not in message
     assert refusals == [message] * 3
+
+
+def _refusing_manager(host: Host, code: int, call: str, gpu: int) -> MigManager:
+    node = SimNode(host.spec, state_file=host.tmp / "driver.json")
+    d = host.start()
+    return MigManager(
+        NvmlBackend(Refusing(node.nvml, code, [call], [gpu]), uid=1000),
+        d.store,
+        d.events,
+        job_resolver=host.jobs.get,
+        monotonic=lambda: 0.0,
+        sleep=lambda s: None,
+    )
+
+
+def test_a_gpu_that_requires_a_reset_is_faulty_and_left_alone_the_others_applied(
+    host: Host, config: MigConfigFile
+) -> None:
+    mig = _refusing_manager(
+        host,
+        fakenvml.NVML_ERROR_RESET_REQUIRED,
+        "nvmlDeviceCreateGpuInstanceWithPlacement",
+        1,
+    )
+    result = mig.apply(config, "all-balanced")
+    assert result.result == "partial", result
+    outcomes = {o.gpu: o for o in result.gpus}
+    assert outcomes[0].status == "changed"
+    assert outcomes[1].status == "faulty", outcomes[1]
+    assert outcomes[1].detail.startswith("GPU 1")
+    assert "is faulty: reset required: " in outcomes[1].detail
+    assert "nvidia-smi --gpu-reset -i 1" in outcomes[1].detail
+
+
+def test_a_mig_change_refused_for_permission_fails_naming_the_gpu(
+    host: Host, config: MigConfigFile
+) -> None:
+    mig = _refusing_manager(
+        host,
+        fakenvml.NVML_ERROR_NO_PERMISSION,
+        "nvmlDeviceCreateGpuInstanceWithPlacement",
+        1,
+    )
+    result = mig.apply(config, "all-balanced")
+    outcomes = {o.gpu: o for o in result.gpus}
+    assert outcomes[0].status == "changed"
+    assert outcomes[1].status == "failed", outcomes[1]
+    assert outcomes[1].detail.startswith("GPU 1")
+    assert "Insufficient Permissions: not permitted (gpud runs as uid 1000)" in outcomes[1].detail
+    assert "MIG changes to root only; run gpud as root" in outcomes[1].detail

@@ -13,17 +13,28 @@ from typing import Any, get_type_hints
 import pytest
 
 from gpud.backend import port
-from gpud.backend.nvml import REREGISTER_S, NvmlBackend, _same_handle, product_key
-from gpud.backend.sim import FakeNvml, SimNode, SimulatedCrash, products
+from gpud.backend.nvml import (
+    REREGISTER_S,
+    NvmlBackend,
+    _same_handle,
+    open_real_backend,
+    product_key,
+)
+from gpud.backend.sim import FakeNvml, SimNode, SimulatedCrash, fakenvml, products
 from gpud.errors import (
     BackendError,
     DeviceNotFound,
+    DriverNotLoaded,
     DriverTimeout,
+    GpuFault,
     GpuLost,
     InsufficientResources,
     InUse,
+    NoPermission,
     NotSupported,
+    classify,
 )
+from tests.unit.nvml_doubles import NoNvml, Refusing
 
 GiB = 2**30
 
@@ -459,7 +470,9 @@ def test_errors_translate_by_value() -> None:
     node, be = _backend([("H100-SXM5-80GB", 1)])
     nv = node.nvml
     assert isinstance(be._translate(nv.NVMLError(10), 0, "x"), DriverTimeout)
-    assert type(be._translate(nv.NVMLError(4), 0, "x")) is BackendError
+    assert type(be._translate(nv.NVMLError(999), 0, "x")) is BackendError
+    assert type(be._translate(nv.NVMLError(4), 0, "x")) is NoPermission
+    assert type(be._translate(nv.NVMLError(16), 0, "x")) is GpuFault
     # a call the driver does not have, or no longer serves: as for a reading it lacks
     for code in (nv.NVML_ERROR_FUNCTION_NOT_FOUND, nv.NVML_ERROR_DEPRECATED):
         assert type(be._translate(nv.NVMLError(code), 0, "x")) is NotSupported
@@ -718,3 +731,101 @@ def test_a_device_handle_read_back_from_an_event_is_the_cached_one() -> None:
     assert not _same_handle(handle_t(), handle_t())  # two NULL handles name no device
     sim_handle = object()  # the simulated driver's handles are plain objects
     assert _same_handle(sim_handle, sim_handle) and not _same_handle(sim_handle, object())
+
+
+# -- NVML refusing: permissions, a driver or library missing, GPUs needing an operator --------
+
+
+def _refusing(code: int, calls: list[str], gpus: list[int] | None = None) -> NvmlBackend:
+    node = SimNode([("H100-SXM5-80GB", 2)], clock=FakeClock())
+    return NvmlBackend(Refusing(node.nvml, code, calls, gpus), uid=1000)
+
+
+def test_no_permission_at_init_names_the_control_node_gpuds_uid_and_the_remedy() -> None:
+    with pytest.raises(NoPermission) as err:
+        _refusing(fakenvml.NVML_ERROR_NO_PERMISSION, ["nvmlInit"])
+    text = str(err.value)
+    assert text.startswith("nvmlInit failed: Insufficient Permissions: no permission to use")
+    assert "/dev/nvidiactl (gpud runs as uid 1000): run gpud as root" in text
+    assert "NVIDIA container runtime" in text
+    assert classify(err.value) == ("PERMISSION_DENIED", 77)
+
+
+def test_a_gpu_whose_device_node_gpud_may_not_open_is_named_the_others_answer() -> None:
+    be = _refusing(fakenvml.NVML_ERROR_NO_PERMISSION, ["nvmlDeviceGetHandleByIndex"], [1])
+    assert be.identity(0).uuid
+    with pytest.raises(NoPermission) as err:
+        be.identity(1)
+    assert err.value.gpu == 1
+    assert "no permission to use GPU 1's device node (/dev/nvidia*) (gpud runs as uid 1000)" in (
+        str(err.value)
+    )
+
+
+def test_a_reading_only_root_may_take_is_a_permission_error_of_that_reading() -> None:
+    be = _refusing(fakenvml.NVML_ERROR_NO_PERMISSION, ["nvmlDeviceGetClockInfo"])
+    r = be.gpu_readings(0)
+    assert r.clocks is None and r.memory is not None and r.power_watts is not None
+    [(name, error)] = r.errors
+    assert name == "clocks" and isinstance(error, NoPermission)
+    assert "not permitted (gpud runs as uid 1000): the driver allows this call to root" in str(
+        error
+    )
+
+
+def test_a_mig_change_refused_for_permission_names_the_gpu_and_says_root() -> None:
+    node = SimNode([("H100-SXM5-80GB", 2)], clock=FakeClock())
+    refusing = Refusing(node.nvml, 0, ["nvmlDeviceCreateGpuInstanceWithPlacement"])
+    be = NvmlBackend(refusing, uid=1000)
+    be.set_mig_mode(1, True)
+    profile = be.gpu_instance_profiles(1)[0]
+    placement = be.gpu_instance_placements(1, profile.id)[0]
+    refusing.code = fakenvml.NVML_ERROR_NO_PERMISSION
+    with pytest.raises(NoPermission) as err:
+        be.create_gpu_instance(1, profile.id, placement)
+    assert err.value.gpu == 1
+    assert str(err.value) == (
+        "nvmlDeviceCreateGpuInstanceWithPlacement failed on GPU 1: Insufficient Permissions:"
+        " not permitted (gpud runs as uid 1000): the driver allows MIG changes to root only;"
+        " run gpud as root"
+    )
+
+
+@pytest.mark.parametrize(
+    ("code", "problem", "advice"),
+    [
+        (fakenvml.NVML_ERROR_RESET_REQUIRED, "reset required", "nvidia-smi --gpu-reset -i 1"),
+        (fakenvml.NVML_ERROR_IRQ_ISSUE, "interrupt issue", "dmesg"),
+        (fakenvml.NVML_ERROR_INSUFFICIENT_POWER, "insufficient power", "power cables"),
+        (fakenvml.NVML_ERROR_CORRUPTED_INFOROM, "corrupted infoROM", "infoROM is corrupted"),
+    ],
+)
+def test_a_gpu_that_needs_an_operator_is_a_gpu_fault_saying_what_it_needs(
+    code: int, problem: str, advice: str
+) -> None:
+    be = _refusing(code, ["nvmlDeviceGetMemoryInfo"], [1])
+    assert be.memory(0).total_bytes
+    with pytest.raises(GpuFault) as err:
+        be.memory(1)
+    assert err.value.problem == problem and err.value.gpu == 1 and err.value.code == code
+    assert advice in str(err.value)
+    # the alert rules take any reason with "lost" in it for a lost GPU
+    assert "lost" not in str(err.value).lower()
+    assert classify(err.value) == ("UNAVAILABLE", 10)
+
+
+@pytest.mark.parametrize(
+    ("code", "cls", "check"),
+    [
+        (fakenvml.NVML_ERROR_DRIVER_NOT_LOADED, DriverNotLoaded, "lsmod | grep nvidia"),
+        (fakenvml.NVML_ERROR_LIBRARY_NOT_FOUND, DriverNotLoaded, "NVIDIA container runtime"),
+        (fakenvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH, DriverNotLoaded, "reboot"),
+        (fakenvml.NVML_ERROR_NO_PERMISSION, NoPermission, "run gpud as root"),
+    ],
+)
+def test_a_node_where_nvml_cannot_start_says_what_to_check(
+    code: int, cls: type[BackendError], check: str
+) -> None:
+    with pytest.raises(cls) as err:
+        open_real_backend(uid=1000, nvml=NoNvml(code))
+    assert check in str(err.value)

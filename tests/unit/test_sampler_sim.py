@@ -2,27 +2,31 @@
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from gpud.api import convert
 from gpud.backend.nvml import NvmlBackend
-from gpud.backend.sim import SimNode, parse_simulate_spec
+from gpud.backend.sim import FakeNvml, SimNode, fakenvml, parse_simulate_spec
 from gpud.events import EventLog
 from gpud.metrics import Collector, build_registry
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.snapshot import GpuSample, MigSample
+from tests.unit.nvml_doubles import Refusing
 
 GIB = 1 << 30
 
 
 class Node:
-    def __init__(self) -> None:
+    def __init__(self, nvml: Callable[[FakeNvml], Any] = lambda nv: nv) -> None:
+        """``nvml`` wraps the simulated module in a double (one that refuses some calls)."""
         self.sim = SimNode(parse_simulate_spec("H100-SXM5-80GB:4"), seed=1)
-        self.backend = NvmlBackend(self.sim.nvml)
+        self.backend = NvmlBackend(nvml(self.sim.nvml), uid=1000)
         self.events = EventLog(None)
         self.sampler = Sampler(
             self.backend, call_timeout_s=0.25, events=self.events, event_wait_s=0.05
@@ -122,6 +126,56 @@ def test_not_supported_field(node: Node) -> None:
     assert node.value("gpud_gpu_power_watts", 1) is None
     assert node.value("gpud_gpu_power_watts", 0) is not None
     assert node.value("gpud_gpu_healthy", 1) == 1
+
+
+def test_a_reading_only_root_may_take_is_skipped_and_said_once_the_gpu_stays_healthy(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    node = Node(
+        lambda nv: Refusing(nv, fakenvml.NVML_ERROR_NO_PERMISSION, ["nvmlDeviceGetClockInfo"])
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="gpud.telemetry.reader"):
+            node.sampler.tick()
+            snap = node.sampler.tick()
+        assert all(g.healthy for g in snap.gpus)
+        assert snap.gpus[0].clocks is None and snap.gpus[0].memory is not None
+        assert node.value("gpud_gpu_healthy", 0) == 1
+        said = [r.getMessage() for r in caplog.records if "clocks not read" in r.getMessage()]
+        assert len(said) == 4  # once per GPU, not once per tick
+        assert "GPU 0: clocks not read: nvmlDeviceGetClockInfo failed on GPU 0" in said[0]
+        assert "root" in said[0]
+    finally:
+        node.sampler.close()
+        node.backend.close()
+
+
+def test_a_gpu_that_requires_a_reset_is_unhealthy_saying_so_the_others_keep_working() -> None:
+    refusing: list[Refusing] = []
+
+    def wrap(nv: FakeNvml) -> Refusing:
+        # every reading of GPU 2, as a driver that wants the GPU reset answers them
+        calls = [n for n in dir(nv) if n.startswith("nvmlDeviceGet") and n != "nvmlDeviceGetCount"]
+        refusing.append(Refusing(nv, 0, calls, [2]))
+        return refusing[0]
+
+    node = Node(wrap)
+    try:
+        assert all(g.healthy for g in node.sampler.tick().gpus)
+        refusing[0].code = fakenvml.NVML_ERROR_RESET_REQUIRED
+        snap = node.sampler.tick()
+        assert all(snap.gpus[i].healthy for i in (0, 1, 3))
+        reason = snap.gpus[2].reason
+        assert reason.startswith(
+            "reset required (memory): nvmlDeviceGetMemoryInfo failed on GPU 2:"
+        )
+        assert "nvidia-smi --gpu-reset -i 2" in reason
+        assert node.value("gpud_gpu_healthy", 2) == 0
+        assert node.value("gpud_gpu_unhealthy_info", 2, reason=reason) == 1
+        assert node.value("gpud_gpu_memory_used_bytes", 3) is not None
+    finally:
+        node.sampler.close()
+        node.backend.close()
 
 
 def test_a_process_list_the_driver_does_not_report_is_absent_not_zero(node: Node) -> None:

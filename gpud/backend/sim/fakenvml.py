@@ -167,10 +167,13 @@ _ERROR_STRINGS = {
     NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
     NVML_ERROR_ALREADY_INITIALIZED: "Already Initialized",
     NVML_ERROR_NOT_FOUND: "Not Found",
+    NVML_ERROR_INSUFFICIENT_POWER: "Insufficient External Power",
     NVML_ERROR_DRIVER_NOT_LOADED: "Driver Not Loaded",
     NVML_ERROR_TIMEOUT: "Timeout",
+    NVML_ERROR_IRQ_ISSUE: "Interrupt Request Issue",
     NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
     NVML_ERROR_FUNCTION_NOT_FOUND: "Function Not Found",
+    NVML_ERROR_CORRUPTED_INFOROM: "Corrupted infoROM",
     NVML_ERROR_GPU_IS_LOST: "GPU is lost",
     NVML_ERROR_RESET_REQUIRED: "GPU requires restart",
     NVML_ERROR_IN_USE: "In use by another client",
@@ -250,6 +253,18 @@ class NVMLError_FunctionNotFound(NVMLError):
 
 class NVMLError_GpuIsLost(NVMLError):
     _value_ = NVML_ERROR_GPU_IS_LOST
+
+
+class NVMLError_InsufficientPower(NVMLError):
+    _value_ = NVML_ERROR_INSUFFICIENT_POWER
+
+
+class NVMLError_IrqIssue(NVMLError):
+    _value_ = NVML_ERROR_IRQ_ISSUE
+
+
+class NVMLError_CorruptedInforom(NVMLError):
+    _value_ = NVML_ERROR_CORRUPTED_INFOROM
 
 
 class NVMLError_ResetRequired(NVMLError):
