@@ -182,12 +182,21 @@ def open_backend(cfg: config.Config, *, nvml: Any = None) -> tuple[GpuBackend, S
 # Exit statuses of a start that cannot use the GPUs (sysexits.h). systemd/gpud.service does
 # not restart gpud for them (RestartPreventExitStatus): a restart every few seconds would not
 # load the driver, mount the library or grant the device nodes.
-EXIT_NO_DRIVER = 69  # EX_UNAVAILABLE: no NVIDIA driver or NVML library
+EXIT_NO_DRIVER = 69  # EX_UNAVAILABLE: no NVML library, or one of another driver version
 EXIT_NO_PERMISSION = 77  # EX_NOPERM: the driver refuses gpud's user
+# NVML_ERROR_DRIVER_NOT_LOADED: the kernel module may be loaded after gpud starts (a module
+# built at boot, nvidia-persistenced not installed), so that start is tried again
+_DRIVER_NOT_LOADED = 9
 
 
 def backend_failure(err: GpudError) -> tuple[str, int]:
     """What gpud prints, and the status it exits with, when the GPU backend cannot be opened."""
+    if isinstance(err, DriverNotLoaded) and err.code == _DRIVER_NOT_LOADED:
+        return (
+            f"gpud: cannot use the GPUs: {err} (gpud exits 1: under systemd it is started"
+            " again until the driver is loaded)",
+            1,
+        )
     if isinstance(err, DriverNotLoaded):
         return (
             f"gpud: cannot use the GPUs: {err} (gpud is not restarted for this: start it"

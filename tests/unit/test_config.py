@@ -957,12 +957,12 @@ def test_check_config_says_the_warnings_gpud_would_give_at_start(
 @pytest.mark.parametrize(
     ("code", "exit_code", "said"),
     [
-        (fakenvml.NVML_ERROR_DRIVER_NOT_LOADED, 69, "`lsmod | grep nvidia`"),
+        (fakenvml.NVML_ERROR_DRIVER_NOT_LOADED, 1, "`lsmod | grep nvidia`"),
         (fakenvml.NVML_ERROR_LIBRARY_NOT_FOUND, 69, "NVIDIA container runtime"),
         (fakenvml.NVML_ERROR_NO_PERMISSION, 77, "run gpud as root"),
     ],
 )
-def test_a_start_where_nvml_cannot_be_used_says_why_and_exits_with_a_status_not_restarted(
+def test_a_start_where_nvml_cannot_be_used_says_why_and_whether_it_is_restarted(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], code: int, exit_code: int, said: str
 ) -> None:
     dirs = ["--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path / "run")]
@@ -970,10 +970,12 @@ def test_a_start_where_nvml_cannot_be_used_says_why_and_exits_with_a_status_not_
     assert main(["--config", str(path), *dirs], nvml=NoNvml(code)) == exit_code
     err = capsys.readouterr().err
     assert err.startswith("gpud: cannot use the GPUs: nvmlInit failed: ")
-    assert said in err and "not restarted" in err
     unit = (Path(__file__).parents[2] / "systemd" / "gpud.service").read_text()
     (prevent,) = [ln for ln in unit.splitlines() if ln.startswith("RestartPreventExitStatus=")]
-    assert str(exit_code) in prevent.split("=")[1].split()
+    # a driver not loaded yet may load after gpud (a module built at boot): started again
+    restarted = code == fakenvml.NVML_ERROR_DRIVER_NOT_LOADED
+    assert said in err and ("started again" if restarted else "not restarted") in err
+    assert (str(exit_code) in prevent.split("=")[1].split()) is not restarted
     # --check-config: the config is fine, and what a start would meet is said
     assert main(["--check-config", "--config", str(path), *dirs], nvml=NoNvml(code)) == 0
     out = capsys.readouterr()
