@@ -43,6 +43,18 @@ the last point):
   rank's batch may arrive after another's newer one) and ignored, unless its count is
   higher and it is stamped ``_CLOCK_STEP_S`` or more before: the host's clock stepped back,
   and the window starts again from it, as after a restart.
+* A gap is evidence up to a point: a job that makes no progress for more than
+  ``gap_spacings`` times its usual spacing of progress points (its window's time per point:
+  its iteration time, or the interval between its reports where it reports less often) is
+  stopped (a debugger, SIGSTOP, a node too loaded to run it), not slowed by the network,
+  whose slowdown the open iteration has long shown by then. The open iteration counts up to
+  that limit and no further, so the rate stops falling there, and the report that ends the
+  gap counts it as that limit (or as the iterations it covers at the window's pace, if
+  more): the time beyond is cut out of the window and the long-run rate, and the job comes
+  back ranked as it was when the limit was reached, not as the slowest for minutes. Time
+  the whole node did not run (:meth:`ProgressTracker.skip`: a suspend, a clock stepped
+  forward; the caller tells it from two clocks) is cut out of every job's reports whole,
+  stamped before it or arriving after it.
 * The rate reported is a weighted geometric mean of the window's ``T* / T`` and the job's
   rate over the last ``long_window_s`` (iterations since then, up to now, times ``T*``):
   ``window ** (1 - long_weight) * long ** long_weight``, so a job that fell behind ranks as
@@ -57,7 +69,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 # Iteration times below this are treated as this, so a burst of reports stamped with the
@@ -76,6 +88,12 @@ _JUMP_RATIO = 1000.0
 _CLOCK_STEP_S = 1.0
 # No iteration is this short: a step implying a shorter one is a counter that leapt.
 MIN_ITERATION_S = 1e-6
+# The node-wide gaps (ProgressTracker.skip) kept to map reports stamped before them that
+# arrive late; a report older than the oldest is older than any window anyway.
+_SKIPS = 16
+# A gap without progress always counts for this long at least, however short a job's
+# spacing (a tick's jitter is no stop).
+_MIN_GAP_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -90,7 +108,9 @@ class ProgressConfig:
     the long-run rate the window's rate is averaged with (geometric mean), so that a job
     that fell behind is paid back; 0 turns it off. ``long_weight``: the long-run rate's
     exponent in that mean, in [0, 1] (0.5: the plain geometric mean; 1: the long-run rate
-    alone, wherever the job has one).
+    alone, wherever the job has one). ``gap_spacings``: how many of a job's usual spacings
+    between progress points a gap without progress counts as, at most (the time beyond is
+    not progress-rate evidence).
     """
 
     window_s: float = 20.0
@@ -98,6 +118,7 @@ class ProgressConfig:
     stall_iterations: int = 8
     long_window_s: float = 300.0
     long_weight: float = 0.5
+    gap_spacings: float = 20.0
 
     def __post_init__(self) -> None:
         if not self.window_s > 0:
@@ -110,6 +131,8 @@ class ProgressConfig:
             raise ValueError(f"long_window_s must be >= 0 and finite, got {self.long_window_s}")
         if not 0 <= self.long_weight <= 1:
             raise ValueError(f"long_weight must be in [0, 1], got {self.long_weight}")
+        if not 1 <= self.gap_spacings < float("inf"):
+            raise ValueError(f"gap_spacings must be >= 1 and finite, got {self.gap_spacings}")
 
 
 @dataclass
@@ -138,6 +161,8 @@ class JobProgress:
     ideal_s: float | None
     iterations: int | None
     restarts: int
+    # no progress for longer than the gap limit: the stall no longer lowers the rate
+    stopped: bool = False
 
 
 class ProgressTracker:
@@ -152,6 +177,7 @@ class ProgressTracker:
     def __init__(self, config: ProgressConfig | None = None) -> None:
         self._config = config or ProgressConfig()
         self._jobs: dict[str, _JobState] = {}
+        self._skips: deque[tuple[float, float]] = deque(maxlen=_SKIPS)
 
     @property
     def config(self) -> ProgressConfig:
@@ -174,6 +200,28 @@ class ProgressTracker:
     def jobs(self) -> list[str]:
         return sorted(self._jobs)
 
+    def skip(self, start: float, end: float) -> None:
+        """The node did not run for ``end - start`` seconds (a suspend; or its clock stepped
+        forward by that much), after every report stamped before ``start`` and before every
+        one stamped from ``start`` on: that time is cut out of every job's reports, those in
+        already (all of them from before it) and those stamped before ``start`` that arrive
+        later, so that no job counts it as a stall. Later stamps and ``now`` are taken as
+        they are."""
+        if not end > start:
+            return
+        for state in self._jobs.values():
+            self._move(state, lambda t: t + (end - start))
+        self._skips.append((start, end))
+
+    @staticmethod
+    def _move(state: _JobState, f: Callable[[float], float]) -> None:
+        """Every time ``state`` holds, mapped by ``f`` (which keeps their order)."""
+        state.points = deque((n, f(t)) for n, t in state.points)
+        state.anchors = deque((n, f(t)) for n, t in state.anchors)
+        state.first_seen = f(state.first_seen)
+        if state.last_progress_at is not None:
+            state.last_progress_at = f(state.last_progress_at)
+
     def report(self, job_id: str, iteration: int, at: float) -> None:
         """Record that ``job_id`` had completed ``iteration`` iterations at time ``at``.
 
@@ -184,6 +232,8 @@ class ProgressTracker:
         """
         if iteration < 0:
             raise ValueError(f"{job_id}: iteration must be >= 0, got {iteration}")
+        for start, end in self._skips:
+            at = at + (end - start) if at < start else at
         state = self._jobs.get(job_id)
         if state is None:
             state = _JobState(declared_ideal_s=None, first_seen=at)
@@ -214,6 +264,8 @@ class ProgressTracker:
                 leapt = True
         state.leapt = leapt
         if state.points:
+            self._cap_gap(state, iteration, at)
+        if state.points:
             n0, t0 = state.points[-1]
             if iteration > n0 and at > t0:
                 sample = max((at - t0) / (iteration - n0), _MIN_PERIOD_S)
@@ -235,6 +287,32 @@ class ProgressTracker:
                 anchors.append((iteration, at))
             while len(anchors) > 1 and at - anchors[1][1] >= span:
                 anchors.popleft()
+
+    def _gap_limit(self, state: _JobState) -> float | None:
+        """The longest a gap without progress counts for: ``gap_spacings`` times the
+        window's time per progress point (the prior's per iteration after a restart), at
+        least ``_MIN_GAP_S``; ``None`` while the job has no spacing yet."""
+        points = state.points
+        if len(points) >= 2:
+            spacing: float | None = (points[-1][1] - points[0][1]) / (len(points) - 1)
+        else:
+            spacing = state.prior_period_s
+        if spacing is None:
+            return None
+        return max(self._config.gap_spacings * spacing, _MIN_GAP_S)
+
+    def _cap_gap(self, state: _JobState, iteration: int, at: float) -> None:
+        """Cut out of ``state`` the part of the gap before a report of ``iteration`` at
+        ``at`` beyond the gap limit, or beyond the iterations it covers at the window's pace
+        where that is longer (a report now and then is no gap)."""
+        limit = self._gap_limit(state)
+        n0, t0 = state.points[-1]
+        if limit is None or iteration <= n0:
+            return
+        pace = self._window_period(state) or state.prior_period_s or 0.0
+        excess = (at - t0) - max(limit, (iteration - n0) * pace)
+        if excess > 0:
+            self._move(state, lambda t: t + excess)
 
     def _rebase(self, state: _JobState) -> None:
         """Drop the window (the counter restarted or leapt); keep what was learned about
@@ -266,6 +344,10 @@ class ProgressTracker:
         state = self._jobs[job_id]
         ideal = self._ideal(state)
         period = self._window_period(state) or state.prior_period_s
+        limit, last = self._gap_limit(state), state.last_progress_at
+        stopped = limit is not None and last is not None and now - last > limit
+        if limit is not None and last is not None and stopped:
+            now = last + limit  # the stall counts up to the limit, no further
         since = state.last_progress_at if state.last_progress_at is not None else state.first_seen
         stalled_for = max(0.0, now - since)
         rate: float | None = None
@@ -290,6 +372,7 @@ class ProgressTracker:
             ideal_s=ideal,
             iterations=state.last_count,
             restarts=state.restarts,
+            stopped=stopped,
         )
 
     def rates(self, now: float, jobs: Iterable[str] | None = None) -> dict[str, float | None]:

@@ -81,6 +81,9 @@ _DEMAND_MIN_ITERATIONS = 3
 RDMA_RETRY_S = 10.0
 # seconds between read-backs of a NIC map that was written (one `dcb app show` per netdev)
 RDMA_RECHECK_S = 30.0
+# seconds the wall clock may run ahead of the monotonic one between two reads before the
+# difference is time the node did not run (a suspend) or a clock stepped forward
+CLOCK_GAP_S = 1.0
 
 
 def leveller_config(t: TrafficConfig) -> LevellerConfig:
@@ -276,6 +279,7 @@ class TrafficService:
         self._untagged: dict[str, str] = {}  # job -> why it has no tag (the pool ran out)
         self._cgroup_busy: set[str] = set()  # removed jobs whose cgroup still holds processes
         self._started_at = monotonic()
+        self._clocks: tuple[float, float] | None = None  # (wall, monotonic) as last read
         self._tagged_at: dict[str, float] = {}  # job -> when it was last given its tag (monotonic)
         # job -> runs starting it (see starting): its tag is kept though it is not registered
         self._starting: dict[str, int] = {}
@@ -332,6 +336,7 @@ class TrafficService:
             )
         check_text(r.session, field="session", max_len=MAX_SESSION_CHARS)
         with self._lock:
+            self._watch_clocks()
             if r.job not in self._known_jobs and r.job not in set(self._jobs()):
                 raise NotFound(f"no job {r.job!r} on this node (gpuctl jobs ls)")
             self._known_jobs.add(r.job)
@@ -578,6 +583,7 @@ class TrafficService:
             # it (and tagged it since, see starting) would lose its tag here
             registered = list(self._jobs())
             self._known_jobs = set(registered)
+            self._watch_clocks()
             self._sync_tags(registered)
             levels = self._decide(now, registered)
             self._record_changes(levels)
@@ -802,6 +808,26 @@ class TrafficService:
             out[job] = since
         return out
 
+    def _watch_clocks(self) -> None:
+        """Cut the time the node did not run out of every job's progress (call under the
+        lock): the wall clock, which stamps reports, runs on through a suspend where the
+        monotonic one stops, and steps forward alone. Counted, it would be a stall of every
+        job, ranked by how long each one's iterations are."""
+        wall, mono = self._clock(), self._monotonic()
+        if self._clocks is not None:
+            wall0, mono0 = self._clocks
+            gap = (wall - wall0) - (mono - mono0)
+            if gap > CLOCK_GAP_S:
+                log.info(
+                    "traffic: the wall clock ran %.0f s ahead of the monotonic clock (a"
+                    " suspend, or the clock stepped forward): not counted as any job's stall",
+                    gap,
+                )
+                # what the last read saw was stamped before wall0 + (mono - mono0), what
+                # ran after the gap from then on (the gap being longer than that interval)
+                self._tracker.skip(wall - gap, wall)
+        self._clocks = (wall, mono)
+
     def _decide(self, now: float, registered: list[str]) -> dict[str, int]:
         active_res = self._active()
         idle = self.config.idle_after_s
@@ -814,7 +840,16 @@ class TrafficService:
                 continue
             reports = self._reports.get(job)
             recent = reports is not None and heard - reports.heard_at <= idle
-            if job in active_res or recent or job in self.tags.pins():
+            # a job that reported, then stopped (past its gap limit, and no report for
+            # idle_after_s) holds no level, reservation or not: its stall says nothing of
+            # the network, and its traffic, if any, is the default class's until it reports
+            stopped = (
+                reports is not None
+                and not recent
+                and job in self._tracker.jobs()
+                and self._tracker.progress(job, now).stopped
+            )
+            if job in self.tags.pins() or ((job in active_res or recent) and not stopped):
                 active.append(job)
         pins = self._pins()
         for job, level in pins.items():

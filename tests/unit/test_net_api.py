@@ -227,6 +227,35 @@ def test_progress_keeps_the_newest_reports_while_the_daemon_is_down(node: Node) 
     assert a.iterations == 25  # the newest survived
 
 
+def test_reports_buffered_while_gpud_was_down_count_when_stamped_not_when_sent(
+    node: Node,
+) -> None:
+    """A job ran 40 iterations of 1 s while gpud was down; they arrive in one burst: the
+    job ran at 1 s an iteration, not 40 in an instant."""
+    stamps = iter(time.time() - 40 + i for i in range(41))
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        p = Progress(
+            "train-a",
+            socket=path,
+            flush_interval_s=0.02,
+            contention_free_iteration_s=0.5,
+            clock=lambda: next(stamps, time.time()),
+        )
+        try:
+            for _ in range(40):
+                p.step()
+            with _serve(node, path):
+                assert p.flush(timeout=15)
+        finally:
+            p.close()
+    node.service.tick()
+    (a,) = [j for j in node.service.local_report().jobs if j.job == "train-a"]
+    assert a.iterations == 40
+    assert a.iteration_s == pytest.approx(1.0)
+    assert a.rate is not None and a.rate <= 0.5 + 1e-9
+
+
 def test_last_error_says_gpud_is_unreachable_since_when_and_what_is_buffered(
     node: Node,
 ) -> None:

@@ -1443,3 +1443,67 @@ def test_a_last_report_stays_in_the_past_when_the_wall_clock_steps_back(rig: Rig
     # a late report, stamped before the newest, does not make the last report older
     s.report(Report("a", 2, rig.clock.t - 4.0, session="s"))
     assert job_message(row(), s.now()).last_report_age_seconds == pytest.approx(1)
+
+
+class Training:
+    """Jobs reporting each iteration as it completes, at their paces (s per iteration), with
+    the service ticking each second."""
+
+    def __init__(self, rig: Rig, paces: Mapping[str, float], ideal: Mapping[str, float]) -> None:
+        self.rig, self.paces, self.ideal = rig, dict(paces), ideal
+        self.done = dict.fromkeys(paces, 0)
+        self.since = dict.fromkeys(paces, rig.clock.t)  # when each job's open one began
+
+    def run(self, seconds: int, *, stopped: Iterable[str] = ()) -> dict[str, int | None]:
+        rig = self.rig
+        for _ in range(seconds):
+            rig.clock.t += 1.0
+            for job, pace in self.paces.items():
+                if job in stopped:
+                    continue
+                while self.since[job] + pace <= rig.clock.t:
+                    self.since[job] += pace
+                    self.done[job] += 1
+                    rig.service.report(
+                        Report(job, self.done[job], self.since[job], self.ideal[job], "s")
+                    )
+            rig.service.tick()
+        return self.levels()
+
+    def suspend(self, seconds: float) -> None:
+        """The node sleeps: the wall clock runs on, the monotonic clock does not."""
+        self.rig.clock.step(seconds)
+        for job in self.since:
+            self.since[job] += seconds
+
+    def levels(self) -> dict[str, int | None]:
+        return {j.job: j.level for j in self.rig.service.local_report().jobs}
+
+
+def test_a_suspended_node_resumes_with_the_levels_it_had(rig: Rig) -> None:
+    """A VM suspended for an hour: reports and gpud's wall clock run on through it, the
+    monotonic clock does not. No job ran in that hour, so no level moves: counted as a stall
+    of every job, it ranked the job of the shortest iterations the slowest."""
+    rig.active = {"a", "b", "c"}
+    train = Training(rig, {"a": 0.1, "b": 1.0, "c": 8.0}, {"a": 0.1, "b": 0.5, "c": 2.0})
+    before = train.run(120)
+    assert before == {"a": 2, "b": 1, "c": 0}
+    train.suspend(3600.0)
+    assert train.run(1) == before  # the first tick after the resume
+    assert train.run(60) == before
+    assert rig.service.local_report().jobs[0].rate == pytest.approx(1.0, rel=0.05)
+
+
+def test_a_stopped_job_holds_no_level_reservation_or_not(rig: Rig) -> None:
+    """A job stopped (SIGSTOP, a debugger) past its gap limit and traffic.idle_after_s is
+    not ranked, though its run holds a reservation: it held level 0 for as long as it was
+    stopped. Once it runs again it is ranked at once."""
+    rig.active = {"a", "b"}
+    train = Training(rig, {"a": 1.0, "b": 1.0}, {"a": 0.5, "b": 0.25})
+    assert train.run(60) == {"a": 1, "b": 0, "c": None}
+    assert train.run(30, stopped="a")["a"] == 0  # a stall, for all gpud knows
+    levels = train.run(60, stopped="a")
+    assert levels["a"] is None
+    assert levels["b"] is not None
+    train.since["a"] = rig.clock.t
+    assert train.run(2)["a"] is not None

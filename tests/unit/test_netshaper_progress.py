@@ -13,6 +13,8 @@ from netshaper import ProgressConfig, ProgressTracker
 
 # The window's estimate alone, for the tests of how the window reads a job.
 WINDOW_ONLY = ProgressConfig(long_window_s=0)
+# ... and a stall counted for as long as it lasts, for the tests of how a stall decays.
+NO_GAP_LIMIT = ProgressConfig(long_window_s=0, gap_spacings=1e6)
 
 
 def steady(
@@ -56,7 +58,7 @@ def test_learned_ideal_is_best_sample_and_never_above_observed() -> None:
 
 
 def test_stall_decays_rate_without_division_by_zero() -> None:
-    tr = ProgressTracker(WINDOW_ONLY)
+    tr = ProgressTracker(NO_GAP_LIMIT)
     tr.register("a", now=0.0, ideal_s=1.0)
     t = steady(tr, "a", 1.0, 5)
     assert tr.progress("a", t).rate == pytest.approx(1.0)
@@ -230,7 +232,7 @@ def test_a_job_that_waited_one_tick_after_a_fast_stretch_is_not_taken_for_the_sl
 
 
 def test_a_long_stall_still_decays_to_nothing() -> None:
-    tr = ProgressTracker(WINDOW_ONLY)
+    tr = ProgressTracker(NO_GAP_LIMIT)
     tr.register("a", now=0.0, ideal_s=1.0)
     t = steady(tr, "a", 1.0, 20)
     assert tr.progress("a", t + 1.0).rate == pytest.approx(1.0)  # one iteration: on time
@@ -391,3 +393,100 @@ def test_a_clock_stepped_back_is_a_new_time_base_not_an_hour_of_late_reports() -
     p = tr.progress("a", back + 21.0)
     assert p.iterations == 121 and p.restarts == 1
     assert p.period_s == pytest.approx(1.0) and p.rate == pytest.approx(1.0)
+
+
+def test_a_stall_counts_up_to_the_gap_limit_and_no_further() -> None:
+    tr = ProgressTracker(ProgressConfig(long_window_s=0, gap_spacings=20.0))
+    tr.register("a", now=0.0, ideal_s=1.0)
+    t = steady(tr, "a", 1.0, 20)
+    at_limit = tr.progress("a", t + 20.0)
+    assert at_limit.rate == pytest.approx(9 / 28)  # (8 + 20) s over 9 iterations
+    assert not at_limit.stopped
+    for later in (21.0, 100.0, 86400.0):
+        p = tr.progress("a", t + later)
+        assert p.stopped
+        assert p.rate == at_limit.rate
+
+
+def resumed_rates(gap: float, *, after: float = 5.0) -> dict[str, float | None]:
+    """Two jobs that run alike at 1 s per iteration; ``a`` stops for ``gap`` seconds after
+    60 s (SIGSTOP, a debugger) and runs on; rates ``after`` seconds after it resumed."""
+    tr = ProgressTracker()
+    for job in "ab":
+        tr.register(job, now=0.0, ideal_s=0.5)
+    t = steady(tr, "a", 1.0, 60)
+    now = t + gap + after
+    steady(tr, "a", 1.0, int(after), t0=t + gap, start=61)
+    steady(tr, "b", 1.0, int(now))
+    return tr.rates(now)
+
+
+def test_a_job_stopped_for_minutes_is_not_ranked_slowest_once_it_runs_again() -> None:
+    # the stop counts as the gap limit (20 spacings: 20 s) in a's window and long-run
+    # rate, not as ten minutes: a comes back ranked as after a 20 s stop, and about as b
+    # (alike, never stopped) once its window has moved past it; it ranked far below b
+    # for minutes
+    soon, later = resumed_rates(600.0), resumed_rates(600.0, after=30.0)
+    assert soon["a"] == pytest.approx(resumed_rates(20.0)["a"])
+    assert soon["a"] is not None and soon["a"] > 0.4 * 0.5
+    assert later["b"] == pytest.approx(0.5)
+    assert later["a"] is not None and later["a"] > 0.9 * later["b"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(gaps=st.lists(st.floats(25.0, 1e5), min_size=2, max_size=2), after=st.floats(0.0, 30.0))
+def test_how_long_a_job_stopped_beyond_the_gap_limit_changes_nothing(
+    gaps: list[float], after: float
+) -> None:
+    first, second = (resumed_rates(g, after=after)["a"] for g in gaps)
+    assert first == pytest.approx(second, rel=1e-9)
+
+
+def suspended_rates(
+    suspend: float, *, skip: bool, paces: dict[str, float] | None = None
+) -> dict[str, float | None]:
+    """Jobs of different paces on one node, suspended for ``suspend`` seconds at t = 100
+    (the reports carry the wall clock, which runs on through a suspend); rates 30 s after
+    the resume."""
+    tr = ProgressTracker()
+    paces = paces or {"a": 0.1, "b": 1.0, "c": 4.0}
+    for job in paces:
+        tr.register(job, now=0.0, ideal_s=0.1)
+    for job, pace in paces.items():
+        steady(tr, job, pace, int(100 / pace))
+    if skip:
+        tr.skip(100.0, 100.0 + suspend)
+    for job, pace in paces.items():
+        n = int(100 / pace)
+        steady(tr, job, pace, int(30 / pace), t0=100.0 + suspend, start=n)
+    return tr.rates(130.0 + suspend)
+
+
+def test_a_suspend_of_the_node_is_cut_out_of_every_job() -> None:
+    unbroken = suspended_rates(0.0, skip=False)
+    resumed = suspended_rates(3600.0, skip=True)
+    assert resumed == pytest.approx(unbroken)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    paces=st.lists(st.floats(0.05, 10.0), min_size=1, max_size=4),
+    suspend=st.floats(1.0, 1e6),
+)
+def test_how_long_the_node_slept_changes_no_rate(paces: list[float], suspend: float) -> None:
+    jobs = {f"j{i}": p for i, p in enumerate(paces)}
+    unbroken = suspended_rates(0.0, skip=False, paces=jobs)
+    assert suspended_rates(suspend, skip=True, paces=jobs) == pytest.approx(unbroken, rel=1e-6)
+
+
+def test_a_report_stamped_before_a_skip_that_arrives_after_it_is_moved_too() -> None:
+    tr = ProgressTracker(WINDOW_ONLY)
+    steady(tr, "a", 1.0, 10)
+    # the node slept for 1000 s after iteration 11's report was stamped, and gpud saw it
+    # at 1011.2: before it took that report (buffered by the job, sent after the resume)
+    tr.skip(11.2, 1011.2)
+    tr.report("a", 11, 11.0)
+    tr.report("a", 12, 1011.5)  # 12.0 had the node not slept: 0.5 s after iteration 11
+    p = tr.progress("a", 1011.5)
+    assert p.iterations == 12
+    assert p.ideal_s == pytest.approx(0.5)  # iteration 12 alone, not 11 and 12 in 1.5 s
