@@ -352,16 +352,15 @@ class Bookkeeping(RuleBasedStateMachine):
     # -- invariants --------------------------------------------------------------------------
     @invariant()
     def never_over_committed(self) -> None:
-        """A run without a memory limit counts its device's MPS default limit, as its
-        client gets it there."""
+        """A run without a memory limit counts the MPS default limit in force on its device
+        when it started, as its client gets it there (a default set later reaches only the
+        servers started after it: ``Reservation.defaults``)."""
         held = self.s.jobs.reservations.held()
         memory_by: dict[str, int] = {}
         threads_by: dict[str, int] = {}
         for r in held:
             for uuid in r.devices:
-                pinned = r.memory_bytes
-                if pinned is None:
-                    pinned = self.s.mps.limits(uuid).memory_bytes
+                pinned = r.memory_on(uuid, lambda u: self.s.mps.limits(u).memory_bytes)
                 memory_by[uuid] = memory_by.get(uuid, 0) + (pinned or 0)
                 threads_by[uuid] = threads_by.get(uuid, 0) + (r.threads_percent or 0)
         for uuid, n in memory_by.items():
