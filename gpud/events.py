@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gpud.files import STATE_FILE_MODE
+from gpud.shared import is_about
 
 log = logging.getLogger("gpud.events")
 
@@ -108,9 +109,17 @@ class EventLog:
                 self._write(line)
         log.info("%s: %s", kind, message, extra={"event": line})
 
-    def recent(self, limit: int = 100, kind_prefix: str = "") -> list[Event]:
+    def recent(
+        self, limit: int = 100, kind_prefix: str = "", *, gpu: str = "", job: str = ""
+    ) -> list[Event]:
+        """The newest ``limit`` events of kinds starting with ``kind_prefix``; with ``gpu``
+        or ``job``, only those about it (:func:`is_about`), counted after the filter."""
         with self._lock:
-            events = [e for e in self._ring if e.kind.startswith(kind_prefix)]
+            events = [
+                e
+                for e in self._ring
+                if e.kind.startswith(kind_prefix) and is_about(e.fields, gpu=gpu, job=job)
+            ]
         return events[-limit:]
 
     def counts(self) -> dict[str, int]:

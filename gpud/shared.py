@@ -11,7 +11,8 @@ daemon's internals), so the few things both sides must read the same way live he
 - the longest contention-free iteration time a progress report may declare;
 - a job's environment rendered as shell ``export`` lines;
 - what a ``gpuctl run`` that waits outside the admission queue waits on;
-- free text a request may carry (a progress report's session): one short line.
+- free text a request may carry (a progress report's session): one short line;
+- which events are about a GPU or a job (``gpuctl events --gpu/--job``, ListEvents).
 
 Pure and cheap to import: the standard library and :mod:`gpud.errors` only.
 """
@@ -23,6 +24,7 @@ import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from gpud.errors import InvalidArgument
 
@@ -156,3 +158,32 @@ def read_small_text(path: Path, limit: int) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"not UTF-8 text (byte {err.start})") from None
+
+
+# The fields that name a device by UUID: a GPU's or MIG device's (``uuid``), a MIG device's
+# GPU and the MIG device itself (``gpu_uuid``, ``mig_uuid``: as the metrics label them), a
+# MIG device's UUID before it was re-created (``previous_uuid``).
+UUID_FIELDS = ("uuid", "gpu_uuid", "mig_uuid", "previous_uuid")
+
+
+def is_about(fields: dict[str, Any], *, gpu: str = "", job: str = "") -> bool:
+    """Whether an event with ``fields`` is about GPU ``gpu`` (its NVML index, or a GPU or
+    MIG device UUID; "": any) and job ``job`` ("": any). An index matches ``gpu`` (a MIG
+    device's event carries its GPU's index) and the GPUs of ``mig.apply``'s ``gpus``; a
+    UUID matches any UUID field and the ``devices`` a run reserved. Events written before
+    a field was added (an older events.jsonl) match by the fields they have."""
+    if job and fields.get("job") != job:
+        return False
+    if not gpu:
+        return True
+    if gpu.isdigit():
+        index = int(gpu)
+        if fields.get("gpu") == index and not isinstance(fields.get("gpu"), bool):
+            return True
+        per_gpu = fields.get("gpus")
+        # mig.apply: {index: outcome}, its keys strings once read back from the file
+        return isinstance(per_gpu, dict) and (index in per_gpu or str(index) in per_gpu)
+    if any(fields.get(name) == gpu for name in UUID_FIELDS):
+        return True
+    devices = fields.get("devices")
+    return isinstance(devices, list) and gpu in devices

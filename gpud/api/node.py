@@ -168,7 +168,9 @@ class NodeServicer(pb_grpc.NodeServicer):
             raise InvalidArgument("longer than 256 characters", field="kind_prefix")
         if self._events is None:
             return pb.ListEventsResponse()
-        events = self._events.recent(limit or DEFAULT_EVENT_LIMIT, prefix)
+        events = self._events.recent(
+            limit or DEFAULT_EVENT_LIMIT, prefix, gpu=request.gpu.strip(), job=request.job
+        )
         return pb.ListEventsResponse(events=[convert.event(e) for e in events])
 
     async def InjectFault(  # noqa: N802 (gRPC method names come from the proto)
@@ -222,7 +224,11 @@ class NodeServicer(pb_grpc.NodeServicer):
             raise InvalidArgument(str(err), field=blame) from err
         if self._events is not None:
             self._events.emit(
-                f"sim.fault.{kind}", f"injected fault {kind} on GPU {gpu}", gpu=gpu, **detail
+                f"sim.fault.{kind}",
+                f"injected fault {kind} on GPU {gpu}",
+                gpu=gpu,
+                uuid=self._gpu_uuid(gpu),
+                **detail,
             )
         if kind != "slow":
             # not for a slow GPU: its sample would take the whole call timeout, and telemetry
@@ -230,6 +236,11 @@ class NodeServicer(pb_grpc.NodeServicer):
             await self._show_change()
         active = await asyncio.to_thread(faults.active)
         return pb.InjectFaultResponse(active_faults=describe_faults(active))
+
+    def _gpu_uuid(self, gpu: int) -> str:
+        """GPU ``gpu``'s UUID for an event, from the latest snapshot ("" before its first)."""
+        sample = self._latest().gpu(gpu)
+        return sample.known().uuid if sample is not None else ""
 
     async def RebootSim(  # noqa: N802 (gRPC method names come from the proto)
         self, request: pb.RebootSimRequest, context: grpc.aio.ServicerContext
@@ -279,6 +290,7 @@ class NodeServicer(pb_grpc.NodeServicer):
                     + (f" MIG {request.mig}" if request.mig else ""),
                     pid=pid,
                     gpu=gpu,
+                    uuid=self._gpu_uuid(gpu),
                 )
         await self._show_change()
         running = await asyncio.to_thread(workloads.list)

@@ -44,7 +44,9 @@ NodeInfoSource = Callable[[], NodeInfo]
 class EventSource(Protocol):
     """The structured event log as the API reads and writes it (:class:`gpud.events.EventLog`)."""
 
-    def recent(self, limit: int = 100, kind_prefix: str = "") -> list[Event]: ...
+    def recent(
+        self, limit: int = 100, kind_prefix: str = "", *, gpu: str = "", job: str = ""
+    ) -> list[Event]: ...
 
     def emit(self, kind: str, message: str, **fields: Any) -> Event: ...
 

@@ -660,7 +660,8 @@ class ColoService:
             for r in live:
                 per_gpu.setdefault(r.gpu, []).append(r)
             self._learn(snapshot, per_gpu)
-            duty_by_gpu, evict_by_gpu = self._guard_step(live, per_gpu)
+            uuids = {g.identity.index: g.known().uuid for g in snapshot.gpus}
+            duty_by_gpu, evict_by_gpu = self._guard_step(live, per_gpu, uuids)
             views = [self._view(r) for r in live]
             plan = self._planner.plan(gpus, views, duty_by_gpu, evict_by_gpu)
             held = {r.name for r in running if r.gpu in self._faulty}
@@ -1065,10 +1066,14 @@ class ColoService:
         )
 
     def _guard_step(
-        self, running: Sequence[RunningJob], per_gpu: dict[int, list[RunningJob]]
+        self,
+        running: Sequence[RunningJob],
+        per_gpu: dict[int, list[RunningJob]],
+        uuids: Mapping[int, str],
     ) -> tuple[dict[int, float], dict[int, str]]:
         """Each inference job's guard, once a tick (a service on several devices too),
-        over the GPUs where training shares one of its devices."""
+        over the GPUs where training shares one of its devices. ``uuids``: each GPU's UUID
+        by index, for the events."""
         duty: dict[int, float] = {}
         evict: dict[int, str] = {}
         guarding, self._guarding = self._guarding, set()
@@ -1113,7 +1118,7 @@ class ColoService:
                 if o.kind == "training" and _shares_device(o, r)
             )
             if name not in guarding:
-                self._resume_guard(name, g, st, company, gpus[0])
+                self._resume_guard(name, g, st, company, gpus[0], uuid=uuids.get(gpus[0], ""))
             st.guard_company = company
             self._guarding.add(name)
             # Act on latencies measured at the duty last set, not on the ones the window
@@ -1131,12 +1136,20 @@ class ColoService:
             if d.action is GuardAction.EVICT:
                 for gpu in gpus:
                     evict[gpu] = d.reason
-                    self._events.emit("colo.evict", d.reason, job=name, gpu=gpu)
+                    self._events.emit(
+                        "colo.evict", d.reason, job=name, gpu=gpu, uuid=uuids.get(gpu, "")
+                    )
                 continue
             for gpu in gpus:
                 duty[gpu] = min(duty.get(gpu, 1.0), d.duty)
             if d.action is GuardAction.THROTTLE and before != d.duty:
-                self._events.emit("colo.throttle", d.reason, job=name, gpu=gpus[0])
+                self._events.emit(
+                    "colo.throttle",
+                    d.reason,
+                    job=name,
+                    gpu=gpus[0],
+                    uuid=uuids.get(gpus[0], ""),
+                )
         return duty, evict
 
     def _resume_guard(
@@ -1146,6 +1159,8 @@ class ColoService:
         st: _JobState,
         company: frozenset[tuple[str, str]],
         gpu: int,
+        *,
+        uuid: str,
     ) -> None:
         """A guard takes up its duty again (gpud restarted, the service runs again within
         the hour, its GPU answers again). The duty holds beside the training it was learned
@@ -1168,6 +1183,7 @@ class ColoService:
             f"training beside it now is {now}",
             job=name,
             gpu=gpu,
+            uuid=uuid,
         )
         g.start_at(start)
         st.guard_since = self._clock() + DIRECTIVE_DELAY_S

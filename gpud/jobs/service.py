@@ -705,9 +705,12 @@ class JobService:
             self._unlisted = unlisted
             before, self._unhealthy = self._unhealthy, sick
         if sick.keys() != before.keys():
-            self._tell_jobs_on(before, sick)
+            uuids = {g.identity.index: g.known().uuid for g in snapshot.gpus}
+            self._tell_jobs_on(before, sick, uuids)
 
-    def _tell_jobs_on(self, before: Mapping[int, str], sick: Mapping[int, str]) -> None:
+    def _tell_jobs_on(
+        self, before: Mapping[int, str], sick: Mapping[int, str], uuids: Mapping[int, str]
+    ) -> None:
         """An event for each job holding a device of a GPU that went unhealthy or answers
         again: `gpu.unhealthy` names the GPU alone, and `gpuctl events --kind job.` is
         where a job's owner looks. Its reservation stays either way: its run may well go
@@ -723,6 +726,7 @@ class JobService:
                         "reservation stays until its run ends",
                         job=r.job,
                         gpu=gpu,
+                        uuid=uuids.get(gpu, ""),
                         reservation=r.id,
                         reason=sick[gpu],
                     )
@@ -732,6 +736,7 @@ class JobService:
                         f"job {r.job}: GPU {gpu} under it answers again",
                         job=r.job,
                         gpu=gpu,
+                        uuid=uuids.get(gpu, ""),
                         reservation=r.id,
                     )
 

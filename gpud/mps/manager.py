@@ -484,8 +484,7 @@ class MpsManager:
             "mps.limits",
             f"MPS limits of {target.uuid}: threads {_pct(new.threads_percent)},"
             f" memory {_mem(new.memory_bytes)}",
-            uuid=target.uuid,
-            gpu=target.gpu,
+            **_where(target),
             threads_percent=new.threads_percent,
             memory_bytes=new.memory_bytes,
             enabled=new.enabled,
@@ -770,10 +769,8 @@ class MpsManager:
                     f" {t.slot[1]}:{t.slot[2]} of GPU {t.gpu} re-applied after it was"
                     f" re-created ({old_uuid} -> {t.uuid}): threads"
                     f" {_pct(limits.threads_percent)}, memory {_mem(limits.memory_bytes)}",
-                    uuid=t.uuid,
+                    **_where(t),
                     previous_uuid=old_uuid,
-                    gpu=t.gpu,
-                    gpu_uuid=t.slot[0],
                     placement=f"{t.slot[1]}:{t.slot[2]}",
                     profile=t.profile,
                     threads_percent=limits.threads_percent,
@@ -1368,10 +1365,15 @@ def _label(target: MpsTarget) -> str:
 
 
 def _where(target: MpsTarget) -> dict[str, object]:
-    """An event's fields naming the device."""
+    """An event's fields naming the device: ``gpu`` (its GPU's index) and ``uuid`` (the
+    device's own UUID); a MIG device's also ``mig`` (its index on the GPU) and, as the
+    metrics label them, ``gpu_uuid`` and ``mig_uuid``."""
     where: dict[str, object] = {"uuid": target.uuid, "gpu": target.gpu}
     if target.mig is not None:
         where["mig"] = target.mig
+        where["mig_uuid"] = target.uuid
+        if target.gpu_uuid:
+            where["gpu_uuid"] = target.gpu_uuid
     return where
 
 

@@ -344,6 +344,12 @@ class Sampler:
             fields["gpu_instance_id"] = event.gpu_instance_id
         if event.compute_instance_id is not None:
             fields["compute_instance_id"] = event.compute_instance_id
+        if event.gpu_instance_id is not None:
+            # on a MIG device: named as the MIG metrics label it (uuid stays the GPU's)
+            fields["gpu_uuid"] = uuid
+            mig_uuid = self._mig_uuid(event.gpu, event.gpu_instance_id, event.compute_instance_id)
+            if mig_uuid:
+                fields["mig_uuid"] = mig_uuid
         if event.kind is EventKind.XID:
             critical = event.xid is not None and event.xid not in self.ignored_xids
             now = self._wall_clock()
@@ -383,6 +389,17 @@ class Sampler:
             )
         elif event.kind in (EventKind.ECC_DOUBLE_BIT, EventKind.ECC_SINGLE_BIT):
             self._emit("gpu.ecc", f"GPU {event.gpu}: {event.kind.value} ECC error", **fields)
+
+    def _mig_uuid(self, gpu: int, gi: int, ci: int | None) -> str:
+        """The UUID of GPU ``gpu``'s MIG device on GPU instance ``gi`` (and compute
+        instance ``ci`` when known) in the latest snapshot; "" where it holds none."""
+        snap = self._latest
+        sample = snap.gpu(gpu) if snap is not None else None
+        for m in sample.mig_devices if sample is not None else ():
+            ident = m.identity
+            if ident.gpu_instance_id == gi and ci in (None, ident.compute_instance_id):
+                return ident.uuid
+        return ""
 
     def clear_xid(self, gpu: int, xid: int | None = None) -> ClearedXids:
         """Forget ``gpu``'s critical XID ``xid`` (every one when None): the operator dealt

@@ -655,19 +655,29 @@ class ListEventsRequest(_message.Message):
 
     KIND_PREFIX_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
+    GPU_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
     kind_prefix: _builtins.str
     """e.g. "mig." or "gpu"; empty: every kind"""
     limit: _builtins.int
     """newest N; 0: the default (100); at most 10000"""
+    gpu: _builtins.str
+    """Only events about this GPU: its NVML index ("0"; also its MIG devices' events), or a
+    GPU or MIG device UUID. Empty: every GPU. The limit counts the events that match.
+    """
+    job: _builtins.str
+    """only events about this job (their `job` field); empty: every job"""
     def __init__(
         self,
         *,
         kind_prefix: _builtins.str = ...,
         limit: _builtins.int = ...,
+        gpu: _builtins.str = ...,
+        job: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind_prefix", b"kind_prefix", "limit", b"limit"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu", b"gpu", "job", b"job", "kind_prefix", b"kind_prefix", "limit", b"limit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,7 +26,14 @@ from gpud.events import EventLog
 from gpud.telemetry.snapshot import ClearedXids
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
-from tests.unit.api_support import FakeFaults, make_events, make_servicer, node_info, short_dir
+from tests.unit.api_support import (
+    FakeFaults,
+    identity,
+    make_events,
+    make_servicer,
+    node_info,
+    short_dir,
+)
 
 
 @pytest.fixture
@@ -345,6 +352,36 @@ async def test_list_events(channel: grpc.aio.Channel) -> None:
         assert (err.value.details() or "").startswith("limit: ")
 
 
+async def test_list_events_about_a_gpu_or_a_job(sock_dir: Path) -> None:
+    """``gpu`` and ``job`` keep the events about them, of every kind, before ``limit``
+    counts; events written before a field was added match by the fields they carry."""
+    log = EventLog(None)
+    log.emit("gpu.unhealthy", "GPU 1 lost", gpu=1, uuid="GPU-1")
+    log.emit("job.gpu_unhealthy", "older: no uuid", job="a", gpu=1, reservation="r1")
+    log.emit("job.reserve", "a", job="a", reservation="r1", devices=["MIG-1a", "GPU-2"])
+    log.emit("mps.start", "MIG", gpu=1, uuid="MIG-1a", mig=0, gpu_uuid="GPU-1", mig_uuid="MIG-1a")
+    log.emit("mig.apply", "apply", config="c", result="success", gpus={1: "applied"})
+    log.emit("gpu.recovered", "GPU 0 back", gpu=0, uuid="GPU-0")
+    log.emit("job.add", "b", job="b")
+    path = sock_dir / "gpud.sock"
+    server = await _serve(path, make_servicer(events=log))
+    async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+        stub = pb_grpc.NodeStub(ch)
+
+        async def messages(**request: object) -> list[str]:
+            resp = await stub.ListEvents(pb.ListEventsRequest(**request))  # type: ignore[arg-type]
+            return [e.message for e in resp.events]
+
+        assert await messages(gpu="1") == ["GPU 1 lost", "older: no uuid", "MIG", "apply"]
+        assert await messages(gpu="GPU-1") == ["GPU 1 lost", "MIG"]
+        assert await messages(gpu="MIG-1a") == ["a", "MIG"]
+        assert await messages(gpu="1", limit=1) == ["apply"]
+        assert await messages(job="a") == ["older: no uuid", "a"]
+        assert await messages(job="a", gpu="1", kind_prefix="job.") == ["older: no uuid"]
+        assert await messages(gpu="7") == []
+    await server.stop(0)
+
+
 async def test_inject_fault_refused_when_not_simulated(sock_dir: Path) -> None:
     path = sock_dir / "gpud.sock"
     server = await _serve(path, make_servicer(faults=None))
@@ -398,8 +435,9 @@ async def test_inject_faults(sock_dir: Path) -> None:
         "sim.fault.error",
         "sim.fault.clear",
     ]
-    assert events.recent()[3].fields == {"gpu": 0, "seconds": 0.2}
-    assert events.recent()[4].fields == {"gpu": 2, "xid": 79}
+    # the GPU by index and UUID, as every event about a GPU names it
+    assert events.recent()[3].fields == {"gpu": 0, "uuid": identity(0).uuid, "seconds": 0.2}
+    assert events.recent()[4].fields == {"gpu": 2, "uuid": identity(2).uuid, "xid": 79}
     await server.stop(0)
 
 

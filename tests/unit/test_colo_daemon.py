@@ -92,6 +92,8 @@ def test_guard_throttles_training_within_one_tick_and_the_job_is_told(
     view = svc.show()
     (g,) = view.guards
     assert g.action == "throttle" and g.p99_ms == pytest.approx(95.0)
+    (said,) = svc._events.recent(kind_prefix="colo.throttle")
+    assert said.fields == {"job": "chat", "gpu": 0, "uuid": identity(0).uuid}
     # Calm latencies: additive recovery.
     clock.t += 60
     svc.report_latency("chat", [0.01] * 100)
@@ -111,6 +113,8 @@ def test_guard_evicts_training_when_the_slo_cannot_be_held(
             break
     d = svc.throttle_point("train", 1)
     assert d.evict and "evict" in d.reason
+    guard = [e.fields for e in svc._events.recent(kind_prefix="colo.evict") if "gpu" in e.fields]
+    assert guard == [{"job": "chat", "gpu": 0, "uuid": identity(0).uuid}]
     # The training has not left yet (it checkpoints): it stays evicted, whatever the
     # guard, which started afresh, makes of the next latencies.
     for latency in (0.5, 0.01):
@@ -1741,6 +1745,7 @@ def test_a_service_back_on_another_gpu_starts_its_guard_afresh(tmp_path: Path) -
     assert svc.duty("train") == 0.25
     (said,) = svc._events.recent(kind_prefix="colo.guard")
     assert "set beside train on GPU 0" in said.message and "train on GPU 1" in said.message
+    assert said.fields == {"job": "chat", "gpu": 1, "uuid": identity(1).uuid}
 
 
 def test_a_breach_at_the_floor_counts_across_a_restart(tmp_path: Path) -> None:

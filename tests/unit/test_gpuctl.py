@@ -24,6 +24,7 @@ from gpud.cli.main import build_parser, main
 from gpud.cli.output import Output, format_table, seconds
 from gpud.cli.version import differ_line
 from gpud.errors import GpuLost
+from gpud.events import Event, EventLog
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import GpuSample, SeenIdentity, Snapshot
 from gpud.v1 import jobs_pb2, queue_pb2
@@ -326,6 +327,52 @@ def test_events(capsys: pytest.CaptureFixture[str], sim_socket: str) -> None:
     events = json.loads(out)["events"]
     assert [e["message"] for e in events] == ["GPU 2 back"]
     assert events[0]["fields"] == {"gpu": 2}
+
+
+class _OlderEventLog:
+    """The event log of a gpud older than ``gpuctl events --gpu/--job``: it ignores them."""
+
+    def __init__(self, log: EventLog) -> None:
+        self._log = log
+
+    def recent(self, limit: int = 100, kind_prefix: str = "", **_: str) -> list[Event]:
+        return self._log.recent(limit, kind_prefix)
+
+    def emit(self, kind: str, message: str, **fields: object) -> Event:
+        return self._log.emit(kind, message, **fields)
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["gpud", "older-gpud"])
+def test_events_about_a_gpu_or_a_job(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path, older: bool
+) -> None:
+    """``--gpu`` (an index or a UUID) and ``--job`` keep the events about them, of every
+    kind, in the table and in --json alike; against a gpud that ignores them too."""
+    log = EventLog(None)
+    log.emit("gpu.unhealthy", "GPU 1 lost", gpu=1, uuid="GPU-1", reason="lost")
+    log.emit("job.gpu_unhealthy", "job a: GPU 1", job="a", gpu=1, uuid="GPU-1", reservation="r")
+    log.emit("mps.start", "MIG 1:0", gpu=1, uuid="MIG-1a", gpu_uuid="GPU-1", mig_uuid="MIG-1a")
+    log.emit("job.add", "job b registered", job="b")
+    log.emit("gpu.recovered", "GPU 0 back", gpu=0, uuid="GPU-0")
+    events = _OlderEventLog(log) if older else log
+    servicer = NodeServicer(snapshots=make_snapshot, node_info=node_info, events=events)
+    path = str(sock_dir / "gpud.sock")
+    with ServerThread(ApiServer(Path(path), servicers=[servicer.register])):
+        code, out, _ = run(capsys, "--socket", path, "events", "--gpu", "1")
+        assert code == 0
+        kinds = [line.split()[2] for line in out.splitlines()[1:]]
+        assert kinds == ["gpu.unhealthy", "job.gpu_unhealthy", "mps.start"]
+        code, out, _ = run(capsys, "--socket", path, "--json", "events", "--gpu", "GPU-1")
+        assert code == 0
+        doc = json.loads(out)
+        assert [e["message"] for e in doc["events"]] == ["GPU 1 lost", "job a: GPU 1", "MIG 1:0"]
+        assert set(doc["events"][0]) == {"time_unix_seconds", "kind", "message", "fields"}
+        code, out, _ = run(capsys, "--socket", path, "--json", "events", "--job", "a")
+        assert [e["message"] for e in json.loads(out)["events"]] == ["job a: GPU 1"]
+        code, out, _ = run(capsys, "--socket", path, "--json", "events", "--gpu", "MIG-1a")
+        assert [e["message"] for e in json.loads(out)["events"]] == ["MIG 1:0"]
+        code, out, _ = run(capsys, "--socket", path, "--json", "events", "--job", "zz")
+        assert code == 0 and json.loads(out)["events"] == []
 
 
 def test_events_invalid_limit(capsys: pytest.CaptureFixture[str], sim_socket: str) -> None:

@@ -847,9 +847,9 @@ def test_a_job_on_a_gpu_that_fails_or_answers_again_gets_an_event(service: JobSe
     service.tick(snapshot(NODE.gpus[0], hung, NODE.gpus[2]))
     service.tick(NODE)
     events = service._events.recent(kind_prefix="job.gpu")
-    assert [(e.kind, e.fields["job"], e.fields["gpu"]) for e in events] == [
-        ("job.gpu_unhealthy", "on-1", 1),
-        ("job.gpu_recovered", "on-1", 1),
+    assert [(e.kind, e.fields["job"], e.fields["gpu"], e.fields["uuid"]) for e in events] == [
+        ("job.gpu_unhealthy", "on-1", 1, gpu_uuid(1)),
+        ("job.gpu_recovered", "on-1", 1, gpu_uuid(1)),
     ]
     assert events[0].message == (
         "job on-1: GPU 1 under it is unhealthy: GPU lost (memory); its reservation stays "

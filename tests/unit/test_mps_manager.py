@@ -611,6 +611,38 @@ def test_events_of_a_daemon_name_its_gpu_as_the_health_checks_do(root: Path) -> 
         store.close()
 
 
+def test_events_of_a_mig_device_name_it_and_its_gpu_as_the_mig_metrics_do(root: Path) -> None:
+    """A MIG device's events carry ``gpu_uuid`` and ``mig_uuid`` (the labels of the MIG
+    metrics) beside ``gpu`` and ``uuid``; a whole GPU's carry ``gpu`` and ``uuid`` alone."""
+    mgr, store, events = make_manager(root, sleep=lambda s: None)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0), gpu_sample(1, migs=(("3g.40gb", 40),))))
+        mgr.set_limits("1:0", threads_percent=50)
+        mgr.set_limits("0", threads_percent=40)
+        where = {"gpu", "uuid", "mig", "gpu_uuid", "mig_uuid"}
+        said = [
+            (e.kind, {k: v for k, v in e.fields.items() if k in where})
+            for e in events.recent(kind_prefix="mps.")
+        ]
+        mig = {
+            "gpu": 1,
+            "uuid": mig_uuid(1, 0),
+            "mig": 0,
+            "gpu_uuid": gpu_uuid(1),
+            "mig_uuid": mig_uuid(1, 0),
+        }
+        whole = {"gpu": 0, "uuid": gpu_uuid(0)}
+        assert sorted(said, key=lambda s: (s[0], s[1]["gpu"])) == [
+            ("mps.limits", whole),
+            ("mps.limits", mig),
+            ("mps.start", whole),
+            ("mps.start", mig),
+        ]
+    finally:
+        mgr.stop()
+        store.close()
+
+
 def _metrics_registry(manager: MpsManager) -> CollectorRegistry:
     registry = CollectorRegistry()
     source = MpsMetrics(manager)

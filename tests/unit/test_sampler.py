@@ -558,6 +558,10 @@ def test_xid_events_are_counted_and_logged(
     assert [e.fields["xid"] for e in xids] == [31, 43]
     assert xids[0].fields["uuid"] == "GPU-00000001"
     assert xids[0].fields["gpu_instance_id"] == 7
+    # on a MIG device: it and its GPU as the MIG metrics name them
+    assert xids[0].fields["gpu_uuid"] == "GPU-00000001"
+    assert xids[0].fields["mig_uuid"] == "MIG-00010000"  # GPU instance 7's, in the snapshot
+    assert "gpu_uuid" not in xids[1].fields  # on the whole GPU
 
 
 def test_listener_errors_do_not_break_the_tick(sampler: Sampler) -> None:
