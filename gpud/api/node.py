@@ -23,6 +23,7 @@ from gpud.api.ports import (
     WorkloadPort,
 )
 from gpud.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from gpud.mps.procs import PID_MAX
 from gpud.telemetry.snapshot import ClearedXids, Snapshot
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
@@ -248,9 +249,7 @@ class NodeServicer(pb_grpc.NodeServicer):
             raise FailedPrecondition(
                 "node is not simulated: workloads can only be started on gpud --simulate"
             )
-        if request.pid <= 0:
-            raise InvalidArgument(f"must be a PID > 0, got {request.pid}", field="pid")
-        pid = request.pid
+        pid = validate.int_range(request.pid, 1, PID_MAX, field="pid")
         if request.stop:
             if not await asyncio.to_thread(workloads.stop, pid):
                 raise NotFound(f"no simulated process {pid}")

@@ -167,9 +167,25 @@ def _group_name(path: Path) -> str | None:
         return None
 
 
+# The most of a path a message shows: a unix socket's path is at most 107 bytes anyway.
+SHOWN_PATH_CHARS = 200
+
+
+def shown_path(path: Path) -> str:
+    """``path`` as a one-line message shows it: a control character (a newline would split
+    the line) or a byte that is not UTF-8 escaped as Python writes it (``\\n``,
+    ``\\udcff``), and a path past :data:`SHOWN_PATH_CHARS` cut, its length said."""
+    text = str(path)
+    if not text.isprintable():
+        text = repr(text)[1:-1]
+    if len(text) > SHOWN_PATH_CHARS:
+        text = f"{text[:SHOWN_PATH_CHARS]}... ({len(str(path))} characters)"
+    return text
+
+
 def _not_running(path: Path, why: str) -> CliError:
     return CliError(
-        f"gpud is not running: {why} {path}. Start it with `systemctl start gpud` "
+        f"gpud is not running: {why} {shown_path(path)}. Start it with `systemctl start gpud` "
         "(or point --socket / GPUD_SOCKET at its socket).",
         EXIT_NOT_RUNNING,
     )

@@ -62,8 +62,10 @@ from gpud.cli import net as net_cli
 from gpud.cli import queue as queue_cli
 from gpud.cli import run as run_cli
 from gpud.cli.context import DEFAULT_SOCKET, EXIT_USAGE, CliError, Context
-from gpud.cli.output import Output
-from gpud.cli.pipes import quiet_on_broken_pipe
+from gpud.cli.output import Output, OutputError
+from gpud.cli.pipes import discard_stdout, quiet_on_broken_pipe
+
+EXIT_OUTPUT = 1  # stdout could not take the answer (a full disk, stdout closed)
 
 # Command groups, in help order. Each module exposes register(subparsers).
 COMMAND_GROUPS: list[ModuleType] = [
@@ -231,9 +233,13 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
     )
     try:
         code: int = run(ctx, args)
+        ctx.out.flush()
         return code
     except CliError as err:
         return _fail(err, args.json, ctx.out.notes)
+    except OutputError as err:
+        discard_stdout()
+        return _fail(CliError(str(err), EXIT_OUTPUT), args.json)
     except UnicodeEncodeError as err:
         # an argument in bytes that are not UTF-8 (Python keeps them as surrogates), which
         # no request can carry

@@ -310,13 +310,15 @@ def run_assert(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def run_export(ctx: Context, args: argparse.Namespace) -> int:
+    if not args.config:  # -c "": an unset variable, which gpud would take as "current"
+        raise CliError("-c/--config: give the config's name, got ''", EXIT_USAGE)
     resp: pb.ExportMigResponse = ctx.call(
         ctx.stub(pb_grpc.MigStub).ExportMig, pb.ExportMigRequest(name=args.config)
     )
     if ctx.out.json:
         ctx.out.print_json(resp)
     else:
-        ctx.out.stream.write(resp.yaml)
+        ctx.out.write(resp.yaml)
     if resp.left_out and ctx.out.json:  # one JSON document on stderr, as for an error
         raise CliError(f"not exported: {'; '.join(resp.left_out)}", EXIT_PARTIAL)
     for gpu in resp.left_out:

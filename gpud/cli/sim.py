@@ -68,7 +68,7 @@ def register(subparsers: Subparsers) -> None:
     wl = workload.add_subparsers(dest="workload_command", metavar="ACTION", required=True)
     start = wl.add_parser("start", help="a process that uses memory and SMs")
     start.add_argument("--gpu", type=INT32, required=True, metavar="INDEX")
-    start.add_argument("--mig", default="", help="a MIG device index or MIG UUID on that GPU")
+    start.add_argument("--mig", default=None, help="a MIG device index or MIG UUID on that GPU")
     start.add_argument(
         "--pid", type=UINT32, required=True, help="its PID (a real one is attributed to its job)"
     )
@@ -88,7 +88,9 @@ def run_workload(ctx: Context, args: argparse.Namespace) -> int:
     request = pb.SimWorkloadRequest(pid=args.pid, stop=args.stop)
     if not args.stop:
         request.gpu = args.gpu
-        request.mig = args.mig
+        if args.mig == "":  # an unset variable: not "the whole GPU"
+            raise CliError("--mig: name a MIG device index or MIG UUID, got ''", EXIT_USAGE)
+        request.mig = args.mig or ""
         request.memory_bytes = size_arg(args.memory)
         request.sm_ratio = args.sm
     resp: pb.SimWorkloadResponse = ctx.call(ctx.stub(pb_grpc.NodeStub).SimWorkload, request)
