@@ -11,7 +11,8 @@ daemon's internals), so the few things both sides must read the same way live he
 - the longest contention-free iteration time a progress report may declare;
 - a job's environment rendered as shell ``export`` lines;
 - what a ``gpuctl run`` that waits outside the admission queue waits on;
-- free text a request may carry (a progress report's session): one short line.
+- free text a request may carry (a progress report's session): one short line;
+- the XID codes gpud takes (``telemetry.ignored_xids``, ``xid clear --xid``, an injected one).
 
 Pure and cheap to import: the standard library and :mod:`gpud.errors` only.
 """
@@ -25,6 +26,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from gpud.errors import InvalidArgument
+
+# The largest XID code gpud takes, in the config, a clear or an injection (the driver's are
+# in the hundreds at most): one a config could not name would be one it could not ignore.
+MAX_XID = 999
 
 # QueueEntry.waiting_on of a `gpuctl run` waiting for co-location (outside the queue), as
 # `gpuctl queue --leave` answers it and `gpuctl queue` lists it

@@ -209,9 +209,7 @@ class NodeServicer(pb_grpc.NodeServicer):
             slow = faults.slow if kind == "slow" else faults.slow_mig
             apply = lambda: slow(gpu, seconds)  # noqa: E731
         else:
-            if request.xid <= 0:
-                raise InvalidArgument(f"must be an XID code > 0, got {request.xid}", field="xid")
-            code = request.xid
+            code = validate.xid_code(request.xid)
             detail["xid"], blame = code, "xid"
             apply = lambda: faults.xid(gpu, code)  # noqa: E731
 
@@ -303,8 +301,8 @@ class NodeServicer(pb_grpc.NodeServicer):
             raise FailedPrecondition("this daemon does not track critical XIDs")
         gpu = validate.gpu_index(request.gpu, self._node_info().gpu_count)
         code: int | None = validate.optional(request, "xid")
-        if code is not None and code <= 0:
-            raise InvalidArgument(f"must be an XID code > 0, got {code}", field="xid")
+        if code is not None:
+            validate.xid_code(code)
         try:
             # it writes the XID state file (flushed to disk): off the event loop
             done = await asyncio.to_thread(self._clear_xid, gpu, code)

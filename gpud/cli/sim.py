@@ -23,6 +23,7 @@ import argparse
 from gpud.cli.context import EXIT_USAGE, INT32, UINT32, CliError, Context, Subparsers, number
 from gpud.cli.mps import size_arg
 from gpud.cli.output import NA, gib, percent
+from gpud.shared import MAX_XID
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
@@ -142,10 +143,10 @@ def run_fault(ctx: Context, args: argparse.Namespace) -> int:
     kind = pb.FaultKind.Value(args.kind)
     request = pb.InjectFaultRequest(gpu=args.gpu, kind=kind)
     if kind == pb.FAULT_KIND_XID:
-        if args.code <= 0:
+        if not 0 < args.code <= MAX_XID:
             # uint32 on the wire: a negative code cannot even be sent, so say it here, in the
             # daemon's words
-            raise CliError(f"xid: must be an XID code > 0, got {args.code}", EXIT_USAGE)
+            raise CliError(f"xid: must be an XID code in 1..{MAX_XID}, got {args.code}", EXIT_USAGE)
         request.xid = args.code
     elif kind in (pb.FAULT_KIND_SLOW, pb.FAULT_KIND_SLOW_MIG):
         request.seconds = args.seconds

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from gpud.api import NodeServicer
@@ -19,7 +20,9 @@ from gpud.cli import output
 from gpud.cli.main import main
 from gpud.cluster.api import ClusterServicer
 from gpud.cluster.ports import StaticNodeView
-from tests.unit.api_support import make_snapshot, node_info
+from gpud.telemetry.snapshot import ClearedXids
+from gpud.v1 import node_pb2, node_pb2_grpc
+from tests.unit.api_support import FakeFaults, make_snapshot, node_info
 from tests.unit.test_cluster_gpuctl import leading_agent
 from tests.unit.test_gpuctl_run import Node, serving
 
@@ -33,9 +36,31 @@ def sim() -> SimNode:
 
 
 @pytest.fixture
-def node(sim: SimNode) -> Iterator[Node]:
-    """Jobs, MPS, the node's simulated workloads and the cluster service on one socket."""
-    simulated = NodeServicer(snapshots=make_snapshot, node_info=node_info, workloads=sim.workloads)
+def faults() -> FakeFaults:
+    return FakeFaults()
+
+
+@pytest.fixture
+def cleared() -> list[tuple[int, int | None]]:
+    return []
+
+
+@pytest.fixture
+def node(sim: SimNode, faults: FakeFaults, cleared: list[tuple[int, int | None]]) -> Iterator[Node]:
+    """Jobs, MPS, the node's simulated workloads and faults, its XIDs and the cluster
+    service on one socket."""
+
+    def clear_xid(gpu: int, xid: int | None) -> ClearedXids:
+        cleared.append((gpu, xid))
+        return ClearedXids((), ())
+
+    simulated = NodeServicer(
+        snapshots=make_snapshot,
+        node_info=node_info,
+        workloads=sim.workloads,
+        faults=faults,
+        clear_xid=clear_xid,
+    )
     with serving(
         simulated.register, ClusterServicer(leading_agent(StaticNodeView(gpus={}))).register
     ) as n:
@@ -59,6 +84,7 @@ REFUSED = [
         ("sim", "workload", "start", "--gpu", "0", "--pid", "99999999"),
         "pid: must be in [1, 4194304], got 99999999",
     ),
+    (("sim", "fault", "--gpu", "1", "xid", "99999"), "xid: must be an XID code in 1..999"),
     (("cluster", "attributes", "--job", ""), "jobs[0]: '': letters, digits"),
     (("cluster", "attributes", "--job", "a\nb"), "jobs[0]: 'a\\nb': letters, digits"),
     (("cluster", "attributes", "--job", "ok", "--job", "a b"), "jobs[1]: 'a b': letters"),
@@ -66,9 +92,10 @@ REFUSED = [
 
 
 @pytest.mark.parametrize(("argv", "message"), REFUSED, ids=[" ".join(c[0]) for c in REFUSED])
-def test_an_absurd_value_is_refused_in_one_line_changing_nothing(
+def test_an_absurd_value_is_refused_in_one_line_changing_nothing(  # noqa: PLR0917 (fixtures)
     node: Node,
     sim: SimNode,
+    faults: FakeFaults,
     capsys: pytest.CaptureFixture[str],
     argv: tuple[str, ...],
     message: str,
@@ -80,6 +107,31 @@ def test_an_absurd_value_is_refused_in_one_line_changing_nothing(
     assert message in err
     assert node.jobs.registry.all() == []
     assert sim.workloads.list() == []
+    assert faults.calls == []
+
+
+UNSENDABLE = [
+    # what gpuctl refuses before sending, another client may send: gpud refuses it too
+    ("InjectFault", node_pb2.InjectFaultRequest(gpu=1, kind=node_pb2.FAULT_KIND_XID, xid=99999)),
+    ("ClearXid", node_pb2.ClearXidRequest(gpu=1, xid=1000)),
+]
+
+
+@pytest.mark.parametrize(("method", "request_"), UNSENDABLE, ids=[m for m, _ in UNSENDABLE])
+def test_gpud_refuses_an_xid_code_no_config_could_name(
+    node: Node,
+    faults: FakeFaults,
+    cleared: list[tuple[int, int | None]],
+    method: str,
+    request_: object,
+) -> None:
+    with grpc.insecure_channel(f"unix:{node.socket}") as channel:
+        call = getattr(node_pb2_grpc.NodeStub(channel), method)
+        with pytest.raises(grpc.RpcError) as caught:
+            call(request_, timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "xid: must be an XID code in 1..999, got" in str(caught.value.details())
+    assert faults.calls == [] and cleared == []
 
 
 @pytest.fixture
