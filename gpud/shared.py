@@ -19,6 +19,7 @@ Pure and cheap to import: the standard library and :mod:`gpud.errors` only.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import sys
@@ -146,6 +147,8 @@ def read_small_text(path: Path, limit: int) -> str:
     ``OSError`` when it cannot be read, ``ValueError`` (with the reason) when it is larger
     than ``limit`` or not UTF-8 text."""
     if str(path) == "-":
+        if sys.stdin is None:  # started with standard input closed (`<&-`)
+            raise OSError(errno.EBADF, "standard input is closed")
         raw = sys.stdin.buffer.read(limit + 1)
     else:
         # O_NONBLOCK: opening a named pipe nobody writes to would wait forever; once open,

@@ -75,6 +75,7 @@ REFUSED = [
     (("run", "--job", "a", "--mig", "", "--", "true"), "mig: '' is not a MIG profile"),
     (("run", "--job", "a", "--devices", "", "--", "true"), "--devices: '' names no device"),
     (("mig", "export", "-c", ""), "-c/--config: give the config's name, got ''"),
+    (("mig", "assert", "-f", "", "-c", "a"), "-f/--file: give the file's path, got ''"),
     (
         ("sim", "workload", "start", "--gpu", "0", "--pid", "77", "--mig", ""),
         "--mig: name a MIG device index or MIG UUID, got ''",
@@ -140,18 +141,25 @@ def socket_path() -> Iterator[Path]:
         yield n.socket
 
 
-CANNOT_WRITE = [
+FULL = "cannot write the output: No space left on device"
+CLOSED_OR_FULL = [
     # a small answer fails only at the final flush, a large one at its write
-    ("> /dev/full", ("version",), "cannot write the output: No space left on device"),
-    ("> /dev/full", ("--json", "jobs", "ls"), "cannot write the output: No space left on device"),
-    (">&-", ("version",), "cannot write the output: stdout is closed"),
-    (">&-", ("--json", "jobs", "ls"), "cannot write the output: stdout is closed"),
+    ("> /dev/full", ("version",), EXIT_OUTPUT, FULL),
+    ("> /dev/full", ("--json", "jobs", "ls"), EXIT_OUTPUT, FULL),
+    (">&-", ("version",), EXIT_OUTPUT, "cannot write the output: stdout is closed"),
+    (">&-", ("--json", "jobs", "ls"), EXIT_OUTPUT, "cannot write the output: stdout is closed"),
+    (
+        "<&-",
+        ("mig", "assert", "-f", "-", "-c", "a"),
+        EXIT_USAGE,
+        "cannot read -: standard input is closed",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("redirect", "argv", "message"), CANNOT_WRITE)
-def test_an_output_that_cannot_be_written_is_said_in_one_line(
-    socket_path: Path, redirect: str, argv: tuple[str, ...], message: str
+@pytest.mark.parametrize(("redirect", "argv", "code", "message"), CLOSED_OR_FULL)
+def test_a_closed_or_full_standard_stream_is_said_in_one_line(
+    socket_path: Path, redirect: str, argv: tuple[str, ...], code: int, message: str
 ) -> None:
     if redirect == "> /dev/full" and not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
@@ -163,7 +171,7 @@ def test_an_output_that_cannot_be_written_is_said_in_one_line(
         timeout=60,
         check=False,
     )
-    assert done.returncode == EXIT_OUTPUT, done.stderr
+    assert done.returncode == code, done.stderr
     err = done.stderr
     if "--json" in argv:
         assert err.count("\n") == 1 and f'"message": "{message}"' in err, err
