@@ -211,3 +211,26 @@ def test_a_socket_path_no_socket_could_have_is_shown_on_one_short_line(
     assert (code, out) == (EXIT_NOT_RUNNING, "")
     assert err.startswith("gpuctl: gpud is not running: ") and err.count("\n") == 1, err
     assert message in err and len(err) < 400
+
+
+HUGE = "x" * 100_000
+HUGE_ARGUMENTS = [
+    ("gpus", "--gpu", HUGE),  # argparse's message
+    ("--timeout", HUGE, "status"),
+    (HUGE,),
+    ("jobs", "add", "a", "--memory", HUGE),  # gpuctl's own
+    ("--json", "jobs", "add", "a", "--memory", HUGE),
+    ("jobs", "add", "a", "--memory", f"it's {HUGE}"),  # repr quotes it "it's x..."
+    ("mig", "assert", "-f", HUGE, "-c", "a"),
+]
+
+
+@pytest.mark.parametrize("argv", HUGE_ARGUMENTS, ids=lambda a: " ".join(w[:12] for w in a))
+def test_a_huge_argument_is_cut_where_the_error_repeats_it(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...]
+) -> None:
+    code = main(list(argv), env={})
+    out, err = capsys.readouterr()
+    assert (code, out) == (EXIT_USAGE, "")
+    assert len(err) < 1000, err[:300]
+    assert f"{'x' * 150}... (1000" in err  # cut, its length said
