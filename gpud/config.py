@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 from gpud.errors import ConfigError
-from gpud.shared import MAX_DRAIN_SECONDS
+from gpud.shared import MAX_DRAIN_SECONDS, MAX_XID
 
 DEFAULT_PATH = Path("/etc/gpud/gpud.toml")
 DEFAULT_SIMULATE = "H100-SXM5-80GB:8"
@@ -73,7 +73,9 @@ class TelemetryConfig:
     history: int = ranged(60, 1, 86_400)  # samples kept per GPU
     call_timeout_s: float = ranged(5.0, 0.01, 600.0)
     # each item within the range
-    ignored_xids: tuple[int, ...] = field(default=DEFAULT_IGNORED_XIDS, metadata={RANGE: (1, 999)})
+    ignored_xids: tuple[int, ...] = field(
+        default=DEFAULT_IGNORED_XIDS, metadata={RANGE: (1, MAX_XID)}
+    )
 
 
 @dataclass(frozen=True)

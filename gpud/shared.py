@@ -12,13 +12,15 @@ daemon's internals), so the few things both sides must read the same way live he
 - a job's environment rendered as shell ``export`` lines;
 - what a ``gpuctl run`` that waits outside the admission queue waits on;
 - free text a request may carry (a progress report's session): one short line;
-- which events are about a GPU or a job (``gpuctl events --gpu/--job``, ListEvents).
+- which events are about a GPU or a job (``gpuctl events --gpu/--job``, ListEvents);
+- the XID codes gpud takes (``telemetry.ignored_xids``, ``xid clear --xid``, an injected one).
 
 Pure and cheap to import: the standard library and :mod:`gpud.errors` only.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import sys
@@ -27,6 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from gpud.errors import InvalidArgument
+
+# The largest XID code gpud takes, in the config, a clear or an injection (the driver's are
+# in the hundreds at most): one a config could not name would be one it could not ignore.
+MAX_XID = 999
 
 # QueueEntry.waiting_on of a `gpuctl run` waiting for co-location (outside the queue), as
 # `gpuctl queue --leave` answers it and `gpuctl queue` lists it
@@ -143,6 +149,8 @@ def read_small_text(path: Path, limit: int) -> str:
     ``OSError`` when it cannot be read, ``ValueError`` (with the reason) when it is larger
     than ``limit`` or not UTF-8 text."""
     if str(path) == "-":
+        if sys.stdin is None:  # started with standard input closed (`<&-`)
+            raise OSError(errno.EBADF, "standard input is closed")
         raw = sys.stdin.buffer.read(limit + 1)
     else:
         # O_NONBLOCK: opening a named pipe nobody writes to would wait forever; once open,

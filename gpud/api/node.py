@@ -23,6 +23,7 @@ from gpud.api.ports import (
     WorkloadPort,
 )
 from gpud.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from gpud.mps.procs import PID_MAX
 from gpud.telemetry.snapshot import ClearedXids, Snapshot
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
@@ -210,9 +211,7 @@ class NodeServicer(pb_grpc.NodeServicer):
             slow = faults.slow if kind == "slow" else faults.slow_mig
             apply = lambda: slow(gpu, seconds)  # noqa: E731
         else:
-            if request.xid <= 0:
-                raise InvalidArgument(f"must be an XID code > 0, got {request.xid}", field="xid")
-            code = request.xid
+            code = validate.xid_code(request.xid)
             detail["xid"], blame = code, "xid"
             apply = lambda: faults.xid(gpu, code)  # noqa: E731
 
@@ -259,9 +258,7 @@ class NodeServicer(pb_grpc.NodeServicer):
             raise FailedPrecondition(
                 "node is not simulated: workloads can only be started on gpud --simulate"
             )
-        if request.pid <= 0:
-            raise InvalidArgument(f"must be a PID > 0, got {request.pid}", field="pid")
-        pid = request.pid
+        pid = validate.int_range(request.pid, 1, PID_MAX, field="pid")
         if request.stop:
             if not await asyncio.to_thread(workloads.stop, pid):
                 raise NotFound(f"no simulated process {pid}")
@@ -316,8 +313,8 @@ class NodeServicer(pb_grpc.NodeServicer):
             raise FailedPrecondition("this daemon does not track critical XIDs")
         gpu = validate.gpu_index(request.gpu, self._node_info().gpu_count)
         code: int | None = validate.optional(request, "xid")
-        if code is not None and code <= 0:
-            raise InvalidArgument(f"must be an XID code > 0, got {code}", field="xid")
+        if code is not None:
+            validate.xid_code(code)
         try:
             # it writes the XID state file (flushed to disk): off the event loop
             done = await asyncio.to_thread(self._clear_xid, gpu, code)

@@ -19,7 +19,7 @@ from typing import Any
 
 from gpud.errors import InvalidArgument, NotFound
 from gpud.mps.procs import PID_MAX
-from gpud.shared import MAX_LAYOUT_BYTES
+from gpud.shared import MAX_LAYOUT_BYTES, MAX_XID
 
 # The largest request gRPC accepts: a mig-parted config file for a whole cluster is some KiB.
 MAX_REQUEST_BYTES = 256 * 1024
@@ -100,6 +100,13 @@ def non_negative_seconds(value: float, *, field: str = "seconds") -> float:
     """A finite duration >= 0 (NaN and infinity are refused: they would hang a timer)."""
     if not math.isfinite(value) or value < 0:
         raise InvalidArgument(f"must be a finite number of seconds >= 0, got {value}", field=field)
+    return value
+
+
+def xid_code(value: int, *, field: str = "xid") -> int:
+    """An XID code gpud takes: ``1..MAX_XID``, as ``telemetry.ignored_xids`` does."""
+    if not 0 < value <= MAX_XID:
+        raise InvalidArgument(f"must be an XID code in 1..{MAX_XID}, got {value}", field=field)
     return value
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import time
 from collections.abc import Sequence
 
@@ -332,7 +331,7 @@ def run_attributes(ctx: Context, args: argparse.Namespace) -> int:
     try:
         for resp in stream:
             _print_attributes(ctx, resp)
-            sys.stdout.flush()
+            ctx.out.flush()
     except KeyboardInterrupt:
         return 130
     except grpc.RpcError as err:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
 
@@ -143,13 +143,13 @@ class CliError(Exception):
         self.status = status or _STATUS_BY_EXIT.get(exit_code, _STATUS_BY_EXIT[1])
         self.deadline_s = deadline_s
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self, message: str | None = None) -> dict[str, object]:
         """What ``--json`` prints on stderr for it: ``{"error": {...}}``, the message as
-        said without ``--json``, the exit code, the status code name, and the daemon's
+        said without ``--json`` (``message`` where given), the exit code, the status code name, and the daemon's
         error class (``null`` when the daemon raised none)."""
         return {
             "error": {
-                "message": str(self),
+                "message": str(self) if message is None else message,
                 "code": self.status,
                 "exit_code": self.exit_code,
                 "class": self.error or None,
@@ -167,9 +167,38 @@ def _group_name(path: Path) -> str | None:
         return None
 
 
+# The most of a path, or of an argument, a message shows: a unix socket's path is at most
+# 107 bytes anyway, and no name or number an option takes is longer.
+SHOWN_PATH_CHARS = 200
+
+
+def clip_arguments(message: str, words: Sequence[str]) -> str:
+    """``message`` with each of gpuctl's arguments (``words``) longer than
+    :data:`SHOWN_PATH_CHARS` that it repeats cut, its length said: a 100 kB argument echoed
+    back (``'xxx...' is not a size``) would bury the reason that follows it."""
+    for word in sorted({w for w in words if len(w) > SHOWN_PATH_CHARS}, key=len, reverse=True):
+        for form in dict.fromkeys((repr(word)[1:-1], word)):  # as repr writes it, or as it is
+            if form in message:
+                clipped = f"{form[:SHOWN_PATH_CHARS]}... ({len(word)} characters)"
+                message = message.replace(form, clipped)
+    return message
+
+
+def shown_path(path: Path) -> str:
+    """``path`` as a one-line message shows it: a control character (a newline would split
+    the line) or a byte that is not UTF-8 escaped as Python writes it (``\\n``,
+    ``\\udcff``), and a path past :data:`SHOWN_PATH_CHARS` cut, its length said."""
+    text = str(path)
+    if not text.isprintable():
+        text = repr(text)[1:-1]
+    if len(text) > SHOWN_PATH_CHARS:
+        text = f"{text[:SHOWN_PATH_CHARS]}... ({len(str(path))} characters)"
+    return text
+
+
 def _not_running(path: Path, why: str) -> CliError:
     return CliError(
-        f"gpud is not running: {why} {path}. Start it with `systemctl start gpud` "
+        f"gpud is not running: {why} {shown_path(path)}. Start it with `systemctl start gpud` "
         "(or point --socket / GPUD_SOCKET at its socket).",
         EXIT_NOT_RUNNING,
     )

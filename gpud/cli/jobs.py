@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from gpud.cli.context import UINT32, CliError, Context, Subparsers, integer, slo_ms
+from gpud.cli.context import EXIT_USAGE, UINT32, CliError, Context, Subparsers, integer, slo_ms
 from gpud.cli.mps import size_arg
 from gpud.cli.output import NA, message_to_dict, seconds
 from gpud.errors import InvalidArgument
@@ -179,12 +179,19 @@ def job_row(job: pb.Job) -> tuple[str, ...]:
 
 def fill_placement(msg: pb.Job | pb.ReserveRequest, args: argparse.Namespace) -> None:
     """Copy the options of :func:`add_placement_options` into a Job or a ReserveRequest."""
-    if args.mig:
+    if args.mig is not None:  # --mig '' too: gpud refuses it, rather than one whole GPU
         msg.mig_profile = args.mig
     if args.gpus is not None:
         msg.gpu_count = args.gpus
-    if args.devices:
-        msg.devices.extend(d for d in args.devices.split(",") if d)
+    if args.devices is not None:
+        devices = [d for d in args.devices.split(",") if d]
+        if not devices:  # --devices "" or ",": an unset variable, not "anywhere"
+            raise CliError(
+                f"--devices: {args.devices!r} names no device (indexes 0, 0:1 or UUIDs,"
+                " comma-separated)",
+                EXIT_USAGE,
+            )
+        msg.devices.extend(devices)
     if args.threads is not None:
         msg.threads_percent = args.threads
     if args.memory is not None:

@@ -61,9 +61,11 @@ from gpud.cli import mps as mps_cli
 from gpud.cli import net as net_cli
 from gpud.cli import queue as queue_cli
 from gpud.cli import run as run_cli
-from gpud.cli.context import DEFAULT_SOCKET, EXIT_USAGE, CliError, Context
-from gpud.cli.output import Output
-from gpud.cli.pipes import quiet_on_broken_pipe
+from gpud.cli.context import DEFAULT_SOCKET, EXIT_USAGE, CliError, Context, clip_arguments
+from gpud.cli.output import Output, OutputError
+from gpud.cli.pipes import discard_stdout, quiet_on_broken_pipe
+
+EXIT_OUTPUT = 1  # stdout could not take the answer (a full disk, stdout closed)
 
 # Command groups, in help order. Each module exposes register(subparsers).
 COMMAND_GROUPS: list[ModuleType] = [
@@ -183,17 +185,21 @@ def main(argv: Sequence[str] | None = None, *, env: Mapping[str, str] | None = N
     return quiet_on_broken_pipe(lambda: _main(argv, env))
 
 
-def _fail(err: CliError, json_output: bool, notes: Sequence[str] = ()) -> int:
+def _fail(
+    err: CliError, json_output: bool, notes: Sequence[str] = (), words: Sequence[str] = ()
+) -> int:
     """Say ``err`` on stderr, as one line for people or one JSON document; its exit code.
     Under ``--json`` the notes said before it (each already a ``gpuctl:`` line without
-    ``--json``) go in the document, as an answer's would."""
+    ``--json``) go in the document, as an answer's would. A huge argument among ``words``
+    that the message repeats is cut (:func:`clip_arguments`)."""
+    message = clip_arguments(str(err), words)
     if json_output:
-        doc: dict[str, object] = err.to_json()
+        doc: dict[str, object] = err.to_json(message)
         if notes:
             doc["notes"] = list(notes)
         print(json.dumps(doc), file=sys.stderr)
     else:
-        print(f"gpuctl: {err}", file=sys.stderr)
+        print(f"gpuctl: {message}", file=sys.stderr)
     return err.exit_code
 
 
@@ -209,9 +215,9 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
             # "jobs: argument COMMAND: ...", as gpuctl's own usage errors name the command
             command = err.parser.prog.removeprefix(parser.prog).strip()
             message = f"{command}: {err}" if command else str(err)
-            return _fail(CliError(message, EXIT_USAGE), json_output=True)
+            return _fail(CliError(message, EXIT_USAGE), json_output=True, words=words)
         err.parser.print_usage(sys.stderr)
-        print(f"{err.parser.prog}: error: {err}", file=sys.stderr)
+        print(f"{err.parser.prog}: error: {clip_arguments(str(err), words)}", file=sys.stderr)
         return EXIT_USAGE
     run = getattr(args, "run", None)
     if run is None:
@@ -223,7 +229,7 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
         return EXIT_USAGE
     if not 0 < args.timeout <= MAX_TIMEOUT:  # NaN too
         message = f"--timeout must be > 0 and at most {MAX_TIMEOUT:g} s, got {args.timeout:g}"
-        return _fail(CliError(message, EXIT_USAGE), args.json)
+        return _fail(CliError(message, EXIT_USAGE), args.json, words=words)
     ctx = Context(
         socket_path=_socket_path(args, os.environ if env is None else env),
         timeout=args.timeout,
@@ -231,14 +237,18 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
     )
     try:
         code: int = run(ctx, args)
+        ctx.out.flush()
         return code
     except CliError as err:
-        return _fail(err, args.json, ctx.out.notes)
+        return _fail(err, args.json, ctx.out.notes, words)
+    except OutputError as err:
+        discard_stdout()
+        return _fail(CliError(str(err), EXIT_OUTPUT), args.json)
     except UnicodeEncodeError as err:
         # an argument in bytes that are not UTF-8 (Python keeps them as surrogates), which
         # no request can carry
         invalid = CliError(f"an argument is not valid UTF-8: {err.object!r}", EXIT_USAGE)
-        return _fail(invalid, args.json)
+        return _fail(invalid, args.json, words=words)
     except KeyboardInterrupt:
         return 130
     finally:

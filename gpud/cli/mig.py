@@ -123,7 +123,11 @@ def register(subparsers: Subparsers) -> None:
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "-f", "--file", type=Path, required=True, metavar="FILE", help="mig-parted config file"
+        "-f",
+        "--file",
+        required=True,
+        metavar="FILE",
+        help="mig-parted config file (-: standard input)",
     )
     parser.add_argument(
         "-c", "--config", required=True, metavar="NAME", help="entry of mig-configs"
@@ -131,7 +135,9 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _source(args: argparse.Namespace) -> pb.MigConfigSource:
-    path: Path = args.file
+    if not args.file:  # -f "": an unset variable; as a Path it would be ".", the directory
+        raise CliError("-f/--file: give the file's path, got ''", EXIT_USAGE)
+    path = Path(args.file)
     try:
         text = read_small_text(path, MAX_LAYOUT_BYTES)
     except OSError as err:
@@ -310,13 +316,15 @@ def run_assert(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def run_export(ctx: Context, args: argparse.Namespace) -> int:
+    if not args.config:  # -c "": an unset variable, which gpud would take as "current"
+        raise CliError("-c/--config: give the config's name, got ''", EXIT_USAGE)
     resp: pb.ExportMigResponse = ctx.call(
         ctx.stub(pb_grpc.MigStub).ExportMig, pb.ExportMigRequest(name=args.config)
     )
     if ctx.out.json:
         ctx.out.print_json(resp)
     else:
-        ctx.out.stream.write(resp.yaml)
+        ctx.out.write(resp.yaml)
     if resp.left_out and ctx.out.json:  # one JSON document on stderr, as for an error
         raise CliError(f"not exported: {'; '.join(resp.left_out)}", EXIT_PARTIAL)
     for gpu in resp.left_out:

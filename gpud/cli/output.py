@@ -144,6 +144,12 @@ def seconds(value: float) -> str:
     return f"{minutes}m {sec:02d}s"
 
 
+class OutputError(Exception):
+    """stdout cannot take the output: a full disk (``gpuctl ... > /dev/full``), a file past
+    its size limit, or no stdout at all (``gpuctl ... >&-``). gpuctl says so in one line and
+    exits 1; a reader that went away (``| head -1``) is ``BrokenPipeError`` instead, quiet."""
+
+
 class Output:
     """Where a command prints: one table or text for people, or one JSON document."""
 
@@ -158,7 +164,32 @@ class Output:
         return self._stream if self._stream is not None else sys.stdout
 
     def print(self, text: str = "") -> None:
-        self.stream.write(text + "\n")
+        self.write(text + "\n")
+
+    def write(self, text: str) -> None:
+        """``text`` on stdout as it is; ``OutputError`` when stdout cannot take it."""
+        stream = self.stream
+        if stream is None:  # started with stdout closed: Python has no sys.stdout
+            raise OutputError("cannot write the output: stdout is closed")
+        try:
+            stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise OutputError(f"cannot write the output: {err.strerror or err}") from err
+
+    def flush(self) -> None:
+        """What is still buffered, written; ``OutputError`` as for :meth:`write`. A small
+        answer to a full file fails only here, when gpuctl's buffer is flushed."""
+        stream = self.stream
+        if stream is None:
+            return
+        try:
+            stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise OutputError(f"cannot write the output: {err.strerror or err}") from err
 
     def note(self, text: str) -> None:
         """A note beside an answer that exits 0 (a warning, what the answer is): a ``gpuctl:
@@ -175,7 +206,7 @@ class Output:
         value = _plain(value)
         if self.notes and isinstance(value, dict):
             value = {**value, "notes": list(self.notes)}
-        self.stream.write(json.dumps(value, indent=2) + "\n")
+        self.write(json.dumps(value, indent=2) + "\n")
 
     def print_table(self, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
         self.print(format_table(headers, rows))

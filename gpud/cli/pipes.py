@@ -20,18 +20,27 @@ def quiet_on_broken_pipe(run: Callable[[], int]) -> int:
     of its own: said on stderr, exit 1."""
     try:
         code = run()
-        sys.stdout.flush()  # inside the try: a pipe closed early shows here for buffered output
+        if sys.stdout is not None:  # None: started with stdout closed
+            sys.stdout.flush()  # inside the try: a pipe closed early shows here for buffered output
     except BrokenPipeError as err:
         if not _reader_gone(sys.stdout) and not _reader_gone(sys.stderr):
             print(f"gpuctl: {err.strerror or 'broken pipe'} (not gpuctl's output)", file=sys.stderr)
             return EXIT_OTHER_PIPE
-        # Python flushes stdout again at exit: point it at /dev/null so that flush has
-        # nowhere to fail and prints no "Exception ignored" traceback.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        discard_stdout()
         return EXIT_BROKEN_PIPE
     return code
+
+
+def discard_stdout() -> None:
+    """Point stdout at /dev/null once it has failed: Python flushes it again at exit, and
+    that flush then has nowhere to fail and prints no "Exception ignored" traceback."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # no stdout (started closed) or no real file behind it: nothing to flush
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _reader_gone(stream: TextIO | None) -> bool:

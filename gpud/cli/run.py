@@ -203,7 +203,7 @@ def run_env(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.out.json:
         ctx.out.print_json({"job": args.job, "env": dict(resp.env), "preview": preview})
     else:
-        ctx.out.stream.write(shell_exports(dict(resp.env)))
+        ctx.out.write(shell_exports(dict(resp.env)))
     return 0
 
 
@@ -231,7 +231,7 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest, s
     wait (no GPU where sharing pays off now), the job waits until it names one, unless
     ``--no-wait``: placing it anyway would share a GPU the loop just refused. False when
     Ctrl-C (or SIGTERM, SIGHUP) stopped the run (``stop``), said on stderr."""
-    if args.mig or args.gpus is not None or args.devices:
+    if args.mig is not None or args.gpus is not None or args.devices is not None:
         return True
     known = _registered(ctx, args.job)
     if known is not None and (

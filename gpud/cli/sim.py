@@ -23,6 +23,7 @@ import argparse
 from gpud.cli.context import EXIT_USAGE, INT32, UINT32, CliError, Context, Subparsers, number
 from gpud.cli.mps import size_arg
 from gpud.cli.output import NA, gib, percent
+from gpud.shared import MAX_XID
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
@@ -68,7 +69,7 @@ def register(subparsers: Subparsers) -> None:
     wl = workload.add_subparsers(dest="workload_command", metavar="ACTION", required=True)
     start = wl.add_parser("start", help="a process that uses memory and SMs")
     start.add_argument("--gpu", type=INT32, required=True, metavar="INDEX")
-    start.add_argument("--mig", default="", help="a MIG device index or MIG UUID on that GPU")
+    start.add_argument("--mig", default=None, help="a MIG device index or MIG UUID on that GPU")
     start.add_argument(
         "--pid", type=UINT32, required=True, help="its PID (a real one is attributed to its job)"
     )
@@ -88,7 +89,9 @@ def run_workload(ctx: Context, args: argparse.Namespace) -> int:
     request = pb.SimWorkloadRequest(pid=args.pid, stop=args.stop)
     if not args.stop:
         request.gpu = args.gpu
-        request.mig = args.mig
+        if args.mig == "":  # an unset variable: not "the whole GPU"
+            raise CliError("--mig: name a MIG device index or MIG UUID, got ''", EXIT_USAGE)
+        request.mig = args.mig or ""
         request.memory_bytes = size_arg(args.memory)
         request.sm_ratio = args.sm
     resp: pb.SimWorkloadResponse = ctx.call(ctx.stub(pb_grpc.NodeStub).SimWorkload, request)
@@ -140,10 +143,10 @@ def run_fault(ctx: Context, args: argparse.Namespace) -> int:
     kind = pb.FaultKind.Value(args.kind)
     request = pb.InjectFaultRequest(gpu=args.gpu, kind=kind)
     if kind == pb.FAULT_KIND_XID:
-        if args.code <= 0:
+        if not 0 < args.code <= MAX_XID:
             # uint32 on the wire: a negative code cannot even be sent, so say it here, in the
             # daemon's words
-            raise CliError(f"xid: must be an XID code > 0, got {args.code}", EXIT_USAGE)
+            raise CliError(f"xid: must be an XID code in 1..{MAX_XID}, got {args.code}", EXIT_USAGE)
         request.xid = args.code
     elif kind in (pb.FAULT_KIND_SLOW, pb.FAULT_KIND_SLOW_MIG):
         request.seconds = args.seconds

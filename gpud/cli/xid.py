@@ -22,11 +22,12 @@ import time
 
 from gpud.cli.context import EXIT_USAGE, INT32, CliError, Context, Subparsers, integer
 from gpud.cli.output import NA
+from gpud.shared import MAX_XID
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
 HEADERS = ("GPU", "UUID", "XID", "COUNT", "FIRST SEEN", "LAST SEEN")
-XID_CODE = integer(1, 999)  # as telemetry.ignored_xids takes them
+XID_CODE = integer(1, MAX_XID)  # as telemetry.ignored_xids takes them
 
 
 def register(subparsers: Subparsers) -> None:

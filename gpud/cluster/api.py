@@ -46,6 +46,7 @@ from gpud.errors import (
     PermissionDenied,
     Unavailable,
 )
+from gpud.jobs.registry import check_name
 from gpud.v1 import cluster_pb2 as pb
 from gpud.v1 import cluster_pb2_grpc as pb_grpc
 
@@ -55,9 +56,11 @@ _MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 def _jobs(values: Any, *, field: str = "jobs") -> list[str]:
+    """Job names as the registry takes them: an empty or malformed name is refused
+    (``INVALID_ARGUMENT``), where a well-formed one no order names yet lists nothing."""
     if len(values) > MAX_JOBS:
         raise InvalidArgument(f"at most {MAX_JOBS} entries, got {len(values)}", field=field)
-    return [str(v) for v in values]
+    return [check_name(str(v), field=f"{field}[{i}]") for i, v in enumerate(values)]
 
 
 def peer_names(context: Any) -> set[str]:

@@ -37,14 +37,9 @@ class Leading:
         return LeaderInfo("gpu-01", "10.0.0.1:7443", 12, True)
 
 
-@pytest.fixture
-def served() -> Iterator[tuple[str, ClusterAgent, ServerThread]]:
-    view = StaticNodeView(
-        gpus={"train-a": ("GPU-1", "GPU-2")},
-        unhealthy={"GPU-2": "GPU lost"},
-        critical={"GPU-2": (79, 48)},
-    )
-    agent = ClusterAgent(
+def leading_agent(view: StaticNodeView) -> ClusterAgent:
+    """The agent of node gpu-01, which leads the cluster, seeing the node as ``view``."""
+    return ClusterAgent(
         node="gpu-01",
         election_kind="etcd",
         election=Leading(),
@@ -59,6 +54,16 @@ def served() -> Iterator[tuple[str, ClusterAgent, ServerThread]]:
         node_timeout_s=5,
         build="3f2a9c1d04ab",
     )
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[str, ClusterAgent, ServerThread]]:
+    view = StaticNodeView(
+        gpus={"train-a": ("GPU-1", "GPU-2")},
+        unhealthy={"GPU-2": "GPU lost"},
+        critical={"GPU-2": (79, 48)},
+    )
+    agent = leading_agent(view)
     with short_dir() as d:
         path = d / "gpud.sock"
         with ServerThread(ApiServer(path, servicers=[ClusterServicer(agent).register])) as server:

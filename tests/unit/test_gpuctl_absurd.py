@@ -1,0 +1,236 @@
+"""gpuctl given values no one means: empty strings, out-of-range numbers, malformed names,
+and an output it cannot write. Each is refused in one ``gpuctl:`` line with a documented exit
+code, before anything changes in gpud; none ends in a traceback."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gpud.api import NodeServicer
+from gpud.backend.sim import SimNode
+from gpud.cli import output
+from gpud.cli.main import main
+from gpud.cluster.api import ClusterServicer
+from gpud.cluster.ports import StaticNodeView
+from gpud.telemetry.snapshot import ClearedXids
+from gpud.v1 import node_pb2, node_pb2_grpc
+from tests.unit.api_support import FakeFaults, make_snapshot, node_info
+from tests.unit.test_cluster_gpuctl import leading_agent
+from tests.unit.test_gpuctl_run import Node, serving
+
+EXIT_USAGE = 2
+EXIT_OUTPUT = 1
+
+
+@pytest.fixture
+def sim() -> SimNode:
+    return SimNode([("H100-SXM5-80GB", 3)])
+
+
+@pytest.fixture
+def faults() -> FakeFaults:
+    return FakeFaults()
+
+
+@pytest.fixture
+def cleared() -> list[tuple[int, int | None]]:
+    return []
+
+
+@pytest.fixture
+def node(sim: SimNode, faults: FakeFaults, cleared: list[tuple[int, int | None]]) -> Iterator[Node]:
+    """Jobs, MPS, the node's simulated workloads and faults, its XIDs and the cluster
+    service on one socket."""
+
+    def clear_xid(gpu: int, xid: int | None) -> ClearedXids:
+        cleared.append((gpu, xid))
+        return ClearedXids((), ())
+
+    simulated = NodeServicer(
+        snapshots=make_snapshot,
+        node_info=node_info,
+        workloads=sim.workloads,
+        faults=faults,
+        clear_xid=clear_xid,
+    )
+    with serving(
+        simulated.register, ClusterServicer(leading_agent(StaticNodeView(gpus={}))).register
+    ) as n:
+        yield n
+
+
+REFUSED = [
+    # an explicitly empty value is an unset variable, not "the default"
+    (("jobs", "add", "a", "--mig", ""), "mig: '' is not a MIG profile like 3g.40gb"),
+    (("jobs", "add", "a", "--devices", ""), "--devices: '' names no device"),
+    (("jobs", "add", "a", "--devices", ","), "--devices: ',' names no device"),
+    (("run", "--job", "a", "--mig", "", "--", "true"), "mig: '' is not a MIG profile"),
+    (("run", "--job", "a", "--devices", "", "--", "true"), "--devices: '' names no device"),
+    (("mig", "export", "-c", ""), "-c/--config: give the config's name, got ''"),
+    (("mig", "assert", "-f", "", "-c", "a"), "-f/--file: give the file's path, got ''"),
+    (
+        ("sim", "workload", "start", "--gpu", "0", "--pid", "77", "--mig", ""),
+        "--mig: name a MIG device index or MIG UUID, got ''",
+    ),
+    # gpud refuses what no client should send
+    (
+        ("sim", "workload", "start", "--gpu", "0", "--pid", "99999999"),
+        "pid: must be in [1, 4194304], got 99999999",
+    ),
+    (("sim", "fault", "--gpu", "1", "xid", "99999"), "xid: must be an XID code in 1..999"),
+    (("cluster", "attributes", "--job", ""), "jobs[0]: '': letters, digits"),
+    (("cluster", "attributes", "--job", "a\nb"), "jobs[0]: 'a\\nb': letters, digits"),
+    (("cluster", "attributes", "--job", "ok", "--job", "a b"), "jobs[1]: 'a b': letters"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), REFUSED, ids=[" ".join(c[0]) for c in REFUSED])
+def test_an_absurd_value_is_refused_in_one_line_changing_nothing(  # noqa: PLR0917 (fixtures)
+    node: Node,
+    sim: SimNode,
+    faults: FakeFaults,
+    capsys: pytest.CaptureFixture[str],
+    argv: tuple[str, ...],
+    message: str,
+) -> None:
+    code = node.ctl(*argv)
+    out, err = capsys.readouterr()
+    assert (code, out) == (EXIT_USAGE, ""), err
+    assert err.startswith("gpuctl: ") and err.count("\n") == 1, err
+    assert message in err
+    assert node.jobs.registry.all() == []
+    assert sim.workloads.list() == []
+    assert faults.calls == []
+
+
+UNSENDABLE = [
+    # what gpuctl refuses before sending, another client may send: gpud refuses it too
+    ("InjectFault", node_pb2.InjectFaultRequest(gpu=1, kind=node_pb2.FAULT_KIND_XID, xid=99999)),
+    ("ClearXid", node_pb2.ClearXidRequest(gpu=1, xid=1000)),
+]
+
+
+@pytest.mark.parametrize(("method", "request_"), UNSENDABLE, ids=[m for m, _ in UNSENDABLE])
+def test_gpud_refuses_an_xid_code_no_config_could_name(
+    node: Node,
+    faults: FakeFaults,
+    cleared: list[tuple[int, int | None]],
+    method: str,
+    request_: object,
+) -> None:
+    with grpc.insecure_channel(f"unix:{node.socket}") as channel:
+        call = getattr(node_pb2_grpc.NodeStub(channel), method)
+        with pytest.raises(grpc.RpcError) as caught:
+            call(request_, timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "xid: must be an XID code in 1..999, got" in str(caught.value.details())
+    assert faults.calls == [] and cleared == []
+
+
+@pytest.fixture
+def socket_path() -> Iterator[Path]:
+    with serving() as n:
+        yield n.socket
+
+
+FULL = "cannot write the output: No space left on device"
+CLOSED_OR_FULL = [
+    # a small answer fails only at the final flush, a large one at its write
+    ("> /dev/full", ("version",), EXIT_OUTPUT, FULL),
+    ("> /dev/full", ("--json", "jobs", "ls"), EXIT_OUTPUT, FULL),
+    (">&-", ("version",), EXIT_OUTPUT, "cannot write the output: stdout is closed"),
+    (">&-", ("--json", "jobs", "ls"), EXIT_OUTPUT, "cannot write the output: stdout is closed"),
+    (
+        "<&-",
+        ("mig", "assert", "-f", "-", "-c", "a"),
+        EXIT_USAGE,
+        "cannot read -: standard input is closed",
+    ),
+]
+
+
+@pytest.mark.parametrize(("redirect", "argv", "code", "message"), CLOSED_OR_FULL)
+def test_a_closed_or_full_standard_stream_is_said_in_one_line(
+    socket_path: Path, redirect: str, argv: tuple[str, ...], code: int, message: str
+) -> None:
+    if redirect == "> /dev/full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    gpuctl = [sys.executable, "-m", "gpud.cli.main", "--socket", str(socket_path), *argv]
+    done = subprocess.run(
+        ["sh", "-c", f'exec "$@" {redirect}', "sh", *gpuctl],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == code, done.stderr
+    err = done.stderr
+    if "--json" in argv:
+        assert err.count("\n") == 1 and f'"message": "{message}"' in err, err
+    else:
+        assert err == f"gpuctl: {message}\n"
+
+
+class Full(io.StringIO):
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+
+def test_output_says_what_stdout_could_not_take() -> None:
+    out = output.Output(json_output=False, stream=Full())
+    with pytest.raises(
+        output.OutputError, match="cannot write the output: No space left on device"
+    ):
+        out.print("a line")
+    with pytest.raises(output.OutputError):
+        out.print_json({"a": 1})
+
+
+EXIT_NOT_RUNNING = 3
+NO_SOCKET = [
+    ("a\nb", "no socket at a\\nb. Start it"),
+    ("/tmp/\x1b[2J", "no socket at /tmp/\\x1b[2J. Start it"),
+    ("x" * 100_000, f"to {'x' * 200}... (100000 characters). Start it"),
+]
+
+
+@pytest.mark.parametrize(("path", "message"), NO_SOCKET, ids=["newline", "escape", "100kB"])
+def test_a_socket_path_no_socket_could_have_is_shown_on_one_short_line(
+    capsys: pytest.CaptureFixture[str], path: str, message: str
+) -> None:
+    code = main(["--socket", path, "status"], env={})
+    out, err = capsys.readouterr()
+    assert (code, out) == (EXIT_NOT_RUNNING, "")
+    assert err.startswith("gpuctl: gpud is not running: ") and err.count("\n") == 1, err
+    assert message in err and len(err) < 400
+
+
+HUGE = "x" * 100_000
+HUGE_ARGUMENTS = [
+    ("gpus", "--gpu", HUGE),  # argparse's message
+    ("--timeout", HUGE, "status"),
+    (HUGE,),
+    ("jobs", "add", "a", "--memory", HUGE),  # gpuctl's own
+    ("--json", "jobs", "add", "a", "--memory", HUGE),
+    ("jobs", "add", "a", "--memory", f"it's {HUGE}"),  # repr quotes it "it's x..."
+    ("mig", "assert", "-f", HUGE, "-c", "a"),
+]
+
+
+@pytest.mark.parametrize("argv", HUGE_ARGUMENTS, ids=lambda a: " ".join(w[:12] for w in a))
+def test_a_huge_argument_is_cut_where_the_error_repeats_it(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...]
+) -> None:
+    code = main(list(argv), env={})
+    out, err = capsys.readouterr()
+    assert (code, out) == (EXIT_USAGE, "")
+    assert len(err) < 1000, err[:300]
+    assert f"{'x' * 150}... (1000" in err  # cut, its length said
