@@ -61,7 +61,7 @@ from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, RunRequest, unhealthy_text
 from gpud.mig.layout import DeviceLayout, load_config
 from gpud.mps.manager import MpsManager, MpsTarget
-from gpud.mps.procs import alive, start_time
+from gpud.mps.procs import alive, real_uid, start_time
 from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,8 @@ SCHEMA = (
         state TEXT NOT NULL,
         reservation TEXT,
         changed_at REAL NOT NULL,
-        left_why TEXT
+        left_why TEXT,
+        holder_uid INTEGER
     )""",
     "CREATE INDEX IF NOT EXISTS admission_queue_state ON admission_queue (state, seq)",
     """CREATE TABLE IF NOT EXISTS job_history (
@@ -95,14 +96,15 @@ SCHEMA = (
         exit_code INTEGER,
         exit_signal INTEGER,
         end_cause TEXT,
-        reported_at REAL
+        reported_at REAL,
+        holder_uid INTEGER
     )""",
     "CREATE INDEX IF NOT EXISTS job_history_queued ON job_history (queued_at)",
 )
 # Columns added since the first version of these tables: an older state.db gets them at start.
 ADDED = {
-    "job_history": ("exit_code", "exit_signal", "end_cause", "reported_at"),
-    "admission_queue": ("left_why",),
+    "job_history": ("exit_code", "exit_signal", "end_cause", "reported_at", "holder_uid"),
+    "admission_queue": ("left_why", "holder_uid"),
 }
 
 QUEUED, STARTED, LEFT = "queued", "started", "left"
@@ -128,6 +130,9 @@ class Entry:
     holder_start: int | None = None
     # why it left, where gpud took it out for a reason its waiting gpuctl should be told
     left_why: str = ""
+    # the real UID of request.holder_pid when queued (None: no holder, /proc did not say,
+    # or queued by an earlier gpud version)
+    holder_uid: int | None = None
     # request_of(request), and its class key: made once (every listing of the queue asks
     # them of every entry)
     placement: Request = field(init=False, compare=False, repr=False)
@@ -175,6 +180,8 @@ class HistoryRow:
     # when a removed run's gpuctl reported its command's exit (the end moved there); None
     # for every other run, and a removed run that has not reported
     reported_at: float | None = None
+    # the real UID of the run's holder, from its reservation at the start (None: unknown)
+    holder_uid: int | None = None
     row_id: int = 0  # its place in the history, for paging (newer runs have higher ones)
 
     def record(self) -> Record:
@@ -471,8 +478,13 @@ class AdmissionService:
             )
             entry_id = secrets.token_hex(6)
             now = self._clock()
-            holder_start = (
-                start_time(request.holder_pid, self._proc_root) if request.holder_pid else None
+            holder_start, holder_uid = (
+                (
+                    start_time(request.holder_pid, self._proc_root),
+                    real_uid(request.holder_pid, self._proc_root),
+                )
+                if request.holder_pid
+                else (None, None)
             )
             views = self._views(fit, [*queued, _draft(entry_id, job.name, stored, now)])
             quote, _ = self._quote(
@@ -487,13 +499,15 @@ class AdmissionService:
                     job = self._jobs.registry.add(job)
                 conn.execute(
                     "INSERT INTO admission_queue (id, job, request, holder_pid, holder_start,"
-                    " enqueued_at, quote_s, state, changed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " holder_uid, enqueued_at, quote_s, state, changed_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         entry_id,
                         job.name,
                         run_request_to_json(stored),
                         request.holder_pid,
                         holder_start,
+                        holder_uid,
                         now,
                         quote if quote is not None and math.isfinite(quote) else None,
                         QUEUED,
@@ -942,7 +956,7 @@ class AdmissionService:
             queued_at = min(queued_at, reservation.created_at)
             added = conn.execute(
                 "INSERT OR IGNORE INTO job_history (job, reservation, request_class, request,"
-                " queued_at, started_at, quote_s) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                " queued_at, started_at, quote_s, holder_uid) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     reservation.job,
                     reservation.id,
@@ -951,6 +965,7 @@ class AdmissionService:
                     queued_at,
                     reservation.created_at,
                     entry.quote_s if entry is not None else None,
+                    reservation.uid,
                 ),
             )
             if added.rowcount:
@@ -1147,6 +1162,7 @@ def _entry(row: sqlite3.Row) -> Entry:
         changed_at=row["changed_at"],
         holder_start=row["holder_start"],
         left_why=row["left_why"] or "",
+        holder_uid=row["holder_uid"],
     )
 
 
@@ -1164,6 +1180,7 @@ def _history(row: sqlite3.Row) -> HistoryRow:
         exit_signal=row["exit_signal"],
         end_cause=row["end_cause"],
         reported_at=row["reported_at"],
+        holder_uid=row["holder_uid"],
         row_id=row["id"],
     )
 
