@@ -111,6 +111,9 @@ QUEUED, STARTED, LEFT = "queued", "started", "left"
 OFF = "the admission queue is off (admission.enabled = false)"
 # Started and left rows are kept this long for a waiting gpuctl to read, then dropped.
 DONE_KEEP_S = 3600.0
+# the history window's class views: (the mirror's members and the window they were made
+# for, the request of each class in the window, the views)
+_Window = tuple[tuple[tuple[int, int, int], float], dict[str, Request], ClassViews]
 # gpud_admission_wait_seconds' buckets, seconds
 WAIT_BUCKETS = (1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 
@@ -255,7 +258,7 @@ class AdmissionService:
             lambda text: request_of(run_request_from_json(text)), removed=EndCause.REMOVED.value
         )
         # the window's requests and class views, by the rows it holds
-        self._window: tuple[object, dict[str, Request], ClassViews] | None = None
+        self._window: _Window | None = None
         self._quote_error: tuple[object, tuple[float, int]] | None = None
         self._kept_lock = threading.Lock()  # the three above and the kept history
         self._decoded: dict[tuple[object, ...], Entry] = {}  # by row, the last read's
@@ -673,21 +676,54 @@ class AdmissionService:
             key = (members, _classes_of(queued), id(fit), int(now), window_s)
             if self._views_cache is not None and self._views_cache[0] == key:
                 return self._views_cache[1]
-            if self._window is None or self._window[0] != (members, window_s):
-                requests: dict[str, Request] = {}
-                records = []
-                for record, request in self._mirror.since(now - window_s):
-                    requests[record.request_class] = request
-                    records.append(record)
-                made = ClassViews(records, now=now, window_s=window_s)
-                self._window = ((members, window_s), requests, made)
-            _, requests, made = self._window
+            window = self._window
+            if window is None or window[0] != (members, window_s):
+                window = self._window_changed(members, window_s, now)
+                if window is None:
+                    requests: dict[str, Request] = {}
+                    records = []
+                    for record, request in self._mirror.since(now - window_s):
+                        requests[record.request_class] = request
+                        records.append(record)
+                    made = ClassViews(records, now=now, window_s=window_s)
+                    window = ((members, window_s), requests, made)
+                self._window = window
+            _, requests, made = window
             requests = dict(requests)
             for e in queued:
                 requests[e.request_class] = e.placement
             views = made.at(fit, requests, now=now)
             self._views_cache = (key, views)
             return views
+
+    def _window_changed(
+        self, members: tuple[int, int, int], window_s: float, now: float
+    ) -> _Window | None:
+        """The window's views brought up to date with the runs started and ended since they
+        were made, where no run left the window nor entered it otherwise (``members``: the
+        mirror's now): the same views as made afresh, for a run's cost rather than the
+        window's. None where they must be made afresh."""
+        if self._window is None:
+            return None
+        (kept, kept_window_s), requests, made = self._window
+        version, below, upto = kept
+        changes = self._mirror.changes_since(version) if kept_window_s == window_s else None
+        if changes is None:
+            return None
+        added = [new for old, new, _ in changes if old is None]
+        # every row counted before is on the same side of the window's ends as then
+        since = now - window_s
+        if members[1] != below + sum(r.queued_at < since for r in added):
+            return None
+        if members[2] != upto + sum(r.queued_at <= now for r in added):
+            return None
+        if not made.change([(old, new) for old, new, _ in changes], now=now):
+            return None
+        requests = dict(requests)
+        for old, new, request in changes:
+            if old is None and new.queued_at >= since:
+                requests[new.request_class] = request
+        return ((members, window_s), requests, made)
 
     def _running(
         self, views: Mapping[str, ClassView], now: float
