@@ -14,7 +14,10 @@ and the class models the quotes come from, made
 - kept (:class:`~gpud.admission.history.HistoryMirror` and
   :class:`~gpud.admission.classes.ClassViews`): the first (every row read and decoded once),
   a later second with nothing changed (what a waiting ``gpuctl run`` costs each second), one
-  after a run was added (the window's statistics made again from memory).
+  after a run was added (the window's statistics made again from memory);
+- after a run started and after it ended, side by side on the same history: the views made
+  again from every run in the window (as gpud did) and changed in place
+  (:meth:`~gpud.admission.classes.ClassViews.change`, as gpud does), checked equal.
 
 Each time is the median of ``--repeat``; the ratio is afresh over kept, later second.
 """
@@ -28,10 +31,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from gpud.admission.classes import ClassViews, class_views
 from gpud.admission.history import HistoryMirror
+from gpud.admission.model import Request
 from gpud.admission.node import synthetic
 from gpud.admission.placement_fit import PlacementFit
 from gpud.admission.service import (
@@ -40,10 +45,11 @@ from gpud.admission.service import (
     _history,
     request_of,
     run_request_from_json,
+    run_request_to_json,
 )
 from gpud.jobs.ends import EndCause
 from gpud.store import StateStore
-from tools.bench_queue import fill_history
+from tools.bench_queue import CLASSES, fill_history
 
 WINDOW_S = 7 * 86400.0
 
@@ -121,8 +127,60 @@ def measure(n: int, repeat: int) -> dict[str, float]:
             kept[-1].at(fit, requests, now=now)
 
         out["kept: a run added"] = median_s(rebuilt, repeat)
+        out.update(start_and_end(store, mirror, fit, requests, now=now, repeat=repeat))
         store.close()
     return out
+
+
+def start_and_end(
+    store: StateStore,
+    mirror: HistoryMirror,
+    fit: PlacementFit,
+    requests: dict[str, Request],
+    *,
+    now: float,
+    repeat: int,
+) -> dict[str, float]:
+    """A run starts, then ends, ``repeat`` times: what bringing the window's views up to date
+    costs each time, made again from the window and changed in place (the mirror's own
+    refresh, the same for both, left out)."""
+    since = now - WINDOW_S
+    views = ClassViews([r for r, _ in mirror.since(since)], now=now, window_s=WINDOW_S)
+    views.at(fit, requests, now=now)
+    took: dict[str, list[float]] = {}
+    placed = replace(CLASSES[0][0], job="b")
+    request_class, request = request_of(placed).describe(), run_request_to_json(placed)
+    for i in range(repeat):
+        at = now + 10.0 * (i + 1)
+        for what in ("started", "ended"):
+            version = mirror.version
+            with store.transaction() as conn:
+                if what == "started":
+                    conn.execute(
+                        "INSERT INTO job_history (job, reservation, request_class, request,"
+                        " queued_at, started_at) VALUES (?, ?, ?, ?, ?, ?)",
+                        (f"b{i}", f"bench{i}", request_class, request, at - 3.0, at),
+                    )
+                else:
+                    conn.execute(
+                        "UPDATE job_history SET ended_at = ?, end_cause = ?, exit_code = 0"
+                        " WHERE reservation = ?",
+                        (at + 5.0, EndCause.EXITED.value, f"bench{i}"),
+                    )
+                mirror.refresh(conn)
+            at += 5.0
+            changes = mirror.changes_since(version)
+            assert changes is not None
+            began = time.perf_counter()
+            rebuilt = ClassViews([r for r, _ in mirror.since(since)], now=at, window_s=WINDOW_S)
+            afresh = rebuilt.at(fit, requests, now=at)
+            took.setdefault(f"a run {what}: made again", []).append(time.perf_counter() - began)
+            began = time.perf_counter()
+            assert views.change([(old, new) for old, new, _ in changes], now=at)
+            changed = views.at(fit, requests, now=at)
+            took.setdefault(f"a run {what}: changed", []).append(time.perf_counter() - began)
+            assert changed == afresh
+    return {name: statistics.median(values) for name, values in took.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,11 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(x) for x in args.history.split(",")]
     results = {n: measure(n, args.repeat) for n in sizes}
     names = list(next(iter(results.values())))
-    print(f"{'ms':<24}" + "".join(f"{f'N={n}':>12}" for n in sizes))
+    print(f"{'ms':<28}" + "".join(f"{f'N={n}':>12}" for n in sizes))
     for name in names:
-        print(f"{name:<24}" + "".join(f"{results[n][name] * 1e3:>12.1f}" for n in sizes))
+        print(f"{name:<28}" + "".join(f"{results[n][name] * 1e3:>12.1f}" for n in sizes))
     print(
-        f"{'afresh / later second':<24}"
+        f"{'afresh / later second':<28}"
         + "".join(
             f"{results[n]['afresh: total'] / results[n]['kept: a later second']:>11.0f}x"
             for n in sizes

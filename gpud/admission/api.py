@@ -31,6 +31,7 @@ from gpud.api.validate import int_range, non_empty, optional, optional_pid
 from gpud.errors import InvalidArgument, NotFound
 from gpud.jobs.api import kind_from_pb, reservation_message
 from gpud.jobs.env import REPORT_TOKEN_VAR
+from gpud.jobs.placement import user_name
 from gpud.jobs.registry import check_devices, check_name, check_owner
 from gpud.jobs.service import RunRequest
 from gpud.shared import WAITING_ON_COLOCATION
@@ -93,7 +94,23 @@ def reserve_request(r: RunRequest) -> jobs_pb2.ReserveRequest:
     return msg
 
 
-def entry_message(v: EntryView) -> pb.QueueEntry:
+def user_names() -> Callable[[int], str]:
+    """:func:`~gpud.jobs.placement.user_name`, each UID asked once: a listing names the
+    user of every entry, mostly the same few (an unknown UID costs a scan of the user
+    database each time)."""
+    names: dict[int, str] = {}
+
+    def name_of(uid: int) -> str:
+        name = names.get(uid)
+        if name is None:
+            name = names[uid] = user_name(uid)
+        return name
+
+    return name_of
+
+
+def entry_message(v: EntryView, name_of: Callable[[int], str] = user_name) -> pb.QueueEntry:
+    """``name_of``: a user's name by UID (:func:`user_names` for a listing)."""
     e = v.entry
     msg = pb.QueueEntry(
         id=e.id,
@@ -117,6 +134,9 @@ def entry_message(v: EntryView) -> pb.QueueEntry:
         msg.reservation.CopyFrom(reservation_message(v.reservation))
     if e.request.holder_pid is not None:
         msg.holder_pid = e.request.holder_pid
+    if e.holder_uid is not None:
+        msg.holder_uid = e.holder_uid
+        msg.holder_user = name_of(e.holder_uid)
     msg.waiting_on = v.waiting_on
     for r in v.overdue:
         msg.overdue.add(job=r.job, ran_seconds=r.ran_s, estimate_seconds=r.estimate_s or 0.0)
@@ -152,7 +172,8 @@ def class_message(v: ClassView) -> pb.ClassModel:
     return msg
 
 
-def history_message(h: HistoryRow) -> pb.HistoryRecord:
+def history_message(h: HistoryRow, name_of: Callable[[int], str] = user_name) -> pb.HistoryRecord:
+    """``name_of``: a user's name by UID (:func:`user_names` for a page of them)."""
     msg = pb.HistoryRecord(
         job=h.job,
         request=request_of(h.request).label(),
@@ -172,6 +193,9 @@ def history_message(h: HistoryRow) -> pb.HistoryRecord:
     msg.end_cause = h.end_cause or ""
     if h.reported_at is not None:
         msg.reported_unix_seconds = h.reported_at
+    if h.holder_uid is not None:
+        msg.holder_uid = h.holder_uid
+        msg.holder_user = name_of(h.holder_uid)
     return msg
 
 
@@ -351,7 +375,8 @@ class QueueServicer(pb_grpc.QueueServicer):
                 await asyncio.wait_for(changed.wait(), left)
 
     def _queued(self) -> dict[str, pb.QueueEntry]:
-        return {v.entry.id: entry_message(v) for v in self._service.queue_views()}
+        name_of = user_names()
+        return {v.entry.id: entry_message(v, name_of) for v in self._service.queue_views()}
 
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.QueueEntry:  # noqa: N802
         def leave() -> pb.QueueEntry:
@@ -373,8 +398,9 @@ class QueueServicer(pb_grpc.QueueServicer):
 
     async def ListQueue(self, request: pb.ListQueueRequest, context: Any) -> pb.ListQueueResponse:  # noqa: N802
         def list_queue() -> pb.ListQueueResponse:
+            name_of = user_names()
             resp = pb.ListQueueResponse(
-                entries=[entry_message(v) for v in self._service.queue_views()],
+                entries=[entry_message(v, name_of) for v in self._service.queue_views()],
                 off="" if self._service.config.enabled else OFF,
             )
             if request.explain:
@@ -386,15 +412,18 @@ class QueueServicer(pb_grpc.QueueServicer):
     async def History(self, request: pb.HistoryRequest, context: Any) -> pb.HistoryResponse:  # noqa: N802
         def history() -> pb.HistoryResponse:
             page = optional(request, "page_size")
+            name_of = user_names()
             if page is None:
                 rows = self._service.history(limit=optional(request, "limit"))
-                return pb.HistoryResponse(records=[history_message(h) for h in reversed(rows)])
+                return pb.HistoryResponse(
+                    records=[history_message(h, name_of) for h in reversed(rows)]
+                )
             if page == 0:
                 return pb.HistoryResponse()
             # one more than the page: whether older records are left
             rows = self._service.history(limit=page + 1, before=optional(request, "before"))
             kept = rows[-page:]
-            resp = pb.HistoryResponse(records=[history_message(h) for h in reversed(kept)])
+            resp = pb.HistoryResponse(records=[history_message(h, name_of) for h in reversed(kept)])
             if len(rows) > page:
                 resp.next_before = kept[0].row_id
             return resp

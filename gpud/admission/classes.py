@@ -54,15 +54,67 @@ class ClassViews:
     ) -> None:
         since = -math.inf if window_s is None else now - window_s
         self._window_s = window_s
-        self._in_window = [r for r in records if r.queued_at >= since]
-        self._estimate = Estimate([r for r in self._in_window if r.queued_at <= now])
+        in_window = [r for r in records if r.queued_at >= since]
+        self._estimate = Estimate([r for r in in_window if r.queued_at <= now])
         self._by_class: dict[str, list[Record]] = {}
-        for r in self._in_window:
-            self._by_class.setdefault(r.request_class, []).append(r)
+        self._where: dict[int, int] = {}  # id() of each record -> its index in its class
+        for r in in_window:
+            rs = self._by_class.setdefault(r.request_class, [])
+            self._where[id(r)] = len(rs)
+            rs.append(r)
         # a record that has not started (none from the history): efficiency made afresh
-        self._unstarted = any(r.started_at is None for r in self._in_window)
+        self._unstarted = any(r.started_at is None for r in in_window)
+        # changes are taken in (:meth:`change`) only where the window holds every record
+        # the estimate does (none queued after ``now``, a clock stepped back)
+        self._changeable = not self._unstarted and all(r.queued_at <= now for r in in_window)
+        self._oldest = min((r.queued_at for r in in_window), default=math.inf)
         # the pool's efficiency sweeps, by the classes on it and their shares
         self._sweeps: dict[tuple[tuple[str, float], ...], PackingEfficiency] = {}
+
+    def change(self, changes: Sequence[tuple[Record | None, Record]], *, now: float) -> bool:
+        """Take in records added after the others (``(None, record)``, oldest first) and
+        records changed in place (``(old, new)``: a run that ended), as made afresh from
+        the records with these changes at ``now`` would be (the same figures): each costs
+        its class's run times and the sweeps' events since it, not the window. False (the
+        views are left unusable: make them afresh) where they cannot: a record of the
+        window left it (``now`` moved past its queued time), or one is not from the history
+        (not started, or queued after ``now``). The caller sees to it that no record it
+        does not give entered the window (a clock stepped back)."""
+        since = -math.inf if self._window_s is None else now - self._window_s
+        if not self._changeable or self._oldest < since:
+            return False
+        for old, new in changes:
+            if new.started_at is None or new.queued_at > now:
+                self._changeable = False
+                return False
+            if old is None:
+                if new.queued_at < since:
+                    continue  # before the window: made afresh, it would not hold it
+                rs = self._by_class.setdefault(new.request_class, [])
+                index = len(rs)
+                rs.append(new)
+                self._oldest = min(self._oldest, new.queued_at)
+            else:
+                found = self._where.pop(id(old), None)
+                if found is None:
+                    if old.queued_at < since:
+                        continue  # before the window
+                    self._changeable = False  # not a record these views were given
+                    return False
+                if (old.request_class, old.queued_at) != (new.request_class, new.queued_at):
+                    self._changeable = False
+                    return False
+                index = found
+                self._by_class[new.request_class][index] = new
+            self._where[id(new)] = index
+            self._estimate.change(old, new, index)
+            for sharing, sweep in self._sweeps.items():
+                for rank, (key, share) in enumerate(sharing):
+                    if key == new.request_class:
+                        if old is not None:
+                            sweep.remove(_job(old, share), (rank, index))
+                        sweep.add(_job(new, share), (rank, index))
+        return True
 
     def at(
         self, fit: FitCheck, requests: Mapping[str, Request], *, now: float
@@ -114,8 +166,19 @@ class ClassViews:
                 if self._unstarted:  # not from the history: asked afresh
                     out.append(replace(c, efficiency=packing_efficiency(jobs, now=now)))
                     continue
+                ranks = [
+                    (rank, index)
+                    for rank, (key, _) in enumerate(sharing)
+                    for index in range(len(self._by_class.get(key, ())))
+                ]
                 # every one started (not self._unstarted)
-                sweep = self._sweeps[sharing] = PackingEfficiency(jobs)  # type: ignore[arg-type]
+                sweep = self._sweeps[sharing] = PackingEfficiency(jobs, ranks)  # type: ignore[arg-type]
             efficiency = sweep.at(now)
             out.append(replace(c, efficiency=efficiency))
         return out
+
+
+def _job(r: Record, share: float) -> tuple[float, float, float | None, float]:
+    """``r`` as a job of a packing efficiency's sweep (started: see ClassViews.change)."""
+    assert r.started_at is not None
+    return (r.queued_at, r.started_at, r.ended_at, share)

@@ -60,7 +60,9 @@ def estimate(
 class Estimate:
     """:func:`estimate` over records already chosen (those in the window): what does not
     depend on the time is worked out once, so asking it again at a later ``now`` (with the
-    same records) costs the runs still running, not the history."""
+    same records) costs the runs still running, not the history. A record added after the
+    others or changed in place (:meth:`change`) costs its class's run times, not the
+    history: the figures are those of the records made afresh in that order."""
 
     def __init__(self, chosen: Sequence[Record]) -> None:
         by_class: dict[str, list[Record]] = {}
@@ -68,10 +70,28 @@ class Estimate:
             by_class.setdefault(r.request_class, []).append(r)
         first = min(chosen, key=lambda r: r.queued_at) if chosen else None
         self._first = None if first is None else first.queued_at
-        opener = None if first is None else first.request_class  # opens the span, uncounted
+        self._opener = None if first is None else first.request_class  # uncounted
         self._classes = {
-            key: _Moments(rs, uncounted=int(key == opener)) for key, rs in sorted(by_class.items())
+            key: _Moments(rs, uncounted=int(key == self._opener))
+            for key, rs in sorted(by_class.items())
         }
+
+    def change(self, old: Record | None, new: Record, index: int) -> None:
+        """``new`` in place of ``old`` (at ``index`` among the records of its class), or,
+        ``old`` None, after every record given so far (``index``: its class's count)."""
+        key = new.request_class
+        if old is None and (self._first is None or new.queued_at < self._first):
+            # min() keeps the first of equal times: a later record opens only if earlier
+            self._first, opener = new.queued_at, self._opener
+            self._opener = key
+            if opener in self._classes:
+                self._classes[opener].uncounted = 0
+        moments = self._classes.get(key)
+        if moments is None:
+            moments = _Moments([], uncounted=0)
+            self._classes = dict(sorted({**self._classes, key: moments}.items()))
+        moments.change(old, new, index)
+        moments.uncounted = int(key == self._opener)
 
     def at(self, now: float) -> dict[str, ClassStats]:
         if self._first is None:
@@ -85,31 +105,66 @@ class _Moments:
     so far of a class none of whose runs has ended."""
 
     def __init__(self, records: Sequence[Record], *, uncounted: int) -> None:
-        self._arrivals = len(records)
-        self._uncounted = uncounted
-        services = [s for r in records if (s := r.service_s) is not None]
+        self._records = list(records)
+        self.uncounted = uncounted
+        waits = [w for r in records if (w := r.wait_s) is not None]
+        self._waits = len(waits)
+        self._wait_total = _total(waits)
+        self._services()
+
+    def _services(self) -> None:
+        services = [s for r in self._records if (s := r.service_s) is not None]
         self._completions = len(services)
         # a class none of whose runs ended: the runs' starts, for their run times so far
         self._started = (
-            [] if services else [r.started_at for r in records if r.started_at is not None]
+            [] if services else [r.started_at for r in self._records if r.started_at is not None]
         )
         self._moments = _mean_scv(services) if services else None
-        waits = [w for r in records if (w := r.wait_s) is not None]
-        self._mean_wait = sum(waits) / len(waits) if waits else None
+
+    def change(self, old: Record | None, new: Record, index: int) -> None:
+        """As :meth:`Estimate.change`: the waits are summed on (a record added comes last;
+        a record changed keeps its start), the run times made again where they change."""
+        if old is None:
+            self._records.append(new)
+            if (w := new.wait_s) is not None:
+                self._waits += 1
+                self._wait_total += w
+            if new.service_s is None:
+                if self._moments is None and new.started_at is not None:
+                    self._started.append(new.started_at)
+                return
+        else:
+            self._records[index] = new
+            if old.wait_s != new.wait_s:  # not from the history (a start never moves)
+                waits = [w for r in self._records if (w := r.wait_s) is not None]
+                self._waits, self._wait_total = len(waits), _total(waits)
+            if old.service_s == new.service_s and old.started_at == new.started_at:
+                return
+        self._services()
 
     def at(self, span: float, now: float) -> ClassStats:
         moments = self._moments
         if moments is None:
             moments = _mean_scv([now - s for s in self._started if now > s])
         mean, scv = moments
+        arrivals = len(self._records)
         return ClassStats(
-            arrivals=self._arrivals,
-            arrival_rate=(self._arrivals - self._uncounted) / span,
+            arrivals=arrivals,
+            arrival_rate=(arrivals - self.uncounted) / span,
             completions=self._completions,
             mean_service_s=mean,
             scv_service=scv,
-            mean_wait_s=self._mean_wait,
+            mean_wait_s=self._wait_total / self._waits if self._waits else None,
         )
+
+
+def _total(values: Iterable[float]) -> float:
+    """The sum of ``values`` added one after another (so a running total kept as values come
+    is the same float)."""
+    total = 0.0
+    for v in values:
+        total += v
+    return total
 
 
 def _mean_scv(services: Sequence[float]) -> tuple[float | None, float]:

@@ -16,6 +16,7 @@ COLUMNS = (
     " exit_code, exit_signal, end_cause, reported_at, reservation"
 )
 CHUNK = 500  # row ids asked at once (SQLite's bound parameters)
+LOG_KEEP = 10_000  # changes kept for changes_since: past them, the rows are read again
 
 
 class HistoryMirror:
@@ -37,12 +38,20 @@ class HistoryMirror:
         self._running: dict[int, tuple[str, str]] = {}  # (reservation, class) of open rows
         self.version = 0  # moves on whenever a row is added, changed or removed
         self.reads = 0  # rows read from the database so far
+        # the rows added and changed since version ``_log_base`` (none removed since):
+        # (the version that holds it, the record it replaced or None, the record, request)
+        # (the first read, and a read of the whole table again, are not logged: nobody asks
+        # for the changes from before them)
+        self._log: list[tuple[int, Record | None, Record, Request]] = []
+        self._log_base = 1
 
     def refresh(self, conn: sqlite3.Connection) -> None:
         # MIN(id) costs a lookup, COUNT(*) a scan of the table: counted only once
         # something changed (rows leave the table only when pruned, oldest first)
         (low,) = conn.execute("SELECT MIN(id) FROM job_history").fetchone()
         changed = self.version == 0
+        if len(self._log) > LOG_KEEP:
+            self._forget(self.version)  # who asks from before this version reads all again
         while self._rows:
             first = next(iter(self._rows))
             if low is not None and first >= low:
@@ -51,12 +60,13 @@ class HistoryMirror:
             self._open.discard(first)
             self._running.pop(first, None)
             changed = True
+            self._forget(self.version + 1)
         still = sorted(self._open)  # before the rows added since, read whole below
         read = self.reads
         for row in conn.execute(  # row by row: the first holds every run
             f"SELECT {COLUMNS} FROM job_history WHERE id > ? ORDER BY id", (self._last_id,)
         ):
-            self._keep(row)
+            self._keep(row, log=self.version > 0)
         changed = changed or self.reads > read
         for i in range(0, len(still), CHUNK):
             ids = still[i : i + CHUNK]
@@ -74,16 +84,32 @@ class HistoryMirror:
             return
         (count,) = conn.execute("SELECT COUNT(*) FROM job_history").fetchone()
         if len(self._rows) != count:  # changed otherwise than gpud changes it
+            self._forget(self.version + 1)
             self._rows.clear()
             self._open.clear()
             self._running.clear()
             self._last_id = 0
             for row in conn.execute(f"SELECT {COLUMNS} FROM job_history ORDER BY id"):
-                self._keep(row)
+                self._keep(row, log=False)
         self.version += 1
         self._queued = None
 
-    def _keep(self, row: sqlite3.Row) -> None:
+    def _forget(self, base: int) -> None:
+        """Rows left (or the log grew long): who asks for the changes since a version before
+        ``base`` reads the rows again (:meth:`changes_since`)."""
+        self._log.clear()
+        self._log_base = base
+
+    def changes_since(self, version: int) -> list[tuple[Record | None, Record, Request]] | None:
+        """The rows added (``(None, record, request)``, in row order) and changed in place
+        (``(old, new, request)``: a run ended) since ``version``, in the order they came;
+        None where a row was removed since (pruned, or the table changed otherwise), or
+        too long ago to say."""
+        if version < self._log_base:
+            return None
+        return [(old, new, q) for v, old, new, q in self._log if v > version]
+
+    def _keep(self, row: sqlite3.Row, *, log: bool = True) -> None:
         self.reads += 1
         (
             row_id,
@@ -107,10 +133,13 @@ class HistoryMirror:
             decoded = self._decode(request)
             placement = self._interned.setdefault(decoded, decoded)
         request_class = self._classes.setdefault(request_class, request_class)
-        self._rows[row_id] = (
-            Record(job, request_class, queued_at, started_at, ended_at, quote_s),
-            placement,
-        )
+        record = Record(job, request_class, queued_at, started_at, ended_at, quote_s)
+        if kept is None or kept[0] != record:  # unchanged: the same record (the log says so)
+            self._rows[row_id] = (record, placement)
+            if log:
+                self._log.append(
+                    (self.version + 1, None if kept is None else kept[0], record, placement)
+                )
         self._last_id = max(self._last_id, row_id)
         late_end = (
             end_cause == self._removed

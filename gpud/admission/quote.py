@@ -86,6 +86,7 @@ import bisect
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +138,9 @@ def packing_efficiency(
 
 
 # (time, order, capacity change, waiting change): ``order``, the event's place in the list
-# made, which the stable sort by time keeps among the events of one time
-_Event = tuple[float, int, float, int]
+# made, which the stable sort by time keeps among the events of one time (in
+# :class:`PackingEfficiency`: its job's rank, then its place among the job's events)
+_Event = tuple[float, Any, float, int]
 
 
 def _time(e: _Event) -> float:
@@ -191,44 +193,105 @@ class _Sweep:
         return min(self.busy / self.waiting, 1.0) if self.waiting > 0 else 1.0
 
 
+# a job's place among the jobs of a sweep (their order), and of an event in the sweep
+Rank = tuple[int, ...]
+MARK_EVERY = 1024  # events swept between two marks a change may sweep again from
+
+
+def _place(e: _Event) -> tuple[float, Rank]:
+    return (e[0], e[1])
+
+
 class PackingEfficiency:
     """:func:`packing_efficiency` of jobs that have all started, asked again and again as
     ``now`` moves on: the events before ``now`` that do not move with it are swept once
     (and from where the last answer stood), so an answer costs the runs still running and
-    the events since, not the history. The same sums in the same order: the same figure."""
+    the events since, not the history. The same sums in the same order: the same figure.
 
-    def __init__(self, jobs: Sequence[tuple[float, float, float | None, float]]) -> None:
-        fixed: list[_Event] = []  # all but the ends of the runs still running
-        running: list[tuple[int, float]] = []  # (order, capacity change): end at ``now``
-        order = 0
-        for queued, started, ended, share in jobs:
-            if started > queued:
-                fixed.append((queued, order, 0.0, 1))
-                fixed.append((started, order + 1, 0.0, -1))
-                order += 2
-            fixed.append((started, order, share, 0))
-            if ended is None:
-                running.append((order + 1, -share))
-            else:
-                fixed.append((ended, order + 1, -share, 0))
-            order += 2
-        fixed.sort(key=_time)
-        self._fixed = fixed
-        self._running = running
+    A job added or changed (:meth:`add`, :meth:`remove`: a run started, a run that ended)
+    puts its events where a sweep made afresh would have them (``rank``: where the job
+    stands among the jobs, as their order in ``jobs``: the ties of one time are taken in
+    that order) and sweeps again from the last mark before the first of them (one is kept
+    every :data:`MARK_EVERY` events swept), not from the first event."""
+
+    def __init__(
+        self,
+        jobs: Sequence[tuple[float, float, float | None, float]],
+        ranks: Sequence[Rank] | None = None,
+        *,
+        mark_every: int = MARK_EVERY,
+    ) -> None:
+        self._mark_every = mark_every
+        self._fixed: list[_Event] = []  # all but the ends of the runs still running
+        self._running: dict[Rank, float] = {}  # rank -> capacity change at its end (``now``)
+        for i, job in enumerate(jobs):
+            for event in self._events(job, (i,) if ranks is None else ranks[i]):
+                self._fixed.append(event)
+        self._fixed.sort(key=_time)  # stable: the ties of one time in the jobs' order
         self._done = 0  # the events swept: those before ``self._until``
         self._until = -math.inf
         self._sweep = _Sweep()
+        self._marks: list[_Sweep] = []  # where the sweep stood after each MARK_EVERY events
+
+    def _events(self, job: tuple[float, float, float | None, float], rank: Rank) -> list[_Event]:
+        """The job's fixed events; a run still running is kept in ``_running`` instead."""
+        queued, started, ended, share = job
+        out: list[_Event] = []
+        if started > queued:
+            out.append((queued, (*rank, 0), 0.0, 1))
+            out.append((started, (*rank, 1), 0.0, -1))
+        out.append((started, (*rank, 2), share, 0))
+        if ended is None:
+            self._running[rank] = -share
+        else:
+            out.append((ended, (*rank, 3), -share, 0))
+        return out
+
+    def add(self, job: tuple[float, float, float | None, float], rank: Rank) -> None:
+        """A job the sweep made afresh would have at ``rank``."""
+        for event in self._events(job, rank):
+            at = bisect.bisect_right(self._fixed, _place(event), key=_place)
+            self._fixed.insert(at, event)
+            self._back_to(at)
+
+    def remove(self, job: tuple[float, float, float | None, float], rank: Rank) -> None:
+        """The job :meth:`add` (or ``jobs``) gave at ``rank``, as given."""
+        for event in self._events(job, rank):
+            at = bisect.bisect_left(self._fixed, _place(event), key=_place)
+            if at == len(self._fixed) or self._fixed[at] != event:
+                raise ValueError(f"no job {job} at {rank} to remove")
+            del self._fixed[at]
+            self._back_to(at)
+        self._running.pop(rank, None)
+
+    def _back_to(self, index: int) -> None:
+        """Events from ``index`` on changed: the sweep goes back to the last mark before."""
+        if index >= self._done:
+            return
+        kept = index // self._mark_every
+        del self._marks[kept:]
+        self._done = kept * self._mark_every
+        self._sweep = self._marks[-1].copy() if self._marks else _Sweep()
+        self._until = (
+            math.nextafter(self._fixed[self._done - 1][0], math.inf) if self._done else -math.inf
+        )
 
     def at(self, now: float) -> float:
         if now < self._until:  # the clock stepped back: sweep again from the start
-            self._done, self._sweep = 0, _Sweep()
+            self._done, self._sweep, self._marks = 0, _Sweep(), []
         fixed, done = self._fixed, self._done
         end = bisect.bisect_left(fixed, now, lo=done, key=_time)
-        if end > done:
-            self._sweep.run(fixed[done:end])
+        while done < end:
+            step = min(end, (done // self._mark_every + 1) * self._mark_every)
+            self._sweep.run(fixed[done:step])
+            done = step
+            if done % self._mark_every == 0:
+                self._marks.append(self._sweep.copy())
         self._done, self._until = end, now
-        rest = fixed[end:] + [(now, order, change, 0) for order, change in self._running]
-        rest.sort(key=lambda e: (e[0], e[1]))
+        rest = fixed[end:] + [
+            (now, (*rank, 3), change, 0) for rank, change in self._running.items()
+        ]
+        rest.sort(key=_place)
         return self._sweep.copy().run(rest).efficiency()
 
 

@@ -61,7 +61,7 @@ from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, RunRequest, unhealthy_text
 from gpud.mig.layout import DeviceLayout, load_config
 from gpud.mps.manager import MpsManager, MpsTarget
-from gpud.mps.procs import alive, start_time
+from gpud.mps.procs import alive, real_uid, start_time
 from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,8 @@ SCHEMA = (
         state TEXT NOT NULL,
         reservation TEXT,
         changed_at REAL NOT NULL,
-        left_why TEXT
+        left_why TEXT,
+        holder_uid INTEGER
     )""",
     "CREATE INDEX IF NOT EXISTS admission_queue_state ON admission_queue (state, seq)",
     """CREATE TABLE IF NOT EXISTS job_history (
@@ -95,20 +96,24 @@ SCHEMA = (
         exit_code INTEGER,
         exit_signal INTEGER,
         end_cause TEXT,
-        reported_at REAL
+        reported_at REAL,
+        holder_uid INTEGER
     )""",
     "CREATE INDEX IF NOT EXISTS job_history_queued ON job_history (queued_at)",
 )
 # Columns added since the first version of these tables: an older state.db gets them at start.
 ADDED = {
-    "job_history": ("exit_code", "exit_signal", "end_cause", "reported_at"),
-    "admission_queue": ("left_why",),
+    "job_history": ("exit_code", "exit_signal", "end_cause", "reported_at", "holder_uid"),
+    "admission_queue": ("left_why", "holder_uid"),
 }
 
 QUEUED, STARTED, LEFT = "queued", "started", "left"
 OFF = "the admission queue is off (admission.enabled = false)"
 # Started and left rows are kept this long for a waiting gpuctl to read, then dropped.
 DONE_KEEP_S = 3600.0
+# the history window's class views: (the mirror's members and the window they were made
+# for, the request of each class in the window, the views)
+_Window = tuple[tuple[tuple[int, int, int], float], dict[str, Request], ClassViews]
 # gpud_admission_wait_seconds' buckets, seconds
 WAIT_BUCKETS = (1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 
@@ -128,6 +133,9 @@ class Entry:
     holder_start: int | None = None
     # why it left, where gpud took it out for a reason its waiting gpuctl should be told
     left_why: str = ""
+    # the real UID of request.holder_pid when queued (None: no holder, /proc did not say,
+    # or queued by an earlier gpud version)
+    holder_uid: int | None = None
     # request_of(request), and its class key: made once (every listing of the queue asks
     # them of every entry)
     placement: Request = field(init=False, compare=False, repr=False)
@@ -175,6 +183,8 @@ class HistoryRow:
     # when a removed run's gpuctl reported its command's exit (the end moved there); None
     # for every other run, and a removed run that has not reported
     reported_at: float | None = None
+    # the real UID of the run's holder, from its reservation at the start (None: unknown)
+    holder_uid: int | None = None
     row_id: int = 0  # its place in the history, for paging (newer runs have higher ones)
 
     def record(self) -> Record:
@@ -248,7 +258,7 @@ class AdmissionService:
             lambda text: request_of(run_request_from_json(text)), removed=EndCause.REMOVED.value
         )
         # the window's requests and class views, by the rows it holds
-        self._window: tuple[object, dict[str, Request], ClassViews] | None = None
+        self._window: _Window | None = None
         self._quote_error: tuple[object, tuple[float, int]] | None = None
         self._kept_lock = threading.Lock()  # the three above and the kept history
         self._decoded: dict[tuple[object, ...], Entry] = {}  # by row, the last read's
@@ -471,8 +481,13 @@ class AdmissionService:
             )
             entry_id = secrets.token_hex(6)
             now = self._clock()
-            holder_start = (
-                start_time(request.holder_pid, self._proc_root) if request.holder_pid else None
+            holder_start, holder_uid = (
+                (
+                    start_time(request.holder_pid, self._proc_root),
+                    real_uid(request.holder_pid, self._proc_root),
+                )
+                if request.holder_pid
+                else (None, None)
             )
             views = self._views(fit, [*queued, _draft(entry_id, job.name, stored, now)])
             quote, _ = self._quote(
@@ -487,13 +502,15 @@ class AdmissionService:
                     job = self._jobs.registry.add(job)
                 conn.execute(
                     "INSERT INTO admission_queue (id, job, request, holder_pid, holder_start,"
-                    " enqueued_at, quote_s, state, changed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " holder_uid, enqueued_at, quote_s, state, changed_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         entry_id,
                         job.name,
                         run_request_to_json(stored),
                         request.holder_pid,
                         holder_start,
+                        holder_uid,
                         now,
                         quote if quote is not None and math.isfinite(quote) else None,
                         QUEUED,
@@ -659,21 +676,54 @@ class AdmissionService:
             key = (members, _classes_of(queued), id(fit), int(now), window_s)
             if self._views_cache is not None and self._views_cache[0] == key:
                 return self._views_cache[1]
-            if self._window is None or self._window[0] != (members, window_s):
-                requests: dict[str, Request] = {}
-                records = []
-                for record, request in self._mirror.since(now - window_s):
-                    requests[record.request_class] = request
-                    records.append(record)
-                made = ClassViews(records, now=now, window_s=window_s)
-                self._window = ((members, window_s), requests, made)
-            _, requests, made = self._window
+            window = self._window
+            if window is None or window[0] != (members, window_s):
+                window = self._window_changed(members, window_s, now)
+                if window is None:
+                    requests: dict[str, Request] = {}
+                    records = []
+                    for record, request in self._mirror.since(now - window_s):
+                        requests[record.request_class] = request
+                        records.append(record)
+                    made = ClassViews(records, now=now, window_s=window_s)
+                    window = ((members, window_s), requests, made)
+                self._window = window
+            _, requests, made = window
             requests = dict(requests)
             for e in queued:
                 requests[e.request_class] = e.placement
             views = made.at(fit, requests, now=now)
             self._views_cache = (key, views)
             return views
+
+    def _window_changed(
+        self, members: tuple[int, int, int], window_s: float, now: float
+    ) -> _Window | None:
+        """The window's views brought up to date with the runs started and ended since they
+        were made, where no run left the window nor entered it otherwise (``members``: the
+        mirror's now): the same views as made afresh, for a run's cost rather than the
+        window's. None where they must be made afresh."""
+        if self._window is None:
+            return None
+        (kept, kept_window_s), requests, made = self._window
+        version, below, upto = kept
+        changes = self._mirror.changes_since(version) if kept_window_s == window_s else None
+        if changes is None:
+            return None
+        added = [new for old, new, _ in changes if old is None]
+        # every row counted before is on the same side of the window's ends as then
+        since = now - window_s
+        if members[1] != below + sum(r.queued_at < since for r in added):
+            return None
+        if members[2] != upto + sum(r.queued_at <= now for r in added):
+            return None
+        if not made.change([(old, new) for old, new, _ in changes], now=now):
+            return None
+        requests = dict(requests)
+        for old, new, request in changes:
+            if old is None and new.queued_at >= since:
+                requests[new.request_class] = request
+        return ((members, window_s), requests, made)
 
     def _running(
         self, views: Mapping[str, ClassView], now: float
@@ -942,7 +992,7 @@ class AdmissionService:
             queued_at = min(queued_at, reservation.created_at)
             added = conn.execute(
                 "INSERT OR IGNORE INTO job_history (job, reservation, request_class, request,"
-                " queued_at, started_at, quote_s) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                " queued_at, started_at, quote_s, holder_uid) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     reservation.job,
                     reservation.id,
@@ -951,6 +1001,7 @@ class AdmissionService:
                     queued_at,
                     reservation.created_at,
                     entry.quote_s if entry is not None else None,
+                    reservation.uid,
                 ),
             )
             if added.rowcount:
@@ -1147,6 +1198,7 @@ def _entry(row: sqlite3.Row) -> Entry:
         changed_at=row["changed_at"],
         holder_start=row["holder_start"],
         left_why=row["left_why"] or "",
+        holder_uid=row["holder_uid"],
     )
 
 
@@ -1164,6 +1216,7 @@ def _history(row: sqlite3.Row) -> HistoryRow:
         exit_signal=row["exit_signal"],
         end_cause=row["end_cause"],
         reported_at=row["reported_at"],
+        holder_uid=row["holder_uid"],
         row_id=row["id"],
     )
 

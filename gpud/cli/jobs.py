@@ -349,7 +349,7 @@ def queued_line(entry: queue_pb2.QueueEntry) -> str:
     return f"job {entry.job} queued ({entry.id}): position {entry.position}, {quote}"
 
 
-HISTORY_HEADERS = ("JOB", "REQUEST", "QUEUED", "WAITED", "QUOTED", "RAN", "EXIT")
+HISTORY_HEADERS = ("JOB", "USER", "REQUEST", "QUEUED", "WAITED", "QUOTED", "RAN", "EXIT")
 # What ended a run whose gpuctl run reported no exit status (HistoryRecord.end_cause).
 END_CAUSES = {
     "released": "released with no status",
@@ -419,7 +419,8 @@ def run_history(ctx: Context, args: argparse.Namespace) -> int:
         )
         quoted = seconds(r.quote_seconds) if r.HasField("quote_seconds") else "-"
         waited = seconds(max(0.0, r.started_unix_seconds - r.queued_unix_seconds))
-        rows.append((r.job, r.request, queued, waited, quoted, ran, how_it_ended(r)))
+        user = r.holder_user if r.HasField("holder_uid") else "-"
+        rows.append((r.job, user, r.request, queued, waited, quoted, ran, how_it_ended(r)))
     ctx.out.print_table(HISTORY_HEADERS, rows)
     return 0
 

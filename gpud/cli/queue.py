@@ -2,7 +2,8 @@
 
 ::
 
-    gpuctl queue                 position, id, job, request, time waited, quote; unfeasible
+    gpuctl queue                 position, id, job, user (of its waiting gpuctl run),
+                                 request, time waited, quote; unfeasible
                                  last; then the runs waiting for co-location (outside the
                                  queue: no position, no quote), with their ids
     gpuctl queue --explain       and per request class: k_eff per resource, the binding one,
@@ -23,7 +24,7 @@ from gpud.v1 import colo_pb2, colo_pb2_grpc
 from gpud.v1 import queue_pb2 as pb
 from gpud.v1 import queue_pb2_grpc as pb_grpc
 
-HEADERS = ("POS", "ID", "JOB", "REQUEST", "WAITED", "QUOTE", "WHY NOT")
+HEADERS = ("POS", "ID", "JOB", "USER", "REQUEST", "WAITED", "QUOTE", "WHY NOT")
 CLASS_HEADERS = (
     "REQUEST",
     "K_EFF",
@@ -76,6 +77,7 @@ def entry_row(e: pb.QueueEntry) -> tuple[str, ...]:
         str(e.position) if e.position else "-",
         e.id,
         e.job,
+        e.holder_user if e.HasField("holder_uid") else "-",
         e.request,
         seconds(e.waited_seconds),
         quote_text(e),
@@ -88,6 +90,7 @@ def waiter_row(w: colo_pb2.ColoWaiter) -> tuple[str, ...]:
         "-",
         w.id or "-",  # a gpud that names no waiter ids
         w.job,
+        "-",
         "-",
         seconds(w.waited_seconds),
         "-",

@@ -112,6 +112,8 @@ class QueueEntry(_message.Message):
     HOLDER_PID_FIELD_NUMBER: _builtins.int
     WAITING_ON_FIELD_NUMBER: _builtins.int
     OVERDUE_FIELD_NUMBER: _builtins.int
+    HOLDER_UID_FIELD_NUMBER: _builtins.int
+    HOLDER_USER_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     job: _builtins.str
     request: _builtins.str
@@ -134,6 +136,12 @@ class QueueEntry(_message.Message):
     """set: what it waits for besides other jobs (an unhealthy GPU); "co-location" for a
     run that waited for the co-location loop, outside the queue (Leave's answer)
     """
+    holder_uid: _builtins.int
+    """the real UID of its waiting gpuctl run (holder_pid), read when it queued, and its name
+    (the number where the node has none); absent: unknown (no holder, its /proc unread, or
+    queued by an earlier gpud version)
+    """
+    holder_user: _builtins.str
     @_builtins.property
     def reservation(self) -> _jobs_pb2.JobReservation:
         """once started"""
@@ -167,17 +175,23 @@ class QueueEntry(_message.Message):
         holder_pid: _builtins.int | None = ...,
         waiting_on: _builtins.str = ...,
         overdue: _abc.Iterable[Global___OverdueRun] | None = ...,
+        holder_uid: _builtins.int | None = ...,
+        holder_user: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_quote_seconds", b"_quote_seconds", "holder_pid", b"holder_pid", "quote_seconds", b"quote_seconds", "reservation", b"reservation"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_holder_uid", b"_holder_uid", "_quote_seconds", b"_quote_seconds", "holder_pid", b"holder_pid", "holder_uid", b"holder_uid", "quote_seconds", b"quote_seconds", "reservation", b"reservation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_quote_seconds", b"_quote_seconds", "enqueued_unix_seconds", b"enqueued_unix_seconds", "env", b"env", "holder_pid", b"holder_pid", "id", b"id", "job", b"job", "overdue", b"overdue", "position", b"position", "quote_seconds", b"quote_seconds", "remedy", b"remedy", "request", b"request", "reservation", b"reservation", "state", b"state", "unbounded", b"unbounded", "unfeasible_reason", b"unfeasible_reason", "waited_seconds", b"waited_seconds", "waiting_on", b"waiting_on"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_holder_uid", b"_holder_uid", "_quote_seconds", b"_quote_seconds", "enqueued_unix_seconds", b"enqueued_unix_seconds", "env", b"env", "holder_pid", b"holder_pid", "holder_uid", b"holder_uid", "holder_user", b"holder_user", "id", b"id", "job", b"job", "overdue", b"overdue", "position", b"position", "quote_seconds", b"quote_seconds", "remedy", b"remedy", "request", b"request", "reservation", b"reservation", "state", b"state", "unbounded", b"unbounded", "unfeasible_reason", b"unfeasible_reason", "waited_seconds", b"waited_seconds", "waiting_on", b"waiting_on"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__holder_pid: _TypeAlias = _typing.Literal["holder_pid"]  # noqa: Y015
     _WhichOneofArgType__holder_pid: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid"]  # noqa: Y015
+    _WhichOneofReturnType__holder_uid: _TypeAlias = _typing.Literal["holder_uid"]  # noqa: Y015
+    _WhichOneofArgType__holder_uid: _TypeAlias = _typing.Literal["_holder_uid", b"_holder_uid"]  # noqa: Y015
     _WhichOneofReturnType__quote_seconds: _TypeAlias = _typing.Literal["quote_seconds"]  # noqa: Y015
     _WhichOneofArgType__quote_seconds: _TypeAlias = _typing.Literal["_quote_seconds", b"_quote_seconds"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__holder_pid) -> _WhichOneofReturnType__holder_pid | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__holder_uid) -> _WhichOneofReturnType__holder_uid | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__quote_seconds) -> _WhichOneofReturnType__quote_seconds | None: ...
 
@@ -472,6 +486,8 @@ class HistoryRecord(_message.Message):
     EXIT_SIGNAL_FIELD_NUMBER: _builtins.int
     END_CAUSE_FIELD_NUMBER: _builtins.int
     REPORTED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    HOLDER_UID_FIELD_NUMBER: _builtins.int
+    HOLDER_USER_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     request: _builtins.str
     reservation: _builtins.str
@@ -493,6 +509,12 @@ class HistoryRecord(_message.Message):
     """When a removed run's gpuctl run reported its command's exit (its end moved there);
     unset for other runs, a removed run that did not report, and an older gpud.
     """
+    holder_uid: _builtins.int
+    """the real UID of the run's holder (its gpuctl run) as its reservation kept it at the
+    start, and its name (the number where the node has none); absent: unknown (no holder,
+    its /proc unread, or a run an earlier gpud version recorded)
+    """
+    holder_user: _builtins.str
     @_builtins.property
     def placement(self) -> _jobs_pb2.ReserveRequest:
         """the request, for replay"""
@@ -512,10 +534,12 @@ class HistoryRecord(_message.Message):
         exit_signal: _builtins.int | None = ...,
         end_cause: _builtins.str = ...,
         reported_unix_seconds: _builtins.float | None = ...,
+        holder_uid: _builtins.int | None = ...,
+        holder_user: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_ended_unix_seconds", b"_ended_unix_seconds", "_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "_quote_seconds", b"_quote_seconds", "_reported_unix_seconds", b"_reported_unix_seconds", "ended_unix_seconds", b"ended_unix_seconds", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "placement", b"placement", "quote_seconds", b"quote_seconds", "reported_unix_seconds", b"reported_unix_seconds"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ended_unix_seconds", b"_ended_unix_seconds", "_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "_holder_uid", b"_holder_uid", "_quote_seconds", b"_quote_seconds", "_reported_unix_seconds", b"_reported_unix_seconds", "ended_unix_seconds", b"ended_unix_seconds", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "holder_uid", b"holder_uid", "placement", b"placement", "quote_seconds", b"quote_seconds", "reported_unix_seconds", b"reported_unix_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ended_unix_seconds", b"_ended_unix_seconds", "_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "_quote_seconds", b"_quote_seconds", "_reported_unix_seconds", b"_reported_unix_seconds", "end_cause", b"end_cause", "ended_unix_seconds", b"ended_unix_seconds", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "job", b"job", "placement", b"placement", "queued_unix_seconds", b"queued_unix_seconds", "quote_seconds", b"quote_seconds", "reported_unix_seconds", b"reported_unix_seconds", "request", b"request", "reservation", b"reservation", "started_unix_seconds", b"started_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ended_unix_seconds", b"_ended_unix_seconds", "_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "_holder_uid", b"_holder_uid", "_quote_seconds", b"_quote_seconds", "_reported_unix_seconds", b"_reported_unix_seconds", "end_cause", b"end_cause", "ended_unix_seconds", b"ended_unix_seconds", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "holder_uid", b"holder_uid", "holder_user", b"holder_user", "job", b"job", "placement", b"placement", "queued_unix_seconds", b"queued_unix_seconds", "quote_seconds", b"quote_seconds", "reported_unix_seconds", b"reported_unix_seconds", "request", b"request", "reservation", b"reservation", "started_unix_seconds", b"started_unix_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__ended_unix_seconds: _TypeAlias = _typing.Literal["ended_unix_seconds"]  # noqa: Y015
     _WhichOneofArgType__ended_unix_seconds: _TypeAlias = _typing.Literal["_ended_unix_seconds", b"_ended_unix_seconds"]  # noqa: Y015
@@ -523,6 +547,8 @@ class HistoryRecord(_message.Message):
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
     _WhichOneofReturnType__exit_signal: _TypeAlias = _typing.Literal["exit_signal"]  # noqa: Y015
     _WhichOneofArgType__exit_signal: _TypeAlias = _typing.Literal["_exit_signal", b"_exit_signal"]  # noqa: Y015
+    _WhichOneofReturnType__holder_uid: _TypeAlias = _typing.Literal["holder_uid"]  # noqa: Y015
+    _WhichOneofArgType__holder_uid: _TypeAlias = _typing.Literal["_holder_uid", b"_holder_uid"]  # noqa: Y015
     _WhichOneofReturnType__quote_seconds: _TypeAlias = _typing.Literal["quote_seconds"]  # noqa: Y015
     _WhichOneofArgType__quote_seconds: _TypeAlias = _typing.Literal["_quote_seconds", b"_quote_seconds"]  # noqa: Y015
     _WhichOneofReturnType__reported_unix_seconds: _TypeAlias = _typing.Literal["reported_unix_seconds"]  # noqa: Y015
@@ -533,6 +559,8 @@ class HistoryRecord(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_code) -> _WhichOneofReturnType__exit_code | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_signal) -> _WhichOneofReturnType__exit_signal | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__holder_uid) -> _WhichOneofReturnType__holder_uid | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__quote_seconds) -> _WhichOneofReturnType__quote_seconds | None: ...
     @_typing.overload

@@ -22,6 +22,16 @@ GIB = 1024**3
 FAKE_CONTROL = (sys.executable, str(FAKE_MPS_CONTROL))
 
 
+def fake_proc(root: Path, pid: int, uid: int) -> None:
+    """``root/<pid>``: a process of real UID ``uid`` (``status``) that started at tick 77
+    (``stat``), as gpud reads them."""
+    (root / str(pid)).mkdir(parents=True)
+    (root / str(pid) / "status").write_text(
+        f"Name:\tgpuctl\nState:\tS (sleeping)\nUid:\t{uid}\t0\t{uid}\t{uid}\nGid:\t0\t0\t0\t0\n"
+    )
+    (root / str(pid) / "stat").write_text(f"{pid} (gpuctl) S " + " ".join(["1"] * 17) + " 77 0\n")
+
+
 def gpu_uuid(index: int) -> str:
     return f"GPU-{index:08x}-1111-2222-3333-444455556666"
 

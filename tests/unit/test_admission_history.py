@@ -212,3 +212,74 @@ def test_a_scrape_decodes_no_run_it_read_before(tmp_path: Path) -> None:
     node.clock.now += 1.0
     assert figures()["gpud_admission_quote_error_seconds"] == mean
     node.store.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    jobs,
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "end", "ask"]),
+            times,
+            times,
+            st.sampled_from([0.25, 0.5, 1.0]),
+        ),
+        max_size=30,
+    ),
+    st.integers(1, 8),
+)
+def test_packing_efficiency_with_jobs_added_and_ended_equals_it_made_afresh(
+    ran: list[tuple[float, float, float | None, float]],
+    steps: list[tuple[str, float, float, float]],
+    mark_every: int,
+) -> None:
+    """Jobs added after the others and runs that end, each taken in where it stands, against
+    the sweep made afresh (asked in between, so that the kept sweep has gone past them and
+    goes back to a mark before them)."""
+    jobs_now = list(ran)
+    kept = PackingEfficiency(jobs_now, mark_every=mark_every)
+    now = 0.0
+    for what, a, b, share in steps:
+        running = [i for i, j in enumerate(jobs_now) if j[2] is None]
+        if what == "add":
+            job = (a, a + b, None if share == 1.0 else a + b + 1.0, share)
+            kept.add(job, (len(jobs_now),))
+            jobs_now.append(job)
+        elif what == "end" and running:
+            i = running[int(a) % len(running)]
+            queued, started, _, s = jobs_now[i]
+            kept.remove(jobs_now[i], (i,))
+            jobs_now[i] = (queued, started, started + b, s)
+            kept.add(jobs_now[i], (i,))
+        else:
+            now = a * 3
+        assert kept.at(now) == packing_efficiency(jobs_now, now=now)
+
+
+def test_runs_started_and_ended_change_the_views_in_place(tmp_path: Path) -> None:
+    """A run added or ended is taken into the views kept for the window (not made afresh
+    from every run in it); a run leaving the window has them made afresh. Either way they
+    are the views made afresh."""
+    node = make_node(tmp_path, Clock())
+    serial = [0]
+    for i in range(40):
+        apply(node, ("add", i % len(REQUESTS), 30.0, 600.0, 100.0 if i % 4 else None, 5.0), serial)
+    node.admission.config = replace(node.admission.config, history_window_s=3600.0)
+
+    def views() -> object:
+        assert node.admission.explain() == fresh(node)
+        window = node.admission._window
+        assert window is not None
+        return window[2]
+
+    kept = views()
+    for step in [
+        ("add", 1, 10.0, 5.0, None, 3.0),
+        ("end", 0, 2.0, False),
+        ("add", 2, 0.0, 0.0, 1.0, None),
+    ]:
+        node.clock.now += 1.0
+        apply(node, step, serial)
+        assert views() is kept
+    node.clock.now += 3600.0  # every run leaves the window
+    assert views() is not kept

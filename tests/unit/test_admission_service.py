@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sqlite3
 import subprocess
 import threading
@@ -19,6 +20,7 @@ from gpud.admission.passes import Inline, Passes, PassRunner
 from gpud.admission.service import (
     LEFT,
     QUEUED,
+    SCHEMA,
     STARTED,
     AdmissionService,
     HistoryRow,
@@ -29,6 +31,7 @@ from gpud.errors import ConfigError, FailedPrecondition, InvalidArgument, Resour
 from gpud.events import EventLog
 from gpud.jobs.api import run_end
 from gpud.jobs.ends import EndCause, RunEnd
+from gpud.jobs.placement import user_name
 from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, RunRequest
 from gpud.mps.api import MpsServicer
@@ -37,8 +40,9 @@ from gpud.store import StateStore
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import GpuSample
 from gpud.v1 import jobs_pb2, mps_pb2
+from gpud.v1 import queue_pb2 as pb_queue
 from gpud.v1.queue_pb2 import ListQueueRequest
-from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, snapshot
+from tests.unit.mps_support import FAKE_CONTROL, fake_proc, gpu_sample, snapshot
 
 GIB = 1 << 30
 
@@ -75,14 +79,24 @@ def make_node(
     store_type: type[StateStore] = StateStore,
     jobs_type: type[JobService] = JobService,
     config: AdmissionConfig | None = None,
+    proc_root: Path = Path("/proc"),
 ) -> Node:
     store = store_type(root / "state")
     events = EventLog(None)
     mps = MpsManager(store, events, root / "run", FAKE_CONTROL, enabled=False)
     mps.reconcile(snapshot(gpu_sample(0), gpu_sample(1)))
-    jobs = jobs_type(store, events, mps, socket_path=root / "gpud.sock", clock=clock)
+    jobs = jobs_type(
+        store, events, mps, socket_path=root / "gpud.sock", clock=clock, proc_root=proc_root
+    )
     admission = AdmissionService(
-        store, jobs, mps, events, config or AdmissionConfig(), clock=clock, passes=passes
+        store,
+        jobs,
+        mps,
+        events,
+        config or AdmissionConfig(),
+        clock=clock,
+        passes=passes,
+        proc_root=proc_root,
     )
     return Node(root, store, mps, jobs, admission, clock, events)
 
@@ -917,6 +931,78 @@ def test_a_history_the_previous_version_wrote_is_kept_and_goes_on(tmp_path: Path
         node.store.close()
 
 
+def test_the_queue_and_the_history_name_the_user_of_each_run(tmp_path: Path) -> None:
+    """A queued entry shows the real UID of its waiting gpuctl run as read when it queued
+    (a listing reads no /proc), a run in the history its reservation's; unknown: none."""
+    proc = tmp_path / "proc"
+    alice, bob = os.getpid(), os.getppid()  # alive, as the queue's holders must be
+    fake_proc(proc, alice, 1000)
+    fake_proc(proc, bob, 1001)
+    node = make_node(tmp_path, Clock(), proc_root=proc)
+    try:
+        held = node.jobs.reserve(whole("a", 2, holder=alice)).reservation
+        node.admission.enqueue(whole("b", holder=bob))
+        node.admission.enqueue(whole("c"))  # no holder: no user
+        (proc / str(bob) / "status").write_text("Name:\tgpuctl\n")  # no Uid line now
+        from gpud.cli.queue import entry_row
+
+        listed = [entry_message(v) for v in node.admission.queue_views()]
+        assert [(m.job, m.HasField("holder_uid")) for m in listed] == [("b", True), ("c", False)]
+        assert (listed[0].holder_uid, listed[0].holder_user) == (1001, user_name(1001))
+        assert [entry_row(m)[3] for m in listed] == [user_name(1001), "-"]
+        fake_proc(proc / "again", bob, 1001)
+        (proc / str(bob) / "status").write_text((proc / "again" / str(bob) / "status").read_text())
+        node.jobs.release(held.id)
+        node.admission.tick()
+        history = {h.job: history_message(h) for h in node.admission.history()}
+        users = {job: (m.holder_uid, m.holder_user) for job, m in history.items()}
+        assert users["a"] == (1000, user_name(1000))
+        assert users["b"] == (1001, user_name(1001))
+        assert not history["c"].HasField("holder_uid") and history["c"].holder_user == ""
+    finally:
+        node.store.close()
+
+
+# the queue as the version before its user column declared it
+PREVIOUS_QUEUE = SCHEMA[0].replace(",\n        holder_uid INTEGER", "")
+assert SCHEMA[0] != PREVIOUS_QUEUE
+
+
+def test_a_queue_and_history_an_earlier_version_wrote_gain_their_users(tmp_path: Path) -> None:
+    """A state.db whose queue and history rows have no user column: they are kept, with no
+    user known, and new rows name theirs."""
+    store = StateStore(tmp_path / "state")
+    with store.transaction() as conn:
+        conn.execute(PREVIOUS_HISTORY)
+        conn.execute(PREVIOUS_QUEUE)
+        conn.execute(
+            "INSERT INTO job_history (job, reservation, request_class, request, queued_at,"
+            " started_at, ended_at) VALUES ('old', 'r0', '1 GPU', ?, 900, 910, 950)",
+            (run_request_to_json(RunRequest(job="old", gpu_count=1)),),
+        )
+        conn.execute(
+            "INSERT INTO admission_queue (id, job, request, enqueued_at, state, changed_at)"
+            " VALUES ('e0', 'waits', ?, 990, 'queued', 990)",
+            # never fits: it stays queued
+            (run_request_to_json(RunRequest(job="waits", gpu_count=1, memory_bytes=1 << 62)),),
+        )
+    store.close()
+    proc = tmp_path / "proc"
+    fake_proc(proc, os.getpid(), 1000)
+    node = make_node(tmp_path, Clock(), proc_root=proc)
+    try:
+        new = node.admission.enqueue(whole("new", 2, holder=os.getpid()))
+        (waits,) = map(entry_message, node.admission.queue_views())
+        assert waits.job == "waits" and not waits.HasField("holder_uid")
+        started = entry_message(node.admission.view(new.entry.id))
+        assert started.state == pb_queue.ENTRY_STATE_STARTED and started.holder_uid == 1000
+        history = {h.job: history_message(h) for h in node.admission.history()}
+        assert not history["old"].HasField("holder_uid")
+        assert history["new"].holder_uid == 1000
+    finally:
+        node.store.close()
+
+
 def test_a_run_released_by_a_gpud_that_kept_no_history_ends_at_start(tmp_path: Path) -> None:
     """A gpud older than the job history (started on the state directory in between, after
     a downgrade) released a run this one recorded as started: the row no longer runs for
@@ -1019,7 +1105,7 @@ def test_a_blocker_past_its_estimate_is_said_instead_of_a_short_quote(node: Node
         " estimate: a (estimated 2.0 s)"
     )
     row = entry_row(msg)
-    assert row[5] == "overdue" and row[6].endswith(
+    assert row[6] == "overdue" and row[7].endswith(
         "; past the estimate: a ran 5.0 s, estimated 2.0 s"
     )
 

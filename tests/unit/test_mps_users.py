@@ -26,7 +26,14 @@ from gpud.mps.manager import MpsManager, targets_from_snapshot
 from gpud.mps.procs import real_uid
 from gpud.shared import GIB
 from gpud.store import StateStore
-from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, gpu_uuid, mig_uuid, snapshot
+from tests.unit.mps_support import (
+    FAKE_CONTROL,
+    fake_proc,
+    gpu_sample,
+    gpu_uuid,
+    mig_uuid,
+    snapshot,
+)
 
 NODE = snapshot(
     gpu_sample(0, migs=(("3g.40gb", 40), ("3g.40gb", 40))),
@@ -116,14 +123,6 @@ def test_memory_refusals_come_before_users() -> None:
 
 
 # -- the jobs service: the holder's UID from /proc --------------------------------------
-
-
-def fake_proc(root: Path, pid: int, uid: int) -> None:
-    (root / str(pid)).mkdir(parents=True)
-    (root / str(pid) / "status").write_text(
-        f"Name:\tgpuctl\nState:\tS (sleeping)\nUid:\t{uid}\t0\t{uid}\t{uid}\nGid:\t0\t0\t0\t0\n"
-    )
-    (root / str(pid) / "stat").write_text(f"{pid} (gpuctl) S " + " ".join(["1"] * 17) + " 77 0\n")
 
 
 @pytest.fixture
