@@ -33,6 +33,11 @@ def register(subparsers: Subparsers) -> None:
     parser.set_defaults(run=run)
 
 
+# Messages are padded to this many characters at most, so that the FIELDS of most events line
+# up without every line taking the width of the longest message in the listing.
+MESSAGE_PAD = 72
+
+
 def _fields(event: pb.Event) -> dict[str, Any]:
     return message_to_dict(event.fields) if event.HasField("fields") else {}
 
@@ -59,5 +64,5 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
         fields = _fields(event)
         detail = " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(fields.items()))
         rows.append((_when(event.time_unix_seconds), event.kind, event.message, detail))
-    ctx.out.print_table(("TIME", "KIND", "MESSAGE", "FIELDS"), rows)
+    ctx.out.print_table(("TIME", "KIND", "MESSAGE", "FIELDS"), rows, pad_at_most={2: MESSAGE_PAD})
     return 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
@@ -100,12 +100,22 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Left-aligned columns two spaces apart; the last column is not padded."""
+def format_table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    pad_at_most: Mapping[int, int] | None = None,
+) -> str:
+    """Left-aligned columns two spaces apart; the last column is not padded. Column ``i`` is
+    padded to at most ``pad_at_most[i]`` characters where it names ``i``: a longer cell is shown
+    whole and pushes the rest of its own row right, instead of every row being padded to
+    the longest one (an event's message of 300 characters)."""
     widths = [len(h) for h in headers]
     for row in rows:
         for i, cell in enumerate(row):
             widths[i] = max(widths[i], len(cell))
+    for i, most in (pad_at_most or {}).items():
+        widths[i] = min(widths[i], max(most, len(headers[i])))
     lines = []
     for row in (headers, *rows):
         cells = [cell.ljust(widths[i]) for i, cell in enumerate(row)]
@@ -208,5 +218,11 @@ class Output:
             value = {**value, "notes": list(self.notes)}
         self.write(json.dumps(value, indent=2) + "\n")
 
-    def print_table(self, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-        self.print(format_table(headers, rows))
+    def print_table(
+        self,
+        headers: Sequence[str],
+        rows: Sequence[Sequence[str]],
+        *,
+        pad_at_most: Mapping[int, int] | None = None,
+    ) -> None:
+        self.print(format_table(headers, rows, pad_at_most=pad_at_most))

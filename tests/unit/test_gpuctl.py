@@ -864,6 +864,13 @@ def test_display_helpers() -> None:
         "1d 1h 01m",
     ]
     assert format_table(("A", "BB"), [("xyz", "1"), ("", "22")]) == "A    BB\nxyz  1\n     22"
+    # a column padded to at most 4: the long cell pushes only its own row's rest right
+    rows = [("a", "x" * 10, "1"), ("b", "yy", "2")]
+    assert format_table(("K", "MSG", "F"), rows, pad_at_most={1: 4}).splitlines() == [
+        "K  MSG   F",
+        "a  xxxxxxxxxx  1",
+        "b  yy    2",
+    ]
 
 
 def test_gpud_dying_during_a_call_is_not_called_not_running(sock_dir: Path) -> None:
