@@ -18,6 +18,7 @@ from gpud.files import make_dirs, write_atomically
 from gpud.main import main
 from gpud.main import make_dirs as make_gpud_dirs
 from gpud.store import StateStore
+from tests.unit.nvml_doubles import answering
 
 
 @pytest.fixture(params=[0o022, 0o077, 0o000], ids=["umask022", "umask077", "umask000"])
@@ -128,10 +129,11 @@ def test_check_config_warns_of_a_cluster_key_other_users_may_read(
         f'key_file = "{key}"\n'
     )
     os.chmod(key, 0o640)  # a group's (ssl-cert) is the operator's choice
-    assert main(["--check-config", "--config", str(path)]) == 0
+    check = ["--check-config", "--config", str(path)]
+    assert main(check, nvml=answering()) == 0
     assert capsys.readouterr().err == ""
     os.chmod(key, 0o644)
-    assert main(["--check-config", "--config", str(path)]) == 0  # a warning, not a refusal
+    assert main(check, nvml=answering()) == 0  # a warning, not a refusal
     out = capsys.readouterr()
     assert out.out == "config OK\n"
     assert out.err == (
