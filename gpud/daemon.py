@@ -317,7 +317,13 @@ class Daemon:
             cgroups=mps_cgroups,
             no_cgroups=no_mps_cgroups,
         )
-        self.jobs = JobService(self.store, self.events, self.mps, socket_path=config.socket_path)
+        self.jobs = JobService(
+            self.store,
+            self.events,
+            self.mps,
+            socket_path=config.socket_path,
+            products=self._products,
+        )
         self.admission = AdmissionService(
             self.store,
             self.jobs,

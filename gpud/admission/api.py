@@ -31,7 +31,7 @@ from gpud.api.validate import int_range, non_empty, optional, optional_pid
 from gpud.errors import InvalidArgument, NotFound
 from gpud.jobs.api import kind_from_pb, reservation_message
 from gpud.jobs.env import REPORT_TOKEN_VAR
-from gpud.jobs.placement import user_name
+from gpud.jobs.placement import user_name, user_names
 from gpud.jobs.registry import check_devices, check_name, check_owner
 from gpud.jobs.service import RunRequest
 from gpud.shared import WAITING_ON_COLOCATION
@@ -92,21 +92,6 @@ def reserve_request(r: RunRequest) -> jobs_pb2.ReserveRequest:
         if value is not None:
             setattr(msg, field, value)
     return msg
-
-
-def user_names() -> Callable[[int], str]:
-    """:func:`~gpud.jobs.placement.user_name`, each UID asked once: a listing names the
-    user of every entry, mostly the same few (an unknown UID costs a scan of the user
-    database each time)."""
-    names: dict[int, str] = {}
-
-    def name_of(uid: int) -> str:
-        name = names.get(uid)
-        if name is None:
-            name = names[uid] = user_name(uid)
-        return name
-
-    return name_of
 
 
 def entry_message(v: EntryView, name_of: Callable[[int], str] = user_name) -> pb.QueueEntry:
@@ -202,7 +187,7 @@ def history_message(h: HistoryRow, name_of: Callable[[int], str] = user_name) ->
 def waiter_message(w: WaiterView, now_unix: float) -> pb.QueueEntry:
     """A ``gpuctl run`` that waited for co-location (outside the queue: no position, no
     request shape, no quote), taken out: as Leave answers it."""
-    return pb.QueueEntry(
+    msg = pb.QueueEntry(
         id=w.id,
         job=w.job,
         state=pb.ENTRY_STATE_LEFT,
@@ -210,6 +195,10 @@ def waiter_message(w: WaiterView, now_unix: float) -> pb.QueueEntry:
         waited_seconds=w.waited_s,
         waiting_on=WAITING_ON_COLOCATION,
     )
+    if w.uid is not None:
+        msg.holder_uid = w.uid
+        msg.holder_user = user_name(w.uid)
+    return msg
 
 
 def _signal_name(value: str | None) -> str | None:

@@ -395,3 +395,17 @@ def product_key_for(nvml_name: str, memory_total_bytes: int) -> str | None:
         if best is None or abs(p.memory_mib - mib) < abs(best.memory_mib - mib):
             best = p
     return best.key if best else None
+
+
+def mig_profile_names(product: ProductSpec) -> tuple[str, ...]:
+    """The MIG profiles a job may name on ``product``: its GPU instance profiles
+    (``nvidia-smi mig -lgip``), then their compute instance profiles (``-lcip``)."""
+    names = [gi.name for gi in product.mig_profiles]
+    names += [ci.name for gi in product.mig_profiles for ci in product.ci_profiles(gi)]
+    return tuple(dict.fromkeys(names))
+
+
+# Every MIG profile of a product gpud knows: a name outside it is no MIG device on any of them.
+KNOWN_MIG_PROFILES: frozenset[str] = frozenset(
+    name for p in PRODUCTS.values() for name in mig_profile_names(p)
+)

@@ -148,8 +148,10 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         )
         ctx.out.print(f"processes of no job (their memory held, their GPU never free): {strangers}")
     for w in resp.waiting:
+        user = f" (user {w.holder_user})" if w.HasField("holder_uid") else ""
         ctx.out.print(
-            f"waiting for a GPU (gpuctl run): {w.job} for {seconds(w.waited_seconds)}: {w.reason}"
+            f"waiting for a GPU (gpuctl run): {w.job} for {seconds(w.waited_seconds)}{user}:"
+            f" {w.reason}"
         )
     ctx.out.print(
         "speed: throughput shared over alone (1.00: no slowdown), observed for jobs that "

@@ -111,6 +111,20 @@ def slo_ms(text: str) -> float:
 INT32 = integer(-(2**31), 2**31 - 1)
 UINT32 = integer(0, 2**32 - 1)
 UINT64 = integer(0, 2**64 - 1)
+_INDEX = integer(0, 2**31 - 1)  # the int32 field a GPU index goes in; no GPU is numbered below 0
+
+
+def gpu_index(text: str) -> int:
+    """An argparse ``type``: a GPU index as gpud numbers the node's GPUs (``gpuctl
+    gpus``), for every option that takes one; a UUID or a negative number is refused
+    saying what is expected (gpud says which indexes the node has)."""
+    try:
+        return _INDEX(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"GPU index: expected a number 0..N-1 for a node of N GPUs (gpuctl gpus lists"
+            f" them), got {text!r}"
+        ) from None
 
 
 # exit code -> gRPC status code name, for a failure of gpuctl's own (no daemon answer):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpud.cli.context import INT32, Context, Subparsers
+from gpud.cli.context import Context, Subparsers, gpu_index
 from gpud.cli.output import NA, UNKNOWN, gib, last_seen, percent
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
@@ -14,7 +14,7 @@ HEADERS = ("GPU", "MODEL", "UUID", "HEALTH", "MEM GiB", "UTIL", "POWER", "TEMP",
 
 def register(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser("gpus", help="GPUs and MIG devices with their latest sample")
-    parser.add_argument("--gpu", type=INT32, metavar="INDEX", help="only this GPU")
+    parser.add_argument("--gpu", type=gpu_index, metavar="INDEX", help="only this GPU")
     parser.set_defaults(run=run)
 
 

@@ -44,6 +44,7 @@ HEADERS = (
 # Co-location state per job (``gpuctl colo show`` explains the node as a whole).
 COLO_HEADERS = ("COLO ON", "SHARE", "DUTY", "GUARD")
 KINDS = ("training", "inference")
+GPU_COUNT = integer(1, 2**32 - 1)  # a job asks one GPU at least
 
 
 def kind_value(name: str | None) -> pb.JobKind.ValueType:
@@ -70,7 +71,7 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
     where.add_argument(
         "--mig", metavar="PROFILE", help="one MIG device of this profile, e.g. 3g.40gb"
     )
-    where.add_argument("--gpus", type=UINT32, metavar="N", help="N whole GPUs")
+    where.add_argument("--gpus", type=GPU_COUNT, metavar="N", help="N whole GPUs")
     where.add_argument(
         "--devices",
         metavar="DEVICE,...",
@@ -315,17 +316,27 @@ def run_add(ctx: Context, args: argparse.Namespace) -> int:
                 request=pb.ReserveRequest(job=args.name), keep_unfeasible=True
             ),
         )
+        if not entry.unfeasible_reason:  # else the queued line says why
+            warn_never(ctx, resp)
         if ctx.out.json:
             ctx.out.print_json({"job": resp.job, "entry": entry})
         else:
             ctx.out.print_table(HEADERS, [job_row(resp.job)])
             ctx.out.print(queued_line(entry))
         return 0
+    warn_never(ctx, resp)
     if ctx.out.json:
         ctx.out.print_json(resp.job)
     else:
         ctx.out.print_table(HEADERS, [job_row(resp.job)])
     return 0
+
+
+def warn_never(ctx: Context, resp: pb.AddJobResponse) -> None:
+    """gpud's warnings on a job registered that can never start on this node as it is
+    (``gpuctl run`` refuses it until a MIG layout or GPU comes that hosts it)."""
+    for said in resp.warnings:
+        ctx.out.note(f"warning: {said}")
 
 
 def queued_line(entry: queue_pb2.QueueEntry) -> str:

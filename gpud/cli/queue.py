@@ -90,7 +90,7 @@ def waiter_row(w: colo_pb2.ColoWaiter) -> tuple[str, ...]:
         "-",
         w.id or "-",  # a gpud that names no waiter ids
         w.job,
-        "-",
+        w.holder_user if w.HasField("holder_uid") else "-",
         "-",
         seconds(w.waited_seconds),
         "-",

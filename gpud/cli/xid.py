@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from gpud.cli.context import EXIT_USAGE, INT32, CliError, Context, Subparsers, integer
+from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers, gpu_index, integer
 from gpud.cli.output import NA
 from gpud.shared import MAX_XID
 from gpud.v1 import node_pb2 as pb
@@ -37,11 +37,11 @@ def register(subparsers: Subparsers) -> None:
     xid.set_defaults(run=run_list, gpu=None)
     actions = xid.add_subparsers(dest="xid_command", metavar="COMMAND")
     list_ = actions.add_parser("list", help="every uncleared critical XID (the default)")
-    list_.add_argument("--gpu", type=INT32, metavar="INDEX", help="only this GPU")
+    list_.add_argument("--gpu", type=gpu_index, metavar="INDEX", help="only this GPU")
     list_.set_defaults(run=run_list)
     clear = actions.add_parser("clear", help="forget a GPU's critical XIDs, or one of them")
-    clear.add_argument("gpu", type=INT32, nargs="?", metavar="GPU", help="GPU index")
-    clear.add_argument("--gpu", type=INT32, dest="gpu_option", metavar="INDEX", help="the same")
+    clear.add_argument("gpu", type=gpu_index, nargs="?", metavar="GPU", help="GPU index")
+    clear.add_argument("--gpu", type=gpu_index, dest="gpu_option", metavar="INDEX", help="the same")
     clear.add_argument(
         "--xid", type=XID_CODE, metavar="CODE", help="only this code (default: every one)"
     )

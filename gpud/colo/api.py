@@ -16,6 +16,7 @@ from gpud.api.access import ReportTokens
 from gpud.api.validate import optional, optional_pid
 from gpud.colo.service import ColoService
 from gpud.errors import InvalidArgument, NotFound
+from gpud.jobs.placement import user_names
 from gpud.jobs.registry import check_name
 from gpud.telemetry.snapshot import Snapshot
 from gpud.v1 import colo_pb2 as pb
@@ -126,14 +127,18 @@ class ColoServicer(pb_grpc.ColocationServicer):
             out.refused.add(residents=residents, check=check, count=count)
         out.unattributed_processes.update(v.strangers)
         wall = self._wall()
+        name_of = user_names()
         for w in v.waiting:
-            out.waiting.add(
+            waiter = out.waiting.add(
                 job=w.job,
                 waited_seconds=w.waited_s,
                 reason=w.reason,
                 id=w.id,
                 since_unix_seconds=wall - w.waited_s,
             )
+            if w.uid is not None:
+                waiter.holder_uid = w.uid
+                waiter.holder_user = name_of(w.uid)
         for p in out.placements:
             if p.gpu in v.faulty:
                 p.reason = f"GPU {p.gpu} {v.faulty[p.gpu]}: left alone until it answers"

@@ -339,6 +339,7 @@ class WaiterView(NamedTuple):
     waited_s: float
     reason: str
     id: str  # what `gpuctl queue --leave` takes
+    uid: int | None = None  # its run's user, where its question named the holder's PID
 
 
 def _nothing() -> None:
@@ -1523,7 +1524,7 @@ class ColoService:
             job=w.job,
             entry=w.id,
         )
-        return WaiterView(w.job, now - w.since, w.reason, w.id)
+        return WaiterView(w.job, now - w.since, w.reason, w.id, w.uid)
 
     def _off_for(self, waiter: str) -> None:
         """Refuse advice while the loop is off: ``gpuctl run`` then places its job as the
@@ -1570,7 +1571,7 @@ class ColoService:
         with self._lock:
             gone = self._forget_gone(now)
             order = sorted(self._waiting.values(), key=lambda w: (w.since, w.job, w.id))
-            out = [WaiterView(w.job, now - w.since, w.reason, w.id) for w in order]
+            out = [WaiterView(w.job, now - w.since, w.reason, w.id, w.uid) for w in order]
         self._say_gone(gone, now)
         return out
 

@@ -161,9 +161,9 @@ class JobsServicer(pb_grpc.JobsServicer):
 
     async def AddJob(self, request: pb.AddJobRequest, context: Any) -> pb.AddJobResponse:  # noqa: N802
         def add() -> pb.AddJobResponse:
-            return pb.AddJobResponse(
-                job=self._message(self._service.add(spec_from_pb(request.job)))
-            )
+            job = self._service.add(spec_from_pb(request.job))
+            never = self._service.cannot_start(job)
+            return pb.AddJobResponse(job=self._message(job), warnings=[never] if never else [])
 
         return await asyncio.to_thread(add)
 

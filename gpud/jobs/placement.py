@@ -116,6 +116,20 @@ def user_name(uid: int) -> str:
         return str(uid)
 
 
+def user_names() -> Callable[[int], str]:
+    """:func:`user_name`, each UID asked once: a listing names the user of every entry,
+    mostly the same few (an unknown UID costs a scan of the user database each time)."""
+    names: dict[int, str] = {}
+
+    def name_of(uid: int) -> str:
+        name = names.get(uid)
+        if name is None:
+            name = names[uid] = user_name(uid)
+        return name
+
+    return name_of
+
+
 def device_loads(reserved: Mapping[tuple[str, str], int]) -> dict[str, DeviceLoad]:
     """Per device, from :meth:`Reservations.reserved`: the memory reserved and the jobs."""
     memory: dict[str, int] = {}

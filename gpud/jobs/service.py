@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from gpud.backend.products import KNOWN_MIG_PROFILES, PRODUCTS, mig_profile_names
 from gpud.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -117,11 +118,15 @@ class JobService:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         lock: AbstractContextManager[object] | None = None,
+        products: Callable[[], Mapping[int, str]] = lambda: {},
     ) -> None:
         """``clock``: Unix time, what is stored. ``monotonic``: what a grace this process
         gives is measured by (the wall clock steps). ``lock``: the placement lock (a
         re-entrant one; default a new ``threading.RLock``), which comes before the MPS
-        manager's lock and the state store's."""
+        manager's lock and the state store's. ``products``: GPU index -> product key of
+        the node's GPUs ("" where unknown), whose MIG tables a job's profile is checked
+        against."""
+        self._products = products
         self.store = store  # the API's short reads use its reading connection
         self._clock = clock
         # released runs whose processes left get SIGKILL, kept across restarts
@@ -262,11 +267,43 @@ class JobService:
 
     # -- registry --------------------------------------------------------------------------
     def add(self, spec: JobSpec) -> JobSpec:
+        self.check_mig_profile(spec.mig_profile)
         if spec.devices:
             spec = replace(spec, devices=self.device_uuids(spec.devices))
         job = self.registry.add(spec)
         self.say_added(job)
         return job
+
+    def check_mig_profile(self, profile: str | None) -> None:
+        """Refuse (InvalidArgument) a MIG profile that no product gpud knows has, naming
+        the profiles of this node's GPUs. Taken while a GPU here is of a product gpud has
+        no table for (its own table may have it), or before the GPUs were read."""
+        if profile is None or profile in KNOWN_MIG_PROFILES:
+            return
+        keys = sorted(set(self._products().values()))
+        if not keys or any(k not in PRODUCTS for k in keys):
+            return
+        gi = list(dict.fromkeys(g.name for k in keys for g in PRODUCTS[k].mig_profiles))
+        ci = [n for k in keys for n in mig_profile_names(PRODUCTS[k]) if n not in gi]
+        takes = f"take {', '.join(gi)}" if gi else "have no MIG"
+        if ci:  # a compute instance of one: "1c.3g.40gb"
+            takes += f", or a compute instance of one ({ci[0]}, ...)"
+        raise InvalidArgument(
+            f"{profile!r} is a MIG profile of no GPU gpud knows; this node's GPUs"
+            f" ({', '.join(keys)}) {takes}",
+            field="mig",
+        )
+
+    def cannot_start(self, spec: JobSpec) -> str | None:
+        """Why ``spec`` can never start on this node as it is now (the admission queue's
+        verdict: the GPUs it asks are not here, no device has its MIG profile), or None.
+        A job may be registered all the same: a MIG layout applied later may host it."""
+        with self._lock:
+            try:
+                self.refuse_never(spec)
+            except FailedPrecondition as err:
+                return str(err)
+        return None
 
     def say_added(self, job: JobSpec) -> None:
         """The event of ``job`` registered (once its transaction committed)."""
@@ -434,6 +471,7 @@ class JobService:
         a new job is registered in the transaction of its first reservation or queue entry,
         so that a refusal or a crash before then leaves none behind."""
         with self._lock:
+            self.check_mig_profile(request.mig_profile)
             job = self.registry.find(request.job)
             created = job is None
             if job is None:

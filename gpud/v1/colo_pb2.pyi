@@ -360,6 +360,8 @@ class ColoWaiter(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     ID_FIELD_NUMBER: _builtins.int
     SINCE_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    HOLDER_UID_FIELD_NUMBER: _builtins.int
+    HOLDER_USER_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     waited_seconds: _builtins.float
     reason: _builtins.str
@@ -367,6 +369,11 @@ class ColoWaiter(_message.Message):
     """Queue.Leave takes it out (`gpuctl queue --leave ID`)"""
     since_unix_seconds: _builtins.float
     """when it began to wait"""
+    holder_uid: _builtins.int
+    """Its run's user (the UID of the gpuctl run that asks, as QueueEntry.holder_uid), absent
+    where its question named no holder PID; holder_user: that user's name, else the number.
+    """
+    holder_user: _builtins.str
     def __init__(
         self,
         *,
@@ -375,12 +382,16 @@ class ColoWaiter(_message.Message):
         reason: _builtins.str = ...,
         id: _builtins.str = ...,
         since_unix_seconds: _builtins.float = ...,
+        holder_uid: _builtins.int | None = ...,
+        holder_user: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_holder_uid", b"_holder_uid", "holder_uid", b"holder_uid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "job", b"job", "reason", b"reason", "since_unix_seconds", b"since_unix_seconds", "waited_seconds", b"waited_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_holder_uid", b"_holder_uid", "holder_uid", b"holder_uid", "holder_user", b"holder_user", "id", b"id", "job", b"job", "reason", b"reason", "since_unix_seconds", b"since_unix_seconds", "waited_seconds", b"waited_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__holder_uid: _TypeAlias = _typing.Literal["holder_uid"]  # noqa: Y015
+    _WhichOneofArgType__holder_uid: _TypeAlias = _typing.Literal["_holder_uid", b"_holder_uid"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__holder_uid) -> _WhichOneofReturnType__holder_uid | None: ...
 
 Global___ColoWaiter: _TypeAlias = ColoWaiter  # noqa: Y015
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12gpud/v1/jobs.proto\x12\x07gpud.v1\"\xc0\x02\n\x0eJobReservation\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x03 \x03(\t\x12\x1c\n\x0fthreads_percent\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1f\n\x12memory_limit_bytes\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x17\n\x0f\x63lient_priority\x18\x06 \x01(\r\x12\x17\n\nholder_pid\x18\x07 \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x14\x63reated_unix_seconds\x18\x08 \x01(\x01\x12\x17\n\nholder_uid\x18\t \x01(\rH\x03\x88\x01\x01\x12\x13\n\x0bholder_user\x18\n \x01(\tB\x12\n\x10_threads_percentB\x15\n\x13_memory_limit_bytesB\r\n\x0b_holder_pidB\r\n\x0b_holder_uid\"|\n\nJobProcess\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0b\n\x03gpu\x18\x02 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x1e\n\x11used_memory_bytes\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06source\x18\x05 \x01(\tB\x14\n\x12_used_memory_bytes\"\xf4\x03\n\x03Job\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x04kind\x18\x02 \x01(\x0e\x32\x10.gpud.v1.JobKind\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x18\n\x0bmig_profile\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\x16\n\tgpu_count\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fthreads_percent\x18\x07 \x01(\rH\x02\x88\x01\x01\x12\x1f\n\x12memory_limit_bytes\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12\x1c\n\x0f\x63lient_priority\x18\t \x01(\rH\x04\x88\x01\x01\x12\x17\n\nslo_p99_ms\x18\n \x01(\x01H\x05\x88\x01\x01\x12\x1c\n\x14\x63reated_unix_seconds\x18\x0b \x01(\x01\x12-\n\x0creservations\x18\x0c \x03(\x0b\x32\x17.gpud.v1.JobReservation\x12&\n\tprocesses\x18\r \x03(\x0b\x32\x13.gpud.v1.JobProcess\x12\x16\n\x0eunhealthy_gpus\x18\x0e \x03(\tB\x0e\n\x0c_mig_profileB\x0c\n\n_gpu_countB\x12\n\x10_threads_percentB\x15\n\x13_memory_limit_bytesB\x12\n\x10_client_priorityB\r\n\x0b_slo_p99_ms\"*\n\rAddJobRequest\x12\x19\n\x03job\x18\x01 \x01(\x0b\x32\x0c.gpud.v1.Job\"+\n\x0e\x41\x64\x64JobResponse\x12\x19\n\x03job\x18\x01 \x01(\x0b\x32\x0c.gpud.v1.Job\"/\n\x10RemoveJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\".\n\x11RemoveJobResponse\x12\x19\n\x03job\x18\x01 \x01(\x0b\x32\x0c.gpud.v1.Job\"-\n\x0fListJobsRequest\x12\x11\n\x04name\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\".\n\x10ListJobsResponse\x12\x1a\n\x04jobs\x18\x01 \x03(\x0b\x32\x0c.gpud.v1.Job\"\x88\x04\n\x0eReserveRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x1e\n\x04kind\x18\x02 \x01(\x0e\x32\x10.gpud.v1.JobKind\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x18\n\x0bmig_profile\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x16\n\tgpu_count\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07\x64\x65vices\x18\x06 \x03(\t\x12\x1c\n\x0fthreads_percent\x18\x07 \x01(\rH\x02\x88\x01\x01\x12\x1f\n\x12memory_limit_bytes\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12\x1c\n\x0f\x63lient_priority\x18\t \x01(\rH\x04\x88\x01\x01\x12\x17\n\nholder_pid\x18\n \x01(\rH\x05\x88\x01\x01\x12\x17\n\x0f\x61\x64vised_devices\x18\x0b \x03(\t\x12$\n\x17\x61\x64vised_threads_percent\x18\x0c \x01(\rH\x06\x88\x01\x01\x12!\n\x14holder_pid_namespace\x18\r \x01(\x04H\x07\x88\x01\x01\x42\x0e\n\x0c_mig_profileB\x0c\n\n_gpu_countB\x12\n\x10_threads_percentB\x15\n\x13_memory_limit_bytesB\x12\n\x10_client_priorityB\r\n\x0b_holder_pidB\x1a\n\x18_advised_threads_percentB\x17\n\x15_holder_pid_namespace\"\xcb\x01\n\x0fReserveResponse\x12\x19\n\x03job\x18\x01 \x01(\x0b\x32\x0c.gpud.v1.Job\x12,\n\x0breservation\x18\x02 \x01(\x0b\x32\x17.gpud.v1.JobReservation\x12.\n\x03\x65nv\x18\x03 \x03(\x0b\x32!.gpud.v1.ReserveResponse.EnvEntry\x12\x13\n\x0b\x63reated_job\x18\x04 \x01(\x08\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa2\x01\n\x0eReleaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x16\n\texit_code\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0b\x65xit_signal\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0bsince_end_s\x18\x04 \x01(\x01H\x02\x88\x01\x01\x42\x0c\n\n_exit_codeB\x0e\n\x0c_exit_signalB\x0e\n\x0c_since_end_s\"P\n\x0fReleaseResponse\x12,\n\x0breservation\x18\x01 \x01(\x0b\x32\x17.gpud.v1.JobReservation\x12\x0f\n\x07removed\x18\x02 \x01(\x08\"\x1f\n\x10GetJobEnvRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"q\n\x11GetJobEnvResponse\x12\x30\n\x03\x65nv\x18\x01 \x03(\x0b\x32#.gpud.v1.GetJobEnvResponse.EnvEntry\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*R\n\x07JobKind\x12\x18\n\x14JOB_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_KIND_TRAINING\x10\x01\x12\x16\n\x12JOB_KIND_INFERENCE\x10\x02\x32\x86\x03\n\x04Jobs\x12\x39\n\x06\x41\x64\x64Job\x12\x16.gpud.v1.AddJobRequest\x1a\x17.gpud.v1.AddJobResponse\x12\x42\n\tRemoveJob\x12\x19.gpud.v1.RemoveJobRequest\x1a\x1a.gpud.v1.RemoveJobResponse\x12?\n\x08ListJobs\x12\x18.gpud.v1.ListJobsRequest\x1a\x19.gpud.v1.ListJobsResponse\x12<\n\x07Reserve\x12\x17.gpud.v1.ReserveRequest\x1a\x18.gpud.v1.ReserveResponse\x12<\n\x07Release\x12\x17.gpud.v1.ReleaseRequest\x1a\x18.gpud.v1.ReleaseResponse\x12\x42\n\tGetJobEnv\x12\x19.gpud.v1.GetJobEnvRequest\x1a\x1a.gpud.v1.GetJobEnvResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12gpud/v1/jobs.proto\x12\x07gpud.v1\"\xc0\x02\n\x0eJobReservation\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x03 \x03(\t\x12\x1c\n\x0fthreads_percent\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1f\n\x12memory_limit_bytes\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x17\n\x0f\x63lient_priority\x18\x06 \x01(\r\x12\x17\n\nholder_pid\x18\x07 \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x14\x63reated_unix_seconds\x18\x08 \x01(\x01\x12\x17\n\nholder_uid\x18\t \x01(\rH\x03\x88\x01\x01\x12\x13\n\x0bholder_user\x18\n \x01(\tB\x12\n\x10_threads_percentB\x15\n\x13_memory_limit_bytesB\r\n\x0b_holder_pidB\r\n\x0b_holder_uid\"|\n\nJobProcess\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0b\n\x03gpu\x18\x02 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x1e\n\x11used_memory_bytes\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06source\x18\x05 \x01(\tB\x14\n\x12_used_memory_bytes\"\xf4\x03\n\x03Job\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x04kind\x18\x02 \x01(\x0e\x32\x10.gpud.v1.JobKind\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x18\n\x0bmig_profile\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\x16\n\tgpu_count\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fthreads_percent\x18\x07 \x01(\rH\x02\x88\x01\x01\x12\x1f\n\x12memory_limit_bytes\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12\x1c\n\x0f\x63lient_priority\x18\t \x01(\rH\x04\x88\x01\x01\x12\x17\n\nslo_p99_ms\x18\n \x01(\x01H\x05\x88\x01\x01\x12\x1c\n\x14\x63reated_unix_seconds\x18\x0b \x01(\x01\x12-\n\x0creservations\x18\x0c \x03(\x0b\x32\x17.gpud.v1.JobReservation\x12&\n\tprocesses\x18\r \x03(\x0b\x32\x13.gpud.v1.JobProcess\x12\x16\n\x0eunhealthy_gpus\x18\x0e \x03(\tB\x0e\n\x0c_mig_profileB\x0c\n\n_gpu_countB\x12\n\x10_threads_percentB\x15\n\x13_memory_limit_bytesB\x12\n\x10_client_priorityB\r\n\x0b_slo_p99_ms\"*\n\rAddJobRequest\x12\x19\n\x03job\x18\x01 \x01(\x0b\x32\x0c.gpud.v1.Job\"=\n\x0e\x41\x64\x64JobResponse\x12\x19\n\x03job\x18\x01 \x01(\x0b\x32\x0c.gpud.v1.Job\x12\x10\n\x08warnings\x18\x02 \x03(\t\"/\n\x10RemoveJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\".\n\x11RemoveJobResponse\x12\x19\n\x03job\x18\x01 \x01(\x0b\x32\x0c.gpud.v1.Job\"-\n\x0fListJobsRequest\x12\x11\n\x04name\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\".\n\x10ListJobsResponse\x12\x1a\n\x04jobs\x18\x01 \x03(\x0b\x32\x0c.gpud.v1.Job\"\x88\x04\n\x0eReserveRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x1e\n\x04kind\x18\x02 \x01(\x0e\x32\x10.gpud.v1.JobKind\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x18\n\x0bmig_profile\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x16\n\tgpu_count\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07\x64\x65vices\x18\x06 \x03(\t\x12\x1c\n\x0fthreads_percent\x18\x07 \x01(\rH\x02\x88\x01\x01\x12\x1f\n\x12memory_limit_bytes\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12\x1c\n\x0f\x63lient_priority\x18\t \x01(\rH\x04\x88\x01\x01\x12\x17\n\nholder_pid\x18\n \x01(\rH\x05\x88\x01\x01\x12\x17\n\x0f\x61\x64vised_devices\x18\x0b \x03(\t\x12$\n\x17\x61\x64vised_threads_percent\x18\x0c \x01(\rH\x06\x88\x01\x01\x12!\n\x14holder_pid_namespace\x18\r \x01(\x04H\x07\x88\x01\x01\x42\x0e\n\x0c_mig_profileB\x0c\n\n_gpu_countB\x12\n\x10_threads_percentB\x15\n\x13_memory_limit_bytesB\x12\n\x10_client_priorityB\r\n\x0b_holder_pidB\x1a\n\x18_advised_threads_percentB\x17\n\x15_holder_pid_namespace\"\xcb\x01\n\x0fReserveResponse\x12\x19\n\x03job\x18\x01 \x01(\x0b\x32\x0c.gpud.v1.Job\x12,\n\x0breservation\x18\x02 \x01(\x0b\x32\x17.gpud.v1.JobReservation\x12.\n\x03\x65nv\x18\x03 \x03(\x0b\x32!.gpud.v1.ReserveResponse.EnvEntry\x12\x13\n\x0b\x63reated_job\x18\x04 \x01(\x08\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa2\x01\n\x0eReleaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x16\n\texit_code\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0b\x65xit_signal\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0bsince_end_s\x18\x04 \x01(\x01H\x02\x88\x01\x01\x42\x0c\n\n_exit_codeB\x0e\n\x0c_exit_signalB\x0e\n\x0c_since_end_s\"P\n\x0fReleaseResponse\x12,\n\x0breservation\x18\x01 \x01(\x0b\x32\x17.gpud.v1.JobReservation\x12\x0f\n\x07removed\x18\x02 \x01(\x08\"\x1f\n\x10GetJobEnvRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"q\n\x11GetJobEnvResponse\x12\x30\n\x03\x65nv\x18\x01 \x03(\x0b\x32#.gpud.v1.GetJobEnvResponse.EnvEntry\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*R\n\x07JobKind\x12\x18\n\x14JOB_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_KIND_TRAINING\x10\x01\x12\x16\n\x12JOB_KIND_INFERENCE\x10\x02\x32\x86\x03\n\x04Jobs\x12\x39\n\x06\x41\x64\x64Job\x12\x16.gpud.v1.AddJobRequest\x1a\x17.gpud.v1.AddJobResponse\x12\x42\n\tRemoveJob\x12\x19.gpud.v1.RemoveJobRequest\x1a\x1a.gpud.v1.RemoveJobResponse\x12?\n\x08ListJobs\x12\x18.gpud.v1.ListJobsRequest\x1a\x19.gpud.v1.ListJobsResponse\x12<\n\x07Reserve\x12\x17.gpud.v1.ReserveRequest\x1a\x18.gpud.v1.ReserveResponse\x12<\n\x07Release\x12\x17.gpud.v1.ReleaseRequest\x1a\x18.gpud.v1.ReleaseResponse\x12\x42\n\tGetJobEnv\x12\x19.gpud.v1.GetJobEnvRequest\x1a\x1a.gpud.v1.GetJobEnvResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESERVERESPONSE_ENVENTRY']._serialized_options = b'8\001'
   _globals['_GETJOBENVRESPONSE_ENVENTRY']._loaded_options = None
   _globals['_GETJOBENVRESPONSE_ENVENTRY']._serialized_options = b'8\001'
-  _globals['_JOBKIND']._serialized_start=2388
-  _globals['_JOBKIND']._serialized_end=2470
+  _globals['_JOBKIND']._serialized_start=2406
+  _globals['_JOBKIND']._serialized_end=2488
   _globals['_JOBRESERVATION']._serialized_start=32
   _globals['_JOBRESERVATION']._serialized_end=352
   _globals['_JOBPROCESS']._serialized_start=354
@@ -46,31 +46,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADDJOBREQUEST']._serialized_start=983
   _globals['_ADDJOBREQUEST']._serialized_end=1025
   _globals['_ADDJOBRESPONSE']._serialized_start=1027
-  _globals['_ADDJOBRESPONSE']._serialized_end=1070
-  _globals['_REMOVEJOBREQUEST']._serialized_start=1072
-  _globals['_REMOVEJOBREQUEST']._serialized_end=1119
-  _globals['_REMOVEJOBRESPONSE']._serialized_start=1121
-  _globals['_REMOVEJOBRESPONSE']._serialized_end=1167
-  _globals['_LISTJOBSREQUEST']._serialized_start=1169
-  _globals['_LISTJOBSREQUEST']._serialized_end=1214
-  _globals['_LISTJOBSRESPONSE']._serialized_start=1216
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1262
-  _globals['_RESERVEREQUEST']._serialized_start=1265
-  _globals['_RESERVEREQUEST']._serialized_end=1785
-  _globals['_RESERVERESPONSE']._serialized_start=1788
-  _globals['_RESERVERESPONSE']._serialized_end=1991
-  _globals['_RESERVERESPONSE_ENVENTRY']._serialized_start=1949
-  _globals['_RESERVERESPONSE_ENVENTRY']._serialized_end=1991
-  _globals['_RELEASEREQUEST']._serialized_start=1994
-  _globals['_RELEASEREQUEST']._serialized_end=2156
-  _globals['_RELEASERESPONSE']._serialized_start=2158
-  _globals['_RELEASERESPONSE']._serialized_end=2238
-  _globals['_GETJOBENVREQUEST']._serialized_start=2240
-  _globals['_GETJOBENVREQUEST']._serialized_end=2271
-  _globals['_GETJOBENVRESPONSE']._serialized_start=2273
-  _globals['_GETJOBENVRESPONSE']._serialized_end=2386
-  _globals['_GETJOBENVRESPONSE_ENVENTRY']._serialized_start=1949
-  _globals['_GETJOBENVRESPONSE_ENVENTRY']._serialized_end=1991
-  _globals['_JOBS']._serialized_start=2473
-  _globals['_JOBS']._serialized_end=2863
+  _globals['_ADDJOBRESPONSE']._serialized_end=1088
+  _globals['_REMOVEJOBREQUEST']._serialized_start=1090
+  _globals['_REMOVEJOBREQUEST']._serialized_end=1137
+  _globals['_REMOVEJOBRESPONSE']._serialized_start=1139
+  _globals['_REMOVEJOBRESPONSE']._serialized_end=1185
+  _globals['_LISTJOBSREQUEST']._serialized_start=1187
+  _globals['_LISTJOBSREQUEST']._serialized_end=1232
+  _globals['_LISTJOBSRESPONSE']._serialized_start=1234
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1280
+  _globals['_RESERVEREQUEST']._serialized_start=1283
+  _globals['_RESERVEREQUEST']._serialized_end=1803
+  _globals['_RESERVERESPONSE']._serialized_start=1806
+  _globals['_RESERVERESPONSE']._serialized_end=2009
+  _globals['_RESERVERESPONSE_ENVENTRY']._serialized_start=1967
+  _globals['_RESERVERESPONSE_ENVENTRY']._serialized_end=2009
+  _globals['_RELEASEREQUEST']._serialized_start=2012
+  _globals['_RELEASEREQUEST']._serialized_end=2174
+  _globals['_RELEASERESPONSE']._serialized_start=2176
+  _globals['_RELEASERESPONSE']._serialized_end=2256
+  _globals['_GETJOBENVREQUEST']._serialized_start=2258
+  _globals['_GETJOBENVREQUEST']._serialized_end=2289
+  _globals['_GETJOBENVRESPONSE']._serialized_start=2291
+  _globals['_GETJOBENVRESPONSE']._serialized_end=2404
+  _globals['_GETJOBENVRESPONSE_ENVENTRY']._serialized_start=1967
+  _globals['_GETJOBENVRESPONSE_ENVENTRY']._serialized_end=2009
+  _globals['_JOBS']._serialized_start=2491
+  _globals['_JOBS']._serialized_end=2881
 # @@protoc_insertion_point(module_scope)

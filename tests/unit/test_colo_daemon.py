@@ -328,7 +328,7 @@ def test_runs_waiting_for_advice_are_listed_while_they_ask(
     assert svc.advise("big", waiting=True, **big).gpu == -1  # type: ignore[arg-type]
     clock.t += 5.0
     svc.advise("big", waiting=True, **big)  # type: ignore[arg-type]
-    ((job, waited, why, _),) = svc.show().waiting
+    ((job, waited, why, _, _),) = svc.show().waiting
     assert job == "big" and waited == pytest.approx(5.0) and "memory" in why
     (family,) = [m for m in ColoMetrics(svc)() if m.name == "gpud_colo_waiting_jobs"]
     assert [s.value for s in family.samples] == [1.0]
@@ -449,7 +449,7 @@ def test_a_run_that_waited_long_is_advised_first_and_has_a_gpu_held(tmp_path: Pa
         clock.t += 5.0
         told = svc.advise("big", **big)  # type: ignore[arg-type]
     assert told.gpu == -1 and told.reason.startswith("GPU 0 held for it (waited 600 s): ")
-    ((_, waited, why, _),) = svc.show().waiting
+    ((_, waited, why, _, _),) = svc.show().waiting
     assert waited == pytest.approx(600.0) and why == told.reason
     assert svc.advise("small", **small).gpu == 1  # type: ignore[arg-type]
     a = jobs.pop(0)  # GPU 0 drains
@@ -2579,3 +2579,44 @@ def test_gpuctl_colo_advise_answers_for_the_callers_user(
             assert main(["--socket", str(path), "--json", "colo", "advise", "new"], env={}) == 0
     assert json.loads(capsys.readouterr().out)["gpu"] == 1
     assert [pid for pid, _ in asked] == [os.getpid()]
+
+
+def test_a_waiting_run_is_listed_with_its_user(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `gpuctl run` waiting for co-location is listed with its user where its question
+    named the holder's PID (`gpuctl colo show`, its --json, `gpuctl queue`'s USER column);
+    a waiter asking without one is listed with none."""
+    from gpud.api import ApiServer
+    from gpud.cli.main import main
+    from gpud.cli.queue import waiter_row
+    from gpud.colo.api import ColoServicer
+    from gpud.jobs.placement import user_name
+    from gpud.v1 import colo_pb2
+    from tests.unit.api_support import ServerThread, short_dir
+
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: [], clock=Clock()
+    )
+    snap = snapshot()
+    svc.tick(snap)
+    big = {"memory_bytes": 70 * GIB, "snapshot": snap, "waiting": True}
+    assert svc.advise("big", uid=1001, **big).gpu == -1  # type: ignore[arg-type]
+    assert svc.advise("anon", **big).gpu == -1  # type: ignore[arg-type]
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        servicer = ColoServicer(svc, snapshots=lambda: snap, run_uid=lambda pid, ns: None)
+        with ServerThread(ApiServer(path, servicers=[servicer.register])):
+            assert main(["--socket", str(path), "colo", "show"], env={}) == 0
+            text = capsys.readouterr().out
+            assert main(["--socket", str(path), "--json", "colo", "show"], env={}) == 0
+            doc = json.loads(capsys.readouterr().out)
+    name = user_name(1001)
+    assert f"waiting for a GPU (gpuctl run): big for 0 ms (user {name}): " in text
+    assert "waiting for a GPU (gpuctl run): anon for 0 ms: " in text
+    waiting = {w["job"]: w for w in doc["waiting"]}
+    assert (waiting["big"]["holder_uid"], waiting["big"]["holder_user"]) == (1001, name)
+    assert waiting["anon"]["holder_uid"] is None
+    shown = colo_pb2.ColoWaiter(job="big", id="0123456789ab", holder_uid=1001, holder_user=name)
+    assert waiter_row(shown)[3] == name
+    assert waiter_row(colo_pb2.ColoWaiter(job="anon"))[3] == "-"

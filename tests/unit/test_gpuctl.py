@@ -704,8 +704,25 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
         ),
         (("jobs", "add", "x", "--threads", "5000000000"), "--threads: 5000000000 is not in 1..100"),
         (("run", "--job", "x", "--threads", "0", "--", "true"), "--threads: 0 is not in 1..100"),
-        (("jobs", "add", "x", "--gpus", "-1"), "--gpus: -1 is not in 0..4294967295"),
-        (("gpus", "--gpu", "3000000000"), "--gpu: 3000000000 is not in -2147483648.."),
+        (("jobs", "add", "x", "--gpus", "-1"), "--gpus: -1 is not in 1..4294967295"),
+        (("jobs", "add", "x", "--gpus", "0"), "--gpus: 0 is not in 1..4294967295"),
+        (("run", "--job", "x", "--gpus", "0", "--", "true"), "--gpus: 0 is not in 1..4294967295"),
+        # every option taking a GPU index: one type, one message, a UUID or -1 refused
+        *(
+            (
+                argv,
+                f"GPU index: expected a number 0..N-1 for a node of N GPUs (gpuctl gpus lists them), got {bad!r}",
+            )
+            for bad in ("GPU-nonexistent", "-1", "3000000000")
+            for argv in (
+                ("gpus", "--gpu", bad),
+                ("xid", "list", "--gpu", bad),
+                ("xid", "clear", bad),
+                ("xid", "clear", "--gpu", bad),
+                ("sim", "fault", "--gpu", bad, "clear"),
+                ("sim", "workload", "start", "--gpu", bad, "--pid", "9"),
+            )
+        ),
         (("sim", "workload", "stop", "--pid", "-4"), "--pid: -4 is not in 0.."),
         (("events", "--limit", "1e3"), "--limit: '1e3' is not an integer"),
         (("jobs", "history", "--limit", "-1"), "--limit: -1 is not in 0..4294967295"),

@@ -84,14 +84,15 @@ def serving(
     control: list[str] | None = None,
     jobs_api: type[JobsServicer] = JobsServicer,
     gpus: Snapshot = NODE,
+    products: dict[int, str] | None = None,
 ) -> Iterator[Node]:
     """The node's MPS and jobs services on a socket, with ``extra`` registrars; ``control``:
     the MPS control daemon's command (default: the fake); ``jobs_api``: the jobs servicer;
-    ``gpus``: the node's GPUs."""
+    ``gpus``: the node's GPUs; ``products``: their product keys (default: none known)."""
     with short_dir() as root:
         mps, store, events = make_manager(root, control, enabled=mps_on)
         socket = root / "gpud.sock"
-        jobs = JobService(store, events, mps, socket_path=socket)
+        jobs = JobService(store, events, mps, socket_path=socket, products=lambda: products or {})
         try:
             mps.reconcile(gpus)
             server = ApiServer(
@@ -315,6 +316,64 @@ def test_gpuctl_jobs_add_ls_rm(node: Node, capsys: pytest.CaptureFixture[str]) -
     )
     assert node.ctl("jobs", "rm", "infer-b") == 0
     assert node.ctl("jobs", "rm", "infer-b") == 4
+
+
+def test_a_job_that_can_never_start_here_is_registered_with_a_warning(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """More GPUs than the node has, a device it lacks, a MIG profile none of its devices
+    has (one a MIG layout applied later may give): the job is registered, and gpuctl says
+    why it cannot start here as the node is now, on stderr or in --json's notes."""
+    from gpud.admission.service import AdmissionService
+    from gpud.config import AdmissionConfig
+
+    AdmissionService(node.jobs.store, node.jobs, node.mps, EventLog(None), AdmissionConfig())
+    never = "gpuctl: warning: job {!r} can never start on this node as it is: "
+    for name, option, why in (
+        ("many", ("--gpus", "99"), "asks 99 whole GPUs"),
+        ("gone", ("--devices", "GPU-nonexistent"), "no GPU or MIG device GPU-nonexistent"),
+        ("big", ("--mig", "7g.80gb"), "no MIG device of profile 7g.80gb on this node"),
+    ):
+        assert node.ctl("jobs", "add", name, *option) == 0
+        out, err = capsys.readouterr()
+        assert err.startswith(never.format(name) + why) and name in out
+    assert node.ctl("--json", "jobs", "add", "more", "--gpus", "3") == 0
+    out, err = capsys.readouterr()
+    (note,) = json.loads(out)["notes"]
+    assert err == "" and note.startswith("warning: job 'more' can never start on this node")
+    assert node.ctl("jobs", "add", "fits", "--mig", "3g.40gb") == 0
+    assert capsys.readouterr().err == ""
+    assert sorted(j.name for j in node.jobs.registry.all()) == [
+        "big",
+        "fits",
+        "gone",
+        "many",
+        "more",
+    ]
+
+
+def test_a_mig_profile_no_gpu_has_is_refused_naming_the_profiles_of_the_node(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A MIG profile of no product gpud knows is refused (exit 2), by `jobs add` as by
+    `gpuctl run`, naming the profiles this node's GPUs take; nothing is registered."""
+    h100 = {0: "H100-SXM5-80GB", 1: "H100-SXM5-80GB"}
+    with serving(products=h100) as n:
+        assert n.ctl("jobs", "add", "x", "--mig", "99g.999gb") == 2
+        assert n.ctl("run", "--job", "y", "--mig", "99g.999gb", "--", "true") == 2
+        assert n.jobs.registry.all() == []
+    err = capsys.readouterr().err
+    assert (
+        err.count(
+            "gpuctl: mig: '99g.999gb' is a MIG profile of no GPU gpud knows; this node's GPUs"
+            " (H100-SXM5-80GB) take 1g.10gb, 1g.10gb+me, 1g.20gb, 2g.20gb, 3g.40gb, 4g.40gb,"
+            " 7g.80gb, or a compute instance of one (1c.2g.20gb, ...)\n"
+        )
+        == 2
+    )
+    # a GPU of a product gpud has no table for may have it: registered
+    with serving(products={0: "H100-SXM5-80GB", 1: ""}) as n:
+        assert n.ctl("jobs", "add", "x", "--mig", "99g.999gb") == 0
 
 
 def test_env_of_a_job_holding_no_reservation_says_so_in_its_json(
