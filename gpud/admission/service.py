@@ -838,8 +838,9 @@ class AdmissionService:
         )
 
     def _queued(self, e: Entry) -> Queued:
-        """``e`` for a pass, with its user where MPS is on (its holder's real UID)."""
-        return replace(_queued(e), uid=self._jobs.placement_uid(e.request.holder_pid))
+        """``e`` for a pass, with its user where MPS is on (its holder's real UID, as read
+        when it queued)."""
+        return replace(_queued(e), uid=self._jobs.placement_uid(e.request.holder_pid, e.holder_uid))
 
     def tick(self) -> None:
         """Drop entries whose holder is gone; start what fits, in order, with backfill.
@@ -1119,7 +1120,7 @@ class _Held:
         if self._now is None:
             self._now = (self._jobs.healthy_targets(), self._jobs.loads())
         r = e.request
-        uid = self._jobs.placement_uid(r.holder_pid)
+        uid = self._jobs.placement_uid(r.holder_pid, e.holder_uid)
         shape = (r.devices, r.mig_profile, r.gpu_count, r.memory_bytes, uid)
         if shape not in self._refused:
             try:
