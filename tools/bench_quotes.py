@@ -17,7 +17,10 @@ and the class models the quotes come from, made
   after a run was added (the window's statistics made again from memory);
 - after a run started and after it ended, side by side on the same history: the views made
   again from every run in the window (as gpud did) and changed in place
-  (:meth:`~gpud.admission.classes.ClassViews.change`, as gpud does), checked equal.
+  (:meth:`~gpud.admission.classes.ClassViews.change`, as gpud does), checked equal;
+- at steady state, a step where a run starts, one ends and the oldest leaves the window
+  (runs leave it about as fast as they come), made again and changed in place, side by
+  side, checked equal.
 
 Each time is the median of ``--repeat``; the ratio is afresh over kept, later second.
 """
@@ -128,6 +131,7 @@ def measure(n: int, repeat: int) -> dict[str, float]:
 
         out["kept: a run added"] = median_s(rebuilt, repeat)
         out.update(start_and_end(store, mirror, fit, requests, now=now, repeat=repeat))
+        out.update(steady_state(store, mirror, fit, requests, n=n, now=now, repeat=repeat))
         store.close()
     return out
 
@@ -180,6 +184,68 @@ def start_and_end(
             changed = views.at(fit, requests, now=at)
             took.setdefault(f"a run {what}: changed", []).append(time.perf_counter() - began)
             assert changed == afresh
+    return {name: statistics.median(values) for name, values in took.items()}
+
+
+def steady_state(
+    store: StateStore,
+    mirror: HistoryMirror,
+    fit: PlacementFit,
+    requests: dict[str, Request],
+    *,
+    n: int,
+    now: float,
+    repeat: int,
+) -> dict[str, float]:
+    """A busy node at steady state, ``repeat`` steps: in each a run starts, the one started
+    the step before ends, and the time has moved on past the oldest run's queued time (it
+    leaves the window): what bringing the window's views up to date costs each step, made
+    again from the window and changed in place (made again where that cannot be, as gpud
+    does), checked equal. Run after :func:`start_and_end`, whose runs are in the window."""
+    span = 0.9 * WINDOW_S
+    placed = replace(CLASSES[1][0], job="s")
+    request_class, request = request_of(placed).describe(), run_request_to_json(placed)
+
+    def step(i: int) -> float:
+        """Step ``i``: its time (run ``i`` of :func:`fill_history` has just left)."""
+        at = now - span + span * (i + 0.5) / max(n, 1) + WINDOW_S
+        with store.transaction() as conn:
+            conn.execute(
+                "INSERT INTO job_history (job, reservation, request_class, request,"
+                " queued_at, started_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (f"s{i}", f"steady{i}", request_class, request, at - 3.0, at),
+            )
+            conn.execute(
+                "UPDATE job_history SET ended_at = ?, end_cause = ?, exit_code = 0"
+                " WHERE reservation = ?",
+                (at - 1.0, EndCause.EXITED.value, f"steady{i - 1}"),
+            )
+            mirror.refresh(conn)
+        return at
+
+    at = step(-1)
+    views = ClassViews([r for r, _ in mirror.since(at - WINDOW_S)], now=at, window_s=WINDOW_S)
+    views.at(fit, requests, now=at)
+    held = len(views)
+    took: dict[str, list[float]] = {}
+    for i in range(repeat):
+        version = mirror.version
+        at = step(i)
+        since = at - WINDOW_S
+        changes = mirror.changes_since(version)
+        assert changes is not None
+        began = time.perf_counter()
+        rebuilt = ClassViews([r for r, _ in mirror.since(since)], now=at, window_s=WINDOW_S)
+        afresh = rebuilt.at(fit, requests, now=at)
+        took.setdefault("steady state: made again", []).append(time.perf_counter() - began)
+        began = time.perf_counter()
+        if not views.change([(old, new) for old, new, _ in changes], now=at):
+            views = ClassViews([r for r, _ in mirror.since(since)], now=at, window_s=WINDOW_S)
+        changed = views.at(fit, requests, now=at)
+        took.setdefault("steady state: changed", []).append(time.perf_counter() - began)
+        assert changed == afresh
+        if n:  # one run came, the oldest left
+            assert len(views) == len(rebuilt) == held
     return {name: statistics.median(values) for name, values in took.items()}
 
 

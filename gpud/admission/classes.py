@@ -3,6 +3,7 @@ and the M/G/k quote, for every request class seen in the history or the queue.""
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -47,7 +48,8 @@ class ClassViews:
     of the packing efficiency that do not move with the time are made once for these
     records. ``now`` given here chooses the records as :func:`class_views` does; asking
     at another time gives what :func:`class_views` gives at that time for the same records
-    (as long as no record enters or leaves the window in between)."""
+    (as long as no record enters or leaves the window in between, or :meth:`change` is told
+    of it)."""
 
     def __init__(
         self, records: Sequence[Record], *, now: float, window_s: float | None = None
@@ -56,34 +58,80 @@ class ClassViews:
         self._window_s = window_s
         in_window = [r for r in records if r.queued_at >= since]
         self._estimate = Estimate([r for r in in_window if r.queued_at <= now])
-        self._by_class: dict[str, list[Record]] = {}
+        # each class's records in their order; None where one left (its place is its rank
+        # in the sweeps: the others keep theirs)
+        self._by_class: dict[str, list[Record | None]] = {}
         self._where: dict[int, int] = {}  # id() of each record -> its index in its class
         for r in in_window:
             rs = self._by_class.setdefault(r.request_class, [])
             self._where[id(r)] = len(rs)
             rs.append(r)
+        self._live = {key: len(rs) for key, rs in self._by_class.items()}  # not left
+        self._gone = 0  # places left None
+        self._head: dict[str, int] = {}  # no record of its class before it is left
+        # made at the first change (views made afresh each time need neither): the window's
+        # records by queued time, ties in their order (the first leaves first), and the
+        # place of each in their order (by id())
+        self._given: list[Record] | None = in_window
+        self._order: list[tuple[float, int, Record]] = []
+        self._seq: dict[int, int] = {}
+        self._count = len(in_window)
+        self._left = 0  # records that left since (a record added comes after every place)
         # a record that has not started (none from the history): efficiency made afresh
         self._unstarted = any(r.started_at is None for r in in_window)
         # changes are taken in (:meth:`change`) only where the window holds every record
         # the estimate does (none queued after ``now``, a clock stepped back)
         self._changeable = not self._unstarted and all(r.queued_at <= now for r in in_window)
-        self._oldest = min((r.queued_at for r in in_window), default=math.inf)
         # the pool's efficiency sweeps, by the classes on it and their shares
         self._sweeps: dict[tuple[tuple[str, float], ...], PackingEfficiency] = {}
 
-    def change(self, changes: Sequence[tuple[Record | None, Record]], *, now: float) -> bool:
-        """Take in records added after the others (``(None, record)``, oldest first) and
-        records changed in place (``(old, new)``: a run that ended), as made afresh from
-        the records with these changes at ``now`` would be (the same figures): each costs
-        its class's run times and the sweeps' events since it, not the window. False (the
-        views are left unusable: make them afresh) where they cannot: a record of the
-        window left it (``now`` moved past its queued time), or one is not from the history
-        (not started, or queued after ``now``). The caller sees to it that no record it
-        does not give entered the window (a clock stepped back)."""
+    def __len__(self) -> int:
+        """The records in the window."""
+        return self._count
+
+    def classes(self) -> list[str]:
+        """The classes of the records in the window, in the order their first records come
+        (the order of the classes made afresh from them)."""
+        self._ordered()
+        firsts = []
+        for key, rs in self._by_class.items():
+            head = self._head.get(key, 0)
+            while rs[head] is None:  # records leave oldest first, mostly: kept for the next
+                head += 1
+            self._head[key] = head
+            firsts.append((self._seq[id(rs[head])], key))
+        return [key for _, key in sorted(firsts)]
+
+    def change(self, changes: Sequence[tuple[Record | None, Record | None]], *, now: float) -> bool:
+        """Take in records added after the others (``(None, record)``, oldest first),
+        records changed in place (``(old, new)``: a run that ended) and records removed
+        (``(old, None)``: pruned), and let the records queued before the window's start at
+        ``now`` leave, as made afresh from the records with these changes at ``now`` would be
+        (the same figures): each costs its class's run times and the sweeps' events since
+        it (one that leaves, the sweeps' events from the window's start), not the window.
+        False (the views are left unusable: make them afresh) where they cannot: a record
+        is not from the history (not started, or queued after ``now``), a clock stepped
+        back past one, or as many records have left as remain (made afresh, the places they
+        left are given back). The caller sees to it that no record it does not give entered
+        the window (a clock stepped back: the window then holds fewer than the history
+        says, :meth:`__len__`)."""
         since = -math.inf if self._window_s is None else now - self._window_s
-        if not self._changeable or self._oldest < since:
+        if not self._changeable:
             return False
+        self._ordered()
+        if self._order and self._order[-1][0] > now:
+            return False
+        cut = bisect.bisect_left(self._order, since, key=_queued)
+        for _, _, r in self._order[:cut]:
+            self._leave(r)
+        del self._order[:cut]
         for old, new in changes:
+            if new is None:
+                assert old is not None
+                if not self._remove(old, since):
+                    self._changeable = False
+                    return False
+                continue
             if new.started_at is None or new.queued_at > now:
                 self._changeable = False
                 return False
@@ -93,7 +141,10 @@ class ClassViews:
                 rs = self._by_class.setdefault(new.request_class, [])
                 index = len(rs)
                 rs.append(new)
-                self._oldest = min(self._oldest, new.queued_at)
+                self._live[new.request_class] = self._live.get(new.request_class, 0) + 1
+                seq = self._seq[id(new)] = len(self._seq) + self._left
+                self._count += 1
+                bisect.insort(self._order, (new.queued_at, seq, new), key=_ordered)
             else:
                 found = self._where.pop(id(old), None)
                 if found is None:
@@ -104,17 +155,65 @@ class ClassViews:
                 if (old.request_class, old.queued_at) != (new.request_class, new.queued_at):
                     self._changeable = False
                     return False
-                index = found
+                index, seq = found, self._seq.pop(id(old))
                 self._by_class[new.request_class][index] = new
+                at = bisect.bisect_left(self._order, (old.queued_at, seq), key=_ordered)
+                self._order[at] = (new.queued_at, seq, new)
+                self._seq[id(new)] = seq
             self._where[id(new)] = index
             self._estimate.change(old, new, index)
-            for sharing, sweep in self._sweeps.items():
-                for rank, (key, share) in enumerate(sharing):
-                    if key == new.request_class:
-                        if old is not None:
-                            sweep.remove(_job(old, share), (rank, index))
-                        sweep.add(_job(new, share), (rank, index))
+            self._resweep(old, new, index)
+        if self._gone > self._count:
+            self._changeable = False  # made afresh, the places left None are given back
+            return False
+        self._estimate.open(self._order[0][2] if self._order else None)
         return True
+
+    def _ordered(self) -> None:
+        if self._given is not None:
+            self._order = [(r.queued_at, seq, r) for seq, r in enumerate(self._given)]
+            self._order.sort()  # by time, then place: a Record is never compared
+            self._seq = {id(r): seq for _, seq, r in self._order}
+            self._given = None
+
+    def _remove(self, old: Record, since: float) -> bool:
+        """``old`` pruned: it leaves (False where it is not a record these views hold, nor
+        one from before the window)."""
+        if id(old) not in self._where:
+            return old.queued_at < since  # before the window, or left it already
+        at = bisect.bisect_left(self._order, (old.queued_at, self._seq[id(old)]), key=_ordered)
+        del self._order[at]
+        self._leave(old)
+        return True
+
+    def _leave(self, r: Record) -> None:
+        """``r`` leaves (its place in ``_order`` is the caller's)."""
+        index = self._where.pop(id(r))
+        del self._seq[id(r)]
+        self._left += 1
+        self._count -= 1
+        key = r.request_class
+        self._by_class[key][index] = None
+        self._live[key] -= 1
+        self._gone += 1
+        if not self._live[key]:  # made afresh, its next record would be its first
+            del self._live[key]
+            self._head.pop(key, None)
+            self._gone -= len(self._by_class.pop(key))
+        self._estimate.remove(r, index)
+        self._resweep(r, None, index)
+
+    def _resweep(self, old: Record | None, new: Record | None, index: int) -> None:
+        """The sweeps of the pools ``old`` (then ``new``) is on, with ``new`` in its place."""
+        r = new if new is not None else old
+        assert r is not None
+        for sharing, sweep in self._sweeps.items():
+            for rank, (key, share) in enumerate(sharing):
+                if key == r.request_class:
+                    if old is not None:
+                        sweep.remove(_job(old, share), (rank, index))
+                    if new is not None:
+                        sweep.add(_job(new, share), (rank, index))
 
     def at(
         self, fit: FitCheck, requests: Mapping[str, Request], *, now: float
@@ -162,6 +261,7 @@ class ClassViews:
                     (r.queued_at, r.started_at, r.ended_at, share)
                     for key, share in sharing
                     for r in self._by_class.get(key, ())
+                    if r is not None
                 ]
                 if self._unstarted:  # not from the history: asked afresh
                     out.append(replace(c, efficiency=packing_efficiency(jobs, now=now)))
@@ -169,13 +269,22 @@ class ClassViews:
                 ranks = [
                     (rank, index)
                     for rank, (key, _) in enumerate(sharing)
-                    for index in range(len(self._by_class.get(key, ())))
+                    for index, r in enumerate(self._by_class.get(key, ()))
+                    if r is not None
                 ]
                 # every one started (not self._unstarted)
                 sweep = self._sweeps[sharing] = PackingEfficiency(jobs, ranks)  # type: ignore[arg-type]
             efficiency = sweep.at(now)
             out.append(replace(c, efficiency=efficiency))
         return out
+
+
+def _queued(entry: tuple[float, int, Record]) -> float:
+    return entry[0]
+
+
+def _ordered(entry: tuple[float, int, Record]) -> tuple[float, int]:
+    return entry[0], entry[1]
 
 
 def _job(r: Record, share: float) -> tuple[float, float, float | None, float]:

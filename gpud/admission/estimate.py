@@ -62,7 +62,8 @@ class Estimate:
     depend on the time is worked out once, so asking it again at a later ``now`` (with the
     same records) costs the runs still running, not the history. A record added after the
     others or changed in place (:meth:`change`) costs its class's run times, not the
-    history: the figures are those of the records made afresh in that order."""
+    history: the figures are those of the records made afresh in that order. So does a
+    record that leaves (:meth:`remove`), with the window's first told again (:meth:`open`)."""
 
     def __init__(self, chosen: Sequence[Record]) -> None:
         by_class: dict[str, list[Record]] = {}
@@ -93,6 +94,22 @@ class Estimate:
         moments.change(old, new, index)
         moments.uncounted = int(key == self._opener)
 
+    def remove(self, old: Record, index: int) -> None:
+        """``old``, at ``index`` among the records of its class, leaves (the others keep
+        their indices; a class none of whose records is left is gone, as made afresh)."""
+        moments = self._classes[old.request_class]
+        moments.change(old, None, index)
+        if not moments.arrivals:
+            del self._classes[old.request_class]
+
+    def open(self, first: Record | None) -> None:
+        """``first`` opens the span (the first record by queued time, the first given of
+        equal times; None: none is left)."""
+        self._first = None if first is None else first.queued_at
+        self._opener = None if first is None else first.request_class
+        for key, moments in self._classes.items():
+            moments.uncounted = int(key == self._opener)
+
     def at(self, now: float) -> dict[str, ClassStats]:
         if self._first is None:
             return {}
@@ -105,26 +122,38 @@ class _Moments:
     so far of a class none of whose runs has ended."""
 
     def __init__(self, records: Sequence[Record], *, uncounted: int) -> None:
-        self._records = list(records)
+        self._records: list[Record | None] = list(records)  # None: one that left
+        self.arrivals = len(self._records)
         self.uncounted = uncounted
+        self._left = False  # a record left: the waits and run times are made again
         waits = [w for r in records if (w := r.wait_s) is not None]
         self._waits = len(waits)
         self._wait_total = _total(waits)
         self._services()
 
     def _services(self) -> None:
-        services = [s for r in self._records if (s := r.service_s) is not None]
+        services = [s for r in self._records if r is not None and (s := r.service_s) is not None]
         self._completions = len(services)
         # a class none of whose runs ended: the runs' starts, for their run times so far
         self._started = (
-            [] if services else [r.started_at for r in self._records if r.started_at is not None]
+            []
+            if services
+            else [r.started_at for r in self._records if r is not None and r.started_at is not None]
         )
         self._moments = _mean_scv(services) if services else None
 
-    def change(self, old: Record | None, new: Record, index: int) -> None:
+    def change(self, old: Record | None, new: Record | None, index: int) -> None:
         """As :meth:`Estimate.change`: the waits are summed on (a record added comes last;
-        a record changed keeps its start), the run times made again where they change."""
+        a record changed keeps its start), the run times made again where they change; a
+        record that leaves (``new`` None) has both made again from the records left."""
+        if new is None:  # made again when next asked: several may leave at once
+            self._records[index] = None
+            self.arrivals -= 1
+            self._left = True
+            return
+        self._again()
         if old is None:
+            self.arrivals += 1
             self._records.append(new)
             if (w := new.wait_s) is not None:
                 self._waits += 1
@@ -136,21 +165,30 @@ class _Moments:
         else:
             self._records[index] = new
             if old.wait_s != new.wait_s:  # not from the history (a start never moves)
-                waits = [w for r in self._records if (w := r.wait_s) is not None]
-                self._waits, self._wait_total = len(waits), _total(waits)
+                self._waits_again()
             if old.service_s == new.service_s and old.started_at == new.started_at:
                 return
         self._services()
 
+    def _again(self) -> None:
+        if self._left:
+            self._left = False
+            self._waits_again()
+            self._services()
+
+    def _waits_again(self) -> None:
+        waits = [w for r in self._records if r is not None and (w := r.wait_s) is not None]
+        self._waits, self._wait_total = len(waits), _total(waits)
+
     def at(self, span: float, now: float) -> ClassStats:
+        self._again()
         moments = self._moments
         if moments is None:
             moments = _mean_scv([now - s for s in self._started if now > s])
         mean, scv = moments
-        arrivals = len(self._records)
         return ClassStats(
-            arrivals=arrivals,
-            arrival_rate=(arrivals - self.uncounted) / span,
+            arrivals=self.arrivals,
+            arrival_rate=(self.arrivals - self.uncounted) / span,
             completions=self._completions,
             mean_service_s=mean,
             scv_service=scv,

@@ -38,11 +38,11 @@ class HistoryMirror:
         self._running: dict[int, tuple[str, str]] = {}  # (reservation, class) of open rows
         self.version = 0  # moves on whenever a row is added, changed or removed
         self.reads = 0  # rows read from the database so far
-        # the rows added and changed since version ``_log_base`` (none removed since):
-        # (the version that holds it, the record it replaced or None, the record, request)
+        # the rows added, changed and pruned since version ``_log_base``: (the version that
+        # holds it, the record it replaced or None, the record or None (pruned), request)
         # (the first read, and a read of the whole table again, are not logged: nobody asks
         # for the changes from before them)
-        self._log: list[tuple[int, Record | None, Record, Request]] = []
+        self._log: list[tuple[int, Record | None, Record | None, Request]] = []
         self._log_base = 1
 
     def refresh(self, conn: sqlite3.Connection) -> None:
@@ -56,11 +56,11 @@ class HistoryMirror:
             first = next(iter(self._rows))
             if low is not None and first >= low:
                 break
-            del self._rows[first]
+            record, request = self._rows.pop(first)
             self._open.discard(first)
             self._running.pop(first, None)
             changed = True
-            self._forget(self.version + 1)
+            self._log.append((self.version + 1, record, None, request))
         still = sorted(self._open)  # before the rows added since, read whole below
         read = self.reads
         for row in conn.execute(  # row by row: the first holds every run
@@ -95,16 +95,19 @@ class HistoryMirror:
         self._queued = None
 
     def _forget(self, base: int) -> None:
-        """Rows left (or the log grew long): who asks for the changes since a version before
-        ``base`` reads the rows again (:meth:`changes_since`)."""
+        """The table changed otherwise than gpud changes it (or the log grew long): who asks
+        for the changes since a version before ``base`` reads the rows again
+        (:meth:`changes_since`)."""
         self._log.clear()
         self._log_base = base
 
-    def changes_since(self, version: int) -> list[tuple[Record | None, Record, Request]] | None:
-        """The rows added (``(None, record, request)``, in row order) and changed in place
-        (``(old, new, request)``: a run ended) since ``version``, in the order they came;
-        None where a row was removed since (pruned, or the table changed otherwise), or
-        too long ago to say."""
+    def changes_since(
+        self, version: int
+    ) -> list[tuple[Record | None, Record | None, Request]] | None:
+        """The rows added (``(None, record, request)``, in row order), changed in place
+        (``(old, new, request)``: a run ended) and pruned (``(record, None, request)``, the
+        oldest first) since ``version``, in the order they came; None where the table
+        changed otherwise than gpud changes it (read whole again), or too long ago to say."""
         if version < self._log_base:
             return None
         return [(old, new, q) for v, old, new, q in self._log if v > version]

@@ -699,30 +699,30 @@ class AdmissionService:
     def _window_changed(
         self, members: tuple[int, int, int], window_s: float, now: float
     ) -> _Window | None:
-        """The window's views brought up to date with the runs started and ended since they
-        were made, where no run left the window nor entered it otherwise (``members``: the
-        mirror's now): the same views as made afresh, for a run's cost rather than the
-        window's. None where they must be made afresh."""
+        """The window's views brought up to date with the runs started, ended and pruned
+        since they were made, and the runs that left the window since: the same views as
+        made afresh, for the runs' cost rather than the window's. None where they must be
+        made afresh (``members``: the mirror's now; a run entered the window otherwise
+        than by starting, as when the clock stepped back)."""
         if self._window is None:
             return None
         (kept, kept_window_s), requests, made = self._window
-        version, below, upto = kept
-        changes = self._mirror.changes_since(version) if kept_window_s == window_s else None
+        changes = self._mirror.changes_since(kept[0]) if kept_window_s == window_s else None
         if changes is None:
-            return None
-        added = [new for old, new, _ in changes if old is None]
-        # every row counted before is on the same side of the window's ends as then
-        since = now - window_s
-        if members[1] != below + sum(r.queued_at < since for r in added):
-            return None
-        if members[2] != upto + sum(r.queued_at <= now for r in added):
             return None
         if not made.change([(old, new) for old, new, _ in changes], now=now):
             return None
+        # the views hold runs of the history in the window, and as many as it holds
+        if len(made) != members[2] - members[1]:
+            return None
+        since = now - window_s
         requests = dict(requests)
         for old, new, request in changes:
-            if old is None and new.queued_at >= since:
+            if old is None and new is not None and new.queued_at >= since:
                 requests[new.request_class] = request
+        # in the order made afresh would give (the quotes sum the classes' loads in it),
+        # without those none of whose runs is left
+        requests = {key: requests[key] for key in made.classes()}
         return ((members, window_s), requests, made)
 
     def _running(
@@ -838,8 +838,9 @@ class AdmissionService:
         )
 
     def _queued(self, e: Entry) -> Queued:
-        """``e`` for a pass, with its user where MPS is on (its holder's real UID)."""
-        return replace(_queued(e), uid=self._jobs.placement_uid(e.request.holder_pid))
+        """``e`` for a pass, with its user where MPS is on (its holder's real UID, as read
+        when it queued)."""
+        return replace(_queued(e), uid=self._jobs.placement_uid(e.request.holder_pid, e.holder_uid))
 
     def tick(self) -> None:
         """Drop entries whose holder is gone; start what fits, in order, with backfill.
@@ -1119,7 +1120,7 @@ class _Held:
         if self._now is None:
             self._now = (self._jobs.healthy_targets(), self._jobs.loads())
         r = e.request
-        uid = self._jobs.placement_uid(r.holder_pid)
+        uid = self._jobs.placement_uid(r.holder_pid, e.holder_uid)
         shape = (r.devices, r.mig_profile, r.gpu_count, r.memory_bytes, uid)
         if shape not in self._refused:
             try:

@@ -397,13 +397,15 @@ class JobService:
             for uuid in held.keys() | beyond.keys()
         }
 
-    def placement_uid(self, holder_pid: int | None) -> int | None:
+    def placement_uid(self, holder_pid: int | None, known: int | None = None) -> int | None:
         """The user placement keeps a run's devices to: its holder's real UID where MPS is
         on (a control daemon serves one user at a time); None (no constraint) with MPS off,
-        without a holder, or where ``/proc`` does not say."""
+        without a holder, or where ``/proc`` does not say. ``known``: the UID read when the
+        run queued (an admission pass asks it of every queued entry): ``/proc`` is read
+        only where it is None."""
         if not self._mps.enabled or not holder_pid:
             return None
-        return real_uid(holder_pid, self._proc_root)
+        return known if known is not None else real_uid(holder_pid, self._proc_root)
 
     def run_uid(self, holder_pid: int | None, namespace: int | None = None) -> int | None:
         """:meth:`placement_uid` of a run not reserved yet, whose holder is ``holder_pid``

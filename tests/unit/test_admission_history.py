@@ -3,6 +3,7 @@ and are pruned, against the same views made afresh from the whole history."""
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -10,8 +11,11 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpud.admission.classes import class_views
+from gpud.admission.classes import ClassViews, class_views
+from gpud.admission.estimate import Record
 from gpud.admission.metrics import AdmissionMetrics
+from gpud.admission.node import synthetic
+from gpud.admission.placement_fit import PlacementFit
 from gpud.admission.quote import PackingEfficiency, packing_efficiency
 from gpud.admission.service import request_of, run_request_to_json
 from gpud.jobs.ends import EndCause
@@ -256,30 +260,114 @@ def test_packing_efficiency_with_jobs_added_and_ended_equals_it_made_afresh(
         assert kept.at(now) == packing_efficiency(jobs_now, now=now)
 
 
-def test_runs_started_and_ended_change_the_views_in_place(tmp_path: Path) -> None:
-    """A run added or ended is taken into the views kept for the window (not made afresh
-    from every run in it); a run leaving the window has them made afresh. Either way they
-    are the views made afresh."""
+def test_runs_started_ended_leaving_and_pruned_change_the_views_in_place(tmp_path: Path) -> None:
+    """A run added, ended, leaving the window or pruned is taken into the views kept for
+    the window (not made afresh from every run in it), until as many runs have left as
+    remain: then they are made afresh. Either way they are the views made afresh."""
     node = make_node(tmp_path, Clock())
     serial = [0]
-    for i in range(40):
-        apply(node, ("add", i % len(REQUESTS), 30.0, 600.0, 100.0 if i % 4 else None, 5.0), serial)
+    for i in range(40):  # queued a minute apart, from 1010 on
+        node.clock.now += 60.0
+        apply(node, ("add", i % len(REQUESTS), 30.0, 20.0, 10.0 if i % 4 else None, 5.0), serial)
     node.admission.config = replace(node.admission.config, history_window_s=3600.0)
 
-    def views() -> object:
+    def views() -> tuple[object, int]:
         assert node.admission.explain() == fresh(node)
         window = node.admission._window
         assert window is not None
-        return window[2]
+        (_, below, upto), _ = window[0]
+        return window[2], upto - below
 
-    kept = views()
-    for step in [
-        ("add", 1, 10.0, 5.0, None, 3.0),
-        ("end", 0, 2.0, False),
-        ("add", 2, 0.0, 0.0, 1.0, None),
+    kept, held = views()
+    for step, leave in [
+        (("add", 1, 10.0, 5.0, None, 3.0), -1),
+        (("end", 0, 2.0, False), 0),
+        (("add", 2, 0.0, 0.0, 1.0, None), -1),
+        (("prune", 3), 3),
+        (("clock", 1500.0), 2),  # the runs queued before 1310 leave the window
+        (("prune", 2), 0),  # rows from before the window
     ]:
         node.clock.now += 1.0
         apply(node, step, serial)
-        assert views() is kept
-    node.clock.now += 3600.0  # every run leaves the window
-    assert views() is not kept
+        views_now, held_now = views()
+        assert views_now is kept
+        assert held - held_now == leave
+        held = held_now
+    node.clock.now += 1300.0  # more runs leave than remain
+    assert views()[0] is not kept
+
+
+window_steps = st.one_of(
+    # a run starts: waited, of this class
+    st.tuples(st.just("start"), st.integers(0, len(REQUESTS) - 1), times),
+    # a run that ended is added (a run removed while it ran, reported): waited, ran
+    st.tuples(st.just("ran"), st.integers(0, len(REQUESTS) - 1), times, times),
+    st.tuples(st.just("end"), st.integers(0, 50)),  # a run that runs ends now
+    st.tuples(st.just("prune"), st.integers(1, 5)),  # the oldest rows
+    st.tuples(st.just("clock"), st.floats(0.0, 2000.0, allow_nan=False)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, len(REQUESTS) - 1), times, times), max_size=30),
+    st.lists(window_steps, min_size=1, max_size=40),
+    st.sampled_from([600.0, 3600.0]),
+)
+def test_views_of_a_window_runs_leave_equal_views_made_afresh(
+    first: list[tuple[int, float, float]],
+    plan: list[tuple[object, ...]],
+    window_s: float,
+) -> None:
+    """Runs that start, end, are pruned and leave the window as the time moves on are taken
+    into the views in place (not made afresh: only once as many runs have left as remain),
+    with the same figures, floats and all, as the views made afresh from the runs left."""
+    fit = PlacementFit(synthetic("H100-SXM5-80GB", 2))
+    requests = {request_of(r).describe(): request_of(r) for r in REQUESTS}
+    keys = list(requests)
+    now = 5000.0
+    rows = [  # the history, in row order
+        Record(f"j{i}", keys[kind], now - waited - ran, now - ran, now - ran / 2)
+        for i, (kind, waited, ran) in enumerate(first)
+    ]
+
+    def window() -> set[str]:
+        return {r.job for r in rows if now - window_s <= r.queued_at <= now}
+
+    views = ClassViews(rows, now=now, window_s=window_s)
+    assert views.at(fit, requests, now=now) == class_views(
+        fit, requests, rows, now=now, window_s=window_s
+    )
+    held, left = window(), 0
+    serial = itertools.count(len(rows))
+    for step in plan:
+        changes: list[tuple[Record | None, Record | None]] = []
+        match step:
+            case ("start", int(kind), float(waited)):
+                rows.append(Record(f"j{next(serial)}", keys[kind], now - waited, now, None))
+                changes.append((None, rows[-1]))
+            case ("ran", int(kind), float(waited), float(ran)):
+                rows.append(
+                    Record(f"j{next(serial)}", keys[kind], now - waited - ran, now - ran, now)
+                )
+                changes.append((None, rows[-1]))
+            case ("end", int(which)):
+                running = [i for i, r in enumerate(rows) if r.ended_at is None]
+                if running:
+                    i = running[which % len(running)]
+                    changes.append((rows[i], replace(rows[i], ended_at=now)))
+                    rows[i] = changes[-1][1]  # type: ignore[assignment]
+            case ("prune", int(count)):
+                changes.extend((r, None) for r in rows[:count])
+                del rows[:count]
+            case ("clock", float(delta)):
+                now += delta
+        kept = views.change(changes, now=now)
+        left += len(held - window())
+        held = window()
+        assert kept or left > len(held)  # in place until as many have left as remain
+        if not kept:
+            views, left = ClassViews(rows, now=now, window_s=window_s), 0
+        assert len(views) == len(held)
+        fresh_views = class_views(fit, requests, rows, now=now, window_s=window_s)
+        assert views.at(fit, requests, now=now) == fresh_views

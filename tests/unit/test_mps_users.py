@@ -198,6 +198,23 @@ def test_the_admission_gate_sends_a_job_past_another_users_device(
     assert f"(uid 1001) asks {first}: it is shared under MPS" in str(refused.value)
 
 
+def alice_and_bob(
+    root: Path, store: StateStore, proc: Path, alice: int
+) -> tuple[JobService, AdmissionService, str, str]:
+    """Two GPUs under MPS: the first holds a run of alice (UID 1000, ``alice`` its holder)
+    with room left, the second one of bob (UID 1001, this process) with 10 GiB left."""
+    fake_proc(proc, alice, 1000)
+    fake_proc(proc, os.getpid(), 1001)
+    jobs, manager = node(root, store, proc, mps=True, gpus=2)
+    admission = AdmissionService(
+        store, jobs, manager, EventLog(None), AdmissionConfig(), proc_root=proc
+    )
+    first, second = (t.uuid for t in jobs.targets())
+    jobs.reserve(RunRequest("a", devices=(first,), memory_bytes=10 * GIB, holder_pid=alice))
+    jobs.reserve(RunRequest("b1", devices=(second,), memory_bytes=70 * GIB, holder_pid=os.getpid()))
+    return jobs, admission, first, second
+
+
 def test_a_queued_job_starts_beside_its_own_user_when_room_frees_there(
     tmp_path: Path, store: StateStore
 ) -> None:
@@ -206,17 +223,8 @@ def test_a_queued_job_starts_beside_its_own_user_when_room_frees_there(
     alice = subprocess.Popen(["sleep", "60"])
     try:
         proc = tmp_path / "proc"
-        fake_proc(proc, alice.pid, 1000)
-        fake_proc(proc, os.getpid(), 1001)
-        jobs, manager = node(tmp_path, store, proc, mps=True, gpus=2)
-        admission = AdmissionService(
-            store, jobs, manager, EventLog(None), AdmissionConfig(), proc_root=proc
-        )
-        first, second = (t.uuid for t in jobs.targets())
-        jobs.reserve(RunRequest("a", devices=(first,), memory_bytes=10 * GIB, holder_pid=alice.pid))
-        b1 = jobs.reserve(
-            RunRequest("b1", devices=(second,), memory_bytes=70 * GIB, holder_pid=os.getpid())
-        ).reservation
+        jobs, admission, first, second = alice_and_bob(tmp_path, store, proc, alice.pid)
+        (b1,) = (r for r in jobs.reservations.held() if r.job == "b1")
         queued = admission.enqueue(RunRequest("b2", memory_bytes=20 * GIB, holder_pid=os.getpid()))
         assert queued.entry.state == QUEUED
         assert queued.waiting_on == (  # not "could not start: …": it is not tried there
@@ -305,3 +313,28 @@ def test_the_queue_places_as_the_jobs_service_does_past_lower_mps_defaults() -> 
     )
     within = Request(gpu_count=1, threads_percent=40, memory_bytes=20 * GIB)
     assert fit.place(within, busy, allowed=None) == (first.uuid,)
+
+
+def test_a_pass_places_a_queued_job_by_the_user_read_when_it_queued(
+    tmp_path: Path, store: StateStore
+) -> None:
+    """An admission pass takes each queued entry's user as read when it queued: it reads no
+    ``/proc`` for it (here ``/proc`` no longer says: read again, the job would have no user
+    and go to alice's GPU, which has room); an entry of no known user is read as before."""
+    alice = subprocess.Popen(["sleep", "60"])
+    try:
+        proc = tmp_path / "proc"
+        jobs, admission, first, _ = alice_and_bob(tmp_path, store, proc, alice.pid)
+        queued = admission.enqueue(RunRequest("b2", memory_bytes=20 * GIB, holder_pid=os.getpid()))
+        assert queued.entry.state == QUEUED and queued.entry.holder_uid == 1001
+        (proc / str(os.getpid()) / "status").write_text("Name:\tgpuctl\n")  # no Uid line now
+        admission.tick()
+        again = admission.view(queued.entry.id)
+        assert again.entry.state == QUEUED
+        assert f"(uid 1001) asks {first}" in again.waiting_on
+        # an entry queued when /proc did not say: read at each pass, as before
+        assert jobs.placement_uid(os.getpid(), None) is None
+        assert jobs.placement_uid(os.getpid(), 1001) == 1001
+    finally:
+        alice.kill()
+        alice.wait()
