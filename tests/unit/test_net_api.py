@@ -232,7 +232,8 @@ def test_reports_buffered_while_gpud_was_down_count_when_stamped_not_when_sent(
 ) -> None:
     """A job ran 40 iterations of 1 s while gpud was down; they arrive in one burst: the
     job ran at 1 s an iteration, not 40 in an instant."""
-    stamps = iter(time.time() - 40 + i for i in range(41))
+    start = time.time() - 40  # read once: the stamps are exactly 1 s apart
+    stamps = iter([start + i for i in range(41)])
     with short_dir() as d:
         path = d / "gpud.sock"
         p = Progress(
