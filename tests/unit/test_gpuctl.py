@@ -375,6 +375,26 @@ def test_events_about_a_gpu_or_a_job(
         assert code == 0 and json.loads(out)["events"] == []
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (("--gpu", ""), "argument --gpu: expected a GPU index (0..N-1, gpuctl gpus lists them)"),
+        (("--gpu", "gpu1"), "or a GPU-/MIG- UUID, got 'gpu1'"),
+        (("--gpu", "1.5"), "got '1.5'"),
+        (("--job", ""), "argument --job: give a job name, got ''"),
+        (("--kind", " "), "argument --kind: give a kind or its start, got ' '"),
+    ],
+)
+def test_events_refuses_a_filter_that_would_not_filter(
+    capsys: pytest.CaptureFixture[str], sim_socket: str, argv: tuple[str, ...], said: str
+) -> None:
+    """An empty value (an unset variable) is not the option left out, which would list every
+    event, and a GPU that is neither an index nor a UUID matches nothing: exit 2 saying so,
+    not an empty or a whole listing."""
+    code, out, err = run(capsys, "--socket", sim_socket, "events", *argv)
+    assert (code, out) == (2, "") and said in err
+
+
 def test_events_invalid_limit(capsys: pytest.CaptureFixture[str], sim_socket: str) -> None:
     code, _, err = run(capsys, "--socket", sim_socket, "events", "--limit", "-3")
     assert code == 2 and "limit: must be in [0, 10000]" in err
