@@ -77,16 +77,18 @@ def start_daemon(
     env: dict[str, str] | None = None,
     run_dir: Path | None = None,
     prefix: tuple[str, ...] = (),
+    metrics_port: int | None = None,
 ) -> RunningDaemon:
     """``run_dir`` defaults to ``root/run``; pass a short one where unix socket paths under
     it must fit in 107 bytes (MPS pipe directories). ``prefix`` runs gpud under another
-    program (``nsenter --net=/run/netns/NAME``)."""
+    program (``nsenter --net=/run/netns/NAME``). ``metrics_port`` defaults to a free one;
+    pass the port of a gpud before it to restart it on the same scrape target."""
     root.mkdir(parents=True, exist_ok=True)
     config = root / "gpud.toml"
     config.write_text(config_text)
     run = run_dir or root / "run"
     sock = run / "gpud.sock"
-    port = free_port()
+    port = metrics_port or free_port()
     notify_path = root / "notify.sock"
     notify_path.unlink(missing_ok=True)  # left by an earlier daemon in the same root
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -131,16 +133,21 @@ def start_daemon(
     raise AssertionError(f"gpud did not start:\n{log.read_text()}")
 
 
+def terminate(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    """SIGTERM ``proc`` and wait for it; SIGKILL it if it has not stopped in ``timeout``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def stop_daemon(daemon: RunningDaemon, *, leave_mps: bool = False) -> int:
     """SIGTERM gpud and wait for it; then stop (``quit``) the MPS control daemons it leaves
     running at its stop (for its next start to adopt), unless ``leave_mps``."""
-    if daemon.proc.poll() is None:
-        daemon.proc.send_signal(signal.SIGTERM)
-        try:
-            daemon.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            daemon.proc.kill()
-            daemon.proc.wait()
+    terminate(daemon.proc)
     if daemon.notify is not None:
         daemon.notify.close()
     if not leave_mps:
