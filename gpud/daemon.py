@@ -349,6 +349,7 @@ class Daemon:
             config.colocate,
             self.events,
             running=self._colo_running,
+            holding=lambda: {r.job for r in self.jobs.reservations.held()},
             strangers=self._colo_strangers,
             default_memory=self._colo_default_memory,
             clock=clock,

@@ -177,7 +177,8 @@ UUID_FIELDS = ("uuid", "gpu_uuid", "mig_uuid", "previous_uuid")
 def is_about(fields: dict[str, Any], *, gpu: str = "", job: str = "") -> bool:
     """Whether an event with ``fields`` is about GPU ``gpu`` (its NVML index, or a GPU or
     MIG device UUID; "": any) and job ``job`` ("": any). An index matches ``gpu`` (a MIG
-    device's event carries its GPU's index) and the GPUs of ``mig.apply``'s ``gpus``; a
+    device's event carries its GPU's index), the GPUs of ``mig.apply``'s ``gpus`` and those
+    a run's ``gpus`` lists (``job.reserve``, ``job.release``, ``admission.start``); a
     UUID matches any UUID field and the ``devices`` a run reserved. Events written before
     a field was added (an older events.jsonl) match by the fields they have."""
     if job and fields.get("job") != job:
@@ -189,6 +190,8 @@ def is_about(fields: dict[str, Any], *, gpu: str = "", job: str = "") -> bool:
         if fields.get("gpu") == index and not isinstance(fields.get("gpu"), bool):
             return True
         per_gpu = fields.get("gpus")
+        if isinstance(per_gpu, list):  # a run's GPUs: indexes
+            return index in per_gpu
         # mig.apply: {index: outcome}, its keys strings once read back from the file
         return isinstance(per_gpu, dict) and (index in per_gpu or str(index) in per_gpu)
     if any(fields.get(name) == gpu for name in UUID_FIELDS):

@@ -163,6 +163,8 @@ class JobProgress:
     restarts: int
     # no progress for longer than the gap limit: the stall no longer lowers the rate
     stopped: bool = False
+    # seconds since its last progress point (None before the first)
+    stalled_s: float | None = None
 
 
 class ProgressTracker:
@@ -345,7 +347,8 @@ class ProgressTracker:
         ideal = self._ideal(state)
         period = self._window_period(state) or state.prior_period_s
         limit, last = self._gap_limit(state), state.last_progress_at
-        stopped = limit is not None and last is not None and now - last > limit
+        stalled = None if last is None else max(0.0, now - last)
+        stopped = limit is not None and stalled is not None and stalled > limit
         if limit is not None and last is not None and stopped:
             now = last + limit  # the stall counts up to the limit, no further
         since = state.last_progress_at if state.last_progress_at is not None else state.first_seen
@@ -373,6 +376,7 @@ class ProgressTracker:
             iterations=state.last_count,
             restarts=state.restarts,
             stopped=stopped,
+            stalled_s=stalled,
         )
 
     def rates(self, now: float, jobs: Iterable[str] | None = None) -> dict[str, float | None]:

@@ -932,6 +932,7 @@ class AdmissionService:
             entry=entry.id,
             reservation=launch.reservation.id,
             devices=list(devices),
+            gpus=self._jobs.gpu_indexes(devices),
         )
 
     def _removed_run_ended(self, reservation_id: str, end: RunEnd) -> bool:

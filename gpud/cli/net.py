@@ -42,6 +42,7 @@ JOB_HEADERS = (
     "JOB",
     "DSCP",
     "LEVEL",
+    "STATE",
     "PROGRESS",
     "ITER",
     "ITER TIME",
@@ -127,6 +128,39 @@ def _pool_refusal(job: pb.NetJob) -> str:
     return job.error.removeprefix("no DSCP tag: ").removeprefix(f"job {job.job!r}: ")
 
 
+def _state(job: pb.NetJob) -> str:
+    """A job's STATE: stopped (no progress for over the gap limit) and for how long, or
+    running; unknown before its first progress report."""
+    if job.HasField("stopped_seconds"):
+        return f"stopped {seconds(job.stopped_seconds)}"
+    return "running" if job.HasField("iterations") else NA
+
+
+def _stopped_note(job: pb.NetJob, spacings: float) -> str:
+    """Under the table: what a stopped job's level is, and why."""
+    why = (
+        f"{job.job}: stopped {seconds(job.stopped_seconds)}: no progress for over"
+        f" {spacings:g} iterations' time (SIGSTOP, a debugger?)"
+    )
+    if job.stopped_unranked:
+        return (
+            f"{why} and no report for traffic.idle_after_s: holds no level (its traffic is in"
+            " the default class) until it reports progress"
+        )
+    if job.HasField("pinned_level"):
+        return f"{why}: keeps its pinned level"
+    return f"{why}: its progress rate is held where the stop began"
+
+
+def _shaped_nothing(resp: pb.ShowNetResponse) -> str:
+    """What gpud does on a node that shapes no interface."""
+    does = ["tags", *(() if resp.marking_off else ("marking",))]
+    if resp.rdma_backend != "none":
+        does.append("the RDMA map")
+    listed = ", ".join(does[:-1]) + f" and {does[-1]}" if len(does) > 1 else does[0]
+    return f"interfaces: none (traffic.interfaces is empty): no HTB tree anywhere; {listed} only"
+
+
 def run_show(ctx: Context, args: argparse.Namespace) -> int:
     resp: pb.ShowNetResponse = ctx.call(ctx.stub(pb_grpc.NetStub).ShowNet, pb.ShowNetRequest())
     if ctx.out.json:
@@ -140,6 +174,7 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
     clamped = [j for j in resp.jobs if j.HasField("pinned_level_clamped_from")]
     for j in resp.jobs:
         progress = (
+            _state(j),
             f"{j.progress_rate:.2f}" if j.HasField("progress_rate") else NA,
             str(j.iterations) if j.HasField("iterations") else NA,
             seconds(j.iteration_s) if j.HasField("iteration_s") else NA,
@@ -156,6 +191,9 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         counters = (_bytes(j.counters.bytes), str(j.counters.packets), str(j.counters.drops))
         rows.append((j.job, str(j.dscp), level, *progress, *counters))
     ctx.out.print_table(JOB_HEADERS, rows)
+    for j in resp.jobs:
+        if j.HasField("stopped_seconds"):
+            ctx.out.print(_stopped_note(j, resp.stop_after_spacings))
     if untagged:
         ctx.out.print(
             f"{NO_TAG}: {len(untagged)} job(s) in use hold no DSCP tag (their traffic is in"
@@ -203,10 +241,7 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
             ],
         )
     else:  # a bare header would read as "none enforced yet"
-        ctx.out.print(
-            "interfaces: none (traffic.interfaces is empty): no HTB tree anywhere;"
-            " tags, marking and the RDMA map only"
-        )
+        ctx.out.print(_shaped_nothing(resp))
     ctx.out.print()
     order = resp.order_source + (f" (epoch {resp.epoch})" if resp.epoch else "")
     ctx.out.print(f"order: {order}; level changes: {resp.level_changes_total}")

@@ -398,6 +398,7 @@ class ColoService:
         events: EventLog,
         *,
         running: Callable[[], Sequence[RunningJob]],
+        holding: Callable[[], set[str]] | None = None,
         strangers: Callable[[], Mapping[int, int]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         host: HostUsage | None = None,
@@ -415,8 +416,11 @@ class ColoService:
         ``default_memory``: per GPU index, its MPS default pinned memory limit (``gpuctl mps
         set --memory``), where it has one: what a new run that sets no memory is planned at
         there. ``name_of``: a UID's user name, for the reason a GPU is barred to a run
-        (:meth:`advise`)."""
+        (:meth:`advise`). ``holding``: the jobs that hold a reservation now, read at each
+        :meth:`show` (default: those ``running`` lists), so that a run that ended is not
+        shown placed until the next pass."""
         self._name_of = name_of
+        self._holding = holding or (lambda: {r.name for r in running()})
         self._events = events
         self._running = running
         self._default_memory = default_memory if default_memory is not None else dict
@@ -1775,10 +1779,14 @@ class ColoService:
 
     def show(self) -> ColoView:
         strangers = self._strangers()
+        holding = self._holding()
         with self._lock:
+            # the last pass's jobs, but those whose last reservation went since: a run that
+            # ended is no longer placed anywhere, whatever the plan said
+            running = tuple(r for r in self._last_running if r.name in holding)
             guards = []
             for name, g in sorted(self._guards.items()):
-                views = [x for x in self._last_running if x.name == name]
+                views = [x for x in running if x.name == name]
                 if not views:
                     continue  # its reservation is gone
                 # A service on several GPUs is shown where something bears on its guard: a
@@ -1789,7 +1797,7 @@ class ColoService:
                         x.gpu not in self._faulty,
                         not any(
                             o.kind == "training" and o.gpu == x.gpu and _shares_device(o, x)
-                            for o in self._last_running
+                            for o in running
                         ),
                     ),
                 )
@@ -1818,7 +1826,7 @@ class ColoService:
                 enabled=self.config.enabled,
                 plan=self._plan,
                 plan_age_s=self._clock() - self._plan_at if self._plan else 0.0,
-                running=self._last_running,
+                running=running,
                 duty={k: d.duty for k, d in self._directives.items()},
                 directives=dict(self._directives),
                 observed_speed=dict(self._observed),

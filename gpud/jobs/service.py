@@ -570,10 +570,16 @@ class JobService:
                         job=job.name,
                         reservation=reservation.id,
                         devices=list(uuids),
+                        gpus=sorted({d.gpu for d in chosen}),
                         holder_pid=request.holder_pid,
                     )
             env = self.env_for(reservation)  # its tag still kept, if a new job's
         return Launch(job, reservation, env, registered)
+
+    def gpu_indexes(self, devices: Sequence[str]) -> list[int]:
+        """The NVML indexes of the GPUs ``devices`` (GPU or MIG device UUIDs) are on, as
+        last listed, for events (``gpuctl events --gpu 0``); a device not listed is left out."""
+        return sorted({t.gpu for u in devices if (t := self._mps.target(u)) is not None})
 
     def unhealthy(self) -> dict[int, str]:
         """GPU index -> why it is unhealthy (lost, not answering, a critical Xid), as of
@@ -690,6 +696,7 @@ class JobService:
             f"job {reservation.job} released {', '.join(reservation.devices)}",
             job=reservation.job,
             reservation=reservation.id,
+            gpus=self.gpu_indexes(reservation.devices),
         )
         self._freed()
         return reservation
@@ -714,6 +721,7 @@ class JobService:
                 f"job {r.job} released {', '.join(r.devices)}: holder pid {r.holder_pid} is gone",
                 job=r.job,
                 reservation=r.id,
+                gpus=self.gpu_indexes(r.devices),
             )
         if reaped:
             self._freed()

@@ -48,6 +48,9 @@ def job_message(j: JobTraffic, now: float) -> pb.NetJob:
         msg.pinned_level = j.pinned_level
     if j.pin_clamped_from is not None:
         msg.pinned_level_clamped_from = j.pin_clamped_from
+    if j.stopped_s is not None:
+        msg.stopped_seconds = j.stopped_s
+    msg.stopped_unranked = j.unranked
     return msg
 
 
@@ -97,6 +100,8 @@ def show_message(view: NetView, now: float) -> pb.ShowNetResponse:
         rdma_backend=view.rdma_backend,
         rdma_error=view.rdma_error,
         idle_untagged_jobs=view.idle_untagged,
+        marking_off=not view.marking,
+        stop_after_spacings=view.gap_spacings,
     )
 
 

@@ -60,6 +60,12 @@ class JobTraffic:
     pin_clamped_from: int | None = None
     cgroup: str = ""
     counters: TrafficCounters = field(default_factory=TrafficCounters)
+    # no progress for more than ``gap_spacings`` of its usual spacings (SIGSTOP, a
+    # debugger): seconds since its last progress; None while it runs (or is not known)
+    stopped_s: float | None = None
+    # stopped, and no report for ``traffic.idle_after_s`` either: not ranked, so it holds no
+    # level (unless pinned) until it reports again
+    unranked: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -179,6 +179,10 @@ class NetView:
     are no job's."""
     idle_untagged: int = 0
     """Registered jobs without a tag that are not in use (they take one when they run)."""
+    marking: bool = True
+    """``traffic.marking``: whether gpud marks packets by cgroup at all."""
+    gap_spacings: float = 20.0
+    """How many of its usual spacings a job goes without progress before it is stopped."""
 
 
 JobSource = Callable[[], Sequence[str]]
@@ -535,6 +539,8 @@ class TrafficService:
                 untagged_jobs=tuple(self._job_view(j, now) for j in sorted(self._untagged)),
                 # as of the last tick's registry
                 idle_untagged=len(self._known_jobs - {j.job for j in jobs} - self._untagged.keys()),
+                marking=self.config.marking,
+                gap_spacings=self._tracker.config.gap_spacings,
             )
 
     def _job_views(self, now: float) -> tuple[JobTraffic, ...]:
@@ -552,6 +558,7 @@ class TrafficService:
                     total.drops + c.total.drops,
                 )
         pinned, lowest = self.tags.pins().get(job), self.config.levels - 1
+        stopped = prog is not None and prog.stopped
         cgroup = ""
         if self._cgroups is not None and self._cgroups.dir(job).is_dir():
             cgroup = str(self._cgroups.dir(job))
@@ -570,6 +577,8 @@ class TrafficService:
             pin_clamped_from=pinned if pinned is not None and pinned > lowest else None,
             cgroup=cgroup,
             counters=total,
+            stopped_s=prog.stalled_s if prog is not None and stopped else None,
+            unranked=stopped and pinned is None and self._stopped_silent(job, now),
         )
 
     # -- the tick --------------------------------------------------------------------------
@@ -840,16 +849,9 @@ class TrafficService:
                 continue
             reports = self._reports.get(job)
             recent = reports is not None and heard - reports.heard_at <= idle
-            # a job that reported, then stopped (past its gap limit, and no report for
-            # idle_after_s) holds no level, reservation or not: its stall says nothing of
-            # the network, and its traffic, if any, is the default class's until it reports
-            stopped = (
-                reports is not None
-                and not recent
-                and job in self._tracker.jobs()
-                and self._tracker.progress(job, now).stopped
-            )
-            if job in self.tags.pins() or ((job in active_res or recent) and not stopped):
+            if job in self.tags.pins() or (
+                (job in active_res or recent) and not self._stopped_silent(job, now)
+            ):
                 active.append(job)
         pins = self._pins()
         for job, level in pins.items():
@@ -872,6 +874,16 @@ class TrafficService:
                 if job in self._order and job not in pins:
                     levels[job] = self._order[job]
         return levels
+
+    def _stopped_silent(self, job: str, now: float) -> bool:
+        """Whether ``job`` reported, then stopped (past its gap limit) and has sent no
+        report for ``traffic.idle_after_s``: it holds no level, reservation or not (a pin
+        aside), as its stall says nothing of the network; its traffic, if any, is the
+        default class's until it reports."""
+        reports = self._reports.get(job)
+        if reports is None or self._monotonic() - reports.heard_at <= self.config.idle_after_s:
+            return False
+        return job in self._tracker.jobs() and self._tracker.progress(job, now).stopped
 
     def _weights(self, now: float, tags: Mapping[str, int]) -> dict[str, float]:
         """Each job's weight inside its level, by its demand: the bytes its leaves carried

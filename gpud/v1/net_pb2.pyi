@@ -196,6 +196,8 @@ class NetJob(_message.Message):
     COUNTERS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     PINNED_LEVEL_CLAMPED_FROM_FIELD_NUMBER: _builtins.int
+    STOPPED_SECONDS_FIELD_NUMBER: _builtins.int
+    STOPPED_UNRANKED_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     dscp: _builtins.int
     """the job's tag (the TOS byte is dscp * 4)"""
@@ -217,6 +219,16 @@ class NetJob(_message.Message):
     """the level it was pinned to, beyond a lowered traffic.levels: pinned_level is the
     lowest level it was moved to at this start (absent: not moved since gpud started)
     """
+    stopped_seconds: _builtins.float
+    """stopped: no progress for more than ShowNetResponse.stop_after_spacings of its usual
+    spacings between progress points (SIGSTOP, a debugger), seconds since its last
+    progress; absent: running, or no progress known yet. Its progress rate is held where
+    the stop began.
+    """
+    stopped_unranked: _builtins.bool
+    """stopped, and no report for traffic.idle_after_s either: not ranked, it holds no level
+    (unless pinned) and its traffic is in the default class until it reports again
+    """
     @_builtins.property
     def counters(self) -> Global___NetCounters: ...
     def __init__(
@@ -235,10 +247,12 @@ class NetJob(_message.Message):
         counters: Global___NetCounters | None = ...,
         error: _builtins.str = ...,
         pinned_level_clamped_from: _builtins.int | None = ...,
+        stopped_seconds: _builtins.float | None = ...,
+        stopped_unranked: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s", "_iteration_s", b"_iteration_s", "_iterations", b"_iterations", "_last_report_age_seconds", b"_last_report_age_seconds", "_level", b"_level", "_pinned_level", b"_pinned_level", "_pinned_level_clamped_from", b"_pinned_level_clamped_from", "_progress_rate", b"_progress_rate", "contention_free_iteration_s", b"contention_free_iteration_s", "counters", b"counters", "iteration_s", b"iteration_s", "iterations", b"iterations", "last_report_age_seconds", b"last_report_age_seconds", "level", b"level", "pinned_level", b"pinned_level", "pinned_level_clamped_from", b"pinned_level_clamped_from", "progress_rate", b"progress_rate"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s", "_iteration_s", b"_iteration_s", "_iterations", b"_iterations", "_last_report_age_seconds", b"_last_report_age_seconds", "_level", b"_level", "_pinned_level", b"_pinned_level", "_pinned_level_clamped_from", b"_pinned_level_clamped_from", "_progress_rate", b"_progress_rate", "_stopped_seconds", b"_stopped_seconds", "contention_free_iteration_s", b"contention_free_iteration_s", "counters", b"counters", "iteration_s", b"iteration_s", "iterations", b"iterations", "last_report_age_seconds", b"last_report_age_seconds", "level", b"level", "pinned_level", b"pinned_level", "pinned_level_clamped_from", b"pinned_level_clamped_from", "progress_rate", b"progress_rate", "stopped_seconds", b"stopped_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s", "_iteration_s", b"_iteration_s", "_iterations", b"_iterations", "_last_report_age_seconds", b"_last_report_age_seconds", "_level", b"_level", "_pinned_level", b"_pinned_level", "_pinned_level_clamped_from", b"_pinned_level_clamped_from", "_progress_rate", b"_progress_rate", "cgroup", b"cgroup", "contention_free_iteration_s", b"contention_free_iteration_s", "counters", b"counters", "dscp", b"dscp", "error", b"error", "iteration_s", b"iteration_s", "iterations", b"iterations", "job", b"job", "last_report_age_seconds", b"last_report_age_seconds", "level", b"level", "pinned_level", b"pinned_level", "pinned_level_clamped_from", b"pinned_level_clamped_from", "progress_rate", b"progress_rate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s", "_iteration_s", b"_iteration_s", "_iterations", b"_iterations", "_last_report_age_seconds", b"_last_report_age_seconds", "_level", b"_level", "_pinned_level", b"_pinned_level", "_pinned_level_clamped_from", b"_pinned_level_clamped_from", "_progress_rate", b"_progress_rate", "_stopped_seconds", b"_stopped_seconds", "cgroup", b"cgroup", "contention_free_iteration_s", b"contention_free_iteration_s", "counters", b"counters", "dscp", b"dscp", "error", b"error", "iteration_s", b"iteration_s", "iterations", b"iterations", "job", b"job", "last_report_age_seconds", b"last_report_age_seconds", "level", b"level", "pinned_level", b"pinned_level", "pinned_level_clamped_from", b"pinned_level_clamped_from", "progress_rate", b"progress_rate", "stopped_seconds", b"stopped_seconds", "stopped_unranked", b"stopped_unranked"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__contention_free_iteration_s: _TypeAlias = _typing.Literal["contention_free_iteration_s"]  # noqa: Y015
     _WhichOneofArgType__contention_free_iteration_s: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s"]  # noqa: Y015
@@ -256,6 +270,8 @@ class NetJob(_message.Message):
     _WhichOneofArgType__pinned_level_clamped_from: _TypeAlias = _typing.Literal["_pinned_level_clamped_from", b"_pinned_level_clamped_from"]  # noqa: Y015
     _WhichOneofReturnType__progress_rate: _TypeAlias = _typing.Literal["progress_rate"]  # noqa: Y015
     _WhichOneofArgType__progress_rate: _TypeAlias = _typing.Literal["_progress_rate", b"_progress_rate"]  # noqa: Y015
+    _WhichOneofReturnType__stopped_seconds: _TypeAlias = _typing.Literal["stopped_seconds"]  # noqa: Y015
+    _WhichOneofArgType__stopped_seconds: _TypeAlias = _typing.Literal["_stopped_seconds", b"_stopped_seconds"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__contention_free_iteration_s) -> _WhichOneofReturnType__contention_free_iteration_s | None: ...
     @_typing.overload
@@ -272,6 +288,8 @@ class NetJob(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__pinned_level_clamped_from) -> _WhichOneofReturnType__pinned_level_clamped_from | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__progress_rate) -> _WhichOneofReturnType__progress_rate | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__stopped_seconds) -> _WhichOneofReturnType__stopped_seconds | None: ...
 
 Global___NetJob: _TypeAlias = NetJob  # noqa: Y015
 
@@ -370,6 +388,8 @@ class ShowNetResponse(_message.Message):
     RDMA_BACKEND_FIELD_NUMBER: _builtins.int
     RDMA_ERROR_FIELD_NUMBER: _builtins.int
     IDLE_UNTAGGED_JOBS_FIELD_NUMBER: _builtins.int
+    MARKING_OFF_FIELD_NUMBER: _builtins.int
+    STOP_AFTER_SPACINGS_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     """traffic.enabled in the daemon's config"""
     level_changes_total: _builtins.int
@@ -386,6 +406,10 @@ class ShowNetResponse(_message.Message):
     """registered jobs holding no tag and not in use (not in jobs: each takes a tag when it
     runs); the jobs in use without one are in jobs, with their error
     """
+    marking_off: _builtins.bool
+    """traffic.marking = false: no nftables table at all"""
+    stop_after_spacings: _builtins.float
+    """a job without progress for more than this many of its usual spacings is stopped"""
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___NetJob]: ...
     @_builtins.property
@@ -406,10 +430,12 @@ class ShowNetResponse(_message.Message):
         rdma_backend: _builtins.str = ...,
         rdma_error: _builtins.str = ...,
         idle_untagged_jobs: _builtins.int = ...,
+        marking_off: _builtins.bool = ...,
+        stop_after_spacings: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "epoch", b"epoch", "idle_untagged_jobs", b"idle_untagged_jobs", "interfaces", b"interfaces", "jobs", b"jobs", "level_changes_total", b"level_changes_total", "levels", b"levels", "marking_error", b"marking_error", "order_source", b"order_source", "rdma_backend", b"rdma_backend", "rdma_error", b"rdma_error"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "epoch", b"epoch", "idle_untagged_jobs", b"idle_untagged_jobs", "interfaces", b"interfaces", "jobs", b"jobs", "level_changes_total", b"level_changes_total", "levels", b"levels", "marking_error", b"marking_error", "marking_off", b"marking_off", "order_source", b"order_source", "rdma_backend", b"rdma_backend", "rdma_error", b"rdma_error", "stop_after_spacings", b"stop_after_spacings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

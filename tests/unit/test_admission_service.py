@@ -36,6 +36,7 @@ from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, RunRequest
 from gpud.mps.api import MpsServicer
 from gpud.mps.manager import MpsManager
+from gpud.shared import is_about
 from gpud.store import StateStore
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import GpuSample
@@ -131,6 +132,19 @@ def test_queued_job_survives_a_restart_and_starts_once(node: Node) -> None:
     assert history["a"].ended_at == 1030.0
     assert history["b"].started_at - history["b"].queued_at == 30.0
     assert history["b"].request_class == "1 GPU 60GiB"
+
+
+def test_a_queued_jobs_start_names_the_gpus_it_got(node: Node) -> None:
+    """``gpuctl events --gpu N`` finds admission.start, which names devices by UUID."""
+    a = node.jobs.reserve(whole("a", 2)).reservation
+    node.admission.enqueue(whole("b"))
+    node.jobs.release(a.id)
+    node.admission.tick()
+    (event,) = node.events.recent(kind_prefix="admission.start")
+    (held,) = node.jobs.reservations.held()
+    assert event.fields["devices"] == list(held.devices)
+    assert event.fields["gpus"] == node.jobs.gpu_indexes(held.devices) != []
+    assert is_about(event.fields, gpu=str(event.fields["gpus"][0]))
 
 
 def test_a_job_that_fits_does_not_jump_the_queue(node: Node) -> None:

@@ -363,6 +363,7 @@ async def test_list_events_about_a_gpu_or_a_job(sock_dir: Path) -> None:
     log.emit("mig.apply", "apply", config="c", result="success", gpus={1: "applied"})
     log.emit("gpu.recovered", "GPU 0 back", gpu=0, uuid="GPU-0")
     log.emit("job.add", "b", job="b")
+    log.emit("job.release", "a gone", job="a", reservation="r1", gpus=[1, 2])
     path = sock_dir / "gpud.sock"
     server = await _serve(path, make_servicer(events=log))
     async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
@@ -372,12 +373,22 @@ async def test_list_events_about_a_gpu_or_a_job(sock_dir: Path) -> None:
             resp = await stub.ListEvents(pb.ListEventsRequest(**request))  # type: ignore[arg-type]
             return [e.message for e in resp.events]
 
-        assert await messages(gpu="1") == ["GPU 1 lost", "older: no uuid", "MIG", "apply"]
+        assert await messages(gpu="1") == [
+            "GPU 1 lost",
+            "older: no uuid",
+            "MIG",
+            "apply",
+            "a gone",
+        ]
+        assert await messages(gpu="2") == ["a gone"]  # the older job.reserve: by UUID alone
         assert await messages(gpu="GPU-1") == ["GPU 1 lost", "MIG"]
         assert await messages(gpu="MIG-1a") == ["a", "MIG"]
-        assert await messages(gpu="1", limit=1) == ["apply"]
-        assert await messages(job="a") == ["older: no uuid", "a"]
-        assert await messages(job="a", gpu="1", kind_prefix="job.") == ["older: no uuid"]
+        assert await messages(gpu="1", limit=1) == ["a gone"]
+        assert await messages(job="a") == ["older: no uuid", "a", "a gone"]
+        assert await messages(job="a", gpu="1", kind_prefix="job.") == [
+            "older: no uuid",
+            "a gone",
+        ]
         assert await messages(gpu="7") == []
     await server.stop(0)
 

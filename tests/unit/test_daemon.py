@@ -459,6 +459,32 @@ def test_colocation_sees_a_run_without_memory_at_its_devices_mps_default(root: P
         d.backend.close()
 
 
+def test_a_run_that_ended_is_not_shown_placed_until_the_next_colocation_pass(
+    root: Path,
+) -> None:
+    """``gpuctl jobs ls`` (COLO ON, SHARE, DUTY) and ``gpuctl colo show`` read the last
+    co-location pass: a run released since is not on its GPU any more, though the next
+    pass is seconds away."""
+    from gpud.colo.api import ColoServicer
+
+    d = build(make_config(root))
+    try:
+        snap = d.sampler.tick()
+        d.mps.reconcile(snap)
+        ended = d.jobs.reserve(RunRequest(job="ended"))
+        d.jobs.reserve(RunRequest(job="runs"))
+        d.colo.tick(snap)
+        servicer = ColoServicer(d.colo, snapshots=d.sampler.latest)
+        assert {p.job for p in servicer._show().placements} == {"ended", "runs"}
+        d.jobs.release(ended.reservation.id)
+        assert {p.job for p in servicer._show().placements} == {"runs"}
+        assert {r.name for r in d.colo.show().running} == {"runs"}
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
 def test_the_build_reaches_the_status_the_metric_and_the_cluster_report(root: Path) -> None:
     """One build, computed at start, in everything that shows which code gpud runs."""
     d = build(make_config(root))

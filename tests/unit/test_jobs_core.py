@@ -32,7 +32,7 @@ from gpud.jobs.registry import JobKind, JobRegistry, JobSpec, validate_spec
 from gpud.jobs.service import STOP_GRACE_S, JobService, RunRequest
 from gpud.jobs.stops import RunStop, RunStops, StopReason
 from gpud.mps.manager import MpsManager, MpsTarget, targets_from_snapshot
-from gpud.shared import GIB, shell_exports
+from gpud.shared import GIB, is_about, shell_exports
 from gpud.store import StateStore
 from gpud.telemetry.snapshot import GpuSample
 from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, gpu_uuid, mig_uuid, snapshot
@@ -534,6 +534,27 @@ def test_run_registers_reserves_and_refuses_oversubscription(service: JobService
     assert service.env("infer-a")["GPUD_RESERVATION"] == launch.reservation.id
     service.remove("infer-a", force=True)
     assert service.reservations.held() == []
+
+
+def test_a_runs_reserve_and_release_events_are_found_by_gpu_index(service: JobService) -> None:
+    """``gpuctl events --gpu 1`` finds a run's job.reserve and job.release, which name
+    their devices by UUID: they carry the indexes of the devices' GPUs too."""
+    whole = service.reserve(RunRequest("on-1", devices=(gpu_uuid(1),)))
+    mig = service.reserve(RunRequest("on-mig", mig_profile="3g.40gb"))
+    service.release(whole.reservation.id)
+    service.release(mig.reservation.id)
+    events = service._events.recent(kind_prefix="job.re")
+    assert [(e.kind, e.fields["job"], e.fields["gpus"]) for e in events] == [
+        ("job.reserve", "on-1", [1]),
+        ("job.reserve", "on-mig", [0]),
+        ("job.release", "on-1", [1]),
+        ("job.release", "on-mig", [0]),
+    ]
+    about = [e for e in events if is_about(e.fields, gpu="1")]
+    assert [(e.kind, e.fields["job"]) for e in about] == [
+        ("job.reserve", "on-1"),
+        ("job.release", "on-1"),
+    ]
 
 
 def test_a_job_that_can_get_no_dscp_tag_is_refused_before_it_holds_anything(

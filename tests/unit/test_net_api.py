@@ -45,6 +45,7 @@ class Node:
         levels: int = 4,
         marking: bool = True,
         monotonic: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.jobs = ["train-a", "train-b"]
         self.config = TrafficConfig(
@@ -63,6 +64,7 @@ class Node:
             jobs=lambda: list(self.jobs),
             tc=self.tc,
             marker=FakeMarker(),
+            clock=clock,
             monotonic=monotonic,
         )
 
@@ -495,7 +497,8 @@ def test_gpuctl_net_report_and_show(
     # 1 s per iteration, 0.5 s alone; the long-run part also counts the moments since the
     # last report, so a slow tick reads a little lower
     (row,) = [line for line in out.splitlines() if line.startswith("train-a")]
-    assert float(row.split()[3]) == pytest.approx(0.5, abs=0.05)
+    assert row.split()[3] == "running"
+    assert float(row.split()[4]) == pytest.approx(0.5, abs=0.05)
     assert "eth0" in out and "10 Gbit/s" in out
     code, out, _ = gpuctl(capsys, sock, "net", "show", "--json")
     doc = json.loads(out)
@@ -622,9 +625,9 @@ def test_a_job_left_without_a_tag_shows_its_progress_in_its_row(
     node.service.tick()
     out, json_out = _show(capsys, node)
     (row,) = [line.split() for line in out.splitlines() if line.startswith("train-b ")]
-    # JOB DSCP LEVEL(3 words) PROGRESS ITER ITER-TIME(2) REPORT-AGE(2) SENT PKTS DROPS
-    assert row[1:5] == ["-", "default", "(no", "tag)"]
-    assert row[5] != "-" and row[6] == "4" and row[7:9] == ["2.0", "s"]
+    # JOB DSCP LEVEL(3 words) STATE PROGRESS ITER ITER-TIME(2) REPORT-AGE(2) SENT PKTS DROPS
+    assert row[1:6] == ["-", "default", "(no", "tag)", "running"]
+    assert row[6] != "-" and row[7] == "4" and row[8:10] == ["2.0", "s"]
     assert row[-3:] == ["-", "-", "-"]  # its traffic is in the default class: no counters
     (b,) = [j for j in json.loads(json_out)["jobs"] if j["job"] == "train-b"]
     assert b["iterations"] == 4 and b["iteration_s"] == 2.0 and 0 < b["progress_rate"] <= 0.5
@@ -698,6 +701,53 @@ def test_show_says_no_interface_is_shaped_when_none_is_configured(
     assert "interfaces: none (traffic.interfaces is empty): no HTB tree anywhere" in out
     assert "INTERFACE " not in out
     assert json.loads(json_out)["interfaces"] == []
+
+
+def test_show_with_marking_off_does_not_say_it_marks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    node = Node(tmp_path / "state", interfaces=(), marking=False)
+    node.service.tick()
+    out, json_out = _show(capsys, node)
+    assert "no HTB tree anywhere; tags only" in out
+    assert "marking" not in out.split("no HTB tree anywhere")[1].splitlines()[0]
+    assert json.loads(json_out)["marking_off"] is True
+
+
+def test_show_says_which_jobs_are_stopped_and_why_one_holds_no_level(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    now = [1_000_000.0]
+    node = Node(tmp_path / "state", clock=lambda: now[0], monotonic=lambda: now[0], interfaces=())
+    for n in range(1, 31):  # both report an iteration a second
+        now[0] += 1
+        for job in node.jobs:
+            node.service.report(Report(job, n, now[0], ideal_s=0.5, session="s"))
+        node.service.tick()
+    node.service.pin("train-b", 2)
+    now[0] += 180  # both stopped (SIGSTOP) for 3 minutes, silent past traffic.idle_after_s
+    node.service.tick()
+    out, json_out = _show(capsys, node)
+    rows = {ln.split()[0]: " ".join(ln.split()) for ln in out.splitlines() if ln[:6] == "train-"}
+    assert " default stopped 3m 00s " in rows["train-a"]
+    assert " 2 (pinned) stopped 3m 00s " in rows["train-b"]
+    assert (
+        "train-a: stopped 3m 00s: no progress for over 20 iterations' time (SIGSTOP, a"
+        " debugger?) and no report for traffic.idle_after_s: holds no level (its traffic is in"
+        " the default class) until it reports progress"
+    ) in out
+    assert "train-b: stopped 3m 00s: no progress for over 20 iterations' time" in out
+    assert "keeps its pinned level" in out
+    body = json.loads(json_out)
+    jobs = {j["job"]: j for j in body["jobs"]}
+    assert jobs["train-a"]["stopped_seconds"] == 180 and jobs["train-a"]["stopped_unranked"]
+    assert not jobs["train-b"]["stopped_unranked"] and body["stop_after_spacings"] == 20
+    now[0] += 1
+    node.service.report(Report("train-a", 31, now[0], ideal_s=0.5, session="s"))
+    node.service.tick()
+    out, _ = _show(capsys, node)
+    (row,) = [ln.split() for ln in out.splitlines() if ln.startswith("train-a")]
+    assert row[3] == "running" and "train-a: stopped" not in out
 
 
 def _registry(node: Node) -> CollectorRegistry:

@@ -1507,3 +1507,30 @@ def test_a_stopped_job_holds_no_level_reservation_or_not(rig: Rig) -> None:
     assert levels["b"] is not None
     train.since["a"] = rig.clock.t
     assert train.run(2)["a"] is not None
+
+
+def test_net_show_says_a_job_is_stopped_and_whether_it_holds_a_level(rig: Rig) -> None:
+    """``gpuctl net show`` says why a stopped job's rate froze, and its level went: past
+    its gap limit it is stopped (how long since its last progress), and silent for
+    traffic.idle_after_s it is not ranked. Running again, it reads running."""
+    rig.active = {"a", "b"}
+    train = Training(rig, {"a": 1.0, "b": 1.0}, {"a": 0.5, "b": 0.25})
+    train.run(60)
+
+    def row() -> JobTraffic:
+        (found,) = [j for j in rig.service.view().jobs if j.job == "a"]
+        return found
+
+    assert row().stopped_s is None and not row().unranked
+    train.run(30, stopped="a")  # 20 iterations of 1 s each: stopped, but heard lately
+    assert row().stopped_s == pytest.approx(30, abs=1) and not row().unranked
+    assert job_message(row(), rig.service.now()).stopped_seconds == pytest.approx(30, abs=1)
+    train.run(60, stopped="a")
+    assert row().level is None and row().unranked
+    msg = job_message(row(), rig.service.now())
+    assert msg.stopped_unranked and msg.stopped_seconds == pytest.approx(90, abs=1)
+    assert rig.service.view().gap_spacings == 20
+    train.since["a"] = rig.clock.t
+    train.run(2)
+    assert row().stopped_s is None and not row().unranked
+    assert not job_message(row(), rig.service.now()).HasField("stopped_seconds")
