@@ -13,7 +13,8 @@ daemon's internals), so the few things both sides must read the same way live he
 - what a ``gpuctl run`` that waits outside the admission queue waits on;
 - free text a request may carry (a progress report's session): one short line;
 - which events are about a GPU or a job (``gpuctl events --gpu/--job``, ListEvents);
-- the XID codes gpud takes (``telemetry.ignored_xids``, ``xid clear --xid``, an injected one).
+- the XID codes gpud takes (``telemetry.ignored_xids``, ``xid clear --xid``, an injected one);
+- a number a range check refuses, written with every digit it has.
 
 Pure and cheap to import: the standard library and :mod:`gpud.errors` only.
 """
@@ -21,6 +22,7 @@ Pure and cheap to import: the standard library and :mod:`gpud.errors` only.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import sys
@@ -93,13 +95,25 @@ def parse_size(text: str, *, field: str = "memory") -> int:
     return int(value)
 
 
+def format_number(value: float) -> str:
+    """``value`` as short as ``:g`` writes it when that is exact (``0.01``, ``1e+07``),
+    else with every digit it has (``3600001``, ``1.0000001``): a range check that refuses
+    3600001 ms must not say "3.6e+06 ms", which reads as inside the range it names."""
+    if isinstance(value, int):
+        return str(value)
+    short = f"{value:g}"
+    if math.isnan(value) or float(short) == value:
+        return short
+    return repr(float(value)).removesuffix(".0")
+
+
 def check_slo_ms(value: float, *, field: str = "slo_p99_ms") -> float:
     """``value``, a p99 latency SLO in milliseconds, when it is one a service can be held
     to (:data:`MIN_SLO_MS` up to :data:`MAX_SLO_MS`); else :class:`InvalidArgument`
     naming ``field`` and the range. NaN, infinities, zero and negatives are refused."""
     if not MIN_SLO_MS <= value <= MAX_SLO_MS:  # NaN is in no range
         raise InvalidArgument(
-            f"{value:g} ms is outside {MIN_SLO_MS:g}..{MAX_SLO_MS:.0f} ms"
+            f"{format_number(value)} ms is outside {MIN_SLO_MS:g}..{MAX_SLO_MS:.0f} ms"
             " (a p99 latency SLO: 10 microseconds up to an hour)",
             field=field,
         )

@@ -24,6 +24,7 @@ from gpud.api.ports import (
 )
 from gpud.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from gpud.mps.procs import PID_MAX
+from gpud.shared import format_number
 from gpud.telemetry.snapshot import ClearedXids, Snapshot
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
@@ -266,7 +267,7 @@ class NodeServicer(pb_grpc.NodeServicer):
             gpu = validate.gpu_index(request.gpu, self._node_info().gpu_count)
             if not 0.0 <= request.sm_ratio <= 1.0:
                 raise InvalidArgument(
-                    f"must be within 0..1, got {request.sm_ratio:g}", field="sm_ratio"
+                    f"must be within 0..1, got {format_number(request.sm_ratio)}", field="sm_ratio"
                 )
             mig: int | str | None = None
             if request.mig:

@@ -64,6 +64,7 @@ from gpud.cli import run as run_cli
 from gpud.cli.context import DEFAULT_SOCKET, EXIT_USAGE, CliError, Context, clip_arguments
 from gpud.cli.output import Output, OutputError
 from gpud.cli.pipes import discard_stdout, quiet_on_broken_pipe
+from gpud.shared import format_number
 
 EXIT_OUTPUT = 1  # stdout could not take the answer (a full disk, stdout closed)
 
@@ -228,7 +229,7 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     if not 0 < args.timeout <= MAX_TIMEOUT:  # NaN too
-        message = f"--timeout must be > 0 and at most {MAX_TIMEOUT:g} s, got {args.timeout:g}"
+        message = f"--timeout must be > 0 and at most {MAX_TIMEOUT:g} s, got {format_number(args.timeout)}"
         return _fail(CliError(message, EXIT_USAGE), args.json, words=words)
     ctx = Context(
         socket_path=_socket_path(args, os.environ if env is None else env),

@@ -186,7 +186,12 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         why = f"; processes unknown: {'; '.join(unknown)}" if unknown else ""
         no_mem = dict.fromkeys(i.memory_unknown for i in gpu.instances if i.memory_unknown)
         why += f"; memory unknown: {'; '.join(no_mem)}" if no_mem else ""
-        ctx.out.print(f"GPU {gpu.index} {name}: {mode}; {gpu.layout}{desired}{why}")
+        # the layout less what the mode said: "MIG off", not "MIG off; MIG disabled", and
+        # "MIG on; no instances", not "MIG on; MIG enabled, no instances"
+        # (gpud.mig.layout.DeviceLayout.describe)
+        layout = gpu.layout.removeprefix("MIG enabled, ") if gpu.mig_current else ""
+        held = f"; {layout}" if layout else ""
+        ctx.out.print(f"GPU {gpu.index} {name}: {mode}{held}{desired}{why}")
     rows = []
     for gpu in resp.gpus:
         for inst in gpu.instances:

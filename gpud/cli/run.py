@@ -105,7 +105,8 @@ from gpud.v1 import colo_pb2, colo_pb2_grpc, net_pb2, net_pb2_grpc, queue_pb2, q
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
 
-EXIT_CANNOT_EXEC = 127
+EXIT_CANNOT_EXEC = 127  # the command is not found, as from a shell
+EXIT_CANNOT_RUN = 126  # found, but cannot be run: not executable, a directory
 EXIT_INTERRUPTED = 130
 EXIT_TAKEN = ERROR_TABLE[ResourceExhausted][1]
 EXIT_NOT_FOUND = ERROR_TABLE[NotFound][1]
@@ -117,6 +118,9 @@ ENTRY_WAIT_S = 5.0
 ADVICE_POLL_MAX_S = 4.0  # a wait for advice asks at least this often (gpud forgets at 10 s)
 ADVICE_ROUNDS = 3  # advice asked for at most this many times when its GPU is taken meanwhile
 QUEUE_OFF = "admission queue is off"  # gpud's message when admission.enabled = false
+# The job's first process ended before it became the command: held at a gate gpuctl kept
+# shut, or started after gpuctl died (as `env` and `docker run` use 125 for a failure of
+# their own before the command runs)
 EXIT_GATE_CLOSED = 125
 KILL_AFTER_S = 10.0
 # How long `gpuctl run` keeps trying to tell a gpud that is away how its command ended:
@@ -147,19 +151,19 @@ _GATE = (
     "ctypes.CDLL(None).prctl(1,9)\n"
     # its name until exec gives it the command's (PR_SET_NAME; a '/' no file name has)
     f"ctypes.CDLL(None).prctl(15,b'{GATE_NAME}')\n"
-    "os.getppid()==int(a[1]) or sys.exit(125)\n"
+    f"os.getppid()==int(a[1]) or sys.exit({EXIT_GATE_CLOSED})\n"
     "fd,ready=int(a[2]),int(a[3])\n"
     "if fd>=0:\n"
     " os.write(ready,b'r')\n"
     " os.close(ready)\n"
     " ok=os.read(fd,1)\n"
     " os.close(fd)\n"
-    " ok or sys.exit(125)\n"
+    f" ok or sys.exit({EXIT_GATE_CLOSED})\n"
     "try:\n"
     " os.execvp(a[4],a[4:])\n"
     "except OSError as e:\n"
     " sys.stderr.write(f'gpuctl: cannot run {a[4]}: {e.strerror}\\n')\n"
-    " sys.exit(127 if e.errno==errno.ENOENT else 126)\n"
+    f" sys.exit({EXIT_CANNOT_EXEC} if e.errno==errno.ENOENT else {EXIT_CANNOT_RUN})\n"
 )
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 

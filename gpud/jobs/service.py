@@ -228,15 +228,21 @@ class JobService:
     def device_uuids(self, names: tuple[str, ...]) -> tuple[str, ...]:
         """Devices as people name them (``0``, ``0:1``, as ``gpuctl mps`` takes them) or by
         UUID, as UUIDs; a UUID the node lacks is kept as given (placement says so), and a GPU
-        in MIG mode is refused by UUID as by index."""
+        in MIG mode is refused by UUID as by index. An index the node lacks (``9``, or
+        ``0:5`` before a MIG apply makes it) is refused: it is kept as the UUID it names
+        now, and names none, which the refusal says."""
 
         def uuid(name: str) -> str:
             try:
                 target = self._mps.resolve(name)
-            except NotFound:
+            except NotFound as err:
                 if name.startswith(("GPU-", "MIG-")):
                     return name
-                raise
+                raise NotFound(
+                    f"{err}: an index names a device of this node as it is now (a job keeps"
+                    " the UUID it names); give a UUID, or a MIG profile (--mig), to register"
+                    " a job ahead of a layout"
+                ) from None
             if not target.uuid:  # lost or hung since before gpud started: no UUID to keep
                 raise FailedPrecondition(
                     f"device {name} is on GPU {target.gpu}, which is unhealthy:"

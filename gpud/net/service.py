@@ -61,7 +61,13 @@ from gpud.net.port import JobTraffic, LocalReport, OrderResult, TrafficCounters
 from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore
 from gpud.pidns import local_pid
-from gpud.shared import MAX_IDEAL_S, MAX_SESSION_CHARS, MIN_IDEAL_S, check_text
+from gpud.shared import (
+    MAX_IDEAL_S,
+    MAX_SESSION_CHARS,
+    MIN_IDEAL_S,
+    check_text,
+    format_number,
+)
 from netshaper import tcplan
 from netshaper.ethtool import link_speed_mbps
 from netshaper.leveller import Leveller, LevellerConfig
@@ -335,7 +341,7 @@ class TrafficService:
             # a job that claims a microscopic iteration time would rank as the slowest
             # job for good, whatever it did
             raise InvalidArgument(
-                f"must be {MIN_IDEAL_S:g}..{MAX_IDEAL_S:g} seconds, got {r.ideal_s:.4g}",
+                f"must be {MIN_IDEAL_S:g}..{MAX_IDEAL_S:g} seconds, got {format_number(r.ideal_s)}",
                 field="contention_free_iteration_s",
             )
         check_text(r.session, field="session", max_len=MAX_SESSION_CHARS)

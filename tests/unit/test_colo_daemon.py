@@ -861,10 +861,22 @@ def test_absurd_colo_requests_are_refused_and_change_nothing(
                 "Advise",
                 colo_pb2.AdviseRequest(job="n", kind="inference", slo_p99_ms=slo),
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"slo_p99_ms: {slo:g} ms is outside 0.01..3600000 ms",
+                f"slo_p99_ms: {words} ms is outside 0.01..3600000 ms",
             )
-            # a p99 of a microsecond is no service's: refused, not placed "free: exclusive"
-            for slo in (nan, inf, -inf, -5.0, 0.0, 1e-3, 0.0099, 3_600_001.0, 1e308)
+            # a p99 of a microsecond is no service's: refused, not placed "free: exclusive";
+            # the refused value is written in full (not 3.6e+06, which reads as in range)
+            for slo, words in (
+                (nan, "nan"),
+                (inf, "inf"),
+                (-inf, "-inf"),
+                (-5.0, "-5"),
+                (0.0, "0"),
+                (1e-3, "0.001"),
+                (0.0099, "0.0099"),
+                (3_600_001.0, "3600001"),
+                (3_600_000.5, "3600000.5"),
+                (1e308, "1e+308"),
+            )
         ),
         (
             "Advise",

@@ -5,7 +5,9 @@
 - the metric names README.md and docs/ name are ones gpud exports, and every family gpud
   exports is in docs/metrics.md, with its labels;
 - README.md shows every ``gpuctl`` command, and every ``gpuctl`` command line it shows parses
-  (its words name a command, its ``--flags`` are that command's).
+  (its words name a command, its ``--flags`` are that command's);
+- README.md's table of gpuctl's exit codes lists each code gpuctl gives of its own, and no
+  other.
 
 Only files are read: nothing runs.
 """
@@ -16,6 +18,7 @@ import argparse
 import ast
 import dataclasses
 import functools
+import importlib
 import json
 import math
 import re
@@ -31,7 +34,7 @@ import yaml
 from gpud import config
 from gpud.cli.main import build_parser as build_gpuctl_parser
 from gpud.daemon import RESTART_KEYS
-from gpud.errors import ConfigError
+from gpud.errors import ERROR_TABLE, ConfigError
 from gpud.main import build_parser as build_gpud_parser
 from gpud.main import flag_overrides
 
@@ -724,3 +727,53 @@ def test_the_metrics_checks_find_what_is_wrong() -> None:
     assert metrics_table_disagreements(
         text.replace("| `gpud_gpus` | gauge |", "| `gpud_gpus` | counter |"), families
     ) == ["gpud_gpus: documented as a counter, exported as a gauge"]
+
+
+# ---------------------------------------------------------------- README.md: exit codes
+
+
+def readme_exit_codes(text: str) -> set[int]:
+    """The codes of the table under README.md's ``### Exit codes``: ``| 125 | ... |``."""
+    section = text.split("\n### Exit codes\n", 1)[1].split("\n#", 1)[0]
+    return {int(code) for code in re.findall(r"^\| (\d+) \|", section, re.MULTILINE)}
+
+
+def gpuctl_exit_codes() -> dict[int, str]:
+    """Each exit code gpuctl gives of its own, with where it comes from: 0, gpud's error
+    table (an error gpud sends carries its code), the ``EXIT_`` constants of gpud.cli's
+    modules and a literal ``return N`` or ``sys.exit(N)`` there."""
+    codes = {0: "success"}
+    for cls, (_, code) in ERROR_TABLE.items():
+        codes.setdefault(code, f"gpud.errors.{cls.__name__}")
+    for path in sorted((ROOT / "gpud" / "cli").glob("*.py")):
+        module = importlib.import_module(f"gpud.cli.{path.stem}".removesuffix(".__init__"))
+        for name, value in vars(module).items():
+            if name.startswith("EXIT_") and isinstance(value, int):
+                codes.setdefault(value, f"{module.__name__}.{name}")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Return):
+                value = node.value
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) == "sys.exit":
+                value = node.args[0] if node.args else None
+            else:
+                continue
+            if isinstance(value, ast.Constant) and type(value.value) is int:
+                codes.setdefault(value.value, f"{path.name}:{node.lineno}")
+    return codes
+
+
+def test_readme_lists_every_exit_code_gpuctl_gives() -> None:
+    codes = gpuctl_exit_codes()
+    listed = readme_exit_codes(README.read_text())
+    assert {c: codes[c] for c in sorted(codes.keys() - listed)} == {}, "not in README.md"
+    assert sorted(listed - codes.keys()) == [], "listed in README.md, never given"
+
+
+def test_the_exit_code_check_finds_what_is_wrong() -> None:
+    codes = gpuctl_exit_codes()
+    assert codes[11] == "gpud.errors.Partial" and codes[126] == "gpud.cli.run.EXIT_CANNOT_RUN"
+    assert codes[125] == "gpud.cli.run.EXIT_GATE_CLOSED" and 130 in codes and 141 in codes
+    table = (
+        "### Exit codes\n\n| Exit | Why |\n|---|---|\n| 0 | ok |\n| 125 | x |\n\n## Next\n| 9 | y |"
+    )
+    assert readme_exit_codes(f"intro\n{table}") == {0, 125}

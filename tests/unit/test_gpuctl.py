@@ -695,6 +695,8 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     for absurd in ("0", "-1", "nan", "inf", "1e309", "1e12"):
         code, _, err = run(capsys, "--timeout", absurd, "status")
         assert code == 2 and "--timeout must be > 0" in err, absurd
+    code, _, err = run(capsys, "--timeout", "86400.01", "status")
+    assert code == 2 and "at most 86400 s, got 86400.01" in err
     code, out, _ = run(capsys, "--help")
     assert code == 0 and "status" in out and "sim" in out
 
@@ -782,6 +784,11 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
             "--slo-p99-ms: 0.001 ms is outside 0.01..3600000 ms",
         ),
         (("jobs", "add", "x", "--slo-p99-ms", "0"), "--slo-p99-ms: 0 ms is outside 0.01.."),
+        # the value as given, not rounded to one that reads as inside the range
+        (
+            ("jobs", "add", "x", "--slo-p99-ms", "3600001"),
+            "--slo-p99-ms: 3600001 ms is outside 0.01..3600000 ms",
+        ),
         (("events", "--kind", "gpu.\udcff"), "an argument is not valid UTF-8: 'gpu.\\udcff'"),
     ],
 )

@@ -812,6 +812,24 @@ def test_devices_are_named_by_index_as_gpuctl_mps_takes_them(service: JobService
         service.reserve(RunRequest("nowhere", devices=("9",)))
 
 
+@pytest.mark.parametrize("index", ["9", "0:7"])
+def test_an_index_the_node_lacks_is_refused_saying_why_a_uuid_is_not(
+    service: JobService, index: str
+) -> None:
+    """Registration keeps the UUID an index names now: an index that names none (a GPU the
+    node lacks, a MIG device a layout may make later) cannot be kept, and the refusal says
+    so and what registers the job ahead of a layout instead; a UUID the node lacks is kept."""
+    why = (
+        ": an index names a device of this node as it is now (a job keeps the UUID it"
+        " names); give a UUID, or a MIG profile (--mig), to register a job ahead of a layout"
+    )
+    with pytest.raises(NotFound) as err:
+        service.add(JobSpec("ahead", devices=(index,)))
+    assert str(err.value).startswith(f"no GPU or MIG device '{index}' (known: 0:0")
+    assert str(err.value).endswith(why)
+    assert service.add(JobSpec("ahead", devices=("MIG-later",))).devices == ("MIG-later",)
+
+
 def test_no_job_is_placed_on_an_unhealthy_gpu(service: JobService) -> None:
     """GPU 1 is lost: a job that names no device goes elsewhere; one pinned there is refused
     at once, naming the GPU and why; with no healthy GPU left, a job waits."""

@@ -136,6 +136,25 @@ def test_apply_assert_show_export(capsys: pytest.CaptureFixture[str], node: Node
     assert code == 0
 
 
+def _headers(out: str) -> list[str]:
+    """The GPUs' lines of ``gpuctl mig show``, less the product and UUID."""
+    return [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("GPU ")]
+
+
+def test_show_says_the_mig_mode_once(capsys: pytest.CaptureFixture[str], node: Node) -> None:
+    """A GPU's line gives its MIG mode, then what the mode leaves unsaid: MIG off holds no
+    layout to name, and MIG on with no instances says so without saying MIG again."""
+    code, out, err = gpuctl(capsys, node, "mig", "show")
+    assert (code, _headers(out)) == (0, ["MIG off", "MIG off"]), err
+    code, out, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "all-enabled")
+    assert code == 0, err
+    code, out, _ = gpuctl(capsys, node, "mig", "show")
+    desired = "desired: MIG enabled, no instances (all-enabled)"
+    assert _headers(out) == [f"MIG on; no instances; {desired}"] * 2
+    code, out, _ = gpuctl(capsys, node, "--json", "mig", "show")  # the API keeps its words
+    assert [g["layout"] for g in json.loads(out)["gpus"]] == ["MIG enabled, no instances"] * 2
+
+
 def test_a_mode_change_pending_a_reset(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """An A100 leaves the MIG mode change pending a reset (this daemon has no reset at hand):
     gpuctl says so, a dry run with --skip-reset foresees it and exits as the apply does, and
@@ -151,6 +170,9 @@ def test_a_mode_change_pending_a_reset(capsys: pytest.CaptureFixture[str], tmp_p
         code, out, err = gpuctl(capsys, a100, "mig", "apply", "-f", CONFIG, "-c", "all-balanced")
         assert code == 0, err
         assert "all-balanced: reset_pending" in out and "pending a GPU reset" in err
+        code, out, _ = gpuctl(capsys, a100, "mig", "show")
+        pending = "MIG off (on pending a GPU reset); desired: 1x 3g.20gb"
+        assert code == 0 and [h.split(", ")[0] for h in _headers(out)] == [pending] * 2, out
         code, out, _ = gpuctl(capsys, a100, "mig", "assert", "-f", CONFIG, "-c", "all-balanced")
         assert code == 1 and "pending a GPU reset" in out
         a100.sim.reboot()
@@ -501,7 +523,7 @@ def test_show_names_gpu_instances_without_compute_instances(
     assert "MIG on; 1x 7g.80gb;" in gpu0 and "without" not in gpu0
     assert "no instances" not in gpu1, gpu1
     empty = "GPU instances without compute instances: 0"
-    assert f"MIG on; MIG enabled, no MIG devices; {empty}; desired: 1x 7g.80gb" in gpu1
+    assert f"MIG on; no MIG devices; {empty}; desired: 1x 7g.80gb" in gpu1
     rows = [line.split() for line in lines if line.startswith(("0 ", "1 "))]
     assert [r[:3] for r in rows] == [["0", "0", "0"], ["1", "0", "none"]], rows
     assert rows[1][3:] == ["7g.80gb", "0:8", "-", "-", "-", "-"], rows

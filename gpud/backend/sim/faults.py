@@ -26,6 +26,7 @@ from gpud.backend.sim.fakenvml import (
     nvmlEventTypeDoubleBitEccError,
     nvmlEventTypeXidCriticalError,
 )
+from gpud.shared import format_number
 
 __all__ = ["ERRORS", "FIELDS", "FaultInjector", "SimulatedCrash"]
 
@@ -63,7 +64,7 @@ XID_DBE: Final = 48  # double-bit ECC error
 
 def _slow_seconds(seconds: float) -> float:
     if not 0 <= seconds <= MAX_SLOW_SECONDS:
-        raise ValueError(f"must be in 0..{MAX_SLOW_SECONDS:g} s, got {seconds:g}")
+        raise ValueError(f"must be in 0..{MAX_SLOW_SECONDS:g} s, got {format_number(seconds)}")
     return float(seconds)
 
 
