@@ -817,15 +817,18 @@ class MpsManager:
         return str(path) if path.is_dir() else ""
 
     def _record(self, uuid: str, pid: int | None) -> None:
-        """Note the daemon gpud started or adopted for ``uuid``: see :meth:`_take_over`."""
+        """Note the daemon gpud started or adopted for ``uuid``: see :meth:`_take_over`.
+        ``pid`` 0: one about to start, noted before it runs, so that a gpud killed before
+        it noted the PID finds that daemon (by the PID file in its pipe directory) at its
+        next start, whatever its ``daemon.run_dir`` is then."""
         if pid is None:
             return
         row = (
             uuid,
             pid,
-            start_time(pid, self._proc_root),
+            start_time(pid, self._proc_root) if pid else None,
             str(device_dir(self._run_dir, uuid) / "pipe"),
-            self._cgroup_of(uuid),
+            self._cgroup_of(uuid) if pid else str(self._cgroups_dir(uuid) or ""),
         )
         with self._store.transaction() as conn:
             conn.execute("INSERT OR REPLACE INTO mps_daemons VALUES (?, ?, ?, ?, ?)", row)
@@ -857,25 +860,39 @@ class MpsManager:
                 "SELECT uuid, pid, start_time, pipe_dir, cgroup FROM mps_daemons"
             ).fetchall()
         for uuid, pid, ticks, pipe_dir, cgroup in rows:
-            running = alive(pid, self._proc_root) and (
-                ticks is None or start_time(pid, self._proc_root) == ticks
-            )
-            old_cgroups = self._cgroups_at(Path(cgroup)) if cgroup else None
-            if Path(pipe_dir) == device_dir(self._run_dir, uuid) / "pipe":
-                if running and old_cgroups is not None and cgroup != str(self._cgroups_dir(uuid)):
-                    self._move_cgroup(uuid, pid, old_cgroups)
+            old_run = _recorded_run_dir(uuid, pipe_dir)
+            if old_run is None:
+                # not a directory gpud makes: nothing there is gpud's to stop or remove
+                log.warning(
+                    "ignoring the recorded MPS control daemon of %s (pid %s): its pipe"
+                    " directory %r is not <run_dir>/mps/%s/pipe",
+                    uuid,
+                    pid,
+                    pipe_dir,
+                    uuid,
+                )
+                self._forget(uuid)
                 continue
-            old_run = Path(pipe_dir).parents[2]  # <run_dir>/mps/<uuid>/pipe
+            old_cgroups = self._cgroups_at(Path(cgroup)) if cgroup else None
             daemon = self._daemon(uuid, old_run)
-            if running:
-                daemon.stop(pid=pid)
+            running = self._recorded_pid(daemon, pid, ticks)
+            if old_run == self._run_dir:
+                if (
+                    running is not None
+                    and old_cgroups is not None
+                    and cgroup != str(self._cgroups_dir(uuid))
+                ):
+                    self._move_cgroup(uuid, running, old_cgroups)
+                continue
+            if running is not None:
+                daemon.stop(pid=running)
                 self._events.emit(
                     "mps.stop_moved",
-                    f"stopped the MPS control daemon of {uuid} (pid {pid}) that an earlier run"
+                    f"stopped the MPS control daemon of {uuid} (pid {running}) that an earlier run"
                     f" started in {pipe_dir}, outside daemon.run_dir {self._run_dir} (changed"
                     " since): its clients could no longer be sent there",
                     uuid=uuid,
-                    pid=pid,
+                    pid=running,
                     pipe_dir=pipe_dir,
                     cgroup=cgroup,
                 )
@@ -885,6 +902,17 @@ class MpsManager:
             if old_cgroups is not None:
                 self._remove_cgroup(uuid, old_cgroups)
             self._forget(uuid)
+
+    def _recorded_pid(self, daemon: ControlDaemon, pid: int, ticks: int | None) -> int | None:
+        """The running daemon a record names: its PID while that process started when
+        recorded, else the one the PID file in its pipe directory names (one started by a
+        gpud killed before it recorded it). Never a process that only reuses the PID."""
+        found = daemon.pid()
+        if pid > 0 and ticks is not None:
+            if alive(pid, self._proc_root) and start_time(pid, self._proc_root) == ticks:
+                return pid
+            return None if found == pid else found
+        return found
 
     def _cgroups_dir(self, uuid: str) -> Path | None:
         return None if self._cgroups is None else self._cgroups.dir(uuid)
@@ -1065,6 +1093,7 @@ class MpsManager:
         # status read in between is not up (it would show the old limits and restart count)
         dev.up = False
         try:
+            self._record(target.uuid, 0)  # where, before it runs: see _record
             pid = dev.daemon.start()
             self._apply(target, dev, desired, servers=())
         except GpudError as err:
@@ -1355,6 +1384,17 @@ def _all_at_once(calls: Sequence[tuple[str, Callable[[], object]]], limit: int) 
         thread.join()
     if bugs:
         raise bugs[0]
+
+
+def _recorded_run_dir(uuid: str, pipe_dir: str) -> Path | None:
+    """The ``daemon.run_dir`` of a recorded pipe directory, ``<run_dir>/mps/<uuid>/pipe``;
+    None for any other path (not absolute, another device's, too short)."""
+    path = Path(pipe_dir)
+    if not path.is_absolute() or len(path.parents) < 4 or ".." in path.parts:
+        return None
+    if path.name != "pipe" or path.parent.name != uuid or path.parents[1].name != "mps":
+        return None
+    return path.parents[2]
 
 
 def _label(target: MpsTarget) -> str:

@@ -1279,3 +1279,141 @@ def test_a_daemon_gpud_did_not_start_is_reported_not_stopped(root: Path) -> None
         mgr.stop()
         store.close()
         other.stop()
+
+
+class Killed(Exception):
+    """gpud killed -9: raised by every transaction from then on, nothing more is written."""
+
+
+class DyingStore(StateStore):
+    """Killed at its ``die_at``-th outermost transaction (None: never) and at every one
+    after: what the ones before committed is kept, as when gpud is killed there."""
+
+    die_at: int | None = None
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        if self.die_at is not None and not self._conn.in_transaction:
+            self.die_at -= 1
+            if self.die_at <= 0:
+                raise Killed
+        with super().transaction() as conn:
+            yield conn
+
+
+def daemons_under(root: Path) -> dict[str, int]:
+    """The fake control daemons running with a pipe directory under ``root``, by it."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"-d" not in argv or not any(b"fake_mps_control" in a for a in argv):
+                continue
+            env = dict(
+                v.decode().partition("=")[::2]
+                for v in (entry / "environ").read_bytes().split(b"\0")
+                if v
+            )
+            pipe = env.get("CUDA_MPS_PIPE_DIRECTORY", "")
+            if Path(pipe).is_relative_to(root) and alive(int(entry.name)):
+                found[pipe] = int(entry.name)
+    return found
+
+
+@pytest.mark.parametrize("run", ["run", "run2"])
+def test_a_gpud_killed_at_any_point_of_a_start_leaves_no_second_daemon(run: str) -> None:
+    """gpud killed -9 anywhere in its first pass (a daemon started, its PID not yet
+    recorded, say), then started again on the same state, with the same run_dir or
+    another: one daemon, this run's, and none left of the killed one."""
+    node = snapshot(gpu_sample(0))
+    uuid = gpu_uuid(0)
+    for point in range(1, 30):
+        with short_dir() as root:
+            store = DyingStore(root / "state")
+            first = MpsManager(
+                store, EventLog(None), root / "run", FAKE_CONTROL, timeout_s=5.0, others_root=root
+            )
+            store.die_at = point
+            try:
+                first.reconcile(node)
+            except Killed:
+                pass
+            else:
+                assert point > 2  # it was killed somewhere, at least once
+                store.close()
+                return
+            store.close()
+            second, store, _ = make_manager(root, run=run)
+            try:
+                second.reconcile(node)
+                assert daemons_under(root) == {
+                    str(root / run / "mps" / uuid / "pipe"): second.status()[0].pid
+                }, f"killed at transaction {point}"
+            finally:
+                second.stop()
+                store.close()
+    raise AssertionError("never got through a pass")
+
+
+@pytest.mark.parametrize("ticks", [None, 1])
+def test_a_recorded_pid_now_another_process_is_never_signalled(
+    root: Path, ticks: int | None
+) -> None:
+    """A daemon recorded under another run_dir died, and its PID went to another process:
+    that process is left alone (recorded with another start time, or with none)."""
+    uuid = gpu_uuid(0)
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        pipe = root / "old" / "mps" / uuid / "pipe"
+        pipe.mkdir(parents=True)
+        (pipe / PID_FILE).write_text(f"{other.pid}\n")
+        an_hour_ago = time.time() - 3600  # the dead daemon wrote it
+        os.utime(pipe / PID_FILE, (an_hour_ago, an_hour_ago))
+        mgr, store, events = make_manager(root)
+        with store.transaction() as conn:
+            conn.execute(
+                "INSERT INTO mps_daemons VALUES (?, ?, ?, ?, ?)",
+                (uuid, other.pid, ticks, str(pipe), ""),
+            )
+        try:
+            mgr.reconcile(snapshot(gpu_sample(0)))
+            assert other.poll() is None
+            assert not [e for e in events.recent() if e.kind == "mps.stop_moved"]
+            assert not (root / "old" / "mps").exists()
+            assert mgr.status()[0].up
+        finally:
+            mgr.stop()
+            store.close()
+    finally:
+        other.kill()
+        other.wait()
+
+
+@pytest.mark.parametrize("recorded", ["/", "", "pipe", "/pipe", "/mps/{uuid}/pipe", "keep/x/pipe"])
+def test_a_record_naming_no_directory_gpud_makes_is_dropped_touching_nothing(
+    root: Path, recorded: str
+) -> None:
+    """A pipe directory in the record that is not <run_dir>/mps/<uuid>/pipe (relative, the
+    root, too short to hold a run_dir) stops and removes nothing; the pass goes on."""
+    uuid = gpu_uuid(0)
+    (root / "mps" / uuid).mkdir(parents=True)
+    (root / "mps" / uuid / "data").write_text("not gpud's")
+    pipe_dir = str(root / recorded) if recorded.startswith("keep") else recorded
+    mgr, store, _ = make_manager(root)
+    with store.transaction() as conn:
+        conn.execute(
+            "INSERT INTO mps_daemons VALUES (?, ?, ?, ?, ?)",
+            (uuid, 0, None, pipe_dir.format(uuid=uuid), ""),
+        )
+    try:
+        mgr.reconcile(NODE)
+        assert all(s.up for s in mgr.status())
+        assert (root / "mps" / uuid / "data").read_text() == "not gpud's"
+        with store.transaction() as conn:
+            (row,) = conn.execute(
+                "SELECT pipe_dir FROM mps_daemons WHERE uuid = ?", (uuid,)
+            ).fetchall()
+        assert row[0] == str(root / "run" / "mps" / uuid / "pipe")
+    finally:
+        mgr.stop()
+        store.close()
