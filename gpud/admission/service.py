@@ -259,6 +259,7 @@ class AdmissionService:
         )
         # the window's requests and class views, by the rows it holds
         self._window: _Window | None = None
+        self._window_at = -math.inf  # the clock when the window was last made or changed
         self._quote_error: tuple[object, tuple[float, int]] | None = None
         self._kept_lock = threading.Lock()  # the three above and the kept history
         self._decoded: dict[tuple[object, ...], Entry] = {}  # by row, the last read's
@@ -688,6 +689,7 @@ class AdmissionService:
                     made = ClassViews(records, now=now, window_s=window_s)
                     window = ((members, window_s), requests, made)
                 self._window = window
+            self._window_at = now
             _, requests, made = window
             requests = dict(requests)
             for e in queued:
@@ -704,7 +706,9 @@ class AdmissionService:
         made afresh, for the runs' cost rather than the window's. None where they must be
         made afresh (``members``: the mirror's now; a run entered the window otherwise
         than by starting, as when the clock stepped back)."""
-        if self._window is None:
+        if self._window is None or now < self._window_at:
+            # the clock stepped back: runs that had left the window (or were queued after
+            # the time it now says) are in it again, which no change names
             return None
         (kept, kept_window_s), requests, made = self._window
         changes = self._mirror.changes_since(kept[0]) if kept_window_s == window_s else None

@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gpud.admission.classes import ClassViews, class_views
@@ -128,6 +128,15 @@ def fresh_error(node: Node) -> tuple[float, int]:
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(steps, min_size=1, max_size=40))
+# runs that left the window come back into it when the clock steps back past their queueing
+@example(
+    [
+        ("window", 600.0),
+        ("add", 0, 0.0, 599.0, None, None),
+        ("add", 0, 0.0, 600.0, None, None),
+        ("clock", -602.0),
+    ]
+)
 def test_kept_views_equal_views_made_afresh(plan: list[tuple[object, ...]]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         node = make_node(Path(tmp), Clock())
