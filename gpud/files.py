@@ -55,10 +55,16 @@ def tighten(path: Path, most: int) -> int | None:
 
 
 def tighten_all(paths: list[tuple[Path, int]]) -> list[str]:
-    """:func:`tighten` each path to its mode; ``"PATH (was 0644)"`` for each it changed."""
+    """:func:`tighten` each path to its mode; ``"PATH (was 0644)"`` for each it changed, and
+    ``"PATH (not closed: ...)"`` for each it could not (another owner's, a read-only
+    mount): said, not fatal, as the state store says itself what it cannot open."""
     said = []
     for path, most in paths:
-        before = tighten(path, most)
+        try:
+            before = tighten(path, most)
+        except OSError as err:
+            said.append(f"{path} (not closed: {err.strerror or err})")
+            continue
         if before is not None:
             said.append(f"{path} (was {before:04o})")
     return said

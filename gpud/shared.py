@@ -24,9 +24,10 @@ from __future__ import annotations
 import errno
 import math
 import os
+import pwd
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +200,7 @@ def is_about(fields: dict[str, Any], *, gpu: str = "", job: str = "") -> bool:
         return False
     if not gpu:
         return True
-    if gpu.isdigit():
+    if gpu.isascii() and gpu.isdigit():  # "²".isdigit() too, which int() refuses
         index = int(gpu)
         if fields.get("gpu") == index and not isinstance(fields.get("gpu"), bool):
             return True
@@ -212,3 +213,25 @@ def is_about(fields: dict[str, Any], *, gpu: str = "", job: str = "") -> bool:
         return True
     devices = fields.get("devices")
     return isinstance(devices, list) and gpu in devices
+
+
+def user_name(uid: int) -> str:
+    """The name ``pwd`` gives ``uid``, else the number."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return str(uid)
+
+
+def user_names() -> Callable[[int], str]:
+    """:func:`user_name`, each UID asked once: a listing names the user of every entry,
+    mostly the same few (an unknown UID costs a scan of the user database each time)."""
+    names: dict[int, str] = {}
+
+    def name_of(uid: int) -> str:
+        name = names.get(uid)
+        if name is None:
+            name = names[uid] = user_name(uid)
+        return name
+
+    return name_of

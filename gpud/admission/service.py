@@ -615,7 +615,7 @@ class AdmissionService:
         head: Entry | None = None  # the first quotable entry, which the others wait behind
         ahead_classes: Counter[str] = Counter()
         held = _Held(self._jobs)
-        running = self._running(views, now) if queued else []
+        running = self._running(views, now, held.loads()) if queued else []
         for e in queued:
             verdict = self.classify(e.placement, fit)
             if isinstance(verdict, Unfeasible):
@@ -714,7 +714,13 @@ class AdmissionService:
         changes = self._mirror.changes_since(kept[0]) if kept_window_s == window_s else None
         if changes is None:
             return None
-        if not made.change([(old, new) for old, new, _ in changes], now=now):
+        self._window = None  # until the change is known complete: a failure leaves no half
+        try:
+            changed = made.change([(old, new) for old, new, _ in changes], now=now)
+        except Exception:  # made afresh instead: the quotes never rest on half a change
+            log.exception("admission: the quote views are made afresh")
+            return None
+        if not changed:
             return None
         # the views hold runs of the history in the window, and as many as it holds
         if len(made) != members[2] - members[1]:
@@ -730,11 +736,15 @@ class AdmissionService:
         return ((members, window_s), requests, made)
 
     def _running(
-        self, views: Mapping[str, ClassView], now: float
+        self,
+        views: Mapping[str, ClassView],
+        now: float,
+        loads: Mapping[str, DeviceLoad] | None = None,
     ) -> list[tuple[frozenset[str], Running]]:
         """What holds devices now, with the devices: each reservation with how long it has
         run and its class's mean run time, and memory used beyond reservations (no end
-        known)."""
+        known). ``loads``: :meth:`JobService.loads` where the caller read it already (it
+        reads every GPU process's ``/proc``)."""
         with self._kept_lock:
             classes = self._mirror.running()
         out = []
@@ -746,8 +756,11 @@ class AdmissionService:
             out.append(
                 (frozenset(r.devices), Running(r.job, max(now - r.created_at, 0.0), estimate))
             )
-        for uuid in self._jobs.unreserved_memory():
-            out.append((frozenset((uuid,)), Running("", 0.0, None)))
+        if loads is None:
+            loads = self._jobs.loads()
+        for uuid, load in loads.items():
+            if load.unreserved_bytes > 0:
+                out.append((frozenset((uuid,)), Running("", 0.0, None)))
         return out
 
     def _quote(
@@ -1119,11 +1132,18 @@ class _Held:
     def __init__(self, jobs: JobService) -> None:
         self._jobs = jobs
         self._now: tuple[list[MpsTarget], dict[str, DeviceLoad]] | None = None
+        self._loads: dict[str, DeviceLoad] | None = None
         self._refused: dict[tuple[object, ...], str | None] = {}
+
+    def loads(self) -> dict[str, DeviceLoad]:
+        """:meth:`JobService.loads`, read once."""
+        if self._loads is None:
+            self._loads = self._jobs.loads()
+        return self._loads
 
     def why(self, e: Entry, head: Entry | None) -> str:
         if self._now is None:
-            self._now = (self._jobs.healthy_targets(), self._jobs.loads())
+            self._now = (self._jobs.healthy_targets(), self.loads())
         r = e.request
         uid = self._jobs.placement_uid(r.holder_pid, e.holder_uid)
         shape = (r.devices, r.mig_profile, r.gpu_count, r.memory_bytes, uid)

@@ -239,7 +239,8 @@ class NodeServicer(pb_grpc.NodeServicer):
 
     def _gpu_uuid(self, gpu: int) -> str:
         """GPU ``gpu``'s UUID for an event, from the latest snapshot ("" before its first)."""
-        sample = self._latest().gpu(gpu)
+        snap = self._snapshots()  # not _latest(): the fault is in already, the event must be
+        sample = snap.gpu(gpu) if snap is not None else None
         return sample.known().uuid if sample is not None else ""
 
     async def RebootSim(  # noqa: N802 (gRPC method names come from the proto)
@@ -271,7 +272,8 @@ class NodeServicer(pb_grpc.NodeServicer):
                 )
             mig: int | str | None = None
             if request.mig:
-                mig = int(request.mig) if request.mig.isdigit() else request.mig
+                digits = request.mig.isascii() and request.mig.isdigit()
+                mig = int(request.mig) if digits else request.mig
             try:
                 await asyncio.to_thread(
                     workloads.start, gpu, pid, request.memory_bytes, request.sm_ratio, mig

@@ -144,7 +144,7 @@ _NO_DRIVER: Final[dict[int, str]] = {
     " upgraded without a reboot): reboot, or reload the nvidia kernel modules",
 }
 _NO_PERMISSION: Final = 4
-_MIG_CHANGE: Final = re.compile(r"Create|Destroy|SetMigMode")
+_MIG_CHANGE: Final = re.compile(r"(Create|Destroy)(Gpu|Compute)Instance|SetMigMode")
 _SKIP_PROFILE: Final = (NotSupported, DeviceNotFound)  # "not on this product"
 _INVALID_ARGUMENT: Final = 2
 _NOT_SUPPORTED: Final = 3
@@ -1166,6 +1166,8 @@ class NvmlBackend:
             with self._registry_lock:
                 if lost:
                     self._reregister_at[gpu] = self._clock() + REREGISTER_S
+                else:  # registered again (on a new set): no retry due
+                    self._reregister_at.pop(gpu, None)
                 if xids:
                     self._xid_unwatched.discard(gpu)
                 else:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import pwd
 import signal
 import sys
 from collections.abc import Iterable
@@ -24,7 +23,7 @@ from gpud.cli.context import EXIT_USAGE, UINT32, CliError, Context, Subparsers, 
 from gpud.cli.mps import size_arg
 from gpud.cli.output import NA, message_to_dict, seconds
 from gpud.errors import InvalidArgument
-from gpud.shared import MIN_SLO_MS, format_size, parse_size
+from gpud.shared import MIN_SLO_MS, format_size, parse_size, user_name
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
 from gpud.v1 import mps_pb2, mps_pb2_grpc, queue_pb2, queue_pb2_grpc
@@ -142,11 +141,7 @@ def caller_name() -> str:
     """The user name of gpuctl's real UID (``id -un``), else the number: the owner a job
     gets when ``--owner`` is not given. A label: gpud cannot check it (gRPC tells it
     nothing of who calls on the socket)."""
-    uid = os.getuid()
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
+    return user_name(os.getuid())
 
 
 def owner_of(args: argparse.Namespace) -> str:

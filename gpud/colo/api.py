@@ -16,8 +16,8 @@ from gpud.api.access import ReportTokens
 from gpud.api.validate import optional, optional_pid
 from gpud.colo.service import ColoService
 from gpud.errors import InvalidArgument, NotFound
-from gpud.jobs.placement import user_names
 from gpud.jobs.registry import check_name
+from gpud.shared import user_names
 from gpud.telemetry.snapshot import Snapshot
 from gpud.v1 import colo_pb2 as pb
 from gpud.v1 import colo_pb2_grpc as pb_grpc

@@ -53,8 +53,7 @@ from gpud.config import ColocateConfig
 from gpud.errors import ColocationOff, FailedPrecondition, InvalidArgument, LeftQueue, NotFound
 from gpud.events import EventLog
 from gpud.files import STATE_FILE_MODE, keep_aside, write_atomically
-from gpud.jobs.placement import user_name
-from gpud.shared import MAX_PEAK_LOAD, check_slo_ms
+from gpud.shared import MAX_PEAK_LOAD, check_slo_ms, user_name
 from gpud.telemetry.snapshot import GpuSample, Snapshot
 
 log = logging.getLogger(__name__)

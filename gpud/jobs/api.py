@@ -22,9 +22,10 @@ from gpud.errors import InvalidArgument
 from gpud.jobs.attribution import ProcessUse
 from gpud.jobs.ends import NO_STATUS, EndCause, RunEnd
 from gpud.jobs.env import without_token
-from gpud.jobs.placement import Reservation, user_name
+from gpud.jobs.placement import Reservation
 from gpud.jobs.registry import JobKind, JobSpec, check_devices, check_name
 from gpud.jobs.service import JobService, RunRequest
+from gpud.shared import user_name
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
 

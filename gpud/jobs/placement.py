@@ -23,7 +23,6 @@ known other user: another device that fits takes it, or it is refused naming tha
 from __future__ import annotations
 
 import json
-import pwd
 import secrets
 import sqlite3
 import time
@@ -35,7 +34,7 @@ from gpud.errors import NotFound, ResourceExhausted
 from gpud.jobs.registry import JobSpec
 from gpud.mps.manager import MpsTarget
 from gpud.mps.procs import alive, real_uid, start_time
-from gpud.shared import format_size
+from gpud.shared import format_size, user_name
 from gpud.store import StateStore
 
 SCHEMA = (
@@ -106,28 +105,6 @@ class DeviceLoad:
     unreserved_bytes: int = 0
     defaulted: tuple[str, ...] = ()
     users: tuple[tuple[int, str], ...] = ()
-
-
-def user_name(uid: int) -> str:
-    """The name ``pwd`` gives ``uid``, else the number."""
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except (KeyError, OverflowError):
-        return str(uid)
-
-
-def user_names() -> Callable[[int], str]:
-    """:func:`user_name`, each UID asked once: a listing names the user of every entry,
-    mostly the same few (an unknown UID costs a scan of the user database each time)."""
-    names: dict[int, str] = {}
-
-    def name_of(uid: int) -> str:
-        name = names.get(uid)
-        if name is None:
-            name = names[uid] = user_name(uid)
-        return name
-
-    return name_of
 
 
 def device_loads(reserved: Mapping[tuple[str, str], int]) -> dict[str, DeviceLoad]:

@@ -418,8 +418,8 @@ class JobService:
         of PID namespace ``namespace`` (as a :class:`RunRequest` names it): the user
         co-location's advice for it keeps to. FailedPrecondition when gpud sees no such
         process in that namespace."""
-        if holder_pid is None:
-            return None
+        if holder_pid is None or not self._mps.enabled:
+            return None  # placement keeps users apart only where MPS serves the devices
         local = local_pid(holder_pid, namespace, self._proc_root, field="holder_pid")
         return self.placement_uid(local)
 

@@ -70,6 +70,7 @@ from gpud.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    StateError,
 )
 from gpud.events import EventLog
 from gpud.mps import protocol
@@ -830,12 +831,20 @@ class MpsManager:
             str(device_dir(self._run_dir, uuid) / "pipe"),
             self._cgroup_of(uuid) if pid else str(self._cgroups_dir(uuid) or ""),
         )
-        with self._store.transaction() as conn:
-            conn.execute("INSERT OR REPLACE INTO mps_daemons VALUES (?, ?, ?, ?, ?)", row)
+        self._note("INSERT OR REPLACE INTO mps_daemons VALUES (?, ?, ?, ?, ?)", row)
 
     def _forget(self, uuid: str) -> None:
-        with self._store.transaction() as conn:
-            conn.execute("DELETE FROM mps_daemons WHERE uuid = ?", (uuid,))
+        self._note("DELETE FROM mps_daemons WHERE uuid = ?", (uuid,))
+
+    def _note(self, sql: str, row: tuple[object, ...]) -> None:
+        """Write a daemon's record. A record is a hint for a later start (a changed run
+        dir): a state database that cannot be written (a full disk) stops no daemon from
+        starting or stopping, it is logged."""
+        try:
+            with self._store.transaction() as conn:
+                conn.execute(sql, row)
+        except StateError as err:
+            log.warning("MPS: the record of a control daemon was not kept: %s", err)
 
     def _cgroups_at(self, directory: Path) -> JobCgroups | None:
         """The cgroup tree of a daemon's recorded cgroup ``directory`` (another

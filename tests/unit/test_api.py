@@ -675,3 +675,20 @@ async def test_faults_reach_the_simulated_node(sock_dir: Path) -> None:
         resp = await inject(pb.InjectFaultRequest(gpu=1, kind=pb.FAULT_KIND_CLEAR))
         assert list(resp.active_faults) == ["GPU 2: not_supported=['power']"]
     await server.stop(0)
+
+
+async def test_a_fault_injected_before_the_first_sample_is_answered_and_logged(
+    sock_dir: Path,
+) -> None:
+    """The fault is in before the event names its GPU's UUID: with no sample yet there is
+    none to name, and the call still says it was done (a retry would inject it twice)."""
+    path = sock_dir / "gpud.sock"
+    faults, events = FakeFaults(), EventLog(None)
+    server = await _serve(path, make_servicer(snapshot=lambda: None, faults=faults, events=events))
+    async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+        inject = pb_grpc.NodeStub(ch).InjectFault
+        resp = await inject(pb.InjectFaultRequest(gpu=2, kind=pb.FAULT_KIND_XID, xid=79))
+    await server.stop(0)
+    assert faults.calls == [("xid", 2, 79)] and list(resp.active_faults) == ["xid on GPU 2"]
+    (event,) = [e for e in events.recent() if e.kind == "sim.fault.xid"]
+    assert event.fields["gpu"] == 2 and event.fields["uuid"] == ""

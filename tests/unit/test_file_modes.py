@@ -140,3 +140,18 @@ def test_check_config_warns_of_a_cluster_key_other_users_may_read(
         f"gpud: warning: cluster.key_file: {key} is open to every user (mode 0644): any local"
         f" user can read this node's secret: chmod o-rwx {key}\n"
     )
+
+
+def test_what_cannot_be_closed_is_said_not_fatal(tmp_path: Path) -> None:
+    """A file gpud may not chmod (another owner's, a read-only mount; here procfs, which
+    refuses root too) is named in the warning, and the others are closed all the same: the
+    start goes on (the state store says itself what it cannot open)."""
+    from gpud.files import tighten_all
+
+    loose = tmp_path / "events.jsonl"
+    loose.write_text("")
+    os.chmod(loose, 0o644)
+    refused = Path("/proc/self/stat")  # 0444: beyond 0640, and no chmod there
+    said = tighten_all([(refused, 0o640), (loose, 0o640)])
+    assert said[0].startswith(f"{refused} (not closed: ") and said[1] == f"{loose} (was 0644)"
+    assert oct(mode(loose)) == oct(0o640)

@@ -956,3 +956,12 @@ def test_memory_past_64_bits_is_refused_before_anything_is_kept(
     with pytest.raises(InvalidArgument, match=r"^memory: "):  # a run's own limit too
         service.reserve(RunRequest("small", memory_bytes=memory))
     assert service.reservations.held() == []
+
+
+def test_with_mps_off_a_runs_user_is_not_looked_for(tmp_path: Path, store: StateStore) -> None:
+    """Users are kept apart only where MPS serves the devices: with MPS off co-location's
+    advice asks no user, so a holder gpud cannot find (another PID namespace, gone) refuses
+    nothing (``gpuctl colo advise`` from a container)."""
+    mps = MpsManager(store, EventLog(None), tmp_path / "run", FAKE_CONTROL, enabled=False)
+    service = JobService(store, EventLog(None), mps, socket_path=Path("/s"))
+    assert service.run_uid(4_000_000, 4026531836) is None  # no such PID, nor namespace
