@@ -111,7 +111,7 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
             f" (local policy after {seconds(resp.grace_seconds)} without one)"
         )
     if resp.election == "etcd":
-        lines.append(f"etcd:        {'reachable' if resp.store_ok else 'UNREACHABLE'}")
+        lines.append(f"etcd:        {_etcd_state(resp)}")
         if "NOSPACE" in resp.etcd_alarms:
             lines += [
                 "etcd alarm:  NOSPACE: etcd is out of space and refuses writes (no new leader,"
@@ -234,10 +234,31 @@ def _leader_lines(resp: pb.GetClusterStatusResponse) -> list[str]:
     ]
 
 
+def _etcd_refuses(resp: pb.GetClusterStatusResponse) -> bool:
+    """etcd answers but refuses this node's calls (its login, its keys, a write while out
+    of space): gpud's detail then begins "etcd refused"; otherwise it cannot reach etcd."""
+    return not resp.store_ok and resp.detail.startswith("etcd refused")
+
+
+def _etcd_state(resp: pb.GetClusterStatusResponse) -> str:
+    if resp.store_ok:
+        return "reachable"
+    if _etcd_refuses(resp):
+        return "reachable, REFUSES this node's calls (see detail)"
+    return "UNREACHABLE"
+
+
 def _actions(resp: pb.GetClusterStatusResponse) -> list[str]:
     """What an operator can do about the state the status shows (none when all is well)."""
     actions: list[str] = []
-    if resp.election == "etcd" and not resp.store_ok and not resp.leading:
+    if resp.election == "etcd" and _etcd_refuses(resp):
+        if "NOSPACE" not in resp.etcd_alarms:  # that alarm's own action is shown above
+            actions.append(
+                "do what the detail says (etcd's user and password: cluster.etcd_username,"
+                " cluster.etcd_password_file; the user's role): it learns of a new leader"
+                " only from etcd"
+            )
+    elif resp.election == "etcd" and not resp.store_ok and not resp.leading:
         actions.append(
             "make etcd reachable from this node (cluster.etcd_endpoints, etcd's TLS and auth"
             " files; the detail says why it fails): it learns of a new leader only from etcd"
@@ -248,6 +269,12 @@ def _actions(resp: pb.GetClusterStatusResponse) -> list[str]:
             " the same cluster CA (cluster.ca_file on each node), name their node and be"
             " valid now (openssl verify -CAfile CA CERT on this node's cluster.cert_file and"
             " the leader's)"
+        )
+    elif "is reported by two gpuds" in resp.last_error:
+        actions.append(
+            "give each gpud its own cluster.node: another gpud reports under this node's name"
+            " (the error names its address), and the leader takes the newest one only;"
+            " rename one (a restart) or stop it; the node follows again by itself"
         )
     elif resp.mode in ("holding", "local") and "does not lead yet" in resp.last_error:
         actions.append(

@@ -68,6 +68,7 @@ class EtcdSettings:
     key_file: str = ""
     username: str = ""
     password: str = ""
+    password_file: str = ""  # where the password came from, named when etcd refuses it
     timeout_s: float = 2.0
 
 
@@ -179,6 +180,9 @@ class EtcdClient:
                     self._authenticated.discard(index)  # expired: log in again next call
                     last = err
                     continue
+                login = self._login_refusal(said)
+                if login:
+                    raise GpudError(login) from err
                 if "database space exceeded" in said:
                     # the alarm is the cluster's: no other endpoint takes the write either
                     raise StoreFull(f"etcd refused {path}: {NOSPACE_ADVICE} ({said})") from err
@@ -190,6 +194,32 @@ class EtcdClient:
             f"etcd unreachable at {', '.join(self._settings.endpoints)}: "
             f"{type(last).__name__} {last}".rstrip()
         ) from last
+
+    def _login_refusal(self, said: str) -> str:
+        """What to change when etcd refused this node's login, a call without one or the
+        user's keys ("" when ``said`` is another refusal): etcd's own words name no
+        setting. Each begins "etcd refused", as every refusal does (gpuctl tells these
+        from an etcd it cannot reach by it)."""
+        s = self._settings
+        if "authentication failed" in said:
+            source = f" ({s.password_file})" if s.password_file else ""
+            return (
+                f"etcd refused the login of user {s.username!r} ({said}): check "
+                f"cluster.etcd_username and the password in cluster.etcd_password_file{source}"
+            )
+        if "user name is empty" in said:
+            return (
+                f"etcd refused a call without a user: it has authentication on ({said}): set "
+                "cluster.etcd_username and cluster.etcd_password_file, or a client "
+                "certificate whose common name is an etcd user (cluster.etcd_cert_file)"
+            )
+        if "permission denied" in said:
+            return (
+                f"etcd refused user {s.username or '(of the client certificate)'} the keys "
+                f"under cluster.etcd_prefix ({said}): grant its role readwrite on them "
+                "(etcdctl role grant-permission --prefix ROLE readwrite PREFIX)"
+            )
+        return ""
 
     def _authenticate(self, index: int, client: Any) -> None:
         if not self._settings.username or index in self._authenticated:

@@ -51,6 +51,7 @@ def etcd_settings(c: ClusterConfig) -> EtcdSettings:
         key_file=str(c.etcd_key_file or ""),
         username=c.etcd_username,
         password=password,
+        password_file=str(c.etcd_password_file or ""),
         timeout_s=c.etcd_timeout_s,
     )
 

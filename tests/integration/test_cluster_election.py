@@ -376,3 +376,36 @@ def test_certificates_of_a_tls_etcd_are_watched_as_the_client_uses_them(tmp_path
         }
         assert min(left.values(), key=lambda v: v or 0) == left["cluster.etcd_cert_file"]
         assert 9 * 86400 < (left["cluster.etcd_cert_file"] or 0) <= 10 * 86400
+
+
+@pytest.mark.skipif(shutil.which("etcdctl") is None, reason="etcdctl is not installed")
+def test_an_etcd_login_refused_names_the_settings_to_fix(etcd: LocalEtcd, tmp_path: Path) -> None:
+    from gpud.cluster.runtime import etcd_settings
+    from gpud.config import ClusterConfig
+    from gpud.errors import GpudError
+
+    def etcdctl(*args: str) -> None:
+        subprocess.run(
+            ["etcdctl", f"--endpoints={etcd.endpoint}", *args], check=True, capture_output=True
+        )
+
+    etcdctl("user", "add", "root:rootpw")
+    etcdctl("user", "grant-role", "root", "root")
+    etcdctl("user", "add", "gpud:goodpw")
+    etcdctl("auth", "enable")
+    password = tmp_path / "password"
+    password.write_text("wrongpw\n")
+    wrong = ClusterConfig(
+        etcd_endpoints=etcd.endpoint, etcd_username="gpud", etcd_password_file=password
+    )
+    with pytest.raises(GpudError) as refused:
+        EtcdClient(etcd_settings(wrong)).get("/x")
+    assert "etcd refused the login of user 'gpud'" in str(refused.value)
+    assert f"cluster.etcd_password_file ({password})" in str(refused.value)
+    with pytest.raises(GpudError) as nobody:
+        EtcdClient(etcd_settings(ClusterConfig(etcd_endpoints=etcd.endpoint))).get("/x")
+    assert "etcd refused a call without a user: it has authentication on" in str(nobody.value)
+    assert "set cluster.etcd_username and cluster.etcd_password_file" in str(nobody.value)
+    password.write_text("goodpw\n")  # no role: refused the keys, not the login
+    with pytest.raises(GpudError, match=r"refused user gpud the keys under cluster.etcd_prefix"):
+        EtcdClient(etcd_settings(wrong)).get("/x")

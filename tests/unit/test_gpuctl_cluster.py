@@ -181,3 +181,49 @@ def test_a_failed_tls_handshake_shows_in_one_line_and_in_full_in_json() -> None:
     data = json.loads(ctx.text.getvalue())
     assert data["last_error"] == TLS_ERROR
     assert data["problems"][0]["message"] == TLS_ERROR
+
+
+def test_an_etcd_that_refuses_is_not_called_unreachable() -> None:
+    login = status(
+        base(
+            mode="local",
+            store_ok=False,
+            detail="etcd refused the login of user 'gpud' (etcdserver: authentication failed,"
+            " invalid user ID or password): check cluster.etcd_username and the password in"
+            " cluster.etcd_password_file (/etc/gpud/etcd/password)",
+        )
+    )
+    assert "etcd:        reachable, REFUSES this node's calls (see detail)" in login
+    assert "UNREACHABLE" not in login and "make etcd reachable" not in login
+    assert "action:      do what the detail says (etcd's user and password" in login
+
+    full = status(
+        base(
+            mode="local",
+            store_ok=False,
+            etcd_alarms=["NOSPACE"],
+            detail="etcd refused /kv/put: etcd is out of space (alarm NOSPACE) and refuses"
+            " every write",
+        )
+    )
+    assert "etcd:        reachable, REFUSES this node's calls (see detail)" in full
+    assert "action:      free space (etcdctl compact REV" in full
+    assert full.count("action:") == 1
+
+    down = status(base(store_ok=False, detail="etcd unreachable at http://10.0.0.9:2379: X"))
+    assert "etcd:        UNREACHABLE" in down
+    assert "action:      make etcd reachable from this node" in down
+
+
+def test_a_node_refused_as_a_duplicate_is_told_to_rename_not_to_reach_the_leader() -> None:
+    text = status(
+        base(
+            mode="holding",
+            last_order_age_seconds=5.0,
+            last_error="leader n0 at 10.0.0.1:7443: FAILED_PRECONDITION node 'n1' is reported"
+            " by two gpuds, this one and the one at ipv4:10.0.0.8:54548: give each its own"
+            " cluster.node (names compare without case)",
+        )
+    )
+    assert "action:      give each gpud its own cluster.node: another gpud reports" in text
+    assert "make the leader reachable" not in text
