@@ -186,6 +186,9 @@ class TrafficConfig:
     # once the window holds this many iterations, a job's open iteration is averaged with
     # them (a job that waited one tick is not taken for the slowest); 0 = the open one alone
     progress_stall_iterations: int = ranged(8, 0, 1000)
+    # a job with no progress for this many of its usual spacings between progress points
+    # is stopped (SIGSTOP, a debugger), not slowed: the gap counts up to there, no further
+    progress_gap_spacings: float = ranged(20.0, 2.0, 1000.0)
     idle_after_s: float = ranged(
         60.0, 1.0, 86400.0
     )  # a job without a reservation or report for this long is idle

@@ -129,8 +129,11 @@ def _pool_refusal(job: pb.NetJob) -> str:
 
 
 def _state(job: pb.NetJob) -> str:
-    """A job's STATE: stopped (no progress for over the gap limit) and for how long, or
-    running; unknown before its first progress report."""
+    """A job's STATE: ended (its last run ended, none runs now) and how long ago, stopped
+    (no progress for over the gap limit) and for how long, or running; unknown before its
+    first progress report."""
+    if job.HasField("ended_seconds"):
+        return f"ended {seconds(job.ended_seconds)} ago"
     if job.HasField("stopped_seconds"):
         return f"stopped {seconds(job.stopped_seconds)}"
     return "running" if job.HasField("iterations") else NA

@@ -51,6 +51,8 @@ def job_message(j: JobTraffic, now: float) -> pb.NetJob:
     if j.stopped_s is not None:
         msg.stopped_seconds = j.stopped_s
     msg.stopped_unranked = j.unranked
+    if j.ended_s is not None:
+        msg.ended_seconds = j.ended_s
     return msg
 
 

@@ -66,6 +66,10 @@ class JobTraffic:
     # stopped, and no report for ``traffic.idle_after_s`` either: not ranked, so it holds no
     # level (unless pinned) until it reports again
     unranked: bool = False
+    # its last run ended this many seconds ago (its reservation was released, or its
+    # holder died) and it holds none now, with no progress since: not stopped, done. None
+    # while it runs, or where gpud saw no run of it end
+    ended_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -188,7 +188,8 @@ class NetView:
     marking: bool = True
     """``traffic.marking``: whether gpud marks packets by cgroup at all."""
     gap_spacings: float = 20.0
-    """How many of its usual spacings a job goes without progress before it is stopped."""
+    """How many of its usual spacings a job goes without progress before it is stopped
+    (``traffic.progress_gap_spacings``)."""
 
 
 JobSource = Callable[[], Sequence[str]]
@@ -260,6 +261,7 @@ class TrafficService:
                 stall_iterations=config.progress_stall_iterations,
                 long_window_s=config.progress_long_window_s,
                 long_weight=config.progress_long_weight,
+                gap_spacings=config.progress_gap_spacings,
             )
         )
         self._reports: dict[str, _JobReports] = {}
@@ -293,6 +295,11 @@ class TrafficService:
         self._tagged_at: dict[str, float] = {}  # job -> when it was last given its tag (monotonic)
         # job -> runs starting it (see starting): its tag is kept though it is not registered
         self._starting: dict[str, int] = {}
+        # job -> when its last run ended (the monotonic clock; see run_ended). A leaf lock:
+        # the jobs service says so inside its store transaction, which the tick waits for
+        # holding self._lock
+        self._ends: dict[str, float] = {}
+        self._ends_lock = threading.Lock()
         self.accepted_reports = 0
         self.rejected_reports = 0
         if config.enabled:
@@ -384,6 +391,26 @@ class TrafficService:
                 rejected.append(Rejected(i, r.job, err))
         return len(reports) - len(rejected), rejected
 
+    def run_ended(self, job: str, since_end_s: float = 0.0) -> None:
+        """A run of ``job`` ended ``since_end_s`` seconds ago (its reservation was released,
+        or its holder found gone). Until the job holds a reservation again or makes progress
+        after it, ``gpuctl net show`` says it ended rather than stopped. Takes no lock but
+        its own: the jobs service calls it inside its store transaction."""
+        with self._ends_lock:
+            self._ends[job] = self._monotonic() - max(0.0, since_end_s)
+
+    def _ended_at(self, job: str, active: set[str]) -> float | None:
+        """When ``job``'s last run ended (the monotonic clock), where it holds no
+        reservation and made no progress since; else None."""
+        if job in active:
+            return None
+        with self._ends_lock:
+            end = self._ends.get(job)
+        reports = self._reports.get(job)
+        if end is None or (reports is not None and reports.last_report_at > end):
+            return None
+        return end
+
     # -- the cluster's port ----------------------------------------------------------------
     def apply_order(
         self,
@@ -468,7 +495,7 @@ class TrafficService:
                 job=job,
                 level=level,
             )
-            return self._job_view(job, self._clock())
+            return self._job_view(job, self._clock(), self._active())
 
     def now(self) -> float:
         return self._clock()
@@ -516,7 +543,8 @@ class TrafficService:
     def view(self) -> NetView:
         now = self._clock()
         with self._lock:
-            jobs = self._job_views(now)
+            active = self._active()
+            jobs = self._job_views(now, active)
             per_level: dict[int, TrafficCounters] = {}
             for j in jobs:
                 if j.level is not None:
@@ -542,18 +570,22 @@ class TrafficService:
                 rdma_backend=self.config.rdma_backend,
                 rdma_error=self._rdma_error,
                 untagged=dict(self._untagged),
-                untagged_jobs=tuple(self._job_view(j, now) for j in sorted(self._untagged)),
+                untagged_jobs=tuple(self._job_view(j, now, active) for j in sorted(self._untagged)),
                 # as of the last tick's registry
                 idle_untagged=len(self._known_jobs - {j.job for j in jobs} - self._untagged.keys()),
                 marking=self.config.marking,
                 gap_spacings=self._tracker.config.gap_spacings,
             )
 
-    def _job_views(self, now: float) -> tuple[JobTraffic, ...]:
-        return tuple(self._job_view(j, now) for j in sorted(self.tags.allocations()))
+    def _job_views(self, now: float, active: set[str] | None = None) -> tuple[JobTraffic, ...]:
+        """The tagged jobs' rows; ``active``: the jobs holding a reservation (default:
+        read now)."""
+        held = self._active() if active is None else active
+        return tuple(self._job_view(j, now, held) for j in sorted(self.tags.allocations()))
 
-    def _job_view(self, job: str, now: float) -> JobTraffic:
+    def _job_view(self, job: str, now: float, active: set[str]) -> JobTraffic:
         reports = self._reports.get(job)
+        ended = self._ended_at(job, active)
         prog = self._tracker.progress(job, now) if job in self._tracker.jobs() else None
         total = TrafficCounters()
         for (_, j), c in self._counters.items():
@@ -564,7 +596,8 @@ class TrafficService:
                     total.drops + c.total.drops,
                 )
         pinned, lowest = self.tags.pins().get(job), self.config.levels - 1
-        stopped = prog is not None and prog.stopped
+        # a run that ended is no stop: nothing of it runs to be stopped
+        stopped = prog is not None and prog.stopped and ended is None
         cgroup = ""
         if self._cgroups is not None and self._cgroups.dir(job).is_dir():
             cgroup = str(self._cgroups.dir(job))
@@ -585,6 +618,7 @@ class TrafficService:
             counters=total,
             stopped_s=prog.stalled_s if prog is not None and stopped else None,
             unranked=stopped and pinned is None and self._stopped_silent(job, now),
+            ended_s=None if ended is None else max(0.0, self._monotonic() - ended),
         )
 
     # -- the tick --------------------------------------------------------------------------
@@ -687,7 +721,10 @@ class TrafficService:
 
     def _learnt(self) -> set[str]:
         """The jobs :meth:`_forget` has something of."""
+        with self._ends_lock:
+            ended = set(self._ends)
         return {
+            *ended,
             *self._tagged_at,
             *self._tracker.jobs(),
             *self._reports,
@@ -702,6 +739,8 @@ class TrafficService:
         self._forget_class(job)
         self._tracker.forget(job)
         self._reports.pop(job, None)
+        with self._ends_lock:
+            self._ends.pop(job, None)
 
     def _forget_class(self, job: str) -> None:
         """Drop what went with ``job``'s tag (its tag went to another job): its level, leaf
@@ -854,7 +893,12 @@ class TrafficService:
                 # class, and a place in the ranking would push tagged jobs down a level
                 continue
             reports = self._reports.get(job)
-            recent = reports is not None and heard - reports.heard_at <= idle
+            # a job whose run ended has no traffic left to rank, however lately it reported
+            recent = (
+                reports is not None
+                and heard - reports.heard_at <= idle
+                and self._ended_at(job, active_res) is None
+            )
             if job in self.tags.pins() or (
                 (job in active_res or recent) and not self._stopped_silent(job, now)
             ):

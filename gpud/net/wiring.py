@@ -17,6 +17,9 @@ from pathlib import Path
 
 from gpud.config import Config
 from gpud.events import EventLog
+from gpud.jobs.ends import RunEnd
+from gpud.jobs.placement import Reservation
+from gpud.jobs.registry import JobSpec
 from gpud.jobs.service import JobService
 from gpud.net.cgroups import JobCgroups, find_cgroup2
 from gpud.net.enforce import MarkPort, RdmaPort, TcPort
@@ -78,7 +81,7 @@ def open_traffic(
     def active() -> set[str]:
         return {r.job for r in jobs.reservations.held()}
 
-    return TrafficService(
+    service = TrafficService(
         t,
         tags=tags,
         events=events,
@@ -92,6 +95,15 @@ def open_traffic(
         marking_error=marking_error,
         rdma_error=rdma_error,
     )
+
+    def ended(what: str, reservation: Reservation, spec: JobSpec, end: RunEnd | None) -> None:
+        # `gpuctl net show` says a job whose run ended is done, not stopped
+        if what == "release":
+            service.run_ended(reservation.job, end.since_end_s if end is not None else 0.0)
+
+    if t.enabled:  # the tick forgets what it keeps of removed jobs; off, none runs
+        jobs.add_observer(ended)
+    return service
 
 
 def config_warnings(config: Config) -> list[str]:

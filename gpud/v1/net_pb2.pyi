@@ -198,6 +198,7 @@ class NetJob(_message.Message):
     PINNED_LEVEL_CLAMPED_FROM_FIELD_NUMBER: _builtins.int
     STOPPED_SECONDS_FIELD_NUMBER: _builtins.int
     STOPPED_UNRANKED_FIELD_NUMBER: _builtins.int
+    ENDED_SECONDS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     dscp: _builtins.int
     """the job's tag (the TOS byte is dscp * 4)"""
@@ -229,6 +230,12 @@ class NetJob(_message.Message):
     """stopped, and no report for traffic.idle_after_s either: not ranked, it holds no level
     (unless pinned) and its traffic is in the default class until it reports again
     """
+    ended_seconds: _builtins.float
+    """its last run ended this many seconds ago (its reservation released, or its gpuctl run
+    gone), it holds no reservation now and made no progress since: done, not stopped
+    (stopped_seconds is then absent). Absent: a run holds it, it progressed since, or gpud
+    saw no run of it end (since it started)
+    """
     @_builtins.property
     def counters(self) -> Global___NetCounters: ...
     def __init__(
@@ -249,13 +256,16 @@ class NetJob(_message.Message):
         pinned_level_clamped_from: _builtins.int | None = ...,
         stopped_seconds: _builtins.float | None = ...,
         stopped_unranked: _builtins.bool = ...,
+        ended_seconds: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s", "_iteration_s", b"_iteration_s", "_iterations", b"_iterations", "_last_report_age_seconds", b"_last_report_age_seconds", "_level", b"_level", "_pinned_level", b"_pinned_level", "_pinned_level_clamped_from", b"_pinned_level_clamped_from", "_progress_rate", b"_progress_rate", "_stopped_seconds", b"_stopped_seconds", "contention_free_iteration_s", b"contention_free_iteration_s", "counters", b"counters", "iteration_s", b"iteration_s", "iterations", b"iterations", "last_report_age_seconds", b"last_report_age_seconds", "level", b"level", "pinned_level", b"pinned_level", "pinned_level_clamped_from", b"pinned_level_clamped_from", "progress_rate", b"progress_rate", "stopped_seconds", b"stopped_seconds"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s", "_ended_seconds", b"_ended_seconds", "_iteration_s", b"_iteration_s", "_iterations", b"_iterations", "_last_report_age_seconds", b"_last_report_age_seconds", "_level", b"_level", "_pinned_level", b"_pinned_level", "_pinned_level_clamped_from", b"_pinned_level_clamped_from", "_progress_rate", b"_progress_rate", "_stopped_seconds", b"_stopped_seconds", "contention_free_iteration_s", b"contention_free_iteration_s", "counters", b"counters", "ended_seconds", b"ended_seconds", "iteration_s", b"iteration_s", "iterations", b"iterations", "last_report_age_seconds", b"last_report_age_seconds", "level", b"level", "pinned_level", b"pinned_level", "pinned_level_clamped_from", b"pinned_level_clamped_from", "progress_rate", b"progress_rate", "stopped_seconds", b"stopped_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s", "_iteration_s", b"_iteration_s", "_iterations", b"_iterations", "_last_report_age_seconds", b"_last_report_age_seconds", "_level", b"_level", "_pinned_level", b"_pinned_level", "_pinned_level_clamped_from", b"_pinned_level_clamped_from", "_progress_rate", b"_progress_rate", "_stopped_seconds", b"_stopped_seconds", "cgroup", b"cgroup", "contention_free_iteration_s", b"contention_free_iteration_s", "counters", b"counters", "dscp", b"dscp", "error", b"error", "iteration_s", b"iteration_s", "iterations", b"iterations", "job", b"job", "last_report_age_seconds", b"last_report_age_seconds", "level", b"level", "pinned_level", b"pinned_level", "pinned_level_clamped_from", b"pinned_level_clamped_from", "progress_rate", b"progress_rate", "stopped_seconds", b"stopped_seconds", "stopped_unranked", b"stopped_unranked"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s", "_ended_seconds", b"_ended_seconds", "_iteration_s", b"_iteration_s", "_iterations", b"_iterations", "_last_report_age_seconds", b"_last_report_age_seconds", "_level", b"_level", "_pinned_level", b"_pinned_level", "_pinned_level_clamped_from", b"_pinned_level_clamped_from", "_progress_rate", b"_progress_rate", "_stopped_seconds", b"_stopped_seconds", "cgroup", b"cgroup", "contention_free_iteration_s", b"contention_free_iteration_s", "counters", b"counters", "dscp", b"dscp", "ended_seconds", b"ended_seconds", "error", b"error", "iteration_s", b"iteration_s", "iterations", b"iterations", "job", b"job", "last_report_age_seconds", b"last_report_age_seconds", "level", b"level", "pinned_level", b"pinned_level", "pinned_level_clamped_from", b"pinned_level_clamped_from", "progress_rate", b"progress_rate", "stopped_seconds", b"stopped_seconds", "stopped_unranked", b"stopped_unranked"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__contention_free_iteration_s: _TypeAlias = _typing.Literal["contention_free_iteration_s"]  # noqa: Y015
     _WhichOneofArgType__contention_free_iteration_s: _TypeAlias = _typing.Literal["_contention_free_iteration_s", b"_contention_free_iteration_s"]  # noqa: Y015
+    _WhichOneofReturnType__ended_seconds: _TypeAlias = _typing.Literal["ended_seconds"]  # noqa: Y015
+    _WhichOneofArgType__ended_seconds: _TypeAlias = _typing.Literal["_ended_seconds", b"_ended_seconds"]  # noqa: Y015
     _WhichOneofReturnType__iteration_s: _TypeAlias = _typing.Literal["iteration_s"]  # noqa: Y015
     _WhichOneofArgType__iteration_s: _TypeAlias = _typing.Literal["_iteration_s", b"_iteration_s"]  # noqa: Y015
     _WhichOneofReturnType__iterations: _TypeAlias = _typing.Literal["iterations"]  # noqa: Y015
@@ -274,6 +284,8 @@ class NetJob(_message.Message):
     _WhichOneofArgType__stopped_seconds: _TypeAlias = _typing.Literal["_stopped_seconds", b"_stopped_seconds"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__contention_free_iteration_s) -> _WhichOneofReturnType__contention_free_iteration_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ended_seconds) -> _WhichOneofReturnType__ended_seconds | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__iteration_s) -> _WhichOneofReturnType__iteration_s | None: ...
     @_typing.overload
@@ -409,7 +421,9 @@ class ShowNetResponse(_message.Message):
     marking_off: _builtins.bool
     """traffic.marking = false: no nftables table at all"""
     stop_after_spacings: _builtins.float
-    """a job without progress for more than this many of its usual spacings is stopped"""
+    """a job without progress for more than this many of its usual spacings is stopped
+    (traffic.progress_gap_spacings)
+    """
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___NetJob]: ...
     @_builtins.property

@@ -124,6 +124,12 @@ _ETCD = (
             "top_share 0.9 \\+ 4 levels x 0.03 \\+ default_share 0.02 exceed 1",
         ),
         ("[traffic]\nprogress_long_weight = 1.5\n", "traffic.progress_long_weight", "1.5"),
+        # the gap limit: no gap is shorter than a spacing, and a huge one never stops a job
+        ("[traffic]\nprogress_gap_spacings = 0\n", "traffic.progress_gap_spacings", "within"),
+        ("[traffic]\nprogress_gap_spacings = -5\n", "traffic.progress_gap_spacings", "-5"),
+        ("[traffic]\nprogress_gap_spacings = nan\n", "traffic.progress_gap_spacings", "nan"),
+        ("[traffic]\nprogress_gap_spacings = 1e9\n", "traffic.progress_gap_spacings", "1000"),
+        ("[traffic]\nprogress_gap_spacings = inf\n", "traffic.progress_gap_spacings", "inf"),
         ('[cluster]\nnode = "a b"\n', "cluster.node", "'a b' is not a DNS name"),
         ('[cluster]\nnode = "n1."\n', "cluster.node", "is not a DNS name"),
         ('[cluster]\nnode = "-n1"\n', "cluster.node", "is not a DNS name"),
@@ -169,6 +175,12 @@ def test_bad_config_names_file_and_key(tmp_path: Path, text: str, key: str, why:
     assert info.value.key == key
     assert info.value.path == str(path)
     assert str(path) in str(info.value)
+
+
+def test_the_gap_limit_is_a_traffic_key(tmp_path: Path) -> None:
+    cfg = config.load(write(tmp_path, "[traffic]\nprogress_gap_spacings = 60\n"))
+    assert cfg.traffic.progress_gap_spacings == 60
+    assert config.load(write(tmp_path, "")).traffic.progress_gap_spacings == 20
 
 
 def test_interface_names_the_kernel_takes_are_accepted(tmp_path: Path) -> None:

@@ -868,3 +868,27 @@ def test_last_error_says_the_socket_refuses_the_jobs_user(open_dir: Path) -> Non
         " member of gpud's api.socket_group) since "
     ), message
     assert "unreachable" not in message
+
+
+def test_show_says_a_job_whose_run_ended_ended_with_no_stop_hint(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A job whose run ended reads `ended 3m 00s ago`, not stopped with a SIGSTOP hint, and
+    holds no level; `--json` gives `ended_seconds` and no `stopped_seconds`."""
+    now = [1_000_000.0]
+    node = Node(tmp_path / "state", clock=lambda: now[0], monotonic=lambda: now[0], interfaces=())
+    for n in range(1, 31):
+        now[0] += 1
+        for job in node.jobs:
+            node.service.report(Report(job, n, now[0], ideal_s=0.5, session="s"))
+        node.service.tick()
+    node.service.run_ended("train-a")  # its run's reservation released
+    now[0] += 180
+    node.service.tick()
+    out, json_out = _show(capsys, node)
+    rows = {ln.split()[0]: " ".join(ln.split()) for ln in out.splitlines() if ln[:6] == "train-"}
+    assert " default ended 3m 00s ago " in rows["train-a"]
+    assert "train-a: stopped" not in out and "train-b: stopped 3m 00s" in out
+    jobs = {j["job"]: j for j in json.loads(json_out)["jobs"]}
+    assert jobs["train-a"]["ended_seconds"] == 180 and jobs["train-a"]["stopped_seconds"] is None
+    assert jobs["train-b"]["ended_seconds"] is None

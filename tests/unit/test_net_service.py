@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -646,6 +647,40 @@ def test_wiring_says_why_marking_is_off(tmp_path: Path) -> None:
     service.shutdown()
     off = open_traffic(Config(), store, events, jobs)
     assert not off.view().enabled
+
+
+def test_wiring_tells_the_service_when_a_run_ends(tmp_path: Path) -> None:
+    """A run's release (gpuctl run's, at its command's exit) reaches the traffic service:
+    its job reads as ended from then, until it holds a reservation again."""
+    from gpud.config import Config
+    from gpud.jobs.ends import EndCause, RunEnd
+    from gpud.jobs.service import JobService, RunRequest
+    from gpud.mps.manager import MpsManager, targets_from_snapshot
+    from gpud.net.wiring import open_traffic
+    from tests.unit.mps_support import gpu_sample, snapshot
+
+    store, events, _ = wiring_parts(tmp_path)
+    mps = MpsManager(store, events, tmp_path / "run", control_command=["true"], enabled=False)
+    mps.observe(targets_from_snapshot(snapshot(gpu_sample(0, memory_gib=80))))
+    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
+    config = Config(traffic=TrafficConfig(enabled=True, marking=False))
+    service = open_traffic(config, store, events, jobs)
+    launch = jobs.reserve(RunRequest("train-a"))
+    service.tick()
+    service.report(Report("train-a", 1, time.time() - 1, session="s"))
+
+    def row() -> JobTraffic:
+        (found,) = service.view().jobs
+        return found
+
+    assert row().ended_s is None
+    jobs.release(launch.reservation.id, RunEnd(EndCause.EXITED, exit_code=0))
+    ended = row().ended_s
+    assert ended is not None and 0 <= ended < 5
+    again = jobs.reserve(RunRequest("train-a"))
+    assert row().ended_s is None
+    jobs.release(again.reservation.id)
+    service.shutdown()
 
 
 def test_reserved_dscps_named_in_the_pool_are_left_out_with_a_warning(
@@ -1534,3 +1569,60 @@ def test_net_show_says_a_job_is_stopped_and_whether_it_holds_a_level(rig: Rig) -
     train.run(2)
     assert row().stopped_s is None and not row().unranked
     assert not job_message(row(), rig.service.now()).HasField("stopped_seconds")
+
+
+def test_a_job_whose_run_ended_reads_ended_not_stopped_and_holds_no_level(rig: Rig) -> None:
+    """A job whose run ended (its reservation released) is done, not stopped: ``gpuctl net
+    show`` says how long ago it ended, with no stop (no SIGSTOP hint), and it is not ranked
+    from the end on, however lately it reported. Running again (a reservation, or progress
+    after the end), it reads as any job."""
+    rig.active = {"a", "b"}
+    train = Training(rig, {"a": 1.0, "b": 1.0}, {"a": 0.5, "b": 0.25})
+    assert train.run(60)["a"] == 1
+
+    def row() -> JobTraffic:
+        (found,) = [j for j in rig.service.view().jobs if j.job == "a"]
+        return found
+
+    rig.active = {"b"}
+    rig.clock.t += 0.5  # its last iteration was reported as it ended
+    rig.service.run_ended("a", since_end_s=0.5)  # what the jobs service says on release
+    levels = train.run(30, stopped="a")  # past its gap limit, heard within idle_after_s
+    assert levels["a"] is None and levels["b"] is not None
+    assert row().ended_s == pytest.approx(30.5) and row().stopped_s is None
+    msg = job_message(row(), rig.service.now())
+    assert msg.ended_seconds == pytest.approx(30.5) and not msg.HasField("stopped_seconds")
+    assert not msg.stopped_unranked
+    # a new run of it: stopped again, for all gpud knows, until it reports
+    rig.active = {"a", "b"}
+    assert row().ended_s is None and row().stopped_s is not None
+    # progress after the end: not ended, whatever holds its reservation
+    rig.active = {"b"}
+    train.since["a"] = rig.clock.t
+    assert train.run(2)["a"] is not None
+    assert row().ended_s is None and row().stopped_s is None
+
+
+def test_a_job_removed_after_its_run_ended_is_forgotten(rig: Rig) -> None:
+    rig.service.tick()
+    rig.service.run_ended("a")
+    rig.jobs.remove("a")
+    rig.service.tick()
+    rig.jobs.append("a")
+    rig.service.tick()
+    (a,) = [j for j in rig.service.view().jobs if j.job == "a"]
+    assert a.ended_s is None
+
+
+def test_the_gap_limit_is_traffic_progress_gap_spacings(tmp_path: Path, sysfs: Path) -> None:
+    """A job with 1 s iterations silent for 30 s is stopped at the default 20 spacings, and
+    not at ``traffic.progress_gap_spacings = 60``, which ``gpuctl net show`` says."""
+    for spacings, stopped in ((20.0, True), (60.0, False)):
+        rig = Rig(tmp_path / str(spacings), sysfs, progress_gap_spacings=spacings)
+        rig.active = {"a"}
+        train = Training(rig, {"a": 1.0}, {"a": 0.5})
+        train.run(30)
+        train.run(30, stopped="a")
+        (a,) = [j for j in rig.service.view().jobs if j.job == "a"]
+        assert (a.stopped_s is not None) is stopped, spacings
+        assert rig.service.view().gap_spacings == spacings
