@@ -38,7 +38,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -300,6 +300,9 @@ class TrafficService:
         # holding self._lock
         self._ends: dict[str, float] = {}
         self._ends_lock = threading.Lock()
+        # the jobs holding a reservation at the last tick: what views (net show, /metrics,
+        # the cluster's report) judge "ended" by, so that none of them reads the store
+        self._held: frozenset[str] = frozenset()
         self.accepted_reports = 0
         self.rejected_reports = 0
         if config.enabled:
@@ -399,15 +402,21 @@ class TrafficService:
         with self._ends_lock:
             self._ends[job] = self._monotonic() - max(0.0, since_end_s)
 
-    def _ended_at(self, job: str, active: set[str]) -> float | None:
+    def run_started(self, job: str) -> None:
+        """A run of ``job`` reserved its devices: it has not ended (whatever the last tick
+        saw). Takes no lock but its own, as :meth:`run_ended`."""
+        with self._ends_lock:
+            self._ends.pop(job, None)
+
+    def _ended_at(self, job: str, active: Set[str]) -> float | None:
         """When ``job``'s last run ended (the monotonic clock), where it holds no
-        reservation and made no progress since; else None."""
-        if job in active:
-            return None
+        reservation (``active``: the jobs that do) and made no progress since; else None."""
         with self._ends_lock:
             end = self._ends.get(job)
+        if end is None or job in active:
+            return None
         reports = self._reports.get(job)
-        if end is None or (reports is not None and reports.last_report_at > end):
+        if reports is not None and reports.last_report_at > end:
             return None
         return end
 
@@ -495,7 +504,7 @@ class TrafficService:
                 job=job,
                 level=level,
             )
-            return self._job_view(job, self._clock(), self._active())
+            return self._job_view(job, self._clock(), self._held)
 
     def now(self) -> float:
         return self._clock()
@@ -543,8 +552,7 @@ class TrafficService:
     def view(self) -> NetView:
         now = self._clock()
         with self._lock:
-            active = self._active()
-            jobs = self._job_views(now, active)
+            jobs = self._job_views(now)
             per_level: dict[int, TrafficCounters] = {}
             for j in jobs:
                 if j.level is not None:
@@ -570,20 +578,20 @@ class TrafficService:
                 rdma_backend=self.config.rdma_backend,
                 rdma_error=self._rdma_error,
                 untagged=dict(self._untagged),
-                untagged_jobs=tuple(self._job_view(j, now, active) for j in sorted(self._untagged)),
+                untagged_jobs=tuple(
+                    self._job_view(j, now, self._held) for j in sorted(self._untagged)
+                ),
                 # as of the last tick's registry
                 idle_untagged=len(self._known_jobs - {j.job for j in jobs} - self._untagged.keys()),
                 marking=self.config.marking,
                 gap_spacings=self._tracker.config.gap_spacings,
             )
 
-    def _job_views(self, now: float, active: set[str] | None = None) -> tuple[JobTraffic, ...]:
-        """The tagged jobs' rows; ``active``: the jobs holding a reservation (default:
-        read now)."""
-        held = self._active() if active is None else active
-        return tuple(self._job_view(j, now, held) for j in sorted(self.tags.allocations()))
+    def _job_views(self, now: float) -> tuple[JobTraffic, ...]:
+        """The tagged jobs' rows, "ended" judged by the reservations of the last tick."""
+        return tuple(self._job_view(j, now, self._held) for j in sorted(self.tags.allocations()))
 
-    def _job_view(self, job: str, now: float, active: set[str]) -> JobTraffic:
+    def _job_view(self, job: str, now: float, active: Set[str]) -> JobTraffic:
         reports = self._reports.get(job)
         ended = self._ended_at(job, active)
         prog = self._tracker.progress(job, now) if job in self._tracker.jobs() else None
@@ -884,6 +892,7 @@ class TrafficService:
 
     def _decide(self, now: float, registered: list[str]) -> dict[str, int]:
         active_res = self._active()
+        self._held = frozenset(active_res)
         idle = self.config.idle_after_s
         active = []
         heard = self._monotonic()

@@ -100,6 +100,8 @@ def open_traffic(
         # `gpuctl net show` says a job whose run ended is done, not stopped
         if what == "release":
             service.run_ended(reservation.job, end.since_end_s if end is not None else 0.0)
+        elif what == "reserve":
+            service.run_started(reservation.job)
 
     if t.enabled:  # the tick forgets what it keeps of removed jobs; off, none runs
         jobs.add_observer(ended)

@@ -651,7 +651,8 @@ def test_wiring_says_why_marking_is_off(tmp_path: Path) -> None:
 
 def test_wiring_tells_the_service_when_a_run_ends(tmp_path: Path) -> None:
     """A run's release (gpuctl run's, at its command's exit) reaches the traffic service:
-    its job reads as ended from then, until it holds a reservation again."""
+    its job reads as ended from the next tick, until it holds a reservation again (at
+    once)."""
     from gpud.config import Config
     from gpud.jobs.ends import EndCause, RunEnd
     from gpud.jobs.service import JobService, RunRequest
@@ -675,6 +676,7 @@ def test_wiring_tells_the_service_when_a_run_ends(tmp_path: Path) -> None:
 
     assert row().ended_s is None
     jobs.release(launch.reservation.id, RunEnd(EndCause.EXITED, exit_code=0))
+    service.tick()  # views judge by the tick's reservations: they read no store
     ended = row().ended_s
     assert ended is not None and 0 <= ended < 5
     again = jobs.reserve(RunRequest("train-a"))
@@ -1595,9 +1597,12 @@ def test_a_job_whose_run_ended_reads_ended_not_stopped_and_holds_no_level(rig: R
     assert not msg.stopped_unranked
     # a new run of it: stopped again, for all gpud knows, until it reports
     rig.active = {"a", "b"}
+    rig.service.run_started("a")  # what the jobs service says on reserve
     assert row().ended_s is None and row().stopped_s is not None
     # progress after the end: not ended, whatever holds its reservation
     rig.active = {"b"}
+    rig.service.run_ended("a")
+    assert row().ended_s is not None
     train.since["a"] = rig.clock.t
     assert train.run(2)["a"] is not None
     assert row().ended_s is None and row().stopped_s is None
