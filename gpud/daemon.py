@@ -186,6 +186,9 @@ class SampledFaults:
     def lose(self, gpu: int) -> object:
         return self._faults.lose(gpu)
 
+    def reset_required(self, gpu: int) -> object:
+        return self._faults.reset_required(gpu)
+
     def not_supported(self, gpu: int, field: str) -> object:
         return self._faults.not_supported(gpu, field)
 

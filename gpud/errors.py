@@ -32,7 +32,9 @@
 
 Adapters translate native errors into this tree at the edge (``raise ... from err``).
 ``ERROR_TABLE`` maps each class to a gRPC status code name and a CLI exit code; the
-gRPC server and gpuctl both read it.
+gRPC server and gpuctl both read it. ``GPU_FAULTS`` are the errors that are the GPU's own
+fault rather than one call's: caught together wherever a GPU, not a reading, is to be set
+aside.
 """
 
 from __future__ import annotations
@@ -225,6 +227,13 @@ class DeviceNotFound(BackendError):
 
 class InUse(BackendError):
     """The driver refused because something still uses the device or instance (NVML_ERROR_IN_USE)."""
+
+
+GPU_FAULTS: Final[tuple[type[BackendError], ...]] = (GpuLost, GpuFault, DriverTimeout)
+"""Driver errors that make the whole GPU faulty, as opposed to one reading missing or one
+step refused: lost, in need of an operator (reset required, interrupt issue, insufficient
+power, corrupted infoROM), hung. A GPU that raises one is shown as faulty with why, left
+alone, and the other GPUs go on."""
 
 
 # Trailing metadata of a failed gRPC call: the error class, and the exit code gpuctl uses.

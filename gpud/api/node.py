@@ -40,6 +40,7 @@ _FAULT_NAMES = {
     pb.FAULT_KIND_CLEAR: "clear",
     pb.FAULT_KIND_ERROR: "error",
     pb.FAULT_KIND_SLOW_MIG: "slow_mig",
+    pb.FAULT_KIND_RESET_REQUIRED: "reset_required",
 }
 
 
@@ -196,6 +197,8 @@ class NodeServicer(pb_grpc.NodeServicer):
         blame = "gpu"  # the request field a ValueError from the injector is about
         if kind == "lost":
             apply = lambda: faults.lose(gpu)  # noqa: E731
+        elif kind == "reset_required":
+            apply = lambda: faults.reset_required(gpu)  # noqa: E731
         elif kind == "clear":
             apply = lambda: faults.clear(gpu)  # noqa: E731
         elif kind == "not_supported":

@@ -63,6 +63,10 @@ class FaultPort(Protocol):
         """The GPU falls off the bus: every call on it raises ``GpuLost``."""
         ...
 
+    def reset_required(self, gpu: int) -> object:
+        """The GPU requires a reset: every query that reaches it raises ``GpuFault``."""
+        ...
+
     def not_supported(self, gpu: int, field: str) -> object:
         """Reads of ``field`` (e.g. "power") on the GPU raise ``NotSupported``."""
         ...

@@ -74,6 +74,7 @@ from gpud.backend.port import (
 )
 from gpud.backend.products import product_key_for
 from gpud.errors import (
+    GPU_FAULTS,
     BackendError,
     DeviceNotFound,
     DriverNotLoaded,
@@ -113,7 +114,7 @@ _ERROR_CLASSES: Final[dict[int, type[BackendError]]] = {
 }
 # What each GpuFault means (its ``problem``) and what the operator does about it, as NVML's
 # reference describes the code.
-_GPU_FAULTS: Final[dict[int, tuple[str, str]]] = {
+_FAULT_PROBLEMS: Final[dict[int, tuple[str, str]]] = {
     8: (
         "insufficient power",
         "its external power cables are not properly attached: check them (power the node off)",
@@ -169,7 +170,8 @@ _WANTED_EVENTS: Final = _XID_EVENT | 0x2 | 0x1
 REGISTER_WAIT_S: Final = 0.5
 """How long a new event set waits for the GPUs' registrations before its first wait."""
 REREGISTER_S: Final = 30.0
-"""How often a GPU lost when it last registered for events tries again."""
+"""How often a GPU that was faulty (lost, hung, in need of an operator) when it last
+registered for events tries again."""
 
 
 def _same_handle(a: Any, b: Any) -> bool:
@@ -318,7 +320,7 @@ class NvmlBackend:
         uid: int | None = None,
     ) -> None:
         """``reset(gpu)`` resets a GPU (``nvidia-smi --gpu-reset -i N``; NVML has no call
-        for it); without it :meth:`reset_gpu` is NotSupported. ``clock`` times a lost GPU's
+        for it); without it :meth:`reset_gpu` is NotSupported. ``clock`` times a faulty GPU's
         next registration for events (:data:`REREGISTER_S`). ``uid``: the user gpud runs
         as, named when the driver refuses it (NVML_ERROR_NO_PERMISSION)."""
         self._nv = nvml
@@ -366,7 +368,7 @@ class NvmlBackend:
             message += f": {self._no_permission(gpu, call)}"
         elif code in _NO_DRIVER:
             message += f": {_NO_DRIVER[code]}"
-        fault = _GPU_FAULTS.get(code) if code is not None else None
+        fault = _FAULT_PROBLEMS.get(code) if code is not None else None
         if fault is not None:
             problem, advice = fault
             return GpuFault(
@@ -458,10 +460,11 @@ class NvmlBackend:
 
     def _link(self, gpu: int, fn: Callable[..., Any], h: Any) -> int | None:
         """A PCIe link property, None where the driver does not give it (a vGPU, an old
-        driver); a lost or hung GPU raises as for the other identity reads."""
+        driver); a GPU that is lost, hung or needs an operator (GpuFault) raises as for the
+        other identity reads, so that no identity without its link is remembered."""
         try:
             return int(self._call(gpu, fn, h))
-        except (GpuLost, DriverTimeout):
+        except GPU_FAULTS:
             raise
         except BackendError:
             return None
@@ -600,7 +603,9 @@ class NvmlBackend:
         """``nvidia-smi -q -i N:M -d MEMORY,PIDS`` over ``devices``: one handle lookup, one
         memory and one process query per device. A memory or process query that fails
         (NotSupported, a driver error) leaves the device's other reading: see
-        :class:`MigReading`. Only a device whose handle cannot be had is in ``errors``."""
+        :class:`MigReading`. Only a device whose handle cannot be had is in ``errors``. A
+        fault of the GPU itself (:data:`gpud.errors.GPU_FAULTS`: lost, hung, in need of an
+        operator) raises: it is the GPU's, not one device's reading's."""
         parent = self._handle(gpu)
         f = self._fast
         get_handle = f.mig_handle
@@ -614,7 +619,7 @@ class NvmlBackend:
                 h = get_handle(parent, dev.mig)
             except error as err:
                 translated = self._translate(err, gpu, get_handle)
-                if isinstance(translated, GpuLost):
+                if isinstance(translated, GPU_FAULTS):
                     raise translated from err
                 out.append(MigReading(dev, None, (), False))
                 errors.append((dev.mig, translated))
@@ -626,7 +631,7 @@ class NvmlBackend:
                 m = get_memory(h)
             except error as err:
                 translated = self._translate(err, gpu, get_memory)
-                if isinstance(translated, GpuLost):
+                if isinstance(translated, GPU_FAULTS):
                     raise translated from err
                 memory_error = str(translated)
             else:
@@ -635,7 +640,7 @@ class NvmlBackend:
                 procs = get_procs(h)
             except error as err:
                 translated = self._translate(err, gpu, get_procs)
-                if isinstance(translated, GpuLost):
+                if isinstance(translated, GPU_FAULTS):
                     raise translated from err
                 out.append(
                     _new(MigReading, (dev, memory, (), False, str(translated), memory_error))
@@ -1157,10 +1162,11 @@ class NvmlBackend:
                 if supported & _WANTED_EVENTS:
                     self._call(gpu, nv.nvmlDeviceRegisterEvents, h, supported & _WANTED_EVENTS, es)
                     xids = bool(supported & _XID_EVENT)
-            except Exception as err:  # a GPU without events (or lost) has none to wait for
+            except Exception as err:  # a GPU without events (or faulty) has none to wait for
                 if not isinstance(err, BackendError):
                     log.exception("registering GPU %d for events failed", gpu)
-                lost = isinstance(err, GpuLost)
+                # lost, hung or in need of an operator: registered again once it answers
+                lost = isinstance(err, GPU_FAULTS)
             else:
                 lost = False
             with self._registry_lock:

@@ -286,7 +286,8 @@ class GpuBackend(Protocol):
         """Memory and processes of ``devices`` (MIG devices of ``gpu``, by their ``mig``
         index), each device's handle resolved once: the sampler's one call per MIG GPU and
         tick. A device whose reads fail is read as empty (see :class:`MigReading`) with its
-        error in ``errors``; a lost GPU raises :class:`gpud.errors.GpuLost`."""
+        error in ``errors``; a GPU that is lost, hung or needs an operator raises (one of
+        :data:`gpud.errors.GPU_FAULTS`)."""
         ...
 
     # MIG

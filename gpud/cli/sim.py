@@ -3,6 +3,7 @@
 ::
 
     gpuctl sim fault --gpu 0 lost               # the GPU falls off the bus
+    gpuctl sim fault --gpu 1 reset-required     # the GPU needs a reset (NVML_ERROR_RESET_REQUIRED)
     gpuctl sim fault --gpu 1 not-supported power
     gpuctl sim fault --gpu 1 error mig_memory   # its MIG devices' memory reads fail
     gpuctl sim fault --gpu 2 slow 5             # every driver call takes 5 s longer
@@ -43,6 +44,11 @@ def register(subparsers: Subparsers) -> None:
     fault.add_argument("--gpu", type=gpu_index, required=True, metavar="INDEX")
     kinds = fault.add_subparsers(dest="fault_kind", metavar="KIND", required=True)
     kinds.add_parser("lost", help="the GPU falls off the bus").set_defaults(kind="FAULT_KIND_LOST")
+    kinds.add_parser(
+        "reset-required",
+        help="the GPU requires a reset: its queries answer NVML_ERROR_RESET_REQUIRED until it is"
+        " reset (its UUID, name and PCI info still answer)",
+    ).set_defaults(kind="FAULT_KIND_RESET_REQUIRED")
     kinds.add_parser("clear", help="remove every fault on the GPU").set_defaults(
         kind="FAULT_KIND_CLEAR"
     )

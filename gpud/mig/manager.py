@@ -61,6 +61,7 @@ from gpud.backend.port import (
 )
 from gpud.backend.products import lookup
 from gpud.errors import (
+    GPU_FAULTS,
     BackendError,
     Busy,
     DriverTimeout,
@@ -102,10 +103,6 @@ ReconcileMode = Literal["reconcile", "report"]
 
 Faults = Callable[[], Mapping[int, str]]
 """GPU index -> why it is faulty: the GPUs the last telemetry sample found unhealthy."""
-
-FAULTS: tuple[type[BackendError], ...] = (GpuLost, GpuFault, DriverTimeout)
-"""Driver errors that make a GPU faulty (as opposed to a refused or failed step): lost, in
-need of a reset or of an operator otherwise (GpuFault), hung."""
 
 NOT_ANSWERING = "not answering: an earlier driver call on it is still outstanding"
 
@@ -280,7 +277,7 @@ class MigManager:
         the GPU is left alone unless forced. A GPU that is lost or hangs still raises."""
         try:
             return self._busy(gpu, actual, plan, reset=reset)
-        except FAULTS:
+        except GPU_FAULTS:
             raise
         except BackendError as err:
             return f"cannot list its processes: {err} (apply with --force to change it anyway)"
@@ -636,7 +633,7 @@ class MigManager:
             [by_index[i] for i in sorted(todo)], listed, self._read_timeout_s, "busy"
         )
         for i, b in sorted(answers.items()):
-            if isinstance(b, FAULTS):  # lost, hung, or found so meanwhile: not waited for
+            if isinstance(b, GPU_FAULTS):  # lost, hung, or found so meanwhile: not waited for
                 log.warning("GPU %d turned faulty while checking for processes: %s", i, b)
                 faulty[i] = _fault_reason(b)
                 del plans[i]
@@ -684,7 +681,7 @@ class MigManager:
                 actual, plan = self._read(
                     gpu, lambda g: self._plan(g, layout, self._table(g)), read_timeout_s, "plan"
                 )
-            except FAULTS as err:
+            except GPU_FAULTS as err:
                 return faulty(err)
             except InvalidArgument as err:
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "failed", str(err))
@@ -703,7 +700,7 @@ class MigManager:
                 pending = self._run(gpu, plan, done, actual.mode.current) if plan.steps else True
                 if pending and reset:
                     pending = not self._reset(gpu, done)
-            except FAULTS as err:
+            except GPU_FAULTS as err:
                 return faulty(err)
             except GpudError as err:
                 log.warning("MIG step failed on GPU %d: %s", gpu.index, err)
@@ -1048,7 +1045,7 @@ class MigManager:
             return self._converge(
                 gpu, record.layout, force=force, reset=reset, read_timeout_s=self.VIEW_TIMEOUT_S
             )
-        except FAULTS as err:
+        except GPU_FAULTS as err:
             return GpuOutcome(
                 gpu.index,
                 gpu.uuid,
@@ -1286,7 +1283,7 @@ def _answers(
     out: dict[int, T] = {}
     for gpu in gpus:
         got = answered[gpu.index]
-        if isinstance(got, FAULTS):
+        if isinstance(got, GPU_FAULTS):
             faulty[gpu.index] = _fault_reason(got)
         elif isinstance(got, InvalidArgument):
             raise InvalidArgument(f"{where}: {got}") from got

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from gpud.backend.port import GpuBackend, GpuIdentity, MigMode
-from gpud.errors import BackendError, DriverTimeout, GpuLost
+from gpud.errors import GPU_FAULTS, BackendError
 from gpud.mig.layout import DeviceLayout
 from gpud.mig.plan import GpuActual, actual_layout, describe_actual
 from gpud.mig.store import DesiredRecord
@@ -161,14 +161,14 @@ def _instance_views(
             if md is not None:
                 try:
                     used = backend.memory(gpu.index, md.mig).used_bytes
-                except (GpuLost, DriverTimeout):
+                except GPU_FAULTS:
                     raise  # the whole GPU is faulty
                 except BackendError as err:
                     # Only this reading is missing, as for the processes below.
                     memory_error = str(err)
                 try:
                     listed = backend.processes(gpu.index, md.mig)
-                except (GpuLost, DriverTimeout):
+                except GPU_FAULTS:
                     raise  # the whole GPU is faulty
                 except BackendError as err:
                     # Only this reading is missing: the instance is shown as the MIG reads

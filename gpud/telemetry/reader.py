@@ -21,6 +21,8 @@ Error policy, per reading:
   unhealthy with the first failing reading as the reason.
 - a MIG device whose process list fails (NotSupported or not) keeps its memory reading; its
   ``processes_read`` is False with the error, and the GPU's health is that of its other reads.
+- a MIG device read that fails with a fault of the GPU itself (``GPU_FAULTS``: a MIG device
+  answering "reset required", say) is the GPU's: the sample is unhealthy with that reason.
 """
 
 from __future__ import annotations

@@ -51,6 +51,8 @@ class _FaultKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FaultKind.V
     """`field` reads fail with a driver error, e.g. "mig_memory" """
     FAULT_KIND_SLOW_MIG: _FaultKind.ValueType  # 7
     """each MIG change on the GPU takes `seconds` longer; reads do not"""
+    FAULT_KIND_RESET_REQUIRED: _FaultKind.ValueType  # 8
+    """the GPU requires a reset: its queries answer RESET_REQUIRED"""
 
 class FaultKind(_FaultKind, metaclass=_FaultKindEnumTypeWrapper): ...
 
@@ -69,6 +71,8 @@ FAULT_KIND_ERROR: FaultKind.ValueType  # 6
 """`field` reads fail with a driver error, e.g. "mig_memory" """
 FAULT_KIND_SLOW_MIG: FaultKind.ValueType  # 7
 """each MIG change on the GPU takes `seconds` longer; reads do not"""
+FAULT_KIND_RESET_REQUIRED: FaultKind.ValueType  # 8
+"""the GPU requires a reset: its queries answer RESET_REQUIRED"""
 Global___FaultKind: _TypeAlias = FaultKind  # noqa: Y015
 
 @_typing.final

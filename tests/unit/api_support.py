@@ -144,6 +144,9 @@ class FakeFaults:
     def lose(self, gpu: int) -> None:
         self._record("lose", gpu)
 
+    def reset_required(self, gpu: int) -> None:
+        self._record("reset_required", gpu)
+
     def not_supported(self, gpu: int, field: str) -> None:
         self._record("not_supported", gpu, field)
 

@@ -413,6 +413,7 @@ async def test_inject_faults(sock_dir: Path) -> None:
     async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
         inject = pb_grpc.NodeStub(ch).InjectFault
         await inject(pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_LOST))
+        await inject(pb.InjectFaultRequest(gpu=2, kind=pb.FAULT_KIND_RESET_REQUIRED))
         await inject(pb.InjectFaultRequest(gpu=1, kind=pb.FAULT_KIND_NOT_SUPPORTED, field="power"))
         await inject(pb.InjectFaultRequest(gpu=1, kind=pb.FAULT_KIND_SLOW, seconds=2.5))
         await inject(pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_SLOW_MIG, seconds=0.2))
@@ -421,6 +422,7 @@ async def test_inject_faults(sock_dir: Path) -> None:
         resp = await inject(pb.InjectFaultRequest(gpu=0, kind=pb.FAULT_KIND_CLEAR))
     assert faults.calls == [
         ("lose", 0),
+        ("reset_required", 2),
         ("not_supported", 1, "power"),
         ("slow", 1, 2.5),
         ("slow_mig", 0, 0.2),
@@ -430,6 +432,7 @@ async def test_inject_faults(sock_dir: Path) -> None:
     ]
     assert list(resp.active_faults) == [
         "lose on GPU 0",
+        "reset_required on GPU 2",
         "not_supported on GPU 1",
         "slow on GPU 1",
         "slow_mig on GPU 0",
@@ -439,6 +442,7 @@ async def test_inject_faults(sock_dir: Path) -> None:
     kinds = [e.kind for e in events.recent()]
     assert kinds == [
         "sim.fault.lost",
+        "sim.fault.reset_required",
         "sim.fault.not_supported",
         "sim.fault.slow",
         "sim.fault.slow_mig",
@@ -447,8 +451,8 @@ async def test_inject_faults(sock_dir: Path) -> None:
         "sim.fault.clear",
     ]
     # the GPU by index and UUID, as every event about a GPU names it
-    assert events.recent()[3].fields == {"gpu": 0, "uuid": identity(0).uuid, "seconds": 0.2}
-    assert events.recent()[4].fields == {"gpu": 2, "uuid": identity(2).uuid, "xid": 79}
+    assert events.recent()[4].fields == {"gpu": 0, "uuid": identity(0).uuid, "seconds": 0.2}
+    assert events.recent()[5].fields == {"gpu": 2, "uuid": identity(2).uuid, "xid": 79}
     await server.stop(0)
 
 

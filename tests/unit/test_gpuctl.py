@@ -409,6 +409,10 @@ def test_sim_fault(capsys: pytest.CaptureFixture[str], sim_socket: str, faults: 
     )
     assert code == 0 and out.splitlines()[0] == "injected slow-mig on GPU 1"
     code, out, _ = run(
+        capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "2", "reset-required"
+    )
+    assert code == 0 and out.splitlines()[0] == "injected reset-required on GPU 2"
+    code, out, _ = run(
         capsys, "--socket", sim_socket, "sim", "fault", "--gpu", "2", "not-supported", "power"
     )
     assert code == 0
@@ -423,6 +427,7 @@ def test_sim_fault(capsys: pytest.CaptureFixture[str], sim_socket: str, faults: 
         ("xid", 1, 79),
         ("slow", 1, 2.5),
         ("slow_mig", 1, 0.2),
+        ("reset_required", 2),
         ("not_supported", 2, "power"),
         ("clear", 0),
     ]

@@ -1458,3 +1458,21 @@ def test_a_mig_change_refused_for_permission_fails_naming_the_gpu(
     assert outcomes[1].detail.startswith("GPU 1")
     assert "Insufficient Permissions: not permitted (gpud runs as uid 1000)" in outcomes[1].detail
     assert "MIG changes to root only; run gpud as root" in outcomes[1].detail
+
+
+def test_mig_show_shows_a_gpu_whose_mig_devices_need_a_reset_as_faulty(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A GPU whose MIG devices answer RESET_REQUIRED before telemetry says so is shown as
+    faulty, with why, not as instances whose memory is merely unknown."""
+    enable(host, config, "all-1g.10gb")
+    node = SimNode(host.spec, state_file=host.tmp / "driver.json")
+    refusing = Refusing(node.nvml, 0, ["nvmlDeviceGetMemoryInfo"])
+    d = host.start()
+    mig = MigManager(NvmlBackend(refusing), d.store, d.events, sleep=lambda s: None)
+    assert [v.fault for v in mig.show()] == ["", ""]  # identities and tables known
+    refusing.code = fakenvml.NVML_ERROR_RESET_REQUIRED
+    views = mig.show()
+    assert [v.instances for v in views] == [(), ()]
+    assert all(v.fault.startswith("reset required: ") for v in views), views
+    assert "nvidia-smi --gpu-reset -i 0" in views[0].fault

@@ -829,3 +829,52 @@ def test_a_node_where_nvml_cannot_start_says_what_to_check(
     with pytest.raises(cls) as err:
         open_real_backend(uid=1000, nvml=NoNvml(code))
     assert check in str(err.value)
+
+
+def test_a_gpu_that_needs_an_operator_has_no_identity_without_its_pcie_link() -> None:
+    """A GPU whose link query answers RESET_REQUIRED is faulty: its identity is not
+    remembered with the link missing, and is read whole once the GPU answers."""
+    node = SimNode([("H100-SXM5-80GB", 2)], clock=FakeClock())
+    refusing = Refusing(
+        node.nvml, fakenvml.NVML_ERROR_RESET_REQUIRED, ["nvmlDeviceGetMaxPcieLinkGeneration"], [0]
+    )
+    be = NvmlBackend(refusing)
+    with pytest.raises(GpuFault) as err:
+        be.identity(0)
+    assert err.value.problem == "reset required" and err.value.gpu == 0
+    assert be.identity(1).pcie_link_gen == products.PRODUCTS["H100-SXM5-80GB"].pcie_gen
+    refusing.code = 0
+    assert be.identity(0).pcie_link_gen == products.PRODUCTS["H100-SXM5-80GB"].pcie_gen
+
+
+def test_mig_readings_raise_a_fault_of_the_gpu_not_one_devices_missing_reading() -> None:
+    node, _ = _mig_backend()
+    refusing = Refusing(node.nvml, 0, ["nvmlDeviceGetMemoryInfo"])
+    be = NvmlBackend(refusing)
+    gi = be.create_gpu_instance(0, 19, port.Placement(0, 1))
+    be.create_compute_instance(0, gi.id, 0)
+    devices = be.mig_devices(0)
+    assert be.mig_readings(0, devices).devices[0].memory is not None
+    refusing.code = fakenvml.NVML_ERROR_RESET_REQUIRED
+    with pytest.raises(GpuFault) as err:
+        be.mig_readings(0, devices)
+    assert err.value.problem == "reset required"
+    refusing.code = fakenvml.NVML_ERROR_UNKNOWN  # one reading's error stays that device's
+    (reading,) = be.mig_readings(0, devices).devices
+    assert reading.memory is None and "Unknown Error" in reading.memory_error
+
+
+def test_a_gpu_that_needs_a_reset_at_registration_joins_the_events_once_it_answers() -> None:
+    clock = FakeClock()
+    node = SimNode([("H100-SXM5-80GB", 2)], clock=FakeClock())
+    be = NvmlBackend(node.nvml, clock=clock)
+    node.faults.reset_required(1)
+    assert be.wait_events(0.0) == []
+    assert be.xid_watched(0) and not be.xid_watched(1)
+    node.faults.clear(1)
+    clock.now += REREGISTER_S
+    assert be.wait_events(0.01) == []
+    assert be.xid_watched(1)
+    node.faults.xid(1, 43)
+    assert [(e.gpu, e.xid) for e in be.wait_events(0.5)] == [(1, 43)]
+    be.close()

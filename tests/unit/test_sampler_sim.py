@@ -344,3 +344,28 @@ def test_xids_of_a_gpu_whose_events_cannot_be_watched_are_absent_not_zero(node: 
     assert not snap.gpus[1].xids_watched and snap.gpus[0].xids_watched
     assert node.value("gpud_gpu_xid_errors_total", 1) is None
     assert node.value("gpud_gpu_xid_errors_total", 0) == 0
+
+
+def test_mig_devices_that_require_a_reset_make_their_gpu_unhealthy() -> None:
+    """A MIG device read answering RESET_REQUIRED is the GPU's fault, not one missing
+    reading: the GPU is unhealthy saying what it needs."""
+    refusing: list[Refusing] = []
+
+    def wrap(nv: FakeNvml) -> Refusing:
+        # MIG device handles carry no GPU index: gpus={None} refuses only their reads
+        refusing.append(Refusing(nv, 0, ["nvmlDeviceGetMemoryInfo"], [None]))  # type: ignore[list-item]
+        return refusing[0]
+
+    node = Node(wrap)
+    try:
+        enable_mig(node, 1, 2)
+        node.sampler.refresh_identity()
+        assert node.sampler.tick().gpus[1].healthy
+        refusing[0].code = fakenvml.NVML_ERROR_RESET_REQUIRED
+        snap = node.sampler.tick()
+        assert all(snap.gpus[i].healthy for i in (0, 2, 3))
+        assert snap.gpus[1].reason.startswith("reset required (mig_devices): ")
+        assert node.value("gpud_gpu_healthy", 1) == 0
+    finally:
+        node.sampler.close()
+        node.backend.close()

@@ -419,3 +419,25 @@ def test_declared_processes_outlive_gpud_and_modelled_ones_do_not(tmp_path: Path
     again.workloads.start(0, 4242, 3 << 30, 0.6, mig=0)
     again.reboot()
     assert listed(SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json")) == []
+
+
+def test_a_gpu_that_requires_a_reset_is_named_but_not_read_until_it_is_reset(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "dev.json"
+    node = SimNode([("A100-SXM4-40GB", 2)], state_file=state)
+    node.faults.reset_required(1)
+    again = SimNode([("A100-SXM4-40GB", 2)], state_file=state)  # device state, as the others
+    assert again.faults.active() == {1: {"reset_required": True}}
+    nv = again.nvml
+    nv.nvmlInit()
+    h = nv.nvmlDeviceGetHandleByIndex(1)
+    assert nv.nvmlDeviceGetUUID(h) and nv.nvmlDeviceGetName(h) and nv.nvmlDeviceGetPciInfo(h)
+    for call in (nv.nvmlDeviceGetMemoryInfo, nv.nvmlDeviceGetMigMode, nv.nvmlDeviceGetPowerUsage):
+        with pytest.raises(nv.NVMLError) as err:
+            call(h)
+        assert err.value.value == nv.NVML_ERROR_RESET_REQUIRED
+    assert nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(0)).total > 0
+    again.reset(1)
+    assert nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(1)).total > 0
+    assert again.faults.active() == {}

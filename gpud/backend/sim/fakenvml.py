@@ -11,8 +11,8 @@ to ask for the count) and ``ctypes.byref(c_uint())`` for the count.
 What the driver would keep lives here: MIG mode (current and pending: on A100 a change
 becomes current only at a GPU reset, :meth:`FakeNvml.sim_reset`, or a reboot,
 :meth:`FakeNvml.sim_reboot`; on H100/H200 at once when no process holds the GPU, as the
-product's ``mig_mode_needs_reset`` says), GPU and compute instances, running processes, and injected faults (a lost or slow GPU, or slow MIG changes, are a state of
-the device, not of the process watching it). With a ``state_file`` the MIG state and the
+product's ``mig_mode_needs_reset`` says), GPU and compute instances, running processes, and injected faults (a lost or slow GPU, one that requires a reset, or slow
+MIG changes, are a state of the device, not of the process watching it). With a ``state_file`` the MIG state and the
 faults are written there atomically after every change and read back at start, so a daemon
 restart finds the instances and the faults as it left them (``nvidia-smi mig -lgi`` after
 ``systemctl restart gpud``).
@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, Final, NamedTuple
 
 from gpud.backend import products
 from gpud.errors import AlreadyExists, ConfigError, NotFound, ResourceExhausted
@@ -392,11 +392,18 @@ class _Proc:
     declared: bool = False
 
 
+# What the driver still answers for a GPU that requires a reset: what it learnt when it
+# probed the GPU (``nvidia-smi -L`` still lists it). Every other query answers
+# NVML_ERROR_RESET_REQUIRED.
+_KEPT_WHILE_RESET_REQUIRED: Final = frozenset({"handle", "uuid", "name", "index", "pci"})
+
+
 class _GpuFaults:
-    __slots__ = ("errors", "lost", "not_supported", "slow_mig_s", "slow_s")
+    __slots__ = ("errors", "lost", "not_supported", "reset_required", "slow_mig_s", "slow_s")
 
     def __init__(self) -> None:
         self.lost = False
+        self.reset_required = False
         self.not_supported: set[str] = set()
         self.errors: set[str] = set()  # readings that fail with NVML_ERROR_UNKNOWN
         self.slow_s = 0.0
@@ -584,6 +591,7 @@ class FakeNvml:
             for key, f_d in data.get("faults", {}).items():
                 f = _GpuFaults()
                 f.lost = bool(f_d.get("lost", False))
+                f.reset_required = bool(f_d.get("reset_required", False))
                 f.not_supported = {str(x) for x in f_d.get("not_supported", ())}
                 f.errors = {str(x) for x in f_d.get("errors", ())}
                 f.slow_s = float(f_d.get("slow_s", 0.0))
@@ -655,13 +663,19 @@ class FakeNvml:
             "faults": {
                 str(i): {
                     "lost": f.lost,
+                    "reset_required": f.reset_required,
                     "not_supported": sorted(f.not_supported),
                     "errors": sorted(f.errors),
                     "slow_s": f.slow_s,
                     "slow_mig_s": f.slow_mig_s,
                 }
                 for i, f in sorted(self._faults.items())
-                if f.lost or f.not_supported or f.errors or f.slow_s or f.slow_mig_s
+                if f.lost
+                or f.reset_required
+                or f.not_supported
+                or f.errors
+                or f.slow_s
+                or f.slow_mig_s
             },
             "processes": [
                 {
@@ -700,6 +714,8 @@ class FakeNvml:
             time.sleep(f.slow_s)  # a driver call that hangs for a while
         if f.lost:
             raise NVMLError_GpuIsLost()
+        if f.reset_required and what not in _KEPT_WHILE_RESET_REQUIRED:
+            raise NVMLError(NVML_ERROR_RESET_REQUIRED)
         if what in f.not_supported:
             raise NVMLError_NotSupported()
 

@@ -2,7 +2,9 @@
 
 Each fault shows up where a real one would: a lost GPU makes every NVML call on it (and on
 its MIG devices) raise ``NVMLError_GpuIsLost`` and posts XID 79 ("GPU has fallen off the
-bus"); a NotSupported field makes that one query raise ``NVMLError_NotSupported``; an
+bus"); a GPU that requires a reset makes every query that reaches it answer
+``NVML_ERROR_RESET_REQUIRED`` while the driver still names it (handle, UUID, name, PCI
+info: ``nvidia-smi -L`` lists it), until it is reset; a NotSupported field makes that one query raise ``NVMLError_NotSupported``; an
 erroring reading (``ERRORS``) makes that one query fail with ``NVMLError_Unknown``; a slow GPU
 makes each call on it block, like a driver call stuck in the kernel; slow MIG changes make
 only the calls that change MIG (create or destroy a GPU or compute instance, set MIG mode)
@@ -85,6 +87,15 @@ class FaultInjector:
         self._nvml.sim_faults_changed()
         self._nvml.sim_event(gpu, nvmlEventTypeXidCriticalError, XID_FALLEN_OFF_BUS)
 
+    def reset_required(self, gpu: int) -> None:
+        """The GPU requires a reset (``nvidia-smi -q``: "GPU requires reset"): every query
+        that reaches it, its MIG devices' included, raises ``NVML_ERROR_RESET_REQUIRED``
+        until it is reset or the fault is cleared; its handle, UUID, name and PCI info still
+        answer."""
+        self._check_gpu(gpu)
+        self._nvml.sim_faults(gpu).reset_required = True
+        self._nvml.sim_faults_changed()
+
     def not_supported(self, gpu: int, field: str) -> None:
         """One field's query raises ``NVMLError_NotSupported`` (see ``FIELDS``)."""
         self._check_gpu(gpu)
@@ -154,6 +165,8 @@ class FaultInjector:
             entry: dict[str, object] = {}
             if f.lost:
                 entry["lost"] = True
+            if f.reset_required:
+                entry["reset_required"] = True
             if f.not_supported:
                 entry["not_supported"] = sorted(f.not_supported)
             if f.errors:
