@@ -226,7 +226,8 @@ def _question(v: JobView, hold_s: float) -> Hashable:
         v.features,
         v.evicted,
         v.waited_s >= hold_s,
-        tuple(sorted(v.barred.items())),
+        v.user,
+        v.user_name,
     )
 
 
@@ -415,9 +416,9 @@ class ColoService:
         ``default_memory``: per GPU index, its MPS default pinned memory limit (``gpuctl mps
         set --memory``), where it has one: what a new run that sets no memory is planned at
         there. ``name_of``: a UID's user name, for the reason a GPU is barred to a run
-        (:meth:`advise`). ``holding``: the jobs that hold a reservation now, read at each
-        :meth:`show` (default: those ``running`` lists), so that a run that ended is not
-        shown placed until the next pass."""
+        (:meth:`advise`), asked with the loop's lock free. ``holding``: the jobs that hold a
+        reservation now, read at each :meth:`show` (default: those ``running`` lists), so
+        that a run that ended is not shown placed until the next pass."""
         self._name_of = name_of
         self._holding = holding or (lambda: {r.name for r in running()})
         self._events = events
@@ -1192,7 +1193,9 @@ class ColoService:
         g.start_at(start)
         st.guard_since = self._clock() + DIRECTIVE_DELAY_S
 
-    def _view(self, r: RunningJob) -> JobView:
+    def _view(self, r: RunningJob, names: Mapping[int, str] | None = None) -> JobView:
+        """The planner's view of a running job; ``names``: its user's name, where the
+        plan gives reasons (:meth:`_user_names`)."""
         kind = JobKind.INFERENCE if r.kind == "inference" else JobKind.TRAINING
         memory = r.memory_bytes or r.memory_used or 0
         load = self.load(r.name) if kind is JobKind.INFERENCE else 0.0
@@ -1228,7 +1231,16 @@ class ColoService:
             duty=self._directives.get(r.name, Directive(1.0, False, "")).duty,
             device=r.device,
             order=self._arrived(r.name),
+            user=r.uid,
+            user_name=(names or {}).get(r.uid, "") if r.uid is not None else "",
         )
+
+    def _user_names(self, running: Sequence[RunningJob], uid: int | None) -> dict[int, str]:
+        """The names of the users a question's plan may name (``uid``'s, and those of the
+        jobs on a whole GPU's MPS server): looked up before the loop's lock is taken, as a
+        user database behind the network (LDAP) may take its time to answer."""
+        uids = {r.uid for r in running if r.mig_profile is None} | {uid}
+        return {u: self._name_of(u) for u in sorted(x for x in uids if x is not None)}
 
     def _arrived(self, name: str) -> float:
         st = self._jobs.get(name)
@@ -1618,6 +1630,7 @@ class ColoService:
         # read from the state store, so before the loop's lock: a job removal holds the
         # store's while it calls job_removed, which takes the loop's
         defaults = self._default_memory() if memory_bytes is None else {}
+        names = self._user_names(running, uid)
         with self._lock:
             if snapshot is None:
                 return Advice(-1, 0.0, 0, None, "", 0.0, "no telemetry yet"), None
@@ -1645,7 +1658,8 @@ class ColoService:
                     waited_s=0.0 if since is None else now - since,
                     # a run of a job the loop evicted, which has not run since
                     evicted=st is not None and st.evicted and st.arrived is None,
-                    barred=self._barred(running, uid),
+                    user=uid,
+                    user_name=names.get(uid, "") if uid is not None else "",
                 )
 
             # Every run that waits is planned with it, in the order they came (a new ask
@@ -1660,14 +1674,13 @@ class ColoService:
                     job_id=w.job if w.job != job else f"{w.job} ({w.id})",
                     order=w.since,
                     waited_s=now - w.since,
-                    barred=self._barred(running, w.uid),
                 )
                 for w in self._waiting.values()
                 if w.id != waiter and now - w.last <= WAITER_GONE_S
             ]
             healthy = {g.identity.index for g in snapshot.gpus if g.healthy}
             running = tuple(r for r in running if r.gpu in healthy)  # the rest stay put
-            views = [self._view(r) for r in running]
+            views = [self._view(r, names) for r in running]
             gpus, where = self._gpu_views(snapshot, running)
             hold = self._planner.params.head_hold_s
             # A run that sets no --memory is pinned, on each GPU, to that GPU's MPS default
@@ -1681,7 +1694,7 @@ class ColoService:
             waiting = ""
             new = asking(memory_bytes or 8 * GIB)
             holding = frozenset(
-                (r.name, r.gpu, r.device, r.threads_percent, r.memory_used, r.mig_profile)
+                (r.name, r.gpu, r.device, r.threads_percent, r.memory_used, r.mig_profile, r.uid)
                 for r in running
             )
             for size, some in sorted(by_size.items()) or [(new.shape.memory_bytes, [])]:
@@ -1731,29 +1744,6 @@ class ColoService:
                 placement.reason,
             )
             return advice, new
-
-    def _barred(self, running: Sequence[RunningJob], uid: int | None) -> dict[int, str]:
-        """GPU index -> why a run of ``uid`` may have no MPS share of that whole GPU: a job
-        of another known user holds it, and an MPS control daemon serves one user at a time
-        (the jobs service refuses the run there, :func:`gpud.jobs.placement.choose_devices`).
-        A job in a MIG instance holds that instance's server alone. {} for no ``uid``."""
-        if uid is None:
-            return {}
-        others: dict[int, dict[int, set[str]]] = {}
-        for r in running:
-            if r.uid is not None and r.uid != uid and r.mig_profile is None:
-                others.setdefault(r.gpu, {}).setdefault(r.uid, set()).add(r.name)
-        return {
-            gpu: (
-                f"shared under MPS by jobs of user{'s' if len(users) > 1 else ''} "
-                + ", ".join(
-                    f"{self._name_of(u)} ({', '.join(sorted(jobs))})"
-                    for u, jobs in sorted(users.items())
-                )
-                + ", and an MPS control daemon serves one user at a time"
-            )
-            for gpu, users in others.items()
-        }
 
     def _place(
         self, gpus: list[GpuView], jobs: list[JobView], new: JobView, same: Hashable
