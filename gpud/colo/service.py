@@ -417,10 +417,16 @@ class ColoService:
         set --memory``), where it has one: what a new run that sets no memory is planned at
         there. ``name_of``: a UID's user name, for the reason a GPU is barred to a run
         (:meth:`advise`), asked with the loop's lock free. ``holding``: the jobs that hold a
-        reservation now, read at each :meth:`show` (default: those ``running`` lists), so
-        that a run that ended is not shown placed until the next pass."""
+        reservation now (default: those ``running`` lists), read by the first :meth:`show`
+        after :meth:`reservations_freed` said some went, so that a run that ended is not
+        shown placed until the next pass; a show (``/metrics``, ``gpuctl colo show``) with
+        none gone since reads nothing."""
         self._name_of = name_of
         self._holding = holding or (lambda: {r.name for r in running()})
+        # the jobs of the last pass that still hold a reservation; None: some went since
+        # (reservations_freed), the next show reads which (holding)
+        self._held: frozenset[str] | None = frozenset()
+        self._freed = 0  # reservations_freed calls so far
         self._events = events
         self._running = running
         self._default_memory = default_memory if default_memory is not None else dict
@@ -642,6 +648,8 @@ class ColoService:
                 if not self.config.enabled:
                     self._switch_off()
             return None
+        with self._lock:
+            freed = self._freed
         running = tuple(self._running())
         with self._lock:
             # A GPU that is lost or does not answer runs nothing anyone can measure: its
@@ -674,6 +682,8 @@ class ColoService:
                 plan, keep=held, present={r.name for r in live}, paused=self._paused(running)
             )
             self._plan, self._plan_at, self._last_running = plan, self._clock(), running
+            # a reservation that went while ``running`` was read may be in it
+            self._held = frozenset(r.name for r in running) if freed == self._freed else None
             self._forget(running)
             state = self._state(running)
         # The disk flush waits outside the lock: latency reports and `colo show` do not.
@@ -1766,9 +1776,31 @@ class ColoService:
                 return p, ""
         return None, plan.waiting.get(new.job_id, "no GPU in the snapshot")
 
+    def reservations_freed(self) -> None:
+        """Reservations went (a run ended, a job was removed, holders found gone), committed:
+        the next :meth:`show` reads which jobs still hold one. (The jobs service's freed
+        hook; one added shows at the next pass, as its job's place does.)"""
+        with self._lock:
+            self._freed += 1
+            self._held = None
+
+    def _still_held(self) -> frozenset[str]:
+        """The jobs that hold a reservation now, of those the last pass saw: read from
+        ``holding`` only when some went since it was last read, else kept (a scrape of
+        ``/metrics`` reads no store)."""
+        with self._lock:
+            held, freed = self._held, self._freed
+        if held is not None:
+            return held
+        held = frozenset(self._holding())  # the store's lock, never under the loop's
+        with self._lock:
+            if freed == self._freed:  # none went while it was read
+                self._held = held
+        return held
+
     def show(self) -> ColoView:
         strangers = self._strangers()
-        holding = self._holding()
+        holding = self._still_held()
         with self._lock:
             # the last pass's jobs, but those whose last reservation went since: a run that
             # ended is no longer placed anywhere, whatever the plan said

@@ -553,6 +553,74 @@ def test_metrics(service: tuple[ColoService, Clock, list[RunningJob]]) -> None:
     assert reg.get_sample_value("gpud_colo_predictor_samples") == 0.0
 
 
+def test_a_scrape_reads_no_store_until_a_reservation_goes(tmp_path: Path) -> None:
+    """`/metrics` and `gpuctl colo show` show the last pass's jobs that still hold a
+    reservation: which do is known from that pass until the jobs service says some went
+    (its freed hook), read once then, so a scrape reads no store; a release while the pass
+    or that read runs leaves it to be read again, never a run shown placed that ended."""
+    from collections.abc import Iterator
+    from contextlib import contextmanager
+    from sqlite3 import Connection
+
+    from gpud.jobs.placement import Reservations
+    from gpud.store import StateStore
+
+    class CountingStore(StateStore):
+        calls = 0
+
+        @contextmanager
+        def transaction(self) -> Iterator[Connection]:
+            self.calls += 1
+            with super().transaction() as conn:
+                yield conn
+
+    store = CountingStore(tmp_path / "state")
+    reservations = Reservations(store)
+    held = [
+        reservations.add(j, ["GPU-x"], threads_percent=None, memory_bytes=None,
+                         client_priority=0, holder_pid=None)
+        for j in ("train", "chat")
+    ]  # fmt: skip
+    freed: list[object] = []
+
+    def holding() -> set[str]:
+        names = {r.job for r in reservations.held()}
+        if freed:  # a release committed while this was read
+            reservations.release(held[0].id)
+            svc.reservations_freed()
+            freed.clear()
+        return names
+
+    jobs = [
+        RunningJob("train", "training", 0, threads_percent=50, memory_bytes=10 * GIB),
+        RunningJob("chat", "inference", 0, slo_p99_ms=50.0, memory_bytes=10 * GIB),
+    ]
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        holding=holding,
+        clock=Clock(),
+    )
+    svc.tick(snapshot())
+    reg = scraped(svc)
+    before = store.calls
+    for _ in range(100):
+        assert reg.get_sample_value("gpud_colo_sm_share_ratio", {"job": "train"}) == 0.5
+        assert {r.name for r in svc.show().running} == {"train", "chat"}
+    assert store.calls == before
+    freed.append(True)  # "train" ends while the next read runs
+    svc.reservations_freed()
+    assert {r.name for r in svc.show().running} == {"train", "chat"}  # read before it went
+    assert {r.name for r in svc.show().running} == {"chat"}  # read again: it went
+    assert reg.get_sample_value("gpud_colo_sm_share_ratio", {"job": "train"}) is None
+    read = store.calls
+    for _ in range(100):
+        svc.show()
+    assert store.calls == read
+    store.close()
+
+
 def test_config_ranges_name_the_key() -> None:
     import dataclasses
 
