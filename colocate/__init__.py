@@ -1,4 +1,5 @@
-"""Pure co-location policy: job shapes, shadow prices, interference model, guard, planner.
+"""Pure co-location policy: job shapes, shadow prices, interference model, guard, planner,
+and the one-user-per-MPS-server rule placement keeps too (:mod:`colocate.users`).
 
 Imports nothing of the rest of the project.
 """
@@ -17,6 +18,7 @@ from colocate.planner import (
 )
 from colocate.prices import Option, PriceResult, ShadowPrices
 from colocate.shapes import Config, Curve, JobKind, MigOption, Shape
+from colocate.users import other_users, shared_under_mps
 
 __all__ = [
     "Config",
@@ -42,4 +44,6 @@ __all__ = [
     "ServiceGuard",
     "ShadowPrices",
     "Shape",
+    "other_users",
+    "shared_under_mps",
 ]

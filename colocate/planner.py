@@ -19,9 +19,11 @@ One pass:
    under its declared peak with the training beside it throttled to ``peak_duty`` (the
    duty the SLO guard cuts it to at a burst), or the GPU's memory over its limit. A free
    GPU is always the best option for a job (sharing is for work that would otherwise
-   wait). A GPU the job is barred from (``JobView.barred``: its MPS server serves
-   another user, who would hold the job's CUDA processes until their own jobs end) offers
-   it no share of the whole GPU, only a free MIG instance (a server of its own).
+   wait). A GPU whose MPS server serves another user (``JobView.user``: a running job
+   of another user shares its SMs, even one evicted this pass, which has yet to leave;
+   or a job of another user placed there ahead of it in this pass) offers it no share of
+   the whole GPU, only a free MIG instance (a server of its own): that user's jobs would
+   hold its CUDA processes until they end (:mod:`colocate.users`).
 3. Prices. :class:`colocate.prices.ShadowPrices` turns the options into per-job choices
    under per-GPU prices on SMs, memory and bandwidth.
    A training job with no option anywhere (typically one that needs a GPU alone) that was
@@ -61,6 +63,7 @@ from dataclasses import dataclass, field
 from colocate.interference import InterferencePredictor, JobFeatures
 from colocate.prices import Option, ShadowPrices
 from colocate.shapes import DEFAULT_SHARES, P99_FACTOR, JobKind, MigOption, Shape
+from colocate.users import other_users, shared_under_mps
 
 
 @dataclass(frozen=True)
@@ -159,9 +162,11 @@ class JobView:
     waited_s: float = 0.0  # pending: seconds it has waited
     evicted: bool = False  # pending: it ran, and a plan evicted it (memory, an SLO guard)
     device: str = ""  # the GPU or MIG device UUID it runs on ("" when not known)
-    # pending: GPU index -> why it may have no share of that whole GPU (its MPS server
-    # serves another user's jobs); a free MIG instance there, a server of its own, still may
-    barred: Mapping[int, str] = field(default_factory=dict)
+    # the UID its processes run as, where MPS keeps users apart (None: unknown, or MPS
+    # off: it bars no one, and nothing bars it), and that user's name for the reasons
+    # ("": the number)
+    user: int | None = None
+    user_name: str = ""
 
     @property
     def kind(self) -> JobKind:
@@ -270,7 +275,7 @@ REFUSALS: tuple[str, ...] = (
     "service SLO",
     "slowdown cap",
     "gain",
-    "user",  # JobView.barred: the GPU's MPS server serves another user
+    "user",  # the GPU's MPS server serves another user (colocate.users)
 )
 
 
@@ -281,6 +286,18 @@ class _Gpu:
     reserved: int = 0
     # MIG instances given to jobs placed this pass (the view lists the free ones).
     taken_migs: list[str] = field(default_factory=list)
+    # The jobs its whole GPU's MPS server serves: the running ones (an evicted job's
+    # still, until it has left) and those placed there this pass.
+    served: list[JobView] = field(default_factory=list)
+
+    def barred(self, job: JobView) -> str:
+        """Why ``job`` may have no share of the whole GPU: its MPS server serves another
+        user's jobs ("": it may)."""
+        others = other_users(((j.user, j.job_id) for j in self.served), job.user)
+        if not others:
+            return ""
+        names = {j.user: j.user_name for j in self.served if j.user_name}
+        return f"GPU {self.view.index}: " + shared_under_mps(others, lambda u: names.get(u, str(u)))
 
     def limit(self, headroom: float) -> int:
         """The memory the plan may put on this GPU: its total less the headroom."""
@@ -496,6 +513,8 @@ class Planner:
             g = state[j.gpu]
             g.residents.append((j, j.sm_share, j.mig_profile))
             g.reserved += j.shape.reserve_bytes()
+            if j.mig_profile is None:
+                g.served.append(j)
         for g in state.values():
             # What NVML shows beyond the jobs' own use stays taken, whoever holds it.
             g.reserved += max(
@@ -555,7 +574,7 @@ class Planner:
             mine = refused_for.setdefault(job.job_id, {})
             for g in state.values():
                 candidates = self._candidates(job, g)
-                if candidates and candidates[0][1] is None and g.view.index in job.barred:
+                if candidates and candidates[0][1] is None and g.barred(job):
                     key = (len(g.residents), "user")  # its shares, refused once
                     mine[key] = mine.get(key, 0) + 1
                     continue
@@ -654,6 +673,8 @@ class Planner:
                 o = opts[i]
                 share, mig = o.tag if isinstance(o.tag, tuple) else (1.0, None)
                 g = state[o.gpu]
+                if mig is None and g.barred(job):
+                    continue  # a job of another user was placed there ahead of it
                 ev = self._evaluate(g, job, share, mig)
                 if not ev.ok or (mig is None and g.residents and ev.gain < p.min_gain):
                     continue
@@ -662,6 +683,8 @@ class Planner:
                 g.reserved += job.shape.reserve_bytes()
                 if mig is not None:
                     g.taken_migs.append(mig)
+                else:
+                    g.served.append(job)
                 placements.append(
                     Placement(
                         job_id=job.job_id,
@@ -680,7 +703,10 @@ class Planner:
             if not placed:
                 gpus_of = {o.gpu for o in opts}
                 ahead = sorted({p.job_id for p in placements if p.gpu in gpus_of})
-                waiting[job.job_id] = "its options went to jobs ahead of it: " + ", ".join(ahead)
+                why = "its options went to jobs ahead of it: " + ", ".join(ahead)
+                # and where that was another user's, whose server it may not share now
+                barred = [b for i in sorted(gpus_of) if (b := state[i].barred(job))]
+                waiting[job.job_id] = "; ".join([why, *barred])
 
         # 5. directives for running training jobs: one per job, at the lowest duty the
         # guards allow on any of its GPUs (a job on several GPUs runs at one pace).
@@ -748,7 +774,7 @@ class Planner:
             for g in state.values()
             if g.view.whole
             and g.view.foreign is None
-            and g.view.index not in head.barred
+            and not g.barred(head)
             and need <= g.limit(self.params.memory_headroom)
         ]
         if not fits:
@@ -847,8 +873,8 @@ class Planner:
                 reasons.append(f"GPU {g.view.index}: in MIG mode: {why}")
                 continue
             share, mig = candidates[0]
-            if mig is None and g.view.index in job.barred:
-                reasons.append(f"GPU {g.view.index}: {job.barred[g.view.index]}")
+            if mig is None and (barred := g.barred(job)):
+                reasons.append(barred)
                 continue
             ev = self._evaluate(g, job, share, mig)
             reasons.append(

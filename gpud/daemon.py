@@ -362,6 +362,8 @@ class Daemon:
         self.loop_stats = LoopStats()
         # `gpuctl jobs rm` of a job whose `gpuctl run` waits for co-location stops the wait
         self.jobs.add_removal_hook(self.colo.job_removed)
+        # a run that ended is not shown placed; `colo show` and /metrics read no store else
+        self.jobs.add_freed_hook(self.colo.reservations_freed)
         self.jobs.set_waiting(self.colo.waiting_kind)
         for source in (
             MigMetrics(self.mig),

@@ -226,7 +226,8 @@ def _question(v: JobView, hold_s: float) -> Hashable:
         v.features,
         v.evicted,
         v.waited_s >= hold_s,
-        tuple(sorted(v.barred.items())),
+        v.user,
+        v.user_name,
     )
 
 
@@ -415,11 +416,17 @@ class ColoService:
         ``default_memory``: per GPU index, its MPS default pinned memory limit (``gpuctl mps
         set --memory``), where it has one: what a new run that sets no memory is planned at
         there. ``name_of``: a UID's user name, for the reason a GPU is barred to a run
-        (:meth:`advise`). ``holding``: the jobs that hold a reservation now, read at each
-        :meth:`show` (default: those ``running`` lists), so that a run that ended is not
-        shown placed until the next pass."""
+        (:meth:`advise`), asked with the loop's lock free. ``holding``: the jobs that hold a
+        reservation now (default: those ``running`` lists), read by the first :meth:`show`
+        after :meth:`reservations_freed` said some went, so that a run that ended is not
+        shown placed until the next pass; a show (``/metrics``, ``gpuctl colo show``) with
+        none gone since reads nothing."""
         self._name_of = name_of
         self._holding = holding or (lambda: {r.name for r in running()})
+        # the jobs of the last pass that still hold a reservation; None: some went since
+        # (reservations_freed), the next show reads which (holding)
+        self._held: frozenset[str] | None = frozenset()
+        self._freed = 0  # reservations_freed calls so far
         self._events = events
         self._running = running
         self._default_memory = default_memory if default_memory is not None else dict
@@ -641,6 +648,8 @@ class ColoService:
                 if not self.config.enabled:
                     self._switch_off()
             return None
+        with self._lock:
+            freed = self._freed
         running = tuple(self._running())
         with self._lock:
             # A GPU that is lost or does not answer runs nothing anyone can measure: its
@@ -673,6 +682,8 @@ class ColoService:
                 plan, keep=held, present={r.name for r in live}, paused=self._paused(running)
             )
             self._plan, self._plan_at, self._last_running = plan, self._clock(), running
+            # a reservation that went while ``running`` was read may be in it
+            self._held = frozenset(r.name for r in running) if freed == self._freed else None
             self._forget(running)
             state = self._state(running)
         # The disk flush waits outside the lock: latency reports and `colo show` do not.
@@ -1192,7 +1203,9 @@ class ColoService:
         g.start_at(start)
         st.guard_since = self._clock() + DIRECTIVE_DELAY_S
 
-    def _view(self, r: RunningJob) -> JobView:
+    def _view(self, r: RunningJob, names: Mapping[int, str] | None = None) -> JobView:
+        """The planner's view of a running job; ``names``: its user's name, where the
+        plan gives reasons (:meth:`_user_names`)."""
         kind = JobKind.INFERENCE if r.kind == "inference" else JobKind.TRAINING
         memory = r.memory_bytes or r.memory_used or 0
         load = self.load(r.name) if kind is JobKind.INFERENCE else 0.0
@@ -1228,7 +1241,16 @@ class ColoService:
             duty=self._directives.get(r.name, Directive(1.0, False, "")).duty,
             device=r.device,
             order=self._arrived(r.name),
+            user=r.uid,
+            user_name=(names or {}).get(r.uid, "") if r.uid is not None else "",
         )
+
+    def _user_names(self, running: Sequence[RunningJob], uid: int | None) -> dict[int, str]:
+        """The names of the users a question's plan may name (``uid``'s, and those of the
+        jobs on a whole GPU's MPS server): looked up before the loop's lock is taken, as a
+        user database behind the network (LDAP) may take its time to answer."""
+        uids = {r.uid for r in running if r.mig_profile is None} | {uid}
+        return {u: self._name_of(u) for u in sorted(x for x in uids if x is not None)}
 
     def _arrived(self, name: str) -> float:
         st = self._jobs.get(name)
@@ -1618,6 +1640,7 @@ class ColoService:
         # read from the state store, so before the loop's lock: a job removal holds the
         # store's while it calls job_removed, which takes the loop's
         defaults = self._default_memory() if memory_bytes is None else {}
+        names = self._user_names(running, uid)
         with self._lock:
             if snapshot is None:
                 return Advice(-1, 0.0, 0, None, "", 0.0, "no telemetry yet"), None
@@ -1645,7 +1668,8 @@ class ColoService:
                     waited_s=0.0 if since is None else now - since,
                     # a run of a job the loop evicted, which has not run since
                     evicted=st is not None and st.evicted and st.arrived is None,
-                    barred=self._barred(running, uid),
+                    user=uid,
+                    user_name=names.get(uid, "") if uid is not None else "",
                 )
 
             # Every run that waits is planned with it, in the order they came (a new ask
@@ -1660,14 +1684,13 @@ class ColoService:
                     job_id=w.job if w.job != job else f"{w.job} ({w.id})",
                     order=w.since,
                     waited_s=now - w.since,
-                    barred=self._barred(running, w.uid),
                 )
                 for w in self._waiting.values()
                 if w.id != waiter and now - w.last <= WAITER_GONE_S
             ]
             healthy = {g.identity.index for g in snapshot.gpus if g.healthy}
             running = tuple(r for r in running if r.gpu in healthy)  # the rest stay put
-            views = [self._view(r) for r in running]
+            views = [self._view(r, names) for r in running]
             gpus, where = self._gpu_views(snapshot, running)
             hold = self._planner.params.head_hold_s
             # A run that sets no --memory is pinned, on each GPU, to that GPU's MPS default
@@ -1681,7 +1704,7 @@ class ColoService:
             waiting = ""
             new = asking(memory_bytes or 8 * GIB)
             holding = frozenset(
-                (r.name, r.gpu, r.device, r.threads_percent, r.memory_used, r.mig_profile)
+                (r.name, r.gpu, r.device, r.threads_percent, r.memory_used, r.mig_profile, r.uid)
                 for r in running
             )
             for size, some in sorted(by_size.items()) or [(new.shape.memory_bytes, [])]:
@@ -1732,29 +1755,6 @@ class ColoService:
             )
             return advice, new
 
-    def _barred(self, running: Sequence[RunningJob], uid: int | None) -> dict[int, str]:
-        """GPU index -> why a run of ``uid`` may have no MPS share of that whole GPU: a job
-        of another known user holds it, and an MPS control daemon serves one user at a time
-        (the jobs service refuses the run there, :func:`gpud.jobs.placement.choose_devices`).
-        A job in a MIG instance holds that instance's server alone. {} for no ``uid``."""
-        if uid is None:
-            return {}
-        others: dict[int, dict[int, set[str]]] = {}
-        for r in running:
-            if r.uid is not None and r.uid != uid and r.mig_profile is None:
-                others.setdefault(r.gpu, {}).setdefault(r.uid, set()).add(r.name)
-        return {
-            gpu: (
-                f"shared under MPS by jobs of user{'s' if len(users) > 1 else ''} "
-                + ", ".join(
-                    f"{self._name_of(u)} ({', '.join(sorted(jobs))})"
-                    for u, jobs in sorted(users.items())
-                )
-                + ", and an MPS control daemon serves one user at a time"
-            )
-            for gpu, users in others.items()
-        }
-
     def _place(
         self, gpus: list[GpuView], jobs: list[JobView], new: JobView, same: Hashable
     ) -> tuple[Placement | None, str]:
@@ -1776,9 +1776,31 @@ class ColoService:
                 return p, ""
         return None, plan.waiting.get(new.job_id, "no GPU in the snapshot")
 
+    def reservations_freed(self) -> None:
+        """Reservations went (a run ended, a job was removed, holders found gone), committed:
+        the next :meth:`show` reads which jobs still hold one. (The jobs service's freed
+        hook; one added shows at the next pass, as its job's place does.)"""
+        with self._lock:
+            self._freed += 1
+            self._held = None
+
+    def _still_held(self) -> frozenset[str]:
+        """The jobs that hold a reservation now, of those the last pass saw: read from
+        ``holding`` only when some went since it was last read, else kept (a scrape of
+        ``/metrics`` reads no store)."""
+        with self._lock:
+            held, freed = self._held, self._freed
+        if held is not None:
+            return held
+        held = frozenset(self._holding())  # the store's lock, never under the loop's
+        with self._lock:
+            if freed == self._freed:  # none went while it was read
+                self._held = held
+        return held
+
     def show(self) -> ColoView:
         strangers = self._strangers()
-        holding = self._holding()
+        holding = self._still_held()
         with self._lock:
             # the last pass's jobs, but those whose last reservation went since: a run that
             # ended is no longer placed anywhere, whatever the plan said

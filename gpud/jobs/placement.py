@@ -17,7 +17,8 @@ Users: an MPS control daemon serves one user at a time (it starts the MPS server
 of its first client; a client of another user waits in its CUDA initialisation until every
 client of that server has ended). A reservation keeps the real UID of its holder process, and
 with MPS on a job of a known user is not placed on a device that holds a reservation of a
-known other user: another device that fits takes it, or it is refused naming that user.
+known other user (:mod:`colocate.users`, the rule co-location's planner keeps too): another
+device that fits takes it, or it is refused naming that user.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from colocate.users import other_users, shared_under_mps
 from gpud.errors import NotFound, ResourceExhausted
 from gpud.jobs.registry import JobSpec
 from gpud.mps.manager import MpsTarget
@@ -178,24 +180,17 @@ def choose_devices(
             f" {format_size(d.memory_total_bytes)}, {format_size(max(free(d), 0))} free"
         )
 
-    def others(d: MpsTarget) -> list[tuple[int, str]]:
-        """(UID, job) of the reservations of other users on ``d``."""
-        if uid is None:
-            return []
-        return [(u, j) for u, j in loads.get(d.uuid, empty).users if u != uid]
+    def others(d: MpsTarget) -> dict[int, tuple[str, ...]]:
+        """The other users whose reservations ``d``'s MPS server serves, with their jobs."""
+        return other_users(loads.get(d.uuid, empty).users, uid)
 
     def shared(d: MpsTarget) -> ResourceExhausted:
         held = others(d)
-        users = sorted({u for u, _ in held})
-        whose = ", ".join(
-            f"{name_of(u)} ({', '.join(sorted(j for v, j in held if v == u))})" for u in users
-        )
-        ends = " and ".join(f"{j}'s" for j in sorted({j for _, j in held}))
+        ends = " and ".join(f"{j}'s" for j in sorted({j for js in held.values() for j in js}))
         return ResourceExhausted(
-            f"job {spec.name!r} (uid {uid}) asks {d.uuid}: it is shared under MPS by jobs of"
-            f" user{'s' if len(users) > 1 else ''} {whose}, and an MPS control daemon serves"
-            f" one user at a time: {spec.name}'s CUDA processes would wait there until"
-            f" {ends} end"
+            f"job {spec.name!r} (uid {uid}) asks {d.uuid}: it is"
+            f" {shared_under_mps(held, name_of)}: {spec.name}'s CUDA processes would wait"
+            f" there until {ends} end"
         )
 
     if spec.devices:

@@ -55,6 +55,18 @@ def snapshot(n: int = 2, used_gib: float = 30) -> Snapshot:
     )
 
 
+def scraped(svc: ColoService) -> CollectorRegistry:
+    """A registry whose every read is a scrape of ``svc``'s metrics, as /metrics makes."""
+    reg = CollectorRegistry()
+
+    class Source:
+        def collect(self) -> object:
+            return ColoMetrics(svc)()
+
+    reg.register(Source())  # type: ignore[arg-type]
+    return reg
+
+
 def kept_loop(tmp_path: Path, jobs: list[RunningJob], clock: Clock) -> ColoService:
     """A loop that keeps its state in ``tmp_path/colo.json``: a new one picks it up."""
     return ColoService(
@@ -533,18 +545,80 @@ def test_metrics(service: tuple[ColoService, Clock, list[RunningJob]]) -> None:
     svc, _, _ = service
     svc.report_latency("chat", [0.02] * 50)
     svc.tick(snapshot())
-    reg = CollectorRegistry()
-
-    class Source:
-        def collect(self) -> object:
-            return ColoMetrics(svc)()
-
-    reg.register(Source())  # type: ignore[arg-type]
+    reg = scraped(svc)
     assert reg.get_sample_value("gpud_colo_sm_share_ratio", {"job": "train"}) == 0.5
     assert reg.get_sample_value("gpud_colo_duty_ratio", {"job": "train"}) == 1.0
     assert reg.get_sample_value("gpud_colo_guard_p99_latency_seconds", {"job": "chat"}) == 0.02
     assert reg.get_sample_value("gpud_colo_slo_attainment_ratio", {"job": "chat"}) == 1.0
     assert reg.get_sample_value("gpud_colo_predictor_samples") == 0.0
+
+
+def test_a_scrape_reads_no_store_until_a_reservation_goes(tmp_path: Path) -> None:
+    """`/metrics` and `gpuctl colo show` show the last pass's jobs that still hold a
+    reservation: which do is known from that pass until the jobs service says some went
+    (its freed hook), read once then, so a scrape reads no store; a release while the pass
+    or that read runs leaves it to be read again, never a run shown placed that ended."""
+    from collections.abc import Iterator
+    from contextlib import contextmanager
+    from sqlite3 import Connection
+
+    from gpud.jobs.placement import Reservations
+    from gpud.store import StateStore
+
+    class CountingStore(StateStore):
+        calls = 0
+
+        @contextmanager
+        def transaction(self) -> Iterator[Connection]:
+            self.calls += 1
+            with super().transaction() as conn:
+                yield conn
+
+    store = CountingStore(tmp_path / "state")
+    reservations = Reservations(store)
+    held = [
+        reservations.add(j, ["GPU-x"], threads_percent=None, memory_bytes=None,
+                         client_priority=0, holder_pid=None)
+        for j in ("train", "chat")
+    ]  # fmt: skip
+    freed: list[object] = []
+
+    def holding() -> set[str]:
+        names = {r.job for r in reservations.held()}
+        if freed:  # a release committed while this was read
+            reservations.release(held[0].id)
+            svc.reservations_freed()
+            freed.clear()
+        return names
+
+    jobs = [
+        RunningJob("train", "training", 0, threads_percent=50, memory_bytes=10 * GIB),
+        RunningJob("chat", "inference", 0, slo_p99_ms=50.0, memory_bytes=10 * GIB),
+    ]
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        holding=holding,
+        clock=Clock(),
+    )
+    svc.tick(snapshot())
+    reg = scraped(svc)
+    before = store.calls
+    for _ in range(100):
+        assert reg.get_sample_value("gpud_colo_sm_share_ratio", {"job": "train"}) == 0.5
+        assert {r.name for r in svc.show().running} == {"train", "chat"}
+    assert store.calls == before
+    freed.append(True)  # "train" ends while the next read runs
+    svc.reservations_freed()
+    assert {r.name for r in svc.show().running} == {"train", "chat"}  # read before it went
+    assert {r.name for r in svc.show().running} == {"chat"}  # read again: it went
+    assert reg.get_sample_value("gpud_colo_sm_share_ratio", {"job": "train"}) is None
+    read = store.calls
+    for _ in range(100):
+        svc.show()
+    assert store.calls == read
+    store.close()
 
 
 def test_config_ranges_name_the_key() -> None:
@@ -2082,13 +2156,7 @@ def test_an_inference_services_observed_speed_from_latency_and_load(tmp_path: Pa
     assert view.predictor_samples > samples  # the predictor learned from it
     assert svc.duty("train") == 1.0  # p99 21 ms, far under the SLO: no throttling
 
-    reg = CollectorRegistry()
-
-    class Source:
-        def collect(self) -> object:
-            return ColoMetrics(svc)()
-
-    reg.register(Source())  # type: ignore[arg-type]
+    reg = scraped(svc)
     observed = reg.get_sample_value("gpud_colo_observed_speed_ratio", {"job": "chat"})
     assert observed == pytest.approx(0.8, rel=1e-3)
     predicted = reg.get_sample_value("gpud_colo_predicted_speed_ratio", {"job": "chat"})
@@ -2553,6 +2621,75 @@ def test_advice_keeps_a_run_off_a_gpu_whose_mps_server_serves_another_user(
         " control daemon serves one user at a time"
     )
     assert svc.show().refused == {(1, "user"): 2}
+
+
+def test_two_waiting_runs_of_different_users_are_not_both_advised_one_gpu(
+    tmp_path: Path,
+) -> None:
+    """Two `gpuctl run`s of different users wait while GPU 0 is full; it frees, and the
+    next question plans both in one pass: the first to come is advised GPU 0, and the
+    other, planned after it, waits, naming the first's user, rather than being advised
+    the same GPU's MPS server (whose other user's client would hang there)."""
+    names = {1000: "alice", 1001: "bob"}
+    jobs = [RunningJob("big", "training", 0, memory_bytes=70 * GIB, memory_used=70 * GIB)]
+    clock = Clock()
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        clock=clock,
+        name_of=lambda uid: names.get(uid, str(uid)),
+    )
+    full = snapshot(n=1, used_gib=70)
+    svc.tick(full)
+    ask = {"memory_bytes": 8 * GIB, "sm_activity": 0.1, "waiting": True}
+    assert svc.advise("a", uid=1000, snapshot=full, **ask).gpu == -1  # type: ignore[arg-type]
+    clock.t += 1
+    b = svc.advise("b", uid=1001, snapshot=full, **ask)  # type: ignore[arg-type]
+    assert b.gpu == -1
+    jobs.clear()  # big ended: GPU 0 is free, and could hold both
+    free = snapshot(n=1, used_gib=1)
+    clock.t += 2 * ADVICE_REUSE_S
+    svc.tick(free)
+    again = svc.advise("b", uid=1001, snapshot=free, waiter_id=b.waiter_id, **ask)  # type: ignore[arg-type]
+    assert again.gpu == -1
+    assert "GPU 0: shared under MPS by jobs of user alice (a)" in again.reason
+    assert svc.advise("a", uid=1000, snapshot=free, **ask).gpu == 0  # type: ignore[arg-type]
+
+
+def test_user_names_are_looked_up_outside_the_loops_lock(tmp_path: Path) -> None:
+    """A question names the users of the GPUs it may not share: their names are looked
+    up (pwd, maybe LDAP behind it) with the loop's lock free, so a slow user database
+    holds back no tick, show or other question meanwhile."""
+    import threading
+
+    free: list[bool] = []
+
+    def slow_name(uid: int) -> str:
+        def take() -> None:
+            free.append(svc._lock.acquire(timeout=0.5))
+            if free[-1]:
+                svc._lock.release()
+
+        taker = threading.Thread(target=take)  # another thread: the lock is re-entrant
+        taker.start()
+        taker.join()
+        return {1000: "alice"}.get(uid, str(uid))
+
+    slo = {"slo_p99_ms": 100.0, "memory_bytes": 10 * GIB}
+    jobs = [RunningJob("a", "inference", 0, uid=1000, **slo)]  # type: ignore[arg-type]
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        clock=Clock(),
+        name_of=slow_name,
+    )
+    snap = snapshot(n=1, used_gib=10)
+    svc.tick(snap)
+    bob = svc.advise("b", uid=1001, memory_bytes=8 * GIB, snapshot=snap)
+    assert bob.gpu == -1 and "user alice (a)" in bob.reason
+    assert free and all(free)
 
 
 def test_gpuctl_colo_advise_answers_for_the_callers_user(

@@ -859,27 +859,66 @@ def test_a_job_on_two_gpus_is_directed_once_at_the_pace_of_its_slower_gpu() -> N
         assert "t" not in evicting.predicted_speed
 
 
-def test_a_barred_gpu_offers_no_share_but_a_free_mig_instance_still() -> None:
-    """``JobView.barred`` (the GPU's MPS server serves another user): the job gets no share
-    of that whole GPU, goes to another, or waits with the reason given for it; a free MIG
-    instance there (a server of its own) is still offered, and no GPU is held for a head
-    that may not have it."""
+def of(user: int, view: JobView, name: str = "") -> JobView:
+    """``view`` as a job of ``user`` (named ``name``)."""
+    view.user, view.user_name = user, name
+    return view
+
+
+def test_a_gpu_another_users_mps_server_serves_offers_no_share_but_a_free_mig_instance() -> None:
+    """A job of another user on a whole GPU (its MPS server serves that user): a job gets
+    no share of that GPU, goes to another, or waits with the reason; its own user's job, or
+    one of no known user, still may share it; a job evicted this pass still bars it (it has
+    yet to leave); a free MIG instance there (a server of its own) is still offered, and no
+    GPU is held for a head that may not have it."""
     planner = Planner(InterferencePredictor())
-    new = training("new")
-    new.barred = {0: "their server"}
-    (p,) = planner.plan(gpus(2), [new]).placements
+
+    def theirs() -> JobView:
+        return of(1000, training("theirs", gpu=0, used_gib=10), "alice")
+
+    (p,) = planner.plan(gpus(2), [theirs(), of(1001, training("new"))]).placements
     assert p.gpu == 1
-    alone = planner.plan(gpus(1), [new])
-    assert alone.placements == () and alone.waiting["new"] == "GPU 0: their server"
-    assert alone.refused_for["new"] == {(0, "user"): 1}
-    migs = (MigOption("3g.40gb", 3 / 7, 40 * GIB),)
-    svc = inference("svc", slo_s=0.019, peak=40.0)
-    svc.barred = {0: "their server"}
-    (m,) = planner.plan([GpuView(0, 80 * GIB, mig_options=migs)], [svc]).placements
-    assert (m.gpu, m.mig_profile) == (0, "3g.40gb")
-    head = training("head", sm=0.9, bw=0.9, mem_gib=70)
-    head.evicted, head.barred = True, {0: "their server"}
-    held = Planner(InterferencePredictor()).plan(
-        gpus(1), [training("there", sm=0.9, bw=0.9, mem_gib=30, gpu=0), head]
+    alone = planner.plan(gpus(1), [theirs(), of(1001, training("new"))])
+    assert alone.placements == ()
+    assert alone.waiting["new"] == (
+        "GPU 0: shared under MPS by jobs of user alice (theirs), and an MPS control daemon"
+        " serves one user at a time"
     )
+    assert alone.refused_for["new"] == {(1, "user"): 1}
+    for sharing in (of(1000, training("mine")), training("anyone")):
+        (p,) = planner.plan(gpus(1), [theirs(), sharing]).placements
+        assert p.gpu == 0
+    leaving = of(1000, training("theirs", gpu=0, order=1, used_gib=70))
+    staying = of(1001, training("mine", gpu=0, used_gib=10))
+    evicting = planner.plan(gpus(1), [leaving, staying, of(1001, training("new"))])
+    assert [d.job_id for d in evicting.directives if d.evict] == ["theirs"]
+    assert evicting.placements == () and "user 1000 (theirs)" in evicting.waiting["new"]
+    migs = (MigOption("3g.40gb", 3 / 7, 40 * GIB),)
+    svc = of(1001, inference("svc", slo_s=0.019, peak=40.0))
+    (m,) = planner.plan([GpuView(0, 80 * GIB, mig_options=migs)], [theirs(), svc]).placements
+    assert (m.gpu, m.mig_profile) == (0, "3g.40gb")
+    head = of(1001, training("head", sm=0.9, bw=0.9, mem_gib=70))
+    head.evicted = True
+    there = of(1000, training("there", sm=0.9, bw=0.9, mem_gib=30, gpu=0))
+    held = Planner(InterferencePredictor()).plan(gpus(1), [there, head])
     assert held.placements == () and "held for it" not in held.waiting["head"]
+
+
+def test_jobs_of_two_users_placed_in_one_pass_do_not_share_a_gpus_mps_server() -> None:
+    """Two pending jobs of different users and one free GPU both could share: the first
+    placed takes it, and the second, planned in the same pass, sees that GPU's server
+    serve the first's user now: it waits, saying so, rather than being sent there too
+    (where its CUDA processes would hang until the first ended). Of one user, both go."""
+    planner = Planner(InterferencePredictor())
+
+    def light(job: str, order: float) -> JobView:
+        return training(job, sm=0.1, bw=0.1, order=order)
+
+    both = planner.plan(gpus(1), [of(1000, light("a", 0)), of(1000, light("b", 1))])
+    assert sorted(p.job_id for p in both.placements) == ["a", "b"]
+    plan = planner.plan(gpus(1), [of(1000, light("a", 0), "alice"), of(1001, light("b", 1))])
+    assert [p.job_id for p in plan.placements] == ["a"]
+    assert plan.waiting["b"] == (
+        "its options went to jobs ahead of it: a; GPU 0: shared under MPS by jobs of user"
+        " alice (a), and an MPS control daemon serves one user at a time"
+    )
