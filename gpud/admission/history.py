@@ -34,7 +34,9 @@ class HistoryMirror:
         self._last_id = 0
         self._interned: dict[Request, Request] = {}
         self._classes: dict[str, str] = {}  # each class key kept once
-        self._queued: list[float] | None = None  # queued_at of every row, sorted
+        # queued_at of every row, sorted: made at the first :meth:`members` after the table
+        # was read whole, then kept as rows are added, changed and pruned
+        self._queued: list[float] | None = None
         self._running: dict[int, tuple[str, str]] = {}  # (reservation, class) of open rows
         self.version = 0  # moves on whenever a row is added, changed or removed
         self.reads = 0  # rows read from the database so far
@@ -57,6 +59,7 @@ class HistoryMirror:
             if low is not None and first >= low:
                 break
             record, request = self._rows.pop(first)
+            self._unqueue(record.queued_at)
             self._open.discard(first)
             self._running.pop(first, None)
             changed = True
@@ -88,11 +91,11 @@ class HistoryMirror:
             self._rows.clear()
             self._open.clear()
             self._running.clear()
+            self._queued = None
             self._last_id = 0
             for row in conn.execute(f"SELECT {COLUMNS} FROM job_history ORDER BY id"):
                 self._keep(row, log=False)
         self.version += 1
-        self._queued = None
 
     def _forget(self, base: int) -> None:
         """The table changed otherwise than gpud changes it (or the log grew long): who asks
@@ -139,6 +142,11 @@ class HistoryMirror:
         record = Record(job, request_class, queued_at, started_at, ended_at, quote_s)
         if kept is None or kept[0] != record:  # unchanged: the same record (the log says so)
             self._rows[row_id] = (record, placement)
+            if kept is None or kept[0].queued_at != queued_at:  # a run that ended keeps it
+                if kept is not None:
+                    self._unqueue(kept[0].queued_at)
+                if self._queued is not None:
+                    bisect.insort(self._queued, queued_at)
             if log:
                 self._log.append(
                     (self.version + 1, None if kept is None else kept[0], record, placement)
@@ -158,6 +166,11 @@ class HistoryMirror:
             self._running[row_id] = (reservation, request_class)
         else:
             self._running.pop(row_id, None)
+
+    def _unqueue(self, queued_at: float) -> None:
+        """A row queued at ``queued_at`` leaves :meth:`members`' sorted times."""
+        if self._queued is not None:
+            del self._queued[bisect.bisect_left(self._queued, queued_at)]
 
     def running(self) -> dict[str, str]:
         """The request class of each run that has not ended, by its reservation."""

@@ -4,6 +4,7 @@ and are pruned, against the same views made afresh from the whole history."""
 from __future__ import annotations
 
 import itertools
+import math
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -150,6 +151,8 @@ def test_kept_views_equal_views_made_afresh(plan: list[tuple[object, ...]]) -> N
                 asked = int(node.clock.now)
                 assert node.admission.explain() == fresh(node)
                 assert node.admission.quote_error() == fresh_error(node)
+                mirror = node.admission._mirror
+                assert mirror._queued == sorted(r.queued_at for r, _ in mirror.since(-math.inf))
         finally:
             node.store.close()
 
@@ -176,6 +179,33 @@ def test_a_second_quote_reads_only_the_rows_that_changed(tmp_path: Path) -> None
     assert node.admission.explain() == fresh(node)
     # the row added, and the three runs still running that were not pruned
     assert mirror.reads == first + 5 * 4 + 1 + 3 and len(mirror) == 198
+    node.store.close()
+
+
+def test_the_window_s_members_are_kept_sorted_as_runs_come_end_and_are_pruned(
+    tmp_path: Path,
+) -> None:
+    """Which runs the window holds is counted on the queued times kept sorted: a run added,
+    one that ended and rows pruned change them in place, not sorted again from every run."""
+    node = make_node(tmp_path, Clock())
+    serial = [0]
+    for i in range(50):
+        apply(node, ("add", i % len(REQUESTS), 10.0 * (i % 7), 600.0, None, None), serial)
+    node.admission.explain()
+    mirror = node.admission._mirror
+    kept = mirror._queued
+    assert kept is not None
+    for step in [
+        ("add", 0, 5000.0, 10.0, None, None),  # queued before most
+        ("end", 3, 1.0, False),
+        ("prune", 4),
+        ("add", 1, 0.0, 0.0, None, None),
+    ]:
+        node.clock.now += 1.0
+        apply(node, step, serial)
+        assert node.admission.explain() == fresh(node)
+        assert mirror._queued is kept
+        assert kept == sorted(r.queued_at for r, _ in mirror.since(-math.inf))
     node.store.close()
 
 
