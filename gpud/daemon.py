@@ -347,6 +347,7 @@ class Daemon:
             quiesce=self.sampler.paused,
             on_reset=self.sampler.gpu_reset,
             read_timeout_s=config.telemetry.call_timeout_s,
+            release=self.mps.released,
         )
         self.colo = ColoService(
             config.colocate,

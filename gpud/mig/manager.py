@@ -13,6 +13,8 @@ by a lock, in this order for an apply:
 4. persist the desired layouts and the plan in one transaction, then run the steps, each
    step re-planned from what the driver has, so that a crash at any point is finished by
    :meth:`MigManager.reconcile` at the next start without orphaned or duplicated instances.
+   Before a GPU's steps, the MPS control daemons of the MIG devices they destroy are stopped
+   (``release``); where one would not stop, the GPU is ``failed`` with no step taken.
 
 A dry run makes steps 1 to 3 (the busy checks once: it does not drain) and stops there: it
 answers what the apply would (``busy`` where the apply would be refused, ``faulty`` GPUs
@@ -56,6 +58,7 @@ from gpud.backend.port import (
     GpuBackend,
     GpuIdentity,
     GpuInstanceInfo,
+    MigDeviceIdentity,
     ProcessInfo,
     unknown_identity,
 )
@@ -101,6 +104,11 @@ T = TypeVar("T")
 
 ReconcileMode = Literal["reconcile", "report"]
 
+Release = Callable[[list[str]], AbstractContextManager[Mapping[str, str]]]
+"""Stop the MPS control daemons of the MIG devices (UUIDs) about to be destroyed, and start
+none for them while the context lasts; it yields, by UUID, why one still has a daemon (it
+would not stop)."""
+
 Faults = Callable[[], Mapping[int, str]]
 """GPU index -> why it is faulty: the GPUs the last telemetry sample found unhealthy."""
 
@@ -138,6 +146,7 @@ class MigManager:
         quiesce: Callable[[], AbstractContextManager[object]] | None = None,
         on_reset: Callable[[int], None] | None = None,
         read_timeout_s: float = 5.0,
+        release: Release | None = None,
     ) -> None:
         """``on_change(gpu)`` is called after each driver change on a GPU (the sampler then
         re-reads its MIG devices at once); ``faults()`` names the GPUs not to call (see
@@ -146,8 +155,12 @@ class MigManager:
         ``on_reset(gpu)``. An apply waits for each of a GPU's reads (its plan, its process
         lists, the re-read before its steps) no longer than ``read_timeout_s`` (the daemon
         passes ``telemetry.call_timeout_s``: a GPU slower than that is hung by telemetry's
-        own measure) and leaves one that has not answered alone."""
+        own measure) and leaves one that has not answered alone. ``release``: the MPS
+        control daemons of the MIG devices a GPU's steps destroy are stopped first; where
+        one would not stop, none of that GPU's steps is run (it is ``failed``, naming it).
+        """
         self._backend = backend
+        self._release = release
         self._on_change = on_change
         self._faults = faults
         self._quiesce = quiesce
@@ -251,23 +264,36 @@ class MigManager:
         """Processes on what ``plan`` destroys (``nvidia-smi`` "Processes" per MIG device),
         each with what it runs on. A MIG mode change, and a GPU reset (``reset``: the plan
         waits for one and gpud may do it), disturb every process on the GPU."""
+        doomed, mode_change = self._doomed(gpu, actual, plan, reset=reset)
+        found: dict[int, tuple[str, ProcessInfo]] = {}
+        for md in doomed:
+            where = f"{md.profile_name} GPU instance {md.gpu_instance_id} ({md.uuid})"
+            for p in self._backend.processes(gpu.index, md.mig):
+                found.setdefault(p.pid, (where, p))
+        if mode_change:
+            for p in self._backend.processes(gpu.index):
+                found.setdefault(p.pid, ("the whole GPU", p))
+        return [found[pid] for pid in sorted(found)]
+
+    def _doomed(
+        self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool
+    ) -> tuple[list[MigDeviceIdentity], bool]:
+        """The MIG devices ``plan`` destroys (every one where it changes the MIG mode, or a
+        GPU reset may: see :meth:`_busy`), and whether it does either."""
         gis = plan.destroyed_gpu_instances()
         cis = plan.destroyed_compute_instances()
         mode_change = (reset and plan.reset_pending) or any(
             isinstance(s, SetMigMode) and s.enabled != actual.mode.current for s in plan.steps
         )
-        found: dict[int, tuple[str, ProcessInfo]] = {}
-        if actual.mode.current and (gis or cis or mode_change):
-            for md in self._backend.mig_devices(gpu.index):
-                key = (md.gpu_instance_id, md.compute_instance_id)
-                if mode_change or md.gpu_instance_id in gis or key in cis:
-                    where = f"{md.profile_name} GPU instance {md.gpu_instance_id} ({md.uuid})"
-                    for p in self._backend.processes(gpu.index, md.mig):
-                        found.setdefault(p.pid, (where, p))
-        if mode_change:
-            for p in self._backend.processes(gpu.index):
-                found.setdefault(p.pid, ("the whole GPU", p))
-        return [found[pid] for pid in sorted(found)]
+        if not actual.mode.current or not (gis or cis or mode_change):
+            return [], mode_change
+        return [
+            md
+            for md in self._backend.mig_devices(gpu.index)
+            if mode_change
+            or md.gpu_instance_id in gis
+            or (md.gpu_instance_id, md.compute_instance_id) in cis
+        ], mode_change
 
     def _busy_or_unlisted(
         self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool
@@ -697,16 +723,31 @@ class MigManager:
                 refusal = self._busy_error({gpu.index: busy}, {gpu.index: gpu}, None)
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "busy", str(refusal))
             try:
-                pending = self._run(gpu, plan, done, actual.mode.current) if plan.steps else True
-                if pending and reset:
-                    pending = not self._reset(gpu, done)
+                doomed = self._doomed_read(gpu, actual, plan, reset, read_timeout_s)
             except GPU_FAULTS as err:
                 return faulty(err)
-            except GpudError as err:
-                log.warning("MIG step failed on GPU %d: %s", gpu.index, err)
-                return GpuOutcome(
-                    gpu.index, gpu.uuid, tuple(done), False, "failed", f"{where}: {err}"
-                )
+            release = self._release or (lambda uuids: contextlib.nullcontext({}))
+            with release(doomed) as stuck:
+                if stuck:
+                    detail = (
+                        f"{where}: {'; '.join(stuck.values())}: its instance is not destroyed"
+                        " under it and no step is taken on the GPU (reconcile tries again;"
+                        " a GPU reset or a reboot ends a daemon stuck in the driver)"
+                    )
+                    return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "failed", detail)
+                try:
+                    pending = (
+                        self._run(gpu, plan, done, actual.mode.current) if plan.steps else True
+                    )
+                    if pending and reset:
+                        pending = not self._reset(gpu, done)
+                except GPU_FAULTS as err:
+                    return faulty(err)
+                except GpudError as err:
+                    log.warning("MIG step failed on GPU %d: %s", gpu.index, err)
+                    return GpuOutcome(
+                        gpu.index, gpu.uuid, tuple(done), False, "failed", f"{where}: {err}"
+                    )
             if pending:
                 return GpuOutcome(
                     gpu.index, gpu.uuid, tuple(done), True, "reset_pending", _pending(where)
@@ -722,6 +763,18 @@ class MigManager:
         return self._read(
             gpu, lambda g: self._busy_or_unlisted(g, actual, plan, reset=reset), timeout_s, "busy"
         )
+
+    def _doomed_read(
+        self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, reset: bool, timeout_s: float
+    ) -> list[str]:
+        """The UUIDs of the MIG devices the steps destroy, when their MPS daemons are to be
+        stopped first (``release``), read as :meth:`_bounded` reads."""
+        if self._release is None:
+            return []
+        found, _ = self._read(
+            gpu, lambda g: self._doomed(g, actual, plan, reset=reset), timeout_s, "busy"
+        )
+        return [md.uuid for md in found]
 
     def _reset(self, gpu: GpuIdentity, done: list[str]) -> bool:
         """Reset the GPU so that its pending MIG mode becomes current; False when the

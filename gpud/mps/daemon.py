@@ -27,8 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from gpud.errors import BackendError, ConfigError, DriverTimeout
-from gpud.mps import protocol
-from gpud.mps.procs import alive, started_at
+from gpud.mps import procs, protocol
+from gpud.mps.procs import started_at
 
 # sun_path holds 108 bytes on Linux, the terminating NUL included.
 _MAX_UNIX_PATH = 107
@@ -70,10 +70,14 @@ class ControlDaemon:
         clock: Callable[[], float] = time.monotonic,
         statvfs: Callable[[Path], os.statvfs_result] = os.statvfs,
         place: Callable[[int], None] = lambda pid: None,
+        alive: Callable[[int, Path], bool] = procs.alive,
     ) -> None:
         """``place(pid)``: called with the PID of a daemon :meth:`start` started, as soon as
         its PID file names it (before it answers, before any client): moves it into a cgroup
-        of its own (see :class:`gpud.mps.manager.MpsManager`). It raises nothing."""
+        of its own (see :class:`gpud.mps.manager.MpsManager`). It raises nothing.
+        ``alive(pid, proc_root)``: whether a process runs (tests: one that outlives
+        SIGKILL, as a daemon stuck in the driver does)."""
+        self._alive = alive
         self.uuid = uuid
         self._place = place
         self._statvfs = statvfs
@@ -109,7 +113,7 @@ class ControlDaemon:
             written = pid_file.stat().st_mtime
         except (OSError, ValueError):
             return None
-        if not alive(pid, self._proc_root):
+        if not self._alive(pid, self._proc_root):
             return None
         # A daemon that died left its PID file; a process started well after the file was
         # written only reuses the PID, and must be neither adopted nor signalled.
@@ -125,7 +129,7 @@ class ControlDaemon:
         if self._last is None:
             return None
         pid, started = self._last
-        if not alive(pid, self._proc_root) or started_at(pid, self._proc_root) != started:
+        if not self._alive(pid, self._proc_root) or started_at(pid, self._proc_root) != started:
             self._last = None
             return None
         return pid
@@ -225,26 +229,31 @@ class ControlDaemon:
             return ""
         return f" ({what} on the file system of {path})"
 
-    def stop(self, timeout_s: float = 5.0, *, pid: int | None = None) -> None:
+    def stop(self, timeout_s: float = 5.0, *, pid: int | None = None) -> bool:
         """``echo quit | nvidia-cuda-mps-control``; SIGTERM, then SIGKILL, if it lingers.
+        True once no daemon runs; False when the process outlived SIGKILL (stuck in the
+        driver, ``State: D`` in ``/proc/<pid>/status``): it still runs, and still holds its
+        device.
 
         ``pid``: that process (the caller made sure it is this device's daemon), also when
         no PID file names it any more; ``quit`` goes through the pipe only where one does."""
         found = self.pid()
         pid = found if pid is None else pid
         if pid is None:
-            return
+            return True
         if found == pid:
             with contextlib.suppress(BackendError):
                 self.query(protocol.quit_())
         if self._wait_exit(pid, timeout_s):
-            return
+            return True
         log.warning("MPS control daemon %s (pid %d) ignored quit; terminating", self.uuid, pid)
         for sig in (signal.SIGTERM, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
             if self._wait_exit(pid, 2.0):
-                return
+                return True
+        log.warning("MPS control daemon %s (pid %d) outlived SIGKILL", self.uuid, pid)
+        return False
 
     def remove_directory(self) -> bool:
         """Remove the device's pipe and log directories once its device is gone (a MIG
@@ -274,7 +283,7 @@ class ControlDaemon:
 
     def _wait_exit(self, pid: int, timeout_s: float) -> bool:
         deadline = self._clock() + timeout_s
-        while alive(pid, self._proc_root):
+        while self._alive(pid, self._proc_root):
             if self._clock() >= deadline:
                 return False
             self._sleep(0.05)

@@ -17,7 +17,11 @@ memory limit, enabled), written by ``gpuctl mps set``. Each :meth:`MpsManager.re
   With MPS off, a pass checks a device until it is found running no daemon (one an earlier
   run with MPS on left there is stopped first), and leaves it alone from then on;
 - a device that disappeared (a MIG instance destroyed) or was disabled loses its daemon
-  (``quit``).
+  (``quit``, then SIGTERM and SIGKILL). One that outlives SIGKILL (stuck in the driver) is
+  never taken for stopped: ``mps.stop_failed`` names it once, its record, directories and
+  cgroup stay, and later passes try again with back-off (:meth:`MpsManager._try_stop`).
+  A MIG apply stops the daemons of the MIG devices it destroys first
+  (:meth:`MpsManager.released`).
 
 Defaults reach only MPS servers started later, so a change is also sent to every running
 server (``set_active_thread_percentage <PID>``, ``set_device_pinned_mem_limit <PID> 0``),
@@ -73,9 +77,9 @@ from gpud.errors import (
     StateError,
 )
 from gpud.events import EventLog
-from gpud.mps import protocol
+from gpud.mps import procs, protocol
 from gpud.mps.daemon import DEFAULT_BASE_ENV, ControlDaemon, device_dir
-from gpud.mps.procs import alive, start_time
+from gpud.mps.procs import start_time
 from gpud.net.cgroups import JobCgroups
 from gpud.shared import format_size
 from gpud.store import StateStore
@@ -318,8 +322,19 @@ class MpsManager:
         cgroups: JobCgroups | None = None,
         no_cgroups: str = "",
         others_root: Path = Path("/"),
+        alive: Callable[[int, Path], bool] = procs.alive,
     ) -> None:
         self._store = store
+        self._alive = alive
+        # Daemons that outlived SIGKILL, by device UUID: (failed stops, when to try again).
+        self._stop_tries: dict[str, tuple[int, float]] = {}
+        # Devices whose daemon an earlier run left under another run dir and that would not
+        # stop (UUID -> the record's run dir): theirs is not started meanwhile.
+        self._moved: dict[str, Path] = {}
+        self._take_over_at: float | None = None  # when to try stopping those again
+        self._sweep_at = 0.0  # when to sweep again, after a daemon there would not stop
+        # MIG devices about to be destroyed (see released): no daemon is started for them
+        self._held: set[str] = set()
         self._others_root = others_root
         self._cgroups = cgroups
         self._no_cgroups = no_cgroups
@@ -667,6 +682,7 @@ class MpsManager:
             sleep=self._sleep,
             clock=self._clock,
             place=functools.partial(self._place, uuid),
+            alive=self._alive,
         )
 
     def _place(self, uuid: str, pid: int) -> None:
@@ -791,6 +807,8 @@ class MpsManager:
                 self._looked = True
                 self._take_over()
                 self._report_others()
+            elif self._take_over_at is not None and self._clock() >= self._take_over_at:
+                self._take_over(set(self._moved))
             with self._lock:
                 # "": the status's entry of GPUs never read, which run no daemon
                 gone = [u for u in self._devices if u and u not in self._targets]
@@ -805,7 +823,7 @@ class MpsManager:
             ]
             _all_at_once(calls, self._parallel)
             # with MPS off too: an earlier run with it on may have left daemons there
-            if not self._swept and self._all_read:
+            if not self._swept and self._all_read and self._clock() >= self._sweep_at:
                 self._sweep()
             self.status()
 
@@ -855,7 +873,7 @@ class MpsManager:
         cgroups.base = directory.parent
         return cgroups
 
-    def _take_over(self) -> None:
+    def _take_over(self, only: set[str] | None = None) -> None:
         """At the first pass, before any daemon starts: the daemons an earlier run recorded.
 
         One whose pipe directory is not this run's (``daemon.run_dir`` changed) is stopped,
@@ -863,12 +881,19 @@ class MpsManager:
         now on gets this run's pipe directory, and a second control daemon for one GPU
         would fail or split the clients. One still in another cgroup
         (``traffic.cgroup_parent`` changed) is adopted as ever, and moved, its MPS servers
-        with it, into this run's."""
+        with it, into this run's.
+
+        One that would not stop (:meth:`_try_stop`) keeps its record and directories, its
+        device gets no daemon of this run beside it, and a later pass tries again (``only``:
+        those devices)."""
         with self._store.transaction() as conn:
             rows = conn.execute(
                 "SELECT uuid, pid, start_time, pipe_dir, cgroup FROM mps_daemons"
             ).fetchall()
+        self._take_over_at = None
         for uuid, pid, ticks, pipe_dir, cgroup in rows:
+            if only is not None and uuid not in only:
+                continue
             old_run = _recorded_run_dir(uuid, pipe_dir)
             if old_run is None:
                 # not a directory gpud makes: nothing there is gpud's to stop or remove
@@ -894,7 +919,18 @@ class MpsManager:
                     self._move_cgroup(uuid, running, old_cgroups)
                 continue
             if running is not None:
-                daemon.stop(pid=running)
+                if not self._try_stop(
+                    daemon,
+                    running,
+                    f"it was started in {pipe_dir}, outside daemon.run_dir {self._run_dir}, and"
+                    " none is started for the device beside it until it stops",
+                ):
+                    with self._lock:
+                        self._moved[uuid] = old_run
+                        retry_at = self._stop_tries[uuid][1]
+                    if self._take_over_at is None or retry_at < self._take_over_at:
+                        self._take_over_at = retry_at
+                    continue
                 self._events.emit(
                     "mps.stop_moved",
                     f"stopped the MPS control daemon of {uuid} (pid {running}) that an earlier run"
@@ -911,6 +947,8 @@ class MpsManager:
             if old_cgroups is not None:
                 self._remove_cgroup(uuid, old_cgroups)
             self._forget(uuid)
+            with self._lock:
+                self._moved.pop(uuid, None)
 
     def _recorded_pid(self, daemon: ControlDaemon, pid: int, ticks: int | None) -> int | None:
         """The running daemon a record names: its PID while that process started when
@@ -918,7 +956,7 @@ class MpsManager:
         gpud killed before it recorded it). Never a process that only reuses the PID."""
         found = daemon.pid()
         if pid > 0 and ticks is not None:
-            if alive(pid, self._proc_root) and start_time(pid, self._proc_root) == ticks:
+            if self._alive(pid, self._proc_root) and start_time(pid, self._proc_root) == ticks:
                 return pid
             return None if found == pid else found
         return found
@@ -996,13 +1034,19 @@ class MpsManager:
         except OSError as err:
             log.warning("cannot list %s: %s", mps_dir, err.strerror)
             return
+        stuck: dict[str, float] = {}  # daemons that would not stop: when to try again
         for uuid in names:
             if uuid in known:
                 continue
             daemon = self._daemon(uuid)
             pid = daemon.pid()
             if pid is not None:
-                daemon.stop()
+                if not self._try_stop(
+                    daemon, pid, "its device is gone; its record and directories are kept"
+                ):
+                    with self._lock:
+                        stuck[uuid] = self._stop_tries[uuid][1]
+                    continue
                 self._events.emit(
                     "mps.stop",
                     f"stopped the MPS control daemon of {uuid} (device gone while gpud was "
@@ -1015,8 +1059,11 @@ class MpsManager:
             self._remove_cgroup(uuid)
         if self._cgroups is not None:
             for uuid in self._cgroups.jobs():
-                if uuid not in known:
+                if uuid not in known and uuid not in stuck:
                     self._remove_cgroup(uuid)
+        if stuck:
+            self._sweep_at = min(stuck.values())  # a later pass sweeps again
+            return
         self._swept = True
 
     @contextlib.contextmanager
@@ -1072,7 +1119,15 @@ class MpsManager:
             return
         now = self._clock()
         if dev.daemon.pid() is None:
-            if now < dev.next_start_at:
+            with self._lock:
+                held, moved = target.uuid in self._held, self._moved.get(target.uuid)
+            if moved is not None:
+                dev.last_error = (
+                    f"the MPS control daemon an earlier run left under {moved} would not"
+                    " stop: none is started beside it"
+                )
+                return
+            if held or now < dev.next_start_at:
                 return
             self._start(target, dev, desired)
             return
@@ -1159,13 +1214,21 @@ class MpsManager:
                     dev.last_error = "memory limit removal waits for MPS servers to exit"
                     dev.up = True
                     return
+                pid = dev.daemon.pid()
+                if pid is not None and not self._try_stop(
+                    dev.daemon, pid, "its memory limit stays until it does"
+                ):
+                    dev.last_error = (
+                        f"the MPS control daemon (pid {pid}) would not stop to remove its"
+                        " memory limit"
+                    )
+                    return
                 self._events.emit(
                     "mps.restart_to_clear",
                     f"restarting the idle MPS control daemon of {_label(target)}"
                     f" ({target.uuid}) to remove its memory limit",
                     **_where(target),
                 )
-                dev.daemon.stop()
                 dev.started = False  # not a failure restart
                 self._start(target, dev, desired)
                 return
@@ -1294,17 +1357,24 @@ class MpsManager:
                 f" and MPS servers {', '.join(map(str, servers))} still serve clients"
             )
 
-    def _stop_device(self, uuid: str, *, reason: str, remove: bool = False) -> None:
+    def _stop_device(self, uuid: str, *, reason: str, remove: bool = False) -> int | None:
         """Stop the device's daemon; ``remove``: its device is gone, and so go its
-        directories."""
+        directories. The PID of a daemon that would not stop (:meth:`_try_stop`), None when
+        none runs: then its record, cgroup and directories are kept, and the next call (a
+        later pass) tries again."""
         with self._lock:
             dev = self._devices.get(uuid)
         if dev is None:
-            return
+            return None
         with dev.io:
             pid = dev.daemon.pid()
             if pid is not None:
-                dev.daemon.stop()
+                if not self._try_stop(
+                    dev.daemon, pid, f"it was to stop ({reason}); its record is kept"
+                ):
+                    dev.up = False
+                    dev.last_error = f"the MPS control daemon (pid {pid}) would not stop"
+                    return pid
                 self._events.emit(
                     "mps.stop",
                     f"stopped the MPS control daemon of {uuid} ({reason})",
@@ -1320,6 +1390,69 @@ class MpsManager:
         with self._lock:
             if uuid not in self._targets and self._devices.get(uuid) is dev:
                 del self._devices[uuid]
+        return None
+
+    def _try_stop(self, daemon: ControlDaemon, pid: int, stake: str) -> bool:
+        """:meth:`ControlDaemon.stop` the daemon ``pid`` of ``daemon``'s device: whether it
+        is gone. One that outlives SIGKILL (stuck in the driver) is said once
+        (``mps.stop_failed``, ``stake``: what waits on it) and tried again no sooner than a
+        backoff (5 s, doubling, up to ``backoff_max_s``): till then this answers False at
+        once, without signalling it."""
+        uuid = daemon.uuid
+        with self._lock:
+            failures, retry_at = self._stop_tries.get(uuid, (0, 0.0))
+        if failures and self._clock() < retry_at:
+            return False
+        if daemon.stop(pid=pid):
+            with self._lock:
+                self._stop_tries.pop(uuid, None)
+            return True
+        failures += 1
+        delay = min(self._backoff_max_s, 5.0 * 2.0 ** min(failures - 1, 16))
+        with self._lock:
+            self._stop_tries[uuid] = (failures, self._clock() + delay)
+            target = self._targets.get(uuid)
+        name = f"{_label(target)} ({uuid})" if target is not None else uuid
+        if failures > 1:
+            log.warning("the MPS control daemon of %s (pid %d) still runs", name, pid)
+            return False
+        self._events.emit(
+            "mps.stop_failed",
+            f"the MPS control daemon of {name} (pid {pid}) is still running after quit,"
+            f" SIGTERM and SIGKILL: {stake}, and gpud tries again every"
+            f" {self._backoff_max_s:g} s at most. A process stuck in the driver (State: D in"
+            f" /proc/{pid}/status) goes only with a GPU reset or a reboot",
+            **_where(target, uuid),
+            pid=pid,
+            retry_in_s=delay,
+        )
+        return False
+
+    @contextlib.contextmanager
+    def released(self, uuids: Iterable[str]) -> Iterator[dict[str, str]]:
+        """For a MIG apply about to destroy the MIG devices ``uuids``: stop their daemons
+        and start none for them while the context lasts (a pass meanwhile would start them
+        again). Yields, by UUID, why a device still has one (it would not stop: its
+        instance must not be destroyed under it); the others' daemons are gone."""
+        uuids = list(dict.fromkeys(uuids))
+        with self._lock:
+            self._held.update(uuids)
+        try:
+            stuck = {}
+            for uuid in uuids:
+                self._device(uuid)
+                pid = self._stop_device(uuid, reason="its MIG device is being destroyed")
+                if pid is not None:
+                    target = self.target(uuid)
+                    name = _label(target) if target is not None else "MIG device"
+                    stuck[uuid] = (
+                        f"the MPS control daemon of {name} ({uuid}, pid {pid}) would not stop"
+                        " (see the mps.stop_failed event)"
+                    )
+            yield stuck
+        finally:
+            with self._lock:
+                self._held.difference_update(uuids)
 
     def start_server(self, device: str, uid: int) -> list[int]:
         """``start_server -uid UID`` (MPS servers otherwise start with their first client);
@@ -1413,11 +1546,15 @@ def _label(target: MpsTarget) -> str:
     return f"MIG device {target.gpu}:{target.mig} on GPU {target.gpu}"
 
 
-def _where(target: MpsTarget) -> dict[str, object]:
+def _where(target: MpsTarget | None, uuid: str = "") -> dict[str, object]:
     """An event's fields naming the device: ``gpu`` (its GPU's index) and ``uuid`` (the
     device's own UUID); a MIG device's also ``mig`` (its index on the GPU) and, as the
-    metrics label them, ``gpu_uuid`` and ``mig_uuid``."""
-    where: dict[str, object] = {"uuid": target.uuid, "gpu": target.gpu}
+    metrics label them, ``gpu_uuid`` and ``mig_uuid``. ``target`` None: a device no longer
+    known (gone), named by its ``uuid`` alone."""
+    where: dict[str, object] = {"uuid": uuid}
+    if target is None:
+        return where
+    where = {"uuid": target.uuid, "gpu": target.gpu}
     if target.mig is not None:
         where["mig"] = target.mig
         where["mig_uuid"] = target.uuid

@@ -33,6 +33,10 @@ daemon goes away), so their PIDs are real. Like the real daemon, the limits live
 process and are lost when it quits or dies. For tests to check what the daemon holds, the
 state is also written after every command to ``$CUDA_MPS_PIPE_DIRECTORY/fake-mps-state.json``.
 
+While ``$CUDA_MPS_PIPE_DIRECTORY/fake-mps-stuck`` exists the daemon ignores ``quit`` and
+SIGTERM, as one stuck in the driver does (SIGKILL still ends this one: tests that need it to
+look alive after that inject the liveness check, ``alive(pid, proc_root)``).
+
 Standard library only: it runs under any ``python3``, without gpud installed.
 """
 
@@ -50,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 PID_FILE = "nvidia-cuda-mps-control.pid"
+STUCK_FILE = "fake-mps-stuck"
 CONTROL_SOCKET = "control"
 STATE_FILE = "fake-mps-state.json"
 NOT_RUNNING = "Cannot find MPS control daemon process"
@@ -292,8 +297,11 @@ class Daemon:
         return "" if not limit else _displayed(limit)
 
     def cmd_quit(self) -> str:
-        self.quitting = True
+        self.quitting = not self.stuck()
         return ""
+
+    def stuck(self) -> bool:
+        return (self.directory / STUCK_FILE).exists()
 
     # -- lifecycle ----------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -329,7 +337,7 @@ class Daemon:
         self.log(f"Starting control daemon, devices {','.join(self.devices)}")
 
         def on_term(signum: int, frame: object) -> None:
-            self.quitting = True
+            self.quitting = not self.stuck()
 
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)

@@ -3,6 +3,7 @@ NVML adapter."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ from gpud.errors import Busy, GpuLost, InvalidArgument, NotFound
 from gpud.events import EventLog
 from gpud.mig.api import apply_message, gpu_message
 from gpud.mig.layout import MigConfigFile, load_config, parse_config
-from gpud.mig.manager import NOT_ANSWERING, MigManager
+from gpud.mig.manager import NOT_ANSWERING, MigManager, Release
 from gpud.mig.metrics import MigMetrics
 from gpud.mig.store import ApplyOptions
 from gpud.store import StateStore
@@ -53,6 +54,7 @@ class Host:
         self.faults: dict[int, str] = {}  # what telemetry found unhealthy
         self.read_timeout_s = 5.0  # how long an apply waits for a GPU's reads
         self.daemons: list[Daemon] = []
+        self.release: Release | None = None  # the MPS daemons' stop before a destroy
 
     def start(self, *, resets: bool = False) -> Daemon:
         """A daemon life; with ``resets`` its backend can reset GPUs (nvidia-smi)."""
@@ -76,6 +78,7 @@ class Host:
             sleep=sleep,
             faults=lambda: self.faults,
             read_timeout_s=self.read_timeout_s,
+            release=self.release,
         )
         d = Daemon(node, backend, store, events, mig, sleeps)
         self.daemons.append(d)
@@ -1476,3 +1479,40 @@ def test_mig_show_shows_a_gpu_whose_mig_devices_need_a_reset_as_faulty(
     assert [v.instances for v in views] == [(), ()]
     assert all(v.fault.startswith("reset required: ") for v in views), views
     assert "nvidia-smi --gpu-reset -i 0" in views[0].fault
+
+
+def test_an_instance_whose_mps_daemon_would_not_stop_is_not_destroyed(
+    host: Host, config: MigConfigFile
+) -> None:
+    """The MPS control daemons of the MIG devices a relayout destroys are stopped first; one
+    that would not stop (stuck in the driver) keeps its GPU as it is: the apply fails,
+    naming the device, and no step is taken there."""
+    before = instances(enable(host, config, "all-1g.10gb"))
+    asked: list[list[str]] = []
+    stuck_uuid = ""
+
+    @contextlib.contextmanager
+    def release(uuids: list[str]) -> Iterator[dict[str, str]]:
+        asked.append(uuids)
+        yield {u: f"the MPS control daemon of {u} (pid 4242) would not stop" for u in uuids[:1]}
+
+    host.release = release
+    d = host.start()
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert result.result == "failed"
+    assert [len(a) for a in asked] == [7, 7]  # every MIG device of each GPU, before any step
+    for o, uuids in zip(result.gpus, asked, strict=True):
+        stuck_uuid = uuids[0]
+        assert o.status == "failed" and not o.steps
+        assert f"{stuck_uuid} (pid 4242) would not stop" in o.detail
+        assert "not destroyed" in o.detail
+    assert instances(d) == before
+    (event,) = d.events.recent(kind_prefix="mig.apply")
+    assert stuck_uuid in event.message
+
+    @contextlib.contextmanager
+    def stopped(uuids: list[str]) -> Iterator[dict[str, str]]:
+        yield {}
+
+    host.release = stopped
+    assert host.start().mig.apply(config, "all-3g.40gb").result == "success"

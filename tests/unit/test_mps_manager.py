@@ -1417,3 +1417,158 @@ def test_a_record_naming_no_directory_gpud_makes_is_dropped_touching_nothing(
     finally:
         mgr.stop()
         store.close()
+
+
+class StuckDaemons:
+    """The manager's liveness check: the PIDs in ``pids`` run on after SIGKILL, as a daemon
+    stuck in the driver does; and its clock, which a test moves on (waits move it too)."""
+
+    def __init__(self) -> None:
+        self.pids: set[int] = set()
+        self.now = 0.0
+
+    def alive(self, pid: int, proc_root: Path) -> bool:
+        return pid in self.pids or alive(pid, proc_root)
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        time.sleep(min(seconds, 0.01))
+
+    def stick(self, pipe_dir: Path, pid: int) -> None:
+        """The daemon ignores quit and SIGTERM, and looks alive after SIGKILL."""
+        (pipe_dir / "fake-mps-stuck").touch()
+        self.pids.add(pid)
+
+    def options(self) -> dict[str, object]:
+        return {"alive": self.alive, "clock": self.clock, "sleep": self.sleep}
+
+
+def _record(store: StateStore, uuid: str) -> tuple[object, ...] | None:
+    with store.transaction() as conn:
+        row = conn.execute("SELECT pid, pipe_dir FROM mps_daemons WHERE uuid = ?", (uuid,))
+        found = row.fetchone()
+    return tuple(found) if found is not None else None
+
+
+def test_a_daemon_that_outlives_sigkill_is_kept_and_retried(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A gone device's daemon that will not stop (stuck in the driver) is not reported
+    stopped: its record and directory stay, one mps.stop_failed names it, and later passes
+    try again, no sooner than a backoff, until it is gone."""
+    stuck = StuckDaemons()
+    mgr, store, events = make_manager(root, **stuck.options())
+    try:
+        mgr.reconcile(MIG_NODE)
+        gone = mig_uuid(0, 2)
+        (status,) = [s for s in mgr.status() if s.target.uuid == gone]
+        assert status.pid is not None
+        stuck.stick(status.pipe_dir, status.pid)
+        fewer = snapshot(gpu_sample(0, migs=(("3g.40gb", 40), ("2g.20gb", 20))), gpu_sample(1))
+        mgr.reconcile(fewer)
+        (failed,) = events.recent(kind_prefix="mps.stop_failed")
+        assert failed.fields["uuid"] == gone and failed.fields["pid"] == status.pid
+        assert f"pid {status.pid}" in failed.message and "SIGKILL" in failed.message
+        assert "GPU reset" in failed.message
+        assert not [e for e in events.recent() if e.kind == "mps.stop"]
+        assert _record(store, gone) == (status.pid, str(status.pipe_dir))
+        assert status.pipe_dir.is_dir()
+
+        # the next passes, within the backoff: not signalled again, not said again
+        def tries() -> int:
+            return sum("outlived SIGKILL" in r.getMessage() for r in caplog.records)
+
+        assert tries() == 1
+        mgr.reconcile(fewer)
+        assert tries() == 1
+        assert len(events.recent(kind_prefix="mps.stop_failed")) == 1
+        # past the backoff it is tried again: still there, said no more
+        stuck.now += 60
+        mgr.reconcile(fewer)
+        assert tries() == 2
+        assert len(events.recent(kind_prefix="mps.stop_failed")) == 1
+        assert _record(store, gone) is not None
+        # once it has gone (the GPU reset), the next try forgets it and removes its directory
+        stuck.pids.clear()
+        stuck.now += 120
+        mgr.reconcile(fewer)
+        assert _record(store, gone) is None
+        assert not status.pipe_dir.parent.exists()
+    finally:
+        stuck.pids.clear()
+        mgr.stop()
+        store.close()
+
+
+def test_a_daemon_under_an_old_run_dir_that_will_not_stop_is_not_doubled(root: Path) -> None:
+    """daemon.run_dir changed while a daemon left under the old one is stuck: no
+    mps.stop_moved for it, its record stays, no second daemon starts for its GPU, and once
+    it has gone the next pass takes over and starts the device's own."""
+    first, store, _ = make_manager(root, run="run")
+    first.reconcile(NODE)
+    old = {s.target.uuid: s for s in first.status()}
+    first.leave()
+    store.close()
+    stuck = StuckDaemons()
+    held = old[gpu_uuid(0)]
+    assert held.pid is not None
+    stuck.stick(held.pipe_dir, held.pid)
+    second, store, events = make_manager(root, run="run2", **stuck.options())
+    try:
+        second.reconcile(NODE)
+        moved = events.recent(kind_prefix="mps.stop_moved")
+        assert [e.fields["uuid"] for e in moved] == [gpu_uuid(1)]
+        (failed,) = events.recent(kind_prefix="mps.stop_failed")
+        assert failed.fields["uuid"] == gpu_uuid(0) and failed.fields["pid"] == held.pid
+        assert "outside daemon.run_dir" in failed.message
+        now = {s.target.uuid: s for s in second.status()}
+        assert now[gpu_uuid(0)].pid is None and not now[gpu_uuid(0)].up
+        assert "would not stop" in now[gpu_uuid(0)].last_error
+        assert now[gpu_uuid(1)].up
+        assert _record(store, gpu_uuid(0)) == (held.pid, str(held.pipe_dir))
+        assert held.pipe_dir.is_dir()
+        second.reconcile(NODE)  # within the backoff: still none beside it
+        assert {s.target.uuid: s.pid for s in second.status()}[gpu_uuid(0)] is None
+        stuck.pids.clear()
+        stuck.now += 60
+        second.reconcile(NODE)
+        now = {s.target.uuid: s for s in second.status()}
+        assert now[gpu_uuid(0)].up and root / "run2" in now[gpu_uuid(0)].pipe_dir.parents
+        assert not (root / "run" / "mps").exists()
+        assert _record(store, gpu_uuid(0)) == (now[gpu_uuid(0)].pid, str(now[gpu_uuid(0)].pipe_dir))
+    finally:
+        stuck.pids.clear()
+        second.stop()
+        store.close()
+
+
+def test_mig_devices_about_to_be_destroyed_lose_their_daemons_first(root: Path) -> None:
+    """What a MIG apply holds while it destroys instances: their daemons stopped, none
+    started meanwhile; one that would not stop is named, with its pid."""
+    stuck = StuckDaemons()
+    mgr, store, events = make_manager(root, **stuck.options())
+    try:
+        mgr.reconcile(MIG_NODE)
+        pids = {s.target.uuid: s for s in mgr.status()}
+        held = pids[mig_uuid(0, 1)]
+        assert held.pid is not None
+        stuck.stick(held.pipe_dir, held.pid)
+        with mgr.released([mig_uuid(0, 0), mig_uuid(0, 1)]) as left:
+            assert list(left) == [mig_uuid(0, 1)]
+            assert (
+                f"MIG device 0:1 on GPU 0 ({mig_uuid(0, 1)}, pid {held.pid})"
+                in left[mig_uuid(0, 1)]
+            )
+            mgr.reconcile(MIG_NODE)  # a pass meanwhile starts none for them
+            assert {s.target.uuid: s.pid for s in mgr.status()}[mig_uuid(0, 0)] is None
+        said = [(e.kind, e.fields["uuid"]) for e in events.recent(kind_prefix="mps.stop")]
+        assert sorted(said) == [("mps.stop", mig_uuid(0, 0)), ("mps.stop_failed", mig_uuid(0, 1))]
+        mgr.reconcile(MIG_NODE)  # after it, the device still there gets one again
+        assert {s.target.uuid: s.up for s in mgr.status()}[mig_uuid(0, 0)]
+    finally:
+        stuck.pids.clear()
+        mgr.stop()
+        store.close()
