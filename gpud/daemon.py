@@ -436,6 +436,7 @@ class Daemon:
         self._pass: asyncio.Future[None] | None = None  # the loop pass a stop came during
         self._step_now = ""  # the step the loop pass runs
         # Order matters: MIG first (it changes the devices), then MPS per device, then jobs.
+        self.add_step("socket", self._socket_step)
         self.add_step("seen", self._seen_step)
         self.add_step("mig", self._mig_step)
         self.add_step("mps", self._mps_step)
@@ -464,6 +465,10 @@ class Daemon:
         answering, ...): MIG calls leave them alone, as a driver call on them could block."""
         snap = self.sampler.latest()
         return {g.identity.index: g.reason for g in snap.gpus if not g.healthy} if snap else {}
+
+    async def _socket_step(self) -> None:
+        """The API's socket bound again when it was removed while gpud runs."""
+        await self.api.keep_socket()
 
     async def _mig_step(self) -> None:
         await asyncio.to_thread(self.mig.reconcile_unless_busy, self.config.mig.on_start)

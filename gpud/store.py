@@ -114,6 +114,14 @@ class StateStore:
             found = self.path.stat()
             if found.st_size == 0 and stat.S_ISREG(found.st_mode):
                 raise StateError(_unreadable(self.path, "empty: 0 bytes, truncated?"))
+            if not stat.S_ISREG(found.st_mode):
+                # SQLite says only "unable to open database file", as for a mode or owner
+                kind = "a directory" if stat.S_ISDIR(found.st_mode) else "not a regular file"
+                raise StateError(
+                    f"state database {self.path} is {kind}, not the database file: move it "
+                    "aside (a backup restored into it: put its state.db in its place), then "
+                    "start gpud again"
+                )
         try:
             _create(self.path)
             self._conn = sqlite3.connect(

@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from gpud import files
 from gpud.api import validate
 from gpud.api.access import TcpAccess, guard, tcp_warning
 from gpud.api.interceptors import ErrorMappingInterceptor
@@ -105,6 +106,7 @@ class ApiServer:
         self._tcp_server: Any = None
         self._health: Any = None
         self._socket_inode: int | None = None
+        self._retired: list[Any] = []  # servers on a socket file removed (keep_socket)
         self.tcp_port: int | None = None
 
     @property
@@ -176,14 +178,8 @@ class ApiServer:
         await server.start()
         if tcp is not None:
             await tcp.start()
-        # gRPC creates the socket with the process umask (0027 under systemd, at least 0022
-        # from gpud's main: no one but root may connect until then, so group members cannot
-        # yet); the mode and group are set right after the bind.
         try:
-            os.chmod(path, SOCKET_MODE)
-            if gid is not None:
-                os.chown(path, -1, gid, follow_symlinks=False)  # never a planted link
-            self._socket_inode = path.stat().st_ino
+            self._own_socket(gid)
         except OSError as err:
             await _stop_all((server, tcp), None)
             path.unlink(missing_ok=True)
@@ -197,6 +193,56 @@ class ApiServer:
             self.socket_group or "unchanged",
             f" and {self.tcp_address}" if self.tcp_address else "",
         )
+
+    def _own_socket(self, gid: int | None) -> None:
+        """Give the socket just bound its mode and group, and note its inode. gRPC creates
+        it with the process umask (0027 under systemd, at least 0022 from gpud's main: no
+        one but root may connect until then, so group members cannot yet); the mode and
+        group are set right after the bind."""
+        os.chmod(self.socket_path, SOCKET_MODE)
+        if gid is not None:
+            os.chown(self.socket_path, -1, gid, follow_symlinks=False)  # never a planted link
+        self._socket_inode = self.socket_path.stat().st_ino
+
+    async def keep_socket(self) -> bool:
+        """Bind the unix socket again when its file is gone (``rm`` of it or of the run
+        directory, a cleaner of ``/run``): the server still listens on the removed file,
+        but no new ``gpuctl`` can reach it, and ``systemctl start gpud`` does nothing for a
+        gpud that runs. A new server takes the path (its directory made again, 0711); the
+        one before keeps serving the connections it has (a ``gpuctl run`` waiting in the
+        queue) until gpud stops. Something else in the socket's place (a file, another
+        process's socket) is left alone. True when it bound again; OSError or GpudError
+        when it cannot (said by the caller, tried again at its next call)."""
+        if self._server is None:
+            return False
+        path = self.socket_path
+        try:
+            path.lstat()
+            return False  # ours, or another's to leave alone
+        except FileNotFoundError:
+            pass
+        files.make_dirs(path.parent, files.RUN_DIR_MODE)
+        gid = self._group_id()
+        server = self._new_server(None)
+        if server.add_insecure_port(f"unix:{path}") == 0:
+            await server.stop(None)
+            raise GpudError(f"gRPC server cannot listen on {path} again")
+        await server.start()
+        try:
+            self._own_socket(gid)
+        except OSError:
+            await server.stop(None)
+            path.unlink(missing_ok=True)
+            raise
+        self._retired.append(self._server)
+        self._server = server
+        log.warning(
+            "the socket %s was removed while gpud ran: listening on it again (mode %o, group %s)",
+            path,
+            SOCKET_MODE,
+            self.socket_group or "unchanged",
+        )
+        return True
 
     def _new_server(self, max_calls: int | None) -> Any:
         """A gRPC server with every service, the health service and the error mapping."""
@@ -234,12 +280,13 @@ class ApiServer:
         """
         server, self._server = self._server, None
         tcp, self._tcp_server = self._tcp_server, None
+        retired, self._retired = self._retired, []
         if server is None:
             return
         if self._health is not None:
             # every service reports NOT_SERVING to health watchers before the listeners close
             await self._health.enter_graceful_shutdown()
-        await _stop_all((server, tcp), grace)
+        await _stop_all((server, tcp, *retired), grace)
         with contextlib.suppress(FileNotFoundError):
             # only our own socket: a newer daemon may have replaced it already
             if self.socket_path.stat().st_ino == self._socket_inode:

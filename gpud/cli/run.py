@@ -717,7 +717,7 @@ def release_run(
         except CliError as err:
             if err.exit_code != EXIT_NOT_RUNNING or returncode is None:
                 raise
-            retried = release_retried(ctx, request, job, first, told=told)
+            retried = release_retried(ctx, request, job, first, told=told, why=err)
             if retried is None:
                 return
             released = retried
@@ -753,6 +753,7 @@ def release_retried(
     *,
     wait_s: float = RELEASE_WAIT_S,
     told: int | None = None,
+    why: CliError | None = None,
 ) -> pb.ReleaseResponse | None:
     """``request`` sent again while gpud is away (stopped, restarting), every
     RELEASE_RETRY_S, then less often (up to RELEASE_RETRY_MAX_S), for up to ``wait_s``
@@ -761,19 +762,27 @@ def release_retried(
     gpud``. Each try says how long ago the first was (``since_end_s``): the history ends the
     run then. None when it gave up, or a signal (Ctrl-C, SIGTERM, SIGHUP) stopped it, or
     one had stopped the run already (``told``: no try again): said on stderr. Another
-    error (NOT_FOUND: released already) raises."""
+    error (NOT_FOUND: released already) raises. ``why``: the first try's failure; one gpud
+    answered (its state database cannot be written: disk full) is said as it is, not as a
+    gpud that does not answer."""
+    answered = why is not None and bool(why.error)
+    if answered:
+        away = f"gpud on {ctx.socket_path} cannot take how job {job} ended now: {why}"
+    else:
+        away = f"gpud on {ctx.socket_path} is not answering"
     if told is not None:
         _not_told(
             request,
-            f"gpud on {ctx.socket_path} is not answering, and gpuctl was sent {_signame(told)}"
-            f": not waiting to tell it how job {job} ended",
+            f"{away}, and gpuctl was sent {_signame(told)}: not waiting to tell it how job"
+            f" {job} ended",
         )
         return None
     with _signals_stop() as stop:
+        if not answered:
+            away += " (stopped or restarting?)"
         print(
-            f"gpuctl: gpud on {ctx.socket_path} is not answering (stopped or restarting?): "
-            f"telling it how job {job} ended ({_ending(request)}) again for up to "
-            f"{wait_s:g} s (Ctrl-C stops)",
+            f"gpuctl: {away}: telling it how job {job} ended ({_ending(request)}) again for"
+            f" up to {wait_s:g} s (Ctrl-C stops)",
             file=sys.stderr,
             flush=True,
         )

@@ -119,6 +119,38 @@ async def test_refuses_to_replace_a_regular_file(sock_dir: Path) -> None:
     assert path.read_text() == "not a socket"
 
 
+async def test_a_removed_socket_is_bound_again(sock_dir: Path) -> None:
+    """``rm`` of the socket (or of its directory) while gpud runs: the next keep_socket
+    binds it again, 0660, so that a new gpuctl reaches gpud; a connection made before keeps
+    its server until the stop, which removes the new socket."""
+    path = sock_dir / "run" / "gpud.sock"
+    server = await _serve(path, make_servicer())
+    assert not await server.keep_socket()  # in place: nothing to do
+    async with grpc.aio.insecure_channel(f"unix:{path}") as before:
+        await pb_grpc.NodeStub(before).GetStatus(pb.GetStatusRequest())
+        path.unlink()
+        path.parent.rmdir()
+        assert await server.keep_socket()
+        assert stat.S_IMODE(path.stat().st_mode) == 0o660
+        async with grpc.aio.insecure_channel(f"unix:{path}") as after:
+            resp = await pb_grpc.NodeStub(after).GetStatus(pb.GetStatusRequest())
+        assert resp.hostname == "node-a"
+        resp = await pb_grpc.NodeStub(before).GetStatus(pb.GetStatusRequest())
+        assert resp.hostname == "node-a"
+    await server.stop(0)
+    assert not path.exists()
+
+
+async def test_keep_socket_leaves_another_file_in_its_place(sock_dir: Path) -> None:
+    path = sock_dir / "gpud.sock"
+    server = await _serve(path, make_servicer())
+    path.unlink()
+    path.write_text("an operator's")
+    assert not await server.keep_socket()
+    await server.stop(0)
+    assert path.read_text() == "an operator's"
+
+
 async def test_health_serving_and_not_serving(sock_dir: Path) -> None:
     path = sock_dir / "gpud.sock"
     server = await _serve(path, make_servicer())

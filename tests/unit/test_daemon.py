@@ -510,3 +510,25 @@ def _close(d: Daemon) -> None:
     d.sampler.close()
     d.store.close()
     d.backend.close()
+
+
+def test_the_loop_binds_a_removed_socket_again(root: Path) -> None:
+    """``rm -rf`` of the run directory while gpud runs: the next pass listens again."""
+    d = build(make_config(root))
+    path = d.config.socket_path
+    (step,) = [s for s in d.steps if s.name == "socket"]
+
+    async def scenario() -> None:
+        await d.api.start()
+        try:
+            path.unlink()
+            await step.run()
+            assert path.is_socket()
+        finally:
+            await d.api.stop(0)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        d.store.close()
+        d.backend.close()

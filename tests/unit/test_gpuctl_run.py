@@ -24,7 +24,7 @@ from gpud.cli.main import main as gpuctl
 from gpud.colo.api import ColoServicer
 from gpud.colo.service import ColoService, RunningJob
 from gpud.config import ColocateConfig
-from gpud.errors import ColocationOff, DscpPoolExhausted, NotFound
+from gpud.errors import ColocationOff, DscpPoolExhausted, NotFound, StateUnwritable
 from gpud.events import EventLog
 from gpud.jobs.api import JobsServicer
 from gpud.jobs.ends import EndCause, RunEnd
@@ -40,6 +40,7 @@ from gpud.v1 import (
     colo_pb2,
     colo_pb2_grpc,
     jobs_pb2,
+    jobs_pb2_grpc,
     net_pb2,
     net_pb2_grpc,
     queue_pb2,
@@ -1017,6 +1018,56 @@ def test_a_release_gpud_never_takes_is_given_up_saying_so(
     assert "how job j ended (signal 9) again for up to 0.6 s" in err
     assert f"gpuctl: gave up after 1 s telling gpud on {root / 'gpud.sock'} how job j" in err
     assert "reservation r1 by itself (holder gone)" in err
+
+
+class _FullDisk(jobs_pb2_grpc.JobsServicer):
+    """Jobs.Release refused ``refusals`` times as gpud refuses it on a full disk."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.asked: list[jobs_pb2.ReleaseRequest] = []
+
+    async def Release(self, request: jobs_pb2.ReleaseRequest, context: Any) -> Any:
+        self.asked.append(request)
+        if len(self.asked) <= self.refusals:
+            raise StateUnwritable(
+                "state database /var/lib/gpud/state.db cannot be written (database or disk is"
+                " full): nothing of this change was kept; free space or fix the file, then retry"
+            )
+        return jobs_pb2.ReleaseResponse(
+            reservation=jobs_pb2.JobReservation(id=request.reservation_id)
+        )
+
+    def register(self, server: Any) -> None:
+        jobs_pb2_grpc.add_JobsServicer_to_server(self, server)
+
+
+def test_a_release_gpud_cannot_record_says_why_not_that_gpud_is_away(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """gpud answers the release with its state database full: gpuctl says so, as gpud said
+    it, tries again as for a gpud that is away, and is taken once there is room."""
+    from gpud.cli.context import Context
+    from gpud.cli.output import Output
+    from gpud.cli.run import release_run
+
+    full = _FullDisk(refusals=1)
+    with (
+        short_dir() as root,
+        ServerThread(ApiServer(root / "gpud.sock", servicers=[full.register])),
+    ):
+        ctx = Context(socket_path=root / "gpud.sock", timeout=5.0, output=Output(json_output=False))
+        release_run(ctx, "j", "r1", 7)
+        ctx.close()
+    assert [r.exit_code for r in full.asked] == [7, 7]
+    err = capsys.readouterr().err
+    assert "is not answering" not in err
+    assert (
+        f"gpuctl: gpud on {root / 'gpud.sock'} cannot take how job j ended now: state database"
+        " /var/lib/gpud/state.db cannot be written (database or disk is full)"
+    ) in err
+    assert "how job j ended (exit 7) again for up to 60 s (Ctrl-C stops)" in err
+    assert "could not release" not in err
 
 
 def test_a_removed_run_with_no_exit_status_says_only_its_end_is_kept(

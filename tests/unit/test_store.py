@@ -92,12 +92,27 @@ def test_an_empty_database_file_is_refused_not_taken_for_a_new_one(tmp_path: Pat
 def test_a_database_that_cannot_be_opened_says_so_not_that_it_is_damaged(
     tmp_path: Path,
 ) -> None:
-    (tmp_path / DB_NAME).mkdir()  # as unopenable as one of another owner, without root
+    # as unopenable as one of another owner, without root: a link into a missing directory
+    (tmp_path / DB_NAME).symlink_to(tmp_path / "gone" / DB_NAME)
     with pytest.raises(StateError) as caught:
         StateStore(tmp_path)
     assert str(caught.value).startswith(f"cannot open the state database {tmp_path / DB_NAME}")
     assert f"create files in {tmp_path}" in str(caught.value)
     assert "restore" not in str(caught.value)
+
+
+def test_a_directory_in_the_database_s_place_is_named_as_one(tmp_path: Path) -> None:
+    """Not "gpud's user must be able to read and write it" (owner, mode): nothing of the
+    sort would let SQLite open a directory."""
+    (tmp_path / DB_NAME).mkdir()  # a backup restored into a directory of that name
+    with pytest.raises(StateError) as caught:
+        StateStore(tmp_path)
+    assert str(caught.value) == (
+        f"state database {tmp_path / DB_NAME} is a directory, not the database file: move it"
+        " aside (a backup restored into it: put its state.db in its place), then start gpud"
+        " again"
+    )
+    assert (tmp_path / DB_NAME).is_dir()  # left as it was
 
 
 @pytest.mark.parametrize(
