@@ -69,7 +69,7 @@ from gpud.shared import (
     format_number,
 )
 from netshaper import tcplan
-from netshaper.ethtool import link_speed_mbps
+from netshaper.ethtool import link_running, link_speed_mbps
 from netshaper.leveller import Leveller, LevellerConfig
 from netshaper.progress import ProgressConfig, ProgressTracker
 from netshaper.weights import demand_weights
@@ -197,13 +197,17 @@ JobSource = Callable[[], Sequence[str]]
 ActiveSource = Callable[[], set[str]]
 """Jobs that hold a reservation now."""
 LinkSpeed = Callable[[str], tuple[int | None, str]]
-"""An interface's speed in Mb/s (None: unknown), and what gave it (for messages)."""
+"""An interface's speed in Mb/s (None: unknown), and what gave it (for messages); raises
+NotFound when there is no such interface."""
 
 
 def ethtool_speed(iface: str) -> tuple[int | None, str]:
     """The link's speed as gpud's own network namespace sees it: /sys may be another
     namespace's (gpud started under ``nsenter --net=``), where the name is another link."""
-    return link_speed_mbps(iface), "ethtool"
+    mbit = link_speed_mbps(iface)
+    if mbit is None and link_running(iface) is None:
+        raise NotFound(f"{iface}: no such network interface")
+    return mbit, "ethtool"
 
 
 def job_pool(config: TrafficConfig) -> frozenset[int]:
@@ -277,6 +281,7 @@ class TrafficService:
         self._last_plan: tcplan.TcPlan | None = None
         self._applied: dict[str, tcplan.InterfacePlan] = {}  # last plan in force, per iface
         self._ifaces = {name: InterfaceStatus(name) for name in config.interfaces}
+        self._link_bps: dict[str, int] = {}  # the rate each link's speed last gave
         self._ever_enforced: set[str] = set()
         self._counters: dict[tuple[str, str], _Counter] = {}  # (iface, job)
         self._demand_base: dict[str, tuple[int, int]] = {}  # job -> (bytes, iterations)
@@ -983,13 +988,25 @@ class TrafficService:
 
     # -- enforcement -----------------------------------------------------------------------
     def link_rate(self, iface: str) -> int:
-        """Bit/s of ``iface``: ``traffic.link_rates``, else the link's speed."""
+        """Bit/s of ``iface``: ``traffic.link_rates``, else the link's speed (while it has
+        none, the last it had in this run)."""
         for entry in self.config.link_rates:
             name, _, rate = entry.partition("=")
             if name == iface:
                 return parse_rate(rate)
-        mbit, speed = self._link_speed(iface)
+        held = self._link_bps.get(iface)
+        try:
+            mbit, speed = self._link_speed(iface)
+        except NotFound:
+            if held is None:
+                raise
+            mbit, speed = None, ""
         if mbit is None or mbit <= 0:
+            if held is not None:
+                # it had a speed in this run: a NIC whose link went down has none until
+                # it is up again. The tree stays at the last rate (and drift is still
+                # repaired); an interface gone or renamed away is for tc to name
+                return held
             raise FailedPrecondition(
                 f"{iface}: link rate unknown ({speed} gives none): set traffic.link_rates"
             )
@@ -999,6 +1016,7 @@ class TrafficService:
                 f"{iface}: {tcplan.link_rate_range(bps)} ({speed} says {mbit} Mb/s):"
                 " set traffic.link_rates"
             )
+        self._link_bps[iface] = bps
         return bps
 
     def start(self) -> None:
