@@ -295,6 +295,7 @@ class TrafficService:
         self._known_jobs: set[str] = set()
         self._untagged: dict[str, str] = {}  # job -> why it has no tag (the pool ran out)
         self._cgroup_busy: set[str] = set()  # removed jobs whose cgroup still holds processes
+        self._cgroup_seen: set[str] = set()  # tagged jobs whose cgroup the last pass found
         self._started_at = monotonic()
         self._clocks: tuple[float, float] | None = None  # (wall, monotonic) as last read
         self._tagged_at: dict[str, float] = {}  # job -> when it was last given its tag (monotonic)
@@ -1197,10 +1198,21 @@ class TrafficService:
         if self._marker is None or self._cgroups is None or not self.config.marking:
             return
         marks = []
-        for job, dscp in self.tags.allocations().items():
+        for job, dscp in sorted(self.tags.allocations().items()):
             mark = self._cgroups.mark(job, dscp)
             if mark is not None:
                 marks.append(mark)
+            elif job in self._cgroup_seen:
+                # gpud removes a job's cgroup only with the job: someone else removed it
+                # (its processes moved out first), so nothing is left to mark
+                self._events.emit(
+                    "net.cgroup_gone",
+                    f"job {job}: its cgroup {self._cgroups.dir(job)} was removed outside"
+                    " gpud: its packets are no longer marked (its next gpuctl run makes the"
+                    " cgroup again)",
+                    job=job,
+                )
+        self._cgroup_seen = {m.job for m in marks}
         try:
             result = self._marker.sync(marks)
         except Exception as err:

@@ -1373,6 +1373,28 @@ def test_a_removed_jobs_cgroup_that_still_holds_processes_is_said_once(rig: Rig)
     assert not rig.cgroups.dir("a").exists()
 
 
+def test_a_jobs_cgroup_removed_outside_gpud_is_said_once(rig: Rig) -> None:
+    """An operator moves a running job's processes out of its cgroup and removes it: its
+    rule goes (nothing is left to mark), and one event names the job, not one per tick."""
+    (rig.tmp / "proc" / "4242").mkdir(parents=True)
+    (rig.tmp / "proc" / "4242" / "environ").write_bytes(b"GPUD_JOB=a\0")
+    rig.service.place("a", 4242)
+    rig.service.tick()
+    assert [m.job for m in rig.marker.marks] == ["a"]
+    (rig.cgroups.dir("a") / "cgroup.procs").unlink()
+    rig.cgroups.dir("a").rmdir()
+    rig.service.tick()
+    rig.service.tick()
+    assert rig.marker.marks == set()
+    (gone,) = [e for e in rig.events.recent(100) if e.kind == "net.cgroup_gone"]
+    assert gone.fields == {"job": "a"}
+    assert f"job a: its cgroup {rig.cgroups.dir('a')} was removed outside gpud" in gone.message
+    rig.service.place("a", 4242)  # its next run: marked again, nothing more said
+    rig.service.tick()
+    assert [m.job for m in rig.marker.marks] == ["a"]
+    assert rig.kinds().count("net.cgroup_gone") == 1
+
+
 @pytest.mark.parametrize("tick_between", [False, True], ids=["removed", "removed-and-ticked"])
 def test_a_job_removed_as_its_process_is_placed_leaves_nothing_past_the_next_tick(
     rig: Rig, tick_between: bool
