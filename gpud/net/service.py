@@ -69,7 +69,7 @@ from gpud.shared import (
     format_number,
 )
 from netshaper import tcplan
-from netshaper.ethtool import link_speed_mbps
+from netshaper.ethtool import link_running, link_speed_mbps
 from netshaper.leveller import Leveller, LevellerConfig
 from netshaper.progress import ProgressConfig, ProgressTracker
 from netshaper.weights import demand_weights
@@ -197,13 +197,17 @@ JobSource = Callable[[], Sequence[str]]
 ActiveSource = Callable[[], set[str]]
 """Jobs that hold a reservation now."""
 LinkSpeed = Callable[[str], tuple[int | None, str]]
-"""An interface's speed in Mb/s (None: unknown), and what gave it (for messages)."""
+"""An interface's speed in Mb/s (None: unknown), and what gave it (for messages); raises
+NotFound when there is no such interface."""
 
 
 def ethtool_speed(iface: str) -> tuple[int | None, str]:
     """The link's speed as gpud's own network namespace sees it: /sys may be another
     namespace's (gpud started under ``nsenter --net=``), where the name is another link."""
-    return link_speed_mbps(iface), "ethtool"
+    mbit = link_speed_mbps(iface)
+    if mbit is None and link_running(iface) is None:
+        raise NotFound(f"{iface}: no such network interface")
+    return mbit, "ethtool"
 
 
 def job_pool(config: TrafficConfig) -> frozenset[int]:
@@ -277,6 +281,7 @@ class TrafficService:
         self._last_plan: tcplan.TcPlan | None = None
         self._applied: dict[str, tcplan.InterfacePlan] = {}  # last plan in force, per iface
         self._ifaces = {name: InterfaceStatus(name) for name in config.interfaces}
+        self._link_bps: dict[str, int] = {}  # the rate each link's speed last gave
         self._ever_enforced: set[str] = set()
         self._counters: dict[tuple[str, str], _Counter] = {}  # (iface, job)
         self._demand_base: dict[str, tuple[int, int]] = {}  # job -> (bytes, iterations)
@@ -290,6 +295,7 @@ class TrafficService:
         self._known_jobs: set[str] = set()
         self._untagged: dict[str, str] = {}  # job -> why it has no tag (the pool ran out)
         self._cgroup_busy: set[str] = set()  # removed jobs whose cgroup still holds processes
+        self._cgroup_seen: set[str] = set()  # tagged jobs whose cgroup the last pass found
         self._started_at = monotonic()
         self._clocks: tuple[float, float] | None = None  # (wall, monotonic) as last read
         self._tagged_at: dict[str, float] = {}  # job -> when it was last given its tag (monotonic)
@@ -983,13 +989,25 @@ class TrafficService:
 
     # -- enforcement -----------------------------------------------------------------------
     def link_rate(self, iface: str) -> int:
-        """Bit/s of ``iface``: ``traffic.link_rates``, else the link's speed."""
+        """Bit/s of ``iface``: ``traffic.link_rates``, else the link's speed (while it has
+        none, the last it had in this run)."""
         for entry in self.config.link_rates:
             name, _, rate = entry.partition("=")
             if name == iface:
                 return parse_rate(rate)
-        mbit, speed = self._link_speed(iface)
+        held = self._link_bps.get(iface)
+        try:
+            mbit, speed = self._link_speed(iface)
+        except NotFound:
+            if held is None:
+                raise
+            mbit, speed = None, ""
         if mbit is None or mbit <= 0:
+            if held is not None:
+                # it had a speed in this run: a NIC whose link went down has none until
+                # it is up again. The tree stays at the last rate (and drift is still
+                # repaired); an interface gone or renamed away is for tc to name
+                return held
             raise FailedPrecondition(
                 f"{iface}: link rate unknown ({speed} gives none): set traffic.link_rates"
             )
@@ -999,6 +1017,7 @@ class TrafficService:
                 f"{iface}: {tcplan.link_rate_range(bps)} ({speed} says {mbit} Mb/s):"
                 " set traffic.link_rates"
             )
+        self._link_bps[iface] = bps
         return bps
 
     def start(self) -> None:
@@ -1179,10 +1198,21 @@ class TrafficService:
         if self._marker is None or self._cgroups is None or not self.config.marking:
             return
         marks = []
-        for job, dscp in self.tags.allocations().items():
+        for job, dscp in sorted(self.tags.allocations().items()):
             mark = self._cgroups.mark(job, dscp)
             if mark is not None:
                 marks.append(mark)
+            elif job in self._cgroup_seen:
+                # gpud removes a job's cgroup only with the job: someone else removed it
+                # (its processes moved out first), so nothing is left to mark
+                self._events.emit(
+                    "net.cgroup_gone",
+                    f"job {job}: its cgroup {self._cgroups.dir(job)} was removed outside"
+                    " gpud: its packets are no longer marked (its next gpuctl run makes the"
+                    " cgroup again)",
+                    job=job,
+                )
+        self._cgroup_seen = {m.job for m in marks}
         try:
             result = self._marker.sync(marks)
         except Exception as err:

@@ -619,3 +619,18 @@ def test_an_interface_renamed_away_and_back_is_named_then_enforced_again(bed: Be
     assert "renamed to x0" in str(broke["message"])
     (back,) = _events(bed, "net.interface")
     assert str(back["message"]).startswith("a0: enforced again (was: ")
+
+
+def test_without_link_rates_a_missing_interface_is_named_as_missing(bed: Bed) -> None:
+    """The rate read from the link: a name with no interface, or one renamed away, is
+    that, not a link without a speed to set in traffic.link_rates."""
+    bed.interfaces, bed.rated = ("a0", "nope0"), False
+    bed.start()
+    bed.wait("a0 enforced", lambda: bool(_iface(bed, "a0").get("enforced")), timeout=10)
+    assert _iface(bed, "nope0")["error"] == "nope0: no such network interface"
+    run("ip", "-n", bed.snd, "link", "set", "a0", "name", "x0")
+    bed.wait("a0 broken", lambda: not _iface(bed, "a0").get("enforced"), timeout=10)
+    assert _iface(bed, "a0")["error"] == (
+        "a0: no such network interface (renamed to x0: gpud leaves x0 alone)"
+    )
+    assert _iface(bed, "a0")["rate_bits_per_second"] == 10_000_000_000

@@ -70,9 +70,12 @@ def sysfs(tmp_path: Path) -> Path:
 
 
 def speeds(sysfs: Path) -> Callable[[str], tuple[int | None, str]]:
-    """Link speeds as the fixture's ``class/net/IF/speed`` files give them."""
+    """Link speeds as the fixture's ``class/net/IF/speed`` files give them; an interface
+    without a directory is not there (NotFound, as ``ethtool_speed`` says it)."""
 
     def read(iface: str) -> tuple[int | None, str]:
+        if not (sysfs / "class" / "net" / iface).is_dir():
+            raise NotFound(f"{iface}: no such network interface")
         try:
             return int((sysfs / "class" / "net" / iface / "speed").read_text()), "the fake"
         except (OSError, ValueError):
@@ -274,7 +277,31 @@ def test_a_bad_interface_is_its_own_error(tmp_path: Path, sysfs: Path) -> None:
     assert by_name["eth0"].enforced and by_name["veth0"].enforced
     assert by_name["veth0"].rate_bps == 400_000_000
     assert not by_name["nope0"].enforced
-    assert "nope0" in by_name["nope0"].error and "link rate unknown" in by_name["nope0"].error
+    assert by_name["nope0"].error == "nope0: no such network interface"
+
+
+def test_a_link_that_loses_its_speed_keeps_its_last_rate(rig: Rig) -> None:
+    """A NIC whose link goes down has no speed until it is up again: its tree stays at the
+    rate it had, still checked for drift, and nothing is said of a rate."""
+    rig.service.tick()
+    (eth0,) = rig.service.view().interfaces
+    assert eth0.enforced and eth0.rate_bps == 1_000_000_000
+    (rig.sysfs / "class" / "net" / "eth0" / "speed").write_text("-1\n")  # link down
+    del rig.tc.states["eth0"]  # and its root deleted meanwhile
+    rig.service.tick()
+    (eth0,) = rig.service.view().interfaces
+    assert eth0.enforced and not eth0.error and eth0.rate_bps == 1_000_000_000
+    assert eth0.repairs == 1 and "net.interface_error" not in rig.kinds()
+    (rig.sysfs / "class" / "net" / "eth0" / "speed").write_text("100\n")  # up, slower
+    rig.service.tick()
+    (eth0,) = rig.service.view().interfaces
+    assert eth0.enforced and eth0.rate_bps == 100_000_000
+    top = next(
+        c
+        for c in rig.tc.states["eth0"].classes
+        if c.classid == tcplan.handle(tcplan.ROOT_MAJOR, tcplan.TOP_MINOR)
+    )
+    assert top.rate_bps == 100_000_000
 
 
 def test_sysfs_without_a_speed_asks_for_link_rates(tmp_path: Path, sysfs: Path) -> None:
@@ -1344,6 +1371,28 @@ def test_a_removed_jobs_cgroup_that_still_holds_processes_is_said_once(rig: Rig)
     (rig.cgroups.dir("a") / "cgroup.procs").unlink()  # they exited
     rig.service.tick()
     assert not rig.cgroups.dir("a").exists()
+
+
+def test_a_jobs_cgroup_removed_outside_gpud_is_said_once(rig: Rig) -> None:
+    """An operator moves a running job's processes out of its cgroup and removes it: its
+    rule goes (nothing is left to mark), and one event names the job, not one per tick."""
+    (rig.tmp / "proc" / "4242").mkdir(parents=True)
+    (rig.tmp / "proc" / "4242" / "environ").write_bytes(b"GPUD_JOB=a\0")
+    rig.service.place("a", 4242)
+    rig.service.tick()
+    assert [m.job for m in rig.marker.marks] == ["a"]
+    (rig.cgroups.dir("a") / "cgroup.procs").unlink()
+    rig.cgroups.dir("a").rmdir()
+    rig.service.tick()
+    rig.service.tick()
+    assert rig.marker.marks == set()
+    (gone,) = [e for e in rig.events.recent(100) if e.kind == "net.cgroup_gone"]
+    assert gone.fields == {"job": "a"}
+    assert f"job a: its cgroup {rig.cgroups.dir('a')} was removed outside gpud" in gone.message
+    rig.service.place("a", 4242)  # its next run: marked again, nothing more said
+    rig.service.tick()
+    assert [m.job for m in rig.marker.marks] == ["a"]
+    assert rig.kinds().count("net.cgroup_gone") == 1
 
 
 @pytest.mark.parametrize("tick_between", [False, True], ids=["removed", "removed-and-ticked"])
