@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -960,6 +961,7 @@ def test_a_run_whose_gpud_restarts_as_its_command_ends_keeps_its_exit_status(
     assert f"gpud on {gpud.socket} is not answering" in err
     assert "how job j ended (exit 7) again for up to 60 s (Ctrl-C stops)" in err
     assert "could not release" not in err and "released already" not in err
+    assert err.endswith("gpuctl: gpud took job j's end (exit 7)\n")
 
 
 def test_ctrl_c_stops_telling_gpud_and_gpuctl_exits_as_its_command_did(
@@ -993,7 +995,7 @@ def test_ctrl_c_stops_telling_gpud_and_gpuctl_exits_as_its_command_did(
             gpud.close()
     assert code == 7 and took < 30
     err = capsys.readouterr().err
-    assert f"gpuctl: stopped telling gpud on {gpud.socket} how job j ended" in err
+    assert f"gpuctl: stopped telling gpud on {gpud.socket} how job j ended (exit 7); once" in err
     assert "has no exit status for the run" in err
 
 
@@ -1015,7 +1017,11 @@ def test_a_release_gpud_never_takes_is_given_up_saying_so(
     err = capsys.readouterr().err
     assert f"gpud on {root / 'gpud.sock'} is not answering" in err
     assert "how job j ended (signal 9) again for up to 0.6 s" in err
-    assert f"gpuctl: gave up after 1 s telling gpud on {root / 'gpud.sock'} how job j" in err
+    gave_up = (
+        f"gpuctl: gave up telling gpud on {re.escape(str(root / 'gpud.sock'))} how job j "
+        r"ended \(signal 9\): it did not answer for \d+ ms; once it is back"
+    )
+    assert re.search(gave_up, err), err
     assert "reservation r1 by itself (holder gone)" in err
 
 
