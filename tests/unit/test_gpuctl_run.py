@@ -667,6 +667,29 @@ class Names(colo_pb2_grpc.ColocationServicer):
         colo_pb2_grpc.add_ColocationServicer_to_server(self, server)
 
 
+@pytest.mark.parametrize(
+    ("owner", "said"),
+    [
+        ("o" * 100_000, "argument --owner: longer than 128 characters"),
+        ("a\nb", "argument --owner: '\\n' at character 2: only printable characters are taken"),
+    ],
+    ids=["100kB", "newline"],
+)
+def test_a_bad_owner_is_refused_before_any_advice(
+    capsys: pytest.CaptureFixture[str], owner: str, said: str
+) -> None:
+    """``gpuctl run --owner`` that gpud would refuse is a usage error (exit 2) before gpuctl
+    asks the co-location loop where to go: no advice is asked nor printed, nothing is
+    registered or reserved, and the value is not repeated back."""
+    loop = Names(gpu_uuid(1))
+    with serving(loop.register) as n:
+        code = n.ctl("run", "--job", "t", "--owner", owner, "--", "true")
+        assert n.jobs.registry.all() == [] and n.jobs.reservations.held() == []
+    err = capsys.readouterr().err
+    assert code == 2 and loop.devices == [gpu_uuid(1)], err
+    assert said in err and " on GPU " not in err and len(err) < 1000
+
+
 def test_advice_whose_gpu_was_taken_meanwhile_is_asked_again(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
