@@ -74,6 +74,9 @@ MAX_IDEAL_S = 86400.0
 # The longest session a progress report may name (``net report --session``; gpud.client
 # sends 16 hex digits).
 MAX_SESSION_CHARS = 64
+# Who a job is for, free text shown by `gpuctl jobs ls` and the queue's listings
+# (gpud.jobs.registry.check_owner; gpuctl's --owner checks it before asking gpud anything).
+MAX_OWNER = 128
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _FACTORS = {"": 1, "k": KIB, "m": MIB, "g": GIB, "t": TIB}
@@ -119,6 +122,13 @@ def check_slo_ms(value: float, *, field: str = "slo_p99_ms") -> float:
             field=field,
         )
     return value
+
+
+def check_owner(owner: str, *, field: str = "owner") -> str:
+    """A job's owner: one line of printable text (:func:`check_text`, :data:`MAX_OWNER`):
+    an escape sequence or a newline in an owner would rewrite the terminal or the table of
+    whoever lists the jobs."""
+    return check_text(owner, field=field, max_len=MAX_OWNER)
 
 
 def check_text(value: str, *, field: str, max_len: int) -> str:

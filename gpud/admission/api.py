@@ -31,9 +31,9 @@ from gpud.api.validate import int_range, non_empty, optional, optional_pid
 from gpud.errors import InvalidArgument, NotFound
 from gpud.jobs.api import kind_from_pb, reservation_message
 from gpud.jobs.env import REPORT_TOKEN_VAR
-from gpud.jobs.registry import check_devices, check_name, check_owner
+from gpud.jobs.registry import check_devices, check_name
 from gpud.jobs.service import RunRequest
-from gpud.shared import WAITING_ON_COLOCATION, user_name, user_names
+from gpud.shared import WAITING_ON_COLOCATION, check_owner, user_name, user_names
 from gpud.v1 import jobs_pb2
 from gpud.v1 import queue_pb2 as pb
 from gpud.v1 import queue_pb2_grpc as pb_grpc

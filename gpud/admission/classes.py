@@ -27,7 +27,7 @@ class ClassView:
     demand: Demand | Unfeasible
     packing: Packing | None  # None when unfeasible
     stats: ClassStats | None  # None: not in the history window
-    quote: ClassQuote | None  # None: unfeasible, never waits, or no run has ended yet
+    quote: ClassQuote | None  # None: unfeasible, never waits, or nothing known loads its pool
 
 
 def class_views(
@@ -223,10 +223,13 @@ class ClassViews:
         demands = {key: fit.demand(r) for key, r in requests.items()}
         packings = {key: pack(d, devices) for key, d in demands.items() if isinstance(d, Demand)}
         models = []
+        unseen = []  # no run in the window: quoted from the load of the others on its pool
         for key, p in packings.items():
             s = stats.get(key)
             d = demands[key]
-            if p.k_eff and s is not None and s.mean_service_s is not None and isinstance(d, Demand):
+            if not p.k_eff or not isinstance(d, Demand):
+                continue
+            if s is not None and s.mean_service_s is not None:
                 models.append(
                     ClassModel(
                         key,
@@ -238,21 +241,30 @@ class ClassViews:
                         runs=s.completions,
                     )
                 )
+            else:
+                unseen.append(ClassModel(key, 0.0, 0.0, 1.0, p.k_eff, frozenset(d.pool)))
         models = self._with_efficiency(models, now=now)
-        quotes = class_quotes(models, horizon_s=self._window_s)
+        unseen = self._with_efficiency(unseen, now=now, among=models)
+        quotes = class_quotes(models, horizon_s=self._window_s, unseen=unseen)
         return {
             key: ClassView(key, r, demands[key], packings.get(key), stats.get(key), quotes.get(key))
             for key, r in sorted(requests.items())
         }
 
-    def _with_efficiency(self, models: Sequence[ClassModel], *, now: float) -> list[ClassModel]:
+    def _with_efficiency(
+        self,
+        models: Sequence[ClassModel],
+        *,
+        now: float,
+        among: Sequence[ClassModel] | None = None,
+    ) -> list[ClassModel]:
         """Each model with the packing efficiency of its pool, from the records in the
-        window."""
+        window of the classes on it (``among``: of these, for classes with no record)."""
         out = []
         for c in models:
             sharing = tuple(
                 (j.key, len(j.pool & c.pool) / (j.k_eff * len(c.pool)))
-                for j in models
+                for j in (models if among is None else among)
                 if j.pool & c.pool
             )
             sweep = self._sweeps.get(sharing)

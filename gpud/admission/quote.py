@@ -355,40 +355,31 @@ def upper_wait(k: int, rho: float, mean_s: float, scv: float, spread: float) -> 
 
 
 def class_quotes(
-    classes: Sequence[ClassModel], *, horizon_s: float | None = None
+    classes: Sequence[ClassModel],
+    *,
+    horizon_s: float | None = None,
+    unseen: Sequence[ClassModel] = (),
 ) -> dict[str, ClassQuote]:
     """Each class's quote. A mean wait longer than ``horizon_s`` (the history the model is
     fitted from) is no quote but an overload: at a load within rounding of 1 the M/G/k wait
     is finite only in arithmetic (a pool that is saturated flips between an infinite wait
-    and 10^17 s), and nothing measured supports a wait longer than what was watched."""
+    and 10^17 s), and nothing measured supports a wait longer than what was watched.
+
+    ``unseen``: classes no run of which is in the history (a request queued for the first
+    time), on their own packing (``k_eff``, pool, packing efficiency). Such a class's own
+    arrival rate is unknown, and its run times are not what it waits for: it is quoted the
+    wait of its servers under the load the ``classes`` put on its pool (its own taken as
+    none), and no less than any of them it shares devices with, as they wait in one FIFO
+    order. A class whose pool none of ``classes`` loads gets no quote (nothing is known of
+    what frees its devices); it raises no other class's quote (at no rate it is never
+    ahead of them in the model)."""
     out: dict[str, ClassQuote] = {}
     for c in classes:
-        weights: list[tuple[float, ClassModel]] = []
-        rho = 0.0
-        runs = 0
-        for j in classes:
-            overlap = len(j.pool & c.pool)
-            if not overlap or j.k_eff <= 0:
-                continue
-            share = overlap / (j.k_eff * len(c.pool))
-            rho += j.arrival_rate * j.mean_service_s * share
-            weights.append((j.arrival_rate * share, j))
-            runs += j.runs
-        total = sum(w for w, _ in weights)
-        if total <= 0:
-            out[c.key] = ClassQuote(c.key, 0.0, 0.0, c.k_eff, c.mean_service_s, c.scv_service)
-            continue
-        mean = sum(w * j.mean_service_s for w, j in weights) / total
-        second = sum(w * j.mean_service_s**2 * (1 + j.scv_service) for w, j in weights) / total
-        scv = max(second / mean**2 - 1.0, 0.0) if mean > 0 else 0.0
-        eta = min(max(c.efficiency, MIN_EFFICIENCY), 1.0)
-        spread = min(math.sqrt((1.0 + scv) / max(runs, 1)), 1.0)
-        wait = upper_wait(c.k_eff, rho / eta, mean, scv, spread)
-        if horizon_s is not None and wait > horizon_s:
-            wait = math.inf
-        out[c.key] = ClassQuote(c.key, wait, rho, c.k_eff, mean, scv, eta)
+        out[c.key] = _class_quote(c, classes, horizon_s) or ClassQuote(
+            c.key, 0.0, 0.0, c.k_eff, c.mean_service_s, c.scv_service
+        )
     by_key = {c.key: c for c in classes}
-    return {
+    quotes = {
         key: replace(
             q,
             wait_s=max(
@@ -397,6 +388,42 @@ def class_quotes(
         )
         for key, q in out.items()
     }
+    for c in unseen:
+        if c.key in quotes or (own := _class_quote(c, classes, horizon_s)) is None:
+            continue
+        sharing = [quotes[j.key].wait_s for j in classes if j.pool & c.pool]
+        quotes[c.key] = replace(own, wait_s=max([own.wait_s, *sharing]))
+    return quotes
+
+
+def _class_quote(
+    c: ClassModel, classes: Sequence[ClassModel], horizon_s: float | None
+) -> ClassQuote | None:
+    """``c``'s wait under the load ``classes`` put on its pool, before the FIFO order's
+    maximum (:func:`class_quotes`); None where none of them loads it."""
+    weights: list[tuple[float, ClassModel]] = []
+    rho = 0.0
+    runs = 0
+    for j in classes:
+        overlap = len(j.pool & c.pool)
+        if not overlap or j.k_eff <= 0:
+            continue
+        share = overlap / (j.k_eff * len(c.pool))
+        rho += j.arrival_rate * j.mean_service_s * share
+        weights.append((j.arrival_rate * share, j))
+        runs += j.runs
+    total = sum(w for w, _ in weights)
+    if total <= 0:
+        return None
+    mean = sum(w * j.mean_service_s for w, j in weights) / total
+    second = sum(w * j.mean_service_s**2 * (1 + j.scv_service) for w, j in weights) / total
+    scv = max(second / mean**2 - 1.0, 0.0) if mean > 0 else 0.0
+    eta = min(max(c.efficiency, MIN_EFFICIENCY), 1.0)
+    spread = min(math.sqrt((1.0 + scv) / max(runs, 1)), 1.0)
+    wait = upper_wait(c.k_eff, rho / eta, mean, scv, spread)
+    if horizon_s is not None and wait > horizon_s:
+        wait = math.inf
+    return ClassQuote(c.key, wait, rho, c.k_eff, mean, scv, eta)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from gpud.cli.context import EXIT_USAGE, UINT32, CliError, Context, Subparsers, 
 from gpud.cli.mps import size_arg
 from gpud.cli.output import NA, message_to_dict, seconds
 from gpud.errors import InvalidArgument
-from gpud.shared import MIN_SLO_MS, format_size, parse_size, user_name
+from gpud.shared import MIN_SLO_MS, check_owner, format_size, parse_size, user_name
 from gpud.v1 import jobs_pb2 as pb
 from gpud.v1 import jobs_pb2_grpc as pb_grpc
 from gpud.v1 import mps_pb2, mps_pb2_grpc, queue_pb2, queue_pb2_grpc
@@ -58,12 +58,23 @@ def kind_name(value: int) -> str:
     return "?"
 
 
+def _owner(text: str) -> str:
+    """An argparse ``type``: an owner as the daemon takes it (:func:`gpud.shared.check_owner`),
+    so that a bad one is a usage error naming the flag (exit 2) before gpuctl asks gpud
+    anything (``gpuctl run`` asks for co-location advice first)."""
+    try:
+        return check_owner(text, field="")
+    except InvalidArgument as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def add_placement_options(parser: argparse.ArgumentParser) -> None:
     """``--kind``, ``--mig | --gpus | --devices``, ``--threads``, ``--memory``, ``--priority``."""
     parser.add_argument("--kind", choices=KINDS, help="training (default) or inference")
     parser.add_argument(
         "--owner",
         default="",
+        type=_owner,
         help="who runs it (one line of up to 128 printable characters; default: your user name)",
     )
     where = parser.add_mutually_exclusive_group()

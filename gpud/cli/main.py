@@ -104,7 +104,8 @@ class _UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser (its sub-parsers are of its class) whose errors :func:`_main`
-    prints: as argparse does (usage, then ``PROG: error: MESSAGE``), or as JSON."""
+    prints: ``PROG: error: MESSAGE`` as argparse says it and ``try 'PROG --help'`` (not
+    argparse's whole usage before it), or as JSON."""
 
     def error(self, message: str) -> NoReturn:
         raise _UsageError(self, message)
@@ -217,8 +218,9 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
             command = err.parser.prog.removeprefix(parser.prog).strip()
             message = f"{command}: {err}" if command else str(err)
             return _fail(CliError(message, EXIT_USAGE), json_output=True, words=words)
-        err.parser.print_usage(sys.stderr)
+        # the error, and where the usage is: the whole usage buried the one line that mattered
         print(f"{err.parser.prog}: error: {clip_arguments(str(err), words)}", file=sys.stderr)
+        print(f"try '{err.parser.prog} --help'", file=sys.stderr)
         return EXIT_USAGE
     run = getattr(args, "run", None)
     if run is None:

@@ -91,6 +91,7 @@ from gpud.cli.jobs import (
     queued_line,
     warn_if_mps_down,
 )
+from gpud.cli.output import seconds
 from gpud.errors import (
     ERROR_TABLE,
     ColocationOff,
@@ -796,18 +797,26 @@ def release_retried(
             request.since_end_s = time.monotonic() - first
             try:
                 released: pb.ReleaseResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).Release, request)
-                return released
             except CliError as err:
                 if err.exit_code != EXIT_NOT_RUNNING:
                     raise
-    how = "stopped" if stop.is_set() else f"gave up after {time.monotonic() - first:.0f} s"
-    _not_told(request, f"{how} telling gpud on {ctx.socket_path} how job {job} ended")
+                continue
+            print(f"gpuctl: gpud took job {job}'s end ({_ending(request)})", file=sys.stderr)
+            return released
+    told_what = f"telling gpud on {ctx.socket_path} how job {job} ended ({_ending(request)})"
+    if stop.is_set():
+        _not_told(request, f"stopped {told_what}")
+    else:
+        _not_told(
+            request,
+            f"gave up {told_what}: it did not answer for {seconds(time.monotonic() - first)}",
+        )
     return None
 
 
 def _not_told(request: pb.ReleaseRequest, what: str) -> None:
     print(
-        f"gpuctl: {what}: once it is back, gpud releases reservation "
+        f"gpuctl: {what}; once it is back, gpud releases reservation "
         f"{request.reservation_id} by itself (holder gone), and gpuctl jobs history has no "
         "exit status for the run",
         file=sys.stderr,

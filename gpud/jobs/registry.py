@@ -19,7 +19,7 @@ from enum import StrEnum
 
 from gpud.errors import AlreadyExists, InvalidArgument, NotFound
 from gpud.mps import protocol
-from gpud.shared import MAX_SLO_MS, MIN_SLO_MS, check_slo_ms, check_text
+from gpud.shared import MAX_SLO_MS, MIN_SLO_MS, check_owner, check_slo_ms
 from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,6 @@ _MIG_PROFILE = re.compile(r"(\d+c\.)?\d+g\.\d+gb([+-][a-z]+(\.[a-z]+)?)?")
 # A device as gpuctl takes it: a GPU index (0), GPU:MIG (0:1), a GPU-/MIG- UUID (an older
 # driver's MIG-GPU-<uuid>/1/0 too). Never a control character: it is shown and logged.
 _DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9:/_.-]{0,95}")
-# Who a job is for, free text shown by `gpuctl jobs ls` and the queue's listings.
-MAX_OWNER = 128
 
 # CUDA_MPS_CLIENT_PRIORITY: 0 is NORMAL, 1 is BELOW_NORMAL.
 PRIORITY_NORMAL = 0
@@ -130,12 +128,6 @@ def check_devices(devices: Sequence[str]) -> tuple[str, ...]:
                 field="devices",
             )
     return tuple(devices)
-
-
-def check_owner(owner: str) -> str:
-    """One line of printable text: an escape sequence or a newline in an owner would rewrite
-    the terminal or the table of whoever lists the jobs."""
-    return check_text(owner, field="owner", max_len=MAX_OWNER)
 
 
 def check_name(name: str, *, field: str = "name") -> str:

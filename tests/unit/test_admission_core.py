@@ -192,6 +192,27 @@ def test_classes_sharing_devices_are_quoted_no_less_than_each_other() -> None:
     assert quotes["small"].servers == 4 and quotes["large"].servers == 1
 
 
+def test_a_class_with_no_history_is_quoted_from_the_classes_loading_its_pool() -> None:
+    """A class none of whose runs is in the history waits for the servers of its pool
+    that the classes with history load: it gets their wait on its own servers (its own
+    rate taken as none), no less than theirs, and changes none of theirs; on a pool no
+    class with history loads, it gets no quote."""
+    from gpud.admission.quote import ClassModel, class_quotes
+
+    pool = frozenset({"GPU-0", "GPU-1"})
+    known = ClassModel("known", 0.001, 100.0, 1.0, 2, pool, runs=20)
+    new = ClassModel("new", 0.0, 0.0, 1.0, 1, pool)  # takes both GPUs: 1 server
+    elsewhere = ClassModel("elsewhere", 0.0, 0.0, 1.0, 1, frozenset({"MIG-0"}))
+    before = class_quotes([known])
+    quotes = class_quotes([known], unseen=[new, elsewhere])
+    assert quotes["known"] == before["known"]
+    assert "elsewhere" not in quotes
+    q = quotes["new"]
+    assert q.servers == 1 and q.mean_service_s == 100.0 and q.rho == pytest.approx(0.05)
+    assert q.wait_s > before["known"].wait_s > 0  # one server waits longer than two
+    assert q.wait_s == pytest.approx(upper_wait(1, 0.05, 100.0, 1.0, math.sqrt(2 / 20)))
+
+
 def test_a_wait_longer_than_the_history_is_an_overload_not_a_quote() -> None:
     """A saturated pool, its load within rounding of 1, is quoted no finite wait: Erlang C
     alone would say 10^13 s and more, flipping with the last bit of the load."""

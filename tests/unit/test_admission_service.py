@@ -1090,17 +1090,22 @@ def test_a_queued_job_says_what_holds_its_devices(node: Node) -> None:
     assert views["c"].waiting_on == f"behind pair ({head.entry.id})"
 
 
-def test_a_blocker_past_its_estimate_is_said_instead_of_a_short_quote(node: Node) -> None:
-    """The run holding the devices has run 5 s where its job's runs took 2 s: the queued
-    job is not told "expected wait 2.0 s" (the model's figure, which the run disproves) but
-    that the run is past its estimate; while it is within it, the quote is at least what it
-    is expected to run still."""
+def runs_of_a_then_one_more(node: Node) -> None:
+    """Three 2 s runs of job a on both GPUs, 6 s apart, then a fourth that holds them."""
     for _ in range(3):
         ran = node.jobs.reserve(whole("a", 2)).reservation
         node.clock.now += 2.0
         node.jobs.release(ran.id)
         node.clock.now += 6.0
     node.jobs.reserve(whole("a", 2))
+
+
+def test_a_blocker_past_its_estimate_is_said_instead_of_a_short_quote(node: Node) -> None:
+    """The run holding the devices has run 5 s where its job's runs took 2 s: the queued
+    job is not told "expected wait 2.0 s" (the model's figure, which the run disproves) but
+    that the run is past its estimate; while it is within it, the quote is at least what it
+    is expected to run still."""
+    runs_of_a_then_one_more(node)
     node.clock.now += 1.0
     entry = node.admission.enqueue(whole("b", 2))
     assert entry.overdue == () and entry.quote_s is not None and entry.quote_s >= 1.0
@@ -1122,6 +1127,34 @@ def test_a_blocker_past_its_estimate_is_said_instead_of_a_short_quote(node: Node
     assert row[6] == "overdue" and row[7].endswith(
         "; past the estimate: a ran 5.0 s, estimated 2.0 s"
     )
+
+
+def test_a_class_with_no_runs_is_quoted_from_what_loads_its_devices(node: Node) -> None:
+    """A request queued for the first time (its class has no run in the history) waits
+    on devices whose runs have history: it is quoted the wait of its servers under their
+    load, and no less than what holds them is expected to run still, not "no history"."""
+    runs_of_a_then_one_more(node)
+    node.clock.now += 0.5
+    new = RunRequest(job="b", gpu_count=2, memory_bytes=50 * GIB)  # 2 GPU 50GiB: no history
+    entry = node.admission.enqueue(new)
+    assert entry.overdue == () and entry.quote_s is not None
+    assert 1.5 <= entry.quote_s < 60.0  # a's class runs 2 s, 1.5 s of it left
+    (view,) = node.admission.queue_views()
+    assert view.quote_s is not None and view.quote_s >= 1.5
+    explained = {v.key: v for v in node.admission.explain()}
+    assert explained["2 GPU 50GiB"].quote is not None
+    # the class with history is quoted as before, whatever waits beside it
+    same = explained["2 GPU 60GiB"].quote
+    assert same is not None and explained["2 GPU 50GiB"].quote.wait_s >= same.wait_s
+
+
+def test_a_class_with_no_runs_on_devices_nothing_known_loads_has_no_quote(node: Node) -> None:
+    """Where no class with history shares its devices (what holds them has no history
+    either), nothing is known of when they free: no quote, rather than a wait of 0."""
+    node.jobs.reserve(whole("a", 2))
+    node.clock.now += 5.0
+    entry = node.admission.enqueue(RunRequest(job="b", gpu_count=2, memory_bytes=50 * GIB))
+    assert entry.quote_s is None and entry.overdue == ()
 
 
 class CountingJobs(JobService):

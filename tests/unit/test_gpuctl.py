@@ -578,8 +578,8 @@ def test_errors_under_json_are_one_json_document_on_stderr(  # noqa: PLR0917 (pa
         }
     }
     message = doc["error"]["message"]
-    if text.startswith("usage: "):  # argparse's: usage, then "PROG: error: MESSAGE"
-        assert message.endswith(text.splitlines()[-1].split(": error: ", 1)[1])
+    if ": error: " in text:  # argparse's: "PROG: error: MESSAGE", then "try 'PROG --help'"
+        assert message.endswith(text.splitlines()[0].split(": error: ", 1)[1])
     else:
         assert text == f"gpuctl: {message}\n"
 
@@ -594,7 +594,7 @@ def test_json_errors_of_gpuctl_itself(capsys: pytest.CaptureFixture[str], sock_d
     assert code == 2 and out == "" and json.loads(err)["error"]["exit_code"] == 2
     # a --json after `--` is the command's, not gpuctl's
     code, _, err = run(capsys, "run", "--bogus", "--", "tool", "--json")
-    assert code == 2 and err.startswith("usage: gpuctl run")
+    assert code == 2 and err.startswith("gpuctl run: error: ") and not err.startswith("{")
 
 
 def test_not_running(capsys: pytest.CaptureFixture[str], sock_dir: Path) -> None:
@@ -704,6 +704,30 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and "at most 86400 s, got 86400.01" in err
     code, out, _ = run(capsys, "--help")
     assert code == 0 and "status" in out and "sim" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "prog", "said"),
+    [
+        (("run", "--threads", "abc", "--", "true"), "gpuctl run", "argument --threads: 'abc'"),
+        (("jobs", "add", "x", "--gpus", "-1"), "gpuctl jobs add", "argument --gpus: -1 is not"),
+        (("run", "--", "true"), "gpuctl run", "the following arguments are required: --job"),
+        (("frobnicate",), "gpuctl", "argument COMMAND: invalid choice: 'frobnicate'"),
+    ],
+    ids=["run --threads abc", "jobs add --gpus -1", "run without --job", "frobnicate"],
+)
+def test_a_usage_error_is_its_line_and_where_the_usage_is(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], prog: str, said: str
+) -> None:
+    """argparse's error on one line, then where the command's usage is, not the whole
+    usage before it; --json keeps its one document; exit 2 either way."""
+    code, out, err = run(capsys, *argv)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"{prog}: error: {said}") and "usage:" not in err, err
+    assert err.splitlines()[1:] == [f"try '{prog} --help'"]
+    code, out, err = run(capsys, "--json", *argv)
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert json.loads(err)["error"]["exit_code"] == 2 and said in err
 
 
 @pytest.mark.parametrize(
