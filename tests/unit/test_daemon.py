@@ -171,6 +171,38 @@ def test_each_loop_pass_is_timed_and_one_past_the_tick_names_its_slowest_step(
         d.backend.close()
 
 
+def test_a_step_that_works_again_after_failing_says_so_once(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The journal's last word on a step is not its failure once it works again."""
+    now = [1000.0]
+    d = build(make_config(root), clock=lambda: now[0])
+    broken = [True]
+
+    async def run() -> None:
+        now[0] += 10.0
+        if broken[0]:
+            raise RuntimeError("nft: no such table")
+
+    d.steps = [Step("traffic", run)]
+    try:
+        caplog.set_level("INFO", logger="gpud.daemon")
+        for _ in range(3):
+            asyncio.run(d.run_steps())
+        broken[0] = False
+        asyncio.run(d.run_steps())
+        asyncio.run(d.run_steps())
+        lines = [(r.levelname, r.getMessage()) for r in caplog.records if "step" in r.getMessage()]
+        assert lines == [
+            ("WARNING", "step traffic failed (1 failures so far): nft: no such table"),
+            ("INFO", "step traffic works again, after 3 failed passes over 30 s"),
+        ]
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
 class _HungTraffic:
     """A traffic tick stuck in a hung ``nft`` or ``dcb`` until released."""
 
