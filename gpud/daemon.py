@@ -65,6 +65,7 @@ from gpud.mps.metrics import MpsMetrics
 from gpud.net.api import NetServicer
 from gpud.net.cgroups import JobCgroups
 from gpud.net.metrics import TrafficMetrics
+from gpud.net.port import TrafficSummary
 from gpud.net.service import leveller_config
 from gpud.net.wiring import open_traffic
 from gpud.notify import Notifier, while_starting
@@ -315,6 +316,7 @@ class Daemon:
             workloads=sim.workloads if sim is not None else None,
             clear_xid=self._clear_xid,
             sample_again=self._sample_again,
+            traffic=self._traffic_summary,
             clock=clock,
         )
         self.mps = MpsManager(
@@ -724,6 +726,10 @@ class Daemon:
             return self.backend.gpu_count()
         except GpudError:
             return 0
+
+    def _traffic_summary(self) -> TrafficSummary:
+        # the traffic service is built after the node's API, which asks it once serving
+        return self.traffic.summary()
 
     def add_step(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
         self.steps.append(Step(name, run))

@@ -20,6 +20,7 @@ from gpud.jobs.service import RunRequest
 from gpud.main import mps_control_command, open_backend
 from gpud.metrics import build_registry
 from gpud.notify import Notifier
+from gpud.v1 import node_pb2
 
 
 def make_config(root: Path, **overrides: object) -> Config:
@@ -197,6 +198,17 @@ def test_a_step_that_works_again_after_failing_says_so_once(
             ("WARNING", "step traffic failed (1 failures so far): nft: no such table"),
             ("INFO", "step traffic works again, after 3 failed passes over 30 s"),
         ]
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
+def test_the_status_call_says_how_traffic_is_enforced(root: Path) -> None:
+    d = build(make_config(root))
+    try:
+        resp = asyncio.run(d.node_servicer.GetStatus(node_pb2.GetStatusRequest(), None))  # type: ignore[arg-type]
+        assert resp.HasField("traffic") and not resp.traffic.enabled
     finally:
         d.sampler.close()
         d.store.close()
