@@ -637,6 +637,13 @@ def _validate_traffic(t: TrafficConfig, *, path: str) -> None:
 
     rated: set[str] = set()
     for entry in t.link_rates:
+        if any(c.isspace() for c in entry):
+            # as in traffic.interfaces, where the kernel refuses a space in a name
+            raise ConfigError(
+                f"{entry!r}: IF=RATE without spaces, like eth0=100gbit",
+                path=path,
+                key="traffic.link_rates",
+            )
         name, sep, rate = entry.partition("=")
         if not sep or name not in t.interfaces:
             raise ConfigError(
@@ -700,8 +707,11 @@ _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10
 
 
 def parse_rate(text: str) -> int:
-    """tc's rate notation ("400mbit", "100gbit", "25000000") in bit/s."""
+    """tc's rate notation ("400mbit", "100gbit", "25000000") in bit/s. Space around it is
+    dropped; space inside it ("100 mbit") tc refuses, and so does this."""
     raw = text.strip().lower()
+    if any(c.isspace() for c in raw):
+        raise ValueError(f"{text!r}: no space inside a rate, like 400mbit or 100gbit")
     for unit in sorted(_RATE_UNITS, key=len, reverse=True):
         if raw.endswith(unit):
             number, scale = raw[: -len(unit)], _RATE_UNITS[unit]

@@ -65,6 +65,7 @@ from gpud.mps.metrics import MpsMetrics
 from gpud.net.api import NetServicer
 from gpud.net.cgroups import JobCgroups
 from gpud.net.metrics import TrafficMetrics
+from gpud.net.port import TrafficSummary
 from gpud.net.service import leveller_config
 from gpud.net.wiring import open_traffic
 from gpud.notify import Notifier, while_starting
@@ -241,6 +242,12 @@ class Step:
     run: Callable[[], Awaitable[None]]
     failures: int = 0
     last_warning: float = float("-inf")
+    failing_since: float | None = None
+    """When the current run of failed passes began (``None``: the last pass worked)."""
+    failed_passes: int = 0
+    """Failed passes in a row, since ``failing_since``."""
+    warned: bool = False
+    """Whether a warning was logged since ``failing_since`` (then its end is logged too)."""
 
 
 class Daemon:
@@ -309,6 +316,7 @@ class Daemon:
             workloads=sim.workloads if sim is not None else None,
             clear_xid=self._clear_xid,
             sample_again=self._sample_again,
+            traffic=self._traffic_summary,
             clock=clock,
         )
         self.mps = MpsManager(
@@ -719,6 +727,10 @@ class Daemon:
         except GpudError:
             return 0
 
+    def _traffic_summary(self) -> TrafficSummary:
+        # the traffic service is built after the node's API, which asks it once serving
+        return self.traffic.summary()
+
     def add_step(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
         self.steps.append(Step(name, run))
 
@@ -890,8 +902,9 @@ class Daemon:
             reload.cancel()
 
     async def run_steps(self) -> None:
-        """Run every step once; a failing step is logged (rate-limited) and skipped. The
-        pass's time goes to ``gpud_loop_duration_seconds`` (see :mod:`gpud.loopstats`)."""
+        """Run every step once; a failing step is logged (rate-limited) and skipped, and
+        one whose failure was logged says so (INFO) when it works again. The pass's time
+        goes to ``gpud_loop_duration_seconds`` (see :mod:`gpud.loopstats`)."""
         started = self._clock()
         took: list[tuple[str, float]] = []
         for step in self.steps:
@@ -901,9 +914,13 @@ class Daemon:
                 await step.run()
             except Exception as err:
                 step.failures += 1
+                step.failed_passes += 1
                 now = self._clock()
+                if step.failing_since is None:
+                    step.failing_since = step_started
                 if now - step.last_warning >= self.WARNING_INTERVAL_S:
                     step.last_warning = now
+                    step.warned = True
                     log.warning(
                         "step %s failed (%d failures so far): %s",
                         step.name,
@@ -911,8 +928,26 @@ class Daemon:
                         err,
                         exc_info=not isinstance(err, GpudError),
                     )
+            else:
+                self._step_worked(step, step_started)
             took.append((step.name, self._clock() - step_started))
         self.loop_stats.record(self._clock() - started, self.loop_interval_s(), took)
+
+    @staticmethod
+    def _step_worked(step: Step, now: float) -> None:
+        """End ``step``'s run of failed passes, if any; say so if its failure was said."""
+        if step.failing_since is None:
+            return
+        if step.warned:
+            log.info(
+                "step %s works again, after %d failed passes over %.0f s",
+                step.name,
+                step.failed_passes,
+                now - step.failing_since,
+            )
+        step.failing_since = None
+        step.failed_passes = 0
+        step.warned = False
 
     def _offer_mig_config(self, path: Path | None) -> None:
         """The mig-parted file whose configs the admission queue offers as remedies (none

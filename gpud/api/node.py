@@ -20,6 +20,7 @@ from gpud.api.ports import (
     NodeInfoSource,
     SimProcessView,
     SnapshotSource,
+    TrafficSource,
     WorkloadPort,
 )
 from gpud.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -92,6 +93,7 @@ class NodeServicer(pb_grpc.NodeServicer):
         workloads: WorkloadPort | None = None,
         clear_xid: Callable[[int, int | None], ClearedXids] | None = None,
         sample_again: Callable[[], object] | None = None,
+        traffic: TrafficSource | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._snapshots = snapshots
@@ -102,6 +104,7 @@ class NodeServicer(pb_grpc.NodeServicer):
         self._workloads = workloads
         self._clear_xid = clear_xid
         self._sample_again = sample_again
+        self._traffic = traffic
         self._clock = clock
 
     def register(self, server: Any) -> None:
@@ -145,6 +148,18 @@ class NodeServicer(pb_grpc.NodeServicer):
             )
             resp.last_sample_age_seconds = max(0.0, now - snap.monotonic)
             resp.last_tick_seconds = snap.tick_seconds
+        if self._traffic is not None:
+            traffic = self._traffic()
+            resp.traffic.CopyFrom(
+                pb.TrafficStatus(
+                    enabled=traffic.enabled,
+                    interfaces=[
+                        pb.TrafficInterfaceStatus(name=i.name, enforced=i.enforced, error=i.error)
+                        for i in traffic.interfaces
+                    ],
+                    marking_error=traffic.marking_error,
+                )
+            )
         return resp
 
     async def ListGpus(  # noqa: N802 (gRPC method names come from the proto)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from gpud import __version__
 from gpud.events import Event
+from gpud.net.port import TrafficSummary
 from gpud.telemetry.snapshot import Snapshot
 
 SnapshotSource = Callable[[], Snapshot | None]
@@ -39,6 +40,9 @@ class NodeInfo:
 
 
 NodeInfoSource = Callable[[], NodeInfo]
+
+
+TrafficSource = Callable[[], TrafficSummary]
 
 
 class EventSource(Protocol):

@@ -26,7 +26,9 @@ systemd starting it again after a crash), ``run`` says so once and tells it agai
 at all when ``run`` was itself sent a signal while the command ran: it ends then); gpud
 keeps the reservation of a live ``run`` through its restart, and the history ends the run
 when the first try was made. Given up, gpud releases the reservation by itself once ``run``
-has exited (``holder gone when gpud started``), without the exit status.
+has exited (``holder gone when gpud started``), without the exit status; a gpud that
+answered it cannot record the end (its state database cannot be written) does so at its
+first loop pass that can write it again (``holder gone``), and ``run`` says what it answered.
 
 When the devices it asks for are taken, ``run`` queues the job (unless ``--no-wait``) and
 waits, printing its position and expected wait whenever they change, until gpud starts it;
@@ -776,6 +778,7 @@ def release_retried(
             request,
             f"{away}, and gpuctl was sent {_signame(told)}: not waiting to tell it how job"
             f" {job} ended",
+            answered=answered,
         )
         return None
     with _signals_stop() as stop:
@@ -800,25 +803,35 @@ def release_retried(
             except CliError as err:
                 if err.exit_code != EXIT_NOT_RUNNING:
                     raise
+                why = err
                 continue
             print(f"gpuctl: gpud took job {job}'s end ({_ending(request)})", file=sys.stderr)
             return released
     told_what = f"telling gpud on {ctx.socket_path} how job {job} ended ({_ending(request)})"
+    answered = why is not None and bool(why.error)  # as the last try found it
     if stop.is_set():
-        _not_told(request, f"stopped {told_what}")
+        what = f"stopped {told_what}"
+    elif answered:
+        what = f"gave up {told_what} after {seconds(time.monotonic() - first)}"
     else:
-        _not_told(
-            request,
-            f"gave up {told_what}: it did not answer for {seconds(time.monotonic() - first)}",
-        )
+        what = f"gave up {told_what}: it did not answer for {seconds(time.monotonic() - first)}"
+    if answered:
+        what += f" (it said: {why})"
+    _not_told(request, what, answered=answered)
     return None
 
 
-def _not_told(request: pb.ReleaseRequest, what: str) -> None:
+def _not_told(request: pb.ReleaseRequest, what: str, *, answered: bool) -> None:
+    """``what`` kept gpud from learning how the run ended, and what gpud does about it: a
+    gpud that is away reaps the reservation when it is back, one that answered (its state
+    database cannot be written) at its first loop pass that can write it."""
+    released = f"gpud releases reservation {request.reservation_id} by itself (holder gone)"
+    if answered:
+        released += " at its first loop pass once it can write its state database again"
+    else:
+        released = f"once it is back, {released}"
     print(
-        f"gpuctl: {what}; once it is back, gpud releases reservation "
-        f"{request.reservation_id} by itself (holder gone), and gpuctl jobs history has no "
-        "exit status for the run",
+        f"gpuctl: {what}: {released}, and gpuctl jobs history has no exit status for the run",
         file=sys.stderr,
         flush=True,
     )

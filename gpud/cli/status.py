@@ -39,10 +39,40 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
         ("gpus", f"{resp.gpu_count} ({resp.healthy_gpu_count} healthy)"),
         ("last sample", age),
     ]
+    if resp.HasField("traffic"):  # absent from an older gpud
+        rows.append(("traffic", _traffic(resp.traffic)))
     width = max(len(k) for k, _ in rows) + 1
     for key, value in rows:
         ctx.out.print(f"{key + ':':<{width}} {value}")
     for line in resp.unhealthy_gpus:
         gpu, _, why = line.partition(": ")
         ctx.out.print(f"{gpu} unhealthy: {why}")
+    for line in _traffic_problems(resp.traffic):
+        ctx.out.print(line)
     return 0
+
+
+def _traffic(traffic: pb.TrafficStatus) -> str:
+    """Traffic enforcement in a few words: off, or how many interfaces are enforced."""
+    if not traffic.enabled:
+        return "off"
+    total = len(traffic.interfaces)
+    if not total:
+        return "on, no interfaces (traffic.interfaces is empty): tags and marking only"
+    ok = sum(1 for i in traffic.interfaces if i.enforced)
+    noun = "interface" if total == 1 else "interfaces"
+    return f"on, {total} {noun} ok" if ok == total else f"on, {ok} of {total} {noun} ok"
+
+
+def _traffic_problems(traffic: pb.TrafficStatus) -> list[str]:
+    """A line for each interface not enforced and for the marking, if not in force."""
+    if not traffic.enabled:
+        return []
+    lines = []
+    for i in traffic.interfaces:
+        if not i.enforced:
+            why = i.error.removeprefix(f"{i.name}: ") or "not yet (no traffic pass since start)"
+            lines.append(f"{i.name} not enforced: {why}")
+    if traffic.marking_error:
+        lines.append(f"marking by cgroup (nftables) not in force: {traffic.marking_error}")
+    return lines

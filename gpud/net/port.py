@@ -26,6 +26,25 @@ from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
+class LinkEnforcement:
+    """One of ``traffic.interfaces``: is its HTB tree in the kernel, and if not, why."""
+
+    name: str
+    enforced: bool
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficSummary:
+    """Traffic enforcement in brief, for ``gpuctl status``: read without waiting for a
+    traffic pass in progress."""
+
+    enabled: bool
+    interfaces: tuple[LinkEnforcement, ...] = ()
+    marking_error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class TrafficCounters:
     """What a job (or level) sent through the enforced interfaces, summed over them; read
     from the HTB leaf classes (``tc -s class show dev IF``)."""

@@ -57,7 +57,14 @@ from gpud.events import EventLog
 from gpud.net.cgroups import JobCgroups
 from gpud.net.enforce import MarkPort, RdmaPort, TcPort
 from gpud.net.latest import LatestWorker
-from gpud.net.port import JobTraffic, LocalReport, OrderResult, TrafficCounters
+from gpud.net.port import (
+    JobTraffic,
+    LinkEnforcement,
+    LocalReport,
+    OrderResult,
+    TrafficCounters,
+    TrafficSummary,
+)
 from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore
 from gpud.pidns import local_pid
@@ -554,6 +561,18 @@ class TrafficService:
                 f"{failed} (the process is in {path}: its packets are marked once nft works again)"
             )
         return str(path)
+
+    def summary(self) -> TrafficSummary:
+        """Each interface's enforcement and the marking's, as the last pass left them: read
+        without the state lock, which a pass holds while tc runs (``gpuctl status`` is a
+        health check and waits for no pass). The interfaces are fixed at start."""
+        return TrafficSummary(
+            enabled=self.config.enabled,
+            interfaces=tuple(
+                LinkEnforcement(i.name, i.enforced, i.error) for i in self._ifaces.values()
+            ),
+            marking_error=self._marking_error,
+        )
 
     def view(self) -> NetView:
         now = self._clock()

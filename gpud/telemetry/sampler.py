@@ -570,7 +570,7 @@ class XidWatcher:
     """A thread blocked in ``backend.wait_events`` that hands each event to ``on_event``.
 
     Stops for good when the driver does not support events; retries after ``retry_s`` on
-    other driver errors.
+    other driver errors (logged once per outage, and its end once).
     """
 
     def __init__(
@@ -613,6 +613,8 @@ class XidWatcher:
                     warned = True
                 self._stop.wait(self._retry_s)
                 continue
+            if warned:  # and its end, once
+                log.info("waiting for GPU events works again")
             warned = False
             for event in events:
                 try:

@@ -106,6 +106,7 @@ class GetStatusResponse(_message.Message):
     LAST_TICK_SECONDS_FIELD_NUMBER: _builtins.int
     UNHEALTHY_GPUS_FIELD_NUMBER: _builtins.int
     BUILD_FIELD_NUMBER: _builtins.int
+    TRAFFIC_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """gpud's version"""
     hostname: _builtins.str
@@ -130,6 +131,12 @@ class GetStatusResponse(_message.Message):
     def unhealthy_gpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """"GPU N: reason", each unhealthy GPU of the latest sample"""
 
+    @_builtins.property
+    def traffic(self) -> Global___TrafficStatus:
+        """traffic enforcement as the last traffic pass left it; absent from a gpud older than the
+        field (`gpuctl net show` has the whole of it)
+        """
+
     def __init__(
         self,
         *,
@@ -145,10 +152,11 @@ class GetStatusResponse(_message.Message):
         last_tick_seconds: _builtins.float | None = ...,
         unhealthy_gpus: _abc.Iterable[_builtins.str] | None = ...,
         build: _builtins.str = ...,
+        traffic: Global___TrafficStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds", "traffic", b"traffic"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "backend", b"backend", "build", b"build", "driver_version", b"driver_version", "gpu_count", b"gpu_count", "healthy_gpu_count", b"healthy_gpu_count", "hostname", b"hostname", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds", "simulated", b"simulated", "unhealthy_gpus", b"unhealthy_gpus", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "backend", b"backend", "build", b"build", "driver_version", b"driver_version", "gpu_count", b"gpu_count", "healthy_gpu_count", b"healthy_gpu_count", "hostname", b"hostname", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds", "simulated", b"simulated", "traffic", b"traffic", "unhealthy_gpus", b"unhealthy_gpus", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_sample_age_seconds: _TypeAlias = _typing.Literal["last_sample_age_seconds"]  # noqa: Y015
     _WhichOneofArgType__last_sample_age_seconds: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds"]  # noqa: Y015
@@ -160,6 +168,63 @@ class GetStatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__last_tick_seconds) -> _WhichOneofReturnType__last_tick_seconds | None: ...
 
 Global___GetStatusResponse: _TypeAlias = GetStatusResponse  # noqa: Y015
+
+@_typing.final
+class TrafficStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: _builtins.int
+    INTERFACES_FIELD_NUMBER: _builtins.int
+    MARKING_ERROR_FIELD_NUMBER: _builtins.int
+    enabled: _builtins.bool
+    """traffic.enabled in the daemon's config"""
+    marking_error: _builtins.str
+    """why the nftables table is not in force; "" when it is (or off)"""
+    @_builtins.property
+    def interfaces(self) -> _containers.RepeatedCompositeFieldContainer[Global___TrafficInterfaceStatus]:
+        """traffic.interfaces, in config order"""
+
+    def __init__(
+        self,
+        *,
+        enabled: _builtins.bool = ...,
+        interfaces: _abc.Iterable[Global___TrafficInterfaceStatus] | None = ...,
+        marking_error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "interfaces", b"interfaces", "marking_error", b"marking_error"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TrafficStatus: _TypeAlias = TrafficStatus  # noqa: Y015
+
+@_typing.final
+class TrafficInterfaceStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ENFORCED_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    enforced: _builtins.bool
+    """the plan is in the kernel"""
+    error: _builtins.str
+    """why not; "" while the first pass has not run"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        enforced: _builtins.bool = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enforced", b"enforced", "error", b"error", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TrafficInterfaceStatus: _TypeAlias = TrafficInterfaceStatus  # noqa: Y015
 
 @_typing.final
 class ListGpusRequest(_message.Message):

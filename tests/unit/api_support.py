@@ -26,6 +26,7 @@ from gpud.backend.port import (
     Utilization,
 )
 from gpud.events import EventLog
+from gpud.net.port import TrafficSummary
 from gpud.telemetry.snapshot import CriticalXid, GpuSample, MigSample, Snapshot
 from tools.simdaemon import kill_mps_daemons
 
@@ -195,6 +196,7 @@ def make_servicer(
     faults: FakeFaults | None = None,
     events: EventLog | None = None,
     build: str = "",
+    traffic: TrafficSummary | None = None,
 ) -> NodeServicer:
     snap = make_snapshot()
     return NodeServicer(
@@ -202,6 +204,7 @@ def make_servicer(
         node_info=lambda: node_info(simulated=faults is not None, build=build),
         events=events if events is not None else make_events(),
         faults=faults,
+        traffic=(lambda: traffic) if traffic is not None else None,
         clock=lambda: NOW,
     )
 

@@ -90,6 +90,10 @@ _ETCD = (
         (_RATES.format('"e0=1e30gbit"'), "traffic.link_rates", "outside 8 kbit/s"),
         (_RATES.format('"e0=1gbit", "e0=2gbit"'), "traffic.link_rates", "has a rate already"),
         (_RATES.format('"e1=1gbit"'), "traffic.link_rates", "an interface in traffic.interf"),
+        # as in an interface name, no space: "e0 " would never match the interface e0
+        (_RATES.format('"e0= 100 mbit"'), "traffic.link_rates", "'e0= 100 mbit': IF=RATE wit"),
+        (_RATES.format('"e0 =1gbit"'), "traffic.link_rates", "without spaces, like eth0=100g"),
+        (_RATES.format('"e0=1gbit\t"'), "traffic.link_rates", "without spaces"),
         # names no netdev can have (the kernel's dev_valid_name) are refused here, not
         # reported at run time as an interface without a link rate
         ('[traffic]\ninterfaces = ["a 0"]\n', "traffic.interfaces", "refuses ' ' in a name"),
@@ -181,6 +185,12 @@ def test_the_gap_limit_is_a_traffic_key(tmp_path: Path) -> None:
     cfg = config.load(write(tmp_path, "[traffic]\nprogress_gap_spacings = 60\n"))
     assert cfg.traffic.progress_gap_spacings == 60
     assert config.load(write(tmp_path, "")).traffic.progress_gap_spacings == 20
+
+
+def test_a_rate_is_tc_notation_without_space_inside() -> None:
+    assert config.parse_rate(" 100gbit ") == 100 * 10**9  # as read from a command line
+    with pytest.raises(ValueError, match="no space inside a rate"):
+        config.parse_rate("100 mbit")
 
 
 def test_interface_names_the_kernel_takes_are_accepted(tmp_path: Path) -> None:

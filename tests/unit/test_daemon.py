@@ -20,6 +20,7 @@ from gpud.jobs.service import RunRequest
 from gpud.main import mps_control_command, open_backend
 from gpud.metrics import build_registry
 from gpud.notify import Notifier
+from gpud.v1 import node_pb2
 
 
 def make_config(root: Path, **overrides: object) -> Config:
@@ -165,6 +166,49 @@ def test_each_loop_pass_is_timed_and_one_past_the_tick_names_its_slowest_step(
             "loop pass took 1.602 s, over the 1 s tick; slowest step slow; steps: slow 1.500 s,"
             " failing 0.100 s, quick 0.002 s"
         )
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
+def test_a_step_that_works_again_after_failing_says_so_once(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The journal's last word on a step is not its failure once it works again."""
+    now = [1000.0]
+    d = build(make_config(root), clock=lambda: now[0])
+    broken = [True]
+
+    async def run() -> None:
+        now[0] += 10.0
+        if broken[0]:
+            raise RuntimeError("nft: no such table")
+
+    d.steps = [Step("traffic", run)]
+    try:
+        caplog.set_level("INFO", logger="gpud.daemon")
+        for _ in range(3):
+            asyncio.run(d.run_steps())
+        broken[0] = False
+        asyncio.run(d.run_steps())
+        asyncio.run(d.run_steps())
+        lines = [(r.levelname, r.getMessage()) for r in caplog.records if "step" in r.getMessage()]
+        assert lines == [
+            ("WARNING", "step traffic failed (1 failures so far): nft: no such table"),
+            ("INFO", "step traffic works again, after 3 failed passes over 30 s"),
+        ]
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
+def test_the_status_call_says_how_traffic_is_enforced(root: Path) -> None:
+    d = build(make_config(root))
+    try:
+        resp = asyncio.run(d.node_servicer.GetStatus(node_pb2.GetStatusRequest(), None))  # type: ignore[arg-type]
+        assert resp.HasField("traffic") and not resp.traffic.enabled
     finally:
         d.sampler.close()
         d.store.close()

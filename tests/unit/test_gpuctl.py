@@ -25,6 +25,7 @@ from gpud.cli.output import Output, format_table, seconds
 from gpud.cli.version import differ_line
 from gpud.errors import GpuLost
 from gpud.events import Event, EventLog
+from gpud.net.port import LinkEnforcement, TrafficSummary
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import GpuSample, SeenIdentity, Snapshot
 from gpud.v1 import jobs_pb2, queue_pb2
@@ -94,6 +95,65 @@ def test_status_json(capsys: pytest.CaptureFixture[str], sim_socket: str) -> Non
     assert doc["unhealthy_gpus"] == ["GPU 2: GPU lost"]
     assert doc["simulated"] is True and doc["backend"] == "sim"
     assert doc["last_sample_age_seconds"] == 0.5
+
+
+_ETH9_GONE = LinkEnforcement("eth9", False, "eth9: no such network interface")
+
+
+@pytest.mark.parametrize(
+    ("traffic", "lines"),
+    [
+        (TrafficSummary(enabled=False), ["traffic:     off"]),
+        (
+            TrafficSummary(True, (LinkEnforcement("eth1", True), LinkEnforcement("eth2", True))),
+            ["traffic:     on, 2 interfaces ok"],
+        ),
+        (
+            TrafficSummary(True, (LinkEnforcement("eth1", True), _ETH9_GONE)),
+            [
+                "traffic:     on, 1 of 2 interfaces ok",
+                "eth9 not enforced: no such network interface",
+            ],
+        ),
+        (
+            TrafficSummary(True, (LinkEnforcement("eth1", False),), marking_error="nft: timed out"),
+            [
+                "traffic:     on, 0 of 1 interface ok",
+                "eth1 not enforced: not yet (no traffic pass since start)",
+                "marking by cgroup (nftables) not in force: nft: timed out",
+            ],
+        ),
+        (
+            TrafficSummary(True),
+            ["traffic:     on, no interfaces (traffic.interfaces is empty): tags and marking only"],
+        ),
+    ],
+)
+def test_status_says_how_traffic_is_enforced(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path, traffic: TrafficSummary, lines: list[str]
+) -> None:
+    path = sock_dir / "gpud.sock"
+    with ServerThread(ApiServer(path, servicers=[make_servicer(traffic=traffic).register])):
+        code, out, _ = run(capsys, "--socket", str(path), "status")
+        assert code == 0
+        shown = out.splitlines()
+        assert lines[0] in shown  # the row, and each problem at the end, after the GPUs'
+        assert shown[len(shown) - len(lines) + 1 :] == lines[1:]
+        code, out, _ = run(capsys, "--socket", str(path), "--json", "status")
+    assert json.loads(out)["traffic"] == {
+        "enabled": traffic.enabled,
+        "interfaces": [
+            {"name": i.name, "enforced": i.enforced, "error": i.error} for i in traffic.interfaces
+        ],
+        "marking_error": traffic.marking_error,
+    }
+
+
+def test_status_from_a_gpud_without_traffic_in_it_has_no_traffic_line(
+    capsys: pytest.CaptureFixture[str], sim_socket: str
+) -> None:
+    code, out, _ = run(capsys, "--socket", sim_socket, "status")
+    assert code == 0 and "traffic" not in out
 
 
 def test_gpus_table(capsys: pytest.CaptureFixture[str], sim_socket: str) -> None:

@@ -1019,7 +1019,7 @@ def test_ctrl_c_stops_telling_gpud_and_gpuctl_exits_as_its_command_did(
             gpud.close()
     assert code == 7 and took < 30
     err = capsys.readouterr().err
-    assert f"gpuctl: stopped telling gpud on {gpud.socket} how job j ended (exit 7); once" in err
+    assert f"gpuctl: stopped telling gpud on {gpud.socket} how job j ended (exit 7): once" in err
     assert "has no exit status for the run" in err
 
 
@@ -1043,7 +1043,7 @@ def test_a_release_gpud_never_takes_is_given_up_saying_so(
     assert "how job j ended (signal 9) again for up to 0.6 s" in err
     gave_up = (
         f"gpuctl: gave up telling gpud on {re.escape(str(root / 'gpud.sock'))} how job j "
-        r"ended \(signal 9\): it did not answer for \d+ ms; once it is back"
+        r"ended \(signal 9\): it did not answer for \d+ ms: once it is back"
     )
     assert re.search(gave_up, err), err
     assert "reservation r1 by itself (holder gone)" in err
@@ -1097,6 +1097,48 @@ def test_a_release_gpud_cannot_record_says_why_not_that_gpud_is_away(
     ) in err
     assert "how job j ended (exit 7) again for up to 60 s (Ctrl-C stops)" in err
     assert "could not release" not in err
+
+
+def test_a_release_gpud_never_records_is_given_up_naming_what_gpud_said(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """gpud is there but cannot write its state the whole time: the last word is what it
+    said, and that it reaps the reservation itself once it can write, not "once it is back"."""
+    from gpud.cli.context import CliError, Context
+    from gpud.cli.output import Output
+    from gpud.cli.run import release_request, release_retried
+
+    full = _FullDisk(refusals=100)
+    with (
+        short_dir() as root,
+        ServerThread(ApiServer(root / "gpud.sock", servicers=[full.register])),
+    ):
+        ctx = Context(socket_path=root / "gpud.sock", timeout=5.0, output=Output(json_output=False))
+        request = release_request("r1", 7)
+        first = time.monotonic()
+        with pytest.raises(CliError) as refused:
+            ctx.call(ctx.stub(jobs_pb2_grpc.JobsStub).Release, request)
+        assert release_retried(ctx, request, "j", first, wait_s=0.6, why=refused.value) is None
+        ctx.close()
+    assert len(full.asked) > 1
+    err = capsys.readouterr().err
+    # and sent SIGTERM while its command ran: no wait, the same word on what gpud does
+    assert release_retried(ctx, request, "j", first, told=15, why=refused.value) is None
+    told = capsys.readouterr().err
+    assert "gpuctl was sent SIGTERM: not waiting" in told
+    assert "(holder gone) at its first loop pass once it can write its state database" in told
+    (last,) = [line for line in err.splitlines() if "gave up" in line]
+    start, _, rest = last.partition(" after ")
+    assert start == f"gpuctl: gave up telling gpud on {root / 'gpud.sock'} how job j ended (exit 7)"
+    assert re.fullmatch(r"\d+ ms", rest.partition(" (it said: ")[0]), last
+    assert rest.partition(" (it said: ")[2] == (
+        "state database /var/lib/gpud/state.db cannot be written (database or disk is"
+        " full): nothing of this change was kept; free space or fix the file, then retry):"
+        " gpud releases reservation r1 by itself (holder gone) at its first loop pass once it"
+        " can write its state database again, and gpuctl jobs history has no exit status for"
+        " the run"
+    )
+    assert "once it is back" not in err
 
 
 def test_a_removed_run_with_no_exit_status_says_only_its_end_is_kept(

@@ -28,7 +28,7 @@ from gpud.net.cgroups import JobCgroups, find_cgroup2
 from gpud.net.enforce import FakeCounters, FakeMarker, FakeResult, FakeSync, FakeTc, RdmaPort
 from gpud.net.latest import LatestWorker
 from gpud.net.metrics import TrafficMetrics
-from gpud.net.port import JobTraffic
+from gpud.net.port import JobTraffic, LinkEnforcement, TrafficSummary
 from gpud.net.service import RDMA_RECHECK_S, RDMA_RETRY_S, Report, TrafficService, job_pool
 from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore, parse_pool
@@ -278,6 +278,31 @@ def test_a_bad_interface_is_its_own_error(tmp_path: Path, sysfs: Path) -> None:
     assert by_name["veth0"].rate_bps == 400_000_000
     assert not by_name["nope0"].enforced
     assert by_name["nope0"].error == "nope0: no such network interface"
+
+
+def test_the_summary_for_gpuctl_status_waits_for_no_pass(tmp_path: Path, sysfs: Path) -> None:
+    rig = Rig(tmp_path, sysfs)
+    rig.config = dataclasses.replace(rig.config, interfaces=("eth0", "nope0"))
+    rig.tc.missing.add("nope0")
+    rig.service = s = rig.make()
+    assert s.summary() == TrafficSummary(
+        True, (LinkEnforcement("eth0", False), LinkEnforcement("nope0", False))
+    )
+    s.tick()
+    summary: list[TrafficSummary] = []
+    with s._lock:  # as a pass holds it while tc runs
+        asked = threading.Thread(target=lambda: summary.append(s.summary()))
+        asked.start()
+        asked.join(timeout=5)
+    assert summary == [
+        TrafficSummary(
+            True,
+            (
+                LinkEnforcement("eth0", True),
+                LinkEnforcement("nope0", False, "nope0: no such network interface"),
+            ),
+        )
+    ]
 
 
 def test_a_link_that_loses_its_speed_keeps_its_last_rate(rig: Rig) -> None:

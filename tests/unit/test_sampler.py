@@ -33,7 +33,13 @@ from gpud.backend.port import (
 from gpud.errors import BackendError, GpuLost, NotSupported
 from gpud.events import EventLog
 from gpud.store import StateStore
-from gpud.telemetry.sampler import XID_STATE_VERSION, Sampler, parse_xid_state, xid_state_document
+from gpud.telemetry.sampler import (
+    XID_STATE_VERSION,
+    Sampler,
+    XidWatcher,
+    parse_xid_state,
+    xid_state_document,
+)
 from gpud.telemetry.seen import Seen, SeenGpus, describe, parse
 from gpud.telemetry.snapshot import ClearedXids, CriticalXid, SeenIdentity
 
@@ -562,6 +568,40 @@ def test_xid_events_are_counted_and_logged(
     assert xids[0].fields["gpu_uuid"] == "GPU-00000001"
     assert xids[0].fields["mig_uuid"] == "MIG-00010000"  # GPU instance 7's, in the snapshot
     assert "gpu_uuid" not in xids[1].fields  # on the whole GPU
+
+
+class _EventsDownThenBack(FakeBackend):
+    """A driver whose event wait fails ``failures`` times, then answers."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__(gpus=1)
+        self.failures = failures
+        self.answered = threading.Event()
+
+    def wait_events(self, timeout_s: float) -> list[GpuEvent]:
+        if self.failures > 0:
+            self.failures -= 1
+            raise BackendError("NVML_ERROR_UNKNOWN")
+        self.answered.set()
+        return super().wait_events(timeout_s)
+
+
+def test_waiting_for_gpu_events_says_once_that_it_failed_and_once_that_it_works_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    backend = _EventsDownThenBack(failures=3)
+    caplog.set_level("INFO", logger="gpud.telemetry.sampler")
+    watcher = XidWatcher(backend, lambda event: None, wait_s=0.01, retry_s=0.0)
+    watcher.start()
+    try:
+        assert backend.answered.wait(5)
+        time.sleep(0.05)  # a few more answered waits: nothing more to say
+    finally:
+        watcher.stop()
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "waiting for GPU events failed, retrying: NVML_ERROR_UNKNOWN"),
+        ("INFO", "waiting for GPU events works again"),
+    ]
 
 
 def test_listener_errors_do_not_break_the_tick(sampler: Sampler) -> None:
