@@ -680,6 +680,32 @@ def test_throttle_point_sleeps_the_duty_cycle() -> None:
     assert calls[0] == ("train", 1)
 
 
+def test_throttle_point_returns_an_eviction_at_once() -> None:
+    """gpud evicts with duty 0 (0.01 as the client bounds it): the call that brings the
+    eviction returns without sleeping, so the job sees ``directive()`` and leaves now, not
+    after 99 iterations' time holding the memory or SMs it was evicted for; a job that
+    goes on regardless is held at that duty."""
+    clock = Clock()
+    slept: list[float] = []
+    told = [(1.0, False, "no SLO pressure"), (0.0, True, "GPU 0 memory over its limit")]
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        clock.t += s
+
+    t = Throttle("train", clock=clock, sleep=sleep, call=lambda j, i: told[0], report_every_s=0.0)
+    t.point()
+    clock.t += 1.0
+    t.point()
+    told.pop(0)  # gpud evicts it
+    clock.t += 1.0  # an iteration of 1 s
+    assert t.point() == 0.0
+    assert (t.evict, t.reason) == (True, "GPU 0 memory over its limit") and slept == []
+    clock.t += 1.0  # it ignores the eviction and iterates again
+    t.point()
+    assert slept == [pytest.approx(99.0)]
+
+
 def test_throttle_point_keeps_going_without_a_daemon() -> None:
     def down(job: str, iterations: int) -> tuple[float, bool, str]:
         raise OSError("no socket")
