@@ -18,7 +18,7 @@ from colocate import InterferencePredictor, JobFeatures
 from gpud.backend.port import MemoryInfo, PcieThroughput, Utilization
 from gpud.client.colo import Latency, Throttle
 from gpud.colo.metrics import ColoMetrics
-from gpud.colo.service import ADVICE_REUSE_S, Advice, ColoService, RunningJob
+from gpud.colo.service import ADVICE_REUSE_S, PROMISE_S, Advice, ColoService, RunningJob
 from gpud.config import ColocateConfig
 from gpud.errors import InvalidArgument
 from gpud.events import EventLog
@@ -325,6 +325,33 @@ def test_advise_places_on_a_free_gpu_and_checks_input(
         svc.advise("new", kind="batch", snapshot=snapshot())
     with pytest.raises(InvalidArgument):
         svc.report_latency("chat", [float("nan")])
+
+
+def test_runs_asking_together_are_not_all_told_one_gpu_is_free(tmp_path: Path) -> None:
+    """Five gpuctl runs ask before any has reserved: the first is given the free GPU, and
+    the others are told what the GPU holds once it runs there (here: it would slow below
+    1/2 beside it), not that it is free, which had them all reserve it and share it under
+    the slowdown cap. The place counts until the run's reservation shows (then as that),
+    or PROMISE_S; an operator's question (``gpuctl colo advise``) holds nothing."""
+    clock = Clock()
+    jobs = [RunningJob("big", "training", 0, memory_bytes=30 * GIB)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    snap = snapshot(used_gib=0)
+    ask = {"memory_bytes": 30 * GIB, "snapshot": snap}
+    assert svc.advise("look", **ask).gpu == 1  # type: ignore[arg-type]
+    told = [svc.advise(f"r{i}", reserving=True, **ask) for i in range(5)]  # type: ignore[arg-type]
+    assert told[0].gpu == 1 and "free" in told[0].reason
+    for t in told[1:]:
+        assert t.gpu == -1 and "r0 would slow below 1/2" in t.reason, t.reason
+    assert svc.advise("r0", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
+    jobs.append(RunningJob("r0", "training", 1, memory_bytes=30 * GIB))  # r0 reserved
+    assert svc.advise("r1", reserving=True, **ask).gpu == -1  # type: ignore[arg-type]
+    jobs.pop()  # r0's reservation went (its run ended)
+    assert svc.advise("r1", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
+    clock.t += PROMISE_S + 1  # r1 never reserved
+    assert svc.advise("r2", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
 
 
 def test_runs_waiting_for_advice_are_listed_while_they_ask(
