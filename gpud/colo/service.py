@@ -310,6 +310,9 @@ WAITER_GONE_S = 10.0
 # A planning pass made for advice answers the same question again for this long: every run
 # that waits asks every few seconds, and each question plans them all.
 ADVICE_REUSE_S = 1.0
+# The layout of colo.json this gpud writes and reads; a file without one was written before
+# it was kept, in this layout.
+STATE_FILE_VERSION = 1
 # A run given a place reserves it at once (gpuctl run): until its reservation shows, or for
 # this long at most, later advice counts it there, so that runs asking together are not all
 # told that one GPU is free.
@@ -770,6 +773,13 @@ class ColoService:
         try:
             if not isinstance(data, dict) or not isinstance(data.get("jobs"), dict):
                 raise ValueError('not a co-location state: no "jobs" object')
+            version = data.get("version", STATE_FILE_VERSION)
+            if type(version) is not int or version != STATE_FILE_VERSION:
+                # another gpud's layout (one gpud was downgraded from): its fields may mean
+                # what this one would misread
+                raise ValueError(
+                    f"version {version!r}: this gpud reads version {STATE_FILE_VERSION}"
+                )
             for name, saved in data["jobs"].items():
                 self._load_job(str(name), saved)
             evicted = data.get("evicted", [])  # absent from files written before it was kept
@@ -914,7 +924,12 @@ class ColoService:
                     }
         # jobs it evicted that have not run again since: a run of one has a GPU held for it
         evicted = sorted(n for n, st in self._jobs.items() if st.evicted)
-        return {"jobs": jobs, "evicted": evicted, "predictor": self.predictor.to_dict()}
+        return {
+            "version": STATE_FILE_VERSION,
+            "jobs": jobs,
+            "evicted": evicted,
+            "predictor": self.predictor.to_dict(),
+        }
 
     def _save(self, data: dict[str, Any] | None) -> None:
         """Write :meth:`_state` when it changed, to a temporary file, flushed and renamed

@@ -18,7 +18,14 @@ from colocate import InterferencePredictor, JobFeatures
 from gpud.backend.port import MemoryInfo, PcieThroughput, Utilization
 from gpud.client.colo import Latency, Throttle
 from gpud.colo.metrics import ColoMetrics
-from gpud.colo.service import ADVICE_REUSE_S, PROMISE_S, Advice, ColoService, RunningJob
+from gpud.colo.service import (
+    ADVICE_REUSE_S,
+    PROMISE_S,
+    STATE_FILE_VERSION,
+    Advice,
+    ColoService,
+    RunningJob,
+)
 from gpud.config import ColocateConfig
 from gpud.errors import InvalidArgument
 from gpud.events import EventLog
@@ -2026,6 +2033,38 @@ def test_an_unreadable_state_file_starts_afresh(
     )
     (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
     assert str(state) in record.getMessage() and "starting afresh" in record.getMessage()
+
+
+def test_a_state_file_of_another_version_starts_afresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """colo.json says its layout: one a later gpud wrote (gpud downgraded) is not read as
+    this one's, whose fields may mean other things there, but said and kept aside; a file
+    written before the layout was kept reads as this one's, and each save says it."""
+    state = tmp_path / "colo.json"
+    body = '"jobs": {"train": {"duty": 0.5, "alone_rate": 10.0}}'
+    for version in ("2", '"1"', "true", "1.0", "null"):
+        text = f'{{"version": {version}, {body}}}'
+        state.write_text(text)
+        caplog.clear()
+        svc = ColoService(
+            ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=list, state_file=state
+        )
+        assert svc.duty("train") == 1.0
+        (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert (
+            f"not read (version {json.loads(version)!r}: this gpud reads version {STATE_FILE_VERSION})"
+            in record.getMessage()
+        )
+        assert (tmp_path / "colo.json.unreadable").read_text() == text
+    for text in (f'{{"version": 1, {body}}}', f"{{{body}}}"):
+        state.write_text(text)
+        svc = ColoService(
+            ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=list, state_file=state
+        )
+        assert svc.duty("train") == 0.5
+    svc.tick(snapshot())
+    assert json.loads(state.read_text())["version"] == STATE_FILE_VERSION
 
 
 def test_an_unreadable_state_file_is_an_event(tmp_path: Path) -> None:
