@@ -248,7 +248,10 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest, s
     # whose run it is, as the reservation will say: advice keeps off GPUs whose MPS server
     # serves another user
     ask = colo_pb2.AdviseRequest(
-        job=args.job, kind=args.kind or "training", holder_pid=request.holder_pid
+        job=args.job,
+        kind=args.kind or "training",
+        holder_pid=request.holder_pid,
+        reserving=True,  # it reserves the place it is given at once
     )
     if request.HasField("holder_pid_namespace"):
         ask.holder_pid_namespace = request.holder_pid_namespace

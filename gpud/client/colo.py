@@ -89,6 +89,7 @@ class Throttle:
         """Call once per iteration; returns the seconds slept."""
         now = self._clock()
         self._pending += 1
+        was_evicted = self.evict
         if self.job and now - self._last_report >= self._every:
             try:
                 self.duty, self.evict, self.reason = self._call(self.job, self._pending)
@@ -98,7 +99,12 @@ class Throttle:
                 pass
             self._last_report = now
         slept = 0.0
-        if self._last is not None and self.duty < 1.0:
+        # An eviction is returned at once, so that the job checkpoints and leaves now: at
+        # its duty (0.01) the sleep would hold it for 99 iterations' time first, still
+        # holding the memory or SMs it was evicted for. A job that goes on regardless is
+        # held at that duty from its next iteration.
+        told_now = self.evict and not was_evicted
+        if self._last is not None and self.duty < 1.0 and not told_now:
             slept = (now - self._last) * (1.0 - self.duty) / self.duty
             self._sleep(slept)
         self._last = self._clock()

@@ -187,6 +187,7 @@ class ColoServicer(pb_grpc.ColocationServicer):
             waited_s=_waited(request),
             waiter_id=optional(request, "waiter_id"),
             uid=uid,
+            reserving=request.reserving,
         )
         out = pb.AdviseResponse(
             gpu=a.gpu,

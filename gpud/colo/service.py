@@ -310,6 +310,13 @@ WAITER_GONE_S = 10.0
 # A planning pass made for advice answers the same question again for this long: every run
 # that waits asks every few seconds, and each question plans them all.
 ADVICE_REUSE_S = 1.0
+# The layout of colo.json this gpud writes and reads; a file without one was written before
+# it was kept, in this layout.
+STATE_FILE_VERSION = 1
+# A run given a place reserves it at once (gpuctl run): until its reservation shows, or for
+# this long at most, later advice counts it there, so that runs asking together are not all
+# told that one GPU is free.
+PROMISE_S = 10.0
 
 
 @dataclass
@@ -458,6 +465,9 @@ class ColoService:
         # askers told to wait that keep asking (gpuctl run), by waiter id: a run asks with
         # the id it was told, so two runs of one job are two waiters
         self._waiting: dict[str, _Waiter] = {}
+        # job -> the place advice gave a run that reserves it (``reserving``), as a running
+        # entry, and when
+        self._promised: dict[str, tuple[RunningJob, float]] = {}
         # job -> when `gpuctl jobs rm --force` removed it while a run of it waited: that
         # run's next question is answered NotFound (kept WAITER_GONE_S, as long as it asks)
         self._removed: dict[str, float] = {}
@@ -763,6 +773,13 @@ class ColoService:
         try:
             if not isinstance(data, dict) or not isinstance(data.get("jobs"), dict):
                 raise ValueError('not a co-location state: no "jobs" object')
+            version = data.get("version", STATE_FILE_VERSION)
+            if type(version) is not int or version != STATE_FILE_VERSION:
+                # another gpud's layout (one gpud was downgraded from): its fields may mean
+                # what this one would misread
+                raise ValueError(
+                    f"version {version!r}: this gpud reads version {STATE_FILE_VERSION}"
+                )
             for name, saved in data["jobs"].items():
                 self._load_job(str(name), saved)
             evicted = data.get("evicted", [])  # absent from files written before it was kept
@@ -907,7 +924,12 @@ class ColoService:
                     }
         # jobs it evicted that have not run again since: a run of one has a GPU held for it
         evicted = sorted(n for n, st in self._jobs.items() if st.evicted)
-        return {"jobs": jobs, "evicted": evicted, "predictor": self.predictor.to_dict()}
+        return {
+            "version": STATE_FILE_VERSION,
+            "jobs": jobs,
+            "evicted": evicted,
+            "predictor": self.predictor.to_dict(),
+        }
 
     def _save(self, data: dict[str, Any] | None) -> None:
         """Write :meth:`_state` when it changed, to a temporary file, flushed and renamed
@@ -1386,6 +1408,7 @@ class ColoService:
         waited_s: float = 0.0,
         waiter_id: str | None = None,
         uid: int | None = None,
+        reserving: bool = False,
     ) -> Advice:
         """Where a new job should go now: a whole GPU's MPS share, or a free MIG instance
         (for an inference job with a tight SLO, or on a GPU in MIG mode); nothing is
@@ -1400,7 +1423,10 @@ class ColoService:
         job's other run that asks without one, if any. ``uid``: the user the run's
         processes run as, where placement keeps users apart (MPS on): a GPU whose MPS server
         serves another user's jobs is not advised (the jobs service would refuse it), only
-        a free MIG instance there; None: any GPU."""
+        a free MIG instance there; None: any GPU. ``reserving``: the asker reserves the
+        place it is given at once (``gpuctl run``; a waiting asker does too): until its
+        reservation shows, for :data:`PROMISE_S` at most, later advice for other jobs counts
+        the job there (:meth:`_promise`)."""
         now = self._clock()
         with self._lock:
             told = _waiter_id(waiter_id) if waiting else None
@@ -1432,6 +1458,10 @@ class ColoService:
             uid=uid,
         )
         with self._lock:
+            if advice.gpu >= 0 and view is not None and (waiting or reserving):
+                self._promise(
+                    job, advice, view, slo_p99_ms=slo_p99_ms, peak_load=peak_load, uid=uid, now=now
+                )
             if not waiting:  # an operator's question, or a run's first: no waiter of it
                 return advice
             # removed while this question was planned: no place, no listing
@@ -1443,6 +1473,50 @@ class ColoService:
                 return dataclasses.replace(advice, waiter_id=wid)
             self._waiting.pop(wid, None)
         return advice
+
+    def _promise(
+        self,
+        job: str,
+        advice: Advice,
+        view: JobView,
+        *,
+        slo_p99_ms: float | None,
+        peak_load: float,
+        uid: int | None,
+        now: float,
+    ) -> None:
+        """Count ``job`` where ``advice`` put it, as :meth:`_advice` planned it there, until
+        its reservation shows. Under the lock."""
+        share = round(advice.sm_share * 100)
+        self._promised[job] = (
+            RunningJob(
+                job,
+                view.kind.value,
+                advice.gpu,
+                threads_percent=share if advice.mig_profile is None and share < 100 else None,
+                memory_bytes=view.shape.memory_bytes,  # as planned
+                slo_p99_ms=slo_p99_ms,
+                memory_used=None,  # nothing of it runs yet: its reservation counts whole
+                peak_load=peak_load,
+                device=advice.device,
+                mig_profile=advice.mig_profile,
+                reserved_at=now,
+                uid=uid,
+            ),
+            now,
+        )
+
+    def _promises(self, job: str, running: Sequence[RunningJob], now: float) -> list[RunningJob]:
+        """The places advice gave runs of other jobs than ``job`` that have not shown as
+        reservations yet (a run whose reservation was refused holds its place
+        :data:`PROMISE_S` at most). Under the lock."""
+        shown = {r.name for r in running}
+        self._promised = {
+            name: (r, at)
+            for name, (r, at) in self._promised.items()
+            if name not in shown and now - at <= PROMISE_S
+        }
+        return [r for name, (r, _) in self._promised.items() if name != job]
 
     def _check_not_removed(
         self, job: str, wid: str, since: float, now: float, *, anonymous: bool = False
@@ -1637,6 +1711,8 @@ class ColoService:
         if not self.config.enabled:
             self._off_for(waiter)
         running = tuple(self._running())
+        with self._lock:  # the places runs were given that have not reserved yet count
+            running = (*running, *self._promises(job, running, now))
         # read from the state store, so before the loop's lock: a job removal holds the
         # store's while it calls job_removed, which takes the loop's
         defaults = self._default_memory() if memory_bytes is None else {}

@@ -410,6 +410,7 @@ class AdviseRequest(_message.Message):
     WAITER_ID_FIELD_NUMBER: _builtins.int
     HOLDER_PID_FIELD_NUMBER: _builtins.int
     HOLDER_PID_NAMESPACE_FIELD_NUMBER: _builtins.int
+    RESERVING_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     kind: _builtins.str
     """"training" (default) or "inference" """
@@ -433,6 +434,11 @@ class AdviseRequest(_message.Message):
     advice off GPUs whose MPS server serves another user's jobs. Unset: any GPU.
     """
     holder_pid_namespace: _builtins.int
+    reserving: _builtins.bool
+    """the asker reserves the place it is given at once (gpuctl run): for a few seconds, until
+    its reservation shows, later advice counts the job there, so that runs asking together
+    are not all given one free GPU. Unset (gpuctl colo advise): nothing is held.
+    """
     def __init__(
         self,
         *,
@@ -447,10 +453,11 @@ class AdviseRequest(_message.Message):
         waiter_id: _builtins.str | None = ...,
         holder_pid: _builtins.int | None = ...,
         holder_pid_namespace: _builtins.int | None = ...,
+        reserving: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_holder_pid_namespace", b"_holder_pid_namespace", "_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "_waited_s", b"_waited_s", "_waiter_id", b"_waiter_id", "holder_pid", b"holder_pid", "holder_pid_namespace", b"holder_pid_namespace", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity", "waited_s", b"waited_s", "waiter_id", b"waiter_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_holder_pid_namespace", b"_holder_pid_namespace", "_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "_waited_s", b"_waited_s", "_waiter_id", b"_waiter_id", "holder_pid", b"holder_pid", "holder_pid_namespace", b"holder_pid_namespace", "job", b"job", "kind", b"kind", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity", "waited_s", b"waited_s", "waiter_id", b"waiter_id", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid", "_holder_pid_namespace", b"_holder_pid_namespace", "_memory_bytes", b"_memory_bytes", "_peak_load", b"_peak_load", "_slo_p99_ms", b"_slo_p99_ms", "_sm_activity", b"_sm_activity", "_waited_s", b"_waited_s", "_waiter_id", b"_waiter_id", "holder_pid", b"holder_pid", "holder_pid_namespace", b"holder_pid_namespace", "job", b"job", "kind", b"kind", "memory_bytes", b"memory_bytes", "peak_load", b"peak_load", "reserving", b"reserving", "slo_p99_ms", b"slo_p99_ms", "sm_activity", b"sm_activity", "waited_s", b"waited_s", "waiter_id", b"waiter_id", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__holder_pid: _TypeAlias = _typing.Literal["holder_pid"]  # noqa: Y015
     _WhichOneofArgType__holder_pid: _TypeAlias = _typing.Literal["_holder_pid", b"_holder_pid"]  # noqa: Y015

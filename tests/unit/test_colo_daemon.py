@@ -18,7 +18,14 @@ from colocate import InterferencePredictor, JobFeatures
 from gpud.backend.port import MemoryInfo, PcieThroughput, Utilization
 from gpud.client.colo import Latency, Throttle
 from gpud.colo.metrics import ColoMetrics
-from gpud.colo.service import ADVICE_REUSE_S, Advice, ColoService, RunningJob
+from gpud.colo.service import (
+    ADVICE_REUSE_S,
+    PROMISE_S,
+    STATE_FILE_VERSION,
+    Advice,
+    ColoService,
+    RunningJob,
+)
 from gpud.config import ColocateConfig
 from gpud.errors import InvalidArgument
 from gpud.events import EventLog
@@ -325,6 +332,33 @@ def test_advise_places_on_a_free_gpu_and_checks_input(
         svc.advise("new", kind="batch", snapshot=snapshot())
     with pytest.raises(InvalidArgument):
         svc.report_latency("chat", [float("nan")])
+
+
+def test_runs_asking_together_are_not_all_told_one_gpu_is_free(tmp_path: Path) -> None:
+    """Five gpuctl runs ask before any has reserved: the first is given the free GPU, and
+    the others are told what the GPU holds once it runs there (here: it would slow below
+    1/2 beside it), not that it is free, which had them all reserve it and share it under
+    the slowdown cap. The place counts until the run's reservation shows (then as that),
+    or PROMISE_S; an operator's question (``gpuctl colo advise``) holds nothing."""
+    clock = Clock()
+    jobs = [RunningJob("big", "training", 0, memory_bytes=30 * GIB)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
+    )
+    snap = snapshot(used_gib=0)
+    ask = {"memory_bytes": 30 * GIB, "snapshot": snap}
+    assert svc.advise("look", **ask).gpu == 1  # type: ignore[arg-type]
+    told = [svc.advise(f"r{i}", reserving=True, **ask) for i in range(5)]  # type: ignore[arg-type]
+    assert told[0].gpu == 1 and "free" in told[0].reason
+    for t in told[1:]:
+        assert t.gpu == -1 and "r0 would slow below 1/2" in t.reason, t.reason
+    assert svc.advise("r0", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
+    jobs.append(RunningJob("r0", "training", 1, memory_bytes=30 * GIB))  # r0 reserved
+    assert svc.advise("r1", reserving=True, **ask).gpu == -1  # type: ignore[arg-type]
+    jobs.pop()  # r0's reservation went (its run ended)
+    assert svc.advise("r1", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
+    clock.t += PROMISE_S + 1  # r1 never reserved
+    assert svc.advise("r2", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
 
 
 def test_runs_waiting_for_advice_are_listed_while_they_ask(
@@ -678,6 +712,32 @@ def test_throttle_point_sleeps_the_duty_cycle() -> None:
     t.point()
     assert slept == [pytest.approx(3.0)]  # 1 s of work per 4 s: duty 0.25
     assert calls[0] == ("train", 1)
+
+
+def test_throttle_point_returns_an_eviction_at_once() -> None:
+    """gpud evicts with duty 0 (0.01 as the client bounds it): the call that brings the
+    eviction returns without sleeping, so the job sees ``directive()`` and leaves now, not
+    after 99 iterations' time holding the memory or SMs it was evicted for; a job that
+    goes on regardless is held at that duty."""
+    clock = Clock()
+    slept: list[float] = []
+    told = [(1.0, False, "no SLO pressure"), (0.0, True, "GPU 0 memory over its limit")]
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        clock.t += s
+
+    t = Throttle("train", clock=clock, sleep=sleep, call=lambda j, i: told[0], report_every_s=0.0)
+    t.point()
+    clock.t += 1.0
+    t.point()
+    told.pop(0)  # gpud evicts it
+    clock.t += 1.0  # an iteration of 1 s
+    assert t.point() == 0.0
+    assert (t.evict, t.reason) == (True, "GPU 0 memory over its limit") and slept == []
+    clock.t += 1.0  # it ignores the eviction and iterates again
+    t.point()
+    assert slept == [pytest.approx(99.0)]
 
 
 def test_throttle_point_keeps_going_without_a_daemon() -> None:
@@ -1973,6 +2033,38 @@ def test_an_unreadable_state_file_starts_afresh(
     )
     (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
     assert str(state) in record.getMessage() and "starting afresh" in record.getMessage()
+
+
+def test_a_state_file_of_another_version_starts_afresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """colo.json says its layout: one a later gpud wrote (gpud downgraded) is not read as
+    this one's, whose fields may mean other things there, but said and kept aside; a file
+    written before the layout was kept reads as this one's, and each save says it."""
+    state = tmp_path / "colo.json"
+    body = '"jobs": {"train": {"duty": 0.5, "alone_rate": 10.0}}'
+    for version in ("2", '"1"', "true", "1.0", "null"):
+        text = f'{{"version": {version}, {body}}}'
+        state.write_text(text)
+        caplog.clear()
+        svc = ColoService(
+            ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=list, state_file=state
+        )
+        assert svc.duty("train") == 1.0
+        (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert (
+            f"not read (version {json.loads(version)!r}: this gpud reads version {STATE_FILE_VERSION})"
+            in record.getMessage()
+        )
+        assert (tmp_path / "colo.json.unreadable").read_text() == text
+    for text in (f'{{"version": 1, {body}}}', f"{{{body}}}"):
+        state.write_text(text)
+        svc = ColoService(
+            ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=list, state_file=state
+        )
+        assert svc.duty("train") == 0.5
+    svc.tick(snapshot())
+    assert json.loads(state.read_text())["version"] == STATE_FILE_VERSION
 
 
 def test_an_unreadable_state_file_is_an_event(tmp_path: Path) -> None:

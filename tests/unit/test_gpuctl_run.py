@@ -131,12 +131,14 @@ class SaysWait(colo_pb2_grpc.ColocationServicer):
         self.waits, self.reason, self.asked, self.then_off = waits, reason, 0, then_off
         self.away_at = away_at
         self.waited: list[float | None] = []  # waited_s of each question
+        self.reserving: list[bool] = []  # whether each asker said it reserves what it is told
 
     async def Advise(
         self, request: colo_pb2.AdviseRequest, context: Any
     ) -> colo_pb2.AdviseResponse:
         self.asked += 1
         self.waited.append(request.waited_s if request.HasField("waited_s") else None)
+        self.reserving.append(request.reserving)
         if self.asked == self.away_at:  # as gRPC answers while gpud restarts
             await context.abort(grpc.StatusCode.UNAVAILABLE, "connection refused")
         if self.asked <= self.waits:
@@ -505,6 +507,8 @@ def test_gpuctl_run_waits_while_co_location_says_wait(
     # how long it has waited goes with every poll: its place should gpud restart
     first, *polls = loop.waited
     assert first is None and polls[0] is not None and 0 < polls[0] < polls[1]
+    # it reserves what it is told: later advice counts it there until its reservation shows
+    assert loop.reserving == [True] * 3
     assert env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
     # The advice is for this run: the job is not registered to that GPU or share.
