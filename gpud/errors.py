@@ -3,6 +3,7 @@
 ::
 
     GpudError                      (exit 1, gRPC INTERNAL)
+    ├── StoreRefused               etcd answers but refuses this node's call (login, keys)
     ├── ConfigError                bad config file or flag: names the file and key (exit 2)
     ├── StateError                 the state database cannot be opened or is damaged (exit 1)
     │   └── StateUnwritable        it cannot be written now: disk full, I/O error (exit 3)
@@ -13,10 +14,13 @@
     ├── FailedPrecondition         refused in the current state, e.g. busy instance (exit 6)
     │   ├── Busy                   processes still run on what would be destroyed
     │   ├── NotLeader              a cluster node that does not lead; carries the leader it knows
+    │   │   └── LeaderNotReady     it restarted within its previous run's lease: leads after it
+    │   ├── DuplicateNode          a cluster node's name is reported by two gpuds
     │   └── ColocationOff          co-location is switched off ([colocate] enabled = false)
     ├── ResourceExhausted          over-subscription: carries the numbers (exit 7)
     ├── Unavailable                the daemon or a peer cannot be reached (exit 3)
-    │   └── StoreFull              etcd refuses writes: out of space (alarm NOSPACE)
+    │   ├── StoreFull              etcd refuses writes: out of space (alarm NOSPACE)
+    │   └── HandshakeFailed        the TLS handshake with a cluster peer failed
     ├── PermissionDenied           (exit 77)
     ├── Partial                    done for the GPUs that answer; faulty ones left alone (exit 11)
     └── BackendError               the GPU driver said no; carries the gpu index/uuid
@@ -121,6 +125,21 @@ class NotLeader(FailedPrecondition):
         self.address = address
 
 
+class LeaderNotReady(NotLeader):
+    """The node the leader key names refused a report: it restarted within its previous
+    run's lease (or another gpud holds that key under its name), and leads once that lease
+    expires. It names no other leader."""
+
+
+class DuplicateNode(FailedPrecondition):
+    """The leader refused a report: another gpud reports under the same ``cluster.node``
+    (``node`` names it)."""
+
+    def __init__(self, message: str, *, node: str = ""):
+        super().__init__(message)
+        self.node = node
+
+
 class ColocationOff(FailedPrecondition):
     """The co-location loop is off (``[colocate] enabled = false``): it gives no advice, and
     ``gpuctl run`` places its job as the jobs service does."""
@@ -142,6 +161,16 @@ class Unavailable(GpudError):
 class StoreFull(Unavailable):
     """etcd refuses writes until an operator frees space and disarms its NOSPACE alarm;
     reads and lease renewals still work."""
+
+
+class HandshakeFailed(Unavailable):
+    """The TLS handshake with a cluster peer failed: the certificates are not signed by
+    the same cluster CA, do not name their node, or are not valid now."""
+
+
+class StoreRefused(GpudError):
+    """etcd answers but refuses this node's call: its login, a call without one, the
+    user's keys, or another refusal in etcd's words; the message says what to change."""
 
 
 class PermissionDenied(GpudError):

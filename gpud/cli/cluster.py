@@ -112,7 +112,7 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
         )
     if resp.election == "etcd":
         lines.append(f"etcd:        {_etcd_state(resp)}")
-        if "NOSPACE" in resp.etcd_alarms:
+        if _nospace_shown(resp):
             lines += [
                 "etcd alarm:  NOSPACE: etcd is out of space and refuses writes (no new leader,"
                 " no new tag); the last order stays in force",
@@ -123,9 +123,15 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
         if others:
             lines.append(f"etcd alarm:  {', '.join(others)} (etcdctl alarm list)")
     if resp.detail:
-        lines.append(f"detail:      {resp.detail}")
+        detail = resp.detail
+        if _nospace_shown(resp) and store_state(resp) == "full":
+            detail = _FULL  # what the alarm's lines say already, at length
+        lines.append(f"detail:      {detail}")
     if resp.last_error:
-        lines.append(f"error:       {_summary(resp.last_error)}")
+        error = _summary(resp.last_error)
+        if _nospace_shown(resp) and error_kind(resp) == "store_full":
+            error = f"leader round failed: {_FULL}"
+        lines.append(f"error:       {error}")
     lines += [f"action:      {a}" for a in _actions(resp)]
     if resp.rejected_orders:
         lines.append(f"rejected:    {resp.rejected_orders} stale orders")
@@ -188,6 +194,9 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
     return 0
 
 
+# a write etcd refused while out of space, shortly, under the NOSPACE alarm's own lines
+_FULL = "etcd refused a write: out of space (see the alarm above; full text: --json)"
+
 _TLS_FAILED = re.compile(r"(?i)\b(?:tls|ssl) handshake failed")
 # OpenSSL's last words in gRPC's text: "...:OPENSSL_internal:BAD_SIGNATURE: certificate
 # signature failure"
@@ -234,10 +243,43 @@ def _leader_lines(resp: pb.GetClusterStatusResponse) -> list[str]:
     ]
 
 
+def store_state(resp: pb.GetClusterStatusResponse) -> str:
+    """How this node's last etcd call went: "ok", "unreachable", "refused" (its login, its
+    keys) or "full" (a write while etcd is out of space). An older gpud sends no
+    ``store_state``: its detail then begins "etcd refused" when etcd answered and refused,
+    naming the alarm NOSPACE when out of space, and anything else is an etcd it cannot
+    reach."""
+    if resp.HasField("store_state"):
+        return resp.store_state
+    if resp.store_ok:
+        return "ok"
+    if not resp.detail.startswith("etcd refused"):
+        return "unreachable"
+    return "full" if "NOSPACE" in resp.detail else "refused"
+
+
+def error_kind(resp: pb.GetClusterStatusResponse) -> str:
+    """What ``last_error`` is (``last_error_kind``: "duplicate_node", "leader_not_ready",
+    "tls_handshake"...; "" with none). An older gpud sends no ``last_error_kind``: the
+    words of its error tell the kinds this gpuctl acts on."""
+    if resp.HasField("last_error_kind"):
+        return resp.last_error_kind
+    error = resp.last_error
+    if not error:
+        return ""
+    if "handshake" in error.lower():
+        return "tls_handshake"
+    if "is reported by two gpuds" in error:
+        return "duplicate_node"
+    if "does not lead yet" in error:
+        return "leader_not_ready"
+    return "leader_unreachable"
+
+
 def _etcd_refuses(resp: pb.GetClusterStatusResponse) -> bool:
     """etcd answers but refuses this node's calls (its login, its keys, a write while out
-    of space): gpud's detail then begins "etcd refused"; otherwise it cannot reach etcd."""
-    return not resp.store_ok and resp.detail.startswith("etcd refused")
+    of space); otherwise, when not ok, it cannot reach etcd."""
+    return store_state(resp) in ("refused", "full")
 
 
 def _etcd_state(resp: pb.GetClusterStatusResponse) -> str:
@@ -248,11 +290,16 @@ def _etcd_state(resp: pb.GetClusterStatusResponse) -> str:
     return "UNREACHABLE"
 
 
+def _nospace_shown(resp: pb.GetClusterStatusResponse) -> bool:
+    """The NOSPACE alarm's lines (what it means, what to do) are in the status."""
+    return resp.election == "etcd" and "NOSPACE" in resp.etcd_alarms
+
+
 def _actions(resp: pb.GetClusterStatusResponse) -> list[str]:
     """What an operator can do about the state the status shows (none when all is well)."""
     actions: list[str] = []
     if resp.election == "etcd" and _etcd_refuses(resp):
-        if "NOSPACE" not in resp.etcd_alarms:  # that alarm's own action is shown above
+        if not (_nospace_shown(resp) and store_state(resp) == "full"):  # its action is above
             actions.append(
                 "do what the detail says (etcd's user and password: cluster.etcd_username,"
                 " cluster.etcd_password_file; the user's role): it learns of a new leader"
@@ -263,23 +310,30 @@ def _actions(resp: pb.GetClusterStatusResponse) -> list[str]:
             "make etcd reachable from this node (cluster.etcd_endpoints, etcd's TLS and auth"
             " files; the detail says why it fails): it learns of a new leader only from etcd"
         )
-    if "handshake" in resp.last_error.lower():
+    kind = error_kind(resp)
+    if kind == "tls_handshake":
         actions.append(
             "the TLS handshake with the leader failed: both certificates must be signed by"
             " the same cluster CA (cluster.ca_file on each node), name their node and be"
             " valid now (openssl verify -CAfile CA CERT on this node's cluster.cert_file and"
             " the leader's)"
         )
-    elif "is reported by two gpuds" in resp.last_error:
+    elif kind == "duplicate_node":
         actions.append(
             "give each gpud its own cluster.node: another gpud reports under this node's name"
             " (the error names its address), and the leader takes the newest one only;"
             " rename one (a restart) or stop it; the node follows again by itself"
         )
-    elif resp.mode in ("holding", "local") and "does not lead yet" in resp.last_error:
+    elif resp.mode in ("holding", "local") and kind == "leader_not_ready":
         actions.append(
             "wait: the leader restarted within its previous run's lease, and leads again"
             " once that lease expires (cluster.lease_ttl_s); the node follows by itself"
+        )
+    elif resp.mode in ("holding", "local") and kind == "leader_key_held":
+        actions.append(
+            "wait, or rename: etcd names this node the leader while another gpud holds the"
+            " key: this gpud's previous run until its lease expires (cluster.lease_ttl_s),"
+            " or another gpud under the same cluster.node (give each its own)"
         )
     elif resp.mode in ("holding", "local") and resp.last_error:
         actions.append(

@@ -39,7 +39,15 @@ from gpud.cluster.leader import Aggregator, NodeSeen
 from gpud.cluster.model import JobAttributes, JobReport, NodeReport, Order, node_name
 from gpud.cluster.ports import NodeView, StoreAlarms, TagStore
 from gpud.cluster.problems import Problem, ProblemBoard
-from gpud.errors import FailedPrecondition, GpudError, NotLeader, StoreFull
+from gpud.errors import (
+    DuplicateNode,
+    FailedPrecondition,
+    GpudError,
+    HandshakeFailed,
+    LeaderNotReady,
+    NotLeader,
+    StoreFull,
+)
 from gpud.events import EventLog
 from gpud.net.port import TrafficPort
 from netshaper.leveller import Leveller, LevellerConfig
@@ -50,6 +58,32 @@ RETRY_S = 0.2  # a follower's next report when the leader had no order for it ye
 # how often a node reads etcd's alarms: a follower writes to etcd rarely, so it would not
 # otherwise learn that etcd refuses writes (and that no successor could be elected)
 ALARM_CHECK_S = 10.0
+
+# What kind of error ``last_error`` is (``last_error_kind``; "" with none), for gpuctl and
+# scripts to branch on rather than on the message's words.
+LEADER_UNREACHABLE = "leader_unreachable"  # the report to the leader failed
+TLS_HANDSHAKE = "tls_handshake"  # ... in the TLS handshake: a certificate refused
+LEADER_NOT_READY = "leader_not_ready"  # ... the leader restarted within its old lease
+NOT_LEADER = "not_leader"  # ... the node etcd names does not lead
+DUPLICATE_NODE = "duplicate_node"  # ... another gpud reports under this node's name
+LEADER_KEY_HELD = "leader_key_held"  # etcd names this node, another gpud holds the key
+ORDER_REFUSED = "order_refused"  # the traffic service refused the leader's order
+LEADER_ROUND = "leader_round"  # this leader's round failed (its tags not saved)
+STORE_FULL = "store_full"  # ... as etcd is out of space (alarm NOSPACE)
+OWN_CERTIFICATE = "own_certificate"  # this node's certificate expired: peers refuse it
+
+
+def report_error_kind(err: GpudError) -> str:
+    """The ``last_error_kind`` of a report the leader did not answer with an order."""
+    if isinstance(err, DuplicateNode):
+        return DUPLICATE_NODE
+    if isinstance(err, LeaderNotReady):
+        return LEADER_NOT_READY
+    if isinstance(err, NotLeader):
+        return NOT_LEADER
+    if isinstance(err, HandshakeFailed):
+        return TLS_HANDSHAKE
+    return LEADER_UNREACHABLE
 
 
 class PeerTransport(Protocol):
@@ -90,6 +124,7 @@ class ClusterStatus:
     nodes: tuple[NodeSeen, ...]
     jobs: tuple[JobAttributes, ...]
     last_error: str = ""
+    last_error_kind: str = ""  # LEADER_UNREACHABLE...: what last_error is ("" with none)
     problems: tuple[Problem, ...] = ()  # every node's, as published in etcd
     etcd_alarms: tuple[str, ...] = ()  # raised on etcd as last read, e.g. ("NOSPACE",)
     etcd_alarms_read: bool = False  # read at least once since gpud started
@@ -174,6 +209,7 @@ class ClusterAgent:
         self.order: Order | None = None  # the newest applied order (this node's share)
         self._order_cleared = False  # the local policy decides again (grace period over)
         self.last_error = ""
+        self.last_error_kind = ""  # LEADER_UNREACHABLE...: what last_error is
         self._duplicates: set[str] = set()  # node names two gpuds were found to share
         # ((leader, epoch) the election names, the leader that one named instead)
         self._hint: tuple[tuple[str, int], LeaderHint] | None = None
@@ -275,8 +311,11 @@ class ClusterAgent:
             try:
                 order = await asyncio.to_thread(self._lead, info.epoch, report)
             except GpudError as err:
-                self._note_error(f"leader round failed: {err}")
-                if isinstance(err, StoreFull):
+                full = isinstance(err, StoreFull)
+                self._note_error(
+                    f"leader round failed: {err}", STORE_FULL if full else LEADER_ROUND
+                )
+                if full:
                     self._alarms_read_at = None  # read the alarms in this round
                 order = None
             if settling and order is None and self._settle_s > 0:
@@ -288,7 +327,7 @@ class ClusterAgent:
                 and self._apply(order.for_jobs(j.job for j in report.jobs), info)
             ):
                 # peers cannot connect to a leader whose certificate expired: say why
-                self.last_error = problem
+                self._set_error(problem, OWN_CERTIFICATE if problem else "")
         else:
             with self._lock:
                 self._aggregator = None  # soft state: a later leadership starts afresh
@@ -298,7 +337,8 @@ class ClusterAgent:
                 self._note_error(
                     f"the leader key names {self.node} at {info.address or '?'}, but this gpud "
                     "does not hold it: another gpud under the same cluster.node (names "
-                    "compare without case), or this one's previous run until its lease expires"
+                    "compare without case), or this one's previous run until its lease expires",
+                    LEADER_KEY_HELD,
                 )
         self._update_mode(info)
         await self._read_alarms()
@@ -327,8 +367,13 @@ class ClusterAgent:
         leader, address = (hint.leader, hint.address) if hint else (info.leader, info.address)
         try:
             order = await self._peers.report(address, leader, report)
-        except NotLeader as err:
-            if hint is None and err.address and err.leader not in ("", info.leader, self.node):
+        except GpudError as err:
+            if (
+                isinstance(err, NotLeader)
+                and hint is None
+                and err.address
+                and err.leader not in ("", info.leader, self.node)
+            ):
                 log.info(
                     "cluster: %s does not lead (etcd names it here): reporting to %s at %s, "
                     "the leader it names",
@@ -340,19 +385,15 @@ class ClusterAgent:
                 await self._follow(info, report, problem)  # once: a hint is not followed on
                 return
             self._hint = None
-            self._note_error(str(err))
-            return
-        except GpudError as err:
-            self._hint = None
             # the handshake error says little ("Socket closed"); an expired certificate
             # of this node is known here, so the error names it
-            self._note_error(f"{err}; {problem}" if problem else str(err))
+            self._note_error(f"{err}; {problem}" if problem else str(err), report_error_kind(err))
             return
         if order is None:  # a new leader has not folded our report in yet
-            self.last_error = ""
+            self._set_error("", "")
             self.request_round(RETRY_S)
         elif self._apply(order, info):
-            self.last_error = ""
+            self._set_error("", "")
         elif hint is not None:
             self._hint = None  # an order the fence refused: no better than the election's
 
@@ -448,10 +489,14 @@ class ClusterAgent:
             log.debug("cluster: cannot read the nodes' problems: %s", err)
             return []
 
-    def _note_error(self, message: str) -> None:
+    def _note_error(self, message: str, kind: str) -> None:
+        """``message`` as ``last_error`` (logged when it changed), ``kind`` what it is."""
         if message != self.last_error:
             log.warning("cluster: %s", message)
-        self.last_error = message
+        self._set_error(message, kind)
+
+    def _set_error(self, message: str, kind: str) -> None:
+        self.last_error, self.last_error_kind = message, kind
 
     def _lead(self, epoch: int, report: NodeReport) -> Order | None:
         """A leader's round: the order of ``epoch``, or None while a new leadership settles.
@@ -512,7 +557,7 @@ class ClusterAgent:
             if info.leader == self.node:
                 # restarted within its previous run's lease (an upgrade, a kill -9): no
                 # hint, the node that reports knows the key's holder already
-                raise NotLeader(
+                raise LeaderNotReady(
                     f"{self.node} does not lead yet: the leader key still names it, held by "
                     "its previous run (or another gpud under the same cluster.node) until "
                     "that lease expires, within cluster.lease_ttl_s"
@@ -528,10 +573,11 @@ class ClusterAgent:
             return None
         try:
             if report.node == self.node:
-                raise FailedPrecondition(
+                raise DuplicateNode(
                     f"node {report.node!r} is reported by two gpuds, this one and the leader "
                     f"at {info.address}: give each its own cluster.node (names compare "
-                    "without case)"
+                    "without case)",
+                    node=report.node,
                 )
             agg.receive(report, self._clock(), peer=peer)
         except FailedPrecondition as err:
@@ -620,7 +666,8 @@ class ClusterAgent:
             # does not enforce (a leader with more levels or another DSCP pool).
             self._note_error(
                 f"traffic service refused the order of epoch {order.epoch} from "
-                f"{order.leader or '?'}: {result.reason}"
+                f"{order.leader or '?'}: {result.reason}",
+                ORDER_REFUSED,
             )
             return False
         previous = self.order
@@ -728,6 +775,7 @@ class ClusterAgent:
             nodes=nodes,
             jobs=jobs,
             last_error=self.last_error,
+            last_error_kind=self.last_error_kind,
             etcd_alarms=self.etcd_alarms,
             etcd_alarms_read=self.etcd_alarms_read,
             certificates=self._certs.expiries(self._wall()) if self._certs is not None else (),

@@ -37,11 +37,15 @@ from gpud.cluster.model import NodeReport, Order, node_name
 from gpud.cluster.tls import PeerTls
 from gpud.config import parse_address
 from gpud.errors import (
+    ERROR_KEY,
     LEADER_ADDRESS_KEY,
     LEADER_KEY,
     ConfigError,
+    DuplicateNode,
     GpudError,
+    HandshakeFailed,
     InvalidArgument,
+    LeaderNotReady,
     NotLeader,
     PermissionDenied,
     Unavailable,
@@ -157,6 +161,8 @@ def status_to_pb(s: ClusterStatus) -> pb.GetClusterStatusResponse:
             for p in s.problems
         ],
         etcd_alarms=s.etcd_alarms,
+        store_state=s.info.store_state,
+        last_error_kind=s.last_error_kind,
     )
     for c in s.certificates:
         cert = msg.certificates.add(key=c.key, path=c.path, error=c.error)
@@ -266,6 +272,40 @@ class PeerServer:
             await server.stop(grace)
 
 
+# the words an older leader's refusals carry, its metadata naming only FailedPrecondition
+# or NotLeader
+_OLDER_DUPLICATE = "is reported by two gpuds"
+_OLDER_NOT_READY = "does not lead yet"
+
+
+def report_error(err: grpc.aio.AioRpcError, leader: str, address: str) -> GpudError:
+    """Why the leader at ``address`` did not answer a report, as the error tree has it:
+    :class:`DuplicateNode`, :class:`LeaderNotReady`, :class:`NotLeader` (with the leader
+    it names), :class:`HandshakeFailed` (gRPC says only so in its text), otherwise
+    :class:`Unavailable`. The leader names its error's class in trailing metadata
+    (``ERROR_KEY``); an older leader's class is the base, and its words tell."""
+    code, details = err.code(), err.details() or ""
+    message = f"leader {leader} at {address}: {code.name} {details}".rstrip()
+    meta = dict(err.trailing_metadata() or ())
+    error = str(meta.get(ERROR_KEY, ""))
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        if error == DuplicateNode.__name__ or _OLDER_DUPLICATE in details:
+            return DuplicateNode(message)
+        if error == LeaderNotReady.__name__ or _OLDER_NOT_READY in details:
+            return LeaderNotReady(message)
+        if meta.get(LEADER_KEY):
+            # it does not lead, and names the leader it knows of (a hint: see
+            # ClusterAgent._follow)
+            return NotLeader(
+                message,
+                leader=node_name(str(meta[LEADER_KEY])),
+                address=str(meta.get(LEADER_ADDRESS_KEY, "")),
+            )
+    elif not error and "handshake" in details.lower():
+        return HandshakeFailed(message)
+    return Unavailable(message)
+
+
 class PeerClient:
     """Reports to the leader over mutual TLS; see the module docstring."""
 
@@ -315,17 +355,7 @@ class PeerClient:
                 report_to_pb(report), timeout=self._timeout_s
             )
         except grpc.aio.AioRpcError as err:
-            message = f"leader {leader} at {address}: {err.code().name} {err.details() or ''}"
-            hint = dict(err.trailing_metadata() or ())
-            if err.code() == grpc.StatusCode.FAILED_PRECONDITION and hint.get(LEADER_KEY):
-                # it does not lead, and names the leader it knows of (a hint: see
-                # ClusterAgent._follow)
-                raise NotLeader(
-                    message.rstrip(),
-                    leader=node_name(str(hint[LEADER_KEY])),
-                    address=str(hint.get(LEADER_ADDRESS_KEY, "")),
-                ) from err
-            raise Unavailable(message.rstrip()) from err
+            raise report_error(err, leader, address) from err
         return order_from_pb(response.order) if response.HasField("order") else None
 
     async def nodes(self, address: str, leader: str) -> list[NodeSeen]:

@@ -32,15 +32,32 @@ from typing import Protocol
 from gpud.cluster.etcd import EtcdClient
 from gpud.cluster.model import node_name
 from gpud.cluster.trust import CHECK_S, Candidacy
-from gpud.errors import GpudError
+from gpud.errors import GpudError, StoreFull, StoreRefused
 
 log = logging.getLogger(__name__)
+
+
+# How the last etcd call went (LeaderInfo.store_state; "" with no etcd)
+STORE_OK = "ok"
+STORE_UNREACHABLE = "unreachable"  # no endpoint answered
+STORE_REFUSED = "refused"  # etcd answered and refused: the login, the user's keys
+STORE_FULL = "full"  # etcd refuses writes: out of space (alarm NOSPACE)
+
+
+def store_state(err: GpudError) -> str:
+    """The ``store_state`` an etcd call that raised ``err`` leaves."""
+    if isinstance(err, StoreFull):
+        return STORE_FULL
+    if isinstance(err, StoreRefused):
+        return STORE_REFUSED
+    return STORE_UNREACHABLE
 
 
 @dataclass(frozen=True, slots=True)
 class LeaderInfo:
     """``leader`` / ``address``: the leader's node name and peer address ("" if none known);
-    ``leading``: whether this node leads now; ``store_ok``: the last etcd call succeeded."""
+    ``leading``: whether this node leads now; ``store_ok``: the last etcd call succeeded,
+    ``store_state`` how it went (:data:`STORE_OK`... ; "" with no etcd)."""
 
     leader: str
     address: str
@@ -48,6 +65,7 @@ class LeaderInfo:
     leading: bool
     store_ok: bool = True
     detail: str = ""
+    store_state: str = STORE_OK
 
 
 class Election(Protocol):
@@ -62,7 +80,7 @@ class SingleElection:
     """A lone node leads itself."""
 
     def __init__(self, node: str, address: str = "") -> None:
-        self._info = LeaderInfo(node, address, epoch=1, leading=True)
+        self._info = LeaderInfo(node, address, epoch=1, leading=True, store_state="")
 
     def start(self) -> None:
         pass
@@ -110,7 +128,7 @@ class EtcdElection:
         self._epoch = 0
         self._leader = ""
         self._leader_address = ""
-        self._store_ok = False
+        self._store_state = STORE_UNREACHABLE  # how the last etcd call went
         self._detail = "not started"
         self._failing = False  # an etcd outage was logged and has not ended
         self._abandoned: int | None = None  # a lease we stepped down from, to revoke
@@ -137,18 +155,24 @@ class EtcdElection:
     def state(self) -> LeaderInfo:
         with self._lock:
             leading = self._leading_now()
+            state = self._store_state
+            store_ok = state == STORE_OK
             if leading:
-                return LeaderInfo(self.node, self.address, self._epoch, True, self._store_ok)
+                return LeaderInfo(self.node, self.address, self._epoch, True, store_ok, "", state)
             if self._lease is not None:
                 # past the deadline but the thread has not noticed yet: not leading
-                return LeaderInfo("", "", self._epoch, False, False, "lease renewal overdue")
+                overdue = STORE_UNREACHABLE if state == STORE_OK else state
+                return LeaderInfo(
+                    "", "", self._epoch, False, False, "lease renewal overdue", overdue
+                )
             return LeaderInfo(
                 self._leader,
                 self._leader_address,
                 self._epoch,
                 False,
-                self._store_ok,
+                store_ok,
                 self._detail,
+                state,
             )
 
     # -- life ----------------------------------------------------------------------------
@@ -220,7 +244,7 @@ class EtcdElection:
             kv = self._client.get(self.key) if ttl > 0 else None
         except GpudError as err:
             with self._lock:
-                self._store_ok = False
+                self._store_state = store_state(err)
                 overdue = self._clock() >= self._valid_until - self.margin_s
             if overdue:
                 self._step_down(f"cannot reach etcd before the lease could expire: {err}")
@@ -235,7 +259,7 @@ class EtcdElection:
         with self._lock:
             self._granted_ttl = float(ttl)
             self._valid_until = sent + ttl
-            self._store_ok = True
+            self._store_state = STORE_OK
         if self._candidacy is not None and self._clock() - self._checked_at >= CHECK_S:
             self._checked_at = self._clock()
             try:
@@ -299,7 +323,7 @@ class EtcdElection:
                     with self._lock:
                         changed = bool(self._leader)
                         self._leader = self._leader_address = ""
-                        self._store_ok = True
+                        self._store_state = STORE_OK
                         self._detail = why
                     if changed:
                         self.on_change()
@@ -309,7 +333,8 @@ class EtcdElection:
             self._watch_revision = kv.mod_revision
         except GpudError as err:
             with self._lock:
-                was_ok, self._store_ok = self._store_ok, False
+                was_ok = self._store_state == STORE_OK
+                self._store_state = store_state(err)
                 self._detail = str(err)
             if was_ok or not self._failing:  # once per outage, not every step
                 log.warning("cluster: %s; the last order stays in force", err)
@@ -328,7 +353,7 @@ class EtcdElection:
             changed = (self._epoch, self._leader) != (kv.create_revision, leader)
             self._leader, self._leader_address = leader, address
             self._epoch = kv.create_revision
-            self._store_ok = True
+            self._store_state = STORE_OK
             self._detail = "" if leader else f"unreadable leader key {self.key}"
         if changed:
             self.on_change()
@@ -353,7 +378,7 @@ class EtcdElection:
             self._valid_until = sent + granted
             self._epoch = epoch
             self._leader, self._leader_address = self.node, self.address
-            self._store_ok = True
+            self._store_state = STORE_OK
             self._detail = ""
         log.info("elected cluster leader (epoch %d, lease TTL %d s)", epoch, granted)
         self.on_change()

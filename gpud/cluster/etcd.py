@@ -17,7 +17,8 @@ What etcd sees (``etcdctl get --prefix /gpud/cluster``)::
 Several endpoints are tried in turn; TLS (CA, client certificate) and user/password
 authentication are supported. Every failure to reach etcd is :class:`~gpud.errors.Unavailable`;
 a write refused because etcd is out of space is :class:`~gpud.errors.StoreFull`
-(``etcdctl alarm list`` shows ``alarm:NOSPACE``).
+(``etcdctl alarm list`` shows ``alarm:NOSPACE``); any other refusal (the login, the user's
+keys) is :class:`~gpud.errors.StoreRefused`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from gpud.errors import ConfigError, GpudError, StoreFull, Unavailable
+from gpud.errors import ConfigError, GpudError, StoreFull, StoreRefused, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -182,11 +183,11 @@ class EtcdClient:
                     continue
                 login = self._login_refusal(said)
                 if login:
-                    raise GpudError(login) from err
+                    raise StoreRefused(login) from err
                 if "database space exceeded" in said:
                     # the alarm is the cluster's: no other endpoint takes the write either
                     raise StoreFull(f"etcd refused {path}: {NOSPACE_ADVICE} ({said})") from err
-                raise GpudError(f"etcd refused {path}: {said}") from err
+                raise StoreRefused(f"etcd refused {path}: {said}") from err
             with self._lock:
                 self._current = index
             return result
@@ -198,8 +199,8 @@ class EtcdClient:
     def _login_refusal(self, said: str) -> str:
         """What to change when etcd refused this node's login, a call without one or the
         user's keys ("" when ``said`` is another refusal): etcd's own words name no
-        setting. Each begins "etcd refused", as every refusal does (gpuctl tells these
-        from an etcd it cannot reach by it)."""
+        setting. Each begins "etcd refused", as every refusal does (an older gpuctl tells
+        these from an etcd it cannot reach by it)."""
         s = self._settings
         if "authentication failed" in said:
             source = f" ({s.password_file})" if s.password_file else ""

@@ -28,7 +28,7 @@ from typing import Any
 
 from gpud.cluster.model import JobAttributes, NodeReport, Order
 from gpud.cluster.ports import TagStore
-from gpud.errors import FailedPrecondition
+from gpud.errors import DuplicateNode
 from netshaper.leveller import Leveller
 from netshaper.tags import DEFAULT_RESERVED, TagAllocator
 
@@ -104,7 +104,7 @@ class Aggregator:
     def receive(self, report: NodeReport, now: float, *, peer: str = "") -> None:
         """Keep ``report`` as the node's latest (``peer``: where it came from).
 
-        Raises :class:`FailedPrecondition` for a report of an instance that a newer one
+        Raises :class:`~gpud.errors.DuplicateNode` for a report of an instance that a newer one
         replaced under the same node name while the newer one still reports: two gpuds
         share the name, and taking both would make the node's jobs flap between them.
         """
@@ -114,9 +114,10 @@ class Aggregator:
             former = self._former.setdefault(node, {})
             if report.instance in former and now - previous[0] <= self.node_timeout_s:
                 other = self._peers.get(node) or "another address"
-                raise FailedPrecondition(
+                raise DuplicateNode(
                     f"node {node!r} is reported by two gpuds, this one and the one at "
-                    f"{other}: give each its own cluster.node (names compare without case)"
+                    f"{other}: give each its own cluster.node (names compare without case)",
+                    node=node,
                 )
             # a restart: the newest instance is the node from now on
             former.pop(report.instance, None)

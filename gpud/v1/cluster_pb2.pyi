@@ -632,6 +632,8 @@ class GetClusterStatusResponse(_message.Message):
     ELECTED_LEADER_FIELD_NUMBER: _builtins.int
     ELECTED_LEADER_ADDRESS_FIELD_NUMBER: _builtins.int
     LEADER_SINCE_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    STORE_STATE_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_KIND_FIELD_NUMBER: _builtins.int
     election: _builtins.str
     """"single" or "etcd" """
     node: _builtins.str
@@ -667,6 +669,24 @@ class GetClusterStatusResponse(_message.Message):
     elected_leader_address: _builtins.str
     leader_since_unix_seconds: _builtins.float
     """with leader_source "hint" """
+    store_state: _builtins.str
+    """how the last etcd call went (what store_ok and detail say, for a program to branch on):
+    "ok"; "unreachable" (no endpoint answered); "refused" (etcd answered and refused this
+    node's call: its login, the user's keys; the detail says what to change); "full" (etcd
+    refuses writes: out of space, alarm NOSPACE). "" with election "single"; absent from an
+    older gpud (its detail begins "etcd refused" when etcd refuses)
+    """
+    last_error_kind: _builtins.str
+    """what last_error is ("" when none; absent from an older gpud): "leader_unreachable"
+    (the report to the leader failed), "tls_handshake" (... in the TLS handshake: a
+    certificate refused), "leader_not_ready" (the leader restarted within its previous
+    run's lease), "not_leader" (the node etcd names does not lead), "duplicate_node"
+    (another gpud reports under this node's name), "leader_key_held" (etcd names this node
+    while another gpud, or this one's previous run, holds the key), "order_refused" (the
+    traffic service refused the order), "leader_round" (this leader's round failed),
+    "store_full" (... as etcd is out of space), "own_certificate" (this leader's
+    certificate expired: peers refuse it). A later gpud may add kinds.
+    """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterNode]:
         """every node the leader heard from (asked of the leader)"""
@@ -714,19 +734,29 @@ class GetClusterStatusResponse(_message.Message):
         elected_leader: _builtins.str = ...,
         elected_leader_address: _builtins.str = ...,
         leader_since_unix_seconds: _builtins.float | None = ...,
+        store_state: _builtins.str | None = ...,
+        last_error_kind: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds", "_leader_since_unix_seconds", b"_leader_since_unix_seconds", "last_order_age_seconds", b"last_order_age_seconds", "leader_since_unix_seconds", b"leader_since_unix_seconds"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_error_kind", b"_last_error_kind", "_last_order_age_seconds", b"_last_order_age_seconds", "_leader_since_unix_seconds", b"_leader_since_unix_seconds", "_store_state", b"_store_state", "last_error_kind", b"last_error_kind", "last_order_age_seconds", b"last_order_age_seconds", "leader_since_unix_seconds", b"leader_since_unix_seconds", "store_state", b"store_state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds", "_leader_since_unix_seconds", b"_leader_since_unix_seconds", "applied_epoch", b"applied_epoch", "applied_seq", b"applied_seq", "certificates", b"certificates", "detail", b"detail", "elected_leader", b"elected_leader", "elected_leader_address", b"elected_leader_address", "election", b"election", "epoch", b"epoch", "etcd_alarms", b"etcd_alarms", "grace_seconds", b"grace_seconds", "jobs", b"jobs", "last_error", b"last_error", "last_order_age_seconds", b"last_order_age_seconds", "leader", b"leader", "leader_address", b"leader_address", "leader_since_unix_seconds", b"leader_since_unix_seconds", "leader_source", b"leader_source", "leading", b"leading", "mode", b"mode", "node", b"node", "nodes", b"nodes", "problems", b"problems", "rejected_orders", b"rejected_orders", "store_ok", b"store_ok"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_error_kind", b"_last_error_kind", "_last_order_age_seconds", b"_last_order_age_seconds", "_leader_since_unix_seconds", b"_leader_since_unix_seconds", "_store_state", b"_store_state", "applied_epoch", b"applied_epoch", "applied_seq", b"applied_seq", "certificates", b"certificates", "detail", b"detail", "elected_leader", b"elected_leader", "elected_leader_address", b"elected_leader_address", "election", b"election", "epoch", b"epoch", "etcd_alarms", b"etcd_alarms", "grace_seconds", b"grace_seconds", "jobs", b"jobs", "last_error", b"last_error", "last_error_kind", b"last_error_kind", "last_order_age_seconds", b"last_order_age_seconds", "leader", b"leader", "leader_address", b"leader_address", "leader_since_unix_seconds", b"leader_since_unix_seconds", "leader_source", b"leader_source", "leading", b"leading", "mode", b"mode", "node", b"node", "nodes", b"nodes", "problems", b"problems", "rejected_orders", b"rejected_orders", "store_ok", b"store_ok", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__last_error_kind: _TypeAlias = _typing.Literal["last_error_kind"]  # noqa: Y015
+    _WhichOneofArgType__last_error_kind: _TypeAlias = _typing.Literal["_last_error_kind", b"_last_error_kind"]  # noqa: Y015
     _WhichOneofReturnType__last_order_age_seconds: _TypeAlias = _typing.Literal["last_order_age_seconds"]  # noqa: Y015
     _WhichOneofArgType__last_order_age_seconds: _TypeAlias = _typing.Literal["_last_order_age_seconds", b"_last_order_age_seconds"]  # noqa: Y015
     _WhichOneofReturnType__leader_since_unix_seconds: _TypeAlias = _typing.Literal["leader_since_unix_seconds"]  # noqa: Y015
     _WhichOneofArgType__leader_since_unix_seconds: _TypeAlias = _typing.Literal["_leader_since_unix_seconds", b"_leader_since_unix_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__store_state: _TypeAlias = _typing.Literal["store_state"]  # noqa: Y015
+    _WhichOneofArgType__store_state: _TypeAlias = _typing.Literal["_store_state", b"_store_state"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__last_error_kind) -> _WhichOneofReturnType__last_error_kind | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__last_order_age_seconds) -> _WhichOneofReturnType__last_order_age_seconds | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__leader_since_unix_seconds) -> _WhichOneofReturnType__leader_since_unix_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__store_state) -> _WhichOneofReturnType__store_state | None: ...
 
 Global___GetClusterStatusResponse: _TypeAlias = GetClusterStatusResponse  # noqa: Y015
 

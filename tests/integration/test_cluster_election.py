@@ -311,7 +311,7 @@ def test_out_of_space_keeps_the_leader_says_so_and_recovers_after_the_disarm() -
         for _ in range(3):
             b.step()  # campaigns, refused for space each time, without raising
         state = b.state()
-        assert not state.leading and not state.store_ok
+        assert not state.leading and not state.store_ok and state.store_state == "full"
         assert "out of space" in state.detail
         _free(etcd, client)
         assert client.alarms() == ()
@@ -382,7 +382,7 @@ def test_certificates_of_a_tls_etcd_are_watched_as_the_client_uses_them(tmp_path
 def test_an_etcd_login_refused_names_the_settings_to_fix(etcd: LocalEtcd, tmp_path: Path) -> None:
     from gpud.cluster.runtime import etcd_settings
     from gpud.config import ClusterConfig
-    from gpud.errors import GpudError
+    from gpud.errors import StoreRefused
 
     def etcdctl(*args: str) -> None:
         subprocess.run(
@@ -398,14 +398,22 @@ def test_an_etcd_login_refused_names_the_settings_to_fix(etcd: LocalEtcd, tmp_pa
     wrong = ClusterConfig(
         etcd_endpoints=etcd.endpoint, etcd_username="gpud", etcd_password_file=password
     )
-    with pytest.raises(GpudError) as refused:
+    with pytest.raises(StoreRefused) as refused:
         EtcdClient(etcd_settings(wrong)).get("/x")
     assert "etcd refused the login of user 'gpud'" in str(refused.value)
     assert f"cluster.etcd_password_file ({password})" in str(refused.value)
-    with pytest.raises(GpudError) as nobody:
+    with pytest.raises(StoreRefused) as nobody:
         EtcdClient(etcd_settings(ClusterConfig(etcd_endpoints=etcd.endpoint))).get("/x")
     assert "etcd refused a call without a user: it has authentication on" in str(nobody.value)
     assert "set cluster.etcd_username and cluster.etcd_password_file" in str(nobody.value)
     password.write_text("goodpw\n")  # no role: refused the keys, not the login
-    with pytest.raises(GpudError, match=r"refused user gpud the keys under cluster.etcd_prefix"):
+    with pytest.raises(StoreRefused, match=r"refused user gpud the keys under cluster.etcd_prefix"):
         EtcdClient(etcd_settings(wrong)).get("/x")
+    # the election says so in its state: etcd answers, and refuses
+    election = EtcdElection(
+        EtcdClient(etcd_settings(wrong)), node="n1", address="a1", prefix="/gpud", ttl_s=4
+    )
+    election.step()
+    info = election.state()
+    assert (info.store_ok, info.store_state) == (False, "refused")
+    assert "refused user gpud the keys" in info.detail

@@ -12,13 +12,13 @@ import pytest
 from gpud.cluster.agent import ClusterAgent, LeaderHint
 from gpud.cluster.api import status_to_pb
 from gpud.cluster.certexpiry import CertWatch
-from gpud.cluster.election import LeaderInfo
+from gpud.cluster.election import LeaderInfo, SingleElection
 from gpud.cluster.fencing import Mode
 from gpud.cluster.leader import NodeSeen
 from gpud.cluster.model import NodeReport, Order
 from gpud.cluster.ports import MemoryTagStore, StaticNodeView, StoreAlarms
 from gpud.cluster.problems import Problem, ProblemBoard
-from gpud.errors import FailedPrecondition, NotLeader, Unavailable
+from gpud.errors import DuplicateNode, FailedPrecondition, LeaderNotReady, Unavailable
 from gpud.events import EventLog
 from gpud.net.port import FakeTraffic, JobTraffic, OrderResult
 from netshaper.leveller import LevellerConfig
@@ -199,11 +199,13 @@ async def test_a_second_gpud_under_a_nodes_name_is_refused_and_told_why() -> Non
         for a in (leader, n1, twin, impostor):
             await a.tick()
     assert "'n1' is reported by two gpuds" in n1.last_error
+    assert n1.status().last_error_kind == "duplicate_node"
     assert "the leader key names n0 at a0, but this gpud does not" in impostor.last_error
+    assert impostor.status().last_error_kind == "leader_key_held"
     # one that reports under the leader's name all the same is refused
-    with pytest.raises(FailedPrecondition, match="'n0' is reported by two gpuds, this one and"):
+    with pytest.raises(DuplicateNode, match="'n0' is reported by two gpuds, this one and"):
         leader.receive(impostor.local_report())
-    assert twin.last_error == "" and twin.mode is Mode.FOLLOWER
+    assert twin.last_error == twin.last_error_kind == "" and twin.mode is Mode.FOLLOWER
     assert leader.order is not None and set(leader.order.levels) == set()
     assert {j.job for j in leader.status().jobs} == {"z"}
 
@@ -300,6 +302,24 @@ async def test_status_names_the_leader_a_follower_reports_to_on_a_hint() -> None
     assert peers.asked_nodes == ["n2", "n2"]
 
 
+async def test_the_status_says_how_etcd_answers_and_what_the_error_is_in_fields() -> None:
+    clock, peers = Clock(), LoopbackPeers()
+    info = LeaderInfo("n0", "a0", 7, False, False, "etcd refused ...", store_state="refused")
+    follower = agent("n1", info, FakeTraffic((job("a", 0.5),)), peers, clock)
+    await follower.tick()  # the leader unreachable
+    msg = status_to_pb(follower.status())
+    assert (msg.store_state, msg.last_error_kind) == ("refused", "leader_unreachable")
+    peers.leader = agent("n0", LeaderInfo("n0", "a0", 7, True), FakeTraffic(), peers, clock)
+    await peers.leader.tick()
+    await follower.tick()
+    msg = status_to_pb(follower.status())
+    assert msg.HasField("last_error_kind") and msg.last_error_kind == ""
+    leading = status_to_pb(peers.leader.status())
+    assert leading.HasField("store_state") and leading.store_state == "ok"
+    lone = SingleElection("n0").state()
+    assert lone.store_ok and lone.store_state == ""  # no etcd to reach
+
+
 async def test_a_named_leader_is_only_a_hint() -> None:
     """What the old leader names is checked: a node that does not answer, or does not
     lead either (it names yet another: not followed on), or whose order is older than the
@@ -374,6 +394,7 @@ async def test_an_order_the_traffic_service_refuses_is_not_followed() -> None:
     assert f.status().last_error == (
         "traffic service refused the order of epoch 9 from n0: job 'a': level 3 not in [0, 2)"
     )
+    assert f.status().last_error_kind == "order_refused"
     clock.now += 25
     await f.tick()
     assert f.mode is Mode.LOCAL and traffic.order is None
@@ -628,6 +649,7 @@ async def test_a_node_that_cannot_report_publishes_why_for_every_node_to_see() -
     assert board.writes == [("publish", "n1")]
     (problem,) = (await leader.status_with_nodes()).problems
     assert problem == Problem("n1", "leader n0 at a0: UNAVAILABLE", 1.7e9)
+    assert follower.last_error_kind == "leader_unreachable"
     # the same problem is published again only as its lease asks, keeping when it began
     wall.now += 5
     await follower.tick()
@@ -646,7 +668,7 @@ async def test_a_node_that_cannot_report_publishes_why_for_every_node_to_see() -
     peers.leader = leader
     await follower.tick()
     await follower.tick()
-    assert follower.last_error == ""
+    assert follower.last_error == follower.last_error_kind == ""
     assert board.writes[-1] == ("clear", "n1") and board.entries == {}
     await follower.tick()
     assert board.writes.count(("clear", "n1")) == 1
@@ -702,13 +724,17 @@ async def test_a_restarted_leader_that_etcd_still_names_says_so_when_it_refuses(
     # which every node published as its problem, with the action to make n0 reachable.
     clock, peers = Clock(), LoopbackPeers()
     restarted = agent("n0", LeaderInfo("n0", "a0", 7, False), FakeTraffic(), peers, clock)
-    with pytest.raises(NotLeader) as refused:
+    with pytest.raises(LeaderNotReady) as refused:
         restarted.receive(NodeReport("n1"))
     message = str(refused.value)
     assert "the leader is n0" not in message
     assert "n0 does not lead yet: the leader key still names it" in message
     assert "until that lease expires" in message
     assert (refused.value.leader, refused.value.address) == ("", "")  # no hint to follow
+    peers.leader = restarted
+    follower = agent("n1", LeaderInfo("n0", "a0", 7, False), FakeTraffic(), peers, clock)
+    await follower.tick()
+    assert follower.last_error == message and follower.last_error_kind == "leader_not_ready"
 
 
 async def test_orders_of_the_leader_etcd_names_now_are_followed_after_etcd_went_back() -> None:

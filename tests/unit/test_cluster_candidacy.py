@@ -7,10 +7,17 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from gpud.cluster.election import EtcdElection
+from gpud.cluster.election import (
+    STORE_FULL,
+    STORE_OK,
+    STORE_REFUSED,
+    STORE_UNREACHABLE,
+    EtcdElection,
+)
 from gpud.cluster.etcd import EtcdClient, KeyValue
 from gpud.cluster.tls import PeerTls
 from gpud.cluster.trust import CHECK_S, STALE_S, EtcdCandidacy, ca_fingerprints
+from gpud.errors import GpudError, StoreFull, StoreRefused, Unavailable
 from tools.certs import make_ca
 
 
@@ -153,3 +160,51 @@ def test_a_node_trusted_by_as_many_as_refuse_it_may_lead(tmp_path: Path) -> None
     election.step()
     assert election.state().leading
     assert [k for k, _ in events] == ["cluster.elected"]
+
+
+class FailingEtcd(MemoryEtcd):
+    """Each call raises ``error`` while it is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error: GpudError | None = None
+
+    def get(self, key: str) -> KeyValue | None:
+        if self.error is not None and not isinstance(self.error, StoreFull):
+            raise self.error
+        return super().get(key)
+
+    def create(self, key: str, value: str, lease: int) -> int | None:
+        if isinstance(self.error, StoreFull):  # reads go on, writes are refused
+            raise self.error
+        return super().create(key, value, lease)
+
+
+def test_the_election_says_whether_etcd_is_unreachable_refuses_or_is_full() -> None:
+    etcd = FailingEtcd()
+    client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
+    clock = Clock(0.0)
+    election = EtcdElection(client, node="n1", address="a1", prefix="/c", ttl_s=8, clock=clock)
+    assert election.state().store_state == STORE_UNREACHABLE  # not started
+    etcd.put("/c/leader", json.dumps({"node": "n0", "address": "a0"}))
+    election.step()
+    assert election.state().store_state == STORE_OK
+    # the words are etcd's and gpud's, reworded at will: the state is the error's class
+    for error, state in (
+        (Unavailable("no answer"), STORE_UNREACHABLE),
+        (StoreRefused("no login"), STORE_REFUSED),
+    ):
+        etcd.error = error
+        election.step()
+        info = election.state()
+        assert (info.store_ok, info.store_state, info.detail) == (False, state, str(error))
+    etcd.kv.clear()
+    etcd.error = StoreFull("no room")  # reads work: it campaigns, and the write is refused
+    election.step()
+    info = election.state()
+    assert (info.store_ok, info.store_state, info.leading) == (False, STORE_FULL, False)
+    assert info.detail == "no room"
+    etcd.error = None
+    election.step()
+    info = election.state()
+    assert info.leading and info.store_ok and info.store_state == STORE_OK

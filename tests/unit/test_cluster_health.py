@@ -160,6 +160,7 @@ async def test_a_leader_whose_tags_etcd_refuses_for_space_reads_the_alarm_at_onc
     await leader.tick()
     assert leader.status().etcd_alarms == ("NOSPACE",)
     assert "out of space" in leader.last_error and leader.mode is Mode.LEADER
+    assert leader.last_error_kind == "store_full"
 
 
 def test_alarm_and_certificate_metrics(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 from pathlib import Path
@@ -18,7 +19,15 @@ from gpud.cluster.election import LeaderInfo
 from gpud.cluster.model import JobReport, NodeReport
 from gpud.cluster.nodeview import DaemonNodeView
 from gpud.cluster.tls import PeerTls
-from gpud.errors import ConfigError, InvalidArgument, NotLeader, Unavailable
+from gpud.errors import (
+    ConfigError,
+    DuplicateNode,
+    HandshakeFailed,
+    InvalidArgument,
+    LeaderNotReady,
+    NotLeader,
+    Unavailable,
+)
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import CriticalXid, GpuSample, SeenIdentity, Snapshot
 from gpud.v1 import cluster_pb2 as pb
@@ -266,6 +275,13 @@ class Following(Leading):
         return LeaderInfo("N2", "10.0.0.2:7443", 4, False)  # as an older gpud writes it
 
 
+class Restarted(Leading):
+    """The leader key still names this node, held by its previous run."""
+
+    def state(self) -> LeaderInfo:
+        return LeaderInfo("leader", "", 3, False)
+
+
 def _leader(build: str = "") -> ClusterAgent:
     """A leading agent over the peer API, node "leader", job "a" on GPU "G"."""
     from gpud.cluster.ports import MemoryTagStore, StaticNodeView
@@ -317,7 +333,7 @@ async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path
         await agent.tick()
         order = await member.report(address, "leader", report)
         assert order is not None and order.epoch == 3 and set(order.levels) == {"a"}
-        with pytest.raises(Unavailable):
+        with pytest.raises(HandshakeFailed):  # what gpuctl's action names
             await stranger.report(address, "leader", report)
         with pytest.raises(Unavailable, match=r"PERMISSION_DENIED.*cannot report as 'n2'"):
             await member.report(address, "leader", NodeReport("n2", (JobReport("a", 0.5),)))
@@ -337,11 +353,20 @@ async def test_mutual_tls_lets_cluster_members_in_and_nobody_else(tmp_path: Path
                 await cluster_pb2_grpc.ClusterPeerStub(channel).GetOrder(
                     pb.GetOrderRequest(node="x"), timeout=5
                 )
+        # another gpud under n1 (its own instance) reports, then the first again: refused
+        # as a duplicate, and typed so by the class the leader names in the metadata
+        await member.report(address, "leader", dataclasses.replace(report, instance="other"))
+        with pytest.raises(DuplicateNode, match="'n1' is reported by two gpuds"):
+            await member.report(address, "leader", report)
         # stepped down: the refusal names the leader it knows of, in the call's metadata
         agent.election = Following()
         with pytest.raises(NotLeader, match="leader does not lead; the leader is N2") as refused:
             await member.report(address, "leader", report)
         assert (refused.value.leader, refused.value.address) == ("n2", "10.0.0.2:7443")
+        assert not isinstance(refused.value, LeaderNotReady)
+        agent.election = Restarted()
+        with pytest.raises(LeaderNotReady, match="leader does not lead yet"):
+            await member.report(address, "leader", report)
     finally:
         await member.close()
         await stranger.close()
@@ -519,3 +544,49 @@ async def test_a_report_names_the_node_as_its_certificate_does_for_an_older_lead
     finally:
         await client.close()
         await server.stop(None)
+
+
+def _refusal(code: grpc.StatusCode, details: str, *meta: tuple[str, str]) -> Exception:
+    from gpud.cluster.api import report_error
+
+    err = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*meta), details)
+    return report_error(err, "n0", "10.0.0.1:7443")
+
+
+def test_a_leaders_refusal_is_typed_by_the_class_it_names_or_an_older_leaders_words() -> None:
+    precondition = grpc.StatusCode.FAILED_PRECONDITION
+    # by the class in the metadata, whatever the words
+    duplicate = _refusal(precondition, "two of you", ("gpud-error", "DuplicateNode"))
+    assert isinstance(duplicate, DuplicateNode)
+    assert str(duplicate) == "leader n0 at 10.0.0.1:7443: FAILED_PRECONDITION two of you"
+    assert isinstance(
+        _refusal(precondition, "not yet", ("gpud-error", "LeaderNotReady")), LeaderNotReady
+    )
+    # an older leader names the base class only: its words tell
+    older = ("gpud-error", "FailedPrecondition")
+    assert isinstance(
+        _refusal(precondition, "node 'n1' is reported by two gpuds, this one and", older),
+        DuplicateNode,
+    )
+    assert isinstance(
+        _refusal(precondition, "n0 does not lead yet: the leader key", ("gpud-error", "NotLeader")),
+        LeaderNotReady,
+    )
+    hint = _refusal(
+        precondition,
+        "n0 does not lead; the leader is n2",
+        ("gpud-error", "NotLeader"),
+        ("gpud-leader", "N2"),
+        ("gpud-leader-address", "10.0.0.2:7443"),
+    )
+    assert isinstance(hint, NotLeader) and not isinstance(hint, LeaderNotReady)
+    assert (hint.leader, hint.address) == ("n2", "10.0.0.2:7443")
+    # gRPC's own failure (no gpud metadata): a failed TLS handshake, or unreachable
+    handshake = _refusal(grpc.StatusCode.UNAVAILABLE, "last error: Tls handshake failed (X)")
+    assert isinstance(handshake, HandshakeFailed)
+    down = _refusal(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
+    assert type(down) is Unavailable
+    # a refusal without a leader to name is not one to follow
+    assert type(_refusal(precondition, "n0 does not lead", ("gpud-error", "NotLeader"))) is (
+        Unavailable
+    )

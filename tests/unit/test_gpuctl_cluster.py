@@ -227,3 +227,132 @@ def test_a_node_refused_as_a_duplicate_is_told_to_rename_not_to_reach_the_leader
     )
     assert "action:      give each gpud its own cluster.node: another gpud reports" in text
     assert "make the leader reachable" not in text
+
+
+NOSPACE_DETAIL = (
+    "etcd refused /kv/txn: etcd is out of space (alarm NOSPACE) and refuses every write: no"
+    " leader can be elected and no new tag saved, and the last order stays in force; free"
+    " space (etcdctl compact REV, then etcdctl defrag), then run etcdctl alarm disarm"
+    " (etcdserver: mvcc: database space exceeded)"
+)
+
+
+def test_etcds_state_comes_from_its_field_not_the_details_words() -> None:
+    refused = status(
+        base(mode="local", store_ok=False, store_state="refused", detail="login: wrong password")
+    )
+    assert "etcd:        reachable, REFUSES this node's calls (see detail)" in refused
+    assert "action:      do what the detail says" in refused
+    assert "make etcd reachable" not in refused
+    down = status(base(store_ok=False, store_state="unreachable", detail="etcd refused? no"))
+    assert "etcd:        UNREACHABLE" in down
+    assert "action:      make etcd reachable from this node" in down
+    ok = status(base(store_state="ok"))
+    assert "etcd:        reachable\n" in ok and "action:" not in ok
+
+
+def test_under_nospace_the_detail_is_short_as_the_alarm_says_it_all() -> None:
+    text = status(
+        base(
+            mode="holding",
+            last_order_age_seconds=5.0,
+            store_ok=False,
+            store_state="full",
+            etcd_alarms=["NOSPACE"],
+            detail=NOSPACE_DETAIL,
+        )
+    )
+    assert "etcd:        reachable, REFUSES this node's calls (see detail)" in text
+    assert (
+        "detail:      etcd refused a write: out of space (see the alarm above; full text:"
+        " --json)\n" in text
+    )
+    assert text.count("etcdctl alarm disarm") == 1 and text.count("action:") == 1
+    # a leader whose tags etcd refuses for space: its error, as shortly
+    leader = status(
+        base(
+            mode="leader",
+            leading=True,
+            leader="n1",
+            store_state="ok",
+            etcd_alarms=["NOSPACE"],
+            last_error=f"leader round failed: {NOSPACE_DETAIL}",
+            last_error_kind="store_full",
+        )
+    )
+    assert "error:       leader round failed: etcd refused a write: out of space" in leader
+    assert leader.count("etcdctl alarm disarm") == 1
+    # the alarm not read yet: the detail in full, and what it says to do
+    unread = status(base(store_ok=False, store_state="full", detail=NOSPACE_DETAIL))
+    assert f"detail:      {NOSPACE_DETAIL}\n" in unread
+    assert "action:      do what the detail says" in unread
+
+
+def test_the_errors_kind_comes_from_its_field_not_the_messages_words() -> None:
+    def held(kind: str, error: str) -> str:
+        return status(
+            base(
+                mode="holding",
+                last_order_age_seconds=10.0,
+                last_error=error,
+                last_error_kind=kind,
+            )
+        )
+
+    duplicate = held("duplicate_node", "leader n0: FAILED_PRECONDITION two gpuds named n1")
+    assert "action:      give each gpud its own cluster.node" in duplicate
+    restarted = held("leader_not_ready", "leader n0: FAILED_PRECONDITION n0 starts soon")
+    assert "action:      wait: the leader restarted within its previous run's lease" in restarted
+    tls = held("tls_handshake", "leader n0: UNAVAILABLE certificate refused")
+    assert "action:      the TLS handshake with the leader failed" in tls
+    key = held("leader_key_held", "the leader key names n1 at a1, but ...")
+    assert "action:      wait, or rename: etcd names this node the leader" in key
+    # the words of another kind's action do not count
+    reachable = held("leader_unreachable", "leader n0: handshake; does not lead yet")
+    assert "action:      make the leader reachable from this node" in reachable
+    assert "TLS handshake" not in reachable and "wait:" not in reachable
+    for other in (held("not_leader", "n0 does not lead"), held("a_later_kind", "x")):
+        assert "action:      make the leader reachable from this node" in other
+    assert "action:" not in status(base(last_error_kind=""))
+
+
+def test_json_carries_the_fields_and_null_for_an_older_gpud() -> None:
+    def as_json(response: pb.GetClusterStatusResponse) -> dict[str, Any]:
+        ctx = Answer(response, json_output=True)
+        assert run_status(ctx, argparse.Namespace()) == 0
+        data: dict[str, Any] = json.loads(ctx.text.getvalue())
+        return data
+
+    newer = as_json(base(store_state="ok", last_error_kind=""))
+    assert (newer["store_state"], newer["last_error_kind"]) == ("ok", "")
+    older = as_json(base())
+    assert (older["store_state"], older["last_error_kind"]) == (None, None)
+
+
+def test_an_older_gpuds_answer_without_the_fields_is_read_from_its_words() -> None:
+    from gpud.cli.cluster import error_kind, store_state
+
+    def state(**fields: Any) -> str:
+        return store_state(base(**fields))
+
+    assert state() == "ok"
+    assert state(store_ok=False, detail="etcd unreachable at http://e:2379: X") == "unreachable"
+    assert state(store_ok=False, detail="etcd refused the login of user 'gpud'") == "refused"
+    assert state(store_ok=False, detail=NOSPACE_DETAIL) == "full"
+
+    def kind(error: str) -> str:
+        return error_kind(base(last_error=error))
+
+    assert kind("") == ""
+    assert kind(TLS_ERROR) == "tls_handshake"
+    assert kind("leader n0: FAILED_PRECONDITION node 'n1' is reported by two gpuds") == (
+        "duplicate_node"
+    )
+    assert kind("leader n0: FAILED_PRECONDITION n0 does not lead yet: the key") == (
+        "leader_not_ready"
+    )
+    assert kind("leader n0 at a0: UNAVAILABLE") == "leader_unreachable"
+    # as gpuctl shows it: the alarm's lines, and the detail shortly
+    text = status(base(store_ok=False, etcd_alarms=["NOSPACE"], detail=NOSPACE_DETAIL))
+    assert "detail:      etcd refused a write: out of space (see the alarm above" in text
+    assert text.count("etcdctl alarm disarm") == 1
