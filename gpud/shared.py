@@ -75,7 +75,7 @@ MAX_IDEAL_S = 86400.0
 # sends 16 hex digits).
 MAX_SESSION_CHARS = 64
 # Who a job is for, free text shown by `gpuctl jobs ls` and the queue's listings
-# (gpud.jobs.registry.check_owner; gpuctl's --owner checks it before asking gpud anything).
+# (gpud.shared.check_owner; gpuctl's --owner checks it before asking gpud anything).
 MAX_OWNER = 128
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)

@@ -154,7 +154,7 @@ class EntryView:
     entry: Entry
     position: int  # 1 = head; 0 when not queued
     waited_s: float
-    quote_s: float | None  # remaining; inf: unbounded; None: no history yet
+    quote_s: float | None  # remaining; inf: unbounded; None: nothing known loads its pool
     unfeasible: Unfeasible | None
     reservation: Reservation | None
     env: dict[str, str]

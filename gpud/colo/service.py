@@ -317,6 +317,20 @@ STATE_FILE_VERSION = 1
 # this long at most, later advice counts it there, so that runs asking together are not all
 # told that one GPU is free.
 PROMISE_S = 10.0
+# How long a user's name, once looked up, names its UID: each waiting run asks every few
+# seconds, and each question names the users of every whole GPU's MPS server.
+NAME_TTL_S = 60.0
+
+
+@dataclass
+class _Promise:
+    """The place advice gave a run that reserves it at once, as a running entry, until a
+    reservation of its job made since shows (``shown``: that reservation's stamp)."""
+
+    place: RunningJob
+    at: float  # the loop's clock
+    wall: float  # Unix time, as reservations are stamped (RunningJob.reserved_at)
+    shown: float | None = None
 
 
 @dataclass
@@ -347,10 +361,6 @@ class WaiterView(NamedTuple):
     reason: str
     id: str  # what `gpuctl queue --leave` takes
     uid: int | None = None  # its run's user, where its question named the holder's PID
-
-
-def _nothing() -> None:
-    """What a removal of a job none of whose runs waits leaves to do once committed."""
 
 
 def new_waiter_id() -> str:
@@ -412,6 +422,7 @@ class ColoService:
         state_file: Path | None = None,
         default_memory: Callable[[], Mapping[int, int]] | None = None,
         name_of: Callable[[int], str] = user_name,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         """``host``: reads the CPU and memory use of the jobs' process trees (default: the
         host's ``/proc``). ``state_file``: where what the loop learned about running jobs
@@ -427,8 +438,11 @@ class ColoService:
         reservation now (default: those ``running`` lists), read by the first :meth:`show`
         after :meth:`reservations_freed` said some went, so that a run that ended is not
         shown placed until the next pass; a show (``/metrics``, ``gpuctl colo show``) with
-        none gone since reads nothing."""
+        none gone since reads nothing. ``wall``: Unix time, what reservations are stamped
+        with (:attr:`RunningJob.reserved_at`)."""
         self._name_of = name_of
+        self._names: dict[int, tuple[str, float]] = {}  # UID -> its name, when looked up
+        self._wall = wall
         self._holding = holding or (lambda: {r.name for r in running()})
         # the jobs of the last pass that still hold a reservation; None: some went since
         # (reservations_freed), the next show reads which (holding)
@@ -465,9 +479,9 @@ class ColoService:
         # askers told to wait that keep asking (gpuctl run), by waiter id: a run asks with
         # the id it was told, so two runs of one job are two waiters
         self._waiting: dict[str, _Waiter] = {}
-        # job -> the place advice gave a run that reserves it (``reserving``), as a running
-        # entry, and when
-        self._promised: dict[str, tuple[RunningJob, float]] = {}
+        # (job, waiter id) -> the place advice gave a run that reserves it (``reserving``):
+        # two runs of one job are two places
+        self._promised: dict[tuple[str, str], _Promise] = {}
         # job -> when `gpuctl jobs rm --force` removed it while a run of it waited: that
         # run's next question is answered NotFound (kept WAITER_GONE_S, as long as it asks)
         self._removed: dict[str, float] = {}
@@ -771,15 +785,17 @@ class ColoService:
             self._unreadable(path, f"co-location state {path} not read ({err}): starting afresh")
             return
         try:
-            if not isinstance(data, dict) or not isinstance(data.get("jobs"), dict):
+            if not isinstance(data, dict):
                 raise ValueError('not a co-location state: no "jobs" object')
             version = data.get("version", STATE_FILE_VERSION)
             if type(version) is not int or version != STATE_FILE_VERSION:
-                # another gpud's layout (one gpud was downgraded from): its fields may mean
-                # what this one would misread
+                # another gpud's layout (one gpud was downgraded from), whatever its shape:
+                # its fields may mean what this one would misread
                 raise ValueError(
                     f"version {version!r}: this gpud reads version {STATE_FILE_VERSION}"
                 )
+            if not isinstance(data.get("jobs"), dict):
+                raise ValueError('not a co-location state: no "jobs" object')
             for name, saved in data["jobs"].items():
                 self._load_job(str(name), saved)
             evicted = data.get("evicted", [])  # absent from files written before it was kept
@@ -1267,12 +1283,21 @@ class ColoService:
             user_name=(names or {}).get(r.uid, "") if r.uid is not None else "",
         )
 
-    def _user_names(self, running: Sequence[RunningJob], uid: int | None) -> dict[int, str]:
+    def _user_names(
+        self, running: Sequence[RunningJob], uid: int | None, now: float
+    ) -> dict[int, str]:
         """The names of the users a question's plan may name (``uid``'s, and those of the
         jobs on a whole GPU's MPS server): looked up before the loop's lock is taken, as a
-        user database behind the network (LDAP) may take its time to answer."""
+        user database behind the network (LDAP) may take its time to answer, and each
+        kept :data:`NAME_TTL_S` (an unknown UID costs a scan of the user database)."""
         uids = {r.uid for r in running if r.mig_profile is None} | {uid}
-        return {u: self._name_of(u) for u in sorted(x for x in uids if x is not None)}
+        names: dict[int, str] = {}
+        for u in sorted(x for x in uids if x is not None):
+            kept = self._names.get(u)
+            if kept is None or now - kept[1] >= NAME_TTL_S:
+                kept = self._names[u] = (self._name_of(u), now)
+            names[u] = kept[0]
+        return names
 
     def _arrived(self, name: str) -> float:
         st = self._jobs.get(name)
@@ -1425,9 +1450,9 @@ class ColoService:
         serves another user's jobs is not advised (the jobs service would refuse it), only
         a free MIG instance there; None: any GPU. ``reserving``: the asker reserves the
         place it is given at once (``gpuctl run``; a waiting asker does too): until its
-        reservation shows, for :data:`PROMISE_S` at most, later advice for other jobs counts
-        the job there (:meth:`_promise`)."""
-        now = self._clock()
+        reservation shows, for :data:`PROMISE_S` at most, later advice for other runs (of
+        its job too) counts it there (:meth:`_promise`)."""
+        now, wall = self._clock(), self._wall()
         with self._lock:
             told = _waiter_id(waiter_id) if waiting else None
             if waiting and waiter_id is None:
@@ -1456,16 +1481,23 @@ class ColoService:
             now=now,
             waiter=wid if waiting else "",
             uid=uid,
+            wid=wid,
         )
         with self._lock:
+            if waiting:  # removed while this question was planned: no place, no listing
+                self._check_not_removed(job, wid, since, now, anonymous=waiter_id is None)
             if advice.gpu >= 0 and view is not None and (waiting or reserving):
                 self._promise(
-                    job, advice, view, slo_p99_ms=slo_p99_ms, peak_load=peak_load, uid=uid, now=now
+                    (job, wid),
+                    advice,
+                    view,
+                    slo_p99_ms=slo_p99_ms,
+                    peak_load=peak_load,
+                    uid=uid,
+                    at=(now, wall),
                 )
             if not waiting:  # an operator's question, or a run's first: no waiter of it
                 return advice
-            # removed while this question was planned: no place, no listing
-            self._check_not_removed(job, wid, since, now, anonymous=waiter_id is None)
             if advice.gpu < 0 and view is not None:
                 self._waiting[wid] = _Waiter(
                     job, since, now, advice.reason, view, wid, waiter_id is None, uid
@@ -1476,21 +1508,22 @@ class ColoService:
 
     def _promise(
         self,
-        job: str,
+        run: tuple[str, str],
         advice: Advice,
         view: JobView,
         *,
         slo_p99_ms: float | None,
         peak_load: float,
         uid: int | None,
-        now: float,
+        at: tuple[float, float],
     ) -> None:
-        """Count ``job`` where ``advice`` put it, as :meth:`_advice` planned it there, until
-        its reservation shows. Under the lock."""
+        """Count the ``run`` (its job, the id it asks as) where ``advice`` put it, as
+        :meth:`_advice` planned it there, until its reservation shows (``at``: the loop's
+        clock and Unix time). Under the lock."""
         share = round(advice.sm_share * 100)
-        self._promised[job] = (
+        self._promised[run] = _Promise(
             RunningJob(
-                job,
+                run[0],
                 view.kind.value,
                 advice.gpu,
                 threads_percent=share if advice.mig_profile is None and share < 100 else None,
@@ -1500,23 +1533,39 @@ class ColoService:
                 peak_load=peak_load,
                 device=advice.device,
                 mig_profile=advice.mig_profile,
-                reserved_at=now,
+                reserved_at=at[1],
                 uid=uid,
             ),
-            now,
+            *at,
         )
 
-    def _promises(self, job: str, running: Sequence[RunningJob], now: float) -> list[RunningJob]:
-        """The places advice gave runs of other jobs than ``job`` that have not shown as
-        reservations yet (a run whose reservation was refused holds its place
-        :data:`PROMISE_S` at most). Under the lock."""
-        shown = {r.name for r in running}
-        self._promised = {
-            name: (r, at)
-            for name, (r, at) in self._promised.items()
-            if name not in shown and now - at <= PROMISE_S
-        }
-        return [r for name, (r, _) in self._promised.items() if name != job]
+    def _promises(
+        self, job: str, wid: str, running: Sequence[RunningJob], now: float
+    ) -> list[RunningJob]:
+        """The places advice gave runs that have not shown as reservations yet, but the
+        asker's own (``job`` asking as ``wid``); another run of ``job`` counts under its id,
+        as the planner knows a job by its name. Each reservation of a job made since a place
+        was promised to it stands for the earliest such place (a job that runs elsewhere
+        already is given a second place); a run whose reservation was refused holds its
+        place :data:`PROMISE_S` at most. Under the lock."""
+        self._promised = {k: p for k, p in self._promised.items() if now - p.at <= PROMISE_S}
+        taken = {(name, p.shown) for (name, _), p in self._promised.items()}
+        # one stamp a reservation: a job on several devices is listed once a device
+        for name, stamp in sorted(
+            {(r.name, r.reserved_at) for r in running if r.reserved_at is not None}
+        ):
+            open_ = [
+                p
+                for (n, _), p in self._promised.items()
+                if n == name and p.shown is None and p.wall <= stamp
+            ]
+            if open_ and (name, stamp) not in taken:
+                min(open_, key=lambda p: p.wall).shown = stamp
+        return [
+            p.place if name != job else dataclasses.replace(p.place, name=f"{job} ({w})")
+            for (name, w), p in self._promised.items()
+            if p.shown is None and (name, w) != (job, wid)
+        ]
 
     def _check_not_removed(
         self, job: str, wid: str, since: float, now: float, *, anonymous: bool = False
@@ -1571,13 +1620,12 @@ class ColoService:
         again once placed. Without ``force`` that is refused, as for a queued run; with it
         the run's next question is answered NotFound, and it exits without starting, once
         the removal committed: it is the returned callable that stops the wait (a removal
-        whose commit failed keeps the job, and its waiting runs wait on)."""
+        whose commit failed keeps the job, and its waiting runs wait on). Committed, a
+        place advice promised a run of it (``reserving``) holds no GPU any more."""
         now = self._clock()
         with self._lock:
             mine = self._waiters_of(job, now)
-            if not mine:
-                return _nothing
-            if not force:
+            if mine and not force:
                 ids = ", ".join(w.id for w in mine)
                 raise FailedPrecondition(
                     f"job {job!r} has a gpuctl run waiting for co-location ({ids}, for "
@@ -1588,6 +1636,9 @@ class ColoService:
         def committed() -> None:
             at = self._clock()
             with self._lock:
+                self._promised = {k: p for k, p in self._promised.items() if k[0] != job}
+                if not mine:
+                    return
                 for w in self._waiters_of(job, at):
                     del self._waiting[w.id]
                 self._removed[job] = at
@@ -1688,10 +1739,12 @@ class ColoService:
         now: float,
         waiter: str = "",
         uid: int | None = None,
+        wid: str = "",
     ) -> tuple[Advice, JobView | None]:
         """The advice and the job's view (None when there was no telemetry); ``since``:
         when a waiting asker was first told to wait (None: it does not wait); ``waiter``:
-        its id ("" when it does not wait); ``uid``: its run's user (:meth:`advise`)."""
+        its id ("" when it does not wait); ``uid``: its run's user (:meth:`advise`);
+        ``wid``: the id its place would be promised under (its own place does not bar it)."""
         # each names its field first, as check_slo_ms does: what the gRPC status says first
         if kind not in ("training", "inference"):
             raise InvalidArgument(
@@ -1710,16 +1763,16 @@ class ColoService:
             )
         if not self.config.enabled:
             self._off_for(waiter)
+        if snapshot is None:
+            return Advice(-1, 0.0, 0, None, "", 0.0, "no telemetry yet"), None
         running = tuple(self._running())
         with self._lock:  # the places runs were given that have not reserved yet count
-            running = (*running, *self._promises(job, running, now))
+            running = (*running, *self._promises(job, wid, running, now))
         # read from the state store, so before the loop's lock: a job removal holds the
         # store's while it calls job_removed, which takes the loop's
         defaults = self._default_memory() if memory_bytes is None else {}
-        names = self._user_names(running, uid)
+        names = self._user_names(running, uid, now)
         with self._lock:
-            if snapshot is None:
-                return Advice(-1, 0.0, 0, None, "", 0.0, "no telemetry yet"), None
             jk = JobKind.INFERENCE if kind == "inference" else JobKind.TRAINING
             features = (
                 JobFeatures(sm=sm_activity, mem_bw=min(1.0, sm_activity)) if sm_activity else PRIOR

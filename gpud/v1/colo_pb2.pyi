@@ -436,8 +436,9 @@ class AdviseRequest(_message.Message):
     holder_pid_namespace: _builtins.int
     reserving: _builtins.bool
     """the asker reserves the place it is given at once (gpuctl run): for a few seconds, until
-    its reservation shows, later advice counts the job there, so that runs asking together
-    are not all given one free GPU. Unset (gpuctl colo advise): nothing is held.
+    its reservation shows, later advice for other runs (of its job too) counts it there, so
+    that runs asking together are not all given one free GPU. Unset (gpuctl colo advise):
+    nothing is held.
     """
     def __init__(
         self,

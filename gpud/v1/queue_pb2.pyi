@@ -124,7 +124,7 @@ class QueueEntry(_message.Message):
     enqueued_unix_seconds: _builtins.float
     waited_seconds: _builtins.float
     quote_seconds: _builtins.float
-    """remaining; absent: no history yet"""
+    """remaining; absent: nothing known loads its pool"""
     unbounded: _builtins.bool
     """the class's devices are overloaded: no finite quote"""
     unfeasible_reason: _builtins.str

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from gpud.client.colo import Latency, Throttle
 from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import (
     ADVICE_REUSE_S,
+    NAME_TTL_S,
     PROMISE_S,
     STATE_FILE_VERSION,
     Advice,
@@ -27,7 +29,7 @@ from gpud.colo.service import (
     RunningJob,
 )
 from gpud.config import ColocateConfig
-from gpud.errors import InvalidArgument
+from gpud.errors import InvalidArgument, NotFound
 from gpud.events import EventLog
 from gpud.telemetry.snapshot import GpuSample, Snapshot
 from tests.unit.api_support import GIB, identity
@@ -82,6 +84,20 @@ def kept_loop(tmp_path: Path, jobs: list[RunningJob], clock: Clock) -> ColoServi
         running=lambda: jobs,
         clock=clock,
         state_file=tmp_path / "colo.json",
+    )
+
+
+def promising_loop(
+    tmp_path: Path, running: list[RunningJob] | Callable[[], list[RunningJob]], clock: Clock
+) -> ColoService:
+    """A loop on ``running`` (a list of jobs, or a callable) whose wall clock (what
+    reservations are stamped with) is ``clock``, as is its own."""
+    return ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=running if callable(running) else lambda: list(running),
+        clock=clock,
+        wall=clock,
     )
 
 
@@ -342,9 +358,7 @@ def test_runs_asking_together_are_not_all_told_one_gpu_is_free(tmp_path: Path) -
     or PROMISE_S; an operator's question (``gpuctl colo advise``) holds nothing."""
     clock = Clock()
     jobs = [RunningJob("big", "training", 0, memory_bytes=30 * GIB)]
-    svc = ColoService(
-        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
-    )
+    svc = promising_loop(tmp_path, jobs, clock)
     snap = snapshot(used_gib=0)
     ask = {"memory_bytes": 30 * GIB, "snapshot": snap}
     assert svc.advise("look", **ask).gpu == 1  # type: ignore[arg-type]
@@ -352,13 +366,90 @@ def test_runs_asking_together_are_not_all_told_one_gpu_is_free(tmp_path: Path) -
     assert told[0].gpu == 1 and "free" in told[0].reason
     for t in told[1:]:
         assert t.gpu == -1 and "r0 would slow below 1/2" in t.reason, t.reason
-    assert svc.advise("r0", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
-    jobs.append(RunningJob("r0", "training", 1, memory_bytes=30 * GIB))  # r0 reserved
+    # r0 reserved
+    jobs.append(RunningJob("r0", "training", 1, memory_bytes=30 * GIB, reserved_at=clock.t))
     assert svc.advise("r1", reserving=True, **ask).gpu == -1  # type: ignore[arg-type]
     jobs.pop()  # r0's reservation went (its run ended)
     assert svc.advise("r1", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
     clock.t += PROMISE_S + 1  # r1 never reserved
     assert svc.advise("r2", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
+
+
+def test_two_runs_of_one_job_are_not_both_told_one_gpu_is_free(tmp_path: Path) -> None:
+    """A place promised to a run counts for the runs of its own job too (three `gpuctl
+    run sweep` asking together were all told GPU 1 is free); a run asking again with the
+    id it was told is not barred by its own place."""
+    clock = Clock()
+    jobs = [RunningJob("big", "training", 0, memory_bytes=30 * GIB)]
+    svc = promising_loop(tmp_path, jobs, clock)
+    ask = {"memory_bytes": 30 * GIB, "snapshot": snapshot(used_gib=0)}
+    told = [svc.advise("sweep", reserving=True, **ask) for _ in range(3)]  # type: ignore[arg-type]
+    assert (told[0].gpu, told[0].reason) == (1, "GPU 1 is free: exclusive")
+    for t in told[1:]:
+        assert t.gpu == -1 and "sweep (" in t.reason, t.reason
+    waits = svc.advise("sweep", waiting=True, **ask)  # type: ignore[arg-type]
+    assert waits.gpu == -1
+    jobs.append(RunningJob("sweep", "training", 1, memory_bytes=30 * GIB, reserved_at=clock.t))
+    jobs.pop(0)  # big ended: GPU 0 is free, GPU 1 holds the first run's reservation
+    again = svc.advise("sweep", waiting=True, waiter_id=waits.waiter_id, **ask)  # type: ignore[arg-type]
+    assert (again.gpu, again.reason) == (0, "GPU 0 is free: exclusive")
+    # its place, promised to it, bars others, not itself
+    assert svc.advise("other", reserving=True, **ask).gpu == -1  # type: ignore[arg-type]
+    assert svc.advise("sweep", waiting=True, waiter_id=waits.waiter_id, **ask).gpu == 0  # type: ignore[arg-type]
+
+
+def test_a_place_promised_to_a_job_running_elsewhere_holds_until_its_run_reserves(
+    tmp_path: Path,
+) -> None:
+    """A job that runs on GPU 0 already, a second run of which is given GPU 1: the place
+    holds until a reservation of the job made since shows (the one on GPU 0 is older), or
+    PROMISE_S; the next asker is not told GPU 1 is free meanwhile."""
+    clock = Clock()
+    jobs = [RunningJob("sweep", "training", 0, memory_bytes=30 * GIB, reserved_at=clock.t)]
+    svc = promising_loop(tmp_path, jobs, clock)
+    ask = {"memory_bytes": 30 * GIB, "snapshot": snapshot(used_gib=0)}
+    clock.t += 5
+    assert svc.advise("sweep", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
+    other = svc.advise("other", reserving=True, **ask)  # type: ignore[arg-type]
+    assert other.gpu == -1 and "sweep would slow below 1/2" in other.reason, other.reason
+    clock.t += 1
+    jobs.append(RunningJob("sweep", "training", 1, memory_bytes=30 * GIB, reserved_at=clock.t))
+    assert svc.advise("other", reserving=True, **ask).gpu == -1  # type: ignore[arg-type]
+    jobs.pop()  # that run ended: its place is not promised still
+    assert svc.advise("other", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
+    clock.t += PROMISE_S + 1  # "other" never reserved
+    assert svc.advise("third", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
+
+
+def test_a_removed_job_holds_no_promised_place(tmp_path: Path) -> None:
+    """`gpuctl jobs rm --force` takes back the place advice promised a run of the job,
+    and a waiting run whose job is removed while its question is planned is promised
+    nothing: the next asker is told the GPU is free."""
+    clock = Clock()
+    jobs = [
+        RunningJob("big", "training", 0, memory_bytes=30 * GIB),
+        RunningJob("blocker", "training", 1, memory_bytes=70 * GIB),
+    ]
+    removing: list[ColoService] = []
+
+    def running() -> list[RunningJob]:
+        if removing:  # the removal commits while the question is planned
+            removing.pop().job_removed("w", force=True)()
+        return jobs
+
+    svc = promising_loop(tmp_path, running, clock)
+    ask = {"memory_bytes": 30 * GIB, "snapshot": snapshot(used_gib=0)}
+    w = svc.advise("w", waiting=True, **ask)  # type: ignore[arg-type]
+    assert w.gpu == -1
+    jobs.pop()  # the blocker ended: GPU 1 is free
+    removing.append(svc)
+    with pytest.raises(NotFound):
+        svc.advise("w", waiting=True, waiter_id=w.waiter_id, **ask)  # type: ignore[arg-type]
+    assert svc.advise("next", **ask).reason == "GPU 1 is free: exclusive"  # type: ignore[arg-type]
+    assert svc.advise("r", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
+    assert svc.advise("next", **ask).gpu == -1  # type: ignore[arg-type]
+    svc.job_removed("r", force=True)()
+    assert svc.advise("next", **ask).reason == "GPU 1 is free: exclusive"  # type: ignore[arg-type]
 
 
 def test_runs_waiting_for_advice_are_listed_while_they_ask(
@@ -2039,12 +2130,16 @@ def test_a_state_file_of_another_version_starts_afresh(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """colo.json says its layout: one a later gpud wrote (gpud downgraded) is not read as
-    this one's, whose fields may mean other things there, but said and kept aside; a file
-    written before the layout was kept reads as this one's, and each save says it."""
+    this one's, whose fields may mean other things there, but said and kept aside (one
+    without a "jobs" object too: the version is what it says first); a file written
+    before the layout was kept reads as this one's, and each save says it."""
     state = tmp_path / "colo.json"
     body = '"jobs": {"train": {"duty": 0.5, "alone_rate": 10.0}}'
-    for version in ("2", '"1"', "true", "1.0", "null"):
-        text = f'{{"version": {version}, {body}}}'
+    for version, rest in [
+        *((v, body) for v in ("2", '"1"', "true", "1.0", "null")),
+        *(("2", other) for other in ('"jobs": []', '"services": {}')),
+    ]:
+        text = f'{{"version": {version}, {rest}}}'
         state.write_text(text)
         caplog.clear()
         svc = ColoService(
@@ -2749,6 +2844,25 @@ def test_two_waiting_runs_of_different_users_are_not_both_advised_one_gpu(
     assert svc.advise("a", uid=1000, snapshot=free, **ask).gpu == 0  # type: ignore[arg-type]
 
 
+def alice_on_gpu_0(
+    tmp_path: Path, clock: Clock, name_of: Callable[[int], str], *, ticked: bool = True
+) -> ColoService:
+    """A loop on one GPU where user 1000's inference service "a" runs under MPS; ticked:
+    it has seen that GPU (``snapshot(n=1, used_gib=10)``)."""
+    slo = {"slo_p99_ms": 100.0, "memory_bytes": 10 * GIB}
+    jobs = [RunningJob("a", "inference", 0, uid=1000, **slo)]  # type: ignore[arg-type]
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        clock=clock,
+        name_of=name_of,
+    )
+    if ticked:
+        svc.tick(snapshot(n=1, used_gib=10))
+    return svc
+
+
 def test_user_names_are_looked_up_outside_the_loops_lock(tmp_path: Path) -> None:
     """A question names the users of the GPUs it may not share: their names are looked
     up (pwd, maybe LDAP behind it) with the loop's lock free, so a slow user database
@@ -2768,20 +2882,40 @@ def test_user_names_are_looked_up_outside_the_loops_lock(tmp_path: Path) -> None
         taker.join()
         return {1000: "alice"}.get(uid, str(uid))
 
-    slo = {"slo_p99_ms": 100.0, "memory_bytes": 10 * GIB}
-    jobs = [RunningJob("a", "inference", 0, uid=1000, **slo)]  # type: ignore[arg-type]
-    svc = ColoService(
-        ColocateConfig(),
-        EventLog(tmp_path / "e.jsonl"),
-        running=lambda: jobs,
-        clock=Clock(),
-        name_of=slow_name,
-    )
+    svc = alice_on_gpu_0(tmp_path, Clock(), slow_name)
     snap = snapshot(n=1, used_gib=10)
-    svc.tick(snap)
     bob = svc.advise("b", uid=1001, memory_bytes=8 * GIB, snapshot=snap)
     assert bob.gpu == -1 and "user alice (a)" in bob.reason
     assert free and all(free)
+
+
+def test_user_names_are_looked_up_once_a_minute_and_not_without_telemetry(
+    tmp_path: Path,
+) -> None:
+    """Every waiting run asks every few seconds, and each question names the users of
+    every whole GPU's MPS server: a UID's name is looked up once, and again after
+    NAME_TTL_S (a user renamed); a question answered "no telemetry yet" looks up none."""
+    asked: list[int] = []
+
+    def name_of(uid: int) -> str:
+        asked.append(uid)
+        return {1000: "alice"}.get(uid, str(uid))
+
+    clock = Clock()
+    svc = alice_on_gpu_0(tmp_path, clock, name_of, ticked=False)
+    ask = {"memory_bytes": 8 * GIB, "uid": 1001, "waiting": True}
+    assert svc.advise("b", snapshot=None, **ask).reason == "no telemetry yet"  # type: ignore[arg-type]
+    assert asked == []
+    snap = snapshot(n=1, used_gib=10)
+    svc.tick(snap)
+    for _ in range(5):
+        clock.t += 5
+        bob = svc.advise("b", snapshot=snap, **ask)  # type: ignore[arg-type]
+        assert bob.gpu == -1 and "user alice (a)" in bob.reason
+    assert sorted(asked) == [1000, 1001]
+    clock.t += NAME_TTL_S
+    svc.advise("b", snapshot=snap, **ask)  # type: ignore[arg-type]
+    assert sorted(asked) == [1000, 1000, 1001, 1001]
 
 
 def test_gpuctl_colo_advise_answers_for_the_callers_user(
