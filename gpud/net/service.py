@@ -565,13 +565,14 @@ class TrafficService:
     def summary(self) -> TrafficSummary:
         """Each interface's enforcement and the marking's, as the last pass left them: read
         without the state lock, which a pass holds while tc runs (``gpuctl status`` is a
-        health check and waits for no pass). The interfaces are fixed at start."""
+        health check and waits for no pass). The interfaces are fixed at start. Marking
+        turned off (``traffic.marking = false``) is a setting, not a fault: no error."""
         return TrafficSummary(
             enabled=self.config.enabled,
             interfaces=tuple(
                 LinkEnforcement(i.name, i.enforced, i.error) for i in self._ifaces.values()
             ),
-            marking_error=self._marking_error,
+            marking_error=self._marking_error if self.config.marking else "",
         )
 
     def view(self) -> NetView:

@@ -697,6 +697,12 @@ def test_wiring_says_why_marking_is_off(tmp_path: Path) -> None:
     )
     assert "nft not found (install the nftables package)" in service.view().marking_error
     service.shutdown()
+    # turned off: `gpuctl net show` says so, `gpuctl status` counts no fault for it
+    unmarked = Config(traffic=TrafficConfig(enabled=True, interfaces=("lo",), marking=False))
+    service = open_traffic(unmarked, store, events, jobs, mountinfo=with_cgroup2)
+    assert service.view().marking_error == "off (traffic.marking = false)"
+    assert service.summary().marking_error == ""
+    service.shutdown()
     off = open_traffic(Config(), store, events, jobs)
     assert not off.view().enabled
 
