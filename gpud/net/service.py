@@ -1222,9 +1222,12 @@ class TrafficService:
             mark = self._cgroups.mark(job, dscp)
             if mark is not None:
                 marks.append(mark)
-            elif job in self._cgroup_seen:
-                # gpud removes a job's cgroup only with the job: someone else removed it
-                # (its processes moved out first), so nothing is left to mark
+            elif job in self._cgroup_seen and self.tags.get(job) == dscp:
+                # gpud removes a job's cgroup only with the job, after releasing its tag:
+                # someone else removed it (its processes moved out first), so nothing is
+                # left to mark. The tag is read again: place() runs this outside the state
+                # lock, while a tick may release a removed job's tag and remove its cgroup
+                # after the allocations above were read.
                 self._events.emit(
                     "net.cgroup_gone",
                     f"job {job}: its cgroup {self._cgroups.dir(job)} was removed outside"
