@@ -308,10 +308,10 @@ class TrafficService:
         self._tagged_at: dict[str, float] = {}  # job -> when it was last given its tag (monotonic)
         # job -> runs starting it (see starting): its tag is kept though it is not registered
         self._starting: dict[str, int] = {}
-        # job -> when its last run ended (the monotonic clock; see run_ended). A leaf lock:
-        # the jobs service says so inside its store transaction, which the tick waits for
-        # holding self._lock
-        self._ends: dict[str, float] = {}
+        # job -> when its last run ended (the monotonic clock; see run_ended) and its
+        # reports then. A leaf lock: the jobs service says so inside its store transaction,
+        # which the tick waits for holding self._lock
+        self._ends: dict[str, tuple[float, _JobReports | None]] = {}
         self._ends_lock = threading.Lock()
         # the jobs holding a reservation at the last tick: what views (net show, /metrics,
         # the cluster's report) judge "ended" by, so that none of them reads the store
@@ -411,9 +411,11 @@ class TrafficService:
         """A run of ``job`` ended ``since_end_s`` seconds ago (its reservation was released,
         or its holder found gone). Until the job holds a reservation again or makes progress
         after it, ``gpuctl net show`` says it ended rather than stopped. Takes no lock but
-        its own: the jobs service calls it inside its store transaction."""
+        its own: the jobs service calls it inside its store transaction (its reports are
+        read without the state lock: each report replaces the job's entry whole)."""
+        end = self._monotonic() - max(0.0, since_end_s)
         with self._ends_lock:
-            self._ends[job] = self._monotonic() - max(0.0, since_end_s)
+            self._ends[job] = (end, self._reports.get(job))
 
     def run_started(self, job: str) -> None:
         """A run of ``job`` reserved its devices: it has not ended (whatever the last tick
@@ -423,13 +425,21 @@ class TrafficService:
 
     def _ended_at(self, job: str, active: Set[str]) -> float | None:
         """When ``job``'s last run ended (the monotonic clock), where it holds no
-        reservation (``active``: the jobs that do) and made no progress since; else None."""
+        reservation (``active``: the jobs that do) and made no progress since; else None.
+        Progress is a report stamped after the end with more iterations than the job had
+        reported at the end, or from another session: a report that only repeats the
+        count (a last flush after the end) is none."""
         with self._ends_lock:
-            end = self._ends.get(job)
-        if end is None or job in active:
+            ended = self._ends.get(job)
+        if ended is None or job in active:
             return None
-        reports = self._reports.get(job)
-        if reports is not None and reports.last_report_at > end:
+        end, then = ended
+        now = self._reports.get(job)
+        if (
+            now is not None
+            and now.last_report_at > end
+            and (then is None or now.iterations > then.iterations or now.session != then.session)
+        ):
             return None
         return end
 

@@ -1728,6 +1728,28 @@ def test_a_job_whose_run_ended_reads_ended_not_stopped_and_holds_no_level(rig: R
     assert row().ended_s is None and row().stopped_s is None
 
 
+def test_a_report_after_the_end_that_repeats_the_count_is_no_progress(rig: Rig) -> None:
+    """A last flush after the end (the same iteration count, stamped later) leaves the job
+    ended, not stopped; more iterations, or a new session, are progress."""
+
+    def ended() -> bool:
+        (found,) = [j for j in rig.service.view().jobs if j.job == "a"]
+        return found.ended_s is not None
+
+    rig.service.report(Report("a", 10, rig.clock.t, 0.5, session="s"))
+    rig.service.tick()
+    rig.service.run_ended("a")
+    rig.clock.t += 1
+    rig.service.report(Report("a", 10, rig.clock.t, session="s"))
+    assert ended()
+    rig.service.report(Report("a", 11, rig.clock.t, session="s"))
+    assert not ended()
+    rig.service.run_ended("a")
+    rig.clock.t += 1
+    rig.service.report(Report("a", 3, rig.clock.t, session="t"))  # a new run of it
+    assert not ended()
+
+
 def test_a_job_removed_after_its_run_ended_is_forgotten(rig: Rig) -> None:
     rig.service.tick()
     rig.service.run_ended("a")
