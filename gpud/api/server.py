@@ -57,6 +57,9 @@ IDLE_TIMEOUT_S = 60.0
 # open there (WatchAttributes, GetEntry waits: about 20 KiB each, a request up to
 # MAX_REQUEST_BYTES) bound gpud's memory and never take a call from the unix socket.
 TCP_MAX_CALLS = 1024
+# A server whose socket file was removed keeps the connections it has (ApiServer.keep_socket)
+# until its socket is removed once more: then it stops, its calls given this long to end.
+RETIRED_GRACE_S = 60.0
 
 
 def connection_options(
@@ -106,7 +109,14 @@ class ApiServer:
         self._tcp_server: Any = None
         self._health: Any = None
         self._socket_inode: int | None = None
-        self._retired: list[Any] = []  # servers on a socket file removed (keep_socket)
+        # keep_socket's: servers bound at the socket path itself, kept until the stop (gRPC
+        # would remove the path, their successor's file, as they stop): start()'s
+        self._kept: list[Any] = []
+        self._at_path = True  # the serving one is bound at the path itself
+        self._binds = 0  # keep_socket's binds, which number the temporary names
+        self._retired: Any = None  # the one that served until the file was removed last
+        # servers on files removed before, stopping (RETIRED_GRACE_S), and their tasks
+        self._stopping: dict[asyncio.Task[None], Any] = {}
         self.tcp_port: int | None = None
 
     @property
@@ -184,7 +194,7 @@ class ApiServer:
             await _stop_all((server, tcp), None)
             path.unlink(missing_ok=True)
             raise GpudError(f"cannot set mode/group of {path}: {err}") from err
-        self._server, self._tcp_server = server, tcp
+        self._server, self._tcp_server, self._at_path = server, tcp, True
         await self.set_serving(True)
         log.info(
             "gRPC API on %s (mode %o, group %s)%s",
@@ -210,9 +220,18 @@ class ApiServer:
         but no new ``gpuctl`` can reach it, and ``systemctl start gpud`` does nothing for a
         gpud that runs. A new server takes the path (its directory made again, 0711); the
         one before keeps serving the connections it has (a ``gpuctl run`` waiting in the
-        queue) until gpud stops. Something else in the socket's place (a file, another
-        process's socket) is left alone. True when it bound again; OSError or GpudError
-        when it cannot (said by the caller, tried again at its next call)."""
+        queue) until gpud stops or the file is removed again: then it stops, in the
+        background, with ``RETIRED_GRACE_S`` for its calls to end, so that a cleaner
+        removing the file over and over keeps at most one such server (and the first one,
+        :meth:`start`'s, kept until gpud stops: see below). Something else in the socket's
+        place (a file, another process's socket) is left alone. True when it bound again;
+        OSError or GpudError when it cannot (said by the caller, tried again at its next
+        call).
+
+        gRPC removes the file of a unix listener as it closes it, by its path: a server
+        bound at the socket path itself would remove its successor's file as it stops.
+        So the new server binds a temporary name beside it (``.gpud.sock.N~``), which is
+        then linked to the path and removed, and is the name gRPC removes later."""
         if self._server is None:
             return False
         path = self.socket_path
@@ -223,19 +242,39 @@ class ApiServer:
             pass
         files.make_dirs(path.parent, files.RUN_DIR_MODE)
         gid = self._group_id()
+        # a name of its own each time: a server stopping removes its name at some point
+        self._binds += 1
+        temp = path.with_name(f".{path.name}.{self._binds}~")
+        at_path = len(os.fsencode(temp)) > MAX_UNIX_PATH  # no room for the temporary name
+        bind = path if at_path else temp
+        bind.unlink(missing_ok=True)  # a gpud that died between its bind and link left it
         server = self._new_server(None)
-        if server.add_insecure_port(f"unix:{path}") == 0:
+        if server.add_insecure_port(f"unix:{bind}") == 0:
             await server.stop(None)
             raise GpudError(f"gRPC server cannot listen on {path} again")
         await server.start()
         try:
+            if not at_path:
+                try:
+                    os.link(temp, path)  # never over a file put there meanwhile
+                finally:
+                    temp.unlink(missing_ok=True)
             self._own_socket(gid)
         except OSError:
             await server.stop(None)
-            path.unlink(missing_ok=True)
+            if bind == path:
+                path.unlink(missing_ok=True)
             raise
-        self._retired.append(self._server)
-        self._server = server
+        previous, self._server = self._server, server
+        if self._at_path:
+            self._kept.append(previous)
+        else:
+            older, self._retired = self._retired, previous
+            if older is not None:
+                task = asyncio.get_running_loop().create_task(older.stop(RETIRED_GRACE_S))
+                self._stopping[task] = older
+                task.add_done_callback(self._stopped)
+        self._at_path = at_path
         log.warning(
             "the socket %s was removed while gpud ran: listening on it again (mode %o, group %s)",
             path,
@@ -243,6 +282,11 @@ class ApiServer:
             self.socket_group or "unchanged",
         )
         return True
+
+    def _stopped(self, task: asyncio.Task[None]) -> None:
+        self._stopping.pop(task, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("stopping a retired gRPC server failed: %s", task.exception())
 
     def _new_server(self, max_calls: int | None) -> Any:
         """A gRPC server with every service, the health service and the error mapping."""
@@ -280,13 +324,17 @@ class ApiServer:
         """
         server, self._server = self._server, None
         tcp, self._tcp_server = self._tcp_server, None
-        retired, self._retired = self._retired, []
+        retired, self._retired = self._retired, None
+        kept, self._kept = self._kept, []
+        stopping, self._stopping = self._stopping, {}
         if server is None:
             return
         if self._health is not None:
             # every service reports NOT_SERVING to health watchers before the listeners close
             await self._health.enter_graceful_shutdown()
-        await _stop_all((server, tcp, *retired), grace)
+        # those stopping already: stopped again with ``grace``, the more pressing of the two
+        await _stop_all((server, tcp, retired, *kept, *stopping.values()), grace)
+        await asyncio.gather(*stopping, return_exceptions=True)
         with contextlib.suppress(FileNotFoundError):
             # only our own socket: a newer daemon may have replaced it already
             if self.socket_path.stat().st_ino == self._socket_inode:

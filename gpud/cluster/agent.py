@@ -273,6 +273,9 @@ class ClusterAgent:
                 drops=jt.counters.drops,
                 pinned_level=jt.pinned_level,
                 applied_level=applied.get(jt.job),
+                # as the local ranking: an ended job, or one stopped and silent, holds no
+                # level (a pin aside), however slow its last rate reads
+                unranked=(jt.ended_s is not None or jt.unranked) and jt.pinned_level is None,
             )
         for job, held in gpus.items():
             if job not in jobs:  # holds GPUs here but sends no traffic (yet)

@@ -36,6 +36,7 @@ def job_report_to_pb(r: JobReport) -> pb.JobReport:
         tx_bytes=r.tx_bytes,
         drops=r.drops,
         critical_xids=r.critical_xids,
+        unranked=r.unranked,
     )
     if r.progress_rate is not None:
         msg.progress_rate = r.progress_rate
@@ -102,6 +103,7 @@ def report_from_pb(msg: pb.ReportRequest) -> NodeReport:
                 pinned_level=optional(j, "pinned_level"),
                 applied_level=applied,
                 critical_xids=tuple(j.critical_xids),
+                unranked=j.unranked,
             )
         )
     for name in ("instance", "build"):

@@ -47,9 +47,11 @@ from netshaper.tags import DEFAULT_RESERVED, TagAllocator
     _DROPS,
     _TX,
     _CRITICAL,
-) = range(12)
+    _RANKED,
+) = range(13)
 # _DSCP: the tag a node already marks the job with; _PIN: an operator's pin on one of its
-# nodes; _UNHEALTHY, _XIDS, _LINKS_DOWN, _CRITICAL: lists, None while empty (the usual case)
+# nodes; _UNHEALTHY, _XIDS, _LINKS_DOWN, _CRITICAL: lists, None while empty (the usual case);
+# _RANKED: some node ranks it (it did not end, or stop and fall silent, on all of them)
 _Fold = list[Any]
 _new_tuple = tuple.__new__
 _FORMER = 8  # replaced instances remembered per node (restarts)
@@ -190,9 +192,12 @@ class Aggregator:
                 if f is None:
                     slowest = "" if rate is None else name
                     f = [rate, ips, slowest, [name], jr.dscp, None, None, None, None, 0, 0, None]
+                    f.append(not jr.unranked)  # _RANKED
                     folds[job] = f
                 else:
                     f[_NODES].append(name)
+                    if not jr.unranked:
+                        f[_RANKED] = True
                     if f[_DSCP] is None:
                         f[_DSCP] = jr.dscp
                     if rate is not None:
@@ -271,7 +276,12 @@ class Aggregator:
         if leveller.last is None:  # its first ranking: from the levels in force
             live = (r for name, (_, r) in reports if name in included)
             leveller.seed(seed_levels(live, leveller.config.levels))
-        assignment = leveller.update(now, {j: f[_RATE] for j, f in folds.items()})
+        # a job no node ranks (ended, or stopped and silent, everywhere) holds no level: its
+        # last rate, decayed to its gap limit, would rank it slow and push live jobs down
+        assignment = leveller.update(
+            now,
+            {j: f[_RATE] for j, f in folds.items() if f[_RANKED] or f[_PIN] is not None},
+        )
         stamp = now if wall is None else wall
         self._included = included
         levels = assignment.levels

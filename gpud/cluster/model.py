@@ -35,7 +35,9 @@ class JobReport:
     counters of the job's class on this node; ``pinned_level`` a level an operator pinned
     the job to on this node; ``applied_level`` the job's level in the cluster order in force
     here (the one of :attr:`NodeReport.applied_epoch`; None: the order names no level for
-    it, or none is in force), which a new leader starts from.
+    it, or none is in force), which a new leader starts from; ``unranked`` that the job
+    holds no level on this node (its run ended, or it stopped and fell silent; never with
+    a pin): the leader ranks it only where another node reports it ranked.
     """
 
     job: str
@@ -51,6 +53,7 @@ class JobReport:
     pinned_level: int | None = None  # an operator's pin on this node (gpuctl net pin)
     applied_level: int | None = None  # its level in the order in force here
     critical_xids: tuple[str, ...] = ()
+    unranked: bool = False  # ended or stopped and silent here: no level (False: older gpud)
 
 
 @dataclass(frozen=True, slots=True)

@@ -308,10 +308,10 @@ class TrafficService:
         self._tagged_at: dict[str, float] = {}  # job -> when it was last given its tag (monotonic)
         # job -> runs starting it (see starting): its tag is kept though it is not registered
         self._starting: dict[str, int] = {}
-        # job -> when its last run ended (the monotonic clock; see run_ended). A leaf lock:
-        # the jobs service says so inside its store transaction, which the tick waits for
-        # holding self._lock
-        self._ends: dict[str, float] = {}
+        # job -> when its last run ended (the monotonic clock; see run_ended) and its
+        # reports then. A leaf lock: the jobs service says so inside its store transaction,
+        # which the tick waits for holding self._lock
+        self._ends: dict[str, tuple[float, _JobReports | None]] = {}
         self._ends_lock = threading.Lock()
         # the jobs holding a reservation at the last tick: what views (net show, /metrics,
         # the cluster's report) judge "ended" by, so that none of them reads the store
@@ -411,9 +411,11 @@ class TrafficService:
         """A run of ``job`` ended ``since_end_s`` seconds ago (its reservation was released,
         or its holder found gone). Until the job holds a reservation again or makes progress
         after it, ``gpuctl net show`` says it ended rather than stopped. Takes no lock but
-        its own: the jobs service calls it inside its store transaction."""
+        its own: the jobs service calls it inside its store transaction (its reports are
+        read without the state lock: each report replaces the job's entry whole)."""
+        end = self._monotonic() - max(0.0, since_end_s)
         with self._ends_lock:
-            self._ends[job] = self._monotonic() - max(0.0, since_end_s)
+            self._ends[job] = (end, self._reports.get(job))
 
     def run_started(self, job: str) -> None:
         """A run of ``job`` reserved its devices: it has not ended (whatever the last tick
@@ -423,13 +425,21 @@ class TrafficService:
 
     def _ended_at(self, job: str, active: Set[str]) -> float | None:
         """When ``job``'s last run ended (the monotonic clock), where it holds no
-        reservation (``active``: the jobs that do) and made no progress since; else None."""
+        reservation (``active``: the jobs that do) and made no progress since; else None.
+        Progress is a report stamped after the end with more iterations than the job had
+        reported at the end, or from another session: a report that only repeats the
+        count (a last flush after the end) is none."""
         with self._ends_lock:
-            end = self._ends.get(job)
-        if end is None or job in active:
+            ended = self._ends.get(job)
+        if ended is None or job in active:
             return None
-        reports = self._reports.get(job)
-        if reports is not None and reports.last_report_at > end:
+        end, then = ended
+        now = self._reports.get(job)
+        if (
+            now is not None
+            and now.last_report_at > end
+            and (then is None or now.iterations > then.iterations or now.session != then.session)
+        ):
             return None
         return end
 
@@ -565,13 +575,14 @@ class TrafficService:
     def summary(self) -> TrafficSummary:
         """Each interface's enforcement and the marking's, as the last pass left them: read
         without the state lock, which a pass holds while tc runs (``gpuctl status`` is a
-        health check and waits for no pass). The interfaces are fixed at start."""
+        health check and waits for no pass). The interfaces are fixed at start. Marking
+        turned off (``traffic.marking = false``) is a setting, not a fault: no error."""
         return TrafficSummary(
             enabled=self.config.enabled,
             interfaces=tuple(
                 LinkEnforcement(i.name, i.enforced, i.error) for i in self._ifaces.values()
             ),
-            marking_error=self._marking_error,
+            marking_error=self._marking_error if self.config.marking else "",
         )
 
     def view(self) -> NetView:
@@ -1221,9 +1232,12 @@ class TrafficService:
             mark = self._cgroups.mark(job, dscp)
             if mark is not None:
                 marks.append(mark)
-            elif job in self._cgroup_seen:
-                # gpud removes a job's cgroup only with the job: someone else removed it
-                # (its processes moved out first), so nothing is left to mark
+            elif job in self._cgroup_seen and self.tags.get(job) == dscp:
+                # gpud removes a job's cgroup only with the job, after releasing its tag:
+                # someone else removed it (its processes moved out first), so nothing is
+                # left to mark. The tag is read again: place() runs this outside the state
+                # lock, while a tick may release a removed job's tag and remove its cgroup
+                # after the allocations above were read.
                 self._events.emit(
                     "net.cgroup_gone",
                     f"job {job}: its cgroup {self._cgroups.dir(job)} was removed outside"

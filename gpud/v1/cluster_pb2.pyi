@@ -41,6 +41,7 @@ class JobReport(_message.Message):
     PINNED_LEVEL_FIELD_NUMBER: _builtins.int
     APPLIED_LEVEL_FIELD_NUMBER: _builtins.int
     CRITICAL_XIDS_FIELD_NUMBER: _builtins.int
+    UNRANKED_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     progress_rate: _builtins.float
     """contention-free / observed iteration time"""
@@ -54,6 +55,11 @@ class JobReport(_message.Message):
     applied_level: _builtins.int
     """the job's level in the cluster order in force on the node (epoch: applied_epoch); a
     new leader's first order starts from it
+    """
+    unranked: _builtins.bool
+    """the job holds no level on the node (its run ended, or it stopped and fell silent, and
+    no pin holds it): the leader leaves it out of the ranking unless another node runs it
+    (a gpud before the field: false, ranked)
     """
     @_builtins.property
     def gpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -91,10 +97,11 @@ class JobReport(_message.Message):
         pinned_level: _builtins.int | None = ...,
         applied_level: _builtins.int | None = ...,
         critical_xids: _abc.Iterable[_builtins.str] | None = ...,
+        unranked: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_applied_level", b"_applied_level", "_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "applied_level", b"applied_level", "dscp", b"dscp", "iterations_per_s", b"iterations_per_s", "link_up", b"link_up", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_applied_level", b"_applied_level", "_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "applied_level", b"applied_level", "critical_xids", b"critical_xids", "drops", b"drops", "dscp", b"dscp", "gpus", b"gpus", "iterations_per_s", b"iterations_per_s", "job", b"job", "link_up", b"link_up", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate", "tx_bytes", b"tx_bytes", "unhealthy_gpus", b"unhealthy_gpus", "xids", b"xids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_applied_level", b"_applied_level", "_dscp", b"_dscp", "_iterations_per_s", b"_iterations_per_s", "_link_up", b"_link_up", "_pinned_level", b"_pinned_level", "_progress_rate", b"_progress_rate", "applied_level", b"applied_level", "critical_xids", b"critical_xids", "drops", b"drops", "dscp", b"dscp", "gpus", b"gpus", "iterations_per_s", b"iterations_per_s", "job", b"job", "link_up", b"link_up", "pinned_level", b"pinned_level", "progress_rate", b"progress_rate", "tx_bytes", b"tx_bytes", "unhealthy_gpus", b"unhealthy_gpus", "unranked", b"unranked", "xids", b"xids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__applied_level: _TypeAlias = _typing.Literal["applied_level"]  # noqa: Y015
     _WhichOneofArgType__applied_level: _TypeAlias = _typing.Literal["_applied_level", b"_applied_level"]  # noqa: Y015

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import grp
 import importlib
 import math
@@ -139,6 +140,51 @@ async def test_a_removed_socket_is_bound_again(sock_dir: Path) -> None:
         assert resp.hostname == "node-a"
     await server.stop(0)
     assert not path.exists()
+
+
+def _listeners(directory: Path) -> int:
+    """Unix sockets of this process listening on a name in ``directory`` (its file removed
+    or not)."""
+    ours = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                ours.add(target[len("socket:[") : -1])
+    count = 0
+    with open("/proc/net/unix") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            # Num RefCount Protocol Flags Type St Inode Path; Flags 00010000: listening
+            if len(fields) == 8 and fields[3] == "00010000" and fields[6] in ours:
+                count += fields[7].startswith(f"{directory}/")
+    return count
+
+
+async def test_a_socket_removed_again_and_again_keeps_one_retired_server(
+    sock_dir: Path,
+) -> None:
+    """A cleaner that removes the socket over and over: each removal binds it again, and
+    the server retired the time before stops, so listeners do not pile up until gpud stops
+    (the first one, bound at the path itself, stays: its stop would remove the path)."""
+    path = sock_dir / "gpud.sock"
+    server = await _serve(path, make_servicer())
+    for _ in range(5):
+        path.unlink()
+        assert await server.keep_socket()
+    for _ in range(100):  # the older ones stop in the background
+        if _listeners(sock_dir) <= 3:
+            break
+        await asyncio.sleep(0.02)
+    # the one on the file, the one retired last and the first one
+    assert _listeners(sock_dir) == 3
+    assert sorted(p.name for p in sock_dir.iterdir()) == ["gpud.sock"]
+    async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+        resp = await pb_grpc.NodeStub(ch).GetStatus(pb.GetStatusRequest())
+    assert resp.hostname == "node-a"
+    await server.stop(0)
+    assert _listeners(sock_dir) == 0 and not path.exists()
 
 
 async def test_keep_socket_leaves_another_file_in_its_place(sock_dir: Path) -> None:

@@ -602,6 +602,17 @@ async def test_a_node_reports_the_levels_of_the_order_in_force_only() -> None:
     assert report.applied_epoch == 9 and [j.applied_level for j in report.jobs] == [None, None]
 
 
+async def test_a_node_reports_ended_and_silent_jobs_unranked_unless_pinned() -> None:
+    clock, peers = Clock(), LoopbackPeers()
+    ended = dataclasses.replace(job("ended", 0.05), ended_s=3.0)
+    silent = dataclasses.replace(job("silent", 0.05), stopped_s=60.0, unranked=True)
+    pinned = dataclasses.replace(job("pinned", 0.05), ended_s=3.0, pinned_level=1)
+    traffic = FakeTraffic((ended, silent, pinned, job("live", 0.5)))
+    f = agent("n1", LeaderInfo("n0", "a0", 9, False), traffic, peers, clock)
+    report = {j.job: j.unranked for j in f.local_report().jobs}
+    assert report == {"ended": True, "live": False, "pinned": False, "silent": True}
+
+
 class Board:
     """A problem board in memory, recording its writes."""
 

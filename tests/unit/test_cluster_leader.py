@@ -241,6 +241,22 @@ def test_a_pin_on_any_node_holds_everywhere() -> None:
     assert levels["b"] > levels["a"]
 
 
+def test_a_job_no_node_ranks_holds_no_level_and_pushes_no_live_job_down() -> None:
+    agg = make()
+    # "done" ended on n1: its last rate, decayed to its gap limit, reads the slowest
+    done = JobReport("done", 0.05, unranked=True)
+    agg.receive(NodeReport("n1", (done, JobReport("a", 0.5), JobReport("b", 0.9))), 0)
+    order = agg.compute(1, 0)
+    assert "done" not in order.levels
+    assert order.attributes["done"].level is None
+    assert order.levels["a"] == 0 and order.levels["b"] == 1
+    # ranked where any node ranks it (still running there), or where a node pins it
+    agg.receive(NodeReport("n2", (JobReport("done", 0.05),)), 0)
+    assert agg.compute(1, 0).levels["done"] == 0
+    agg.receive(NodeReport("n2", (JobReport("done", 0.05, unranked=True, pinned_level=3),)), 0)
+    assert agg.compute(1, 0).levels["done"] == 3
+
+
 def test_a_new_leaders_first_order_keeps_the_levels_in_force() -> None:
     agg = make()
     # equal rates (a fresh ranking: by job id); c was pinned on the old leader's node only
@@ -303,6 +319,7 @@ _job_reports = st.builds(
     tx_bytes=st.integers(0, 1 << 20),
     drops=st.integers(0, 9),
     pinned_level=st.none() | st.integers(-1, 4),
+    unranked=st.booleans(),
 )
 
 
@@ -336,6 +353,8 @@ def test_the_fold_is_the_plain_fold_over_the_nodes_in_order(
         assert a.links_down == tuple(n for n, jr in seen if jr.link_up is False)
         assert a.drops == sum(jr.drops for _, jr in seen)
         assert a.tx_bytes == sum(jr.tx_bytes for _, jr in seen)
+        # ranked where some node ranks it or pins it
+        assert (job in order.levels) == (any(not jr.unranked for _, jr in seen) or bool(pins))
         # the last pin reported wins, where it names a level
         if pins and 0 <= pins[-1] < 4:
             assert order.levels[job] == pins[-1]

@@ -75,7 +75,10 @@ def test_bad_cluster_config_names_the_key(text: str, key: str) -> None:
 def test_reports_are_checked_and_round_trip() -> None:
     report = NodeReport(
         "n1",
-        (JobReport("a", 0.5, 2.0, 12, ("G1",), ("G1",), (79,), False, 10, 2, 3, 1, ("G1:79",)),),
+        (
+            JobReport("a", 0.5, 2.0, 12, ("G1",), ("G1",), (79,), False, 10, 2, 3, 1, ("G1:79",)),
+            JobReport("b", 0.1, unranked=True),
+        ),
         applied_epoch=4,
         instance="5f3a9c0e1b2d4a68",
         build="3f2a9c1d04ab",

@@ -285,7 +285,12 @@ def test_under_nospace_the_detail_is_short_as_the_alarm_says_it_all() -> None:
     # the alarm not read yet: the detail in full, and what it says to do
     unread = status(base(store_ok=False, store_state="full", detail=NOSPACE_DETAIL))
     assert f"detail:      {NOSPACE_DETAIL}\n" in unread
-    assert "action:      do what the detail says" in unread
+    # out of space, not refused for its login: the alarm's action, not the login's
+    assert (
+        "action:      free space (etcdctl compact REV; etcdctl defrag), then etcdctl alarm"
+        " disarm: etcd is out of space" in unread
+    )
+    assert "do what the detail says" not in unread and unread.count("action:") == 1
 
 
 def test_the_errors_kind_comes_from_its_field_not_the_messages_words() -> None:

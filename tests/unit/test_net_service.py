@@ -697,6 +697,12 @@ def test_wiring_says_why_marking_is_off(tmp_path: Path) -> None:
     )
     assert "nft not found (install the nftables package)" in service.view().marking_error
     service.shutdown()
+    # turned off: `gpuctl net show` says so, `gpuctl status` counts no fault for it
+    unmarked = Config(traffic=TrafficConfig(enabled=True, interfaces=("lo",), marking=False))
+    service = open_traffic(unmarked, store, events, jobs, mountinfo=with_cgroup2)
+    assert service.view().marking_error == "off (traffic.marking = false)"
+    assert service.summary().marking_error == ""
+    service.shutdown()
     off = open_traffic(Config(), store, events, jobs)
     assert not off.view().enabled
 
@@ -1420,6 +1426,46 @@ def test_a_jobs_cgroup_removed_outside_gpud_is_said_once(rig: Rig) -> None:
     assert rig.kinds().count("net.cgroup_gone") == 1
 
 
+class _RacingCgroups(JobCgroups):
+    """Cgroups where, as the marks are read, a tick releases ``job``'s tag and removes its
+    cgroup (the job was removed): what a tick may do while place() syncs the marks."""
+
+    def __init__(self, mount: Path, *, nft_root: Path) -> None:
+        super().__init__(mount, nft_root=nft_root)
+        self.race: Callable[[str], None] = lambda job: None
+
+    def mark(self, job: str, dscp: int) -> CgroupMark | None:
+        self.race(job)
+        return super().mark(job, dscp)
+
+
+def test_a_cgroup_gpud_removes_while_a_process_is_placed_is_not_said_gone(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    rig = Rig(tmp_path, sysfs)
+    rig.cgroups = _RacingCgroups(rig.cg_root / "unified", nft_root=rig.cg_root)
+    rig.service = rig.make()
+    for pid, job in ((4242, "a"), (4343, "b")):
+        (rig.tmp / "proc" / str(pid)).mkdir(parents=True)
+        (rig.tmp / "proc" / str(pid) / "environ").write_bytes(f"GPUD_JOB={job}\0".encode())
+        rig.service.place(job, pid)
+    assert [m.job for m in sorted(rig.marker.marks)] == ["a", "b"]
+
+    def removed(job: str) -> None:
+        if job == "b":  # b was removed: the tick's pass releases its tag, then its cgroup
+            rig.jobs.remove("b")
+            rig.service.tags.release("b")
+            (rig.cgroups.dir("b") / "cgroup.procs").unlink()
+            assert rig.cgroups.remove("b")
+
+    rig.cgroups.race = removed
+    rig.service.place("a", 4242)
+    rig.cgroups.race = lambda job: None
+    rig.service.tick()
+    assert [m.job for m in rig.marker.marks] == ["a"]
+    assert "net.cgroup_gone" not in rig.kinds()
+
+
 @pytest.mark.parametrize("tick_between", [False, True], ids=["removed", "removed-and-ticked"])
 def test_a_job_removed_as_its_process_is_placed_leaves_nothing_past_the_next_tick(
     rig: Rig, tick_between: bool
@@ -1680,6 +1726,28 @@ def test_a_job_whose_run_ended_reads_ended_not_stopped_and_holds_no_level(rig: R
     train.since["a"] = rig.clock.t
     assert train.run(2)["a"] is not None
     assert row().ended_s is None and row().stopped_s is None
+
+
+def test_a_report_after_the_end_that_repeats_the_count_is_no_progress(rig: Rig) -> None:
+    """A last flush after the end (the same iteration count, stamped later) leaves the job
+    ended, not stopped; more iterations, or a new session, are progress."""
+
+    def ended() -> bool:
+        (found,) = [j for j in rig.service.view().jobs if j.job == "a"]
+        return found.ended_s is not None
+
+    rig.service.report(Report("a", 10, rig.clock.t, 0.5, session="s"))
+    rig.service.tick()
+    rig.service.run_ended("a")
+    rig.clock.t += 1
+    rig.service.report(Report("a", 10, rig.clock.t, session="s"))
+    assert ended()
+    rig.service.report(Report("a", 11, rig.clock.t, session="s"))
+    assert not ended()
+    rig.service.run_ended("a")
+    rig.clock.t += 1
+    rig.service.report(Report("a", 3, rig.clock.t, session="t"))  # a new run of it
+    assert not ended()
 
 
 def test_a_job_removed_after_its_run_ended_is_forgotten(rig: Rig) -> None:
