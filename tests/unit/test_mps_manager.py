@@ -21,7 +21,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
+from gpud.backend.nvml import NvmlBackend
 from gpud.backend.port import MigMode, unknown_identity
+from gpud.backend.sim import SimNode, fakenvml, parse_simulate_spec
 from gpud.cli.mps import device_row, unhealthy_notes
 from gpud.cli.output import message_to_dict
 from gpud.config import Config
@@ -51,6 +53,7 @@ from gpud.mps.protocol import PID_FILE
 from gpud.net.cgroups import JobCgroups
 from gpud.shared import GIB, MIB
 from gpud.store import StateStore
+from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.snapshot import GpuSample
 from tests.unit.mps_support import (
     FAKE_CONTROL,
@@ -61,6 +64,7 @@ from tests.unit.mps_support import (
     short_dir,
     snapshot,
 )
+from tests.unit.nvml_doubles import Refusing
 
 NODE = snapshot(gpu_sample(0, memory_gib=80), gpu_sample(1, memory_gib=40))
 MIG_NODE = snapshot(
@@ -145,6 +149,48 @@ def test_a_gpu_that_cannot_be_read_keeps_its_daemons(manager: MpsManager) -> Non
     assert after[mig_uuid(0, 0)].target.gpu_unhealthy == "GPU lost (memory): GPU is lost"
     manager.reconcile(MIG_NODE)  # it answers again, with the same devices
     assert {s.target.uuid: s.pid for s in manager.status()} == before
+
+
+def test_mig_devices_answering_reset_required_keep_their_daemons(root: Path) -> None:
+    """A GPU whose MIG devices answer "reset required" (or hang) is read as not read, not
+    as a GPU in MIG mode without MIG devices: their targets stay and no daemon is stopped
+    (jobs may still run on them)."""
+    sim = SimNode(parse_simulate_spec("H100-SXM5-80GB:1"), seed=1)
+    # MIG device handles carry no GPU index: gpus={None} refuses only their reads
+    refusing = Refusing(sim.nvml, 0, ["nvmlDeviceGetMemoryInfo"], [None])  # type: ignore[list-item]
+    backend = NvmlBackend(refusing, uid=1000)
+    backend.set_mig_mode(0, True)
+    sim.reboot()
+    profile = next(p for p in backend.gpu_instance_profiles(0) if p.name == "3g.40gb")
+    gi = backend.create_gpu_instance(
+        0, profile.id, backend.gpu_instance_placements(0, profile.id)[0]
+    )
+    ci = next(
+        c
+        for c in backend.compute_instance_profiles(0, profile.id)
+        if c.slice_count == profile.slice_count
+    )
+    backend.create_compute_instance(0, gi.id, ci.id)
+    sampler = Sampler(backend, call_timeout_s=1.0, events=EventLog(None), event_wait_s=0.05)
+    mgr, store, events = make_manager(root)
+    try:
+        sampler.refresh_identity()
+        mgr.reconcile(sampler.tick())
+        before = {s.target.uuid: s.pid for s in mgr.status()}
+        assert [u[:4] for u in before] == ["MIG-"] and None not in before.values()
+        refusing.code = fakenvml.NVML_ERROR_RESET_REQUIRED
+        snap = sampler.tick()
+        assert snap.gpus[0].reason.startswith("reset required (mig_devices): ")
+        mgr.reconcile(snap)
+        after = {s.target.uuid: s for s in mgr.status()}
+        assert {uuid: s.pid for uuid, s in after.items()} == before
+        assert all(s.up and s.target.gpu_unhealthy for s in after.values())
+        assert not events.recent(kind_prefix="mps.stop")
+    finally:
+        mgr.stop()
+        store.close()
+        sampler.close()
+        backend.close()
 
 
 def test_no_daemon_for_a_gpu_never_read(manager: MpsManager) -> None:
