@@ -242,12 +242,11 @@ class Step:
     run: Callable[[], Awaitable[None]]
     failures: int = 0
     last_warning: float = float("-inf")
-    failing_since: float | None = None
-    """When the current run of failed passes began (``None``: the last pass worked)."""
     failed_passes: int = 0
-    """Failed passes in a row, since ``failing_since``."""
-    warned: bool = False
-    """Whether a warning was logged since ``failing_since`` (then its end is logged too)."""
+    """Failed passes in a row (0: the last pass worked)."""
+    failing_since: float = 0.0
+    """When they began (while ``failed_passes``); a warning logged since (``last_warning``
+    not before it) has their end logged too."""
 
 
 class Daemon:
@@ -914,13 +913,12 @@ class Daemon:
                 await step.run()
             except Exception as err:
                 step.failures += 1
+                if not step.failed_passes:
+                    step.failing_since = step_started
                 step.failed_passes += 1
                 now = self._clock()
-                if step.failing_since is None:
-                    step.failing_since = step_started
                 if now - step.last_warning >= self.WARNING_INTERVAL_S:
                     step.last_warning = now
-                    step.warned = True
                     log.warning(
                         "step %s failed (%d failures so far): %s",
                         step.name,
@@ -936,18 +934,16 @@ class Daemon:
     @staticmethod
     def _step_worked(step: Step, now: float) -> None:
         """End ``step``'s run of failed passes, if any; say so if its failure was said."""
-        if step.failing_since is None:
+        if not step.failed_passes:
             return
-        if step.warned:
+        if step.last_warning >= step.failing_since:
             log.info(
                 "step %s works again, after %d failed passes over %.0f s",
                 step.name,
                 step.failed_passes,
                 now - step.failing_since,
             )
-        step.failing_since = None
         step.failed_passes = 0
-        step.warned = False
 
     def _offer_mig_config(self, path: Path | None) -> None:
         """The mig-parted file whose configs the admission queue offers as remedies (none

@@ -260,10 +260,11 @@ class MigManager:
 
     def _busy(
         self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool = False
-    ) -> list[tuple[str, ProcessInfo]]:
-        """Processes on what ``plan`` destroys (``nvidia-smi`` "Processes" per MIG device),
-        each with what it runs on. A MIG mode change, and a GPU reset (``reset``: the plan
-        waits for one and gpud may do it), disturb every process on the GPU."""
+    ) -> tuple[list[MigDeviceIdentity], list[tuple[str, ProcessInfo]]]:
+        """What ``plan`` destroys (:meth:`_doomed`) and the processes on it (``nvidia-smi``
+        "Processes" per MIG device), each with what it runs on. A MIG mode change, and a GPU
+        reset (``reset``: the plan waits for one and gpud may do it), disturb every process
+        on the GPU."""
         doomed, mode_change = self._doomed(gpu, actual, plan, reset=reset)
         found: dict[int, tuple[str, ProcessInfo]] = {}
         for md in doomed:
@@ -273,7 +274,7 @@ class MigManager:
         if mode_change:
             for p in self._backend.processes(gpu.index):
                 found.setdefault(p.pid, ("the whole GPU", p))
-        return [found[pid] for pid in sorted(found)]
+        return doomed, [found[pid] for pid in sorted(found)]
 
     def _doomed(
         self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool
@@ -297,7 +298,7 @@ class MigManager:
 
     def _busy_or_unlisted(
         self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool
-    ) -> list[tuple[str, ProcessInfo]] | str:
+    ) -> tuple[list[MigDeviceIdentity], list[tuple[str, ProcessInfo]]] | str:
         """:meth:`_busy`, or why the GPU's processes cannot be listed (a driver that does not
         support the query, say): gpud cannot tell that what the plan destroys is idle, so
         the GPU is left alone unless forced. A GPU that is lost or hangs still raises."""
@@ -653,7 +654,8 @@ class MigManager:
 
         def listed(gpu: GpuIdentity) -> list[tuple[str, ProcessInfo]] | str:
             actual, plan = todo[gpu.index]
-            return self._busy_or_unlisted(gpu, actual, plan, reset=reset)
+            found = self._busy_or_unlisted(gpu, actual, plan, reset=reset)
+            return found if isinstance(found, str) else found[1]
 
         answers = self._bounded(
             [by_index[i] for i in sorted(todo)], listed, self._read_timeout_s, "busy"
@@ -715,19 +717,19 @@ class MigManager:
                 return GpuOutcome(
                     gpu.index, gpu.uuid, tuple(done), False, "changed" if done else "ok"
                 )
-            busy = [] if force else self._busy_read(gpu, actual, plan, reset, read_timeout_s)
-            if isinstance(busy, str):
-                detail = f"{where} is faulty, left alone: {busy}"
+            try:
+                found = self._busy_read(gpu, actual, plan, reset, read_timeout_s, force=force)
+            except GPU_FAULTS as err:
+                return faulty(err)
+            if isinstance(found, str):
+                detail = f"{where} is faulty, left alone: {found}"
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "faulty", detail)
+            doomed, busy = found
             if busy:
                 refusal = self._busy_error({gpu.index: busy}, {gpu.index: gpu}, None)
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "busy", str(refusal))
-            try:
-                doomed = self._doomed_read(gpu, actual, plan, reset, read_timeout_s)
-            except GPU_FAULTS as err:
-                return faulty(err)
             release = self._release or (lambda uuids: contextlib.nullcontext({}))
-            with release(doomed) as stuck:
+            with release([md.uuid for md in doomed]) as stuck:
                 if stuck:
                     detail = (
                         f"{where}: {'; '.join(stuck.values())}: its instance is not destroyed"
@@ -757,24 +759,31 @@ class MigManager:
         )
 
     def _busy_read(
-        self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, reset: bool, timeout_s: float
-    ) -> list[tuple[str, ProcessInfo]] | str:
-        """:meth:`_busy_or_unlisted`, waited for as :meth:`_bounded` waits."""
-        return self._read(
-            gpu, lambda g: self._busy_or_unlisted(g, actual, plan, reset=reset), timeout_s, "busy"
-        )
-
-    def _doomed_read(
-        self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, reset: bool, timeout_s: float
-    ) -> list[str]:
-        """The UUIDs of the MIG devices the steps destroy, when their MPS daemons are to be
-        stopped first (``release``), read as :meth:`_bounded` reads."""
+        self,
+        gpu: GpuIdentity,
+        actual: GpuActual,
+        plan: GpuPlan,
+        reset: bool,
+        timeout_s: float,
+        *,
+        force: bool,
+    ) -> tuple[list[MigDeviceIdentity], list[tuple[str, ProcessInfo]]] | str:
+        """:meth:`_busy_or_unlisted`, waited for as :meth:`_bounded` waits. ``force``: no
+        process is listed (none is in the way), and what the steps destroy is read only
+        where their MPS daemons are to be stopped first (``release``)."""
+        if not force:
+            return self._read(
+                gpu,
+                lambda g: self._busy_or_unlisted(g, actual, plan, reset=reset),
+                timeout_s,
+                "busy",
+            )
         if self._release is None:
-            return []
-        found, _ = self._read(
-            gpu, lambda g: self._doomed(g, actual, plan, reset=reset), timeout_s, "busy"
+            return [], []
+        doomed, _ = self._read(
+            gpu, lambda g: self._doomed(g, actual, plan, reset=reset), timeout_s, "doomed"
         )
-        return [md.uuid for md in found]
+        return doomed, []
 
     def _reset(self, gpu: GpuIdentity, done: list[str]) -> bool:
         """Reset the GPU so that its pending MIG mode becomes current; False when the

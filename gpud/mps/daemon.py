@@ -229,21 +229,25 @@ class ControlDaemon:
             return ""
         return f" ({what} on the file system of {path})"
 
-    def stop(self, timeout_s: float = 5.0, *, pid: int | None = None) -> bool:
+    def stop(
+        self, timeout_s: float = 5.0, *, pid: int | None = None, quit_s: float | None = None
+    ) -> bool:
         """``echo quit | nvidia-cuda-mps-control``; SIGTERM, then SIGKILL, if it lingers.
         True once no daemon runs; False when the process outlived SIGKILL (stuck in the
         driver, ``State: D`` in ``/proc/<pid>/status``): it still runs, and still holds its
         device.
 
         ``pid``: that process (the caller made sure it is this device's daemon), also when
-        no PID file names it any more; ``quit`` goes through the pipe only where one does."""
+        no PID file names it any more; ``quit`` goes through the pipe only where one does.
+        ``quit_s``: how long the ``quit`` command is waited for (default: the daemon's
+        ``timeout_s``)."""
         found = self.pid()
         pid = found if pid is None else pid
         if pid is None:
             return True
         if found == pid:
             with contextlib.suppress(BackendError):
-                self.query(protocol.quit_())
+                self.query(protocol.quit_(), timeout_s=quit_s)
         if self._wait_exit(pid, timeout_s):
             return True
         log.warning("MPS control daemon %s (pid %d) ignored quit; terminating", self.uuid, pid)

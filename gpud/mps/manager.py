@@ -852,6 +852,10 @@ class MpsManager:
         self._note("INSERT OR REPLACE INTO mps_daemons VALUES (?, ?, ?, ?, ?)", row)
 
     def _forget(self, uuid: str) -> None:
+        """No daemon runs for ``uuid`` any more: its record goes, and so do the failed stops
+        of one that would not stop (a later one stuck there is said again)."""
+        with self._lock:
+            self._stop_tries.pop(uuid, None)
         self._note("DELETE FROM mps_daemons WHERE uuid = ?", (uuid,))
 
     def _note(self, sql: str, row: tuple[object, ...]) -> None:
@@ -1177,6 +1181,8 @@ class MpsManager:
             return
         dev.started = True
         self._record(target.uuid, pid)
+        with self._lock:  # one that would not stop before is gone: a new one is said anew
+            self._stop_tries.pop(target.uuid, None)
         dev.failures = 0
         dev.last_error = ""
         dev.next_check_at = self._clock() + self._health_interval_s
@@ -1357,20 +1363,36 @@ class MpsManager:
                 f" and MPS servers {', '.join(map(str, servers))} still serve clients"
             )
 
-    def _stop_device(self, uuid: str, *, reason: str, remove: bool = False) -> int | None:
+    def _stop_device(
+        self,
+        uuid: str,
+        *,
+        reason: str,
+        remove: bool = False,
+        wait_s: float | None = None,
+        quit_s: float | None = None,
+    ) -> int | None:
         """Stop the device's daemon; ``remove``: its device is gone, and so go its
         directories. The PID of a daemon that would not stop (:meth:`_try_stop`), None when
         none runs: then its record, cgroup and directories are kept, and the next call (a
-        later pass) tries again."""
+        later pass) tries again. ``wait_s``: how long to wait for another command to it
+        (:class:`DriverTimeout` after; None: as long as it takes); ``quit_s``: for its
+        ``quit``."""
         with self._lock:
             dev = self._devices.get(uuid)
         if dev is None:
             return None
-        with dev.io:
+        with self._io_within(dev, wait_s) as held:
+            if not held:
+                raise DriverTimeout(
+                    f"busy: another command to it has not returned within {wait_s:g} s",
+                    uuid=uuid,
+                    call=protocol.quit_(),
+                )
             pid = dev.daemon.pid()
             if pid is not None:
                 if not self._try_stop(
-                    dev.daemon, pid, f"it was to stop ({reason}); its record is kept"
+                    dev.daemon, pid, f"it was to stop ({reason}); its record is kept", quit_s
                 ):
                     dev.up = False
                     dev.last_error = f"the MPS control daemon (pid {pid}) would not stop"
@@ -1392,18 +1414,20 @@ class MpsManager:
                 del self._devices[uuid]
         return None
 
-    def _try_stop(self, daemon: ControlDaemon, pid: int, stake: str) -> bool:
-        """:meth:`ControlDaemon.stop` the daemon ``pid`` of ``daemon``'s device: whether it
-        is gone. One that outlives SIGKILL (stuck in the driver) is said once
-        (``mps.stop_failed``, ``stake``: what waits on it) and tried again no sooner than a
-        backoff (5 s, doubling, up to ``backoff_max_s``): till then this answers False at
-        once, without signalling it."""
+    def _try_stop(
+        self, daemon: ControlDaemon, pid: int, stake: str, quit_s: float | None = None
+    ) -> bool:
+        """:meth:`ControlDaemon.stop` the daemon ``pid`` of ``daemon``'s device (``quit_s``:
+        see there): whether it is gone. One that outlives SIGKILL (stuck in the driver) is
+        said once, until it is gone (``mps.stop_failed``, ``stake``: what waits on it) and
+        tried again no sooner than a backoff (5 s, doubling, up to ``backoff_max_s``): till
+        then this answers False at once, without signalling it."""
         uuid = daemon.uuid
         with self._lock:
             failures, retry_at = self._stop_tries.get(uuid, (0, 0.0))
         if failures and self._clock() < retry_at:
             return False
-        if daemon.stop(pid=pid):
+        if daemon.stop(pid=pid, quit_s=quit_s):
             with self._lock:
                 self._stop_tries.pop(uuid, None)
             return True
@@ -1430,29 +1454,62 @@ class MpsManager:
 
     @contextlib.contextmanager
     def released(self, uuids: Iterable[str]) -> Iterator[dict[str, str]]:
-        """For a MIG apply about to destroy the MIG devices ``uuids``: stop their daemons
-        and start none for them while the context lasts (a pass meanwhile would start them
-        again). Yields, by UUID, why a device still has one (it would not stop: its
-        instance must not be destroyed under it); the others' daemons are gone."""
+        """For a MIG apply about to destroy the MIG devices ``uuids`` (of one GPU): stop
+        their daemons and start none for them while the context lasts (a pass meanwhile
+        would start them again). Yields, by UUID, why a device still has one (it would not
+        stop, or another command to it has not returned: its instance must not be destroyed
+        under it); the others' daemons are gone. With MPS off, none is stopped (and none
+        started): it yields nothing.
+
+        The devices whose daemon would not stop before are tried first; while one still
+        runs, no other daemon of the GPU is stopped (the GPU's steps are not taken anyway:
+        the others go on serving their jobs). The stops run at once, each waiting
+        ``request_timeout_s`` at most for a command to its daemon and for its ``quit``
+        (then SIGTERM and SIGKILL, :meth:`ControlDaemon.stop`), so that a hung daemon holds
+        the apply, and the daemon's loop pass behind it, seconds, not minutes."""
+        if not self.enabled:
+            yield {}
+            return
         uuids = list(dict.fromkeys(uuids))
         with self._lock:
             self._held.update(uuids)
+            known = [u for u in uuids if u in self._stop_tries]
         try:
-            stuck = {}
-            for uuid in uuids:
-                self._device(uuid)
-                pid = self._stop_device(uuid, reason="its MIG device is being destroyed")
-                if pid is not None:
-                    target = self.target(uuid)
-                    name = _label(target) if target is not None else "MIG device"
-                    stuck[uuid] = (
-                        f"the MPS control daemon of {name} ({uuid}, pid {pid}) would not stop"
-                        " (see the mps.stop_failed event)"
-                    )
+            stuck = self._stop_all(known)
+            if not stuck:
+                stuck = self._stop_all([u for u in uuids if u not in known])
             yield stuck
         finally:
             with self._lock:
                 self._held.difference_update(uuids)
+
+    def _stop_all(self, uuids: list[str]) -> dict[str, str]:
+        """:meth:`released`'s stops of ``uuids``, all at once: by UUID, why one still runs."""
+        stuck: dict[str, str] = {}
+        wait = self._request_timeout_s
+
+        def stop(uuid: str) -> None:
+            self._device(uuid)
+            try:
+                pid = self._stop_device(
+                    uuid,
+                    reason="its MIG device is being destroyed",
+                    wait_s=wait,
+                    quit_s=wait,
+                )
+            except GpudError as err:
+                why = f"({uuid}) was not stopped: {err}"
+            else:
+                if pid is None:
+                    return
+                why = f"({uuid}, pid {pid}) would not stop (see the mps.stop_failed event)"
+            target = self.target(uuid)
+            name = _label(target) if target is not None else "MIG device"
+            with self._lock:
+                stuck[uuid] = f"the MPS control daemon of {name} {why}"
+
+        _all_at_once([(u, functools.partial(stop, u)) for u in uuids], self._parallel)
+        return {u: stuck[u] for u in uuids if u in stuck}
 
     def start_server(self, device: str, uid: int) -> list[int]:
         """``start_server -uid UID`` (MPS servers otherwise start with their first client);

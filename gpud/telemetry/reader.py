@@ -22,7 +22,10 @@ Error policy, per reading:
 - a MIG device whose process list fails (NotSupported or not) keeps its memory reading; its
   ``processes_read`` is False with the error, and the GPU's health is that of its other reads.
 - a MIG device read that fails with a fault of the GPU itself (``GPU_FAULTS``: a MIG device
-  answering "reset required", say) is the GPU's: the sample is unhealthy with that reason.
+  answering "reset required", say, or hung) is the GPU's, as ``GpuLost``: the sample is
+  unhealthy with that reason, and has no MIG mode nor MIG devices. It says nothing of them
+  (an empty list would read as every MIG device gone, and MPS would stop their daemons);
+  the last known ones stay where they are kept (the MPS targets).
 """
 
 from __future__ import annotations
@@ -31,7 +34,14 @@ import logging
 from collections.abc import Callable
 
 from gpud.backend.port import GpuBackend, GpuIdentity, MigDeviceIdentity, unknown_identity
-from gpud.errors import BackendError, GpuFault, GpuLost, NoPermission, NotSupported
+from gpud.errors import (
+    GPU_FAULTS,
+    BackendError,
+    GpuFault,
+    GpuLost,
+    NoPermission,
+    NotSupported,
+)
 from gpud.telemetry.snapshot import GpuSample, MigSample
 
 log = logging.getLogger(__name__)
@@ -182,7 +192,7 @@ class GpuReader:
             if mig_mode.current:
                 try:
                     mig_samples = self._read_mig(gpu, now)
-                except GpuLost as err:
+                except GPU_FAULTS as err:
                     return self._failed(identity, _reason("mig_devices", err))
                 except BackendError as err:
                     reason = reason or _reason("mig_devices", err)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,6 +56,7 @@ class Host:
         self.read_timeout_s = 5.0  # how long an apply waits for a GPU's reads
         self.daemons: list[Daemon] = []
         self.release: Release | None = None  # the MPS daemons' stop before a destroy
+        self.wrap: Callable[[NvmlBackend], Any] = lambda b: b  # the manager's backend
 
     def start(self, *, resets: bool = False) -> Daemon:
         """A daemon life; with ``resets`` its backend can reset GPUs (nvidia-smi)."""
@@ -70,7 +72,7 @@ class Host:
             clock[0] += s
 
         mig = MigManager(
-            backend,
+            self.wrap(backend),
             store,
             events,
             job_resolver=self.jobs.get,
@@ -1516,3 +1518,60 @@ def test_an_instance_whose_mps_daemon_would_not_stop_is_not_destroyed(
 
     host.release = stopped
     assert host.start().mig.apply(config, "all-3g.40gb").result == "success"
+
+
+class _CountsMigLists:
+    """The backend, counting its MIG device lists (``nvidia-smi -L``, one per GPU)."""
+
+    def __init__(self, backend: NvmlBackend) -> None:
+        self._backend = backend
+        self.lists = 0
+
+    def mig_devices(self, gpu: int) -> Any:
+        self.lists += 1
+        return self._backend.mig_devices(gpu)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+def _drift_reconciled(host: Host, config: MigConfigFile, other_state: Path) -> int:
+    """Both GPUs changed behind gpud's back, then reconciled: the MIG device lists made."""
+    d = enable(host, config, "all-3g.40gb")
+    other = MigManager(d.backend, StateStore(other_state), EventLog(None))
+    assert other.apply(config, "all-1g.10gb").result == "success"
+    counting: list[_CountsMigLists] = []
+
+    def wrap(backend: NvmlBackend) -> _CountsMigLists:
+        counting.append(_CountsMigLists(backend))
+        return counting[-1]
+
+    host.wrap = wrap
+    again = host.start()
+    assert {o.status for o in again.mig.reconcile()} == {"changed"}
+    assert again.mig.assert_config(config, "all-3g.40gb") == []
+    return counting[0].lists
+
+
+def test_what_a_reconcile_destroys_is_listed_once_for_the_busy_check_and_mps(
+    tmp_path: Path, config: MigConfigFile
+) -> None:
+    """The MIG devices a reconcile destroys are read from the driver once per round: the
+    busy check's list is the one whose MPS daemons are stopped."""
+    plain = Host(tmp_path / "plain", [(H100, 2)])
+    released = Host(tmp_path / "released", [(H100, 2)])
+    asked: list[list[str]] = []
+
+    @contextlib.contextmanager
+    def stop(uuids: list[str]) -> Iterator[dict[str, str]]:
+        asked.append(uuids)
+        yield {}
+
+    released.release = stop
+    try:
+        without = _drift_reconciled(plain, config, tmp_path / "other1")
+        assert _drift_reconciled(released, config, tmp_path / "other2") == without
+        assert [len(a) for a in asked if a][-2:] == [7, 7]
+    finally:
+        plain.close()
+        released.close()

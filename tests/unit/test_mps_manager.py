@@ -21,7 +21,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
+from gpud.backend.nvml import NvmlBackend
 from gpud.backend.port import MigMode, unknown_identity
+from gpud.backend.sim import SimNode, fakenvml, parse_simulate_spec
 from gpud.cli.mps import device_row, unhealthy_notes
 from gpud.cli.output import message_to_dict
 from gpud.config import Config
@@ -51,6 +53,7 @@ from gpud.mps.protocol import PID_FILE
 from gpud.net.cgroups import JobCgroups
 from gpud.shared import GIB, MIB
 from gpud.store import StateStore
+from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.snapshot import GpuSample
 from tests.unit.mps_support import (
     FAKE_CONTROL,
@@ -61,6 +64,7 @@ from tests.unit.mps_support import (
     short_dir,
     snapshot,
 )
+from tests.unit.nvml_doubles import Refusing
 
 NODE = snapshot(gpu_sample(0, memory_gib=80), gpu_sample(1, memory_gib=40))
 MIG_NODE = snapshot(
@@ -145,6 +149,48 @@ def test_a_gpu_that_cannot_be_read_keeps_its_daemons(manager: MpsManager) -> Non
     assert after[mig_uuid(0, 0)].target.gpu_unhealthy == "GPU lost (memory): GPU is lost"
     manager.reconcile(MIG_NODE)  # it answers again, with the same devices
     assert {s.target.uuid: s.pid for s in manager.status()} == before
+
+
+def test_mig_devices_answering_reset_required_keep_their_daemons(root: Path) -> None:
+    """A GPU whose MIG devices answer "reset required" (or hang) is read as not read, not
+    as a GPU in MIG mode without MIG devices: their targets stay and no daemon is stopped
+    (jobs may still run on them)."""
+    sim = SimNode(parse_simulate_spec("H100-SXM5-80GB:1"), seed=1)
+    # MIG device handles carry no GPU index: gpus={None} refuses only their reads
+    refusing = Refusing(sim.nvml, 0, ["nvmlDeviceGetMemoryInfo"], [None])  # type: ignore[list-item]
+    backend = NvmlBackend(refusing, uid=1000)
+    backend.set_mig_mode(0, True)
+    sim.reboot()
+    profile = next(p for p in backend.gpu_instance_profiles(0) if p.name == "3g.40gb")
+    gi = backend.create_gpu_instance(
+        0, profile.id, backend.gpu_instance_placements(0, profile.id)[0]
+    )
+    ci = next(
+        c
+        for c in backend.compute_instance_profiles(0, profile.id)
+        if c.slice_count == profile.slice_count
+    )
+    backend.create_compute_instance(0, gi.id, ci.id)
+    sampler = Sampler(backend, call_timeout_s=1.0, events=EventLog(None), event_wait_s=0.05)
+    mgr, store, events = make_manager(root)
+    try:
+        sampler.refresh_identity()
+        mgr.reconcile(sampler.tick())
+        before = {s.target.uuid: s.pid for s in mgr.status()}
+        assert [u[:4] for u in before] == ["MIG-"] and None not in before.values()
+        refusing.code = fakenvml.NVML_ERROR_RESET_REQUIRED
+        snap = sampler.tick()
+        assert snap.gpus[0].reason.startswith("reset required (mig_devices): ")
+        mgr.reconcile(snap)
+        after = {s.target.uuid: s for s in mgr.status()}
+        assert {uuid: s.pid for uuid, s in after.items()} == before
+        assert all(s.up and s.target.gpu_unhealthy for s in after.values())
+        assert not events.recent(kind_prefix="mps.stop")
+    finally:
+        mgr.stop()
+        store.close()
+        sampler.close()
+        backend.close()
 
 
 def test_no_daemon_for_a_gpu_never_read(manager: MpsManager) -> None:
@@ -1570,5 +1616,111 @@ def test_mig_devices_about_to_be_destroyed_lose_their_daemons_first(root: Path) 
         assert {s.target.uuid: s.up for s in mgr.status()}[mig_uuid(0, 0)]
     finally:
         stuck.pids.clear()
+        mgr.stop()
+        store.close()
+
+
+def test_a_daemon_that_would_not_stop_leaves_the_rest_of_its_gpu_alone(root: Path) -> None:
+    """A MIG apply retried while one of the GPU's daemons is stuck: the stuck one is tried
+    first, and while it runs the GPU's other daemons are not stopped again (they would be
+    stopped and restarted on every retry otherwise)."""
+    stuck = StuckDaemons()
+    mgr, store, events = make_manager(root, **stuck.options())
+    doomed = [mig_uuid(0, 0), mig_uuid(0, 1), mig_uuid(0, 2)]
+    try:
+        mgr.reconcile(MIG_NODE)
+        held = {s.target.uuid: s for s in mgr.status()}[mig_uuid(0, 1)]
+        assert held.pid is not None
+        stuck.stick(held.pipe_dir, held.pid)
+        with mgr.released(doomed) as left:  # found stuck now: the others were stopped
+            assert list(left) == [mig_uuid(0, 1)]
+        mgr.reconcile(MIG_NODE)  # and get theirs again
+        serving = {s.target.uuid: s.pid for s in mgr.status()}
+        stops = len(events.recent(kind_prefix="mps.stop"))
+        for later in (0, 60):  # within its backoff, and past it (tried again, still there)
+            stuck.now += later
+            with mgr.released(doomed) as left:
+                assert list(left) == [mig_uuid(0, 1)]
+                assert {s.target.uuid: s.pid for s in mgr.status()} == serving
+            mgr.reconcile(MIG_NODE)
+        assert len(events.recent(kind_prefix="mps.stop")) == stops
+        assert not events.recent(kind_prefix="mps.restart")
+        assert {s.target.uuid: s.pid for s in mgr.status()} == serving
+    finally:
+        stuck.pids.clear()
+        mgr.stop()
+        store.close()
+
+
+def test_a_daemon_stuck_again_after_it_went_is_said_again(root: Path) -> None:
+    """A daemon that would not stop goes by itself (a GPU reset); its device's next daemon
+    that would not stop gets its own mps.stop_failed, not a log line and an old backoff."""
+    stuck = StuckDaemons()
+    mgr, store, events = make_manager(root, **stuck.options())
+    try:
+        mgr.reconcile(MIG_NODE)
+        for _ in range(2):
+            held = {s.target.uuid: s for s in mgr.status()}[mig_uuid(0, 1)]
+            assert held.pid is not None
+            stuck.stick(held.pipe_dir, held.pid)
+            with mgr.released([mig_uuid(0, 1)]) as left:
+                assert list(left) == [mig_uuid(0, 1)]
+            stuck.pids.clear()  # it goes (SIGKILL took it once it came out of the driver)
+            stuck.now += 60
+            mgr.reconcile(MIG_NODE)  # and the device gets a new one
+        failed = events.recent(kind_prefix="mps.stop_failed")
+        assert [e.fields["uuid"] for e in failed] == [mig_uuid(0, 1)] * 2
+    finally:
+        stuck.pids.clear()
+        mgr.stop()
+        store.close()
+
+
+def test_destroying_mig_devices_waits_on_a_busy_daemon_seconds_at_most(root: Path) -> None:
+    """A daemon a pass is still talking to (hung: a query waits its timeout) holds a MIG
+    apply's stops no longer than ``request_timeout_s``: it is named busy, and the others are
+    stopped meanwhile, not after it."""
+    mgr, store, events = make_manager(root, timeout_s=3.0, request_timeout_s=0.3)
+    pid = None
+    try:
+        mgr.reconcile(MIG_NODE)
+        pids = {s.target.uuid: s.pid for s in mgr.status()}
+        pid = pids[mig_uuid(0, 0)]
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        passing = threading.Thread(target=mgr.reconcile)  # waits 3 s on 0:0's daemon
+        passing.start()
+        try:
+            time.sleep(0.3)
+            started = time.monotonic()
+            with mgr.released([mig_uuid(0, 0), mig_uuid(0, 2)]) as left:
+                took = time.monotonic() - started
+                assert list(left) == [mig_uuid(0, 0)]
+                assert "busy: another command to it has not returned" in left[mig_uuid(0, 0)]
+            assert took < 1.5
+            stopped = [e.fields["uuid"] for e in events.recent(kind_prefix="mps.stop")]
+            assert stopped == [mig_uuid(0, 2)]
+        finally:
+            passing.join()
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        mgr.stop()
+        store.close()
+
+
+def test_destroying_mig_devices_with_mps_off_touches_nothing(root: Path) -> None:
+    """``mps.enabled = false``: a MIG apply's release stops nothing and writes nothing."""
+    store = CountingStore(root / "state")
+    events = EventLog(None)
+    mgr = MpsManager(store, events, root / "run", FAKE_CONTROL, enabled=False, others_root=root)
+    try:
+        mgr.reconcile(MIG_NODE)
+        before = store.transactions
+        with mgr.released([mig_uuid(0, 0), mig_uuid(0, 1)]) as left:
+            assert left == {}
+        assert store.transactions == before
+        assert not events.recent()
+    finally:
         mgr.stop()
         store.close()
