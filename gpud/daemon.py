@@ -813,6 +813,8 @@ class Daemon:
             def left(most: float) -> float:
                 return max(0.0, min(most, deadline - time.monotonic()))
 
+            # event watchers (gpuctl events --follow) end their streams now, not at the grace
+            self.events.close_watchers()
             with contextlib.suppress(Exception):
                 await self.api.stop(grace=left(2.0))
             await self._end_pass(left(self.pass_stop_wait_s))

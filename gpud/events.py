@@ -3,6 +3,11 @@
 Each event is one JSON line in ``<state_dir>/events.jsonl`` (rotated at ``max_bytes``) and is
 kept in a short in-memory ring that ``gpuctl`` and the metrics read. Events also go to the
 ``gpud.events`` logger, so journald has them too.
+
+Each event said gets the next sequence number (``seq``), kept in its line, so that numbers
+go on across restarts: a watcher (:meth:`EventLog.watch`, ``gpuctl events --follow``) resumes
+after the last one it saw. A watcher has a bounded buffer of its own: one that reads too
+slowly misses events (counted), and never slows the thread that emits.
 """
 
 from __future__ import annotations
@@ -34,13 +39,50 @@ class Event:
     kind: str
     message: str
     fields: dict[str, Any] = field(default_factory=dict)
+    seq: int = 0  # its number in the log, from 1; 0: not said yet, or a line without one
 
     def to_json(self) -> str:
+        head: dict[str, Any] = {"seq": self.seq} if self.seq else {}
         return json.dumps(
-            {"time": self.time, "kind": self.kind, "message": self.message, **self.fields},
+            {**head, "time": self.time, "kind": self.kind, "message": self.message, **self.fields},
             sort_keys=True,
             default=str,
         )
+
+
+DEFAULT_WATCH_BUFFER = 1000  # events a watcher may be behind before it misses some
+
+
+class Watcher:
+    """One reader of new events (:meth:`EventLog.watch`): those matching its filters wait in
+    a buffer of at most ``buffer`` events; past that they are counted as missed, never
+    kept. ``wake`` is called (from the emitting thread) after each event it is given, and
+    when the log closes its watchers."""
+
+    def __init__(
+        self, kind_prefix: str, gpu: str, job: str, wake: Callable[[], None], buffer: int
+    ) -> None:
+        self._filters = (kind_prefix, gpu, job)
+        self._wake = wake
+        self._buffer: deque[Event] = deque()
+        self._size = max(1, buffer)
+        self._missed = 0
+        self._closed = False
+
+    def _matches(self, event: Event) -> bool:
+        prefix, gpu, job = self._filters
+        return event.kind.startswith(prefix) and is_about(event.fields, gpu=gpu, job=job)
+
+    def _offer(self, event: Event) -> bool:
+        """Under the log's lock: keep ``event`` if it matches and there is room. True when
+        the watcher is to be woken."""
+        if not self._matches(event):
+            return False
+        if len(self._buffer) < self._size:
+            self._buffer.append(event)
+        else:
+            self._missed += 1
+        return True
 
 
 class EventLog:
@@ -62,21 +104,27 @@ class EventLog:
         self._counts: dict[str, int] = {}
         self._write_failing = False
         self._held = threading.local()  # this thread's events held by until_committed
+        self._watchers: list[Watcher] = []
+        self._seq = 0  # the last number given
         # a line torn by a crash would swallow the first line appended after it
         self._torn = False
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._ring.extend(_read_tail(path, keep))
             self._torn = _ends_torn(path)
+            # just rotated: the numbers go on from the rotated file's last line
+            tail = self._ring or _read_tail(path.with_suffix(".jsonl.1"), 1)
+            self._seq = max((e.seq for e in tail), default=0)
 
     def emit(self, kind: str, message: str, **fields: Any) -> Event:
+        """Say an event (held inside :meth:`until_committed`); the event said, with its
+        ``seq``, or the one held (``seq`` 0)."""
         event = Event(self._clock(), kind, message, fields)
         held: list[Event] | None = getattr(self._held, "events", None)
         if held is not None:
             held.append(event)  # said once its transaction commits (until_committed)
             return event
-        self._say(event)
-        return event
+        return self._say(event)
 
     @contextmanager
     def until_committed(self) -> Iterator[None]:
@@ -99,15 +147,73 @@ class EventLog:
         for event in mine:
             self._say(event)
 
-    def _say(self, event: Event) -> None:
+    def _say(self, event: Event) -> Event:
         kind, message = event.kind, event.message
-        line = event.to_json()
         with self._lock:
+            self._seq += 1
+            event = Event(event.time, kind, message, event.fields, self._seq)
+            line = event.to_json()
             self._ring.append(event)
             self._counts[kind] = self._counts.get(kind, 0) + 1
             if self._path is not None:
                 self._write(line)
+            woken = [w for w in self._watchers if w._offer(event)]
+        for watcher in woken:
+            watcher._wake()
         log.info("%s: %s", kind, message, extra={"event": line})
+        return event
+
+    def watch(
+        self,
+        wake: Callable[[], None],
+        *,
+        limit: int = 100,
+        kind_prefix: str = "",
+        gpu: str = "",
+        job: str = "",
+        after_seq: int = 0,
+        buffer: int = DEFAULT_WATCH_BUFFER,
+    ) -> tuple[Watcher, list[Event], int]:
+        """A new :class:`Watcher` with these filters, the events it starts from, and how
+        many events (of every kind) before them it cannot have: the newest ``limit`` as
+        :meth:`recent` gives them; with ``after_seq`` (the last event a watcher before it
+        saw, from this log or one before a restart), every kept event after it instead,
+        and the count of those after it the ring no longer keeps. An ``after_seq`` past the
+        last number given (a log removed since) is taken as none. Nothing is said between
+        the start events and the watcher's first. :meth:`unwatch` it when done."""
+        watcher = Watcher(kind_prefix, gpu, job, wake, buffer)
+        with self._lock:
+            self._watchers.append(watcher)
+            if 0 < after_seq <= self._seq:
+                kept = [e for e in self._ring if e.seq > after_seq]
+                first = kept[0].seq if kept else self._seq + 1
+                gap = max(0, first - after_seq - 1)
+                return watcher, [e for e in kept if watcher._matches(e)], gap
+            return watcher, [e for e in self._ring if watcher._matches(e)][-limit:], 0
+
+    def take(self, watcher: Watcher) -> tuple[list[Event], int, bool]:
+        """What ``watcher`` was given since the last take: the events, then how many it
+        missed after them, and whether the log closed its watchers (then it is done)."""
+        with self._lock:
+            events = list(watcher._buffer)
+            watcher._buffer.clear()
+            missed, watcher._missed = watcher._missed, 0
+            return events, missed, watcher._closed
+
+    def unwatch(self, watcher: Watcher) -> None:
+        with self._lock:
+            if watcher in self._watchers:
+                self._watchers.remove(watcher)
+
+    def close_watchers(self) -> None:
+        """End every watcher (the daemon stops): each is woken, and its next :meth:`take`
+        says it is done once its buffer is empty."""
+        with self._lock:
+            watchers, self._watchers = self._watchers, []
+            for watcher in watchers:
+                watcher._closed = True
+        for watcher in watchers:
+            watcher._wake()
 
     def recent(
         self, limit: int = 100, kind_prefix: str = "", *, gpu: str = "", job: str = ""
@@ -193,8 +299,11 @@ def _read_tail(path: Path, keep: int) -> list[Event]:
         try:
             data = json.loads(line)
             when, kind, message = data.pop("time"), data.pop("kind"), data.pop("message")
+            seq = data.pop("seq", 0)  # absent from a line of a gpud before the field
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            seq = 0
         if (
             isinstance(when, int | float)
             and not isinstance(when, bool)
@@ -202,5 +311,5 @@ def _read_tail(path: Path, keep: int) -> list[Event]:
             and isinstance(kind, str)
             and isinstance(message, str)
         ):
-            events.append(Event(float(when), kind, message, data))
+            events.append(Event(float(when), kind, message, data, seq))
     return events

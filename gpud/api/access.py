@@ -41,7 +41,7 @@ TcpAccess = Literal["read", "full"]
 
 _READS: Final = {
     "grpc.health.v1.Health": ("Check", "Watch"),
-    "gpud.v1.Node": ("GetStatus", "ListGpus", "ListEvents"),
+    "gpud.v1.Node": ("GetStatus", "ListGpus", "ListEvents", "WatchEvents"),
     "gpud.v1.Jobs": ("ListJobs", "GetJobEnv"),
     "gpud.v1.Mig": ("ShowMig", "AssertMig", "ExportMig"),
     "gpud.v1.Mps": ("ShowMps",),

@@ -130,7 +130,9 @@ def _jsonable(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def event(value: Event) -> pb.Event:
-    msg = pb.Event(time_unix_seconds=value.time, kind=value.kind, message=value.message)
+    msg = pb.Event(
+        time_unix_seconds=value.time, kind=value.kind, message=value.message, seq=value.seq
+    )
     fields = struct_pb2.Struct()
     fields.update(_jsonable(value.fields))
     msg.fields.CopyFrom(fields)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -23,7 +23,14 @@ from gpud.api.ports import (
     TrafficSource,
     WorkloadPort,
 )
-from gpud.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from gpud.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from gpud.events import DEFAULT_WATCH_BUFFER
 from gpud.mps.procs import PID_MAX
 from gpud.shared import format_number
 from gpud.telemetry.snapshot import ClearedXids, Snapshot
@@ -32,6 +39,9 @@ from gpud.v1 import node_pb2_grpc as pb_grpc
 
 DEFAULT_EVENT_LIMIT = 100
 MAX_EVENT_LIMIT = 10_000
+# WatchEvents streams open at once (`gpuctl events --follow`); each holds a buffer of at most
+# DEFAULT_WATCH_BUFFER events, so that watchers bound gpud's memory
+MAX_EVENT_WATCHERS = 32
 
 _FAULT_NAMES = {
     pb.FAULT_KIND_LOST: "lost",
@@ -43,6 +53,14 @@ _FAULT_NAMES = {
     pb.FAULT_KIND_SLOW_MIG: "slow_mig",
     pb.FAULT_KIND_RESET_REQUIRED: "reset_required",
 }
+
+
+def _event_limit(request: pb.ListEventsRequest | pb.WatchEventsRequest) -> int:
+    """The request's limit (its default for 0), its kind prefix checked."""
+    limit = validate.int_range(request.limit, 0, MAX_EVENT_LIMIT, field="limit")
+    if len(request.kind_prefix) > 256:
+        raise InvalidArgument("longer than 256 characters", field="kind_prefix")
+    return limit or DEFAULT_EVENT_LIMIT
 
 
 def _workload_line(w: SimProcessView) -> str:
@@ -95,6 +113,8 @@ class NodeServicer(pb_grpc.NodeServicer):
         sample_again: Callable[[], object] | None = None,
         traffic: TrafficSource | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_event_watchers: int = MAX_EVENT_WATCHERS,
+        watch_buffer: int = DEFAULT_WATCH_BUFFER,
     ) -> None:
         self._snapshots = snapshots
         self._node_info = node_info
@@ -106,6 +126,9 @@ class NodeServicer(pb_grpc.NodeServicer):
         self._sample_again = sample_again
         self._traffic = traffic
         self._clock = clock
+        self._max_watchers = max_event_watchers
+        self._watch_buffer = watch_buffer
+        self._watchers = 0
 
     def register(self, server: Any) -> None:
         """Add this service to a ``grpc.aio.Server`` (an ``ApiServer`` registrar)."""
@@ -180,16 +203,63 @@ class NodeServicer(pb_grpc.NodeServicer):
     async def ListEvents(  # noqa: N802 (gRPC method names come from the proto)
         self, request: pb.ListEventsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListEventsResponse:
-        limit = validate.int_range(request.limit, 0, MAX_EVENT_LIMIT, field="limit")
-        prefix = request.kind_prefix
-        if len(prefix) > 256:
-            raise InvalidArgument("longer than 256 characters", field="kind_prefix")
+        limit = _event_limit(request)
         if self._events is None:
             return pb.ListEventsResponse()
         events = self._events.recent(
-            limit or DEFAULT_EVENT_LIMIT, prefix, gpu=request.gpu.strip(), job=request.job
+            limit, request.kind_prefix, gpu=request.gpu.strip(), job=request.job
         )
         return pb.ListEventsResponse(events=[convert.event(e) for e in events])
+
+    async def WatchEvents(  # noqa: N802 (gRPC method names come from the proto)
+        self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchEventsResponse]:
+        limit = _event_limit(request)
+        log = self._events
+        if log is None:
+            return
+        if self._watchers >= self._max_watchers:
+            raise ResourceExhausted(
+                f"{self._watchers} event watchers already, the most gpud serves at once"
+                f" ({self._max_watchers}): end one (gpuctl events --follow) and retry"
+            )
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wake() -> None:  # from whichever thread emitted
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(ready.set)
+
+        watcher, start, gap = log.watch(
+            wake,
+            limit=limit,
+            kind_prefix=request.kind_prefix,
+            gpu=request.gpu.strip(),
+            job=request.job,
+            after_seq=request.after_seq,
+            buffer=self._watch_buffer,
+        )
+        self._watchers += 1
+        try:
+            await context.send_initial_metadata(())  # the watcher knows it is set up
+            if gap:
+                yield pb.WatchEventsResponse(missed=gap)
+            for event in start:
+                yield pb.WatchEventsResponse(event=convert.event(event))
+            while True:
+                ready.clear()  # before the take: a wake after it is not lost
+                events, missed, closed = log.take(watcher)
+                for event in events:
+                    yield pb.WatchEventsResponse(event=convert.event(event))
+                if missed:
+                    yield pb.WatchEventsResponse(missed=missed)
+                if closed:
+                    return  # gpud stops: the stream ends, OK
+                if not events and not missed:
+                    await ready.wait()
+        finally:
+            self._watchers -= 1
+            log.unwatch(watcher)
 
     async def InjectFault(  # noqa: N802 (gRPC method names come from the proto)
         self, request: pb.InjectFaultRequest, context: grpc.aio.ServicerContext

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gpud import __version__
-from gpud.events import Event
+from gpud.events import Event, Watcher
 from gpud.net.port import TrafficSummary
 from gpud.telemetry.snapshot import Snapshot
 
@@ -53,6 +53,22 @@ class EventSource(Protocol):
     ) -> list[Event]: ...
 
     def emit(self, kind: str, message: str, **fields: Any) -> Event: ...
+
+    def watch(
+        self,
+        wake: Callable[[], None],
+        *,
+        limit: int = 100,
+        kind_prefix: str = "",
+        gpu: str = "",
+        job: str = "",
+        after_seq: int = 0,
+        buffer: int = ...,
+    ) -> tuple[Watcher, list[Event], int]: ...
+
+    def take(self, watcher: Watcher) -> tuple[list[Event], int, bool]: ...
+
+    def unwatch(self, watcher: Watcher) -> None: ...
 
 
 class FaultPort(Protocol):

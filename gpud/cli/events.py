@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from gpud.cli.context import INT32, Context, Subparsers
+from gpud.cli.context import EXIT_NOT_RUNNING, INT32, CliError, Context, Subparsers
 from gpud.cli.output import message_to_dict
+from gpud.cli.pipes import when_reader_goes
 from gpud.shared import is_about
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
@@ -63,6 +66,13 @@ def register(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--limit", type=INT32, default=0, metavar="N", help="the newest N (default 100)"
     )
+    parser.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="then each new event as gpud emits it, one line each (--json: one object a"
+        " line), until Ctrl-C; across a restart of gpud it reconnects and goes on",
+    )
     parser.set_defaults(run=run)
 
 
@@ -79,7 +89,13 @@ def _when(unix: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
 
 
+def _detail(fields: dict[str, Any]) -> str:
+    return " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(fields.items()))
+
+
 def run(ctx: Context, args: argparse.Namespace) -> int:
+    if args.follow:
+        return follow(ctx, args)
     kind, gpu, job = args.kind or "", args.gpu or "", args.job or ""
     request = pb.ListEventsRequest(kind_prefix=kind, limit=args.limit, gpu=gpu, job=job)
     resp: pb.ListEventsResponse = ctx.call(ctx.stub(pb_grpc.NodeStub).ListEvents, request)
@@ -93,8 +109,83 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
         return 0
     rows = []
     for event in resp.events:
-        fields = _fields(event)
-        detail = " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(fields.items()))
+        detail = _detail(_fields(event))
         rows.append((_when(event.time_unix_seconds), event.kind, event.message, detail))
     ctx.out.print_table(("TIME", "KIND", "MESSAGE", "FIELDS"), rows, pad_at_most={2: MESSAGE_PAD})
     return 0
+
+
+# --follow cannot line up columns it has not seen yet: the kind is padded to this width
+KIND_PAD = 22
+# seconds between tries to reach gpud again after it stopped: doubled from the first to the last
+RECONNECT_FIRST_S = 0.2
+RECONNECT_MOST_S = 5.0
+
+
+def _follow_line(ctx: Context, item: pb.WatchEventsResponse) -> str:
+    if item.WhichOneof("item") == "event":
+        event = item.event
+        if ctx.out.json:
+            return json.dumps(message_to_dict(event), sort_keys=True)
+        detail = _detail(_fields(event))
+        head = f"{_when(event.time_unix_seconds)}  {event.kind:<{KIND_PAD}} {event.message}"
+        return f"{head}  {detail}" if detail else head
+    if ctx.out.json:
+        return json.dumps({"missed": item.missed})
+    return f"gpuctl: missed {item.missed} events (reading too slowly)"
+
+
+def follow(ctx: Context, args: argparse.Namespace) -> int:
+    """``gpuctl events --follow``: WatchEvents, printed a line at a time and flushed. When
+    gpud stops (the stream ends, or gpud is gone), it is reached again every few seconds
+    and the watch resumes after the last event seen (``after_seq``): nothing emitted in
+    between is lost while gpud's ring still keeps it."""
+    # not gRPC's own log line (`Got goaway ... Cancelling all calls`) each time gpud stops:
+    # gpuctl says it once, in its words. Read when gRPC loads, which is here.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    import grpc
+
+    # gpud went away under the stream: killed, or stopped past its grace
+    went = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    request = pb.WatchEventsRequest(
+        kind_prefix=args.kind or "", limit=args.limit, gpu=args.gpu or "", job=args.job or ""
+    )
+    streams: list[Any] = []
+    # events may be hours apart: `--follow | head -3` ends once head has gone
+    gone = when_reader_goes(lambda: streams[-1].cancel() if streams else None)
+    pause, away, answered = RECONNECT_FIRST_S, False, False
+    try:
+        while not gone.is_set():
+            try:
+                stream = ctx.stub(pb_grpc.NodeStub).WatchEvents(request)
+                streams[:] = [stream]
+                stream.initial_metadata()  # gpud sends it once the watch is set up
+                for item in stream:
+                    if away:
+                        print("gpuctl: gpud is back: following again", file=sys.stderr)
+                        pause, away = RECONNECT_FIRST_S, False
+                    answered = True
+                    if item.WhichOneof("item") == "event" and item.event.seq:
+                        request.after_seq = item.event.seq
+                    ctx.out.print(_follow_line(ctx, item))
+                    ctx.out.flush()
+            except grpc.RpcError as err:
+                if gone.is_set():
+                    break
+                if err.code() not in went or not (answered or away):
+                    raise ctx.translate(err) from None
+            except CliError as err:
+                if err.exit_code != EXIT_NOT_RUNNING or not away:
+                    raise  # at the start: gpud is not running, as for every command
+            if not away:
+                print(
+                    "gpuctl: gpud stopped: reconnecting until it is back (Ctrl-C ends)",
+                    file=sys.stderr,
+                )
+                away = True
+            ctx.close()  # a new channel: gRPC's own would wait up to 2 minutes between tries
+            time.sleep(pause)
+            pause = min(pause * 2, RECONNECT_MOST_S)
+    except KeyboardInterrupt:
+        return 130
+    raise BrokenPipeError  # exit 141, as the next write would have

@@ -760,10 +760,15 @@ class Event(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     FIELDS_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
     time_unix_seconds: _builtins.float
     kind: _builtins.str
     """dotted, "gpu.unhealthy" """
     message: _builtins.str
+    seq: _builtins.int
+    """its number in the log, from 1, going on across gpud's restarts; 0: an event written by
+    a gpud older than the field
+    """
     @_builtins.property
     def fields(self) -> _struct_pb2.Struct: ...
     def __init__(
@@ -773,14 +778,82 @@ class Event(_message.Message):
         kind: _builtins.str = ...,
         message: _builtins.str = ...,
         fields: _struct_pb2.Struct | None = ...,
+        seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "kind", b"kind", "message", b"message", "time_unix_seconds", b"time_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "kind", b"kind", "message", b"message", "seq", b"seq", "time_unix_seconds", b"time_unix_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Event: _TypeAlias = Event  # noqa: Y015
+
+@_typing.final
+class WatchEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_PREFIX_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    GPU_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    AFTER_SEQ_FIELD_NUMBER: _builtins.int
+    kind_prefix: _builtins.str
+    """as ListEventsRequest"""
+    limit: _builtins.int
+    """the newest N to start with, as ListEventsRequest; without after_seq"""
+    gpu: _builtins.str
+    """as ListEventsRequest"""
+    job: _builtins.str
+    """as ListEventsRequest"""
+    after_seq: _builtins.int
+    """Start after this event (the last `seq` a watch before a restart saw) instead of with the
+    newest `limit`: every event after it gpud still keeps, `missed` first for those it no
+    longer does. 0, or a number past gpud's last (its log was removed): the newest `limit`.
+    """
+    def __init__(
+        self,
+        *,
+        kind_prefix: _builtins.str = ...,
+        limit: _builtins.int = ...,
+        gpu: _builtins.str = ...,
+        job: _builtins.str = ...,
+        after_seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_seq", b"after_seq", "gpu", b"gpu", "job", b"job", "kind_prefix", b"kind_prefix", "limit", b"limit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchEventsRequest: _TypeAlias = WatchEventsRequest  # noqa: Y015
+
+@_typing.final
+class WatchEventsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    MISSED_FIELD_NUMBER: _builtins.int
+    missed: _builtins.int
+    """how many events matching the filters this watcher lost here (it read too slowly), or,
+    first after `after_seq`, how many events of any kind gpud no longer keeps
+    """
+    @_builtins.property
+    def event(self) -> Global___Event: ...
+    def __init__(
+        self,
+        *,
+        event: Global___Event | None = ...,
+        missed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "item", b"item", "missed", b"missed"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "item", b"item", "missed", b"missed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["event", "missed"]  # noqa: Y015
+    _WhichOneofArgType_item: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_item) -> _WhichOneofReturnType_item | None: ...
+
+Global___WatchEventsResponse: _TypeAlias = WatchEventsResponse  # noqa: Y015
 
 @_typing.final
 class ListEventsResponse(_message.Message):

@@ -49,6 +49,11 @@ class NodeStub:
                 request_serializer=gpud_dot_v1_dot_node__pb2.ListEventsRequest.SerializeToString,
                 response_deserializer=gpud_dot_v1_dot_node__pb2.ListEventsResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/gpud.v1.Node/WatchEvents',
+                request_serializer=gpud_dot_v1_dot_node__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=gpud_dot_v1_dot_node__pb2.WatchEventsResponse.FromString,
+                _registered_method=True)
         self.InjectFault = channel.unary_unary(
                 '/gpud.v1.Node/InjectFault',
                 request_serializer=gpud_dot_v1_dot_node__pb2.InjectFaultRequest.SerializeToString,
@@ -90,6 +95,16 @@ class NodeServicer:
 
     def ListEvents(self, request, context):
         """Recent structured events, newest last (`gpuctl events`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchEvents(self, request, context):
+        """The newest events as ListEvents gives them (or, with `after_seq`, every kept one after
+        it), then each new one as it is emitted, with the same filters (`gpuctl events --follow`).
+        A watcher reading too slowly is sent `missed` (how many it lost) and goes on; the stream
+        ends (OK) when gpud stops. RESOURCE_EXHAUSTED past the most watchers gpud serves at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -145,6 +160,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.ListEvents,
                     request_deserializer=gpud_dot_v1_dot_node__pb2.ListEventsRequest.FromString,
                     response_serializer=gpud_dot_v1_dot_node__pb2.ListEventsResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=gpud_dot_v1_dot_node__pb2.WatchEventsRequest.FromString,
+                    response_serializer=gpud_dot_v1_dot_node__pb2.WatchEventsResponse.SerializeToString,
             ),
             'InjectFault': grpc.unary_unary_rpc_method_handler(
                     servicer.InjectFault,
@@ -248,6 +268,33 @@ class Node:
             '/gpud.v1.Node/ListEvents',
             gpud_dot_v1_dot_node__pb2.ListEventsRequest.SerializeToString,
             gpud_dot_v1_dot_node__pb2.ListEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gpud.v1.Node/WatchEvents',
+            gpud_dot_v1_dot_node__pb2.WatchEventsRequest.SerializeToString,
+            gpud_dot_v1_dot_node__pb2.WatchEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,12 @@ class NodeStub:
     """Every GPU with its latest sample and its MIG devices (`gpuctl gpus`)."""
     ListEvents: _grpc.UnaryUnaryMultiCallable[_node_pb2.ListEventsRequest, _node_pb2.ListEventsResponse]
     """Recent structured events, newest last (`gpuctl events`)."""
+    WatchEvents: _grpc.UnaryStreamMultiCallable[_node_pb2.WatchEventsRequest, _node_pb2.WatchEventsResponse]
+    """The newest events as ListEvents gives them (or, with `after_seq`, every kept one after
+    it), then each new one as it is emitted, with the same filters (`gpuctl events --follow`).
+    A watcher reading too slowly is sent `missed` (how many it lost) and goes on; the stream
+    ends (OK) when gpud stops. RESOURCE_EXHAUSTED past the most watchers gpud serves at once.
+    """
     InjectFault: _grpc.UnaryUnaryMultiCallable[_node_pb2.InjectFaultRequest, _node_pb2.InjectFaultResponse]
     """Inject a fault into the simulated node (`gpuctl sim fault`). FAILED_PRECONDITION unless
     the daemon runs a simulated node.
@@ -74,6 +80,12 @@ class NodeAsyncStub(NodeStub):
     """Every GPU with its latest sample and its MIG devices (`gpuctl gpus`)."""
     ListEvents: _aio.UnaryUnaryMultiCallable[_node_pb2.ListEventsRequest, _node_pb2.ListEventsResponse]  # type: ignore[assignment]
     """Recent structured events, newest last (`gpuctl events`)."""
+    WatchEvents: _aio.UnaryStreamMultiCallable[_node_pb2.WatchEventsRequest, _node_pb2.WatchEventsResponse]  # type: ignore[assignment]
+    """The newest events as ListEvents gives them (or, with `after_seq`, every kept one after
+    it), then each new one as it is emitted, with the same filters (`gpuctl events --follow`).
+    A watcher reading too slowly is sent `missed` (how many it lost) and goes on; the stream
+    ends (OK) when gpud stops. RESOURCE_EXHAUSTED past the most watchers gpud serves at once.
+    """
     InjectFault: _aio.UnaryUnaryMultiCallable[_node_pb2.InjectFaultRequest, _node_pb2.InjectFaultResponse]  # type: ignore[assignment]
     """Inject a fault into the simulated node (`gpuctl sim fault`). FAILED_PRECONDITION unless
     the daemon runs a simulated node.
@@ -116,6 +128,18 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_node_pb2.ListEventsResponse, _abc.Awaitable[_node_pb2.ListEventsResponse]]:
         """Recent structured events, newest last (`gpuctl events`)."""
+
+    @_abc_1.abstractmethod
+    def WatchEvents(
+        self,
+        request: _node_pb2.WatchEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_node_pb2.WatchEventsResponse], _abc.AsyncIterator[_node_pb2.WatchEventsResponse]]:
+        """The newest events as ListEvents gives them (or, with `after_seq`, every kept one after
+        it), then each new one as it is emitted, with the same filters (`gpuctl events --follow`).
+        A watcher reading too slowly is sent `missed` (how many it lost) and goes on; the stream
+        ends (OK) when gpud stops. RESOURCE_EXHAUSTED past the most watchers gpud serves at once.
+        """
 
     @_abc_1.abstractmethod
     def InjectFault(

@@ -197,6 +197,7 @@ def make_servicer(
     events: EventLog | None = None,
     build: str = "",
     traffic: TrafficSummary | None = None,
+    **options: Any,
 ) -> NodeServicer:
     snap = make_snapshot()
     return NodeServicer(
@@ -206,6 +207,7 @@ def make_servicer(
         faults=faults,
         traffic=(lambda: traffic) if traffic is not None else None,
         clock=lambda: NOW,
+        **options,
     )
 
 

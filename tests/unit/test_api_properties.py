@@ -143,6 +143,12 @@ REQUESTS: dict[str, st.SearchStrategy[Any]] = {
         kind_prefix=st.sampled_from(["", "gpu", "mig.", "mps", "job", "config"]),
         limit=st.integers(0, 10_000),
     ),
+    "/gpud.v1.Node/WatchEvents": st.builds(
+        node_pb2.WatchEventsRequest,
+        kind_prefix=st.sampled_from(["", "gpu", "mig.", "mps", "job", "config"]),
+        limit=st.integers(0, 10_000),
+        after_seq=st.integers(0, 2**64 - 1),
+    ),
     "/gpud.v1.Node/InjectFault": st.builds(
         node_pb2.InjectFaultRequest,
         gpu=gpus,
@@ -306,7 +312,10 @@ SERVICES = {
     "gpud.v1.Net": (net_pb2, net_pb2_grpc.NetStub),
     "gpud.v1.Cluster": (cluster_pb2, cluster_pb2_grpc.ClusterStub),
 }
-STREAMS = {"/gpud.v1.Cluster/WatchAttributes"}  # the first message is read, then cancelled
+STREAMS = {"/gpud.v1.Cluster/WatchAttributes", "/gpud.v1.Node/WatchEvents"}
+# streams that may send nothing for hours (no event matches): set up once gpud has sent their
+# initial metadata, then cancelled; a refusal ends them before
+QUIET_STREAMS = {"/gpud.v1.Node/WatchEvents"}  # the first message is read, then cancelled
 
 
 def _methods() -> list[str]:
@@ -346,7 +355,11 @@ class Client:
         try:
             if method in STREAMS:
                 stream = rpc(request, timeout=60)
-                resp = next(stream)
+                if method in QUIET_STREAMS:
+                    stream.initial_metadata()
+                    resp = next(stream, None) if stream.done() else None
+                else:
+                    resp = next(stream)
                 stream.cancel()
             else:
                 resp = rpc(request, timeout=60)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -20,7 +21,7 @@ from gpud.jobs.service import RunRequest
 from gpud.main import mps_control_command, open_backend
 from gpud.metrics import build_registry
 from gpud.notify import Notifier
-from gpud.v1 import node_pb2
+from gpud.v1 import node_pb2, node_pb2_grpc
 
 
 def make_config(root: Path, **overrides: object) -> Config:
@@ -576,3 +577,25 @@ def test_the_loop_binds_a_removed_socket_again(root: Path) -> None:
     finally:
         d.store.close()
         d.backend.close()
+
+
+def test_a_stop_ends_the_event_watchers_streams_cleanly(root: Path) -> None:
+    """``gpuctl events --follow`` when gpud stops: its stream ends (OK) at once, not
+    cancelled at the end of the API's grace."""
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+
+    async def scenario() -> None:
+        run = asyncio.create_task(d.run())
+        while d.events.recent(1, "daemon.start") == []:
+            await asyncio.sleep(0.05)
+        async with grpc.aio.insecure_channel(f"unix:{d.config.socket_path}") as ch:
+            stream = node_pb2_grpc.NodeStub(ch).WatchEvents(
+                node_pb2.WatchEventsRequest(kind_prefix="daemon.", limit=1)
+            )
+            assert (await stream.read()).event.kind == "daemon.start"
+            d.request_stop()
+            assert await stream.read() == grpc.aio.EOF
+            assert await stream.code() == grpc.StatusCode.OK
+        assert await asyncio.wait_for(run, timeout=20) == 0
+
+    asyncio.run(scenario())

@@ -10,7 +10,13 @@ def test_events_are_logged_and_survive_a_restart(tmp_path: Path) -> None:
     log.emit("mig.apply", "applied all-1g.10gb", gpu=0)
     log.emit("gpu.unhealthy", "GPU 1 unhealthy: GPU lost", gpu=1)
     line = json.loads(path.read_text().splitlines()[0])
-    assert line == {"time": 100.0, "kind": "mig.apply", "message": "applied all-1g.10gb", "gpu": 0}
+    assert line == {
+        "seq": 1,
+        "time": 100.0,
+        "kind": "mig.apply",
+        "message": "applied all-1g.10gb",
+        "gpu": 0,
+    }
     assert [e.kind for e in log.recent(kind_prefix="gpu.")] == ["gpu.unhealthy"]
     assert log.counts() == {"mig.apply": 1, "gpu.unhealthy": 1}
     with path.open("a") as fh:

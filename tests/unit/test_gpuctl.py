@@ -426,7 +426,7 @@ def test_events_about_a_gpu_or_a_job(
         assert code == 0
         doc = json.loads(out)
         assert [e["message"] for e in doc["events"]] == ["GPU 1 lost", "job a: GPU 1", "MIG 1:0"]
-        assert set(doc["events"][0]) == {"time_unix_seconds", "kind", "message", "fields"}
+        assert set(doc["events"][0]) == {"time_unix_seconds", "kind", "message", "fields", "seq"}
         code, out, _ = run(capsys, "--socket", path, "--json", "events", "--job", "a")
         assert [e["message"] for e in json.loads(out)["events"]] == ["job a: GPU 1"]
         code, out, _ = run(capsys, "--socket", path, "--json", "events", "--gpu", "MIG-1a")

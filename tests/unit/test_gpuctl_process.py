@@ -101,8 +101,15 @@ def _with_closed_stdout(*argv: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--help"], ["status"], ["--json", "gpus"], ["events"], ["sim", "fault", "--help"]],
-    ids=["help", "status", "gpus-json", "events", "sub-help"],
+    [
+        ["--help"],
+        ["status"],
+        ["--json", "gpus"],
+        ["events"],
+        ["events", "--follow"],
+        ["sim", "fault", "--help"],
+    ],
+    ids=["help", "status", "gpus-json", "events", "events-follow", "sub-help"],
 )
 def test_a_closed_pipe_ends_quietly(socket_path: Path, argv: list[str]) -> None:
     done = _with_closed_stdout("--socket", str(socket_path), *argv)
