@@ -463,7 +463,10 @@ class TrafficService:
                         f"job {job!r}: level {level} not in [0, {self.config.levels})",
                     )
             retagged: list[str] = []
-            if tags:
+            # traffic off: nothing here marks or shapes by tag, and the tick that gives
+            # tags back does not run, so the leader's tags (it tags every job holding
+            # GPUs, on any node) are not kept, nor said as net.retag
+            if tags and self.config.enabled:
                 known = set(self._jobs())
                 try:
                     retagged = self.tags.set_tags({j: d for j, d in tags.items() if j in known})

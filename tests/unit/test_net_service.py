@@ -390,6 +390,20 @@ def test_counters_survive_a_leaf_moving(rig: Rig) -> None:
     assert view.level_counters[2].bytes == 1500
 
 
+def test_a_node_with_traffic_off_takes_no_tags_from_the_cluster(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """The leader tags every job that holds GPUs, on any node; where traffic is off
+    nothing here marks or shapes by tag, so the order's tags are not kept and no
+    ``net.retag`` says a job was tagged (one each run, on a node the operator turned off)."""
+    rig = Rig(tmp_path, sysfs, enabled=False)
+    result = rig.service.apply_order(3, {"a": 1}, tags={"a": 10, "b": 11})
+    assert result.applied and result.retagged == ()
+    assert rig.service.tags.allocations() == {}
+    assert [e for e in rig.events.recent(100) if e.kind == "net.retag"] == []
+    assert rig.service.local_report().epoch == 3
+
+
 def test_cluster_order_is_fenced_by_epoch(rig: Rig) -> None:
     rig.active = {"a", "b"}
     rig.service.tick()
