@@ -1036,15 +1036,26 @@ class MigManager:
             if inflight is not None and mode == "reconcile" and converged:
                 self._store.finish_apply()
                 self._last_report.pop("inflight", None)
-                self._events.emit(
-                    "mig.apply",
-                    f"apply {inflight.config_name}: finished after a restart",
-                    config=inflight.config_name,
-                    result="resumed",
-                )
-                # counted as an apply of its own (the one cut off was never counted); its
-                # duration is this start's part of it
-                self.stats.record("resumed", self._monotonic() - began)
+                if self._failed_apply == inflight.config_name:
+                    # this process's apply, counted as failed when it ended: not again
+                    self._failed_apply = None
+                    self._events.emit(
+                        "mig.apply",
+                        f"apply {inflight.config_name}: finished by the reconcile step's"
+                        " retries after it failed",
+                        config=inflight.config_name,
+                        result="retried",
+                    )
+                else:
+                    self._events.emit(
+                        "mig.apply",
+                        f"apply {inflight.config_name}: finished after a restart",
+                        config=inflight.config_name,
+                        result="resumed",
+                    )
+                    # counted as an apply of its own (the one cut off was never counted);
+                    # its duration is this start's part of it
+                    self.stats.record("resumed", self._monotonic() - began)
             self._outcomes = outcomes
             now = self._monotonic()
             if self._view is None or now - self._view_at >= self.VIEW_REFRESH_S:

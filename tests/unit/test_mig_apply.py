@@ -1520,6 +1520,27 @@ def test_an_instance_whose_mps_daemon_would_not_stop_is_not_destroyed(
     assert host.start().mig.apply(config, "all-3g.40gb").result == "success"
 
 
+def test_a_failed_apply_finished_by_its_retries_is_not_said_finished_after_a_restart(
+    host: Host, config: MigConfigFile
+) -> None:
+    """An apply that failed, finished by the reconcile step's retries in the same gpud run:
+    its mig.apply event says so (no restart happened), and gpud_mig_apply_total, which
+    counted it failed, does not count it again as resumed."""
+    d, pid = _busy_setup(host, config)
+    assert d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(force=True)).result == "failed"
+    d.node.workloads.stop(pid)
+    assert "changed" in {o.status for o in d.mig.reconcile()}
+    last = d.events.recent(kind_prefix="mig.apply")[-1]
+    assert last.fields["result"] == "retried"
+    assert (
+        last.message
+        == "apply all-3g.40gb: finished by the reconcile step's retries after it failed"
+    )
+    totals = d.mig.stats.snapshot()[0]
+    assert totals["failed"] == 1 and totals["resumed"] == 0
+    assert sum(totals.values()) == 2  # and the setup's apply
+
+
 def test_a_forced_retry_leaves_the_mps_daemons_of_busy_instances_alone(
     host: Host, config: MigConfigFile
 ) -> None:
