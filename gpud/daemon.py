@@ -478,7 +478,14 @@ class Daemon:
         await self.api.keep_socket()
 
     async def _mig_step(self) -> None:
+        """The MIG reconcile; where it changed a layout, a sample out of turn, so that the
+        MPS step next works from the devices now there, not from the last tick's (it would
+        start a control daemon for each MIG device just destroyed, and stop it as gone a
+        tick later), as after a `gpuctl mig apply`."""
+        before = self.mig.steps_taken
         await asyncio.to_thread(self.mig.reconcile_unless_busy, self.config.mig.on_start)
+        if self.mig.steps_taken != before:
+            await asyncio.to_thread(self._sample_again)
 
     async def _seen_step(self) -> None:
         changes = self.seen.changes(self._identities())

@@ -683,9 +683,12 @@ class MigManager:
         force: bool,
         reset: bool,
         read_timeout_s: float,
+        retry: bool = False,
     ) -> GpuOutcome:
         """Run the plan for one GPU, re-planning after a MIG mode change took effect; with
         ``reset``, a mode change pending a GPU reset is finished by resetting the GPU.
+        ``retry``: reconcile's, on a later tick, of an apply that failed or was cut off (see
+        :meth:`_busy_read` for one that was forced).
 
         Each round reads the driver first, so a step that already took effect (before a
         crash, say) is never repeated. Those reads, and the process listing of the busy
@@ -718,13 +721,22 @@ class MigManager:
                     gpu.index, gpu.uuid, tuple(done), False, "changed" if done else "ok"
                 )
             try:
-                found = self._busy_read(gpu, actual, plan, reset, read_timeout_s, force=force)
+                found = self._busy_read(
+                    gpu, actual, plan, reset, read_timeout_s, force=force, retry=retry
+                )
             except GPU_FAULTS as err:
                 return faulty(err)
             if isinstance(found, str):
                 detail = f"{where} is faulty, left alone: {found}"
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "faulty", detail)
             doomed, busy = found
+            if busy and force:
+                detail = (
+                    f"{where}: the forced apply waits for processes to leave what it destroys"
+                    f" ({'; '.join(f'{w}: {self._pids([(w, p)])}' for w, p in busy)}): their"
+                    " MPS control daemons are left running until then (reconcile tries again)"
+                )
+                return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "busy", detail)
             if busy:
                 refusal = self._busy_error({gpu.index: busy}, {gpu.index: gpu}, None)
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "busy", str(refusal))
@@ -767,17 +779,26 @@ class MigManager:
         timeout_s: float,
         *,
         force: bool,
+        retry: bool = False,
     ) -> tuple[list[MigDeviceIdentity], list[tuple[str, ProcessInfo]]] | str:
         """:meth:`_busy_or_unlisted`, waited for as :meth:`_bounded` waits. ``force``: no
         process is listed (none is in the way), and what the steps destroy is read only
-        where their MPS daemons are to be stopped first (``release``)."""
-        if not force:
-            return self._read(
+        where their MPS daemons are to be stopped first (``release``).
+
+        A forced apply's ``retry`` (reconcile's, every tick) where MPS daemons are stopped
+        first lists the processes all the same: while some run on what the steps destroy
+        (the driver would refuse again), it answers them and no daemon is stopped, rather
+        than stopping a job's daemon on every tick for a refusal and starting it again
+        after. Where they cannot be listed it goes on as forced."""
+        if not force or (retry and self._release is not None):
+            found = self._read(
                 gpu,
                 lambda g: self._busy_or_unlisted(g, actual, plan, reset=reset),
                 timeout_s,
                 "busy",
             )
+            if not force or not isinstance(found, str):
+                return found
         if self._release is None:
             return [], []
         doomed, _ = self._read(
@@ -1015,15 +1036,26 @@ class MigManager:
             if inflight is not None and mode == "reconcile" and converged:
                 self._store.finish_apply()
                 self._last_report.pop("inflight", None)
-                self._events.emit(
-                    "mig.apply",
-                    f"apply {inflight.config_name}: finished after a restart",
-                    config=inflight.config_name,
-                    result="resumed",
-                )
-                # counted as an apply of its own (the one cut off was never counted); its
-                # duration is this start's part of it
-                self.stats.record("resumed", self._monotonic() - began)
+                if self._failed_apply == inflight.config_name:
+                    # this process's apply, counted as failed when it ended: not again
+                    self._failed_apply = None
+                    self._events.emit(
+                        "mig.apply",
+                        f"apply {inflight.config_name}: finished by the reconcile step's"
+                        " retries after it failed",
+                        config=inflight.config_name,
+                        result="retried",
+                    )
+                else:
+                    self._events.emit(
+                        "mig.apply",
+                        f"apply {inflight.config_name}: finished after a restart",
+                        config=inflight.config_name,
+                        result="resumed",
+                    )
+                    # counted as an apply of its own (the one cut off was never counted);
+                    # its duration is this start's part of it
+                    self.stats.record("resumed", self._monotonic() - began)
             self._outcomes = outcomes
             now = self._monotonic()
             if self._view is None or now - self._view_at >= self.VIEW_REFRESH_S:
@@ -1105,7 +1137,12 @@ class MigManager:
                     return GpuOutcome(gpu.index, gpu.uuid, (), False, "differs", diff[0])
                 return GpuOutcome(gpu.index, gpu.uuid, (), False, "ok")
             return self._converge(
-                gpu, record.layout, force=force, reset=reset, read_timeout_s=self.VIEW_TIMEOUT_S
+                gpu,
+                record.layout,
+                force=force,
+                reset=reset,
+                read_timeout_s=self.VIEW_TIMEOUT_S,
+                retry=True,
             )
         except GPU_FAULTS as err:
             return GpuOutcome(

@@ -17,11 +17,18 @@ from gpud.build import current as current_build
 from gpud.config import Config
 from gpud.daemon import Daemon, Step
 from gpud.errors import Unavailable
+from gpud.events import EventLog
 from gpud.jobs.service import RunRequest
 from gpud.main import mps_control_command, open_backend
 from gpud.metrics import build_registry
+from gpud.mig.layout import load_config
+from gpud.mig.manager import MigManager
 from gpud.notify import Notifier
+from gpud.store import StateStore
 from gpud.v1 import node_pb2, node_pb2_grpc
+from tests.unit.mps_support import short_dir
+
+MIG_LAYOUTS = Path(__file__).parent.parent / "data" / "mig-parted" / "config.yaml"
 
 
 def make_config(root: Path, **overrides: object) -> Config:
@@ -483,6 +490,44 @@ def test_a_failed_sample_after_a_mig_apply_leaves_the_apply_answered(
     finally:
         d.store.close()
     assert "sampling again after a change failed" in caplog.text
+
+
+def test_the_mps_step_after_a_mig_reconcile_starts_no_daemon_on_a_destroyed_device() -> None:
+    """The reconcile step destroys MIG devices (their MPS control daemons stopped first);
+    the MPS step that follows in the same pass works from a sample taken after it, so no
+    daemon is started for a device gone (to be stopped again as "device gone" a tick later),
+    and the new devices get theirs at once."""
+    with short_dir() as root:  # the daemons' pipes: a unix socket path has 107 bytes
+        config = make_config(
+            root,
+            **{
+                "backend.simulate": "H100-SXM5-80GB:1",
+                "mig.on_start": "reconcile",
+                "mps.enabled": True,
+            },
+        )
+        d = build(config)
+        layouts = load_config(MIG_LAYOUTS)
+        other = StateStore(root / "other")
+        try:
+            assert d.mig.apply(layouts, "all-3g.40gb").result == "success"
+            # changed behind gpud's back: the reconcile step puts it back
+            drift = MigManager(d.backend, other, EventLog(None)).apply(layouts, "all-1g.10gb")
+            assert drift.result == "success"
+            d.mps.reconcile(d.sampler.tick())
+            doomed = {s.target.uuid for s in d.mps.status() if s.up}
+            assert len(doomed) == 7
+            before = len(d.events.recent(kind_prefix="mps.start"))
+            asyncio.run(next(s for s in d.steps if s.name == "mig").run())
+            d.mps.reconcile(d.sampler.latest())  # the MPS step's pass
+            starts = d.events.recent(kind_prefix="mps.start")[before:]
+            assert len(starts) == 2 and not {e.fields["uuid"] for e in starts} & doomed
+            serving = {s.target.uuid for s in d.mps.status() if s.up}
+            assert len(serving) == 2 and not serving & doomed
+        finally:
+            d.mps.stop()
+            other.close()
+            _close(d)
 
 
 def test_colocation_sees_a_run_without_memory_at_its_devices_mps_default(root: Path) -> None:

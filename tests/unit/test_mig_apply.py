@@ -1520,6 +1520,62 @@ def test_an_instance_whose_mps_daemon_would_not_stop_is_not_destroyed(
     assert host.start().mig.apply(config, "all-3g.40gb").result == "success"
 
 
+def test_a_failed_apply_finished_by_its_retries_is_not_said_finished_after_a_restart(
+    host: Host, config: MigConfigFile
+) -> None:
+    """An apply that failed, finished by the reconcile step's retries in the same gpud run:
+    its mig.apply event says so (no restart happened), and gpud_mig_apply_total, which
+    counted it failed, does not count it again as resumed."""
+    d, pid = _busy_setup(host, config)
+    assert d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(force=True)).result == "failed"
+    d.node.workloads.stop(pid)
+    assert "changed" in {o.status for o in d.mig.reconcile()}
+    last = d.events.recent(kind_prefix="mig.apply")[-1]
+    assert last.fields["result"] == "retried"
+    assert (
+        last.message
+        == "apply all-3g.40gb: finished by the reconcile step's retries after it failed"
+    )
+    totals = d.mig.stats.snapshot()[0]
+    assert totals["failed"] == 1 and totals["resumed"] == 0
+    assert sum(totals.values()) == 2  # and the setup's apply
+
+
+def test_a_forced_retry_leaves_the_mps_daemons_of_busy_instances_alone(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A forced apply the driver refused (a job's process on an instance it destroys) is
+    retried on every tick; the retries stop no MPS daemon of that GPU while the process
+    runs (the driver would refuse again, and the job's daemon would be stopped and started
+    again on every tick): the GPU is reported busy, naming the process, and the retry that
+    finds it gone stops the daemons and finishes the layout."""
+    d, pid = _busy_setup(host, config)
+    asked: list[list[str]] = []
+
+    @contextlib.contextmanager
+    def release(uuids: list[str]) -> Iterator[dict[str, str]]:
+        asked.append(uuids)
+        yield {}
+
+    host.release = release
+    d = host.start()
+    result = d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(force=True))
+    assert [o.status for o in result.gpus] == ["failed", "changed"]
+    assert [len(a) for a in asked] == [7, 7]  # the forced apply itself: as asked
+    for _ in range(3):
+        (gpu0, _gpu1) = d.mig.reconcile()
+        assert gpu0.status == "busy" and not gpu0.steps
+        assert f"pid {pid} (job train-a)" in gpu0.detail
+        assert "MPS control daemons are left running" in gpu0.detail
+    assert len(asked) == 2  # no daemon stopped by the retries
+    drift = [e.message for e in d.events.recent(kind_prefix="mig.drift")]
+    assert len(drift) == 1 and "the forced apply waits" in drift[0]
+    d.node.workloads.stop(pid)
+    assert [o.status for o in d.mig.reconcile()] == ["changed", "ok"]
+    assert [len(a) for a in asked] == [7, 7, 7]
+    assert d.mig.assert_config(config, "all-3g.40gb") == []
+
+
 class _CountsMigLists:
     """The backend, counting its MIG device lists (``nvidia-smi -L``, one per GPU)."""
 
