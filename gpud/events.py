@@ -6,7 +6,7 @@ kept in a short in-memory ring that ``gpuctl`` and the metrics read. Events also
 
 Each event said gets the next sequence number (``seq``), kept in its line, so that numbers
 go on across restarts: a watcher (:meth:`EventLog.watch`, ``gpuctl events --follow``) resumes
-after the last one it saw. A watcher has a bounded buffer of its own: one that reads too
+after the last one it saw (by its time instead, where the numbers were given again). A watcher has a bounded buffer of its own: one that reads too
 slowly misses events (counted), and never slows the thread that emits.
 """
 
@@ -29,6 +29,7 @@ from gpud.files import STATE_FILE_MODE
 from gpud.shared import is_about
 
 log = logging.getLogger("gpud.events")
+_watch_log = logging.getLogger("gpud.events.watch")  # about watchers, not an event
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,13 +52,20 @@ class Event:
 
 
 DEFAULT_WATCH_BUFFER = 1000  # events a watcher may be behind before it misses some
+# seq is a uint64 in the API; a line's larger number (a hand-edited file) is taken as none
+_MAX_SEQ = 2**63
+
+
+def _matches(event: Event, kind_prefix: str, gpu: str, job: str) -> bool:
+    """Whether ``event`` passes the filters of ``gpuctl events`` (and of a watcher)."""
+    return event.kind.startswith(kind_prefix) and is_about(event.fields, gpu=gpu, job=job)
 
 
 class Watcher:
     """One reader of new events (:meth:`EventLog.watch`): those matching its filters wait in
     a buffer of at most ``buffer`` events; past that they are counted as missed, never
-    kept. ``wake`` is called (from the emitting thread) after each event it is given, and
-    when the log closes its watchers."""
+    kept. ``wake`` is called (from the emitting thread) when its buffer, empty, is given an
+    event, and when the log closes its watchers."""
 
     def __init__(
         self, kind_prefix: str, gpu: str, job: str, wake: Callable[[], None], buffer: int
@@ -70,19 +78,18 @@ class Watcher:
         self._closed = False
 
     def _matches(self, event: Event) -> bool:
-        prefix, gpu, job = self._filters
-        return event.kind.startswith(prefix) and is_about(event.fields, gpu=gpu, job=job)
+        return _matches(event, *self._filters)
 
     def _offer(self, event: Event) -> bool:
         """Under the log's lock: keep ``event`` if it matches and there is room. True when
-        the watcher is to be woken."""
+        the watcher is to be woken: its buffer was empty (a wake is pending otherwise)."""
         if not self._matches(event):
             return False
         if len(self._buffer) < self._size:
             self._buffer.append(event)
-        else:
-            self._missed += 1
-        return True
+            return len(self._buffer) == 1
+        self._missed += 1
+        return False
 
 
 class EventLog:
@@ -158,8 +165,7 @@ class EventLog:
             if self._path is not None:
                 self._write(line)
             woken = [w for w in self._watchers if w._offer(event)]
-        for watcher in woken:
-            watcher._wake()
+        _wake_all(woken)
         log.info("%s: %s", kind, message, extra={"event": line})
         return event
 
@@ -172,24 +178,39 @@ class EventLog:
         gpu: str = "",
         job: str = "",
         after_seq: int = 0,
+        after_time: float = 0.0,
         buffer: int = DEFAULT_WATCH_BUFFER,
     ) -> tuple[Watcher, list[Event], int]:
         """A new :class:`Watcher` with these filters, the events it starts from, and how
         many events (of every kind) before them it cannot have: the newest ``limit`` as
         :meth:`recent` gives them; with ``after_seq`` (the last event a watcher before it
         saw, from this log or one before a restart), every kept event after it instead,
-        and the count of those after it the ring no longer keeps. An ``after_seq`` past the
-        last number given (a log removed since) is taken as none. Nothing is said between
-        the start events and the watcher's first. :meth:`unwatch` it when done."""
+        and the count of those after it the ring no longer keeps.
+
+        ``after_time`` (that event's time) checks the number: where it was given again
+        since (writes to the file failed, so the next gpud did not read them back; the file
+        was removed), a kept event numbered up to ``after_seq`` is later than it, or the
+        log's last number is below it. Then every kept event later than ``after_time`` is
+        given instead (none counted as lost). Without ``after_time``, an ``after_seq``
+        past the last number given is taken as none. Nothing is said between the start
+        events and the watcher's first. :meth:`unwatch` it when done."""
         watcher = Watcher(kind_prefix, gpu, job, wake, buffer)
         with self._lock:
             self._watchers.append(watcher)
-            if 0 < after_seq <= self._seq:
-                kept = [e for e in self._ring if e.seq > after_seq]
-                first = kept[0].seq if kept else self._seq + 1
+            ring = list(self._ring)
+            seq = self._seq
+        if after_seq > 0:
+            reused = after_seq > seq or any(
+                e.seq <= after_seq and e.time > after_time for e in ring if after_time > 0
+            )
+            if not reused:
+                kept = [e for e in ring if e.seq > after_seq]
+                first = kept[0].seq if kept else seq + 1
                 gap = max(0, first - after_seq - 1)
                 return watcher, [e for e in kept if watcher._matches(e)], gap
-            return watcher, [e for e in self._ring if watcher._matches(e)][-limit:], 0
+            if after_time > 0:
+                return watcher, [e for e in ring if e.time > after_time and watcher._matches(e)], 0
+        return watcher, [e for e in ring if watcher._matches(e)][-limit:], 0
 
     def take(self, watcher: Watcher) -> tuple[list[Event], int, bool]:
         """What ``watcher`` was given since the last take: the events, then how many it
@@ -212,8 +233,7 @@ class EventLog:
             watchers, self._watchers = self._watchers, []
             for watcher in watchers:
                 watcher._closed = True
-        for watcher in watchers:
-            watcher._wake()
+        _wake_all(watchers)
 
     def recent(
         self, limit: int = 100, kind_prefix: str = "", *, gpu: str = "", job: str = ""
@@ -221,11 +241,7 @@ class EventLog:
         """The newest ``limit`` events of kinds starting with ``kind_prefix``; with ``gpu``
         or ``job``, only those about it (:func:`is_about`), counted after the filter."""
         with self._lock:
-            events = [
-                e
-                for e in self._ring
-                if e.kind.startswith(kind_prefix) and is_about(e.fields, gpu=gpu, job=job)
-            ]
+            events = [e for e in self._ring if _matches(e, kind_prefix, gpu, job)]
         return events[-limit:]
 
     def counts(self) -> dict[str, int]:
@@ -260,6 +276,16 @@ class EventLog:
         self._path.replace(self._path.with_suffix(".jsonl.1"))
 
 
+def _wake_all(watchers: list[Watcher]) -> None:
+    """Wake each of ``watchers``: one whose wake fails (its stream's loop closed) neither
+    stops the others nor the thread that emitted."""
+    for watcher in watchers:
+        try:
+            watcher._wake()
+        except Exception:
+            _watch_log.exception("cannot wake an event watcher")
+
+
 def _append(path: str, flags: int) -> int:
     """Open the log to append, a new (empty) one with :data:`STATE_FILE_MODE` whatever the
     umask; one that has lines keeps its mode."""
@@ -288,7 +314,8 @@ def _ends_torn(path: Path) -> bool:
 def _read_tail(path: Path, keep: int) -> list[Event]:
     """The last ``keep`` events of an earlier run, so ``gpuctl events`` spans restarts.
     Lines that do not parse (a torn last write, bytes that are not UTF-8, a time that is no
-    finite number: gpuctl prints it as a date) are skipped."""
+    finite number: gpuctl prints it as a date) are skipped; a ``seq`` that is no number
+    from 0 to 2**63 - 1 is taken as none."""
     try:
         with path.open(encoding="utf-8", errors="replace") as fh:
             lines = deque(fh, maxlen=keep)
@@ -302,7 +329,7 @@ def _read_tail(path: Path, keep: int) -> list[Event]:
             seq = data.pop("seq", 0)  # absent from a line of a gpud before the field
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
-        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq < _MAX_SEQ:
             seq = 0
         if (
             isinstance(when, int | float)

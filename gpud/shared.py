@@ -13,6 +13,7 @@ daemon's internals), so the few things both sides must read the same way live he
 - what a ``gpuctl run`` that waits outside the admission queue waits on;
 - free text a request may carry (a progress report's session): one short line;
 - which events are about a GPU or a job (``gpuctl events --gpu/--job``, ListEvents);
+- the initial metadata that says a WatchEvents stream is live (``events --follow``);
 - the XID codes gpud takes (``telemetry.ignored_xids``, ``xid clear --xid``, an injected one);
 - a number a range check refuses, written with every digit it has.
 
@@ -192,6 +193,9 @@ def read_small_text(path: Path, limit: int) -> str:
     except UnicodeDecodeError as err:
         raise ValueError(f"not UTF-8 text (byte {err.start})") from None
 
+
+# WatchEvents sends (WATCHING_KEY, "1") as its initial metadata once the watch is set up
+WATCHING_KEY = "gpud-watching"
 
 # The fields that name a device by UUID: a GPU's or MIG device's (``uuid``), a MIG device's
 # GPU and the MIG device itself (``gpu_uuid``, ``mig_uuid``: as the metrics label them), a

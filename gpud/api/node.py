@@ -7,6 +7,7 @@ info, the event log and, on a simulated node, its fault injector.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import grpc
 
 from gpud.api import convert, validate
+from gpud.api.access import on_socket
 from gpud.api.ports import (
     EventSource,
     FaultPort,
@@ -32,15 +34,16 @@ from gpud.errors import (
 )
 from gpud.events import DEFAULT_WATCH_BUFFER
 from gpud.mps.procs import PID_MAX
-from gpud.shared import format_number
+from gpud.shared import WATCHING_KEY, format_number
 from gpud.telemetry.snapshot import ClearedXids, Snapshot
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
 DEFAULT_EVENT_LIMIT = 100
 MAX_EVENT_LIMIT = 10_000
-# WatchEvents streams open at once (`gpuctl events --follow`); each holds a buffer of at most
-# DEFAULT_WATCH_BUFFER events, so that watchers bound gpud's memory
+# WatchEvents streams open at once (`gpuctl events --follow`) on the unix socket, and as many
+# over TCP (api.tcp_address), counted apart: TCP callers never take the socket's. Each holds a
+# buffer of at most DEFAULT_WATCH_BUFFER events, so that watchers bound gpud's memory.
 MAX_EVENT_WATCHERS = 32
 
 _FAULT_NAMES = {
@@ -128,7 +131,7 @@ class NodeServicer(pb_grpc.NodeServicer):
         self._clock = clock
         self._max_watchers = max_event_watchers
         self._watch_buffer = watch_buffer
-        self._watchers = 0
+        self._watchers = {True: 0, False: 0}  # open streams, by on_socket
 
     def register(self, server: Any) -> None:
         """Add this service to a ``grpc.aio.Server`` (an ``ApiServer`` registrar)."""
@@ -218,16 +221,19 @@ class NodeServicer(pb_grpc.NodeServicer):
         log = self._events
         if log is None:
             return
-        if self._watchers >= self._max_watchers:
+        local = on_socket(context.peer())
+        if self._watchers[local] >= self._max_watchers:
+            where = "on gpud's unix socket" if local else "over TCP (api.tcp_address)"
             raise ResourceExhausted(
-                f"{self._watchers} event watchers already, the most gpud serves at once"
-                f" ({self._max_watchers}): end one (gpuctl events --follow) and retry"
+                f"{self._watchers[local]} event watchers {where} already, the most gpud serves"
+                f" there at once ({self._max_watchers}): end one (gpuctl events --follow) and"
+                " retry"
             )
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
 
         def wake() -> None:  # from whichever thread emitted
-            if not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed: nothing waits
                 loop.call_soon_threadsafe(ready.set)
 
         watcher, start, gap = log.watch(
@@ -237,13 +243,15 @@ class NodeServicer(pb_grpc.NodeServicer):
             gpu=request.gpu.strip(),
             job=request.job,
             after_seq=request.after_seq,
+            after_time=request.after_time_unix_seconds,
             buffer=self._watch_buffer,
         )
-        self._watchers += 1
+        self._watchers[local] += 1
         try:
-            await context.send_initial_metadata(())  # the watcher knows it is set up
+            # the watcher knows it is set up (and following again, after a restart)
+            await context.send_initial_metadata(((WATCHING_KEY, "1"),))
             if gap:
-                yield pb.WatchEventsResponse(missed=gap)
+                yield pb.WatchEventsResponse(expired=gap)
             for event in start:
                 yield pb.WatchEventsResponse(event=convert.event(event))
             while True:
@@ -258,7 +266,7 @@ class NodeServicer(pb_grpc.NodeServicer):
                 if not events and not missed:
                     await ready.wait()
         finally:
-            self._watchers -= 1
+            self._watchers[local] -= 1
             log.unwatch(watcher)
 
     async def InjectFault(  # noqa: N802 (gRPC method names come from the proto)

@@ -63,6 +63,7 @@ class EventSource(Protocol):
         gpu: str = "",
         job: str = "",
         after_seq: int = 0,
+        after_time: float = 0.0,
         buffer: int = ...,
     ) -> tuple[Watcher, list[Event], int]: ...
 

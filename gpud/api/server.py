@@ -57,6 +57,12 @@ IDLE_TIMEOUT_S = 60.0
 # open there (WatchAttributes, GetEntry waits: about 20 KiB each, a request up to
 # MAX_REQUEST_BYTES) bound gpud's memory and never take a call from the unix socket.
 TCP_MAX_CALLS = 1024
+# api.tcp_address pings a connection with an open call after this long without traffic, and
+# closes it unless the ping is answered within TCP_KEEPALIVE_TIMEOUT_S: the calls of a client
+# gone without a word (its host down, a cable pulled) end, and free what they held (a
+# WatchEvents watcher's place). The unix socket's callers are local: their end closes.
+TCP_KEEPALIVE_S = 60.0
+TCP_KEEPALIVE_TIMEOUT_S = 20.0
 # A server whose socket file was removed keeps the connections it has (ApiServer.keep_socket)
 # until its socket is removed once more: then it stops, its calls given this long to end.
 RETIRED_GRACE_S = 60.0
@@ -164,7 +170,13 @@ class ApiServer:
 
         self._health = health.aio.HealthServicer()
         server = self._new_server(None)
-        tcp = None if self.tcp_address is None else self._new_server(self.tcp_max_calls)
+        tcp = None
+        if self.tcp_address is not None:
+            keepalive = [
+                ("grpc.keepalive_time_ms", round(TCP_KEEPALIVE_S * 1000)),
+                ("grpc.keepalive_timeout_ms", round(TCP_KEEPALIVE_TIMEOUT_S * 1000)),
+            ]
+            tcp = self._new_server(self.tcp_max_calls, keepalive)
         try:
             if server.add_insecure_port(f"unix:{path}") == 0:
                 raise RuntimeError("port 0")
@@ -288,7 +300,7 @@ class ApiServer:
         if not task.cancelled() and task.exception() is not None:
             log.warning("stopping a retired gRPC server failed: %s", task.exception())
 
-    def _new_server(self, max_calls: int | None) -> Any:
+    def _new_server(self, max_calls: int | None, options: Sequence[tuple[str, int]] = ()) -> Any:
         """A gRPC server with every service, the health service and the error mapping."""
         server = grpc.aio.server(
             interceptors=[
@@ -298,6 +310,7 @@ class ApiServer:
                 ("grpc.max_receive_message_length", validate.MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", _MAX_SEND_BYTES),
                 *self._connection_options,
+                *options,
             ],
             maximum_concurrent_rpcs=max_calls,
         )

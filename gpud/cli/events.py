@@ -13,7 +13,7 @@ from typing import Any
 from gpud.cli.context import EXIT_NOT_RUNNING, INT32, CliError, Context, Subparsers
 from gpud.cli.output import message_to_dict
 from gpud.cli.pipes import when_reader_goes
-from gpud.shared import is_about
+from gpud.shared import WATCHING_KEY, is_about
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
@@ -130,6 +130,13 @@ def _follow_line(ctx: Context, item: pb.WatchEventsResponse) -> str:
         detail = _detail(_fields(event))
         head = f"{_when(event.time_unix_seconds)}  {event.kind:<{KIND_PAD}} {event.message}"
         return f"{head}  {detail}" if detail else head
+    if item.WhichOneof("item") == "expired":
+        if ctx.out.json:
+            return json.dumps({"expired": item.expired})
+        return (
+            f"gpuctl: {item.expired} events (of any kind) said while gpuctl was away are no"
+            " longer kept by gpud"
+        )
     if ctx.out.json:
         return json.dumps({"missed": item.missed})
     return f"gpuctl: missed {item.missed} events (reading too slowly)"
@@ -138,10 +145,12 @@ def _follow_line(ctx: Context, item: pb.WatchEventsResponse) -> str:
 def follow(ctx: Context, args: argparse.Namespace) -> int:
     """``gpuctl events --follow``: WatchEvents, printed a line at a time and flushed. When
     gpud stops (the stream ends, or gpud is gone), it is reached again every few seconds
-    and the watch resumes after the last event seen (``after_seq``): nothing emitted in
-    between is lost while gpud's ring still keeps it."""
+    and the watch resumes after the last event seen (``after_seq``, checked by its time):
+    nothing emitted in between is lost while gpud's ring still keeps it. The stream is live
+    once gpud sends its initial metadata (the watch is set up), before any event."""
     # not gRPC's own log line (`Got goaway ... Cancelling all calls`) each time gpud stops:
-    # gpuctl says it once, in its words. Read when gRPC loads, which is here.
+    # gpuctl says it once, in its words. gRPC reads it when it makes its first channel, after
+    # this (ctx.stub below).
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     import grpc
 
@@ -154,19 +163,30 @@ def follow(ctx: Context, args: argparse.Namespace) -> int:
     # events may be hours apart: `--follow | head -3` ends once head has gone
     gone = when_reader_goes(lambda: streams[-1].cancel() if streams else None)
     pause, away, answered = RECONNECT_FIRST_S, False, False
+
+    def live() -> None:
+        nonlocal pause, away, answered
+        if away:
+            print("gpuctl: gpud is back: following again", file=sys.stderr)
+            pause, away = RECONNECT_FIRST_S, False
+        answered = True
+
     try:
         while not gone.is_set():
             try:
                 stream = ctx.stub(pb_grpc.NodeStub).WatchEvents(request)
                 streams[:] = [stream]
-                stream.initial_metadata()  # gpud sends it once the watch is set up
+                if gone.is_set():  # the reader went before the stream could be cancelled
+                    stream.cancel()
+                # gpud sends it once the watch is set up (an older gpud, without the key:
+                # live at its first item)
+                if dict(stream.initial_metadata() or ()).get(WATCHING_KEY) == "1":
+                    live()
                 for item in stream:
-                    if away:
-                        print("gpuctl: gpud is back: following again", file=sys.stderr)
-                        pause, away = RECONNECT_FIRST_S, False
-                    answered = True
+                    live()
                     if item.WhichOneof("item") == "event" and item.event.seq:
                         request.after_seq = item.event.seq
+                        request.after_time_unix_seconds = item.event.time_unix_seconds
                     ctx.out.print(_follow_line(ctx, item))
                     ctx.out.flush()
             except grpc.RpcError as err:

@@ -797,6 +797,7 @@ class WatchEventsRequest(_message.Message):
     GPU_FIELD_NUMBER: _builtins.int
     JOB_FIELD_NUMBER: _builtins.int
     AFTER_SEQ_FIELD_NUMBER: _builtins.int
+    AFTER_TIME_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     kind_prefix: _builtins.str
     """as ListEventsRequest"""
     limit: _builtins.int
@@ -807,8 +808,14 @@ class WatchEventsRequest(_message.Message):
     """as ListEventsRequest"""
     after_seq: _builtins.int
     """Start after this event (the last `seq` a watch before a restart saw) instead of with the
-    newest `limit`: every event after it gpud still keeps, `missed` first for those it no
-    longer does. 0, or a number past gpud's last (its log was removed): the newest `limit`.
+    newest `limit`: every event after it gpud still keeps, `expired` first for those it no
+    longer does. 0, or a number past gpud's last (its log was removed) without
+    after_time_unix_seconds: the newest `limit`.
+    """
+    after_time_unix_seconds: _builtins.float
+    """That event's time: where gpud gave its number again since (the log was removed, or
+    writes to it failed before a restart), so that a kept event numbered up to after_seq is
+    later than it, every kept event later than it instead. 0: not checked.
     """
     def __init__(
         self,
@@ -818,10 +825,11 @@ class WatchEventsRequest(_message.Message):
         gpu: _builtins.str = ...,
         job: _builtins.str = ...,
         after_seq: _builtins.int = ...,
+        after_time_unix_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_seq", b"after_seq", "gpu", b"gpu", "job", b"job", "kind_prefix", b"kind_prefix", "limit", b"limit"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_seq", b"after_seq", "after_time_unix_seconds", b"after_time_unix_seconds", "gpu", b"gpu", "job", b"job", "kind_prefix", b"kind_prefix", "limit", b"limit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -833,10 +841,11 @@ class WatchEventsResponse(_message.Message):
 
     EVENT_FIELD_NUMBER: _builtins.int
     MISSED_FIELD_NUMBER: _builtins.int
+    EXPIRED_FIELD_NUMBER: _builtins.int
     missed: _builtins.int
-    """how many events matching the filters this watcher lost here (it read too slowly), or,
-    first after `after_seq`, how many events of any kind gpud no longer keeps
-    """
+    """how many events matching the filters this watcher lost here (it read too slowly)"""
+    expired: _builtins.int
+    """first after `after_seq`: how many events of any kind after it gpud no longer keeps"""
     @_builtins.property
     def event(self) -> Global___Event: ...
     def __init__(
@@ -844,12 +853,13 @@ class WatchEventsResponse(_message.Message):
         *,
         event: Global___Event | None = ...,
         missed: _builtins.int = ...,
+        expired: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "item", b"item", "missed", b"missed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "expired", b"expired", "item", b"item", "missed", b"missed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "item", b"item", "missed", b"missed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "expired", b"expired", "item", b"item", "missed", b"missed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["event", "missed"]  # noqa: Y015
+    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["event", "missed", "expired"]  # noqa: Y015
     _WhichOneofArgType_item: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_item) -> _WhichOneofReturnType_item | None: ...
 

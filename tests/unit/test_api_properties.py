@@ -148,6 +148,7 @@ REQUESTS: dict[str, st.SearchStrategy[Any]] = {
         kind_prefix=st.sampled_from(["", "gpu", "mig.", "mps", "job", "config"]),
         limit=st.integers(0, 10_000),
         after_seq=st.integers(0, 2**64 - 1),
+        after_time_unix_seconds=st.floats(),
     ),
     "/gpud.v1.Node/InjectFault": st.builds(
         node_pb2.InjectFaultRequest,

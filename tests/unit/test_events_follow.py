@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -16,7 +17,10 @@ from typing import IO, Any
 import grpc
 import pytest
 
-from gpud.api import ApiServer
+from gpud.api import ApiServer, convert
+from gpud.cli.context import Context
+from gpud.cli.events import _follow_line
+from gpud.cli.output import Output
 from gpud.events import EventLog
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
@@ -57,8 +61,10 @@ def test_a_watcher_starts_where_asked_and_counts_what_it_could_not_hold() -> Non
     for i in range(5):
         log.emit("gpu.unhealthy", f"lost {i}", gpu=i)
     log.emit("mig.apply", "not a gpu. event")
-    assert len(woken) == 5
+    assert len(woken) == 1  # once its buffer is given an event: the rest wait with it
     assert log.take(watcher) == (log.recent(5, "gpu.unhealthy")[:], 0, False)
+    log.emit("gpu.healthy", "taken, then one more", gpu=0)
+    assert len(woken) == 2 and len(log.take(watcher)[0]) == 1
     small, _, _ = log.watch(lambda: None, buffer=2)
     for i in range(5):
         log.emit("job.add", f"job {i}", job=str(i))
@@ -66,7 +72,7 @@ def test_a_watcher_starts_where_asked_and_counts_what_it_could_not_hold() -> Non
     assert [e.message for e in events] == ["job 0", "job 1"] and missed == 3 and not closed
     log.unwatch(watcher)
     log.emit("gpu.healthy", "unwatched", gpu=0)
-    assert len(woken) == 5
+    assert len(woken) == 2
     log.close_watchers()  # what it holds is still given, and then it is done
     assert [e.message for e in log.take(small)[0]] == ["unwatched"]
     assert log.take(small) == ([], 0, True)
@@ -152,7 +158,10 @@ async def test_watchers_past_the_cap_are_refused_naming_it(
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.WatchEvents(pb.WatchEventsRequest()).read()
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "the most gpud serves at once (2)" in (err.value.details() or "")
+    assert (
+        "2 event watchers on gpud's unix socket already, the most gpud serves there at once (2)"
+        in (err.value.details() or "")
+    )
     held[0].cancel()
     for _ in range(100):  # the server sees the cancel shortly
         again = stub.WatchEvents(pb.WatchEventsRequest(limit=1))
@@ -165,6 +174,38 @@ async def test_watchers_past_the_cap_are_refused_naming_it(
         pytest.fail("a watcher ended still counts")
     again.cancel()
     held[1].cancel()
+
+
+async def test_watchers_over_tcp_never_take_the_sockets_places(sock_dir: Path) -> None:
+    log = _log()
+    server = ApiServer(
+        sock_dir / "gpud.sock",
+        tcp_address="127.0.0.1:0",
+        servicers=[make_servicer(events=log, max_event_watchers=2).register],
+    )
+    await server.start()
+    try:
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{server.tcp_port}") as tcp,
+            grpc.aio.insecure_channel(f"unix:{sock_dir / 'gpud.sock'}") as local,
+        ):
+            remote = pb_grpc.NodeStub(tcp)
+            held = [remote.WatchEvents(pb.WatchEventsRequest()) for _ in range(2)]
+            for stream in held:
+                await stream.initial_metadata()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await remote.WatchEvents(pb.WatchEventsRequest()).read()
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "2 event watchers over TCP (api.tcp_address) already" in (
+                err.value.details() or ""
+            )
+            # the operator on the socket still follows
+            stream = pb_grpc.NodeStub(local).WatchEvents(pb.WatchEventsRequest(limit=1))
+            assert (await stream.read()).event.message == "GPU 2 back"
+            for each in (stream, *held):
+                each.cancel()
+    finally:
+        await server.stop(0)
 
 
 async def test_the_stream_ends_when_gpud_stops(
@@ -180,14 +221,23 @@ async def test_the_stream_ends_when_gpud_stops(
     assert await stream.code() == grpc.StatusCode.OK
 
 
+# a gpuctl still running this long is killed: a line it never prints fails its test (an
+# empty line) rather than hanging it
+GPUCTL_LIMIT_S = 30.0
+
+
 def _gpuctl(sock: Path, *argv: str, **kw: Any) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    child = subprocess.Popen(
         [sys.executable, "-m", "gpud.cli.main", "--socket", str(sock), "events", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         **kw,
     )
+    watchdog = threading.Timer(GPUCTL_LIMIT_S, child.kill)
+    watchdog.daemon = True
+    watchdog.start()
+    return child
 
 
 def _end(child: subprocess.Popen[str]) -> None:
@@ -252,3 +302,133 @@ def test_follow_into_head_ends_once_head_has_gone(sock_dir: Path) -> None:
             assert child.stderr is not None and child.stderr.read() == ""
         finally:
             _end(child)
+
+
+def _watching(log: EventLog, count: int = 1) -> None:
+    """Wait until ``log`` has ``count`` watchers (gpuctl's stream is set up)."""
+    for _ in range(500):
+        if len(log._watchers) == count:
+            return
+        time.sleep(0.01)
+    pytest.fail(f"no {count} watchers")
+
+
+def test_follow_of_what_matched_nothing_yet_reconnects_after_gpud_is_killed(
+    sock_dir: Path,
+) -> None:
+    """``gpuctl events -f --kind gpu.`` on a healthy node: gpud killed (its calls cut, no
+    end of stream) before any event was shown, and back."""
+    sock = sock_dir / "gpud.sock"
+    log = EventLog(None)
+    child = _gpuctl(sock, "--follow", "--kind", "gpu.")
+    try:
+        with _served(sock, log):
+            _watching(log)
+        assert _line(child.stderr) == (
+            "gpuctl: gpud stopped: reconnecting until it is back (Ctrl-C ends)"
+        )
+        log = EventLog(None)
+        with _served(sock, log):
+            # said once the watch is set up, not at the next event
+            assert _line(child.stderr) == "gpuctl: gpud is back: following again"
+            log.emit("gpu.unhealthy", "GPU 0 lost", gpu=0)
+            assert "GPU 0 lost" in _line(child.stdout)
+            child.send_signal(signal.SIGINT)
+            child.communicate(timeout=10)
+    finally:
+        _end(child)
+    assert child.returncode == 130
+
+
+def test_follow_says_what_expired_and_resumes_by_time_where_numbers_were_given_again(
+    sock_dir: Path,
+) -> None:
+    sock, state = sock_dir / "gpud.sock", sock_dir / "events.jsonl"
+    ticks = iter(range(1_000_000, 2_000_000))
+    clock = lambda: float(next(ticks))  # noqa: E731
+    log = EventLog(state, clock=clock)
+    for i in range(3):
+        log.emit("job.add", f"first {i}", job=str(i))  # seq 1..3
+    child = _gpuctl(sock, "--follow", "--json")
+    try:
+        with _served(sock, log):
+            assert [json.loads(_line(child.stdout))["seq"] for _ in range(3)] == [1, 2, 3]
+        assert "gpud stopped" in _line(child.stderr)
+        # the next gpud keeps 2 events: of 4..6, said while gpuctl was away, 4 is gone
+        log = EventLog(state, keep=2, clock=clock)
+        for i in range(3):
+            log.emit("job.add", f"second {i}", job=str(i))
+        with _served(sock, log):
+            assert "gpud is back" in _line(child.stderr)
+            said = [json.loads(_line(child.stdout)) for _ in range(3)]
+            assert said[0] == {"expired": 1}
+            assert [e["seq"] for e in said[1:]] == [5, 6]
+        assert "gpud stopped" in _line(child.stderr)
+        # the log removed: the next gpud numbers from 1 again, past 6 before gpuctl is back
+        state.unlink()
+        log = EventLog(state, clock=clock)
+        for i in range(8):
+            log.emit("job.add", f"third {i}", job=str(i))
+        with _served(sock, log):
+            assert "gpud is back" in _line(child.stderr)
+            said = [json.loads(_line(child.stdout)) for _ in range(8)]
+            assert [e["message"] for e in said] == [f"third {i}" for i in range(8)]
+            child.send_signal(signal.SIGINT)
+            child.communicate(timeout=10)
+    finally:
+        _end(child)
+    assert child.returncode == 130
+
+
+def test_follow_tells_expired_events_from_missed_ones() -> None:
+    ctx = Context(socket_path=Path("/nonexistent"), timeout=1.0, output=Output(json_output=False))
+    assert _follow_line(ctx, pb.WatchEventsResponse(expired=340)) == (
+        "gpuctl: 340 events (of any kind) said while gpuctl was away are no longer kept by gpud"
+    )
+    assert _follow_line(ctx, pb.WatchEventsResponse(missed=3)) == (
+        "gpuctl: missed 3 events (reading too slowly)"
+    )
+    ctx.out = Output(json_output=True)
+    assert json.loads(_follow_line(ctx, pb.WatchEventsResponse(expired=340))) == {"expired": 340}
+
+
+def test_a_watcher_resumes_by_time_where_its_number_was_given_again() -> None:
+    times = iter([10.0, 20.0, 30.0, 40.0])
+    log = EventLog(None, clock=lambda: next(times))
+    for i in range(2):
+        log.emit("job.add", f"job {i}", job=str(i))  # seq 1, 2 at 10, 20
+    # the watcher saw seq 2 at 15: a number given again since, to an event at 20
+    _, start, gap = log.watch(lambda: None, after_seq=2, after_time=15.0)
+    assert [e.seq for e in start] == [2] and gap == 0
+    _, start, gap = log.watch(lambda: None, after_seq=1, after_time=10.0)  # consistent
+    assert [e.seq for e in start] == [2] and gap == 0
+    # a number past the last (the log removed): by time too
+    _, start, gap = log.watch(lambda: None, after_seq=7, after_time=5.0)
+    assert [e.seq for e in start] == [1, 2] and gap == 0
+
+
+def test_a_number_too_large_for_the_api_in_the_file_is_taken_as_none(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_text(
+        json.dumps({"seq": 2**64, "time": 1.0, "kind": "job.add", "message": "edited"}) + "\n"
+    )
+    log = EventLog(path)
+    assert [e.seq for e in log.recent()] == [0]
+    assert [convert.event(e).message for e in log.recent()] == ["edited"]  # ListEvents
+    assert log.emit("job.add", "next").seq == 1
+
+
+def test_a_wake_that_fails_stops_neither_the_emit_nor_other_watchers() -> None:
+    log, woken = EventLog(None), []
+
+    def closed() -> None:
+        raise RuntimeError("Event loop is closed")
+
+    log.watch(closed)
+    log.watch(lambda: woken.append(1))
+    assert log.emit("job.add", "a", job="a").seq == 1
+    assert woken == [1]
+    with log.until_committed():
+        log.emit("job.add", "b", job="b")
+        log.emit("job.add", "c", job="c")
+    assert [e.message for e in log.recent()] == ["a", "b", "c"]
