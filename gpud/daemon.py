@@ -355,6 +355,7 @@ class Daemon:
             on_reset=self.sampler.gpu_reset,
             read_timeout_s=config.telemetry.call_timeout_s,
             release=self.mps.released,
+            release_active=lambda: self.mps.enabled,
         )
         self.colo = ColoService(
             config.colocate,
@@ -481,10 +482,10 @@ class Daemon:
         """The MIG reconcile; where it changed a layout, a sample out of turn, so that the
         MPS step next works from the devices now there, not from the last tick's (it would
         start a control daemon for each MIG device just destroyed, and stop it as gone a
-        tick later), as after a `gpuctl mig apply`."""
-        before = self.mig.steps_taken
-        await asyncio.to_thread(self.mig.reconcile_unless_busy, self.config.mig.on_start)
-        if self.mig.steps_taken != before:
+        tick later), as after a `gpuctl mig apply`. A GPU reset alone (a pending MIG mode made
+        current) is such a change."""
+        outcomes = await asyncio.to_thread(self.mig.reconcile_unless_busy, self.config.mig.on_start)
+        if outcomes and any(o.steps for o in outcomes):
             await asyncio.to_thread(self._sample_again)
 
     async def _seen_step(self) -> None:

@@ -61,6 +61,10 @@ TCP_MAX_CALLS = 1024
 # closes it unless the ping is answered within TCP_KEEPALIVE_TIMEOUT_S: the calls of a client
 # gone without a word (its host down, a cable pulled) end, and free what they held (a
 # WatchEvents watcher's place). The unix socket's callers are local: their end closes.
+# Pings go on however long a call stays quiet (an idle WatchEvents): no cap on the pings
+# sent without data (grpc.http2.max_pings_without_data 0, said outright: gRPC core's default
+# stops pinging after 2 on a client's side). The server's min_recv_ping_interval applies to
+# the pings it receives, not to its own; a client answers pings whatever their rate.
 TCP_KEEPALIVE_S = 60.0
 TCP_KEEPALIVE_TIMEOUT_S = 20.0
 # A server whose socket file was removed keeps the connections it has (ApiServer.keep_socket)
@@ -175,6 +179,7 @@ class ApiServer:
             keepalive = [
                 ("grpc.keepalive_time_ms", round(TCP_KEEPALIVE_S * 1000)),
                 ("grpc.keepalive_timeout_ms", round(TCP_KEEPALIVE_TIMEOUT_S * 1000)),
+                ("grpc.http2.max_pings_without_data", 0),
             ]
             tcp = self._new_server(self.tcp_max_calls, keepalive)
         try:

@@ -147,6 +147,7 @@ class MigManager:
         on_reset: Callable[[int], None] | None = None,
         read_timeout_s: float = 5.0,
         release: Release | None = None,
+        release_active: Callable[[], bool] | None = None,
     ) -> None:
         """``on_change(gpu)`` is called after each driver change on a GPU (the sampler then
         re-reads its MIG devices at once); ``faults()`` names the GPUs not to call (see
@@ -158,9 +159,12 @@ class MigManager:
         own measure) and leaves one that has not answered alone. ``release``: the MPS
         control daemons of the MIG devices a GPU's steps destroy are stopped first; where
         one would not stop, none of that GPU's steps is run (it is ``failed``, naming it).
+        ``release_active()``: whether there are MPS control daemons to stop now (MPS on);
+        without it, whenever ``release`` is given.
         """
         self._backend = backend
         self._release = release
+        self._release_active = release_active
         self._on_change = on_change
         self._faults = faults
         self._quiesce = quiesce
@@ -731,10 +735,12 @@ class MigManager:
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "faulty", detail)
             doomed, busy = found
             if busy and force:
+                _, _, parts = self._busy_parts({gpu.index: busy}, {gpu.index: gpu})
                 detail = (
-                    f"{where}: the forced apply waits for processes to leave what it destroys"
-                    f" ({'; '.join(f'{w}: {self._pids([(w, p)])}' for w, p in busy)}): their"
-                    " MPS control daemons are left running until then (reconcile tries again)"
+                    f"{'; '.join(parts)}: the forced apply waits for"
+                    f" {'it' if len(parts) == 1 else 'them'} to leave what it destroys; the"
+                    " MPS control daemons there are left running until then (reconcile tries"
+                    " again)"
                 )
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "busy", detail)
             if busy:
@@ -783,14 +789,19 @@ class MigManager:
     ) -> tuple[list[MigDeviceIdentity], list[tuple[str, ProcessInfo]]] | str:
         """:meth:`_busy_or_unlisted`, waited for as :meth:`_bounded` waits. ``force``: no
         process is listed (none is in the way), and what the steps destroy is read only
-        where their MPS daemons are to be stopped first (``release``).
+        where their MPS daemons are to be stopped first (:meth:`_releasing`).
 
         A forced apply's ``retry`` (reconcile's, every tick) where MPS daemons are stopped
         first lists the processes all the same: while some run on what the steps destroy
         (the driver would refuse again), it answers them and no daemon is stopped, rather
         than stopping a job's daemon on every tick for a refusal and starting it again
-        after. Where they cannot be listed it goes on as forced."""
-        if not force or (retry and self._release is not None):
+        after. Where they cannot be listed it goes on as forced. What it waits for is what
+        :meth:`_busy` lists: for a plan that changes the MIG mode or waits for a GPU reset,
+        every process on the GPU, so the retry waits while any job runs anywhere on it
+        (the change stops them all; stopping every MPS daemon of the GPU on every tick
+        would disturb each of them)."""
+        releasing = self._releasing()
+        if not force or (retry and releasing):
             found = self._read(
                 gpu,
                 lambda g: self._busy_or_unlisted(g, actual, plan, reset=reset),
@@ -799,12 +810,18 @@ class MigManager:
             )
             if not force or not isinstance(found, str):
                 return found
-        if self._release is None:
+        if not releasing:
             return [], []
         doomed, _ = self._read(
             gpu, lambda g: self._doomed(g, actual, plan, reset=reset), timeout_s, "doomed"
         )
         return doomed, []
+
+    def _releasing(self) -> bool:
+        """Whether MPS control daemons are stopped before a GPU's steps (MPS on)."""
+        if self._release is None:
+            return False
+        return self._release_active is None or self._release_active()
 
     def _reset(self, gpu: GpuIdentity, done: list[str]) -> bool:
         """Reset the GPU so that its pending MIG mode becomes current; False when the

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -16,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from gpud.build import current as current_build
 from gpud.config import Config
 from gpud.daemon import Daemon, Step
-from gpud.errors import Unavailable
+from gpud.errors import InUse, Unavailable
 from gpud.events import EventLog
 from gpud.jobs.service import RunRequest
 from gpud.main import mps_control_command, open_backend
@@ -492,21 +493,21 @@ def test_a_failed_sample_after_a_mig_apply_leaves_the_apply_answered(
     assert "sampling again after a change failed" in caplog.text
 
 
+def _mig_mps_config(root: Path, product: str) -> Config:
+    """One simulated ``product`` GPU, MIG reconciled at start, MPS on."""
+    return make_config(
+        root,
+        **{"backend.simulate": f"{product}:1", "mig.on_start": "reconcile", "mps.enabled": True},
+    )
+
+
 def test_the_mps_step_after_a_mig_reconcile_starts_no_daemon_on_a_destroyed_device() -> None:
     """The reconcile step destroys MIG devices (their MPS control daemons stopped first);
     the MPS step that follows in the same pass works from a sample taken after it, so no
     daemon is started for a device gone (to be stopped again as "device gone" a tick later),
     and the new devices get theirs at once."""
     with short_dir() as root:  # the daemons' pipes: a unix socket path has 107 bytes
-        config = make_config(
-            root,
-            **{
-                "backend.simulate": "H100-SXM5-80GB:1",
-                "mig.on_start": "reconcile",
-                "mps.enabled": True,
-            },
-        )
-        d = build(config)
+        d = build(_mig_mps_config(root, "H100-SXM5-80GB"))
         layouts = load_config(MIG_LAYOUTS)
         other = StateStore(root / "other")
         try:
@@ -527,6 +528,44 @@ def test_the_mps_step_after_a_mig_reconcile_starts_no_daemon_on_a_destroyed_devi
         finally:
             d.mps.stop()
             other.close()
+            _close(d)
+
+
+class _RefusesResets:
+    """The backend, with every GPU reset refused (a process held the GPU then)."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+
+    def reset_gpu(self, gpu: int) -> None:
+        raise InUse(f"GPU {gpu} cannot be reset: in use by another client")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+def test_the_mps_step_after_a_reconcile_that_only_reset_a_gpu_sees_mig_off() -> None:
+    """An apply turning MIG off on an A100 failed at its GPU reset (the mode change left
+    pending, the instances gone); the reconcile step's retry whose only change is that reset
+    samples again, so the MPS step that follows works from the GPU with MIG off and starts
+    its control daemon at once, not a tick later."""
+    with short_dir() as root:  # the daemons' pipes: a unix socket path has 107 bytes
+        d = build(_mig_mps_config(root, "A100-SXM4-40GB"))
+        layouts = load_config(MIG_LAYOUTS)
+        try:
+            assert d.mig.apply(layouts, "all-1g.5gb").result == "success"
+            refused = MigManager(_RefusesResets(d.backend), d.store, EventLog(None))
+            failed = refused.apply(layouts, "all-disabled")
+            assert failed.result == "failed" and "in use" in failed.gpus[0].detail, failed
+            (gpu,) = d.sampler.tick().gpus
+            assert gpu.mig_mode is not None and gpu.mig_mode.current and not gpu.mig_devices
+            asyncio.run(next(s for s in d.steps if s.name == "mig").run())
+            (gpu,) = d.sampler.latest().gpus  # type: ignore[union-attr]
+            assert gpu.mig_mode is not None and not gpu.mig_mode.current
+            d.mps.reconcile(d.sampler.latest())  # the MPS step's pass
+            assert [s.target.uuid for s in d.mps.status() if s.up] == [gpu.identity.uuid]
+        finally:
+            d.mps.stop()
             _close(d)
 
 

@@ -4,6 +4,7 @@ NVML adapter."""
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -56,6 +57,7 @@ class Host:
         self.read_timeout_s = 5.0  # how long an apply waits for a GPU's reads
         self.daemons: list[Daemon] = []
         self.release: Release | None = None  # the MPS daemons' stop before a destroy
+        self.release_active: Callable[[], bool] | None = None  # MPS on
         self.wrap: Callable[[NvmlBackend], Any] = lambda b: b  # the manager's backend
 
     def start(self, *, resets: bool = False) -> Daemon:
@@ -81,6 +83,7 @@ class Host:
             faults=lambda: self.faults,
             read_timeout_s=self.read_timeout_s,
             release=self.release,
+            release_active=self.release_active,
         )
         d = Daemon(node, backend, store, events, mig, sleeps)
         self.daemons.append(d)
@@ -1541,6 +1544,17 @@ def test_a_failed_apply_finished_by_its_retries_is_not_said_finished_after_a_res
     assert sum(totals.values()) == 2  # and the setup's apply
 
 
+def _recording(asked: list[list[str]]) -> Release:
+    """An MPS release that stops every daemon it is asked to, noting the UUIDs asked."""
+
+    @contextlib.contextmanager
+    def release(uuids: list[str]) -> Iterator[dict[str, str]]:
+        asked.append(uuids)
+        yield {}
+
+    return release
+
+
 def test_a_forced_retry_leaves_the_mps_daemons_of_busy_instances_alone(
     host: Host, config: MigConfigFile
 ) -> None:
@@ -1551,13 +1565,7 @@ def test_a_forced_retry_leaves_the_mps_daemons_of_busy_instances_alone(
     finds it gone stops the daemons and finishes the layout."""
     d, pid = _busy_setup(host, config)
     asked: list[list[str]] = []
-
-    @contextlib.contextmanager
-    def release(uuids: list[str]) -> Iterator[dict[str, str]]:
-        asked.append(uuids)
-        yield {}
-
-    host.release = release
+    host.release = _recording(asked)
     d = host.start()
     result = d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(force=True))
     assert [o.status for o in result.gpus] == ["failed", "changed"]
@@ -1565,14 +1573,44 @@ def test_a_forced_retry_leaves_the_mps_daemons_of_busy_instances_alone(
     for _ in range(3):
         (gpu0, _gpu1) = d.mig.reconcile()
         assert gpu0.status == "busy" and not gpu0.steps
-        assert f"pid {pid} (job train-a)" in gpu0.detail
-        assert "MPS control daemons are left running" in gpu0.detail
+        # each process named as a refusal names it
+        assert re.fullmatch(
+            r"GPU 0 \(H100-SXM5-80GB\) 1g\.10gb GPU instance \d+ \(MIG-[^)]+\): "
+            rf"pid {pid} \(job train-a\): the forced apply waits for it to leave what it"
+            " destroys; the MPS control daemons there are left running until then"
+            r" \(reconcile tries again\)",
+            gpu0.detail,
+        ), gpu0.detail
     assert len(asked) == 2  # no daemon stopped by the retries
     drift = [e.message for e in d.events.recent(kind_prefix="mig.drift")]
-    assert len(drift) == 1 and "the forced apply waits" in drift[0]
+    assert drift == [gpu0.detail]
     d.node.workloads.stop(pid)
     assert [o.status for o in d.mig.reconcile()] == ["changed", "ok"]
     assert [len(a) for a in asked] == [7, 7, 7]
+    assert d.mig.assert_config(config, "all-3g.40gb") == []
+
+
+def test_a_forced_retry_with_mps_off_goes_ahead_as_forced(
+    host: Host, config: MigConfigFile
+) -> None:
+    """With MPS off there is no control daemon to keep: a forced apply the driver refused
+    is retried as forced (no process listed, nothing read for MPS), failing while the
+    driver refuses, and never says MPS daemons are left running."""
+    d, pid = _busy_setup(host, config)
+    asked: list[list[str]] = []
+    host.release = _recording(asked)
+    host.release_active = lambda: False
+    d = host.start()
+    result = d.mig.apply(config, "all-3g.40gb", options=ApplyOptions(force=True))
+    assert [o.status for o in result.gpus] == ["failed", "changed"]
+    for _ in range(2):
+        (gpu0, _gpu1) = d.mig.reconcile()
+        assert gpu0.status == "failed" and "in use" in gpu0.detail.lower(), gpu0
+        assert "MPS" not in gpu0.detail
+    assert all(a == [] for a in asked)  # no MIG device read for a daemon to stop
+    assert not any("MPS" in e.message for e in d.events.recent(kind_prefix="mig."))
+    d.node.workloads.stop(pid)
+    assert [o.status for o in d.mig.reconcile()] == ["changed", "ok"]
     assert d.mig.assert_config(config, "all-3g.40gb") == []
 
 
