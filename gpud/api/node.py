@@ -184,6 +184,7 @@ class NodeServicer(pb_grpc.NodeServicer):
                         for i in traffic.interfaces
                     ],
                     marking_error=traffic.marking_error,
+                    marking_off=not traffic.marking,
                 )
             )
         return resp

@@ -58,7 +58,8 @@ def _traffic(traffic: pb.TrafficStatus) -> str:
         return "off"
     total = len(traffic.interfaces)
     if not total:
-        return "on, no interfaces (traffic.interfaces is empty): tags and marking only"
+        only = "tags only" if traffic.marking_off else "tags and marking only"
+        return f"on, no interfaces (traffic.interfaces is empty): {only}"
     ok = sum(1 for i in traffic.interfaces if i.enforced)
     noun = "interface" if total == 1 else "interfaces"
     return f"on, {total} {noun} ok" if ok == total else f"on, {ok} of {total} {noun} ok"

@@ -42,6 +42,7 @@ class TrafficSummary:
     enabled: bool
     interfaces: tuple[LinkEnforcement, ...] = ()
     marking_error: str = ""
+    marking: bool = True  # traffic.marking: whether packets are marked by cgroup at all
 
 
 @dataclass(frozen=True, slots=True)

@@ -586,6 +586,7 @@ class TrafficService:
                 LinkEnforcement(i.name, i.enforced, i.error) for i in self._ifaces.values()
             ),
             marking_error=self._marking_error if self.config.marking else "",
+            marking=self.config.marking,
         )
 
     def view(self) -> NetView:

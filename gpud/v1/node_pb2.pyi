@@ -176,10 +176,13 @@ class TrafficStatus(_message.Message):
     ENABLED_FIELD_NUMBER: _builtins.int
     INTERFACES_FIELD_NUMBER: _builtins.int
     MARKING_ERROR_FIELD_NUMBER: _builtins.int
+    MARKING_OFF_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     """traffic.enabled in the daemon's config"""
     marking_error: _builtins.str
     """why the nftables table is not in force; "" when it is (or off)"""
+    marking_off: _builtins.bool
+    """traffic.marking = false: no packet is marked by cgroup"""
     @_builtins.property
     def interfaces(self) -> _containers.RepeatedCompositeFieldContainer[Global___TrafficInterfaceStatus]:
         """traffic.interfaces, in config order"""
@@ -190,10 +193,11 @@ class TrafficStatus(_message.Message):
         enabled: _builtins.bool = ...,
         interfaces: _abc.Iterable[Global___TrafficInterfaceStatus] | None = ...,
         marking_error: _builtins.str = ...,
+        marking_off: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "interfaces", b"interfaces", "marking_error", b"marking_error"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "interfaces", b"interfaces", "marking_error", b"marking_error", "marking_off", b"marking_off"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -127,6 +127,10 @@ _ETH9_GONE = LinkEnforcement("eth9", False, "eth9: no such network interface")
             TrafficSummary(True),
             ["traffic:     on, no interfaces (traffic.interfaces is empty): tags and marking only"],
         ),
+        (
+            TrafficSummary(True, marking=False),
+            ["traffic:     on, no interfaces (traffic.interfaces is empty): tags only"],
+        ),
     ],
 )
 def test_status_says_how_traffic_is_enforced(
@@ -146,6 +150,7 @@ def test_status_says_how_traffic_is_enforced(
             {"name": i.name, "enforced": i.enforced, "error": i.error} for i in traffic.interfaces
         ],
         "marking_error": traffic.marking_error,
+        "marking_off": not traffic.marking,
     }
 
 
