@@ -41,7 +41,13 @@ def register(subparsers: Subparsers) -> None:
     sim = subparsers.add_parser("sim", help="simulated node: faults, reboot, workloads")
     actions = sim.add_subparsers(dest="sim_command", metavar="COMMAND", required=True)
     fault = actions.add_parser("fault", help="inject a fault into one simulated GPU")
-    fault.add_argument("--gpu", type=gpu_index, required=True, metavar="INDEX")
+    fault.add_argument(
+        "--gpu",
+        type=gpu_index,
+        required=True,
+        metavar="INDEX",
+        help="the GPU's index (gpuctl gpus)",
+    )
     kinds = fault.add_subparsers(dest="fault_kind", metavar="KIND", required=True)
     kinds.add_parser("lost", help="the GPU falls off the bus").set_defaults(kind="FAULT_KIND_LOST")
     kinds.add_parser(
@@ -82,7 +88,13 @@ def register(subparsers: Subparsers) -> None:
     )
     wl = workload.add_subparsers(dest="workload_command", metavar="ACTION", required=True)
     start = wl.add_parser("start", help="a process that uses memory and SMs")
-    start.add_argument("--gpu", type=gpu_index, required=True, metavar="INDEX")
+    start.add_argument(
+        "--gpu",
+        type=gpu_index,
+        required=True,
+        metavar="INDEX",
+        help="the GPU's index (gpuctl gpus)",
+    )
     start.add_argument("--mig", default=None, help="a MIG device index or MIG UUID on that GPU")
     start.add_argument(
         "--pid", type=UINT32, required=True, help="its PID (a real one is attributed to its job)"

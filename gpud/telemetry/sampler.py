@@ -148,6 +148,7 @@ class Sampler:
         self._lock = threading.Lock()
         self._tick_lock = threading.Lock()  # one tick at a time
         self._slots: list[_Slot] | None = None
+        self._count_failures = 0  # ticks in a row that could not count the GPUs
         self._driver_version: str | None = None
         self._listeners: list[Listener] = []
         self._dispatcher = Dispatcher(self._wait_s())
@@ -226,8 +227,18 @@ class Sampler:
         try:
             count = self._backend.gpu_count()
         except BackendError as err:
-            log.warning("cannot count GPUs, retrying next tick: %s", err)
+            # said once, not every tick, as a failing loop step is; and once when it works
+            if not self._count_failures:
+                log.warning("cannot count GPUs, retrying every tick: %s", err)
+            self._count_failures += 1
             return []
+        if self._count_failures:
+            log.info(
+                "counting GPUs works again after %d failed ticks: %d GPUs",
+                self._count_failures,
+                count,
+            )
+            self._count_failures = 0
         try:
             self._driver_version = self._backend.driver_version()
         except BackendError as err:

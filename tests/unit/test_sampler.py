@@ -1001,3 +1001,33 @@ def test_an_internal_error_keeps_one_reason_whatever_its_message(
         reasons |= {g.reason for g in snap.gpus}
     assert reasons == {"internal error: ValueError (gpud's log has the details)"}
     assert events.counts().get("gpu.unhealthy") == 4  # once per GPU, not once per tick
+
+
+def test_gpus_that_cannot_be_counted_are_said_once_and_once_again_when_they_can(
+    sampler: Sampler, backend: FakeBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A driver that cannot count its GPUs at start (being loaded) is said once, not at
+    every tick, and once more when the GPUs are counted."""
+    caplog.set_level("INFO", logger="gpud.telemetry.sampler")
+    count = backend.gpu_count
+
+    def refusing() -> int:
+        raise BackendError("nvmlDeviceGetCount failed: driver not loaded")
+
+    backend.gpu_count = refusing  # type: ignore[method-assign]
+    for _ in range(3):
+        assert sampler.tick().gpus == ()
+    backend.gpu_count = count  # type: ignore[method-assign]
+    assert len(sampler.tick().gpus) == 4
+    said = [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if r.name == "gpud.telemetry.sampler" and "count" in r.getMessage()
+    ]
+    assert said == [
+        (
+            "WARNING",
+            "cannot count GPUs, retrying every tick: nvmlDeviceGetCount failed: driver not loaded",
+        ),
+        ("INFO", "counting GPUs works again after 3 failed ticks: 4 GPUs"),
+    ]
