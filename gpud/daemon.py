@@ -627,6 +627,8 @@ class Daemon:
         from gpud.backend.sim.jobmodels import JobDevice  # a simulated node's only
 
         assert self.sim is not None
+        for pid in self.sim.workloads.end_exited():
+            log.info("simulated process %d ended: its host process exited", pid)
         snap = self.sampler.latest()
         totals: dict[str, int] = {}
         for g in snap.gpus if snap is not None else ():

@@ -97,7 +97,10 @@ def register(subparsers: Subparsers) -> None:
     )
     start.add_argument("--mig", default=None, help="a MIG device index or MIG UUID on that GPU")
     start.add_argument(
-        "--pid", type=UINT32, required=True, help="its PID (a real one is attributed to its job)"
+        "--pid",
+        type=UINT32,
+        required=True,
+        help="its PID (a live one is attributed to its job, and the process ends when it exits)",
     )
     start.add_argument("--memory", default="1GiB", help="device memory it uses (default 1GiB)")
     start.add_argument(

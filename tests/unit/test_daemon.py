@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -683,3 +684,50 @@ def test_a_stop_ends_the_event_watchers_streams_cleanly(root: Path) -> None:
         assert await asyncio.wait_for(run, timeout=20) == 0
 
     asyncio.run(scenario())
+
+
+def test_a_queued_job_waits_for_declared_sim_processes_until_their_host_processes_exit(
+    root: Path,
+) -> None:
+    """``gpuctl sim workload start --pid`` of a real process holds its memory until that
+    process exits, gpud running or not: a queued job that needs the memory waits for it."""
+    from gpud.admission.service import QUEUED, STARTED
+
+    config = make_config(root, **{"backend.simulate": "H100-SXM5-80GB:1"})
+    holders = [subprocess.Popen(["sleep", "600"]) for _ in range(2)]
+    try:
+        d = build(config)
+        try:
+            assert d.sim is not None
+            for holder in holders:  # jobs a and b, 16 GiB each
+                d.sim.workloads.start(0, holder.pid, 16 << 30, 0.5)
+            snap = d.sampler.tick()
+            d.mps.reconcile(snap)
+            d.jobs.tick(snap)
+            entry = d.admission.enqueue(RunRequest(job="g", memory_bytes=70 << 30)).entry
+            d.admission.tick()
+            assert d.admission.view(entry.id).entry.state == QUEUED
+        finally:
+            d.sampler.close()
+            d.store.close()
+            d.backend.close()
+        for holder in holders:  # killed while gpud is down
+            holder.kill()
+            holder.wait()
+        d = build(config)
+        try:
+            assert d.sim is not None
+            snap = d.sampler.tick()
+            d.mps.reconcile(snap)
+            d.jobs.tick(snap)
+            assert d.sim.workloads.list() == []  # the driver freed their memory
+            d.admission.tick()
+            assert d.admission.view(entry.id).entry.state == STARTED
+        finally:
+            d.sampler.close()
+            d.store.close()
+            d.backend.close()
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()

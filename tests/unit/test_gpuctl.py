@@ -583,6 +583,16 @@ def test_sim_workload_lists_the_processes(
         code, out, err = run(capsys, *start, "4444", "--gpu", "0", "--mig", "9")
         assert code == 4 and out == ""
         assert "GPU 0 has no MIG device 9" in err
+        # a GPU fallen off the bus: no process starts there (nor shows once it is back)
+        sim.faults.lose(2)
+        code, out, err = run(capsys, *start, "4545", "--gpu", "2")
+        assert code == 6 and out == ""
+        assert "GPU 2 has fallen off the bus (sim fault lost): no process starts on it" in err
+        code, out, err = run(capsys, "--json", *start, "4545", "--gpu", "2")
+        assert code == 6 and out == ""
+        assert json.loads(err)["error"]["class"] == "FailedPrecondition"
+        sim.faults.clear(2)
+        assert {w.pid for w in sim.workloads.list()} == {4242, 4343}
         stop = ("--socket", path, "sim", "workload", "stop", "--pid")
         code, out, _ = run(capsys, *stop, "4242")
         assert code == 0 and out.splitlines()[0] == "stopped simulated process 4242"

@@ -9,6 +9,7 @@ import pytest
 
 from gpud.backend.sim import JobDevice, JobWorkloads, SimNode
 from gpud.backend.sim.jobmodels import ALONE_SM, DEFAULT_MEMORY, sm_activity, utilization
+from gpud.errors import FailedPrecondition
 
 GIB = 1 << 30
 
@@ -282,3 +283,91 @@ def test_the_operator_takes_a_multi_gpu_jobs_pid_over_on_every_gpu(
     node.workloads.stop(10)
     node.jobs.sync(devices)
     assert set(listed(node, 0)) == set(listed(node, 1)) == {10}
+
+
+FAULTS = {
+    "lost": ("has fallen off the bus (sim fault lost)", lambda n, g: n.faults.lose(g)),
+    "reset_required": (
+        "requires a reset (sim fault reset-required)",
+        lambda n, g: n.faults.reset_required(g),
+    ),
+    "slow": (
+        "hangs in every driver call (sim fault slow 0.001 s)",
+        lambda n, g: n.faults.slow(g, 0.001),
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_no_process_starts_on_a_gpu_that_is_lost_hung_or_requires_a_reset(
+    sim: tuple[SimNode, Procs], fault: str
+) -> None:
+    node, procs = sim
+    why, inject = FAULTS[fault]
+    inject(node, 1)
+    with pytest.raises(FailedPrecondition) as err:
+        node.workloads.start(1, 4242, 8 * GIB, 0.5)  # gpuctl sim workload start --gpu 1 ...
+    assert str(err.value) == f"GPU 1 {why}: no process starts on it"
+    node.workloads.start(0, 4243, 8 * GIB, 0.5)  # GPU 0 has no fault
+    # a job's model does not start there either, and its step does not fail
+    procs.add(10, 1, {"GPUD_JOB": "a"})
+    node.jobs.sync([JobDevice("a", "training", 1)])
+    assert node.jobs.running() == []
+    node.faults.clear(1)
+    assert listed(node, 1) == {}  # nothing was started behind the fault
+    assert listed(node, 0) == {4243: 8 * GIB}
+    node.jobs.sync([JobDevice("a", "training", 1)])
+    assert set(listed(node, 1)) == {10}
+
+
+def test_a_refused_declaration_leaves_the_models_process_of_the_pid(
+    sim: tuple[SimNode, Procs],
+) -> None:
+    node, procs = sim
+    procs.add(10, 1, {"GPUD_JOB": "a"})
+    node.jobs.sync([JobDevice("a", "training", 0)])
+    node.faults.lose(1)
+    with pytest.raises(FailedPrecondition):
+        node.workloads.start(1, 10, 8 * GIB, 0.5)
+    assert listed(node, 0) == {10: DEFAULT_MEMORY["training"]}
+    assert [m.pid for m in node.jobs.running()] == [10]
+
+
+def test_a_declared_process_ends_when_its_host_process_exits(
+    sim: tuple[SimNode, Procs],
+) -> None:
+    node, procs = sim
+    procs.add(10, 1, {"PATH": "/bin"})
+    procs.add(11, 1, {"PATH": "/bin"})
+    node.workloads.start(0, 10, 16 * GIB, 0.5)  # a live host process
+    node.workloads.start(0, 11, 16 * GIB, 0.5)
+    node.workloads.start(0, 4242, 8 * GIB, 0.5)  # no host process: a made-up PID
+    assert node.workloads.end_exited() == []
+    procs.remove(10)
+    procs.remove(11)
+    procs.add(11, 1, {"PATH": "/bin"}, comm="other")  # the PID taken by another process...
+    (procs.root / "11" / "stat").write_text(
+        (procs.root / "11" / "stat").read_text().replace(" 1011 ", " 5011 ")  # ...later
+    )
+    assert node.workloads.end_exited() == [10, 11]
+    assert listed(node, 0) == {4242: 8 * GIB}
+
+
+def test_a_declared_process_whose_host_process_exited_while_gpud_was_down_is_gone(
+    tmp_path: Path,
+) -> None:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    procs = Procs(proc)
+    procs.add(10, 1, {"PATH": "/bin"})
+    state = tmp_path / "node.json"
+    node = SimNode([("H100-SXM5-80GB", 1)], proc_root=proc, state_file=state)
+    node.workloads.start(0, 10, 16 * GIB, 0.5)
+    node.workloads.start(0, 4242, 8 * GIB, 0.5)
+    again = SimNode([("H100-SXM5-80GB", 1)], proc_root=proc, state_file=state)
+    again.nvml.nvmlInit()
+    assert listed(again, 0) == {10: 16 * GIB, 4242: 8 * GIB}  # 10 still runs
+    procs.remove(10)
+    third = SimNode([("H100-SXM5-80GB", 1)], proc_root=proc, state_file=state)
+    third.nvml.nvmlInit()
+    assert listed(third, 0) == {4242: 8 * GIB}

@@ -101,8 +101,10 @@ class SimNode:
         self.spec = [(p, n) for p, n in spec]
         self.nvml = FakeNvml(gpus, state_file=state_file, clock=clock, seed=seed)
         self.faults = FaultInjector(self.nvml)
-        self.workloads = Workloads(self.nvml)
+        self.workloads = Workloads(self.nvml, proc_root=proc_root)
         self.jobs = JobWorkloads(self.workloads, proc_root=proc_root)
+        # the declared processes whose host process exited while no daemon ran
+        self.workloads.end_exited()
 
     @property
     def gpu_count(self) -> int:

@@ -47,8 +47,15 @@ from types import SimpleNamespace
 from typing import Any, ClassVar, Final, NamedTuple
 
 from gpud.backend import products
-from gpud.errors import AlreadyExists, ConfigError, NotFound, ResourceExhausted
+from gpud.errors import (
+    AlreadyExists,
+    ConfigError,
+    FailedPrecondition,
+    NotFound,
+    ResourceExhausted,
+)
 from gpud.files import write_atomically
+from gpud.shared import format_number
 
 MiB = 1024 * 1024
 
@@ -390,6 +397,9 @@ class _Proc:
     # the operator's (`gpuctl sim workload start`): kept in the state file, so that it
     # outlives gpud as a CUDA process does; a workload model's is started again each tick
     declared: bool = False
+    # the host process a declared PID was when declared (its start time in /proc), or None:
+    # no such host process then (a made-up PID), and nothing ends it but a stop or a reboot
+    host: str | None = None
 
 
 # What the driver still answers for a GPU that requires a reset: what it learnt when it
@@ -612,6 +622,7 @@ class FakeNvml:
             raise ValueError(f"process {p_d['pid']}: no GPU {index}")
         gpu = self._gpus[index]
         gi, ci = p_d.get("gi"), p_d.get("ci")
+        host = p_d.get("host")
         proc = _Proc(
             int(p_d["pid"]),
             index,
@@ -620,6 +631,7 @@ class FakeNvml:
             int(p_d["used_bytes"]),
             float(p_d["sm_ratio"]),
             declared=True,
+            host=None if host is None else str(host),
         )
         if proc.gi is not None and (proc.gi not in gpu.gis or proc.ci not in gpu.gis[proc.gi].cis):
             return
@@ -685,6 +697,7 @@ class FakeNvml:
                     "ci": p.ci,
                     "used_bytes": p.used_bytes,
                     "sm_ratio": p.sm_ratio,
+                    "host": p.host,
                 }
                 for _, p in sorted(self._procs.items())
                 if p.declared
@@ -1611,17 +1624,22 @@ class FakeNvml:
         *,
         traffic: LinkTraffic | None = None,
         declared: bool = False,
+        host: str | None = None,
     ) -> None:
         """Run ``pid`` on the GPU (or its MIG device), holding ``used_bytes``, keeping
         ``sm_ratio`` of the device's SMs busy and moving ``traffic`` (None: in proportion to
         its SM activity). ``declared``: the operator's, kept in the state file. A process may run on several GPUs (a context on each, as a job
         spanning GPUs has), once per GPU: AlreadyExists when ``pid`` runs there already.
-        ResourceExhausted when the device has not ``used_bytes`` free (as cudaMalloc fails)."""
+        ResourceExhausted when the device has not ``used_bytes`` free (as cudaMalloc fails).
+        FailedPrecondition on a GPU that is lost, requires a reset or hangs (a fault of the
+        device: no CUDA context can be made there). ``host``: see :class:`_Proc`."""
         g = self._gpus[gpu]
         # one critical section from the check to the insert: two starts of one PID at once
         # (the operator's and a workload model's) would otherwise both pass the check, and
         # the second would replace the first's process in _procs but not in g.procs
         with self._lock:
+            if (refusal := self.sim_start_refusal(gpu)) is not None:
+                raise refusal
             if (pid, gpu) in self._procs:
                 raise AlreadyExists(f"pid {pid} already runs on GPU {gpu}")
             gi = ci = None
@@ -1640,12 +1658,31 @@ class FakeNvml:
                     f"out of memory on {where}: {int(used_bytes) >> 20} MiB asked, "
                     f"{(total - used) >> 20} MiB free"
                 )
-            proc = _Proc(pid, gpu, gi, ci, int(used_bytes), float(sm_ratio), traffic, declared)
+            proc = _Proc(
+                pid, gpu, gi, ci, int(used_bytes), float(sm_ratio), traffic, declared, host
+            )
             self._procs[(pid, gpu)] = proc
             g.procs = [*g.procs, proc]
             self._recompute(g)
             if declared:
                 self._persist()
+
+    def sim_start_refusal(self, gpu: int) -> FailedPrecondition | None:
+        """What :meth:`sim_start_process` raises on ``gpu`` for its injected faults (no
+        process starts on a GPU that is lost, requires a reset or hangs), or None."""
+        with self._lock:
+            f = self._faults.get(gpu)
+            if f is None:
+                return None
+            if f.lost:
+                why = "has fallen off the bus (sim fault lost)"
+            elif f.reset_required:
+                why = "requires a reset (sim fault reset-required)"
+            elif f.slow_s:
+                why = f"hangs in every driver call (sim fault slow {format_number(f.slow_s)} s)"
+            else:
+                return None
+        return FailedPrecondition(f"GPU {gpu} {why}: no process starts on it")
 
     def _proc_keys(self, pid: int, gpu: int | None) -> list[tuple[int, int]]:
         return [k for k in self._procs if k[0] == pid and (gpu is None or k[1] == gpu)]
@@ -1689,6 +1726,7 @@ class FakeNvml:
                     float(sm_ratio),
                     traffic,
                     old.declared,
+                    old.host,
                 )
                 self._procs[key] = proc
                 g = self._gpus[proc.gpu]

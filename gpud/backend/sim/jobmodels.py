@@ -28,7 +28,8 @@ A process the operator declared with ``gpuctl sim workload start`` is theirs: th
 leave it alone while it is declared.
 
 Everything stays behind the NVML port: a lost GPU answers nothing (its processes included),
-a reset is refused while processes run, and nothing is started on a GPU that is lost.
+a reset is refused while processes run, and nothing is started on a GPU that is lost,
+requires a reset or hangs (what ran there before the fault stays, as the device's state).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from pathlib import Path
 from typing import Final
 
 from gpud.backend.sim.fakenvml import LinkTraffic
-from gpud.backend.sim.workloads import Workloads
-from gpud.errors import ResourceExhausted
+from gpud.backend.sim.workloads import Workloads, proc_stat
+from gpud.errors import FailedPrecondition, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -173,14 +174,15 @@ class JobWorkloads:
         for d in devices:
             by_job.setdefault(d.job, {}).setdefault(d.gpu, d)
         procs = self._job_processes(set(by_job)) if by_job else {}
-        lost = self._workloads.lost_gpus()
+        faulty = self._workloads.faulty_gpus()
         want: dict[tuple[int, int], Modelled] = {}
         for pid, job in procs.items():
             for d in by_job[job].values():
                 key = (pid, d.gpu)
-                if d.gpu in lost:
+                if d.gpu in faulty:
                     # what ran there stays as it was (the device's state); nothing new
-                    # starts: no CUDA context can be created on a GPU that fell off the bus
+                    # starts: no CUDA context can be created on a GPU that fell off the
+                    # bus, requires a reset or hangs
                     if (old := self._running.get(key)) is not None:
                         want[key] = old
                     continue
@@ -234,10 +236,10 @@ class JobWorkloads:
             started = self._workloads.start_modelled(
                 m.gpu, m.pid, m.used_memory_bytes, m.sm_ratio, m.mig, traffic=m.traffic
             )
-        except (ValueError, ResourceExhausted) as err:
-            # The device changed under the job (a MIG instance went, MIG mode changed), or
-            # its memory is taken: as on a real node, the process cannot run there; try
-            # again next tick.
+        except (ValueError, ResourceExhausted, FailedPrecondition) as err:
+            # The device changed under the job (a MIG instance went, MIG mode changed), its
+            # memory is taken, or a fault came on it: as on a real node, the process cannot
+            # run there; try again next tick.
             log.debug("simulated process %d of job %s not started: %s", m.pid, m.job, err)
             return
         if started:  # else the operator runs it (gpuctl sim workload start): theirs
@@ -290,14 +292,5 @@ def _stat(path: Path) -> tuple[int, str] | None:
     start time, and a child that execs after the fork (as ``gpuctl run``'s does) keeps its
     start time but takes the new program's name. Before that exec its environ is still its
     parent's, so what was read then must not stand for the program it becomes."""
-    try:
-        text = (path / "stat").read_text()
-    except OSError:
-        return None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-    close = text.rfind(")")
-    fields = text[close + 2 :].split()
-    if len(fields) < 20:
-        return None
-    comm = text[text.find("(") + 1 : close]
-    return int(fields[1]), f"{fields[19]} {comm}"
+    st = proc_stat(path)
+    return None if st is None else (st[0], f"{st[1]} {st[2]}")

@@ -3,12 +3,20 @@
 A started process holds device memory and drives the SMs of its GPU or MIG device: it
 appears in ``nvmlDeviceGetComputeRunningProcesses`` and moves memory used, utilization,
 power, temperature, clocks and PCIe/NVLink throughput until it is stopped.
+
+No process starts on a GPU that is lost, requires a reset or hangs (``gpuctl sim fault``):
+the simulated driver refuses it (:class:`gpud.errors.FailedPrecondition`), the operator's
+and the workload models' alike. A process declared with the PID of a live host process
+ends when that process does (:meth:`Workloads.end_exited`), as the driver frees an exiting
+process's memory; one declared with a PID no host process had then (a made-up PID) runs
+until it is stopped or the node reboots.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from gpud.backend.sim.fakenvml import FakeNvml, LinkTraffic
 
@@ -33,8 +41,9 @@ class Workloads:
     (on every GPU), and the models leave it alone from then on (until the operator stops
     it)."""
 
-    def __init__(self, nvml: FakeNvml) -> None:
+    def __init__(self, nvml: FakeNvml, *, proc_root: Path = Path("/proc")) -> None:
         self._nvml = nvml
+        self._proc = proc_root
         self._lock = threading.Lock()
         self._modelled: set[tuple[int, int]] = set()  # (pid, GPU)
 
@@ -48,14 +57,37 @@ class Workloads:
     ) -> None:
         """Run ``pid`` on ``gpu`` (or its MIG device: index or ``MIG-`` UUID).
 
-        ``sm_ratio`` is the share of the device's SMs it keeps busy (0..1).
+        ``sm_ratio`` is the share of the device's SMs it keeps busy (0..1). When ``pid`` is
+        a live host process it ends with it (:meth:`end_exited`). FailedPrecondition on a
+        GPU whose faults keep processes off it (the models' process of ``pid`` stays).
         """
         _check(self._nvml, gpu, used_memory_bytes, sm_ratio)
+        host = start_time(self._proc, pid)
         with self._lock:
+            if (refusal := self._nvml.sim_start_refusal(gpu)) is not None:
+                raise refusal  # before the models' process is taken over
             for key in [k for k in self._modelled if k[0] == pid]:
                 self._modelled.discard(key)
                 self._nvml.sim_stop_process(pid, key[1])
-            self._nvml.sim_start_process(gpu, pid, used_memory_bytes, sm_ratio, mig, declared=True)
+            self._nvml.sim_start_process(
+                gpu, pid, used_memory_bytes, sm_ratio, mig, declared=True, host=host
+            )
+
+    def end_exited(self) -> list[int]:
+        """End the declared processes whose host process has exited (or whose PID another
+        process has taken since), as the driver frees an exiting process's memory; returns
+        their PIDs. Those declared with a PID no host process had are left."""
+        with self._lock:
+            gone = sorted(
+                {
+                    p.pid
+                    for p in self._nvml.sim_processes()
+                    if p.declared and p.host is not None and start_time(self._proc, p.pid) != p.host
+                }
+            )
+            for pid in gone:
+                self._nvml.sim_stop_process(pid)
+            return gone
 
     def stop(self, pid: int) -> bool:
         """Stop ``pid`` (on every GPU); False if it was not running."""
@@ -118,15 +150,42 @@ class Workloads:
                 return False
             return self._nvml.sim_update_process(pid, used_memory_bytes, sm_ratio, traffic, gpu=gpu)
 
-    def lost_gpus(self) -> set[int]:
-        """The GPUs injected as lost (fallen off the bus)."""
-        return {gpu for gpu, f in self._nvml.sim_fault_table().items() if f.lost}
+    def faulty_gpus(self) -> set[int]:
+        """The GPUs whose injected faults keep new processes off them (lost, requiring a
+        reset, hanging)."""
+        return {
+            gpu
+            for gpu in self._nvml.sim_fault_table()
+            if self._nvml.sim_start_refusal(gpu) is not None
+        }
 
     def list(self) -> list[Workload]:
         return [
             Workload(p.pid, p.gpu, p.gi, p.ci, p.used_bytes, p.sm_ratio)
             for p in sorted(self._nvml.sim_processes(), key=lambda p: p.pid)
         ]
+
+
+def proc_stat(path: Path) -> tuple[int, str, str] | None:
+    """(parent PID, start time, name) from ``<path>/stat`` (``path``: ``/proc/<pid>``), or
+    None if it is gone."""
+    try:
+        text = (path / "stat").read_text()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+    close = text.rfind(")")
+    fields = text[close + 2 :].split()
+    if len(fields) < 20:
+        return None
+    return int(fields[1]), fields[19], text[text.find("(") + 1 : close]
+
+
+def start_time(proc_root: Path, pid: int) -> str | None:
+    """When host process ``pid`` started (``/proc/<pid>/stat``), or None: no such process.
+    A PID reused later has another start time."""
+    st = proc_stat(proc_root / str(pid))
+    return None if st is None else st[1]
 
 
 def _check(nvml: FakeNvml, gpu: int, used_memory_bytes: int, sm_ratio: float) -> None:
