@@ -621,11 +621,11 @@ class Board:
         self.writes: list[tuple[str, str]] = []
         self.down = False
 
-    def publish(self, node: str, message: str, since: float) -> None:
+    def publish(self, node: str, message: str, since: float, kind: str) -> None:
         if self.down:
             raise Unavailable("etcd: connection refused")
         self.writes.append(("publish", node))
-        self.entries[node] = Problem(node, message, since)
+        self.entries[node] = Problem(node, message, since, kind)
 
     def clear(self, node: str) -> None:
         if self.down:
@@ -659,7 +659,8 @@ async def test_a_node_that_cannot_report_publishes_why_for_every_node_to_see() -
     await follower.tick()  # peers.leader is None: the leader is unreachable
     assert board.writes == [("publish", "n1")]
     (problem,) = (await leader.status_with_nodes()).problems
-    assert problem == Problem("n1", "leader n0 at a0: UNAVAILABLE", 1.7e9)
+    # with its kind, for scripts to branch on rather than on the message's words
+    assert problem == Problem("n1", "leader n0 at a0: UNAVAILABLE", 1.7e9, "leader_unreachable")
     assert follower.last_error_kind == "leader_unreachable"
     # the same problem is published again only as its lease asks, keeping when it began
     wall.now += 5
