@@ -344,6 +344,10 @@ class ClusterAgent:
                     "compare without case), or this one's previous run until its lease expires",
                     LEADER_KEY_HELD,
                 )
+            elif not info.leader:
+                # none to report to (etcd names no leader): an error about the last one is
+                # no longer the node's problem; the election's detail says why none leads
+                self._set_error(problem, OWN_CERTIFICATE if problem else "")
         self._update_mode(info)
         await self._read_alarms()
         await self._publish_problem()

@@ -310,6 +310,8 @@ def test_out_of_space_keeps_the_leader_says_so_and_recovers_after_the_disarm() -
         client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
         a.step()
         assert a.state().leading
+        b.step()
+        assert b.state().leader == a.node
         _fill(client)
         assert client.alarms() == ("NOSPACE",)
         with pytest.raises(StoreFull, match=r"out of space .*etcdctl alarm disarm"):
@@ -322,6 +324,8 @@ def test_out_of_space_keeps_the_leader_says_so_and_recovers_after_the_disarm() -
             b.step()  # campaigns, refused for space each time, without raising
         state = b.state()
         assert not state.leading and not state.store_ok and state.store_state == "full"
+        # the key is gone with a's lease: a is no longer named, though none can succeed it
+        assert (state.leader, state.address) == ("", "")
         assert "out of space" in state.detail
         _free(etcd, client)
         assert client.alarms() == ()
