@@ -217,7 +217,8 @@ class ClusterAgent:
         self._credential_problem = credential_problem or (lambda now: "")
         self._credential_logged = ""
         self._problems = problems
-        self._published = ""  # the problem last published ("" cleared), and when
+        # the problem last published (message, kind; "" cleared), and when
+        self._published: tuple[str, str] = ("", "")
         self._published_at = 0.0
         self._problem_since = 0.0  # (wall) when last_error took its current text
         self._problem_text = ""
@@ -343,6 +344,10 @@ class ClusterAgent:
                     "compare without case), or this one's previous run until its lease expires",
                     LEADER_KEY_HELD,
                 )
+            elif not info.leader:
+                # none to report to (etcd names no leader): an error about the last one is
+                # no longer the node's problem; the election's detail says why none leads
+                self._set_error(problem, OWN_CERTIFICATE if problem else "")
         self._update_mode(info)
         await self._read_alarms()
         await self._publish_problem()
@@ -452,24 +457,24 @@ class ClusterAgent:
         change, and again every ``REPUBLISH_S`` while it lasts (its lease)."""
         if self._problems is None:
             return
-        message, now = self.last_error, self._wall()
+        message, kind, now = self.last_error, self.last_error_kind, self._wall()
         if message != self._problem_text:
             self._problem_text, self._problem_since = message, now
-        if message == self._published and (
+        if (message, kind) == self._published and (
             not message or now - self._published_at < problems.REPUBLISH_S
         ):
             return
         try:
             if message:
                 await asyncio.to_thread(
-                    self._problems.publish, self.node, message, self._problem_since
+                    self._problems.publish, self.node, message, self._problem_since, kind
                 )
             else:
                 await asyncio.to_thread(self._problems.clear, self.node)
         except GpudError as err:  # etcd unreachable: the election's detail says so
             log.debug("cluster: cannot publish this node's problem: %s", err)
             return
-        self._published, self._published_at = message, now
+        self._published, self._published_at = (message, kind), now
 
     async def close(self) -> None:
         """A clean stop: withdraw this node's published problem at once, so that no node

@@ -157,7 +157,9 @@ def status_to_pb(s: ClusterStatus) -> pb.GetClusterStatusResponse:
         nodes=[_node_to_pb(n) for n in s.nodes],
         last_error=s.last_error,
         problems=[
-            pb.ClusterProblem(node=p.node, message=p.message, since_unix_seconds=p.since)
+            pb.ClusterProblem(
+                node=p.node, message=p.message, since_unix_seconds=p.since, kind=p.kind
+            )
             for p in s.problems
         ],
         etcd_alarms=s.etcd_alarms,

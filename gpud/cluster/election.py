@@ -321,13 +321,11 @@ class EtcdElection:
                 self._note_refusal(why)
                 if why:
                     with self._lock:
-                        changed = bool(self._leader)
-                        self._leader = self._leader_address = ""
                         self._store_state = STORE_OK
                         self._detail = why
-                    if changed:
-                        self.on_change()
+                    self._forget_leader()
                     return
+                self._forget_leader()
                 self._campaign()
                 return
             self._watch_revision = kv.mod_revision
@@ -358,6 +356,15 @@ class EtcdElection:
         if changed:
             self.on_change()
             log.info("cluster leader is %s (epoch %d)", leader or "?", kv.create_revision)
+
+    def _forget_leader(self) -> None:
+        """The leader key is gone: its leader no longer leads, whether or not a campaign
+        follows and succeeds (etcd out of space or refusing writes lets none in)."""
+        with self._lock:
+            changed = bool(self._leader)
+            self._leader = self._leader_address = ""
+        if changed:
+            self.on_change()
 
     def _campaign(self) -> None:
         sent = self._clock()

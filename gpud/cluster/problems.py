@@ -3,12 +3,14 @@
 A node that cannot reach the leader, or whose report or certificate the leader refuses,
 is the one that knows why (the leader's TLS stack sees only a failed handshake). So each
 node publishes its own ``last_error`` in etcd, ``<prefix>/problems/<node>`` = ``{"message":
-..., "since": <Unix time>, "for_s": <seconds it has lasted>}`` (``etcdctl get --prefix
+..., "kind": ..., "since": <Unix time>, "for_s": <seconds it has lasted>}`` (``etcdctl get --prefix
 <prefix>/problems/``), on a lease of ``ttl_s`` renewed by publishing again, and deletes it
 once the problem is gone. The entry keeps one lease for as long as it lasts (``etcdctl
 lease list``: one per node with a problem); a clean stop revokes it, so the entry goes at
 once, and a node killed (or cut off from etcd) drops out when the lease expires.
-``gpuctl cluster status`` on any node lists them.
+``gpuctl cluster status`` on any node lists them. ``kind`` is the node's
+``last_error_kind`` (``leader_unreachable``, ``tls_handshake``...), for scripts to branch
+on rather than on the message's words; an entry of an older gpud has none (read as None).
 
 Nodes' clocks may disagree by hours, so a reader does not take ``since`` as it stands: it
 takes ``for_s`` at the write, plus how long ago the write was (the lease renewed with it
@@ -38,10 +40,11 @@ class Problem:
     node: str
     message: str
     since: float  # Unix time it began, by the reader's clock
+    kind: str | None = None  # its last_error_kind (None: published by an older gpud)
 
 
 class ProblemBoard(Protocol):
-    def publish(self, node: str, message: str, since: float) -> None: ...
+    def publish(self, node: str, message: str, since: float, kind: str) -> None: ...
 
     def clear(self, node: str) -> None: ...
 
@@ -69,7 +72,7 @@ class EtcdProblemBoard:
         self._wall = wall
         self._leases: dict[str, int] = {}  # node -> the lease its entry is on
 
-    def publish(self, node: str, message: str, since: float) -> None:
+    def publish(self, node: str, message: str, since: float, kind: str) -> None:
         # Renew the entry's lease rather than grant one per publish: every grant would
         # leave the previous lease alive, keyless, for the rest of its TTL.
         lease = self._leases.get(node, 0)
@@ -80,7 +83,7 @@ class EtcdProblemBoard:
             self._leases[node] = lease
         # for_s by this node's clock alone, so that a reader need not share it
         lasted = max(0.0, self._wall() - since)
-        value = json.dumps({"message": message, "since": since, "for_s": lasted})
+        value = json.dumps({"message": message, "kind": kind, "since": since, "for_s": lasted})
         self._client.put(self._prefix + node, value, lease=lease)
 
     def clear(self, node: str) -> None:
@@ -105,12 +108,14 @@ class EtcdProblemBoard:
                 data = json.loads(kv.value)
                 message, since = str(data["message"]), float(data["since"])
                 lasted = data.get("for_s")
+                kind = data.get("kind")
             except (ValueError, KeyError, TypeError):
                 log.debug("cluster: unreadable problem entry %s", key)
                 continue
             if isinstance(lasted, int | float) and not isinstance(lasted, bool):
                 since = self._wall() - float(lasted) - self._written_ago(kv)
-            out.append(Problem(key.removeprefix(self._prefix), message, since))
+            kind = kind if isinstance(kind, str) else None  # an older gpud writes none
+            out.append(Problem(key.removeprefix(self._prefix), message, since, kind))
         return out
 
     def _written_ago(self, kv: KeyValue) -> float:

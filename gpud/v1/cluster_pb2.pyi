@@ -547,21 +547,29 @@ class ClusterProblem(_message.Message):
     NODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     SINCE_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     message: _builtins.str
     since_unix_seconds: _builtins.float
+    kind: _builtins.str
+    """what message is, as the node's last_error_kind (leader_unreachable, tls_handshake...):
+    for scripts to branch on. Absent from a node of an older gpud, which publishes none.
+    """
     def __init__(
         self,
         *,
         node: _builtins.str = ...,
         message: _builtins.str = ...,
         since_unix_seconds: _builtins.float = ...,
+        kind: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_kind", b"_kind", "kind", b"kind"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "node", b"node", "since_unix_seconds", b"since_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kind", b"_kind", "kind", b"kind", "message", b"message", "node", b"node", "since_unix_seconds", b"since_unix_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__kind: _TypeAlias = _typing.Literal["kind"]  # noqa: Y015
+    _WhichOneofArgType__kind: _TypeAlias = _typing.Literal["_kind", b"_kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__kind) -> _WhichOneofReturnType__kind | None: ...
 
 Global___ClusterProblem: _TypeAlias = ClusterProblem  # noqa: Y015
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import subprocess
@@ -208,18 +209,23 @@ def test_nodes_problems_are_published_read_and_cleared_in_etcd(etcd: LocalEtcd) 
     client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
     prefix = f"/gpud-test-{time.monotonic_ns()}"
     board = EtcdProblemBoard(client, prefix=prefix, ttl_s=5)
-    board.publish("n2", "leader n0 at a0: UNAVAILABLE", 1.7e9)
-    board.publish("n1", "refused", 1.6e9)
+    board.publish("n2", "leader n0 at a0: UNAVAILABLE", 1.7e9, "leader_unreachable")
+    board.publish("n1", "refused", 1.6e9, "tls_handshake")
     client.put(f"{prefix}/problems/n9", "not json")  # an unreadable entry is skipped
+    # an older gpud's entry: no kind, no for_s
+    client.put(f"{prefix}/problems/n3", json.dumps({"message": "old", "since": 1.5e9}))
     assert board.read() == [
-        Problem("n1", "refused", pytest.approx(1.6e9, abs=2)),
-        Problem("n2", "leader n0 at a0: UNAVAILABLE", pytest.approx(1.7e9, abs=2)),
+        Problem("n1", "refused", pytest.approx(1.6e9, abs=2), "tls_handshake"),
+        Problem(
+            "n2", "leader n0 at a0: UNAVAILABLE", pytest.approx(1.7e9, abs=2), "leader_unreachable"
+        ),
+        Problem("n3", "old", 1.5e9, None),
     ]
     kv = client.get(f"{prefix}/problems/n2")
     assert kv is not None and kv.lease != 0  # it goes with its lease when n2 stops
     board.clear("n2")
     board.clear("n2")  # twice is fine
-    assert [p.node for p in board.read()] == ["n1"]
+    assert [p.node for p in board.read()] == ["n1", "n3"]
 
 
 def test_a_problems_start_is_read_in_the_readers_clock_whatever_the_publishers(
@@ -238,7 +244,9 @@ def test_a_problems_start_is_read_in_the_readers_clock_whatever_the_publishers(
             return time.time() + skew_s
 
         board = EtcdProblemBoard(client, prefix=prefix, ttl_s=30, wall=skewed)
-        board.publish(node, "leader n0 at a0: UNAVAILABLE", skewed() - lasted_s)
+        board.publish(
+            node, "leader n0 at a0: UNAVAILABLE", skewed() - lasted_s, "leader_unreachable"
+        )
     time.sleep(1.2)  # read a while after the writes, as gpuctl would
     ages = {p.node: time.time() - p.since for p in EtcdProblemBoard(client, prefix=prefix).read()}
     assert ages == {
@@ -253,9 +261,11 @@ def test_a_clean_stop_drops_the_nodes_problem_at_once_on_its_one_lease(etcd: Loc
     client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
     prefix = f"/gpud-test-{time.monotonic_ns()}"
     board = EtcdProblemBoard(client, prefix=prefix, ttl_s=30)
-    board.publish("n4", "leader n0 at a0: UNAVAILABLE", 1.7e9)
+    board.publish("n4", "leader n0 at a0: UNAVAILABLE", 1.7e9, "leader_unreachable")
     first = client.get(f"{prefix}/problems/n4")
-    board.publish("n4", "leader n0 at a0: UNAVAILABLE", 1.7e9)  # republished: its lease renewed
+    board.publish(
+        "n4", "leader n0 at a0: UNAVAILABLE", 1.7e9, "leader_unreachable"
+    )  # again: its lease renewed
     again = client.get(f"{prefix}/problems/n4")
     assert first is not None and again is not None and again.lease == first.lease
     leases = client._post("/lease/leases", {}).get("leases") or []
@@ -263,7 +273,7 @@ def test_a_clean_stop_drops_the_nodes_problem_at_once_on_its_one_lease(etcd: Loc
     board.close()  # a clean stop: gone now, not in 30 s
     assert client.get(f"{prefix}/problems/n4") is None
     assert not client._post("/lease/leases", {}).get("leases")
-    board.publish("n4", "again", 1.7e9)
+    board.publish("n4", "again", 1.7e9, "leader_unreachable")
     board.clear("n4")  # a problem gone: the entry and its lease with it
     assert client.get(f"{prefix}/problems/n4") is None
     assert not client._post("/lease/leases", {}).get("leases")
@@ -300,6 +310,8 @@ def test_out_of_space_keeps_the_leader_says_so_and_recovers_after_the_disarm() -
         client = EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,), timeout_s=2.0))
         a.step()
         assert a.state().leading
+        b.step()
+        assert b.state().leader == a.node
         _fill(client)
         assert client.alarms() == ("NOSPACE",)
         with pytest.raises(StoreFull, match=r"out of space .*etcdctl alarm disarm"):
@@ -312,6 +324,8 @@ def test_out_of_space_keeps_the_leader_says_so_and_recovers_after_the_disarm() -
             b.step()  # campaigns, refused for space each time, without raising
         state = b.state()
         assert not state.leading and not state.store_ok and state.store_state == "full"
+        # the key is gone with a's lease: a is no longer named, though none can succeed it
+        assert (state.leader, state.address) == ("", "")
         assert "out of space" in state.detail
         _free(etcd, client)
         assert client.alarms() == ()

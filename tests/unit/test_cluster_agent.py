@@ -621,11 +621,11 @@ class Board:
         self.writes: list[tuple[str, str]] = []
         self.down = False
 
-    def publish(self, node: str, message: str, since: float) -> None:
+    def publish(self, node: str, message: str, since: float, kind: str) -> None:
         if self.down:
             raise Unavailable("etcd: connection refused")
         self.writes.append(("publish", node))
-        self.entries[node] = Problem(node, message, since)
+        self.entries[node] = Problem(node, message, since, kind)
 
     def clear(self, node: str) -> None:
         if self.down:
@@ -659,7 +659,8 @@ async def test_a_node_that_cannot_report_publishes_why_for_every_node_to_see() -
     await follower.tick()  # peers.leader is None: the leader is unreachable
     assert board.writes == [("publish", "n1")]
     (problem,) = (await leader.status_with_nodes()).problems
-    assert problem == Problem("n1", "leader n0 at a0: UNAVAILABLE", 1.7e9)
+    # with its kind, for scripts to branch on rather than on the message's words
+    assert problem == Problem("n1", "leader n0 at a0: UNAVAILABLE", 1.7e9, "leader_unreachable")
     assert follower.last_error_kind == "leader_unreachable"
     # the same problem is published again only as its lease asks, keeping when it began
     wall.now += 5
@@ -683,6 +684,30 @@ async def test_a_node_that_cannot_report_publishes_why_for_every_node_to_see() -
     assert board.writes[-1] == ("clear", "n1") and board.entries == {}
     await follower.tick()
     assert board.writes.count(("clear", "n1")) == 1
+
+
+async def test_a_leader_gone_from_etcd_leaves_no_error_about_reporting_to_it() -> None:
+    # The dead leader's key is gone and none can be elected (etcd out of space): the node
+    # names no leader, so an error about reporting to the dead one would send the operator
+    # after a node that is not meant to lead any more, and keep it listed as a problem.
+    clock, wall, peers, board = Clock(), Clock(), LoopbackPeers(), Board()
+    wall.now = 1.7e9
+    follower = agent(
+        "n1",
+        LeaderInfo("n0", "a0", epoch=3, leading=False),
+        FakeTraffic((job("a", 0.5),)),
+        peers,
+        clock,
+        problems=board,
+        wall=wall,
+    )
+    await follower.tick()  # n0 is dead: unreachable
+    assert follower.last_error_kind == "leader_unreachable" and "n1" in board.entries
+    assert isinstance(follower.election, FixedElection)
+    follower.election.info = LeaderInfo("", "", epoch=3, leading=False, store_state="full")
+    await follower.tick()
+    assert (follower.last_error, follower.last_error_kind) == ("", "")
+    assert board.entries == {}
 
 
 async def test_a_leader_that_resumes_its_epoch_after_a_late_renewal_is_still_followed() -> None:

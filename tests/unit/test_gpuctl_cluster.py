@@ -165,7 +165,12 @@ def test_a_failed_tls_handshake_shows_in_one_line_and_in_full_in_json() -> None:
         mode="holding",
         last_order_age_seconds=10.0,
         last_error=TLS_ERROR,
-        problems=[pb.ClusterProblem(node="n4", message=TLS_ERROR, since_unix_seconds=time.time())],
+        problems=[
+            pb.ClusterProblem(
+                node="n4", message=TLS_ERROR, since_unix_seconds=time.time(), kind="tls_handshake"
+            ),
+            pb.ClusterProblem(node="n5", message="older", since_unix_seconds=time.time()),
+        ],
     )
     text = status(response)
     short = (
@@ -181,6 +186,8 @@ def test_a_failed_tls_handshake_shows_in_one_line_and_in_full_in_json() -> None:
     data = json.loads(ctx.text.getvalue())
     assert data["last_error"] == TLS_ERROR
     assert data["problems"][0]["message"] == TLS_ERROR
+    # what each problem is, for scripts; null from a node of an older gpud
+    assert [p["kind"] for p in data["problems"]] == ["tls_handshake", None]
 
 
 def test_an_etcd_that_refuses_is_not_called_unreachable() -> None:
