@@ -47,6 +47,7 @@ from gpud.colo.api import ColoServicer, Registered
 from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import ColoService, RunningJob
 from gpud.config import ClusterConfig, Config, TrafficConfig, parse_address, socket_gid
+from gpud.dirlock import DirLocks
 from gpud.errors import ConfigError, GpudError, Unavailable
 from gpud.events import EventLog
 from gpud.jobs.api import JobsServicer
@@ -267,13 +268,16 @@ class Daemon:
         reload_config: Callable[[], Config] | None = None,
         clock: Callable[[], float] = time.monotonic,
         build: str | None = None,
+        dir_locks: DirLocks | None = None,
     ) -> None:
         """``mps_control_command``: the MPS control daemon to run (default
         ``mps.control_binary``); ``mps_cgroups``: where each MPS control daemon gets a cgroup
         of its own, so that it outlives gpud's stop under systemd (None: they stay in gpud's,
         for the reason ``no_mps_cgroups``, said once in the log); ``build``: the identity of
-        the code it runs (default :func:`gpud.build.current`, computed now)."""
+        the code it runs (default :func:`gpud.build.current`, computed now); ``dir_locks``:
+        the ``gpud.lock`` files held, made again by the loop when they are removed."""
         self.config = config
+        self._dir_locks = dir_locks
         self.build = build_id.current() if build is None else build
         self.backend = backend
         self.sim = sim
@@ -475,8 +479,13 @@ class Daemon:
         return {g.identity.index: g.reason for g in snap.gpus if not g.healthy} if snap else {}
 
     async def _socket_step(self) -> None:
-        """The API's socket bound again when it was removed while gpud runs."""
+        """The run directory's files made again when they were removed while gpud runs
+        (``rm -rf /run/gpud``): ``gpud.lock`` first, so that a second gpud started now is
+        refused as "already running", then the API's socket, and a simulated node's state."""
+        again = self._dir_locks.keep() if self._dir_locks is not None else []
         await self.api.keep_socket()
+        if self.sim is not None and self.config.daemon.run_dir in again:
+            self.sim.nvml.sim_persist()
 
     async def _mig_step(self) -> None:
         """The MIG reconcile; where it changed a layout, a sample out of turn, so that the

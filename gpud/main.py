@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import resource
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from gpud import __version__, config, files, logsetup
 from gpud import build as build_id
 from gpud.backend.products import PRODUCTS
+from gpud.dirlock import DirLocks
 from gpud.errors import ConfigError, DriverNotLoaded, GpudError, NoPermission
 from gpud.notify import Notifier
 
@@ -123,43 +123,14 @@ def check_private(path: Path, st: os.stat_result, key: str, *, euid: int) -> Non
         )
 
 
-LOCK_NAME = "gpud.lock"
-
-
-def lock_dirs(cfg: config.Config) -> list[int]:
-    """Hold ``gpud.lock`` in the state and run directories (``flock``, released when the
-    process ends, ``kill -9`` included) so that a second gpud on the same directories stops
-    before it touches the GPUs, the state or the sockets. Returns the descriptors to keep
-    open; a ConfigError naming the key and the holder's pid when another process holds one."""
-    held: list[int] = []
-    dirs = {cfg.daemon.state_dir: "daemon.state_dir"}
-    dirs.setdefault(cfg.daemon.run_dir, "daemon.run_dir")
-    for path, key in dirs.items():
-        lock = path / LOCK_NAME
-        try:
-            # never through a link: the file is truncated below
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError as err:
-            raise ConfigError(f"cannot open {lock}: {err.strerror or err}", key=key) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            for other in held:
-                os.close(other)
-            raise ConfigError(
-                f"another gpud (pid {holder}) holds {lock}: is gpud already running?", key=key
-            ) from None
-        held.append(fd)
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError as err:  # a full disk
-            for other in held:
-                os.close(other)
-            raise ConfigError(f"cannot write {lock}: {err.strerror or err}", key=key) from None
-    return held
+def lock_dirs(cfg: config.Config) -> DirLocks:
+    """Hold ``gpud.lock`` in the state and run directories (:mod:`gpud.dirlock`) so that a
+    second gpud on the same directories stops before it touches the GPUs, the state or the
+    sockets; a ConfigError naming the key and the holder's pid when another process holds
+    one."""
+    dirs = {cfg.daemon.state_dir: ("daemon.state_dir", files.STATE_DIR_MODE)}
+    dirs.setdefault(cfg.daemon.run_dir, ("daemon.run_dir", files.RUN_DIR_MODE))
+    return DirLocks.take(dirs)
 
 
 def open_backend(cfg: config.Config, *, nvml: Any = None) -> tuple[GpuBackend, SimNode | None]:
@@ -468,16 +439,22 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
         print(f"gpud: {err}", file=sys.stderr)
         return 1
     try:
-        code = run(cfg, args, nvml=nvml)
+        code = run(cfg, args, nvml=nvml, locks=locks)
     finally:
-        for fd in locks:
-            os.close(fd)
+        locks.close()
     exit_leaving_stuck_threads(code)
     return code
 
 
-def run(cfg: config.Config, args: argparse.Namespace, *, nvml: Any = None) -> int:
-    """Open the backend and run the daemon until it stops; its exit status."""
+def run(
+    cfg: config.Config,
+    args: argparse.Namespace,
+    *,
+    nvml: Any = None,
+    locks: DirLocks | None = None,
+) -> int:
+    """Open the backend and run the daemon until it stops (holding ``locks`` in its
+    directories); its exit status."""
     logsetup.configure(cfg.daemon.log_level, journald="JOURNAL_STREAM" in os.environ)
     for warning in readable_secrets(cfg):
         log.warning("%s", warning)
@@ -501,6 +478,7 @@ def run(cfg: config.Config, args: argparse.Namespace, *, nvml: Any = None) -> in
             no_mps_cgroups=no_cgroups,
             notifier=Notifier.from_environ(os.environ),
             reload_config=lambda: load_config(args),
+            dir_locks=locks,
         )
         return serve_until_stopped(daemon.run())
     except ConfigError as err:  # what the operator must change: no restart mends it

@@ -118,12 +118,13 @@ class ApiServer:
         self._server: Any = None
         self._tcp_server: Any = None
         self._health: Any = None
-        self._socket_inode: int | None = None
-        # keep_socket's: servers bound at the socket path itself, kept until the stop (gRPC
-        # would remove the path, their successor's file, as they stop): start()'s
+        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the file bound
+        # servers bound at the socket path itself (no room for a temporary name: _bind),
+        # kept until the stop (gRPC would remove the path, their successor's file, as they
+        # stop)
         self._kept: list[Any] = []
         self._at_path = True  # the serving one is bound at the path itself
-        self._binds = 0  # keep_socket's binds, which number the temporary names
+        self._binds = 0  # the binds, which number the temporary names
         self._retired: Any = None  # the one that served until the file was removed last
         # servers on files removed before, stopping (RETIRED_GRACE_S), and their tasks
         self._stopping: dict[asyncio.Task[None], Any] = {}
@@ -183,8 +184,16 @@ class ApiServer:
             ]
             tcp = self._new_server(self.tcp_max_calls, keepalive)
         try:
-            if server.add_insecure_port(f"unix:{path}") == 0:
-                raise RuntimeError("port 0")
+            at_path = await self._bind(server)
+        except FileExistsError:  # another gpud bound it since the check above
+            await _stop_all((server, tcp), None)
+            raise FailedPrecondition(
+                f"another process is serving on {path}: is gpud already running?"
+            ) from None
+        except (OSError, GpudError) as err:
+            await _stop_all((server, tcp), None)
+            raise GpudError(f"gRPC server cannot listen on {path}: {err}") from err
+        try:
             if tcp is not None and self.tcp_address is not None:
                 if self._tcp_credentials is not None:
                     port = tcp.add_secure_port(self.tcp_address, self._tcp_credentials)
@@ -198,20 +207,19 @@ class ApiServer:
                     log.warning("%s", warning)
         except RuntimeError as err:
             await _stop_all((server, tcp), None)
-            path.unlink(missing_ok=True)
+            self._remove_own_socket()
             raise GpudError(
                 f"gRPC server cannot listen on {path} / {self.tcp_address}: {err}"
             ) from err
-        await server.start()
         if tcp is not None:
             await tcp.start()
         try:
             self._own_socket(gid)
         except OSError as err:
             await _stop_all((server, tcp), None)
-            path.unlink(missing_ok=True)
+            self._remove_own_socket()
             raise GpudError(f"cannot set mode/group of {path}: {err}") from err
-        self._server, self._tcp_server, self._at_path = server, tcp, True
+        self._server, self._tcp_server, self._at_path = server, tcp, at_path
         await self.set_serving(True)
         log.info(
             "gRPC API on %s (mode %o, group %s)%s",
@@ -222,14 +230,54 @@ class ApiServer:
         )
 
     def _own_socket(self, gid: int | None) -> None:
-        """Give the socket just bound its mode and group, and note its inode. gRPC creates
+        """Give the socket just bound its mode and group. gRPC creates
         it with the process umask (0027 under systemd, at least 0022 from gpud's main: no
         one but root may connect until then, so group members cannot yet); the mode and
         group are set right after the bind."""
         os.chmod(self.socket_path, SOCKET_MODE)
         if gid is not None:
             os.chown(self.socket_path, -1, gid, follow_symlinks=False)  # never a planted link
-        self._socket_inode = self.socket_path.stat().st_ino
+
+    def _remove_own_socket(self) -> None:
+        """Remove the socket file if it is still the one this server bound: another gpud
+        may have bound its own there since (the run directory removed and made again)."""
+        with contextlib.suppress(FileNotFoundError):
+            st = self.socket_path.lstat()
+            if (st.st_dev, st.st_ino) == self._socket_id:
+                self.socket_path.unlink()
+
+    async def _bind(self, server: Any) -> bool:
+        """Bind ``server`` to the socket path and start it; True when it is bound at the
+        path itself (no room for a temporary name), False when at a temporary name.
+
+        gRPC removes the file of a unix listener as it closes it, by its path: a server
+        bound at the socket path itself would remove whatever is there as it stops (a
+        newer gpud's socket, or the one bound again by :meth:`keep_socket`). So it binds a
+        temporary name beside it (``.gpud.sock.N~``), which is then linked to the path
+        (never over a file put there meanwhile: FileExistsError) and removed, and is the
+        name gRPC removes later."""
+        path = self.socket_path
+        self._binds += 1  # a name of its own each time: a server stopping removes its name
+        temp = path.with_name(f".{path.name}.{self._binds}~")
+        at_path = len(os.fsencode(temp)) > MAX_UNIX_PATH
+        bind = path if at_path else temp
+        bind.unlink(missing_ok=True)  # a gpud that died between its bind and link left it
+        if server.add_insecure_port(f"unix:{bind}") == 0:
+            await server.stop(None)
+            bind.unlink(missing_ok=True)
+            raise GpudError(f"gRPC server cannot listen on {bind}")
+        await server.start()
+        if not at_path:
+            try:
+                os.link(temp, path)
+            except OSError:
+                await server.stop(None)
+                raise
+            finally:
+                temp.unlink(missing_ok=True)
+        st = path.lstat()
+        self._socket_id = (st.st_dev, st.st_ino)
+        return at_path
 
     async def keep_socket(self) -> bool:
         """Bind the unix socket again when its file is gone (``rm`` of it or of the run
@@ -239,16 +287,11 @@ class ApiServer:
         one before keeps serving the connections it has (a ``gpuctl run`` waiting in the
         queue) until gpud stops or the file is removed again: then it stops, in the
         background, with ``RETIRED_GRACE_S`` for its calls to end, so that a cleaner
-        removing the file over and over keeps at most one such server (and the first one,
-        :meth:`start`'s, kept until gpud stops: see below). Something else in the socket's
-        place (a file, another process's socket) is left alone. True when it bound again;
-        OSError or GpudError when it cannot (said by the caller, tried again at its next
-        call).
-
-        gRPC removes the file of a unix listener as it closes it, by its path: a server
-        bound at the socket path itself would remove its successor's file as it stops.
-        So the new server binds a temporary name beside it (``.gpud.sock.N~``), which is
-        then linked to the path and removed, and is the name gRPC removes later."""
+        removing the file over and over keeps at most one such server (one bound at the
+        path itself, see :meth:`_bind`, is kept until gpud stops). Something else in the
+        socket's place (a file, another process's socket) is left alone. True when it bound
+        again; OSError or GpudError when it cannot (said by the caller, tried again at its
+        next call)."""
         if self._server is None:
             return False
         path = self.socket_path
@@ -259,28 +302,13 @@ class ApiServer:
             pass
         files.make_dirs(path.parent, files.RUN_DIR_MODE)
         gid = self._group_id()
-        # a name of its own each time: a server stopping removes its name at some point
-        self._binds += 1
-        temp = path.with_name(f".{path.name}.{self._binds}~")
-        at_path = len(os.fsencode(temp)) > MAX_UNIX_PATH  # no room for the temporary name
-        bind = path if at_path else temp
-        bind.unlink(missing_ok=True)  # a gpud that died between its bind and link left it
         server = self._new_server(None)
-        if server.add_insecure_port(f"unix:{bind}") == 0:
-            await server.stop(None)
-            raise GpudError(f"gRPC server cannot listen on {path} again")
-        await server.start()
+        at_path = await self._bind(server)
         try:
-            if not at_path:
-                try:
-                    os.link(temp, path)  # never over a file put there meanwhile
-                finally:
-                    temp.unlink(missing_ok=True)
             self._own_socket(gid)
         except OSError:
             await server.stop(None)
-            if bind == path:
-                path.unlink(missing_ok=True)
+            self._remove_own_socket()
             raise
         previous, self._server = self._server, server
         if self._at_path:
@@ -353,10 +381,7 @@ class ApiServer:
         # those stopping already: stopped again with ``grace``, the more pressing of the two
         await _stop_all((server, tcp, retired, *kept, *stopping.values()), grace)
         await asyncio.gather(*stopping, return_exceptions=True)
-        with contextlib.suppress(FileNotFoundError):
-            # only our own socket: a newer daemon may have replaced it already
-            if self.socket_path.stat().st_ino == self._socket_inode:
-                self.socket_path.unlink()
+        self._remove_own_socket()  # only our own: a newer gpud may have bound its own there
         log.info("gRPC API stopped")
 
     async def wait_for_termination(self) -> None:

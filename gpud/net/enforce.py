@@ -191,6 +191,7 @@ class FakeMarker:
 
     marks: set[CgroupMark] = field(default_factory=set)
     fail: str = ""
+    table: bool = False  # gpud's table is there (a sync creates it)
 
     def sync(self, marks: Iterable[CgroupMark]) -> MarkSync:
         if self.fail:
@@ -199,9 +200,10 @@ class FakeMarker:
         added = tuple(sorted(m.job for m in want - self.marks))
         removed = tuple(sorted(m.job for m in self.marks - want))
         self.marks = want
-        return MarkSync(False, added, removed)
+        created, self.table = not self.table, True
+        return MarkSync(created, added, removed)
 
     def delete(self) -> bool:
-        had = bool(self.marks)
-        self.marks = set()
+        had = self.table
+        self.marks, self.table = set(), False
         return had

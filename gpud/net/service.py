@@ -18,12 +18,13 @@ the others stay enforced. A missing ``nft`` is the marking's error, nothing else
 
 Restarts: the kernel keeps the last tree and the nftables table (``kill -9`` included).
 The next start reads them back and adopts them: levels found in the kernel hold for jobs
-whose progress is not known again yet, so nothing is rebuilt or reshuffled. On a clean
-stop, ``traffic.shutdown = "fail-static"`` (the default) leaves everything in force;
-``"restore"`` deletes gpud's root qdisc and table and re-installs the root the interface
-had before gpud first took it (:class:`gpud.net.shaped.ShapedInterfaces` keeps it across
-restarts). An interface an earlier run shaped that is no longer configured loses gpud's
-root at start.
+whose progress is not known again yet, so nothing is rebuilt or reshuffled; the first pass
+removes what belonged to jobs gone meanwhile and says what it kept and removed (event
+``net.takeover``). On a clean stop, ``traffic.shutdown = "fail-static"`` (the default)
+leaves everything in force; ``"restore"`` deletes gpud's root qdisc and table and
+re-installs the root the interface had before gpud first took it
+(:class:`gpud.net.shaped.ShapedInterfaces` keeps it across restarts). An interface an
+earlier run shaped that is no longer configured loses gpud's root at start.
 
 Thread-safety: reports and API calls come from gRPC worker threads, the tick from the loop's
 worker thread; one lock guards the state, another the nftables table, whose ``nft`` runs
@@ -281,6 +282,11 @@ class TrafficService:
         self._order: dict[str, int] | None = None
         self._epoch = 0
         self._adopted: dict[str, int] = {}  # levels found in the kernel at start
+        # gpud's tc objects found at start per interface, and whether gpud's nftables table
+        # is still to be found: the first pass that enforces them says what it kept and
+        # removed of what the run before left (event net.takeover)
+        self._found: dict[str, int] = {}
+        self._marks_found = False
         # job -> the level class its leaf sits under: a level change only changes the
         # leaf's prio, in place (see netshaper.tcplan)
         self._homes: dict[str, int] = {}
@@ -1067,9 +1073,12 @@ class TrafficService:
                     self._fail(self._ifaces[iface], _describe(iface, found))
                     continue
                 self._originals[iface] = self._original(iface, found.original)
+                if found.original is None and found.state.root is not None:  # gpud's tree
+                    self._found[iface] = _objects(found.state)
                 adopted.update(self._levels_in(found.state, tags))
                 self._homes.update(self._levels_in(found.state, tags, homes=True))
             self._adopted = adopted
+            self._marks_found = True
             # what the kernel enforces until the first tick decides: without it a job found
             # at its level reads as in the default class (no level) meanwhile
             self._levels = dict(adopted)
@@ -1184,7 +1193,10 @@ class TrafficService:
                 self._fail(status, _describe(iface, res.error))
                 continue
             self._applied[iface] = want
-            if unchanged and res.ops:
+            found = self._found.pop(iface, None)
+            if found is not None:
+                self._say_adopted_tc(iface, found, res.ops)
+            elif unchanged and res.ops:
                 status.repairs += 1
                 self._events.emit(
                     "net.drift",
@@ -1214,6 +1226,28 @@ class TrafficService:
                     self._counters.setdefault((iface, job), _Counter()).add(
                         raw.bytes, raw.packets, raw.drops
                     )
+
+    def _say_adopted_tc(self, iface: str, found: int, ops: Sequence[str]) -> None:
+        """The first pass that enforced ``iface`` since the start, on the ``found`` objects
+        of gpud's tree the run before left: what it kept, removed (stale: a job gone
+        meanwhile), changed and added (event ``net.takeover``)."""
+        verbs = [op.split()[1] if len(op.split()) > 1 else "" for op in ops]
+        removed = verbs.count("del")
+        changed = verbs.count("change") + verbs.count("replace")
+        added = len(verbs) - removed - changed
+        stale = [op for op, verb in zip(ops, verbs, strict=True) if verb == "del"]
+        self._events.emit(
+            "net.takeover",
+            f"{iface}: took over gpud's tc tree from before the start: kept"
+            f" {found - removed} of {found} object(s), removed {removed} stale"
+            + (f" ({'; '.join(stale)[:300]})" if stale else "")
+            + f", changed {changed}, added {added}",
+            interface=iface,
+            kept=found - removed,
+            removed=removed,
+            changed=changed,
+            added=added,
+        )
 
     def _fail(self, status: InterfaceStatus, message: str) -> None:
         """``status`` is not enforced, because of ``message``. One event when it breaks
@@ -1260,6 +1294,19 @@ class TrafficService:
             self._marking_error = message
             self._marking_ok = False
             return
+        found, self._marks_found = self._marks_found, False
+        if found and not result.created:
+            kept = len(marks) - len(result.added)
+            self._events.emit(
+                "net.takeover",
+                f"nftables: took over gpud's table from before the start: kept {kept}"
+                f" rule(s), removed {len(result.removed)} stale, added {len(result.added)}",
+                interface="",
+                kept=kept,
+                removed=len(result.removed),
+                changed=0,
+                added=len(result.added),
+            )
         if self._marking_error:
             # the pair of the net.marking_error event: the log says when marking came back
             log.info("traffic: nftables marking in force again")
@@ -1377,3 +1424,15 @@ def _describe(iface: str, err: Exception) -> str:
         return f"{iface}: no such interface"
     text = str(err) or type(err).__name__
     return text if text.startswith(iface) else f"{iface}: {text}"
+
+
+def _objects(state: tcplan.InterfaceState) -> int:
+    """The tc objects of gpud's tree ``state`` holds: its root, classes, filters and child
+    qdiscs (filters it does not recognise included)."""
+    return (
+        (state.root is not None)
+        + len(state.classes)
+        + len(state.filters)
+        + len(state.foreign_filters)
+        + len(state.child_qdiscs)
+    )

@@ -166,19 +166,18 @@ async def test_a_socket_removed_again_and_again_keeps_one_retired_server(
     sock_dir: Path,
 ) -> None:
     """A cleaner that removes the socket over and over: each removal binds it again, and
-    the server retired the time before stops, so listeners do not pile up until gpud stops
-    (the first one, bound at the path itself, stays: its stop would remove the path)."""
+    the server retired the time before stops, so listeners do not pile up until gpud stops."""
     path = sock_dir / "gpud.sock"
     server = await _serve(path, make_servicer())
     for _ in range(5):
         path.unlink()
         assert await server.keep_socket()
     for _ in range(100):  # the older ones stop in the background
-        if _listeners(sock_dir) <= 3:
+        if _listeners(sock_dir) <= 2:
             break
         await asyncio.sleep(0.02)
-    # the one on the file, the one retired last and the first one
-    assert _listeners(sock_dir) == 3
+    # the one on the file and the one retired last
+    assert _listeners(sock_dir) == 2
     assert sorted(p.name for p in sock_dir.iterdir()) == ["gpud.sock"]
     async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
         resp = await pb_grpc.NodeStub(ch).GetStatus(pb.GetStatusRequest())
@@ -774,3 +773,38 @@ async def test_a_fault_injected_before_the_first_sample_is_answered_and_logged(
     assert faults.calls == [("xid", 2, 79)] and list(resp.active_faults) == ["xid on GPU 2"]
     (event,) = [e for e in events.recent() if e.kind == "sim.fault.xid"]
     assert event.fields["gpu"] == 2 and event.fields["uuid"] == ""
+
+
+async def _stop_beside(old: ApiServer, new: ApiServer, path: Path) -> None:
+    """Stop ``old``: ``new`` still serves on ``path``."""
+    await old.stop(0)
+    assert stat.S_ISSOCK(path.stat().st_mode)
+    async with grpc.aio.insecure_channel(f"unix:{path}") as ch:
+        resp = await pb_grpc.NodeStub(ch).GetStatus(pb.GetStatusRequest(), timeout=5)
+    assert resp.hostname == "node-a"
+    await new.stop(0)
+
+
+async def test_a_stop_leaves_a_newer_gpuds_socket_alone(sock_dir: Path) -> None:
+    """The run directory removed and made again while gpud runs, and a second gpud bound in
+    it (a restart that overlaps the old one's stop): the old one's stop leaves the new
+    socket in place, reachable; it removes only the file it bound itself."""
+    path = sock_dir / "run" / "gpud.sock"
+    old = await _serve(path, make_servicer())
+    path.unlink()
+    path.parent.rmdir()
+    new = await _serve(path, make_servicer())
+    await _stop_beside(old, new, path)
+    assert not path.exists()  # its own, the new one removes
+
+
+async def test_a_stop_after_a_rebind_leaves_a_newer_gpuds_socket_alone(sock_dir: Path) -> None:
+    """The same after the socket was bound again once (keep_socket): neither the first
+    server nor the one bound again removes another gpud's socket as they stop."""
+    path = sock_dir / "gpud.sock"
+    old = await _serve(path, make_servicer())
+    path.unlink()
+    assert await old.keep_socket()
+    path.unlink()
+    new = await _serve(path, make_servicer())
+    await _stop_beside(old, new, path)

@@ -18,9 +18,9 @@ import pytest
 
 from gpud import config
 from gpud.backend.sim import fakenvml
+from gpud.dirlock import LOCK_NAME
 from gpud.errors import ConfigError
 from gpud.main import (
-    LOCK_NAME,
     build_parser,
     check_private,
     load_config,
@@ -370,11 +370,8 @@ def test_a_second_gpud_on_the_same_directories_stops_before_it_starts(
             in capsys.readouterr().err
         )
     finally:
-        for fd in held:
-            os.close(fd)
-    again = lock_dirs(cfg)  # released: the next start takes it
-    for fd in again:
-        os.close(fd)
+        held.close()
+    lock_dirs(cfg).close()  # released: the next start takes it
 
 
 def test_a_directory_every_user_may_write_to_is_refused_before_gpud_writes_there(
@@ -434,8 +431,7 @@ def test_under_umask_0_gpud_creates_nothing_others_may_write(
         assert os.umask(0) == 0o022  # the socket, state.db, events.jsonl: 0755 or 0644 at most
     finally:
         os.umask(before)
-        for fd in held:
-            os.close(fd)
+        held.close()
 
 
 def test_gpud_raises_its_open_files_limit_to_the_hard_one() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import subprocess
 import threading
@@ -18,10 +19,11 @@ from prometheus_client import CollectorRegistry
 from gpud.build import current as current_build
 from gpud.config import Config
 from gpud.daemon import Daemon, Step
-from gpud.errors import InUse, Unavailable
+from gpud.dirlock import DirLocks
+from gpud.errors import ConfigError, InUse, Unavailable
 from gpud.events import EventLog
 from gpud.jobs.service import RunRequest
-from gpud.main import mps_control_command, open_backend
+from gpud.main import lock_dirs, mps_control_command, open_backend
 from gpud.metrics import build_registry
 from gpud.mig.layout import load_config
 from gpud.mig.manager import MigManager
@@ -56,6 +58,7 @@ def build(
     reload_to: list[Config] | None = None,
     clock: Callable[[], float] = time.monotonic,
     code_build: str | None = None,
+    dir_locks: DirLocks | None = None,
 ) -> Daemon:
     backend, sim = open_backend(config)
     pending = reload_to if reload_to is not None else []
@@ -68,6 +71,7 @@ def build(
         reload_config=lambda: pending.pop(0),
         clock=clock,
         build=code_build,
+        dir_locks=dir_locks,
     )
 
 
@@ -731,3 +735,36 @@ def test_a_queued_job_waits_for_declared_sim_processes_until_their_host_processe
         for holder in holders:
             holder.kill()
             holder.wait()
+
+
+def test_a_removed_run_directory_gets_its_lock_and_sim_state_back(root: Path) -> None:
+    """``rm -rf`` of the run directory while gpud runs: the next pass makes ``gpud.lock``
+    again and holds it, so that a second gpud started on the same run directory is refused
+    as already running, and writes the simulated node's state again."""
+    cfg = make_config(root)
+    for directory in (cfg.daemon.state_dir, cfg.daemon.run_dir):
+        directory.mkdir()
+    locks = lock_dirs(cfg)
+    d = build(cfg, dir_locks=locks)
+    run = cfg.daemon.run_dir
+    (step,) = [s for s in d.steps if s.name == "socket"]
+    other = make_config(root, **{"daemon.state_dir": root / "other"})
+    (root / "other").mkdir()
+
+    async def scenario() -> None:
+        await d.api.start()
+        try:
+            shutil.rmtree(run)
+            await step.run()
+            with pytest.raises(ConfigError, match="already running"):
+                lock_dirs(other).close()
+            assert d.config.socket_path.is_socket()
+            assert (run / "sim" / "node.json").is_file()
+        finally:
+            await d.api.stop(0)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        locks.close()
+        _close(d)

@@ -364,6 +364,42 @@ def test_restart_adopts_the_kernels_levels(rig: Rig) -> None:
     assert "net.adopt" in rig.kinds()
 
 
+def test_the_first_tick_after_a_restart_says_what_it_kept_and_removed(rig: Rig) -> None:
+    """A job gone while gpud was down: the first tick removes its tc leaf, filter and
+    nftables rule, left by the previous run, and says so in one ``net.takeover`` event per
+    interface and one for the nftables table, with counts."""
+    rig.jobs = ["a", "b", "c"]
+    rig.active = {"a", "b", "c"}
+    for job in rig.jobs:
+        (rig.cgroups.dir(job)).mkdir(parents=True)
+    rig.service.tick()
+    assert len(rig.marker.marks) == 3
+    found = rig.tc.states["eth0"]
+    objects = len(found.classes) + len(found.filters) + 1  # and the root
+    rig.jobs = ["a", "b"]  # c's job ended while gpud was down
+    rig.service = rig.make()
+    rig.service.start()
+    before = len(rig.events.recent(1000))
+    rig.service.tick()
+    said = [e for e in rig.events.recent(1000)[before:] if e.kind == "net.takeover"]
+    tc, nft = sorted(said, key=lambda e: not e.fields["interface"])
+    assert tc.fields["interface"] == "eth0"
+    assert tc.fields["removed"] >= 2  # c's leaf and filter at least
+    assert tc.fields["kept"] + tc.fields["removed"] == objects
+    assert f"removed {tc.fields['removed']}" in tc.message
+    assert nft.fields == {"interface": "", "kept": 2, "removed": 1, "changed": 0, "added": 0}
+    assert "nftables" in nft.message
+    rig.service.tick()  # said once: the ticks after are drift's
+    assert [e.kind for e in rig.events.recent(1000)].count("net.takeover") == len(said)
+
+
+def test_a_first_start_adopts_nothing_and_says_nothing(rig: Rig) -> None:
+    rig.active = {"a"}
+    rig.service.start()
+    rig.service.tick()
+    assert "net.takeover" not in rig.kinds()
+
+
 def test_counters_survive_a_leaf_moving(rig: Rig) -> None:
     rig.active = {"a"}
     rig.service.tick()

@@ -1561,6 +1561,10 @@ class FakeNvml:
 
     def sim_faults_changed(self) -> None:
         """Persist the faults after a change made through :meth:`sim_faults`."""
+        self.sim_persist()
+
+    def sim_persist(self) -> None:
+        """Write the state file (again: its directory was removed while gpud ran)."""
         with self._lock:
             self._persist()
 
