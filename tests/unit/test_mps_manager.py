@@ -1821,3 +1821,34 @@ def test_a_gpu_about_to_enable_mig_loses_its_daemon_first(root: Path) -> None:
         stuck.pids.clear()
         mgr.stop()
         store.close()
+
+
+def test_a_daemon_that_lost_its_pipe_dir_and_outlives_sigkill_gets_none_beside_it(
+    root: Path,
+) -> None:
+    """A daemon whose pipe directory was deleted is killed before the device's next one
+    starts; one that outlives SIGKILL (stuck in the driver) still holds the GPU: no second
+    daemon starts beside it, the start fails naming it, and once it has gone one starts."""
+    stuck = StuckDaemons()
+    mgr, store, events = make_manager(root, **stuck.options())
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        old = mgr.status()[0]
+        assert old.pid is not None
+        stuck.pids.add(old.pid)
+        shutil.rmtree(old.pipe_dir)
+        mgr.reconcile()
+        status = mgr.status()[0]
+        assert status.pid is None and not status.up
+        assert f"(pid {old.pid}) that lost its pipe directory outlived SIGKILL" in status.last_error
+        (failed,) = events.recent(kind_prefix="mps.start_failed")
+        assert f"pid {old.pid}" in failed.message
+        stuck.pids.clear()
+        stuck.now += 60
+        mgr.reconcile()
+        status = mgr.status()[0]
+        assert status.up and status.pid not in (None, old.pid)
+    finally:
+        stuck.pids.clear()
+        mgr.stop()
+        store.close()
