@@ -14,7 +14,9 @@ by a lock, in this order for an apply:
    step re-planned from what the driver has, so that a crash at any point is finished by
    :meth:`MigManager.reconcile` at the next start without orphaned or duplicated instances.
    Before a GPU's steps, the MPS control daemons of the MIG devices they destroy are stopped
-   (``release``); where one would not stop, the GPU is ``failed`` with no step taken.
+   (``release``), and so is the whole-GPU daemon of a GPU they enable MIG mode on (the
+   driver enables it only on a GPU no process holds); where one would not stop, the GPU is
+   ``failed`` with no step taken.
 
 A dry run makes steps 1 to 3 (the busy checks once: it does not drain) and stops there: it
 answers what the apply would (``busy`` where the apply would be refused, ``faulty`` GPUs
@@ -157,7 +159,8 @@ class MigManager:
         lists, the re-read before its steps) no longer than ``read_timeout_s`` (the daemon
         passes ``telemetry.call_timeout_s``: a GPU slower than that is hung by telemetry's
         own measure) and leaves one that has not answered alone. ``release``: the MPS
-        control daemons of the MIG devices a GPU's steps destroy are stopped first; where
+        control daemons of the MIG devices a GPU's steps destroy, and the GPU's own where
+        they enable MIG mode (its UUID among the MIG devices'), are stopped first; where
         one would not stop, none of that GPU's steps is run (it is ``failed``, naming it).
         ``release_active()``: whether there are MPS control daemons to stop now (MPS on);
         without it, whenever ``release`` is given.
@@ -747,12 +750,20 @@ class MigManager:
                 refusal = self._busy_error({gpu.index: busy}, {gpu.index: gpu}, None)
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "busy", str(refusal))
             release = self._release or (lambda uuids: contextlib.nullcontext({}))
-            with release([md.uuid for md in doomed]) as stuck:
+            held = [md.uuid for md in doomed]
+            if _enables_mig(actual, plan, reset=reset) and self._releasing():
+                held.append(gpu.uuid)  # its whole-GPU daemon would keep MIG off
+            with release(held) as stuck:
                 if stuck:
+                    under = (
+                        "MIG mode is not enabled under it"
+                        if gpu.uuid in stuck
+                        else "its instance is not destroyed under it"
+                    )
                     detail = (
-                        f"{where}: {'; '.join(stuck.values())}: its instance is not destroyed"
-                        " under it and no step is taken on the GPU (reconcile tries again;"
-                        " a GPU reset or a reboot ends a daemon stuck in the driver)"
+                        f"{where}: {'; '.join(stuck.values())}: {under} and no step is taken"
+                        " on the GPU (reconcile tries again; a GPU reset or a reboot ends a"
+                        " daemon stuck in the driver)"
                     )
                     return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "failed", detail)
                 try:
@@ -1427,6 +1438,17 @@ def _left_alone(index: int, uuid: str, name: str, reason: str) -> GpuOutcome:
         False,
         "faulty",
         f"{name} is faulty: {reason}: not reconciled until it answers again",
+    )
+
+
+def _enables_mig(actual: GpuActual, plan: GpuPlan, *, reset: bool) -> bool:
+    """Whether ``plan`` turns MIG mode on (``nvidia-smi -i N -mig 1``, or the GPU reset that
+    makes a pending enable current: ``reset``), which the driver does only on a GPU no
+    process holds, an MPS control daemon's server included."""
+    if actual.mode.current:
+        return False
+    return (reset and plan.reset_pending) or any(
+        isinstance(s, SetMigMode) and s.enabled for s in plan.steps
     )
 
 

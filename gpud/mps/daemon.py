@@ -25,6 +25,7 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Literal
 
 from gpud.errors import BackendError, ConfigError, DriverTimeout
 from gpud.mps import procs, protocol
@@ -39,6 +40,11 @@ _PID_REUSE_SLACK_S = 60.0
 log = logging.getLogger(__name__)
 
 DEFAULT_BASE_ENV: Mapping[str, str] = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin"}
+
+# How a daemon went: ``quit`` (it obeyed ``echo quit | nvidia-cuda-mps-control``),
+# ``sigterm`` or ``sigkill`` (it ignored ``quit``, or did not answer, and that signal ended
+# it), ``exited`` (it went unasked: no ``quit`` could reach it, or none ran).
+How = Literal["quit", "sigterm", "sigkill", "exited"]
 
 
 # Below this much free space a daemon's failure to start is put down to a full file system.
@@ -153,7 +159,13 @@ class ControlDaemon:
                 self.uuid,
                 orphan,
             )
-            self._kill(orphan)
+            if self._kill(orphan) is None:
+                raise BackendError(
+                    f"the MPS control daemon (pid {orphan}) that lost its pipe directory"
+                    " outlived SIGKILL: none is started beside it",
+                    uuid=self.uuid,
+                    call="nvidia-cuda-mps-control -d",
+                )
         control = self.pipe_dir / protocol.CONTROL_SOCKET
         if len(os.fsencode(control)) > _MAX_UNIX_PATH:
             raise ConfigError(
@@ -231,11 +243,11 @@ class ControlDaemon:
 
     def stop(
         self, timeout_s: float = 5.0, *, pid: int | None = None, quit_s: float | None = None
-    ) -> bool:
+    ) -> How | None:
         """``echo quit | nvidia-cuda-mps-control``; SIGTERM, then SIGKILL, if it lingers.
-        True once no daemon runs; False when the process outlived SIGKILL (stuck in the
-        driver, ``State: D`` in ``/proc/<pid>/status``): it still runs, and still holds its
-        device.
+        How it went once no daemon runs (:data:`How`); None when the process outlived SIGKILL
+        (stuck in the driver, ``State: D`` in ``/proc/<pid>/status``): it still runs, and
+        still holds its device.
 
         ``pid``: that process (the caller made sure it is this device's daemon), also when
         no PID file names it any more; ``quit`` goes through the pipe only where one does.
@@ -244,20 +256,19 @@ class ControlDaemon:
         found = self.pid()
         pid = found if pid is None else pid
         if pid is None:
-            return True
-        if found == pid:
+            return "exited"
+        asked = found == pid
+        if asked:
             with contextlib.suppress(BackendError):
                 self.query(protocol.quit_(), timeout_s=quit_s)
         if self._wait_exit(pid, timeout_s):
-            return True
+            return "quit" if asked else "exited"
         log.warning("MPS control daemon %s (pid %d) ignored quit; terminating", self.uuid, pid)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-            if self._wait_exit(pid, 2.0):
-                return True
-        log.warning("MPS control daemon %s (pid %d) outlived SIGKILL", self.uuid, pid)
-        return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        if self._wait_exit(pid, 2.0):
+            return "sigterm"
+        return self._kill(pid)
 
     def remove_directory(self) -> bool:
         """Remove the device's pipe and log directories once its device is gone (a MIG
@@ -274,16 +285,20 @@ class ControlDaemon:
             return False
         return True
 
-    def kill(self) -> None:
-        """SIGKILL a daemon that stopped answering (it is restarted afterwards)."""
-        pid = self.pid()
-        if pid is not None:
-            self._kill(pid)
+    def kill(self, pid: int | None = None) -> How | None:
+        """SIGKILL a daemon that stopped answering (it is restarted afterwards): ``sigkill``
+        once it is gone (``exited`` where none ran), None when it outlived SIGKILL, as
+        :meth:`stop` says. ``pid``: that process, as for :meth:`stop`."""
+        pid = self.pid() if pid is None else pid
+        return "exited" if pid is None else self._kill(pid)
 
-    def _kill(self, pid: int) -> None:
+    def _kill(self, pid: int) -> How | None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        self._wait_exit(pid, 2.0)
+        if self._wait_exit(pid, 2.0):
+            return "sigkill"
+        log.warning("MPS control daemon %s (pid %d) outlived SIGKILL", self.uuid, pid)
+        return None
 
     def _wait_exit(self, pid: int, timeout_s: float) -> bool:
         deadline = self._clock() + timeout_s

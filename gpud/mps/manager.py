@@ -20,8 +20,10 @@ memory limit, enabled), written by ``gpuctl mps set``. Each :meth:`MpsManager.re
   (``quit``, then SIGTERM and SIGKILL). One that outlives SIGKILL (stuck in the driver) is
   never taken for stopped: ``mps.stop_failed`` names it once, its record, directories and
   cgroup stay, and later passes try again with back-off (:meth:`MpsManager._try_stop`).
-  A MIG apply stops the daemons of the MIG devices it destroys first
-  (:meth:`MpsManager.released`).
+  A MIG apply stops the daemons of the MIG devices it destroys first, and the whole-GPU
+  daemon of a GPU it enables MIG mode on (:meth:`MpsManager.released`). A daemon that does
+  not answer is SIGKILLed; one that outlives that too is kept and tried again alike
+  (:meth:`MpsManager._kill`), never checked, adopted or doubled meanwhile.
 
 Defaults reach only MPS servers started later, so a change is also sent to every running
 server (``set_active_thread_percentage <PID>``, ``set_device_pinned_mem_limit <PID> 0``),
@@ -78,7 +80,7 @@ from gpud.errors import (
 )
 from gpud.events import EventLog
 from gpud.mps import procs, protocol
-from gpud.mps.daemon import DEFAULT_BASE_ENV, ControlDaemon, device_dir
+from gpud.mps.daemon import DEFAULT_BASE_ENV, ControlDaemon, How, device_dir
 from gpud.mps.procs import start_time
 from gpud.net.cgroups import JobCgroups
 from gpud.shared import format_size
@@ -204,6 +206,9 @@ class _Device:
     next_start_at: float = 0.0
     next_check_at: float = 0.0
     last_error: str = ""
+    # why its daemon, SIGKILLed for not answering, outlived it: the passes try again
+    # (:meth:`MpsManager._kill`) instead of checking or adopting it, till it has gone
+    killing: str = ""
     observed_threads: float | None = None
     observed_memory: int | None = None
     servers: tuple[int, ...] = field(default_factory=tuple)
@@ -923,12 +928,13 @@ class MpsManager:
                     self._move_cgroup(uuid, running, old_cgroups)
                 continue
             if running is not None:
-                if not self._try_stop(
+                how = self._try_stop(
                     daemon,
                     running,
                     f"it was started in {pipe_dir}, outside daemon.run_dir {self._run_dir}, and"
                     " none is started for the device beside it until it stops",
-                ):
+                )
+                if how is None:
                     with self._lock:
                         self._moved[uuid] = old_run
                         retry_at = self._stop_tries[uuid][1]
@@ -939,9 +945,10 @@ class MpsManager:
                     "mps.stop_moved",
                     f"stopped the MPS control daemon of {uuid} (pid {running}) that an earlier run"
                     f" started in {pipe_dir}, outside daemon.run_dir {self._run_dir} (changed"
-                    " since): its clients could no longer be sent there",
+                    f" since): its clients could no longer be sent there; {_HOW_SAID[how]}",
                     uuid=uuid,
                     pid=running,
+                    how=how,
                     pipe_dir=pipe_dir,
                     cgroup=cgroup,
                 )
@@ -1045,19 +1052,14 @@ class MpsManager:
             daemon = self._daemon(uuid)
             pid = daemon.pid()
             if pid is not None:
-                if not self._try_stop(
+                how = self._try_stop(
                     daemon, pid, "its device is gone; its record and directories are kept"
-                ):
+                )
+                if how is None:
                     with self._lock:
                         stuck[uuid] = self._stop_tries[uuid][1]
                     continue
-                self._events.emit(
-                    "mps.stop",
-                    f"stopped the MPS control daemon of {uuid} (device gone while gpud was "
-                    "not running)",
-                    uuid=uuid,
-                    pid=pid,
-                )
+                self._stopped(uuid, pid, "device gone while gpud was not running", how)
             self._forget(uuid)
             daemon.remove_directory()
             self._remove_cgroup(uuid)
@@ -1123,6 +1125,7 @@ class MpsManager:
             return
         now = self._clock()
         if dev.daemon.pid() is None:
+            dev.killing = ""
             with self._lock:
                 held, moved = target.uuid in self._held, self._moved.get(target.uuid)
             if moved is not None:
@@ -1134,6 +1137,8 @@ class MpsManager:
             if held or now < dev.next_start_at:
                 return
             self._start(target, dev, desired)
+            return
+        if dev.killing and not self._kill(dev, dev.killing):
             return
         if not dev.started:
             dev.started = True
@@ -1177,7 +1182,7 @@ class MpsManager:
                     **_where(target),
                     retry_in_s=delay,
                 )
-            dev.daemon.kill()
+            self._kill(dev, "a new one is started once it has gone")
             return
         dev.started = True
         self._record(target.uuid, pid)
@@ -1221,8 +1226,10 @@ class MpsManager:
                     dev.up = True
                     return
                 pid = dev.daemon.pid()
-                if pid is not None and not self._try_stop(
-                    dev.daemon, pid, "its memory limit stays until it does"
+                if (
+                    pid is not None
+                    and self._try_stop(dev.daemon, pid, "its memory limit stays until it does")
+                    is None
                 ):
                     dev.last_error = (
                         f"the MPS control daemon (pid {pid}) would not stop to remove its"
@@ -1270,7 +1277,7 @@ class MpsManager:
                     f"{name} failed {dev.failures} health checks; killing it to restart",
                     **_where(target),
                 )
-                dev.daemon.kill()
+                self._kill(dev, "it is restarted once it has gone")
                 dev.failures = 0
             return
         if dev.failures:
@@ -1391,19 +1398,16 @@ class MpsManager:
                 )
             pid = dev.daemon.pid()
             if pid is not None:
-                if not self._try_stop(
+                how = self._try_stop(
                     dev.daemon, pid, f"it was to stop ({reason}); its record is kept", quit_s
-                ):
+                )
+                if how is None:
                     dev.up = False
                     dev.last_error = f"the MPS control daemon (pid {pid}) would not stop"
                     return pid
-                self._events.emit(
-                    "mps.stop",
-                    f"stopped the MPS control daemon of {uuid} ({reason})",
-                    uuid=uuid,
-                    pid=pid,
-                )
+                self._stopped(uuid, pid, reason, how)
             dev.up = False
+            dev.killing = ""
             dev.started = False
             self._forget(uuid)
             self._remove_cgroup(uuid)
@@ -1415,22 +1419,30 @@ class MpsManager:
         return None
 
     def _try_stop(
-        self, daemon: ControlDaemon, pid: int, stake: str, quit_s: float | None = None
-    ) -> bool:
+        self,
+        daemon: ControlDaemon,
+        pid: int,
+        stake: str,
+        quit_s: float | None = None,
+        *,
+        kill: bool = False,
+    ) -> How | None:
         """:meth:`ControlDaemon.stop` the daemon ``pid`` of ``daemon``'s device (``quit_s``:
-        see there): whether it is gone. One that outlives SIGKILL (stuck in the driver) is
-        said once, until it is gone (``mps.stop_failed``, ``stake``: what waits on it) and
-        tried again no sooner than a backoff (5 s, doubling, up to ``backoff_max_s``): till
-        then this answers False at once, without signalling it."""
+        see there), or ``kill`` it (:meth:`ControlDaemon.kill`: it does not answer): how it
+        went, None while it runs. One that outlives SIGKILL (stuck in the driver) is said
+        once, until it is gone (``mps.stop_failed``, ``stake``: what waits on it) and tried
+        again no sooner than a backoff (5 s, doubling, up to ``backoff_max_s``): till then
+        this answers None at once, without signalling it."""
         uuid = daemon.uuid
         with self._lock:
             failures, retry_at = self._stop_tries.get(uuid, (0, 0.0))
         if failures and self._clock() < retry_at:
-            return False
-        if daemon.stop(pid=pid, quit_s=quit_s):
+            return None
+        how = daemon.kill(pid) if kill else daemon.stop(pid=pid, quit_s=quit_s)
+        if how is not None:
             with self._lock:
                 self._stop_tries.pop(uuid, None)
-            return True
+            return how
         failures += 1
         delay = min(self._backoff_max_s, 5.0 * 2.0 ** min(failures - 1, 16))
         with self._lock:
@@ -1439,26 +1451,53 @@ class MpsManager:
         name = f"{_label(target)} ({uuid})" if target is not None else uuid
         if failures > 1:
             log.warning("the MPS control daemon of %s (pid %d) still runs", name, pid)
-            return False
+            return None
         self._events.emit(
             "mps.stop_failed",
-            f"the MPS control daemon of {name} (pid {pid}) is still running after quit,"
-            f" SIGTERM and SIGKILL: {stake}, and gpud tries again every"
-            f" {self._backoff_max_s:g} s at most. A process stuck in the driver (State: D in"
-            f" /proc/{pid}/status) goes only with a GPU reset or a reboot",
+            f"the MPS control daemon of {name} (pid {pid}) is still running after"
+            f" {'SIGKILL' if kill else 'quit, SIGTERM and SIGKILL'}: {stake}, and gpud tries"
+            f" again every {self._backoff_max_s:g} s at most. A process stuck in the driver"
+            f" (State: D in /proc/{pid}/status) goes only with a GPU reset or a reboot",
             **_where(target, uuid),
             pid=pid,
             retry_in_s=delay,
         )
+        return None
+
+    def _kill(self, dev: _Device, stake: str) -> bool:
+        """SIGKILL the device's daemon that does not answer (or did not come up), through
+        :meth:`_try_stop`: whether it is gone. One that outlives SIGKILL is never taken for
+        gone: it is said once (``mps.stop_failed``, ``stake``: what waits on it), and each
+        later pass tries again (with :meth:`_try_stop`'s backoff) instead of checking it,
+        adopting it or starting another beside it."""
+        pid = dev.daemon.pid()
+        if pid is None or self._try_stop(dev.daemon, pid, stake, kill=True) is not None:
+            dev.killing = ""
+            return True
+        dev.killing = stake
+        dev.up = False
+        dev.last_error = f"the MPS control daemon (pid {pid}) outlived SIGKILL"
         return False
+
+    def _stopped(self, uuid: str, pid: int, reason: str, how: How) -> None:
+        """Say that the daemon ``pid`` of ``uuid`` was stopped, and ``how``."""
+        self._events.emit(
+            "mps.stop",
+            f"stopped the MPS control daemon of {uuid} ({reason}): {_HOW_SAID[how]}",
+            uuid=uuid,
+            pid=pid,
+            how=how,
+        )
 
     @contextlib.contextmanager
     def released(self, uuids: Iterable[str]) -> Iterator[dict[str, str]]:
-        """For a MIG apply about to destroy the MIG devices ``uuids`` (of one GPU): stop
-        their daemons and start none for them while the context lasts (a pass meanwhile
-        would start them again). Yields, by UUID, why a device still has one (it would not
-        stop, or another command to it has not returned: its instance must not be destroyed
-        under it); the others' daemons are gone. With MPS off, none is stopped (and none
+        """For a MIG apply about to destroy the MIG devices ``uuids`` (of one GPU), or to
+        enable MIG mode on the GPU ``uuids`` names (its whole-GPU daemon holds it: the driver
+        enables MIG only on a GPU no process holds): stop their daemons and start none for
+        them while the context lasts (a pass meanwhile would start them again). Yields, by
+        UUID, why a device still has one (it would not stop, or another command to it has
+        not returned: its instance must not be destroyed, nor MIG enabled, under it); the
+        others' daemons are gone. With MPS off, none is stopped (and none
         started): it yields nothing.
 
         The devices whose daemon would not stop before are tried first; while one still
@@ -1490,10 +1529,14 @@ class MpsManager:
 
         def stop(uuid: str) -> None:
             self._device(uuid)
+            target = self.target(uuid)
+            whole = target is not None and target.mig is None
             try:
                 pid = self._stop_device(
                     uuid,
-                    reason="its MIG device is being destroyed",
+                    reason="MIG mode is being enabled on its GPU"
+                    if whole
+                    else "its MIG device is being destroyed",
                     wait_s=wait,
                     quit_s=wait,
                 )
@@ -1503,7 +1546,6 @@ class MpsManager:
                 if pid is None:
                     return
                 why = f"({uuid}, pid {pid}) would not stop (see the mps.stop_failed event)"
-            target = self.target(uuid)
             name = _label(target) if target is not None else "MIG device"
             with self._lock:
                 stuck[uuid] = f"the MPS control daemon of {name} {why}"
@@ -1594,6 +1636,15 @@ def _recorded_run_dir(uuid: str, pipe_dir: str) -> Path | None:
     if path.name != "pipe" or path.parent.name != uuid or path.parents[1].name != "mps":
         return None
     return path.parents[2]
+
+
+# How a stop event says that the daemon went (its field ``how``).
+_HOW_SAID: Mapping[How, str] = {
+    "quit": "it quit when asked",
+    "sigterm": "it ignored quit; SIGTERM ended it",
+    "sigkill": "it ignored quit and SIGTERM; SIGKILL ended it",
+    "exited": "it exited unasked",
+}
 
 
 def _label(target: MpsTarget) -> str:

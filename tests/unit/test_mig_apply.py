@@ -1523,6 +1523,43 @@ def test_an_instance_whose_mps_daemon_would_not_stop_is_not_destroyed(
     assert host.start().mig.apply(config, "all-3g.40gb").result == "success"
 
 
+def test_enabling_mig_stops_the_whole_gpu_mps_daemon_first(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A GPU's MPS control daemon holds it, and the driver enables MIG mode only on a GPU no
+    process holds: an apply that enables MIG stops the GPU's daemon before any step; one
+    that would not stop leaves the GPU as it is (failed, naming the daemon, no step), and
+    MIG is enabled once it has gone. Disabling MIG stops every MIG device's daemon."""
+    asked: list[list[str]] = []
+
+    @contextlib.contextmanager
+    def release(uuids: list[str]) -> Iterator[dict[str, str]]:
+        asked.append(uuids)
+        yield {u: f"the MPS control daemon of GPU ({u}, pid 4242) would not stop" for u in uuids}
+
+    host.release = release
+    d = host.start()
+    gpus = [d.backend.identity(i).uuid for i in range(2)]
+    result = d.mig.apply(config, "all-3g.40gb")
+    assert result.result == "failed"
+    assert asked == [[gpus[0]], [gpus[1]]]
+    for o, uuid in zip(result.gpus, gpus, strict=True):
+        assert o.status == "failed" and not o.steps, o
+        assert f"({uuid}, pid 4242) would not stop" in o.detail
+        assert "MIG mode is not enabled under it" in o.detail
+    assert not any(d.backend.mig_mode(i).current for i in range(2))
+
+    asked.clear()
+    host.release = _recording(asked)
+    d = host.start()
+    assert d.mig.apply(config, "all-3g.40gb").result == "success"
+    assert [a for a in asked if a] == [[gpus[0]], [gpus[1]]]  # then each GPU's instances
+    asked.clear()
+    migs = [[md.uuid for md in d.backend.mig_devices(i)] for i in range(2)]
+    assert d.mig.apply(config, "all-disabled").result == "success"
+    assert [sorted(a) for a in asked if a] == [sorted(m) for m in migs]
+
+
 def test_a_failed_apply_finished_by_its_retries_is_not_said_finished_after_a_restart(
     host: Host, config: MigConfigFile
 ) -> None:

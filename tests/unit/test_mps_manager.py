@@ -1724,3 +1724,131 @@ def test_destroying_mig_devices_with_mps_off_touches_nothing(root: Path) -> None
     finally:
         mgr.stop()
         store.close()
+
+
+def test_a_hung_daemon_that_outlives_sigkill_is_kept_not_checked_adopted_or_doubled(
+    root: Path,
+) -> None:
+    """A daemon killed for not answering that outlives SIGKILL (stuck in the driver) is not
+    taken for killed: one mps.stop_failed names it, its status says so, later passes try
+    the kill again (with backoff) instead of checking it or starting a second daemon beside
+    it, and once it has gone the device gets a new one."""
+    stuck = StuckDaemons()
+    mgr, store, events = make_manager(root, timeout_s=0.5, max_failures=1, **stuck.options())
+    pid = None
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        pid = mgr.status()[0].pid
+        assert pid is not None
+        stuck.stick(mgr.status()[0].pipe_dir, pid)
+        os.kill(pid, signal.SIGSTOP)  # it answers nothing
+        mgr.reconcile()  # one failed check: killed, and it "runs" on
+        (failed,) = events.recent(kind_prefix="mps.stop_failed")
+        assert failed.fields["pid"] == pid and "after SIGKILL:" in failed.message
+        assert "restarted once it has gone" in failed.message
+        status = mgr.status()[0]
+        assert not status.up and "outlived SIGKILL" in status.last_error
+        for later in (0, 60):  # within the backoff, and past it: tried again, still there
+            stuck.now += later
+            mgr.reconcile()
+            assert mgr.status()[0].pid == pid and not mgr.status()[0].up
+        assert len(events.recent(kind_prefix="mps.stop_failed")) == 1
+        assert not events.recent(kind_prefix="mps.hung")[1:]
+        assert not events.recent(kind_prefix="mps.adopt")
+        assert not events.recent(kind_prefix="mps.restart")
+        stuck.pids.clear()  # it has gone
+        stuck.now += 120
+        mgr.reconcile()
+        status = mgr.status()[0]
+        assert status.up and status.pid != pid and status.restarts == 1
+        assert [e.kind for e in events.recent(kind_prefix="mps.restart")] == ["mps.restart"]
+    finally:
+        stuck.pids.clear()
+        mgr.stop()
+        store.close()
+
+
+def test_a_stop_event_says_how_the_daemon_went(root: Path) -> None:
+    """mps.stop says whether the daemon quit when asked or needed a signal (field ``how``)."""
+    stuck = StuckDaemons()
+    mgr, store, events = make_manager(root, **stuck.options())
+    try:
+        mgr.reconcile(NODE)
+        by_uuid = {s.target.uuid: s for s in mgr.status()}
+        stubborn = by_uuid[gpu_uuid(1)]
+        assert stubborn.pid is not None
+        (stubborn.pipe_dir / "fake-mps-stuck").touch()  # ignores quit and SIGTERM
+        mgr.set_limits("0", enabled=False)
+        mgr.set_limits("1", enabled=False)
+        mgr.reconcile(NODE)
+        said = {e.fields["uuid"]: e for e in events.recent(kind_prefix="mps.stop")}
+        assert said[gpu_uuid(0)].fields["how"] == "quit"
+        assert said[gpu_uuid(0)].message.endswith("(disabled): it quit when asked")
+        assert said[gpu_uuid(1)].fields["how"] == "sigkill"
+        assert said[gpu_uuid(1)].message.endswith(
+            "(disabled): it ignored quit and SIGTERM; SIGKILL ended it"
+        )
+        wait_dead(stubborn.pid)
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_gpu_about_to_enable_mig_loses_its_daemon_first(root: Path) -> None:
+    """What a MIG apply holds while it enables MIG mode on a GPU: the GPU's own daemon
+    stopped (it would hold the GPU), none started meanwhile; one that would not stop is
+    named as the GPU's, with its pid."""
+    stuck = StuckDaemons()
+    mgr, store, events = make_manager(root, **stuck.options())
+    try:
+        mgr.reconcile(NODE)
+        held = {s.target.uuid: s for s in mgr.status()}[gpu_uuid(1)]
+        assert held.pid is not None
+        with mgr.released([gpu_uuid(0)]) as left:
+            assert left == {}
+            mgr.reconcile(NODE)
+            assert {s.target.uuid: s.pid for s in mgr.status()}[gpu_uuid(0)] is None
+        (stop,) = events.recent(kind_prefix="mps.stop")
+        assert stop.fields["uuid"] == gpu_uuid(0)
+        assert "(MIG mode is being enabled on its GPU)" in stop.message
+        stuck.stick(held.pipe_dir, held.pid)
+        with mgr.released([gpu_uuid(1)]) as left:
+            assert left == {
+                gpu_uuid(1): f"the MPS control daemon of GPU 1 ({gpu_uuid(1)}, pid {held.pid})"
+                " would not stop (see the mps.stop_failed event)"
+            }
+    finally:
+        stuck.pids.clear()
+        mgr.stop()
+        store.close()
+
+
+def test_a_daemon_that_lost_its_pipe_dir_and_outlives_sigkill_gets_none_beside_it(
+    root: Path,
+) -> None:
+    """A daemon whose pipe directory was deleted is killed before the device's next one
+    starts; one that outlives SIGKILL (stuck in the driver) still holds the GPU: no second
+    daemon starts beside it, the start fails naming it, and once it has gone one starts."""
+    stuck = StuckDaemons()
+    mgr, store, events = make_manager(root, **stuck.options())
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        old = mgr.status()[0]
+        assert old.pid is not None
+        stuck.pids.add(old.pid)
+        shutil.rmtree(old.pipe_dir)
+        mgr.reconcile()
+        status = mgr.status()[0]
+        assert status.pid is None and not status.up
+        assert f"(pid {old.pid}) that lost its pipe directory outlived SIGKILL" in status.last_error
+        (failed,) = events.recent(kind_prefix="mps.start_failed")
+        assert f"pid {old.pid}" in failed.message
+        stuck.pids.clear()
+        stuck.now += 60
+        mgr.reconcile()
+        status = mgr.status()[0]
+        assert status.up and status.pid not in (None, old.pid)
+    finally:
+        stuck.pids.clear()
+        mgr.stop()
+        store.close()
