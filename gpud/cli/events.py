@@ -71,7 +71,8 @@ def register(subparsers: Subparsers) -> None:
         "--follow",
         action="store_true",
         help="then each new event as gpud emits it, one line each (--json: one object a"
-        " line), until Ctrl-C; across a restart of gpud it reconnects and goes on",
+        " line), until Ctrl-C; across a restart of gpud it reconnects and goes on (--json:"
+        ' {"gpud": "stopped"} and {"gpud": "back"} in the stream)',
     )
     parser.set_defaults(run=run)
 
@@ -164,10 +165,17 @@ def follow(ctx: Context, args: argparse.Namespace) -> int:
     gone = when_reader_goes(lambda: streams[-1].cancel() if streams else None)
     pause, away, answered = RECONNECT_FIRST_S, False, False
 
+    def say(gpud: str, text: str) -> None:
+        # on stderr for people; under --json also in the stream, where a consumer reads
+        print(f"gpuctl: {text}", file=sys.stderr)
+        if ctx.out.json:
+            ctx.out.print(json.dumps({"gpud": gpud}))
+            ctx.out.flush()
+
     def live() -> None:
         nonlocal pause, away, answered
         if away:
-            print("gpuctl: gpud is back: following again", file=sys.stderr)
+            say("back", "gpud is back: following again")
             pause, away = RECONNECT_FIRST_S, False
         answered = True
 
@@ -198,10 +206,7 @@ def follow(ctx: Context, args: argparse.Namespace) -> int:
                 if err.exit_code != EXIT_NOT_RUNNING or not away:
                     raise  # at the start: gpud is not running, as for every command
             if not away:
-                print(
-                    "gpuctl: gpud stopped: reconnecting until it is back (Ctrl-C ends)",
-                    file=sys.stderr,
-                )
+                say("stopped", "gpud stopped: reconnecting until it is back (Ctrl-C ends)")
                 away = True
             ctx.close()  # a new channel: gRPC's own would wait up to 2 minutes between tries
             time.sleep(pause)
