@@ -78,6 +78,7 @@ if TYPE_CHECKING:
 from gpud.cli.context import (
     EXIT_NOT_RUNNING,
     EXIT_USAGE,
+    JOB_NAME,
     CliError,
     Context,
     Subparsers,
@@ -175,7 +176,7 @@ def register(subparsers: Subparsers) -> None:
     run = subparsers.add_parser(
         "run", help="run a command as a job, with its GPUs and MPS limits reserved"
     )
-    run.add_argument("--job", required=True, metavar="NAME")
+    run.add_argument("--job", required=True, type=JOB_NAME, metavar="NAME")
     add_placement_options(run)
     run.add_argument(
         "--no-wait",
@@ -193,7 +194,7 @@ def register(subparsers: Subparsers) -> None:
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
     run.set_defaults(run=run_run)
     env = subparsers.add_parser("env", help="print the environment of a job (export lines)")
-    env.add_argument("--job", required=True, metavar="NAME")
+    env.add_argument("--job", required=True, type=JOB_NAME, metavar="NAME")
     env.set_defaults(run=run_env)
 
 
