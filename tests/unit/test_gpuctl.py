@@ -124,6 +124,18 @@ _ETH9_GONE = LinkEnforcement("eth9", False, "eth9: no such network interface")
             ],
         ),
         (
+            TrafficSummary(
+                True,
+                (LinkEnforcement("eth1", True),),
+                rdma_backend="dcb",
+                rdma_error="eth1: cannot run dcb: timed out after 10 seconds",
+            ),
+            [
+                "traffic:     on, 1 interface ok",
+                "RDMA DSCP map (dcb) not in force: eth1: cannot run dcb: timed out after 10 seconds",
+            ],
+        ),
+        (
             TrafficSummary(True),
             ["traffic:     on, no interfaces (traffic.interfaces is empty): tags and marking only"],
         ),
@@ -151,6 +163,8 @@ def test_status_says_how_traffic_is_enforced(
         ],
         "marking_error": traffic.marking_error,
         "marking_off": not traffic.marking,
+        "rdma_backend": traffic.rdma_backend,
+        "rdma_error": traffic.rdma_error,
     }
 
 
