@@ -185,6 +185,8 @@ class NodeServicer(pb_grpc.NodeServicer):
                     ],
                     marking_error=traffic.marking_error,
                     marking_off=not traffic.marking,
+                    rdma_backend=traffic.rdma_backend,
+                    rdma_error=traffic.rdma_error,
                 )
             )
         return resp

@@ -20,7 +20,7 @@ import re
 import time
 from collections.abc import Sequence
 
-from gpud.cli.context import Context, Subparsers
+from gpud.cli.context import JOB_NAME, Context, Subparsers
 from gpud.cli.output import seconds
 from gpud.cli.pipes import when_reader_goes
 from gpud.v1 import cluster_pb2 as pb
@@ -72,7 +72,9 @@ def register(subparsers: Subparsers) -> None:
     status = sub.add_parser("status", help="leader, epoch, mode, nodes and jobs")
     status.set_defaults(run=run_status)
     attrs = sub.add_parser("attributes", help="runtime attributes of this node's jobs")
-    attrs.add_argument("--job", action="append", default=[], help="only this job (repeatable)")
+    attrs.add_argument(
+        "--job", action="append", type=JOB_NAME, default=[], help="only this job (repeatable)"
+    )
     attrs.add_argument("--watch", action="store_true", help="print again on every change")
     attrs.set_defaults(run=run_attributes)
 

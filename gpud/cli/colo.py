@@ -11,7 +11,16 @@ from __future__ import annotations
 import argparse
 import os
 
-from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers, number, slo_ms
+from gpud.cli.context import (
+    EXIT_USAGE,
+    JOB_NAME,
+    CliError,
+    Context,
+    Subparsers,
+    number,
+    size,
+    slo_ms,
+)
 from gpud.cli.output import NA, seconds
 from gpud.errors import InvalidArgument
 from gpud.pidns import own_namespace
@@ -42,9 +51,11 @@ def register(subparsers: Subparsers) -> None:
     show = commands.add_parser("show", help="placements, prices, slowdowns and guard states")
     show.set_defaults(run=run_show)
     advise = commands.add_parser("advise", help="where a new job would go now, and its limits")
-    advise.add_argument("job")
+    advise.add_argument("job", type=JOB_NAME)
     advise.add_argument("--kind", choices=("training", "inference"), default="training")
-    advise.add_argument("--memory", metavar="SIZE", help="device memory it needs, e.g. 20GiB")
+    advise.add_argument(
+        "--memory", type=size, metavar="SIZE", help="device memory it needs, e.g. 20GiB"
+    )
     advise.add_argument(
         "--slo-ms",
         "--slo-p99-ms",  # as `gpuctl jobs add` names it

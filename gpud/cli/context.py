@@ -22,7 +22,7 @@ from typing import Any, TypeAlias, TypeVar
 
 from gpud.cli.output import Output
 from gpud.errors import ERROR_KEY, ERROR_TABLE, EXIT_CODE_KEY, InvalidArgument, Unavailable
-from gpud.shared import check_slo_ms
+from gpud.shared import check_slo_ms, parse_size
 
 T = TypeVar("T")
 
@@ -81,6 +81,32 @@ def number(low: float, high: float, *, above: bool = False) -> Callable[[str], f
     """:func:`integer` for a real number; ``above``: ``low`` itself is refused too, as the
     field's own check refuses it. NaN and the infinities are in no such range."""
     return _ranged(float, "a number", low, high, above=above)
+
+
+def given(what: str) -> Callable[[str], str]:
+    """An argparse ``type`` that refuses an empty (or blank) value, an unset variable most
+    likely, as a usage error naming the flag (exit 2), rather than send it to gpud or take
+    it for the option left out: ``give WHAT, got ''``."""
+
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"give {what}, got {text!r}")
+        return text
+
+    return parse
+
+
+JOB_NAME = given("a job name")
+
+
+def size(text: str) -> str:
+    """An argparse ``type``: a size as gpud takes it (:func:`gpud.shared.parse_size`), kept
+    as given, so that an empty or malformed one is a usage error naming the flag (exit 2)."""
+    try:
+        parse_size(text, field="")
+    except InvalidArgument as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
 
 
 def described(parse: Callable[[str], T], what: str) -> Callable[[str], T]:

@@ -10,24 +10,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpud.cli.context import EXIT_NOT_RUNNING, INT32, CliError, Context, Subparsers
+from gpud.cli.context import (
+    EXIT_NOT_RUNNING,
+    INT32,
+    JOB_NAME,
+    CliError,
+    Context,
+    Subparsers,
+    given,
+)
 from gpud.cli.output import message_to_dict
 from gpud.cli.pipes import when_reader_goes
 from gpud.shared import WATCHING_KEY, is_about
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
-
-
-def _given(what: str) -> Callable[[str], str]:
-    """An argparse ``type`` that refuses an empty value (an unset variable) rather than
-    take it for the option left out, which would list every event."""
-
-    def parse(text: str) -> str:
-        if not text.strip():
-            raise argparse.ArgumentTypeError(f"give {what}, got {text!r}")
-        return text
-
-    return parse
 
 
 def event_gpu(text: str) -> str:
@@ -47,7 +43,7 @@ def register(subparsers: Subparsers) -> None:
     filters: tuple[tuple[str, Callable[[str], str], str, str], ...] = (
         (
             "--kind",
-            _given("a kind or its start"),
+            given("a kind or its start"),
             "PREFIX",
             'only kinds starting with PREFIX (e.g. "gpu.")',
         ),
@@ -58,7 +54,7 @@ def register(subparsers: Subparsers) -> None:
             "only events about this GPU: its index (also its MIG devices'), or a GPU or MIG"
             " device UUID",
         ),
-        ("--job", _given("a job name"), "NAME", "only events about job NAME"),
+        ("--job", JOB_NAME, "NAME", "only events about job NAME"),
     )
     for flag, parse, metavar, help_text in filters:
         # None: the option left out (a default of "" would go through its type and be refused)
@@ -71,7 +67,8 @@ def register(subparsers: Subparsers) -> None:
         "--follow",
         action="store_true",
         help="then each new event as gpud emits it, one line each (--json: one object a"
-        " line), until Ctrl-C; across a restart of gpud it reconnects and goes on",
+        " line), until Ctrl-C; across a restart of gpud it reconnects and goes on (--json:"
+        ' {"gpud": "stopped"} and {"gpud": "back"} in the stream)',
     )
     parser.set_defaults(run=run)
 
@@ -164,10 +161,17 @@ def follow(ctx: Context, args: argparse.Namespace) -> int:
     gone = when_reader_goes(lambda: streams[-1].cancel() if streams else None)
     pause, away, answered = RECONNECT_FIRST_S, False, False
 
+    def say(gpud: str, text: str) -> None:
+        # on stderr for people; under --json also in the stream, where a consumer reads
+        print(f"gpuctl: {text}", file=sys.stderr)
+        if ctx.out.json:
+            ctx.out.print(json.dumps({"gpud": gpud}))
+            ctx.out.flush()
+
     def live() -> None:
         nonlocal pause, away, answered
         if away:
-            print("gpuctl: gpud is back: following again", file=sys.stderr)
+            say("back", "gpud is back: following again")
             pause, away = RECONNECT_FIRST_S, False
         answered = True
 
@@ -198,10 +202,7 @@ def follow(ctx: Context, args: argparse.Namespace) -> int:
                 if err.exit_code != EXIT_NOT_RUNNING or not away:
                     raise  # at the start: gpud is not running, as for every command
             if not away:
-                print(
-                    "gpuctl: gpud stopped: reconnecting until it is back (Ctrl-C ends)",
-                    file=sys.stderr,
-                )
+                say("stopped", "gpud stopped: reconnecting until it is back (Ctrl-C ends)")
                 away = True
             ctx.close()  # a new channel: gRPC's own would wait up to 2 minutes between tries
             time.sleep(pause)

@@ -19,7 +19,18 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from gpud.cli.context import EXIT_USAGE, UINT32, CliError, Context, Subparsers, integer, slo_ms
+from gpud.cli.context import (
+    EXIT_USAGE,
+    JOB_NAME,
+    UINT32,
+    CliError,
+    Context,
+    Subparsers,
+    given,
+    integer,
+    size,
+    slo_ms,
+)
 from gpud.cli.mps import size_arg
 from gpud.cli.output import NA, message_to_dict, seconds
 from gpud.errors import InvalidArgument
@@ -62,6 +73,8 @@ def _owner(text: str) -> str:
     """An argparse ``type``: an owner as the daemon takes it (:func:`gpud.shared.check_owner`),
     so that a bad one is a usage error naming the flag (exit 2) before gpuctl asks gpud
     anything (``gpuctl run`` asks for co-location advice first)."""
+    if not text.strip():  # an unset variable: not "your user name"
+        raise argparse.ArgumentTypeError(f"give a user name, got {text!r}")
     try:
         return check_owner(text, field="")
     except InvalidArgument as err:
@@ -73,17 +86,20 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kind", choices=KINDS, help="training (default) or inference")
     parser.add_argument(
         "--owner",
-        default="",
         type=_owner,
         help="who runs it (one line of up to 128 printable characters; default: your user name)",
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
-        "--mig", metavar="PROFILE", help="one MIG device of this profile, e.g. 3g.40gb"
+        "--mig",
+        type=given("a MIG profile such as 3g.40gb"),
+        metavar="PROFILE",
+        help="one MIG device of this profile, e.g. 3g.40gb",
     )
     where.add_argument("--gpus", type=GPU_COUNT, metavar="N", help="N whole GPUs")
     where.add_argument(
         "--devices",
+        type=given("devices: indexes (0, 0:1) or UUIDs, comma-separated"),
         metavar="DEVICE,...",
         help="these GPU / MIG devices: indexes (0, 0:1) or UUIDs",
     )
@@ -94,7 +110,10 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
         help="MPS active thread percentage, 1..100",
     )
     parser.add_argument(
-        "--memory", metavar="SIZE", help="MPS pinned memory limit per device, e.g. 20GiB"
+        "--memory",
+        type=size,
+        metavar="SIZE",
+        help="MPS pinned memory limit per device, e.g. 20GiB",
     )
     parser.add_argument(
         "--priority", type=int, choices=(0, 1), help="MPS client priority: 0 normal, 1 below normal"
@@ -108,7 +127,7 @@ def register(subparsers: Subparsers) -> None:
     jobs.set_defaults(run=run_ls, name=None)
     commands = jobs.add_subparsers(dest="jobs_command", metavar="COMMAND")
     add = commands.add_parser("add", help="register a job")
-    add.add_argument("name")
+    add.add_argument("name", type=JOB_NAME)
     add_placement_options(add)
     add.add_argument(
         "--slo-p99-ms",
@@ -123,7 +142,7 @@ def register(subparsers: Subparsers) -> None:
     )
     add.set_defaults(run=run_add)
     rm = commands.add_parser("rm", help="remove a job")
-    rm.add_argument("name")
+    rm.add_argument("name", type=JOB_NAME)
     rm.add_argument(
         "--force",
         action="store_true",
@@ -131,7 +150,7 @@ def register(subparsers: Subparsers) -> None:
     )
     rm.set_defaults(run=run_rm)
     ls = commands.add_parser("ls", help="list jobs, their reservations and GPU memory use")
-    ls.add_argument("name", nargs="?")
+    ls.add_argument("name", nargs="?", type=JOB_NAME)
     ls.set_defaults(run=run_ls)
     history = commands.add_parser(
         "history", help="job runs: when asked, started, ended, and how they ended"
@@ -157,7 +176,7 @@ def caller_name() -> str:
 
 def owner_of(args: argparse.Namespace) -> str:
     """``--owner``, else the caller's user name (:func:`caller_name`)."""
-    return str(args.owner) or caller_name()
+    return str(args.owner or "") or caller_name()
 
 
 def holders(job: pb.Job) -> str:

@@ -43,7 +43,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers
+from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers, given
 from gpud.cli.output import NA, gib, last_seen
 from gpud.errors import ERROR_TABLE, FailedPrecondition, Partial
 from gpud.shared import MAX_DRAIN_SECONDS, MAX_LAYOUT_BYTES, read_small_text
@@ -51,6 +51,7 @@ from gpud.v1 import mig_pb2 as pb
 from gpud.v1 import mig_pb2_grpc as pb_grpc
 
 EXIT_DIFFERS = 1
+CONFIG = given("the config's name")
 EXIT_FAILED = 1
 EXIT_PARTIAL = ERROR_TABLE[Partial][1]  # 11: done for the GPUs that answer
 # 6 (Busy, a FailedPrecondition): refused, processes run on what would be destroyed
@@ -117,7 +118,10 @@ def register(subparsers: Subparsers) -> None:
     check.set_defaults(run=run_assert)
 
     export = commands.add_parser("export", help="print the current layout as a mig-parted file")
-    export.add_argument("-c", "--config", default="current", metavar="NAME", help="config name")
+    # -c "": an unset variable, which gpud would take as "current"
+    export.add_argument(
+        "-c", "--config", default="current", type=CONFIG, metavar="NAME", help="config name"
+    )
     export.set_defaults(run=run_export)
 
 
@@ -126,17 +130,17 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
         "-f",
         "--file",
         required=True,
+        # -f "": an unset variable; as a Path it would be ".", the directory
+        type=given("the file's path"),
         metavar="FILE",
         help="mig-parted config file (-: standard input)",
     )
     parser.add_argument(
-        "-c", "--config", required=True, metavar="NAME", help="entry of mig-configs"
+        "-c", "--config", required=True, type=CONFIG, metavar="NAME", help="entry of mig-configs"
     )
 
 
 def _source(args: argparse.Namespace) -> pb.MigConfigSource:
-    if not args.file:  # -f "": an unset variable; as a Path it would be ".", the directory
-        raise CliError("-f/--file: give the file's path, got ''", EXIT_USAGE)
     path = Path(args.file)
     try:
         text = read_small_text(path, MAX_LAYOUT_BYTES)
@@ -321,8 +325,6 @@ def run_assert(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def run_export(ctx: Context, args: argparse.Namespace) -> int:
-    if not args.config:  # -c "": an unset variable, which gpud would take as "current"
-        raise CliError("-c/--config: give the config's name, got ''", EXIT_USAGE)
     resp: pb.ExportMigResponse = ctx.call(
         ctx.stub(pb_grpc.MigStub).ExportMig, pb.ExportMigRequest(name=args.config)
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable
 
-from gpud.cli.context import EXIT_USAGE, UINT32, CliError, Context, Subparsers
+from gpud.cli.context import EXIT_USAGE, UINT32, CliError, Context, Subparsers, given, size
 from gpud.cli.output import NA, UNKNOWN, last_seen
 from gpud.errors import InvalidArgument
 from gpud.shared import format_size, parse_size
@@ -38,17 +38,22 @@ def register(subparsers: Subparsers) -> None:
     mps.set_defaults(run=run_show, gpu=None)
     commands = mps.add_subparsers(dest="mps_command", metavar="COMMAND")
     show = commands.add_parser("show", help="every device's daemon and limits")
-    show.add_argument("--gpu", metavar="UUID|INDEX|GPU:MIG", help="only this device")
+    device = given("a GPU or MIG device: its UUID, index or GPU:MIG")
+    show.add_argument("--gpu", type=device, metavar="UUID|INDEX|GPU:MIG", help="only this device")
     show.set_defaults(run=run_show)
     set_ = commands.add_parser("set", help="set a device's default limits")
-    set_.add_argument("--gpu", required=True, metavar="UUID|INDEX|GPU:MIG", help="the device")
+    set_.add_argument(
+        "--gpu", required=True, type=device, metavar="UUID|INDEX|GPU:MIG", help="the device"
+    )
     threads = set_.add_mutually_exclusive_group()
     threads.add_argument(
         "--threads", type=UINT32, metavar="PERCENT", help="active thread percentage, 1..100"
     )
     threads.add_argument("--clear-threads", action="store_true", help="back to 100%%")
     memory = set_.add_mutually_exclusive_group()
-    memory.add_argument("--memory", metavar="SIZE", help="pinned device memory limit, e.g. 20GiB")
+    memory.add_argument(
+        "--memory", type=size, metavar="SIZE", help="pinned device memory limit, e.g. 20GiB"
+    )
     memory.add_argument("--clear-memory", action="store_true", help="no memory limit")
     enable = set_.add_mutually_exclusive_group()
     enable.add_argument(

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from gpud.cli.context import (
     EXIT_USAGE,
+    JOB_NAME,
     UINT32,
     UINT64,
     CliError,
@@ -77,7 +78,7 @@ def register(subparsers: Subparsers) -> None:
     show = commands.add_parser("show", help="jobs, levels, interfaces and counters")
     show.set_defaults(run=run_show)
     report = commands.add_parser("report", help="report a job's completed iterations")
-    report.add_argument("--job", required=True, metavar="NAME")
+    report.add_argument("--job", required=True, type=JOB_NAME, metavar="NAME")
     report.add_argument("--iterations", required=True, type=UINT64, metavar="N")
     report.add_argument("--timestamp", type=_timestamp, metavar="UNIX", help="default: now")
     # the range ReportProgress takes
@@ -89,17 +90,16 @@ def register(subparsers: Subparsers) -> None:
     )
     report.add_argument(
         "--session",
-        default="",
         type=_session,
         help=f"a restarted job's new session id (up to {MAX_SESSION_CHARS} printable characters)",
     )
     report.set_defaults(run=run_report)
     pin = commands.add_parser("pin", help="fix a job's level (0 = highest priority)")
-    pin.add_argument("--job", required=True, metavar="NAME")
+    pin.add_argument("--job", required=True, type=JOB_NAME, metavar="NAME")
     pin.add_argument("--level", required=True, type=_level, metavar="LEVEL")
     pin.set_defaults(run=run_pin)
     unpin = commands.add_parser("unpin", help="give a job's level back to the policy")
-    unpin.add_argument("--job", required=True, metavar="NAME")
+    unpin.add_argument("--job", required=True, type=JOB_NAME, metavar="NAME")
     unpin.set_defaults(run=run_pin, level=None)
 
 
@@ -257,6 +257,8 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
 def _session(text: str) -> str:
     """An argparse ``type``: a session as the daemon takes it (:func:`gpud.shared.check_text`),
     so that a bad one is a usage error naming the flag (exit 2), never sent."""
+    if not text.strip():  # an unset variable: not "no new session"
+        raise argparse.ArgumentTypeError(f"give a session id, got {text!r}")
     try:
         return check_text(text, field="", max_len=MAX_SESSION_CHARS)
     except InvalidArgument as err:
@@ -270,7 +272,7 @@ def run_report(ctx: Context, args: argparse.Namespace) -> int:
         job=args.job,
         iterations=args.iterations,
         timestamp_unix_seconds=args.timestamp if args.timestamp is not None else time.time(),
-        session=args.session,
+        session=args.session or "",
     )
     if args.ideal is not None:
         request.contention_free_iteration_s = args.ideal

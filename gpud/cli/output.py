@@ -22,6 +22,10 @@ NA = "-"  # a reading that is not supported or not read
 # a static fact (model, UUID, size) of a GPU that never answered: gpud does not know it
 UNKNOWN = "?"
 GIB = 1024**3
+# Double fields that only ever carry a whole number (a count of bits, as gpud sets it):
+# shown as one, 100000000 rather than 100000000.0. (Byte fields are integers on the wire;
+# a measured rate, tx_bytes_per_second, is a real number.)
+_WHOLE_DOUBLES = {"gpud.v1.NetInterface.rate_bits_per_second"}
 _STRUCT_TYPES = {"google.protobuf.Struct", "google.protobuf.Value", "google.protobuf.ListValue"}
 _WELL_KNOWN_JSON = {
     "google.protobuf.Timestamp",
@@ -50,6 +54,8 @@ def _scalar(fd: Any, value: Any) -> Any:
         return known.name if known is not None else value
     if fd.type == FieldDescriptor.TYPE_BYTES:
         return value.hex()
+    if fd.full_name in _WHOLE_DOUBLES and float(value).is_integer() and abs(value) < 2**53:
+        return int(value)
     return value
 
 

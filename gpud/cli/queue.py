@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpud.cli.context import CliError, Context, Subparsers
+from gpud.cli.context import CliError, Context, Subparsers, given
 from gpud.cli.output import message_to_dict, seconds
 from gpud.shared import WAITING_ON_COLOCATION
 from gpud.v1 import colo_pb2, colo_pb2_grpc
@@ -47,6 +47,7 @@ def register(subparsers: Subparsers) -> None:
     )
     queue.add_argument(
         "--leave",
+        type=given("an entry id (gpuctl queue lists them)"),
         metavar="ID",
         help="take this entry out of the queue, or this run out of its wait for co-location",
     )

@@ -78,6 +78,7 @@ if TYPE_CHECKING:
 from gpud.cli.context import (
     EXIT_NOT_RUNNING,
     EXIT_USAGE,
+    JOB_NAME,
     CliError,
     Context,
     Subparsers,
@@ -175,7 +176,7 @@ def register(subparsers: Subparsers) -> None:
     run = subparsers.add_parser(
         "run", help="run a command as a job, with its GPUs and MPS limits reserved"
     )
-    run.add_argument("--job", required=True, metavar="NAME")
+    run.add_argument("--job", required=True, type=JOB_NAME, metavar="NAME")
     add_placement_options(run)
     run.add_argument(
         "--no-wait",
@@ -193,7 +194,7 @@ def register(subparsers: Subparsers) -> None:
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
     run.set_defaults(run=run_run)
     env = subparsers.add_parser("env", help="print the environment of a job (export lines)")
-    env.add_argument("--job", required=True, metavar="NAME")
+    env.add_argument("--job", required=True, type=JOB_NAME, metavar="NAME")
     env.set_defaults(run=run_env)
 
 
@@ -230,14 +231,22 @@ def reserve_request(args: argparse.Namespace) -> pb.ReserveRequest:
 NEVER_FITS = "never fits"  # the co-location loop's reason when waiting would not help
 
 
-def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest, stop: _Stop) -> bool:
+def advise(
+    ctx: Context,
+    args: argparse.Namespace,
+    request: pb.ReserveRequest,
+    stop: _Stop,
+    notes: list[str],
+) -> bool:
     """Where the co-location loop would put a job that names no place (on the command line
     or when it was registered): its GPU and MPS thread share go into the request as advice
     for this run. Without advice (loop off, unreachable) or for a job that never fits, the
     jobs service places the job as it always does. When the loop says
     wait (no GPU where sharing pays off now), the job waits until it names one, unless
     ``--no-wait``: placing it anyway would share a GPU the loop just refused. False when
-    Ctrl-C (or SIGTERM, SIGHUP) stopped the run (``stop``), said on stderr."""
+    Ctrl-C (or SIGTERM, SIGHUP) stopped the run (``stop``), said on stderr. Why it falls
+    back to the default placement goes into ``notes``, said once the jobs service placed
+    the job (or queued it), not before the refusal of a job that can never start."""
     if args.mig is not None or args.gpus is not None or args.devices is not None:
         return True
     known = _registered(ctx, args.job)
@@ -264,14 +273,14 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest, s
         if err.exit_code == EXIT_USAGE:
             raise  # a bad job name or size: the jobs service would refuse it the same way
         if err.error != ColocationOff.__name__:  # switched off: nothing worth a line
-            print(f"gpuctl: no co-location advice ({err}); default placement", file=sys.stderr)
+            notes.append(f"no co-location advice ({err}); default placement")
         return True
     if stop.is_set():  # a signal while it asked: nothing waits in gpud yet
         _stopped(args.job, stop)
         return False
     if resp.gpu < 0 or not resp.device:
         if resp.reason.startswith(NEVER_FITS):
-            print(f"gpuctl: co-location: {resp.reason}; default placement", file=sys.stderr)
+            notes.append(f"co-location: {resp.reason}; default placement")
             return True
         if args.no_wait:
             raise CliError(f"cannot start now: co-location: {resp.reason}", EXIT_TAKEN)
@@ -296,21 +305,24 @@ def advise(ctx: Context, args: argparse.Namespace, request: pb.ReserveRequest, s
 
 
 def _reserve_advised(
-    ctx: Context, args: argparse.Namespace, stop: _Stop
+    ctx: Context, args: argparse.Namespace, stop: _Stop, notes: list[str]
 ) -> pb.ReserveResponse | None:
     """Reserve what the request (and the loop's advice) names. A GPU the advice named but
     another run took in between is asked about again, up to ADVICE_ROUNDS times, so the
     job still goes where sharing pays off, unless a signal came meanwhile (``stop``); None
-    when a signal stopped it while it asked for advice or waited for it."""
+    when a signal stopped it while it asked for advice or waited for it. Why the advice
+    was not followed is said once reserved, else left in ``notes`` (for the queue)."""
     rounds = 1
     while True:
         request = reserve_request(args)
-        if not advise(ctx, args, request, stop):
+        notes.clear()
+        if not advise(ctx, args, request, stop, notes):
             return None
         try:
             # The stub is taken after the advice: a wait through a gpud restart has
             # closed the channel it started on.
             resp: pb.ReserveResponse = ctx.call(ctx.stub(pb_grpc.JobsStub).Reserve, request)
+            _say(notes)
             return resp
         except CliError as err:
             if (
@@ -323,6 +335,11 @@ def _reserve_advised(
                 raise
             rounds += 1
             print(f"gpuctl: {err}; asking co-location again", file=sys.stderr, flush=True)
+
+
+def _say(notes: list[str]) -> None:
+    for note in notes:
+        print(f"gpuctl: {note}", file=sys.stderr, flush=True)
 
 
 def _registered(ctx: Context, job: str) -> pb.Job | None:
@@ -577,7 +594,8 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
 
 def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop) -> int:
     try:
-        resp = _reserve_advised(ctx, args, stop)
+        notes: list[str] = []
+        resp = _reserve_advised(ctx, args, stop, notes)
         if resp is None:
             return EXIT_INTERRUPTED
         reservation, devices, granted = (
@@ -591,7 +609,7 @@ def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop
         if stop.is_set():  # a signal while it asked: it joins no queue
             return _stopped(args.job, stop)
         try:
-            entry = wait_in_queue(ctx, reserve_request(args), stop, why=str(err))
+            entry = wait_in_queue(ctx, reserve_request(args), stop, why=str(err), notes=notes)
         except CliError as queue_err:
             refused = not isinstance(queue_err, TakenOut)  # by the Enqueue, not once waiting
             if refused and (
@@ -878,7 +896,12 @@ class TakenOut(CliError):
 
 
 def wait_in_queue(
-    ctx: Context, request: pb.ReserveRequest, stop: _Stop, *, why: str = ""
+    ctx: Context,
+    request: pb.ReserveRequest,
+    stop: _Stop,
+    *,
+    why: str = "",
+    notes: list[str] | None = None,
 ) -> queue_pb2.QueueEntry | None:
     """Queue ``request`` and poll until it starts (its entry, with reservation and env);
     None when Ctrl-C (or SIGTERM, SIGHUP: ``stop``) took it out of the queue, or gave back
@@ -886,9 +909,11 @@ def wait_in_queue(
     otherwise raises: exit 4 when ``gpuctl jobs rm --force`` removed the job, as a run
     waiting for co-location is told, exit 7 when gpud took it out saying why (the queue was
     turned off: as a run is refused with it off), else 1 (``gpuctl queue --leave``, its
-    holder judged gone). ``why``: why it could not start at once, said once when it joins the queue."""
+    holder judged gone). ``why``: why it could not start at once, said once when it joins the queue,
+    after ``notes`` (why co-location's advice was not followed)."""
     queue = ctx.stub(queue_pb2_grpc.QueueStub)
     entry: queue_pb2.QueueEntry = ctx.call(queue.Enqueue, queue_pb2.EnqueueRequest(request=request))
+    _say(notes or [])
     if why and entry.state == queue_pb2.ENTRY_STATE_QUEUED and not stop.is_set():
         print(f"gpuctl: cannot start now: {why}", file=sys.stderr, flush=True)
     shown = ""

@@ -27,14 +27,18 @@ from gpud.cli.context import (
     CliError,
     Context,
     Subparsers,
+    given,
     gpu_index,
     number,
+    size,
 )
 from gpud.cli.mps import size_arg
 from gpud.cli.output import NA, gib, percent
 from gpud.shared import MAX_XID
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
+
+FIELD = given("a reading")  # an unset variable names none
 
 
 def register(subparsers: Subparsers) -> None:
@@ -73,10 +77,12 @@ def register(subparsers: Subparsers) -> None:
     slow_mig.add_argument("seconds", type=number(0, 86400), help="added to each change, 0..86400")
     slow_mig.set_defaults(kind="FAULT_KIND_SLOW_MIG")
     ns = kinds.add_parser("not-supported", help="make reads of FIELD raise NotSupported")
-    ns.add_argument("field", help='a reading, e.g. "power", "temperature", "ecc", "process_memory"')
+    ns.add_argument(
+        "field", type=FIELD, help='a reading, e.g. "power", "temperature", "ecc", "process_memory"'
+    )
     ns.set_defaults(kind="FAULT_KIND_NOT_SUPPORTED")
     err = kinds.add_parser("error", help="make reads of FIELD fail with a driver error")
-    err.add_argument("field", help='a reading: "mig_memory" (the MIG devices\' memory)')
+    err.add_argument("field", type=FIELD, help='a reading: "mig_memory" (the MIG devices\' memory)')
     err.set_defaults(kind="FAULT_KIND_ERROR")
     fault.set_defaults(run=run_fault)
     reboot = actions.add_parser(
@@ -95,14 +101,22 @@ def register(subparsers: Subparsers) -> None:
         metavar="INDEX",
         help="the GPU's index (gpuctl gpus)",
     )
-    start.add_argument("--mig", default=None, help="a MIG device index or MIG UUID on that GPU")
+    start.add_argument(
+        "--mig",
+        default=None,
+        # an unset variable: not "the whole GPU"
+        type=given("a MIG device index or MIG UUID"),
+        help="a MIG device index or MIG UUID on that GPU",
+    )
     start.add_argument(
         "--pid",
         type=UINT32,
         required=True,
         help="its PID (a live one is attributed to its job, and the process ends when it exits)",
     )
-    start.add_argument("--memory", default="1GiB", help="device memory it uses (default 1GiB)")
+    start.add_argument(
+        "--memory", type=size, default="1GiB", help="device memory it uses (default 1GiB)"
+    )
     start.add_argument(
         "--sm", type=number(0, 1), default=0.5, help="share of SMs it keeps busy, 0..1"
     )
@@ -118,8 +132,6 @@ def run_workload(ctx: Context, args: argparse.Namespace) -> int:
     request = pb.SimWorkloadRequest(pid=args.pid, stop=args.stop)
     if not args.stop:
         request.gpu = args.gpu
-        if args.mig == "":  # an unset variable: not "the whole GPU"
-            raise CliError("--mig: name a MIG device index or MIG UUID, got ''", EXIT_USAGE)
         request.mig = args.mig or ""
         request.memory_bytes = size_arg(args.memory)
         request.sm_ratio = args.sm

@@ -66,7 +66,8 @@ def _traffic(traffic: pb.TrafficStatus) -> str:
 
 
 def _traffic_problems(traffic: pb.TrafficStatus) -> list[str]:
-    """A line for each interface not enforced and for the marking, if not in force."""
+    """A line for each interface not enforced, and for the marking and the RDMA DSCP map
+    (as ``gpuctl net show`` names it) if not in force."""
     if not traffic.enabled:
         return []
     lines = []
@@ -76,4 +77,6 @@ def _traffic_problems(traffic: pb.TrafficStatus) -> list[str]:
             lines.append(f"{i.name} not enforced: {why}")
     if traffic.marking_error:
         lines.append(f"marking by cgroup (nftables) not in force: {traffic.marking_error}")
+    if traffic.rdma_error:
+        lines.append(f"RDMA DSCP map ({traffic.rdma_backend}) not in force: {traffic.rdma_error}")
     return lines

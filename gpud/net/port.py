@@ -43,6 +43,8 @@ class TrafficSummary:
     interfaces: tuple[LinkEnforcement, ...] = ()
     marking_error: str = ""
     marking: bool = True  # traffic.marking: whether packets are marked by cgroup at all
+    rdma_backend: str = "none"  # traffic.rdma_backend
+    rdma_error: str = ""  # why the RDMA DSCP map is not in force ("" when it is)
 
 
 @dataclass(frozen=True, slots=True)

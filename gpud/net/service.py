@@ -593,6 +593,8 @@ class TrafficService:
             ),
             marking_error=self._marking_error if self.config.marking else "",
             marking=self.config.marking,
+            rdma_backend=self.config.rdma_backend,
+            rdma_error=self._rdma_error,
         )
 
     def view(self) -> NetView:

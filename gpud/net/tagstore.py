@@ -9,6 +9,7 @@ with the stored ones). A tag set by the cluster leader replaces the local one.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterable, Mapping
 
@@ -40,16 +41,29 @@ def reserved_in_pool(spec: str, reserved: Iterable[int]) -> list[int]:
     return sorted(_named(spec) & set(reserved))
 
 
+# one item of a pool: a DSCP or a range of them, in ASCII digits; spaces around an item or
+# its "-" are harmless ("10, 12 - 14"), but not what int() would also take ("1_0", "+10")
+_ITEM = re.compile(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?")
+
+
 def _named(spec: str) -> set[int]:
     chosen: set[int] = set()
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        lo, sep, hi = part.partition("-")
-        try:
-            first, last = int(lo), int(hi) if sep else int(lo)
-        except ValueError:
-            raise ValueError(f"{part!r} is not a DSCP or a range like 10-30") from None
+    if not spec.strip():
+        return chosen
+    for part in spec.split(","):
+        if not part.strip():
+            # "10,,34" or "10-30,": a value left out, most likely
+            raise ValueError(
+                f"{spec!r} has an empty item (nothing between two commas, or before or after"
+                " them): a DSCP left out?"
+            )
+        match = _ITEM.fullmatch(part)
+        if match is None:
+            raise ValueError(f"{part.strip()!r} is not a DSCP or a range like 10-30")
+        first = int(match[1])
+        last = int(match[2]) if match[2] is not None else first
         if not 0 <= first <= last <= DSCP_MAX:
-            raise ValueError(f"{part!r}: DSCP values are 0..{DSCP_MAX}, low to high")
+            raise ValueError(f"{part.strip()!r}: DSCP values are 0..{DSCP_MAX}, low to high")
         chosen.update(range(first, last + 1))
     return chosen
 

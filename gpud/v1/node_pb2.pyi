@@ -177,12 +177,18 @@ class TrafficStatus(_message.Message):
     INTERFACES_FIELD_NUMBER: _builtins.int
     MARKING_ERROR_FIELD_NUMBER: _builtins.int
     MARKING_OFF_FIELD_NUMBER: _builtins.int
+    RDMA_BACKEND_FIELD_NUMBER: _builtins.int
+    RDMA_ERROR_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     """traffic.enabled in the daemon's config"""
     marking_error: _builtins.str
     """why the nftables table is not in force; "" when it is (or off)"""
     marking_off: _builtins.bool
     """traffic.marking = false: no packet is marked by cgroup"""
+    rdma_backend: _builtins.str
+    """traffic.rdma_backend ("none": no RDMA traffic-class map kept); "" from an older gpud"""
+    rdma_error: _builtins.str
+    """why the RDMA DSCP map is not in force; "" when it is (or none)"""
     @_builtins.property
     def interfaces(self) -> _containers.RepeatedCompositeFieldContainer[Global___TrafficInterfaceStatus]:
         """traffic.interfaces, in config order"""
@@ -194,10 +200,12 @@ class TrafficStatus(_message.Message):
         interfaces: _abc.Iterable[Global___TrafficInterfaceStatus] | None = ...,
         marking_error: _builtins.str = ...,
         marking_off: _builtins.bool = ...,
+        rdma_backend: _builtins.str = ...,
+        rdma_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "interfaces", b"interfaces", "marking_error", b"marking_error", "marking_off", b"marking_off"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "interfaces", b"interfaces", "marking_error", b"marking_error", "marking_off", b"marking_off", "rdma_backend", b"rdma_backend", "rdma_error", b"rdma_error"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

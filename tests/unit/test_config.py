@@ -117,6 +117,13 @@ _ETCD = (
         ('[traffic]\ncgroup_parent = "gpud\\n"\n', "traffic.cgroup_parent", "a line break"),
         # DSCP 0 is untagged traffic: a job tagged 0 leaves its interface unenforced
         ("[traffic]\nreserved_dscp = []\n", "traffic.reserved_dscp", "DSCP 0 is untagged"),
+        # a pool's items are ASCII DSCPs and ranges (spaces around them are harmless); what
+        # int() would also take, or an item left empty, is most likely a typo
+        ('[traffic]\ndscp_pool = "10,,34"\n', "traffic.dscp_pool", "an empty item .*left out"),
+        ('[traffic]\ndscp_pool = "10-30,"\n', "traffic.dscp_pool", "'10-30,' has an empty"),
+        ('[traffic]\ndscp_pool = "1_0"\n', "traffic.dscp_pool", "'1_0' is not a DSCP or a"),
+        ('[traffic]\ndscp_pool = "10-+30"\n', "traffic.dscp_pool", "'10-\\+30' is not a D"),
+        ('[traffic]\ndscp_pool = "10 12"\n', "traffic.dscp_pool", "'10 12' is not a DSCP"),
         (
             '[traffic]\nreserved_dscp = [8]\ndscp_pool = "0-5"\n',
             "traffic.reserved_dscp",
@@ -949,6 +956,15 @@ def test_ctrl_c_while_gpud_starts_stops_it_at_once_without_a_traceback() -> None
     assert proc.returncode == -signal.SIGINT and "Traceback" not in err
     with open(Path(__file__).parents[2] / "pyproject.toml", "rb") as f:
         assert tomllib.load(f)["project"]["scripts"]["gpud"] == "gpud:daemon_entry"
+
+
+def test_a_dscp_pool_takes_spaces_around_its_items(tmp_path: Path) -> None:
+    from gpud.net.tagstore import parse_pool
+
+    spec = " 10 - 12 , 34 "
+    path = write(tmp_path, f'[traffic]\ndscp_pool = "{spec}"\n')
+    assert config.load(path).traffic.dscp_pool == spec
+    assert parse_pool(spec, {0}) == {10, 11, 12, 34}
 
 
 def test_check_config_says_the_warnings_gpud_would_give_at_start(

@@ -271,12 +271,15 @@ def test_follow_goes_on_across_a_restart_of_gpud(sock_dir: Path) -> None:
         assert _line(child.stderr) == (
             "gpuctl: gpud stopped: reconnecting until it is back (Ctrl-C ends)"
         )
+        # --json: said in the stream too, where its consumer reads
+        assert json.loads(_line(child.stdout)) == {"gpud": "stopped"}
         # emitted after gpuctl's last event: the next gpud keeps it (its file), not missed
         log.emit("gpu.unhealthy", "while away", gpu=0)
         time.sleep(0.5)  # gpud is down a while: gpuctl tries again meanwhile
         log = EventLog(state)
         with _served(sock, log):
             assert _line(child.stderr) == "gpuctl: gpud is back: following again"
+            assert json.loads(_line(child.stdout)) == {"gpud": "back"}
             assert json.loads(_line(child.stdout))["message"] == "while away"
             log.emit("gpu.healthy", "after", gpu=0)  # from another thread than the server's
             after = json.loads(_line(child.stdout))
@@ -354,16 +357,18 @@ def test_follow_says_what_expired_and_resumes_by_time_where_numbers_were_given_a
         with _served(sock, log):
             assert [json.loads(_line(child.stdout))["seq"] for _ in range(3)] == [1, 2, 3]
         assert "gpud stopped" in _line(child.stderr)
+        assert json.loads(_line(child.stdout)) == {"gpud": "stopped"}
         # the next gpud keeps 2 events: of 4..6, said while gpuctl was away, 4 is gone
         log = EventLog(state, keep=2, clock=clock)
         for i in range(3):
             log.emit("job.add", f"second {i}", job=str(i))
         with _served(sock, log):
             assert "gpud is back" in _line(child.stderr)
-            said = [json.loads(_line(child.stdout)) for _ in range(3)]
-            assert said[0] == {"expired": 1}
-            assert [e["seq"] for e in said[1:]] == [5, 6]
+            said = [json.loads(_line(child.stdout)) for _ in range(4)]
+            assert said[:2] == [{"gpud": "back"}, {"expired": 1}]
+            assert [e["seq"] for e in said[2:]] == [5, 6]
         assert "gpud stopped" in _line(child.stderr)
+        assert json.loads(_line(child.stdout)) == {"gpud": "stopped"}
         # the log removed: the next gpud numbers from 1 again, past 6 before gpuctl is back
         state.unlink()
         log = EventLog(state, clock=clock)
@@ -371,8 +376,9 @@ def test_follow_says_what_expired_and_resumes_by_time_where_numbers_were_given_a
             log.emit("job.add", f"third {i}", job=str(i))
         with _served(sock, log):
             assert "gpud is back" in _line(child.stderr)
-            said = [json.loads(_line(child.stdout)) for _ in range(8)]
-            assert [e["message"] for e in said] == [f"third {i}" for i in range(8)]
+            said = [json.loads(_line(child.stdout)) for _ in range(9)]
+            assert said[0] == {"gpud": "back"}
+            assert [e["message"] for e in said[1:]] == [f"third {i}" for i in range(8)]
             child.send_signal(signal.SIGINT)
             child.communicate(timeout=10)
     finally:

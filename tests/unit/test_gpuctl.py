@@ -28,7 +28,7 @@ from gpud.events import Event, EventLog
 from gpud.net.port import LinkEnforcement, TrafficSummary
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import GpuSample, SeenIdentity, Snapshot
-from gpud.v1 import jobs_pb2, queue_pb2
+from gpud.v1 import jobs_pb2, net_pb2, queue_pb2
 from tests.unit.api_support import (
     FakeFaults,
     ServerThread,
@@ -124,6 +124,18 @@ _ETH9_GONE = LinkEnforcement("eth9", False, "eth9: no such network interface")
             ],
         ),
         (
+            TrafficSummary(
+                True,
+                (LinkEnforcement("eth1", True),),
+                rdma_backend="dcb",
+                rdma_error="eth1: cannot run dcb: timed out after 10 seconds",
+            ),
+            [
+                "traffic:     on, 1 interface ok",
+                "RDMA DSCP map (dcb) not in force: eth1: cannot run dcb: timed out after 10 seconds",
+            ],
+        ),
+        (
             TrafficSummary(True),
             ["traffic:     on, no interfaces (traffic.interfaces is empty): tags and marking only"],
         ),
@@ -151,6 +163,8 @@ def test_status_says_how_traffic_is_enforced(
         ],
         "marking_error": traffic.marking_error,
         "marking_off": not traffic.marking,
+        "rdma_backend": traffic.rdma_backend,
+        "rdma_error": traffic.rdma_error,
     }
 
 
@@ -1001,6 +1015,17 @@ def test_json_of_plain_values_holding_messages() -> None:
     doc = json.loads(stream.getvalue())
     assert doc["job"]["name"] == "a" and doc["job"]["devices"] == ["0"]
     assert doc["entries"][0]["job"] == "a"
+
+
+def test_json_shows_a_link_rate_as_a_whole_number_of_bits() -> None:
+    """``gpuctl net show --json``: a rate gpud sets in whole bits, carried as a double."""
+    stream = io.StringIO()
+    out = Output(json_output=True, stream=stream)
+    iface = net_pb2.NetInterface(name="eth0", rate_bits_per_second=100_000_000.0)
+    out.print_json(net_pb2.ShowNetResponse(enabled=True, interfaces=[iface]))
+    assert '"rate_bits_per_second": 100000000,' in stream.getvalue()
+    shown = json.loads(stream.getvalue())["interfaces"][0]["rate_bits_per_second"]
+    assert shown == 100_000_000 and isinstance(shown, int)
 
 
 def test_display_helpers() -> None:

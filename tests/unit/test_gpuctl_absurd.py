@@ -1,6 +1,8 @@
 """gpuctl given values no one means: empty strings, out-of-range numbers, malformed names,
-and an output it cannot write. Each is refused in one ``gpuctl:`` line with a documented exit
-code, before anything changes in gpud; none ends in a traceback."""
+and an output it cannot write. Each is refused with a documented exit code, before anything
+changes in gpud (an empty value as a usage error: ``gpuctl CMD: error: argument ...`` and
+``try 'gpuctl CMD --help'``, anything else in one ``gpuctl:`` line); none ends in a
+traceback."""
 
 from __future__ import annotations
 
@@ -68,25 +70,13 @@ def node(sim: SimNode, faults: FakeFaults, cleared: list[tuple[int, int | None]]
 
 
 REFUSED = [
-    # an explicitly empty value is an unset variable, not "the default"
-    (("jobs", "add", "a", "--mig", ""), "mig: '' is not a MIG profile like 3g.40gb"),
-    (("jobs", "add", "a", "--devices", ""), "--devices: '' names no device"),
     (("jobs", "add", "a", "--devices", ","), "--devices: ',' names no device"),
-    (("run", "--job", "a", "--mig", "", "--", "true"), "mig: '' is not a MIG profile"),
-    (("run", "--job", "a", "--devices", "", "--", "true"), "--devices: '' names no device"),
-    (("mig", "export", "-c", ""), "-c/--config: give the config's name, got ''"),
-    (("mig", "assert", "-f", "", "-c", "a"), "-f/--file: give the file's path, got ''"),
-    (
-        ("sim", "workload", "start", "--gpu", "0", "--pid", "77", "--mig", ""),
-        "--mig: name a MIG device index or MIG UUID, got ''",
-    ),
     # gpud refuses what no client should send
     (
         ("sim", "workload", "start", "--gpu", "0", "--pid", "99999999"),
         "pid: must be in [1, 4194304], got 99999999",
     ),
     (("sim", "fault", "--gpu", "1", "xid", "99999"), "xid: must be an XID code in 1..999"),
-    (("cluster", "attributes", "--job", ""), "jobs[0]: '': letters, digits"),
     (("cluster", "attributes", "--job", "a\nb"), "jobs[0]: 'a\\nb': letters, digits"),
     (("cluster", "attributes", "--job", "ok", "--job", "a b"), "jobs[1]: 'a b': letters"),
 ]
@@ -106,6 +96,72 @@ def test_an_absurd_value_is_refused_in_one_line_changing_nothing(  # noqa: PLR09
     assert (code, out) == (EXIT_USAGE, ""), err
     assert err.startswith("gpuctl: ") and err.count("\n") == 1, err
     assert message in err
+    assert node.jobs.registry.all() == []
+    assert sim.workloads.list() == []
+    assert faults.calls == []
+
+
+EMPTY = [
+    # an explicitly empty value is an unset variable, not "the default": every option and
+    # argument that takes a value refuses it, as a usage error naming it
+    ("jobs add", ("",), "name: give a job name"),
+    ("jobs add", ("a", "--owner", ""), "--owner: give a user name"),
+    ("jobs add", ("a", "--mig", ""), "--mig: give a MIG profile such as 3g.40gb"),
+    ("jobs add", ("a", "--devices", ""), "--devices: give devices: indexes (0, 0:1) or UUIDs"),
+    ("jobs add", ("a", "--memory", ""), "--memory: '' is not a size like 20GiB"),
+    ("jobs rm", ("",), "name: give a job name"),
+    ("jobs ls", ("",), "name: give a job name"),
+    ("run", ("--job", "", "--", "true"), "--job: give a job name"),
+    ("run", ("--job", "a", "--owner", "", "--", "true"), "--owner: give a user name"),
+    ("run", ("--job", "a", "--mig", "", "--", "true"), "--mig: give a MIG profile"),
+    ("run", ("--job", "a", "--devices", "", "--", "true"), "--devices: give devices"),
+    ("run", ("--job", "a", "--memory", "", "--", "true"), "--memory: '' is not a size"),
+    ("env", ("--job", ""), "--job: give a job name"),
+    ("queue", ("--leave", ""), "--leave: give an entry id"),
+    ("colo advise", ("",), "job: give a job name"),
+    ("colo advise", ("a", "--memory", ""), "--memory: '' is not a size"),
+    ("net report", ("--job", "", "--iterations", "3"), "--job: give a job name"),
+    ("net report", ("--job", "a", "--iterations", "3", "--session", ""), "--session: give a"),
+    ("net pin", ("--job", "", "--level", "1"), "--job: give a job name"),
+    ("net unpin", ("--job", ""), "--job: give a job name"),
+    ("cluster attributes", ("--job", ""), "--job: give a job name"),
+    ("cluster attributes", ("--job", "ok", "--job", " "), "--job: give a job name, got ' '"),
+    ("mps show", ("--gpu", ""), "--gpu: give a GPU or MIG device"),
+    ("mps set", ("--gpu", "", "--threads", "50"), "--gpu: give a GPU or MIG device"),
+    ("mps set", ("--gpu", "0", "--memory", ""), "--memory: '' is not a size"),
+    ("mig export", ("-c", ""), "-c/--config: give the config's name, got ''"),
+    ("mig assert", ("-f", "", "-c", "a"), "-f/--file: give the file's path, got ''"),
+    ("mig apply", ("-f", "a", "-c", ""), "-c/--config: give the config's name, got ''"),
+    ("sim fault", ("--gpu", "0", "not-supported", ""), "field: give a reading"),
+    ("sim fault", ("--gpu", "0", "error", ""), "field: give a reading"),
+    (
+        "sim workload start",
+        ("--gpu", "0", "--pid", "77", "--mig", ""),
+        "--mig: give a MIG device index or MIG UUID, got ''",
+    ),
+    ("sim workload start", ("--gpu", "0", "--pid", "77", "--memory", ""), "--memory: ''"),
+]
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "message"), EMPTY, ids=[f"{c} {' '.join(a)}" for c, a, _ in EMPTY]
+)
+def test_an_empty_value_is_a_usage_error_naming_its_option(  # noqa: PLR0917 (fixtures)
+    node: Node,
+    sim: SimNode,
+    faults: FakeFaults,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+    argv: tuple[str, ...],
+    message: str,
+) -> None:
+    code = node.ctl(*command.split(), *argv)
+    out, err = capsys.readouterr()
+    assert (code, out) == (EXIT_USAGE, ""), err
+    said, hint = err.splitlines()
+    prog = said.split(": error: ")[0]
+    assert prog.startswith(f"gpuctl {command}") and hint == f"try '{prog} --help'", err
+    assert said.startswith(f"{prog}: error: argument {message}"), err
     assert node.jobs.registry.all() == []
     assert sim.workloads.list() == []
     assert faults.calls == []

@@ -591,8 +591,35 @@ def test_a_job_that_never_fits_is_not_held_waiting_for_co_location(
     with serving(loop.register) as n:
         code = n.ctl("run", "--job", "t", "--memory", "200GiB", "--no-wait", "--", "true")
     assert loop.asked == 1
-    assert code == 7  # the jobs service's own refusal, with its numbers
-    assert "never fits on this node" in capsys.readouterr().err
+    assert code == 7  # the jobs service's own refusal, with its numbers, alone
+    err = capsys.readouterr().err
+    assert "asks 200GiB" in err and "never fits" not in err, err
+
+
+def test_a_job_that_can_never_start_is_refused_with_nothing_said_of_its_placement(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    loop = SaysWait(waits=99, reason="never fits on this node: needs 1048574951424 MiB")
+    with serving(loop.register) as n:
+        code = n.ctl("run", "--job", "t", "--memory", "999999TiB", "--", "true")
+        assert n.jobs.reservations.held() == []
+    assert loop.asked == 1
+    err = capsys.readouterr().err
+    assert code in (6, 7) and "999999TiB" in err, err  # the jobs service's refusal, alone
+    assert "co-location" not in err and "placement" not in err, err
+
+
+def test_a_job_co_location_never_fits_is_told_so_once_placed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    loop = SaysWait(waits=99, reason="never fits on this node: needs 9 GiB under the headroom")
+    with serving(loop.register) as n:
+        assert n.ctl("run", "--job", "t", "--memory", "1GiB", "--", "true") == 0
+    err = capsys.readouterr().err
+    assert (
+        "gpuctl: co-location: never fits on this node: needs 9 GiB under the headroom;"
+        " default placement" in err
+    ), err
 
 
 def run_registered(loop: SaysWait, tmp_path: Path, *registered: str) -> dict[str, str]:
@@ -810,7 +837,8 @@ def test_leaving_the_queue_with_an_empty_id_is_refused_not_a_listing(
     with serving(queue.register) as n:
         assert n.ctl("queue", "--leave", "") == 2
         assert queue.listed == 0
-        assert "id: must not be empty" in capsys.readouterr().err
+        # refused before it is sent, as a usage error
+        assert "argument --leave: give an entry id" in capsys.readouterr().err
 
 
 def test_gpuctl_run_tells_gpud_how_its_command_ended(node: Node) -> None:

@@ -1182,6 +1182,9 @@ def test_a_nic_map_that_fails_is_a_metric_as_well(tmp_path: Path, sysfs: Path) -
     try:
         assert s.view().interfaces[0].enforced
         assert _rdma_map_ok(s) == 0
+        # gpuctl status says it too
+        assert s.summary().rdma_backend == "dcb"
+        assert s.summary().rdma_error == s.view().rdma_error
         nic.fail = False
         rig.clock.t += RDMA_RETRY_S
         s.tick()
