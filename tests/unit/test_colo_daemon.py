@@ -422,6 +422,45 @@ def test_a_place_promised_to_a_job_running_elsewhere_holds_until_its_run_reserve
     assert svc.advise("third", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
 
 
+def test_a_promised_place_is_planned_with_what_its_job_showed_alone(tmp_path: Path) -> None:
+    """A job that ran alone before (SMs 0.3 busy, not the prior's 0.8) asks again while
+    both GPUs are busy: the place it is promised is predicted with its own footprint, as
+    the loop predicts it once it runs there, and so is that place when the job's next run
+    asks (planned under the first run's id) -- not with the prior, with which an unknown
+    job is told to wait."""
+    clock = Clock()
+    jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)]
+    svc = promising_loop(tmp_path, jobs, clock)
+    for _ in range(6):
+        svc.throttle_point("sweep", 10)
+        svc.tick(snapshot())
+        clock.t += 1
+    assert svc._jobs["sweep"].learned("") is not None
+    jobs[:] = [
+        RunningJob("big", "training", 0, memory_bytes=20 * GIB),
+        RunningJob("big2", "training", 1, memory_bytes=20 * GIB),
+    ]
+    ask = {"memory_bytes": 10 * GIB, "snapshot": snapshot(used_gib=20)}
+    assert svc.advise("fresh", **ask).gpu == -1  # type: ignore[arg-type]
+    first = svc.advise("sweep", reserving=True, **ask)  # type: ignore[arg-type]
+    assert first.gpu == 0 and first.predicted_speed > 0.5
+    second = svc.advise("sweep", reserving=True, **ask)  # type: ignore[arg-type]
+    assert second.gpu == 1
+    planned = svc._advice_pass[2].predicted_speed  # type: ignore[index]
+    (promised,) = [speed for name, speed in planned.items() if name.startswith("sweep (")]
+    assert promised == pytest.approx(first.predicted_speed)
+    # what the loop predicts once the first run reserved its place and runs there
+    share = round(first.sm_share * 100)
+    jobs.append(
+        RunningJob(
+            "sweep", "training", 0, threads_percent=share, memory_bytes=10 * GIB, reserved_at=1
+        )
+    )
+    plan = svc.tick(snapshot(used_gib=30))
+    assert plan is not None
+    assert plan.predicted_speed["sweep"] == pytest.approx(first.predicted_speed)
+
+
 def test_a_removed_job_holds_no_promised_place(tmp_path: Path) -> None:
     """`gpuctl jobs rm --force` takes back the place advice promised a run of the job,
     and a waiting run whose job is removed while its question is planned is promised
