@@ -35,6 +35,9 @@ class Notifier:
         if socket_path:
             # A leading "@" names an abstract socket: the kernel wants a NUL byte there.
             self._address = "\0" + socket_path[1:] if socket_path.startswith("@") else socket_path
+        # A receiver that stays away (a full queue, a vanished socket) fails every status
+        # line and watchdog ping: warned once, until a send works again.
+        self._failing = False
         self.watchdog_interval_s: float | None = (
             watchdog_usec / 1_000_000 / 2 if watchdog_usec else None
         )
@@ -65,8 +68,17 @@ class Notifier:
                 # costs a lost notification, not a hung daemon.
                 sock.sendto(payload, socket.MSG_DONTWAIT, self._address)
         except OSError as err:
-            log.warning("sd_notify to %s failed: %s", self._address, err)
+            if not self._failing:
+                self._failing = True
+                log.warning(
+                    "sd_notify to %s failed: %s (not repeated until a send works)",
+                    self._address,
+                    err,
+                )
             return False
+        if self._failing:
+            self._failing = False
+            log.info("sd_notify to %s works again", self._address)
         return True
 
     def ready(self, status: str = "") -> bool:

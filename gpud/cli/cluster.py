@@ -291,6 +291,9 @@ def _etcd_refuses(resp: pb.GetClusterStatusResponse) -> bool:
 def _etcd_state(resp: pb.GetClusterStatusResponse) -> str:
     if resp.store_ok:
         return "reachable"
+    if store_state(resp) == "full":
+        # NOSPACE refuses writes only: this node still reads the leader key and alarms
+        return "reachable, REFUSES writes: out of space (reads work)"
     if _etcd_refuses(resp):
         return "reachable, REFUSES this node's calls (see detail)"
     return "UNREACHABLE"

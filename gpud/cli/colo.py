@@ -102,7 +102,7 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
                 str(p.gpu) if p.gpu >= 0 else "waiting",
                 p.mig_profile if p.HasField("mig_profile") else _pct(p.sm_share),
                 _pct(p.duty),
-                f"{p.predicted_speed:.2f}",
+                f"{p.predicted_speed:.2f}" if p.HasField("predicted_speed") else NA,
                 f"{p.observed_speed:.2f}" if p.HasField("observed_speed") else NA,
                 p.reason,
             )

@@ -101,11 +101,15 @@ class ColoServicer(pb_grpc.ColocationServicer):
                 gpu=r.gpu,
                 sm_share=(r.threads_percent or 100) / 100.0,
                 duty=v.duty.get(r.name, 1.0),
-                predicted_speed=predicted.get(r.name, 1.0),
                 reason="running",
             )
             if r.mig_profile is not None:
                 p.mig_profile = r.mig_profile
+            if r.gpu in v.faulty:
+                # nothing is predicted or measured on a GPU that does not answer: its
+                # jobs are out of the plan, and a speed shown would be made up or stale
+                continue
+            p.predicted_speed = predicted.get(r.name, 1.0)
             if r.name in v.observed_speed:
                 p.observed_speed = v.observed_speed[r.name]
         for p in out.placements:

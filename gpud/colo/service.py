@@ -1103,10 +1103,11 @@ class ColoService:
             nvlink=min(1.0, nvlink / scale),
         )
 
-    def _features(self, r: RunningJob) -> JobFeatures:
+    def _features(self, r: RunningJob, profile: str | None = None) -> JobFeatures:
         """Its footprint alone on that device (or the prior), with its memory and host use
-        there now."""
-        st = self._jobs.get(r.name)
+        there now; ``profile``: the job whose learned footprint it is (default: its
+        name's)."""
+        st = self._jobs.get(r.name if profile is None else profile)
         if st is None:
             return PRIOR
         base = st.learned(_place(r)) or PRIOR
@@ -1241,9 +1242,14 @@ class ColoService:
         g.start_at(start)
         st.guard_since = self._clock() + DIRECTIVE_DELAY_S
 
-    def _view(self, r: RunningJob, names: Mapping[int, str] | None = None) -> JobView:
+    def _view(
+        self, r: RunningJob, names: Mapping[int, str] | None = None, profile: str | None = None
+    ) -> JobView:
         """The planner's view of a running job; ``names``: its user's name, where the
-        plan gives reasons (:meth:`_user_names`)."""
+        plan gives reasons (:meth:`_user_names`); ``profile``: the job whose learned
+        footprint and rates alone it is planned with (default: its name's; a place
+        promised to another run of the asker's job is planned under another name)."""
+        own = r.name if profile is None else profile
         kind = JobKind.INFERENCE if r.kind == "inference" else JobKind.TRAINING
         memory = r.memory_bytes or r.memory_used or 0
         load = self.load(r.name) if kind is JobKind.INFERENCE else 0.0
@@ -1252,8 +1258,8 @@ class ColoService:
             kind,
             memory_bytes=memory,
             slo_s=r.slo_p99_ms / 1e3 if r.slo_p99_ms else None,
-            knee=self._features(r).sm
-            if self._jobs.get(r.name, _JobState()).learned(_place(r))
+            knee=self._features(r, own).sm
+            if self._jobs.get(own, _JobState()).learned(_place(r))
             else None,
             # what it declared, or serves now if more: it holds that alone (the guard
             # watches that it does)
@@ -1261,15 +1267,11 @@ class ColoService:
         )
         if r.memory_used is not None:
             shape.observe_memory(r.memory_used)
-        rates = self._jobs[r.name].alone_rates if r.name in self._jobs else {}
-        if kind is JobKind.TRAINING and len(rates) >= 2:
-            # Its rate alone at two shares or more shows how it slows with fewer SMs.
-            for share, rate in sorted(rates.items()):
-                shape.observe(share, rate)
+        self._observe_rates(shape, own)
         return JobView(
             job_id=r.name,
             shape=shape,
-            features=self._features(r),
+            features=self._features(r, own),
             gpu=r.gpu,
             sm_share=(r.threads_percent or 100) / 100.0,
             mig_profile=r.mig_profile,
@@ -1282,6 +1284,14 @@ class ColoService:
             user=r.uid,
             user_name=(names or {}).get(r.uid, "") if r.uid is not None else "",
         )
+
+    def _observe_rates(self, shape: Shape, job: str) -> None:
+        """A training ``job``'s rates alone at two shares or more show ``shape`` how it
+        slows with fewer SMs."""
+        rates = self._jobs[job].alone_rates if job in self._jobs else {}
+        if shape.kind is JobKind.TRAINING and len(rates) >= 2:
+            for share, rate in sorted(rates.items()):
+                shape.observe(share, rate)
 
     def _user_names(
         self, running: Sequence[RunningJob], uid: int | None, now: float
@@ -1541,10 +1551,11 @@ class ColoService:
 
     def _promises(
         self, job: str, wid: str, running: Sequence[RunningJob], now: float
-    ) -> list[RunningJob]:
+    ) -> list[tuple[str, RunningJob]]:
         """The places advice gave runs that have not shown as reservations yet, but the
-        asker's own (``job`` asking as ``wid``); another run of ``job`` counts under its id,
-        as the planner knows a job by its name. Each reservation of a job made since a place
+        asker's own (``job`` asking as ``wid``), each with the name it is planned under: its
+        job's, but another run of ``job`` counts under its id, as the planner knows a job by
+        its name. Each reservation of a job made since a place
         was promised to it stands for the earliest such place (a job that runs elsewhere
         already is given a second place); a run whose reservation was refused holds its
         place :data:`PROMISE_S` at most. Under the lock."""
@@ -1562,7 +1573,7 @@ class ColoService:
             if open_ and (name, stamp) not in taken:
                 min(open_, key=lambda p: p.wall).shown = stamp
         return [
-            p.place if name != job else dataclasses.replace(p.place, name=f"{job} ({w})")
+            (name if name != job else f"{job} ({w})", p.place)
             for (name, w), p in self._promised.items()
             if p.shown is None and (name, w) != (job, wid)
         ]
@@ -1767,27 +1778,38 @@ class ColoService:
             return Advice(-1, 0.0, 0, None, "", 0.0, "no telemetry yet"), None
         running = tuple(self._running())
         with self._lock:  # the places runs were given that have not reserved yet count
-            running = (*running, *self._promises(job, wid, running, now))
+            promised = self._promises(job, wid, running, now)
+        # each planned under its run's name, with its job's learned profile
+        profile = {r.name: r.name for r in running}
+        for planned_as, place in promised:
+            profile[planned_as] = place.name
+            running = (*running, dataclasses.replace(place, name=planned_as))
         # read from the state store, so before the loop's lock: a job removal holds the
         # store's while it calls job_removed, which takes the loop's
         defaults = self._default_memory() if memory_bytes is None else {}
         names = self._user_names(running, uid, now)
         with self._lock:
             jk = JobKind.INFERENCE if kind == "inference" else JobKind.TRAINING
-            features = (
-                JobFeatures(sm=sm_activity, mem_bw=min(1.0, sm_activity)) if sm_activity else PRIOR
-            )
             st = self._jobs.get(job)
+            # what the asker says it does alone, else what the job showed alone when it ran
+            # before (its place, once promised, is planned with that too), else the prior
+            learned = st.learned("") if st is not None else None
+            features = (
+                JobFeatures(sm=sm_activity, mem_bw=min(1.0, sm_activity))
+                if sm_activity
+                else learned or PRIOR
+            )
 
             def asking(memory: int) -> JobView:
                 shape = Shape.prior(
                     job,
                     jk,
                     memory_bytes=memory,
-                    knee=sm_activity,
+                    knee=sm_activity or (learned.sm if learned is not None else None),
                     slo_s=slo_p99_ms / 1e3 if slo_p99_ms else None,
                     peak_load=peak_load,
                 )
+                self._observe_rates(shape, job)
                 return JobView(
                     job,
                     shape,
@@ -1819,7 +1841,7 @@ class ColoService:
             ]
             healthy = {g.identity.index for g in snapshot.gpus if g.healthy}
             running = tuple(r for r in running if r.gpu in healthy)  # the rest stay put
-            views = [self._view(r, names) for r in running]
+            views = [self._view(r, names, profile.get(r.name)) for r in running]
             gpus, where = self._gpu_views(snapshot, running)
             hold = self._planner.params.head_hold_s
             # A run that sets no --memory is pinned, on each GPU, to that GPU's MPS default

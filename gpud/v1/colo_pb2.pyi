@@ -45,6 +45,10 @@ class ColoPlacement(_message.Message):
     mig_profile: _builtins.str
     duty: _builtins.float
     predicted_speed: _builtins.float
+    """speed over alone (1.0: no slowdown); both unset for a job on a GPU that is lost or
+    does not answer (nothing there is predicted or measured until it answers), and
+    observed_speed for a job not measured alone first
+    """
     observed_speed: _builtins.float
     reason: _builtins.str
     """the directive the job is told now (for training), else "running" """
@@ -59,23 +63,27 @@ class ColoPlacement(_message.Message):
         sm_share: _builtins.float = ...,
         mig_profile: _builtins.str | None = ...,
         duty: _builtins.float = ...,
-        predicted_speed: _builtins.float = ...,
+        predicted_speed: _builtins.float | None = ...,
         observed_speed: _builtins.float | None = ...,
         reason: _builtins.str = ...,
         evict: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile", "_observed_speed", b"_observed_speed", "mig_profile", b"mig_profile", "observed_speed", b"observed_speed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile", "_observed_speed", b"_observed_speed", "_predicted_speed", b"_predicted_speed", "mig_profile", b"mig_profile", "observed_speed", b"observed_speed", "predicted_speed", b"predicted_speed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile", "_observed_speed", b"_observed_speed", "duty", b"duty", "evict", b"evict", "gpu", b"gpu", "job", b"job", "kind", b"kind", "mig_profile", b"mig_profile", "observed_speed", b"observed_speed", "predicted_speed", b"predicted_speed", "reason", b"reason", "sm_share", b"sm_share"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile", "_observed_speed", b"_observed_speed", "_predicted_speed", b"_predicted_speed", "duty", b"duty", "evict", b"evict", "gpu", b"gpu", "job", b"job", "kind", b"kind", "mig_profile", b"mig_profile", "observed_speed", b"observed_speed", "predicted_speed", b"predicted_speed", "reason", b"reason", "sm_share", b"sm_share"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__mig_profile: _TypeAlias = _typing.Literal["mig_profile"]  # noqa: Y015
     _WhichOneofArgType__mig_profile: _TypeAlias = _typing.Literal["_mig_profile", b"_mig_profile"]  # noqa: Y015
     _WhichOneofReturnType__observed_speed: _TypeAlias = _typing.Literal["observed_speed"]  # noqa: Y015
     _WhichOneofArgType__observed_speed: _TypeAlias = _typing.Literal["_observed_speed", b"_observed_speed"]  # noqa: Y015
+    _WhichOneofReturnType__predicted_speed: _TypeAlias = _typing.Literal["predicted_speed"]  # noqa: Y015
+    _WhichOneofArgType__predicted_speed: _TypeAlias = _typing.Literal["_predicted_speed", b"_predicted_speed"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__mig_profile) -> _WhichOneofReturnType__mig_profile | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__observed_speed) -> _WhichOneofReturnType__observed_speed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__predicted_speed) -> _WhichOneofReturnType__predicted_speed | None: ...
 
 Global___ColoPlacement: _TypeAlias = ColoPlacement  # noqa: Y015
 

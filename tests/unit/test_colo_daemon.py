@@ -32,6 +32,7 @@ from gpud.config import ColocateConfig
 from gpud.errors import InvalidArgument, NotFound
 from gpud.events import EventLog
 from gpud.telemetry.snapshot import GpuSample, Snapshot
+from gpud.v1 import colo_pb2
 from tests.unit.api_support import GIB, identity
 
 
@@ -419,6 +420,45 @@ def test_a_place_promised_to_a_job_running_elsewhere_holds_until_its_run_reserve
     assert svc.advise("other", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
     clock.t += PROMISE_S + 1  # "other" never reserved
     assert svc.advise("third", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
+
+
+def test_a_promised_place_is_planned_with_what_its_job_showed_alone(tmp_path: Path) -> None:
+    """A job that ran alone before (SMs 0.3 busy, not the prior's 0.8) asks again while
+    both GPUs are busy: the place it is promised is predicted with its own footprint, as
+    the loop predicts it once it runs there, and so is that place when the job's next run
+    asks (planned under the first run's id) -- not with the prior, with which an unknown
+    job is told to wait."""
+    clock = Clock()
+    jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)]
+    svc = promising_loop(tmp_path, jobs, clock)
+    for _ in range(6):
+        svc.throttle_point("sweep", 10)
+        svc.tick(snapshot())
+        clock.t += 1
+    assert svc._jobs["sweep"].learned("") is not None
+    jobs[:] = [
+        RunningJob("big", "training", 0, memory_bytes=20 * GIB),
+        RunningJob("big2", "training", 1, memory_bytes=20 * GIB),
+    ]
+    ask = {"memory_bytes": 10 * GIB, "snapshot": snapshot(used_gib=20)}
+    assert svc.advise("fresh", **ask).gpu == -1  # type: ignore[arg-type]
+    first = svc.advise("sweep", reserving=True, **ask)  # type: ignore[arg-type]
+    assert first.gpu == 0 and first.predicted_speed > 0.5
+    second = svc.advise("sweep", reserving=True, **ask)  # type: ignore[arg-type]
+    assert second.gpu == 1
+    planned = svc._advice_pass[2].predicted_speed  # type: ignore[index]
+    (promised,) = [speed for name, speed in planned.items() if name.startswith("sweep (")]
+    assert promised == pytest.approx(first.predicted_speed)
+    # what the loop predicts once the first run reserved its place and runs there
+    share = round(first.sm_share * 100)
+    jobs.append(
+        RunningJob(
+            "sweep", "training", 0, threads_percent=share, memory_bytes=10 * GIB, reserved_at=1
+        )
+    )
+    plan = svc.tick(snapshot(used_gib=30))
+    assert plan is not None
+    assert plan.predicted_speed["sweep"] == pytest.approx(first.predicted_speed)
 
 
 def test_a_removed_job_holds_no_promised_place(tmp_path: Path) -> None:
@@ -1471,6 +1511,72 @@ def test_observed_speed_takes_the_throttle_out_and_teaches_the_predictor(
     view = svc.show()
     assert view.observed_speed["train"] == pytest.approx(0.8)
     assert view.predictor_samples >= 1
+
+
+def colo_show(resp: colo_pb2.ShowColoResponse, *, json_output: bool = False) -> str:
+    """What ``gpuctl colo show`` prints of ``resp``."""
+    import argparse
+    import io
+
+    from gpud.cli.colo import run_show
+    from gpud.cli.context import Context
+    from gpud.cli.output import Output
+
+    class Answer(Context):
+        def stub(self, stub_class: Any) -> Any:
+            return self
+
+        ShowColo = None  # the stub method run_show names
+
+        def call(self, method: Any, request: object) -> Any:
+            return resp
+
+    text = io.StringIO()
+    ctx = Answer(
+        socket_path=Path("/run/gpud/gpud.sock"),
+        timeout=2.0,
+        output=Output(json_output=json_output, stream=text),
+    )
+    assert run_show(ctx, argparse.Namespace()) == 0
+    return text.getvalue()
+
+
+def test_a_job_on_a_gpu_that_does_not_answer_has_no_speed_shown(tmp_path: Path) -> None:
+    """Training slowed to 0.8 by a service beside it on GPU 0, which then is lost: no
+    speed, predicted or observed, is shown for what runs there (not 1.00, not the last
+    one measured) until it answers again."""
+    from gpud.colo.api import ColoServicer
+
+    svc, clock, jobs = two_jobs_on_gpu0(tmp_path)
+    for _ in range(5):
+        svc.throttle_point("train", 10)
+        svc.tick(snapshot())
+        clock.t += 1
+    jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB))
+    svc.report_latency("chat", [0.09] * 100)
+    svc.tick(snapshot())
+    for _ in range(4):
+        clock.t += 1
+        svc.throttle_point("train", 4)
+        svc.tick(snapshot())
+    shown = {p.job: p for p in ColoServicer(svc, snapshots=snapshot)._show().placements}
+    assert shown["train"].observed_speed == pytest.approx(0.8)
+    assert shown["train"].HasField("predicted_speed")
+
+    lost = gpu0_lost()
+    clock.t += 1
+    svc.throttle_point("train", 4)
+    svc.tick(lost)
+    resp = ColoServicer(svc, snapshots=lambda: lost)._show()
+    for p in resp.placements:
+        assert not p.HasField("predicted_speed") and not p.HasField("observed_speed")
+        assert p.reason == "GPU 0 lost (memory): left alone until it answers"
+    (row,) = [line for line in colo_show(resp).splitlines() if line.startswith("train")]
+    assert row.split()[5:7] == ["-", "-"]  # PREDICTED, OBSERVED
+    data = json.loads(colo_show(resp, json_output=True))
+    assert {(p["predicted_speed"], p["observed_speed"]) for p in data["placements"]} == {
+        (None, None)
+    }
 
 
 def test_a_rate_alone_at_another_share_is_no_yardstick_for_slowdown(tmp_path: Path) -> None:

@@ -213,7 +213,9 @@ def test_an_etcd_that_refuses_is_not_called_unreachable() -> None:
             " every write",
         )
     )
-    assert "etcd:        reachable, REFUSES this node's calls (see detail)" in full
+    # out of space, reads work: only its writes are refused
+    assert "etcd:        reachable, REFUSES writes: out of space (reads work)" in full
+    assert "REFUSES this node's calls" not in full
     assert "action:      free space (etcdctl compact REV" in full
     assert full.count("action:") == 1
 
@@ -269,7 +271,7 @@ def test_under_nospace_the_detail_is_short_as_the_alarm_says_it_all() -> None:
             detail=NOSPACE_DETAIL,
         )
     )
-    assert "etcd:        reachable, REFUSES this node's calls (see detail)" in text
+    assert "etcd:        reachable, REFUSES writes: out of space (reads work)\n" in text
     assert (
         "detail:      etcd refused a write: out of space (see the alarm above; full text:"
         " --json)\n" in text

@@ -1,5 +1,6 @@
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,3 +121,25 @@ def test_start_up_work_that_raises_raises_and_asks_for_nothing(
     sock.settimeout(0.05)
     with pytest.raises(TimeoutError):
         sock.recv(256)
+
+
+def test_failed_sends_are_logged_once_until_one_works_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tmp_path / "notify.sock")  # systemd's socket is gone: every send fails
+    n = Notifier.from_environ({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000000"})
+    caplog.set_level(logging.INFO, logger="gpud.notify")
+    assert not any(n.watchdog() for _ in range(50))
+    assert [(r.levelno, r.getMessage().split(":")[0]) for r in caplog.records] == [
+        (logging.WARNING, f"sd_notify to {path} failed")
+    ]
+    caplog.clear()
+    with contextlib.closing(socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)) as sock:
+        sock.bind(path)
+        assert n.watchdog() and n.watchdog()
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, f"sd_notify to {path} works again")
+    ]
+    caplog.clear()
+    assert not n.watchdog()  # gone again: said once more
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
