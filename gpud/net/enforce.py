@@ -197,13 +197,21 @@ class FakeMarker:
         if self.fail:
             raise RuntimeError(self.fail)
         want = set(marks)
-        added = tuple(sorted(m.job for m in want - self.marks))
-        removed = tuple(sorted(m.job for m in self.marks - want))
+        added, removed, kept = (
+            _comments(want - self.marks),
+            _comments(self.marks - want),
+            _comments(want & self.marks),
+        )
         self.marks = want
         created, self.table = not self.table, True
-        return MarkSync(created, added, removed)
+        return MarkSync(created, added, removed, kept)
 
     def delete(self) -> bool:
         had = self.table
         self.marks, self.table = set(), False
         return had
+
+
+def _comments(marks: Iterable[CgroupMark]) -> tuple[str, ...]:
+    """The comments of ``marks``' rules, one per family, as the real marker reports them."""
+    return tuple(sorted(c for m in marks for c in m.comments().values()))

@@ -1296,13 +1296,15 @@ class TrafficService:
             return
         found, self._marks_found = self._marks_found, False
         if found and not result.created:
-            kept = len(marks) - len(result.added)
+            stale = result.removed
             self._events.emit(
                 "net.takeover",
-                f"nftables: took over gpud's table from before the start: kept {kept}"
-                f" rule(s), removed {len(result.removed)} stale, added {len(result.added)}",
+                "nftables: took over gpud's table from before the start: kept"
+                f" {len(result.kept)} rule(s), removed {len(stale)} stale"
+                + (f" ({'; '.join(stale)[:300]})" if stale else "")
+                + f", added {len(result.added)}",
                 interface="",
-                kept=kept,
+                kept=len(result.kept),
                 removed=len(result.removed),
                 changed=0,
                 added=len(result.added),

@@ -387,10 +387,35 @@ def test_the_first_tick_after_a_restart_says_what_it_kept_and_removed(rig: Rig) 
     assert tc.fields["removed"] >= 2  # c's leaf and filter at least
     assert tc.fields["kept"] + tc.fields["removed"] == objects
     assert f"removed {tc.fields['removed']}" in tc.message
-    assert nft.fields == {"interface": "", "kept": 2, "removed": 1, "changed": 0, "added": 0}
-    assert "nftables" in nft.message
+    # rules: one per job and family (ip, ip6)
+    assert nft.fields == {"interface": "", "kept": 4, "removed": 2, "changed": 0, "added": 0}
+    assert "nftables" in nft.message and "job=c" in nft.message  # the stale ones listed
     rig.service.tick()  # said once: the ticks after are drift's
     assert [e.kind for e in rig.events.recent(1000)].count("net.takeover") == len(said)
+
+
+def test_the_nftables_takeover_counts_rules_of_kept_gone_and_new_jobs(rig: Rig) -> None:
+    """Two jobs kept, one gone and two new since the run before: counted in rules, one per
+    job and family, never jobs against rules (which read "kept -1")."""
+    rig.jobs = ["a", "b", "c"]
+    rig.active = {"a", "b", "c"}
+    for job in rig.jobs:
+        rig.cgroups.dir(job).mkdir(parents=True)
+    rig.service.tick()
+    rig.jobs = ["a", "b", "d", "e"]
+    rig.active = {"a", "b", "d", "e"}
+    rig.service = rig.make()
+    rig.service.start()
+    for job in ("d", "e"):  # their runs tag them and make their cgroups
+        rig.service.tags.tag(job)
+        rig.cgroups.dir(job).mkdir(parents=True)
+    rig.service.tick()
+    (nft,) = [
+        e for e in rig.events.recent(1000) if e.kind == "net.takeover" and not e.fields["interface"]
+    ]
+    assert nft.fields == {"interface": "", "kept": 4, "removed": 2, "changed": 0, "added": 4}
+    assert "kept 4 rule(s), removed 2 stale (gpud job=c " in nft.message
+    assert nft.message.endswith(", added 4")
 
 
 def test_a_first_start_adopts_nothing_and_says_nothing(rig: Rig) -> None:
