@@ -28,9 +28,12 @@ class CountersLike(Protocol):
 
 
 class InterfaceResultLike(Protocol):
-    """What one pass did on one interface: ``ops`` sent (as tc arguments), what drift
-    ``restored``, and the interface's ``error`` (None when enforced)."""
+    """What one pass did on one interface: ``tc_ops`` sent (``ops``: the same as tc
+    arguments), what drift ``restored``, and the interface's ``error`` (None when
+    enforced)."""
 
+    @property
+    def tc_ops(self) -> tuple[tcplan.TcOp, ...]: ...
     @property
     def ops(self) -> tuple[str, ...]: ...
     @property
@@ -104,9 +107,17 @@ class FakeCounters:
 @dataclass(frozen=True)
 class FakeResult:
     iface: str
-    ops: tuple[str, ...] = ()
-    restored: tuple[str, ...] = ()
+    tc_ops: tuple[tcplan.TcOp, ...] = ()
+    drift: bool = False
     error: Exception | None = None
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return tuple(" ".join(op.tc_args()) for op in self.tc_ops)
+
+    @property
+    def restored(self) -> tuple[str, ...]:
+        return self.ops if self.drift else ()
 
 
 @dataclass(frozen=True)
@@ -157,9 +168,9 @@ class FakeTc:
             except OSError as err:
                 out[want.iface] = FakeResult(want.iface, error=err)
                 continue
-            ops = tuple(" ".join(op.tc_args()) for op in tcplan.diff(state, want))
+            ops = tcplan.diff(state, want)
             self.states[want.iface] = tcplan.state_after(want)
-            out[want.iface] = FakeResult(want.iface, ops, ops if drift else ())
+            out[want.iface] = FakeResult(want.iface, ops, drift)
         return FakeSync(out)
 
     def sync(self, plan: tcplan.TcPlan) -> FakeSync:
