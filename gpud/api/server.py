@@ -190,9 +190,12 @@ class ApiServer:
             raise FailedPrecondition(
                 f"another process is serving on {path}: is gpud already running?"
             ) from None
-        except (OSError, GpudError) as err:
+        except OSError as err:
             await _stop_all((server, tcp), None)
             raise GpudError(f"gRPC server cannot listen on {path}: {err}") from err
+        except GpudError:
+            await _stop_all((server, tcp), None)
+            raise
         try:
             if tcp is not None and self.tcp_address is not None:
                 if self._tcp_credentials is not None:
@@ -261,11 +264,23 @@ class ApiServer:
         temp = path.with_name(f".{path.name}.{self._binds}~")
         at_path = len(os.fsencode(temp)) > MAX_UNIX_PATH
         bind = path if at_path else temp
-        bind.unlink(missing_ok=True)  # a gpud that died between its bind and link left it
-        if server.add_insecure_port(f"unix:{bind}") == 0:
+        if not at_path:  # a gpud that died between its bind and link left it
+            with contextlib.suppress(OSError):  # else the bind says why it cannot
+                temp.unlink(missing_ok=True)
+        try:
+            port = server.add_insecure_port(f"unix:{bind}")
+        except RuntimeError:  # grpcio's "Failed to bind to address", with no reason
+            port = 0
+        if port == 0:
             await server.stop(None)
-            bind.unlink(missing_ok=True)
-            raise GpudError(f"gRPC server cannot listen on {bind}")
+            if not at_path:
+                with contextlib.suppress(OSError):
+                    temp.unlink(missing_ok=True)
+            raise GpudError(
+                f"gRPC server cannot listen on {path}: cannot bind a unix socket"
+                + ("" if at_path else f" at {temp.name}")
+                + f" in {path.parent}"
+            )
         await server.start()
         if not at_path:
             try:

@@ -22,7 +22,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpud.api import ApiServer, FaultPort, NodeServicer
 from gpud.api.access import TCP_READ_METHODS, TcpAccess
-from gpud.errors import ERROR_KEY, EXIT_CODE_KEY, ConfigError, FailedPrecondition, GpuLost
+from gpud.errors import (
+    ERROR_KEY,
+    EXIT_CODE_KEY,
+    ConfigError,
+    FailedPrecondition,
+    GpudError,
+    GpuLost,
+)
 from gpud.events import EventLog
 from gpud.telemetry.snapshot import ClearedXids
 from gpud.v1 import node_pb2 as pb
@@ -808,3 +815,62 @@ async def test_a_stop_after_a_rebind_leaves_a_newer_gpuds_socket_alone(sock_dir:
     path.unlink()
     new = await _serve(path, make_servicer())
     await _stop_beside(old, new, path)
+
+
+class _UnbindableServer(ApiServer):
+    """An ApiServer whose unix binds fail as grpcio says it: a RuntimeError from
+    add_insecure_port (no reason given), not a port 0; from the start, or once ``fail``."""
+
+    fail = True
+
+    def _new_server(self, max_calls: int | None, options: Any = ()) -> Any:
+        server = super()._new_server(max_calls, options)
+        tcp_bind = server.add_insecure_port
+
+        def add_insecure_port(address: str) -> int:
+            if address.startswith("unix:") and self.fail:
+                raise RuntimeError(f"Failed to bind to address {address}")
+            return int(tcp_bind(address))
+
+        server.add_insecure_port = add_insecure_port
+        return server
+
+
+async def test_a_socket_that_cannot_be_bound_is_a_gpud_error_naming_it(sock_dir: Path) -> None:
+    """``gpud: gRPC server cannot listen on PATH: ...`` (exit 1), never a traceback about
+    a temporary file; the TCP server made beside it is stopped, nothing is left."""
+    path = sock_dir / "gpud.sock"
+    server = _UnbindableServer(
+        path, servicers=[make_servicer().register], tcp_address="127.0.0.1:0"
+    )
+    with pytest.raises(GpudError, match=f"gRPC server cannot listen on {path}: cannot bind"):
+        await server.start()
+    assert not server.running and list(sock_dir.iterdir()) == []
+
+
+async def test_a_socket_that_cannot_be_bound_again_is_a_gpud_error(sock_dir: Path) -> None:
+    path = sock_dir / "gpud.sock"
+    server = _UnbindableServer(path, servicers=[make_servicer().register])
+    server.fail = False
+    await server.start()
+    try:
+        path.unlink()
+        server.fail = True
+        with pytest.raises(GpudError, match=f"cannot listen on {path}: cannot bind"):
+            await server.keep_socket()
+        assert list(sock_dir.iterdir()) == []
+    finally:
+        await server.stop(0)
+
+
+async def test_a_directory_in_the_temporary_names_place_fails_the_bind(sock_dir: Path) -> None:
+    """What grpcio reports for a bind the kernel refuses (the name taken): the same error,
+    the directory left alone."""
+    path = sock_dir / "gpud.sock"
+    for n in (1, 2):
+        (sock_dir / f".gpud.sock.{os.getpid()}.{n}~").mkdir()
+        (sock_dir / f".gpud.sock.{n}~").mkdir()
+    server = ApiServer(path, servicers=[make_servicer().register])
+    with pytest.raises(GpudError, match=f"gRPC server cannot listen on {path}: cannot bind"):
+        await server.start()
+    assert not path.exists()
