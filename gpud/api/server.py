@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -124,7 +125,6 @@ class ApiServer:
         # stop)
         self._kept: list[Any] = []
         self._at_path = True  # the serving one is bound at the path itself
-        self._binds = 0  # the binds, which number the temporary names
         self._retired: Any = None  # the one that served until the file was removed last
         # servers on files removed before, stopping (RETIRED_GRACE_S), and their tasks
         self._stopping: dict[asyncio.Task[None], Any] = {}
@@ -172,6 +172,7 @@ class ApiServer:
         gid = self._group_id()  # before binding: a bad group leaves nothing behind
         path.parent.mkdir(parents=True, exist_ok=True)
         self._clear_stale_socket()
+        _clear_stale_temps(path)
 
         self._health = health.aio.HealthServicer()
         server = self._new_server(None)
@@ -256,15 +257,16 @@ class ApiServer:
         gRPC removes the file of a unix listener as it closes it, by its path: a server
         bound at the socket path itself would remove whatever is there as it stops (a
         newer gpud's socket, or the one bound again by :meth:`keep_socket`). So it binds a
-        temporary name beside it (``.gpud.sock.N~``), which is then linked to the path
-        (never over a file put there meanwhile: FileExistsError) and removed, and is the
-        name gRPC removes later."""
+        temporary name beside it (``.gpud.sock.PID.N~``: the process's own, as two gpuds
+        whose ``api.socket`` is the same file may bind at once, and a new one each time,
+        as a server stopping removes its name), which is then linked to the path (never
+        over a file put there meanwhile: FileExistsError) and removed, and is the name
+        gRPC removes later."""
         path = self.socket_path
-        self._binds += 1  # a name of its own each time: a server stopping removes its name
-        temp = path.with_name(f".{path.name}.{self._binds}~")
+        temp = path.with_name(f"{_temp_prefix(path)}{os.getpid()}.{next(_BINDS)}~")
         at_path = len(os.fsencode(temp)) > MAX_UNIX_PATH
         bind = path if at_path else temp
-        if not at_path:  # a gpud that died between its bind and link left it
+        if not at_path:  # one of a process with this pid that died before its link
             with contextlib.suppress(OSError):  # else the bind says why it cannot
                 temp.unlink(missing_ok=True)
         try:
@@ -282,6 +284,8 @@ class ApiServer:
                 + f" in {path.parent}"
             )
         await server.start()
+        # the file bound, before it is linked: at the path, another's may replace it since
+        st = bind.lstat()
         if not at_path:
             try:
                 os.link(temp, path)
@@ -290,7 +294,6 @@ class ApiServer:
                 raise
             finally:
                 temp.unlink(missing_ok=True)
-        st = path.lstat()
         self._socket_id = (st.st_dev, st.st_ino)
         return at_path
 
@@ -403,6 +406,48 @@ class ApiServer:
         """Until the server stops (for a daemon that has nothing else to wait on)."""
         if self._server is not None:
             await self._server.wait_for_termination()
+
+
+_BINDS = itertools.count(1)  # numbers the temporary names of the process's binds
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
+def _clear_stale_temps(path: Path) -> None:
+    """Remove the temporary socket names (:meth:`ApiServer._bind`) beside ``path`` of
+    processes that are gone: killed between their bind and link. A name of a process that
+    runs is left alone (another gpud whose ``api.socket`` is the same file, binding now)."""
+    prefix = _temp_prefix(path)
+    with contextlib.suppress(OSError):
+        for entry in path.parent.iterdir():
+            pid, dot, n = entry.name.removeprefix(prefix).removesuffix("~").partition(".")
+            if (
+                entry.name.startswith(prefix)
+                and entry.name.endswith("~")
+                and dot
+                and pid.isdigit()
+                and n.isdigit()
+                and not _alive(int(pid))
+            ):
+                with contextlib.suppress(OSError):
+                    if stat.S_ISSOCK(entry.lstat().st_mode):
+                        entry.unlink()
+                        log.info("removing stale socket %s", entry)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs (this one does)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's
+        return True
+    return True
 
 
 async def _stop_all(servers: Sequence[Any], grace: float | None) -> None:

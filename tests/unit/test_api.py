@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import grp
 import importlib
 import math
@@ -11,6 +12,7 @@ import os
 import random
 import socket
 import stat
+import subprocess
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,6 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpud.api import ApiServer, FaultPort, NodeServicer
+from gpud.api import server as api_server
 from gpud.api.access import TCP_READ_METHODS, TcpAccess
 from gpud.errors import (
     ERROR_KEY,
@@ -867,10 +870,46 @@ async def test_a_directory_in_the_temporary_names_place_fails_the_bind(sock_dir:
     """What grpcio reports for a bind the kernel refuses (the name taken): the same error,
     the directory left alone."""
     path = sock_dir / "gpud.sock"
-    for n in (1, 2):
-        (sock_dir / f".gpud.sock.{os.getpid()}.{n}~").mkdir()
-        (sock_dir / f".gpud.sock.{n}~").mkdir()
+    n = next(copy.copy(api_server._BINDS))  # the number of the next bind
+    (sock_dir / f".gpud.sock.{os.getpid()}.{n}~").mkdir()
     server = ApiServer(path, servicers=[make_servicer().register])
     with pytest.raises(GpudError, match=f"gRPC server cannot listen on {path}: cannot bind"):
         await server.start()
     assert not path.exists()
+
+
+def _listening(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    sock.listen()
+    return sock
+
+
+async def test_the_temporary_names_of_other_processes_are_theirs(sock_dir: Path) -> None:
+    """Two gpuds whose ``api.socket`` is the same file: the temporary name one binds is its
+    own (its pid in it), so the other never removes it, nor links it as its own socket.
+    Those of processes that are gone (killed between their bind and link) are removed."""
+    path = sock_dir / "gpud.sock"
+    dead = _dead_pid()
+    others = [
+        _listening(sock_dir / ".gpud.sock.1~"),  # a name another process bound
+        _listening(sock_dir / f".gpud.sock.{os.getppid()}.1~"),  # one of a live process
+    ]
+    _listening(sock_dir / f".gpud.sock.{dead}.1~").close()  # one of a process gone
+    try:
+        server = await _serve(path, make_servicer())
+        await server.stop(0)
+        assert {p.name for p in sock_dir.iterdir()} == {
+            ".gpud.sock.1~",
+            f".gpud.sock.{os.getppid()}.1~",
+        }
+    finally:
+        for sock in others:
+            sock.close()
+
+
+def _dead_pid() -> int:
+    """The pid of a process that ended."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
