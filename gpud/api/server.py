@@ -126,6 +126,7 @@ class ApiServer:
         self._kept: list[Any] = []
         self._at_path = True  # the serving one is bound at the path itself
         self._retired: Any = None  # the one that served until the file was removed last
+        self._dir_said = ""  # why keep_socket cannot make the socket's directory, said once
         # servers on files removed before, stopping (RETIRED_GRACE_S), and their tasks
         self._stopping: dict[asyncio.Task[None], Any] = {}
         self.tcp_port: int | None = None
@@ -237,8 +238,16 @@ class ApiServer:
         """Give the socket just bound its mode and group. gRPC creates
         it with the process umask (0027 under systemd, at least 0022 from gpud's main: no
         one but root may connect until then, so group members cannot yet); the mode and
-        group are set right after the bind."""
-        os.chmod(self.socket_path, SOCKET_MODE)
+        group are set right after the bind. Never through a symbolic link planted in its
+        place (os.chmod cannot be told not to follow one on every platform): only the file
+        bound."""
+        st = self.socket_path.lstat()
+        if (st.st_dev, st.st_ino) != self._socket_id:
+            raise OSError(f"{self.socket_path} is no longer the socket gpud bound")
+        try:
+            os.chmod(self.socket_path, SOCKET_MODE, follow_symlinks=False)
+        except NotImplementedError:  # not without following: the check above holds
+            os.chmod(self.socket_path, SOCKET_MODE)
         if gid is not None:
             os.chown(self.socket_path, -1, gid, follow_symlinks=False)  # never a planted link
 
@@ -307,9 +316,10 @@ class ApiServer:
         background, with ``RETIRED_GRACE_S`` for its calls to end, so that a cleaner
         removing the file over and over keeps at most one such server (one bound at the
         path itself, see :meth:`_bind`, is kept until gpud stops). Something else in the
-        socket's place (a file, another process's socket) is left alone. True when it bound
-        again; OSError or GpudError when it cannot (said by the caller, tried again at its
-        next call)."""
+        socket's place (a file, another process's socket) is left alone, and so is a
+        directory another user could plant files in (:func:`gpud.files.make_dir`: said in
+        the log once, False). True when it bound again; OSError or GpudError when it cannot
+        (said by the caller, tried again at its next call)."""
         if self._server is None:
             return False
         path = self.socket_path
@@ -318,7 +328,15 @@ class ApiServer:
             return False  # ours, or another's to leave alone
         except FileNotFoundError:
             pass
-        files.make_dirs(path.parent, files.RUN_DIR_MODE)
+        try:
+            # made again as at the start: refused where another user could plant links
+            files.make_dir(path.parent, "api.socket", files.RUN_DIR_MODE)
+        except ConfigError as err:
+            if str(err) != self._dir_said:
+                self._dir_said = str(err)
+                log.error("the socket %s was removed and cannot be bound again: %s", path, err)
+            return False
+        self._dir_said = ""
         gid = self._group_id()
         server = self._new_server(None)
         at_path = await self._bind(server)

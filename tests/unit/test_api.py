@@ -7,6 +7,7 @@ import contextlib
 import copy
 import grp
 import importlib
+import logging
 import math
 import os
 import random
@@ -913,3 +914,47 @@ def _dead_pid() -> int:
     child = subprocess.Popen(["true"])
     child.wait()
     return child.pid
+
+
+async def test_a_socket_directory_another_user_made_again_is_not_bound_in(
+    sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The socket's directory removed, and made again by someone who lets every user
+    write there: refused as at the start (one could plant a link where gpud chmods), said
+    once; bound again once the directory is gpud's own."""
+    run = sock_dir / "run"
+    path = run / "gpud.sock"
+    server = await _serve(path, make_servicer())
+    try:
+        path.unlink()
+        run.rmdir()
+        run.mkdir()
+        run.chmod(0o777)
+        with caplog.at_level(logging.ERROR, logger="gpud.api.server"):
+            assert not await server.keep_socket()
+            assert not await server.keep_socket()
+        (said,) = caplog.records
+        assert "writable by every user" in said.getMessage()
+        assert list(run.iterdir()) == []
+        run.chmod(0o711)
+        assert await server.keep_socket()
+    finally:
+        await server.stop(0)
+
+
+async def test_the_mode_is_never_set_through_a_link_in_the_sockets_place(
+    sock_dir: Path,
+) -> None:
+    path = sock_dir / "gpud.sock"
+    server = await _serve(path, make_servicer())
+    target = sock_dir / "passwd"
+    target.write_text("")
+    target.chmod(0o600)
+    try:
+        path.unlink()
+        path.symlink_to(target)
+        with pytest.raises(OSError, match="no longer the socket gpud bound"):
+            server._own_socket(None)
+        assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    finally:
+        await server.stop(0)
