@@ -483,9 +483,9 @@ class Daemon:
         (``rm -rf /run/gpud``): ``gpud.lock`` first, so that a second gpud started now is
         refused as "already running", then the API's socket, and a simulated node's state."""
         again = self._dir_locks.keep() if self._dir_locks is not None else []
-        await self.api.keep_socket()
         if self.sim is not None and self.config.daemon.run_dir in again:
-            self.sim.nvml.sim_persist()
+            self.sim.nvml.sim_persist()  # whatever the socket's bind does next
+        await self.api.keep_socket()
 
     async def _mig_step(self) -> None:
         """The MIG reconcile; where it changed a layout, a sample out of turn, so that the

@@ -79,9 +79,6 @@ class DirLocks:
             raise
         return cls(dirs, held)
 
-    def fds(self) -> list[int]:
-        return list(self._held.values())
-
     def close(self) -> None:
         for fd in self._held.values():
             os.close(fd)
@@ -96,16 +93,17 @@ class DirLocks:
         for path, fd in list(self._held.items()):
             key, mode = self._dirs[path]
             try:
-                st = (path / LOCK_NAME).lstat()
-                held = os.fstat(fd)
-                if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
-                    continue
-            except FileNotFoundError:
-                pass
-            try:
-                files.make_dirs(path, mode)
+                try:
+                    st = (path / LOCK_NAME).lstat()
+                    held = os.fstat(fd)
+                    if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
+                        continue
+                except FileNotFoundError:
+                    pass
+                # made again as at the start: refused where another user could plant links
+                files.make_dir(path, key, mode)
                 new = lock_dir(path, key)
-            except (OSError, ConfigError) as err:
+            except (OSError, ConfigError) as err:  # EIO, EACCES, ENOTDIR: said, tried again
                 message = f"{key}: {err}" if isinstance(err, OSError) else str(err)
                 if self._said.get(path) != message:
                     self._said[path] = message

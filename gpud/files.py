@@ -1,7 +1,8 @@
 """Writing a state file so that a crash leaves the old or the new contents, never half.
 
-Pure standard library: the backends, the telemetry sampler and the daemon's loops all keep
-small state files this way.
+Pure standard library (and :mod:`gpud.errors`): the backends, the telemetry sampler and the
+daemon's loops all keep small state files this way; gpud's own directories are made, and
+checked, here (:func:`make_dir`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+
+from gpud.errors import ConfigError
 
 # Modes gpud gives what it creates, whatever the umask it was started with (systemd's unit
 # has UMask=0027; a root shell 0022, or 0077):
@@ -37,6 +40,43 @@ def make_dirs(path: Path, mode: int) -> list[Path]:
         os.chmod(directory, mode if directory == path else ABOVE_MODE)
         created.append(directory)
     return created
+
+
+def make_dir(path: Path, key: str, mode: int) -> None:
+    """``mkdir -p path``, a directory it creates with ``mode`` (those above 0755) whatever
+    the umask (:func:`make_dirs`); a ConfigError naming ``key`` and the path when
+    it cannot be, or when a user other than gpud's own could plant files there
+    (:func:`check_private`)."""
+    try:
+        make_dirs(path, mode)
+        st = path.stat()
+    except OSError as err:
+        raise ConfigError(f"cannot create {path}: {err.strerror or err}", key=key) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"cannot create {path}: it exists and is not a directory", key=key)
+    check_private(path, st, key, euid=os.geteuid())
+
+
+def check_private(path: Path, st: os.stat_result, key: str, *, euid: int) -> None:
+    """gpud (root) creates, truncates, chmods and chowns files in its directories: one other
+    users may write to (``/tmp``; a group's) or another user owns would let them plant a
+    symbolic link there (``gpud.lock -> /etc/passwd``, or the socket swapped for a link to
+    ``/etc/shadow`` before gpud sets its mode and group) and have gpud write through it. A
+    ConfigError naming ``key`` then; a directory of root's or gpud's own user that only its
+    owner may write to is taken."""
+    if st.st_mode & (stat.S_IWOTH | stat.S_IWGRP):
+        who = "every user" if st.st_mode & stat.S_IWOTH else f"group {st.st_gid}"
+        raise ConfigError(
+            f"{path} is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}): gpud keeps"
+            " its lock, socket and state files in a directory of its own",
+            key=key,
+        )
+    if st.st_uid not in (0, euid):
+        raise ConfigError(
+            f"{path} belongs to uid {st.st_uid}, not to gpud's user (uid {euid}) or root:"
+            " gpud keeps its lock, socket and state files in a directory of its own",
+            key=key,
+        )
 
 
 def tighten(path: Path, most: int) -> int | None:

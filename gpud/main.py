@@ -83,44 +83,7 @@ def make_dirs(cfg: config.Config) -> None:
         ("daemon.run_dir", cfg.daemon.run_dir, files.RUN_DIR_MODE),
         ("api.socket", cfg.socket_path.parent, files.RUN_DIR_MODE),
     ):
-        make_dir(path, key, mode)
-
-
-def make_dir(path: Path, key: str, mode: int) -> None:
-    """``mkdir -p path``, a directory it creates with ``mode`` (those above 0755) whatever
-    the umask (:func:`gpud.files.make_dirs`); a ConfigError naming ``key`` and the path when
-    it cannot be, or when a user other than gpud's own could plant files there
-    (:func:`check_private`)."""
-    try:
-        files.make_dirs(path, mode)
-        st = path.stat()
-    except OSError as err:
-        raise ConfigError(f"cannot create {path}: {err.strerror or err}", key=key) from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"cannot create {path}: it exists and is not a directory", key=key)
-    check_private(path, st, key, euid=os.geteuid())
-
-
-def check_private(path: Path, st: os.stat_result, key: str, *, euid: int) -> None:
-    """gpud (root) creates, truncates, chmods and chowns files in its directories: one other
-    users may write to (``/tmp``; a group's) or another user owns would let them plant a
-    symbolic link there (``gpud.lock -> /etc/passwd``, or the socket swapped for a link to
-    ``/etc/shadow`` before gpud sets its mode and group) and have gpud write through it. A
-    ConfigError naming ``key`` then; a directory of root's or gpud's own user that only its
-    owner may write to is taken."""
-    if st.st_mode & (stat.S_IWOTH | stat.S_IWGRP):
-        who = "every user" if st.st_mode & stat.S_IWOTH else f"group {st.st_gid}"
-        raise ConfigError(
-            f"{path} is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}): gpud keeps"
-            " its lock, socket and state files in a directory of its own",
-            key=key,
-        )
-    if st.st_uid not in (0, euid):
-        raise ConfigError(
-            f"{path} belongs to uid {st.st_uid}, not to gpud's user (uid {euid}) or root:"
-            " gpud keeps its lock, socket and state files in a directory of its own",
-            key=key,
-        )
+        files.make_dir(path, key, mode)
 
 
 def lock_dirs(cfg: config.Config) -> DirLocks:
@@ -141,7 +104,7 @@ def open_backend(cfg: config.Config, *, nvml: Any = None) -> tuple[GpuBackend, S
         from gpud.backend.sim import SimNode, parse_simulate_spec
 
         sim_dir = cfg.daemon.run_dir / "sim"
-        make_dir(sim_dir, "daemon.run_dir", files.ABOVE_MODE)
+        files.make_dir(sim_dir, "daemon.run_dir", files.ABOVE_MODE)
         node = SimNode(parse_simulate_spec(cfg.backend.simulate), state_file=sim_dir / "node.json")
         return NvmlBackend(node.nvml, reset=node.reset), node
     from gpud.backend.gpureset import nvidia_smi_reset

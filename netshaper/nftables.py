@@ -121,11 +121,14 @@ class TableState:
 
 @dataclass(frozen=True, slots=True)
 class MarkSync:
-    """What :meth:`NftablesMarker.sync` changed (all empty: nothing to do)."""
+    """What :meth:`NftablesMarker.sync` changed (all empty: nothing to do): the comments of
+    the rules ``added`` and ``removed`` (one per job and family, :meth:`CgroupMark.comments`),
+    and of those ``kept`` as they were."""
 
     created: bool
     added: tuple[str, ...]
     removed: tuple[str, ...]
+    kept: tuple[str, ...] = ()
 
     @property
     def changed(self) -> bool:
@@ -253,7 +256,7 @@ class NftablesMarker:
             added.append(comment)
         if lines:
             self._apply(lines)
-        return MarkSync(created, tuple(added), tuple(removed))
+        return MarkSync(created, tuple(added), tuple(removed), tuple(have))
 
     def delete(self) -> bool:
         """Remove gpud's table; False when there was none."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -124,8 +125,8 @@ class ApiServer:
         # stop)
         self._kept: list[Any] = []
         self._at_path = True  # the serving one is bound at the path itself
-        self._binds = 0  # the binds, which number the temporary names
         self._retired: Any = None  # the one that served until the file was removed last
+        self._dir_said = ""  # why keep_socket cannot make the socket's directory, said once
         # servers on files removed before, stopping (RETIRED_GRACE_S), and their tasks
         self._stopping: dict[asyncio.Task[None], Any] = {}
         self.tcp_port: int | None = None
@@ -172,6 +173,7 @@ class ApiServer:
         gid = self._group_id()  # before binding: a bad group leaves nothing behind
         path.parent.mkdir(parents=True, exist_ok=True)
         self._clear_stale_socket()
+        _clear_stale_temps(path)
 
         self._health = health.aio.HealthServicer()
         server = self._new_server(None)
@@ -190,9 +192,12 @@ class ApiServer:
             raise FailedPrecondition(
                 f"another process is serving on {path}: is gpud already running?"
             ) from None
-        except (OSError, GpudError) as err:
+        except OSError as err:
             await _stop_all((server, tcp), None)
             raise GpudError(f"gRPC server cannot listen on {path}: {err}") from err
+        except GpudError:
+            await _stop_all((server, tcp), None)
+            raise
         try:
             if tcp is not None and self.tcp_address is not None:
                 if self._tcp_credentials is not None:
@@ -233,8 +238,16 @@ class ApiServer:
         """Give the socket just bound its mode and group. gRPC creates
         it with the process umask (0027 under systemd, at least 0022 from gpud's main: no
         one but root may connect until then, so group members cannot yet); the mode and
-        group are set right after the bind."""
-        os.chmod(self.socket_path, SOCKET_MODE)
+        group are set right after the bind. Never through a symbolic link planted in its
+        place (os.chmod cannot be told not to follow one on every platform): only the file
+        bound."""
+        st = self.socket_path.lstat()
+        if (st.st_dev, st.st_ino) != self._socket_id:
+            raise OSError(f"{self.socket_path} is no longer the socket gpud bound")
+        try:
+            os.chmod(self.socket_path, SOCKET_MODE, follow_symlinks=False)
+        except NotImplementedError:  # not without following: the check above holds
+            os.chmod(self.socket_path, SOCKET_MODE)
         if gid is not None:
             os.chown(self.socket_path, -1, gid, follow_symlinks=False)  # never a planted link
 
@@ -253,20 +266,35 @@ class ApiServer:
         gRPC removes the file of a unix listener as it closes it, by its path: a server
         bound at the socket path itself would remove whatever is there as it stops (a
         newer gpud's socket, or the one bound again by :meth:`keep_socket`). So it binds a
-        temporary name beside it (``.gpud.sock.N~``), which is then linked to the path
-        (never over a file put there meanwhile: FileExistsError) and removed, and is the
-        name gRPC removes later."""
+        temporary name beside it (``.gpud.sock.PID.N~``: the process's own, as two gpuds
+        whose ``api.socket`` is the same file may bind at once, and a new one each time,
+        as a server stopping removes its name), which is then linked to the path (never
+        over a file put there meanwhile: FileExistsError) and removed, and is the name
+        gRPC removes later."""
         path = self.socket_path
-        self._binds += 1  # a name of its own each time: a server stopping removes its name
-        temp = path.with_name(f".{path.name}.{self._binds}~")
+        temp = path.with_name(f"{_temp_prefix(path)}{os.getpid()}.{next(_BINDS)}~")
         at_path = len(os.fsencode(temp)) > MAX_UNIX_PATH
         bind = path if at_path else temp
-        bind.unlink(missing_ok=True)  # a gpud that died between its bind and link left it
-        if server.add_insecure_port(f"unix:{bind}") == 0:
+        if not at_path:  # one of a process with this pid that died before its link
+            with contextlib.suppress(OSError):  # else the bind says why it cannot
+                temp.unlink(missing_ok=True)
+        try:
+            port = server.add_insecure_port(f"unix:{bind}")
+        except RuntimeError:  # grpcio's "Failed to bind to address", with no reason
+            port = 0
+        if port == 0:
             await server.stop(None)
-            bind.unlink(missing_ok=True)
-            raise GpudError(f"gRPC server cannot listen on {bind}")
+            if not at_path:
+                with contextlib.suppress(OSError):
+                    temp.unlink(missing_ok=True)
+            raise GpudError(
+                f"gRPC server cannot listen on {path}: cannot bind a unix socket"
+                + ("" if at_path else f" at {temp.name}")
+                + f" in {path.parent}"
+            )
         await server.start()
+        # the file bound, before it is linked: at the path, another's may replace it since
+        st = bind.lstat()
         if not at_path:
             try:
                 os.link(temp, path)
@@ -275,7 +303,6 @@ class ApiServer:
                 raise
             finally:
                 temp.unlink(missing_ok=True)
-        st = path.lstat()
         self._socket_id = (st.st_dev, st.st_ino)
         return at_path
 
@@ -289,9 +316,10 @@ class ApiServer:
         background, with ``RETIRED_GRACE_S`` for its calls to end, so that a cleaner
         removing the file over and over keeps at most one such server (one bound at the
         path itself, see :meth:`_bind`, is kept until gpud stops). Something else in the
-        socket's place (a file, another process's socket) is left alone. True when it bound
-        again; OSError or GpudError when it cannot (said by the caller, tried again at its
-        next call)."""
+        socket's place (a file, another process's socket) is left alone, and so is a
+        directory another user could plant files in (:func:`gpud.files.make_dir`: said in
+        the log once, False). True when it bound again; OSError or GpudError when it cannot
+        (said by the caller, tried again at its next call)."""
         if self._server is None:
             return False
         path = self.socket_path
@@ -300,7 +328,15 @@ class ApiServer:
             return False  # ours, or another's to leave alone
         except FileNotFoundError:
             pass
-        files.make_dirs(path.parent, files.RUN_DIR_MODE)
+        try:
+            # made again as at the start: refused where another user could plant links
+            files.make_dir(path.parent, "api.socket", files.RUN_DIR_MODE)
+        except ConfigError as err:
+            if str(err) != self._dir_said:
+                self._dir_said = str(err)
+                log.error("the socket %s was removed and cannot be bound again: %s", path, err)
+            return False
+        self._dir_said = ""
         gid = self._group_id()
         server = self._new_server(None)
         at_path = await self._bind(server)
@@ -388,6 +424,48 @@ class ApiServer:
         """Until the server stops (for a daemon that has nothing else to wait on)."""
         if self._server is not None:
             await self._server.wait_for_termination()
+
+
+_BINDS = itertools.count(1)  # numbers the temporary names of the process's binds
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
+def _clear_stale_temps(path: Path) -> None:
+    """Remove the temporary socket names (:meth:`ApiServer._bind`) beside ``path`` of
+    processes that are gone: killed between their bind and link. A name of a process that
+    runs is left alone (another gpud whose ``api.socket`` is the same file, binding now)."""
+    prefix = _temp_prefix(path)
+    with contextlib.suppress(OSError):
+        for entry in path.parent.iterdir():
+            pid, dot, n = entry.name.removeprefix(prefix).removesuffix("~").partition(".")
+            if (
+                entry.name.startswith(prefix)
+                and entry.name.endswith("~")
+                and dot
+                and pid.isdigit()
+                and n.isdigit()
+                and not _alive(int(pid))
+            ):
+                with contextlib.suppress(OSError):
+                    if stat.S_ISSOCK(entry.lstat().st_mode):
+                        entry.unlink()
+                        log.info("removing stale socket %s", entry)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs (this one does)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's
+        return True
+    return True
 
 
 async def _stop_all(servers: Sequence[Any], grace: float | None) -> None:

@@ -28,9 +28,12 @@ class CountersLike(Protocol):
 
 
 class InterfaceResultLike(Protocol):
-    """What one pass did on one interface: ``ops`` sent (as tc arguments), what drift
-    ``restored``, and the interface's ``error`` (None when enforced)."""
+    """What one pass did on one interface: ``tc_ops`` sent (``ops``: the same as tc
+    arguments), what drift ``restored``, and the interface's ``error`` (None when
+    enforced)."""
 
+    @property
+    def tc_ops(self) -> tuple[tcplan.TcOp, ...]: ...
     @property
     def ops(self) -> tuple[str, ...]: ...
     @property
@@ -104,9 +107,17 @@ class FakeCounters:
 @dataclass(frozen=True)
 class FakeResult:
     iface: str
-    ops: tuple[str, ...] = ()
-    restored: tuple[str, ...] = ()
+    tc_ops: tuple[tcplan.TcOp, ...] = ()
+    drift: bool = False
     error: Exception | None = None
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return tuple(" ".join(op.tc_args()) for op in self.tc_ops)
+
+    @property
+    def restored(self) -> tuple[str, ...]:
+        return self.ops if self.drift else ()
 
 
 @dataclass(frozen=True)
@@ -157,9 +168,9 @@ class FakeTc:
             except OSError as err:
                 out[want.iface] = FakeResult(want.iface, error=err)
                 continue
-            ops = tuple(" ".join(op.tc_args()) for op in tcplan.diff(state, want))
+            ops = tcplan.diff(state, want)
             self.states[want.iface] = tcplan.state_after(want)
-            out[want.iface] = FakeResult(want.iface, ops, ops if drift else ())
+            out[want.iface] = FakeResult(want.iface, ops, drift)
         return FakeSync(out)
 
     def sync(self, plan: tcplan.TcPlan) -> FakeSync:
@@ -197,13 +208,21 @@ class FakeMarker:
         if self.fail:
             raise RuntimeError(self.fail)
         want = set(marks)
-        added = tuple(sorted(m.job for m in want - self.marks))
-        removed = tuple(sorted(m.job for m in self.marks - want))
+        added, removed, kept = (
+            _comments(want - self.marks),
+            _comments(self.marks - want),
+            _comments(want & self.marks),
+        )
         self.marks = want
         created, self.table = not self.table, True
-        return MarkSync(created, added, removed)
+        return MarkSync(created, added, removed, kept)
 
     def delete(self) -> bool:
         had = self.table
         self.marks, self.table = set(), False
         return had
+
+
+def _comments(marks: Iterable[CgroupMark]) -> tuple[str, ...]:
+    """The comments of ``marks``' rules, one per family, as the real marker reports them."""
+    return tuple(sorted(c for m in marks for c in m.comments().values()))

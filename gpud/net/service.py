@@ -285,7 +285,7 @@ class TrafficService:
         # gpud's tc objects found at start per interface, and whether gpud's nftables table
         # is still to be found: the first pass that enforces them says what it kept and
         # removed of what the run before left (event net.takeover)
-        self._found: dict[str, int] = {}
+        self._found: dict[str, tcplan.InterfaceState] = {}
         self._marks_found = False
         # job -> the level class its leaf sits under: a level change only changes the
         # leaf's prio, in place (see netshaper.tcplan)
@@ -1076,7 +1076,7 @@ class TrafficService:
                     continue
                 self._originals[iface] = self._original(iface, found.original)
                 if found.original is None and found.state.root is not None:  # gpud's tree
-                    self._found[iface] = _objects(found.state)
+                    self._found[iface] = found.state
                 adopted.update(self._levels_in(found.state, tags))
                 self._homes.update(self._levels_in(found.state, tags, homes=True))
             self._adopted = adopted
@@ -1197,7 +1197,7 @@ class TrafficService:
             self._applied[iface] = want
             found = self._found.pop(iface, None)
             if found is not None:
-                self._say_adopted_tc(iface, found, res.ops)
+                self._say_adopted_tc(iface, found, res.tc_ops)
             elif unchanged and res.ops:
                 status.repairs += 1
                 self._events.emit(
@@ -1229,23 +1229,31 @@ class TrafficService:
                         raw.bytes, raw.packets, raw.drops
                     )
 
-    def _say_adopted_tc(self, iface: str, found: int, ops: Sequence[str]) -> None:
-        """The first pass that enforced ``iface`` since the start, on the ``found`` objects
-        of gpud's tree the run before left: what it kept, removed (stale: a job gone
-        meanwhile), changed and added (event ``net.takeover``)."""
-        verbs = [op.split()[1] if len(op.split()) > 1 else "" for op in ops]
-        removed = verbs.count("del")
-        changed = verbs.count("change") + verbs.count("replace")
-        added = len(verbs) - removed - changed
-        stale = [op for op, verb in zip(ops, verbs, strict=True) if verb == "del"]
+    def _say_adopted_tc(
+        self, iface: str, found: tcplan.InterfaceState, ops: Sequence[tcplan.TcOp]
+    ) -> None:
+        """The first pass that enforced ``iface`` since the start, on the ``found`` tree
+        gpud's run before left: what it kept, removed (stale: a job gone meanwhile; all of
+        it when the tree was rebuilt), changed and added (event ``net.takeover``)."""
+        objects = _objects(found)
+        removed = _removed(found, ops)
+        kinds = [op.kind for op in ops]
+        changed = kinds.count(tcplan.OpKind.CHANGE_CLASS) + kinds.count(tcplan.OpKind.CHANGE_FILTER)
+        added = sum(
+            kinds.count(k)
+            for k in (tcplan.OpKind.REPLACE_ROOT, tcplan.OpKind.ADD_CLASS, tcplan.OpKind.ADD_FILTER)
+        )
+        rebuilt = tcplan.OpKind.REPLACE_ROOT in kinds
+        stale = [" ".join(op.tc_args()) for op in ops if op.kind in _DELETES]
         self._events.emit(
             "net.takeover",
             f"{iface}: took over gpud's tc tree from before the start: kept"
-            f" {found - removed} of {found} object(s), removed {removed} stale"
-            + (f" ({'; '.join(stale)[:300]})" if stale else "")
+            f" {objects - removed} of {objects} object(s), removed {removed}"
+            + (" (the tree rebuilt)" if rebuilt else " stale")
+            + (f" ({'; '.join(stale)[:300]})" if stale and not rebuilt else "")
             + f", changed {changed}, added {added}",
             interface=iface,
-            kept=found - removed,
+            kept=objects - removed,
             removed=removed,
             changed=changed,
             added=added,
@@ -1298,13 +1306,15 @@ class TrafficService:
             return
         found, self._marks_found = self._marks_found, False
         if found and not result.created:
-            kept = len(marks) - len(result.added)
+            stale = result.removed
             self._events.emit(
                 "net.takeover",
-                f"nftables: took over gpud's table from before the start: kept {kept}"
-                f" rule(s), removed {len(result.removed)} stale, added {len(result.added)}",
+                "nftables: took over gpud's table from before the start: kept"
+                f" {len(result.kept)} rule(s), removed {len(stale)} stale"
+                + (f" ({'; '.join(stale)[:300]})" if stale else "")
+                + f", added {len(result.added)}",
                 interface="",
-                kept=kept,
+                kept=len(result.kept),
                 removed=len(result.removed),
                 changed=0,
                 added=len(result.added),
@@ -1437,4 +1447,39 @@ def _objects(state: tcplan.InterfaceState) -> int:
         + len(state.filters)
         + len(state.foreign_filters)
         + len(state.child_qdiscs)
+    )
+
+
+_DELETES = (
+    tcplan.OpKind.DELETE_CLASS,
+    tcplan.OpKind.DELETE_FILTER,
+    tcplan.OpKind.DELETE_QDISC,
+    tcplan.OpKind.DELETE_ROOT,
+)
+
+
+def _removed(state: tcplan.InterfaceState, ops: Sequence[tcplan.TcOp]) -> int:
+    """How many of the objects of ``state`` (:func:`_objects`) ``ops`` remove: all when
+    they replace the root; else the classes deleted with the qdiscs under them, the
+    qdiscs deleted, and the filters each filter deletion matches (one deletes every
+    unrecognised filter of its priority and protocol when it names no handle)."""
+    kinds = {op.kind for op in ops}
+    if kinds & {tcplan.OpKind.REPLACE_ROOT, tcplan.OpKind.DELETE_ROOT}:
+        return _objects(state)
+    classes = {op.cls.classid for op in ops if op.kind is tcplan.OpKind.DELETE_CLASS and op.cls}
+    qdiscs = sum(op.kind is tcplan.OpKind.DELETE_QDISC for op in ops)
+    filters = [(tcplan.FILTER_PRIO, tcplan.ETH_P_ALL, h) for h, _ in state.filters]
+    deletes = [
+        (op.filter_prio, op.filter_protocol, op.filter_handle)
+        for op in ops
+        if op.kind is tcplan.OpKind.DELETE_FILTER
+    ]
+    return (
+        len(classes)
+        + qdiscs
+        + sum(q.parent in classes for q in state.child_qdiscs)
+        + sum(
+            any(p == dp and proto == dproto and dh in (0, h) for dp, dproto, dh in deletes)
+            for p, proto, h in (*filters, *state.foreign_filters)
+        )
     )

@@ -89,6 +89,7 @@ def test_sync_is_idempotent_and_repairs(ns: str, cgroups: JobCgroups) -> None:
     marks2 = [m for m in (cgroups.mark("a", 10), cgroups.mark("b", 14)) if m is not None]
     again = marker.sync(marks2)
     assert not again.created and len(again.added) == 2 and len(again.removed) == 2
+    assert again.kept == tuple(marks2[0].comments().values())  # a's two, as they were
     # someone deletes a rule, then the whole table
     handle = next(r.handle for r in marker.read().rules if r.job == "a")
     nft(ns, "delete", "rule", "inet", "gpud", "jobs", "handle", str(handle))

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import grp
 import importlib
+import logging
 import math
 import os
 import random
 import socket
 import stat
+import subprocess
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,8 +24,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpud.api import ApiServer, FaultPort, NodeServicer
+from gpud.api import server as api_server
 from gpud.api.access import TCP_READ_METHODS, TcpAccess
-from gpud.errors import ERROR_KEY, EXIT_CODE_KEY, ConfigError, FailedPrecondition, GpuLost
+from gpud.errors import (
+    ERROR_KEY,
+    EXIT_CODE_KEY,
+    ConfigError,
+    FailedPrecondition,
+    GpudError,
+    GpuLost,
+)
 from gpud.events import EventLog
 from gpud.telemetry.snapshot import ClearedXids
 from gpud.v1 import node_pb2 as pb
@@ -808,3 +819,142 @@ async def test_a_stop_after_a_rebind_leaves_a_newer_gpuds_socket_alone(sock_dir:
     path.unlink()
     new = await _serve(path, make_servicer())
     await _stop_beside(old, new, path)
+
+
+class _UnbindableServer(ApiServer):
+    """An ApiServer whose unix binds fail as grpcio says it: a RuntimeError from
+    add_insecure_port (no reason given), not a port 0; from the start, or once ``fail``."""
+
+    fail = True
+
+    def _new_server(self, max_calls: int | None, options: Any = ()) -> Any:
+        server = super()._new_server(max_calls, options)
+        tcp_bind = server.add_insecure_port
+
+        def add_insecure_port(address: str) -> int:
+            if address.startswith("unix:") and self.fail:
+                raise RuntimeError(f"Failed to bind to address {address}")
+            return int(tcp_bind(address))
+
+        server.add_insecure_port = add_insecure_port
+        return server
+
+
+async def test_a_socket_that_cannot_be_bound_is_a_gpud_error_naming_it(sock_dir: Path) -> None:
+    """``gpud: gRPC server cannot listen on PATH: ...`` (exit 1), never a traceback about
+    a temporary file; the TCP server made beside it is stopped, nothing is left."""
+    path = sock_dir / "gpud.sock"
+    server = _UnbindableServer(
+        path, servicers=[make_servicer().register], tcp_address="127.0.0.1:0"
+    )
+    with pytest.raises(GpudError, match=f"gRPC server cannot listen on {path}: cannot bind"):
+        await server.start()
+    assert not server.running and list(sock_dir.iterdir()) == []
+
+
+async def test_a_socket_that_cannot_be_bound_again_is_a_gpud_error(sock_dir: Path) -> None:
+    path = sock_dir / "gpud.sock"
+    server = _UnbindableServer(path, servicers=[make_servicer().register])
+    server.fail = False
+    await server.start()
+    try:
+        path.unlink()
+        server.fail = True
+        with pytest.raises(GpudError, match=f"cannot listen on {path}: cannot bind"):
+            await server.keep_socket()
+        assert list(sock_dir.iterdir()) == []
+    finally:
+        await server.stop(0)
+
+
+async def test_a_directory_in_the_temporary_names_place_fails_the_bind(sock_dir: Path) -> None:
+    """What grpcio reports for a bind the kernel refuses (the name taken): the same error,
+    the directory left alone."""
+    path = sock_dir / "gpud.sock"
+    n = next(copy.copy(api_server._BINDS))  # the number of the next bind
+    (sock_dir / f".gpud.sock.{os.getpid()}.{n}~").mkdir()
+    server = ApiServer(path, servicers=[make_servicer().register])
+    with pytest.raises(GpudError, match=f"gRPC server cannot listen on {path}: cannot bind"):
+        await server.start()
+    assert not path.exists()
+
+
+def _listening(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    sock.listen()
+    return sock
+
+
+async def test_the_temporary_names_of_other_processes_are_theirs(sock_dir: Path) -> None:
+    """Two gpuds whose ``api.socket`` is the same file: the temporary name one binds is its
+    own (its pid in it), so the other never removes it, nor links it as its own socket.
+    Those of processes that are gone (killed between their bind and link) are removed."""
+    path = sock_dir / "gpud.sock"
+    dead = _dead_pid()
+    others = [
+        _listening(sock_dir / ".gpud.sock.1~"),  # a name another process bound
+        _listening(sock_dir / f".gpud.sock.{os.getppid()}.1~"),  # one of a live process
+    ]
+    _listening(sock_dir / f".gpud.sock.{dead}.1~").close()  # one of a process gone
+    try:
+        server = await _serve(path, make_servicer())
+        await server.stop(0)
+        assert {p.name for p in sock_dir.iterdir()} == {
+            ".gpud.sock.1~",
+            f".gpud.sock.{os.getppid()}.1~",
+        }
+    finally:
+        for sock in others:
+            sock.close()
+
+
+def _dead_pid() -> int:
+    """The pid of a process that ended."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+async def test_a_socket_directory_another_user_made_again_is_not_bound_in(
+    sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The socket's directory removed, and made again by someone who lets every user
+    write there: refused as at the start (one could plant a link where gpud chmods), said
+    once; bound again once the directory is gpud's own."""
+    run = sock_dir / "run"
+    path = run / "gpud.sock"
+    server = await _serve(path, make_servicer())
+    try:
+        path.unlink()
+        run.rmdir()
+        run.mkdir()
+        run.chmod(0o777)
+        with caplog.at_level(logging.ERROR, logger="gpud.api.server"):
+            assert not await server.keep_socket()
+            assert not await server.keep_socket()
+        (said,) = caplog.records
+        assert "writable by every user" in said.getMessage()
+        assert list(run.iterdir()) == []
+        run.chmod(0o711)
+        assert await server.keep_socket()
+    finally:
+        await server.stop(0)
+
+
+async def test_the_mode_is_never_set_through_a_link_in_the_sockets_place(
+    sock_dir: Path,
+) -> None:
+    path = sock_dir / "gpud.sock"
+    server = await _serve(path, make_servicer())
+    target = sock_dir / "passwd"
+    target.write_text("")
+    target.chmod(0o600)
+    try:
+        path.unlink()
+        path.symlink_to(target)
+        with pytest.raises(OSError, match="no longer the socket gpud bound"):
+            server._own_socket(None)
+        assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    finally:
+        await server.stop(0)

@@ -20,9 +20,9 @@ from gpud import config
 from gpud.backend.sim import fakenvml
 from gpud.dirlock import LOCK_NAME
 from gpud.errors import ConfigError
+from gpud.files import check_private
 from gpud.main import (
     build_parser,
-    check_private,
     load_config,
     lock_dirs,
     main,

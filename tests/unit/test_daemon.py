@@ -737,29 +737,21 @@ def test_a_queued_job_waits_for_declared_sim_processes_until_their_host_processe
             holder.wait()
 
 
-def test_a_removed_run_directory_gets_its_lock_and_sim_state_back(root: Path) -> None:
-    """``rm -rf`` of the run directory while gpud runs: the next pass makes ``gpud.lock``
-    again and holds it, so that a second gpud started on the same run directory is refused
-    as already running, and writes the simulated node's state again."""
+def _run_dir_removed(root: Path, then: Callable[[Daemon, Step], Awaitable[None]]) -> None:
+    """A daemon holding its directories' locks, its API started and its run directory
+    removed (``rm -rf``); ``then`` with it and its socket step."""
     cfg = make_config(root)
     for directory in (cfg.daemon.state_dir, cfg.daemon.run_dir):
         directory.mkdir()
     locks = lock_dirs(cfg)
     d = build(cfg, dir_locks=locks)
-    run = cfg.daemon.run_dir
     (step,) = [s for s in d.steps if s.name == "socket"]
-    other = make_config(root, **{"daemon.state_dir": root / "other"})
-    (root / "other").mkdir()
 
     async def scenario() -> None:
         await d.api.start()
         try:
-            shutil.rmtree(run)
-            await step.run()
-            with pytest.raises(ConfigError, match="already running"):
-                lock_dirs(other).close()
-            assert d.config.socket_path.is_socket()
-            assert (run / "sim" / "node.json").is_file()
+            shutil.rmtree(cfg.daemon.run_dir)
+            await then(d, step)
         finally:
             await d.api.stop(0)
 
@@ -768,3 +760,35 @@ def test_a_removed_run_directory_gets_its_lock_and_sim_state_back(root: Path) ->
     finally:
         locks.close()
         _close(d)
+
+
+def test_a_removed_run_directory_gets_its_lock_and_sim_state_back(root: Path) -> None:
+    """``rm -rf`` of the run directory while gpud runs: the next pass makes ``gpud.lock``
+    again and holds it, so that a second gpud started on the same run directory is refused
+    as already running, and writes the simulated node's state again."""
+    other = make_config(root, **{"daemon.state_dir": root / "other"})
+    (root / "other").mkdir()
+
+    async def then(d: Daemon, step: Step) -> None:
+        await step.run()
+        with pytest.raises(ConfigError, match="already running"):
+            lock_dirs(other).close()
+        assert d.config.socket_path.is_socket()
+        assert (d.config.daemon.run_dir / "sim" / "node.json").is_file()
+
+    _run_dir_removed(root, then)
+
+
+def test_the_sim_state_is_written_again_when_the_socket_cannot_be_bound_again(
+    root: Path,
+) -> None:
+    """The run directory removed and its lock taken again, but the socket's bind failing
+    (its group gone meanwhile): the simulated node's state is written all the same."""
+
+    async def then(d: Daemon, step: Step) -> None:
+        d.api.socket_group = "gpud-no-such-group"
+        with pytest.raises(ConfigError, match="does not exist"):
+            await step.run()
+        assert (d.config.daemon.run_dir / "sim" / "node.json").is_file()
+
+    _run_dir_removed(root, then)

@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,4 +60,53 @@ def test_a_lock_another_gpud_took_first_is_said_once(
         assert "already running" in said.getMessage()
     finally:
         second.close()
+        first.close()
+
+
+@pytest.mark.parametrize(
+    ("planted", "said"),
+    [
+        (lambda run: run.mkdir(mode=0o777) or run.chmod(0o777), "writable by every user"),
+        (lambda run: run.mkdir(mode=0o755) or os.chown(run, 4242, 4242), "belongs to uid 4242"),
+    ],
+)
+def test_a_run_directory_another_user_made_first_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, planted: Any, said: str
+) -> None:
+    """After ``rm -rf``, a directory another user made in its place (where they could plant
+    ``gpud.lock -> /etc/passwd``) is refused as at the start, said once, and nothing is
+    created in it."""
+    run = tmp_path / "run"
+    first = _take(tmp_path / "state", run)
+    try:
+        shutil.rmtree(run)
+        planted(run)
+        with caplog.at_level(logging.ERROR, logger="gpud.dirlock"):
+            assert first.keep() == []
+            assert first.keep() == []
+        (record,) = caplog.records
+        assert said in record.getMessage()
+        assert list(run.iterdir()) == []
+    finally:
+        first.close()
+
+
+def test_a_run_directory_that_cannot_be_read_is_said_not_raised(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The run directory replaced by a file (ENOTDIR, as EIO or EACCES would be): said once,
+    tried again at the next call, never an exception that fails the caller's step."""
+    run = tmp_path / "run"
+    first = _take(tmp_path / "state", run)
+    try:
+        shutil.rmtree(run)
+        run.write_text("")
+        with caplog.at_level(logging.ERROR, logger="gpud.dirlock"):
+            assert first.keep() == []
+            assert first.keep() == []
+        (record,) = caplog.records
+        assert "not a directory" in record.getMessage().lower()
+        run.unlink()
+        assert first.keep() == [run]
+    finally:
         first.close()

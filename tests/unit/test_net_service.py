@@ -387,10 +387,99 @@ def test_the_first_tick_after_a_restart_says_what_it_kept_and_removed(rig: Rig) 
     assert tc.fields["removed"] >= 2  # c's leaf and filter at least
     assert tc.fields["kept"] + tc.fields["removed"] == objects
     assert f"removed {tc.fields['removed']}" in tc.message
-    assert nft.fields == {"interface": "", "kept": 2, "removed": 1, "changed": 0, "added": 0}
-    assert "nftables" in nft.message
+    # rules: one per job and family (ip, ip6)
+    assert nft.fields == {"interface": "", "kept": 4, "removed": 2, "changed": 0, "added": 0}
+    assert "nftables" in nft.message and "job=c" in nft.message  # the stale ones listed
     rig.service.tick()  # said once: the ticks after are drift's
     assert [e.kind for e in rig.events.recent(1000)].count("net.takeover") == len(said)
+
+
+def _tc_takeover(
+    rig: Rig, left: Callable[[tcplan.InterfaceState], tcplan.InterfaceState]
+) -> dict[str, object]:
+    """Jobs a, b and c shaped, gpud stopped, the kernel's tree changed by ``left``, job c
+    gone meanwhile; the fields of the first tick's net.takeover for eth0, and its message."""
+    rig.jobs = ["a", "b", "c"]
+    rig.active = {"a", "b", "c"}
+    for job in rig.jobs:
+        rig.cgroups.dir(job).mkdir(parents=True, exist_ok=True)
+    rig.service.tick()
+    rig.tc.states["eth0"] = left(rig.tc.states["eth0"])
+    rig.jobs = ["a", "b"]
+    rig.service = rig.make()
+    rig.service.start()
+    rig.service.tick()
+    (tc,) = [
+        e for e in rig.events.recent(1000) if e.kind == "net.takeover" and e.fields["interface"]
+    ]
+    return {**tc.fields, "message": tc.message}
+
+
+def test_a_takeover_counts_what_goes_with_a_class_or_with_one_filter_deletion(
+    rig: Rig, sysfs: Path
+) -> None:
+    """Qdiscs someone attached under gpud's classes (removed with a gone job's class, or
+    alone) and foreign filters (one deletion removes all of a priority): all counted as
+    removed, none as kept."""
+    plain = _tc_takeover(Rig(rig.tmp / "plain", sysfs), lambda state: state)
+
+    added: list[int] = []
+
+    def extras(state: tcplan.InterfaceState) -> tcplan.InterfaceState:
+        added.append(len(state.classes) + 2)
+        return dataclasses.replace(
+            state,
+            child_qdiscs=tuple(
+                tcplan.ChildQdisc(c.classid, (0x20 + i) << 16, "fq_codel")
+                for i, c in enumerate(state.classes)
+            ),
+            foreign_filters=((2, 0x0800, 0x800800), (2, 0x0800, 0x800801)),
+        )
+
+    more = _tc_takeover(rig, extras)
+    assert more["kept"] == plain["kept"]
+    assert more["removed"] == plain["removed"] + added[0]  # type: ignore[operator]
+
+
+def test_a_takeover_that_rebuilds_the_tree_kept_nothing(rig: Rig) -> None:
+    """gpud's root found with another default class: the tree is deleted and built again,
+    so nothing of it was kept (not "kept all but the root")."""
+
+    def other_default(state: tcplan.InterfaceState) -> tcplan.InterfaceState:
+        assert state.root is not None
+        root = dataclasses.replace(state.root, default_classid=(state.root.handle | 0xFFF))
+        return dataclasses.replace(state, root=root)
+
+    said = _tc_takeover(rig, other_default)
+    found = said["kept"] + said["removed"]  # type: ignore[operator]
+    assert said["kept"] == 0 and said["removed"] == found and found > 2
+    assert f"kept 0 of {found} object(s), removed {found} (the tree rebuilt)" in str(
+        said["message"]
+    )
+
+
+def test_the_nftables_takeover_counts_rules_of_kept_gone_and_new_jobs(rig: Rig) -> None:
+    """Two jobs kept, one gone and two new since the run before: counted in rules, one per
+    job and family, never jobs against rules (which read "kept -1")."""
+    rig.jobs = ["a", "b", "c"]
+    rig.active = {"a", "b", "c"}
+    for job in rig.jobs:
+        rig.cgroups.dir(job).mkdir(parents=True)
+    rig.service.tick()
+    rig.jobs = ["a", "b", "d", "e"]
+    rig.active = {"a", "b", "d", "e"}
+    rig.service = rig.make()
+    rig.service.start()
+    for job in ("d", "e"):  # their runs tag them and make their cgroups
+        rig.service.tags.tag(job)
+        rig.cgroups.dir(job).mkdir(parents=True)
+    rig.service.tick()
+    (nft,) = [
+        e for e in rig.events.recent(1000) if e.kind == "net.takeover" and not e.fields["interface"]
+    ]
+    assert nft.fields == {"interface": "", "kept": 4, "removed": 2, "changed": 0, "added": 4}
+    assert "kept 4 rule(s), removed 2 stale (gpud job=c " in nft.message
+    assert nft.message.endswith(", added 4")
 
 
 def test_a_first_start_adopts_nothing_and_says_nothing(rig: Rig) -> None:
