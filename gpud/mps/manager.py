@@ -23,7 +23,8 @@ memory limit, enabled), written by ``gpuctl mps set``. Each :meth:`MpsManager.re
   A MIG apply stops the daemons of the MIG devices it destroys first, and the whole-GPU
   daemon of a GPU it enables MIG mode on (:meth:`MpsManager.released`). A daemon that does
   not answer is SIGKILLed; one that outlives that too is kept and tried again alike
-  (:meth:`MpsManager._kill`), never checked, adopted or doubled meanwhile.
+  (:meth:`MpsManager._kill`), never checked, adopted or doubled meanwhile; so is one whose
+  pipe directory was deleted under it (:meth:`MpsManager._kill_orphan`).
 
 Defaults reach only MPS servers started later, so a change is also sent to every running
 server (``set_active_thread_percentage <PID>``, ``set_device_pinned_mem_limit <PID> 0``),
@@ -1125,6 +1126,8 @@ class MpsManager:
             return
         now = self._clock()
         if dev.daemon.pid() is None:
+            if not self._kill_orphan(target, dev):
+                return
             dev.killing = ""
             with self._lock:
                 held, moved = target.uuid in self._held, self._moved.get(target.uuid)
@@ -1478,6 +1481,29 @@ class MpsManager:
         dev.up = False
         dev.last_error = f"the MPS control daemon (pid {pid}) outlived SIGKILL"
         return False
+
+    def _kill_orphan(self, target: MpsTarget, dev: _Device) -> bool:
+        """SIGKILL, through :meth:`_try_stop`, the device's daemon whose pipe directory was
+        deleted (no PID file names it, no client reaches it, yet it holds the device), before
+        another starts: whether none such runs now. One that outlives SIGKILL is said as any
+        other (``mps.stop_failed``, once) and tried again with its backoff; no daemon is
+        started beside it meanwhile."""
+        pid = dev.daemon.orphan()
+        if pid is None:
+            return True
+        lost = "it lost its pipe directory"
+        how = self._try_stop(
+            dev.daemon, pid, f"{lost}; none is started beside it until it has gone", kill=True
+        )
+        if how is None:
+            dev.up = False
+            dev.last_error = (
+                f"the MPS control daemon (pid {pid}) lost its pipe directory and outlived"
+                " SIGKILL: none is started beside it"
+            )
+            return False
+        self._stopped(target.uuid, pid, lost, how)
+        return True
 
     def _stopped(self, uuid: str, pid: int, reason: str, how: How) -> None:
         """Say that the daemon ``pid`` of ``uuid`` was stopped, and ``how``."""

@@ -820,7 +820,7 @@ def test_a_hung_daemon_blocks_neither_status_nor_other_devices(root: Path) -> No
 
 
 def test_a_daemon_whose_pipe_dir_was_deleted_is_replaced_not_left_running(root: Path) -> None:
-    mgr, store, _ = make_manager(root)
+    mgr, store, events = make_manager(root)
     try:
         mgr.reconcile(NODE)
         old = mgr.status()[0]
@@ -831,6 +831,9 @@ def test_a_daemon_whose_pipe_dir_was_deleted_is_replaced_not_left_running(root: 
         new = mgr.status()[0]
         assert new.up and new.pid is not None and new.pid != old.pid
         wait_dead(old.pid)
+        (stop,) = [e for e in events.recent(kind_prefix="mps.stop") if e.kind == "mps.stop"]
+        assert stop.fields["pid"] == old.pid and stop.fields["how"] == "sigkill"
+        assert "lost its pipe directory" in stop.message
     finally:
         mgr.stop()
         store.close()
@@ -1828,7 +1831,9 @@ def test_a_daemon_that_lost_its_pipe_dir_and_outlives_sigkill_gets_none_beside_i
 ) -> None:
     """A daemon whose pipe directory was deleted is killed before the device's next one
     starts; one that outlives SIGKILL (stuck in the driver) still holds the GPU: no second
-    daemon starts beside it, the start fails naming it, and once it has gone one starts."""
+    daemon starts beside it, it is said once as any daemon that outlives SIGKILL is
+    (mps.stop_failed, not a failed start), later passes try again with the same backoff,
+    and once it has gone one starts."""
     stuck = StuckDaemons()
     mgr, store, events = make_manager(root, **stuck.options())
     try:
@@ -1840,14 +1845,22 @@ def test_a_daemon_that_lost_its_pipe_dir_and_outlives_sigkill_gets_none_beside_i
         mgr.reconcile()
         status = mgr.status()[0]
         assert status.pid is None and not status.up
-        assert f"(pid {old.pid}) that lost its pipe directory outlived SIGKILL" in status.last_error
-        (failed,) = events.recent(kind_prefix="mps.start_failed")
-        assert f"pid {old.pid}" in failed.message
+        assert f"(pid {old.pid}) lost its pipe directory and outlived SIGKILL" in status.last_error
+        (failed,) = events.recent(kind_prefix="mps.stop_failed")
+        assert f"pid {old.pid}" in failed.message and failed.fields["pid"] == old.pid
+        assert "lost its pipe directory" in failed.message
+        stuck.now += 1  # within the backoff: not signalled again, said once
+        mgr.reconcile()
+        assert len(events.recent(kind_prefix="mps.stop_failed")) == 1
+        assert [e.kind for e in events.recent(kind_prefix="mps.start")] == ["mps.start"]
+        assert not events.recent(kind_prefix="mps.restart")
         stuck.pids.clear()
         stuck.now += 60
         mgr.reconcile()
         status = mgr.status()[0]
         assert status.up and status.pid not in (None, old.pid)
+        (started,) = events.recent(kind_prefix="mps.restart")
+        assert started.fields["pid"] == status.pid
     finally:
         stuck.pids.clear()
         mgr.stop()
