@@ -305,6 +305,7 @@ class MpsManager:
     at the first daemon started ("" says nothing: a simulated node, tests).
     ``others_root``: daemons gpud did not start are reported where their pipe directory is
     under it (tests: their own directory, not every test's on the machine).
+    ``snapshot_clock``: the clock the snapshots' ``monotonic`` is read from (the sampler's).
     """
 
     def __init__(
@@ -324,6 +325,7 @@ class MpsManager:
         parallel: int = MAX_PARALLEL,
         proc_root: Path = Path("/proc"),
         clock: Callable[[], float] = time.monotonic,
+        snapshot_clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         cgroups: JobCgroups | None = None,
         no_cgroups: str = "",
@@ -341,6 +343,10 @@ class MpsManager:
         self._sweep_at = 0.0  # when to sweep again, after a daemon there would not stop
         # MIG devices about to be destroyed (see released): no daemon is started for them
         self._held: set[str] = set()
+        # Devices a MIG apply released, by when it ended (``snapshot_clock``): no daemon is
+        # started for them from a snapshot sampled before (it shows them as they were)
+        self._released_at: dict[str, float] = {}
+        self._snapshot_clock = snapshot_clock
         self._others_root = others_root
         self._cgroups = cgroups
         self._no_cgroups = no_cgroups
@@ -740,6 +746,9 @@ class MpsManager:
         }
         self.observe(targets_from_snapshot(snapshot, self.targets()))
         with self._lock:
+            self._released_at = {
+                u: t for u, t in self._released_at.items() if snapshot.monotonic < t
+            }
             self._mig_gpus = mig_gpus
             # Only then are this node's devices all known: see _sweep.
             self._all_read = all(g.healthy and g.identity.uuid for g in snapshot.gpus)
@@ -1130,7 +1139,8 @@ class MpsManager:
                 return
             dev.killing = ""
             with self._lock:
-                held, moved = target.uuid in self._held, self._moved.get(target.uuid)
+                held = target.uuid in self._held or target.uuid in self._released_at
+                moved = self._moved.get(target.uuid)
             if moved is not None:
                 dev.last_error = (
                     f"the MPS control daemon an earlier run left under {moved} would not"
@@ -1520,7 +1530,10 @@ class MpsManager:
         """For a MIG apply about to destroy the MIG devices ``uuids`` (of one GPU), or to
         enable MIG mode on the GPU ``uuids`` names (its whole-GPU daemon holds it: the driver
         enables MIG only on a GPU no process holds): stop their daemons and start none for
-        them while the context lasts (a pass meanwhile would start them again). Yields, by
+        them while the context lasts (a pass meanwhile would start them again), nor after
+        it from a snapshot sampled before it ended (``snapshot_clock``: the clock of
+        :attr:`Snapshot.monotonic`), which shows the devices as they were: a GPU still whole
+        that the apply put into MIG mode, a MIG device it destroyed. Yields, by
         UUID, why a device still has one (it would not stop, or another command to it has
         not returned: its instance must not be destroyed, nor MIG enabled, under it); the
         others' daemons are gone. With MPS off, none is stopped (and none
@@ -1545,8 +1558,10 @@ class MpsManager:
                 stuck = self._stop_all([u for u in uuids if u not in known])
             yield stuck
         finally:
+            ended = self._snapshot_clock()
             with self._lock:
                 self._held.difference_update(uuids)
+                self._released_at.update(dict.fromkeys(uuids, ended))
 
     def _stop_all(self, uuids: list[str]) -> dict[str, str]:
         """:meth:`released`'s stops of ``uuids``, all at once: by UUID, why one still runs."""
