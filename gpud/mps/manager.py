@@ -1512,14 +1512,18 @@ class MpsManager:
                 " SIGKILL: none is started beside it"
             )
             return False
-        self._stopped(target.uuid, pid, lost, how)
+        # no quit could reach it, and none was sent: SIGKILL, not quit and SIGTERM first
+        self._stopped(target.uuid, pid, lost, how, said="SIGKILL ended it")
         return True
 
-    def _stopped(self, uuid: str, pid: int, reason: str, how: How) -> None:
-        """Say that the daemon ``pid`` of ``uuid`` was stopped, and ``how``."""
+    def _stopped(
+        self, uuid: str, pid: int, reason: str, how: How, *, said: str | None = None
+    ) -> None:
+        """Say that the daemon ``pid`` of ``uuid`` was stopped, and ``how`` (``said``: in
+        other words than a stop's)."""
         self._events.emit(
             "mps.stop",
-            f"stopped the MPS control daemon of {uuid} ({reason}): {_HOW_SAID[how]}",
+            f"stopped the MPS control daemon of {uuid} ({reason}): {said or _HOW_SAID[how]}",
             uuid=uuid,
             pid=pid,
             how=how,
