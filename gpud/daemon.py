@@ -328,6 +328,7 @@ class Daemon:
             config.daemon.run_dir,
             control_command=list(mps_control_command or [config.mps.control_binary]),
             enabled=config.mps.enabled,
+            snapshot_clock=clock,
             cgroups=mps_cgroups,
             no_cgroups=no_mps_cgroups,
         )

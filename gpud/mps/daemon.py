@@ -129,7 +129,7 @@ class ControlDaemon:
         self._last = (pid, started)
         return pid
 
-    def _orphan(self) -> int | None:
+    def orphan(self) -> int | None:
         """When :meth:`pid` finds none: the daemon it last found, if that very process still
         runs (its pipe directory was deleted: no client reaches it, no PID file names it)."""
         if self._last is None:
@@ -147,25 +147,22 @@ class ControlDaemon:
         """Start the daemon (``-d``) and wait until it answers; return its PID.
 
         A PID file left by a dead daemon, and its control socket, are removed first: the
-        daemon refuses to start over them.
+        daemon refuses to start over them. While the daemon that lost its pipe directory
+        still runs (:meth:`orphan`), none is started: :class:`BackendError`.
         """
         existing = self.pid()
         if existing is not None:
             return existing
-        orphan = self._orphan()
+        orphan = self.orphan()
         if orphan is not None:
-            log.warning(
-                "MPS control daemon %s (pid %d) lost its pipe directory; killing it",
-                self.uuid,
-                orphan,
+            # the caller kills it first (:meth:`kill` with its PID): one that outlives SIGKILL
+            # still holds the device
+            raise BackendError(
+                f"the MPS control daemon (pid {orphan}) that lost its pipe directory still"
+                " runs: none is started beside it",
+                uuid=self.uuid,
+                call="nvidia-cuda-mps-control -d",
             )
-            if self._kill(orphan) is None:
-                raise BackendError(
-                    f"the MPS control daemon (pid {orphan}) that lost its pipe directory"
-                    " outlived SIGKILL: none is started beside it",
-                    uuid=self.uuid,
-                    call="nvidia-cuda-mps-control -d",
-                )
         control = self.pipe_dir / protocol.CONTROL_SOCKET
         if len(os.fsencode(control)) > _MAX_UNIX_PATH:
             raise ConfigError(
@@ -274,7 +271,7 @@ class ControlDaemon:
         """Remove the device's pipe and log directories once its device is gone (a MIG
         device's UUID is never used again, so nothing else would ever remove them). False,
         leaving them, while a daemon still runs from them or they cannot be removed."""
-        if self.pid() is not None or self._orphan() is not None:
+        if self.pid() is not None or self.orphan() is not None:
             return False
         try:
             shutil.rmtree(self.directory)

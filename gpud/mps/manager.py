@@ -23,7 +23,8 @@ memory limit, enabled), written by ``gpuctl mps set``. Each :meth:`MpsManager.re
   A MIG apply stops the daemons of the MIG devices it destroys first, and the whole-GPU
   daemon of a GPU it enables MIG mode on (:meth:`MpsManager.released`). A daemon that does
   not answer is SIGKILLed; one that outlives that too is kept and tried again alike
-  (:meth:`MpsManager._kill`), never checked, adopted or doubled meanwhile.
+  (:meth:`MpsManager._kill`), never checked, adopted or doubled meanwhile; so is one whose
+  pipe directory was deleted under it (:meth:`MpsManager._kill_orphan`).
 
 Defaults reach only MPS servers started later, so a change is also sent to every running
 server (``set_active_thread_percentage <PID>``, ``set_device_pinned_mem_limit <PID> 0``),
@@ -304,6 +305,7 @@ class MpsManager:
     at the first daemon started ("" says nothing: a simulated node, tests).
     ``others_root``: daemons gpud did not start are reported where their pipe directory is
     under it (tests: their own directory, not every test's on the machine).
+    ``snapshot_clock``: the clock the snapshots' ``monotonic`` is read from (the sampler's).
     """
 
     def __init__(
@@ -323,6 +325,7 @@ class MpsManager:
         parallel: int = MAX_PARALLEL,
         proc_root: Path = Path("/proc"),
         clock: Callable[[], float] = time.monotonic,
+        snapshot_clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         cgroups: JobCgroups | None = None,
         no_cgroups: str = "",
@@ -340,6 +343,10 @@ class MpsManager:
         self._sweep_at = 0.0  # when to sweep again, after a daemon there would not stop
         # MIG devices about to be destroyed (see released): no daemon is started for them
         self._held: set[str] = set()
+        # Devices a MIG apply released, by when it ended (``snapshot_clock``): no daemon is
+        # started for them from a snapshot sampled before (it shows them as they were)
+        self._released_at: dict[str, float] = {}
+        self._snapshot_clock = snapshot_clock
         self._others_root = others_root
         self._cgroups = cgroups
         self._no_cgroups = no_cgroups
@@ -739,6 +746,9 @@ class MpsManager:
         }
         self.observe(targets_from_snapshot(snapshot, self.targets()))
         with self._lock:
+            self._released_at = {
+                u: t for u, t in self._released_at.items() if snapshot.monotonic < t
+            }
             self._mig_gpus = mig_gpus
             # Only then are this node's devices all known: see _sweep.
             self._all_read = all(g.healthy and g.identity.uuid for g in snapshot.gpus)
@@ -1125,9 +1135,12 @@ class MpsManager:
             return
         now = self._clock()
         if dev.daemon.pid() is None:
+            if not self._kill_orphan(target, dev):
+                return
             dev.killing = ""
             with self._lock:
-                held, moved = target.uuid in self._held, self._moved.get(target.uuid)
+                held = target.uuid in self._held or target.uuid in self._released_at
+                moved = self._moved.get(target.uuid)
             if moved is not None:
                 dev.last_error = (
                     f"the MPS control daemon an earlier run left under {moved} would not"
@@ -1479,11 +1492,38 @@ class MpsManager:
         dev.last_error = f"the MPS control daemon (pid {pid}) outlived SIGKILL"
         return False
 
-    def _stopped(self, uuid: str, pid: int, reason: str, how: How) -> None:
-        """Say that the daemon ``pid`` of ``uuid`` was stopped, and ``how``."""
+    def _kill_orphan(self, target: MpsTarget, dev: _Device) -> bool:
+        """SIGKILL, through :meth:`_try_stop`, the device's daemon whose pipe directory was
+        deleted (no PID file names it, no client reaches it, yet it holds the device), before
+        another starts: whether none such runs now. One that outlives SIGKILL is said as any
+        other (``mps.stop_failed``, once) and tried again with its backoff; no daemon is
+        started beside it meanwhile."""
+        pid = dev.daemon.orphan()
+        if pid is None:
+            return True
+        lost = "it lost its pipe directory"
+        how = self._try_stop(
+            dev.daemon, pid, f"{lost}; none is started beside it until it has gone", kill=True
+        )
+        if how is None:
+            dev.up = False
+            dev.last_error = (
+                f"the MPS control daemon (pid {pid}) lost its pipe directory and outlived"
+                " SIGKILL: none is started beside it"
+            )
+            return False
+        # no quit could reach it, and none was sent: SIGKILL, not quit and SIGTERM first
+        self._stopped(target.uuid, pid, lost, how, said="SIGKILL ended it")
+        return True
+
+    def _stopped(
+        self, uuid: str, pid: int, reason: str, how: How, *, said: str | None = None
+    ) -> None:
+        """Say that the daemon ``pid`` of ``uuid`` was stopped, and ``how`` (``said``: in
+        other words than a stop's)."""
         self._events.emit(
             "mps.stop",
-            f"stopped the MPS control daemon of {uuid} ({reason}): {_HOW_SAID[how]}",
+            f"stopped the MPS control daemon of {uuid} ({reason}): {said or _HOW_SAID[how]}",
             uuid=uuid,
             pid=pid,
             how=how,
@@ -1494,7 +1534,10 @@ class MpsManager:
         """For a MIG apply about to destroy the MIG devices ``uuids`` (of one GPU), or to
         enable MIG mode on the GPU ``uuids`` names (its whole-GPU daemon holds it: the driver
         enables MIG only on a GPU no process holds): stop their daemons and start none for
-        them while the context lasts (a pass meanwhile would start them again). Yields, by
+        them while the context lasts (a pass meanwhile would start them again), nor after
+        it from a snapshot sampled before it ended (``snapshot_clock``: the clock of
+        :attr:`Snapshot.monotonic`), which shows the devices as they were: a GPU still whole
+        that the apply put into MIG mode, a MIG device it destroyed. Yields, by
         UUID, why a device still has one (it would not stop, or another command to it has
         not returned: its instance must not be destroyed, nor MIG enabled, under it); the
         others' daemons are gone. With MPS off, none is stopped (and none
@@ -1519,8 +1562,10 @@ class MpsManager:
                 stuck = self._stop_all([u for u in uuids if u not in known])
             yield stuck
         finally:
+            ended = self._snapshot_clock()
             with self._lock:
                 self._held.difference_update(uuids)
+                self._released_at.update(dict.fromkeys(uuids, ended))
 
     def _stop_all(self, uuids: list[str]) -> dict[str, str]:
         """:meth:`released`'s stops of ``uuids``, all at once: by UUID, why one still runs."""

@@ -131,6 +131,8 @@ def make_manager(
         "timeout_s": 5.0,
         "health_interval_s": 0.0,
         "others_root": root,
+        # the clock of the hand-built snapshots, whose ``monotonic`` is 0
+        "snapshot_clock": lambda: 0.0,
     }
     options.update(kwargs)
     manager = MpsManager(store, events, root / run, control or FAKE_CONTROL, **options)  # type: ignore[arg-type]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -820,7 +821,7 @@ def test_a_hung_daemon_blocks_neither_status_nor_other_devices(root: Path) -> No
 
 
 def test_a_daemon_whose_pipe_dir_was_deleted_is_replaced_not_left_running(root: Path) -> None:
-    mgr, store, _ = make_manager(root)
+    mgr, store, events = make_manager(root)
     try:
         mgr.reconcile(NODE)
         old = mgr.status()[0]
@@ -831,6 +832,9 @@ def test_a_daemon_whose_pipe_dir_was_deleted_is_replaced_not_left_running(root: 
         new = mgr.status()[0]
         assert new.up and new.pid is not None and new.pid != old.pid
         wait_dead(old.pid)
+        (stop,) = [e for e in events.recent(kind_prefix="mps.stop") if e.kind == "mps.stop"]
+        assert stop.fields["pid"] == old.pid and stop.fields["how"] == "sigkill"
+        assert stop.message.endswith("(it lost its pipe directory): SIGKILL ended it")
     finally:
         mgr.stop()
         store.close()
@@ -1828,7 +1832,9 @@ def test_a_daemon_that_lost_its_pipe_dir_and_outlives_sigkill_gets_none_beside_i
 ) -> None:
     """A daemon whose pipe directory was deleted is killed before the device's next one
     starts; one that outlives SIGKILL (stuck in the driver) still holds the GPU: no second
-    daemon starts beside it, the start fails naming it, and once it has gone one starts."""
+    daemon starts beside it, it is said once as any daemon that outlives SIGKILL is
+    (mps.stop_failed, not a failed start), later passes try again with the same backoff,
+    and once it has gone one starts."""
     stuck = StuckDaemons()
     mgr, store, events = make_manager(root, **stuck.options())
     try:
@@ -1840,15 +1846,69 @@ def test_a_daemon_that_lost_its_pipe_dir_and_outlives_sigkill_gets_none_beside_i
         mgr.reconcile()
         status = mgr.status()[0]
         assert status.pid is None and not status.up
-        assert f"(pid {old.pid}) that lost its pipe directory outlived SIGKILL" in status.last_error
-        (failed,) = events.recent(kind_prefix="mps.start_failed")
-        assert f"pid {old.pid}" in failed.message
+        assert f"(pid {old.pid}) lost its pipe directory and outlived SIGKILL" in status.last_error
+        (failed,) = events.recent(kind_prefix="mps.stop_failed")
+        assert f"pid {old.pid}" in failed.message and failed.fields["pid"] == old.pid
+        assert "lost its pipe directory" in failed.message
+        stuck.now += 1  # within the backoff: not signalled again, said once
+        mgr.reconcile()
+        assert len(events.recent(kind_prefix="mps.stop_failed")) == 1
+        assert [e.kind for e in events.recent(kind_prefix="mps.start")] == ["mps.start"]
+        assert not events.recent(kind_prefix="mps.restart")
         stuck.pids.clear()
         stuck.now += 60
         mgr.reconcile()
         status = mgr.status()[0]
         assert status.up and status.pid not in (None, old.pid)
+        (started,) = events.recent(kind_prefix="mps.restart")
+        assert started.fields["pid"] == status.pid
     finally:
         stuck.pids.clear()
+        mgr.stop()
+        store.close()
+
+
+def test_a_snapshot_older_than_a_mig_apply_starts_no_daemon_it_released(root: Path) -> None:
+    """After a MIG apply that enabled MIG mode on a GPU, a pass working from a snapshot
+    sampled before the apply ended (the GPU still whole in it) starts no whole-GPU daemon
+    there (it would hold the GPU in MIG mode, and be stopped as gone a pass later): the
+    devices the apply released get a daemon again only from a snapshot sampled after it,
+    their own where the GPU is still whole (the apply failed), its MIG devices' otherwise."""
+    sampled = [100.0]
+    mgr, store, events = make_manager(root, snapshot_clock=lambda: sampled[0])
+    try:
+        mgr.reconcile(NODE)
+        with mgr.released([gpu_uuid(0)]) as left:
+            assert left == {}
+        stale = dataclasses.replace(NODE, monotonic=99.0)  # its tick began before the end
+        mgr.reconcile(stale)
+        assert {s.target.uuid: s.pid for s in mgr.status()}[gpu_uuid(0)] is None
+        assert [e.kind for e in events.recent(kind_prefix="mps.st")] == [
+            "mps.start",
+            "mps.start",
+            "mps.stop",
+        ]
+        mig = snapshot(gpu_sample(0, migs=(("3g.40gb", 40),)), gpu_sample(1, memory_gib=40))
+        mgr.reconcile(dataclasses.replace(mig, monotonic=100.0))
+        now = {s.target.uuid: s for s in mgr.status()}
+        assert now[mig_uuid(0, 0)].up and gpu_uuid(0) not in now
+        started = [e.fields["uuid"] for e in events.recent(kind_prefix="mps.start")]
+        assert started == [gpu_uuid(0), gpu_uuid(1), mig_uuid(0, 0)] or started == [
+            gpu_uuid(1),
+            gpu_uuid(0),
+            mig_uuid(0, 0),
+        ]
+        assert len(events.recent(kind_prefix="mps.stop")) == 1
+
+        # an apply that released the GPU and failed: its daemon comes back, once
+        sampled[0] = 200.0
+        mgr.reconcile(dataclasses.replace(NODE, monotonic=150.0))
+        with mgr.released([mig_uuid(0, 0)]):
+            pass
+        mgr.reconcile(dataclasses.replace(mig, monotonic=199.0))
+        assert {s.target.uuid: s.pid for s in mgr.status()}[mig_uuid(0, 0)] is None
+        mgr.reconcile(dataclasses.replace(mig, monotonic=201.0))
+        assert {s.target.uuid: s.up for s in mgr.status()}[mig_uuid(0, 0)]
+    finally:
         mgr.stop()
         store.close()
