@@ -1138,7 +1138,10 @@ class MpsManager:
                 return
             self._start(target, dev, desired)
             return
-        if dev.killing and not self._kill(dev, dev.killing):
+        if dev.killing:
+            # gone or not, nothing of it is checked or adopted: the next pass starts the
+            # device's new daemon once it has gone
+            self._kill(dev, dev.killing)
             return
         if not dev.started:
             dev.started = True
