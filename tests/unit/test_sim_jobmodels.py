@@ -20,10 +20,18 @@ class Procs:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def add(self, pid: int, ppid: int, env: dict[str, str], *, comm: str = "python") -> None:
+    def add(
+        self,
+        pid: int,
+        ppid: int,
+        env: dict[str, str],
+        *,
+        comm: str = "python",
+        state: str = "S",
+    ) -> None:
         d = self.root / str(pid)
-        d.mkdir()
-        rest = ["S", str(ppid)] + ["0"] * 17 + [str(1000 + pid)] + ["0"] * 10
+        d.mkdir(exist_ok=True)
+        rest = [state, str(ppid)] + ["0"] * 17 + [str(1000 + pid)] + ["0"] * 10
         (d / "stat").write_text(f"{pid} ({comm}) {' '.join(rest)}\n")
         (d / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
 
@@ -351,6 +359,20 @@ def test_a_declared_process_ends_when_its_host_process_exits(
     )
     assert node.workloads.end_exited() == [10, 11]
     assert listed(node, 0) == {4242: 8 * GIB}
+
+
+def test_a_declared_process_ends_when_its_host_process_is_a_zombie(
+    sim: tuple[SimNode, Procs],
+) -> None:
+    """A host process that has exited but is not reaped yet (state Z) holds no GPU memory:
+    its declared process ends; the host's start time is kept as the number procfs gives."""
+    node, procs = sim
+    procs.add(10, 1, {"PATH": "/bin"})
+    node.workloads.start(0, 10, 16 * GIB, 0.5)
+    assert [p.host for p in node.nvml.sim_processes()] == [1010]
+    procs.add(10, 1, {"PATH": "/bin"}, state="Z")  # exited, its parent not told yet
+    assert node.workloads.end_exited() == [10]
+    assert listed(node, 0) == {}
 
 
 def test_a_declared_process_whose_host_process_exited_while_gpud_was_down_is_gone(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpud.backend.sim.fakenvml import FakeNvml, LinkTraffic
+from gpud.mps import procs
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +63,7 @@ class Workloads:
         GPU whose faults keep processes off it (the models' process of ``pid`` stays).
         """
         _check(self._nvml, gpu, used_memory_bytes, sm_ratio)
-        host = start_time(self._proc, pid)
+        host = host_start(self._proc, pid)
         with self._lock:
             if (refusal := self._nvml.sim_start_refusal(gpu)) is not None:
                 raise refusal  # before the models' process is taken over
@@ -82,7 +83,7 @@ class Workloads:
                 {
                     p.pid
                     for p in self._nvml.sim_processes()
-                    if p.declared and p.host is not None and start_time(self._proc, p.pid) != p.host
+                    if p.declared and p.host is not None and host_start(self._proc, p.pid) != p.host
                 }
             )
             for pid in gone:
@@ -166,26 +167,14 @@ class Workloads:
         ]
 
 
-def proc_stat(path: Path) -> tuple[int, str, str] | None:
-    """(parent PID, start time, name) from ``<path>/stat`` (``path``: ``/proc/<pid>``), or
-    None if it is gone."""
-    try:
-        text = (path / "stat").read_text()
-    except OSError:
+def host_start(proc_root: Path, pid: int) -> int | None:
+    """When host process ``pid`` started (:func:`gpud.mps.procs.start_time`), or None: no
+    such process, or one that has exited (a zombie not yet reaped). A PID reused later has
+    another start time."""
+    fields = procs.stat_fields(pid, proc_root)
+    if fields is None or fields[0] in ("Z", "X"):
         return None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-    close = text.rfind(")")
-    fields = text[close + 2 :].split()
-    if len(fields) < 20:
-        return None
-    return int(fields[1]), fields[19], text[text.find("(") + 1 : close]
-
-
-def start_time(proc_root: Path, pid: int) -> str | None:
-    """When host process ``pid`` started (``/proc/<pid>/stat``), or None: no such process.
-    A PID reused later has another start time."""
-    st = proc_stat(proc_root / str(pid))
-    return None if st is None else st[1]
+    return procs.start_time(pid, proc_root)
 
 
 def _check(nvml: FakeNvml, gpu: int, used_memory_bytes: int, sm_ratio: float) -> None:
