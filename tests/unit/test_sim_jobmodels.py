@@ -347,9 +347,9 @@ def test_a_declared_process_ends_when_its_host_process_exits(
     node, procs = sim
     procs.add(10, 1, {"PATH": "/bin"})
     procs.add(11, 1, {"PATH": "/bin"})
-    node.workloads.start(0, 10, 16 * GIB, 0.5)  # a live host process
-    node.workloads.start(0, 11, 16 * GIB, 0.5)
-    node.workloads.start(0, 4242, 8 * GIB, 0.5)  # no host process: a made-up PID
+    assert node.workloads.start(0, 10, 16 * GIB, 0.5)  # a live host process: ends with it
+    assert node.workloads.start(0, 11, 16 * GIB, 0.5)
+    assert not node.workloads.start(0, 4242, 8 * GIB, 0.5)  # no host process: a made-up PID
     assert node.workloads.end_exited() == []
     procs.remove(10)
     procs.remove(11)
@@ -357,7 +357,7 @@ def test_a_declared_process_ends_when_its_host_process_exits(
     (procs.root / "11" / "stat").write_text(
         (procs.root / "11" / "stat").read_text().replace(" 1011 ", " 5011 ")  # ...later
     )
-    assert node.workloads.end_exited() == [10, 11]
+    assert [(w.pid, w.gpu) for w in node.workloads.end_exited()] == [(10, 0), (11, 0)]
     assert listed(node, 0) == {4242: 8 * GIB}
 
 
@@ -371,7 +371,7 @@ def test_a_declared_process_ends_when_its_host_process_is_a_zombie(
     node.workloads.start(0, 10, 16 * GIB, 0.5)
     assert [p.host for p in node.nvml.sim_processes()] == [1010]
     procs.add(10, 1, {"PATH": "/bin"}, state="Z")  # exited, its parent not told yet
-    assert node.workloads.end_exited() == [10]
+    assert [w.pid for w in node.workloads.end_exited()] == [10]
     assert listed(node, 0) == {}
 
 

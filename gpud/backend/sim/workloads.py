@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpud.backend.sim.fakenvml import FakeNvml, LinkTraffic
+from gpud.backend.sim.fakenvml import FakeNvml, LinkTraffic, _Proc
 from gpud.mps import procs
 
 
@@ -55,12 +55,14 @@ class Workloads:
         used_memory_bytes: int,
         sm_ratio: float,
         mig: int | str | None = None,
-    ) -> None:
-        """Run ``pid`` on ``gpu`` (or its MIG device: index or ``MIG-`` UUID).
+    ) -> bool:
+        """Run ``pid`` on ``gpu`` (or its MIG device: index or ``MIG-`` UUID): whether it
+        ends with its host process.
 
-        ``sm_ratio`` is the share of the device's SMs it keeps busy (0..1). When ``pid`` is
-        a live host process it ends with it (:meth:`end_exited`). FailedPrecondition on a
-        GPU whose faults keep processes off it (the models' process of ``pid`` stays).
+        ``sm_ratio`` is the share of the device's SMs it keeps busy (0..1). When a host
+        process ``pid`` runs now (in ``proc_root``, not a zombie) it ends with it
+        (:meth:`end_exited`); else it runs until stopped. FailedPrecondition on a GPU whose
+        faults keep processes off it (the models' process of ``pid`` stays).
         """
         _check(self._nvml, gpu, used_memory_bytes, sm_ratio)
         host = host_start(self._proc, pid)
@@ -73,20 +75,19 @@ class Workloads:
             self._nvml.sim_start_process(
                 gpu, pid, used_memory_bytes, sm_ratio, mig, declared=True, host=host
             )
+        return host is not None
 
-    def end_exited(self) -> list[int]:
+    def end_exited(self) -> list[Workload]:
         """End the declared processes whose host process has exited (or whose PID another
         process has taken since), as the driver frees an exiting process's memory; returns
-        their PIDs. Those declared with a PID no host process had are left."""
+        them (one per GPU), by PID. Those declared with a PID no host process had are left."""
         with self._lock:
-            gone = sorted(
-                {
-                    p.pid
-                    for p in self._nvml.sim_processes()
-                    if p.declared and p.host is not None and host_start(self._proc, p.pid) != p.host
-                }
-            )
-            for pid in gone:
+            gone = [
+                _workload(p)
+                for p in sorted(self._nvml.sim_processes(), key=lambda p: (p.pid, p.gpu))
+                if p.declared and p.host is not None and host_start(self._proc, p.pid) != p.host
+            ]
+            for pid in {w.pid for w in gone}:
                 self._nvml.sim_stop_process(pid)
             return gone
 
@@ -161,10 +162,7 @@ class Workloads:
         }
 
     def list(self) -> list[Workload]:
-        return [
-            Workload(p.pid, p.gpu, p.gi, p.ci, p.used_bytes, p.sm_ratio)
-            for p in sorted(self._nvml.sim_processes(), key=lambda p: p.pid)
-        ]
+        return [_workload(p) for p in sorted(self._nvml.sim_processes(), key=lambda p: p.pid)]
 
 
 def host_start(proc_root: Path, pid: int) -> int | None:
@@ -175,6 +173,10 @@ def host_start(proc_root: Path, pid: int) -> int | None:
     if fields is None or fields[0] in ("Z", "X"):
         return None
     return procs.start_time(pid, proc_root)
+
+
+def _workload(p: _Proc) -> Workload:
+    return Workload(p.pid, p.gpu, p.gi, p.ci, p.used_bytes, p.sm_ratio)
 
 
 def _check(nvml: FakeNvml, gpu: int, used_memory_bytes: int, sm_ratio: float) -> None:
