@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
 
 import pytest
 
+from gpud.backend import products
 from gpud.backend.sim import JobDevice, JobWorkloads, SimNode
+from gpud.backend.sim.fakenvml import FakeNvml
+from gpud.backend.sim.faults import FaultInjector
 from gpud.backend.sim.jobmodels import ALONE_SM, DEFAULT_MEMORY, sm_activity, utilization
+from gpud.backend.sim.workloads import Workloads
 from gpud.errors import FailedPrecondition
 
 GIB = 1 << 30
@@ -339,6 +344,43 @@ def test_a_refused_declaration_leaves_the_models_process_of_the_pid(
         node.workloads.start(1, 10, 8 * GIB, 0.5)
     assert listed(node, 0) == {10: DEFAULT_MEMORY["training"]}
     assert [m.pid for m in node.jobs.running()] == [10]
+
+
+class FaultInTheGap(FakeNvml):
+    """A node where GPU 0 falls off the bus (from another thread, as ``gpuctl sim fault``
+    does) as soon as a process is stopped: the injection waits for the node's lock, a
+    little."""
+
+    fault: threading.Thread
+
+    def sim_stop_process(self, pid: int, gpu: int | None = None) -> bool:
+        stopped = super().sim_stop_process(pid, gpu)
+        fault = threading.Thread(target=FaultInjector(self).lose, args=(0,))
+        fault.start()
+        fault.join(0.3)
+        self.fault = fault
+        return stopped
+
+
+def test_a_fault_during_a_declared_start_cannot_fall_between_its_check_and_the_start(
+    tmp_path: Path,
+) -> None:
+    """The check of a GPU's faults, the takeover of the models' process of the PID and the
+    declared start are one: a fault that comes on meanwhile waits, the declared process
+    runs (and stays, as what ran before the fault does); never the models' process stopped
+    and the start refused."""
+    product = products.lookup("H100-SXM5-80GB")
+    assert product is not None
+    nvml = FaultInTheGap([product])
+    nvml.nvmlInit()
+    workloads = Workloads(nvml, proc_root=tmp_path)
+    assert workloads.start_modelled(0, 10, 4 * GIB, 0.5, None)
+    workloads.start(0, 10, 8 * GIB, 0.5)
+    nvml.fault.join()
+    assert nvml.sim_start_refusal(0) is not None  # the fault came on: after the start
+    assert [(p.pid, p.used_bytes, p.declared) for p in nvml.sim_processes()] == [
+        (10, 8 * GIB, True)
+    ]
 
 
 def test_a_declared_process_ends_when_its_host_process_exits(

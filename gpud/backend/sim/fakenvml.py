@@ -32,6 +32,7 @@ by :mod:`gpud.backend.sim`; no NVML function starts with ``sim_``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -40,7 +41,7 @@ import threading
 import time
 import uuid as uuidlib
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -1559,6 +1560,13 @@ class FakeNvml:
             else:
                 self._faults.pop(gpu, None)
             self._persist()
+
+    @contextlib.contextmanager
+    def sim_locked(self) -> Iterator[None]:
+        """Hold the node's lock: no fault comes on and no process starts or stops meanwhile
+        but the holder's (for a check and the changes it decides, made as one)."""
+        with self._lock:
+            yield
 
     def sim_faults_changed(self) -> None:
         """Persist the faults after a change made through :meth:`sim_faults`."""

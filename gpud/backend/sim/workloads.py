@@ -66,7 +66,9 @@ class Workloads:
         """
         _check(self._nvml, gpu, used_memory_bytes, sm_ratio)
         host = host_start(self._proc, pid)
-        with self._lock:
+        # one critical section from the check to the start: a fault that came on between
+        # them would leave the models' process stopped and the start refused
+        with self._lock, self._nvml.sim_locked():
             if (refusal := self._nvml.sim_start_refusal(gpu)) is not None:
                 raise refusal  # before the models' process is taken over
             for key in [k for k in self._modelled if k[0] == pid]:
