@@ -1533,7 +1533,7 @@ class MpsManager:
         def stop(uuid: str) -> None:
             self._device(uuid)
             target = self.target(uuid)
-            whole = target is not None and target.mig is None
+            whole = not uuid.startswith("MIG-")  # a GPU's: known or not (no sample yet)
             try:
                 pid = self._stop_device(
                     uuid,
@@ -1549,7 +1549,7 @@ class MpsManager:
                 if pid is None:
                     return
                 why = f"({uuid}, pid {pid}) would not stop (see the mps.stop_failed event)"
-            name = _label(target) if target is not None else "MIG device"
+            name = _label(target) if target is not None else "GPU" if whole else "MIG device"
             with self._lock:
                 stuck[uuid] = f"the MPS control daemon of {name} {why}"
 

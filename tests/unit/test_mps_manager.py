@@ -1805,28 +1805,41 @@ def test_a_stop_event_says_how_the_daemon_went(root: Path) -> None:
         store.close()
 
 
-def test_a_gpu_about_to_enable_mig_loses_its_daemon_first(root: Path) -> None:
+@pytest.mark.parametrize("sampled", [True, False])
+def test_a_gpu_about_to_enable_mig_loses_its_daemon_first(root: Path, sampled: bool) -> None:
     """What a MIG apply holds while it enables MIG mode on a GPU: the GPU's own daemon
     stopped (it would hold the GPU), none started meanwhile; one that would not stop is
-    named as the GPU's, with its pid."""
+    named as the GPU's, with its pid. So too before gpud has read any GPU (``sampled``
+    false: the daemons were left by the run before): a GPU's daemon, not a MIG device's."""
+    if not sampled:
+        first, store, _ = make_manager(root)
+        first.reconcile(NODE)
+        first.leave()
+        store.close()
     stuck = StuckDaemons()
     mgr, store, events = make_manager(root, **stuck.options())
     try:
-        mgr.reconcile(NODE)
-        held = {s.target.uuid: s for s in mgr.status()}[gpu_uuid(1)]
-        assert held.pid is not None
+        if sampled:
+            mgr.reconcile(NODE)
+        daemon = ControlDaemon(gpu_uuid(1), root / "run", FAKE_CONTROL)
+        pid = daemon.pid()
+        assert pid is not None
         with mgr.released([gpu_uuid(0)]) as left:
             assert left == {}
-            mgr.reconcile(NODE)
-            assert {s.target.uuid: s.pid for s in mgr.status()}[gpu_uuid(0)] is None
+            if sampled:
+                mgr.reconcile(NODE)
+                assert {s.target.uuid: s.pid for s in mgr.status()}[gpu_uuid(0)] is None
         (stop,) = events.recent(kind_prefix="mps.stop")
         assert stop.fields["uuid"] == gpu_uuid(0)
-        assert "(MIG mode is being enabled on its GPU)" in stop.message
-        stuck.stick(held.pipe_dir, held.pid)
+        assert stop.message.startswith(
+            f"stopped the MPS control daemon of {gpu_uuid(0)} (MIG mode is being enabled on"
+            " its GPU)"
+        )
+        stuck.stick(daemon.pipe_dir, pid)
         with mgr.released([gpu_uuid(1)]) as left:
             assert left == {
-                gpu_uuid(1): f"the MPS control daemon of GPU 1 ({gpu_uuid(1)}, pid {held.pid})"
-                " would not stop (see the mps.stop_failed event)"
+                gpu_uuid(1): f"the MPS control daemon of {'GPU 1' if sampled else 'GPU'}"
+                f" ({gpu_uuid(1)}, pid {pid}) would not stop (see the mps.stop_failed event)"
             }
     finally:
         stuck.pids.clear()
