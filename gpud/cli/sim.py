@@ -102,7 +102,7 @@ def register(subparsers: Subparsers) -> None:
         required=True,
         help="its PID: when a host process with it runs now (in gpud's /proc, not a zombie), it is"
         " attributed to that process's job and ends when that process exits (sim.workload"
-        " event); otherwise (say 4194304, above any PID Linux hands out) it runs until stopped",
+        " event); otherwise (say 4194304: Linux hands out PIDs below it) it runs until stopped",
     )
     start.add_argument("--memory", default="1GiB", help="device memory it uses (default 1GiB)")
     start.add_argument(
