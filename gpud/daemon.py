@@ -637,9 +637,16 @@ class Daemon:
         from gpud.backend.sim.jobmodels import JobDevice  # a simulated node's only
 
         assert self.sim is not None
-        for pid in self.sim.workloads.end_exited():
-            log.info("simulated process %d ended: its host process exited", pid)
         snap = self.sampler.latest()
+        for w in self.sim.workloads.end_exited():
+            sample = snap.gpu(w.gpu) if snap is not None else None
+            self.events.emit(
+                "sim.workload",
+                f"simulated process {w.pid} ended on GPU {w.gpu}: its host process exited",
+                pid=w.pid,
+                gpu=w.gpu,
+                uuid=sample.known().uuid if sample is not None else "",
+            )
         totals: dict[str, int] = {}
         for g in snap.gpus if snap is not None else ():
             totals[g.identity.uuid] = g.identity.memory_total_bytes

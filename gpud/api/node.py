@@ -374,7 +374,7 @@ class NodeServicer(pb_grpc.NodeServicer):
                 digits = request.mig.isascii() and request.mig.isdigit()
                 mig = int(request.mig) if digits else request.mig
             try:
-                await asyncio.to_thread(
+                follows = await asyncio.to_thread(
                     workloads.start, gpu, pid, request.memory_bytes, request.sm_ratio, mig
                 )
             except ValueError as err:
@@ -386,7 +386,12 @@ class NodeServicer(pb_grpc.NodeServicer):
                 self._events.emit(
                     "sim.workload",
                     f"simulated process {pid} started on GPU {gpu}"
-                    + (f" MIG {request.mig}" if request.mig else ""),
+                    + (f" MIG {request.mig}" if request.mig else "")
+                    + (
+                        f": it ends when host process {pid} exits"
+                        if follows
+                        else f": no host process {pid} runs, so it runs until stopped"
+                    ),
                     pid=pid,
                     gpu=gpu,
                     uuid=self._gpu_uuid(gpu),

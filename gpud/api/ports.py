@@ -144,8 +144,9 @@ class WorkloadPort(Protocol):
 
     def start(
         self, gpu: int, pid: int, used_memory_bytes: int, sm_ratio: float, mig: int | str | None
-    ) -> None:
-        """``pid`` runs on the GPU (or its MIG device), using that memory and SM share."""
+    ) -> bool:
+        """``pid`` runs on the GPU (or its MIG device), using that memory and SM share:
+        whether it ends when host process ``pid`` exits (one runs now)."""
         ...
 
     def stop(self, pid: int) -> bool:

@@ -11,8 +11,8 @@
     gpuctl sim fault --gpu 3 xid 79
     gpuctl sim fault --gpu 0 clear
     gpuctl sim reboot                           # as a reboot: MIG instances are gone
-    gpuctl sim workload start --gpu 0 --mig 1 --pid 4242 --memory 8GiB --sm 0.6
-    gpuctl sim workload stop --pid 4242
+    gpuctl sim workload start --gpu 0 --mig 1 --pid 4194304 --memory 8GiB --sm 0.6
+    gpuctl sim workload stop --pid 4194304      # (a PID no host process has: see --pid)
 
 A daemon on real GPUs refuses with FAILED_PRECONDITION (exit 6).
 """
@@ -112,7 +112,9 @@ def register(subparsers: Subparsers) -> None:
         "--pid",
         type=UINT32,
         required=True,
-        help="its PID (a live one is attributed to its job, and the process ends when it exits)",
+        help="its PID: when a host process with it runs now (in gpud's /proc, not a zombie), it is"
+        " attributed to that process's job and ends when that process exits (sim.workload"
+        " event); otherwise (say 4194304: Linux hands out PIDs below it) it runs until stopped",
     )
     start.add_argument(
         "--memory", type=size, default="1GiB", help="device memory it uses (default 1GiB)"

@@ -15,7 +15,8 @@ by a lock, in this order for an apply:
    :meth:`MigManager.reconcile` at the next start without orphaned or duplicated instances.
    Before a GPU's steps, the MPS control daemons of the MIG devices they destroy are stopped
    (``release``), and so is the whole-GPU daemon of a GPU they enable MIG mode on (the
-   driver enables it only on a GPU no process holds); where one would not stop, the GPU is
+   driver enables it only on a GPU no process holds; on a product whose change waits for a
+   reset, only when the apply resets the GPU); where one would not stop, the GPU is
    ``failed`` with no step taken.
 
 A dry run makes steps 1 to 3 (the busy checks once: it does not drain) and stops there: it
@@ -751,7 +752,7 @@ class MigManager:
                 return GpuOutcome(gpu.index, gpu.uuid, tuple(done), False, "busy", str(refusal))
             release = self._release or (lambda uuids: contextlib.nullcontext({}))
             held = [md.uuid for md in doomed]
-            if _enables_mig(actual, plan, reset=reset) and self._releasing():
+            if _enables_mig(gpu, actual, plan, reset=reset) and self._releasing():
                 held.append(gpu.uuid)  # its whole-GPU daemon would keep MIG off
             with release(held) as stuck:
                 if stuck:
@@ -1441,15 +1442,18 @@ def _left_alone(index: int, uuid: str, name: str, reason: str) -> GpuOutcome:
     )
 
 
-def _enables_mig(actual: GpuActual, plan: GpuPlan, *, reset: bool) -> bool:
-    """Whether ``plan`` turns MIG mode on (``nvidia-smi -i N -mig 1``, or the GPU reset that
-    makes a pending enable current: ``reset``), which the driver does only on a GPU no
-    process holds, an MPS control daemon's server included."""
+def _enables_mig(gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool) -> bool:
+    """Whether ``plan`` turns MIG mode on now (``nvidia-smi -i N -mig 1`` on a product that
+    switches at once, or the GPU reset that makes an enable current: ``reset``), which the
+    driver does only on a GPU no process holds, an MPS control daemon's server included. On
+    a product whose change waits for a reset (A100), ``-mig 1`` without one only makes it
+    pending, whatever holds the GPU."""
     if actual.mode.current:
         return False
-    return (reset and plan.reset_pending) or any(
-        isinstance(s, SetMigMode) and s.enabled for s in plan.steps
-    )
+    sets = any(isinstance(s, SetMigMode) and s.enabled for s in plan.steps)
+    if reset:
+        return plan.reset_pending or sets
+    return sets and not _mode_needs_reset(gpu)
 
 
 def _pending(where: str) -> str:

@@ -1151,7 +1151,10 @@ class MpsManager:
                 return
             self._start(target, dev, desired)
             return
-        if dev.killing and not self._kill(dev, dev.killing):
+        if dev.killing:
+            # gone or not, nothing of it is checked or adopted: the next pass starts the
+            # device's new daemon once it has gone
+            self._kill(dev, dev.killing)
             return
         if not dev.started:
             dev.started = True
@@ -1575,7 +1578,7 @@ class MpsManager:
         def stop(uuid: str) -> None:
             self._device(uuid)
             target = self.target(uuid)
-            whole = target is not None and target.mig is None
+            whole = not uuid.startswith("MIG-")  # a GPU's: known or not (no sample yet)
             try:
                 pid = self._stop_device(
                     uuid,
@@ -1591,7 +1594,7 @@ class MpsManager:
                 if pid is None:
                     return
                 why = f"({uuid}, pid {pid}) would not stop (see the mps.stop_failed event)"
-            name = _label(target) if target is not None else "MIG device"
+            name = _label(target) if target is not None else "GPU" if whole else "MIG device"
             with self._lock:
                 stuck[uuid] = f"the MPS control daemon of {name} {why}"
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from gpud.mps.procs import PID_MAX
 from tests.integration.conftest import BIN, RunningDaemon, start_daemon, stop_daemon
 from tests.integration.test_daemon import MIG_CONFIGS, gpus, wait_for
 
@@ -19,6 +20,9 @@ pytestmark = pytest.mark.integration
 NODE = ("--simulate", "H100-SXM5-80GB:2")
 STEP_S = 0.2  # each MIG change takes this long
 TICK = "[daemon]\ntick_s = 0.2\n"  # reconcile every 0.2 s
+# a PID no host process has (Linux hands out PIDs below PID_MAX): its declared process runs
+# until stopped, whatever runs on the machine
+NO_HOST = str(PID_MAX)
 
 
 def driver_state(daemon: RunningDaemon) -> list[list[dict[str, Any]]]:
@@ -105,7 +109,7 @@ def test_kill_mid_apply_resumes_and_a_kill_while_draining_changes_nothing(
         assert [len(g["instances"]) for g in shown["gpus"]] == [7, 7]
 
         # Now a drain that waits for a process: killed before it changed anything.
-        again.gpuctl("sim", "workload", "start", "--gpu", "0", "--mig", "0", "--pid", "4242")
+        again.gpuctl("sim", "workload", "start", "--gpu", "0", "--mig", "0", "--pid", NO_HOST)
         client = apply_in_background(
             again, *mig("all-balanced"), "--drain", "--drain-timeout", "60"
         )

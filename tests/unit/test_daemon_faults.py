@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from gpud.cli.main import main
 from gpud.config import Config
 from gpud.daemon import Daemon
 from gpud.main import mps_control_command, open_backend
-from gpud.mps.procs import alive
+from gpud.mps.procs import PID_MAX, alive
 from gpud.notify import Notifier
 from gpud.store import StateStore
 from gpud.telemetry.seen import Seen, SeenGpus
@@ -38,6 +39,9 @@ mig-configs:
         "1g.5gb": 2
 """
 SPEC = "A100-SXM4-40GB:2"
+# A PID no host process has (Linux hands out PIDs below PID_MAX): a declared process with
+# it runs until stopped, whatever runs on the machine
+NO_HOST = str(PID_MAX)
 
 
 @pytest.fixture
@@ -111,6 +115,47 @@ class Gpuctl:
         while not predicate(self.gpus()):
             assert time.monotonic() < deadline, self.gpus()
             time.sleep(0.05)
+
+
+def test_a_declared_process_of_a_host_process_ends_with_it_and_says_so(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``gpuctl sim workload start --pid`` of a running host process: the start event says
+    that it ends with it; when it exits, its simulated process ends with a sim.workload
+    event. One of a PID no host process has says that it runs until stopped."""
+    gpuctl = Gpuctl(make_config(root), capsys)
+    host = subprocess.Popen(["sleep", "60"])
+
+    def body() -> None:
+        try:
+            for pid in (str(host.pid), NO_HOST):
+                assert gpuctl("sim", "workload", "start", "--gpu", "0", "--pid", pid)[0] == 0
+            host.kill()
+            host.wait()
+            gpuctl.wait(
+                lambda gpus: [p["pid"] for p in gpus[0]["processes"]] == [PID_MAX]  # type: ignore[union-attr]
+            )
+        finally:
+            host.kill()
+            host.wait()
+        code, out, err = gpuctl("--json", "events", "--kind", "sim.workload")
+        assert code == 0, err
+        said = [(e["fields"]["pid"], e["message"]) for e in json.loads(out)["events"]]
+        assert said == [
+            (
+                host.pid,
+                f"simulated process {host.pid} started on GPU 0: it ends when host"
+                f" process {host.pid} exits",
+            ),
+            (
+                PID_MAX,
+                f"simulated process {PID_MAX} started on GPU 0: no host process"
+                f" {PID_MAX} runs, so it runs until stopped",
+            ),
+            (host.pid, f"simulated process {host.pid} ended on GPU 0: its host process exited"),
+        ]
+
+    run_daemon(make_config(root), body)
 
 
 def test_held_out_balanced_layout_on_an_a100_applies_without_a_reboot(
@@ -335,10 +380,10 @@ def test_a_change_to_the_simulated_node_shows_in_the_next_read(
         assert gpuctl("sim", "fault", "--gpu", "0", "clear")[0] == 0
         # back on the bus, with the XID 79 its fall left until a reset or a clear
         assert str(gpuctl.gpus()[0]["reason"]).startswith("critical Xid 79")
-        started = ("sim", "workload", "start", "--gpu", "0", "--pid", "4242", "--memory", "8GiB")
+        started = ("sim", "workload", "start", "--gpu", "0", "--pid", NO_HOST, "--memory", "8GiB")
         assert gpuctl(*started)[0] == 0
-        assert [p["pid"] for p in gpuctl.gpus()[0]["processes"]] == [4242]  # type: ignore[union-attr]
-        assert gpuctl("sim", "workload", "stop", "--pid", "4242")[0] == 0
+        assert [p["pid"] for p in gpuctl.gpus()[0]["processes"]] == [PID_MAX]  # type: ignore[union-attr]
+        assert gpuctl("sim", "workload", "stop", "--pid", NO_HOST)[0] == 0
         assert gpuctl.gpus()[0]["processes"] == []
         # admission sees a cleared XID at once: a run right after the clear is not refused
         assert gpuctl("jobs", "add", "both", "--gpus", "2")[0] == 0

@@ -1560,6 +1560,23 @@ def test_enabling_mig_stops_the_whole_gpu_mps_daemon_first(
     assert [sorted(a) for a in asked if a] == [sorted(m) for m in migs]
 
 
+def test_a_pending_mig_enable_leaves_the_whole_gpu_mps_daemon_running(
+    a100: Host, config: MigConfigFile
+) -> None:
+    """On an A100 ``-mig 1`` only makes the change pending (the driver takes it whatever holds
+    the GPU): an apply that leaves it for the next reset (``skip_reset``) keeps the GPU's MPS
+    daemon; one that resets the GPU stops it first (the reset makes MIG mode current)."""
+    asked: list[list[str]] = []
+    a100.release = _recording(asked)
+    d = a100.start(resets=True)
+    gpus = [d.backend.identity(i).uuid for i in range(2)]
+    pending = d.mig.apply(config, "all-balanced", options=ApplyOptions(skip_reset=True))
+    assert pending.result == "reset_pending"
+    assert not [a for a in asked if a]
+    assert d.mig.apply(config, "all-balanced").result == "success"
+    assert [a for a in asked if a][:2] == [[gpus[0]], [gpus[1]]]
+
+
 def test_a_failed_apply_finished_by_its_retries_is_not_said_finished_after_a_restart(
     host: Host, config: MigConfigFile
 ) -> None:

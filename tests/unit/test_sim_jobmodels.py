@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
 
 import pytest
 
+from gpud.backend import products
 from gpud.backend.sim import JobDevice, JobWorkloads, SimNode
+from gpud.backend.sim.fakenvml import FakeNvml
+from gpud.backend.sim.faults import FaultInjector
 from gpud.backend.sim.jobmodels import ALONE_SM, DEFAULT_MEMORY, sm_activity, utilization
+from gpud.backend.sim.workloads import Workloads
 from gpud.errors import FailedPrecondition
 
 GIB = 1 << 30
@@ -20,10 +25,18 @@ class Procs:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def add(self, pid: int, ppid: int, env: dict[str, str], *, comm: str = "python") -> None:
+    def add(
+        self,
+        pid: int,
+        ppid: int,
+        env: dict[str, str],
+        *,
+        comm: str = "python",
+        state: str = "S",
+    ) -> None:
         d = self.root / str(pid)
-        d.mkdir()
-        rest = ["S", str(ppid)] + ["0"] * 17 + [str(1000 + pid)] + ["0"] * 10
+        d.mkdir(exist_ok=True)
+        rest = [state, str(ppid)] + ["0"] * 17 + [str(1000 + pid)] + ["0"] * 10
         (d / "stat").write_text(f"{pid} ({comm}) {' '.join(rest)}\n")
         (d / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
 
@@ -333,15 +346,52 @@ def test_a_refused_declaration_leaves_the_models_process_of_the_pid(
     assert [m.pid for m in node.jobs.running()] == [10]
 
 
+class FaultInTheGap(FakeNvml):
+    """A node where GPU 0 falls off the bus (from another thread, as ``gpuctl sim fault``
+    does) as soon as a process is stopped: the injection waits for the node's lock, a
+    little."""
+
+    fault: threading.Thread
+
+    def sim_stop_process(self, pid: int, gpu: int | None = None) -> bool:
+        stopped = super().sim_stop_process(pid, gpu)
+        fault = threading.Thread(target=FaultInjector(self).lose, args=(0,))
+        fault.start()
+        fault.join(0.3)
+        self.fault = fault
+        return stopped
+
+
+def test_a_fault_during_a_declared_start_cannot_fall_between_its_check_and_the_start(
+    tmp_path: Path,
+) -> None:
+    """The check of a GPU's faults, the takeover of the models' process of the PID and the
+    declared start are one: a fault that comes on meanwhile waits, the declared process
+    runs (and stays, as what ran before the fault does); never the models' process stopped
+    and the start refused."""
+    product = products.lookup("H100-SXM5-80GB")
+    assert product is not None
+    nvml = FaultInTheGap([product])
+    nvml.nvmlInit()
+    workloads = Workloads(nvml, proc_root=tmp_path)
+    assert workloads.start_modelled(0, 10, 4 * GIB, 0.5, None)
+    workloads.start(0, 10, 8 * GIB, 0.5)
+    nvml.fault.join()
+    assert nvml.sim_start_refusal(0) is not None  # the fault came on: after the start
+    assert [(p.pid, p.used_bytes, p.declared) for p in nvml.sim_processes()] == [
+        (10, 8 * GIB, True)
+    ]
+
+
 def test_a_declared_process_ends_when_its_host_process_exits(
     sim: tuple[SimNode, Procs],
 ) -> None:
     node, procs = sim
     procs.add(10, 1, {"PATH": "/bin"})
     procs.add(11, 1, {"PATH": "/bin"})
-    node.workloads.start(0, 10, 16 * GIB, 0.5)  # a live host process
-    node.workloads.start(0, 11, 16 * GIB, 0.5)
-    node.workloads.start(0, 4242, 8 * GIB, 0.5)  # no host process: a made-up PID
+    assert node.workloads.start(0, 10, 16 * GIB, 0.5)  # a live host process: ends with it
+    assert node.workloads.start(0, 11, 16 * GIB, 0.5)
+    assert not node.workloads.start(0, 4242, 8 * GIB, 0.5)  # no host process: a made-up PID
     assert node.workloads.end_exited() == []
     procs.remove(10)
     procs.remove(11)
@@ -349,8 +399,22 @@ def test_a_declared_process_ends_when_its_host_process_exits(
     (procs.root / "11" / "stat").write_text(
         (procs.root / "11" / "stat").read_text().replace(" 1011 ", " 5011 ")  # ...later
     )
-    assert node.workloads.end_exited() == [10, 11]
+    assert [(w.pid, w.gpu) for w in node.workloads.end_exited()] == [(10, 0), (11, 0)]
     assert listed(node, 0) == {4242: 8 * GIB}
+
+
+def test_a_declared_process_ends_when_its_host_process_is_a_zombie(
+    sim: tuple[SimNode, Procs],
+) -> None:
+    """A host process that has exited but is not reaped yet (state Z) holds no GPU memory:
+    its declared process ends; the host's start time is kept as the number procfs gives."""
+    node, procs = sim
+    procs.add(10, 1, {"PATH": "/bin"})
+    node.workloads.start(0, 10, 16 * GIB, 0.5)
+    assert [p.host for p in node.nvml.sim_processes()] == [1010]
+    procs.add(10, 1, {"PATH": "/bin"}, state="Z")  # exited, its parent not told yet
+    assert [w.pid for w in node.workloads.end_exited()] == [10]
+    assert listed(node, 0) == {}
 
 
 def test_a_declared_process_whose_host_process_exited_while_gpud_was_down_is_gone(

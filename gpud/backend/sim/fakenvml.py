@@ -32,6 +32,7 @@ by :mod:`gpud.backend.sim`; no NVML function starts with ``sim_``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -40,7 +41,7 @@ import threading
 import time
 import uuid as uuidlib
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -397,9 +398,10 @@ class _Proc:
     # the operator's (`gpuctl sim workload start`): kept in the state file, so that it
     # outlives gpud as a CUDA process does; a workload model's is started again each tick
     declared: bool = False
-    # the host process a declared PID was when declared (its start time in /proc), or None:
-    # no such host process then (a made-up PID), and nothing ends it but a stop or a reboot
-    host: str | None = None
+    # the host process a declared PID was when declared (its start time in /proc, in clock
+    # ticks since boot), or None: no such host process then (a made-up PID), and nothing
+    # ends it but a stop or a reboot
+    host: int | None = None
 
 
 # What the driver still answers for a GPU that requires a reset: what it learnt when it
@@ -631,7 +633,7 @@ class FakeNvml:
             int(p_d["used_bytes"]),
             float(p_d["sm_ratio"]),
             declared=True,
-            host=None if host is None else str(host),
+            host=None if host is None else int(host),
         )
         if proc.gi is not None and (proc.gi not in gpu.gis or proc.ci not in gpu.gis[proc.gi].cis):
             return
@@ -1559,6 +1561,13 @@ class FakeNvml:
                 self._faults.pop(gpu, None)
             self._persist()
 
+    @contextlib.contextmanager
+    def sim_locked(self) -> Iterator[None]:
+        """Hold the node's lock: no fault comes on and no process starts or stops meanwhile
+        but the holder's (for a check and the changes it decides, made as one)."""
+        with self._lock:
+            yield
+
     def sim_faults_changed(self) -> None:
         """Persist the faults after a change made through :meth:`sim_faults`."""
         self.sim_persist()
@@ -1628,7 +1637,7 @@ class FakeNvml:
         *,
         traffic: LinkTraffic | None = None,
         declared: bool = False,
-        host: str | None = None,
+        host: int | None = None,
     ) -> None:
         """Run ``pid`` on the GPU (or its MIG device), holding ``used_bytes``, keeping
         ``sm_ratio`` of the device's SMs busy and moving ``traffic`` (None: in proportion to

@@ -83,7 +83,8 @@ class FaultInjector:
     def lose(self, gpu: int) -> None:
         """The GPU falls off the bus: every call on it raises ``NVMLError_GpuIsLost``."""
         self._check_gpu(gpu)
-        self._nvml.sim_faults(gpu).lost = True
+        with self._nvml.sim_locked():  # not between a start's check and the start
+            self._nvml.sim_faults(gpu).lost = True
         self._nvml.sim_faults_changed()
         self._nvml.sim_event(gpu, nvmlEventTypeXidCriticalError, XID_FALLEN_OFF_BUS)
 
@@ -93,7 +94,8 @@ class FaultInjector:
         until it is reset or the fault is cleared; its handle, UUID, name and PCI info still
         answer."""
         self._check_gpu(gpu)
-        self._nvml.sim_faults(gpu).reset_required = True
+        with self._nvml.sim_locked():  # not between a start's check and the start
+            self._nvml.sim_faults(gpu).reset_required = True
         self._nvml.sim_faults_changed()
 
     def not_supported(self, gpu: int, field: str) -> None:
@@ -115,7 +117,8 @@ class FaultInjector:
     def slow(self, gpu: int, seconds: float) -> None:
         """Every call on the GPU blocks ``seconds`` first (a hung driver call)."""
         self._check_gpu(gpu)
-        self._nvml.sim_faults(gpu).slow_s = _slow_seconds(seconds)
+        with self._nvml.sim_locked():  # not between a start's check and the start
+            self._nvml.sim_faults(gpu).slow_s = _slow_seconds(seconds)
         self._nvml.sim_faults_changed()
 
     def slow_mig(self, gpu: int, seconds: float) -> None:

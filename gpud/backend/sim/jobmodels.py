@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Final
 
 from gpud.backend.sim.fakenvml import LinkTraffic
-from gpud.backend.sim.workloads import Workloads, proc_stat
+from gpud.backend.sim.workloads import Workloads
 from gpud.errors import FailedPrecondition, ResourceExhausted
 
 log = logging.getLogger(__name__)
@@ -292,5 +292,14 @@ def _stat(path: Path) -> tuple[int, str] | None:
     start time, and a child that execs after the fork (as ``gpuctl run``'s does) keeps its
     start time but takes the new program's name. Before that exec its environ is still its
     parent's, so what was read then must not stand for the program it becomes."""
-    st = proc_stat(path)
-    return None if st is None else (st[0], f"{st[1]} {st[2]}")
+    try:
+        text = (path / "stat").read_text()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+    close = text.rfind(")")
+    fields = text[close + 2 :].split()
+    if len(fields) < 20:
+        return None
+    comm = text[text.find("(") + 1 : close]
+    return int(fields[1]), f"{fields[19]} {comm}"

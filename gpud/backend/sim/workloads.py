@@ -18,7 +18,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpud.backend.sim.fakenvml import FakeNvml, LinkTraffic
+from gpud.backend.sim.fakenvml import FakeNvml, LinkTraffic, _Proc
+from gpud.mps import procs
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,16 +55,20 @@ class Workloads:
         used_memory_bytes: int,
         sm_ratio: float,
         mig: int | str | None = None,
-    ) -> None:
-        """Run ``pid`` on ``gpu`` (or its MIG device: index or ``MIG-`` UUID).
+    ) -> bool:
+        """Run ``pid`` on ``gpu`` (or its MIG device: index or ``MIG-`` UUID): whether it
+        ends with its host process.
 
-        ``sm_ratio`` is the share of the device's SMs it keeps busy (0..1). When ``pid`` is
-        a live host process it ends with it (:meth:`end_exited`). FailedPrecondition on a
-        GPU whose faults keep processes off it (the models' process of ``pid`` stays).
+        ``sm_ratio`` is the share of the device's SMs it keeps busy (0..1). When a host
+        process ``pid`` runs now (in ``proc_root``, not a zombie) it ends with it
+        (:meth:`end_exited`); else it runs until stopped. FailedPrecondition on a GPU whose
+        faults keep processes off it (the models' process of ``pid`` stays).
         """
         _check(self._nvml, gpu, used_memory_bytes, sm_ratio)
-        host = start_time(self._proc, pid)
-        with self._lock:
+        host = host_start(self._proc, pid)
+        # one critical section from the check to the start: a fault that came on between
+        # them would leave the models' process stopped and the start refused
+        with self._lock, self._nvml.sim_locked():
             if (refusal := self._nvml.sim_start_refusal(gpu)) is not None:
                 raise refusal  # before the models' process is taken over
             for key in [k for k in self._modelled if k[0] == pid]:
@@ -72,20 +77,19 @@ class Workloads:
             self._nvml.sim_start_process(
                 gpu, pid, used_memory_bytes, sm_ratio, mig, declared=True, host=host
             )
+        return host is not None
 
-    def end_exited(self) -> list[int]:
+    def end_exited(self) -> list[Workload]:
         """End the declared processes whose host process has exited (or whose PID another
         process has taken since), as the driver frees an exiting process's memory; returns
-        their PIDs. Those declared with a PID no host process had are left."""
+        them (one per GPU), by PID. Those declared with a PID no host process had are left."""
         with self._lock:
-            gone = sorted(
-                {
-                    p.pid
-                    for p in self._nvml.sim_processes()
-                    if p.declared and p.host is not None and start_time(self._proc, p.pid) != p.host
-                }
-            )
-            for pid in gone:
+            gone = [
+                _workload(p)
+                for p in sorted(self._nvml.sim_processes(), key=lambda p: (p.pid, p.gpu))
+                if p.declared and p.host is not None and host_start(self._proc, p.pid) != p.host
+            ]
+            for pid in {w.pid for w in gone}:
                 self._nvml.sim_stop_process(pid)
             return gone
 
@@ -160,32 +164,21 @@ class Workloads:
         }
 
     def list(self) -> list[Workload]:
-        return [
-            Workload(p.pid, p.gpu, p.gi, p.ci, p.used_bytes, p.sm_ratio)
-            for p in sorted(self._nvml.sim_processes(), key=lambda p: p.pid)
-        ]
+        return [_workload(p) for p in sorted(self._nvml.sim_processes(), key=lambda p: p.pid)]
 
 
-def proc_stat(path: Path) -> tuple[int, str, str] | None:
-    """(parent PID, start time, name) from ``<path>/stat`` (``path``: ``/proc/<pid>``), or
-    None if it is gone."""
-    try:
-        text = (path / "stat").read_text()
-    except OSError:
+def host_start(proc_root: Path, pid: int) -> int | None:
+    """When host process ``pid`` started (:func:`gpud.mps.procs.start_time`), or None: no
+    such process, or one that has exited (a zombie not yet reaped). A PID reused later has
+    another start time."""
+    fields = procs.stat_fields(pid, proc_root)
+    if fields is None or fields[0] in ("Z", "X"):
         return None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-    close = text.rfind(")")
-    fields = text[close + 2 :].split()
-    if len(fields) < 20:
-        return None
-    return int(fields[1]), fields[19], text[text.find("(") + 1 : close]
+    return procs.start_time(pid, proc_root)
 
 
-def start_time(proc_root: Path, pid: int) -> str | None:
-    """When host process ``pid`` started (``/proc/<pid>/stat``), or None: no such process.
-    A PID reused later has another start time."""
-    st = proc_stat(proc_root / str(pid))
-    return None if st is None else st[1]
+def _workload(p: _Proc) -> Workload:
+    return Workload(p.pid, p.gpu, p.gi, p.ci, p.used_bytes, p.sm_ratio)
 
 
 def _check(nvml: FakeNvml, gpu: int, used_memory_bytes: int, sm_ratio: float) -> None:
