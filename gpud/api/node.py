@@ -378,9 +378,9 @@ class NodeServicer(pb_grpc.NodeServicer):
                     workloads.start, gpu, pid, request.memory_bytes, request.sm_ratio, mig
                 )
             except ValueError as err:
-                # what the simulated driver refuses: a GPU in MIG mode with no MIG device
-                # named, ... (a PID already on the GPU is AlreadyExists, an unknown MIG
-                # device NotFound, as they are)
+                # what else the simulated driver refuses (a GPU in MIG mode with no MIG
+                # device named is InvalidArgument of mig, a PID already on the GPU
+                # AlreadyExists, an unknown MIG device NotFound, as they are)
                 raise InvalidArgument(str(err), field="mig" if request.mig else "pid") from err
             if self._events is not None:
                 self._events.emit(

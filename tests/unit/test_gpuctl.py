@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import io
 import json
@@ -544,6 +545,43 @@ def test_sim_fault_refused_when_not_simulated(
     )
     assert code == 6
     assert "node is not simulated" in err
+
+
+def test_sim_workload_on_a_mig_gpu_without_mig_names_the_option(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path
+) -> None:
+    """A process started on a GPU in MIG mode needs one of its MIG devices: the refusal
+    blames --mig and lists the devices there are, rather than the PID and a Python keyword
+    argument (it said "pid: GPU 0 is in MIG mode: a process runs on a MIG device (pass
+    mig=)")."""
+    sim = SimNode([("H100-SXM5-80GB", 2)])
+    nv = sim.nvml
+    nv.nvmlInit()
+    handle = nv.nvmlDeviceGetHandleByIndex(0)
+    nv.nvmlDeviceSetMigMode(handle, nv.NVML_DEVICE_MIG_ENABLE)
+    nv.nvmlDeviceSetMigMode(nv.nvmlDeviceGetHandleByIndex(1), nv.NVML_DEVICE_MIG_ENABLE)
+    sim.reboot()
+    for start in (0, 1):
+        place = nv.c_nvmlGpuInstancePlacement_t(start, 1)
+        gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(handle, 19, ctypes.byref(place))
+        nv.nvmlGpuInstanceCreateComputeInstance(gi, 0)
+    servicer = NodeServicer(snapshots=make_snapshot, node_info=node_info, workloads=sim.workloads)
+    path = str(sock_dir / "gpud.sock")
+    with ServerThread(ApiServer(Path(path), servicers=[servicer.register])):
+        start_cmd = ("--socket", path, "sim", "workload", "start", "--pid", "4242")
+        code, out, err = run(capsys, *start_cmd, "--gpu", "0")
+        assert code == 2 and out == ""
+        assert err == (
+            "gpuctl: mig: GPU 0 is in MIG mode: a process runs on one of its MIG devices;"
+            " name one (--mig: a MIG device index, 0..1, or its MIG UUID)\n"
+        )
+        code, out, err = run(capsys, *start_cmd, "--gpu", "1")
+        assert code == 2 and out == ""
+        assert err == (
+            "gpuctl: mig: GPU 1 is in MIG mode and has no MIG devices: no process runs on it"
+            " until a MIG apply creates some\n"
+        )
+        assert run(capsys, *start_cmd, "--gpu", "0", "--mig", "1")[0] == 0
 
 
 def test_sim_workload_lists_the_processes(

@@ -201,6 +201,22 @@ def test_memory_is_capped_by_the_device_and_mig_instances_are_used(tmp_path: Pat
     assert p.pid == 7 and p.usedGpuMemory == int(total * 0.9)
 
 
+def test_a_job_of_a_whole_gpu_now_in_mig_mode_gets_no_process(tmp_path: Path) -> None:
+    """A job placed on a whole GPU that has gone into MIG mode since: its process cannot
+    run there (it needs a MIG device) and the models leave it out, as for a device that
+    changed under the job, rather than failing the sync."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    node = SimNode([("H100-SXM5-80GB", 1)], proc_root=proc)
+    nv = node.nvml
+    nv.nvmlInit()
+    nv.nvmlDeviceSetMigMode(nv.nvmlDeviceGetHandleByIndex(0), nv.NVML_DEVICE_MIG_ENABLE)
+    node.reboot()
+    Procs(proc).add(7, 1, {"GPUD_JOB": "a"})
+    node.jobs.sync([JobDevice("a", "training", 0)])
+    assert node.workloads.list() == []
+
+
 def test_a_lost_gpu_shows_nothing_and_gets_no_new_process(sim: tuple[SimNode, Procs]) -> None:
     node, procs = sim
     procs.add(10, 1, {"GPUD_JOB": "a"})

@@ -52,6 +52,7 @@ from gpud.errors import (
     AlreadyExists,
     ConfigError,
     FailedPrecondition,
+    InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
@@ -402,6 +403,23 @@ class _Proc:
     # ticks since boot), or None: no such host process then (a made-up PID), and nothing
     # ends it but a stop or a reboot
     host: int | None = None
+
+
+def _mig_device_required(gpu: int, devices: int) -> InvalidArgument:
+    """The refusal of a process started on a GPU in MIG mode with no MIG device named: a
+    CUDA process runs on one of its MIG devices there, never on the GPU as a whole."""
+    if not devices:
+        return InvalidArgument(
+            f"GPU {gpu} is in MIG mode and has no MIG devices: no process runs on it until a"
+            " MIG apply creates some",
+            field="mig",
+        )
+    span = "0" if devices == 1 else f"0..{devices - 1}"
+    return InvalidArgument(
+        f"GPU {gpu} is in MIG mode: a process runs on one of its MIG devices; name one"
+        f" (--mig: a MIG device index, {span}, or its MIG UUID)",
+        field="mig",
+    )
 
 
 # What the driver still answers for a GPU that requires a reset: what it learnt when it
@@ -1659,9 +1677,7 @@ class FakeNvml:
             if mig is not None:
                 gi, ci = self.sim_resolve_mig(gpu, mig)  # the lock is reentrant
             elif g.mig_current:
-                raise ValueError(
-                    f"GPU {gpu} is in MIG mode: a process runs on a MIG device (pass mig=)"
-                )
+                raise _mig_device_required(gpu, len(self._mig_list(g)))
             total, _, used = self._memory(g, gi)
             if int(used_bytes) > total - used:
                 # cudaMalloc fails: the process gets no context there (a real one would

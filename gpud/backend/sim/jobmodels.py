@@ -44,7 +44,7 @@ from typing import Final
 
 from gpud.backend.sim.fakenvml import LinkTraffic
 from gpud.backend.sim.workloads import Workloads
-from gpud.errors import FailedPrecondition, ResourceExhausted
+from gpud.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class JobWorkloads:
             started = self._workloads.start_modelled(
                 m.gpu, m.pid, m.used_memory_bytes, m.sm_ratio, m.mig, traffic=m.traffic
             )
-        except (ValueError, ResourceExhausted, FailedPrecondition) as err:
+        except (ValueError, InvalidArgument, ResourceExhausted, FailedPrecondition) as err:
             # The device changed under the job (a MIG instance went, MIG mode changed), its
             # memory is taken, or a fault came on it: as on a real node, the process cannot
             # run there; try again next tick.
