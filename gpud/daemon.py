@@ -269,13 +269,15 @@ class Daemon:
         clock: Callable[[], float] = time.monotonic,
         build: str | None = None,
         dir_locks: DirLocks | None = None,
+        config_path: str = "",
     ) -> None:
         """``mps_control_command``: the MPS control daemon to run (default
         ``mps.control_binary``); ``mps_cgroups``: where each MPS control daemon gets a cgroup
         of its own, so that it outlives gpud's stop under systemd (None: they stay in gpud's,
         for the reason ``no_mps_cgroups``, said once in the log); ``build``: the identity of
         the code it runs (default :func:`gpud.build.current`, computed now); ``dir_locks``:
-        the ``gpud.lock`` files held, made again by the loop when they are removed."""
+        the ``gpud.lock`` files held, made again by the loop when they are removed;
+        ``config_path``: the config file, named in the warnings about it at start."""
         self.config = config
         self._dir_locks = dir_locks
         self.build = build_id.current() if build is None else build
@@ -389,7 +391,9 @@ class Daemon:
         ):
             self.collector.add_source(source)
         # Opened before the gRPC server: a netlink socket may fork.
-        self.traffic = open_traffic(config, self.store, self.events, self.jobs)
+        self.traffic = open_traffic(
+            config, self.store, self.events, self.jobs, config_path=config_path
+        )
         if config.traffic.enabled:
             self.jobs.set_tagger(self.traffic.tag, self.traffic.tags.get, self.traffic.starting)
         self.collector.add_source(TrafficMetrics(self.traffic))

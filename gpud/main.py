@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
         from gpud.net.wiring import config_warnings
 
         warnings = [
-            *config_warnings(cfg),
+            *config_warnings(cfg, path=str(args.config or config.DEFAULT_PATH)),
             tcp_warning(cfg.api.tcp_address, cfg.api.tcp_access),
             *expiring_certificates(cfg),
             *readable_secrets(cfg),
@@ -442,6 +442,7 @@ def run(
             notifier=Notifier.from_environ(os.environ),
             reload_config=lambda: load_config(args),
             dir_locks=locks,
+            config_path=str(args.config or config.DEFAULT_PATH),
         )
         return serve_until_stopped(daemon.run())
     except ConfigError as err:  # what the operator must change: no restart mends it

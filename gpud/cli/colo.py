@@ -12,9 +12,7 @@ import argparse
 import os
 
 from gpud.cli.context import (
-    EXIT_USAGE,
     JOB_NAME,
-    CliError,
     Context,
     Subparsers,
     number,
@@ -22,9 +20,8 @@ from gpud.cli.context import (
     slo_ms,
 )
 from gpud.cli.output import NA, seconds
-from gpud.errors import InvalidArgument
 from gpud.pidns import own_namespace
-from gpud.shared import MAX_PEAK_LOAD, MIN_SLO_MS, format_size, parse_size
+from gpud.shared import MAX_PEAK_LOAD, MIN_SLO_MS, format_size
 from gpud.v1 import colo_pb2 as pb
 from gpud.v1 import colo_pb2_grpc as pb_grpc
 
@@ -188,10 +185,7 @@ def run_advise(ctx: Context, args: argparse.Namespace) -> int:
         holder_pid_namespace=own_namespace(),
     )
     if args.memory is not None:
-        try:
-            request.memory_bytes = parse_size(args.memory, field="memory")
-        except InvalidArgument as err:
-            raise CliError(str(err), EXIT_USAGE) from None
+        request.memory_bytes = args.memory
     if args.slo_ms is not None:
         request.slo_p99_ms = args.slo_ms
     if args.sm is not None:

@@ -99,14 +99,13 @@ def given(what: str) -> Callable[[str], str]:
 JOB_NAME = given("a job name")
 
 
-def size(text: str) -> str:
-    """An argparse ``type``: a size as gpud takes it (:func:`gpud.shared.parse_size`), kept
-    as given, so that an empty or malformed one is a usage error naming the flag (exit 2)."""
+def size(text: str) -> int:
+    """An argparse ``type``: a size as gpud takes it (:func:`gpud.shared.parse_size`), in
+    bytes, so that an empty or malformed one is a usage error naming the flag (exit 2)."""
     try:
-        parse_size(text, field="")
+        return parse_size(text, field="")
     except InvalidArgument as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-    return text
 
 
 def described(parse: Callable[[str], T], what: str) -> Callable[[str], T]:

@@ -20,7 +20,6 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpud.cli.context import (
-    EXIT_USAGE,
     JOB_NAME,
     UINT32,
     CliError,
@@ -31,7 +30,6 @@ from gpud.cli.context import (
     size,
     slo_ms,
 )
-from gpud.cli.mps import size_arg
 from gpud.cli.output import NA, message_to_dict, seconds
 from gpud.errors import InvalidArgument
 from gpud.shared import MIN_SLO_MS, check_owner, format_size, parse_size, user_name
@@ -69,16 +67,31 @@ def kind_name(value: int) -> str:
     return "?"
 
 
+_GIVEN_OWNER = given("a user name")
+
+
 def _owner(text: str) -> str:
     """An argparse ``type``: an owner as the daemon takes it (:func:`gpud.shared.check_owner`),
     so that a bad one is a usage error naming the flag (exit 2) before gpuctl asks gpud
     anything (``gpuctl run`` asks for co-location advice first)."""
-    if not text.strip():  # an unset variable: not "your user name"
-        raise argparse.ArgumentTypeError(f"give a user name, got {text!r}")
+    _GIVEN_OWNER(text)  # an unset variable: not "your user name"
     try:
         return check_owner(text, field="")
     except InvalidArgument as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+_DEVICES = "devices: indexes (0, 0:1) or UUIDs, comma-separated"
+
+
+def devices(text: str) -> list[str]:
+    """An argparse ``type``: ``--devices``, split on commas. Empty items are dropped
+    (``0,,1`` is ``0,1``), but a value that names no device at all (``''``, ``,``), an
+    unset variable most likely and not "anywhere", is a usage error naming the flag."""
+    named = [d for d in text.split(",") if d.strip()]
+    if not named:
+        raise argparse.ArgumentTypeError(f"give {_DEVICES}, got {text!r}")
+    return named
 
 
 def add_placement_options(parser: argparse.ArgumentParser) -> None:
@@ -99,7 +112,7 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--gpus", type=GPU_COUNT, metavar="N", help="N whole GPUs")
     where.add_argument(
         "--devices",
-        type=given("devices: indexes (0, 0:1) or UUIDs, comma-separated"),
+        type=devices,
         metavar="DEVICE,...",
         help="these GPU / MIG devices: indexes (0, 0:1) or UUIDs",
     )
@@ -205,23 +218,16 @@ def job_row(job: pb.Job) -> tuple[str, ...]:
 
 def fill_placement(msg: pb.Job | pb.ReserveRequest, args: argparse.Namespace) -> None:
     """Copy the options of :func:`add_placement_options` into a Job or a ReserveRequest."""
-    if args.mig is not None:  # --mig '' too: gpud refuses it, rather than one whole GPU
+    if args.mig is not None:  # never '': refused as a usage error (given)
         msg.mig_profile = args.mig
     if args.gpus is not None:
         msg.gpu_count = args.gpus
-    if args.devices is not None:
-        devices = [d for d in args.devices.split(",") if d]
-        if not devices:  # --devices "" or ",": an unset variable, not "anywhere"
-            raise CliError(
-                f"--devices: {args.devices!r} names no device (indexes 0, 0:1 or UUIDs,"
-                " comma-separated)",
-                EXIT_USAGE,
-            )
-        msg.devices.extend(devices)
+    if args.devices is not None:  # a list, never empty (devices)
+        msg.devices.extend(args.devices)
     if args.threads is not None:
         msg.threads_percent = args.threads
     if args.memory is not None:
-        msg.memory_limit_bytes = size_arg(args.memory)
+        msg.memory_limit_bytes = args.memory
     if args.priority is not None:
         msg.client_priority = args.priority
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable
 
-from gpud.cli.context import EXIT_USAGE, UINT32, CliError, Context, Subparsers, given, size
+from gpud.cli.context import UINT32, Context, Subparsers, given, size
 from gpud.cli.output import NA, UNKNOWN, last_seen
-from gpud.errors import InvalidArgument
-from gpud.shared import format_size, parse_size
+from gpud.shared import format_size
 from gpud.v1 import mps_pb2 as pb
 from gpud.v1 import mps_pb2_grpc as pb_grpc
 
@@ -63,13 +62,6 @@ def register(subparsers: Subparsers) -> None:
         "--disable", dest="enabled", action="store_const", const=False, help="stop its daemon"
     )
     set_.set_defaults(run=run_set)
-
-
-def size_arg(text: str, field: str = "memory") -> int:
-    try:
-        return parse_size(text, field=field)
-    except InvalidArgument as err:
-        raise CliError(str(err), EXIT_USAGE) from None
 
 
 def unhealthy_notes(devices: Iterable[pb.MpsDevice]) -> list[str]:
@@ -144,7 +136,7 @@ def run_set(ctx: Context, args: argparse.Namespace) -> int:
     if args.threads is not None:
         request.threads_percent = args.threads
     if args.memory is not None:
-        request.memory_limit_bytes = size_arg(args.memory)
+        request.memory_limit_bytes = args.memory
     if args.enabled is not None:
         request.enabled = args.enabled
     resp: pb.SetMpsLimitsResponse = ctx.call(ctx.stub(pb_grpc.MpsStub).SetMpsLimits, request)

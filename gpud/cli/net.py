@@ -23,14 +23,13 @@ import time
 from collections.abc import Sequence
 
 from gpud.cli.context import (
-    EXIT_USAGE,
     JOB_NAME,
     UINT32,
     UINT64,
-    CliError,
     Context,
     Subparsers,
     described,
+    given,
     number,
 )
 from gpud.cli.output import NA, seconds
@@ -254,11 +253,13 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
     return 0
 
 
+_GIVEN_SESSION = given("a session id")
+
+
 def _session(text: str) -> str:
     """An argparse ``type``: a session as the daemon takes it (:func:`gpud.shared.check_text`),
     so that a bad one is a usage error naming the flag (exit 2), never sent."""
-    if not text.strip():  # an unset variable: not "no new session"
-        raise argparse.ArgumentTypeError(f"give a session id, got {text!r}")
+    _GIVEN_SESSION(text)  # an unset variable: not "no new session"
     try:
         return check_text(text, field="", max_len=MAX_SESSION_CHARS)
     except InvalidArgument as err:
@@ -266,8 +267,6 @@ def _session(text: str) -> str:
 
 
 def run_report(ctx: Context, args: argparse.Namespace) -> int:
-    if args.iterations < 0:
-        raise CliError(f"--iterations: must be >= 0, got {args.iterations}", EXIT_USAGE)
     request = pb.ReportProgressRequest(
         job=args.job,
         iterations=args.iterations,
@@ -284,9 +283,7 @@ def run_report(ctx: Context, args: argparse.Namespace) -> int:
 
 def run_pin(ctx: Context, args: argparse.Namespace) -> int:
     request = pb.PinLevelRequest(job=args.job)
-    if args.level is not None:
-        if args.level < 0:
-            raise CliError(f"--level: must be >= 0, got {args.level}", EXIT_USAGE)
+    if args.level is not None:  # UINT32: never below 0
         request.level = args.level
     resp: pb.PinLevelResponse = ctx.call(ctx.stub(pb_grpc.NetStub).PinLevel, request)
     if ctx.out.json:

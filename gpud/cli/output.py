@@ -54,8 +54,8 @@ def _scalar(fd: Any, value: Any) -> Any:
         return known.name if known is not None else value
     if fd.type == FieldDescriptor.TYPE_BYTES:
         return value.hex()
-    if fd.full_name in _WHOLE_DOUBLES and float(value).is_integer() and abs(value) < 2**53:
-        return int(value)
+    if fd.full_name in _WHOLE_DOUBLES:
+        return _whole_numbers(value)
     return value
 
 

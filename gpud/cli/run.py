@@ -68,7 +68,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +82,7 @@ from gpud.cli.context import (
     CliError,
     Context,
     Subparsers,
+    given,
     number,
 )
 from gpud.cli.jobs import (
@@ -172,6 +173,33 @@ _GATE = (
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+_GIVEN_COMMAND = given("the command's name")
+
+
+class _Command(argparse.Action):
+    """The words after ``--``: the command and its arguments. An empty (or blank) name, an
+    unset variable most likely, is a usage error naming it (exit 2), as an empty value of
+    an option is (:func:`gpud.cli.context.given`); an empty argument after it is the
+    command's own business."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        words = [str(v) for v in values or ()]
+        if words[:1] == ["--"]:
+            words = words[1:]
+        if words:
+            try:
+                _GIVEN_COMMAND(words[0])
+            except argparse.ArgumentTypeError as err:
+                raise argparse.ArgumentError(self, str(err)) from None
+        setattr(namespace, self.dest, words)
+
+
 def register(subparsers: Subparsers) -> None:
     run = subparsers.add_parser(
         "run", help="run a command as a job, with its GPUs and MPS limits reserved"
@@ -191,7 +219,7 @@ def register(subparsers: Subparsers) -> None:
         help="once the command exits, processes it left running get SIGTERM, and SIGKILL "
         f"this many seconds later (default {KILL_AFTER_S:g})",
     )
-    run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
+    run.add_argument("command", nargs=argparse.REMAINDER, action=_Command, metavar="-- CMD ARGS...")
     run.set_defaults(run=run_run)
     env = subparsers.add_parser("env", help="print the environment of a job (export lines)")
     env.add_argument("--job", required=True, type=JOB_NAME, metavar="NAME")
@@ -576,15 +604,11 @@ def _signals_stop() -> Iterator[_Stop]:
 
 
 def run_run(ctx: Context, args: argparse.Namespace) -> int:
-    command = list(args.command)
-    if command[:1] == ["--"]:
-        command = command[1:]
+    command = list(args.command)  # without the "--" (_Command), its name never empty
     if not command:
         raise CliError(
             "run: give the command after --, e.g. gpuctl run --job a -- ./train", EXIT_USAGE
         )
-    if not command[0]:
-        raise CliError("run: the command's name is empty (an unset variable?)", EXIT_USAGE)
     # From the first call to gpud until the command runs, a signal stops the run with
     # nothing started and nothing left in gpud; _launch then forwards them to the command.
     with _signals_stop() as stop:
@@ -913,7 +937,8 @@ def wait_in_queue(
     after ``notes`` (why co-location's advice was not followed)."""
     queue = ctx.stub(queue_pb2_grpc.QueueStub)
     entry: queue_pb2.QueueEntry = ctx.call(queue.Enqueue, queue_pb2.EnqueueRequest(request=request))
-    _say(notes or [])
+    if not stop.is_set():  # else it leaves at once: why it was placed so matters no more
+        _say(notes or [])
     if why and entry.state == queue_pb2.ENTRY_STATE_QUEUED and not stop.is_set():
         print(f"gpuctl: cannot start now: {why}", file=sys.stderr, flush=True)
     shown = ""

@@ -29,16 +29,17 @@ from gpud.cli.context import (
     Subparsers,
     given,
     gpu_index,
+    integer,
     number,
     size,
 )
-from gpud.cli.mps import size_arg
 from gpud.cli.output import NA, gib, percent
 from gpud.shared import MAX_XID
 from gpud.v1 import node_pb2 as pb
 from gpud.v1 import node_pb2_grpc as pb_grpc
 
 FIELD = given("a reading")  # an unset variable names none
+PID = integer(1, 2**32 - 1)  # the uint32 field; 0 names no process
 
 
 def register(subparsers: Subparsers) -> None:
@@ -110,7 +111,7 @@ def register(subparsers: Subparsers) -> None:
     )
     start.add_argument(
         "--pid",
-        type=UINT32,
+        type=PID,
         required=True,
         help="its PID: when a host process with it runs now (in gpud's /proc, not a zombie), it is"
         " attributed to that process's job and ends when that process exits (sim.workload"
@@ -124,18 +125,16 @@ def register(subparsers: Subparsers) -> None:
     )
     start.set_defaults(run=run_workload, stop=False)
     stop = wl.add_parser("stop", help="the process ends")
-    stop.add_argument("--pid", type=UINT32, required=True)
+    stop.add_argument("--pid", type=PID, required=True)
     stop.set_defaults(run=run_workload, stop=True)
 
 
 def run_workload(ctx: Context, args: argparse.Namespace) -> int:
-    if args.pid <= 0:
-        raise CliError(f"--pid: must be > 0, got {args.pid}", EXIT_USAGE)
     request = pb.SimWorkloadRequest(pid=args.pid, stop=args.stop)
     if not args.stop:
         request.gpu = args.gpu
         request.mig = args.mig or ""
-        request.memory_bytes = size_arg(args.memory)
+        request.memory_bytes = args.memory
         request.sm_ratio = args.sm
     resp: pb.SimWorkloadResponse = ctx.call(ctx.stub(pb_grpc.NodeStub).SimWorkload, request)
     if ctx.out.json:

@@ -31,7 +31,7 @@ def parse_pool(spec: str, reserved: Iterable[int]) -> frozenset[int]:
     chosen = _named(spec) if spec.strip() else set(range(DSCP_MAX + 1))
     pool = frozenset(chosen - set(reserved))
     if not pool:
-        raise ValueError(f"{spec!r} leaves no DSCP tag to hand out")
+        raise ValueError(f"{shown_pool(spec)} leaves no DSCP tag to hand out")
     return pool
 
 
@@ -41,29 +41,42 @@ def reserved_in_pool(spec: str, reserved: Iterable[int]) -> list[int]:
     return sorted(_named(spec) & set(reserved))
 
 
+def has_empty_item(spec: str) -> bool:
+    """Whether ``spec`` names a pool with an empty item ("10-30,", "10,,34"): skipped, as
+    gpud always has, but a DSCP left out most likely, worth a warning."""
+    return bool(spec.strip()) and any(not part.strip() for part in spec.split(","))
+
+
+SHOWN_POOL_CHARS = 80  # of a spec repeated in a message: a huge one would bury the reason
+
+
+def shown_pool(spec: str) -> str:
+    """``spec`` quoted as a message repeats it, cut past :data:`SHOWN_POOL_CHARS`."""
+    if len(spec) <= SHOWN_POOL_CHARS:
+        return repr(spec)
+    return f"{spec[:SHOWN_POOL_CHARS]!r}... ({len(spec)} characters)"
+
+
 # one item of a pool: a DSCP or a range of them, in ASCII digits; spaces around an item or
-# its "-" are harmless ("10, 12 - 14"), but not what int() would also take ("1_0", "+10")
-_ITEM = re.compile(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?")
+# its "-" are harmless ("10, 12 - 14"), but not what int() would also take ("1_0", "+10");
+# up to 4 digits, so that a huge number is "not a DSCP" rather than past int()'s digit limit
+_ITEM = re.compile(r"\s*([0-9]{1,4})\s*(?:-\s*([0-9]{1,4})\s*)?")
 
 
 def _named(spec: str) -> set[int]:
     chosen: set[int] = set()
-    if not spec.strip():
-        return chosen
     for part in spec.split(","):
-        if not part.strip():
-            # "10,,34" or "10-30,": a value left out, most likely
-            raise ValueError(
-                f"{spec!r} has an empty item (nothing between two commas, or before or after"
-                " them): a DSCP left out?"
-            )
+        if not part.strip():  # "10,,34" or "10-30,": skipped (has_empty_item warns of it)
+            continue
         match = _ITEM.fullmatch(part)
         if match is None:
-            raise ValueError(f"{part.strip()!r} is not a DSCP or a range like 10-30")
+            raise ValueError(f"{shown_pool(part.strip())} is not a DSCP or a range like 10-30")
         first = int(match[1])
         last = int(match[2]) if match[2] is not None else first
         if not 0 <= first <= last <= DSCP_MAX:
-            raise ValueError(f"{part.strip()!r}: DSCP values are 0..{DSCP_MAX}, low to high")
+            raise ValueError(
+                f"{shown_pool(part.strip())}: DSCP values are 0..{DSCP_MAX}, low to high"
+            )
         chosen.update(range(first, last + 1))
     return chosen
 

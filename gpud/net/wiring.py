@@ -25,7 +25,7 @@ from gpud.net.cgroups import JobCgroups, find_cgroup2
 from gpud.net.enforce import MarkPort, RdmaPort, TcPort
 from gpud.net.service import TrafficService, job_pool
 from gpud.net.shaped import ShapedInterfaces
-from gpud.net.tagstore import TagStore, reserved_in_pool
+from gpud.net.tagstore import TagStore, has_empty_item, reserved_in_pool, shown_pool
 from gpud.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -39,10 +39,13 @@ def open_traffic(
     *,
     mountinfo: Path = Path("/proc/self/mountinfo"),
     which: Callable[[str], str | None] = shutil.which,
+    config_path: str = "",
 ) -> TrafficService:
+    """The traffic service, its warnings about ``config`` logged (``config_path``: the file
+    they name, :func:`config_warnings`)."""
     t = config.traffic
     tags = TagStore(store, pool=job_pool(t))
-    for warning in config_warnings(config):
+    for warning in config_warnings(config, path=config_path):
         log.warning("%s", warning)
     tc: TcPort | None = None
     marker: MarkPort | None = None
@@ -108,14 +111,24 @@ def open_traffic(
     return service
 
 
-def config_warnings(config: Config) -> list[str]:
+def config_warnings(config: Config, *, path: str = "") -> list[str]:
     """What the traffic settings take but an operator should hear of: reserved DSCPs named in
-    ``traffic.dscp_pool`` (left out, never a job's tag), ``traffic.level_priorities`` that
-    defeat the levels. Said at start and by ``gpud --check-config``; none with traffic off."""
+    ``traffic.dscp_pool`` (left out, never a job's tag), an empty item in it (skipped),
+    ``traffic.level_priorities`` that defeat the levels. Said at start and by ``gpud
+    --check-config``; none with traffic off. ``path``: the config file, named as an error
+    about it would name it (``FILE:traffic.dscp_pool``)."""
     t = config.traffic
     if not t.enabled:
         return []
     out = []
+    if has_empty_item(t.dscp_pool):
+        # taken, as gpud always has (a pool that loaded before must not stop gpud at its
+        # next start), but never silently: "10,,34" most likely lost a DSCP
+        where = f"{path}:traffic.dscp_pool" if path else "traffic.dscp_pool"
+        out.append(
+            f"{where}: {shown_pool(t.dscp_pool)} has an empty item (nothing between two"
+            " commas, or before or after them), skipped: a DSCP left out?"
+        )
     left_out = reserved_in_pool(t.dscp_pool, {*t.reserved_dscp, t.cnp_dscp})
     if left_out:
         # accepted as the docs say (reserved values are left out), but never silently:
@@ -125,7 +138,7 @@ def config_warnings(config: Config) -> list[str]:
             for d in left_out
         ]
         out.append(
-            f"traffic.dscp_pool {t.dscp_pool!r} names reserved DSCPs, left out of the pool and"
+            f"traffic.dscp_pool {shown_pool(t.dscp_pool)} names reserved DSCPs, left out of the pool and"
             f" never a job's tag: {', '.join(why)}"
         )
     odd = level_priorities_warning(t.level_priorities)

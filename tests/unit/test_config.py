@@ -118,10 +118,18 @@ _ETCD = (
         # DSCP 0 is untagged traffic: a job tagged 0 leaves its interface unenforced
         ("[traffic]\nreserved_dscp = []\n", "traffic.reserved_dscp", "DSCP 0 is untagged"),
         # a pool's items are ASCII DSCPs and ranges (spaces around them are harmless); what
-        # int() would also take, or an item left empty, is most likely a typo
-        ('[traffic]\ndscp_pool = "10,,34"\n', "traffic.dscp_pool", "an empty item .*left out"),
-        ('[traffic]\ndscp_pool = "10-30,"\n', "traffic.dscp_pool", "'10-30,' has an empty"),
+        # int() would also take is most likely a typo (an empty item is skipped, said in a
+        # warning: test_an_empty_item_of_a_dscp_pool_is_skipped_with_a_warning)
         ('[traffic]\ndscp_pool = "1_0"\n', "traffic.dscp_pool", "'1_0' is not a DSCP or a"),
+        ('[traffic]\ndscp_pool = "+10"\n', "traffic.dscp_pool", "'\\+10' is not a DSCP or"),
+        ('[traffic]\ndscp_pool = "\u0661\u0660"\n', "traffic.dscp_pool", "is not a DSCP or a"),
+        # past int()'s digit limit: not a DSCP all the same, the number cut in the message
+        (
+            f'[traffic]\ndscp_pool = "{"9" * 5000}"\n',
+            "traffic.dscp_pool",
+            "^[^:]*:traffic.dscp_pool: '9{80}'... \\(5000 characters\\) is not a DSCP or a",
+        ),
+        ('[traffic]\ndscp_pool = "10-99999"\n', "traffic.dscp_pool", "is not a DSCP or a"),
         ('[traffic]\ndscp_pool = "10-+30"\n', "traffic.dscp_pool", "'10-\\+30' is not a D"),
         ('[traffic]\ndscp_pool = "10 12"\n', "traffic.dscp_pool", "'10 12' is not a DSCP"),
         (
@@ -965,6 +973,31 @@ def test_a_dscp_pool_takes_spaces_around_its_items(tmp_path: Path) -> None:
     path = write(tmp_path, f'[traffic]\ndscp_pool = "{spec}"\n')
     assert config.load(path).traffic.dscp_pool == spec
     assert parse_pool(spec, {0}) == {10, 11, 12, 34}
+
+
+def test_an_empty_item_of_a_dscp_pool_is_skipped_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pool with an empty item ("10-30,", "10,,34") loads as it always has: gpud reads the
+    traffic keys at start, so refusing it would leave gpud down after an upgrade. It is
+    said, naming the file and the key, as a DSCP left out most likely."""
+    from gpud.net.tagstore import parse_pool
+
+    for spec, named in (("10-12,", {10, 11, 12}), ("10,,34", {10, 34}), (",10", {10})):
+        path = write(
+            tmp_path, f'[traffic]\nenabled = true\ninterfaces = ["eth0"]\ndscp_pool = "{spec}"\n'
+        )
+        assert parse_pool(config.load(path).traffic.dscp_pool, {0}) == named
+        assert main(["--check-config", "--config", str(path)], nvml=answering()) == 0
+        err = capsys.readouterr().err
+        assert err == (
+            f"gpud: warning: {path}:traffic.dscp_pool: {spec!r} has an empty item (nothing"
+            " between two commas, or before or after them), skipped: a DSCP left out?\n"
+        ), err
+    # naming nothing at all is no pool, as before
+    path = write(tmp_path, '[traffic]\ndscp_pool = ","\n')
+    with pytest.raises(ConfigError, match="',' leaves no DSCP tag to hand out"):
+        config.load(path)
 
 
 def test_check_config_says_the_warnings_gpud_would_give_at_start(

@@ -901,7 +901,7 @@ def test_a_usage_error_is_its_line_and_where_the_usage_is(
                 ("sim", "workload", "start", "--gpu", bad, "--pid", "9"),
             )
         ),
-        (("sim", "workload", "stop", "--pid", "-4"), "--pid: -4 is not in 0.."),
+        (("sim", "workload", "stop", "--pid", "-4"), "--pid: -4 is not in 1.."),
         (("events", "--limit", "1e3"), "--limit: '1e3' is not an integer"),
         (("jobs", "history", "--limit", "-1"), "--limit: -1 is not in 0..4294967295"),
         (("jobs", "add", "x", "--memory", "99999999999TiB"), "more than any device holds"),

@@ -7,6 +7,7 @@ traceback."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 from gpud.api import NodeServicer
 from gpud.backend.sim import SimNode
 from gpud.cli import output
-from gpud.cli.main import main
+from gpud.cli.main import build_parser, main
 from gpud.cluster.api import ClusterServicer
 from gpud.cluster.ports import StaticNodeView
 from gpud.telemetry.snapshot import ClearedXids
@@ -70,7 +71,6 @@ def node(sim: SimNode, faults: FakeFaults, cleared: list[tuple[int, int | None]]
 
 
 REFUSED = [
-    (("jobs", "add", "a", "--devices", ","), "--devices: ',' names no device"),
     # gpud refuses what no client should send
     (
         ("sim", "workload", "start", "--gpu", "0", "--pid", "99999999"),
@@ -140,6 +140,13 @@ EMPTY = [
         "--mig: give a MIG device index or MIG UUID, got ''",
     ),
     ("sim workload start", ("--gpu", "0", "--pid", "77", "--memory", ""), "--memory: ''"),
+    # what names nothing but is not empty, the same way
+    ("jobs add", ("a", "--devices", ","), "--devices: give devices: indexes (0, 0:1) or UUIDs"),
+    ("run", ("--job", "a", "--devices", ",,", "--", "true"), "--devices: give devices"),
+    ("run", ("--job", "a", "--", ""), "-- CMD ARGS...: give the command's name, got ''"),
+    ("run", ("--job", "a", "--", " ", "x"), "-- CMD ARGS...: give the command's name, got ' '"),
+    ("sim workload start", ("--gpu", "0", "--pid", "0"), "--pid: 0 is not in 1..4294967295"),
+    ("sim workload stop", ("--pid", "0"), "--pid: 0 is not in 1..4294967295"),
 ]
 
 
@@ -165,6 +172,30 @@ def test_an_empty_value_is_a_usage_error_naming_its_option(  # noqa: PLR0917 (fi
     assert node.jobs.registry.all() == []
     assert sim.workloads.list() == []
     assert faults.calls == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("jobs", "add", "a", "--devices", ","), "jobs add: argument --devices: give devices"),
+        (("run", "--job", "a", "--", ""), "run: argument -- CMD ARGS...: give the command's"),
+        (("sim", "workload", "stop", "--pid", "0"), "sim workload stop: argument --pid: 0 is"),
+    ],
+)
+def test_under_json_a_value_naming_nothing_is_a_usage_error_naming_its_command(
+    node: Node, capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str
+) -> None:
+    code = node.ctl("--json", *argv)
+    out, err = capsys.readouterr()
+    assert (code, out) == (EXIT_USAGE, ""), err
+    assert json.loads(err)["error"]["message"].startswith(message), err
+    assert node.jobs.registry.all() == []
+
+
+def test_empty_words_after_the_command_name_are_its_own() -> None:
+    args = build_parser().parse_args(["run", "--job", "a", "--", "printf", "", "x"])
+    assert args.command == ["printf", "", "x"]
+    assert build_parser().parse_args(["run", "--job", "a", "true", ""]).command == ["true", ""]
 
 
 UNSENDABLE = [

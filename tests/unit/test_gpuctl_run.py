@@ -1799,6 +1799,17 @@ class StaysQueued(LeavesAfterOnePoll):
         )
 
 
+def sigterm_once_queued(queue: StaysQueued) -> None:
+    """SIGTERM to this process (gpuctl run, in the test) soon after it joins ``queue``."""
+
+    def stop_once_queued() -> None:
+        if queue.queued.wait(10):
+            time.sleep(0.2)  # gpuctl waits, with its handler for the signal
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_once_queued, daemon=True).start()
+
+
 class SlowToLetGo(StaysQueued):
     """A queue that keeps its entry queued and answers Leave only after ``delay_s``."""
 
@@ -1822,13 +1833,7 @@ def test_a_stopped_queued_run_whose_leave_gets_no_answer_says_so_not_to_raise_ti
     queue = SlowToLetGo(delay_s=5.0)
     with serving(queue.register) as n:
         n.jobs.reserve(RunRequest(job="hog", devices=(gpu_uuid(1),), memory_bytes=70 * GIB))
-
-        def stop_once_queued() -> None:
-            if queue.queued.wait(10):
-                time.sleep(0.2)  # gpuctl waits, with its handler for the signal
-                os.kill(os.getpid(), signal.SIGTERM)
-
-        threading.Thread(target=stop_once_queued, daemon=True).start()
+        sigterm_once_queued(queue)
         marker = tmp_path / "ran"
         argv = ("run", "--job", "q", "--devices", "1", "--memory", "20GiB", "--")
         started = time.monotonic()
@@ -1839,6 +1844,66 @@ def test_a_stopped_queued_run_whose_leave_gets_no_answer_says_so_not_to_raise_ti
     assert "gpud drops it (and any reservation) once it notices this run is gone" in err
     assert "--timeout" not in err and "10 s" not in err
     assert not marker.exists()
+
+
+def test_a_queued_run_says_why_co_location_did_not_place_it_then_why_it_waits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run that co-location never fits goes where the jobs service places it; taken, it
+    queues, saying in order why the advice was not followed, why it cannot start now and
+    where it waits."""
+    from gpud.jobs.service import RunRequest
+
+    loop = SaysWait(waits=99, reason="never fits on this node: needs 9 GiB under the headroom")
+    queue = SlowToLetGo(delay_s=0.0)
+    with serving(loop.register, queue.register) as n:
+        n.jobs.reserve(RunRequest(job="hog", devices=(gpu_uuid(1),), memory_bytes=70 * GIB))
+        sigterm_once_queued(queue)
+        marker = tmp_path / "ran"
+        argv = ("run", "--job", "q", "--memory", "20GiB", "--", "touch", str(marker))
+        assert n.ctl(*argv) == 130
+    said = capsys.readouterr().err.splitlines()
+    note = (
+        "gpuctl: co-location: never fits on this node: needs 9 GiB under the headroom;"
+        " default placement"
+    )
+    assert said.count(note) == 1, said
+    cannot = [i for i, line in enumerate(said) if line.startswith("gpuctl: cannot start now: ")]
+    queued = [i for i, line in enumerate(said) if line.startswith("gpuctl: job q queued (e1)")]
+    assert len(cannot) == 1 and queued, said
+    assert said.index(note) < cannot[0] < queued[0], said
+    assert not marker.exists()
+
+
+def test_a_run_stopped_as_it_joins_the_queue_says_nothing_of_its_placement(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A signal that came while the run joined the queue: it leaves at once, saying so,
+    without the lines on why it was placed and why it waits, which no longer matter."""
+    from gpud.cli.context import Context
+    from gpud.cli.output import Output
+    from gpud.cli.run import _Stop, wait_in_queue
+
+    queue = SlowToLetGo(delay_s=0.0)
+    stop = _Stop()
+    with serving(queue.register) as n:
+        ctx = Context(socket_path=n.socket, timeout=5.0, output=Output(json_output=False))
+        try:
+            stop.set(signal.SIGTERM)
+            entry = wait_in_queue(
+                ctx,
+                jobs_pb2.ReserveRequest(job="q"),
+                stop,
+                why="taken",
+                notes=["co-location: never fits; default placement"],
+            )
+        finally:
+            ctx.close()
+            stop.close()
+    assert entry is None
+    err = capsys.readouterr().err
+    assert "left the queue (SIGTERM), nothing started" in err, err
+    assert "placement" not in err and "cannot start now" not in err, err
 
 
 def test_a_run_sent_sigterm_does_not_wait_for_an_absent_gpud(

@@ -917,6 +917,29 @@ def test_reserved_dscps_named_in_the_pool_are_left_out_with_a_warning(
     assert "26 (traffic.cnp_dscp)" in caplog.text
 
 
+def test_a_pool_with_an_empty_item_starts_gpud_with_a_warning_naming_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ "10-12," (loaded by every gpud before) starts gpud, the empty item skipped and said
+    at start, naming the config file and key."""
+    from gpud.config import Config
+    from gpud.net.wiring import open_traffic
+
+    store, events, jobs = wiring_parts(tmp_path)
+    traffic = TrafficConfig(enabled=True, interfaces=("lo",), marking=False, dscp_pool="10-12,")
+    with caplog.at_level("WARNING", logger="gpud.net.wiring"):
+        service = open_traffic(
+            Config(traffic=traffic), store, events, jobs, config_path="/etc/gpud/gpud.toml"
+        )
+    service.shutdown()
+    assert service.tags.pool == (10, 11, 12)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "gpud.net.wiring"]
+    assert warnings == [
+        "/etc/gpud/gpud.toml:traffic.dscp_pool: '10-12,' has an empty item (nothing between"
+        " two commas, or before or after them), skipped: a DSCP left out?"
+    ]
+
+
 def test_level_priorities_that_defeat_the_levels_are_taken_with_one_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
