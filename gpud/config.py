@@ -304,6 +304,11 @@ def load(path: Path, *, required: bool = False) -> Config:
     return from_dict(data, path=str(path))
 
 
+# the most a config file may hold: gpud's fills a few KiB; a bigger one (a log or a core
+# file given by mistake, a runaway generator) is refused, not read into memory and parsed
+# on the event loop, which no call is answered during
+MAX_CONFIG_BYTES = 1 << 20
+
 # /dev/null's device numbers: the Linux memory devices' major 1, minor 3 ("null" in
 # Documentation/admin-guide/devices.txt), whatever name or link reaches it
 DEV_NULL = (1, 3)
@@ -323,7 +328,15 @@ def _read_regular(path: Path) -> bytes:
             return b""
         if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.EINVAL, "not a regular file")
-        return fh.read()
+        raw = fh.read(MAX_CONFIG_BYTES + 1)  # not more, should it grow meanwhile
+        if len(raw) > MAX_CONFIG_BYTES:
+            size = max(st.st_size, len(raw))
+            raise OSError(
+                errno.EFBIG,
+                f"{size} bytes, more than a config file may hold ({MAX_CONFIG_BYTES >> 20} MiB):"
+                " is it the right file?",
+            )
+        return raw
 
 
 def from_dict(data: dict[str, Any], *, path: str = "<config>") -> Config:

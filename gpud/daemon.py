@@ -37,7 +37,7 @@ from gpud.admission.passes import PassRunner
 from gpud.admission.service import AdmissionService, mig_file_layouts
 from gpud.api.access import ReportTokens
 from gpud.api.node import NodeServicer
-from gpud.api.ports import FaultPort, NodeInfo
+from gpud.api.ports import FaultPort, NodeInfo, ReloadState
 from gpud.api.server import ApiServer
 from gpud.backend.port import GpuBackend, GpuIdentity
 from gpud.cluster.metrics import ClusterMetrics
@@ -289,6 +289,7 @@ class Daemon:
         self._started = clock()
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
+        self.reload_state = ReloadState()  # gpuctl status: is the running config the file's?
         state_dir = config.daemon.state_dir
         files.make_dirs(state_dir, files.STATE_DIR_MODE)
         files.make_dirs(config.daemon.run_dir, files.RUN_DIR_MODE)
@@ -746,6 +747,7 @@ class Daemon:
             started_monotonic=self._started,
             version=__version__,
             build=self.build,
+            reload=self.reload_state if self._reload_config is not None else None,
         )
 
     def _gpu_count(self) -> int:
@@ -990,9 +992,14 @@ class Daemon:
         if self._reload_config is None:
             return
         self._notifier.reloading()
+        tried = dataclasses.replace(
+            self.reload_state, reloads=self.reload_state.reloads + 1, last_monotonic=self._clock()
+        )
         try:
             new = self._reload_config()
         except GpudError as err:
+            # the keys an earlier reload left waiting for a restart still wait
+            self.reload_state = dataclasses.replace(tried, error=str(err))
             log.error("config reload failed, keeping the running config: %s", err)
             config_err = err if isinstance(err, ConfigError) else None
             self.events.emit(
@@ -1026,6 +1033,7 @@ class Daemon:
         self.sampler.ignored_xids = frozenset(new.telemetry.ignored_xids)
         self.colo.configure(new.colocate)
         self.cluster.set_tick(new.daemon.tick_s)
+        self.reload_state = dataclasses.replace(tried, error="", restart_needed=tuple(kept))
         message = "config reloaded"
         if kept:
             message += f"; needs a restart to change: {', '.join(kept)}"

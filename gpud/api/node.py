@@ -20,6 +20,7 @@ from gpud.api.ports import (
     EventSource,
     FaultPort,
     NodeInfoSource,
+    ReloadState,
     SimProcessView,
     SnapshotSource,
     TrafficSource,
@@ -165,6 +166,8 @@ class NodeServicer(pb_grpc.NodeServicer):
             gpu_count=info.gpu_count,
             simulated=info.simulated,
         )
+        if info.reload is not None:
+            resp.config.CopyFrom(_config_status(info.reload, now))
         if snap is not None:
             resp.healthy_gpu_count = sum(1 for g in snap.gpus if g.healthy)
             resp.unhealthy_gpus.extend(
@@ -431,3 +434,14 @@ class NodeServicer(pb_grpc.NodeServicer):
         if done.cleared:
             resp.cleared_xid = done.cleared[0]
         return resp
+
+
+def _config_status(state: ReloadState, now: float) -> pb.ConfigStatus:
+    status = pb.ConfigStatus(
+        reloads=state.reloads,
+        reload_error=state.error,
+        restart_needed=state.restart_needed,
+    )
+    if state.last_monotonic is not None:
+        status.last_reload_age_seconds = max(0.0, now - state.last_monotonic)
+    return status

@@ -37,6 +37,18 @@ class NodeInfo:
     hostname: str = field(default_factory=socket.gethostname)
     version: str = __version__
     build: str = ""  # the code's digest (gpud.build.current()), computed at start
+    reload: ReloadState | None = None  # the config file's reloads; None: not reloadable
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadState:
+    """The config file's reloads (SIGHUP), for ``gpuctl status``: whether the config gpud
+    runs is the file's. ``last_monotonic`` is on the servicer's clock."""
+
+    reloads: int = 0  # acted on since start, failed ones included
+    last_monotonic: float | None = None  # when the latest one ran; None before the first
+    error: str = ""  # why the latest failed (the running config is the one before); "" if not
+    restart_needed: tuple[str, ...] = ()  # changed keys kept at their values until a restart
 
 
 NodeInfoSource = Callable[[], NodeInfo]

@@ -41,6 +41,8 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
     ]
     if resp.HasField("traffic"):  # absent from an older gpud
         rows.append(("traffic", _traffic(resp.traffic)))
+    if resp.HasField("config"):  # absent from an older gpud
+        rows.append(("config", _config(resp.config)))
     width = max(len(k) for k, _ in rows) + 1
     for key, value in rows:
         ctx.out.print(f"{key + ':':<{width}} {value}")
@@ -49,7 +51,32 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print(f"{gpu} unhealthy: {why}")
     for line in _traffic_problems(resp.traffic):
         ctx.out.print(line)
+    for line in _config_problems(resp.config):
+        ctx.out.print(line)
     return 0
+
+
+def _config(config: pb.ConfigStatus) -> str:
+    """The config file's reloads in a few words: whether gpud runs what the file says."""
+    if not config.HasField("last_reload_age_seconds"):
+        return "as loaded at start (no reload since)"
+    when = f"{seconds(config.last_reload_age_seconds)} ago"
+    if config.reload_error:
+        return f"reload FAILED {when}: running the config loaded before, not the file's"
+    if config.restart_needed:
+        return f"reloaded {when}; some keys wait for a restart"
+    return f"reloaded {when}"
+
+
+def _config_problems(config: pb.ConfigStatus) -> list[str]:
+    """A line for a failed reload's error, and one for the keys that wait for a restart."""
+    lines = []
+    if config.reload_error:
+        lines.append(f"config reload failed: {config.reload_error}")
+    if config.restart_needed:
+        keys = ", ".join(config.restart_needed)
+        lines.append(f"config: needs a restart to change: {keys} (running the values before)")
+    return lines
 
 
 def _traffic(traffic: pb.TrafficStatus) -> str:

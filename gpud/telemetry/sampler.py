@@ -133,7 +133,9 @@ class Sampler:
             raise ValueError("interval_s must be > 0")
         if call_timeout_s <= 0:
             raise ValueError("call_timeout_s must be > 0")
-        self.interval_s = interval_s
+        self._interval_s = interval_s
+        # set when interval_s changes while run() waits: the wait is measured again
+        self._rescheduled: asyncio.Event | None = None
         self.call_timeout_s = call_timeout_s
         self._last_seen = dict(last_seen or {})
         self._backend = backend
@@ -162,6 +164,22 @@ class Sampler:
         # critical XIDs of GPU indexes without a slot: read from xid_state before the GPUs
         # are counted, raised before that, or of an index the driver no longer counts
         self._unslotted_xids: dict[int, dict[int, CriticalXid]] = self._load_xids()
+
+    @property
+    def interval_s(self) -> float:
+        return self._interval_s
+
+    @interval_s.setter
+    def interval_s(self, value: float) -> None:
+        """A new period (a reload), from the event loop's thread: the wait for the next tick
+        is measured again with it, so a reload from an hour to a second samples within a
+        second, not after the hour."""
+        if value <= 0:
+            raise ValueError("interval_s must be > 0")
+        changed = value != self._interval_s
+        self._interval_s = value
+        if changed and self._rescheduled is not None:
+            self._rescheduled.set()
 
     def _wait_s(self) -> float:
         """How long a tick waits for a GPU that does not answer: short enough that the GPUs
@@ -527,21 +545,38 @@ class Sampler:
         the missed slots rather than bursting to catch up.
         """
         loop = asyncio.get_running_loop()
+        self._rescheduled = asyncio.Event()
         self.start()
         try:
-            next_at = loop.time()
+            slot = loop.time()
             while not stop.is_set():
                 try:
                     await asyncio.to_thread(self.tick)
                 except Exception:
                     log.exception("sampler tick failed")
-                next_at += self.interval_s
-                now = loop.time()
-                next_at = max(next_at, now)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=next_at - now)
+                slot = await self._wait_next(slot, stop, self._rescheduled)
         finally:
             self.close()
+
+    async def _wait_next(self, slot: float, stop: asyncio.Event, again: asyncio.Event) -> float:
+        """Wait until ``interval_s`` after ``slot`` (no later than now) or ``stop``; ``again``
+        (a new interval) measures the wait afresh. The slot waited for."""
+        loop = asyncio.get_running_loop()
+        while True:
+            again.clear()
+            now = loop.time()
+            next_at = max(slot + self.interval_s, now)
+            stopped = asyncio.ensure_future(stop.wait())
+            changed = asyncio.ensure_future(again.wait())
+            try:
+                await asyncio.wait(
+                    {stopped, changed}, timeout=next_at - now, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                stopped.cancel()
+                changed.cancel()
+            if stop.is_set() or not again.is_set():
+                return next_at
 
 
 def xid_state_document(state: Mapping[int, Sequence[CriticalXid]]) -> dict[str, Any]:

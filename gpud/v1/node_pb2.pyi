@@ -107,6 +107,7 @@ class GetStatusResponse(_message.Message):
     UNHEALTHY_GPUS_FIELD_NUMBER: _builtins.int
     BUILD_FIELD_NUMBER: _builtins.int
     TRAFFIC_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """gpud's version"""
     hostname: _builtins.str
@@ -137,6 +138,10 @@ class GetStatusResponse(_message.Message):
         field (`gpuctl net show` has the whole of it)
         """
 
+    @_builtins.property
+    def config(self) -> Global___ConfigStatus:
+        """the config file's reloads (SIGHUP); absent from a gpud older than the field"""
+
     def __init__(
         self,
         *,
@@ -153,10 +158,11 @@ class GetStatusResponse(_message.Message):
         unhealthy_gpus: _abc.Iterable[_builtins.str] | None = ...,
         build: _builtins.str = ...,
         traffic: Global___TrafficStatus | None = ...,
+        config: Global___ConfigStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds", "traffic", b"traffic"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "config", b"config", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds", "traffic", b"traffic"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "backend", b"backend", "build", b"build", "driver_version", b"driver_version", "gpu_count", b"gpu_count", "healthy_gpu_count", b"healthy_gpu_count", "hostname", b"hostname", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds", "simulated", b"simulated", "traffic", b"traffic", "unhealthy_gpus", b"unhealthy_gpus", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "backend", b"backend", "build", b"build", "config", b"config", "driver_version", b"driver_version", "gpu_count", b"gpu_count", "healthy_gpu_count", b"healthy_gpu_count", "hostname", b"hostname", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds", "simulated", b"simulated", "traffic", b"traffic", "unhealthy_gpus", b"unhealthy_gpus", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_sample_age_seconds: _TypeAlias = _typing.Literal["last_sample_age_seconds"]  # noqa: Y015
     _WhichOneofArgType__last_sample_age_seconds: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds"]  # noqa: Y015
@@ -168,6 +174,48 @@ class GetStatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__last_tick_seconds) -> _WhichOneofReturnType__last_tick_seconds | None: ...
 
 Global___GetStatusResponse: _TypeAlias = GetStatusResponse  # noqa: Y015
+
+@_typing.final
+class ConfigStatus(_message.Message):
+    """Whether the config gpud runs is the file's: a failed reload keeps the config loaded
+    before, and keys that need a restart keep their old values until one.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELOADS_FIELD_NUMBER: _builtins.int
+    LAST_RELOAD_AGE_SECONDS_FIELD_NUMBER: _builtins.int
+    RELOAD_ERROR_FIELD_NUMBER: _builtins.int
+    RESTART_NEEDED_FIELD_NUMBER: _builtins.int
+    reloads: _builtins.int
+    """reloads (SIGHUP) acted on since start, failed ones included"""
+    last_reload_age_seconds: _builtins.float
+    """since the latest; absent before the first"""
+    reload_error: _builtins.str
+    """why the latest reload failed ("FILE:key: ..."): gpud runs the config it had before,
+    not the file's; "" when it worked (or there was none)
+    """
+    @_builtins.property
+    def restart_needed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """keys the file changed that keep their running values until a restart ("mps.enabled")"""
+
+    def __init__(
+        self,
+        *,
+        reloads: _builtins.int = ...,
+        last_reload_age_seconds: _builtins.float | None = ...,
+        reload_error: _builtins.str = ...,
+        restart_needed: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_reload_age_seconds", b"_last_reload_age_seconds", "last_reload_age_seconds", b"last_reload_age_seconds"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_reload_age_seconds", b"_last_reload_age_seconds", "last_reload_age_seconds", b"last_reload_age_seconds", "reload_error", b"reload_error", "reloads", b"reloads", "restart_needed", b"restart_needed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__last_reload_age_seconds: _TypeAlias = _typing.Literal["last_reload_age_seconds"]  # noqa: Y015
+    _WhichOneofArgType__last_reload_age_seconds: _TypeAlias = _typing.Literal["_last_reload_age_seconds", b"_last_reload_age_seconds"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__last_reload_age_seconds) -> _WhichOneofReturnType__last_reload_age_seconds | None: ...
+
+Global___ConfigStatus: _TypeAlias = ConfigStatus  # noqa: Y015
 
 @_typing.final
 class TrafficStatus(_message.Message):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gpud.api import ApiServer, NodeInfo, NodeServicer
+from gpud.api.ports import ReloadState
 from gpud.backend.port import (
     Clocks,
     EccCounts,
@@ -117,7 +118,9 @@ def make_snapshot() -> Snapshot:
     )
 
 
-def node_info(*, simulated: bool = True, build: str = "") -> NodeInfo:
+def node_info(
+    *, simulated: bool = True, build: str = "", reload: ReloadState | None = None
+) -> NodeInfo:
     """``build`` "": a gpud older than the field, which sends none."""
     return NodeInfo(
         backend="sim" if simulated else "nvml",
@@ -127,6 +130,7 @@ def node_info(*, simulated: bool = True, build: str = "") -> NodeInfo:
         started_monotonic=NOW - 3725.0,
         hostname="node-a",
         build=build,
+        reload=reload,
     )
 
 
@@ -197,12 +201,13 @@ def make_servicer(
     events: EventLog | None = None,
     build: str = "",
     traffic: TrafficSummary | None = None,
+    reload: ReloadState | None = None,
     **options: Any,
 ) -> NodeServicer:
     snap = make_snapshot()
     return NodeServicer(
         snapshots=snapshot or (lambda: snap),
-        node_info=lambda: node_info(simulated=faults is not None, build=build),
+        node_info=lambda: node_info(simulated=faults is not None, build=build, reload=reload),
         events=events if events is not None else make_events(),
         faults=faults,
         traffic=(lambda: traffic) if traffic is not None else None,

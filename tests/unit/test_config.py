@@ -631,6 +631,15 @@ def test_a_config_path_that_is_no_regular_file_is_refused_without_blocking(
         config.load(Path("/dev/zero"), required=True)  # a device that never ends
 
 
+def test_a_config_file_too_big_to_be_one_is_refused_unread(tmp_path: Path) -> None:
+    """A file given by mistake (a log, a core file) is not read whole into memory."""
+    path = write(tmp_path, "[telemetry]\ninterval_s = 2.0\n#" + "x" * config.MAX_CONFIG_BYTES)
+    with pytest.raises(ConfigError, match=r"gpud\.toml: cannot read: 1048606 bytes, more than a"):
+        config.load(path, required=True)
+    path.write_text("[telemetry]\ninterval_s = 2.0\n#" + "x" * (config.MAX_CONFIG_BYTES - 30))
+    assert config.load(path, required=True).telemetry.interval_s == 2.0  # at the limit: taken
+
+
 def test_dev_null_as_the_config_means_all_defaults(tmp_path: Path) -> None:
     """`gpud --config /dev/null`: no settings, whatever link reaches it."""
     assert config.load(Path("/dev/null"), required=True) == config.Config()

@@ -55,20 +55,27 @@ def root(tmp_path: Path) -> Path:
 
 def build(
     config: Config,
-    reload_to: list[Config] | None = None,
+    reload_to: list[Config | ConfigError] | None = None,
     clock: Callable[[], float] = time.monotonic,
     code_build: str | None = None,
     dir_locks: DirLocks | None = None,
 ) -> Daemon:
     backend, sim = open_backend(config)
     pending = reload_to if reload_to is not None else []
+
+    def reload_config() -> Config:
+        read = pending.pop(0)  # a ConfigError: the file is bad
+        if isinstance(read, ConfigError):
+            raise read
+        return read
+
     return Daemon(
         config,
         backend=backend,
         sim=sim,
         mps_control_command=mps_control_command(config),
         notifier=Notifier(None),
-        reload_config=lambda: pending.pop(0),
+        reload_config=reload_config,
         clock=clock,
         build=code_build,
         dir_locks=dir_locks,
@@ -113,6 +120,39 @@ def test_reload_says_which_changes_need_a_restart(root: Path) -> None:
         # and the cluster's times that follow the tick: an order fresh for three ticks
         report_s = d.config.cluster.report_timeout_s
         assert d.cluster.agent.fail_static.fresh_s == pytest.approx(3 * 0.25 + report_s)
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
+def test_the_status_call_says_whether_the_running_config_is_the_file_s(root: Path) -> None:
+    """A failed reload, and keys kept until a restart, show in ``gpuctl status``; a file
+    changed back clears them."""
+    now = [100.0]
+    bad = ConfigError("0.0 is out of range", path="/etc/gpud/gpud.toml", key="t.i")
+    files = [bad, make_config(root, **{"mps.enabled": True}), make_config(root)]
+    d = build(make_config(root), reload_to=files, clock=lambda: now[0])
+
+    def status() -> node_pb2.ConfigStatus:
+        request = node_pb2.GetStatusRequest()
+        resp = asyncio.run(d.node_servicer.GetStatus(request, None))  # type: ignore[arg-type]
+        assert resp.HasField("config")
+        return resp.config
+
+    try:
+        assert not status().HasField("last_reload_age_seconds")
+        d.reload()  # a bad file: the running config is kept, and said
+        now[0] += 3
+        first = status()
+        assert first.reloads == 1 and first.last_reload_age_seconds == 3.0
+        assert first.reload_error == "/etc/gpud/gpud.toml:t.i: 0.0 is out of range"
+        d.reload()  # the file mended, with a key that needs a restart
+        assert status().reload_error == "" and list(status().restart_needed) == ["mps.enabled"]
+        assert d.config.mps.enabled is False
+        d.reload()  # changed back: nothing waits
+        assert status().reload_error == "" and list(status().restart_needed) == []
+        assert status().reloads == 3
     finally:
         d.sampler.close()
         d.store.close()

@@ -12,11 +12,13 @@ import socket
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from gpud.api import ApiServer, NodeServicer
+from gpud.api.ports import ReloadState
 from gpud.backend.sim import SimNode
 from gpud.build import UNKNOWN
 from gpud.build import current as current_build
@@ -31,6 +33,7 @@ from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import GpuSample, SeenIdentity, Snapshot
 from gpud.v1 import jobs_pb2, net_pb2, queue_pb2
 from tests.unit.api_support import (
+    NOW,
     FakeFaults,
     ServerThread,
     make_servicer,
@@ -149,15 +152,8 @@ _ETH9_GONE = LinkEnforcement("eth9", False, "eth9: no such network interface")
 def test_status_says_how_traffic_is_enforced(
     capsys: pytest.CaptureFixture[str], sock_dir: Path, traffic: TrafficSummary, lines: list[str]
 ) -> None:
-    path = sock_dir / "gpud.sock"
-    with ServerThread(ApiServer(path, servicers=[make_servicer(traffic=traffic).register])):
-        code, out, _ = run(capsys, "--socket", str(path), "status")
-        assert code == 0
-        shown = out.splitlines()
-        assert lines[0] in shown  # the row, and each problem at the end, after the GPUs'
-        assert shown[len(shown) - len(lines) + 1 :] == lines[1:]
-        code, out, _ = run(capsys, "--socket", str(path), "--json", "status")
-    assert json.loads(out)["traffic"] == {
+    status = status_showing(capsys, sock_dir, make_servicer(traffic=traffic), lines)
+    assert status["traffic"] == {
         "enabled": traffic.enabled,
         "interfaces": [
             {"name": i.name, "enforced": i.enforced, "error": i.error} for i in traffic.interfaces
@@ -167,6 +163,61 @@ def test_status_says_how_traffic_is_enforced(
         "rdma_backend": traffic.rdma_backend,
         "rdma_error": traffic.rdma_error,
     }
+
+
+def status_showing(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path, servicer: NodeServicer, lines: list[str]
+) -> dict[str, Any]:
+    """``gpuctl status`` of ``servicer``: ``lines[0]`` is one of its rows and the rest its
+    last lines (each problem, after the GPUs'); its ``--json`` returned."""
+    path = sock_dir / "gpud.sock"
+    with ServerThread(ApiServer(path, servicers=[servicer.register])):
+        code, out, _ = run(capsys, "--socket", str(path), "status")
+        assert code == 0
+        shown = out.splitlines()
+        assert lines[0] in shown
+        assert shown[len(shown) - len(lines) + 1 :] == lines[1:]
+        code, out, _ = run(capsys, "--socket", str(path), "--json", "status")
+    status: dict[str, Any] = json.loads(out)
+    return status
+
+
+@pytest.mark.parametrize(
+    ("reload", "lines"),
+    [
+        (ReloadState(), ["config:      as loaded at start (no reload since)"]),
+        (ReloadState(reloads=1, last_monotonic=NOW - 5), ["config:      reloaded 5.0 s ago"]),
+        (
+            ReloadState(
+                reloads=2,
+                last_monotonic=NOW - 5,
+                error="/etc/gpud/gpud.toml:telemetry.interval_s: 0.0 is out of range",
+            ),
+            [
+                "config:      reload FAILED 5.0 s ago: running the config loaded before, not"
+                " the file's",
+                "config reload failed: /etc/gpud/gpud.toml:telemetry.interval_s: 0.0 is out"
+                " of range",
+            ],
+        ),
+        (
+            ReloadState(
+                reloads=1, last_monotonic=NOW - 5, restart_needed=("mps.enabled", "traffic.levels")
+            ),
+            [
+                "config:      reloaded 5.0 s ago; some keys wait for a restart",
+                "config: needs a restart to change: mps.enabled, traffic.levels (running the"
+                " values before)",
+            ],
+        ),
+    ],
+)
+def test_status_says_whether_the_running_config_is_the_file_s(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path, reload: ReloadState, lines: list[str]
+) -> None:
+    config = status_showing(capsys, sock_dir, make_servicer(reload=reload), lines)["config"]
+    assert config.get("reload_error", "") == reload.error
+    assert config.get("restart_needed", []) == list(reload.restart_needed)
 
 
 def test_status_from_a_gpud_without_traffic_in_it_has_no_traffic_line(

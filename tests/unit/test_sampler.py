@@ -639,6 +639,29 @@ async def test_run_ticks_without_blocking_the_event_loop(backend: FakeBackend) -
     assert len(s.history()) >= 2
 
 
+async def test_a_shorter_interval_set_while_run_waits_takes_effect_at_once(
+    backend: FakeBackend,
+) -> None:
+    """A reload from an hour to 10 ms: the next tick comes within the new period, not after
+    the hour the run was waiting out."""
+    s = Sampler(backend, interval_s=3600.0)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    task = asyncio.create_task(s.run(stop))
+    try:
+        while s.latest() is None:  # the first tick, at once
+            await asyncio.sleep(0.01)
+        first = len(s.history())
+        s.interval_s = 0.01
+        for _ in range(200):
+            if len(s.history()) > first + 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(s.history()) > first + 2
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
 def test_rejects_bad_settings(backend: FakeBackend) -> None:
     with pytest.raises(ValueError, match="interval_s"):
         Sampler(backend, interval_s=0)  # type: ignore[arg-type]
