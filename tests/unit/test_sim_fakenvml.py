@@ -286,7 +286,7 @@ def test_processes_block_destroy() -> None:
         nv.nvmlComputeInstanceDestroy(ci)
     with pytest.raises(nv.NVMLError_InUse):
         nv.nvmlGpuInstanceDestroy(gi)
-    needs_mig = r"^mig: GPU 0 is in MIG mode: .* \(--mig: a MIG device index, 0, or its MIG UUID"
+    needs_mig = r"^mig: GPU 0 is in MIG mode: .* name one: a MIG device index, 0, or its MIG UUID$"
     with pytest.raises(InvalidArgument, match=needs_mig):
         node.workloads.start(0, 4243, 1, 0.1)  # a MIG-enabled GPU needs a MIG device
     node.workloads.stop(4242)
