@@ -78,7 +78,7 @@ from gpud.telemetry.snapshot import ClearedXids, SeenIdentity, Snapshot
 from gpud.threads import on_daemon_thread
 
 if TYPE_CHECKING:
-    from gpud.backend.sim import SimNode
+    from gpud.backend.sim import SimNode, Workload
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -643,15 +643,7 @@ class Daemon:
 
         assert self.sim is not None
         snap = self.sampler.latest()
-        for w in self.sim.workloads.end_exited():
-            sample = snap.gpu(w.gpu) if snap is not None else None
-            self.events.emit(
-                "sim.workload",
-                f"simulated process {w.pid} ended on GPU {w.gpu}: its host process exited",
-                pid=w.pid,
-                gpu=w.gpu,
-                uuid=sample.known().uuid if sample is not None else "",
-            )
+        self._sim_ended(self.sim.workloads.end_exited(), snap)
         totals: dict[str, int] = {}
         for g in snap.gpus if snap is not None else ():
             totals[g.identity.uuid] = g.identity.memory_total_bytes
@@ -674,6 +666,20 @@ class Daemon:
                 for r in self._colo_running()
             ]
         )
+
+    def _sim_ended(self, ended: list[Workload], snap: Snapshot | None) -> None:
+        """A ``sim.workload`` event for each declared process that ended with its host
+        process (one per GPU): found by a tick, or when the node was set up (the host
+        process exited while no daemon ran)."""
+        for w in ended:
+            sample = snap.gpu(w.gpu) if snap is not None else None
+            self.events.emit(
+                "sim.workload",
+                f"simulated process {w.pid} ended on GPU {w.gpu}: its host process exited",
+                pid=w.pid,
+                gpu=w.gpu,
+                uuid=sample.known().uuid if sample is not None else "",
+            )
 
     async def _traffic_step(self) -> None:
         """The traffic tick, waited for ``TRAFFIC_WAIT_S`` at most (a hung ``nft`` is
@@ -787,6 +793,9 @@ class Daemon:
             # call_timeout_s), which the start-up MIG reconcile then leaves alone. MIG layouts
             # converge (or are only reported, as configured) before the API serves.
             await asyncio.to_thread(self.sampler.tick)
+            if self.sim is not None:
+                # those that ended while no daemon ran, named with the GPUs just read
+                self._sim_ended(self.sim.take_ended(), self.sampler.latest())
             # The jobs service learns the unhealthy GPUs from it before the first request.
             await asyncio.to_thread(self.jobs.tick, self.sampler.latest())
             await while_starting(

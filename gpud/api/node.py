@@ -381,9 +381,12 @@ class NodeServicer(pb_grpc.NodeServicer):
                     workloads.start, gpu, pid, request.memory_bytes, request.sm_ratio, mig
                 )
             except ValueError as err:
-                # what else the simulated driver refuses (a GPU in MIG mode with no MIG
-                # device named is InvalidArgument of mig, a PID already on the GPU
-                # AlreadyExists, an unknown MIG device NotFound, as they are)
+                # the workloads' own checks of the GPU index, memory and SM share (made
+                # above already). The simulated driver's refusals pass as they are: a GPU
+                # in MIG mode with no MIG device named is InvalidArgument of mig listing
+                # its MIG devices (gpuctl adds its option, --mig), a PID already on the GPU
+                # AlreadyExists, an unknown MIG device NotFound, a faulty GPU
+                # FailedPrecondition
                 raise InvalidArgument(str(err), field="mig" if request.mig else "pid") from err
             if self._events is not None:
                 self._events.emit(

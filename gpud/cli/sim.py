@@ -136,7 +136,10 @@ def run_workload(ctx: Context, args: argparse.Namespace) -> int:
         request.mig = args.mig or ""
         request.memory_bytes = args.memory
         request.sm_ratio = args.sm
-    resp: pb.SimWorkloadResponse = ctx.call(ctx.stub(pb_grpc.NodeStub).SimWorkload, request)
+    try:
+        resp: pb.SimWorkloadResponse = ctx.call(ctx.stub(pb_grpc.NodeStub).SimWorkload, request)
+    except CliError as err:
+        raise _with_option(err, args) from None
     if ctx.out.json:
         ctx.out.print_json(resp)
         return 0
@@ -167,6 +170,17 @@ def run_workload(ctx: Context, args: argparse.Namespace) -> int:
         ],
     )
     return 0
+
+
+def _with_option(err: CliError, args: argparse.Namespace) -> CliError:
+    """The simulated driver's refusal of a start on a GPU in MIG mode asks for a MIG
+    device (``mig: ... name one: ...``): with the option that names it, when not given."""
+    message = str(err)
+    if err.error != "InvalidArgument" or args.stop or args.mig is not None:
+        return err
+    if not (message.startswith("mig: ") and " name one: " in message):
+        return err
+    return CliError(f"{message} (--mig)", err.exit_code, error=err.error, status=err.status)
 
 
 def run_reboot(ctx: Context, args: argparse.Namespace) -> int:

@@ -346,6 +346,7 @@ class MpsManager:
         # Devices a MIG apply released, by when it ended (``snapshot_clock``): no daemon is
         # started for them from a snapshot sampled before (it shows them as they were)
         self._released_at: dict[str, float] = {}
+        self._observed_at: float | None = None  # the newest snapshot observed (its monotonic)
         self._snapshot_clock = snapshot_clock
         self._others_root = others_root
         self._cgroups = cgroups
@@ -738,7 +739,16 @@ class MpsManager:
     # -- the loop --------------------------------------------------------------------------
     def observe_snapshot(self, snapshot: Snapshot) -> None:
         """:meth:`observe` the snapshot's devices, and note its GPUs in MIG mode (``nvidia-smi
-        -q``'s "MIG Mode: Current"), so that one with no MIG device is named as such."""
+        -q``'s "MIG Mode: Current"), so that one with no MIG device is named as such.
+
+        A snapshot older than one observed before is passed over: a pass that took it
+        before a MIG apply ended, and waited behind the pass of a newer one, would see the
+        devices as they were before the apply (a GPU still whole) once the newer one had let
+        go of what the apply released, and start a daemon there."""
+        with self._lock:
+            if self._observed_at is not None and snapshot.monotonic < self._observed_at:
+                return
+            self._observed_at = snapshot.monotonic
         mig_gpus = {
             g.identity.index: g.identity.uuid
             for g in snapshot.gpus

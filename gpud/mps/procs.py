@@ -14,15 +14,37 @@ from gpud.pidns import status_line
 PID_MAX = 4 * 1024 * 1024
 
 
-def stat_fields(pid: int, proc_root: Path = Path("/proc")) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after ``(comm)`` (``[0]`` is the state, field 3 of
-    proc(5)); None when the process is gone. ``comm`` may hold spaces and parentheses, so the
-    split starts after its last ``)``."""
+def stat(pid: int, proc_root: Path = Path("/proc")) -> tuple[str, list[str]] | None:
+    """``/proc/<pid>/stat`` read once: the name (``comm``) and the fields after it (``[0]``
+    is the state, field 3 of proc(5)); None when the process is gone. ``comm`` may hold
+    spaces and parentheses, so it ends at the last ``)``."""
     try:
-        stat = (proc_root / str(pid) / "stat").read_text()
+        text = (proc_root / str(pid) / "stat").read_text()
     except OSError:
         return None
-    return stat[stat.rfind(")") + 2 :].split()
+    close = text.rfind(")")
+    return text[text.find("(") + 1 : close], text[close + 2 :].split()
+
+
+def stat_fields(pid: int, proc_root: Path = Path("/proc")) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after ``(comm)`` (:func:`stat`); None when the
+    process is gone."""
+    read = stat(pid, proc_root)
+    return None if read is None else read[1]
+
+
+def exited(fields: list[str]) -> bool:
+    """The state in ``fields`` (:func:`stat_fields`) says the process has exited: a zombie
+    its parent has not reaped yet (``Z``), or dead (``X``)."""
+    return bool(fields) and fields[0] in ("Z", "X")
+
+
+def start_ticks(fields: list[str]) -> int | None:
+    """Field 22 of ``/proc/<pid>/stat`` from its ``fields`` (:func:`stat_fields`): when the
+    process started, in clock ticks since boot; None when procfs does not say."""
+    with contextlib.suppress(IndexError, ValueError):
+        return int(fields[19])
+    return None
 
 
 def alive(pid: int, proc_root: Path = Path("/proc")) -> bool:
@@ -42,18 +64,14 @@ def alive(pid: int, proc_root: Path = Path("/proc")) -> bool:
     fields = stat_fields(pid, proc_root)
     if not fields:
         return True  # no procfs entry readable: trust kill(0)
-    return fields[0] not in ("Z", "X")
+    return not exited(fields)
 
 
 def start_time(pid: int, proc_root: Path = Path("/proc")) -> int | None:
     """Field 22 of ``/proc/<pid>/stat`` (clock ticks since boot): with the PID, it names one
     process even after the PID is reused."""
     fields = stat_fields(pid, proc_root)
-    if fields is None:
-        return None
-    with contextlib.suppress(IndexError, ValueError):
-        return int(fields[19])
-    return None
+    return None if fields is None else start_ticks(fields)
 
 
 def started_at(pid: int, proc_root: Path = Path("/proc")) -> float | None:

@@ -18,11 +18,12 @@ from gpud.cli.main import main
 from gpud.config import Config
 from gpud.daemon import Daemon
 from gpud.main import mps_control_command, open_backend
-from gpud.mps.procs import PID_MAX, alive
+from gpud.mps.procs import alive
 from gpud.notify import Notifier
 from gpud.store import StateStore
 from gpud.telemetry.seen import Seen, SeenGpus
 from tests.unit.api_support import short_dir
+from tests.unit.sim_support import NO_HOST
 
 T = TypeVar("T")
 
@@ -39,9 +40,6 @@ mig-configs:
         "1g.5gb": 2
 """
 SPEC = "A100-SXM4-40GB:2"
-# A PID no host process has (Linux hands out PIDs below PID_MAX): a declared process with
-# it runs until stopped, whatever runs on the machine
-NO_HOST = str(PID_MAX)
 
 
 @pytest.fixture
@@ -128,12 +126,12 @@ def test_a_declared_process_of_a_host_process_ends_with_it_and_says_so(
 
     def body() -> None:
         try:
-            for pid in (str(host.pid), NO_HOST):
+            for pid in (str(host.pid), str(NO_HOST)):
                 assert gpuctl("sim", "workload", "start", "--gpu", "0", "--pid", pid)[0] == 0
             host.kill()
             host.wait()
             gpuctl.wait(
-                lambda gpus: [p["pid"] for p in gpus[0]["processes"]] == [PID_MAX]  # type: ignore[union-attr]
+                lambda gpus: [p["pid"] for p in gpus[0]["processes"]] == [NO_HOST]  # type: ignore[union-attr]
             )
         finally:
             host.kill()
@@ -148,14 +146,46 @@ def test_a_declared_process_of_a_host_process_ends_with_it_and_says_so(
                 f" process {host.pid} exits",
             ),
             (
-                PID_MAX,
-                f"simulated process {PID_MAX} started on GPU 0: no host process"
-                f" {PID_MAX} runs, so it runs until stopped",
+                NO_HOST,
+                f"simulated process {NO_HOST} started on GPU 0: no host process"
+                f" {NO_HOST} runs, so it runs until stopped",
             ),
             (host.pid, f"simulated process {host.pid} ended on GPU 0: its host process exited"),
         ]
 
     run_daemon(make_config(root), body)
+
+
+def test_a_declared_process_whose_host_process_exited_while_gpud_was_down_says_so(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A declared process whose host process exits while gpud is down is gone when gpud
+    starts again, with the same sim.workload event a tick gives (before, it went without
+    a word)."""
+    config = make_config(root)
+    gpuctl = Gpuctl(config, capsys)
+    host = subprocess.Popen(["sleep", "60"])
+    try:
+        start = ("sim", "workload", "start", "--gpu", "1", "--pid", str(host.pid))
+        assert run_daemon(config, lambda: gpuctl(*start))[0] == 0
+    finally:
+        host.kill()
+        host.wait()
+
+    def body() -> tuple[object, list[dict[str, object]]]:
+        code, out, err = gpuctl("--json", "events", "--kind", "sim.workload")
+        assert code == 0, err
+        return gpuctl.gpus()[1]["processes"], json.loads(out)["events"]
+
+    processes, said = run_daemon(make_config(root), body)
+    assert processes == []
+    ended = said[-1]
+    assert ended["message"] == (
+        f"simulated process {host.pid} ended on GPU 1: its host process exited"
+    )
+    fields = ended["fields"]
+    assert isinstance(fields, dict)
+    assert fields["pid"] == host.pid and fields["gpu"] == 1 and fields["uuid"]
 
 
 def test_held_out_balanced_layout_on_an_a100_applies_without_a_reboot(
@@ -380,10 +410,20 @@ def test_a_change_to_the_simulated_node_shows_in_the_next_read(
         assert gpuctl("sim", "fault", "--gpu", "0", "clear")[0] == 0
         # back on the bus, with the XID 79 its fall left until a reset or a clear
         assert str(gpuctl.gpus()[0]["reason"]).startswith("critical Xid 79")
-        started = ("sim", "workload", "start", "--gpu", "0", "--pid", NO_HOST, "--memory", "8GiB")
+        started = (
+            "sim",
+            "workload",
+            "start",
+            "--gpu",
+            "0",
+            "--pid",
+            str(NO_HOST),
+            "--memory",
+            "8GiB",
+        )
         assert gpuctl(*started)[0] == 0
-        assert [p["pid"] for p in gpuctl.gpus()[0]["processes"]] == [PID_MAX]  # type: ignore[union-attr]
-        assert gpuctl("sim", "workload", "stop", "--pid", NO_HOST)[0] == 0
+        assert [p["pid"] for p in gpuctl.gpus()[0]["processes"]] == [NO_HOST]  # type: ignore[union-attr]
+        assert gpuctl("sim", "workload", "stop", "--pid", str(NO_HOST))[0] == 0
         assert gpuctl.gpus()[0]["processes"] == []
         # admission sees a cleared XID at once: a run right after the clear is not refused
         assert gpuctl("jobs", "add", "both", "--gpus", "2")[0] == 0

@@ -624,7 +624,7 @@ def test_sim_workload_on_a_mig_gpu_without_mig_names_the_option(
         assert code == 2 and out == ""
         assert err == (
             "gpuctl: mig: GPU 0 is in MIG mode: a process runs on one of its MIG devices;"
-            " name one (--mig: a MIG device index, 0..1, or its MIG UUID)\n"
+            " name one: a MIG device index, 0..1, or its MIG UUID (--mig)\n"
         )
         code, out, err = run(capsys, *start_cmd, "--gpu", "1")
         assert code == 2 and out == ""

@@ -52,6 +52,9 @@ class Host:
     def __init__(self, tmp: Path, spec: list[tuple[str, int]]) -> None:
         self.tmp = tmp
         self.spec = spec
+        # the processes the nodes see: none, so that a declared PID runs until stopped
+        # whatever runs on the machine, and a daemon started again still has it
+        self.proc = tmp / "proc"
         self.jobs: dict[int, str] = {}
         self.faults: dict[int, str] = {}  # what telemetry found unhealthy
         self.read_timeout_s = 5.0  # how long an apply waits for a GPU's reads
@@ -62,7 +65,7 @@ class Host:
 
     def start(self, *, resets: bool = False) -> Daemon:
         """A daemon life; with ``resets`` its backend can reset GPUs (nvidia-smi)."""
-        node = SimNode(self.spec, state_file=self.tmp / "driver.json")
+        node = SimNode(self.spec, state_file=self.tmp / "driver.json", proc_root=self.proc)
         backend = NvmlBackend(node.nvml, reset=node.reset if resets else None)
         store = StateStore(self.tmp / "state")
         events = EventLog(None)
@@ -1419,7 +1422,7 @@ def test_a_config_matching_no_gpu_names_a_gpu_never_read_as_unknown(
 
 
 def _refusing_manager(host: Host, code: int, call: str, gpu: int) -> MigManager:
-    node = SimNode(host.spec, state_file=host.tmp / "driver.json")
+    node = SimNode(host.spec, state_file=host.tmp / "driver.json", proc_root=host.proc)
     d = host.start()
     return MigManager(
         NvmlBackend(Refusing(node.nvml, code, [call], [gpu]), uid=1000),
@@ -1474,7 +1477,7 @@ def test_mig_show_shows_a_gpu_whose_mig_devices_need_a_reset_as_faulty(
     """A GPU whose MIG devices answer RESET_REQUIRED before telemetry says so is shown as
     faulty, with why, not as instances whose memory is merely unknown."""
     enable(host, config, "all-1g.10gb")
-    node = SimNode(host.spec, state_file=host.tmp / "driver.json")
+    node = SimNode(host.spec, state_file=host.tmp / "driver.json", proc_root=host.proc)
     refusing = Refusing(node.nvml, 0, ["nvmlDeviceGetMemoryInfo"])
     d = host.start()
     mig = MigManager(NvmlBackend(refusing), d.store, d.events, sleep=lambda s: None)

@@ -1894,6 +1894,21 @@ def test_a_daemon_that_lost_its_pipe_dir_and_outlives_sigkill_gets_none_beside_i
         store.close()
 
 
+@contextlib.contextmanager
+def gpu0_released(root: Path, sampled: list[float]) -> Iterator[tuple[MpsManager, EventLog]]:
+    """A manager with a daemon per whole GPU whose GPU 0 a MIG apply released, the apply
+    ending at ``sampled[0]`` on the snapshot clock."""
+    mgr, store, events = make_manager(root, snapshot_clock=lambda: sampled[0])
+    try:
+        mgr.reconcile(NODE)
+        with mgr.released([gpu_uuid(0)]) as left:
+            assert left == {}
+        yield mgr, events
+    finally:
+        mgr.stop()
+        store.close()
+
+
 def test_a_snapshot_older_than_a_mig_apply_starts_no_daemon_it_released(root: Path) -> None:
     """After a MIG apply that enabled MIG mode on a GPU, a pass working from a snapshot
     sampled before the apply ended (the GPU still whole in it) starts no whole-GPU daemon
@@ -1901,11 +1916,7 @@ def test_a_snapshot_older_than_a_mig_apply_starts_no_daemon_it_released(root: Pa
     devices the apply released get a daemon again only from a snapshot sampled after it,
     their own where the GPU is still whole (the apply failed), its MIG devices' otherwise."""
     sampled = [100.0]
-    mgr, store, events = make_manager(root, snapshot_clock=lambda: sampled[0])
-    try:
-        mgr.reconcile(NODE)
-        with mgr.released([gpu_uuid(0)]) as left:
-            assert left == {}
+    with gpu0_released(root, sampled) as (mgr, events):
         stale = dataclasses.replace(NODE, monotonic=99.0)  # its tick began before the end
         mgr.reconcile(stale)
         assert {s.target.uuid: s.pid for s in mgr.status()}[gpu_uuid(0)] is None
@@ -1935,6 +1946,21 @@ def test_a_snapshot_older_than_a_mig_apply_starts_no_daemon_it_released(root: Pa
         assert {s.target.uuid: s.pid for s in mgr.status()}[mig_uuid(0, 0)] is None
         mgr.reconcile(dataclasses.replace(mig, monotonic=201.0))
         assert {s.target.uuid: s.up for s in mgr.status()}[mig_uuid(0, 0)]
-    finally:
-        mgr.stop()
-        store.close()
+
+
+def test_a_pass_behind_a_newer_snapshot_starts_no_daemon_the_apply_released(root: Path) -> None:
+    """The loop's pass took its snapshot before a MIG apply ended (the GPU still whole in
+    it) and waited behind the pass the apply made with a new sample: that pass let go of
+    what the apply released, and the older one then started a whole-GPU daemon on a GPU in
+    MIG mode (and stopped its MIG device's as gone). A snapshot older than one observed
+    is passed over: the devices stay those of the newer."""
+    sampled = [100.0]
+    with gpu0_released(root, sampled) as (mgr, events):
+        mig = snapshot(gpu_sample(0, migs=(("3g.40gb", 40),)), gpu_sample(1, memory_gib=40))
+        mgr.reconcile(dataclasses.replace(mig, monotonic=101.0))  # the apply's own sample
+        mgr.reconcile(dataclasses.replace(NODE, monotonic=99.0))  # the loop's, from before
+        now = {s.target.uuid: s for s in mgr.status()}
+        assert gpu_uuid(0) not in now and now[mig_uuid(0, 0)].up
+        started = sorted(e.fields["uuid"] for e in events.recent(kind_prefix="mps.start"))
+        assert started == sorted([gpu_uuid(0), gpu_uuid(1), mig_uuid(0, 0)])
+        assert len(events.recent(kind_prefix="mps.stop")) == 1  # the whole GPU's, released

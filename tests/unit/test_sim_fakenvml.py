@@ -20,6 +20,7 @@ from gpud.errors import (
     NotFound,
     ResourceExhausted,
 )
+from tests.unit.sim_support import NO_HOST
 
 
 def _mig_node(tmp_path: Path | None = None, spec: str = "H100-SXM5-80GB") -> SimNode:
@@ -286,7 +287,7 @@ def test_processes_block_destroy() -> None:
         nv.nvmlComputeInstanceDestroy(ci)
     with pytest.raises(nv.NVMLError_InUse):
         nv.nvmlGpuInstanceDestroy(gi)
-    needs_mig = r"^mig: GPU 0 is in MIG mode: .* \(--mig: a MIG device index, 0, or its MIG UUID"
+    needs_mig = r"^mig: GPU 0 is in MIG mode: .* name one: a MIG device index, 0, or its MIG UUID$"
     with pytest.raises(InvalidArgument, match=needs_mig):
         node.workloads.start(0, 4243, 1, 0.1)  # a MIG-enabled GPU needs a MIG device
     node.workloads.stop(4242)
@@ -398,27 +399,28 @@ def test_slow_mig_slows_only_the_calls_that_change_mig(tmp_path: Path) -> None:
 def test_declared_processes_outlive_gpud_and_modelled_ones_do_not(tmp_path: Path) -> None:
     """A process `gpuctl sim workload start` declared is a CUDA process of the node: a gpud
     killed and started again still lists it (before, it was gone: `gpuctl sim workload stop
-    --pid 4242` said "no simulated process 4242"), on its MIG device too. A workload
+    --pid 4194304` said "no simulated process 4194304"), on its MIG device too. (Its PID is
+    one no host process has: one that a host process has runs only as long as it.) A workload
     model's is not kept (the models start it again from the job's host process), nor one
     stopped; a reboot ends them all."""
     node, mig = _one_mig_device(tmp_path)
-    node.workloads.start(0, 4242, 3 << 30, 0.6, mig=0)
+    node.workloads.start(0, NO_HOST, 3 << 30, 0.6, mig=0)
     assert node.workloads.start_modelled(0, 4300, 1 << 30, 0.5, mig=mig)
-    node.workloads.start(0, 4243, 1 << 30, 0.2, mig=0)
-    node.workloads.stop(4243)
+    node.workloads.start(0, NO_HOST + 1, 1 << 30, 0.2, mig=0)
+    node.workloads.stop(NO_HOST + 1)
 
     def listed(n: SimNode) -> list[tuple[int, int, int | None, int | None, int, float]]:
         return sorted(
             (p.pid, p.gpu, p.gi, p.ci, p.used_bytes, p.sm_ratio) for p in n.nvml.sim_processes()
         )
 
-    declared = (4242, 0, 4, 0, 3 << 30, 0.6)
-    assert listed(node) == [declared, (4300, 0, 4, 0, 1 << 30, 0.5)]
+    declared = (NO_HOST, 0, 4, 0, 3 << 30, 0.6)
+    assert listed(node) == [(4300, 0, 4, 0, 1 << 30, 0.5), declared]
     again = SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json")
     assert listed(again) == [declared]
-    assert again.workloads.stop(4242)
+    assert again.workloads.stop(NO_HOST)
     assert listed(SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json")) == []
-    again.workloads.start(0, 4242, 3 << 30, 0.6, mig=0)
+    again.workloads.start(0, NO_HOST, 3 << 30, 0.6, mig=0)
     again.reboot()
     assert listed(SimNode([("H100-SXM5-80GB", 1)], state_file=tmp_path / "dev.json")) == []
 

@@ -13,8 +13,9 @@ from gpud.backend.sim import JobDevice, JobWorkloads, SimNode
 from gpud.backend.sim.fakenvml import FakeNvml
 from gpud.backend.sim.faults import FaultInjector
 from gpud.backend.sim.jobmodels import ALONE_SM, DEFAULT_MEMORY, sm_activity, utilization
-from gpud.backend.sim.workloads import Workloads
+from gpud.backend.sim.workloads import Workloads, host_start
 from gpud.errors import FailedPrecondition
+from gpud.mps import procs as procfs
 
 GIB = 1 << 30
 
@@ -451,3 +452,56 @@ def test_a_declared_process_whose_host_process_exited_while_gpud_was_down_is_gon
     third = SimNode([("H100-SXM5-80GB", 1)], proc_root=proc, state_file=state)
     third.nvml.nvmlInit()
     assert listed(third, 0) == {4242: 8 * GIB}
+
+
+def test_a_host_process_that_exits_ends_only_its_own_declared_processes(
+    sim: tuple[SimNode, Procs],
+) -> None:
+    """A PID declared on GPU 0 when no host process had it (it runs until stopped) and on
+    GPU 1 once one does: the host process's exit ends the one on GPU 1 only (before, both
+    went)."""
+    node, procs = sim
+    assert not node.workloads.start(0, 10, 8 * GIB, 0.5)
+    procs.add(10, 1, {"PATH": "/bin"})
+    assert node.workloads.start(1, 10, 16 * GIB, 0.5)
+    procs.remove(10)
+    assert [(w.pid, w.gpu) for w in node.workloads.end_exited()] == [(10, 1)]
+    assert listed(node, 0) == {10: 8 * GIB}
+    assert listed(node, 1) == {}
+
+
+class CountingPath(type(Path())):  # type: ignore[misc]
+    """A ``/proc`` root that counts the reads of ``stat`` files under it."""
+
+    reads: list[str] = []
+
+    def read_text(self, *args: object, **kwargs: object) -> str:
+        if self.name == "stat":
+            CountingPath.reads.append(str(self))
+        return super().read_text(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_declared_process_reads_its_host_process_stat_once(tmp_path: Path) -> None:
+    """Whether a declared PID is a live host process and when it started come from one read
+    of ``/proc/<pid>/stat`` (it was read twice, per declared process and tick)."""
+    Procs(tmp_path).add(10, 1, {"PATH": "/bin"})
+    root = CountingPath(tmp_path)
+    CountingPath.reads = []
+    assert host_start(root, 10) == 1010
+    assert len(CountingPath.reads) == 1
+    Procs(tmp_path).add(10, 1, {"PATH": "/bin"}, state="Z")
+    assert host_start(root, 10) is None
+
+
+def test_stat_gives_the_name_whatever_it_holds_and_the_fields_after_it(tmp_path: Path) -> None:
+    """``comm`` may hold spaces and parentheses: the fields start after its last ``)``."""
+    Procs(tmp_path).add(10, 1, {"PATH": "/bin"}, comm="a) (b c")
+    read = procfs.stat(10, tmp_path)
+    assert read is not None
+    comm, fields = read
+    assert comm == "a) (b c" and fields[:2] == ["S", "1"]
+    assert procfs.stat_fields(10, tmp_path) == fields
+    assert procfs.start_time(10, tmp_path) == 1010
+    assert procfs.stat(11, tmp_path) is None
+    assert procfs.exited(["Z"]) and procfs.exited(["X"]) and not procfs.exited(["S"])
+    assert not procfs.exited([])

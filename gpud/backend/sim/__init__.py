@@ -103,8 +103,15 @@ class SimNode:
         self.faults = FaultInjector(self.nvml)
         self.workloads = Workloads(self.nvml, proc_root=proc_root)
         self.jobs = JobWorkloads(self.workloads, proc_root=proc_root)
-        # the declared processes whose host process exited while no daemon ran
-        self.workloads.end_exited()
+        # the declared processes whose host process exited while no daemon ran: ended
+        # now, reported by the daemon once its event log is open (:meth:`take_ended`)
+        self._ended = self.workloads.end_exited()
+
+    def take_ended(self) -> list[Workload]:
+        """The declared processes that ended when the node was set up, their host process
+        having exited while no daemon ran (one per GPU); each is returned once."""
+        ended, self._ended = self._ended, []
+        return ended
 
     @property
     def gpu_count(self) -> int:

@@ -416,8 +416,8 @@ def _mig_device_required(gpu: int, devices: int) -> InvalidArgument:
         )
     span = "0" if devices == 1 else f"0..{devices - 1}"
     return InvalidArgument(
-        f"GPU {gpu} is in MIG mode: a process runs on one of its MIG devices; name one"
-        f" (--mig: a MIG device index, {span}, or its MIG UUID)",
+        f"GPU {gpu} is in MIG mode: a process runs on one of its MIG devices; name one:"
+        f" a MIG device index, {span}, or its MIG UUID",
         field="mig",
     )
 

@@ -45,6 +45,7 @@ from typing import Final
 from gpud.backend.sim.fakenvml import LinkTraffic
 from gpud.backend.sim.workloads import Workloads
 from gpud.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from gpud.mps import procs
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +259,7 @@ class JobWorkloads:
         except OSError:
             return {}
         for name in names:
-            if name.isdigit() and (st := _stat(self._proc / name)) is not None:
+            if name.isdigit() and (st := _stat(int(name), self._proc)) is not None:
                 stats[int(name)] = st
         job_of: dict[int, str | None] = {}
         cache: dict[tuple[int, str], str | None] = {}
@@ -285,21 +286,15 @@ class JobWorkloads:
         return None
 
 
-def _stat(path: Path) -> tuple[int, str] | None:
+def _stat(pid: int, proc_root: Path) -> tuple[int, str] | None:
     """(parent PID, identity) from ``/proc/<pid>/stat``, or None if it is gone.
 
     The identity is the start time and the name (``comm``): a PID reused later has another
     start time, and a child that execs after the fork (as ``gpuctl run``'s does) keeps its
     start time but takes the new program's name. Before that exec its environ is still its
     parent's, so what was read then must not stand for the program it becomes."""
-    try:
-        text = (path / "stat").read_text()
-    except OSError:
+    read = procs.stat(pid, proc_root)
+    if read is None or len(read[1]) < 20:
         return None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-    close = text.rfind(")")
-    fields = text[close + 2 :].split()
-    if len(fields) < 20:
-        return None
-    comm = text[text.find("(") + 1 : close]
+    comm, fields = read
     return int(fields[1]), f"{fields[19]} {comm}"

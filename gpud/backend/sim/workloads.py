@@ -82,15 +82,17 @@ class Workloads:
     def end_exited(self) -> list[Workload]:
         """End the declared processes whose host process has exited (or whose PID another
         process has taken since), as the driver frees an exiting process's memory; returns
-        them (one per GPU), by PID. Those declared with a PID no host process had are left."""
+        them (one per GPU), by PID. Each ends on its own GPU only: the same PID declared on
+        another GPU when no host process had it (or another one did) is left there, as are
+        all those declared with a PID no host process had."""
         with self._lock:
             gone = [
                 _workload(p)
                 for p in sorted(self._nvml.sim_processes(), key=lambda p: (p.pid, p.gpu))
                 if p.declared and p.host is not None and host_start(self._proc, p.pid) != p.host
             ]
-            for pid in {w.pid for w in gone}:
-                self._nvml.sim_stop_process(pid)
+            for w in gone:
+                self._nvml.sim_stop_process(w.pid, w.gpu)
             return gone
 
     def stop(self, pid: int) -> bool:
@@ -172,9 +174,9 @@ def host_start(proc_root: Path, pid: int) -> int | None:
     such process, or one that has exited (a zombie not yet reaped). A PID reused later has
     another start time."""
     fields = procs.stat_fields(pid, proc_root)
-    if fields is None or fields[0] in ("Z", "X"):
+    if fields is None or procs.exited(fields):
         return None
-    return procs.start_time(pid, proc_root)
+    return procs.start_ticks(fields)
 
 
 def _workload(p: _Proc) -> Workload:
