@@ -1938,3 +1938,26 @@ def test_a_snapshot_older_than_a_mig_apply_starts_no_daemon_it_released(root: Pa
     finally:
         mgr.stop()
         store.close()
+
+
+def test_a_daemon_that_lost_its_pipe_dir_is_killed_when_its_device_is_disabled(
+    root: Path,
+) -> None:
+    """``gpuctl mps set GPU --disable`` for a device whose control daemon lost its pipe
+    directory (no PID file names it): the daemon is killed, not left running with its
+    record dropped."""
+    mgr, store, events = make_manager(root)
+    try:
+        mgr.reconcile(NODE)
+        old = mgr.status()[1]
+        assert old.pid is not None
+        shutil.rmtree(old.pipe_dir)  # its PID file and control socket go with it
+        mgr.set_limits("1", enabled=False)
+        wait_dead(old.pid)
+        (stop,) = [e for e in events.recent(kind_prefix="mps.stop") if e.kind == "mps.stop"]
+        assert stop.fields["pid"] == old.pid and stop.fields["how"] == "sigkill"
+        assert "it lost its pipe directory" in stop.message
+        assert not mgr.status()[1].running
+    finally:
+        mgr.stop()
+        store.close()
