@@ -349,8 +349,26 @@ def test_a_drain_cut_off_is_logged_as_stopped_while_draining(
     assert event.fields["result"] == "not_started" and event.fields["client_gone"] is True
     assert event.message == (
         "apply all-3g.40gb: not_started: stopped while draining, after 2s waiting for "
-        "processes to leave, before any change (the client had gone or gpud was stopping)"
+        "processes to leave, before any change (the client had gone)"
     )
+
+
+def test_a_drain_ends_as_not_started_when_gpud_stops(host: Host, config: MigConfigFile) -> None:
+    """gpud stopping while an apply waits for processes to leave: the apply ends at once,
+    changing nothing, and its caller (still there) is answered ``not_started``."""
+    d, _pid = _busy_setup(host, config)
+    before = instances(d)
+    result = d.mig.apply(
+        config,
+        "all-3g.40gb",
+        options=ApplyOptions(drain=True, timeout_s=30),
+        stopping=lambda: len(d.sleeps) >= 1,
+    )
+    assert result.result == "not_started" and len(d.sleeps) == 1
+    assert instances(d) == before
+    event = d.events.recent(kind_prefix="mig.apply")[-1]
+    assert event.fields["client_gone"] is False
+    assert event.message.endswith("before any change (gpud was stopping)")
 
 
 def test_drain_times_out(host: Host, config: MigConfigFile) -> None:
