@@ -1015,6 +1015,12 @@ class MigManager:
         began = self._monotonic()
         with self._lock:
             inflight = self._store.inflight()
+            if inflight is not None and not inflight.steps:
+                # an apply with nothing to do (the layouts were in place), cut off before it
+                # answered: the desired layouts it recorded are all there is to it, and
+                # those are reconciled as always. Nothing to resume, say or count.
+                self._store.finish_apply()
+                inflight = None
             desired = self._store.desired()
             all_ids, faults = self._gpus()
             ids = {g.uuid: g for g in all_ids if g.uuid}
