@@ -218,6 +218,14 @@ def test_no_daemon_for_a_gpu_never_read(manager: MpsManager) -> None:
     )
     read = device_message(status[1], None)
     assert read.uuid == gpu_uuid(1) and read.profile and read.pipe_directory.endswith("/pipe")
+    # whether its daemon runs is unknown (one an earlier gpud started runs on, untouched):
+    # not "DOWN", nor up: false in --json
+    assert row[3] == "unknown (GPU 0 not read since gpud started) (GPU 0 unhealthy)"
+    assert row[4] == "-"
+    assert unknown["up"] is None
+    assert unknown["up_unknown"] == "GPU 0 not read since gpud started"
+    assert device_row(read)[3] == "up" and message_to_dict(read)["up"] is True
+    assert read.up_unknown == ""
     # no MPS series for it: not under uuid="" (beside the last-seen UUID that its GPU series
     # carry), nor a daemon "enabled" and down that is no daemon at all
     registry = _metrics_registry(manager)
