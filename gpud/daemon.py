@@ -36,6 +36,7 @@ from gpud.admission.metrics import AdmissionMetrics
 from gpud.admission.passes import PassRunner
 from gpud.admission.service import AdmissionService, mig_file_layouts
 from gpud.api.access import ReportTokens
+from gpud.api.gate import CallGate
 from gpud.api.node import NodeServicer
 from gpud.api.ports import FaultPort, NodeInfo, ReloadState
 from gpud.api.server import ApiServer
@@ -109,6 +110,13 @@ RESTART_KEYS = (
 
 # seconds a stop waits for a running MIG apply (systemd's TimeoutStopSec is 30)
 MIG_STOP_WAIT_S = 20.0
+# seconds of the stop budget the calls that change the node (a MIG apply, a reservation or
+# its release, MPS limits: gpud finishes them whether or not their callers still wait) are
+# waited for, to answer their callers before the API stops; new ones are refused meanwhile
+# (UNAVAILABLE "gpud is stopping"). Past it their callers are cut off: gpuctl says the
+# outcome is unknown, and the stop goes on (an apply's plan is kept: the next start
+# finishes it)
+CALL_STOP_WAIT_S = 18.0
 # seconds the whole stop may take: every wait in it (the MIG apply, a traffic tick, nft,
 # dcb, MPS control daemons, the sampler) takes what is left of this, so that the store
 # and the driver are closed before systemd's SIGKILL at TimeoutStopSec
@@ -414,11 +422,13 @@ class Daemon:
         )
         self.collector.add_source(ClusterMetrics(self.cluster.agent))
         tokens = ReportTokens(self.jobs.reservations.job_of_token, config.api.tcp_access)
+        self.calls = CallGate()  # the API's calls that change the node, answered at a stop
         self.api = ApiServer(
             config.socket_path,
             socket_group=config.api.socket_group or None,
             tcp_address=config.api.tcp_address or None,
             tcp_access=config.api.tcp_access,
+            gate=self.calls,
             servicers=[
                 self.node_servicer.register,
                 MigServicer(
@@ -427,6 +437,7 @@ class Daemon:
                     read_timeout_s=config.telemetry.call_timeout_s,
                     after_change=self._devices_changed,
                     last_seen=self._last_seen,
+                    stopping=self.calls.closed,
                 ).register,
                 MpsServicer(
                     self.mps,
@@ -451,6 +462,7 @@ class Daemon:
         self._shutdown: list[Callable[[], Awaitable[None] | None]] = []
         self.stop_budget_s = STOP_BUDGET_S
         self.pass_stop_wait_s = PASS_STOP_WAIT_S
+        self.call_stop_wait_s = CALL_STOP_WAIT_S
         self._pass: asyncio.Future[None] | None = None  # the loop pass a stop came during
         self._step_now = ""  # the step the loop pass runs
         # Order matters: MIG first (it changes the devices), then MPS per device, then jobs.
@@ -719,7 +731,11 @@ class Daemon:
         cleared XID, a fault injected into the simulated node): in the API's answers, and in
         what admission and MPS hold of the GPUs (a `gpuctl run` right after `gpuctl xid
         clear` is not refused for the cleared XID). A failure is logged: the change was made,
-        and the next tick samples anyway."""
+        and the next tick samples anyway. None once gpud is stopping: the sampler closes
+        then (a read of it would wait for a worker that is gone), and the next start
+        samples."""
+        if self._stop.is_set():
+            return None
         try:
             snap = self.sampler.tick()
             self.jobs.observe(snap)
@@ -857,6 +873,15 @@ class Daemon:
 
             # event watchers (gpuctl events --follow) end their streams now, not at the grace
             self.events.close_watchers()
+            self.calls.close()
+            if not await self.calls.drained(left(self.call_stop_wait_s)):
+                log.warning(
+                    "stop: %d call(s) changing the node still ran after %.0f s: their callers"
+                    " are cut off (gpuctl says the outcome is unknown); a MIG apply's plan is"
+                    " kept and the next start finishes it",
+                    self.calls.running,
+                    self.call_stop_wait_s,
+                )
             with contextlib.suppress(Exception):
                 await self.api.stop(grace=left(2.0))
             await self._end_pass(left(self.pass_stop_wait_s))

@@ -20,6 +20,7 @@ themselves.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +30,7 @@ import grpc
 
 from gpud.api import validate
 from gpud.api.access import Guard
+from gpud.api.gate import CallGate
 from gpud.errors import (
     ERROR_KEY,
     EXIT_CODE_KEY,
@@ -118,16 +120,21 @@ async def _abort_for(
 
 
 def _wrap_unary_response(
-    behavior: Behavior, method: str, once: _Once | None, allowed: Guard | None
+    behavior: Behavior,
+    method: str,
+    once: _Once | None,
+    allowed: Guard | None,
+    gate: CallGate | None = None,
 ) -> Behavior:
     async def handler(request: Any, context: Any) -> Any:
         try:
             if allowed is not None:
                 allowed(method, context.peer())
             _check_decoded(request)
-            result = behavior(request, context)
-            if inspect.isawaitable(result):
-                result = await result
+            with gate.call(method) if gate is not None else contextlib.nullcontext():
+                result = behavior(request, context)
+                if inspect.isawaitable(result):
+                    result = await result
         except grpc.aio.AbortError:
             raise  # the servicer ended the call itself
         except Exception as err:
@@ -141,7 +148,11 @@ def _wrap_unary_response(
 
 
 def _wrap_stream_response(
-    behavior: Behavior, method: str, once: _Once | None, allowed: Guard | None
+    behavior: Behavior,
+    method: str,
+    once: _Once | None,
+    allowed: Guard | None,
+    gate: CallGate | None = None,  # every streaming method is a read
 ) -> Behavior:
     async def handler(request: Any, context: Any) -> AsyncIterator[Any]:
         try:
@@ -173,11 +184,19 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     distinct one once per method until that method succeeds again (for callers that
     retry every tick and would repeat it every tick). ``allowed`` checks each call first
     (its method and ``context.peer()``, :func:`gpud.api.access.guard`), raising to refuse
-    it."""
+    it). ``gate`` counts the calls that change the node and refuses them once gpud is
+    stopping (:mod:`gpud.api.gate`)."""
 
-    def __init__(self, *, log_repeats: bool = True, allowed: Guard | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        log_repeats: bool = True,
+        allowed: Guard | None = None,
+        gate: CallGate | None = None,
+    ) -> None:
         self._once = None if log_repeats else _Once()
         self._allowed = allowed
+        self._gate = gate
 
     async def intercept_service(
         self,
@@ -198,7 +217,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             behavior = getattr(handler, attr)
             if behavior is not None:
                 return make(
-                    wrap(behavior, method, self._once, self._allowed),
+                    wrap(behavior, method, self._once, self._allowed, self._gate),
                     # unary requests only: a streaming request iterator decodes lazily, and
                     # gRPC's own handling (UNKNOWN) stands for a corrupt message there
                     request_deserializer=(

@@ -33,6 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gpud import files
 from gpud.api import validate
 from gpud.api.access import TcpAccess, guard, tcp_warning
+from gpud.api.gate import CallGate
 from gpud.api.interceptors import ErrorMappingInterceptor
 from gpud.config import MAX_UNIX_PATH, socket_gid
 from gpud.errors import ConfigError, FailedPrecondition, GpudError
@@ -92,7 +93,8 @@ class ApiServer:
     serves is ``tcp_access`` (:mod:`gpud.api.access`: reads and jobs' reports, or every
     method), at most ``tcp_max_calls`` calls at once. A connection that has not finished its
     handshake after ``handshake_timeout_s``, or has made no call for ``idle_timeout_s``, is
-    closed (:func:`connection_options`).
+    closed (:func:`connection_options`). ``gate`` counts the calls that change the node,
+    for a stop to answer them first (:mod:`gpud.api.gate`).
     """
 
     def __init__(
@@ -107,8 +109,10 @@ class ApiServer:
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         tcp_max_calls: int = TCP_MAX_CALLS,
+        gate: CallGate | None = None,
     ) -> None:
         self.socket_path = socket_path
+        self._gate = gate
         self.socket_group = socket_group
         self.tcp_address = tcp_address
         self._tcp_credentials = tcp_credentials
@@ -373,7 +377,9 @@ class ApiServer:
         """A gRPC server with every service, the health service and the error mapping."""
         server = grpc.aio.server(
             interceptors=[
-                ErrorMappingInterceptor(allowed=guard(self.tcp_access, str(self.socket_path)))
+                ErrorMappingInterceptor(
+                    allowed=guard(self.tcp_access, str(self.socket_path)), gate=self._gate
+                )
             ],
             options=[
                 ("grpc.max_receive_message_length", validate.MAX_REQUEST_BYTES),

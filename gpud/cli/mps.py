@@ -75,7 +75,9 @@ def unhealthy_notes(devices: Iterable[pb.MpsDevice]) -> list[str]:
 
 
 def device_row(d: pb.MpsDevice) -> tuple[str, ...]:
-    if not d.enabled:
+    if d.up_unknown:  # a GPU never read: its daemons, if any, run on untouched
+        daemon = f"unknown ({d.up_unknown})"
+    elif not d.enabled:
         daemon = "off"
     elif d.up:
         daemon = "up"

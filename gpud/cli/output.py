@@ -4,8 +4,9 @@ Display strings ("-" for a reading the device does not report, "?" for what gpud
 of a GPU that has not answered since it started, "12.3 GiB") exist only here.
 ``--json`` prints protobuf messages as plain JSON values with the proto field names: numbers
 stay numbers (also 64-bit ones, which protobuf's own JSON mapping turns into strings) and an
-absent optional reading is ``null``; so is a list the driver did not give, one whose
-``<name>_unknown`` beside it says why (``processes`` beside ``processes_unknown``).
+absent optional reading is ``null``; so is a list the driver did not give, or a value gpud
+cannot know, one whose ``<name>_unknown`` beside it says why (``processes`` beside
+``processes_unknown``, ``up`` beside ``up_unknown``).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def message_to_dict(msg: Message) -> Any:
     for fd in msg.DESCRIPTOR.fields:
         if fd.name.endswith(_UNKNOWN) and fd.type == fd.TYPE_STRING and getattr(msg, fd.name):
             listed = msg.DESCRIPTOR.fields_by_name.get(fd.name.removesuffix(_UNKNOWN))
-            if listed is not None and listed.is_repeated:
+            if listed is not None:  # a list, or a flag ("up" beside "up_unknown")
                 out[listed.name] = None
     return out
 

@@ -146,6 +146,7 @@ class MigServicer(pb_grpc.MigServicer):
         read_timeout_s: float = _DEFAULT_READ_S,
         after_change: Callable[[], None] | None = None,
         last_seen: LastSeenSource = dict,
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         """``read_timeout_s``: how long ``ShowMig`` and ``AssertMig`` wait for a GPU's reads
         before they report the GPU as not answering (the daemon passes
@@ -154,8 +155,11 @@ class MigServicer(pb_grpc.MigServicer):
         ``after_change()`` runs, on a worker thread, after an apply that changed a GPU and
         before it is answered (the daemon samples the devices again: a job started next is
         placed on the new layout).
-        ``last_seen()``: how an earlier run last saw each GPU never read in this one."""
+        ``last_seen()``: how an earlier run last saw each GPU never read in this one.
+        ``stopping()``: whether gpud is stopping (an apply still draining or not begun ends
+        as not started, and is answered so)."""
         self._manager = manager
+        self._stopping = stopping
         self._last_seen = last_seen
         self._after_change = after_change
         self._default_drain_s = default_drain_timeout_s  # for a drain without a timeout
@@ -205,7 +209,12 @@ class MigServicer(pb_grpc.MigServicer):
         result = await _run_while_wanted(
             gone,
             lambda: self._manager.apply(
-                config, name, options=options, dry_run=request.dry_run, still_wanted=still_wanted
+                config,
+                name,
+                options=options,
+                dry_run=request.dry_run,
+                still_wanted=still_wanted,
+                stopping=self._stopping,
             ),
         )
         if (

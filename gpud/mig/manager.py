@@ -42,9 +42,10 @@ read of a GPU (an apply's plans, its busy checks and the re-read before each GPU
 hung, or its deadline if that comes first (see :meth:`MigManager._bounded`); the steps that
 change MIG are waited for however long the driver takes.
 
-An apply whose caller has gone (``still_wanted`` answers False) is not started if it had not
-started, nor if it was still draining (logged as stopped while draining, before any change);
-one that had started is finished and logged as finished after its caller had gone.
+An apply whose caller has gone (``still_wanted`` answers False), or that gpud's stop finds
+(``stopping`` answers True), is not started if it had not started, nor if it was still
+draining (logged as stopped while draining, before any change); one that had started is
+finished, and logged as finished after its caller had gone if the caller had.
 """
 
 from __future__ import annotations
@@ -367,15 +368,20 @@ class MigManager:
         options: ApplyOptions | None = None,
         dry_run: bool = False,
         still_wanted: Callable[[], bool] | None = None,
+        stopping: Callable[[], bool] | None = None,
     ) -> ApplyResult:
         """Apply config ``name`` of ``config`` to this node's GPUs. See the module docstring;
-        ``still_wanted()`` says whether the caller still waits for the result."""
+        ``still_wanted()`` says whether the caller still waits for the result,
+        ``stopping()`` whether gpud is stopping."""
         opts = options or ApplyOptions()
         start = self._monotonic()
         wanted = still_wanted or (lambda: True)
+        stop = stopping or (lambda: False)
         with self._lock:
             try:
-                result = self._apply(config, name, opts, dry_run, start=start, wanted=wanted)
+                result = self._apply(
+                    config, name, opts, dry_run, start=start, wanted=wanted, stopping=stop
+                )
             except (InvalidArgument, NotFound) as err:
                 # A GPU index the node lacks is a bad request, not a failed apply.
                 self._finish(name, "invalid", start, str(err))
@@ -410,6 +416,7 @@ class MigManager:
         *,
         start: float,
         wanted: Callable[[], bool],
+        stopping: Callable[[], bool],
     ) -> ApplyResult:
         ids, faults = self._gpus()
         by_index = {g.index: g for g in ids}
@@ -442,17 +449,27 @@ class MigManager:
                 name, plans, by_index, busy=busy, held=held, opts=opts, left_alone=left_alone()
             )
 
+        if stopping():  # it waited behind another apply
+            return self._not_started(
+                name, start, "gpud was stopping before it started", client_gone=not wanted()
+            )
         if not wanted():  # it waited behind another apply, or its planning was slow
             return self._not_started(name, start, "the client had gone before it started")
         drain_start = self._monotonic()
-        if not opts.force and not self._wait_idle(plans, by_index, opts, wanted, faulty):
+
+        def go_on() -> bool:
+            return wanted() and not stopping()
+
+        if not opts.force and not self._wait_idle(plans, by_index, opts, go_on, faulty):
             # cancelled (gpuctl interrupted, or gpud stopping) while processes still ran
             waited = self._monotonic() - drain_start
+            gone = not wanted()
             return self._not_started(
                 name,
                 start,
                 f"stopped while draining, after {waited:.0f}s waiting for processes to leave, "
-                "before any change (the client had gone or gpud was stopping)",
+                f"before any change ({'the client had gone' if gone else 'gpud was stopping'})",
+                client_gone=gone,
             )
 
         all_steps = [s for _, (_, p) in sorted(plans.items()) for s in p.steps]
@@ -613,8 +630,10 @@ class MigManager:
         answers = self._bounded(todo, listed, self._read_timeout_s, "busy")
         return {i: got for i, got in answers.items() if isinstance(got, list) and got}
 
-    def _not_started(self, name: str, start: float, why: str) -> ApplyResult:
-        duration = self._finish(name, "not_started", start, why, client_gone=True)
+    def _not_started(
+        self, name: str, start: float, why: str, *, client_gone: bool = True
+    ) -> ApplyResult:
+        duration = self._finish(name, "not_started", start, why, client_gone=client_gone)
         return ApplyResult(name, "not_started", (), duration)
 
     def _wait_idle(
@@ -996,6 +1015,12 @@ class MigManager:
         began = self._monotonic()
         with self._lock:
             inflight = self._store.inflight()
+            if inflight is not None and not inflight.steps:
+                # an apply with nothing to do (the layouts were in place), cut off before it
+                # answered: the desired layouts it recorded are all there is to it, and
+                # those are reconciled as always. Nothing to resume, say or count.
+                self._store.finish_apply()
+                inflight = None
             desired = self._store.desired()
             all_ids, faults = self._gpus()
             ids = {g.uuid: g for g in all_ids if g.uuid}

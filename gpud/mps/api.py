@@ -63,7 +63,11 @@ def device_message(
         msg.uuid = s.target.uuid
         msg.memory_total_bytes = s.target.memory_total_bytes
         msg.pipe_directory = str(s.pipe_dir)
-    elif seen is not None and s.target.mig is None:
+    else:
+        # whether a daemon runs for it is unknown: one an earlier gpud started for its UUID
+        # is left running, untouched, and gpud cannot tell which it is
+        msg.up_unknown = f"GPU {s.target.gpu} not read since gpud started"
+    if not s.target.uuid and seen is not None and s.target.mig is None:
         # as `gpuctl gpus` names it; memory_total_bytes and pipe_directory stay unset
         if seen.uuid:
             msg.uuid = seen.uuid

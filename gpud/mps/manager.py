@@ -1137,7 +1137,8 @@ class MpsManager:
         # on a node of 8 GPUs with 7 MIG devices each, each holding up the API's).
         desired = self.limits(target.uuid) if self.enabled else MpsLimits(enabled=False)
         if not desired.enabled:
-            if dev.daemon.pid() is not None:
+            # one that lost its pipe directory (orphan) is stopped too: it holds the device
+            if dev.daemon.pid() is not None or dev.daemon.orphan() is not None:
                 self._stop_device(target.uuid, reason="disabled")
             elif not self.enabled:
                 with self._lock:
@@ -1423,15 +1424,23 @@ class MpsManager:
                     call=protocol.quit_(),
                 )
             pid = dev.daemon.pid()
+            orphan = pid is None and (pid := dev.daemon.orphan()) is not None
             if pid is not None:
+                # one that lost its pipe directory: no quit reaches it, SIGKILL (as
+                # _kill_orphan); left running, it would hold the device with no record
                 how = self._try_stop(
-                    dev.daemon, pid, f"it was to stop ({reason}); its record is kept", quit_s
+                    dev.daemon,
+                    pid,
+                    f"it was to stop ({reason}); its record is kept",
+                    quit_s,
+                    kill=orphan,
                 )
                 if how is None:
                     dev.up = False
                     dev.last_error = f"the MPS control daemon (pid {pid}) would not stop"
                     return pid
-                self._stopped(uuid, pid, reason, how)
+                lost = "; it lost its pipe directory" if orphan else ""
+                self._stopped(uuid, pid, f"{reason}{lost}", how)
             dev.up = False
             dev.killing = ""
             dev.started = False

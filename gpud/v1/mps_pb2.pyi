@@ -46,6 +46,7 @@ class MpsDevice(_message.Message):
     RESERVED_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     JOBS_FIELD_NUMBER: _builtins.int
     GPU_UNHEALTHY_FIELD_NUMBER: _builtins.int
+    UP_UNKNOWN_FIELD_NUMBER: _builtins.int
     uuid: _builtins.str
     """A GPU not read since gpud started (lost or hung) has no daemon and no known size:
     memory_total_bytes and pipe_directory are then unset, and uuid and profile are the GPU's
@@ -83,6 +84,11 @@ class MpsDevice(_message.Message):
     """MPS memory limits reserved by jobs on it"""
     gpu_unhealthy: _builtins.str
     """why the GPU under it is unhealthy ("GPU lost", an XID); "" when healthy"""
+    up_unknown: _builtins.str
+    """Why whether its daemon is up is unknown ("GPU 1 not read since gpud started": with no
+    UUID gpud cannot tell its daemons, which run on untouched); "" when known. When set,
+    `up` means nothing (null in gpuctl --json).
+    """
     @_builtins.property
     def server_pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -111,10 +117,11 @@ class MpsDevice(_message.Message):
         reserved_memory_bytes: _builtins.int = ...,
         jobs: _abc.Iterable[_builtins.str] | None = ...,
         gpu_unhealthy: _builtins.str = ...,
+        up_unknown: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_memory_total_bytes", b"_memory_total_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_pipe_directory", b"_pipe_directory", "_profile", b"_profile", "_threads_percent", b"_threads_percent", "_uuid", b"_uuid", "memory_limit_bytes", b"memory_limit_bytes", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "pipe_directory", b"pipe_directory", "profile", b"profile", "threads_percent", b"threads_percent", "uuid", b"uuid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_memory_total_bytes", b"_memory_total_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_pipe_directory", b"_pipe_directory", "_profile", b"_profile", "_threads_percent", b"_threads_percent", "_uuid", b"_uuid", "enabled", b"enabled", "gpu", b"gpu", "gpu_unhealthy", b"gpu_unhealthy", "jobs", b"jobs", "last_error", b"last_error", "memory_limit_bytes", b"memory_limit_bytes", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "pipe_directory", b"pipe_directory", "profile", b"profile", "reserved_memory_bytes", b"reserved_memory_bytes", "restarts", b"restarts", "server_pids", b"server_pids", "threads_percent", b"threads_percent", "up", b"up", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes", "_memory_total_bytes", b"_memory_total_bytes", "_mig", b"_mig", "_observed_memory_limit_bytes", b"_observed_memory_limit_bytes", "_observed_threads_percent", b"_observed_threads_percent", "_pid", b"_pid", "_pipe_directory", b"_pipe_directory", "_profile", b"_profile", "_threads_percent", b"_threads_percent", "_uuid", b"_uuid", "enabled", b"enabled", "gpu", b"gpu", "gpu_unhealthy", b"gpu_unhealthy", "jobs", b"jobs", "last_error", b"last_error", "memory_limit_bytes", b"memory_limit_bytes", "memory_total_bytes", b"memory_total_bytes", "mig", b"mig", "observed_memory_limit_bytes", b"observed_memory_limit_bytes", "observed_threads_percent", b"observed_threads_percent", "pid", b"pid", "pipe_directory", b"pipe_directory", "profile", b"profile", "reserved_memory_bytes", b"reserved_memory_bytes", "restarts", b"restarts", "server_pids", b"server_pids", "threads_percent", b"threads_percent", "up", b"up", "up_unknown", b"up_unknown", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__memory_limit_bytes: _TypeAlias = _typing.Literal["memory_limit_bytes"]  # noqa: Y015
     _WhichOneofArgType__memory_limit_bytes: _TypeAlias = _typing.Literal["_memory_limit_bytes", b"_memory_limit_bytes"]  # noqa: Y015

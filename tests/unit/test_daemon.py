@@ -29,7 +29,7 @@ from gpud.mig.layout import load_config
 from gpud.mig.manager import MigManager
 from gpud.notify import Notifier
 from gpud.store import StateStore
-from gpud.v1 import node_pb2, node_pb2_grpc
+from gpud.v1 import mig_pb2, mig_pb2_grpc, node_pb2, node_pb2_grpc
 from tests.unit.mps_support import short_dir
 
 MIG_LAYOUTS = Path(__file__).parent.parent / "data" / "mig-parted" / "config.yaml"
@@ -832,3 +832,48 @@ def test_the_sim_state_is_written_again_when_the_socket_cannot_be_bound_again(
         assert (d.config.daemon.run_dir / "sim" / "node.json").is_file()
 
     _run_dir_removed(root, then)
+
+
+def test_a_stop_answers_a_running_mig_apply_and_refuses_new_changes(root: Path) -> None:
+    """``systemctl restart gpud`` during a ``gpuctl mig apply`` whose steps take seconds
+    (``gpuctl sim fault slow-mig``): the stop waits for the apply and answers its caller with
+    the result, instead of cutting the call off at the API's grace (gpuctl: outcome unknown);
+    a change asked for meanwhile is refused, UNAVAILABLE "gpud is stopping"."""
+    config = make_config(root, **{"backend.simulate": "H100-SXM5-80GB:1", "daemon.tick_s": 0.05})
+    d = build(config)
+    assert d.sim is not None
+    source = mig_pb2.MigConfigSource(name="all-3g.40gb", text=MIG_LAYOUTS.read_text())
+
+    async def scenario() -> tuple[mig_pb2.ApplyMigResponse, grpc.aio.AioRpcError, float]:
+        run = asyncio.create_task(d.run())
+        for _ in range(400):
+            if d.events.recent(1, "daemon.start"):
+                break
+            await asyncio.sleep(0.05)
+        d.sim.faults.slow_mig(0, 1.0)  # 5 steps: about 5 s, past the API's 2 s grace
+        async with grpc.aio.insecure_channel(f"unix:{d.config.socket_path}") as ch:
+            stub = mig_pb2_grpc.MigStub(ch)
+            apply = asyncio.ensure_future(stub.ApplyMig(mig_pb2.ApplyMigRequest(config=source)))
+            for _ in range(250):  # its steps begin
+                if apply.done() or not await asyncio.to_thread(d.mig.wait_idle, 0.01):
+                    break
+                await asyncio.sleep(0.02)
+            assert not apply.done(), await apply
+            await asyncio.sleep(0.3)
+            stopped_at = time.monotonic()
+            d.request_stop()
+            await asyncio.sleep(0.3)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.ApplyMig(mig_pb2.ApplyMigRequest(config=source))
+            answer = await apply
+        assert await asyncio.wait_for(run, timeout=30) == 0
+        return answer, refused.value, time.monotonic() - stopped_at
+
+    answer, refused, took = asyncio.run(scenario())
+    assert answer.result == "success", answer
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert (refused.details() or "").startswith("gpud is stopping: ApplyMig was not started")
+    assert dict(refused.trailing_metadata() or ())["gpud-exit-code"] == "3"
+    assert took < d.stop_budget_s
+    event = d.events.recent(kind_prefix="mig.apply")[-1]
+    assert event.fields["result"] == "success" and event.fields["client_gone"] is False

@@ -22,7 +22,7 @@ from gpud.errors import Busy, GpuLost, InvalidArgument, NotFound
 from gpud.events import EventLog
 from gpud.mig.api import apply_message, gpu_message
 from gpud.mig.layout import MigConfigFile, load_config, parse_config
-from gpud.mig.manager import NOT_ANSWERING, MigManager, Release
+from gpud.mig.manager import NOT_ANSWERING, MigManager, ReconcileMode, Release
 from gpud.mig.metrics import MigMetrics
 from gpud.mig.store import ApplyOptions
 from gpud.store import StateStore
@@ -352,8 +352,26 @@ def test_a_drain_cut_off_is_logged_as_stopped_while_draining(
     assert event.fields["result"] == "not_started" and event.fields["client_gone"] is True
     assert event.message == (
         "apply all-3g.40gb: not_started: stopped while draining, after 2s waiting for "
-        "processes to leave, before any change (the client had gone or gpud was stopping)"
+        "processes to leave, before any change (the client had gone)"
     )
+
+
+def test_a_drain_ends_as_not_started_when_gpud_stops(host: Host, config: MigConfigFile) -> None:
+    """gpud stopping while an apply waits for processes to leave: the apply ends at once,
+    changing nothing, and its caller (still there) is answered ``not_started``."""
+    d, _pid = _busy_setup(host, config)
+    before = instances(d)
+    result = d.mig.apply(
+        config,
+        "all-3g.40gb",
+        options=ApplyOptions(drain=True, timeout_s=30),
+        stopping=lambda: len(d.sleeps) >= 1,
+    )
+    assert result.result == "not_started" and len(d.sleeps) == 1
+    assert instances(d) == before
+    event = d.events.recent(kind_prefix="mig.apply")[-1]
+    assert event.fields["client_gone"] is False
+    assert event.message.endswith("before any change (gpud was stopping)")
 
 
 def test_drain_times_out(host: Host, config: MigConfigFile) -> None:
@@ -1726,3 +1744,36 @@ def test_what_a_reconcile_destroys_is_listed_once_for_the_busy_check_and_mps(
     finally:
         plain.close()
         released.close()
+
+
+@pytest.mark.parametrize("mode", ["reconcile", "report"])
+def test_an_interrupted_apply_with_no_steps_is_not_resumed_nor_counted(
+    tmp_path: Path, config: MigConfigFile, mode: ReconcileMode
+) -> None:
+    """gpud killed during an apply of the layout the GPUs already had (its plan has no
+    steps): the next start says nothing of it ("resuming ... (0/0 steps were done)" before)
+    and counts no ``resumed`` apply; the plan is dropped."""
+    host = Host(tmp_path, [(H100, 1)])
+    try:
+        d = host.start()
+        assert d.mig.apply(config, "all-balanced").result == "success"
+        desired = d.mig._store.desired()
+        # what a kill between the apply's record of its (empty) plan and its end leaves
+        d.mig._store.begin_apply(
+            "all-balanced",
+            {u: (r.gpu_index, r.layout) for u, r in desired.items()},
+            [],
+            ApplyOptions(),
+            0.0,
+        )
+        again = host.start()
+        before = instances(again)
+        assert {o.status for o in again.mig.reconcile(mode)} == {"ok"}
+        assert instances(again) == before
+        kinds = {e.kind for e in again.events.recent()}
+        assert not kinds & {"mig.resume", "mig.unfinished", "mig.apply"}, kinds
+        assert sum(again.mig.stats.snapshot()[0].values()) == 0
+        assert again.mig.unfinished() is None
+        assert again.mig._store.inflight() is None
+    finally:
+        host.close()

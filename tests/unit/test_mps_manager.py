@@ -218,6 +218,14 @@ def test_no_daemon_for_a_gpu_never_read(manager: MpsManager) -> None:
     )
     read = device_message(status[1], None)
     assert read.uuid == gpu_uuid(1) and read.profile and read.pipe_directory.endswith("/pipe")
+    # whether its daemon runs is unknown (one an earlier gpud started runs on, untouched):
+    # not "DOWN", nor up: false in --json
+    assert row[3] == "unknown (GPU 0 not read since gpud started) (GPU 0 unhealthy)"
+    assert row[4] == "-"
+    assert unknown["up"] is None
+    assert unknown["up_unknown"] == "GPU 0 not read since gpud started"
+    assert device_row(read)[3] == "up" and message_to_dict(read)["up"] is True
+    assert read.up_unknown == ""
     # no MPS series for it: not under uuid="" (beside the last-seen UUID that its GPU series
     # carry), nor a daemon "enabled" and down that is no daemon at all
     registry = _metrics_registry(manager)
@@ -1964,3 +1972,26 @@ def test_a_pass_behind_a_newer_snapshot_starts_no_daemon_the_apply_released(root
         started = sorted(e.fields["uuid"] for e in events.recent(kind_prefix="mps.start"))
         assert started == sorted([gpu_uuid(0), gpu_uuid(1), mig_uuid(0, 0)])
         assert len(events.recent(kind_prefix="mps.stop")) == 1  # the whole GPU's, released
+
+
+def test_a_daemon_that_lost_its_pipe_dir_is_killed_when_its_device_is_disabled(
+    root: Path,
+) -> None:
+    """``gpuctl mps set GPU --disable`` for a device whose control daemon lost its pipe
+    directory (no PID file names it): the daemon is killed, not left running with its
+    record dropped."""
+    mgr, store, events = make_manager(root)
+    try:
+        mgr.reconcile(NODE)
+        old = mgr.status()[1]
+        assert old.pid is not None
+        shutil.rmtree(old.pipe_dir)  # its PID file and control socket go with it
+        mgr.set_limits("1", enabled=False)
+        wait_dead(old.pid)
+        (stop,) = [e for e in events.recent(kind_prefix="mps.stop") if e.kind == "mps.stop"]
+        assert stop.fields["pid"] == old.pid and stop.fields["how"] == "sigkill"
+        assert "it lost its pipe directory" in stop.message
+        assert not mgr.status()[1].running
+    finally:
+        mgr.stop()
+        store.close()
