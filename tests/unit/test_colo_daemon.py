@@ -1620,6 +1620,27 @@ def training_on_two_gpus(tmp_path: Path, clock: Clock, *, service_gpu: int) -> C
     )
 
 
+def test_a_job_the_plan_left_out_has_no_predicted_speed_shown(tmp_path: Path) -> None:
+    """A healthy GPU whose memory reading is missing is left out of the plan, and so is
+    what runs there: no predicted speed is shown for it (not a made-up 1.00)."""
+    from gpud.colo.api import ColoServicer
+
+    svc, _, jobs = two_jobs_on_gpu0(tmp_path)
+    jobs.append(RunningJob("other", "training", 1, memory_bytes=10 * GIB))
+    snap = snapshot()
+    unread = Snapshot(
+        snap.wall_time,
+        snap.monotonic,
+        (snap.gpus[0]._replace(memory=None), snap.gpus[1]),
+        snap.tick_seconds,
+    )
+    plan = svc.tick(unread)
+    assert plan is not None and "train" not in plan.predicted_speed
+    shown = {p.job: p for p in ColoServicer(svc, snapshots=lambda: unread)._show().placements}
+    assert not shown["train"].HasField("predicted_speed")
+    assert shown["other"].HasField("predicted_speed")
+
+
 def gpu0_lost() -> Snapshot:
     """Two GPUs, GPU 0 lost."""
     lost = snapshot()
