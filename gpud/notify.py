@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -27,17 +28,31 @@ START_CHECK_S = 10.0
 START_EXTEND_S = 90.0
 
 
+# what systemd waits for: a start or stop it is never told of ends in a kill
+_VITAL = frozenset({"READY=1", "STOPPING=1"})
+
+
 class Notifier:
     """Sends datagrams to ``$NOTIFY_SOCKET``; a no-op when the daemon is not run by systemd."""
 
-    def __init__(self, socket_path: str | None, watchdog_usec: int | None = None) -> None:
+    def __init__(
+        self,
+        socket_path: str | None,
+        watchdog_usec: int | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._address: str | None = None
+        self._clock = clock
         if socket_path:
             # A leading "@" names an abstract socket: the kernel wants a NUL byte there.
             self._address = "\0" + socket_path[1:] if socket_path.startswith("@") else socket_path
         # A receiver that stays away (a full queue, a vanished socket) fails every status
-        # line and watchdog ping: warned once, until a send works again.
-        self._failing = False
+        # line and watchdog ping: warned once, until a send works again (then said, with
+        # how many failed over how long). A failed READY=1 or STOPPING=1 is warned always:
+        # systemd, never told, kills gpud at TimeoutStartSec= / TimeoutStopSec=.
+        self._failures = 0
+        self._failing_since = 0.0
         self.watchdog_interval_s: float | None = (
             watchdog_usec / 1_000_000 / 2 if watchdog_usec else None
         )
@@ -62,23 +77,33 @@ class Notifier:
         if self._address is None:
             return False
         payload = "\n".join(assignments).encode()
+        vital = next((a for a in assignments if a in _VITAL), None)
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
                 # Never block the daemon's loop: a receiver that does not read (a full queue)
                 # costs a lost notification, not a hung daemon.
                 sock.sendto(payload, socket.MSG_DONTWAIT, self._address)
         except OSError as err:
-            if not self._failing:
-                self._failing = True
+            if not self._failures:
+                self._failing_since = self._clock()
+            self._failures += 1
+            if vital is not None:
+                log.warning("sd_notify %s to %s failed: %s", vital, self._address, err)
+            elif self._failures == 1:
                 log.warning(
                     "sd_notify to %s failed: %s (not repeated until a send works)",
                     self._address,
                     err,
                 )
             return False
-        if self._failing:
-            self._failing = False
-            log.info("sd_notify to %s works again", self._address)
+        if self._failures:
+            log.info(
+                "sd_notify to %s works again, after %d failed sends over %.0f s",
+                self._address,
+                self._failures,
+                self._clock() - self._failing_since,
+            )
+            self._failures = 0
         return True
 
     def ready(self, status: str = "") -> bool:

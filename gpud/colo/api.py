@@ -106,10 +106,11 @@ class ColoServicer(pb_grpc.ColocationServicer):
             if r.mig_profile is not None:
                 p.mig_profile = r.mig_profile
             if r.gpu in v.faulty:
-                # nothing is predicted or measured on a GPU that does not answer: its
-                # jobs are out of the plan, and a speed shown would be made up or stale
+                # nothing is predicted or measured on a GPU that does not answer: a speed
+                # shown would be stale (a plan or reading from before it stopped answering)
                 continue
-            p.predicted_speed = predicted.get(r.name, 1.0)
+            if r.name in predicted:  # a job the plan left out has no prediction to show
+                p.predicted_speed = predicted[r.name]
             if r.name in v.observed_speed:
                 p.observed_speed = v.observed_speed[r.name]
         for p in out.placements:

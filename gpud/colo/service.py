@@ -44,7 +44,7 @@ from colocate import (
     ServiceGuard,
     Shape,
 )
-from gpud.backend.port import GpuIdentity, MigDeviceIdentity
+from gpud.backend.port import GpuIdentity, MigDeviceIdentity, Utilization
 from gpud.backend.products import lookup
 from gpud.client.colo import MAX_LATENCY_S
 from gpud.colo.host import HostUsage
@@ -63,6 +63,12 @@ MAX_LATENCY_SAMPLES = 4096  # per report, and per job kept in the window
 # rate (ln 2 over it) would be absurd, or infinite, and no longer fit in colo.json.
 MIN_MEDIAN_LATENCY_S = 1e-6
 MAX_ITERATIONS = 10**9  # per throttle point: iterations since the one before
+# A footprint learned alone follows each tick's reading by this weight (an exponential
+# average): a run's last ticks (a checkpoint, its teardown) do not stand for what it does.
+LEARN_WEIGHT = 0.1
+# A footprint with fewer SMs busy than this shows a run that idled alone, not what the job
+# does: advice plans a new run of it with the prior instead.
+MIN_LEARNED_SM = 0.05
 # What the loop learned of a job no longer running is kept this long (the job may run
 # again under its name), then forgotten: a daemon up for months holds only recent jobs.
 FORGET_AFTER_S = 3600.0
@@ -128,6 +134,9 @@ class _DeviceState:
     """A job on one of its devices (a job on several GPUs has one each)."""
 
     features: JobFeatures | None = None  # its footprint there, alone, at full speed
+    # the MPS share it ran at when ``features`` was measured: at less than the whole GPU
+    # its readings are what the share let it use, no footprint on a whole GPU (nor a knee)
+    share: float = 1.0
     side: JobFeatures | None = None  # memory share and host use at the last tick (sm unused)
 
 
@@ -170,6 +179,9 @@ class _JobState:
     arrived: float | None = None
     rank: int = 0  # its place in the arrival order of the jobs running now
     evicted: bool = False  # the loop evicted it, and it has not run again since
+    # what it ran as when its footprints and rates were learned (training, inference);
+    # None: not known (a file from before this was kept), taken as the same
+    kind: str | None = None
 
     def learned(self, place: str) -> JobFeatures | None:
         """Its footprint on that device; else what it showed on another of its devices (a
@@ -181,6 +193,47 @@ class _JobState:
             if self.devices[key].features is not None:
                 return self.devices[key].features
         return None
+
+    def unlearn(self) -> None:
+        """Forget what it showed: its footprints and rates alone, measured afresh."""
+        for ds in self.devices.values():
+            ds.features, ds.share = None, 1.0
+        self.devices.pop("", None)
+        self.alone_rate, self.alone_config, self.alone_rates = None, None, {}
+        self.company = None
+
+    def whole(self, place: str) -> bool:
+        """Whether what :meth:`learned` gives for that device was measured at a whole GPU's
+        share: only then is its SM activity the job's knee."""
+        here = self.devices.get(place)
+        if here is None or here.features is None:
+            here = next(
+                (ds for _, ds in sorted(self.devices.items()) if ds.features is not None),
+                None,
+            )
+        return here is not None and here.share >= 1.0
+
+    def alone(self, kind: str) -> JobFeatures | None:
+        """What a new run of the job, as ``kind``, is planned with: the most it showed of
+        each resource alone on any of its devices (the safe side: the run's device is not
+        known yet), measured at a whole GPU's share; None when it showed none as that kind,
+        or next to nothing (a run that idled alone tells nothing of one that works)."""
+        if self.kind not in (None, kind):
+            return None
+        seen = [
+            ds.features
+            for ds in self.devices.values()
+            if ds.features is not None and ds.share >= 1.0
+        ]
+        if not seen:
+            return None
+        most = JobFeatures(
+            sm=max(f.sm for f in seen),
+            mem_bw=max(f.mem_bw for f in seen),
+            pcie=max(f.pcie for f in seen),
+            nvlink=max(f.nvlink for f in seen),
+        )
+        return most if most.sm >= MIN_LEARNED_SM else None
 
 
 def _kept(path: Path) -> tuple[str, Path | None]:
@@ -838,6 +891,11 @@ class ColoService:
         footprint over the whole device) raises ValueError naming it."""
         st = self._jobs.setdefault(name, _JobState())
         st.seen = self._clock()  # it ran before the restart: kept as long as a job that ran
+        # absent from files written before it was kept: taken as the kind it runs as
+        if (kind := saved.get("kind")) is not None:
+            if kind not in ("training", "inference"):
+                raise ValueError(f"jobs.{name}.kind: training or inference, not {kind!r}")
+            st.kind = kind
         if saved.get("alone_rate") is not None:
             st.alone_rate = _saved_number(saved["alone_rate"], f"jobs.{name}.alone_rate", 0.0)
         if (config := saved.get("alone_config")) is not None:
@@ -869,7 +927,9 @@ class ColoService:
                     mem_bw=_saved_number(f["mem_bw"], f"{where}.mem_bw", 0.0, 1.0),
                     pcie=_saved_number(f.get("pcie") or 0.0, f"{where}.pcie", 0.0, 1.0),
                     nvlink=_saved_number(f.get("nvlink") or 0.0, f"{where}.nvlink", 0.0, 1.0),
-                )
+                ),
+                # absent from files written before it was kept: taken as a whole GPU's
+                share=_saved_number(f.get("share") or 1.0, f"{where}.share", 0.01, 1.0),
             )
         if saved.get("duty") is not None:
             duty = _saved_number(saved["duty"], f"jobs.{name}.duty", 0.0, 1.0)
@@ -910,6 +970,7 @@ class ColoService:
             job = jobs.setdefault(
                 r.name,
                 {
+                    "kind": st.kind if st else None,
                     "alone_rate": st.alone_rate if st else None,
                     "alone_config": st.alone_config if st else None,
                     "alone_rates": {str(k): v for k, v in st.alone_rates.items()} if st else {},
@@ -937,6 +998,7 @@ class ColoService:
                         "mem_bw": f.mem_bw,
                         "pcie": f.pcie,
                         "nvlink": f.nvlink,
+                        "share": ds.share,
                     }
         # jobs it evicted that have not run again since: a run of one has a GPU held for it
         evicted = sorted(n for n, st in self._jobs.items() if st.evicted)
@@ -1018,6 +1080,12 @@ class ColoService:
                 placed.setdefault(r.name, []).append((r, company, sample, len(members) == 1))
         for name, where in placed.items():
             st = self._jobs[name]
+            kind = where[0][0].kind
+            if st.kind not in (None, kind):
+                # the name runs another workload now (the job was registered again as
+                # the other kind): what it showed as the first says nothing of it
+                st.unlearn()
+            st.kind = kind
             together = (
                 frozenset((_place(r), o.name) for r, others, _, _ in where for o in others)
                 | frozenset((_place(r), "") for r, _, _, _ in where)
@@ -1028,7 +1096,6 @@ class ColoService:
                 # afresh, once it settled
                 st.company, st.since = together, now + SETTLE_S
                 continue
-            kind = where[0][0].kind
             if kind == "training":
                 rate = self._rate(st, now)
             else:
@@ -1039,17 +1106,15 @@ class ColoService:
                     u = sample.utilization if sample is not None else None
                     if sample is None or u is None or r.mig_profile is not None or not only:
                         continue
-                    ds = st.devices[_place(r)]
-                    ds.features = self._alone_features(
-                        r,
-                        sample,
-                        sm=u.gpu_ratio,
-                        mem_bw=u.memory_ratio,
-                        nvlink=nvlink.get(r.gpu),
-                        before=ds.features,
-                    )
-                    if ds.features is not None:  # measured here: what an older file held goes
-                        st.devices.pop("", None)
+                    if not (r.pids or r.memory_used) or (
+                        kind == "training" and st.progress and rate is None
+                    ):
+                        # its reservation held with nothing of it there (it exited, or has
+                        # not started), or training that reports its progress and made none
+                        # of late (a checkpoint): the device's readings are not what it does
+                        continue
+                    self._learn_alone(st.devices[_place(r)], r, sample, u, nvlink.get(r.gpu))
+                    st.devices.pop("", None)  # measured here: what an older file held goes
                 if rate is not None:
                     st.alone_rate, st.alone_config = rate, _config([r for r, *_ in where])
                     (r0, *_), *more = where
@@ -1068,6 +1133,34 @@ class ColoService:
                 r, others = shared[0]
                 footprints = [self._view(o).footprint() for o in others]
                 self.predictor.observe(self._view(r).footprint(), footprints, speed)
+
+    def _learn_alone(
+        self,
+        ds: _DeviceState,
+        r: RunningJob,
+        sample: GpuSample,
+        u: Utilization,
+        nvlink: float | None,
+    ) -> None:
+        """Move ``ds``'s footprint towards this tick's readings of ``r`` alone there
+        (``LEARN_WEIGHT``); a footprint measured at another MPS share is replaced."""
+        share = (r.threads_percent or 100) / 100.0
+        before = ds.features if ds.share == share else None
+        now = self._alone_features(
+            r, sample, sm=u.gpu_ratio, mem_bw=u.memory_ratio, nvlink=nvlink, before=before
+        )
+        if now is None or now is before:  # nothing learned this tick
+            return
+        if before is None:
+            ds.features, ds.share = now, share
+            return
+        w = LEARN_WEIGHT
+        ds.features = JobFeatures(
+            sm=before.sm + w * (now.sm - before.sm),
+            mem_bw=before.mem_bw + w * (now.mem_bw - before.mem_bw),
+            pcie=before.pcie + w * (now.pcie - before.pcie),
+            nvlink=before.nvlink + w * (now.nvlink - before.nvlink),
+        )
 
     def _alone_features(
         self,
@@ -1103,11 +1196,10 @@ class ColoService:
             nvlink=min(1.0, nvlink / scale),
         )
 
-    def _features(self, r: RunningJob, profile: str | None = None) -> JobFeatures:
+    def _features(self, r: RunningJob) -> JobFeatures:
         """Its footprint alone on that device (or the prior), with its memory and host use
-        there now; ``profile``: the job whose learned footprint it is (default: its
-        name's)."""
-        st = self._jobs.get(r.name if profile is None else profile)
+        there now."""
+        st = self._jobs.get(r.name)
         if st is None:
             return PRIOR
         base = st.learned(_place(r)) or PRIOR
@@ -1246,21 +1338,27 @@ class ColoService:
         self, r: RunningJob, names: Mapping[int, str] | None = None, profile: str | None = None
     ) -> JobView:
         """The planner's view of a running job; ``names``: its user's name, where the
-        plan gives reasons (:meth:`_user_names`); ``profile``: the job whose learned
-        footprint and rates alone it is planned with (default: its name's; a place
-        promised to another run of the asker's job is planned under another name)."""
+        plan gives reasons (:meth:`_user_names`); ``profile``: set for a place promised to
+        a run of that job, which does not run there yet: it is planned as a new run of it
+        is asked for (:meth:`_JobState.alone`), under its own name (another run of the
+        asker's job is planned under another name)."""
         own = r.name if profile is None else profile
         kind = JobKind.INFERENCE if r.kind == "inference" else JobKind.TRAINING
         memory = r.memory_bytes or r.memory_used or 0
         load = self.load(r.name) if kind is JobKind.INFERENCE else 0.0
+        st = self._jobs.get(own, _JobState())
+        if profile is None:
+            features = self._features(r)
+            knee = features.sm if st.whole(_place(r)) else None
+        else:
+            alone = st.alone(r.kind)
+            features, knee = alone or PRIOR, alone.sm if alone is not None else None
         shape = Shape.prior(
             r.name,
             kind,
             memory_bytes=memory,
             slo_s=r.slo_p99_ms / 1e3 if r.slo_p99_ms else None,
-            knee=self._features(r, own).sm
-            if self._jobs.get(own, _JobState()).learned(_place(r))
-            else None,
+            knee=knee,
             # what it declared, or serves now if more: it holds that alone (the guard
             # watches that it does)
             peak_load=max(r.peak_load, load),
@@ -1271,7 +1369,7 @@ class ColoService:
         return JobView(
             job_id=r.name,
             shape=shape,
-            features=self._features(r, own),
+            features=features,
             gpu=r.gpu,
             sm_share=(r.threads_percent or 100) / 100.0,
             mig_profile=r.mig_profile,
@@ -1288,7 +1386,8 @@ class ColoService:
     def _observe_rates(self, shape: Shape, job: str) -> None:
         """A training ``job``'s rates alone at two shares or more show ``shape`` how it
         slows with fewer SMs."""
-        rates = self._jobs[job].alone_rates if job in self._jobs else {}
+        st = self._jobs.get(job)
+        rates = st.alone_rates if st is not None and st.kind in (None, shape.kind.value) else {}
         if shape.kind is JobKind.TRAINING and len(rates) >= 2:
             for share, rate in sorted(rates.items()):
                 shape.observe(share, rate)
@@ -1648,6 +1747,10 @@ class ColoService:
             at = self._clock()
             with self._lock:
                 self._promised = {k: p for k, p in self._promised.items() if k[0] != job}
+                # a job added again under its name is another workload: what this one
+                # showed (its footprints, rates, kind) is not planned for it
+                self._jobs.pop(job, None)
+                self._guards.pop(job, None)
                 if not mine:
                     return
                 for w in self._waiters_of(job, at):
@@ -1779,8 +1882,8 @@ class ColoService:
         running = tuple(self._running())
         with self._lock:  # the places runs were given that have not reserved yet count
             promised = self._promises(job, wid, running, now)
-        # each planned under its run's name, with its job's learned profile
-        profile = {r.name: r.name for r in running}
+        # each planned under its run's name, as a new run of its job
+        profile: dict[str, str] = {}
         for planned_as, place in promised:
             profile[planned_as] = place.name
             running = (*running, dataclasses.replace(place, name=planned_as))
@@ -1793,7 +1896,7 @@ class ColoService:
             st = self._jobs.get(job)
             # what the asker says it does alone, else what the job showed alone when it ran
             # before (its place, once promised, is planned with that too), else the prior
-            learned = st.learned("") if st is not None else None
+            learned = st.alone(kind) if st is not None else None
             features = (
                 JobFeatures(sm=sm_activity, mem_bw=min(1.0, sm_activity))
                 if sm_activity

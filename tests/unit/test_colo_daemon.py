@@ -429,7 +429,8 @@ def test_a_promised_place_is_planned_with_what_its_job_showed_alone(tmp_path: Pa
     asks (planned under the first run's id) -- not with the prior, with which an unknown
     job is told to wait."""
     clock = Clock()
-    jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)]
+    sweep = RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)
+    jobs = [dataclasses.replace(sweep, memory_used=9 * GIB)]
     svc = promising_loop(tmp_path, jobs, clock)
     for _ in range(6):
         svc.throttle_point("sweep", 10)
@@ -459,6 +460,111 @@ def test_a_promised_place_is_planned_with_what_its_job_showed_alone(tmp_path: Pa
     plan = svc.tick(snapshot(used_gib=30))
     assert plan is not None
     assert plan.predicted_speed["sweep"] == pytest.approx(first.predicted_speed)
+
+
+def promised_speed(tmp_path: Path, end: list[tuple[float, bool]], **alone: Any) -> Advice:
+    """The advice a run of "sweep" is given beside busy GPUs after it ran alone on GPU 0
+    (SMs 0.3 busy, six ticks), then for ``end``: (its SMs, whether its processes still
+    ran) a tick. ``alone``: how it ran there (RunningJob fields)."""
+    clock = Clock()
+    sweep = RunningJob(
+        "sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB, reserved_at=clock.t
+    )
+    sweep = dataclasses.replace(sweep, **alone)
+    jobs = [sweep]
+    svc = promising_loop(tmp_path, jobs, clock)
+    for sm, running in [(0.3, True)] * 6 + end:
+        jobs[:] = [sweep if running else dataclasses.replace(sweep, memory_used=0)]
+        svc.throttle_point("sweep", 10)
+        svc.tick(busy_snapshot({0: (sm, sm * 2 / 3), 1: (sm, sm * 2 / 3)}))
+        clock.t += 1
+    jobs[:] = [
+        RunningJob("big", "training", 0, memory_bytes=20 * GIB),
+        RunningJob("big2", "training", 1, memory_bytes=20 * GIB),
+    ]
+    return svc.advise(
+        "sweep", reserving=True, memory_bytes=10 * GIB, snapshot=snapshot(used_gib=20)
+    )
+
+
+def test_what_a_job_showed_alone_is_not_its_runs_end(tmp_path: Path) -> None:
+    """A run's last ticks alone (its checkpoint: SMs 0.1 busy; its reservation held after
+    its processes left: nothing busy) do not stand for its footprint: advice predicts its
+    place much as it does from what it showed while it worked, not at 1.00, and does not
+    tell it to wait where an unknown job is placed."""
+    worked = promised_speed(tmp_path / "a", [])
+    assert worked.gpu == 0 and 0.5 < worked.predicted_speed < 1.0
+    checkpoint = promised_speed(tmp_path / "b", [(0.1, True)] * 2)
+    assert checkpoint.gpu == 0
+    assert checkpoint.predicted_speed == pytest.approx(worked.predicted_speed, abs=0.1)
+    left = promised_speed(tmp_path / "c", [(0.0, False)] * 2)
+    assert (left.gpu, left.predicted_speed) == (0, pytest.approx(worked.predicted_speed))
+    # a job that only ever idled alone is advised as one never seen
+    fresh = learned_then_asked(tmp_path / "d", {})
+    idled = learned_then_asked(tmp_path / "e", {0: (0.01, 0.0)})
+    assert (idled.gpu, idled.reason) == (fresh.gpu, fresh.reason)
+
+
+def test_a_footprint_shown_at_a_partial_share_is_not_the_whole_gpus(tmp_path: Path) -> None:
+    """A job that ran alone at a 30% MPS share (its SMs 0.3 busy: all it was let use) is
+    not planned as if that were its footprint on a whole GPU (nor its knee): its advice
+    is the prior's, as for a job never seen."""
+    fresh = promised_speed(tmp_path / "a", [], name="other")
+    partial = promised_speed(tmp_path / "b", [], threads_percent=30)
+    assert (partial.gpu, partial.predicted_speed) == (fresh.gpu, fresh.predicted_speed)
+
+
+def learned_then_asked(
+    tmp_path: Path, util: dict[int, tuple[float, float]], *, before_asking: str = "", **ask: Any
+) -> Advice:
+    """The advice "sweep" is given (``ask``: more of the question) beside busy GPUs after it
+    ran alone, six ticks, on the GPUs of ``util`` (their SMs and memory controllers busy as
+    given); ``before_asking``: "rm", the job is removed (``gpuctl jobs rm``) first."""
+    clock = Clock()
+    jobs = [
+        RunningJob("sweep", "training", g, memory_bytes=10 * GIB, memory_used=9 * GIB) for g in util
+    ]
+    svc = promising_loop(tmp_path, jobs, clock)
+    for _ in range(6):
+        svc.throttle_point("sweep", 10)
+        svc.tick(busy_snapshot({0: (0.0, 0.0), 1: (0.0, 0.0), **util}))
+        clock.t += 1
+    jobs[:] = [
+        RunningJob("big", "training", 0, memory_bytes=20 * GIB),
+        RunningJob("big2", "training", 1, memory_bytes=20 * GIB),
+    ]
+    if before_asking == "rm":
+        svc.job_removed("sweep", force=False)()
+    return svc.advise("sweep", memory_bytes=10 * GIB, snapshot=snapshot(used_gib=20), **ask)
+
+
+def test_a_job_added_again_is_not_planned_with_what_the_removed_one_showed(
+    tmp_path: Path,
+) -> None:
+    """`gpuctl jobs rm sweep` then `gpuctl jobs add sweep` (another workload under the
+    name): its runs are advised as a job never seen, not with the footprint the removed
+    one showed alone."""
+    fresh = learned_then_asked(tmp_path / "a", {})
+    shown = learned_then_asked(tmp_path / "b", {0: (0.3, 0.2)})
+    assert fresh.gpu == -1 and shown.gpu == 0
+    readded = learned_then_asked(tmp_path / "c", {0: (0.3, 0.2)}, before_asking="rm")
+    assert (readded.gpu, readded.reason) == (fresh.gpu, fresh.reason)
+
+
+def test_advice_plans_a_job_on_several_gpus_with_the_most_it_showed_on_any(
+    tmp_path: Path,
+) -> None:
+    """A job that showed SMs 0.3 busy on GPU 0 and 0.5 on GPU 1 is advised as one that
+    showed 0.5 (its new run's GPU is not known), not as what its first GPU showed."""
+    both = learned_then_asked(tmp_path / "a", {0: (0.3, 0.2), 1: (0.5, 0.4)})
+    most = learned_then_asked(tmp_path / "b", {1: (0.5, 0.4)})
+    least = learned_then_asked(tmp_path / "c", {0: (0.3, 0.2)})
+    assert (least.gpu, least.predicted_speed) != (most.gpu, most.predicted_speed)
+    assert (both.gpu, both.predicted_speed, both.reason) == (
+        most.gpu,
+        most.predicted_speed,
+        most.reason,
+    )
 
 
 def test_a_removed_job_holds_no_promised_place(tmp_path: Path) -> None:
@@ -604,10 +710,7 @@ def test_a_run_that_waited_long_is_advised_first_and_has_a_gpu_held(tmp_path: Pa
     jobs is held for it: later runs are advised elsewhere (or to wait), and it is told
     which GPU it waits for."""
     clock = Clock()
-    jobs = [
-        RunningJob("a", "training", 0, memory_bytes=10 * GIB),
-        RunningJob("b", "training", 1, memory_bytes=20 * GIB),
-    ]
+    jobs = two_jobs_alone()
     svc = ColoService(
         ColocateConfig(head_hold_s=600.0),
         EventLog(tmp_path / "e.jsonl"),
@@ -1478,7 +1581,7 @@ def test_process_wide_directive_without_a_daemon(tmp_path: Path) -> None:
 
 def two_jobs_on_gpu0(tmp_path: Path) -> tuple[ColoService, Clock, list[RunningJob]]:
     clock = Clock()
-    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, memory_used=10 * GIB)]
     svc = ColoService(
         ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=clock
     )
@@ -1620,6 +1723,27 @@ def training_on_two_gpus(tmp_path: Path, clock: Clock, *, service_gpu: int) -> C
     )
 
 
+def test_a_job_the_plan_left_out_has_no_predicted_speed_shown(tmp_path: Path) -> None:
+    """A healthy GPU whose memory reading is missing is left out of the plan, and so is
+    what runs there: no predicted speed is shown for it (not a made-up 1.00)."""
+    from gpud.colo.api import ColoServicer
+
+    svc, _, jobs = two_jobs_on_gpu0(tmp_path)
+    jobs.append(RunningJob("other", "training", 1, memory_bytes=10 * GIB))
+    snap = snapshot()
+    unread = Snapshot(
+        snap.wall_time,
+        snap.monotonic,
+        (snap.gpus[0]._replace(memory=None), snap.gpus[1]),
+        snap.tick_seconds,
+    )
+    plan = svc.tick(unread)
+    assert plan is not None and "train" not in plan.predicted_speed
+    shown = {p.job: p for p in ColoServicer(svc, snapshots=lambda: unread)._show().placements}
+    assert not shown["train"].HasField("predicted_speed")
+    assert shown["other"].HasField("predicted_speed")
+
+
 def gpu0_lost() -> Snapshot:
     """Two GPUs, GPU 0 lost."""
     lost = snapshot()
@@ -1673,7 +1797,7 @@ def test_a_jobs_rates_alone_at_two_shares_give_its_knee(tmp_path: Path) -> None:
     later run) 8: its shape's knee is what the two show (0.8 of its speed at half the SMs:
     knee 0.65), not the SM activity it showed (0.3); kept across a restart."""
     clock = Clock()
-    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, memory_used=10 * GIB)]
     svc = kept_loop(tmp_path, jobs, clock)
 
     def alone(rate: int) -> None:
@@ -1979,7 +2103,9 @@ class Restartable:
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
         self.clock = Clock()
-        self.jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+        self.jobs = [
+            RunningJob("train", "training", 0, memory_bytes=10 * GIB, memory_used=10 * GIB)
+        ]
 
     def start(self) -> ColoService:
         return ColoService(
@@ -2571,7 +2697,15 @@ def test_a_service_is_planned_with_the_footprint_it_showed_at_that_load(tmp_path
     twice as much."""
     clock = Clock()
     jobs = [
-        RunningJob("chat", "inference", 0, slo_p99_ms=500.0, memory_bytes=8 * GIB, peak_load=100)
+        RunningJob(
+            "chat",
+            "inference",
+            0,
+            slo_p99_ms=500.0,
+            memory_bytes=8 * GIB,
+            memory_used=8 * GIB,
+            peak_load=100,
+        )
     ]
     svc = ColoService(
         ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
@@ -2609,7 +2743,10 @@ def test_a_training_job_on_two_gpus_next_to_a_service_on_one(tmp_path: Path) -> 
     and the footprints per GPU outlive a restart."""
     clock = Clock()
     jobs = [
-        RunningJob("train", "training", g, memory_bytes=10 * GIB, device=f"GPU-{g}") for g in (0, 1)
+        RunningJob(
+            "train", "training", g, memory_bytes=10 * GIB, memory_used=10 * GIB, device=f"GPU-{g}"
+        )
+        for g in (0, 1)
     ]
 
     def start() -> ColoService:
@@ -2664,6 +2801,33 @@ def test_a_footprint_kept_per_job_before_serves_each_of_its_gpus(tmp_path: Path)
         ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, state_file=state
     )
     assert [(svc._features(r).sm, svc._features(r).pcie) for r in jobs] == [(0.4, 0.1)] * 2
+
+
+def test_the_kind_and_share_a_footprint_was_shown_at_outlive_a_restart(tmp_path: Path) -> None:
+    """colo.json keeps the kind a job ran as and the MPS share each footprint was shown
+    at: after a restart a footprint shown at 30% is still not advised as a whole GPU's, nor
+    training's as a service's; a run of the name as a service learns afresh."""
+    clock = Clock()
+    jobs = [
+        RunningJob("sweep", "training", 0, threads_percent=30, memory_bytes=10 * GIB),
+        RunningJob("whole", "training", 1, memory_bytes=10 * GIB, memory_used=GIB),
+    ]
+    jobs[0] = dataclasses.replace(jobs[0], memory_used=GIB)
+    svc = kept_loop(tmp_path, jobs, clock)
+    for _ in range(6):
+        svc.tick(snapshot())
+        clock.t += 1
+    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert saved["sweep"]["kind"] == "training"
+    assert saved["sweep"]["devices"]["GPU 0"]["share"] == 0.3
+    again = kept_loop(tmp_path, jobs, clock)
+    assert again._jobs["sweep"].alone("training") is None  # not a whole GPU's
+    assert again._jobs["whole"].alone("training") is not None
+    assert again._jobs["whole"].alone("inference") is None
+    jobs[1] = dataclasses.replace(jobs[1], kind="inference", slo_p99_ms=100.0)  # another run
+    again.tick(snapshot())
+    assert again._jobs["whole"].kind == "inference"
+    assert again._jobs["whole"].learned("GPU 1") is None
 
 
 def test_a_service_on_two_gpus_is_guarded_once_a_tick_on_both(tmp_path: Path) -> None:
@@ -2755,7 +2919,7 @@ def test_after_a_restart_the_job_reserved_last_came_last(tmp_path: Path) -> None
 
 def test_the_predictor_ages_with_the_loop_and_not_while_gpud_is_down(tmp_path: Path) -> None:
     clock = Clock()
-    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, memory_used=10 * GIB)]
 
     svc = kept_loop(tmp_path, jobs, clock)
     written = []

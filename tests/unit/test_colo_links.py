@@ -85,7 +85,7 @@ def test_nvlink_rate_is_counter_growth_over_the_interval_and_capacity() -> None:
 
 def test_a_job_alone_learns_its_link_features_divided_by_its_duty(tmp_path: Path) -> None:
     t = [100.0]
-    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB)]
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, memory_used=10 * GIB)]
     svc = ColoService(
         ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=lambda: t[0]
     )
@@ -115,14 +115,15 @@ def test_a_job_alone_learns_its_link_features_divided_by_its_duty(tmp_path: Path
 
     svc.tick(snap(0.0, (0, 0)))  # a new company (none): measuring starts
     held()
-    svc.tick(snap(5.0, (0, 0)))
+    svc.tick(snap(5.0, (9 * 10**10, 9 * 10**10)))  # 18 GB/s: 0.04 of 450, at duty 0.5
     f = svc._features(jobs[0])
     assert f.pcie == pytest.approx(0.1, rel=1e-3)  # 3.15 GB/s of 63 at duty 0.5
-    assert f.nvlink == 0.0
-    held()
-    svc.tick(snap(10.0, (9 * 10**10, 9 * 10**10)))  # 18 GB/s: 0.04 of 450, at duty 0.5
-    f = svc._features(jobs[0])
     assert f.nvlink == pytest.approx(0.08) and f.sm == pytest.approx(0.9)
+    held()
+    svc.tick(snap(10.0, (9 * 10**10, 9 * 10**10)))  # no traffic this interval
+    f = svc._features(jobs[0])
+    # a tenth of the way there: one tick's reading does not stand for the job
+    assert f.nvlink == pytest.approx(0.072) and f.sm == pytest.approx(0.9)
 
 
 def test_link_traffic_of_the_models() -> None:

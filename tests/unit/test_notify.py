@@ -138,8 +138,37 @@ def test_failed_sends_are_logged_once_until_one_works_again(
         sock.bind(path)
         assert n.watchdog() and n.watchdog()
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
-        (logging.INFO, f"sd_notify to {path} works again")
+        (logging.INFO, f"sd_notify to {path} works again, after 50 failed sends over 0 s")
     ]
     caplog.clear()
     assert not n.watchdog()  # gone again: said once more
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
+
+
+def test_a_failed_ready_or_stopping_is_warned_whatever_failed_before(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Watchdog pings failing are said once; READY=1 and STOPPING=1 failing then are said
+    each time (systemd, never told, kills gpud at its start or stop timeout), and the send
+    that works again says how many failed over how long."""
+    path = str(tmp_path / "notify.sock")
+    now = [0.0]
+    n = Notifier(path, 1_000_000, clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="gpud.notify")
+    assert not any(n.watchdog() for _ in range(3))
+    now[0] = 30.0
+    assert not n.ready("serving")
+    assert not n.stopping()
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        f"sd_notify to {path} failed",
+        f"sd_notify READY=1 to {path} failed",
+        f"sd_notify STOPPING=1 to {path} failed",
+    ]
+    caplog.clear()
+    with contextlib.closing(socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)) as sock:
+        sock.bind(path)
+        now[0] = 42.0
+        assert n.watchdog()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"sd_notify to {path} works again, after 5 failed sends over 42 s"
+    ]
