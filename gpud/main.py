@@ -257,7 +257,7 @@ def check_cluster_files(cfg: config.Config, *, path: str) -> None:
     if c.election != "etcd":
         return
     # ssl and grpc: only for a node of a cluster
-    from gpud.cluster.tls import PeerTls, check_etcd_client_files
+    from gpud.cluster.tls import PeerTls, check_etcd_client_files, read_cluster_file
 
     try:
         PeerTls.load(c.ca_file, c.cert_file, c.key_file, node=c.node or socket.gethostname())
@@ -272,11 +272,9 @@ def check_cluster_files(cfg: config.Config, *, path: str) -> None:
         if file is None:
             continue
         try:
-            file.read_bytes()
-        except OSError as err:
-            raise ConfigError(
-                f"cannot read {file}: {err.strerror}", path=path, key=f"cluster.{key}"
-            ) from None
+            read_cluster_file(file, f"cluster.{key}")
+        except ConfigError as err:
+            raise err.in_file(path) from None
     try:
         check_etcd_client_files(c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file)
     except ConfigError as err:
