@@ -302,6 +302,21 @@ def load(path: Path, *, required: bool = False) -> Config:
     return from_dict(data, path=str(path))
 
 
+# a file's identity and version: (st_dev, st_ino, st_size, st_mtime_ns)
+FileStamp = tuple[int, int, int, int]
+
+
+def file_stamp(path: Path) -> FileStamp | None:
+    """Which file ``path`` names now, and which version of it: taken before a read, a
+    later stamp that differs says the file changed (or was replaced) since. None: there is
+    none (or it cannot be looked at)."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 # the most a config file may hold: gpud's fills a few KiB (each of the 999 XIDs listed in
 # telemetry.ignored_xids takes 5 bytes); a bigger one (a log or a core file given by
 # mistake, a runaway generator) is refused unread, not read into memory and parsed
