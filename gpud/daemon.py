@@ -83,7 +83,7 @@ from gpud.store import DB_NAME, StateStore
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.seen import SeenGpus
 from gpud.telemetry.snapshot import ClearedXids, SeenIdentity, Snapshot
-from gpud.threads import on_daemon_thread
+from gpud.threads import on_daemon_thread, wait_first
 
 if TYPE_CHECKING:
     from gpud.backend.sim import SimNode, Workload
@@ -953,19 +953,7 @@ class Daemon:
                 return
             steps.result()
             self._notifier.watchdog()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._wait_for_stop_or_reload(), timeout=self.loop_interval_s()
-                )
-
-    async def _wait_for_stop_or_reload(self) -> None:
-        stop = asyncio.ensure_future(self._stop.wait())
-        reload = asyncio.ensure_future(self._reload.wait())
-        try:
-            await asyncio.wait({stop, reload}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            reload.cancel()
+            await wait_first(self._stop, self._reload, timeout=self.loop_interval_s())
 
     async def run_steps(self) -> None:
         """Run every step once; a failing step is logged (rate-limited) and skipped, and
