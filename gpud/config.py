@@ -12,13 +12,11 @@ Every numeric key declares its allowed range where it is declared (:func:`ranged
 from __future__ import annotations
 
 import dataclasses
-import errno
 import grp
 import ipaddress
 import math
 import os
 import re
-import stat
 import tomllib
 import types
 from collections.abc import Collection
@@ -27,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 from gpud.errors import ConfigError
-from gpud.shared import MAX_DRAIN_SECONDS, MAX_XID
+from gpud.shared import MAX_DRAIN_SECONDS, MAX_XID, read_regular
 
 DEFAULT_PATH = Path("/etc/gpud/gpud.toml")
 DEFAULT_SIMULATE = "H100-SXM5-80GB:8"
@@ -287,7 +285,7 @@ def check_socket(config: Config, *, path: str, flags: Collection[str] = ()) -> N
 def load(path: Path, *, required: bool = False) -> Config:
     """Read and check a TOML file; a missing file gives the defaults unless ``required``."""
     try:
-        raw = _read_regular(path)
+        raw = read_regular(path, MAX_CONFIG_BYTES, kind="a config file")
     except FileNotFoundError:
         if required:
             raise ConfigError("file not found", path=str(path)) from None
@@ -304,39 +302,25 @@ def load(path: Path, *, required: bool = False) -> Config:
     return from_dict(data, path=str(path))
 
 
-# the most a config file may hold: gpud's fills a few KiB; a bigger one (a log or a core
-# file given by mistake, a runaway generator) is refused, not read into memory and parsed
-# on the event loop, which no call is answered during
-MAX_CONFIG_BYTES = 1 << 20
-
-# /dev/null's device numbers: the Linux memory devices' major 1, minor 3 ("null" in
-# Documentation/admin-guide/devices.txt), whatever name or link reaches it
-DEV_NULL = (1, 3)
+# a file's identity and version: (st_dev, st_ino, st_size, st_mtime_ns)
+FileStamp = tuple[int, int, int, int]
 
 
-def _read_regular(path: Path) -> bytes:
-    """The bytes of ``path``, refusing what is not a regular file: a named pipe nobody
-    writes to would block start-up, and a reload on the event loop, for ever; a device such
-    as /dev/zero never ends. /dev/null is the exception: operators pass it to mean "no
-    settings", and it reads empty (all defaults)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise OSError(errno.EISDIR, os.strerror(errno.EISDIR))
-        if stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == DEV_NULL:
-            return b""
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        raw = fh.read(MAX_CONFIG_BYTES + 1)  # not more, should it grow meanwhile
-        if len(raw) > MAX_CONFIG_BYTES:
-            size = max(st.st_size, len(raw))
-            raise OSError(
-                errno.EFBIG,
-                f"{size} bytes, more than a config file may hold ({MAX_CONFIG_BYTES >> 20} MiB):"
-                " is it the right file?",
-            )
-        return raw
+def file_stamp(path: Path) -> FileStamp | None:
+    """Which file ``path`` names now, and which version of it: taken before a read, a
+    later stamp that differs says the file changed (or was replaced) since. None: there is
+    none (or it cannot be looked at)."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+# the most a config file may hold: gpud's fills a few KiB (each of the 999 XIDs listed in
+# telemetry.ignored_xids takes 5 bytes); a bigger one (a log or a core file given by
+# mistake, a runaway generator) is refused unread, not read into memory and parsed
+MAX_CONFIG_BYTES = 256 << 10
 
 
 def from_dict(data: dict[str, Any], *, path: str = "<config>") -> Config:

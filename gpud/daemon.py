@@ -47,7 +47,15 @@ from gpud.cluster.runtime import ClusterRuntime
 from gpud.colo.api import ColoServicer, Registered
 from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import ColoService, RunningJob
-from gpud.config import ClusterConfig, Config, TrafficConfig, parse_address, socket_gid
+from gpud.config import (
+    ClusterConfig,
+    Config,
+    FileStamp,
+    TrafficConfig,
+    file_stamp,
+    parse_address,
+    socket_gid,
+)
 from gpud.dirlock import DirLocks
 from gpud.errors import ConfigError, GpudError, Unavailable
 from gpud.events import EventLog
@@ -76,7 +84,7 @@ from gpud.store import DB_NAME, StateStore
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.seen import SeenGpus
 from gpud.telemetry.snapshot import ClearedXids, SeenIdentity, Snapshot
-from gpud.threads import on_daemon_thread
+from gpud.threads import on_daemon_thread, wait_first
 
 if TYPE_CHECKING:
     from gpud.backend.sim import SimNode, Workload
@@ -278,6 +286,7 @@ class Daemon:
         build: str | None = None,
         dir_locks: DirLocks | None = None,
         config_path: str = "",
+        config_stamp: FileStamp | None = None,
     ) -> None:
         """``mps_control_command``: the MPS control daemon to run (default
         ``mps.control_binary``); ``mps_cgroups``: where each MPS control daemon gets a cgroup
@@ -285,7 +294,9 @@ class Daemon:
         for the reason ``no_mps_cgroups``, said once in the log); ``build``: the identity of
         the code it runs (default :func:`gpud.build.current`, computed now); ``dir_locks``:
         the ``gpud.lock`` files held, made again by the loop when they are removed;
-        ``config_path``: the config file, named in the warnings about it at start."""
+        ``config_path``: the config file, named in the warnings about it at start, and
+        looked at by ``gpuctl status`` ("": none); ``config_stamp``: its
+        :func:`~gpud.config.file_stamp` taken before ``config`` was read from it."""
         self.config = config
         self._dir_locks = dir_locks
         self.build = build_id.current() if build is None else build
@@ -298,6 +309,8 @@ class Daemon:
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
         self.reload_state = ReloadState()  # gpuctl status: is the running config the file's?
+        self._config_path = Path(config_path) if config_path else None
+        self._config_stamp = config_stamp  # of the file as last read (at start or reload)
         state_dir = config.daemon.state_dir
         files.make_dirs(state_dir, files.STATE_DIR_MODE)
         files.make_dirs(config.daemon.run_dir, files.RUN_DIR_MODE)
@@ -769,8 +782,18 @@ class Daemon:
             started_monotonic=self._started,
             version=__version__,
             build=self.build,
-            reload=self.reload_state if self._reload_config is not None else None,
+            reload=self._reload_status(),
         )
+
+    def _reload_status(self) -> ReloadState | None:
+        """The reloads, and whether the file changed since it was last read: what gpud runs
+        is then not what the file says, whatever the last reload did."""
+        if self._reload_config is None:
+            return None
+        changed = (
+            self._config_path is not None and file_stamp(self._config_path) != self._config_stamp
+        )
+        return dataclasses.replace(self.reload_state, file_changed=changed)
 
     def _gpu_count(self) -> int:
         snap = self.sampler.latest()
@@ -941,7 +964,7 @@ class Daemon:
         while not self._stop.is_set():
             if self._reload.is_set():
                 self._reload.clear()
-                self.reload()
+                await self._reload_off_loop()
             # a stop does not wait here for the pass (an admission pass blocked behind the
             # placement lock): the stop waits for it a while (_end_pass), within its budget
             steps = asyncio.ensure_future(self.run_steps())
@@ -955,19 +978,7 @@ class Daemon:
                 return
             steps.result()
             self._notifier.watchdog()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._wait_for_stop_or_reload(), timeout=self.loop_interval_s()
-                )
-
-    async def _wait_for_stop_or_reload(self) -> None:
-        stop = asyncio.ensure_future(self._stop.wait())
-        reload = asyncio.ensure_future(self._reload.wait())
-        try:
-            await asyncio.wait({stop, reload}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            reload.cancel()
+            await wait_first(self._stop, self._reload, timeout=self.loop_interval_s())
 
     async def run_steps(self) -> None:
         """Run every step once; a failing step is logged (rate-limited) and skipped, and
@@ -1021,17 +1032,39 @@ class Daemon:
             mig_file_layouts(path, self._identities) if path is not None else dict
         )
 
-    def reload(self) -> None:
-        """Re-read the config (SIGHUP). A bad file keeps the running config and says why."""
+    async def _reload_off_loop(self) -> None:
+        """A reload (SIGHUP) whose read and checks of the file (and of the cluster's files)
+        run on a thread: the API answers meanwhile. The apply is :meth:`reload`'s."""
         if self._reload_config is None:
             return
         self._notifier.reloading()
+        self.reload(await on_daemon_thread(self._read_config))
+
+    def _read_config(self) -> tuple[Config | GpudError, FileStamp | None]:
+        """The file's config, or why it cannot be taken, and the file's stamp taken before
+        the read (a file changed meanwhile then shows as changed since)."""
+        assert self._reload_config is not None
+        stamp = file_stamp(self._config_path) if self._config_path is not None else None
+        try:
+            return self._reload_config(), stamp
+        except GpudError as err:
+            return err, stamp
+
+    def reload(self, read: tuple[Config | GpudError, FileStamp | None] | None = None) -> None:
+        """Take the config file again (SIGHUP): ``read``, what :meth:`_read_config` gave
+        (None: read it now, on this thread). A bad file keeps the running config and says
+        why."""
+        if self._reload_config is None:
+            return
+        if read is None:
+            self._notifier.reloading()
+            read = self._read_config()
+        new, self._config_stamp = read
         tried = dataclasses.replace(
             self.reload_state, reloads=self.reload_state.reloads + 1, last_monotonic=self._clock()
         )
-        try:
-            new = self._reload_config()
-        except GpudError as err:
+        if isinstance(new, GpudError):
+            err = new
             # the keys an earlier reload left waiting for a restart still wait
             self.reload_state = dataclasses.replace(tried, error=str(err))
             log.error("config reload failed, keeping the running config: %s", err)

@@ -257,7 +257,7 @@ def check_cluster_files(cfg: config.Config, *, path: str) -> None:
     if c.election != "etcd":
         return
     # ssl and grpc: only for a node of a cluster
-    from gpud.cluster.tls import PeerTls, check_etcd_client_files
+    from gpud.cluster.tls import PeerTls, check_etcd_client_files, read_cluster_file
 
     try:
         PeerTls.load(c.ca_file, c.cert_file, c.key_file, node=c.node or socket.gethostname())
@@ -272,11 +272,9 @@ def check_cluster_files(cfg: config.Config, *, path: str) -> None:
         if file is None:
             continue
         try:
-            file.read_bytes()
-        except OSError as err:
-            raise ConfigError(
-                f"cannot read {file}: {err.strerror}", path=path, key=f"cluster.{key}"
-            ) from None
+            read_cluster_file(file, f"cluster.{key}")
+        except ConfigError as err:
+            raise err.in_file(path) from None
     try:
         check_etcd_client_files(c.etcd_ca_file, c.etcd_cert_file, c.etcd_key_file)
     except ConfigError as err:
@@ -365,6 +363,7 @@ def expiring_certificates(cfg: config.Config) -> list[str]:
 def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
     """``gpud``; ``nvml``: the pynvml-shaped module for real GPUs (None: ``pynvml``)."""
     args = build_parser().parse_args(argv)
+    stamp = config.file_stamp(args.config or config.DEFAULT_PATH)  # before the read
     try:
         cfg = load_config(args)
     except ConfigError as err:
@@ -402,7 +401,7 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
         print(f"gpud: {err}", file=sys.stderr)
         return 1
     try:
-        code = run(cfg, args, nvml=nvml, locks=locks)
+        code = run(cfg, args, nvml=nvml, locks=locks, stamp=stamp)
     finally:
         locks.close()
     exit_leaving_stuck_threads(code)
@@ -415,9 +414,11 @@ def run(
     *,
     nvml: Any = None,
     locks: DirLocks | None = None,
+    stamp: config.FileStamp | None = None,
 ) -> int:
     """Open the backend and run the daemon until it stops (holding ``locks`` in its
-    directories); its exit status."""
+    directories; ``stamp``: the config file's, taken before ``cfg`` was read); its exit
+    status."""
     logsetup.configure(cfg.daemon.log_level, journald="JOURNAL_STREAM" in os.environ)
     for warning in readable_secrets(cfg):
         log.warning("%s", warning)
@@ -443,6 +444,7 @@ def run(
             reload_config=lambda: load_config(args),
             dir_locks=locks,
             config_path=str(args.config or config.DEFAULT_PATH),
+            config_stamp=stamp,
         )
         return serve_until_stopped(daemon.run())
     except ConfigError as err:  # what the operator must change: no restart mends it

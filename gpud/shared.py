@@ -12,6 +12,8 @@ daemon's internals), so the few things both sides must read the same way live he
 - a job's environment rendered as shell ``export`` lines;
 - what a ``gpuctl run`` that waits outside the admission queue waits on;
 - free text a request may carry (a progress report's session): one short line;
+- files read whole at start and on reload (the config, the cluster's certificates), read so
+  that a named pipe, a device or a file far too big fails at once rather than hangs;
 - which events are about a GPU or a job (``gpuctl events --gpu/--job``, ListEvents);
 - the initial metadata that says a WatchEvents stream is live (``events --follow``);
 - the XID codes gpud takes (``telemetry.ignored_xids``, ``xid clear --xid``, an injected one);
@@ -27,6 +29,7 @@ import math
 import os
 import pwd
 import re
+import stat
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -173,25 +176,77 @@ def read_small_text(path: Path, limit: int) -> str:
     """The UTF-8 text of ``path`` (``-``: standard input), read no further than ``limit``
     bytes, so that ``/dev/zero`` or a disk image named by mistake fails at once. Raises
     ``OSError`` when it cannot be read, ``ValueError`` (with the reason) when it is larger
-    than ``limit`` or not UTF-8 text."""
-    if str(path) == "-":
-        if sys.stdin is None:  # started with standard input closed (`<&-`)
-            raise OSError(errno.EBADF, "standard input is closed")
-        raw = sys.stdin.buffer.read(limit + 1)
-    else:
-        # O_NONBLOCK: opening a named pipe nobody writes to would wait forever; once open,
-        # reads block again, so a pipe with a writer (`<(...)`) is read whole and one
-        # without reads as empty
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            os.set_blocking(fd, True)
-            raw = f.read(limit + 1)
-    if len(raw) > limit:
-        raise ValueError(f"larger than {limit // 1024} KiB: not a file of this kind")
+    than ``limit`` or not UTF-8 text. A named pipe is taken (``<(...)``): see
+    :func:`read_regular` for files that must be regular."""
+    try:
+        if str(path) == "-":
+            if sys.stdin is None:  # started with standard input closed (`<&-`)
+                raise OSError(errno.EBADF, "standard input is closed")
+            raw = _capped(sys.stdin.buffer.read(limit + 1), limit, limit + 1)
+        else:
+            raw = _read_limited(path, limit, regular=False)
+    except OSError as err:
+        if err.errno != errno.EFBIG:
+            raise
+        raise ValueError(f"larger than {limit // 1024} KiB: not a file of this kind") from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"not UTF-8 text (byte {err.start})") from None
+
+
+# /dev/null's device numbers: the Linux memory devices' major 1, minor 3 ("null" in
+# Documentation/admin-guide/devices.txt), whatever name or link reaches it
+DEV_NULL = (1, 3)
+
+
+def read_regular(path: Path, limit: int, *, kind: str = "a file of this kind") -> bytes:
+    """The bytes of ``path``, refusing what is not a regular file: a named pipe nobody
+    writes to would block start-up, or a reload, for ever; a device such as /dev/zero never
+    ends. /dev/null is the exception: it reads empty (``gpud --config /dev/null``: no
+    settings). A file over ``limit`` bytes is refused unread (``OSError`` EFBIG, whose
+    ``strerror`` gives the size, the limit and ``kind``, what may hold that much)."""
+    return _read_limited(path, limit, regular=True, kind=kind)
+
+
+def _read_limited(
+    path: Path, limit: int, *, regular: bool, kind: str = "a file of this kind"
+) -> bytes:
+    # O_NONBLOCK: opening a named pipe nobody writes to would wait forever
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if regular:
+            if stat.S_ISDIR(st.st_mode):
+                raise OSError(errno.EISDIR, os.strerror(errno.EISDIR))
+            if (
+                stat.S_ISCHR(st.st_mode)
+                and (os.major(st.st_rdev), os.minor(st.st_rdev)) == DEV_NULL
+            ):
+                return b""
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+        else:
+            # once open, reads block again, so a pipe with a writer (`<(...)`) is read whole
+            # and one without reads as empty
+            os.set_blocking(fd, True)
+        if stat.S_ISREG(st.st_mode) and st.st_size > limit:
+            raise _too_big(st.st_size, limit, kind)  # refused unread
+        # not more than the limit, should it grow meanwhile (or a /proc file, of size 0)
+        return _capped(fh.read(limit + 1), limit, st.st_size, kind)
+
+
+def _capped(raw: bytes, limit: int, size: int, kind: str = "a file of this kind") -> bytes:
+    if len(raw) > limit:
+        raise _too_big(max(size, len(raw)), limit, kind)
+    return raw
+
+
+def _too_big(size: int, limit: int, kind: str) -> OSError:
+    return OSError(
+        errno.EFBIG,
+        f"{size} bytes, more than {kind} may hold ({limit >> 10} KiB): is it the right file?",
+    )
 
 
 # WatchEvents sends (WATCHING_KEY, "1") as its initial metadata once the watch is set up

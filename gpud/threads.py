@@ -1,4 +1,5 @@
-"""Blocking calls awaited from the event loop on threads that never hold up gpud's exit."""
+"""Blocking calls awaited from the event loop on threads that never hold up gpud's exit, and
+the loops' waits for the first of several events."""
 
 from __future__ import annotations
 
@@ -41,3 +42,14 @@ async def on_daemon_thread(fn: Callable[[], T]) -> T:
         target=call, name=f"gpud:{getattr(fn, '__qualname__', 'call')}", daemon=True
     ).start()
     return await done
+
+
+async def wait_first(*events: asyncio.Event, timeout: float | None = None) -> None:
+    """Until one of ``events`` is set or ``timeout`` seconds have passed (None: no limit);
+    the caller looks at which ones are set. A wait cancelled leaves nothing behind."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()

@@ -444,6 +444,7 @@ def _config_status(state: ReloadState, now: float) -> pb.ConfigStatus:
         reloads=state.reloads,
         reload_error=state.error,
         restart_needed=state.restart_needed,
+        file_changed=state.file_changed,
     )
     if state.last_monotonic is not None:
         status.last_reload_age_seconds = max(0.0, now - state.last_monotonic)

@@ -49,6 +49,9 @@ class ReloadState:
     last_monotonic: float | None = None  # when the latest one ran; None before the first
     error: str = ""  # why the latest failed (the running config is the one before); "" if not
     restart_needed: tuple[str, ...] = ()  # changed keys kept at their values until a restart
+    # the file is not the one last read (edited, replaced, removed, created): what gpud runs
+    # may not be what it says, until a reload (systemctl reload gpud)
+    file_changed: bool = False
 
 
 NodeInfoSource = Callable[[], NodeInfo]

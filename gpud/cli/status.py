@@ -57,7 +57,12 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def _config(config: pb.ConfigStatus) -> str:
-    """The config file's reloads in a few words: whether gpud runs what the file says."""
+    """The config file's reloads in a few words, and whether the file changed since."""
+    said = _last_read(config)
+    return f"{said}; the file changed since" if config.file_changed else said
+
+
+def _last_read(config: pb.ConfigStatus) -> str:
     if not config.HasField("last_reload_age_seconds"):
         return "as loaded at start (no reload since)"
     when = f"{seconds(config.last_reload_age_seconds)} ago"
@@ -69,13 +74,19 @@ def _config(config: pb.ConfigStatus) -> str:
 
 
 def _config_problems(config: pb.ConfigStatus) -> list[str]:
-    """A line for a failed reload's error, and one for the keys that wait for a restart."""
+    """A line for a failed reload's error, one for the keys that wait for a restart, and
+    one for a file changed since it was read."""
     lines = []
     if config.reload_error:
         lines.append(f"config reload failed: {config.reload_error}")
     if config.restart_needed:
         keys = ", ".join(config.restart_needed)
         lines.append(f"config: needs a restart to change: {keys} (running the values before)")
+    if config.file_changed:
+        lines.append(
+            "config: the file changed since it was read: systemctl reload gpud to take it"
+            " (gpud --check-config to check it first)"
+        )
     return lines
 
 

@@ -23,10 +23,9 @@ from gpud.cluster.model import node_name
 from gpud.cluster.ports import MemoryTagStore, NodeView, TagStore
 from gpud.cluster.problems import EtcdProblemBoard
 from gpud.cluster.tagstore import EtcdTagStore
-from gpud.cluster.tls import PeerTls
+from gpud.cluster.tls import PeerTls, read_cluster_file
 from gpud.cluster.trust import EtcdCandidacy
 from gpud.config import ClusterConfig, parse_address
-from gpud.errors import ConfigError
 from gpud.events import EventLog
 from gpud.net.port import TrafficPort
 from netshaper.leveller import LevellerConfig
@@ -37,13 +36,8 @@ log = logging.getLogger(__name__)
 def etcd_settings(c: ClusterConfig) -> EtcdSettings:
     password = ""
     if c.etcd_password_file is not None:
-        try:
-            password = c.etcd_password_file.read_text().strip()
-        except OSError as err:
-            raise ConfigError(
-                f"cannot read {c.etcd_password_file}: {err.strerror}",
-                key="cluster.etcd_password_file",
-            ) from err
+        raw = read_cluster_file(c.etcd_password_file, "cluster.etcd_password_file")
+        password = raw.decode("utf-8", errors="replace").strip()
     return EtcdSettings(
         endpoints=tuple(e.strip().rstrip("/") for e in c.etcd_endpoints.split(",") if e.strip()),
         ca_file=str(c.etcd_ca_file or ""),

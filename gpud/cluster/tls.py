@@ -27,10 +27,15 @@ from typing import Any
 import grpc
 
 from gpud.errors import ConfigError
+from gpud.shared import read_regular
 
 log = logging.getLogger(__name__)
 
 EXPIRY_WARNING_S = 7 * 86400  # a certificate expiring sooner is warned about at start
+
+# the most a CA, certificate, key or password file may hold: a PEM certificate takes 1 to
+# 2 KiB, a bundle of every public CA about 200 KiB; a bigger file is the wrong one
+MAX_CLUSTER_FILE_BYTES = 256 << 10
 
 # OpenSSL X509_V_ERR_* codes (ssl.SSLCertVerificationError.verify_code) a peer would hit
 _NOT_YET_VALID, _EXPIRED = 9, 10
@@ -102,12 +107,7 @@ class PeerTls:
                     "tools/certs.py makes a CA and node certificates",
                     key=f"cluster.{key}",
                 )
-            try:
-                values[key] = path.read_bytes()
-            except OSError as err:
-                raise ConfigError(
-                    f"cannot read {path}: {err.strerror}", key=f"cluster.{key}"
-                ) from err
+            values[key] = read_cluster_file(path, f"cluster.{key}")
             paths[key] = path
         not_after, node_as_named = _check(
             paths["ca_file"],
@@ -212,17 +212,22 @@ def check_etcd_client_files(
             )
     for name, path in (("cluster.etcd_ca_file", ca_file), ("cluster.etcd_cert_file", cert_file)):
         if path is not None:
-            _parse_certificates(path, _pem_text(_read(path, name)), name)
+            _parse_certificates(path, _pem_text(read_cluster_file(path, name)), name)
     if cert_file is not None and key_file is not None:
-        _read(key_file, "cluster.etcd_key_file")
+        read_cluster_file(key_file, "cluster.etcd_key_file")
         _load_chain(
             ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), cert_file, key_file, "cluster.etcd_key_file"
         )
 
 
-def _read(path: Path, key_name: str) -> bytes:
+def read_cluster_file(path: Path, key_name: str) -> bytes:
+    """The bytes of ``path``, a regular file of at most :data:`MAX_CLUSTER_FILE_BYTES`
+    (read at start, by ``--check-config`` and on reload: a named pipe or a device would
+    hang them); a ConfigError naming ``key_name`` and the file."""
     try:
-        return path.read_bytes()
+        return read_regular(
+            path, MAX_CLUSTER_FILE_BYTES, kind="a certificate, key or password file"
+        )
     except OSError as err:
         raise ConfigError(f"cannot read {path}: {err.strerror}", key=key_name) from err
 

@@ -55,6 +55,7 @@ from gpud.telemetry.reader import GpuReader, placeholder_identity
 from gpud.telemetry.seen import Seen
 from gpud.telemetry.seen import identity as seen_identity
 from gpud.telemetry.snapshot import ClearedXids, CriticalXid, GpuSample, Snapshot
+from gpud.threads import wait_first
 
 log = logging.getLogger(__name__)
 
@@ -554,27 +555,22 @@ class Sampler:
                     await asyncio.to_thread(self.tick)
                 except Exception:
                     log.exception("sampler tick failed")
-                slot = await self._wait_next(slot, stop, self._rescheduled)
+                slot = await self._wait_next(slot, stop)
         finally:
             self.close()
 
-    async def _wait_next(self, slot: float, stop: asyncio.Event, again: asyncio.Event) -> float:
-        """Wait until ``interval_s`` after ``slot`` (no later than now) or ``stop``; ``again``
-        (a new interval) measures the wait afresh. The slot waited for."""
+    async def _wait_next(self, slot: float, stop: asyncio.Event) -> float:
+        """Wait until ``interval_s`` after ``slot`` (no later than now) or ``stop``; a new
+        ``interval_s`` meanwhile measures the wait afresh from ``slot``. The slot waited
+        for."""
         loop = asyncio.get_running_loop()
+        again = self._rescheduled
+        assert again is not None  # set by run()
         while True:
             again.clear()
             now = loop.time()
             next_at = max(slot + self.interval_s, now)
-            stopped = asyncio.ensure_future(stop.wait())
-            changed = asyncio.ensure_future(again.wait())
-            try:
-                await asyncio.wait(
-                    {stopped, changed}, timeout=next_at - now, return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:
-                stopped.cancel()
-                changed.cancel()
+            await wait_first(stop, again, timeout=next_at - now)
             if stop.is_set() or not again.is_set():
                 return next_at
 

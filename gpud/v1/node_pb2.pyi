@@ -187,6 +187,7 @@ class ConfigStatus(_message.Message):
     LAST_RELOAD_AGE_SECONDS_FIELD_NUMBER: _builtins.int
     RELOAD_ERROR_FIELD_NUMBER: _builtins.int
     RESTART_NEEDED_FIELD_NUMBER: _builtins.int
+    FILE_CHANGED_FIELD_NUMBER: _builtins.int
     reloads: _builtins.int
     """reloads (SIGHUP) acted on since start, failed ones included"""
     last_reload_age_seconds: _builtins.float
@@ -194,6 +195,10 @@ class ConfigStatus(_message.Message):
     reload_error: _builtins.str
     """why the latest reload failed ("FILE:key: ..."): gpud runs the config it had before,
     not the file's; "" when it worked (or there was none)
+    """
+    file_changed: _builtins.bool
+    """the config file changed (edited, replaced, removed or created) since gpud last read it,
+    at start or on reload: what gpud runs may not be what it says until the next reload
     """
     @_builtins.property
     def restart_needed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -206,10 +211,11 @@ class ConfigStatus(_message.Message):
         last_reload_age_seconds: _builtins.float | None = ...,
         reload_error: _builtins.str = ...,
         restart_needed: _abc.Iterable[_builtins.str] | None = ...,
+        file_changed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_last_reload_age_seconds", b"_last_reload_age_seconds", "last_reload_age_seconds", b"last_reload_age_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_reload_age_seconds", b"_last_reload_age_seconds", "last_reload_age_seconds", b"last_reload_age_seconds", "reload_error", b"reload_error", "reloads", b"reloads", "restart_needed", b"restart_needed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_reload_age_seconds", b"_last_reload_age_seconds", "file_changed", b"file_changed", "last_reload_age_seconds", b"last_reload_age_seconds", "reload_error", b"reload_error", "reloads", b"reloads", "restart_needed", b"restart_needed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_reload_age_seconds: _TypeAlias = _typing.Literal["last_reload_age_seconds"]  # noqa: Y015
     _WhichOneofArgType__last_reload_age_seconds: _TypeAlias = _typing.Literal["_last_reload_age_seconds", b"_last_reload_age_seconds"]  # noqa: Y015

@@ -1,3 +1,4 @@
+import contextlib
 import dataclasses
 import datetime
 import errno
@@ -10,6 +11,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import tomllib
 from pathlib import Path
 from typing import get_type_hints
@@ -634,10 +636,34 @@ def test_a_config_path_that_is_no_regular_file_is_refused_without_blocking(
 def test_a_config_file_too_big_to_be_one_is_refused_unread(tmp_path: Path) -> None:
     """A file given by mistake (a log, a core file) is not read whole into memory."""
     path = write(tmp_path, "[telemetry]\ninterval_s = 2.0\n#" + "x" * config.MAX_CONFIG_BYTES)
-    with pytest.raises(ConfigError, match=r"gpud\.toml: cannot read: 1048606 bytes, more than a"):
+    with pytest.raises(
+        ConfigError,
+        match=r"gpud\.toml: cannot read: 262174 bytes, more than a config file may hold "
+        r"\(256 KiB\): is it the right file\?",
+    ):
         config.load(path, required=True)
     path.write_text("[telemetry]\ninterval_s = 2.0\n#" + "x" * (config.MAX_CONFIG_BYTES - 30))
     assert config.load(path, required=True).telemetry.interval_s == 2.0  # at the limit: taken
+
+
+def test_a_config_file_over_the_limit_is_refused_by_its_size_without_a_read(
+    tmp_path: Path,
+) -> None:
+    """The size the file system gives is checked before a byte is read (a sparse file of
+    terabytes, a file on a slow mount): the file's access time stays as it was."""
+    path = write(tmp_path, "#" + "x" * config.MAX_CONFIG_BYTES)
+
+    def read_at_all() -> bool:
+        os.utime(path, (0, 1000))  # relatime: a read now sets the access time
+        with contextlib.suppress(ConfigError):
+            config.load(path, required=True)
+        return path.stat().st_atime != 0
+
+    os.truncate(path, config.MAX_CONFIG_BYTES)  # at the limit: read
+    if not read_at_all():
+        pytest.skip("this file system does not record reads (noatime)")
+    os.truncate(path, config.MAX_CONFIG_BYTES + 1)
+    assert not read_at_all()
 
 
 def test_dev_null_as_the_config_means_all_defaults(tmp_path: Path) -> None:
@@ -938,6 +964,80 @@ def test_check_config_checks_etcds_client_certificate_and_key_as_a_pair(
         assert main(["--check-config", "--config", str(path)]) == 2, extra
         err = capsys.readouterr().err
         assert f"{path}:{where}" in err, err
+
+
+def _check_config_within(path: Path, timeout: float = 20.0) -> int:
+    """``gpud --check-config --config PATH``'s exit code; a check that hangs fails the
+    test (left on a daemon thread) rather than the run."""
+    done: list[int] = []
+    thread = threading.Thread(
+        target=lambda: done.append(main(["--check-config", "--config", str(path)])), daemon=True
+    )
+    thread.start()
+    thread.join(timeout)
+    assert done, f"--check-config still runs after {timeout} s"
+    return done[0]
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "ca_file",
+        "cert_file",
+        "key_file",
+        "etcd_ca_file",
+        "etcd_cert_file",
+        "etcd_key_file",
+        "etcd_password_file",
+    ],
+)
+def test_a_cluster_file_that_is_a_pipe_or_too_big_is_refused_without_hanging(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str
+) -> None:
+    """The cluster's files are read at start, by --check-config and on a reload (on the
+    event loop's behalf): a named pipe nobody writes to, a device, or a file far bigger
+    than any certificate is a config error naming the key and the file, not a hang."""
+    from gpud.cluster.tls import MAX_CLUSTER_FILE_BYTES
+    from tools.certs import make_ca, make_node
+
+    make_ca(tmp_path)
+    make_node(tmp_path, "n1", tmp_path, dns=("n1",))
+    files = {
+        "ca_file": tmp_path / "ca.pem",
+        "cert_file": tmp_path / "n1.pem",
+        "key_file": tmp_path / "n1-key.pem",
+        "etcd_ca_file": tmp_path / "ca.pem",
+        "etcd_cert_file": tmp_path / "n1.pem",
+        "etcd_key_file": tmp_path / "n1-key.pem",
+        "etcd_password_file": tmp_path / "password",
+    }
+    files["etcd_password_file"].write_text("secret\n")
+    fifo = tmp_path / "fifo.pem"
+    os.mkfifo(fifo)  # nobody writes: a plain read waits for ever
+
+    def check(named: Path) -> str:
+        given = {**files, key: named}
+        text = '[cluster]\nelection = "etcd"\nnode = "n1"\nlisten = "127.0.0.1:0"\n'
+        text += 'etcd_username = "gpud"\n'
+        text += "".join(f'{k} = "{v}"\n' for k, v in given.items())
+        path = write(tmp_path, text)
+        assert _check_config_within(path) == 2
+        return capsys.readouterr().err
+
+    try:
+        err = check(fifo)
+    finally:
+        # unblock a read that waits (the old code's), so that its thread ends
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert f"gpud.toml:cluster.{key}: cannot read {fifo}: not a regular file" in err, err
+    big = tmp_path / "big.pem"
+    big.write_bytes(b"#" * (MAX_CLUSTER_FILE_BYTES + 1))
+    err = check(big)
+    assert (
+        f"gpud.toml:cluster.{key}: cannot read {big}: {MAX_CLUSTER_FILE_BYTES + 1} bytes, more "
+        "than a certificate, key or password file may hold (256 KiB): is it the right file?"
+    ) in err, err
 
 
 # gpud's console script with its loading stood in for by a wait: a Ctrl-C then

@@ -17,13 +17,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gpud.build import current as current_build
-from gpud.config import Config
+from gpud.config import MAX_CONFIG_BYTES, Config, file_stamp
 from gpud.daemon import Daemon, Step
 from gpud.dirlock import DirLocks
 from gpud.errors import ConfigError, InUse, Unavailable
 from gpud.events import EventLog
 from gpud.jobs.service import RunRequest
-from gpud.main import lock_dirs, mps_control_command, open_backend
+from gpud.main import build_parser, lock_dirs, mps_control_command, open_backend
+from gpud.main import load_config as load_gpud_config
 from gpud.metrics import build_registry
 from gpud.mig.layout import load_config
 from gpud.mig.manager import MigManager
@@ -55,15 +56,20 @@ def root(tmp_path: Path) -> Path:
 
 def build(
     config: Config,
+    *,
     reload_to: list[Config | ConfigError] | None = None,
     clock: Callable[[], float] = time.monotonic,
     code_build: str | None = None,
     dir_locks: DirLocks | None = None,
+    reload_config: Callable[[], Config] | None = None,
+    config_path: Path | None = None,
 ) -> Daemon:
+    """``reload_config``: the file's config as a reload reads it (default: each of
+    ``reload_to`` in turn); ``config_path``: the file, stamped now as read at start."""
     backend, sim = open_backend(config)
     pending = reload_to if reload_to is not None else []
 
-    def reload_config() -> Config:
+    def next_config() -> Config:
         read = pending.pop(0)  # a ConfigError: the file is bad
         if isinstance(read, ConfigError):
             raise read
@@ -75,10 +81,12 @@ def build(
         sim=sim,
         mps_control_command=mps_control_command(config),
         notifier=Notifier(None),
-        reload_config=reload_config,
+        reload_config=reload_config or next_config,
         clock=clock,
         build=code_build,
         dir_locks=dir_locks,
+        config_path=str(config_path or ""),
+        config_stamp=file_stamp(config_path) if config_path is not None else None,
     )
 
 
@@ -157,6 +165,118 @@ def test_the_status_call_says_whether_the_running_config_is_the_file_s(root: Pat
         d.sampler.close()
         d.store.close()
         d.backend.close()
+
+
+def status_of(d: Daemon) -> node_pb2.ConfigStatus:
+    """The ``config`` of ``gpuctl status`` (GetStatus)."""
+    request = node_pb2.GetStatusRequest()
+    resp = asyncio.run(d.node_servicer.GetStatus(request, None))  # type: ignore[arg-type]
+    assert resp.HasField("config")
+    return resp.config
+
+
+def test_a_failed_reload_keeps_the_keys_an_earlier_one_left_for_a_restart(root: Path) -> None:
+    """The running config still holds a key at its start value after a failed reload:
+    status goes on saying so, beside the failure."""
+    bad = ConfigError("0.0 is out of range", path="/etc/gpud/gpud.toml", key="t.i")
+    d = build(make_config(root), reload_to=[make_config(root, **{"mps.enabled": True}), bad])
+    try:
+        d.reload()
+        assert list(status_of(d).restart_needed) == ["mps.enabled"]
+        d.reload()
+        failed = status_of(d)
+        assert failed.reload_error == "/etc/gpud/gpud.toml:t.i: 0.0 is out of range"
+        assert list(failed.restart_needed) == ["mps.enabled"]
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
+def test_a_reload_of_a_file_over_the_limit_fails_and_says_so(root: Path) -> None:
+    """The file as ``gpud`` reads it on SIGHUP: refused unread, the running config kept,
+    the event and ``gpuctl status`` naming the file and why."""
+    path = root / "gpud.toml"
+    path.write_text("#" * (MAX_CONFIG_BYTES + 1))
+    args = build_parser().parse_args(["--config", str(path)])
+    d = build(make_config(root), reload_config=lambda: load_gpud_config(args))
+    try:
+        d.reload()
+        event = d.events.recent(1, "config.reload_failed")[0]
+        why = f"{path}: cannot read: {MAX_CONFIG_BYTES + 1} bytes, more than a config file may hold"
+        assert event.message.startswith(why), event.message
+        assert event.fields["path"] == str(path)
+        assert status_of(d).reload_error.startswith(why)
+        assert d.config.daemon.state_dir == root / "state"  # the running config kept
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
+def test_status_says_when_the_file_changed_since_it_was_read(root: Path) -> None:
+    """Edited without a reload, the file is not what gpud runs, whatever the last reload
+    did; a reload reads it again, a failed one included."""
+    path = root / "gpud.toml"
+    path.write_text("# as at start\n")
+    bad = ConfigError("not valid TOML", path=str(path))
+    d = build(make_config(root), reload_to=[make_config(root), bad], config_path=path)
+    try:
+        assert status_of(d).file_changed is False
+        path.write_text("# edited, not reloaded\n")
+        assert status_of(d).file_changed is True
+        d.reload()
+        assert status_of(d).file_changed is False
+        replaced = root / "gpud.toml.new"
+        replaced.write_text("[broken\n")
+        replaced.rename(path)  # as editors write: another inode
+        assert status_of(d).file_changed is True
+        d.reload()  # failed: but what the file says is known, and said
+        assert status_of(d).file_changed is False and status_of(d).reload_error
+        path.unlink()
+        assert status_of(d).file_changed is True
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
+def test_a_reload_reads_the_file_off_the_event_loop(root: Path) -> None:
+    """A big file's read and parse (or a slow mount) takes a while: the API answers
+    meanwhile; the new config applies once read."""
+    reading = threading.Event()
+    release = threading.Event()
+
+    def slow_read() -> Config:
+        reading.set()
+        release.wait(10)
+        return make_config(root, **{"telemetry.interval_s": 0.5})
+
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}), reload_config=slow_read)
+    answered: list[bool] = []
+
+    async def scenario() -> None:
+        run = asyncio.create_task(d.run())
+        while d.events.recent(1, "daemon.start") == []:
+            await asyncio.sleep(0.05)
+        d.request_reload()
+        assert await asyncio.to_thread(reading.wait, 5)
+        await asyncio.sleep(0.1)  # runs only while the loop is free
+        answered.append(not release.is_set())
+        release.set()
+        while d.events.recent(1, "config.reload") == []:
+            await asyncio.sleep(0.05)
+        d.request_stop()
+        assert await asyncio.wait_for(run, timeout=20) == 0
+
+    def let_go() -> None:  # the old way blocks the loop: let the read end after a while
+        time.sleep(3)
+        release.set()
+
+    threading.Thread(target=let_go, daemon=True).start()
+    asyncio.run(scenario())
+    assert answered == [True]
+    assert d.sampler.interval_s == 0.5
 
 
 def test_reload_takes_a_new_admission_mig_config(root: Path) -> None:

@@ -210,6 +210,14 @@ def status_showing(
                 " values before)",
             ],
         ),
+        (
+            ReloadState(file_changed=True),
+            [
+                "config:      as loaded at start (no reload since); the file changed since",
+                "config: the file changed since it was read: systemctl reload gpud to take it"
+                " (gpud --check-config to check it first)",
+            ],
+        ),
     ],
 )
 def test_status_says_whether_the_running_config_is_the_file_s(
@@ -218,6 +226,7 @@ def test_status_says_whether_the_running_config_is_the_file_s(
     config = status_showing(capsys, sock_dir, make_servicer(reload=reload), lines)["config"]
     assert config.get("reload_error", "") == reload.error
     assert config.get("restart_needed", []) == list(reload.restart_needed)
+    assert config.get("file_changed", False) == reload.file_changed
 
 
 def test_status_from_a_gpud_without_traffic_in_it_has_no_traffic_line(

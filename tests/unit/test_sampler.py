@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -639,17 +640,27 @@ async def test_run_ticks_without_blocking_the_event_loop(backend: FakeBackend) -
     assert len(s.history()) >= 2
 
 
+@contextlib.asynccontextmanager
+async def running(backend: FakeBackend, interval_s: float) -> AsyncIterator[Sampler]:
+    """A sampler's run, from its first tick (at once) to its stop."""
+    s = Sampler(backend, interval_s=interval_s)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    task = asyncio.create_task(s.run(stop))
+    try:
+        while s.latest() is None:
+            await asyncio.sleep(0.01)
+        yield s
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 2)  # at once, even in the middle of a long wait
+
+
 async def test_a_shorter_interval_set_while_run_waits_takes_effect_at_once(
     backend: FakeBackend,
 ) -> None:
     """A reload from an hour to 10 ms: the next tick comes within the new period, not after
     the hour the run was waiting out."""
-    s = Sampler(backend, interval_s=3600.0)  # type: ignore[arg-type]
-    stop = asyncio.Event()
-    task = asyncio.create_task(s.run(stop))
-    try:
-        while s.latest() is None:  # the first tick, at once
-            await asyncio.sleep(0.01)
+    async with running(backend, 3600.0) as s:
         first = len(s.history())
         s.interval_s = 0.01
         for _ in range(200):
@@ -657,9 +668,28 @@ async def test_a_shorter_interval_set_while_run_waits_takes_effect_at_once(
                 break
             await asyncio.sleep(0.01)
         assert len(s.history()) > first + 2
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 5)
+
+
+async def test_a_longer_interval_set_while_run_waits_adds_no_tick(
+    backend: FakeBackend,
+) -> None:
+    """A reload from 0.2 s to an hour: the wait is measured again, from the last tick, with
+    the hour; the change itself is no tick."""
+    async with running(backend, 0.2) as s:
+        ticks = len(s.history())
+        s.interval_s = 3600.0
+        await asyncio.sleep(0.6)  # three of the old periods
+        assert len(s.history()) == ticks
+
+
+async def test_a_stop_during_a_wait_measured_again_ends_the_run_at_once(
+    backend: FakeBackend,
+) -> None:
+    async with running(backend, 3600.0) as s:
+        s.interval_s = 1800.0  # the wait is measured again: still half an hour
+        await asyncio.sleep(0.05)
+        ticks = len(s.history())
+    assert len(s.history()) == ticks  # stopped within 2 s, with no tick on the way out
 
 
 def test_rejects_bad_settings(backend: FakeBackend) -> None:

@@ -1,0 +1,25 @@
+"""The event loop's waits: the first of several events, or a timeout."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gpud.threads import wait_first
+
+
+async def test_wait_first_ends_at_the_first_event_set_and_leaves_no_wait_behind() -> None:
+    stop, reload = asyncio.Event(), asyncio.Event()
+    asyncio.get_running_loop().call_later(0.05, reload.set)
+    before = len(asyncio.all_tasks())
+    await asyncio.wait_for(wait_first(stop, reload, timeout=30), 5)
+    assert reload.is_set() and not stop.is_set()
+    await asyncio.sleep(0)  # the cancelled waits end
+    assert len(asyncio.all_tasks()) == before
+
+
+async def test_wait_first_ends_at_the_timeout_with_none_set() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await wait_first(stop, timeout=0.05)
+    assert not stop.is_set() and loop.time() - started >= 0.04
