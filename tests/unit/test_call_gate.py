@@ -41,9 +41,9 @@ async def test_a_release_during_the_drain_is_taken_and_waited_for() -> None:
     Reserve is refused."""
     gate = CallGate()
     gate.close()
-    with pytest.raises(Unavailable, match="gpud is stopping: Reserve was not started"):
-        with gate.call(RESERVE):
-            pass
+    refused = pytest.raises(Unavailable, match="gpud is stopping: Reserve was not started")
+    with refused, gate.call(RESERVE):
+        pass
     release = asyncio.Event()
     task = asyncio.create_task(_hold(gate, RELEASE, release))
     await asyncio.sleep(0)
