@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpud import __version__, files
 from gpud import build as build_id
@@ -120,10 +120,11 @@ RESTART_KEYS = (
 MIG_STOP_WAIT_S = 20.0
 # seconds of the stop budget the calls that change the node (a MIG apply, a reservation or
 # its release, MPS limits: gpud finishes them whether or not their callers still wait) are
-# waited for, to answer their callers before the API stops; new ones are refused meanwhile
-# (UNAVAILABLE "gpud is stopping"). Past it their callers are cut off: gpuctl says the
-# outcome is unknown, and the stop goes on (an apply's plan is kept: the next start
-# finishes it)
+# waited for, to answer their callers before the API stops; new starts are refused meanwhile
+# (UNAVAILABLE "gpud is stopping"; releases are taken: gpud.api.gate). Past it, or once the
+# loop pass is given up (PASS_STOP_WAIT_S, waited for at the same time), or at a second
+# SIGTERM/SIGINT, their callers are cut off: gpuctl says the outcome is unknown, and the
+# stop goes on (an apply's plan is kept: the next start finishes it)
 CALL_STOP_WAIT_S = 18.0
 # seconds the whole stop may take: every wait in it (the MIG apply, a traffic tick, nft,
 # dcb, MPS control daemons, the sampler) takes what is left of this, so that the store
@@ -307,6 +308,7 @@ class Daemon:
         self._clock = clock
         self._started = clock()
         self._stop = asyncio.Event()
+        self._stop_now = asyncio.Event()  # a second SIGTERM/SIGINT: no more waiting
         self._reload = asyncio.Event()
         self.reload_state = ReloadState()  # gpuctl status: is the running config the file's?
         self._config_path = Path(config_path) if config_path else None
@@ -744,13 +746,14 @@ class Daemon:
         cleared XID, a fault injected into the simulated node): in the API's answers, and in
         what admission and MPS hold of the GPUs (a `gpuctl run` right after `gpuctl xid
         clear` is not refused for the cleared XID). A failure is logged: the change was made,
-        and the next tick samples anyway. None once gpud is stopping: the sampler closes
-        then (a read of it would wait for a worker that is gone), and the next start
-        samples."""
-        if self._stop.is_set():
-            return None
+        and the next tick samples anyway. None once gpud is stopping: the sampler is closed
+        then, and the next start samples."""
         try:
-            snap = self.sampler.tick()
+            try:
+                snap = self.sampler.tick()
+            except Unavailable:  # closed
+                log.info("not sampling again after a change: gpud is stopping")
+                return None
             self.jobs.observe(snap)
             self.mps.observe_snapshot(snap)
         except Exception:
@@ -814,6 +817,11 @@ class Daemon:
     # -- life ---------------------------------------------------------------------------
 
     def request_stop(self) -> None:
+        """A stop; asked again while stopping (a second SIGTERM or SIGINT), stop now: the
+        waits for the running calls and the loop pass end at once."""
+        if self._stop.is_set():
+            self._stop_now.set()
+            self.calls.cut()
         self._stop.set()
 
     def request_reload(self) -> None:
@@ -897,17 +905,9 @@ class Daemon:
             # event watchers (gpuctl events --follow) end their streams now, not at the grace
             self.events.close_watchers()
             self.calls.close()
-            if not await self.calls.drained(left(self.call_stop_wait_s)):
-                log.warning(
-                    "stop: %d call(s) changing the node still ran after %.0f s: their callers"
-                    " are cut off (gpuctl says the outcome is unknown); a MIG apply's plan is"
-                    " kept and the next start finishes it",
-                    self.calls.running,
-                    self.call_stop_wait_s,
-                )
+            await self._answer_calls(left(self.call_stop_wait_s), left(self.pass_stop_wait_s))
             with contextlib.suppress(Exception):
                 await self.api.stop(grace=left(2.0))
-            await self._end_pass(left(self.pass_stop_wait_s))
             # An apply whose client the stop cancelled ends at its next drain poll; one
             # running its steps is let finish, within the unit's TimeoutStopSec, before the
             # driver and the store close under it. Past that, its in-flight plan is kept
@@ -928,19 +928,50 @@ class Daemon:
             self.backend.close()
         return 0
 
-    async def _end_pass(self, timeout_s: float) -> None:
+    async def _answer_calls(self, calls_s: float, pass_s: float) -> None:
+        """At a stop, with the gate closed: wait up to ``calls_s`` for the running calls
+        changing the node to be answered, and meanwhile up to ``pass_s`` for the loop pass
+        (:meth:`_end_pass`). A pass given up as stuck (in the driver, say) ends the wait for
+        the calls too: those queued behind it (a reservation waiting for the placement lock)
+        would not be answered anyway. A second SIGTERM/SIGINT ends both waits at once."""
+        ending = asyncio.ensure_future(self._end_pass(pass_s))
+        draining = asyncio.ensure_future(self.calls.drained(calls_s))
+        done, _ = await asyncio.wait({ending, draining}, return_when=asyncio.FIRST_COMPLETED)
+        if ending in done and not ending.result():
+            draining.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await draining
+            drained = self.calls.running == 0
+        else:
+            drained = await draining
+            await ending
+        if not drained:
+            log.warning(
+                "stop: %d call(s) changing the node still ran: their callers are cut off"
+                " (gpuctl says the outcome is unknown); a MIG apply's plan is kept and the"
+                " next start finishes it",
+                self.calls.running,
+            )
+
+    async def _end_pass(self, timeout_s: float) -> bool:
         """Wait at most ``timeout_s`` for the loop pass a stop came during (its admission
-        step blocked behind the placement lock, say); past that it is left running on its
-        worker thread, and the stop goes on: each change of its is one store transaction,
-        kept whole or not at all (one it tries once the store closed fails whole)."""
+        step blocked behind the placement lock, say), or until a second SIGTERM/SIGINT; past
+        that it is left running on its worker thread, and the stop goes on: each change of
+        its is one store transaction, kept whole or not at all (one it tries once the store
+        closed fails whole). False when it was given up."""
         running, self._pass = self._pass, None
         if running is None:
-            return
-        done, _ = await asyncio.wait({running}, timeout=timeout_s)
-        if done:
+            return True
+        now = asyncio.ensure_future(self._stop_now.wait())
+        waits: set[asyncio.Future[Any]] = {running, now}
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            now.cancel()
+        if running.done():
             with contextlib.suppress(Exception):  # its steps log their own failures
                 running.result()
-            return
+            return True
         running.cancel()  # the await only: its thread goes on, and exits with the process
         log.warning(
             "stop: the loop's %s step did not end within %.1f s; going on without it (what"
@@ -948,6 +979,7 @@ class Daemon:
             self._step_now,
             timeout_s,
         )
+        return False
 
     def on_shutdown(self, stop: Callable[[], Awaitable[None] | None]) -> None:
         self._shutdown.append(stop)

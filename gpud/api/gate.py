@@ -3,19 +3,25 @@
 A stop (``systemctl stop/restart gpud``) that cut off a ``gpuctl mig apply`` at the API's
 short grace left gpuctl saying the outcome was unknown (exit 3) while gpud went on with the
 apply on its worker thread and finished it. So at a stop the daemon closes the gate: a new
-call that would change the node (every method but the reads and jobs' own reports,
-:data:`gpud.api.access.TCP_READ_METHODS`) is refused with ``UNAVAILABLE`` ("gpud is
-stopping"), and those already running are waited for (:meth:`CallGate.drained`, bounded by
-the daemon's ``CALL_STOP_WAIT_S``) so that their callers get their answers before the
-server stops. Reads go on being served meanwhile.
+call that would start something on the node (:data:`STARTS`: a MIG apply, a reservation, a
+queue entry, MPS limits, a job added or removed, a traffic pin or placement, a simulated
+fault or workload, an XID cleared) is refused with ``UNAVAILABLE`` ("gpud is stopping"),
+and the changing calls already running are waited for (:meth:`CallGate.drained`, bounded
+by the daemon's ``CALL_STOP_WAIT_S``, cut short by :meth:`CallGate.cut`) so that their
+callers get their answers before the server stops. The calls that end something
+(:data:`ENDS`: ``Release``, ``Leave``) are still taken while the gate is closed, and
+counted while they run: a ``gpuctl run`` told to stop with gpud (node shutdown) releases
+its reservation and has its exit status kept. Reads, jobs' reports, ``Advise`` and a dry
+run of an apply change nothing and are served throughout, uncounted.
 
 ::
 
     gate = CallGate()
     ApiServer(path, gate=gate, servicers=[...])
     ...
-    gate.close()                          # new changes: UNAVAILABLE "gpud is stopping"
+    gate.close()                          # new starts: UNAVAILABLE "gpud is stopping"
     await gate.drained(18.0)              # True: every running one was answered
+    gate.cut()                            # (a second SIGTERM) drained() returns at once
 """
 
 from __future__ import annotations
@@ -23,26 +29,57 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any, Final, Literal
 
-from gpud.api.access import TCP_READ_METHODS
 from gpud.errors import Unavailable
 
+APPLY_MIG: Final = "/gpud.v1.Mig/ApplyMig"
 
-def changes_node(method: str) -> bool:
-    """Whether ``method`` (``/gpud.v1.Mig/ApplyMig``) is one the gate counts: not a read
-    nor a job's own report."""
-    return method not in TCP_READ_METHODS
+# the calls that start something on the node: refused once gpud is stopping
+STARTS: Final = frozenset(
+    {
+        APPLY_MIG,  # unless a dry run
+        "/gpud.v1.Jobs/AddJob",
+        "/gpud.v1.Jobs/RemoveJob",
+        "/gpud.v1.Jobs/Reserve",
+        "/gpud.v1.Queue/Enqueue",
+        "/gpud.v1.Mps/SetMpsLimits",
+        "/gpud.v1.Net/PinLevel",
+        "/gpud.v1.Net/PlaceProcess",
+        "/gpud.v1.Node/InjectFault",
+        "/gpud.v1.Node/RebootSim",
+        "/gpud.v1.Node/SimWorkload",
+        "/gpud.v1.Node/ClearXid",
+    }
+)
+# the calls that end what a start began: taken while gpud is stopping, and waited for
+ENDS: Final = frozenset({"/gpud.v1.Jobs/Release", "/gpud.v1.Queue/Leave"})
+
+Kind = Literal["starts", "ends"] | None
+
+
+def call_kind(method: str, request: Any) -> Kind:
+    """``"starts"`` for a call of :data:`STARTS` (an apply that is not a dry run),
+    ``"ends"`` for one of :data:`ENDS`, None for one that changes nothing."""
+    if method == APPLY_MIG and getattr(request, "dry_run", False):
+        return None
+    if method in STARTS:
+        return "starts"
+    if method in ENDS:
+        return "ends"
+    return None
 
 
 class CallGate:
-    """Counts the running calls that ``tracked(method)`` names; refuses new ones once
-    :meth:`close` was called. Used from the server's event loop only."""
+    """Counts the running calls that ``kind(method, request)`` names; refuses new
+    ``"starts"`` once :meth:`close` was called. Used from the server's event loop only."""
 
-    def __init__(self, tracked: Callable[[str], bool] = changes_node) -> None:
-        self._tracked = tracked
+    def __init__(self, kind: Callable[[str, Any], Kind] = call_kind) -> None:
+        self._kind = kind
         self._running = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._cut = asyncio.Event()
         self._closed = False
 
     @property
@@ -56,14 +93,19 @@ class CallGate:
     def close(self) -> None:
         self._closed = True
 
+    def cut(self) -> None:
+        """Stop now: :meth:`drained` no longer waits (a second SIGTERM or SIGINT)."""
+        self._cut.set()
+
     @contextlib.contextmanager
-    def call(self, method: str) -> Iterator[None]:
-        """Around a call's handler: counted while it runs, or refused with
-        :class:`Unavailable` once the gate is closed."""
-        if not self._tracked(method):
+    def call(self, method: str, request: Any = None) -> Iterator[None]:
+        """Around a call's handler: counted while it runs if it changes the node; a start is
+        refused with :class:`Unavailable` once the gate is closed."""
+        kind = self._kind(method, request)
+        if kind is None:
             yield
             return
-        if self._closed:
+        if kind == "starts" and self._closed:
             name = method.rsplit("/", 1)[-1]
             raise Unavailable(
                 f"gpud is stopping: {name} was not started; run it again once gpud is back"
@@ -79,7 +121,15 @@ class CallGate:
                 self._idle.set()
 
     async def drained(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` until no counted call runs; False if some still do."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout=max(0.0, timeout_s))
+        """Wait up to ``timeout_s`` until no counted call runs, or until :meth:`cut`; False
+        if some still do."""
+        idle = asyncio.ensure_future(self._idle.wait())
+        cut = asyncio.ensure_future(self._cut.wait())
+        try:
+            await asyncio.wait(
+                {idle, cut}, timeout=max(0.0, timeout_s), return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            idle.cancel()
+            cut.cancel()
         return self._running == 0

@@ -131,7 +131,7 @@ def _wrap_unary_response(
             if allowed is not None:
                 allowed(method, context.peer())
             _check_decoded(request)
-            with gate.call(method) if gate is not None else contextlib.nullcontext():
+            with gate.call(method, request) if gate is not None else contextlib.nullcontext():
                 result = behavior(request, context)
                 if inspect.isawaitable(result):
                     result = await result

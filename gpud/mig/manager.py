@@ -479,6 +479,8 @@ class MigManager:
             all_steps,
             opts,
             self._wall(),
+            # nothing to do (no step, no reset pending): no plan for a next start to resume
+            inflight=not all(p.empty for _, p in plans.values()),
         )
         self._unfinished = None  # this apply replaces it
         outcomes: list[GpuOutcome] = list(left_alone())
@@ -1015,12 +1017,6 @@ class MigManager:
         began = self._monotonic()
         with self._lock:
             inflight = self._store.inflight()
-            if inflight is not None and not inflight.steps:
-                # an apply with nothing to do (the layouts were in place), cut off before it
-                # answered: the desired layouts it recorded are all there is to it, and
-                # those are reconciled as always. Nothing to resume, say or count.
-                self._store.finish_apply()
-                inflight = None
             desired = self._store.desired()
             all_ids, faults = self._gpus()
             ids = {g.uuid: g for g in all_ids if g.uuid}

@@ -120,8 +120,12 @@ class MigStore:
         steps: Sequence[Step],
         options: ApplyOptions,
         now: float,
+        *,
+        inflight: bool = True,
     ) -> None:
-        """Record the new desired layouts (uuid -> (index, layout)) and the plan, atomically."""
+        """Record the new desired layouts (uuid -> (index, layout)) and the plan, atomically.
+        Without ``inflight`` (an apply with nothing to do) no plan is recorded, and an earlier
+        one is dropped: this apply replaces it."""
         with self._store.transaction() as conn:
             for uuid, (index, layout) in layouts.items():
                 conn.execute(
@@ -132,6 +136,8 @@ class MigStore:
                     (uuid, index, config_name, layout_to_json(layout), now),
                 )
             conn.execute("DELETE FROM mig_inflight")
+            if not inflight:
+                return
             conn.execute(
                 "INSERT INTO mig_inflight (id, config_name, steps, options, started_at, steps_done) "
                 "VALUES (1, ?, ?, ?, ?, 0)",

@@ -56,9 +56,10 @@ def device_message(
         jobs=list(load.jobs) if load else [],
         gpu_unhealthy=s.target.gpu_unhealthy,
     )
-    # else a GPU never read: its size is unknown (unset, not 0), and no daemon runs for it, so
-    # it has no pipe directory (a client would find none there); its UUID and product are
-    # unknown too, unless an earlier run saw them
+    # else a GPU never read: its size is unknown (unset, not 0), and no daemon that gpud
+    # started in this run runs for it, so it has no pipe directory (a client would find none
+    # there; one an earlier run started may still run, untouched: up_unknown); its UUID and
+    # product are unknown too, unless an earlier run saw them
     if s.target.uuid:
         msg.uuid = s.target.uuid
         msg.memory_total_bytes = s.target.memory_total_bytes

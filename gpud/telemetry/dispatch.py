@@ -132,7 +132,8 @@ class Dispatcher:
         if not todo:
             return {}
         p = _Pass(todo)
-        self._worker.submit(p.run)
+        if not self._worker.submit(p.run):
+            return {}  # closed (gpud is stopping): no GPU is read, each reported hung
         timeout = self.wait_s
         wait_s = timeout
         while not p.wait(wait_s):

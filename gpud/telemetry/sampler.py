@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from gpud.backend.port import EventKind, GpuBackend, GpuEvent
-from gpud.errors import BackendError, NotSupported
+from gpud.errors import BackendError, NotSupported, Unavailable
 from gpud.events import EventLog
 from gpud.files import keep_aside, write_atomically
 from gpud.telemetry.dispatch import Dispatcher, Target
@@ -215,8 +215,12 @@ class Sampler:
     # -- sampling -----------------------------------------------------------------------
 
     def tick(self) -> Snapshot:
-        """Read every GPU once (at most ``call_timeout_s``); store and return the snapshot."""
+        """Read every GPU once (at most ``call_timeout_s``); store and return the snapshot.
+        Raises :class:`Unavailable` once closed (a tick that waited behind another while
+        the sampler closed included)."""
         with self._tick_lock:
+            if self._closed:
+                raise Unavailable("the GPU sampler is closed: gpud is stopping")
             start = self._clock()
             wall = self._wall_clock()
             slots = self._slots if self._slots is not None else self._discover()

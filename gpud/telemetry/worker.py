@@ -23,16 +23,27 @@ class Worker:
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        self._closed = False
+        self._closing = threading.Lock()  # a submit and a close: one before the other
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], object]) -> None:
-        """Run ``fn`` after the jobs before it; what it raises is logged, not returned."""
-        self._jobs.put(fn)
+    def submit(self, fn: Callable[[], object]) -> bool:
+        """Run ``fn`` after the jobs before it; what it raises is logged, not returned. False,
+        and ``fn`` never runs, once the worker was closed."""
+        with self._closing:
+            if self._closed:
+                return False
+            self._jobs.put(fn)
+            return True
 
     def close(self, timeout_s: float = 0.0) -> None:
-        """Stop after the current job; wait at most ``timeout_s`` (a hung call may never end)."""
-        self._jobs.put(None)
+        """Stop after the jobs already submitted; wait at most ``timeout_s`` (a hung call may
+        never end)."""
+        with self._closing:
+            if not self._closed:
+                self._closed = True
+                self._jobs.put(None)
         if timeout_s > 0:
             self._thread.join(timeout_s)
 

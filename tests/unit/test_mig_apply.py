@@ -18,11 +18,11 @@ from gpud.backend import products
 from gpud.backend.nvml import NvmlBackend
 from gpud.backend.sim import SimNode, SimulatedCrash, fakenvml
 from gpud.cli.output import message_to_dict
-from gpud.errors import Busy, GpuLost, InvalidArgument, NotFound
+from gpud.errors import Busy, GpuLost, InUse, InvalidArgument, NotFound
 from gpud.events import EventLog
 from gpud.mig.api import apply_message, gpu_message
 from gpud.mig.layout import MigConfigFile, load_config, parse_config
-from gpud.mig.manager import NOT_ANSWERING, MigManager, ReconcileMode, Release
+from gpud.mig.manager import NOT_ANSWERING, MigManager, Release
 from gpud.mig.metrics import MigMetrics
 from gpud.mig.store import ApplyOptions
 from gpud.store import StateStore
@@ -1746,34 +1746,70 @@ def test_what_a_reconcile_destroys_is_listed_once_for_the_busy_check_and_mps(
         released.close()
 
 
-@pytest.mark.parametrize("mode", ["reconcile", "report"])
-def test_an_interrupted_apply_with_no_steps_is_not_resumed_nor_counted(
-    tmp_path: Path, config: MigConfigFile, mode: ReconcileMode
-) -> None:
-    """gpud killed during an apply of the layout the GPUs already had (its plan has no
-    steps): the next start says nothing of it ("resuming ... (0/0 steps were done)" before)
-    and counts no ``resumed`` apply; the plan is dropped."""
-    host = Host(tmp_path, [(H100, 1)])
-    try:
-        d = host.start()
-        assert d.mig.apply(config, "all-balanced").result == "success"
-        desired = d.mig._store.desired()
-        # what a kill between the apply's record of its (empty) plan and its end leaves
-        d.mig._store.begin_apply(
-            "all-balanced",
-            {u: (r.gpu_index, r.layout) for u, r in desired.items()},
-            [],
-            ApplyOptions(),
-            0.0,
-        )
-        again = host.start()
-        before = instances(again)
-        assert {o.status for o in again.mig.reconcile(mode)} == {"ok"}
-        assert instances(again) == before
-        kinds = {e.kind for e in again.events.recent()}
-        assert not kinds & {"mig.resume", "mig.unfinished", "mig.apply"}, kinds
-        assert sum(again.mig.stats.snapshot()[0].values()) == 0
-        assert again.mig.unfinished() is None
-        assert again.mig._store.inflight() is None
-    finally:
-        host.close()
+MIG_OFF = parse_config(
+    "version: v1\nmig-configs:\n  mig-off:\n    - devices: all\n      mig-enabled: false\n"
+)
+
+
+def test_an_interrupted_apply_left_with_only_the_gpu_reset_is_resumed(a100: Host) -> None:
+    """An A100 whose MIG-off waits for a reset (an earlier apply with skip_reset): an apply
+    with resets allowed plans no steps but the reset. gpud killed during that reset: the
+    next start resumes it (the reset made, the apply counted as resumed)."""
+    d = a100.start(resets=True)
+    assert d.mig.apply(HELD_OUT, "custom-balanced").result == "success"
+    skip = ApplyOptions(skip_reset=True)
+    assert d.mig.apply(MIG_OFF, "mig-off", options=skip).result == "reset_pending"
+    assert d.backend.mig_mode(0) == (True, False)
+    desired = d.mig._store.desired()
+    # what a kill during the reset of the apply with resets allowed leaves
+    d.mig._store.begin_apply(
+        "mig-off", {u: (r.gpu_index, r.layout) for u, r in desired.items()}, [], ApplyOptions(), 0.0
+    )
+    again = a100.start(resets=True)
+    again.mig.reconcile()
+    kinds = [e.kind for e in again.events.recent()]
+    assert {"mig.resume", "mig.reset", "mig.apply"} <= set(kinds), kinds
+    assert [e.fields["result"] for e in again.events.recent(kind_prefix="mig.apply")] == ["resumed"]
+    assert all(again.backend.mig_mode(g) == (False, False) for g in (0, 1))
+    assert again.mig._store.inflight() is None
+
+
+def test_a_failed_apply_with_only_the_gpu_reset_is_retried(a100: Host) -> None:
+    """A pending MIG-off whose reset the driver refused (a process held the GPU): the apply
+    failed with no steps but the reset; later ticks retry it until the reset is made."""
+    d = a100.start(resets=True)
+    assert d.mig.apply(HELD_OUT, "custom-balanced").result == "success"
+    skip = ApplyOptions(skip_reset=True)
+    assert d.mig.apply(MIG_OFF, "mig-off", options=skip).result == "reset_pending"
+    held = [0]  # a client holds GPU 0 open (nvidia-smi: "In use by another client")
+
+    def reset(gpu: int) -> None:
+        if gpu in held:
+            raise InUse(f"GPU {gpu} cannot be reset: in use by another client", gpu=gpu)
+        d.node.reset(gpu)
+
+    d.backend._reset = reset
+    result = d.mig.apply(MIG_OFF, "mig-off")
+    assert result.result == "failed", result
+    d.mig.reconcile()
+    assert "mig.retry" in [e.kind for e in d.events.recent()]
+    held.clear()
+    d.mig.reconcile()
+    assert all(d.backend.mig_mode(g) == (False, False) for g in (0, 1))
+    assert d.mig._store.inflight() is None
+
+
+def test_an_apply_with_nothing_to_do_records_no_plan(host: Host, config: MigConfigFile) -> None:
+    """An apply of the layouts already in place records them with no plan to resume: a kill
+    before it answers leaves nothing for the next start to resume or count."""
+    d = host.start()
+    assert d.mig.apply(config, "all-balanced").result == "success"
+    seen = []
+
+    def faults() -> dict[int, str]:  # read after the plan is recorded, for each GPU
+        seen.append(d.mig._store.inflight())
+        return {}
+
+    d.mig._faults = faults
+    assert d.mig.apply(config, "all-balanced").result == "noop"
+    assert seen and seen == [None] * len(seen)

@@ -31,9 +31,10 @@ from gpud.backend.port import (
     ProcessInfo,
     Utilization,
 )
-from gpud.errors import BackendError, GpuLost, NotSupported
+from gpud.errors import BackendError, GpuLost, NotSupported, Unavailable
 from gpud.events import EventLog
 from gpud.store import StateStore
+from gpud.telemetry.dispatch import Dispatcher, Target
 from gpud.telemetry.sampler import (
     XID_STATE_VERSION,
     Sampler,
@@ -43,6 +44,7 @@ from gpud.telemetry.sampler import (
 )
 from gpud.telemetry.seen import Seen, SeenGpus, describe, parse
 from gpud.telemetry.snapshot import ClearedXids, CriticalXid, SeenIdentity
+from gpud.telemetry.worker import Worker
 
 GIB = 1 << 30
 
@@ -1084,3 +1086,38 @@ def test_gpus_that_cannot_be_counted_are_said_once_and_once_again_when_they_can(
         ),
         ("INFO", "counting GPUs works again after 3 failed ticks: 4 GPUs"),
     ]
+
+
+def test_a_tick_once_closed_is_refused_at_once(sampler: Sampler) -> None:
+    """A sample asked for while gpud stops (after a MIG apply, behind a tick stuck on a hung
+    GPU) once the sampler closed: refused with Unavailable, not left spinning forever on a
+    read queued to the closed worker."""
+    sampler.tick()
+    sampler.close()
+    got: list[object] = []
+
+    def tick() -> None:
+        try:
+            got.append(sampler.tick())
+        except Unavailable as err:
+            got.append(err)
+
+    t = threading.Thread(target=tick, daemon=True)
+    t.start()
+    t.join(2.0)
+    assert len(got) == 1 and isinstance(got[0], Unavailable), got
+
+
+def test_a_closed_worker_refuses_jobs_and_a_read_through_it_finds_every_gpu_hung() -> None:
+    worker = Worker("test-worker")
+    ran = threading.Event()
+    assert worker.submit(ran.set)
+    worker.close(1.0)
+    assert ran.is_set()
+    assert not worker.submit(lambda: None)
+    dispatcher = Dispatcher(0.3, name="test-dispatcher")
+    dispatcher.close()
+    target = Target(0, lambda: 1)
+    t0 = time.monotonic()
+    assert dispatcher.read([target]) == {}
+    assert time.monotonic() - t0 < 0.3
