@@ -1439,8 +1439,11 @@ class MpsManager:
                     dev.up = False
                     dev.last_error = f"the MPS control daemon (pid {pid}) would not stop"
                     return pid
-                lost = "; it lost its pipe directory" if orphan else ""
-                self._stopped(uuid, pid, f"{reason}{lost}", how)
+                if orphan:  # no quit could reach it, and none was sent
+                    lost = "it lost its pipe directory"
+                    self._stopped(uuid, pid, f"{reason}; {lost}", how, said="SIGKILL ended it")
+                else:
+                    self._stopped(uuid, pid, reason, how)
             dev.up = False
             dev.killing = ""
             dev.started = False

@@ -1991,6 +1991,7 @@ def test_a_daemon_that_lost_its_pipe_dir_is_killed_when_its_device_is_disabled(
         (stop,) = [e for e in events.recent(kind_prefix="mps.stop") if e.kind == "mps.stop"]
         assert stop.fields["pid"] == old.pid and stop.fields["how"] == "sigkill"
         assert "it lost its pipe directory" in stop.message
+        assert "ignored quit" not in stop.message  # no quit nor SIGTERM was sent
         assert not mgr.status()[1].running
     finally:
         mgr.stop()
