@@ -28,8 +28,10 @@ START_CHECK_S = 10.0
 START_EXTEND_S = 90.0
 
 
-# what systemd waits for: a start or stop it is never told of ends in a kill
+# what systemd waits for: a start or stop it is never told of (nor given more time for)
+# ends in a kill
 _VITAL = frozenset({"READY=1", "STOPPING=1"})
+_VITAL_PREFIXES = ("EXTEND_TIMEOUT_USEC=",)
 
 
 class Notifier:
@@ -49,9 +51,11 @@ class Notifier:
             self._address = "\0" + socket_path[1:] if socket_path.startswith("@") else socket_path
         # A receiver that stays away (a full queue, a vanished socket) fails every status
         # line and watchdog ping: warned once, until a send works again (then said, with
-        # how many failed over how long). A failed READY=1 or STOPPING=1 is warned always:
-        # systemd, never told, kills gpud at TimeoutStartSec= / TimeoutStopSec=.
+        # how many failed over how long). A failed READY=1, STOPPING=1 or
+        # EXTEND_TIMEOUT_USEC= is warned always: systemd, never told, kills gpud at
+        # TimeoutStartSec= / TimeoutStopSec=; it does not count as the routine warning.
         self._failures = 0
+        self._routine_warned = False
         self._failing_since = 0.0
         self.watchdog_interval_s: float | None = (
             watchdog_usec / 1_000_000 / 2 if watchdog_usec else None
@@ -77,7 +81,7 @@ class Notifier:
         if self._address is None:
             return False
         payload = "\n".join(assignments).encode()
-        vital = next((a for a in assignments if a in _VITAL), None)
+        vital = next((a for a in assignments if a in _VITAL or a.startswith(_VITAL_PREFIXES)), None)
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
                 # Never block the daemon's loop: a receiver that does not read (a full queue)
@@ -89,7 +93,8 @@ class Notifier:
             self._failures += 1
             if vital is not None:
                 log.warning("sd_notify %s to %s failed: %s", vital, self._address, err)
-            elif self._failures == 1:
+            elif not self._routine_warned:
+                self._routine_warned = True
                 log.warning(
                     "sd_notify to %s failed: %s (not repeated until a send works)",
                     self._address,
@@ -103,7 +108,7 @@ class Notifier:
                 self._failures,
                 self._clock() - self._failing_since,
             )
-            self._failures = 0
+            self._failures, self._routine_warned = 0, False
         return True
 
     def ready(self, status: str = "") -> bool:

@@ -63,12 +63,17 @@ MAX_LATENCY_SAMPLES = 4096  # per report, and per job kept in the window
 # rate (ln 2 over it) would be absurd, or infinite, and no longer fit in colo.json.
 MIN_MEDIAN_LATENCY_S = 1e-6
 MAX_ITERATIONS = 10**9  # per throttle point: iterations since the one before
-# A footprint learned alone follows each tick's reading by this weight (an exponential
-# average): a run's last ticks (a checkpoint, its teardown) do not stand for what it does.
-LEARN_WEIGHT = 0.1
+# A footprint learned alone is an average of its readings: their mean while they are few,
+# then an exponential average that forgets a reading over this time (each weighs the time
+# it stands for, at most a tick: 1 - exp(-tick_s / LEARN_TAU_S), a tenth at the default
+# 5 s). A run's last ticks (a checkpoint, its teardown) do not stand for what it does.
+LEARN_TAU_S = 50.0
+MAX_READINGS = 1000  # counted per footprint (a bound: the time weight rules long before)
 # A footprint with fewer SMs busy than this shows a run that idled alone, not what the job
 # does: advice plans a new run of it with the prior instead.
 MIN_LEARNED_SM = 0.05
+# A job alone this long with none of its processes seen on its device is said in the log.
+UNSEEN_SAY_S = 60.0
 # What the loop learned of a job no longer running is kept this long (the job may run
 # again under its name), then forgotten: a daemon up for months holds only recent jobs.
 FORGET_AFTER_S = 3600.0
@@ -133,11 +138,69 @@ class Directive:
 class _DeviceState:
     """A job on one of its devices (a job on several GPUs has one each)."""
 
-    features: JobFeatures | None = None  # its footprint there, alone, at full speed
-    # the MPS share it ran at when ``features`` was measured: at less than the whole GPU
-    # its readings are what the share let it use, no footprint on a whole GPU (nor a knee)
+    # its footprint there, alone, at full speed, at the MPS share it runs at (``share``):
+    # what the loop plans it with while it runs so (its SM activity: its knee)
+    features: JobFeatures | None = None
     share: float = 1.0
+    # its footprint there at a whole GPU's share: at less, its readings are what the share
+    # let it use, no footprint on a whole GPU; advice plans a new run of it with this
+    whole: JobFeatures | None = None
+    # the readings each of the two averages, and when the last was taken (None: before
+    # a restart): see _follow
+    n: int = 0
+    at: float | None = None
+    whole_n: int = 0
+    whole_at: float | None = None
     side: JobFeatures | None = None  # memory share and host use at the last tick (sm unused)
+
+    def learn(self, reading: JobFeatures, share: float, now: float, tick_s: float) -> None:
+        """This tick's reading at ``share``: ``features`` follows it (one at another share
+        starts them afresh), ``whole`` too where the share is a whole GPU's."""
+        if share != self.share:
+            self.features, self.n, self.at = None, 0, None
+        self.share = share
+        self.features, self.n = _follow(
+            self.features, self.n, self.at, reading, now=now, tick_s=tick_s
+        )
+        self.at = now
+        if share >= 1.0:
+            self.whole, self.whole_n = _follow(
+                self.whole, self.whole_n, self.whole_at, reading, now=now, tick_s=tick_s
+            )
+            self.whole_at = now
+
+    def forget(self) -> None:
+        self.features, self.share, self.n, self.at = None, 1.0, 0, None
+        self.whole, self.whole_n, self.whole_at = None, 0, None
+
+
+def _follow(
+    before: JobFeatures | None,
+    n: int,
+    at: float | None,
+    reading: JobFeatures,
+    *,
+    now: float,
+    tick_s: float,
+) -> tuple[JobFeatures, int]:
+    """An average of ``n`` readings, the last taken ``at``, moved towards ``reading``, and
+    how many it now averages: by ``1/n`` (their mean) or by the time the reading stands for
+    (``dt``, since the last, at most a tick: a gap in learning, a checkpoint, does not let
+    one reading replace the rest), ``1 - exp(-dt / LEARN_TAU_S)``, whichever is more."""
+    n = min(MAX_READINGS, n + 1)
+    if before is None:
+        return reading, 1
+    dt = tick_s if at is None else max(0.0, min(now - at, tick_s))
+    w = max(1.0 / n, 1.0 - math.exp(-dt / LEARN_TAU_S))
+    return (
+        JobFeatures(
+            sm=before.sm + w * (reading.sm - before.sm),
+            mem_bw=before.mem_bw + w * (reading.mem_bw - before.mem_bw),
+            pcie=before.pcie + w * (reading.pcie - before.pcie),
+            nvlink=before.nvlink + w * (reading.nvlink - before.nvlink),
+        ),
+        n,
+    )
 
 
 @dataclass
@@ -182,6 +245,10 @@ class _JobState:
     # what it ran as when its footprints and rates were learned (training, inference);
     # None: not known (a file from before this was kept), taken as the same
     kind: str | None = None
+    # since when it ran alone with none of its processes seen (None: they were, or it
+    # shares its device), and whether the log said so this run
+    unseen_since: float | None = None
+    unseen_said: bool = False
 
     def learned(self, place: str) -> JobFeatures | None:
         """Its footprint on that device; else what it showed on another of its devices (a
@@ -197,34 +264,20 @@ class _JobState:
     def unlearn(self) -> None:
         """Forget what it showed: its footprints and rates alone, measured afresh."""
         for ds in self.devices.values():
-            ds.features, ds.share = None, 1.0
+            ds.forget()
         self.devices.pop("", None)
         self.alone_rate, self.alone_config, self.alone_rates = None, None, {}
         self.company = None
 
-    def whole(self, place: str) -> bool:
-        """Whether what :meth:`learned` gives for that device was measured at a whole GPU's
-        share: only then is its SM activity the job's knee."""
-        here = self.devices.get(place)
-        if here is None or here.features is None:
-            here = next(
-                (ds for _, ds in sorted(self.devices.items()) if ds.features is not None),
-                None,
-            )
-        return here is not None and here.share >= 1.0
-
     def alone(self, kind: str) -> JobFeatures | None:
         """What a new run of the job, as ``kind``, is planned with: the most it showed of
         each resource alone on any of its devices (the safe side: the run's device is not
-        known yet), measured at a whole GPU's share; None when it showed none as that kind,
-        or next to nothing (a run that idled alone tells nothing of one that works)."""
+        known yet), measured at a whole GPU's share (``whole``); None when it showed none
+        as that kind, or next to nothing (a run that idled alone tells nothing of one that
+        works)."""
         if self.kind not in (None, kind):
             return None
-        seen = [
-            ds.features
-            for ds in self.devices.values()
-            if ds.features is not None and ds.share >= 1.0
-        ]
+        seen = [ds.whole for ds in self.devices.values() if ds.whole is not None]
         if not seen:
             return None
         most = JobFeatures(
@@ -234,6 +287,11 @@ class _JobState:
             nvlink=max(f.nvlink for f in seen),
         )
         return most if most.sm >= MIN_LEARNED_SM else None
+
+
+def _footprint(f: JobFeatures) -> dict[str, Any]:
+    """A footprint as the state file keeps it."""
+    return {"sm": f.sm, "mem_bw": f.mem_bw, "pcie": f.pcie, "nvlink": f.nvlink}
 
 
 def _kept(path: Path) -> tuple[str, Path | None]:
@@ -251,6 +309,16 @@ def _saved_number(value: object, key: str, low: float, high: float = math.inf) -
     if not (math.isfinite(x) and low <= x <= high):
         raise ValueError(f"{key}: {value!r} outside [{low:g}, {high:g}]")
     return x
+
+
+def _saved_features(f: Mapping[str, Any], where: str) -> JobFeatures:
+    """A footprint of the state file (``where``: its key, for the error)."""
+    return JobFeatures(
+        sm=_saved_number(f["sm"], f"{where}.sm", 0.0, 1.0),
+        mem_bw=_saved_number(f["mem_bw"], f"{where}.mem_bw", 0.0, 1.0),
+        pcie=_saved_number(f.get("pcie") or 0.0, f"{where}.pcie", 0.0, 1.0),
+        nvlink=_saved_number(f.get("nvlink") or 0.0, f"{where}.nvlink", 0.0, 1.0),
+    )
 
 
 def _saved_company(value: object, key: str) -> frozenset[tuple[str, str]]:
@@ -538,6 +606,10 @@ class ColoService:
         # job -> when `gpuctl jobs rm --force` removed it while a run of it waited: that
         # run's next question is answered NotFound (kept WAITER_GONE_S, as long as it asks)
         self._removed: dict[str, float] = {}
+        # job -> when (Unix time) `gpuctl jobs rm` removed it: a list of reservations read
+        # before that, and its stopping processes' reports, are not learned from (nor is
+        # the job kept) until a reservation made after it shows the job added again
+        self._gone: dict[str, float] = {}
         # waiter id -> when `gpuctl queue --leave ID` took that run out of the wait: its
         # next question is answered LeftQueue (kept WAITER_GONE_S, as long as it asks)
         self._left: dict[str, tuple[float, _Waiter]] = {}
@@ -590,6 +662,8 @@ class ColoService:
             )
         now = self._clock()
         with self._lock:
+            if job in self._gone:  # removed: its processes' last reports
+                return
             st = self._jobs.setdefault(job, _JobState())
             st.seen = now
             st.latency.extend((now, s) for s in seconds)
@@ -605,6 +679,8 @@ class ColoService:
             )
         now = self._clock()
         with self._lock:
+            if job in self._gone:  # removed, stopping: told to run on, its progress not kept
+                return Directive(1.0, False, "job removed")
             st = self._jobs.setdefault(job, _JobState())
             st.seen = now
             total = (st.progress[-1][1] if st.progress else 0) + max(0, iterations)
@@ -729,6 +805,7 @@ class ColoService:
             freed = self._freed
         running = tuple(self._running())
         with self._lock:
+            running = self._present(running)
             # A GPU that is lost or does not answer runs nothing anyone can measure: its
             # jobs keep their directives and guards as they were, out of the plan, until it
             # answers again (or their processes end and gpud releases them).
@@ -767,6 +844,19 @@ class ColoService:
         self._save(state)
         return plan
 
+    def _present(self, running: Sequence[RunningJob]) -> tuple[RunningJob, ...]:
+        """``running`` without the reservations of removed jobs (read before the removal
+        committed); a job's reservation made after its removal (it was added again) ends
+        that. Under the lock."""
+        wall = self._wall()
+        for r in running:
+            gone = self._gone.get(r.name)
+            if gone is not None and r.reserved_at is not None and r.reserved_at > gone:
+                del self._gone[r.name]
+        # a removal an hour old: no reservation read before it is still about
+        self._gone = {j: t for j, t in self._gone.items() if wall - t <= FORGET_AFTER_S}
+        return tuple(r for r in running if r.name not in self._gone)
+
     def _switch_off(self) -> None:
         """The loop is off (a reload): no guard watches any service, so no training stays
         throttled or evicted by what one decided; switched on again, guards start afresh."""
@@ -803,6 +893,7 @@ class ColoService:
         for name, st in self._jobs.items():
             if name not in reserved:
                 st.arrived = None
+                st.unseen_since, st.unseen_said = None, False
         order = sorted(reserved, key=lambda n: (self._jobs[n].arrived, reserved[n], n))
         for rank, name in enumerate(order):
             self._jobs[name].rank = rank
@@ -919,18 +1010,26 @@ class ColoService:
         devices = dict(saved.get("devices") or {})
         if saved.get("sm") is not None:
             devices[""] = saved
+        # a file from before shares were kept: its footprints were learned at the share
+        # the job ran at alone, which its rate alone names ("30%") where it ran on one GPU
+        config = st.alone_config or ""
+        percent = config.removesuffix("%")
+        shown = int(percent) / 100.0 if percent.isdigit() and config.endswith("%") else 1.0
         for place, f in devices.items():
             where = f"jobs.{name}.devices.{place}"
-            st.devices[str(place)] = _DeviceState(
-                features=JobFeatures(
-                    sm=_saved_number(f["sm"], f"{where}.sm", 0.0, 1.0),
-                    mem_bw=_saved_number(f["mem_bw"], f"{where}.mem_bw", 0.0, 1.0),
-                    pcie=_saved_number(f.get("pcie") or 0.0, f"{where}.pcie", 0.0, 1.0),
-                    nvlink=_saved_number(f.get("nvlink") or 0.0, f"{where}.nvlink", 0.0, 1.0),
-                ),
-                # absent from files written before it was kept: taken as a whole GPU's
-                share=_saved_number(f.get("share") or 1.0, f"{where}.share", 0.01, 1.0),
+            share = _saved_number(f.get("share", shown), f"{where}.share", 0.01, 1.0)
+            # a saved footprint is taken as settled: a restart does not let its next
+            # reading replace it (the readings it averages are not kept)
+            ds = st.devices[str(place)] = _DeviceState(
+                features=_saved_features(f, where), share=share, n=MAX_READINGS
             )
+            if (whole := f.get("whole")) is not None:
+                if not isinstance(whole, dict):
+                    raise ValueError(f"{where}.whole: a footprint expected, not {whole!r}")
+                ds.whole, ds.whole_n = _saved_features(whole, f"{where}.whole"), MAX_READINGS
+            elif share >= 1.0:
+                # a file from before the whole GPU's footprint was kept apart
+                ds.whole, ds.whole_n = ds.features, MAX_READINGS
         if saved.get("duty") is not None:
             duty = _saved_number(saved["duty"], f"jobs.{name}.duty", 0.0, 1.0)
             self._directives[name] = Directive(duty, False, "as before the restart")
@@ -993,13 +1092,9 @@ class ColoService:
                     job["guard_company"] = sorted([p, j] for p, j in st.guard_company)
             for place, ds in sorted(st.devices.items()) if st else ():
                 if (f := ds.features) is not None:
-                    job["devices"][place] = {
-                        "sm": f.sm,
-                        "mem_bw": f.mem_bw,
-                        "pcie": f.pcie,
-                        "nvlink": f.nvlink,
-                        "share": ds.share,
-                    }
+                    job["devices"][place] = {**_footprint(f), "share": ds.share}
+                    if ds.whole is not None:
+                        job["devices"][place]["whole"] = _footprint(ds.whole)
         # jobs it evicted that have not run again since: a run of one has a GPU held for it
         evicted = sorted(n for n, st in self._jobs.items() if st.evicted)
         return {
@@ -1106,15 +1201,20 @@ class ColoService:
                     u = sample.utilization if sample is not None else None
                     if sample is None or u is None or r.mig_profile is not None or not only:
                         continue
-                    if not (r.pids or r.memory_used) or (
-                        kind == "training" and st.progress and rate is None
-                    ):
-                        # its reservation held with nothing of it there (it exited, or has
-                        # not started), or training that reports its progress and made none
-                        # of late (a checkpoint): the device's readings are not what it does
+                    if not (r.pids or r.memory_used):
+                        # its reservation held with nothing of it there (it exited, has not
+                        # started, or NVML attributes none of its processes to it): the
+                        # device's readings are not what it does
+                        self._unseen(st, r, now)
                         continue
-                    self._learn_alone(st.devices[_place(r)], r, sample, u, nvlink.get(r.gpu))
-                    st.devices.pop("", None)  # measured here: what an older file held goes
+                    st.unseen_since = None
+                    if kind == "training" and st.progress and rate is None:
+                        # training that reports its progress and made none of late (a
+                        # checkpoint): the device's readings are not what it does either
+                        continue
+                    here = st.devices[_place(r)]
+                    if self._learn_alone(here, r, sample, u, nvlink.get(r.gpu), now=now):
+                        st.devices.pop("", None)  # measured here: what an older file held goes
                 if rate is not None:
                     st.alone_rate, st.alone_config = rate, _config([r for r, *_ in where])
                     (r0, *_), *more = where
@@ -1134,6 +1234,22 @@ class ColoService:
                 footprints = [self._view(o).footprint() for o in others]
                 self.predictor.observe(self._view(r).footprint(), footprints, speed)
 
+    def _unseen(self, st: _JobState, r: RunningJob, now: float) -> None:
+        """``r`` alone with none of its processes seen on its device this tick: said once
+        a run, when that lasted ``UNSEEN_SAY_S`` (NVML attributes them nothing: the job
+        learns no footprint, and nothing else says so)."""
+        if st.unseen_since is None:
+            st.unseen_since = now
+        if not st.unseen_said and now - st.unseen_since >= UNSEEN_SAY_S:
+            st.unseen_said = True
+            log.info(
+                "job %s alone on GPU %d for %.0f s with none of its processes seen: "
+                "no footprint learned",
+                r.name,
+                r.gpu,
+                UNSEEN_SAY_S,
+            )
+
     def _learn_alone(
         self,
         ds: _DeviceState,
@@ -1141,26 +1257,20 @@ class ColoService:
         sample: GpuSample,
         u: Utilization,
         nvlink: float | None,
-    ) -> None:
-        """Move ``ds``'s footprint towards this tick's readings of ``r`` alone there
-        (``LEARN_WEIGHT``); a footprint measured at another MPS share is replaced."""
+        *,
+        now: float,
+    ) -> bool:
+        """Move ``ds``'s footprints towards this tick's readings of ``r`` alone there
+        (:meth:`_DeviceState.learn`); whether it learned any."""
         share = (r.threads_percent or 100) / 100.0
         before = ds.features if ds.share == share else None
-        now = self._alone_features(
+        reading = self._alone_features(
             r, sample, sm=u.gpu_ratio, mem_bw=u.memory_ratio, nvlink=nvlink, before=before
         )
-        if now is None or now is before:  # nothing learned this tick
-            return
-        if before is None:
-            ds.features, ds.share = now, share
-            return
-        w = LEARN_WEIGHT
-        ds.features = JobFeatures(
-            sm=before.sm + w * (now.sm - before.sm),
-            mem_bw=before.mem_bw + w * (now.mem_bw - before.mem_bw),
-            pcie=before.pcie + w * (now.pcie - before.pcie),
-            nvlink=before.nvlink + w * (now.nvlink - before.nvlink),
-        )
+        if reading is None or reading is before:  # nothing learned this tick
+            return False
+        ds.learn(reading, share, now, self.config.tick_s)
+        return True
 
     def _alone_features(
         self,
@@ -1348,8 +1458,10 @@ class ColoService:
         load = self.load(r.name) if kind is JobKind.INFERENCE else 0.0
         st = self._jobs.get(own, _JobState())
         if profile is None:
+            # running: its footprint at the share it runs at, whose SM activity is its knee
+            # there (at a partial share: all the share let it use)
             features = self._features(r)
-            knee = features.sm if st.whole(_place(r)) else None
+            knee = features.sm if st.learned(_place(r)) is not None else None
         else:
             alone = st.alone(r.kind)
             features, knee = alone or PRIOR, alone.sm if alone is not None else None
@@ -1751,6 +1863,7 @@ class ColoService:
                 # showed (its footprints, rates, kind) is not planned for it
                 self._jobs.pop(job, None)
                 self._guards.pop(job, None)
+                self._gone[job] = self._wall()
                 if not mine:
                     return
                 for w in self._waiters_of(job, at):
@@ -1881,6 +1994,7 @@ class ColoService:
             return Advice(-1, 0.0, 0, None, "", 0.0, "no telemetry yet"), None
         running = tuple(self._running())
         with self._lock:  # the places runs were given that have not reserved yet count
+            running = self._present(running)
             promised = self._promises(job, wid, running, now)
         # each planned under its run's name, as a new run of its job
         profile: dict[str, str] = {}

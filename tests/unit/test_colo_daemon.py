@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -464,7 +465,7 @@ def test_a_promised_place_is_planned_with_what_its_job_showed_alone(tmp_path: Pa
 
 def promised_speed(tmp_path: Path, end: list[tuple[float, bool]], **alone: Any) -> Advice:
     """The advice a run of "sweep" is given beside busy GPUs after it ran alone on GPU 0
-    (SMs 0.3 busy, six ticks), then for ``end``: (its SMs, whether its processes still
+    (SMs 0.3 busy, twelve ticks), then for ``end``: (its SMs, whether its processes still
     ran) a tick. ``alone``: how it ran there (RunningJob fields)."""
     clock = Clock()
     sweep = RunningJob(
@@ -473,7 +474,7 @@ def promised_speed(tmp_path: Path, end: list[tuple[float, bool]], **alone: Any) 
     sweep = dataclasses.replace(sweep, **alone)
     jobs = [sweep]
     svc = promising_loop(tmp_path, jobs, clock)
-    for sm, running in [(0.3, True)] * 6 + end:
+    for sm, running in [(0.3, True)] * 12 + end:
         jobs[:] = [sweep if running else dataclasses.replace(sweep, memory_used=0)]
         svc.throttle_point("sweep", 10)
         svc.tick(busy_snapshot({0: (sm, sm * 2 / 3), 1: (sm, sm * 2 / 3)}))
@@ -3265,3 +3266,166 @@ def test_a_waiting_run_is_listed_with_its_user(
     shown = colo_pb2.ColoWaiter(job="big", id="0123456789ab", holder_uid=1001, holder_user=name)
     assert waiter_row(shown)[3] == name
     assert waiter_row(colo_pb2.ColoWaiter(job="anon"))[3] == "-"
+
+
+def alone_at(
+    tmp_path: Path,
+    readings: list[tuple[int, float]],
+    *,
+    config: ColocateConfig | None = None,
+    step_s: float = 1.0,
+    **job: Any,
+) -> tuple[ColoService, RunningJob]:
+    """A loop after "sweep" ran alone on GPU 0 a tick per (its MPS thread percentage, its
+    SMs busy) of ``readings``, ``step_s`` apart; ``job``: more of how it ran."""
+    clock = Clock()
+    base = RunningJob(
+        "sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB, reserved_at=1.0
+    )
+    base = dataclasses.replace(base, **job)
+    jobs = [base]
+    svc = ColoService(
+        config or ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=lambda: jobs,
+        clock=clock,
+        wall=clock,
+        state_file=tmp_path / "colo.json",
+    )
+    for percent, sm in readings:
+        jobs[:] = [dataclasses.replace(base, threads_percent=percent)]
+        svc.throttle_point("sweep", 10)
+        clock.t += 0.05  # progress made just before each tick: its rate is measured
+        svc.throttle_point("sweep", 10)
+        svc.tick(busy_snapshot({0: (sm, sm * 2 / 3)}))
+        clock.t += step_s - 0.05
+    return svc, jobs[0]
+
+
+def test_a_job_alone_at_a_partial_share_is_planned_with_what_it_showed(tmp_path: Path) -> None:
+    """Training alone at a 30% MPS share with its SMs 0.3 busy is planned by the loop at
+    that footprint (its knee: what it showed), not at a fraction of it."""
+    svc, r = alone_at(tmp_path, [(30, 0.3)] * 7)
+    assert svc._view(r).footprint().sm == pytest.approx(0.3, abs=0.01)
+
+
+def test_a_run_at_a_partial_share_keeps_the_whole_gpus_footprint(tmp_path: Path) -> None:
+    """A job alone on a whole GPU (SMs 0.5), then at a 30% share beside no one (SMs 0.3):
+    the loop plans the running one at 0.3, advice a new run with 0.5, and both outlive a
+    restart."""
+    svc, r = alone_at(tmp_path, [(100, 0.5)] * 7 + [(30, 0.3)] * 7)
+    whole = svc._jobs["sweep"].alone("training")
+    assert whole is not None and whole.sm == pytest.approx(0.5)
+    assert svc._view(r).footprint().sm == pytest.approx(0.3, abs=0.01)
+    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]["sweep"]["devices"]
+    assert saved["GPU 0"]["share"] == 0.3 and saved["GPU 0"]["whole"]["sm"] == pytest.approx(0.5)
+    again = kept_loop(tmp_path, [r], Clock())
+    whole = again._jobs["sweep"].alone("training")
+    assert whole is not None and whole.sm == pytest.approx(0.5)
+    assert again._view(r).footprint().sm == pytest.approx(0.3, abs=0.01)
+
+
+def test_a_footprint_weighs_each_reading_by_the_time_it_stands_for(tmp_path: Path) -> None:
+    """The first readings (a warm-up: SMs 0.05, four of them learned once its rate is
+    measured) count no more than those after them (0.9): the footprint is their mean while
+    they are few; later a reading moves it by the time it stands for, not by a fixed step a
+    tick."""
+    svc, _ = alone_at(tmp_path / "a", [(100, 0.05)] * 7 + [(100, 0.9)] * 7)
+    assert svc._jobs["sweep"].learned("GPU 0").sm == pytest.approx((4 * 0.05 + 7 * 0.9) / 11)
+    # ticks a minute apart: a new reading weighs 1 - exp(-60/50) of it
+    minute = ColocateConfig(tick_s=60.0)
+    svc, _ = alone_at(tmp_path / "b", [(100, 0.3)] * 20 + [(100, 0.9)], config=minute, step_s=60.0)
+    assert svc._jobs["sweep"].learned("GPU 0").sm == pytest.approx(
+        0.3 + 0.6 * (1 - math.exp(-60 / 50))
+    )
+    # ticks a tenth of a second apart: it hardly moves
+    fast = ColocateConfig(tick_s=0.1)
+    svc, _ = alone_at(tmp_path / "c", [(100, 0.3)] * 400 + [(100, 0.9)], config=fast, step_s=0.1)
+    assert svc._jobs["sweep"].learned("GPU 0").sm == pytest.approx(0.3, abs=0.005)
+
+
+def test_a_removed_job_is_not_learned_again_from_its_last_reports(tmp_path: Path) -> None:
+    """`gpuctl jobs rm` commits while a tick's list of reservations still holds the job,
+    and its processes, stopping, still report: nothing of it is kept; a run of the job
+    added again (reserved after the removal) is learned afresh."""
+    clock = Clock()
+    old = RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)
+    old = dataclasses.replace(old, reserved_at=clock.t)
+    jobs = [old]
+    svc = kept_loop(tmp_path, jobs, clock)
+    svc._wall = clock
+    for _ in range(6):
+        svc.throttle_point("sweep", 10)
+        svc.tick(busy_snapshot({0: (0.3, 0.2)}))
+        clock.t += 1
+    svc.job_removed("sweep", force=True)()
+    clock.t += 1
+    svc.tick(busy_snapshot({0: (0.3, 0.2)}))  # read before the removal committed
+    assert svc.throttle_point("sweep", 10).duty == 1.0
+    svc.report_latency("sweep", [0.01])
+    assert "sweep" not in svc._jobs
+    assert "sweep" not in json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    jobs[:] = [dataclasses.replace(old, reserved_at=clock.t)]
+    clock.t += 1
+    for _ in range(6):
+        svc.throttle_point("sweep", 10)
+        svc.tick(busy_snapshot({0: (0.5, 0.2)}))
+        clock.t += 1
+    assert svc._jobs["sweep"].learned("GPU 0").sm == pytest.approx(0.5)
+
+
+def test_a_quiet_service_keeps_the_footprint_an_older_file_held(tmp_path: Path) -> None:
+    """A footprint kept per job (an older colo.json) of a service that serves nothing
+    alone now: it is learned nothing anew, and keeps what the file held."""
+    state = tmp_path / "colo.json"
+    state.write_text(json.dumps({"jobs": {"chat": {"sm": 0.4, "mem_bw": 0.3}}}))
+    r = RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_used=9 * GIB)
+    clock = Clock()
+    svc = kept_loop(tmp_path, [r], clock)
+    for _ in range(4):
+        svc.tick(busy_snapshot({0: (0.01, 0.0)}))
+        clock.t += 1
+    assert svc._features(r).sm == 0.4
+
+
+def test_an_older_files_footprint_is_at_the_share_its_rate_was(tmp_path: Path) -> None:
+    """A colo.json from before shares were kept: a job whose rate alone was at 30% showed
+    its footprint at that share (not advised as a whole GPU's); a share of 0 is no share."""
+    state = tmp_path / "colo.json"
+    f = {"sm": 0.3, "mem_bw": 0.2}
+    state.write_text(
+        json.dumps(
+            {
+                "jobs": {
+                    "part": {"alone_config": "30%", "devices": {"GPU 0": f}},
+                    "full": {"alone_config": "100%", "devices": {"GPU 0": f}},
+                }
+            }
+        )
+    )
+    svc = kept_loop(tmp_path, [], Clock())
+    assert svc._jobs["part"].alone("training") is None
+    assert svc._jobs["full"].alone("training") is not None
+    state.write_text(json.dumps({"jobs": {"zero": {"devices": {"GPU 0": {**f, "share": 0}}}}}))
+    events = EventLog(None)
+    ColoService(ColocateConfig(), events, running=list, state_file=state)
+    (event,) = events.recent(kind_prefix="colo.")
+    assert event.kind == "colo.state_unreadable" and "share" in event.message
+
+
+def test_a_job_none_of_whose_processes_are_seen_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Alone for a minute with none of its processes seen on the device (NVML attributes
+    no memory to them): the log says it learns no footprint, once a run."""
+    caplog.set_level(logging.INFO, logger="gpud.colo.service")
+    svc, _ = alone_at(tmp_path, [(100, 0.5)] * 70, memory_used=0)
+    said = [r for r in caplog.records if "no footprint learned" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in said] == [
+        (
+            logging.INFO,
+            "job sweep alone on GPU 0 for 60 s with none of its processes seen: "
+            "no footprint learned",
+        )
+    ]
+    assert svc._jobs["sweep"].learned("GPU 0") is None

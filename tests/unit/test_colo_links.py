@@ -122,8 +122,8 @@ def test_a_job_alone_learns_its_link_features_divided_by_its_duty(tmp_path: Path
     held()
     svc.tick(snap(10.0, (9 * 10**10, 9 * 10**10)))  # no traffic this interval
     f = svc._features(jobs[0])
-    # a tenth of the way there: one tick's reading does not stand for the job
-    assert f.nvlink == pytest.approx(0.072) and f.sm == pytest.approx(0.9)
+    # the mean of the two readings: the last one does not stand for the job alone
+    assert f.nvlink == pytest.approx(0.04) and f.sm == pytest.approx(0.9)
 
 
 def test_link_traffic_of_the_models() -> None:

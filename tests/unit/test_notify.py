@@ -172,3 +172,25 @@ def test_a_failed_ready_or_stopping_is_warned_whatever_failed_before(
     assert [r.getMessage() for r in caplog.records] == [
         f"sd_notify to {path} works again, after 5 failed sends over 42 s"
     ]
+
+
+def test_routine_failures_are_warned_once_after_a_failed_ready(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """READY=1 failing first is warned; the watchdog pings failing after it are warned too
+    (once, until a send works), not left silent; a failed EXTEND_TIMEOUT_USEC= (systemd
+    then kills a start that goes on) is warned each time."""
+    path = str(tmp_path / "notify.sock")
+    n = Notifier(path, 1_000_000, clock=lambda: 0.0)
+    caplog.set_level(logging.INFO, logger="gpud.notify")
+    assert not n.ready()
+    assert not any(n.watchdog() for _ in range(3))
+    assert not n.extend_start(90, "applying MIG")
+    assert not n.extend_start(90, "applying MIG")
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        f"sd_notify READY=1 to {path} failed",
+        f"sd_notify to {path} failed",
+        f"sd_notify EXTEND_TIMEOUT_USEC=90000000 to {path} failed",
+        f"sd_notify EXTEND_TIMEOUT_USEC=90000000 to {path} failed",
+    ]
+    assert all(r.levelno == logging.WARNING for r in caplog.records)
