@@ -225,6 +225,11 @@ class Output:
             value = {**value, "notes": list(self.notes)}
         self.write(json.dumps(value, indent=2) + "\n")
 
+    def print_json_line(self, value: Any) -> None:
+        """``value`` as one line of a stream of documents (JSON Lines: ``--watch``,
+        ``--follow``), each read as it comes."""
+        self.write(json.dumps(_plain(value)) + "\n")
+
     def print_table(
         self,
         headers: Sequence[str],
