@@ -6,6 +6,7 @@ import ctypes
 import dataclasses
 import io
 import json
+import math
 import os
 import re
 import socket
@@ -31,7 +32,7 @@ from gpud.events import Event, EventLog
 from gpud.net.port import LinkEnforcement, TrafficSummary
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import GpuSample, SeenIdentity, Snapshot
-from gpud.v1 import jobs_pb2, net_pb2, queue_pb2
+from gpud.v1 import colo_pb2, jobs_pb2, net_pb2, queue_pb2
 from tests.unit.api_support import (
     NOW,
     FakeFaults,
@@ -1115,6 +1116,50 @@ def test_json_shows_a_link_rate_as_a_whole_number_of_bits() -> None:
     assert '"rate_bits_per_second": 100000000,' in stream.getvalue()
     shown = json.loads(stream.getvalue())["interfaces"][0]["rate_bits_per_second"]
     assert shown == 100_000_000 and isinstance(shown, int)
+
+
+def _strict_json(text: str) -> Any:
+    """``text`` parsed as JSON proper: ``NaN``, ``Infinity`` refused, as jq refuses them."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_has_no_nan_nor_infinity() -> None:
+    """A number that is not one (NaN, an infinity) is null: Python's json would write
+    ``NaN``/``Infinity``, which jq and every strict parser refuse, the whole document lost."""
+    stream = io.StringIO()
+    out = Output(json_output=True, stream=stream)
+    out.print_json(
+        colo_pb2.ShowColoResponse(price_residual=math.inf, predictor_mean_abs_error=math.nan)
+    )
+    doc = _strict_json(stream.getvalue())
+    assert doc["price_residual"] is None and doc["predictor_mean_abs_error"] is None
+    stream.seek(0)
+    stream.truncate()
+    out.print_json_line({"a": [-math.inf, 1.5]})
+    assert stream.getvalue() == '{"a": [null, 1.5]}\n'
+
+
+def test_events_with_a_field_that_is_no_number_are_shown(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path
+) -> None:
+    """An event's field that is NaN or infinite (a ratio of nothing) reads as null: not a
+    crash of `gpuctl events` with and without --json, nor NaN in its JSON."""
+    log = EventLog(None)
+    log.emit("colo.guard", "job a: p99 unknown", job="a", p99_ms=math.nan, ratio=math.inf)
+    servicer = NodeServicer(snapshots=make_snapshot, node_info=node_info, events=log)
+    path = str(sock_dir / "gpud.sock")
+    with ServerThread(ApiServer(Path(path), servicers=[servicer.register])):
+        code, out, err = run(capsys, "--socket", path, "events")
+        assert code == 0, err
+        assert 'job="a" p99_ms=null ratio=null' in out
+        code, out, err = run(capsys, "--socket", path, "--json", "events")
+        assert code == 0, err
+        fields = _strict_json(out)["events"][0]["fields"]
+        assert fields == {"job": "a", "p99_ms": None, "ratio": None}
 
 
 def test_display_helpers() -> None:
