@@ -10,7 +10,8 @@
                                              published it); when the certificates expire;
                                              jobs
     gpuctl cluster attributes [--job J ...]  runtime attributes of this node's jobs
-                              [--watch]      ... and again whenever they change
+                              [--watch]      ... and again whenever they change (--json:
+                                             one object a line, JSON Lines)
 """
 
 from __future__ import annotations
@@ -75,7 +76,11 @@ def register(subparsers: Subparsers) -> None:
     attrs.add_argument(
         "--job", action="append", type=JOB_NAME, default=[], help="only this job (repeatable)"
     )
-    attrs.add_argument("--watch", action="store_true", help="print again on every change")
+    attrs.add_argument(
+        "--watch",
+        action="store_true",
+        help="print again on every change (--json: one object a line)",
+    )
     attrs.set_defaults(run=run_attributes)
 
 
@@ -368,9 +373,14 @@ def _certificate_row(c: pb.ClusterCertificate) -> tuple[str, str, str]:
     return c.key, f"{when}, in {left / 86400:.0f} d{soon}", c.path
 
 
-def _print_attributes(ctx: Context, resp: pb.GetAttributesResponse) -> None:
+def _print_attributes(ctx: Context, resp: pb.GetAttributesResponse, *, line: bool = False) -> None:
+    """The attributes as a table, or under ``--json`` one document (``line``: on one line,
+    as each answer of ``--watch`` is)."""
     if ctx.out.json:
-        ctx.out.print_json(resp)
+        if line:
+            ctx.out.print_json_line(resp)
+        else:
+            ctx.out.print_json(resp)
         return
     ctx.out.print(f"epoch {resp.epoch}")
     ctx.out.print_table(
@@ -425,7 +435,7 @@ def run_attributes(ctx: Context, args: argparse.Namespace) -> int:
     gone = when_reader_goes(stream.cancel)
     try:
         for resp in stream:
-            _print_attributes(ctx, resp)
+            _print_attributes(ctx, resp, line=True)
             ctx.out.flush()
     except KeyboardInterrupt:
         return 130

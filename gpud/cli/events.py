@@ -19,7 +19,7 @@ from gpud.cli.context import (
     Subparsers,
     given,
 )
-from gpud.cli.output import message_to_dict
+from gpud.cli.output import json_text, message_to_dict
 from gpud.cli.pipes import when_reader_goes
 from gpud.shared import WATCHING_KEY, is_about
 from gpud.v1 import node_pb2 as pb
@@ -123,7 +123,7 @@ def _follow_line(ctx: Context, item: pb.WatchEventsResponse) -> str:
     if item.WhichOneof("item") == "event":
         event = item.event
         if ctx.out.json:
-            return json.dumps(message_to_dict(event), sort_keys=True)
+            return json_text(message_to_dict(event), sort_keys=True)
         detail = _detail(_fields(event))
         head = f"{_when(event.time_unix_seconds)}  {event.kind:<{KIND_PAD}} {event.message}"
         return f"{head}  {detail}" if detail else head

@@ -6,12 +6,14 @@ of a GPU that has not answered since it started, "12.3 GiB") exist only here.
 stay numbers (also 64-bit ones, which protobuf's own JSON mapping turns into strings) and an
 absent optional reading is ``null``; so is a list the driver did not give, or a value gpud
 cannot know, one whose ``<name>_unknown`` beside it says why (``processes`` beside
-``processes_unknown``, ``up`` beside ``up_unknown``).
+``processes_unknown``, ``up`` beside ``up_unknown``). A number that is none (NaN, an
+infinity), which JSON cannot carry, is ``null`` too.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
@@ -46,6 +48,39 @@ def _whole_numbers(value: Any) -> Any:
     return value
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with each NaN and infinity made ``null``: JSON has no such number, and
+    ``json.dumps`` would write ``NaN``/``Infinity``, which jq and strict parsers refuse."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def json_text(value: Any, **options: Any) -> str:
+    """Plain ``value`` as JSON text that every parser takes (no NaN, no Infinity);
+    ``options``: those of ``json.dumps``."""
+    return json.dumps(_finite(value), allow_nan=False, **options)
+
+
+def _struct(msg: Any) -> Any:
+    """A ``google.protobuf`` Struct, Value or ListValue as plain values (json_format refuses
+    a NaN or infinite number in one: it is ``None`` here)."""
+    name = msg.DESCRIPTOR.full_name
+    if name == "google.protobuf.Struct":
+        return {k: _struct(v) for k, v in msg.fields.items()}
+    if name == "google.protobuf.ListValue":
+        return [_struct(v) for v in msg.values]
+    kind = msg.WhichOneof("kind")
+    if kind is None or kind == "null_value":
+        return None
+    value = getattr(msg, kind)
+    return _struct(value) if kind in {"struct_value", "list_value"} else _finite(value)
+
+
 def _scalar(fd: Any, value: Any) -> Any:
     # protobuf is imported where it is used: `gpuctl --help` needs none of it
     from google.protobuf.descriptor import FieldDescriptor  # C twin has no stub: fields are Any
@@ -69,11 +104,11 @@ def _value(fd: Any, value: Any) -> Any:
 def message_to_dict(msg: Message) -> Any:
     """``msg`` as JSON values; unset sub-messages and optional scalars are ``None``, as is a
     list with a reason beside it why it was not read."""
-    from google.protobuf import json_format
-
     if msg.DESCRIPTOR.full_name in _STRUCT_TYPES:
-        return _whole_numbers(json_format.MessageToDict(msg))
+        return _whole_numbers(_struct(msg))
     if msg.DESCRIPTOR.full_name in _WELL_KNOWN_JSON:
+        from google.protobuf import json_format
+
         return json_format.MessageToDict(msg)
     out: dict[str, Any] = {}
     for fd in msg.DESCRIPTOR.fields:
@@ -223,7 +258,12 @@ class Output:
         value = _plain(value)
         if self.notes and isinstance(value, dict):
             value = {**value, "notes": list(self.notes)}
-        self.write(json.dumps(value, indent=2) + "\n")
+        self.write(json_text(value, indent=2) + "\n")
+
+    def print_json_line(self, value: Any) -> None:
+        """``value`` as one line of a stream of documents (JSON Lines: ``--watch``,
+        ``--follow``), each read as it comes."""
+        self.write(json_text(_plain(value)) + "\n")
 
     def print_table(
         self,

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -127,6 +128,12 @@ QUEUE_OFF = "admission queue is off"  # gpud's message when admission.enabled = 
 # shut, or started after gpuctl died (as `env` and `docker run` use 125 for a failure of
 # their own before the command runs)
 EXIT_GATE_CLOSED = 125
+# the status code name a --json error gives each of these (``code``: see CliError)
+_STATUS_BY_GATE_EXIT = {
+    EXIT_CANNOT_EXEC: "NOT_FOUND",
+    EXIT_CANNOT_RUN: "FAILED_PRECONDITION",
+    EXIT_GATE_CLOSED: "ABORTED",
+}
 KILL_AFTER_S = 10.0
 # How long `gpuctl run` keeps trying to tell a gpud that is away how its command ended:
 # systemd starts a failed gpud again after RestartSec=2s (gpud.service), and gpud answers
@@ -165,10 +172,19 @@ _GATE = (
     " os.close(fd)\n"
     f" ok or sys.exit({EXIT_GATE_CLOSED})\n"
     "try:\n"
-    " os.execvp(a[4],a[4:])\n"
+    " os.execvp(a[5],a[5:])\n"
     "except OSError as e:\n"
-    " sys.stderr.write(f'gpuctl: cannot run {a[4]}: {e.strerror}\\n')\n"
-    f" sys.exit({EXIT_CANNOT_EXEC} if e.errno==errno.ENOENT else {EXIT_CANNOT_RUN})\n"
+    f" c={EXIT_CANNOT_EXEC} if e.errno==errno.ENOENT else {EXIT_CANNOT_RUN}\n"
+    " m=f'cannot run {a[5]}: {e.strerror}'\n"
+    # under --json (a[4]) as gpuctl's other errors: one document (CliError.to_json)
+    " if a[4]=='json':\n"
+    "  import json\n"
+    f"  s={_STATUS_BY_GATE_EXIT!r}[c]\n"
+    "  m=json.dumps({'error':{'message':m,'code':s,'exit_code':c,'class':None}})\n"
+    " else:\n"
+    "  m='gpuctl: '+m\n"
+    " sys.stderr.write(m+'\\n')\n"
+    " sys.exit(c)\n"
 )
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -692,7 +708,7 @@ def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop
     told: list[int] = []  # the signals gpuctl was sent while the command ran
     never: NotStarted | None = None  # set when the command never started
     try:
-        returncode = _launch(command, env, place, told.append, stop)
+        returncode = _launch(command, env, place, told.append, stop, json_errors=ctx.out.json)
         return exit_status(returncode)
     except NotStarted as err:
         never = err
@@ -724,8 +740,8 @@ def _not_started(job: str, never: NotStarted, stop: _Stop) -> int:
     place): exit 4, as a run removed while it waits; its command never ran, so not the 143
     of a command the removal stopped. Stopped by a signal meanwhile (a Ctrl-C on the
     terminal reaches the gate's process too): exit 130, as before any command starts.
-    Otherwise the status of the gate's process, which ended before it became the
-    command."""
+    Otherwise a :class:`CliError` (JSON under ``--json``) with the status of the gate's
+    process, which ended before it became the command."""
     if never.removed:
         raise CliError(
             f"job {job} was removed (gpuctl jobs rm --force) as its command started: "
@@ -736,12 +752,12 @@ def _not_started(job: str, never: NotStarted, stop: _Stop) -> int:
         return _stopped(job, stop)
     code = never.returncode if never.returncode is not None else EXIT_GATE_CLOSED
     how = f"killed by {_signame(-code)}" if code < 0 else f"exit {code}"
-    print(
-        f"gpuctl: the command of job {job} did not start: its first process ended ({how}) "
+    raise CliError(
+        f"the command of job {job} did not start: its first process ended ({how}) "
         "before it became the command",
-        file=sys.stderr,
+        exit_status(code),
+        status=_STATUS_BY_GATE_EXIT[EXIT_GATE_CLOSED],
     )
-    return exit_status(code)
 
 
 def release_run(
@@ -1103,6 +1119,8 @@ def _launch(
     place: Callable[[int], None] | None = None,
     told: Callable[[int], None] | None = None,
     stop: _Stop | None = None,
+    *,
+    json_errors: bool = False,
 ) -> int:
     """Run ``command`` as a process that the kernel kills when gpuctl dies (see _GATE);
     with ``place``, hold it at the gate, call ``place(pid)``, then let it run (it runs
@@ -1112,7 +1130,9 @@ def _launch(
     signal gpuctl gets meanwhile (SIGINT, SIGTERM, SIGHUP); ``stop``'s handlers take them until the command
     has started (one they took then is forwarded once it has), and the handlers they
     replaced are put back at its end. Its return code: the exit status, or -N when
-    signal N killed it (:func:`exit_status` makes gpuctl's of it)."""
+    signal N killed it (:func:`exit_status` makes gpuctl's of it). A command that cannot
+    be run is said on stderr as a ``gpuctl:`` line, or with ``json_errors`` as the JSON
+    document of gpuctl's errors."""
     # imported here: only `gpuctl run` pays for them
     import subprocess
     import threading
@@ -1122,14 +1142,16 @@ def _launch(
         gate_r, gate_w = os.pipe()
         ready_r, ready_w = os.pipe()
     # the first process is the gate; a command it cannot run is said there, exiting 127 or 126
-    gate = (str(os.getpid()), str(gate_r), str(ready_w))
+    gate = (str(os.getpid()), str(gate_r), str(ready_w), "json" if json_errors else "text")
     argv = [sys.executable, "-I", "-S", "-c", _GATE, *gate, *command]
     try:
         child = subprocess.Popen(
             argv, env=env, pass_fds=(gate_r, ready_w) if place is not None else ()
         )
     except OSError as err:
-        print(f"gpuctl: cannot run {command[0]}: {err.strerror}", file=sys.stderr)
+        said = CliError(f"cannot run {command[0]}: {err.strerror}", EXIT_CANNOT_EXEC)
+        said.status = _STATUS_BY_GATE_EXIT[EXIT_CANNOT_EXEC]
+        print(json.dumps(said.to_json()) if json_errors else f"gpuctl: {said}", file=sys.stderr)
         for fd in (gate_w, ready_r):
             if fd >= 0:
                 os.close(fd)

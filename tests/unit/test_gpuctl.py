@@ -6,6 +6,7 @@ import ctypes
 import dataclasses
 import io
 import json
+import math
 import os
 import re
 import socket
@@ -31,7 +32,7 @@ from gpud.events import Event, EventLog
 from gpud.net.port import LinkEnforcement, TrafficSummary
 from gpud.telemetry.reader import placeholder_identity
 from gpud.telemetry.snapshot import GpuSample, SeenIdentity, Snapshot
-from gpud.v1 import jobs_pb2, net_pb2, queue_pb2
+from gpud.v1 import colo_pb2, jobs_pb2, net_pb2, queue_pb2
 from tests.unit.api_support import (
     NOW,
     FakeFaults,
@@ -784,6 +785,107 @@ def test_json_errors_of_gpuctl_itself(capsys: pytest.CaptureFixture[str], sock_d
     assert code == 2 and err.startswith("gpuctl run: error: ") and not err.startswith("{")
 
 
+# Every command under --json, answered or failing (gpud's Node service alone answers here,
+# its fault port a fake one: the other services' calls fail UNIMPLEMENTED, exit 9; those of
+# workloads and reboot are refused, exit 6): (argv after --socket, exit code)
+JSON_SWEEP = [
+    (("status",), 0),
+    (("gpus",), 0),
+    (("gpus", "--gpu", "1"), 0),
+    (("gpus", "--gpu", "9"), 4),
+    (("gpus", "--gpu", "x"), 2),
+    (("events",), 0),
+    (("events", "--gpu", "2", "--kind", "gpu."), 0),
+    (("events", "--gpu", "zz"), 2),
+    (("xid",), 0),
+    (("xid", "list"), 0),
+    (("xid", "clear"), 2),
+    (("version",), 0),
+    (("sim", "fault", "--gpu", "0", "xid", "48"), 0),
+    (("sim", "fault", "--gpu", "0", "bogus"), 2),
+    (("sim", "workload", "start", "--gpu", "0", "--pid", "4242"), 6),  # the fake: no workloads
+    (("sim", "workload", "start", "--gpu", "0", "--pid", "0"), 2),
+    (("sim", "reboot"), 6),
+    (("mig",), 9),
+    (("mig", "export", "-c", ""), 2),
+    (("mig", "apply", "-f", "/nonexistent.yaml", "-c", "a"), 2),
+    (("mps", "set", "--gpu", "0", "--threads", "abc"), 2),
+    (("mps",), 9),
+    (("jobs",), 9),
+    (("jobs", "add", ""), 2),
+    (("jobs", "history", "--limit", "-1"), 2),
+    (("env", "--job", "a"), 9),
+    (("env",), 2),
+    (("queue",), 9),
+    (("colo",), 9),
+    (("colo", "advise", "a", "--sm", "2"), 2),
+    (("net",), 9),
+    (("net", "pin", "--job", "a", "--level", "x"), 2),
+    (("cluster",), 9),
+    (("cluster", "attributes", "--job", ""), 2),
+    (("run", "--job", "a", "--gpus", "1", "--", "true"), 9),
+    (("nosuchcommand",), 2),
+]
+
+
+def _json_contract(code: int, out: str, err: str) -> Any:
+    """What ``--json`` promises: stdout one strict JSON document (nothing on it but that),
+    or nothing when gpuctl failed; stderr nothing, or the failure's one document with its
+    exit code; every key snake_case. Returns the answer's document (None if failed)."""
+    doc = _strict_json(out) if out else None
+    if err:
+        error = _strict_json(err)["error"]
+        assert set(error) == {"message", "code", "exit_code", "class"}, error
+        assert error["exit_code"] == code and error["message"], error
+    assert (doc is None) == bool(err) == (code != 0), (code, out, err)
+
+    def keys(value: Any) -> Iterator[str]:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                yield key
+                yield from keys(item)
+        elif isinstance(value, list):
+            for item in value:
+                yield from keys(item)
+
+    assert all(re.fullmatch(r"[a-z0-9_]+", key) for key in keys(doc)), doc
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("argv", "exit_code"), JSON_SWEEP, ids=[" ".join(a) for a, _ in JSON_SWEEP]
+)
+def test_every_command_under_json_keeps_the_contract(
+    capsys: pytest.CaptureFixture[str], sim_socket: str, argv: tuple[str, ...], exit_code: int
+) -> None:
+    """``gpuctl --json X`` and ``gpuctl X --json`` alike: one strict JSON document on
+    stdout or one error document on stderr, with the documented exit code."""
+    before = run(capsys, "--socket", sim_socket, "--json", *argv)
+    _json_contract(*before)
+    assert before[0] == exit_code, before
+    words = list(argv)
+    at = words.index("--") if "--" in words else len(words)
+    after = run(capsys, "--socket", sim_socket, *words[:at], "--json", *words[at:])
+    _json_contract(*after)
+    assert after[0] == exit_code, after
+
+
+@pytest.mark.parametrize(
+    ("argv", "exit_code"), JSON_SWEEP, ids=[" ".join(a) for a, _ in JSON_SWEEP]
+)
+def test_every_command_under_json_says_gpud_is_not_running_as_json(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path, argv: tuple[str, ...], exit_code: int
+) -> None:
+    """Exit 3 and its error document, whatever the command; a usage error still comes
+    first (exit 2), and `version` answers for the client alone."""
+    code, out, err = run(capsys, "--socket", str(sock_dir / "gpud.sock"), "--json", *argv)
+    doc = _json_contract(code, out, err)
+    if argv == ("version",):
+        assert code == 0 and doc["daemon"] is None and doc["daemon_error"]
+    else:
+        assert code == (2 if exit_code == 2 else 3), (code, err)
+
+
 def test_not_running(capsys: pytest.CaptureFixture[str], sock_dir: Path) -> None:
     missing = sock_dir / "gpud.sock"
     code, out, err = run(capsys, "--socket", str(missing), "status")
@@ -1124,6 +1226,50 @@ def test_json_shows_a_link_rate_as_a_whole_number_of_bits() -> None:
     assert '"rate_bits_per_second": 100000000,' in stream.getvalue()
     shown = json.loads(stream.getvalue())["interfaces"][0]["rate_bits_per_second"]
     assert shown == 100_000_000 and isinstance(shown, int)
+
+
+def _strict_json(text: str) -> Any:
+    """``text`` parsed as JSON proper: ``NaN``, ``Infinity`` refused, as jq refuses them."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_has_no_nan_nor_infinity() -> None:
+    """A number that is not one (NaN, an infinity) is null: Python's json would write
+    ``NaN``/``Infinity``, which jq and every strict parser refuse, the whole document lost."""
+    stream = io.StringIO()
+    out = Output(json_output=True, stream=stream)
+    out.print_json(
+        colo_pb2.ShowColoResponse(price_residual=math.inf, predictor_mean_abs_error=math.nan)
+    )
+    doc = _strict_json(stream.getvalue())
+    assert doc["price_residual"] is None and doc["predictor_mean_abs_error"] is None
+    stream.seek(0)
+    stream.truncate()
+    out.print_json_line({"a": [-math.inf, 1.5]})
+    assert stream.getvalue() == '{"a": [null, 1.5]}\n'
+
+
+def test_events_with_a_field_that_is_no_number_are_shown(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path
+) -> None:
+    """An event's field that is NaN or infinite (a ratio of nothing) reads as null: not a
+    crash of `gpuctl events` with and without --json, nor NaN in its JSON."""
+    log = EventLog(None)
+    log.emit("colo.guard", "job a: p99 unknown", job="a", p99_ms=math.nan, ratio=math.inf)
+    servicer = NodeServicer(snapshots=make_snapshot, node_info=node_info, events=log)
+    path = str(sock_dir / "gpud.sock")
+    with ServerThread(ApiServer(Path(path), servicers=[servicer.register])):
+        code, out, err = run(capsys, "--socket", path, "events")
+        assert code == 0, err
+        assert 'job="a" p99_ms=null ratio=null' in out
+        code, out, err = run(capsys, "--socket", path, "--json", "events")
+        assert code == 0, err
+        fields = _strict_json(out)["events"][0]["fields"]
+        assert fields == {"job": "a", "p99_ms": None, "ratio": None}
 
 
 def test_display_helpers() -> None:

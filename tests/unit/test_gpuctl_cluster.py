@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpud.cli.cluster import run_status
+from gpud.cli.cluster import run_attributes, run_status
 from gpud.cli.context import Context
 from gpud.cli.output import Output
 from gpud.v1 import cluster_pb2 as pb
@@ -370,3 +370,50 @@ def test_an_older_gpuds_answer_without_the_fields_is_read_from_its_words() -> No
     text = status(base(store_ok=False, etcd_alarms=["NOSPACE"], detail=NOSPACE_DETAIL))
     assert "detail:      etcd refused a write: out of space (see the alarm above" in text
     assert text.count("etcdctl alarm disarm") == 1
+
+
+class _Watching(Answer):
+    """A context whose daemon streams ``answers`` to a watch of the attributes."""
+
+    def __init__(self, answers: list[pb.GetAttributesResponse], *, json_output: bool) -> None:
+        super().__init__(base(), json_output=json_output)
+        self._answers = answers
+
+    def WatchAttributes(self, request: pb.GetAttributesRequest) -> Any:  # the stub method
+        answers = self._answers
+
+        class Stream:
+            def __iter__(self) -> Any:
+                return iter(answers)
+
+            def cancel(self) -> None:
+                pass
+
+        return Stream()
+
+    @property
+    def GetAttributes(self) -> Any:  # the stub method run_attributes names
+        return None
+
+
+def test_watching_attributes_under_json_is_one_object_a_line() -> None:
+    """JSON Lines, as `gpuctl events --follow --json`: each answer on a line of its own,
+    which `jq -c`, `while read` and a line-by-line json.loads all take."""
+    answers = [
+        pb.GetAttributesResponse(
+            epoch=epoch,
+            seq=epoch,
+            attributes=[pb.JobAttributes(job="a", epoch=epoch, nodes=["n1"])],
+        )
+        for epoch in (1, 2)
+    ]
+    ctx = _Watching(answers, json_output=True)
+    assert run_attributes(ctx, argparse.Namespace(job=[], watch=True)) == 0
+    lines = ctx.text.getvalue().splitlines()
+    assert [json.loads(line)["epoch"] for line in lines] == [1, 2]
+    assert json.loads(lines[0])["attributes"][0]["job"] == "a"
+    # without --watch, one document as every other command's --json
+    ctx = _Watching(answers, json_output=True)
+    ctx._response = answers[0]  # type: ignore[assignment]
+    assert run_attributes(ctx, argparse.Namespace(job=[], watch=False)) == 0
+    assert json.loads(ctx.text.getvalue())["epoch"] == 1

@@ -763,6 +763,34 @@ def test_a_command_that_cannot_run_is_said_and_exits_127(
     assert "cannot run /nonexistent/train: No such file or directory" in err, err
 
 
+@pytest.mark.parametrize(
+    ("command", "code", "status", "message"),
+    [
+        ("/nonexistent/train", 127, "NOT_FOUND", "cannot run /nonexistent/train: No such file"),
+        ("/", 126, "FAILED_PRECONDITION", "cannot run /: Permission denied"),
+    ],
+    ids=["not-found", "a-directory"],
+)
+def test_a_command_that_cannot_run_is_a_json_error_under_json(
+    capfd: pytest.CaptureFixture[str], command: str, code: int, status: str, message: str
+) -> None:
+    """gpuctl's own error, as every other under --json: one document on stderr, nothing on
+    stdout, with the shell's exit code."""
+    with serving() as n:
+        assert n.ctl("--json", "run", "--job", "t", "--gpus", "1", "--", command) == code
+        assert n.jobs.reservations.held() == []
+    out, err = capfd.readouterr()
+    assert out == ""
+    doc = json.loads(err)
+    assert doc["error"]["message"].startswith(message), doc
+    assert doc["error"] | {"message": ""} == {
+        "message": "",
+        "code": status,
+        "exit_code": code,
+        "class": None,
+    }
+
+
 def test_a_gpu_in_mig_mode_is_refused_by_uuid_as_by_index(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -2235,6 +2263,30 @@ def test_a_signal_to_the_held_process_ends_the_run_saying_its_command_never_star
     assert got == code, err
     assert said in err
     assert not marker.exists()
+
+
+def test_a_held_process_killed_is_a_json_error_under_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command that never started, said as gpuctl's other errors are under --json."""
+    held: list[JobService] = []
+    net = Places(
+        lambda: held[0],
+        remove_first=False,
+        placed=True,
+        group_signal=signal.SIGKILL,
+        to_gpuctl=False,
+    )
+    with serving(net.register) as n:
+        held.append(n.jobs)
+        n.jobs.set_tagger(lambda job: 26, lambda job: 26)
+        got = n.ctl("--json", "run", "--job", "h3", "--gpus", "1", "--", "true")
+        assert n.jobs.reservations.held() == []
+    out, err = capsys.readouterr()
+    assert got == 128 + signal.SIGKILL and out == "", err
+    doc = json.loads(err)["error"]
+    assert doc["exit_code"] == got and doc["code"] == "ABORTED", doc
+    assert doc["message"].startswith("the command of job h3 did not start: its first process")
 
 
 def test_a_queued_run_starts_its_command_as_soon_as_its_devices_free(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -90,6 +91,23 @@ def test_a_command_found_but_not_executable_exits_126_as_in_a_shell(
     assert _launch([str(tmp_path)], dict(os.environ), place) == 126  # a directory
     assert _launch([str(tmp_path / "missing")], dict(os.environ), place) == 127
     assert f"cannot run {script}: Permission denied" in capfd.readouterr().err
+
+
+def test_a_command_that_cannot_run_is_said_as_json_when_asked(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    missing = str(tmp_path / 'no "such"')
+    assert _launch([missing], dict(os.environ), lambda pid: None, json_errors=True) == 127
+    assert json.loads(capfd.readouterr().err) == {
+        "error": {
+            "message": f"cannot run {missing}: No such file or directory",
+            "code": "NOT_FOUND",
+            "exit_code": 127,
+            "class": None,
+        }
+    }
+    assert _launch([str(tmp_path)], dict(os.environ), None, json_errors=True) == 126
+    assert json.loads(capfd.readouterr().err)["error"]["code"] == "FAILED_PRECONDITION"
 
 
 _COUNTER = """
