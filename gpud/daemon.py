@@ -116,7 +116,8 @@ RESTART_KEYS = (
 )
 
 
-# seconds a stop waits for a running MIG apply (systemd's TimeoutStopSec is 30)
+# seconds a stop waits for a running MIG apply (within STOP_BUDGET_S; cut short by a second
+# SIGTERM/SIGINT)
 MIG_STOP_WAIT_S = 20.0
 # seconds of the stop budget the calls that change the node (a MIG apply, a reservation or
 # its release, MPS limits: gpud finishes them whether or not their callers still wait) are
@@ -128,7 +129,9 @@ MIG_STOP_WAIT_S = 20.0
 CALL_STOP_WAIT_S = 18.0
 # seconds the whole stop may take: every wait in it (the MIG apply, a traffic tick, nft,
 # dcb, MPS control daemons, the sampler) takes what is left of this, so that the store
-# and the driver are closed before systemd's SIGKILL at TimeoutStopSec
+# and the driver are closed before systemd's SIGKILL at TimeoutStopSec (30 s in
+# systemd/gpud.service); each shutdown hook still gets STOP_HOOK_FLOOR_S once it is spent,
+# so the worst stop is this plus a floor per hook (Daemon.worst_stop_s: 26 s)
 STOP_BUDGET_S = 22.0
 # seconds of the stop budget an admission pass running at the stop is waited for: the loop
 # pass it is part of, then one on the pass runner's thread, each at most this. What a pass
@@ -478,6 +481,7 @@ class Daemon:
         self.stop_budget_s = STOP_BUDGET_S
         self.pass_stop_wait_s = PASS_STOP_WAIT_S
         self.call_stop_wait_s = CALL_STOP_WAIT_S
+        self.mig_stop_wait_s = MIG_STOP_WAIT_S
         self._pass: asyncio.Future[None] | None = None  # the loop pass a stop came during
         self._step_now = ""  # the step the loop pass runs
         # Order matters: MIG first (it changes the devices), then MPS per device, then jobs.
@@ -897,7 +901,8 @@ class Daemon:
             self._notifier.stopping()
             log.info("stopping")
             self._stop.set()
-            deadline = time.monotonic() + self.stop_budget_s
+            stopping_at = time.monotonic()
+            deadline = stopping_at + self.stop_budget_s
 
             def left(most: float) -> float:
                 return max(0.0, min(most, deadline - time.monotonic()))
@@ -912,7 +917,7 @@ class Daemon:
             # running its steps is let finish, within the unit's TimeoutStopSec, before the
             # driver and the store close under it. Past that, its in-flight plan is kept
             # and the next start finishes it.
-            if not await asyncio.to_thread(self.mig.wait_idle, left(MIG_STOP_WAIT_S)):
+            if not await self._mig_idle(left(self.mig_stop_wait_s)):
                 log.warning(
                     "a MIG apply is still running: its in-flight plan is kept and the next "
                     "start finishes it"
@@ -923,7 +928,8 @@ class Daemon:
                 stop_metrics_server(*metrics_server)
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(sampler_task, timeout=left(5.0))
-            self.events.emit("daemon.stop", "gpud stopped")
+            took = time.monotonic() - stopping_at
+            self.events.emit("daemon.stop", "gpud stopped", took_s=round(took, 3))
             self.store.close()
             self.backend.close()
         return 0
@@ -953,6 +959,23 @@ class Daemon:
                 self.calls.running,
             )
 
+    async def _mig_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a running MIG apply to end, or until a second
+        SIGTERM/SIGINT; False if it still runs. The wait is on a daemon thread, left to
+        time out on its own when the stop goes on without it."""
+        if self._stop_now.is_set():
+            return self.mig.wait_idle(0)
+        idle = asyncio.ensure_future(on_daemon_thread(lambda: self.mig.wait_idle(timeout_s)))
+        now = asyncio.ensure_future(self._stop_now.wait())
+        try:
+            await asyncio.wait({idle, now}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            now.cancel()
+        if idle.done():
+            return idle.result()
+        idle.cancel()
+        return False
+
     async def _end_pass(self, timeout_s: float) -> bool:
         """Wait at most ``timeout_s`` for the loop pass a stop came during (its admission
         step blocked behind the placement lock, say), or until a second SIGTERM/SIGINT; past
@@ -973,16 +996,26 @@ class Daemon:
                 running.result()
             return True
         running.cancel()  # the await only: its thread goes on, and exits with the process
+        why = (
+            "still ran at a second stop (SIGTERM/SIGINT)"
+            if self._stop_now.is_set()
+            else f"did not end within {timeout_s:.1f} s"
+        )
         log.warning(
-            "stop: the loop's %s step did not end within %.1f s; going on without it (what"
-            " it committed is kept whole, the next start's pass picks up from there)",
+            "stop: the loop's %s step %s; going on without it (what it committed is kept"
+            " whole, the next start's pass picks up from there)",
             self._step_now,
-            timeout_s,
+            why,
         )
         return False
 
     def on_shutdown(self, stop: Callable[[], Awaitable[None] | None]) -> None:
         self._shutdown.append(stop)
+
+    def worst_stop_s(self) -> float:
+        """Seconds the longest stop can take: its budget, then each shutdown hook's floor
+        once the budget is spent (below the unit's TimeoutStopSec; see STOP_BUDGET_S)."""
+        return self.stop_budget_s + len(self._shutdown) * STOP_HOOK_FLOOR_S
 
     def loop_interval_s(self) -> float:
         """Seconds between loop passes: ``daemon.tick_s`` (as reloaded), and often enough to

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from gpud.build import current as current_build
 from gpud.config import MAX_CONFIG_BYTES, Config, file_stamp
-from gpud.daemon import Daemon, Step
+from gpud.daemon import STOP_HOOK_FLOOR_S, Daemon, Step
 from gpud.dirlock import DirLocks
 from gpud.errors import ConfigError, InUse, Unavailable
 from gpud.events import EventLog
@@ -997,3 +997,152 @@ def test_a_stop_answers_a_running_mig_apply_and_refuses_new_changes(root: Path) 
     assert took < d.stop_budget_s
     event = d.events.recent(kind_prefix="mig.apply")[-1]
     assert event.fields["result"] == "success" and event.fields["client_gone"] is False
+
+
+async def _started(d: Daemon) -> asyncio.Task[int]:
+    run = asyncio.create_task(d.run())
+    for _ in range(400):
+        if d.events.recent(1, "daemon.start"):
+            return run
+        await asyncio.sleep(0.05)
+    raise AssertionError("gpud did not start")
+
+
+def _stuck_pass_with_a_reserve_behind_it(
+    d: Daemon, then: Callable[[Daemon], Awaitable[None]]
+) -> float:
+    """Run ``d``; once its admission step blocks holding the placement lock (as in a driver
+    call that hangs) with a ``Reserve`` call waiting for that lock, ask a stop and run
+    ``then``; the stop's own time, as its ``daemon.stop`` event says."""
+    from gpud.v1 import jobs_pb2, jobs_pb2_grpc
+
+    in_pass, release = threading.Event(), threading.Event()
+
+    def stuck_pass() -> None:
+        with d.jobs.locked():
+            in_pass.set()
+            release.wait(60)
+
+    async def scenario() -> None:
+        run = await _started(d)
+        d.admission.tick = stuck_pass  # type: ignore[method-assign]
+        assert await asyncio.to_thread(in_pass.wait, 5)
+        async with grpc.aio.insecure_channel(f"unix:{d.config.socket_path}") as ch:
+            reserve = asyncio.ensure_future(
+                jobs_pb2_grpc.JobsStub(ch).Reserve(jobs_pb2.ReserveRequest(job="a", gpu_count=1))
+            )
+            for _ in range(250):
+                if d.calls.running:
+                    break
+                await asyncio.sleep(0.02)
+            assert d.calls.running == 1
+            d.request_stop()
+            await then(d)
+            try:
+                assert await asyncio.wait_for(run, timeout=20) == 0
+            finally:
+                release.set()  # asyncio.run waits for its executor's threads
+            with pytest.raises(grpc.aio.AioRpcError):
+                await reserve  # cut off: gpuctl says the outcome is unknown
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+    (stopped,) = d.events.recent(1, "daemon.stop")
+    return float(stopped.fields["took_s"])
+
+
+async def _nothing(d: Daemon) -> None:
+    return None
+
+
+def test_a_stuck_loop_pass_ends_the_wait_for_the_calls_queued_behind_it(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pass stuck in the driver holding the placement lock, a reservation waiting for that
+    lock: the stop gives the pass up after its share and the reservation with it, instead of
+    waiting the calls' whole share (which would take the stop past TimeoutStopSec)."""
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+    d.pass_stop_wait_s = 0.5
+    d.call_stop_wait_s = 30.0
+    d.stop_budget_s = 60.0
+    took = _stuck_pass_with_a_reserve_behind_it(d, _nothing)
+    assert took < 10, took  # the pass's 0.5 s and the API's grace, not the calls' 30 s
+    assert "the loop's admission step did not end within 0.5 s" in caplog.text
+    assert "1 call(s) changing the node still ran" in caplog.text
+
+
+async def _stop_again(d: Daemon) -> None:
+    for _ in range(250):  # the stop is waiting for the pass and the calls
+        if d.calls.closed():
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    d.request_stop()
+
+
+def test_a_second_stop_ends_the_wait_for_a_stuck_pass_and_its_calls_at_once(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``systemctl kill -s INT gpud`` (or Ctrl-C) again while the stop waits: no more waiting,
+    and the log says why the pass was left, not that it had its whole share."""
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+    d.pass_stop_wait_s = 30.0
+    d.call_stop_wait_s = 30.0
+    d.stop_budget_s = 60.0
+    took = _stuck_pass_with_a_reserve_behind_it(d, _stop_again)
+    assert took < 10, took
+    assert "the loop's admission step still ran at a second stop" in caplog.text
+    assert "did not end within" not in caplog.text
+    assert "1 call(s) changing the node still ran" in caplog.text
+
+
+def test_a_second_stop_ends_the_wait_for_a_running_mig_apply(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A MIG apply whose steps hang in the driver: the stop waits for it its share of the
+    budget, but not past a second SIGTERM or SIGINT; its plan is kept for the next start."""
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+    d.mig_stop_wait_s = 30.0
+    d.stop_budget_s = 60.0
+    applying, release = threading.Event(), threading.Event()
+
+    def apply() -> None:  # a MIG apply stuck in a driver call
+        with d.mig._lock:
+            applying.set()
+            release.wait(60)
+
+    async def scenario() -> None:
+        run = await _started(d)
+        threading.Thread(target=apply, daemon=True).start()
+        assert await asyncio.to_thread(applying.wait, 5)
+        d.request_stop()
+        await asyncio.sleep(0.5)
+        d.request_stop()
+        assert await asyncio.wait_for(run, timeout=20) == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+    (stopped,) = d.events.recent(1, "daemon.stop")
+    assert float(stopped.fields["took_s"]) < 10, stopped.fields
+    assert "a MIG apply is still running" in caplog.text
+
+
+def test_the_worst_stop_ends_before_the_units_stop_timeout(root: Path) -> None:
+    """Every wait of a stop takes what is left of its budget, and each shutdown hook at least
+    its floor: together they end before systemd's SIGKILL at the shipped unit's
+    TimeoutStopSec, with a margin for closing the store and exiting."""
+    unit = Path(__file__).parents[2] / "systemd" / "gpud.service"
+    (line,) = [s for s in unit.read_text().splitlines() if s.startswith("TimeoutStopSec=")]
+    timeout_s = float(line.removeprefix("TimeoutStopSec=").removesuffix("s"))
+    d = build(make_config(root))
+    try:
+        worst = d.worst_stop_s()
+        assert worst == d.stop_budget_s + 4 * STOP_HOOK_FLOOR_S
+        assert worst <= timeout_s - 3, (worst, timeout_s)
+        assert max(d.call_stop_wait_s, d.pass_stop_wait_s, d.mig_stop_wait_s) <= d.stop_budget_s
+    finally:
+        _close(d)
