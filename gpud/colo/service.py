@@ -352,6 +352,17 @@ def _question(v: JobView, hold_s: float) -> Hashable:
     )
 
 
+def _working(st: _JobState, now: float) -> bool:
+    """Whether a training job that reports its progress works now: its company settled,
+    and it reported within ``RATE_WINDOW_S`` or twice the time between its last two
+    reports (an iteration of its pace), whichever is longer."""
+    if now <= st.since:
+        return False
+    last = st.progress[-1][0]
+    gap = last - st.progress[-2][0] if len(st.progress) >= 2 else 0.0
+    return now - last <= max(RATE_WINDOW_S, 2 * gap)
+
+
 def _config(jobs: Sequence[RunningJob]) -> str:
     """What a job runs at on its devices, as its rate depends on it: its MIG profile or
     MPS thread percentage on each ("50%", "MIG 3g.40gb")."""
@@ -1208,9 +1219,10 @@ class ColoService:
                         self._unseen(st, r, now)
                         continue
                     st.unseen_since = None
-                    if kind == "training" and st.progress and rate is None:
+                    if kind == "training" and st.progress and not _working(st, now):
                         # training that reports its progress and made none of late (a
-                        # checkpoint): the device's readings are not what it does either
+                        # checkpoint), or whose company just changed: the device's
+                        # readings are not what it does either
                         continue
                     here = st.devices[_place(r)]
                     if self._learn_alone(here, r, sample, u, nvlink.get(r.gpu), now=now):

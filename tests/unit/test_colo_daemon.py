@@ -3429,3 +3429,30 @@ def test_a_job_none_of_whose_processes_are_seen_is_said_once(
         )
     ]
     assert svc._jobs["sweep"].learned("GPU 0") is None
+
+
+def test_training_of_long_iterations_is_learned_alone(tmp_path: Path) -> None:
+    """Training reporting once per iteration of 15 s, alone with its SMs 0.6 busy, ticks a
+    second apart: its footprint is learned (it makes progress at its pace); once it has
+    reported nothing for over twice its pace (30 s: a checkpoint), it is learned nothing
+    more."""
+    clock = Clock()
+    r = RunningJob("long", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)
+    svc = kept_loop(tmp_path, [r], clock)
+    for t in range(60):
+        if t % 15 == 0:
+            svc.throttle_point("long", 1)
+        svc.tick(busy_snapshot({0: (0.6, 0.4)}))
+        clock.t += 1
+    learned = svc._jobs["long"].learned("GPU 0")
+    assert learned is not None and learned.sm == pytest.approx(0.6)
+    # its checkpoint (SMs 0.05 busy): 15 s after its last report, reports still due
+    for _ in range(30):
+        svc.tick(busy_snapshot({0: (0.05, 0.0)}))
+        clock.t += 1
+    stale = svc._jobs["long"].learned("GPU 0")
+    assert stale is not None and stale.sm < 0.6
+    for _ in range(20):
+        svc.tick(busy_snapshot({0: (0.05, 0.0)}))
+        clock.t += 1
+    assert svc._jobs["long"].learned("GPU 0") == stale
