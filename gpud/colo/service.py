@@ -2008,11 +2008,13 @@ class ColoService:
         with self._lock:  # the places runs were given that have not reserved yet count
             running = self._present(running)
             promised = self._promises(job, wid, running, now)
-        # each planned under its run's name, as a new run of its job
-        profile: dict[str, str] = {}
+        # each planned under its run's name, as a new run of its job: known by the place
+        # itself (id -> its job), as the job's running reservations share its name
+        profile: dict[int, str] = {}
         for planned_as, place in promised:
-            profile[planned_as] = place.name
-            running = (*running, dataclasses.replace(place, name=planned_as))
+            run = dataclasses.replace(place, name=planned_as)
+            profile[id(run)] = place.name
+            running = (*running, run)
         # read from the state store, so before the loop's lock: a job removal holds the
         # store's while it calls job_removed, which takes the loop's
         defaults = self._default_memory() if memory_bytes is None else {}
@@ -2070,7 +2072,7 @@ class ColoService:
             ]
             healthy = {g.identity.index for g in snapshot.gpus if g.healthy}
             running = tuple(r for r in running if r.gpu in healthy)  # the rest stay put
-            views = [self._view(r, names, profile.get(r.name)) for r in running]
+            views = [self._view(r, names, profile.get(id(r))) for r in running]
             gpus, where = self._gpu_views(snapshot, running)
             hold = self._planner.params.head_hold_s
             # A run that sets no --memory is pinned, on each GPU, to that GPU's MPS default

@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from colocate import InterferencePredictor, JobFeatures
+from colocate import InterferencePredictor, JobFeatures, JobView
 from gpud.backend.port import MemoryInfo, PcieThroughput, Utilization
 from gpud.client.colo import Latency, Throttle
 from gpud.colo.metrics import ColoMetrics
@@ -3274,17 +3274,18 @@ def alone_at(
     *,
     config: ColocateConfig | None = None,
     step_s: float = 1.0,
+    loop: type[ColoService] = ColoService,
     **job: Any,
 ) -> tuple[ColoService, RunningJob]:
-    """A loop after "sweep" ran alone on GPU 0 a tick per (its MPS thread percentage, its
-    SMs busy) of ``readings``, ``step_s`` apart; ``job``: more of how it ran."""
+    """A ``loop`` after "sweep" ran alone on GPU 0 a tick per (its MPS thread percentage,
+    its SMs busy) of ``readings``, ``step_s`` apart; ``job``: more of how it ran."""
     clock = Clock()
     base = RunningJob(
         "sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB, reserved_at=1.0
     )
     base = dataclasses.replace(base, **job)
     jobs = [base]
-    svc = ColoService(
+    svc = loop(
         config or ColocateConfig(),
         EventLog(tmp_path / "e.jsonl"),
         running=lambda: jobs,
@@ -3456,3 +3457,33 @@ def test_training_of_long_iterations_is_learned_alone(tmp_path: Path) -> None:
         svc.tick(busy_snapshot({0: (0.05, 0.0)}))
         clock.t += 1
     assert svc._jobs["long"].learned("GPU 0") == stale
+
+
+class ViewsSeen(ColoService):
+    """A loop that keeps each view it made of a job, with the job."""
+
+    seen: list[tuple[RunningJob, JobView]]
+
+    def _view(
+        self, r: RunningJob, names: Mapping[int, str] | None = None, profile: str | None = None
+    ) -> JobView:
+        view = super()._view(r, names, profile)
+        self.__dict__.setdefault("seen", []).append((r, view))
+        return view
+
+
+def test_a_running_job_with_a_place_promised_is_advised_at_its_share(tmp_path: Path) -> None:
+    """A job alone at 30% on GPU 0 (SMs 0.3 there; 0.9 once on the whole GPU) while a second
+    run of it holds a place promised on GPU 1: advice plans the running one at 0.3, the
+    promised place at 0.9."""
+    svc, _ = alone_at(
+        tmp_path, [(100, 0.9)] * 7 + [(30, 0.3)] * 7, loop=ViewsSeen, memory_bytes=10 * GIB
+    )
+    ask = {"memory_bytes": 10 * GIB, "snapshot": busy_snapshot({0: (0.3, 0.2), 1: (0.0, 0.0)})}
+    assert svc.advise("sweep", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
+    assert isinstance(svc, ViewsSeen)
+    svc.seen.clear()
+    svc.advise("other", **ask)  # type: ignore[arg-type]
+    planned = {j.gpu: (j.name, v.footprint().sm) for j, v in svc.seen}
+    assert planned[0][0] == "sweep" and planned[0][1] == pytest.approx(0.3, abs=0.01)
+    assert planned[1][0] == "sweep" and planned[1][1] == pytest.approx(0.9, abs=0.01)
