@@ -352,6 +352,24 @@ def _question(v: JobView, hold_s: float) -> Hashable:
     )
 
 
+def _learned(st: _JobState) -> dict[str, Any]:
+    """What a job showed, as :meth:`ColoService._state` writes it: its kind, alone rates
+    and footprints per device."""
+    devices: dict[str, Any] = {}
+    for place, ds in sorted(st.devices.items()):
+        if (f := ds.features) is not None:
+            devices[place] = {**_footprint(f), "share": ds.share}
+            if ds.whole is not None:
+                devices[place]["whole"] = _footprint(ds.whole)
+    return {
+        "kind": st.kind,
+        "alone_rate": st.alone_rate,
+        "alone_config": st.alone_config,
+        "alone_rates": {str(k): v for k, v in st.alone_rates.items()},
+        "devices": devices,
+    }
+
+
 def _working(st: _JobState, now: float) -> bool:
     """Whether a training job that reports its progress works now: its company settled,
     and it reported within ``RATE_WINDOW_S`` or twice the time between its last two
@@ -992,7 +1010,10 @@ class ColoService:
         """One job's saved state; a value out of its range (a NaN, a negative rate, a
         footprint over the whole device) raises ValueError naming it."""
         st = self._jobs.setdefault(name, _JobState())
-        st.seen = self._clock()  # it ran before the restart: kept as long as a job that ran
+        # it ran before the restart (``idle_s`` ago, one that was not running then): kept
+        # as long as a job that ran then
+        idle = _saved_number(saved.get("idle_s") or 0.0, f"jobs.{name}.idle_s", 0.0)
+        st.seen = self._clock() - idle
         # absent from files written before it was kept: taken as the kind it runs as
         if (kind := saved.get("kind")) is not None:
             if kind not in ("training", "inference"):
@@ -1080,11 +1101,7 @@ class ColoService:
             job = jobs.setdefault(
                 r.name,
                 {
-                    "kind": st.kind if st else None,
-                    "alone_rate": st.alone_rate if st else None,
-                    "alone_config": st.alone_config if st else None,
-                    "alone_rates": {str(k): v for k, v in st.alone_rates.items()} if st else {},
-                    "devices": {},
+                    **_learned(st or _JobState()),
                     "duty": d.duty if d is not None and not d.evict else None,
                     # an eviction stands until the job has left, across a restart too
                     "evict": d.reason if d is not None and d.evict else None,
@@ -1101,11 +1118,11 @@ class ColoService:
                 job["guard_wait_s"] = min(DIRECTIVE_DELAY_S, max(0.0, st.guard_since - now))
                 if st.guard_company is not None:
                     job["guard_company"] = sorted([p, j] for p, j in st.guard_company)
-            for place, ds in sorted(st.devices.items()) if st else ():
-                if (f := ds.features) is not None:
-                    job["devices"][place] = {**_footprint(f), "share": ds.share}
-                    if ds.whole is not None:
-                        job["devices"][place]["whole"] = _footprint(ds.whole)
+        # jobs not running now: what they showed (advice plans their next run with it),
+        # and how long ago they last ran, so that a restart forgets them when it would have
+        for name, st in sorted(self._jobs.items()):
+            if name not in jobs and st.kind is not None:
+                jobs[name] = {**_learned(st), "idle_s": max(0.0, now - st.seen)}
         # jobs it evicted that have not run again since: a run of one has a GPU held for it
         evicted = sorted(n for n, st in self._jobs.items() if st.evicted)
         return {

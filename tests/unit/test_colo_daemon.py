@@ -22,6 +22,7 @@ from gpud.client.colo import Latency, Throttle
 from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import (
     ADVICE_REUSE_S,
+    FORGET_AFTER_S,
     NAME_TTL_S,
     PROMISE_S,
     STATE_FILE_VERSION,
@@ -3487,3 +3488,27 @@ def test_a_running_job_with_a_place_promised_is_advised_at_its_share(tmp_path: P
     planned = {j.gpu: (j.name, v.footprint().sm) for j, v in svc.seen}
     assert planned[0][0] == "sweep" and planned[0][1] == pytest.approx(0.3, abs=0.01)
     assert planned[1][0] == "sweep" and planned[1][1] == pytest.approx(0.9, abs=0.01)
+
+
+def test_a_job_that_ended_keeps_its_footprint_across_a_restart(tmp_path: Path) -> None:
+    """A job that ran alone on a whole GPU (SMs 0.5) and ended: a restart keeps what it
+    showed, for advice to plan its next run with, and forgets it an hour after it last
+    ran, as it would have without the restart."""
+    clock = Clock()
+    jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
+    svc = kept_loop(tmp_path, jobs, clock)
+    for _ in range(8):
+        svc.throttle_point("sweep", 10)
+        svc.tick(busy_snapshot({0: (0.5, 0.3)}))
+        clock.t += 1
+    jobs.clear()  # it ended
+    clock.t += 600
+    svc.tick(busy_snapshot({0: (0.0, 0.0)}))
+    clock = Clock()
+    again = kept_loop(tmp_path, [], clock)
+    whole = again._jobs["sweep"].alone("training")
+    assert whole is not None and whole.sm == pytest.approx(0.5)
+    assert again._directives.get("sweep") is None
+    clock.t += FORGET_AFTER_S - 500
+    again.tick(busy_snapshot({0: (0.0, 0.0)}))
+    assert "sweep" not in again._jobs
