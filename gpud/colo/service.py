@@ -352,6 +352,16 @@ def _question(v: JobView, hold_s: float) -> Hashable:
     )
 
 
+@dataclass(frozen=True)
+class _Gone:
+    """A job's removal: when (``wall``: on the clock reservations are stamped with,
+    ``at``: on the loop's), and the stamps of its reservations the loop knew of then."""
+
+    wall: float
+    at: float
+    stamps: frozenset[float]
+
+
 def _learned(st: _JobState) -> dict[str, Any]:
     """What a job showed, as :meth:`ColoService._state` writes it: its kind, alone rates
     and footprints per device."""
@@ -638,7 +648,7 @@ class ColoService:
         # job -> when (Unix time) `gpuctl jobs rm` removed it: a list of reservations read
         # before that, and its stopping processes' reports, are not learned from (nor is
         # the job kept) until a reservation made after it shows the job added again
-        self._gone: dict[str, float] = {}
+        self._gone: dict[str, _Gone] = {}
         # waiter id -> when `gpuctl queue --leave ID` took that run out of the wait: its
         # next question is answered LeftQueue (kept WAITER_GONE_S, as long as it asks)
         self._left: dict[str, tuple[float, _Waiter]] = {}
@@ -823,7 +833,9 @@ class ColoService:
     def tick(self, snapshot: Snapshot | None) -> Plan | None:
         self.waiting()  # runs that stopped asking go (an event says so) though none lists them
         if snapshot is None or not self.config.enabled:
+            running = tuple(self._running())
             with self._lock:
+                self._present(running)  # a job added again is one no more removed
                 # The loop stands still: the time until it runs again does not age what
                 # the predictor learned, as the time gpud is down does not.
                 self._last_tick = None
@@ -877,13 +889,17 @@ class ColoService:
         """``running`` without the reservations of removed jobs (read before the removal
         committed); a job's reservation made after its removal (it was added again) ends
         that. Under the lock."""
-        wall = self._wall()
+        now = self._clock()
         for r in running:
             gone = self._gone.get(r.name)
-            if gone is not None and r.reserved_at is not None and r.reserved_at > gone:
+            if gone is None or r.reserved_at is None:
+                continue
+            # made after the removal, or one the loop did not know of then (the wall
+            # clock may have stepped back since)
+            if r.reserved_at > gone.wall or r.reserved_at not in gone.stamps:
                 del self._gone[r.name]
         # a removal an hour old: no reservation read before it is still about
-        self._gone = {j: t for j, t in self._gone.items() if wall - t <= FORGET_AFTER_S}
+        self._gone = {j: g for j, g in self._gone.items() if now - g.at <= FORGET_AFTER_S}
         return tuple(r for r in running if r.name not in self._gone)
 
     def _switch_off(self) -> None:
@@ -1892,7 +1908,15 @@ class ColoService:
                 # showed (its footprints, rates, kind) is not planned for it
                 self._jobs.pop(job, None)
                 self._guards.pop(job, None)
-                self._gone[job] = self._wall()
+                self._gone[job] = _Gone(
+                    self._wall(),
+                    at,
+                    frozenset(
+                        r.reserved_at
+                        for r in self._last_running
+                        if r.name == job and r.reserved_at is not None
+                    ),
+                )
                 if not mine:
                     return
                 for w in self._waiters_of(job, at):

@@ -3512,3 +3512,22 @@ def test_a_job_that_ended_keeps_its_footprint_across_a_restart(tmp_path: Path) -
     clock.t += FORGET_AFTER_S - 500
     again.tick(busy_snapshot({0: (0.0, 0.0)}))
     assert "sweep" not in again._jobs
+
+
+def test_a_job_added_again_is_no_more_removed_without_telemetry(tmp_path: Path) -> None:
+    """A job removed and added again while the loop has no telemetry (or is off): its
+    throttle points get its duty, not "job removed", and its reports are kept; so too
+    when the wall clock stepped back before it was added again."""
+    for step in (1.0, -100.0):
+        clock = Clock()
+        old = RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)
+        jobs = [old]
+        svc = promising_loop(tmp_path / str(step), jobs, clock)
+        svc.tick(busy_snapshot({0: (0.3, 0.2)}))
+        svc.job_removed("sweep", force=True)()
+        clock.t += step
+        jobs[:] = [dataclasses.replace(old, reserved_at=clock.t)]
+        svc.tick(None)
+        assert svc.throttle_point("sweep", 10).reason != "job removed"
+        svc.report_latency("sweep", [0.01])
+        assert svc._jobs["sweep"].latency
