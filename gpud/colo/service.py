@@ -1917,11 +1917,15 @@ class ColoService:
                         if r.name == job and r.reserved_at is not None
                     ),
                 )
-                if not mine:
-                    return
-                for w in self._waiters_of(job, at):
-                    del self._waiting[w.id]
-                self._removed[job] = at
+                # written at once: a kill -9 before the next tick does not bring it back
+                state = self._state(tuple(r for r in self._last_running if r.name != job))
+                if mine:
+                    for w in self._waiters_of(job, at):
+                        del self._waiting[w.id]
+                    self._removed[job] = at
+            self._save(state)
+            if not mine:
+                return
             self._events.emit(
                 "colo.leave",
                 f"job {job} removed while its gpuctl run waited for co-location",

@@ -3531,3 +3531,19 @@ def test_a_job_added_again_is_no_more_removed_without_telemetry(tmp_path: Path) 
         assert svc.throttle_point("sweep", 10).reason != "job removed"
         svc.report_latency("sweep", [0.01])
         assert svc._jobs["sweep"].latency
+
+
+def test_a_removed_job_is_gone_from_the_file_at_once(tmp_path: Path) -> None:
+    """`gpuctl jobs rm` of a job the loop learned: colo.json no longer holds it once the
+    removal committed, before any tick (a kill -9 then does not bring it back)."""
+    clock = Clock()
+    jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
+    svc = kept_loop(tmp_path, jobs, clock)
+    for _ in range(6):
+        svc.throttle_point("sweep", 10)
+        svc.tick(busy_snapshot({0: (0.3, 0.2)}))
+        clock.t += 1
+    assert "sweep" in json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    svc.job_removed("sweep", force=True)()
+    assert "sweep" not in json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert "sweep" not in kept_loop(tmp_path, [], Clock())._jobs
