@@ -3490,17 +3490,23 @@ def test_a_running_job_with_a_place_promised_is_advised_at_its_share(tmp_path: P
     assert planned[1][0] == "sweep" and planned[1][1] == pytest.approx(0.9, abs=0.01)
 
 
+def ran_alone(svc: ColoService, clock: Clock, sm: float, ticks: int) -> ColoService:
+    """``svc`` after "sweep" made progress alone on GPU 0, its SMs ``sm`` busy, ``ticks``
+    ticks a second apart."""
+    for _ in range(ticks):
+        svc.throttle_point("sweep", 10)
+        svc.tick(busy_snapshot({0: (sm, sm * 2 / 3)}))
+        clock.t += 1
+    return svc
+
+
 def test_a_job_that_ended_keeps_its_footprint_across_a_restart(tmp_path: Path) -> None:
     """A job that ran alone on a whole GPU (SMs 0.5) and ended: a restart keeps what it
     showed, for advice to plan its next run with, and forgets it an hour after it last
     ran, as it would have without the restart."""
     clock = Clock()
     jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
-    svc = kept_loop(tmp_path, jobs, clock)
-    for _ in range(8):
-        svc.throttle_point("sweep", 10)
-        svc.tick(busy_snapshot({0: (0.5, 0.3)}))
-        clock.t += 1
+    svc = ran_alone(kept_loop(tmp_path, jobs, clock), clock, 0.5, 8)
     jobs.clear()  # it ended
     clock.t += 600
     svc.tick(busy_snapshot({0: (0.0, 0.0)}))
@@ -3538,11 +3544,7 @@ def test_a_removed_job_is_gone_from_the_file_at_once(tmp_path: Path) -> None:
     removal committed, before any tick (a kill -9 then does not bring it back)."""
     clock = Clock()
     jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
-    svc = kept_loop(tmp_path, jobs, clock)
-    for _ in range(6):
-        svc.throttle_point("sweep", 10)
-        svc.tick(busy_snapshot({0: (0.3, 0.2)}))
-        clock.t += 1
+    svc = ran_alone(kept_loop(tmp_path, jobs, clock), clock, 0.3, 6)
     assert "sweep" in json.loads((tmp_path / "colo.json").read_text())["jobs"]
     svc.job_removed("sweep", force=True)()
     assert "sweep" not in json.loads((tmp_path / "colo.json").read_text())["jobs"]
