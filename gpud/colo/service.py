@@ -402,6 +402,16 @@ def _config(jobs: Sequence[RunningJob]) -> str:
     )
 
 
+def _share_of(config: str) -> float:
+    """The MPS share a :func:`_config` names: "30%", "30%, 30%": 0.3; shares that differ
+    ("100%, 30%"), their least, so that no whole GPU's footprint is taken from them;
+    anything else (a MIG instance, none) a whole GPU's."""
+    parts = config.split(", ")
+    if not all(p.endswith("%") and p[:-1].isdigit() for p in parts):
+        return 1.0
+    return min(int(p[:-1]) for p in parts) / 100.0
+
+
 def _place(r: RunningJob) -> str:
     """The key of a job's device: its UUID (GPU or MIG), else its GPU index."""
     return r.device or f"GPU {r.gpu}"
@@ -1060,9 +1070,7 @@ class ColoService:
             devices[""] = saved
         # a file from before shares were kept: its footprints were learned at the share
         # the job ran at alone, which its rate alone names ("30%") where it ran on one GPU
-        config = st.alone_config or ""
-        percent = config.removesuffix("%")
-        shown = int(percent) / 100.0 if percent.isdigit() and config.endswith("%") else 1.0
+        shown = _share_of(st.alone_config or "")
         for place, f in devices.items():
             where = f"jobs.{name}.devices.{place}"
             share = _saved_number(f.get("share", shown), f"{where}.share", 0.01, 1.0)

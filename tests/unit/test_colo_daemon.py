@@ -3401,6 +3401,8 @@ def test_an_older_files_footprint_is_at_the_share_its_rate_was(tmp_path: Path) -
                 "jobs": {
                     "part": {"alone_config": "30%", "devices": {"GPU 0": f}},
                     "full": {"alone_config": "100%", "devices": {"GPU 0": f}},
+                    "two": {"alone_config": "30%, 30%", "devices": {"GPU 0": f, "GPU 1": f}},
+                    "odd": {"alone_config": "100%, 30%", "devices": {"GPU 0": f, "GPU 1": f}},
                 }
             }
         )
@@ -3408,6 +3410,10 @@ def test_an_older_files_footprint_is_at_the_share_its_rate_was(tmp_path: Path) -
     svc = kept_loop(tmp_path, [], Clock())
     assert svc._jobs["part"].alone("training") is None
     assert svc._jobs["full"].alone("training") is not None
+    # on two devices at 30% each: at that share; at shares that differ, no whole GPU's
+    assert svc._jobs["two"].alone("training") is None
+    assert svc._jobs["two"].devices["GPU 1"].share == 0.3
+    assert svc._jobs["odd"].alone("training") is None
     state.write_text(json.dumps({"jobs": {"zero": {"devices": {"GPU 0": {**f, "share": 0}}}}}))
     events = EventLog(None)
     ColoService(ColocateConfig(), events, running=list, state_file=state)
