@@ -1251,6 +1251,8 @@ class ColoService:
             if not shared:
                 for r, _, sample, only in where:
                     u = sample.utilization if sample is not None else None
+                    if not only:
+                        st.unseen_since = None  # not alone: a minute alone is counted anew
                     if sample is None or u is None or r.mig_profile is not None or not only:
                         continue
                     if not (r.pids or r.memory_used):
@@ -1274,6 +1276,7 @@ class ColoService:
                     if kind == "training" and not more and r0.mig_profile is None:
                         st.alone_rates[(r0.threads_percent or 100) / 100.0] = rate
                 continue
+            st.unseen_since = None  # sharing its device: a minute alone is counted anew
             if rate is None or not st.alone_rate:
                 continue
             if st.alone_config not in (None, _config([r for r, *_ in where])):

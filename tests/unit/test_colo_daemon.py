@@ -3555,3 +3555,21 @@ def test_a_removed_job_is_gone_from_the_file_at_once(tmp_path: Path) -> None:
     svc.job_removed("sweep", force=True)()
     assert "sweep" not in json.loads((tmp_path / "colo.json").read_text())["jobs"]
     assert "sweep" not in kept_loop(tmp_path, [], Clock())._jobs
+
+
+def test_a_minute_alone_unseen_is_counted_anew_after_company(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job alone 40 s with none of its processes seen, then beside another job on its
+    device, then alone and unseen 40 s again: never a minute alone, nothing said."""
+    caplog.set_level(logging.INFO, logger="gpud.colo.service")
+    clock = Clock()
+    sweep = RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=0)
+    other = RunningJob("other", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)
+    jobs = [sweep]
+    svc = kept_loop(tmp_path, jobs, clock)
+    for company in [[]] * 40 + [[other]] * 10 + [[]] * 40:
+        jobs[:] = [sweep, *company]
+        svc.tick(busy_snapshot({0: (0.5, 0.3)}))
+        clock.t += 1
+    assert not [r for r in caplog.records if "no footprint learned" in r.getMessage()]
