@@ -352,6 +352,45 @@ def _question(v: JobView, hold_s: float) -> Hashable:
     )
 
 
+@dataclass(frozen=True)
+class _Gone:
+    """A job's removal: when (``wall``: on the clock reservations are stamped with,
+    ``at``: on the loop's), and the stamps of its reservations the loop knew of then."""
+
+    wall: float
+    at: float
+    stamps: frozenset[float]
+
+
+def _learned(st: _JobState) -> dict[str, Any]:
+    """What a job showed, as :meth:`ColoService._state` writes it: its kind, alone rates
+    and footprints per device."""
+    devices: dict[str, Any] = {}
+    for place, ds in sorted(st.devices.items()):
+        if (f := ds.features) is not None:
+            devices[place] = {**_footprint(f), "share": ds.share}
+            if ds.whole is not None:
+                devices[place]["whole"] = _footprint(ds.whole)
+    return {
+        "kind": st.kind,
+        "alone_rate": st.alone_rate,
+        "alone_config": st.alone_config,
+        "alone_rates": {str(k): v for k, v in st.alone_rates.items()},
+        "devices": devices,
+    }
+
+
+def _working(st: _JobState, now: float) -> bool:
+    """Whether a training job that reports its progress works now: its company settled,
+    and it reported within ``RATE_WINDOW_S`` or twice the time between its last two
+    reports (an iteration of its pace), whichever is longer."""
+    if now <= st.since:
+        return False
+    last = st.progress[-1][0]
+    gap = last - st.progress[-2][0] if len(st.progress) >= 2 else 0.0
+    return now - last <= max(RATE_WINDOW_S, 2 * gap)
+
+
 def _config(jobs: Sequence[RunningJob]) -> str:
     """What a job runs at on its devices, as its rate depends on it: its MIG profile or
     MPS thread percentage on each ("50%", "MIG 3g.40gb")."""
@@ -361,6 +400,16 @@ def _config(jobs: Sequence[RunningJob]) -> str:
             for r in jobs
         )
     )
+
+
+def _share_of(config: str) -> float:
+    """The MPS share a :func:`_config` names: "30%", "30%, 30%": 0.3; shares that differ
+    ("100%, 30%"), their least, so that no whole GPU's footprint is taken from them;
+    anything else (a MIG instance, none) a whole GPU's."""
+    parts = config.split(", ")
+    if not all(p.endswith("%") and p[:-1].isdigit() for p in parts):
+        return 1.0
+    return min(int(p[:-1]) for p in parts) / 100.0
 
 
 def _place(r: RunningJob) -> str:
@@ -609,7 +658,7 @@ class ColoService:
         # job -> when (Unix time) `gpuctl jobs rm` removed it: a list of reservations read
         # before that, and its stopping processes' reports, are not learned from (nor is
         # the job kept) until a reservation made after it shows the job added again
-        self._gone: dict[str, float] = {}
+        self._gone: dict[str, _Gone] = {}
         # waiter id -> when `gpuctl queue --leave ID` took that run out of the wait: its
         # next question is answered LeftQueue (kept WAITER_GONE_S, as long as it asks)
         self._left: dict[str, tuple[float, _Waiter]] = {}
@@ -794,7 +843,9 @@ class ColoService:
     def tick(self, snapshot: Snapshot | None) -> Plan | None:
         self.waiting()  # runs that stopped asking go (an event says so) though none lists them
         if snapshot is None or not self.config.enabled:
+            running = tuple(self._running())
             with self._lock:
+                self._present(running)  # a job added again is one no more removed
                 # The loop stands still: the time until it runs again does not age what
                 # the predictor learned, as the time gpud is down does not.
                 self._last_tick = None
@@ -848,13 +899,17 @@ class ColoService:
         """``running`` without the reservations of removed jobs (read before the removal
         committed); a job's reservation made after its removal (it was added again) ends
         that. Under the lock."""
-        wall = self._wall()
+        now = self._clock()
         for r in running:
             gone = self._gone.get(r.name)
-            if gone is not None and r.reserved_at is not None and r.reserved_at > gone:
+            if gone is None or r.reserved_at is None:
+                continue
+            # made after the removal, or one the loop did not know of then (the wall
+            # clock may have stepped back since)
+            if r.reserved_at > gone.wall or r.reserved_at not in gone.stamps:
                 del self._gone[r.name]
         # a removal an hour old: no reservation read before it is still about
-        self._gone = {j: t for j, t in self._gone.items() if wall - t <= FORGET_AFTER_S}
+        self._gone = {j: g for j, g in self._gone.items() if now - g.at <= FORGET_AFTER_S}
         return tuple(r for r in running if r.name not in self._gone)
 
     def _switch_off(self) -> None:
@@ -981,7 +1036,10 @@ class ColoService:
         """One job's saved state; a value out of its range (a NaN, a negative rate, a
         footprint over the whole device) raises ValueError naming it."""
         st = self._jobs.setdefault(name, _JobState())
-        st.seen = self._clock()  # it ran before the restart: kept as long as a job that ran
+        # it ran before the restart (``idle_s`` ago, one that was not running then): kept
+        # as long as a job that ran then
+        idle = _saved_number(saved.get("idle_s") or 0.0, f"jobs.{name}.idle_s", 0.0)
+        st.seen = self._clock() - idle
         # absent from files written before it was kept: taken as the kind it runs as
         if (kind := saved.get("kind")) is not None:
             if kind not in ("training", "inference"):
@@ -1012,9 +1070,7 @@ class ColoService:
             devices[""] = saved
         # a file from before shares were kept: its footprints were learned at the share
         # the job ran at alone, which its rate alone names ("30%") where it ran on one GPU
-        config = st.alone_config or ""
-        percent = config.removesuffix("%")
-        shown = int(percent) / 100.0 if percent.isdigit() and config.endswith("%") else 1.0
+        shown = _share_of(st.alone_config or "")
         for place, f in devices.items():
             where = f"jobs.{name}.devices.{place}"
             share = _saved_number(f.get("share", shown), f"{where}.share", 0.01, 1.0)
@@ -1069,11 +1125,7 @@ class ColoService:
             job = jobs.setdefault(
                 r.name,
                 {
-                    "kind": st.kind if st else None,
-                    "alone_rate": st.alone_rate if st else None,
-                    "alone_config": st.alone_config if st else None,
-                    "alone_rates": {str(k): v for k, v in st.alone_rates.items()} if st else {},
-                    "devices": {},
+                    **_learned(st or _JobState()),
                     "duty": d.duty if d is not None and not d.evict else None,
                     # an eviction stands until the job has left, across a restart too
                     "evict": d.reason if d is not None and d.evict else None,
@@ -1090,11 +1142,11 @@ class ColoService:
                 job["guard_wait_s"] = min(DIRECTIVE_DELAY_S, max(0.0, st.guard_since - now))
                 if st.guard_company is not None:
                     job["guard_company"] = sorted([p, j] for p, j in st.guard_company)
-            for place, ds in sorted(st.devices.items()) if st else ():
-                if (f := ds.features) is not None:
-                    job["devices"][place] = {**_footprint(f), "share": ds.share}
-                    if ds.whole is not None:
-                        job["devices"][place]["whole"] = _footprint(ds.whole)
+        # jobs not running now: what they showed (advice plans their next run with it),
+        # and how long ago they last ran, so that a restart forgets them when it would have
+        for name, st in sorted(self._jobs.items()):
+            if name not in jobs and st.kind is not None:
+                jobs[name] = {**_learned(st), "idle_s": max(0.0, now - st.seen)}
         # jobs it evicted that have not run again since: a run of one has a GPU held for it
         evicted = sorted(n for n, st in self._jobs.items() if st.evicted)
         return {
@@ -1199,6 +1251,8 @@ class ColoService:
             if not shared:
                 for r, _, sample, only in where:
                     u = sample.utilization if sample is not None else None
+                    if not only:
+                        st.unseen_since = None  # not alone: a minute alone is counted anew
                     if sample is None or u is None or r.mig_profile is not None or not only:
                         continue
                     if not (r.pids or r.memory_used):
@@ -1208,9 +1262,10 @@ class ColoService:
                         self._unseen(st, r, now)
                         continue
                     st.unseen_since = None
-                    if kind == "training" and st.progress and rate is None:
+                    if kind == "training" and st.progress and not _working(st, now):
                         # training that reports its progress and made none of late (a
-                        # checkpoint): the device's readings are not what it does either
+                        # checkpoint), or whose company just changed: the device's
+                        # readings are not what it does either
                         continue
                     here = st.devices[_place(r)]
                     if self._learn_alone(here, r, sample, u, nvlink.get(r.gpu), now=now):
@@ -1221,6 +1276,7 @@ class ColoService:
                     if kind == "training" and not more and r0.mig_profile is None:
                         st.alone_rates[(r0.threads_percent or 100) / 100.0] = rate
                 continue
+            st.unseen_since = None  # sharing its device: a minute alone is counted anew
             if rate is None or not st.alone_rate:
                 continue
             if st.alone_config not in (None, _config([r for r, *_ in where])):
@@ -1863,12 +1919,24 @@ class ColoService:
                 # showed (its footprints, rates, kind) is not planned for it
                 self._jobs.pop(job, None)
                 self._guards.pop(job, None)
-                self._gone[job] = self._wall()
-                if not mine:
-                    return
-                for w in self._waiters_of(job, at):
-                    del self._waiting[w.id]
-                self._removed[job] = at
+                self._gone[job] = _Gone(
+                    self._wall(),
+                    at,
+                    frozenset(
+                        r.reserved_at
+                        for r in self._last_running
+                        if r.name == job and r.reserved_at is not None
+                    ),
+                )
+                # written at once: a kill -9 before the next tick does not bring it back
+                state = self._state(tuple(r for r in self._last_running if r.name != job))
+                if mine:
+                    for w in self._waiters_of(job, at):
+                        del self._waiting[w.id]
+                    self._removed[job] = at
+            self._save(state)
+            if not mine:
+                return
             self._events.emit(
                 "colo.leave",
                 f"job {job} removed while its gpuctl run waited for co-location",
@@ -1996,11 +2064,13 @@ class ColoService:
         with self._lock:  # the places runs were given that have not reserved yet count
             running = self._present(running)
             promised = self._promises(job, wid, running, now)
-        # each planned under its run's name, as a new run of its job
-        profile: dict[str, str] = {}
+        # each planned under its run's name, as a new run of its job: known by the place
+        # itself (id -> its job), as the job's running reservations share its name
+        profile: dict[int, str] = {}
         for planned_as, place in promised:
-            profile[planned_as] = place.name
-            running = (*running, dataclasses.replace(place, name=planned_as))
+            run = dataclasses.replace(place, name=planned_as)
+            profile[id(run)] = place.name
+            running = (*running, run)
         # read from the state store, so before the loop's lock: a job removal holds the
         # store's while it calls job_removed, which takes the loop's
         defaults = self._default_memory() if memory_bytes is None else {}
@@ -2058,7 +2128,7 @@ class ColoService:
             ]
             healthy = {g.identity.index for g in snapshot.gpus if g.healthy}
             running = tuple(r for r in running if r.gpu in healthy)  # the rest stay put
-            views = [self._view(r, names, profile.get(r.name)) for r in running]
+            views = [self._view(r, names, profile.get(id(r))) for r in running]
             gpus, where = self._gpu_views(snapshot, running)
             hold = self._planner.params.head_hold_s
             # A run that sets no --memory is pinned, on each GPU, to that GPU's MPS default

@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from colocate import InterferencePredictor, JobFeatures
+from colocate import InterferencePredictor, JobFeatures, JobView
 from gpud.backend.port import MemoryInfo, PcieThroughput, Utilization
 from gpud.client.colo import Latency, Throttle
 from gpud.colo.metrics import ColoMetrics
 from gpud.colo.service import (
     ADVICE_REUSE_S,
+    FORGET_AFTER_S,
     NAME_TTL_S,
     PROMISE_S,
     STATE_FILE_VERSION,
@@ -3274,17 +3275,18 @@ def alone_at(
     *,
     config: ColocateConfig | None = None,
     step_s: float = 1.0,
+    loop: type[ColoService] = ColoService,
     **job: Any,
 ) -> tuple[ColoService, RunningJob]:
-    """A loop after "sweep" ran alone on GPU 0 a tick per (its MPS thread percentage, its
-    SMs busy) of ``readings``, ``step_s`` apart; ``job``: more of how it ran."""
+    """A ``loop`` after "sweep" ran alone on GPU 0 a tick per (its MPS thread percentage,
+    its SMs busy) of ``readings``, ``step_s`` apart; ``job``: more of how it ran."""
     clock = Clock()
     base = RunningJob(
         "sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB, reserved_at=1.0
     )
     base = dataclasses.replace(base, **job)
     jobs = [base]
-    svc = ColoService(
+    svc = loop(
         config or ColocateConfig(),
         EventLog(tmp_path / "e.jsonl"),
         running=lambda: jobs,
@@ -3399,6 +3401,8 @@ def test_an_older_files_footprint_is_at_the_share_its_rate_was(tmp_path: Path) -
                 "jobs": {
                     "part": {"alone_config": "30%", "devices": {"GPU 0": f}},
                     "full": {"alone_config": "100%", "devices": {"GPU 0": f}},
+                    "two": {"alone_config": "30%, 30%", "devices": {"GPU 0": f, "GPU 1": f}},
+                    "odd": {"alone_config": "100%, 30%", "devices": {"GPU 0": f, "GPU 1": f}},
                 }
             }
         )
@@ -3406,6 +3410,10 @@ def test_an_older_files_footprint_is_at_the_share_its_rate_was(tmp_path: Path) -
     svc = kept_loop(tmp_path, [], Clock())
     assert svc._jobs["part"].alone("training") is None
     assert svc._jobs["full"].alone("training") is not None
+    # on two devices at 30% each: at that share; at shares that differ, no whole GPU's
+    assert svc._jobs["two"].alone("training") is None
+    assert svc._jobs["two"].devices["GPU 1"].share == 0.3
+    assert svc._jobs["odd"].alone("training") is None
     state.write_text(json.dumps({"jobs": {"zero": {"devices": {"GPU 0": {**f, "share": 0}}}}}))
     events = EventLog(None)
     ColoService(ColocateConfig(), events, running=list, state_file=state)
@@ -3429,3 +3437,139 @@ def test_a_job_none_of_whose_processes_are_seen_is_said_once(
         )
     ]
     assert svc._jobs["sweep"].learned("GPU 0") is None
+
+
+def test_training_of_long_iterations_is_learned_alone(tmp_path: Path) -> None:
+    """Training reporting once per iteration of 15 s, alone with its SMs 0.6 busy, ticks a
+    second apart: its footprint is learned (it makes progress at its pace); once it has
+    reported nothing for over twice its pace (30 s: a checkpoint), it is learned nothing
+    more."""
+    clock = Clock()
+    r = RunningJob("long", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)
+    svc = kept_loop(tmp_path, [r], clock)
+    for t in range(60):
+        if t % 15 == 0:
+            svc.throttle_point("long", 1)
+        svc.tick(busy_snapshot({0: (0.6, 0.4)}))
+        clock.t += 1
+    learned = svc._jobs["long"].learned("GPU 0")
+    assert learned is not None and learned.sm == pytest.approx(0.6)
+    # its checkpoint (SMs 0.05 busy): 15 s after its last report, reports still due
+    for _ in range(30):
+        svc.tick(busy_snapshot({0: (0.05, 0.0)}))
+        clock.t += 1
+    stale = svc._jobs["long"].learned("GPU 0")
+    assert stale is not None and stale.sm < 0.6
+    for _ in range(20):
+        svc.tick(busy_snapshot({0: (0.05, 0.0)}))
+        clock.t += 1
+    assert svc._jobs["long"].learned("GPU 0") == stale
+
+
+class ViewsSeen(ColoService):
+    """A loop that keeps each view it made of a job, with the job."""
+
+    seen: list[tuple[RunningJob, JobView]]
+
+    def _view(
+        self, r: RunningJob, names: Mapping[int, str] | None = None, profile: str | None = None
+    ) -> JobView:
+        view = super()._view(r, names, profile)
+        self.__dict__.setdefault("seen", []).append((r, view))
+        return view
+
+
+def test_a_running_job_with_a_place_promised_is_advised_at_its_share(tmp_path: Path) -> None:
+    """A job alone at 30% on GPU 0 (SMs 0.3 there; 0.9 once on the whole GPU) while a second
+    run of it holds a place promised on GPU 1: advice plans the running one at 0.3, the
+    promised place at 0.9."""
+    svc, _ = alone_at(
+        tmp_path, [(100, 0.9)] * 7 + [(30, 0.3)] * 7, loop=ViewsSeen, memory_bytes=10 * GIB
+    )
+    ask = {"memory_bytes": 10 * GIB, "snapshot": busy_snapshot({0: (0.3, 0.2), 1: (0.0, 0.0)})}
+    assert svc.advise("sweep", reserving=True, **ask).gpu == 1  # type: ignore[arg-type]
+    assert isinstance(svc, ViewsSeen)
+    svc.seen.clear()
+    svc.advise("other", **ask)  # type: ignore[arg-type]
+    planned = {j.gpu: (j.name, v.footprint().sm) for j, v in svc.seen}
+    assert planned[0][0] == "sweep" and planned[0][1] == pytest.approx(0.3, abs=0.01)
+    assert planned[1][0] == "sweep" and planned[1][1] == pytest.approx(0.9, abs=0.01)
+
+
+def ran_alone(svc: ColoService, clock: Clock, sm: float, ticks: int) -> ColoService:
+    """``svc`` after "sweep" made progress alone on GPU 0, its SMs ``sm`` busy, ``ticks``
+    ticks a second apart."""
+    for _ in range(ticks):
+        svc.throttle_point("sweep", 10)
+        svc.tick(busy_snapshot({0: (sm, sm * 2 / 3)}))
+        clock.t += 1
+    return svc
+
+
+def test_a_job_that_ended_keeps_its_footprint_across_a_restart(tmp_path: Path) -> None:
+    """A job that ran alone on a whole GPU (SMs 0.5) and ended: a restart keeps what it
+    showed, for advice to plan its next run with, and forgets it an hour after it last
+    ran, as it would have without the restart."""
+    clock = Clock()
+    jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
+    svc = ran_alone(kept_loop(tmp_path, jobs, clock), clock, 0.5, 8)
+    jobs.clear()  # it ended
+    clock.t += 600
+    svc.tick(busy_snapshot({0: (0.0, 0.0)}))
+    clock = Clock()
+    again = kept_loop(tmp_path, [], clock)
+    whole = again._jobs["sweep"].alone("training")
+    assert whole is not None and whole.sm == pytest.approx(0.5)
+    assert again._directives.get("sweep") is None
+    clock.t += FORGET_AFTER_S - 500
+    again.tick(busy_snapshot({0: (0.0, 0.0)}))
+    assert "sweep" not in again._jobs
+
+
+def test_a_job_added_again_is_no_more_removed_without_telemetry(tmp_path: Path) -> None:
+    """A job removed and added again while the loop has no telemetry (or is off): its
+    throttle points get its duty, not "job removed", and its reports are kept; so too
+    when the wall clock stepped back before it was added again."""
+    for step in (1.0, -100.0):
+        clock = Clock()
+        old = RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, reserved_at=clock.t)
+        jobs = [old]
+        svc = promising_loop(tmp_path / str(step), jobs, clock)
+        svc.tick(busy_snapshot({0: (0.3, 0.2)}))
+        svc.job_removed("sweep", force=True)()
+        clock.t += step
+        jobs[:] = [dataclasses.replace(old, reserved_at=clock.t)]
+        svc.tick(None)
+        assert svc.throttle_point("sweep", 10).reason != "job removed"
+        svc.report_latency("sweep", [0.01])
+        assert svc._jobs["sweep"].latency
+
+
+def test_a_removed_job_is_gone_from_the_file_at_once(tmp_path: Path) -> None:
+    """`gpuctl jobs rm` of a job the loop learned: colo.json no longer holds it once the
+    removal committed, before any tick (a kill -9 then does not bring it back)."""
+    clock = Clock()
+    jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
+    svc = ran_alone(kept_loop(tmp_path, jobs, clock), clock, 0.3, 6)
+    assert "sweep" in json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    svc.job_removed("sweep", force=True)()
+    assert "sweep" not in json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert "sweep" not in kept_loop(tmp_path, [], Clock())._jobs
+
+
+def test_a_minute_alone_unseen_is_counted_anew_after_company(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job alone 40 s with none of its processes seen, then beside another job on its
+    device, then alone and unseen 40 s again: never a minute alone, nothing said."""
+    caplog.set_level(logging.INFO, logger="gpud.colo.service")
+    clock = Clock()
+    sweep = RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=0)
+    other = RunningJob("other", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)
+    jobs = [sweep]
+    svc = kept_loop(tmp_path, jobs, clock)
+    for company in [[]] * 40 + [[other]] * 10 + [[]] * 40:
+        jobs[:] = [sweep, *company]
+        svc.tick(busy_snapshot({0: (0.5, 0.3)}))
+        clock.t += 1
+    assert not [r for r in caplog.records if "no footprint learned" in r.getMessage()]
