@@ -1159,14 +1159,20 @@ class ColoService:
     def _save(self, data: dict[str, Any] | None) -> None:
         """Write :meth:`_state` when it changed, to a temporary file, flushed and renamed
         over the old one: a crash of gpud or of the host leaves one or the other. The
-        predictor's clock alone moving on is written once every ``CLOCK_WRITE_S`` (an idle
-        node would write every tick): a restart takes it up from the last write, as if
+        predictor's clock alone moving on (and ended jobs' ``idle_s``) is written once every
+        ``CLOCK_WRITE_S`` (an idle node would write every tick): a restart takes it up from the last write, as if
         gpud had been down since."""
         if data is None or self._state_file is None:
             return
         predictor = dict(data["predictor"])
         clock = predictor.pop("clock_s", 0.0)
-        unclocked = {**data, "predictor": predictor}
+        # how long ago an ended job ran grows every tick: like the predictor's clock, it is
+        # written with the next change or the next clock write, not on its own
+        jobs = {
+            name: {k: v for k, v in job.items() if k != "idle_s"}
+            for name, job in data["jobs"].items()
+        }
+        unclocked = {**data, "jobs": jobs, "predictor": predictor}
         if unclocked == self._saved and clock - self._saved_clock < CLOCK_WRITE_S:
             return
         try:

@@ -3526,6 +3526,23 @@ def test_a_job_that_ended_keeps_its_footprint_across_a_restart(tmp_path: Path) -
     assert "sweep" not in again._jobs
 
 
+def test_an_ended_job_kept_in_the_file_does_not_rewrite_it_every_tick(tmp_path: Path) -> None:
+    """How long ago an ended job ran grows each tick; alone, it does not rewrite colo.json
+    each tick (a flushed write and rename every few seconds for an hour after each job)."""
+    clock = Clock()
+    jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
+    svc = ran_alone(kept_loop(tmp_path, jobs, clock), clock, 0.5, 8)
+    jobs.clear()  # it ended
+    clock.t += 5
+    svc.tick(busy_snapshot({0: (0.0, 0.0)}))
+    written = (tmp_path / "colo.json").stat().st_ino
+    for _ in range(5):
+        clock.t += 5
+        svc.tick(busy_snapshot({0: (0.0, 0.0)}))
+    assert (tmp_path / "colo.json").stat().st_ino == written
+    assert "sweep" in json.loads((tmp_path / "colo.json").read_text())["jobs"]
+
+
 def test_a_job_added_again_is_no_more_removed_without_telemetry(tmp_path: Path) -> None:
     """A job removed and added again while the loop has no telemetry (or is off): its
     throttle points get its duty, not "job removed", and its reports are kept; so too
