@@ -237,6 +237,7 @@ class ClusterAgent:
         self._alarms_read_at: float | None = None  # (clock) none yet
         self._changed = asyncio.Event()
         self._tick_lock = asyncio.Lock()
+        self._stopping = False  # gpud is stopping: no round starts
         # an extra round after DELAY seconds (the runtime schedules it; a no-op by default)
         self.request_round: Callable[[float], None] = lambda delay: None
 
@@ -305,9 +306,29 @@ class ClusterAgent:
         )
 
     async def tick(self) -> None:
-        """One round: the daemon's step, and at once when the leader changes."""
+        """One round: the daemon's step, and at once when the leader changes; none once
+        gpud is stopping (:meth:`begin_stop`), also one that waited for the round before."""
+        if self._stopping:
+            return
         async with self._tick_lock:
-            await self._tick()
+            if not self._stopping:
+                await self._tick()
+
+    def begin_stop(self) -> None:
+        """gpud is stopping: no new round (no report to the leader, no leader round)."""
+        self._stopping = True
+
+    async def finish_rounds(self, timeout_s: float) -> bool:
+        """At a stop: start no round, and wait up to ``timeout_s`` for the one running (a
+        report to the leader on its way, its order to apply) to end; False if it still
+        runs (it is then left to the caller to cut off)."""
+        self.begin_stop()
+        try:
+            await asyncio.wait_for(self._tick_lock.acquire(), timeout=timeout_s)
+        except TimeoutError:
+            return False
+        self._tick_lock.release()
+        return True
 
     async def _tick(self) -> None:
         info = self.election.state()

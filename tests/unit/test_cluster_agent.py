@@ -870,3 +870,52 @@ async def test_a_node_that_reaches_the_leader_drops_its_unreachable_error() -> N
     assert follower.fence.rejected == 1  # stale: not applied
     assert (follower.last_error, follower.last_error_kind) == ("", "")
     assert board.entries == {}
+
+
+class HeldPeers(LoopbackPeers):
+    """Reports that reach the leader only once ``go`` is set (a report in flight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = asyncio.Event()
+        self.sent = 0
+
+    async def report(self, address: str, leader: str, report: NodeReport) -> Order | None:
+        self.sent += 1
+        await self.go.wait()
+        return await super().report(address, leader, report)
+
+
+async def test_a_stop_waits_for_the_report_in_flight_and_starts_no_other() -> None:
+    clock, peers = Clock(), HeldPeers()
+    leader = agent("n0", LeaderInfo("n0", "a0", 7, True), FakeTraffic(()), peers, clock)
+    follower = agent(
+        "n1", LeaderInfo("n0", "a0", 7, False), FakeTraffic((job("a", 0.5),)), peers, clock
+    )
+    peers.leader = leader
+    await leader.tick()
+    in_flight = asyncio.create_task(follower.tick())
+    await asyncio.sleep(0.01)
+    assert peers.sent == 1
+    stopping = asyncio.create_task(follower.finish_rounds(5.0))
+    await asyncio.sleep(0.01)
+    assert not stopping.done()  # waits for the report on its way
+    await follower.tick()  # a round asked for after the stop began: none
+    assert peers.sent == 1
+    peers.go.set()
+    assert await stopping  # the report ended, answered
+    assert in_flight.done() and not in_flight.cancelled()
+    assert follower.last_error == ""
+    await follower.tick()
+    assert peers.sent == 1
+
+
+async def test_a_stop_gives_up_on_a_report_that_does_not_end_in_time() -> None:
+    clock, peers = Clock(), HeldPeers()
+    follower = agent(
+        "n1", LeaderInfo("n0", "a0", 7, False), FakeTraffic((job("a", 0.5),)), peers, clock
+    )
+    in_flight = asyncio.create_task(follower.tick())
+    await asyncio.sleep(0.01)
+    assert not await follower.finish_rounds(0.05)
+    in_flight.cancel()
