@@ -910,6 +910,9 @@ class Daemon:
             # event watchers (gpuctl events --follow) end their streams now, not at the grace
             self.events.close_watchers()
             self.calls.close()
+            # no cluster round starts now (a report to the leader); the one running is
+            # waited for by the cluster's shutdown hook, a short while
+            self.cluster.begin_stop()
             await self._answer_calls(left(self.call_stop_wait_s), left(self.pass_stop_wait_s))
             with contextlib.suppress(Exception):
                 await self.api.stop(grace=left(2.0))

@@ -24,8 +24,13 @@ from collections.abc import Sequence
 from gpud.cli.context import JOB_NAME, Context, Subparsers
 from gpud.cli.output import seconds
 from gpud.cli.pipes import when_reader_goes
+from gpud.errors import ERROR_TABLE, Partial
 from gpud.v1 import cluster_pb2 as pb
 from gpud.v1 import cluster_pb2_grpc as pb_grpc
+
+# a degraded answer: the nodes' problems unknown (etcd not read) or not recordable (etcd
+# out of space), as `gpuctl mig show` exits for the GPUs it could not read
+EXIT_PARTIAL = ERROR_TABLE[Partial][1]  # 11
 
 _RENEW_SOON_S = 14 * 86400  # as the daemon's warning (gpud.cluster.certexpiry.WARN_S)
 
@@ -92,9 +97,10 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
     resp: pb.GetClusterStatusResponse = ctx.call(
         ctx.stub(pb_grpc.ClusterStub).GetClusterStatus, pb.GetClusterStatusRequest()
     )
+    degraded = EXIT_PARTIAL if problems_state(resp) not in ("", "ok") else 0
     if ctx.out.json:
         ctx.out.print_json(resp)
-        return 0
+        return degraded
     lines = [f"node:        {resp.node} (election: {resp.election})", *_leader_lines(resp)]
     mode = _MODES.get(resp.mode, resp.mode)
     if resp.mode == "holding" and resp.HasField("last_order_age_seconds"):
@@ -159,9 +165,13 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
         builds = builds_line([(n.node, n.build) for n in resp.nodes])
         if builds is not None:
             ctx.out.print(builds)
+    note = _problems_note(resp)
+    if note or resp.problems:
+        ctx.out.print()
+    if note:
+        ctx.out.print(f"problems:    {note}")
     if resp.problems:
         now = time.time()
-        ctx.out.print()
         ctx.out.print_table(
             ("NODE", "PROBLEM SINCE", "PROBLEM"),
             [
@@ -196,7 +206,7 @@ def run_status(ctx: Context, args: argparse.Namespace) -> int:
                 for j in resp.jobs
             ],
         )
-    return 0
+    return degraded
 
 
 # what an etcd out of space (the NOSPACE alarm) means, and what to do about it
@@ -267,6 +277,32 @@ def store_state(resp: pb.GetClusterStatusResponse) -> str:
     if not resp.detail.startswith("etcd refused"):
         return "unreachable"
     return "full" if "NOSPACE" in resp.detail else "refused"
+
+
+def problems_state(resp: pb.GetClusterStatusResponse) -> str:
+    """Whether the nodes' problems as listed can be trusted, in :func:`store_state`'s
+    words: "ok"; "unreachable" or "refused" (this node could not read them: unknown);
+    "full" (etcd refuses writes: no node can record a new one); "" with no etcd. An older
+    gpud sends no ``problems_state``: its ``store_state`` stands for it."""
+    if resp.HasField("problems_state"):
+        return resp.problems_state
+    if resp.election != "etcd":
+        return ""
+    return store_state(resp)
+
+
+def _problems_note(resp: pb.GetClusterStatusResponse) -> str:
+    """Why the problems table is empty or incomplete ("" when it can be trusted): an empty
+    one must not read as "no node has a problem"."""
+    state = problems_state(resp)
+    if state == "full":
+        before = " (those listed were recorded before)" if resp.problems else ""
+        return f"etcd REFUSES writes (NOSPACE): problems cannot be recorded{before}"
+    if state == "unreachable":
+        return "etcd unreachable from this node: problems unknown"
+    if state == "refused":
+        return "etcd REFUSES this node's calls (see detail): problems unknown"
+    return ""
 
 
 def error_kind(resp: pb.GetClusterStatusResponse) -> str:

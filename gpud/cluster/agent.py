@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from gpud.cluster import election as store
 from gpud.cluster import problems
 from gpud.cluster.certexpiry import CertExpiry, CertWatch
 from gpud.cluster.convert import MAX_GPUS, MAX_XIDS
@@ -71,6 +72,10 @@ ORDER_REFUSED = "order_refused"  # the traffic service refused the leader's orde
 LEADER_ROUND = "leader_round"  # this leader's round failed (its tags not saved)
 STORE_FULL = "store_full"  # ... as etcd is out of space (alarm NOSPACE)
 OWN_CERTIFICATE = "own_certificate"  # this node's certificate expired: peers refuse it
+# the kinds about reaching the leader: gone once this node leads, or reaches the leader
+REPORT_KINDS = frozenset(
+    {LEADER_UNREACHABLE, TLS_HANDSHAKE, LEADER_NOT_READY, NOT_LEADER, DUPLICATE_NODE}
+)
 
 
 def report_error_kind(err: GpudError) -> str:
@@ -126,6 +131,9 @@ class ClusterStatus:
     last_error: str = ""
     last_error_kind: str = ""  # LEADER_UNREACHABLE...: what last_error is ("" with none)
     problems: tuple[Problem, ...] = ()  # every node's, as published in etcd
+    # whether ``problems`` can be trusted, in store_state's words: "ok"; "unreachable" or
+    # "refused" (not read: unknown); "full" (no node can record one); "" with no etcd
+    problems_state: str = ""
     etcd_alarms: tuple[str, ...] = ()  # raised on etcd as last read, e.g. ("NOSPACE",)
     etcd_alarms_read: bool = False  # read at least once since gpud started
     certificates: tuple[CertExpiry, ...] = ()  # the peer API's and etcd's, when they expire
@@ -229,6 +237,7 @@ class ClusterAgent:
         self._alarms_read_at: float | None = None  # (clock) none yet
         self._changed = asyncio.Event()
         self._tick_lock = asyncio.Lock()
+        self._stopping = False  # gpud is stopping: no round starts
         # an extra round after DELAY seconds (the runtime schedules it; a no-op by default)
         self.request_round: Callable[[float], None] = lambda delay: None
 
@@ -297,9 +306,29 @@ class ClusterAgent:
         )
 
     async def tick(self) -> None:
-        """One round: the daemon's step, and at once when the leader changes."""
+        """One round: the daemon's step, and at once when the leader changes; none once
+        gpud is stopping (:meth:`begin_stop`), also one that waited for the round before."""
+        if self._stopping:
+            return
         async with self._tick_lock:
-            await self._tick()
+            if not self._stopping:
+                await self._tick()
+
+    def begin_stop(self) -> None:
+        """gpud is stopping: no new round (no report to the leader, no leader round)."""
+        self._stopping = True
+
+    async def finish_rounds(self, timeout_s: float) -> bool:
+        """At a stop: start no round, and wait up to ``timeout_s`` for the one running (a
+        report to the leader on its way, its order to apply) to end; False if it still
+        runs (it is then left to the caller to cut off)."""
+        self.begin_stop()
+        try:
+            await asyncio.wait_for(self._tick_lock.acquire(), timeout=timeout_s)
+        except TimeoutError:
+            return False
+        self._tick_lock.release()
+        return True
 
     async def _tick(self) -> None:
         info = self.election.state()
@@ -311,6 +340,10 @@ class ClusterAgent:
                 log.error("cluster: %s", problem)
             self._credential_logged = problem
         if info.leading:
+            if self.last_error_kind in REPORT_KINDS or self.last_error_kind == LEADER_KEY_HELD:
+                # it leads: no leader to reach but itself (the previous one's error would
+                # stay published while the new leadership settles)
+                self._set_error(problem, OWN_CERTIFICATE if problem else "")
             settling = self._agg_epoch != info.epoch
             try:
                 order = await asyncio.to_thread(self._lead, info.epoch, report)
@@ -397,6 +430,8 @@ class ClusterAgent:
             # of this node is known here, so the error names it
             self._note_error(f"{err}; {problem}" if problem else str(err), report_error_kind(err))
             return
+        if self.last_error_kind in REPORT_KINDS:
+            self._set_error("", "")  # the leader answered: nothing keeps this node from it
         if order is None:  # a new leader has not folded our report in yet
             self._set_error("", "")
             self.request_round(RETRY_S)
@@ -486,16 +521,19 @@ class ClusterAgent:
         except GpudError as err:
             log.warning("cluster: cannot withdraw this node's problem from etcd: %s", err)
 
-    async def node_problems(self) -> list[Problem]:
-        """Every node's published problem (none with ``election = "single"``, or when etcd
-        cannot be read)."""
+    async def node_problems(self) -> tuple[list[Problem], str]:
+        """Every node's published problem (none with ``election = "single"``), and whether
+        the list can be trusted (:attr:`ClusterStatus.problems_state`): an etcd this node
+        cannot read leaves it unknown, one out of space lets no node record a new one."""
         if self._problems is None:
-            return []
+            return [], ""
         try:
-            return await asyncio.to_thread(self._problems.read)
+            found = await asyncio.to_thread(self._problems.read)
         except GpudError as err:
             log.debug("cluster: cannot read the nodes' problems: %s", err)
-            return []
+            return [], store.store_state(err)
+        full = NOSPACE in self.etcd_alarms or self.election.state().store_state == store.STORE_FULL
+        return found, store.STORE_FULL if full else store.STORE_OK
 
     def _note_error(self, message: str, kind: str) -> None:
         """``message`` as ``last_error`` (logged when it changed), ``kind`` what it is."""
@@ -613,7 +651,8 @@ class ClusterAgent:
         """:meth:`status`, with every node's published problem; on a follower, with the node
         list asked of the leader it reports to (the hinted one while it follows a hint)."""
         status = self.status()
-        status = dataclasses.replace(status, problems=tuple(await self.node_problems()))
+        found, state = await self.node_problems()
+        status = dataclasses.replace(status, problems=tuple(found), problems_state=state)
         info, hint = status.info, status.hint
         leader, address = (hint.leader, hint.address) if hint else (info.leader, info.address)
         if info.leading or not (leader and address and self._peers):

@@ -165,6 +165,7 @@ def status_to_pb(s: ClusterStatus) -> pb.GetClusterStatusResponse:
         etcd_alarms=s.etcd_alarms,
         store_state=s.info.store_state,
         last_error_kind=s.last_error_kind,
+        problems_state=s.problems_state or None,  # absent with no etcd, as from an older gpud
     )
     for c in s.certificates:
         cert = msg.certificates.add(key=c.key, path=c.path, error=c.error)

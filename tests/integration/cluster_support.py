@@ -87,6 +87,11 @@ class Proxy:
         self._listener.close()
 
 
+# gpuctl cluster status: 0, or 11 while the nodes' problems are unknown or cannot be
+# recorded (etcd unreachable from the node, or out of space)
+STATUS_EXITS = (0, 11)
+
+
 @dataclass
 class Node:
     name: str
@@ -96,10 +101,16 @@ class Node:
 
     def status(self) -> dict[str, Any]:
         result = self.daemon.gpuctl("cluster", "status", "--json", check=False)
-        if result.returncode != 0:
+        if result.returncode not in STATUS_EXITS:
             return {}
         data: dict[str, Any] = json.loads(result.stdout)
         return data
+
+    def status_text(self) -> str:
+        """``gpuctl cluster status`` as an operator reads it."""
+        result = self.daemon.gpuctl("cluster", "status", check=False)
+        assert result.returncode in STATUS_EXITS, result.stderr
+        return result.stdout
 
     def attributes(self) -> dict[str, Any]:
         data: dict[str, Any] = json.loads(

@@ -157,7 +157,7 @@ def test_a_follower_cut_off_from_etcd_shows_the_leader_its_old_leader_named(
     assert (status["elected_leader"], status["epoch"]) == (leader.name, before["epoch"])
     assert 0 <= time.time() - status["leader_since_unix_seconds"] < 30
     assert sorted(n["node"] for n in status["nodes"]) == ["n0", "n1", "n2"]
-    text = follower.daemon.gpuctl("cluster", "status").stdout
+    text = follower.status_text()
     assert f"leader:      {other.name} at " in text
     assert f"not from etcd: named by {leader.name}" in text
     follower.proxy.heal()
@@ -270,7 +270,7 @@ def test_a_node_whose_certificate_the_leader_refuses_says_so_on_every_node(
     for node in cluster.nodes[:3]:
         cluster.wait(lambda node=node: "n4" in problems(node), what=f"n4's problem on {node.name}")
     assert set(problems(cluster.nodes[0])) == {"n4"}  # the others report fine
-    text = cluster.nodes[0].daemon.gpuctl("cluster", "status").stdout
+    text = cluster.nodes[0].status_text()
     assert "PROBLEM" in text and "n4" in text
 
 
@@ -346,7 +346,7 @@ def test_a_node_whose_certificate_the_others_refuse_never_leads(tmp_path: Path) 
             assert "n0, n1" in status["detail"]
             (event,) = foreign.events("cluster.not_candidate")
             assert "openssl verify -CAfile" in event["message"]
-            text = foreign.daemon.gpuctl("cluster", "status").stdout
+            text = foreign.status_text()
             assert "would refuse this node's certificate" in text
         finally:
             c.close()

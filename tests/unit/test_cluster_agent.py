@@ -686,23 +686,54 @@ async def test_a_node_that_cannot_report_publishes_why_for_every_node_to_see() -
     assert board.writes.count(("clear", "n1")) == 1
 
 
+async def test_the_status_says_whether_the_nodes_problems_could_be_read_and_recorded() -> None:
+    clock, peers, board = Clock(), LoopbackPeers(), Board()
+    election = LeaderInfo("n0", "a0", epoch=3, leading=True)
+    leader = agent("n0", election, FakeTraffic(()), peers, clock, problems=board)
+    assert (await leader.status_with_nodes()).problems_state == "ok"
+    board.down = True  # etcd unreachable: the problems are unknown, not none
+    status = await leader.status_with_nodes()
+    assert status.problems == () and status.problems_state == "unreachable"
+    assert status_to_pb(status).problems_state == "unreachable"
+    board.down = False
+    # etcd out of space: readable, but no node can record a problem
+    leader.etcd_alarms = ("NOSPACE",)
+    assert (await leader.status_with_nodes()).problems_state == "full"
+    leader.etcd_alarms = ()
+    assert isinstance(leader.election, FixedElection)
+    leader.election.info = dataclasses.replace(election, store_state="full")
+    assert (await leader.status_with_nodes()).problems_state == "full"
+    # no etcd: no field
+    single = agent("n0", election, FakeTraffic(()), peers, clock)
+    status = await single.status_with_nodes()
+    assert status.problems_state == "" and not status_to_pb(status).HasField("problems_state")
+
+
+async def cut_off_from_n0(*, settle_s: float = 0.0) -> tuple[ClusterAgent, Board]:
+    """Node n1 after a round in which its leader, n0, was dead: its problem published."""
+    wall, board = Clock(), Board()
+    wall.now = 1.7e9
+    node = agent(
+        "n1",
+        LeaderInfo("n0", "a0", epoch=3, leading=False),
+        FakeTraffic((job("a", 0.5),)),
+        LoopbackPeers(),
+        Clock(),
+        problems=board,
+        wall=wall,
+        settle_s=settle_s,
+    )
+    await node.tick()  # n0 is dead: unreachable
+    assert node.last_error_kind == "leader_unreachable" and "n1" in board.entries
+    assert isinstance(node.election, FixedElection)
+    return node, board
+
+
 async def test_a_leader_gone_from_etcd_leaves_no_error_about_reporting_to_it() -> None:
     # The dead leader's key is gone and none can be elected (etcd out of space): the node
     # names no leader, so an error about reporting to the dead one would send the operator
     # after a node that is not meant to lead any more, and keep it listed as a problem.
-    clock, wall, peers, board = Clock(), Clock(), LoopbackPeers(), Board()
-    wall.now = 1.7e9
-    follower = agent(
-        "n1",
-        LeaderInfo("n0", "a0", epoch=3, leading=False),
-        FakeTraffic((job("a", 0.5),)),
-        peers,
-        clock,
-        problems=board,
-        wall=wall,
-    )
-    await follower.tick()  # n0 is dead: unreachable
-    assert follower.last_error_kind == "leader_unreachable" and "n1" in board.entries
+    follower, board = await cut_off_from_n0()
     assert isinstance(follower.election, FixedElection)
     follower.election.info = LeaderInfo("", "", epoch=3, leading=False, store_state="full")
     await follower.tick()
@@ -804,3 +835,87 @@ async def test_orders_of_the_leader_etcd_names_now_are_followed_after_etcd_went_
     election.info = LeaderInfo("n3", "a3", 2, True)
     await leader.tick()
     assert leader.fence.rejected == 0 and leader.fence.epoch == 2 and t3.epoch == 2
+
+
+async def test_a_new_leader_drops_its_error_about_the_previous_leader_at_once() -> None:
+    # n1 could not reach n0, then etcd elects n1: it cannot be unreachable from itself, so
+    # the problem goes in the round it begins leading, not once its leadership has settled
+    node, board = await cut_off_from_n0(settle_s=5.0)
+    assert isinstance(node.election, FixedElection)
+    node.election.info = LeaderInfo("n1", "a1", epoch=4, leading=True)
+    await node.tick()  # its first round as leader: settling, no order yet
+    assert node.order is None
+    assert (node.last_error, node.last_error_kind) == ("", "")
+    assert board.entries == {}
+    assert (await node.status_with_nodes()).problems == ()
+
+
+async def test_a_node_that_reaches_the_leader_drops_its_unreachable_error() -> None:
+    # the leader answers with an order the fence refuses (an older epoch than applied):
+    # reached all the same, so "unreachable" is no longer this node's problem
+    clock, peers, board = Clock(), LoopbackPeers(), Board()
+    follower = agent(
+        "n1",
+        LeaderInfo("n0", "a0", epoch=9, leading=False),
+        FakeTraffic((job("a", 0.5),)),
+        peers,
+        clock,
+        problems=board,
+    )
+    follower.fence.admit(Order(epoch=9, seq=4, leader="n0", levels={}, tags={}))
+    await follower.tick()
+    assert follower.last_error_kind == "leader_unreachable" and "n1" in board.entries
+    peers.forced = Order(epoch=9, seq=2, leader="n0", levels={"a": 1}, tags={"a": 12})
+    await follower.tick()
+    assert follower.fence.rejected == 1  # stale: not applied
+    assert (follower.last_error, follower.last_error_kind) == ("", "")
+    assert board.entries == {}
+
+
+class HeldPeers(LoopbackPeers):
+    """Reports that reach the leader only once ``go`` is set (a report in flight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = asyncio.Event()
+        self.sent = 0
+
+    async def report(self, address: str, leader: str, report: NodeReport) -> Order | None:
+        self.sent += 1
+        await self.go.wait()
+        return await super().report(address, leader, report)
+
+
+async def test_a_stop_waits_for_the_report_in_flight_and_starts_no_other() -> None:
+    clock, peers = Clock(), HeldPeers()
+    leader = agent("n0", LeaderInfo("n0", "a0", 7, True), FakeTraffic(()), peers, clock)
+    follower = agent(
+        "n1", LeaderInfo("n0", "a0", 7, False), FakeTraffic((job("a", 0.5),)), peers, clock
+    )
+    peers.leader = leader
+    await leader.tick()
+    in_flight = asyncio.create_task(follower.tick())
+    await asyncio.sleep(0.01)
+    assert peers.sent == 1
+    stopping = asyncio.create_task(follower.finish_rounds(5.0))
+    await asyncio.sleep(0.01)
+    assert not stopping.done()  # waits for the report on its way
+    await follower.tick()  # a round asked for after the stop began: none
+    assert peers.sent == 1
+    peers.go.set()
+    assert await stopping  # the report ended, answered
+    assert in_flight.done() and not in_flight.cancelled()
+    assert follower.last_error == ""
+    await follower.tick()
+    assert peers.sent == 1
+
+
+async def test_a_stop_gives_up_on_a_report_that_does_not_end_in_time() -> None:
+    clock, peers = Clock(), HeldPeers()
+    follower = agent(
+        "n1", LeaderInfo("n0", "a0", 7, False), FakeTraffic((job("a", 0.5),)), peers, clock
+    )
+    in_flight = asyncio.create_task(follower.tick())
+    await asyncio.sleep(0.01)
+    assert not await follower.finish_rounds(0.05)
+    in_flight.cancel()

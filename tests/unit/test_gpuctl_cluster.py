@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpud.cli.cluster import run_attributes, run_status
+from gpud.cli.cluster import EXIT_PARTIAL, run_attributes, run_status
 from gpud.cli.context import Context
 from gpud.cli.output import Output
 from gpud.v1 import cluster_pb2 as pb
@@ -40,8 +40,14 @@ class Answer(Context):
 
 def status(response: pb.GetClusterStatusResponse) -> str:
     ctx = Answer(response, json_output=False)
-    assert run_status(ctx, argparse.Namespace()) == 0
+    # 11 where the nodes' problems are unknown or cannot be recorded (tested below)
+    assert run_status(ctx, argparse.Namespace()) in (0, EXIT_PARTIAL)
     return ctx.text.getvalue()
+
+
+def exit_and_text(response: pb.GetClusterStatusResponse, *, json_output: bool) -> tuple[int, str]:
+    ctx = Answer(response, json_output=json_output)
+    return run_status(ctx, argparse.Namespace()), ctx.text.getvalue()
 
 
 def base(**fields: Any) -> pb.GetClusterStatusResponse:
@@ -417,3 +423,42 @@ def test_watching_attributes_under_json_is_one_object_a_line() -> None:
     ctx._response = answers[0]  # type: ignore[assignment]
     assert run_attributes(ctx, argparse.Namespace(job=[], watch=False)) == 0
     assert json.loads(ctx.text.getvalue())["epoch"] == 1
+
+
+def test_problems_etcd_cannot_give_are_said_unknown_not_shown_as_none() -> None:
+    # etcd unreachable from this node: it cannot read the nodes' problems, and an empty
+    # table would read as "no node has a problem"
+    unreachable = base(store_ok=False, store_state="unreachable", problems_state="unreachable")
+    code, text = exit_and_text(unreachable, json_output=False)
+    assert code == EXIT_PARTIAL == 11
+    assert "problems:    etcd unreachable from this node: problems unknown" in text
+    assert "PROBLEM SINCE" not in text
+    code, text = exit_and_text(unreachable, json_output=True)
+    assert code == 11 and json.loads(text)["problems_state"] == "unreachable"
+    # etcd out of space: no node can record a problem; those recorded before are listed
+    full = base(
+        store_state="full",
+        etcd_alarms=["NOSPACE"],
+        problems_state="full",
+        problems=[pb.ClusterProblem(node="n2", message="m", since_unix_seconds=time.time())],
+    )
+    code, text = exit_and_text(full, json_output=False)
+    assert code == 11
+    assert (
+        "problems:    etcd REFUSES writes (NOSPACE): problems cannot be recorded"
+        " (those listed were recorded before)"
+    ) in text
+    assert "PROBLEM SINCE" in text
+    refused = base(store_ok=False, store_state="refused", problems_state="refused")
+    code, text = exit_and_text(refused, json_output=False)
+    assert code == 11 and "etcd REFUSES this node's calls (see detail): problems unknown" in text
+    # read, and recordable: no line, exit 0, whether or not any node has a problem
+    code, text = exit_and_text(base(store_state="ok", problems_state="ok"), json_output=False)
+    assert code == 0 and "problems:" not in text
+    # an older gpud sends no problems_state: its store_state stands for it
+    older = base(store_ok=False, detail="etcd unreachable at http://e:2379")
+    code, text = exit_and_text(older, json_output=False)
+    assert code == 11 and "problems unknown" in text
+    # no etcd (single): nothing to say
+    code, text = exit_and_text(base(election="single", store_state=""), json_output=False)
+    assert code == 0 and "problems:" not in text
