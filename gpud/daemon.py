@@ -367,6 +367,7 @@ class Daemon:
             self.mps,
             socket_path=config.socket_path,
             products=self._products,
+            snapshots=self.sampler.latest,
         )
         self.admission = AdmissionService(
             self.store,

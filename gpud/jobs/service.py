@@ -119,14 +119,18 @@ class JobService:
         monotonic: Callable[[], float] = time.monotonic,
         lock: AbstractContextManager[object] | None = None,
         products: Callable[[], Mapping[int, str]] = lambda: {},
+        snapshots: Callable[[], Snapshot | None] = lambda: None,
     ) -> None:
         """``clock``: Unix time, what is stored. ``monotonic``: what a grace this process
         gives is measured by (the wall clock steps). ``lock``: the placement lock (a
         re-entrant one; default a new ``threading.RLock``), which comes before the MPS
         manager's lock and the state store's. ``products``: GPU index -> product key of
         the node's GPUs ("" where unknown), whose MIG tables a job's profile is checked
-        against."""
+        against. ``snapshots``: the sampler's latest snapshot, whose GPU health admission
+        reads when it is newer than the last one observed (``gpuctl status`` reads the
+        same; the loop's jobs step takes the rest of it in later)."""
         self._products = products
+        self._snapshots = snapshots
         self.store = store  # the API's short reads use its reading connection
         self._clock = clock
         # released runs whose processes left get SIGKILL, kept across restarts
@@ -148,6 +152,7 @@ class JobService:
         # device UUID -> memory used, of the devices whose processes NVML did not list
         self._unlisted: dict[str, int] = {}
         self._unhealthy: dict[int, str] = {}  # GPU index -> why, as of the last tick
+        self._observed: Snapshot | None = None  # the snapshot _unhealthy is of
         self._observers: list[ReservationObserver] = []
         self._removal_hooks: list[RemovalHook] = []
         self._late_ends: list[LateEnd] = []
@@ -589,9 +594,17 @@ class JobService:
 
     def unhealthy(self) -> dict[int, str]:
         """GPU index -> why it is unhealthy (lost, not answering, a critical Xid), as of
-        the last tick: no job is placed there."""
+        the sampler's latest snapshot: no job is placed there. A GPU that answers again is
+        placed on as soon as ``gpuctl status`` counts it healthy, not a loop pass later
+        (the sampler ticks on its own; the jobs step observes its snapshot once a pass)."""
+        latest = self._snapshots()
         with self._lock:
-            return dict(self._unhealthy)
+            observed = self._observed
+            if latest is None or latest is observed:
+                return dict(self._unhealthy)
+            if observed is not None and latest.monotonic < observed.monotonic:
+                return dict(self._unhealthy)
+        return _sick(latest)
 
     def unhealthy_devices(self) -> dict[tuple[int, int | None], tuple[str, str]]:
         """(GPU index, MIG device index or None) -> (UUID, ``"GPU N: reason"``) for each
@@ -753,11 +766,12 @@ class JobService:
                         )
             elif not g.processes_read and g.memory is not None and g.identity.uuid:
                 unlisted[g.identity.uuid] = g.memory.used_bytes
-        sick = {g.identity.index: g.reason or "unhealthy" for g in snapshot.gpus if not g.healthy}
+        sick = _sick(snapshot)
         with self._lock:
             self._uses = uses
             self._unlisted = unlisted
             before, self._unhealthy = self._unhealthy, sick
+            self._observed = snapshot
         if sick.keys() != before.keys():
             uuids = {g.identity.index: g.known().uuid for g in snapshot.gpus}
             self._tell_jobs_on(before, sick, uuids)
@@ -852,6 +866,11 @@ def _advised(job: JobSpec, request: RunRequest) -> JobSpec:
     if request.advised_threads_percent is not None and job.threads_percent is None:
         changes["threads_percent"] = request.advised_threads_percent
     return validate_spec(replace(job, **changes)) if changes else job  # type: ignore[arg-type]
+
+
+def _sick(snapshot: Snapshot) -> dict[int, str]:
+    """GPU index -> why it is unhealthy, of each unhealthy GPU of ``snapshot``."""
+    return {g.identity.index: g.reason or "unhealthy" for g in snapshot.gpus if not g.healthy}
 
 
 def unhealthy_text(sick: Mapping[int, str]) -> str:

@@ -271,9 +271,11 @@ class MigManager:
         self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool = False
     ) -> tuple[list[MigDeviceIdentity], list[tuple[str, ProcessInfo]]]:
         """What ``plan`` destroys (:meth:`_doomed`) and the processes on it (``nvidia-smi``
-        "Processes" per MIG device), each with what it runs on. A MIG mode change, and a GPU
-        reset (``reset``: the plan waits for one and gpud may do it), disturb every process
-        on the GPU."""
+        "Processes" per MIG device), each with what it runs on. A MIG mode change made at
+        once (Hopper), and a GPU reset (``reset``: the plan waits for one and gpud may do
+        it), disturb every process on the GPU; a change left pending until a reset (A100
+        without ``reset``: ``--skip-reset``) disturbs none until that reset, only the
+        instances the plan destroys."""
         doomed, mode_change = self._doomed(gpu, actual, plan, reset=reset)
         found: dict[int, tuple[str, ProcessInfo]] = {}
         for md in doomed:
@@ -288,12 +290,15 @@ class MigManager:
     def _doomed(
         self, gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool
     ) -> tuple[list[MigDeviceIdentity], bool]:
-        """The MIG devices ``plan`` destroys (every one where it changes the MIG mode, or a
-        GPU reset may: see :meth:`_busy`), and whether it does either."""
+        """The MIG devices ``plan`` destroys (every one where it changes the MIG mode now, or
+        a GPU reset may: see :meth:`_busy`), and whether it does either."""
         gis = plan.destroyed_gpu_instances()
         cis = plan.destroyed_compute_instances()
-        mode_change = (reset and plan.reset_pending) or any(
-            isinstance(s, SetMigMode) and s.enabled != actual.mode.current for s in plan.steps
+        mode_change = (reset and plan.reset_pending) or (
+            not _mode_needs_reset(gpu)
+            and any(
+                isinstance(s, SetMigMode) and s.enabled != actual.mode.current for s in plan.steps
+            )
         )
         if not actual.mode.current or not (gis or cis or mode_change):
             return [], mode_change
@@ -829,7 +834,7 @@ class MigManager:
         (the driver would refuse again), it answers them and no daemon is stopped, rather
         than stopping a job's daemon on every tick for a refusal and starting it again
         after. Where they cannot be listed it goes on as forced. What it waits for is what
-        :meth:`_busy` lists: for a plan that changes the MIG mode or waits for a GPU reset,
+        :meth:`_busy` lists: for a plan that changes the MIG mode now or resets the GPU,
         every process on the GPU, so the retry waits while any job runs anywhere on it
         (the change stops them all; stopping every MPS daemon of the GPU on every tick
         would disturb each of them)."""

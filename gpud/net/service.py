@@ -434,20 +434,31 @@ class TrafficService:
         reservation (``active``: the jobs that do) and made no progress since; else None.
         Progress is a report stamped after the end with more iterations than the job had
         reported at the end, or from another session: a report that only repeats the
-        count (a last flush after the end) is none."""
+        count (a last flush after the end) is none.
+
+        A job gpud sees only through its reports (``gpuctl net report``, no run of it
+        holding a reservation) ends with its reports: once it has sent none for
+        ``traffic.idle_after_s`` it ended when gpud heard the last one (nothing of it is
+        known to run, so it is not taken for stopped), until it reports again."""
+        if job in active:
+            return None
         with self._ends_lock:
             ended = self._ends.get(job)
-        if ended is None or job in active:
-            return None
-        end, then = ended
         now = self._reports.get(job)
-        if (
-            now is not None
-            and now.last_report_at > end
-            and (then is None or now.iterations > then.iterations or now.session != then.session)
-        ):
-            return None
-        return end
+        if ended is not None:
+            end, then = ended
+            progressed = (
+                now is not None
+                and now.last_report_at > end
+                and (
+                    then is None or now.iterations > then.iterations or now.session != then.session
+                )
+            )
+            if not progressed:
+                return end
+        if now is not None and self._monotonic() - now.heard_at > self.config.idle_after_s:
+            return now.heard_at
+        return None
 
     # -- the cluster's port ----------------------------------------------------------------
     def apply_order(

@@ -34,7 +34,7 @@ from gpud.jobs.stops import RunStop, RunStops, StopReason
 from gpud.mps.manager import MpsManager, MpsTarget, targets_from_snapshot
 from gpud.shared import GIB, is_about, shell_exports
 from gpud.store import StateStore
-from gpud.telemetry.snapshot import GpuSample
+from gpud.telemetry.snapshot import GpuSample, Snapshot
 from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, gpu_uuid, mig_uuid, snapshot
 
 NODE = snapshot(
@@ -851,6 +851,33 @@ def test_no_job_is_placed_on_an_unhealthy_gpu(service: JobService) -> None:
         service.reserve(RunRequest("c"))
     service.tick(NODE)  # they answer again
     assert service.reserve(RunRequest("c")).env["CUDA_VISIBLE_DEVICES"]
+
+
+def test_a_gpu_that_answers_again_is_placed_on_before_the_next_jobs_step(
+    tmp_path: Path, store: StateStore
+) -> None:
+    """The sampler ticks on its own: once its latest snapshot has GPU 1 healthy again (what
+    ``gpuctl status`` shows), a job pinned there is placed at once, not refused with the old
+    reason until the loop's jobs step observes that snapshot. An older snapshot than the one
+    observed is not read."""
+    mps = MpsManager(store, EventLog(None), tmp_path / "run", FAKE_CONTROL, enabled=False)
+    mps.observe(DEVICES)
+    lost = gpu_sample(1, memory_gib=80)._replace(healthy=False, reason="GPU lost (memory)")
+    down = replace(snapshot(NODE.gpus[0], lost, NODE.gpus[2]), monotonic=10.0)
+    latest: list[Snapshot | None] = [down]
+    service = JobService(
+        store, EventLog(None), mps, socket_path=Path("/s"), snapshots=lambda: latest[0]
+    )
+    service.tick(down)
+    with pytest.raises(FailedPrecondition, match=r"on GPU 1, which is unhealthy: GPU lost"):
+        service.reserve(RunRequest("b", devices=(gpu_uuid(1),)))
+    latest[0] = replace(NODE, monotonic=5.0)  # older than the one observed
+    assert service.unhealthy() == {1: "GPU lost (memory)"}
+    latest[0] = replace(NODE, monotonic=11.0)  # the sampler's next tick; no jobs step yet
+    assert service.unhealthy() == {}
+    launch = service.reserve(RunRequest("b", devices=(gpu_uuid(1),)))
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)
+    service.release(launch.reservation.id)
 
 
 def test_a_job_holding_a_device_of_a_gpu_that_failed_says_so(service: JobService) -> None:

@@ -802,6 +802,25 @@ def test_a_forced_dry_run_foresees_a_mode_change_held_pending_by_processes(
         host.close()
 
 
+def test_a_mode_change_left_pending_is_not_held_back_by_processes(a100: Host) -> None:
+    """With skip_reset an A100's MIG mode change only waits for the next GPU reset: the
+    processes running on the GPU are not disturbed by it, so the apply (and its dry run)
+    neither refuses nor waits for them; the apply that then makes the reset does."""
+    d = a100.start(resets=True)
+    d.node.workloads.start(1, 4242, GIB, 0.5)  # a process on the whole GPU 1
+    a100.jobs[4242] = "train-7"
+    skip = ApplyOptions(skip_reset=True)
+    dry = d.mig.apply(HELD_OUT, "custom-balanced", options=skip, dry_run=True)
+    assert dry.result == "reset_pending", dry
+    assert [o.status for o in dry.gpus] == ["reset_pending", "reset_pending"], dry
+    result = d.mig.apply(HELD_OUT, "custom-balanced", options=skip)
+    assert result.result == "reset_pending", result
+    assert d.backend.mig_mode(1) == (False, True)
+    assert 4242 in {p.pid for p in d.backend.processes(1)}, "still running"
+    with pytest.raises(Busy, match=r"GPU 1 .*the whole GPU: pid 4242 \(job train-7\)"):
+        d.mig.apply(HELD_OUT, "custom-balanced")
+
+
 def test_a_backend_that_cannot_reset_reports_reset_pending(a100: Host) -> None:
     d = a100.start(resets=False)
     assert d.mig.apply(HELD_OUT, "custom-balanced").result == "reset_pending"

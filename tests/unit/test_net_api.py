@@ -46,6 +46,7 @@ class Node:
         marking: bool = True,
         monotonic: Callable[[], float] = time.monotonic,
         clock: Callable[[], float] = time.time,
+        active: Callable[[], set[str]] = set,
     ) -> None:
         self.jobs = ["train-a", "train-b"]
         self.config = TrafficConfig(
@@ -66,6 +67,7 @@ class Node:
             marker=FakeMarker(),
             clock=clock,
             monotonic=monotonic,
+            active=active,
         )
 
 
@@ -718,7 +720,13 @@ def test_show_says_which_jobs_are_stopped_and_why_one_holds_no_level(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     now = [1_000_000.0]
-    node = Node(tmp_path / "state", clock=lambda: now[0], monotonic=lambda: now[0], interfaces=())
+    node = Node(
+        tmp_path / "state",
+        clock=lambda: now[0],
+        monotonic=lambda: now[0],
+        interfaces=(),
+        active=lambda: {"train-a", "train-b"},  # their runs hold reservations
+    )
     for n in range(1, 31):  # both report an iteration a second
         now[0] += 1
         for job in node.jobs:
@@ -876,7 +884,13 @@ def test_show_says_a_job_whose_run_ended_ended_with_no_stop_hint(
     """A job whose run ended reads `ended 3m 00s ago`, not stopped with a SIGSTOP hint, and
     holds no level; `--json` gives `ended_seconds` and no `stopped_seconds`."""
     now = [1_000_000.0]
-    node = Node(tmp_path / "state", clock=lambda: now[0], monotonic=lambda: now[0], interfaces=())
+    node = Node(
+        tmp_path / "state",
+        clock=lambda: now[0],
+        monotonic=lambda: now[0],
+        interfaces=(),
+        active=lambda: {"train-b"},  # train-b's run holds its reservation
+    )
     for n in range(1, 31):
         now[0] += 1
         for job in node.jobs:

@@ -1893,6 +1893,34 @@ def test_a_job_whose_run_ended_reads_ended_not_stopped_and_holds_no_level(rig: R
     assert row().ended_s is None and row().stopped_s is None
 
 
+def test_a_job_seen_only_through_its_reports_ends_with_them(rig: Rig) -> None:
+    """A job that only reports (``gpuctl net report``; no run of it holds a reservation)
+    has nothing gpud sees run: silent past its gap limit it reads stopped while heard
+    within traffic.idle_after_s, then ended (when its last report came), not stopped for
+    ever with a SIGSTOP hint. A report that makes progress brings it back."""
+    rig.active = {"b"}
+    train = Training(rig, {"a": 1.0, "b": 1.0}, {"a": 0.5, "b": 0.25})
+    train.run(60)
+    idle = rig.service.config.idle_after_s
+
+    def row() -> JobTraffic:
+        (found,) = [j for j in rig.service.view().jobs if j.job == "a"]
+        return found
+
+    last = train.since["a"]
+    train.run(30, stopped="a")  # past its gap limit, heard within idle_after_s
+    assert row().stopped_s is not None and row().ended_s is None
+    train.run(int(idle), stopped="a")
+    assert row().stopped_s is None and not row().unranked
+    assert row().ended_s == pytest.approx(rig.clock.t - last, abs=1)
+    msg = job_message(row(), rig.service.now())
+    assert msg.HasField("ended_seconds") and not msg.HasField("stopped_seconds")
+    assert row().level is None
+    train.since["a"] = rig.clock.t
+    assert train.run(2)["a"] is not None
+    assert row().ended_s is None and row().stopped_s is None
+
+
 def test_a_report_after_the_end_that_repeats_the_count_is_no_progress(rig: Rig) -> None:
     """A last flush after the end (the same iteration count, stamped later) leaves the job
     ended, not stopped; more iterations, or a new session, are progress."""
