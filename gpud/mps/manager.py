@@ -63,6 +63,7 @@ import copy
 import functools
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -1667,6 +1668,35 @@ class MpsManager:
             servers = protocol.parse_server_list(cmd, dev.daemon.query(cmd))
             dev.servers = tuple(servers)
             return servers
+
+    def rebooted(self) -> int:
+        """A reboot of the simulated node under a running gpud (``gpuctl sim reboot``): as a
+        real reboot does, it ends every control daemon gpud runs (those with their pipe
+        directory under its ``<run_dir>/mps``, the lost ones too), their MPS servers with
+        them, at once (SIGKILL: no ``quit``, no stop event), and gpud then starts as after
+        a real reboot: no device's daemon counts as started, restarted or failing, so the
+        next pass starts each anew (``mps.start``). Returns how many ended."""
+        ours = self._run_dir / "mps"
+        with self._pass:  # no pass checks or starts a daemon meanwhile
+            pids = [
+                pid
+                for pid, pipe_dir, _ in self._control_daemons()
+                if Path(pipe_dir).is_relative_to(ours)
+            ]
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            deadline = self._clock() + 2.0
+            while any(self._alive(p, self._proc_root) for p in pids):
+                if self._clock() >= deadline:
+                    log.warning("MPS control daemons outlived the simulated reboot's SIGKILL")
+                    break
+                self._sleep(0.05)
+            with self._lock:
+                self._devices = {u: _Device(self._daemon(u)) for u in self._devices}
+                self._stop_tries.clear()
+                self._idle.clear()
+        return len(pids)
 
     def leave(self) -> None:
         """At gpud's stop: leave every daemon running for the jobs that use it (the next

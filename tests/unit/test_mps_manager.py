@@ -1355,6 +1355,38 @@ def test_a_daemon_that_lost_its_pipe_dir_under_an_earlier_gpud_is_stopped_at_sta
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_a_simulated_reboot_ends_the_daemons_and_each_device_starts_anew(root: Path) -> None:
+    """``gpuctl sim reboot``: as a real reboot, it ends every control daemon (one that lost
+    its pipe directory too), and the next pass starts each device's anew, as gpud's start
+    after a reboot would: one ``mps.start`` each, neither a restart nor a failed stop. A
+    daemon under another directory is not this node's gpud's: it runs on."""
+    other = ControlDaemon(gpu_uuid(0), root / "elsewhere", FAKE_CONTROL, timeout_s=5.0)
+    mgr, store, events = make_manager(root)
+    try:
+        other_pid = other.start()
+        mgr.reconcile(NODE)
+        before = {s.target.uuid: s.pid for s in mgr.status()}
+        shutil.rmtree(mgr.status()[1].pipe_dir)  # lost: no PID file names it
+        assert mgr.rebooted() == 2
+        for pid in before.values():
+            assert pid is not None
+            wait_dead(pid)
+        assert alive(other_pid)
+        mgr.reconcile(NODE)
+        after = mgr.status()
+        assert all(s.up and s.restarts == 0 and s.pid not in before.values() for s in after)
+        started = [
+            e.fields["uuid"] for e in events.recent(kind_prefix="mps.") if e.kind == "mps.start"
+        ]
+        assert sorted(started) == sorted([*before, *before])
+        kinds = {e.kind for e in events.recent(kind_prefix="mps.")}
+        assert not kinds & {"mps.restart", "mps.stop", "mps.stop_failed", "mps.adopt"}, kinds
+    finally:
+        mgr.stop()
+        store.close()
+        other.stop()
+
+
 def test_a_daemon_gpud_did_not_start_is_reported_not_stopped(root: Path) -> None:
     other = ControlDaemon(gpu_uuid(0), root / "elsewhere", FAKE_CONTROL, timeout_s=5.0)
     pid = other.start()
