@@ -767,12 +767,19 @@ class Daemon:
         return snap
 
     def _reboot_sim(self) -> None:
-        """A simulated reboot under a running daemon: instances go, as on a real node; the
-        next reconcile recreates the desired MIG layouts."""
+        """A simulated reboot under a running daemon: instances go, and so do the MPS
+        control daemons, as on a real node; the next reconcile recreates the desired MIG
+        layouts and starts each device's control daemon anew."""
         assert self.sim is not None
+        ended = self.mps.rebooted()
         self.sim.reboot()
         self.sampler.gpu_reset()
-        self.events.emit("sim.reboot", "simulated node rebooted: MIG instances cleared")
+        daemons = f", {ended} MPS control daemon{'s' if ended != 1 else ''} ended" if ended else ""
+        self.events.emit(
+            "sim.reboot",
+            f"simulated node rebooted: MIG instances cleared{daemons}",
+            mps_daemons_ended=ended,
+        )
 
     def _read_driver_version(self) -> str:
         try:

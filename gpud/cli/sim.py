@@ -10,7 +10,7 @@
     gpuctl sim fault --gpu 2 slow-mig 0.5       # each MIG change takes 0.5 s longer; reads do not
     gpuctl sim fault --gpu 3 xid 79
     gpuctl sim fault --gpu 0 clear
-    gpuctl sim reboot                           # as a reboot: MIG instances are gone
+    gpuctl sim reboot                           # as a reboot: MIG instances, MPS daemons go
     gpuctl sim workload start --gpu 0 --mig 1 --pid 4194304 --memory 8GiB --sm 0.6
     gpuctl sim workload stop --pid 4194304      # (a PID no host process has: see --pid)
 
@@ -87,7 +87,9 @@ def register(subparsers: Subparsers) -> None:
     err.set_defaults(kind="FAULT_KIND_ERROR")
     fault.set_defaults(run=run_fault)
     reboot = actions.add_parser(
-        "reboot", help="reboot the simulated node: MIG instances go, pending MIG modes apply"
+        "reboot",
+        help="reboot the simulated node: MIG instances and MPS control daemons go, pending MIG"
+        " modes apply",
     )
     reboot.set_defaults(run=run_reboot)
     workload = actions.add_parser(

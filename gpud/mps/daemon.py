@@ -140,6 +140,11 @@ class ControlDaemon:
             return None
         return pid
 
+    def lost(self, pid: int) -> None:
+        """``pid`` is this device's daemon, found running with its pipe directory gone (an
+        earlier gpud started it): :meth:`orphan` names it from now on, while it runs."""
+        self._last = (pid, started_at(pid, self._proc_root))
+
     def running(self) -> bool:
         return self.pid() is not None
 

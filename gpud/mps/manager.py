@@ -24,7 +24,8 @@ memory limit, enabled), written by ``gpuctl mps set``. Each :meth:`MpsManager.re
   daemon of a GPU it enables MIG mode on (:meth:`MpsManager.released`). A daemon that does
   not answer is SIGKILLed; one that outlives that too is kept and tried again alike
   (:meth:`MpsManager._kill`), never checked, adopted or doubled meanwhile; so is one whose
-  pipe directory was deleted under it (:meth:`MpsManager._kill_orphan`).
+  pipe directory was deleted under it (:meth:`MpsManager._kill_orphan`), also one found at
+  start that an earlier gpud, killed since, ran there (:meth:`MpsManager._end_lost`).
 
 Defaults reach only MPS servers started later, so a change is also sent to every running
 server (``set_active_thread_percentage <PID>``, ``set_device_pinned_mem_limit <PID> 0``),
@@ -62,6 +63,7 @@ import copy
 import functools
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -831,6 +833,7 @@ class MpsManager:
                 # before any daemon starts: one of an earlier run elsewhere would be a second
                 self._looked = True
                 self._take_over()
+                self._end_lost()
                 self._report_others()
             elif self._take_over_at is not None and self._clock() >= self._take_over_at:
                 self._take_over(set(self._moved))
@@ -1012,12 +1015,10 @@ class MpsManager:
             cgroup=str(self._cgroups_dir(uuid)),
         )
 
-    def _report_others(self) -> None:
-        """Say (once, at the first pass) which MPS control daemons run that gpud did not
-        start: found in /proc by their command line (``... -d``), each with the pipe
-        directory its environment names. They are left running: gpud cannot tell what
-        relies on them."""
-        ours = self._run_dir / "mps"
+    def _control_daemons(self) -> Iterator[tuple[int, str, dict[str, str]]]:
+        """The MPS control daemons that run, found in /proc by their command line
+        (``nvidia-cuda-mps-control -d``, or this manager's program): each one's PID, pipe
+        directory (its environment's ``CUDA_MPS_PIPE_DIRECTORY``) and environment."""
         names = {"nvidia-cuda-mps-control", os.path.basename(self._command[-1])}
         try:
             entries = [e for e in self._proc_root.iterdir() if e.name.isdigit()]
@@ -1034,7 +1035,35 @@ class MpsManager:
             except OSError:
                 continue
             env = dict(v.decode(errors="replace").partition("=")[::2] for v in environ if v)
-            pipe_dir = env.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+            yield int(entry.name), env.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps", env
+
+    def _end_lost(self) -> None:
+        """At the first pass, before any daemon starts: the daemons under this run's
+        ``<run_dir>/mps`` whose pipe directory is gone (deleted while an earlier gpud, killed
+        since, ran them: no PID file names them, no record of this run knows them, yet each
+        holds its device) are stopped as one that lost its pipe directory under this run
+        is (:meth:`_kill_orphan`). One that outlives SIGKILL stays its device's orphan: no
+        daemon is started beside it, and later passes try again."""
+        for pid, pipe_dir, _ in self._control_daemons():
+            uuid = Path(pipe_dir).parent.name
+            if _recorded_run_dir(uuid, pipe_dir) != self._run_dir or Path(pipe_dir).exists():
+                continue
+            with self._lock:
+                known = uuid in self._devices
+            dev = self._device(uuid)
+            dev.daemon.lost(pid)
+            with dev.io:
+                ended = self._kill_orphan(uuid, dev)
+            with self._lock:
+                if ended and not known and uuid not in self._targets:
+                    self._devices.pop(uuid, None)  # nothing of it left to stop or show
+
+    def _report_others(self) -> None:
+        """Say (once, at the first pass) which MPS control daemons run that gpud did not
+        start (:meth:`_control_daemons`), each with its pipe directory. They are left
+        running: gpud cannot tell what relies on them."""
+        ours = self._run_dir / "mps"
+        for pid, pipe_dir, env in self._control_daemons():
             if Path(pipe_dir).is_relative_to(ours) or not Path(pipe_dir).is_relative_to(
                 self._others_root
             ):
@@ -1042,10 +1071,10 @@ class MpsManager:
             device = env.get("CUDA_VISIBLE_DEVICES", "")
             self._events.emit(
                 "mps.other_daemon",
-                f"an MPS control daemon gpud did not start runs (pid {entry.name}, pipe"
+                f"an MPS control daemon gpud did not start runs (pid {pid}, pipe"
                 f" directory {pipe_dir}, CUDA_VISIBLE_DEVICES={device or '(unset)'}): left"
                 " running; a second control daemon for one GPU fails or splits its clients",
-                pid=int(entry.name),
+                pid=pid,
                 pipe_dir=pipe_dir,
                 devices=device,
             )
@@ -1146,7 +1175,7 @@ class MpsManager:
             return
         now = self._clock()
         if dev.daemon.pid() is None:
-            if not self._kill_orphan(target, dev):
+            if not self._kill_orphan(target.uuid, dev):
                 return
             dev.killing = ""
             with self._lock:
@@ -1424,26 +1453,20 @@ class MpsManager:
                     call=protocol.quit_(),
                 )
             pid = dev.daemon.pid()
-            orphan = pid is None and (pid := dev.daemon.orphan()) is not None
-            if pid is not None:
-                # one that lost its pipe directory: no quit reaches it, SIGKILL (as
-                # _kill_orphan); left running, it would hold the device with no record
-                how = self._try_stop(
-                    dev.daemon,
-                    pid,
-                    f"it was to stop ({reason}); its record is kept",
-                    quit_s,
-                    kill=orphan,
-                )
-                if how is None:
-                    dev.up = False
-                    dev.last_error = f"the MPS control daemon (pid {pid}) would not stop"
-                    return pid
-                if orphan:  # no quit could reach it, and none was sent
-                    lost = "it lost its pipe directory"
-                    self._stopped(uuid, pid, f"{reason}; {lost}", how, said="SIGKILL ended it")
-                else:
+            stake = f"it was to stop ({reason}); its record is kept"
+            how: How | None = None
+            if pid is None and (pid := dev.daemon.orphan()) is not None:
+                # one that lost its pipe directory: left running, it would hold the device
+                # with no record
+                how = self._end_orphan(uuid, dev, pid, stake, reason=reason)
+            elif pid is not None:
+                how = self._try_stop(dev.daemon, pid, stake, quit_s)
+                if how is not None:
                     self._stopped(uuid, pid, reason, how)
+            if pid is not None and how is None:
+                dev.up = False
+                dev.last_error = f"the MPS control daemon (pid {pid}) would not stop"
+                return pid
             dev.up = False
             dev.killing = ""
             dev.started = False
@@ -1517,29 +1540,39 @@ class MpsManager:
         dev.last_error = f"the MPS control daemon (pid {pid}) outlived SIGKILL"
         return False
 
-    def _kill_orphan(self, target: MpsTarget, dev: _Device) -> bool:
-        """SIGKILL, through :meth:`_try_stop`, the device's daemon whose pipe directory was
-        deleted (no PID file names it, no client reaches it, yet it holds the device), before
-        another starts: whether none such runs now. One that outlives SIGKILL is said as any
-        other (``mps.stop_failed``, once) and tried again with its backoff; no daemon is
-        started beside it meanwhile."""
+    def _kill_orphan(self, uuid: str, dev: _Device) -> bool:
+        """Before another daemon starts for the device: :meth:`_end_orphan` its daemon whose
+        pipe directory was deleted (no PID file names it, no client reaches it, yet it holds
+        the device), if one runs: whether none such runs now. No daemon is started beside
+        one that outlives SIGKILL."""
         pid = dev.daemon.orphan()
         if pid is None:
             return True
-        lost = "it lost its pipe directory"
-        how = self._try_stop(
-            dev.daemon, pid, f"{lost}; none is started beside it until it has gone", kill=True
+        stake = f"{_LOST}; none is started beside it until it has gone"
+        if self._end_orphan(uuid, dev, pid, stake) is not None:
+            return True
+        dev.last_error = (
+            f"the MPS control daemon (pid {pid}) lost its pipe directory and outlived"
+            " SIGKILL: none is started beside it"
         )
+        return False
+
+    def _end_orphan(
+        self, uuid: str, dev: _Device, pid: int, stake: str, *, reason: str = ""
+    ) -> How | None:
+        """SIGKILL, through :meth:`_try_stop`, the device's daemon ``pid`` that lost its pipe
+        directory: no ``quit`` can reach it, and none (nor SIGTERM) is sent. Said as
+        ``mps.stop`` (``reason``, then that it lost its pipe directory); one that outlives
+        SIGKILL is said as any other (``mps.stop_failed``, once, ``stake``: what waits on
+        it), leaves the device down, and is tried again with its backoff. How it went, None
+        while it runs."""
+        how = self._try_stop(dev.daemon, pid, stake, kill=True)
         if how is None:
             dev.up = False
-            dev.last_error = (
-                f"the MPS control daemon (pid {pid}) lost its pipe directory and outlived"
-                " SIGKILL: none is started beside it"
-            )
-            return False
-        # no quit could reach it, and none was sent: SIGKILL, not quit and SIGTERM first
-        self._stopped(target.uuid, pid, lost, how, said="SIGKILL ended it")
-        return True
+            return None
+        why = f"{reason}; {_LOST}" if reason else _LOST
+        self._stopped(uuid, pid, why, how, said="SIGKILL ended it")
+        return how
 
     def _stopped(
         self, uuid: str, pid: int, reason: str, how: How, *, said: str | None = None
@@ -1636,6 +1669,35 @@ class MpsManager:
             dev.servers = tuple(servers)
             return servers
 
+    def rebooted(self) -> int:
+        """A reboot of the simulated node under a running gpud (``gpuctl sim reboot``): as a
+        real reboot does, it ends every control daemon gpud runs (those with their pipe
+        directory under its ``<run_dir>/mps``, the lost ones too), their MPS servers with
+        them, at once (SIGKILL: no ``quit``, no stop event), and gpud then starts as after
+        a real reboot: no device's daemon counts as started, restarted or failing, so the
+        next pass starts each anew (``mps.start``). Returns how many ended."""
+        ours = self._run_dir / "mps"
+        with self._pass:  # no pass checks or starts a daemon meanwhile
+            pids = [
+                pid
+                for pid, pipe_dir, _ in self._control_daemons()
+                if Path(pipe_dir).is_relative_to(ours)
+            ]
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            deadline = self._clock() + 2.0
+            while any(self._alive(p, self._proc_root) for p in pids):
+                if self._clock() >= deadline:
+                    log.warning("MPS control daemons outlived the simulated reboot's SIGKILL")
+                    break
+                self._sleep(0.05)
+            with self._lock:
+                self._devices = {u: _Device(self._daemon(u)) for u in self._devices}
+                self._stop_tries.clear()
+                self._idle.clear()
+        return len(pids)
+
     def leave(self) -> None:
         """At gpud's stop: leave every daemon running for the jobs that use it (the next
         start adopts them); say how many, once (the event goes to the log too)."""
@@ -1707,6 +1769,9 @@ def _recorded_run_dir(uuid: str, pipe_dir: str) -> Path | None:
         return None
     return path.parents[2]
 
+
+# Why a daemon that no PID file names any more is stopped: see :meth:`MpsManager._end_orphan`.
+_LOST = "it lost its pipe directory"
 
 # How a stop event says that the daemon went (its field ``how``).
 _HOW_SAID: Mapping[How, str] = {

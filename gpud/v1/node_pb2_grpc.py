@@ -120,7 +120,8 @@ class NodeServicer:
 
     def RebootSim(self, request, context):
         """Reboot the simulated node (`gpuctl sim reboot`): as a real reboot or driver reload, MIG
-        instances are gone and pending MIG modes take effect. FAILED_PRECONDITION unless simulated.
+        instances are gone and pending MIG modes take effect; as a real reboot, the MPS control
+        daemons end, and gpud starts each anew. FAILED_PRECONDITION unless simulated.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -59,7 +59,8 @@ class NodeStub:
     """
     RebootSim: _grpc.UnaryUnaryMultiCallable[_node_pb2.RebootSimRequest, _node_pb2.RebootSimResponse]
     """Reboot the simulated node (`gpuctl sim reboot`): as a real reboot or driver reload, MIG
-    instances are gone and pending MIG modes take effect. FAILED_PRECONDITION unless simulated.
+    instances are gone and pending MIG modes take effect; as a real reboot, the MPS control
+    daemons end, and gpud starts each anew. FAILED_PRECONDITION unless simulated.
     """
     SimWorkload: _grpc.UnaryUnaryMultiCallable[_node_pb2.SimWorkloadRequest, _node_pb2.SimWorkloadResponse]
     """Start or stop a simulated compute process (`gpuctl sim workload`): it shows in NVML's
@@ -92,7 +93,8 @@ class NodeAsyncStub(NodeStub):
     """
     RebootSim: _aio.UnaryUnaryMultiCallable[_node_pb2.RebootSimRequest, _node_pb2.RebootSimResponse]  # type: ignore[assignment]
     """Reboot the simulated node (`gpuctl sim reboot`): as a real reboot or driver reload, MIG
-    instances are gone and pending MIG modes take effect. FAILED_PRECONDITION unless simulated.
+    instances are gone and pending MIG modes take effect; as a real reboot, the MPS control
+    daemons end, and gpud starts each anew. FAILED_PRECONDITION unless simulated.
     """
     SimWorkload: _aio.UnaryUnaryMultiCallable[_node_pb2.SimWorkloadRequest, _node_pb2.SimWorkloadResponse]  # type: ignore[assignment]
     """Start or stop a simulated compute process (`gpuctl sim workload`): it shows in NVML's
@@ -158,7 +160,8 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_node_pb2.RebootSimResponse, _abc.Awaitable[_node_pb2.RebootSimResponse]]:
         """Reboot the simulated node (`gpuctl sim reboot`): as a real reboot or driver reload, MIG
-        instances are gone and pending MIG modes take effect. FAILED_PRECONDITION unless simulated.
+        instances are gone and pending MIG modes take effect; as a real reboot, the MPS control
+        daemons end, and gpud starts each anew. FAILED_PRECONDITION unless simulated.
         """
 
     @_abc_1.abstractmethod

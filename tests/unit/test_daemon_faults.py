@@ -596,3 +596,43 @@ def test_gpuds_stop_leaves_the_mps_control_daemons_running(
         events = [json.loads(line) for line in lines]
     (left,) = [e for e in events if e["kind"] == "mps.leave"]
     assert left["message"].startswith("leaving 2 MPS control daemons running")
+
+
+def test_a_simulated_reboot_ends_the_mps_daemons_and_starts_them_anew(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``gpuctl sim reboot`` ends the MPS control daemons as a reboot does, and gpud starts
+    each device's anew: new PIDs, one mps.start per device after the reboot, no failed
+    stop."""
+    config = make_config(root).with_overrides({"mps.enabled": True}, source="test")
+    gpuctl = Gpuctl(config, capsys)
+
+    def daemons() -> dict[str, object]:
+        code, out, err = gpuctl("--json", "mps", "show")
+        assert code == 0, err
+        return {d["uuid"]: d.get("pid") for d in json.loads(out)["devices"] if d.get("up")}
+
+    def wait_for(predicate: Callable[[dict[str, object]], bool]) -> dict[str, object]:
+        deadline = time.monotonic() + 30
+        while not predicate(found := daemons()):
+            assert time.monotonic() < deadline, found
+            time.sleep(0.05)
+        return found
+
+    def body() -> None:
+        before = wait_for(lambda up: len(up) == 2)
+        assert gpuctl("sim", "reboot")[0] == 0
+        for pid in before.values():
+            assert isinstance(pid, int) and not alive(pid)
+        after = wait_for(lambda up: len(up) == 2 and not set(up.values()) & set(before.values()))
+        assert after.keys() == before.keys()
+        code, out, err = gpuctl("--json", "events", "--kind", "mps.")
+        assert code == 0, err
+        kinds = [e["kind"] for e in json.loads(out)["events"]]
+        assert kinds.count("mps.start") == 4 and "mps.restart" not in kinds, kinds
+        assert "mps.stop_failed" not in kinds, kinds
+        code, out, err = gpuctl("--json", "events", "--kind", "sim.reboot")
+        (reboot,) = json.loads(out)["events"]
+        assert "2 MPS control daemons ended" in reboot["message"]
+
+    run_daemon(config, body)

@@ -1315,6 +1315,78 @@ def test_an_adopted_daemon_follows_a_changed_cgroup_parent(root: Path) -> None:
         store.close()
 
 
+def test_a_daemon_that_lost_its_pipe_dir_under_an_earlier_gpud_is_stopped_at_start(
+    root: Path,
+) -> None:
+    """gpud killed -9, the pipe directory of one of its daemons deleted, gpud started
+    again: that daemon (no PID file names it, this run never knew its PID) is found by its
+    environment and stopped before the device's new one starts, not left holding the GPU
+    beside it. One whose pipe directory is not under gpud's run directory is left alone."""
+    first, store, _ = make_manager(root)
+    other = ControlDaemon(gpu_uuid(1), root / "elsewhere", FAKE_CONTROL, timeout_s=5.0)
+    try:
+        first.reconcile(NODE)
+        old = {s.target.uuid: s for s in first.status()}
+        other_pid = other.start()
+    finally:
+        store.close()  # killed -9: nothing stopped, its records kept
+    lost = old[gpu_uuid(0)]
+    assert lost.pid is not None
+    shutil.rmtree(lost.pipe_dir)  # its PID file and control socket go with it
+    shutil.rmtree(other.pipe_dir)  # not gpud's
+    mgr, store, events = make_manager(root)
+    try:
+        mgr.reconcile(NODE)
+        wait_dead(lost.pid)
+        (stop,) = [e for e in events.recent(kind_prefix="mps.stop") if e.kind == "mps.stop"]
+        assert stop.fields["pid"] == lost.pid and stop.fields["how"] == "sigkill"
+        assert stop.fields["uuid"] == gpu_uuid(0)
+        assert stop.message.endswith("(it lost its pipe directory): SIGKILL ended it")
+        now = {s.target.uuid: s for s in mgr.status()}
+        assert now[gpu_uuid(0)].up and now[gpu_uuid(0)].pid not in (None, lost.pid)
+        assert now[gpu_uuid(1)].pid == old[gpu_uuid(1)].pid  # adopted, as ever
+        assert daemons_under(root / "run") == {str(s.pipe_dir): s.pid for s in now.values()}
+        assert alive(other_pid)
+    finally:
+        mgr.stop()
+        store.close()
+        for pid in (other_pid, lost.pid):  # none is left behind, whatever failed
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_simulated_reboot_ends_the_daemons_and_each_device_starts_anew(root: Path) -> None:
+    """``gpuctl sim reboot``: as a real reboot, it ends every control daemon (one that lost
+    its pipe directory too), and the next pass starts each device's anew, as gpud's start
+    after a reboot would: one ``mps.start`` each, neither a restart nor a failed stop. A
+    daemon under another directory is not this node's gpud's: it runs on."""
+    other = ControlDaemon(gpu_uuid(0), root / "elsewhere", FAKE_CONTROL, timeout_s=5.0)
+    mgr, store, events = make_manager(root)
+    try:
+        other_pid = other.start()
+        mgr.reconcile(NODE)
+        before = {s.target.uuid: s.pid for s in mgr.status()}
+        shutil.rmtree(mgr.status()[1].pipe_dir)  # lost: no PID file names it
+        assert mgr.rebooted() == 2
+        for pid in before.values():
+            assert pid is not None
+            wait_dead(pid)
+        assert alive(other_pid)
+        mgr.reconcile(NODE)
+        after = mgr.status()
+        assert all(s.up and s.restarts == 0 and s.pid not in before.values() for s in after)
+        started = [
+            e.fields["uuid"] for e in events.recent(kind_prefix="mps.") if e.kind == "mps.start"
+        ]
+        assert sorted(started) == sorted([*before, *before])
+        kinds = {e.kind for e in events.recent(kind_prefix="mps.")}
+        assert not kinds & {"mps.restart", "mps.stop", "mps.stop_failed", "mps.adopt"}, kinds
+    finally:
+        mgr.stop()
+        store.close()
+        other.stop()
+
+
 def test_a_daemon_gpud_did_not_start_is_reported_not_stopped(root: Path) -> None:
     other = ControlDaemon(gpu_uuid(0), root / "elsewhere", FAKE_CONTROL, timeout_s=5.0)
     pid = other.start()
