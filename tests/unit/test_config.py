@@ -1122,9 +1122,12 @@ def test_check_config_says_the_warnings_gpud_would_give_at_start(
     assert main(["--check-config", "--config", str(path)], nvml=answering()) == 0
     out = capsys.readouterr()
     assert out.out == "config OK\n"
-    assert "gpud: warning: traffic.dscp_pool '10-12,46' names reserved DSCPs" in out.err
+    # each named as a config error names it: FILE:key
+    assert f"gpud: warning: {path}:traffic.dscp_pool: '10-12,46' names reserved DSCPs" in out.err
     assert "46 (in traffic.reserved_dscp)" in out.err
-    assert "gpud: warning: traffic.level_priorities = [7, 7, 7, 7] maps every level" in out.err
+    assert (
+        f"gpud: warning: {path}:traffic.level_priorities = [7, 7, 7, 7] maps every level" in out.err
+    )
     plain = write(tmp_path, '[traffic]\nenabled = true\ninterfaces = ["eth0"]\n')
     assert main(["--check-config", "--config", str(plain)], nvml=answering()) == 0
     assert capsys.readouterr().err == ""
