@@ -763,6 +763,35 @@ def test_check_config_reads_the_mig_config_file_the_queue_would_offer(
     assert main(["--check-config", "--config", str(path)]) == 0
 
 
+def test_a_mig_config_that_is_no_regular_file_is_refused_naming_file_and_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``admission.mig_config`` is read only as a regular file of at most 128 KiB: a named
+    pipe (which, with a writer, would hold the queue for as long as it stays open), a device
+    that never ends and a 1 GiB file are refused at once, by ``--check-config`` and by the
+    running gpud, naming the file and the key."""
+    from gpud.admission.service import mig_file_layouts
+
+    fifo = tmp_path / "layouts.fifo"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)  # sparse
+    for named, said in (
+        (fifo, "cannot read: not a regular file"),
+        (Path("/dev/zero"), "cannot read: not a regular file"),
+        (big, f"cannot read: {1 << 30} bytes, more than a mig-parted config file may hold"),
+    ):
+        path = write(tmp_path, f'[admission]\nmig_config = "{named}"\n')
+        assert main(["--check-config", "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"{path}:admission.mig_config: {named}: {said}" in err, err
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="gpud.admission.service"):
+            assert mig_file_layouts(named, list)() == {}
+        assert f"admission.mig_config: {named}: {said}" in caplog.text
+
+
 def test_a_socket_group_that_does_not_exist_names_file_and_key(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
