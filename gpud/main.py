@@ -17,7 +17,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Coroutine
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,16 +74,20 @@ def raise_open_files() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
-def make_dirs(cfg: config.Config) -> None:
+def make_dirs(cfg: config.Config) -> list[str]:
     """Create the state and run directories, and the directory of the socket (``api.socket``
-    may lie outside the run directory); a ConfigError naming the key when one cannot be (a
-    missing parent under /proc, a file in the way, no permission)."""
+    may lie outside the run directory: no systemd ``RuntimeDirectory=`` makes it); a
+    ConfigError naming the key when one cannot be (a missing parent under /proc, a file in
+    the way, no permission). Returns a line for the log for each one created, naming it
+    with its mode and owner (:func:`gpud.files.made_said`): said once logging is set up."""
+    said = []
     for key, path, mode in (
         ("daemon.state_dir", cfg.daemon.state_dir, files.STATE_DIR_MODE),
         ("daemon.run_dir", cfg.daemon.run_dir, files.RUN_DIR_MODE),
         ("api.socket", cfg.socket_path.parent, files.RUN_DIR_MODE),
     ):
-        files.make_dir(path, key, mode)
+        said.append(files.made_said(key, files.make_dir(path, key, mode)))
+    return [line for line in said if line]
 
 
 def lock_dirs(cfg: config.Config) -> DirLocks:
@@ -395,13 +399,13 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
     restrict_umask()
     raise_open_files()
     try:
-        make_dirs(cfg)
+        created = make_dirs(cfg)
         locks = lock_dirs(cfg)  # held until the process ends
     except ConfigError as err:
         print(f"gpud: {err}", file=sys.stderr)
         return 1
     try:
-        code = run(cfg, args, nvml=nvml, locks=locks, stamp=stamp)
+        code = run(cfg, args, nvml=nvml, locks=locks, stamp=stamp, created=created)
     finally:
         locks.close()
     exit_leaving_stuck_threads(code)
@@ -415,11 +419,14 @@ def run(
     nvml: Any = None,
     locks: DirLocks | None = None,
     stamp: config.FileStamp | None = None,
+    created: Sequence[str] = (),
 ) -> int:
     """Open the backend and run the daemon until it stops (holding ``locks`` in its
-    directories; ``stamp``: the config file's, taken before ``cfg`` was read); its exit
-    status."""
+    directories; ``stamp``: the config file's, taken before ``cfg`` was read; ``created``:
+    what :func:`make_dirs` made, said in the log); its exit status."""
     logsetup.configure(cfg.daemon.log_level, journald="JOURNAL_STREAM" in os.environ)
+    for line in created:
+        log.info("%s", line)
     for warning in readable_secrets(cfg):
         log.warning("%s", warning)
 

@@ -175,7 +175,8 @@ class ApiServer:
                 f"unix socket path is longer than {MAX_UNIX_PATH} bytes: {path}", key="api.socket"
             )
         gid = self._group_id()  # before binding: a bad group leaves nothing behind
-        path.parent.mkdir(parents=True, exist_ok=True)
+        # gpud's main made it (and said so); 0711 here too, whatever the umask
+        files.make_dirs(path.parent, files.RUN_DIR_MODE)
         self._clear_stale_socket()
         _clear_stale_temps(path)
 
