@@ -1176,7 +1176,13 @@ def test_a_start_where_nvml_cannot_be_used_says_why_and_whether_it_is_restarted(
     dirs = ["--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path / "run")]
     path = write(tmp_path, "[metrics]\nenabled = false\n")
     assert main(["--config", str(path), *dirs], nvml=NoNvml(code)) == exit_code
-    err = capsys.readouterr().err
+    # the log's lines first: the directories made (gpud.main), none else
+    logged, _, err = capsys.readouterr().err.partition("gpud: cannot use the GPUs: ")
+    assert [line.split(" INFO ")[1].split(":")[0] for line in logged.splitlines()] == [
+        "gpud.main",
+        "gpud.main",
+    ]
+    err = "gpud: cannot use the GPUs: " + err
     assert err.startswith("gpud: cannot use the GPUs: nvmlInit failed: ")
     unit = (Path(__file__).parents[2] / "systemd" / "gpud.service").read_text()
     (prevent,) = [ln for ln in unit.splitlines() if ln.startswith("RestartPreventExitStatus=")]
