@@ -262,6 +262,34 @@ class Config:
 FLAGS_SOURCE = "command line"  # where an error says a flag's value came from
 
 
+@dataclass(frozen=True)
+class Layers:
+    """A config as read, layer by layer: the file's own values, and the config gpud runs
+    (flags over the file). ``flags``: dotted key -> the flag that set it (``--log-level``)."""
+
+    file: Config
+    final: Config
+    flags: dict[str, str] = field(default_factory=dict)
+
+
+def value_of(config: Config, dotted: str) -> Any:
+    """The value of ``dotted`` (``"daemon.log_level"``) in ``config``."""
+    section, _, key = dotted.partition(".")
+    return getattr(getattr(config, section), key)
+
+
+def overridden(before: Config, read: Layers, *, path: str) -> list[str]:
+    """Each key the file changed since ``before`` (the file's values gpud started with)
+    that a flag sets over it, so that the change does nothing (``KEY changed in FILE but
+    --FLAG overrides it``): said on reload, which would otherwise take the file silently
+    and run the flag's value."""
+    return [
+        f"{key} changed in {path} but {flag} overrides it"
+        for key, flag in read.flags.items()
+        if value_of(read.file, key) != value_of(before, key)
+    ]
+
+
 def source(key: str, *, path: str, flags: Collection[str]) -> str:
     """Where ``key``'s value came from, for an error about it: the command line when a flag
     set it (``flags``: the dotted keys flags set), else the file ``path``."""

@@ -224,33 +224,50 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# each flag that sets a config key over the file's: (argparse dest, flag, dotted key)
+FLAG_KEYS = (
+    ("simulate", "--simulate", "backend.simulate"),
+    ("socket", "--socket", "api.socket"),
+    ("metrics_address", "--metrics-address", "metrics.address"),
+    ("state_dir", "--state-dir", "daemon.state_dir"),
+    ("run_dir", "--run-dir", "daemon.run_dir"),
+    ("log_level", "--log-level", "daemon.log_level"),
+)
+
+
+def flag_names(args: argparse.Namespace) -> dict[str, str]:
+    """Dotted config key -> the flag that set it, for the flags given."""
+    names = {key: flag for dest, flag, key in FLAG_KEYS if getattr(args, dest) is not None}
+    if args.simulate is not None:
+        names = {"backend.kind": "--simulate", **names}
+    return names
+
+
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Dotted config keys set by flags; flags win over the file."""
     overrides: dict[str, Any] = {}
     if args.simulate is not None:
         overrides["backend.kind"] = "sim"
-        overrides["backend.simulate"] = args.simulate
-    if args.socket is not None:
-        overrides["api.socket"] = args.socket
-    if args.metrics_address is not None:
-        overrides["metrics.address"] = args.metrics_address
-    if args.state_dir is not None:
-        overrides["daemon.state_dir"] = args.state_dir
-    if args.run_dir is not None:
-        overrides["daemon.run_dir"] = args.run_dir
-    if args.log_level is not None:
-        overrides["daemon.log_level"] = args.log_level
+    for dest, _, key in FLAG_KEYS:
+        if getattr(args, dest) is not None:
+            overrides[key] = getattr(args, dest)
     return overrides
 
 
-def load_config(args: argparse.Namespace) -> config.Config:
+def load_layers(args: argparse.Namespace) -> config.Layers:
+    """The config file's values and the config gpud runs, flags over them (checked as a
+    whole: the socket's length, the cluster's files)."""
     path = args.config or config.DEFAULT_PATH
     loaded = config.load(path, required=args.config is not None)
     flags = flag_overrides(args)
     final = loaded.with_overrides(flags, source=config.FLAGS_SOURCE)
     config.check_socket(final, path=str(path), flags=flags)
     check_cluster_files(final, path=str(path))
-    return final
+    return config.Layers(file=loaded, final=final, flags=flag_names(args))
+
+
+def load_config(args: argparse.Namespace) -> config.Config:
+    return load_layers(args).final
 
 
 def check_cluster_files(cfg: config.Config, *, path: str) -> None:
@@ -369,10 +386,11 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
     args = build_parser().parse_args(argv)
     stamp = config.file_stamp(args.config or config.DEFAULT_PATH)  # before the read
     try:
-        cfg = load_config(args)
+        layers = load_layers(args)
     except ConfigError as err:
         print(f"gpud: config error: {err}", file=sys.stderr)
         return 2
+    cfg = layers.final
     if args.check_config:
         try:
             check_listen_hosts(
@@ -405,7 +423,9 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
         print(f"gpud: {err}", file=sys.stderr)
         return 1
     try:
-        code = run(cfg, args, nvml=nvml, locks=locks, stamp=stamp, created=created)
+        code = run(
+            cfg, args, nvml=nvml, locks=locks, stamp=stamp, created=created, file_config=layers.file
+        )
     finally:
         locks.close()
     exit_leaving_stuck_threads(code)
@@ -420,10 +440,12 @@ def run(
     locks: DirLocks | None = None,
     stamp: config.FileStamp | None = None,
     created: Sequence[str] = (),
+    file_config: config.Config | None = None,
 ) -> int:
     """Open the backend and run the daemon until it stops (holding ``locks`` in its
     directories; ``stamp``: the config file's, taken before ``cfg`` was read; ``created``:
-    what :func:`make_dirs` made, said in the log); its exit status."""
+    what :func:`make_dirs` made, said in the log; ``file_config``: the file's own values,
+    flags not applied); its exit status."""
     logsetup.configure(cfg.daemon.log_level, journald="JOURNAL_STREAM" in os.environ)
     for line in created:
         log.info("%s", line)
@@ -448,7 +470,8 @@ def run(
             mps_cgroups=cgroups,
             no_mps_cgroups=no_cgroups,
             notifier=Notifier.from_environ(os.environ),
-            reload_config=lambda: load_config(args),
+            reload_config=lambda: load_layers(args),
+            file_config=file_config,
             dir_locks=locks,
             config_path=str(args.config or config.DEFAULT_PATH),
             config_stamp=stamp,
