@@ -262,6 +262,34 @@ class Config:
 FLAGS_SOURCE = "command line"  # where an error says a flag's value came from
 
 
+@dataclass(frozen=True)
+class Layers:
+    """A config as read, layer by layer: the file's own values, and the config gpud runs
+    (flags over the file). ``flags``: dotted key -> the flag that set it (``--log-level``)."""
+
+    file: Config
+    final: Config
+    flags: dict[str, str] = field(default_factory=dict)
+
+
+def value_of(config: Config, dotted: str) -> Any:
+    """The value of ``dotted`` (``"daemon.log_level"``) in ``config``."""
+    section, _, key = dotted.partition(".")
+    return getattr(getattr(config, section), key)
+
+
+def overridden(before: Config, read: Layers, *, path: str) -> list[str]:
+    """Each key the file changed since ``before`` (the file's values gpud started with)
+    that a flag sets over it, so that the change does nothing (``KEY changed in FILE but
+    --FLAG overrides it``): said on reload, which would otherwise take the file silently
+    and run the flag's value."""
+    return [
+        f"{key} changed in {path} but {flag} overrides it"
+        for key, flag in read.flags.items()
+        if value_of(read.file, key) != value_of(before, key)
+    ]
+
+
 def source(key: str, *, path: str, flags: Collection[str]) -> str:
     """Where ``key``'s value came from, for an error about it: the command line when a flag
     set it (``flags``: the dotted keys flags set), else the file ``path``."""
@@ -511,10 +539,9 @@ def _validate_cluster(c: ClusterConfig, *, path: str, tick_s: float) -> None:
                 path=path,
                 key="cluster.advertise",
             )
-    if not c.etcd_prefix.startswith("/"):
-        raise ConfigError(
-            f"{c.etcd_prefix!r} must start with /", path=path, key="cluster.etcd_prefix"
-        )
+    why = etcd_prefix_error(c.etcd_prefix)
+    if why:
+        raise ConfigError(f"{c.etcd_prefix!r} {why}", path=path, key="cluster.etcd_prefix")
     if c.election == "etcd":
         # A leader renews its lease with a keepalive and a read every lease_ttl_s/4 and
         # leads until its last renewal was sent + 3/4 TTL: a renewal whose two requests
@@ -554,6 +581,30 @@ def _validate_cluster(c: ClusterConfig, *, path: str, tick_s: float) -> None:
                 )
         _validate_etcd_auth(c, path=path)
         _validate_etcd_endpoints(c.etcd_endpoints, path=path)
+
+
+def etcd_prefix_error(prefix: str) -> str:
+    """Why ``cluster.etcd_prefix`` cannot be gpud's own part of etcd's key space, or "".
+    Every key gpud writes is ``<prefix>/...`` (``etcdctl get --prefix /gpud/cluster``): "/"
+    alone would mix them with every other etcd user's keys (and a role granted readwrite on
+    it, on all of theirs); an empty, "." or ".." part names a prefix other than it seems
+    (etcd takes keys as bytes: "/gpud/../x" is not "/x"), and space is a typing slip. One
+    trailing "/" is taken: it names the same keys ("/gpud/cluster/" = "/gpud/cluster")."""
+    if not prefix.startswith("/"):
+        return "must start with / (like /gpud/cluster)"
+    if any(ch.isspace() or not ch.isprintable() for ch in prefix):
+        return "holds a space or a control character: a path like /gpud/cluster"
+    if not prefix.strip("/"):
+        return (
+            "is the whole of etcd's key space: gpud's keys would mix with every other etcd"
+            " user's; give gpud a prefix of its own, like /gpud/cluster"
+        )
+    if any(part in ("", ".", "..") for part in prefix.removesuffix("/").split("/")[1:]):
+        return (
+            'has an empty, "." or ".." part: etcd takes a key as it is written, so this is'
+            " not the prefix it looks like; write it as /a/b, like /gpud/cluster"
+        )
+    return ""
 
 
 def _validate_etcd_auth(c: ClusterConfig, *, path: str) -> None:

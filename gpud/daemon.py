@@ -51,8 +51,10 @@ from gpud.config import (
     ClusterConfig,
     Config,
     FileStamp,
+    Layers,
     TrafficConfig,
     file_stamp,
+    overridden,
     parse_address,
     socket_gid,
 )
@@ -285,7 +287,8 @@ class Daemon:
         mps_control_command: Sequence[str] | None = None,
         mps_cgroups: JobCgroups | None = None,
         no_mps_cgroups: str = "",
-        reload_config: Callable[[], Config] | None = None,
+        reload_config: Callable[[], Config | Layers] | None = None,
+        file_config: Config | None = None,
         clock: Callable[[], float] = time.monotonic,
         build: str | None = None,
         dir_locks: DirLocks | None = None,
@@ -300,7 +303,10 @@ class Daemon:
         the ``gpud.lock`` files held, made again by the loop when they are removed;
         ``config_path``: the config file, named in the warnings about it at start, and
         looked at by ``gpuctl status`` ("": none); ``config_stamp``: its
-        :func:`~gpud.config.file_stamp` taken before ``config`` was read from it."""
+        :func:`~gpud.config.file_stamp` taken before ``config`` was read from it;
+        ``reload_config``: reads the file again (SIGHUP), as :class:`~gpud.config.Layers`
+        where flags set keys over it; ``file_config``: the file's own values at start, flags
+        not applied (a reload that changes a key a flag sets says so; None: ``config``)."""
         self.config = config
         self._dir_locks = dir_locks
         self.build = build_id.current() if build is None else build
@@ -308,6 +314,7 @@ class Daemon:
         self.sim = sim
         self._notifier = notifier
         self._reload_config = reload_config
+        self._file_config = config if file_config is None else file_config
         self._clock = clock
         self._started = clock()
         self._stop = asyncio.Event()
@@ -1116,7 +1123,7 @@ class Daemon:
         self._notifier.reloading()
         self.reload(await on_daemon_thread(self._read_config))
 
-    def _read_config(self) -> tuple[Config | GpudError, FileStamp | None]:
+    def _read_config(self) -> tuple[Config | Layers | GpudError, FileStamp | None]:
         """The file's config, or why it cannot be taken, and the file's stamp taken before
         the read (a file changed meanwhile then shows as changed since)."""
         assert self._reload_config is not None
@@ -1126,7 +1133,9 @@ class Daemon:
         except GpudError as err:
             return err, stamp
 
-    def reload(self, read: tuple[Config | GpudError, FileStamp | None] | None = None) -> None:
+    def reload(
+        self, read: tuple[Config | Layers | GpudError, FileStamp | None] | None = None
+    ) -> None:
         """Take the config file again (SIGHUP): ``read``, what :meth:`_read_config` gave
         (None: read it now, on this thread). A bad file keeps the running config and says
         why."""
@@ -1153,6 +1162,11 @@ class Daemon:
             )
             self._notifier.ready("config reload failed; running config kept")
             return
+        shadowed: list[str] = []
+        if isinstance(new, Layers):
+            path = str(self._config_path or "the config file")
+            shadowed = overridden(self._file_config, new, path=path)
+            new = new.final
         kept = []
         for dotted in RESTART_KEYS:
             section, key = dotted.split(".")
@@ -1176,12 +1190,17 @@ class Daemon:
         self.sampler.ignored_xids = frozenset(new.telemetry.ignored_xids)
         self.colo.configure(new.colocate)
         self.cluster.set_tick(new.daemon.tick_s)
-        self.reload_state = dataclasses.replace(tried, error="", restart_needed=tuple(kept))
+        self.reload_state = dataclasses.replace(
+            tried, error="", restart_needed=tuple(kept), overridden=tuple(shadowed)
+        )
         message = "config reloaded"
         if kept:
             message += f"; needs a restart to change: {', '.join(kept)}"
+        if shadowed:
+            message += f"; {'; '.join(shadowed)}"
+        if kept or shadowed:
             log.warning(message)
-        self.events.emit("config.reload", message, restart_needed=kept)
+        self.events.emit("config.reload", message, restart_needed=kept, overridden=shadowed)
         self._notifier.ready(message)
 
 

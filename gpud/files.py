@@ -42,19 +42,35 @@ def make_dirs(path: Path, mode: int) -> list[Path]:
     return created
 
 
-def make_dir(path: Path, key: str, mode: int) -> None:
+def make_dir(path: Path, key: str, mode: int) -> list[Path]:
     """``mkdir -p path``, a directory it creates with ``mode`` (those above 0755) whatever
     the umask (:func:`make_dirs`); a ConfigError naming ``key`` and the path when
     it cannot be, or when a user other than gpud's own could plant files there
-    (:func:`check_private`)."""
+    (:func:`check_private`). Returns the directories created, from the top down."""
     try:
-        make_dirs(path, mode)
+        created = make_dirs(path, mode)
         st = path.stat()
     except OSError as err:
         raise ConfigError(f"cannot create {path}: {err.strerror or err}", key=key) from None
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"cannot create {path}: it exists and is not a directory", key=key)
     check_private(path, st, key, euid=os.geteuid())
+    return created
+
+
+def made_said(key: str, created: list[Path]) -> str:
+    """One line for the log naming what :func:`make_dir` created for ``key`` (the last of
+    ``created`` is the directory asked for) with its mode and owner, as ``ls -ld`` shows
+    them; "" when it created nothing."""
+    if not created:
+        return ""
+    path = created[-1]
+    st = path.stat()
+    said = f"created {path} for {key} (mode {stat.S_IMODE(st.st_mode):04o}, uid {st.st_uid})"
+    if len(created) > 1:
+        above = ", ".join(str(p) for p in created[:-1])
+        said += f", and above it {above} (mode {ABOVE_MODE:04o})"
+    return said
 
 
 def check_private(path: Path, st: os.stat_result, key: str, *, euid: int) -> None:

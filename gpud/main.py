@@ -17,7 +17,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Coroutine
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,16 +74,20 @@ def raise_open_files() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
-def make_dirs(cfg: config.Config) -> None:
+def make_dirs(cfg: config.Config) -> list[str]:
     """Create the state and run directories, and the directory of the socket (``api.socket``
-    may lie outside the run directory); a ConfigError naming the key when one cannot be (a
-    missing parent under /proc, a file in the way, no permission)."""
+    may lie outside the run directory: no systemd ``RuntimeDirectory=`` makes it); a
+    ConfigError naming the key when one cannot be (a missing parent under /proc, a file in
+    the way, no permission). Returns a line for the log for each one created, naming it
+    with its mode and owner (:func:`gpud.files.made_said`): said once logging is set up."""
+    said = []
     for key, path, mode in (
         ("daemon.state_dir", cfg.daemon.state_dir, files.STATE_DIR_MODE),
         ("daemon.run_dir", cfg.daemon.run_dir, files.RUN_DIR_MODE),
         ("api.socket", cfg.socket_path.parent, files.RUN_DIR_MODE),
     ):
-        files.make_dir(path, key, mode)
+        said.append(files.made_said(key, files.make_dir(path, key, mode)))
+    return [line for line in said if line]
 
 
 def lock_dirs(cfg: config.Config) -> DirLocks:
@@ -220,33 +224,50 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# each flag that sets a config key over the file's: (argparse dest, flag, dotted key)
+FLAG_KEYS = (
+    ("simulate", "--simulate", "backend.simulate"),
+    ("socket", "--socket", "api.socket"),
+    ("metrics_address", "--metrics-address", "metrics.address"),
+    ("state_dir", "--state-dir", "daemon.state_dir"),
+    ("run_dir", "--run-dir", "daemon.run_dir"),
+    ("log_level", "--log-level", "daemon.log_level"),
+)
+
+
+def flag_names(args: argparse.Namespace) -> dict[str, str]:
+    """Dotted config key -> the flag that set it, for the flags given."""
+    names = {key: flag for dest, flag, key in FLAG_KEYS if getattr(args, dest) is not None}
+    if args.simulate is not None:
+        names = {"backend.kind": "--simulate", **names}
+    return names
+
+
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Dotted config keys set by flags; flags win over the file."""
     overrides: dict[str, Any] = {}
     if args.simulate is not None:
         overrides["backend.kind"] = "sim"
-        overrides["backend.simulate"] = args.simulate
-    if args.socket is not None:
-        overrides["api.socket"] = args.socket
-    if args.metrics_address is not None:
-        overrides["metrics.address"] = args.metrics_address
-    if args.state_dir is not None:
-        overrides["daemon.state_dir"] = args.state_dir
-    if args.run_dir is not None:
-        overrides["daemon.run_dir"] = args.run_dir
-    if args.log_level is not None:
-        overrides["daemon.log_level"] = args.log_level
+    for dest, _, key in FLAG_KEYS:
+        if getattr(args, dest) is not None:
+            overrides[key] = getattr(args, dest)
     return overrides
 
 
-def load_config(args: argparse.Namespace) -> config.Config:
+def load_layers(args: argparse.Namespace) -> config.Layers:
+    """The config file's values and the config gpud runs, flags over them (checked as a
+    whole: the socket's length, the cluster's files)."""
     path = args.config or config.DEFAULT_PATH
     loaded = config.load(path, required=args.config is not None)
     flags = flag_overrides(args)
     final = loaded.with_overrides(flags, source=config.FLAGS_SOURCE)
     config.check_socket(final, path=str(path), flags=flags)
     check_cluster_files(final, path=str(path))
-    return final
+    return config.Layers(file=loaded, final=final, flags=flag_names(args))
+
+
+def load_config(args: argparse.Namespace) -> config.Config:
+    return load_layers(args).final
 
 
 def check_cluster_files(cfg: config.Config, *, path: str) -> None:
@@ -365,10 +386,11 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
     args = build_parser().parse_args(argv)
     stamp = config.file_stamp(args.config or config.DEFAULT_PATH)  # before the read
     try:
-        cfg = load_config(args)
+        layers = load_layers(args)
     except ConfigError as err:
         print(f"gpud: config error: {err}", file=sys.stderr)
         return 2
+    cfg = layers.final
     if args.check_config:
         try:
             check_listen_hosts(
@@ -395,13 +417,15 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
     restrict_umask()
     raise_open_files()
     try:
-        make_dirs(cfg)
+        created = make_dirs(cfg)
         locks = lock_dirs(cfg)  # held until the process ends
     except ConfigError as err:
         print(f"gpud: {err}", file=sys.stderr)
         return 1
     try:
-        code = run(cfg, args, nvml=nvml, locks=locks, stamp=stamp)
+        code = run(
+            cfg, args, nvml=nvml, locks=locks, stamp=stamp, created=created, file_config=layers.file
+        )
     finally:
         locks.close()
     exit_leaving_stuck_threads(code)
@@ -415,11 +439,16 @@ def run(
     nvml: Any = None,
     locks: DirLocks | None = None,
     stamp: config.FileStamp | None = None,
+    created: Sequence[str] = (),
+    file_config: config.Config | None = None,
 ) -> int:
     """Open the backend and run the daemon until it stops (holding ``locks`` in its
-    directories; ``stamp``: the config file's, taken before ``cfg`` was read); its exit
-    status."""
+    directories; ``stamp``: the config file's, taken before ``cfg`` was read; ``created``:
+    what :func:`make_dirs` made, said in the log; ``file_config``: the file's own values,
+    flags not applied); its exit status."""
     logsetup.configure(cfg.daemon.log_level, journald="JOURNAL_STREAM" in os.environ)
+    for line in created:
+        log.info("%s", line)
     for warning in readable_secrets(cfg):
         log.warning("%s", warning)
 
@@ -441,7 +470,8 @@ def run(
             mps_cgroups=cgroups,
             no_mps_cgroups=no_cgroups,
             notifier=Notifier.from_environ(os.environ),
-            reload_config=lambda: load_config(args),
+            reload_config=lambda: load_layers(args),
+            file_config=file_config,
             dir_locks=locks,
             config_path=str(args.config or config.DEFAULT_PATH),
             config_stamp=stamp,

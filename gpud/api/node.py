@@ -445,6 +445,7 @@ def _config_status(state: ReloadState, now: float) -> pb.ConfigStatus:
         reload_error=state.error,
         restart_needed=state.restart_needed,
         file_changed=state.file_changed,
+        overridden=state.overridden,
     )
     if state.last_monotonic is not None:
         status.last_reload_age_seconds = max(0.0, now - state.last_monotonic)

@@ -49,6 +49,9 @@ class ReloadState:
     last_monotonic: float | None = None  # when the latest one ran; None before the first
     error: str = ""  # why the latest failed (the running config is the one before); "" if not
     restart_needed: tuple[str, ...] = ()  # changed keys kept at their values until a restart
+    # keys the file changed since start that a flag sets over it ("daemon.log_level changed
+    # in /etc/gpud/gpud.toml but --log-level overrides it"): the file's value is not used
+    overridden: tuple[str, ...] = ()
     # the file is not the one last read (edited, replaced, removed, created): what gpud runs
     # may not be what it says, until a reload (systemctl reload gpud)
     file_changed: bool = False

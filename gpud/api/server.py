@@ -175,7 +175,8 @@ class ApiServer:
                 f"unix socket path is longer than {MAX_UNIX_PATH} bytes: {path}", key="api.socket"
             )
         gid = self._group_id()  # before binding: a bad group leaves nothing behind
-        path.parent.mkdir(parents=True, exist_ok=True)
+        # gpud's main made it (and said so); 0711 here too, whatever the umask
+        files.make_dirs(path.parent, files.RUN_DIR_MODE)
         self._clear_stale_socket()
         _clear_stale_temps(path)
 
@@ -439,26 +440,51 @@ def _temp_prefix(path: Path) -> str:
     return f".{path.name}."
 
 
-def _clear_stale_temps(path: Path) -> None:
+def _clear_stale_temps(path: Path, *, euid: int | None = None) -> None:
     """Remove the temporary socket names (:meth:`ApiServer._bind`) beside ``path`` of
     processes that are gone: killed between their bind and link. A name of a process that
-    runs is left alone (another gpud whose ``api.socket`` is the same file, binding now)."""
+    runs is left alone (another gpud whose ``api.socket`` is the same file, binding now).
+
+    Older gpuds named theirs ``.gpud.sock.N~``, without their pid: one is removed only when
+    it is a socket of gpud's user (``euid``; None: this process's) that nothing listens on
+    (a connect is refused, as ``ss -xl`` would not list it); a name still bound, a file of
+    another kind or another user's is left alone."""
     prefix = _temp_prefix(path)
+    owner = os.geteuid() if euid is None else euid
     with contextlib.suppress(OSError):
         for entry in path.parent.iterdir():
+            if not (entry.name.startswith(prefix) and entry.name.endswith("~")):
+                continue
             pid, dot, n = entry.name.removeprefix(prefix).removesuffix("~").partition(".")
-            if (
-                entry.name.startswith(prefix)
-                and entry.name.endswith("~")
-                and dot
-                and pid.isdigit()
-                and n.isdigit()
-                and not _alive(int(pid))
-            ):
+            if dot and pid.isdigit() and n.isdigit():
+                stale = not _alive(int(pid))
+            else:
+                stale = not dot and pid.isdigit() and _unserved(entry, owner)
+            if stale:
                 with contextlib.suppress(OSError):
                     if stat.S_ISSOCK(entry.lstat().st_mode):
                         entry.unlink()
                         log.info("removing stale socket %s", entry)
+
+
+def _unserved(entry: Path, owner: int) -> bool:
+    """Whether ``entry`` is a unix socket of uid ``owner`` that nothing listens on: a
+    connect to it is refused (ECONNREFUSED), not answered, nor failed for another reason."""
+    try:
+        st = entry.lstat()
+    except OSError:
+        return False
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != owner:
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(entry))
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+    return False
 
 
 def _alive(pid: int) -> bool:

@@ -70,18 +70,23 @@ def _last_read(config: pb.ConfigStatus) -> str:
         return f"reload FAILED {when}: running the config loaded before, not the file's"
     if config.restart_needed:
         return f"reloaded {when}; some keys wait for a restart"
+    if config.overridden:
+        return f"reloaded {when}; flags override some of its changes"
     return f"reloaded {when}"
 
 
 def _config_problems(config: pb.ConfigStatus) -> list[str]:
-    """A line for a failed reload's error, one for the keys that wait for a restart, and
-    one for a file changed since it was read."""
+    """A line for a failed reload's error, one for the keys that wait for a restart, one
+    for each key the file changed that a flag overrides, and one for a file changed since
+    it was read."""
     lines = []
     if config.reload_error:
         lines.append(f"config reload failed: {config.reload_error}")
     if config.restart_needed:
         keys = ", ".join(config.restart_needed)
         lines.append(f"config: needs a restart to change: {keys} (running the values before)")
+    for said in config.overridden:
+        lines.append(f"config: {said} (running the flag's value)")
     if config.file_changed:
         lines.append(
             "config: the file changed since it was read: systemctl reload gpud to take it"

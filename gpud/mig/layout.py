@@ -31,7 +31,7 @@ import yaml
 
 from gpud.backend.port import GpuIdentity
 from gpud.errors import ConfigError, InvalidArgument, NotFound
-from gpud.shared import MAX_LAYOUT_BYTES, read_small_text
+from gpud.shared import MAX_LAYOUT_BYTES, read_regular
 
 # [<C>c.]<G>g.<GB>gb[+attr|-attr...]: "1g.10gb", "1g.10gb+me", "1c.3g.40gb", "1g.24gb-me"
 _PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb((?:[+-][a-z][a-z.]*)*)$")
@@ -296,12 +296,18 @@ def parse_config(text: str, *, path: str | None = None) -> MigConfigFile:
 
 
 def load_config(path: Path) -> MigConfigFile:
+    """A mig-parted file named in gpud's config (``admission.mig_config``), read on each use:
+    only a regular file of at most ``MAX_LAYOUT_BYTES`` (:func:`read_regular`), as a named
+    pipe with a writer would hold the daemon's admission for as long as it stays open, and
+    /dev/zero never ends. A ConfigError naming ``path`` when it cannot be taken."""
     try:
-        text = read_small_text(path, MAX_LAYOUT_BYTES)
+        raw = read_regular(path, MAX_LAYOUT_BYTES, kind="a mig-parted config file")
     except OSError as err:
-        raise ConfigError(f"cannot read: {err.strerror}", path=str(path)) from err
-    except ValueError as err:
-        raise ConfigError(str(err), path=str(path)) from None
+        raise ConfigError(f"cannot read: {err.strerror or err}", path=str(path)) from err
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"not UTF-8 text (byte {err.start})", path=str(path)) from None
     return parse_config(text, path=str(path))
 
 

@@ -121,10 +121,10 @@ def config_warnings(config: Config, *, path: str = "") -> list[str]:
     if not t.enabled:
         return []
     out = []
+    where = f"{path}:traffic.dscp_pool" if path else "traffic.dscp_pool"
     if has_empty_item(t.dscp_pool):
         # taken, as gpud always has (a pool that loaded before must not stop gpud at its
         # next start), but never silently: "10,,34" most likely lost a DSCP
-        where = f"{path}:traffic.dscp_pool" if path else "traffic.dscp_pool"
         out.append(
             f"{where}: {shown_pool(t.dscp_pool)} has an empty item (nothing between two"
             " commas, or before or after them), skipped: a DSCP left out?"
@@ -138,12 +138,12 @@ def config_warnings(config: Config, *, path: str = "") -> list[str]:
             for d in left_out
         ]
         out.append(
-            f"traffic.dscp_pool {shown_pool(t.dscp_pool)} names reserved DSCPs, left out of the pool and"
+            f"{where}: {shown_pool(t.dscp_pool)} names reserved DSCPs, left out of the pool and"
             f" never a job's tag: {', '.join(why)}"
         )
     odd = level_priorities_warning(t.level_priorities)
     if odd:
-        out.append(odd)
+        out.append(f"{path}:{odd}" if path else odd)  # FILE:traffic.level_priorities
     return out
 
 

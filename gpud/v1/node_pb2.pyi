@@ -188,6 +188,7 @@ class ConfigStatus(_message.Message):
     RELOAD_ERROR_FIELD_NUMBER: _builtins.int
     RESTART_NEEDED_FIELD_NUMBER: _builtins.int
     FILE_CHANGED_FIELD_NUMBER: _builtins.int
+    OVERRIDDEN_FIELD_NUMBER: _builtins.int
     reloads: _builtins.int
     """reloads (SIGHUP) acted on since start, failed ones included"""
     last_reload_age_seconds: _builtins.float
@@ -204,6 +205,13 @@ class ConfigStatus(_message.Message):
     def restart_needed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """keys the file changed that keep their running values until a restart ("mps.enabled")"""
 
+    @_builtins.property
+    def overridden(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """keys the file changed since start that a command-line flag sets over it, so that the
+        file's value is not used ("daemon.log_level changed in /etc/gpud/gpud.toml but
+        --log-level overrides it"), as of the latest reload that worked
+        """
+
     def __init__(
         self,
         *,
@@ -212,10 +220,11 @@ class ConfigStatus(_message.Message):
         reload_error: _builtins.str = ...,
         restart_needed: _abc.Iterable[_builtins.str] | None = ...,
         file_changed: _builtins.bool = ...,
+        overridden: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_last_reload_age_seconds", b"_last_reload_age_seconds", "last_reload_age_seconds", b"last_reload_age_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_reload_age_seconds", b"_last_reload_age_seconds", "file_changed", b"file_changed", "last_reload_age_seconds", b"last_reload_age_seconds", "reload_error", b"reload_error", "reloads", b"reloads", "restart_needed", b"restart_needed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_reload_age_seconds", b"_last_reload_age_seconds", "file_changed", b"file_changed", "last_reload_age_seconds", b"last_reload_age_seconds", "overridden", b"overridden", "reload_error", b"reload_error", "reloads", b"reloads", "restart_needed", b"restart_needed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_reload_age_seconds: _TypeAlias = _typing.Literal["last_reload_age_seconds"]  # noqa: Y015
     _WhichOneofArgType__last_reload_age_seconds: _TypeAlias = _typing.Literal["_last_reload_age_seconds", b"_last_reload_age_seconds"]  # noqa: Y015

@@ -909,6 +909,37 @@ async def test_the_temporary_names_of_other_processes_are_theirs(sock_dir: Path)
             sock.close()
 
 
+async def test_old_temporary_names_nothing_listens_on_are_removed(sock_dir: Path) -> None:
+    """``.gpud.sock.N~`` (older gpuds' temporary names, without a pid) left by a crash are
+    removed when they are sockets of gpud's user that nothing listens on; one still bound,
+    a file of another kind, and another user's are left alone."""
+    path = sock_dir / "gpud.sock"
+    _listening(sock_dir / ".gpud.sock.3~").close()  # bound by a gpud that died
+    _listening(sock_dir / ".gpud.sock.4~").close()
+    served = _listening(sock_dir / ".gpud.sock.5~")
+    (sock_dir / ".gpud.sock.6~").write_text("")  # not a socket
+    (sock_dir / ".gpud.sock.x~").mkdir()  # not a name of gpud's
+    try:
+        # a uid other than the files': another user's sockets stay
+        api_server._clear_stale_temps(path, euid=os.geteuid() + 1)
+        assert {p.name for p in sock_dir.iterdir()} == {
+            ".gpud.sock.3~",
+            ".gpud.sock.4~",
+            ".gpud.sock.5~",
+            ".gpud.sock.6~",
+            ".gpud.sock.x~",
+        }
+        server = await _serve(path, make_servicer())
+        await server.stop(0)
+        assert {p.name for p in sock_dir.iterdir()} == {
+            ".gpud.sock.5~",
+            ".gpud.sock.6~",
+            ".gpud.sock.x~",
+        }
+    finally:
+        served.close()
+
+
 def _dead_pid() -> int:
     """The pid of a process that ended."""
     child = subprocess.Popen(["true"])

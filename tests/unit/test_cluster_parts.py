@@ -593,3 +593,35 @@ def test_a_leaders_refusal_is_typed_by_the_class_it_names_or_an_older_leaders_wo
     assert type(_refusal(precondition, "n0 does not lead", ("gpud-error", "NotLeader"))) is (
         Unavailable
     )
+
+
+@pytest.mark.parametrize(
+    ("prefix", "said"),
+    [
+        ("/", "the whole of etcd's key space"),
+        ("//", "the whole of etcd's key space"),
+        ("/gpud//cluster", 'an empty, "." or ".." part'),
+        ("/gpud/cluster//", 'an empty, "." or ".." part'),
+        ("/gpud/../x", 'an empty, "." or ".." part'),
+        ("/gpud/./x", 'an empty, "." or ".." part'),
+        ("/gpud/ cluster", "a space or a control character"),
+        (" /gpud", "must start with /"),
+        ("/gpud\t", "a space or a control character"),
+        ("gpud", "must start with /"),
+    ],
+)
+def test_an_etcd_prefix_that_is_not_gpuds_own_is_refused_naming_file_and_key(
+    prefix: str, said: str
+) -> None:
+    """A prefix that would mix gpud's keys with other etcd users' ("/"), or that is not the
+    prefix it looks like, stops the load with the file and the key named."""
+    with pytest.raises(ConfigError) as caught:
+        load(f"[cluster]\netcd_prefix = {prefix!r}\n".replace("'", '"'))
+    assert str(caught.value).startswith("gpud.toml:cluster.etcd_prefix: ")
+    assert said in str(caught.value)
+
+
+@pytest.mark.parametrize("prefix", ["/gpud/cluster", "/a", "/a/b", "/a/b/", "/gpud-1/x.y"])
+def test_a_path_like_etcd_prefix_is_taken(prefix: str) -> None:
+    """/a/b forms; one trailing / names the same keys (the users strip it)."""
+    assert load(f'[cluster]\netcd_prefix = "{prefix}"\n').cluster.etcd_prefix == prefix

@@ -763,6 +763,35 @@ def test_check_config_reads_the_mig_config_file_the_queue_would_offer(
     assert main(["--check-config", "--config", str(path)]) == 0
 
 
+def test_a_mig_config_that_is_no_regular_file_is_refused_naming_file_and_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``admission.mig_config`` is read only as a regular file of at most 128 KiB: a named
+    pipe (which, with a writer, would hold the queue for as long as it stays open), a device
+    that never ends and a 1 GiB file are refused at once, by ``--check-config`` and by the
+    running gpud, naming the file and the key."""
+    from gpud.admission.service import mig_file_layouts
+
+    fifo = tmp_path / "layouts.fifo"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)  # sparse
+    for named, said in (
+        (fifo, "cannot read: not a regular file"),
+        (Path("/dev/zero"), "cannot read: not a regular file"),
+        (big, f"cannot read: {1 << 30} bytes, more than a mig-parted config file may hold"),
+    ):
+        path = write(tmp_path, f'[admission]\nmig_config = "{named}"\n')
+        assert main(["--check-config", "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"{path}:admission.mig_config: {named}: {said}" in err, err
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="gpud.admission.service"):
+            assert mig_file_layouts(named, list)() == {}
+        assert f"admission.mig_config: {named}: {said}" in caplog.text
+
+
 def test_a_socket_group_that_does_not_exist_names_file_and_key(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1122,9 +1151,12 @@ def test_check_config_says_the_warnings_gpud_would_give_at_start(
     assert main(["--check-config", "--config", str(path)], nvml=answering()) == 0
     out = capsys.readouterr()
     assert out.out == "config OK\n"
-    assert "gpud: warning: traffic.dscp_pool '10-12,46' names reserved DSCPs" in out.err
+    # each named as a config error names it: FILE:key
+    assert f"gpud: warning: {path}:traffic.dscp_pool: '10-12,46' names reserved DSCPs" in out.err
     assert "46 (in traffic.reserved_dscp)" in out.err
-    assert "gpud: warning: traffic.level_priorities = [7, 7, 7, 7] maps every level" in out.err
+    assert (
+        f"gpud: warning: {path}:traffic.level_priorities = [7, 7, 7, 7] maps every level" in out.err
+    )
     plain = write(tmp_path, '[traffic]\nenabled = true\ninterfaces = ["eth0"]\n')
     assert main(["--check-config", "--config", str(plain)], nvml=answering()) == 0
     assert capsys.readouterr().err == ""
@@ -1144,7 +1176,13 @@ def test_a_start_where_nvml_cannot_be_used_says_why_and_whether_it_is_restarted(
     dirs = ["--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path / "run")]
     path = write(tmp_path, "[metrics]\nenabled = false\n")
     assert main(["--config", str(path), *dirs], nvml=NoNvml(code)) == exit_code
-    err = capsys.readouterr().err
+    # the log's lines first: the directories made (gpud.main), none else
+    logged, _, err = capsys.readouterr().err.partition("gpud: cannot use the GPUs: ")
+    assert [line.split(" INFO ")[1].split(":")[0] for line in logged.splitlines()] == [
+        "gpud.main",
+        "gpud.main",
+    ]
+    err = "gpud: cannot use the GPUs: " + err
     assert err.startswith("gpud: cannot use the GPUs: nvmlInit failed: ")
     unit = (Path(__file__).parents[2] / "systemd" / "gpud.service").read_text()
     (prevent,) = [ln for ln in unit.splitlines() if ln.startswith("RestartPreventExitStatus=")]

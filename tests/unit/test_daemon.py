@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import socket
 import subprocess
@@ -17,13 +18,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gpud.build import current as current_build
-from gpud.config import MAX_CONFIG_BYTES, Config, file_stamp
+from gpud.config import MAX_CONFIG_BYTES, Config, Layers, file_stamp
 from gpud.daemon import STOP_HOOK_FLOOR_S, Daemon, Step
 from gpud.dirlock import DirLocks
 from gpud.errors import ConfigError, InUse, Unavailable
 from gpud.events import EventLog
 from gpud.jobs.service import RunRequest
-from gpud.main import build_parser, lock_dirs, mps_control_command, open_backend
+from gpud.main import build_parser, load_layers, lock_dirs, mps_control_command, open_backend
 from gpud.main import load_config as load_gpud_config
 from gpud.metrics import build_registry
 from gpud.mig.layout import load_config
@@ -61,11 +62,13 @@ def build(
     clock: Callable[[], float] = time.monotonic,
     code_build: str | None = None,
     dir_locks: DirLocks | None = None,
-    reload_config: Callable[[], Config] | None = None,
+    reload_config: Callable[[], Config | Layers] | None = None,
     config_path: Path | None = None,
+    file_config: Config | None = None,
 ) -> Daemon:
     """``reload_config``: the file's config as a reload reads it (default: each of
-    ``reload_to`` in turn); ``config_path``: the file, stamped now as read at start."""
+    ``reload_to`` in turn); ``config_path``: the file, stamped now as read at start;
+    ``file_config``: the file's own values at start (flags not applied)."""
     backend, sim = open_backend(config)
     pending = reload_to if reload_to is not None else []
 
@@ -87,6 +90,7 @@ def build(
         dir_locks=dir_locks,
         config_path=str(config_path or ""),
         config_stamp=file_stamp(config_path) if config_path is not None else None,
+        file_config=file_config,
     )
 
 
@@ -162,6 +166,73 @@ def test_the_status_call_says_whether_the_running_config_is_the_file_s(root: Pat
         assert status().reload_error == "" and list(status().restart_needed) == []
         assert status().reloads == 3
     finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
+def test_a_reload_says_a_changed_key_a_flag_overrides(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key the file changes that a flag sets over it (``--log-level``, ``--socket``,
+    ``--run-dir``, ...) keeps the flag's value, as before, but no longer silently: one
+    warning, the reload's event and ``gpuctl status`` name the key, the file and the flag.
+    The file changed back, nothing is said."""
+    path = root / "gpud.toml"
+    path.write_text('[daemon]\nlog_level = "info"\n')
+    args = build_parser().parse_args(
+        [
+            "--config",
+            str(path),
+            "--simulate",
+            "A100-SXM4-40GB:1",
+            "--log-level",
+            "warning",
+            "--state-dir",
+            str(root / "state"),
+            "--run-dir",
+            str(root / "run"),
+            "--metrics-address",
+            "127.0.0.1:0",
+        ]
+    )
+    layers = load_layers(args)
+    d = build(
+        layers.final,
+        reload_config=lambda: load_layers(args),
+        config_path=path,
+        file_config=layers.file,
+    )
+    level = logging.getLogger().level
+    try:
+        path.write_text(
+            f'[daemon]\nlog_level = "debug"\nrun_dir = "{root / "elsewhere"}"\n'
+            "[telemetry]\ninterval_s = 0.5\n"
+        )
+        with caplog.at_level(logging.WARNING, logger="gpud.daemon"):
+            d.reload()
+        said = [
+            f"daemon.run_dir changed in {path} but --run-dir overrides it",
+            f"daemon.log_level changed in {path} but --log-level overrides it",
+        ]
+        assert [r.getMessage() for r in caplog.records if r.name == "gpud.daemon"] == [
+            f"config reloaded; {'; '.join(said)}"
+        ]
+        event = d.events.recent(1, "config.reload")[0]
+        assert event.fields["overridden"] == said and event.fields["restart_needed"] == []
+        assert list(status_of(d).overridden) == said
+        assert d.config.daemon.log_level == "warning"  # the flag's, as before
+        assert d.config.daemon.run_dir == root / "run"
+        assert d.sampler.interval_s == 0.5  # the rest of the file is taken
+        path.write_text('[daemon]\nlog_level = "info"\n')  # back as at start
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gpud.daemon"):
+            d.reload()
+        assert not [r for r in caplog.records if r.name == "gpud.daemon"]
+        assert d.events.recent(1, "config.reload")[0].fields["overridden"] == []
+        assert list(status_of(d).overridden) == []
+    finally:
+        logging.getLogger().setLevel(level)
         d.sampler.close()
         d.store.close()
         d.backend.close()

@@ -3,6 +3,7 @@ the umask itself (a root shell's 022, or 077) and puts it back after."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import stat
@@ -18,7 +19,7 @@ from gpud.files import make_dirs, write_atomically
 from gpud.main import main
 from gpud.main import make_dirs as make_gpud_dirs
 from gpud.store import StateStore
-from tests.unit.nvml_doubles import answering
+from tests.unit.nvml_doubles import NoNvml, answering
 
 
 @pytest.fixture(params=[0o022, 0o077, 0o000], ids=["umask022", "umask077", "umask000"])
@@ -46,11 +47,43 @@ def test_gpuds_directories_get_their_modes_whatever_the_umask(tmp_path: Path, um
             "api.socket": str(tmp_path / "sock" / "gpud.sock"),
         }
     )
-    make_gpud_dirs(cfg)
+    said = make_gpud_dirs(cfg)
     assert oct(mode(tmp_path / "var" / "state")) == oct(0o750)
     assert oct(mode(tmp_path / "var")) == oct(0o755)
     assert oct(mode(tmp_path / "run")) == oct(0o711)
     assert oct(mode(tmp_path / "sock")) == oct(0o711)
+    uid = os.geteuid()
+    # each said once in the log, with its mode and owner: the socket's directory is made
+    # without a word from systemd's RuntimeDirectory=
+    assert said == [
+        f"created {tmp_path}/var/state for daemon.state_dir (mode 0750, uid {uid}), and above"
+        f" it {tmp_path}/var (mode 0755)",
+        f"created {tmp_path}/run for daemon.run_dir (mode 0711, uid {uid})",
+        f"created {tmp_path}/sock for api.socket (mode 0711, uid {uid})",
+    ]
+    assert make_gpud_dirs(cfg) == []  # nothing made: nothing said
+
+
+def test_the_directory_made_for_the_socket_is_said_in_the_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``gpud --socket /x/missing/dir/gpud.sock`` makes the directory (0711, gpud's) and
+    says so in one INFO line, once logging is set up."""
+    from gpud.main import run
+
+    socket = tmp_path / "missing" / "dir" / "gpud.sock"
+    cfg = config.Config().with_overrides(
+        {"daemon.run_dir": str(tmp_path / "run"), "api.socket": str(socket)}
+    )
+    said = [line for line in make_gpud_dirs(cfg) if "api.socket" in line]
+    assert said == [
+        f"created {socket.parent} for api.socket (mode 0711, uid {os.geteuid()}), and above"
+        f" it {tmp_path}/missing (mode 0755)"
+    ]
+    assert os.stat(socket.parent).st_uid == os.geteuid()
+    # a node without the driver: run() sets up logging, says what was made, gives up
+    assert run(cfg, argparse.Namespace(config=None), nvml=NoNvml(9), created=said) == 1
+    assert f"INFO gpud.main: {said[0]}\n" in capsys.readouterr().err
 
 
 def test_an_existing_directory_keeps_its_mode(tmp_path: Path, umask: int) -> None:

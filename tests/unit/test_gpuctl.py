@@ -212,6 +212,20 @@ def status_showing(
             ],
         ),
         (
+            ReloadState(
+                reloads=1,
+                last_monotonic=NOW - 5,
+                overridden=(
+                    "daemon.log_level changed in /etc/gpud/gpud.toml but --log-level overrides it",
+                ),
+            ),
+            [
+                "config:      reloaded 5.0 s ago; flags override some of its changes",
+                "config: daemon.log_level changed in /etc/gpud/gpud.toml but --log-level"
+                " overrides it (running the flag's value)",
+            ],
+        ),
+        (
             ReloadState(file_changed=True),
             [
                 "config:      as loaded at start (no reload since); the file changed since",
@@ -228,6 +242,7 @@ def test_status_says_whether_the_running_config_is_the_file_s(
     assert config.get("reload_error", "") == reload.error
     assert config.get("restart_needed", []) == list(reload.restart_needed)
     assert config.get("file_changed", False) == reload.file_changed
+    assert config.get("overridden", []) == list(reload.overridden)
 
 
 def test_status_from_a_gpud_without_traffic_in_it_has_no_traffic_line(

@@ -406,8 +406,12 @@ def test_plan_all_plans_the_gpus_with_a_desired_layout() -> None:
 
 
 def test_a_file_that_is_no_layout_is_refused_naming_it(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^/dev/zero: larger than 128 KiB"):
+    with pytest.raises(ConfigError, match=r"^/dev/zero: cannot read: not a regular file$"):
         load_config(Path("/dev/zero"))
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"#" * (128 * 1024 + 1))
+    with pytest.raises(ConfigError, match=r"big\.yaml: cannot read: 131073 bytes, more than a mig"):
+        load_config(big)
     binary = tmp_path / "image.bin"
     binary.write_bytes(b"\xff" * 10)
     with pytest.raises(ConfigError, match=r"image\.bin: not UTF-8 text \(byte 0\)$"):

@@ -906,7 +906,7 @@ def test_reserved_dscps_named_in_the_pool_are_left_out_with_a_warning(
             assert warnings == [], pool
             continue
         assert warnings == [
-            f"traffic.dscp_pool {pool!r} names reserved DSCPs, left out of the pool and never"
+            f"traffic.dscp_pool: {pool!r} names reserved DSCPs, left out of the pool and never"
             f" a job's tag: {said}"
         ]
         assert 46 not in service.tags.pool
@@ -915,6 +915,13 @@ def test_reserved_dscps_named_in_the_pool_are_left_out_with_a_warning(
     with caplog.at_level("WARNING", logger="gpud.net.wiring"):
         open_traffic(Config(traffic=cnp), store, events, jobs).shutdown()
     assert "26 (traffic.cnp_dscp)" in caplog.text
+    # named as a config error names it: the file and the key
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gpud.net.wiring"):
+        open_traffic(
+            Config(traffic=cnp), store, events, jobs, config_path="/etc/gpud/gpud.toml"
+        ).shutdown()
+    assert "/etc/gpud/gpud.toml:traffic.dscp_pool: '10,26' names reserved DSCPs" in caplog.text
 
 
 def test_a_pool_with_an_empty_item_starts_gpud_with_a_warning_naming_the_file(
