@@ -133,8 +133,10 @@ CALL_STOP_WAIT_S = 18.0
 # dcb, MPS control daemons, the sampler) takes what is left of this, so that the store
 # and the driver are closed before systemd's SIGKILL at TimeoutStopSec (30 s in
 # systemd/gpud.service); each shutdown hook still gets STOP_HOOK_FLOOR_S once it is spent,
-# so the worst stop is this plus a floor per hook (Daemon.worst_stop_s: 26 s)
-STOP_BUDGET_S = 22.0
+# and the store and the driver STOP_CLOSE_WAIT_S each, so the worst stop is this plus a
+# floor per hook and the two closes (Daemon.worst_stop_s: 27 s). A second SIGTERM/SIGINT
+# ends the wait under way, skips the hooks left, and gives each close STOP_CUT_CLOSE_S
+STOP_BUDGET_S = 21.0
 # seconds of the stop budget an admission pass running at the stop is waited for: the loop
 # pass it is part of, then one on the pass runner's thread, each at most this. What a pass
 # cut short changed stays whole or absent (each start and leave is one store transaction);
@@ -143,6 +145,13 @@ PASS_STOP_WAIT_S = 5.0
 # seconds each shutdown hook gets even when the budget is spent: quitting the MPS control
 # daemons or giving up the cluster's leadership takes milliseconds when nothing hangs
 STOP_HOOK_FLOOR_S = 1.0
+# seconds the stop waits for the store's close (its lock, held by a transaction of a pass
+# left running, then SQLite's checkpoint) and then for the driver's (``nvmlShutdown``, which
+# can hang on a GPU that stopped answering); past that each is left on its daemon thread and
+# gpud exits: every committed transaction is already in the WAL, which the next open reads
+STOP_CLOSE_WAIT_S = 1.0
+# the same after a second SIGTERM/SIGINT: a close that needs no waiting still ends
+STOP_CUT_CLOSE_S = 0.1
 
 # seconds a pass waits for the traffic tick it started (it takes milliseconds when the
 # kernel and nft answer); see Daemon._traffic_step
@@ -940,17 +949,79 @@ class Daemon:
                     "a MIG apply is still running: its in-flight plan is kept and the next "
                     "start finishes it"
                 )
-            for stop in reversed(self._shutdown):
-                await _run_stop(stop, max(STOP_HOOK_FLOOR_S, left(self.stop_budget_s)))
+            hooks = list(reversed(self._shutdown))
+            while hooks and not self._stop_now.is_set():
+                hook = hooks.pop(0)
+                await self._run_stop(hook, max(STOP_HOOK_FLOOR_S, left(self.stop_budget_s)))
+            if hooks:
+                log.warning(
+                    "shutdown: skipped at a second stop (SIGTERM/SIGINT): %s",
+                    ", ".join(_name(hook) for hook in hooks),
+                )
             if metrics_server is not None:
                 stop_metrics_server(*metrics_server)
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(sampler_task, timeout=left(5.0))
+                if not await self._unless_cut(
+                    sampler_task, 0.0 if self._stop_now.is_set() else left(5.0)
+                ):
+                    sampler_task.cancel()
             took = time.monotonic() - stopping_at
             self.events.emit("daemon.stop", "gpud stopped", took_s=round(took, 3))
-            self.store.close()
-            self.backend.close()
+            closing = STOP_CUT_CLOSE_S if self._stop_now.is_set() else STOP_CLOSE_WAIT_S
+            await self._run_stop(
+                lambda: self.store.close(wait_s=closing), closing, "store.close", cut=False
+            )
+            closing = STOP_CUT_CLOSE_S if self._stop_now.is_set() else STOP_CLOSE_WAIT_S
+            await self._run_stop(self.backend.close, closing, "backend.close", cut=False)
         return 0
+
+    async def _unless_cut(
+        self, task: asyncio.Future[Any], timeout_s: float, *, cut: bool = True
+    ) -> bool:
+        """Wait up to ``timeout_s`` for ``task`` (with ``cut``: or until a second
+        SIGTERM/SIGINT); whether it ended (its result is the caller's to read)."""
+        waits: set[asyncio.Future[Any]] = {task}
+        if cut:
+            waits.add(asyncio.ensure_future(self._stop_now.wait()))
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits - {task}:
+                wait.cancel()
+        return task.done()
+
+    async def _run_stop(
+        self,
+        stop: Callable[[], Awaitable[None] | None],
+        timeout: float,
+        name: str = "",
+        *,
+        cut: bool = True,
+    ) -> None:
+        """One shutdown step (a hook, a close) on a daemon thread of its own (a blocking one
+        holds nothing else back), given ``timeout`` seconds (with ``cut``: or until a second
+        SIGTERM/SIGINT); past that it is left running and the stop goes on."""
+        name = name or _name(stop)
+
+        async def whole() -> None:
+            result = await on_daemon_thread(stop)
+            if result is not None:
+                await result
+
+        running = asyncio.ensure_future(whole())
+        if not await self._unless_cut(running, timeout, cut=cut):
+            running.cancel()  # the await only: its thread goes on, and exits with the process
+            why = (
+                "was left at a second stop (SIGTERM/SIGINT)"
+                if cut and self._stop_now.is_set()
+                else f"did not end within the {timeout:.1f} s it was given"
+            )
+            log.warning("shutdown: %s %s; going on", name, why)
+            return
+        try:
+            running.result()
+        except Exception:
+            log.exception("error during shutdown (%s)", name)
 
     async def _answer_calls(self, calls_s: float, pass_s: float) -> None:
         """At a stop, with the gate closed: wait up to ``calls_s`` for the running calls
@@ -1003,13 +1074,7 @@ class Daemon:
         running, self._pass = self._pass, None
         if running is None:
             return True
-        now = asyncio.ensure_future(self._stop_now.wait())
-        waits: set[asyncio.Future[Any]] = {running, now}
-        try:
-            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            now.cancel()
-        if running.done():
+        if await self._unless_cut(running, timeout_s):
             with contextlib.suppress(Exception):  # its steps log their own failures
                 running.result()
             return True
@@ -1032,8 +1097,9 @@ class Daemon:
 
     def worst_stop_s(self) -> float:
         """Seconds the longest stop can take: its budget, then each shutdown hook's floor
-        once the budget is spent (below the unit's TimeoutStopSec; see STOP_BUDGET_S)."""
-        return self.stop_budget_s + len(self._shutdown) * STOP_HOOK_FLOOR_S
+        once the budget is spent, and the closes of the store and the driver (below the
+        unit's TimeoutStopSec; see STOP_BUDGET_S)."""
+        return self.stop_budget_s + len(self._shutdown) * STOP_HOOK_FLOOR_S + 2 * STOP_CLOSE_WAIT_S
 
     def loop_interval_s(self) -> float:
         """Seconds between loop passes: ``daemon.tick_s`` (as reloaded), and often enough to
@@ -1204,21 +1270,5 @@ class Daemon:
         self._notifier.ready(message)
 
 
-async def _run_stop(stop: Callable[[], Awaitable[None] | None], timeout: float) -> None:
-    """One shutdown hook, on a daemon thread of its own (a blocking one holds nothing else
-    back), given ``timeout`` seconds; past that it is left running and the stop goes on."""
-    name = getattr(stop, "__qualname__", repr(stop))
-
-    async def whole() -> None:
-        result = await on_daemon_thread(stop)
-        if result is not None:
-            await result
-
-    try:
-        await asyncio.wait_for(whole(), timeout=timeout)
-    except TimeoutError:
-        log.warning(
-            "shutdown: %s did not end within the %.0f s left of the stop; going on", name, timeout
-        )
-    except Exception:
-        log.exception("error during shutdown (%s)", name)
+def _name(stop: Callable[..., object]) -> str:
+    return getattr(stop, "__qualname__", repr(stop))

@@ -112,6 +112,7 @@ class EventLog:
         self._write_failing = False
         self._held = threading.local()  # this thread's events held by until_committed
         self._watchers: list[Watcher] = []
+        self._watching_ended = False  # close_watchers was called: the daemon stops
         self._seq = 0  # the last number given
         # a line torn by a crash would swallow the first line appended after it
         self._torn = False
@@ -196,7 +197,10 @@ class EventLog:
         events and the watcher's first. :meth:`unwatch` it when done."""
         watcher = Watcher(kind_prefix, gpu, job, wake, buffer)
         with self._lock:
-            self._watchers.append(watcher)
+            if self._watching_ended:  # a watch that came as gpud stops: it ends at once too
+                watcher._closed = True
+            else:
+                self._watchers.append(watcher)
             ring = list(self._ring)
             seq = self._seq
         if after_seq > 0:
@@ -228,8 +232,10 @@ class EventLog:
 
     def close_watchers(self) -> None:
         """End every watcher (the daemon stops): each is woken, and its next :meth:`take`
-        says it is done once its buffer is empty."""
+        says it is done once its buffer is empty. A watcher made later is done from the start
+        (after its start events), not left open until the API's grace cuts its stream."""
         with self._lock:
+            self._watching_ended = True
             watchers, self._watchers = self._watchers, []
             for watcher in watchers:
                 watcher._closed = True

@@ -9,6 +9,7 @@ declares them with :meth:`StateStore.ensure_schema`; it reads and writes them th
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 import stat
@@ -21,6 +22,8 @@ from gpud.errors import StateError, StateUnwritable
 from gpud.files import DB_MODE
 
 DB_NAME = "state.db"
+
+log = logging.getLogger(__name__)
 
 # SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN (primary result codes): the
 # file or the disk under it, not the SQL, is what failed.
@@ -250,9 +253,26 @@ class StateStore:
                     "change was kept; free space or fix the file, then retry"
                 ) from err
 
-    def close(self) -> None:
-        with self._lock:
+    def close(self, wait_s: float | None = None) -> None:
+        """Close the connections, once no transaction runs; with ``wait_s``, not waiting
+        longer than that for one running on another thread (a daemon stop that gave up a
+        loop pass): it is left open then, and the transaction goes whole or not at all.
+        Nothing committed is lost either way (``synchronous=FULL``: it is in the WAL, which
+        the next open reads); a close left undone skips only SQLite's checkpoint."""
+        timeout = -1.0 if wait_s is None else max(0.0, wait_s)
+        if not self._lock.acquire(timeout=timeout):
+            log.warning(
+                "state database %s: a transaction still ran at the stop; left to the exit",
+                self.path,
+            )
+            return
+        try:
             self._conn.close()
-        with self._reader_lock:
-            if self._reader is not None:
-                self._reader.close()
+        finally:
+            self._lock.release()
+        if self._reader_lock.acquire(timeout=timeout):
+            try:
+                if self._reader is not None:
+                    self._reader.close()
+            finally:
+                self._reader_lock.release()

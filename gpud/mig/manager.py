@@ -1025,6 +1025,22 @@ class MigManager:
             desired = self._store.desired()
             all_ids, faults = self._gpus()
             ids = {g.uuid: g for g in all_ids if g.uuid}
+            checked = self._check_bounded(
+                [
+                    (ids[u], r.layout)
+                    for u, r in desired.items()
+                    if u in ids and ids[u].index not in faults
+                ]
+            )
+            if inflight is not None and _nothing_to_resume(inflight, desired, ids, faults, checked):
+                # written by an earlier gpud for an apply that had nothing to do
+                self._store.finish_apply()
+                log.info(
+                    "dropped the in-flight apply of %s: it has no step and no GPU reset is"
+                    " pending, so there is nothing to resume",
+                    inflight.config_name,
+                )
+                inflight = None
             force = inflight is not None and inflight.options.force
             reset = inflight is not None and not inflight.options.skip_reset
             self._note_unfinished(inflight if mode == "report" else None)
@@ -1045,13 +1061,6 @@ class MigManager:
                     )
                 self._last_report["inflight"] = inflight.config_name
             outcomes: list[GpuOutcome] = []
-            checked = self._check_bounded(
-                [
-                    (ids[u], r.layout)
-                    for u, r in desired.items()
-                    if u in ids and ids[u].index not in faults
-                ]
-            )
             for uuid, record in sorted(desired.items(), key=lambda kv: kv[1].gpu_index):
                 gpu = ids.get(uuid)
                 unread = record.gpu_index < len(all_ids) and not all_ids[record.gpu_index].uuid
@@ -1454,6 +1463,26 @@ def _who(pid: int, job: str | None) -> str:
 
 def _no_answer(timeout_s: float) -> str:
     return f"not answering: no answer from the driver within {timeout_s:.1f} s"
+
+
+def _nothing_to_resume(
+    inflight: InflightRecord,
+    desired: Mapping[str, DesiredRecord],
+    ids: Mapping[str, GpuIdentity],
+    faults: Mapping[int, str],
+    checked: Mapping[int, GpuPlan | Exception],
+) -> bool:
+    """Whether the in-flight plan has nothing left for a resume to do: no step, and no MIG
+    mode change pending a reset that the resume would make (``skip_reset``: it makes none;
+    otherwise every managed GPU present answered, none with one pending). An apply with
+    nothing to do records no plan; an earlier gpud recorded one with no steps."""
+    if inflight.steps:
+        return False
+    if inflight.options.skip_reset:
+        return True
+    if any(u in ids and ids[u].index in faults for u in desired):
+        return False  # a faulty GPU's mode is not known
+    return all(isinstance(p, GpuPlan) and not p.reset_pending for p in checked.values())
 
 
 def _left_alone(index: int, uuid: str, name: str, reason: str) -> GpuOutcome:

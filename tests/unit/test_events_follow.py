@@ -221,6 +221,21 @@ async def test_the_stream_ends_when_gpud_stops(
     assert await stream.code() == grpc.StatusCode.OK
 
 
+async def test_a_watch_that_comes_as_gpud_stops_ends_at_once(
+    served: tuple[EventLog, pb_grpc.NodeStub],
+) -> None:
+    """``gpuctl events --follow`` whose call reaches gpud just after its stop ended the
+    watchers: it gets what the log holds and its stream ends (OK) at once, instead of
+    waiting for the API's grace to cut it (CANCELLED)."""
+    log, stub = served
+    log.emit("job.add", "last", job="a")
+    log.close_watchers()  # what the daemon does first when it stops
+    stream = stub.WatchEvents(pb.WatchEventsRequest(kind_prefix="job.", limit=1))
+    assert _said(await asyncio.wait_for(stream.read(), 5)) == "last"
+    assert await asyncio.wait_for(stream.read(), 5) == grpc.aio.EOF
+    assert await stream.code() == grpc.StatusCode.OK
+
+
 # a gpuctl still running this long is killed: a line it never prints fails its test (an
 # empty line) rather than hanging it
 GPUCTL_LIMIT_S = 30.0

@@ -1832,3 +1832,27 @@ def test_an_apply_with_nothing_to_do_records_no_plan(host: Host, config: MigConf
     d.mig._faults = faults
     assert d.mig.apply(config, "all-balanced").result == "noop"
     assert seen and seen == [None] * len(seen)
+
+
+@pytest.mark.parametrize("options", [ApplyOptions(), ApplyOptions(skip_reset=True)])
+def test_a_recorded_plan_with_no_steps_and_no_reset_pending_is_dropped_not_resumed(
+    host: Host, config: MigConfigFile, options: ApplyOptions, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The plan an earlier gpud recorded for an apply with nothing to do (no step, no GPU
+    reset pending), left in flight by a kill: the next start drops it, saying so once,
+    instead of resuming it as "0/0 steps" and counting a resumed apply."""
+    d = host.start()
+    assert d.mig.apply(config, "all-balanced").result == "success"
+    desired = d.mig._store.desired()
+    layouts = {u: (r.gpu_index, r.layout) for u, r in desired.items()}
+    d.mig._store.begin_apply("all-balanced", layouts, [], options, 0.0)
+    again = host.start()
+    caplog.set_level("INFO", logger="gpud.mig.manager")
+    again.mig.reconcile()
+    again.mig.reconcile()
+    assert again.mig._store.inflight() is None
+    kinds = [e.kind for e in again.events.recent()]
+    assert not {"mig.resume", "mig.apply"} & set(kinds), kinds
+    assert again.mig.stats.snapshot()[0]["resumed"] == 0
+    dropped = [r for r in caplog.records if "dropped the in-flight apply" in r.getMessage()]
+    assert [r.levelname for r in dropped] == ["INFO"]
