@@ -21,6 +21,8 @@ from typing import Any
 
 from gpud.cli.context import (
     JOB_NAME,
+    THREADS_PERCENT,
+    THREADS_RANGE,
     UINT32,
     CliError,
     Context,
@@ -118,9 +120,9 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=integer(1, 100),  # what MPS takes: refused before any question to gpud
+        type=THREADS_PERCENT,
         metavar="PERCENT",
-        help="MPS active thread percentage, 1..100",
+        help=f"MPS active thread percentage, {THREADS_RANGE}",
     )
     parser.add_argument(
         "--memory",
@@ -129,7 +131,10 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
         help="MPS pinned memory limit per device, e.g. 20GiB",
     )
     parser.add_argument(
-        "--priority", type=int, choices=(0, 1), help="MPS client priority: 0 normal, 1 below normal"
+        "--priority",
+        type=integer(0, 1),
+        metavar="{0,1}",
+        help="MPS client priority: 0 normal, 1 below normal",
     )
 
 

@@ -43,7 +43,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers, given
+from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers, given, seconds
 from gpud.cli.output import NA, gib, last_seen
 from gpud.errors import ERROR_TABLE, FailedPrecondition, Partial
 from gpud.shared import MAX_DRAIN_SECONDS, MAX_LAYOUT_BYTES, read_small_text
@@ -94,7 +94,7 @@ def register(subparsers: Subparsers) -> None:
     )
     apply.add_argument(
         "--drain-timeout",
-        type=float,
+        type=seconds(MAX_DRAIN_SECONDS),
         metavar="SECONDS",
         help="with --drain: how long to wait (default: the daemon's mig.drain_timeout_s)",
     )
@@ -253,10 +253,6 @@ def run_apply(ctx: Context, args: argparse.Namespace) -> int:
         raise CliError("--drain-timeout goes with --drain", EXIT_USAGE)
     if args.drain:
         if args.drain_timeout is not None:
-            if not 0 < args.drain_timeout <= MAX_DRAIN_SECONDS:
-                raise CliError(
-                    f"--drain-timeout: must be within 0..{MAX_DRAIN_SECONDS:g} s", EXIT_USAGE
-                )
             request.timeout_seconds = args.drain_timeout
         # The daemon waits up to the drain timeout (its default when not given).
         wait = args.drain_timeout if args.drain_timeout is not None else MAX_DRAIN_SECONDS
