@@ -45,6 +45,11 @@ MAX_XID = 999
 # `gpuctl queue --leave` answers it and `gpuctl queue` lists it
 WAITING_ON_COLOCATION = "co-location"
 
+# The MPS active thread percentages gpud takes (a job's, a device's default): what
+# nvidia-cuda-mps-control takes, (0, 100] in whole percent (gpud.mps.protocol.check_percent).
+MIN_THREADS_PERCENT = 1
+MAX_THREADS_PERCENT = 100
+
 KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB

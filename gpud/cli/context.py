@@ -22,7 +22,7 @@ from typing import Any, TypeAlias, TypeVar
 
 from gpud.cli.output import Output
 from gpud.errors import ERROR_KEY, ERROR_TABLE, EXIT_CODE_KEY, InvalidArgument, Unavailable
-from gpud.shared import check_slo_ms, parse_size
+from gpud.shared import MAX_THREADS_PERCENT, MIN_THREADS_PERCENT, check_slo_ms, parse_size
 
 T = TypeVar("T")
 
@@ -83,6 +83,12 @@ def number(low: float, high: float, *, above: bool = False) -> Callable[[str], f
     return _ranged(float, "a number", low, high, above=above)
 
 
+def seconds(high: float) -> Callable[[str], float]:
+    """An argparse ``type``: a duration in seconds, over 0 and at most ``high`` (a timeout,
+    a drain): ``'abc' is not a number of seconds (0 < s <= 86400)``, the text as given."""
+    return described(number(0, high, above=True), f"a number of seconds (0 < s <= {high:g})")
+
+
 def given(what: str) -> Callable[[str], str]:
     """An argparse ``type`` that refuses an empty (or blank) value, an unset variable most
     likely, as a usage error naming the flag (exit 2), rather than send it to gpud or take
@@ -136,6 +142,10 @@ def slo_ms(text: str) -> float:
 INT32 = integer(-(2**31), 2**31 - 1)
 UINT32 = integer(0, 2**32 - 1)
 UINT64 = integer(0, 2**64 - 1)
+# an MPS active thread percentage (``--threads``), as gpud takes it: refused before any
+# question to gpud
+THREADS_PERCENT = integer(MIN_THREADS_PERCENT, MAX_THREADS_PERCENT)
+THREADS_RANGE = f"{MIN_THREADS_PERCENT}..{MAX_THREADS_PERCENT}"
 _INDEX = integer(0, 2**31 - 1)  # the int32 field a GPU index goes in; no GPU is numbered below 0
 
 

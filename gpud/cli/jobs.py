@@ -21,6 +21,8 @@ from typing import Any
 
 from gpud.cli.context import (
     JOB_NAME,
+    THREADS_PERCENT,
+    THREADS_RANGE,
     UINT32,
     CliError,
     Context,
@@ -85,13 +87,18 @@ _DEVICES = "devices: indexes (0, 0:1) or UUIDs, comma-separated"
 
 
 def devices(text: str) -> list[str]:
-    """An argparse ``type``: ``--devices``, split on commas. Empty items are dropped
-    (``0,,1`` is ``0,1``), but a value that names no device at all (``''``, ``,``), an
-    unset variable most likely and not "anywhere", is a usage error naming the flag."""
-    named = [d for d in text.split(",") if d.strip()]
-    if not named:
+    """An argparse ``type``: ``--devices``, split on commas, each item without the blanks
+    around it (``"0, 1"`` is ``0,1``). A value that names no device at all (``''``, ``,``),
+    an unset variable most likely and not "anywhere", is a usage error naming the flag; so
+    is an empty item among named ones (``0,,1``, ``0,``: ``"$A,$B"`` with ``B`` unset),
+    rather than a job quietly given fewer devices than meant."""
+    items = [d.strip() for d in text.split(",")]
+    if not any(items):
         raise argparse.ArgumentTypeError(f"give {_DEVICES}, got {text!r}")
-    return named
+    if "" in items:
+        where = items.index("") + 1
+        raise argparse.ArgumentTypeError(f"item {where} of {text!r} is empty: give {_DEVICES}")
+    return items
 
 
 def add_placement_options(parser: argparse.ArgumentParser) -> None:
@@ -118,9 +125,9 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=integer(1, 100),  # what MPS takes: refused before any question to gpud
+        type=THREADS_PERCENT,
         metavar="PERCENT",
-        help="MPS active thread percentage, 1..100",
+        help=f"MPS active thread percentage, {THREADS_RANGE}",
     )
     parser.add_argument(
         "--memory",
@@ -129,7 +136,10 @@ def add_placement_options(parser: argparse.ArgumentParser) -> None:
         help="MPS pinned memory limit per device, e.g. 20GiB",
     )
     parser.add_argument(
-        "--priority", type=int, choices=(0, 1), help="MPS client priority: 0 normal, 1 below normal"
+        "--priority",
+        type=integer(0, 1),
+        metavar="{0,1}",
+        help="MPS client priority: 0 normal, 1 below normal",
     )
 
 

@@ -61,10 +61,16 @@ from gpud.cli import mps as mps_cli
 from gpud.cli import net as net_cli
 from gpud.cli import queue as queue_cli
 from gpud.cli import run as run_cli
-from gpud.cli.context import DEFAULT_SOCKET, EXIT_USAGE, CliError, Context, clip_arguments
+from gpud.cli.context import (
+    DEFAULT_SOCKET,
+    EXIT_USAGE,
+    CliError,
+    Context,
+    clip_arguments,
+    seconds,
+)
 from gpud.cli.output import Output, OutputError
 from gpud.cli.pipes import discard_stdout, quiet_on_broken_pipe
-from gpud.shared import format_number
 
 EXIT_OUTPUT = 1  # stdout could not take the answer (a full disk, stdout closed)
 
@@ -91,6 +97,7 @@ DEFAULT_TIMEOUT = 10.0
 # A day: a per-call timeout past it is a typo, and the socket's own timeout overflows
 # somewhere past 1e9 s.
 MAX_TIMEOUT = 86400.0
+TIMEOUT = seconds(MAX_TIMEOUT)  # NaN, 0 and the infinities refused too
 
 
 class _UsageError(Exception):
@@ -143,7 +150,7 @@ def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> N
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=TIMEOUT,
         metavar="SECONDS",
         default=default(DEFAULT_TIMEOUT),
         help=f"per-call timeout (default {DEFAULT_TIMEOUT:g})",
@@ -230,9 +237,6 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
             )
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    if not 0 < args.timeout <= MAX_TIMEOUT:  # NaN too
-        message = f"--timeout must be > 0 and at most {MAX_TIMEOUT:g} s, got {format_number(args.timeout)}"
-        return _fail(CliError(message, EXIT_USAGE), args.json, words=words)
     ctx = Context(
         socket_path=_socket_path(args, os.environ if env is None else env),
         timeout=args.timeout,

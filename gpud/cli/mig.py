@@ -26,24 +26,28 @@ GPU reset where the apply makes one. With ``--drain`` it does not wait: it names
 processes the apply would wait for.
 
 A faulty GPU (lost, not answering) is shown with its reason and left alone while the others
-are shown, applied, checked or exported: the command then exits 11 (partial). A GPU whose
+are shown, applied, checked or exported: the command then exits 11 (partial), and says each
+such GPU and why on stderr (``gpuctl: faulty: GPU 1 (GPU-...): GPU lost ...``; ``not
+checked: ...`` for ``assert``, ``not exported: ...`` for ``export``). A GPU whose
 MIG devices' processes alone cannot be listed is no faulty GPU: its instances are shown with
 ``?`` for processes and the reason on the GPU's line (``--json``: ``processes_unknown``,
 ``processes`` null); one whose MIG devices' memory alone cannot be read likewise, with ``?``
 for memory used (``memory_unknown``).
 
 With ``--json`` the answer is the document on stdout; the note said beside an answer that
-exits non-zero (busy, partial, a GPU left out of an export) is the JSON error document on
-stderr, as an error's is, and that of one that exits 0 (``reset_pending``) is left out.
+exits non-zero (busy, partial: a faulty GPU shown, not checked or left out of an export) is
+the JSON error document on stderr, as an error's is, and that of one that exits 0
+(``reset_pending``) is left out.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers, given
+from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers, given, seconds
 from gpud.cli.output import NA, gib, last_seen
 from gpud.errors import ERROR_TABLE, FailedPrecondition, Partial
 from gpud.shared import MAX_DRAIN_SECONDS, MAX_LAYOUT_BYTES, read_small_text
@@ -94,7 +98,7 @@ def register(subparsers: Subparsers) -> None:
     )
     apply.add_argument(
         "--drain-timeout",
-        type=float,
+        type=seconds(MAX_DRAIN_SECONDS),
         metavar="SECONDS",
         help="with --drain: how long to wait (default: the daemon's mig.drain_timeout_s)",
     )
@@ -160,12 +164,32 @@ def _processes(inst: pb.MigInstance) -> str:
     return ", ".join(parts) or "-"
 
 
+def _left_alone(ctx: Context, what: str, gpus: Sequence[str]) -> int:
+    """Exit 11 (partial) where ``gpus`` name GPUs left alone (``GPU N: why``), each said on
+    stderr as ``gpuctl: WHAT: GPU N: why`` after the answer, so that one who reads only the
+    exit code or stderr learns which and why; under ``--json`` they are the one JSON error
+    document on stderr (its message: each said so, joined by ``; ``), stdout keeping the
+    answer. 0 where ``gpus`` is empty."""
+    if not gpus:
+        return 0
+    if ctx.out.json:
+        raise CliError(f"{what}: {'; '.join(gpus)}", EXIT_PARTIAL)
+    ctx.out.flush()  # the answer before the lines about it, on a terminal or merged
+    for gpu in gpus:
+        print(f"gpuctl: {what}: {gpu}", file=sys.stderr)
+    return EXIT_PARTIAL
+
+
 def run_show(ctx: Context, args: argparse.Namespace) -> int:
     resp: pb.ShowMigResponse = ctx.call(ctx.stub(pb_grpc.MigStub).ShowMig, pb.ShowMigRequest())
-    partial = EXIT_PARTIAL if any(gpu.fault for gpu in resp.gpus) else 0
+    faulty = [
+        f"GPU {gpu.index}{f' ({gpu.uuid})' if gpu.uuid else ''}: {gpu.fault}"
+        for gpu in resp.gpus
+        if gpu.fault
+    ]
     if ctx.out.json:
         ctx.out.print_json(resp)
-        return partial
+        return _left_alone(ctx, "faulty", faulty)
     if resp.unfinished_apply:
         ctx.out.print(f"unfinished apply: {resp.unfinished_apply}")
     for gpu in resp.gpus:
@@ -238,7 +262,7 @@ def run_show(ctx: Context, args: argparse.Namespace) -> int:
         ]
         ctx.out.print()
         ctx.out.print_table(PROFILE_HEADERS, prow)
-    return partial
+    return _left_alone(ctx, "faulty", faulty)
 
 
 def run_apply(ctx: Context, args: argparse.Namespace) -> int:
@@ -253,10 +277,6 @@ def run_apply(ctx: Context, args: argparse.Namespace) -> int:
         raise CliError("--drain-timeout goes with --drain", EXIT_USAGE)
     if args.drain:
         if args.drain_timeout is not None:
-            if not 0 < args.drain_timeout <= MAX_DRAIN_SECONDS:
-                raise CliError(
-                    f"--drain-timeout: must be within 0..{MAX_DRAIN_SECONDS:g} s", EXIT_USAGE
-                )
             request.timeout_seconds = args.drain_timeout
         # The daemon waits up to the drain timeout (its default when not given).
         wait = args.drain_timeout if args.drain_timeout is not None else MAX_DRAIN_SECONDS
@@ -321,7 +341,7 @@ def run_assert(ctx: Context, args: argparse.Namespace) -> int:
             ctx.out.print(f"{line} (not checked)")
     if not resp.matches:
         return EXIT_DIFFERS
-    return EXIT_PARTIAL if resp.faulty else 0
+    return _left_alone(ctx, "not checked", resp.faulty)
 
 
 def run_export(ctx: Context, args: argparse.Namespace) -> int:
@@ -332,8 +352,4 @@ def run_export(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print_json(resp)
     else:
         ctx.out.write(resp.yaml)
-    if resp.left_out and ctx.out.json:  # one JSON document on stderr, as for an error
-        raise CliError(f"not exported: {'; '.join(resp.left_out)}", EXIT_PARTIAL)
-    for gpu in resp.left_out:
-        print(f"gpuctl: not exported: {gpu}", file=sys.stderr)
-    return EXIT_PARTIAL if resp.left_out else 0
+    return _left_alone(ctx, "not exported", resp.left_out)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable
 
-from gpud.cli.context import UINT32, Context, Subparsers, given, size
+from gpud.cli.context import THREADS_PERCENT, THREADS_RANGE, Context, Subparsers, given, size
 from gpud.cli.output import NA, UNKNOWN, last_seen
 from gpud.shared import format_size
 from gpud.v1 import mps_pb2 as pb
@@ -46,7 +46,10 @@ def register(subparsers: Subparsers) -> None:
     )
     threads = set_.add_mutually_exclusive_group()
     threads.add_argument(
-        "--threads", type=UINT32, metavar="PERCENT", help="active thread percentage, 1..100"
+        "--threads",
+        type=THREADS_PERCENT,
+        metavar="PERCENT",
+        help=f"active thread percentage, {THREADS_RANGE}",
     )
     threads.add_argument("--clear-threads", action="store_true", help="back to 100%%")
     memory = set_.add_mutually_exclusive_group()

@@ -12,7 +12,7 @@
 its timestamp defaults to now. A bad report (unknown job, iterations going backwards, a
 timestamp in the future) exits non-zero with the reason and changes nothing. With gpud's
 ``traffic.enabled = false``, ``report``, ``pin`` and ``unpin`` are refused (exit 6): nothing
-would act on them.
+would act on them; a ``pin`` or ``unpin`` of an unknown job is still exit 4 (not found).
 """
 
 from __future__ import annotations

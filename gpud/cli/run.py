@@ -190,13 +190,14 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 _GIVEN_COMMAND = given("the command's name")
+RUN_FORM = "gpuctl run --job NAME [options] -- COMMAND [ARGS...]"
 
 
 class _Command(argparse.Action):
-    """The words after ``--``: the command and its arguments. An empty (or blank) name, an
-    unset variable most likely, is a usage error naming it (exit 2), as an empty value of
-    an option is (:func:`gpud.cli.context.given`); an empty argument after it is the
-    command's own business."""
+    """The words after ``--``: the command and its arguments. None at all, or an empty (or
+    blank) name, an unset variable most likely, is a usage error naming it (exit 2), as an
+    empty value of an option is (:func:`gpud.cli.context.given`); an empty argument after
+    it is the command's own business."""
 
     def __call__(
         self,
@@ -208,11 +209,12 @@ class _Command(argparse.Action):
         words = [str(v) for v in values or ()]
         if words[:1] == ["--"]:
             words = words[1:]
-        if words:
-            try:
-                _GIVEN_COMMAND(words[0])
-            except argparse.ArgumentTypeError as err:
-                raise argparse.ArgumentError(self, str(err)) from None
+        if not words:
+            raise argparse.ArgumentError(self, f"give the command to run: {RUN_FORM}")
+        try:
+            _GIVEN_COMMAND(words[0])
+        except argparse.ArgumentTypeError as err:
+            raise argparse.ArgumentError(self, str(err)) from None
         setattr(namespace, self.dest, words)
 
 
@@ -620,11 +622,7 @@ def _signals_stop() -> Iterator[_Stop]:
 
 
 def run_run(ctx: Context, args: argparse.Namespace) -> int:
-    command = list(args.command)  # without the "--" (_Command), its name never empty
-    if not command:
-        raise CliError(
-            "run: give the command after --, e.g. gpuctl run --job a -- ./train", EXIT_USAGE
-        )
+    command = list(args.command)  # without the "--" (_Command): never empty, nor its name
     # From the first call to gpud until the command runs, a signal stops the run with
     # nothing started and nothing left in gpud; _launch then forwards them to the command.
     with _signals_stop() as stop:

@@ -36,7 +36,7 @@ import re
 from collections.abc import Mapping
 
 from gpud.errors import BackendError, InvalidArgument
-from gpud.shared import GIB, MIB
+from gpud.shared import GIB, MAX_THREADS_PERCENT, MIB, MIN_THREADS_PERCENT
 
 PID_FILE = "nvidia-cuda-mps-control.pid"  # written by the control daemon in its pipe dir
 CONTROL_SOCKET = "control"  # the unix socket clients reach in the pipe dir
@@ -108,8 +108,11 @@ def quit_() -> str:
 
 
 def check_percent(percent: int, *, field: str = "threads") -> int:
-    if not 1 <= percent <= 100:
-        raise InvalidArgument(f"{percent} is not a percentage in 1..100", field=field)
+    if not MIN_THREADS_PERCENT <= percent <= MAX_THREADS_PERCENT:
+        raise InvalidArgument(
+            f"{percent} is not a percentage in {MIN_THREADS_PERCENT}..{MAX_THREADS_PERCENT}",
+            field=field,
+        )
     return percent
 
 

@@ -530,12 +530,13 @@ class TrafficService:
 
     def pin(self, job: str, level: int | None) -> JobTraffic:
         """Pin ``job`` to ``level`` (None: unpin). Refused while traffic is off: the pin
-        would be kept but nothing enforces a level."""
+        would be kept but nothing enforces a level. An unknown job is NotFound first, off
+        or not: the more basic error (a typo in the name) is the one to fix first."""
+        if job not in set(self._jobs()):
+            raise NotFound(f"no job {job!r}")
         self._refuse_while_off("no level is enforced, a pin would change nothing")
         if level is not None and not 0 <= level < self.config.levels:
             raise InvalidArgument(f"must be in [0, {self.config.levels - 1}]", field="level")
-        if job not in set(self._jobs()):
-            raise NotFound(f"no job {job!r}")
         with self._lock:
             self.tag(job)
             self.tags.pin(job, level)

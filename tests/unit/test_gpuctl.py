@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import dataclasses
 import io
@@ -1001,13 +1002,33 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
         == 2
     )  # no command: help on stderr
     assert run(capsys, "frobnicate")[0] == 2
-    for absurd in ("0", "-1", "nan", "inf", "1e309", "1e12"):
-        code, _, err = run(capsys, "--timeout", absurd, "status")
-        assert code == 2 and "--timeout must be > 0" in err, absurd
-    code, _, err = run(capsys, "--timeout", "86400.01", "status")
-    assert code == 2 and "at most 86400 s, got 86400.01" in err
+    for absurd in ("0", "-1", "nan", "inf", "1e309", "1e12", "86400.01", "abc", "10s"):
+        for argv in (("--timeout", absurd, "status"), ("status", "--timeout", absurd)):
+            code, out, err = run(capsys, *argv)
+            prog = "gpuctl" if argv[0] == "--timeout" else "gpuctl status"
+            assert (code, out) == (2, ""), argv
+            assert err.splitlines() == [
+                f"{prog}: error: argument --timeout: {absurd!r} is not a number of seconds"
+                " (0 < s <= 86400)",
+                f"try '{prog} --help'",
+            ]
     code, out, _ = run(capsys, "--help")
     assert code == 0 and "status" in out and "sim" in out
+
+
+def test_no_option_takes_a_bare_int_or_float() -> None:
+    """Every number an option takes goes through gpuctl's typed parsers (a range, named in
+    its refusal), never argparse's ``invalid float value: 'abc'``."""
+    pending = [build_parser()]
+    bare = []
+    while pending:
+        parser = pending.pop()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending.extend(action.choices.values())
+            elif action.type in {int, float}:
+                bare.append(f"{parser.prog} {'/'.join(action.option_strings) or action.dest}")
+    assert bare == []
 
 
 @pytest.mark.parametrize(
@@ -1058,6 +1079,15 @@ def test_a_usage_error_is_its_line_and_where_the_usage_is(
             for ts in ("nan", "inf", "-inf", "-1", "0", "1e400", "now")
         ),
         (("jobs", "add", "x", "--threads", "5000000000"), "--threads: 5000000000 is not in 1..100"),
+        # the percentages gpud takes, as jobs add and run say them
+        (("mps", "set", "--gpu", "0", "--threads", "abc"), "'abc' is not an integer in 1..100"),
+        (("mps", "set", "--gpu", "0", "--threads", "0"), "--threads: 0 is not in 1..100"),
+        (("mps", "set", "--gpu", "0", "--threads", "101"), "--threads: 101 is not in 1..100"),
+        (("jobs", "add", "x", "--priority", "abc"), "--priority: 'abc' is not an integer in 0..1"),
+        (
+            ("mig", "apply", "-f", "x", "-c", "y", "--drain", "--drain-timeout", "nan"),
+            "--drain-timeout: 'nan' is not a number of seconds (0 < s <= 86400)",
+        ),
         (("run", "--job", "x", "--threads", "0", "--", "true"), "--threads: 0 is not in 1..100"),
         (("jobs", "add", "x", "--gpus", "-1"), "--gpus: -1 is not in 1..4294967295"),
         (("jobs", "add", "x", "--gpus", "0"), "--gpus: 0 is not in 1..4294967295"),

@@ -143,6 +143,22 @@ EMPTY = [
     # what names nothing but is not empty, the same way
     ("jobs add", ("a", "--devices", ","), "--devices: give devices: indexes (0, 0:1) or UUIDs"),
     ("run", ("--job", "a", "--devices", ",,", "--", "true"), "--devices: give devices"),
+    # an empty item among devices named: "$A,$B" with B unset, not a job on fewer devices
+    *(
+        (cmd, (*head, "--devices", bad, *tail), f"--devices: item {n} of {bad!r} is empty")
+        for cmd, head, tail in (("jobs add", ("a",), ()), ("run", ("--job", "a"), ("--", "true")))
+        for bad, n in (("0,,1", 2), ("0, ,1", 2), ("0,", 2), (" ,1", 1))
+    ),
+    # no command at all: what is missing and the form, not a run of nothing
+    *(
+        (
+            "run",
+            argv,
+            "-- CMD ARGS...: give the command to run: gpuctl run --job NAME [options]"
+            " -- COMMAND [ARGS...]",
+        )
+        for argv in (("--job", "a"), ("--job", "a", "--"), ("--job", "a", "--gpus", "1"))
+    ),
     ("run", ("--job", "a", "--", ""), "-- CMD ARGS...: give the command's name, got ''"),
     ("run", ("--job", "a", "--", " ", "x"), "-- CMD ARGS...: give the command's name, got ' '"),
     ("sim workload start", ("--gpu", "0", "--pid", "0"), "--pid: 0 is not in 1..4294967295"),
@@ -179,6 +195,7 @@ def test_an_empty_value_is_a_usage_error_naming_its_option(  # noqa: PLR0917 (fi
     [
         (("jobs", "add", "a", "--devices", ","), "jobs add: argument --devices: give devices"),
         (("run", "--job", "a", "--", ""), "run: argument -- CMD ARGS...: give the command's"),
+        (("run", "--job", "a"), "run: argument -- CMD ARGS...: give the command to run: gpuctl"),
         (("sim", "workload", "stop", "--pid", "0"), "sim workload stop: argument --pid: 0 is"),
     ],
 )
@@ -190,6 +207,15 @@ def test_under_json_a_value_naming_nothing_is_a_usage_error_naming_its_command(
     assert (code, out) == (EXIT_USAGE, ""), err
     assert json.loads(err)["error"]["message"].startswith(message), err
     assert node.jobs.registry.all() == []
+
+
+def test_blanks_around_each_device_named_are_dropped() -> None:
+    """``--devices "0, 1"``, as people write a list, is ``0,1`` in every command taking it."""
+    for argv in (("run", "--job", "a", "--", "true"), ("jobs", "add", "a")):
+        args = build_parser().parse_args([*argv[:3], "--devices", " 0, 1 ,0:2", *argv[3:]])
+        assert args.devices == ["0", "1", "0:2"], argv
+    args = build_parser().parse_args(["run", "--job", "a", "--devices", "0,\t1", "--", "true"])
+    assert args.devices == ["0", "1"]
 
 
 def test_empty_words_after_the_command_name_are_its_own() -> None:

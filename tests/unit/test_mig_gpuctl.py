@@ -239,7 +239,7 @@ def test_bad_requests(capsys: pytest.CaptureFixture[str], node: Node, tmp_path: 
     code, _, err = gpuctl(capsys, node, *apply, "--drain-timeout", "5")
     assert code == 2 and "--drain-timeout goes with --drain" in err
     code, _, err = gpuctl(capsys, node, *apply, "--drain", "--drain-timeout", "-1")
-    assert code == 2 and "--drain-timeout: must be within" in err
+    assert code == 2 and "--drain-timeout: '-1' is not a number of seconds (0 < s <= 86400)" in err
 
 
 def test_metric_source(node: Node) -> None:
@@ -324,6 +324,31 @@ def test_export_leaves_a_lost_gpu_out_and_says_so(
     # stderr: one JSON document, as for an error (`2>&1 >/dev/null | jq` reads it)
     error = json.loads(err)["error"]
     assert error["exit_code"] == 11 and error["message"].startswith("not exported: GPU 0: ")
+
+
+def test_show_and_assert_name_each_faulty_gpu_on_stderr(
+    capsys: pytest.CaptureFixture[str], node: Node
+) -> None:
+    """A partial answer (exit 11) says on stderr which GPU was left alone and why, one
+    line each, so that one who reads only ``$?`` or stderr (stdout to a file) learns it;
+    under --json stdout keeps the answer and stderr is the one JSON error document."""
+    code, out, err = gpuctl(capsys, node, "--json", "mig", "show")
+    assert (code, err) == (0, "")
+    uuid = json.loads(out)["gpus"][1]["uuid"]
+    node.sim.faults.lose(1)
+    show, check = ("mig", "show"), ("mig", "assert", "-f", CONFIG, "-c", "all-disabled")
+    code, out, err = gpuctl(capsys, node, *show)
+    assert code == 11 and f"GPU 1 H100-SXM5-80GB {uuid}: faulty: GPU lost" in out, out
+    assert err.startswith(f"gpuctl: faulty: GPU 1 ({uuid}): GPU lost") and "GPU is lost" in err
+    assert err.count("\n") == 1, err
+    code, out, err = gpuctl(capsys, node, *check)
+    assert code == 11 and "the GPUs that answer match" in out
+    assert err.startswith("gpuctl: not checked: GPU 1: GPU lost") and err.count("\n") == 1, err
+    for argv, said in ((show, f"faulty: GPU 1 ({uuid}): GPU lost"), (check, "not checked: GPU 1")):
+        code, out, err = gpuctl(capsys, node, "--json", *argv)
+        assert code == 11 and json.loads(out) is not None
+        error = json.loads(err)["error"]
+        assert error["exit_code"] == 11 and error["message"].startswith(said), error
 
 
 def test_show_answers_within_the_telemetry_call_timeout_when_a_gpu_starts_hanging(

@@ -799,6 +799,26 @@ def test_net_writes_are_refused_while_traffic_is_off(
     assert node.service.tags.allocations() == {} and node.service.tags.pins() == {}
 
 
+def test_a_pin_of_an_unknown_job_is_not_found_while_traffic_is_off(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A job gpud does not know is the more basic error: NOT_FOUND (exit 4), not the
+    refusal of a traffic that is off (exit 6); a known job still gets the refusal."""
+    node = Node(tmp_path / "state", enabled=False)
+    with short_dir() as d:
+        path = d / "gpud.sock"
+        with ServerThread(ApiServer(path, servicers=[NetServicer(node.service).register])):
+            for argv in (("pin", "--job", "nosuch", "--level", "1"), ("unpin", "--job", "nosuch")):
+                code, out, err = gpuctl(capsys, path, "net", *argv)
+                assert code == 4 and out == "", (argv, err)
+                assert err == "gpuctl: no job 'nosuch'\n"
+                code, _, err = gpuctl(capsys, path, "net", *argv, "--json")
+                assert code == 4 and json.loads(err)["error"]["code"] == "NOT_FOUND"
+            code, _, err = gpuctl(capsys, path, "net", "pin", "--job", "train-a", "--level", "9")
+            assert code == 6 and "traffic.enabled = false" in err
+    assert node.service.tags.pins() == {}
+
+
 def test_a_pin_clamped_to_fewer_levels_is_shown_as_clamped(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
