@@ -69,13 +69,10 @@ NOT_LEADER = "not_leader"  # ... the node etcd names does not lead
 DUPLICATE_NODE = "duplicate_node"  # ... another gpud reports under this node's name
 LEADER_KEY_HELD = "leader_key_held"  # etcd names this node, another gpud holds the key
 ORDER_REFUSED = "order_refused"  # the traffic service refused the leader's order
+STALE_ORDER = "stale_order"  # the fence refused it: older than the order in force
 LEADER_ROUND = "leader_round"  # this leader's round failed (its tags not saved)
 STORE_FULL = "store_full"  # ... as etcd is out of space (alarm NOSPACE)
 OWN_CERTIFICATE = "own_certificate"  # this node's certificate expired: peers refuse it
-# the kinds about reaching the leader: gone once this node leads, or reaches the leader
-REPORT_KINDS = frozenset(
-    {LEADER_UNREACHABLE, TLS_HANDSHAKE, LEADER_NOT_READY, NOT_LEADER, DUPLICATE_NODE}
-)
 
 
 def report_error_kind(err: GpudError) -> str:
@@ -89,6 +86,14 @@ def report_error_kind(err: GpudError) -> str:
     if isinstance(err, HandshakeFailed):
         return TLS_HANDSHAKE
     return LEADER_UNREACHABLE
+
+
+# what report_error_kind gives: about reaching the leader, gone once the leader answers
+REPORT_KINDS = frozenset(
+    {LEADER_UNREACHABLE, TLS_HANDSHAKE, LEADER_NOT_READY, NOT_LEADER, DUPLICATE_NODE}
+)
+# gone once this node leads: no leader to reach but itself, no other holder of its key
+LEADER_KINDS = REPORT_KINDS | {LEADER_KEY_HELD}
 
 
 class PeerTransport(Protocol):
@@ -340,7 +345,7 @@ class ClusterAgent:
                 log.error("cluster: %s", problem)
             self._credential_logged = problem
         if info.leading:
-            if self.last_error_kind in REPORT_KINDS or self.last_error_kind == LEADER_KEY_HELD:
+            if self.last_error_kind in LEADER_KINDS:
                 # it leads: no leader to reach but itself (the previous one's error would
                 # stay published while the new leadership settles)
                 self._set_error(problem, OWN_CERTIFICATE if problem else "")
@@ -430,15 +435,13 @@ class ClusterAgent:
             # of this node is known here, so the error names it
             self._note_error(f"{err}; {problem}" if problem else str(err), report_error_kind(err))
             return
-        if self.last_error_kind in REPORT_KINDS:
-            self._set_error("", "")  # the leader answered: nothing keeps this node from it
         if order is None:  # a new leader has not folded our report in yet
-            self._set_error("", "")
             self.request_round(RETRY_S)
-        elif self._apply(order, info):
-            self._set_error("", "")
-        elif hint is not None:
-            self._hint = None  # an order the fence refused: no better than the election's
+        elif not self._apply(order, info):  # its own error: stale, or refused
+            if hint is not None:
+                self._hint = None  # an order the fence refused: no better than the election's
+            return
+        self._set_error("", "")  # the leader answered: nothing keeps this node from it
 
     def _hinted(self, info: LeaderInfo) -> LeaderHint | None:
         """The leader followed instead of the one ``info`` names, if any: a hint holds only
@@ -522,18 +525,16 @@ class ClusterAgent:
             log.warning("cluster: cannot withdraw this node's problem from etcd: %s", err)
 
     async def node_problems(self) -> tuple[list[Problem], str]:
-        """Every node's published problem (none with ``election = "single"``), and whether
-        the list can be trusted (:attr:`ClusterStatus.problems_state`): an etcd this node
-        cannot read leaves it unknown, one out of space lets no node record a new one."""
+        """Every node's published problem (none with ``election = "single"``), and why they
+        could not be read, in store_state's words ("" when read: the caller judges the
+        list by its own reading of the election, :meth:`status_with_nodes`)."""
         if self._problems is None:
             return [], ""
         try:
-            found = await asyncio.to_thread(self._problems.read)
+            return await asyncio.to_thread(self._problems.read), ""
         except GpudError as err:
             log.debug("cluster: cannot read the nodes' problems: %s", err)
             return [], store.store_state(err)
-        full = NOSPACE in self.etcd_alarms or self.election.state().store_state == store.STORE_FULL
-        return found, store.STORE_FULL if full else store.STORE_OK
 
     def _note_error(self, message: str, kind: str) -> None:
         """``message`` as ``last_error`` (logged when it changed), ``kind`` what it is."""
@@ -651,7 +652,13 @@ class ClusterAgent:
         """:meth:`status`, with every node's published problem; on a follower, with the node
         list asked of the leader it reports to (the hinted one while it follows a hint)."""
         status = self.status()
-        found, state = await self.node_problems()
+        found, unread = await self.node_problems()
+        state = ""
+        if self._problems is not None:
+            # the list can be trusted (ClusterStatus.problems_state) unless unread, or etcd
+            # is out of space (no node can record a new one), by the status's own reading
+            full = NOSPACE in status.etcd_alarms or status.info.store_state == store.STORE_FULL
+            state = unread or (store.STORE_FULL if full else store.STORE_OK)
         status = dataclasses.replace(status, problems=tuple(found), problems_state=state)
         info, hint = status.info, status.hint
         leader, address = (hint.leader, hint.address) if hint else (info.leader, info.address)
@@ -695,6 +702,14 @@ class ClusterAgent:
                     epoch=order.epoch,
                     leader=order.leader,
                 )
+            # no contact: the node holds the order in force, then falls back to its local
+            # policy, and says why (logged above, every time)
+            self._set_error(
+                f"rejected the order {order.epoch}.{order.seq} (epoch.seq) from "
+                f"{order.leader or '?'}: {self.fence.epoch}.{self.fence.seq}, newer, is in "
+                "force",
+                STALE_ORDER,
+            )
             return False
         restart = order.epoch < newest
         if restart:

@@ -709,6 +709,28 @@ async def test_the_status_says_whether_the_nodes_problems_could_be_read_and_reco
     assert status.problems_state == "" and not status_to_pb(status).HasField("problems_state")
 
 
+class TurningElection(FixedElection):
+    """Says ``first`` at its first reading, then ``info`` (etcd's state changed between)."""
+
+    def __init__(self, first: LeaderInfo, info: LeaderInfo) -> None:
+        super().__init__(info)
+        self.first: LeaderInfo | None = first
+
+    def state(self) -> LeaderInfo:
+        first, self.first = self.first, None
+        return first or self.info
+
+
+async def test_the_problems_state_agrees_with_the_store_state_of_the_same_status() -> None:
+    ok = LeaderInfo("n0", "a0", epoch=3, leading=True, store_state="ok")
+    full = dataclasses.replace(ok, store_state="full")
+    for first, then, expected in ((full, ok, "full"), (ok, full, "ok")):
+        node = agent("n0", ok, FakeTraffic(()), LoopbackPeers(), Clock(), problems=Board())
+        node.election = TurningElection(first, then)
+        status = await node.status_with_nodes()
+        assert (status.info.store_state, status.problems_state) == (expected, expected)
+
+
 async def cut_off_from_n0(*, settle_s: float = 0.0) -> tuple[ClusterAgent, Board]:
     """Node n1 after a round in which its leader, n0, was dead: its problem published."""
     wall, board = Clock(), Board()
@@ -868,6 +890,15 @@ async def test_a_node_that_reaches_the_leader_drops_its_unreachable_error() -> N
     peers.forced = Order(epoch=9, seq=2, leader="n0", levels={"a": 1}, tags={"a": 12})
     await follower.tick()
     assert follower.fence.rejected == 1  # stale: not applied
+    # reached, so no longer unreachable; but it follows no order, and says why
+    assert follower.last_error_kind == "stale_order"
+    assert follower.last_error == (
+        "rejected the order 9.2 (epoch.seq) from n0: 9.4, newer, is in force"
+    )
+    assert board.entries["n1"].kind == "stale_order"
+    # the leader's next order passes the fence: the problem goes
+    peers.forced = Order(epoch=9, seq=5, leader="n0", levels={"a": 1}, tags={"a": 12})
+    await follower.tick()
     assert (follower.last_error, follower.last_error_kind) == ("", "")
     assert board.entries == {}
 
