@@ -242,7 +242,8 @@ class ClusterAgent:
         self._alarms_read_at: float | None = None  # (clock) none yet
         self._changed = asyncio.Event()
         self._tick_lock = asyncio.Lock()
-        self._stopping = False  # gpud is stopping: no round starts
+        self._stopping = False  # gpud is stopping: no report to the leader, nothing published
+        self._ended = False  # the cluster stops (end_rounds): no round at all, a leader's too
         # an extra round after DELAY seconds (the runtime schedules it; a no-op by default)
         self.request_round: Callable[[float], None] = lambda delay: None
 
@@ -311,22 +312,36 @@ class ClusterAgent:
         )
 
     async def tick(self) -> None:
-        """One round: the daemon's step, and at once when the leader changes; none once
-        gpud is stopping (:meth:`begin_stop`), also one that waited for the round before."""
-        if self._stopping:
+        """One round: the daemon's step, and at once when the leader changes. Once gpud is
+        stopping (:meth:`begin_stop`) only a leader's, until the cluster's stop gives up
+        its leadership (:meth:`end_rounds`); checked again once the round before ended."""
+        if not self._may_round():
             return
         async with self._tick_lock:
-            if not self._stopping:
+            if self._may_round():
                 await self._tick()
 
+    def _may_round(self) -> bool:
+        return not self._ended and (not self._stopping or self.election.state().leading)
+
     def begin_stop(self) -> None:
-        """gpud is stopping: no new round (no report to the leader, no leader round)."""
+        """gpud is stopping: no new report to the leader, and this node's problem is no
+        longer published (the stop withdraws it). A leader goes on with its rounds: its
+        nodes get orders until it gives up the leadership (:meth:`end_rounds`), and a
+        successor is elected at once rather than once its lease expires."""
         self._stopping = True
 
+    def end_rounds(self) -> None:
+        """The cluster stops (before it gives up the leadership): no round at all from now,
+        and a round still under way computes no order."""
+        self.begin_stop()
+        self._ended = True
+
     async def finish_rounds(self, timeout_s: float) -> bool:
-        """At a stop: start no round, and wait up to ``timeout_s`` for the one running (a
-        report to the leader on its way, its order to apply) to end; False if it still
-        runs (it is then left to the caller to cut off)."""
+        """At a stop: start no report to the leader (:meth:`begin_stop`), and wait up to
+        ``timeout_s`` for the round running (a report on its way, its order to apply) to
+        end; False if it still runs (it is then left running: its thread cannot be cut
+        off, and what it would do once the cluster stopped is skipped)."""
         self.begin_stop()
         try:
             await asyncio.wait_for(self._tick_lock.acquire(), timeout=timeout_s)
@@ -338,6 +353,8 @@ class ClusterAgent:
     async def _tick(self) -> None:
         info = self.election.state()
         report = await asyncio.to_thread(self.local_report)
+        if self._stopping and not info.leading:
+            return  # gpud stopped meanwhile: no report to the leader
         problem = self._credential_problem(self._wall())
         self._check_certificates()
         if problem != self._credential_logged:  # once, not every round
@@ -351,7 +368,11 @@ class ClusterAgent:
                 self._set_error(problem, OWN_CERTIFICATE if problem else "")
             settling = self._agg_epoch != info.epoch
             try:
-                order = await asyncio.to_thread(self._lead, info.epoch, report)
+                # none once the cluster stops: its tags would be written to etcd after it
+                # gave up the leadership
+                order = (
+                    None if self._ended else await asyncio.to_thread(self._lead, info.epoch, report)
+                )
             except GpudError as err:
                 full = isinstance(err, StoreFull)
                 self._note_error(
@@ -388,7 +409,8 @@ class ClusterAgent:
                 self._set_error(problem, OWN_CERTIFICATE if problem else "")
         self._update_mode(info)
         await self._read_alarms()
-        await self._publish_problem()
+        if not self._stopping:  # the stop withdraws it (close)
+            await self._publish_problem()
 
     async def _follow(self, info: LeaderInfo, report: NodeReport, problem: str) -> None:
         """Report to the leader and apply its answer.

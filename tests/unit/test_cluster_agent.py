@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from gpud.cluster.ports import MemoryTagStore, StaticNodeView, StoreAlarms
 from gpud.cluster.problems import Problem, ProblemBoard
 from gpud.errors import DuplicateNode, FailedPrecondition, LeaderNotReady, Unavailable
 from gpud.events import EventLog
-from gpud.net.port import FakeTraffic, JobTraffic, OrderResult
+from gpud.net.port import FakeTraffic, JobTraffic, LocalReport, OrderResult
 from netshaper.leveller import LevellerConfig
 
 
@@ -917,14 +918,22 @@ class HeldPeers(LoopbackPeers):
         return await super().report(address, leader, report)
 
 
-async def test_a_stop_waits_for_the_report_in_flight_and_starts_no_other() -> None:
-    clock, peers = Clock(), HeldPeers()
+async def leader_and_follower(
+    peers: LoopbackPeers, clock: Clock
+) -> tuple[ClusterAgent, ClusterAgent]:
+    """n0 leading epoch 7 (one round done), n1 following it with job a."""
     leader = agent("n0", LeaderInfo("n0", "a0", 7, True), FakeTraffic(()), peers, clock)
     follower = agent(
         "n1", LeaderInfo("n0", "a0", 7, False), FakeTraffic((job("a", 0.5),)), peers, clock
     )
     peers.leader = leader
     await leader.tick()
+    return leader, follower
+
+
+async def test_a_stop_waits_for_the_report_in_flight_and_starts_no_other() -> None:
+    clock, peers = Clock(), HeldPeers()
+    _, follower = await leader_and_follower(peers, clock)
     in_flight = asyncio.create_task(follower.tick())
     await asyncio.sleep(0.01)
     assert peers.sent == 1
@@ -950,3 +959,68 @@ async def test_a_stop_gives_up_on_a_report_that_does_not_end_in_time() -> None:
     await asyncio.sleep(0.01)
     assert not await follower.finish_rounds(0.05)
     in_flight.cancel()
+
+
+async def test_a_stopping_leader_goes_on_ordering_until_the_cluster_stops() -> None:
+    # gpud stops: the leader keeps handing out orders (no follower waits for a new leader
+    # meanwhile) until its cluster's stop gives up the leadership; a follower stops
+    # reporting at once
+    clock, peers = Clock(), LoopbackPeers()
+    leader, follower = await leader_and_follower(peers, clock)
+    assert await leader.finish_rounds(1.0)
+    await follower.tick()  # folded in: its order comes with the leader's next round
+    await leader.tick()
+    assert leader.read_order("n1", ["a"]) is not None
+    await follower.tick()
+    assert follower.order is not None and follower.order.seq == leader._issued[1]
+    issued = leader._issued
+    leader.end_rounds()  # the cluster's stop, before it gives up the leadership
+    await leader.tick()
+    assert leader._issued == issued
+    follower.begin_stop()
+    peers.leader = None  # unreachable: a report would fail
+    await follower.tick()
+    assert follower.last_error == ""
+
+
+async def test_a_round_left_running_at_the_stop_neither_publishes_nor_leads() -> None:
+    clock, peers, board = Clock(), HeldPeers(), Board()
+    follower = agent(
+        "n1",
+        LeaderInfo("n0", "a0", 7, False),
+        FakeTraffic((job("a", 0.5),)),
+        peers,
+        clock,
+        problems=board,
+    )
+    in_flight = asyncio.create_task(follower.tick())
+    await asyncio.sleep(0.01)
+    assert not await follower.finish_rounds(0.05)  # left running
+    await follower.close()
+    peers.go.set()  # its report fails (no leader): an error, not published after the close
+    await in_flight
+    assert follower.last_error_kind == "leader_unreachable"
+    assert board.writes == [] and board.entries == {}
+    # a leader's round under way when the cluster stops computes no order (no tags written
+    # after it gave up the leadership)
+    traffic = HeldTraffic()
+    leader = agent("n0", LeaderInfo("n0", "a0", 7, True), traffic, LoopbackPeers(), clock)
+    leading = asyncio.create_task(leader.tick())
+    assert await asyncio.to_thread(traffic.asked.wait, 5)
+    leader.end_rounds()
+    traffic.go.set()
+    await leading
+    assert leader._issued == (0, 0) and leader.order is None
+
+
+class HeldTraffic(FakeTraffic):
+    """A traffic service whose report waits for ``go`` (a round under way)."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+        self.asked, self.go = threading.Event(), threading.Event()
+
+    def local_report(self) -> LocalReport:
+        self.asked.set()
+        self.go.wait(5)
+        return super().local_report()
