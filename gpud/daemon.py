@@ -934,10 +934,14 @@ class Daemon:
             # event watchers (gpuctl events --follow) end their streams now, not at the grace
             self.events.close_watchers()
             self.calls.close()
-            # no cluster round starts now (a report to the leader); the one running is
-            # waited for by the cluster's shutdown hook, a short while
-            self.cluster.begin_stop()
+            # no report to the leader starts now; the cluster round under way (a report in
+            # flight, its order to apply) ends meanwhile, a short while, before the
+            # cluster's shutdown hook gives up the leadership
+            rounds = asyncio.ensure_future(
+                self._finish_rounds(left(self.cluster.round_stop_wait_s()))
+            )
             await self._answer_calls(left(self.call_stop_wait_s), left(self.pass_stop_wait_s))
+            await rounds
             with contextlib.suppress(Exception):
                 await self.api.stop(grace=left(2.0))
             # An apply whose client the stop cancelled ends at its next drain poll; one
@@ -1047,6 +1051,24 @@ class Daemon:
                 " next start finishes it",
                 self.calls.running,
             )
+
+    async def _finish_rounds(self, timeout_s: float) -> None:
+        """At a stop: wait up to ``timeout_s`` for the cluster round under way (or until a
+        second SIGTERM/SIGINT); past that it is left running, and what it would do once the
+        cluster stopped (an order computed, a problem published) is skipped."""
+        finishing = asyncio.ensure_future(self.cluster.agent.finish_rounds(timeout_s))
+        if await self._unless_cut(finishing, timeout_s + 0.1) and finishing.result():
+            return
+        finishing.cancel()
+        why = (
+            "at a second stop (SIGTERM/SIGINT)"
+            if self._stop_now.is_set()
+            else f"{timeout_s:.1f} s into the stop"
+        )
+        log.warning(
+            "stop: a cluster round (a report to the leader, a leader's round) still ran %s: left running",
+            why,
+        )
 
     async def _mig_idle(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a running MIG apply to end, or until a second

@@ -21,16 +21,11 @@ import re
 import time
 from collections.abc import Sequence
 
-from gpud.cli.context import JOB_NAME, Context, Subparsers
+from gpud.cli.context import EXIT_PARTIAL, JOB_NAME, Context, Subparsers
 from gpud.cli.output import seconds
 from gpud.cli.pipes import when_reader_goes
-from gpud.errors import ERROR_TABLE, Partial
 from gpud.v1 import cluster_pb2 as pb
 from gpud.v1 import cluster_pb2_grpc as pb_grpc
-
-# a degraded answer: the nodes' problems unknown (etcd not read) or not recordable (etcd
-# out of space), as `gpuctl mig show` exits for the GPUs it could not read
-EXIT_PARTIAL = ERROR_TABLE[Partial][1]  # 11
 
 _RENEW_SOON_S = 14 * 86400  # as the daemon's warning (gpud.cluster.certexpiry.WARN_S)
 
@@ -283,12 +278,18 @@ def problems_state(resp: pb.GetClusterStatusResponse) -> str:
     """Whether the nodes' problems as listed can be trusted, in :func:`store_state`'s
     words: "ok"; "unreachable" or "refused" (this node could not read them: unknown);
     "full" (etcd refuses writes: no node can record a new one); "" with no etcd. An older
-    gpud sends no ``problems_state``: its ``store_state`` stands for it."""
+    gpud sends no ``problems_state``: its alarms and ``store_state`` stand for it, and the
+    problems it lists were read whatever its last etcd call met."""
     if resp.HasField("problems_state"):
         return resp.problems_state
     if resp.election != "etcd":
         return ""
-    return store_state(resp)
+    if "NOSPACE" in resp.etcd_alarms:
+        return "full"
+    state = store_state(resp)
+    if state in ("unreachable", "refused") and resp.problems:
+        return "ok"
+    return state
 
 
 def _problems_note(resp: pb.GetClusterStatusResponse) -> str:

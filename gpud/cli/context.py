@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
 
 from gpud.cli.output import Output
-from gpud.errors import ERROR_KEY, ERROR_TABLE, EXIT_CODE_KEY, InvalidArgument, Unavailable
+from gpud.errors import (
+    ERROR_KEY,
+    ERROR_TABLE,
+    EXIT_CODE_KEY,
+    InvalidArgument,
+    Partial,
+    Unavailable,
+)
 from gpud.shared import MAX_THREADS_PERCENT, MIN_THREADS_PERCENT, check_slo_ms, parse_size
 
 T = TypeVar("T")
@@ -31,6 +38,9 @@ Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 DEFAULT_SOCKET = Path("/run/gpud/gpud.sock")
 EXIT_NOT_RUNNING = ERROR_TABLE[Unavailable][1]  # 3
+# a degraded answer: done for the GPUs that answer (mig), the nodes' problems unknown or
+# not recordable (cluster status); what is missing is said with its reason
+EXIT_PARTIAL = ERROR_TABLE[Partial][1]  # 11
 EXIT_PERMISSION = 77
 EXIT_USAGE = 2
 

@@ -47,9 +47,17 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpud.cli.context import EXIT_USAGE, CliError, Context, Subparsers, given, seconds
+from gpud.cli.context import (
+    EXIT_PARTIAL,
+    EXIT_USAGE,
+    CliError,
+    Context,
+    Subparsers,
+    given,
+    seconds,
+)
 from gpud.cli.output import NA, gib, last_seen
-from gpud.errors import ERROR_TABLE, FailedPrecondition, Partial
+from gpud.errors import ERROR_TABLE, FailedPrecondition
 from gpud.shared import MAX_DRAIN_SECONDS, MAX_LAYOUT_BYTES, read_small_text
 from gpud.v1 import mig_pb2 as pb
 from gpud.v1 import mig_pb2_grpc as pb_grpc
@@ -57,7 +65,6 @@ from gpud.v1 import mig_pb2_grpc as pb_grpc
 EXIT_DIFFERS = 1
 CONFIG = given("the config's name")
 EXIT_FAILED = 1
-EXIT_PARTIAL = ERROR_TABLE[Partial][1]  # 11: done for the GPUs that answer
 # 6 (Busy, a FailedPrecondition): refused, processes run on what would be destroyed
 EXIT_BUSY = ERROR_TABLE[FailedPrecondition][1]
 # How long an apply that may reset GPUs is waited for: a reset takes seconds to tens of

@@ -69,13 +69,10 @@ NOT_LEADER = "not_leader"  # ... the node etcd names does not lead
 DUPLICATE_NODE = "duplicate_node"  # ... another gpud reports under this node's name
 LEADER_KEY_HELD = "leader_key_held"  # etcd names this node, another gpud holds the key
 ORDER_REFUSED = "order_refused"  # the traffic service refused the leader's order
+STALE_ORDER = "stale_order"  # the fence refused it: older than the order in force
 LEADER_ROUND = "leader_round"  # this leader's round failed (its tags not saved)
 STORE_FULL = "store_full"  # ... as etcd is out of space (alarm NOSPACE)
 OWN_CERTIFICATE = "own_certificate"  # this node's certificate expired: peers refuse it
-# the kinds about reaching the leader: gone once this node leads, or reaches the leader
-REPORT_KINDS = frozenset(
-    {LEADER_UNREACHABLE, TLS_HANDSHAKE, LEADER_NOT_READY, NOT_LEADER, DUPLICATE_NODE}
-)
 
 
 def report_error_kind(err: GpudError) -> str:
@@ -89,6 +86,14 @@ def report_error_kind(err: GpudError) -> str:
     if isinstance(err, HandshakeFailed):
         return TLS_HANDSHAKE
     return LEADER_UNREACHABLE
+
+
+# what report_error_kind gives: about reaching the leader, gone once the leader answers
+REPORT_KINDS = frozenset(
+    {LEADER_UNREACHABLE, TLS_HANDSHAKE, LEADER_NOT_READY, NOT_LEADER, DUPLICATE_NODE}
+)
+# gone once this node leads: no leader to reach but itself, no other holder of its key
+LEADER_KINDS = REPORT_KINDS | {LEADER_KEY_HELD}
 
 
 class PeerTransport(Protocol):
@@ -237,7 +242,8 @@ class ClusterAgent:
         self._alarms_read_at: float | None = None  # (clock) none yet
         self._changed = asyncio.Event()
         self._tick_lock = asyncio.Lock()
-        self._stopping = False  # gpud is stopping: no round starts
+        self._stopping = False  # gpud is stopping: no report to the leader, nothing published
+        self._ended = False  # the cluster stops (end_rounds): no round at all, a leader's too
         # an extra round after DELAY seconds (the runtime schedules it; a no-op by default)
         self.request_round: Callable[[float], None] = lambda delay: None
 
@@ -306,22 +312,36 @@ class ClusterAgent:
         )
 
     async def tick(self) -> None:
-        """One round: the daemon's step, and at once when the leader changes; none once
-        gpud is stopping (:meth:`begin_stop`), also one that waited for the round before."""
-        if self._stopping:
+        """One round: the daemon's step, and at once when the leader changes. Once gpud is
+        stopping (:meth:`begin_stop`) only a leader's, until the cluster's stop gives up
+        its leadership (:meth:`end_rounds`); checked again once the round before ended."""
+        if not self._may_round():
             return
         async with self._tick_lock:
-            if not self._stopping:
+            if self._may_round():
                 await self._tick()
 
+    def _may_round(self) -> bool:
+        return not self._ended and (not self._stopping or self.election.state().leading)
+
     def begin_stop(self) -> None:
-        """gpud is stopping: no new round (no report to the leader, no leader round)."""
+        """gpud is stopping: no new report to the leader, and this node's problem is no
+        longer published (the stop withdraws it). A leader goes on with its rounds: its
+        nodes get orders until it gives up the leadership (:meth:`end_rounds`), and a
+        successor is elected at once rather than once its lease expires."""
         self._stopping = True
 
+    def end_rounds(self) -> None:
+        """The cluster stops (before it gives up the leadership): no round at all from now,
+        and a round still under way computes no order."""
+        self.begin_stop()
+        self._ended = True
+
     async def finish_rounds(self, timeout_s: float) -> bool:
-        """At a stop: start no round, and wait up to ``timeout_s`` for the one running (a
-        report to the leader on its way, its order to apply) to end; False if it still
-        runs (it is then left to the caller to cut off)."""
+        """At a stop: start no report to the leader (:meth:`begin_stop`), and wait up to
+        ``timeout_s`` for the round running (a report on its way, its order to apply) to
+        end; False if it still runs (it is then left running: its thread cannot be cut
+        off, and what it would do once the cluster stopped is skipped)."""
         self.begin_stop()
         try:
             await asyncio.wait_for(self._tick_lock.acquire(), timeout=timeout_s)
@@ -333,6 +353,8 @@ class ClusterAgent:
     async def _tick(self) -> None:
         info = self.election.state()
         report = await asyncio.to_thread(self.local_report)
+        if self._stopping and not info.leading:
+            return  # gpud stopped meanwhile: no report to the leader
         problem = self._credential_problem(self._wall())
         self._check_certificates()
         if problem != self._credential_logged:  # once, not every round
@@ -340,13 +362,17 @@ class ClusterAgent:
                 log.error("cluster: %s", problem)
             self._credential_logged = problem
         if info.leading:
-            if self.last_error_kind in REPORT_KINDS or self.last_error_kind == LEADER_KEY_HELD:
+            if self.last_error_kind in LEADER_KINDS:
                 # it leads: no leader to reach but itself (the previous one's error would
                 # stay published while the new leadership settles)
                 self._set_error(problem, OWN_CERTIFICATE if problem else "")
             settling = self._agg_epoch != info.epoch
             try:
-                order = await asyncio.to_thread(self._lead, info.epoch, report)
+                # none once the cluster stops: its tags would be written to etcd after it
+                # gave up the leadership
+                order = (
+                    None if self._ended else await asyncio.to_thread(self._lead, info.epoch, report)
+                )
             except GpudError as err:
                 full = isinstance(err, StoreFull)
                 self._note_error(
@@ -383,7 +409,8 @@ class ClusterAgent:
                 self._set_error(problem, OWN_CERTIFICATE if problem else "")
         self._update_mode(info)
         await self._read_alarms()
-        await self._publish_problem()
+        if not self._stopping:  # the stop withdraws it (close)
+            await self._publish_problem()
 
     async def _follow(self, info: LeaderInfo, report: NodeReport, problem: str) -> None:
         """Report to the leader and apply its answer.
@@ -430,15 +457,13 @@ class ClusterAgent:
             # of this node is known here, so the error names it
             self._note_error(f"{err}; {problem}" if problem else str(err), report_error_kind(err))
             return
-        if self.last_error_kind in REPORT_KINDS:
-            self._set_error("", "")  # the leader answered: nothing keeps this node from it
         if order is None:  # a new leader has not folded our report in yet
-            self._set_error("", "")
             self.request_round(RETRY_S)
-        elif self._apply(order, info):
-            self._set_error("", "")
-        elif hint is not None:
-            self._hint = None  # an order the fence refused: no better than the election's
+        elif not self._apply(order, info):  # its own error: stale, or refused
+            if hint is not None:
+                self._hint = None  # an order the fence refused: no better than the election's
+            return
+        self._set_error("", "")  # the leader answered: nothing keeps this node from it
 
     def _hinted(self, info: LeaderInfo) -> LeaderHint | None:
         """The leader followed instead of the one ``info`` names, if any: a hint holds only
@@ -522,18 +547,16 @@ class ClusterAgent:
             log.warning("cluster: cannot withdraw this node's problem from etcd: %s", err)
 
     async def node_problems(self) -> tuple[list[Problem], str]:
-        """Every node's published problem (none with ``election = "single"``), and whether
-        the list can be trusted (:attr:`ClusterStatus.problems_state`): an etcd this node
-        cannot read leaves it unknown, one out of space lets no node record a new one."""
+        """Every node's published problem (none with ``election = "single"``), and why they
+        could not be read, in store_state's words ("" when read: the caller judges the
+        list by its own reading of the election, :meth:`status_with_nodes`)."""
         if self._problems is None:
             return [], ""
         try:
-            found = await asyncio.to_thread(self._problems.read)
+            return await asyncio.to_thread(self._problems.read), ""
         except GpudError as err:
             log.debug("cluster: cannot read the nodes' problems: %s", err)
             return [], store.store_state(err)
-        full = NOSPACE in self.etcd_alarms or self.election.state().store_state == store.STORE_FULL
-        return found, store.STORE_FULL if full else store.STORE_OK
 
     def _note_error(self, message: str, kind: str) -> None:
         """``message`` as ``last_error`` (logged when it changed), ``kind`` what it is."""
@@ -651,7 +674,13 @@ class ClusterAgent:
         """:meth:`status`, with every node's published problem; on a follower, with the node
         list asked of the leader it reports to (the hinted one while it follows a hint)."""
         status = self.status()
-        found, state = await self.node_problems()
+        found, unread = await self.node_problems()
+        state = ""
+        if self._problems is not None:
+            # the list can be trusted (ClusterStatus.problems_state) unless unread, or etcd
+            # is out of space (no node can record a new one), by the status's own reading
+            full = NOSPACE in status.etcd_alarms or status.info.store_state == store.STORE_FULL
+            state = unread or (store.STORE_FULL if full else store.STORE_OK)
         status = dataclasses.replace(status, problems=tuple(found), problems_state=state)
         info, hint = status.info, status.hint
         leader, address = (hint.leader, hint.address) if hint else (info.leader, info.address)
@@ -695,6 +724,14 @@ class ClusterAgent:
                     epoch=order.epoch,
                     leader=order.leader,
                 )
+            # no contact: the node holds the order in force, then falls back to its local
+            # policy, and says why (logged above, every time)
+            self._set_error(
+                f"rejected the order {order.epoch}.{order.seq} (epoch.seq) from "
+                f"{order.leader or '?'}: {self.fence.epoch}.{self.fence.seq}, newer, is in "
+                "force",
+                STALE_ORDER,
+            )
             return False
         restart = order.epoch < newest
         if restart:

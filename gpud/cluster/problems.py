@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,7 +57,9 @@ class ProblemBoard(Protocol):
 
 
 class EtcdProblemBoard:
-    """Called from one thread at a time (the agent's round, then its stop)."""
+    """Called from the agent's round, and from its stop: one at a time (a lock), and
+    nothing published once closed (a round left running at the stop would otherwise grant
+    a new lease and put the entry back for a lease's time)."""
 
     def __init__(
         self,
@@ -71,8 +74,15 @@ class EtcdProblemBoard:
         self._ttl_s = ttl_s
         self._wall = wall
         self._leases: dict[str, int] = {}  # node -> the lease its entry is on
+        self._lock = threading.Lock()
+        self._closed = False
 
     def publish(self, node: str, message: str, since: float, kind: str) -> None:
+        with self._lock:
+            if not self._closed:
+                self._publish(node, message, since, kind)
+
+    def _publish(self, node: str, message: str, since: float, kind: str) -> None:
         # Renew the entry's lease rather than grant one per publish: every grant would
         # leave the previous lease alive, keyless, for the rest of its TTL.
         lease = self._leases.get(node, 0)
@@ -87,13 +97,16 @@ class EtcdProblemBoard:
         self._client.put(self._prefix + node, value, lease=lease)
 
     def clear(self, node: str) -> None:
-        # the key may be a previous run's, on a lease this process never held
-        self._client.delete(self._prefix + node)
-        self._revoke(node)
+        with self._lock:
+            # the key may be a previous run's, on a lease this process never held
+            self._client.delete(self._prefix + node)
+            self._revoke(node)
 
     def close(self) -> None:
-        for node in list(self._leases):
-            self._revoke(node)
+        with self._lock:
+            self._closed = True
+            for node in list(self._leases):
+                self._revoke(node)
 
     def _revoke(self, node: str) -> None:
         lease = self._leases.get(node)

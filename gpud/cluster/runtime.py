@@ -32,9 +32,10 @@ from netshaper.leveller import LevellerConfig
 
 log = logging.getLogger(__name__)
 
-# seconds the cluster's stop waits at most for a round under way (a report in flight: it
-# ends by its deadline, report_timeout_s), within the daemon's stop budget: the rest of the
-# hook (giving up the leadership, withdrawing this node's problem) must still fit its share
+# seconds a stop waits at most for a cluster round under way (a report in flight: it ends by
+# its deadline, report_timeout_s), meanwhile the daemon answers its calls; before the
+# shutdown hooks, so that the cluster's (giving up the leadership, withdrawing this node's
+# problem) has its share whole
 ROUND_STOP_WAIT_S = 3.0
 
 
@@ -218,17 +219,17 @@ class ClusterRuntime:
             except Exception:
                 log.exception("cluster round after a leader change failed")
 
-    def begin_stop(self) -> None:
-        """gpud is stopping: no new round starts (the daemon calls it at once, long before
-        :meth:`stop`, its shutdown hook)."""
-        self.agent.begin_stop()
+    def round_stop_wait_s(self) -> float:
+        """Seconds a stop waits for the round under way (Daemon.run): its report's
+        deadline, ROUND_STOP_WAIT_S at most."""
+        return min(self.config.report_timeout_s + 0.5, ROUND_STOP_WAIT_S)
 
     async def stop(self) -> None:
-        # a round on its way (a report to the leader, this leader's round) ends rather than
-        # being cut off: its report's deadline is report_timeout_s
-        wait_s = min(self.config.report_timeout_s + 0.5, ROUND_STOP_WAIT_S)
-        if not await self.agent.finish_rounds(wait_s):
-            log.warning("cluster: a round still ran %.1f s into the stop: cut off", wait_s)
+        """The daemon's shutdown hook: the round under way was waited for before (by then
+        ended, or left running), so at once no round, then give up the leadership (a
+        successor is elected now, not at the lease's end) and withdraw this node's
+        problem."""
+        self.agent.end_rounds()
         if self._kicker is not None:
             self._kicker.cancel()
         if self._election is not None:

@@ -699,7 +699,8 @@ class GetClusterStatusResponse(_message.Message):
     run's lease), "not_leader" (the node etcd names does not lead), "duplicate_node"
     (another gpud reports under this node's name), "leader_key_held" (etcd names this node
     while another gpud, or this one's previous run, holds the key), "order_refused" (the
-    traffic service refused the order), "leader_round" (this leader's round failed),
+    traffic service refused the order), "stale_order" (the leader's order is older than
+    the one in force: not applied), "leader_round" (this leader's round failed),
     "store_full" (... as etcd is out of space), "own_certificate" (this leader's
     certificate expired: peers refuse it). A later gpud may add kinds.
     """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from gpud.cluster.ports import MemoryTagStore, StaticNodeView, StoreAlarms
 from gpud.cluster.problems import Problem, ProblemBoard
 from gpud.errors import DuplicateNode, FailedPrecondition, LeaderNotReady, Unavailable
 from gpud.events import EventLog
-from gpud.net.port import FakeTraffic, JobTraffic, OrderResult
+from gpud.net.port import FakeTraffic, JobTraffic, LocalReport, OrderResult
 from netshaper.leveller import LevellerConfig
 
 
@@ -709,6 +710,28 @@ async def test_the_status_says_whether_the_nodes_problems_could_be_read_and_reco
     assert status.problems_state == "" and not status_to_pb(status).HasField("problems_state")
 
 
+class TurningElection(FixedElection):
+    """Says ``first`` at its first reading, then ``info`` (etcd's state changed between)."""
+
+    def __init__(self, first: LeaderInfo, info: LeaderInfo) -> None:
+        super().__init__(info)
+        self.first: LeaderInfo | None = first
+
+    def state(self) -> LeaderInfo:
+        first, self.first = self.first, None
+        return first or self.info
+
+
+async def test_the_problems_state_agrees_with_the_store_state_of_the_same_status() -> None:
+    ok = LeaderInfo("n0", "a0", epoch=3, leading=True, store_state="ok")
+    full = dataclasses.replace(ok, store_state="full")
+    for first, then, expected in ((full, ok, "full"), (ok, full, "ok")):
+        node = agent("n0", ok, FakeTraffic(()), LoopbackPeers(), Clock(), problems=Board())
+        node.election = TurningElection(first, then)
+        status = await node.status_with_nodes()
+        assert (status.info.store_state, status.problems_state) == (expected, expected)
+
+
 async def cut_off_from_n0(*, settle_s: float = 0.0) -> tuple[ClusterAgent, Board]:
     """Node n1 after a round in which its leader, n0, was dead: its problem published."""
     wall, board = Clock(), Board()
@@ -868,6 +891,15 @@ async def test_a_node_that_reaches_the_leader_drops_its_unreachable_error() -> N
     peers.forced = Order(epoch=9, seq=2, leader="n0", levels={"a": 1}, tags={"a": 12})
     await follower.tick()
     assert follower.fence.rejected == 1  # stale: not applied
+    # reached, so no longer unreachable; but it follows no order, and says why
+    assert follower.last_error_kind == "stale_order"
+    assert follower.last_error == (
+        "rejected the order 9.2 (epoch.seq) from n0: 9.4, newer, is in force"
+    )
+    assert board.entries["n1"].kind == "stale_order"
+    # the leader's next order passes the fence: the problem goes
+    peers.forced = Order(epoch=9, seq=5, leader="n0", levels={"a": 1}, tags={"a": 12})
+    await follower.tick()
     assert (follower.last_error, follower.last_error_kind) == ("", "")
     assert board.entries == {}
 
@@ -886,14 +918,22 @@ class HeldPeers(LoopbackPeers):
         return await super().report(address, leader, report)
 
 
-async def test_a_stop_waits_for_the_report_in_flight_and_starts_no_other() -> None:
-    clock, peers = Clock(), HeldPeers()
+async def leader_and_follower(
+    peers: LoopbackPeers, clock: Clock
+) -> tuple[ClusterAgent, ClusterAgent]:
+    """n0 leading epoch 7 (one round done), n1 following it with job a."""
     leader = agent("n0", LeaderInfo("n0", "a0", 7, True), FakeTraffic(()), peers, clock)
     follower = agent(
         "n1", LeaderInfo("n0", "a0", 7, False), FakeTraffic((job("a", 0.5),)), peers, clock
     )
     peers.leader = leader
     await leader.tick()
+    return leader, follower
+
+
+async def test_a_stop_waits_for_the_report_in_flight_and_starts_no_other() -> None:
+    clock, peers = Clock(), HeldPeers()
+    _, follower = await leader_and_follower(peers, clock)
     in_flight = asyncio.create_task(follower.tick())
     await asyncio.sleep(0.01)
     assert peers.sent == 1
@@ -919,3 +959,68 @@ async def test_a_stop_gives_up_on_a_report_that_does_not_end_in_time() -> None:
     await asyncio.sleep(0.01)
     assert not await follower.finish_rounds(0.05)
     in_flight.cancel()
+
+
+async def test_a_stopping_leader_goes_on_ordering_until_the_cluster_stops() -> None:
+    # gpud stops: the leader keeps handing out orders (no follower waits for a new leader
+    # meanwhile) until its cluster's stop gives up the leadership; a follower stops
+    # reporting at once
+    clock, peers = Clock(), LoopbackPeers()
+    leader, follower = await leader_and_follower(peers, clock)
+    assert await leader.finish_rounds(1.0)
+    await follower.tick()  # folded in: its order comes with the leader's next round
+    await leader.tick()
+    assert leader.read_order("n1", ["a"]) is not None
+    await follower.tick()
+    assert follower.order is not None and follower.order.seq == leader._issued[1]
+    issued = leader._issued
+    leader.end_rounds()  # the cluster's stop, before it gives up the leadership
+    await leader.tick()
+    assert leader._issued == issued
+    follower.begin_stop()
+    peers.leader = None  # unreachable: a report would fail
+    await follower.tick()
+    assert follower.last_error == ""
+
+
+async def test_a_round_left_running_at_the_stop_neither_publishes_nor_leads() -> None:
+    clock, peers, board = Clock(), HeldPeers(), Board()
+    follower = agent(
+        "n1",
+        LeaderInfo("n0", "a0", 7, False),
+        FakeTraffic((job("a", 0.5),)),
+        peers,
+        clock,
+        problems=board,
+    )
+    in_flight = asyncio.create_task(follower.tick())
+    await asyncio.sleep(0.01)
+    assert not await follower.finish_rounds(0.05)  # left running
+    await follower.close()
+    peers.go.set()  # its report fails (no leader): an error, not published after the close
+    await in_flight
+    assert follower.last_error_kind == "leader_unreachable"
+    assert board.writes == [] and board.entries == {}
+    # a leader's round under way when the cluster stops computes no order (no tags written
+    # after it gave up the leadership)
+    traffic = HeldTraffic()
+    leader = agent("n0", LeaderInfo("n0", "a0", 7, True), traffic, LoopbackPeers(), clock)
+    leading = asyncio.create_task(leader.tick())
+    assert await asyncio.to_thread(traffic.asked.wait, 5)
+    leader.end_rounds()
+    traffic.go.set()
+    await leading
+    assert leader._issued == (0, 0) and leader.order is None
+
+
+class HeldTraffic(FakeTraffic):
+    """A traffic service whose report waits for ``go`` (a round under way)."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+        self.asked, self.go = threading.Event(), threading.Event()
+
+    def local_report(self) -> LocalReport:
+        self.asked.set()
+        self.go.wait(5)
+        return super().local_report()

@@ -150,12 +150,15 @@ def test_status_says_etcd_is_out_of_space_and_when_certificates_expire(
     cert, _ = make_node(tmp_path, "client", tmp_path, not_after=soon)
     agent._certs = CertWatch({"cluster.etcd_cert_file": (cert, None)})
     agent._certs.check(time.time())
-    assert main(["cluster", "status", "--socket", sock], env={}) == 0
+    # no problem board here (no problems_state, as from an older gpud): under NOSPACE no
+    # node can record a problem, exit 11
+    assert main(["cluster", "status", "--socket", sock], env={}) == 11
     out = capsys.readouterr().out
     assert "etcd alarm:  NOSPACE: etcd is out of space" in out
+    assert "problems:    etcd REFUSES writes (NOSPACE): problems cannot be recorded" in out
     assert "etcdctl alarm disarm" in out
     assert f"in 3 d RENEW SOON  {cert}" in out
-    assert main(["cluster", "status", "--socket", sock, "--json"], env={}) == 0
+    assert main(["cluster", "status", "--socket", sock, "--json"], env={}) == 11
     data = json.loads(capsys.readouterr().out)
     assert data["etcd_alarms"] == ["NOSPACE"]
     (c,) = data["certificates"]

@@ -16,14 +16,17 @@ from prometheus_client.registry import Collector
 from gpud.cluster.agent import ALARM_CHECK_S
 from gpud.cluster.certexpiry import CertWatch, not_after
 from gpud.cluster.election import LeaderInfo
+from gpud.cluster.etcd import EtcdClient
 from gpud.cluster.fencing import Mode
 from gpud.cluster.metrics import ClusterMetrics
 from gpud.cluster.model import Order
 from gpud.cluster.ports import MemoryTagStore, StaticAlarms
+from gpud.cluster.problems import EtcdProblemBoard
 from gpud.errors import StoreFull
 from gpud.events import EventLog
 from gpud.net.port import FakeTraffic
 from tests.unit.test_cluster_agent import Board, Clock, LoopbackPeers, agent, job
+from tests.unit.test_cluster_candidacy import MemoryEtcd
 from tools.certs import make_ca, make_node
 
 DAY = 86400.0
@@ -227,3 +230,17 @@ async def test_a_clean_stop_withdraws_the_nodes_problem() -> None:
     assert board.entries == {} and board.writes[-1] == ("close", "n1")
     board.down = True
     await node.close()  # etcd gone: logged, the stop goes on
+
+
+def test_a_publish_after_the_boards_close_puts_nothing_back() -> None:
+    # a round left running at the stop publishes after the close withdrew the problem: no
+    # new lease, no entry listed for a lease's time after a clean stop
+    etcd = MemoryEtcd()
+    client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
+    board = EtcdProblemBoard(client, prefix="/c", wall=lambda: 1.7e9)
+    board.publish("n1", "leader n0 unreachable", 1.7e9, "leader_unreachable")
+    assert list(etcd.kv) == ["/c/problems/n1"] and len(etcd.leases) == 1
+    board.close()
+    assert etcd.kv == {} and etcd.leases == set()
+    board.publish("n1", "leader n0 unreachable", 1.7e9, "leader_unreachable")
+    assert etcd.kv == {} and etcd.leases == set()

@@ -635,6 +635,40 @@ def test_a_stop_ends_within_its_budget_when_a_shutdown_hook_hangs(
     assert d.events.recent(1, "daemon.stop")
 
 
+def test_a_cluster_round_under_way_at_the_stop_leaves_the_clusters_hook_its_whole_share(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A report to the leader in flight at the stop, with the budget spent: it is waited
+    for before the shutdown hooks, so the cluster's hook, on its floor, still gives up the
+    leadership and withdraws this node's problem rather than being cut off waiting."""
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+    d.stop_budget_s = 0.3
+    d.pass_stop_wait_s = 0.1
+    closed: list[str] = []
+    close = d.cluster.agent.close
+
+    async def closing() -> None:
+        closed.append("closed")
+        await close()
+
+    d.cluster.agent.close = closing  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        run = await _started(d)
+        lock = d.cluster.agent._tick_lock
+        await lock.acquire()  # a round under way (a report in flight): it never ends
+        try:
+            d.request_stop()
+            assert await asyncio.wait_for(run, timeout=20) == 0
+        finally:
+            lock.release()
+
+    asyncio.run(scenario())
+    assert closed == ["closed"]
+    assert "a cluster round (a report to the leader, a leader's round) still ran" in caplog.text
+    assert "ClusterRuntime.stop" not in caplog.text
+
+
 async def _ended(
     run: asyncio.Task[int], since: float, release: threading.Event, *, timeout: float
 ) -> float:

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpud.cli.cluster import EXIT_PARTIAL, run_attributes, run_status
-from gpud.cli.context import Context
+from gpud.cli.cluster import problems_state, run_attributes, run_status
+from gpud.cli.context import EXIT_PARTIAL, Context
 from gpud.cli.output import Output
 from gpud.v1 import cluster_pb2 as pb
 
@@ -40,8 +40,10 @@ class Answer(Context):
 
 def status(response: pb.GetClusterStatusResponse) -> str:
     ctx = Answer(response, json_output=False)
-    # 11 where the nodes' problems are unknown or cannot be recorded (tested below)
-    assert run_status(ctx, argparse.Namespace()) in (0, EXIT_PARTIAL)
+    # 11 only where the nodes' problems are unknown or cannot be recorded (tested below);
+    # an older gpud's answer, without the field, is read from its other fields
+    degraded = problems_state(response) not in ("", "ok")
+    assert run_status(ctx, argparse.Namespace()) == (EXIT_PARTIAL if degraded else 0)
     return ctx.text.getvalue()
 
 
@@ -462,3 +464,22 @@ def test_problems_etcd_cannot_give_are_said_unknown_not_shown_as_none() -> None:
     # no etcd (single): nothing to say
     code, text = exit_and_text(base(election="single", store_state=""), json_output=False)
     assert code == 0 and "problems:" not in text
+
+
+def test_an_older_gpuds_problems_are_read_from_its_alarms_and_the_list_it_sent() -> None:
+    # no problems_state: the NOSPACE alarm says no node can record one, whatever the
+    # store_state of its last call
+    older = base(store_state="ok", etcd_alarms=["NOSPACE"])
+    code, text = exit_and_text(older, json_output=False)
+    assert code == 11 and "problems cannot be recorded" in text
+    # etcd unreachable at its last call, yet it sent the problems: it read them
+    listed = base(
+        store_ok=False,
+        store_state="unreachable",
+        problems=[pb.ClusterProblem(node="n2", message="m", since_unix_seconds=time.time())],
+    )
+    code, text = exit_and_text(listed, json_output=False)
+    assert code == 0 and "problems unknown" not in text and "PROBLEM SINCE" in text
+    # ... and without any: unknown
+    code, text = exit_and_text(base(store_ok=False, store_state="refused"), json_output=False)
+    assert code == 11 and "problems unknown" in text
