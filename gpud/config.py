@@ -279,14 +279,15 @@ def value_of(config: Config, dotted: str) -> Any:
 
 
 def overridden(before: Config, read: Layers, *, path: str) -> list[str]:
-    """Each key the file changed since ``before`` (the file's values gpud started with)
-    that a flag sets over it, so that the change does nothing (``KEY changed in FILE but
-    --FLAG overrides it``): said on reload, which would otherwise take the file silently
-    and run the flag's value."""
+    """Each key the file changed since ``before`` (the file's values gpud started with) to
+    a value other than the flag's, that the flag sets over it, so that the change does
+    nothing (``KEY changed in FILE but --FLAG overrides it``): said on reload, which would
+    otherwise take the file silently and run the flag's value. A file changed to agree with
+    the flag is not said: it runs what the file says."""
     return [
         f"{key} changed in {path} but {flag} overrides it"
         for key, flag in read.flags.items()
-        if value_of(read.file, key) != value_of(before, key)
+        if value_of(read.file, key) not in (value_of(before, key), value_of(read.final, key))
     ]
 
 
