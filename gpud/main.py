@@ -405,6 +405,7 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
 
         warnings = [
             *config_warnings(cfg, path=str(args.config or config.DEFAULT_PATH)),
+            *config.config_warnings(cfg, path=str(args.config or config.DEFAULT_PATH)),
             tcp_warning(cfg.api.tcp_address, cfg.api.tcp_access),
             *expiring_certificates(cfg),
             *readable_secrets(cfg),
@@ -449,7 +450,8 @@ def run(
     logsetup.configure(cfg.daemon.log_level, journald="JOURNAL_STREAM" in os.environ)
     for line in created:
         log.info("%s", line)
-    for warning in readable_secrets(cfg):
+    path = str(args.config or config.DEFAULT_PATH)
+    for warning in (*config.config_warnings(cfg, path=path), *readable_secrets(cfg)):
         log.warning("%s", warning)
 
     from gpud.daemon import Daemon
