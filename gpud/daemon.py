@@ -1176,7 +1176,7 @@ class Daemon:
 
     def _offer_mig_config(self, path: Path | None) -> None:
         """The mig-parted file whose configs the admission queue offers as remedies (none
-        without one); the file itself is read on each use."""
+        without one); the file itself is read again on a use after it changed."""
         self.admission.set_mig_file_layouts(
             mig_file_layouts(path, self._identities) if path is not None else dict
         )

@@ -296,8 +296,8 @@ def parse_config(text: str, *, path: str | None = None) -> MigConfigFile:
 
 
 def load_config(path: Path) -> MigConfigFile:
-    """A mig-parted file named in gpud's config (``admission.mig_config``), read on each use:
-    only a regular file of at most ``MAX_LAYOUT_BYTES`` (:func:`read_regular`), as a named
+    """A mig-parted file named in gpud's config (``admission.mig_config``): only a regular
+    file of at most ``MAX_LAYOUT_BYTES`` (:func:`read_regular`), as a named
     pipe with a writer would hold the daemon's admission for as long as it stays open, and
     /dev/zero never ends. A ConfigError naming ``path`` when it cannot be taken."""
     try:
