@@ -74,20 +74,21 @@ def raise_open_files() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
-def make_dirs(cfg: config.Config) -> list[str]:
+def make_dirs(cfg: config.Config, said: list[str]) -> None:
     """Create the state and run directories, and the directory of the socket (``api.socket``
     may lie outside the run directory: no systemd ``RuntimeDirectory=`` makes it); a
     ConfigError naming the key when one cannot be (a missing parent under /proc, a file in
-    the way, no permission). Returns a line for the log for each one created, naming it
-    with its mode and owner (:func:`gpud.files.made_said`): said once logging is set up."""
-    said = []
+    the way, no permission). Adds to ``said`` a line for the log for each one created,
+    naming it with its mode and owner (:func:`gpud.files.make_dir`), as it goes: those made
+    before one that fails are said with the error."""
     for key, path, mode in (
         ("daemon.state_dir", cfg.daemon.state_dir, files.STATE_DIR_MODE),
         ("daemon.run_dir", cfg.daemon.run_dir, files.RUN_DIR_MODE),
         ("api.socket", cfg.socket_path.parent, files.RUN_DIR_MODE),
     ):
-        said.append(files.made_said(key, files.make_dir(path, key, mode)))
-    return [line for line in said if line]
+        line = files.make_dir(path, key, mode)
+        if line:
+            said.append(line)
 
 
 def lock_dirs(cfg: config.Config) -> DirLocks:
@@ -417,10 +418,13 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
         return 0
     restrict_umask()
     raise_open_files()
+    created: list[str] = []
     try:
-        created = make_dirs(cfg)
+        make_dirs(cfg, created)
         locks = lock_dirs(cfg)  # held until the process ends
     except ConfigError as err:
+        for line in created:  # logging is not set up yet: said as the error is
+            print(f"gpud: {line}", file=sys.stderr)
         print(f"gpud: {err}", file=sys.stderr)
         return 1
     try:
