@@ -225,34 +225,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# each flag that sets a config key over the file's: (argparse dest, flag, dotted key)
-FLAG_KEYS = (
-    ("simulate", "--simulate", "backend.simulate"),
-    ("socket", "--socket", "api.socket"),
-    ("metrics_address", "--metrics-address", "metrics.address"),
-    ("state_dir", "--state-dir", "daemon.state_dir"),
-    ("run_dir", "--run-dir", "daemon.run_dir"),
-    ("log_level", "--log-level", "daemon.log_level"),
+# each flag that sets a config key over the file's: (argparse dest, flag, dotted key, the
+# other keys it sets with their values)
+FLAG_KEYS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
+    ("simulate", "--simulate", "backend.simulate", {"backend.kind": "sim"}),
+    ("socket", "--socket", "api.socket", {}),
+    ("metrics_address", "--metrics-address", "metrics.address", {}),
+    ("state_dir", "--state-dir", "daemon.state_dir", {}),
+    ("run_dir", "--run-dir", "daemon.run_dir", {}),
+    ("log_level", "--log-level", "daemon.log_level", {}),
 )
+
+
+def flag_settings(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
+    """Dotted config key -> (the flag that set it, its value), for the flags given."""
+    settings: dict[str, tuple[str, Any]] = {}
+    for dest, flag, key, also in FLAG_KEYS:
+        value = getattr(args, dest)
+        if value is not None:
+            settings |= {other: (flag, fixed) for other, fixed in also.items()}
+            settings[key] = (flag, value)
+    return settings
 
 
 def flag_names(args: argparse.Namespace) -> dict[str, str]:
     """Dotted config key -> the flag that set it, for the flags given."""
-    names = {key: flag for dest, flag, key in FLAG_KEYS if getattr(args, dest) is not None}
-    if args.simulate is not None:
-        names = {"backend.kind": "--simulate", **names}
-    return names
+    return {key: flag for key, (flag, _) in flag_settings(args).items()}
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Dotted config keys set by flags; flags win over the file."""
-    overrides: dict[str, Any] = {}
-    if args.simulate is not None:
-        overrides["backend.kind"] = "sim"
-    for dest, _, key in FLAG_KEYS:
-        if getattr(args, dest) is not None:
-            overrides[key] = getattr(args, dest)
-    return overrides
+    return {key: value for key, (_, value) in flag_settings(args).items()}
 
 
 def load_layers(args: argparse.Namespace) -> config.Layers:

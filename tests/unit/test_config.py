@@ -581,7 +581,7 @@ def test_reload_refuses_an_out_of_range_value_and_keeps_the_running_config(
         sim=sim,
         mps_control_command=mps_control_command(running),
         notifier=Notifier(None),
-        reload_config=lambda: config.load(path),
+        reload_config=lambda: config.Layers(config.load(path), config.load(path)),
     )
     try:
         daemon.reload()
