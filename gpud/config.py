@@ -279,14 +279,15 @@ def value_of(config: Config, dotted: str) -> Any:
 
 
 def overridden(before: Config, read: Layers, *, path: str) -> list[str]:
-    """Each key the file changed since ``before`` (the file's values gpud started with)
-    that a flag sets over it, so that the change does nothing (``KEY changed in FILE but
-    --FLAG overrides it``): said on reload, which would otherwise take the file silently
-    and run the flag's value."""
+    """Each key the file changed since ``before`` (the file's values gpud started with) to
+    a value other than the flag's, that the flag sets over it, so that the change does
+    nothing (``KEY changed in FILE but --FLAG overrides it``): said on reload, which would
+    otherwise take the file silently and run the flag's value. A file changed to agree with
+    the flag is not said: it runs what the file says."""
     return [
         f"{key} changed in {path} but {flag} overrides it"
         for key, flag in read.flags.items()
-        if value_of(read.file, key) != value_of(before, key)
+        if value_of(read.file, key) not in (value_of(before, key), value_of(read.final, key))
     ]
 
 
@@ -584,27 +585,49 @@ def _validate_cluster(c: ClusterConfig, *, path: str, tick_s: float) -> None:
 
 
 def etcd_prefix_error(prefix: str) -> str:
-    """Why ``cluster.etcd_prefix`` cannot be gpud's own part of etcd's key space, or "".
-    Every key gpud writes is ``<prefix>/...`` (``etcdctl get --prefix /gpud/cluster``): "/"
-    alone would mix them with every other etcd user's keys (and a role granted readwrite on
-    it, on all of theirs); an empty, "." or ".." part names a prefix other than it seems
-    (etcd takes keys as bytes: "/gpud/../x" is not "/x"), and space is a typing slip. One
-    trailing "/" is taken: it names the same keys ("/gpud/cluster/" = "/gpud/cluster")."""
+    """Why ``cluster.etcd_prefix`` is refused, or "": it must start with "/" (every key gpud
+    writes is ``<prefix>/...``, ``etcdctl get --prefix /gpud/cluster``), as gpud always
+    required. What else looks wrong in it is warned about (:func:`etcd_prefix_warning`)."""
     if not prefix.startswith("/"):
         return "must start with / (like /gpud/cluster)"
-    if any(ch.isspace() or not ch.isprintable() for ch in prefix):
-        return "holds a space or a control character: a path like /gpud/cluster"
-    if not prefix.strip("/"):
+    return ""
+
+
+def etcd_prefix_warning(prefix: str) -> str:
+    """What looks wrong in ``cluster.etcd_prefix`` as its users take it (trailing "/"
+    stripped: "/gpud/cluster//" names the keys of "/gpud/cluster"), or "": "/" alone mixes
+    gpud's keys with every other etcd user's (and a role granted readwrite on it, on all of
+    theirs); an empty, "." or ".." part names a prefix other than it seems (etcd takes keys
+    as bytes: "/gpud/../x" is not "/x"), and space is a typing slip. Taken all the same, as
+    gpud always took them (a prefix a node ran with must not stop it at its next start),
+    but said at start and by ``gpud --check-config``."""
+    if etcd_prefix_error(prefix):
+        return ""  # refused
+    path = prefix.rstrip("/")
+    if not path:
         return (
-            "is the whole of etcd's key space: gpud's keys would mix with every other etcd"
+            "is the whole of etcd's key space: gpud's keys mix with every other etcd"
             " user's; give gpud a prefix of its own, like /gpud/cluster"
         )
-    if any(part in ("", ".", "..") for part in prefix.removesuffix("/").split("/")[1:]):
+    if any(ch.isspace() or not ch.isprintable() for ch in path):
+        return "holds a space or a control character: a path like /gpud/cluster?"
+    if any(part in ("", ".", "..") for part in path.split("/")[1:]):
         return (
             'has an empty, "." or ".." part: etcd takes a key as it is written, so this is'
             " not the prefix it looks like; write it as /a/b, like /gpud/cluster"
         )
     return ""
+
+
+def config_warnings(cfg: Config, *, path: str = "") -> list[str]:
+    """What the config file takes but an operator should hear of, outside the traffic
+    settings (:func:`gpud.net.wiring.config_warnings`): an odd ``cluster.etcd_prefix``. Said
+    at start and by ``gpud --check-config``, naming ``FILE:KEY`` as an error would."""
+    odd = etcd_prefix_warning(cfg.cluster.etcd_prefix)
+    if not odd:
+        return []
+    where = f"{path}:cluster.etcd_prefix" if path else "cluster.etcd_prefix"
+    return [f"{where}: {cfg.cluster.etcd_prefix!r} {odd}"]
 
 
 def _validate_etcd_auth(c: ClusterConfig, *, path: str) -> None:

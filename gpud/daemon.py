@@ -57,6 +57,7 @@ from gpud.config import (
     overridden,
     parse_address,
     socket_gid,
+    value_of,
 )
 from gpud.dirlock import DirLocks
 from gpud.errors import ConfigError, GpudError, Unavailable
@@ -296,7 +297,7 @@ class Daemon:
         mps_control_command: Sequence[str] | None = None,
         mps_cgroups: JobCgroups | None = None,
         no_mps_cgroups: str = "",
-        reload_config: Callable[[], Config | Layers] | None = None,
+        reload_config: Callable[[], Layers] | None = None,
         file_config: Config | None = None,
         clock: Callable[[], float] = time.monotonic,
         build: str | None = None,
@@ -314,7 +315,7 @@ class Daemon:
         looked at by ``gpuctl status`` ("": none); ``config_stamp``: its
         :func:`~gpud.config.file_stamp` taken before ``config`` was read from it;
         ``reload_config``: reads the file again (SIGHUP), as :class:`~gpud.config.Layers`
-        where flags set keys over it; ``file_config``: the file's own values at start, flags
+        (the file's values and, flags over them, the config to run); ``file_config``: the file's own values at start, flags
         not applied (a reload that changes a key a flag sets says so; None: ``config``)."""
         self.config = config
         self._dir_locks = dir_locks
@@ -1198,7 +1199,7 @@ class Daemon:
 
     def _offer_mig_config(self, path: Path | None) -> None:
         """The mig-parted file whose configs the admission queue offers as remedies (none
-        without one); the file itself is read on each use."""
+        without one); the file itself is read again on a use after it changed."""
         self.admission.set_mig_file_layouts(
             mig_file_layouts(path, self._identities) if path is not None else dict
         )
@@ -1211,7 +1212,7 @@ class Daemon:
         self._notifier.reloading()
         self.reload(await on_daemon_thread(self._read_config))
 
-    def _read_config(self) -> tuple[Config | Layers | GpudError, FileStamp | None]:
+    def _read_config(self) -> tuple[Layers | GpudError, FileStamp | None]:
         """The file's config, or why it cannot be taken, and the file's stamp taken before
         the read (a file changed meanwhile then shows as changed since)."""
         assert self._reload_config is not None
@@ -1221,9 +1222,7 @@ class Daemon:
         except GpudError as err:
             return err, stamp
 
-    def reload(
-        self, read: tuple[Config | Layers | GpudError, FileStamp | None] | None = None
-    ) -> None:
+    def reload(self, read: tuple[Layers | GpudError, FileStamp | None] | None = None) -> None:
         """Take the config file again (SIGHUP): ``read``, what :meth:`_read_config` gave
         (None: read it now, on this thread). A bad file keeps the running config and says
         why."""
@@ -1232,12 +1231,12 @@ class Daemon:
         if read is None:
             self._notifier.reloading()
             read = self._read_config()
-        new, self._config_stamp = read
+        layers, self._config_stamp = read
         tried = dataclasses.replace(
             self.reload_state, reloads=self.reload_state.reloads + 1, last_monotonic=self._clock()
         )
-        if isinstance(new, GpudError):
-            err = new
+        if isinstance(layers, GpudError):
+            err = layers
             # the keys an earlier reload left waiting for a restart still wait
             self.reload_state = dataclasses.replace(tried, error=str(err))
             log.error("config reload failed, keeping the running config: %s", err)
@@ -1250,24 +1249,17 @@ class Daemon:
             )
             self._notifier.ready("config reload failed; running config kept")
             return
-        shadowed: list[str] = []
-        if isinstance(new, Layers):
-            path = str(self._config_path or "the config file")
-            shadowed = overridden(self._file_config, new, path=path)
-            new = new.final
+        path = str(self._config_path or "the config file")
+        shadowed = overridden(self._file_config, layers, path=path)
+        new = layers.final
         kept = []
         for dotted in RESTART_KEYS:
-            section, key = dotted.split(".")
-            if getattr(getattr(new, section), key) != getattr(getattr(self.config, section), key):
+            running = value_of(self.config, dotted)
+            if value_of(new, dotted) != running:
                 kept.append(dotted)
+                section, key = dotted.split(".")
                 new = dataclasses.replace(
-                    new,
-                    **{
-                        section: dataclasses.replace(
-                            getattr(new, section),
-                            **{key: getattr(getattr(self.config, section), key)},
-                        )
-                    },
+                    new, **{section: dataclasses.replace(getattr(new, section), **{key: running})}
                 )
         if new.admission.mig_config != self.config.admission.mig_config:
             self._offer_mig_config(new.admission.mig_config)

@@ -42,11 +42,13 @@ def make_dirs(path: Path, mode: int) -> list[Path]:
     return created
 
 
-def make_dir(path: Path, key: str, mode: int) -> list[Path]:
+def make_dir(path: Path, key: str, mode: int) -> str:
     """``mkdir -p path``, a directory it creates with ``mode`` (those above 0755) whatever
     the umask (:func:`make_dirs`); a ConfigError naming ``key`` and the path when
     it cannot be, or when a user other than gpud's own could plant files there
-    (:func:`check_private`). Returns the directories created, from the top down."""
+    (:func:`check_private`). Returns one line for the log naming what it created with its
+    mode and owner, as ``ls -ld`` showed them when checked (:func:`made_said`); "" when it
+    created nothing."""
     try:
         created = make_dirs(path, mode)
         st = path.stat()
@@ -55,18 +57,15 @@ def make_dir(path: Path, key: str, mode: int) -> list[Path]:
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"cannot create {path}: it exists and is not a directory", key=key)
     check_private(path, st, key, euid=os.geteuid())
-    return created
+    return made_said(key, created, st)
 
 
-def made_said(key: str, created: list[Path]) -> str:
+def made_said(key: str, created: list[Path], st: os.stat_result) -> str:
     """One line for the log naming what :func:`make_dir` created for ``key`` (the last of
-    ``created`` is the directory asked for) with its mode and owner, as ``ls -ld`` shows
-    them; "" when it created nothing."""
+    ``created`` is the directory asked for, ``st`` its stat); "" when it created nothing."""
     if not created:
         return ""
-    path = created[-1]
-    st = path.stat()
-    said = f"created {path} for {key} (mode {stat.S_IMODE(st.st_mode):04o}, uid {st.st_uid})"
+    said = f"created {created[-1]} for {key} (mode {stat.S_IMODE(st.st_mode):04o}, uid {st.st_uid})"
     if len(created) > 1:
         above = ", ".join(str(p) for p in created[:-1])
         said += f", and above it {above} (mode {ABOVE_MODE:04o})"

@@ -74,20 +74,21 @@ def raise_open_files() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
-def make_dirs(cfg: config.Config) -> list[str]:
+def make_dirs(cfg: config.Config, said: list[str]) -> None:
     """Create the state and run directories, and the directory of the socket (``api.socket``
     may lie outside the run directory: no systemd ``RuntimeDirectory=`` makes it); a
     ConfigError naming the key when one cannot be (a missing parent under /proc, a file in
-    the way, no permission). Returns a line for the log for each one created, naming it
-    with its mode and owner (:func:`gpud.files.made_said`): said once logging is set up."""
-    said = []
+    the way, no permission). Adds to ``said`` a line for the log for each one created,
+    naming it with its mode and owner (:func:`gpud.files.make_dir`), as it goes: those made
+    before one that fails are said with the error."""
     for key, path, mode in (
         ("daemon.state_dir", cfg.daemon.state_dir, files.STATE_DIR_MODE),
         ("daemon.run_dir", cfg.daemon.run_dir, files.RUN_DIR_MODE),
         ("api.socket", cfg.socket_path.parent, files.RUN_DIR_MODE),
     ):
-        said.append(files.made_said(key, files.make_dir(path, key, mode)))
-    return [line for line in said if line]
+        line = files.make_dir(path, key, mode)
+        if line:
+            said.append(line)
 
 
 def lock_dirs(cfg: config.Config) -> DirLocks:
@@ -224,34 +225,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# each flag that sets a config key over the file's: (argparse dest, flag, dotted key)
-FLAG_KEYS = (
-    ("simulate", "--simulate", "backend.simulate"),
-    ("socket", "--socket", "api.socket"),
-    ("metrics_address", "--metrics-address", "metrics.address"),
-    ("state_dir", "--state-dir", "daemon.state_dir"),
-    ("run_dir", "--run-dir", "daemon.run_dir"),
-    ("log_level", "--log-level", "daemon.log_level"),
+# each flag that sets a config key over the file's: (argparse dest, flag, dotted key, the
+# other keys it sets with their values)
+FLAG_KEYS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
+    ("simulate", "--simulate", "backend.simulate", {"backend.kind": "sim"}),
+    ("socket", "--socket", "api.socket", {}),
+    ("metrics_address", "--metrics-address", "metrics.address", {}),
+    ("state_dir", "--state-dir", "daemon.state_dir", {}),
+    ("run_dir", "--run-dir", "daemon.run_dir", {}),
+    ("log_level", "--log-level", "daemon.log_level", {}),
 )
+
+
+def flag_settings(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
+    """Dotted config key -> (the flag that set it, its value), for the flags given."""
+    settings: dict[str, tuple[str, Any]] = {}
+    for dest, flag, key, also in FLAG_KEYS:
+        value = getattr(args, dest)
+        if value is not None:
+            settings |= {other: (flag, fixed) for other, fixed in also.items()}
+            settings[key] = (flag, value)
+    return settings
 
 
 def flag_names(args: argparse.Namespace) -> dict[str, str]:
     """Dotted config key -> the flag that set it, for the flags given."""
-    names = {key: flag for dest, flag, key in FLAG_KEYS if getattr(args, dest) is not None}
-    if args.simulate is not None:
-        names = {"backend.kind": "--simulate", **names}
-    return names
+    return {key: flag for key, (flag, _) in flag_settings(args).items()}
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Dotted config keys set by flags; flags win over the file."""
-    overrides: dict[str, Any] = {}
-    if args.simulate is not None:
-        overrides["backend.kind"] = "sim"
-    for dest, _, key in FLAG_KEYS:
-        if getattr(args, dest) is not None:
-            overrides[key] = getattr(args, dest)
-    return overrides
+    return {key: value for key, (_, value) in flag_settings(args).items()}
 
 
 def load_layers(args: argparse.Namespace) -> config.Layers:
@@ -405,6 +409,7 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
 
         warnings = [
             *config_warnings(cfg, path=str(args.config or config.DEFAULT_PATH)),
+            *config.config_warnings(cfg, path=str(args.config or config.DEFAULT_PATH)),
             tcp_warning(cfg.api.tcp_address, cfg.api.tcp_access),
             *expiring_certificates(cfg),
             *readable_secrets(cfg),
@@ -416,10 +421,13 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
         return 0
     restrict_umask()
     raise_open_files()
+    created: list[str] = []
     try:
-        created = make_dirs(cfg)
+        make_dirs(cfg, created)
         locks = lock_dirs(cfg)  # held until the process ends
     except ConfigError as err:
+        for line in created:  # logging is not set up yet: said as the error is
+            print(f"gpud: {line}", file=sys.stderr)
         print(f"gpud: {err}", file=sys.stderr)
         return 1
     try:
@@ -449,7 +457,8 @@ def run(
     logsetup.configure(cfg.daemon.log_level, journald="JOURNAL_STREAM" in os.environ)
     for line in created:
         log.info("%s", line)
-    for warning in readable_secrets(cfg):
+    path = str(args.config or config.DEFAULT_PATH)
+    for warning in (*config.config_warnings(cfg, path=path), *readable_secrets(cfg)):
         log.warning("%s", warning)
 
     from gpud.daemon import Daemon

@@ -194,6 +194,12 @@ def read_small_text(path: Path, limit: int) -> str:
         if err.errno != errno.EFBIG:
             raise
         raise ValueError(f"larger than {limit // 1024} KiB: not a file of this kind") from None
+    return utf8_text(raw)
+
+
+def utf8_text(raw: bytes) -> str:
+    """``raw`` decoded as UTF-8; ValueError ``not UTF-8 text (byte N)``, naming the first
+    byte that is not, when it is not."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:

@@ -51,7 +51,7 @@ from gpud.admission.passes import Inline, Passes
 from gpud.admission.placement_fit import PlacementFit
 from gpud.admission.queue import Queued, admission_pass
 from gpud.admission.quote import Running, job_quote, overdue
-from gpud.config import AdmissionConfig
+from gpud.config import AdmissionConfig, FileStamp, file_stamp
 from gpud.errors import FailedPrecondition, GpudError, NotFound, ResourceExhausted, Unavailable
 from gpud.events import EventLog
 from gpud.histogram import Histogram
@@ -59,7 +59,7 @@ from gpud.jobs.ends import NO_STATUS, EndCause, RunEnd
 from gpud.jobs.placement import DeviceLoad, Reservation
 from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import JobService, RunRequest, unhealthy_text
-from gpud.mig.layout import DeviceLayout, load_config
+from gpud.mig.layout import DeviceLayout, MigConfigFile, load_config
 from gpud.mps.manager import MpsManager, MpsTarget
 from gpud.mps.procs import alive, real_uid, start_time
 from gpud.store import StateStore
@@ -1248,16 +1248,30 @@ def _history(row: sqlite3.Row) -> HistoryRow:
 
 
 def mig_file_layouts(
-    path: Path, gpus: Callable[[], Sequence[object]]
+    path: Path,
+    gpus: Callable[[], Sequence[object]],
+    *,
+    load: Callable[[Path], MigConfigFile] = load_config,
 ) -> Callable[[], Mapping[str, Mapping[int, DeviceLayout]]]:
-    """Layouts of every config of a mig-parted file on the node's GPUs (read on each call:
-    the operator may edit it). An unreadable file offers no remedy and logs why."""
+    """Layouts of every config of a mig-parted file on the node's GPUs. The file (``load``:
+    read and parsed) is taken again only when its :func:`~gpud.config.file_stamp` changed
+    (the operator edited or replaced it), not on each /metrics scrape or queue listing. An
+    unreadable file offers no remedy and logs why, once for each version of it."""
+    lock = threading.Lock()  # a scrape's thread and the loop may ask at once
+    last: tuple[FileStamp | None, MigConfigFile | None] | None = None  # stamp, what it held
 
     def layouts() -> Mapping[str, Mapping[int, DeviceLayout]]:
-        try:
-            file = load_config(path)
-        except GpudError as err:
-            log.warning("admission.mig_config: %s", err)
+        nonlocal last
+        with lock:
+            stamp = file_stamp(path)  # before the read: a change meanwhile reads it again
+            if last is None or last[0] != stamp:
+                try:
+                    last = (stamp, load(path))
+                except GpudError as err:
+                    log.warning("admission.mig_config: %s", err)
+                    last = (stamp, None)
+            file = last[1]
+        if file is None:
             return {}
         return resolve_configs(file, gpus())  # type: ignore[arg-type]
 

@@ -175,8 +175,9 @@ class ApiServer:
                 f"unix socket path is longer than {MAX_UNIX_PATH} bytes: {path}", key="api.socket"
             )
         gid = self._group_id()  # before binding: a bad group leaves nothing behind
-        # gpud's main made it (and said so); 0711 here too, whatever the umask
-        files.make_dirs(path.parent, files.RUN_DIR_MODE)
+        # gpud's main made it (and said so); 0711 here too, whatever the umask, and refused
+        # where another user could plant links, as keep_socket does
+        files.make_dir(path.parent, "api.socket", files.RUN_DIR_MODE)
         self._clear_stale_socket()
         _clear_stale_temps(path)
 

@@ -31,7 +31,7 @@ import yaml
 
 from gpud.backend.port import GpuIdentity
 from gpud.errors import ConfigError, InvalidArgument, NotFound
-from gpud.shared import MAX_LAYOUT_BYTES, read_regular
+from gpud.shared import MAX_LAYOUT_BYTES, read_regular, utf8_text
 
 # [<C>c.]<G>g.<GB>gb[+attr|-attr...]: "1g.10gb", "1g.10gb+me", "1c.3g.40gb", "1g.24gb-me"
 _PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb((?:[+-][a-z][a-z.]*)*)$")
@@ -296,8 +296,8 @@ def parse_config(text: str, *, path: str | None = None) -> MigConfigFile:
 
 
 def load_config(path: Path) -> MigConfigFile:
-    """A mig-parted file named in gpud's config (``admission.mig_config``), read on each use:
-    only a regular file of at most ``MAX_LAYOUT_BYTES`` (:func:`read_regular`), as a named
+    """A mig-parted file named in gpud's config (``admission.mig_config``): only a regular
+    file of at most ``MAX_LAYOUT_BYTES`` (:func:`read_regular`), as a named
     pipe with a writer would hold the daemon's admission for as long as it stays open, and
     /dev/zero never ends. A ConfigError naming ``path`` when it cannot be taken."""
     try:
@@ -305,9 +305,9 @@ def load_config(path: Path) -> MigConfigFile:
     except OSError as err:
         raise ConfigError(f"cannot read: {err.strerror or err}", path=str(path)) from err
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"not UTF-8 text (byte {err.start})", path=str(path)) from None
+        text = utf8_text(raw)
+    except ValueError as err:
+        raise ConfigError(str(err), path=str(path)) from None
     return parse_config(text, path=str(path))
 
 

@@ -24,6 +24,7 @@ from gpud.admission.service import (
     STARTED,
     AdmissionService,
     HistoryRow,
+    mig_file_layouts,
     run_request_to_json,
 )
 from gpud.config import AdmissionConfig, from_dict
@@ -1766,3 +1767,37 @@ def test_the_littles_residual_of_a_long_history_decodes_no_run(node: Node) -> No
         conn.execute("UPDATE job_history SET request = '{'")  # decoding any row now raises
     got = node.admission.littles_residual()
     assert got is not None and 0 < got == pytest.approx(expected)
+
+
+def test_the_mig_config_file_is_parsed_and_said_once_for_each_version_of_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``admission.mig_config`` is asked for on each /metrics scrape and queue listing: it
+    is read and parsed again, and a problem with it logged, only once it changed."""
+    from gpud.mig.layout import MigConfigFile, load_config
+
+    path = tmp_path / "mig.yaml"
+    path.write_bytes(
+        (Path(__file__).parent.parent / "data" / "mig-parted" / "config.yaml").read_bytes()
+    )
+    loads: list[Path] = []
+
+    def counted(named: Path) -> MigConfigFile:
+        loads.append(named)
+        return load_config(named)
+
+    layouts = mig_file_layouts(path, list, load=counted)
+    with caplog.at_level(logging.WARNING, logger="gpud.admission.service"):
+        for _ in range(5):
+            layouts()
+        assert loads == [path] and not caplog.records
+        path.write_text("version: v1\nmig-configs: [")  # broken: said once
+        for _ in range(5):
+            assert layouts() == {}
+        assert len(loads) == 2
+        (said,) = caplog.records
+        assert said.getMessage().startswith(f"admission.mig_config: {path}: ")
+        path.unlink()  # gone: said once more
+        for _ in range(5):
+            assert layouts() == {}
+        assert len(loads) == 3 and len(caplog.records) == 2

@@ -947,6 +947,21 @@ def _dead_pid() -> int:
     return child.pid
 
 
+async def test_a_socket_directory_every_user_may_write_to_is_refused_at_start(
+    sock_dir: Path,
+) -> None:
+    """As when the socket is bound again (:meth:`ApiServer.keep_socket`): one could plant a
+    link where gpud chmods. A ConfigError naming the key; nothing bound there."""
+    run = sock_dir / "run"
+    run.mkdir()
+    run.chmod(0o777)
+    server = ApiServer(run / "gpud.sock", servicers=[make_servicer().register])
+    with pytest.raises(ConfigError, match="writable by every user") as caught:
+        await server.start()
+    assert caught.value.key == "api.socket"
+    assert list(run.iterdir()) == []
+
+
 async def test_a_socket_directory_another_user_made_again_is_not_bound_in(
     sock_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -26,6 +26,7 @@ from gpud.files import check_private
 from gpud.main import (
     build_parser,
     load_config,
+    load_layers,
     lock_dirs,
     main,
     open_files_wanted,
@@ -252,6 +253,20 @@ def test_flags_override_file(tmp_path: Path) -> None:
     assert cfg.backend.kind == "sim"
     assert cfg.backend.simulate == config.DEFAULT_SIMULATE
     assert cfg.socket_path == tmp_path / "run" / "gpud.sock"
+
+
+def test_a_file_changed_to_the_flags_value_is_not_said_to_be_overridden(tmp_path: Path) -> None:
+    """``--log-level debug`` over a file's "info": the file changed to "debug" agrees with
+    the flag, and a reload says nothing of it; changed to "warning", it does."""
+    path = write(tmp_path, '[daemon]\nlog_level = "info"\n')
+    args = build_parser().parse_args(["--config", str(path), "--log-level", "debug"])
+    at_start = load_layers(args).file
+    path.write_text('[daemon]\nlog_level = "debug"\n')
+    assert config.overridden(at_start, load_layers(args), path=str(path)) == []
+    path.write_text('[daemon]\nlog_level = "warning"\n')
+    assert config.overridden(at_start, load_layers(args), path=str(path)) == [
+        f"daemon.log_level changed in {path} but --log-level overrides it"
+    ]
 
 
 def test_relative_paths_are_taken_from_where_gpud_starts(
@@ -566,7 +581,7 @@ def test_reload_refuses_an_out_of_range_value_and_keeps_the_running_config(
         sim=sim,
         mps_control_command=mps_control_command(running),
         notifier=Notifier(None),
-        reload_config=lambda: config.load(path),
+        reload_config=lambda: config.Layers(config.load(path), config.load(path)),
     )
     try:
         daemon.reload()

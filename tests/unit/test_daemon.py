@@ -26,7 +26,6 @@ from gpud.events import EventLog
 from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import RunRequest
 from gpud.main import build_parser, load_layers, lock_dirs, mps_control_command, open_backend
-from gpud.main import load_config as load_gpud_config
 from gpud.metrics import build_registry
 from gpud.mig.layout import load_config
 from gpud.mig.manager import MigManager
@@ -63,7 +62,7 @@ def build(
     clock: Callable[[], float] = time.monotonic,
     code_build: str | None = None,
     dir_locks: DirLocks | None = None,
-    reload_config: Callable[[], Config | Layers] | None = None,
+    reload_config: Callable[[], Layers] | None = None,
     config_path: Path | None = None,
     file_config: Config | None = None,
 ) -> Daemon:
@@ -73,11 +72,11 @@ def build(
     backend, sim = open_backend(config)
     pending = reload_to if reload_to is not None else []
 
-    def next_config() -> Config:
+    def next_config() -> Layers:
         read = pending.pop(0)  # a ConfigError: the file is bad
         if isinstance(read, ConfigError):
             raise read
-        return read
+        return Layers(read, read)  # no flags
 
     return Daemon(
         config,
@@ -271,7 +270,7 @@ def test_a_reload_of_a_file_over_the_limit_fails_and_says_so(root: Path) -> None
     path = root / "gpud.toml"
     path.write_text("#" * (MAX_CONFIG_BYTES + 1))
     args = build_parser().parse_args(["--config", str(path)])
-    d = build(make_config(root), reload_config=lambda: load_gpud_config(args))
+    d = build(make_config(root), reload_config=lambda: load_layers(args))
     try:
         d.reload()
         event = d.events.recent(1, "config.reload_failed")[0]
@@ -319,10 +318,11 @@ def test_a_reload_reads_the_file_off_the_event_loop(root: Path) -> None:
     reading = threading.Event()
     release = threading.Event()
 
-    def slow_read() -> Config:
+    def slow_read() -> Layers:
         reading.set()
         release.wait(10)
-        return make_config(root, **{"telemetry.interval_s": 0.5})
+        read = make_config(root, **{"telemetry.interval_s": 0.5})
+        return Layers(read, read)
 
     d = build(make_config(root, **{"daemon.tick_s": 0.05}), reload_config=slow_read)
     answered: list[bool] = []

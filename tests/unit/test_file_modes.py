@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud import config
+from gpud import config, files
 from gpud.daemon import close_state_files
 from gpud.events import EventLog
 from gpud.files import make_dirs, write_atomically
@@ -47,7 +47,8 @@ def test_gpuds_directories_get_their_modes_whatever_the_umask(tmp_path: Path, um
             "api.socket": str(tmp_path / "sock" / "gpud.sock"),
         }
     )
-    said = make_gpud_dirs(cfg)
+    said: list[str] = []
+    make_gpud_dirs(cfg, said)
     assert oct(mode(tmp_path / "var" / "state")) == oct(0o750)
     assert oct(mode(tmp_path / "var")) == oct(0o755)
     assert oct(mode(tmp_path / "run")) == oct(0o711)
@@ -61,7 +62,36 @@ def test_gpuds_directories_get_their_modes_whatever_the_umask(tmp_path: Path, um
         f"created {tmp_path}/run for daemon.run_dir (mode 0711, uid {uid})",
         f"created {tmp_path}/sock for api.socket (mode 0711, uid {uid})",
     ]
-    assert make_gpud_dirs(cfg) == []  # nothing made: nothing said
+    again: list[str] = []
+    make_gpud_dirs(cfg, again)
+    assert again == []  # nothing made: nothing said
+
+
+def test_the_line_for_a_made_directory_is_built_when_it_is_made(tmp_path: Path) -> None:
+    """From the look taken to check it: a cleaner that removes it right after (a tmpfiles
+    run) changes nothing of what is said, and raises nothing."""
+    made = tmp_path / "run"
+    said = files.make_dir(made, "daemon.run_dir", files.RUN_DIR_MODE)
+    made.rmdir()
+    assert said == f"created {made} for daemon.run_dir (mode 0711, uid {os.geteuid()})"
+
+
+def test_a_start_that_fails_on_a_directory_says_those_it_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The state directory made, the run directory cannot be (a file in the way): gpud
+    exits 1 saying both, so that what it left behind is known."""
+    (tmp_path / "afile").write_text("")
+    flags = ["--state-dir", str(tmp_path / "state"), "--run-dir", str(tmp_path / "afile" / "run")]
+    config_file = tmp_path / "gpud.toml"
+    config_file.write_text("")
+    assert main(["--config", str(config_file), "--simulate", *flags]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (
+        f"gpud: created {tmp_path}/state for daemon.state_dir (mode 0750, uid {os.geteuid()})"
+    )
+    assert err[1].startswith(f"gpud: daemon.run_dir: cannot create {tmp_path}/afile/run: "), err
+    assert len(err) == 2
 
 
 def test_the_directory_made_for_the_socket_is_said_in_the_log(
@@ -75,7 +105,9 @@ def test_the_directory_made_for_the_socket_is_said_in_the_log(
     cfg = config.Config().with_overrides(
         {"daemon.run_dir": str(tmp_path / "run"), "api.socket": str(socket)}
     )
-    said = [line for line in make_gpud_dirs(cfg) if "api.socket" in line]
+    made: list[str] = []
+    make_gpud_dirs(cfg, made)
+    said = [line for line in made if "api.socket" in line]
     assert said == [
         f"created {socket.parent} for api.socket (mode 0711, uid {os.geteuid()}), and above"
         f" it {tmp_path}/missing (mode 0755)"
