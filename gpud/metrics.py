@@ -397,7 +397,9 @@ def build_registry(
 
     ``proc_root`` is where ``ProcessCollector`` reads ``/proc/self`` (tests may pass a tree).
     """
-    registry = CollectorRegistry(auto_describe=False)
+    # the collector's families vary with the node, so it names none at registration:
+    # prometheus_client then leaves it out of a ``?name[]=`` scrape unless told to keep it
+    registry = CollectorRegistry(auto_describe=False, support_collectors_without_names=True)
     registry.register(collector)
     if process:
         ProcessCollector(registry=registry, proc=proc_root)

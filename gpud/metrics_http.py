@@ -8,6 +8,10 @@ flood of connections costs a few bytes each instead of a thread and its stack fo
 timeout, and a scrape gets through as soon as one of them ends. Prometheus scrapes over one
 connection per target; :data:`MAX_CONNECTIONS` leaves room for several Prometheus servers,
 ``curl`` and a dashboard's probes.
+
+Only ``/metrics`` serves the exposition (``GET``, and ``HEAD`` for its headers alone); ``/``
+answers a line naming it, and any other path ``404 Not Found``, so a scrape job with a
+mistyped ``metrics_path`` fails instead of scraping the metrics under a wrong name.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -29,6 +33,53 @@ CONNECTION_TIMEOUT_S = 30.0
 MAX_CONNECTIONS = 32
 _BUSY = b"HTTP/1.0 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n\r\n"
 _WARN_EVERY_S = 60.0
+METRICS_PATH = "/metrics"
+_ALLOW = "GET, HEAD, OPTIONS"
+
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+def metrics_app(registry: CollectorRegistry) -> WsgiApp:
+    """prometheus_client's WSGI app for ``registry`` (``Accept`` for OpenMetrics, gzip,
+    ``?name[]=``) on :data:`METRICS_PATH` only, with ``HEAD`` answered as ``GET`` without
+    the body (``Content-Length`` as ``GET`` would send)."""
+    exposition: WsgiApp = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        method = environ.get("REQUEST_METHOD", "GET")
+        if path != METRICS_PATH:
+            if path == "/":
+                status, text = "200 OK", f"gpud: metrics are at {METRICS_PATH}\n"
+            else:
+                status, text = "404 Not Found", f"404 Not Found: metrics are at {METRICS_PATH}\n"
+            return _reply(start_response, status, text, method)
+        if method == "OPTIONS":
+            start_response("200 OK", [("Allow", _ALLOW), ("Content-Length", "0")])
+            return [b""]
+        if method not in ("GET", "HEAD"):
+            text = f"405 Method Not Allowed: {method}; use {_ALLOW}\n"
+            return _reply(start_response, "405 Method Not Allowed", text, method)
+        if method == "GET":
+            return exposition(environ, start_response)
+        reply: list[Any] = []
+        body = b"".join(
+            exposition({**environ, "REQUEST_METHOD": "GET"}, lambda *a: reply.extend(a))
+        )
+        status, headers = reply[0], list(reply[1])
+        start_response(status, [*headers, ("Content-Length", str(len(body)))])
+        return [b""]
+
+    return app
+
+
+def _reply(start_response: Callable[..., Any], status: str, text: str, method: str) -> list[bytes]:
+    body = text.encode()
+    headers = [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))]
+    if status.startswith("405"):
+        headers.append(("Allow", _ALLOW))
+    start_response(status, headers)
+    return [b""] if method == "HEAD" else [body]
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -97,7 +148,8 @@ def start_metrics_server(
     connection_timeout_s: float = CONNECTION_TIMEOUT_S,
     max_connections: int = MAX_CONNECTIONS,
 ) -> tuple[WSGIServer, threading.Thread]:
-    """Serve ``registry`` as Prometheus text on ``http://host:port/metrics`` from a thread
+    """Serve ``registry`` as Prometheus text on ``http://host:port/metrics`` (:func:`metrics_app`)
+    from a thread
     (``ss -ltnp`` shows gpud listening there).
 
     ``port=0`` picks a free port (``server.server_port`` says which); an IPv6 ``host`` binds
@@ -111,7 +163,7 @@ def start_metrics_server(
     )
     handler = type("MetricsHandler", (_QuietHandler,), {"timeout": connection_timeout_s})
     server: WSGIServer = make_server(
-        host, port, make_wsgi_app(registry), server_class, handler_class=handler
+        host, port, metrics_app(registry), server_class, handler_class=handler
     )
     thread = threading.Thread(target=server.serve_forever, name="gpud-metrics", daemon=True)
     thread.start()

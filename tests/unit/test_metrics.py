@@ -422,3 +422,46 @@ def test_a_connection_past_the_bound_is_answered_busy_and_a_scrape_follows() -> 
                 time.sleep(0.05)
     finally:
         stop_metrics_server(server, thread)
+
+
+def test_a_scrape_for_named_families_has_gpuds_own() -> None:
+    registry = build_registry(Collector(snapshot, clock=lambda: 100.0), proc_root="/nonexistent")
+    text = generate_latest(registry.restricted_registry(["gpud_gpus", "python_info"])).decode()
+    assert "gpud_gpus 3.0" in text
+    assert "python_info{" in text
+    assert "gpud_gpu_healthy" not in text
+
+
+def _request(port: int, method: str, path: str) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+def test_http_paths_and_methods() -> None:
+    registry = build_registry(Collector(snapshot, clock=lambda: 100.0), process=False)
+    server, thread = start_metrics_server(registry, "127.0.0.1", 0)
+    port = server.server_port
+    try:
+        status, headers, body = _request(port, "GET", "/metrics?x=y")
+        assert status == 200 and b"gpud_gpus 3.0" in body
+        status, headers, head_body = _request(port, "HEAD", "/metrics")
+        assert (status, head_body) == (200, b"")
+        assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        assert int(headers["Content-Length"]) == len(body)
+        status, _, body = _request(port, "GET", "/metrics?name[]=gpud_gpus")
+        assert status == 200 and body.decode().splitlines()[-1] == "gpud_gpus 3.0"
+        status, _, body = _request(port, "GET", "/")
+        assert (status, body) == (200, b"gpud: metrics are at /metrics\n")
+        for path in ("/nope", "/metric", "/metrics/x", "/favicon.ico"):
+            status, _, body = _request(port, "GET", path)
+            assert (status, body) == (404, b"404 Not Found: metrics are at /metrics\n")
+        status, headers, body = _request(port, "POST", "/metrics")
+        assert status == 405 and headers["Allow"] == "GET, HEAD, OPTIONS"
+        status, headers, _ = _request(port, "OPTIONS", "/metrics")
+        assert status == 200 and headers["Allow"] == "GET, HEAD, OPTIONS"
+    finally:
+        stop_metrics_server(server, thread)
