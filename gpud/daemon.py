@@ -384,8 +384,8 @@ class Daemon:
             self.mps,
             socket_path=config.socket_path,
             products=self._products,
-            snapshots=self.sampler.latest,
         )
+        self.sampler.subscribe(self._observe_health)
         self.admission = AdmissionService(
             self.store,
             self.jobs,
@@ -763,6 +763,17 @@ class Daemon:
             self._sample_again()
         return done
 
+    def _observe_health(self, snap: Snapshot) -> None:
+        """After each of the sampler's ticks, on its thread: the devices jobs are placed on,
+        then the GPUs' health, from that snapshot. A GPU that answers again takes jobs as
+        soon as ``gpuctl status`` counts it healthy, with the UUID it has now, and a GPU
+        that fails takes none from then on, rather than a loop pass later. Both are short
+        (neither asks an MPS daemon nor takes the placement lock: see
+        :meth:`JobService.observe_health`); the loop's MPS and jobs steps take the rest (the
+        daemons, the processes) once a pass."""
+        self.mps.observe_snapshot(snap)
+        self.jobs.observe_health(snap)
+
     def _sample_again(self) -> Snapshot | None:
         """A sample out of turn, after a change the next read must show (a MIG apply, a
         cleared XID, a fault injected into the simulated node): in the API's answers, and in
@@ -776,8 +787,7 @@ class Daemon:
             except Unavailable:  # closed
                 log.info("not sampling again after a change: gpud is stopping")
                 return None
-            self.jobs.observe(snap)
-            self.mps.observe_snapshot(snap)
+            self.jobs.observe(snap)  # its processes: the sampler's listener took the rest
         except Exception:
             log.exception("sampling again after a change failed")
             return None

@@ -614,7 +614,7 @@ class AdmissionService:
         unfeasible: list[EntryView] = []
         head: Entry | None = None  # the first quotable entry, which the others wait behind
         ahead_classes: Counter[str] = Counter()
-        held = _Held(self._jobs)
+        held = _Held(self._jobs, sick)
         running = self._running(views, now, held.loads()) if queued else []
         for e in queued:
             verdict = self.classify(e.placement, fit)
@@ -1129,8 +1129,10 @@ class _Held:
 
     STAND_IN = "\0job"
 
-    def __init__(self, jobs: JobService) -> None:
+    def __init__(self, jobs: JobService, sick: Mapping[int, str]) -> None:
+        """``sick``: :meth:`JobService.unhealthy`, as the caller read it for every entry."""
         self._jobs = jobs
+        self._sick = sick
         self._now: tuple[list[MpsTarget], dict[str, DeviceLoad]] | None = None
         self._loads: dict[str, DeviceLoad] | None = None
         self._refused: dict[tuple[object, ...], str | None] = {}
@@ -1143,13 +1145,14 @@ class _Held:
 
     def why(self, e: Entry, head: Entry | None) -> str:
         if self._now is None:
-            self._now = (self._jobs.healthy_targets(), self.loads())
+            self._now = (self._jobs.healthy_targets(self._sick), self.loads())
         r = e.request
         uid = self._jobs.placement_uid(r.holder_pid, e.holder_uid)
         shape = (r.devices, r.mig_profile, r.gpu_count, r.memory_bytes, uid)
         if shape not in self._refused:
             try:
-                self._jobs.choose(_effective(JobSpec(self.STAND_IN), r), self._now, uid=uid)
+                spec = _effective(JobSpec(self.STAND_IN), r)
+                self._jobs.choose(spec, self._now, uid=uid, sick=self._sick)
                 self._refused[shape] = None
             except (ResourceExhausted, NotFound) as err:
                 self._refused[shape] = str(err)

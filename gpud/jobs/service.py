@@ -119,18 +119,14 @@ class JobService:
         monotonic: Callable[[], float] = time.monotonic,
         lock: AbstractContextManager[object] | None = None,
         products: Callable[[], Mapping[int, str]] = lambda: {},
-        snapshots: Callable[[], Snapshot | None] = lambda: None,
     ) -> None:
         """``clock``: Unix time, what is stored. ``monotonic``: what a grace this process
         gives is measured by (the wall clock steps). ``lock``: the placement lock (a
         re-entrant one; default a new ``threading.RLock``), which comes before the MPS
         manager's lock and the state store's. ``products``: GPU index -> product key of
         the node's GPUs ("" where unknown), whose MIG tables a job's profile is checked
-        against. ``snapshots``: the sampler's latest snapshot, whose GPU health admission
-        reads when it is newer than the last one observed (``gpuctl status`` reads the
-        same; the loop's jobs step takes the rest of it in later)."""
+        against."""
         self._products = products
-        self._snapshots = snapshots
         self.store = store  # the API's short reads use its reading connection
         self._clock = clock
         # released runs whose processes left get SIGKILL, kept across restarts
@@ -151,8 +147,11 @@ class JobService:
         self._uses: list[ProcessUse] = []
         # device UUID -> memory used, of the devices whose processes NVML did not list
         self._unlisted: dict[str, int] = {}
-        self._unhealthy: dict[int, str] = {}  # GPU index -> why, as of the last tick
-        self._observed: Snapshot | None = None  # the snapshot _unhealthy is of
+        # GPU index -> why, as of the newest snapshot observed (swapped whole)
+        self._unhealthy: dict[int, str] = {}
+        # the newest snapshot's monotonic whose health was taken; held only to take one
+        self._health_lock = threading.Lock()
+        self._health_at: float | None = None
         self._observers: list[ReservationObserver] = []
         self._removal_hooks: list[RemovalHook] = []
         self._late_ends: list[LateEnd] = []
@@ -531,7 +530,8 @@ class JobService:
                 # run only, on a device no replay or other node has)
                 placed = _override(job, request)
                 effective = _advised(placed, request)
-                self._refuse_unhealthy(effective)
+                sick = self.unhealthy()  # once: the check and the placement agree
+                self._refuse_unhealthy(effective, sick)
                 uid = self.placement_uid(request.holder_pid)
                 if preview:
                     self.refuse_never(effective)
@@ -543,7 +543,7 @@ class JobService:
                         )
                 if not self._mps.targets():
                     raise Unavailable("no GPU seen yet: the daemon is starting, retry shortly")
-                chosen = self.choose(effective, uid=uid)
+                chosen = self.choose(effective, uid=uid, sick=sick)
                 uuids = tuple(d.uuid for d in chosen)
                 # none of its own: each device's default, as placed, is its MPS client's
                 defaults = (
@@ -594,21 +594,13 @@ class JobService:
 
     def unhealthy(self) -> dict[int, str]:
         """GPU index -> why it is unhealthy (lost, not answering, a critical Xid), as of
-        the sampler's latest snapshot: no job is placed there. A GPU that answers again is
-        placed on as soon as ``gpuctl status`` counts it healthy, not a loop pass later
-        (the sampler ticks on its own; the jobs step observes its snapshot once a pass)."""
-        latest = self._snapshots()
-        with self._lock:
-            observed = self._observed
-            if latest is None or latest is observed:
-                return dict(self._unhealthy)
-            if observed is not None and latest.monotonic < observed.monotonic:
-                return dict(self._unhealthy)
-        return _sick(latest)
+        the newest snapshot observed (:meth:`observe_health`; the daemon observes each of
+        the sampler's as it is taken): no job is placed there."""
+        return dict(self._unhealthy)
 
     def unhealthy_devices(self) -> dict[tuple[int, int | None], tuple[str, str]]:
         """(GPU index, MIG device index or None) -> (UUID, ``"GPU N: reason"``) for each
-        device on an unhealthy GPU, as of the last tick. By index: every GPU never read
+        device on an unhealthy GPU, as of the newest snapshot observed. By index: every GPU never read
         (lost or hung since before gpud started) has the UUID "", and each is kept. Without
         a lock (both sources are swapped whole): for reads on the event loop, which a
         reservation or an MPS pass holding a lock must not hold back."""
@@ -626,11 +618,12 @@ class JobService:
         """Every device a job may be placed on, healthy or not (``gpuctl mps show``)."""
         return self._mps.targets()
 
-    def healthy_targets(self) -> list[MpsTarget]:
-        """The devices a job may be placed on: every MPS target but those of unhealthy GPUs."""
-        targets = self._mps.targets()
-        sick = self.unhealthy()
-        return [t for t in targets if t.gpu not in sick]
+    def healthy_targets(self, sick: Mapping[int, str] | None = None) -> list[MpsTarget]:
+        """The devices a job may be placed on: every MPS target but those of unhealthy GPUs
+        (``sick``: :meth:`unhealthy`, read once by the caller) and those whose UUID is not
+        known (a GPU never read since gpud started, until the MPS manager observes it)."""
+        sick = self.unhealthy() if sick is None else sick
+        return [t for t in self._mps.targets() if t.uuid and t.gpu not in sick]
 
     def choose(
         self,
@@ -638,12 +631,15 @@ class JobService:
         now: tuple[Sequence[MpsTarget], Mapping[str, DeviceLoad]] | None = None,
         *,
         uid: int | None = None,
+        sick: Mapping[int, str] | None = None,
     ) -> tuple[MpsTarget, ...]:
         """:func:`choose_devices` among the healthy devices, with what is reserved now
         (``now``: those devices and loads, read once by a caller that asks for many); a
         refusal names the unhealthy GPUs it left out, and why. ``uid``: the run's user, from
-        :meth:`placement_uid`."""
-        targets, loads = now if now is not None else (self.healthy_targets(), self.loads())
+        :meth:`placement_uid`. ``sick``: :meth:`unhealthy`, read once by the caller (that
+        ``now`` was read with)."""
+        sick = self.unhealthy() if sick is None else sick
+        targets, loads = now if now is not None else (self.healthy_targets(sick), self.loads())
         try:
             return choose_devices(
                 spec,
@@ -655,15 +651,14 @@ class JobService:
                 default_threads=self._default_threads,
             )
         except ResourceExhausted as err:
-            sick = self.unhealthy()
             if not sick:
                 raise
             raise ResourceExhausted(f"{err} ({unhealthy_text(sick)})") from err
 
-    def _refuse_unhealthy(self, spec: JobSpec) -> None:
-        """A job pinned to an unhealthy GPU's device is refused at once; one that names no
-        device waits (``ResourceExhausted``) while no healthy GPU is left."""
-        sick = self.unhealthy()
+    def _refuse_unhealthy(self, spec: JobSpec, sick: Mapping[int, str]) -> None:
+        """A job pinned to an unhealthy GPU's device (``sick``: :meth:`unhealthy`) is
+        refused at once; one that names no device waits (``ResourceExhausted``) while no
+        healthy GPU is left."""
         if not sick:
             return
         targets = {t.uuid: t for t in self._mps.targets()}
@@ -750,8 +745,8 @@ class JobService:
             self.observe(snapshot)
 
     def observe(self, snapshot: Snapshot) -> None:
-        """Take the GPUs' health and processes from ``snapshot``: what admission refuses
-        unhealthy GPUs by, and whose processes `gpuctl jobs` lists under each job."""
+        """Take the GPUs' processes and health (:meth:`observe_health`) from ``snapshot``:
+        whose processes `gpuctl jobs` lists under each job."""
         uses = self._attributor.attribute(snapshot)
         unlisted: dict[str, int] = {}
         for g in snapshot.gpus:
@@ -766,15 +761,30 @@ class JobService:
                         )
             elif not g.processes_read and g.memory is not None and g.identity.uuid:
                 unlisted[g.identity.uuid] = g.memory.used_bytes
-        sick = _sick(snapshot)
         with self._lock:
             self._uses = uses
             self._unlisted = unlisted
+        self.observe_health(snapshot)
+
+    def observe_health(self, snapshot: Snapshot) -> None:
+        """Take the GPUs' health from ``snapshot``: what admission refuses unhealthy GPUs
+        by, what ``gpuctl jobs`` marks, and a ``job.gpu_unhealthy``/``job.gpu_recovered``
+        event for each job on a GPU whose health changed. The daemon calls it after each of
+        the sampler's ticks, on the sampling thread, once the MPS manager has observed the
+        same snapshot (so a GPU that answers again is placed on with the UUID it has now).
+        A snapshot older than one observed before is passed over (a loop pass that read it
+        before the sampler's next tick). It takes no placement lock, which a reservation holds:
+        only its own, and under it, while it tells jobs of a change, the MPS manager's
+        lock and the store's, as any reader does."""
+        sick = _sick(snapshot)
+        with self._health_lock:
+            if self._health_at is not None and snapshot.monotonic < self._health_at:
+                return
+            self._health_at = snapshot.monotonic
             before, self._unhealthy = self._unhealthy, sick
-            self._observed = snapshot
-        if sick.keys() != before.keys():
-            uuids = {g.identity.index: g.known().uuid for g in snapshot.gpus}
-            self._tell_jobs_on(before, sick, uuids)
+            if sick.keys() != before.keys():
+                uuids = {g.identity.index: g.known().uuid for g in snapshot.gpus}
+                self._tell_jobs_on(before, sick, uuids)
 
     def _tell_jobs_on(
         self, before: Mapping[int, str], sick: Mapping[int, str], uuids: Mapping[int, str]

@@ -294,12 +294,7 @@ class MigManager:
         a GPU reset may: see :meth:`_busy`), and whether it does either."""
         gis = plan.destroyed_gpu_instances()
         cis = plan.destroyed_compute_instances()
-        mode_change = (reset and plan.reset_pending) or (
-            not _mode_needs_reset(gpu)
-            and any(
-                isinstance(s, SetMigMode) and s.enabled != actual.mode.current for s in plan.steps
-            )
-        )
+        mode_change = _mode_changes_now(gpu, actual, plan, reset=reset)
         if not actual.mode.current or not (gis or cis or mode_change):
             return [], mode_change
         return [
@@ -624,12 +619,13 @@ class MigManager:
         (:meth:`_bounded`); a GPU whose processes cannot be listed has none named, as the
         forced apply does not list them either."""
 
-        def mode_change(actual: GpuActual, plan: GpuPlan) -> bool:
-            return actual.mode.reset_pending or any(
-                isinstance(s, SetMigMode) and s.enabled != actual.mode.current for s in plan.steps
-            )
+        def mode_change(gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan) -> bool:
+            # at the reset the apply may make: a change now, or one pending until then
+            return actual.mode.reset_pending or _mode_changes_now(gpu, actual, plan, reset=True)
 
-        todo = [by_index[i] for i, (a, p) in sorted(plans.items()) if mode_change(a, p)]
+        todo = [
+            by_index[i] for i, (a, p) in sorted(plans.items()) if mode_change(by_index[i], a, p)
+        ]
 
         def listed(gpu: GpuIdentity) -> list[tuple[str, ProcessInfo]]:
             return [("the whole GPU", p) for p in self._backend.processes(gpu.index)]
@@ -1503,12 +1499,20 @@ def _enables_mig(gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: b
     driver does only on a GPU no process holds, an MPS control daemon's server included. On
     a product whose change waits for a reset (A100), ``-mig 1`` without one only makes it
     pending, whatever holds the GPU."""
-    if actual.mode.current:
-        return False
-    sets = any(isinstance(s, SetMigMode) and s.enabled for s in plan.steps)
-    if reset:
-        return plan.reset_pending or sets
-    return sets and not _mode_needs_reset(gpu)
+    return not actual.mode.current and _mode_changes_now(gpu, actual, plan, reset=reset)
+
+
+def _mode_changes_now(gpu: GpuIdentity, actual: GpuActual, plan: GpuPlan, *, reset: bool) -> bool:
+    """Whether ``plan`` changes the GPU's current MIG mode now: a ``SetMigMode`` step on a
+    product that switches at once (Hopper: ``nvidia-smi -i N -mig 1`` answers at once), or
+    the GPU reset that makes a pending mode current (``reset``: the plan waits for one and
+    gpud may do it, as ``nvidia-smi --gpu-reset -i N`` does). On a product whose change
+    waits for a reset (A100), the step alone only makes it pending."""
+    if reset and plan.reset_pending:
+        return True
+    return not _mode_needs_reset(gpu) and any(
+        isinstance(s, SetMigMode) and s.enabled != actual.mode.current for s in plan.steps
+    )
 
 
 def _pending(where: str) -> str:

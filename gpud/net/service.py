@@ -322,6 +322,12 @@ class TrafficService:
         # the jobs holding a reservation at the last tick: what views (net show, /metrics,
         # the cluster's report) judge "ended" by, so that none of them reads the store
         self._held: frozenset[str] = frozenset()
+        # job -> the tick count when a run of it reserved its devices (see run_started):
+        # held now, though the last tick's read did not see it. Kept until a tick sees it
+        # held, or the tick after (a reservation whose transaction was rolled back); under
+        # self._ends_lock
+        self._started: dict[str, int] = {}
+        self._ticks = 0
         self.accepted_reports = 0
         self.rejected_reports = 0
         if config.enabled:
@@ -394,6 +400,14 @@ class TrafficService:
                 self._tracker.register(r.job, now=now, ideal_s=r.ideal_s)
             self._tracker.report(r.job, r.iterations, r.timestamp)
             heard = self._monotonic()
+            if (
+                prev is not None
+                and heard - prev.heard_at > self.config.idle_after_s
+                and r.job not in self._held_now()
+            ):
+                # it ended with its reports (see _ended_at): only progress runs it again
+                with self._ends_lock:
+                    self._ends.setdefault(r.job, (prev.heard_at, prev))
             stamped = heard - max(0.0, now - r.timestamp)
             self._reports[r.job] = _JobReports(
                 r.iterations,
@@ -422,12 +436,21 @@ class TrafficService:
         end = self._monotonic() - max(0.0, since_end_s)
         with self._ends_lock:
             self._ends[job] = (end, self._reports.get(job))
+            self._started.pop(job, None)
 
     def run_started(self, job: str) -> None:
-        """A run of ``job`` reserved its devices: it has not ended (whatever the last tick
-        saw). Takes no lock but its own, as :meth:`run_ended`."""
+        """A run of ``job`` reserved its devices: it has not ended, and holds a reservation
+        from now on for every view (whatever the last tick saw). Takes no lock but its own,
+        as :meth:`run_ended`."""
         with self._ends_lock:
             self._ends.pop(job, None)
+            self._started[job] = self._ticks
+
+    def _held_now(self) -> frozenset[str]:
+        """The jobs holding a reservation: those the last tick saw, and those whose run
+        started since (:meth:`run_started`), without reading the store."""
+        with self._ends_lock:
+            return self._held | self._started.keys()
 
     def _ended_at(self, job: str, active: Set[str]) -> float | None:
         """When ``job``'s last run ended (the monotonic clock), where it holds no
@@ -439,7 +462,8 @@ class TrafficService:
         A job gpud sees only through its reports (``gpuctl net report``, no run of it
         holding a reservation) ends with its reports: once it has sent none for
         ``traffic.idle_after_s`` it ended when gpud heard the last one (nothing of it is
-        known to run, so it is not taken for stopped), until it reports again."""
+        known to run, so it is not taken for stopped), until it reports progress again
+        (:meth:`report` notes that end as a run's)."""
         if job in active:
             return None
         with self._ends_lock:
@@ -515,7 +539,7 @@ class TrafficService:
         with self._lock:
             return LocalReport(
                 at=now,
-                jobs=self._job_views(now),
+                jobs=self._job_views(now, self._held_now()),
                 epoch=self._epoch if self._order is not None else 0,
                 levels=self.config.levels,
             )
@@ -548,7 +572,7 @@ class TrafficService:
                 job=job,
                 level=level,
             )
-            return self._job_view(job, self._clock(), self._held)
+            return self._job_view(job, self._clock(), self._held_now())
 
     def now(self) -> float:
         return self._clock()
@@ -612,7 +636,8 @@ class TrafficService:
     def view(self) -> NetView:
         now = self._clock()
         with self._lock:
-            jobs = self._job_views(now)
+            held = self._held_now()
+            jobs = self._job_views(now, held)
             per_level: dict[int, TrafficCounters] = {}
             for j in jobs:
                 if j.level is not None:
@@ -638,18 +663,16 @@ class TrafficService:
                 rdma_backend=self.config.rdma_backend,
                 rdma_error=self._rdma_error,
                 untagged=dict(self._untagged),
-                untagged_jobs=tuple(
-                    self._job_view(j, now, self._held) for j in sorted(self._untagged)
-                ),
+                untagged_jobs=tuple(self._job_view(j, now, held) for j in sorted(self._untagged)),
                 # as of the last tick's registry
                 idle_untagged=len(self._known_jobs - {j.job for j in jobs} - self._untagged.keys()),
                 marking=self.config.marking,
                 gap_spacings=self._tracker.config.gap_spacings,
             )
 
-    def _job_views(self, now: float) -> tuple[JobTraffic, ...]:
-        """The tagged jobs' rows, "ended" judged by the reservations of the last tick."""
-        return tuple(self._job_view(j, now, self._held) for j in sorted(self.tags.allocations()))
+    def _job_views(self, now: float, held: Set[str]) -> tuple[JobTraffic, ...]:
+        """The tagged jobs' rows, "ended" judged by ``held`` (:meth:`_held_now`)."""
+        return tuple(self._job_view(j, now, held) for j in sorted(self.tags.allocations()))
 
     def _job_view(self, job: str, now: float, active: Set[str]) -> JobTraffic:
         reports = self._reports.get(job)
@@ -952,7 +975,14 @@ class TrafficService:
 
     def _decide(self, now: float, registered: list[str]) -> dict[str, int]:
         active_res = self._active()
-        self._held = frozenset(active_res)
+        with self._ends_lock:
+            self._held = frozenset(active_res)
+            # a run started since the last tick that this read saw, or one the tick before
+            # did not see either (rolled back), is no longer kept apart
+            self._started = {
+                j: n for j, n in self._started.items() if n == self._ticks and j not in active_res
+            }
+            self._ticks += 1
         idle = self.config.idle_after_s
         active = []
         heard = self._monotonic()

@@ -1163,9 +1163,11 @@ class CountingJobs(JobService):
 
     chosen = 0
 
-    def choose(self, spec: JobSpec, now: Any = None, *, uid: int | None = None) -> Any:
+    def choose(
+        self, spec: JobSpec, now: Any = None, *, uid: int | None = None, sick: Any = None
+    ) -> Any:
         self.chosen += 1
-        return super().choose(spec, now, uid=uid)
+        return super().choose(spec, now, uid=uid, sick=sick)
 
 
 def test_a_listing_asks_placement_once_per_request_shape(tmp_path: Path) -> None:

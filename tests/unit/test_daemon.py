@@ -21,7 +21,7 @@ from gpud.build import current as current_build
 from gpud.config import MAX_CONFIG_BYTES, Config, Layers, file_stamp
 from gpud.daemon import STOP_CLOSE_WAIT_S, STOP_HOOK_FLOOR_S, Daemon, Step
 from gpud.dirlock import DirLocks
-from gpud.errors import ConfigError, InUse, Unavailable
+from gpud.errors import ConfigError, FailedPrecondition, InUse, ResourceExhausted, Unavailable
 from gpud.events import EventLog
 from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import RunRequest
@@ -1316,5 +1316,39 @@ def test_the_worst_stop_ends_before_the_units_stop_timeout(root: Path) -> None:
         assert worst == d.stop_budget_s + 4 * STOP_HOOK_FLOOR_S + 2 * STOP_CLOSE_WAIT_S
         assert worst <= timeout_s - 3, (worst, timeout_s)
         assert max(d.call_stop_wait_s, d.pass_stop_wait_s, d.mig_stop_wait_s) <= d.stop_budget_s
+    finally:
+        _close(d)
+
+
+def test_a_gpu_that_answers_again_takes_jobs_after_one_sampler_tick(root: Path) -> None:
+    """GPU 0 was lost before gpud started (no UUID known). Once the sampler's next tick
+    reads it, with no loop pass since: a job asking two GPUs gets both by their UUIDs (not
+    ""), one pinned to its UUID is placed, and ``gpuctl jobs`` marks nothing unhealthy; a
+    GPU lost since is refused at once, likewise."""
+    d = build(make_config(root, **{"backend.simulate": "H100-SXM5-80GB:2"}))
+    assert d.sim is not None
+    try:
+        d.sim.faults.lose(0)
+        snap = d.sampler.tick()
+        d.mps.reconcile(snap)  # a loop pass
+        d.jobs.tick(snap)
+        assert set(d.jobs.unhealthy_devices()) == {(0, None)}
+        with pytest.raises(ResourceExhausted):
+            d.jobs.reserve(RunRequest(job="both", gpu_count=2))
+        d.sim.faults.clear(0)
+        uuids = tuple(g.identity.uuid for g in d.sampler.tick().gpus)
+        assert all(uuids)
+        assert d.jobs.unhealthy() == {} and d.jobs.unhealthy_devices() == {}
+        both = d.jobs.reserve(RunRequest(job="both", gpu_count=2))
+        assert sorted(both.reservation.devices) == sorted(uuids)
+        d.jobs.release(both.reservation.id)
+        pinned = d.jobs.reserve(RunRequest(job="pinned", devices=(uuids[0],)))
+        assert pinned.reservation.devices == (uuids[0],)
+        d.jobs.release(pinned.reservation.id)
+        d.sim.faults.lose(1)
+        d.sampler.tick()
+        assert set(d.jobs.unhealthy_devices()) == {(1, None)}
+        with pytest.raises(FailedPrecondition, match="on GPU 1, which is unhealthy"):
+            d.jobs.reserve(RunRequest(job="pinned", devices=(uuids[1],)))
     finally:
         _close(d)

@@ -34,7 +34,7 @@ from gpud.jobs.stops import RunStop, RunStops, StopReason
 from gpud.mps.manager import MpsManager, MpsTarget, targets_from_snapshot
 from gpud.shared import GIB, is_about, shell_exports
 from gpud.store import StateStore
-from gpud.telemetry.snapshot import GpuSample, Snapshot
+from gpud.telemetry.snapshot import GpuSample
 from tests.unit.mps_support import FAKE_CONTROL, gpu_sample, gpu_uuid, mig_uuid, snapshot
 
 NODE = snapshot(
@@ -853,31 +853,42 @@ def test_no_job_is_placed_on_an_unhealthy_gpu(service: JobService) -> None:
     assert service.reserve(RunRequest("c")).env["CUDA_VISIBLE_DEVICES"]
 
 
-def test_a_gpu_that_answers_again_is_placed_on_before_the_next_jobs_step(
+def test_a_gpu_never_read_that_answers_is_placed_on_only_with_its_uuid(
     tmp_path: Path, store: StateStore
 ) -> None:
-    """The sampler ticks on its own: once its latest snapshot has GPU 1 healthy again (what
-    ``gpuctl status`` shows), a job pinned there is placed at once, not refused with the old
-    reason until the loop's jobs step observes that snapshot. An older snapshot than the one
-    observed is not read."""
+    """GPU 1 was lost before gpud started (its MPS target has the UUID ""): once a
+    snapshot has it healthy, a job that names no device is not placed on "" (an empty
+    ``CUDA_VISIBLE_DEVICES``) while the MPS manager still lists it so, but once the MPS
+    manager observes that snapshot, on the UUID it has now."""
     mps = MpsManager(store, EventLog(None), tmp_path / "run", FAKE_CONTROL, enabled=False)
-    mps.observe(DEVICES)
-    lost = gpu_sample(1, memory_gib=80)._replace(healthy=False, reason="GPU lost (memory)")
-    down = replace(snapshot(NODE.gpus[0], lost, NODE.gpus[2]), monotonic=10.0)
-    latest: list[Snapshot | None] = [down]
-    service = JobService(
-        store, EventLog(None), mps, socket_path=Path("/s"), snapshots=lambda: latest[0]
-    )
+    service = JobService(store, EventLog(None), mps, socket_path=Path("/s"))
+    unread = GpuSample(identity=unknown_identity(1), healthy=False, reason="GPU lost", sampled_at=0)
+    down = replace(snapshot(unread), monotonic=1.0)
+    mps.observe_snapshot(down)
     service.tick(down)
-    with pytest.raises(FailedPrecondition, match=r"on GPU 1, which is unhealthy: GPU lost"):
-        service.reserve(RunRequest("b", devices=(gpu_uuid(1),)))
-    latest[0] = replace(NODE, monotonic=5.0)  # older than the one observed
-    assert service.unhealthy() == {1: "GPU lost (memory)"}
-    latest[0] = replace(NODE, monotonic=11.0)  # the sampler's next tick; no jobs step yet
+    up = replace(snapshot(NODE.gpus[1]), monotonic=2.0)
+    service.tick(up)  # the MPS manager has not observed it yet
     assert service.unhealthy() == {}
-    launch = service.reserve(RunRequest("b", devices=(gpu_uuid(1),)))
+    assert service.healthy_targets() == []
+    with pytest.raises(ResourceExhausted):
+        service.reserve(RunRequest("x"))
+    assert service.reservations.held() == []
+    mps.observe_snapshot(up)
+    launch = service.reserve(RunRequest("x"))
+    assert launch.reservation.devices == (gpu_uuid(1),)
     assert launch.env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)
     service.release(launch.reservation.id)
+
+
+def test_an_older_snapshot_does_not_undo_the_health_of_a_newer_one(
+    service: JobService,
+) -> None:
+    """A loop pass that read a snapshot before the sampler's next tick observed a newer
+    one takes no health from it: GPU 1, lost since, stays unhealthy."""
+    lost = gpu_sample(1, memory_gib=80)._replace(healthy=False, reason="GPU lost (memory)")
+    service.tick(replace(snapshot(NODE.gpus[0], lost, NODE.gpus[2]), monotonic=11.0))
+    service.tick(replace(NODE, monotonic=10.0))
+    assert service.unhealthy() == {1: "GPU lost (memory)"}
 
 
 def test_a_job_holding_a_device_of_a_gpu_that_failed_says_so(service: JobService) -> None:

@@ -1928,6 +1928,60 @@ def test_a_job_seen_only_through_its_reports_ends_with_them(rig: Rig) -> None:
     assert row().ended_s is None and row().stopped_s is None
 
 
+def _silent_past_idle(rig: Rig) -> tuple[Training, Callable[[], JobTraffic]]:
+    """Jobs "a" and "b" trained for a minute, "b" holding a reservation and "a" known only
+    through its reports, then "a" silent past traffic.idle_after_s (ended); and a read of
+    "a"'s row."""
+    rig.active = {"b"}
+    train = Training(rig, {"a": 1.0, "b": 1.0}, {"a": 0.5, "b": 0.25})
+    train.run(60)
+    train.run(int(rig.service.config.idle_after_s) + 30, stopped="a")
+
+    def row() -> JobTraffic:
+        (found,) = [j for j in rig.service.view().jobs if j.job == "a"]
+        return found
+
+    assert row().ended_s is not None
+    return train, row
+
+
+def test_a_job_ended_with_its_reports_runs_again_only_with_progress(rig: Rig) -> None:
+    """A job known only through its reports, ended by its silence, stays ended for a report
+    that repeats its count (a last flush): not stopped with a SIGSTOP hint. A report with
+    more iterations, or from a new session, runs it again."""
+    train, row = _silent_past_idle(rig)
+    done = train.done["a"]
+    rig.service.report(Report("a", done, rig.clock.t, session="s"))
+    rig.service.tick()
+    assert row().ended_s is not None and row().stopped_s is None
+    assert not job_message(row(), rig.service.now()).HasField("stopped_seconds")
+    rig.clock.t += 1
+    rig.service.report(Report("a", done + 1, rig.clock.t, session="s"))
+    assert row().ended_s is None
+    train.run(int(rig.service.config.idle_after_s) + 30, stopped="a")
+    assert row().ended_s is not None
+    rig.service.report(Report("a", 1, rig.clock.t, session="t"))  # a new run of it
+    assert row().ended_s is None
+
+
+def test_a_silent_job_that_reserves_counts_as_running_before_the_next_tick(rig: Rig) -> None:
+    """A job silent past traffic.idle_after_s (it reads ended) that reserves its devices
+    since the last tick holds a reservation at once: ``gpuctl net show`` and the cluster's
+    report do not call it ended, nor unranked, until that tick."""
+    _, row = _silent_past_idle(rig)
+    rig.active = {"a", "b"}
+    rig.service.run_started("a")  # what the jobs service says on reserve
+    assert row().ended_s is None
+    (reported,) = [j for j in rig.service.local_report().jobs if j.job == "a"]
+    assert reported.ended_s is None
+    rig.service.tick()
+    assert row().ended_s is None
+    rig.active = {"b"}
+    rig.service.run_ended("a")
+    rig.service.tick()
+    assert row().ended_s is not None
+
+
 def test_a_report_after_the_end_that_repeats_the_count_is_no_progress(rig: Rig) -> None:
     """A last flush after the end (the same iteration count, stamped later) leaves the job
     ended, not stopped; more iterations, or a new session, are progress."""
