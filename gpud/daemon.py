@@ -146,12 +146,14 @@ PASS_STOP_WAIT_S = 5.0
 # seconds each shutdown hook gets even when the budget is spent: quitting the MPS control
 # daemons or giving up the cluster's leadership takes milliseconds when nothing hangs
 STOP_HOOK_FLOOR_S = 1.0
-# seconds the stop waits for the store's close (its lock, held by a transaction of a pass
-# left running, then SQLite's checkpoint) and then for the driver's (``nvmlShutdown``, which
-# can hang on a GPU that stopped answering); past that each is left on its daemon thread and
-# gpud exits: every committed transaction is already in the WAL, which the next open reads
+# seconds the stop waits for the store's close (its locks, held by a transaction or a read
+# of a pass left running, at most half of it; then SQLite's checkpoint) and then for the
+# driver's (``nvmlShutdown``, which can hang on a GPU that stopped answering); past that each
+# is left on its daemon thread and gpud exits: every committed transaction is already in the
+# WAL, which the next open reads
 STOP_CLOSE_WAIT_S = 1.0
-# the same after a second SIGTERM/SIGINT: a close that needs no waiting still ends
+# the same after a second SIGTERM/SIGINT, whether it came before the close or during it (at
+# most this more, within STOP_CLOSE_WAIT_S): a close that needs no waiting still ends
 STOP_CUT_CLOSE_S = 0.1
 
 # seconds a pass waits for the traffic tick it started (it takes milliseconds when the
@@ -982,12 +984,17 @@ class Daemon:
                     sampler_task.cancel()
             took = time.monotonic() - stopping_at
             self.events.emit("daemon.stop", "gpud stopped", took_s=round(took, 3))
-            closing = STOP_CUT_CLOSE_S if self._stop_now.is_set() else STOP_CLOSE_WAIT_S
+            # the store waits for its locks half its time, so that its own warning (a
+            # transaction still ran) comes before this wait ends, then SQLite's checkpoint
             await self._run_stop(
-                lambda: self.store.close(wait_s=closing), closing, "store.close", cut=False
+                lambda: self.store.close(wait_s=STOP_CLOSE_WAIT_S / 2),
+                STOP_CLOSE_WAIT_S,
+                "store.close",
+                cut_s=STOP_CUT_CLOSE_S,
             )
-            closing = STOP_CUT_CLOSE_S if self._stop_now.is_set() else STOP_CLOSE_WAIT_S
-            await self._run_stop(self.backend.close, closing, "backend.close", cut=False)
+            await self._run_stop(
+                self.backend.close, STOP_CLOSE_WAIT_S, "backend.close", cut_s=STOP_CUT_CLOSE_S
+            )
         return 0
 
     async def _unless_cut(
@@ -1011,12 +1018,15 @@ class Daemon:
         timeout: float,
         name: str = "",
         *,
-        cut: bool = True,
+        cut_s: float = 0.0,
     ) -> None:
         """One shutdown step (a hook, a close) on a daemon thread of its own (a blocking one
-        holds nothing else back), given ``timeout`` seconds (with ``cut``: or until a second
-        SIGTERM/SIGINT); past that it is left running and the stop goes on."""
+        holds nothing else back), given ``timeout`` seconds, or ``cut_s`` once a second
+        SIGTERM/SIGINT came (before it or while it runs: at most ``cut_s`` more); past that
+        it is left running and the stop goes on."""
         name = name or _name(stop)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
 
         async def whole() -> None:
             result = await on_daemon_thread(stop)
@@ -1024,11 +1034,15 @@ class Daemon:
                 await result
 
         running = asyncio.ensure_future(whole())
-        if not await self._unless_cut(running, timeout, cut=cut):
+        ended = await self._unless_cut(running, timeout)
+        if not ended and cut_s > 0 and self._stop_now.is_set():
+            left = min(cut_s, deadline - loop.time())
+            ended = await self._unless_cut(running, max(0.0, left), cut=False)
+        if not ended:
             running.cancel()  # the await only: its thread goes on, and exits with the process
             why = (
                 "was left at a second stop (SIGTERM/SIGINT)"
-                if cut and self._stop_now.is_set()
+                if self._stop_now.is_set()
                 else f"did not end within the {timeout:.1f} s it was given"
             )
             log.warning("shutdown: %s %s; going on", name, why)
@@ -1088,12 +1102,8 @@ class Daemon:
         if self._stop_now.is_set():
             return self.mig.wait_idle(0)
         idle = asyncio.ensure_future(on_daemon_thread(lambda: self.mig.wait_idle(timeout_s)))
-        now = asyncio.ensure_future(self._stop_now.wait())
-        try:
-            await asyncio.wait({idle, now}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            now.cancel()
-        if idle.done():
+        # the thread's own wait ends it; the second more are for the thread to answer
+        if await self._unless_cut(idle, timeout_s + 1):
             return idle.result()
         idle.cancel()
         return False

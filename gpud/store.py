@@ -14,6 +14,7 @@ import os
 import sqlite3
 import stat
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -255,12 +256,17 @@ class StateStore:
 
     def close(self, wait_s: float | None = None) -> None:
         """Close the connections, once no transaction runs; with ``wait_s``, not waiting
-        longer than that for one running on another thread (a daemon stop that gave up a
-        loop pass): it is left open then, and the transaction goes whole or not at all.
-        Nothing committed is lost either way (``synchronous=FULL``: it is in the WAL, which
-        the next open reads); a close left undone skips only SQLite's checkpoint."""
-        timeout = -1.0 if wait_s is None else max(0.0, wait_s)
-        if not self._lock.acquire(timeout=timeout):
+        longer than that in all for one running on another thread (a daemon stop that gave up
+        a loop pass, a read still under way): its connection is left open then, saying so
+        once, and the transaction goes whole or not at all. Nothing committed is lost either
+        way (``synchronous=FULL``: it is in the WAL, which the next open reads); a close left
+        undone skips only SQLite's checkpoint."""
+        deadline = None if wait_s is None else time.monotonic() + max(0.0, wait_s)
+
+        def left() -> float:
+            return -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+
+        if not self._lock.acquire(timeout=left()):
             log.warning(
                 "state database %s: a transaction still ran at the stop; left to the exit",
                 self.path,
@@ -270,9 +276,15 @@ class StateStore:
             self._conn.close()
         finally:
             self._lock.release()
-        if self._reader_lock.acquire(timeout=timeout):
-            try:
-                if self._reader is not None:
-                    self._reader.close()
-            finally:
-                self._reader_lock.release()
+        if not self._reader_lock.acquire(timeout=left()):
+            log.warning(
+                "state database %s: a read still ran at the stop; its connection is left to"
+                " the exit",
+                self.path,
+            )
+            return
+        try:
+            if self._reader is not None:
+                self._reader.close()
+        finally:
+            self._reader_lock.release()

@@ -43,6 +43,7 @@ the JSON error document on stderr, as an error's is, and that of one that exits 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -181,7 +182,11 @@ def _left_alone(ctx: Context, what: str, gpus: Sequence[str]) -> int:
         return 0
     if ctx.out.json:
         raise CliError(f"{what}: {'; '.join(gpus)}", EXIT_PARTIAL)
-    ctx.out.flush()  # the answer before the lines about it, on a terminal or merged
+    # the answer before the lines about it, on a terminal or merged; a reader of stdout
+    # that went away (``| head``) does not keep them from stderr: the exit's own flush
+    # then fails again and exits 141, as for any output into a closed pipe
+    with contextlib.suppress(BrokenPipeError):
+        ctx.out.flush()
     for gpu in gpus:
         print(f"gpuctl: {what}: {gpu}", file=sys.stderr)
     return EXIT_PARTIAL
@@ -324,13 +329,20 @@ def run_apply(ctx: Context, args: argparse.Namespace) -> int:
             EXIT_BUSY,
         )
     if resp.result == "partial":
-        faulty = [str(o.gpu) for o in resp.gpus if o.status == "faulty"]
-        raise CliError(
-            f"faulty GPUs left alone: {', '.join(faulty)}; the others were "
-            + ("planned" if resp.dry_run else "applied"),
-            EXIT_PARTIAL,
+        return _left_alone(
+            ctx,
+            "faulty, left alone",
+            [_why_left_alone(o) for o in resp.gpus if o.status == "faulty"],
         )
     return EXIT_FAILED if resp.result == "failed" else 0
+
+
+def _why_left_alone(o: pb.MigGpuOutcome) -> str:
+    """``GPU N (UUID): why`` of a GPU an apply left alone as faulty, as ``mig show`` names a
+    faulty GPU: its detail (``GPU N (PRODUCT) is faulty, left alone: why``) without the
+    words the line already says."""
+    why = o.detail.partition(" is faulty, left alone: ")[2] or o.detail
+    return f"GPU {o.gpu}{f' ({o.uuid})' if o.uuid else ''}: {why}"
 
 
 def run_assert(ctx: Context, args: argparse.Namespace) -> int:

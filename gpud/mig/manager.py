@@ -1028,7 +1028,11 @@ class MigManager:
                     if u in ids and ids[u].index not in faults
                 ]
             )
-            if inflight is not None and _nothing_to_resume(inflight, desired, ids, faults, checked):
+            if (
+                inflight is not None
+                and mode == "reconcile"  # report changes nothing, the store included
+                and _nothing_to_resume(inflight, desired, ids, faults, checked)
+            ):
                 # written by an earlier gpud for an apply that had nothing to do
                 self._store.finish_apply()
                 log.info(
@@ -1476,8 +1480,9 @@ def _nothing_to_resume(
         return False
     if inflight.options.skip_reset:
         return True
-    if any(u in ids and ids[u].index in faults for u in desired):
-        return False  # a faulty GPU's mode is not known
+    if any((ids[u].index if u in ids else r.gpu_index) in faults for u, r in desired.items()):
+        # a faulty GPU's mode is not known, one lost before its identity was read included
+        return False
     return all(isinstance(p, GpuPlan) and not p.reset_pending for p in checked.values())
 
 

@@ -382,8 +382,8 @@ class TrafficService:
         check_text(r.session, field="session", max_len=MAX_SESSION_CHARS)
         with self._lock:
             self._watch_clocks()
-            if r.job not in self._known_jobs and r.job not in set(self._jobs()):
-                raise NotFound(f"no job {r.job!r} on this node (gpuctl jobs ls)")
+            if r.job not in self._known_jobs:
+                self._require_job(r.job)
             self._known_jobs.add(r.job)
             prev = self._reports.get(r.job)
             if (
@@ -552,12 +552,16 @@ class TrafficService:
                 f"traffic enforcement is off on this node (traffic.enabled = false): {what}"
             )
 
+    def _require_job(self, job: str) -> None:
+        """NotFound unless ``job`` is one of the node's jobs, naming where they are listed."""
+        if job not in set(self._jobs()):
+            raise NotFound(f"no job {job!r} on this node (gpuctl jobs ls)")
+
     def pin(self, job: str, level: int | None) -> JobTraffic:
         """Pin ``job`` to ``level`` (None: unpin). Refused while traffic is off: the pin
         would be kept but nothing enforces a level. An unknown job is NotFound first, off
         or not: the more basic error (a typo in the name) is the one to fix first."""
-        if job not in set(self._jobs()):
-            raise NotFound(f"no job {job!r}")
+        self._require_job(job)
         self._refuse_while_off("no level is enforced, a pin would change nothing")
         if level is not None and not 0 <= level < self.config.levels:
             raise InvalidArgument(f"must be in [0, {self.config.levels - 1}]", field="level")
@@ -589,8 +593,7 @@ class TrafficService:
         """
         if pid <= 1:
             raise InvalidArgument(f"{pid} is not a job's process", field="pid")
-        if job not in set(self._jobs()):
-            raise NotFound(f"no job {job!r}")
+        self._require_job(job)
         if not self.config.enabled or not self.config.marking:
             return ""
         pid = local_pid(pid, namespace, self._proc, field="pid")

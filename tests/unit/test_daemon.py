@@ -1303,6 +1303,77 @@ def test_a_second_stop_skips_the_shutdown_hooks_and_the_closes_waits_and_keeps_t
         _close(again)
 
 
+def test_a_store_close_held_up_by_a_pass_left_running_says_why_in_its_own_words(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pass left running holds the store's lock at the stop: the store's own warning says
+    a transaction still ran, within the close's wait, not the stop's generic "did not end"
+    over it; the driver is closed after it."""
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+    d.pass_stop_wait_s = 0.2
+    release = threading.Event()
+    in_transaction = threading.Event()
+    closed: list[str] = []
+    driver_close = d.backend.close
+
+    def close_driver() -> None:
+        closed.append("nvmlShutdown")
+        driver_close()
+
+    d.backend.close = close_driver  # type: ignore[method-assign]
+
+    def pass_left_running() -> None:  # its transaction holds the store's lock
+        with d.store.transaction():
+            in_transaction.set()
+            release.wait(60)
+
+    async def scenario() -> None:
+        run = await _started(d)
+        threading.Thread(target=pass_left_running, daemon=True).start()
+        assert await asyncio.to_thread(in_transaction.wait, 5)
+        d.request_stop()
+        await _ended(run, time.monotonic(), release, timeout=30)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+    assert "a transaction still ran at the stop; left to the exit" in caplog.text
+    assert "store.close did not end within" not in caplog.text
+    assert closed == ["nvmlShutdown"]
+
+
+def test_a_second_stop_during_a_close_leaves_it_its_short_wait(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``nvmlShutdown`` hangs and a second SIGTERM comes while the stop waits for it: the
+    wait ends 0.1 s later (STOP_CUT_CLOSE_S), not at the end of the close's whole second."""
+    d = build(make_config(root, **{"daemon.tick_s": 0.05}))
+    release = threading.Event()
+    closing = threading.Event()
+
+    def hung_driver() -> None:  # nvmlShutdown on a GPU that stopped answering
+        closing.set()
+        release.wait(60)
+
+    d.backend.close = hung_driver  # type: ignore[method-assign]
+
+    async def scenario() -> float:
+        run = await _started(d)
+        d.request_stop()
+        assert await asyncio.to_thread(closing.wait, 20)
+        cut_at = time.monotonic()
+        d.request_stop()
+        return await _ended(run, cut_at, release, timeout=30)
+
+    try:
+        took = asyncio.run(scenario())
+    finally:
+        release.set()
+    assert took < STOP_CLOSE_WAIT_S / 2, took
+    assert "backend.close was left at a second stop (SIGTERM/SIGINT)" in caplog.text
+
+
 def test_the_worst_stop_ends_before_the_units_stop_timeout(root: Path) -> None:
     """Every wait of a stop takes what is left of its budget, and each shutdown hook at least
     its floor: together they end before systemd's SIGKILL at the shipped unit's

@@ -191,6 +191,42 @@ def test_a_broken_pipe_other_than_its_output_is_an_error() -> None:
     assert "gpuctl: Broken pipe" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_the_gpus_left_alone_reach_stderr_when_stdouts_reader_went() -> None:
+    """``gpuctl mig export | head`` with a GPU left out: the answer cannot be flushed, but
+    the line naming the GPU and why still goes to stderr; the exit is 141, as for any
+    output into a closed pipe."""
+    code = (
+        "from pathlib import Path\n"
+        "from gpud.cli.context import Context\n"
+        "from gpud.cli.mig import _left_alone\n"
+        "from gpud.cli.output import Output\n"
+        "from gpud.cli.pipes import quiet_on_broken_pipe\n"
+        "def run():\n"
+        "    out = Output(json_output=False)\n"
+        "    ctx = Context(socket_path=Path('gpud.sock'), timeout=1.0, output=out)\n"
+        "    out.print('version: v1')  # the answer, still in stdout's buffer\n"
+        "    return _left_alone(ctx, 'not exported', ['GPU 1: identity: GPU lost'])\n"
+        "raise SystemExit(quiet_on_broken_pipe(run))\n"
+    )
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+            timeout=60,
+            # stdout block-buffered, as gpuctl's is into a pipe: the answer waits for a flush
+            env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+        )
+    finally:
+        os.close(write)
+    assert done.stderr == "gpuctl: not exported: GPU 1: identity: GPU lost\n"
+    assert done.returncode == 141
+
+
 @pytest.mark.parametrize("closed", ["stdout", "stderr"])
 def test_a_json_error_into_a_closed_pipe(tmp_path: Path, closed: str) -> None:
     """``gpuctl --json ... | head``: an error still goes to stderr as JSON with its exit code

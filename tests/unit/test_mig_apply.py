@@ -1856,3 +1856,28 @@ def test_a_recorded_plan_with_no_steps_and_no_reset_pending_is_dropped_not_resum
     assert again.mig.stats.snapshot()[0]["resumed"] == 0
     dropped = [r for r in caplog.records if "dropped the in-flight apply" in r.getMessage()]
     assert [r.levelname for r in dropped] == ["INFO"]
+
+
+def test_a_recorded_plan_with_no_steps_is_kept_while_a_gpu_lost_before_start_is_unknown(
+    a100: Host,
+) -> None:
+    """A plan with no steps whose resume would reset the GPUs (a MIG mode change pending on
+    one of them) is kept while a GPU lost before this start, whose mode was never read, is
+    faulty: the next start that reads it resumes the plan. With mig.on_start = "report" a
+    plan with nothing to resume is reported, not dropped: report mode writes nothing."""
+    first = a100.start(resets=True)
+    assert first.mig.apply(HELD_OUT, "custom-balanced").result == "success"
+    layouts = {u: (r.gpu_index, r.layout) for u, r in first.mig._store.desired().items()}
+    first.mig._store.begin_apply("custom-balanced", layouts, [], ApplyOptions(), 0.0)
+    first.node.faults.lose(1)  # device state: still lost when the next daemon starts
+    lost = a100.start(resets=True)
+    outcomes = {o.gpu: o.status for o in lost.mig.reconcile()}
+    assert outcomes == {0: "ok", 1: "faulty"}
+    assert lost.mig._store.inflight() is not None
+    lost.node.faults.clear(1)
+    report = a100.start(resets=True)
+    report.mig.reconcile("report")
+    assert report.mig._store.inflight() is not None
+    back = a100.start(resets=True)
+    assert {o.status for o in back.mig.reconcile()} == {"ok"}
+    assert back.mig._store.inflight() is None

@@ -434,7 +434,13 @@ def test_show_keeps_the_instances_of_a_gpu_whose_processes_cannot_be_listed(
     assert first["memory_used_bytes"] >= 3 * GIB
     # nothing shows the instances idle: destroying them is refused unless forced
     code, out, err = gpuctl(capsys, node, "mig", "apply", "-f", CONFIG, "-c", "all-7g.80gb")
-    assert code == 11 and "faulty GPUs left alone: 0" in err
+    # stderr names each GPU left alone and why, one line each
+    (line,) = err.splitlines()
+    assert code == 11 and line.startswith("gpuctl: faulty, left alone: GPU 0 (GPU-"), err
+    assert line.endswith(
+        ": cannot list its processes: _processes_newest failed on GPU 0: "
+        "Not Supported (apply with --force to change it anyway)"
+    ), err
     assert "cannot list its processes" in out
     # --json: the whole outcome is the one document on stdout; stderr has the note as one
     # JSON document, as an error is
@@ -446,7 +452,8 @@ def test_show_keeps_the_instances_of_a_gpu_whose_processes_cannot_be_listed(
     assert [(g["gpu"], g["status"]) for g in doc["gpus"]] == [(0, "faulty"), (1, "ok")]
     assert "cannot list its processes" in doc["gpus"][0]["detail"]
     error = json.loads(err)["error"]
-    assert error["message"].startswith("faulty GPUs left alone: 0")
+    assert error["message"].startswith("faulty, left alone: GPU 0 (GPU-")
+    assert "cannot list its processes" in error["message"]
     assert (error["exit_code"], error["class"]) == (11, None)
     code, out, _ = gpuctl(capsys, node, "mig", "assert", "-f", CONFIG, "-c", "all-1g.10gb")
     assert code == 1  # GPU 1 was applied; GPU 0 kept its instances
@@ -487,7 +494,7 @@ def test_a_dry_run_exits_as_the_apply_would(capsys: pytest.CaptureFixture[str], 
     node.sim.faults.not_supported(0, "processes")
     code, out, err = gpuctl(capsys, node, *dry)
     assert code == 11 and "GPU 0: faulty" in out and "cannot list its processes" in out
-    assert "faulty GPUs left alone: 0; the others were planned" in err
+    assert err.startswith("gpuctl: faulty, left alone: GPU 0 (GPU-") and "cannot list" in err
     code, out, err = gpuctl(capsys, node, "--json", *dry)
     doc = json.loads(out)
     assert code == 11 and doc["result"] == "partial"

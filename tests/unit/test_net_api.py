@@ -811,7 +811,7 @@ def test_a_pin_of_an_unknown_job_is_not_found_while_traffic_is_off(
             for argv in (("pin", "--job", "nosuch", "--level", "1"), ("unpin", "--job", "nosuch")):
                 code, out, err = gpuctl(capsys, path, "net", *argv)
                 assert code == 4 and out == "", (argv, err)
-                assert err == "gpuctl: no job 'nosuch'\n"
+                assert err == "gpuctl: no job 'nosuch' on this node (gpuctl jobs ls)\n"
                 code, _, err = gpuctl(capsys, path, "net", *argv, "--json")
                 assert code == 4 and json.loads(err)["error"]["code"] == "NOT_FOUND"
             code, _, err = gpuctl(capsys, path, "net", "pin", "--job", "train-a", "--level", "9")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -268,3 +270,33 @@ def test_a_read_does_not_wait_for_a_writer_and_sees_what_was_committed(tmp_path:
     with store.reading(), store.transaction() as conn:
         assert [r["v"] for r in conn.execute("SELECT v FROM t")] == ["committed", "not yet"]
     store.close()
+
+
+def test_a_bounded_close_says_once_that_a_read_still_ran(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stop's close with a read still under way on another thread (a loop pass given up):
+    it waits at most ``wait_s`` in all, then leaves that connection to the exit and says so
+    in one line, instead of returning silently."""
+    store = StateStore(tmp_path)
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
+    reading, release = threading.Event(), threading.Event()
+
+    def read() -> None:
+        with store.reading():
+            reading.set()
+            release.wait(10)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert reading.wait(5)
+        began = time.monotonic()
+        store.close(wait_s=0.2)
+        assert time.monotonic() - began < 2
+    finally:
+        release.set()
+        reader.join(5)
+    lines = [r for r in caplog.records if "a read still ran at the stop" in r.getMessage()]
+    assert [r.levelname for r in lines] == ["WARNING"]
+    assert str(tmp_path / DB_NAME) in lines[0].getMessage()
