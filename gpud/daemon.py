@@ -800,9 +800,12 @@ class Daemon:
         control daemons, as on a real node; the next reconcile recreates the desired MIG
         layouts and starts each device's control daemon anew."""
         assert self.sim is not None
-        ended = self.mps.rebooted()
-        self.sim.reboot()
-        self.sampler.gpu_reset()
+        # the pass waits meanwhile, and then passes over a snapshot it took before the
+        # reboot: it would start daemons on the MIG devices the reboot destroyed
+        with self.mps.rebooting() as ended:
+            self.sim.reboot()
+            self.sampler.gpu_reset()
+            self._sample_again()
         daemons = f", {ended} MPS control daemon{'s' if ended != 1 else ''} ended" if ended else ""
         self.events.emit(
             "sim.reboot",

@@ -63,12 +63,11 @@ import copy
 import functools
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 from gpud.errors import (
@@ -833,8 +832,9 @@ class MpsManager:
                 # before any daemon starts: one of an earlier run elsewhere would be a second
                 self._looked = True
                 self._take_over()
-                self._end_lost()
-                self._report_others()
+                found = list(self._control_daemons())  # /proc, walked once for both
+                self._end_lost(found)
+                self._report_others(found)
             elif self._take_over_at is not None and self._clock() >= self._take_over_at:
                 self._take_over(set(self._moved))
             with self._lock:
@@ -951,11 +951,14 @@ class MpsManager:
                     self._move_cgroup(uuid, running, old_cgroups)
                 continue
             if running is not None:
+                # one that lost its pipe directory gets no quit (none reaches it): SIGKILL
+                lost = daemon.pid() != running
                 how = self._try_stop(
                     daemon,
                     running,
                     f"it was started in {pipe_dir}, outside daemon.run_dir {self._run_dir}, and"
                     " none is started for the device beside it until it stops",
+                    kill=lost,
                 )
                 if how is None:
                     with self._lock:
@@ -968,7 +971,8 @@ class MpsManager:
                     "mps.stop_moved",
                     f"stopped the MPS control daemon of {uuid} (pid {running}) that an earlier run"
                     f" started in {pipe_dir}, outside daemon.run_dir {self._run_dir} (changed"
-                    f" since): its clients could no longer be sent there; {_HOW_SAID[how]}",
+                    f" since): its clients could no longer be sent there;"
+                    f" {f'{_LOST}: SIGKILL ended it' if lost else _HOW_SAID[how]}",
                     uuid=uuid,
                     pid=running,
                     how=how,
@@ -1037,33 +1041,33 @@ class MpsManager:
             env = dict(v.decode(errors="replace").partition("=")[::2] for v in environ if v)
             yield int(entry.name), env.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps", env
 
-    def _end_lost(self) -> None:
-        """At the first pass, before any daemon starts: the daemons under this run's
-        ``<run_dir>/mps`` whose pipe directory is gone (deleted while an earlier gpud, killed
-        since, ran them: no PID file names them, no record of this run knows them, yet each
-        holds its device) are stopped as one that lost its pipe directory under this run
-        is (:meth:`_kill_orphan`). One that outlives SIGKILL stays its device's orphan: no
-        daemon is started beside it, and later passes try again."""
-        for pid, pipe_dir, _ in self._control_daemons():
+    def _end_lost(self, found: Iterable[tuple[int, str, dict[str, str]]]) -> None:
+        """At the first pass, before any daemon starts: the daemons ``found`` running
+        (:meth:`_control_daemons`) under this run's ``<run_dir>/mps`` that no PID file names
+        (their pipe directory, or the PID file in it, deleted while an earlier gpud, killed
+        since, ran them: no client reaches them, no record of this run knows them, yet each
+        holds its device) become their device's lost daemon (:meth:`ControlDaemon.lost`).
+        This very pass stops them as any daemon that lost its pipe directory, all at once: a
+        known device's before its new daemon starts (:meth:`_kill_orphan`), a device gone's
+        with its record, directories and cgroup (:meth:`_stop_device`). One that outlives
+        SIGKILL stays its device's orphan: no daemon is started beside it, and later passes
+        try again."""
+        for pid, pipe_dir, _ in found:
             uuid = Path(pipe_dir).parent.name
-            if _recorded_run_dir(uuid, pipe_dir) != self._run_dir or Path(pipe_dir).exists():
+            if _recorded_run_dir(uuid, pipe_dir) != self._run_dir:
                 continue
             with self._lock:
-                known = uuid in self._devices
-            dev = self._device(uuid)
-            dev.daemon.lost(pid)
-            with dev.io:
-                ended = self._kill_orphan(uuid, dev)
-            with self._lock:
-                if ended and not known and uuid not in self._targets:
-                    self._devices.pop(uuid, None)  # nothing of it left to stop or show
+                dev = self._devices.get(uuid)
+            # one a PID file names is adopted, or stopped, as ever: no device for it here
+            if (dev.daemon if dev is not None else self._daemon(uuid)).pid() != pid:
+                self._device(uuid).daemon.lost(pid)
 
-    def _report_others(self) -> None:
-        """Say (once, at the first pass) which MPS control daemons run that gpud did not
-        start (:meth:`_control_daemons`), each with its pipe directory. They are left
-        running: gpud cannot tell what relies on them."""
+    def _report_others(self, found: Iterable[tuple[int, str, dict[str, str]]]) -> None:
+        """Say (once, at the first pass) which MPS control daemons of those ``found``
+        running (:meth:`_control_daemons`) gpud did not start, each with its pipe directory.
+        They are left running: gpud cannot tell what relies on them."""
         ours = self._run_dir / "mps"
-        for pid, pipe_dir, env in self._control_daemons():
+        for pid, pipe_dir, env in found:
             if Path(pipe_dir).is_relative_to(ours) or not Path(pipe_dir).is_relative_to(
                 self._others_root
             ):
@@ -1670,33 +1674,70 @@ class MpsManager:
             return servers
 
     def rebooted(self) -> int:
+        """:meth:`rebooting`, with nothing else done inside it: how many daemons ended."""
+        with self.rebooting() as ended:
+            return ended
+
+    @contextlib.contextmanager
+    def rebooting(self) -> Iterator[int]:
         """A reboot of the simulated node under a running gpud (``gpuctl sim reboot``): as a
         real reboot does, it ends every control daemon gpud runs (those with their pipe
         directory under its ``<run_dir>/mps``, the lost ones too), their MPS servers with
         them, at once (SIGKILL: no ``quit``, no stop event), and gpud then starts as after
         a real reboot: no device's daemon counts as started, restarted or failing, so the
-        next pass starts each anew (``mps.start``). Returns how many ended."""
-        ours = self._run_dir / "mps"
+        next pass starts each anew (``mps.start``). Yields how many ended, holding the pass
+        till the context ends: the node is rebooted and sampled again in it, so that a pass
+        waiting with a snapshot sampled before (MIG devices the reboot destroys) passes over
+        that snapshot (:meth:`observe_snapshot`) and starts none of their daemons.
+
+        One that outlives SIGKILL (stuck in the driver) is not counted: its device keeps
+        it as one that outlived a kill (:meth:`_kill`, or :meth:`_kill_orphan` where no PID
+        file names it), so the next pass says ``mps.stop_failed`` and tries again, and no
+        daemon is adopted or started beside it meanwhile."""
         with self._pass:  # no pass checks or starts a daemon meanwhile
-            pids = [
-                pid
-                for pid, pipe_dir, _ in self._control_daemons()
-                if Path(pipe_dir).is_relative_to(ours)
-            ]
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            deadline = self._clock() + 2.0
-            while any(self._alive(p, self._proc_root) for p in pids):
-                if self._clock() >= deadline:
-                    log.warning("MPS control daemons outlived the simulated reboot's SIGKILL")
-                    break
-                self._sleep(0.05)
+            ended = self._end_all()
+            yield ended
+
+    def _end_all(self) -> int:
+        """:meth:`rebooting`'s kills, all at once, and each device reset in place (anything
+        talking to it holds it: it sees the reset, never a second device for one daemon).
+        Every device's lock is taken first, so that none starts a daemon after the daemons
+        running have been listed."""
+        with contextlib.ExitStack() as held:
             with self._lock:
-                self._devices = {u: _Device(self._daemon(u)) for u in self._devices}
-                self._stop_tries.clear()
+                devices = dict(self._devices)
                 self._idle.clear()
-        return len(pids)
+            for dev in devices.values():
+                held.enter_context(dev.io)  # a command to its daemon returns first
+            pids: dict[str, list[int]] = {}
+            for pid, pipe_dir, _ in self._control_daemons():
+                uuid = Path(pipe_dir).parent.name
+                if _recorded_run_dir(uuid, pipe_dir) == self._run_dir:
+                    pids.setdefault(uuid, []).append(pid)
+                    if uuid not in devices:
+                        devices[uuid] = held.enter_context(_held(self._device(uuid)))
+            ended: list[int] = []
+
+            def reboot(uuid: str, dev: _Device) -> None:
+                named = dev.daemon.pid()
+                stuck = [(p, p == named) for p in pids.get(uuid, ()) if dev.daemon.kill(p) is None]
+                _reset(dev)
+                with self._lock:
+                    ended.extend(p for p in pids.get(uuid, ()) if p not in dict(stuck))
+                    if not stuck:
+                        self._stop_tries.pop(uuid, None)
+                for pid, has_pid_file in stuck:
+                    # no mps.adopt, no daemon beside it: the next pass tries again, and says
+                    # mps.stop_failed
+                    dev.last_error = f"the MPS control daemon (pid {pid}) outlived SIGKILL"
+                    if has_pid_file:
+                        dev.killing = "a new one is started once it has gone"
+                    else:
+                        dev.daemon.lost(pid)
+
+            calls = [(u, functools.partial(reboot, u, dev)) for u, dev in devices.items()]
+            _all_at_once(calls, self._parallel)
+            return len(ended)
 
     def leave(self) -> None:
         """At gpud's stop: leave every daemon running for the jobs that use it (the next
@@ -1757,6 +1798,21 @@ def _all_at_once(calls: Sequence[tuple[str, Callable[[], object]]], limit: int) 
         thread.join()
     if bugs:
         raise bugs[0]
+
+
+@contextlib.contextmanager
+def _held(dev: _Device) -> Iterator[_Device]:
+    """``dev``, its lock held."""
+    with dev.io:
+        yield dev
+
+
+def _reset(dev: _Device) -> None:
+    """Everything of ``dev`` but its daemon and lock as a new device's: as after a reboot."""
+    for f in fields(_Device):
+        if f.name not in ("daemon", "io"):
+            default = f.default_factory() if f.default_factory is not MISSING else f.default
+            setattr(dev, f.name, default)
 
 
 def _recorded_run_dir(uuid: str, pipe_dir: str) -> Path | None:

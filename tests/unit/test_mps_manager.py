@@ -1315,13 +1315,15 @@ def test_an_adopted_daemon_follows_a_changed_cgroup_parent(root: Path) -> None:
         store.close()
 
 
+@pytest.mark.parametrize("deleted", ["pipe directory", "PID file"])
 def test_a_daemon_that_lost_its_pipe_dir_under_an_earlier_gpud_is_stopped_at_start(
-    root: Path,
+    root: Path, deleted: str
 ) -> None:
-    """gpud killed -9, the pipe directory of one of its daemons deleted, gpud started
-    again: that daemon (no PID file names it, this run never knew its PID) is found by its
-    environment and stopped before the device's new one starts, not left holding the GPU
-    beside it. One whose pipe directory is not under gpud's run directory is left alone."""
+    """gpud killed -9, the pipe directory of one of its daemons deleted (or only the PID
+    file in it), gpud started again: that daemon (no PID file names it, this run never knew
+    its PID) is found by its environment and stopped before the device's new one starts,
+    not left holding the GPU beside it. One whose pipe directory is not under gpud's run
+    directory is left alone."""
     first, store, _ = make_manager(root)
     other = ControlDaemon(gpu_uuid(1), root / "elsewhere", FAKE_CONTROL, timeout_s=5.0)
     try:
@@ -1332,7 +1334,10 @@ def test_a_daemon_that_lost_its_pipe_dir_under_an_earlier_gpud_is_stopped_at_sta
         store.close()  # killed -9: nothing stopped, its records kept
     lost = old[gpu_uuid(0)]
     assert lost.pid is not None
-    shutil.rmtree(lost.pipe_dir)  # its PID file and control socket go with it
+    if deleted == "PID file":
+        (lost.pipe_dir / PID_FILE).unlink()
+    else:
+        shutil.rmtree(lost.pipe_dir)  # its PID file and control socket go with it
     shutil.rmtree(other.pipe_dir)  # not gpud's
     mgr, store, events = make_manager(root)
     try:
@@ -2067,4 +2072,186 @@ def test_a_daemon_that_lost_its_pipe_dir_is_killed_when_its_device_is_disabled(
         assert not mgr.status()[1].running
     finally:
         mgr.stop()
+        store.close()
+
+
+def test_a_daemon_that_outlives_the_reboots_sigkill_is_kept_not_adopted_or_doubled(
+    root: Path,
+) -> None:
+    """``gpuctl sim reboot`` while a daemon is stuck in the driver, one with its PID file
+    and one that lost its pipe directory: neither counts as ended, neither is adopted, no
+    second daemon starts beside either; the next pass tries again and names each in an
+    mps.stop_failed, and once they have gone each device's next daemon is an mps.start."""
+    stuck = StuckDaemons()
+    mgr, store, events = make_manager(root, **stuck.options())
+    try:
+        mgr.reconcile(NODE)
+        by_uuid = {s.target.uuid: s for s in mgr.status()}
+        kept, lost = by_uuid[gpu_uuid(0)], by_uuid[gpu_uuid(1)]
+        assert kept.pid is not None and lost.pid is not None
+        shutil.rmtree(lost.pipe_dir)  # no PID file names it
+        stuck.pids.update({kept.pid, lost.pid})  # alive after SIGKILL
+        assert mgr.rebooted() == 0
+        mgr.reconcile(NODE)
+        failed = {e.fields["uuid"]: e for e in events.recent(kind_prefix="mps.stop_failed")}
+        assert {u: e.fields["pid"] for u, e in failed.items()} == {
+            gpu_uuid(0): kept.pid,
+            gpu_uuid(1): lost.pid,
+        }
+        assert [e.kind for e in events.recent()].count("mps.stop_failed") == 2
+        now = {s.target.uuid: s for s in mgr.status()}
+        assert not now[gpu_uuid(0)].up and not now[gpu_uuid(1)].up
+        assert now[gpu_uuid(1)].pid is None
+        kinds = [e.kind for e in events.recent(kind_prefix="mps.")]
+        assert kinds == ["mps.start", "mps.start", "mps.stop_failed", "mps.stop_failed"]
+        # gone (a GPU reset): each device starts anew
+        stuck.pids.clear()
+        stuck.now += 120
+        mgr.reconcile(NODE)
+        after = mgr.status()
+        assert all(s.up and s.restarts == 0 for s in after)
+        kinds = [e.kind for e in events.recent(kind_prefix="mps.")]
+        assert kinds.count("mps.start") == 4 and not {"mps.adopt", "mps.restart"} & set(kinds)
+    finally:
+        stuck.pids.clear()
+        mgr.stop()
+        store.close()
+
+
+class Gate:
+    """The manager's liveness check, held at ``pid`` in the thread named ``name`` until
+    ``go`` is set: that thread stays inside the device's lock meanwhile."""
+
+    def __init__(self, pid: int, name: str) -> None:
+        self.pid, self.name = pid, name
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def alive(self, pid: int, proc_root: Path) -> bool:
+        if pid == self.pid and threading.current_thread().name == self.name:
+            self.entered.set()
+            self.go.wait(10)
+        return alive(pid, proc_root)
+
+
+def test_a_reboot_waits_for_a_change_talking_to_a_daemon(root: Path) -> None:
+    """``gpuctl mps set`` restarting a device's dead daemon as the node reboots: the reboot
+    ends the daemon it started too, and the device starts anew after it (an mps.start), not
+    by adopting a daemon that outlived the reboot."""
+    gates: list[Gate] = []
+
+    def check(pid: int, proc_root: Path) -> bool:
+        return gates[0].alive(pid, proc_root) if gates else alive(pid, proc_root)
+
+    mgr, store, events = make_manager(root, alive=check)
+    try:
+        mgr.reconcile(NODE)
+        dead = mgr.status()[0].pid
+        assert dead is not None
+        os.kill(dead, signal.SIGKILL)
+        wait_dead(dead)
+        gates.append(Gate(dead, "limits"))
+        change = threading.Thread(
+            target=lambda: mgr.set_limits("0", threads_percent=50), name="limits"
+        )
+        change.start()
+        assert gates[0].entered.wait(10)
+        ended: list[int] = []
+        reboot = threading.Thread(target=lambda: ended.append(mgr.rebooted()))
+        reboot.start()
+        reboot.join(1.0)
+        gates[0].go.set()
+        change.join(10)
+        reboot.join(10)
+        restarted = [e.fields["pid"] for e in events.recent() if e.kind == "mps.restart"]
+        assert len(restarted) == 1 and ended == [2]
+        wait_dead(int(str(restarted[0])))
+        mgr.reconcile(NODE)
+        kinds = [e.kind for e in events.recent(kind_prefix="mps.")]
+        assert "mps.adopt" not in kinds and kinds.count("mps.start") == 4, kinds
+        assert all(s.up and s.restarts == 0 for s in mgr.status())
+    finally:
+        if gates:
+            gates[0].go.set()
+        mgr.stop()
+        store.close()
+
+
+def test_a_pass_waiting_through_a_reboot_starts_no_daemon_on_a_destroyed_mig_device(
+    root: Path,
+) -> None:
+    """A pass that sampled the node before a reboot and waited for it: the MIG devices in
+    its snapshot are gone (the reboot destroyed their instances), and it starts no daemon
+    for them; the reboot's own sample is what the pass works from."""
+    mgr, store, events = make_manager(root)
+    try:
+        mgr.reconcile(MIG_NODE)
+        rebooted = snapshot(gpu_sample(0)._replace(mig_mode=MigMode(True, True)), gpu_sample(1))
+        rebooted = dataclasses.replace(rebooted, monotonic=1.0)
+        with mgr.rebooting() as ended:
+            assert ended == 4
+            waiting = threading.Thread(target=mgr.reconcile, args=(MIG_NODE,))
+            waiting.start()
+            waiting.join(0.3)
+            assert waiting.is_alive()  # it waits for the reboot
+            mgr.observe_snapshot(rebooted)
+        waiting.join(30)
+        started = [e.fields["uuid"] for e in events.recent() if e.kind == "mps.start"]
+        assert started[4:] == [gpu_uuid(1)]
+        assert [s.target.uuid for s in mgr.status()] == [gpu_uuid(1)]
+        assert set(daemons_under(root / "run").values()) == {mgr.status()[0].pid}
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_lost_daemon_of_a_device_gone_at_start_leaves_no_record(root: Path) -> None:
+    """A daemon an earlier gpud left with its pipe directory deleted, for a MIG device
+    destroyed since: stopped at start with its record and directories, even while another
+    GPU does not answer (no sweep runs then)."""
+    first, store, _ = make_manager(root)
+    try:
+        first.reconcile(MIG_NODE)
+        gone = {s.target.uuid: s for s in first.status()}[mig_uuid(0, 2)]
+    finally:
+        store.close()  # killed -9
+    assert gone.pid is not None
+    shutil.rmtree(gone.pipe_dir)
+    hung = gpu_sample(1)._replace(healthy=False, reason="not answering", mig_mode=None)
+    mgr, store, events = make_manager(root)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0, migs=(("3g.40gb", 40), ("2g.20gb", 20))), hung))
+        wait_dead(gone.pid)
+        assert _record(store, mig_uuid(0, 2)) is None
+        assert not gone.pipe_dir.parent.exists()
+        (stop,) = [e for e in events.recent(kind_prefix="mps.stop") if e.kind == "mps.stop"]
+        assert stop.fields["uuid"] == mig_uuid(0, 2) and stop.fields["how"] == "sigkill"
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_lost_daemon_under_an_old_run_dir_is_sigkilled_at_once(root: Path) -> None:
+    """daemon.run_dir changed, and a daemon left under the old one lost its pipe directory:
+    no quit can reach it, so none is waited for; SIGKILL ends it, and mps.stop_moved says
+    so."""
+    first, store, _ = make_manager(root, run="run")
+    try:
+        first.reconcile(snapshot(gpu_sample(0)))
+        old = first.status()[0]
+    finally:
+        store.close()
+    assert old.pid is not None
+    shutil.rmtree(old.pipe_dir)
+    clock = StuckDaemons()
+    second, store, events = make_manager(root, run="run2", **clock.options())
+    try:
+        second.reconcile(snapshot(gpu_sample(0)))
+        wait_dead(old.pid)
+        (moved,) = events.recent(kind_prefix="mps.stop_moved")
+        assert moved.fields["pid"] == old.pid and moved.fields["how"] == "sigkill"
+        assert moved.message.endswith("it lost its pipe directory: SIGKILL ended it")
+        assert clock.now < 5.0  # no quit waited for
+        assert second.status()[0].up
+    finally:
+        second.stop()
         store.close()
