@@ -19,7 +19,10 @@ Reads go through libnftables' JSON output (``nft -j -n list table inet gpud``: n
 DSCP reads as 10, not ``af11``); a rule is gpud's while its comment, the DSCP it sets, its
 family and its cgroup path are the ones wanted, and the chain while it is still an
 ``output`` filter hook at priority mangle with policy accept: anything else, changed in
-place behind gpud's back, is deleted and written again. Writes are one
+place behind gpud's back, is deleted and written again. Any other chain in the table (one
+added by hand: ``nft add chain inet gpud x { type filter hook output priority 0; }`` with
+``ip dscp set cs0`` would undo every mark, unseen) has the table written again without it.
+Writes are one
 atomic batch (``nft -f -``) in nft's own syntax: nft 1.0.6's JSON *parser* does not know the
 ``socket cgroupv2`` key ("Invalid socket key value") and its JSON output drops the ``level``,
 so the rule's identity lives in its comment: job, DSCP and the cgroup's id (the inode of its
@@ -117,6 +120,7 @@ class TableState:
     present: bool
     chain_ok: bool
     rules: tuple[MarkRule, ...]
+    foreign_chains: tuple[str, ...] = ()  # chains in gpud's table that gpud did not make
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,10 +188,13 @@ class NftablesMarker:
             raise NftError("nft -j printed no JSON", str(e)) from e
         chain_ok = False
         rules = []
+        foreign: list[str] = []
         for item in items:
             if "chain" in item:
                 c = item["chain"]
-                if c.get("name") == self.chain:
+                if c.get("name") != self.chain:
+                    foreign.append(str(c.get("name")))
+                else:
                     chain_ok = (c.get("hook"), c.get("type"), c.get("prio"), c.get("policy")) == (
                         "output",
                         "filter",
@@ -206,7 +213,7 @@ class NftablesMarker:
                 rules.append(
                     MarkRule(int(r["handle"]), comment, job, packets, nbytes, *_action(exprs))
                 )
-        return TableState(True, chain_ok, tuple(rules))
+        return TableState(True, chain_ok, tuple(rules), tuple(foreign))
 
     def sync(self, marks: Iterable[CgroupMark]) -> MarkSync:
         """Make the table hold exactly ``marks`` (one atomic batch; only what differs)."""
@@ -218,7 +225,7 @@ class NftablesMarker:
         lines: list[str] = []
         removed: list[str] = []
         created = False
-        if not state.present or not state.chain_ok:
+        if not state.present or not state.chain_ok or state.foreign_chains:
             created = True
             if state.present:
                 lines.append(f"delete table {FAMILY} {self.table}")

@@ -86,6 +86,7 @@ log = logging.getLogger(__name__)
 
 # a removed job's cgroup that still holds processes: how many of their PIDs an event names
 _PIDS_SHOWN = 8
+_UNTAGGED_SHOWN = 8  # jobs left without a tag in one pass, told one event each
 # a job's demand is known once this many iterations were counted against its bytes
 _DEMAND_MIN_ITERATIONS = 3
 # a job's declared contention-free iteration time (ReportProgress) is held to
@@ -761,6 +762,7 @@ class TrafficService:
             del self._untagged[job]
         untagged = [job for job in registered if self.tags.get(job) is None]
         idle = self._idle_since(untagged) if untagged else {}
+        fresh: list[tuple[str, str]] = []  # jobs this pass leaves without a tag, and why
         for job in untagged:
             if job in idle:
                 # not in use: it takes a free tag, but none over from another job
@@ -775,20 +777,43 @@ class TrafficService:
                 # the job goes untagged (its traffic in the default class) until a tag
                 # frees; the others stay enforced
                 if job not in self._untagged:
-                    self._events.emit(
-                        "net.untagged",
-                        f"{err}: its traffic is in the default class until a tag frees",
-                        job=job,
-                    )
+                    fresh.append((job, str(err)))
                 self._untagged[job] = f"no DSCP tag: {err}"
                 continue
             self._untagged.pop(job, None)
             self._events.emit("net.tag", f"job {job} tagged DSCP {dscp}", job=job, dscp=dscp)
+        self._say_untagged(fresh)
         if self._cgroups is not None:
             self._cgroup_busy -= present  # a job added again under the name
             for job in self._cgroups.jobs():
                 if job not in present:
                     self._remove_cgroup(job)  # retried every tick while processes remain
+
+    def _say_untagged(self, fresh: Sequence[tuple[str, str]]) -> None:
+        """Event ``net.untagged`` for the jobs one pass left without a tag: one each for
+        the first :data:`_UNTAGGED_SHOWN`, then one for the rest together. A start with a
+        spent pool counts every registered job as in use for ``traffic.idle_after_s``: one
+        event each would bury the event history under hundreds of the same line."""
+        for job, why in fresh[:_UNTAGGED_SHOWN]:
+            self._events.emit(
+                "net.untagged",
+                f"{why}: its traffic is in the default class until a tag frees",
+                job=job,
+            )
+        rest = fresh[_UNTAGGED_SHOWN:]
+        if not rest:
+            return
+        names = ", ".join(job for job, _ in rest[:_UNTAGGED_SHOWN])
+        if len(rest) > _UNTAGGED_SHOWN:
+            names += ", ..."
+        first, why = rest[0]
+        self._events.emit(
+            "net.untagged",
+            f"{len(rest)} more job(s) have no DSCP tag ({names}):"
+            f" {why.removeprefix(f'job {first!r}: ')}: their traffic is in the default class"
+            " until a tag frees (gpuctl net show lists them)",
+            jobs=len(rest),
+        )
 
     def _remove_cgroup(self, job: str) -> None:
         """Remove a removed job's cgroup; while processes remain in it (they left the

@@ -153,3 +153,22 @@ def test_a_rule_or_chain_changed_in_place_is_repaired(ns: str, cgroups: JobCgrou
     assert marker.sync([mark]).created
     assert "policy accept;" in nft(ns, "list", "table", "inet", "gpud")
     assert not marker.sync([mark]).changed
+
+
+def test_a_chain_added_to_gpuds_table_by_hand_is_removed(ns: str, cgroups: JobCgroups) -> None:
+    """A hooked chain of someone else's in gpud's table runs after gpud's and may undo every
+    mark (``ip dscp set cs0``): the table is written again without it."""
+    marker = NftablesMarker(runner=_runner(ns))
+    cgroups.ensure("a")
+    mark = cgroups.mark("a", 10)
+    assert mark is not None
+    marker.sync([mark])
+    nft(ns, "add", "chain", "inet", "gpud", "zap", "{ type filter hook output priority 0; }")
+    nft(ns, "add", "rule", "inet", "gpud", "zap", "ip", "dscp", "set", "cs0")
+    nft(ns, "add", "chain", "inet", "gpud", "idle")
+    repaired = marker.sync([mark])
+    assert repaired.created and len(repaired.added) == 2
+    text = nft(ns, "list", "table", "inet", "gpud")
+    assert "zap" not in text and "idle" not in text and "dscp set cs0" not in text
+    assert "chain jobs" in text and "dscp set af11" in text
+    assert not marker.sync([mark]).changed

@@ -1066,6 +1066,27 @@ def test_a_full_tag_pool_goes_to_jobs_in_use_and_the_rest_stays_enforced(
     assert set(s.tags.allocations()) == {"b", "c"}
 
 
+def test_many_jobs_left_without_a_tag_at_once_are_one_event_past_the_first_few(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """A start with a spent pool counts every registered job as in use: hundreds of jobs
+    go untagged in one pass, told in a few events, not one each."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-11")  # two tags
+    rig.jobs = [f"j{i:03d}" for i in range(200)]
+    s = rig.service
+    s.tick()
+    s.tick()
+    said = [e for e in rig.events.recent(1000) if e.kind == "net.untagged"]
+    assert len(said) == 9, [e.message for e in said]
+    assert [e.fields["job"] for e in said[:8]] == [f"j{i:03d}" for i in range(2, 10)]
+    rest = said[8]
+    assert rest.fields == {"jobs": 190}
+    assert rest.message.startswith("190 more job(s) have no DSCP tag (j010, j011, ")
+    assert ", ...): all 2 DSCP tags of traffic.dscp_pool are in use" in rest.message
+    assert "j199" not in rest.message and "job 'j010'" not in rest.message
+    assert len(s.view().untagged) == 198  # each still listed by gpuctl net show
+
+
 def test_a_job_removed_without_a_tag_leaves_no_progress_behind(tmp_path: Path, sysfs: Path) -> None:
     rig = Rig(tmp_path, sysfs, dscp_pool="10-11")  # two tags, three jobs
     s = rig.service
