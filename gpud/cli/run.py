@@ -99,6 +99,7 @@ from gpud.cli.jobs import (
     warn_if_mps_down,
 )
 from gpud.cli.output import seconds
+from gpud.cli.pipes import stderr_that_never_fails
 from gpud.errors import (
     ERROR_TABLE,
     ColocationOff,
@@ -636,7 +637,7 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
     # the original handlers back.
     after = _Stop()
     try:
-        with _signals_stop() as stop:
+        with stderr_that_never_fails(), _signals_stop() as stop:
             return _run(ctx, args, command, stop, after)
     finally:
         after.close()

@@ -934,6 +934,38 @@ def test_a_signal_once_the_command_ended_cuts_the_wait_for_what_it_left_and_rele
     assert node.jobs.reservations.held() == []
 
 
+def test_a_run_whose_stderr_went_away_still_releases_with_its_commands_status(
+    node: Node, tmp_path: Path
+) -> None:
+    """gpuctl's stderr gone (its terminal hung up: EIO; ``2>&1 | head -1``: EPIPE) before
+    it says what the command left running: the line is dropped, and gpuctl still stops
+    them, releases the reservation telling gpud how the command ended, and exits with the
+    command's status. The failed write ended gpuctl there (exit 1 or 141), gpud finding
+    its holder gone with no exit status, and the processes left running until then."""
+    ends: list[RunEnd | None] = []
+    node.jobs.add_observer(lambda what, r, spec, end: ends.append(end) if what == "release" else 0)
+    left, go = tmp_path / "left", tmp_path / "go"
+    script = f"sleep 300 & echo $! > {left}; while [ ! -e {go} ]; do sleep 0.05; done; exit 5"
+    run = gpuctl_process(
+        node, "run", "--job", "j", "--gpus", "1", "--kill-after", "1", "--", "sh", "-c", script
+    )
+    try:
+        assert run.stderr is not None
+        while not left.exists():
+            time.sleep(0.01)
+        run.stderr.close()  # its reader goes: the next line gpuctl writes there fails
+        go.touch()
+        run.wait(timeout=20)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 5
+    assert ends == [RunEnd(EndCause.EXITED, exit_code=5)]
+    assert not alive(int(left.read_text()))
+    assert node.jobs.reservations.held() == []
+
+
 def removed_while_running(node: Node, command: list[str]) -> tuple[int, HistoryRow, float]:
     """Run ``command`` as job ``w`` with `gpuctl run` and remove the job with `gpuctl jobs
     rm --force` while it runs: gpuctl's exit status, the run's history row, and when the
