@@ -923,13 +923,15 @@ def test_a_signal_once_the_command_ended_cuts_the_wait_for_what_it_left_and_rele
         run.send_signal(signum)
         _, err = run.communicate(timeout=20)
         took = time.monotonic() - started
+        outlived = alive(int(left.read_text()))
     finally:
         if run.poll() is None:
             run.kill()
             run.communicate()
-    assert run.returncode == 3 and took < 10, err
+        if left.exists() and alive(int(left.read_text())):
+            os.kill(int(left.read_text()), signal.SIGKILL)  # so that no failure leaves it
+    assert run.returncode == 3 and took < 10 and not outlived, err
     assert "killed 1 process(es) of job j" in err
-    assert not alive(int(left.read_text()))
     assert ends == [RunEnd(EndCause.EXITED, exit_code=3)]
     assert node.jobs.reservations.held() == []
 
@@ -956,13 +958,15 @@ def test_a_run_whose_stderr_went_away_still_releases_with_its_commands_status(
         run.stderr.close()  # its reader goes: the next line gpuctl writes there fails
         go.touch()
         run.wait(timeout=20)
+        outlived = alive(int(left.read_text()))
     finally:
         if run.poll() is None:
             run.kill()
             run.wait()
-    assert run.returncode == 5
+        if left.exists() and alive(int(left.read_text())):
+            os.kill(int(left.read_text()), signal.SIGKILL)  # so that no failure leaves it
+    assert run.returncode == 5 and not outlived
     assert ends == [RunEnd(EndCause.EXITED, exit_code=5)]
-    assert not alive(int(left.read_text()))
     assert node.jobs.reservations.held() == []
 
 
