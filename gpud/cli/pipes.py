@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import sys
 import threading
-from collections.abc import Callable
-from typing import TextIO
+from collections.abc import Callable, Iterator
+from typing import TextIO, cast
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what `yes | head` reports for `yes`
 EXIT_OTHER_PIPE = 1  # a pipe or socket other than gpuctl's own output broke
@@ -78,3 +79,47 @@ def when_reader_goes(act: Callable[[], object], *, every_s: float = 0.5) -> thre
 
     threading.Thread(target=watch, name="gpuctl-reader", daemon=True).start()
     return gone
+
+
+class _Lossy:
+    """A stream that passes writes on until one fails (a terminal hung up: EIO; its reader
+    gone: EPIPE; a full disk), then drops them: nothing more reaches it, and the writer goes
+    on. Whatever else it is asked goes to the stream."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self.lost = False
+
+    def write(self, text: str) -> int:
+        self._try(lambda: self._stream.write(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._try(self._stream.flush)
+
+    def _try(self, act: Callable[[], object]) -> None:
+        if not self.lost:
+            try:
+                act()
+            except (OSError, ValueError):  # ValueError: closed
+                self.lost = True
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def stderr_that_never_fails() -> Iterator[None]:
+    """Within it, a message on stderr that cannot be written (``gpuctl run`` whose terminal
+    went away, ``2>&1 | head -1``) is dropped rather than raised: what gpuctl does after it
+    (leaving the queue, stopping what the command left, releasing the reservation with the
+    command's exit status) must still be done."""
+    stream = sys.stderr
+    if stream is None:  # started with stderr closed: print() then writes nothing anyway
+        yield
+        return
+    sys.stderr = cast("TextIO", _Lossy(stream))
+    try:
+        yield
+    finally:
+        sys.stderr = stream

@@ -15,15 +15,16 @@ gpuctl process, so gpud releases it even if gpuctl is killed), starts the comman
 ``GPUD_REPORT_TOKEN`` added to the
 current environment, forwards SIGINT/SIGTERM/SIGHUP to it (not a Ctrl-C on the terminal,
 which reaches the command directly), and when it ends stops what it
-left running (SIGTERM, then SIGKILL after ``--kill-after`` seconds: every process whose
-environment carries the run's ``GPUD_RUN``), releases the reservation, telling gpud how the
+left running (SIGTERM, then SIGKILL after ``--kill-after`` seconds, or at once on a signal
+since the command ended: every process whose environment carries the run's ``GPUD_RUN``),
+releases the reservation, telling gpud how the
 command ended (its exit status, or the signal that killed it: ``gpuctl jobs history``),
 and exits with its exit status (128 + N when killed by signal N; as in a shell, 127 when
 the command is not found and 126 when it is found but cannot be run: not executable, a
 directory). Should gpud be away when the command ends (``systemctl restart gpud``, or
 systemd starting it again after a crash), ``run`` says so once and tells it again, every
 0.25 s and less often up to every 2 s, for up to RELEASE_WAIT_S (60 s) or until Ctrl-C (not
-at all when ``run`` was itself sent a signal while the command ran: it ends then); gpud
+at all when ``run`` was itself sent a signal while the command ran or since: it ends then); gpud
 keeps the reservation of a live ``run`` through its restart, and the history ends the run
 when the first try was made. Given up, gpud releases the reservation by itself once ``run``
 has exited (``holder gone when gpud started``), without the exit status; a gpud that
@@ -64,6 +65,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import secrets
 import signal
@@ -97,6 +99,7 @@ from gpud.cli.jobs import (
     warn_if_mps_down,
 )
 from gpud.cli.output import seconds
+from gpud.cli.pipes import stderr_that_never_fails
 from gpud.errors import (
     ERROR_TABLE,
     ColocationOff,
@@ -596,6 +599,15 @@ class _Stop:
             os.close(fd)
 
 
+def _setting(stop: _Stop) -> Callable[[int, FrameType | None], None]:
+    """A signal handler that sets ``stop``, naming the signal."""
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set(signum)
+
+    return on_signal
+
+
 @contextlib.contextmanager
 def _signals_stop() -> Iterator[_Stop]:
     """A stop that SIGINT, SIGTERM and SIGHUP set while waiting. Raised inside a gRPC
@@ -604,12 +616,8 @@ def _signals_stop() -> Iterator[_Stop]:
     import threading  # imported here: only a waiting `gpuctl run` pays for it
 
     stop = _Stop()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set(signum)
-
     main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, on_signal) for sig in _FORWARDED} if main else {}
+    previous = {sig: signal.signal(sig, _setting(stop)) for sig in _FORWARDED} if main else {}
     stop.previous = previous
     try:
         yield stop
@@ -625,12 +633,20 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
     command = list(args.command)  # without the "--" (_Command): never empty, nor its name
     # From the first call to gpud until the command runs, a signal stops the run with
     # nothing started and nothing left in gpud; _launch then forwards them to the command.
-    with _signals_stop() as stop:
-        return _run(ctx, args, command, stop)
+    # Once the command has ended, they set ``after`` (see _launch) until the with's end puts
+    # the original handlers back.
+    after = _Stop()
+    try:
+        with stderr_that_never_fails(), _signals_stop() as stop:
+            return _run(ctx, args, command, stop, after)
+    finally:
+        after.close()
     return EXIT_INTERRUPTED  # a Ctrl-C raised where no handler could be set (another thread)
 
 
-def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop) -> int:
+def _run(
+    ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop, after: _Stop
+) -> int:
     try:
         notes: list[str] = []
         resp = _reserve_advised(ctx, args, stop, notes)
@@ -706,16 +722,21 @@ def _run(ctx: Context, args: argparse.Namespace, command: list[str], stop: _Stop
     told: list[int] = []  # the signals gpuctl was sent while the command ran
     never: NotStarted | None = None  # set when the command never started
     try:
-        returncode = _launch(command, env, place, told.append, stop, json_errors=ctx.out.json)
+        returncode = _launch(
+            command, env, place, told.append, stop, after=after, json_errors=ctx.out.json
+        )
         return exit_status(returncode)
     except NotStarted as err:
         never = err
         never.removed = never.removed or _reservation_gone(ctx, args.job, reservation)
         return _not_started(args.job, never, stop)
     finally:
-        _stop_leftovers(args.job, reservation, args.kill_after)
+        # a signal from the command's end on (``after``) cuts these waits short
+        _stop_leftovers(args.job, reservation, args.kill_after, after)
         if never is None:
-            release_run(ctx, args.job, reservation, returncode, told[0] if told else None)
+            release_run(
+                ctx, args.job, reservation, returncode, told[0] if told else None, after=after
+            )
         elif not never.removed:  # else released with the job, the history ending it then
             _give_back(ctx, reservation)
 
@@ -764,13 +785,16 @@ def release_run(
     reservation: str,
     returncode: int | None,
     told: int | None = None,
+    *,
+    after: _Stop | None = None,
 ) -> None:
     """Release ``reservation``, telling gpud how the command ended. A gpud that is away
     (stopped, restarting) is asked again (:func:`release_retried`) while the command's exit
     status is there to tell, unless gpuctl itself was told to stop (signal ``told``, which
     it passed on to the command: whoever sent it waits for gpuctl to end, as systemd or a
-    batch system's grace period does); failing that, gpud releases the reservation by
-    itself once this process is gone, with no exit status in the history."""
+    batch system's grace period does; or one since the command ended, which sets
+    ``after``); failing that, gpud releases the reservation by itself once this process is
+    gone, with no exit status in the history."""
     request = release_request(reservation, returncode)
     first = time.monotonic()
     try:
@@ -779,7 +803,7 @@ def release_run(
         except CliError as err:
             if err.exit_code != EXIT_NOT_RUNNING or returncode is None:
                 raise
-            retried = release_retried(ctx, request, job, first, told=told, why=err)
+            retried = release_retried(ctx, request, job, first, told=told, why=err, stop=after)
             if retried is None:
                 return
             released = retried
@@ -816,6 +840,7 @@ def release_retried(
     wait_s: float = RELEASE_WAIT_S,
     told: int | None = None,
     why: CliError | None = None,
+    stop: _Stop | None = None,
 ) -> pb.ReleaseResponse | None:
     """``request`` sent again while gpud is away (stopped, restarting), every
     RELEASE_RETRY_S, then less often (up to RELEASE_RETRY_MAX_S), for up to ``wait_s``
@@ -826,7 +851,10 @@ def release_retried(
     one had stopped the run already (``told``: no try again): said on stderr. Another
     error (NOT_FOUND: released already) raises. ``why``: the first try's failure; one gpud
     answered (its state database cannot be written: disk full) is said as it is, not as a
-    gpud that does not answer."""
+    gpud that does not answer. ``stop``: set by the signals gpuctl gets (else it sets its
+    own handlers while it waits); set already, it is taken as ``told``."""
+    if told is None and stop is not None and stop.signum is not None:
+        told = stop.signum
     answered = why is not None and bool(why.error)
     if answered:
         away = f"gpud on {ctx.socket_path} cannot take how job {job} ended now: {why}"
@@ -840,7 +868,8 @@ def release_retried(
             answered=answered,
         )
         return None
-    with _signals_stop() as stop:
+    signals = contextlib.nullcontext(stop) if stop is not None else _signals_stop()
+    with signals as stopping:
         if not answered:
             away += " (stopped or restarting?)"
         print(
@@ -852,7 +881,7 @@ def release_retried(
         interval = RELEASE_RETRY_S
         while True:
             left = first + wait_s - time.monotonic()
-            if left <= 0 or stop.wait(min(interval, left)):
+            if left <= 0 or stopping.wait(min(interval, left)):
                 break
             interval = min(RELEASE_RETRY_MAX_S, interval * 2)
             ctx.close()  # a fresh channel once gpud is back
@@ -868,7 +897,7 @@ def release_retried(
             return released
     told_what = f"telling gpud on {ctx.socket_path} how job {job} ended ({_ending(request)})"
     answered = why is not None and bool(why.error)  # as the last try found it
-    if stop.is_set():
+    if stopping.is_set():
         what = f"stopped {told_what}"
     elif answered:
         what = f"gave up {told_what} after {seconds(time.monotonic() - first)}"
@@ -1056,10 +1085,20 @@ def _leave(ctx: Context, entry: queue_pb2.QueueEntry, stop: _Stop) -> None:
         )
 
 
-def _stop_leftovers(job: str, run: str, grace_s: float) -> None:
+def _stop_leftovers(job: str, run: str, grace_s: float, hurry: _Stop | None = None) -> None:
     """End what the command left running (its environment carries ``GPUD_RUN``): the
-    reservation is released next, and nothing may go on using what nothing reserves."""
+    reservation is released next, and nothing may go on using what nothing reserves. Once
+    ``hurry`` is set (a signal since the command ended), SIGKILL without waiting more."""
     from gpud.jobs import leftovers
+
+    def clock() -> float:
+        return math.inf if hurry is not None and hurry.is_set() else time.monotonic()
+
+    def sleep(seconds: float) -> None:
+        if hurry is None:
+            time.sleep(seconds)
+        else:
+            hurry.wait(seconds)
 
     def reap() -> None:
         # as PID 1 (a container's init) the orphans are gpuctl's own children
@@ -1077,7 +1116,9 @@ def _stop_leftovers(job: str, run: str, grace_s: float) -> None:
         file=sys.stderr,
     )
     try:
-        _, killed = leftovers.stop(run, grace_s, reap=reap if os.getpid() == 1 else None)
+        _, killed = leftovers.stop(
+            run, grace_s, clock=clock, sleep=sleep, reap=reap if os.getpid() == 1 else None
+        )
     except KeyboardInterrupt:  # Ctrl-C again: do not wait
         killed = leftovers.kill(run)
     if killed:
@@ -1118,6 +1159,7 @@ def _launch(
     told: Callable[[int], None] | None = None,
     stop: _Stop | None = None,
     *,
+    after: _Stop | None = None,
     json_errors: bool = False,
 ) -> int:
     """Run ``command`` as a process that the kernel kills when gpuctl dies (see _GATE);
@@ -1127,7 +1169,8 @@ def _launch(
     opened, as the SIGTERM of ``gpuctl jobs rm --force`` ends it). ``told`` hears each
     signal gpuctl gets meanwhile (SIGINT, SIGTERM, SIGHUP); ``stop``'s handlers take them until the command
     has started (one they took then is forwarded once it has), and the handlers they
-    replaced are put back at its end. Its return code: the exit status, or -N when
+    replaced are put back at its end, or, with ``after``, those that set it (each signal
+    once the command has ended: the caller puts the handlers back when it is done). Its return code: the exit status, or -N when
     signal N killed it (:func:`exit_status` makes gpuctl's of it). A command that cannot
     be run is said on stderr as a ``gpuctl:`` line, or with ``json_errors`` as the JSON
     document of gpuctl's errors."""
@@ -1178,13 +1221,22 @@ def _launch(
         finally:
             os.close(gate_w)
 
+    ended = False  # the command ended: its PID, not reaped yet, is still its own
+
     def forward(signum: int, frame: FrameType | None) -> None:
+        if ended:
+            if after is not None:
+                after.set(signum)
+            return
         if told is not None:
             told(signum)
         if signum == signal.SIGINT and _terminal_sent_it(child.pid):
             return  # Ctrl-C: the terminal sent it to the command as well
+        # os.kill, not Popen.send_signal: that reaps a command the same signal just ended
+        # (a process group's SIGTERM, a terminal's SIGHUP), and the wait below then finds
+        # no child
         with contextlib.suppress(ProcessLookupError):
-            child.send_signal(signum)
+            os.kill(child.pid, signum)
 
     # Signal handlers can only be set from the main thread (gpuctl's own); elsewhere
     # (embedded use) the child shares the terminal's process group anyway.
@@ -1199,15 +1251,18 @@ def _launch(
                 child.send_signal(stop.signum)
     held = False  # whether it ended as the gate, never the command
     try:
-        if place is not None:
-            # waited for, not reaped: a process killed after the gate opened (the SIGTERM of
-            # `gpuctl jobs rm --force`) may have died before it became the command
-            os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
-            held = child.returncode is None and still_the_gate(child.pid)
+        # waited for, not reaped: a process killed after the gate opened (the SIGTERM of
+        # `gpuctl jobs rm --force`) may have died before it became the command
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+        ended = True
+        held = place is not None and still_the_gate(child.pid)
         code = child.wait()
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            # ``after`` takes them from here: a signal once the command has ended (the
+            # shell's SIGHUP after the terminal's, a second SIGTERM) must not kill gpuctl
+            # before it has stopped what the command left and released the reservation
+            signal.signal(sig, handler if after is None else _setting(after))
     if held and code < 0:
         raise NotStarted(code)
     return code

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -887,6 +888,86 @@ def test_gpuctl_run_tells_gpud_how_its_command_ended(node: Node) -> None:
         ("c", RunEnd(EndCause.EXITED, exit_code=143)),  # an exit status, not a signal
         ("d", RunEnd(EndCause.EXITED, exit_code=127)),
     ]
+
+
+def gpuctl_process(node: Node, *argv: str) -> subprocess.Popen[str]:
+    """``gpuctl --socket SOCKET ARGV`` as a process of its own, with its own signals."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpud.cli.main", "--socket", str(node.socket), *argv],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT])
+def test_a_signal_once_the_command_ended_cuts_the_wait_for_what_it_left_and_releases(
+    node: Node, tmp_path: Path, signum: signal.Signals
+) -> None:
+    """gpuctl waits ``--kill-after`` for what the command left running when it is sent a
+    signal (the shell's SIGHUP after the terminal's, as the terminal goes away; a second
+    SIGTERM): it kills them at once, releases the reservation telling gpud how the command
+    ended, and exits with the command's status. The signal killed gpuctl there, leaving the
+    reservation held until gpud found its holder gone, with no exit status."""
+    ends: list[RunEnd | None] = []
+    node.jobs.add_observer(lambda what, r, spec, end: ends.append(end) if what == "release" else 0)
+    left = tmp_path / "left"
+    script = f"sh -c 'trap \"\" TERM; echo $$ > {left}; exec sleep 301' & sleep 0.5; exit 3"
+    argv = ("run", "--job", "j", "--kill-after", "60", "--", "sh", "-c", script)
+    run = gpuctl_process(node, *argv)
+    try:
+        assert run.stderr is not None
+        for line in run.stderr:
+            if "outlived its command" in line:
+                break
+        started = time.monotonic()
+        run.send_signal(signum)
+        _, err = run.communicate(timeout=20)
+        took = time.monotonic() - started
+        outlived = alive(int(left.read_text()))
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+        if left.exists() and alive(int(left.read_text())):
+            os.kill(int(left.read_text()), signal.SIGKILL)  # so that no failure leaves it
+    assert run.returncode == 3 and took < 10 and not outlived, err
+    assert "killed 1 process(es) of job j" in err
+    assert ends == [RunEnd(EndCause.EXITED, exit_code=3)]
+    assert node.jobs.reservations.held() == []
+
+
+def test_a_run_whose_stderr_went_away_still_releases_with_its_commands_status(
+    node: Node, tmp_path: Path
+) -> None:
+    """gpuctl's stderr gone (its terminal hung up: EIO; ``2>&1 | head -1``: EPIPE) before
+    it says what the command left running: the line is dropped, and gpuctl still stops
+    them, releases the reservation telling gpud how the command ended, and exits with the
+    command's status. The failed write ended gpuctl there (exit 1 or 141), gpud finding
+    its holder gone with no exit status, and the processes left running until then."""
+    ends: list[RunEnd | None] = []
+    node.jobs.add_observer(lambda what, r, spec, end: ends.append(end) if what == "release" else 0)
+    left, go = tmp_path / "left", tmp_path / "go"
+    script = f"sleep 300 & echo $! > {left}; while [ ! -e {go} ]; do sleep 0.05; done; exit 5"
+    run = gpuctl_process(
+        node, "run", "--job", "j", "--gpus", "1", "--kill-after", "1", "--", "sh", "-c", script
+    )
+    try:
+        assert run.stderr is not None
+        while not left.exists():
+            time.sleep(0.01)
+        run.stderr.close()  # its reader goes: the next line gpuctl writes there fails
+        go.touch()
+        run.wait(timeout=20)
+        outlived = alive(int(left.read_text()))
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        if left.exists() and alive(int(left.read_text())):
+            os.kill(int(left.read_text()), signal.SIGKILL)  # so that no failure leaves it
+    assert run.returncode == 5 and not outlived
+    assert ends == [RunEnd(EndCause.EXITED, exit_code=5)]
+    assert node.jobs.reservations.held() == []
 
 
 def removed_while_running(node: Node, command: list[str]) -> tuple[int, HistoryRow, float]:
@@ -1972,7 +2053,6 @@ def test_a_signal_ends_a_wait_wherever_in_its_poll_it_lands() -> None:
     took a lock the wait held hung gpuctl, ignoring every later SIGTERM, until SIGKILL.
     Several waits, each sent SIGTERM: one lands inside the lock all but surely."""
     import random
-    import subprocess
 
     waits = [
         subprocess.Popen([sys.executable, "-c", POLLING_WAIT], stdout=subprocess.PIPE, text=True)

@@ -123,13 +123,7 @@ sys.exit(len(got))
 
 _GPUCTL = """
 import fcntl, os, sys, termios
-import subprocess
 fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # the pty is this session's terminal, its group foreground
-send = subprocess.Popen.send_signal
-def logged(self, sig):
-    print("forwarded", sig, flush=True)
-    send(self, sig)
-subprocess.Popen.send_signal = logged
 from gpud.cli.run import NotStarted, _launch, still_the_gate
 print("exit", _launch([sys.executable, "-c", sys.argv[1], sys.argv[2]], dict(os.environ)))
 """
@@ -160,7 +154,7 @@ def test_ctrl_c_on_the_terminal_reaches_the_command_once(tmp_path: Path) -> None
                 out += chunk
     finally:
         os.close(master)
-    assert b"exit 1" in out and b"forwarded" not in out, out  # the count of SIGINTs it got
+    assert b"exit 1" in out, out  # the count of SIGINTs it got
 
 
 def test_the_gate_is_known_by_its_name_until_the_exec(tmp_path: Path) -> None:
@@ -178,3 +172,58 @@ def test_the_gate_is_known_by_its_name_until_the_exec(tmp_path: Path) -> None:
     assert still_the_gate(7, tmp_path) and not still_the_gate(8, tmp_path)
     (tmp_path / "7" / "comm").write_text("train\n")
     assert not still_the_gate(7, tmp_path)
+
+
+# gpuctl alone (no gRPC threads): a signal to the process interrupts its wait for the command
+_ENDED_UNSEEN = """
+import os, sys
+from gpud.cli.run import _launch
+command = ["sh", "-c", f"echo $$ > {sys.argv[1]}; exec sleep 300"]
+print("exit", _launch(command, dict(os.environ), lambda pid: None), flush=True)
+"""
+
+
+def _state(pid: int) -> str:
+    """``/proc/PID/stat``'s state letter: ``T`` stopped, ``Z`` ended, not yet waited for."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _until(done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 20
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_signal_that_reaches_gpuctl_as_its_command_ends_by_it_is_the_commands_end(
+    tmp_path: Path,
+) -> None:
+    """A signal to the process group (``timeout``'s SIGTERM, a hung-up terminal's SIGHUP)
+    ends the command and reaches gpuctl before gpuctl has seen the command end (here:
+    gpuctl stopped while the command ends and the signal comes): passed on to a command
+    that is gone, the command's end is still gpuctl's to wait for. Passing it on reaped
+    the command, and gpuctl failed with ``ChildProcessError`` (exit 1), telling gpud no
+    status."""
+    pid_file = tmp_path / "pid"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ENDED_UNSEEN, str(pid_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _until(lambda: pid_file.exists() and pid_file.read_text().endswith("\n"), "started")
+        command = int(pid_file.read_text())
+        time.sleep(0.2)  # gpuctl waits for it by now
+        os.kill(proc.pid, signal.SIGSTOP)
+        _until(lambda: _state(proc.pid) == "T", "gpuctl stopped")
+        os.kill(command, signal.SIGTERM)
+        _until(lambda: _state(command) == "Z", "the command ended")
+        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and out == f"exit {-signal.SIGTERM}\n", err
