@@ -123,7 +123,7 @@ async def test_a_leader_resumed_from_a_suspend_gives_no_order_until_a_renewal_su
     election.step()  # the renewal: etcd still held the lease
     assert election.state().leading
     await leader.tick()
-    assert leader.receive(report) is None  # its last report aged by the suspend too
+    assert leader.receive(report) is None  # a fresh aggregator: folded in next round
     await leader.tick()
     assert leader.mode is Mode.LEADER and isinstance(leader.receive(report), Order)
 
