@@ -545,8 +545,9 @@ def _validate_cluster(c: ClusterConfig, *, path: str, tick_s: float) -> None:
         raise ConfigError(f"{c.etcd_prefix!r} {why}", path=path, key="cluster.etcd_prefix")
     if c.election == "etcd":
         # A leader renews its lease with a keepalive and a read every lease_ttl_s/4 and
-        # leads until its last renewal was sent + 3/4 TTL: a renewal whose two requests
-        # may each block etcd_timeout_s must fit in the half of the TTL left for it.
+        # leads until its last renewal was sent + 3/4 TTL (gpud.clock: a suspend counts):
+        # a renewal whose two requests may each block etcd_timeout_s must fit in the half
+        # of the TTL left for it.
         if c.etcd_timeout_s > c.lease_ttl_s / 4:
             raise ConfigError(
                 f"{c.etcd_timeout_s:g} s exceeds a quarter of cluster.lease_ttl_s "

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from gpud.clock import elapsed
 from gpud.cluster import election as store
 from gpud.cluster import problems
 from gpud.cluster.certexpiry import CertExpiry, CertWatch
@@ -186,7 +187,7 @@ class ClusterAgent:
         node_timeout_s: float,
         settle_s: float = 0.0,
         events: EventLog | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = elapsed,
         wall: Callable[[], float] = time.time,
         instance: str | None = None,
         build: str = "",
@@ -209,6 +210,8 @@ class ClusterAgent:
         self._node_timeout_s = node_timeout_s
         self._settle_s = settle_s
         self._events = events
+        # counts the host's suspends (gpud.clock): a follower's last order and the
+        # leader's view of each node's last report age across one
         self._clock = clock
         self._wall = wall
         self.fence = Fence()

@@ -8,6 +8,9 @@
   renews the lease every ``ttl/4`` and counts its leadership as valid only until
   ``last renewal sent + TTL - margin``: a leader cut off from etcd stops leading before
   etcd can expire its lease and let another node in, so two leaders never overlap.
+  The deadline is kept on :data:`gpud.clock.elapsed`, which counts the time the host was
+  suspended as etcd does: a leader resumed past it stops leading at once, before its next
+  renewal (which fails, or renews a lease that etcd still keeps).
   Between steps (every ``ttl/4``) both watch the key (``etcdctl watch``): a follower
   campaigns as soon as it is gone, a leader notices at once that it lost it.
   A node campaigns only while its certificate is one the other nodes accept
@@ -24,11 +27,11 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from gpud.clock import elapsed
 from gpud.cluster.etcd import EtcdClient
 from gpud.cluster.model import node_name
 from gpud.cluster.trust import CHECK_S, Candidacy
@@ -108,7 +111,7 @@ class EtcdElection:
         prefix: str,
         ttl_s: int,
         notify: Notify | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = elapsed,
         candidacy: Candidacy | None = None,
     ) -> None:
         self._client = client

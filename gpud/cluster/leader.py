@@ -151,8 +151,8 @@ class Aggregator:
     def compute(self, epoch: int, now: float, *, wall: float | None = None) -> Order:
         """The global order of this round, computed in ``epoch``.
 
-        ``wall`` (Unix time) stamps the attributes; ``now`` (any clock that does not jump)
-        ages the reports. Raises whatever the tag store raises: an order whose tags are not
+        ``wall`` (Unix time) stamps the attributes; ``now`` (any clock that never goes back;
+        the agent's counts the host's suspends) ages the reports. Raises whatever the tag store raises: an order whose tags are not
         persisted is never handed out (the previous one stays :attr:`order`).
 
         The first round that ranks seeds the leveller with the levels in force

@@ -1,0 +1,159 @@
+"""A host suspended and resumed: the leader's lease, the nodes' reports and the orders age
+by a clock that counts the suspend, as etcd's and the other nodes' do."""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import pytest
+
+from gpud import clock
+from gpud.cluster.agent import ClusterAgent
+from gpud.cluster.election import EtcdElection
+from gpud.cluster.etcd import EtcdClient, KeyValue
+from gpud.cluster.fencing import Mode
+from gpud.cluster.model import NodeReport, Order
+from gpud.cluster.ports import MemoryTagStore, StaticNodeView
+from gpud.errors import NotLeader
+from gpud.net.port import FakeTraffic
+from netshaper.leveller import LevellerConfig
+from tests.unit.test_cluster_agent import Clock, LoopbackPeers, job
+
+TTL = 8  # the leader leads until its last renewal was sent + 6 s (TTL less a quarter)
+
+
+class ExpiringEtcd:
+    """The calls the election makes, on a dict; a lease expires ``TTL`` s after its last
+    grant or keepalive by ``now`` (etcd's clock, which a suspended node's does not stop)."""
+
+    timeout_s = 0.1
+
+    def __init__(self, now: Clock) -> None:
+        self.now = now
+        self.kv: dict[str, KeyValue] = {}
+        self.expires: dict[int, float] = {}
+        self.revision = 10
+
+    def _expire(self) -> None:
+        gone = {lease for lease, at in self.expires.items() if at <= self.now()}
+        self.expires = {lease: at for lease, at in self.expires.items() if lease not in gone}
+        self.kv = {k: v for k, v in self.kv.items() if v.lease not in gone}
+
+    def grant(self, ttl_s: int) -> tuple[int, int]:
+        lease = 100 + len(self.expires) + self.revision
+        self.expires[lease] = self.now() + ttl_s
+        return lease, ttl_s
+
+    def keepalive(self, lease: int) -> int:
+        self._expire()
+        if lease not in self.expires:
+            return 0
+        self.expires[lease] = self.now() + TTL
+        return TTL
+
+    def revoke(self, lease: int) -> None:
+        self.expires[lease] = self.now()
+        self._expire()
+
+    def get(self, key: str) -> KeyValue | None:
+        self._expire()
+        return self.kv.get(key)
+
+    def create(self, key: str, value: str, lease: int) -> int | None:
+        self._expire()
+        if key in self.kv:
+            return None
+        self.revision += 1
+        self.kv[key] = KeyValue(value.encode(), self.revision, self.revision, lease)
+        return self.revision
+
+    def wait_for_change(self, key: str, after_revision: int, timeout_s: float) -> bool:
+        return False
+
+
+def _node(name: str, etcd: ExpiringEtcd, now: Clock) -> tuple[EtcdElection, ClusterAgent]:
+    client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
+    election = EtcdElection(
+        client, node=name, address=f"{name}:1", prefix="/c", ttl_s=TTL, clock=now
+    )
+    tags = MemoryTagStore()
+    agent = ClusterAgent(
+        node=name,
+        election_kind="etcd",
+        election=election,
+        traffic=FakeTraffic((job("a", 0.5),)),
+        view=StaticNodeView(),
+        tag_store=lambda epoch: tags,
+        leveller=LevellerConfig(levels=4),
+        reserved_tags=(0,),
+        peers=LoopbackPeers(),
+        grace_s=30,
+        fresh_s=3,
+        node_timeout_s=5,
+        clock=now,
+    )
+    return election, agent
+
+
+async def _leading(now: Clock) -> tuple[ExpiringEtcd, EtcdElection, ClusterAgent]:
+    """n0 elected and answering n1's reports with orders."""
+    etcd = ExpiringEtcd(now)
+    election, leader = _node("n0", etcd, now)
+    election.step()
+    await leader.tick()
+    report = NodeReport("n1")
+    leader.receive(report)
+    await leader.tick()
+    assert isinstance(leader.receive(report), Order)
+    return etcd, election, leader
+
+
+async def test_a_leader_resumed_from_a_suspend_gives_no_order_until_a_renewal_succeeds() -> None:
+    now = Clock()
+    _, election, leader = await _leading(now)
+    report = NodeReport("n1")
+    now.now += TTL - 1  # suspended 7 s: past its deadline, within etcd's lease
+    assert not election.state().leading
+    with pytest.raises(NotLeader):
+        leader.receive(report)
+    applied = leader.order
+    await leader.tick()  # no round of its own either
+    assert leader.order is applied and leader.mode is not Mode.LEADER
+    election.step()  # the renewal: etcd still held the lease
+    assert election.state().leading
+    await leader.tick()
+    assert leader.receive(report) is None  # a fresh aggregator: folded in next round
+    await leader.tick()
+    assert leader.mode is Mode.LEADER and isinstance(leader.receive(report), Order)
+
+
+async def test_a_leader_resumed_after_its_lease_expired_never_leads_beside_its_successor() -> None:
+    now = Clock()
+    etcd, election, leader = await _leading(now)
+    epoch = election.state().epoch
+    now.now += 60  # suspended a minute: etcd expired the lease, n2 was elected
+    successor, _ = _node("n2", etcd, now)
+    successor.step()
+    assert successor.state().leading and successor.state().epoch > epoch
+    assert not election.state().leading
+    with pytest.raises(NotLeader):
+        leader.receive(NodeReport("n1"))
+    election.step()  # the renewal finds the lease gone: it steps down
+    election.step()
+    state = election.state()
+    assert not state.leading and state.leader == "n2" and state.epoch > epoch
+
+
+def test_leadership_and_reports_age_by_the_clock_that_counts_a_suspend() -> None:
+    for built in (EtcdElection, ClusterAgent):
+        default = inspect.signature(built.__init__).parameters["clock"].default
+        assert default is clock.elapsed, built
+    boottime = getattr(time, "CLOCK_BOOTTIME", None)
+    if boottime is None:
+        assert clock.elapsed is time.monotonic
+        return
+    before = time.clock_gettime(boottime)
+    read = clock.elapsed()
+    assert before <= read <= time.clock_gettime(boottime)
+    assert read >= time.monotonic() - 1  # never behind the clock that stops
