@@ -355,11 +355,14 @@ def _question(v: JobView, hold_s: float) -> Hashable:
 @dataclass(frozen=True)
 class _Gone:
     """A job's removal: when (``wall``: on the clock reservations are stamped with,
-    ``at``: on the loop's), and the stamps of its reservations the loop knew of then."""
+    ``at``: on the loop's), the stamps of its reservations the loop knew of then, and
+    which removal it was (``seq``: a read of the reservations begun after it lists none of
+    the job's from before it)."""
 
     wall: float
     at: float
     stamps: frozenset[float]
+    seq: int
 
 
 def _learned(st: _JobState) -> dict[str, Any]:
@@ -659,6 +662,7 @@ class ColoService:
         # before that, and its stopping processes' reports, are not learned from (nor is
         # the job kept) until a reservation made after it shows the job added again
         self._gone: dict[str, _Gone] = {}
+        self._removals = 0  # removals committed so far (_Gone.seq)
         # waiter id -> when `gpuctl queue --leave ID` took that run out of the wait: its
         # next question is answered LeftQueue (kept WAITER_GONE_S, as long as it asks)
         self._left: dict[str, tuple[float, _Waiter]] = {}
@@ -843,9 +847,11 @@ class ColoService:
     def tick(self, snapshot: Snapshot | None) -> Plan | None:
         self.waiting()  # runs that stopped asking go (an event says so) though none lists them
         if snapshot is None or not self.config.enabled:
+            with self._lock:
+                removals = self._removals
             running = tuple(self._running())
             with self._lock:
-                self._present(running)  # a job added again is one no more removed
+                self._present(running, removals)  # a job added again is one no more removed
                 # The loop stands still: the time until it runs again does not age what
                 # the predictor learned, as the time gpud is down does not.
                 self._last_tick = None
@@ -853,10 +859,10 @@ class ColoService:
                     self._switch_off()
             return None
         with self._lock:
-            freed = self._freed
+            freed, removals = self._freed, self._removals
         running = tuple(self._running())
         with self._lock:
-            running = self._present(running)
+            running = self._present(running, removals)
             # A GPU that is lost or does not answer runs nothing anyone can measure: its
             # jobs keep their directives and guards as they were, out of the plan, until it
             # answers again (or their processes end and gpud releases them).
@@ -895,18 +901,23 @@ class ColoService:
         self._save(state)
         return plan
 
-    def _present(self, running: Sequence[RunningJob]) -> tuple[RunningJob, ...]:
+    def _present(self, running: Sequence[RunningJob], removals: int) -> tuple[RunningJob, ...]:
         """``running`` without the reservations of removed jobs (read before the removal
         committed); a job's reservation made after its removal (it was added again) ends
-        that. Under the lock."""
+        that. ``removals``: how many removals had committed when ``running`` was read.
+        Under the lock."""
         now = self._clock()
         for r in running:
             gone = self._gone.get(r.name)
             if gone is None or r.reserved_at is None:
                 continue
-            # made after the removal, or one the loop did not know of then (the wall
-            # clock may have stepped back since)
-            if r.reserved_at > gone.wall or r.reserved_at not in gone.stamps:
+            # made after the removal; or, in a read begun after it committed, one the loop
+            # did not know of then (the wall clock may have stepped back since). In a read
+            # begun before, a stamp the loop never saw is of a reservation made since its
+            # last tick and removed with the job.
+            if r.reserved_at > gone.wall or (
+                gone.seq <= removals and r.reserved_at not in gone.stamps
+            ):
                 del self._gone[r.name]
         # a removal an hour old: no reservation read before it is still about
         self._gone = {j: g for j, g in self._gone.items() if now - g.at <= FORGET_AFTER_S}
@@ -1925,6 +1936,7 @@ class ColoService:
                 # showed (its footprints, rates, kind) is not planned for it
                 self._jobs.pop(job, None)
                 self._guards.pop(job, None)
+                self._removals += 1
                 self._gone[job] = _Gone(
                     self._wall(),
                     at,
@@ -1933,6 +1945,7 @@ class ColoService:
                         for r in self._last_running
                         if r.name == job and r.reserved_at is not None
                     ),
+                    self._removals,
                 )
                 # written at once: a kill -9 before the next tick does not bring it back
                 state = self._state(tuple(r for r in self._last_running if r.name != job))
@@ -2066,9 +2079,11 @@ class ColoService:
             self._off_for(waiter)
         if snapshot is None:
             return Advice(-1, 0.0, 0, None, "", 0.0, "no telemetry yet"), None
+        with self._lock:
+            removals = self._removals
         running = tuple(self._running())
         with self._lock:  # the places runs were given that have not reserved yet count
-            running = self._present(running)
+            running = self._present(running, removals)
             promised = self._promises(job, wid, running, now)
         # each planned under its run's name, as a new run of its job: known by the place
         # itself (id -> its job), as the job's running reservations share its name

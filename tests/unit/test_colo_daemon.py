@@ -3590,3 +3590,49 @@ def test_a_minute_alone_unseen_is_counted_anew_after_company(
         svc.tick(busy_snapshot({0: (0.5, 0.3)}))
         clock.t += 1
     assert not [r for r in caplog.records if "no footprint learned" in r.getMessage()]
+
+
+def test_a_job_reserved_and_removed_between_two_ticks_stays_removed(tmp_path: Path) -> None:
+    """A job reserved after the last tick and removed (`gpuctl jobs rm --force`) while the
+    next tick reads the reservations, before the removal committed: the loop never knew its
+    reservation, yet it is neither planned, learned, kept in colo.json nor guarded; a run
+    of it added again later is."""
+    clock = Clock()
+    other = RunningJob("other", "training", 1, memory_bytes=10 * GIB, reserved_at=clock.t)
+    jobs = [other]
+    removing: list[str] = []
+
+    def running() -> list[RunningJob]:
+        listed = list(jobs)  # read before the removal committed
+        while removing:
+            svc.job_removed(removing.pop(), force=True)()
+            jobs[:] = [r for r in jobs if r.name != "sweep"]
+        return listed
+
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=running,
+        clock=clock,
+        state_file=tmp_path / "colo.json",
+        wall=clock,
+    )
+    svc.tick(busy_snapshot({0: (0.0, 0.0), 1: (0.3, 0.2)}))
+    clock.t += 1
+    sweep = RunningJob(
+        "sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB, reserved_at=clock.t
+    )
+    jobs.append(sweep)
+    clock.t += 1
+    removing.append("sweep")
+    plan = svc.tick(busy_snapshot({0: (0.3, 0.2), 1: (0.3, 0.2)}))
+    assert plan is not None
+    assert "sweep" not in {p.job_id for p in plan.placements}
+    assert "sweep" not in svc._jobs
+    assert "sweep" not in json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert svc.throttle_point("sweep", 10).reason == "job removed"
+    clock.t += 1
+    jobs.append(dataclasses.replace(sweep, reserved_at=clock.t))  # added again
+    svc.tick(busy_snapshot({0: (0.3, 0.2), 1: (0.3, 0.2)}))
+    assert svc.throttle_point("sweep", 10).reason != "job removed"
+    assert "sweep" in svc._jobs

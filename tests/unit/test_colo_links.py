@@ -83,6 +83,24 @@ def test_nvlink_rate_is_counter_growth_over_the_interval_and_capacity() -> None:
     assert rates.ratio(sample(2, 10.0, (5, 5), "L40S-45GB")) == 0.0
 
 
+def h100_busy(
+    at: float, nvlink: tuple[int, int] | None, pcie: PcieThroughput | None = None
+) -> Snapshot:
+    """An H100 whose SMs are 45 % busy, sampled at ``at`` with these link readings."""
+    ident = dataclasses.replace(identity(0), product="H100-SXM5-80GB")
+    gpu = GpuSample(
+        ident,
+        True,
+        "",
+        at,
+        memory=MemoryInfo(80 * GIB, 20 * GIB, 60 * GIB),
+        utilization=Utilization(0.45, 0.2),
+        pcie=pcie,
+        nvlink_bytes=nvlink,
+    )
+    return Snapshot(wall_time=0.0, monotonic=at, tick_seconds=0.01, gpus=(gpu,))
+
+
 def test_a_job_alone_learns_its_link_features_divided_by_its_duty(tmp_path: Path) -> None:
     t = [100.0]
     jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, memory_used=10 * GIB)]
@@ -91,24 +109,7 @@ def test_a_job_alone_learns_its_link_features_divided_by_its_duty(tmp_path: Path
     )
 
     def snap(at: float, nvlink: tuple[int, int]) -> Snapshot:
-        ident = dataclasses.replace(identity(0), product="H100-SXM5-80GB")
-        return Snapshot(
-            wall_time=0.0,
-            monotonic=at,
-            tick_seconds=0.01,
-            gpus=(
-                GpuSample(
-                    ident,
-                    True,
-                    "",
-                    at,
-                    memory=MemoryInfo(80 * GIB, 20 * GIB, 60 * GIB),
-                    utilization=Utilization(0.45, 0.2),
-                    pcie=PcieThroughput(0.1e9, 3.15e9),
-                    nvlink_bytes=nvlink,
-                ),
-            ),
-        )
+        return h100_busy(at, nvlink, PcieThroughput(0.1e9, 3.15e9))
 
     def held() -> None:  # as a guard next to it would hold it (the plan alone does not)
         svc._directives["train"] = Directive(0.5, False, "held for a service")
@@ -218,3 +219,39 @@ def test_a_lost_gpu_raises_for_the_link_calls_and_unsupported_reads_none() -> No
     finally:
         node.faults.clear()
         backend.close()
+
+
+def test_a_missed_nvlink_read_is_no_reading_of_no_traffic() -> None:
+    """Counters read before and not this sample (a read that failed once): no rate this
+    interval, not 0; the next read gives the rate over both intervals."""
+    rates = NvlinkRates()
+    h100 = "H100-SXM5-80GB"
+    assert rates.ratio(sample(0, 10.0, (0, 0), h100)) is None
+    assert rates.ratio(sample(0, 12.0, (90 * 10**9, 0), h100)) == pytest.approx(0.1)
+    assert rates.ratio(sample(0, 14.0, None, h100)) is None
+    assert rates.ratio(sample(0, 16.0, (450 * 10**9, 0), h100)) == pytest.approx(0.2)
+
+
+def test_a_job_alone_keeps_its_nvlink_footprint_through_a_missed_read(tmp_path: Path) -> None:
+    """A job alone that showed NVLink traffic, on a GPU whose NVLink counters fail to read
+    for one tick: its footprint, on its share and on a whole GPU's, keeps the traffic
+    it showed rather than taking in a reading of none."""
+    t = [100.0]
+    jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, memory_used=10 * GIB)]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=lambda: t[0]
+    )
+    snap = h100_busy
+
+    svc.tick(snap(0.0, (0, 0)))  # a new company (none): measuring starts
+    t[0] += 5
+    svc.tick(snap(5.0, (9 * 10**10, 0)))  # 18 GB/s: 0.04 of 450
+    t[0] += 5
+    svc.tick(snap(10.0, None))  # the counters did not read this tick
+    ds = svc._jobs["train"].devices["GPU 0"]
+    assert ds.features is not None and ds.whole is not None
+    assert ds.features.nvlink == pytest.approx(0.04)
+    assert ds.whole.nvlink == pytest.approx(0.04)
+    t[0] += 5
+    svc.tick(snap(15.0, (27 * 10**10, 0)))  # 18 GB/s over the ten seconds since
+    assert ds.whole.nvlink == pytest.approx(0.04)
