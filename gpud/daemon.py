@@ -68,7 +68,7 @@ from gpud.jobs.metrics import JobMetrics
 from gpud.jobs.service import JobService
 from gpud.loopstats import LoopMetrics, LoopStats
 from gpud.metrics import Collector, build_registry
-from gpud.metrics_http import start_metrics_server, stop_metrics_server
+from gpud.metrics_http import METRICS_POLL_S, start_metrics_server, stop_metrics_server
 from gpud.mig.api import MigServicer
 from gpud.mig.manager import MigManager
 from gpud.mig.metrics import MigMetrics
@@ -87,7 +87,7 @@ from gpud.store import DB_NAME, StateStore
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.seen import SeenGpus
 from gpud.telemetry.snapshot import ClearedXids, SeenIdentity, Snapshot
-from gpud.threads import on_daemon_thread, wait_first
+from gpud.threads import EXIT_GRACE_S, on_daemon_thread, wait_first
 
 if TYPE_CHECKING:
     from gpud.backend.sim import SimNode, Workload
@@ -134,10 +134,11 @@ CALL_STOP_WAIT_S = 18.0
 # dcb, MPS control daemons, the sampler) takes what is left of this, so that the store
 # and the driver are closed before systemd's SIGKILL at TimeoutStopSec (30 s in
 # systemd/gpud.service); each shutdown hook still gets STOP_HOOK_FLOOR_S once it is spent,
-# and the store and the driver STOP_CLOSE_WAIT_S each, so the worst stop is this plus a
-# floor per hook and the two closes (Daemon.worst_stop_s: 27 s). A second SIGTERM/SIGINT
-# ends the wait under way, skips the hooks left, and gives each close STOP_CUT_CLOSE_S
-STOP_BUDGET_S = 21.0
+# the /metrics listener its poll interval to stop, the store and the driver
+# STOP_CLOSE_WAIT_S each, and the process EXIT_GRACE_S for its worker threads, so the worst
+# stop is this plus those (Daemon.worst_stop_s: 27.5 s). A second SIGTERM/SIGINT ends the
+# wait under way, skips the hooks left, and gives each close STOP_CUT_CLOSE_S
+STOP_BUDGET_S = 20.0
 # seconds of the stop budget an admission pass running at the stop is waited for: the loop
 # pass it is part of, then one on the pass runner's thread, each at most this. What a pass
 # cut short changed stays whole or absent (each start and leave is one store transaction);
@@ -979,7 +980,9 @@ class Daemon:
                     ", ".join(_name(hook) for hook in hooks),
                 )
             if metrics_server is not None:
-                stop_metrics_server(*metrics_server)
+                # off the loop: shutting down waits for serve_forever's next poll
+                server = metrics_server
+                await on_daemon_thread(lambda: stop_metrics_server(*server))
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 if not await self._unless_cut(
                     sampler_task, 0.0 if self._stop_now.is_set() else left(5.0)
@@ -1142,10 +1145,17 @@ class Daemon:
         self._shutdown.append(stop)
 
     def worst_stop_s(self) -> float:
-        """Seconds the longest stop can take: its budget, then each shutdown hook's floor
-        once the budget is spent, and the closes of the store and the driver (below the
-        unit's TimeoutStopSec; see STOP_BUDGET_S)."""
-        return self.stop_budget_s + len(self._shutdown) * STOP_HOOK_FLOOR_S + 2 * STOP_CLOSE_WAIT_S
+        """Seconds the longest stop can take, from the signal to the process's exit: its
+        budget, then each shutdown hook's floor once the budget is spent, the /metrics
+        listener's stop, the closes of the store and the driver, and the exit's grace for
+        worker threads (below the unit's TimeoutStopSec; see STOP_BUDGET_S)."""
+        return (
+            self.stop_budget_s
+            + len(self._shutdown) * STOP_HOOK_FLOOR_S
+            + METRICS_POLL_S
+            + 2 * STOP_CLOSE_WAIT_S
+            + EXIT_GRACE_S
+        )
 
     def loop_interval_s(self) -> float:
         """Seconds between loop passes: ``daemon.tick_s`` (as reloaded), and often enough to
