@@ -975,6 +975,7 @@ class Daemon:
                 hook = hooks.pop(0)
                 await self._run_stop(hook, max(STOP_HOOK_FLOOR_S, left(self.stop_budget_s)))
             if hooks:
+                self.cluster.cut()  # no round while the store and the driver close
                 log.warning(
                     "shutdown: skipped at a second stop (SIGTERM/SIGINT): %s",
                     ", ".join(_name(hook) for hook in hooks),
@@ -990,10 +991,11 @@ class Daemon:
                     sampler_task.cancel()
             took = time.monotonic() - stopping_at
             self.events.emit("daemon.stop", "gpud stopped", took_s=round(took, 3))
-            # the store waits for its locks half its time, so that its own warning (a
-            # transaction still ran) comes before this wait ends, then SQLite's checkpoint
+            # the store waits for its locks half its time (the short one after a second
+            # SIGTERM/SIGINT), so that its own warning (a transaction still ran) comes before
+            # this wait ends, then SQLite's checkpoint
             await self._run_stop(
-                lambda: self.store.close(wait_s=STOP_CLOSE_WAIT_S / 2),
+                lambda: self.store.close(wait_s=self._close_wait_s() / 2),
                 STOP_CLOSE_WAIT_S,
                 "store.close",
                 cut_s=STOP_CUT_CLOSE_S,
@@ -1002,6 +1004,10 @@ class Daemon:
                 self.backend.close, STOP_CLOSE_WAIT_S, "backend.close", cut_s=STOP_CUT_CLOSE_S
             )
         return 0
+
+    def _close_wait_s(self) -> float:
+        """Seconds the stop waits for a close starting now (see :meth:`_run_stop`)."""
+        return STOP_CUT_CLOSE_S if self._stop_now.is_set() else STOP_CLOSE_WAIT_S
 
     async def _unless_cut(
         self, task: asyncio.Future[Any], timeout_s: float, *, cut: bool = True
@@ -1091,6 +1097,12 @@ class Daemon:
         if await self._unless_cut(finishing, timeout_s + 0.1) and finishing.result():
             return
         finishing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await finishing
+        if self._stop_now.is_set():
+            self.cluster.cut()  # its hook is skipped: no round while the store closes
+        if not self.cluster.agent.round_running:
+            return  # none ran (two stop requests at once): nothing left running
         why = (
             "at a second stop (SIGTERM/SIGINT)"
             if self._stop_now.is_set()

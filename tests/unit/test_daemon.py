@@ -19,6 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gpud.build import current as current_build
+from gpud.cluster.model import NodeReport
 from gpud.config import MAX_CONFIG_BYTES, Config, Layers, file_stamp
 from gpud.daemon import STOP_CLOSE_WAIT_S, STOP_HOOK_FLOOR_S, Daemon, Step
 from gpud.dirlock import DirLocks
@@ -678,6 +679,39 @@ def test_a_cluster_round_under_way_at_the_stop_leaves_the_clusters_hook_its_whol
     assert "ClusterRuntime.stop" not in caplog.text
 
 
+def test_two_stop_requests_at_once_end_the_clusters_rounds_and_say_no_round_was_left(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second SIGTERM right behind the first skips every shutdown hook, the cluster's
+    included: its rounds end all the same (none, a leader's included, runs while the store
+    and the driver close), and with no round under way the stop does not say one was left
+    running."""
+    d = build(make_config(root, **{"daemon.tick_s": 600}))  # one loop pass, no other
+    reports: list[str] = []
+    local_report = d.cluster.agent.local_report
+
+    def counted() -> NodeReport:
+        reports.append("report")
+        return local_report()
+
+    d.cluster.agent.local_report = counted  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        run = await _started(d)
+        while not reports or d.cluster.agent.round_running:  # the first pass's round
+            await asyncio.sleep(0.01)
+        d.request_stop()
+        d.request_stop()
+        assert await asyncio.wait_for(run, timeout=20) == 0
+        reports.clear()
+        await d.cluster.agent.tick()  # this node leads (single): a round would report
+
+    asyncio.run(scenario())
+    assert reports == []
+    assert "shutdown: skipped at a second stop" in caplog.text
+    assert "a cluster round" not in caplog.text
+
+
 async def _ended(
     run: asyncio.Task[int], since: float, release: threading.Event, *, timeout: float
 ) -> float:
@@ -1259,7 +1293,8 @@ def test_a_second_stop_skips_the_shutdown_hooks_and_the_closes_waits_and_keeps_t
     """``systemctl kill -s INT gpud`` again while a shutdown hook hangs (an ``nft`` that does
     not answer), with the store's lock held by a pass left running and ``nvmlShutdown``
     hung: the stop ends at once instead of a floor per hook and two unbounded closes, and
-    a job added just before is there at the next start."""
+    a job added just before is there at the next start. The store's close waits for its
+    lock half the short wait it is left, so that its own warning says why it was left."""
     config = make_config(root, **{"daemon.tick_s": 0.05})
     d = build(config)
     d.stop_budget_s = 60.0
@@ -1305,6 +1340,8 @@ def test_a_second_stop_skips_the_shutdown_hooks_and_the_closes_waits_and_keeps_t
     assert took < 1.5, took
     assert hooked == ["ran", "nvmlShutdown"]
     assert "skipped at a second stop" in caplog.text
+    assert "a transaction still ran at the stop; left to the exit" in caplog.text
+    assert "store.close was left" not in caplog.text
     again = build(config)
     try:
         assert again.jobs.registry.names() == ["kept"]
