@@ -68,7 +68,7 @@ from gpud.jobs.metrics import JobMetrics
 from gpud.jobs.service import JobService
 from gpud.loopstats import LoopMetrics, LoopStats
 from gpud.metrics import Collector, build_registry
-from gpud.metrics_http import start_metrics_server, stop_metrics_server
+from gpud.metrics_http import METRICS_POLL_S, start_metrics_server, stop_metrics_server
 from gpud.mig.api import MigServicer
 from gpud.mig.manager import MigManager
 from gpud.mig.metrics import MigMetrics
@@ -87,7 +87,7 @@ from gpud.store import DB_NAME, StateStore
 from gpud.telemetry.sampler import Sampler
 from gpud.telemetry.seen import SeenGpus
 from gpud.telemetry.snapshot import ClearedXids, SeenIdentity, Snapshot
-from gpud.threads import on_daemon_thread, wait_first
+from gpud.threads import EXIT_GRACE_S, on_daemon_thread, wait_first
 
 if TYPE_CHECKING:
     from gpud.backend.sim import SimNode, Workload
@@ -134,10 +134,11 @@ CALL_STOP_WAIT_S = 18.0
 # dcb, MPS control daemons, the sampler) takes what is left of this, so that the store
 # and the driver are closed before systemd's SIGKILL at TimeoutStopSec (30 s in
 # systemd/gpud.service); each shutdown hook still gets STOP_HOOK_FLOOR_S once it is spent,
-# and the store and the driver STOP_CLOSE_WAIT_S each, so the worst stop is this plus a
-# floor per hook and the two closes (Daemon.worst_stop_s: 27 s). A second SIGTERM/SIGINT
-# ends the wait under way, skips the hooks left, and gives each close STOP_CUT_CLOSE_S
-STOP_BUDGET_S = 21.0
+# the /metrics listener its poll interval to stop, the store and the driver
+# STOP_CLOSE_WAIT_S each, and the process EXIT_GRACE_S for its worker threads, so the worst
+# stop is this plus those (Daemon.worst_stop_s: 27.5 s). A second SIGTERM/SIGINT ends the
+# wait under way, skips the hooks left, and gives each close STOP_CUT_CLOSE_S
+STOP_BUDGET_S = 20.0
 # seconds of the stop budget an admission pass running at the stop is waited for: the loop
 # pass it is part of, then one on the pass runner's thread, each at most this. What a pass
 # cut short changed stays whole or absent (each start and leave is one store transaction);
@@ -974,12 +975,15 @@ class Daemon:
                 hook = hooks.pop(0)
                 await self._run_stop(hook, max(STOP_HOOK_FLOOR_S, left(self.stop_budget_s)))
             if hooks:
+                self.cluster.cut()  # no round while the store and the driver close
                 log.warning(
                     "shutdown: skipped at a second stop (SIGTERM/SIGINT): %s",
                     ", ".join(_name(hook) for hook in hooks),
                 )
             if metrics_server is not None:
-                stop_metrics_server(*metrics_server)
+                # off the loop: shutting down waits for serve_forever's next poll
+                server = metrics_server
+                await on_daemon_thread(lambda: stop_metrics_server(*server))
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 if not await self._unless_cut(
                     sampler_task, 0.0 if self._stop_now.is_set() else left(5.0)
@@ -987,10 +991,11 @@ class Daemon:
                     sampler_task.cancel()
             took = time.monotonic() - stopping_at
             self.events.emit("daemon.stop", "gpud stopped", took_s=round(took, 3))
-            # the store waits for its locks half its time, so that its own warning (a
-            # transaction still ran) comes before this wait ends, then SQLite's checkpoint
+            # the store waits for its locks half its time (the short one after a second
+            # SIGTERM/SIGINT), so that its own warning (a transaction still ran) comes before
+            # this wait ends, then SQLite's checkpoint
             await self._run_stop(
-                lambda: self.store.close(wait_s=STOP_CLOSE_WAIT_S / 2),
+                lambda: self.store.close(wait_s=self._close_wait_s() / 2),
                 STOP_CLOSE_WAIT_S,
                 "store.close",
                 cut_s=STOP_CUT_CLOSE_S,
@@ -999,6 +1004,10 @@ class Daemon:
                 self.backend.close, STOP_CLOSE_WAIT_S, "backend.close", cut_s=STOP_CUT_CLOSE_S
             )
         return 0
+
+    def _close_wait_s(self) -> float:
+        """Seconds the stop waits for a close starting now (see :meth:`_run_stop`)."""
+        return STOP_CUT_CLOSE_S if self._stop_now.is_set() else STOP_CLOSE_WAIT_S
 
     async def _unless_cut(
         self, task: asyncio.Future[Any], timeout_s: float, *, cut: bool = True
@@ -1088,6 +1097,12 @@ class Daemon:
         if await self._unless_cut(finishing, timeout_s + 0.1) and finishing.result():
             return
         finishing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await finishing
+        if self._stop_now.is_set():
+            self.cluster.cut()  # its hook is skipped: no round while the store closes
+        if not self.cluster.agent.round_running:
+            return  # none ran (two stop requests at once): nothing left running
         why = (
             "at a second stop (SIGTERM/SIGINT)"
             if self._stop_now.is_set()
@@ -1142,10 +1157,17 @@ class Daemon:
         self._shutdown.append(stop)
 
     def worst_stop_s(self) -> float:
-        """Seconds the longest stop can take: its budget, then each shutdown hook's floor
-        once the budget is spent, and the closes of the store and the driver (below the
-        unit's TimeoutStopSec; see STOP_BUDGET_S)."""
-        return self.stop_budget_s + len(self._shutdown) * STOP_HOOK_FLOOR_S + 2 * STOP_CLOSE_WAIT_S
+        """Seconds the longest stop can take, from the signal to the process's exit: its
+        budget, then each shutdown hook's floor once the budget is spent, the /metrics
+        listener's stop, the closes of the store and the driver, and the exit's grace for
+        worker threads (below the unit's TimeoutStopSec; see STOP_BUDGET_S)."""
+        return (
+            self.stop_budget_s
+            + len(self._shutdown) * STOP_HOOK_FLOOR_S
+            + METRICS_POLL_S
+            + 2 * STOP_CLOSE_WAIT_S
+            + EXIT_GRACE_S
+        )
 
     def loop_interval_s(self) -> float:
         """Seconds between loop passes: ``daemon.tick_s`` (as reloaded), and often enough to

@@ -28,6 +28,7 @@ from gpud.backend.products import PRODUCTS
 from gpud.dirlock import DirLocks
 from gpud.errors import ConfigError, DriverNotLoaded, GpudError, NoPermission
 from gpud.notify import Notifier
+from gpud.threads import EXIT_GRACE_S
 
 if TYPE_CHECKING:
     from gpud.backend.port import GpuBackend
@@ -519,7 +520,7 @@ def serve_until_stopped(run: Coroutine[Any, Any, int]) -> int:
 
 
 def exit_leaving_stuck_threads(
-    code: int, *, exit_now: Callable[[int], object] = os._exit, grace_s: float = 1.0
+    code: int, *, exit_now: Callable[[int], object] = os._exit, grace_s: float = EXIT_GRACE_S
 ) -> None:
     """Exit with ``code`` at once when a worker thread is still stuck ``grace_s`` after the
     loop closed (interpreter exit would join it, for as long as the driver call hangs);

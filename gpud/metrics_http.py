@@ -34,6 +34,8 @@ MAX_CONNECTIONS = 32
 _BUSY = b"HTTP/1.0 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n\r\n"
 _WARN_EVERY_S = 60.0
 METRICS_PATH = "/metrics"
+# seconds between the serving thread's looks at a shutdown: the most stopping it waits
+METRICS_POLL_S = 0.5
 _ALLOW = "GET, HEAD, OPTIONS"
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
@@ -165,7 +167,12 @@ def start_metrics_server(
     server: WSGIServer = make_server(
         host, port, metrics_app(registry), server_class, handler_class=handler
     )
-    thread = threading.Thread(target=server.serve_forever, name="gpud-metrics", daemon=True)
+    thread = threading.Thread(
+        target=server.serve_forever,
+        kwargs={"poll_interval": METRICS_POLL_S},
+        name="gpud-metrics",
+        daemon=True,
+    )
     thread.start()
     return server, thread
 
@@ -173,7 +180,8 @@ def start_metrics_server(
 def stop_metrics_server(
     server: WSGIServer, thread: threading.Thread, timeout_s: float = 5.0
 ) -> None:
-    """Stop serving, close the listening socket, and wait for the serving thread."""
+    """Stop serving (within :data:`METRICS_POLL_S`), close the listening socket, and wait
+    for the serving thread (connections being served are left to their daemon threads)."""
     server.shutdown()
     server.server_close()
     thread.join(timeout_s)

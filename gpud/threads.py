@@ -11,6 +11,10 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+# seconds gpud's exit waits, once its event loop closed, for the loop's worker threads to
+# end; one still stuck (in a driver call that hangs) is left, and the process exits
+EXIT_GRACE_S = 1.0
+
 
 async def on_daemon_thread(fn: Callable[[], T]) -> T:
     """``fn()`` on a daemon thread of its own, awaited. Not the loop's executor: for calls

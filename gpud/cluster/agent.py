@@ -89,12 +89,18 @@ def report_error_kind(err: GpudError) -> str:
     return LEADER_UNREACHABLE
 
 
-# what report_error_kind gives: about reaching the leader, gone once the leader answers
-REPORT_KINDS = frozenset(
-    {LEADER_UNREACHABLE, TLS_HANDSHAKE, LEADER_NOT_READY, NOT_LEADER, DUPLICATE_NODE}
+# gone once this node leads: what report_error_kind gives (about reaching the leader: no
+# leader to reach but itself), and no other holder of its key
+LEADER_KINDS = frozenset(
+    {
+        LEADER_UNREACHABLE,
+        TLS_HANDSHAKE,
+        LEADER_NOT_READY,
+        NOT_LEADER,
+        DUPLICATE_NODE,
+        LEADER_KEY_HELD,
+    }
 )
-# gone once this node leads: no leader to reach but itself, no other holder of its key
-LEADER_KINDS = REPORT_KINDS | {LEADER_KEY_HELD}
 
 
 class PeerTransport(Protocol):
@@ -336,9 +342,17 @@ class ClusterAgent:
 
     def end_rounds(self) -> None:
         """The cluster stops (before it gives up the leadership): no round at all from now,
-        and a round still under way computes no order."""
+        and a round under way that has not started leading computes no order (one already
+        leading computes it, but saves and applies none of it once the leadership is
+        given up)."""
         self.begin_stop()
         self._ended = True
+
+    @property
+    def round_running(self) -> bool:
+        """A round is under way (a report on its way, a leader's round, its order to
+        apply)."""
+        return self._tick_lock.locked()
 
     async def finish_rounds(self, timeout_s: float) -> bool:
         """At a stop: start no report to the leader (:meth:`begin_stop`), and wait up to
@@ -371,8 +385,10 @@ class ClusterAgent:
                 self._set_error(problem, OWN_CERTIFICATE if problem else "")
             settling = self._agg_epoch != info.epoch
             try:
-                # none once the cluster stops: its tags would be written to etcd after it
-                # gave up the leadership
+                # none once the cluster stops (it gives up the leadership). A round already
+                # leading then still computes its order, but its tags are not saved (the
+                # save's etcd transaction, guarded by the leader key, is refused: "leader
+                # round failed: tags not saved") and it is not applied (no longer leading)
                 order = (
                     None if self._ended else await asyncio.to_thread(self._lead, info.epoch, report)
                 )

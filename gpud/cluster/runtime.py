@@ -224,14 +224,21 @@ class ClusterRuntime:
         deadline, ROUND_STOP_WAIT_S at most."""
         return min(self.config.report_timeout_s + 0.5, ROUND_STOP_WAIT_S)
 
-    async def stop(self) -> None:
-        """The daemon's shutdown hook: the round under way was waited for before (by then
-        ended, or left running), so at once no round, then give up the leadership (a
-        successor is elected now, not at the lease's end) and withdraw this node's
-        problem."""
+    def cut(self) -> None:
+        """No round from now, a leader's included, and none at a leader change: at a second
+        SIGTERM/SIGINT, which skips :meth:`stop`, so that no round runs while the store and
+        the driver close. No I/O: the leadership and this node's problem are left to their
+        lease."""
         self.agent.end_rounds()
         if self._kicker is not None:
             self._kicker.cancel()
+
+    async def stop(self) -> None:
+        """The daemon's shutdown hook: the round under way was waited for before (by then
+        ended, or left running), so at once no round (:meth:`cut`), then give up the
+        leadership (a successor is elected now, not at the lease's end) and withdraw this
+        node's problem."""
+        self.cut()
         if self._election is not None:
             await asyncio.to_thread(self._election.stop)
         await self.agent.close()

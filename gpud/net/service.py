@@ -555,7 +555,7 @@ class TrafficService:
 
     def _require_job(self, job: str) -> None:
         """NotFound unless ``job`` is one of the node's jobs, naming where they are listed."""
-        if job not in set(self._jobs()):
+        if job not in self._jobs():
             raise NotFound(f"no job {job!r} on this node (gpuctl jobs ls)")
 
     def pin(self, job: str, level: int | None) -> JobTraffic:

@@ -55,7 +55,7 @@ from gpud.telemetry.reader import GpuReader, placeholder_identity
 from gpud.telemetry.seen import Seen
 from gpud.telemetry.seen import identity as seen_identity
 from gpud.telemetry.snapshot import ClearedXids, CriticalXid, GpuSample, Snapshot
-from gpud.threads import wait_first
+from gpud.threads import on_daemon_thread, wait_first
 
 log = logging.getLogger(__name__)
 
@@ -544,7 +544,10 @@ class Sampler:
         self._dispatcher.close()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Tick every ``interval_s`` until ``stop`` is set, off the event loop; then close.
+        """Tick every ``interval_s`` until ``stop`` is set, off the event loop; then close,
+        off it too (the event watcher's thread is joined for up to ``event_wait_s`` + 1 s,
+        longer while the driver's event wait hangs: the loop, and a second SIGTERM, never
+        wait on it).
 
         Ticks are scheduled at a fixed rate on the loop's clock; a tick that overruns skips
         the missed slots rather than bursting to catch up.
@@ -561,7 +564,7 @@ class Sampler:
                     log.exception("sampler tick failed")
                 slot = await self._wait_next(slot, stop)
         finally:
-            self.close()
+            await on_daemon_thread(self.close)
 
     async def _wait_next(self, slot: float, stop: asyncio.Event) -> float:
         """Wait until ``interval_s`` after ``slot`` (no later than now) or ``stop``; a new

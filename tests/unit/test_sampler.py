@@ -642,6 +642,44 @@ async def test_run_ticks_without_blocking_the_event_loop(backend: FakeBackend) -
     assert len(s.history()) >= 2
 
 
+class _EventWaitHangs(FakeBackend):
+    """A driver whose event wait (``nvmlEventSetWait``) hangs, past its timeout, until
+    ``answer`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(gpus=1)
+        self.waiting = threading.Event()
+        self.answer = threading.Event()
+
+    def wait_events(self, timeout_s: float) -> list[GpuEvent]:
+        self.waiting.set()
+        self.answer.wait(10)
+        return []
+
+
+async def test_the_close_at_the_end_of_run_does_not_hold_the_event_loop() -> None:
+    """The event watcher's thread is joined off the loop: while the driver's event wait
+    hangs, the loop (a second SIGTERM's handler, the daemon's stop) goes on turning."""
+    backend = _EventWaitHangs()
+    s = Sampler(backend, interval_s=3600.0, event_wait_s=0.05)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    task = asyncio.create_task(s.run(stop))
+    try:
+        assert await asyncio.to_thread(backend.waiting.wait, 5)
+        stop.set()
+        loop = asyncio.get_running_loop()
+        longest, last = 0.0, loop.time()
+        for _ in range(30):
+            await asyncio.sleep(0.01)
+            longest, last = max(longest, loop.time() - last), loop.time()
+        assert longest < 0.5, longest  # the join takes event_wait_s + 1 s
+    finally:
+        backend.answer.set()
+        await asyncio.wait_for(task, 5)
+    with pytest.raises(Unavailable):  # closed all the same
+        s.tick()
+
+
 @contextlib.asynccontextmanager
 async def running(backend: FakeBackend, interval_s: float) -> AsyncIterator[Sampler]:
     """A sampler's run, from its first tick (at once) to its stop."""
