@@ -151,7 +151,13 @@ class ResourceExhausted(GpudError):
 
 class DscpPoolExhausted(ResourceExhausted):
     """Every DSCP tag of ``traffic.dscp_pool`` is held by a job in use: no placement of
-    the job changes that, only a tag that frees."""
+    the job changes that, only a tag that frees. ``reason`` says why without the job's
+    name (the same for every job refused with it), ``job`` names the job."""
+
+    def __init__(self, reason: str, *, job: str = "") -> None:
+        super().__init__(f"job {job!r}: {reason}" if job else reason)
+        self.reason = reason
+        self.job = job
 
 
 class Unavailable(GpudError):

@@ -17,7 +17,8 @@ daemon's internals), so the few things both sides must read the same way live he
 - which events are about a GPU or a job (``gpuctl events --gpu/--job``, ListEvents);
 - the initial metadata that says a WatchEvents stream is live (``events --follow``);
 - the XID codes gpud takes (``telemetry.ignored_xids``, ``xid clear --xid``, an injected one);
-- a number a range check refuses, written with every digit it has.
+- a number a range check refuses, written with every digit it has;
+- the first few of a long list of names, as a message shows them.
 
 Pure and cheap to import: the standard library and :mod:`gpud.errors` only.
 """
@@ -31,7 +32,7 @@ import pwd
 import re
 import stat
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -271,13 +272,17 @@ UUID_FIELDS = ("uuid", "gpu_uuid", "mig_uuid", "previous_uuid")
 
 def is_about(fields: dict[str, Any], *, gpu: str = "", job: str = "") -> bool:
     """Whether an event with ``fields`` is about GPU ``gpu`` (its NVML index, or a GPU or
-    MIG device UUID; "": any) and job ``job`` ("": any). An index matches ``gpu`` (a MIG
-    device's event carries its GPU's index), the GPUs of ``mig.apply``'s ``gpus`` and those
-    a run's ``gpus`` lists (``job.reserve``, ``job.release``, ``admission.start``); a
-    UUID matches any UUID field and the ``devices`` a run reserved. Events written before
-    a field was added (an older events.jsonl) match by the fields they have."""
+    MIG device UUID; "": any) and job ``job`` ("": any). A job matches ``job``, or one of
+    the ``names`` an event about many jobs lists (``net.untagged``). An index matches ``gpu``
+    (a MIG device's event carries its GPU's index), the GPUs of ``mig.apply``'s ``gpus``
+    and those a run's ``gpus`` lists (``job.reserve``, ``job.release``,
+    ``admission.start``); a UUID matches any UUID field and the ``devices`` a run reserved.
+    Events written before a field was added (an older events.jsonl) match by the fields
+    they have."""
     if job and fields.get("job") != job:
-        return False
+        names = fields.get("names")
+        if not isinstance(names, list | tuple) or job not in names:
+            return False
     if not gpu:
         return True
     if gpu.isascii() and gpu.isdigit():  # "²".isdigit() too, which int() refuses
@@ -293,6 +298,13 @@ def is_about(fields: dict[str, Any], *, gpu: str = "", job: str = "") -> bool:
         return True
     devices = fields.get("devices")
     return isinstance(devices, list) and gpu in devices
+
+
+def first_few(items: Iterable[object], shown: int) -> str:
+    """The first ``shown`` of ``items``, comma-separated, and ", ..." after them when
+    there are more: a message naming hundreds of jobs or PIDs would bury what it says."""
+    listed = list(items)
+    return ", ".join(map(str, listed[:shown])) + (", ..." if len(listed) > shown else "")
 
 
 def user_name(uid: int) -> str:

@@ -13,7 +13,9 @@ What the kernel holds (``nft -a list table inet gpud``)::
 Packets of every socket created by a process of the job's cgroup get the job's DSCP in the
 output hook, before the egress qdisc's filters classify them, so jobs whose libraries cannot
 set a TOS (NCCL and Gloo over TCP) are marked all the same. The table belongs to gpud
-alone; nothing else in the ruleset is read or touched.
+alone; nothing else in the ruleset is read or touched, so only this table is guarded: a
+chain in another table (``nft add table inet x``, a hook of its own) or any other
+postrouting or output hook that rewrites the DSCP after gpud's goes unseen.
 
 Reads go through libnftables' JSON output (``nft -j -n list table inet gpud``: numeric, so a
 DSCP reads as 10, not ``af11``); a rule is gpud's while its comment, the DSCP it sets, its
@@ -21,9 +23,8 @@ family and its cgroup path are the ones wanted, and the chain while it is still 
 ``output`` filter hook at priority mangle with policy accept: anything else, changed in
 place behind gpud's back, is deleted and written again. Any other chain in the table (one
 added by hand: ``nft add chain inet gpud x { type filter hook output priority 0; }`` with
-``ip dscp set cs0`` would undo every mark, unseen) has the table written again without it.
-Writes are one
-atomic batch (``nft -f -``) in nft's own syntax: nft 1.0.6's JSON *parser* does not know the
+``ip dscp set cs0`` would undo every mark, unseen) has the table written again without it,
+and is named in :attr:`MarkSync.foreign`. Writes are one atomic batch (``nft -f -``) in nft's own syntax: nft 1.0.6's JSON *parser* does not know the
 ``socket cgroupv2`` key ("Invalid socket key value") and its JSON output drops the ``level``,
 so the rule's identity lives in its comment: job, DSCP and the cgroup's id (the inode of its
 cgroup2 directory; nft resolves the path to that id when the rule is added, so a cgroup
@@ -127,12 +128,16 @@ class TableState:
 class MarkSync:
     """What :meth:`NftablesMarker.sync` changed (all empty: nothing to do): the comments of
     the rules ``added`` and ``removed`` (one per job and family, :meth:`CgroupMark.comments`),
-    and of those ``kept`` as they were."""
+    and of those ``kept`` as they were. ``created``: the table was written anew, ``rebuilt``
+    when it was there before (deleted first, with every rule of it: all in ``removed``);
+    ``foreign``: the chains in it that gpud did not make, deleted with it."""
 
     created: bool
     added: tuple[str, ...]
     removed: tuple[str, ...]
     kept: tuple[str, ...] = ()
+    rebuilt: bool = False
+    foreign: tuple[str, ...] = ()
 
     @property
     def changed(self) -> bool:
@@ -228,7 +233,11 @@ class NftablesMarker:
         if not state.present or not state.chain_ok or state.foreign_chains:
             created = True
             if state.present:
+                # gone since the read (``nft flush ruleset``)? Adding it first makes the
+                # delete one that cannot fail (ENOENT) in the same batch
+                lines.append(f"add table {FAMILY} {self.table}")
                 lines.append(f"delete table {FAMILY} {self.table}")
+                removed = [rule.comment for rule in state.rules]
             lines.append(f"add table {FAMILY} {self.table}")
             lines.append(
                 f"add chain {FAMILY} {self.table} {self.chain} "
@@ -263,13 +272,21 @@ class NftablesMarker:
             added.append(comment)
         if lines:
             self._apply(lines)
-        return MarkSync(created, tuple(added), tuple(removed), tuple(have))
+        return MarkSync(
+            created,
+            tuple(added),
+            tuple(removed),
+            tuple(have),
+            rebuilt=created and state.present,
+            foreign=state.foreign_chains,
+        )
 
     def delete(self) -> bool:
         """Remove gpud's table; False when there was none."""
         if not self.read().present:
             return False
-        self._apply([f"delete table {FAMILY} {self.table}"])
+        # added first: one gone since the read is no failed delete
+        self._apply([f"add table {FAMILY} {self.table}", f"delete table {FAMILY} {self.table}"])
         return True
 
     def _apply(self, lines: list[str]) -> None:

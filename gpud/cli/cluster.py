@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from gpud.cli.context import EXIT_PARTIAL, JOB_NAME, Context, Subparsers
 from gpud.cli.output import seconds
 from gpud.cli.pipes import when_reader_goes
+from gpud.shared import first_few
 from gpud.v1 import cluster_pb2 as pb
 from gpud.v1 import cluster_pb2_grpc as pb_grpc
 
@@ -58,8 +59,7 @@ def builds_line(nodes: Sequence[tuple[str, str]]) -> str | None:
         count = f"{len(names)} node{'s' if len(names) > 1 else ''}" if i == 0 else str(len(names))
         part = f"{count} on {build}"
         if i > 0:
-            shown = ", ".join(names[:_NAMED]) + (", ..." if len(names) > _NAMED else "")
-            part += f" ({shown})"
+            part += f" ({first_few(names, _NAMED)})"
         parts.append(part)
     return "builds: " + ", ".join(parts)
 

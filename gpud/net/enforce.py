@@ -203,19 +203,25 @@ class FakeMarker:
     marks: set[CgroupMark] = field(default_factory=set)
     fail: str = ""
     table: bool = False  # gpud's table is there (a sync creates it)
+    # chains added to gpud's table by hand: the next sync writes the table again without
+    # them, as the real marker does
+    foreign: tuple[str, ...] = ()
 
     def sync(self, marks: Iterable[CgroupMark]) -> MarkSync:
         if self.fail:
             raise RuntimeError(self.fail)
         want = set(marks)
+        foreign, self.foreign = (self.foreign, ()) if self.table else ((), ())
+        # rebuilt: every rule of the table goes, every one wanted is added
+        had = set() if foreign else self.marks
         added, removed, kept = (
-            _comments(want - self.marks),
-            _comments(self.marks - want),
-            _comments(want & self.marks),
+            _comments(want - had),
+            _comments(self.marks if foreign else self.marks - want),
+            _comments(want & had),
         )
         self.marks = want
-        created, self.table = not self.table, True
-        return MarkSync(created, added, removed, kept)
+        created, self.table = not self.table or bool(foreign), True
+        return MarkSync(created, added, removed, kept, rebuilt=bool(foreign), foreign=foreign)
 
     def delete(self) -> bool:
         had = self.table

@@ -52,7 +52,6 @@ from gpud.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
-    ResourceExhausted,
 )
 from gpud.events import EventLog
 from gpud.net.cgroups import JobCgroups
@@ -74,11 +73,13 @@ from gpud.shared import (
     MAX_SESSION_CHARS,
     MIN_IDEAL_S,
     check_text,
+    first_few,
     format_number,
 )
 from netshaper import tcplan
 from netshaper.ethtool import link_running, link_speed_mbps
 from netshaper.leveller import Leveller, LevellerConfig
+from netshaper.nftables import DEFAULT_TABLE, FAMILY
 from netshaper.progress import ProgressConfig, ProgressTracker
 from netshaper.weights import demand_weights
 
@@ -87,6 +88,7 @@ log = logging.getLogger(__name__)
 # a removed job's cgroup that still holds processes: how many of their PIDs an event names
 _PIDS_SHOWN = 8
 _UNTAGGED_SHOWN = 8  # jobs left without a tag in one pass, told one event each
+_CHAINS_SHOWN = 8  # chains not gpud's removed from its nftables table, named in the event
 # a job's demand is known once this many iterations were counted against its bytes
 _DEMAND_MIN_ITERATIONS = 3
 # a job's declared contention-free iteration time (ReportProgress) is held to
@@ -762,7 +764,11 @@ class TrafficService:
             del self._untagged[job]
         untagged = [job for job in registered if self.tags.get(job) is None]
         idle = self._idle_since(untagged) if untagged else {}
-        fresh: list[tuple[str, str]] = []  # jobs this pass leaves without a tag, and why
+        fresh: list[str] = []  # jobs this pass leaves without a tag
+        # why the first job in use went without a tag: the same for the rest of the pass,
+        # as no tag frees while the lock is held (each one's try would cost a transaction
+        # and a look at every held job, hundreds of times a tick)
+        spent: DscpPoolExhausted | None = None
         for job in untagged:
             if job in idle:
                 # not in use: it takes a free tag, but none over from another job
@@ -770,49 +776,55 @@ class TrafficService:
                 if self.tags.full():
                     continue
             try:
-                dscp = self.tags.tag(job) if job in idle else self._tag(job)
-            except ResourceExhausted as err:
+                if job in idle:
+                    dscp = self.tags.tag(job)
+                elif spent is not None:
+                    raise DscpPoolExhausted(spent.reason, job=job)
+                else:
+                    dscp = self._tag(job)
+            except DscpPoolExhausted as err:
                 if job in idle:  # the last free tag went meanwhile
                     continue
+                spent = spent or err
                 # the job goes untagged (its traffic in the default class) until a tag
                 # frees; the others stay enforced
                 if job not in self._untagged:
-                    fresh.append((job, str(err)))
+                    fresh.append(job)
                 self._untagged[job] = f"no DSCP tag: {err}"
                 continue
             self._untagged.pop(job, None)
             self._events.emit("net.tag", f"job {job} tagged DSCP {dscp}", job=job, dscp=dscp)
-        self._say_untagged(fresh)
+        if spent is not None:
+            self._say_untagged(fresh, spent.reason)
         if self._cgroups is not None:
             self._cgroup_busy -= present  # a job added again under the name
             for job in self._cgroups.jobs():
                 if job not in present:
                     self._remove_cgroup(job)  # retried every tick while processes remain
 
-    def _say_untagged(self, fresh: Sequence[tuple[str, str]]) -> None:
-        """Event ``net.untagged`` for the jobs one pass left without a tag: one each for
-        the first :data:`_UNTAGGED_SHOWN`, then one for the rest together. A start with a
-        spent pool counts every registered job as in use for ``traffic.idle_after_s``: one
-        event each would bury the event history under hundreds of the same line."""
-        for job, why in fresh[:_UNTAGGED_SHOWN]:
+    def _say_untagged(self, fresh: Sequence[str], reason: str) -> None:
+        """Event ``net.untagged`` for the jobs one pass left without a tag (``reason``:
+        why, the same for all): one each for the first :data:`_UNTAGGED_SHOWN`, then one
+        for the rest together, naming them all in ``names`` (``gpuctl events --job``
+        finds it). A start with a spent pool counts every registered job as in use for
+        ``traffic.idle_after_s``: one event each would bury the event history under
+        hundreds of the same line."""
+        for job in fresh[:_UNTAGGED_SHOWN]:
             self._events.emit(
                 "net.untagged",
-                f"{why}: its traffic is in the default class until a tag frees",
+                f"job {job!r}: {reason}: its traffic is in the default class until a tag frees",
                 job=job,
             )
-        rest = fresh[_UNTAGGED_SHOWN:]
+        rest = list(fresh[_UNTAGGED_SHOWN:])
         if not rest:
             return
-        names = ", ".join(job for job, _ in rest[:_UNTAGGED_SHOWN])
-        if len(rest) > _UNTAGGED_SHOWN:
-            names += ", ..."
-        first, why = rest[0]
         self._events.emit(
             "net.untagged",
-            f"{len(rest)} more job(s) have no DSCP tag ({names}):"
-            f" {why.removeprefix(f'job {first!r}: ')}: their traffic is in the default class"
-            " until a tag frees (gpuctl net show lists them)",
+            f"{len(rest)} more job(s) have no DSCP tag ({first_few(rest, _UNTAGGED_SHOWN)}):"
+            f" {reason}: their traffic is in the default class until a tag frees (gpuctl"
+            " net show lists them)",
             jobs=len(rest),
+            names=rest,
         )
 
     def _remove_cgroup(self, job: str) -> None:
@@ -826,9 +838,7 @@ class TrafficService:
         if not pids or job in self._cgroup_busy:
             return
         self._cgroup_busy.add(job)
-        shown = ", ".join(map(str, pids[:_PIDS_SHOWN])) + (
-            ", ..." if len(pids) > _PIDS_SHOWN else ""
-        )
+        shown = first_few(pids, _PIDS_SHOWN)
         self._events.emit(
             "net.cgroup_busy",
             f"job {job} is removed, but {len(pids)} process(es) remain in its cgroup"
@@ -916,11 +926,11 @@ class TrafficService:
     def _take_tag(self, job: str) -> int:
         try:
             return self.tags.tag(job)
-        except ResourceExhausted as err:
+        except DscpPoolExhausted as err:
             held = self.tags.allocations()
             idle = self._idle_since([j for j in held if j != job])
             if not idle:
-                raise DscpPoolExhausted(f"{err}{self._why_none_idle()}") from err
+                raise DscpPoolExhausted(f"{err.reason}{self._why_none_idle()}", job=job) from err
             holder = min(idle, key=lambda j: (idle[j], j))  # idle longest
             dscp = held[holder]
             self.tags.release(holder)
@@ -1374,14 +1384,24 @@ class TrafficService:
             self._marking_error = message
             self._marking_ok = False
             return
+        if result.foreign:
+            # one warning each time: the chains go with the table, a new one is new news
+            message = (
+                f"nftables: removed chain(s) {first_few(result.foreign, _CHAINS_SHOWN)} not"
+                f" gpud's from table {FAMILY} {DEFAULT_TABLE} (they could undo the marks)"
+            )
+            log.warning("traffic: %s", message)
+            self._events.emit("net.marking", message)
         found, self._marks_found = self._marks_found, False
-        if found and not result.created:
+        if found and (not result.created or result.rebuilt):
+            # a table rebuilt kept nothing (as a tc tree rebuilt); none found: a first start
             stale = result.removed
             self._events.emit(
                 "net.takeover",
                 "nftables: took over gpud's table from before the start: kept"
-                f" {len(result.kept)} rule(s), removed {len(stale)} stale"
-                + (f" ({'; '.join(stale)[:300]})" if stale else "")
+                f" {len(result.kept)} rule(s), removed {len(stale)}"
+                + (" (the table rebuilt)" if result.rebuilt else " stale")
+                + (f" ({'; '.join(stale)[:300]})" if stale and not result.rebuilt else "")
                 + f", added {len(result.added)}",
                 interface="",
                 kept=len(result.kept),
@@ -1395,7 +1415,7 @@ class TrafficService:
             self._events.emit(
                 "net.marking", f"nftables marking in force again (was: {self._marking_error})"
             )
-        elif result.changed and self._marking_ok:
+        elif result.changed and self._marking_ok and not result.foreign:
             self._events.emit(
                 "net.marking",
                 f"nftables table updated: +{len(result.added)} -{len(result.removed)} rule(s)"

@@ -81,6 +81,10 @@ def _named(spec: str) -> set[int]:
     return chosen
 
 
+def _spent(job: str, pool_size: int) -> DscpPoolExhausted:
+    return DscpPoolExhausted(f"all {pool_size} DSCP tags of traffic.dscp_pool are in use", job=job)
+
+
 class TagStore:
     """Thread-safe: the API threads (``gpuctl run``) and the tick share it."""
 
@@ -111,6 +115,8 @@ class TagStore:
         known = self.get(job)
         if known is not None:
             return known
+        if self.full():  # no transaction for nothing: a daemon tick asks for each job
+            raise _spent(job, len(self.pool))
         # the store's lock first, as callers inside a transaction (the admission queue's
         # start) take them
         allocated = False
@@ -121,11 +127,8 @@ class TagStore:
                     return known
                 try:
                     dscp = self._alloc.tag(job)
-                except TagsExhausted as err:
-                    raise DscpPoolExhausted(
-                        f"job {job!r}: all {err.pool_size} DSCP tags of traffic.dscp_pool"
-                        " are in use"
-                    ) from err
+                except TagsExhausted as err:  # the last went since the check above
+                    raise _spent(job, err.pool_size) from err
                 allocated = True
                 conn.execute(
                     "INSERT OR REPLACE INTO net_tags (job, dscp, pinned_level) VALUES (?, ?, ?)",

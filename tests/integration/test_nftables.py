@@ -168,7 +168,35 @@ def test_a_chain_added_to_gpuds_table_by_hand_is_removed(ns: str, cgroups: JobCg
     nft(ns, "add", "chain", "inet", "gpud", "idle")
     repaired = marker.sync([mark])
     assert repaired.created and len(repaired.added) == 2
+    assert repaired.rebuilt and sorted(repaired.removed) == sorted(repaired.added)
+    assert repaired.foreign == ("zap", "idle")  # named, for the warning
     text = nft(ns, "list", "table", "inet", "gpud")
     assert "zap" not in text and "idle" not in text and "dscp set cs0" not in text
     assert "chain jobs" in text and "dscp set af11" in text
     assert not marker.sync([mark]).changed
+
+
+def test_a_table_flushed_between_the_read_and_the_write_is_written_all_the_same(
+    ns: str, cgroups: JobCgroups
+) -> None:
+    """``nft flush ruleset`` after the read found a table to rebuild: the batch that deletes
+    it first still applies (no "No such file or directory"), and the table is whole."""
+    cgroups.ensure("a")
+    mark = cgroups.mark("a", 10)
+    assert mark is not None
+    run = _runner(ns)
+    NftablesMarker(runner=run).sync([mark])
+    nft(ns, "add", "chain", "inet", "gpud", "zap")
+
+    def flushed_after_read(args: list[str], stdin: str | None) -> tuple[int, str, str]:
+        if args[:1] == ["-f"]:
+            nft(ns, "flush", "ruleset")
+        return run(args, stdin)  # type: ignore[no-any-return]
+
+    marker = NftablesMarker(runner=flushed_after_read)
+    assert marker.sync([mark]).rebuilt
+    text = nft(ns, "list", "table", "inet", "gpud")
+    assert "chain jobs" in text and "dscp set af11" in text and "zap" not in text
+    assert NftablesMarker(runner=run).delete() is True
+    nft(ns, "add", "table", "inet", "gpud")
+    assert marker.delete() is True  # flushed again before its write

@@ -45,6 +45,7 @@ from gpud.v1 import jobs_pb2, mps_pb2
 from gpud.v1 import queue_pb2 as pb_queue
 from gpud.v1.queue_pb2 import ListQueueRequest
 from tests.unit.mps_support import FAKE_CONTROL, fake_proc, gpu_sample, snapshot
+from tests.unit.store_support import CountingStore
 
 GIB = 1 << 30
 
@@ -1188,16 +1189,6 @@ def test_a_listing_asks_placement_once_per_request_shape(tmp_path: Path) -> None
         assert v.waiting_on.startswith(f"job {v.entry.job!r} asks 60GiB on "), v.waiting_on
         assert "reserved by" in v.waiting_on
     node.store.close()
-
-
-class CountingStore(StateStore):
-    """The state store, counting its transactions."""
-
-    transactions = 0
-
-    def transaction(self) -> Any:
-        self.transactions += 1
-        return super().transaction()
 
 
 def test_a_pass_reads_the_store_no_more_for_more_waiting_runs(tmp_path: Path) -> None:

@@ -42,7 +42,7 @@ NOT_KINDS = frozenset({"colo.json", "colo.json.unreadable"})
 VARYING = {
     "mig.apply": "gpus, steps and client_gone only once the apply ran",
     "net.pin": "pinned only when a pin beyond traffic.levels is clamped",
-    "net.untagged": "jobs (no job) for the jobs past the first 8 of one pass",
+    "net.untagged": "jobs and names (no job) for the jobs past the first 8 of one pass",
     "colo.evict": "gpu only from an SLO guard, not from the plan",
     "colo.leave": "no entry when the job is removed (every wait of it ends)",
 }

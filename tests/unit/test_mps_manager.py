@@ -66,6 +66,7 @@ from tests.unit.mps_support import (
     snapshot,
 )
 from tests.unit.nvml_doubles import Refusing
+from tests.unit.store_support import CountingStore
 
 NODE = snapshot(gpu_sample(0, memory_gib=80), gpu_sample(1, memory_gib=40))
 MIG_NODE = snapshot(
@@ -587,20 +588,6 @@ def test_mps_off_a_pass_leaves_devices_without_a_daemon_alone(root: Path) -> Non
     finally:
         mgr.stop()
         store.close()
-
-
-class CountingStore(StateStore):
-    """The state database, counting its transactions."""
-
-    def __init__(self, state_dir: Path) -> None:
-        super().__init__(state_dir)
-        self.transactions = 0
-
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        self.transactions += 1
-        with super().transaction() as conn:
-            yield conn
 
 
 def test_mps_off_a_pass_reads_the_limits_once_not_once_per_device(root: Path) -> None:

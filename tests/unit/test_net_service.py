@@ -33,6 +33,7 @@ from gpud.net.service import RDMA_RECHECK_S, RDMA_RETRY_S, Report, TrafficServic
 from gpud.net.shaped import ShapedInterfaces
 from gpud.net.tagstore import TagStore, parse_pool
 from gpud.store import StateStore
+from tests.unit.store_support import CountingStore
 
 if TYPE_CHECKING:
     from gpud.jobs.service import JobService
@@ -101,12 +102,15 @@ class Rig:
         self.service = self.make()
 
     def make(
-        self, rdma: RdmaPort | None = None, jobs: Callable[[], list[str]] | None = None
+        self,
+        rdma: RdmaPort | None = None,
+        jobs: Callable[[], list[str]] | None = None,
+        tags: TagStore | None = None,
     ) -> TrafficService:
         """``jobs``: the registry's names (default: ``self.jobs``)."""
         return TrafficService(
             self.config,
-            tags=TagStore(self.store, pool=job_pool(self.config)),
+            tags=tags or TagStore(self.store, pool=job_pool(self.config)),
             events=self.events,
             jobs=jobs or (lambda: list(self.jobs)),
             active=lambda: set(self.active),
@@ -1080,11 +1084,91 @@ def test_many_jobs_left_without_a_tag_at_once_are_one_event_past_the_first_few(
     assert len(said) == 9, [e.message for e in said]
     assert [e.fields["job"] for e in said[:8]] == [f"j{i:03d}" for i in range(2, 10)]
     rest = said[8]
-    assert rest.fields == {"jobs": 190}
+    assert rest.fields == {"jobs": 190, "names": [f"j{i:03d}" for i in range(10, 200)]}
     assert rest.message.startswith("190 more job(s) have no DSCP tag (j010, j011, ")
     assert ", ...): all 2 DSCP tags of traffic.dscp_pool are in use" in rest.message
     assert "j199" not in rest.message and "job 'j010'" not in rest.message
     assert len(s.view().untagged) == 198  # each still listed by gpuctl net show
+    # gpuctl events --job finds each job's event, the grouped one by its names
+    for job in ("j005", "j150", "j199"):
+        (about,) = rig.events.recent(1000, "net.untagged", job=job)
+        assert about is (said[3] if job == "j005" else rest)
+
+
+class _CountedTags(TagStore):
+    """A TagStore that counts the calls of :meth:`tag`."""
+
+    calls = 0
+
+    def tag(self, job: str) -> int:
+        self.calls += 1
+        return super().tag(job)
+
+
+def test_a_spent_pool_costs_one_try_a_tick_however_many_jobs_wait(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """Once one job in use found no tag (and none idle to hand over), the rest of the pass
+    goes without one for the same reason, untried: no tag frees while the pass holds the
+    lock, and each try is a store transaction and a look at every held job."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-11")  # two tags
+    rig.jobs = [f"j{i:03d}" for i in range(200)]
+    tags = _CountedTags(rig.store, pool=job_pool(rig.config))
+    s = rig.service = rig.make(tags=tags)
+    s.tick()
+    assert tags.calls == 3  # j000 and j001 tagged, j002 refused
+    s.tick()
+    assert tags.calls == 4
+    untagged = s.view().untagged
+    assert sorted(untagged) == [f"j{i:03d}" for i in range(2, 200)]
+    assert untagged["j150"].startswith(
+        "no DSCP tag: job 'j150': all 2 DSCP tags of traffic.dscp_pool are in use; gpud started"
+    )
+
+
+def test_a_spent_pool_refuses_a_tag_without_a_transaction(tmp_path: Path) -> None:
+    store = CountingStore(tmp_path / "state")
+    tags = TagStore(store, pool=frozenset({10}))
+    assert tags.tag("a") == 10
+    before = store.transactions
+    with pytest.raises(DscpPoolExhausted, match="all 1 DSCP tags") as err:
+        tags.tag("b")
+    assert store.transactions == before
+    assert (err.value.job, err.value.reason) == (
+        "b",
+        "all 1 DSCP tags of traffic.dscp_pool are in use",
+    )
+    assert str(err.value) == "job 'b': all 1 DSCP tags of traffic.dscp_pool are in use"
+
+
+def test_chains_added_to_gpuds_table_are_named_when_removed(rig: Rig) -> None:
+    """A chain someone added to gpud's table (one hooked after gpud's may set every DSCP
+    back to 0) goes with the table written again: one warning and net.marking event name
+    it, while gpud runs and on the first pass after a start."""
+    rig.active = {"a", "b", "c"}
+    for job in rig.jobs:
+        rig.cgroups.dir(job).mkdir(parents=True)
+    rig.service.tick()
+    said = (
+        "nftables: removed chain(s) zap not gpud's from table inet gpud (they could undo the marks)"
+    )
+    rig.marker.foreign = ("zap",)
+    rig.service.tick()
+    marking = [e.message for e in rig.events.recent(1000, "net.marking")]
+    assert marking == [said]  # not also "table updated"
+    rig.service.tick()
+    assert len(rig.events.recent(1000, "net.marking")) == 1
+    # the same after a restart: the first pass also says what it took over
+    rig.marker.foreign = ("zap", "idle")
+    rig.service = rig.make()
+    rig.service.start()
+    rig.service.tick()
+    assert rig.events.recent(1000, "net.marking")[-1].message == said.replace("zap", "zap, idle")
+    (nft,) = [
+        e for e in rig.events.recent(1000) if e.kind == "net.takeover" and not e.fields["interface"]
+    ]
+    assert nft.fields == {"interface": "", "kept": 0, "removed": 6, "changed": 0, "added": 6}
+    assert nft.message.endswith("kept 0 rule(s), removed 6 (the table rebuilt), added 6")
 
 
 def test_a_job_removed_without_a_tag_leaves_no_progress_behind(tmp_path: Path, sysfs: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpud.shared import format_number, is_about
+from gpud.shared import first_few, format_number, is_about
 
 
 @pytest.mark.parametrize(
@@ -31,3 +31,19 @@ def test_a_gpu_filter_of_other_digits_is_no_index(gpu: str) -> None:
     neither is a GPU index (ListEvents answered INTERNAL for the first)."""
     assert not is_about({"gpu": 1, "uuid": "GPU-1"}, gpu=gpu, job="")
     assert not is_about({"gpu": 2}, gpu=gpu, job="")
+
+
+def test_an_event_about_many_jobs_is_about_each_it_names() -> None:
+    """A net.untagged event for the jobs past the first few of a pass names them all in
+    ``names``: ``gpuctl events --job`` finds it for each."""
+    fields = {"jobs": 3, "names": ["j1", "j2", "j3"]}
+    assert is_about(fields, job="j3") and is_about(fields, job="")
+    assert not is_about(fields, job="j4")
+    assert not is_about({"names": "j1j2"}, job="j1")  # no list: no names
+    assert is_about({"job": "a"}, job="a") and not is_about({"job": "a"}, job="b")
+
+
+def test_first_few_names_what_fits_and_says_when_there_are_more() -> None:
+    assert first_few([], 2) == ""
+    assert first_few(["a", "b"], 2) == "a, b"
+    assert first_few([1, 2, 3], 2) == "1, 2, ..."
