@@ -804,9 +804,18 @@ class Daemon:
         # the pass waits meanwhile, and then passes over a snapshot it took before the
         # reboot: it would start daemons on the MIG devices the reboot destroyed
         with self.mps.rebooting() as ended:
-            self.sim.reboot()
-            self.sampler.gpu_reset()
-            self._sample_again()
+            # nothing in here may take an MPS device's lock: rebooting() holds them all
+            try:
+                self.sim.reboot()
+                self.sampler.gpu_reset()
+            except Exception:
+                log.warning(
+                    "the simulated reboot failed after %d MPS control daemon%s ended",
+                    ended,
+                    "s" if ended != 1 else "",
+                )
+                raise
+            self._sample_again()  # the API's answer shows it: RebootSim samples no more
         daemons = f", {ended} MPS control daemon{'s' if ended != 1 else ''} ended" if ended else ""
         self.events.emit(
             "sim.reboot",

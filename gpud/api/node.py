@@ -350,8 +350,8 @@ class NodeServicer(pb_grpc.NodeServicer):
     ) -> pb.RebootSimResponse:
         if self._reboot is None:
             raise FailedPrecondition("node is not simulated: only gpud --simulate can reboot")
+        # no _show_change(): the reboot samples the node again itself, before any pass runs
         await asyncio.to_thread(self._reboot)
-        await self._show_change()
         return pb.RebootSimResponse()
 
     async def SimWorkload(  # noqa: N802 (gRPC method names come from the proto)

@@ -1041,6 +1041,15 @@ class MpsManager:
             env = dict(v.decode(errors="replace").partition("=")[::2] for v in environ if v)
             yield int(entry.name), env.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps", env
 
+    def _ours(self, found: Iterable[tuple[int, str, dict[str, str]]]) -> Iterator[tuple[int, str]]:
+        """Those of the daemons ``found`` running (:meth:`_control_daemons`) that this gpud
+        runs, their pipe directory ``<run_dir>/mps/<uuid>/pipe`` under its run dir: each
+        one's PID and device UUID."""
+        for pid, pipe_dir, _ in found:
+            uuid = Path(pipe_dir).parent.name
+            if _recorded_run_dir(uuid, pipe_dir) == self._run_dir:
+                yield pid, uuid
+
     def _end_lost(self, found: Iterable[tuple[int, str, dict[str, str]]]) -> None:
         """At the first pass, before any daemon starts: the daemons ``found`` running
         (:meth:`_control_daemons`) under this run's ``<run_dir>/mps`` that no PID file names
@@ -1051,26 +1060,33 @@ class MpsManager:
         known device's before its new daemon starts (:meth:`_kill_orphan`), a device gone's
         with its record, directories and cgroup (:meth:`_stop_device`). One that outlives
         SIGKILL stays its device's orphan: no daemon is started beside it, and later passes
-        try again."""
-        for pid, pipe_dir, _ in found:
-            uuid = Path(pipe_dir).parent.name
-            if _recorded_run_dir(uuid, pipe_dir) != self._run_dir:
-                continue
+        try again.
+
+        One beside another daemon of its device (one a PID file names, adopted or stopped
+        as ever, or a second lost one) cannot be its lost daemon too: it is SIGKILLed here
+        (:meth:`_end_orphan`), or said to outlive that (``mps.stop_failed``)."""
+        for pid, uuid in self._ours(found):
             with self._lock:
-                dev = self._devices.get(uuid)
+                known = self._devices.get(uuid)
             # one a PID file names is adopted, or stopped, as ever: no device for it here
-            if (dev.daemon if dev is not None else self._daemon(uuid)).pid() != pid:
-                self._device(uuid).daemon.lost(pid)
+            if (known.daemon if known is not None else self._daemon(uuid)).pid() == pid:
+                continue
+            dev = self._device(uuid)
+            with dev.io:
+                if dev.daemon.pid() is None and dev.daemon.orphan() is None:
+                    dev.daemon.lost(pid)
+                else:
+                    stake = f"{_LOST}, beside the device's daemon"
+                    self._end_orphan(uuid, dev, pid, stake)
 
     def _report_others(self, found: Iterable[tuple[int, str, dict[str, str]]]) -> None:
         """Say (once, at the first pass) which MPS control daemons of those ``found``
-        running (:meth:`_control_daemons`) gpud did not start, each with its pipe directory.
-        They are left running: gpud cannot tell what relies on them."""
-        ours = self._run_dir / "mps"
+        running (:meth:`_control_daemons`) gpud did not start (:meth:`_ours`), each with
+        its pipe directory. They are left running: gpud cannot tell what relies on them."""
+        found = list(found)
+        ours = {pid for pid, _ in self._ours(found)}
         for pid, pipe_dir, env in found:
-            if Path(pipe_dir).is_relative_to(ours) or not Path(pipe_dir).is_relative_to(
-                self._others_root
-            ):
+            if pid in ours or not Path(pipe_dir).is_relative_to(self._others_root):
                 continue
             device = env.get("CUDA_VISIBLE_DEVICES", "")
             self._events.emit(
@@ -1673,11 +1689,6 @@ class MpsManager:
             dev.servers = tuple(servers)
             return servers
 
-    def rebooted(self) -> int:
-        """:meth:`rebooting`, with nothing else done inside it: how many daemons ended."""
-        with self.rebooting() as ended:
-            return ended
-
     @contextlib.contextmanager
     def rebooting(self) -> Iterator[int]:
         """A reboot of the simulated node under a running gpud (``gpuctl sim reboot``): as a
@@ -1686,58 +1697,66 @@ class MpsManager:
         them, at once (SIGKILL: no ``quit``, no stop event), and gpud then starts as after
         a real reboot: no device's daemon counts as started, restarted or failing, so the
         next pass starts each anew (``mps.start``). Yields how many ended, holding the pass
-        till the context ends: the node is rebooted and sampled again in it, so that a pass
-        waiting with a snapshot sampled before (MIG devices the reboot destroys) passes over
-        that snapshot (:meth:`observe_snapshot`) and starts none of their daemons.
+        and every device's lock till the context ends: the node is rebooted and sampled
+        again in it, and nothing (a pass, ``gpuctl mps set``, a server started) starts a
+        daemon meanwhile that would outlive the reboot. A pass waiting with a snapshot
+        sampled before passes over it (:meth:`observe_snapshot`), and the MIG devices the
+        reboot destroys count as released (:meth:`released`): none of their daemons is
+        started from such a snapshot, whether or not the reboot's own sample was taken.
 
         One that outlives SIGKILL (stuck in the driver) is not counted: its device keeps
         it as one that outlived a kill (:meth:`_kill`, or :meth:`_kill_orphan` where no PID
         file names it), so the next pass says ``mps.stop_failed`` and tries again, and no
         daemon is adopted or started beside it meanwhile."""
-        with self._pass:  # no pass checks or starts a daemon meanwhile
-            ended = self._end_all()
-            yield ended
+        with self._pass, contextlib.ExitStack() as held:  # no pass checks or starts one
+            with self._lock:
+                migs = [u for u, t in self._targets.items() if t.mig is not None]
+            try:
+                yield self._end_all(held)
+            finally:
+                ended = self._snapshot_clock()
+                with self._lock:
+                    self._released_at.update(dict.fromkeys(migs, ended))
 
-    def _end_all(self) -> int:
+    def _end_all(self, held: contextlib.ExitStack) -> int:
         """:meth:`rebooting`'s kills, all at once, and each device reset in place (anything
         talking to it holds it: it sees the reset, never a second device for one daemon).
-        Every device's lock is taken first, so that none starts a daemon after the daemons
-        running have been listed."""
-        with contextlib.ExitStack() as held:
+        Every device's lock is taken first, into ``held``, so that none starts a daemon
+        after the daemons running have been listed; the status then shows none running."""
+        with self._lock:
+            # a device known but never reconciled too: a change could start its first one
+            devices = {u: self._device(u) for u in [*self._devices, *self._targets]}
+            self._idle.clear()
+        for dev in devices.values():
+            held.enter_context(dev.io)  # a command to its daemon returns first
+        pids: dict[str, list[int]] = {}
+        for pid, uuid in self._ours(self._control_daemons()):
+            pids.setdefault(uuid, []).append(pid)
+            if uuid not in devices:
+                devices[uuid] = held.enter_context(_held(self._device(uuid)))
+        ended: list[int] = []
+
+        def reboot(uuid: str, dev: _Device) -> None:
+            named = dev.daemon.pid()
+            stuck = [(p, p == named) for p in pids.get(uuid, ()) if dev.daemon.kill(p) is None]
+            _reset(dev)
             with self._lock:
-                devices = dict(self._devices)
-                self._idle.clear()
-            for dev in devices.values():
-                held.enter_context(dev.io)  # a command to its daemon returns first
-            pids: dict[str, list[int]] = {}
-            for pid, pipe_dir, _ in self._control_daemons():
-                uuid = Path(pipe_dir).parent.name
-                if _recorded_run_dir(uuid, pipe_dir) == self._run_dir:
-                    pids.setdefault(uuid, []).append(pid)
-                    if uuid not in devices:
-                        devices[uuid] = held.enter_context(_held(self._device(uuid)))
-            ended: list[int] = []
+                ended.extend(p for p in pids.get(uuid, ()) if p not in dict(stuck))
+                if not stuck:
+                    self._stop_tries.pop(uuid, None)
+            for pid, has_pid_file in stuck:
+                # no mps.adopt, no daemon beside it: the next pass tries again, and says
+                # mps.stop_failed
+                dev.last_error = f"the MPS control daemon (pid {pid}) outlived SIGKILL"
+                if has_pid_file:
+                    dev.killing = "a new one is started once it has gone"
+                else:
+                    dev.daemon.lost(pid)
 
-            def reboot(uuid: str, dev: _Device) -> None:
-                named = dev.daemon.pid()
-                stuck = [(p, p == named) for p in pids.get(uuid, ()) if dev.daemon.kill(p) is None]
-                _reset(dev)
-                with self._lock:
-                    ended.extend(p for p in pids.get(uuid, ()) if p not in dict(stuck))
-                    if not stuck:
-                        self._stop_tries.pop(uuid, None)
-                for pid, has_pid_file in stuck:
-                    # no mps.adopt, no daemon beside it: the next pass tries again, and says
-                    # mps.stop_failed
-                    dev.last_error = f"the MPS control daemon (pid {pid}) outlived SIGKILL"
-                    if has_pid_file:
-                        dev.killing = "a new one is started once it has gone"
-                    else:
-                        dev.daemon.lost(pid)
-
-            calls = [(u, functools.partial(reboot, u, dev)) for u, dev in devices.items()]
-            _all_at_once(calls, self._parallel)
-            return len(ended)
+        calls = [(u, functools.partial(reboot, u, dev)) for u, dev in devices.items()]
+        _all_at_once(calls, self._parallel)
+        self.status()  # what /metrics and the jobs read (last_status): none of them runs
+        return len(ended)
 
     def leave(self) -> None:
         """At gpud's stop: leave every daemon running for the jobs that use it (the next

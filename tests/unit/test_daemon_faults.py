@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -637,3 +639,33 @@ def test_a_simulated_reboot_ends_the_mps_daemons_and_starts_them_anew(
         assert "2 MPS control daemons ended" in reboot["message"]
 
     run_daemon(config, body)
+
+
+def test_a_simulated_reboot_that_fails_says_how_many_mps_daemons_ended(
+    root: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``gpuctl sim reboot`` failing once the MPS control daemons were SIGKILLed (the
+    simulated node's state cannot be saved): the reboot fails, and the log says how many
+    daemons ended, which no event says."""
+    config = make_config(root).with_overrides({"mps.enabled": True}, source="test")
+    gpuctl = Gpuctl(config, capsys)
+    sim_dir = root / "run" / "sim"
+
+    def body() -> None:
+        deadline = time.monotonic() + 30
+        while len(list((root / "run" / "mps").glob("*/pipe/*.pid"))) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)  # their limits applied
+        shutil.move(sim_dir, root / "sim.saved")
+        sim_dir.write_text("")  # node.json cannot be written under it
+        try:
+            assert gpuctl("sim", "reboot")[0] != 0
+        finally:
+            sim_dir.unlink()
+            shutil.move(root / "sim.saved", sim_dir)
+
+    with caplog.at_level(logging.WARNING, logger="gpud.daemon"):
+        run_daemon(config, body)
+    said = [r.getMessage() for r in caplog.records if r.name == "gpud.daemon"]
+    assert "the simulated reboot failed after 2 MPS control daemons ended" in said, said

@@ -1362,3 +1362,22 @@ def test_a_command_group_alone_runs_its_reading(group: str, reader: str) -> None
     assert {k: v for k, v in vars(named).items() if not k.endswith("_command")} == {
         k: v for k, v in vars(alone).items() if not k.endswith("_command")
     }
+
+
+def test_sim_reboot_samples_the_node_once(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path
+) -> None:
+    """``gpuctl sim reboot``: the reboot samples the node again itself (before a pass
+    waiting on it runs), and the API samples no second time after it."""
+    calls: list[str] = []
+    servicer = NodeServicer(
+        snapshots=make_snapshot,
+        node_info=node_info,
+        reboot=lambda: calls.append("reboot"),
+        sample_again=lambda: calls.append("sample"),
+    )
+    path = str(sock_dir / "gpud.sock")
+    with ServerThread(ApiServer(Path(path), servicers=[servicer.register])):
+        code, _, err = run(capsys, "--socket", path, "sim", "reboot")
+    assert code == 0, err
+    assert calls == ["reboot"]

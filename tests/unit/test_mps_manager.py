@@ -1359,7 +1359,8 @@ def test_a_simulated_reboot_ends_the_daemons_and_each_device_starts_anew(root: P
         mgr.reconcile(NODE)
         before = {s.target.uuid: s.pid for s in mgr.status()}
         shutil.rmtree(mgr.status()[1].pipe_dir)  # lost: no PID file names it
-        assert mgr.rebooted() == 2
+        with mgr.rebooting() as ended:
+            assert ended == 2
         for pid in before.values():
             assert pid is not None
             wait_dead(pid)
@@ -2078,7 +2079,8 @@ def test_a_daemon_that_outlives_the_reboots_sigkill_is_kept_not_adopted_or_doubl
         assert kept.pid is not None and lost.pid is not None
         shutil.rmtree(lost.pipe_dir)  # no PID file names it
         stuck.pids.update({kept.pid, lost.pid})  # alive after SIGKILL
-        assert mgr.rebooted() == 0
+        with mgr.rebooting() as ended:
+            assert ended == 0
         mgr.reconcile(NODE)
         failed = {e.fields["uuid"]: e for e in events.recent(kind_prefix="mps.stop_failed")}
         assert {u: e.fields["pid"] for u, e in failed.items()} == {
@@ -2143,7 +2145,12 @@ def test_a_reboot_waits_for_a_change_talking_to_a_daemon(root: Path) -> None:
         change.start()
         assert gates[0].entered.wait(10)
         ended: list[int] = []
-        reboot = threading.Thread(target=lambda: ended.append(mgr.rebooted()))
+
+        def reboot_node() -> None:
+            with mgr.rebooting() as n:
+                ended.append(n)
+
+        reboot = threading.Thread(target=reboot_node)
         reboot.start()
         reboot.join(1.0)
         gates[0].go.set()
@@ -2186,6 +2193,99 @@ def test_a_pass_waiting_through_a_reboot_starts_no_daemon_on_a_destroyed_mig_dev
         assert started[4:] == [gpu_uuid(1)]
         assert [s.target.uuid for s in mgr.status()] == [gpu_uuid(1)]
         assert set(daemons_under(root / "run").values()) == {mgr.status()[0].pid}
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_no_change_starts_a_daemon_while_the_node_reboots(root: Path) -> None:
+    """``gpuctl mps set`` while the simulated node reboots (its daemons already ended): it
+    waits for the device, answers that the daemon is busy, and starts none that would
+    outlive the reboot; the status and /metrics show none running from the kills on, and
+    the next pass starts each device's anew with the new limits."""
+    mgr, store, events = make_manager(root, request_timeout_s=0.2)
+    try:
+        mgr.reconcile(NODE)
+        answers = []
+        with mgr.rebooting() as ended:
+            assert ended == 2
+            assert [(s.pid, s.up) for s in mgr.last_status()] == [(None, False)] * 2
+            change = threading.Thread(
+                target=lambda: answers.append(mgr.set_limits("0", threads_percent=50))
+            )
+            change.start()
+            change.join(20)
+            assert not daemons_under(root / "run")  # none until the node has rebooted
+        (answer,) = answers
+        assert not answer.up and "still busy" in answer.last_error
+        mgr.reconcile(NODE)
+        after = {s.target.uuid: s for s in mgr.status()}
+        assert all(s.up and s.restarts == 0 for s in after.values())
+        assert after[gpu_uuid(0)].observed_threads_percent == 50
+        starts = [e.kind for e in events.recent(kind_prefix="mps.")].count("mps.start")
+        assert starts == 4
+    finally:
+        mgr.stop()
+        store.close()
+
+
+def test_a_lost_daemon_beside_the_one_its_pid_file_names_is_stopped_at_start(
+    root: Path,
+) -> None:
+    """An earlier gpud, killed since, left two daemons for a device: one whose PID file was
+    deleted, and one started after it that its new PID file names. The next start adopts
+    the named one and SIGKILLs the lost one (an mps.stop), rather than leaving it to hold
+    the GPU."""
+    first, store, _ = make_manager(root)
+    first.reconcile(NODE)
+    old = first.status()[0]
+    store.close()  # killed -9
+    assert old.pid is not None
+    (old.pipe_dir / PID_FILE).unlink()
+    second = ControlDaemon(gpu_uuid(0), root / "run", FAKE_CONTROL, timeout_s=5.0)
+    named = second.start()
+    mgr, store, events = make_manager(root)
+    try:
+        mgr.reconcile(NODE)
+        wait_dead(old.pid)
+        assert not alive(old.pid)
+        assert mgr.status()[0].pid == named and alive(named)
+        (stop,) = [e for e in events.recent() if e.kind == "mps.stop"]
+        assert stop.fields["pid"] == old.pid and stop.fields["how"] == "sigkill"
+        assert "it lost its pipe directory" in stop.message
+        assert not [e for e in events.recent() if e.kind == "mps.other_daemon"]
+    finally:
+        mgr.stop()
+        store.close()
+        for pid in (old.pid, named):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_pass_waiting_through_a_reboot_whose_sample_failed_starts_no_mig_daemon(
+    root: Path,
+) -> None:
+    """A reboot whose own sample failed (nothing observed): the pass that waited for it
+    works from its snapshot sampled before, yet starts no daemon on the MIG devices the
+    reboot destroyed; a snapshot sampled after the reboot shows what there is."""
+    clock = [1.0]
+    mgr, store, events = make_manager(root, snapshot_clock=lambda: clock[0])
+    try:
+        mgr.reconcile(MIG_NODE)
+        with mgr.rebooting() as ended:
+            assert ended == 4
+            waiting = threading.Thread(target=mgr.reconcile, args=(MIG_NODE,))
+            waiting.start()
+            waiting.join(0.3)
+        waiting.join(30)
+        started = [e.fields["uuid"] for e in events.recent() if e.kind == "mps.start"]
+        assert started[4:] == [gpu_uuid(1)]
+        assert set(daemons_under(root / "run").values()) == {
+            s.pid for s in mgr.status() if s.target.uuid == gpu_uuid(1)
+        }
+        clock[0] = 2.0
+        mgr.reconcile(dataclasses.replace(MIG_NODE, monotonic=2.0))  # re-created since
+        assert all(s.up for s in mgr.status())
     finally:
         mgr.stop()
         store.close()
