@@ -25,7 +25,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -271,18 +271,73 @@ def close_state_files(state_dir: Path) -> list[str]:
 
 
 @dataclass
+class Failing:
+    """The failures of one isolated part of gpud's work, each run of it apart: logged as a
+    warning once per ``interval_s`` at most (with its traceback unless it is a
+    :class:`GpudError`), and, after one that was logged, its working again (INFO)."""
+
+    what: str
+    runs: str = "passes"  # what its runs are called in the log
+    failures: int = 0
+    last_warning: float = float("-inf")
+    failed_runs: int = 0
+    """Failed runs in a row (0: the last run worked)."""
+    failing_since: float = 0.0
+    """When they began (while ``failed_runs``); a warning logged since (``last_warning``
+    not before it) has their end logged too."""
+
+    def failed(self, err: Exception, started: float, now: float, interval_s: float) -> None:
+        self.failures += 1
+        if not self.failed_runs:
+            self.failing_since = started
+        self.failed_runs += 1
+        if now - self.last_warning >= interval_s:
+            self.last_warning = now
+            log.warning(
+                "%s failed (%d failures so far): %s",
+                self.what,
+                self.failures,
+                err,
+                exc_info=not isinstance(err, GpudError),
+            )
+
+    def worked(self, now: float) -> None:
+        """End the run of failures, if any; say so if its failure was said."""
+        if not self.failed_runs:
+            return
+        if self.last_warning >= self.failing_since:
+            log.info(
+                "%s works again, after %d failed %s over %.0f s",
+                self.what,
+                self.failed_runs,
+                self.runs,
+                now - self.failing_since,
+            )
+        self.failed_runs = 0
+
+    def call(
+        self, act: Callable[[], object], clock: Callable[[], float], interval_s: float
+    ) -> None:
+        """Run ``act``; a failure is noted and logged as above, not raised."""
+        started = clock()
+        try:
+            act()
+        except Exception as err:
+            self.failed(err, started, clock(), interval_s)
+        else:
+            self.worked(started)
+
+
+@dataclass
 class Step:
     """One isolated part of a loop pass."""
 
     name: str
     run: Callable[[], Awaitable[None]]
-    failures: int = 0
-    last_warning: float = float("-inf")
-    failed_passes: int = 0
-    """Failed passes in a row (0: the last pass worked)."""
-    failing_since: float = 0.0
-    """When they began (while ``failed_passes``); a warning logged since (``last_warning``
-    not before it) has their end logged too."""
+    failing: Failing = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.failing = Failing(f"step {self.name}")
 
 
 class Daemon:
@@ -387,6 +442,11 @@ class Daemon:
             self.mps,
             socket_path=config.socket_path,
             products=self._products,
+        )
+        # the sampler's listener (_observe_health): each of its parts fails on its own
+        self._observing = (
+            Failing("the sampler's MPS devices update", runs="ticks"),
+            Failing("the sampler's GPU health update", runs="ticks"),
         )
         self.sampler.subscribe(self._observe_health)
         self.admission = AdmissionService(
@@ -773,9 +833,11 @@ class Daemon:
         that fails takes none from then on, rather than a loop pass later. Both are short
         (neither asks an MPS daemon nor takes the placement lock: see
         :meth:`JobService.observe_health`); the loop's MPS and jobs steps take the rest (the
-        daemons, the processes) once a pass."""
-        self.mps.observe_snapshot(snap)
-        self.jobs.observe_health(snap)
+        daemons, the processes) once a pass. Each is isolated: one that fails is logged
+        (rate-limited, as a loop step is) and the other still runs."""
+        devices, health = self._observing
+        devices.call(lambda: self.mps.observe_snapshot(snap), self._clock, self.WARNING_INTERVAL_S)
+        health.call(lambda: self.jobs.observe_health(snap), self._clock, self.WARNING_INTERVAL_S)
 
     def _sample_again(self) -> Snapshot | None:
         """A sample out of turn, after a change the next read must show (a MIG apply, a
@@ -1218,38 +1280,11 @@ class Daemon:
             try:
                 await step.run()
             except Exception as err:
-                step.failures += 1
-                if not step.failed_passes:
-                    step.failing_since = step_started
-                step.failed_passes += 1
-                now = self._clock()
-                if now - step.last_warning >= self.WARNING_INTERVAL_S:
-                    step.last_warning = now
-                    log.warning(
-                        "step %s failed (%d failures so far): %s",
-                        step.name,
-                        step.failures,
-                        err,
-                        exc_info=not isinstance(err, GpudError),
-                    )
+                step.failing.failed(err, step_started, self._clock(), self.WARNING_INTERVAL_S)
             else:
-                self._step_worked(step, step_started)
+                step.failing.worked(step_started)
             took.append((step.name, self._clock() - step_started))
         self.loop_stats.record(self._clock() - started, self.loop_interval_s(), took)
-
-    @staticmethod
-    def _step_worked(step: Step, now: float) -> None:
-        """End ``step``'s run of failed passes, if any; say so if its failure was said."""
-        if not step.failed_passes:
-            return
-        if step.last_warning >= step.failing_since:
-            log.info(
-                "step %s works again, after %d failed passes over %.0f s",
-                step.name,
-                step.failed_passes,
-                now - step.failing_since,
-            )
-        step.failed_passes = 0
 
     def _offer_mig_config(self, path: Path | None) -> None:
         """The mig-parted file whose configs the admission queue offers as remedies (none

@@ -775,7 +775,8 @@ class JobService:
         A snapshot older than one observed before is passed over (a loop pass that read it
         before the sampler's next tick). It takes no placement lock, which a reservation holds:
         only its own, and under it, while it tells jobs of a change, the MPS manager's
-        lock and the store's, as any reader does."""
+        lock and the store's reader (:meth:`StateStore.reading`): it never waits for a
+        write to end."""
         sick = _sick(snapshot)
         with self._health_lock:
             if self._health_at is not None and snapshot.monotonic < self._health_at:
@@ -794,7 +795,10 @@ class JobService:
         where a job's owner looks. Its reservation stays either way: its run may well go
         on (a hung GPU often comes back), and it ends as any run does."""
         gpu_of = {t.uuid: t.gpu for t in self._mps.targets() if t.uuid}
-        for r in self.reservations.held():
+        # on the sampler's thread: read on the reader connection, never waiting for a write
+        with self.store.reading():
+            held = self.reservations.held()
+        for r in held:
             gpus = sorted({gpu_of[d] for d in r.devices if d in gpu_of})
             for gpu in gpus:
                 if gpu in sick and gpu not in before:

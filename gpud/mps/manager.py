@@ -99,6 +99,9 @@ MAX_PARALLEL = 64
 # twice this stays under gpuctl's own 10 s deadline, so a daemon that has just hung is named
 # in the answer instead of gpuctl saying that gpud did not answer
 REQUEST_TIMEOUT_S = 2.0
+# seconds before re-created MIG devices' limits are moved again after the state database
+# could not be written (a full disk): the sampler's listener observes every tick
+RESTORE_RETRY_S = 30.0
 # each control daemon's cgroup: <cgroup2 mount>/<traffic.cgroup_parent>/gpud-mps-<uuid>
 CGROUP_PREFIX = "gpud-mps-"
 
@@ -348,6 +351,7 @@ class MpsManager:
         # started for them from a snapshot sampled before (it shows them as they were)
         self._released_at: dict[str, float] = {}
         self._observed_at: float | None = None  # the newest snapshot observed (its monotonic)
+        self._observed: Snapshot | None = None  # the snapshot observed last
         self._snapshot_clock = snapshot_clock
         self._others_root = others_root
         self._cgroups = cgroups
@@ -375,6 +379,8 @@ class MpsManager:
         # GPUs in MIG mode, index -> UUID: one with no MIG devices has no target, yet exists
         self._mig_gpus: dict[int, str] = {}
         self._seen: set[str] = set()  # device UUIDs of the last observe
+        # a failed move of re-created MIG devices' limits: when it is tried again (see observe)
+        self._restore_at: float | None = None
         self._devices: dict[str, _Device] = {}
         # With MPS off: devices found running no daemon. None is ever started for them while
         # it is off (mps.enabled needs a restart), so a pass leaves them alone: no thread,
@@ -745,28 +751,35 @@ class MpsManager:
         A snapshot older than one observed before is passed over: a pass that took it
         before a MIG apply ended, and waited behind the pass of a newer one, would see the
         devices as they were before the apply (a GPU still whole) once the newer one had let
-        go of what the apply released, and start a daemon there."""
+        go of what the apply released, and start a daemon there.
+
+        Called on two threads (the sampler's listener after each tick, and the loop's pass),
+        it holds the MPS lock throughout, the store's after it (:meth:`observe`): the check
+        and what it observes are one step, so an older snapshot's devices never replace a
+        newer one's. The snapshot observed last is not taken again (the pass after the
+        listener's)."""
         with self._lock:
             if self._observed_at is not None and snapshot.monotonic < self._observed_at:
                 return
-            self._observed_at = snapshot.monotonic
-        mig_gpus = {
-            g.identity.index: g.identity.uuid
-            for g in snapshot.gpus
-            if g.mig_mode is not None and g.mig_mode.current
-        }
-        self.observe(targets_from_snapshot(snapshot, self.targets()))
-        with self._lock:
+            if snapshot is not self._observed:
+                self._observed, self._observed_at = snapshot, snapshot.monotonic
+                self.observe(targets_from_snapshot(snapshot, self.targets()))
+                self._mig_gpus = {
+                    g.identity.index: g.identity.uuid
+                    for g in snapshot.gpus
+                    if g.mig_mode is not None and g.mig_mode.current
+                }
+                # Only then are this node's devices all known: see _sweep.
+                self._all_read = all(g.healthy and g.identity.uuid for g in snapshot.gpus)
             self._released_at = {
                 u: t for u, t in self._released_at.items() if snapshot.monotonic < t
             }
-            self._mig_gpus = mig_gpus
-            # Only then are this node's devices all known: see _sweep.
-            self._all_read = all(g.healthy and g.identity.uuid for g in snapshot.gpus)
 
     def observe(self, targets: Iterable[MpsTarget]) -> None:
         """Replace the known devices (from the latest snapshot); a re-created MIG device gets
-        the limits its place had (see the module docstring)."""
+        the limits its place had (see the module docstring). A state database that cannot be
+        written then (a full disk) is logged once: the move is tried again every
+        RESTORE_RETRY_S, until it is made."""
         with self._lock:
             targets = list(targets)
             self._targets = {t.uuid: t for t in targets if t.uuid}
@@ -774,9 +787,25 @@ class MpsManager:
             new = [
                 t for t in self._targets.values() if t.slot is not None and t.uuid not in self._seen
             ]
-            if new:
-                self._restore_mig_limits(new)
-            self._seen = set(self._targets)
+            if new and (self._restore_at is None or self._clock() >= self._restore_at):
+                try:
+                    self._restore_mig_limits(new)
+                except StateError as err:
+                    if self._restore_at is None:
+                        log.warning(
+                            "MPS: the limits of re-created MIG devices were not moved to them"
+                            " (tried again every %.0f s): %s",
+                            RESTORE_RETRY_S,
+                            err,
+                        )
+                    self._restore_at = self._clock() + RESTORE_RETRY_S
+                else:
+                    if self._restore_at is not None:
+                        log.info("MPS: the limits of re-created MIG devices were moved to them")
+                    self._restore_at = None
+            # those whose move is still to be made are new again at the next observe
+            waiting = new if self._restore_at is not None else []
+            self._seen = set(self._targets).difference(t.uuid for t in waiting)
 
     def _restore_mig_limits(self, targets: list[MpsTarget]) -> None:
         with self._events.until_committed(), self._store.transaction() as conn:

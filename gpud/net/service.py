@@ -156,6 +156,17 @@ class _JobReports:
     ideal_s: float | None = None
 
 
+def _progressed(now: _JobReports | None, end: float, then: _JobReports | None) -> bool:
+    """Whether ``now`` (a job's last report) is progress after its run ended at ``end``
+    with ``then`` its last report: stamped after the end, with more iterations or from
+    another session. A report that only repeats the count (a last flush) is none."""
+    return (
+        now is not None
+        and now.last_report_at > end
+        and (then is None or now.iterations > then.iterations or now.session != then.session)
+    )
+
+
 @dataclass
 class _Counter:
     """Accumulates a class counter across the class being recreated (a moved leaf)."""
@@ -408,9 +419,14 @@ class TrafficService:
                 and heard - prev.heard_at > self.config.idle_after_s
                 and r.job not in self._held_now()
             ):
-                # it ended with its reports (see _ended_at): only progress runs it again
+                # it ended with its reports (see _ended_at): only progress runs it again.
+                # An end it has progressed past (it ran again, then fell silent again) is
+                # over: this one replaces it, else the count it reached since would read
+                # as progress after the old end
                 with self._ends_lock:
-                    self._ends.setdefault(r.job, (prev.heard_at, prev))
+                    known = self._ends.get(r.job)
+                    if known is None or _progressed(prev, *known):
+                        self._ends[r.job] = (prev.heard_at, prev)
             stamped = heard - max(0.0, now - r.timestamp)
             self._reports[r.job] = _JobReports(
                 r.iterations,
@@ -472,17 +488,8 @@ class TrafficService:
         with self._ends_lock:
             ended = self._ends.get(job)
         now = self._reports.get(job)
-        if ended is not None:
-            end, then = ended
-            progressed = (
-                now is not None
-                and now.last_report_at > end
-                and (
-                    then is None or now.iterations > then.iterations or now.session != then.session
-                )
-            )
-            if not progressed:
-                return end
+        if ended is not None and not _progressed(now, *ended):
+            return ended[0]
         if now is not None and self._monotonic() - now.heard_at > self.config.idle_after_s:
             return now.heard_at
         return None

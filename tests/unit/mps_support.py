@@ -121,11 +121,16 @@ def kill_daemons(root: Path) -> None:
 
 
 def make_manager(
-    root: Path, control: list[str] | None = None, *, run: str = "run", **kwargs: object
+    root: Path,
+    control: list[str] | None = None,
+    *,
+    run: str = "run",
+    store: StateStore | None = None,
+    **kwargs: object,
 ) -> tuple[MpsManager, StateStore, EventLog]:
     """``control``: the control daemon's command (default: the fake); ``run``: the run
-    directory under ``root``."""
-    store = StateStore(root / "state")
+    directory under ``root``; ``store``: the state database (default: one under ``root``)."""
+    store = store or StateStore(root / "state")
     events = EventLog(None)
     options: dict[str, object] = {
         "timeout_s": 5.0,

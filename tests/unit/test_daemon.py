@@ -501,7 +501,7 @@ def test_a_hung_traffic_tick_holds_no_other_step_back(root: Path) -> None:
             await asyncio.wait_for(d.run_steps(), timeout=5)
         assert passes == ["other"] * 3 and hung.ticks == 1  # no second tick meanwhile
         hung.release.set()
-        while traffic.failures == 0:
+        while traffic.failing.failures == 0:
             await asyncio.wait_for(d.run_steps(), timeout=5)
         assert hung.ticks == 2  # the pass that finds it ended starts the next one
 
@@ -543,7 +543,7 @@ def test_hung_mps_control_daemons_hold_no_other_step_back(root: Path) -> None:
             await asyncio.wait_for(d.run_steps(), timeout=5)
         assert passes == ["other"] * 3 and hung.passes == 1  # no second pass meanwhile
         hung.release.set()
-        while mps.failures == 0:
+        while mps.failing.failures == 0:
             await asyncio.wait_for(d.run_steps(), timeout=5)
         assert hung.passes == 2  # the loop pass that finds it ended starts the next one
 
@@ -571,7 +571,7 @@ def test_a_long_mig_apply_holds_no_loop_pass_back(root: Path) -> None:
     try:
         assert applying.wait(5)
         asyncio.run(asyncio.wait_for(mig.run(), timeout=5))
-        assert mig.failures == 0
+        assert mig.failing.failures == 0
     finally:
         release.set()
         holder.join()
@@ -1475,5 +1475,48 @@ def test_a_gpu_that_answers_again_takes_jobs_after_one_sampler_tick(root: Path) 
         assert set(d.jobs.unhealthy_devices()) == {(1, None)}
         with pytest.raises(FailedPrecondition, match="on GPU 1, which is unhealthy"):
             d.jobs.reserve(RunRequest(job="pinned", devices=(uuids[1],)))
+    finally:
+        _close(d)
+
+
+def test_a_failing_part_of_the_health_listener_skips_neither_the_other_nor_a_tick(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sampler's listener: the MPS devices' update failing still lets the GPUs' health
+    be taken from the tick (a GPU lost is refused at once); its failure is logged once per
+    WARNING_INTERVAL_S, not at every tick, and its working again is said."""
+    now = [1000.0]
+    d = build(make_config(root, **{"backend.simulate": "H100-SXM5-80GB:2"}), clock=lambda: now[0])
+    assert d.sim is not None
+
+    def broken(snap: object) -> None:
+        raise RuntimeError("observe broke")
+
+    working = d.mps.observe_snapshot
+    try:
+        d.mps.observe_snapshot = broken  # type: ignore[method-assign]
+        with caplog.at_level(logging.INFO, logger="gpud"):
+            d.sim.faults.lose(1)
+            for _ in range(3):
+                d.sampler.tick()
+            assert set(d.jobs.unhealthy()) == {1}
+            said = [r.getMessage() for r in caplog.records if "observe broke" in r.getMessage()]
+            assert said == [
+                "the sampler's MPS devices update failed (1 failures so far): observe broke"
+            ]
+            now[0] += d.WARNING_INTERVAL_S
+            d.sampler.tick()
+            said = [r.getMessage() for r in caplog.records if "observe broke" in r.getMessage()]
+            assert len(said) == 2 and said[1].startswith(
+                "the sampler's MPS devices update failed (4"
+            )
+            d.mps.observe_snapshot = working  # type: ignore[method-assign]
+            d.sampler.tick()
+        assert any(
+            r.getMessage().startswith(
+                "the sampler's MPS devices update works again, after 4 failed ticks"
+            )
+            for r in caplog.records
+        )
     finally:
         _close(d)

@@ -937,6 +937,42 @@ def test_a_job_on_a_gpu_that_fails_or_answers_again_gets_an_event(service: JobSe
         service.release(launch.reservation.id)
 
 
+def test_jobs_on_a_gpu_that_fails_are_told_without_waiting_for_a_write(
+    service: JobService,
+) -> None:
+    """The sampler's listener tells the jobs on a GPU that failed while another thread
+    writes the state database (a long transaction): it reads their reservations without
+    waiting for that write to end, and the sampler's tick goes on."""
+    held = service.reserve(RunRequest("on-1", devices=(gpu_uuid(1),)))
+    service.observe_health(NODE)
+    writing, done = threading.Event(), threading.Event()
+
+    def write() -> None:
+        with service.store.transaction():
+            writing.set()
+            done.wait(10.0)
+
+    lost = gpu_sample(1, memory_gib=80)._replace(healthy=False, reason="GPU lost (memory)")
+    observer = threading.Thread(
+        target=service.observe_health, args=(snapshot(NODE.gpus[0], lost, NODE.gpus[2]),)
+    )
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        assert writing.wait(5.0)
+        observer.start()
+        observer.join(3.0)
+        assert not observer.is_alive()
+    finally:
+        done.set()
+        writer.join()
+        if observer.ident is not None:
+            observer.join()
+    events = service._events.recent(kind_prefix="job.gpu")
+    assert [(e.kind, e.fields["job"]) for e in events] == [("job.gpu_unhealthy", "on-1")]
+    service.release(held.reservation.id)
+
+
 def test_a_gpu_never_read_named_by_index_is_refused_and_nothing_is_kept(
     service: JobService, tmp_path: Path
 ) -> None:

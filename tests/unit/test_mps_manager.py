@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -35,6 +36,7 @@ from gpud.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    StateUnwritable,
 )
 from gpud.events import EventLog
 from gpud.main import mps_cgroups
@@ -42,6 +44,7 @@ from gpud.mps.api import device_message
 from gpud.mps.daemon import ControlDaemon
 from gpud.mps.manager import (
     CGROUP_PREFIX,
+    RESTORE_RETRY_S,
     MpsLimits,
     MpsManager,
     MpsTarget,
@@ -746,6 +749,61 @@ def test_a_reused_pid_in_a_stale_pid_file_is_never_signalled(root: Path) -> None
     finally:
         other.kill()
         other.wait()
+
+
+class _UnwritableStore(StateStore):
+    """A state database whose transactions fail, as on a full disk, while ``unwritable``;
+    ``tries``: those that failed."""
+
+    unwritable = False
+    tries = 0
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        if self.unwritable:
+            self.tries += 1
+            raise StateUnwritable(f"state database {self.path} cannot be written")
+        with super().transaction() as conn:
+            yield conn
+
+
+def test_limits_not_moved_to_a_re_created_mig_device_are_moved_at_a_later_try(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A state database that cannot be written when MIG devices are re-created (a full
+    disk): the observe (the sampler's listener, every tick) goes on, logs it once, and the
+    limits are moved at a try RESTORE_RETRY_S later, not at every observe in between."""
+    now = [0.0]
+    store = _UnwritableStore(root / "state")
+    mgr, _, _ = make_manager(root, enabled=False, clock=lambda: now[0], store=store)
+    try:
+
+        def mig(uuid: str) -> MpsTarget:
+            return MpsTarget(uuid, 0, 0, "3g.40gb", 40 * GIB, gpu_uuid(0), (0, 4))
+
+        mgr.observe([mig("MIG-a")])
+        mgr.set_limits("MIG-a", threads_percent=40)
+        store.unwritable = True
+        for _ in range(3):
+            mgr.observe([mig("MIG-c")])
+        assert store.tries == 1
+        assert [t.uuid for t in mgr.targets()] == ["MIG-c"]
+        now[0] += RESTORE_RETRY_S
+        mgr.observe([mig("MIG-c")])
+        assert store.tries == 2
+        warned = [r for r in caplog.records if "were not moved" in r.getMessage()]
+        assert len(warned) == 1 and not warned[0].exc_info
+        store.unwritable = False
+        mgr.observe([mig("MIG-c")])
+        assert mgr.limits("MIG-c") == MpsLimits()  # not before its try
+        now[0] += RESTORE_RETRY_S
+        caplog.set_level(logging.INFO)
+        mgr.observe([mig("MIG-c")])
+        assert mgr.limits("MIG-c").threads_percent == 40
+        assert any("were moved to them" in r.getMessage() for r in caplog.records)
+    finally:
+        mgr.stop()
+        store.close()
 
 
 def test_device_lists_name_index_forms_not_uuids() -> None:
@@ -2037,6 +2095,56 @@ def test_a_pass_behind_a_newer_snapshot_starts_no_daemon_the_apply_released(root
         started = sorted(e.fields["uuid"] for e in events.recent(kind_prefix="mps.start"))
         assert started == sorted([gpu_uuid(0), gpu_uuid(1), mig_uuid(0, 0)])
         assert len(events.recent(kind_prefix="mps.stop")) == 1  # the whole GPU's, released
+
+
+class _GpusHeldBack(tuple[GpuSample, ...]):
+    """A snapshot's GPUs whose first read waits for ``go`` (5 s at most), having set
+    ``reading``: where an observe of the snapshot stands still after its older-snapshot
+    check."""
+
+    reading = threading.Event()
+    go = threading.Event()
+    first = True
+
+    def __iter__(self) -> Iterator[GpuSample]:
+        if _GpusHeldBack.first:
+            _GpusHeldBack.first = False
+            _GpusHeldBack.reading.set()
+            _GpusHeldBack.go.wait(5.0)
+        return super().__iter__()
+
+
+def test_an_older_snapshot_observed_alongside_a_newer_one_leaves_the_newer_devices(
+    manager: MpsManager,
+) -> None:
+    """The sampler's listener and the loop's pass observe snapshots on two threads. One
+    observing an older snapshot, which passed its check before the newer was observed,
+    does not replace the newer one's devices once it gets to them (a GPU put into MIG
+    mode whole again, MIG devices destroyed since back for a pass)."""
+    older = dataclasses.replace(
+        NODE, monotonic=1.0, gpus=_GpusHeldBack((gpu_sample(0), gpu_sample(1, memory_gib=40)))
+    )
+    mig = snapshot(gpu_sample(0, migs=(("3g.40gb", 40),)), gpu_sample(1, memory_gib=40))
+    newer = dataclasses.replace(mig, monotonic=2.0)
+    first = threading.Thread(target=manager.observe_snapshot, args=(older,))
+    first.start()
+    assert _GpusHeldBack.reading.wait(5.0)
+    second = threading.Thread(target=manager.observe_snapshot, args=(newer,))
+    second.start()
+    second.join(0.5)  # done by now unless it waits for the first
+    _GpusHeldBack.go.set()
+    first.join(5.0)
+    second.join(5.0)
+    assert {t.uuid for t in manager.targets()} == {mig_uuid(0, 0), gpu_uuid(1)}
+
+
+def test_the_snapshot_observed_last_is_not_observed_again(manager: MpsManager) -> None:
+    """The loop's pass after the listener's observe of the same snapshot leaves the devices
+    as they are: their targets are not built again."""
+    manager.observe_snapshot(MIG_NODE)
+    before = manager.targets()
+    manager.observe_snapshot(MIG_NODE)
+    assert all(a is b for a, b in zip(manager.targets(), before, strict=True))
 
 
 def test_a_daemon_that_lost_its_pipe_dir_is_killed_when_its_device_is_disabled(

@@ -2069,6 +2069,27 @@ def test_a_job_ended_with_its_reports_runs_again_only_with_progress(rig: Rig) ->
     assert row().ended_s is None
 
 
+def test_a_job_silent_again_after_progress_stays_ended_on_a_repeat_flush(rig: Rig) -> None:
+    """A job known only through its reports that ended by its silence, ran again and fell
+    silent again ended the second time: a last flush that repeats its count then is no
+    progress (not stopped with a SIGSTOP hint), as after the first silence."""
+    train, row = _silent_past_idle(rig)
+    rig.clock.t += 1
+    train.done["a"] += 1
+    rig.service.report(Report("a", train.done["a"], rig.clock.t, session="s"))  # progress
+    assert row().ended_s is None
+    train.run(20)
+    train.run(int(rig.service.config.idle_after_s) + 30, stopped="a")
+    assert row().ended_s is not None
+    rig.service.report(Report("a", train.done["a"], rig.clock.t, session="s"))  # last flush
+    rig.service.tick()
+    assert row().ended_s is not None and row().stopped_s is None
+    assert not job_message(row(), rig.service.now()).HasField("stopped_seconds")
+    rig.clock.t += 1
+    rig.service.report(Report("a", train.done["a"] + 1, rig.clock.t, session="s"))
+    assert row().ended_s is None
+
+
 def test_a_silent_job_that_reserves_counts_as_running_before_the_next_tick(rig: Rig) -> None:
     """A job silent past traffic.idle_after_s (it reads ended) that reserves its devices
     since the last tick holds a reservation at once: ``gpuctl net show`` and the cluster's
