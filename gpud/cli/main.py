@@ -42,6 +42,7 @@ package: what it shares with the daemon is :mod:`gpud.shared` (tests/unit/test_g
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -70,7 +71,12 @@ from gpud.cli.context import (
     seconds,
 )
 from gpud.cli.output import Output, OutputError
-from gpud.cli.pipes import discard_stdout, quiet_on_broken_pipe
+from gpud.cli.pipes import (
+    STDERR_MAY_GO,
+    discard_stdout,
+    quiet_on_broken_pipe,
+    stderr_that_never_fails,
+)
 
 EXIT_OUTPUT = 1  # stdout could not take the answer (a full disk, stdout closed)
 
@@ -242,24 +248,30 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
         timeout=args.timeout,
         output=Output(json_output=args.json),
     )
-    try:
-        code: int = run(ctx, args)
-        ctx.out.flush()
-        return code
-    except CliError as err:
-        return _fail(err, args.json, ctx.out.notes, words)
-    except OutputError as err:
-        discard_stdout()
-        return _fail(CliError(str(err), EXIT_OUTPUT), args.json)
-    except UnicodeEncodeError as err:
-        # an argument in bytes that are not UTF-8 (Python keeps them as surrogates), which
-        # no request can carry
-        invalid = CliError(f"an argument is not valid UTF-8: {err.object!r}", EXIT_USAGE)
-        return _fail(invalid, args.json, words=words)
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        ctx.close()
+    with contextlib.ExitStack() as scope:
+        if getattr(args, STDERR_MAY_GO, False):
+            # a command whose end matters more than its messages (`gpuctl run`: its exit
+            # status is its command's, or that of its own error, as a gpud away): a line on
+            # stderr that cannot be written, to the very last, is dropped, not raised
+            scope.enter_context(stderr_that_never_fails())
+        try:
+            code: int = run(ctx, args)
+            ctx.out.flush()
+            return code
+        except CliError as err:
+            return _fail(err, args.json, ctx.out.notes, words)
+        except OutputError as err:
+            discard_stdout()
+            return _fail(CliError(str(err), EXIT_OUTPUT), args.json)
+        except UnicodeEncodeError as err:
+            # an argument in bytes that are not UTF-8 (Python keeps them as surrogates),
+            # which no request can carry
+            invalid = CliError(f"an argument is not valid UTF-8: {err.object!r}", EXIT_USAGE)
+            return _fail(invalid, args.json, words=words)
+        except KeyboardInterrupt:
+            return 130
+        finally:
+            ctx.close()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import select
 import sys
@@ -12,6 +13,8 @@ from typing import TextIO, cast
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what `yes | head` reports for `yes`
 EXIT_OTHER_PIPE = 1  # a pipe or socket other than gpuctl's own output broke
+# a parser default: the command runs, its errors said included, within stderr_that_never_fails
+STDERR_MAY_GO = "stderr_may_go"
 
 
 def quiet_on_broken_pipe(run: Callable[[], int]) -> int:
@@ -81,10 +84,15 @@ def when_reader_goes(act: Callable[[], object], *, every_s: float = 0.5) -> thre
     return gone
 
 
+# the errors after which nothing more can be written to a stream
+_LOST = frozenset({errno.EPIPE, errno.EIO, errno.ENOSPC, errno.EBADF})
+
+
 class _Lossy:
-    """A stream that passes writes on until one fails (a terminal hung up: EIO; its reader
-    gone: EPIPE; a full disk), then drops them: nothing more reaches it, and the writer goes
-    on. Whatever else it is asked goes to the stream."""
+    """A stream that passes writes on until one fails for good (a terminal hung up: EIO;
+    its reader gone: EPIPE; a full disk; closed), then drops them: nothing more reaches it,
+    and the writer goes on. A write that fails otherwise (a non-blocking stream full for
+    now: EAGAIN) loses that one alone. Whatever else it is asked goes to the stream."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
@@ -101,7 +109,9 @@ class _Lossy:
         if not self.lost:
             try:
                 act()
-            except (OSError, ValueError):  # ValueError: closed
+            except OSError as err:
+                self.lost = err.errno in _LOST
+            except ValueError:  # closed
                 self.lost = True
 
     def __getattr__(self, name: str) -> object:

@@ -13,8 +13,9 @@ waits and asks again, saying why, unless ``--no-wait``. It registers the job if 
 gpuctl process, so gpud releases it even if gpuctl is killed), starts the command with
 ``CUDA_VISIBLE_DEVICES``, the MPS variables, ``GPUD_JOB``, ``GPUD_SOCKET`` and the run's
 ``GPUD_REPORT_TOKEN`` added to the
-current environment, forwards SIGINT/SIGTERM/SIGHUP to it (not a Ctrl-C on the terminal,
-which reaches the command directly), and when it ends stops what it
+current environment, forwards SIGINT/SIGTERM/SIGHUP/SIGQUIT to it (not a Ctrl-C or Ctrl-\\
+on the terminal, which reaches the command directly; one gpuctl was started ignoring,
+``nohup``'s SIGHUP, stays ignored, by the command too), and when it ends stops what it
 left running (SIGTERM, then SIGKILL after ``--kill-after`` seconds, or at once on a signal
 since the command ended: every process whose environment carries the run's ``GPUD_RUN``),
 releases the reservation, telling gpud how the
@@ -33,7 +34,7 @@ first loop pass that can write it again (``holder gone``), and ``run`` says what
 
 When the devices it asks for are taken, ``run`` queues the job (unless ``--no-wait``) and
 waits, printing its position and expected wait whenever they change, until gpud starts it;
-then it runs as above. Ctrl-C (SIGTERM, SIGHUP) while waiting leaves the queue or the wait
+then it runs as above. Ctrl-C (SIGTERM, SIGHUP, SIGQUIT) while waiting leaves the queue or the wait
 for co-location (exit 130, said on one line, gpud there or not), telling gpud which signal
 (its event says so, and ``gpuctl queue`` stops listing the run at once); one before the
 command starts (asking gpud, reserving, held at its gate) ends the run the same way, and a
@@ -65,7 +66,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import secrets
 import signal
@@ -99,7 +99,7 @@ from gpud.cli.jobs import (
     warn_if_mps_down,
 )
 from gpud.cli.output import seconds
-from gpud.cli.pipes import stderr_that_never_fails
+from gpud.cli.pipes import STDERR_MAY_GO
 from gpud.errors import (
     ERROR_TABLE,
     ColocationOff,
@@ -186,10 +186,26 @@ _GATE = (
     "  m=json.dumps({'error':{'message':m,'code':s,'exit_code':c,'class':None}})\n"
     " else:\n"
     "  m='gpuctl: '+m\n"
-    " sys.stderr.write(m+'\\n')\n"
-    " sys.exit(c)\n"
+    # a stderr gone (a hung-up terminal: EIO; its reader gone: EPIPE, SIGPIPE ignored for
+    # it) loses the line, never the exit status; os._exit: no flush at exit to fail again
+    " signal.signal(signal.SIGPIPE,signal.SIG_IGN)\n"
+    " try:\n"
+    "  sys.stderr.write(m+'\\n')\n"
+    "  sys.stderr.flush()\n"
+    " except OSError:\n"
+    "  pass\n"
+    " os._exit(c)\n"
 )
-_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# the ones a terminal sends its whole foreground process group (Ctrl-C, Ctrl-\)
+_FROM_THE_KEYBOARD = (signal.SIGINT, signal.SIGQUIT)
+
+
+def _not_ignored() -> list[signal.Signals]:
+    """Those of :data:`_FORWARDED` that gpuctl was not started ignoring: one it was
+    (``nohup gpuctl run ...``: SIGHUP) stays ignored, by gpuctl and by the command, which
+    inherits it."""
+    return [sig for sig in _FORWARDED if signal.getsignal(sig) is not signal.SIG_IGN]
 
 
 _GIVEN_COMMAND = given("the command's name")
@@ -241,7 +257,7 @@ def register(subparsers: Subparsers) -> None:
         f"this many seconds later (default {KILL_AFTER_S:g})",
     )
     run.add_argument("command", nargs=argparse.REMAINDER, action=_Command, metavar="-- CMD ARGS...")
-    run.set_defaults(run=run_run)
+    run.set_defaults(run=run_run, **{STDERR_MAY_GO: True})
     env = subparsers.add_parser("env", help="print the environment of a job (export lines)")
     env.add_argument("--job", required=True, type=JOB_NAME, metavar="NAME")
     env.set_defaults(run=run_env)
@@ -293,7 +309,7 @@ def advise(
     jobs service places the job as it always does. When the loop says
     wait (no GPU where sharing pays off now), the job waits until it names one, unless
     ``--no-wait``: placing it anyway would share a GPU the loop just refused. False when
-    Ctrl-C (or SIGTERM, SIGHUP) stopped the run (``stop``), said on stderr. Why it falls
+    Ctrl-C (or SIGTERM, SIGHUP, SIGQUIT) stopped the run (``stop``), said on stderr. Why it falls
     back to the default placement goes into ``notes``, said once the jobs service placed
     the job (or queued it), not before the refusal of a job that can never start."""
     if args.mig is not None or args.gpus is not None or args.devices is not None:
@@ -610,14 +626,16 @@ def _setting(stop: _Stop) -> Callable[[int, FrameType | None], None]:
 
 @contextlib.contextmanager
 def _signals_stop() -> Iterator[_Stop]:
-    """A stop that SIGINT, SIGTERM and SIGHUP set while waiting. Raised inside a gRPC
+    """A stop that SIGINT, SIGTERM, SIGHUP and SIGQUIT set while waiting (those gpuctl was
+    not started ignoring: :func:`_not_ignored`). Raised inside a gRPC
     call, KeyboardInterrupt could leave the channel unusable for the calls that follow
     (leaving the queue, releasing)."""
     import threading  # imported here: only a waiting `gpuctl run` pays for it
 
     stop = _Stop()
     main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, _setting(stop)) for sig in _FORWARDED} if main else {}
+    taken = _not_ignored() if main else []
+    previous = {sig: signal.signal(sig, _setting(stop)) for sig in taken}
     stop.previous = previous
     try:
         yield stop
@@ -637,7 +655,7 @@ def run_run(ctx: Context, args: argparse.Namespace) -> int:
     # the original handlers back.
     after = _Stop()
     try:
-        with stderr_that_never_fails(), _signals_stop() as stop:
+        with _signals_stop() as stop:
             return _run(ctx, args, command, stop, after)
     finally:
         after.close()
@@ -1085,20 +1103,11 @@ def _leave(ctx: Context, entry: queue_pb2.QueueEntry, stop: _Stop) -> None:
         )
 
 
-def _stop_leftovers(job: str, run: str, grace_s: float, hurry: _Stop | None = None) -> None:
+def _stop_leftovers(job: str, run: str, grace_s: float, hurry: _Stop) -> None:
     """End what the command left running (its environment carries ``GPUD_RUN``): the
     reservation is released next, and nothing may go on using what nothing reserves. Once
     ``hurry`` is set (a signal since the command ended), SIGKILL without waiting more."""
     from gpud.jobs import leftovers
-
-    def clock() -> float:
-        return math.inf if hurry is not None and hurry.is_set() else time.monotonic()
-
-    def sleep(seconds: float) -> None:
-        if hurry is None:
-            time.sleep(seconds)
-        else:
-            hurry.wait(seconds)
 
     def reap() -> None:
         # as PID 1 (a container's init) the orphans are gpuctl's own children
@@ -1115,20 +1124,22 @@ def _stop_leftovers(job: str, run: str, grace_s: float, hurry: _Stop | None = No
         f"SIGTERM, and SIGKILL after {grace_s:g} s",
         file=sys.stderr,
     )
-    try:
-        _, killed = leftovers.stop(
-            run, grace_s, clock=clock, sleep=sleep, reap=reap if os.getpid() == 1 else None
-        )
-    except KeyboardInterrupt:  # Ctrl-C again: do not wait
-        killed = leftovers.kill(run)
+    _, killed = leftovers.stop(
+        run,
+        grace_s,
+        reap=reap if os.getpid() == 1 else None,
+        hurry=hurry.is_set,
+        sleep=hurry.wait,
+    )
     if killed:
         print(f"gpuctl: killed {len(killed)} process(es) of job {job}", file=sys.stderr)
 
 
 def _terminal_sent_it(pid: int) -> bool:
-    """Whether a SIGINT gpuctl got came from its terminal (Ctrl-C), which sends it to the
-    whole foreground process group: gpuctl's, and the command's while it shares it. Forwarded
-    as well, the command would see a second Ctrl-C, a forced stop for many programs."""
+    """Whether a SIGINT or SIGQUIT gpuctl got came from its terminal (Ctrl-C, Ctrl-\\), which
+    sends it to the whole foreground process group: gpuctl's, and the command's while it
+    shares it. Forwarded as well, the command would see it twice (for many programs a second
+    Ctrl-C is a forced stop)."""
     try:
         tty = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
     except OSError:
@@ -1167,7 +1178,7 @@ def _launch(
     even when placing fails, with a warning, unless ``place`` raises :class:`NotStarted`,
     which keeps the gate shut; NotStarted too when the gate's process ended before the gate
     opened, as the SIGTERM of ``gpuctl jobs rm --force`` ends it). ``told`` hears each
-    signal gpuctl gets meanwhile (SIGINT, SIGTERM, SIGHUP); ``stop``'s handlers take them until the command
+    signal gpuctl gets meanwhile (SIGINT, SIGTERM, SIGHUP, SIGQUIT); ``stop``'s handlers take them until the command
     has started (one they took then is forwarded once it has), and the handlers they
     replaced are put back at its end, or, with ``after``, those that set it (each signal
     once the command has ended: the caller puts the handlers back when it is done). Its return code: the exit status, or -N when
@@ -1230,8 +1241,8 @@ def _launch(
             return
         if told is not None:
             told(signum)
-        if signum == signal.SIGINT and _terminal_sent_it(child.pid):
-            return  # Ctrl-C: the terminal sent it to the command as well
+        if signum in _FROM_THE_KEYBOARD and _terminal_sent_it(child.pid):
+            return  # Ctrl-C, Ctrl-\: the terminal sent it to the command as well
         # os.kill, not Popen.send_signal: that reaps a command the same signal just ended
         # (a process group's SIGTERM, a terminal's SIGHUP), and the wait below then finds
         # no child
@@ -1241,14 +1252,16 @@ def _launch(
     # Signal handlers can only be set from the main thread (gpuctl's own); elsewhere
     # (embedded use) the child shares the terminal's process group anyway.
     main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED} if main else {}
+    # those ``stop`` took (the same, unless not in the main thread), else all not ignored
+    taken = list(stop.previous) if stop is not None else _not_ignored() if main else []
+    previous = {sig: signal.signal(sig, forward) for sig in taken}
     if stop is not None:
         previous = {sig: stop.previous.get(sig, handler) for sig, handler in previous.items()}
         if stop.signum is not None:  # sent as it started the command: the command has it
             if told is not None:
                 told(stop.signum)
-            with contextlib.suppress(ProcessLookupError):
-                child.send_signal(stop.signum)
+            with contextlib.suppress(ProcessLookupError):  # os.kill: see forward
+                os.kill(child.pid, stop.signum)
     held = False  # whether it ended as the gate, never the command
     try:
         # waited for, not reaped: a process killed after the gate opened (the SIGTERM of

@@ -117,17 +117,19 @@ def stop(
     *,
     send: Callable[[int, int], None] = os.kill,
     clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
+    sleep: Callable[[float], object] = time.sleep,
     reap: Callable[[], None] | None = None,
+    hurry: Callable[[], bool] = lambda: False,
 ) -> tuple[list[int], list[int]]:
     """SIGTERM to every process of ``run``, then SIGKILL to those still there after
-    ``grace_s`` seconds: ``(terminated, killed)``. ``reap`` collects exited children of the
-    caller (a process that is gone but not waited for still reads as there)."""
+    ``grace_s`` seconds, or as soon as ``hurry()`` says so: ``(terminated, killed)``.
+    ``reap`` collects exited children of the caller (a process that is gone but not waited
+    for still reads as there)."""
     terminated = kill(run, signal.SIGTERM, proc_root, send=send)
     if not terminated:
         return [], []
     deadline = clock() + grace_s
-    while clock() < deadline:
+    while clock() < deadline and not hurry():
         if reap is not None:
             reap()
         if not processes(run, proc_root, skip=os.getpid()):

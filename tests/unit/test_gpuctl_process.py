@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import json
 import os
 import socket
@@ -14,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from gpud.api import ApiServer
-from gpud.cli import EXIT_INTERRUPTED, context, entry
+from gpud.cli import EXIT_INTERRUPTED, context, entry, pipes
 from tests.unit.api_support import ServerThread, make_servicer, short_dir
 from tests.unit.other_user import GROUP, as_nobody, needs_root
 
@@ -293,3 +296,59 @@ def test_permission_advice_for_a_member_kept_out_by_a_directory(open_dir: Path, 
         " does). That is for an administrator (as root); the socket's group (api.socket_group)"
         " does not help before it."
     )
+
+
+@pytest.mark.parametrize("how", ["pipe", "pty"])
+def test_an_error_of_gpuctl_run_keeps_its_exit_status_with_stderr_gone(
+    tmp_path: Path, how: str
+) -> None:
+    """``gpuctl run`` whose own error (no gpud there) cannot be said, its stderr gone (a
+    pipe whose reader went: EPIPE; a terminal that hung up: EIO): the line is lost, the
+    exit status (3) is not, as within the run. It was 141, or 1 with a traceback."""
+    if how == "pipe":
+        read, write = os.pipe()
+    else:
+        read, write = os.openpty()
+    os.close(read)
+    argv = [sys.executable, "-m", "gpud.cli.main", "--socket", str(tmp_path / "no.sock")]
+    try:
+        done = subprocess.run(
+            [*argv, "run", "--job", "j", "--", "true"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=write,
+            check=False,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 3 and done.stdout == b""
+
+
+class _Flaky(io.StringIO):
+    """A stream whose writes fail with ``errors`` in turn, then pass."""
+
+    def __init__(self, *errors: OSError) -> None:
+        super().__init__()
+        self.failures = list(errors)
+
+    def write(self, text: str) -> int:
+        if self.failures:
+            raise self.failures.pop(0)
+        return super().write(text)
+
+
+def test_a_stderr_full_for_now_loses_a_line_not_all_that_follow() -> None:
+    """A non-blocking stderr full for a moment (EAGAIN) drops the line written then; one
+    that failed for good (its reader gone) drops everything after. EAGAIN dropped every
+    later line as well."""
+    busy = _Flaky(BlockingIOError(errno.EAGAIN, "busy"))
+    with contextlib.redirect_stderr(busy), pipes.stderr_that_never_fails():
+        sys.stderr.write("lost\n")
+        sys.stderr.write("said\n")
+    assert busy.getvalue() == "said\n"
+    gone = _Flaky(BrokenPipeError(errno.EPIPE, "gone"))
+    with contextlib.redirect_stderr(gone), pipes.stderr_that_never_fails():
+        sys.stderr.write("lost\n")
+        sys.stderr.write("lost too\n")
+    assert gone.getvalue() == ""

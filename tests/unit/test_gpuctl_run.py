@@ -970,6 +970,93 @@ def test_a_run_whose_stderr_went_away_still_releases_with_its_commands_status(
     assert node.jobs.reservations.held() == []
 
 
+def until(done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 20
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def ended(run: subprocess.Popen[str]) -> str:
+    """What ``run`` said on stderr, once it has ended; killed if it has not in 20 s."""
+    try:
+        return run.communicate(timeout=20)[1]
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+
+
+def test_a_sigquit_while_the_command_runs_is_passed_on_and_the_run_released(
+    node: Node, tmp_path: Path
+) -> None:
+    """SIGQUIT (Ctrl-\\ from elsewhere than its terminal, a ``kill -QUIT``) reaches the
+    command as SIGTERM does, and gpuctl releases the reservation with how the command
+    ended. It killed gpuctl (its default action), gpud finding the holder gone, with no
+    exit status."""
+    ends: list[RunEnd | None] = []
+    node.jobs.add_observer(lambda what, r, spec, end: ends.append(end) if what == "release" else 0)
+    started = tmp_path / "started"
+    script = f"trap 'exit 7' QUIT; touch {started}; while :; do sleep 0.05; done"
+    run = gpuctl_process(node, "run", "--job", "j", "--", "sh", "-c", script)
+    try:
+        until(started.exists, "the command started")
+        run.send_signal(signal.SIGQUIT)
+    finally:
+        err = ended(run)
+    assert run.returncode == 7, err
+    assert ends == [RunEnd(EndCause.EXITED, exit_code=7)]
+    assert node.jobs.reservations.held() == []
+
+
+def test_a_sigquit_before_the_command_starts_stops_the_run_as_ctrl_c_does(tmp_path: Path) -> None:
+    """SIGQUIT while the run waits for co-location ends the wait, nothing started, exit
+    130, as Ctrl-C, SIGTERM and SIGHUP do. It killed gpuctl, saying nothing."""
+    loop = SaysWait(waits=10_000)
+    with serving(loop.register) as n:
+        marker = tmp_path / "ran"
+        run = gpuctl_process(n, "run", "--job", "w", "--", "touch", str(marker))
+        try:
+            until(lambda: loop.asked >= 1, "the run waits")
+            run.send_signal(signal.SIGQUIT)
+        finally:
+            err = ended(run)
+        assert run.returncode == 130, err
+        assert "gpuctl: job w stopped waiting for co-location (SIGQUIT), nothing started" in err
+        assert n.jobs.reservations.held() == []
+    assert not marker.exists()
+
+
+def test_a_run_started_ignoring_sighup_ignores_it_and_so_does_its_command(
+    node: Node, tmp_path: Path
+) -> None:
+    """``nohup gpuctl run ...``: a SIGHUP (the terminal closing) ends neither gpuctl nor the
+    command, which inherits it ignored; the run ends as its command does. gpuctl took
+    SIGHUP over and passed it on to a command started with it at its default: exit 129."""
+    ends: list[RunEnd | None] = []
+    node.jobs.add_observer(lambda what, r, spec, end: ends.append(end) if what == "release" else 0)
+    pid_file, go = tmp_path / "pid", tmp_path / "go"
+    script = f"echo $$ > {pid_file}; while [ ! -e {go} ]; do sleep 0.05; done; exit 6"
+    nohup = ["sh", "-c", 'trap "" HUP; exec "$@"', "nohup"]
+    gpuctl = [sys.executable, "-m", "gpud.cli.main", "--socket", str(node.socket)]
+    run = subprocess.Popen(
+        [*nohup, *gpuctl, "run", "--job", "j", "--", "sh", "-c", script],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        until(lambda: pid_file.exists() and pid_file.read_text().endswith("\n"), "started")
+        run.send_signal(signal.SIGHUP)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), signal.SIGHUP)
+        time.sleep(0.3)
+        go.touch()
+    finally:
+        err = ended(run)
+    assert run.returncode == 6, err
+    assert ends == [RunEnd(EndCause.EXITED, exit_code=6)]
+
+
 def removed_while_running(node: Node, command: list[str]) -> tuple[int, HistoryRow, float]:
     """Run ``command`` as job ``w`` with `gpuctl run` and remove the job with `gpuctl jobs
     rm --force` while it runs: gpuctl's exit status, the run's history row, and when the

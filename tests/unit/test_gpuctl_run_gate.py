@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -113,11 +113,11 @@ def test_a_command_that_cannot_run_is_said_as_json_when_asked(
 _COUNTER = """
 import signal, sys, time
 got = []
-signal.signal(signal.SIGINT, lambda s, f: got.append(time.monotonic()))
+signal.signal(int(sys.argv[2]), lambda s, f: got.append(time.monotonic()))
 open(sys.argv[1], "w").close()
 while not got:
     time.sleep(0.01)
-time.sleep(1.0)  # a second SIGINT, forwarded, would come within this
+time.sleep(1.0)  # a second one, forwarded, would come within this
 sys.exit(len(got))
 """
 
@@ -125,18 +125,24 @@ _GPUCTL = """
 import fcntl, os, sys, termios
 fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # the pty is this session's terminal, its group foreground
 from gpud.cli.run import NotStarted, _launch, still_the_gate
-print("exit", _launch([sys.executable, "-c", sys.argv[1], sys.argv[2]], dict(os.environ)))
+print("exit", _launch([sys.executable, "-c", *sys.argv[1:]], dict(os.environ)))
 """
 
 
-def test_ctrl_c_on_the_terminal_reaches_the_command_once(tmp_path: Path) -> None:
-    # The terminal sends SIGINT to its foreground process group, gpuctl and the command
-    # alike: forwarded as well, the command would count two Ctrl-C (a forced stop for many).
+@pytest.mark.parametrize(
+    ("signum", "key"), [(signal.SIGINT, b"\x03"), (signal.SIGQUIT, b"\x1c")], ids=["C-c", "C-\\"]
+)
+def test_ctrl_c_on_the_terminal_reaches_the_command_once(
+    tmp_path: Path, signum: signal.Signals, key: bytes
+) -> None:
+    # The terminal sends SIGINT (Ctrl-C) or SIGQUIT (Ctrl-\) to its foreground process
+    # group, gpuctl and the command alike: forwarded as well, the command would count two (a
+    # forced stop for many). SIGQUIT, not taken over, killed gpuctl, its command with it.
     ready = tmp_path / "ready"
     master, slave = os.openpty()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _GPUCTL, _COUNTER, str(ready)],
+            [sys.executable, "-c", _GPUCTL, _COUNTER, str(ready), str(int(signum))],
             stdin=slave,
             stdout=slave,
             stderr=slave,
@@ -146,7 +152,7 @@ def test_ctrl_c_on_the_terminal_reaches_the_command_once(tmp_path: Path) -> None
         deadline = time.monotonic() + 20
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        os.write(master, b"\x03")
+        os.write(master, key)
         assert proc.wait(20) == 0
         out = b""
         with contextlib.suppress(OSError):
@@ -154,7 +160,7 @@ def test_ctrl_c_on_the_terminal_reaches_the_command_once(tmp_path: Path) -> None
                 out += chunk
     finally:
         os.close(master)
-    assert b"exit 1" in out, out  # the count of SIGINTs it got
+    assert b"exit 1" in out, out  # the count of signals it got
 
 
 def test_the_gate_is_known_by_its_name_until_the_exec(tmp_path: Path) -> None:
@@ -227,3 +233,82 @@ def test_a_signal_that_reaches_gpuctl_as_its_command_ends_by_it_is_the_commands_
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0 and out == f"exit {-signal.SIGTERM}\n", err
+
+
+# a command that cannot be run, gpuctl's stderr gone: the exit status `_launch` gets
+_CANNOT_RUN = """
+import os, sys
+from gpud.cli.run import _launch
+print("exit", _launch([sys.argv[1]], dict(os.environ), lambda pid: None), flush=True)
+"""
+
+
+@contextlib.contextmanager
+def _stderr_gone(how: str) -> Iterator[int]:
+    """An fd for a process's stderr that can no longer be written: a pipe whose reader has
+    gone (EPIPE, and SIGPIPE), or a terminal that hung up (EIO)."""
+    if how == "pipe":
+        read, write = os.pipe()
+        os.close(read)
+    else:
+        read, write = os.openpty()
+        os.close(read)  # the terminal's master closed: writes to the slave fail with EIO
+    try:
+        yield write
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("how", ["pipe", "pty"])
+@pytest.mark.parametrize(("what", "code"), [("missing", 127), ("directory", 126)])
+def test_a_command_that_cannot_run_exits_127_or_126_with_stderr_gone(
+    tmp_path: Path, how: str, what: str, code: int
+) -> None:
+    """The gate's ``gpuctl: cannot run ...`` line that cannot be written is lost, never the
+    exit status of a command not found (127) or not runnable (126). The write killed the
+    gate with SIGPIPE (141), or failed again as Python flushed stderr at exit (120)."""
+    command = str(tmp_path / "nonexistent") if what == "missing" else str(tmp_path)
+    with _stderr_gone(how) as stderr:
+        done = subprocess.run(
+            [sys.executable, "-c", _CANNOT_RUN, command],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+    assert done.stdout == f"exit {code}\n"
+
+
+# a signal while gpuctl places the command (before it takes the signals over), the command
+# ending before gpuctl passes the signal on to it
+_SIGNAL_WHILE_PLACED = """
+import os, signal, sys, time
+from pathlib import Path
+from gpud.cli.run import _launch, _signals_stop
+pids = []
+def place(pid):
+    pids.append(pid)
+    os.kill(os.getpid(), signal.SIGTERM)  # gpuctl's handler: the stop names it
+def told(signum):  # before gpuctl passes it on: wait until the command has ended
+    while Path(f"/proc/{pids[0]}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
+with _signals_stop() as stop:
+    print("exit", _launch(["true"], dict(os.environ), place, told, stop), flush=True)
+"""
+
+
+def test_a_signal_while_placed_for_a_command_that_ended_since_is_its_end() -> None:
+    """A signal that lands while gpuctl places the command is passed on once the command
+    runs; the command ended meanwhile, its end is still gpuctl's to wait for. Passing it on
+    reaped the command, and gpuctl failed with ``ChildProcessError`` (exit 1), telling gpud
+    no status."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_WHILE_PLACED],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stdout == "exit 0\n", done.stderr

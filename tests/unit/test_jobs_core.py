@@ -24,6 +24,7 @@ from gpud.errors import (
     ResourceExhausted,
 )
 from gpud.events import EventLog
+from gpud.jobs import leftovers
 from gpud.jobs.api import JobsServicer
 from gpud.jobs.attribution import Attributor, memory_by_job
 from gpud.jobs.env import build_env
@@ -1039,3 +1040,31 @@ def test_with_mps_off_a_runs_user_is_not_looked_for(tmp_path: Path, store: State
     mps = MpsManager(store, EventLog(None), tmp_path / "run", FAKE_CONTROL, enabled=False)
     service = JobService(store, EventLog(None), mps, socket_path=Path("/s"))
     assert service.run_uid(4_000_000, 4026531836) is None  # no such PID, nor namespace
+
+
+def test_stopping_what_a_run_left_sends_sigkill_at_once_when_hurried(tmp_path: Path) -> None:
+    """``leftovers.stop`` waits up to its grace for what the run left to end after SIGTERM,
+    unless ``hurry()`` says not to wait more (a signal since the command ended): SIGKILL
+    then, at the next poll."""
+    (tmp_path / "41").mkdir()
+    (tmp_path / "41" / "environ").write_bytes(b"HOME=/\0GPUD_RUN=r1\0")
+    sent: list[tuple[int, int]] = []
+    now = [0.0]
+    hurried: list[bool] = []
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+        hurried.append(True)  # a signal while it waited
+
+    terminated, killed = leftovers.stop(
+        "r1",
+        60.0,
+        tmp_path,
+        send=lambda pid, sig: sent.append((pid, sig)),
+        clock=lambda: now[0],
+        sleep=sleep,
+        hurry=lambda: bool(hurried),
+    )
+    assert terminated == killed == [41]
+    assert sent == [(41, signal.SIGTERM), (41, signal.SIGKILL)]
+    assert now[0] < 1.0
