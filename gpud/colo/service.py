@@ -885,6 +885,7 @@ class ColoService:
                 per_gpu.setdefault(r.gpu, []).append(r)
             self._learn(snapshot, per_gpu)
             uuids = {g.identity.index: g.known().uuid for g in snapshot.gpus}
+            self._count_attainment(running)
             duty_by_gpu, evict_by_gpu = self._guard_step(live, per_gpu, uuids)
             views = [self._view(r) for r in live]
             plan = self._planner.plan(gpus, views, duty_by_gpu, evict_by_gpu)
@@ -1394,6 +1395,22 @@ class ColoService:
             base, mem_frac=side.mem_frac, host_cpu=side.host_cpu, rss_frac=side.rss_frac
         )
 
+    def _count_attainment(self, running: Sequence[RunningJob]) -> None:
+        """One window of SLO attainment per inference service that reported latencies,
+        once a tick: on a faulty GPU too, where its guard is paused, since the latencies
+        come from the service and not from the GPU, and a service that misses its SLO
+        while its GPU hangs has missed it."""
+        slos: dict[str, float] = {}
+        for r in running:
+            if r.kind == "inference" and r.slo_p99_ms and math.isfinite(r.slo_p99_ms):
+                slos.setdefault(r.name, r.slo_p99_ms / 1e3)
+        for name, slo_s in slos.items():
+            p99 = self.p99(name)
+            if p99 is not None:
+                st = self._jobs.setdefault(name, _JobState())
+                st.windows += 1
+                st.windows_ok += int(p99 <= slo_s)
+
     def _guard_step(
         self,
         running: Sequence[RunningJob],
@@ -1423,9 +1440,6 @@ class ColoService:
                 g.breaches_at_floor = 0
             p99 = self.p99(name)
             st = self._jobs.setdefault(name, _JobState())
-            if p99 is not None:
-                st.windows += 1
-                st.windows_ok += int(p99 <= g.slo_s)
             gpus = sorted(
                 {
                     r.gpu
@@ -2288,6 +2302,11 @@ class ColoService:
                 reason = g.last.reason if g.last else "no training on its GPU"
                 if r.gpu in self._faulty:
                     action, reason = "hold", f"paused: GPU {r.gpu} {self._faulty[r.gpu]}"
+                    if p99 is not None and p99 > g.slo_s:
+                        reason += (
+                            f"; p99 {p99 * 1e3:.1f} ms over SLO {g.slo_s * 1e3:.1f} ms, "
+                            "training left at its duty"
+                        )
                 guards.append(
                     GuardView(
                         job=name,

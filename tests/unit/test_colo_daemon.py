@@ -1862,6 +1862,33 @@ def test_a_faulty_gpu_is_left_out_and_its_jobs_keep_their_directives(tmp_path: P
     assert svc.advise("new", memory_bytes=GIB, snapshot=lost).gpu == 1
 
 
+def test_a_service_over_its_slo_on_a_hung_gpu_counts_against_its_attainment(
+    tmp_path: Path,
+) -> None:
+    """GPU 0 stops answering while its service reports latencies over its SLO: the guard
+    stays paused (training keeps its duty), but the misses count in the attainment and the
+    guard's reason says that p99 is over the SLO."""
+    svc, clock, jobs = two_jobs_on_gpu0(tmp_path)
+    jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB))
+    svc.report_latency("chat", [0.01] * 100)
+    svc.tick(snapshot())
+    hung = snapshot()
+    gpu0 = hung.gpus[0]._replace(healthy=False, reason="not answering: a driver call is out")
+    hung = Snapshot(hung.wall_time, hung.monotonic, (gpu0, hung.gpus[1]), hung.tick_seconds)
+    for _ in range(3):
+        clock.t += 11  # past the latency window: each tick sees only the new reports
+        svc.report_latency("chat", [0.2] * 100)
+        svc.tick(hung)
+    assert svc.duty("train") == 1.0
+    (g,) = svc.show().guards
+    assert g.action == "hold" and g.attainment == pytest.approx(0.25)
+    assert g.reason == (
+        "paused: GPU 0 not answering; p99 200.0 ms over SLO 100.0 ms, training left at its duty"
+    )
+    reg = scraped(svc)
+    assert reg.get_sample_value("gpud_colo_slo_attainment_ratio", {"job": "chat"}) == 0.25
+
+
 def test_a_refusal_names_the_faulty_gpus_beside_the_busy_ones(tmp_path: Path) -> None:
     """Training on GPU 0, GPU 1 lost: a job that GPU 0 refuses is told why there, and that
     GPU 1, free as it looks, is lost (not only what holds GPU 0)."""
