@@ -564,7 +564,9 @@ class Planner:
             for device, profile, inside in _instances(g, evicted):
                 size = next((m.memory_bytes for m in g.view.layout() if m.profile == profile), 0)
                 cap = int(size * (1.0 - p.memory_headroom))
-                used = sum(j.memory_accounted() for j in inside)
+                # as NVML reports their processes' use: where the driver does not say, a
+                # reservation is no measure of what an instance holds, and nothing is evicted
+                used = sum(j.memory_used or 0 for j in inside)
                 trainees = sorted(
                     (j for j in inside if j.kind is JobKind.TRAINING),
                     key=lambda j: (-j.order, j.job_id),
@@ -578,7 +580,7 @@ class Planner:
                         f"{used >> 20} MiB over its limit {cap >> 20} MiB: "
                         "evict the newest training job there",
                     )
-                    used -= victim.memory_accounted()
+                    used -= victim.memory_used or 0
             if guard_evict and g.view.index in guard_evict:
                 for j, _, mig in list(g.residents):
                     if (
