@@ -851,10 +851,11 @@ def test_memory_over_a_shared_mig_instance_evicts_its_newest_training() -> None:
     (ev,) = [d for d in plan.directives if d.evict]
     assert ev.job_id == "grown"
     assert "MIG instance 3g.40gb" in ev.reason and "memory" in ev.reason
-    # within the instance's limit, nothing goes
-    grown.memory_used = 20 * GIB
-    plan = Planner(InterferencePredictor()).plan([view], [svc, grown, full])
-    assert not [d for d in plan.directives if d.evict]
+    # within the instance's limit, nothing goes; nor where the driver does not say
+    for unknown in (20 * GIB, None):
+        grown.memory_used = unknown
+        plan = Planner(InterferencePredictor()).plan([view], [svc, grown, full])
+        assert not [d for d in plan.directives if d.evict]
 
 
 @settings(max_examples=60, deadline=None)
