@@ -879,6 +879,7 @@ class ColoService:
                 self.predictor.advance(now - self._last_tick)
             self._last_tick = now
             live = tuple(r for r in running if r.gpu not in self._faulty)
+            self._hold_paused_guards(running, live, now)
             gpus, _ = self._gpu_views(snapshot, live)
             per_gpu: dict[int, list[RunningJob]] = {}
             for r in live:
@@ -1394,6 +1395,19 @@ class ColoService:
         return dataclasses.replace(
             base, mem_frac=side.mem_frac, host_cpu=side.host_cpu, rss_frac=side.rss_frac
         )
+
+    def _hold_paused_guards(
+        self, running: Sequence[RunningJob], live: Sequence[RunningJob], now: float
+    ) -> None:
+        """A service whose GPUs are all faulty: what it reports while they are is the
+        fault's doing, not the training's, so once they answer its guard acts only on
+        latencies reported after that (and a directive's delay), not on those the window
+        still holds from the fault. Under the lock."""
+        answering = {r.name for r in live}
+        for r in running:
+            if r.kind == "inference" and r.name not in answering:
+                st = self._jobs.setdefault(r.name, _JobState())
+                st.guard_since = max(st.guard_since, now + DIRECTIVE_DELAY_S)
 
     def _count_attainment(self, running: Sequence[RunningJob]) -> None:
         """One window of SLO attainment per inference service that reported latencies,
