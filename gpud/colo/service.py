@@ -2317,10 +2317,7 @@ class ColoService:
                 if r.gpu in self._faulty:
                     action, reason = "hold", f"paused: GPU {r.gpu} {self._faulty[r.gpu]}"
                     if p99 is not None and p99 > g.slo_s:
-                        reason += (
-                            f"; p99 {p99 * 1e3:.1f} ms over SLO {g.slo_s * 1e3:.1f} ms, "
-                            "training left at its duty"
-                        )
+                        reason += f"; p99 {p99 * 1e3:.1f} ms over SLO {g.slo_s * 1e3:.1f} ms"
                 guards.append(
                     GuardView(
                         job=name,
