@@ -9,7 +9,9 @@ One pass:
    job gpud knows, MPS servers, an evicted job still leaving) is held as it is. A job in a
    MIG instance is held to the instance's memory by the hardware: it is neither evicted
    for the GPU's memory nor refused an instance for what the GPU's other instances hold,
-   and an instance's resources are its own (no price rations them).
+   and an instance's resources are its own (no price rations them). Jobs that share one
+   instance share its memory as jobs share a whole GPU's: their use over the instance's
+   memory less the headroom costs the newest training job in it its place.
 2. Options. For every pending job and every GPU: the configurations its shape allows, each
    scored by the predicted gain in normalized progress -- its own predicted speed (shape x
    interference predictor against the residents) minus the speed the residents would lose,
@@ -557,6 +559,28 @@ class Planner:
                     f"{limit >> 20} MiB: evict the newest training job",
                 )
                 used -= victim.memory_accounted()
+            # Jobs sharing one MIG instance share its memory as jobs share a whole GPU's:
+            # one that grows crowds the others there, so the same rule holds per instance.
+            for device, profile, inside in _instances(g, evicted):
+                size = next((m.memory_bytes for m in g.view.layout() if m.profile == profile), 0)
+                cap = int(size * (1.0 - p.memory_headroom))
+                # as NVML reports their processes' use: where the driver does not say, a
+                # reservation is no measure of what an instance holds, and nothing is evicted
+                used = sum(j.memory_used or 0 for j in inside)
+                trainees = sorted(
+                    (j for j in inside if j.kind is JobKind.TRAINING),
+                    key=lambda j: (-j.order, j.job_id),
+                )
+                while size and used > cap and trainees and len(inside) > 1:
+                    victim = trainees.pop(0)
+                    inside.remove(victim)
+                    evict(
+                        victim,
+                        f"GPU {g.view.index} MIG instance {profile} ({device}) memory "
+                        f"{used >> 20} MiB over its limit {cap >> 20} MiB: "
+                        "evict the newest training job there",
+                    )
+                    used -= victim.memory_used or 0
             if guard_evict and g.view.index in guard_evict:
                 for j, _, mig in list(g.residents):
                     if (
@@ -930,6 +954,16 @@ def _beside_service(g: _Gpu, job: JobView, mig: str | None) -> bool:
         and ((m is None and mig is None) or (bool(job.device) and o.device == job.device))
         for o, _, m in g.residents
     )
+
+
+def _instances(g: _Gpu, evicted: set[str]) -> list[tuple[str, str, list[JobView]]]:
+    """(device UUID, profile, the jobs in it not evicted) per MIG instance of ``g`` that
+    several jobs share (a job whose device is not known counts alone)."""
+    by_device: dict[str, tuple[str, list[JobView]]] = {}
+    for j, _, mig in g.residents:
+        if mig is not None and j.device and j.job_id not in evicted:
+            by_device.setdefault(j.device, (mig, []))[1].append(j)
+    return [(d, mig, inside) for d, (mig, inside) in by_device.items() if len(inside) > 1]
 
 
 def s_mig(job: JobView, members: Sequence[tuple[JobView, float, str | None]]) -> bool:

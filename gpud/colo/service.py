@@ -879,12 +879,14 @@ class ColoService:
                 self.predictor.advance(now - self._last_tick)
             self._last_tick = now
             live = tuple(r for r in running if r.gpu not in self._faulty)
+            self._hold_paused_guards(running, live, now)
             gpus, _ = self._gpu_views(snapshot, live)
             per_gpu: dict[int, list[RunningJob]] = {}
             for r in live:
                 per_gpu.setdefault(r.gpu, []).append(r)
             self._learn(snapshot, per_gpu)
             uuids = {g.identity.index: g.known().uuid for g in snapshot.gpus}
+            self._count_attainment(running)
             duty_by_gpu, evict_by_gpu = self._guard_step(live, per_gpu, uuids)
             views = [self._view(r) for r in live]
             plan = self._planner.plan(gpus, views, duty_by_gpu, evict_by_gpu)
@@ -1394,6 +1396,35 @@ class ColoService:
             base, mem_frac=side.mem_frac, host_cpu=side.host_cpu, rss_frac=side.rss_frac
         )
 
+    def _hold_paused_guards(
+        self, running: Sequence[RunningJob], live: Sequence[RunningJob], now: float
+    ) -> None:
+        """A service whose GPUs are all faulty: what it reports while they are is the
+        fault's doing, not the training's, so once they answer its guard acts only on
+        latencies reported after that (and a directive's delay), not on those the window
+        still holds from the fault. Under the lock."""
+        answering = {r.name for r in live}
+        for r in running:
+            if r.kind == "inference" and r.name not in answering:
+                st = self._jobs.setdefault(r.name, _JobState())
+                st.guard_since = max(st.guard_since, now + DIRECTIVE_DELAY_S)
+
+    def _count_attainment(self, running: Sequence[RunningJob]) -> None:
+        """One window of SLO attainment per inference service that reported latencies,
+        once a tick: on a faulty GPU too, where its guard is paused, since the latencies
+        come from the service and not from the GPU, and a service that misses its SLO
+        while its GPU hangs has missed it."""
+        slos: dict[str, float] = {}
+        for r in running:
+            if r.kind == "inference" and r.slo_p99_ms and math.isfinite(r.slo_p99_ms):
+                slos.setdefault(r.name, r.slo_p99_ms / 1e3)
+        for name, slo_s in slos.items():
+            p99 = self.p99(name)
+            if p99 is not None:
+                st = self._jobs.setdefault(name, _JobState())
+                st.windows += 1
+                st.windows_ok += int(p99 <= slo_s)
+
     def _guard_step(
         self,
         running: Sequence[RunningJob],
@@ -1423,9 +1454,6 @@ class ColoService:
                 g.breaches_at_floor = 0
             p99 = self.p99(name)
             st = self._jobs.setdefault(name, _JobState())
-            if p99 is not None:
-                st.windows += 1
-                st.windows_ok += int(p99 <= g.slo_s)
             gpus = sorted(
                 {
                     r.gpu
@@ -2288,6 +2316,8 @@ class ColoService:
                 reason = g.last.reason if g.last else "no training on its GPU"
                 if r.gpu in self._faulty:
                     action, reason = "hold", f"paused: GPU {r.gpu} {self._faulty[r.gpu]}"
+                    if p99 is not None and p99 > g.slo_s:
+                        reason += f"; p99 {p99 * 1e3:.1f} ms over SLO {g.slo_s * 1e3:.1f} ms"
                 guards.append(
                     GuardView(
                         job=name,

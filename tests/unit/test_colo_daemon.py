@@ -1836,15 +1836,30 @@ def test_the_guard_waits_for_latencies_at_the_duty_it_set(tmp_path: Path) -> Non
     assert svc.duty("train") == pytest.approx(0.6)
 
 
+def gpu0_faulty(reason: str) -> Snapshot:
+    """The default snapshot with GPU 0 unhealthy for ``reason``."""
+    snap = snapshot()
+    gpu0 = snap.gpus[0]._replace(healthy=False, reason=reason)
+    return Snapshot(snap.wall_time, snap.monotonic, (gpu0, snap.gpus[1]), snap.tick_seconds)
+
+
+def chat_beside_training(tmp_path: Path) -> tuple[ColoService, Clock, list[RunningJob]]:
+    """A service of a 100 ms SLO joins the training on GPU 0, well within it: one tick."""
+    svc, clock, jobs = two_jobs_on_gpu0(tmp_path)
+    jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB))
+    svc.report_latency("chat", [0.01] * 100)
+    svc.tick(snapshot())
+    assert svc.duty("train") == 1.0
+    return svc, clock, jobs
+
+
 def test_a_faulty_gpu_is_left_out_and_its_jobs_keep_their_directives(tmp_path: Path) -> None:
     svc, clock, jobs = two_jobs_on_gpu0(tmp_path)
     jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB))
     svc.report_latency("chat", [0.095] * 100)
     svc.tick(snapshot())
     assert svc.duty("train") == 0.5
-    lost = snapshot()
-    gpu0 = lost.gpus[0]._replace(healthy=False, reason="GPU lost (memory): call failed")
-    lost = Snapshot(lost.wall_time, lost.monotonic, (gpu0, lost.gpus[1]), lost.tick_seconds)
+    lost = gpu0_faulty("GPU lost (memory): call failed")
     for _ in range(5):
         clock.t += 2
         svc.report_latency("chat", [0.5] * 100)  # what it reports means nothing now
@@ -1860,6 +1875,48 @@ def test_a_faulty_gpu_is_left_out_and_its_jobs_keep_their_directives(tmp_path: P
     assert shown["train"].reason == "GPU 0 lost (memory): left alone until it answers"
     # No advice puts a new job on it.
     assert svc.advise("new", memory_bytes=GIB, snapshot=lost).gpu == 1
+
+
+def test_a_service_over_its_slo_on_a_hung_gpu_counts_against_its_attainment(
+    tmp_path: Path,
+) -> None:
+    """GPU 0 stops answering while its service reports latencies over its SLO: the guard
+    stays paused (training keeps its duty), but the misses count in the attainment and the
+    guard's reason says that p99 is over the SLO."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    hung = gpu0_faulty("not answering: a driver call is out")
+    for _ in range(3):
+        clock.t += 11  # past the latency window: each tick sees only the new reports
+        svc.report_latency("chat", [0.2] * 100)
+        svc.tick(hung)
+    assert svc.duty("train") == 1.0
+    (g,) = svc.show().guards
+    assert g.action == "hold" and g.attainment == pytest.approx(0.25)
+    assert g.reason == "paused: GPU 0 not answering; p99 200.0 ms over SLO 100.0 ms"
+    reg = scraped(svc)
+    assert reg.get_sample_value("gpud_colo_slo_attainment_ratio", {"job": "chat"}) == 0.25
+
+
+def test_a_guard_back_from_a_hung_gpu_does_not_act_on_the_hangs_latencies(
+    tmp_path: Path,
+) -> None:
+    """GPU 0 hangs under a service and a training job; the service reports 200 ms through
+    the hang. When the GPU answers again the guard does not cut the training for those
+    latencies (the hang's, not the training's): it waits for ones reported since, and acts
+    on them."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    hung = gpu0_faulty("not answering: a driver call is out")
+    for _ in range(3):
+        clock.t += 1
+        svc.report_latency("chat", [0.2] * 100)
+        svc.tick(hung)
+    clock.t += 1
+    svc.tick(snapshot())  # it answers: the window still holds the hang's 200 ms
+    assert svc.duty("train") == 1.0
+    clock.t += 1.5
+    svc.report_latency("chat", [0.095] * 100)  # the training's doing now
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
 
 
 def test_a_refusal_names_the_faulty_gpus_beside_the_busy_ones(tmp_path: Path) -> None:

@@ -833,6 +833,61 @@ def test_a_guard_acts_only_on_training_in_its_services_mig_instance() -> None:
     assert {d.job_id for d in plan.directives if d.evict} == {"near"}
 
 
+def _in_instance(view: JobView, device: str, profile: str = "3g.40gb") -> JobView:
+    view.mig_profile, view.device = profile, device
+    return view
+
+
+def test_memory_over_a_shared_mig_instance_evicts_its_newest_training() -> None:
+    """A service and a training job share MIG instance A (40 GiB): the training grows to
+    32 GiB beside the service's 8, over the instance's limit, and is evicted, the reason
+    naming the instance; a training job alone in instance B that fills it is left alone."""
+    view = GpuView(index=0, memory_total=80 * GIB, whole=False, mig_layout=(H100_INSTANCES[2],))
+    svc = _in_instance(inference("svc", slo_s=0.2, peak=50.0, gpu=0), "MIG-a")
+    svc.memory_used, svc.order = 8 * GIB, 0
+    grown = _in_instance(training("grown", gpu=0, order=1, used_gib=32), "MIG-a")
+    full = _in_instance(training("full", gpu=0, order=2, used_gib=39), "MIG-b")
+    plan = Planner(InterferencePredictor()).plan([view], [svc, grown, full])
+    (ev,) = [d for d in plan.directives if d.evict]
+    assert ev.job_id == "grown"
+    assert "MIG instance 3g.40gb" in ev.reason and "memory" in ev.reason
+    # within the instance's limit, nothing goes; nor where the driver does not say
+    for unknown in (20 * GIB, None):
+        grown.memory_used = unknown
+        plan = Planner(InterferencePredictor()).plan([view], [svc, grown, full])
+        assert not [d for d in plan.directives if d.evict]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    used=st.lists(st.floats(0.5, 39.0), min_size=1, max_size=4),
+    service=st.booleans(),
+    headroom=st.floats(0.0, 0.2),
+)
+def test_a_shared_mig_instance_never_stays_over_its_memory_limit(
+    used: list[float], service: bool, headroom: float
+) -> None:
+    """Jobs sharing one MIG instance: after the plan's evictions, what those left use is
+    within the instance's limit, or one job is left alone there (a job alone may fill it)."""
+    inst = H100_INSTANCES[2]
+    view = GpuView(index=0, memory_total=80 * GIB, whole=False, mig_layout=(inst,))
+    jobs = [
+        _in_instance(training(f"t{i}", gpu=0, order=i + 1, used_gib=u), "MIG-a")
+        for i, u in enumerate(used)
+    ]
+    if service:
+        svc = _in_instance(inference("svc", slo_s=0.2, peak=50.0, gpu=0), "MIG-a")
+        svc.memory_used = 4 * GIB
+        jobs.append(svc)
+    planner = Planner(InterferencePredictor(), PlannerParams(memory_headroom=headroom))
+    plan = planner.plan([view], jobs)
+    evicted = {d.job_id for d in plan.directives if d.evict}
+    left = [j for j in jobs if j.job_id not in evicted]
+    assert left and all(j.kind is JobKind.TRAINING for j in jobs if j.job_id in evicted)
+    limit = int(inst.memory_bytes * (1 - headroom))
+    assert len(left) == 1 or sum(j.memory_used or 0 for j in left) <= limit
+
+
 def test_a_job_on_two_gpus_is_directed_once_at_the_pace_of_its_slower_gpu() -> None:
     """A training job holding GPUs 0 and 1 is a view on each; a service shares GPU 0. It
     runs at the pace of its slower GPU, so the guard on GPU 0 sets its duty whatever GPU 1
