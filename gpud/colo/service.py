@@ -355,13 +355,11 @@ def _question(v: JobView, hold_s: float) -> Hashable:
 @dataclass(frozen=True)
 class _Gone:
     """A job's removal: when (``wall``: on the clock reservations are stamped with,
-    ``at``: on the loop's), the stamps of its reservations the loop knew of then, and
-    which removal it was (``seq``: a read of the reservations begun after it lists none of
-    the job's from before it)."""
+    ``at``: on the loop's), and which removal it was (``seq``: a read of the reservations
+    begun after it lists none of the job's from before it)."""
 
     wall: float
     at: float
-    stamps: frozenset[float]
     seq: int
 
 
@@ -911,13 +909,12 @@ class ColoService:
             gone = self._gone.get(r.name)
             if gone is None or r.reserved_at is None:
                 continue
-            # made after the removal; or, in a read begun after it committed, one the loop
-            # did not know of then (the wall clock may have stepped back since). In a read
-            # begun before, a stamp the loop never saw is of a reservation made since its
-            # last tick and removed with the job.
-            if r.reserved_at > gone.wall or (
-                gone.seq <= removals and r.reserved_at not in gone.stamps
-            ):
+            # made after the removal, or read after it committed (the wall clock may have
+            # stepped back since). The jobs service commits the removal of the job's
+            # reservations before it calls the hook that counts the removal, under its
+            # placement lock across both: a read begun after the count lists none of the
+            # job's reservations from before it.
+            if r.reserved_at > gone.wall or gone.seq <= removals:
                 del self._gone[r.name]
         # a removal an hour old: no reservation read before it is still about
         self._gone = {j: g for j, g in self._gone.items() if now - g.at <= FORGET_AFTER_S}
@@ -1937,16 +1934,7 @@ class ColoService:
                 self._jobs.pop(job, None)
                 self._guards.pop(job, None)
                 self._removals += 1
-                self._gone[job] = _Gone(
-                    self._wall(),
-                    at,
-                    frozenset(
-                        r.reserved_at
-                        for r in self._last_running
-                        if r.name == job and r.reserved_at is not None
-                    ),
-                    self._removals,
-                )
+                self._gone[job] = _Gone(self._wall(), at, self._removals)
                 # written at once: a kill -9 before the next tick does not bring it back
                 state = self._state(tuple(r for r in self._last_running if r.name != job))
                 if mine:

@@ -90,6 +90,34 @@ def kept_loop(tmp_path: Path, jobs: list[RunningJob], clock: Clock) -> ColoServi
     )
 
 
+def removing_loop(
+    tmp_path: Path, jobs: list[RunningJob], clock: Clock
+) -> tuple[ColoService, list[str]]:
+    """A :func:`kept_loop` whose wall clock is ``clock``, and a list of jobs to remove: one
+    put in it is removed (`gpuctl jobs rm --force`) during the loop's next read of the
+    reservations, which still lists it (begun before the removal committed); later reads
+    do not."""
+    removing: list[str] = []
+
+    def running() -> list[RunningJob]:
+        listed = list(jobs)  # read before the removal committed
+        while removing:
+            job = removing.pop()
+            svc.job_removed(job, force=True)()
+            jobs[:] = [r for r in jobs if r.name != job]
+        return listed
+
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=running,
+        clock=clock,
+        state_file=tmp_path / "colo.json",
+        wall=clock,
+    )
+    return svc, removing
+
+
 def promising_loop(
     tmp_path: Path, running: list[RunningJob] | Callable[[], list[RunningJob]], clock: Clock
 ) -> ColoService:
@@ -3354,15 +3382,14 @@ def test_a_removed_job_is_not_learned_again_from_its_last_reports(tmp_path: Path
     old = RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)
     old = dataclasses.replace(old, reserved_at=clock.t)
     jobs = [old]
-    svc = kept_loop(tmp_path, jobs, clock)
-    svc._wall = clock
+    svc, removing = removing_loop(tmp_path, jobs, clock)
     for _ in range(6):
         svc.throttle_point("sweep", 10)
         svc.tick(busy_snapshot({0: (0.3, 0.2)}))
         clock.t += 1
-    svc.job_removed("sweep", force=True)()
+    removing.append("sweep")
     clock.t += 1
-    svc.tick(busy_snapshot({0: (0.3, 0.2)}))  # read before the removal committed
+    svc.tick(busy_snapshot({0: (0.3, 0.2)}))  # its list still holds the job
     assert svc.throttle_point("sweep", 10).duty == 1.0
     svc.report_latency("sweep", [0.01])
     assert "sweep" not in svc._jobs
@@ -3600,23 +3627,7 @@ def test_a_job_reserved_and_removed_between_two_ticks_stays_removed(tmp_path: Pa
     clock = Clock()
     other = RunningJob("other", "training", 1, memory_bytes=10 * GIB, reserved_at=clock.t)
     jobs = [other]
-    removing: list[str] = []
-
-    def running() -> list[RunningJob]:
-        listed = list(jobs)  # read before the removal committed
-        while removing:
-            svc.job_removed(removing.pop(), force=True)()
-            jobs[:] = [r for r in jobs if r.name != "sweep"]
-        return listed
-
-    svc = ColoService(
-        ColocateConfig(),
-        EventLog(tmp_path / "e.jsonl"),
-        running=running,
-        clock=clock,
-        state_file=tmp_path / "colo.json",
-        wall=clock,
-    )
+    svc, removing = removing_loop(tmp_path, jobs, clock)
     svc.tick(busy_snapshot({0: (0.0, 0.0), 1: (0.3, 0.2)}))
     clock.t += 1
     sweep = RunningJob(
