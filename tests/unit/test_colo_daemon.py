@@ -33,6 +33,7 @@ from gpud.colo.service import (
 from gpud.config import ColocateConfig
 from gpud.errors import InvalidArgument, NotFound
 from gpud.events import EventLog
+from gpud.files import write_atomically
 from gpud.telemetry.snapshot import GpuSample, Snapshot
 from gpud.v1 import colo_pb2
 from tests.unit.api_support import GIB, identity
@@ -79,14 +80,21 @@ def scraped(svc: ColoService) -> CollectorRegistry:
     return reg
 
 
-def kept_loop(tmp_path: Path, jobs: list[RunningJob], clock: Clock) -> ColoService:
-    """A loop that keeps its state in ``tmp_path/colo.json``: a new one picks it up."""
+def kept_loop(
+    tmp_path: Path,
+    jobs: list[RunningJob],
+    clock: Clock,
+    write: Callable[[Path, str], None] | None = None,
+) -> ColoService:
+    """A loop that keeps its state in ``tmp_path/colo.json`` (written by ``write``, where
+    given): a new one picks it up."""
     return ColoService(
         ColocateConfig(),
         EventLog(tmp_path / "e.jsonl"),
         running=lambda: jobs,
         clock=clock,
         state_file=tmp_path / "colo.json",
+        write=write,
     )
 
 
@@ -3599,6 +3607,53 @@ def test_a_removed_job_is_gone_from_the_file_at_once(tmp_path: Path) -> None:
     svc.job_removed("sweep", force=True)()
     assert "sweep" not in json.loads((tmp_path / "colo.json").read_text())["jobs"]
     assert "sweep" not in kept_loop(tmp_path, [], Clock())._jobs
+
+
+def test_a_removal_written_while_a_tick_writes_stays_in_the_file(tmp_path: Path) -> None:
+    """A tick built its state (the job still in it) and has not written it yet when
+    `gpuctl jobs rm` commits and writes the state without the job: the tick's older state
+    never lands over it, whichever write comes first (a kill -9 then does not bring the
+    job back)."""
+    import threading
+
+    clock = Clock()
+    jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
+    state = tmp_path / "colo.json"
+    ticking, go = threading.Event(), threading.Event()
+    tick = threading.Thread(target=lambda: svc.tick(busy_snapshot({0: (0.6, 0.4)})))
+
+    def write(path: Path, text: str) -> None:
+        if threading.current_thread() is tick and not go.is_set():
+            ticking.set()  # the tick's write: held until the removal has had its chance
+            go.wait(5)
+        write_atomically(path, text)
+
+    svc = ran_alone(kept_loop(tmp_path, jobs, clock, write), clock, 0.3, 6)
+    tick.start()
+    assert ticking.wait(5)
+    removal = threading.Thread(target=svc.job_removed("sweep", force=True))
+    removal.start()
+    removal.join(0.5)  # written at once, or waits for the tick's write to end
+    go.set()
+    tick.join(5)
+    removal.join(5)
+    assert "sweep" not in json.loads(state.read_text())["jobs"]
+    assert "sweep" not in kept_loop(tmp_path, [], Clock())._jobs
+
+
+def test_an_older_state_is_not_written_over_a_newer_one(tmp_path: Path) -> None:
+    """Two states built in turn, the newer written first (a removal's, while the tick that
+    built the older one had not written it yet): the older one is not written."""
+    clock = Clock()
+    jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
+    svc = ran_alone(kept_loop(tmp_path, jobs, clock), clock, 0.3, 6)
+    with svc._lock:
+        older = svc._state(jobs)
+        svc._jobs.pop("sweep")
+        newer = svc._state([])
+    svc._save(newer)
+    svc._save(older)
+    assert "sweep" not in json.loads((tmp_path / "colo.json").read_text())["jobs"]
 
 
 def test_a_minute_alone_unseen_is_counted_anew_after_company(
