@@ -227,6 +227,8 @@ class ClusterAgent:
         self._agg_epoch = 0
         self._issued = (0, 0)  # (epoch, seq) of the last order this node computed
         self._settled_at = 0.0  # (clock) when this leadership may hand out its first order
+        self._led_at: float | None = None  # (clock) this leadership's last round
+        self._settling = False  # the last leader round began a wait for the reports
         self.mode = Mode.LOCAL
         self.order: Order | None = None  # the newest applied order (this node's share)
         self._order_cleared = False  # the local policy decides again (grace period over)
@@ -383,7 +385,7 @@ class ClusterAgent:
                 # it leads: no leader to reach but itself (the previous one's error would
                 # stay published while the new leadership settles)
                 self._set_error(problem, OWN_CERTIFICATE if problem else "")
-            settling = self._agg_epoch != info.epoch
+            self._settling = False
             try:
                 # none once the cluster stops (it gives up the leadership). A round already
                 # leading then still computes its order, but its tags are not saved (the
@@ -400,8 +402,9 @@ class ClusterAgent:
                 if full:
                     self._alarms_read_at = None  # read the alarms in this round
                 order = None
-            if settling and order is None and self._settle_s > 0:
-                # a new leadership: its first round once it has settled, not a tick later
+            if self._settling and order is None:
+                # a new leadership, or one resumed: its first round once it has settled,
+                # not a tick later
                 self.request_round(max(0.0, self._settled_at - self._clock()))
             if (
                 order is not None
@@ -597,6 +600,11 @@ class ClusterAgent:
         keeps its last order. Every live node reports within that time: once per tick,
         each report within the report timeout. Time alone ends the wait, so a node that
         never reports (the old leader, killed) cannot keep the cluster without an order.
+
+        A leadership whose last round is older than the node timeout (the host was
+        suspended within its lease, or its rounds stalled) waits as long again: by the
+        clock that counts the suspend every other node's report is too old to count, and
+        an order at once would rank this node's jobs alone.
         """
         now = self._clock()
         with self._lock:
@@ -613,13 +621,29 @@ class ClusterAgent:
                 )
                 self._agg_epoch = epoch
                 self._settled_at = now + self._settle_s
-                if self._settle_s > 0:
+                self._settling = self._settle_s > 0
+                if self._settling:
                     log.info(
                         "cluster: leading epoch %d; the first order in %.1f s, once the "
                         "nodes have reported (the last order stays in force until then)",
                         epoch,
                         self._settle_s,
                     )
+            elif (
+                self._settle_s > 0
+                and self._led_at is not None
+                and now - self._led_at > self._node_timeout_s
+            ):
+                self._settled_at = now + self._settle_s
+                self._settling = True
+                log.info(
+                    "cluster: no round of epoch %d for %.1f s (a suspend?); the next order in "
+                    "%.1f s, once the nodes have reported again",
+                    epoch,
+                    now - self._led_at,
+                    self._settle_s,
+                )
+            self._led_at = now
             agg = self._aggregator
         # Outside the lock: peers' reports keep arriving (on the event loop) while the
         # round computes; a report is one dict assignment, and a round reads a copy.

@@ -13,8 +13,7 @@ was sent and received; their growth between two samples over the time between th
 busier direction again, over the product's NVLink bandwidth per direction. A GPU of an
 unknown product has no known NVLink bandwidth and reads 0.
 
-Nothing here raises: a reading that is not supported is 0; one that read before and
-fails once is no reading (None) for that interval, not 0.
+Nothing here raises: a reading that is missing or not supported is 0.
 """
 
 from __future__ import annotations
@@ -68,16 +67,11 @@ class NvlinkRates:
 
     def ratio(self, sample: GpuSample) -> float | None:
         """The GPU's NVLink throughput since its previous sample, over its capacity (0..1);
-        None until two samples of its counters were seen, and for a sample whose counters
-        did not read where earlier ones did (a failed read is no reading of no traffic: the
-        next read gives the rate over both intervals). 0 where the counters are not read
-        (not supported) or the capacity is unknown."""
+        None until two samples of its counters were seen. 0 where the counters are not
+        read or the capacity is unknown."""
         index = sample.identity.index
         counters = sample.nvlink_bytes
         cap = nvlink_capacity(sample.identity)
-        if counters is None and cap is not None and index in self._last:
-            self._ratio.pop(index, None)
-            return None
         if counters is None or cap is None:
             self._last.pop(index, None)
             self._ratio.pop(index, None)

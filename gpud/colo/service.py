@@ -355,14 +355,17 @@ def _question(v: JobView, hold_s: float) -> Hashable:
 @dataclass(frozen=True)
 class _Gone:
     """A job's removal: when (``wall``: on the clock reservations are stamped with,
-    ``at``: on the loop's), the stamps of its reservations the loop knew of then, and
-    which removal it was (``seq``: a read of the reservations begun after it lists none of
-    the job's from before it)."""
+    ``at``: on the loop's), and which removal it was (``seq``: a read of the reservations
+    begun after it lists none of the job's from before it)."""
 
     wall: float
     at: float
-    stamps: frozenset[float]
     seq: int
+
+
+def _write_state(path: Path, text: str) -> None:
+    """The state file's default writer: atomically, readable by its owner alone."""
+    write_atomically(path, text, mode=STATE_FILE_MODE)
 
 
 def _learned(st: _JobState) -> dict[str, Any]:
@@ -596,6 +599,7 @@ class ColoService:
         default_memory: Callable[[], Mapping[int, int]] | None = None,
         name_of: Callable[[int], str] = user_name,
         wall: Callable[[], float] = time.time,
+        write: Callable[[Path, str], None] | None = None,
     ) -> None:
         """``host``: reads the CPU and memory use of the jobs' process trees (default: the
         host's ``/proc``). ``state_file``: where what the loop learned about running jobs
@@ -612,7 +616,8 @@ class ColoService:
         after :meth:`reservations_freed` said some went, so that a run that ended is not
         shown placed until the next pass; a show (``/metrics``, ``gpuctl colo show``) with
         none gone since reads nothing. ``wall``: Unix time, what reservations are stamped
-        with (:attr:`RunningJob.reserved_at`)."""
+        with (:attr:`RunningJob.reserved_at`). ``write``: how the state file is written
+        (default: atomically, :func:`write_atomically`)."""
         self._name_of = name_of
         self._names: dict[int, tuple[str, float]] = {}  # UID -> its name, when looked up
         self._wall = wall
@@ -667,6 +672,13 @@ class ColoService:
         # next question is answered LeftQueue (kept WAITER_GONE_S, as long as it asks)
         self._left: dict[str, tuple[float, _Waiter]] = {}
         self._state_file = state_file
+        self._write = write or _write_state
+        self._states = 0  # (under _lock) states built for the file so far
+        # One write at a time, and never one of a state older than the last written: the
+        # tick writes what it built under the loop's lock after letting go of it, and a
+        # removal may build and write a newer one meanwhile (from the gRPC thread).
+        self._save_lock = threading.Lock()
+        self._saved_state = 0  # (under _save_lock) the newest state written or unchanged
         self._saved: dict[str, Any] | None = None
         self._saved_clock = 0.0
         self._save_error = ""  # why the last write failed ("": it did not)
@@ -913,13 +925,12 @@ class ColoService:
             gone = self._gone.get(r.name)
             if gone is None or r.reserved_at is None:
                 continue
-            # made after the removal; or, in a read begun after it committed, one the loop
-            # did not know of then (the wall clock may have stepped back since). In a read
-            # begun before, a stamp the loop never saw is of a reservation made since its
-            # last tick and removed with the job.
-            if r.reserved_at > gone.wall or (
-                gone.seq <= removals and r.reserved_at not in gone.stamps
-            ):
+            # made after the removal, or read after it committed (the wall clock may have
+            # stepped back since). The jobs service commits the removal of the job's
+            # reservations before it calls the hook that counts the removal, under its
+            # placement lock across both: a read begun after the count lists none of the
+            # job's reservations from before it.
+            if r.reserved_at > gone.wall or gone.seq <= removals:
                 del self._gone[r.name]
         # a removal an hour old: no reservation read before it is still about
         self._gone = {j: g for j, g in self._gone.items() if now - g.at <= FORGET_AFTER_S}
@@ -1123,12 +1134,13 @@ class ColoService:
                 st.guard_company = _saved_company(company, f"jobs.{name}.guard_company")
             self._guards[name] = g
 
-    def _state(self, running: Sequence[RunningJob]) -> dict[str, Any] | None:
+    def _state(self, running: Sequence[RunningJob]) -> tuple[int, dict[str, Any]] | None:
         """What the loop learned, as :meth:`_save` writes it: the running jobs' alone rates,
-        footprints and duties, and the interference predictor (``to_dict``); None without a
-        state file."""
+        footprints and duties, and the interference predictor (``to_dict``), after how many
+        states were built before it; None without a state file. Under the lock."""
         if self._state_file is None:
             return None
+        self._states += 1
         jobs: dict[str, dict[str, Any]] = {}
         now = self._clock()
         for r in running:
@@ -1162,21 +1174,31 @@ class ColoService:
                 jobs[name] = {**_learned(st), "idle_s": max(0.0, now - st.seen)}
         # jobs it evicted that have not run again since: a run of one has a GPU held for it
         evicted = sorted(n for n, st in self._jobs.items() if st.evicted)
-        return {
+        return self._states, {
             "version": STATE_FILE_VERSION,
             "jobs": jobs,
             "evicted": evicted,
             "predictor": self.predictor.to_dict(),
         }
 
-    def _save(self, data: dict[str, Any] | None) -> None:
+    def _save(self, state: tuple[int, dict[str, Any]] | None) -> None:
         """Write :meth:`_state` when it changed, to a temporary file, flushed and renamed
         over the old one: a crash of gpud or of the host leaves one or the other. The
         predictor's clock alone moving on (and ended jobs' ``idle_s``) is written once every
         ``CLOCK_WRITE_S`` (an idle node would write every tick): a restart takes it up from the last write, as if
-        gpud had been down since."""
-        if data is None or self._state_file is None:
+        gpud had been down since. A state older than one written already is not written:
+        the newer one holds what it knew and more (a job removed since is gone from it)."""
+        if state is None or self._state_file is None:
             return
+        with self._save_lock:
+            seq, data = state
+            if seq <= self._saved_state:
+                return
+            self._saved_state = seq
+            self._write_newest(self._state_file, data)
+
+    def _write_newest(self, path: Path, data: dict[str, Any]) -> None:
+        """:meth:`_save` of a state newer than any written. Under the save lock."""
         predictor = dict(data["predictor"])
         clock = predictor.pop("clock_s", 0.0)
         # how long ago an ended job ran grows every tick: like the predictor's clock, it is
@@ -1189,15 +1211,13 @@ class ColoService:
         if unclocked == self._saved and clock - self._saved_clock < CLOCK_WRITE_S:
             return
         try:
-            write_atomically(
-                self._state_file, json.dumps(data, allow_nan=False), mode=STATE_FILE_MODE
-            )
+            self._write(path, json.dumps(data, allow_nan=False))
             self._saved, self._saved_clock = unclocked, clock
             self._save_error = ""
         except (OSError, ValueError) as err:
             # tried again each tick: said once, not every few seconds of a full disk
             if str(err) != self._save_error:
-                log.warning("co-location state %s not written: %s", self._state_file, err)
+                log.warning("co-location state %s not written: %s", path, err)
             self._save_error = str(err)
 
     def _learn(self, snapshot: Snapshot, per_gpu: dict[int, list[RunningJob]]) -> None:
@@ -1965,16 +1985,7 @@ class ColoService:
                 self._jobs.pop(job, None)
                 self._guards.pop(job, None)
                 self._removals += 1
-                self._gone[job] = _Gone(
-                    self._wall(),
-                    at,
-                    frozenset(
-                        r.reserved_at
-                        for r in self._last_running
-                        if r.name == job and r.reserved_at is not None
-                    ),
-                    self._removals,
-                )
+                self._gone[job] = _Gone(self._wall(), at, self._removals)
                 # written at once: a kill -9 before the next tick does not bring it back
                 state = self._state(tuple(r for r in self._last_running if r.name != job))
                 if mine:

@@ -13,7 +13,7 @@ from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.election import EtcdElection
 from gpud.cluster.etcd import EtcdClient, KeyValue
 from gpud.cluster.fencing import Mode
-from gpud.cluster.model import NodeReport, Order
+from gpud.cluster.model import JobReport, NodeReport, Order
 from gpud.cluster.ports import MemoryTagStore, StaticNodeView
 from gpud.errors import NotLeader
 from gpud.net.port import FakeTraffic
@@ -72,7 +72,9 @@ class ExpiringEtcd:
         return False
 
 
-def _node(name: str, etcd: ExpiringEtcd, now: Clock) -> tuple[EtcdElection, ClusterAgent]:
+def _node(
+    name: str, etcd: ExpiringEtcd, now: Clock, settle_s: float = 0.0
+) -> tuple[EtcdElection, ClusterAgent]:
     client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
     election = EtcdElection(
         client, node=name, address=f"{name}:1", prefix="/c", ttl_s=TTL, clock=now
@@ -91,6 +93,7 @@ def _node(name: str, etcd: ExpiringEtcd, now: Clock) -> tuple[EtcdElection, Clus
         grace_s=30,
         fresh_s=3,
         node_timeout_s=5,
+        settle_s=settle_s,
         clock=now,
     )
     return election, agent
@@ -126,6 +129,37 @@ async def test_a_leader_resumed_from_a_suspend_gives_no_order_until_a_renewal_su
     assert leader.receive(report) is None  # a fresh aggregator: folded in next round
     await leader.tick()
     assert leader.mode is Mode.LEADER and isinstance(leader.receive(report), Order)
+
+
+async def test_a_leader_resumed_within_its_lease_waits_for_the_reports_again() -> None:
+    """Suspended past the node timeout but not its lease deadline: it still leads, and
+    every other node's report is too old to count. It settles again rather than order
+    its own jobs alone: the others keep the last order until they have reported."""
+    now = Clock()
+    etcd = ExpiringEtcd(now)
+    election, leader = _node("n0", etcd, now, settle_s=2.0)
+    report = NodeReport("n1", jobs=(JobReport("b", progress_rate=0.2),))
+    election.step()
+    await leader.tick()  # a new leadership settles
+    leader.receive(report)
+    now.now += 2.0
+    election.step()  # renewed: leads until 108
+    await leader.tick()
+    first = leader.receive(report)
+    assert isinstance(first, Order) and set(first.levels) == {"b"}  # its share
+    now.now += 5.5  # suspended: past node_timeout_s (5), within the deadline (6)
+    assert election.state().leading
+    asked: list[float] = []
+    leader.request_round = asked.append
+    await leader.tick()
+    assert asked == [2.0]  # its next round once settled, not a tick later
+    assert leader.receive(report) == first  # n1's jobs stay ordered as they were
+    now.now += 2.0
+    election.step()
+    await leader.tick()  # settled, n1 reported again: both nodes' jobs
+    after = leader.receive(report)
+    assert isinstance(after, Order) and after.seq > first.seq
+    assert set(after.levels) == {"b"}
 
 
 async def test_a_leader_resumed_after_its_lease_expired_never_leads_beside_its_successor() -> None:

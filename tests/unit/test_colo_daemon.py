@@ -33,6 +33,7 @@ from gpud.colo.service import (
 from gpud.config import ColocateConfig
 from gpud.errors import InvalidArgument, NotFound
 from gpud.events import EventLog
+from gpud.files import write_atomically
 from gpud.telemetry.snapshot import GpuSample, Snapshot
 from gpud.v1 import colo_pb2
 from tests.unit.api_support import GIB, identity
@@ -79,15 +80,50 @@ def scraped(svc: ColoService) -> CollectorRegistry:
     return reg
 
 
-def kept_loop(tmp_path: Path, jobs: list[RunningJob], clock: Clock) -> ColoService:
-    """A loop that keeps its state in ``tmp_path/colo.json``: a new one picks it up."""
+def kept_loop(
+    tmp_path: Path,
+    jobs: list[RunningJob],
+    clock: Clock,
+    write: Callable[[Path, str], None] | None = None,
+) -> ColoService:
+    """A loop that keeps its state in ``tmp_path/colo.json`` (written by ``write``, where
+    given): a new one picks it up."""
     return ColoService(
         ColocateConfig(),
         EventLog(tmp_path / "e.jsonl"),
         running=lambda: jobs,
         clock=clock,
         state_file=tmp_path / "colo.json",
+        write=write,
     )
+
+
+def removing_loop(
+    tmp_path: Path, jobs: list[RunningJob], clock: Clock
+) -> tuple[ColoService, list[str]]:
+    """A :func:`kept_loop` whose wall clock is ``clock``, and a list of jobs to remove: one
+    put in it is removed (`gpuctl jobs rm --force`) during the loop's next read of the
+    reservations, which still lists it (begun before the removal committed); later reads
+    do not."""
+    removing: list[str] = []
+
+    def running() -> list[RunningJob]:
+        listed = list(jobs)  # read before the removal committed
+        while removing:
+            job = removing.pop()
+            svc.job_removed(job, force=True)()
+            jobs[:] = [r for r in jobs if r.name != job]
+        return listed
+
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "e.jsonl"),
+        running=running,
+        clock=clock,
+        state_file=tmp_path / "colo.json",
+        wall=clock,
+    )
+    return svc, removing
 
 
 def promising_loop(
@@ -3411,15 +3447,14 @@ def test_a_removed_job_is_not_learned_again_from_its_last_reports(tmp_path: Path
     old = RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)
     old = dataclasses.replace(old, reserved_at=clock.t)
     jobs = [old]
-    svc = kept_loop(tmp_path, jobs, clock)
-    svc._wall = clock
+    svc, removing = removing_loop(tmp_path, jobs, clock)
     for _ in range(6):
         svc.throttle_point("sweep", 10)
         svc.tick(busy_snapshot({0: (0.3, 0.2)}))
         clock.t += 1
-    svc.job_removed("sweep", force=True)()
+    removing.append("sweep")
     clock.t += 1
-    svc.tick(busy_snapshot({0: (0.3, 0.2)}))  # read before the removal committed
+    svc.tick(busy_snapshot({0: (0.3, 0.2)}))  # its list still holds the job
     assert svc.throttle_point("sweep", 10).duty == 1.0
     svc.report_latency("sweep", [0.01])
     assert "sweep" not in svc._jobs
@@ -3631,6 +3666,53 @@ def test_a_removed_job_is_gone_from_the_file_at_once(tmp_path: Path) -> None:
     assert "sweep" not in kept_loop(tmp_path, [], Clock())._jobs
 
 
+def test_a_removal_written_while_a_tick_writes_stays_in_the_file(tmp_path: Path) -> None:
+    """A tick built its state (the job still in it) and has not written it yet when
+    `gpuctl jobs rm` commits and writes the state without the job: the tick's older state
+    never lands over it, whichever write comes first (a kill -9 then does not bring the
+    job back)."""
+    import threading
+
+    clock = Clock()
+    jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
+    state = tmp_path / "colo.json"
+    ticking, go = threading.Event(), threading.Event()
+    tick = threading.Thread(target=lambda: svc.tick(busy_snapshot({0: (0.6, 0.4)})))
+
+    def write(path: Path, text: str) -> None:
+        if threading.current_thread() is tick and not go.is_set():
+            ticking.set()  # the tick's write: held until the removal has had its chance
+            go.wait(5)
+        write_atomically(path, text)
+
+    svc = ran_alone(kept_loop(tmp_path, jobs, clock, write), clock, 0.3, 6)
+    tick.start()
+    assert ticking.wait(5)
+    removal = threading.Thread(target=svc.job_removed("sweep", force=True))
+    removal.start()
+    removal.join(0.5)  # written at once, or waits for the tick's write to end
+    go.set()
+    tick.join(5)
+    removal.join(5)
+    assert "sweep" not in json.loads(state.read_text())["jobs"]
+    assert "sweep" not in kept_loop(tmp_path, [], Clock())._jobs
+
+
+def test_an_older_state_is_not_written_over_a_newer_one(tmp_path: Path) -> None:
+    """Two states built in turn, the newer written first (a removal's, while the tick that
+    built the older one had not written it yet): the older one is not written."""
+    clock = Clock()
+    jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
+    svc = ran_alone(kept_loop(tmp_path, jobs, clock), clock, 0.3, 6)
+    with svc._lock:
+        older = svc._state(jobs)
+        svc._jobs.pop("sweep")
+        newer = svc._state([])
+    svc._save(newer)
+    svc._save(older)
+    assert "sweep" not in json.loads((tmp_path / "colo.json").read_text())["jobs"]
+
+
 def test_a_minute_alone_unseen_is_counted_anew_after_company(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -3657,23 +3739,7 @@ def test_a_job_reserved_and_removed_between_two_ticks_stays_removed(tmp_path: Pa
     clock = Clock()
     other = RunningJob("other", "training", 1, memory_bytes=10 * GIB, reserved_at=clock.t)
     jobs = [other]
-    removing: list[str] = []
-
-    def running() -> list[RunningJob]:
-        listed = list(jobs)  # read before the removal committed
-        while removing:
-            svc.job_removed(removing.pop(), force=True)()
-            jobs[:] = [r for r in jobs if r.name != "sweep"]
-        return listed
-
-    svc = ColoService(
-        ColocateConfig(),
-        EventLog(tmp_path / "e.jsonl"),
-        running=running,
-        clock=clock,
-        state_file=tmp_path / "colo.json",
-        wall=clock,
-    )
+    svc, removing = removing_loop(tmp_path, jobs, clock)
     svc.tick(busy_snapshot({0: (0.0, 0.0), 1: (0.3, 0.2)}))
     clock.t += 1
     sweep = RunningJob(

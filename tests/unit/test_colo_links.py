@@ -12,6 +12,7 @@ from gpud.backend import products
 from gpud.backend.nvml import NvmlBackend
 from gpud.backend.port import MemoryInfo, PcieThroughput, Utilization
 from gpud.backend.sim import JobDevice, SimNode
+from gpud.backend.sim.fakenvml import LinkTraffic
 from gpud.backend.sim.jobmodels import (
     REQUEST_BYTES,
     TRAINING_NVLINK,
@@ -221,37 +222,36 @@ def test_a_lost_gpu_raises_for_the_link_calls_and_unsupported_reads_none() -> No
         backend.close()
 
 
-def test_a_missed_nvlink_read_is_no_reading_of_no_traffic() -> None:
-    """Counters read before and not this sample (a read that failed once): no rate this
-    interval, not 0; the next read gives the rate over both intervals."""
-    rates = NvlinkRates()
-    h100 = "H100-SXM5-80GB"
-    assert rates.ratio(sample(0, 10.0, (0, 0), h100)) is None
-    assert rates.ratio(sample(0, 12.0, (90 * 10**9, 0), h100)) == pytest.approx(0.1)
-    assert rates.ratio(sample(0, 14.0, None, h100)) is None
-    assert rates.ratio(sample(0, 16.0, (450 * 10**9, 0), h100)) == pytest.approx(0.2)
-
-
-def test_a_job_alone_keeps_its_nvlink_footprint_through_a_missed_read(tmp_path: Path) -> None:
-    """A job alone that showed NVLink traffic, on a GPU whose NVLink counters fail to read
-    for one tick: its footprint, on its share and on a whole GPU's, keeps the traffic
-    it showed rather than taking in a reading of none."""
-    t = [100.0]
+def test_nvlink_counters_that_stop_being_supported_read_0(tmp_path: Path) -> None:
+    """A GPU whose NVLink counters read and then answer NotSupported (the reader's sample
+    stays healthy): its NVLink reads 0 from then on, and a job alone there learns that,
+    not the traffic it showed before, kept for ever."""
+    now = [1000.0]
+    clock = lambda: now[0]  # noqa: E731
+    node = SimNode([("H100-SXM5-80GB", 1)], clock=clock)
+    backend = NvmlBackend(node.nvml)
+    reader = GpuReader(backend, 0, clock=clock, unsupported_retry_s=60, identity_refresh_s=60)
     jobs = [RunningJob("train", "training", 0, memory_bytes=10 * GIB, memory_used=10 * GIB)]
     svc = ColoService(
-        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=lambda: t[0]
+        ColocateConfig(), EventLog(tmp_path / "e.jsonl"), running=lambda: jobs, clock=clock
     )
-    snap = h100_busy
-
-    svc.tick(snap(0.0, (0, 0)))  # a new company (none): measuring starts
-    t[0] += 5
-    svc.tick(snap(5.0, (9 * 10**10, 0)))  # 18 GB/s: 0.04 of 450
-    t[0] += 5
-    svc.tick(snap(10.0, None))  # the counters did not read this tick
-    ds = svc._jobs["train"].devices["GPU 0"]
-    assert ds.features is not None and ds.whole is not None
-    assert ds.features.nvlink == pytest.approx(0.04)
-    assert ds.whole.nvlink == pytest.approx(0.04)
-    t[0] += 5
-    svc.tick(snap(15.0, (27 * 10**10, 0)))  # 18 GB/s over the ten seconds since
-    assert ds.whole.nvlink == pytest.approx(0.04)
+    rates = NvlinkRates()
+    # 45 GB/s each way: 0.1 of the H100's 450
+    node.nvml.sim_start_process(0, 500, GIB, 0.45, traffic=LinkTraffic(nvlink_tx=45e9))
+    try:
+        seen = []
+        for step in range(6):
+            if step == 3:
+                node.faults.not_supported(0, "nvlink")
+            s = reader.read()
+            assert s.healthy
+            seen.append(rates.ratio(s))
+            svc.tick(Snapshot(0.0, now[0], (s,), 0.01))
+            now[0] += 5.0
+        assert seen[0] is None and seen[1:3] == [pytest.approx(0.1, rel=0.01)] * 2
+        assert seen[3:] == [0.0, 0.0, 0.0]
+        whole = svc._jobs["train"].devices["GPU 0"].whole
+        assert whole is not None and whole.nvlink < 0.1
+    finally:
+        node.faults.clear()
+        backend.close()
