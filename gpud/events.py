@@ -110,6 +110,8 @@ class EventLog:
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
         self._write_failing = False
+        self._write_errors = 0  # events whose line the file did not get, since start
+        self._missed_writes = 0  # of those, in the outage going on
         self._held = threading.local()  # this thread's events held by until_committed
         self._watchers: list[Watcher] = []
         self._watching_ended = False  # close_watchers was called: the daemon stops
@@ -255,9 +257,16 @@ class EventLog:
         with self._lock:
             return dict(self._counts)
 
+    def write_errors(self) -> int:
+        """Events whose line could not be written to the file since start (for
+        ``gpud_event_log_write_errors_total``): the ring and the journal still have them."""
+        with self._lock:
+            return self._write_errors
+
     def _write(self, line: str) -> None:
         """Append ``line`` to the file. A failed write (disk full, read-only) keeps the event
-        in the ring and the journal; it warns once per outage, not once per event."""
+        in the ring and the journal, and counts it; it warns once per outage, not once per
+        event, and says at its end how many lines the file lacks."""
         assert self._path is not None
         try:
             self._rotate_if_needed()
@@ -269,8 +278,18 @@ class EventLog:
             if not self._write_failing:
                 log.warning("cannot write the event log %s: %s", self._path, err)
             self._write_failing = True
+            self._write_errors += 1
+            self._missed_writes += 1
             return
+        if self._write_failing:
+            log.warning(
+                "the event log %s is written again; it lacks the %d events said while it "
+                "could not be (the journal has them)",
+                self._path,
+                self._missed_writes,
+            )
         self._write_failing = False
+        self._missed_writes = 0
 
     def _rotate_if_needed(self) -> None:
         assert self._path is not None

@@ -36,7 +36,8 @@ What Prometheus sees (``curl -s localhost:9400/metrics | grep ^gpud_``):
   ``gpu_instance_id``, ``compute_instance_id`` (as in ``nvidia-smi mig -lgi`` / ``-lci``):
   ``gpud_mig_device_memory_{total,used,free}_bytes``, ``gpud_mig_device_processes``;
 - the node: ``gpud_sample_age_seconds``, ``gpud_sample_duration_seconds``, ``gpud_gpus``,
-  ``gpud_driver_info{version}``, ``gpud_events_total{kind}``, ``gpud_build_info{version, build}``,
+  ``gpud_driver_info{version}``, ``gpud_events_total{kind}``,
+  ``gpud_event_log_write_errors_total``, ``gpud_build_info{version, build}``,
   ``gpud_metric_source_errors_total{source}``, and from :mod:`gpud.loopstats`
   ``gpud_loop_duration_seconds`` (a histogram of the daemon loop's passes) and
   ``gpud_loop_overruns_total`` (passes longer than the tick);
@@ -161,6 +162,12 @@ class Collector(_CollectorBase):
             for kind, count in sorted(self._events.counts().items()):
                 events.add_metric((kind,), count)
             yield events
+            yield CounterMetricFamily(
+                "gpud_event_log_write_errors",
+                "Events whose line could not be written to the event log file (disk full, "
+                "read-only): the journal and gpuctl events still have them.",
+                value=self._events.write_errors(),
+            )
         with self._lock:
             sources = tuple(self._sources)
         for source in sources:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 from gpud.errors import StateError, StateUnwritable
 from gpud.files import DB_MODE
@@ -157,6 +158,10 @@ class StateStore:
             self._conn.close()
             raise StateError(_unreadable(self.path, "; ".join(damage)))
         self._file = _file_id(self.path)
+        # the write-ahead log: the open (its quick_check) made it, and SQLite keeps it while a
+        # connection is open; committed changes live in it until a checkpoint
+        self._wal_path = self.path.with_name(self.path.name + "-wal")
+        self._wal = _file_id(self._wal_path)
 
     def ensure_schema(
         self, statements: Sequence[str], *, added: Mapping[str, Sequence[str]] | None = None
@@ -231,14 +236,9 @@ class StateStore:
                 try:
                     changes = self._conn.total_changes
                     yield self._conn
-                    if self._conn.total_changes != changes and _file_id(self.path) != self._file:
-                        # SQLite goes on writing to a file removed under it: the change would
-                        # be lost at the next start. Reads of it still hold.
-                        raise StateUnwritable(
-                            f"state database {self.path} was removed or replaced while gpud "
-                            "ran: nothing of this change was kept; restart gpud (on the "
-                            "database restored from a backup, or on none to start afresh)"
-                        )
+                    if self._conn.total_changes != changes and not self._files_kept():
+                        self._conn.execute("ROLLBACK")
+                        self._refuse_replaced()
                     self._conn.execute("COMMIT")
                 except BaseException:
                     # SQLite may already have rolled back (a failed COMMIT on a full disk):
@@ -253,6 +253,39 @@ class StateStore:
                     f"state database {self.path} cannot be written ({err}): nothing of this "
                     "change was kept; free space or fix the file, then retry"
                 ) from err
+
+    def _files_kept(self) -> bool:
+        """Whether the database and its WAL are still the files the connection has open.
+        SQLite goes on writing to a file removed under it, so a change would be lost at the
+        next start (one in a removed WAL, and all that WAL holds, at a crash)."""
+        return _file_id(self.path) == self._file and _file_id(self._wal_path) == self._wal
+
+    def _refuse_replaced(self) -> NoReturn:
+        """Raise :class:`StateUnwritable` for a database or WAL not :meth:`_files_kept`
+        (outside a transaction: what the WAL holds is checkpointed first). Reads still hold."""
+        if _file_id(self.path) != self._file:
+            raise StateUnwritable(
+                f"state database {self.path} was removed or replaced while gpud "
+                "ran: nothing of this change was kept; restart gpud (on the "
+                "database restored from a backup, or on none to start afresh)"
+            )
+        # what was committed lives on in the removed WAL, which SQLite still has open: a
+        # checkpoint copies it into the database file, so a crash before the restart keeps it
+        try:
+            _, logged, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            kept = logged == copied
+        except sqlite3.Error:
+            kept = False
+        raise StateUnwritable(
+            f"write-ahead log {self._wal_path} of the state database was removed or replaced "
+            "while gpud ran: nothing of this change was kept; "
+            + (
+                "what was committed before is kept in the database file"
+                if kept
+                else "what was committed before may be lost unless gpud stops cleanly"
+            )
+            + "; restart gpud"
+        )
 
     def close(self, wait_s: float | None = None) -> None:
         """Close the connections, once no transaction runs; with ``wait_s``, not waiting

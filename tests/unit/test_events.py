@@ -1,5 +1,8 @@
 import json
+import logging
 from pathlib import Path
+
+import pytest
 
 from gpud.events import EventLog
 
@@ -45,6 +48,32 @@ def test_a_log_file_that_cannot_be_written_does_not_fail_emit(tmp_path: Path) ->
     event = log.emit("gpu.unhealthy", "GPU 0 unhealthy")
     assert log.recent(1) == [event]
     assert log.counts() == {"gpu.unhealthy": 1}
+
+
+def test_writes_the_file_missed_are_counted_and_said_when_it_is_written_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full or read-only state directory: the operator sees the lines the file lacks in
+    ``gpud_event_log_write_errors_total`` and, at the outage's end, in the journal."""
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    log.emit("daemon.start", "written")
+    assert log.write_errors() == 0
+    path.rename(tmp_path / "aside")
+    path.mkdir()  # any write now fails, as on a full or read-only disk
+    log.emit("job.add", "not written")
+    log.emit("job.add", "not written either")
+    assert log.write_errors() == 2
+    path.rmdir()  # space freed
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpud.events"):
+        log.emit("job.add", "written again")
+    assert log.write_errors() == 2  # since start
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the event log {path} is written again; it lacks the 2 events said while it could "
+        "not be (the journal has them)"
+    ]
+    assert [e.message for e in EventLog(path).recent()] == ["written again"]
 
 
 def test_a_damaged_log_is_read_past_and_appended_to_cleanly(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -116,6 +117,15 @@ def registry() -> CollectorRegistry:
     return build_registry(
         Collector(snapshot, events=events, clock=lambda: 100.0, build="3f2a9c1d04ab")
     )
+
+
+def test_event_log_lines_the_file_lacks_are_counted(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    events = EventLog(path)
+    path.mkdir()  # a full or read-only state directory: every write fails
+    events.emit("job.add", "only in the ring and the journal")
+    registry = build_registry(Collector(snapshot, events=events))
+    assert registry.get_sample_value("gpud_event_log_write_errors_total") == 1
 
 
 def gpu_labels(i: int, **extra: str) -> dict[str, str]:
@@ -308,6 +318,7 @@ def test_node_metrics_events_and_process(registry: CollectorRegistry) -> None:
     assert v("gpud_driver_info", {"version": "550.54.15"}) == 1
     assert v("gpud_events_total", {"kind": "gpu.xid"}) == 2
     assert v("gpud_events_total", {"kind": "gpu.unhealthy"}) == 1
+    assert v("gpud_event_log_write_errors_total") == 0  # no file: nothing failed
     import gpud
 
     assert v("gpud_build_info", {"version": gpud.__version__, "build": "3f2a9c1d04ab"}) == 1

@@ -234,10 +234,39 @@ def test_a_database_removed_while_open_takes_no_more_changes(tmp_path: Path) -> 
     store.close()
 
 
+def test_a_wal_removed_while_open_takes_no_more_changes_and_keeps_what_it_held(
+    tmp_path: Path,
+) -> None:
+    """``rm state.db-wal`` under a running gpud: SQLite goes on writing to the removed file,
+    so a change would be lost (with all the WAL held) at a crash. It is refused instead, and
+    what was committed is copied into ``state.db``, which is all a crash leaves."""
+    state = tmp_path / "state"
+    store = StateStore(state)
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('committed')")
+    (state / f"{DB_NAME}-wal").unlink()
+    with (
+        pytest.raises(StateUnwritable, match=f"write-ahead log {state / DB_NAME}-wal .* removed"),
+        store.transaction() as conn,
+    ):
+        conn.execute("INSERT INTO t (v) VALUES ('lost at a crash')")
+    with store.transaction() as conn:  # reads still hold
+        assert [r[0] for r in conn.execute("SELECT v FROM t")] == ["committed"]
+    crashed = tmp_path / "crashed"  # what a crash leaves: the database file alone
+    crashed.mkdir()
+    (crashed / DB_NAME).write_bytes((state / DB_NAME).read_bytes())
+    left = sqlite3.connect(crashed / DB_NAME)
+    try:
+        assert [r[0] for r in left.execute("SELECT v FROM t")] == ["committed"]
+    finally:
+        left.close()
+    store.close()
+
+
 def test_a_read_does_not_wait_for_a_writer_and_sees_what_was_committed(tmp_path: Path) -> None:
     """``reading()``: the event loop's reads go to a connection of their own, a snapshot of
     what is committed, while another thread holds the store in an open write."""
-    import sqlite3
     import threading
 
     store = StateStore(tmp_path / "state")
