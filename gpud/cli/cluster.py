@@ -478,6 +478,7 @@ def run_attributes(ctx: Context, args: argparse.Namespace) -> int:
         return 130
     except grpc.RpcError as err:
         if gone.is_set():
-            raise BrokenPipeError from None  # exit 141, as the next write would have
+            # exit 141 (129: a terminal hung up), as the next write would have
+            raise BrokenPipeError from None
         raise ctx.translate(err) from None
     return 0

@@ -205,8 +205,8 @@ def follow(ctx: Context, args: argparse.Namespace) -> int:
                 say("stopped", "gpud stopped: reconnecting until it is back (Ctrl-C ends)")
                 away = True
             ctx.close()  # a new channel: gRPC's own would wait up to 2 minutes between tries
-            time.sleep(pause)
+            gone.wait(pause)  # a reader gone (a terminal closed) ends it now, not after
             pause = min(pause * 2, RECONNECT_MOST_S)
     except KeyboardInterrupt:
         return 130
-    raise BrokenPipeError  # exit 141, as the next write would have
+    raise BrokenPipeError  # exit 141 (129: a terminal hung up), as the next write would have

@@ -26,8 +26,8 @@ The global options are accepted before or after the command (``gpuctl --json gpu
 ``gpuctl gpus --json`` are the same): they are added to every sub-parser automatically.
 
 Exit codes: 0 ok, 2 usage or invalid argument, 3 daemon not running, 4 not found (an unknown
-GPU, MIG device or job, in every command), 77 permission denied, 141 output pipe closed
-early; others from ``gpud.errors.ERROR_TABLE`` (see :mod:`gpud.cli.context`).
+GPU, MIG device or job, in every command), 77 permission denied, 129 its terminal (stdout's
+or stderr's) hung up, 141 output pipe closed early; others from ``gpud.errors.ERROR_TABLE`` (see :mod:`gpud.cli.context`).
 With ``--json`` an error is one JSON document on stderr instead of ``gpuctl: MESSAGE``
 (:meth:`gpud.cli.context.CliError.to_json`), usage errors included; stdout keeps nothing
 but JSON. Everything a command fails with passes :func:`_main` (a :class:`CliError`), so
@@ -195,7 +195,9 @@ def main(argv: Sequence[str] | None = None, *, env: Mapping[str, str] | None = N
     """Run gpuctl; returns the exit code (the console script exits with it).
 
     Output piped into a reader that stops early (``gpuctl mig show | head -3``) ends gpuctl
-    quietly with exit 141, as a process killed by SIGPIPE would, in every command.
+    quietly with exit 141, as a process killed by SIGPIPE would, in every command; a
+    terminal that hung up under it (closed, SIGHUP ignored: ``nohup``), with 129, as one
+    killed by the terminal's SIGHUP would.
     """
     return quiet_on_broken_pipe(lambda: _main(argv, env))
 

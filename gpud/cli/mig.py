@@ -183,9 +183,10 @@ def _left_alone(ctx: Context, what: str, gpus: Sequence[str]) -> int:
     if ctx.out.json:
         raise CliError(f"{what}: {'; '.join(gpus)}", EXIT_PARTIAL)
     # the answer before the lines about it, on a terminal or merged; a reader of stdout
-    # that went away (``| head``) does not keep them from stderr: the exit's own flush
-    # then fails again and exits 141, as for any output into a closed pipe
-    with contextlib.suppress(BrokenPipeError):
+    # that went away (``| head``), or a terminal of stdout's that hung up, does not keep them
+    # from stderr: the exit's own flush then fails again and exits 141 (129), as for any
+    # output into a closed pipe (a closed terminal); other failures are OutputError
+    with contextlib.suppress(OSError):
         ctx.out.flush()
     for gpu in gpus:
         print(f"gpuctl: {what}: {gpu}", file=sys.stderr)

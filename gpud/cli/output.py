@@ -12,11 +12,14 @@ infinity), which JSON cannot carry, is ``null`` too.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
+
+from gpud.cli.pipes import reader_gone
 
 if TYPE_CHECKING:
     from google.protobuf.message import Message
@@ -199,7 +202,22 @@ def seconds(value: float) -> str:
 class OutputError(Exception):
     """stdout cannot take the output: a full disk (``gpuctl ... > /dev/full``), a file past
     its size limit, or no stdout at all (``gpuctl ... >&-``). gpuctl says so in one line and
-    exits 1; a reader that went away (``| head -1``) is ``BrokenPipeError`` instead, quiet."""
+    exits 1; a reader that went away (``| head -1``) is ``BrokenPipeError`` instead, and a
+    terminal that hung up an EIO ``OSError``: both quiet (:func:`gpud.cli.pipes.output_gone`)."""
+
+
+def _written(stream: TextIO, act: Callable[[], object]) -> None:
+    """``act()`` (a write or flush of ``stream``), its failure an ``OutputError``; but a
+    reader gone (``| head -1``: ``BrokenPipeError``) or a terminal hung up (EIO) is raised
+    as it is, for :func:`gpud.cli.pipes.quiet_on_broken_pipe` to end gpuctl quietly."""
+    try:
+        act()
+    except BrokenPipeError:
+        raise
+    except OSError as err:
+        if err.errno == errno.EIO and reader_gone(stream):
+            raise
+        raise OutputError(f"cannot write the output: {err.strerror or err}") from err
 
 
 class Output:
@@ -223,12 +241,7 @@ class Output:
         stream = self.stream
         if stream is None:  # started with stdout closed: Python has no sys.stdout
             raise OutputError("cannot write the output: stdout is closed")
-        try:
-            stream.write(text)
-        except BrokenPipeError:
-            raise
-        except OSError as err:
-            raise OutputError(f"cannot write the output: {err.strerror or err}") from err
+        _written(stream, lambda: stream.write(text))
 
     def flush(self) -> None:
         """What is still buffered, written; ``OutputError`` as for :meth:`write`. A small
@@ -236,12 +249,7 @@ class Output:
         stream = self.stream
         if stream is None:
             return
-        try:
-            stream.flush()
-        except BrokenPipeError:
-            raise
-        except OSError as err:
-            raise OutputError(f"cannot write the output: {err.strerror or err}") from err
+        _written(stream, stream.flush)
 
     def note(self, text: str) -> None:
         """A note beside an answer that exits 0 (a warning, what the answer is): a ``gpuctl:

@@ -6,12 +6,14 @@ import contextlib
 import errno
 import os
 import select
+import stat
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import TextIO, cast
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what `yes | head` reports for `yes`
+EXIT_HUNG_UP = 129  # 128 + SIGHUP: what a shell reports for a command its closed terminal ended
 EXIT_OTHER_PIPE = 1  # a pipe or socket other than gpuctl's own output broke
 # a parser default: the command runs, its errors said included, within stderr_that_never_fails
 STDERR_MAY_GO = "stderr_may_go"
@@ -20,19 +22,43 @@ STDERR_MAY_GO = "stderr_may_go"
 def quiet_on_broken_pipe(run: Callable[[], int]) -> int:
     """``run()``'s exit code; when its reader has gone (stdout's or stderr's), exit 141
     quietly, as a process killed by SIGPIPE would, instead of a ``BrokenPipeError``
-    traceback. A broken pipe of anything else (a pipe to a child, a socket) is an error
-    of its own: said on stderr, exit 1."""
+    traceback; when its terminal has hung up instead (closed, its writes failing with EIO,
+    SIGHUP ignored: ``nohup``), exit 129 quietly, as the terminal's SIGHUP would have. A
+    broken pipe of anything else (a pipe to a child, a socket) is an error of its own: said
+    on stderr, exit 1."""
     try:
         code = run()
         if sys.stdout is not None:  # None: started with stdout closed
             sys.stdout.flush()  # inside the try: a pipe closed early shows here for buffered output
-    except BrokenPipeError as err:
-        if not _reader_gone(sys.stdout) and not _reader_gone(sys.stderr):
+    except OSError as err:
+        if not isinstance(err, BrokenPipeError) and err.errno != errno.EIO:
+            raise
+        gone = output_gone()
+        if gone is None:
+            if not isinstance(err, BrokenPipeError):
+                raise  # an EIO of a file or device other than gpuctl's output
             print(f"gpuctl: {err.strerror or 'broken pipe'} (not gpuctl's output)", file=sys.stderr)
             return EXIT_OTHER_PIPE
         discard_stdout()
-        return EXIT_BROKEN_PIPE
+        return gone
     return code
+
+
+def output_gone() -> int | None:
+    """The exit code for stdout's or stderr's end gone, stdout's first: 141 for a pipe (or
+    socket) whose reader went, 129 for a terminal that hung up; None while both are there."""
+    for stream in (sys.stdout, sys.stderr):
+        if reader_gone(stream):
+            return EXIT_BROKEN_PIPE if _is_pipe(stream) else EXIT_HUNG_UP
+    return None
+
+
+def _is_pipe(stream: TextIO) -> bool:
+    try:
+        mode = os.fstat(stream.fileno()).st_mode
+    except (AttributeError, OSError, ValueError):
+        return True
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
 
 def discard_stdout() -> None:
@@ -47,9 +73,10 @@ def discard_stdout() -> None:
     os.close(devnull)
 
 
-def _reader_gone(stream: TextIO | None) -> bool:
+def reader_gone(stream: TextIO | None) -> bool:
     """Whether ``stream``'s reader has gone: its file is a pipe or socket whose other end
-    closed (``poll`` says POLLERR or POLLHUP at once). False without a real file behind it."""
+    closed, or a terminal that hung up (``poll`` says POLLERR or POLLHUP at once). False
+    without a real file behind it."""
     try:
         if stream is None:
             return False

@@ -352,3 +352,63 @@ def test_a_stderr_full_for_now_loses_a_line_not_all_that_follow() -> None:
         sys.stderr.write("lost\n")
         sys.stderr.write("lost too\n")
     assert gone.getvalue() == ""
+
+
+def _hung_up_terminal() -> int:
+    """A terminal that hung up (closed, as a terminal window is): its pty's master closed,
+    the slave returned; writes to it fail with EIO."""
+    master, slave = os.openpty()
+    os.close(master)
+    return slave
+
+
+@pytest.mark.parametrize("json_output", [False, True], ids=["text", "json"])
+@pytest.mark.parametrize("hung_up", ["stdout", "stderr"])
+def test_a_terminal_that_hung_up_ends_a_command_quietly_with_129(
+    socket_path: Path, tmp_path: Path, hung_up: str, json_output: bool
+) -> None:
+    """``gpuctl status`` whose terminal was closed (SIGHUP ignored, or none sent): exit 129,
+    as the terminal's SIGHUP would have, nothing said elsewhere. It was a traceback, exit 1;
+    with stderr fine, ``cannot write the output: Input/output error``."""
+    terminal = _hung_up_terminal()
+    # the answer to stdout; with stderr the terminal, an error (no gpud there) to say on it
+    sock = socket_path if hung_up == "stdout" else tmp_path / "no.sock"
+    argv = [sys.executable, "-m", "gpud.cli.main", "--socket", str(sock)]
+    try:
+        done = subprocess.run(
+            [*argv, *(["--json"] if json_output else []), "status"],
+            stdin=subprocess.DEVNULL,
+            stdout=terminal if hung_up == "stdout" else subprocess.PIPE,
+            stderr=terminal if hung_up == "stderr" else subprocess.PIPE,
+            check=False,
+            timeout=60,
+        )
+    finally:
+        os.close(terminal)
+    assert done.returncode == pipes.EXIT_HUNG_UP == 129
+    assert (done.stderr if hung_up == "stdout" else done.stdout) == b""
+
+
+def test_a_follower_whose_terminal_closed_ends_at_once_with_129(socket_path: Path) -> None:
+    """``nohup``-like (SIGHUP ignored): ``gpuctl events --follow`` on a terminal that is then
+    closed ends within a second, quietly, 129, though no event comes to be written."""
+    master, slave = os.openpty()
+    gpuctl = [sys.executable, "-m", "gpud.cli.main", "--socket", str(socket_path), "events", "-f"]
+    child = subprocess.Popen(
+        ["sh", "-c", 'trap "" HUP; exec "$@"', "sh", *gpuctl],  # as nohup leaves SIGHUP
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=subprocess.PIPE,
+    )
+    os.close(slave)
+    with child:
+        try:
+            assert os.read(master, 4096)  # the history: it follows now
+        finally:
+            os.close(master)  # the terminal closes
+        try:
+            code = child.wait(timeout=20)
+        finally:
+            child.kill()
+        assert child.stderr is not None
+        assert (code, child.stderr.read()) == (pipes.EXIT_HUNG_UP, b"")
