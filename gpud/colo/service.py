@@ -36,6 +36,7 @@ from colocate import (
     JobFeatures,
     JobKind,
     JobView,
+    MigMemory,
     MigOption,
     Placement,
     Plan,
@@ -1663,8 +1664,19 @@ class ColoService:
             mig_mode = g.mig_mode is not None and g.mig_mode.current
             options: dict[str, MigOption] = {}
             layout: dict[str, MigOption] = {}
+            # per GPU instance, which its compute instances' MIG devices share (each reads
+            # the instance's memory as its own): their UUIDs, its memory, NVML's use of it
+            shared: dict[int, tuple[tuple[str, ...], int, int | None]] = {}
             for m in g.mig_devices:
                 ident = m.identity
+                devices, total, used = shared.get(ident.gpu_instance_id, ((), 0, None))
+                if m.memory is not None:
+                    used = max(used or 0, m.memory.used_bytes)
+                shared[ident.gpu_instance_id] = (
+                    (*devices, ident.uuid),
+                    max(total, ident.memory_total_bytes),
+                    used,
+                )
                 fraction = _mig_sm_fraction(ident, g.identity)
                 if fraction is None:
                     continue
@@ -1697,6 +1709,7 @@ class ColoService:
                     foreign=foreign,
                     whole=not mig_mode,
                     mig_layout=tuple(layout.values()),
+                    mig_memory=tuple(MigMemory(*x) for _, x in sorted(shared.items())),
                 )
             )
         return views, where

@@ -2011,6 +2011,57 @@ def mig_gpu(index: int, *profiles: tuple[str, int, int]) -> GpuSample:
     )
 
 
+def test_mig_devices_of_one_gpu_instance_share_its_memory_as_nvml_reads_it(
+    tmp_path: Path,
+) -> None:
+    """GPU 0's 3g.40gb GPU instance is split into a 1c.3g.40gb and a 2c.3g.40gb compute
+    instance, each a MIG device that reads the instance's memory: 39 GiB of 40 used, where
+    the service in one and the training job in the other report 28 between them. The
+    instance is over its limit: the training job is evicted, the reason naming its device."""
+    gpu = mig_gpu(0, ("1c.3g.40gb", 40, 16), ("2c.3g.40gb", 40, 32))
+    devices = tuple(
+        m._replace(
+            identity=dataclasses.replace(m.identity, gpu_instance_id=1, compute_instance_id=n),
+            memory=MemoryInfo(40 * GIB, 39 * GIB, GIB),
+        )
+        for n, m in enumerate(gpu.mig_devices)
+    )
+    c1, c2 = (m.identity for m in devices)
+    snap = snapshot()
+    snap = Snapshot(
+        snap.wall_time, snap.monotonic, (gpu._replace(mig_devices=devices),), snap.tick_seconds
+    )
+    jobs = [
+        RunningJob(
+            "chat",
+            "inference",
+            0,
+            slo_p99_ms=100.0,
+            memory_bytes=8 * GIB,
+            memory_used=8 * GIB,
+            device=c1.uuid,
+            mig_profile=c1.profile_name,
+        ),
+        RunningJob(
+            "train",
+            "training",
+            0,
+            memory_bytes=20 * GIB,
+            memory_used=20 * GIB,
+            device=c2.uuid,
+            mig_profile=c2.profile_name,
+        ),
+    ]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=Clock()
+    )
+    plan = svc.tick(snap)
+    assert plan is not None
+    (ev,) = [d for d in plan.directives if d.evict]
+    assert ev.job_id == "train"
+    assert ev.reason.startswith(f"GPU 0 MIG instance 2c.3g.40gb ({c2.uuid}) memory 39936 MiB")
+
+
 def test_a_tight_slo_gets_a_free_mig_instance_and_training_one_that_keeps_its_pace(
     tmp_path: Path,
 ) -> None:
