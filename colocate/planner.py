@@ -10,8 +10,9 @@ One pass:
    MIG instance is held to the instance's memory by the hardware: it is neither evicted
    for the GPU's memory nor refused an instance for what the GPU's other instances hold,
    and an instance's resources are its own (no price rations them). Jobs that share one
-   instance share its memory as jobs share a whole GPU's: their use over the instance's
-   memory less the headroom costs the newest training job in it its place.
+   GPU instance (its compute instances' MIG devices too) share its memory as jobs share a
+   whole GPU's: its use (NVML's reading, or its jobs' known memory if more) over its memory
+   less the headroom costs the newest training job in it of known memory its place.
 2. Options. For every pending job and every GPU: the configurations its shape allows, each
    scored by the predicted gain in normalized progress -- its own predicted speed (shape x
    interference predictor against the residents) minus the speed the residents would lose,
@@ -59,7 +60,7 @@ sharing SMs.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from colocate.interference import InterferencePredictor, JobFeatures
@@ -116,6 +117,18 @@ class PlannerParams:
 
 
 @dataclass(frozen=True)
+class MigMemory:
+    """One GPU instance's memory, shared by the MIG devices of its compute instances
+    (``nvidia-smi mig -lci``: a ``1c.3g.40gb`` and a ``2c.3g.40gb`` share one 3g.40gb's).
+    ``devices``: their MIG device UUIDs; ``total``: the instance's memory; ``used``: NVML's
+    reading of it (``nvidia-smi -q -i N:M -d MEMORY``), None where it was not read."""
+
+    devices: tuple[str, ...]
+    total: int
+    used: int | None = None
+
+
+@dataclass(frozen=True)
 class GpuView:
     """A GPU as the planner sees it: memory from NVML, the MIG instances it could offer."""
 
@@ -132,6 +145,9 @@ class GpuView:
     # Every MIG instance the GPU has, free or taken (one per profile is enough): what a
     # job could have there once the jobs in them end (``nvidia-smi mig -lgi``).
     mig_layout: tuple[MigOption, ...] = ()
+    # Every GPU instance's memory, which the jobs in its MIG devices share (one per GPU
+    # instance, ``nvidia-smi mig -lgi``, whose compute instances are each a MIG device).
+    mig_memory: tuple[MigMemory, ...] = ()
 
     def layout(self) -> tuple[MigOption, ...]:
         """The GPU's MIG instances: :attr:`mig_layout` and the free ones."""
@@ -527,60 +543,70 @@ class Planner:
         evicted: set[str] = set()
         # Memory an evicted job still holds until it exits, per GPU (NVML still shows it).
         freed: dict[int, int] = {}
+        freed_in: dict[str, int] = {}  # the same per device, as NVML reports it there
 
         def evict(job: JobView, reason: str) -> None:
             # A job on several GPUs leaves them all: it is one process group.
             for h in state.values():
                 for gone in self._drop(h, job.job_id):
                     freed[h.view.index] = freed.get(h.view.index, 0) + gone.memory_accounted()
+                    freed_in[gone.device] = freed_in.get(gone.device, 0) + (gone.memory_used or 0)
                     h.reserved += gone.memory_accounted()  # held until the job has left
             evicted.add(job.job_id)
             directives.append(Directive(job.job_id, 0.0, True, reason))
 
-        # 1. memory: the observed use over the limit costs the newest training job its place.
-        for g in state.values():
-            limit = g.limit(p.memory_headroom)
-            used = max(
-                g.view.memory_used - freed.get(g.view.index, 0),
-                sum(j.memory_used or 0 for j, _, _ in g.residents),  # as observed
-            )
-            trainees = sorted(
-                # A job in a MIG instance is held to the instance's memory by the hardware:
-                # it crowds no one.
-                (j for j, _, mig in g.residents if j.kind is JobKind.TRAINING and mig is None),
-                key=lambda j: (-j.order, j.job_id),
-            )
-            # A job alone may fill its GPU: eviction protects the others, not the job.
-            while used > limit and trainees and len(g.residents) > 1:
-                victim = trainees.pop(0)
+        def shed(
+            gpu: int, members: Sequence[JobView], victims: Iterable[JobView], used: int, cap: int
+        ) -> None:
+            """Evict the newest of ``victims`` while ``used`` is over ``cap`` and another of
+            ``members`` is left there (a job alone may fill what it has: eviction protects
+            the others, not the job). ``members`` in one MIG instance: the reason names it."""
+            for victim in sorted(victims, key=lambda j: (-j.order, j.job_id)):
+                left = {j.job_id for j in members if j.job_id not in evicted}
+                if used <= cap or len(left) <= 1:
+                    break
+                if victim.job_id not in left:  # gone with another of its views
+                    continue
+                where = f"GPU {gpu}"
+                if victim.mig_profile is not None:
+                    where += f" MIG instance {victim.mig_profile} ({victim.device})"
                 evict(
                     victim,
-                    f"GPU {g.view.index} memory {used >> 20} MiB over its limit "
-                    f"{limit >> 20} MiB: evict the newest training job",
+                    f"{where} memory {used >> 20} MiB over its limit {cap >> 20} MiB: "
+                    f"evict the newest training job{' there' if victim.mig_profile else ''}",
                 )
-                used -= victim.memory_accounted()
-            # Jobs sharing one MIG instance share its memory as jobs share a whole GPU's:
+                used -= sum(j.memory_accounted() for j in members if j.job_id == victim.job_id)
+
+        # 1. memory: the observed use over the limit costs the newest training job its place.
+        for g in state.values():
+            shed(
+                g.view.index,
+                [j for j, _, _ in g.residents],
+                # A job in a MIG instance is held to the instance's memory by the hardware:
+                # it crowds no one on the GPU.
+                [j for j, _, mig in g.residents if j.kind is JobKind.TRAINING and mig is None],
+                max(
+                    g.view.memory_used - freed.get(g.view.index, 0),
+                    sum(j.memory_used or 0 for j, _, _ in g.residents),  # as observed
+                ),
+                g.limit(p.memory_headroom),
+            )
+            # Jobs sharing one GPU instance share its memory as jobs share a whole GPU's:
             # one that grows crowds the others there, so the same rule holds per instance.
-            for device, profile, inside in _instances(g, evicted):
-                size = next((m.memory_bytes for m in g.view.layout() if m.profile == profile), 0)
-                cap = int(size * (1.0 - p.memory_headroom))
-                # as NVML reports their processes' use: where the driver does not say, a
-                # reservation is no measure of what an instance holds, and nothing is evicted
-                used = sum(j.memory_used or 0 for j in inside)
-                trainees = sorted(
-                    (j for j in inside if j.kind is JobKind.TRAINING),
-                    key=lambda j: (-j.order, j.job_id),
+            for inst, members in _instances(g):
+                inside = [j for j in members if j.job_id not in evicted]
+                shed(
+                    g.view.index,
+                    inside,
+                    # where the driver does not say what a job uses, nothing says it crowds
+                    # the others: it is never a reason to evict
+                    [j for j in inside if j.kind is JobKind.TRAINING and j.memory_used is not None],
+                    max(
+                        (inst.used or 0) - sum(freed_in.get(d, 0) for d in inst.devices),
+                        sum(j.memory_used or 0 for j in inside),
+                    ),
+                    int(inst.total * (1.0 - p.memory_headroom)),
                 )
-                while size and used > cap and trainees and len(inside) > 1:
-                    victim = trainees.pop(0)
-                    inside.remove(victim)
-                    evict(
-                        victim,
-                        f"GPU {g.view.index} MIG instance {profile} ({device}) memory "
-                        f"{used >> 20} MiB over its limit {cap >> 20} MiB: "
-                        "evict the newest training job there",
-                    )
-                    used -= victim.memory_used or 0
             if guard_evict and g.view.index in guard_evict:
                 for j, _, mig in list(g.residents):
                     if (
@@ -956,14 +982,20 @@ def _beside_service(g: _Gpu, job: JobView, mig: str | None) -> bool:
     )
 
 
-def _instances(g: _Gpu, evicted: set[str]) -> list[tuple[str, str, list[JobView]]]:
-    """(device UUID, profile, the jobs in it not evicted) per MIG instance of ``g`` that
-    several jobs share (a job whose device is not known counts alone)."""
-    by_device: dict[str, tuple[str, list[JobView]]] = {}
+def _instances(g: _Gpu) -> list[tuple[MigMemory, list[JobView]]]:
+    """Each GPU instance of ``g`` that several of its jobs share, with those jobs (a job
+    whose MIG device is in no instance the GPU's view lists counts for nothing)."""
+    where = {d: inst for inst in g.view.mig_memory for d in inst.devices}
+    inside: dict[int, list[JobView]] = {}
     for j, _, mig in g.residents:
-        if mig is not None and j.device and j.job_id not in evicted:
-            by_device.setdefault(j.device, (mig, []))[1].append(j)
-    return [(d, mig, inside) for d, (mig, inside) in by_device.items() if len(inside) > 1]
+        inst = where.get(j.device) if mig is not None else None
+        if inst is not None:
+            inside.setdefault(id(inst), []).append(j)
+    return [
+        (inst, inside[id(inst)])
+        for inst in g.view.mig_memory
+        if len({j.job_id for j in inside.get(id(inst), [])}) > 1
+    ]
 
 
 def s_mig(job: JobView, members: Sequence[tuple[JobView, float, str | None]]) -> bool:

@@ -36,6 +36,7 @@ from colocate import (
     JobFeatures,
     JobKind,
     JobView,
+    MigMemory,
     MigOption,
     Placement,
     Plan,
@@ -576,6 +577,16 @@ def _mig_sm_fraction(instance: MigDeviceIdentity, gpu: GpuIdentity) -> float | N
     return int(slices) / MIG_COMPUTE_SLICES
 
 
+def _services(running: Sequence[RunningJob]) -> dict[str, list[RunningJob]]:
+    """The inference services among ``running`` that have an SLO, each with its devices (a
+    job registered before SLOs were bounded may hold an infinite one: it has no guard)."""
+    services: dict[str, list[RunningJob]] = {}
+    for r in running:
+        if r.kind == "inference" and r.slo_p99_ms and math.isfinite(r.slo_p99_ms):
+            services.setdefault(r.name, []).append(r)
+    return services
+
+
 def _shares_device(a: RunningJob, b: RunningJob) -> bool:
     """Whether two jobs on one GPU contend: on the whole GPU, or in the same MIG instance
     (separate MIG instances are isolated)."""
@@ -648,6 +659,8 @@ class ColoService:
         self._last_running: tuple[RunningJob, ...] = ()
         self._observed: dict[str, float] = {}
         self._faulty: dict[int, str] = {}  # GPU -> why, at the last tick
+        # inference services all of whose GPUs were faulty at the last tick: guards paused
+        self._paused_services: set[str] = set()
         # the last advice: its job and the options its plan refused (only advice has
         # pending jobs: the loop's own plans direct running ones)
         self._refused: tuple[str, Mapping[tuple[int, str], int]] = ("", {})
@@ -898,8 +911,8 @@ class ColoService:
                 per_gpu.setdefault(r.gpu, []).append(r)
             self._learn(snapshot, per_gpu)
             uuids = {g.identity.index: g.known().uuid for g in snapshot.gpus}
-            self._count_attainment(running)
-            duty_by_gpu, evict_by_gpu = self._guard_step(live, per_gpu, uuids)
+            p99s = self._count_attainment(running)
+            duty_by_gpu, evict_by_gpu = self._guard_step(live, per_gpu, uuids, p99s)
             views = [self._view(r) for r in live]
             plan = self._planner.plan(gpus, views, duty_by_gpu, evict_by_gpu)
             held = {r.name for r in running if r.gpu in self._faulty}
@@ -1424,45 +1437,21 @@ class ColoService:
         latencies reported after that (and a directive's delay), not on those the window
         still holds from the fault. Under the lock."""
         answering = {r.name for r in live}
-        for r in running:
-            if r.kind == "inference" and r.name not in answering:
-                st = self._jobs.setdefault(r.name, _JobState())
-                st.guard_since = max(st.guard_since, now + DIRECTIVE_DELAY_S)
+        paused = {r.name for r in running if r.kind == "inference" and r.name not in answering}
+        for name in (self._paused_services - paused) & answering:
+            st = self._jobs.setdefault(name, _JobState())
+            st.guard_since = max(st.guard_since, now + DIRECTIVE_DELAY_S)
+        self._paused_services = paused
 
-    def _count_attainment(self, running: Sequence[RunningJob]) -> None:
+    def _count_attainment(self, running: Sequence[RunningJob]) -> dict[str, float | None]:
         """One window of SLO attainment per inference service that reported latencies,
         once a tick: on a faulty GPU too, where its guard is paused, since the latencies
         come from the service and not from the GPU, and a service that misses its SLO
-        while its GPU hangs has missed it."""
-        slos: dict[str, float] = {}
-        for r in running:
-            if r.kind == "inference" and r.slo_p99_ms and math.isfinite(r.slo_p99_ms):
-                slos.setdefault(r.name, r.slo_p99_ms / 1e3)
-        for name, slo_s in slos.items():
-            p99 = self.p99(name)
-            if p99 is not None:
-                st = self._jobs.setdefault(name, _JobState())
-                st.windows += 1
-                st.windows_ok += int(p99 <= slo_s)
-
-    def _guard_step(
-        self,
-        running: Sequence[RunningJob],
-        per_gpu: dict[int, list[RunningJob]],
-        uuids: Mapping[int, str],
-    ) -> tuple[dict[int, float], dict[int, str]]:
-        """Each inference job's guard, once a tick (a service on several devices too),
-        over the GPUs where training shares one of its devices. ``uuids``: each GPU's UUID
-        by index, for the events."""
-        duty: dict[int, float] = {}
-        evict: dict[int, str] = {}
-        guarding, self._guarding = self._guarding, set()
-        services: dict[str, list[RunningJob]] = {}
-        for r in running:
-            # a job registered before SLOs were bounded may hold an infinite one: no guard
-            if r.kind == "inference" and r.slo_p99_ms and math.isfinite(r.slo_p99_ms):
-                services.setdefault(r.name, []).append(r)
-        for name, where in services.items():
+        while its GPU hangs has missed it. Each service has its guard from then on (one
+        whose GPUs hung before gpud started too, that `gpuctl colo show` lists). Its p99
+        by name."""
+        p99s: dict[str, float | None] = {}
+        for name, where in _services(running).items():
             slo_s = (where[0].slo_p99_ms or 0.0) / 1e3
             g = self._guards.get(name)
             if g is None:
@@ -1472,7 +1461,30 @@ class ColoService:
                 # one before): the guard holds the one the service runs with now
                 g.slo_s = slo_s
                 g.breaches_at_floor = 0
-            p99 = self.p99(name)
+            p99 = p99s[name] = self.p99(name)
+            if p99 is not None:
+                st = self._jobs.setdefault(name, _JobState())
+                st.windows += 1
+                st.windows_ok += int(p99 <= slo_s)
+        return p99s
+
+    def _guard_step(
+        self,
+        running: Sequence[RunningJob],
+        per_gpu: dict[int, list[RunningJob]],
+        uuids: Mapping[int, str],
+        p99s: Mapping[str, float | None],
+    ) -> tuple[dict[int, float], dict[int, str]]:
+        """Each inference job's guard, once a tick (a service on several devices too),
+        over the GPUs where training shares one of its devices. ``uuids``: each GPU's UUID
+        by index, for the events; ``p99s``: each service's p99 this tick, and its guard
+        made, by :meth:`_count_attainment`."""
+        duty: dict[int, float] = {}
+        evict: dict[int, str] = {}
+        guarding, self._guarding = self._guarding, set()
+        for name, where in _services(running).items():
+            g = self._guards[name]
+            p99 = p99s.get(name)
             st = self._jobs.setdefault(name, _JobState())
             gpus = sorted(
                 {
@@ -1663,8 +1675,19 @@ class ColoService:
             mig_mode = g.mig_mode is not None and g.mig_mode.current
             options: dict[str, MigOption] = {}
             layout: dict[str, MigOption] = {}
+            # per GPU instance, which its compute instances' MIG devices share (each reads
+            # the instance's memory as its own): their UUIDs, its memory, NVML's use of it
+            shared: dict[int, tuple[tuple[str, ...], int, int | None]] = {}
             for m in g.mig_devices:
                 ident = m.identity
+                devices, total, used = shared.get(ident.gpu_instance_id, ((), 0, None))
+                if m.memory is not None:
+                    used = max(used or 0, m.memory.used_bytes)
+                shared[ident.gpu_instance_id] = (
+                    (*devices, ident.uuid),
+                    max(total, ident.memory_total_bytes),
+                    used,
+                )
                 fraction = _mig_sm_fraction(ident, g.identity)
                 if fraction is None:
                     continue
@@ -1697,6 +1720,7 @@ class ColoService:
                     foreign=foreign,
                     whole=not mig_mode,
                     mig_layout=tuple(layout.values()),
+                    mig_memory=tuple(MigMemory(*x) for _, x in sorted(shared.items())),
                 )
             )
         return views, where

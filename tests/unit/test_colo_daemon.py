@@ -1955,6 +1955,60 @@ def test_a_guard_back_from_a_hung_gpu_does_not_act_on_the_hangs_latencies(
     assert svc.duty("train") == 0.5
 
 
+def test_a_guard_back_from_a_hung_gpu_waits_from_its_answer_at_a_slow_tick(
+    tmp_path: Path,
+) -> None:
+    """The loop ticks every 5 s while the service reports 200 ms each second through three
+    hung ticks: the first tick that finds GPU 0 answering still sees 4 s of reports sent
+    during the hang, newer than the last hung tick. The guard waits for latencies reported
+    from a second after that tick, and acts on them."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    hung = gpu0_faulty("not answering: a driver call is out")
+    for second in range(1, 21):
+        clock.t += 1
+        svc.report_latency("chat", [0.2] * 25)
+        if second % 5 == 0:
+            svc.tick(hung if second < 20 else snapshot())
+    assert svc.duty("train") == 1.0
+    clock.t += 1.5
+    svc.report_latency("chat", [0.095] * 100)  # the training's doing now
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+
+
+def test_misses_of_a_service_hung_since_before_gpud_started_show(tmp_path: Path) -> None:
+    """GPU 0 hangs before gpud starts, with no guard saved for its service: the misses it
+    reports count, and `gpuctl colo show` and the attainment metric show them."""
+    svc, _, jobs = two_jobs_on_gpu0(tmp_path)
+    jobs.append(RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB))
+    svc.report_latency("chat", [0.2] * 100)
+    svc.tick(gpu0_faulty("not answering: a driver call is out"))
+    (g,) = svc.show().guards
+    assert (g.job, g.action, g.attainment) == ("chat", "hold", 0.0)
+    assert g.reason == "paused: GPU 0 not answering; p99 200.0 ms over SLO 100.0 ms"
+    reg = scraped(svc)
+    assert reg.get_sample_value("gpud_colo_slo_attainment_ratio", {"job": "chat"}) == 0.0
+
+
+def test_a_tick_sorts_each_services_window_once(tmp_path: Path) -> None:
+    """A service's whole-window p99 (a sort of its window, under the loop's lock) is read
+    once a tick, for its attainment and its guard both."""
+    svc, clock, _ = chat_beside_training(tmp_path)
+    whole: list[str] = []
+    p99 = svc.p99
+
+    def counted(job: str, *, since: float = float("-inf"), min_samples: int = 1) -> float | None:
+        if since == float("-inf") and min_samples == 1:
+            whole.append(job)
+        return p99(job, since=since, min_samples=min_samples)
+
+    svc.p99 = counted  # type: ignore[method-assign]
+    clock.t += 1
+    svc.report_latency("chat", [0.01] * 100)
+    svc.tick(snapshot())
+    assert whole == ["chat"]
+
+
 def test_a_refusal_names_the_faulty_gpus_beside_the_busy_ones(tmp_path: Path) -> None:
     """Training on GPU 0, GPU 1 lost: a job that GPU 0 refuses is told why there, and that
     GPU 1, free as it looks, is lost (not only what holds GPU 0)."""
@@ -2009,6 +2063,57 @@ def mig_gpu(index: int, *profiles: tuple[str, int, int]) -> GpuSample:
         mig_mode=MigMode(current=True, pending=True),
         mig_devices=tuple(devices),
     )
+
+
+def test_mig_devices_of_one_gpu_instance_share_its_memory_as_nvml_reads_it(
+    tmp_path: Path,
+) -> None:
+    """GPU 0's 3g.40gb GPU instance is split into a 1c.3g.40gb and a 2c.3g.40gb compute
+    instance, each a MIG device that reads the instance's memory: 39 GiB of 40 used, where
+    the service in one and the training job in the other report 28 between them. The
+    instance is over its limit: the training job is evicted, the reason naming its device."""
+    gpu = mig_gpu(0, ("1c.3g.40gb", 40, 16), ("2c.3g.40gb", 40, 32))
+    devices = tuple(
+        m._replace(
+            identity=dataclasses.replace(m.identity, gpu_instance_id=1, compute_instance_id=n),
+            memory=MemoryInfo(40 * GIB, 39 * GIB, GIB),
+        )
+        for n, m in enumerate(gpu.mig_devices)
+    )
+    c1, c2 = (m.identity for m in devices)
+    snap = snapshot()
+    snap = Snapshot(
+        snap.wall_time, snap.monotonic, (gpu._replace(mig_devices=devices),), snap.tick_seconds
+    )
+    jobs = [
+        RunningJob(
+            "chat",
+            "inference",
+            0,
+            slo_p99_ms=100.0,
+            memory_bytes=8 * GIB,
+            memory_used=8 * GIB,
+            device=c1.uuid,
+            mig_profile=c1.profile_name,
+        ),
+        RunningJob(
+            "train",
+            "training",
+            0,
+            memory_bytes=20 * GIB,
+            memory_used=20 * GIB,
+            device=c2.uuid,
+            mig_profile=c2.profile_name,
+        ),
+    ]
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=lambda: jobs, clock=Clock()
+    )
+    plan = svc.tick(snap)
+    assert plan is not None
+    (ev,) = [d for d in plan.directives if d.evict]
+    assert ev.job_id == "train"
+    assert ev.reason.startswith(f"GPU 0 MIG instance 2c.3g.40gb ({c2.uuid}) memory 39936 MiB")
 
 
 def test_a_tight_slo_gets_a_free_mig_instance_and_training_one_that_keeps_its_pace(

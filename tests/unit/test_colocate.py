@@ -17,6 +17,7 @@ from colocate import (
     JobFeatures,
     JobKind,
     JobView,
+    MigMemory,
     MigOption,
     Option,
     Planner,
@@ -838,11 +839,27 @@ def _in_instance(view: JobView, device: str, profile: str = "3g.40gb") -> JobVie
     return view
 
 
+def _mig_gpu(*instances: MigMemory) -> GpuView:
+    """GPU 0 in MIG mode with these GPU instances (3g.40gb each)."""
+    return GpuView(
+        index=0,
+        memory_total=80 * GIB,
+        whole=False,
+        mig_layout=(H100_INSTANCES[2],),
+        mig_memory=instances,
+    )
+
+
+def _evicted(gpu: GpuView, jobs: list[JobView]) -> list[str]:
+    plan = Planner(InterferencePredictor()).plan([gpu], jobs)
+    return [d.job_id for d in plan.directives if d.evict]
+
+
 def test_memory_over_a_shared_mig_instance_evicts_its_newest_training() -> None:
     """A service and a training job share MIG instance A (40 GiB): the training grows to
     32 GiB beside the service's 8, over the instance's limit, and is evicted, the reason
     naming the instance; a training job alone in instance B that fills it is left alone."""
-    view = GpuView(index=0, memory_total=80 * GIB, whole=False, mig_layout=(H100_INSTANCES[2],))
+    view = _mig_gpu(MigMemory(("MIG-a",), 40 * GIB), MigMemory(("MIG-b",), 40 * GIB))
     svc = _in_instance(inference("svc", slo_s=0.2, peak=50.0, gpu=0), "MIG-a")
     svc.memory_used, svc.order = 8 * GIB, 0
     grown = _in_instance(training("grown", gpu=0, order=1, used_gib=32), "MIG-a")
@@ -850,42 +867,122 @@ def test_memory_over_a_shared_mig_instance_evicts_its_newest_training() -> None:
     plan = Planner(InterferencePredictor()).plan([view], [svc, grown, full])
     (ev,) = [d for d in plan.directives if d.evict]
     assert ev.job_id == "grown"
-    assert "MIG instance 3g.40gb" in ev.reason and "memory" in ev.reason
+    assert ev.reason == (
+        "GPU 0 MIG instance 3g.40gb (MIG-a) memory 40960 MiB over its limit 38912 MiB: "
+        "evict the newest training job there"
+    )
     # within the instance's limit, nothing goes; nor where the driver does not say
     for unknown in (20 * GIB, None):
         grown.memory_used = unknown
-        plan = Planner(InterferencePredictor()).plan([view], [svc, grown, full])
-        assert not [d for d in plan.directives if d.evict]
+        assert _evicted(view, [svc, grown, full]) == []
 
 
-@settings(max_examples=60, deadline=None)
+def test_nvml_reading_of_a_mig_instance_counts_where_it_says_more() -> None:
+    """NVML reads 39 GiB used in the instance where its jobs' processes report 28: the
+    instance is over its limit all the same, and the newest training job there goes."""
+    svc = _in_instance(inference("svc", slo_s=0.2, peak=50.0, gpu=0), "MIG-a")
+    svc.memory_used = 8 * GIB
+    train = _in_instance(training("train", gpu=0, order=1, used_gib=20), "MIG-a")
+    assert _evicted(_mig_gpu(MigMemory(("MIG-a",), 40 * GIB, 39 * GIB)), [svc, train]) == ["train"]
+    assert _evicted(_mig_gpu(MigMemory(("MIG-a",), 40 * GIB, 30 * GIB)), [svc, train]) == []
+
+
+def test_a_job_of_unknown_memory_in_a_mig_instance_is_never_evicted_for_it() -> None:
+    """A service and t1 use 20 GiB each of a 40 GiB instance, t2 (the newest) reports none:
+    t1, whose memory crowds the service, goes; t2 is no reason and no victim."""
+    svc = _in_instance(inference("svc", slo_s=0.2, peak=50.0, gpu=0), "MIG-a")
+    svc.memory_used = 20 * GIB
+    t1 = _in_instance(training("t1", gpu=0, order=1, used_gib=20), "MIG-a")
+    t2 = _in_instance(training("t2", gpu=0, order=2), "MIG-a")
+    t2.memory_used = None
+    assert _evicted(_mig_gpu(MigMemory(("MIG-a",), 40 * GIB)), [svc, t1, t2]) == ["t1"]
+
+
+def test_a_job_in_two_mig_instances_is_evicted_once() -> None:
+    """A training job runs in instances A and B of GPU 0, beside a service in each, and
+    crowds both: it is evicted once, and that frees both."""
+    a = _in_instance(inference("a", slo_s=0.2, peak=50.0, gpu=0), "MIG-a")
+    b = _in_instance(inference("b", slo_s=0.2, peak=50.0, gpu=0), "MIG-b")
+    a.memory_used = b.memory_used = 8 * GIB
+    big = [
+        _in_instance(training("big", gpu=0, order=1, used_gib=32), d) for d in ("MIG-a", "MIG-b")
+    ]
+    gpu = _mig_gpu(MigMemory(("MIG-a",), 40 * GIB), MigMemory(("MIG-b",), 40 * GIB))
+    assert _evicted(gpu, [a, b, *big]) == ["big"]
+
+
+def test_compute_instances_of_one_gpu_instance_share_its_memory() -> None:
+    """A 3g.40gb GPU instance split into a 1c.3g.40gb and a 2c.3g.40gb compute instance (two
+    MIG devices, each reading the instance's 40 GiB as its total): a service in one and a
+    training job in the other share those 40 GiB, and the training's 32 GiB crowd it."""
+    svc = _in_instance(inference("svc", slo_s=0.2, peak=50.0, gpu=0), "MIG-c1", "1c.3g.40gb")
+    svc.memory_used = 8 * GIB
+    train = _in_instance(training("train", gpu=0, order=1, used_gib=32), "MIG-c2", "2c.3g.40gb")
+    gpu = _mig_gpu(MigMemory(("MIG-c1", "MIG-c2"), 40 * GIB))
+    assert _evicted(gpu, [svc, train]) == ["train"]
+
+
+def _expected_evictions(jobs: list[JobView], used: int | None, limit: int) -> list[str]:
+    """The shortest newest-first run of the instance's training jobs of known memory that
+    brings its use (NVML's reading or its jobs' sum, whichever is more) within ``limit``,
+    or stops at one job left."""
+    total = max(used or 0, sum(j.memory_used or 0 for j in jobs))
+    left = len(jobs)
+    out: list[str] = []
+    known = [j for j in jobs if j.kind is JobKind.TRAINING and j.memory_used is not None]
+    for j in sorted(known, key=lambda j: -j.order):
+        if total <= limit or left <= 1:
+            break
+        out.append(j.job_id)
+        total -= j.memory_used or 0
+        left -= 1
+    return out
+
+
+instance_jobs = st.lists(
+    st.tuples(st.one_of(st.none(), st.floats(0.5, 39.0)), st.booleans()), max_size=4
+)
+
+
+@settings(max_examples=80, deadline=None)
 @given(
-    used=st.lists(st.floats(0.5, 39.0), min_size=1, max_size=4),
+    a=instance_jobs,
+    b=instance_jobs,
     service=st.booleans(),
     headroom=st.floats(0.0, 0.2),
+    read=st.one_of(st.none(), st.floats(0.0, 40.0)),
 )
-def test_a_shared_mig_instance_never_stays_over_its_memory_limit(
-    used: list[float], service: bool, headroom: float
+def test_a_shared_mig_instance_sheds_exactly_its_newest_training_over_its_limit(
+    a: list[tuple[float | None, bool]],
+    b: list[tuple[float | None, bool]],
+    service: bool,
+    headroom: float,
+    read: float | None,
 ) -> None:
-    """Jobs sharing one MIG instance: after the plan's evictions, what those left use is
-    within the instance's limit, or one job is left alone there (a job alone may fill it)."""
-    inst = H100_INSTANCES[2]
-    view = GpuView(index=0, memory_total=80 * GIB, whole=False, mig_layout=(inst,))
-    jobs = [
-        _in_instance(training(f"t{i}", gpu=0, order=i + 1, used_gib=u), "MIG-a")
-        for i, u in enumerate(used)
-    ]
+    """Two GPU instances of GPU 0, the first split into two compute instances (jobs in
+    either share its memory): the plan evicts, per instance, exactly the newest training
+    jobs of known memory that bring its use within its limit, stopping at one job left."""
+    inst_a = MigMemory(("MIG-a1", "MIG-a2"), 40 * GIB, None if read is None else int(read * GIB))
+    inst_b = MigMemory(("MIG-b",), 40 * GIB)
+    order = iter(range(1, 100))
+    groups: list[list[JobView]] = [[], []]
+    for k, (spec, devices) in enumerate(((a, ("MIG-a1", "MIG-a2")), (b, ("MIG-b",)))):
+        for i, (used, second) in enumerate(spec):
+            j = training(f"t{k}{i}", gpu=0, order=next(order))
+            j.memory_used = None if used is None else int(used * GIB)
+            groups[k].append(_in_instance(j, devices[int(second) % len(devices)]))
     if service:
-        svc = _in_instance(inference("svc", slo_s=0.2, peak=50.0, gpu=0), "MIG-a")
+        svc = _in_instance(inference("svc", slo_s=0.2, peak=50.0, gpu=0), "MIG-a2")
         svc.memory_used = 4 * GIB
-        jobs.append(svc)
+        groups[0].append(svc)
     planner = Planner(InterferencePredictor(), PlannerParams(memory_headroom=headroom))
-    plan = planner.plan([view], jobs)
-    evicted = {d.job_id for d in plan.directives if d.evict}
-    left = [j for j in jobs if j.job_id not in evicted]
-    assert left and all(j.kind is JobKind.TRAINING for j in jobs if j.job_id in evicted)
-    limit = int(inst.memory_bytes * (1 - headroom))
-    assert len(left) == 1 or sum(j.memory_used or 0 for j in left) <= limit
+    gpu = _mig_gpu(inst_a, inst_b)
+    plan = planner.plan([gpu], [*groups[0], *groups[1]])
+    limit = int(40 * GIB * (1 - headroom))
+    expected = _expected_evictions(groups[0], inst_a.used, limit) + _expected_evictions(
+        groups[1], None, limit
+    )
+    assert sorted(d.job_id for d in plan.directives if d.evict) == sorted(expected)
 
 
 def test_a_job_on_two_gpus_is_directed_once_at_the_pace_of_its_slower_gpu() -> None:
