@@ -676,9 +676,13 @@ class ColoService:
         self._states = 0  # (under _lock) states built for the file so far
         # One write at a time, and never one of a state older than the last written: the
         # tick writes what it built under the loop's lock after letting go of it, and a
-        # removal may build and write a newer one meanwhile (from the gRPC thread).
+        # removal may build and write a newer one meanwhile (from the gRPC thread). Nobody
+        # waits for another's write: the newest state not yet written waits in _pending,
+        # and whoever holds _save_lock writes it once its own write is done.
         self._save_lock = threading.Lock()
         self._saved_state = 0  # (under _save_lock) the newest state written or unchanged
+        self._pending_lock = threading.Lock()
+        self._pending: tuple[int, dict[str, Any]] | None = None  # (under _pending_lock)
         self._saved: dict[str, Any] | None = None
         self._saved_clock = 0.0
         self._save_error = ""  # why the last write failed ("": it did not)
@@ -1187,15 +1191,32 @@ class ColoService:
         predictor's clock alone moving on (and ended jobs' ``idle_s``) is written once every
         ``CLOCK_WRITE_S`` (an idle node would write every tick): a restart takes it up from the last write, as if
         gpud had been down since. A state older than one written already is not written:
-        the newer one holds what it knew and more (a job removed since is gone from it)."""
+        the newer one holds what it knew and more (a job removed since is gone from it).
+
+        It does not wait for a write in progress (a removal's hook runs under the jobs
+        service's placement lock): it leaves ``state`` to the writer, which writes the
+        newest state left to it straight after its own, and returns."""
         if state is None or self._state_file is None:
             return
-        with self._save_lock:
-            seq, data = state
-            if seq <= self._saved_state:
+        with self._pending_lock:
+            if self._pending is None or state[0] > self._pending[0]:
+                self._pending = state
+        while True:
+            with self._pending_lock:
+                if self._pending is None:
+                    return
+            # Held: its holder looks for a pending state again once it lets go of the
+            # lock, so one left now is written then.
+            if not self._save_lock.acquire(blocking=False):
                 return
-            self._saved_state = seq
-            self._write_newest(self._state_file, data)
+            try:
+                with self._pending_lock:
+                    pending, self._pending = self._pending, None
+                if pending is not None and pending[0] > self._saved_state:
+                    self._saved_state = pending[0]
+                    self._write_newest(self._state_file, pending[1])
+            finally:
+                self._save_lock.release()
 
     def _write_newest(self, path: Path, data: dict[str, Any]) -> None:
         """:meth:`_save` of a state newer than any written. Under the save lock."""

@@ -3666,11 +3666,12 @@ def test_a_removed_job_is_gone_from_the_file_at_once(tmp_path: Path) -> None:
     assert "sweep" not in kept_loop(tmp_path, [], Clock())._jobs
 
 
-def test_a_removal_written_while_a_tick_writes_stays_in_the_file(tmp_path: Path) -> None:
-    """A tick built its state (the job still in it) and has not written it yet when
-    `gpuctl jobs rm` commits and writes the state without the job: the tick's older state
-    never lands over it, whichever write comes first (a kill -9 then does not bring the
-    job back)."""
+def test_a_removal_does_not_wait_for_a_tick_write_in_progress(tmp_path: Path) -> None:
+    """`gpuctl jobs rm` commits while a tick writes the state it built (the job still in
+    it) slowly, a long fsync: the removal's hook, run under the jobs service's placement
+    lock, returns at once, and its state is written straight after the tick's; the
+    tick's older state never lands over it (a kill -9 then does not bring the job
+    back)."""
     import threading
 
     clock = Clock()
@@ -3681,19 +3682,23 @@ def test_a_removal_written_while_a_tick_writes_stays_in_the_file(tmp_path: Path)
 
     def write(path: Path, text: str) -> None:
         if threading.current_thread() is tick and not go.is_set():
-            ticking.set()  # the tick's write: held until the removal has had its chance
-            go.wait(5)
+            ticking.set()  # the tick's write: held until the removal returned
+            go.wait(10)
         write_atomically(path, text)
 
     svc = ran_alone(kept_loop(tmp_path, jobs, clock, write), clock, 0.3, 6)
     tick.start()
-    assert ticking.wait(5)
-    removal = threading.Thread(target=svc.job_removed("sweep", force=True))
-    removal.start()
-    removal.join(0.5)  # written at once, or waits for the tick's write to end
-    go.set()
+    try:
+        assert ticking.wait(5)
+        removal = threading.Thread(target=svc.job_removed("sweep", force=True))
+        removal.start()
+        removal.join(3)
+        assert not removal.is_alive()  # it did not wait for the tick's write
+        assert "sweep" in json.loads(state.read_text())["jobs"]  # not written yet
+    finally:
+        go.set()
     tick.join(5)
-    removal.join(5)
+    assert not tick.is_alive()
     assert "sweep" not in json.loads(state.read_text())["jobs"]
     assert "sweep" not in kept_loop(tmp_path, [], Clock())._jobs
 
