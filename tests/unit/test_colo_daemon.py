@@ -85,9 +85,11 @@ def kept_loop(
     jobs: list[RunningJob],
     clock: Clock,
     write: Callable[[Path, str], None] | None = None,
+    registered: Callable[[], list[str]] | None = None,
 ) -> ColoService:
     """A loop that keeps its state in ``tmp_path/colo.json`` (written by ``write``, where
-    given): a new one picks it up."""
+    given): a new one picks it up (what it holds of jobs ``registered`` does not list
+    dropped, where given)."""
     return ColoService(
         ColocateConfig(),
         EventLog(tmp_path / "e.jsonl"),
@@ -95,6 +97,7 @@ def kept_loop(
         clock=clock,
         state_file=tmp_path / "colo.json",
         write=write,
+        registered=registered,
     )
 
 
@@ -3664,6 +3667,24 @@ def test_a_removed_job_is_gone_from_the_file_at_once(tmp_path: Path) -> None:
     svc.job_removed("sweep", force=True)()
     assert "sweep" not in json.loads((tmp_path / "colo.json").read_text())["jobs"]
     assert "sweep" not in kept_loop(tmp_path, [], Clock())._jobs
+
+
+def test_a_job_removed_before_the_file_was_written_is_forgotten_at_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """gpud killed between the commit of `gpuctl jobs rm` and colo.json's write: the file
+    still holds the job, the registry no longer does. The restart drops it (and the
+    duty its guard set), so a job added again under its name is planned afresh; the
+    other jobs' state is kept."""
+    caplog.set_level(logging.INFO)
+    clock = Clock()
+    jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
+    ran_alone(kept_loop(tmp_path, jobs, clock), clock, 0.3, 6)  # the last write holds it
+    with_it = kept_loop(tmp_path, [], Clock(), registered=lambda: ["sweep"])
+    assert "sweep" in with_it._jobs
+    again = kept_loop(tmp_path, [], Clock(), registered=lambda: ["other"])
+    assert "sweep" not in again._jobs and "sweep" not in again._directives
+    assert any("no longer registered, forgotten: sweep" in r.getMessage() for r in caplog.records)
 
 
 def test_a_removal_does_not_wait_for_a_tick_write_in_progress(tmp_path: Path) -> None:
