@@ -481,6 +481,7 @@ class Daemon:
             default_memory=self._colo_default_memory,
             clock=clock,
             state_file=state_dir / COLO_NAME,
+            registered=self.jobs.registry.names,
         )
         self._colo_last = float("-inf")
         self.loop_stats = LoopStats()

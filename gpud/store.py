@@ -113,6 +113,7 @@ class StateStore:
         self._reader: sqlite3.Connection | None = None  # opened by the first reading()
         self._reader_lock = threading.Lock()
         self._reading = threading.local()
+        self._writer: int | None = None  # the thread whose transaction is open (under _lock)
         with contextlib.suppress(OSError):
             # SQLite takes an empty file for a new database: one gpud wrote is never empty
             # (the first start writes its tables), so this one was truncated
@@ -233,6 +234,7 @@ class StateStore:
                 return
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
+                self._writer = threading.get_ident()
                 try:
                     changes = self._conn.total_changes
                     yield self._conn
@@ -246,6 +248,8 @@ class StateStore:
                     if self._conn.in_transaction:
                         self._conn.execute("ROLLBACK")
                     raise
+                finally:
+                    self._writer = None
             except sqlite3.OperationalError as err:
                 if err.sqlite_errorcode & 0xFF not in _UNWRITABLE:
                     raise
@@ -253,6 +257,14 @@ class StateStore:
                     f"state database {self.path} cannot be written ({err}): nothing of this "
                     "change was kept; free space or fix the file, then retry"
                 ) from err
+
+    def in_transaction(self) -> bool:
+        """Whether this thread has a transaction open (:meth:`transaction` or
+        :meth:`reading`): one it begins now is part of it, committed only when it ends."""
+        return (
+            getattr(self._reading, "conn", None) is not None
+            or self._writer == threading.get_ident()
+        )
 
     def _files_kept(self) -> bool:
         """Whether the database and its WAL are still the files the connection has open.

@@ -228,7 +228,6 @@ class ClusterAgent:
         self._issued = (0, 0)  # (epoch, seq) of the last order this node computed
         self._settled_at = 0.0  # (clock) when this leadership may hand out its first order
         self._led_at: float | None = None  # (clock) this leadership's last round
-        self._settling = False  # the last leader round began a wait for the reports
         self.mode = Mode.LOCAL
         self.order: Order | None = None  # the newest applied order (this node's share)
         self._order_cleared = False  # the local policy decides again (grace period over)
@@ -385,7 +384,6 @@ class ClusterAgent:
                 # it leads: no leader to reach but itself (the previous one's error would
                 # stay published while the new leadership settles)
                 self._set_error(problem, OWN_CERTIFICATE if problem else "")
-            self._settling = False
             try:
                 # none once the cluster stops (it gives up the leadership). A round already
                 # leading then still computes its order, but its tags are not saved (the
@@ -402,10 +400,10 @@ class ClusterAgent:
                 if full:
                     self._alarms_read_at = None  # read the alarms in this round
                 order = None
-            if self._settling and order is None:
+            if order is None and (wait := self._settled_at - self._clock()) > 0:
                 # a new leadership, or one resumed: its first round once it has settled,
                 # not a tick later
-                self.request_round(max(0.0, self._settled_at - self._clock()))
+                self.request_round(wait)
             if (
                 order is not None
                 and self.election.state().leading
@@ -601,15 +599,19 @@ class ClusterAgent:
         each report within the report timeout. Time alone ends the wait, so a node that
         never reports (the old leader, killed) cannot keep the cluster without an order.
 
-        A leadership whose last round is older than the node timeout (the host was
-        suspended within its lease, or its rounds stalled) waits as long again: by the
-        clock that counts the suspend every other node's report is too old to count, and
-        an order at once would rank this node's jobs alone.
+        A leadership resumed from a suspend within its lease waits as long again: by the
+        clock that counts the suspend, every other node's report is too old to count, and
+        an order at once would rank this node's jobs alone. It waits only when its last
+        order folded in other nodes and none of their reports is fresh now: a round that
+        came late (a slow daemon pass) while they kept reporting orders at once.
         """
         now = self._clock()
         with self._lock:
-            if self._aggregator is None or self._agg_epoch != epoch:
-                self._aggregator = Aggregator(
+            agg = self._aggregator
+            new_epoch = agg is None or self._agg_epoch != epoch
+            last = now if self._led_at is None else self._led_at
+            if agg is None or new_epoch:
+                agg = self._aggregator = Aggregator(
                     leader=self.node,
                     leveller=Leveller(self._leveller),
                     tags=self._tag_store(epoch),
@@ -620,31 +622,33 @@ class ClusterAgent:
                     after=self._issued,
                 )
                 self._agg_epoch = epoch
+                resumed = False
+            else:
+                # its last round is older than the node timeout, and so is every other
+                # node's report, though its last order had some: the host was suspended
+                resumed = (
+                    now - last > self._node_timeout_s
+                    and agg.included_others()
+                    and not any(n.node != self.node for n in agg.nodes(now))
+                )
+            if new_epoch or resumed:
                 self._settled_at = now + self._settle_s
-                self._settling = self._settle_s > 0
-                if self._settling:
-                    log.info(
-                        "cluster: leading epoch %d; the first order in %.1f s, once the "
-                        "nodes have reported (the last order stays in force until then)",
-                        epoch,
-                        self._settle_s,
-                    )
-            elif (
-                self._settle_s > 0
-                and self._led_at is not None
-                and now - self._led_at > self._node_timeout_s
-            ):
-                self._settled_at = now + self._settle_s
-                self._settling = True
+            if self._settle_s > 0 and new_epoch:
+                log.info(
+                    "cluster: leading epoch %d; the first order in %.1f s, once the "
+                    "nodes have reported (the last order stays in force until then)",
+                    epoch,
+                    self._settle_s,
+                )
+            elif self._settle_s > 0 and resumed:
                 log.info(
                     "cluster: no round of epoch %d for %.1f s (a suspend?); the next order in "
                     "%.1f s, once the nodes have reported again",
                     epoch,
-                    now - self._led_at,
+                    now - last,
                     self._settle_s,
                 )
             self._led_at = now
-            agg = self._aggregator
         # Outside the lock: peers' reports keep arriving (on the event loop) while the
         # round computes; a report is one dict assignment, and a round reads a copy.
         agg.receive(report, now)

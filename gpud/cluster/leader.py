@@ -130,6 +130,10 @@ class Aggregator:
         if peer:
             self._peers[node] = peer
 
+    def included_others(self) -> bool:
+        """Whether the last order folded in the report of a node other than the leader."""
+        return bool(self._included - {self.leader})
+
     def nodes(self, now: float) -> list[NodeSeen]:
         """Nodes heard from within the node timeout, by name."""
         return [

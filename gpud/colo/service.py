@@ -23,7 +23,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -611,6 +611,7 @@ class ColoService:
         name_of: Callable[[int], str] = user_name,
         wall: Callable[[], float] = time.time,
         write: Callable[[Path, str], None] | None = None,
+        registered: Callable[[], Collection[str]] | None = None,
     ) -> None:
         """``host``: reads the CPU and memory use of the jobs' process trees (default: the
         host's ``/proc``). ``state_file``: where what the loop learned about running jobs
@@ -628,7 +629,11 @@ class ColoService:
         shown placed until the next pass; a show (``/metrics``, ``gpuctl colo show``) with
         none gone since reads nothing. ``wall``: Unix time, what reservations are stamped
         with (:attr:`RunningJob.reserved_at`). ``write``: how the state file is written
-        (default: atomically, :func:`write_atomically`)."""
+        (default: atomically, :func:`write_atomically`). ``registered``: the names of the
+        jobs registered now (the jobs service's registry), asked once as the state file is
+        read: what it holds of any other job is dropped (the job was removed after the
+        file's last write, gpud killed before the next one), so a job added again under its
+        name is not planned with the removed one's footprints (default: all are kept)."""
         self._name_of = name_of
         self._names: dict[int, tuple[str, float]] = {}  # UID -> its name, when looked up
         self._wall = wall
@@ -689,15 +694,19 @@ class ColoService:
         self._states = 0  # (under _lock) states built for the file so far
         # One write at a time, and never one of a state older than the last written: the
         # tick writes what it built under the loop's lock after letting go of it, and a
-        # removal may build and write a newer one meanwhile (from the gRPC thread).
+        # removal may build and write a newer one meanwhile (from the gRPC thread). Nobody
+        # waits for another's write: the newest state not yet written waits in _pending,
+        # and whoever holds _save_lock writes it once its own write is done.
         self._save_lock = threading.Lock()
         self._saved_state = 0  # (under _save_lock) the newest state written or unchanged
+        self._pending_lock = threading.Lock()
+        self._pending: tuple[int, dict[str, Any]] | None = None  # (under _pending_lock)
         self._saved: dict[str, Any] | None = None
         self._saved_clock = 0.0
         self._save_error = ""  # why the last write failed ("": it did not)
         self.configure(config)
         if state_file is not None:
-            self._load(state_file)
+            self._load(state_file, registered)
 
     def configure(self, config: ColocateConfig) -> None:
         """(Re)apply the [colocate] settings; learned state is kept."""
@@ -1009,10 +1018,12 @@ class ColoService:
         return any(r.name == job for r in self._running())
 
     # -- what outlives a restart ----------------------------------------------------------------
-    def _load(self, path: Path) -> None:
+    def _load(self, path: Path, registered: Callable[[], Collection[str]] | None) -> None:
         """Read back what :meth:`_save` wrote. A file that is not the loop's (unreadable, not
         JSON, another shape) is logged and the loop starts afresh; a predictor state that
-        does not validate is logged and the predictor starts afresh, the jobs' state kept."""
+        does not validate is logged and the predictor starts afresh, the jobs' state kept.
+        Jobs that ``registered`` does not list are dropped (their removal committed, the
+        file not written since)."""
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -1040,6 +1051,8 @@ class ColoService:
             for name in evicted:
                 st = self._jobs.setdefault(name, _JobState())
                 st.evicted, st.seen = True, self._clock()
+            if registered is not None:
+                self._drop_unregistered(path, set(registered()))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             self._unreadable(path, f"co-location state {path} not read ({err}): starting afresh")
             self._jobs.clear()
@@ -1059,6 +1072,22 @@ class ColoService:
             )
             return
         self.configure(self.config)  # the planner predicts with the restored one
+
+    def _drop_unregistered(self, path: Path, registered: set[str]) -> None:
+        """Forget what the state file held of jobs not ``registered``: removed after its
+        last write (the removal writes it at once, but a kill -9 may come between)."""
+        gone = sorted(n for n in self._jobs if n not in registered)
+        for name in gone:
+            del self._jobs[name]
+            self._guards.pop(name, None)
+            self._directives.pop(name, None)
+        if gone:
+            log.info(
+                "co-location state %s: %s no longer registered, forgotten: %s",
+                path,
+                "a job" if len(gone) == 1 else f"{len(gone)} jobs",
+                ", ".join(gone),
+            )
 
     def _unreadable(self, path: Path, what: str) -> None:
         """``what`` of the state file ``path`` was not read, and why: said in the log and as
@@ -1200,15 +1229,32 @@ class ColoService:
         predictor's clock alone moving on (and ended jobs' ``idle_s``) is written once every
         ``CLOCK_WRITE_S`` (an idle node would write every tick): a restart takes it up from the last write, as if
         gpud had been down since. A state older than one written already is not written:
-        the newer one holds what it knew and more (a job removed since is gone from it)."""
+        the newer one holds what it knew and more (a job removed since is gone from it).
+
+        It does not wait for a write in progress (a removal's hook runs under the jobs
+        service's placement lock): it leaves ``state`` to the writer, which writes the
+        newest state left to it straight after its own, and returns."""
         if state is None or self._state_file is None:
             return
-        with self._save_lock:
-            seq, data = state
-            if seq <= self._saved_state:
+        with self._pending_lock:
+            if self._pending is None or state[0] > self._pending[0]:
+                self._pending = state
+        while True:
+            with self._pending_lock:
+                if self._pending is None:
+                    return
+            # Held: its holder looks for a pending state again once it lets go of the
+            # lock, so one left now is written then.
+            if not self._save_lock.acquire(blocking=False):
                 return
-            self._saved_state = seq
-            self._write_newest(self._state_file, data)
+            try:
+                with self._pending_lock:
+                    pending, self._pending = self._pending, None
+                if pending is not None and pending[0] > self._saved_state:
+                    self._saved_state = pending[0]
+                    self._write_newest(self._state_file, pending[1])
+            finally:
+                self._save_lock.release()
 
     def _write_newest(self, path: Path, data: dict[str, Any]) -> None:
         """:meth:`_save` of a state newer than any written. Under the save lock."""

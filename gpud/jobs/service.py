@@ -320,6 +320,12 @@ class JobService:
         self._events.emit("job.add", f"job {job.name} ({job.kind}) registered", job=job.name)
 
     def remove(self, name: str, *, force: bool = False) -> JobSpec:
+        if self.store.in_transaction():
+            # The removal hooks' callables let go of what they keep in memory for the job
+            # (co-location takes its footprints as removed for good) once the transaction
+            # below committed: nested in one, it would commit only when that one ends, and
+            # its rollback would keep a job the hooks already let go of.
+            raise RuntimeError(f"job {name!r}: removed within an open store transaction")
         with self._lock:
             held = self.reservations.held(name)
             if held and not force:

@@ -162,6 +162,34 @@ async def test_a_leader_resumed_within_its_lease_waits_for_the_reports_again() -
     assert set(after.levels) == {"b"}
 
 
+async def test_a_late_round_while_the_others_kept_reporting_orders_at_once() -> None:
+    """A round late by more than the node timeout (a slow daemon pass) while the other
+    nodes kept reporting: their reports are fresh, so it does not settle again."""
+    now = Clock()
+    etcd = ExpiringEtcd(now)
+    election, leader = _node("n0", etcd, now, settle_s=2.0)
+    report = NodeReport("n1", jobs=(JobReport("b", progress_rate=0.2),))
+    election.step()
+    await leader.tick()
+    leader.receive(report)
+    now.now += 2.0
+    election.step()
+    await leader.tick()
+    first = leader.receive(report)
+    assert isinstance(first, Order)
+    for _ in range(5):  # n1 reports every second; the leader's next round is 5.5 s later
+        now.now += 1.0
+        election.step()
+        leader.receive(report)
+    now.now += 0.5
+    asked: list[float] = []
+    leader.request_round = asked.append
+    await leader.tick()
+    assert asked == []  # no wait for reports that are 0.5 s old
+    after = leader.receive(report)
+    assert isinstance(after, Order) and after.seq > first.seq
+
+
 async def test_a_leader_resumed_after_its_lease_expired_never_leads_beside_its_successor() -> None:
     now = Clock()
     etcd, election, leader = await _leading(now)

@@ -85,9 +85,11 @@ def kept_loop(
     jobs: list[RunningJob],
     clock: Clock,
     write: Callable[[Path, str], None] | None = None,
+    registered: Callable[[], list[str]] | None = None,
 ) -> ColoService:
     """A loop that keeps its state in ``tmp_path/colo.json`` (written by ``write``, where
-    given): a new one picks it up."""
+    given): a new one picks it up (what it holds of jobs ``registered`` does not list
+    dropped, where given)."""
     return ColoService(
         ColocateConfig(),
         EventLog(tmp_path / "e.jsonl"),
@@ -95,6 +97,7 @@ def kept_loop(
         clock=clock,
         state_file=tmp_path / "colo.json",
         write=write,
+        registered=registered,
     )
 
 
@@ -3771,11 +3774,30 @@ def test_a_removed_job_is_gone_from_the_file_at_once(tmp_path: Path) -> None:
     assert "sweep" not in kept_loop(tmp_path, [], Clock())._jobs
 
 
-def test_a_removal_written_while_a_tick_writes_stays_in_the_file(tmp_path: Path) -> None:
-    """A tick built its state (the job still in it) and has not written it yet when
-    `gpuctl jobs rm` commits and writes the state without the job: the tick's older state
-    never lands over it, whichever write comes first (a kill -9 then does not bring the
-    job back)."""
+def test_a_job_removed_before_the_file_was_written_is_forgotten_at_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """gpud killed between the commit of `gpuctl jobs rm` and colo.json's write: the file
+    still holds the job, the registry no longer does. The restart drops it (and the
+    duty its guard set), so a job added again under its name is planned afresh; the
+    other jobs' state is kept."""
+    caplog.set_level(logging.INFO)
+    clock = Clock()
+    jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
+    ran_alone(kept_loop(tmp_path, jobs, clock), clock, 0.3, 6)  # the last write holds it
+    with_it = kept_loop(tmp_path, [], Clock(), registered=lambda: ["sweep"])
+    assert "sweep" in with_it._jobs
+    again = kept_loop(tmp_path, [], Clock(), registered=lambda: ["other"])
+    assert "sweep" not in again._jobs and "sweep" not in again._directives
+    assert any("no longer registered, forgotten: sweep" in r.getMessage() for r in caplog.records)
+
+
+def test_a_removal_does_not_wait_for_a_tick_write_in_progress(tmp_path: Path) -> None:
+    """`gpuctl jobs rm` commits while a tick writes the state it built (the job still in
+    it) slowly, a long fsync: the removal's hook, run under the jobs service's placement
+    lock, returns at once, and its state is written straight after the tick's; the
+    tick's older state never lands over it (a kill -9 then does not bring the job
+    back)."""
     import threading
 
     clock = Clock()
@@ -3786,19 +3808,23 @@ def test_a_removal_written_while_a_tick_writes_stays_in_the_file(tmp_path: Path)
 
     def write(path: Path, text: str) -> None:
         if threading.current_thread() is tick and not go.is_set():
-            ticking.set()  # the tick's write: held until the removal has had its chance
-            go.wait(5)
+            ticking.set()  # the tick's write: held until the removal returned
+            go.wait(10)
         write_atomically(path, text)
 
     svc = ran_alone(kept_loop(tmp_path, jobs, clock, write), clock, 0.3, 6)
     tick.start()
-    assert ticking.wait(5)
-    removal = threading.Thread(target=svc.job_removed("sweep", force=True))
-    removal.start()
-    removal.join(0.5)  # written at once, or waits for the tick's write to end
-    go.set()
+    try:
+        assert ticking.wait(5)
+        removal = threading.Thread(target=svc.job_removed("sweep", force=True))
+        removal.start()
+        removal.join(3)
+        assert not removal.is_alive()  # it did not wait for the tick's write
+        assert "sweep" in json.loads(state.read_text())["jobs"]  # not written yet
+    finally:
+        go.set()
     tick.join(5)
-    removal.join(5)
+    assert not tick.is_alive()
     assert "sweep" not in json.loads(state.read_text())["jobs"]
     assert "sweep" not in kept_loop(tmp_path, [], Clock())._jobs
 

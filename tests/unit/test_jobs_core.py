@@ -514,6 +514,25 @@ def service(tmp_path: Path, store: StateStore) -> Iterator[JobService]:
     yield JobService(store, EventLog(None), mps, socket_path=Path("/run/gpud/gpud.sock"))
 
 
+def test_a_removal_within_an_open_transaction_is_refused(
+    service: JobService, store: StateStore
+) -> None:
+    """A removal's hooks let go of what they keep in memory once its transaction
+    committed: nested in another (re-entrant) transaction it would commit only later, or
+    be rolled back with it, so it is refused, and nothing is removed or let go of."""
+    service.registry.add(JobSpec("train-b"))
+    let_go: list[str] = []
+    service.add_removal_hook(lambda name, force: lambda: let_go.append(name))
+    with pytest.raises(RuntimeError, match="open store transaction"), store.transaction():
+        service.remove("train-b")
+    with pytest.raises(RuntimeError, match="open store transaction"), store.reading():
+        service.remove("train-b")
+    assert service.registry.names() == ["train-b"] and let_go == []
+    assert not store.in_transaction()
+    service.remove("train-b")  # outside one: removed, its hooks' callables called
+    assert service.registry.names() == [] and let_go == ["train-b"]
+
+
 def test_run_registers_reserves_and_refuses_oversubscription(service: JobService) -> None:
     launch = service.reserve(
         RunRequest("infer-a", JobKind.INFERENCE, mig_profile="3g.40gb", memory_bytes=30 * GIB)
