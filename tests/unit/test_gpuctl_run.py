@@ -2180,6 +2180,7 @@ class Places(net_pb2_grpc.NetServicer):
         placed: bool,
         group_signal: int | None = None,
         to_gpuctl: bool = True,
+        to_held: bool = True,
         after_opening: bool = False,
     ) -> None:
         self._jobs = jobs
@@ -2189,6 +2190,7 @@ class Places(net_pb2_grpc.NetServicer):
         self._after_opening = after_opening
         self._group_signal = group_signal  # sent to the gate's process (and gpuctl) instead
         self._to_gpuctl = to_gpuctl
+        self._to_held = to_held
         self.asked: list[int] = []
         self.namespaces: list[int | None] = []  # the pid_namespace of each
 
@@ -2204,8 +2206,9 @@ class Places(net_pb2_grpc.NetServicer):
             if self._group_signal is not None:  # as a Ctrl-C on the terminal sends it
                 if self._to_gpuctl:
                     os.kill(os.getpid(), self._group_signal)
-                os.kill(request.pid, self._group_signal)
-                ended_at_the_gate(request.pid)
+                if self._to_held:
+                    os.kill(request.pid, self._group_signal)
+                    ended_at_the_gate(request.pid)
             if self._after_opening:
                 opened = stopped_until_opened(request.pid)
                 jobs.remove(request.job, force=True)  # its SIGTERM waits until it goes on
@@ -2390,35 +2393,46 @@ def test_a_removal_after_the_gate_opened_but_before_the_exec_says_nothing_ran(
     ("sent", "code", "said"),
     [
         (
-            (signal.SIGTERM, True),
+            (signal.SIGTERM, True, True),
             130,
             "gpuctl: job h3 stopped (SIGTERM) before its command started",
         ),
         (
-            (signal.SIGKILL, False),
+            (signal.SIGTERM, True, False),
+            130,
+            "gpuctl: job h3 stopped (SIGTERM) before its command started: nothing was started",
+        ),
+        (
+            (signal.SIGKILL, False, True),
             128 + signal.SIGKILL,
             "the command of job h3 did not start: its first process ended (killed by SIGKILL)",
         ),
     ],
-    ids=["process-group", "held-process-alone"],
+    ids=["process-group", "gpuctl-alone", "held-process-alone"],
 )
-def test_a_signal_to_the_held_process_ends_the_run_saying_its_command_never_started(
+def test_a_signal_while_the_command_is_held_ends_the_run_saying_it_never_started(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
-    sent: tuple[int, bool],
+    sent: tuple[int, bool, bool],
     code: int,
     said: str,
 ) -> None:
     """A signal to the whole process group (Ctrl-C on the terminal, a batch system's
     SIGTERM) while the command is held at the gate ends the gate's process too: the run
-    ends as one stopped before its command started (exit 130). The held process killed by
-    something else, its job still there: the run says its command did not start and exits
-    as that process did. Either way the reservation is given back, not exit 141 from
+    ends as one stopped before its command started (exit 130). So does one to gpuctl alone
+    (``kill PID``): the gate stays shut, where it opened and the command ran, to be sent
+    the signal then (exit 143). The held process killed by something else, its job still
+    there: the run says its command did not start and exits as that process did. Either way the reservation is given back, not exit 141 from
     writing to a gate no one reads."""
-    signum, to_gpuctl = sent  # to the held process, and to gpuctl too or not
+    signum, to_gpuctl, to_held = sent  # to gpuctl, to the held process, or to both
     held: list[JobService] = []
     net = Places(
-        lambda: held[0], remove_first=False, placed=True, group_signal=signum, to_gpuctl=to_gpuctl
+        lambda: held[0],
+        remove_first=False,
+        placed=True,
+        group_signal=signum,
+        to_gpuctl=to_gpuctl,
+        to_held=to_held,
     )
     marker = tmp_path / "ran"
     with serving(net.register) as n:
