@@ -866,9 +866,9 @@ def release_retried(
     after the first try (at ``first``, monotonic): long enough for systemd to start gpud
     again (``RestartSec=2s`` in gpud.service, then its start) or for ``systemctl restart
     gpud``. Each try says how long ago the first was (``since_end_s``): the history ends the
-    run then. None when it gave up, or a signal (Ctrl-C, SIGTERM, SIGHUP) stopped it, or
-    one had stopped the run already (``told``: no try again): said on stderr. Another
-    error (NOT_FOUND: released already) raises. ``why``: the first try's failure; one gpud
+    run then. None when it gave up, or a signal (Ctrl-C, SIGTERM, SIGHUP, SIGQUIT) stopped
+    it, or one had stopped the run already (``told``: no try again): said on stderr.
+    Another error (NOT_FOUND: released already) raises. ``why``: the first try's failure; one gpud
     answered (its state database cannot be written: disk full) is said as it is, not as a
     gpud that does not answer. ``stop``: set by the signals gpuctl gets (else it sets its
     own handlers while it waits); set already, it is taken as ``told``."""
@@ -990,8 +990,8 @@ def wait_in_queue(
     notes: list[str] | None = None,
 ) -> queue_pb2.QueueEntry | None:
     """Queue ``request`` and poll until it starts (its entry, with reservation and env);
-    None when Ctrl-C (or SIGTERM, SIGHUP: ``stop``) took it out of the queue, or gave back
-    the reservation of an entry that started as the signal came. An entry taken out
+    None when Ctrl-C (or SIGTERM, SIGHUP, SIGQUIT: ``stop``) took it out of the queue, or
+    gave back the reservation of an entry that started as the signal came. An entry taken out
     otherwise raises: exit 4 when ``gpuctl jobs rm --force`` removed the job, as a run
     waiting for co-location is told, exit 7 when gpud took it out saying why (the queue was
     turned off: as a run is refused with it off), else 1 (``gpuctl queue --leave``, its
