@@ -1128,6 +1128,7 @@ def _stop_leftovers(job: str, run: str, grace_s: float, hurry: _Stop) -> None:
     _, killed = leftovers.stop(
         run,
         grace_s,
+        found=left,
         reap=reap if os.getpid() == 1 else None,
         hurry=hurry.is_set,
         sleep=hurry.wait,
