@@ -50,6 +50,7 @@ from gpud.v1 import (
 )
 from tests.unit.api_support import ServerThread
 from tests.unit.mps_support import gpu_sample, gpu_uuid, make_manager, mig_uuid, short_dir, snapshot
+from tests.unit.process_support import proc_state, until
 
 if TYPE_CHECKING:
     from gpud.admission.service import HistoryRow
@@ -968,13 +969,6 @@ def test_a_run_whose_stderr_went_away_still_releases_with_its_commands_status(
     assert run.returncode == 5 and not outlived
     assert ends == [RunEnd(EndCause.EXITED, exit_code=5)]
     assert node.jobs.reservations.held() == []
-
-
-def until(done: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 20
-    while not done():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def ended(run: subprocess.Popen[str]) -> str:
@@ -2247,8 +2241,7 @@ def stopped_until_opened(pid: int) -> threading.Thread:
     import termios
 
     os.kill(pid, signal.SIGSTOP)
-    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
-        time.sleep(0.005)
+    until(lambda: proc_state(pid) == "T", f"process {pid} stopped")
     # the gate reads fd argv[1] of its script: python -I -S -c SCRIPT PPID GATE READY ...
     gate_fd = int(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[6])
     pipe = os.open(f"/proc/{pid}/fd/{gate_fd}", os.O_RDONLY | os.O_NONBLOCK)
@@ -2266,13 +2259,7 @@ def stopped_until_opened(pid: int) -> threading.Thread:
 
 def ended_at_the_gate(pid: int) -> None:
     """Wait until ``pid`` (gpuctl's child, which it has not reaped yet) is a zombie."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} still running after SIGTERM")
+    until(lambda: proc_state(pid) == "Z", f"process {pid} still running after SIGTERM")
 
 
 class KeepsReserveRequests(JobsServicer):

@@ -17,6 +17,7 @@ import pytest
 
 from gpud.cli.context import CliError
 from gpud.cli.run import NotStarted, _launch, _signals_stop, _Stop, still_the_gate
+from tests.unit.process_support import proc_state, until
 
 
 def test_the_command_runs_only_after_it_was_placed(tmp_path: Path) -> None:
@@ -56,8 +57,7 @@ def test_a_gate_whose_process_ends_before_it_opens_says_the_command_never_starte
 
     def place(pid: int) -> None:
         os.kill(pid, signal.SIGTERM)
-        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-            time.sleep(0.01)
+        until(lambda: proc_state(pid) == "Z", "the held process ended")
 
     with pytest.raises(NotStarted) as never:
         _launch(["touch", str(out)], dict(os.environ), place)
@@ -190,18 +190,6 @@ print("exit", _launch(command, dict(os.environ), lambda pid: None), flush=True)
 """
 
 
-def _state(pid: int) -> str:
-    """``/proc/PID/stat``'s state letter: ``T`` stopped, ``Z`` ended, not yet waited for."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
-def _until(done: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 20
-    while not done():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 def test_a_signal_that_reaches_gpuctl_as_its_command_ends_by_it_is_the_commands_end(
     tmp_path: Path,
 ) -> None:
@@ -219,13 +207,13 @@ def test_a_signal_that_reaches_gpuctl_as_its_command_ends_by_it_is_the_commands_
         text=True,
     )
     try:
-        _until(lambda: pid_file.exists() and pid_file.read_text().endswith("\n"), "started")
+        until(lambda: pid_file.exists() and pid_file.read_text().endswith("\n"), "started")
         command = int(pid_file.read_text())
         time.sleep(0.2)  # gpuctl waits for it by now
         os.kill(proc.pid, signal.SIGSTOP)
-        _until(lambda: _state(proc.pid) == "T", "gpuctl stopped")
+        until(lambda: proc_state(proc.pid) == "T", "gpuctl stopped")
         os.kill(command, signal.SIGTERM)
-        _until(lambda: _state(command) == "Z", "the command ended")
+        until(lambda: proc_state(command) == "Z", "the command ended")
         os.kill(proc.pid, signal.SIGTERM)
         os.kill(proc.pid, signal.SIGCONT)
         out, err = proc.communicate(timeout=20)
