@@ -220,23 +220,34 @@ def _fail(
     return err.exit_code
 
 
+def _usage_failed(parser: argparse.ArgumentParser, err: _UsageError, words: Sequence[str]) -> int:
+    """Say the usage error ``err`` in ``words`` on stderr; its exit code."""
+    if _json_asked(words):
+        # "jobs: argument COMMAND: ...", as gpuctl's own usage errors name the command
+        command = err.parser.prog.removeprefix(parser.prog).strip()
+        message = f"{command}: {err}" if command else str(err)
+        return _fail(CliError(message, EXIT_USAGE), json_output=True, words=words)
+    # the error, and where the usage is: the whole usage buried the one line that mattered
+    print(f"{err.parser.prog}: error: {clip_arguments(str(err), words)}", file=sys.stderr)
+    print(f"try '{err.parser.prog} --help'", file=sys.stderr)
+    return EXIT_USAGE
+
+
 def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
     parser = build_parser()
     words = sys.argv[1:] if argv is None else argv
+    parsed = argparse.Namespace()  # what a usage error leaves: the command's defaults
     try:
-        args = parser.parse_args(words)
+        args = parser.parse_args(words, parsed)
     except SystemExit as exit_:  # --help, --version
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     except _UsageError as err:
-        if _json_asked(words):
-            # "jobs: argument COMMAND: ...", as gpuctl's own usage errors name the command
-            command = err.parser.prog.removeprefix(parser.prog).strip()
-            message = f"{command}: {err}" if command else str(err)
-            return _fail(CliError(message, EXIT_USAGE), json_output=True, words=words)
-        # the error, and where the usage is: the whole usage buried the one line that mattered
-        print(f"{err.parser.prog}: error: {clip_arguments(str(err), words)}", file=sys.stderr)
-        print(f"try '{err.parser.prog} --help'", file=sys.stderr)
-        return EXIT_USAGE
+        # said as the command's other errors are (see STDERR_MAY_GO below): its own
+        # parser's error, or gpuctl's once the command's parser was done (unknown options)
+        if getattr(parsed, STDERR_MAY_GO, False) or err.parser.get_default(STDERR_MAY_GO):
+            with stderr_that_never_fails():
+                return _usage_failed(parser, err, words)
+        return _usage_failed(parser, err, words)
     run = getattr(args, "run", None)
     if run is None:
         if args.json:

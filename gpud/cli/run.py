@@ -76,6 +76,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import subprocess
     from types import FrameType
 
 from gpud.cli.context import (
@@ -865,9 +866,9 @@ def release_retried(
     after the first try (at ``first``, monotonic): long enough for systemd to start gpud
     again (``RestartSec=2s`` in gpud.service, then its start) or for ``systemctl restart
     gpud``. Each try says how long ago the first was (``since_end_s``): the history ends the
-    run then. None when it gave up, or a signal (Ctrl-C, SIGTERM, SIGHUP) stopped it, or
-    one had stopped the run already (``told``: no try again): said on stderr. Another
-    error (NOT_FOUND: released already) raises. ``why``: the first try's failure; one gpud
+    run then. None when it gave up, or a signal (Ctrl-C, SIGTERM, SIGHUP, SIGQUIT) stopped
+    it, or one had stopped the run already (``told``: no try again): said on stderr.
+    Another error (NOT_FOUND: released already) raises. ``why``: the first try's failure; one gpud
     answered (its state database cannot be written: disk full) is said as it is, not as a
     gpud that does not answer. ``stop``: set by the signals gpuctl gets (else it sets its
     own handlers while it waits); set already, it is taken as ``told``."""
@@ -989,8 +990,8 @@ def wait_in_queue(
     notes: list[str] | None = None,
 ) -> queue_pb2.QueueEntry | None:
     """Queue ``request`` and poll until it starts (its entry, with reservation and env);
-    None when Ctrl-C (or SIGTERM, SIGHUP: ``stop``) took it out of the queue, or gave back
-    the reservation of an entry that started as the signal came. An entry taken out
+    None when Ctrl-C (or SIGTERM, SIGHUP, SIGQUIT: ``stop``) took it out of the queue, or
+    gave back the reservation of an entry that started as the signal came. An entry taken out
     otherwise raises: exit 4 when ``gpuctl jobs rm --force`` removed the job, as a run
     waiting for co-location is told, exit 7 when gpud took it out saying why (the queue was
     turned off: as a run is refused with it off), else 1 (``gpuctl queue --leave``, its
@@ -1127,6 +1128,7 @@ def _stop_leftovers(job: str, run: str, grace_s: float, hurry: _Stop) -> None:
     _, killed = leftovers.stop(
         run,
         grace_s,
+        found=left,
         reap=reap if os.getpid() == 1 else None,
         hurry=hurry.is_set,
         sleep=hurry.wait,
@@ -1172,22 +1174,33 @@ def _launch(
     *,
     after: _Stop | None = None,
     json_errors: bool = False,
+    popen: Callable[..., subprocess.Popen[bytes]] | None = None,
 ) -> int:
     """Run ``command`` as a process that the kernel kills when gpuctl dies (see _GATE);
     with ``place``, hold it at the gate, call ``place(pid)``, then let it run (it runs
     even when placing fails, with a warning, unless ``place`` raises :class:`NotStarted`,
     which keeps the gate shut; NotStarted too when the gate's process ended before the gate
     opened, as the SIGTERM of ``gpuctl jobs rm --force`` ends it). ``told`` hears each
-    signal gpuctl gets meanwhile (SIGINT, SIGTERM, SIGHUP, SIGQUIT); ``stop``'s handlers take them until the command
-    has started (one they took then is forwarded once it has), and the handlers they
+    signal gpuctl gets meanwhile (SIGINT, SIGTERM, SIGHUP, SIGQUIT); ``stop``'s handlers
+    take them until the command has started (one they took while it was held keeps the gate
+    shut: NotStarted; one as the gate opened is forwarded once it has), and the handlers they
     replaced are put back at its end, or, with ``after``, those that set it (each signal
-    once the command has ended: the caller puts the handlers back when it is done). Its return code: the exit status, or -N when
-    signal N killed it (:func:`exit_status` makes gpuctl's of it). A command that cannot
+    once the command has ended: the caller puts the handlers back when it is done). Its
+    return code: the exit status, or -N when signal N killed it (:func:`exit_status` makes
+    gpuctl's of it). A command that cannot
     be run is said on stderr as a ``gpuctl:`` line, or with ``json_errors`` as the JSON
-    document of gpuctl's errors."""
+    document of gpuctl's errors; one that cannot even be started (no fork: EAGAIN, ENOMEM)
+    exits 127 as well, the signals then going to ``after`` at once. ``popen``: what starts
+    it (``subprocess.Popen``)."""
     # imported here: only `gpuctl run` pays for them
     import subprocess
     import threading
+
+    # Signal handlers can only be set from the main thread (gpuctl's own); elsewhere
+    # (embedded use) the child shares the terminal's process group anyway.
+    main = threading.current_thread() is threading.main_thread()
+    # those ``stop`` took (the same, unless not in the main thread), else all not ignored
+    taken = list(stop.previous) if stop is not None else _not_ignored() if main else []
 
     gate_r = gate_w = ready_r = ready_w = -1
     if place is not None:
@@ -1197,7 +1210,7 @@ def _launch(
     gate = (str(os.getpid()), str(gate_r), str(ready_w), "json" if json_errors else "text")
     argv = [sys.executable, "-I", "-S", "-c", _GATE, *gate, *command]
     try:
-        child = subprocess.Popen(
+        child = (popen or subprocess.Popen)(
             argv, env=env, pass_fds=(gate_r, ready_w) if place is not None else ()
         )
     except OSError as err:
@@ -1207,6 +1220,11 @@ def _launch(
         for fd in (gate_w, ready_r):
             if fd >= 0:
                 os.close(fd)
+        if after is not None:  # nothing to wait for: ``after`` takes them, as at an end
+            for sig in taken:
+                signal.signal(sig, _setting(after))
+            if stop is not None and stop.is_set():  # one came meanwhile: it stopped the run
+                after.set(stop.signum)
         return EXIT_CANNOT_EXEC
     finally:
         for fd in (gate_r, ready_w):
@@ -1224,6 +1242,11 @@ def _launch(
             if isinstance(err, NotStarted):
                 err.returncode = child.wait()
             raise
+        if stop is not None and stop.is_set():
+            # a signal while it was held (Popen, the ready read, placing): the run stops
+            # with nothing started, as one before its reservation does
+            os.close(gate_w)  # shut: the gate reads end of file and exits 125
+            raise NotStarted(child.wait())
         try:
             os.write(gate_w, b"g")
         except BrokenPipeError:
@@ -1249,11 +1272,6 @@ def _launch(
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, signum)
 
-    # Signal handlers can only be set from the main thread (gpuctl's own); elsewhere
-    # (embedded use) the child shares the terminal's process group anyway.
-    main = threading.current_thread() is threading.main_thread()
-    # those ``stop`` took (the same, unless not in the main thread), else all not ignored
-    taken = list(stop.previous) if stop is not None else _not_ignored() if main else []
     previous = {sig: signal.signal(sig, forward) for sig in taken}
     if stop is not None:
         previous = {sig: stop.previous.get(sig, handler) for sig, handler in previous.items()}

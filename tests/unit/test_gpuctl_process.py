@@ -299,12 +299,23 @@ def test_permission_advice_for_a_member_kept_out_by_a_directory(open_dir: Path, 
 
 
 @pytest.mark.parametrize("how", ["pipe", "pty"])
+@pytest.mark.parametrize(
+    ("words", "code"),
+    [
+        (["--job", "j", "--", "true"], 3),  # no gpud there
+        (["--job", "j"], 2),  # no command: the run's parser says so
+        (["--job", "j", "--bogus", "--", "true"], 2),  # gpuctl's parser, once the run's is done
+        (["--json", "--job", "j", "--bogus", "--", "true"], 2),
+    ],
+    ids=["no-gpud", "no-command", "unknown-option", "unknown-option-json"],
+)
 def test_an_error_of_gpuctl_run_keeps_its_exit_status_with_stderr_gone(
-    tmp_path: Path, how: str
+    tmp_path: Path, how: str, words: list[str], code: int
 ) -> None:
-    """``gpuctl run`` whose own error (no gpud there) cannot be said, its stderr gone (a
-    pipe whose reader went: EPIPE; a terminal that hung up: EIO): the line is lost, the
-    exit status (3) is not, as within the run. It was 141, or 1 with a traceback."""
+    """``gpuctl run`` whose own error (no gpud there: 3; a usage error: 2) cannot be said,
+    its stderr gone (a pipe whose reader went: EPIPE; a terminal that hung up: EIO): the
+    line is lost, the exit status is not, as within the run. It was 141, or 1 with a
+    traceback."""
     if how == "pipe":
         read, write = os.pipe()
     else:
@@ -313,7 +324,7 @@ def test_an_error_of_gpuctl_run_keeps_its_exit_status_with_stderr_gone(
     argv = [sys.executable, "-m", "gpud.cli.main", "--socket", str(tmp_path / "no.sock")]
     try:
         done = subprocess.run(
-            [*argv, "run", "--job", "j", "--", "true"],
+            [*argv, "run", *words],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=write,
@@ -322,7 +333,7 @@ def test_an_error_of_gpuctl_run_keeps_its_exit_status_with_stderr_gone(
         )
     finally:
         os.close(write)
-    assert done.returncode == 3 and done.stdout == b""
+    assert done.returncode == code and done.stdout == b""
 
 
 class _Flaky(io.StringIO):

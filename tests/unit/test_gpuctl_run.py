@@ -50,6 +50,7 @@ from gpud.v1 import (
 )
 from tests.unit.api_support import ServerThread
 from tests.unit.mps_support import gpu_sample, gpu_uuid, make_manager, mig_uuid, short_dir, snapshot
+from tests.unit.process_support import proc_state, until
 
 if TYPE_CHECKING:
     from gpud.admission.service import HistoryRow
@@ -968,13 +969,6 @@ def test_a_run_whose_stderr_went_away_still_releases_with_its_commands_status(
     assert run.returncode == 5 and not outlived
     assert ends == [RunEnd(EndCause.EXITED, exit_code=5)]
     assert node.jobs.reservations.held() == []
-
-
-def until(done: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 20
-    while not done():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def ended(run: subprocess.Popen[str]) -> str:
@@ -2180,6 +2174,7 @@ class Places(net_pb2_grpc.NetServicer):
         placed: bool,
         group_signal: int | None = None,
         to_gpuctl: bool = True,
+        to_held: bool = True,
         after_opening: bool = False,
     ) -> None:
         self._jobs = jobs
@@ -2189,6 +2184,7 @@ class Places(net_pb2_grpc.NetServicer):
         self._after_opening = after_opening
         self._group_signal = group_signal  # sent to the gate's process (and gpuctl) instead
         self._to_gpuctl = to_gpuctl
+        self._to_held = to_held
         self.asked: list[int] = []
         self.namespaces: list[int | None] = []  # the pid_namespace of each
 
@@ -2204,8 +2200,9 @@ class Places(net_pb2_grpc.NetServicer):
             if self._group_signal is not None:  # as a Ctrl-C on the terminal sends it
                 if self._to_gpuctl:
                     os.kill(os.getpid(), self._group_signal)
-                os.kill(request.pid, self._group_signal)
-                ended_at_the_gate(request.pid)
+                if self._to_held:
+                    os.kill(request.pid, self._group_signal)
+                    ended_at_the_gate(request.pid)
             if self._after_opening:
                 opened = stopped_until_opened(request.pid)
                 jobs.remove(request.job, force=True)  # its SIGTERM waits until it goes on
@@ -2244,8 +2241,7 @@ def stopped_until_opened(pid: int) -> threading.Thread:
     import termios
 
     os.kill(pid, signal.SIGSTOP)
-    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
-        time.sleep(0.005)
+    until(lambda: proc_state(pid) == "T", f"process {pid} stopped")
     # the gate reads fd argv[1] of its script: python -I -S -c SCRIPT PPID GATE READY ...
     gate_fd = int(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[6])
     pipe = os.open(f"/proc/{pid}/fd/{gate_fd}", os.O_RDONLY | os.O_NONBLOCK)
@@ -2263,13 +2259,7 @@ def stopped_until_opened(pid: int) -> threading.Thread:
 
 def ended_at_the_gate(pid: int) -> None:
     """Wait until ``pid`` (gpuctl's child, which it has not reaped yet) is a zombie."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} still running after SIGTERM")
+    until(lambda: proc_state(pid) == "Z", f"process {pid} still running after SIGTERM")
 
 
 class KeepsReserveRequests(JobsServicer):
@@ -2390,35 +2380,46 @@ def test_a_removal_after_the_gate_opened_but_before_the_exec_says_nothing_ran(
     ("sent", "code", "said"),
     [
         (
-            (signal.SIGTERM, True),
+            (signal.SIGTERM, True, True),
             130,
             "gpuctl: job h3 stopped (SIGTERM) before its command started",
         ),
         (
-            (signal.SIGKILL, False),
+            (signal.SIGTERM, True, False),
+            130,
+            "gpuctl: job h3 stopped (SIGTERM) before its command started: nothing was started",
+        ),
+        (
+            (signal.SIGKILL, False, True),
             128 + signal.SIGKILL,
             "the command of job h3 did not start: its first process ended (killed by SIGKILL)",
         ),
     ],
-    ids=["process-group", "held-process-alone"],
+    ids=["process-group", "gpuctl-alone", "held-process-alone"],
 )
-def test_a_signal_to_the_held_process_ends_the_run_saying_its_command_never_started(
+def test_a_signal_while_the_command_is_held_ends_the_run_saying_it_never_started(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
-    sent: tuple[int, bool],
+    sent: tuple[int, bool, bool],
     code: int,
     said: str,
 ) -> None:
     """A signal to the whole process group (Ctrl-C on the terminal, a batch system's
     SIGTERM) while the command is held at the gate ends the gate's process too: the run
-    ends as one stopped before its command started (exit 130). The held process killed by
-    something else, its job still there: the run says its command did not start and exits
-    as that process did. Either way the reservation is given back, not exit 141 from
+    ends as one stopped before its command started (exit 130). So does one to gpuctl alone
+    (``kill PID``): the gate stays shut, where it opened and the command ran, to be sent
+    the signal then (exit 143). The held process killed by something else, its job still
+    there: the run says its command did not start and exits as that process did. Either way the reservation is given back, not exit 141 from
     writing to a gate no one reads."""
-    signum, to_gpuctl = sent  # to the held process, and to gpuctl too or not
+    signum, to_gpuctl, to_held = sent  # to gpuctl, to the held process, or to both
     held: list[JobService] = []
     net = Places(
-        lambda: held[0], remove_first=False, placed=True, group_signal=signum, to_gpuctl=to_gpuctl
+        lambda: held[0],
+        remove_first=False,
+        placed=True,
+        group_signal=signum,
+        to_gpuctl=to_gpuctl,
+        to_held=to_held,
     )
     marker = tmp_path / "ran"
     with serving(net.register) as n:

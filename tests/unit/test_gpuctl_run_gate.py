@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from gpud.cli.context import CliError
-from gpud.cli.run import NotStarted, _launch, still_the_gate
+from gpud.cli.run import NotStarted, _launch, _signals_stop, _Stop, still_the_gate
+from tests.unit.process_support import proc_state, until
 
 
 def test_the_command_runs_only_after_it_was_placed(tmp_path: Path) -> None:
@@ -55,8 +57,7 @@ def test_a_gate_whose_process_ends_before_it_opens_says_the_command_never_starte
 
     def place(pid: int) -> None:
         os.kill(pid, signal.SIGTERM)
-        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-            time.sleep(0.01)
+        until(lambda: proc_state(pid) == "Z", "the held process ended")
 
     with pytest.raises(NotStarted) as never:
         _launch(["touch", str(out)], dict(os.environ), place)
@@ -189,18 +190,6 @@ print("exit", _launch(command, dict(os.environ), lambda pid: None), flush=True)
 """
 
 
-def _state(pid: int) -> str:
-    """``/proc/PID/stat``'s state letter: ``T`` stopped, ``Z`` ended, not yet waited for."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
-def _until(done: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 20
-    while not done():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 def test_a_signal_that_reaches_gpuctl_as_its_command_ends_by_it_is_the_commands_end(
     tmp_path: Path,
 ) -> None:
@@ -218,13 +207,13 @@ def test_a_signal_that_reaches_gpuctl_as_its_command_ends_by_it_is_the_commands_
         text=True,
     )
     try:
-        _until(lambda: pid_file.exists() and pid_file.read_text().endswith("\n"), "started")
+        until(lambda: pid_file.exists() and pid_file.read_text().endswith("\n"), "started")
         command = int(pid_file.read_text())
         time.sleep(0.2)  # gpuctl waits for it by now
         os.kill(proc.pid, signal.SIGSTOP)
-        _until(lambda: _state(proc.pid) == "T", "gpuctl stopped")
+        until(lambda: proc_state(proc.pid) == "T", "gpuctl stopped")
         os.kill(command, signal.SIGTERM)
-        _until(lambda: _state(command) == "Z", "the command ended")
+        until(lambda: proc_state(command) == "Z", "the command ended")
         os.kill(proc.pid, signal.SIGTERM)
         os.kill(proc.pid, signal.SIGCONT)
         out, err = proc.communicate(timeout=20)
@@ -281,34 +270,81 @@ def test_a_command_that_cannot_run_exits_127_or_126_with_stderr_gone(
     assert done.stdout == f"exit {code}\n"
 
 
-# a signal while gpuctl places the command (before it takes the signals over), the command
-# ending before gpuctl passes the signal on to it
-_SIGNAL_WHILE_PLACED = """
+def test_a_signal_while_the_command_is_held_keeps_the_gate_shut(tmp_path: Path) -> None:
+    """A signal that lands while the command is held at the gate (gpuctl asking gpud to
+    place it) stops the run before anything started: the gate stays shut and the command
+    never runs. The gate opened all the same, the command ran, and was then sent the
+    signal (exit 143, its side effects done)."""
+    out = tmp_path / "out"
+
+    def place(pid: int) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # gpuctl's handler: the stop names it
+
+    with _signals_stop() as stop, pytest.raises(NotStarted) as never:
+        _launch(["touch", str(out)], dict(os.environ), place, stop=stop)
+    assert never.value.returncode == 125 and not never.value.removed
+    assert stop.signum == signal.SIGTERM
+    assert not out.exists()
+
+
+# a signal just after gpuctl looked whether one came while the command was held (before it
+# takes the signals over), the command ending before gpuctl passes the signal on to it
+_SIGNAL_AS_THE_GATE_OPENS = """
 import os, signal, sys, time
 from pathlib import Path
-from gpud.cli.run import _launch, _signals_stop
+from gpud.cli.run import _Stop, _launch, _setting
+class LandsOnceLooked(_Stop):
+    def is_set(self):
+        was = super().is_set()
+        os.kill(os.getpid(), signal.SIGTERM)  # gpuctl's handler: the stop names it
+        return was
 pids = []
-def place(pid):
-    pids.append(pid)
-    os.kill(os.getpid(), signal.SIGTERM)  # gpuctl's handler: the stop names it
 def told(signum):  # before gpuctl passes it on: wait until the command has ended
     while Path(f"/proc/{pids[0]}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
         time.sleep(0.01)
-with _signals_stop() as stop:
-    print("exit", _launch(["true"], dict(os.environ), place, told, stop), flush=True)
+stop = LandsOnceLooked()
+stop.previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _setting(stop))}
+print("exit", _launch(["true"], dict(os.environ), pids.append, told, stop), flush=True)
 """
 
 
-def test_a_signal_while_placed_for_a_command_that_ended_since_is_its_end() -> None:
-    """A signal that lands while gpuctl places the command is passed on once the command
-    runs; the command ended meanwhile, its end is still gpuctl's to wait for. Passing it on
-    reaped the command, and gpuctl failed with ``ChildProcessError`` (exit 1), telling gpud
-    no status."""
+def test_a_signal_as_the_gate_opens_for_a_command_that_ended_since_is_its_end() -> None:
+    """A signal that lands after gpuctl last looked for one, as it opens the gate, is
+    passed on once the command runs; the command ended meanwhile, its end is still
+    gpuctl's to wait for. Passing it on reaped the command, and gpuctl failed with
+    ``ChildProcessError`` (exit 1), telling gpud no status."""
     done = subprocess.run(
-        [sys.executable, "-c", _SIGNAL_WHILE_PLACED],
+        [sys.executable, "-c", _SIGNAL_AS_THE_GATE_OPENS],
         capture_output=True,
         text=True,
         check=False,
         timeout=60,
     )
     assert done.returncode == 0 and done.stdout == "exit 0\n", done.stderr
+
+
+def test_a_command_that_cannot_be_started_leaves_the_signals_to_end_the_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """No process to run the command in (fork fails: EAGAIN, ENOMEM): exit 127, and from
+    then on a signal sets ``after``, as once a command has ended, so that Ctrl-C cuts the
+    wait to tell an absent gpud how the run ended. It set the stop no one waited on any
+    more: Ctrl-C did nothing for up to a minute."""
+
+    def no_fork(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+
+    after = _Stop()
+    try:
+        with _signals_stop() as stop:
+            code = _launch(
+                ["true"], dict(os.environ), lambda pid: None, stop=stop, after=after, popen=no_fork
+            )
+            os.kill(os.getpid(), signal.SIGINT)
+            assert after.wait(5) and after.signum == signal.SIGINT
+        assert code == 127
+        assert (
+            "gpuctl: cannot run true: Resource temporarily unavailable" in capsys.readouterr().err
+        )
+    finally:
+        after.close()
