@@ -601,7 +601,7 @@ class Daemon:
         """The state database's files checked (``rm state.db-wal`` while gpud runs): the
         first pass that finds one removed or replaced saves what the WAL holds into
         ``state.db`` at once, not at the first change refused (a crash meanwhile would lose
-        it), and says so in one ``daemon.state_files`` event."""
+        it), and says so in one ``daemon.state_files`` event (its journal line too)."""
         message = await asyncio.to_thread(self.store.check_files)
         if message is not None:
             self.events.emit("daemon.state_files", message, path=str(self.store.path))

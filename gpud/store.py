@@ -161,7 +161,10 @@ class StateStore:
         # connection is open; committed changes live in it until a checkpoint
         self._wal_path = self.path.with_name(self.path.name + "-wal")
         self._wal = _file_id(self._wal_path)
-        self._replaced_said = False  # check_files() told of files not kept
+        # once the files were found not kept: the file gone, and what became of the WAL's
+        # content (_save_replaced); and whether check_files() said it
+        self._saved: tuple[str, str] | None = None
+        self._said = False
         try:
             # opened now, and a first read done, so that it holds this WAL too: one opened
             # after the WAL was removed would make a new, empty one, read nothing from it,
@@ -217,11 +220,13 @@ class StateStore:
         start), so after either was removed or replaced it still reads what was committed,
         whole: reads go on until the restart, while changes are refused. The first read
         that finds them gone checkpoints the WAL into the database file first
-        (:meth:`check_files`: it waits for a running commit then, that once)."""
+        (it waits for a running commit then, that once), and leaves it to
+        :meth:`check_files` to say."""
         if getattr(self._reading, "conn", None) is not None:
             yield  # already reading on this thread: the same snapshot
             return
-        self.check_files()
+        if self._saved is None and not self._files_kept():
+            self._save_once()
         with self._reader_lock:
             self._reading.conn = self._reader
             self._reader.execute("BEGIN")  # deferred: the snapshot is taken at the first read
@@ -279,18 +284,25 @@ class StateStore:
         ``stat`` calls: the daemon's loop calls it each pass, and :meth:`reading` each read).
         The first time either is found removed or replaced, what the WAL holds is
         checkpointed into the database file (under the writer's lock), so that a crash
-        before the restart keeps it, and what the operator is to know is logged and
-        returned: which file, what was done, "restart gpud". None otherwise, and after."""
-        if self._replaced_said or self._files_kept():
+        before the restart keeps it (done by a read that found it first, else now), and the
+        first call that finds it returns what the operator is to know: which file, what was
+        done, "restart gpud". None otherwise, and after."""
+        if self._said or self._files_kept():
             return None
+        what, kept = self._save_once()
         with self._lock:
-            if self._replaced_said:
+            if self._said:
                 return None
-            self._replaced_said = True
-            what, kept = self._save_replaced()
-            message = f"{what} while gpud ran: gpud refuses every change from now on; {kept}"
-        log.error("%s", message)
-        return message
+            self._said = True
+        return f"{what} while gpud ran: gpud refuses every change from now on; {kept}"
+
+    def _save_once(self) -> tuple[str, str]:
+        """:meth:`_save_replaced`, the first time files are found not kept; what it said
+        then, after."""
+        with self._lock:
+            if self._saved is None:
+                self._saved = self._save_replaced()
+            return self._saved
 
     def _refuse_replaced(self) -> NoReturn:
         """Raise :class:`StateUnwritable` for a database or WAL not :meth:`_files_kept`

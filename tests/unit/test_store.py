@@ -356,6 +356,9 @@ def test_a_first_read_after_the_wal_was_removed_reads_and_the_stop_keeps_all(
         assert [r[0] for r in conn.execute("SELECT v FROM t")] == ["committed"]
     assert not (state / f"{DB_NAME}-wal").exists()
     assert _crash_leaves(state, tmp_path / "crashed") == ["committed"]  # checkpointed
+    said = store.check_files()  # the read's checkpoint is said by the loop's next check
+    assert said is not None and said.endswith("kept in the database file; restart gpud")
+    assert store.check_files() is None
     store.close()
     assert _crash_leaves(state, tmp_path / "stopped") == ["committed"]
 
