@@ -567,6 +567,7 @@ class Daemon:
         self._pass: asyncio.Future[None] | None = None  # the loop pass a stop came during
         self._step_now = ""  # the step the loop pass runs
         # Order matters: MIG first (it changes the devices), then MPS per device, then jobs.
+        self.add_step("state", self._state_step)
         self.add_step("socket", self._socket_step)
         self.add_step("seen", self._seen_step)
         self.add_step("mig", self._mig_step)
@@ -596,6 +597,15 @@ class Daemon:
         answering, ...): MIG calls leave them alone, as a driver call on them could block."""
         snap = self.sampler.latest()
         return {g.identity.index: g.reason for g in snap.gpus if not g.healthy} if snap else {}
+
+    async def _state_step(self) -> None:
+        """The state database's files checked (``rm state.db-wal`` while gpud runs): the
+        first pass that finds one removed or replaced saves what the WAL holds into
+        ``state.db`` at once, not at the first change refused (a crash meanwhile would lose
+        it), and says so in one ``daemon.state_files`` event (its journal line too)."""
+        message = await asyncio.to_thread(self.store.check_files)
+        if message is not None:
+            self.events.emit("daemon.state_files", message, path=str(self.store.path))
 
     async def _socket_step(self) -> None:
         """The run directory's files made again when they were removed while gpud runs

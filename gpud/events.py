@@ -109,9 +109,12 @@ class EventLog:
         self._ring: deque[Event] = deque(maxlen=keep)
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
-        self._write_failing = False
         self._write_errors = 0  # events whose line the file did not get, since start
-        self._missed_writes = 0  # of those, in the outage going on
+        # the file's own: its writes wait for its disk (a hung one) without holding _lock,
+        # which every reader (a /metrics scrape, gpuctl events) takes
+        self._file_lock = threading.Lock()
+        self._lines: deque[str] = deque()  # said, in order, not written yet (under _lock)
+        self._missed_writes = 0  # lines the file did not get in the outage going on
         self._held = threading.local()  # this thread's events held by until_committed
         self._watchers: list[Watcher] = []
         self._watching_ended = False  # close_watchers was called: the daemon stops
@@ -166,9 +169,11 @@ class EventLog:
             self._ring.append(event)
             self._counts[kind] = self._counts.get(kind, 0) + 1
             if self._path is not None:
-                self._write(line)
+                self._lines.append(line)
             woken = [w for w in self._watchers if w._offer(event)]
         _wake_all(woken)
+        if self._path is not None:
+            self._write_lines()
         log.info("%s: %s", kind, message, extra={"event": line})
         return event
 
@@ -253,20 +258,35 @@ class EventLog:
         return events[-limit:]
 
     def counts(self) -> dict[str, int]:
-        """Events emitted since start, by kind (for ``gpud_events_total``)."""
-        with self._lock:
-            return dict(self._counts)
+        """Events emitted since start, by kind."""
+        return self.tallies()[0]
 
-    def write_errors(self) -> int:
-        """Events whose line could not be written to the file since start (for
-        ``gpud_event_log_write_errors_total``): the ring and the journal still have them."""
+    def tallies(self) -> tuple[dict[str, int], int]:
+        """Events emitted since start, by kind (for ``gpud_events_total``), and those whose
+        line could not be written to the file (``gpud_event_log_write_errors_total``: the
+        ring and the journal still have them), read at once. It never waits for the file's
+        disk."""
         with self._lock:
-            return self._write_errors
+            return dict(self._counts), self._write_errors
 
-    def _write(self, line: str) -> None:
-        """Append ``line`` to the file. A failed write (disk full, read-only) keeps the event
-        in the ring and the journal, and counts it; it warns once per outage, not once per
-        event, and says at its end how many lines the file lacks."""
+    def _write_lines(self) -> None:
+        """Write the lines said and not yet written, in their order, outside ``_lock``:
+        whoever holds the file's lock writes those said meanwhile too."""
+        with self._file_lock:
+            while True:
+                with self._lock:
+                    if not self._lines:
+                        return
+                    line = self._lines.popleft()
+                if not self._write(line):
+                    with self._lock:
+                        self._write_errors += 1
+
+    def _write(self, line: str) -> bool:
+        """Append ``line`` to the file (under the file's lock); whether it was. A failed
+        write (disk full, read-only) keeps the event in the ring and the journal; it warns
+        once per outage, not once per event, and says at its end how many lines the file
+        lacks."""
         assert self._path is not None
         try:
             self._rotate_if_needed()
@@ -275,21 +295,19 @@ class EventLog:
             self._torn = False
         except OSError as err:
             self._torn = True  # a full disk may have taken part of the line
-            if not self._write_failing:
+            if not self._missed_writes:
                 log.warning("cannot write the event log %s: %s", self._path, err)
-            self._write_failing = True
-            self._write_errors += 1
             self._missed_writes += 1
-            return
-        if self._write_failing:
+            return False
+        if self._missed_writes:
             log.warning(
                 "the event log %s is written again; it lacks the %d events said while it "
                 "could not be (the journal has them)",
                 self._path,
                 self._missed_writes,
             )
-        self._write_failing = False
         self._missed_writes = 0
+        return True
 
     def _rotate_if_needed(self) -> None:
         assert self._path is not None

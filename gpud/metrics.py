@@ -159,14 +159,16 @@ class Collector(_CollectorBase):
             events = CounterMetricFamily(
                 "gpud_events", "Events written to the event log, by kind.", labels=("kind",)
             )
-            for kind, count in sorted(self._events.counts().items()):
+            counts, write_errors = self._events.tallies()
+            for kind, count in sorted(counts.items()):
                 events.add_metric((kind,), count)
             yield events
             yield CounterMetricFamily(
                 "gpud_event_log_write_errors",
                 "Events whose line could not be written to the event log file (disk full, "
-                "read-only): the journal and gpuctl events still have them.",
-                value=self._events.write_errors(),
+                "read-only): the journal still has them, and gpuctl events until gpud "
+                "restarts.",
+                value=write_errors,
             )
         with self._lock:
             sources = tuple(self._sources)

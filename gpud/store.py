@@ -110,7 +110,6 @@ class StateStore:
             raise StateError(f"state directory {state_dir}: {err.strerror or err}") from None
         self.path = state_dir / DB_NAME
         self._lock = threading.RLock()
-        self._reader: sqlite3.Connection | None = None  # opened by the first reading()
         self._reader_lock = threading.Lock()
         self._reading = threading.local()
         self._writer: int | None = None  # the thread whose transaction is open (under _lock)
@@ -163,6 +162,23 @@ class StateStore:
         # connection is open; committed changes live in it until a checkpoint
         self._wal_path = self.path.with_name(self.path.name + "-wal")
         self._wal = _file_id(self._wal_path)
+        # once the files were found not kept: the file gone, and what became of the WAL's
+        # content (_save_replaced); and whether check_files() said it
+        self._saved: tuple[str, str] | None = None
+        self._said = False
+        try:
+            # opened now, and a first read done, so that it holds this WAL too: one opened
+            # after the WAL was removed would make a new, empty one, read nothing from it,
+            # and (the last connection to close) checkpoint that into state.db at the stop
+            self._reader = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False, timeout=30.0
+            )
+            self._reader.row_factory = sqlite3.Row
+            self._reader.execute("PRAGMA query_only=ON")
+            self._reader.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        except sqlite3.Error as err:
+            self._conn.close()
+            raise StateError(f"cannot open the state database {self.path} ({err})") from None
 
     def ensure_schema(
         self, statements: Sequence[str], *, added: Mapping[str, Sequence[str]] | None = None
@@ -199,17 +215,20 @@ class StateStore:
         """Within, this thread's transactions are one read-only snapshot on a connection of
         their own (WAL: a reader never waits for the writer, nor the writer for it), so a
         read on the event loop never waits on another thread's commit. Serialised among
-        readers; a write attempted within fails (``PRAGMA query_only``)."""
+        readers; a write attempted within fails (``PRAGMA query_only``).
+
+        The reader holds the files the store opened (the database and its WAL, from the
+        start), so after either was removed or replaced it still reads what was committed,
+        whole: reads go on until the restart, while changes are refused. The first read
+        that finds them gone checkpoints the WAL into the database file first
+        (it waits for a running commit then, that once), and leaves it to
+        :meth:`check_files` to say."""
         if getattr(self._reading, "conn", None) is not None:
             yield  # already reading on this thread: the same snapshot
             return
+        if self._saved is None and not self._files_kept():
+            self._save_once()
         with self._reader_lock:
-            if self._reader is None:
-                self._reader = sqlite3.connect(
-                    self.path, isolation_level=None, check_same_thread=False, timeout=30.0
-                )
-                self._reader.row_factory = sqlite3.Row
-                self._reader.execute("PRAGMA query_only=ON")
             self._reading.conn = self._reader
             self._reader.execute("BEGIN")  # deferred: the snapshot is taken at the first read
             try:
@@ -272,14 +291,45 @@ class StateStore:
         next start (one in a removed WAL, and all that WAL holds, at a crash)."""
         return _file_id(self.path) == self._file and _file_id(self._wal_path) == self._wal
 
+    def check_files(self) -> str | None:
+        """Whether the database and its WAL are still the files the store has open (two
+        ``stat`` calls: the daemon's loop calls it each pass, and :meth:`reading` each read).
+        The first time either is found removed or replaced, what the WAL holds is
+        checkpointed into the database file (under the writer's lock), so that a crash
+        before the restart keeps it (done by a read that found it first, else now), and the
+        first call that finds it returns what the operator is to know: which file, what was
+        done, "restart gpud". None otherwise, and after."""
+        if self._said or self._files_kept():
+            return None
+        what, kept = self._save_once()
+        with self._lock:
+            if self._said:
+                return None
+            self._said = True
+        return f"{what} while gpud ran: gpud refuses every change from now on; {kept}"
+
+    def _save_once(self) -> tuple[str, str]:
+        """:meth:`_save_replaced`, the first time files are found not kept; what it said
+        then, after."""
+        with self._lock:
+            if self._saved is None:
+                self._saved = self._save_replaced()
+            return self._saved
+
     def _refuse_replaced(self) -> NoReturn:
         """Raise :class:`StateUnwritable` for a database or WAL not :meth:`_files_kept`
         (outside a transaction: what the WAL holds is checkpointed first). Reads still hold."""
+        what, kept = self._save_replaced()
+        raise StateUnwritable(f"{what} while gpud ran: nothing of this change was kept; {kept}")
+
+    def _save_replaced(self) -> tuple[str, str]:
+        """Under the writer's lock, for files not :meth:`_files_kept`: the checkpoint of what
+        the removed WAL holds, and what to say: the file gone, then what became of what was
+        committed and what to do."""
         if _file_id(self.path) != self._file:
-            raise StateUnwritable(
-                f"state database {self.path} was removed or replaced while gpud "
-                "ran: nothing of this change was kept; restart gpud (on the "
-                "database restored from a backup, or on none to start afresh)"
+            return (
+                f"state database {self.path} was removed or replaced",
+                "restart gpud (on the database restored from a backup, or on none to start afresh)",
             )
         # what was committed lives on in the removed WAL, which SQLite still has open: a
         # checkpoint copies it into the database file, so a crash before the restart keeps it
@@ -288,15 +338,14 @@ class StateStore:
             kept = logged == copied
         except sqlite3.Error:
             kept = False
-        raise StateUnwritable(
-            f"write-ahead log {self._wal_path} of the state database was removed or replaced "
-            "while gpud ran: nothing of this change was kept; "
-            + (
+        return (
+            f"write-ahead log {self._wal_path} of the state database was removed or replaced",
+            (
                 "what was committed before is kept in the database file"
                 if kept
                 else "what was committed before may be lost unless gpud stops cleanly"
             )
-            + "; restart gpud"
+            + "; restart gpud",
         )
 
     def close(self, wait_s: float | None = None) -> None:
@@ -329,7 +378,6 @@ class StateStore:
             )
             return
         try:
-            if self._reader is not None:
-                self._reader.close()
+            self._reader.close()
         finally:
             self._reader_lock.release()

@@ -196,7 +196,8 @@ def main(argv: Sequence[str] | None = None, *, env: Mapping[str, str] | None = N
 
     Output piped into a reader that stops early (``gpuctl mig show | head -3``) ends gpuctl
     quietly with exit 141, as a process killed by SIGPIPE would, in every command; a
-    terminal that hung up under it (closed, SIGHUP ignored: ``nohup``), with 129, as one
+    terminal that hung up under it (closed, SIGHUP not received: ``trap '' HUP``, a job after
+    ``disown``, ``setsid`` with output left on the terminal), with 129, as one
     killed by the terminal's SIGHUP would.
     """
     return quiet_on_broken_pipe(lambda: _main(argv, env))
@@ -275,7 +276,10 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
             return _fail(err, args.json, ctx.out.notes, words)
         except OutputError as err:
             discard_stdout()
-            return _fail(CliError(str(err), EXIT_OUTPUT), args.json)
+            # said if stderr can take it: a stderr whose terminal hung up too must not turn
+            # the output's error (its disk full, failing) into 129
+            with stderr_that_never_fails():
+                return _fail(CliError(str(err), EXIT_OUTPUT), args.json)
         except UnicodeEncodeError as err:
             # an argument in bytes that are not UTF-8 (Python keeps them as surrogates),
             # which no request can carry

@@ -24,7 +24,8 @@ def quiet_on_broken_pipe(run: Callable[[], int]) -> int:
     """``run()``'s exit code; when its reader has gone (stdout's or stderr's), exit 141
     quietly, as a process killed by SIGPIPE would, instead of a ``BrokenPipeError``
     traceback; when its terminal has hung up instead (closed, its writes failing with EIO,
-    SIGHUP ignored: ``nohup``), exit 129 quietly, as the terminal's SIGHUP would have. A
+    SIGHUP not received: ``trap '' HUP``, a job after ``disown``, ``setsid`` with output
+    left on the terminal), exit 129 quietly, as the terminal's SIGHUP would have. A
     broken pipe of anything else (a pipe to a child, a socket) is an error of its own: said
     on stderr, exit 1."""
     try:

@@ -7,6 +7,7 @@ import inspect
 import logging
 import shutil
 import socket
+import sqlite3
 import subprocess
 import threading
 import time
@@ -983,6 +984,33 @@ def test_the_loop_binds_a_removed_socket_again(root: Path) -> None:
     finally:
         d.store.close()
         d.backend.close()
+
+
+def test_the_loop_saves_a_removed_wal_at_once_and_says_it_once(root: Path) -> None:
+    """``rm state.db-wal`` while gpud runs: the next pass checkpoints what it held into
+    ``state.db`` (a crash before any change is tried keeps it) and says so in one event."""
+    d = build(make_config(root))
+    (step,) = [s for s in d.steps if s.name == "state"]
+    wal = d.store.path.with_name(d.store.path.name + "-wal")
+    try:
+        asyncio.run(step.run())
+        assert d.events.recent(10, "daemon.state_files") == []
+        wal.unlink()
+        asyncio.run(step.run())
+        asyncio.run(step.run())
+        (event,) = d.events.recent(10, "daemon.state_files")
+        assert event.message.startswith(f"write-ahead log {wal} of the state database was")
+        assert event.message.endswith("kept in the database file; restart gpud")
+        copy = root / "crashed.db"  # what a crash leaves: the database file alone
+        copy.write_bytes(d.store.path.read_bytes())
+        left = sqlite3.connect(copy)
+        try:
+            tables = {r[0] for r in left.execute("SELECT name FROM sqlite_master")}
+        finally:
+            left.close()
+        assert "jobs" in tables
+    finally:
+        _close(d)
 
 
 def test_a_stop_ends_the_event_watchers_streams_cleanly(root: Path) -> None:

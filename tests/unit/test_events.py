@@ -1,5 +1,9 @@
 import json
 import logging
+import os
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -58,17 +62,17 @@ def test_writes_the_file_missed_are_counted_and_said_when_it_is_written_again(
     path = tmp_path / "events.jsonl"
     log = EventLog(path)
     log.emit("daemon.start", "written")
-    assert log.write_errors() == 0
+    assert log.tallies()[1] == 0
     path.rename(tmp_path / "aside")
     path.mkdir()  # any write now fails, as on a full or read-only disk
     log.emit("job.add", "not written")
     log.emit("job.add", "not written either")
-    assert log.write_errors() == 2
+    assert log.tallies()[1] == 2
     path.rmdir()  # space freed
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="gpud.events"):
         log.emit("job.add", "written again")
-    assert log.write_errors() == 2  # since start
+    assert log.tallies()[1] == 2  # since start
     assert [r.getMessage() for r in caplog.records] == [
         f"the event log {path} is written again; it lacks the 2 events said while it could "
         "not be (the journal has them)"
@@ -114,3 +118,46 @@ def test_events_held_until_committed_are_said_after_the_block_or_dropped(tmp_pat
     log.emit("b", "after")
     assert [e.message for e in log.recent()] == ["kept", "kept too", "after"]
     assert len(path.read_text().splitlines()) == 3
+
+
+def _within(read: Callable[[], object], seconds: float = 5.0) -> object:
+    """``read()``'s value, failing the test if it takes longer than ``seconds``."""
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(read()), daemon=True)
+    reader.start()
+    reader.join(seconds)
+    assert got, f"still waiting after {seconds} s"
+    return got[0]
+
+
+def test_a_hung_disk_under_the_file_stalls_no_reader_and_keeps_the_lines_order(
+    tmp_path: Path,
+) -> None:
+    """A write to the file that hangs (a hung disk: here a FIFO no one reads yet) holds
+    back the threads that emit after it, never a scrape (``tallies``) nor ``gpuctl events``
+    (``recent``); the lines are written in their order once it goes on."""
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    os.mkfifo(path)  # opening it to write waits for a reader
+    emits = [threading.Thread(target=log.emit, args=("job.add", f"line {n}")) for n in (1, 2)]
+    disk = -1
+    try:
+        for said, emit in enumerate(emits, 1):
+            emit.start()
+            deadline = time.monotonic() + 5  # said: in the ring, the file still to write
+            while len(_within(log.recent)) < said and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert [e.message for e in _within(log.recent)] == ["line 1", "line 2"]
+        assert _within(log.tallies) == ({"job.add": 2}, 0)
+    finally:
+        disk = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # the disk goes on
+        for emit in emits:
+            if emit.ident is not None:  # started
+                emit.join(5)
+    try:
+        written = b""
+        while chunk := os.read(disk, 4096):
+            written += chunk
+    finally:
+        os.close(disk)
+    assert [json.loads(line)["message"] for line in written.splitlines()] == ["line 1", "line 2"]

@@ -400,13 +400,38 @@ def test_a_terminal_that_hung_up_ends_a_command_quietly_with_129(
     assert (done.stderr if hung_up == "stdout" else done.stdout) == b""
 
 
+def test_output_that_fails_is_its_error_though_the_terminal_of_stderr_hung_up(
+    socket_path: Path,
+) -> None:
+    """``gpuctl version > /dev/full`` (a full or failing disk under the output file) whose
+    stderr is a terminal that hung up: exit 1, the output's error, which cannot be said;
+    not 129, as if the output's own terminal had gone."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    terminal = _hung_up_terminal()
+    argv = [sys.executable, "-m", "gpud.cli.main", "--socket", str(socket_path), "version"]
+    try:
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=full,
+                stderr=terminal,
+                timeout=60,
+                check=False,
+            )
+    finally:
+        os.close(terminal)
+    assert done.returncode == 1
+
+
 def test_a_follower_whose_terminal_closed_ends_at_once_with_129(socket_path: Path) -> None:
-    """``nohup``-like (SIGHUP ignored): ``gpuctl events --follow`` on a terminal that is then
+    """SIGHUP ignored (``trap '' HUP``): ``gpuctl events --follow`` on a terminal that is then
     closed ends within a second, quietly, 129, though no event comes to be written."""
     master, slave = os.openpty()
     gpuctl = [sys.executable, "-m", "gpud.cli.main", "--socket", str(socket_path), "events", "-f"]
     child = subprocess.Popen(
-        ["sh", "-c", 'trap "" HUP; exec "$@"', "sh", *gpuctl],  # as nohup leaves SIGHUP
+        ["sh", "-c", 'trap "" HUP; exec "$@"', "sh", *gpuctl],  # output left on the terminal
         stdin=subprocess.DEVNULL,
         stdout=slave,
         stderr=subprocess.PIPE,

@@ -241,11 +241,7 @@ def test_a_wal_removed_while_open_takes_no_more_changes_and_keeps_what_it_held(
     so a change would be lost (with all the WAL held) at a crash. It is refused instead, and
     what was committed is copied into ``state.db``, which is all a crash leaves."""
     state = tmp_path / "state"
-    store = StateStore(state)
-    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
-    with store.transaction() as conn:
-        conn.execute("INSERT INTO t (v) VALUES ('committed')")
-    (state / f"{DB_NAME}-wal").unlink()
+    store = _wal_removed(state)
     with (
         pytest.raises(StateUnwritable, match=f"write-ahead log {state / DB_NAME}-wal .* removed"),
         store.transaction() as conn,
@@ -253,14 +249,7 @@ def test_a_wal_removed_while_open_takes_no_more_changes_and_keeps_what_it_held(
         conn.execute("INSERT INTO t (v) VALUES ('lost at a crash')")
     with store.transaction() as conn:  # reads still hold
         assert [r[0] for r in conn.execute("SELECT v FROM t")] == ["committed"]
-    crashed = tmp_path / "crashed"  # what a crash leaves: the database file alone
-    crashed.mkdir()
-    (crashed / DB_NAME).write_bytes((state / DB_NAME).read_bytes())
-    left = sqlite3.connect(crashed / DB_NAME)
-    try:
-        assert [r[0] for r in left.execute("SELECT v FROM t")] == ["committed"]
-    finally:
-        left.close()
+    assert _crash_leaves(state, tmp_path / "crashed") == ["committed"]
     store.close()
 
 
@@ -329,3 +318,77 @@ def test_a_bounded_close_says_once_that_a_read_still_ran(
     lines = [r for r in caplog.records if "a read still ran at the stop" in r.getMessage()]
     assert [r.levelname for r in lines] == ["WARNING"]
     assert str(tmp_path / DB_NAME) in lines[0].getMessage()
+
+
+def _wal_removed(state: Path, *, checked: bool = False) -> StateStore:
+    """A store of one committed row in ``t``, whose WAL was then removed (``rm``); with
+    ``checked``, :meth:`StateStore.check_files` found its files there before."""
+    store = StateStore(state)
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('committed')")
+    if checked:
+        assert store.check_files() is None
+    (state / f"{DB_NAME}-wal").unlink()
+    return store
+
+
+def _crash_leaves(state: Path, into: Path) -> list[str]:
+    """The rows of ``t`` a crash now leaves: the database file alone (the WAL removed)."""
+    into.mkdir()
+    (into / DB_NAME).write_bytes((state / DB_NAME).read_bytes())
+    left = sqlite3.connect(into / DB_NAME)
+    try:
+        return [r[0] for r in left.execute("SELECT v FROM t")]
+    finally:
+        left.close()
+
+
+def test_a_first_read_after_the_wal_was_removed_reads_and_the_stop_keeps_all(
+    tmp_path: Path,
+) -> None:
+    """The reader connection holds the WAL from the start: one opened by a first read after
+    ``rm state.db-wal`` made a new, empty one, failed (disk I/O error) and, closed last at
+    the stop, left a database without its tables."""
+    state = tmp_path / "state"
+    store = _wal_removed(state)
+    with store.reading(), store.transaction() as conn:
+        assert [r[0] for r in conn.execute("SELECT v FROM t")] == ["committed"]
+    assert not (state / f"{DB_NAME}-wal").exists()
+    assert _crash_leaves(state, tmp_path / "crashed") == ["committed"]  # checkpointed
+    said = store.check_files()  # the read's checkpoint is said by the loop's next check
+    assert said is not None and said.endswith("kept in the database file; restart gpud")
+    assert store.check_files() is None
+    store.close()
+    assert _crash_leaves(state, tmp_path / "stopped") == ["committed"]
+
+
+def test_a_removed_wal_is_checkpointed_when_first_checked_and_said_once(tmp_path: Path) -> None:
+    """``rm state.db-wal`` and no change tried since: :meth:`check_files` (each loop pass)
+    copies what it held into ``state.db``, so a crash keeps it, and says so once."""
+    state = tmp_path / "state"
+    store = _wal_removed(state, checked=True)
+    said = store.check_files()
+    assert said == (
+        f"write-ahead log {state / DB_NAME}-wal of the state database was removed or replaced "
+        "while gpud ran: gpud refuses every change from now on; what was committed before is "
+        "kept in the database file; restart gpud"
+    )
+    assert _crash_leaves(state, tmp_path / "crashed") == ["committed"]
+    assert store.check_files() is None  # said once
+    with pytest.raises(StateUnwritable, match="nothing of this change"), store.transaction() as c:
+        c.execute("INSERT INTO t (v) VALUES ('refused')")
+    store.close()
+
+
+def test_a_removed_database_is_said_once_by_check_files(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    (tmp_path / DB_NAME).unlink()
+    said = store.check_files()
+    assert said is not None
+    assert said.startswith(f"state database {tmp_path / DB_NAME} was removed or replaced")
+    assert said.endswith(
+        "restart gpud (on the database restored from a backup, or on none to start afresh)"
+    )
+    assert store.check_files() is None
+    store.close()
