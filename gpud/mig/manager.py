@@ -118,6 +118,14 @@ Faults = Callable[[], Mapping[int, str]]
 
 NOT_ANSWERING = "not answering: an earlier driver call on it is still outstanding"
 
+# Seconds an incomplete MIG table is kept. The driver lists compute instance profiles only
+# from an existing GPU instance of their profile, so a GPU of 7 x 1g.10gb has no complete
+# table: without this each reconcile pass read every such GPU's tables again (one
+# ``-lgip``, a ``-lgipp`` and a ``-lcip`` per profile: about 15 calls a GPU). Kept this
+# long, or until this process changes the GPU; then read again, for an instance another
+# tool created may let the driver list more.
+INCOMPLETE_TABLE_S = 60.0
+
 
 def _fault_reason(err: BackendError) -> str:
     if isinstance(err, GpuLost):
@@ -193,6 +201,8 @@ class MigManager:
         # with mig.on_start = "report": the apply left unfinished, how to finish it
         self._unfinished: str | None = None
         self._tables: dict[str, ProfileTable] = {}
+        # UUID -> an incomplete table and when it was read: see INCOMPLETE_TABLE_S
+        self._partial: dict[str, tuple[ProfileTable, float]] = {}
         self._view: list[GpuView] | None = None
         self._view_at = float("-inf")
         self._outcomes: list[GpuOutcome] = []
@@ -244,12 +254,19 @@ class MigManager:
         cached = self._tables.get(gpu.uuid)
         if cached is not None:
             return cached
+        now = self._monotonic()
+        partial = self._partial.get(gpu.uuid)
+        if partial is not None and now - partial[1] < INCOMPLETE_TABLE_S:
+            return partial[0]
         try:
             table = load_table(self._backend, gpu.index)
         except NotSupported:
             return reference_table(gpu)
         if table.from_device:
             self._tables[gpu.uuid] = table
+            self._partial.pop(gpu.uuid, None)
+        else:
+            self._partial[gpu.uuid] = (table, now)
         return table
 
     def _plan(
@@ -898,6 +915,10 @@ class MigManager:
         return False
 
     def _changed(self, gpu: int) -> None:
+        # an instance of a profile that had none may now list its compute instance profiles
+        for uuid, (table, _) in list(self._partial.items()):
+            if table.identity.index == gpu:
+                self._partial.pop(uuid, None)
         self.refresh_view()
         if self._on_change is not None:
             self._on_change(gpu)

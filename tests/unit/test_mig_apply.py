@@ -22,7 +22,7 @@ from gpud.errors import Busy, GpuLost, InUse, InvalidArgument, NotFound
 from gpud.events import EventLog
 from gpud.mig.api import apply_message, gpu_message
 from gpud.mig.layout import MigConfigFile, load_config, parse_config
-from gpud.mig.manager import NOT_ANSWERING, MigManager, Release
+from gpud.mig.manager import INCOMPLETE_TABLE_S, NOT_ANSWERING, MigManager, Release
 from gpud.mig.metrics import MigMetrics
 from gpud.mig.store import ApplyOptions
 from gpud.store import StateStore
@@ -44,6 +44,7 @@ class Daemon:
     events: EventLog
     mig: MigManager
     sleeps: list[float]
+    sleep: Callable[[float], None]  # the manager's: advances its monotonic clock
 
 
 class Host:
@@ -88,7 +89,7 @@ class Host:
             release=self.release,
             release_active=self.release_active,
         )
-        d = Daemon(node, backend, store, events, mig, sleeps)
+        d = Daemon(node, backend, store, events, mig, sleeps, sleep)
         self.daemons.append(d)
         return d
 
@@ -1709,15 +1710,21 @@ def test_a_forced_retry_with_mps_off_goes_ahead_as_forced(
 
 
 class _CountsMigLists:
-    """The backend, counting its MIG device lists (``nvidia-smi -L``, one per GPU)."""
+    """The backend, counting its MIG device lists (``nvidia-smi -L``, one per GPU) and its
+    compute instance profile reads (``-lcip``)."""
 
     def __init__(self, backend: NvmlBackend) -> None:
         self._backend = backend
         self.lists = 0
+        self.ci_reads = 0
 
     def mig_devices(self, gpu: int) -> Any:
         self.lists += 1
         return self._backend.mig_devices(gpu)
+
+    def compute_instance_profiles(self, gpu: int, profile_id: int) -> Any:
+        self.ci_reads += 1
+        return self._backend.compute_instance_profiles(gpu, profile_id)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
@@ -1728,6 +1735,14 @@ def _drift_reconciled(host: Host, config: MigConfigFile, other_state: Path) -> i
     d = enable(host, config, "all-3g.40gb")
     other = MigManager(d.backend, StateStore(other_state), EventLog(None))
     assert other.apply(config, "all-1g.10gb").result == "success"
+    again, counting = _counted_start(host)
+    assert {o.status for o in again.mig.reconcile()} == {"changed"}
+    assert again.mig.assert_config(config, "all-3g.40gb") == []
+    return counting.lists
+
+
+def _counted_start(host: Host) -> tuple[Daemon, _CountsMigLists]:
+    """A daemon life whose manager's backend counts its reads."""
     counting: list[_CountsMigLists] = []
 
     def wrap(backend: NvmlBackend) -> _CountsMigLists:
@@ -1735,10 +1750,7 @@ def _drift_reconciled(host: Host, config: MigConfigFile, other_state: Path) -> i
         return counting[-1]
 
     host.wrap = wrap
-    again = host.start()
-    assert {o.status for o in again.mig.reconcile()} == {"changed"}
-    assert again.mig.assert_config(config, "all-3g.40gb") == []
-    return counting[0].lists
+    return host.start(), counting[0]
 
 
 def test_what_a_reconcile_destroys_is_listed_once_for_the_busy_check_and_mps(
@@ -1881,3 +1893,21 @@ def test_a_recorded_plan_with_no_steps_is_kept_while_a_gpu_lost_before_start_is_
     back = a100.start(resets=True)
     assert {o.status for o in back.mig.reconcile()} == {"ok"}
     assert back.mig._store.inflight() is None
+
+
+def test_an_incomplete_mig_table_is_not_read_again_every_pass(
+    host: Host, config: MigConfigFile
+) -> None:
+    # 7 x 1g.10gb: the driver lists no compute instance profiles of the other GI profiles,
+    # so the table is never complete
+    enable(host, config, "all-1g.10gb")
+    d, counting = _counted_start(host)
+    assert {o.status for o in d.mig.reconcile()} == {"ok"}
+    first = counting.ci_reads
+    assert first > 0
+    for _ in range(3):
+        assert {o.status for o in d.mig.reconcile()} == {"ok"}
+    assert counting.ci_reads == first
+    d.sleep(INCOMPLETE_TABLE_S)  # the fake clock: then it is read again
+    d.mig.reconcile()
+    assert counting.ci_reads > first
