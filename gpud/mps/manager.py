@@ -214,6 +214,10 @@ class _Device:
     # why its daemon, SIGKILLed for not answering, outlived it: the passes try again
     # (:meth:`MpsManager._kill`) instead of checking or adopting it, till it has gone
     killing: str = ""
+    # lost daemons that outlived SIGKILL, beside its orphan (:meth:`ControlDaemon.orphan`)
+    # or left by a simulated reboot, PID -> start time (:func:`procs.start_time`): none is
+    # started beside them (:meth:`MpsManager._kill_orphan`) till they have gone
+    stuck: dict[int, int | None] = field(default_factory=dict)
     observed_threads: float | None = None
     observed_memory: int | None = None
     servers: tuple[int, ...] = field(default_factory=tuple)
@@ -350,8 +354,7 @@ class MpsManager:
         # Devices a MIG apply released, by when it ended (``snapshot_clock``): no daemon is
         # started for them from a snapshot sampled before (it shows them as they were)
         self._released_at: dict[str, float] = {}
-        self._observed_at: float | None = None  # the newest snapshot observed (its monotonic)
-        self._observed: Snapshot | None = None  # the snapshot observed last
+        self._observed: Snapshot | None = None  # the newest snapshot observed
         self._snapshot_clock = snapshot_clock
         self._others_root = others_root
         self._cgroups = cgroups
@@ -381,6 +384,9 @@ class MpsManager:
         self._seen: set[str] = set()  # device UUIDs of the last observe
         # a failed move of re-created MIG devices' limits: when it is tried again (see observe)
         self._restore_at: float | None = None
+        # the re-created MIG devices whose move waits for that try: no daemon is started
+        # for them meanwhile (their limits are not known yet)
+        self._restoring: set[str] = set()
         self._devices: dict[str, _Device] = {}
         # With MPS off: devices found running no daemon. None is ever started for them while
         # it is off (mps.enabled needs a restart), so a pass leaves them alone: no thread,
@@ -759,10 +765,10 @@ class MpsManager:
         newer one's. The snapshot observed last is not taken again (the pass after the
         listener's)."""
         with self._lock:
-            if self._observed_at is not None and snapshot.monotonic < self._observed_at:
+            observed = self._observed
+            if observed is not None and snapshot.monotonic < observed.monotonic:
                 return
-            if snapshot is not self._observed:
-                self._observed, self._observed_at = snapshot, snapshot.monotonic
+            if snapshot is not observed:
                 self.observe(targets_from_snapshot(snapshot, self.targets()))
                 self._mig_gpus = {
                     g.identity.index: g.identity.uuid
@@ -771,6 +777,8 @@ class MpsManager:
                 }
                 # Only then are this node's devices all known: see _sweep.
                 self._all_read = all(g.healthy and g.identity.uuid for g in snapshot.gpus)
+                # last: one whose observe failed is observed again (the pass after it)
+                self._observed = snapshot
             self._released_at = {
                 u: t for u, t in self._released_at.items() if snapshot.monotonic < t
             }
@@ -779,7 +787,9 @@ class MpsManager:
         """Replace the known devices (from the latest snapshot); a re-created MIG device gets
         the limits its place had (see the module docstring). A state database that cannot be
         written then (a full disk) is logged once: the move is tried again every
-        RESTORE_RETRY_S, until it is made."""
+        RESTORE_RETRY_S, until it is made, and no daemon is started for those devices
+        meanwhile. Once none of them is left (destroyed before their move), a later failure
+        is logged anew."""
         with self._lock:
             targets = list(targets)
             self._targets = {t.uuid: t for t in targets if t.uuid}
@@ -787,7 +797,9 @@ class MpsManager:
             new = [
                 t for t in self._targets.values() if t.slot is not None and t.uuid not in self._seen
             ]
-            if new and (self._restore_at is None or self._clock() >= self._restore_at):
+            if not new:
+                self._restore_at = None  # none waits: those that did are gone
+            elif self._restore_at is None or self._clock() >= self._restore_at:
                 try:
                     self._restore_mig_limits(new)
                 except StateError as err:
@@ -804,8 +816,8 @@ class MpsManager:
                         log.info("MPS: the limits of re-created MIG devices were moved to them")
                     self._restore_at = None
             # those whose move is still to be made are new again at the next observe
-            waiting = new if self._restore_at is not None else []
-            self._seen = set(self._targets).difference(t.uuid for t in waiting)
+            self._restoring = {t.uuid for t in new} if self._restore_at is not None else set()
+            self._seen = set(self._targets) - self._restoring
 
     def _restore_mig_limits(self, targets: list[MpsTarget]) -> None:
         with self._events.until_committed(), self._store.transaction() as conn:
@@ -1093,7 +1105,8 @@ class MpsManager:
 
         One beside another daemon of its device (one a PID file names, adopted or stopped
         as ever, or a second lost one) cannot be its lost daemon too: it is SIGKILLed here
-        (:meth:`_end_orphan`), or said to outlive that (``mps.stop_failed``)."""
+        (:meth:`_end_orphan`), or said to outlive that (``mps.stop_failed``) and kept as
+        stuck (``_Device.stuck``): no daemon is started beside it either."""
         for pid, uuid in self._ours(found):
             with self._lock:
                 known = self._devices.get(uuid)
@@ -1104,9 +1117,11 @@ class MpsManager:
             with dev.io:
                 if dev.daemon.pid() is None and dev.daemon.orphan() is None:
                     dev.daemon.lost(pid)
-                else:
-                    stake = f"{_LOST}, beside the device's daemon"
-                    self._end_orphan(uuid, dev, pid, stake)
+                    continue
+                ticks = start_time(pid, self._proc_root)
+                stake = f"{_LOST}, beside the device's daemon"
+                if self._end_orphan(uuid, dev, pid, stake) is None:
+                    dev.stuck[pid] = ticks
 
     def _report_others(self, found: Iterable[tuple[int, str, dict[str, str]]]) -> None:
         """Say (once, at the first pass) which MPS control daemons of those ``found``
@@ -1210,13 +1225,21 @@ class MpsManager:
         requested: bool,
         timeout_s: float | None,
     ) -> None:
+        with self._lock:
+            restoring = self.enabled and target.uuid in self._restoring
+        if restoring:
+            # its limits are those of the device it replaces, once moved (observe): till then
+            # what the state database says of it (the defaults) is not what it gets
+            dev.last_error = "its MPS limits wait to be moved (state database not writable)"
+            return
         # With MPS off no limits are needed: a pass then reads nothing from the state
         # database (one write-locked transaction per device and tick otherwise: 64 a second
         # on a node of 8 GPUs with 7 MIG devices each, each holding up the API's).
         desired = self.limits(target.uuid) if self.enabled else MpsLimits(enabled=False)
         if not desired.enabled:
-            # one that lost its pipe directory (orphan) is stopped too: it holds the device
-            if dev.daemon.pid() is not None or dev.daemon.orphan() is not None:
+            # one that lost its pipe directory (orphan, stuck) is stopped too: it holds the
+            # device
+            if dev.daemon.pid() is not None or dev.daemon.orphan() is not None or dev.stuck:
                 self._stop_device(target.uuid, reason="disabled")
             elif not self.enabled:
                 with self._lock:
@@ -1512,7 +1535,10 @@ class MpsManager:
                 how = self._try_stop(dev.daemon, pid, stake, quit_s)
                 if how is not None:
                     self._stopped(uuid, pid, reason, how)
-            if pid is not None and how is None:
+            if pid is None or how is not None:
+                # its other lost daemons that outlived SIGKILL hold the device too
+                pid = self._end_stuck(uuid, dev, stake, reason=reason)
+            if pid is not None:
                 dev.up = False
                 dev.last_error = f"the MPS control daemon (pid {pid}) would not stop"
                 return pid
@@ -1594,17 +1620,33 @@ class MpsManager:
         pipe directory was deleted (no PID file names it, no client reaches it, yet it holds
         the device), if one runs: whether none such runs now. No daemon is started beside
         one that outlives SIGKILL."""
-        pid = dev.daemon.orphan()
-        if pid is None:
-            return True
         stake = f"{_LOST}; none is started beside it until it has gone"
-        if self._end_orphan(uuid, dev, pid, stake) is not None:
+        pid = dev.daemon.orphan()
+        if pid is None or self._end_orphan(uuid, dev, pid, stake) is not None:
+            pid = self._end_stuck(uuid, dev, stake)
+        if pid is None:
             return True
         dev.last_error = (
             f"the MPS control daemon (pid {pid}) lost its pipe directory and outlived"
             " SIGKILL: none is started beside it"
         )
         return False
+
+    def _end_stuck(self, uuid: str, dev: _Device, stake: str, *, reason: str = "") -> int | None:
+        """:meth:`_end_orphan` the device's other lost daemons that outlived SIGKILL
+        (``_Device.stuck``), those still running: one gone, or whose PID another process
+        took since (its start time differs), is dropped. The PID of one still running after
+        (None: none is)."""
+        for pid, ticks in list(dev.stuck.items()):
+            now = start_time(pid, self._proc_root)
+            reused = None not in (now, ticks) and now != ticks
+            if (
+                reused
+                or not self._alive(pid, self._proc_root)
+                or self._end_orphan(uuid, dev, pid, stake, reason=reason) is not None
+            ):
+                del dev.stuck[pid]
+        return next(iter(dev.stuck), None)
 
     def _end_orphan(
         self, uuid: str, dev: _Device, pid: int, stake: str, *, reason: str = ""
@@ -1767,6 +1809,7 @@ class MpsManager:
 
         def reboot(uuid: str, dev: _Device) -> None:
             named = dev.daemon.pid()
+            ticks = {p: start_time(p, self._proc_root) for p in pids.get(uuid, ())}
             stuck = [(p, p == named) for p in pids.get(uuid, ()) if dev.daemon.kill(p) is None]
             _reset(dev)
             with self._lock:
@@ -1779,8 +1822,8 @@ class MpsManager:
                 dev.last_error = f"the MPS control daemon (pid {pid}) outlived SIGKILL"
                 if has_pid_file:
                     dev.killing = "a new one is started once it has gone"
-                else:
-                    dev.daemon.lost(pid)
+                else:  # each lost one, however many
+                    dev.stuck[pid] = ticks[pid]
 
         calls = [(u, functools.partial(reboot, u, dev)) for u, dev in devices.items()]
         _all_at_once(calls, self._parallel)

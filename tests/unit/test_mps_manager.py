@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
 from gpud.backend.nvml import NvmlBackend
-from gpud.backend.port import MigMode, unknown_identity
+from gpud.backend.port import MigMode, Placement, unknown_identity
 from gpud.backend.sim import SimNode, fakenvml, parse_simulate_spec
 from gpud.cli.mps import device_row, unhealthy_notes
 from gpud.cli.output import message_to_dict
@@ -2449,4 +2449,199 @@ def test_a_lost_daemon_under_an_old_run_dir_is_sigkilled_at_once(root: Path) -> 
         assert second.status()[0].up
     finally:
         second.stop()
+        store.close()
+
+
+def _lose_another(root: Path, first: int) -> int:
+    """GPU 0's daemon ``first`` loses its PID file, and an earlier gpud (killed since) left
+    a second one there, whose PID file is deleted too: its PID."""
+    pid_file = root / "run" / "mps" / gpu_uuid(0) / "pipe" / PID_FILE
+    pid_file.unlink()
+    second = ControlDaemon(gpu_uuid(0), root / "run", FAKE_CONTROL, timeout_s=5.0).start()
+    pid_file.unlink()
+    return second
+
+
+def _gone(stuck: StuckDaemons, pid: int) -> None:
+    """The stuck daemon ``pid`` goes at last (a GPU reset frees it)."""
+    stuck.pids.discard(pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    wait_dead(pid)
+    stuck.now += 120  # past the backoff of the failed stops
+
+
+@pytest.mark.parametrize("how", ["start", "reboot"])
+def test_no_daemon_starts_beside_any_of_two_lost_daemons_that_outlive_sigkill(
+    root: Path, how: str
+) -> None:
+    """Two daemons that lost their pipe directory, both stuck in the driver (found at
+    gpud's start, or left by a simulated reboot): once one of them has gone, the device
+    still gets no daemon beside the other; it gets one once that one has gone too."""
+    stuck = StuckDaemons()
+    first = second = 0
+    if how == "start":
+        earlier, store = make_manager(root)[:2]
+        earlier.reconcile(NODE)
+        first = earlier.status()[0].pid or 0
+        store.close()  # killed -9
+    mgr, store, events = make_manager(root, **stuck.options())
+    try:
+        if how == "reboot":
+            mgr.reconcile(NODE)
+            first = mgr.status()[0].pid or 0
+        assert first
+        second = _lose_another(root, first)
+        stuck.pids.update({first, second})
+        if how == "reboot":
+            with mgr.rebooting() as ended:
+                assert ended == 1  # GPU 1's
+        mgr.reconcile(NODE)
+        assert mgr.status()[0].pid is None
+        # the one each kept before goes first: the first lost at a start, the last at a reboot
+        going, staying = (first, second) if how == "start" else (second, first)
+        _gone(stuck, going)
+        mgr.reconcile(NODE)
+        status = mgr.status()[0]
+        assert status.pid is None, f"a daemon started beside the stuck pid {staying}"
+        assert f"pid {staying}" in status.last_error
+        assert daemons_under(root / "run" / "mps" / gpu_uuid(0)) == {}  # none started there
+        _gone(stuck, staying)
+        mgr.reconcile(NODE)
+        status = mgr.status()[0]
+        assert status.up and status.pid not in (None, first, second)
+        assert "mps.stop_failed" in [e.kind for e in events.recent()]
+    finally:
+        stuck.pids.clear()
+        mgr.stop()
+        store.close()
+        for pid in (first, second):
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+class _FullDisk(StateStore):
+    """A state database whose writes fail, as on a full disk, while ``full``; reads work."""
+
+    full = False
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        with super().transaction() as conn:
+            before = conn.total_changes
+            yield conn
+            if self.full and conn.total_changes != before:
+                raise StateUnwritable(f"state database {self.path} cannot be written")
+
+
+def _mig(uuid: str, start: int = 0) -> MpsTarget:
+    return MpsTarget(uuid, 0, 0, "3g.40gb", 40 * GIB, gpu_uuid(0), (start, 4))
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_a_re_created_mig_device_gets_no_daemon_while_its_limits_wait_to_be_moved(
+    root: Path, enabled: bool
+) -> None:
+    """A MIG device re-created while the state database cannot be written: its limits
+    (MPS disabled there, or 40 % threads) are not its own yet, so no daemon starts with the
+    defaults meanwhile; once they are moved it gets the right one (or none), no drift."""
+    now = [0.0]
+    store = _FullDisk(root / "state")
+    mgr, _, events = make_manager(root, store=store, clock=lambda: now[0])
+    try:
+        mgr.observe([_mig("MIG-a")])
+        mgr.set_limits("MIG-a", threads_percent=40, enabled=enabled)
+        mgr.reconcile()
+        mgr.stop()  # MIG-a destroyed, its daemon with it
+        store.full = True
+        mgr.observe([_mig("MIG-c")])
+        mgr.reconcile()
+        (status,) = mgr.status()
+        assert status.pid is None
+        assert status.last_error == (
+            "its MPS limits wait to be moved (state database not writable)"
+        )
+        store.full = False
+        now[0] += RESTORE_RETRY_S
+        mgr.observe([_mig("MIG-c")])
+        mgr.reconcile()
+        (status,) = mgr.status()
+        assert status.desired == MpsLimits(40, None, enabled)
+        assert (status.pid is not None) == enabled
+        if enabled:
+            assert status.up and status.observed_threads_percent == 40
+        kinds = [e.kind for e in events.recent(kind_prefix="mps.")]
+        assert "mps.limits_restored" in kinds and "mps.drift" not in kinds
+    finally:
+        store.full = False
+        mgr.stop()
+        store.close()
+
+
+def test_a_failed_move_whose_devices_are_gone_hides_no_later_failure(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Re-created MIG devices destroyed again before their limits' move was tried again:
+    nothing waits any more, so a later failure (another device, an hour later) is logged
+    anew, and its success is not said to have moved the ones gone."""
+    now = [0.0]
+    store = _UnwritableStore(root / "state")
+    mgr, _, _ = make_manager(root, enabled=False, clock=lambda: now[0], store=store)
+    try:
+        mgr.observe([_mig("MIG-a")])
+        mgr.set_limits("MIG-a", threads_percent=40)
+        store.unwritable = True
+        mgr.observe([_mig("MIG-c")])  # not moved: said
+        mgr.observe([])  # MIG-c destroyed before its next try
+        store.unwritable = False
+        caplog.set_level(logging.INFO)
+        mgr.observe([_mig("MIG-d", start=4)])  # nothing to move there
+        assert not [r for r in caplog.records if "were moved to them" in r.getMessage()]
+        now[0] += 3600
+        store.unwritable = True
+        mgr.observe([_mig("MIG-e")])  # a new failure, an hour later: said too
+        warned = [r for r in caplog.records if "were not moved" in r.getMessage()]
+        assert len(warned) == 2
+    finally:
+        store.unwritable = False
+        mgr.stop()
+        store.close()
+
+
+class _BrokenOnce(StateStore):
+    """A state database whose next transaction fails with an error not a StateError (a
+    bug, say) while ``broken``."""
+
+    broken = False
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        if self.broken:
+            self.broken = False
+            raise RuntimeError("broken")
+        with super().transaction() as conn:
+            yield conn
+
+
+def test_a_snapshot_whose_observe_failed_is_observed_again(root: Path) -> None:
+    """An observe that fails (not on the state database: a bug) leaves the snapshot to be
+    observed again by the next pass with it, which notes its GPUs in MIG mode."""
+    store = _BrokenOnce(root / "state")
+    mgr, _, _ = make_manager(root, store=store)
+    try:
+        empty_mig = gpu_sample(1)._replace(mig_mode=MigMode(True, True))
+        gpu = gpu_sample(0, migs=(("3g.40gb", 40),))
+        (mig,) = gpu.mig_devices
+        placed = dataclasses.replace(mig.identity, gpu_instance_placement=Placement(0, 4))
+        gpu = gpu._replace(mig_devices=(mig._replace(identity=placed),))
+        snap = snapshot(gpu, empty_mig)
+        store.broken = True  # the move of its limits, by place, reads it
+        with pytest.raises(RuntimeError):
+            mgr.observe_snapshot(snap)
+        mgr.observe_snapshot(snap)
+        with pytest.raises(FailedPrecondition, match="is in MIG mode and has no MIG devices"):
+            mgr.resolve("1")
+    finally:
+        mgr.stop()
         store.close()
