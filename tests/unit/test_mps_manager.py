@@ -69,6 +69,7 @@ from tests.unit.mps_support import (
     snapshot,
 )
 from tests.unit.nvml_doubles import Refusing
+from tests.unit.process_support import until
 from tests.unit.store_support import CountingStore
 
 NODE = snapshot(gpu_sample(0, memory_gib=80), gpu_sample(1, memory_gib=40))
@@ -1815,6 +1816,15 @@ def test_a_daemon_stuck_again_after_it_went_is_said_again(root: Path) -> None:
         store.close()
 
 
+def _held_elsewhere(mgr: MpsManager, uuid: str) -> bool:
+    """Whether another thread holds ``uuid``'s device lock (a pass working on it)."""
+    io = mgr._devices[uuid].io
+    if io.acquire(blocking=False):
+        io.release()
+        return False
+    return True
+
+
 def test_destroying_mig_devices_waits_on_a_busy_daemon_seconds_at_most(root: Path) -> None:
     """A daemon a pass is still talking to (hung: a query waits its timeout) holds a MIG
     apply's stops no longer than ``request_timeout_s``: it is named busy, and the others are
@@ -1832,7 +1842,16 @@ def test_destroying_mig_devices_waits_on_a_busy_daemon_seconds_at_most(root: Pat
         passing = threading.Thread(target=mgr.reconcile)  # waits 8 s on 0:0's daemon
         passing.start()
         try:
-            time.sleep(1.0)  # the pass is in its query to 0:0's daemon
+            # the pass is in its query to 0:0's daemon once it holds that device and is
+            # done with 0:2's (a fixed sleep was too short on a loaded machine)
+            until(
+                lambda: (
+                    _held_elsewhere(mgr, mig_uuid(0, 0))
+                    and not _held_elsewhere(mgr, mig_uuid(0, 2))
+                ),
+                "the pass held on 0:0 alone",
+                6.0,
+            )
             started = time.monotonic()
             with mgr.released([mig_uuid(0, 0), mig_uuid(0, 2)]) as left:
                 took = time.monotonic() - started
