@@ -11,8 +11,10 @@ One pass:
    for the GPU's memory nor refused an instance for what the GPU's other instances hold,
    and an instance's resources are its own (no price rations them). Jobs that share one
    GPU instance (its compute instances' MIG devices too) share its memory as jobs share a
-   whole GPU's: its use (NVML's reading, or its jobs' known memory if more) over its memory
-   less the headroom costs the newest training job in it of known memory its place.
+   whole GPU's: its use (NVML's reading, or its jobs' known memory if more; only the known
+   memory where the driver does not say what one of them uses, since that job is never a
+   reason to evict) over its memory less the headroom costs the newest training job in it
+   of known memory its place.
 2. Options. For every pending job and every GPU: the configurations its shape allows, each
    scored by the predicted gain in normalized progress -- its own predicted speed (shape x
    interference predictor against the residents) minus the speed the residents would lose,
@@ -60,7 +62,7 @@ sharing SMs.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from colocate.interference import InterferencePredictor, JobFeatures
@@ -556,11 +558,19 @@ class Planner:
             directives.append(Directive(job.job_id, 0.0, True, reason))
 
         def shed(
-            gpu: int, members: Sequence[JobView], victims: Iterable[JobView], used: int, cap: int
+            gpu: int,
+            members: Sequence[JobView],
+            victims: Iterable[JobView],
+            used: int,
+            cap: int,
+            *,
+            size: Callable[[JobView], int],
         ) -> None:
             """Evict the newest of ``victims`` while ``used`` is over ``cap`` and another of
             ``members`` is left there (a job alone may fill what it has: eviction protects
-            the others, not the job). ``members`` in one MIG instance: the reason names it."""
+            the others, not the job); each takes ``size`` of its views among ``members``
+            off ``used``, as ``used`` counts it. ``members`` in one MIG instance: the
+            reason names it."""
             for victim in sorted(victims, key=lambda j: (-j.order, j.job_id)):
                 left = {j.job_id for j in members if j.job_id not in evicted}
                 if used <= cap or len(left) <= 1:
@@ -575,7 +585,7 @@ class Planner:
                     f"{where} memory {used >> 20} MiB over its limit {cap >> 20} MiB: "
                     f"evict the newest training job{' there' if victim.mig_profile else ''}",
                 )
-                used -= sum(j.memory_accounted() for j in members if j.job_id == victim.job_id)
+                used -= sum(size(j) for j in members if j.job_id == victim.job_id)
 
         # 1. memory: the observed use over the limit costs the newest training job its place.
         for g in state.values():
@@ -590,22 +600,27 @@ class Planner:
                     sum(j.memory_used or 0 for j, _, _ in g.residents),  # as observed
                 ),
                 g.limit(p.memory_headroom),
+                size=JobView.memory_accounted,
             )
             # Jobs sharing one GPU instance share its memory as jobs share a whole GPU's:
             # one that grows crowds the others there, so the same rule holds per instance.
             for inst, members in _instances(g):
                 inside = [j for j in members if j.job_id not in evicted]
+                known = sum(j.memory_used or 0 for j in inside)
                 shed(
                     g.view.index,
                     inside,
                     # where the driver does not say what a job uses, nothing says it crowds
-                    # the others: it is never a reason to evict
+                    # the others: it is never a reason to evict, nor is it evicted for it
                     [j for j in inside if j.kind is JobKind.TRAINING and j.memory_used is not None],
-                    max(
-                        (inst.used or 0) - sum(freed_in.get(d, 0) for d in inst.devices),
-                        sum(j.memory_used or 0 for j in inside),
-                    ),
+                    # NVML's reading of the instance counts what such a job holds too, and
+                    # that would cost a job of known memory its place: then only the known
+                    # memory counts
+                    known
+                    if inst.used is None or any(j.memory_used is None for j in members)
+                    else max(inst.used - sum(freed_in.get(d, 0) for d in inst.devices), known),
                     int(inst.total * (1.0 - p.memory_headroom)),
+                    size=lambda j: j.memory_used or 0,
                 )
             if guard_evict and g.view.index in guard_evict:
                 for j, _, mig in list(g.residents):
@@ -983,17 +998,26 @@ def _beside_service(g: _Gpu, job: JobView, mig: str | None) -> bool:
 
 
 def _instances(g: _Gpu) -> list[tuple[MigMemory, list[JobView]]]:
-    """Each GPU instance of ``g`` that several of its jobs share, with those jobs (a job
-    whose MIG device is in no instance the GPU's view lists counts for nothing)."""
-    where = {d: inst for inst in g.view.mig_memory for d in inst.devices}
+    """Each GPU instance of ``g`` that several of its jobs share, with those jobs. A job
+    whose MIG device is in no instance the GPU's view lists (one made since the list was
+    read) shares that device alone with the jobs in it, whose memory is its profile's;
+    where the GPU's layout has no such profile, nothing says what they may hold."""
+    instances = list(g.view.mig_memory)
+    where = {d: inst for inst in instances for d in inst.devices}
+    sizes = {m.profile: m.memory_bytes for m in g.view.layout()}
     inside: dict[int, list[JobView]] = {}
     for j, _, mig in g.residents:
-        inst = where.get(j.device) if mig is not None else None
+        if mig is None or not j.device:
+            continue
+        inst = where.get(j.device)
+        if inst is None and sizes.get(mig):
+            inst = where[j.device] = MigMemory((j.device,), sizes[mig])
+            instances.append(inst)
         if inst is not None:
             inside.setdefault(id(inst), []).append(j)
     return [
         (inst, inside[id(inst)])
-        for inst in g.view.mig_memory
+        for inst in instances
         if len({j.job_id for j in inside.get(id(inst), [])}) > 1
     ]
 

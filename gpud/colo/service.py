@@ -920,6 +920,7 @@ class ColoService:
                 per_gpu.setdefault(r.gpu, []).append(r)
             self._learn(snapshot, per_gpu)
             uuids = {g.identity.index: g.known().uuid for g in snapshot.gpus}
+            self._ensure_guards(running)
             p99s = self._count_attainment(running)
             duty_by_gpu, evict_by_gpu = self._guard_step(live, per_gpu, uuids, p99s)
             views = [self._view(r) for r in live]
@@ -1489,29 +1490,33 @@ class ColoService:
             st.guard_since = max(st.guard_since, now + DIRECTIVE_DELAY_S)
         self._paused_services = paused
 
-    def _count_attainment(self, running: Sequence[RunningJob]) -> dict[str, float | None]:
-        """One window of SLO attainment per inference service that reported latencies,
-        once a tick: on a faulty GPU too, where its guard is paused, since the latencies
-        come from the service and not from the GPU, and a service that misses its SLO
-        while its GPU hangs has missed it. Each service has its guard from then on (one
-        whose GPUs hung before gpud started too, that `gpuctl colo show` lists). Its p99
-        by name."""
-        p99s: dict[str, float | None] = {}
+    def _ensure_guards(self, running: Sequence[RunningJob]) -> None:
+        """A guard for each inference service in ``running``, on a faulty GPU too (one
+        whose GPUs hung before gpud started too, that `gpuctl colo show` lists), holding
+        the SLO the service runs with now; once a tick, before anything reads them."""
         for name, where in _services(running).items():
             slo_s = (where[0].slo_p99_ms or 0.0) / 1e3
             g = self._guards.get(name)
             if g is None:
-                g = self._guards[name] = ServiceGuard(name, slo_s, self._guard_params)
+                self._guards[name] = ServiceGuard(name, slo_s, self._guard_params)
             elif g.slo_s != slo_s:
                 # registered again with another SLO (or restored from a file that held the
                 # one before): the guard holds the one the service runs with now
                 g.slo_s = slo_s
                 g.breaches_at_floor = 0
+
+    def _count_attainment(self, running: Sequence[RunningJob]) -> dict[str, float | None]:
+        """One window of SLO attainment per inference service that reported latencies,
+        once a tick: on a faulty GPU too, where its guard is paused, since the latencies
+        come from the service and not from the GPU, and a service that misses its SLO
+        while its GPU hangs has missed it. Its p99 by name."""
+        p99s: dict[str, float | None] = {}
+        for name, where in _services(running).items():
             p99 = p99s[name] = self.p99(name)
             if p99 is not None:
                 st = self._jobs.setdefault(name, _JobState())
                 st.windows += 1
-                st.windows_ok += int(p99 <= slo_s)
+                st.windows_ok += int(p99 <= (where[0].slo_p99_ms or 0.0) / 1e3)
         return p99s
 
     def _guard_step(
@@ -1523,8 +1528,9 @@ class ColoService:
     ) -> tuple[dict[int, float], dict[int, str]]:
         """Each inference job's guard, once a tick (a service on several devices too),
         over the GPUs where training shares one of its devices. ``uuids``: each GPU's UUID
-        by index, for the events; ``p99s``: each service's p99 this tick, and its guard
-        made, by :meth:`_count_attainment`."""
+        by index, for the events; ``p99s``: each service's p99 this tick, by
+        :meth:`_count_attainment`; each service's guard, made this tick by
+        :meth:`_ensure_guards`."""
         duty: dict[int, float] = {}
         evict: dict[int, str] = {}
         guarding, self._guarding = self._guarding, set()

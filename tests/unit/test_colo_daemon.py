@@ -178,6 +178,18 @@ def test_guard_throttles_training_within_one_tick_and_the_job_is_told(
     assert svc.throttle_point("train", 1).duty == pytest.approx(0.6)
 
 
+def test_a_services_guard_is_made_before_any_step_reads_it(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """The guard step finds each service's guard made by the tick's first step, whether or
+    not SLO attainment was counted before it."""
+    svc, _, jobs = service
+    svc._ensure_guards(jobs)
+    assert set(svc._guards) == {"chat"} and svc._guards["chat"].slo_s == pytest.approx(0.1)
+    duty, evict = svc._guard_step(jobs, {0: list(jobs)}, {}, {})
+    assert duty == {0: 1.0} and evict == {}
+
+
 def test_guard_evicts_training_when_the_slo_cannot_be_held(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
