@@ -466,7 +466,11 @@ class Planner:
         floor = 1.0 / p.max_slowdown
         for (j, s, _), sp, mid in zip(members, low, throttled, strict=True):
             if j.kind is JobKind.INFERENCE:
-                if (len(members) == 1 and foreign is None) or mig is not None or s_mig(j, members):
+                if (
+                    (len(members) == 1 and foreign is None)
+                    or mig is not None
+                    or in_mig_instance(j, members)
+                ):
                     continue  # alone or isolated: as good as this GPU gets
                 # Interference only (the share is the service's own choice); the SLO's
                 # queueing term is not scaled. The declared peak (diurnal peak times a burst)
@@ -1022,7 +1026,7 @@ def _instances(g: _Gpu) -> list[tuple[MigMemory, list[JobView]]]:
     ]
 
 
-def s_mig(job: JobView, members: Sequence[tuple[JobView, float, str | None]]) -> bool:
+def in_mig_instance(job: JobView, members: Sequence[tuple[JobView, float, str | None]]) -> bool:
     """Whether ``job`` sits in a MIG instance among ``members``."""
     return any(m is job and mig is not None for m, _, mig in members)
 
