@@ -1073,6 +1073,8 @@ class Daemon:
                     sampler_task.cancel()
             took = time.monotonic() - stopping_at
             self.events.emit("daemon.stop", "gpud stopped", took_s=round(took, 3))
+            # the lines a writer still holds (the file's disk slow), written before the exit
+            await on_daemon_thread(lambda: self.events.flush(self._close_wait_s() / 2))
             # the store waits for its locks half its time (the short one after a second
             # SIGTERM/SIGINT), so that its own warning (a transaction still ran) comes before
             # this wait ends, then SQLite's checkpoint

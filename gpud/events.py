@@ -110,9 +110,11 @@ class EventLog:
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
         self._write_errors = 0  # events whose line the file did not get, since start
-        # the file's own: its writes wait for its disk (a hung one) without holding _lock,
-        # which every reader (a /metrics scrape, gpuctl events) takes
-        self._file_lock = threading.Lock()
+        # one emitter at a time writes the file (under _lock: whether one does), outside
+        # _lock, so that a hung disk holds back neither a reader (a /metrics scrape, gpuctl
+        # events) nor another emitter (the event loop): theirs are queued for it to write
+        self._writing = False
+        self._written = threading.Condition(self._lock)  # notified when _writing ends
         self._lines: deque[str] = deque()  # said, in order, not written yet (under _lock)
         self._missed_writes = 0  # lines the file did not get in the outage going on
         self._held = threading.local()  # this thread's events held by until_committed
@@ -168,13 +170,16 @@ class EventLog:
             line = event.to_json()
             self._ring.append(event)
             self._counts[kind] = self._counts.get(kind, 0) + 1
+            writes = False
             if self._path is not None:
                 self._lines.append(line)
+                writes, self._writing = not self._writing, True
             woken = [w for w in self._watchers if w._offer(event)]
         _wake_all(woken)
-        if self._path is not None:
-            self._write_lines()
+        # the journal first: it has the event even while the file's disk hangs
         log.info("%s: %s", kind, message, extra={"event": line})
+        if writes:
+            self._write_lines()
         return event
 
     def watch(
@@ -269,21 +274,46 @@ class EventLog:
         with self._lock:
             return dict(self._counts), self._write_errors
 
+    def flush(self, wait_s: float) -> bool:
+        """Wait, at most ``wait_s``, until every line said is written to the file (or its
+        write failed); whether it was. The daemon's stop calls it after its last event; one
+        still queued then (the file's disk hangs) is said in a warning: the journal has it."""
+        with self._written:
+            if self._written.wait_for(lambda: not self._writing, timeout=max(0.0, wait_s)):
+                return True
+            left = len(self._lines) + 1  # the one being written
+        log.warning(
+            "the event log %s: %d lines not written at the stop (its disk hangs?); the "
+            "journal has them",
+            self._path,
+            left,
+        )
+        return False
+
     def _write_lines(self) -> None:
-        """Write the lines said and not yet written, in their order, outside ``_lock``:
-        whoever holds the file's lock writes those said meanwhile too."""
-        with self._file_lock:
-            while True:
+        """By the emitter that set ``_writing``: write the lines said and not yet written,
+        in their order, outside ``_lock``, those said meanwhile too, until none is left."""
+        while True:
+            with self._lock:
+                if not self._lines:
+                    self._writing = False
+                    self._written.notify_all()
+                    return
+                line = self._lines.popleft()
+            try:
+                written = self._write(line)
+            except BaseException:  # not an OSError: the next emitter writes what is left
                 with self._lock:
-                    if not self._lines:
-                        return
-                    line = self._lines.popleft()
-                if not self._write(line):
-                    with self._lock:
-                        self._write_errors += 1
+                    self._write_errors += 1
+                    self._writing = False
+                    self._written.notify_all()
+                raise
+            if not written:
+                with self._lock:
+                    self._write_errors += 1
 
     def _write(self, line: str) -> bool:
-        """Append ``line`` to the file (under the file's lock); whether it was. A failed
+        """Append ``line`` to the file (by the one writer); whether it was. A failed
         write (disk full, read-only) keeps the event in the ring and the journal; it warns
         once per outage, not once per event, and says at its end how many lines the file
         lacks."""

@@ -36,6 +36,9 @@ _CANNOT_OPEN = frozenset({3, 8, 14})
 # SQLITE_IOERR, SQLITE_FULL: at open, the disk under the file (full: no room for the WAL
 # index, or failing), not its content
 _DISK = frozenset({10, 13})
+# SQLITE_BUSY, SQLITE_LOCKED: at open, another process holds the file's lock (a sqlite3
+# shell in exclusive locking mode, a backup tool), past the busy timeout
+_IN_USE = frozenset({5, 6})
 
 
 def _unreadable(path: Path, why: str) -> str:
@@ -44,6 +47,31 @@ def _unreadable(path: Path, why: str) -> str:
         "aside to start afresh (the job registry, reservations, admission queue and desired "
         "MIG layouts and MPS limits in it are then forgotten; what runs on the GPUs stays)"
     )
+
+
+def _open_error(path: Path, err: sqlite3.Error) -> StateError:
+    """What an open of the database (the writer's or the reader's) that failed with ``err``
+    tells the operator: the choices that fit the cause, so that a database gpud merely cannot
+    open now is not moved aside with what it holds."""
+    code = getattr(err, "sqlite_errorcode", 0) & 0xFF
+    if code in _IN_USE:
+        return StateError(
+            f"state database {path} is in use by another process ({err}; a sqlite3 shell, a "
+            "backup tool?): stop it, then start gpud again; nothing was changed"
+        )
+    if code in _DISK:
+        return StateError(
+            f"cannot open the state database {path} ({err}): the disk under it is full or "
+            f"failing: free space in {path.parent} (or check the device), then start gpud "
+            "again; nothing in the database was changed"
+        )
+    if code in _CANNOT_OPEN:
+        return StateError(
+            f"cannot open the state database {path} ({err}): gpud's user must be able to "
+            f"read and write it and to create files in {path.parent} (owner, mode, a "
+            "read-only mount?)"
+        )
+    return StateError(_unreadable(path, str(err)))
 
 
 def _file_id(path: Path) -> tuple[int, int] | None:
@@ -101,9 +129,11 @@ class StateStore:
     connection keeps every feature's view consistent.
     """
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, *, busy_timeout_s: float = 30.0) -> None:
         """Raises :class:`StateError`, naming the file, when it cannot be opened or
-        ``PRAGMA quick_check`` finds it damaged: nothing in it is thrown away unasked."""
+        ``PRAGMA quick_check`` finds it damaged: nothing in it is thrown away unasked.
+        ``busy_timeout_s``: how long an open, or a write, waits for another process's lock
+        on the file before it fails."""
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -130,7 +160,7 @@ class StateStore:
         try:
             _create(self.path)
             self._conn = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, timeout=30.0
+                self.path, isolation_level=None, check_same_thread=False, timeout=busy_timeout_s
             )
             self._conn.row_factory = sqlite3.Row
             self._conn.execute("PRAGMA journal_mode=WAL")
@@ -140,20 +170,7 @@ class StateStore:
                 " ".join(str(row[0]).split()) for row in self._conn.execute("PRAGMA quick_check(5)")
             ]
         except sqlite3.Error as err:
-            code = getattr(err, "sqlite_errorcode", 0) & 0xFF
-            if code in _DISK:
-                raise StateError(
-                    f"cannot open the state database {self.path} ({err}): the disk under it is"
-                    f" full or failing: free space in {state_dir} (or check the device), then"
-                    " start gpud again; nothing in the database was changed"
-                ) from None
-            if code in _CANNOT_OPEN:
-                raise StateError(
-                    f"cannot open the state database {self.path} ({err}): gpud's user must be "
-                    f"able to read and write it and to create files in {state_dir} (owner, "
-                    "mode, a read-only mount?)"
-                ) from None
-            raise StateError(_unreadable(self.path, str(err))) from None
+            raise _open_error(self.path, err) from None
         if damage != ["ok"]:
             self._conn.close()
             raise StateError(_unreadable(self.path, "; ".join(damage)))
@@ -166,19 +183,25 @@ class StateStore:
         # content (_save_replaced); and whether check_files() said it
         self._saved: tuple[str, str] | None = None
         self._said = False
+        self._unsaved = False  # a checkpoint of the removed WAL was tried and not complete
         try:
             # opened now, and a first read done, so that it holds this WAL too: one opened
             # after the WAL was removed would make a new, empty one, read nothing from it,
             # and (the last connection to close) checkpoint that into state.db at the stop
             self._reader = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, timeout=30.0
+                self.path, isolation_level=None, check_same_thread=False, timeout=busy_timeout_s
             )
+        except sqlite3.Error as err:
+            self._conn.close()
+            raise _open_error(self.path, err) from None
+        try:
             self._reader.row_factory = sqlite3.Row
             self._reader.execute("PRAGMA query_only=ON")
             self._reader.execute("SELECT count(*) FROM sqlite_master").fetchone()
         except sqlite3.Error as err:
+            self._reader.close()
             self._conn.close()
-            raise StateError(f"cannot open the state database {self.path} ({err})") from None
+            raise _open_error(self.path, err) from None
 
     def ensure_schema(
         self, statements: Sequence[str], *, added: Mapping[str, Sequence[str]] | None = None
@@ -219,15 +242,12 @@ class StateStore:
 
         The reader holds the files the store opened (the database and its WAL, from the
         start), so after either was removed or replaced it still reads what was committed,
-        whole: reads go on until the restart, while changes are refused. The first read
-        that finds them gone checkpoints the WAL into the database file first
-        (it waits for a running commit then, that once), and leaves it to
-        :meth:`check_files` to say."""
+        whole: reads go on until the restart, while changes are refused. A read never checks
+        the files nor saves what a removed WAL holds (that takes the writer's lock and an
+        fsync): the daemon's loop does, with :meth:`check_files`."""
         if getattr(self._reading, "conn", None) is not None:
             yield  # already reading on this thread: the same snapshot
             return
-        if self._saved is None and not self._files_kept():
-            self._save_once()
         with self._reader_lock:
             self._reading.conn = self._reader
             self._reader.execute("BEGIN")  # deferred: the snapshot is taken at the first read
@@ -293,13 +313,16 @@ class StateStore:
 
     def check_files(self) -> str | None:
         """Whether the database and its WAL are still the files the store has open (two
-        ``stat`` calls: the daemon's loop calls it each pass, and :meth:`reading` each read).
-        The first time either is found removed or replaced, what the WAL holds is
-        checkpointed into the database file (under the writer's lock), so that a crash
-        before the restart keeps it (done by a read that found it first, else now), and the
-        first call that finds it returns what the operator is to know: which file, what was
-        done, "restart gpud". None otherwise, and after."""
-        if self._said or self._files_kept():
+        ``stat`` calls: the daemon's loop calls it each pass). Once either is found removed
+        or replaced, what the WAL holds is checkpointed into the database file (under the
+        writer's lock and the reader's), so that a crash before the restart keeps it; a
+        checkpoint that could not copy it all (another process reading an older snapshot)
+        is tried again at each call until it does. The first call that finds the files gone
+        returns what the operator is to know: which file, what was done, "restart gpud".
+        None otherwise, and after."""
+        if self._said and self._saved is not None:
+            return None
+        if self._files_kept():
             return None
         what, kept = self._save_once()
         with self._lock:
@@ -309,35 +332,52 @@ class StateStore:
         return f"{what} while gpud ran: gpud refuses every change from now on; {kept}"
 
     def _save_once(self) -> tuple[str, str]:
-        """:meth:`_save_replaced`, the first time files are found not kept; what it said
-        then, after."""
+        """:meth:`_save_replaced` for files found not kept, until it is done for good (the
+        database gone, or all the WAL held copied into it); what it said then, after."""
         with self._lock:
-            if self._saved is None:
-                self._saved = self._save_replaced()
-            return self._saved
+            if self._saved is not None:
+                return self._saved
+            what, kept, done = self._save_replaced()
+            if done:
+                self._saved = (what, kept)
+                if self._unsaved:
+                    log.warning("state database %s: %s", self.path, kept)
+            else:
+                self._unsaved = True
+            return what, kept
 
     def _refuse_replaced(self) -> NoReturn:
         """Raise :class:`StateUnwritable` for a database or WAL not :meth:`_files_kept`
         (outside a transaction: what the WAL holds is checkpointed first). Reads still hold."""
-        what, kept = self._save_replaced()
+        what, kept = self._save_once()
         raise StateUnwritable(f"{what} while gpud ran: nothing of this change was kept; {kept}")
 
-    def _save_replaced(self) -> tuple[str, str]:
+    def _save_replaced(self) -> tuple[str, str, bool]:
         """Under the writer's lock, for files not :meth:`_files_kept`: the checkpoint of what
         the removed WAL holds, and what to say: the file gone, then what became of what was
-        committed and what to do."""
+        committed and what to do; and whether that is final (the database gone, or the
+        checkpoint complete)."""
         if _file_id(self.path) != self._file:
             return (
                 f"state database {self.path} was removed or replaced",
                 "restart gpud (on the database restored from a backup, or on none to start afresh)",
+                True,
             )
         # what was committed lives on in the removed WAL, which SQLite still has open: a
-        # checkpoint copies it into the database file, so a crash before the restart keeps it
-        try:
-            _, logged, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-            kept = logged == copied
-        except sqlite3.Error:
-            kept = False
+        # checkpoint copies it into the database file, so a crash before the restart keeps
+        # it. Under the reader's lock too: a snapshot open there, older than the last commit,
+        # makes SQLite copy only the frames it can see, leaving a database file that is not
+        # whole without the WAL. A thread that reads now cannot take it: tried again later.
+        kept = False
+        if getattr(self._reading, "conn", None) is None:
+            with self._reader_lock:
+                try:
+                    _, logged, copied = self._conn.execute(
+                        "PRAGMA wal_checkpoint(PASSIVE)"
+                    ).fetchone()
+                    kept = logged == copied
+                except sqlite3.Error:
+                    kept = False
         return (
             f"write-ahead log {self._wal_path} of the state database was removed or replaced",
             (
@@ -346,6 +386,7 @@ class StateStore:
                 else "what was committed before may be lost unless gpud stops cleanly"
             )
             + "; restart gpud",
+            kept,
         )
 
     def close(self, wait_s: float | None = None) -> None:

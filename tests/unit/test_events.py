@@ -130,30 +130,40 @@ def _within(read: Callable[[], object], seconds: float = 5.0) -> object:
     return got[0]
 
 
-def test_a_hung_disk_under_the_file_stalls_no_reader_and_keeps_the_lines_order(
-    tmp_path: Path,
+def test_a_hung_disk_under_the_file_stalls_no_reader_nor_emitter_and_keeps_the_lines_order(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A write to the file that hangs (a hung disk: here a FIFO no one reads yet) holds
-    back the threads that emit after it, never a scrape (``tallies``) nor ``gpuctl events``
-    (``recent``); the lines are written in their order once it goes on."""
+    back only the emitter writing it: the others (the event loop) return at once, the
+    journal has every event meanwhile, a scrape (``tallies``) and ``gpuctl events``
+    (``recent``) answer; the lines are written in their order once it goes on, and a
+    bounded flush at the stop says what it could not write."""
+    caplog.set_level(logging.INFO, logger="gpud.events")
     path = tmp_path / "events.jsonl"
     log = EventLog(path)
     os.mkfifo(path)  # opening it to write waits for a reader
-    emits = [threading.Thread(target=log.emit, args=("job.add", f"line {n}")) for n in (1, 2)]
+    first = threading.Thread(target=log.emit, args=("job.add", "line 1"))
     disk = -1
     try:
-        for said, emit in enumerate(emits, 1):
-            emit.start()
-            deadline = time.monotonic() + 5  # said: in the ring, the file still to write
-            while len(_within(log.recent)) < said and time.monotonic() < deadline:
-                time.sleep(0.01)
+        first.start()
+        deadline = time.monotonic() + 5  # said: in the ring, the file still to write
+        while not _within(log.recent) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        then = threading.Thread(target=log.emit, args=("job.add", "line 2"), daemon=True)
+        then.start()
+        then.join(2)
+        assert not then.is_alive(), "an emitter waited for another's hung write"
+        journal = [r.getMessage() for r in caplog.records if r.name == "gpud.events"]
+        assert journal == ["job.add: line 1", "job.add: line 2"]
         assert [e.message for e in _within(log.recent)] == ["line 1", "line 2"]
         assert _within(log.tallies) == ({"job.add": 2}, 0)
+        assert not log.flush(0.1)
+        assert "2 lines not written at the stop" in caplog.records[-1].getMessage()
     finally:
         disk = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # the disk goes on
-        for emit in emits:
-            if emit.ident is not None:  # started
-                emit.join(5)
+        if first.ident is not None:  # started
+            first.join(5)
+    assert log.flush(1.0)
     try:
         written = b""
         while chunk := os.read(disk, 4096):

@@ -320,6 +320,16 @@ def test_a_bounded_close_says_once_that_a_read_still_ran(
     assert str(tmp_path / DB_NAME) in lines[0].getMessage()
 
 
+def _committed(state: Path) -> StateStore:
+    """A store of one committed row in ``t``, its files checked once (all there)."""
+    store = StateStore(state)
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('committed')")
+    assert store.check_files() is None
+    return store
+
+
 def _wal_removed(state: Path, *, checked: bool = False) -> StateStore:
     """A store of one committed row in ``t``, whose WAL was then removed (``rm``); with
     ``checked``, :meth:`StateStore.check_files` found its files there before."""
@@ -355,9 +365,9 @@ def test_a_first_read_after_the_wal_was_removed_reads_and_the_stop_keeps_all(
     with store.reading(), store.transaction() as conn:
         assert [r[0] for r in conn.execute("SELECT v FROM t")] == ["committed"]
     assert not (state / f"{DB_NAME}-wal").exists()
-    assert _crash_leaves(state, tmp_path / "crashed") == ["committed"]  # checkpointed
-    said = store.check_files()  # the read's checkpoint is said by the loop's next check
+    said = store.check_files()  # the loop's next check saves it
     assert said is not None and said.endswith("kept in the database file; restart gpud")
+    assert _crash_leaves(state, tmp_path / "crashed") == ["committed"]
     assert store.check_files() is None
     store.close()
     assert _crash_leaves(state, tmp_path / "stopped") == ["committed"]
@@ -391,4 +401,138 @@ def test_a_removed_database_is_said_once_by_check_files(tmp_path: Path) -> None:
         "restart gpud (on the database restored from a backup, or on none to start afresh)"
     )
     assert store.check_files() is None
+    store.close()
+
+
+def test_a_read_after_the_wal_was_removed_does_not_wait_for_a_writer(tmp_path: Path) -> None:
+    """After ``rm state.db-wal`` a read (ListJobs on the event loop) still never waits on
+    another thread's open transaction: saving what the WAL holds is the loop's check."""
+    store = _wal_removed(tmp_path / "state")
+    writing, done = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with store.transaction() as conn:
+            conn.execute("SELECT 1").fetchone()
+            writing.set()
+            done.wait(10)
+
+    def read() -> None:
+        with store.reading(), store.transaction() as conn:
+            rows.extend(r[0] for r in conn.execute("SELECT v FROM t"))
+
+    rows: list[str] = []
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        assert writing.wait(5)
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(2)
+        assert not reader.is_alive(), "the read waited for the writer"
+        assert rows == ["committed"]
+    finally:
+        done.set()
+        thread.join()
+    store.close()
+
+
+def test_a_removed_wal_is_saved_whole_though_a_read_was_open_across_a_commit(
+    tmp_path: Path,
+) -> None:
+    """A read whose snapshot is older than the last commit, open when the removal is
+    checked: the checkpoint waits for it, so ``state.db`` alone holds every committed row
+    (a partial one left a database a crash found malformed)."""
+    state = tmp_path / "state"
+    store = _committed(state)
+    reading, release = threading.Event(), threading.Event()
+
+    def read() -> None:
+        with store.reading(), store.transaction() as conn:
+            conn.execute("SELECT count(*) FROM t").fetchone()  # the snapshot is taken
+            reading.set()
+            release.wait(10)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert reading.wait(5)
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('later')")
+    (state / f"{DB_NAME}-wal").unlink()
+    said: list[str | None] = []
+    checking = threading.Thread(target=lambda: said.append(store.check_files()), daemon=True)
+    checking.start()
+    checking.join(0.3)
+    release.set()
+    reader.join(5)
+    checking.join(5)
+    assert (
+        said and said[0] is not None and said[0].endswith("kept in the database file; restart gpud")
+    )
+    assert _crash_leaves(state, tmp_path / "crashed") == ["committed", "later"]
+    store.close()
+
+
+def test_a_removed_wal_not_saved_whole_is_tried_again_at_the_next_check(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another process reading an older snapshot (a sqlite3 shell) when the removal is
+    first checked: the checkpoint copies what it can and says that it may be lost; the next
+    checks try again, and the first that copies it all says so in the journal."""
+    state = tmp_path / "state"
+    store = _committed(state)
+    other = sqlite3.connect(state / DB_NAME, isolation_level=None)
+    other.execute("BEGIN")
+    other.execute("SELECT count(*) FROM t").fetchone()
+    with store.transaction() as conn:
+        conn.executemany("INSERT INTO t (v) VALUES (?)", [("x" * 200,) for _ in range(100)])
+    (state / f"{DB_NAME}-wal").unlink()
+    said = store.check_files()
+    assert said is not None and "may be lost unless gpud stops cleanly" in said
+    other.execute("COMMIT")
+    other.close()
+    assert store.check_files() is None  # said once; saved now
+    assert len(_crash_leaves(state, tmp_path / "crashed")) == 101
+    kept = [r for r in caplog.records if "kept in the database file" in r.getMessage()]
+    assert [r.levelname for r in kept] == ["WARNING"]
+    store.close()
+
+
+def test_a_change_refused_after_the_check_uses_its_verdict(tmp_path: Path) -> None:
+    """A change refused after the loop's check saved what the removed WAL held says what
+    the check said, and checkpoints nothing again."""
+    store = _wal_removed(tmp_path / "state")
+    said = store.check_files()
+    assert said is not None
+    ran: list[str] = []
+    store._conn.set_trace_callback(ran.append)
+    with pytest.raises(StateUnwritable) as caught, store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('refused')")
+    assert said.split("; ", 1)[1] == str(caught.value).split("; ", 1)[1]
+    assert not [s for s in ran if "wal_checkpoint" in s]
+    store.close()
+
+
+def test_a_database_in_use_by_another_process_says_to_stop_it_not_to_move_it(
+    tmp_path: Path,
+) -> None:
+    """A sqlite3 shell holding the database in exclusive locking mode: the open fails after
+    the busy timeout saying so, without the advice that throws what it holds away."""
+    state = tmp_path / "state"
+    fill(state)
+    holder = sqlite3.connect(state / DB_NAME, isolation_level=None)
+    holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(StateError) as caught:
+            StateStore(state, busy_timeout_s=0.1)
+    finally:
+        holder.execute("COMMIT")
+        holder.close()
+    text = str(caught.value)
+    assert text.startswith(f"state database {state / DB_NAME} is in use by another process")
+    assert text.endswith("stop it, then start gpud again; nothing was changed")
+    assert "move it aside" not in text and "unreadable" not in text
+    store = StateStore(state)
+    with store.reading(), store.transaction() as conn:
+        assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 500
     store.close()
