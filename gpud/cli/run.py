@@ -1104,10 +1104,19 @@ def _leave(ctx: Context, entry: queue_pb2.QueueEntry, stop: _Stop) -> None:
         )
 
 
-def _stop_leftovers(job: str, run: str, grace_s: float, hurry: _Stop) -> None:
+def _stop_leftovers(
+    job: str,
+    run: str,
+    grace_s: float,
+    hurry: _Stop,
+    *,
+    proc_root: Path = Path("/proc"),
+    send: Callable[[int, int], None] = os.kill,
+) -> None:
     """End what the command left running (its environment carries ``GPUD_RUN``): the
     reservation is released next, and nothing may go on using what nothing reserves. Once
-    ``hurry`` is set (a signal since the command ended), SIGKILL without waiting more."""
+    ``hurry`` is set (a signal since the command ended), SIGKILL without waiting more.
+    ``proc_root``, ``send``: see :func:`gpud.jobs.leftovers.stop`."""
     from gpud.jobs import leftovers
 
     def reap() -> None:
@@ -1116,7 +1125,9 @@ def _stop_leftovers(job: str, run: str, grace_s: float, hurry: _Stop) -> None:
             while os.waitpid(-1, os.WNOHANG)[0]:
                 pass
 
-    left = leftovers.processes(run, skip=os.getpid())
+    # listed to be said only: saying it may block (a full pipe, a stopped terminal), and a
+    # PID listed here may meanwhile be another process's, so ``stop`` lists them again
+    left = leftovers.processes(run, proc_root, skip=os.getpid())
     if not left:
         return
     print(
@@ -1128,7 +1139,8 @@ def _stop_leftovers(job: str, run: str, grace_s: float, hurry: _Stop) -> None:
     _, killed = leftovers.stop(
         run,
         grace_s,
-        found=left,
+        proc_root,
+        send=send,
         reap=reap if os.getpid() == 1 else None,
         hurry=hurry.is_set,
         sleep=hurry.wait,

@@ -2669,3 +2669,38 @@ def test_jobs_ls_shows_whose_runs_hold_each_job_and_owners_default_to_the_caller
         "ran": [me, me],
         "unheld": ["-", "-"],
     }
+
+
+class _Reused:
+    """stderr that, as gpuctl says what its command left, has process 41 end and its PID
+    go to a process of no run (saying it may block: a full pipe, a stopped terminal)."""
+
+    def __init__(self, stream: Any, proc_root: Path) -> None:
+        self.stream = stream
+        self.proc_root = proc_root
+
+    def write(self, data: str) -> int:
+        if "outlived its command" in data:
+            (self.proc_root / "41" / "environ").write_bytes(b"HOME=/\0")
+        return int(self.stream.write(data))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def test_a_leftover_whose_pid_another_process_took_since_it_was_listed_is_not_signalled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpuctl run` lists what its command left to say it, then stops what is left of the
+    run as found then: a PID reused meanwhile by a process of no run gets no signal."""
+    from gpud.cli.run import _Stop, _stop_leftovers
+
+    (tmp_path / "41").mkdir()
+    (tmp_path / "41" / "environ").write_bytes(b"HOME=/\0GPUD_RUN=r1\0")
+    monkeypatch.setattr(sys, "stderr", _Reused(sys.stderr, tmp_path))
+    sent: list[tuple[int, int]] = []
+    _stop_leftovers(
+        "j", "r1", 0.0, _Stop(), proc_root=tmp_path, send=lambda pid, sig: sent.append((pid, sig))
+    )
+    assert sent == []
+    assert "1 process(es) of job j outlived its command (pid 41)" in capsys.readouterr().err
