@@ -747,7 +747,11 @@ def _run(
         return exit_status(returncode)
     except NotStarted as err:
         never = err
-        never.removed = never.removed or _reservation_gone(ctx, args.job, reservation)
+        # stopped by a signal: no asking whether the job is gone (up to --timeout with gpud
+        # hung) before giving the reservation back, which finds it gone if it is
+        never.removed = never.removed or (
+            not stop.is_set() and _reservation_gone(ctx, args.job, reservation)
+        )
         return _not_started(args.job, never, stop)
     finally:
         # a signal from the command's end on (``after``) cuts these waits short

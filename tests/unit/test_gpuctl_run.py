@@ -2704,3 +2704,36 @@ def test_a_leftover_whose_pid_another_process_took_since_it_was_listed_is_not_si
     )
     assert sent == []
     assert "1 process(es) of job j outlived its command (pid 41)" in capsys.readouterr().err
+
+
+def test_a_signal_while_the_command_is_held_gives_the_reservation_back_without_asking_more(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SIGTERM to gpuctl while its command is held: it gives the reservation back at once,
+    not first asking whether its job is still there, which with gpud hung took up to
+    --timeout more before the release's own wait."""
+    held: list[JobService] = []
+    net = Places(  # to gpuctl alone: the gate stays shut
+        lambda: held[0],
+        remove_first=False,
+        placed=True,
+        group_signal=signal.SIGTERM,
+        to_held=False,
+    )
+    asked_after: list[str] = []
+
+    class CountsListJobs(JobsServicer):
+        async def ListJobs(self, request: Any, context: Any) -> Any:
+            if net.asked:
+                asked_after.append(request.name)
+            return await super().ListJobs(request, context)
+
+    with serving(net.register, jobs_api=CountsListJobs) as n:
+        held.append(n.jobs)
+        n.jobs.set_tagger(lambda job: 26, lambda job: 26)
+        got = n.ctl("run", "--job", "h3", "--gpus", "1", "--", "true")
+        assert n.jobs.reservations.held() == []
+    err = capsys.readouterr().err
+    assert got == 130, err
+    assert "job h3 stopped (SIGTERM) before its command started" in err
+    assert asked_after == []
