@@ -71,7 +71,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -623,6 +623,14 @@ def _setting(stop: _Stop) -> Callable[[int, FrameType | None], None]:
         stop.set(signum)
 
     return on_signal
+
+
+def _hand_to(after: _Stop, sigs: Iterable[int]) -> None:
+    """Have each of ``sigs`` set ``after`` from now on (the command has ended, or never
+    will): the caller puts the handlers back once it is done."""
+    on_signal = _setting(after)
+    for sig in sigs:
+        signal.signal(sig, on_signal)
 
 
 @contextlib.contextmanager
@@ -1237,8 +1245,7 @@ def _launch(
             if fd >= 0:
                 os.close(fd)
         if after is not None:  # nothing to wait for: ``after`` takes them, as at an end
-            for sig in taken:
-                signal.signal(sig, _setting(after))
+            _hand_to(after, taken)
             if stop is not None and stop.is_set():  # one came meanwhile: it stopped the run
                 after.set(stop.signum)
         return EXIT_CANNOT_EXEC
@@ -1305,11 +1312,14 @@ def _launch(
         held = place is not None and still_the_gate(child.pid)
         code = child.wait()
     finally:
-        for sig, handler in previous.items():
+        if after is None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        else:
             # ``after`` takes them from here: a signal once the command has ended (the
             # shell's SIGHUP after the terminal's, a second SIGTERM) must not kill gpuctl
             # before it has stopped what the command left and released the reservation
-            signal.signal(sig, handler if after is None else _setting(after))
+            _hand_to(after, previous)
     if held and code < 0:
         raise NotStarted(code)
     return code
