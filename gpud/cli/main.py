@@ -237,25 +237,22 @@ def _usage_failed(parser: argparse.ArgumentParser, err: _UsageError, words: Sequ
 def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
     parser = build_parser()
     words = sys.argv[1:] if argv is None else argv
-    parsed = argparse.Namespace()  # what a usage error leaves: the command's defaults
     try:
-        args = parser.parse_args(words, parsed)
+        args = parser.parse_args(words)
     except SystemExit as exit_:  # --help, --version
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     except _UsageError as err:
-        # said as the command's other errors are (see STDERR_MAY_GO below): its own
-        # parser's error, or gpuctl's once the command's parser was done (unknown options)
-        if getattr(parsed, STDERR_MAY_GO, False) or err.parser.get_default(STDERR_MAY_GO):
-            with stderr_that_never_fails():
-                return _usage_failed(parser, err, words)
-        return _usage_failed(parser, err, words)
+        # exit 2 whatever stderr is, in every command: a usage error is known before the
+        # command is (`gpuctl --timeout abc run ...`), and a stderr gone makes it no less one
+        with stderr_that_never_fails():
+            return _usage_failed(parser, err, words)
     run = getattr(args, "run", None)
     if run is None:
-        if args.json:
-            return _fail(
-                CliError("give a command (gpuctl --help lists them)", EXIT_USAGE), json_output=True
-            )
-        parser.print_help(sys.stderr)
+        with stderr_that_never_fails():  # a usage error: see above
+            if args.json:
+                no_command = CliError("give a command (gpuctl --help lists them)", EXIT_USAGE)
+                return _fail(no_command, json_output=True)
+            parser.print_help(sys.stderr)
         return EXIT_USAGE
     ctx = Context(
         socket_path=_socket_path(args, os.environ if env is None else env),
@@ -284,7 +281,8 @@ def _main(argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
             # an argument in bytes that are not UTF-8 (Python keeps them as surrogates),
             # which no request can carry
             invalid = CliError(f"an argument is not valid UTF-8: {err.object!r}", EXIT_USAGE)
-            return _fail(invalid, args.json, words=words)
+            with stderr_that_never_fails():  # a usage error: see above
+                return _fail(invalid, args.json, words=words)
         except KeyboardInterrupt:
             return 130
         finally:

@@ -15,8 +15,8 @@ from typing import TextIO, cast
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what `yes | head` reports for `yes`
 EXIT_HUNG_UP = 129  # 128 + SIGHUP: what a shell reports for a command its closed terminal ended
 EXIT_OTHER_PIPE = 1  # a pipe or socket other than gpuctl's own output broke
-# a parser default: the command runs, its errors and usage errors said included, within
-# stderr_that_never_fails
+# a parser default: the command runs, its errors said included, within
+# stderr_that_never_fails (as every command's usage errors are)
 STDERR_MAY_GO = "stderr_may_go"
 
 

@@ -71,7 +71,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -625,6 +625,14 @@ def _setting(stop: _Stop) -> Callable[[int, FrameType | None], None]:
     return on_signal
 
 
+def _hand_to(after: _Stop, sigs: Iterable[int]) -> None:
+    """Have each of ``sigs`` set ``after`` from now on (the command has ended, or never
+    will): the caller puts the handlers back once it is done."""
+    on_signal = _setting(after)
+    for sig in sigs:
+        signal.signal(sig, on_signal)
+
+
 @contextlib.contextmanager
 def _signals_stop() -> Iterator[_Stop]:
     """A stop that SIGINT, SIGTERM, SIGHUP and SIGQUIT set while waiting (those gpuctl was
@@ -747,7 +755,11 @@ def _run(
         return exit_status(returncode)
     except NotStarted as err:
         never = err
-        never.removed = never.removed or _reservation_gone(ctx, args.job, reservation)
+        # stopped by a signal: no asking whether the job is gone (up to --timeout with gpud
+        # hung) before giving the reservation back, which finds it gone if it is
+        never.removed = never.removed or (
+            not stop.is_set() and _reservation_gone(ctx, args.job, reservation)
+        )
         return _not_started(args.job, never, stop)
     finally:
         # a signal from the command's end on (``after``) cuts these waits short
@@ -1104,10 +1116,19 @@ def _leave(ctx: Context, entry: queue_pb2.QueueEntry, stop: _Stop) -> None:
         )
 
 
-def _stop_leftovers(job: str, run: str, grace_s: float, hurry: _Stop) -> None:
+def _stop_leftovers(
+    job: str,
+    run: str,
+    grace_s: float,
+    hurry: _Stop,
+    *,
+    proc_root: Path = Path("/proc"),
+    send: Callable[[int, int], None] = os.kill,
+) -> None:
     """End what the command left running (its environment carries ``GPUD_RUN``): the
     reservation is released next, and nothing may go on using what nothing reserves. Once
-    ``hurry`` is set (a signal since the command ended), SIGKILL without waiting more."""
+    ``hurry`` is set (a signal since the command ended), SIGKILL without waiting more.
+    ``proc_root``, ``send``: see :func:`gpud.jobs.leftovers.stop`."""
     from gpud.jobs import leftovers
 
     def reap() -> None:
@@ -1116,7 +1137,9 @@ def _stop_leftovers(job: str, run: str, grace_s: float, hurry: _Stop) -> None:
             while os.waitpid(-1, os.WNOHANG)[0]:
                 pass
 
-    left = leftovers.processes(run, skip=os.getpid())
+    # listed to be said only: saying it may block (a full pipe, a stopped terminal), and a
+    # PID listed here may meanwhile be another process's, so ``stop`` lists them again
+    left = leftovers.processes(run, proc_root, skip=os.getpid())
     if not left:
         return
     print(
@@ -1128,7 +1151,8 @@ def _stop_leftovers(job: str, run: str, grace_s: float, hurry: _Stop) -> None:
     _, killed = leftovers.stop(
         run,
         grace_s,
-        found=left,
+        proc_root,
+        send=send,
         reap=reap if os.getpid() == 1 else None,
         hurry=hurry.is_set,
         sleep=hurry.wait,
@@ -1221,8 +1245,7 @@ def _launch(
             if fd >= 0:
                 os.close(fd)
         if after is not None:  # nothing to wait for: ``after`` takes them, as at an end
-            for sig in taken:
-                signal.signal(sig, _setting(after))
+            _hand_to(after, taken)
             if stop is not None and stop.is_set():  # one came meanwhile: it stopped the run
                 after.set(stop.signum)
         return EXIT_CANNOT_EXEC
@@ -1289,11 +1312,14 @@ def _launch(
         held = place is not None and still_the_gate(child.pid)
         code = child.wait()
     finally:
-        for sig, handler in previous.items():
+        if after is None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        else:
             # ``after`` takes them from here: a signal once the command has ended (the
             # shell's SIGHUP after the terminal's, a second SIGTERM) must not kill gpuctl
             # before it has stopped what the command left and released the reservation
-            signal.signal(sig, handler if after is None else _setting(after))
+            _hand_to(after, previous)
     if held and code < 0:
         raise NotStarted(code)
     return code

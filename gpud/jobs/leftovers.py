@@ -35,7 +35,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -99,14 +99,12 @@ def kill(
     *,
     send: Callable[[int, int], None] = os.kill,
     holder: int | None = None,
-    found: Sequence[int] | None = None,
 ) -> list[int]:
-    """Send ``sig`` to every process of ``run`` (``holder``: see :func:`processes`), or to
-    those :func:`processes` ``found`` just now; the PIDs it was sent to."""
+    """Send ``sig`` to every process of ``run`` (``holder``: see :func:`processes`), as
+    listed right then: a PID listed earlier may have been reused since by a process of no
+    run; the PIDs it was sent to."""
     sent = []
-    if found is None:
-        found = processes(run, proc_root, skip=os.getpid(), holder=holder)
-    for pid in found:
+    for pid in processes(run, proc_root, skip=os.getpid(), holder=holder):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             send(pid, sig)
             sent.append(pid)
@@ -123,13 +121,11 @@ def stop(
     sleep: Callable[[float], object] = time.sleep,
     reap: Callable[[], None] | None = None,
     hurry: Callable[[], bool] = lambda: False,
-    found: Sequence[int] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """SIGTERM to every process of ``run`` (those ``found``, when the caller has just
-    listed them), then SIGKILL to those still there after ``grace_s`` seconds, or as soon as
+    """SIGTERM to every process of ``run``, then SIGKILL to those still there after ``grace_s`` seconds, or as soon as
     ``hurry()`` says so: ``(terminated, killed)``. ``reap`` collects exited children of the
     caller (a process that is gone but not waited for still reads as there)."""
-    terminated = kill(run, signal.SIGTERM, proc_root, send=send, found=found)
+    terminated = kill(run, signal.SIGTERM, proc_root, send=send)
     if not terminated:
         return [], []
     deadline = clock() + grace_s

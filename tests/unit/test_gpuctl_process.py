@@ -316,6 +316,15 @@ def test_an_error_of_gpuctl_run_keeps_its_exit_status_with_stderr_gone(
     its stderr gone (a pipe whose reader went: EPIPE; a terminal that hung up: EIO): the
     line is lost, the exit status is not, as within the run. It was 141, or 1 with a
     traceback."""
+    done = _with_stderr_gone(tmp_path, ["run", *words], how)
+    assert done.returncode == code and done.stdout == b""
+
+
+def _with_stderr_gone(
+    tmp_path: Path, words: list[str], how: str = "pipe"
+) -> subprocess.CompletedProcess[bytes]:
+    """gpuctl with ``words``, its stderr gone: a pipe whose reader went (``how``
+    "pipe"), or a terminal that hung up ("pty")."""
     if how == "pipe":
         read, write = os.pipe()
     else:
@@ -324,7 +333,7 @@ def test_an_error_of_gpuctl_run_keeps_its_exit_status_with_stderr_gone(
     argv = [sys.executable, "-m", "gpud.cli.main", "--socket", str(tmp_path / "no.sock")]
     try:
         done = subprocess.run(
-            [*argv, "run", *words],
+            [*argv, *words],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=write,
@@ -333,7 +342,27 @@ def test_an_error_of_gpuctl_run_keeps_its_exit_status_with_stderr_gone(
         )
     finally:
         os.close(write)
-    assert done.returncode == code and done.stdout == b""
+    return done
+
+
+@pytest.mark.parametrize(
+    "words",
+    [
+        ["--timeout", "abc", "run", "--job", "j", "--", "true"],
+        ["--bogus", "status"],
+        ["status", "--bogus"],
+        ["--json", "--timeout", "abc", "status"],
+        [],
+        ["--json"],
+    ],
+    ids=["before-run", "before-status", "after-status", "json", "no-command", "no-command-json"],
+)
+def test_a_usage_error_exits_2_with_stderr_gone(tmp_path: Path, words: list[str]) -> None:
+    """A usage error, in any command and wherever its word is (before the command's name
+    too), exits 2 with its stderr a pipe whose reader went: the line is lost, the status
+    is not. A usage error before ``run`` exited 141."""
+    done = _with_stderr_gone(tmp_path, words)
+    assert done.returncode == 2 and done.stdout == b""
 
 
 class _Flaky(io.StringIO):

@@ -2669,3 +2669,71 @@ def test_jobs_ls_shows_whose_runs_hold_each_job_and_owners_default_to_the_caller
         "ran": [me, me],
         "unheld": ["-", "-"],
     }
+
+
+class _Reused:
+    """stderr that, as gpuctl says what its command left, has process 41 end and its PID
+    go to a process of no run (saying it may block: a full pipe, a stopped terminal)."""
+
+    def __init__(self, stream: Any, proc_root: Path) -> None:
+        self.stream = stream
+        self.proc_root = proc_root
+
+    def write(self, data: str) -> int:
+        if "outlived its command" in data:
+            (self.proc_root / "41" / "environ").write_bytes(b"HOME=/\0")
+        return int(self.stream.write(data))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def test_a_leftover_whose_pid_another_process_took_since_it_was_listed_is_not_signalled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpuctl run` lists what its command left to say it, then stops what is left of the
+    run as found then: a PID reused meanwhile by a process of no run gets no signal."""
+    from gpud.cli.run import _Stop, _stop_leftovers
+
+    (tmp_path / "41").mkdir()
+    (tmp_path / "41" / "environ").write_bytes(b"HOME=/\0GPUD_RUN=r1\0")
+    monkeypatch.setattr(sys, "stderr", _Reused(sys.stderr, tmp_path))
+    sent: list[tuple[int, int]] = []
+    _stop_leftovers(
+        "j", "r1", 0.0, _Stop(), proc_root=tmp_path, send=lambda pid, sig: sent.append((pid, sig))
+    )
+    assert sent == []
+    assert "1 process(es) of job j outlived its command (pid 41)" in capsys.readouterr().err
+
+
+def test_a_signal_while_the_command_is_held_gives_the_reservation_back_without_asking_more(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SIGTERM to gpuctl while its command is held: it gives the reservation back at once,
+    not first asking whether its job is still there, which with gpud hung took up to
+    --timeout more before the release's own wait."""
+    held: list[JobService] = []
+    net = Places(  # to gpuctl alone: the gate stays shut
+        lambda: held[0],
+        remove_first=False,
+        placed=True,
+        group_signal=signal.SIGTERM,
+        to_held=False,
+    )
+    asked_after: list[str] = []
+
+    class CountsListJobs(JobsServicer):
+        async def ListJobs(self, request: Any, context: Any) -> Any:
+            if net.asked:
+                asked_after.append(request.name)
+            return await super().ListJobs(request, context)
+
+    with serving(net.register, jobs_api=CountsListJobs) as n:
+        held.append(n.jobs)
+        n.jobs.set_tagger(lambda job: 26, lambda job: 26)
+        got = n.ctl("run", "--job", "h3", "--gpus", "1", "--", "true")
+        assert n.jobs.reservations.held() == []
+    err = capsys.readouterr().err
+    assert got == 130, err
+    assert "job h3 stopped (SIGTERM) before its command started" in err
+    assert asked_after == []

@@ -1087,22 +1087,3 @@ def test_stopping_what_a_run_left_sends_sigkill_at_once_when_hurried(tmp_path: P
     assert terminated == killed == [41]
     assert sent == [(41, signal.SIGTERM), (41, signal.SIGKILL)]
     assert now[0] < 1.0
-
-
-def test_stopping_what_a_run_left_signals_those_its_caller_found_without_looking_again(
-    tmp_path: Path,
-) -> None:
-    """``gpuctl run`` lists what its command left (to say it) and hands the list to
-    ``leftovers.stop``, which SIGTERMs those rather than reading every process's environ
-    again; gone by the next poll, nothing is killed."""
-    sent: list[tuple[int, int]] = []
-    terminated, killed = leftovers.stop(
-        "r1",
-        60.0,
-        tmp_path,  # an empty /proc: a scan would find nothing
-        send=lambda pid, sig: sent.append((pid, sig)),
-        sleep=lambda seconds: None,
-        found=[41, 42],
-    )
-    assert (terminated, killed) == ([41, 42], [])
-    assert sent == [(41, signal.SIGTERM), (42, signal.SIGTERM)]
