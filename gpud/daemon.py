@@ -134,9 +134,10 @@ CALL_STOP_WAIT_S = 18.0
 # dcb, MPS control daemons, the sampler) takes what is left of this, so that the store
 # and the driver are closed before systemd's SIGKILL at TimeoutStopSec (30 s in
 # systemd/gpud.service); each shutdown hook still gets STOP_HOOK_FLOOR_S once it is spent,
-# the /metrics listener its poll interval to stop, the store and the driver
-# STOP_CLOSE_WAIT_S each, and the process EXIT_GRACE_S for its worker threads, so the worst
-# stop is this plus those (Daemon.worst_stop_s: 27.5 s). A second SIGTERM/SIGINT ends the
+# the /metrics listener its poll interval to stop, the event log's flush half of
+# STOP_CLOSE_WAIT_S, the store and the driver STOP_CLOSE_WAIT_S each, and the process
+# EXIT_GRACE_S for its worker threads, so the worst stop is this plus those
+# (Daemon.worst_stop_s: 28.0 s). A second SIGTERM/SIGINT ends the
 # wait under way, skips the hooks left, and gives each close STOP_CUT_CLOSE_S
 STOP_BUDGET_S = 20.0
 # seconds of the stop budget an admission pass running at the stop is waited for: the loop
@@ -1073,8 +1074,16 @@ class Daemon:
                     sampler_task.cancel()
             took = time.monotonic() - stopping_at
             self.events.emit("daemon.stop", "gpud stopped", took_s=round(took, 3))
-            # the lines a writer still holds (the file's disk slow), written before the exit
-            await on_daemon_thread(lambda: self.events.flush(self._close_wait_s() / 2))
+
+            # the lines a writer still holds (the file's disk slow), written before the exit:
+            # half a close's time (a second SIGTERM/SIGINT cuts it); the flush's own wait ends
+            # first, so that its warning (the lines not written) comes before this one's
+            def flush() -> None:
+                self.events.flush(self._close_wait_s() * 0.4)
+
+            await self._run_stop(
+                flush, STOP_CLOSE_WAIT_S / 2, "events.flush", cut_s=STOP_CUT_CLOSE_S
+            )
             # the store waits for its locks half its time (the short one after a second
             # SIGTERM/SIGINT), so that its own warning (a transaction still ran) comes before
             # this wait ends, then SQLite's checkpoint
@@ -1243,12 +1252,14 @@ class Daemon:
     def worst_stop_s(self) -> float:
         """Seconds the longest stop can take, from the signal to the process's exit: its
         budget, then each shutdown hook's floor once the budget is spent, the /metrics
-        listener's stop, the closes of the store and the driver, and the exit's grace for
+        listener's stop, the event log's flush, the closes of the store and the driver, and
+        the exit's grace for
         worker threads (below the unit's TimeoutStopSec; see STOP_BUDGET_S)."""
         return (
             self.stop_budget_s
             + len(self._shutdown) * STOP_HOOK_FLOOR_S
             + METRICS_POLL_S
+            + STOP_CLOSE_WAIT_S / 2  # the event log's flush
             + 2 * STOP_CLOSE_WAIT_S
             + EXIT_GRACE_S
         )

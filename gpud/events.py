@@ -279,9 +279,12 @@ class EventLog:
         write failed); whether it was. The daemon's stop calls it after its last event; one
         still queued then (the file's disk hangs) is said in a warning: the journal has it."""
         with self._written:
-            if self._written.wait_for(lambda: not self._writing, timeout=max(0.0, wait_s)):
+            # lines left behind by a writer that raised wait for the next emitter
+            if self._written.wait_for(
+                lambda: not self._writing and not self._lines, timeout=max(0.0, wait_s)
+            ):
                 return True
-            left = len(self._lines) + 1  # the one being written
+            left = len(self._lines) + self._writing  # and the one being written
         log.warning(
             "the event log %s: %d lines not written at the stop (its disk hangs?); the "
             "journal has them",

@@ -183,7 +183,6 @@ class StateStore:
         # content (_save_replaced); and whether check_files() said it
         self._saved: tuple[str, str] | None = None
         self._said = False
-        self._unsaved = False  # a checkpoint of the removed WAL was tried and not complete
         try:
             # opened now, and a first read done, so that it holds this WAL too: one opened
             # after the WAL was removed would make a new, empty one, read nothing from it,
@@ -340,10 +339,8 @@ class StateStore:
             what, kept, done = self._save_replaced()
             if done:
                 self._saved = (what, kept)
-                if self._unsaved:
+                if self._said:  # it went out saying "may be lost": this one it did not say
                     log.warning("state database %s: %s", self.path, kept)
-            else:
-                self._unsaved = True
             return what, kept
 
     def _refuse_replaced(self) -> NoReturn:
@@ -365,19 +362,21 @@ class StateStore:
             )
         # what was committed lives on in the removed WAL, which SQLite still has open: a
         # checkpoint copies it into the database file, so a crash before the restart keeps
-        # it. Under the reader's lock too: a snapshot open there, older than the last commit,
+        # it. A read in progress first: a snapshot open there, older than the last commit,
         # makes SQLite copy only the frames it can see, leaving a database file that is not
-        # whole without the WAL. A thread that reads now cannot take it: tried again later.
+        # whole without the WAL. Not held for the checkpoint (its write and fsync): under the
+        # writer's lock no commit lands, so a read begun now sees the last commit and does
+        # not limit the copy, and reads never wait behind it. A thread that reads now cannot
+        # wait for its own read: tried again later.
         kept = False
         if getattr(self._reading, "conn", None) is None:
             with self._reader_lock:
-                try:
-                    _, logged, copied = self._conn.execute(
-                        "PRAGMA wal_checkpoint(PASSIVE)"
-                    ).fetchone()
-                    kept = logged == copied
-                except sqlite3.Error:
-                    kept = False
+                pass
+            try:
+                _, logged, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                kept = logged == copied
+            except sqlite3.Error:
+                kept = False
         return (
             f"write-ahead log {self._wal_path} of the state database was removed or replaced",
             (

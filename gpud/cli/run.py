@@ -755,10 +755,11 @@ def _run(
         return exit_status(returncode)
     except NotStarted as err:
         never = err
-        # stopped by a signal: no asking whether the job is gone (up to --timeout with gpud
-        # hung) before giving the reservation back, which finds it gone if it is
+        # stopped by a signal (before the gate opened, or taken after it, ``told``): no
+        # asking whether the job is gone (up to --timeout with gpud hung) before giving the
+        # reservation back, which finds it gone if it is
         never.removed = never.removed or (
-            not stop.is_set() and _reservation_gone(ctx, args.job, reservation)
+            not stop.is_set() and not told and _reservation_gone(ctx, args.job, reservation)
         )
         return _not_started(args.job, never, stop)
     finally:

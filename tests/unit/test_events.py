@@ -171,3 +171,46 @@ def test_a_hung_disk_under_the_file_stalls_no_reader_nor_emitter_and_keeps_the_l
     finally:
         os.close(disk)
     assert [json.loads(line)["message"] for line in written.splitlines()] == ["line 1", "line 2"]
+
+
+def test_lines_left_behind_by_a_writer_that_raised_are_not_taken_for_written(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The emitter writing the file raises (not an OSError) while others queue lines
+    behind it: the stop's flush does not say they are written, and the next emitter writes
+    them, in their order."""
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    write = log._write
+    writing, go = threading.Event(), threading.Event()
+
+    def raises_once(line: str) -> bool:
+        if "boom" in line:
+            writing.set()
+            go.wait(5)
+            raise MemoryError("no memory for the line")
+        return write(line)
+
+    log._write = raises_once  # type: ignore[method-assign]
+    raised: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            log.emit("job.add", "boom")
+        except MemoryError as err:
+            raised.append(err)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert writing.wait(5)
+    log.emit("job.add", "queued 1")
+    log.emit("job.add", "queued 2")
+    go.set()
+    thread.join(5)
+    assert raised
+    assert not log.flush(0.1)
+    assert "2 lines not written at the stop" in caplog.records[-1].getMessage()
+    log.emit("job.add", "later")
+    assert log.flush(1.0)
+    lines = [json.loads(x)["message"] for x in path.read_text().splitlines()]
+    assert lines == ["queued 1", "queued 2", "later"]

@@ -404,6 +404,22 @@ def test_a_removed_database_is_said_once_by_check_files(tmp_path: Path) -> None:
     store.close()
 
 
+def _reads_at_once(store: StateStore, busy: str) -> None:
+    """A read on another thread (ListJobs on the event loop) ends within 2 s, while
+    ``busy`` runs, and finds the committed row."""
+    rows: list[str] = []
+
+    def read() -> None:
+        with store.reading(), store.transaction() as conn:
+            rows.extend(r[0] for r in conn.execute("SELECT v FROM t"))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(2)
+    assert not reader.is_alive(), f"the read waited for {busy}"
+    assert rows == ["committed"]
+
+
 def test_a_read_after_the_wal_was_removed_does_not_wait_for_a_writer(tmp_path: Path) -> None:
     """After ``rm state.db-wal`` a read (ListJobs on the event loop) still never waits on
     another thread's open transaction: saving what the WAL holds is the loop's check."""
@@ -416,20 +432,11 @@ def test_a_read_after_the_wal_was_removed_does_not_wait_for_a_writer(tmp_path: P
             writing.set()
             done.wait(10)
 
-    def read() -> None:
-        with store.reading(), store.transaction() as conn:
-            rows.extend(r[0] for r in conn.execute("SELECT v FROM t"))
-
-    rows: list[str] = []
     thread = threading.Thread(target=writer)
     thread.start()
     try:
         assert writing.wait(5)
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(2)
-        assert not reader.is_alive(), "the read waited for the writer"
-        assert rows == ["committed"]
+        _reads_at_once(store, "the writer")
     finally:
         done.set()
         thread.join()
@@ -472,13 +479,43 @@ def test_a_removed_wal_is_saved_whole_though_a_read_was_open_across_a_commit(
     store.close()
 
 
-def test_a_removed_wal_not_saved_whole_is_tried_again_at_the_next_check(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Another process reading an older snapshot (a sqlite3 shell) when the removal is
-    first checked: the checkpoint copies what it can and says that it may be lost; the next
-    checks try again, and the first that copies it all says so in the journal."""
+def test_a_read_does_not_wait_for_the_checkpoint_of_a_removed_wal(tmp_path: Path) -> None:
+    """The loop's check copying what a removed WAL holds into ``state.db`` (a write and an
+    fsync, long on a slow disk): a read begun meanwhile (ListJobs on the event loop) does
+    not wait for it, and the copy is still whole."""
     state = tmp_path / "state"
+    store = _committed(state)
+    (state / f"{DB_NAME}-wal").unlink()
+    checkpointing, release = threading.Event(), threading.Event()
+
+    def slow(statement: str) -> None:
+        if "wal_checkpoint" in statement:
+            checkpointing.set()
+            release.wait(10)
+
+    store._conn.set_trace_callback(slow)
+    said: list[str | None] = []
+    checking = threading.Thread(target=lambda: said.append(store.check_files()))
+    checking.start()
+    try:
+        assert checkpointing.wait(5)
+        _reads_at_once(store, "the checkpoint")
+    finally:
+        release.set()
+        checking.join(5)
+    store._conn.set_trace_callback(None)
+    assert (
+        said and said[0] is not None and said[0].endswith("kept in the database file; restart gpud")
+    )
+    assert _crash_leaves(state, tmp_path / "crashed") == ["committed"]
+    store.close()
+
+
+def _wal_removed_behind_an_older_snapshot(
+    state: Path,
+) -> tuple[StateStore, sqlite3.Connection]:
+    """A store whose 100 last rows were committed while another process (the connection
+    returned, its transaction open) read an older snapshot; its WAL then removed."""
     store = _committed(state)
     other = sqlite3.connect(state / DB_NAME, isolation_level=None)
     other.execute("BEGIN")
@@ -486,6 +523,17 @@ def test_a_removed_wal_not_saved_whole_is_tried_again_at_the_next_check(
     with store.transaction() as conn:
         conn.executemany("INSERT INTO t (v) VALUES (?)", [("x" * 200,) for _ in range(100)])
     (state / f"{DB_NAME}-wal").unlink()
+    return store, other
+
+
+def test_a_removed_wal_not_saved_whole_is_tried_again_at_the_next_check(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another process reading an older snapshot (a sqlite3 shell) when the removal is
+    first checked: the checkpoint copies what it can and says that it may be lost; the next
+    checks try again, and the first that copies it all says so in the journal."""
+    state = tmp_path / "state"
+    store, other = _wal_removed_behind_an_older_snapshot(state)
     said = store.check_files()
     assert said is not None and "may be lost unless gpud stops cleanly" in said
     other.execute("COMMIT")
@@ -494,6 +542,24 @@ def test_a_removed_wal_not_saved_whole_is_tried_again_at_the_next_check(
     assert len(_crash_leaves(state, tmp_path / "crashed")) == 101
     kept = [r for r in caplog.records if "kept in the database file" in r.getMessage()]
     assert [r.levelname for r in kept] == ["WARNING"]
+    store.close()
+
+
+def test_a_removed_wal_saved_whole_at_the_first_check_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A change refused before the loop's check, its checkpoint not whole (another process
+    reading an older snapshot); the check then copies it all: the check says it is kept,
+    and the journal does not say it again."""
+    state = tmp_path / "state"
+    store, other = _wal_removed_behind_an_older_snapshot(state)
+    with pytest.raises(StateUnwritable, match="may be lost"), store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('refused')")
+    other.execute("COMMIT")
+    other.close()
+    said = store.check_files()
+    assert said is not None and said.endswith("kept in the database file; restart gpud")
+    assert not [r for r in caplog.records if "kept in the database file" in r.getMessage()]
     store.close()
 
 
