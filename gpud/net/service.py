@@ -446,16 +446,25 @@ class TrafficService:
                 rejected.append(Rejected(i, r.job, err))
         return len(reports) - len(rejected), rejected
 
-    def run_ended(self, job: str, since_end_s: float = 0.0) -> None:
+    def run_ended(self, job: str, since_end_s: float = 0.0, *, others_held: bool = False) -> None:
         """A run of ``job`` ended ``since_end_s`` seconds ago (its reservation was released,
         or its holder found gone). Until the job holds a reservation again or makes progress
-        after it, ``gpuctl net show`` says it ended rather than stopped. Takes no lock but
-        its own: the jobs service calls it inside its store transaction (its reports are
-        read without the state lock: each report replaces the job's entry whole)."""
+        after it, ``gpuctl net show`` says it ended rather than stopped. ``others_held``:
+        another run of the job still holds a reservation. Takes no lock but its own: the
+        jobs service calls it inside its store transaction (its reports are read without
+        the state lock: each report replaces the job's entry whole).
+
+        The views (``gpuctl net show``, /metrics, the cluster's report) count the job as
+        ended from here on, without its level; the kernel keeps its tc leaf and nftables
+        rule until the next tick."""
         end = self._monotonic() - max(0.0, since_end_s)
         with self._ends_lock:
             self._ends[job] = (end, self._reports.get(job))
             self._started.pop(job, None)
+            if not others_held:
+                # the last tick's read of the reservations still has it: read by the
+                # views, it would say the job runs, at its level, until the next tick
+                self._held = self._held - {job}
 
     def run_started(self, job: str) -> None:
         """A run of ``job`` reserved its devices: it has not ended, and holds a reservation
@@ -708,7 +717,9 @@ class TrafficService:
         return JobTraffic(
             job=job,
             dscp=self.tags.allocations().get(job, 0),
-            level=self._levels.get(job),
+            # an end since the last tick: the tick that follows ranks it no more (a pin
+            # aside), and what it held is not counted as held meanwhile
+            level=self._levels.get(job) if ended is None or pinned is not None else None,
             rate=prog.rate if prog else None,
             iterations=prog.iterations if prog else None,
             iteration_s=prog.period_s if prog else None,

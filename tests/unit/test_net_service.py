@@ -852,8 +852,7 @@ def test_wiring_says_why_marking_is_off(tmp_path: Path) -> None:
 
 def test_wiring_tells_the_service_when_a_run_ends(tmp_path: Path) -> None:
     """A run's release (gpuctl run's, at its command's exit) reaches the traffic service:
-    its job reads as ended from the next tick, until it holds a reservation again (at
-    once)."""
+    its job reads as ended, until it holds a reservation again (at once)."""
     from gpud.config import Config
     from gpud.jobs.ends import EndCause, RunEnd
     from gpud.jobs.service import JobService, RunRequest
@@ -883,6 +882,54 @@ def test_wiring_tells_the_service_when_a_run_ends(tmp_path: Path) -> None:
     again = jobs.reserve(RunRequest("train-a"))
     assert row().ended_s is None
     jobs.release(again.reservation.id)
+    service.shutdown()
+
+
+def test_a_run_that_ends_is_counted_ended_at_once_without_its_level(tmp_path: Path) -> None:
+    """Between a run's end and the next traffic tick, ``gpuctl net show`` and /metrics do
+    not count the job as running at its level: it reads ended, with no level, in no
+    level's count. A job one of whose two runs ended still runs, at its level."""
+    from gpud.config import Config
+    from gpud.jobs.service import JobService, RunRequest
+    from gpud.mps.manager import MpsManager, targets_from_snapshot
+    from gpud.net.wiring import open_traffic
+    from tests.unit.mps_support import gpu_sample, snapshot
+
+    store, events, _ = wiring_parts(tmp_path)
+    mps = MpsManager(store, events, tmp_path / "run", control_command=["true"], enabled=False)
+    mps.observe(
+        targets_from_snapshot(snapshot(gpu_sample(0, memory_gib=80), gpu_sample(1, memory_gib=80)))
+    )
+    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
+    config = Config(traffic=TrafficConfig(enabled=True, marking=False))
+    service = open_traffic(config, store, events, jobs)
+    first = jobs.reserve(RunRequest("train-a"))
+    second = jobs.reserve(RunRequest("train-a"))
+    service.tick()
+    service.report(Report("train-a", 1, time.time() - 1, session="s"))
+    service.tick()
+
+    def row() -> JobTraffic:
+        (found,) = service.view().jobs
+        return found
+
+    def at_levels() -> float:
+        registry = _samples(service)
+        return sum(
+            registry.get_sample_value("gpud_net_level_jobs", {"level": str(lv)}) or 0.0
+            for lv in range(config.traffic.levels)
+        )
+
+    assert row().level is not None and at_levels() == 1
+    jobs.release(first.reservation.id)
+    assert row().ended_s is None and row().level is not None and at_levels() == 1
+    jobs.release(second.reservation.id)  # no tick since
+    ended = row()
+    assert ended.ended_s is not None and ended.level is None
+    assert at_levels() == 0
+    assert _samples(service).get_sample_value("gpud_net_job_level", {"job": "train-a"}) is None
+    service.tick()
+    assert row().ended_s is not None and row().level is None
     service.shutdown()
 
 
