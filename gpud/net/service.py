@@ -101,6 +101,12 @@ RDMA_RECHECK_S = 30.0
 # seconds the wall clock may run ahead of the monotonic one between two reads before the
 # difference is time the node did not run (a suspend) or a clock stepped forward
 CLOCK_GAP_S = 1.0
+# a job that reports less often than traffic.idle_after_s is idle only after this many of
+# its usual intervals between reports without one: one report missed is no end
+QUIET_INTERVALS = 2.0
+# reports that arrive closer than this (one batch) are one arrival: their interval is
+# none of the job's cadence
+_ONE_ARRIVAL_S = 0.5
 
 
 def leveller_config(t: TrafficConfig) -> LevellerConfig:
@@ -154,6 +160,22 @@ class _JobReports:
     last_report_at: float
     heard_at: float  # when the last report arrived (the service's monotonic clock)
     ideal_s: float | None = None
+    # the last interval between two arrivals, and the job's usual one: the shorter of its
+    # last two (one long silence is no cadence; two in a row are). None: not known yet
+    interval_s: float | None = None
+    usual_interval_s: float | None = None
+
+
+def _intervals(prev: _JobReports | None, heard: float) -> tuple[float | None, float | None]:
+    """The last interval between arrivals and the usual one (:class:`_JobReports`) once a
+    report arrives at ``heard`` after ``prev``. Reports of one batch are one arrival."""
+    if prev is None:
+        return None, None
+    interval = heard - prev.heard_at
+    if interval < _ONE_ARRIVAL_S:
+        return prev.interval_s, prev.usual_interval_s
+    usual = None if prev.interval_s is None else min(interval, prev.interval_s)
+    return interval, usual
 
 
 def _progressed(now: _JobReports | None, end: float, then: _JobReports | None) -> bool:
@@ -342,6 +364,7 @@ class TrafficService:
         # self._ends_lock
         self._started: dict[str, int] = {}
         self._ticks = 0
+        self._slow_said: set[str] = set()  # jobs told of as net.slow_reports
         self.accepted_reports = 0
         self.rejected_reports = 0
         if config.enabled:
@@ -416,7 +439,7 @@ class TrafficService:
             heard = self._monotonic()
             if (
                 prev is not None
-                and heard - prev.heard_at > self.config.idle_after_s
+                and heard - prev.heard_at > self._quiet_s(prev)
                 and r.job not in self._held_now()
             ):
                 # it ended with its reports (see _ended_at): only progress runs it again.
@@ -428,14 +451,46 @@ class TrafficService:
                     if known is None or _progressed(prev, *known):
                         self._ends[r.job] = (prev.heard_at, prev)
             stamped = heard - max(0.0, now - r.timestamp)
+            interval, usual = _intervals(prev, heard)
             self._reports[r.job] = _JobReports(
                 r.iterations,
                 r.session,
                 max(stamped, prev.last_report_at) if prev else stamped,
                 heard,
                 r.ideal_s if r.ideal_s is not None else (prev.ideal_s if prev else None),
+                interval,
+                usual,
             )
+            self._say_slow_reports(r.job, usual)
             self.accepted_reports += 1
+
+    def _quiet_s(self, reports: _JobReports) -> float:
+        """How long ``reports``' job may go without a report before it counts as idle
+        (not ranked; ended when no run of it holds a reservation; its tag free to hand
+        over): ``traffic.idle_after_s``, or :data:`QUIET_INTERVALS` of its usual interval
+        between reports where that is longer, so that a job reporting less often than
+        ``traffic.idle_after_s`` does not end and run again at each report."""
+        usual = reports.usual_interval_s
+        idle = self.config.idle_after_s
+        return idle if usual is None else max(idle, QUIET_INTERVALS * usual)
+
+    def _say_slow_reports(self, job: str, usual: float | None) -> None:
+        """Event ``net.slow_reports``, once per job, when its usual interval between
+        reports is known to exceed ``traffic.idle_after_s`` (call under the lock)."""
+        idle = self.config.idle_after_s
+        if usual is None or usual <= idle or job in self._slow_said:
+            return
+        self._slow_said.add(job)
+        quiet = QUIET_INTERVALS * usual
+        self._events.emit(
+            "net.slow_reports",
+            f"job {job} reports every {usual:.0f} s, less often than traffic.idle_after_s"
+            f" ({idle:g} s): it counts as idle after {quiet:.0f} s without a report"
+            " (raise traffic.idle_after_s, or report more often)",
+            job=job,
+            interval_s=round(usual, 3),
+            quiet_s=round(quiet, 3),
+        )
 
     def report_batch(self, reports: Sequence[Report]) -> tuple[int, list[Rejected]]:
         rejected = []
@@ -446,16 +501,25 @@ class TrafficService:
                 rejected.append(Rejected(i, r.job, err))
         return len(reports) - len(rejected), rejected
 
-    def run_ended(self, job: str, since_end_s: float = 0.0) -> None:
+    def run_ended(self, job: str, since_end_s: float = 0.0, *, others_held: bool = False) -> None:
         """A run of ``job`` ended ``since_end_s`` seconds ago (its reservation was released,
         or its holder found gone). Until the job holds a reservation again or makes progress
-        after it, ``gpuctl net show`` says it ended rather than stopped. Takes no lock but
-        its own: the jobs service calls it inside its store transaction (its reports are
-        read without the state lock: each report replaces the job's entry whole)."""
+        after it, ``gpuctl net show`` says it ended rather than stopped. ``others_held``:
+        another run of the job still holds a reservation. Takes no lock but its own: the
+        jobs service calls it inside its store transaction (its reports are read without
+        the state lock: each report replaces the job's entry whole).
+
+        The views (``gpuctl net show``, /metrics, the cluster's report) count the job as
+        ended from here on, without its level; the kernel keeps its tc leaf and nftables
+        rule until the next tick."""
         end = self._monotonic() - max(0.0, since_end_s)
         with self._ends_lock:
             self._ends[job] = (end, self._reports.get(job))
             self._started.pop(job, None)
+            if not others_held:
+                # the last tick's read of the reservations still has it: read by the
+                # views, it would say the job runs, at its level, until the next tick
+                self._held = self._held - {job}
 
     def run_started(self, job: str) -> None:
         """A run of ``job`` reserved its devices: it has not ended, and holds a reservation
@@ -480,7 +544,8 @@ class TrafficService:
 
         A job gpud sees only through its reports (``gpuctl net report``, no run of it
         holding a reservation) ends with its reports: once it has sent none for
-        ``traffic.idle_after_s`` it ended when gpud heard the last one (nothing of it is
+        ``traffic.idle_after_s`` (or twice its usual interval between reports, where that
+        is longer: :meth:`_quiet_s`) it ended when gpud heard the last one (nothing of it is
         known to run, so it is not taken for stopped), until it reports progress again
         (:meth:`report` notes that end as a run's)."""
         if job in active:
@@ -490,7 +555,7 @@ class TrafficService:
         now = self._reports.get(job)
         if ended is not None and not _progressed(now, *ended):
             return ended[0]
-        if now is not None and self._monotonic() - now.heard_at > self.config.idle_after_s:
+        if now is not None and self._monotonic() - now.heard_at > self._quiet_s(now):
             return now.heard_at
         return None
 
@@ -708,7 +773,9 @@ class TrafficService:
         return JobTraffic(
             job=job,
             dscp=self.tags.allocations().get(job, 0),
-            level=self._levels.get(job),
+            # an end since the last tick: the tick that follows ranks it no more (a pin
+            # aside), and what it held is not counted as held meanwhile
+            level=self._levels.get(job) if ended is None or pinned is not None else None,
             rate=prog.rate if prog else None,
             iterations=prog.iterations if prog else None,
             iteration_s=prog.period_s if prog else None,
@@ -875,6 +942,7 @@ class TrafficService:
         self._forget_class(job)
         self._tracker.forget(job)
         self._reports.pop(job, None)
+        self._slow_said.discard(job)
         with self._ends_lock:
             self._ends.pop(job, None)
 
@@ -912,7 +980,8 @@ class TrafficService:
         ``traffic.dscp_pool``. Then the tag of the job idle longest is handed over: a job
         holding no reservation, not pinned, with no process in its cgroup, and neither a
         progress report nor a call here that gave it its tag for ``traffic.idle_after_s``
-        (nor since gpud started). It gets a new tag when it runs again. Raises
+        (nor since gpud started; a job that reports less often: for twice its usual
+        interval between reports, see :meth:`_quiet_s`). It gets a new tag when it runs again. Raises
         DscpPoolExhausted when every tag is held by a job in use (a refused call counts as
         nothing: the job does not start).
         """
@@ -977,7 +1046,8 @@ class TrafficService:
     def _idle_since(self, jobs: Sequence[str]) -> dict[str, float]:
         """Those of ``jobs`` not in use, and since when (the monotonic clock): no
         reservation, no pin, no process in their cgroup, no progress report or tag handed
-        out for ``traffic.idle_after_s`` (nor since gpud started)."""
+        out for ``traffic.idle_after_s`` (nor since gpud started), nor a report for the
+        job's :meth:`_quiet_s`."""
         now = self._monotonic()
         active = self._active()
         pins = self.tags.pins()
@@ -986,13 +1056,12 @@ class TrafficService:
             if job in active or job in pins:
                 continue
             reports = self._reports.get(job)
-            since = max(
-                self._started_at,
-                self._tagged_at.get(job, 0.0),
-                reports.heard_at if reports else 0.0,
-            )
-            if now - since <= self.config.idle_after_s:
+            since = max(self._started_at, self._tagged_at.get(job, 0.0))
+            if now - since <= self.config.idle_after_s or (
+                reports is not None and now - reports.heard_at <= self._quiet_s(reports)
+            ):
                 continue
+            since = max(since, reports.heard_at if reports else 0.0)
             if self._cgroups is not None and self._cgroups.busy(job):
                 continue
             out[job] = since
@@ -1028,7 +1097,6 @@ class TrafficService:
                 j: n for j, n in self._started.items() if n == self._ticks and j not in active_res
             }
             self._ticks += 1
-        idle = self.config.idle_after_s
         active = []
         heard = self._monotonic()
         for job in registered:
@@ -1040,7 +1108,7 @@ class TrafficService:
             # a job whose run ended has no traffic left to rank, however lately it reported
             recent = (
                 reports is not None
-                and heard - reports.heard_at <= idle
+                and heard - reports.heard_at <= self._quiet_s(reports)
                 and self._ended_at(job, active_res) is None
             )
             if job in self.tags.pins() or (
@@ -1075,7 +1143,7 @@ class TrafficService:
         aside), as its stall says nothing of the network; its traffic, if any, is the
         default class's until it reports."""
         reports = self._reports.get(job)
-        if reports is None or self._monotonic() - reports.heard_at <= self.config.idle_after_s:
+        if reports is None or self._monotonic() - reports.heard_at <= self._quiet_s(reports):
             return False
         return job in self._tracker.jobs() and self._tracker.progress(job, now).stopped
 

@@ -102,7 +102,12 @@ def open_traffic(
     def ended(what: str, reservation: Reservation, spec: JobSpec, end: RunEnd | None) -> None:
         # `gpuctl net show` says a job whose run ended is done, not stopped
         if what == "release":
-            service.run_ended(reservation.job, end.since_end_s if end is not None else 0.0)
+            # inside the release's transaction: the read sees it gone, and no other run's
+            service.run_ended(
+                reservation.job,
+                end.since_end_s if end is not None else 0.0,
+                others_held=bool(jobs.reservations.held(reservation.job)),
+            )
         elif what == "reserve":
             service.run_started(reservation.job)
 

@@ -852,8 +852,7 @@ def test_wiring_says_why_marking_is_off(tmp_path: Path) -> None:
 
 def test_wiring_tells_the_service_when_a_run_ends(tmp_path: Path) -> None:
     """A run's release (gpuctl run's, at its command's exit) reaches the traffic service:
-    its job reads as ended from the next tick, until it holds a reservation again (at
-    once)."""
+    its job reads as ended, until it holds a reservation again (at once)."""
     from gpud.config import Config
     from gpud.jobs.ends import EndCause, RunEnd
     from gpud.jobs.service import JobService, RunRequest
@@ -883,6 +882,54 @@ def test_wiring_tells_the_service_when_a_run_ends(tmp_path: Path) -> None:
     again = jobs.reserve(RunRequest("train-a"))
     assert row().ended_s is None
     jobs.release(again.reservation.id)
+    service.shutdown()
+
+
+def test_a_run_that_ends_is_counted_ended_at_once_without_its_level(tmp_path: Path) -> None:
+    """Between a run's end and the next traffic tick, ``gpuctl net show`` and /metrics do
+    not count the job as running at its level: it reads ended, with no level, in no
+    level's count. A job one of whose two runs ended still runs, at its level."""
+    from gpud.config import Config
+    from gpud.jobs.service import JobService, RunRequest
+    from gpud.mps.manager import MpsManager, targets_from_snapshot
+    from gpud.net.wiring import open_traffic
+    from tests.unit.mps_support import gpu_sample, snapshot
+
+    store, events, _ = wiring_parts(tmp_path)
+    mps = MpsManager(store, events, tmp_path / "run", control_command=["true"], enabled=False)
+    mps.observe(
+        targets_from_snapshot(snapshot(gpu_sample(0, memory_gib=80), gpu_sample(1, memory_gib=80)))
+    )
+    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
+    config = Config(traffic=TrafficConfig(enabled=True, marking=False))
+    service = open_traffic(config, store, events, jobs)
+    first = jobs.reserve(RunRequest("train-a"))
+    second = jobs.reserve(RunRequest("train-a"))
+    service.tick()
+    service.report(Report("train-a", 1, time.time() - 1, session="s"))
+    service.tick()
+
+    def row() -> JobTraffic:
+        (found,) = service.view().jobs
+        return found
+
+    def at_levels() -> float:
+        registry = _samples(service)
+        return sum(
+            registry.get_sample_value("gpud_net_level_jobs", {"level": str(lv)}) or 0.0
+            for lv in range(config.traffic.levels)
+        )
+
+    assert row().level is not None and at_levels() == 1
+    jobs.release(first.reservation.id)
+    assert row().ended_s is None and row().level is not None and at_levels() == 1
+    jobs.release(second.reservation.id)  # no tick since
+    ended = row()
+    assert ended.ended_s is not None and ended.level is None
+    assert at_levels() == 0
+    assert _samples(service).get_sample_value("gpud_net_job_level", {"job": "train-a"}) is None
+    service.tick()
+    assert row().ended_s is not None and row().level is None
     service.shutdown()
 
 
@@ -2048,6 +2095,68 @@ def _silent_past_idle(rig: Rig) -> tuple[Training, Callable[[], JobTraffic]]:
 
     assert row().ended_s is not None
     return train, row
+
+
+def _every(rig: Rig, seconds: int, each: int, job: str = "a") -> list[bool]:
+    """``job`` reports one iteration every ``each`` seconds (``gpuctl net report`` from a
+    script; no run of it holds a reservation) for ``seconds``, the service ticking each
+    second: whether it read ended at each tick."""
+    ended = []
+    done = max((j.iterations or 0 for j in rig.service.view().jobs if j.job == job), default=0)
+    for n in range(1, seconds + 1):
+        rig.clock.t += 1.0
+        if n % each == 0:
+            done += 1
+            rig.service.report(Report(job, done, rig.clock.t, session="s"))
+        rig.service.tick()
+        (row,) = [j for j in rig.service.view().jobs if j.job == job]
+        ended.append(row.ended_s is not None)
+    return ended
+
+
+def test_a_job_reporting_less_often_than_idle_after_s_stays_running(
+    tmp_path: Path, sysfs: Path
+) -> None:
+    """A job known only through its reports, one every 90 s under traffic.idle_after_s =
+    60: it ends at most once, while its interval is not known yet (two intervals make it),
+    then runs without ending between its reports: its level stays, no level churns, and
+    its tag is not handed over between reports. ``net.slow_reports`` says it, once."""
+    rig = Rig(tmp_path, sysfs, dscp_pool="10-12")  # three tags, three jobs
+    rig.active = {"b", "c"}
+    _every(rig, 270, 90)  # three reports: two intervals
+    assert not any(_every(rig, 900, 90))
+    kinds = rig.kinds()
+    assert kinds.count("net.slow_reports") == 1 and "net.levels" not in kinds
+    (said,) = [e for e in rig.events.recent(1000) if e.kind == "net.slow_reports"]
+    assert said.fields["job"] == "a" and said.fields["interval_s"] == 90
+    assert said.fields["quiet_s"] == 180
+    assert "traffic.idle_after_s (60 s)" in said.message
+    (a,) = [j for j in rig.service.view().jobs if j.job == "a"]
+    assert a.level is not None
+    rig.jobs.append("d")
+    rig.clock.t += 150  # after its last report: past idle_after_s, within its quiet time
+    with pytest.raises(DscpPoolExhausted):
+        rig.service.tag("d")
+    # silent for twice its interval: ended, its tag free to go
+    rig.clock.t += 31
+    rig.service.tick()
+    (a,) = [j for j in rig.service.view().jobs if j.job == "a"]
+    assert a.ended_s is not None and a.level is None
+    dscp = rig.service.tags.get("a")
+    assert rig.service.tag("d") == dscp and "net.reclaim" in rig.kinds()
+
+
+def test_a_job_that_once_reports_late_ends_once_and_keeps_its_tag(rig: Rig) -> None:
+    """One late report (90 s, under traffic.idle_after_s = 60) in a job's steady 10 s
+    reports is no cadence: it ends once and comes back with the same tag, and goes on at
+    its usual pace without ending again."""
+    rig.active = {"b"}
+    _every(rig, 60, 10)
+    dscp = rig.service.tags.get("a")
+    assert any(_every(rig, 90, 90))
+    assert rig.service.tags.get("a") == dscp
+    assert not any(_every(rig, 100, 10))
+    assert "net.slow_reports" not in rig.kinds()
 
 
 def test_a_job_ended_with_its_reports_runs_again_only_with_progress(rig: Rig) -> None:
