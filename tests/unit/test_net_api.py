@@ -474,10 +474,20 @@ def test_socket_tos_helper(monkeypatch: pytest.MonkeyPatch) -> None:
         job_dscp()
 
 
-def test_gpuctl_net_report_and_show(
-    capsys: pytest.CaptureFixture[str], node: Node, sock: Path
-) -> None:
+def test_gpuctl_net_report_and_show(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # the clocks stand still: the long-run rate also counts the time since the last report,
+    # which a slow run would otherwise read lower
     now = time.time()
+    node = Node(tmp_path / "state", clock=lambda: now, monotonic=lambda: 1000.0)
+    with short_dir() as d:
+        sock = d / "gpud.sock"
+        with ServerThread(ApiServer(sock, servicers=[NetServicer(node.service).register])):
+            _report_and_show(capsys, node, sock, now)
+
+
+def _report_and_show(
+    capsys: pytest.CaptureFixture[str], node: Node, sock: Path, now: float
+) -> None:
     for i in (1, 2, 3):
         code, _, err = gpuctl(
             capsys, sock, "net", "report", "--job", "train-a", "--iterations", str(i),
@@ -496,8 +506,7 @@ def test_gpuctl_net_report_and_show(
     node.service.tick()
     code, out, _ = gpuctl(capsys, sock, "net", "show")
     assert code == 0
-    # 1 s per iteration, 0.5 s alone; the long-run part also counts the moments since the
-    # last report, so a slow tick reads a little lower
+    # 1 s per iteration, 0.5 s alone
     (row,) = [line for line in out.splitlines() if line.startswith("train-a")]
     assert row.split()[3] == "running"
     assert float(row.split()[4]) == pytest.approx(0.5, abs=0.05)
