@@ -172,9 +172,9 @@ class Aggregator:
 
         ``cut`` is asked before each call of the tag store (etcd, slow when it is) and
         once the tags are saved: True (the cluster stops) raises :class:`RoundCut` and
-        the round computes no order. A save under way is never cut: it puts a tag moved
-        from one job to another and deletes its old holder's in transactions of 64
-        operations each, and a cut between them would leave etcd giving it to both.
+        the round computes no order. A save under way is not cut: it is one etcd
+        transaction (a round puts and deletes 64 tags at most, the DSCP codepoints), so
+        etcd holds all of the round's tags or none of them.
 
         ``wall`` (Unix time) stamps the attributes; ``now`` (any clock that never goes back;
         the agent's counts the host's suspends) ages the reports. Raises whatever the tag store raises: an order whose tags are not
