@@ -343,9 +343,9 @@ class ClusterAgent:
 
     def end_rounds(self) -> None:
         """The cluster stops (before it gives up the leadership): no round at all from now,
-        and a round under way computes no order: a leader's stops before its next call of etcd
-        (a save of its tags under way, one transaction, ends first), and one that computed its order
-        already applies none of it once the leadership is given up."""
+        and a round under way computes no order: a leader's stops before its next call of
+        etcd (a save of its tags under way, one transaction, ends first), and one that
+        computed its order already applies none of it once the leadership is given up."""
         self.begin_stop()
         self._ended = True
 
