@@ -18,8 +18,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 Clock = Callable[[], float]
+
+WAKE_S = 1.0
+"""The longest a wait for a time on :data:`elapsed` blocks at once: the timeouts of the
+kernel's waits (a condition variable, ``poll``, the event loop's timers) run on
+``CLOCK_MONOTONIC``, which stops while the host is suspended, so a wait that is cut into
+such slices ends at most this long after a resume past its time, not its full length later."""
+
+
+class Timers(Protocol):
+    def call_later(self, delay: float, callback: Callable[[], object], /) -> object: ...
 
 
 def _pick() -> Clock:
@@ -41,3 +52,21 @@ def _pick() -> Clock:
 
 elapsed: Clock = _pick()
 """Seconds on a clock that never goes back and counts the host's suspends (see above)."""
+
+
+def call_after(
+    timers: Timers, delay_s: float, callback: Callable[[], object], clock: Clock
+) -> None:
+    """Call ``callback`` on ``timers`` (the event loop) once ``delay_s`` have passed on
+    ``clock``: woken every :data:`WAKE_S` at most to read it, as the loop's own timers run
+    on ``CLOCK_MONOTONIC`` and would count none of a suspend."""
+    due = clock() + delay_s
+
+    def check() -> None:
+        left = due - clock()
+        if left <= 0:
+            callback()
+        else:
+            timers.call_later(min(left, WAKE_S), check)
+
+    check()

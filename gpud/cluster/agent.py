@@ -37,7 +37,7 @@ from gpud.cluster.convert import MAX_GPUS, MAX_XIDS
 from gpud.cluster.election import Election, LeaderInfo
 from gpud.cluster.etcd import NOSPACE, NOSPACE_ADVICE
 from gpud.cluster.fencing import FailStatic, Fence, Mode
-from gpud.cluster.leader import Aggregator, NodeSeen
+from gpud.cluster.leader import Aggregator, NodeSeen, RoundCut
 from gpud.cluster.model import JobAttributes, JobReport, NodeReport, Order, node_name
 from gpud.cluster.ports import NodeView, StoreAlarms, TagStore
 from gpud.cluster.problems import Problem, ProblemBoard
@@ -343,11 +343,14 @@ class ClusterAgent:
 
     def end_rounds(self) -> None:
         """The cluster stops (before it gives up the leadership): no round at all from now,
-        and a round under way that has not started leading computes no order (one already
-        leading computes it, but saves and applies none of it once the leadership is
-        given up)."""
+        and a round under way computes no order: a leader's stops before its next call of
+        etcd (a save of its tags under way, one transaction, ends first), and one that
+        computed its order already applies none of it once the leadership is given up."""
         self.begin_stop()
         self._ended = True
+
+    def _rounds_ended(self) -> bool:
+        return self._ended
 
     @property
     def round_running(self) -> bool:
@@ -386,9 +389,8 @@ class ClusterAgent:
                 self._set_error(problem, OWN_CERTIFICATE if problem else "")
             try:
                 # none once the cluster stops (it gives up the leadership). A round already
-                # leading then still computes its order, but its tags are not saved (the
-                # save's etcd transaction, guarded by the leader key, is refused: "leader
-                # round failed: tags not saved") and it is not applied (no longer leading)
+                # leading then ends at its next etcd call (_lead), and an order it computed
+                # is not applied (no longer leading)
                 order = (
                     None if self._ended else await asyncio.to_thread(self._lead, info.epoch, report)
                 )
@@ -654,7 +656,13 @@ class ClusterAgent:
         agg.receive(report, now)
         if now < self._settled_at:
             return None
-        order = agg.compute(epoch, now, wall=self._wall())
+        try:
+            # a stop (end_rounds) cuts the round between its etcd calls, slow as etcd is,
+            # rather than wait for them all: the leadership is given up next
+            order = agg.compute(epoch, now, wall=self._wall(), cut=self._rounds_ended)
+        except RoundCut as cut:
+            log.info("cluster: %s: the cluster stops", cut)
+            return None
         self._issued = (order.epoch, order.seq)
         return order
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from gpud.clock import elapsed
+from gpud.clock import WAKE_S, elapsed
 from gpud.cluster.etcd import EtcdClient
 from gpud.cluster.model import node_name
 from gpud.cluster.trust import CHECK_S, Candidacy
@@ -113,7 +113,10 @@ class EtcdElection:
         notify: Notify | None = None,
         clock: Callable[[], float] = elapsed,
         candidacy: Candidacy | None = None,
+        stopped: threading.Event | None = None,
     ) -> None:
+        """``stopped``: the event :meth:`stop` sets, waited on between steps (a new one by
+        default)."""
         self._client = client
         self.node = node
         self.address = address
@@ -136,7 +139,7 @@ class EtcdElection:
         self._failing = False  # an etcd outage was logged and has not ended
         self._abandoned: int | None = None  # a lease we stepped down from, to revoke
         self._watch_revision = 0  # the leader key's last mod revision seen (0: none)
-        self._stop = threading.Event()
+        self._stop = stopped if stopped is not None else threading.Event()
         self._thread: threading.Thread | None = None
         # called on the election's thread when the leader or the epoch changes
         self.on_change: Callable[[], None] = lambda: None
@@ -213,23 +216,26 @@ class EtcdElection:
     def _wait(self, timeout_s: float) -> None:
         """Until the next step: a watch on the leader key, so that a follower campaigns as
         soon as the key is gone and a leader notices at once that it lost it; a plain
-        sleep when etcd cannot be watched."""
+        sleep when etcd cannot be watched. Both in slices of :data:`~gpud.clock.WAKE_S`
+        at most, the time read anew after each on the election's clock: stop() never waits
+        long, and a step due during a suspend runs at the resume (the kernel's timeouts
+        stop while the host is suspended; etcd's lease ran on)."""
         deadline = self._clock() + timeout_s
+        watch = True  # until the watch fails: then no call of etcd until the next step
         while not self._stop.is_set():
             left = deadline - self._clock()
             revision = self._watch_revision
             if left <= 0:
                 return
-            if not revision:
-                self._stop.wait(left)
-                return
+            slice_s = min(left, WAKE_S)
+            if not (watch and revision):
+                self._stop.wait(slice_s)
+                continue
             try:
-                # in slices of a second at most, so that stop() never waits long
-                if self._client.wait_for_change(self.key, revision, min(left, 1.0)):
+                if self._client.wait_for_change(self.key, revision, slice_s):
                     return
             except GpudError:
-                self._stop.wait(left)
-                return
+                watch = False
 
     def step(self) -> None:
         """One pass: renew (leader) or watch and campaign (follower)."""

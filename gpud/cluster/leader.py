@@ -22,7 +22,7 @@ leader keeps the levels in force where rates allow instead of ranking ties afres
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,14 @@ from netshaper.tags import DEFAULT_RESERVED, TagAllocator
 _Fold = list[Any]
 _new_tuple = tuple.__new__
 _FORMER = 8  # replaced instances remembered per node (restarts)
+
+
+class RoundCut(Exception):
+    """A round ended at a stop before its order (:meth:`Aggregator.compute`'s ``cut``)."""
+
+
+def _uncut() -> bool:
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +160,21 @@ class Aggregator:
                 self._job_seen.setdefault(job, now)
         return self._allocator
 
-    def compute(self, epoch: int, now: float, *, wall: float | None = None) -> Order:
+    def compute(
+        self,
+        epoch: int,
+        now: float,
+        *,
+        wall: float | None = None,
+        cut: Callable[[], bool] = _uncut,
+    ) -> Order:
         """The global order of this round, computed in ``epoch``.
+
+        ``cut`` is asked before each call of the tag store (etcd, slow when it is) and
+        once the tags are saved: True (the cluster stops) raises :class:`RoundCut` and
+        the round computes no order. A save under way is not cut: it is one etcd
+        transaction (a round puts and deletes 64 tags at most, the DSCP codepoints), so
+        etcd holds all of the round's tags or none of them.
 
         ``wall`` (Unix time) stamps the attributes; ``now`` (any clock that never goes back;
         the agent's counts the host's suspends) ages the reports. Raises whatever the tag store raises: an order whose tags are not
@@ -169,12 +190,14 @@ class Aggregator:
         paused = gc.isenabled()
         gc.disable()
         try:
-            return self._compute(epoch, now, wall)
+            return self._compute(epoch, now, wall, cut)
         finally:
             if paused:
                 gc.enable()
 
-    def _compute(self, epoch: int, now: float, wall: float | None) -> Order:
+    def _compute(
+        self, epoch: int, now: float, wall: float | None, cut: Callable[[], bool]
+    ) -> Order:
         folds: dict[str, _Fold] = {}
         get = folds.get
         pinned: list[str] = []  # jobs some node reported a pin for
@@ -239,6 +262,8 @@ class Aggregator:
                         pinned.append(job)
                     f[_PIN] = jr.pinned_level
 
+        if cut():
+            raise RoundCut(f"the round of epoch {epoch} was cut before it read the tags")
         allocator = self._tags(now)
         before = allocator.allocations()
         dropped = _follow_nodes(allocator, folds)
@@ -270,10 +295,14 @@ class Aggregator:
         allocated = {j: d for j, d in after.items() if before.get(j) != d}
         if allocated or released or dropped:
             try:
+                if cut():
+                    raise RoundCut(f"the round of epoch {epoch} was cut before it saved the tags")
                 self._tag_store.save(allocated, released + [j for j in dropped if j not in after])
             except Exception:
                 self._allocator = None  # re-read what the store holds next round
                 raise
+        if cut():  # the tags are saved (or none changed): etcd and the allocator agree
+            raise RoundCut(f"the round of epoch {epoch} was cut after it saved the tags")
 
         self._sync_pins({j: folds[j][_PIN] for j in pinned})
         leveller = self._leveller

@@ -14,6 +14,7 @@ import socket
 from collections.abc import Iterable
 from pathlib import Path
 
+from gpud.clock import call_after, elapsed
 from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.api import ClusterServicer, PeerClient, PeerServer
 from gpud.cluster.certexpiry import CertWatch
@@ -197,10 +198,9 @@ class ClusterRuntime:
             loop.call_soon_threadsafe(kick.set)
 
         def request_round(delay: float) -> None:  # on the loop (servicer, tick)
-            if delay <= 0:
-                kick.set()
-            else:
-                loop.call_later(delay, kick.set)
+            # by the agent's clock: a leadership that settles across a suspend orders at
+            # the resume, not once the loop's timer has run its full delay after it
+            call_after(loop, delay, kick.set, elapsed)
 
         self._election.on_change = on_change
         self.agent.request_round = request_round

@@ -17,7 +17,7 @@ from gpud.cluster.election import LeaderInfo, SingleElection
 from gpud.cluster.fencing import Mode
 from gpud.cluster.leader import NodeSeen
 from gpud.cluster.model import NodeReport, Order
-from gpud.cluster.ports import MemoryTagStore, StaticNodeView, StoreAlarms
+from gpud.cluster.ports import MemoryTagStore, StaticNodeView, StoreAlarms, TagStore
 from gpud.cluster.problems import Problem, ProblemBoard
 from gpud.errors import DuplicateNode, FailedPrecondition, LeaderNotReady, Unavailable
 from gpud.events import EventLog
@@ -112,7 +112,7 @@ def agent(
     clock: Clock,
     *,
     view: StaticNodeView | None = None,
-    store: MemoryTagStore | None = None,
+    store: TagStore | None = None,
     credential_problem: Callable[[float], str] | None = None,
     settle_s: float = 0.0,
     problems: ProblemBoard | None = None,
@@ -121,7 +121,7 @@ def agent(
     events: EventLog | None = None,
     certs: CertWatch | None = None,
 ) -> ClusterAgent:
-    tags = store or MemoryTagStore()
+    tags: TagStore = store or MemoryTagStore()
     return ClusterAgent(
         node=name,
         election_kind="etcd",

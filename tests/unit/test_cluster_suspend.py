@@ -4,7 +4,9 @@ by a clock that counts the suspend, as etcd's and the other nodes' do."""
 from __future__ import annotations
 
 import inspect
+import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -219,3 +221,85 @@ def test_leadership_and_reports_age_by_the_clock_that_counts_a_suspend() -> None
     read = clock.elapsed()
     assert before <= read <= time.clock_gettime(boottime)
     assert read >= time.monotonic() - 1  # never behind the clock that stops
+
+
+class SuspendingStop(threading.Event):
+    """The election's stop event; its first wait is lengthened by a suspend of
+    ``suspend_s``: the clock runs on by that and then by the wait's whole timeout
+    (CLOCK_MONOTONIC, which the kernel's timeouts run on, stopped meanwhile)."""
+
+    def __init__(self, now: Clock, suspend_s: float) -> None:
+        super().__init__()
+        self.now = now
+        self.suspend_s = suspend_s
+        self.resumed_at: float | None = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.now.now += self.suspend_s
+        if self.suspend_s:
+            self.resumed_at, self.suspend_s = self.now.now, 0.0
+        self.now.now += timeout or 0.0
+        return self.is_set()
+
+
+def test_an_elections_pause_that_a_suspend_outlasts_ends_at_the_resume() -> None:
+    """A lease of 300 s: a step every 75 s. Suspended 100 s into a pause without a watch
+    (it lost a campaign: no leader key seen yet), the node's next step, a campaign should
+    the leader have gone meanwhile, comes at the resume rather than 75 s later."""
+    now = Clock()
+    stop = SuspendingStop(now, suspend_s=100.0)
+    client: EtcdClient = ExpiringEtcd(now)  # type: ignore[assignment]  # in memory
+    election = EtcdElection(
+        client, node="n1", address="n1:1", prefix="/c", ttl_s=300, clock=now, stopped=stop
+    )
+    election._wait(election.interval_s)
+    assert stop.resumed_at is not None
+    assert now.now - stop.resumed_at <= clock.WAKE_S
+
+
+class Timers:
+    """The event loop's timers, run by hand on ``now``; ``suspend_s`` lengthens the first
+    as :class:`SuspendingStop` does."""
+
+    def __init__(self, now: Clock, suspend_s: float) -> None:
+        self.now = now
+        self.suspend_s = suspend_s
+        self.resumed_at: float | None = None
+        self.pending: list[tuple[float, Callable[[], object]]] = []
+
+    def call_later(self, delay: float, callback: Callable[[], object], /) -> object:
+        self.pending.append((delay, callback))
+        return None
+
+    def run_next(self) -> None:
+        delay, callback = self.pending.pop(0)
+        self.now.now += self.suspend_s
+        if self.suspend_s:
+            self.resumed_at, self.suspend_s = self.now.now, 0.0
+        self.now.now += delay
+        callback()
+
+
+def test_a_settle_round_due_during_a_suspend_runs_at_the_resume() -> None:
+    now = Clock()
+    timers = Timers(now, suspend_s=100.0)
+    ran: list[float] = []
+    clock.call_after(timers, 30.0, lambda: ran.append(now.now), now)
+    while not ran:
+        timers.run_next()
+    assert timers.resumed_at is not None
+    assert ran[0] - timers.resumed_at <= clock.WAKE_S
+    assert not timers.pending
+
+
+def test_a_round_requested_without_a_suspend_runs_when_due_and_once() -> None:
+    now = Clock()
+    timers = Timers(now, suspend_s=0.0)
+    ran: list[float] = []
+    start = now.now
+    clock.call_after(timers, 2.5, lambda: ran.append(now.now), now)
+    while not ran:
+        timers.run_next()
+    assert ran == [start + 2.5] and not timers.pending
+    clock.call_after(timers, 0.0, lambda: ran.append(now.now), now)
+    assert ran == [start + 2.5, start + 2.5]  # at once, no timer
