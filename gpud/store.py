@@ -15,7 +15,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
@@ -129,11 +129,18 @@ class StateStore:
     connection keeps every feature's view consistent.
     """
 
-    def __init__(self, state_dir: Path, *, busy_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        busy_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """Raises :class:`StateError`, naming the file, when it cannot be opened or
         ``PRAGMA quick_check`` finds it damaged: nothing in it is thrown away unasked.
         ``busy_timeout_s``: how long an open, or a write, waits for another process's lock
-        on the file before it fails."""
+        on the file before it fails. ``clock``: when a change was last refused
+        (:meth:`write_problem`)."""
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -143,6 +150,9 @@ class StateStore:
         self._reader_lock = threading.Lock()
         self._reading = threading.local()
         self._writer: int | None = None  # the thread whose transaction is open (under _lock)
+        self._clock = clock
+        # why the latest change was not written, and when (clock): gpuctl status says it
+        self._refused: tuple[str, float] | None = None
         with contextlib.suppress(OSError):
             # SQLite takes an empty file for a new database: one gpud wrote is never empty
             # (the first start writes its tables), so this one was truncated
@@ -276,10 +286,13 @@ class StateStore:
                 try:
                     changes = self._conn.total_changes
                     yield self._conn
-                    if self._conn.total_changes != changes and not self._files_kept():
+                    changed = self._conn.total_changes != changes
+                    if changed and not self._files_kept():
                         self._conn.execute("ROLLBACK")
                         self._refuse_replaced()
                     self._conn.execute("COMMIT")
+                    if changed:  # only a change written shows the disk takes writes again
+                        self._refused = None
                 except BaseException:
                     # SQLite may already have rolled back (a failed COMMIT on a full disk):
                     # never leave a transaction open for the next caller to nest in.
@@ -291,6 +304,7 @@ class StateStore:
             except sqlite3.OperationalError as err:
                 if err.sqlite_errorcode & 0xFF not in _UNWRITABLE:
                     raise
+                self._refused = (str(err), self._clock())
                 raise StateUnwritable(
                     f"state database {self.path} cannot be written ({err}): nothing of this "
                     "change was kept; free space or fix the file, then retry"
@@ -328,7 +342,19 @@ class StateStore:
             if self._said:
                 return None
             self._said = True
-        return f"{what} while gpud ran: gpud refuses every change from now on; {kept}"
+        message = f"{what} while gpud ran: gpud refuses every change from now on; {kept}"
+        self._refused = (message, self._clock())
+        return message
+
+    def write_problem(self) -> tuple[str, float] | None:
+        """Why the latest change to the database was not written, and when (on the store's
+        clock): what SQLite said (``database or disk is full``, ``attempt to write a
+        readonly database``, ``disk I/O error``), or the file or its WAL removed or replaced
+        while gpud ran; None when the latest change was written, or none was refused since
+        start. A refusal holds until a change is written again (a full disk says nothing
+        when it is freed: the next change tells). Read without a lock (``gpuctl status``
+        never waits for a writer)."""
+        return self._refused
 
     def _save_once(self) -> tuple[str, str]:
         """:meth:`_save_replaced` for files found not kept, until it is done for good (the
@@ -347,6 +373,10 @@ class StateStore:
         """Raise :class:`StateUnwritable` for a database or WAL not :meth:`_files_kept`
         (outside a transaction: what the WAL holds is checkpointed first). Reads still hold."""
         what, kept = self._save_once()
+        self._refused = (
+            f"{what} while gpud ran: it takes no change until gpud restarts; {kept}",
+            self._clock(),
+        )
         raise StateUnwritable(f"{what} while gpud ran: nothing of this change was kept; {kept}")
 
     def _save_replaced(self) -> tuple[str, str, bool]:

@@ -48,6 +48,44 @@ def test_a_full_disk_keeps_nothing_of_the_change_and_says_so(tmp_path: Path) -> 
         assert [r[0] for r in conn.execute("SELECT v FROM t ORDER BY k")] == ["kept", "after"]
 
 
+def test_a_refused_change_is_kept_as_the_store_s_write_problem_until_one_is_written(
+    tmp_path: Path,
+) -> None:
+    """What ``gpuctl status`` says of the database: SQLite's reason and when, from the
+    refused change on, not only in the log line of the call that failed."""
+    now = [100.0]
+    store = StateStore(tmp_path, clock=lambda: now[0])
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
+    assert store.write_problem() is None
+    with store.transaction() as conn:
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full
+    with pytest.raises(StateUnwritable), store.transaction() as conn:
+        conn.executemany("INSERT INTO t (v) VALUES (?)", [("x" * 4000,) for _ in range(20)])
+    assert store.write_problem() == ("database or disk is full", 100.0)
+    now[0] = 200.0
+    with store.transaction() as conn:  # a read, or a transaction that changes nothing
+        conn.execute("SELECT count(*) FROM t").fetchone()
+    assert store.write_problem() == ("database or disk is full", 100.0)
+    with store.transaction() as conn:  # space freed: a change is written again
+        conn.execute("PRAGMA max_page_count = 1000000")
+        conn.execute("INSERT INTO t (v) VALUES ('after')")
+    assert store.write_problem() is None
+    store.close()
+
+
+def test_a_database_removed_under_the_store_is_its_write_problem(tmp_path: Path) -> None:
+    store = StateStore(tmp_path, clock=lambda: 7.0)
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
+    (tmp_path / DB_NAME).unlink()
+    assert store.check_files() is not None
+    problem = store.write_problem()
+    assert problem is not None
+    assert problem[0].startswith(f"state database {tmp_path / DB_NAME} was removed or replaced")
+    assert problem[1] == 7.0
+    store.close()
+
+
 def test_a_healthy_database_opens_again(tmp_path: Path) -> None:
     fill(tmp_path)
     with StateStore(tmp_path).transaction() as conn:
