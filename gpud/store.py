@@ -134,12 +134,14 @@ class StateStore:
         state_dir: Path,
         *,
         busy_timeout_s: float = 30.0,
+        warn_after_s: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Raises :class:`StateError`, naming the file, when it cannot be opened or
         ``PRAGMA quick_check`` finds it damaged: nothing in it is thrown away unasked.
         ``busy_timeout_s``: how long an open, or a write, waits for another process's lock
-        on the file before it fails. ``clock``: when a change was last refused
+        on the file before it fails; ``warn_after_s``: when an open that waits for one says
+        so, naming the file. ``clock``: when a change was last refused
         (:meth:`write_problem`)."""
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
@@ -170,16 +172,19 @@ class StateStore:
         try:
             _create(self.path)
             self._conn = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, timeout=busy_timeout_s
+                self.path,
+                isolation_level=None,
+                check_same_thread=False,
+                timeout=min(busy_timeout_s, warn_after_s),
             )
-            self._conn.row_factory = sqlite3.Row
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=FULL")
-            self._conn.execute("PRAGMA foreign_keys=ON")
-            damage = [
-                " ".join(str(row[0]).split()) for row in self._conn.execute("PRAGMA quick_check(5)")
-            ]
         except sqlite3.Error as err:
+            raise _open_error(self.path, err) from None
+        try:
+            self._conn.row_factory = sqlite3.Row
+            damage = self._first_steps(busy_timeout_s, warn_after_s)
+            self._conn.execute(f"PRAGMA busy_timeout = {round(busy_timeout_s * 1000)}")
+        except sqlite3.Error as err:
+            self._conn.close()
             raise _open_error(self.path, err) from None
         if damage != ["ok"]:
             self._conn.close()
@@ -211,6 +216,35 @@ class StateStore:
             self._reader.close()
             self._conn.close()
             raise _open_error(self.path, err) from None
+
+    def _first_steps(self, busy_timeout_s: float, warn_after_s: float) -> list[str]:
+        """WAL, ``synchronous=FULL``, foreign keys, then ``PRAGMA quick_check``'s findings.
+        Another process's lock on the file (a sqlite3 shell in exclusive mode) is said after
+        ``warn_after_s``, naming the file, while the open waits on for the rest of
+        ``busy_timeout_s``: a lock let go meanwhile, or a slow disk, fails nothing."""
+        try:
+            return self._setup()
+        except sqlite3.OperationalError as err:
+            left = busy_timeout_s - warn_after_s
+            if err.sqlite_errorcode & 0xFF not in _IN_USE or left <= 0:
+                raise
+            log.warning(
+                "state database %s is in use by another process (%s; a sqlite3 shell, a "
+                "backup tool?): gpud waits %s s more for it, then stops",
+                self.path,
+                err,
+                f"{left:g}",
+            )
+            self._conn.execute(f"PRAGMA busy_timeout = {round(left * 1000)}")
+            return self._setup()
+
+    def _setup(self) -> list[str]:
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        return [
+            " ".join(str(row[0]).split()) for row in self._conn.execute("PRAGMA quick_check(5)")
+        ]
 
     def ensure_schema(
         self, statements: Sequence[str], *, added: Mapping[str, Sequence[str]] | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import threading
@@ -178,6 +179,9 @@ def test_a_full_or_failing_disk_at_open_is_not_called_damage(
                 err.sqlite_errorcode = code
                 raise err
             return self._conn.execute(sql)
+
+        def close(self) -> None:
+            self._conn.close()
 
     monkeypatch.setattr(sqlite3, "connect", lambda *a, **k: Disk(connect(*a, **k)))
     with pytest.raises(StateError) as caught:
@@ -637,6 +641,46 @@ def test_a_database_in_use_by_another_process_says_to_stop_it_not_to_move_it(
     assert text.endswith("stop it, then start gpud again; nothing was changed")
     assert "move it aside" not in text and "unreadable" not in text
     store = StateStore(state)
+    with store.reading(), store.transaction() as conn:
+        assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 500
+    store.close()
+
+
+class _LetGoWhenSaid(logging.Handler):
+    """Ends the lock's holder when the store says it waits for it: the shell closed."""
+
+    def __init__(self, holder: sqlite3.Connection) -> None:
+        super().__init__(logging.WARNING)
+        self.holder = holder
+        self.said: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.said.append(record.getMessage())
+        self.holder.close()  # in exclusive locking mode, only a close lets go
+
+
+def test_a_database_in_use_by_another_process_is_said_soon_and_still_waited_for(
+    tmp_path: Path,
+) -> None:
+    """A sqlite3 shell holding the database: the open says so, naming the file, long before
+    its busy timeout, and opens once the shell lets go within it."""
+    state = tmp_path / "state"
+    fill(state)
+    holder = sqlite3.connect(state / DB_NAME, isolation_level=None)
+    holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    said = _LetGoWhenSaid(holder)
+    logging.getLogger("gpud.store").addHandler(said)
+    try:
+        store = StateStore(state, busy_timeout_s=30.0, warn_after_s=0.05)
+    finally:
+        logging.getLogger("gpud.store").removeHandler(said)
+        holder.close()
+    assert len(said.said) == 1
+    assert said.said[0].startswith(
+        f"state database {state / DB_NAME} is in use by another process (database is locked;"
+    )
+    assert said.said[0].endswith("gpud waits 29.95 s more for it, then stops")
     with store.reading(), store.transaction() as conn:
         assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 500
     store.close()
