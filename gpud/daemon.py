@@ -38,7 +38,7 @@ from gpud.admission.service import AdmissionService, mig_file_layouts
 from gpud.api.access import ReportTokens
 from gpud.api.gate import CallGate
 from gpud.api.node import NodeServicer
-from gpud.api.ports import FaultPort, NodeInfo, ReloadState
+from gpud.api.ports import FaultPort, NodeInfo, ReloadState, StateFiles
 from gpud.api.server import ApiServer
 from gpud.backend.port import GpuBackend, GpuIdentity
 from gpud.cluster.metrics import ClusterMetrics
@@ -397,7 +397,7 @@ class Daemon:
         files.make_dirs(config.daemon.run_dir, files.RUN_DIR_MODE)
         close_state_files(state_dir)
         self.events = EventLog(state_dir / EVENTS_NAME, clock=time.time)
-        self.store = StateStore(state_dir)
+        self.store = StateStore(state_dir, clock=clock)  # its refusals' time: gpuctl status
         self.seen = SeenGpus(self.store)
         self.sampler = Sampler(
             backend,
@@ -914,6 +914,21 @@ class Daemon:
             version=__version__,
             build=self.build,
             reload=self._reload_status(),
+            state_files=self._state_files(),
+        )
+
+    def _state_files(self) -> StateFiles:
+        """What the state database and the event log could not take, as they last said:
+        no file is touched here (a status read never waits for the disk)."""
+        refused = self.store.write_problem()
+        failing = self.events.write_problem()
+        return StateFiles(
+            state_db=str(self.store.path),
+            event_log=str(self.events.path or ""),
+            state_db_error=refused[0] if refused else "",
+            state_db_error_monotonic=refused[1] if refused else None,
+            event_log_error=failing[1] if failing else "",
+            event_log_lines_missing=failing[2] if failing else 0,
         )
 
     def _reload_status(self) -> ReloadState | None:

@@ -117,6 +117,7 @@ class EventLog:
         self._written = threading.Condition(self._lock)  # notified when _writing ends
         self._lines: deque[str] = deque()  # said, in order, not written yet (under _lock)
         self._missed_writes = 0  # lines the file did not get in the outage going on
+        self._write_error = ""  # why the outage's first line was not written (by the writer)
         self._held = threading.local()  # this thread's events held by until_committed
         self._watchers: list[Watcher] = []
         self._watching_ended = False  # close_watchers was called: the daemon stops
@@ -130,6 +131,11 @@ class EventLog:
             # just rotated: the numbers go on from the rotated file's last line
             tail = self._ring or _read_tail(path.with_suffix(".jsonl.1"), 1)
             self._seq = max((e.seq for e in tail), default=0)
+
+    @property
+    def path(self) -> Path | None:
+        """The file the events are appended to; None: the ring and the journal only."""
+        return self._path
 
     def emit(self, kind: str, message: str, **fields: Any) -> Event:
         """Say an event (held inside :meth:`until_committed`); the event said, with its
@@ -274,6 +280,20 @@ class EventLog:
         with self._lock:
             return dict(self._counts), self._write_errors
 
+    def write_problem(self) -> tuple[Path, str, int] | None:
+        """While the file's writes fail (full disk, read-only file system, a directory in
+        its place): the file, why its first failed write failed (the kernel's ``strerror``:
+        ``No space left on device``), and how many lines it lacks since (the journal and
+        the ring have them); None while they succeed. Read without waiting for the file's
+        disk."""
+        # the writer sets the reason before it counts, and clears the count first: read in
+        # that order, a count never comes with no reason
+        why = self._write_error
+        missed = self._missed_writes
+        if self._path is None or not missed:
+            return None
+        return self._path, why, missed
+
     def flush(self, wait_s: float) -> bool:
         """Wait, at most ``wait_s``, until every line said is written to the file (or its
         write failed); whether it was. The daemon's stop calls it after its last event; one
@@ -330,6 +350,7 @@ class EventLog:
             self._torn = True  # a full disk may have taken part of the line
             if not self._missed_writes:
                 log.warning("cannot write the event log %s: %s", self._path, err)
+                self._write_error = err.strerror or str(err)
             self._missed_writes += 1
             return False
         if self._missed_writes:
@@ -340,6 +361,7 @@ class EventLog:
                 self._missed_writes,
             )
         self._missed_writes = 0
+        self._write_error = ""
         return True
 
     def _rotate_if_needed(self) -> None:

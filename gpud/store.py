@@ -15,7 +15,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
@@ -129,11 +129,20 @@ class StateStore:
     connection keeps every feature's view consistent.
     """
 
-    def __init__(self, state_dir: Path, *, busy_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        busy_timeout_s: float = 30.0,
+        warn_after_s: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """Raises :class:`StateError`, naming the file, when it cannot be opened or
         ``PRAGMA quick_check`` finds it damaged: nothing in it is thrown away unasked.
         ``busy_timeout_s``: how long an open, or a write, waits for another process's lock
-        on the file before it fails."""
+        on the file before it fails; ``warn_after_s``: when an open that waits for one says
+        so, naming the file. ``clock``: when a change was last refused
+        (:meth:`write_problem`)."""
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -143,6 +152,9 @@ class StateStore:
         self._reader_lock = threading.Lock()
         self._reading = threading.local()
         self._writer: int | None = None  # the thread whose transaction is open (under _lock)
+        self._clock = clock
+        # why the latest change was not written, and when (clock): gpuctl status says it
+        self._refused: tuple[str, float] | None = None
         with contextlib.suppress(OSError):
             # SQLite takes an empty file for a new database: one gpud wrote is never empty
             # (the first start writes its tables), so this one was truncated
@@ -160,16 +172,19 @@ class StateStore:
         try:
             _create(self.path)
             self._conn = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, timeout=busy_timeout_s
+                self.path,
+                isolation_level=None,
+                check_same_thread=False,
+                timeout=min(busy_timeout_s, warn_after_s),
             )
-            self._conn.row_factory = sqlite3.Row
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=FULL")
-            self._conn.execute("PRAGMA foreign_keys=ON")
-            damage = [
-                " ".join(str(row[0]).split()) for row in self._conn.execute("PRAGMA quick_check(5)")
-            ]
         except sqlite3.Error as err:
+            raise _open_error(self.path, err) from None
+        try:
+            self._conn.row_factory = sqlite3.Row
+            damage = self._first_steps(busy_timeout_s, warn_after_s)
+            self._conn.execute(f"PRAGMA busy_timeout = {round(busy_timeout_s * 1000)}")
+        except sqlite3.Error as err:
+            self._conn.close()
             raise _open_error(self.path, err) from None
         if damage != ["ok"]:
             self._conn.close()
@@ -201,6 +216,35 @@ class StateStore:
             self._reader.close()
             self._conn.close()
             raise _open_error(self.path, err) from None
+
+    def _first_steps(self, busy_timeout_s: float, warn_after_s: float) -> list[str]:
+        """WAL, ``synchronous=FULL``, foreign keys, then ``PRAGMA quick_check``'s findings.
+        Another process's lock on the file (a sqlite3 shell in exclusive mode) is said after
+        ``warn_after_s``, naming the file, while the open waits on for the rest of
+        ``busy_timeout_s``: a lock let go meanwhile, or a slow disk, fails nothing."""
+        try:
+            return self._setup()
+        except sqlite3.OperationalError as err:
+            left = busy_timeout_s - warn_after_s
+            if err.sqlite_errorcode & 0xFF not in _IN_USE or left <= 0:
+                raise
+            log.warning(
+                "state database %s is in use by another process (%s; a sqlite3 shell, a "
+                "backup tool?): gpud waits %s s more for it, then stops",
+                self.path,
+                err,
+                f"{left:g}",
+            )
+            self._conn.execute(f"PRAGMA busy_timeout = {round(left * 1000)}")
+            return self._setup()
+
+    def _setup(self) -> list[str]:
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        return [
+            " ".join(str(row[0]).split()) for row in self._conn.execute("PRAGMA quick_check(5)")
+        ]
 
     def ensure_schema(
         self, statements: Sequence[str], *, added: Mapping[str, Sequence[str]] | None = None
@@ -276,10 +320,13 @@ class StateStore:
                 try:
                     changes = self._conn.total_changes
                     yield self._conn
-                    if self._conn.total_changes != changes and not self._files_kept():
+                    changed = self._conn.total_changes != changes
+                    if changed and not self._files_kept():
                         self._conn.execute("ROLLBACK")
                         self._refuse_replaced()
                     self._conn.execute("COMMIT")
+                    if changed:  # only a change written shows the disk takes writes again
+                        self._refused = None
                 except BaseException:
                     # SQLite may already have rolled back (a failed COMMIT on a full disk):
                     # never leave a transaction open for the next caller to nest in.
@@ -291,6 +338,7 @@ class StateStore:
             except sqlite3.OperationalError as err:
                 if err.sqlite_errorcode & 0xFF not in _UNWRITABLE:
                     raise
+                self._refused = (str(err), self._clock())
                 raise StateUnwritable(
                     f"state database {self.path} cannot be written ({err}): nothing of this "
                     "change was kept; free space or fix the file, then retry"
@@ -328,7 +376,19 @@ class StateStore:
             if self._said:
                 return None
             self._said = True
-        return f"{what} while gpud ran: gpud refuses every change from now on; {kept}"
+        message = f"{what} while gpud ran: gpud refuses every change from now on; {kept}"
+        self._refused = (message, self._clock())
+        return message
+
+    def write_problem(self) -> tuple[str, float] | None:
+        """Why the latest change to the database was not written, and when (on the store's
+        clock): what SQLite said (``database or disk is full``, ``attempt to write a
+        readonly database``, ``disk I/O error``), or the file or its WAL removed or replaced
+        while gpud ran; None when the latest change was written, or none was refused since
+        start. A refusal holds until a change is written again (a full disk says nothing
+        when it is freed: the next change tells). Read without a lock (``gpuctl status``
+        never waits for a writer)."""
+        return self._refused
 
     def _save_once(self) -> tuple[str, str]:
         """:meth:`_save_replaced` for files found not kept, until it is done for good (the
@@ -347,6 +407,10 @@ class StateStore:
         """Raise :class:`StateUnwritable` for a database or WAL not :meth:`_files_kept`
         (outside a transaction: what the WAL holds is checkpointed first). Reads still hold."""
         what, kept = self._save_once()
+        self._refused = (
+            f"{what} while gpud ran: it takes no change until gpud restarts; {kept}",
+            self._clock(),
+        )
         raise StateUnwritable(f"{what} while gpud ran: nothing of this change was kept; {kept}")
 
     def _save_replaced(self) -> tuple[str, str, bool]:

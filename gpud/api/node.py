@@ -23,6 +23,7 @@ from gpud.api.ports import (
     ReloadState,
     SimProcessView,
     SnapshotSource,
+    StateFiles,
     TrafficSource,
     WorkloadPort,
 )
@@ -168,6 +169,8 @@ class NodeServicer(pb_grpc.NodeServicer):
         )
         if info.reload is not None:
             resp.config.CopyFrom(_config_status(info.reload, now))
+        if info.state_files is not None:
+            resp.state_files.CopyFrom(_state_files_status(info.state_files, now))
         if snap is not None:
             resp.healthy_gpu_count = sum(1 for g in snap.gpus if g.healthy)
             resp.unhealthy_gpus.extend(
@@ -449,4 +452,17 @@ def _config_status(state: ReloadState, now: float) -> pb.ConfigStatus:
     )
     if state.last_monotonic is not None:
         status.last_reload_age_seconds = max(0.0, now - state.last_monotonic)
+    return status
+
+
+def _state_files_status(files: StateFiles, now: float) -> pb.StateFilesStatus:
+    status = pb.StateFilesStatus(
+        state_db_path=files.state_db,
+        state_db_error=files.state_db_error,
+        event_log_path=files.event_log,
+        event_log_error=files.event_log_error,
+        event_log_lines_missing=files.event_log_lines_missing,
+    )
+    if files.state_db_error_monotonic is not None:
+        status.state_db_error_age_seconds = max(0.0, now - files.state_db_error_monotonic)
     return status

@@ -38,6 +38,7 @@ class NodeInfo:
     version: str = __version__
     build: str = ""  # the code's digest (gpud.build.current()), computed at start
     reload: ReloadState | None = None  # the config file's reloads; None: not reloadable
+    state_files: StateFiles | None = None  # what gpud cannot write; None: not known
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,21 @@ class ReloadState:
     # the file is not the one last read (edited, replaced, removed, created): what gpud runs
     # may not be what it says, until a reload (systemctl reload gpud)
     file_changed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StateFiles:
+    """Whether the state database and the event log take gpud's writes, for ``gpuctl
+    status``: without it the operator sees only log lines and a counter."""
+
+    state_db: str  # the database's path
+    event_log: str  # events.jsonl's path; "" when there is none
+    # why the latest change to the database was refused, and when (the servicer's clock);
+    # "" and None while changes are written
+    state_db_error: str = ""
+    state_db_error_monotonic: float | None = None
+    event_log_error: str = ""  # why the file's writes fail; "" while they succeed
+    event_log_lines_missing: int = 0  # events the file lacks since they began to fail
 
 
 NodeInfoSource = Callable[[], NodeInfo]

@@ -43,6 +43,8 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
         rows.append(("traffic", _traffic(resp.traffic)))
     if resp.HasField("config"):  # absent from an older gpud
         rows.append(("config", _config(resp.config)))
+    if resp.HasField("state_files"):  # absent from an older gpud
+        rows.append(("state files", _state_files(resp.state_files)))
     width = max(len(k) for k, _ in rows) + 1
     for key, value in rows:
         ctx.out.print(f"{key + ':':<{width}} {value}")
@@ -53,7 +55,46 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.print(line)
     for line in _config_problems(resp.config):
         ctx.out.print(line)
+    for line in _state_files_problems(resp.state_files):
+        ctx.out.print(line)
     return 0
+
+
+def _state_files(files: pb.StateFilesStatus) -> str:
+    """Whether the state database and the event log take gpud's writes, in a few words."""
+    failing = [
+        name
+        for name, error in (
+            ("state database", files.state_db_error),
+            ("event log", files.event_log_error or files.event_log_lines_missing),
+        )
+        if error
+    ]
+    return f"NOT written: {' and '.join(failing)}" if failing else "written"
+
+
+def _state_files_problems(files: pb.StateFilesStatus) -> list[str]:
+    """A line for the database's latest refused change and one for the event log's failing
+    writes: the file, the reason, and what it means."""
+    lines = []
+    if files.state_db_error:
+        when = (
+            f" {seconds(files.state_db_error_age_seconds)} ago"
+            if files.HasField("state_db_error_age_seconds")
+            else ""
+        )
+        lines.append(
+            f"state database {files.state_db_path} cannot be written: {files.state_db_error}"
+            f" (the latest change{when} was refused and not kept)"
+        )
+    if files.event_log_error or files.event_log_lines_missing:
+        why = files.event_log_error or "write failed"
+        lines.append(
+            f"event log {files.event_log_path} cannot be written: {why}; it lacks"
+            f" {files.event_log_lines_missing} events since (the journal and gpuctl events"
+            " have them)"
+        )
+    return lines
 
 
 def _config(config: pb.ConfigStatus) -> str:

@@ -108,6 +108,7 @@ class GetStatusResponse(_message.Message):
     BUILD_FIELD_NUMBER: _builtins.int
     TRAFFIC_FIELD_NUMBER: _builtins.int
     CONFIG_FIELD_NUMBER: _builtins.int
+    STATE_FILES_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """gpud's version"""
     hostname: _builtins.str
@@ -142,6 +143,12 @@ class GetStatusResponse(_message.Message):
     def config(self) -> Global___ConfigStatus:
         """the config file's reloads (SIGHUP); absent from a gpud older than the field"""
 
+    @_builtins.property
+    def state_files(self) -> Global___StateFilesStatus:
+        """whether the state database and the event log take gpud's writes; absent from a gpud
+        older than the field
+        """
+
     def __init__(
         self,
         *,
@@ -159,10 +166,11 @@ class GetStatusResponse(_message.Message):
         build: _builtins.str = ...,
         traffic: Global___TrafficStatus | None = ...,
         config: Global___ConfigStatus | None = ...,
+        state_files: Global___StateFilesStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "config", b"config", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds", "traffic", b"traffic"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "config", b"config", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds", "state_files", b"state_files", "traffic", b"traffic"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "backend", b"backend", "build", b"build", "config", b"config", "driver_version", b"driver_version", "gpu_count", b"gpu_count", "healthy_gpu_count", b"healthy_gpu_count", "hostname", b"hostname", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds", "simulated", b"simulated", "traffic", b"traffic", "unhealthy_gpus", b"unhealthy_gpus", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds", "_last_tick_seconds", b"_last_tick_seconds", "backend", b"backend", "build", b"build", "config", b"config", "driver_version", b"driver_version", "gpu_count", b"gpu_count", "healthy_gpu_count", b"healthy_gpu_count", "hostname", b"hostname", "last_sample_age_seconds", b"last_sample_age_seconds", "last_tick_seconds", b"last_tick_seconds", "simulated", b"simulated", "state_files", b"state_files", "traffic", b"traffic", "unhealthy_gpus", b"unhealthy_gpus", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_sample_age_seconds: _TypeAlias = _typing.Literal["last_sample_age_seconds"]  # noqa: Y015
     _WhichOneofArgType__last_sample_age_seconds: _TypeAlias = _typing.Literal["_last_sample_age_seconds", b"_last_sample_age_seconds"]  # noqa: Y015
@@ -174,6 +182,57 @@ class GetStatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__last_tick_seconds) -> _WhichOneofReturnType__last_tick_seconds | None: ...
 
 Global___GetStatusResponse: _TypeAlias = GetStatusResponse  # noqa: Y015
+
+@_typing.final
+class StateFilesStatus(_message.Message):
+    """What gpud could not write to its state directory: a full disk, a read-only file system,
+    a file removed or replaced while gpud runs. Each error is "" while that file is written.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_DB_PATH_FIELD_NUMBER: _builtins.int
+    STATE_DB_ERROR_FIELD_NUMBER: _builtins.int
+    STATE_DB_ERROR_AGE_SECONDS_FIELD_NUMBER: _builtins.int
+    EVENT_LOG_PATH_FIELD_NUMBER: _builtins.int
+    EVENT_LOG_ERROR_FIELD_NUMBER: _builtins.int
+    EVENT_LOG_LINES_MISSING_FIELD_NUMBER: _builtins.int
+    state_db_path: _builtins.str
+    """the state database (<state_dir>/state.db)"""
+    state_db_error: _builtins.str
+    """why the latest change to it was refused, as SQLite said it ("database or disk is full",
+    "attempt to write a readonly database") or the file or its -wal removed or replaced:
+    that change is not kept, and it holds until a change is written again
+    """
+    state_db_error_age_seconds: _builtins.float
+    """since that refusal; absent without one"""
+    event_log_path: _builtins.str
+    """events.jsonl"""
+    event_log_error: _builtins.str
+    """why its writes fail ("No space left on device"): events are in the journal and
+    `gpuctl events` (the ring) only
+    """
+    event_log_lines_missing: _builtins.int
+    """events the file lacks since its writes failed"""
+    def __init__(
+        self,
+        *,
+        state_db_path: _builtins.str = ...,
+        state_db_error: _builtins.str = ...,
+        state_db_error_age_seconds: _builtins.float | None = ...,
+        event_log_path: _builtins.str = ...,
+        event_log_error: _builtins.str = ...,
+        event_log_lines_missing: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_state_db_error_age_seconds", b"_state_db_error_age_seconds", "state_db_error_age_seconds", b"state_db_error_age_seconds"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_state_db_error_age_seconds", b"_state_db_error_age_seconds", "event_log_error", b"event_log_error", "event_log_lines_missing", b"event_log_lines_missing", "event_log_path", b"event_log_path", "state_db_error", b"state_db_error", "state_db_error_age_seconds", b"state_db_error_age_seconds", "state_db_path", b"state_db_path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__state_db_error_age_seconds: _TypeAlias = _typing.Literal["state_db_error_age_seconds"]  # noqa: Y015
+    _WhichOneofArgType__state_db_error_age_seconds: _TypeAlias = _typing.Literal["_state_db_error_age_seconds", b"_state_db_error_age_seconds"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__state_db_error_age_seconds) -> _WhichOneofReturnType__state_db_error_age_seconds | None: ...
+
+Global___StateFilesStatus: _TypeAlias = StateFilesStatus  # noqa: Y015
 
 @_typing.final
 class ConfigStatus(_message.Message):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gpud.api import ApiServer, NodeInfo, NodeServicer
-from gpud.api.ports import ReloadState
+from gpud.api.ports import ReloadState, StateFiles
 from gpud.backend.port import (
     Clocks,
     EccCounts,
@@ -119,9 +119,14 @@ def make_snapshot() -> Snapshot:
 
 
 def node_info(
-    *, simulated: bool = True, build: str = "", reload: ReloadState | None = None
+    *,
+    simulated: bool = True,
+    build: str = "",
+    reload: ReloadState | None = None,
+    state_files: StateFiles | None = None,
 ) -> NodeInfo:
-    """``build`` "": a gpud older than the field, which sends none."""
+    """``build`` "": a gpud older than the field, which sends none; so is ``state_files``
+    None."""
     return NodeInfo(
         backend="sim" if simulated else "nvml",
         driver_version="550.54.15",
@@ -131,6 +136,7 @@ def node_info(
         hostname="node-a",
         build=build,
         reload=reload,
+        state_files=state_files,
     )
 
 
@@ -202,12 +208,15 @@ def make_servicer(
     build: str = "",
     traffic: TrafficSummary | None = None,
     reload: ReloadState | None = None,
+    state_files: StateFiles | None = None,
     **options: Any,
 ) -> NodeServicer:
     snap = make_snapshot()
     return NodeServicer(
         snapshots=snapshot or (lambda: snap),
-        node_info=lambda: node_info(simulated=faults is not None, build=build, reload=reload),
+        node_info=lambda: node_info(
+            simulated=faults is not None, build=build, reload=reload, state_files=state_files
+        ),
         events=events if events is not None else make_events(),
         faults=faults,
         traffic=(lambda: traffic) if traffic is not None else None,

@@ -24,7 +24,14 @@ from gpud.cluster.model import NodeReport
 from gpud.config import MAX_CONFIG_BYTES, Config, Layers, file_stamp
 from gpud.daemon import STOP_CLOSE_WAIT_S, STOP_HOOK_FLOOR_S, Daemon, Step
 from gpud.dirlock import DirLocks
-from gpud.errors import ConfigError, FailedPrecondition, InUse, ResourceExhausted, Unavailable
+from gpud.errors import (
+    ConfigError,
+    FailedPrecondition,
+    InUse,
+    ResourceExhausted,
+    StateUnwritable,
+    Unavailable,
+)
 from gpud.events import EventLog
 from gpud.jobs.registry import JobKind, JobSpec
 from gpud.jobs.service import RunRequest
@@ -466,6 +473,38 @@ def test_the_status_call_says_how_traffic_is_enforced(root: Path) -> None:
     try:
         resp = asyncio.run(d.node_servicer.GetStatus(node_pb2.GetStatusRequest(), None))  # type: ignore[arg-type]
         assert resp.HasField("traffic") and not resp.traffic.enabled
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
+def test_the_status_call_says_which_state_file_cannot_be_written_and_why(root: Path) -> None:
+    """A full disk under the state directory: the database's refused change and the event
+    log's failing writes reach ``gpuctl status``, naming each file."""
+    now = [1000.0]
+    d = build(make_config(root), clock=lambda: now[0])
+    state = d.config.daemon.state_dir
+    try:
+        resp = asyncio.run(d.node_servicer.GetStatus(node_pb2.GetStatusRequest(), None))  # type: ignore[arg-type]
+        assert resp.state_files == node_pb2.StateFilesStatus(
+            state_db_path=str(state / "state.db"), event_log_path=str(state / "events.jsonl")
+        )
+        with d.store.transaction() as conn:
+            pages = conn.execute("PRAGMA page_count").fetchone()[0]
+            conn.execute(f"PRAGMA max_page_count = {pages}")  # no room for one more page
+        with pytest.raises(StateUnwritable), d.store.transaction() as conn:
+            conn.execute("CREATE TABLE filler (v TEXT)")
+            conn.executemany("INSERT INTO filler VALUES (?)", [("x" * 4000,) for _ in range(20)])
+        (state / "events.jsonl").unlink(missing_ok=True)
+        (state / "events.jsonl").mkdir()  # its writes fail, as on a full disk
+        d.events.emit("job.add", "not in the file")
+        now[0] = 1005.0
+        resp = asyncio.run(d.node_servicer.GetStatus(node_pb2.GetStatusRequest(), None))  # type: ignore[arg-type]
+        said = resp.state_files
+        assert said.state_db_error == "database or disk is full"
+        assert said.state_db_error_age_seconds == 5.0
+        assert (said.event_log_error, said.event_log_lines_missing) == ("Is a directory", 1)
     finally:
         d.sampler.close()
         d.store.close()

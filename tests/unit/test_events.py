@@ -54,6 +54,25 @@ def test_a_log_file_that_cannot_be_written_does_not_fail_emit(tmp_path: Path) ->
     assert log.counts() == {"gpu.unhealthy": 1}
 
 
+def test_a_log_file_whose_writes_fail_says_why_and_how_many_lines_it_lacks(
+    tmp_path: Path,
+) -> None:
+    """What ``gpuctl status`` says of the event log while its writes fail, beyond a
+    counter and one warning at the outage's start."""
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    log.emit("daemon.start", "written")
+    assert log.write_problem() is None
+    path.rename(tmp_path / "aside")
+    path.mkdir()  # any write now fails, as on a full or read-only disk
+    log.emit("job.add", "not written")
+    log.emit("job.add", "not written either")
+    assert log.write_problem() == (path, "Is a directory", 2)
+    path.rmdir()  # space freed
+    log.emit("job.add", "written again")
+    assert log.write_problem() is None
+
+
 def test_writes_the_file_missed_are_counted_and_said_when_it_is_written_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

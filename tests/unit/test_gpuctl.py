@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from gpud.api import ApiServer, NodeServicer
-from gpud.api.ports import ReloadState
+from gpud.api.ports import ReloadState, StateFiles
 from gpud.backend.sim import SimNode
 from gpud.build import UNKNOWN
 from gpud.build import current as current_build
@@ -244,6 +244,75 @@ def test_status_says_whether_the_running_config_is_the_file_s(
     assert config.get("restart_needed", []) == list(reload.restart_needed)
     assert config.get("file_changed", False) == reload.file_changed
     assert config.get("overridden", []) == list(reload.overridden)
+
+
+DB = "/var/lib/gpud/state.db"
+EVENTS = "/var/lib/gpud/events.jsonl"
+
+
+@pytest.mark.parametrize(
+    ("files", "lines"),
+    [
+        (StateFiles(DB, EVENTS), ["state files: written"]),
+        (
+            StateFiles(
+                DB,
+                EVENTS,
+                state_db_error="database or disk is full",
+                state_db_error_monotonic=NOW - 5,
+            ),
+            [
+                "state files: NOT written: state database",
+                f"state database {DB} cannot be written: database or disk is full (the latest"
+                " change 5.0 s ago was refused and not kept)",
+            ],
+        ),
+        (
+            StateFiles(
+                DB, EVENTS, event_log_error="No space left on device", event_log_lines_missing=3
+            ),
+            [
+                "state files: NOT written: event log",
+                f"event log {EVENTS} cannot be written: No space left on device; it lacks 3"
+                " events since (the journal and gpuctl events have them)",
+            ],
+        ),
+        (
+            StateFiles(
+                DB,
+                EVENTS,
+                state_db_error="attempt to write a readonly database",
+                state_db_error_monotonic=NOW - 60,
+                event_log_error="Read-only file system",
+                event_log_lines_missing=1,
+            ),
+            [
+                "state files: NOT written: state database and event log",
+                f"state database {DB} cannot be written: attempt to write a readonly database"
+                " (the latest change 1m 00s ago was refused and not kept)",
+                f"event log {EVENTS} cannot be written: Read-only file system; it lacks 1"
+                " events since (the journal and gpuctl events have them)",
+            ],
+        ),
+    ],
+)
+def test_status_says_which_state_file_cannot_be_written_and_why(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path, files: StateFiles, lines: list[str]
+) -> None:
+    shown = status_showing(capsys, sock_dir, make_servicer(state_files=files), lines)
+    said = shown["state_files"]
+    assert said["state_db_path"] == DB and said["event_log_path"] == EVENTS
+    assert said.get("state_db_error", "") == files.state_db_error
+    assert (said.get("state_db_error_age_seconds") is not None) == bool(files.state_db_error)
+    assert said.get("event_log_error", "") == files.event_log_error
+    assert int(said.get("event_log_lines_missing", 0)) == files.event_log_lines_missing
+
+
+def test_status_from_a_gpud_without_state_files_in_it_has_no_state_files_line(
+    capsys: pytest.CaptureFixture[str], sim_socket: str
+) -> None:
+    code, out, _ = run(capsys, "--socket", sim_socket, "status")
+    assert code == 0 and "state files" not in out and "cannot be written" not in out
 
 
 def test_status_from_a_gpud_without_traffic_in_it_has_no_traffic_line(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import threading
@@ -46,6 +47,44 @@ def test_a_full_disk_keeps_nothing_of_the_change_and_says_so(tmp_path: Path) -> 
     store.close()
     with StateStore(tmp_path).transaction() as conn:
         assert [r[0] for r in conn.execute("SELECT v FROM t ORDER BY k")] == ["kept", "after"]
+
+
+def test_a_refused_change_is_kept_as_the_store_s_write_problem_until_one_is_written(
+    tmp_path: Path,
+) -> None:
+    """What ``gpuctl status`` says of the database: SQLite's reason and when, from the
+    refused change on, not only in the log line of the call that failed."""
+    now = [100.0]
+    store = StateStore(tmp_path, clock=lambda: now[0])
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
+    assert store.write_problem() is None
+    with store.transaction() as conn:
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full
+    with pytest.raises(StateUnwritable), store.transaction() as conn:
+        conn.executemany("INSERT INTO t (v) VALUES (?)", [("x" * 4000,) for _ in range(20)])
+    assert store.write_problem() == ("database or disk is full", 100.0)
+    now[0] = 200.0
+    with store.transaction() as conn:  # a read, or a transaction that changes nothing
+        conn.execute("SELECT count(*) FROM t").fetchone()
+    assert store.write_problem() == ("database or disk is full", 100.0)
+    with store.transaction() as conn:  # space freed: a change is written again
+        conn.execute("PRAGMA max_page_count = 1000000")
+        conn.execute("INSERT INTO t (v) VALUES ('after')")
+    assert store.write_problem() is None
+    store.close()
+
+
+def test_a_database_removed_under_the_store_is_its_write_problem(tmp_path: Path) -> None:
+    store = StateStore(tmp_path, clock=lambda: 7.0)
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
+    (tmp_path / DB_NAME).unlink()
+    assert store.check_files() is not None
+    problem = store.write_problem()
+    assert problem is not None
+    assert problem[0].startswith(f"state database {tmp_path / DB_NAME} was removed or replaced")
+    assert problem[1] == 7.0
+    store.close()
 
 
 def test_a_healthy_database_opens_again(tmp_path: Path) -> None:
@@ -140,6 +179,9 @@ def test_a_full_or_failing_disk_at_open_is_not_called_damage(
                 err.sqlite_errorcode = code
                 raise err
             return self._conn.execute(sql)
+
+        def close(self) -> None:
+            self._conn.close()
 
     monkeypatch.setattr(sqlite3, "connect", lambda *a, **k: Disk(connect(*a, **k)))
     with pytest.raises(StateError) as caught:
@@ -599,6 +641,46 @@ def test_a_database_in_use_by_another_process_says_to_stop_it_not_to_move_it(
     assert text.endswith("stop it, then start gpud again; nothing was changed")
     assert "move it aside" not in text and "unreadable" not in text
     store = StateStore(state)
+    with store.reading(), store.transaction() as conn:
+        assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 500
+    store.close()
+
+
+class _LetGoWhenSaid(logging.Handler):
+    """Ends the lock's holder when the store says it waits for it: the shell closed."""
+
+    def __init__(self, holder: sqlite3.Connection) -> None:
+        super().__init__(logging.WARNING)
+        self.holder = holder
+        self.said: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.said.append(record.getMessage())
+        self.holder.close()  # in exclusive locking mode, only a close lets go
+
+
+def test_a_database_in_use_by_another_process_is_said_soon_and_still_waited_for(
+    tmp_path: Path,
+) -> None:
+    """A sqlite3 shell holding the database: the open says so, naming the file, long before
+    its busy timeout, and opens once the shell lets go within it."""
+    state = tmp_path / "state"
+    fill(state)
+    holder = sqlite3.connect(state / DB_NAME, isolation_level=None)
+    holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    said = _LetGoWhenSaid(holder)
+    logging.getLogger("gpud.store").addHandler(said)
+    try:
+        store = StateStore(state, busy_timeout_s=30.0, warn_after_s=0.05)
+    finally:
+        logging.getLogger("gpud.store").removeHandler(said)
+        holder.close()
+    assert len(said.said) == 1
+    assert said.said[0].startswith(
+        f"state database {state / DB_NAME} is in use by another process (database is locked;"
+    )
+    assert said.said[0].endswith("gpud waits 29.95 s more for it, then stops")
     with store.reading(), store.transaction() as conn:
         assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 500
     store.close()
