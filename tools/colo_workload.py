@@ -25,7 +25,10 @@ inference service's from its utilization, its load over the service rate it has 
 which it writes each second where its neighbours read it, :func:`activity_file`), and slows
 down by ``1 + slowdown * a`` (training: longer iterations; inference: a lower service
 rate). Jobs on separate MIG instances do not interfere. Both run until killed (or ``--seconds``); like a CUDA program
-they fail (exit 1) once gpud reports their GPU lost.
+they fail (exit 1) once gpud reports their GPU lost. ``training`` leaves at the first throttle
+point that brings an eviction, as a job that checkpoints and exits does, freeing the memory its
+process holds on the device: it says why on stderr and exits 75 (``EX_TEMPFAIL``: it did not
+finish and may run again).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gpud import client
@@ -49,6 +53,8 @@ JOB = os.environ.get("GPUD_JOB", "")
 # its MPS share, as gpuctl run sets it: it caps the SMs the job keeps busy
 _THREADS = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "")
 THREADS = int(_THREADS) if _THREADS.isdigit() else None
+# sysexits' "try again later": an evicted job did not finish, and may run again
+EX_TEMPFAIL = 75
 
 
 class GpuLost(Exception):
@@ -135,12 +141,34 @@ class Neighbours:
         return self.activity
 
 
-def training(iteration_s: float, slowdown: float, seconds: float) -> None:
-    end = time.monotonic() + seconds
-    neighbours = Neighbours()
-    while time.monotonic() < end:
-        time.sleep(iteration_s * (1.0 + slowdown * neighbours.read()))
-        client.throttle_point()
+class Evicted(Exception):
+    """gpud evicted the training job (an SLO guard or its GPU's memory): it leaves, as a job
+    that checkpoints and exits does, and so gives back the memory its process holds."""
+
+
+def training(
+    iteration_s: float,
+    slowdown: float,
+    seconds: float,
+    *,
+    throttle_point: Callable[[], float] = client.throttle_point,
+    directive: Callable[[], tuple[float, bool, str]] = client.directive,
+    neighbours: Callable[[], float] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Iterate until ``seconds`` have passed; raises :class:`Evicted` at the first
+    throttle point whose directive evicts the job."""
+    busy = neighbours or Neighbours().read
+    end = clock() + seconds
+    while clock() < end:
+        sleep(iteration_s * (1.0 + slowdown * busy()))
+        throttle_point()
+        _, evict, reason = directive()
+        # its process holds the GPU memory until it exits: going on at duty 0.01 would keep
+        # what the eviction was for
+        if evict:
+            raise Evicted(reason)
 
 
 def inference(rate: float, mu: float, slowdown: float, seconds: float) -> None:
@@ -186,6 +214,9 @@ def main() -> int:
     except GpuLost as err:
         print(f"colo_workload: CUDA error: {err}", file=sys.stderr)
         return 1
+    except Evicted as err:
+        print(f"colo_workload: evicted by gpud: {err}; leaving", file=sys.stderr)
+        return EX_TEMPFAIL
     return 0
 
 
