@@ -524,13 +524,16 @@ def _say_away(ctx: Context, err: CliError, still: str) -> None:
     )
 
 
-def _by(stop: _Stop) -> str:
-    """`` (SIGTERM)``: the signal that stopped the run, as its last line says it."""
-    return f" ({_signame(stop.signum)})" if stop.signum is not None else ""
+def _by(stop: _Stop | int) -> str:
+    """`` (SIGTERM)``: the signal that stopped the run (``stop``'s, or that number), as
+    its last line says it."""
+    signum = stop if isinstance(stop, int) else stop.signum
+    return f" ({_signame(signum)})" if signum is not None else ""
 
 
-def _stopped(job: str, stop: _Stop) -> int:
-    """Say that a signal stopped the run before its command started; its exit status."""
+def _stopped(job: str, stop: _Stop | int) -> int:
+    """Say that a signal (``stop``'s, or that number) stopped the run before its command
+    started; its exit status."""
     print(
         f"gpuctl: job {job} stopped{_by(stop)} before its command started: nothing was started",
         file=sys.stderr,
@@ -761,7 +764,7 @@ def _run(
         never.removed = never.removed or (
             not stop.is_set() and not told and _reservation_gone(ctx, args.job, reservation)
         )
-        return _not_started(args.job, never, stop)
+        return _not_started(args.job, never, stop, told[0] if told else None)
     finally:
         # a signal from the command's end on (``after``) cuts these waits short
         _stop_leftovers(args.job, reservation, args.kill_after, after)
@@ -784,15 +787,16 @@ def _reservation_gone(ctx: Context, job: str, reservation: str) -> bool:
     return known is None or reservation not in {r.id for r in known.reservations}
 
 
-def _not_started(job: str, never: NotStarted, stop: _Stop) -> int:
+def _not_started(job: str, never: NotStarted, stop: _Stop, told: int | None = None) -> int:
     """Say why the command of ``job`` never ran; gpuctl's exit status. Removed as it
     started (``gpuctl jobs rm --force`` between the reservation and the command's exec,
     which SIGTERMs the gate's process, also once the gate has opened, or leaves nothing to
     place): exit 4, as a run removed while it waits; its command never ran, so not the 143
     of a command the removal stopped. Stopped by a signal meanwhile (a Ctrl-C on the
-    terminal reaches the gate's process too): exit 130, as before any command starts.
-    Otherwise a :class:`CliError` (JSON under ``--json``) with the status of the gate's
-    process, which ended before it became the command."""
+    terminal reaches the gate's process too), or by one gpuctl was sent once the gate
+    opened (``told``) that ended the gate's process before its exec: exit 130, as before
+    any command starts. Otherwise a :class:`CliError` (JSON under ``--json``) with the
+    status of the gate's process, which ended before it became the command."""
     if never.removed:
         raise CliError(
             f"job {job} was removed (gpuctl jobs rm --force) as its command started: "
@@ -801,6 +805,8 @@ def _not_started(job: str, never: NotStarted, stop: _Stop) -> int:
         )
     if stop.is_set():
         return _stopped(job, stop)
+    if told is not None:
+        return _stopped(job, told)
     code = never.returncode if never.returncode is not None else EXIT_GATE_CLOSED
     how = f"killed by {_signame(-code)}" if code < 0 else f"exit {code}"
     raise CliError(
@@ -1215,8 +1221,9 @@ def _launch(
     gpuctl's of it). A command that cannot
     be run is said on stderr as a ``gpuctl:`` line, or with ``json_errors`` as the JSON
     document of gpuctl's errors; one that cannot even be started (no fork: EAGAIN, ENOMEM)
-    exits 127 as well, the signals then going to ``after`` at once. ``popen``: what starts
-    it (``subprocess.Popen``)."""
+    exits 127 as well, the signals then going to ``after`` at once, unless ``stop`` took
+    one before the fork failed: that signal stopped the run (NotStarted). ``popen``: what
+    starts it (``subprocess.Popen``)."""
     # imported here: only `gpuctl run` pays for them
     import subprocess
     import threading
@@ -1239,16 +1246,20 @@ def _launch(
             argv, env=env, pass_fds=(gate_r, ready_w) if place is not None else ()
         )
     except OSError as err:
-        said = CliError(f"cannot run {command[0]}: {err.strerror}", EXIT_CANNOT_EXEC)
-        said.status = _STATUS_BY_GATE_EXIT[EXIT_CANNOT_EXEC]
-        print(json.dumps(said.to_json()) if json_errors else f"gpuctl: {said}", file=sys.stderr)
         for fd in (gate_w, ready_r):
             if fd >= 0:
                 os.close(fd)
         if after is not None:  # nothing to wait for: ``after`` takes them, as at an end
             _hand_to(after, taken)
-            if stop is not None and stop.is_set():  # one came meanwhile: it stopped the run
+        if stop is not None and stop.is_set():
+            # the signal came first: the run stopped by it before its command started (exit
+            # 130, as a signal while it is held), not a command that could not be run (127)
+            if after is not None:
                 after.set(stop.signum)
+            raise NotStarted() from None
+        said = CliError(f"cannot run {command[0]}: {err.strerror}", EXIT_CANNOT_EXEC)
+        said.status = _STATUS_BY_GATE_EXIT[EXIT_CANNOT_EXEC]
+        print(json.dumps(said.to_json()) if json_errors else f"gpuctl: {said}", file=sys.stderr)
         return EXIT_CANNOT_EXEC
     finally:
         for fd in (gate_r, ready_w):

@@ -484,6 +484,11 @@ class ColoView:
 PRIOR = JobFeatures(sm=0.8, mem_bw=0.6)
 # A waiting gpuctl run asks every 1-4 s: one silent this long has gone (Ctrl-C, killed).
 WAITER_GONE_S = 10.0
+# How long a waiting run dropped for its silence is remembered, and a `gpuctl queue
+# --leave` or `gpuctl jobs rm --force` that took it out: one that was only stopped (Ctrl-Z)
+# and asks again within it is told what happened to it meanwhile, or waits again from
+# then, behind the runs that came while gpud listed it no more.
+DROPPED_KEEP_S = 86400.0
 # A planning pass made for advice answers the same question again for this long: every run
 # that waits asks every few seconds, and each question plans them all.
 ADVICE_REUSE_S = 1.0
@@ -679,7 +684,7 @@ class ColoService:
         # two runs of one job are two places
         self._promised: dict[tuple[str, str], _Promise] = {}
         # job -> when `gpuctl jobs rm --force` removed it while a run of it waited: that
-        # run's next question is answered NotFound (kept WAITER_GONE_S, as long as it asks)
+        # run's next question is answered NotFound (kept DROPPED_KEEP_S)
         self._removed: dict[str, float] = {}
         # job -> when (Unix time) `gpuctl jobs rm` removed it: a list of reservations read
         # before that, and its stopping processes' reports, are not learned from (nor is
@@ -687,8 +692,11 @@ class ColoService:
         self._gone: dict[str, _Gone] = {}
         self._removals = 0  # removals committed so far (_Gone.seq)
         # waiter id -> when `gpuctl queue --leave ID` took that run out of the wait: its
-        # next question is answered LeftQueue (kept WAITER_GONE_S, as long as it asks)
+        # next question is answered LeftQueue (kept DROPPED_KEEP_S)
         self._left: dict[str, tuple[float, _Waiter]] = {}
+        # waiter id -> when it was dropped for its silence, and the waiter (kept
+        # DROPPED_KEEP_S): a run stopped meanwhile may ask again with that id
+        self._dropped: dict[str, tuple[float, _Waiter]] = {}
         self._state_file = state_file
         self._write = write or _write_state
         self._states = 0  # (under _lock) states built for the file so far
@@ -1872,6 +1880,11 @@ class ColoService:
         its job too) counts it there (:meth:`_promise`)."""
         now, wall = self._clock(), self._wall()
         with self._lock:
+            # one silent too long is dropped now, as a listing would: if it is this asker,
+            # it comes back below
+            gone = self._forget_gone(now)
+        self._say_gone(gone, now)
+        with self._lock:
             told = _waiter_id(waiter_id) if waiting else None
             if waiting and waiter_id is None:
                 known = next(
@@ -1886,6 +1899,15 @@ class ColoService:
                 free = told is not None and told not in self._waiting
                 wid = told if told is not None and free else new_waiter_id()
             if waiting:
+                back = self._dropped.get(wid) if wid == told else None
+                if back is not None and back[1].job == job:
+                    # dropped for its silence (its gpuctl run was stopped): what was said of
+                    # it before it was dropped, or of its job since, still holds; else it
+                    # waits again from now, its place gone with its listing (its waited_s
+                    # counts the time it was stopped)
+                    self._check_not_removed(job, wid, back[1].since, now)
+                    del self._dropped[wid]
+                    since = now
                 self._check_not_removed(job, wid, since, now, anonymous=waiter_id is None)
         advice, view = self._advice(
             job,
@@ -1994,8 +2016,9 @@ class ColoService:
         lock. LeftQueue for the run waiting as ``wid`` that `gpuctl queue --leave` took
         out; for an ``anonymous`` one (no id to tell), the job's anonymous run taken out
         after it began to wait."""
-        self._removed = {j: t for j, t in self._removed.items() if now - t <= WAITER_GONE_S}
-        self._left = {i: t for i, t in self._left.items() if now - t[0] <= WAITER_GONE_S}
+        # kept as long as a run dropped for its silence is (a stopped one may ask again)
+        self._removed = {j: t for j, t in self._removed.items() if now - t <= DROPPED_KEEP_S}
+        self._left = {i: t for i, t in self._left.items() if now - t[0] <= DROPPED_KEEP_S}
         removed_at = self._removed.get(job)
         if removed_at is not None and since <= removed_at:
             self._waiting.pop(wid, None)
@@ -2067,6 +2090,11 @@ class ColoService:
                 if mine:
                     for w in self._waiters_of(job, at):
                         del self._waiting[w.id]
+                # a run of it silent (stopped: Ctrl-Z) is told too, should it ask again
+                silent = any(w.job == job for w in self._waiting.values()) or any(
+                    w.job == job for _, w in self._dropped.values()
+                )
+                if mine or silent:
                     self._removed[job] = at
             self._save(state)
             if not mine:
@@ -2128,8 +2156,10 @@ class ColoService:
         as the queue drops an entry whose holder process is gone; for :meth:`_say_gone`
         once out of the lock. Under the lock."""
         gone = [w for w in self._waiting.values() if now - w.last > WAITER_GONE_S]
+        self._dropped = {i: d for i, d in self._dropped.items() if now - d[0] <= DROPPED_KEEP_S}
         for w in gone:
             del self._waiting[w.id]
+            self._dropped[w.id] = (now, w)
         return gone
 
     def _say_gone(self, gone: Sequence[_Waiter], now: float) -> None:

@@ -1602,6 +1602,74 @@ def test_a_waiting_run_keeps_its_id_through_a_restart_and_goes_when_it_stops_ask
     assert all("its gpuctl run stopped asking 12 s ago" in e.message for e in gone)
 
 
+def test_a_run_stopped_past_its_drop_is_told_of_its_leave_when_it_asks_again(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A waiting run stopped (Ctrl-Z) and taken out meanwhile (`gpuctl queue --leave`),
+    then dropped for its silence: continued a minute later, its next question is
+    LeftQueue. gpud had forgotten the leave after 10 s and let it wait again, to start
+    what the operator took out."""
+    from gpud.errors import LeftQueue
+
+    svc, clock, jobs = service
+    snap = memory_held(svc, jobs)
+    wid = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    clock.t += 3.0
+    assert svc.leave(wid) is not None
+    clock.t += 60.0
+    svc.tick(snap)
+    with pytest.raises(LeftQueue, match=wid):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=63.0, waiter_id=wid)
+    assert svc.waiting() == []
+
+
+def test_a_run_stopped_past_its_drop_is_told_its_job_was_removed_when_it_asks_again(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A waiting run stopped (Ctrl-Z) and dropped for its silence, its job removed
+    (`gpuctl jobs rm --force`) before or after the drop: continued, its next question
+    is NotFound, nothing started. gpud had forgotten the removal after 10 s (or never
+    told a run it no longer listed) and let it wait again, to register the job anew."""
+    from gpud.errors import NotFound
+
+    svc, clock, jobs = service
+    snap = memory_held(svc, jobs)
+    before = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    after = svc.advise("x", snapshot=snap, waiting=True).waiter_id
+    clock.t += 3.0
+    svc.job_removed("w", True)()  # while it is listed still
+    clock.t += 30.0
+    svc.tick(snap)  # both dropped: silent 33 s
+    assert svc.waiting() == []
+    svc.job_removed("x", True)()  # after its drop
+    clock.t += 30.0
+    for job, wid in (("w", before), ("x", after)):
+        with pytest.raises(NotFound, match=f"job {job} was removed"):
+            svc.advise(job, snapshot=snap, waiting=True, waited_s=63.0, waiter_id=wid)
+    assert svc.waiting() == []
+
+
+def test_a_run_stopped_past_its_drop_waits_again_behind_the_runs_that_came_meanwhile(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A waiting run stopped (Ctrl-Z) past its drop, continued: it waits again under its
+    id, from then on, behind a run that began waiting while gpud listed it no more. It
+    took back its first place by the time it counted (the stop included), ahead of the
+    run gpud had served first meanwhile."""
+    svc, clock, jobs = service
+    snap = memory_held(svc, jobs)
+    stopped = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    clock.t += 20.0
+    svc.tick(snap)  # dropped: silent 20 s
+    meanwhile = svc.advise("x", snapshot=snap, waiting=True).waiter_id
+    for _ in range(8):  # it asks every 5 s
+        clock.t += 5.0
+        assert svc.advise("x", snapshot=snap, waiting=True, waiter_id=meanwhile).gpu == -1
+    again = svc.advise("w", snapshot=snap, waiting=True, waited_s=60.0, waiter_id=stopped)
+    assert again.gpu == -1 and again.waiter_id == stopped
+    assert [(w.id, w.waited_s) for w in svc.waiting()] == [(meanwhile, 40.0), (stopped, 0.0)]
+
+
 def test_what_the_loop_holds_of_a_job_gone_is_forgotten_after_a_while(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:

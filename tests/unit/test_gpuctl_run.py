@@ -2457,6 +2457,69 @@ def test_a_held_process_killed_is_a_json_error_under_json(
     assert doc["message"].startswith("the command of job h3 did not start: its first process")
 
 
+class SignalsGpuctlOnceOpened(net_pb2_grpc.NetServicer):
+    """Places the held process in its cgroup, stopped (SIGSTOP); once gpuctl has opened
+    the gate and passes signals on to its command, SIGTERM to gpuctl, which passes it on
+    to that process before its exec; then lets the process go on, to end by it."""
+
+    def __init__(self) -> None:
+        self.sent = threading.Event()
+
+    async def PlaceProcess(
+        self, request: net_pb2.PlaceProcessRequest, context: Any
+    ) -> net_pb2.PlaceProcessResponse:
+        pid = request.pid
+        os.kill(pid, signal.SIGSTOP)
+        until(lambda: proc_state(pid) == "T", f"process {pid} stopped")
+
+        def once_passed_on() -> None:
+            # gpuctl's handler is the one that passes signals on once the gate is open
+            until(
+                lambda: getattr(signal.getsignal(signal.SIGTERM), "__name__", "") == "forward",
+                "gpuctl passes signals on",
+            )
+            os.kill(os.getpid(), signal.SIGTERM)
+            until(lambda: _pending(pid, signal.SIGTERM), f"SIGTERM pending for {pid}")
+            self.sent.set()
+            os.kill(pid, signal.SIGCONT)
+
+        threading.Thread(target=once_passed_on, daemon=True).start()
+        return net_pb2.PlaceProcessResponse(cgroup=f"gpud/gpud-job-{request.job}")
+
+    def register(self, server: Any) -> None:
+        net_pb2_grpc.add_NetServicer_to_server(self, server)
+
+
+def _pending(pid: int, signum: int) -> bool:
+    """Whether ``signum`` waits for ``pid``, a stopped process (/proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) >> (signum - 1) & 1:
+            return True
+    return False
+
+
+def test_a_signal_passed_on_to_the_command_before_its_exec_stops_the_run_as_before_it_started(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGTERM to gpuctl once the gate opened, which gpuctl passes on and which ends the
+    process before it became the command: the signal came first, so the run ends as one
+    stopped before its command started (exit 130, said so), as a signal a moment earlier
+    does. It said the command did not start, as if something else had killed its first
+    process, and exited 143."""
+    net = SignalsGpuctlOnceOpened()
+    marker = tmp_path / "ran"
+    with serving(net.register) as n:
+        n.jobs.set_tagger(lambda job: 26, lambda job: 26)
+        got = n.ctl("run", "--job", "h5", "--gpus", "1", "--", "touch", str(marker))
+        assert n.jobs.reservations.held() == []
+    err = capsys.readouterr().err
+    assert net.sent.is_set()
+    assert got == 130, err
+    assert "gpuctl: job h5 stopped (SIGTERM) before its command started" in err
+    assert "did not start" not in err
+    assert not marker.exists()
+
+
 def test_a_queued_run_starts_its_command_as_soon_as_its_devices_free(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -348,3 +348,34 @@ def test_a_command_that_cannot_be_started_leaves_the_signals_to_end_the_run(
         )
     finally:
         after.close()
+
+
+def test_a_signal_taken_before_the_fork_failed_stops_the_run_not_exit_127(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SIGTERM that lands while gpuctl forks the command's process, the fork then failing
+    (EAGAIN): the signal came first, so the run ends as one stopped before its command
+    started (NotStarted: exit 130, the reservation given back), as a signal while the
+    command is held does. It exited 127, a command not found, telling gpud that exit
+    status as the command's."""
+
+    def signalled_then_no_fork(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        os.kill(os.getpid(), signal.SIGTERM)  # gpuctl's handler: the stop names it
+        raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+
+    after = _Stop()
+    try:
+        with _signals_stop() as stop, pytest.raises(NotStarted) as never:
+            _launch(
+                ["true"],
+                dict(os.environ),
+                lambda pid: None,
+                stop=stop,
+                after=after,
+                popen=signalled_then_no_fork,
+            )
+        assert never.value.returncode is None and not never.value.removed
+        assert stop.signum == signal.SIGTERM and after.signum == signal.SIGTERM
+        assert "cannot run" not in capsys.readouterr().err
+    finally:
+        after.close()
