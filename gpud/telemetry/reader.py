@@ -14,9 +14,10 @@ Error policy, per reading:
 - ``NoPermission`` (a reading only root may take, NVML_ERROR_NO_PERMISSION): as NotSupported,
   and said once in the log; the GPU stays healthy.
 - ``GpuLost``: stop reading this GPU for this tick; the sample is unhealthy.
-- ``GpuFault`` (reset required, interrupt issue, insufficient power, corrupted infoROM): as
-  any other error below, with the reason led by what the GPU needs ("reset required (memory):
-  ...").
+- ``GpuFault`` (reset required, interrupt issue, insufficient power, corrupted infoROM) or
+  ``DriverTimeout``: as ``GpuLost``, with the reason led by what the GPU needs ("reset
+  required (memory): ..."): the sample has none of the tick's readings, and its
+  ``sampled_at`` stays that of the last good read, so ``gpud_gpu_sample_age_seconds`` grows.
 - any other ``BackendError``: that field is ``None``, the rest is still read, the sample is
   unhealthy with the first failing reading as the reason.
 - a MIG device whose process list fails (NotSupported or not) keeps its memory reading; its
@@ -175,7 +176,10 @@ class GpuReader:
                     if name not in self._refused:
                         self._refused.add(name)
                         log.warning("GPU %d: %s not read: %s", gpu, name, error)
-                elif isinstance(error, GpuLost):
+                elif isinstance(error, GPU_FAULTS):
+                    # The GPU's own fault, not one reading's: what else it answered this
+                    # tick is no reading to trust (the driver may hand back what it last
+                    # had), and the sample keeps the time of the last good one, as when lost
                     return self._failed(identity, _reason(name, error))
                 else:
                     reason = reason or _reason(name, error)
