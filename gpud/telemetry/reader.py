@@ -93,8 +93,8 @@ class _Unsupported:
 class GpuReader:
     """All driver reads for one GPU. Not thread-safe: only its worker thread calls ``read``.
 
-    The MIG device list is re-read when MIG mode changes, when a MIG device read fails (the
-    device was destroyed), when :meth:`refresh_identity` was called (gpud changed the layout
+    The MIG device list is re-read when MIG mode changes, at once in the same tick when a
+    MIG device read fails (the device was destroyed, or another moved onto its index), when :meth:`refresh_identity` was called (gpud changed the layout
     itself), and every ``identity_refresh_s`` (someone ran ``nvidia-smi mig`` by hand).
     """
 
@@ -225,16 +225,24 @@ class GpuReader:
 
     def _read_mig(self, gpu: int, now: float) -> tuple[MigSample, ...]:
         devices = self._mig
-        if devices is None or now - self._mig_read_at >= self._identity_refresh_s:
-            devices = tuple(self._backend.mig_devices(gpu))
-            self._mig = devices
-            self._mig_read_at = now
+        listed = devices is None or now - self._mig_read_at >= self._identity_refresh_s
+        if devices is None or listed:
+            devices = self._list_mig(gpu, now)
         readings = self._backend.mig_readings(gpu, devices)
+        if readings.errors and not listed:
+            # Most likely destroyed or moved since the list was read (a device created or
+            # destroyed renumbers the others): list them again now, so that the sample shows
+            # the devices there are, not for one tick a removed one. (A device whose memory
+            # or process list alone failed was read, and is no error here.)
+            readings = self._backend.mig_readings(gpu, self._list_mig(gpu, now))
         if readings.errors:
-            # Most likely destroyed since the list was read: list again next tick. (A device
-            # whose memory or process list alone failed was read, and is no error here.)
-            self._mig = None
+            self._mig = None  # still: list again next tick
         return readings.devices
+
+    def _list_mig(self, gpu: int, now: float) -> tuple[MigDeviceIdentity, ...]:
+        devices = self._mig = tuple(self._backend.mig_devices(gpu))
+        self._mig_read_at = now
+        return devices
 
     def _failed(self, identity: GpuIdentity, reason: str) -> GpuSample:
         # Re-read the MIG list once the GPU answers again: it may have been reset.

@@ -295,6 +295,49 @@ def _mig_labels(gpu: GpuSample, dev: MigSample) -> dict[str, str]:
     }
 
 
+def _mig_series(node: Node, gpu: int) -> dict[str, float]:
+    """gpud_mig_device_memory_used_bytes of ``gpu``'s MIG devices, by GPU instance ID."""
+    return {
+        s.labels["gpu_instance_id"]: s.value
+        for family in node.registry.collect()
+        if family.name == "gpud_mig_device_memory_used_bytes"
+        for s in family.samples
+        if s.labels["gpu"] == str(gpu)
+    }
+
+
+def test_mig_devices_that_come_and_go_are_shown_as_they_are_at_the_tick(node: Node) -> None:
+    """The driver numbers MIG devices among those that exist: a device destroyed or created
+    moves others onto new indexes, and neither a removed device nor another's readings under
+    a device's labels may show, not even for one tick."""
+    enable_mig(node, 1, 3)
+    node.sampler.refresh_identity()
+    node.sampler.tick()
+    first, middle, last = node.sampler.latest().gpus[1].mig_devices  # type: ignore[union-attr]
+    node.sim.workloads.start(1, 4242, 3 * GIB, 0.5, mig=2)
+    node.sampler.tick()
+    ids = [str(d.identity.gpu_instance_id) for d in (first, middle, last)]
+    assert _mig_series(node, 1)[ids[2]] >= 3 * GIB
+
+    node.backend.destroy_compute_instance(1, middle.identity.gpu_instance_id, 0)
+    node.backend.destroy_gpu_instance(1, middle.identity.gpu_instance_id)
+    node.sampler.tick()
+    series = _mig_series(node, 1)
+    assert sorted(series) == sorted([ids[0], ids[2]])
+    assert series[ids[2]] >= 3 * GIB  # its own reading, not the first device's
+
+    # created again where it was: the last device moves back to the index it had, and no
+    # driver call fails on the way
+    profile = next(p for p in node.backend.gpu_instance_profiles(1) if p.name == "1g.10gb")
+    placement = node.backend.gpu_instance_placements(1, profile.id)[1]
+    gi = node.backend.create_gpu_instance(1, profile.id, placement)
+    node.backend.create_compute_instance(1, gi.id, 0)
+    node.sampler.tick()
+    series = _mig_series(node, 1)
+    assert len(series) == 3 and series[ids[2]] >= 3 * GIB
+    node.sim.workloads.stop(4242)
+
+
 def test_mig_devices_whose_memory_cannot_be_read_keep_their_processes(node: Node) -> None:
     """Only the MIG devices' memory is missing: it is absent with the reason, the processes
     are listed as usual, and the GPU is as healthy as its other reads."""
