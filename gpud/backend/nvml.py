@@ -192,6 +192,16 @@ def _text(value: object) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
+def _moved(gpu: int, dev: MigDeviceIdentity, now_uuid: str) -> DeviceNotFound:
+    return DeviceNotFound(
+        f"MIG device {dev.mig} of GPU {gpu} is {now_uuid} now, not {dev.uuid} "
+        f"(GPU instance {dev.gpu_instance_id}): the MIG devices changed since they were listed",
+        gpu=gpu,
+        uuid=dev.uuid,
+        call="nvmlDeviceGetUUID",
+    )
+
+
 def _opt_uint(value: int) -> int | None:
     return None if value == _NOT_AVAILABLE_UINT else int(value)
 
@@ -249,6 +259,7 @@ class _Fast:
         "processes",
         "temperature",
         "utilization",
+        "uuid",
     )
 
     def __init__(self, nv: Any) -> None:
@@ -264,6 +275,7 @@ class _Fast:
         self.processes = self._processes_newest
         self.mig_mode = nv.nvmlDeviceGetMigMode
         self.mig_handle = nv.nvmlDeviceGetMigDeviceHandleByIndex
+        self.uuid = nv.nvmlDeviceGetUUID
         self.TEMPERATURE_GPU = nv.NVML_TEMPERATURE_GPU
         self.CLOCK_SM = nv.NVML_CLOCK_SM
         self.CLOCK_MEM = nv.NVML_CLOCK_MEM
@@ -603,7 +615,9 @@ class NvmlBackend:
         """``nvidia-smi -q -i N:M -d MEMORY,PIDS`` over ``devices``: one handle lookup, one
         memory and one process query per device. A memory or process query that fails
         (NotSupported, a driver error) leaves the device's other reading: see
-        :class:`MigReading`. Only a device whose handle cannot be had is in ``errors``. A
+        :class:`MigReading`. Only a device whose handle cannot be had, or whose index now
+        holds another device (its UUID is not the one listed: ``DeviceNotFound``), is in
+        ``errors``. A
         fault of the GPU itself (:data:`gpud.errors.GPU_FAULTS`: lost, hung, in need of an
         operator) raises: it is the GPU's, not one device's reading's."""
         parent = self._handle(gpu)
@@ -612,17 +626,27 @@ class NvmlBackend:
         get_memory = f.memory
         get_procs = f.processes
         error = self._error
+        get_uuid = f.uuid
         out: list[MigReading] = []
         errors: list[tuple[int, BackendError]] = []
         for dev in devices:
+            h = None
             try:
                 h = get_handle(parent, dev.mig)
+                now_uuid = _text(get_uuid(h))
             except error as err:
-                translated = self._translate(err, gpu, get_handle)
+                translated = self._translate(err, gpu, get_handle if h is None else get_uuid)
                 if isinstance(translated, GPU_FAULTS):
                     raise translated from err
                 out.append(MigReading(dev, None, (), False))
                 errors.append((dev.mig, translated))
+                continue
+            if now_uuid != dev.uuid:
+                # The driver numbers MIG devices among those that exist now: one destroyed
+                # or created since the list was read moves another onto this index, whose
+                # readings are not this device's.
+                out.append(MigReading(dev, None, (), False))
+                errors.append((dev.mig, _moved(gpu, dev, now_uuid)))
                 continue
             # The device answers: a query that fails leaves only its own reading unknown.
             memory: MemoryInfo | None = None

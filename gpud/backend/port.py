@@ -286,7 +286,9 @@ class GpuBackend(Protocol):
         """Memory and processes of ``devices`` (MIG devices of ``gpu``, by their ``mig``
         index), each device's handle resolved once: the sampler's one call per MIG GPU and
         tick. A device whose reads fail is read as empty (see :class:`MigReading`) with its
-        error in ``errors``; a GPU that is lost, hung or needs an operator raises (one of
+        error in ``errors``, and so is one whose index now holds another device (the driver
+        numbers MIG devices among those that exist: one created or destroyed since
+        ``devices`` were listed moves the others), never with that other's readings; a GPU that is lost, hung or needs an operator raises (one of
         :data:`gpud.errors.GPU_FAULTS`)."""
         ...
 

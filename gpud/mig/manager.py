@@ -205,6 +205,7 @@ class MigManager:
         self._partial: dict[str, tuple[ProfileTable, float]] = {}
         self._view: list[GpuView] | None = None
         self._view_at = float("-inf")
+        self._view_faulty: frozenset[int] = frozenset()  # GPUs faulty when it was read
         self._outcomes: list[GpuOutcome] = []
         self.stats = ApplyStats()
         # driver changes made by this process (read from other threads: start-up tells
@@ -1143,7 +1144,15 @@ class MigManager:
                     self.stats.record("resumed", self._monotonic() - began)
             self._outcomes = outcomes
             now = self._monotonic()
-            if self._view is None or now - self._view_at >= self.VIEW_REFRESH_S:
+            # a GPU found faulty (or answering again) since the view was read is read again
+            # at once: its MIG series, read before, are no state of it now
+            faulty = frozenset(self._faulty_now())
+            if (
+                self._view is None
+                or now - self._view_at >= self.VIEW_REFRESH_S
+                or faulty != self._view_faulty
+            ):
+                self._view_faulty = faulty
                 try:
                     self._view = self.show(timeout_s=self.VIEW_TIMEOUT_S)
                     self._view_at = now

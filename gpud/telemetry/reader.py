@@ -14,9 +14,10 @@ Error policy, per reading:
 - ``NoPermission`` (a reading only root may take, NVML_ERROR_NO_PERMISSION): as NotSupported,
   and said once in the log; the GPU stays healthy.
 - ``GpuLost``: stop reading this GPU for this tick; the sample is unhealthy.
-- ``GpuFault`` (reset required, interrupt issue, insufficient power, corrupted infoROM): as
-  any other error below, with the reason led by what the GPU needs ("reset required (memory):
-  ...").
+- ``GpuFault`` (reset required, interrupt issue, insufficient power, corrupted infoROM) or
+  ``DriverTimeout``: as ``GpuLost``, with the reason led by what the GPU needs ("reset
+  required (memory): ..."): the sample has none of the tick's readings, and its
+  ``sampled_at`` stays that of the last good read, so ``gpud_gpu_sample_age_seconds`` grows.
 - any other ``BackendError``: that field is ``None``, the rest is still read, the sample is
   unhealthy with the first failing reading as the reason.
 - a MIG device whose process list fails (NotSupported or not) keeps its memory reading; its
@@ -92,8 +93,8 @@ class _Unsupported:
 class GpuReader:
     """All driver reads for one GPU. Not thread-safe: only its worker thread calls ``read``.
 
-    The MIG device list is re-read when MIG mode changes, when a MIG device read fails (the
-    device was destroyed), when :meth:`refresh_identity` was called (gpud changed the layout
+    The MIG device list is re-read when MIG mode changes, at once in the same tick when a
+    MIG device read fails (the device was destroyed, or another moved onto its index), when :meth:`refresh_identity` was called (gpud changed the layout
     itself), and every ``identity_refresh_s`` (someone ran ``nvidia-smi mig`` by hand).
     """
 
@@ -175,7 +176,10 @@ class GpuReader:
                     if name not in self._refused:
                         self._refused.add(name)
                         log.warning("GPU %d: %s not read: %s", gpu, name, error)
-                elif isinstance(error, GpuLost):
+                elif isinstance(error, GPU_FAULTS):
+                    # The GPU's own fault, not one reading's: what else it answered this
+                    # tick is no reading to trust (the driver may hand back what it last
+                    # had), and the sample keeps the time of the last good one, as when lost
                     return self._failed(identity, _reason(name, error))
                 else:
                     reason = reason or _reason(name, error)
@@ -221,16 +225,24 @@ class GpuReader:
 
     def _read_mig(self, gpu: int, now: float) -> tuple[MigSample, ...]:
         devices = self._mig
-        if devices is None or now - self._mig_read_at >= self._identity_refresh_s:
-            devices = tuple(self._backend.mig_devices(gpu))
-            self._mig = devices
-            self._mig_read_at = now
+        listed = devices is None or now - self._mig_read_at >= self._identity_refresh_s
+        if devices is None or listed:
+            devices = self._list_mig(gpu, now)
         readings = self._backend.mig_readings(gpu, devices)
+        if readings.errors and not listed:
+            # Most likely destroyed or moved since the list was read (a device created or
+            # destroyed renumbers the others): list them again now, so that the sample shows
+            # the devices there are, not for one tick a removed one. (A device whose memory
+            # or process list alone failed was read, and is no error here.)
+            readings = self._backend.mig_readings(gpu, self._list_mig(gpu, now))
         if readings.errors:
-            # Most likely destroyed since the list was read: list again next tick. (A device
-            # whose memory or process list alone failed was read, and is no error here.)
-            self._mig = None
+            self._mig = None  # still: list again next tick
         return readings.devices
+
+    def _list_mig(self, gpu: int, now: float) -> tuple[MigDeviceIdentity, ...]:
+        devices = self._mig = tuple(self._backend.mig_devices(gpu))
+        self._mig_read_at = now
+        return devices
 
     def _failed(self, identity: GpuIdentity, reason: str) -> GpuSample:
         # Re-read the MIG list once the GPU answers again: it may have been reset.

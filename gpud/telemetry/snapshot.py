@@ -77,7 +77,9 @@ LastSeenSource = Callable[[], Mapping[int, SeenIdentity]]
 
 
 class GpuSample(NamedTuple):
-    """One GPU at one tick. ``sampled_at`` is the monotonic time its reads completed."""
+    """One GPU at one tick. ``sampled_at`` is the monotonic time its reads completed: of a
+    GPU lost, hung or faulty (``GPU_FAULTS``: reset required, ...), the time of its last good
+    read, and the sample then has none of the tick's readings."""
 
     identity: GpuIdentity
     healthy: bool

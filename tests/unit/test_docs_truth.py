@@ -640,7 +640,9 @@ def unknown_metric_names(text: str, families: dict[str, Family]) -> set[str]:
 # PromQL: a selector's matchers, and the labels of by/without
 _SELECTOR = re.compile(r"\b(gpud_[a-z0-9_]+)\s*\{([^}]*)\}")
 _MATCHER = re.compile(r"(\w+)\s*(?:=~|!~|!=|=)")
-_GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+# by/without, and the labels a binary operation matches on: a label renamed in the exporter
+# leaves an `on (...)` matching nothing, and the rule silently never fires
+_GROUPING = re.compile(r"\b(by|without|on)\s*\(([^)]*)\)")
 
 
 def unknown_labels(expr: str, families: dict[str, Family]) -> set[str]:
@@ -656,9 +658,9 @@ def unknown_labels(expr: str, families: dict[str, Family]) -> set[str]:
         unknown |= {f"{name}{{{m}}}" for m in _MATCHER.findall(matchers) if m not in allowed}
     if used:
         allowed = _TARGET_LABELS | {"le"} | {label for f in used for label in f.labels}
-        for grouping in _GROUPING.findall(expr):
+        for keyword, grouping in _GROUPING.findall(expr):
             unknown |= {
-                f"by/without ({g.strip()})"
+                f"{keyword} ({g.strip()})"
                 for g in grouping.split(",")
                 if g.strip() and g.strip() not in allowed
             }
@@ -721,8 +723,20 @@ def test_the_metrics_checks_find_what_is_wrong() -> None:
     )
     assert unknown_labels('gpud_mig_apply_total{reason="x"} by (gpu)', families) == {
         "gpud_mig_apply_total{reason}",
-        "by/without (gpu)",
+        "by (gpu)",
     }
+    # a join on a label the series do not have (renamed in the exporter) matches nothing
+    assert unknown_labels(
+        "gpud_gpu_healthy == 0 unless on (instance, gpu_index) gpud_gpu_critical_xid_uncleared",
+        families,
+    ) == {"on (gpu_index)"}
+    assert (
+        unknown_labels(
+            "gpud_gpu_healthy == 0 unless on (instance, gpu) gpud_gpu_critical_xid_uncleared",
+            families,
+        )
+        == set()
+    )
     text = METRICS.read_text()
     assert metrics_table_disagreements(
         text.replace("| `gpud_gpus` | gauge |", "| `gpud_gpus` | counter |"), families

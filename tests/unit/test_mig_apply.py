@@ -504,6 +504,40 @@ def test_a_faulty_gpu_has_no_mig_layout_or_reset_series(host: Host, config: MigC
     }
 
 
+def test_a_gpu_found_faulty_drops_its_mig_series_at_the_next_reconcile(
+    host: Host, config: MigConfigFile
+) -> None:
+    """The MIG view is read again at once when a GPU turns faulty or answers again, not
+    only every VIEW_REFRESH_S: a lost or hung GPU's instances and reset state, read before,
+    are not exported as its state now."""
+    d = enable(host, config, "all-balanced")
+    d.mig.reconcile()
+
+    def gpus_of(name: str) -> set[str]:
+        return {
+            s.labels["gpu"]
+            for family in MigMetrics(d.mig)()
+            if family.name == name
+            for s in family.samples
+        }
+
+    assert gpus_of("gpud_mig_instance_info") == {"0", "1"}
+    d.node.faults.lose(1)
+    host.faults[1] = "GPU lost (memory): GPU is lost"
+    d.mig.reconcile()
+    for name in (
+        "gpud_mig_instance_info",
+        "gpud_mig_instance_memory_used_bytes",
+        "gpud_mig_instance_processes",
+        "gpud_mig_reset_pending",
+    ):
+        assert gpus_of(name) == {"0"}, name
+    d.node.faults.clear(1)
+    host.faults.clear()
+    d.mig.reconcile()
+    assert gpus_of("gpud_mig_instance_info") == gpus_of("gpud_mig_reset_pending") == {"0", "1"}
+
+
 def _mutations(
     host_dir: Path, spec: list[tuple[str, int]], config: MigConfigFile, start: str | None
 ) -> int:

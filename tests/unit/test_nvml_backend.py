@@ -543,6 +543,25 @@ def test_mig_readings_leave_a_destroyed_device_empty() -> None:
         be.mig_readings(0, devices)
 
 
+def test_mig_readings_never_give_a_device_the_readings_of_one_moved_onto_its_index() -> None:
+    node, be = _mig_backend()
+    for start in (0, 1):
+        gi = be.create_gpu_instance(0, 19, port.Placement(start, 1))
+        be.create_compute_instance(0, gi.id, 0)
+    devices = be.mig_devices(0)
+    node.workloads.start(0, 77, GiB, 0.5, mig=1)
+    # the first device destroyed: the driver numbers the second one 0 now
+    be.destroy_compute_instance(0, devices[0].gpu_instance_id, devices[0].compute_instance_id)
+    readings = be.mig_readings(0, devices)
+    assert readings.devices[0] == port.MigReading(devices[0], None, (), False)
+    assert readings.devices[1] == port.MigReading(devices[1], None, (), False)
+    (moved, err), (gone, _) = readings.errors
+    assert (moved, gone) == (0, 1) and isinstance(err, DeviceNotFound)
+    assert err.gpu == 0 and err.uuid == devices[0].uuid
+    assert f"is {devices[1].uuid} now, not {devices[0].uuid}" in str(err)
+    node.workloads.stop(77)
+
+
 def test_mig_readings_keep_processes_when_the_memory_query_fails() -> None:
     node, be = _mig_backend()
     gi = be.create_gpu_instance(0, 19, port.Placement(0, 1))

@@ -23,16 +23,21 @@ GIB = 1 << 30
 
 
 class Node:
-    def __init__(self, nvml: Callable[[FakeNvml], Any] = lambda nv: nv) -> None:
-        """``nvml`` wraps the simulated module in a double (one that refuses some calls)."""
+    def __init__(
+        self,
+        nvml: Callable[[FakeNvml], Any] = lambda nv: nv,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``nvml`` wraps the simulated module in a double (one that refuses some calls);
+        ``clock`` stamps the samples and measures their age at a scrape."""
         self.sim = SimNode(parse_simulate_spec("H100-SXM5-80GB:4"), seed=1)
         self.backend = NvmlBackend(nvml(self.sim.nvml), uid=1000)
         self.events = EventLog(None)
         self.sampler = Sampler(
-            self.backend, call_timeout_s=0.25, events=self.events, event_wait_s=0.05
+            self.backend, call_timeout_s=0.25, events=self.events, event_wait_s=0.05, clock=clock
         )
         self.registry: CollectorRegistry = build_registry(
-            Collector(self.sampler.latest, events=self.events), process=False
+            Collector(self.sampler.latest, events=self.events, clock=clock), process=False
         )
 
     def value(self, name: str, gpu: int, **labels: str) -> float | None:
@@ -178,6 +183,90 @@ def test_a_gpu_that_requires_a_reset_is_unhealthy_saying_so_the_others_keep_work
         node.backend.close()
 
 
+class SteppedClock:
+    """A monotonic clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+_GPU_READINGS = (
+    "gpud_gpu_memory_used_bytes",
+    "gpud_gpu_memory_free_bytes",
+    "gpud_gpu_utilization_ratio",
+    "gpud_gpu_power_watts",
+    "gpud_gpu_temperature_celsius",
+    "gpud_gpu_sm_clock_hertz",
+    "gpud_gpu_processes",
+    "gpud_gpu_mig_mode_enabled",
+)
+
+
+def test_a_gpu_that_requires_a_reset_ages_from_its_last_good_reading() -> None:
+    clock = SteppedClock()
+    node = Node(clock=clock)
+    try:
+        node.sampler.tick()
+        good_at = clock.now
+        node.sim.faults.reset_required(1)
+        for _ in range(3):
+            clock.now += 40.0
+            snap = node.sampler.tick()
+        assert not snap.gpus[1].healthy
+        assert snap.gpus[1].reason.startswith("reset required (")
+        assert snap.gpus[1].sampled_at == good_at
+        assert node.value("gpud_gpu_sample_age_seconds", 1) == 120.0
+        assert node.value("gpud_gpu_sample_age_seconds", 0) == 0.0
+        # the board's size is a fact of its identity, not a reading: kept
+        total = snap.gpus[1].identity.memory_total_bytes
+        assert node.value("gpud_gpu_memory_total_bytes", 1) == total
+        assert [n for n in _GPU_READINGS if node.value(n, 1) is not None] == []
+        node.sim.faults.clear(1)
+        clock.now += 1.0
+        assert node.sampler.tick().gpus[1].healthy
+        assert node.value("gpud_gpu_sample_age_seconds", 1) == 0.0
+    finally:
+        node.sampler.close()
+        node.backend.close()
+
+
+def test_what_a_gpu_answers_beside_reset_required_is_not_exported_as_fresh() -> None:
+    """A driver that wants the GPU reset may still answer some queries, with what it last
+    had: none of them is a reading of the GPU now."""
+    clock = SteppedClock()
+    refusing: list[Refusing] = []
+
+    def wrap(nv: FakeNvml) -> Refusing:
+        refusing.append(Refusing(nv, 0, ["nvmlDeviceGetPowerUsage"], [2]))
+        return refusing[0]
+
+    node = Node(wrap, clock=clock)
+    try:
+        node.sampler.tick()
+        good_at = clock.now
+        assert node.value("gpud_gpu_memory_used_bytes", 2) is not None
+        refusing[0].code = fakenvml.NVML_ERROR_RESET_REQUIRED
+        clock.now += 45.0
+        snap = node.sampler.tick()
+        g2 = snap.gpus[2]
+        assert g2.reason.startswith("reset required (power_watts): ")
+        assert (g2.memory, g2.temperature_celsius, g2.clocks, g2.sampled_at) == (
+            None,
+            None,
+            None,
+            good_at,
+        )
+        assert node.value("gpud_gpu_sample_age_seconds", 2) == 45.0
+        assert [n for n in _GPU_READINGS if node.value(n, 2) is not None] == []
+        assert all(snap.gpus[i].healthy for i in (0, 1, 3))
+    finally:
+        node.sampler.close()
+        node.backend.close()
+
+
 def test_a_process_list_the_driver_does_not_report_is_absent_not_zero(node: Node) -> None:
     node.sim.workloads.start(1, 4242, 2 * GIB, 0.5)
     node.sim.faults.not_supported(1, "processes")
@@ -204,6 +293,49 @@ def _mig_labels(gpu: GpuSample, dev: MigSample) -> dict[str, str]:
         "gpu_instance_id": str(dev.identity.gpu_instance_id),
         "compute_instance_id": str(dev.identity.compute_instance_id),
     }
+
+
+def _mig_series(node: Node, gpu: int) -> dict[str, float]:
+    """gpud_mig_device_memory_used_bytes of ``gpu``'s MIG devices, by GPU instance ID."""
+    return {
+        s.labels["gpu_instance_id"]: s.value
+        for family in node.registry.collect()
+        if family.name == "gpud_mig_device_memory_used_bytes"
+        for s in family.samples
+        if s.labels["gpu"] == str(gpu)
+    }
+
+
+def test_mig_devices_that_come_and_go_are_shown_as_they_are_at_the_tick(node: Node) -> None:
+    """The driver numbers MIG devices among those that exist: a device destroyed or created
+    moves others onto new indexes, and neither a removed device nor another's readings under
+    a device's labels may show, not even for one tick."""
+    enable_mig(node, 1, 3)
+    node.sampler.refresh_identity()
+    node.sampler.tick()
+    first, middle, last = node.sampler.latest().gpus[1].mig_devices  # type: ignore[union-attr]
+    node.sim.workloads.start(1, 4242, 3 * GIB, 0.5, mig=2)
+    node.sampler.tick()
+    ids = [str(d.identity.gpu_instance_id) for d in (first, middle, last)]
+    assert _mig_series(node, 1)[ids[2]] >= 3 * GIB
+
+    node.backend.destroy_compute_instance(1, middle.identity.gpu_instance_id, 0)
+    node.backend.destroy_gpu_instance(1, middle.identity.gpu_instance_id)
+    node.sampler.tick()
+    series = _mig_series(node, 1)
+    assert sorted(series) == sorted([ids[0], ids[2]])
+    assert series[ids[2]] >= 3 * GIB  # its own reading, not the first device's
+
+    # created again where it was: the last device moves back to the index it had, and no
+    # driver call fails on the way
+    profile = next(p for p in node.backend.gpu_instance_profiles(1) if p.name == "1g.10gb")
+    placement = node.backend.gpu_instance_placements(1, profile.id)[1]
+    gi = node.backend.create_gpu_instance(1, profile.id, placement)
+    node.backend.create_compute_instance(1, gi.id, 0)
+    node.sampler.tick()
+    series = _mig_series(node, 1)
+    assert len(series) == 3 and series[ids[2]] >= 3 * GIB
+    node.sim.workloads.stop(4242)
 
 
 def test_mig_devices_whose_memory_cannot_be_read_keep_their_processes(node: Node) -> None:
