@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from gpud.cluster.agent import ClusterAgent
+from gpud.cluster.agent import ALARM_CHECK_S, ClusterAgent
 from gpud.cluster.election import LeaderInfo
 from gpud.cluster.etcd import EtcdClient
 from gpud.cluster.leader import Aggregator
@@ -32,6 +32,11 @@ class SlowEtcd(MemoryEtcd):
         self.during("read")
         return super().get_prefix(prefix)
 
+    def alarms(self) -> tuple[str, ...]:
+        self.calls.append("alarms")
+        self.during("alarms")
+        return ()
+
     def guarded_update(
         self,
         guard_key: str,
@@ -52,13 +57,23 @@ class SlowEtcd(MemoryEtcd):
         return True
 
 
-def _leader(etcd: SlowEtcd, traffic: FakeTraffic) -> ClusterAgent:
+def _leader(
+    etcd: SlowEtcd, traffic: FakeTraffic, *, clock: Clock | None = None, alarms: bool = False
+) -> ClusterAgent:
     etcd.put("/c/leader", '{"node": "n0", "address": "n0:1"}')
     epoch = etcd.kv["/c/leader"].create_revision
     client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
     info = LeaderInfo("n0", "n0:1", epoch, True)
     store = EtcdTagStore(client, prefix="/c", epoch=epoch)
-    return agent("n0", info, traffic, LoopbackPeers(), Clock(), store=store)
+    return agent(
+        "n0",
+        info,
+        traffic,
+        LoopbackPeers(),
+        clock or Clock(),
+        store=store,
+        alarms=etcd if alarms else None,
+    )
 
 
 def _tags(etcd: SlowEtcd) -> dict[str, bytes]:
@@ -92,6 +107,28 @@ async def test_a_stop_during_the_leaders_save_lets_it_end_whole_and_applies_no_o
     assert sorted(_tags(etcd)) == [f"/c/tags/j{i}" for i in range(8)]
     assert len(set(_tags(etcd).values())) == 8
     assert leader.order is None and traffic.order is None
+
+
+async def test_a_round_cut_by_a_stop_reads_no_alarms_after_it() -> None:
+    """The cut round's tick ends there: etcd's alarms, the last etcd call of a tick, are
+    not read once the cluster stops."""
+    etcd, traffic, now = SlowEtcd(), FakeTraffic((job("a", 0.5),)), Clock()
+    leader = _leader(etcd, traffic, clock=now, alarms=True)
+    await leader.tick()
+    assert etcd.calls == ["read", "txn", "alarms"]  # a round as it runs without a stop
+    applied = traffic.order
+    etcd.calls.clear()
+    now.now += ALARM_CHECK_S  # the alarms are due again, and a new job needs a tag
+    traffic.jobs = (job("a", 0.5), job("b", 0.2))
+
+    def stop_at_save(call: str) -> None:
+        if call == "txn":
+            leader.end_rounds()
+
+    etcd.during = stop_at_save
+    await leader.tick()
+    assert etcd.calls == ["txn"]
+    assert traffic.order == applied  # the cut round applied nothing
 
 
 def test_jobs_the_pool_had_no_tag_for_age_out_without_a_delete_and_a_save_is_one_txn() -> None:
