@@ -429,6 +429,8 @@ class ClusterAgent:
                 # none to report to (etcd names no leader): an error about the last one is
                 # no longer the node's problem; the election's detail says why none leads
                 self._set_error(problem, OWN_CERTIFICATE if problem else "")
+        if self._ended:
+            return  # the cluster stopped meanwhile: no etcd call (the alarms) after a cut
         self._update_mode(info)
         await self._read_alarms()
         if not self._stopping:  # the stop withdraws it (close)

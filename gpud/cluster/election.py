@@ -219,11 +219,16 @@ class EtcdElection:
         sleep when etcd cannot be watched. Both in slices of :data:`~gpud.clock.WAKE_S`
         at most, the time read anew after each on the election's clock: stop() never waits
         long, and a step due during a suspend runs at the resume (the kernel's timeouts
-        stop while the host is suspended; etcd's lease ran on)."""
+        stop while the host is suspended; etcd's lease ran on).
+
+        A watch that ends without a change well before its slice (the stream closed with
+        no event: a proxy, a gateway's in-stream error) counts as failed: the rest of the
+        pause is a plain sleep, not one watch after another."""
         deadline = self._clock() + timeout_s
         watch = True  # until the watch fails: then no call of etcd until the next step
         while not self._stop.is_set():
-            left = deadline - self._clock()
+            started = self._clock()
+            left = deadline - started
             revision = self._watch_revision
             if left <= 0:
                 return
@@ -235,6 +240,9 @@ class EtcdElection:
                 if self._client.wait_for_change(self.key, revision, slice_s):
                     return
             except GpudError:
+                watch = False
+                continue
+            if self._clock() - started < slice_s / 2:
                 watch = False
 
     def step(self) -> None:

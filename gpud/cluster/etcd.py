@@ -305,6 +305,9 @@ class EtcdClient:
         ``after_revision`` (put or delete; none is missed in between), False on timeout.
 
         One watch stream per call (``etcdctl watch KEY --rev R``), on the current endpoint.
+        Its TCP connect waits no longer than ``timeout_s`` either (the client's timeout
+        where that is shorter): an endpoint that does not answer the SYN (unreachable
+        after a resume from a suspend, say) gives False within ``timeout_s``.
         """
         import requests  # etcd3gw's transport
 
@@ -316,7 +319,7 @@ class EtcdClient:
                 client.get_url("/watch"),
                 data=json.dumps(body),
                 stream=True,
-                timeout=(self._settings.timeout_s, timeout_s),
+                timeout=(min(self._settings.timeout_s, timeout_s), timeout_s),
             ) as resp:
                 if resp.status_code != 200:
                     raise Unavailable(f"etcd watch of {key}: HTTP {resp.status_code}")

@@ -173,7 +173,8 @@ class Aggregator:
         ``cut`` is asked before each call of the tag store (etcd, slow when it is) and
         once the tags are saved: True (the cluster stops) raises :class:`RoundCut` and
         the round computes no order. A save under way is not cut: it is one etcd
-        transaction (a round puts and deletes 64 tags at most, the DSCP codepoints), so
+        transaction (a round puts and deletes the keys of tagged jobs only, 64 at most
+        each, the DSCP codepoints; a job the pool had no codepoint for has no key), so
         etcd holds all of the round's tags or none of them.
 
         ``wall`` (Unix time) stamps the attributes; ``now`` (any clock that never goes back;
@@ -283,13 +284,17 @@ class Aggregator:
             free -= 1
         released = []
         if len(seen_at) > len(folds):  # some job was not reported this round
-            released = [
+            gone = [
                 job
                 for job, t in seen_at.items()
                 if now - t > self.release_after_s and job not in folds
             ]
+            for job in gone:
+                del seen_at[job]
+            # only a job that holds a tag has a key in etcd: deleting none for the jobs
+            # the pool had no codepoint for keeps a save within one transaction
+            released = [job for job in gone if allocator.get(job) is not None]
         for job in released:
-            del self._job_seen[job]
             allocator.release(job)
         after = allocator.allocations()
         allocated = {j: d for j, d in after.items() if before.get(j) != d}

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from gpud.cluster.agent import ClusterAgent
+from gpud.cluster.agent import ALARM_CHECK_S, ClusterAgent
 from gpud.cluster.election import LeaderInfo
 from gpud.cluster.etcd import EtcdClient
+from gpud.cluster.leader import Aggregator
+from gpud.cluster.model import JobReport, NodeReport
 from gpud.cluster.tagstore import EtcdTagStore
 from gpud.net.port import FakeTraffic
+from netshaper.leveller import Leveller, LevellerConfig
 from tests.unit.test_cluster_agent import Clock, LoopbackPeers, agent, job
 from tests.unit.test_cluster_candidacy import MemoryEtcd
 
@@ -22,11 +25,17 @@ class SlowEtcd(MemoryEtcd):
         super().__init__()
         self.during: Callable[[str], None] = lambda call: None
         self.calls: list[str] = []
+        self.deleted = 0  # the deletes asked for, of keys there or not
 
     def get_prefix(self, prefix: str) -> dict[str, bytes]:
         self.calls.append("read")
         self.during("read")
         return super().get_prefix(prefix)
+
+    def alarms(self) -> tuple[str, ...]:
+        self.calls.append("alarms")
+        self.during("alarms")
+        return ()
 
     def guarded_update(
         self,
@@ -36,6 +45,7 @@ class SlowEtcd(MemoryEtcd):
         deletes: list[str],
     ) -> bool:
         self.calls.append("txn")
+        self.deleted += len(deletes)
         self.during("txn")
         held = self.kv.get(guard_key)
         if held is None or held.create_revision != guard_create_revision:
@@ -47,13 +57,23 @@ class SlowEtcd(MemoryEtcd):
         return True
 
 
-def _leader(etcd: SlowEtcd, traffic: FakeTraffic) -> ClusterAgent:
+def _leader(
+    etcd: SlowEtcd, traffic: FakeTraffic, *, clock: Clock | None = None, alarms: bool = False
+) -> ClusterAgent:
     etcd.put("/c/leader", '{"node": "n0", "address": "n0:1"}')
     epoch = etcd.kv["/c/leader"].create_revision
     client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
     info = LeaderInfo("n0", "n0:1", epoch, True)
     store = EtcdTagStore(client, prefix="/c", epoch=epoch)
-    return agent("n0", info, traffic, LoopbackPeers(), Clock(), store=store)
+    return agent(
+        "n0",
+        info,
+        traffic,
+        LoopbackPeers(),
+        clock or Clock(),
+        store=store,
+        alarms=etcd if alarms else None,
+    )
 
 
 def _tags(etcd: SlowEtcd) -> dict[str, bytes]:
@@ -87,3 +107,51 @@ async def test_a_stop_during_the_leaders_save_lets_it_end_whole_and_applies_no_o
     assert sorted(_tags(etcd)) == [f"/c/tags/j{i}" for i in range(8)]
     assert len(set(_tags(etcd).values())) == 8
     assert leader.order is None and traffic.order is None
+
+
+async def test_a_round_cut_by_a_stop_reads_no_alarms_after_it() -> None:
+    """The cut round's tick ends there: etcd's alarms, the last etcd call of a tick, are
+    not read once the cluster stops."""
+    etcd, traffic, now = SlowEtcd(), FakeTraffic((job("a", 0.5),)), Clock()
+    leader = _leader(etcd, traffic, clock=now, alarms=True)
+    await leader.tick()
+    assert etcd.calls == ["read", "txn", "alarms"]  # a round as it runs without a stop
+    applied = traffic.order
+    etcd.calls.clear()
+    now.now += ALARM_CHECK_S  # the alarms are due again, and a new job needs a tag
+    traffic.jobs = (job("a", 0.5), job("b", 0.2))
+
+    def stop_at_save(call: str) -> None:
+        if call == "txn":
+            leader.end_rounds()
+
+    etcd.during = stop_at_save
+    await leader.tick()
+    assert etcd.calls == ["txn"]
+    assert traffic.order == applied  # the cut round applied nothing
+
+
+def test_jobs_the_pool_had_no_tag_for_age_out_without_a_delete_and_a_save_is_one_txn() -> None:
+    """More jobs than DSCP codepoints, then none reported past release_after_s: only the
+    tagged jobs' keys are deleted, in one transaction, so a stop's cut right after it
+    leaves etcd with all of the round's tags or none of them."""
+    etcd = SlowEtcd()
+    etcd.put("/c/leader", '{"node": "n0", "address": "n0:1"}')
+    epoch = etcd.kv["/c/leader"].create_revision
+    client: EtcdClient = etcd  # type: ignore[assignment]  # the calls used, in memory
+    agg = Aggregator(
+        leader="n0",
+        leveller=Leveller(LevellerConfig(levels=4)),
+        tags=EtcdTagStore(client, prefix="/c", epoch=epoch),
+        node_timeout_s=5,
+    )
+    agg.receive(NodeReport("n1", tuple(JobReport(f"j{i:03}", 0.5) for i in range(200))), 0)
+    tags = agg.compute(epoch, 0).tags
+    assert 0 < len(tags) < 200 and len(agg.untagged) == 200 - len(tags)
+    assert etcd.calls == ["read", "txn"]
+    etcd.calls.clear()
+    agg.compute(epoch, agg.release_after_s + 1)
+    assert etcd.calls == ["txn"] and etcd.deleted == len(tags)
+    assert _tags(etcd) == {}
+    agg.compute(epoch, 2 * agg.release_after_s + 2)  # the untagged ones are forgotten too
+    assert etcd.calls == ["txn"]

@@ -13,7 +13,7 @@ import pytest
 from gpud import clock
 from gpud.cluster.agent import ClusterAgent
 from gpud.cluster.election import EtcdElection
-from gpud.cluster.etcd import EtcdClient, KeyValue
+from gpud.cluster.etcd import EtcdClient, EtcdSettings, KeyValue
 from gpud.cluster.fencing import Mode
 from gpud.cluster.model import JobReport, NodeReport, Order
 from gpud.cluster.ports import MemoryTagStore, StaticNodeView
@@ -303,3 +303,102 @@ def test_a_round_requested_without_a_suspend_runs_when_due_and_once() -> None:
     assert ran == [start + 2.5] and not timers.pending
     clock.call_after(timers, 0.0, lambda: ran.append(now.now), now)
     assert ran == [start + 2.5, start + 2.5]  # at once, no timer
+
+
+class SuspendingWatch(ExpiringEtcd):
+    """A watch of the leader key that sees no change: its first call lasts a suspend of
+    ``suspend_s`` and each one its whole timeout, on ``now``; ``stop`` is set past
+    ``max_calls`` calls so that a loop that never sleeps still ends."""
+
+    def __init__(self, now: Clock, stop: threading.Event, suspend_s: float = 0.0) -> None:
+        super().__init__(now)
+        self.stop = stop
+        self.suspend_s = suspend_s
+        self.resumed_at: float | None = None
+        self.calls = 0
+        self.max_calls = 1000
+        self.lasts = True  # False: the stream ends at once, no event, no time passed
+
+    def wait_for_change(self, key: str, after_revision: int, timeout_s: float) -> bool:
+        self.calls += 1
+        if self.calls > self.max_calls:
+            self.stop.set()
+        if self.suspend_s:
+            self.now.now += self.suspend_s
+            self.resumed_at, self.suspend_s = self.now.now, 0.0
+        if self.lasts:
+            self.now.now += timeout_s
+        return False
+
+
+def _watching(etcd: SuspendingWatch, stop: threading.Event, now: Clock) -> EtcdElection:
+    """n1 following n0, whose leader key it watches between its steps."""
+    lease, _ = etcd.grant(300)
+    etcd.create("/c/leader", '{"node": "n0", "address": "n0:1"}', lease)
+    client: EtcdClient = etcd  # type: ignore[assignment]  # in memory
+    election = EtcdElection(
+        client, node="n1", address="n1:1", prefix="/c", ttl_s=300, clock=now, stopped=stop
+    )
+    election.step()
+    assert election.state().leader == "n0"
+    return election
+
+
+def test_a_watch_that_ends_at_once_without_a_change_is_not_called_again_until_the_step() -> None:
+    """A proxy that closes the watch stream at once: the rest of the pause sleeps rather
+    than call etcd again and again."""
+    now = Clock()
+    stop = SuspendingStop(now, suspend_s=0.0)
+    etcd = SuspendingWatch(now, stop)
+    etcd.lasts = False
+    election = _watching(etcd, stop, now)
+    start = now.now
+    election._wait(election.interval_s)
+    assert not stop.is_set() and etcd.calls == 1
+    assert now.now >= start + election.interval_s  # the pause was slept out
+
+
+def test_an_elections_watch_that_a_suspend_outlasts_ends_at_the_resume() -> None:
+    """A follower watching the leader key (its revision known), suspended 100 s into a
+    pause of 75 s: its next step comes within a watch slice of the resume."""
+    now = Clock()
+    stop = threading.Event()
+    etcd = SuspendingWatch(now, stop, suspend_s=100.0)
+    election = _watching(etcd, stop, now)
+    election._wait(election.interval_s)
+    assert not stop.is_set() and etcd.resumed_at is not None
+    assert now.now - etcd.resumed_at <= clock.WAKE_S
+
+
+def test_a_watch_connects_within_its_slice_where_etcds_timeout_is_longer() -> None:
+    """The watch's TCP connect is bounded by its slice, not the client's timeout (5 s):
+    an etcd unreachable after a resume delays the step by a slice at most."""
+    asked: list[object] = []
+
+    class Stream:
+        status_code = 200
+
+        def __enter__(self) -> Stream:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def iter_lines(self) -> list[bytes]:
+            return []
+
+        def json(self) -> dict[str, str]:  # the version, which picks the API's path
+            return {"etcdserver": "3.5.0"}
+
+    class Session:
+        def get(self, url: str, **kwargs: object) -> Stream:
+            return Stream()
+
+        def post(self, url: str, **kwargs: object) -> Stream:
+            asked.append(kwargs["timeout"])
+            return Stream()
+
+    client = EtcdClient(EtcdSettings(endpoints=("http://127.0.0.1:2379",), timeout_s=5.0))
+    client._clients[0].session = Session()
+    assert client.wait_for_change("/c/leader", 10, clock.WAKE_S) is False
+    assert asked == [(clock.WAKE_S, clock.WAKE_S)]
