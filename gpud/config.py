@@ -17,6 +17,7 @@ import ipaddress
 import math
 import os
 import re
+import stat
 import tomllib
 import types
 from collections.abc import Collection
@@ -309,6 +310,39 @@ def check_socket(config: Config, *, path: str, flags: Collection[str] = ()) -> N
             path=source(key, path=path, flags=flags),
             key=key,
         )
+
+
+def check_socket_file(config: Config, *, path: str, flags: Collection[str] = ()) -> None:
+    """The API socket's path must not hold anything but a socket: gpud replaces only a
+    socket nothing listens on (a stale one of its own) and refuses to start over anything
+    else. Checked at start and by ``--check-config``, before the GPUs are touched, so that
+    the error names the key and systemd does not restart gpud into it again and again."""
+    socket = config.socket_path
+    try:
+        mode = socket.lstat().st_mode
+    except OSError:
+        return  # nothing there, or not reachable yet: the start makes or reports it
+    if stat.S_ISSOCK(mode):
+        return
+    key = "api.socket" if config.api.socket is not None else "daemon.run_dir"
+    raise ConfigError(
+        f"{socket} is {_file_kind(mode)}, not a socket: gpud binds its socket there and "
+        "replaces nothing but a stale socket; remove it or choose another path",
+        path=source(key, path=path, flags=flags),
+        key=key,
+    )
+
+
+def _file_kind(mode: int) -> str:
+    """What ``lstat`` found, in words; a symbolic link is said as one, whatever it points at
+    (the socket's path itself must be a socket)."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return "a special file"
 
 
 def load(path: Path, *, required: bool = False) -> Config:
