@@ -535,6 +535,15 @@ def validate(config: Config, *, path: str) -> Config:
         parse_address(config.api.tcp_address, path=path, key="api.tcp_address")
     if config.api.socket_group:
         socket_gid(config.api.socket_group, path=path)
+    if not config.mps.control_binary.strip():
+        # else each control daemon's start fails with "cannot run : Permission denied",
+        # the empty name execve was given, and no word of the key
+        raise ConfigError(
+            f"{config.mps.control_binary!r}: must name the MPS control daemon's executable "
+            "(a path, or a name looked up in PATH; default nvidia-cuda-mps-control)",
+            path=path,
+            key="mps.control_binary",
+        )
     _validate_traffic(config.traffic, path=path)
     _validate_cluster(config.cluster, path=path, tick_s=config.daemon.tick_s)
     if config.backend.kind == "sim":

@@ -624,6 +624,9 @@ def test_ignored_xids_are_a_list_of_xids_each_range_checked(tmp_path: Path) -> N
         ('[api]\ntcp_address = "[::1]:\\u0663"\n', "api.tcp_address", "is not HOST:PORT"),
         ('[daemon]\nstate_dir = "/var/lib/x\\u0000y"\n', "daemon.state_dir", "NUL character"),
         ('[mps]\ncontrol_binary = "mps\\u0000"\n', "mps.control_binary", "NUL character"),
+        # exec'd as is: each daemon's start would fail with "cannot run : Permission denied"
+        ('[mps]\ncontrol_binary = ""\n', "mps.control_binary", "must name the MPS control"),
+        ('[mps]\ncontrol_binary = "  "\n', "mps.control_binary", "must name the MPS control"),
     ],
 )
 def test_values_the_os_or_int_would_refuse_later_are_config_errors(
