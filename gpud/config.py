@@ -17,6 +17,7 @@ import ipaddress
 import math
 import os
 import re
+import stat
 import tomllib
 import types
 from collections.abc import Collection
@@ -311,6 +312,39 @@ def check_socket(config: Config, *, path: str, flags: Collection[str] = ()) -> N
         )
 
 
+def check_socket_file(config: Config, *, path: str, flags: Collection[str] = ()) -> None:
+    """The API socket's path must not hold anything but a socket: gpud replaces only a
+    socket nothing listens on (a stale one of its own) and refuses to start over anything
+    else. Checked at start and by ``--check-config``, before the GPUs are touched, so that
+    the error names the key and systemd does not restart gpud into it again and again."""
+    socket = config.socket_path
+    try:
+        mode = socket.lstat().st_mode
+    except OSError:
+        return  # nothing there, or not reachable yet: the start makes or reports it
+    if stat.S_ISSOCK(mode):
+        return
+    key = "api.socket" if config.api.socket is not None else "daemon.run_dir"
+    raise ConfigError(
+        f"{socket} is {_file_kind(mode)}, not a socket: gpud binds its socket there and "
+        "replaces nothing but a stale socket; remove it or choose another path",
+        path=source(key, path=path, flags=flags),
+        key=key,
+    )
+
+
+def _file_kind(mode: int) -> str:
+    """What ``lstat`` found, in words; a symbolic link is said as one, whatever it points at
+    (the socket's path itself must be a socket)."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return "a special file"
+
+
 def load(path: Path, *, required: bool = False) -> Config:
     """Read and check a TOML file; a missing file gives the defaults unless ``required``."""
     try:
@@ -501,6 +535,15 @@ def validate(config: Config, *, path: str) -> Config:
         parse_address(config.api.tcp_address, path=path, key="api.tcp_address")
     if config.api.socket_group:
         socket_gid(config.api.socket_group, path=path)
+    if not config.mps.control_binary.strip():
+        # else each control daemon's start fails with "cannot run : Permission denied",
+        # the empty name execve was given, and no word of the key
+        raise ConfigError(
+            f"{config.mps.control_binary!r}: must name the MPS control daemon's executable "
+            "(a path, or a name looked up in PATH; default nvidia-cuda-mps-control)",
+            path=path,
+            key="mps.control_binary",
+        )
     _validate_traffic(config.traffic, path=path)
     _validate_cluster(config.cluster, path=path, tick_s=config.daemon.tick_s)
     if config.backend.kind == "sim":

@@ -392,6 +392,10 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
     stamp = config.file_stamp(args.config or config.DEFAULT_PATH)  # before the read
     try:
         layers = load_layers(args)
+        # at start only: while gpud runs, what is at the path is its own (rebound when removed)
+        config.check_socket_file(
+            layers.final, path=str(args.config or config.DEFAULT_PATH), flags=flag_overrides(args)
+        )
     except ConfigError as err:
         print(f"gpud: config error: {err}", file=sys.stderr)
         return 2

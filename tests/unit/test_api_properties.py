@@ -118,13 +118,18 @@ placement = {
     "client_priority": _opt(st.integers(0, 1)),
 }
 
+
+def _progress(
+    job: str, it: int, ts: float, free: float | None, session: str
+) -> net_pb2.ReportProgressRequest:
+    request = net_pb2.ReportProgressRequest(
+        job=job, iterations=it, timestamp_unix_seconds=ts, session=session
+    )
+    return _set(request, contention_free_iteration_s=free)
+
+
 progress_report = st.builds(
-    lambda job, it, ts, free, session: _set(
-        net_pb2.ReportProgressRequest(
-            job=job, iterations=it, timestamp_unix_seconds=ts, session=session
-        ),
-        contention_free_iteration_s=free,
-    ),
+    _progress,
     names,
     st.integers(0, 10**6),
     st.floats(1.0e9, 2.5e9),
@@ -426,14 +431,17 @@ calls = st.lists(
 )
 
 
-@settings(
-    max_examples=120,
+# The same draws on every run: the tests that follow the property tests count their
+# successes.
+AGAINST_THE_DAEMON = settings(
     deadline=None,
     database=None,
-    # The same draws on every run: test_the_deeper_paths_were_reached counts their successes.
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
+
+
+@settings(AGAINST_THE_DAEMON, max_examples=120)
 @given(sequence=calls)
 # One sequence that goes past validation in every RPC test_the_deeper_paths_were_reached
 # checks, whatever the generated ones happen to reach on a loaded machine.
@@ -456,3 +464,54 @@ def test_the_deeper_paths_were_reached(client: Client) -> None:
         "/gpud.v1.Mps/SetMpsLimits",
     ):
         assert client.outcomes.get(method, {}).get("OK", 0) > 0, (method, client.outcomes)
+
+
+# Progress reports with any numbers a client can put in the message, to a node whose
+# traffic enforcement is on (tags only: no interface, no nftables, no NIC map), so that
+# they get past the "traffic is off" refusal into the progress tracker: NaN, infinite,
+# negative, subnormal and huge timestamps and contention-free times, iteration counts up
+# to 2**64 - 1, odd names and long sessions.
+TRAFFIC_CONFIG = '[traffic]\nenabled = true\nmarking = false\nrdma_backend = "none"\n'
+any_progress_report = st.builds(
+    _progress,
+    colo_names,
+    st.integers(0, 10**6) | st.integers(0, 2**64 - 1),
+    st.floats(1.0e9, 2.5e9) | st.floats(),
+    _opt(st.floats(0.001, 100) | st.floats()),
+    st.sampled_from(["", "s1"]) | st.text(max_size=5000),
+)
+
+
+@pytest.fixture(scope="module")
+def traffic_client() -> Iterator[Client]:
+    with (
+        simulated_gpud("H100-SXM5-80GB:1", config_text=TRAFFIC_CONFIG) as daemon,
+        grpc.insecure_channel(f"unix:{daemon.socket}") as channel,
+    ):
+        c = Client(channel)
+        for job in JOBS:  # reports for jobs the node knows reach the tracker
+            c.call(
+                "/gpud.v1.Jobs/AddJob",
+                jobs_pb2.AddJobRequest(job=jobs_pb2.Job(name=job, owner="prop")),
+            )
+        yield c
+        ranked = net_pb2_grpc.NetStub(channel).ShowNet(net_pb2.ShowNetRequest(), timeout=30)
+        assert {j.job for j in ranked.jobs} >= set(JOBS)
+
+
+@settings(AGAINST_THE_DAEMON, max_examples=80)
+@given(reports=st.lists(any_progress_report, min_size=1, max_size=4))
+def test_progress_reports_of_any_numbers_are_taken_or_refused_never_an_internal_error(
+    traffic_client: Client, reports: list[net_pb2.ReportProgressRequest]
+) -> None:
+    for report in reports:
+        traffic_client.call("/gpud.v1.Net/ReportProgress", report)
+    batch = net_pb2.ReportProgressBatchRequest(reports=reports)
+    traffic_client.call("/gpud.v1.Net/ReportProgressBatch", batch)
+
+
+def test_some_progress_reports_of_any_numbers_were_taken(traffic_client: Client) -> None:
+    """Runs after the property test: the tracker itself was reached, not only refusals."""
+    assert traffic_client.outcomes["/gpud.v1.Net/ReportProgress"].get("OK", 0) > 0, (
+        traffic_client.outcomes
+    )

@@ -624,6 +624,9 @@ def test_ignored_xids_are_a_list_of_xids_each_range_checked(tmp_path: Path) -> N
         ('[api]\ntcp_address = "[::1]:\\u0663"\n', "api.tcp_address", "is not HOST:PORT"),
         ('[daemon]\nstate_dir = "/var/lib/x\\u0000y"\n', "daemon.state_dir", "NUL character"),
         ('[mps]\ncontrol_binary = "mps\\u0000"\n', "mps.control_binary", "NUL character"),
+        # exec'd as is: each daemon's start would fail with "cannot run : Permission denied"
+        ('[mps]\ncontrol_binary = ""\n', "mps.control_binary", "must name the MPS control"),
+        ('[mps]\ncontrol_binary = "  "\n', "mps.control_binary", "must name the MPS control"),
     ],
 )
 def test_values_the_os_or_int_would_refuse_later_are_config_errors(
@@ -1210,3 +1213,47 @@ def test_a_start_where_nvml_cannot_be_used_says_why_and_whether_it_is_restarted(
     out = capsys.readouterr()
     assert out.out == "config OK\n"
     assert "gpud: warning: a start would fail: nvmlInit failed: " in out.err and said in out.err
+
+
+@pytest.mark.parametrize("kind", ["a directory", "a regular file", "a symbolic link"])
+def test_a_socket_path_holding_something_else_is_a_config_error_before_the_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    taken = tmp_path / "gpud.sock"
+    if kind == "a directory":
+        taken.mkdir()
+    elif kind == "a regular file":
+        taken.write_text("")
+    else:
+        taken.symlink_to(tmp_path / "elsewhere.sock")
+    path = write(tmp_path, f'[api]\nsocket = "{taken}"\n')
+    assert main(["--check-config", "--config", str(path)]) == 2
+    said = f"{path}:api.socket: {taken} is {kind}, not a socket"
+    assert said in capsys.readouterr().err
+    # a start stops there too, with the config's exit status (no restart mends it), having
+    # made no directory and touched no GPU
+    state, run = tmp_path / "state", tmp_path / "run"
+    args = ["--config", str(path), "--simulate", "--state-dir", str(state), "--run-dir", str(run)]
+    assert main(args) == 2
+    assert said in capsys.readouterr().err
+    assert not state.exists() and not run.exists()
+    assert taken.is_symlink() or taken.exists()
+
+
+def test_the_default_socket_path_holding_a_directory_names_the_run_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "run" / "gpud.sock").mkdir(parents=True)
+    path = write(tmp_path, "")
+    assert main(["--check-config", "--config", str(path), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"command line:daemon.run_dir: {tmp_path}/run/gpud.sock is a directory" in err
+
+
+def test_a_stale_socket_at_the_path_is_no_config_error(tmp_path: Path) -> None:
+    # what a killed gpud leaves: the start removes it once nothing listens there
+    sock = tmp_path / "gpud.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(sock))
+    path = write(tmp_path, f'[api]\nsocket = "{sock}"\n')
+    assert main(["--check-config", "--config", str(path)]) == 0
