@@ -85,11 +85,11 @@ def kept_loop(
     jobs: list[RunningJob],
     clock: Clock,
     write: Callable[[Path, str], None] | None = None,
-    registered: Callable[[], list[str]] | None = None,
+    registered: Callable[[], Mapping[str, float | None]] | None = None,
 ) -> ColoService:
     """A loop that keeps its state in ``tmp_path/colo.json`` (written by ``write``, where
-    given): a new one picks it up (what it holds of jobs ``registered`` does not list
-    dropped, where given)."""
+    given): a new one picks it up (what it holds of jobs ``registered`` does not list, or
+    lists registered at another time, dropped, where given)."""
     return ColoService(
         ColocateConfig(),
         EventLog(tmp_path / "e.jsonl"),
@@ -3797,11 +3797,78 @@ def test_a_job_removed_before_the_file_was_written_is_forgotten_at_restart(
     clock = Clock()
     jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
     ran_alone(kept_loop(tmp_path, jobs, clock), clock, 0.3, 6)  # the last write holds it
-    with_it = kept_loop(tmp_path, [], Clock(), registered=lambda: ["sweep"])
+    with_it = kept_loop(tmp_path, [], Clock(), registered=lambda: {"sweep": None})
     assert "sweep" in with_it._jobs
-    again = kept_loop(tmp_path, [], Clock(), registered=lambda: ["other"])
+    again = kept_loop(tmp_path, [], Clock(), registered=lambda: {"other": None})
     assert "sweep" not in again._jobs and "sweep" not in again._directives
     assert any("no longer registered, forgotten: sweep" in r.getMessage() for r in caplog.records)
+
+
+def test_a_job_added_again_while_colo_json_could_not_be_written_is_planned_afresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`gpuctl jobs rm` on a full disk (colo.json's write fails, tried again each tick),
+    the job added again under its name and run, gpud killed -9 before a write succeeds:
+    the file holds the removed job's alone rate, footprint and duty under the name the
+    registry lists. The restart tells the two registrations apart and plans the new one
+    afresh; the one registered when the file was written keeps what it showed."""
+    caplog.set_level(logging.INFO)
+    clock = Clock()
+    first, second = 1_700_000_000.25, 1_700_000_900.5  # jobs.created_at of each
+    old = RunningJob(
+        "sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB, registered_at=first
+    )
+    jobs = [old]
+    full = False
+
+    def write(path: Path, text: str) -> None:
+        if full:
+            raise OSError(28, "No space left on device")
+        write_atomically(path, text)
+
+    svc = ran_alone(kept_loop(tmp_path, jobs, clock, write=write), clock, 0.5, 8)
+    assert svc._jobs["sweep"].alone_rate is not None
+    full = True
+    svc.job_removed("sweep", force=True)()
+    jobs[:] = [dataclasses.replace(old, registered_at=second)]
+    ran_alone(svc, clock, 0.2, 3)  # killed -9 here: no write landed since the removal
+    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]["sweep"]
+    assert saved["registered_at"] == first and saved["alone_rate"] is not None
+
+    again = kept_loop(tmp_path, [], Clock(), registered=lambda: {"sweep": second})
+    assert "sweep" not in again._jobs and "sweep" not in again._directives
+    assert any(
+        "registered again since its last write" in r.getMessage() and "sweep" in r.getMessage()
+        for r in caplog.records
+    )
+    same = kept_loop(tmp_path, [], Clock(), registered=lambda: {"sweep": first})
+    assert same._jobs["sweep"].alone_rate == saved["alone_rate"]
+
+
+def test_a_colo_json_that_names_no_registration_is_taken_as_the_jobs_registered(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A colo.json an earlier gpud wrote keeps no job's registration: each job it holds
+    that the registry lists is taken as the one registered, kept without a word above
+    info, and written with its registration once it runs."""
+    caplog.set_level(logging.INFO)
+    clock = Clock()
+    jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
+    ran_alone(kept_loop(tmp_path, jobs, clock), clock, 0.5, 8)
+    state = tmp_path / "colo.json"
+    data = json.loads(state.read_text())
+    for job in data["jobs"].values():
+        job.pop("registered_at", None)
+    state.write_text(json.dumps(data))
+    caplog.clear()
+    clock = Clock()
+    jobs[:] = [dataclasses.replace(jobs[0], registered_at=1_700_000_000.0)]
+    again = kept_loop(tmp_path, jobs, clock, registered=lambda: {"sweep": 1_700_000_000.0})
+    assert again._jobs["sweep"].alone_rate is not None
+    assert not [r for r in caplog.records if r.levelno > logging.INFO]
+    ran_alone(again, clock, 0.5, 1)
+    saved = json.loads(state.read_text())["jobs"]["sweep"]
+    assert saved["registered_at"] == 1_700_000_000.0
 
 
 def test_a_removal_does_not_wait_for_a_tick_write_in_progress(tmp_path: Path) -> None:
