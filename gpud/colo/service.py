@@ -674,7 +674,8 @@ class ColoService:
         self._last_running: tuple[RunningJob, ...] = ()
         self._observed: dict[str, float] = {}
         self._faulty: dict[int, str] = {}  # GPU -> why, at the last tick
-        # inference services all of whose GPUs were faulty at the last tick: guards paused
+        # inference services all of whose GPUs were faulty at the last tick (or when the
+        # state file was last written, until the first tick): guards paused
         self._paused_services: set[str] = set()
         # the last advice: its job and the options its plan refused (only advice has
         # pending jobs: the loop's own plans direct running ones)
@@ -1073,6 +1074,7 @@ class ColoService:
             self._jobs.clear()
             self._directives.clear()
             self._guards.clear()
+            self._paused_services.clear()
             return
         saved = data.get("predictor")
         if saved is None:
@@ -1106,6 +1108,7 @@ class ColoService:
             del self._jobs[name]
             self._guards.pop(name, None)
             self._directives.pop(name, None)
+            self._paused_services.discard(name)
         if gone:
             log.info(
                 "co-location state %s: %s no longer registered, forgotten: %s",
@@ -1210,6 +1213,11 @@ class ColoService:
             st.guard_since = self._clock() + wait if wait else float("-inf")
             if (company := saved.get("guard_company")) is not None:
                 st.guard_company = _saved_company(company, f"jobs.{name}.guard_company")
+            paused = saved.get("guard_paused", False)
+            if not isinstance(paused, bool):
+                raise ValueError(f"jobs.{name}.guard_paused: true or false, not {paused!r}")
+            if paused:
+                self._paused_services.add(name)
             self._guards[name] = g
 
     def _state(self, running: Sequence[RunningJob]) -> tuple[int, dict[str, Any]] | None:
@@ -1243,6 +1251,10 @@ class ColoService:
                 # its duty was set in
                 job["guard_breaches"] = g.breaches_at_floor
                 job["guard_wait_s"] = min(DIRECTIVE_DELAY_S, max(0.0, st.guard_since - now))
+                if r.name in self._paused_services:
+                    # paused by its GPUs' fault: should they answer before the restart's
+                    # first tick, latencies reported until then are the fault's doing
+                    job["guard_paused"] = True
                 if st.guard_company is not None:
                     job["guard_company"] = sorted([p, j] for p, j in st.guard_company)
         # jobs not running now: what they showed (advice plans their next run with it),

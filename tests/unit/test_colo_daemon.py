@@ -1928,6 +1928,75 @@ def test_a_faulty_gpu_is_left_out_and_its_jobs_keep_their_directives(tmp_path: P
     assert svc.advise("new", memory_bytes=GIB, snapshot=lost).gpu == 1
 
 
+def paused_then_killed(tmp_path: Path) -> list[RunningJob]:
+    """A service's guard holds the training beside it on GPU 0 at duty 0.5; GPU 0 hangs
+    (the guard pauses, the service reports 200 ms through it) and gpud is killed -9: the
+    jobs, as colo.json was last written for them."""
+    clock = Clock()
+    jobs = [
+        RunningJob("train", "training", 0, memory_bytes=10 * GIB, memory_used=10 * GIB),
+        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB),
+    ]
+    svc = kept_loop(tmp_path, jobs, clock)
+    svc.report_latency("chat", [0.095] * 100)
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+    clock.t += 1
+    svc.report_latency("chat", [0.2] * 100)
+    svc.tick(gpu0_faulty("not answering: a driver call is out"))
+    assert "paused" in svc.show().guards[0].reason
+    return jobs
+
+
+def test_a_guard_paused_at_a_kill_holds_its_training_and_resumes_once_the_gpu_answers(
+    tmp_path: Path,
+) -> None:
+    """gpud killed -9 while GPU 0 hangs under a service and the training its guard holds
+    at duty 0.5: the restarted loop keeps the training at 0.5 while the GPU hangs (not a
+    tick at full duty), says the guard is paused, and once the GPU answers takes the guard
+    up again: not on the hang's latencies, on those reported since."""
+    jobs = paused_then_killed(tmp_path)
+    clock = Clock()  # the host's monotonic clock, as a new gpud reads it
+    again = kept_loop(tmp_path, jobs, clock)
+    assert again.throttle_point("train", 10).duty == 0.5  # before its first tick
+    hung = gpu0_faulty("not answering: a driver call is out")
+    for _ in range(3):
+        clock.t += 1
+        again.report_latency("chat", [0.2] * 100)
+        again.tick(hung)
+        assert again.duty("train") == 0.5
+        assert again.show().guards[0].reason.startswith("paused: GPU 0 not answering")
+    clock.t += 1
+    again.tick(snapshot())  # it answers: the window still holds the hang's 200 ms
+    assert again.duty("train") == 0.5
+    assert "paused" not in again.show().guards[0].reason
+    clock.t += 1.5
+    again.report_latency("chat", [0.01] * 100)  # well within the SLO now
+    again.tick(snapshot())
+    assert again.duty("train") == pytest.approx(0.6)
+
+
+def test_a_guard_paused_at_a_kill_does_not_act_on_the_hangs_latencies_after_it(
+    tmp_path: Path,
+) -> None:
+    """gpud killed -9 while GPU 0 hangs under a service; the GPU answers again before the
+    restarted loop's first tick, which finds the hang's 200 ms reported since the start:
+    the guard, paused when gpud was killed, does not cut the training for them; it acts on
+    latencies reported from a second after that tick."""
+    jobs = paused_then_killed(tmp_path)
+    clock = Clock()
+    again = kept_loop(tmp_path, jobs, clock)
+    clock.t += 1
+    again.report_latency("chat", [0.2] * 100)  # sent in the hang's last second
+    clock.t += 1
+    again.tick(snapshot())
+    assert again.duty("train") == 0.5
+    clock.t += 1.5
+    again.report_latency("chat", [0.095] * 100)  # the training's doing now
+    again.tick(snapshot())
+    assert again.duty("train") == 0.25
+
+
 def test_a_service_over_its_slo_on_a_hung_gpu_counts_against_its_attainment(
     tmp_path: Path,
 ) -> None:
