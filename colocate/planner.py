@@ -744,6 +744,14 @@ class Planner:
                 g = state[o.gpu]
                 if mig is None and g.barred(job):
                     continue  # a job of another user was placed there ahead of it
+                if mig is not None and all(m.profile != mig for m in g.free_migs()):
+                    # Its instance went to a job ahead of it this pass: options were weighed
+                    # before any was given, so it takes what it would have taken of the
+                    # instances still free there (a larger one may hold it), if any will do.
+                    m = self._instance_for(job, g.free_migs())
+                    if m is None:
+                        continue
+                    share, mig = m.sm_fraction, m.profile
                 ev = self._evaluate(g, job, share, mig)
                 if not ev.ok or (mig is None and g.residents and ev.gain < p.min_gain):
                     continue

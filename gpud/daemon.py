@@ -482,7 +482,7 @@ class Daemon:
             default_memory=self._colo_default_memory,
             clock=clock,
             state_file=state_dir / COLO_NAME,
-            registered=self.jobs.registry.names,
+            registered=self.jobs.registry.registrations,
         )
         self._colo_last = float("-inf")
         self.loop_stats = LoopStats()
@@ -733,6 +733,7 @@ class Daemon:
                         pids=tuple(pids.get((r.job, device), ())),
                         reserved_at=r.created_at,
                         uid=r.uid,
+                        registered_at=spec.created_at if spec else None,
                     )
                 )
         return out

@@ -23,7 +23,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -126,6 +126,9 @@ class RunningJob:
     # the real UID of the run holding the reservation where placement keeps users apart
     # (``job_reservations.holder_uid``; None: unknown, or MPS off)
     uid: int | None = None
+    # when its job was registered (``jobs.created_at``): which registration of the name
+    # runs (one removed and added again is another workload); None: not known
+    registered_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -250,6 +253,9 @@ class _JobState:
     # shares its device), and whether the log said so this run
     unseen_since: float | None = None
     unseen_said: bool = False
+    # the registration it was learned under (RunningJob.registered_at); None: not known
+    # (a file from before this was kept, or it has not run since), taken as the same
+    registered_at: float | None = None
 
     def learned(self, place: str) -> JobFeatures | None:
         """Its footprint on that device; else what it showed on another of its devices (a
@@ -380,6 +386,7 @@ def _learned(st: _JobState) -> dict[str, Any]:
                 devices[place]["whole"] = _footprint(ds.whole)
     return {
         "kind": st.kind,
+        "registered_at": st.registered_at,
         "alone_rate": st.alone_rate,
         "alone_config": st.alone_config,
         "alone_rates": {str(k): v for k, v in st.alone_rates.items()},
@@ -616,7 +623,7 @@ class ColoService:
         name_of: Callable[[int], str] = user_name,
         wall: Callable[[], float] = time.time,
         write: Callable[[Path, str], None] | None = None,
-        registered: Callable[[], Collection[str]] | None = None,
+        registered: Callable[[], Mapping[str, float | None]] | None = None,
     ) -> None:
         """``host``: reads the CPU and memory use of the jobs' process trees (default: the
         host's ``/proc``). ``state_file``: where what the loop learned about running jobs
@@ -634,11 +641,14 @@ class ColoService:
         shown placed until the next pass; a show (``/metrics``, ``gpuctl colo show``) with
         none gone since reads nothing. ``wall``: Unix time, what reservations are stamped
         with (:attr:`RunningJob.reserved_at`). ``write``: how the state file is written
-        (default: atomically, :func:`write_atomically`). ``registered``: the names of the
-        jobs registered now (the jobs service's registry), asked once as the state file is
-        read: what it holds of any other job is dropped (the job was removed after the
-        file's last write, gpud killed before the next one), so a job added again under its
-        name is not planned with the removed one's footprints (default: all are kept)."""
+        (default: atomically, :func:`write_atomically`). ``registered``: the jobs registered
+        now (the jobs service's registry), each name with when it was registered
+        (``jobs.created_at``; None: not known), asked once as the state file is read: what
+        it holds of any other job, or of a job registered at another time than the file
+        says (the name was removed and added again after the file's last write, gpud killed
+        before the next one), is dropped, so a job added again under its name is not
+        planned with the removed one's footprints, alone rate and duties (default: all
+        are kept)."""
         self._name_of = name_of
         self._names: dict[int, tuple[str, float]] = {}  # UID -> its name, when looked up
         self._wall = wall
@@ -669,7 +679,8 @@ class ColoService:
         self._last_running: tuple[RunningJob, ...] = ()
         self._observed: dict[str, float] = {}
         self._faulty: dict[int, str] = {}  # GPU -> why, at the last tick
-        # inference services all of whose GPUs were faulty at the last tick: guards paused
+        # inference services all of whose GPUs were faulty at the last tick (or when the
+        # state file was last written, until the first tick): guards paused
         self._paused_services: set[str] = set()
         # the last advice: its job and the options its plan refused (only advice has
         # pending jobs: the loop's own plans direct running ones)
@@ -991,6 +1002,8 @@ class ColoService:
         reserved: dict[str, float] = {}
         for r in running:
             st = self._jobs.setdefault(r.name, _JobState())
+            if r.registered_at is not None:
+                st.registered_at = r.registered_at
             if st.arrived is None:
                 st.arrived = now
                 # an eviction that still stands (the job has not left yet: gpud restarted
@@ -1027,12 +1040,14 @@ class ColoService:
         return any(r.name == job for r in self._running())
 
     # -- what outlives a restart ----------------------------------------------------------------
-    def _load(self, path: Path, registered: Callable[[], Collection[str]] | None) -> None:
+    def _load(
+        self, path: Path, registered: Callable[[], Mapping[str, float | None]] | None
+    ) -> None:
         """Read back what :meth:`_save` wrote. A file that is not the loop's (unreadable, not
         JSON, another shape) is logged and the loop starts afresh; a predictor state that
         does not validate is logged and the predictor starts afresh, the jobs' state kept.
-        Jobs that ``registered`` does not list are dropped (their removal committed, the
-        file not written since)."""
+        Jobs that ``registered`` does not list, or lists registered at another time, are
+        dropped (their removal committed, the file not written since)."""
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -1061,12 +1076,13 @@ class ColoService:
                 st = self._jobs.setdefault(name, _JobState())
                 st.evicted, st.seen = True, self._clock()
             if registered is not None:
-                self._drop_unregistered(path, set(registered()))
+                self._drop_unregistered(path, registered())
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             self._unreadable(path, f"co-location state {path} not read ({err}): starting afresh")
             self._jobs.clear()
             self._directives.clear()
             self._guards.clear()
+            self._paused_services.clear()
             return
         saved = data.get("predictor")
         if saved is None:
@@ -1082,20 +1098,39 @@ class ColoService:
             return
         self.configure(self.config)  # the planner predicts with the restored one
 
-    def _drop_unregistered(self, path: Path, registered: set[str]) -> None:
-        """Forget what the state file held of jobs not ``registered``: removed after its
-        last write (the removal writes it at once, but a kill -9 may come between)."""
+    def _drop_unregistered(self, path: Path, registered: Mapping[str, float | None]) -> None:
+        """Forget what the state file held of jobs not ``registered``, or registered at
+        another time than it says: removed after its last write (the removal writes it at
+        once, but a write that fails, a full disk, is only tried again each tick, and a
+        kill -9 may come first), and added again under its name. A job the file names no
+        registration of (written before it was kept) is taken as the one registered."""
         gone = sorted(n for n in self._jobs if n not in registered)
-        for name in gone:
+        again = sorted(
+            n
+            for n, st in self._jobs.items()
+            if n in registered
+            and None not in (st.registered_at, registered[n])
+            and st.registered_at != registered[n]
+        )
+        for name in [*gone, *again]:
             del self._jobs[name]
             self._guards.pop(name, None)
             self._directives.pop(name, None)
+            self._paused_services.discard(name)
         if gone:
             log.info(
                 "co-location state %s: %s no longer registered, forgotten: %s",
                 path,
                 "a job" if len(gone) == 1 else f"{len(gone)} jobs",
                 ", ".join(gone),
+            )
+        if again:
+            log.info(
+                "co-location state %s: %s removed and registered again since its last"
+                " write, what the removed one showed forgotten: %s",
+                path,
+                "a job" if len(again) == 1 else f"{len(again)} jobs",
+                ", ".join(again),
             )
 
     def _unreadable(self, path: Path, what: str) -> None:
@@ -1120,6 +1155,9 @@ class ColoService:
             if kind not in ("training", "inference"):
                 raise ValueError(f"jobs.{name}.kind: training or inference, not {kind!r}")
             st.kind = kind
+        if saved.get("registered_at") is not None:  # absent likewise: taken as the same
+            where = f"jobs.{name}.registered_at"
+            st.registered_at = _saved_number(saved["registered_at"], where, 0.0)
         if saved.get("alone_rate") is not None:
             st.alone_rate = _saved_number(saved["alone_rate"], f"jobs.{name}.alone_rate", 0.0)
         if (config := saved.get("alone_config")) is not None:
@@ -1183,6 +1221,11 @@ class ColoService:
             st.guard_since = self._clock() + wait if wait else float("-inf")
             if (company := saved.get("guard_company")) is not None:
                 st.guard_company = _saved_company(company, f"jobs.{name}.guard_company")
+            paused = saved.get("guard_paused", False)
+            if not isinstance(paused, bool):
+                raise ValueError(f"jobs.{name}.guard_paused: true or false, not {paused!r}")
+            if paused:
+                self._paused_services.add(name)
             self._guards[name] = g
 
     def _state(self, running: Sequence[RunningJob]) -> tuple[int, dict[str, Any]] | None:
@@ -1216,6 +1259,10 @@ class ColoService:
                 # its duty was set in
                 job["guard_breaches"] = g.breaches_at_floor
                 job["guard_wait_s"] = min(DIRECTIVE_DELAY_S, max(0.0, st.guard_since - now))
+                if r.name in self._paused_services:
+                    # paused by its GPUs' fault: should they answer before the restart's
+                    # first tick, latencies reported until then are the fault's doing
+                    job["guard_paused"] = True
                 if st.guard_company is not None:
                     job["guard_company"] = sorted([p, j] for p, j in st.guard_company)
         # jobs not running now: what they showed (advice plans their next run with it),

@@ -214,6 +214,13 @@ class JobRegistry:
         with self._store.transaction() as conn:
             return [r[0] for r in conn.execute("SELECT name FROM jobs ORDER BY name")]
 
+    def registrations(self) -> dict[str, float]:
+        """Each job's name with when it was registered (``created_at``): a name removed
+        and added again is another registration, told apart by it."""
+        with self._store.transaction() as conn:
+            rows = conn.execute("SELECT name, created_at FROM jobs ORDER BY name")
+            return {r[0]: r[1] for r in rows}
+
     def remove(self, name: str) -> JobSpec:
         with self._store.transaction() as conn:
             spec = self.get(name)

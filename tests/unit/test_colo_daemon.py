@@ -85,11 +85,11 @@ def kept_loop(
     jobs: list[RunningJob],
     clock: Clock,
     write: Callable[[Path, str], None] | None = None,
-    registered: Callable[[], list[str]] | None = None,
+    registered: Callable[[], Mapping[str, float | None]] | None = None,
 ) -> ColoService:
     """A loop that keeps its state in ``tmp_path/colo.json`` (written by ``write``, where
-    given): a new one picks it up (what it holds of jobs ``registered`` does not list
-    dropped, where given)."""
+    given): a new one picks it up (what it holds of jobs ``registered`` does not list, or
+    lists registered at another time, dropped, where given)."""
     return ColoService(
         ColocateConfig(),
         EventLog(tmp_path / "e.jsonl"),
@@ -1996,6 +1996,75 @@ def test_a_faulty_gpu_is_left_out_and_its_jobs_keep_their_directives(tmp_path: P
     assert svc.advise("new", memory_bytes=GIB, snapshot=lost).gpu == 1
 
 
+def paused_then_killed(tmp_path: Path) -> list[RunningJob]:
+    """A service's guard holds the training beside it on GPU 0 at duty 0.5; GPU 0 hangs
+    (the guard pauses, the service reports 200 ms through it) and gpud is killed -9: the
+    jobs, as colo.json was last written for them."""
+    clock = Clock()
+    jobs = [
+        RunningJob("train", "training", 0, memory_bytes=10 * GIB, memory_used=10 * GIB),
+        RunningJob("chat", "inference", 0, slo_p99_ms=100.0, memory_bytes=8 * GIB),
+    ]
+    svc = kept_loop(tmp_path, jobs, clock)
+    svc.report_latency("chat", [0.095] * 100)
+    svc.tick(snapshot())
+    assert svc.duty("train") == 0.5
+    clock.t += 1
+    svc.report_latency("chat", [0.2] * 100)
+    svc.tick(gpu0_faulty("not answering: a driver call is out"))
+    assert "paused" in svc.show().guards[0].reason
+    return jobs
+
+
+def test_a_guard_paused_at_a_kill_holds_its_training_and_resumes_once_the_gpu_answers(
+    tmp_path: Path,
+) -> None:
+    """gpud killed -9 while GPU 0 hangs under a service and the training its guard holds
+    at duty 0.5: the restarted loop keeps the training at 0.5 while the GPU hangs (not a
+    tick at full duty), says the guard is paused, and once the GPU answers takes the guard
+    up again: not on the hang's latencies, on those reported since."""
+    jobs = paused_then_killed(tmp_path)
+    clock = Clock()  # the host's monotonic clock, as a new gpud reads it
+    again = kept_loop(tmp_path, jobs, clock)
+    assert again.throttle_point("train", 10).duty == 0.5  # before its first tick
+    hung = gpu0_faulty("not answering: a driver call is out")
+    for _ in range(3):
+        clock.t += 1
+        again.report_latency("chat", [0.2] * 100)
+        again.tick(hung)
+        assert again.duty("train") == 0.5
+        assert again.show().guards[0].reason.startswith("paused: GPU 0 not answering")
+    clock.t += 1
+    again.tick(snapshot())  # it answers: the window still holds the hang's 200 ms
+    assert again.duty("train") == 0.5
+    assert "paused" not in again.show().guards[0].reason
+    clock.t += 1.5
+    again.report_latency("chat", [0.01] * 100)  # well within the SLO now
+    again.tick(snapshot())
+    assert again.duty("train") == pytest.approx(0.6)
+
+
+def test_a_guard_paused_at_a_kill_does_not_act_on_the_hangs_latencies_after_it(
+    tmp_path: Path,
+) -> None:
+    """gpud killed -9 while GPU 0 hangs under a service; the GPU answers again before the
+    restarted loop's first tick, which finds the hang's 200 ms reported since the start:
+    the guard, paused when gpud was killed, does not cut the training for them; it acts on
+    latencies reported from a second after that tick."""
+    jobs = paused_then_killed(tmp_path)
+    clock = Clock()
+    again = kept_loop(tmp_path, jobs, clock)
+    clock.t += 1
+    again.report_latency("chat", [0.2] * 100)  # sent in the hang's last second
+    clock.t += 1
+    again.tick(snapshot())
+    assert again.duty("train") == 0.5
+    clock.t += 1.5
+    again.report_latency("chat", [0.095] * 100)  # the training's doing now
+    again.tick(snapshot())
+    assert again.duty("train") == 0.25
+
+
 def test_a_service_over_its_slo_on_a_hung_gpu_counts_against_its_attainment(
     tmp_path: Path,
 ) -> None:
@@ -3865,11 +3934,78 @@ def test_a_job_removed_before_the_file_was_written_is_forgotten_at_restart(
     clock = Clock()
     jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
     ran_alone(kept_loop(tmp_path, jobs, clock), clock, 0.3, 6)  # the last write holds it
-    with_it = kept_loop(tmp_path, [], Clock(), registered=lambda: ["sweep"])
+    with_it = kept_loop(tmp_path, [], Clock(), registered=lambda: {"sweep": None})
     assert "sweep" in with_it._jobs
-    again = kept_loop(tmp_path, [], Clock(), registered=lambda: ["other"])
+    again = kept_loop(tmp_path, [], Clock(), registered=lambda: {"other": None})
     assert "sweep" not in again._jobs and "sweep" not in again._directives
     assert any("no longer registered, forgotten: sweep" in r.getMessage() for r in caplog.records)
+
+
+def test_a_job_added_again_while_colo_json_could_not_be_written_is_planned_afresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`gpuctl jobs rm` on a full disk (colo.json's write fails, tried again each tick),
+    the job added again under its name and run, gpud killed -9 before a write succeeds:
+    the file holds the removed job's alone rate, footprint and duty under the name the
+    registry lists. The restart tells the two registrations apart and plans the new one
+    afresh; the one registered when the file was written keeps what it showed."""
+    caplog.set_level(logging.INFO)
+    clock = Clock()
+    first, second = 1_700_000_000.25, 1_700_000_900.5  # jobs.created_at of each
+    old = RunningJob(
+        "sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB, registered_at=first
+    )
+    jobs = [old]
+    full = False
+
+    def write(path: Path, text: str) -> None:
+        if full:
+            raise OSError(28, "No space left on device")
+        write_atomically(path, text)
+
+    svc = ran_alone(kept_loop(tmp_path, jobs, clock, write=write), clock, 0.5, 8)
+    assert svc._jobs["sweep"].alone_rate is not None
+    full = True
+    svc.job_removed("sweep", force=True)()
+    jobs[:] = [dataclasses.replace(old, registered_at=second)]
+    ran_alone(svc, clock, 0.2, 3)  # killed -9 here: no write landed since the removal
+    saved = json.loads((tmp_path / "colo.json").read_text())["jobs"]["sweep"]
+    assert saved["registered_at"] == first and saved["alone_rate"] is not None
+
+    again = kept_loop(tmp_path, [], Clock(), registered=lambda: {"sweep": second})
+    assert "sweep" not in again._jobs and "sweep" not in again._directives
+    assert any(
+        "registered again since its last write" in r.getMessage() and "sweep" in r.getMessage()
+        for r in caplog.records
+    )
+    same = kept_loop(tmp_path, [], Clock(), registered=lambda: {"sweep": first})
+    assert same._jobs["sweep"].alone_rate == saved["alone_rate"]
+
+
+def test_a_colo_json_that_names_no_registration_is_taken_as_the_jobs_registered(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A colo.json an earlier gpud wrote keeps no job's registration: each job it holds
+    that the registry lists is taken as the one registered, kept without a word above
+    info, and written with its registration once it runs."""
+    caplog.set_level(logging.INFO)
+    clock = Clock()
+    jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
+    ran_alone(kept_loop(tmp_path, jobs, clock), clock, 0.5, 8)
+    state = tmp_path / "colo.json"
+    data = json.loads(state.read_text())
+    for job in data["jobs"].values():
+        job.pop("registered_at", None)
+    state.write_text(json.dumps(data))
+    caplog.clear()
+    clock = Clock()
+    jobs[:] = [dataclasses.replace(jobs[0], registered_at=1_700_000_000.0)]
+    again = kept_loop(tmp_path, jobs, clock, registered=lambda: {"sweep": 1_700_000_000.0})
+    assert again._jobs["sweep"].alone_rate is not None
+    assert not [r for r in caplog.records if r.levelno > logging.INFO]
+    ran_alone(again, clock, 0.5, 1)
+    saved = json.loads(state.read_text())["jobs"]["sweep"]
+    assert saved["registered_at"] == 1_700_000_000.0
 
 
 def test_a_removal_does_not_wait_for_a_tick_write_in_progress(tmp_path: Path) -> None:

@@ -510,6 +510,21 @@ def test_a_mig_instance_holds_its_own_memory_and_goes_to_one_job() -> None:
     assert two.waiting["d"] == "its options went to jobs ahead of it: c"
 
 
+def test_a_job_whose_instance_went_to_a_job_ahead_takes_another_free_one_that_fits() -> None:
+    """Two training jobs that each fit the smallest free instance, on a GPU in MIG mode
+    with a 1g.10gb and a 3g.40gb free: the first takes the 1g.10gb, the second the
+    3g.40gb (the smallest still free that fits it), not told to wait for the 1g.10gb."""
+    free = (MigOption("1g.10gb", 1 / 7, 10 * GIB), MigOption("3g.40gb", 3 / 7, 40 * GIB))
+    view = GpuView(index=0, memory_total=80 * GIB, mig_options=free, whole=False)
+    first, second = training("c", sm=0.1, mem_gib=8), training("d", sm=0.1, mem_gib=8, order=1)
+    plan = Planner(InterferencePredictor()).plan([view], [first, second])
+    assert [(p.job_id, p.mig_profile) for p in plan.placements] == [
+        ("c", "1g.10gb"),
+        ("d", "3g.40gb"),
+    ]
+    assert not plan.waiting
+
+
 @pytest.mark.parametrize("bad", [-1.0, math.nan])
 def test_head_hold_is_a_duration(bad: float) -> None:
     with pytest.raises(ValueError, match="head_hold_s"):

@@ -950,6 +950,30 @@ def test_colocation_sees_a_run_without_memory_at_its_devices_mps_default(root: P
         d.backend.close()
 
 
+def test_colocation_keeps_which_registration_of_a_job_it_learned(root: Path) -> None:
+    """The co-location loop sees each running job's registration (the registry's
+    ``created_at``) and colo.json keeps it: what a restart tells a job removed and added
+    again under its name by, should gpud be killed before colo.json was written."""
+    import json
+
+    from gpud.daemon import COLO_NAME
+
+    d = build(make_config(root))
+    try:
+        snap = d.sampler.tick()
+        d.mps.reconcile(snap)
+        d.jobs.reserve(RunRequest(job="sweep"))
+        created = d.jobs.registry.registrations()["sweep"]
+        assert [r.registered_at for r in d._colo_running()] == [created]
+        d.colo.tick(snap)
+        path = d.config.daemon.state_dir / COLO_NAME
+        assert json.loads(path.read_text())["jobs"]["sweep"]["registered_at"] == created
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
 def test_a_run_that_ended_is_not_shown_placed_until_the_next_colocation_pass(
     root: Path,
 ) -> None:

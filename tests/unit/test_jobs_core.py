@@ -67,6 +67,7 @@ def test_registry_persists_jobs(tmp_path: Path) -> None:
     reg = JobRegistry(store)
     assert [j.name for j in reg.all()] == ["infer-a", "train-b"]
     assert reg.names() == ["infer-a", "train-b"]
+    assert reg.registrations() == {"infer-a": 42.0, "train-b": 42.0}
     infer = reg.get("infer-a")
     assert (infer.kind, infer.owner, infer.mig_profile, infer.slo_p99_ms) == (
         JobKind.INFERENCE, "ana", "3g.40gb", 25.0,
