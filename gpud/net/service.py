@@ -364,6 +364,11 @@ class TrafficService:
         # self._ends_lock
         self._started: dict[str, int] = {}
         self._ticks = 0
+        # job -> the count of run ends (no other run of the job holding) at its last one,
+        # until a run of it starts or a tick whose read of the reservations began after it;
+        # under self._ends_lock. The tick leaves out of its read those ended while it read
+        self._ended_runs: dict[str, int] = {}
+        self._run_ends = 0
         self._slow_said: set[str] = set()  # jobs told of as net.slow_reports
         self.accepted_reports = 0
         self.rejected_reports = 0
@@ -505,21 +510,27 @@ class TrafficService:
         """A run of ``job`` ended ``since_end_s`` seconds ago (its reservation was released,
         or its holder found gone). Until the job holds a reservation again or makes progress
         after it, ``gpuctl net show`` says it ended rather than stopped. ``others_held``:
-        another run of the job still holds a reservation. Takes no lock but its own: the
-        jobs service calls it inside its store transaction (its reports are read without
-        the state lock: each report replaces the job's entry whole).
+        another run of the job still holds a reservation: the job runs on, and nothing
+        changes. Takes no lock but its own: the jobs service calls it inside its store
+        transaction (its reports are read without the state lock: each report replaces the
+        job's entry whole).
 
         The views (``gpuctl net show``, /metrics, the cluster's report) count the job as
         ended from here on, without its level; the kernel keeps its tc leaf and nftables
-        rule until the next tick."""
+        rule until the next tick, which counts the job as ended even where its read of the
+        reservations was made before the release committed."""
+        if others_held:
+            # the job runs on: a run of it reserved since the last tick is still held
+            return
         end = self._monotonic() - max(0.0, since_end_s)
         with self._ends_lock:
             self._ends[job] = (end, self._reports.get(job))
             self._started.pop(job, None)
-            if not others_held:
-                # the last tick's read of the reservations still has it: read by the
-                # views, it would say the job runs, at its level, until the next tick
-                self._held = self._held - {job}
+            # the last tick's read of the reservations still has it: read by the views, it
+            # would say the job runs, at its level, until the next tick
+            self._held = self._held - {job}
+            self._run_ends += 1
+            self._ended_runs[job] = self._run_ends
 
     def run_started(self, job: str) -> None:
         """A run of ``job`` reserved its devices: it has not ended, and holds a reservation
@@ -527,6 +538,7 @@ class TrafficService:
         as :meth:`run_ended`."""
         with self._ends_lock:
             self._ends.pop(job, None)
+            self._ended_runs.pop(job, None)
             self._started[job] = self._ticks
 
     def _held_now(self) -> frozenset[str]:
@@ -1088,8 +1100,16 @@ class TrafficService:
         self._clocks = (wall, mono)
 
     def _decide(self, now: float, registered: list[str]) -> dict[str, int]:
+        with self._ends_lock:
+            read_from = self._run_ends
         active_res = self._active()
         with self._ends_lock:
+            # a run that ended while the store was read, its release after the read: the
+            # read still holds it. Those ended before are in the read (the store's writes
+            # and reads take turns)
+            late = {j for j, n in self._ended_runs.items() if n > read_from}
+            self._ended_runs = {j: self._ended_runs[j] for j in late}
+            active_res = active_res - late
             self._held = frozenset(active_res)
             # a run started since the last tick that this read saw, or one the tick before
             # did not see either (rolled back), is no longer kept apart
