@@ -104,7 +104,10 @@ CLOCK_GAP_S = 1.0
 # a job that reports less often than traffic.idle_after_s is idle only after this many of
 # its usual intervals between reports without one: one report missed is no end
 QUIET_INTERVALS = 2.0
-# reports that arrive closer than this (one batch) are one arrival: their interval is
+# ... but after no more than this many traffic.idle_after_s: a job that once reported
+# seldom (a long pause, twice) neither holds a level nor keeps a tag from others for hours
+QUIET_CAP_IDLES = 10.0
+# reports that arrive within this of a batch's first are one arrival: their interval is
 # none of the job's cadence
 _ONE_ARRIVAL_S = 0.5
 
@@ -164,18 +167,23 @@ class _JobReports:
     # last two (one long silence is no cadence; two in a row are). None: not known yet
     interval_s: float | None = None
     usual_interval_s: float | None = None
+    # when the first report of the last arrival (a batch) arrived; intervals run from it
+    arrived_at: float = 0.0
 
 
-def _intervals(prev: _JobReports | None, heard: float) -> tuple[float | None, float | None]:
-    """The last interval between arrivals and the usual one (:class:`_JobReports`) once a
-    report arrives at ``heard`` after ``prev``. Reports of one batch are one arrival."""
+def _intervals(prev: _JobReports | None, heard: float) -> tuple[float | None, float | None, float]:
+    """The last interval between arrivals, the usual one (:class:`_JobReports`) and the
+    last arrival's start, once a report arrives at ``heard`` after ``prev``. Reports within
+    :data:`_ONE_ARRIVAL_S` of a batch's first are one arrival; measured from that first,
+    reports that never pause are an arrival each :data:`_ONE_ARRIVAL_S`: a short interval,
+    not the one before them kept for good."""
     if prev is None:
-        return None, None
-    interval = heard - prev.heard_at
+        return None, None, heard
+    interval = heard - prev.arrived_at
     if interval < _ONE_ARRIVAL_S:
-        return prev.interval_s, prev.usual_interval_s
+        return prev.interval_s, prev.usual_interval_s, prev.arrived_at
     usual = None if prev.interval_s is None else min(interval, prev.interval_s)
-    return interval, usual
+    return interval, usual, heard
 
 
 def _progressed(now: _JobReports | None, end: float, then: _JobReports | None) -> bool:
@@ -456,7 +464,7 @@ class TrafficService:
                     if known is None or _progressed(prev, *known):
                         self._ends[r.job] = (prev.heard_at, prev)
             stamped = heard - max(0.0, now - r.timestamp)
-            interval, usual = _intervals(prev, heard)
+            interval, usual, arrived = _intervals(prev, heard)
             self._reports[r.job] = _JobReports(
                 r.iterations,
                 r.session,
@@ -465,6 +473,7 @@ class TrafficService:
                 r.ideal_s if r.ideal_s is not None else (prev.ideal_s if prev else None),
                 interval,
                 usual,
+                arrived,
             )
             self._say_slow_reports(r.job, usual)
             self.accepted_reports += 1
@@ -473,11 +482,18 @@ class TrafficService:
         """How long ``reports``' job may go without a report before it counts as idle
         (not ranked; ended when no run of it holds a reservation; its tag free to hand
         over): ``traffic.idle_after_s``, or :data:`QUIET_INTERVALS` of its usual interval
-        between reports where that is longer, so that a job reporting less often than
-        ``traffic.idle_after_s`` does not end and run again at each report."""
+        between reports where that is longer (its one interval while only one is known),
+        so that a job reporting less often than ``traffic.idle_after_s`` does not end and
+        run again at each report; at most :data:`QUIET_CAP_IDLES` ``traffic.idle_after_s``."""
         usual = reports.usual_interval_s
+        return self._quiet_for(reports.interval_s if usual is None else usual)
+
+    def _quiet_for(self, interval: float | None) -> float:
+        """:meth:`_quiet_s` of a job whose usual interval between reports is ``interval``."""
         idle = self.config.idle_after_s
-        return idle if usual is None else max(idle, QUIET_INTERVALS * usual)
+        if interval is None:
+            return idle
+        return max(idle, min(QUIET_INTERVALS * interval, QUIET_CAP_IDLES * idle))
 
     def _say_slow_reports(self, job: str, usual: float | None) -> None:
         """Event ``net.slow_reports``, once per job, when its usual interval between
@@ -486,11 +502,16 @@ class TrafficService:
         if usual is None or usual <= idle or job in self._slow_said:
             return
         self._slow_said.add(job)
-        quiet = QUIET_INTERVALS * usual
+        quiet = self._quiet_for(usual)
+        capped = (
+            f" (at most {QUIET_CAP_IDLES:g} times traffic.idle_after_s)"
+            if quiet < QUIET_INTERVALS * usual
+            else ""
+        )
         self._events.emit(
             "net.slow_reports",
             f"job {job} reports every {usual:.0f} s, less often than traffic.idle_after_s"
-            f" ({idle:g} s): it counts as idle after {quiet:.0f} s without a report"
+            f" ({idle:g} s): it counts as idle after {quiet:.0f} s without a report{capped}"
             " (raise traffic.idle_after_s, or report more often)",
             job=job,
             interval_s=round(usual, 3),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -2119,21 +2120,35 @@ def _silent_past_idle(rig: Rig) -> tuple[Training, Callable[[], JobTraffic]]:
     return train, row
 
 
-def _every(rig: Rig, seconds: int, each: int, job: str = "a") -> list[bool]:
+def _every(rig: Rig, seconds: int, each: float, job: str = "a") -> list[JobTraffic]:
     """``job`` reports one iteration every ``each`` seconds (``gpuctl net report`` from a
     script; no run of it holds a reservation) for ``seconds``, the service ticking each
-    second: whether it read ended at each tick."""
-    ended = []
+    second: its row at each tick."""
+    rows = []
     done = max((j.iterations or 0 for j in rig.service.view().jobs if j.job == job), default=0)
+    start = rig.clock.t
+    due = start + each
     for n in range(1, seconds + 1):
-        rig.clock.t += 1.0
-        if n % each == 0:
+        while due <= start + n + 1e-6:
+            rig.clock.t = due  # each report arrives when it is sent
             done += 1
             rig.service.report(Report(job, done, rig.clock.t, session="s"))
+            due += each
+        rig.clock.t = start + n
         rig.service.tick()
         (row,) = [j for j in rig.service.view().jobs if j.job == job]
-        ended.append(row.ended_s is not None)
-    return ended
+        rows.append(row)
+    return rows
+
+
+def _ended(rows: list[JobTraffic]) -> list[bool]:
+    return [row.ended_s is not None for row in rows]
+
+
+def _ends(rows: list[JobTraffic]) -> int:
+    """How many times the job read ended after running."""
+    flags = [False, *_ended(rows)]
+    return sum(not was and now for was, now in itertools.pairwise(flags))
 
 
 def test_a_job_reporting_less_often_than_idle_after_s_stays_running(
@@ -2145,8 +2160,10 @@ def test_a_job_reporting_less_often_than_idle_after_s_stays_running(
     its tag is not handed over between reports. ``net.slow_reports`` says it, once."""
     rig = Rig(tmp_path, sysfs, dscp_pool="10-12")  # three tags, three jobs
     rig.active = {"b", "c"}
-    _every(rig, 270, 90)  # three reports: two intervals
-    assert not any(_every(rig, 900, 90))
+    assert _ends(_every(rig, 270, 90)) <= 1  # three reports: two intervals
+    steady = _every(rig, 900, 90)
+    assert not any(_ended(steady))
+    assert all(row.level is not None for row in steady)
     kinds = rig.kinds()
     assert kinds.count("net.slow_reports") == 1 and "net.levels" not in kinds
     (said,) = [e for e in rig.events.recent(1000) if e.kind == "net.slow_reports"]
@@ -2175,10 +2192,34 @@ def test_a_job_that_once_reports_late_ends_once_and_keeps_its_tag(rig: Rig) -> N
     rig.active = {"b"}
     _every(rig, 60, 10)
     dscp = rig.service.tags.get("a")
-    assert any(_every(rig, 90, 90))
+    assert _ends(_every(rig, 90, 90)) == 1
     assert rig.service.tags.get("a") == dscp
-    assert not any(_every(rig, 100, 10))
+    assert not any(_ended(_every(rig, 100, 10)))
     assert "net.slow_reports" not in rig.kinds()
+
+
+def test_a_job_that_reports_faster_is_idle_after_idle_after_s_of_silence(rig: Rig) -> None:
+    """A job that reported every 100 s, then several times a second without a pause, has
+    a short usual interval: silent for traffic.idle_after_s, it reads ended, not only
+    after twice its old interval."""
+    rig.active = {"b"}
+    _every(rig, 300, 100)
+    _every(rig, 30, 0.4)
+    silent = _every(rig, 65, 10**6)
+    assert _ended(silent)[-1]
+
+
+def test_a_job_reporting_very_seldom_is_idle_after_ten_times_idle_after_s(rig: Rig) -> None:
+    """A job's quiet time is at most 10 times traffic.idle_after_s, however seldom it reports:
+    one that reported every 1000 s (idle_after_s 60) reads ended 600 s after its last
+    report, and ``net.slow_reports`` says so."""
+    rig.active = {"b"}
+    _every(rig, 3000, 1000)
+    silent = _every(rig, 700, 10**6)
+    assert _ended(silent).index(True) == 600  # 601 s after its report
+    (said,) = [e for e in rig.events.recent(1000) if e.kind == "net.slow_reports"]
+    assert said.fields["interval_s"] == 1000 and said.fields["quiet_s"] == 600
+    assert "after 600 s without a report" in said.message
 
 
 def test_a_run_that_ends_while_a_tick_reads_the_reservations_stays_ended(rig: Rig) -> None:
