@@ -104,7 +104,10 @@ CLOCK_GAP_S = 1.0
 # a job that reports less often than traffic.idle_after_s is idle only after this many of
 # its usual intervals between reports without one: one report missed is no end
 QUIET_INTERVALS = 2.0
-# reports that arrive closer than this (one batch) are one arrival: their interval is
+# ... but after no more than this many traffic.idle_after_s: a job that once reported
+# seldom (a long pause, twice) neither holds a level nor keeps a tag from others for hours
+QUIET_CAP_IDLES = 10.0
+# reports that arrive within this of a batch's first are one arrival: their interval is
 # none of the job's cadence
 _ONE_ARRIVAL_S = 0.5
 
@@ -164,18 +167,23 @@ class _JobReports:
     # last two (one long silence is no cadence; two in a row are). None: not known yet
     interval_s: float | None = None
     usual_interval_s: float | None = None
+    # when the first report of the last arrival (a batch) arrived; intervals run from it
+    arrived_at: float = 0.0
 
 
-def _intervals(prev: _JobReports | None, heard: float) -> tuple[float | None, float | None]:
-    """The last interval between arrivals and the usual one (:class:`_JobReports`) once a
-    report arrives at ``heard`` after ``prev``. Reports of one batch are one arrival."""
+def _intervals(prev: _JobReports | None, heard: float) -> tuple[float | None, float | None, float]:
+    """The last interval between arrivals, the usual one (:class:`_JobReports`) and the
+    last arrival's start, once a report arrives at ``heard`` after ``prev``. Reports within
+    :data:`_ONE_ARRIVAL_S` of a batch's first are one arrival; measured from that first,
+    reports that never pause are an arrival each :data:`_ONE_ARRIVAL_S`: a short interval,
+    not the one before them kept for good."""
     if prev is None:
-        return None, None
-    interval = heard - prev.heard_at
+        return None, None, heard
+    interval = heard - prev.arrived_at
     if interval < _ONE_ARRIVAL_S:
-        return prev.interval_s, prev.usual_interval_s
+        return prev.interval_s, prev.usual_interval_s, prev.arrived_at
     usual = None if prev.interval_s is None else min(interval, prev.interval_s)
-    return interval, usual
+    return interval, usual, heard
 
 
 def _progressed(now: _JobReports | None, end: float, then: _JobReports | None) -> bool:
@@ -364,6 +372,11 @@ class TrafficService:
         # self._ends_lock
         self._started: dict[str, int] = {}
         self._ticks = 0
+        # job -> the count of run ends (no other run of the job holding) at its last one,
+        # until a run of it starts or a tick whose read of the reservations began after it;
+        # under self._ends_lock. The tick leaves out of its read those ended while it read
+        self._ended_runs: dict[str, int] = {}
+        self._run_ends = 0
         self._slow_said: set[str] = set()  # jobs told of as net.slow_reports
         self.accepted_reports = 0
         self.rejected_reports = 0
@@ -451,7 +464,7 @@ class TrafficService:
                     if known is None or _progressed(prev, *known):
                         self._ends[r.job] = (prev.heard_at, prev)
             stamped = heard - max(0.0, now - r.timestamp)
-            interval, usual = _intervals(prev, heard)
+            interval, usual, arrived = _intervals(prev, heard)
             self._reports[r.job] = _JobReports(
                 r.iterations,
                 r.session,
@@ -460,6 +473,7 @@ class TrafficService:
                 r.ideal_s if r.ideal_s is not None else (prev.ideal_s if prev else None),
                 interval,
                 usual,
+                arrived,
             )
             self._say_slow_reports(r.job, usual)
             self.accepted_reports += 1
@@ -468,11 +482,18 @@ class TrafficService:
         """How long ``reports``' job may go without a report before it counts as idle
         (not ranked; ended when no run of it holds a reservation; its tag free to hand
         over): ``traffic.idle_after_s``, or :data:`QUIET_INTERVALS` of its usual interval
-        between reports where that is longer, so that a job reporting less often than
-        ``traffic.idle_after_s`` does not end and run again at each report."""
+        between reports where that is longer (its one interval while only one is known),
+        so that a job reporting less often than ``traffic.idle_after_s`` does not end and
+        run again at each report; at most :data:`QUIET_CAP_IDLES` ``traffic.idle_after_s``."""
         usual = reports.usual_interval_s
+        return self._quiet_for(reports.interval_s if usual is None else usual)
+
+    def _quiet_for(self, interval: float | None) -> float:
+        """:meth:`_quiet_s` of a job whose usual interval between reports is ``interval``."""
         idle = self.config.idle_after_s
-        return idle if usual is None else max(idle, QUIET_INTERVALS * usual)
+        if interval is None:
+            return idle
+        return max(idle, min(QUIET_INTERVALS * interval, QUIET_CAP_IDLES * idle))
 
     def _say_slow_reports(self, job: str, usual: float | None) -> None:
         """Event ``net.slow_reports``, once per job, when its usual interval between
@@ -481,11 +502,16 @@ class TrafficService:
         if usual is None or usual <= idle or job in self._slow_said:
             return
         self._slow_said.add(job)
-        quiet = QUIET_INTERVALS * usual
+        quiet = self._quiet_for(usual)
+        capped = (
+            f" (at most {QUIET_CAP_IDLES:g} times traffic.idle_after_s)"
+            if quiet < QUIET_INTERVALS * usual
+            else ""
+        )
         self._events.emit(
             "net.slow_reports",
             f"job {job} reports every {usual:.0f} s, less often than traffic.idle_after_s"
-            f" ({idle:g} s): it counts as idle after {quiet:.0f} s without a report"
+            f" ({idle:g} s): it counts as idle after {quiet:.0f} s without a report{capped}"
             " (raise traffic.idle_after_s, or report more often)",
             job=job,
             interval_s=round(usual, 3),
@@ -505,21 +531,27 @@ class TrafficService:
         """A run of ``job`` ended ``since_end_s`` seconds ago (its reservation was released,
         or its holder found gone). Until the job holds a reservation again or makes progress
         after it, ``gpuctl net show`` says it ended rather than stopped. ``others_held``:
-        another run of the job still holds a reservation. Takes no lock but its own: the
-        jobs service calls it inside its store transaction (its reports are read without
-        the state lock: each report replaces the job's entry whole).
+        another run of the job still holds a reservation: the job runs on, and nothing
+        changes. Takes no lock but its own: the jobs service calls it inside its store
+        transaction (its reports are read without the state lock: each report replaces the
+        job's entry whole).
 
         The views (``gpuctl net show``, /metrics, the cluster's report) count the job as
         ended from here on, without its level; the kernel keeps its tc leaf and nftables
-        rule until the next tick."""
+        rule until the next tick, which counts the job as ended even where its read of the
+        reservations was made before the release committed."""
+        if others_held:
+            # the job runs on: a run of it reserved since the last tick is still held
+            return
         end = self._monotonic() - max(0.0, since_end_s)
         with self._ends_lock:
             self._ends[job] = (end, self._reports.get(job))
             self._started.pop(job, None)
-            if not others_held:
-                # the last tick's read of the reservations still has it: read by the
-                # views, it would say the job runs, at its level, until the next tick
-                self._held = self._held - {job}
+            # the last tick's read of the reservations still has it: read by the views, it
+            # would say the job runs, at its level, until the next tick
+            self._held = self._held - {job}
+            self._run_ends += 1
+            self._ended_runs[job] = self._run_ends
 
     def run_started(self, job: str) -> None:
         """A run of ``job`` reserved its devices: it has not ended, and holds a reservation
@@ -527,6 +559,7 @@ class TrafficService:
         as :meth:`run_ended`."""
         with self._ends_lock:
             self._ends.pop(job, None)
+            self._ended_runs.pop(job, None)
             self._started[job] = self._ticks
 
     def _held_now(self) -> frozenset[str]:
@@ -1088,8 +1121,16 @@ class TrafficService:
         self._clocks = (wall, mono)
 
     def _decide(self, now: float, registered: list[str]) -> dict[str, int]:
+        with self._ends_lock:
+            read_from = self._run_ends
         active_res = self._active()
         with self._ends_lock:
+            # a run that ended while the store was read, its release after the read: the
+            # read still holds it. Those ended before are in the read (the store's writes
+            # and reads take turns)
+            late = {j for j, n in self._ended_runs.items() if n > read_from}
+            self._ended_runs = {j: self._ended_runs[j] for j in late}
+            active_res = active_res - late
             self._held = frozenset(active_res)
             # a run started since the last tick that this read saw, or one the tick before
             # did not see either (rolled back), is no longer kept apart

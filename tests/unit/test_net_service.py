@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -106,14 +107,16 @@ class Rig:
         rdma: RdmaPort | None = None,
         jobs: Callable[[], list[str]] | None = None,
         tags: TagStore | None = None,
+        active: Callable[[], set[str]] | None = None,
     ) -> TrafficService:
-        """``jobs``: the registry's names (default: ``self.jobs``)."""
+        """``jobs``: the registry's names (default: ``self.jobs``); ``active``: the jobs
+        holding a reservation (default: ``self.active``)."""
         return TrafficService(
             self.config,
             tags=tags or TagStore(self.store, pool=job_pool(self.config)),
             events=self.events,
             jobs=jobs or (lambda: list(self.jobs)),
-            active=lambda: set(self.active),
+            active=active or (lambda: set(self.active)),
             tc=self.tc,
             marker=self.marker,
             cgroups=self.cgroups,
@@ -822,6 +825,25 @@ def wiring_parts(tmp_path: Path) -> tuple[StateStore, EventLog, JobService]:
     return store, events, JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
 
 
+def wired_traffic(tmp_path: Path, gpus: int) -> tuple[JobService, TrafficService]:
+    """The jobs service on ``gpus`` GPUs of 80 GiB and the traffic service open_traffic
+    wires to it (traffic on, no marking)."""
+    from gpud.config import Config
+    from gpud.jobs.service import JobService
+    from gpud.mps.manager import MpsManager, targets_from_snapshot
+    from gpud.net.wiring import open_traffic
+    from tests.unit.mps_support import gpu_sample, snapshot
+
+    store, events, _ = wiring_parts(tmp_path)
+    mps = MpsManager(store, events, tmp_path / "run", control_command=["true"], enabled=False)
+    mps.observe(
+        targets_from_snapshot(snapshot(*(gpu_sample(i, memory_gib=80) for i in range(gpus))))
+    )
+    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
+    config = Config(traffic=TrafficConfig(enabled=True, marking=False))
+    return jobs, open_traffic(config, store, events, jobs)
+
+
 def test_wiring_says_why_marking_is_off(tmp_path: Path) -> None:
     from gpud.config import Config
     from gpud.net.wiring import open_traffic
@@ -853,19 +875,10 @@ def test_wiring_says_why_marking_is_off(tmp_path: Path) -> None:
 def test_wiring_tells_the_service_when_a_run_ends(tmp_path: Path) -> None:
     """A run's release (gpuctl run's, at its command's exit) reaches the traffic service:
     its job reads as ended, until it holds a reservation again (at once)."""
-    from gpud.config import Config
     from gpud.jobs.ends import EndCause, RunEnd
-    from gpud.jobs.service import JobService, RunRequest
-    from gpud.mps.manager import MpsManager, targets_from_snapshot
-    from gpud.net.wiring import open_traffic
-    from tests.unit.mps_support import gpu_sample, snapshot
+    from gpud.jobs.service import RunRequest
 
-    store, events, _ = wiring_parts(tmp_path)
-    mps = MpsManager(store, events, tmp_path / "run", control_command=["true"], enabled=False)
-    mps.observe(targets_from_snapshot(snapshot(gpu_sample(0, memory_gib=80))))
-    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
-    config = Config(traffic=TrafficConfig(enabled=True, marking=False))
-    service = open_traffic(config, store, events, jobs)
+    jobs, service = wired_traffic(tmp_path, 1)
     launch = jobs.reserve(RunRequest("train-a"))
     service.tick()
     service.report(Report("train-a", 1, time.time() - 1, session="s"))
@@ -889,20 +902,9 @@ def test_a_run_that_ends_is_counted_ended_at_once_without_its_level(tmp_path: Pa
     """Between a run's end and the next traffic tick, ``gpuctl net show`` and /metrics do
     not count the job as running at its level: it reads ended, with no level, in no
     level's count. A job one of whose two runs ended still runs, at its level."""
-    from gpud.config import Config
-    from gpud.jobs.service import JobService, RunRequest
-    from gpud.mps.manager import MpsManager, targets_from_snapshot
-    from gpud.net.wiring import open_traffic
-    from tests.unit.mps_support import gpu_sample, snapshot
+    from gpud.jobs.service import RunRequest
 
-    store, events, _ = wiring_parts(tmp_path)
-    mps = MpsManager(store, events, tmp_path / "run", control_command=["true"], enabled=False)
-    mps.observe(
-        targets_from_snapshot(snapshot(gpu_sample(0, memory_gib=80), gpu_sample(1, memory_gib=80)))
-    )
-    jobs = JobService(store, events, mps, socket_path=tmp_path / "gpud.sock")
-    config = Config(traffic=TrafficConfig(enabled=True, marking=False))
-    service = open_traffic(config, store, events, jobs)
+    jobs, service = wired_traffic(tmp_path, 2)
     first = jobs.reserve(RunRequest("train-a"))
     second = jobs.reserve(RunRequest("train-a"))
     service.tick()
@@ -917,7 +919,7 @@ def test_a_run_that_ends_is_counted_ended_at_once_without_its_level(tmp_path: Pa
         registry = _samples(service)
         return sum(
             registry.get_sample_value("gpud_net_level_jobs", {"level": str(lv)}) or 0.0
-            for lv in range(config.traffic.levels)
+            for lv in range(service.config.levels)
         )
 
     assert row().level is not None and at_levels() == 1
@@ -930,6 +932,27 @@ def test_a_run_that_ends_is_counted_ended_at_once_without_its_level(tmp_path: Pa
     assert _samples(service).get_sample_value("gpud_net_job_level", {"job": "train-a"}) is None
     service.tick()
     assert row().ended_s is not None and row().level is None
+    service.shutdown()
+
+
+def test_a_run_reserved_since_the_tick_runs_on_when_another_run_of_its_job_ends(
+    tmp_path: Path,
+) -> None:
+    """A job's run that reserved after the last tick keeps it running, at its level, when
+    another run of the job that also started since then ends."""
+    from gpud.jobs.service import RunRequest
+
+    jobs, service = wired_traffic(tmp_path, 3)
+    first = jobs.reserve(RunRequest("train-a"))
+    service.tick()
+    service.report(Report("train-a", 1, time.time() - 1, session="s"))
+    service.tick()
+    jobs.release(first.reservation.id)
+    second = jobs.reserve(RunRequest("train-a"))
+    jobs.reserve(RunRequest("train-a"))
+    jobs.release(second.reservation.id)  # the third holds, no tick since
+    (row,) = service.view().jobs
+    assert row.ended_s is None and row.level is not None
     service.shutdown()
 
 
@@ -2097,21 +2120,35 @@ def _silent_past_idle(rig: Rig) -> tuple[Training, Callable[[], JobTraffic]]:
     return train, row
 
 
-def _every(rig: Rig, seconds: int, each: int, job: str = "a") -> list[bool]:
+def _every(rig: Rig, seconds: int, each: float, job: str = "a") -> list[JobTraffic]:
     """``job`` reports one iteration every ``each`` seconds (``gpuctl net report`` from a
     script; no run of it holds a reservation) for ``seconds``, the service ticking each
-    second: whether it read ended at each tick."""
-    ended = []
+    second: its row at each tick."""
+    rows = []
     done = max((j.iterations or 0 for j in rig.service.view().jobs if j.job == job), default=0)
+    start = rig.clock.t
+    due = start + each
     for n in range(1, seconds + 1):
-        rig.clock.t += 1.0
-        if n % each == 0:
+        while due <= start + n + 1e-6:
+            rig.clock.t = due  # each report arrives when it is sent
             done += 1
             rig.service.report(Report(job, done, rig.clock.t, session="s"))
+            due += each
+        rig.clock.t = start + n
         rig.service.tick()
         (row,) = [j for j in rig.service.view().jobs if j.job == job]
-        ended.append(row.ended_s is not None)
-    return ended
+        rows.append(row)
+    return rows
+
+
+def _ended(rows: list[JobTraffic]) -> list[bool]:
+    return [row.ended_s is not None for row in rows]
+
+
+def _ends(rows: list[JobTraffic]) -> int:
+    """How many times the job read ended after running."""
+    flags = [False, *_ended(rows)]
+    return sum(not was and now for was, now in itertools.pairwise(flags))
 
 
 def test_a_job_reporting_less_often_than_idle_after_s_stays_running(
@@ -2123,8 +2160,10 @@ def test_a_job_reporting_less_often_than_idle_after_s_stays_running(
     its tag is not handed over between reports. ``net.slow_reports`` says it, once."""
     rig = Rig(tmp_path, sysfs, dscp_pool="10-12")  # three tags, three jobs
     rig.active = {"b", "c"}
-    _every(rig, 270, 90)  # three reports: two intervals
-    assert not any(_every(rig, 900, 90))
+    assert _ends(_every(rig, 270, 90)) <= 1  # three reports: two intervals
+    steady = _every(rig, 900, 90)
+    assert not any(_ended(steady))
+    assert all(row.level is not None for row in steady)
     kinds = rig.kinds()
     assert kinds.count("net.slow_reports") == 1 and "net.levels" not in kinds
     (said,) = [e for e in rig.events.recent(1000) if e.kind == "net.slow_reports"]
@@ -2153,10 +2192,69 @@ def test_a_job_that_once_reports_late_ends_once_and_keeps_its_tag(rig: Rig) -> N
     rig.active = {"b"}
     _every(rig, 60, 10)
     dscp = rig.service.tags.get("a")
-    assert any(_every(rig, 90, 90))
+    assert _ends(_every(rig, 90, 90)) == 1
     assert rig.service.tags.get("a") == dscp
-    assert not any(_every(rig, 100, 10))
+    assert not any(_ended(_every(rig, 100, 10)))
     assert "net.slow_reports" not in rig.kinds()
+
+
+def test_a_job_that_reports_faster_is_idle_after_idle_after_s_of_silence(rig: Rig) -> None:
+    """A job that reported every 100 s, then several times a second without a pause, has
+    a short usual interval: silent for traffic.idle_after_s, it reads ended, not only
+    after twice its old interval."""
+    rig.active = {"b"}
+    _every(rig, 300, 100)
+    _every(rig, 30, 0.4)
+    silent = _every(rig, 65, 10**6)
+    assert _ended(silent)[-1]
+
+
+def test_a_job_reporting_very_seldom_is_idle_after_ten_times_idle_after_s(rig: Rig) -> None:
+    """A job's quiet time is at most 10 times traffic.idle_after_s, however seldom it reports:
+    one that reported every 1000 s (idle_after_s 60) reads ended 600 s after its last
+    report, and ``net.slow_reports`` says so."""
+    rig.active = {"b"}
+    _every(rig, 3000, 1000)
+    silent = _every(rig, 700, 10**6)
+    assert _ended(silent).index(True) == 600  # 601 s after its report
+    (said,) = [e for e in rig.events.recent(1000) if e.kind == "net.slow_reports"]
+    assert said.fields["interval_s"] == 1000 and said.fields["quiet_s"] == 600
+    assert "after 600 s without a report" in said.message
+
+
+def test_a_run_that_ends_while_a_tick_reads_the_reservations_stays_ended(rig: Rig) -> None:
+    """A run released after the tick read the reservations (that read still holds it) but
+    before the tick keeps what it read: the job reads ended, without its level, after that
+    tick, and is not ranked by it."""
+    ending: list[str] = []
+
+    def active() -> set[str]:
+        held = set(rig.active)
+        for job in ending:  # the release commits while the tick goes on
+            rig.active.discard(job)
+            service.run_ended(job)
+        ending.clear()
+        return held
+
+    rig.active = {"a", "b"}
+    service = rig.make(active=active)
+    service.run_started("a")
+    service.report(Report("a", 1, rig.clock.t, session="s"))
+    service.tick()
+    rig.clock.t += 1
+    service.report(Report("a", 2, rig.clock.t, session="s"))
+    service.tick()
+    (row,) = [j for j in service.view().jobs if j.job == "a"]
+    assert row.level is not None and row.ended_s is None
+    ending.append("a")
+    service.tick()
+    (row,) = [j for j in service.view().jobs if j.job == "a"]
+    assert row.ended_s is not None and row.level is None
+    at_levels = _samples(service).get_sample_value("gpud_net_level_jobs", {"level": "0"})
+    service.tick()
+    assert _samples(service).get_sample_value("gpud_net_level_jobs", {"level": "0"}) == at_levels
+    (row,) = [j for j in service.view().jobs if j.job == "a"]
+    assert row.ended_s is not None and row.level is None
 
 
 def test_a_job_ended_with_its_reports_runs_again_only_with_progress(rig: Rig) -> None:
