@@ -1227,16 +1227,21 @@ class MpsManager:
     ) -> None:
         with self._lock:
             restoring = self.enabled and target.uuid in self._restoring
-        if restoring:
-            # its limits are those of the device it replaces, once moved (observe): till then
-            # what the state database says of it (the defaults) is not what it gets
-            dev.last_error = "its MPS limits wait to be moved (state database not writable)"
-            return
         # With MPS off no limits are needed: a pass then reads nothing from the state
         # database (one write-locked transaction per device and tick otherwise: 64 a second
         # on a node of 8 GPUs with 7 MIG devices each, each holding up the API's).
-        desired = self.limits(target.uuid) if self.enabled else MpsLimits(enabled=False)
-        if not desired.enabled:
+        # A device whose limits wait to be moved to it (observe) has none known (None): what
+        # the state database says of it (the defaults) is not what it gets, so no daemon is
+        # started and none is given limits meanwhile; one already running (adopted at a
+        # start) is checked, killed when it hangs and said down when it dies all the same.
+        desired = (
+            None
+            if restoring
+            else self.limits(target.uuid)
+            if self.enabled
+            else MpsLimits(enabled=False)
+        )
+        if desired is not None and not desired.enabled:
             # one that lost its pipe directory (orphan, stuck) is stopped too: it holds the
             # device
             if dev.daemon.pid() is not None or dev.daemon.orphan() is not None or dev.stuck:
@@ -1258,6 +1263,10 @@ class MpsManager:
                     f"the MPS control daemon an earlier run left under {moved} would not"
                     " stop: none is started beside it"
                 )
+                return
+            if desired is None:
+                dev.up = False
+                dev.last_error = _LIMITS_WAIT
                 return
             if held or now < dev.next_start_at:
                 return
@@ -1336,17 +1345,18 @@ class MpsManager:
         self,
         target: MpsTarget,
         dev: _Device,
-        desired: MpsLimits,
+        desired: MpsLimits | None,
         *,
         requested: bool = False,
         timeout_s: float | None = None,
     ) -> None:
         """Query the daemon, each command waited on ``timeout_s`` (default: the daemon's);
-        re-apply limits that differ from the desired ones."""
+        re-apply limits that differ from the desired ones (None: its limits wait to be
+        moved to it, so only its health is checked)."""
         dev.next_check_at = self._clock() + self._health_interval_s
         try:
             threads, memory, servers = self._read(dev, timeout_s)
-            if desired.memory_bytes is None and memory is not None:
+            if desired is not None and desired.memory_bytes is None and memory is not None:
                 # MPS has no command that removes a memory limit: only a new daemon forgets
                 # it, and only once no server (and so no client) depends on this one.
                 if servers:
@@ -1373,7 +1383,7 @@ class MpsManager:
                 dev.started = False  # not a failure restart
                 self._start(target, dev, desired)
                 return
-            if not _matches(desired, threads, memory):
+            if desired is not None and not _matches(desired, threads, memory):
                 if not requested:
                     self._events.emit(
                         "mps.drift",
@@ -1417,6 +1427,9 @@ class MpsManager:
             )
         dev.failures = 0
         dev.up = True
+        if desired is None:
+            dev.last_error = _LIMITS_WAIT
+            return
         # Limits set while this check ran are not yet applied: the next check applies them.
         if self.limits(target.uuid) == desired:
             dev.requested = False
@@ -1919,6 +1932,9 @@ def _recorded_run_dir(uuid: str, pipe_dir: str) -> Path | None:
 
 # Why a daemon that no PID file names any more is stopped: see :meth:`MpsManager._end_orphan`.
 _LOST = "it lost its pipe directory"
+
+# Why a device's daemon is neither started nor given limits: see MpsManager.observe.
+_LIMITS_WAIT = "its MPS limits wait to be moved (state database not writable)"
 
 # How a stop event says that the daemon went (its field ``how``).
 _HOW_SAID: Mapping[How, str] = {

@@ -2598,6 +2598,54 @@ def test_a_re_created_mig_device_gets_no_daemon_while_its_limits_wait_to_be_move
         store.close()
 
 
+def test_a_daemon_whose_limits_wait_to_be_moved_is_still_adopted_and_checked(
+    root: Path,
+) -> None:
+    """gpud restarted with the state database unwritable after one MIG device was re-created
+    (MIG-a -> MIG-c at its place): every MIG device is new to it, so every one waits for
+    the move, the running daemon of MIG-b too. Only the limits wait: MIG-b's daemon is
+    adopted and checked as ever, and once it dies it is said down, not up; a new one starts
+    with its limits after the move, and MIG-c gets MIG-a's."""
+    now = [0.0]
+    store = _FullDisk(root / "state")
+    first, _, _ = make_manager(root, store=store)
+    mgr, _, events = make_manager(root, store=store, clock=lambda: now[0])
+    try:
+        first.observe([_mig("MIG-a"), _mig("MIG-b", start=4)])
+        first.set_limits("MIG-a", threads_percent=40)
+        first.set_limits("MIG-b", threads_percent=60)
+        first.reconcile()
+        first.observe([_mig("MIG-b", start=4)])
+        first.reconcile()  # MIG-a destroyed: its daemon with it
+        pid = {s.target.uuid: s.pid for s in first.status()}["MIG-b"]
+        assert pid is not None
+        store.full = True
+        mgr.observe([_mig("MIG-c"), _mig("MIG-b", start=4)])
+        mgr.reconcile()
+        status = {s.target.uuid: s for s in mgr.status()}
+        assert status["MIG-c"].pid is None
+        assert status["MIG-b"].pid == pid and status["MIG-b"].up
+        assert status["MIG-b"].observed_threads_percent == 60
+        assert "mps.adopt" in [e.kind for e in events.recent()]
+        os.kill(pid, signal.SIGKILL)
+        wait_dead(pid)
+        mgr.reconcile()
+        status = {s.target.uuid: s for s in mgr.status()}
+        assert not status["MIG-b"].up and status["MIG-b"].pid is None
+        assert status["MIG-b"].last_error.startswith("its MPS limits wait to be moved")
+        store.full = False
+        now[0] += RESTORE_RETRY_S
+        mgr.observe([_mig("MIG-c"), _mig("MIG-b", start=4)])
+        mgr.reconcile()
+        status = {s.target.uuid: s for s in mgr.status()}
+        assert status["MIG-b"].up and status["MIG-b"].observed_threads_percent == 60
+        assert status["MIG-c"].up and status["MIG-c"].observed_threads_percent == 40
+    finally:
+        store.full = False
+        mgr.stop()
+        store.close()
+
+
 def test_a_failed_move_whose_devices_are_gone_hides_no_later_failure(
     root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
