@@ -1777,7 +1777,8 @@ class MpsManager:
     def rebooting(self) -> Iterator[int]:
         """A reboot of the simulated node under a running gpud (``gpuctl sim reboot``): as a
         real reboot does, it ends every control daemon gpud runs (those with their pipe
-        directory under its ``<run_dir>/mps``, the lost ones too), their MPS servers with
+        directory under its ``<run_dir>/mps``, the lost ones too, and those an earlier run
+        left under another ``daemon.run_dir`` that its records name), their MPS servers with
         them, at once (SIGKILL: no ``quit``, no stop event), and gpud then starts as after
         a real reboot: no device's daemon counts as started, restarted or failing, so the
         next pass starts each anew (``mps.start``). Yields how many ended, holding the pass
@@ -1813,12 +1814,27 @@ class MpsManager:
             self._idle.clear()
         for dev in devices.values():
             held.enter_context(dev.io)  # a command to its daemon returns first
+        found = list(self._control_daemons())
         pids: dict[str, list[int]] = {}
-        for pid, uuid in self._ours(self._control_daemons()):
+        for pid, uuid in self._ours(found):
             pids.setdefault(uuid, []).append(pid)
             if uuid not in devices:
                 devices[uuid] = held.enter_context(_held(self._device(uuid)))
         ended: list[int] = []
+        # those an earlier run left under another daemon.run_dir (not stopped yet: this
+        # run's first pass is still to come, or one would not stop) end with the rest
+        elsewhere = self._recorded_run_dirs() - {self._run_dir}
+        old: list[tuple[int, str, Path]] = []
+        for pid, pipe_dir, _ in found:
+            uuid = Path(pipe_dir).parent.name
+            run = _recorded_run_dir(uuid, pipe_dir)
+            if run is not None and run in elsewhere:
+                old.append((pid, uuid, run))
+
+        def end_old(pid: int, uuid: str, run: Path) -> None:
+            if self._daemon(uuid, run).kill(pid) is not None:
+                with self._lock:
+                    ended.append(pid)
 
         def reboot(uuid: str, dev: _Device) -> None:
             named = dev.daemon.pid()
@@ -1839,9 +1855,25 @@ class MpsManager:
                     dev.stuck[pid] = ticks[pid]
 
         calls = [(u, functools.partial(reboot, u, dev)) for u, dev in devices.items()]
+        calls += [(u, functools.partial(end_old, p, u, r)) for p, u, r in old]
         _all_at_once(calls, self._parallel)
+        with self._lock:
+            moved = bool(self._moved)
+        if moved:
+            # theirs may have ended: the next pass takes over now, not after the backoff
+            self._take_over_at = self._clock()
         self.status()  # what /metrics and the jobs read (last_status): none of them runs
         return len(ended)
+
+    def _recorded_run_dirs(self) -> set[Path]:
+        """The run dirs the records of daemons (``mps_daemons``) name."""
+        try:
+            with self._store.transaction() as conn:
+                rows = conn.execute("SELECT uuid, pipe_dir FROM mps_daemons").fetchall()
+        except StateError as err:
+            log.warning("MPS: the records of control daemons were not read: %s", err)
+            return set()
+        return {run for uuid, pipe_dir in rows if (run := _recorded_run_dir(uuid, pipe_dir))}
 
     def leave(self) -> None:
         """At gpud's stop: leave every daemon running for the jobs that use it (the next

@@ -1731,6 +1731,63 @@ def test_a_daemon_under_an_old_run_dir_that_will_not_stop_is_not_doubled(root: P
         store.close()
 
 
+def test_a_reboot_ends_the_daemons_left_under_an_old_run_dir(root: Path) -> None:
+    """daemon.run_dir changed, and the simulated node reboots before the first pass took
+    over: as on a real node, the daemons left under the old run dir end with the others
+    (counted), and the first pass then has none of them to stop, only their directories
+    to remove, before each device's own starts under the new run dir."""
+    first, store, _ = make_manager(root, run="run")
+    first.reconcile(NODE)
+    old = [s.pid for s in first.status()]
+    first.leave()
+    store.close()
+    second, store, events = make_manager(root, run="run2")
+    try:
+        with second.rebooting() as ended:
+            assert ended == 2
+        assert None not in old and not [pid for pid in old if pid and alive(pid)]
+        second.reconcile(NODE)
+        assert not events.recent(kind_prefix="mps.stop_moved")
+        now = second.status()
+        assert all(s.up and root / "run2" in s.pipe_dir.parents for s in now)
+        assert not {s.pid for s in now} & set(old)
+        assert not (root / "run" / "mps").exists()
+    finally:
+        second.stop()
+        store.close()
+
+
+def test_after_a_reboot_a_device_whose_old_run_dir_daemon_would_not_stop_starts_its_own(
+    root: Path,
+) -> None:
+    """A daemon left under the old daemon.run_dir that would not stop keeps its device's
+    own from starting, with a backoff between tries; a reboot ends every process, so the
+    pass after it takes over at once instead of after the backoff."""
+    first, store, _ = make_manager(root, run="run")
+    first.reconcile(NODE)
+    held = {s.target.uuid: s for s in first.status()}[gpu_uuid(0)]
+    first.leave()
+    store.close()
+    stuck = StuckDaemons()
+    assert held.pid is not None
+    stuck.stick(held.pipe_dir, held.pid)
+    second, store, _ = make_manager(root, run="run2", **stuck.options())
+    try:
+        second.reconcile(NODE)
+        assert {s.target.uuid: s.pid for s in second.status()}[gpu_uuid(0)] is None
+        stuck.pids.clear()  # the reboot ends it
+        with second.rebooting():
+            pass
+        second.reconcile(NODE)
+        now = {s.target.uuid: s for s in second.status()}
+        assert now[gpu_uuid(0)].up and root / "run2" in now[gpu_uuid(0)].pipe_dir.parents
+        assert not (root / "run" / "mps").exists()
+    finally:
+        stuck.pids.clear()
+        second.stop()
+        store.close()
+
+
 def test_mig_devices_about_to_be_destroyed_lose_their_daemons_first(root: Path) -> None:
     """What a MIG apply holds while it destroys instances: their daemons stopped, none
     started meanwhile; one that would not stop is named, with its pid."""
