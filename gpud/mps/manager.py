@@ -354,6 +354,10 @@ class MpsManager:
         # Devices a MIG apply released, by when it ended (``snapshot_clock``): no daemon is
         # started for them from a snapshot sampled before (it shows them as they were)
         self._released_at: dict[str, float] = {}
+        # When the last simulated reboot ended (``snapshot_clock``): no MIG device's daemon is
+        # started from a snapshot sampled before, those the reboot did not know of included
+        # (created meanwhile by a MIG apply), which it destroyed all the same
+        self._rebooted_at: float | None = None
         self._observed: Snapshot | None = None  # the newest snapshot observed
         self._snapshot_clock = snapshot_clock
         self._others_root = others_root
@@ -782,6 +786,8 @@ class MpsManager:
             self._released_at = {
                 u: t for u, t in self._released_at.items() if snapshot.monotonic < t
             }
+            if self._rebooted_at is not None and snapshot.monotonic >= self._rebooted_at:
+                self._rebooted_at = None
 
     def observe(self, targets: Iterable[MpsTarget]) -> None:
         """Replace the known devices (from the latest snapshot); a re-created MIG device gets
@@ -1256,7 +1262,11 @@ class MpsManager:
                 return
             dev.killing = ""
             with self._lock:
-                held = target.uuid in self._held or target.uuid in self._released_at
+                held = (
+                    target.uuid in self._held
+                    or target.uuid in self._released_at
+                    or (target.mig is not None and self._rebooted_at is not None)
+                )
                 moved = self._moved.get(target.uuid)
             if moved is not None:
                 dev.last_error = (
@@ -1786,8 +1796,9 @@ class MpsManager:
         again in it, and nothing (a pass, ``gpuctl mps set``, a server started) starts a
         daemon meanwhile that would outlive the reboot. A pass waiting with a snapshot
         sampled before passes over it (:meth:`observe_snapshot`), and the MIG devices the
-        reboot destroys count as released (:meth:`released`): none of their daemons is
-        started from such a snapshot, whether or not the reboot's own sample was taken.
+        reboot destroys count as released (:meth:`released`), those created meanwhile (by a
+        MIG apply) that it did not know of too: no MIG device's daemon is started from such
+        a snapshot, whether or not the reboot's own sample was taken.
 
         One that outlives SIGKILL (stuck in the driver) is not counted: its device keeps
         it as one that outlived a kill (:meth:`_kill`, or :meth:`_kill_orphan` where no PID
@@ -1802,6 +1813,7 @@ class MpsManager:
                 ended = self._snapshot_clock()
                 with self._lock:
                     self._released_at.update(dict.fromkeys(migs, ended))
+                    self._rebooted_at = ended
 
     def _end_all(self, held: contextlib.ExitStack) -> int:
         """:meth:`rebooting`'s kills, all at once, and each device reset in place (anything

@@ -2475,6 +2475,30 @@ def test_a_pass_waiting_through_a_reboot_whose_sample_failed_starts_no_mig_daemo
         store.close()
 
 
+def test_a_pass_waiting_through_a_reboot_starts_no_daemon_on_mig_devices_it_did_not_know(
+    root: Path,
+) -> None:
+    """A MIG apply created MIG devices 0:1 and 0:2 while the node rebooted: no snapshot the
+    manager observed showed them yet, and the reboot's own sample failed. The snapshot
+    that shows them was sampled before the reboot ended, so its MIG devices are held as
+    the known ones are: no daemon starts on an instance the reboot destroyed."""
+    clock = [1.0]
+    mgr, store, events = make_manager(root, snapshot_clock=lambda: clock[0])
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0, migs=(("3g.40gb", 40),)), gpu_sample(1)))
+        with mgr.rebooting() as ended:
+            assert ended == 2
+        mgr.reconcile(MIG_NODE)  # sampled before the reboot ended
+        started = [e.fields["uuid"] for e in events.recent() if e.kind == "mps.start"]
+        assert started[2:] == [gpu_uuid(1)]
+        clock[0] = 2.0
+        mgr.reconcile(dataclasses.replace(MIG_NODE, monotonic=2.0))  # re-created since
+        assert all(s.up for s in mgr.status())
+    finally:
+        mgr.stop()
+        store.close()
+
+
 def test_a_lost_daemon_of_a_device_gone_at_start_leaves_no_record(root: Path) -> None:
     """A daemon an earlier gpud left with its pipe directory deleted, for a MIG device
     destroyed since: stopped at start with its record and directories, even while another
