@@ -2446,51 +2446,30 @@ def test_a_lost_daemon_beside_the_one_its_pid_file_names_is_stopped_at_start(
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("known", [3, 1])
 def test_a_pass_waiting_through_a_reboot_whose_sample_failed_starts_no_mig_daemon(
-    root: Path,
+    root: Path, known: int
 ) -> None:
     """A reboot whose own sample failed (nothing observed): the pass that waited for it
     works from its snapshot sampled before, yet starts no daemon on the MIG devices the
-    reboot destroyed; a snapshot sampled after the reboot shows what there is."""
+    reboot destroyed, those it did not know of (``known``: 1 of 3, the others created by a
+    MIG apply meanwhile) too; a snapshot sampled after the reboot shows what there is."""
     clock = [1.0]
     mgr, store, events = make_manager(root, snapshot_clock=lambda: clock[0])
     try:
-        mgr.reconcile(MIG_NODE)
+        migs = (("3g.40gb", 40), ("2g.20gb", 20), ("1g.10gb", 10))[:known]
+        mgr.reconcile(snapshot(gpu_sample(0, migs=migs), gpu_sample(1)))
         with mgr.rebooting() as ended:
-            assert ended == 4
+            assert ended == known + 1
             waiting = threading.Thread(target=mgr.reconcile, args=(MIG_NODE,))
             waiting.start()
             waiting.join(0.3)
         waiting.join(30)
         started = [e.fields["uuid"] for e in events.recent() if e.kind == "mps.start"]
-        assert started[4:] == [gpu_uuid(1)]
+        assert started[known + 1 :] == [gpu_uuid(1)]
         assert set(daemons_under(root / "run").values()) == {
             s.pid for s in mgr.status() if s.target.uuid == gpu_uuid(1)
         }
-        clock[0] = 2.0
-        mgr.reconcile(dataclasses.replace(MIG_NODE, monotonic=2.0))  # re-created since
-        assert all(s.up for s in mgr.status())
-    finally:
-        mgr.stop()
-        store.close()
-
-
-def test_a_pass_waiting_through_a_reboot_starts_no_daemon_on_mig_devices_it_did_not_know(
-    root: Path,
-) -> None:
-    """A MIG apply created MIG devices 0:1 and 0:2 while the node rebooted: no snapshot the
-    manager observed showed them yet, and the reboot's own sample failed. The snapshot
-    that shows them was sampled before the reboot ended, so its MIG devices are held as
-    the known ones are: no daemon starts on an instance the reboot destroyed."""
-    clock = [1.0]
-    mgr, store, events = make_manager(root, snapshot_clock=lambda: clock[0])
-    try:
-        mgr.reconcile(snapshot(gpu_sample(0, migs=(("3g.40gb", 40),)), gpu_sample(1)))
-        with mgr.rebooting() as ended:
-            assert ended == 2
-        mgr.reconcile(MIG_NODE)  # sampled before the reboot ended
-        started = [e.fields["uuid"] for e in events.recent() if e.kind == "mps.start"]
-        assert started[2:] == [gpu_uuid(1)]
         clock[0] = 2.0
         mgr.reconcile(dataclasses.replace(MIG_NODE, monotonic=2.0))  # re-created since
         assert all(s.up for s in mgr.status())
