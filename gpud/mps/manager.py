@@ -354,6 +354,10 @@ class MpsManager:
         # Devices a MIG apply released, by when it ended (``snapshot_clock``): no daemon is
         # started for them from a snapshot sampled before (it shows them as they were)
         self._released_at: dict[str, float] = {}
+        # When the last simulated reboot ended (``snapshot_clock``): no MIG device's daemon is
+        # started from a snapshot sampled before, those the reboot did not know of included
+        # (created meanwhile by a MIG apply), which it destroyed all the same
+        self._rebooted_at: float | None = None
         self._observed: Snapshot | None = None  # the newest snapshot observed
         self._snapshot_clock = snapshot_clock
         self._others_root = others_root
@@ -782,6 +786,8 @@ class MpsManager:
             self._released_at = {
                 u: t for u, t in self._released_at.items() if snapshot.monotonic < t
             }
+            if self._rebooted_at is not None and snapshot.monotonic >= self._rebooted_at:
+                self._rebooted_at = None
 
     def observe(self, targets: Iterable[MpsTarget]) -> None:
         """Replace the known devices (from the latest snapshot); a re-created MIG device gets
@@ -1227,16 +1233,21 @@ class MpsManager:
     ) -> None:
         with self._lock:
             restoring = self.enabled and target.uuid in self._restoring
-        if restoring:
-            # its limits are those of the device it replaces, once moved (observe): till then
-            # what the state database says of it (the defaults) is not what it gets
-            dev.last_error = "its MPS limits wait to be moved (state database not writable)"
-            return
         # With MPS off no limits are needed: a pass then reads nothing from the state
         # database (one write-locked transaction per device and tick otherwise: 64 a second
         # on a node of 8 GPUs with 7 MIG devices each, each holding up the API's).
-        desired = self.limits(target.uuid) if self.enabled else MpsLimits(enabled=False)
-        if not desired.enabled:
+        # A device whose limits wait to be moved to it (observe) has none known (None): what
+        # the state database says of it (the defaults) is not what it gets, so no daemon is
+        # started and none is given limits meanwhile; one already running (adopted at a
+        # start) is checked, killed when it hangs and said down when it dies all the same.
+        desired = (
+            None
+            if restoring
+            else self.limits(target.uuid)
+            if self.enabled
+            else MpsLimits(enabled=False)
+        )
+        if desired is not None and not desired.enabled:
             # one that lost its pipe directory (orphan, stuck) is stopped too: it holds the
             # device
             if dev.daemon.pid() is not None or dev.daemon.orphan() is not None or dev.stuck:
@@ -1251,13 +1262,21 @@ class MpsManager:
                 return
             dev.killing = ""
             with self._lock:
-                held = target.uuid in self._held or target.uuid in self._released_at
+                held = (
+                    target.uuid in self._held
+                    or target.uuid in self._released_at
+                    or (target.mig is not None and self._rebooted_at is not None)
+                )
                 moved = self._moved.get(target.uuid)
             if moved is not None:
                 dev.last_error = (
                     f"the MPS control daemon an earlier run left under {moved} would not"
                     " stop: none is started beside it"
                 )
+                return
+            if desired is None:
+                dev.up = False
+                dev.last_error = _LIMITS_WAIT
                 return
             if held or now < dev.next_start_at:
                 return
@@ -1336,17 +1355,18 @@ class MpsManager:
         self,
         target: MpsTarget,
         dev: _Device,
-        desired: MpsLimits,
+        desired: MpsLimits | None,
         *,
         requested: bool = False,
         timeout_s: float | None = None,
     ) -> None:
         """Query the daemon, each command waited on ``timeout_s`` (default: the daemon's);
-        re-apply limits that differ from the desired ones."""
+        re-apply limits that differ from the desired ones (None: its limits wait to be
+        moved to it, so only its health is checked)."""
         dev.next_check_at = self._clock() + self._health_interval_s
         try:
             threads, memory, servers = self._read(dev, timeout_s)
-            if desired.memory_bytes is None and memory is not None:
+            if desired is not None and desired.memory_bytes is None and memory is not None:
                 # MPS has no command that removes a memory limit: only a new daemon forgets
                 # it, and only once no server (and so no client) depends on this one.
                 if servers:
@@ -1373,7 +1393,7 @@ class MpsManager:
                 dev.started = False  # not a failure restart
                 self._start(target, dev, desired)
                 return
-            if not _matches(desired, threads, memory):
+            if desired is not None and not _matches(desired, threads, memory):
                 if not requested:
                     self._events.emit(
                         "mps.drift",
@@ -1417,6 +1437,9 @@ class MpsManager:
             )
         dev.failures = 0
         dev.up = True
+        if desired is None:
+            dev.last_error = _LIMITS_WAIT
+            return
         # Limits set while this check ran are not yet applied: the next check applies them.
         if self.limits(target.uuid) == desired:
             dev.requested = False
@@ -1764,7 +1787,8 @@ class MpsManager:
     def rebooting(self) -> Iterator[int]:
         """A reboot of the simulated node under a running gpud (``gpuctl sim reboot``): as a
         real reboot does, it ends every control daemon gpud runs (those with their pipe
-        directory under its ``<run_dir>/mps``, the lost ones too), their MPS servers with
+        directory under its ``<run_dir>/mps``, the lost ones too, and those an earlier run
+        left under another ``daemon.run_dir`` that its records name), their MPS servers with
         them, at once (SIGKILL: no ``quit``, no stop event), and gpud then starts as after
         a real reboot: no device's daemon counts as started, restarted or failing, so the
         next pass starts each anew (``mps.start``). Yields how many ended, holding the pass
@@ -1772,8 +1796,9 @@ class MpsManager:
         again in it, and nothing (a pass, ``gpuctl mps set``, a server started) starts a
         daemon meanwhile that would outlive the reboot. A pass waiting with a snapshot
         sampled before passes over it (:meth:`observe_snapshot`), and the MIG devices the
-        reboot destroys count as released (:meth:`released`): none of their daemons is
-        started from such a snapshot, whether or not the reboot's own sample was taken.
+        reboot destroys count as released (:meth:`released`), those created meanwhile (by a
+        MIG apply) that it did not know of too: no MIG device's daemon is started from such
+        a snapshot, whether or not the reboot's own sample was taken.
 
         One that outlives SIGKILL (stuck in the driver) is not counted: its device keeps
         it as one that outlived a kill (:meth:`_kill`, or :meth:`_kill_orphan` where no PID
@@ -1788,6 +1813,7 @@ class MpsManager:
                 ended = self._snapshot_clock()
                 with self._lock:
                     self._released_at.update(dict.fromkeys(migs, ended))
+                    self._rebooted_at = ended
 
     def _end_all(self, held: contextlib.ExitStack) -> int:
         """:meth:`rebooting`'s kills, all at once, and each device reset in place (anything
@@ -1800,12 +1826,27 @@ class MpsManager:
             self._idle.clear()
         for dev in devices.values():
             held.enter_context(dev.io)  # a command to its daemon returns first
+        found = list(self._control_daemons())
         pids: dict[str, list[int]] = {}
-        for pid, uuid in self._ours(self._control_daemons()):
+        for pid, uuid in self._ours(found):
             pids.setdefault(uuid, []).append(pid)
             if uuid not in devices:
                 devices[uuid] = held.enter_context(_held(self._device(uuid)))
         ended: list[int] = []
+        # those an earlier run left under another daemon.run_dir (not stopped yet: this
+        # run's first pass is still to come, or one would not stop) end with the rest
+        elsewhere = self._recorded_run_dirs() - {self._run_dir}
+        old: list[tuple[int, str, Path]] = []
+        for pid, pipe_dir, _ in found:
+            uuid = Path(pipe_dir).parent.name
+            run = _recorded_run_dir(uuid, pipe_dir)
+            if run is not None and run in elsewhere:
+                old.append((pid, uuid, run))
+
+        def end_old(pid: int, uuid: str, run: Path) -> None:
+            if self._daemon(uuid, run).kill(pid) is not None:
+                with self._lock:
+                    ended.append(pid)
 
         def reboot(uuid: str, dev: _Device) -> None:
             named = dev.daemon.pid()
@@ -1826,9 +1867,25 @@ class MpsManager:
                     dev.stuck[pid] = ticks[pid]
 
         calls = [(u, functools.partial(reboot, u, dev)) for u, dev in devices.items()]
+        calls += [(u, functools.partial(end_old, p, u, r)) for p, u, r in old]
         _all_at_once(calls, self._parallel)
+        with self._lock:
+            moved = bool(self._moved)
+        if moved:
+            # theirs may have ended: the next pass takes over now, not after the backoff
+            self._take_over_at = self._clock()
         self.status()  # what /metrics and the jobs read (last_status): none of them runs
         return len(ended)
+
+    def _recorded_run_dirs(self) -> set[Path]:
+        """The run dirs the records of daemons (``mps_daemons``) name."""
+        try:
+            with self._store.transaction() as conn:
+                rows = conn.execute("SELECT uuid, pipe_dir FROM mps_daemons").fetchall()
+        except StateError as err:
+            log.warning("MPS: the records of control daemons were not read: %s", err)
+            return set()
+        return {run for uuid, pipe_dir in rows if (run := _recorded_run_dir(uuid, pipe_dir))}
 
     def leave(self) -> None:
         """At gpud's stop: leave every daemon running for the jobs that use it (the next
@@ -1919,6 +1976,9 @@ def _recorded_run_dir(uuid: str, pipe_dir: str) -> Path | None:
 
 # Why a daemon that no PID file names any more is stopped: see :meth:`MpsManager._end_orphan`.
 _LOST = "it lost its pipe directory"
+
+# Why a device's daemon is neither started nor given limits: see MpsManager.observe.
+_LIMITS_WAIT = "its MPS limits wait to be moved (state database not writable)"
 
 # How a stop event says that the daemon went (its field ``how``).
 _HOW_SAID: Mapping[How, str] = {

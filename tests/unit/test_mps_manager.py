@@ -1731,6 +1731,63 @@ def test_a_daemon_under_an_old_run_dir_that_will_not_stop_is_not_doubled(root: P
         store.close()
 
 
+def test_a_reboot_ends_the_daemons_left_under_an_old_run_dir(root: Path) -> None:
+    """daemon.run_dir changed, and the simulated node reboots before the first pass took
+    over: as on a real node, the daemons left under the old run dir end with the others
+    (counted), and the first pass then has none of them to stop, only their directories
+    to remove, before each device's own starts under the new run dir."""
+    first, store, _ = make_manager(root, run="run")
+    first.reconcile(NODE)
+    old = [s.pid for s in first.status()]
+    first.leave()
+    store.close()
+    second, store, events = make_manager(root, run="run2")
+    try:
+        with second.rebooting() as ended:
+            assert ended == 2
+        assert None not in old and not [pid for pid in old if pid and alive(pid)]
+        second.reconcile(NODE)
+        assert not events.recent(kind_prefix="mps.stop_moved")
+        now = second.status()
+        assert all(s.up and root / "run2" in s.pipe_dir.parents for s in now)
+        assert not {s.pid for s in now} & set(old)
+        assert not (root / "run" / "mps").exists()
+    finally:
+        second.stop()
+        store.close()
+
+
+def test_after_a_reboot_a_device_whose_old_run_dir_daemon_would_not_stop_starts_its_own(
+    root: Path,
+) -> None:
+    """A daemon left under the old daemon.run_dir that would not stop keeps its device's
+    own from starting, with a backoff between tries; a reboot ends every process, so the
+    pass after it takes over at once instead of after the backoff."""
+    first, store, _ = make_manager(root, run="run")
+    first.reconcile(NODE)
+    held = {s.target.uuid: s for s in first.status()}[gpu_uuid(0)]
+    first.leave()
+    store.close()
+    stuck = StuckDaemons()
+    assert held.pid is not None
+    stuck.stick(held.pipe_dir, held.pid)
+    second, store, _ = make_manager(root, run="run2", **stuck.options())
+    try:
+        second.reconcile(NODE)
+        assert {s.target.uuid: s.pid for s in second.status()}[gpu_uuid(0)] is None
+        stuck.pids.clear()  # the reboot ends it
+        with second.rebooting():
+            pass
+        second.reconcile(NODE)
+        now = {s.target.uuid: s for s in second.status()}
+        assert now[gpu_uuid(0)].up and root / "run2" in now[gpu_uuid(0)].pipe_dir.parents
+        assert not (root / "run" / "mps").exists()
+    finally:
+        stuck.pids.clear()
+        second.stop()
+        store.close()
+
+
 def test_mig_devices_about_to_be_destroyed_lose_their_daemons_first(root: Path) -> None:
     """What a MIG apply holds while it destroys instances: their daemons stopped, none
     started meanwhile; one that would not stop is named, with its pid."""
@@ -2389,24 +2446,27 @@ def test_a_lost_daemon_beside_the_one_its_pid_file_names_is_stopped_at_start(
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("known", [3, 1])
 def test_a_pass_waiting_through_a_reboot_whose_sample_failed_starts_no_mig_daemon(
-    root: Path,
+    root: Path, known: int
 ) -> None:
     """A reboot whose own sample failed (nothing observed): the pass that waited for it
     works from its snapshot sampled before, yet starts no daemon on the MIG devices the
-    reboot destroyed; a snapshot sampled after the reboot shows what there is."""
+    reboot destroyed, those it did not know of (``known``: 1 of 3, the others created by a
+    MIG apply meanwhile) too; a snapshot sampled after the reboot shows what there is."""
     clock = [1.0]
     mgr, store, events = make_manager(root, snapshot_clock=lambda: clock[0])
     try:
-        mgr.reconcile(MIG_NODE)
+        migs = (("3g.40gb", 40), ("2g.20gb", 20), ("1g.10gb", 10))[:known]
+        mgr.reconcile(snapshot(gpu_sample(0, migs=migs), gpu_sample(1)))
         with mgr.rebooting() as ended:
-            assert ended == 4
+            assert ended == known + 1
             waiting = threading.Thread(target=mgr.reconcile, args=(MIG_NODE,))
             waiting.start()
             waiting.join(0.3)
         waiting.join(30)
         started = [e.fields["uuid"] for e in events.recent() if e.kind == "mps.start"]
-        assert started[4:] == [gpu_uuid(1)]
+        assert started[known + 1 :] == [gpu_uuid(1)]
         assert set(daemons_under(root / "run").values()) == {
             s.pid for s in mgr.status() if s.target.uuid == gpu_uuid(1)
         }
@@ -2592,6 +2652,54 @@ def test_a_re_created_mig_device_gets_no_daemon_while_its_limits_wait_to_be_move
             assert status.up and status.observed_threads_percent == 40
         kinds = [e.kind for e in events.recent(kind_prefix="mps.")]
         assert "mps.limits_restored" in kinds and "mps.drift" not in kinds
+    finally:
+        store.full = False
+        mgr.stop()
+        store.close()
+
+
+def test_a_daemon_whose_limits_wait_to_be_moved_is_still_adopted_and_checked(
+    root: Path,
+) -> None:
+    """gpud restarted with the state database unwritable after one MIG device was re-created
+    (MIG-a -> MIG-c at its place): every MIG device is new to it, so every one waits for
+    the move, the running daemon of MIG-b too. Only the limits wait: MIG-b's daemon is
+    adopted and checked as ever, and once it dies it is said down, not up; a new one starts
+    with its limits after the move, and MIG-c gets MIG-a's."""
+    now = [0.0]
+    store = _FullDisk(root / "state")
+    first, _, _ = make_manager(root, store=store)
+    mgr, _, events = make_manager(root, store=store, clock=lambda: now[0])
+    try:
+        first.observe([_mig("MIG-a"), _mig("MIG-b", start=4)])
+        first.set_limits("MIG-a", threads_percent=40)
+        first.set_limits("MIG-b", threads_percent=60)
+        first.reconcile()
+        first.observe([_mig("MIG-b", start=4)])
+        first.reconcile()  # MIG-a destroyed: its daemon with it
+        pid = {s.target.uuid: s.pid for s in first.status()}["MIG-b"]
+        assert pid is not None
+        store.full = True
+        mgr.observe([_mig("MIG-c"), _mig("MIG-b", start=4)])
+        mgr.reconcile()
+        status = {s.target.uuid: s for s in mgr.status()}
+        assert status["MIG-c"].pid is None
+        assert status["MIG-b"].pid == pid and status["MIG-b"].up
+        assert status["MIG-b"].observed_threads_percent == 60
+        assert "mps.adopt" in [e.kind for e in events.recent()]
+        os.kill(pid, signal.SIGKILL)
+        wait_dead(pid)
+        mgr.reconcile()
+        status = {s.target.uuid: s for s in mgr.status()}
+        assert not status["MIG-b"].up and status["MIG-b"].pid is None
+        assert status["MIG-b"].last_error.startswith("its MPS limits wait to be moved")
+        store.full = False
+        now[0] += RESTORE_RETRY_S
+        mgr.observe([_mig("MIG-c"), _mig("MIG-b", start=4)])
+        mgr.reconcile()
+        status = {s.target.uuid: s for s in mgr.status()}
+        assert status["MIG-b"].up and status["MIG-b"].observed_threads_percent == 60
+        assert status["MIG-c"].up and status["MIG-c"].observed_threads_percent == 40
     finally:
         store.full = False
         mgr.stop()
