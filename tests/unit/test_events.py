@@ -5,6 +5,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,6 +72,34 @@ def test_a_log_file_whose_writes_fail_says_why_and_how_many_lines_it_lacks(
     path.rmdir()  # space freed
     log.emit("job.add", "written again")
     assert log.write_problem() is None
+
+
+class _FailsAsRead(EventLog):
+    """An event log whose file's first write fails while :meth:`EventLog.write_problem`
+    reads the outage: after the first attribute of it is fetched, before the next."""
+
+    armed = False
+
+    def __getattribute__(self, name: str) -> Any:
+        value = super().__getattribute__(name)
+        if name in ("_write_error", "_outage") and self.armed:
+            self.armed = False
+            self.emit("job.add", "not written")
+        return value
+
+
+def test_a_write_that_fails_as_the_problem_is_read_never_gives_a_count_without_its_reason(
+    tmp_path: Path,
+) -> None:
+    """``gpuctl status`` reads the outage without the log's lock: the reason and the count
+    are one, never ``("", 1)``."""
+    path = tmp_path / "events.jsonl"
+    log = _FailsAsRead(path)
+    path.mkdir()  # any write now fails
+    log.armed = True
+    problem = log.write_problem()
+    assert problem is None or problem[1] == "Is a directory"
+    assert log.write_problem() == (path, "Is a directory", 1)
 
 
 def test_writes_the_file_missed_are_counted_and_said_when_it_is_written_again(
