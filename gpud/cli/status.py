@@ -70,7 +70,8 @@ def _state_files(files: pb.StateFilesStatus) -> str:
         )
         if error
     ]
-    return f"NOT written: {' and '.join(failing)}" if failing else "written"
+    # a hung disk fails no write: gpud cannot tell it apart without a wait of its own
+    return f"NOT written: {' and '.join(failing)}" if failing else "no failed write"
 
 
 def _state_files_problems(files: pb.StateFilesStatus) -> list[str]:
@@ -78,21 +79,22 @@ def _state_files_problems(files: pb.StateFilesStatus) -> list[str]:
     writes: the file, the reason, and what it means."""
     lines = []
     if files.state_db_error:
-        when = (
-            f" {seconds(files.state_db_error_age_seconds)} ago"
+        since = (
+            f"since {seconds(files.state_db_error_age_seconds)} ago; "
             if files.HasField("state_db_error_age_seconds")
             else ""
         )
         lines.append(
             f"state database {files.state_db_path} cannot be written: {files.state_db_error}"
-            f" (the latest change{when} was refused and not kept)"
+            f" ({since}a refused change is not kept)"
         )
     if files.event_log_error or files.event_log_lines_missing:
         why = files.event_log_error or "write failed"
+        missing = files.event_log_lines_missing
         lines.append(
             f"event log {files.event_log_path} cannot be written: {why}; it lacks"
-            f" {files.event_log_lines_missing} events since (the journal and gpuctl events"
-            " have them)"
+            f" {missing} {'event' if missing == 1 else 'events'} since (the journal and"
+            " gpuctl events have them)"
         )
     return lines
 

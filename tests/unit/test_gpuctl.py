@@ -253,7 +253,7 @@ EVENTS = "/var/lib/gpud/events.jsonl"
 @pytest.mark.parametrize(
     ("files", "lines"),
     [
-        (StateFiles(DB, EVENTS), ["state files: written"]),
+        (StateFiles(DB, EVENTS), ["state files: no failed write"]),
         (
             StateFiles(
                 DB,
@@ -263,8 +263,8 @@ EVENTS = "/var/lib/gpud/events.jsonl"
             ),
             [
                 "state files: NOT written: state database",
-                f"state database {DB} cannot be written: database or disk is full (the latest"
-                " change 5.0 s ago was refused and not kept)",
+                f"state database {DB} cannot be written: database or disk is full (since 5.0 s"
+                " ago; a refused change is not kept)",
             ],
         ),
         (
@@ -289,9 +289,9 @@ EVENTS = "/var/lib/gpud/events.jsonl"
             [
                 "state files: NOT written: state database and event log",
                 f"state database {DB} cannot be written: attempt to write a readonly database"
-                " (the latest change 1m 00s ago was refused and not kept)",
+                " (since 1m 00s ago; a refused change is not kept)",
                 f"event log {EVENTS} cannot be written: Read-only file system; it lacks 1"
-                " events since (the journal and gpuctl events have them)",
+                " event since (the journal and gpuctl events have them)",
             ],
         ),
     ],
