@@ -102,7 +102,10 @@ class EventLog:
         keep: int = 1000,
         max_bytes: int = 16 * 1024 * 1024,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: the events' times; ``monotonic``: when the write under way began
+        (:meth:`pending`)."""
         self._path = path
         self._max_bytes = max_bytes
         self._clock = clock
@@ -116,6 +119,8 @@ class EventLog:
         self._writing = False
         self._written = threading.Condition(self._lock)  # notified when _writing ends
         self._lines: deque[str] = deque()  # said, in order, not written yet (under _lock)
+        self._monotonic = monotonic
+        self._write_began: float | None = None  # the write under way (by the writer)
         # why the outage going on began (the first line not written) and how many lines the
         # file did not get in it: one tuple, set whole by the writer, so that a reader
         # without the lock never gets a count without its reason
@@ -293,6 +298,14 @@ class EventLog:
             return None
         return self._path, why, missed
 
+    def pending(self) -> tuple[int, float | None]:
+        """Lines said and not yet in the file (the one being written, and those queued
+        behind it), and when the write under way began (``monotonic``; None while none
+        runs): a hung disk fails no write, it only lets these grow. Read without the lock
+        nor the file, so a status read never waits for the writer."""
+        began = self._write_began
+        return len(self._lines) + (began is not None), began
+
     def flush(self, wait_s: float) -> bool:
         """Wait, at most ``wait_s``, until every line said is written to the file (or its
         write failed); whether it was. The daemon's stop calls it after its last event; one
@@ -322,14 +335,17 @@ class EventLog:
                     self._written.notify_all()
                     return
                 line = self._lines.popleft()
+            self._write_began = self._monotonic()
             try:
                 written = self._write(line)
-            except BaseException:  # not an OSError: the next emitter writes what is left
+            except BaseException:
+                self._write_began = None  # not an OSError: the next emitter writes what is left
                 with self._lock:
                     self._write_errors += 1
                     self._writing = False
                     self._written.notify_all()
                 raise
+            self._write_began = None
             if not written:
                 with self._lock:
                     self._write_errors += 1

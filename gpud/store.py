@@ -156,6 +156,7 @@ class StateStore:
         self._reader_lock = threading.Lock()
         self._reading = threading.local()
         self._writer: int | None = None  # the thread whose transaction is open (under _lock)
+        self._write_begun: float | None = None  # when it began (clock; set under _lock)
         self._clock = clock
         self._write_wait_s = write_wait_s
         # why the latest change was not written, and when (clock): gpuctl status says it;
@@ -339,6 +340,7 @@ class StateStore:
             if self._conn.in_transaction:
                 yield self._conn
                 return
+            self._write_begun = self._clock()
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
                 self._writer = threading.get_ident()
@@ -363,22 +365,39 @@ class StateStore:
                 finally:
                     self._writer = None
             except sqlite3.OperationalError as err:
-                code = err.sqlite_errorcode & 0xFF
-                if code in _IN_USE:
-                    why = f"in use by another process ({err}; {_HOLDER})"
-                    self._refused, self._refused_in_use = (why, self._clock()), True
-                    raise StateInUse(
-                        f"state database {self.path} is {why}: gpud waited "
-                        f"{self._write_wait_s:g} s for its lock; nothing of this change was "
-                        "kept: stop that process, then retry"
-                    ) from err
-                if code not in _UNWRITABLE:
+                refused = self._refusal(err)
+                if refused is None:
                     raise
-                self._refused, self._refused_in_use = (str(err), self._clock()), False
-                raise StateUnwritable(
-                    f"state database {self.path} cannot be written ({err}): nothing of this "
-                    "change was kept; free space or fix the file, then retry"
-                ) from err
+                raise refused from err
+            finally:
+                self._write_begun = None
+
+    def _refusal(self, err: sqlite3.OperationalError) -> StateUnwritable | None:
+        """Under the writer's lock: the error a transaction that failed with ``err`` raises,
+        kept as the write problem, when the file or another process's lock, not the SQL, is
+        the cause; None otherwise."""
+        code = err.sqlite_errorcode & 0xFF
+        if code in _IN_USE:
+            why = f"in use by another process ({err}; {_HOLDER})"
+            self._refused, self._refused_in_use = (why, self._clock()), True
+            return StateInUse(
+                f"state database {self.path} is {why}: gpud waited {self._write_wait_s:g} s "
+                "for its lock; nothing of this change was kept: stop that process, then retry"
+            )
+        if code not in _UNWRITABLE:
+            return None
+        self._refused, self._refused_in_use = (str(err), self._clock()), False
+        return StateUnwritable(
+            f"state database {self.path} cannot be written ({err}): nothing of this change "
+            "was kept; free space or fix the file, then retry"
+        )
+
+    def write_began(self) -> float | None:
+        """When the transaction under way began (the store's clock; its wait for another
+        process's lock included), None while none runs: one stuck in its commit's fsync on
+        a hung disk fails nothing, it only runs on. Read without a lock (``gpuctl status``
+        never waits for a writer)."""
+        return self._write_begun
 
     def in_transaction(self) -> bool:
         """Whether this thread has a transaction open (:meth:`transaction` or

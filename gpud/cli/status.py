@@ -60,6 +60,24 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
     return 0
 
 
+# a write under way this long is said: a hung disk fails no write, it only holds one up
+HELD_UP_S = 1.0
+
+
+def _held_up(files: pb.StateFilesStatus) -> list[tuple[str, float]]:
+    """The state files whose write under way has run :data:`HELD_UP_S` or more, and for
+    how long."""
+    running = [
+        ("state database", files.state_db_write_seconds)
+        if files.HasField("state_db_write_seconds")
+        else None,
+        ("event log", files.event_log_write_seconds)
+        if files.HasField("event_log_write_seconds")
+        else None,
+    ]
+    return [held for held in running if held is not None and held[1] >= HELD_UP_S]
+
+
 def _state_files(files: pb.StateFilesStatus) -> str:
     """Whether the state database and the event log take gpud's writes, in a few words."""
     failing = [
@@ -70,8 +88,10 @@ def _state_files(files: pb.StateFilesStatus) -> str:
         )
         if error
     ]
-    # a hung disk fails no write: gpud cannot tell it apart without a wait of its own
-    return f"NOT written: {' and '.join(failing)}" if failing else "no failed write"
+    if failing:
+        return f"NOT written: {' and '.join(failing)}"
+    held = [name for name, _ in _held_up(files)]
+    return f"no failed write; held up: {' and '.join(held)}" if held else "no failed write"
 
 
 def _state_files_problems(files: pb.StateFilesStatus) -> list[str]:
@@ -96,6 +116,18 @@ def _state_files_problems(files: pb.StateFilesStatus) -> list[str]:
             f" {missing} {'event' if missing == 1 else 'events'} since (the journal and"
             " gpuctl events have them)"
         )
+    for name, running in _held_up(files):
+        if name == "state database":
+            lines.append(
+                f"state database {files.state_db_path}: a write has run for {seconds(running)}"
+                " (its disk hangs? the change is kept once it ends)"
+            )
+        else:
+            queued = files.event_log_lines_queued
+            lines.append(
+                f"event log {files.event_log_path}: {queued} {'line' if queued == 1 else 'lines'}"
+                f" queued for {seconds(running)} (its disk hangs? the journal has them)"
+            )
     return lines
 
 

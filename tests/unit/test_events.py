@@ -184,11 +184,13 @@ def test_a_hung_disk_under_the_file_stalls_no_reader_nor_emitter_and_keeps_the_l
     """A write to the file that hangs (a hung disk: here a FIFO no one reads yet) holds
     back only the emitter writing it: the others (the event loop) return at once, the
     journal has every event meanwhile, a scrape (``tallies``) and ``gpuctl events``
-    (``recent``) answer; the lines are written in their order once it goes on, and a
+    (``recent``) answer, ``gpuctl status`` (``pending``) says the lines queued and since
+    when the write runs; the lines are written in their order once it goes on, and a
     bounded flush at the stop says what it could not write."""
     caplog.set_level(logging.INFO, logger="gpud.events")
     path = tmp_path / "events.jsonl"
-    log = EventLog(path)
+    log = EventLog(path, monotonic=lambda: 50.0)
+    assert log.pending() == (0, None)
     os.mkfifo(path)  # opening it to write waits for a reader
     first = threading.Thread(target=log.emit, args=("job.add", "line 1"))
     disk = -1
@@ -205,6 +207,7 @@ def test_a_hung_disk_under_the_file_stalls_no_reader_nor_emitter_and_keeps_the_l
         assert journal == ["job.add: line 1", "job.add: line 2"]
         assert [e.message for e in _within(log.recent)] == ["line 1", "line 2"]
         assert _within(log.tallies) == ({"job.add": 2}, 0)
+        assert _within(log.pending) == (2, 50.0)
         assert not log.flush(0.1)
         assert "2 lines not written at the stop" in caplog.records[-1].getMessage()
     finally:
@@ -212,6 +215,7 @@ def test_a_hung_disk_under_the_file_stalls_no_reader_nor_emitter_and_keeps_the_l
         if first.ident is not None:  # started
             first.join(5)
     assert log.flush(1.0)
+    assert log.pending() == (0, None)
     try:
         written = b""
         while chunk := os.read(disk, 4096):

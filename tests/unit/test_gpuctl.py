@@ -253,6 +253,42 @@ EVENTS = "/var/lib/gpud/events.jsonl"
 @pytest.mark.parametrize(
     ("files", "lines"),
     [
+        (
+            StateFiles(DB, EVENTS, event_log_lines_queued=1, event_log_write_monotonic=NOW - 0.5),
+            ["state files: no failed write"],
+        ),
+        (
+            StateFiles(DB, EVENTS, event_log_lines_queued=5, event_log_write_monotonic=NOW - 12),
+            [
+                "state files: no failed write; held up: event log",
+                f"event log {EVENTS}: 5 lines queued for 12.0 s (its disk hangs? the journal"
+                " has them)",
+            ],
+        ),
+        (
+            StateFiles(DB, EVENTS, state_db_write_monotonic=NOW - 3),
+            [
+                "state files: no failed write; held up: state database",
+                f"state database {DB}: a write has run for 3.0 s (its disk hangs? the change"
+                " is kept once it ends)",
+            ],
+        ),
+    ],
+)
+def test_status_says_a_state_file_write_held_up_though_none_failed(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path, files: StateFiles, lines: list[str]
+) -> None:
+    """A hung disk fails no write: what shows it is a write that has not ended, with the
+    event log's lines queued behind it."""
+    said = status_showing(capsys, sock_dir, make_servicer(state_files=files), lines)
+    assert int(said["state_files"].get("event_log_lines_queued", 0)) == (
+        files.event_log_lines_queued
+    )
+
+
+@pytest.mark.parametrize(
+    ("files", "lines"),
+    [
         (StateFiles(DB, EVENTS), ["state files: no failed write"]),
         (
             StateFiles(

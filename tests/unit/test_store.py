@@ -115,6 +115,28 @@ def test_a_removed_write_ahead_log_is_named_in_the_write_problem_by_its_file_nam
     store.close()
 
 
+def test_a_write_under_way_says_when_it_began_without_a_lock(tmp_path: Path) -> None:
+    """``gpuctl status`` tells a write held up (a commit's fsync on a hung disk, another
+    process's lock) from none, read from another thread while the writer's lock is held."""
+    now = [7.0]
+    store = StateStore(tmp_path, clock=lambda: now[0])
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
+    assert store.write_began() is None
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('x')")
+        now[0] = 9.0
+        seen: list[float | None] = []
+        reader = threading.Thread(target=lambda: seen.append(store.write_began()))
+        reader.start()
+        reader.join()
+        assert seen == [7.0]
+    assert store.write_began() is None
+    with pytest.raises(RuntimeError), store.transaction():
+        raise RuntimeError("a caller's error")
+    assert store.write_began() is None
+    store.close()
+
+
 def _hold_write_lock(state: Path) -> sqlite3.Connection:
     """Another process's write in progress on the database (a sqlite3 shell's ``BEGIN
     IMMEDIATE``): gpud's writes wait for it, its reads do not (WAL)."""
