@@ -331,15 +331,21 @@ class StateStore:
         A database that cannot be written (disk full, an I/O error, a read-only file) raises
         :class:`StateUnwritable` naming the file: nothing of the transaction is kept. One
         whose lock another process holds (SQLITE_BUSY) past ``write_wait_s`` raises
-        :class:`StateInUse`, naming the file and the likely holder."""
+        :class:`StateInUse`, naming the file and the likely holder (that wait counts from
+        the call, the wait behind this process's other transactions included)."""
         reader = getattr(self._reading, "conn", None)
         if reader is not None:
             yield reader
             return
+        asked = self._clock()
         with self._lock:
             if self._conn.in_transaction:
                 yield self._conn
                 return
+            # the wait for another process's lock counts the wait behind this process's
+            # writers (one of them may have waited for it already): a call queued behind
+            # another still answers within write_wait_s of its own
+            self._wait_until(self._conn, asked + self._write_wait_s)
             self._write_begun = self._clock()
             try:
                 self._conn.execute("BEGIN IMMEDIATE")

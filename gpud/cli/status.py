@@ -120,7 +120,8 @@ def _state_files_problems(files: pb.StateFilesStatus) -> list[str]:
         if name == "state database":
             lines.append(
                 f"state database {files.state_db_path}: a write has run for {seconds(running)}"
-                " (its disk hangs? the change is kept once it ends)"
+                " (its disk hangs, or another process holds its lock? the change is kept"
+                " once it ends)"
             )
         else:
             queued = files.event_log_lines_queued

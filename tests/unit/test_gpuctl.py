@@ -269,8 +269,8 @@ EVENTS = "/var/lib/gpud/events.jsonl"
             StateFiles(DB, EVENTS, state_db_write_monotonic=NOW - 3),
             [
                 "state files: no failed write; held up: state database",
-                f"state database {DB}: a write has run for 3.0 s (its disk hangs? the change"
-                " is kept once it ends)",
+                f"state database {DB}: a write has run for 3.0 s (its disk hangs, or another"
+                " process holds its lock? the change is kept once it ends)",
             ],
         ),
     ],

@@ -175,6 +175,21 @@ def test_a_write_refused_by_another_process_s_lock_names_the_file_and_the_likely
     store.close()
 
 
+def test_a_write_queued_behind_another_waits_for_a_lock_only_what_is_left_of_its_own_wait(
+    tmp_path: Path,
+) -> None:
+    """Two API calls' writes held up by another process's lock: the second, which waited
+    2 s for the first (on the store's clock), waits 3 s more for the lock, not 5: each
+    call says why within gpuctl's timeout, not one after the other."""
+    times = [0.0]
+    store = StateStore(tmp_path, clock=lambda: times.pop(0) if len(times) > 1 else times[0])
+    store.ensure_schema(["CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT)"])
+    times[:] = [100.0, 102.0]  # asked, then the writer's lock taken
+    with store.transaction() as conn:
+        assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 3000
+    store.close()
+
+
 def test_a_write_waits_for_another_process_s_lock_less_than_gpuctl_waits_for_an_answer(
     tmp_path: Path,
 ) -> None:
