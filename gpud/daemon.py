@@ -396,7 +396,7 @@ class Daemon:
         files.make_dirs(state_dir, files.STATE_DIR_MODE)
         files.make_dirs(config.daemon.run_dir, files.RUN_DIR_MODE)
         close_state_files(state_dir)
-        self.events = EventLog(state_dir / EVENTS_NAME, clock=time.time)
+        self.events = EventLog(state_dir / EVENTS_NAME, clock=time.time, monotonic=clock)
         self.store = StateStore(state_dir, clock=clock)  # its refusals' time: gpuctl status
         self.seen = SeenGpus(self.store)
         self.sampler = Sampler(
@@ -923,6 +923,7 @@ class Daemon:
         no file is touched here (a status read never waits for the disk)."""
         refused = self.store.write_problem()
         failing = self.events.write_problem()
+        queued, writing = self.events.pending()
         return StateFiles(
             state_db=str(self.store.path),
             event_log=str(self.events.path or ""),
@@ -930,6 +931,9 @@ class Daemon:
             state_db_error_monotonic=refused[1] if refused else None,
             event_log_error=failing[1] if failing else "",
             event_log_lines_missing=failing[2] if failing else 0,
+            event_log_lines_queued=queued,
+            event_log_write_monotonic=writing,
+            state_db_write_monotonic=self.store.write_began(),
         )
 
     def _reload_status(self) -> ReloadState | None:

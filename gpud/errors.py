@@ -7,6 +7,7 @@
     ├── ConfigError                bad config file or flag: names the file and key (exit 2)
     ├── StateError                 the state database cannot be opened or is damaged (exit 1)
     │   └── StateUnwritable        it cannot be written now: disk full, I/O error (exit 3)
+    │       └── StateInUse         another process holds its lock past the write's wait
     ├── InvalidArgument            a request field is wrong: names the field (exit 2)
     ├── NotFound                   a GPU, MIG device, job, ... does not exist (exit 4)
     │   └── LeftQueue              a waiting gpuctl run was taken out (gpuctl queue --leave)
@@ -71,6 +72,12 @@ class StateError(GpudError):
 
 class StateUnwritable(StateError):
     """The state database cannot be written now (disk full, an I/O error, read only)."""
+
+
+class StateInUse(StateUnwritable):
+    """Another process (a sqlite3 shell, a backup tool) held the state database's lock
+    past the wait of a write (SQLITE_BUSY, SQLITE_LOCKED): nothing of the change was kept,
+    and a retry once it lets go can work."""
 
 
 class InvalidArgument(GpudError):

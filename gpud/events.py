@@ -102,7 +102,10 @@ class EventLog:
         keep: int = 1000,
         max_bytes: int = 16 * 1024 * 1024,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: the events' times; ``monotonic``: when the write under way began
+        (:meth:`pending`)."""
         self._path = path
         self._max_bytes = max_bytes
         self._clock = clock
@@ -116,8 +119,12 @@ class EventLog:
         self._writing = False
         self._written = threading.Condition(self._lock)  # notified when _writing ends
         self._lines: deque[str] = deque()  # said, in order, not written yet (under _lock)
-        self._missed_writes = 0  # lines the file did not get in the outage going on
-        self._write_error = ""  # why the outage's first line was not written (by the writer)
+        self._monotonic = monotonic
+        self._write_began: float | None = None  # the write under way (by the writer)
+        # why the outage going on began (the first line not written) and how many lines the
+        # file did not get in it: one tuple, set whole by the writer, so that a reader
+        # without the lock never gets a count without its reason
+        self._outage: tuple[str, int] = ("", 0)
         self._held = threading.local()  # this thread's events held by until_committed
         self._watchers: list[Watcher] = []
         self._watching_ended = False  # close_watchers was called: the daemon stops
@@ -286,13 +293,18 @@ class EventLog:
         ``No space left on device``), and how many lines it lacks since (the journal and
         the ring have them); None while they succeed. Read without waiting for the file's
         disk."""
-        # the writer sets the reason before it counts, and clears the count first: read in
-        # that order, a count never comes with no reason
-        why = self._write_error
-        missed = self._missed_writes
+        why, missed = self._outage
         if self._path is None or not missed:
             return None
         return self._path, why, missed
+
+    def pending(self) -> tuple[int, float | None]:
+        """Lines said and not yet in the file (the one being written, and those queued
+        behind it), and when the write under way began (``monotonic``; None while none
+        runs): a hung disk fails no write, it only lets these grow. Read without the lock
+        nor the file, so a status read never waits for the writer."""
+        began = self._write_began
+        return len(self._lines) + (began is not None), began
 
     def flush(self, wait_s: float) -> bool:
         """Wait, at most ``wait_s``, until every line said is written to the file (or its
@@ -323,14 +335,17 @@ class EventLog:
                     self._written.notify_all()
                     return
                 line = self._lines.popleft()
+            self._write_began = self._monotonic()
             try:
                 written = self._write(line)
-            except BaseException:  # not an OSError: the next emitter writes what is left
+            except BaseException:
+                self._write_began = None  # not an OSError: the next emitter writes what is left
                 with self._lock:
                     self._write_errors += 1
                     self._writing = False
                     self._written.notify_all()
                 raise
+            self._write_began = None
             if not written:
                 with self._lock:
                     self._write_errors += 1
@@ -348,20 +363,20 @@ class EventLog:
             self._torn = False
         except OSError as err:
             self._torn = True  # a full disk may have taken part of the line
-            if not self._missed_writes:
+            why, missed = self._outage
+            if not missed:
                 log.warning("cannot write the event log %s: %s", self._path, err)
-                self._write_error = err.strerror or str(err)
-            self._missed_writes += 1
+                why = err.strerror or str(err)
+            self._outage = (why, missed + 1)
             return False
-        if self._missed_writes:
+        if missed := self._outage[1]:
             log.warning(
                 "the event log %s is written again; it lacks the %d events said while it "
                 "could not be (the journal has them)",
                 self._path,
-                self._missed_writes,
+                missed,
             )
-        self._missed_writes = 0
-        self._write_error = ""
+        self._outage = ("", 0)
         return True
 
     def _rotate_if_needed(self) -> None:

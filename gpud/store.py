@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
-from gpud.errors import StateError, StateUnwritable
+from gpud.errors import StateError, StateInUse, StateUnwritable
 from gpud.files import DB_MODE
 
 DB_NAME = "state.db"
@@ -36,9 +36,10 @@ _CANNOT_OPEN = frozenset({3, 8, 14})
 # SQLITE_IOERR, SQLITE_FULL: at open, the disk under the file (full: no room for the WAL
 # index, or failing), not its content
 _DISK = frozenset({10, 13})
-# SQLITE_BUSY, SQLITE_LOCKED: at open, another process holds the file's lock (a sqlite3
-# shell in exclusive locking mode, a backup tool), past the busy timeout
+# SQLITE_BUSY, SQLITE_LOCKED: another process holds the file's lock (a sqlite3 shell in
+# exclusive locking mode, a backup tool), past the busy timeout
 _IN_USE = frozenset({5, 6})
+_HOLDER = "a sqlite3 shell, a backup tool?"
 
 
 def _unreadable(path: Path, why: str) -> str:
@@ -56,8 +57,8 @@ def _open_error(path: Path, err: sqlite3.Error) -> StateError:
     code = getattr(err, "sqlite_errorcode", 0) & 0xFF
     if code in _IN_USE:
         return StateError(
-            f"state database {path} is in use by another process ({err}; a sqlite3 shell, a "
-            "backup tool?): stop it, then start gpud again; nothing was changed"
+            f"state database {path} is in use by another process ({err}; {_HOLDER}): stop it, "
+            "then start gpud again; nothing was changed"
         )
     if code in _DISK:
         return StateError(
@@ -135,14 +136,17 @@ class StateStore:
         *,
         busy_timeout_s: float = 30.0,
         warn_after_s: float = 3.0,
+        write_wait_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Raises :class:`StateError`, naming the file, when it cannot be opened or
         ``PRAGMA quick_check`` finds it damaged: nothing in it is thrown away unasked.
-        ``busy_timeout_s``: how long an open, or a write, waits for another process's lock
-        on the file before it fails; ``warn_after_s``: when an open that waits for one says
-        so, naming the file. ``clock``: when a change was last refused
-        (:meth:`write_problem`)."""
+        ``busy_timeout_s``: how long the open waits for another process's lock on the file
+        before it fails; ``warn_after_s``: when an open that waits for one says so, naming
+        the file. ``write_wait_s``: how long a transaction then waits for such a lock
+        (SQLite's ``busy_timeout``) before it raises :class:`StateInUse`: less than gpuctl's
+        default ``--timeout``, so that the API answers why. ``clock``: the open's deadline,
+        and when a change was last refused (:meth:`write_problem`)."""
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -152,9 +156,16 @@ class StateStore:
         self._reader_lock = threading.Lock()
         self._reading = threading.local()
         self._writer: int | None = None  # the thread whose transaction is open (under _lock)
+        self._write_begun: float | None = None  # when it began (clock; set under _lock)
         self._clock = clock
-        # why the latest change was not written, and when (clock): gpuctl status says it
+        self._write_wait_s = write_wait_s
+        # why the latest change was not written, and when (clock): gpuctl status says it;
+        # whether another process's lock refused it (then any lock taken ends it)
         self._refused: tuple[str, float] | None = None
+        self._refused_in_use = False
+        # the database or its WAL found removed or replaced: why, and since when (clock);
+        # for good, until the restart
+        self._gone: tuple[str, float] | None = None
         with contextlib.suppress(OSError):
             # SQLite takes an empty file for a new database: one gpud wrote is never empty
             # (the first start writes its tables), so this one was truncated
@@ -169,20 +180,22 @@ class StateStore:
                     "aside (a backup restored into it: put its state.db in its place), then "
                     "start gpud again"
                 )
+        # one deadline for the whole open, both connections: each statement waits for
+        # another process's lock only for what is left of it, said once at warn_after_s
+        started = clock()
+        deadline, warn_at = started + busy_timeout_s, started + min(busy_timeout_s, warn_after_s)
+        self._warned = False
         try:
             _create(self.path)
             self._conn = sqlite3.connect(
-                self.path,
-                isolation_level=None,
-                check_same_thread=False,
-                timeout=min(busy_timeout_s, warn_after_s),
+                self.path, isolation_level=None, check_same_thread=False, timeout=write_wait_s
             )
         except sqlite3.Error as err:
             raise _open_error(self.path, err) from None
         try:
             self._conn.row_factory = sqlite3.Row
-            damage = self._first_steps(busy_timeout_s, warn_after_s)
-            self._conn.execute(f"PRAGMA busy_timeout = {round(busy_timeout_s * 1000)}")
+            damage = self._first_steps(deadline, warn_at)
+            self._conn.execute(f"PRAGMA busy_timeout = {round(write_wait_s * 1000)}")
         except sqlite3.Error as err:
             self._conn.close()
             raise _open_error(self.path, err) from None
@@ -203,7 +216,7 @@ class StateStore:
             # after the WAL was removed would make a new, empty one, read nothing from it,
             # and (the last connection to close) checkpoint that into state.db at the stop
             self._reader = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, timeout=busy_timeout_s
+                self.path, isolation_level=None, check_same_thread=False, timeout=write_wait_s
             )
         except sqlite3.Error as err:
             self._conn.close()
@@ -211,40 +224,51 @@ class StateStore:
         try:
             self._reader.row_factory = sqlite3.Row
             self._reader.execute("PRAGMA query_only=ON")
-            self._reader.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            self._open_step(self._reader, "SELECT count(*) FROM sqlite_master", deadline, warn_at)
+            self._reader.execute(f"PRAGMA busy_timeout = {round(write_wait_s * 1000)}")
         except sqlite3.Error as err:
             self._reader.close()
             self._conn.close()
             raise _open_error(self.path, err) from None
 
-    def _first_steps(self, busy_timeout_s: float, warn_after_s: float) -> list[str]:
-        """WAL, ``synchronous=FULL``, foreign keys, then ``PRAGMA quick_check``'s findings.
-        Another process's lock on the file (a sqlite3 shell in exclusive mode) is said after
-        ``warn_after_s``, naming the file, while the open waits on for the rest of
-        ``busy_timeout_s``: a lock let go meanwhile, or a slow disk, fails nothing."""
+    def _first_steps(self, deadline: float, warn_at: float) -> list[str]:
+        """WAL, ``synchronous=FULL``, foreign keys, then ``PRAGMA quick_check``'s findings."""
+        for statement in ("journal_mode=WAL", "synchronous=FULL", "foreign_keys=ON"):
+            self._open_step(self._conn, f"PRAGMA {statement}", deadline, warn_at)
+        checked = self._open_step(self._conn, "PRAGMA quick_check(5)", deadline, warn_at)
+        return [" ".join(str(row[0]).split()) for row in checked]
+
+    def _open_step(
+        self, conn: sqlite3.Connection, statement: str, deadline: float, warn_at: float
+    ) -> list[sqlite3.Row]:
+        """``statement``'s rows, run within the open's deadline (on the store's clock).
+        Another process's lock on the file (a sqlite3 shell in exclusive mode) is said once,
+        at ``warn_at``, naming the file, while the open waits on until ``deadline``: a lock
+        let go meanwhile, or a slow disk, fails nothing."""
+        self._wait_until(conn, deadline if self._warned else min(warn_at, deadline))
         try:
-            return self._setup()
+            return conn.execute(statement).fetchall()
         except sqlite3.OperationalError as err:
-            left = busy_timeout_s - warn_after_s
-            if err.sqlite_errorcode & 0xFF not in _IN_USE or left <= 0:
+            left = deadline - self._clock()
+            if err.sqlite_errorcode & 0xFF not in _IN_USE or left <= 0 or self._warned:
                 raise
+            self._warned = True
             log.warning(
-                "state database %s is in use by another process (%s; a sqlite3 shell, a "
-                "backup tool?): gpud waits %s s more for it, then stops",
+                "state database %s is in use by another process (%s; %s): gpud waits %s s "
+                "more for it, then stops",
                 self.path,
                 err,
-                f"{left:g}",
+                _HOLDER,
+                f"{left:.1f}",
             )
-            self._conn.execute(f"PRAGMA busy_timeout = {round(left * 1000)}")
-            return self._setup()
+            self._wait_until(conn, deadline)
+            return conn.execute(statement).fetchall()
 
-    def _setup(self) -> list[str]:
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.execute("PRAGMA foreign_keys=ON")
-        return [
-            " ".join(str(row[0]).split()) for row in self._conn.execute("PRAGMA quick_check(5)")
-        ]
+    def _wait_until(self, conn: sqlite3.Connection, until: float) -> None:
+        """Let ``conn``'s next statements wait for another process's lock until ``until``
+        (the store's clock) at most: SQLite's busy timeout, which counts per statement."""
+        left_ms = max(0, round((until - self._clock()) * 1000))
+        conn.execute(f"PRAGMA busy_timeout = {left_ms}")
 
     def ensure_schema(
         self, statements: Sequence[str], *, added: Mapping[str, Sequence[str]] | None = None
@@ -305,15 +329,24 @@ class StateStore:
         """``BEGIN IMMEDIATE`` ... ``COMMIT`` (or ``ROLLBACK`` on error); re-entrant per thread.
 
         A database that cannot be written (disk full, an I/O error, a read-only file) raises
-        :class:`StateUnwritable` naming the file: nothing of the transaction is kept."""
+        :class:`StateUnwritable` naming the file: nothing of the transaction is kept. One
+        whose lock another process holds (SQLITE_BUSY) past ``write_wait_s`` raises
+        :class:`StateInUse`, naming the file and the likely holder (that wait counts from
+        the call, the wait behind this process's other transactions included)."""
         reader = getattr(self._reading, "conn", None)
         if reader is not None:
             yield reader
             return
+        asked = self._clock()
         with self._lock:
             if self._conn.in_transaction:
                 yield self._conn
                 return
+            # the wait for another process's lock counts the wait behind this process's
+            # writers (one of them may have waited for it already): a call queued behind
+            # another still answers within write_wait_s of its own
+            self._wait_until(self._conn, asked + self._write_wait_s)
+            self._write_begun = self._clock()
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
                 self._writer = threading.get_ident()
@@ -325,8 +358,10 @@ class StateStore:
                         self._conn.execute("ROLLBACK")
                         self._refuse_replaced()
                     self._conn.execute("COMMIT")
-                    if changed:  # only a change written shows the disk takes writes again
-                        self._refused = None
+                    # only a change written shows the disk takes writes again; any lock
+                    # taken, that another process's lock was let go
+                    if changed or self._refused_in_use:
+                        self._refused, self._refused_in_use = None, False
                 except BaseException:
                     # SQLite may already have rolled back (a failed COMMIT on a full disk):
                     # never leave a transaction open for the next caller to nest in.
@@ -336,13 +371,39 @@ class StateStore:
                 finally:
                     self._writer = None
             except sqlite3.OperationalError as err:
-                if err.sqlite_errorcode & 0xFF not in _UNWRITABLE:
+                refused = self._refusal(err)
+                if refused is None:
                     raise
-                self._refused = (str(err), self._clock())
-                raise StateUnwritable(
-                    f"state database {self.path} cannot be written ({err}): nothing of this "
-                    "change was kept; free space or fix the file, then retry"
-                ) from err
+                raise refused from err
+            finally:
+                self._write_begun = None
+
+    def _refusal(self, err: sqlite3.OperationalError) -> StateUnwritable | None:
+        """Under the writer's lock: the error a transaction that failed with ``err`` raises,
+        kept as the write problem, when the file or another process's lock, not the SQL, is
+        the cause; None otherwise."""
+        code = err.sqlite_errorcode & 0xFF
+        if code in _IN_USE:
+            why = f"in use by another process ({err}; {_HOLDER})"
+            self._refused, self._refused_in_use = (why, self._clock()), True
+            return StateInUse(
+                f"state database {self.path} is {why}: gpud waited {self._write_wait_s:g} s "
+                "for its lock; nothing of this change was kept: stop that process, then retry"
+            )
+        if code not in _UNWRITABLE:
+            return None
+        self._refused, self._refused_in_use = (str(err), self._clock()), False
+        return StateUnwritable(
+            f"state database {self.path} cannot be written ({err}): nothing of this change "
+            "was kept; free space or fix the file, then retry"
+        )
+
+    def write_began(self) -> float | None:
+        """When the transaction under way began (the store's clock; its wait for another
+        process's lock included), None while none runs: one stuck in its commit's fsync on
+        a hung disk fails nothing, it only runs on. Read without a lock (``gpuctl status``
+        never waits for a writer)."""
+        return self._write_begun
 
     def in_transaction(self) -> bool:
         """Whether this thread has a transaction open (:meth:`transaction` or
@@ -376,19 +437,20 @@ class StateStore:
             if self._said:
                 return None
             self._said = True
-        message = f"{what} while gpud ran: gpud refuses every change from now on; {kept}"
-        self._refused = (message, self._clock())
-        return message
+        return f"{what} while gpud ran: gpud refuses every change from now on; {kept}"
 
     def write_problem(self) -> tuple[str, float] | None:
-        """Why the latest change to the database was not written, and when (on the store's
-        clock): what SQLite said (``database or disk is full``, ``attempt to write a
-        readonly database``, ``disk I/O error``), or the file or its WAL removed or replaced
-        while gpud ran; None when the latest change was written, or none was refused since
-        start. A refusal holds until a change is written again (a full disk says nothing
-        when it is freed: the next change tells). Read without a lock (``gpuctl status``
-        never waits for a writer)."""
-        return self._refused
+        """Why changes to the database are not written, and since when (on the store's
+        clock): what SQLite said of the latest refused one (``database or disk is full``,
+        ``attempt to write a readonly database``, ``disk I/O error``), another process's
+        lock on it, or, from when it was found, the file or its WAL removed or replaced
+        while gpud ran (then every change is refused until the restart; the file itself is
+        not named again). None when the latest change was written, or none was refused
+        since start. A refusal holds until a change is written again (a full disk says
+        nothing when it is freed: the next change tells; another process's lock, until a
+        transaction takes the lock). Read without a lock (``gpuctl status`` never waits
+        for a writer): each is one attribute, set whole."""
+        return self._gone or self._refused
 
     def _save_once(self) -> tuple[str, str]:
         """:meth:`_save_replaced` for files found not kept, until it is done for good (the
@@ -397,6 +459,15 @@ class StateStore:
             if self._saved is not None:
                 return self._saved
             what, kept, done = self._save_replaced()
+            # the first finding's time: changes are refused from then on, asked or not
+            since = self._clock() if self._gone is None else self._gone[1]
+            # what gpuctl status says after the file's path: not the path again
+            short = (
+                "removed or replaced"
+                if what.startswith("state database ")
+                else f"its write-ahead log {self._wal_path.name} was removed or replaced"
+            )
+            self._gone = (f"{short} while gpud ran; {kept}", since)
             if done:
                 self._saved = (what, kept)
                 if self._said:  # it went out saying "may be lost": this one it did not say
@@ -407,10 +478,6 @@ class StateStore:
         """Raise :class:`StateUnwritable` for a database or WAL not :meth:`_files_kept`
         (outside a transaction: what the WAL holds is checkpointed first). Reads still hold."""
         what, kept = self._save_once()
-        self._refused = (
-            f"{what} while gpud ran: it takes no change until gpud restarts; {kept}",
-            self._clock(),
-        )
         raise StateUnwritable(f"{what} while gpud ran: nothing of this change was kept; {kept}")
 
     def _save_replaced(self) -> tuple[str, str, bool]:

@@ -462,7 +462,12 @@ def _state_files_status(files: StateFiles, now: float) -> pb.StateFilesStatus:
         event_log_path=files.event_log,
         event_log_error=files.event_log_error,
         event_log_lines_missing=files.event_log_lines_missing,
+        event_log_lines_queued=files.event_log_lines_queued,
     )
     if files.state_db_error_monotonic is not None:
         status.state_db_error_age_seconds = max(0.0, now - files.state_db_error_monotonic)
+    if files.event_log_write_monotonic is not None:
+        status.event_log_write_seconds = max(0.0, now - files.event_log_write_monotonic)
+    if files.state_db_write_monotonic is not None:
+        status.state_db_write_seconds = max(0.0, now - files.state_db_write_monotonic)
     return status

@@ -71,6 +71,12 @@ class StateFiles:
     state_db_error_monotonic: float | None = None
     event_log_error: str = ""  # why the file's writes fail; "" while they succeed
     event_log_lines_missing: int = 0  # events the file lacks since they began to fail
+    # writes not ended (a hung disk fails none): the event log's lines not yet in the file
+    # and when its write under way began, and when the database's transaction under way
+    # began (the servicer's clock); 0 and None while none runs
+    event_log_lines_queued: int = 0
+    event_log_write_monotonic: float | None = None
+    state_db_write_monotonic: float | None = None
 
 
 NodeInfoSource = Callable[[], NodeInfo]

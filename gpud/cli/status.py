@@ -60,6 +60,24 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
     return 0
 
 
+# a write under way this long is said: a hung disk fails no write, it only holds one up
+HELD_UP_S = 1.0
+
+
+def _held_up(files: pb.StateFilesStatus) -> list[tuple[str, float]]:
+    """The state files whose write under way has run :data:`HELD_UP_S` or more, and for
+    how long."""
+    running = [
+        ("state database", files.state_db_write_seconds)
+        if files.HasField("state_db_write_seconds")
+        else None,
+        ("event log", files.event_log_write_seconds)
+        if files.HasField("event_log_write_seconds")
+        else None,
+    ]
+    return [held for held in running if held is not None and held[1] >= HELD_UP_S]
+
+
 def _state_files(files: pb.StateFilesStatus) -> str:
     """Whether the state database and the event log take gpud's writes, in a few words."""
     failing = [
@@ -70,7 +88,10 @@ def _state_files(files: pb.StateFilesStatus) -> str:
         )
         if error
     ]
-    return f"NOT written: {' and '.join(failing)}" if failing else "written"
+    if failing:
+        return f"NOT written: {' and '.join(failing)}"
+    held = [name for name, _ in _held_up(files)]
+    return f"no failed write; held up: {' and '.join(held)}" if held else "no failed write"
 
 
 def _state_files_problems(files: pb.StateFilesStatus) -> list[str]:
@@ -78,22 +99,36 @@ def _state_files_problems(files: pb.StateFilesStatus) -> list[str]:
     writes: the file, the reason, and what it means."""
     lines = []
     if files.state_db_error:
-        when = (
-            f" {seconds(files.state_db_error_age_seconds)} ago"
+        since = (
+            f"since {seconds(files.state_db_error_age_seconds)} ago; "
             if files.HasField("state_db_error_age_seconds")
             else ""
         )
         lines.append(
             f"state database {files.state_db_path} cannot be written: {files.state_db_error}"
-            f" (the latest change{when} was refused and not kept)"
+            f" ({since}a refused change is not kept)"
         )
     if files.event_log_error or files.event_log_lines_missing:
         why = files.event_log_error or "write failed"
+        missing = files.event_log_lines_missing
         lines.append(
             f"event log {files.event_log_path} cannot be written: {why}; it lacks"
-            f" {files.event_log_lines_missing} events since (the journal and gpuctl events"
-            " have them)"
+            f" {missing} {'event' if missing == 1 else 'events'} since (the journal and"
+            " gpuctl events have them)"
         )
+    for name, running in _held_up(files):
+        if name == "state database":
+            lines.append(
+                f"state database {files.state_db_path}: a write has run for {seconds(running)}"
+                " (its disk hangs, or another process holds its lock? the change is kept"
+                " once it ends)"
+            )
+        else:
+            queued = files.event_log_lines_queued
+            lines.append(
+                f"event log {files.event_log_path}: {queued} {'line' if queued == 1 else 'lines'}"
+                f" queued for {seconds(running)} (its disk hangs? the journal has them)"
+            )
     return lines
 
 

@@ -197,6 +197,9 @@ class StateFilesStatus(_message.Message):
     EVENT_LOG_PATH_FIELD_NUMBER: _builtins.int
     EVENT_LOG_ERROR_FIELD_NUMBER: _builtins.int
     EVENT_LOG_LINES_MISSING_FIELD_NUMBER: _builtins.int
+    EVENT_LOG_LINES_QUEUED_FIELD_NUMBER: _builtins.int
+    EVENT_LOG_WRITE_SECONDS_FIELD_NUMBER: _builtins.int
+    STATE_DB_WRITE_SECONDS_FIELD_NUMBER: _builtins.int
     state_db_path: _builtins.str
     """the state database (<state_dir>/state.db)"""
     state_db_error: _builtins.str
@@ -214,6 +217,16 @@ class StateFilesStatus(_message.Message):
     """
     event_log_lines_missing: _builtins.int
     """events the file lacks since its writes failed"""
+    event_log_lines_queued: _builtins.int
+    """A hung disk fails no write: these say a write that has not ended. Lines said and not
+    yet in the file: the one being written, and those queued behind it.
+    """
+    event_log_write_seconds: _builtins.float
+    """how long the write under way has run"""
+    state_db_write_seconds: _builtins.float
+    """how long the database's transaction under way has run (its commit's fsync, or the
+    wait for another process's lock); absent while none runs
+    """
     def __init__(
         self,
         *,
@@ -223,14 +236,26 @@ class StateFilesStatus(_message.Message):
         event_log_path: _builtins.str = ...,
         event_log_error: _builtins.str = ...,
         event_log_lines_missing: _builtins.int = ...,
+        event_log_lines_queued: _builtins.int = ...,
+        event_log_write_seconds: _builtins.float | None = ...,
+        state_db_write_seconds: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_state_db_error_age_seconds", b"_state_db_error_age_seconds", "state_db_error_age_seconds", b"state_db_error_age_seconds"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_event_log_write_seconds", b"_event_log_write_seconds", "_state_db_error_age_seconds", b"_state_db_error_age_seconds", "_state_db_write_seconds", b"_state_db_write_seconds", "event_log_write_seconds", b"event_log_write_seconds", "state_db_error_age_seconds", b"state_db_error_age_seconds", "state_db_write_seconds", b"state_db_write_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_state_db_error_age_seconds", b"_state_db_error_age_seconds", "event_log_error", b"event_log_error", "event_log_lines_missing", b"event_log_lines_missing", "event_log_path", b"event_log_path", "state_db_error", b"state_db_error", "state_db_error_age_seconds", b"state_db_error_age_seconds", "state_db_path", b"state_db_path"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_event_log_write_seconds", b"_event_log_write_seconds", "_state_db_error_age_seconds", b"_state_db_error_age_seconds", "_state_db_write_seconds", b"_state_db_write_seconds", "event_log_error", b"event_log_error", "event_log_lines_missing", b"event_log_lines_missing", "event_log_lines_queued", b"event_log_lines_queued", "event_log_path", b"event_log_path", "event_log_write_seconds", b"event_log_write_seconds", "state_db_error", b"state_db_error", "state_db_error_age_seconds", b"state_db_error_age_seconds", "state_db_path", b"state_db_path", "state_db_write_seconds", b"state_db_write_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__event_log_write_seconds: _TypeAlias = _typing.Literal["event_log_write_seconds"]  # noqa: Y015
+    _WhichOneofArgType__event_log_write_seconds: _TypeAlias = _typing.Literal["_event_log_write_seconds", b"_event_log_write_seconds"]  # noqa: Y015
     _WhichOneofReturnType__state_db_error_age_seconds: _TypeAlias = _typing.Literal["state_db_error_age_seconds"]  # noqa: Y015
     _WhichOneofArgType__state_db_error_age_seconds: _TypeAlias = _typing.Literal["_state_db_error_age_seconds", b"_state_db_error_age_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__state_db_write_seconds: _TypeAlias = _typing.Literal["state_db_write_seconds"]  # noqa: Y015
+    _WhichOneofArgType__state_db_write_seconds: _TypeAlias = _typing.Literal["_state_db_write_seconds", b"_state_db_write_seconds"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__event_log_write_seconds) -> _WhichOneofReturnType__event_log_write_seconds | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__state_db_error_age_seconds) -> _WhichOneofReturnType__state_db_error_age_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__state_db_write_seconds) -> _WhichOneofReturnType__state_db_write_seconds | None: ...
 
 Global___StateFilesStatus: _TypeAlias = StateFilesStatus  # noqa: Y015
 

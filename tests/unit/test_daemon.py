@@ -511,6 +511,26 @@ def test_the_status_call_says_which_state_file_cannot_be_written_and_why(root: P
         d.backend.close()
 
 
+def test_the_status_call_says_how_long_a_state_database_write_has_run(root: Path) -> None:
+    """A commit stuck in its fsync (a hung disk) fails nothing: the status call says the
+    write under way and since when, read without the store's lock."""
+    now = [1000.0]
+    d = build(make_config(root), clock=lambda: now[0])
+    try:
+        with d.store.transaction():
+            now[0] = 1012.0
+            resp = asyncio.run(d.node_servicer.GetStatus(node_pb2.GetStatusRequest(), None))  # type: ignore[arg-type]
+        assert resp.state_files.state_db_write_seconds == 12.0
+        assert resp.state_files.event_log_lines_queued == 0
+        assert not resp.state_files.HasField("event_log_write_seconds")
+        resp = asyncio.run(d.node_servicer.GetStatus(node_pb2.GetStatusRequest(), None))  # type: ignore[arg-type]
+        assert not resp.state_files.HasField("state_db_write_seconds")
+    finally:
+        d.sampler.close()
+        d.store.close()
+        d.backend.close()
+
+
 class _HungTraffic:
     """A traffic tick stuck in a hung ``nft`` or ``dcb`` until released."""
 

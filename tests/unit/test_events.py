@@ -5,6 +5,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,6 +72,34 @@ def test_a_log_file_whose_writes_fail_says_why_and_how_many_lines_it_lacks(
     path.rmdir()  # space freed
     log.emit("job.add", "written again")
     assert log.write_problem() is None
+
+
+class _FailsAsRead(EventLog):
+    """An event log whose file's first write fails while :meth:`EventLog.write_problem`
+    reads the outage: after the first attribute of it is fetched, before the next."""
+
+    armed = False
+
+    def __getattribute__(self, name: str) -> Any:
+        value = super().__getattribute__(name)
+        if name in ("_write_error", "_outage") and self.armed:
+            self.armed = False
+            self.emit("job.add", "not written")
+        return value
+
+
+def test_a_write_that_fails_as_the_problem_is_read_never_gives_a_count_without_its_reason(
+    tmp_path: Path,
+) -> None:
+    """``gpuctl status`` reads the outage without the log's lock: the reason and the count
+    are one, never ``("", 1)``."""
+    path = tmp_path / "events.jsonl"
+    log = _FailsAsRead(path)
+    path.mkdir()  # any write now fails
+    log.armed = True
+    problem = log.write_problem()
+    assert problem is None or problem[1] == "Is a directory"
+    assert log.write_problem() == (path, "Is a directory", 1)
 
 
 def test_writes_the_file_missed_are_counted_and_said_when_it_is_written_again(
@@ -155,11 +184,13 @@ def test_a_hung_disk_under_the_file_stalls_no_reader_nor_emitter_and_keeps_the_l
     """A write to the file that hangs (a hung disk: here a FIFO no one reads yet) holds
     back only the emitter writing it: the others (the event loop) return at once, the
     journal has every event meanwhile, a scrape (``tallies``) and ``gpuctl events``
-    (``recent``) answer; the lines are written in their order once it goes on, and a
+    (``recent``) answer, ``gpuctl status`` (``pending``) says the lines queued and since
+    when the write runs; the lines are written in their order once it goes on, and a
     bounded flush at the stop says what it could not write."""
     caplog.set_level(logging.INFO, logger="gpud.events")
     path = tmp_path / "events.jsonl"
-    log = EventLog(path)
+    log = EventLog(path, monotonic=lambda: 50.0)
+    assert log.pending() == (0, None)
     os.mkfifo(path)  # opening it to write waits for a reader
     first = threading.Thread(target=log.emit, args=("job.add", "line 1"))
     disk = -1
@@ -176,6 +207,7 @@ def test_a_hung_disk_under_the_file_stalls_no_reader_nor_emitter_and_keeps_the_l
         assert journal == ["job.add: line 1", "job.add: line 2"]
         assert [e.message for e in _within(log.recent)] == ["line 1", "line 2"]
         assert _within(log.tallies) == ({"job.add": 2}, 0)
+        assert _within(log.pending) == (2, 50.0)
         assert not log.flush(0.1)
         assert "2 lines not written at the stop" in caplog.records[-1].getMessage()
     finally:
@@ -183,6 +215,7 @@ def test_a_hung_disk_under_the_file_stalls_no_reader_nor_emitter_and_keeps_the_l
         if first.ident is not None:  # started
             first.join(5)
     assert log.flush(1.0)
+    assert log.pending() == (0, None)
     try:
         written = b""
         while chunk := os.read(disk, 4096):

@@ -253,7 +253,43 @@ EVENTS = "/var/lib/gpud/events.jsonl"
 @pytest.mark.parametrize(
     ("files", "lines"),
     [
-        (StateFiles(DB, EVENTS), ["state files: written"]),
+        (
+            StateFiles(DB, EVENTS, event_log_lines_queued=1, event_log_write_monotonic=NOW - 0.5),
+            ["state files: no failed write"],
+        ),
+        (
+            StateFiles(DB, EVENTS, event_log_lines_queued=5, event_log_write_monotonic=NOW - 12),
+            [
+                "state files: no failed write; held up: event log",
+                f"event log {EVENTS}: 5 lines queued for 12.0 s (its disk hangs? the journal"
+                " has them)",
+            ],
+        ),
+        (
+            StateFiles(DB, EVENTS, state_db_write_monotonic=NOW - 3),
+            [
+                "state files: no failed write; held up: state database",
+                f"state database {DB}: a write has run for 3.0 s (its disk hangs, or another"
+                " process holds its lock? the change is kept once it ends)",
+            ],
+        ),
+    ],
+)
+def test_status_says_a_state_file_write_held_up_though_none_failed(
+    capsys: pytest.CaptureFixture[str], sock_dir: Path, files: StateFiles, lines: list[str]
+) -> None:
+    """A hung disk fails no write: what shows it is a write that has not ended, with the
+    event log's lines queued behind it."""
+    said = status_showing(capsys, sock_dir, make_servicer(state_files=files), lines)
+    assert int(said["state_files"].get("event_log_lines_queued", 0)) == (
+        files.event_log_lines_queued
+    )
+
+
+@pytest.mark.parametrize(
+    ("files", "lines"),
+    [
+        (StateFiles(DB, EVENTS), ["state files: no failed write"]),
         (
             StateFiles(
                 DB,
@@ -263,8 +299,8 @@ EVENTS = "/var/lib/gpud/events.jsonl"
             ),
             [
                 "state files: NOT written: state database",
-                f"state database {DB} cannot be written: database or disk is full (the latest"
-                " change 5.0 s ago was refused and not kept)",
+                f"state database {DB} cannot be written: database or disk is full (since 5.0 s"
+                " ago; a refused change is not kept)",
             ],
         ),
         (
@@ -289,9 +325,9 @@ EVENTS = "/var/lib/gpud/events.jsonl"
             [
                 "state files: NOT written: state database and event log",
                 f"state database {DB} cannot be written: attempt to write a readonly database"
-                " (the latest change 1m 00s ago was refused and not kept)",
+                " (since 1m 00s ago; a refused change is not kept)",
                 f"event log {EVENTS} cannot be written: Read-only file system; it lacks 1"
-                " events since (the journal and gpuctl events have them)",
+                " event since (the journal and gpuctl events have them)",
             ],
         ),
     ],
