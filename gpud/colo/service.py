@@ -369,6 +369,7 @@ class _Off(NamedTuple):
     since: float
     last: float
     anonymous: bool
+    wall: float = 0.0  # Unix time it was taken out (written to the state file)
 
 
 def _off(at: float, w: _Waiter) -> _Off:
@@ -739,7 +740,7 @@ class ColoService:
         # job -> when `gpuctl jobs rm` removed it while a run of it waited (--force) or was
         # dropped, and whether forced: that run's next question is answered NotFound (kept
         # DROPPED_KEEP_S, in the order removed)
-        self._removed: dict[str, tuple[float, bool]] = {}
+        self._removed: dict[str, tuple[float, bool, float]] = {}  # and its Unix time
         # job -> when (Unix time) `gpuctl jobs rm` removed it: a list of reservations read
         # before that, and its stopping processes' reports, are not learned from (nor is
         # the job kept) until a reservation made after it shows the job added again
@@ -1119,6 +1120,7 @@ class ColoService:
             for name in evicted:
                 st = self._jobs.setdefault(name, _JobState())
                 st.evicted, st.seen = True, self._clock()
+            self._load_off(data)
             if registered is not None:
                 self._drop_unregistered(path, registered())
         except (ValueError, KeyError, TypeError, AttributeError) as err:
@@ -1127,6 +1129,8 @@ class ColoService:
             self._directives.clear()
             self._guards.clear()
             self._paused_services.clear()
+            self._left.clear()
+            self._removed.clear()
             return
         saved = data.get("predictor")
         if saved is None:
@@ -1141,6 +1145,34 @@ class ColoService:
             )
             return
         self.configure(self.config)  # the planner predicts with the restored one
+
+    def _load_off(self, data: Mapping[str, Any]) -> None:
+        """The waiting runs taken out and the jobs removed under a waiting run, as
+        :meth:`_state` wrote them (absent from files written before they were kept), on
+        the loop's clock as long ago as their Unix times say."""
+        now, wall = self._clock(), self._wall()
+        left: list[tuple[float, str, _Off]] = []
+        for wid, saved in (data.get("left") or {}).items():
+            where = f"left.{wid}"
+            if not (isinstance(saved, list) and len(saved) == 3 and isinstance(saved[0], str)):
+                raise ValueError(f"{where}: [job, Unix time, anonymous] expected, not {saved!r}")
+            if not isinstance(saved[2], bool):
+                raise ValueError(f"{where}: anonymous is true or false, not {saved[2]!r}")
+            t = _saved_number(saved[1], f"{where}.wall", 0.0)
+            at = now - max(0.0, wall - t)
+            left.append((t, str(wid), _Off(at, saved[0], at, at, saved[2], t)))
+        removed: list[tuple[float, str, bool]] = []
+        for job, saved in (data.get("removed") or {}).items():
+            where = f"removed.{job}"
+            if not (isinstance(saved, list) and len(saved) == 2 and isinstance(saved[1], bool)):
+                raise ValueError(f"{where}: [Unix time, forced] expected, not {saved!r}")
+            removed.append((_saved_number(saved[0], f"{where}.wall", 0.0), str(job), saved[1]))
+        self._left = {wid: off for _, wid, off in sorted(left)}
+        self._removed = {
+            job: (now - max(0.0, wall - t), forced, t) for t, job, forced in sorted(removed)
+        }
+        _forget_old(self._left, now, self._remember)
+        _forget_old(self._removed, now, self._remember)
 
     def _drop_unregistered(self, path: Path, registered: Mapping[str, float | None]) -> None:
         """Forget what the state file held of jobs not ``registered``, or registered at
@@ -1316,12 +1348,19 @@ class ColoService:
                 jobs[name] = {**_learned(st), "idle_s": max(0.0, now - st.seen)}
         # jobs it evicted that have not run again since: a run of one has a GPU held for it
         evicted = sorted(n for n, st in self._jobs.items() if st.evicted)
-        return self._states, {
+        state: dict[str, Any] = {
             "version": STATE_FILE_VERSION,
             "jobs": jobs,
             "evicted": evicted,
             "predictor": self.predictor.to_dict(),
         }
+        # the waiting runs taken out, and the jobs removed under a waiting run, that a run
+        # stopped meanwhile is told of when it asks again after a restart (Unix times)
+        if self._left:
+            state["left"] = {i: [o.job, o.wall, o.anonymous] for i, o in self._left.items()}
+        if self._removed:
+            state["removed"] = {j: [r[2], r[1]] for j, r in self._removed.items()}
+        return self._states, state
 
     def _save(self, state: tuple[int, dict[str, Any]] | None) -> None:
         """Write :meth:`_state` when it changed, to a temporary file, flushed and renamed
@@ -2196,8 +2235,6 @@ class ColoService:
                 self._guards.pop(job, None)
                 self._removals += 1
                 self._gone[job] = _Gone(self._wall(), at, self._removals)
-                # written at once: a kill -9 before the next tick does not bring it back
-                state = self._state(tuple(r for r in self._last_running if r.name != job))
                 if mine:
                     for w in self._waiters_of(job, at):
                         del self._waiting[w.id]
@@ -2207,7 +2244,9 @@ class ColoService:
                 )
                 if mine or silent:
                     self._removed.pop(job, None)  # kept in the order removed
-                    self._removed[job] = (at, force)
+                    self._removed[job] = (at, force, self._wall())
+                # written at once: a kill -9 before the next tick does not bring it back
+                state = self._state(tuple(r for r in self._last_running if r.name != job))
             self._save(state)
             if not mine:
                 return
@@ -2234,7 +2273,7 @@ class ColoService:
             off = _off(now, w) if w is not None else self._dropped.pop(waiter_id, None)
             if off is not None:
                 self._left.pop(waiter_id, None)
-                self._left[waiter_id] = off._replace(at=now)
+                self._left[waiter_id] = off._replace(at=now, wall=self._wall())
                 _forget_old(self._left, now, self._remember)
         self._say_gone(gone, now)
         if off is None:

@@ -1824,6 +1824,48 @@ def test_a_run_dropped_while_stopped_is_told_its_job_was_removed_by_a_plain_rm_a
         svc.advise("w", snapshot=snap, waiting=True, waited_s=20.0, waiter_id=wid)
 
 
+def test_a_run_taken_out_or_removed_while_stopped_is_told_so_after_a_gpud_restart(
+    tmp_path: Path,
+) -> None:
+    """A waiting run taken out (`gpuctl queue --leave`) and another whose job was removed
+    (`gpuctl jobs rm --force`), both stopped (Ctrl-Z) meanwhile: gpud restarts, and when
+    they ask again, continued, the first is LeftQueue and the second NotFound, nothing
+    started. gpud forgot both with the restart, and each waited again at the head."""
+    from gpud.errors import LeftQueue
+
+    clock, wall = Clock(), Clock()
+    wall.t = 1_700_000_000.0
+    jobs: list[RunningJob] = []
+
+    def started() -> ColoService:
+        return ColoService(
+            ColocateConfig(),
+            EventLog(tmp_path / "events.jsonl"),
+            running=lambda: jobs,
+            clock=clock,
+            wall=wall,
+            state_file=tmp_path / "colo.json",
+        )
+
+    svc = started()
+    snap = memory_held(svc, jobs)
+    left = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    removed = svc.advise("x", snapshot=snap, waiting=True).waiter_id
+    assert svc.leave(left) is not None
+    svc.job_removed("x", True)()
+    svc.tick(snap)
+    clock.t, wall.t = 5.0, wall.t + 60.0  # the host's clock starts anew
+    svc = started()
+    snap = memory_held(svc, jobs)
+    with pytest.raises(LeftQueue, match=left):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=60.0, waiter_id=left)
+    with pytest.raises(NotFound, match=r"job x was removed \(gpuctl jobs rm --force\)"):
+        svc.advise("x", snapshot=snap, waiting=True, waited_s=60.0, waiter_id=removed)
+    assert svc.waiting() == []
+    # a run that begins to wait after the restart is another run
+    assert svc.advise("x", snapshot=snap, waiting=True).gpu == -1
+
+
 def test_what_the_loop_holds_of_a_job_gone_is_forgotten_after_a_while(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
@@ -2839,6 +2881,8 @@ def test_an_unreadable_state_file_starts_afresh(
         job % '{"alone_rates": [8.0]}',
         '{"jobs": {}, "evicted": "big"}',
         '{"jobs": {}, "evicted": [1]}',
+        '{"jobs": {}, "left": {"0123456789ab": ["w", "then", false]}}',
+        '{"jobs": {}, "removed": {"w": [1.0]}}',
     ):
         state.write_text(text)
         caplog.clear()
