@@ -2508,18 +2508,28 @@ def test_a_signal_passed_on_to_the_command_before_its_exec_stops_the_run_as_befo
     stopped before its command started (exit 130, said so), as a signal a moment earlier
     does. It said the command did not start, as if something else had killed its first
     process, and exited 143."""
-    net = SignalsGpuctlOnceOpened()
-    marker = tmp_path / "ran"
-    with serving(net.register) as n:
-        n.jobs.set_tagger(lambda job: 26, lambda job: 26)
-        got = n.ctl("run", "--job", "h5", "--gpus", "1", "--", "touch", str(marker))
-        assert n.jobs.reservations.held() == []
-    err = capsys.readouterr().err
-    assert net.sent.is_set()
+    got, err = _run_signalled_once_opened(SignalsGpuctlOnceOpened(), "h5", 26, tmp_path, capsys)
     assert got == 130, err
     assert "gpuctl: job h5 stopped (SIGTERM) before its command started" in err
     assert "did not start" not in err
-    assert not marker.exists()
+
+
+def _run_signalled_once_opened(
+    net: SignalsGpuctlOnceOpened,
+    job: str,
+    tag: int,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> tuple[int, str]:
+    """`gpuctl run` of ``job`` (its cgroup tagged ``tag``) under ``net``: its exit status
+    and stderr, once it gave its reservation back without its command having run."""
+    marker = tmp_path / "ran"
+    with serving(net.register) as n:
+        n.jobs.set_tagger(lambda job: tag, lambda job: tag)
+        got = n.ctl("run", "--job", job, "--gpus", "1", "--", "touch", str(marker))
+        assert n.jobs.reservations.held() == []
+    assert net.sent.is_set() and not marker.exists()
+    return got, capsys.readouterr().err
 
 
 def test_a_first_process_killed_by_another_signal_than_the_one_passed_on_is_not_blamed_on_it(
@@ -2531,17 +2541,10 @@ def test_a_first_process_killed_by_another_signal_than_the_one_passed_on_is_not_
     blamed the SIGTERM it had passed on and said the run stopped before its command
     started (exit 130)."""
     net = SignalsGpuctlOnceOpened(then=signal.SIGKILL)
-    marker = tmp_path / "ran"
-    with serving(net.register) as n:
-        n.jobs.set_tagger(lambda job: 27, lambda job: 27)
-        got = n.ctl("run", "--job", "h6", "--gpus", "1", "--", "touch", str(marker))
-        assert n.jobs.reservations.held() == []
-    err = capsys.readouterr().err
-    assert net.sent.is_set()
+    got, err = _run_signalled_once_opened(net, "h6", 27, tmp_path, capsys)
     assert got == 128 + signal.SIGKILL, err
     assert "its first process ended (killed by SIGKILL) before it became the command" in err
     assert "stopped (SIGTERM)" not in err
-    assert not marker.exists()
 
 
 def test_a_queued_run_starts_its_command_as_soon_as_its_devices_free(
