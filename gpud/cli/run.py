@@ -758,13 +758,18 @@ def _run(
         return exit_status(returncode)
     except NotStarted as err:
         never = err
-        # stopped by a signal (before the gate opened, or taken after it, ``told``): no
+        # a signal passed on is to blame only when it is the one that ended the first
+        # process: another (`gpuctl jobs rm --force`'s SIGTERM, a SIGKILL) came from
+        # elsewhere, whatever gpuctl was sent
+        ended_by = -never.returncode if never.returncode is not None else None
+        blamed = ended_by if ended_by in told else None
+        # stopped by a signal (before the gate opened, or taken after it, ``blamed``): no
         # asking whether the job is gone (up to --timeout with gpud hung) before giving the
         # reservation back, which finds it gone if it is
         never.removed = never.removed or (
-            not stop.is_set() and not told and _reservation_gone(ctx, args.job, reservation)
+            not stop.is_set() and blamed is None and _reservation_gone(ctx, args.job, reservation)
         )
-        return _not_started(args.job, never, stop, told[0] if told else None)
+        return _not_started(args.job, never, stop, blamed)
     finally:
         # a signal from the command's end on (``after``) cuts these waits short
         _stop_leftovers(args.job, reservation, args.kill_after, after)

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from colocate import (
     GpuView,
@@ -359,6 +359,37 @@ def _question(v: JobView, hold_s: float) -> Hashable:
     )
 
 
+class _Off(NamedTuple):
+    """A waiting run no longer listed, remembered for its next question: when (the loop's
+    clock) it was dropped or taken out, its job, since when it waited, its last question,
+    and whether it asked without an id."""
+
+    at: float
+    job: str
+    since: float
+    last: float
+    anonymous: bool
+    wall: float = 0.0  # Unix time it was taken out (written to the state file)
+
+
+def _off(at: float, w: _Waiter) -> _Off:
+    return _Off(at, w.job, w.since, w.last, w.anonymous)
+
+
+_Kept = TypeVar("_Kept", bound=tuple[Any, ...])
+
+
+def _forget_old(kept: dict[str, _Kept], now: float, most: int) -> None:
+    """Drop the oldest of ``kept`` (each stamped first with when it came, in the order
+    they came) past :data:`DROPPED_KEEP_S` or beyond ``most``, from the front: no walk
+    over the rest."""
+    while kept:
+        key, first = next(iter(kept.items()))
+        if len(kept) <= most and now - first[0] <= DROPPED_KEEP_S:
+            return
+        del kept[key]
+
+
 @dataclass(frozen=True)
 class _Gone:
     """A job's removal: when (``wall``: on the clock reservations are stamped with,
@@ -496,6 +527,14 @@ WAITER_GONE_S = 10.0
 # and asks again within it is told what happened to it meanwhile, or waits again from
 # then, behind the runs that came while gpud listed it no more.
 DROPPED_KEEP_S = 86400.0
+# How many such runs are remembered at most, dropped and taken out each (the oldest go
+# first): a client asking under ever new ids and then falling silent costs no more.
+DROPPED_KEEP_MAX = 10_000
+# A run dropped for its silence that asks again within this of its last question was not
+# stopped but late (gpud slow to answer its last question, which it waits for before its
+# next 1-4 s): it keeps its place. Silent longer, it was stopped (Ctrl-Z) and waits again
+# from then.
+WAITER_STOPPED_S = 30.0
 # A planning pass made for advice answers the same question again for this long: every run
 # that waits asks every few seconds, and each question plans them all.
 ADVICE_REUSE_S = 1.0
@@ -624,6 +663,7 @@ class ColoService:
         wall: Callable[[], float] = time.time,
         write: Callable[[Path, str], None] | None = None,
         registered: Callable[[], Mapping[str, float | None]] | None = None,
+        remember: int = DROPPED_KEEP_MAX,
     ) -> None:
         """``host``: reads the CPU and memory use of the jobs' process trees (default: the
         host's ``/proc``). ``state_file``: where what the loop learned about running jobs
@@ -648,7 +688,10 @@ class ColoService:
         says (the name was removed and added again after the file's last write, gpud killed
         before the next one), is dropped, so a job added again under its name is not
         planned with the removed one's footprints, alone rate and duties (default: all
-        are kept)."""
+        are kept). ``remember``: how many waiting runs dropped for their silence, and how
+        many taken out, are remembered at most for their next question (the oldest go
+        first)."""
+        self._remember = remember
         self._name_of = name_of
         self._names: dict[int, tuple[str, float]] = {}  # UID -> its name, when looked up
         self._wall = wall
@@ -694,20 +737,22 @@ class ColoService:
         # (job, waiter id) -> the place advice gave a run that reserves it (``reserving``):
         # two runs of one job are two places
         self._promised: dict[tuple[str, str], _Promise] = {}
-        # job -> when `gpuctl jobs rm --force` removed it while a run of it waited: that
-        # run's next question is answered NotFound (kept DROPPED_KEEP_S)
-        self._removed: dict[str, float] = {}
+        # job -> when `gpuctl jobs rm` removed it while a run of it waited (--force) or was
+        # dropped, and whether forced: that run's next question is answered NotFound (kept
+        # DROPPED_KEEP_S, in the order removed)
+        self._removed: dict[str, tuple[float, bool, float]] = {}  # and its Unix time
         # job -> when (Unix time) `gpuctl jobs rm` removed it: a list of reservations read
         # before that, and its stopping processes' reports, are not learned from (nor is
         # the job kept) until a reservation made after it shows the job added again
         self._gone: dict[str, _Gone] = {}
         self._removals = 0  # removals committed so far (_Gone.seq)
         # waiter id -> when `gpuctl queue --leave ID` took that run out of the wait: its
-        # next question is answered LeftQueue (kept DROPPED_KEEP_S)
-        self._left: dict[str, tuple[float, _Waiter]] = {}
-        # waiter id -> when it was dropped for its silence, and the waiter (kept
-        # DROPPED_KEEP_S): a run stopped meanwhile may ask again with that id
-        self._dropped: dict[str, tuple[float, _Waiter]] = {}
+        # next question is answered LeftQueue (kept DROPPED_KEEP_S, `remember` at most,
+        # in the order taken out)
+        self._left: dict[str, _Off] = {}
+        # waiter id -> the run dropped for its silence (kept as _left is): a run stopped
+        # meanwhile may ask again with that id
+        self._dropped: dict[str, _Off] = {}
         self._state_file = state_file
         self._write = write or _write_state
         self._states = 0  # (under _lock) states built for the file so far
@@ -1075,6 +1120,7 @@ class ColoService:
             for name in evicted:
                 st = self._jobs.setdefault(name, _JobState())
                 st.evicted, st.seen = True, self._clock()
+            self._load_off(data)
             if registered is not None:
                 self._drop_unregistered(path, registered())
         except (ValueError, KeyError, TypeError, AttributeError) as err:
@@ -1083,6 +1129,8 @@ class ColoService:
             self._directives.clear()
             self._guards.clear()
             self._paused_services.clear()
+            self._left.clear()
+            self._removed.clear()
             return
         saved = data.get("predictor")
         if saved is None:
@@ -1097,6 +1145,34 @@ class ColoService:
             )
             return
         self.configure(self.config)  # the planner predicts with the restored one
+
+    def _load_off(self, data: Mapping[str, Any]) -> None:
+        """The waiting runs taken out and the jobs removed under a waiting run, as
+        :meth:`_state` wrote them (absent from files written before they were kept), on
+        the loop's clock as long ago as their Unix times say."""
+        now, wall = self._clock(), self._wall()
+        left: list[tuple[float, str, _Off]] = []
+        for wid, saved in (data.get("left") or {}).items():
+            where = f"left.{wid}"
+            if not (isinstance(saved, list) and len(saved) == 3 and isinstance(saved[0], str)):
+                raise ValueError(f"{where}: [job, Unix time, anonymous] expected, not {saved!r}")
+            if not isinstance(saved[2], bool):
+                raise ValueError(f"{where}: anonymous is true or false, not {saved[2]!r}")
+            t = _saved_number(saved[1], f"{where}.wall", 0.0)
+            at = now - max(0.0, wall - t)
+            left.append((t, str(wid), _Off(at, saved[0], at, at, saved[2], t)))
+        removed: list[tuple[float, str, bool]] = []
+        for job, saved in (data.get("removed") or {}).items():
+            where = f"removed.{job}"
+            if not (isinstance(saved, list) and len(saved) == 2 and isinstance(saved[1], bool)):
+                raise ValueError(f"{where}: [Unix time, forced] expected, not {saved!r}")
+            removed.append((_saved_number(saved[0], f"{where}.wall", 0.0), str(job), saved[1]))
+        self._left = {wid: off for _, wid, off in sorted(left)}
+        self._removed = {
+            job: (now - max(0.0, wall - t), forced, t) for t, job, forced in sorted(removed)
+        }
+        _forget_old(self._left, now, self._remember)
+        _forget_old(self._removed, now, self._remember)
 
     def _drop_unregistered(self, path: Path, registered: Mapping[str, float | None]) -> None:
         """Forget what the state file held of jobs not ``registered``, or registered at
@@ -1272,12 +1348,19 @@ class ColoService:
                 jobs[name] = {**_learned(st), "idle_s": max(0.0, now - st.seen)}
         # jobs it evicted that have not run again since: a run of one has a GPU held for it
         evicted = sorted(n for n, st in self._jobs.items() if st.evicted)
-        return self._states, {
+        state: dict[str, Any] = {
             "version": STATE_FILE_VERSION,
             "jobs": jobs,
             "evicted": evicted,
             "predictor": self.predictor.to_dict(),
         }
+        # the waiting runs taken out, and the jobs removed under a waiting run, that a run
+        # stopped meanwhile is told of when it asks again after a restart (Unix times)
+        if self._left:
+            state["left"] = {i: [o.job, o.wall, o.anonymous] for i, o in self._left.items()}
+        if self._removed:
+            state["removed"] = {j: [r[2], r[1]] for j, r in self._removed.items()}
+        return self._states, state
 
     def _save(self, state: tuple[int, dict[str, Any]] | None) -> None:
         """Write :meth:`_state` when it changed, to a temporary file, flushed and renamed
@@ -1926,36 +2009,43 @@ class ColoService:
         reservation shows, for :data:`PROMISE_S` at most, later advice for other runs (of
         its job too) counts it there (:meth:`_promise`)."""
         now, wall = self._clock(), self._wall()
-        with self._lock:
-            # one silent too long is dropped now, as a listing would: if it is this asker,
-            # it comes back below
-            gone = self._forget_gone(now)
-        self._say_gone(gone, now)
-        with self._lock:
-            told = _waiter_id(waiter_id) if waiting else None
-            if waiting and waiter_id is None:
-                known = next(
-                    (w for w in self._waiting.values() if w.job == job and w.anonymous), None
-                )
-            else:
-                known = self._waiting.get(told) if told is not None else None
-            if known is not None and known.job == job:
-                since, wid = known.since, known.id
-            else:
-                since = now - waited_s if waiting else now
-                free = told is not None and told not in self._waiting
-                wid = told if told is not None and free else new_waiter_id()
-            if waiting:
-                back = self._dropped.get(wid) if wid == told else None
-                if back is not None and back[1].job == job:
-                    # dropped for its silence (its gpuctl run was stopped): what was said of
-                    # it before it was dropped, or of its job since, still holds; else it
-                    # waits again from now, its place gone with its listing (its waited_s
-                    # counts the time it was stopped)
-                    self._check_not_removed(job, wid, back[1].since, now)
-                    del self._dropped[wid]
-                    since = now
-                self._check_not_removed(job, wid, since, now, anonymous=waiter_id is None)
+        gone: list[_Waiter] = []
+        try:
+            with self._lock:
+                told = _waiter_id(waiter_id) if waiting else None
+                if waiting and waiter_id is None:
+                    known = next(
+                        (w for w in self._waiting.values() if w.job == job and w.anonymous), None
+                    )
+                else:
+                    known = self._waiting.get(told) if told is not None else None
+                if known is not None and known.job != job:
+                    known = None
+                # one silent too long is dropped now, as a listing would; not the asker: its
+                # question may come late only because gpud answered its last one slowly
+                gone = self._forget_gone(now, keep=known.id if known is not None else None)
+                back = None
+                if known is not None:
+                    since, wid = known.since, known.id
+                else:
+                    since = now - waited_s if waiting else now
+                    back = self._dropped.get(told) if told is not None else None
+                    free = told is not None and not self._taken(told, job)
+                    wid = told if told is not None and free else new_waiter_id()
+                if waiting:
+                    # listed again: a drop raced with its last question is no drop
+                    self._dropped.pop(wid, None)
+                if waiting and back is not None and wid == told:
+                    # dropped for its silence: what was said of it before it was dropped,
+                    # or of its job since, still holds; else, stopped (Ctrl-Z), it waits
+                    # again from now, its place gone with its listing (its waited_s counts
+                    # the time it was stopped); only slow to ask, it keeps its place
+                    self._check_not_removed(job, wid, back.since, now)
+                    since = back.since if now - back.last <= WAITER_STOPPED_S else now
+                if waiting:
+                    self._check_not_removed(job, wid, since, now, anonymous=waiter_id is None)
+        finally:
+            self._say_gone(gone, now)
         advice, view = self._advice(
             job,
             kind=kind,
@@ -1985,6 +2075,8 @@ class ColoService:
                 )
             if not waiting:  # an operator's question, or a run's first: no waiter of it
                 return advice
+            # listed or placed: a drop while this question was planned is no drop
+            self._dropped.pop(wid, None)
             if advice.gpu < 0 and view is not None:
                 self._waiting[wid] = _Waiter(
                     job, since, now, advice.reason, view, wid, waiter_id is None, uid
@@ -1992,6 +2084,16 @@ class ColoService:
                 return dataclasses.replace(advice, waiter_id=wid)
             self._waiting.pop(wid, None)
         return advice
+
+    def _taken(self, wid: str, job: str) -> bool:
+        """Whether ``wid`` is another run's than a run of ``job``'s that asks with it: one
+        that waits, or of another job, dropped or taken out (its next question is told of
+        it: an id read off `gpuctl queue` does not hide that). Under the lock."""
+        if wid in self._waiting:
+            return True
+        return any(
+            d is not None and d.job != job for d in (self._dropped.get(wid), self._left.get(wid))
+        )
 
     def _promise(
         self,
@@ -2064,29 +2166,30 @@ class ColoService:
         out; for an ``anonymous`` one (no id to tell), the job's anonymous run taken out
         after it began to wait."""
         # kept as long as a run dropped for its silence is (a stopped one may ask again)
-        self._removed = {j: t for j, t in self._removed.items() if now - t <= DROPPED_KEEP_S}
-        self._left = {i: t for i, t in self._left.items() if now - t[0] <= DROPPED_KEEP_S}
-        removed_at = self._removed.get(job)
-        if removed_at is not None and since <= removed_at:
+        _forget_old(self._removed, now, self._remember)
+        _forget_old(self._left, now, self._remember)
+        removed = self._removed.get(job)
+        if removed is not None and since <= removed[0]:
             self._waiting.pop(wid, None)
+            how = "gpuctl jobs rm --force" if removed[1] else "gpuctl jobs rm"
             raise NotFound(
-                f"job {job} was removed (gpuctl jobs rm --force) while its gpuctl run waited "
+                f"job {job} was removed ({how}) while its gpuctl run waited "
                 "for co-location: nothing was started"
             )
-        left = self._left.get(wid)
+        left = (wid, self._left[wid]) if wid in self._left else None
         if anonymous:
             left = next(
                 (
-                    (t, w)
-                    for t, w in self._left.values()
-                    if w.job == job and w.anonymous and since <= t
+                    (i, o)
+                    for i, o in self._left.items()
+                    if o.job == job and o.anonymous and since <= o.at
                 ),
                 None,
             )
         if left is not None and left[1].job == job:
             self._waiting.pop(wid, None)
             raise LeftQueue(
-                f"job {job} left the wait for co-location ({left[1].id}, gpuctl queue"
+                f"job {job} left the wait for co-location ({left[0]}, gpuctl queue"
                 " --leave): nothing was started"
             )
 
@@ -2132,17 +2235,18 @@ class ColoService:
                 self._guards.pop(job, None)
                 self._removals += 1
                 self._gone[job] = _Gone(self._wall(), at, self._removals)
-                # written at once: a kill -9 before the next tick does not bring it back
-                state = self._state(tuple(r for r in self._last_running if r.name != job))
                 if mine:
                     for w in self._waiters_of(job, at):
                         del self._waiting[w.id]
                 # a run of it silent (stopped: Ctrl-Z) is told too, should it ask again
                 silent = any(w.job == job for w in self._waiting.values()) or any(
-                    w.job == job for _, w in self._dropped.values()
+                    o.job == job for o in self._dropped.values()
                 )
                 if mine or silent:
-                    self._removed[job] = at
+                    self._removed.pop(job, None)  # kept in the order removed
+                    self._removed[job] = (at, force, self._wall())
+                # written at once: a kill -9 before the next tick does not bring it back
+                state = self._state(tuple(r for r in self._last_running if r.name != job))
             self._save(state)
             if not mine:
                 return
@@ -2164,20 +2268,27 @@ class ColoService:
         with self._lock:
             gone = self._forget_gone(now)
             w = self._waiting.pop(waiter_id, None)
-            if w is not None:
-                self._left[w.id] = (now, w)
+            # one dropped for its silence (stopped: Ctrl-Z) is taken out too, not to wait
+            # again once continued
+            off = _off(now, w) if w is not None else self._dropped.pop(waiter_id, None)
+            if off is not None:
+                self._left.pop(waiter_id, None)
+                self._left[waiter_id] = off._replace(at=now, wall=self._wall())
+                _forget_old(self._left, now, self._remember)
         self._say_gone(gone, now)
-        if w is None:
+        if off is None:
             return None
         self._events.emit(
             "colo.leave",
-            f"job {w.job} left the wait for co-location ({w.id}, gpuctl queue --leave)"
+            f"job {off.job} left the wait for co-location ({waiter_id}, gpuctl queue --leave)"
             if stopped_by is None
-            else f"job {w.job} left the wait for co-location ({w.id}): its gpuctl run was "
-            f"stopped{f' ({stopped_by})' if stopped_by else ''}",
-            job=w.job,
-            entry=w.id,
+            else f"job {off.job} left the wait for co-location ({waiter_id}): its gpuctl run "
+            f"was stopped{f' ({stopped_by})' if stopped_by else ''}",
+            job=off.job,
+            entry=waiter_id,
         )
+        if w is None:  # dropped: it stopped asking, its reason and user are not kept
+            return WaiterView(off.job, now - off.since, "stopped asking", waiter_id)
         return WaiterView(w.job, now - w.since, w.reason, w.id, w.uid)
 
     def _off_for(self, waiter: str) -> None:
@@ -2198,15 +2309,17 @@ class ColoService:
             " service places them"
         )
 
-    def _forget_gone(self, now: float) -> list[_Waiter]:
+    def _forget_gone(self, now: float, keep: str | None = None) -> list[_Waiter]:
         """Drop the waiters that stopped asking (their gpuctl run was stopped or killed),
-        as the queue drops an entry whose holder process is gone; for :meth:`_say_gone`
-        once out of the lock. Under the lock."""
-        gone = [w for w in self._waiting.values() if now - w.last > WAITER_GONE_S]
-        self._dropped = {i: d for i, d in self._dropped.items() if now - d[0] <= DROPPED_KEEP_S}
+        as the queue drops an entry whose holder process is gone, but the one waiting as
+        ``keep`` (the asker of the question at hand); for :meth:`_say_gone` once out of
+        the lock. Under the lock."""
+        gone = [w for w in self._waiting.values() if now - w.last > WAITER_GONE_S and w.id != keep]
         for w in gone:
             del self._waiting[w.id]
-            self._dropped[w.id] = (now, w)
+            self._dropped.pop(w.id, None)  # kept in the order dropped
+            self._dropped[w.id] = _off(now, w)
+        _forget_old(self._dropped, now, self._remember)
         return gone
 
     def _say_gone(self, gone: Sequence[_Waiter], now: float) -> None:

@@ -1670,6 +1670,202 @@ def test_a_run_stopped_past_its_drop_waits_again_behind_the_runs_that_came_meanw
     assert [(w.id, w.waited_s) for w in svc.waiting()] == [(meanwhile, 40.0), (stopped, 0.0)]
 
 
+def test_a_run_that_asks_late_because_gpud_answered_slowly_keeps_its_place(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A waiting run whose next question starts 10.5 s after its last (gpud slow to
+    answer the one before): it keeps its place ahead of a run that came after it, and no
+    `colo.leave` says it stopped asking. Its own question dropped it, said it had left and
+    listed it again from then, behind the other."""
+    svc, clock, jobs = service
+    snap = memory_held(svc, jobs)
+    first = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    clock.t += 5.0
+    second = svc.advise("x", snapshot=snap, waiting=True).waiter_id
+    clock.t += 5.5
+    again = svc.advise("w", snapshot=snap, waiting=True, waited_s=10.5, waiter_id=first)
+    assert again.gpu == -1 and again.waiter_id == first
+    assert [(w.id, w.waited_s) for w in svc.waiting()] == [(first, 10.5), (second, 5.5)]
+    assert svc._events.recent(kind_prefix="colo.leave") == []
+
+
+def test_a_run_dropped_while_its_question_was_planned_keeps_its_place_at_its_next(
+    tmp_path: Path,
+) -> None:
+    """A listing that drops a waiting run while that run's question is planned (its
+    last question 11 s before): the question lists it again, and its next question finds
+    it listed, in its place ahead of a run that came after it. The next question found
+    the drop still remembered and sent it behind that run."""
+    clock = Clock()
+    jobs: list[RunningJob] = []
+    during: list[Callable[[], object]] = []
+
+    def running() -> list[RunningJob]:
+        while during:
+            during.pop()()
+        return jobs
+
+    svc = ColoService(
+        ColocateConfig(), EventLog(tmp_path / "events.jsonl"), running=running, clock=clock
+    )
+    snap = memory_held(svc, jobs)
+    first = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    clock.t += 5.0
+    second = svc.advise("x", snapshot=snap, waiting=True).waiter_id
+    clock.t += 4.0
+
+    def listed_later() -> None:
+        clock.t += 2.0
+        svc.waiting()  # `first` silent 11 s: dropped
+
+    during.append(listed_later)
+    svc.advise("w", snapshot=snap, waiting=True, waited_s=9.0, waiter_id=first)
+    assert not during
+    clock.t += 2.0
+    svc.advise("x", snapshot=snap, waiting=True, waiter_id=second)
+    svc.advise("w", snapshot=snap, waiting=True, waited_s=13.0, waiter_id=first)
+    assert [w.id for w in svc.waiting()] == [first, second]
+
+
+def test_the_runs_remembered_dropped_or_taken_out_are_capped_the_oldest_forgotten_first(
+    tmp_path: Path,
+) -> None:
+    """With room for three, five waiting runs taken out (`gpuctl queue --leave`) and
+    five dropped for their silence: the last three taken out are told so when they ask
+    again, the first two wait again; the last three dropped can still be taken out, the
+    first two are not known. Every one was kept for a day, however many."""
+    from gpud.errors import LeftQueue
+
+    clock = Clock()
+    jobs: list[RunningJob] = []
+    svc = ColoService(
+        ColocateConfig(),
+        EventLog(tmp_path / "events.jsonl"),
+        running=lambda: jobs,
+        clock=clock,
+        remember=3,
+    )
+    snap = memory_held(svc, jobs)
+    left = [svc.advise(f"l{i}", snapshot=snap, waiting=True).waiter_id for i in range(5)]
+    for wid in left:
+        clock.t += 1.0
+        assert svc.leave(wid) is not None
+    dropped = [svc.advise(f"d{i}", snapshot=snap, waiting=True).waiter_id for i in range(5)]
+    clock.t += 11.0
+    assert svc.waiting() == []  # dropped, in the order they came
+    for i, wid in enumerate(left):
+        if i < 2:
+            assert svc.advise(f"l{i}", snapshot=snap, waiting=True, waiter_id=wid).gpu == -1
+        else:
+            with pytest.raises(LeftQueue, match=wid):
+                svc.advise(f"l{i}", snapshot=snap, waiting=True, waiter_id=wid)
+    assert [svc.leave(wid) is not None for wid in dropped] == [False, False, True, True, True]
+
+
+def test_an_id_of_another_jobs_run_taken_out_does_not_hide_its_leave(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """A run of another job that asks with the id of a run taken out (read off `gpuctl
+    queue`) is given an id of its own; the run taken out is told so when it asks again.
+    The other took that id and the run taken out waited again under a new one."""
+    from gpud.errors import LeftQueue
+
+    svc, clock, jobs = service
+    snap = memory_held(svc, jobs)
+    wid = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    clock.t += 20.0
+    svc.tick(snap)  # dropped: silent 20 s
+    forged = svc.advise("x", snapshot=snap, waiting=True, waiter_id=wid)
+    assert forged.waiter_id != wid
+    assert svc.leave(wid) is not None
+    again = svc.advise("x", snapshot=snap, waiting=True, waiter_id=wid)
+    assert again.waiter_id not in (wid, forged.waiter_id)
+    with pytest.raises(LeftQueue, match=wid):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=20.0, waiter_id=wid)
+
+
+def test_a_run_dropped_while_stopped_is_taken_out_by_queue_leave_and_told_so(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """`gpuctl queue --leave ID` of a run stopped (Ctrl-Z) and dropped for its silence:
+    it is taken out (`colo.leave`), and when continued its next question is LeftQueue,
+    nothing started. The leave answered that no run waited with that id, and the run
+    waited again once continued."""
+    from gpud.errors import LeftQueue
+
+    svc, clock, jobs = service
+    snap = memory_held(svc, jobs)
+    wid = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    clock.t += 20.0
+    svc.tick(snap)  # dropped: silent 20 s
+    out = svc.leave(wid)
+    assert out is not None and out.job == "w" and out.id == wid
+    (said,) = [e for e in svc._events.recent(kind_prefix="colo.leave") if "--leave" in e.message]
+    assert said.fields["entry"] == wid
+    clock.t += 60.0
+    with pytest.raises(LeftQueue, match=wid):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=80.0, waiter_id=wid)
+    assert svc.waiting() == []
+
+
+def test_a_run_dropped_while_stopped_is_told_its_job_was_removed_by_a_plain_rm_as_it_was(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """`gpuctl jobs rm JOB` (no --force) of a job whose only run waiting was stopped and
+    dropped for its silence: allowed (no run waits), and the run, continued, is told the
+    job was removed by `gpuctl jobs rm`. It was told of a `--force` no one gave."""
+    svc, clock, jobs = service
+    snap = memory_held(svc, jobs)
+    wid = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    clock.t += 20.0
+    svc.tick(snap)
+    svc.job_removed("w", False)()
+    with pytest.raises(NotFound, match=r"removed \(gpuctl jobs rm\) while"):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=20.0, waiter_id=wid)
+
+
+def test_a_run_taken_out_or_removed_while_stopped_is_told_so_after_a_gpud_restart(
+    tmp_path: Path,
+) -> None:
+    """A waiting run taken out (`gpuctl queue --leave`) and another whose job was removed
+    (`gpuctl jobs rm --force`), both stopped (Ctrl-Z) meanwhile: gpud restarts, and when
+    they ask again, continued, the first is LeftQueue and the second NotFound, nothing
+    started. gpud forgot both with the restart, and each waited again at the head."""
+    from gpud.errors import LeftQueue
+
+    clock, wall = Clock(), Clock()
+    wall.t = 1_700_000_000.0
+    jobs: list[RunningJob] = []
+
+    def started() -> ColoService:
+        return ColoService(
+            ColocateConfig(),
+            EventLog(tmp_path / "events.jsonl"),
+            running=lambda: jobs,
+            clock=clock,
+            wall=wall,
+            state_file=tmp_path / "colo.json",
+        )
+
+    svc = started()
+    snap = memory_held(svc, jobs)
+    left = svc.advise("w", snapshot=snap, waiting=True).waiter_id
+    removed = svc.advise("x", snapshot=snap, waiting=True).waiter_id
+    assert svc.leave(left) is not None
+    svc.job_removed("x", True)()
+    svc.tick(snap)
+    clock.t, wall.t = 5.0, wall.t + 60.0  # the host's clock starts anew
+    svc = started()
+    snap = memory_held(svc, jobs)
+    with pytest.raises(LeftQueue, match=left):
+        svc.advise("w", snapshot=snap, waiting=True, waited_s=60.0, waiter_id=left)
+    with pytest.raises(NotFound, match=r"job x was removed \(gpuctl jobs rm --force\)"):
+        svc.advise("x", snapshot=snap, waiting=True, waited_s=60.0, waiter_id=removed)
+    assert svc.waiting() == []
+    # a run that begins to wait after the restart is another run
+    assert svc.advise("x", snapshot=snap, waiting=True).gpu == -1
+
+
 def test_what_the_loop_holds_of_a_job_gone_is_forgotten_after_a_while(
     service: tuple[ColoService, Clock, list[RunningJob]],
 ) -> None:
@@ -2685,6 +2881,8 @@ def test_an_unreadable_state_file_starts_afresh(
         job % '{"alone_rates": [8.0]}',
         '{"jobs": {}, "evicted": "big"}',
         '{"jobs": {}, "evicted": [1]}',
+        '{"jobs": {}, "left": {"0123456789ab": ["w", "then", false]}}',
+        '{"jobs": {}, "removed": {"w": [1.0]}}',
     ):
         state.write_text(text)
         caplog.clear()

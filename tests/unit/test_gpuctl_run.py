@@ -2460,10 +2460,12 @@ def test_a_held_process_killed_is_a_json_error_under_json(
 class SignalsGpuctlOnceOpened(net_pb2_grpc.NetServicer):
     """Places the held process in its cgroup, stopped (SIGSTOP); once gpuctl has opened
     the gate and passes signals on to its command, SIGTERM to gpuctl, which passes it on
-    to that process before its exec; then lets the process go on, to end by it."""
+    to that process before its exec; then lets the process go on, to end by it, or
+    ``then`` sends it another signal first (something other than gpuctl ends it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, then: int | None = None) -> None:
         self.sent = threading.Event()
+        self.then = then
 
     async def PlaceProcess(
         self, request: net_pb2.PlaceProcessRequest, context: Any
@@ -2481,7 +2483,7 @@ class SignalsGpuctlOnceOpened(net_pb2_grpc.NetServicer):
             os.kill(os.getpid(), signal.SIGTERM)
             until(lambda: _pending(pid, signal.SIGTERM), f"SIGTERM pending for {pid}")
             self.sent.set()
-            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, self.then or signal.SIGCONT)
 
         threading.Thread(target=once_passed_on, daemon=True).start()
         return net_pb2.PlaceProcessResponse(cgroup=f"gpud/gpud-job-{request.job}")
@@ -2506,18 +2508,43 @@ def test_a_signal_passed_on_to_the_command_before_its_exec_stops_the_run_as_befo
     stopped before its command started (exit 130, said so), as a signal a moment earlier
     does. It said the command did not start, as if something else had killed its first
     process, and exited 143."""
-    net = SignalsGpuctlOnceOpened()
-    marker = tmp_path / "ran"
-    with serving(net.register) as n:
-        n.jobs.set_tagger(lambda job: 26, lambda job: 26)
-        got = n.ctl("run", "--job", "h5", "--gpus", "1", "--", "touch", str(marker))
-        assert n.jobs.reservations.held() == []
-    err = capsys.readouterr().err
-    assert net.sent.is_set()
+    got, err = _run_signalled_once_opened(SignalsGpuctlOnceOpened(), "h5", 26, tmp_path, capsys)
     assert got == 130, err
     assert "gpuctl: job h5 stopped (SIGTERM) before its command started" in err
     assert "did not start" not in err
-    assert not marker.exists()
+
+
+def _run_signalled_once_opened(
+    net: SignalsGpuctlOnceOpened,
+    job: str,
+    tag: int,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> tuple[int, str]:
+    """`gpuctl run` of ``job`` (its cgroup tagged ``tag``) under ``net``: its exit status
+    and stderr, once it gave its reservation back without its command having run."""
+    marker = tmp_path / "ran"
+    with serving(net.register) as n:
+        n.jobs.set_tagger(lambda job: tag, lambda job: tag)
+        got = n.ctl("run", "--job", job, "--gpus", "1", "--", "touch", str(marker))
+        assert n.jobs.reservations.held() == []
+    assert net.sent.is_set() and not marker.exists()
+    return got, capsys.readouterr().err
+
+
+def test_a_first_process_killed_by_another_signal_than_the_one_passed_on_is_not_blamed_on_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGTERM to gpuctl once the gate opened, passed on to the process before its exec,
+    which something else SIGKILLs first: the run says its first process was killed by
+    SIGKILL before it became the command (exit 137), the reservation given back. It
+    blamed the SIGTERM it had passed on and said the run stopped before its command
+    started (exit 130)."""
+    net = SignalsGpuctlOnceOpened(then=signal.SIGKILL)
+    got, err = _run_signalled_once_opened(net, "h6", 27, tmp_path, capsys)
+    assert got == 128 + signal.SIGKILL, err
+    assert "its first process ended (killed by SIGKILL) before it became the command" in err
+    assert "stopped (SIGTERM)" not in err
 
 
 def test_a_queued_run_starts_its_command_as_soon_as_its_devices_free(
