@@ -1113,10 +1113,7 @@ class ColoService:
             and st.registered_at != registered[n]
         )
         for name in [*gone, *again]:
-            del self._jobs[name]
-            self._guards.pop(name, None)
-            self._directives.pop(name, None)
-            self._paused_services.discard(name)
+            self._forget_job(name)
         if gone:
             log.info(
                 "co-location state %s: %s no longer registered, forgotten: %s",
@@ -1132,6 +1129,17 @@ class ColoService:
                 "a job" if len(again) == 1 else f"{len(again)} jobs",
                 ", ".join(again),
             )
+
+    def _forget_job(self, name: str) -> None:
+        """Drop all the loop holds of job ``name``, removed: what it showed, its guard, the
+        directive it was told (an eviction included) and its guard's pause. A job added
+        again under the name is another workload, which inherits none of it. Under the
+        lock."""
+        self._jobs.pop(name, None)
+        self._guards.pop(name, None)
+        self._guarding.discard(name)
+        self._directives.pop(name, None)
+        self._paused_services.discard(name)
 
     def _unreadable(self, path: Path, what: str) -> None:
         """``what`` of the state file ``path`` was not read, and why: said in the log and as
@@ -2127,9 +2135,9 @@ class ColoService:
             with self._lock:
                 self._promised = {k: p for k, p in self._promised.items() if k[0] != job}
                 # a job added again under its name is another workload: what this one
-                # showed (its footprints, rates, kind) is not planned for it
-                self._jobs.pop(job, None)
-                self._guards.pop(job, None)
+                # showed (its footprints, rates, kind) is not planned for it, nor is it
+                # told what this one was (an eviction, a duty)
+                self._forget_job(job)
                 self._removals += 1
                 self._gone[job] = _Gone(self._wall(), at, self._removals)
                 # written at once: a kill -9 before the next tick does not bring it back

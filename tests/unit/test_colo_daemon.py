@@ -353,6 +353,34 @@ def test_memory_over_the_limit_evicts_training(
     assert svc.throttle_point("train", 1).evict
 
 
+def test_a_job_removed_and_added_again_while_gpud_runs_is_not_told_the_removed_ones_eviction(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """`train` is evicted for the GPU's memory, `gpuctl jobs rm --force train`, then
+    `gpuctl jobs add train` and a small run of it: that run is another workload, told to
+    run at full duty, not to leave for what the removed one used."""
+    svc, clock, jobs = service
+    jobs[1] = RunningJob(
+        "train", "training", 0, memory_bytes=10 * GIB, memory_used=70 * GIB, registered_at=1.0
+    )
+    svc.tick(snapshot(used_gib=79))
+    assert svc.throttle_point("train", 1).evict
+    svc.job_removed("train", force=True)()
+    jobs[1] = RunningJob(
+        "train",
+        "training",
+        0,
+        memory_bytes=5 * GIB,
+        memory_used=5 * GIB,
+        reserved_at=clock.t + 1,
+        registered_at=2.0,
+    )
+    clock.t += 5
+    svc.tick(snapshot(used_gib=25))
+    told = svc.throttle_point("train", 1)
+    assert not told.evict and told.duty == 1.0, told
+
+
 def test_memory_over_the_limit_evicts_the_training_job_that_came_last(tmp_path: Path) -> None:
     """The newest by when the loop first saw it run, not by name."""
     clock = Clock()
