@@ -23,7 +23,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -677,6 +677,9 @@ class ColoService:
         self._plan_at = 0.0
         self._last_tick: float | None = None
         self._last_running: tuple[RunningJob, ...] = ()
+        # the jobs colo.json wrote as running, until the first tick reads who runs now: a
+        # removal before it writes their directives and guards as the file held them
+        self._restored: tuple[str, ...] | None = None
         self._observed: dict[str, float] = {}
         self._faulty: dict[int, str] = {}  # GPU -> why, at the last tick
         # inference services all of whose GPUs were faulty at the last tick (or when the
@@ -949,10 +952,11 @@ class ColoService:
                 plan, keep=held, present={r.name for r in live}, paused=self._paused(running)
             )
             self._plan, self._plan_at, self._last_running = plan, self._clock(), running
+            self._restored = None
             # a reservation that went while ``running`` was read may be in it
             self._held = frozenset(r.name for r in running) if freed == self._freed else None
             self._forget(running)
-            state = self._state(running)
+            state = self._state(r.name for r in running)
         # The disk flush waits outside the lock: latency reports and `colo show` do not.
         self._save(state)
         return plan
@@ -1077,6 +1081,10 @@ class ColoService:
                 st.evicted, st.seen = True, self._clock()
             if registered is not None:
                 self._drop_unregistered(path, registered())
+            # those it wrote as running (a job that had ended, with how long ago it ran)
+            self._restored = tuple(
+                n for n, saved in data["jobs"].items() if n in self._jobs and "idle_s" not in saved
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             self._unreadable(path, f"co-location state {path} not read ({err}): starting afresh")
             self._jobs.clear()
@@ -1140,6 +1148,17 @@ class ColoService:
         self._guarding.discard(name)
         self._directives.pop(name, None)
         self._paused_services.discard(name)
+        if self._restored is not None:
+            self._restored = tuple(n for n in self._restored if n != name)
+
+    def _running_names(self) -> tuple[str, ...]:
+        """The jobs running as the loop last saw them: at its last tick, or, until its
+        first, as colo.json wrote them (a removal then would otherwise write every job as
+        not running, its eviction, duty and guard lost to the next restart). Under the
+        lock."""
+        if self._restored is not None:
+            return self._restored
+        return tuple(r.name for r in self._last_running)
 
     def _unreadable(self, path: Path, what: str) -> None:
         """``what`` of the state file ``path`` was not read, and why: said in the log and as
@@ -1236,8 +1255,8 @@ class ColoService:
                 self._paused_services.add(name)
             self._guards[name] = g
 
-    def _state(self, running: Sequence[RunningJob]) -> tuple[int, dict[str, Any]] | None:
-        """What the loop learned, as :meth:`_save` writes it: the running jobs' alone rates,
+    def _state(self, running: Iterable[str]) -> tuple[int, dict[str, Any]] | None:
+        """What the loop learned, as :meth:`_save` writes it: the ``running`` jobs' alone rates,
         footprints and duties, and the interference predictor (``to_dict``), after how many
         states were built before it; None without a state file. Under the lock."""
         if self._state_file is None:
@@ -1245,12 +1264,12 @@ class ColoService:
         self._states += 1
         jobs: dict[str, dict[str, Any]] = {}
         now = self._clock()
-        for r in running:
-            st = self._jobs.get(r.name)
-            g = self._guards.get(r.name)
-            d = self._directives.get(r.name)
+        for name in running:
+            st = self._jobs.get(name)
+            g = self._guards.get(name)
+            d = self._directives.get(name)
             job = jobs.setdefault(
-                r.name,
+                name,
                 {
                     **_learned(st or _JobState()),
                     "duty": d.duty if d is not None and not d.evict else None,
@@ -1267,7 +1286,7 @@ class ColoService:
                 # its duty was set in
                 job["guard_breaches"] = g.breaches_at_floor
                 job["guard_wait_s"] = min(DIRECTIVE_DELAY_S, max(0.0, st.guard_since - now))
-                if r.name in self._paused_services:
+                if name in self._paused_services:
                     # paused by its GPUs' fault: should they answer before the restart's
                     # first tick, latencies reported until then are the fault's doing
                     job["guard_paused"] = True
@@ -2141,7 +2160,7 @@ class ColoService:
                 self._removals += 1
                 self._gone[job] = _Gone(self._wall(), at, self._removals)
                 # written at once: a kill -9 before the next tick does not bring it back
-                state = self._state(tuple(r for r in self._last_running if r.name != job))
+                state = self._state(n for n in self._running_names() if n != job)
                 if mine:
                     for w in self._waiters_of(job, at):
                         del self._waiting[w.id]
