@@ -2073,7 +2073,9 @@ def test_a_guard_paused_at_a_kill_holds_its_training_and_resumes_once_the_gpu_an
     """gpud killed -9 while GPU 0 hangs under a service and the training its guard holds
     at duty 0.5: the restarted loop keeps the training at 0.5 while the GPU hangs (not a
     tick at full duty), says the guard is paused, and once the GPU answers takes the guard
-    up again: not on the hang's latencies, on those reported since."""
+    up again: not on the hang's latencies, on those reported since. The restart's first
+    tick finds the GPU hung, which pauses the guard whether or not colo.json kept its
+    pause: what the kept pause itself holds is the next test's."""
     jobs = paused_then_killed(tmp_path)
     clock = Clock()  # the host's monotonic clock, as a new gpud reads it
     again = kept_loop(tmp_path, jobs, clock)
