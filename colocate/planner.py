@@ -62,7 +62,7 @@ sharing SMs.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from colocate.interference import InterferencePredictor, JobFeatures
@@ -738,20 +738,8 @@ class Planner:
                 ranked.remove(first)
                 ranked.insert(0, first)
             placed = False
-            for i in ranked:
-                o = opts[i]
-                share, mig = o.tag if isinstance(o.tag, tuple) else (1.0, None)
-                g = state[o.gpu]
-                if mig is None and g.barred(job):
-                    continue  # a job of another user was placed there ahead of it
-                if mig is not None and all(m.profile != mig for m in g.free_migs()):
-                    # Its instance went to a job ahead of it this pass: options were weighed
-                    # before any was given, so it takes what it would have taken of the
-                    # instances still free there (a larger one may hold it), if any will do.
-                    m = self._instance_for(job, g.free_migs())
-                    if m is None:
-                        continue
-                    share, mig = m.sm_fraction, m.profile
+            for gpu, share, mig in self._attempts(job, [opts[i] for i in ranked], state):
+                g = state[gpu]
                 ev = self._evaluate(g, job, share, mig)
                 if not ev.ok or (mig is None and g.residents and ev.gain < p.min_gain):
                     continue
@@ -765,7 +753,7 @@ class Planner:
                 placements.append(
                     Placement(
                         job_id=job.job_id,
-                        gpu=o.gpu,
+                        gpu=gpu,
                         sm_share=share,
                         memory_limit_bytes=min(
                             job.shape.reserve_bytes(), g.limit(p.memory_headroom)
@@ -824,6 +812,34 @@ class Planner:
         )
 
     # -- helpers --------------------------------------------------------------------------
+    def _attempts(
+        self, job: JobView, ranked: Sequence[Option], state: Mapping[int, _Gpu]
+    ) -> Iterator[tuple[int, float, str | None]]:
+        """(GPU, SM share, MIG profile) to try for the job at commit, best first.
+
+        Its ranked options first, as they were weighed, skipping those taken this pass by
+        jobs ahead of it. Only when none of them places it, on each GPU whose MIG instance
+        went to a job ahead of it, the instance it would take of those still free there (a
+        larger one may hold it): a re-pick was never weighed against its other options, so
+        it must not take a GPU's larger instance from a job behind it, nor leave an
+        instance it ranked higher free.
+        """
+        lost: list[int] = []
+        for o in ranked:
+            share, mig = o.tag if isinstance(o.tag, tuple) else (1.0, None)
+            g = state[o.gpu]
+            if mig is None and g.barred(job):
+                continue  # a job of another user was placed there ahead of it
+            if mig is not None and all(m.profile != mig for m in g.free_migs()):
+                if o.gpu not in lost:
+                    lost.append(o.gpu)
+                continue
+            yield o.gpu, share, mig
+        for gpu in lost:
+            m = self._instance_for(job, state[gpu].free_migs())
+            if m is not None:
+                yield gpu, m.sm_fraction, m.profile
+
     def _hold_for_head(
         self,
         pending: Sequence[JobView],

@@ -23,7 +23,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -720,6 +720,9 @@ class ColoService:
         self._plan_at = 0.0
         self._last_tick: float | None = None
         self._last_running: tuple[RunningJob, ...] = ()
+        # the jobs colo.json wrote as running, until the first tick reads who runs now: a
+        # removal before it writes their directives and guards as the file held them
+        self._restored: tuple[str, ...] | None = None
         self._observed: dict[str, float] = {}
         self._faulty: dict[int, str] = {}  # GPU -> why, at the last tick
         # inference services all of whose GPUs were faulty at the last tick (or when the
@@ -994,10 +997,11 @@ class ColoService:
                 plan, keep=held, present={r.name for r in live}, paused=self._paused(running)
             )
             self._plan, self._plan_at, self._last_running = plan, self._clock(), running
+            self._restored = None
             # a reservation that went while ``running`` was read may be in it
             self._held = frozenset(r.name for r in running) if freed == self._freed else None
             self._forget(running)
-            state = self._state(running)
+            state = self._state(r.name for r in running)
         # The disk flush waits outside the lock: latency reports and `colo show` do not.
         self._save(state)
         return plan
@@ -1123,6 +1127,10 @@ class ColoService:
             self._load_off(data)
             if registered is not None:
                 self._drop_unregistered(path, registered())
+            # those it wrote as running (a job that had ended, with how long ago it ran)
+            self._restored = tuple(
+                n for n, saved in data["jobs"].items() if n in self._jobs and "idle_s" not in saved
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             self._unreadable(path, f"co-location state {path} not read ({err}): starting afresh")
             self._jobs.clear()
@@ -1189,10 +1197,7 @@ class ColoService:
             and st.registered_at != registered[n]
         )
         for name in [*gone, *again]:
-            del self._jobs[name]
-            self._guards.pop(name, None)
-            self._directives.pop(name, None)
-            self._paused_services.discard(name)
+            self._forget_job(name)
         if gone:
             log.info(
                 "co-location state %s: %s no longer registered, forgotten: %s",
@@ -1208,6 +1213,28 @@ class ColoService:
                 "a job" if len(again) == 1 else f"{len(again)} jobs",
                 ", ".join(again),
             )
+
+    def _forget_job(self, name: str) -> None:
+        """Drop all the loop holds of job ``name``, removed: what it showed, its guard, the
+        directive it was told (an eviction included) and its guard's pause. A job added
+        again under the name is another workload, which inherits none of it. Under the
+        lock."""
+        self._jobs.pop(name, None)
+        self._guards.pop(name, None)
+        self._guarding.discard(name)
+        self._directives.pop(name, None)
+        self._paused_services.discard(name)
+        if self._restored is not None:
+            self._restored = tuple(n for n in self._restored if n != name)
+
+    def _running_names(self) -> tuple[str, ...]:
+        """The jobs running as the loop last saw them: at its last tick, or, until its
+        first, as colo.json wrote them (a removal then would otherwise write every job as
+        not running, its eviction, duty and guard lost to the next restart). Under the
+        lock."""
+        if self._restored is not None:
+            return self._restored
+        return tuple(r.name for r in self._last_running)
 
     def _unreadable(self, path: Path, what: str) -> None:
         """``what`` of the state file ``path`` was not read, and why: said in the log and as
@@ -1304,8 +1331,8 @@ class ColoService:
                 self._paused_services.add(name)
             self._guards[name] = g
 
-    def _state(self, running: Sequence[RunningJob]) -> tuple[int, dict[str, Any]] | None:
-        """What the loop learned, as :meth:`_save` writes it: the running jobs' alone rates,
+    def _state(self, running: Iterable[str]) -> tuple[int, dict[str, Any]] | None:
+        """What the loop learned, as :meth:`_save` writes it: the ``running`` jobs' alone rates,
         footprints and duties, and the interference predictor (``to_dict``), after how many
         states were built before it; None without a state file. Under the lock."""
         if self._state_file is None:
@@ -1313,12 +1340,12 @@ class ColoService:
         self._states += 1
         jobs: dict[str, dict[str, Any]] = {}
         now = self._clock()
-        for r in running:
-            st = self._jobs.get(r.name)
-            g = self._guards.get(r.name)
-            d = self._directives.get(r.name)
+        for name in running:
+            st = self._jobs.get(name)
+            g = self._guards.get(name)
+            d = self._directives.get(name)
             job = jobs.setdefault(
-                r.name,
+                name,
                 {
                     **_learned(st or _JobState()),
                     "duty": d.duty if d is not None and not d.evict else None,
@@ -1335,7 +1362,7 @@ class ColoService:
                 # its duty was set in
                 job["guard_breaches"] = g.breaches_at_floor
                 job["guard_wait_s"] = min(DIRECTIVE_DELAY_S, max(0.0, st.guard_since - now))
-                if r.name in self._paused_services:
+                if name in self._paused_services:
                     # paused by its GPUs' fault: should they answer before the restart's
                     # first tick, latencies reported until then are the fault's doing
                     job["guard_paused"] = True
@@ -2230,9 +2257,9 @@ class ColoService:
             with self._lock:
                 self._promised = {k: p for k, p in self._promised.items() if k[0] != job}
                 # a job added again under its name is another workload: what this one
-                # showed (its footprints, rates, kind) is not planned for it
-                self._jobs.pop(job, None)
-                self._guards.pop(job, None)
+                # showed (its footprints, rates, kind) is not planned for it, nor is it
+                # told what this one was (an eviction, a duty)
+                self._forget_job(job)
                 self._removals += 1
                 self._gone[job] = _Gone(self._wall(), at, self._removals)
                 if mine:
@@ -2246,7 +2273,7 @@ class ColoService:
                     self._removed.pop(job, None)  # kept in the order removed
                     self._removed[job] = (at, force, self._wall())
                 # written at once: a kill -9 before the next tick does not bring it back
-                state = self._state(tuple(r for r in self._last_running if r.name != job))
+                state = self._state(n for n in self._running_names() if n != job)
             self._save(state)
             if not mine:
                 return

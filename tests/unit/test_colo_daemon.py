@@ -353,6 +353,34 @@ def test_memory_over_the_limit_evicts_training(
     assert svc.throttle_point("train", 1).evict
 
 
+def test_a_job_removed_and_added_again_while_gpud_runs_is_not_told_the_removed_ones_eviction(
+    service: tuple[ColoService, Clock, list[RunningJob]],
+) -> None:
+    """`train` is evicted for the GPU's memory, `gpuctl jobs rm --force train`, then
+    `gpuctl jobs add train` and a small run of it: that run is another workload, told to
+    run at full duty, not to leave for what the removed one used."""
+    svc, clock, jobs = service
+    jobs[1] = RunningJob(
+        "train", "training", 0, memory_bytes=10 * GIB, memory_used=70 * GIB, registered_at=1.0
+    )
+    svc.tick(snapshot(used_gib=79))
+    assert svc.throttle_point("train", 1).evict
+    svc.job_removed("train", force=True)()
+    jobs[1] = RunningJob(
+        "train",
+        "training",
+        0,
+        memory_bytes=5 * GIB,
+        memory_used=5 * GIB,
+        reserved_at=clock.t + 1,
+        registered_at=2.0,
+    )
+    clock.t += 5
+    svc.tick(snapshot(used_gib=25))
+    told = svc.throttle_point("train", 1)
+    assert not told.evict and told.duty == 1.0, told
+
+
 def test_memory_over_the_limit_evicts_the_training_job_that_came_last(tmp_path: Path) -> None:
     """The newest by when the loop first saw it run, not by name."""
     clock = Clock()
@@ -860,6 +888,29 @@ def test_an_eviction_and_the_gpu_held_for_its_next_run_outlive_restarts(tmp_path
     svc.tick(snap)
     assert not svc.throttle_point("big", 1).evict
     assert json.loads((tmp_path / "colo.json").read_text())["evicted"] == []
+
+
+def test_a_removal_before_the_first_tick_after_a_restart_keeps_what_the_file_held(
+    tmp_path: Path,
+) -> None:
+    """gpud restarts while `big`, evicted for GPU 0's memory, checkpoints, and `gpuctl jobs
+    rm --force a` comes before the loop's first tick: colo.json still holds `big` and `b`
+    as running, `big`'s eviction with them, and gpud killed again before that tick still
+    tells `big` to leave."""
+    clock = Clock()
+    jobs = two_jobs_alone()
+    svc = kept_loop(tmp_path, jobs, clock)
+    big_outgrows_gpu_0(svc, jobs, clock)
+    before = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert before["big"]["evict"]
+    svc = kept_loop(tmp_path, jobs, clock)  # restarted while it checkpoints
+    svc.job_removed("a", force=True)()
+    jobs[:] = [r for r in jobs if r.name != "a"]
+    after = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert after == {n: j for n, j in before.items() if n != "a"}
+    svc = kept_loop(tmp_path, jobs, clock)  # killed again before its first tick
+    told = svc.throttle_point("big", 1)
+    assert told.evict and "memory" in told.reason, told
 
 
 def test_metrics(service: tuple[ColoService, Clock, list[RunningJob]]) -> None:
@@ -2218,7 +2269,9 @@ def test_a_guard_paused_at_a_kill_holds_its_training_and_resumes_once_the_gpu_an
     """gpud killed -9 while GPU 0 hangs under a service and the training its guard holds
     at duty 0.5: the restarted loop keeps the training at 0.5 while the GPU hangs (not a
     tick at full duty), says the guard is paused, and once the GPU answers takes the guard
-    up again: not on the hang's latencies, on those reported since."""
+    up again: not on the hang's latencies, on those reported since. The restart's first
+    tick finds the GPU hung, which pauses the guard whether or not colo.json kept its
+    pause: what the kept pause itself holds is the next test's."""
     jobs = paused_then_killed(tmp_path)
     clock = Clock()  # the host's monotonic clock, as a new gpud reads it
     again = kept_loop(tmp_path, jobs, clock)
@@ -2259,6 +2312,22 @@ def test_a_guard_paused_at_a_kill_does_not_act_on_the_hangs_latencies_after_it(
     again.report_latency("chat", [0.095] * 100)  # the training's doing now
     again.tick(snapshot())
     assert again.duty("train") == 0.25
+
+
+def test_a_removal_before_the_first_tick_after_a_restart_keeps_a_paused_guard(
+    tmp_path: Path,
+) -> None:
+    """gpud killed -9 while GPU 0 hangs under a service whose guard holds the training at
+    duty 0.5; `gpuctl jobs rm --force train` comes before the restarted loop's first tick:
+    colo.json still holds the service as running, its guard's duty and its pause, for gpud
+    killed again before that tick."""
+    jobs = paused_then_killed(tmp_path)
+    before = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert before["chat"]["guard_paused"] and before["chat"]["guard_duty"] == 0.5
+    again = kept_loop(tmp_path, jobs, Clock())
+    again.job_removed("train", force=True)()
+    after = json.loads((tmp_path / "colo.json").read_text())["jobs"]
+    assert after == {"chat": before["chat"]}
 
 
 def test_a_service_over_its_slo_on_a_hung_gpu_counts_against_its_attainment(
@@ -4250,7 +4319,7 @@ def test_an_older_state_is_not_written_over_a_newer_one(tmp_path: Path) -> None:
     jobs = [RunningJob("sweep", "training", 0, memory_bytes=10 * GIB, memory_used=9 * GIB)]
     svc = ran_alone(kept_loop(tmp_path, jobs, clock), clock, 0.3, 6)
     with svc._lock:
-        older = svc._state(jobs)
+        older = svc._state(r.name for r in jobs)
         svc._jobs.pop("sweep")
         newer = svc._state([])
     svc._save(newer)

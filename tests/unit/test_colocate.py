@@ -525,6 +525,47 @@ def test_a_job_whose_instance_went_to_a_job_ahead_takes_another_free_one_that_fi
     assert not plan.waiting
 
 
+def test_a_job_whose_instance_went_ahead_takes_its_next_choice_before_a_smaller_one() -> None:
+    """GPU 0 has a 3g.40gb and a 1g.10gb free, GPU 1 a 3g.40gb: two training jobs that each
+    keep their pace only in a 3g.40gb take one on each GPU; the second is not squeezed into
+    GPU 0's 1g.10gb while GPU 1's 3g.40gb stays free."""
+    three, one = MigOption("3g.40gb", 3 / 7, 40 * GIB), MigOption("1g.10gb", 1 / 7, 10 * GIB)
+    views = [
+        GpuView(index=0, memory_total=80 * GIB, mig_options=(three, one), whole=False),
+        GpuView(index=1, memory_total=80 * GIB, mig_options=(three,), whole=False),
+    ]
+    jobs = [training("c", sm=0.3, mem_gib=8), training("d", sm=0.3, mem_gib=8, order=1)]
+    plan = Planner(InterferencePredictor()).plan(views, jobs)
+    assert [(p.job_id, p.gpu, p.mig_profile) for p in plan.placements] == [
+        ("c", 0, "3g.40gb"),
+        ("d", 1, "3g.40gb"),
+    ]
+    assert [p.predicted_speed for p in plan.placements] == [1.0, 1.0]
+
+
+def test_a_job_whose_instance_went_ahead_leaves_the_larger_one_to_a_job_that_needs_it() -> None:
+    """GPU 0 has a 1g.10gb and a 3g.40gb free, GPU 1 a 1g.10gb: two small training jobs
+    take the two 1g.10gb and a third that only a 3g.40gb holds takes GPU 0's, rather than
+    the second small job taking it and the third waiting."""
+    one, three = MigOption("1g.10gb", 1 / 7, 10 * GIB), MigOption("3g.40gb", 3 / 7, 40 * GIB)
+    views = [
+        GpuView(index=0, memory_total=80 * GIB, mig_options=(one, three), whole=False),
+        GpuView(index=1, memory_total=80 * GIB, mig_options=(one,), whole=False),
+    ]
+    jobs = [
+        training("c", sm=0.1, mem_gib=8),
+        training("d", sm=0.1, mem_gib=8, order=1),
+        training("e", sm=0.4, mem_gib=30, order=2),
+    ]
+    plan = Planner(InterferencePredictor()).plan(views, jobs)
+    assert [(p.job_id, p.gpu, p.mig_profile) for p in plan.placements] == [
+        ("c", 0, "1g.10gb"),
+        ("d", 1, "1g.10gb"),
+        ("e", 0, "3g.40gb"),
+    ]
+    assert not plan.waiting
+
+
 @pytest.mark.parametrize("bad", [-1.0, math.nan])
 def test_head_hold_is_a_duration(bad: float) -> None:
     with pytest.raises(ValueError, match="head_hold_s"):
@@ -828,6 +869,52 @@ def test_a_free_mig_instance_goes_to_one_job_that_fits_it(
             assert j.shape.curve.relative(m.sm_fraction) >= 1 / planner.params.max_slowdown
     assert {p.job_id for p in plan.placements}.isdisjoint(plan.waiting)
     assert set(plan.waiting) | {p.job_id for p in plan.placements} == set(by_id)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    layouts=st.lists(st.lists(st.sampled_from(H100_INSTANCES), max_size=4), min_size=2, max_size=3),
+    specs=st.lists(job_strategy, min_size=1, max_size=8),
+)
+def test_on_several_mig_gpus_a_job_takes_a_second_choice_only_when_its_first_are_gone(
+    layouts: list[list[MigOption]], specs: list[tuple[float, float, float, int | None]]
+) -> None:
+    """Training jobs over GPUs in MIG mode: a job placed in an instance other than the one
+    it takes on that GPU alone left none of its first choices (the instance it takes on
+    each GPU alone) free, and no job waits while an instance that holds it alone stays
+    free, on any GPU."""
+    views = [
+        GpuView(index=i, memory_total=80 * GIB, mig_options=tuple(free), whole=False)
+        for i, free in enumerate(layouts)
+    ]
+    jobs = [
+        training(f"t{i}", sm=sm, bw=bw, mem_gib=mem, order=i)
+        for i, (sm, bw, mem, _) in enumerate(specs)
+    ]
+
+    def alone(view: GpuView, job: JobView) -> str | None:
+        plan = Planner(InterferencePredictor()).plan([view], [job])
+        return plan.placements[0].mig_profile if plan.placements else None
+
+    plan = Planner(InterferencePredictor()).plan(views, jobs)
+    left = {v.index: [m.profile for m in v.mig_options] for v in views}
+    for p in plan.placements:
+        assert p.mig_profile is not None
+        left[p.gpu].remove(p.mig_profile)  # each instance to one job at most
+    by_id = {j.job_id: j for j in jobs}
+    for p in plan.placements:
+        if p.mig_profile == alone(views[p.gpu], by_id[p.job_id]):
+            continue
+        for v in views:
+            first = alone(v, by_id[p.job_id])
+            assert first is None or first not in left[v.index], (p, v.index, first)
+    for job_id in plan.waiting:
+        for v in views:
+            for profile in left[v.index]:
+                one = replace(
+                    v, mig_options=(next(m for m in v.mig_options if m.profile == profile),)
+                )
+                assert alone(one, by_id[job_id]) is None, (job_id, v.index, profile)
 
 
 def test_a_guard_acts_only_on_training_in_its_services_mig_instance() -> None:
