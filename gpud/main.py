@@ -81,7 +81,10 @@ def make_dirs(cfg: config.Config, said: list[str]) -> None:
     ConfigError naming the key when one cannot be (a missing parent under /proc, a file in
     the way, no permission). Adds to ``said`` a line for the log for each one created,
     naming it with its mode and owner (:func:`gpud.files.make_dir`), as it goes: those made
-    before one that fails are said with the error."""
+    before one that fails are said with the error. The start exits 1 on such an error,
+    restarted under systemd: some are the host's of the moment (a filesystem not yet
+    mounted read-write, a directory another user made and removes); ``gpud --check-config``
+    refuses a file in the way of one (:func:`gpud.config.check_dirs`, exit 2)."""
     for key, path, mode in (
         ("daemon.state_dir", cfg.daemon.state_dir, files.STATE_DIR_MODE),
         ("daemon.run_dir", cfg.daemon.run_dir, files.RUN_DIR_MODE),
@@ -405,6 +408,9 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
             check_listen_hosts(
                 cfg, path=str(args.config or config.DEFAULT_PATH), flags=flag_overrides(args)
             )
+            config.check_dirs(
+                cfg, path=str(args.config or config.DEFAULT_PATH), flags=flag_overrides(args)
+            )
             check_mig_config_file(cfg, path=str(args.config or config.DEFAULT_PATH))
         except ConfigError as err:
             print(f"gpud: config error: {err}", file=sys.stderr)
@@ -428,7 +434,17 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
     raise_open_files()
     created: list[str] = []
     try:
-        make_dirs(cfg, created)
+        try:
+            make_dirs(cfg, created)
+        except ConfigError as err:
+            # the key's value is the config's: named where it came from, as a config error
+            # is (exit 1 all the same: see make_dirs)
+            where = config.source(
+                err.key or "",
+                path=str(args.config or config.DEFAULT_PATH),
+                flags=flag_overrides(args),
+            )
+            raise err.in_file(where) from None
         locks = lock_dirs(cfg)  # held until the process ends
     except ConfigError as err:
         for line in created:  # logging is not set up yet: said as the error is
