@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import resource
+import shutil
 import socket
 import stat
 import sys
@@ -176,6 +177,29 @@ def mps_control_command(cfg: config.Config) -> list[str]:
 
         return [sys.executable, str(FAKE_MPS_CONTROL)]
     return [cfg.mps.control_binary]
+
+
+def mps_binary_warning(cfg: config.Config, *, path: str) -> str:
+    """Why ``mps.control_binary`` cannot be run now, as ``FILE:mps.control_binary: ...``, or
+    "" when it can (or MPS is off, or a simulated node runs its bundled fake daemon). A
+    warning, not an error: on some images the driver's tools are installed after gpud
+    starts, and gpud starts each device's daemon again (with back-off) until it runs. A name
+    without a ``/`` is looked up in the PATH the control daemons are started with."""
+    if not cfg.mps.enabled or mps_control_command(cfg) != [cfg.mps.control_binary]:
+        return ""
+    from gpud.mps.daemon import DEFAULT_BASE_ENV
+
+    binary = cfg.mps.control_binary
+    search = DEFAULT_BASE_ENV["PATH"]
+    if shutil.which(binary, path=search):
+        return ""
+    if "/" not in binary:
+        why = f"no such file in PATH ({search})"
+    elif os.path.exists(binary):
+        why = "not an executable file"
+    else:
+        why = "no such file"
+    return f"{path}:mps.control_binary: {binary}: {why}"
 
 
 def mps_cgroups(
@@ -424,6 +448,7 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
             tcp_warning(cfg.api.tcp_address, cfg.api.tcp_access),
             *expiring_certificates(cfg),
             *readable_secrets(cfg),
+            mps_binary_warning(cfg, path=str(args.config or config.DEFAULT_PATH)),
             backend_warning(cfg, nvml=nvml),
         ]
         for warning in filter(None, warnings):  # taken, as at start, but said
@@ -479,7 +504,12 @@ def run(
     for line in created:
         log.info("%s", line)
     path = str(args.config or config.DEFAULT_PATH)
-    for warning in (*config.config_warnings(cfg, path=path), *readable_secrets(cfg)):
+    warnings = (
+        *config.config_warnings(cfg, path=path),
+        *readable_secrets(cfg),
+        mps_binary_warning(cfg, path=path),
+    )
+    for warning in filter(None, warnings):
         log.warning("%s", warning)
 
     from gpud.daemon import Daemon

@@ -358,6 +358,29 @@ def test_check_config_refuses_a_file_where_a_directory_goes_naming_the_file_and_
     )
 
 
+def test_check_config_warns_of_an_mps_control_binary_that_is_not_there(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Taken (the driver's tools may be installed after gpud starts: each device's daemon
+    is started again until it runs), but said, naming the file and key."""
+    flags = ["--simulate", "--state-dir", str(tmp_path / "s"), "--run-dir", str(tmp_path / "r")]
+    setting = '[metrics]\nenabled = false\n[mps]\ncontrol_binary = "/nonexistent/x"\n'
+    cfg = write(tmp_path, setting + "enabled = true\n")
+    assert main(["--config", str(cfg), *flags, "--check-config"]) == 0
+    said = f"gpud: warning: {cfg}:mps.control_binary: /nonexistent/x: no such file\n"
+    assert said in capsys.readouterr().err
+    (tmp_path / "x").write_text("")  # not executable
+    cfg = write(
+        tmp_path, setting.replace("/nonexistent/x", str(tmp_path / "x")) + "enabled = true\n"
+    )
+    assert main(["--config", str(cfg), *flags, "--check-config"]) == 0
+    said = f"{cfg}:mps.control_binary: {tmp_path}/x: not an executable file"
+    assert said in capsys.readouterr().err
+    cfg = write(tmp_path, setting)  # MPS off: the binary is never run
+    assert main(["--config", str(cfg), *flags, "--check-config"]) == 0
+    assert "mps.control_binary" not in capsys.readouterr().err
+
+
 def test_a_socket_whose_directory_cannot_be_made_is_named_not_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

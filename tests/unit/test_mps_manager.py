@@ -631,6 +631,25 @@ def test_a_daemon_that_cannot_start_backs_off(root: Path) -> None:
         store.close()
 
 
+@pytest.mark.parametrize(
+    ("binary", "said"),
+    [
+        ("/nonexistent/x", "/nonexistent/x: no such file"),
+        ("no-such-mps-control", "no-such-mps-control: no such file in PATH (/usr/local/sbin:"),
+    ],
+)
+def test_a_control_binary_that_does_not_exist_is_named_by_its_key_when_a_start_fails(
+    root: Path, binary: str, said: str
+) -> None:
+    mgr, store, events = make_manager(root, [binary], sleep=lambda s: None)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        (failed,) = events.recent(kind_prefix="mps.start_failed")
+        assert f"did not start: cannot run mps.control_binary: {said}" in failed.message
+    finally:
+        store.close()
+
+
 def test_events_of_a_daemon_name_its_gpu_as_the_health_checks_do(root: Path) -> None:
     """``gpuctl events --kind mps. --json`` filtered on a GPU finds every event of its
     daemon: a start, a failed start, as a failed health check does."""
