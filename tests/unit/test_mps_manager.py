@@ -199,6 +199,21 @@ def test_mig_devices_answering_reset_required_keep_their_daemons(root: Path) -> 
         backend.close()
 
 
+def test_limits_for_a_gpu_lost_before_gpud_started_are_refused_without_denying_its_last_uuid(
+    manager: MpsManager,
+) -> None:
+    seen = "NVIDIA H100 80GB HBM3 GPU-ef6bd996 at 00000000:1A:00.0"
+    reason = f"GPU lost (identity): GPU is lost; last seen as {seen}"
+    unread = GpuSample(identity=unknown_identity(0), healthy=False, reason=reason, sampled_at=0.0)
+    manager.reconcile(snapshot(unread, NODE.gpus[1]))
+    with pytest.raises(FailedPrecondition) as err:
+        manager.set_limits("0", threads_percent=50)
+    assert str(err.value) == (
+        f"GPU 0 has not been read since gpud started ({reason}): it takes no MPS limits until"
+        " it answers with its UUID"
+    )
+
+
 def test_no_daemon_for_a_gpu_never_read(manager: MpsManager) -> None:
     """Lost before gpud started: no UUID, so nothing to start a daemon for; it stays listed,
     so that a job naming it hears that it is unhealthy."""
