@@ -333,6 +333,36 @@ def check_socket_file(config: Config, *, path: str, flags: Collection[str] = ())
     )
 
 
+def check_dirs(config: Config, *, path: str, flags: Collection[str] = ()) -> None:
+    """The state directory, the run directory and the socket's must be directories, or be
+    makeable as ``mkdir -p`` makes them: a regular file (or other non-directory) at one of
+    them, or above one, is a ConfigError naming its key. For ``--check-config``: the start
+    finds the same when it makes them (:func:`gpud.files.make_dir`)."""
+    for key, directory in (
+        ("daemon.state_dir", config.daemon.state_dir),
+        ("daemon.run_dir", config.daemon.run_dir),
+        ("api.socket", config.socket_path.parent),
+    ):
+        if key == "api.socket" and config.api.socket is None:
+            continue  # the run directory's own socket: checked with it
+        for there in (directory, *directory.parents):
+            try:
+                mode = there.stat().st_mode  # a link to a directory is one, as for mkdir
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # made at start, as are those below it, or a file above it
+            except OSError:
+                break  # not reachable from here (no permission): the start makes or reports it
+            if stat.S_ISDIR(mode):
+                break
+            above = "" if there == directory else f"cannot make {directory}: "
+            raise ConfigError(
+                f"{above}{there} is {_file_kind(mode)}, not a directory: remove it or choose"
+                " another path",
+                path=source(key, path=path, flags=flags),
+                key=key,
+            )
+
+
 def _file_kind(mode: int) -> str:
     """What ``lstat`` found, in words; a symbolic link is said as one, whatever it points at
     (the socket's path itself must be a socket)."""

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import resource
+import shutil
 import socket
 import stat
 import sys
@@ -81,7 +82,10 @@ def make_dirs(cfg: config.Config, said: list[str]) -> None:
     ConfigError naming the key when one cannot be (a missing parent under /proc, a file in
     the way, no permission). Adds to ``said`` a line for the log for each one created,
     naming it with its mode and owner (:func:`gpud.files.make_dir`), as it goes: those made
-    before one that fails are said with the error."""
+    before one that fails are said with the error. The start exits 1 on such an error,
+    restarted under systemd: some are the host's of the moment (a filesystem not yet
+    mounted read-write, a directory another user made and removes); ``gpud --check-config``
+    refuses a file in the way of one (:func:`gpud.config.check_dirs`, exit 2)."""
     for key, path, mode in (
         ("daemon.state_dir", cfg.daemon.state_dir, files.STATE_DIR_MODE),
         ("daemon.run_dir", cfg.daemon.run_dir, files.RUN_DIR_MODE),
@@ -173,6 +177,29 @@ def mps_control_command(cfg: config.Config) -> list[str]:
 
         return [sys.executable, str(FAKE_MPS_CONTROL)]
     return [cfg.mps.control_binary]
+
+
+def mps_binary_warning(cfg: config.Config, *, path: str) -> str:
+    """Why ``mps.control_binary`` cannot be run now, as ``FILE:mps.control_binary: ...``, or
+    "" when it can (or MPS is off, or a simulated node runs its bundled fake daemon). A
+    warning, not an error: on some images the driver's tools are installed after gpud
+    starts, and gpud starts each device's daemon again (with back-off) until it runs. A name
+    without a ``/`` is looked up in the PATH the control daemons are started with."""
+    if not cfg.mps.enabled or mps_control_command(cfg) != [cfg.mps.control_binary]:
+        return ""
+    from gpud.mps.daemon import DEFAULT_BASE_ENV
+
+    binary = cfg.mps.control_binary
+    search = DEFAULT_BASE_ENV["PATH"]
+    if shutil.which(binary, path=search):
+        return ""
+    if "/" not in binary:
+        why = f"no such file in PATH ({search})"
+    elif os.path.exists(binary):
+        why = "not an executable file"
+    else:
+        why = "no such file"
+    return f"{path}:mps.control_binary: {binary}: {why}"
 
 
 def mps_cgroups(
@@ -405,6 +432,9 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
             check_listen_hosts(
                 cfg, path=str(args.config or config.DEFAULT_PATH), flags=flag_overrides(args)
             )
+            config.check_dirs(
+                cfg, path=str(args.config or config.DEFAULT_PATH), flags=flag_overrides(args)
+            )
             check_mig_config_file(cfg, path=str(args.config or config.DEFAULT_PATH))
         except ConfigError as err:
             print(f"gpud: config error: {err}", file=sys.stderr)
@@ -418,6 +448,7 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
             tcp_warning(cfg.api.tcp_address, cfg.api.tcp_access),
             *expiring_certificates(cfg),
             *readable_secrets(cfg),
+            mps_binary_warning(cfg, path=str(args.config or config.DEFAULT_PATH)),
             backend_warning(cfg, nvml=nvml),
         ]
         for warning in filter(None, warnings):  # taken, as at start, but said
@@ -428,7 +459,17 @@ def main(argv: list[str] | None = None, *, nvml: Any = None) -> int:
     raise_open_files()
     created: list[str] = []
     try:
-        make_dirs(cfg, created)
+        try:
+            make_dirs(cfg, created)
+        except ConfigError as err:
+            # the key's value is the config's: named where it came from, as a config error
+            # is (exit 1 all the same: see make_dirs)
+            where = config.source(
+                err.key or "",
+                path=str(args.config or config.DEFAULT_PATH),
+                flags=flag_overrides(args),
+            )
+            raise err.in_file(where) from None
         locks = lock_dirs(cfg)  # held until the process ends
     except ConfigError as err:
         for line in created:  # logging is not set up yet: said as the error is
@@ -463,7 +504,12 @@ def run(
     for line in created:
         log.info("%s", line)
     path = str(args.config or config.DEFAULT_PATH)
-    for warning in (*config.config_warnings(cfg, path=path), *readable_secrets(cfg)):
+    warnings = (
+        *config.config_warnings(cfg, path=path),
+        *readable_secrets(cfg),
+        mps_binary_warning(cfg, path=path),
+    )
+    for warning in filter(None, warnings):
         log.warning("%s", warning)
 
     from gpud.daemon import Daemon

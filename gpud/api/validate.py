@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 from gpud.errors import InvalidArgument, NotFound
+from gpud.jobs.registry import check_name
 from gpud.mps.procs import PID_MAX
 from gpud.shared import MAX_LAYOUT_BYTES, MAX_XID
 
@@ -33,6 +34,15 @@ FIELD_LIMITS: dict[str, int] = {
     "gpud.v1.MigConfigSource.text": MAX_LAYOUT_BYTES,  # the file's content
     # a second's latencies of a busy service: gpud.client.Latency sends up to 4096 at once
     "gpud.v1.ReportLatencyRequest.seconds": 4096,
+}
+
+# Job names, by full field name, and the field their servicer's refusal names: one over the
+# bound is refused as any other name that breaks the name rule, saying the rule, not the
+# bound (fields named "job" or "jobs" are job names too, named by their path)
+JOB_NAME_FIELDS: dict[str, str] = {
+    "gpud.v1.Job.name": "name",
+    "gpud.v1.RemoveJobRequest.name": "name",
+    "gpud.v1.ListJobsRequest.name": "name",
 }
 
 _TYPE_STRING = 9  # FieldDescriptor.TYPE_STRING
@@ -78,6 +88,8 @@ def _scalar(fd: Any, value: Any, limit: int | None, path: str) -> None:
     if fd.type in (_TYPE_STRING, _TYPE_BYTES):
         most = MAX_STRING_CHARS if limit is None else limit
         if len(value) > most:
+            if fd.full_name in JOB_NAME_FIELDS or fd.name in ("job", "jobs"):
+                check_name(value, field=JOB_NAME_FIELDS.get(fd.full_name, path))
             unit = "characters" if fd.type == _TYPE_STRING else "bytes"
             raise InvalidArgument(f"is {len(value)} {unit} long, more than {most}", field=path)
 

@@ -130,11 +130,21 @@ def check_devices(devices: Sequence[str]) -> tuple[str, ...]:
     return tuple(devices)
 
 
+MAX_NAME = 63  # characters of a job name (_NAME)
+
+
 def check_name(name: str, *, field: str = "name") -> str:
-    """A job name as the registry takes it; ``field`` names the request field it came in."""
+    """A job name as the registry takes it; ``field`` names the request field it came in.
+    A refused name is echoed back, its first :data:`MAX_NAME` characters and its length
+    when it is longer (a name of 100000 characters is not said whole)."""
     if not _NAME.fullmatch(name):
+        shown = (
+            repr(name)
+            if len(name) <= MAX_NAME
+            else f"{name[:MAX_NAME]!r}... ({len(name)} characters)"
+        )
         raise InvalidArgument(
-            f"{name!r}: letters, digits, '_', '.', '-' (up to 63, starting alphanumeric)",
+            f"{shown}: letters, digits, '_', '.', '-' (up to {MAX_NAME}, starting alphanumeric)",
             field=field,
         )
     return name

@@ -248,9 +248,12 @@ class JobService:
                     " a job ahead of a layout"
                 ) from None
             if not target.uuid:  # lost or hung since before gpud started: no UUID to keep
+                # the reason may say the UUID an earlier run read ("last seen as ..."): this
+                # run has read none, and the index names the GPU there now, whichever it is
                 raise FailedPrecondition(
                     f"device {name} is on GPU {target.gpu}, which is unhealthy:"
-                    f" {target.gpu_unhealthy or 'unhealthy'} (its UUID is not known yet)"
+                    f" {target.gpu_unhealthy or 'unhealthy'} (not read since gpud started:"
+                    f" GPU {target.gpu} names no UUID until it answers)"
                 )
             return target.uuid
 

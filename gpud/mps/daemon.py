@@ -350,6 +350,14 @@ class ControlDaemon:
                 uuid=self.uuid,
                 call=" ".join(args) or (stdin or "").strip(),
             ) from err
+        except FileNotFoundError as err:
+            # the program mps.control_binary names: the key is what the operator mends
+            raise BackendError(
+                f"cannot run mps.control_binary: {self._command[0]}: no such file"
+                + ("" if "/" in self._command[0] else f" in PATH ({self.env.get('PATH', '')})"),
+                uuid=self.uuid,
+                call="exec",
+            ) from err
         except OSError as err:
             raise BackendError(
                 f"cannot run {self._command[0]}: {err.strerror}",

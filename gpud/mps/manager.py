@@ -650,10 +650,12 @@ class MpsManager:
         none yet."""
         target = self.resolve(device)
         if not target.uuid:
+            # its reason may say the UUID an earlier run read ("last seen as ..."): limits
+            # go by the UUID the GPU answers with, which this run has not heard
             raise FailedPrecondition(
                 f"GPU {target.gpu} has not been read since gpud started"
-                f" ({target.gpu_unhealthy or 'unhealthy'}): its UUID is unknown, so it takes"
-                " no MPS limits until it answers"
+                f" ({target.gpu_unhealthy or 'unhealthy'}): it takes no MPS limits until it"
+                " answers with its UUID"
             )
         return target
 

@@ -144,7 +144,7 @@ class GpuReader:
                 # Asked again until it answers. One read before keeps what was read: the
                 # board's size and MIG capability, not a placeholder's zeros.
                 known = self.identity or placeholder_identity(gpu)
-                return self._failed(known, _reason("identity", err))
+                return self._failed(known, _reason(identity_read(err), err))
             self.identity = identity
             self._identity_stale = False
             # New identity, fresh view of what the GPU supports.
@@ -255,6 +255,24 @@ class GpuReader:
     def last_good_at(self) -> float:
         """Monotonic time of the last read that completed (the reader's creation before)."""
         return self._last_good_at
+
+
+# The identity's NVML calls that read what a sample's readings read too, by the readings'
+# names: a GPU refused at its first read is said as it would be at any later one
+# (``reset required (memory): nvmlDeviceGetMemoryInfo failed``); the other identity calls
+# (handle, UUID, name, PCI info) read who the GPU is, and say "identity"
+_IDENTITY_READS = {
+    "nvmlDeviceGetMemoryInfo": "memory",
+    "nvmlDeviceGetMigMode": "mig_mode",
+    "nvmlDeviceGetMaxPcieLinkGeneration": "pcie",
+    "nvmlDeviceGetMaxPcieLinkWidth": "pcie",
+}
+
+
+def identity_read(err: BackendError) -> str:
+    """The read of a GPU's identity that ``err`` failed (the driver call it names,
+    ``err.call``), as an unhealthy reason's label names it."""
+    return _IDENTITY_READS.get(err.call or "", "identity")
 
 
 def _reason(call: str, err: BackendError) -> str:

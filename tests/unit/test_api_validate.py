@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -63,11 +65,31 @@ MAX_R = validate.MAX_REPEATED
 
 
 def test_strings_at_the_bound_pass_and_one_more_is_refused() -> None:
-    validate.request_bounds(jobs_pb2.RemoveJobRequest(name="x" * MAX_S))
+    validate.request_bounds(mig_pb2.MigConfigSource(name="x" * MAX_S))
     with pytest.raises(
         InvalidArgument, match=rf"^name: is {MAX_S + 1} characters long, more than {MAX_S}$"
     ):
-        validate.request_bounds(jobs_pb2.RemoveJobRequest(name="x" * (MAX_S + 1)))
+        validate.request_bounds(mig_pb2.MigConfigSource(name="x" * (MAX_S + 1)))
+
+
+NAME_RULE = "letters, digits, '_', '.', '-' (up to 63, starting alphanumeric)"
+
+
+@pytest.mark.parametrize(
+    ("request_of", "field"),
+    [
+        (lambda name: jobs_pb2.AddJobRequest(job=jobs_pb2.Job(name=name)), "name"),
+        (lambda name: jobs_pb2.RemoveJobRequest(name=name), "name"),
+        (lambda name: jobs_pb2.GetJobEnvRequest(job=name), "job"),
+    ],
+)
+def test_a_job_name_over_the_bound_is_refused_as_other_names_are_saying_the_rule(
+    request_of: Callable[[str], Any], field: str
+) -> None:
+    """As ``gpuctl jobs add 'a b'`` is: ``name: 'a b': letters, ...``, the name cut short."""
+    with pytest.raises(InvalidArgument) as err:
+        validate.request_bounds(request_of("x" * 100_000))
+    assert str(err.value) == f"{field}: {'x' * 63!r}... (100000 characters): {NAME_RULE}"
 
 
 def test_nested_and_repeated_strings_are_named_by_path() -> None:

@@ -301,7 +301,10 @@ def test_a_directory_that_cannot_be_made_stops_start_up_naming_the_key(
     )
     assert code == 1
     err = capsys.readouterr().err
-    assert f"gpud: daemon.run_dir: cannot create {tmp_path}/file/run: Not a directory" in err
+    assert (
+        f"gpud: command line:daemon.run_dir: cannot create {tmp_path}/file/run: Not a directory"
+        in err
+    )
 
 
 def test_a_file_where_a_directory_goes_is_named_not_a_traceback(
@@ -323,6 +326,61 @@ def test_a_file_where_a_directory_goes_is_named_not_a_traceback(
     assert "Traceback" not in err
 
 
+def test_check_config_refuses_a_file_where_a_directory_goes_naming_the_file_and_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The start exits 1 for it (restarted: see make_dirs); --check-config, run before a
+    start, says it as the config error it is."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for setting, said in (
+        (f'[daemon]\nstate_dir = "{afile}"', f"daemon.state_dir: {afile} is a regular file"),
+        (
+            f'[daemon]\nrun_dir = "{afile}/run"',
+            f"daemon.run_dir: cannot make {afile}/run: {afile} is a regular file",
+        ),
+        (
+            f'[api]\nsocket = "{afile}/gpud.sock"',
+            f"api.socket: {afile} is a regular file",
+        ),
+    ):
+        cfg = write(tmp_path, f"{setting}\n[metrics]\nenabled = false\n")
+        dirs = [] if "state_dir" in setting else ["--state-dir", str(tmp_path / "state")]
+        dirs += [] if "run_dir" in setting else ["--run-dir", str(tmp_path / "run")]
+        assert main(["--config", str(cfg), "--simulate", *dirs, "--check-config"]) == 2
+        err = capsys.readouterr().err
+        assert f"gpud: config error: {cfg}:{said}, not a directory: remove it or" in err
+    cfg = write(tmp_path, f'[daemon]\nstate_dir = "{afile}"\n')
+    assert main(["--config", str(cfg), "--simulate", "--run-dir", str(tmp_path / "run")]) == 1
+    assert (
+        f"gpud: {cfg}:daemon.state_dir: cannot create {afile}: it exists and is not a directory"
+        in capsys.readouterr().err
+    )
+
+
+def test_check_config_warns_of_an_mps_control_binary_that_is_not_there(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Taken (the driver's tools may be installed after gpud starts: each device's daemon
+    is started again until it runs), but said, naming the file and key."""
+    flags = ["--simulate", "--state-dir", str(tmp_path / "s"), "--run-dir", str(tmp_path / "r")]
+    setting = '[metrics]\nenabled = false\n[mps]\ncontrol_binary = "/nonexistent/x"\n'
+    cfg = write(tmp_path, setting + "enabled = true\n")
+    assert main(["--config", str(cfg), *flags, "--check-config"]) == 0
+    said = f"gpud: warning: {cfg}:mps.control_binary: /nonexistent/x: no such file\n"
+    assert said in capsys.readouterr().err
+    (tmp_path / "x").write_text("")  # not executable
+    cfg = write(
+        tmp_path, setting.replace("/nonexistent/x", str(tmp_path / "x")) + "enabled = true\n"
+    )
+    assert main(["--config", str(cfg), *flags, "--check-config"]) == 0
+    said = f"{cfg}:mps.control_binary: {tmp_path}/x: not an executable file"
+    assert said in capsys.readouterr().err
+    cfg = write(tmp_path, setting)  # MPS off: the binary is never run
+    assert main(["--config", str(cfg), *flags, "--check-config"]) == 0
+    assert "mps.control_binary" not in capsys.readouterr().err
+
+
 def test_a_socket_whose_directory_cannot_be_made_is_named_not_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -332,7 +390,8 @@ def test_a_socket_whose_directory_cannot_be_made_is_named_not_a_traceback(
     assert main(["--config", str(write(tmp_path, "")), *flags, "--socket", str(socket)]) == 1
     err = capsys.readouterr().err
     assert (
-        f"gpud: api.socket: cannot create {tmp_path}/file: it exists and is not a directory" in err
+        f"gpud: command line:api.socket: cannot create {tmp_path}/file: it exists and is not"
+        " a directory" in err
     )
     assert "Traceback" not in err
 
@@ -418,7 +477,7 @@ def test_a_directory_every_user_may_write_to_is_refused_before_gpud_writes_there
     flags = ["--simulate", "--state-dir", str(tmp_path / "state"), "--run-dir", str(shared)]
     assert main(["--config", str(write(tmp_path, "")), *flags]) == 1
     assert (
-        f"gpud: daemon.run_dir: {shared} is writable by every user (mode 1777): gpud keeps its"
+        f"gpud: command line:daemon.run_dir: {shared} is writable by every user (mode 1777): gpud keeps its"
         " lock, socket and state files in a directory of its own" in capsys.readouterr().err
     )
     assert victim.read_text() == "root's file\n"

@@ -90,7 +90,9 @@ def test_a_start_that_fails_on_a_directory_says_those_it_made(
     assert err[0] == (
         f"gpud: created {tmp_path}/state for daemon.state_dir (mode 0750, uid {os.geteuid()})"
     )
-    assert err[1].startswith(f"gpud: daemon.run_dir: cannot create {tmp_path}/afile/run: "), err
+    assert err[1].startswith(
+        f"gpud: command line:daemon.run_dir: cannot create {tmp_path}/afile/run: "
+    ), err
     assert len(err) == 2
 
 

@@ -901,6 +901,29 @@ def test_a_gpu_never_read_that_answers_is_placed_on_only_with_its_uuid(
     service.release(launch.reservation.id)
 
 
+def test_an_index_of_a_gpu_lost_before_gpud_started_says_it_was_last_seen_and_not_read_since(
+    tmp_path: Path, store: StateStore
+) -> None:
+    mps = MpsManager(store, EventLog(None), tmp_path / "run", FAKE_CONTROL, enabled=False)
+    service = JobService(store, EventLog(None), mps, socket_path=Path("/s"))
+    seen = "NVIDIA H100 80GB HBM3 GPU-ef6bd996 at 00000000:1A:00.0"
+    lost = GpuSample(
+        identity=unknown_identity(1),
+        healthy=False,
+        reason=f"GPU lost (identity): GPU is lost; last seen as {seen}",
+        sampled_at=0,
+    )
+    down = replace(snapshot(NODE.gpus[0], lost), monotonic=1.0)
+    mps.observe_snapshot(down)
+    service.tick(down)
+    with pytest.raises(FailedPrecondition) as err:
+        service.add(JobSpec("pinned", devices=("1",)))
+    assert str(err.value) == (
+        f"device 1 is on GPU 1, which is unhealthy: GPU lost (identity): GPU is lost; last seen"
+        f" as {seen} (not read since gpud started: GPU 1 names no UUID until it answers)"
+    )
+
+
 def test_an_older_snapshot_does_not_undo_the_health_of_a_newer_one(
     service: JobService,
 ) -> None:

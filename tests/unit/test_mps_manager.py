@@ -199,6 +199,21 @@ def test_mig_devices_answering_reset_required_keep_their_daemons(root: Path) -> 
         backend.close()
 
 
+def test_limits_for_a_gpu_lost_before_gpud_started_are_refused_without_denying_its_last_uuid(
+    manager: MpsManager,
+) -> None:
+    seen = "NVIDIA H100 80GB HBM3 GPU-ef6bd996 at 00000000:1A:00.0"
+    reason = f"GPU lost (identity): GPU is lost; last seen as {seen}"
+    unread = GpuSample(identity=unknown_identity(0), healthy=False, reason=reason, sampled_at=0.0)
+    manager.reconcile(snapshot(unread, NODE.gpus[1]))
+    with pytest.raises(FailedPrecondition) as err:
+        manager.set_limits("0", threads_percent=50)
+    assert str(err.value) == (
+        f"GPU 0 has not been read since gpud started ({reason}): it takes no MPS limits until"
+        " it answers with its UUID"
+    )
+
+
 def test_no_daemon_for_a_gpu_never_read(manager: MpsManager) -> None:
     """Lost before gpud started: no UUID, so nothing to start a daemon for; it stays listed,
     so that a job naming it hears that it is unhealthy."""
@@ -627,6 +642,25 @@ def test_a_daemon_that_cannot_start_backs_off(root: Path) -> None:
         status = mgr.status()[0]
         assert not status.up and "cannot run" in status.last_error
         assert len(events.recent(kind_prefix="mps.start_failed")) == 1
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("binary", "said"),
+    [
+        ("/nonexistent/x", "/nonexistent/x: no such file"),
+        ("no-such-mps-control", "no-such-mps-control: no such file in PATH (/usr/local/sbin:"),
+    ],
+)
+def test_a_control_binary_that_does_not_exist_is_named_by_its_key_when_a_start_fails(
+    root: Path, binary: str, said: str
+) -> None:
+    mgr, store, events = make_manager(root, [binary], sleep=lambda s: None)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        (failed,) = events.recent(kind_prefix="mps.start_failed")
+        assert f"did not start: cannot run mps.control_binary: {said}" in failed.message
     finally:
         store.close()
 

@@ -183,6 +183,16 @@ def test_a_gpu_that_requires_a_reset_is_unhealthy_saying_so_the_others_keep_work
         node.backend.close()
 
 
+def test_a_gpu_that_requires_a_reset_when_first_read_names_the_read_that_failed(
+    node: Node,
+) -> None:
+    # its handle, UUID, name and PCI info answer; the memory size, read with them, does not
+    node.sim.faults.reset_required(1)
+    reason = node.sampler.tick().gpus[1].reason
+    assert reason.startswith("reset required (memory): nvmlDeviceGetMemoryInfo failed on GPU 1:")
+    assert "(identity)" not in reason
+
+
 class SteppedClock:
     """A monotonic clock that moves only when told."""
 
