@@ -277,6 +277,12 @@ step refused: lost, in need of an operator (reset required, interrupt issue, ins
 power, corrupted infoROM), hung. A GPU that raises one is shown as faulty with why, left
 alone, and the other GPUs go on."""
 
+READING_FAULTS: Final[tuple[type[BackendError], ...]] = (GpuLost, GpuFault)
+"""Of :data:`GPU_FAULTS`, those a reading's call answers for the whole GPU: lost, or in need
+of an operator. NVML_ERROR_TIMEOUT (:class:`DriverTimeout`) belongs to calls given a timeout
+(``nvmlEventSetWait``), so on a reading it is that reading's error alone; a GPU hung in a
+reading is found by the call not returning (see :mod:`gpud.telemetry.sampler`)."""
+
 
 # Trailing metadata of a failed gRPC call: the error class, and the exit code gpuctl uses.
 ERROR_KEY: Final = "gpud-error"

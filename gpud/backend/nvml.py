@@ -75,6 +75,7 @@ from gpud.backend.port import (
 from gpud.backend.products import product_key_for
 from gpud.errors import (
     GPU_FAULTS,
+    READING_FAULTS,
     BackendError,
     DeviceNotFound,
     DriverNotLoaded,
@@ -504,7 +505,10 @@ class NvmlBackend:
 
     def gpu_readings(self, gpu: int, skip: Collection[str] = frozenset()) -> GpuReadings:
         """``nvidia-smi -q -i N`` minus what does not change: every reading of
-        :class:`GpuReadings` not in ``skip``, with one handle lookup."""
+        :class:`GpuReadings` not in ``skip``, with one handle lookup. A GPU that needs an
+        operator (:class:`GpuFault`: NVML_ERROR_RESET_REQUIRED, ...) in a numeric reading is
+        asked none of the others, and its numbers are None; its processes and MIG mode are
+        still read (what ``nvidia-smi --gpu-reset`` waits for, and what it switches)."""
         h = self._handle(gpu)
         f = self._fast
         error = self._error
@@ -513,71 +517,78 @@ class NvmlBackend:
         mig_mode = None
         processes: tuple[ProcessInfo, ...] = ()
         try:
-            if "memory" not in skip:
-                try:
-                    m = f.memory(h)
-                    memory = _new(MemoryInfo, (m.total, m.used, m.free))
-                except error as err:
-                    self._read_failed(errors, gpu, "memory", f.memory, err)
-            if "utilization" not in skip:
-                try:
-                    u = f.utilization(h)
-                    utilization = _new(Utilization, (u.gpu / 100.0, u.memory / 100.0))
-                except error as err:
-                    self._read_failed(errors, gpu, "utilization", f.utilization, err)
-            if "power_watts" not in skip:
-                try:
-                    power = f.power(h) / 1000.0  # mW
-                except error as err:
-                    self._read_failed(errors, gpu, "power_watts", f.power, err)
-            if "temperature_celsius" not in skip:
-                try:
-                    temperature = float(f.temperature(h, f.TEMPERATURE_GPU))
-                except error as err:
-                    self._read_failed(errors, gpu, "temperature_celsius", f.temperature, err)
-            if "clocks" not in skip:
-                try:
-                    clocks = _new(Clocks, (f.clock(h, f.CLOCK_SM), f.clock(h, f.CLOCK_MEM)))
-                except error as err:
-                    self._read_failed(errors, gpu, "clocks", f.clock, err)
-            if "ecc" not in skip:
-                try:
-                    ecc = _new(
-                        EccCounts,
-                        (
-                            f.ecc(h, f.ECC_CORRECTED, f.ECC_VOLATILE),
-                            f.ecc(h, f.ECC_UNCORRECTED, f.ECC_VOLATILE),
-                        ),
-                    )
-                except error as err:
-                    self._read_failed(errors, gpu, "ecc", f.ecc, err)
-            if "pcie" not in skip:
-                try:
-                    pcie = _new(
-                        PcieThroughput,
-                        (f.pcie(h, f.PCIE_TX) * 1024.0, f.pcie(h, f.PCIE_RX) * 1024.0),
-                    )
-                except error as err:
-                    self._read_failed(errors, gpu, "pcie", f.pcie, err)
-            if "nvlink_bytes" not in skip:
-                try:
-                    fields = self._nvlink_fields(gpu, h)
-                    nvlink = self._nvlink(gpu, f.field_values(h, fields) if fields else ())
-                except error as err:
-                    self._read_failed(errors, gpu, "nvlink_bytes", f.field_values, err)
+            try:
+                if "memory" not in skip:
+                    try:
+                        m = f.memory(h)
+                        memory = _new(MemoryInfo, (m.total, m.used, m.free))
+                    except error as err:
+                        self._read_failed(errors, gpu, "memory", f.memory, err)
+                if "utilization" not in skip:
+                    try:
+                        u = f.utilization(h)
+                        utilization = _new(Utilization, (u.gpu / 100.0, u.memory / 100.0))
+                    except error as err:
+                        self._read_failed(errors, gpu, "utilization", f.utilization, err)
+                if "power_watts" not in skip:
+                    try:
+                        power = f.power(h) / 1000.0  # mW
+                    except error as err:
+                        self._read_failed(errors, gpu, "power_watts", f.power, err)
+                if "temperature_celsius" not in skip:
+                    try:
+                        temperature = float(f.temperature(h, f.TEMPERATURE_GPU))
+                    except error as err:
+                        self._read_failed(errors, gpu, "temperature_celsius", f.temperature, err)
+                if "clocks" not in skip:
+                    try:
+                        clocks = _new(Clocks, (f.clock(h, f.CLOCK_SM), f.clock(h, f.CLOCK_MEM)))
+                    except error as err:
+                        self._read_failed(errors, gpu, "clocks", f.clock, err)
+                if "ecc" not in skip:
+                    try:
+                        ecc = _new(
+                            EccCounts,
+                            (
+                                f.ecc(h, f.ECC_CORRECTED, f.ECC_VOLATILE),
+                                f.ecc(h, f.ECC_UNCORRECTED, f.ECC_VOLATILE),
+                            ),
+                        )
+                    except error as err:
+                        self._read_failed(errors, gpu, "ecc", f.ecc, err)
+                if "pcie" not in skip:
+                    try:
+                        pcie = _new(
+                            PcieThroughput,
+                            (f.pcie(h, f.PCIE_TX) * 1024.0, f.pcie(h, f.PCIE_RX) * 1024.0),
+                        )
+                    except error as err:
+                        self._read_failed(errors, gpu, "pcie", f.pcie, err)
+                if "nvlink_bytes" not in skip:
+                    try:
+                        fields = self._nvlink_fields(gpu, h)
+                        nvlink = self._nvlink(gpu, f.field_values(h, fields) if fields else ())
+                    except error as err:
+                        self._read_failed(errors, gpu, "nvlink_bytes", f.field_values, err)
+            except GpuFault:
+                # The GPU needs an operator: what it answers for its numbers is no reading
+                # to trust, so they are not asked. What it holds still is: the processes
+                # that keep a reset from running, and the MIG mode the reset switches.
+                memory = utilization = power = temperature = clocks = ecc = pcie = None
+                nvlink = None
             if "processes" not in skip:
                 try:
                     procs = f.processes(h)
                     if procs:
                         processes = _processes(procs)
                 except error as err:
-                    self._read_failed(errors, gpu, "processes", f.processes, err)
+                    self._read_failed(errors, gpu, "processes", f.processes, err, stop=GpuLost)
             if "mig_mode" not in skip:
                 try:
                     current, pending = f.mig_mode(h)
                     mig_mode = _new(MigMode, (bool(current), bool(pending)))
                 except error as err:
-                    self._read_failed(errors, gpu, "mig_mode", f.mig_mode, err)
+                    self._read_failed(errors, gpu, "mig_mode", f.mig_mode, err, stop=GpuLost)
         except GpuLost:
             return GpuReadings(errors=tuple(errors))
         return _new(
@@ -604,11 +615,14 @@ class NvmlBackend:
         reading: str,
         fn: Callable[..., Any],
         err: BaseException,
+        *,
+        stop: type[BackendError] | tuple[type[BackendError], ...] = READING_FAULTS,
     ) -> None:
-        """Note a failed reading; a lost GPU ends :meth:`gpu_readings` (raises GpuLost)."""
+        """Note a failed reading; an error of ``stop`` (by default the GPU lost or in need
+        of an operator) is raised as well, to end the readings :meth:`gpu_readings` takes."""
         translated = self._translate(err, gpu, fn)
         errors.append((reading, translated))
-        if isinstance(translated, GpuLost):
+        if isinstance(translated, stop):
             raise translated from err
 
     def mig_readings(self, gpu: int, devices: Sequence[MigDeviceIdentity]) -> MigReadings:
@@ -618,7 +632,7 @@ class NvmlBackend:
         :class:`MigReading`. Only a device whose handle cannot be had, or whose index now
         holds another device (its UUID is not the one listed: ``DeviceNotFound``), is in
         ``errors``. A
-        fault of the GPU itself (:data:`gpud.errors.GPU_FAULTS`: lost, hung, in need of an
+        fault of the GPU itself (:data:`gpud.errors.READING_FAULTS`: lost, in need of an
         operator) raises: it is the GPU's, not one device's reading's."""
         parent = self._handle(gpu)
         f = self._fast
@@ -636,7 +650,7 @@ class NvmlBackend:
                 now_uuid = _text(get_uuid(h))
             except error as err:
                 translated = self._translate(err, gpu, get_handle if h is None else get_uuid)
-                if isinstance(translated, GPU_FAULTS):
+                if isinstance(translated, READING_FAULTS):
                     raise translated from err
                 out.append(MigReading(dev, None, (), False))
                 errors.append((dev.mig, translated))
@@ -655,7 +669,7 @@ class NvmlBackend:
                 m = get_memory(h)
             except error as err:
                 translated = self._translate(err, gpu, get_memory)
-                if isinstance(translated, GPU_FAULTS):
+                if isinstance(translated, READING_FAULTS):
                     raise translated from err
                 memory_error = str(translated)
             else:
@@ -664,7 +678,7 @@ class NvmlBackend:
                 procs = get_procs(h)
             except error as err:
                 translated = self._translate(err, gpu, get_procs)
-                if isinstance(translated, GPU_FAULTS):
+                if isinstance(translated, READING_FAULTS):
                     raise translated from err
                 out.append(
                     _new(MigReading, (dev, memory, (), False, str(translated), memory_error))

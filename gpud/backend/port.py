@@ -279,7 +279,10 @@ class GpuBackend(Protocol):
         """Every reading of :data:`READINGS` but those in ``skip``, each failing on its own
         (see :class:`GpuReadings`): the sampler's one call per GPU and tick. A lost GPU ends
         the call: :class:`gpud.errors.GpuLost` is the last of ``errors`` and every reading is
-        empty. Errors of the GPU as a whole (no such index) raise as from the other methods."""
+        empty. A GPU that needs an operator (:class:`gpud.errors.GpuFault`, reset required,
+        ...) in a reading has every numeric reading empty, and its processes and MIG mode
+        read still. Errors of the GPU as a whole (no such index) raise as from the other
+        methods."""
         ...
 
     def mig_readings(self, gpu: int, devices: Sequence[MigDeviceIdentity]) -> MigReadings:
@@ -288,8 +291,8 @@ class GpuBackend(Protocol):
         tick. A device whose reads fail is read as empty (see :class:`MigReading`) with its
         error in ``errors``, and so is one whose index now holds another device (the driver
         numbers MIG devices among those that exist: one created or destroyed since
-        ``devices`` were listed moves the others), never with that other's readings; a GPU that is lost, hung or needs an operator raises (one of
-        :data:`gpud.errors.GPU_FAULTS`)."""
+        ``devices`` were listed moves the others), never with that other's readings; a GPU that is lost or needs an operator raises (one of
+        :data:`gpud.errors.READING_FAULTS`)."""
         ...
 
     # MIG

@@ -205,7 +205,10 @@ class MigManager:
         self._partial: dict[str, tuple[ProfileTable, float]] = {}
         self._view: list[GpuView] | None = None
         self._view_at = float("-inf")
-        self._view_faulty: frozenset[int] = frozenset()  # GPUs faulty when it was read
+        # GPUs whose view entry is the fault telemetry found, and when each answering again
+        # was last read on its own (see _refresh_view)
+        self._view_faulty: set[int] = set()
+        self._reread_at: dict[int, float] = {}
         self._outcomes: list[GpuOutcome] = []
         self.stats = ApplyStats()
         # driver changes made by this process (read from other threads: start-up tells
@@ -996,6 +999,9 @@ class MigManager:
     # Bounds the view's driver reads, so that a GPU that hangs before telemetry notices it
     # cannot hold the reconcile step (and the watchdog behind it) for long.
     VIEW_TIMEOUT_S = 2.0
+    # How often a GPU that answers again after telemetry found it faulty is read again on its
+    # own between refreshes: a GPU whose health flaps costs no more than this.
+    VIEW_REREAD_S = 5.0
     # How often a read waiting for a GPU (_bounded) looks whether telemetry found it hung: a
     # small part of a telemetry tick (1 s by default), the snapshot read costs microseconds.
     FAULT_POLL_S = 0.05
@@ -1143,22 +1149,7 @@ class MigManager:
                     # its duration is this start's part of it
                     self.stats.record("resumed", self._monotonic() - began)
             self._outcomes = outcomes
-            now = self._monotonic()
-            # a GPU found faulty (or answering again) since the view was read is read again
-            # at once: its MIG series, read before, are no state of it now
-            faulty = frozenset(self._faulty_now())
-            if (
-                self._view is None
-                or now - self._view_at >= self.VIEW_REFRESH_S
-                or faulty != self._view_faulty
-            ):
-                self._view_faulty = faulty
-                try:
-                    self._view = self.show(timeout_s=self.VIEW_TIMEOUT_S)
-                    self._view_at = now
-                except GpudError as err:
-                    log.warning("cannot read MIG instances: %s", err)
-                    self._view_at = now  # retried at the next refresh, not every tick
+            self._refresh_view(self._monotonic())
             return outcomes
 
     def unfinished(self) -> str | None:
@@ -1323,6 +1314,18 @@ class MigManager:
         returns."""
         ids, faults = self._gpus()
         desired = self._store.desired()
+        healthy = [g for g in ids if g.index not in faults]
+        views = {
+            i: faulty_view(ids[i], desired.get(ids[i].uuid), reason) for i, reason in faults.items()
+        }
+        wait_s = self._read_timeout_s if timeout_s is None else timeout_s
+        views.update(self._read_views(healthy, desired, wait_s))
+        return [views[i] for i in sorted(views)]
+
+    def _read_views(
+        self, gpus: list[GpuIdentity], desired: Mapping[str, DesiredRecord], wait_s: float
+    ) -> Iterator[tuple[int, GpuView]]:
+        """:meth:`show`'s reads of ``gpus``, each GPU's view by its index."""
 
         def read(gpu: GpuIdentity) -> GpuView:
             try:
@@ -1332,13 +1335,48 @@ class MigManager:
             except BackendError as err:
                 return faulty_view(gpu, desired.get(gpu.uuid), _fault_reason(err))
 
-        healthy = [g for g in ids if g.index not in faults]
-        views = {
-            i: faulty_view(ids[i], desired.get(ids[i].uuid), reason) for i, reason in faults.items()
-        }
-        wait_s = self._read_timeout_s if timeout_s is None else timeout_s
-        views.update(self._read_bounded(healthy, read, wait_s, desired))
-        return [views[i] for i in sorted(views)]
+        return self._read_bounded(gpus, read, wait_s, desired)
+
+    def _refresh_view(self, now: float) -> None:
+        """Keep :meth:`latest_view` the driver's state without a full :meth:`show` per
+        reconcile: every ``VIEW_REFRESH_S`` every GPU is read again. Between, a GPU
+        telemetry finds faulty gets its fault in place of what was read (no driver call: its
+        instances and reset state, read before, are no state of it now), and one answering
+        again is read again, alone, at most every ``VIEW_REREAD_S`` (a GPU whose health
+        flaps would have every GPU read, dozens of driver calls each, at every reconcile)."""
+        faulty = self._faulty_now()
+        if self._view is None or now - self._view_at >= self.VIEW_REFRESH_S:
+            self._view_faulty = set(faulty)
+            try:
+                self._view = self.show(timeout_s=self.VIEW_TIMEOUT_S)
+                self._view_at = now
+            except GpudError as err:
+                log.warning("cannot read MIG instances: %s", err)
+                self._view_at = now  # retried at the next refresh, not every tick
+            return
+        views = {v.identity.index: v for v in self._view}
+        for i, reason in faulty.items():
+            v = views.get(i)
+            if v is not None and (i not in self._view_faulty or v.fault != reason):
+                views[i] = faulty_view(v.identity, v.desired, reason)
+                self._view_faulty.add(i)
+        due = [
+            views[i].identity
+            for i in sorted(self._view_faulty - set(faulty))
+            if i in views and now - self._reread_at.get(i, float("-inf")) >= self.VIEW_REREAD_S
+        ]
+        if due:
+            for gpu in due:
+                self._reread_at[gpu.index] = now
+            try:
+                desired = self._store.desired()
+                for i, view in self._read_views(due, desired, self.VIEW_TIMEOUT_S):
+                    views[i] = view
+                    if not view.fault:
+                        self._view_faulty.discard(i)
+            except GpudError as err:
+                log.warning("cannot read MIG instances: %s", err)
+        self._view = [views[i] for i in sorted(views)]
 
     def _plan_bounded(
         self, gpus: list[GpuIdentity], layouts: Mapping[int, DeviceLayout]

@@ -21,11 +21,12 @@ A faulty GPU (lost, not answering: ``gpud_gpu_healthy`` 0 says why) has no
 so it is unknown, not 0, and not the last value read either (a reset or a reboot may have
 changed it meanwhile). Its health alert pages, not ``MigLayoutDiffers`` as well.
 
-Instance data comes from the view the manager refreshes on reconcile after a change, when a
-GPU turns faulty or answers again (so a GPU just lost or hung drops its series at the next
-reconcile, not up to ``VIEW_REFRESH_S`` later), and at least every
-``MigManager.VIEW_REFRESH_S`` (the driver is not called at scrape time once the
-daemon ticks); live per-device memory is also in the telemetry's ``gpud_mig_device_*``.
+Instance data comes from the view the manager refreshes on reconcile after a change and at
+least every ``MigManager.VIEW_REFRESH_S`` (the driver is not called at scrape time once the
+daemon ticks). Between, a GPU turning faulty drops its series at the next reconcile with no
+driver call, and one answering again is read again on its own, at most every
+``MigManager.VIEW_REREAD_S``. Live per-device memory is also in the telemetry's
+``gpud_mig_device_*``.
 """
 
 from __future__ import annotations

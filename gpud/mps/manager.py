@@ -227,9 +227,10 @@ def targets_from_snapshot(
     snapshot: Snapshot, previous: Iterable[MpsTarget] = ()
 ) -> list[MpsTarget]:
     """One target per GPU, or per MIG device of a GPU whose MIG mode is on. A GPU that
-    could not be read (lost, hung) keeps its ``previous`` targets: its sample says nothing
-    of its MIG mode or devices, and taking it for a GPU without MIG would stop its MIG
-    devices' daemons and start one on the faulty GPU."""
+    could not be read (lost, hung, or in MIG mode with its MIG devices unread: one that needs
+    a reset) keeps its ``previous`` targets: its sample says nothing of its MIG devices, and
+    taking it for a GPU without them would stop their daemons and start one on the faulty
+    GPU."""
     before: dict[int, list[MpsTarget]] = {}
     for t in previous:
         before.setdefault(t.gpu, []).append(t)
@@ -242,7 +243,10 @@ def targets_from_snapshot(
             for t in before.get(ident.index, ())
             if not ident.uuid or ident.uuid in (t.uuid, t.gpu_uuid)
         ]
-        if not gpu.healthy and gpu.mig_mode is None and kept:
+        # an unhealthy GPU in MIG mode listing no MIG devices had them left unread (one that
+        # needs a reset still says its MIG mode)
+        unread = gpu.mig_mode is None or (gpu.mig_mode.current and not gpu.mig_devices)
+        if not gpu.healthy and unread and kept:
             targets += kept
         elif gpu.mig_mode is not None and gpu.mig_mode.current:
             for mig in gpu.mig_devices:

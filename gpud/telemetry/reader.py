@@ -14,19 +14,24 @@ Error policy, per reading:
 - ``NoPermission`` (a reading only root may take, NVML_ERROR_NO_PERMISSION): as NotSupported,
   and said once in the log; the GPU stays healthy.
 - ``GpuLost``: stop reading this GPU for this tick; the sample is unhealthy.
-- ``GpuFault`` (reset required, interrupt issue, insufficient power, corrupted infoROM) or
-  ``DriverTimeout``: as ``GpuLost``, with the reason led by what the GPU needs ("reset
-  required (memory): ..."): the sample has none of the tick's readings, and its
-  ``sampled_at`` stays that of the last good read, so ``gpud_gpu_sample_age_seconds`` grows.
+- ``GpuFault`` (reset required, interrupt issue, insufficient power, corrupted infoROM): as
+  ``GpuLost``, with the reason led by what the GPU needs ("reset required (memory): ..."):
+  the sample has none of the tick's numeric readings, and its ``sampled_at`` stays that of
+  the last good read, so ``gpud_gpu_sample_age_seconds`` grows. It keeps the process list
+  and the MIG mode the driver still answers: they are what the operator's reset needs
+  (``nvidia-smi --gpu-reset`` refuses while processes hold the GPU; the pending MIG mode is
+  what the reset switches), not readings that age. Its MIG devices are not read.
+- ``DriverTimeout`` (NVML_ERROR_TIMEOUT, a call given a timeout that passed): that reading's
+  error alone, as any other below. A GPU hung in a call is found by the call not returning.
 - any other ``BackendError``: that field is ``None``, the rest is still read, the sample is
   unhealthy with the first failing reading as the reason.
 - a MIG device whose process list fails (NotSupported or not) keeps its memory reading; its
   ``processes_read`` is False with the error, and the GPU's health is that of its other reads.
-- a MIG device read that fails with a fault of the GPU itself (``GPU_FAULTS``: a MIG device
-  answering "reset required", say, or hung) is the GPU's, as ``GpuLost``: the sample is
-  unhealthy with that reason, and has no MIG mode nor MIG devices. It says nothing of them
-  (an empty list would read as every MIG device gone, and MPS would stop their daemons);
-  the last known ones stay where they are kept (the MPS targets).
+- a MIG device read that fails with a fault of the GPU itself (``READING_FAULTS``: a MIG
+  device answering "reset required", say) is the GPU's, as above: the sample is unhealthy
+  with that reason, with no MIG devices (a GPU lost has no MIG mode either). It says
+  nothing of them: an unhealthy GPU in MIG mode listing none had them left unread, and
+  the last known ones stay where they are kept (the MPS targets), not taken for gone.
 """
 
 from __future__ import annotations
@@ -34,9 +39,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from gpud.backend.port import GpuBackend, GpuIdentity, MigDeviceIdentity, unknown_identity
+from gpud.backend.port import (
+    GpuBackend,
+    GpuIdentity,
+    GpuReadings,
+    MigDeviceIdentity,
+    unknown_identity,
+)
 from gpud.errors import (
-    GPU_FAULTS,
+    READING_FAULTS,
     BackendError,
     GpuFault,
     GpuLost,
@@ -176,11 +187,12 @@ class GpuReader:
                     if name not in self._refused:
                         self._refused.add(name)
                         log.warning("GPU %d: %s not read: %s", gpu, name, error)
-                elif isinstance(error, GPU_FAULTS):
-                    # The GPU's own fault, not one reading's: what else it answered this
-                    # tick is no reading to trust (the driver may hand back what it last
-                    # had), and the sample keeps the time of the last good one, as when lost
-                    return self._failed(identity, _reason(name, error))
+                elif isinstance(error, READING_FAULTS):
+                    # The GPU's own fault, not one reading's: the numbers it answered this
+                    # tick are no reading to trust (the driver may hand back what it last
+                    # had), and the sample keeps the time of the last good one, as when
+                    # lost. What it holds (processes, MIG mode) is what its reset needs.
+                    return self._faulted(identity, name, error, r, processes_read)
                 else:
                     reason = reason or _reason(name, error)
 
@@ -196,8 +208,8 @@ class GpuReader:
             if mig_mode.current:
                 try:
                     mig_samples = self._read_mig(gpu, now)
-                except GPU_FAULTS as err:
-                    return self._failed(identity, _reason("mig_devices", err))
+                except READING_FAULTS as err:
+                    return self._faulted(identity, "mig_devices", err, r, processes_read)
                 except BackendError as err:
                     reason = reason or _reason("mig_devices", err)
 
@@ -243,6 +255,29 @@ class GpuReader:
         devices = self._mig = tuple(self._backend.mig_devices(gpu))
         self._mig_read_at = now
         return devices
+
+    def _faulted(
+        self,
+        identity: GpuIdentity,
+        name: str,
+        error: BackendError,
+        r: GpuReadings,
+        processes_read: bool,
+    ) -> GpuSample:
+        """:meth:`_failed` for a GPU whose reading ``name`` answered a fault of the GPU: a
+        lost GPU answered nothing; one that needs an operator keeps its process list and
+        MIG mode as ``r`` read them."""
+        failed = self._failed(identity, _reason(name, error))
+        if isinstance(error, GpuLost) or any(isinstance(e, GpuLost) for _, e in r.errors):
+            return failed
+        listed = next((str(e) for n, e in r.errors if n == "processes"), None)
+        read = processes_read and listed is None
+        return failed._replace(
+            processes=r.processes if read else (),
+            processes_read=read,
+            processes_error="" if read else listed or self._processes_error,
+            mig_mode=r.mig_mode,
+        )
 
     def _failed(self, identity: GpuIdentity, reason: str) -> GpuSample:
         # Re-read the MIG list once the GPU answers again: it may have been reset.

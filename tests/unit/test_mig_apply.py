@@ -538,6 +538,61 @@ def test_a_gpu_found_faulty_drops_its_mig_series_at_the_next_reconcile(
     assert gpus_of("gpud_mig_instance_info") == gpus_of("gpud_mig_reset_pending") == {"0", "1"}
 
 
+class _CountsViewReads:
+    """A backend that counts, per GPU, the MIG devices' process lists read (``mig show``'s
+    reads: a reconcile's plans read none)."""
+
+    def __init__(self, backend: NvmlBackend) -> None:
+        self._backend = backend
+        self.reads: dict[int, int] = {}
+
+    def processes(self, gpu: int, mig: int | None = None) -> Any:
+        self.reads[gpu] = self.reads.get(gpu, 0) + 1
+        return self._backend.processes(gpu, mig)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+def test_a_gpu_whose_health_flaps_has_only_itself_read_again_and_not_at_every_reconcile(
+    host: Host, config: MigConfigFile
+) -> None:
+    """A GPU turning faulty takes its fault in the MIG view with no driver call; one
+    answering again is read alone, and at most every VIEW_REREAD_S: a flapping GPU does not
+    have every GPU read at every reconcile."""
+    counting: list[_CountsViewReads] = []
+
+    def wrap(backend: NvmlBackend) -> _CountsViewReads:
+        counting.append(_CountsViewReads(backend))
+        return counting[-1]
+
+    host.wrap = wrap
+    d = enable(host, config, "all-balanced")
+    reads = counting[0].reads
+    d.mig.reconcile()
+    reads.clear()
+    d.mig.show()
+    one_gpu = reads[1]
+    assert one_gpu > 0 and reads[0] == one_gpu
+    reads.clear()
+    for flap in range(10):
+        if flap % 2 == 0:
+            host.faults[1] = "power_watts failed: Unknown Error"
+        else:
+            host.faults.clear()
+        d.mig.reconcile()
+    assert reads.get(0, 0) == 0
+    assert reads.get(1, 0) == one_gpu  # read once, when it first answered again
+    # answering since, not read again yet: its fault stays shown, not instances read before
+    assert [v.fault for v in d.mig.latest_view()] == ["", "power_watts failed: Unknown Error"]
+    d.sleep(MigManager.VIEW_REREAD_S)
+    d.mig.reconcile()
+    assert reads.get(0, 0) == 0
+    assert reads[1] == 2 * one_gpu
+    assert [v.fault for v in d.mig.latest_view()] == ["", ""]
+    assert len(d.mig.latest_view()[1].instances) > 0
+
+
 def _mutations(
     host_dir: Path, spec: list[tuple[str, int]], config: MigConfigFile, start: str | None
 ) -> int:

@@ -118,6 +118,20 @@ def test_targets_are_gpus_or_their_mig_devices() -> None:
     ]
 
 
+def test_a_gpu_that_needs_a_reset_keeps_its_mig_devices_it_says_its_mig_mode_beside() -> None:
+    """A GPU that needs a reset still says its MIG mode, but its MIG devices are not read:
+    they stay the devices known, not all taken for gone (which would stop their daemons)."""
+    before = targets_from_snapshot(MIG_NODE)
+    unread = MIG_NODE.gpus[0]._replace(healthy=False, reason="reset required", mig_devices=())
+    targets = targets_from_snapshot(snapshot(unread, MIG_NODE.gpus[1]), before)
+    assert [(t.uuid, t.gpu_unhealthy) for t in targets] == [
+        (mig_uuid(0, 0), "reset required"),
+        (mig_uuid(0, 1), "reset required"),
+        (mig_uuid(0, 2), "reset required"),
+        (gpu_uuid(1), ""),
+    ]
+
+
 def test_a_device_on_an_unhealthy_gpu_says_so(manager: MpsManager) -> None:
     """``gpuctl mps show``: a daemon can answer while the GPU under it has an XID."""
     sick = MIG_NODE.gpus[0]._replace(healthy=False, reason="XID 79")

@@ -760,6 +760,46 @@ def _refusing(code: int, calls: list[str], gpus: list[int] | None = None) -> Nvm
     return NvmlBackend(Refusing(node.nvml, code, calls, gpus), uid=1000)
 
 
+_NUMERIC_CALLS = [
+    "nvmlDeviceGetMemoryInfo",
+    "nvmlDeviceGetUtilizationRates",
+    "nvmlDeviceGetPowerUsage",
+    "nvmlDeviceGetTemperature",
+    "nvmlDeviceGetClockInfo",
+    "nvmlDeviceGetTotalEccErrors",
+    "nvmlDeviceGetPcieThroughput",
+    "nvmlDeviceGetFieldValues",
+]
+
+
+def test_a_gpu_that_needs_a_reset_is_asked_no_more_numbers_but_its_processes_and_mig_mode() -> None:
+    """RESET_REQUIRED on the first reading ends the numeric ones (each would answer the
+    same, and be dropped); the processes that keep ``nvidia-smi --gpu-reset`` from running
+    and the MIG mode the reset switches are still asked."""
+    node = SimNode([("H100-SXM5-80GB", 2)], clock=FakeClock())
+    refusing = Refusing(node.nvml, fakenvml.NVML_ERROR_RESET_REQUIRED, _NUMERIC_CALLS, [1])
+    be = NvmlBackend(refusing, uid=1000)
+    node.workloads.start(1, 4242, 2 * GiB, 0.5)
+    # a process holds the GPU: Hopper keeps the change pending until the reset
+    assert be.set_mig_mode(1, True) == port.MigMode(current=False, pending=True)
+    r = be.gpu_readings(1)
+    assert [(name, type(err)) for name, err in r.errors] == [("memory", GpuFault)]
+    assert r.processes == (port.ProcessInfo(4242, 2 * GiB, None, None),)
+    assert r.mig_mode == port.MigMode(current=False, pending=True)
+    assert r._replace(processes=(), mig_mode=None) == port.GpuReadings(errors=r.errors)
+    assert be.gpu_readings(0).errors == ()
+
+
+def test_a_reading_that_answers_the_driver_timeout_is_that_readings_error_alone() -> None:
+    """NVML_ERROR_TIMEOUT belongs to calls given a timeout: on a reading, the GPU is not
+    taken for faulty, and the other readings are read."""
+    be = _refusing(fakenvml.NVML_ERROR_TIMEOUT, ["nvmlDeviceGetPowerUsage"], [1])
+    r = be.gpu_readings(1)
+    assert [(name, type(err)) for name, err in r.errors] == [("power_watts", DriverTimeout)]
+    assert r.memory is not None and r.temperature_celsius is not None
+    assert r.mig_mode is not None
+
+
 def test_no_permission_at_init_names_the_control_node_gpuds_uid_and_the_remedy() -> None:
     with pytest.raises(NoPermission) as err:
         _refusing(fakenvml.NVML_ERROR_NO_PERMISSION, ["nvmlInit"])

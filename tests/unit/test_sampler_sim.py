@@ -210,8 +210,6 @@ _GPU_READINGS = (
     "gpud_gpu_power_watts",
     "gpud_gpu_temperature_celsius",
     "gpud_gpu_sm_clock_hertz",
-    "gpud_gpu_processes",
-    "gpud_gpu_mig_mode_enabled",
 )
 
 
@@ -234,6 +232,9 @@ def test_a_gpu_that_requires_a_reset_ages_from_its_last_good_reading() -> None:
         total = snap.gpus[1].identity.memory_total_bytes
         assert node.value("gpud_gpu_memory_total_bytes", 1) == total
         assert [n for n in _GPU_READINGS if node.value(n, 1) is not None] == []
+        # the simulated driver refuses every query but identity's
+        assert node.value("gpud_gpu_processes", 1) is None
+        assert node.value("gpud_gpu_mig_mode_enabled", 1) is None
         node.sim.faults.clear(1)
         clock.now += 1.0
         assert node.sampler.tick().gpus[1].healthy
@@ -272,6 +273,68 @@ def test_what_a_gpu_answers_beside_reset_required_is_not_exported_as_fresh() -> 
         assert node.value("gpud_gpu_sample_age_seconds", 2) == 45.0
         assert [n for n in _GPU_READINGS if node.value(n, 2) is not None] == []
         assert all(snap.gpus[i].healthy for i in (0, 1, 3))
+    finally:
+        node.sampler.close()
+        node.backend.close()
+
+
+def test_a_gpu_that_needs_a_reset_keeps_what_holds_it_and_the_mig_mode_the_reset_switches() -> None:
+    """The processes (``nvidia-smi --gpu-reset`` refuses while they hold the GPU) and the
+    MIG mode, pending one included, are facts the driver still answers, not aging numbers:
+    kept for the operator, while the numbers are dropped and the sample ages."""
+    clock = SteppedClock()
+    refusing: list[Refusing] = []
+
+    def wrap(nv: FakeNvml) -> Refusing:
+        refusing.append(Refusing(nv, 0, ["nvmlDeviceGetPowerUsage"], [1]))
+        return refusing[0]
+
+    node = Node(wrap, clock=clock)
+    try:
+        node.sim.workloads.start(1, 4242, 2 * GIB, 0.5)
+        # a process holds the GPU: Hopper keeps the change pending until the reset
+        node.backend.set_mig_mode(1, True)
+        node.sampler.tick()
+        good_at = clock.now
+        refusing[0].code = fakenvml.NVML_ERROR_RESET_REQUIRED
+        clock.now += 30.0
+        snap = node.sampler.tick()
+        g1 = snap.gpus[1]
+        assert not g1.healthy and g1.reason.startswith("reset required (power_watts): ")
+        assert (g1.memory, g1.power_watts, g1.sampled_at) == (None, None, good_at)
+        assert [p.pid for p in g1.processes] == [4242] and g1.processes_read
+        assert g1.mig_mode is not None
+        assert (g1.mig_mode.current, g1.mig_mode.pending) == (False, True)
+        assert node.value("gpud_gpu_sample_age_seconds", 1) == 30.0
+        assert [n for n in _GPU_READINGS if node.value(n, 1) is not None] == []
+        assert node.value("gpud_gpu_processes", 1) == 1
+        assert node.value("gpud_gpu_mig_mode_enabled", 1) == 0
+        msg = convert.gpu(g1, now_monotonic=clock.now)
+        assert (msg.mig_mode.current, msg.mig_mode.pending) == (False, True)
+        assert [p.pid for p in msg.processes] == [4242]
+    finally:
+        node.sampler.close()
+        node.backend.close()
+
+
+def test_a_reading_that_answers_the_driver_timeout_leaves_the_gpu_read() -> None:
+    """NVML_ERROR_TIMEOUT belongs to calls given a timeout: on one reading it is that
+    reading's error, the GPU's other readings are fresh, not the sample of a faulty GPU."""
+    clock = SteppedClock()
+    refusing: list[Refusing] = []
+
+    def wrap(nv: FakeNvml) -> Refusing:
+        refusing.append(Refusing(nv, fakenvml.NVML_ERROR_TIMEOUT, ["nvmlDeviceGetPowerUsage"], [1]))
+        return refusing[0]
+
+    node = Node(wrap, clock=clock)
+    try:
+        node.sampler.tick()
+        clock.now += 5.0
+        g1 = node.sampler.tick().gpus[1]
+        assert not g1.healthy and g1.reason.startswith("power_watts failed: ")
+        assert g1.memory is not None and g1.power_watts is None
+        assert g1.sampled_at == clock.now
     finally:
         node.sampler.close()
         node.backend.close()
