@@ -101,6 +101,33 @@ def held(mgr: MpsManager, uuid: str) -> dict[str, object]:
     return data
 
 
+class Stepped:
+    """A manager's clock: ``time.monotonic`` moved ``ahead`` seconds on. A check sets its
+    device's next one from it as it begins (``health_interval_s`` 0: to its reading), so a
+    check that began after ``ahead`` was raised is told from earlier ones."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.ahead
+
+
+def held_elsewhere(mgr: MpsManager, uuid: str) -> bool:
+    """Whether another thread holds ``uuid``'s device lock (a pass working on it)."""
+    io = mgr._devices[uuid].io
+    if io.acquire(blocking=False):
+        io.release()
+        return False
+    return True
+
+
+def checked_since(mgr: MpsManager, uuid: str, since: float) -> bool:
+    """Whether a check of ``uuid`` that began at ``since`` or later (the manager's
+    :class:`Stepped` clock) has ended: a device a pass has not reached yet is free too."""
+    return mgr._devices[uuid].next_check_at >= since and not held_elsewhere(mgr, uuid)
+
+
 def wait_dead(pid: int) -> None:
     deadline = time.monotonic() + 5
     while alive(pid) and time.monotonic() < deadline:
@@ -898,26 +925,38 @@ def test_limits_follow_a_mig_device_to_its_new_uuid_by_place_and_profile(root: P
 
 
 def test_a_hung_daemon_blocks_neither_status_nor_other_devices(root: Path) -> None:
-    mgr, store, _ = make_manager(root, timeout_s=3.0)
+    # the hung query waits a minute: status and GPU 1's limits are done while it is pending
+    clock = Stepped()
+    mgr, store, _ = make_manager(root, timeout_s=60.0, request_timeout_s=10.0, clock=clock)
+    pid = None
+    passing: threading.Thread | None = None
     try:
         mgr.reconcile(NODE)
         pid = mgr.status()[0].pid
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)
-        passing = threading.Thread(target=mgr.reconcile)  # waits the 3 s on GPU 0's daemon
+        clock.ahead = since = 1e6
+        passing = threading.Thread(target=mgr.reconcile)
         passing.start()
-        try:
-            time.sleep(0.5)
-            started = time.monotonic()
-            assert len(mgr.status()) == 2
-            mgr.set_limits("1", threads_percent=40)
-            assert time.monotonic() - started < 2.0
-            assert held(mgr, gpu_uuid(1))["default_active_thread_percentage"] == 40.0
-        finally:
-            passing.join()
+        # the pass is in its query to GPU 0, and its check of GPU 1 is over (GPU 1's limits,
+        # set while that check runs, would wait for it)
+        until(
+            lambda: held_elsewhere(mgr, gpu_uuid(0)) and checked_since(mgr, gpu_uuid(1), since),
+            "the pass held on GPU 0 alone",
+        )
+        assert len(mgr.status()) == 2
+        mgr.set_limits("1", threads_percent=40)
+        assert held(mgr, gpu_uuid(1))["default_active_thread_percentage"] == 40.0
+        assert held_elsewhere(mgr, gpu_uuid(0))  # neither waited for GPU 0's query
+        os.kill(pid, signal.SIGKILL)  # the query to it fails: the pass ends
+        passing.join()
         assert not mgr.status()[0].up and mgr.status()[1].up
     finally:
-        os.kill(pid, signal.SIGCONT)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if passing is not None:
+            passing.join()
         mgr.stop()
         store.close()
 
@@ -1022,21 +1061,30 @@ def test_limits_set_on_a_daemon_that_has_just_hung_return_at_once_naming_it(root
     """The daemon hangs after its last good check: ``gpuctl mps set`` waits on it
     ``request_timeout_s``, not its query timeout (past gpuctl's own 10 s deadline), whether a
     health check of it is under way or not, and the answer says it does not answer."""
-    mgr, store, events = make_manager(root, timeout_s=30.0, request_timeout_s=0.5)
+    clock = Stepped()
+    # a request's wait is short beside the query timeout, yet long enough that a daemon that
+    # answers answers within it on a loaded machine (each command is a python client)
+    mgr, store, events = make_manager(root, timeout_s=30.0, request_timeout_s=3.0, clock=clock)
     pid = None
     try:
         mgr.reconcile(NODE)
         pid = mgr.status()[0].pid
         assert pid is not None and mgr.status()[0].up
         os.kill(pid, signal.SIGSTOP)
+        clock.ahead = since = 1e6
         passing = threading.Thread(target=mgr.reconcile)  # its check waits on GPU 0 (30 s)
         passing.start()
         try:
-            time.sleep(0.3)
-            started = time.monotonic()
+            # the pass is in its query to GPU 0, and its check of GPU 1 is over (GPU 1's limits,
+            # set while that check runs, would wait for it)
+            until(
+                lambda: held_elsewhere(mgr, gpu_uuid(0)) and checked_since(mgr, gpu_uuid(1), since),
+                "the pass held on GPU 0 alone",
+            )
             status = mgr.set_limits("0", threads_percent=45)
-            assert time.monotonic() - started < 5.0
-            assert not status.up and "GPU 0 is still busy" in status.last_error
+            assert not status.up
+            assert "GPU 0 is still busy with a command after 3 s" in status.last_error
+            assert held_elsewhere(mgr, gpu_uuid(0))  # the check's query has not returned
             mgr.set_limits("1", threads_percent=50)  # GPU 1 answers: applied at once
             assert held(mgr, gpu_uuid(1))["default_active_thread_percentage"] == 50.0
         finally:
@@ -1048,11 +1096,9 @@ def test_limits_set_on_a_daemon_that_has_just_hung_return_at_once_naming_it(root
         assert not events.recent(kind_prefix="mps.drift")  # the change itself, not drift
 
         os.kill(pid, signal.SIGSTOP)  # no check under way: the change's own check times out
-        started = time.monotonic()
         status = mgr.set_limits("0", threads_percent=40)
-        assert time.monotonic() - started < 5.0  # not the daemon's 30 s
         assert status.desired.threads_percent == 40 and not status.up
-        assert "did not answer within 0.5s" in status.last_error
+        assert "did not answer within 3s" in status.last_error  # not the daemon's 30 s
         hung = events.recent(kind_prefix="mps.hung")
         assert [e.fields["gpu"] for e in hung] == [0] and "GPU 0" in hung[0].message
     finally:
@@ -1921,55 +1967,47 @@ def test_a_daemon_stuck_again_after_it_went_is_said_again(root: Path) -> None:
         store.close()
 
 
-def _held_elsewhere(mgr: MpsManager, uuid: str) -> bool:
-    """Whether another thread holds ``uuid``'s device lock (a pass working on it)."""
-    io = mgr._devices[uuid].io
-    if io.acquire(blocking=False):
-        io.release()
-        return False
-    return True
-
-
 def test_destroying_mig_devices_waits_on_a_busy_daemon_seconds_at_most(root: Path) -> None:
     """A daemon a pass is still talking to (hung: a query waits its timeout) holds a MIG
     apply's stops no longer than ``request_timeout_s``: it is named busy, and the others are
     stopped meanwhile, not after it."""
-    # the margins are wide (a busy machine): the pass waits 8 s on the hung daemon, the
-    # release must be done well before that
-    mgr, store, events = make_manager(root, timeout_s=8.0, request_timeout_s=0.3)
+    # the hung query waits a minute, far past the release's 0.3 s: the release is over
+    # while the pass still holds 0:0, and SIGCONT ends that query once it is
+    clock = Stepped()
+    mgr, store, events = make_manager(root, timeout_s=60.0, request_timeout_s=0.3, clock=clock)
     pid = None
+    passing: threading.Thread | None = None
     try:
         mgr.reconcile(MIG_NODE)
         pids = {s.target.uuid: s.pid for s in mgr.status()}
         pid = pids[mig_uuid(0, 0)]
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)
-        passing = threading.Thread(target=mgr.reconcile)  # waits 8 s on 0:0's daemon
+        clock.ahead = since = 1e6
+        passing = threading.Thread(target=mgr.reconcile)
         passing.start()
-        try:
-            # the pass is in its query to 0:0's daemon once it holds that device and is
-            # done with 0:2's (a fixed sleep was too short on a loaded machine)
-            until(
-                lambda: (
-                    _held_elsewhere(mgr, mig_uuid(0, 0))
-                    and not _held_elsewhere(mgr, mig_uuid(0, 2))
-                ),
-                "the pass held on 0:0 alone",
-                6.0,
+        # the pass holds 0:0 in its query, and has checked 0:2 and let it go: 0:2 is free
+        # before the pass reaches it too, and then the pass takes it while the release waits
+        until(
+            lambda: (
+                held_elsewhere(mgr, mig_uuid(0, 0)) and checked_since(mgr, mig_uuid(0, 2), since)
+            ),
+            "the pass held on 0:0 alone",
+        )
+        with mgr.released([mig_uuid(0, 0), mig_uuid(0, 2)]) as left:
+            assert list(left) == [mig_uuid(0, 0)]
+            assert (
+                "busy: another command to it has not returned within 0.3 s" in left[mig_uuid(0, 0)]
             )
-            started = time.monotonic()
-            with mgr.released([mig_uuid(0, 0), mig_uuid(0, 2)]) as left:
-                took = time.monotonic() - started
-                assert list(left) == [mig_uuid(0, 0)]
-                assert "busy: another command to it has not returned" in left[mig_uuid(0, 0)]
-            assert took < 4.0
-            stopped = [e.fields["uuid"] for e in events.recent(kind_prefix="mps.stop")]
-            assert stopped == [mig_uuid(0, 2)]
-        finally:
-            passing.join()
+            # the release did not wait for the pass's query to 0:0: it has not returned
+            assert held_elsewhere(mgr, mig_uuid(0, 0))
+        stopped = [e.fields["uuid"] for e in events.recent(kind_prefix="mps.stop")]
+        assert stopped == [mig_uuid(0, 2)]
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGCONT)
+        if passing is not None:
+            passing.join()
         mgr.stop()
         store.close()
 
