@@ -1367,11 +1367,12 @@ class MpsManager:
         try:
             threads, memory, servers = self._read(dev, timeout_s)
             if desired is not None and desired.memory_bytes is None and memory is not None:
+                # it answered: whatever waits below, its failures are no longer consecutive
+                self._answered(target, dev)
                 # MPS has no command that removes a memory limit: only a new daemon forgets
                 # it, and only once no server (and so no client) depends on this one.
                 if servers:
                     dev.last_error = "memory limit removal waits for MPS servers to exit"
-                    dev.up = True
                     return
                 pid = dev.daemon.pid()
                 if (
@@ -1428,6 +1429,18 @@ class MpsManager:
                 self._kill(dev, "it is restarted once it has gone")
                 dev.failures = 0
             return
+        self._answered(target, dev)
+        if desired is None:
+            dev.last_error = _LIMITS_WAIT
+            return
+        # Limits set while this check ran are not yet applied: the next check applies them.
+        if self.limits(target.uuid) == desired:
+            dev.requested = False
+        dev.last_error = ""
+
+    def _answered(self, target: MpsTarget, dev: _Device) -> None:
+        """The daemon answered its health check: up, its failed checks no longer in a row
+        (``mps.recovered`` after any)."""
         if dev.failures:
             self._events.emit(
                 "mps.recovered",
@@ -1437,13 +1450,6 @@ class MpsManager:
             )
         dev.failures = 0
         dev.up = True
-        if desired is None:
-            dev.last_error = _LIMITS_WAIT
-            return
-        # Limits set while this check ran are not yet applied: the next check applies them.
-        if self.limits(target.uuid) == desired:
-            dev.requested = False
-        dev.last_error = ""
 
     def _read(
         self, dev: _Device, timeout_s: float | None = None

@@ -488,6 +488,42 @@ def test_clearing_the_memory_limit_restarts_an_idle_daemon(manager: MpsManager) 
     assert status.observed_memory_bytes is None and status.up and status.restarts == 0
 
 
+def test_a_daemon_answering_again_while_its_memory_limit_waits_is_recovered(
+    root: Path,
+) -> None:
+    """A daemon whose memory limit waits to be removed (its servers still run) that did
+    not answer once and answers again: said recovered, its failed check no longer counted,
+    so two later hangs in a row (under max_failures 3) kill no daemon serving jobs."""
+    mgr, store, events = make_manager(root, timeout_s=0.5, max_failures=3)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        mgr.set_limits("0", memory_bytes=GIB)
+        mgr.start_server("0", os.getuid())
+        pid = mgr.status()[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        mgr.reconcile()
+        assert [e.kind for e in events.recent(kind_prefix="mps.hung")] == ["mps.hung"]
+        os.kill(pid, signal.SIGCONT)
+        with store.transaction() as conn:  # cleared while the server runs
+            conn.execute("UPDATE mps_limits SET pinned_mem_limit_bytes = NULL")
+        mgr.reconcile()
+        status = mgr.status()[0]
+        assert status.up and status.last_error.startswith("memory limit removal waits")
+        assert events.recent(kind_prefix="mps.recovered")
+        for _ in range(2):
+            os.kill(pid, signal.SIGSTOP)
+            mgr.reconcile()
+            os.kill(pid, signal.SIGCONT)
+            mgr.reconcile()
+        assert not events.recent(kind_prefix="mps.unresponsive")
+        assert alive(pid) and mgr.status()[0].pid == pid
+        assert len(events.recent(kind_prefix="mps.hung")) == 3
+    finally:
+        mgr.stop()
+        store.close()
+
+
 def test_disabled_devices_and_vanished_mig_devices_lose_their_daemon(manager: MpsManager) -> None:
     manager.reconcile(MIG_NODE)
     pids = {s.target.uuid: s.pid for s in manager.status()}
