@@ -465,6 +465,7 @@ class MpsManager:
             held = reserved(target.uuid)
             reserved_memory_bytes, defaulted_jobs = held.memory_bytes, held.defaulted
             with self._lock:
+                self._refuse_while_limits_wait(target)
                 old = self.limits(target.uuid)
                 new = old
                 if clear_threads:
@@ -500,6 +501,20 @@ class MpsManager:
             dev.requested = True
         self.status()
         return self._status(target, self.limits(target.uuid))
+
+    def _refuse_while_limits_wait(self, target: MpsTarget) -> None:
+        """A re-created MIG device whose limits wait to be moved to it (:meth:`observe`):
+        what it holds is not known yet, so a change (fields left out keep their value)
+        could neither be made on it nor told from drift once they are moved. Under the
+        manager's lock, as :meth:`observe` changes what waits."""
+        if target.uuid not in self._restoring:
+            return
+        at = self._restore_at
+        left = f" in {max(0.0, at - self._clock()):.0f} s" if at is not None else ""
+        raise FailedPrecondition(
+            f"{_label(target)} ({target.uuid}): {_LIMITS_WAIT}, so what it holds is not"
+            f" known yet; the move is tried again{left}: set them once it is made"
+        )
 
     def _save_limits(self, target: MpsTarget, new: MpsLimits) -> None:
         with self._store.transaction() as conn:

@@ -2742,6 +2742,45 @@ def test_a_daemon_whose_limits_wait_to_be_moved_is_still_adopted_and_checked(
         store.close()
 
 
+def test_limits_set_while_they_wait_to_be_moved_are_refused_naming_the_wait(
+    root: Path,
+) -> None:
+    """gpud restarted on a full disk: MIG-b's running daemon is adopted while its limits
+    wait to be moved. The disk is freed, and before the move is tried again an operator
+    sets MIG-b's threads: refused, naming the wait, nothing stored and no answer saying
+    new limits are in place. After the move the same change is applied as the operator's,
+    never as drift."""
+    now = [0.0]
+    store = _FullDisk(root / "state")
+    first, _, _ = make_manager(root, store=store)
+    mgr, _, events = make_manager(root, store=store, clock=lambda: now[0])
+    try:
+        first.observe([_mig("MIG-a"), _mig("MIG-b", start=4)])
+        first.set_limits("MIG-a", threads_percent=40)
+        first.set_limits("MIG-b", threads_percent=60)
+        first.reconcile()
+        first.observe([_mig("MIG-b", start=4)])
+        first.reconcile()  # MIG-a destroyed, its daemon with it; MIG-c is made there
+        store.full = True
+        mgr.observe([_mig("MIG-c"), _mig("MIG-b", start=4)])
+        mgr.reconcile()
+        store.full = False
+        with pytest.raises(FailedPrecondition, match=r"MIG-b.*wait to be moved.* 30 s"):
+            mgr.set_limits("MIG-b", threads_percent=30)
+        assert mgr.limits("MIG-b").threads_percent == 60
+        now[0] += RESTORE_RETRY_S
+        mgr.observe([_mig("MIG-c"), _mig("MIG-b", start=4)])
+        mgr.reconcile()
+        status = mgr.set_limits("MIG-b", threads_percent=30)
+        assert status.up and status.observed_threads_percent == 30
+        mgr.reconcile()
+        assert not events.recent(kind_prefix="mps.drift")
+    finally:
+        store.full = False
+        mgr.stop()
+        store.close()
+
+
 def test_a_failed_move_whose_devices_are_gone_hides_no_later_failure(
     root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
