@@ -1809,7 +1809,8 @@ class MpsManager:
         """A reboot of the simulated node under a running gpud (``gpuctl sim reboot``): as a
         real reboot does, it ends every control daemon gpud runs (those with their pipe
         directory under its ``<run_dir>/mps``, the lost ones too, and those an earlier run
-        left under another ``daemon.run_dir`` that its records name), their MPS servers with
+        left under another ``daemon.run_dir`` that its records name, each by its PID and
+        start time or PID file: :meth:`_recorded_elsewhere`), their MPS servers with
         them, at once (SIGKILL: no ``quit``, no stop event), and gpud then starts as after
         a real reboot: no device's daemon counts as started, restarted or failing, so the
         next pass starts each anew (``mps.start``). Yields how many ended, holding the pass
@@ -1856,13 +1857,7 @@ class MpsManager:
         ended: list[int] = []
         # those an earlier run left under another daemon.run_dir (not stopped yet: this
         # run's first pass is still to come, or one would not stop) end with the rest
-        elsewhere = self._recorded_run_dirs() - {self._run_dir}
-        old: list[tuple[int, str, Path]] = []
-        for pid, pipe_dir, _ in found:
-            uuid = Path(pipe_dir).parent.name
-            run = _recorded_run_dir(uuid, pipe_dir)
-            if run is not None and run in elsewhere:
-                old.append((pid, uuid, run))
+        old = self._recorded_elsewhere()
 
         def end_old(pid: int, uuid: str, run: Path) -> None:
             if self._daemon(uuid, run).kill(pid) is not None:
@@ -1898,15 +1893,28 @@ class MpsManager:
         self.status()  # what /metrics and the jobs read (last_status): none of them runs
         return len(ended)
 
-    def _recorded_run_dirs(self) -> set[Path]:
-        """The run dirs the records of daemons (``mps_daemons``) name."""
+    def _recorded_elsewhere(self) -> list[tuple[int, str, Path]]:
+        """The running daemons, ``(PID, device UUID, run dir)``, that the records of daemons
+        (``mps_daemons``) name under another ``daemon.run_dir``: each by its recorded PID
+        and start time, or the PID file in its pipe directory, as :meth:`_take_over` finds
+        them. Never another daemon under that run dir (another gpud's that uses it now)."""
         try:
             with self._store.transaction() as conn:
-                rows = conn.execute("SELECT uuid, pipe_dir FROM mps_daemons").fetchall()
+                rows = conn.execute(
+                    "SELECT uuid, pid, start_time, pipe_dir FROM mps_daemons"
+                ).fetchall()
         except StateError as err:
             log.warning("MPS: the records of control daemons were not read: %s", err)
-            return set()
-        return {run for uuid, pipe_dir in rows if (run := _recorded_run_dir(uuid, pipe_dir))}
+            return []
+        old = []
+        for uuid, pid, ticks, pipe_dir in rows:
+            run = _recorded_run_dir(uuid, pipe_dir)
+            if run is None or run == self._run_dir:
+                continue
+            running = self._recorded_pid(self._daemon(uuid, run), pid, ticks)
+            if running is not None:
+                old.append((running, uuid, run))
+        return old
 
     def leave(self) -> None:
         """At gpud's stop: leave every daemon running for the jobs that use it (the next

@@ -1793,6 +1793,30 @@ def test_a_reboot_ends_the_daemons_left_under_an_old_run_dir(root: Path) -> None
         store.close()
 
 
+def test_a_reboot_ends_only_the_recorded_daemons_under_an_old_run_dir(root: Path) -> None:
+    """daemon.run_dir changed, and another gpud (a simulated node of its own) now runs a
+    daemon under the old one: the reboot ends the daemon this gpud's record names there,
+    never the other gpud's, of a GPU no record names."""
+    first, store, _ = make_manager(root, run="run")
+    first.reconcile(snapshot(gpu_sample(0)))
+    (recorded,) = [s.pid for s in first.status()]
+    first.leave()
+    store.close()
+    other = ControlDaemon(gpu_uuid(1), root / "run", FAKE_CONTROL, timeout_s=5.0)
+    theirs = other.start()
+    second, store, _ = make_manager(root, run="run2")
+    try:
+        assert recorded is not None
+        with second.rebooting() as ended:
+            assert ended == 1
+        assert not alive(recorded)
+        assert alive(theirs) and other.pid() == theirs
+    finally:
+        second.stop()
+        store.close()
+        other.stop()
+
+
 def test_after_a_reboot_a_device_whose_old_run_dir_daemon_would_not_stop_starts_its_own(
     root: Path,
 ) -> None:
