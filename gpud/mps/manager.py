@@ -1290,7 +1290,16 @@ class MpsManager:
                 )
                 return
             if desired is None:
+                if dev.up or dev.failures:
+                    # no restart says it meanwhile: said here, once
+                    self._events.emit(
+                        "mps.exited",
+                        f"the MPS control daemon of {_label(target)} ({target.uuid}) exited;"
+                        f" {_LIMITS_WAIT}, and none is started until they are",
+                        **_where(target),
+                    )
                 dev.up = False
+                dev.failures = 0
                 dev.last_error = _LIMITS_WAIT
                 return
             if held or now < dev.next_start_at:
@@ -1436,12 +1445,21 @@ class MpsManager:
                     error=str(err),
                 )
             if dev.failures >= self._max_failures:
+                # while its limits wait to be moved no new one starts: not said as a restart
+                then, said = (
+                    ("it is restarted once it has gone", "killing it to restart")
+                    if desired is not None
+                    else (
+                        "a new one starts once its limits are moved",
+                        f"killing it; {_LIMITS_WAIT}, and a new one starts once they are",
+                    )
+                )
                 self._events.emit(
                     "mps.unresponsive",
-                    f"{name} failed {dev.failures} health checks; killing it to restart",
+                    f"{name} failed {dev.failures} health checks; {said}",
                     **_where(target),
                 )
-                self._kill(dev, "it is restarted once it has gone")
+                self._kill(dev, then)
                 dev.failures = 0
             return
         self._answered(target, dev)

@@ -2805,6 +2805,68 @@ def test_limits_set_while_they_wait_to_be_moved_are_refused_naming_the_wait(
         store.close()
 
 
+def _adopted_while_limits_wait(
+    root: Path, store: _FullDisk, **kwargs: object
+) -> tuple[MpsManager, EventLog, int]:
+    """gpud restarted on a full disk: MIG-b's running daemon (its PID) adopted while its
+    limits wait to be moved, MIG-a having been re-created as MIG-c."""
+    first, _, _ = make_manager(root, store=store)
+    first.observe([_mig("MIG-a"), _mig("MIG-b", start=4)])
+    first.set_limits("MIG-a", threads_percent=40)
+    first.set_limits("MIG-b", threads_percent=60)
+    first.reconcile()
+    first.observe([_mig("MIG-b", start=4)])
+    first.reconcile()
+    pid = {s.target.uuid: s.pid for s in first.status()}["MIG-b"]
+    assert pid is not None
+    store.full = True
+    mgr, _, events = make_manager(root, store=store, **kwargs)
+    mgr.observe([_mig("MIG-c"), _mig("MIG-b", start=4)])
+    mgr.reconcile()
+    return mgr, events, pid
+
+
+def test_an_up_daemon_whose_limits_wait_is_shown_waiting_and_its_exit_is_said(
+    root: Path,
+) -> None:
+    """An adopted daemon whose limits wait to be moved is shown up and waiting; once it
+    dies (nothing restarts it meanwhile) an ``mps.exited`` names it, once."""
+    store = _FullDisk(root / "state")
+    mgr, events, pid = _adopted_while_limits_wait(root, store)
+    try:
+        status = {s.target.uuid: s for s in mgr.status()}["MIG-b"]
+        assert device_row(device_message(status, None))[3] == (
+            "up: its MPS limits wait to be moved (state database not writable)"
+        )
+        os.kill(pid, signal.SIGKILL)
+        wait_dead(pid)
+        mgr.reconcile()
+        mgr.reconcile()
+        (said,) = events.recent(kind_prefix="mps.exited")
+        assert said.fields["uuid"] == "MIG-b" and "wait to be moved" in said.message
+    finally:
+        store.full = False
+        mgr.stop()
+        store.close()
+
+
+def test_a_hung_daemon_whose_limits_wait_is_killed_not_said_restarted(root: Path) -> None:
+    """Killed for not answering while its limits wait to be moved: the event says that a
+    new one waits for them, not that it is restarted."""
+    store = _FullDisk(root / "state")
+    mgr, events, pid = _adopted_while_limits_wait(root, store, timeout_s=0.5, max_failures=1)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        mgr.reconcile()
+        wait_dead(pid)
+        (said,) = events.recent(kind_prefix="mps.unresponsive")
+        assert "restart" not in said.message and "wait to be moved" in said.message
+    finally:
+        store.full = False
+        mgr.stop()
+        store.close()
+
+
 def test_a_failed_move_whose_devices_are_gone_hides_no_later_failure(
     root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
