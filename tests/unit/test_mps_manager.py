@@ -2718,6 +2718,27 @@ def test_a_re_created_mig_device_gets_no_daemon_while_its_limits_wait_to_be_move
         store.close()
 
 
+def _adopted_while_limits_wait(
+    root: Path, store: _FullDisk, **kwargs: object
+) -> tuple[MpsManager, EventLog, int]:
+    """gpud restarted on a full disk: MIG-b's running daemon (its PID) adopted while its
+    limits wait to be moved, MIG-a having been re-created as MIG-c."""
+    first, _, _ = make_manager(root, store=store)
+    first.observe([_mig("MIG-a"), _mig("MIG-b", start=4)])
+    first.set_limits("MIG-a", threads_percent=40)
+    first.set_limits("MIG-b", threads_percent=60)
+    first.reconcile()
+    first.observe([_mig("MIG-b", start=4)])
+    first.reconcile()  # MIG-a destroyed: its daemon with it
+    pid = {s.target.uuid: s.pid for s in first.status()}["MIG-b"]
+    assert pid is not None
+    store.full = True
+    mgr, _, events = make_manager(root, store=store, **kwargs)
+    mgr.observe([_mig("MIG-c"), _mig("MIG-b", start=4)])
+    mgr.reconcile()
+    return mgr, events, pid
+
+
 def test_a_daemon_whose_limits_wait_to_be_moved_is_still_adopted_and_checked(
     root: Path,
 ) -> None:
@@ -2728,20 +2749,8 @@ def test_a_daemon_whose_limits_wait_to_be_moved_is_still_adopted_and_checked(
     with its limits after the move, and MIG-c gets MIG-a's."""
     now = [0.0]
     store = _FullDisk(root / "state")
-    first, _, _ = make_manager(root, store=store)
-    mgr, _, events = make_manager(root, store=store, clock=lambda: now[0])
+    mgr, events, pid = _adopted_while_limits_wait(root, store, clock=lambda: now[0])
     try:
-        first.observe([_mig("MIG-a"), _mig("MIG-b", start=4)])
-        first.set_limits("MIG-a", threads_percent=40)
-        first.set_limits("MIG-b", threads_percent=60)
-        first.reconcile()
-        first.observe([_mig("MIG-b", start=4)])
-        first.reconcile()  # MIG-a destroyed: its daemon with it
-        pid = {s.target.uuid: s.pid for s in first.status()}["MIG-b"]
-        assert pid is not None
-        store.full = True
-        mgr.observe([_mig("MIG-c"), _mig("MIG-b", start=4)])
-        mgr.reconcile()
         status = {s.target.uuid: s for s in mgr.status()}
         assert status["MIG-c"].pid is None
         assert status["MIG-b"].pid == pid and status["MIG-b"].up
@@ -2776,18 +2785,8 @@ def test_limits_set_while_they_wait_to_be_moved_are_refused_naming_the_wait(
     never as drift."""
     now = [0.0]
     store = _FullDisk(root / "state")
-    first, _, _ = make_manager(root, store=store)
-    mgr, _, events = make_manager(root, store=store, clock=lambda: now[0])
+    mgr, events, _ = _adopted_while_limits_wait(root, store, clock=lambda: now[0])
     try:
-        first.observe([_mig("MIG-a"), _mig("MIG-b", start=4)])
-        first.set_limits("MIG-a", threads_percent=40)
-        first.set_limits("MIG-b", threads_percent=60)
-        first.reconcile()
-        first.observe([_mig("MIG-b", start=4)])
-        first.reconcile()  # MIG-a destroyed, its daemon with it; MIG-c is made there
-        store.full = True
-        mgr.observe([_mig("MIG-c"), _mig("MIG-b", start=4)])
-        mgr.reconcile()
         store.full = False
         with pytest.raises(FailedPrecondition, match=r"MIG-b.*wait to be moved.* 30 s"):
             mgr.set_limits("MIG-b", threads_percent=30)
@@ -2803,27 +2802,6 @@ def test_limits_set_while_they_wait_to_be_moved_are_refused_naming_the_wait(
         store.full = False
         mgr.stop()
         store.close()
-
-
-def _adopted_while_limits_wait(
-    root: Path, store: _FullDisk, **kwargs: object
-) -> tuple[MpsManager, EventLog, int]:
-    """gpud restarted on a full disk: MIG-b's running daemon (its PID) adopted while its
-    limits wait to be moved, MIG-a having been re-created as MIG-c."""
-    first, _, _ = make_manager(root, store=store)
-    first.observe([_mig("MIG-a"), _mig("MIG-b", start=4)])
-    first.set_limits("MIG-a", threads_percent=40)
-    first.set_limits("MIG-b", threads_percent=60)
-    first.reconcile()
-    first.observe([_mig("MIG-b", start=4)])
-    first.reconcile()
-    pid = {s.target.uuid: s.pid for s in first.status()}["MIG-b"]
-    assert pid is not None
-    store.full = True
-    mgr, _, events = make_manager(root, store=store, **kwargs)
-    mgr.observe([_mig("MIG-c"), _mig("MIG-b", start=4)])
-    mgr.reconcile()
-    return mgr, events, pid
 
 
 def test_an_up_daemon_whose_limits_wait_is_shown_waiting_and_its_exit_is_said(
