@@ -83,7 +83,8 @@ def device_row(d: pb.MpsDevice) -> tuple[str, ...]:
     elif not d.enabled:
         daemon = "off"
     elif d.up:
-        daemon = "up"
+        # up yet waiting (its limits to be moved, a memory limit to be removed): said too
+        daemon = f"up{': ' + d.last_error if d.last_error else ''}"
     else:
         daemon = f"DOWN{': ' + d.last_error if d.last_error else ''}"
     if d.gpu_unhealthy:

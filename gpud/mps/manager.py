@@ -469,6 +469,7 @@ class MpsManager:
             held = reserved(target.uuid)
             reserved_memory_bytes, defaulted_jobs = held.memory_bytes, held.defaulted
             with self._lock:
+                self._refuse_while_limits_wait(target)
                 old = self.limits(target.uuid)
                 new = old
                 if clear_threads:
@@ -504,6 +505,20 @@ class MpsManager:
             dev.requested = True
         self.status()
         return self._status(target, self.limits(target.uuid))
+
+    def _refuse_while_limits_wait(self, target: MpsTarget) -> None:
+        """A re-created MIG device whose limits wait to be moved to it (:meth:`observe`):
+        what it holds is not known yet, so a change (fields left out keep their value)
+        could neither be made on it nor told from drift once they are moved. Under the
+        manager's lock, as :meth:`observe` changes what waits."""
+        if target.uuid not in self._restoring:
+            return
+        at = self._restore_at
+        left = f" in {max(0.0, at - self._clock()):.0f} s" if at is not None else ""
+        raise FailedPrecondition(
+            f"{_label(target)} ({target.uuid}): {_LIMITS_WAIT}, so what it holds is not"
+            f" known yet; the move is tried again{left}: set them once it is made"
+        )
 
     def _save_limits(self, target: MpsTarget, new: MpsLimits) -> None:
         with self._store.transaction() as conn:
@@ -1281,7 +1296,16 @@ class MpsManager:
                 )
                 return
             if desired is None:
+                if dev.up or dev.failures:
+                    # no restart says it meanwhile: said here, once
+                    self._events.emit(
+                        "mps.exited",
+                        f"the MPS control daemon of {_label(target)} ({target.uuid}) exited;"
+                        f" {_LIMITS_WAIT}, and none is started until they are",
+                        **_where(target),
+                    )
                 dev.up = False
+                dev.failures = 0
                 dev.last_error = _LIMITS_WAIT
                 return
             if held or now < dev.next_start_at:
@@ -1373,11 +1397,12 @@ class MpsManager:
         try:
             threads, memory, servers = self._read(dev, timeout_s)
             if desired is not None and desired.memory_bytes is None and memory is not None:
+                # it answered: whatever waits below, its failures are no longer consecutive
+                self._answered(target, dev)
                 # MPS has no command that removes a memory limit: only a new daemon forgets
                 # it, and only once no server (and so no client) depends on this one.
                 if servers:
                     dev.last_error = "memory limit removal waits for MPS servers to exit"
-                    dev.up = True
                     return
                 pid = dev.daemon.pid()
                 if (
@@ -1426,14 +1451,35 @@ class MpsManager:
                     error=str(err),
                 )
             if dev.failures >= self._max_failures:
+                # while its limits wait to be moved no new one starts: not said as a restart
+                then, said = (
+                    ("it is restarted once it has gone", "killing it to restart")
+                    if desired is not None
+                    else (
+                        "a new one starts once its limits are moved",
+                        f"killing it; {_LIMITS_WAIT}, and a new one starts once they are",
+                    )
+                )
                 self._events.emit(
                     "mps.unresponsive",
-                    f"{name} failed {dev.failures} health checks; killing it to restart",
+                    f"{name} failed {dev.failures} health checks; {said}",
                     **_where(target),
                 )
-                self._kill(dev, "it is restarted once it has gone")
+                self._kill(dev, then)
                 dev.failures = 0
             return
+        self._answered(target, dev)
+        if desired is None:
+            dev.last_error = _LIMITS_WAIT
+            return
+        # Limits set while this check ran are not yet applied: the next check applies them.
+        if self.limits(target.uuid) == desired:
+            dev.requested = False
+        dev.last_error = ""
+
+    def _answered(self, target: MpsTarget, dev: _Device) -> None:
+        """The daemon answered its health check: up, its failed checks no longer in a row
+        (``mps.recovered`` after any)."""
         if dev.failures:
             self._events.emit(
                 "mps.recovered",
@@ -1443,13 +1489,6 @@ class MpsManager:
             )
         dev.failures = 0
         dev.up = True
-        if desired is None:
-            dev.last_error = _LIMITS_WAIT
-            return
-        # Limits set while this check ran are not yet applied: the next check applies them.
-        if self.limits(target.uuid) == desired:
-            dev.requested = False
-        dev.last_error = ""
 
     def _read(
         self, dev: _Device, timeout_s: float | None = None
@@ -1794,7 +1833,8 @@ class MpsManager:
         """A reboot of the simulated node under a running gpud (``gpuctl sim reboot``): as a
         real reboot does, it ends every control daemon gpud runs (those with their pipe
         directory under its ``<run_dir>/mps``, the lost ones too, and those an earlier run
-        left under another ``daemon.run_dir`` that its records name), their MPS servers with
+        left under another ``daemon.run_dir`` that its records name, each by its PID and
+        start time or PID file: :meth:`_recorded_elsewhere`), their MPS servers with
         them, at once (SIGKILL: no ``quit``, no stop event), and gpud then starts as after
         a real reboot: no device's daemon counts as started, restarted or failing, so the
         next pass starts each anew (``mps.start``). Yields how many ended, holding the pass
@@ -1841,13 +1881,7 @@ class MpsManager:
         ended: list[int] = []
         # those an earlier run left under another daemon.run_dir (not stopped yet: this
         # run's first pass is still to come, or one would not stop) end with the rest
-        elsewhere = self._recorded_run_dirs() - {self._run_dir}
-        old: list[tuple[int, str, Path]] = []
-        for pid, pipe_dir, _ in found:
-            uuid = Path(pipe_dir).parent.name
-            run = _recorded_run_dir(uuid, pipe_dir)
-            if run is not None and run in elsewhere:
-                old.append((pid, uuid, run))
+        old = self._recorded_elsewhere()
 
         def end_old(pid: int, uuid: str, run: Path) -> None:
             if self._daemon(uuid, run).kill(pid) is not None:
@@ -1883,15 +1917,28 @@ class MpsManager:
         self.status()  # what /metrics and the jobs read (last_status): none of them runs
         return len(ended)
 
-    def _recorded_run_dirs(self) -> set[Path]:
-        """The run dirs the records of daemons (``mps_daemons``) name."""
+    def _recorded_elsewhere(self) -> list[tuple[int, str, Path]]:
+        """The running daemons, ``(PID, device UUID, run dir)``, that the records of daemons
+        (``mps_daemons``) name under another ``daemon.run_dir``: each by its recorded PID
+        and start time, or the PID file in its pipe directory, as :meth:`_take_over` finds
+        them. Never another daemon under that run dir (another gpud's that uses it now)."""
         try:
             with self._store.transaction() as conn:
-                rows = conn.execute("SELECT uuid, pipe_dir FROM mps_daemons").fetchall()
+                rows = conn.execute(
+                    "SELECT uuid, pid, start_time, pipe_dir FROM mps_daemons"
+                ).fetchall()
         except StateError as err:
             log.warning("MPS: the records of control daemons were not read: %s", err)
-            return set()
-        return {run for uuid, pipe_dir in rows if (run := _recorded_run_dir(uuid, pipe_dir))}
+            return []
+        old = []
+        for uuid, pid, ticks, pipe_dir in rows:
+            run = _recorded_run_dir(uuid, pipe_dir)
+            if run is None or run == self._run_dir:
+                continue
+            running = self._recorded_pid(self._daemon(uuid, run), pid, ticks)
+            if running is not None:
+                old.append((running, uuid, run))
+        return old
 
     def leave(self) -> None:
         """At gpud's stop: leave every daemon running for the jobs that use it (the next

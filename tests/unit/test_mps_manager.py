@@ -544,6 +544,42 @@ def test_clearing_the_memory_limit_restarts_an_idle_daemon(manager: MpsManager) 
     assert status.observed_memory_bytes is None and status.up and status.restarts == 0
 
 
+def test_a_daemon_answering_again_while_its_memory_limit_waits_is_recovered(
+    root: Path,
+) -> None:
+    """A daemon whose memory limit waits to be removed (its servers still run) that did
+    not answer once and answers again: said recovered, its failed check no longer counted,
+    so two later hangs in a row (under max_failures 3) kill no daemon serving jobs."""
+    mgr, store, events = make_manager(root, timeout_s=0.5, max_failures=3)
+    try:
+        mgr.reconcile(snapshot(gpu_sample(0)))
+        mgr.set_limits("0", memory_bytes=GIB)
+        mgr.start_server("0", os.getuid())
+        pid = mgr.status()[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        mgr.reconcile()
+        assert [e.kind for e in events.recent(kind_prefix="mps.hung")] == ["mps.hung"]
+        os.kill(pid, signal.SIGCONT)
+        with store.transaction() as conn:  # cleared while the server runs
+            conn.execute("UPDATE mps_limits SET pinned_mem_limit_bytes = NULL")
+        mgr.reconcile()
+        status = mgr.status()[0]
+        assert status.up and status.last_error.startswith("memory limit removal waits")
+        assert events.recent(kind_prefix="mps.recovered")
+        for _ in range(2):
+            os.kill(pid, signal.SIGSTOP)
+            mgr.reconcile()
+            os.kill(pid, signal.SIGCONT)
+            mgr.reconcile()
+        assert not events.recent(kind_prefix="mps.unresponsive")
+        assert alive(pid) and mgr.status()[0].pid == pid
+        assert len(events.recent(kind_prefix="mps.hung")) == 3
+    finally:
+        mgr.stop()
+        store.close()
+
+
 def test_disabled_devices_and_vanished_mig_devices_lose_their_daemon(manager: MpsManager) -> None:
     manager.reconcile(MIG_NODE)
     pids = {s.target.uuid: s.pid for s in manager.status()}
@@ -1851,6 +1887,30 @@ def test_a_reboot_ends_the_daemons_left_under_an_old_run_dir(root: Path) -> None
         store.close()
 
 
+def test_a_reboot_ends_only_the_recorded_daemons_under_an_old_run_dir(root: Path) -> None:
+    """daemon.run_dir changed, and another gpud (a simulated node of its own) now runs a
+    daemon under the old one: the reboot ends the daemon this gpud's record names there,
+    never the other gpud's, of a GPU no record names."""
+    first, store, _ = make_manager(root, run="run")
+    first.reconcile(snapshot(gpu_sample(0)))
+    (recorded,) = [s.pid for s in first.status()]
+    first.leave()
+    store.close()
+    other = ControlDaemon(gpu_uuid(1), root / "run", FAKE_CONTROL, timeout_s=5.0)
+    theirs = other.start()
+    second, store, _ = make_manager(root, run="run2")
+    try:
+        assert recorded is not None
+        with second.rebooting() as ended:
+            assert ended == 1
+        assert not alive(recorded)
+        assert alive(theirs) and other.pid() == theirs
+    finally:
+        second.stop()
+        store.close()
+        other.stop()
+
+
 def test_after_a_reboot_a_device_whose_old_run_dir_daemon_would_not_stop_starts_its_own(
     root: Path,
 ) -> None:
@@ -2744,6 +2804,27 @@ def test_a_re_created_mig_device_gets_no_daemon_while_its_limits_wait_to_be_move
         store.close()
 
 
+def _adopted_while_limits_wait(
+    root: Path, store: _FullDisk, **kwargs: object
+) -> tuple[MpsManager, EventLog, int]:
+    """gpud restarted on a full disk: MIG-b's running daemon (its PID) adopted while its
+    limits wait to be moved, MIG-a having been re-created as MIG-c."""
+    first, _, _ = make_manager(root, store=store)
+    first.observe([_mig("MIG-a"), _mig("MIG-b", start=4)])
+    first.set_limits("MIG-a", threads_percent=40)
+    first.set_limits("MIG-b", threads_percent=60)
+    first.reconcile()
+    first.observe([_mig("MIG-b", start=4)])
+    first.reconcile()  # MIG-a destroyed: its daemon with it
+    pid = {s.target.uuid: s.pid for s in first.status()}["MIG-b"]
+    assert pid is not None
+    store.full = True
+    mgr, _, events = make_manager(root, store=store, **kwargs)
+    mgr.observe([_mig("MIG-c"), _mig("MIG-b", start=4)])
+    mgr.reconcile()
+    return mgr, events, pid
+
+
 def test_a_daemon_whose_limits_wait_to_be_moved_is_still_adopted_and_checked(
     root: Path,
 ) -> None:
@@ -2754,20 +2835,8 @@ def test_a_daemon_whose_limits_wait_to_be_moved_is_still_adopted_and_checked(
     with its limits after the move, and MIG-c gets MIG-a's."""
     now = [0.0]
     store = _FullDisk(root / "state")
-    first, _, _ = make_manager(root, store=store)
-    mgr, _, events = make_manager(root, store=store, clock=lambda: now[0])
+    mgr, events, pid = _adopted_while_limits_wait(root, store, clock=lambda: now[0])
     try:
-        first.observe([_mig("MIG-a"), _mig("MIG-b", start=4)])
-        first.set_limits("MIG-a", threads_percent=40)
-        first.set_limits("MIG-b", threads_percent=60)
-        first.reconcile()
-        first.observe([_mig("MIG-b", start=4)])
-        first.reconcile()  # MIG-a destroyed: its daemon with it
-        pid = {s.target.uuid: s.pid for s in first.status()}["MIG-b"]
-        assert pid is not None
-        store.full = True
-        mgr.observe([_mig("MIG-c"), _mig("MIG-b", start=4)])
-        mgr.reconcile()
         status = {s.target.uuid: s for s in mgr.status()}
         assert status["MIG-c"].pid is None
         assert status["MIG-b"].pid == pid and status["MIG-b"].up
@@ -2786,6 +2855,76 @@ def test_a_daemon_whose_limits_wait_to_be_moved_is_still_adopted_and_checked(
         status = {s.target.uuid: s for s in mgr.status()}
         assert status["MIG-b"].up and status["MIG-b"].observed_threads_percent == 60
         assert status["MIG-c"].up and status["MIG-c"].observed_threads_percent == 40
+    finally:
+        store.full = False
+        mgr.stop()
+        store.close()
+
+
+def test_limits_set_while_they_wait_to_be_moved_are_refused_naming_the_wait(
+    root: Path,
+) -> None:
+    """gpud restarted on a full disk: MIG-b's running daemon is adopted while its limits
+    wait to be moved. The disk is freed, and before the move is tried again an operator
+    sets MIG-b's threads: refused, naming the wait, nothing stored and no answer saying
+    new limits are in place. After the move the same change is applied as the operator's,
+    never as drift."""
+    now = [0.0]
+    store = _FullDisk(root / "state")
+    mgr, events, _ = _adopted_while_limits_wait(root, store, clock=lambda: now[0])
+    try:
+        store.full = False
+        with pytest.raises(FailedPrecondition, match=r"MIG-b.*wait to be moved.* 30 s"):
+            mgr.set_limits("MIG-b", threads_percent=30)
+        assert mgr.limits("MIG-b").threads_percent == 60
+        now[0] += RESTORE_RETRY_S
+        mgr.observe([_mig("MIG-c"), _mig("MIG-b", start=4)])
+        mgr.reconcile()
+        status = mgr.set_limits("MIG-b", threads_percent=30)
+        assert status.up and status.observed_threads_percent == 30
+        mgr.reconcile()
+        assert not events.recent(kind_prefix="mps.drift")
+    finally:
+        store.full = False
+        mgr.stop()
+        store.close()
+
+
+def test_an_up_daemon_whose_limits_wait_is_shown_waiting_and_its_exit_is_said(
+    root: Path,
+) -> None:
+    """An adopted daemon whose limits wait to be moved is shown up and waiting; once it
+    dies (nothing restarts it meanwhile) an ``mps.exited`` names it, once."""
+    store = _FullDisk(root / "state")
+    mgr, events, pid = _adopted_while_limits_wait(root, store)
+    try:
+        status = {s.target.uuid: s for s in mgr.status()}["MIG-b"]
+        assert device_row(device_message(status, None))[3] == (
+            "up: its MPS limits wait to be moved (state database not writable)"
+        )
+        os.kill(pid, signal.SIGKILL)
+        wait_dead(pid)
+        mgr.reconcile()
+        mgr.reconcile()
+        (said,) = events.recent(kind_prefix="mps.exited")
+        assert said.fields["uuid"] == "MIG-b" and "wait to be moved" in said.message
+    finally:
+        store.full = False
+        mgr.stop()
+        store.close()
+
+
+def test_a_hung_daemon_whose_limits_wait_is_killed_not_said_restarted(root: Path) -> None:
+    """Killed for not answering while its limits wait to be moved: the event says that a
+    new one waits for them, not that it is restarted."""
+    store = _FullDisk(root / "state")
+    mgr, events, pid = _adopted_while_limits_wait(root, store, timeout_s=0.5, max_failures=1)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        mgr.reconcile()
+        wait_dead(pid)
+        (said,) = events.recent(kind_prefix="mps.unresponsive")
+        assert "restart" not in said.message and "wait to be moved" in said.message
     finally:
         store.full = False
         mgr.stop()
