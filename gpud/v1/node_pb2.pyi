@@ -222,7 +222,7 @@ class StateFilesStatus(_message.Message):
     yet in the file: the one being written, and those queued behind it.
     """
     event_log_write_seconds: _builtins.float
-    """how long the write under way has run"""
+    """how long the write under way has run; absent while none runs"""
     state_db_write_seconds: _builtins.float
     """how long the database's transaction under way has run (its commit's fsync, or the
     wait for another process's lock); absent while none runs
