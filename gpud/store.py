@@ -347,6 +347,28 @@ class StateStore:
                 self._reader.execute("COMMIT")
 
     @contextmanager
+    def read(self) -> Iterator[sqlite3.Connection]:
+        """A read of what is committed that takes no write lock: within this thread's
+        transaction (:meth:`transaction` or :meth:`reading`), that transaction's connection,
+        so it sees the thread's own changes; else a snapshot of its own (:meth:`reading`).
+        So it never waits for another process's write lock (WAL), is never refused as a
+        change, and sets no :meth:`write_problem`; one the disk fails (an I/O error)
+        raises :class:`StateUnwritable` naming the file, as a read."""
+        if self.in_transaction():
+            with self.transaction() as conn:
+                yield conn
+            return
+        try:
+            with self.reading(), self.transaction() as conn:
+                yield conn
+        except sqlite3.OperationalError as err:
+            if err.sqlite_errorcode & 0xFF not in _UNWRITABLE | {_BUSY}:
+                raise
+            raise StateUnwritable(
+                f"state database {self.path} cannot be read ({err}); nothing was changed"
+            ) from err
+
+    @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """``BEGIN IMMEDIATE`` ... ``COMMIT`` (or ``ROLLBACK`` on error); re-entrant per thread.
 
@@ -425,7 +447,7 @@ class StateStore:
             if self._starting is not None:
                 return StateInUse(_in_use_at_start(self.path, err))
             waited = f"{round(lock_wait_s, 2):g} s for its lock"
-            if queued_s > 0:
+            if round(queued_s, 1) > 0:  # a queue of note, not the microseconds of any call
                 waited = f"{queued_s:.1f} s queued behind its own writes, then {waited}"
             return StateInUse(
                 f"state database {self.path} is {why}: gpud waited {waited}; nothing of this "

@@ -1882,7 +1882,7 @@ class MpsManager:
     def _recorded_run_dirs(self) -> set[Path]:
         """The run dirs the records of daemons (``mps_daemons``) name."""
         try:
-            with self._store.transaction() as conn:
+            with self._store.read() as conn:
                 rows = conn.execute("SELECT uuid, pipe_dir FROM mps_daemons").fetchall()
         except StateError as err:
             log.warning("MPS: the records of control daemons were not read: %s", err)

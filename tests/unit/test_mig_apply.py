@@ -25,9 +25,10 @@ from gpud.mig.api import apply_message, gpu_message
 from gpud.mig.layout import MigConfigFile, load_config, parse_config
 from gpud.mig.manager import INCOMPLETE_TABLE_S, NOT_ANSWERING, MigManager, Release
 from gpud.mig.metrics import MigMetrics
-from gpud.mig.store import ApplyOptions
+from gpud.mig.store import ApplyOptions, MigStore
 from gpud.store import StateStore
 from tests.unit.nvml_doubles import Refusing
+from tests.unit.store_support import held_write_lock
 
 DATA = Path(__file__).parent.parent / "data" / "mig-parted"
 H100 = "H100-SXM5-80GB"
@@ -774,6 +775,22 @@ def test_a_step_whose_progress_record_is_refused_is_not_called_failed(
     assert any(
         m.startswith("MIG step on GPU 0 took effect; its progress not recorded") for m in said
     )
+
+
+def test_the_desired_layouts_are_read_while_another_process_writes_the_database(
+    tmp_path: Path,
+) -> None:
+    """A sqlite3 shell's write under way: reading the desired layouts and the apply in
+    flight waits for nothing, says no change was refused, and ``gpuctl status`` shows no
+    write problem."""
+    store = StateStore(tmp_path, write_wait_s=0.05)
+    mig = MigStore(store)
+    store.start_done()
+    with held_write_lock(tmp_path / "state.db"):
+        assert mig.desired() == {}
+        assert mig.inflight() is None
+    assert store.write_problem() is None
+    store.close()
 
 
 def test_skip_reset_leaves_the_mode_change_pending(a100: Host) -> None:

@@ -246,6 +246,27 @@ def test_a_lasting_refusal_keeps_the_time_of_the_first(tmp_path: Path) -> None:
     store.close()
 
 
+def test_a_read_waits_for_no_other_process_s_write_and_is_never_a_refused_change(
+    tmp_path: Path,
+) -> None:
+    """Another process's write holds the lock: a read still answers at once from what is
+    committed, and ``gpuctl status`` says no change refused; within a transaction of its
+    thread, a read sees that transaction's own change."""
+    store = _started(tmp_path, write_wait_s=0.05)
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('committed')")
+    with held_write_lock(tmp_path / DB_NAME) as holder:
+        holder.execute("INSERT INTO t (v) VALUES ('not yet')")
+        with store.read() as conn:
+            assert [r[0] for r in conn.execute("SELECT v FROM t")] == ["committed"]
+    assert store.write_problem() is None
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO t (v) VALUES ('mine')")
+        with store.read() as seen:
+            assert seen.execute("SELECT count(*) FROM t").fetchone()[0] == 2
+    store.close()
+
+
 def test_a_table_locked_within_gpud_s_own_connection_is_raised_as_the_bug_it_is(
     tmp_path: Path,
 ) -> None:
