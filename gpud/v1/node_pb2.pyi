@@ -208,7 +208,9 @@ class StateFilesStatus(_message.Message):
     that change is not kept, and it holds until a change is written again
     """
     state_db_error_age_seconds: _builtins.float
-    """since that refusal; absent without one"""
+    """since the first refusal for that reason (a disk full for hours, whatever was refused
+    since, reads hours); absent without one
+    """
     event_log_path: _builtins.str
     """events.jsonl"""
     event_log_error: _builtins.str
