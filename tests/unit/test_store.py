@@ -232,17 +232,28 @@ def test_a_write_refused_after_queueing_says_how_long_it_queued_and_waited_for_t
 
 
 def test_a_lasting_refusal_keeps_the_time_of_the_first(tmp_path: Path) -> None:
-    """``gpuctl status`` says since when changes are refused: a lock held for an hour with a
-    change refused each minute reads an hour, not the latest minute."""
+    """``gpuctl status`` says since when changes are refused: a disk full for an hour with a
+    change refused each minute reads an hour, not the latest minute; another reason
+    refusing next starts its own time."""
     now = [7.0]
     store = _started(tmp_path, clock=lambda: now[0], write_wait_s=0.05)
-    with held_write_lock(tmp_path / DB_NAME):
-        for at in (7.0, 3607.0):
-            now[0] = at
-            with pytest.raises(StateInUse), store.transaction() as conn:
-                conn.execute("INSERT INTO t (v) VALUES ('refused')")
+    with store.transaction() as conn:
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full
+    for at in (7.0, 3607.0):
+        now[0] = at
+        with pytest.raises(StateUnwritable), store.transaction() as conn:
+            conn.executemany("INSERT INTO t (v) VALUES (?)", [("x" * 4000,) for _ in range(20)])
+    assert store.write_problem() == ("database or disk is full", 7.0)
+    now[0] = 4000.0
+    with (
+        held_write_lock(tmp_path / DB_NAME),
+        pytest.raises(StateInUse),
+        store.transaction() as conn,
+    ):
+        conn.execute("INSERT INTO t (v) VALUES ('refused')")
     problem = store.write_problem()
-    assert problem is not None and problem[1] == 7.0
+    assert problem is not None and problem[1] == 4000.0
     store.close()
 
 
